@@ -1,0 +1,151 @@
+//! Element types of model tensors: the float types moe-lanes computes with today and the GGML
+//! quantised block types it recognises (with their exact block sizes) so files holding them load
+//! and report sizes correctly even before their arithmetic exists.
+
+use serde::Serialize;
+
+/// One tensor element type. Quantised types store `block_elems` values in `block_bytes` bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[allow(non_camel_case_types)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q8_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+}
+
+impl DType {
+    /// Every type, in GGML id order; used by tests and by `inspect`.
+    pub const ALL: [DType; 8] = [
+        DType::F32,
+        DType::F16,
+        DType::Q4_0,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::BF16,
+    ];
+
+    /// The `ggml_type` id used in GGUF tensor infos.
+    pub fn ggml_type_id(self) -> u32 {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::Q4_0 => 2,
+            DType::Q8_0 => 8,
+            DType::Q4_K => 12,
+            DType::Q5_K => 13,
+            DType::Q6_K => 14,
+            DType::BF16 => 30,
+        }
+    }
+
+    pub fn from_ggml_type_id(id: u32) -> Option<DType> {
+        DType::ALL.into_iter().find(|t| t.ggml_type_id() == id)
+    }
+
+    /// Values per block (1 for plain float types).
+    pub fn block_elems(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::Q4_0 | DType::Q8_0 => 32,
+            DType::Q4_K | DType::Q5_K | DType::Q6_K => 256,
+        }
+    }
+
+    /// Bytes per block. Q4_0: f16 scale + 16 nibble bytes; Q8_0: f16 scale + 32 bytes;
+    /// Q4_K: 2 f16 + 12 scale bytes + 128; Q5_K: 2 f16 + 12 + 32 high bits + 128;
+    /// Q6_K: 128 low + 64 high + 16 scales + f16.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::Q4_0 => 18,
+            DType::Q8_0 => 34,
+            DType::Q4_K => 144,
+            DType::Q5_K => 176,
+            DType::Q6_K => 210,
+        }
+    }
+
+    /// Bytes needed for `n_elems` values, or `None` when `n_elems` is not a whole number of blocks
+    /// (or the size overflows).
+    pub fn bytes_for(self, n_elems: usize) -> Option<usize> {
+        if n_elems % self.block_elems() != 0 {
+            return None;
+        }
+        (n_elems / self.block_elems()).checked_mul(self.block_bytes())
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// Name as safetensors and `inspect` write it.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::Q4_0 => "Q4_0",
+            DType::Q8_0 => "Q8_0",
+            DType::Q4_K => "Q4_K",
+            DType::Q5_K => "Q5_K",
+            DType::Q6_K => "Q6_K",
+        }
+    }
+
+    /// Parse a safetensors dtype string; only the float types occur there.
+    pub fn from_safetensors_name(name: &str) -> Option<DType> {
+        match name {
+            "F32" => Some(DType::F32),
+            "F16" => Some(DType::F16),
+            "BF16" => Some(DType::BF16),
+            _ => None,
+        }
+    }
+
+    /// Parse a user-facing name (`bf16`, `f16`, `f32`), case-insensitive.
+    pub fn parse_float(name: &str) -> Option<DType> {
+        match name.to_ascii_lowercase().as_str() {
+            "f32" => Some(DType::F32),
+            "f16" => Some(DType::F16),
+            "bf16" => Some(DType::BF16),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ggml_ids_round_trip() {
+        for t in DType::ALL {
+            assert_eq!(DType::from_ggml_type_id(t.ggml_type_id()), Some(t));
+        }
+        assert_eq!(DType::from_ggml_type_id(3), None);
+    }
+
+    #[test]
+    fn quantised_sizes_follow_blocks() {
+        assert_eq!(DType::Q8_0.bytes_for(64), Some(68));
+        assert_eq!(DType::Q4_K.bytes_for(512), Some(288));
+        assert_eq!(DType::Q6_K.bytes_for(256), Some(210));
+        assert_eq!(DType::Q5_K.bytes_for(256), Some(176));
+        assert_eq!(DType::Q4_0.bytes_for(31), None);
+        assert_eq!(DType::BF16.bytes_for(3), Some(6));
+    }
+}

@@ -1,0 +1,8 @@
+//! moe-lanes: run large Mixture-of-Experts language models on one machine with a small GPU.
+//!
+//! This crate is the library: model formats (GGUF, safetensors), architecture adapters, synthetic
+//! checkpoints, the reference forward pass, and (as they land) routing, worklists, cache planning,
+//! perf state and metrics. `src/main.rs` is the `moe-lanes` CLI on top of it. See ARCHITECTURE.md.
+
+pub mod dtype;
+pub mod tensor;
