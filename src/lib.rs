@@ -6,3 +6,5 @@
 
 pub mod dtype;
 pub mod tensor;
+pub mod adapter;
+pub mod config;

@@ -1,0 +1,376 @@
+//! The numbers that describe one model (layer count, dims, expert counts, RoPE theta, ...),
+//! parsed from a Hugging Face `config.json` or from GGUF metadata, validated once, and written back
+//! out by `synth`. Architecture behaviour that is not a number lives in [`crate::adapter`].
+
+use crate::adapter::{self, Adapter, Arch, RopeStyle, UnsupportedArch};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+/// A validated model configuration.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub n_layers: usize,
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub n_experts: usize,
+    pub n_experts_used: usize,
+    /// Intermediate size of one routed expert.
+    pub expert_ff: usize,
+    /// Intermediate size of the shared expert (0 when the architecture has none).
+    pub shared_expert_ff: usize,
+    pub rms_eps: f32,
+    pub rope_theta: f32,
+    /// RoPE pairing of the q/k weights as stored in this file.
+    pub rope_style: RopeStyle,
+    /// Renormalise the top-k weights to sum to one (softmax-then-top-k routers only).
+    pub norm_topk_prob: bool,
+    pub tied_embeddings: bool,
+    pub max_positions: usize,
+    /// Attend only to the last `sliding_window` positions (Mixtral may set it).
+    pub sliding_window: Option<usize>,
+    /// Clamp q/k/v projections to `[-clip, clip]` (OLMoE option).
+    pub clip_qkv: Option<f32>,
+}
+
+/// A config that cannot be used, naming the file and the field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: missing field '{field}'")]
+    MissingField { path: PathBuf, field: String },
+    #[error("{path}: field '{field}' must be {expected}, found {found}")]
+    WrongType { path: PathBuf, field: String, expected: &'static str, found: String },
+    #[error("{path}: field '{field}': {reason}")]
+    Invalid { path: PathBuf, field: String, reason: String },
+    #[error("{path}: {source}")]
+    Arch { path: PathBuf, source: UnsupportedArch },
+}
+
+/// Reads typed fields out of a `config.json` object with errors that name the field.
+struct HfFields<'a> {
+    path: &'a Path,
+    value: &'a Value,
+}
+
+impl<'a> HfFields<'a> {
+    fn raw(&self, field: &str) -> Option<&'a Value> {
+        self.value.get(field).filter(|v| !v.is_null())
+    }
+
+    fn usize(&self, field: &str) -> Result<usize, ConfigError> {
+        self.opt_usize(field)?
+            .ok_or_else(|| ConfigError::MissingField { path: self.path.into(), field: field.into() })
+    }
+
+    fn opt_usize(&self, field: &str) -> Result<Option<usize>, ConfigError> {
+        match self.raw(field) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| self.wrong(field, "a non-negative integer", v)),
+        }
+    }
+
+    fn opt_f64(&self, field: &str) -> Result<Option<f64>, ConfigError> {
+        match self.raw(field) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| self.wrong(field, "a number", v)),
+        }
+    }
+
+    fn opt_bool(&self, field: &str) -> Result<Option<bool>, ConfigError> {
+        match self.raw(field) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.wrong(field, "true or false", v)),
+        }
+    }
+
+    fn opt_str(&self, field: &str) -> Result<Option<&'a str>, ConfigError> {
+        match self.raw(field) {
+            None => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| self.wrong(field, "a string", v)),
+        }
+    }
+
+    fn wrong(&self, field: &str, expected: &'static str, found: &Value) -> ConfigError {
+        ConfigError::WrongType { path: self.path.into(), field: field.into(), expected, found: found.to_string() }
+    }
+
+    fn invalid(&self, field: &str, reason: impl Into<String>) -> ConfigError {
+        ConfigError::Invalid { path: self.path.into(), field: field.into(), reason: reason.into() }
+    }
+
+    /// `rope_theta`, or transformers 5's `rope_parameters.rope_theta`.
+    fn rope_theta(&self, default: f32) -> Result<f32, ConfigError> {
+        if let Some(theta) = self.opt_f64("rope_theta")? {
+            return Ok(theta as f32);
+        }
+        if let Some(params) = self.raw("rope_parameters") {
+            let nested = HfFields { path: self.path, value: params };
+            if let Some(kind) = nested.opt_str("rope_type")? {
+                if kind != "default" {
+                    return Err(self.invalid("rope_parameters.rope_type", format!("'{kind}' is not supported")));
+                }
+            }
+            if let Some(theta) = nested.opt_f64("rope_theta")? {
+                return Ok(theta as f32);
+            }
+        }
+        Ok(default)
+    }
+
+    fn refuse_rope_scaling(&self) -> Result<(), ConfigError> {
+        let Some(scaling) = self.raw("rope_scaling") else { return Ok(()) };
+        let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str);
+        match kind {
+            None | Some("default") => Ok(()),
+            Some(other) => Err(self.invalid("rope_scaling", format!("'{other}' RoPE scaling is not supported"))),
+        }
+    }
+}
+
+impl ModelConfig {
+    /// Parse and validate a Hugging Face `config.json` value read from `path`.
+    pub fn from_hf_json(value: &Value, path: &Path) -> Result<(ModelConfig, &'static Adapter), ConfigError> {
+        let f = HfFields { path, value };
+        if !value.is_object() {
+            return Err(ConfigError::WrongType {
+                path: path.into(),
+                field: "(top level)".into(),
+                expected: "a JSON object",
+                found: value.to_string(),
+            });
+        }
+        let model_type = f
+            .opt_str("model_type")?
+            .ok_or_else(|| ConfigError::MissingField { path: path.into(), field: "model_type".into() })?;
+        let adapter = adapter::for_hf_model_type(model_type)
+            .map_err(|source| ConfigError::Arch { path: path.into(), source })?;
+        if let Some(act) = f.opt_str("hidden_act")? {
+            if act != "silu" {
+                return Err(f.invalid("hidden_act", format!("'{act}' is not supported for {model_type} (expected silu)")));
+            }
+        }
+        f.refuse_rope_scaling()?;
+        refuse_dense_layers(&f)?;
+        let hidden = f.usize("hidden_size")?;
+        let n_heads = f.usize("num_attention_heads")?;
+        let n_kv_heads = f.opt_usize("num_key_value_heads")?.unwrap_or(n_heads);
+        let head_dim = match f.opt_usize("head_dim")? {
+            Some(d) => d,
+            None if n_heads > 0 && hidden % n_heads == 0 => hidden / n_heads,
+            None => return Err(f.invalid("num_attention_heads", "hidden_size is not a multiple of it")),
+        };
+        let (n_experts, expert_ff) = match adapter.arch {
+            Arch::Mixtral => (f.usize("num_local_experts")?, f.usize("intermediate_size")?),
+            Arch::Olmoe => (f.usize("num_experts")?, f.usize("intermediate_size")?),
+            Arch::Qwen3Moe | Arch::Qwen2Moe => (f.usize("num_experts")?, f.usize("moe_intermediate_size")?),
+        };
+        let shared_expert_ff =
+            if adapter.shared_expert { f.usize("shared_expert_intermediate_size")? } else { 0 };
+        let sliding_window = match f.opt_bool("use_sliding_window")? {
+            Some(false) => None,
+            _ => f.opt_usize("sliding_window")?,
+        };
+        let config = ModelConfig {
+            arch: adapter.arch,
+            n_layers: f.usize("num_hidden_layers")?,
+            hidden,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab: f.usize("vocab_size")?,
+            n_experts,
+            n_experts_used: f.usize("num_experts_per_tok")?,
+            expert_ff,
+            shared_expert_ff,
+            rms_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+            rope_theta: f.rope_theta(adapter.default_rope_theta)?,
+            rope_style: adapter.rope_style,
+            norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
+            tied_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
+            max_positions: f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
+            sliding_window,
+            clip_qkv: f.opt_f64("clip_qkv")?.map(|c| c as f32),
+        };
+        config.validate().map_err(|(field, reason)| f.invalid(field, reason))?;
+        Ok((config, adapter))
+    }
+
+    /// Check the relations between fields; returns the offending field and why.
+    pub fn validate(&self) -> Result<(), (&'static str, String)> {
+        let positive = [
+            ("num_hidden_layers", self.n_layers),
+            ("hidden_size", self.hidden),
+            ("num_attention_heads", self.n_heads),
+            ("num_key_value_heads", self.n_kv_heads),
+            ("head_dim", self.head_dim),
+            ("vocab_size", self.vocab),
+            ("num_experts", self.n_experts),
+            ("num_experts_per_tok", self.n_experts_used),
+            ("expert intermediate size", self.expert_ff),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                return Err((field, "must be greater than zero".into()));
+            }
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            return Err(("num_key_value_heads", format!("{} does not divide {} heads", self.n_kv_heads, self.n_heads)));
+        }
+        if self.n_experts_used > self.n_experts {
+            return Err(("num_experts_per_tok", format!("{} exceeds {} experts", self.n_experts_used, self.n_experts)));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(("head_dim", format!("{} is odd; RoPE needs pairs", self.head_dim)));
+        }
+        if !(self.rms_eps > 0.0) || !(self.rope_theta > 0.0) {
+            return Err(("rms_norm_eps/rope_theta", "must be positive".into()));
+        }
+        Ok(())
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    /// A `config.json` that `transformers` loads for this architecture.
+    pub fn to_hf_json(&self, adapter: &Adapter) -> Value {
+        let mut v = json!({
+            "model_type": adapter.hf_model_type,
+            "architectures": [hf_class_name(self.arch)],
+            "num_hidden_layers": self.n_layers,
+            "hidden_size": self.hidden,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "num_experts_per_tok": self.n_experts_used,
+            "rms_norm_eps": self.rms_eps,
+            "rope_theta": self.rope_theta,
+            "norm_topk_prob": self.norm_topk_prob,
+            "tie_word_embeddings": self.tied_embeddings,
+            "max_position_embeddings": self.max_positions,
+            "hidden_act": "silu",
+            "attention_bias": adapter.qkv_bias,
+            "torch_dtype": "bfloat16",
+            "bos_token_id": self.vocab - 1,
+            "eos_token_id": self.vocab - 1,
+        });
+        let obj = v.as_object_mut().expect("json! object");
+        match self.arch {
+            Arch::Mixtral => {
+                obj.insert("num_local_experts".into(), json!(self.n_experts));
+                obj.insert("intermediate_size".into(), json!(self.expert_ff));
+                obj.insert("sliding_window".into(), json!(self.sliding_window));
+            }
+            Arch::Olmoe => {
+                obj.insert("num_experts".into(), json!(self.n_experts));
+                obj.insert("intermediate_size".into(), json!(self.expert_ff));
+                obj.insert("clip_qkv".into(), json!(self.clip_qkv));
+            }
+            Arch::Qwen3Moe | Arch::Qwen2Moe => {
+                obj.insert("num_experts".into(), json!(self.n_experts));
+                obj.insert("moe_intermediate_size".into(), json!(self.expert_ff));
+                obj.insert("intermediate_size".into(), json!(self.expert_ff * self.n_experts_used));
+                obj.insert("decoder_sparse_step".into(), json!(1));
+                obj.insert("mlp_only_layers".into(), json!([]));
+                obj.insert("use_sliding_window".into(), json!(false));
+            }
+        }
+        if self.arch == Arch::Qwen2Moe {
+            obj.insert("shared_expert_intermediate_size".into(), json!(self.shared_expert_ff));
+        }
+        v
+    }
+}
+
+/// Layers with a dense MLP instead of experts (`mlp_only_layers`, `decoder_sparse_step` > 1) are
+/// not supported yet: every layer must be a MoE layer.
+fn refuse_dense_layers(f: &HfFields<'_>) -> Result<(), ConfigError> {
+    if let Some(layers) = f.raw("mlp_only_layers") {
+        let empty = layers.as_array().map(|a| a.is_empty()).unwrap_or(false);
+        if !empty {
+            return Err(f.invalid("mlp_only_layers", format!("dense MLP layers {layers} are not supported")));
+        }
+    }
+    if let Some(step) = f.opt_usize("decoder_sparse_step")? {
+        if step != 1 {
+            return Err(f.invalid("decoder_sparse_step", format!("{step}: only every-layer MoE (1) is supported")));
+        }
+    }
+    Ok(())
+}
+
+fn hf_class_name(arch: Arch) -> &'static str {
+    match arch {
+        Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
+        Arch::Mixtral => "MixtralForCausalLM",
+        Arch::Olmoe => "OlmoeForCausalLM",
+        Arch::Qwen2Moe => "Qwen2MoeForCausalLM",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qwen3_json() -> Value {
+        json!({
+            "model_type": "qwen3_moe", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 24, "vocab_size": 509, "num_experts": 8,
+            "num_experts_per_tok": 3, "moe_intermediate_size": 40, "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "norm_topk_prob": true
+        })
+    }
+
+    #[test]
+    fn parses_qwen3_with_v5_rope_parameters() {
+        let (c, a) = ModelConfig::from_hf_json(&qwen3_json(), Path::new("c.json")).unwrap();
+        assert_eq!(a.arch, Arch::Qwen3Moe);
+        assert_eq!((c.head_dim, c.n_experts, c.n_experts_used, c.expert_ff), (24, 8, 3, 40));
+        assert_eq!(c.rope_theta, 1e6);
+        assert!(c.norm_topk_prob && !c.tied_embeddings);
+    }
+
+    #[test]
+    fn round_trips_through_to_hf_json() {
+        let (c, a) = ModelConfig::from_hf_json(&qwen3_json(), Path::new("c.json")).unwrap();
+        let (back, _) = ModelConfig::from_hf_json(&c.to_hf_json(a), Path::new("c.json")).unwrap();
+        assert_eq!(back, c);
+    }
+
+    #[test]
+    fn errors_name_file_and_field() {
+        let mut v = qwen3_json();
+        v.as_object_mut().unwrap().remove("num_experts");
+        let err = ModelConfig::from_hf_json(&v, Path::new("/m/config.json")).unwrap_err().to_string();
+        assert!(err.contains("/m/config.json") && err.contains("num_experts"), "{err}");
+
+        let mut v = qwen3_json();
+        v["hidden_size"] = json!("big");
+        let err = ModelConfig::from_hf_json(&v, Path::new("c.json")).unwrap_err().to_string();
+        assert!(err.contains("hidden_size") && err.contains("integer"), "{err}");
+
+        let mut v = qwen3_json();
+        v["num_experts_per_tok"] = json!(9);
+        let err = ModelConfig::from_hf_json(&v, Path::new("c.json")).unwrap_err().to_string();
+        assert!(err.contains("num_experts_per_tok") && err.contains("exceeds"), "{err}");
+
+        let mut v = qwen3_json();
+        v["model_type"] = json!("llama4");
+        let err = ModelConfig::from_hf_json(&v, Path::new("c.json")).unwrap_err().to_string();
+        assert!(err.contains("llama4") && err.contains("qwen2_moe"), "{err}");
+
+        let mut v = qwen3_json();
+        v["mlp_only_layers"] = json!([0]);
+        let err = ModelConfig::from_hf_json(&v, Path::new("c.json")).unwrap_err().to_string();
+        assert!(err.contains("mlp_only_layers"), "{err}");
+    }
+}
