@@ -8,3 +8,7 @@ pub mod dtype;
 pub mod tensor;
 pub mod adapter;
 pub mod config;
+// pub mod model;
+pub mod naming;
+pub mod vocab;
+pub mod synth;

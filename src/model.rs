@@ -1,0 +1,466 @@
+//! One model view over both file formats: open a GGUF file or a Hugging Face safetensors
+//! directory, validate every tensor the adapter needs (presence, shape, dtype) once at open, then
+//! hand out zero-copy [`TensorRef`]s by role — per layer, per expert — whatever the names on disk.
+//!
+//! Invariant: after `Model::open` succeeds, every role the adapter requires exists with the
+//! expected shape, so the accessors below cannot fail for required roles.
+
+use crate::adapter::{self, Adapter, Arch, QkNorm, RopeStyle};
+use crate::config::{ConfigError, ModelConfig};
+use crate::dtype::DType;
+use crate::gguf::{GgufError, GgufFile, MetaValue};
+use crate::naming::{self, ExpertProj, GlobalRole, LayerRole};
+use crate::safetensors::{SafetensorsError, SafetensorsModel};
+use crate::tensor::TensorRef;
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// Which on-disk format a model came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelFormat {
+    Gguf,
+    Safetensors,
+}
+
+/// Anything that stops a model from opening, naming the file and the tensor or key.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("{path}: no such file or directory")]
+    NotFound { path: PathBuf },
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Safetensors(#[from] SafetensorsError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("{path}: missing metadata key '{key}'")]
+    MissingMetadata { path: PathBuf, key: String },
+    #[error("{path}: metadata key '{key}' must be {expected}")]
+    BadMetadata { path: PathBuf, key: String, expected: &'static str },
+    #[error("{path}: missing tensor '{tensor}'")]
+    MissingTensor { path: PathBuf, tensor: String },
+    #[error("{path}: tensor '{tensor}' has shape {found:?}, but the config implies {expected:?}")]
+    ShapeMismatch { path: PathBuf, tensor: String, expected: Vec<usize>, found: Vec<usize> },
+    #[error("{path}: tensor '{tensor}' has dtype {dtype}; {allowed} expected")]
+    DTypeMismatch { path: PathBuf, tensor: String, dtype: DType, allowed: &'static str },
+}
+
+enum Source {
+    Gguf(GgufFile),
+    Safetensors(SafetensorsModel),
+}
+
+/// The three projections of one expert, zero-copy.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertRef<'a> {
+    /// `[ff, hidden]`
+    pub gate: TensorRef<'a>,
+    /// `[ff, hidden]`
+    pub up: TensorRef<'a>,
+    /// `[hidden, ff]`
+    pub down: TensorRef<'a>,
+}
+
+/// An opened, validated model.
+pub struct Model {
+    path: PathBuf,
+    source: Source,
+    config: ModelConfig,
+    adapter: &'static Adapter,
+    expert_dtype: DType,
+    /// `[ff, hidden]`, borrowed by expert gate/up views of stacked GGUF tensors.
+    gate_up_shape: [usize; 2],
+    /// `[hidden, ff]`, borrowed by expert down views.
+    down_shape: [usize; 2],
+}
+
+impl Model {
+    /// Open a GGUF file or a directory with `config.json` and safetensors.
+    pub fn open(path: &Path) -> Result<Model, ModelError> {
+        if !path.exists() {
+            return Err(ModelError::NotFound { path: path.into() });
+        }
+        let (source, config, adapter) = if path.is_dir() {
+            let st = SafetensorsModel::open(path)?;
+            let (config, adapter) = ModelConfig::from_hf_json(st.config(), &st.config_path())?;
+            (Source::Safetensors(st), config, adapter)
+        } else {
+            let file = GgufFile::open(path)?;
+            let (config, adapter) = config_from_gguf(&file)?;
+            (Source::Gguf(file), config, adapter)
+        };
+        let mut model = Model {
+            path: path.into(),
+            source,
+            gate_up_shape: [config.expert_ff, config.hidden],
+            down_shape: [config.hidden, config.expert_ff],
+            config,
+            adapter,
+            expert_dtype: DType::F32,
+        };
+        model.validate()?;
+        Ok(model)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn format(&self) -> ModelFormat {
+        match self.source {
+            Source::Gguf(_) => ModelFormat::Gguf,
+            Source::Safetensors(_) => ModelFormat::Safetensors,
+        }
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn adapter(&self) -> &'static Adapter {
+        self.adapter
+    }
+
+    /// Element type of the expert weights (all experts share one).
+    pub fn expert_dtype(&self) -> DType {
+        self.expert_dtype
+    }
+
+    /// A model-wide tensor; `None` only for `Output` when embeddings are tied.
+    pub fn global(&self, role: GlobalRole) -> Option<TensorRef<'_>> {
+        self.raw(&self.global_name(role))
+    }
+
+    /// The lm_head weights: `Output`, or the token embedding when tied.
+    pub fn lm_head(&self) -> TensorRef<'_> {
+        self.global(GlobalRole::Output)
+            .or_else(|| self.global(GlobalRole::TokenEmbedding))
+            .expect("validated at open: token embedding exists")
+    }
+
+    /// A per-layer tensor; `None` when the adapter does not use that role.
+    pub fn layer(&self, layer_idx: usize, role: LayerRole) -> Option<TensorRef<'_>> {
+        self.raw(&self.layer_name(layer_idx, role))
+    }
+
+    /// Same as [`Model::layer`] for roles the adapter requires (validated at open).
+    pub fn required(&self, layer_idx: usize, role: LayerRole) -> TensorRef<'_> {
+        self.layer(layer_idx, role).expect("validated at open: required layer tensor exists")
+    }
+
+    /// The three projections of expert `expert_idx` in layer `layer_idx`.
+    pub fn expert(&self, layer_idx: usize, expert_idx: usize) -> ExpertRef<'_> {
+        assert!(layer_idx < self.config.n_layers && expert_idx < self.config.n_experts, "expert id out of range");
+        let proj = |p: ExpertProj| self.expert_proj(layer_idx, expert_idx, p);
+        ExpertRef { gate: proj(ExpertProj::Gate), up: proj(ExpertProj::Up), down: proj(ExpertProj::Down) }
+    }
+
+    /// Bytes of one expert's gate + up + down.
+    pub fn expert_bytes(&self) -> usize {
+        3 * self.expert_dtype.bytes_for(self.config.expert_ff * self.config.hidden).expect("validated at open")
+    }
+
+    /// Every tensor name in the file with its dtype, shape and byte size.
+    pub fn tensor_list(&self) -> Vec<(String, DType, Vec<usize>, usize)> {
+        match &self.source {
+            Source::Gguf(f) => {
+                f.tensor_infos().iter().map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.n_bytes)).collect()
+            }
+            Source::Safetensors(s) => s
+                .tensor_names()
+                .into_iter()
+                .filter_map(|n| s.tensor(n))
+                .map(|t| (t.name.to_string(), t.dtype, t.shape.to_vec(), t.data.len()))
+                .collect(),
+        }
+    }
+
+    fn raw(&self, name: &str) -> Option<TensorRef<'_>> {
+        match &self.source {
+            Source::Gguf(f) => f.tensor(name),
+            Source::Safetensors(s) => s.tensor(name),
+        }
+    }
+
+    /// The file a tensor lives in (for error messages).
+    fn file_of(&self, name: &str) -> PathBuf {
+        match &self.source {
+            Source::Gguf(f) => f.path().to_path_buf(),
+            Source::Safetensors(s) => s.file_of(name).map(Path::to_path_buf).unwrap_or_else(|| s.dir().to_path_buf()),
+        }
+    }
+
+    fn global_name(&self, role: GlobalRole) -> String {
+        match self.source {
+            Source::Gguf(_) => naming::gguf_global(role).to_string(),
+            Source::Safetensors(_) => naming::hf_global(role).to_string(),
+        }
+    }
+
+    fn layer_name(&self, layer_idx: usize, role: LayerRole) -> String {
+        match self.source {
+            Source::Gguf(_) => naming::gguf_layer(layer_idx, role),
+            Source::Safetensors(_) => naming::hf_layer(self.adapter.hf_naming, layer_idx, role),
+        }
+    }
+
+    fn expert_proj(&self, layer_idx: usize, expert_idx: usize, proj: ExpertProj) -> TensorRef<'_> {
+        let shape: &[usize] = if proj == ExpertProj::Down { &self.down_shape } else { &self.gate_up_shape };
+        match &self.source {
+            Source::Safetensors(s) => {
+                let name = naming::hf_expert(self.adapter.hf_naming, layer_idx, expert_idx, proj);
+                s.tensor(&name).expect("validated at open: expert tensor exists")
+            }
+            Source::Gguf(f) => {
+                let stacked = f.tensor(&naming::gguf_experts(layer_idx, proj)).expect("validated at open");
+                let n_bytes = stacked.data.len() / self.config.n_experts;
+                let begin = expert_idx * n_bytes;
+                TensorRef { name: stacked.name, dtype: stacked.dtype, shape, data: &stacked.data[begin..begin + n_bytes] }
+            }
+        }
+    }
+
+    /// The roles this model's adapter requires in every layer.
+    pub fn required_layer_roles(&self) -> Vec<LayerRole> {
+        required_layer_roles(self.adapter)
+    }
+
+    /// Expected row-major shape of a per-layer tensor.
+    pub fn expected_layer_shape(&self, role: LayerRole) -> Vec<usize> {
+        expected_layer_shape(&self.config, self.adapter, role)
+    }
+
+    fn validate(&mut self) -> Result<(), ModelError> {
+        let c = self.config.clone();
+        self.check_tensor(&self.global_name(GlobalRole::TokenEmbedding), &[c.vocab, c.hidden], true)?;
+        self.check_tensor(&self.global_name(GlobalRole::OutputNorm), &[c.hidden], true)?;
+        let output = self.global_name(GlobalRole::Output);
+        if !c.tied_embeddings || self.raw(&output).is_some() {
+            self.check_tensor(&output, &[c.vocab, c.hidden], true)?;
+        }
+        for layer_idx in 0..c.n_layers {
+            for role in self.required_layer_roles() {
+                let shape = self.expected_layer_shape(role);
+                self.check_tensor(&self.layer_name(layer_idx, role), &shape, true)?;
+            }
+            self.validate_experts(layer_idx)?;
+        }
+        Ok(())
+    }
+
+    fn validate_experts(&mut self, layer_idx: usize) -> Result<(), ModelError> {
+        let c = &self.config;
+        for proj in ExpertProj::ALL {
+            let per_expert = if proj == ExpertProj::Down { [c.hidden, c.expert_ff] } else { [c.expert_ff, c.hidden] };
+            let dtype = match self.source {
+                Source::Gguf(_) => {
+                    let name = naming::gguf_experts(layer_idx, proj);
+                    self.check_tensor(&name, &[c.n_experts, per_expert[0], per_expert[1]], false)?
+                }
+                Source::Safetensors(_) => {
+                    let mut dtype = DType::F32;
+                    for expert_idx in 0..c.n_experts {
+                        let name = naming::hf_expert(self.adapter.hf_naming, layer_idx, expert_idx, proj);
+                        dtype = self.check_tensor(&name, &per_expert, false)?;
+                    }
+                    dtype
+                }
+            };
+            if layer_idx == 0 && proj == ExpertProj::Gate {
+                self.expert_dtype = dtype;
+            } else if dtype != self.expert_dtype {
+                let name = naming::gguf_experts(layer_idx, proj);
+                return Err(ModelError::DTypeMismatch {
+                    path: self.file_of(&name),
+                    tensor: name,
+                    dtype,
+                    allowed: "the same dtype as every other expert tensor",
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Check presence, shape (leading 1-dims ignored) and dtype; returns the dtype.
+    fn check_tensor(&self, name: &str, expected: &[usize], float_only: bool) -> Result<DType, ModelError> {
+        let t = self.raw(name).ok_or_else(|| ModelError::MissingTensor { path: self.file_of(name), tensor: name.into() })?;
+        if strip_leading_ones(t.shape) != strip_leading_ones(expected) {
+            return Err(ModelError::ShapeMismatch {
+                path: self.file_of(name),
+                tensor: name.into(),
+                expected: expected.to_vec(),
+                found: t.shape.to_vec(),
+            });
+        }
+        if float_only && !t.dtype.is_float() {
+            return Err(ModelError::DTypeMismatch {
+                path: self.file_of(name),
+                tensor: name.into(),
+                dtype: t.dtype,
+                allowed: "F32, F16 or BF16",
+            });
+        }
+        Ok(t.dtype)
+    }
+}
+
+fn strip_leading_ones(shape: &[usize]) -> &[usize] {
+    let first = shape.iter().position(|&d| d != 1).unwrap_or(shape.len());
+    &shape[first..]
+}
+
+/// The per-layer roles an adapter requires.
+pub fn required_layer_roles(adapter: &Adapter) -> Vec<LayerRole> {
+    use LayerRole::*;
+    let mut roles = vec![AttnNorm, Q, K, V, O, FfnNorm, Router];
+    if adapter.qkv_bias {
+        roles.extend([QBias, KBias, VBias]);
+    }
+    if adapter.qk_norm != QkNorm::None {
+        roles.extend([QNorm, KNorm]);
+    }
+    if adapter.shared_expert {
+        roles.extend([SharedGate, SharedUp, SharedDown, SharedExpertGate]);
+    }
+    roles
+}
+
+/// Row-major shape of a per-layer tensor as the config implies.
+pub fn expected_layer_shape(c: &ModelConfig, adapter: &Adapter, role: LayerRole) -> Vec<usize> {
+    use LayerRole::*;
+    match role {
+        AttnNorm | FfnNorm => vec![c.hidden],
+        Q => vec![c.q_dim(), c.hidden],
+        K | V => vec![c.kv_dim(), c.hidden],
+        O => vec![c.hidden, c.q_dim()],
+        QBias => vec![c.q_dim()],
+        KBias | VBias => vec![c.kv_dim()],
+        QNorm if adapter.qk_norm == QkNorm::PerHead => vec![c.head_dim],
+        KNorm if adapter.qk_norm == QkNorm::PerHead => vec![c.head_dim],
+        QNorm => vec![c.q_dim()],
+        KNorm => vec![c.kv_dim()],
+        Router => vec![c.n_experts, c.hidden],
+        SharedGate | SharedUp => vec![c.shared_expert_ff, c.hidden],
+        SharedDown => vec![c.hidden, c.shared_expert_ff],
+        SharedExpertGate => vec![1, c.hidden],
+    }
+}
+
+/// Reads typed GGUF metadata with errors naming the key.
+struct GgufMeta<'a> {
+    file: &'a GgufFile,
+    arch: &'a str,
+}
+
+impl GgufMeta<'_> {
+    fn key(&self, suffix: &str) -> String {
+        format!("{}.{suffix}", self.arch)
+    }
+
+    fn opt_u64(&self, suffix: &str) -> Result<Option<u64>, ModelError> {
+        let key = self.key(suffix);
+        match self.file.get(&key) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(Some).ok_or_else(|| self.bad(key, "a non-negative integer")),
+        }
+    }
+
+    fn usize(&self, suffix: &str) -> Result<usize, ModelError> {
+        self.opt_u64(suffix)?
+            .map(|v| v as usize)
+            .ok_or_else(|| ModelError::MissingMetadata { path: self.file.path().into(), key: self.key(suffix) })
+    }
+
+    fn opt_f32(&self, suffix: &str) -> Result<Option<f32>, ModelError> {
+        let key = self.key(suffix);
+        match self.file.get(&key) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| self.bad(key, "a number")),
+        }
+    }
+
+    fn opt_bool(&self, suffix: &str) -> Result<Option<bool>, ModelError> {
+        let key = self.key(suffix);
+        match self.file.get(&key) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| self.bad(key, "a bool")),
+        }
+    }
+
+    fn bad(&self, key: String, expected: &'static str) -> ModelError {
+        ModelError::BadMetadata { path: self.file.path().into(), key, expected }
+    }
+}
+
+/// Build the model config from GGUF metadata (llama.cpp key names) and tensor shapes.
+pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapter), ModelError> {
+    let path = file.path();
+    let arch = file.get("general.architecture").ok_or_else(|| ModelError::MissingMetadata {
+        path: path.into(),
+        key: "general.architecture".into(),
+    })?;
+    let arch = arch.as_str().ok_or_else(|| ModelError::BadMetadata {
+        path: path.into(),
+        key: "general.architecture".into(),
+        expected: "a string",
+    })?;
+    let meta = GgufMeta { file, arch };
+    let n_experts = meta.opt_u64("expert_count")?.unwrap_or(0) as usize;
+    let adapter = adapter::for_gguf_arch(arch, n_experts)
+        .map_err(|source| ModelError::Config(ConfigError::Arch { path: path.into(), source }))?;
+    let hidden = meta.usize("embedding_length")?;
+    let n_heads = meta.usize("attention.head_count")?;
+    let head_dim = match meta.opt_u64("attention.key_length")? {
+        Some(d) => d as usize,
+        None if n_heads > 0 => hidden / n_heads,
+        None => 0,
+    };
+    let expert_ff = match adapter.arch {
+        Arch::Qwen3Moe | Arch::Qwen2Moe => meta.usize("expert_feed_forward_length")?,
+        Arch::Mixtral | Arch::Olmoe => meta.usize("feed_forward_length")?,
+    };
+    let vocab = file.tensor(naming::gguf_global(GlobalRole::TokenEmbedding)).map(|t| t.shape[0]);
+    let vocab = match (vocab, meta.opt_u64("vocab_size")?) {
+        (Some(v), _) => v,
+        (None, Some(v)) => v as usize,
+        (None, None) => {
+            return Err(ModelError::MissingTensor { path: path.into(), tensor: "token_embd.weight".into() })
+        }
+    };
+    let config = ModelConfig {
+        arch: adapter.arch,
+        n_layers: meta.usize("block_count")?,
+        hidden,
+        n_heads,
+        n_kv_heads: meta.opt_u64("attention.head_count_kv")?.map(|v| v as usize).unwrap_or(n_heads),
+        head_dim,
+        vocab,
+        n_experts,
+        n_experts_used: meta.usize("expert_used_count")?,
+        expert_ff,
+        shared_expert_ff: if adapter.shared_expert { meta.usize("expert_shared_feed_forward_length")? } else { 0 },
+        rms_eps: meta.opt_f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
+        rope_theta: meta.opt_f32("rope.freq_base")?.unwrap_or(adapter.default_rope_theta),
+        rope_style: if adapter.arch == Arch::Mixtral { RopeStyle::Interleaved } else { adapter.rope_style },
+        norm_topk_prob: meta.opt_bool("expert_weights_norm")?.unwrap_or(llama_cpp_default_norm_topk(adapter.arch)),
+        tied_embeddings: file.tensor(naming::gguf_global(GlobalRole::Output)).is_none(),
+        max_positions: meta.opt_u64("context_length")?.map(|v| v as usize).unwrap_or(4096),
+        sliding_window: None,
+        clip_qkv: meta.opt_f32("attention.clamp_kqv")?,
+    };
+    config.validate().map_err(|(field, reason)| {
+        ModelError::Config(ConfigError::Invalid { path: path.into(), field: field.into(), reason })
+    })?;
+    Ok((config, adapter))
+}
+
+/// What llama.cpp does when a file does not say: it renormalises top-k weights for Qwen3-MoE only.
+pub fn llama_cpp_default_norm_topk(arch: Arch) -> bool {
+    matches!(arch, Arch::Qwen3Moe | Arch::Mixtral)
+}
+
+/// Metadata value helpers used by writers.
+pub fn meta_u32(v: usize) -> MetaValue {
+    MetaValue::U32(v as u32)
+}

@@ -1,0 +1,689 @@
+//! Synthetic checkpoints: random weights for any adapter, written as GGUF (loadable by llama.cpp)
+//! or as a Hugging Face safetensors directory, with the same weights in both for the same seed.
+//!
+//! Determinism: every tensor is generated row by row from `(seed, canonical name, row)`, where the
+//! canonical name is the Hugging Face name, so the values do not depend on the format, the write
+//! order or the chunking. GGUF-only transforms (stacking experts, permuting llama q/k rows for
+//! GGML's interleaved RoPE, F32 for 1-D tensors and the router) move or widen values exactly.
+//!
+//! Routing skew is built into the weights with a *bias channel*: hidden channel 0 of every token
+//! embedding holds a constant, and no attention output or expert down projection writes into it,
+//! so after each RMSNorm the router sees the same value there for every token; each expert's router
+//! weight on that channel then acts as a per-expert logit bias, ranked by a per-layer random
+//! permutation, `bias(rank) = -s * ln(1 + rank)` in units of the router logits' noise.
+
+use crate::adapter::{Adapter, Arch, RopeStyle};
+use crate::config::ModelConfig;
+use crate::dtype::DType;
+use crate::gguf::{GgufError, GgufWriter, MetaValue};
+use crate::model::{expected_layer_shape, llama_cpp_default_norm_topk, required_layer_roles};
+use crate::naming::{self, ExpertProj, GlobalRole, LayerRole};
+use crate::safetensors::{self, SafetensorsError, TensorSpec};
+use crate::tensor::encode_f32;
+use crate::vocab;
+use half::{bf16, f16};
+use serde::Serialize;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Dimension presets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preset {
+    /// A few layers and experts; loads in milliseconds (tests).
+    Tiny,
+    /// Qwen3-30B-A3B's shapes (48 layers unless `--layers`).
+    Qwen3_30bA3b,
+}
+
+impl std::str::FromStr for Preset {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "tiny" => Ok(Preset::Tiny),
+            "qwen3-30b-a3b" => Ok(Preset::Qwen3_30bA3b),
+            other => Err(format!("unknown preset '{other}' (expected tiny or qwen3-30b-a3b)")),
+        }
+    }
+}
+
+/// How routed slots spread over a layer's experts.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "kind", content = "s", rename_all = "snake_case")]
+pub enum Skew {
+    /// No bias: every expert equally likely.
+    Uniform,
+    /// Calibrated so that the most-used half of each layer's experts receives about 90% of the
+    /// routed slots, as Qwen3-30B-A3B shows on real text.
+    Skewed,
+    /// `bias(rank) = -s * ln(1 + rank)`.
+    Zipf(f32),
+}
+
+/// The exponent `Skew::Skewed` uses; chosen by measurement (`tests/synth_skew.rs` checks the
+/// resulting top-half coverage on a real forward pass).
+pub const SKEWED_EXPONENT: f32 = 1.6;
+
+impl std::str::FromStr for Skew {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "uniform" => Ok(Skew::Uniform),
+            "skewed" => Ok(Skew::Skewed),
+            _ => match s.strip_prefix("zipf:").map(str::parse::<f32>) {
+                Some(Ok(v)) if v.is_finite() && v >= 0.0 => Ok(Skew::Zipf(v)),
+                _ => Err(format!("unknown skew '{s}' (expected uniform, skewed or zipf:S with S >= 0)")),
+            },
+        }
+    }
+}
+
+impl Skew {
+    fn exponent(self) -> Option<f32> {
+        match self {
+            Skew::Uniform => None,
+            Skew::Skewed => Some(SKEWED_EXPONENT),
+            Skew::Zipf(s) => Some(s),
+        }
+    }
+}
+
+/// Output file format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SynthFormat {
+    Gguf,
+    Safetensors,
+}
+
+/// Dimension overrides on top of a preset (`None` keeps the preset's value).
+#[derive(Debug, Clone, Default)]
+pub struct DimOverrides {
+    pub n_layers: Option<usize>,
+    pub hidden: Option<usize>,
+    pub n_heads: Option<usize>,
+    pub n_kv_heads: Option<usize>,
+    pub head_dim: Option<usize>,
+    pub vocab: Option<usize>,
+    pub n_experts: Option<usize>,
+    pub n_experts_used: Option<usize>,
+    pub expert_ff: Option<usize>,
+    pub shared_expert_ff: Option<usize>,
+    pub tied_embeddings: Option<bool>,
+}
+
+/// Everything `synth` needs.
+#[derive(Debug, Clone)]
+pub struct SynthOptions {
+    pub adapter: &'static Adapter,
+    pub preset: Preset,
+    pub dims: DimOverrides,
+    pub dtype: DType,
+    pub seed: u64,
+    pub skew: Skew,
+    pub format: SynthFormat,
+    pub out: PathBuf,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SynthError {
+    #[error("invalid synthetic model: {field}: {reason}")]
+    InvalidDims { field: String, reason: String },
+    #[error("--dtype {0}: synth writes F32, F16 or BF16")]
+    UnsupportedDType(DType),
+    #[error("{path}: {reason}")]
+    Output { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error(transparent)]
+    Safetensors(#[from] SafetensorsError),
+}
+
+/// What was written.
+#[derive(Debug, Clone, Serialize)]
+pub struct SynthReport {
+    pub path: PathBuf,
+    pub format: SynthFormat,
+    pub n_bytes: u64,
+    pub n_tensors: usize,
+    pub config: ModelConfig,
+}
+
+/// The model config a preset plus overrides describe.
+pub fn synth_config(adapter: &Adapter, preset: Preset, dims: &DimOverrides) -> Result<ModelConfig, SynthError> {
+    let mut c = match preset {
+        Preset::Tiny => ModelConfig {
+            arch: adapter.arch,
+            n_layers: 2,
+            hidden: 64,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 16,
+            vocab: 512,
+            n_experts: 8,
+            n_experts_used: 2,
+            expert_ff: 32,
+            shared_expert_ff: if adapter.shared_expert { 48 } else { 0 },
+            rms_eps: 1e-6,
+            rope_theta: adapter.default_rope_theta,
+            rope_style: adapter.rope_style,
+            norm_topk_prob: llama_cpp_default_norm_topk(adapter.arch),
+            tied_embeddings: false,
+            max_positions: 4096,
+            sliding_window: None,
+            clip_qkv: None,
+        },
+        Preset::Qwen3_30bA3b => ModelConfig {
+            arch: adapter.arch,
+            n_layers: 48,
+            hidden: 2048,
+            n_heads: 32,
+            n_kv_heads: 4,
+            head_dim: 128,
+            vocab: 151_936,
+            n_experts: 128,
+            n_experts_used: 8,
+            expert_ff: 768,
+            shared_expert_ff: if adapter.shared_expert { 768 } else { 0 },
+            rms_eps: 1e-6,
+            rope_theta: 1_000_000.0,
+            rope_style: adapter.rope_style,
+            norm_topk_prob: llama_cpp_default_norm_topk(adapter.arch),
+            tied_embeddings: false,
+            max_positions: 40_960,
+            sliding_window: None,
+            clip_qkv: None,
+        },
+    };
+    let set = |slot: &mut usize, v: Option<usize>| {
+        if let Some(v) = v {
+            *slot = v
+        }
+    };
+    set(&mut c.n_layers, dims.n_layers);
+    set(&mut c.hidden, dims.hidden);
+    set(&mut c.n_heads, dims.n_heads);
+    set(&mut c.n_kv_heads, dims.n_kv_heads);
+    set(&mut c.head_dim, dims.head_dim);
+    set(&mut c.vocab, dims.vocab);
+    set(&mut c.n_experts, dims.n_experts);
+    set(&mut c.n_experts_used, dims.n_experts_used);
+    set(&mut c.expert_ff, dims.expert_ff);
+    if adapter.shared_expert {
+        set(&mut c.shared_expert_ff, dims.shared_expert_ff);
+    } else if dims.shared_expert_ff.is_some() {
+        return Err(invalid("shared_expert_ff", format!("{} has no shared expert", adapter.hf_model_type)));
+    }
+    if let Some(tied) = dims.tied_embeddings {
+        c.tied_embeddings = tied;
+    }
+    c.validate().map_err(|(field, reason)| invalid(field, reason))?;
+    if adapter.shared_expert && c.shared_expert_ff == 0 {
+        return Err(invalid("shared_expert_ff", "must be greater than zero".into()));
+    }
+    Ok(c)
+}
+
+fn invalid(field: &str, reason: String) -> SynthError {
+    SynthError::InvalidDims { field: field.into(), reason }
+}
+
+/// Write a synthetic checkpoint. `progress(bytes_done, bytes_total)` is called as data is written.
+pub fn write_synthetic(opts: &SynthOptions, progress: &mut dyn FnMut(u64, u64)) -> Result<SynthReport, SynthError> {
+    if !opts.dtype.is_float() {
+        return Err(SynthError::UnsupportedDType(opts.dtype));
+    }
+    let config = synth_config(opts.adapter, opts.preset, &opts.dims)?;
+    if opts.format == SynthFormat::Gguf && config.vocab < vocab::MIN_VOCAB {
+        return Err(invalid("vocab", format!("{} is below {} (GGUF needs a byte-level tokenizer)", config.vocab, vocab::MIN_VOCAB)));
+    }
+    let generator = WeightGenerator::new(&config, opts);
+    let tensors = match opts.format {
+        SynthFormat::Gguf => gguf_tensor_plan(&config, opts),
+        SynthFormat::Safetensors => hf_tensor_plan(&config, opts),
+    };
+    let mut fill = |idx: usize, out: &mut dyn Write| generator.write_tensor(&tensors[idx], out);
+    let n_bytes = match opts.format {
+        SynthFormat::Gguf => write_gguf(&config, opts, &tensors, &mut fill, progress)?,
+        SynthFormat::Safetensors => write_hf(&config, opts, &tensors, &mut fill, progress)?,
+    };
+    let mut config = config;
+    if opts.format == SynthFormat::Gguf && opts.adapter.arch == Arch::Mixtral {
+        config.rope_style = RopeStyle::Interleaved;
+    }
+    Ok(SynthReport { path: opts.out.clone(), format: opts.format, n_bytes, n_tensors: tensors.len(), config })
+}
+
+fn write_gguf(
+    config: &ModelConfig,
+    opts: &SynthOptions,
+    tensors: &[PlannedTensor],
+    fill: &mut dyn FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<u64, SynthError> {
+    let mut w = GgufWriter::new();
+    add_gguf_metadata(&mut w, config, opts);
+    for t in tensors {
+        w.add_tensor(t.name.clone(), t.dtype, &t.shape);
+    }
+    let total = w.total_bytes();
+    w.write(&opts.out, fill, &mut |done| progress(done, total))?;
+    Ok(total)
+}
+
+fn write_hf(
+    config: &ModelConfig,
+    opts: &SynthOptions,
+    tensors: &[PlannedTensor],
+    fill: &mut dyn FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<u64, SynthError> {
+    let specs: Vec<TensorSpec> =
+        tensors.iter().map(|t| TensorSpec { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() }).collect();
+    let total: u64 = tensors.iter().map(|t| t.n_bytes() as u64).sum();
+    let hf_json = config.to_hf_json(opts.adapter);
+    // Shards of at most 4 GiB, as Hugging Face writes large checkpoints.
+    const MAX_SHARD_BYTES: u64 = 4 << 30;
+    safetensors::write_model_dir(&opts.out, &hf_json, &specs, Some(MAX_SHARD_BYTES), fill, &mut |done| {
+        progress(done, total)
+    })?;
+    Ok(total)
+}
+
+/// llama.cpp's metadata keys for the architecture, and a small valid tokenizer.
+fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
+    let arch = opts.adapter.gguf_arch;
+    let k = |suffix: &str| format!("{arch}.{suffix}");
+    let u32v = |v: usize| MetaValue::U32(v as u32);
+    w.add_metadata("general.architecture", MetaValue::String(arch.into()));
+    w.add_metadata("general.name", MetaValue::String(format!("moe-lanes synthetic {}", opts.adapter.hf_model_type)));
+    w.add_metadata("general.file_type", MetaValue::U32(gguf_file_type(opts.dtype)));
+    w.add_metadata("general.quantization_version", MetaValue::U32(2));
+    w.add_metadata(k("context_length"), u32v(c.max_positions));
+    w.add_metadata(k("embedding_length"), u32v(c.hidden));
+    w.add_metadata(k("block_count"), u32v(c.n_layers));
+    let dense_ff = if matches!(c.arch, Arch::Qwen3Moe | Arch::Qwen2Moe) { c.expert_ff * c.n_experts_used } else { c.expert_ff };
+    w.add_metadata(k("feed_forward_length"), u32v(dense_ff));
+    w.add_metadata(k("expert_feed_forward_length"), u32v(c.expert_ff));
+    if c.shared_expert_ff > 0 {
+        w.add_metadata(k("expert_shared_feed_forward_length"), u32v(c.shared_expert_ff));
+    }
+    w.add_metadata(k("attention.head_count"), u32v(c.n_heads));
+    w.add_metadata(k("attention.head_count_kv"), u32v(c.n_kv_heads));
+    w.add_metadata(k("attention.key_length"), u32v(c.head_dim));
+    w.add_metadata(k("attention.value_length"), u32v(c.head_dim));
+    w.add_metadata(k("attention.layer_norm_rms_epsilon"), MetaValue::F32(c.rms_eps));
+    w.add_metadata(k("rope.freq_base"), MetaValue::F32(c.rope_theta));
+    w.add_metadata(k("rope.dimension_count"), u32v(c.head_dim));
+    w.add_metadata(k("expert_count"), u32v(c.n_experts));
+    w.add_metadata(k("expert_used_count"), u32v(c.n_experts_used));
+    w.add_metadata(k("expert_weights_norm"), MetaValue::Bool(c.norm_topk_prob));
+    w.add_metadata(k("vocab_size"), u32v(c.vocab));
+    let v = vocab::synthetic_vocab(c.vocab).expect("vocab size checked by the caller");
+    w.add_metadata("tokenizer.ggml.model", MetaValue::String("gpt2".into()));
+    w.add_metadata("tokenizer.ggml.pre", MetaValue::String("default".into()));
+    w.add_metadata("tokenizer.ggml.tokens", MetaValue::string_array(v.tokens));
+    w.add_metadata("tokenizer.ggml.token_type", MetaValue::i32_array(v.token_types));
+    w.add_metadata("tokenizer.ggml.merges", MetaValue::string_array(v.merges));
+    w.add_metadata("tokenizer.ggml.bos_token_id", MetaValue::U32(v.eos_id));
+    w.add_metadata("tokenizer.ggml.eos_token_id", MetaValue::U32(v.eos_id));
+    w.add_metadata("tokenizer.ggml.padding_token_id", MetaValue::U32(v.eos_id));
+    w.add_metadata("tokenizer.ggml.add_bos_token", MetaValue::Bool(false));
+}
+
+/// llama.cpp's `general.file_type` (LLAMA_FTYPE_*) for an all-float file.
+fn gguf_file_type(dtype: DType) -> u32 {
+    match dtype {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        _ => 32, // MOSTLY_BF16
+    }
+}
+
+/// One tensor as written: its on-disk name, dtype and shape, and the canonical tensors whose rows
+/// it concatenates (several for a stacked GGUF expert tensor).
+struct PlannedTensor {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    parts: Vec<Canonical>,
+}
+
+impl PlannedTensor {
+    fn n_bytes(&self) -> usize {
+        self.dtype.bytes_for(self.shape.iter().product()).expect("float dtype")
+    }
+}
+
+/// A tensor in its canonical (Hugging Face) form, and how to generate it.
+#[derive(Clone)]
+struct Canonical {
+    /// Hugging Face name; seeds the generator.
+    key: String,
+    n_rows: usize,
+    n_cols: usize,
+    init: Init,
+    /// Write rows in llama.cpp's permuted order for interleaved RoPE (`head_dim` of the heads).
+    permute_rope_rows: Option<usize>,
+    layer_idx: usize,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Init {
+    /// Uniform with this standard deviation.
+    Uniform(f32),
+    /// `1 + uniform(±0.1)`: RMSNorm weights.
+    NormWeight,
+    /// Token embeddings: std 1, channel 0 set to the bias channel when skewed.
+    Embedding,
+    /// Output projections (attention o, expert/shared down): row 0 zero when skewed.
+    ResidualWriter(f32),
+    /// Router rows: column 0 carries the expert's bias when skewed.
+    Router(f32),
+}
+
+/// Generates canonical tensors deterministically.
+struct WeightGenerator {
+    seed: u64,
+    model_dtype: DType,
+    hidden: usize,
+    skew_exponent: Option<f32>,
+    /// Per layer, per expert: the logit bias in noise units.
+    router_bias: Vec<Vec<f32>>,
+}
+
+impl WeightGenerator {
+    fn new(config: &ModelConfig, opts: &SynthOptions) -> WeightGenerator {
+        let skew_exponent = opts.skew.exponent();
+        let router_bias = (0..config.n_layers)
+            .map(|layer_idx| match skew_exponent {
+                None => vec![0.0; config.n_experts],
+                Some(s) => expert_biases(opts.seed, layer_idx, config.n_experts, s),
+            })
+            .collect();
+        WeightGenerator { seed: opts.seed, model_dtype: opts.dtype, hidden: config.hidden, skew_exponent, router_bias }
+    }
+
+    fn write_tensor(&self, t: &PlannedTensor, out: &mut dyn Write) -> std::io::Result<()> {
+        // Rows per chunk: bounded so one chunk stays near 4 MiB of f32 whatever the row length.
+        let mut values = Vec::new();
+        let mut bytes = Vec::new();
+        for part in &t.parts {
+            let chunk_rows = (1 << 20) / part.n_cols.max(1) + 1;
+            let mut row_begin = 0;
+            while row_begin < part.n_rows {
+                let row_end = (row_begin + chunk_rows).min(part.n_rows);
+                values.clear();
+                for row in row_begin..row_end {
+                    self.push_row(part, disk_row_to_canonical(part, row), &mut values);
+                }
+                bytes.clear();
+                encode_f32(t.dtype, &values, &mut bytes);
+                out.write_all(&bytes)?;
+                row_begin = row_end;
+            }
+        }
+        Ok(())
+    }
+
+    /// Append canonical row `row` of `part`, rounded to the model dtype.
+    fn push_row(&self, part: &Canonical, row: usize, values: &mut Vec<f32>) {
+        let mut rng = SplitMix::new(self.seed ^ hash_str(&part.key) ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let start = values.len();
+        let skewed = self.skew_exponent.is_some();
+        match part.init {
+            Init::NormWeight => values.extend((0..part.n_cols).map(|_| 1.0 + 0.1 * rng.uniform_pm1())),
+            Init::Uniform(std) | Init::ResidualWriter(std) | Init::Router(std) => {
+                let a = std * 3f32.sqrt();
+                values.extend((0..part.n_cols).map(|_| a * rng.uniform_pm1()))
+            }
+            Init::Embedding => values.extend((0..part.n_cols).map(|_| 3f32.sqrt() * rng.uniform_pm1())),
+        }
+        if skewed {
+            let row_values = &mut values[start..];
+            match part.init {
+                Init::Embedding => row_values[0] = (self.hidden as f32).sqrt(),
+                Init::ResidualWriter(_) if row == 0 => row_values.iter_mut().for_each(|v| *v = 0.0),
+                Init::Router(std) => row_values[0] = std * self.router_bias[part.layer_idx][row],
+                _ => {}
+            }
+        }
+        for v in &mut values[start..] {
+            *v = round_to(self.model_dtype, *v);
+        }
+    }
+}
+
+/// Map an on-disk row to the canonical row (identity unless the rows are RoPE-permuted).
+fn disk_row_to_canonical(part: &Canonical, disk_row: usize) -> usize {
+    match part.permute_rope_rows {
+        None => disk_row,
+        Some(head_dim) => {
+            let head = disk_row / head_dim;
+            let local = disk_row % head_dim;
+            let half = head_dim / 2;
+            let canonical_local = if local % 2 == 0 { local / 2 } else { half + local / 2 };
+            head * head_dim + canonical_local
+        }
+    }
+}
+
+fn round_to(dtype: DType, v: f32) -> f32 {
+    match dtype {
+        DType::BF16 => bf16::from_f32(v).to_f32(),
+        DType::F16 => f16::from_f32(v).to_f32(),
+        _ => v,
+    }
+}
+
+/// Per-expert logit biases for one layer: a random ranking, `-s * ln(1 + rank)`.
+pub fn expert_biases(seed: u64, layer_idx: usize, n_experts: usize, exponent: f32) -> Vec<f32> {
+    let mut order: Vec<usize> = (0..n_experts).collect();
+    let mut rng = SplitMix::new(seed ^ 0xB1A5_u64.wrapping_mul(layer_idx as u64 + 1));
+    for i in (1..n_experts).rev() {
+        let j = (rng.next_u64() % (i as u64 + 1)) as usize;
+        order.swap(i, j);
+    }
+    let mut bias = vec![0.0; n_experts];
+    for (rank, &expert_idx) in order.iter().enumerate() {
+        bias[expert_idx] = -exponent * (1.0 + rank as f32).ln();
+    }
+    bias
+}
+
+/// SplitMix64: tiny, fast, and stable across versions (a crate's RNG stream may change between
+/// releases, which would silently change every synthetic model).
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn new(seed: u64) -> SplitMix {
+        SplitMix(seed)
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn uniform_pm1(&mut self) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// FNV-1a, for seeding from names.
+fn hash_str(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// How each per-layer role is initialised.
+fn layer_init(c: &ModelConfig, role: LayerRole) -> Init {
+    let inv_sqrt = |n: usize| 1.0 / (n as f32).sqrt();
+    match role {
+        LayerRole::AttnNorm | LayerRole::FfnNorm | LayerRole::QNorm | LayerRole::KNorm => Init::NormWeight,
+        LayerRole::Q | LayerRole::K | LayerRole::V => Init::Uniform(inv_sqrt(c.hidden)),
+        LayerRole::QBias | LayerRole::KBias | LayerRole::VBias => Init::Uniform(0.1),
+        LayerRole::O => Init::ResidualWriter(0.5 * inv_sqrt(c.q_dim())),
+        // Router logits with unit noise: rows of std sqrt(2 / hidden) against normed hidden states
+        // whose non-bias channels hold about half the energy.
+        LayerRole::Router => Init::Router((2.0 / c.hidden as f32).sqrt()),
+        LayerRole::SharedGate | LayerRole::SharedUp => Init::Uniform(inv_sqrt(c.hidden)),
+        LayerRole::SharedDown => Init::ResidualWriter(0.5 * inv_sqrt(c.shared_expert_ff)),
+        LayerRole::SharedExpertGate => Init::Uniform(inv_sqrt(c.hidden)),
+    }
+}
+
+fn expert_init(c: &ModelConfig, proj: ExpertProj) -> Init {
+    match proj {
+        ExpertProj::Gate | ExpertProj::Up => Init::Uniform(1.0 / (c.hidden as f32).sqrt()),
+        ExpertProj::Down => Init::ResidualWriter(0.5 / (c.expert_ff as f32).sqrt()),
+    }
+}
+
+fn canonical_2d(key: String, shape: &[usize], init: Init, layer_idx: usize) -> Canonical {
+    let (n_rows, n_cols) = match shape {
+        [n] => (1, *n),
+        [r, c] => (*r, *c),
+        _ => unreachable!("canonical tensors are 1-D or 2-D"),
+    };
+    Canonical { key, n_rows, n_cols, init, permute_rope_rows: None, layer_idx }
+}
+
+fn global_parts(c: &ModelConfig, a: &Adapter) -> Vec<(GlobalRole, Canonical)> {
+    let mut parts = vec![(
+        GlobalRole::TokenEmbedding,
+        canonical_2d(naming::hf_global(GlobalRole::TokenEmbedding).into(), &[c.vocab, c.hidden], Init::Embedding, 0),
+    )];
+    parts.push((
+        GlobalRole::OutputNorm,
+        canonical_2d(naming::hf_global(GlobalRole::OutputNorm).into(), &[c.hidden], Init::NormWeight, 0),
+    ));
+    if !c.tied_embeddings {
+        let init = Init::Uniform(1.0 / (c.hidden as f32).sqrt());
+        parts.push((GlobalRole::Output, canonical_2d(naming::hf_global(GlobalRole::Output).into(), &[c.vocab, c.hidden], init, 0)));
+    }
+    let _ = a;
+    parts
+}
+
+fn layer_parts(c: &ModelConfig, a: &Adapter, layer_idx: usize) -> Vec<(LayerRole, Canonical)> {
+    required_layer_roles(a)
+        .into_iter()
+        .map(|role| {
+            let shape = expected_layer_shape(c, a, role);
+            let key = naming::hf_layer(a.hf_naming, layer_idx, role);
+            let shape2: Vec<usize> = if shape.len() == 2 && shape[0] == 1 { vec![shape[1]] } else { shape };
+            (role, canonical_2d(key, &shape2, layer_init(c, role), layer_idx))
+        })
+        .collect()
+}
+
+fn expert_part(c: &ModelConfig, a: &Adapter, layer_idx: usize, expert_idx: usize, proj: ExpertProj) -> Canonical {
+    let shape = if proj == ExpertProj::Down { [c.hidden, c.expert_ff] } else { [c.expert_ff, c.hidden] };
+    canonical_2d(naming::hf_expert(a.hf_naming, layer_idx, expert_idx, proj), &shape, expert_init(c, proj), layer_idx)
+}
+
+fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
+    let a = opts.adapter;
+    let mut plan = Vec::new();
+    let mut push = |part: Canonical, shape: Vec<usize>| {
+        plan.push(PlannedTensor { name: part.key.clone(), dtype: opts.dtype, shape, parts: vec![part] });
+    };
+    for (_, part) in global_parts(c, a) {
+        let shape = if part.n_rows == 1 && part.key.ends_with("norm.weight") { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
+        push(part, shape);
+    }
+    for layer_idx in 0..c.n_layers {
+        for (role, part) in layer_parts(c, a, layer_idx) {
+            push(part, expected_layer_shape(c, a, role));
+        }
+        for expert_idx in 0..c.n_experts {
+            for proj in ExpertProj::ALL {
+                let part = expert_part(c, a, layer_idx, expert_idx, proj);
+                let shape = vec![part.n_rows, part.n_cols];
+                push(part, shape);
+            }
+        }
+    }
+    plan
+}
+
+fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
+    let a = opts.adapter;
+    let permute = a.arch == Arch::Mixtral;
+    let mut plan = Vec::new();
+    for (role, part) in global_parts(c, a) {
+        let dtype = if role == GlobalRole::OutputNorm { DType::F32 } else { opts.dtype };
+        let shape = if role == GlobalRole::OutputNorm { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
+        plan.push(PlannedTensor { name: naming::gguf_global(role).into(), dtype, shape, parts: vec![part] });
+    }
+    for layer_idx in 0..c.n_layers {
+        for (role, mut part) in layer_parts(c, a, layer_idx) {
+            if permute && matches!(role, LayerRole::Q | LayerRole::K) {
+                part.permute_rope_rows = Some(c.head_dim);
+            }
+            let one_d = part.n_rows == 1;
+            let f32_role = one_d || role == LayerRole::Router;
+            let dtype = if f32_role { DType::F32 } else { opts.dtype };
+            let shape = if one_d { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
+            plan.push(PlannedTensor { name: naming::gguf_layer(layer_idx, role), dtype, shape, parts: vec![part] });
+        }
+        for proj in ExpertProj::ALL {
+            let parts: Vec<Canonical> = (0..c.n_experts).map(|e| expert_part(c, a, layer_idx, e, proj)).collect();
+            let shape = vec![c.n_experts, parts[0].n_rows, parts[0].n_cols];
+            plan.push(PlannedTensor { name: naming::gguf_experts(layer_idx, proj), dtype: opts.dtype, shape, parts });
+        }
+    }
+    plan
+}
+
+/// Reject output paths that cannot be written before any work starts.
+pub fn check_output_path(path: &Path) -> Result<(), SynthError> {
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        return Err(SynthError::Output { path: path.into(), reason: format!("directory {} does not exist", parent.display()) });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn skew_parses() {
+        assert_eq!("uniform".parse::<Skew>().unwrap(), Skew::Uniform);
+        assert_eq!("zipf:1.5".parse::<Skew>().unwrap(), Skew::Zipf(1.5));
+        assert!("zipf:-1".parse::<Skew>().is_err());
+        assert!("zipf".parse::<Skew>().is_err());
+    }
+
+    #[test]
+    fn rope_permutation_is_a_bijection_within_heads() {
+        let part = Canonical {
+            key: "q".into(),
+            n_rows: 16,
+            n_cols: 1,
+            init: Init::NormWeight,
+            permute_rope_rows: Some(8),
+            layer_idx: 0,
+        };
+        let mapped: Vec<usize> = (0..16).map(|r| disk_row_to_canonical(&part, r)).collect();
+        assert_eq!(&mapped[..8], &[0, 4, 1, 5, 2, 6, 3, 7]);
+        let mut sorted = mapped.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..16).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn biases_are_a_permuted_ranking() {
+        let b = expert_biases(7, 0, 8, 1.0);
+        let mut sorted = b.clone();
+        sorted.sort_by(|x, y| y.partial_cmp(x).unwrap());
+        assert_eq!(sorted[0], 0.0);
+        assert!((sorted[7] + 8f32.ln()).abs() < 1e-6);
+        assert_ne!(b, expert_biases(7, 1, 8, 1.0), "layers get different rankings");
+    }
+}
