@@ -5,6 +5,7 @@
 //! perf state and metrics. `src/main.rs` is the `moe-lanes` CLI on top of it. See ARCHITECTURE.md.
 
 pub mod dtype;
+pub mod safetensors;
 pub mod tensor;
 pub mod adapter;
 pub mod config;
