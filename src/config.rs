@@ -102,6 +102,17 @@ impl<'a> HfFields<'a> {
         ConfigError::Invalid { path: self.path.into(), field: field.into(), reason: reason.into() }
     }
 
+    /// `num_experts`, or `num_local_experts` (transformers 5 saves qwen3_moe that way).
+    fn expert_count(&self) -> Result<usize, ConfigError> {
+        match self.opt_usize("num_experts")? {
+            Some(n) => Ok(n),
+            None => self.usize("num_local_experts").map_err(|_| ConfigError::MissingField {
+                path: self.path.into(),
+                field: "num_experts".into(),
+            }),
+        }
+    }
+
     /// `rope_theta`, or transformers 5's `rope_parameters.rope_theta`.
     fn rope_theta(&self, default: f32) -> Result<f32, ConfigError> {
         if let Some(theta) = self.opt_f64("rope_theta")? {
@@ -165,8 +176,8 @@ impl ModelConfig {
         };
         let (n_experts, expert_ff) = match adapter.arch {
             Arch::Mixtral => (f.usize("num_local_experts")?, f.usize("intermediate_size")?),
-            Arch::Olmoe => (f.usize("num_experts")?, f.usize("intermediate_size")?),
-            Arch::Qwen3Moe | Arch::Qwen2Moe => (f.usize("num_experts")?, f.usize("moe_intermediate_size")?),
+            Arch::Olmoe => (f.expert_count()?, f.usize("intermediate_size")?),
+            Arch::Qwen3Moe | Arch::Qwen2Moe => (f.expert_count()?, f.usize("moe_intermediate_size")?),
         };
         let shared_expert_ff =
             if adapter.shared_expert { f.usize("shared_expert_intermediate_size")? } else { 0 };

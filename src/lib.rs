@@ -13,3 +13,5 @@ pub mod config;
 pub mod naming;
 pub mod vocab;
 pub mod synth;
+pub mod reference;
+pub mod inspect;

@@ -1,4 +1,298 @@
-//! The `moe-lanes` command-line interface: the only place that turns library errors into `anyhow`.
-fn main() -> anyhow::Result<()> {
+//! The `moe-lanes` command-line interface. The only place that turns library errors into
+//! `anyhow` errors and prints; everything it does is a library call.
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use moe_lanes::adapter;
+use moe_lanes::dtype::DType;
+use moe_lanes::inspect::{format_bytes, InspectReport};
+use moe_lanes::model::Model;
+use moe_lanes::reference::{NoObserver, Reference};
+use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+#[derive(Parser)]
+#[command(name = "moe-lanes", version, about = "Run Mixture-of-Experts models with hot experts on the GPU and cold experts on a CPU lane pool")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text tokens on the default synthetic model (created on first use) and report timing.
+    Demo(DemoArgs),
+    /// Write a checkpoint with random weights for any supported architecture.
+    Synth(SynthArgs),
+    /// Show a model's architecture, dimensions, dtypes and sizes.
+    Inspect(InspectArgs),
+    /// Print the logits of every position as JSON.
+    Logits(LogitsArgs),
+    /// Greedy generation; prints the generated token ids as JSON.
+    Generate(GenerateArgs),
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Model to run instead of the default synthetic one.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 16)]
+    max_new_tokens: usize,
+}
+
+#[derive(Args)]
+struct SynthArgs {
+    /// Architecture: qwen3_moe, mixtral, olmoe or qwen2_moe.
+    #[arg(long, default_value = "qwen3_moe")]
+    arch: String,
+    /// Dimension preset: tiny or qwen3-30b-a3b.
+    #[arg(long, default_value = "tiny")]
+    preset: String,
+    /// gguf or safetensors (a directory).
+    #[arg(long, default_value = "gguf")]
+    format: String,
+    /// Output file (gguf) or directory (safetensors).
+    #[arg(long)]
+    out: PathBuf,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// uniform, skewed (top half of experts gets ~90% of slots) or zipf:S.
+    #[arg(long, default_value = "skewed")]
+    skew: String,
+    /// bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    #[arg(long)]
+    layers: Option<usize>,
+    #[arg(long)]
+    hidden: Option<usize>,
+    #[arg(long)]
+    heads: Option<usize>,
+    #[arg(long)]
+    kv_heads: Option<usize>,
+    #[arg(long)]
+    head_dim: Option<usize>,
+    #[arg(long)]
+    vocab: Option<usize>,
+    #[arg(long)]
+    experts: Option<usize>,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    expert_ff: Option<usize>,
+    #[arg(long)]
+    shared_expert_ff: Option<usize>,
+    /// Tie the lm_head to the token embedding.
+    #[arg(long)]
+    tied: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct InspectArgs {
+    /// A GGUF file or a directory with config.json and safetensors.
+    path: PathBuf,
+    #[arg(long)]
+    json: bool,
+    /// Also measure routing coverage over this many tokens with the reference pass.
+    #[arg(long)]
+    coverage_tokens: Option<usize>,
+}
+
+#[derive(Args)]
+struct LogitsArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// Comma-separated token ids.
+    #[arg(long, value_delimiter = ',', required = true)]
+    tokens: Vec<u32>,
+    /// Forward engine.
+    #[arg(long, default_value = "reference")]
+    engine: String,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[arg(long)]
+    model: PathBuf,
+    #[arg(long, value_delimiter = ',', required = true)]
+    tokens: Vec<u32>,
+    #[arg(long, default_value_t = 16)]
+    max_new_tokens: usize,
+    #[arg(long, default_value = "reference")]
+    engine: String,
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Demo(args) => demo(args),
+        Command::Synth(args) => synth_cmd(args),
+        Command::Inspect(args) => inspect(args),
+        Command::Logits(args) => logits(args),
+        Command::Generate(args) => generate(args),
+    }
+}
+
+fn open_model(path: &Path) -> Result<Model> {
+    Model::open(path).with_context(|| format!("cannot open model {}", path.display()))
+}
+
+fn check_engine(engine: &str) -> Result<()> {
+    match engine {
+        "reference" => Ok(()),
+        other => bail!("unknown engine '{other}' (available: reference)"),
+    }
+}
+
+fn synth_cmd(args: SynthArgs) -> Result<()> {
+    let opts = SynthOptions {
+        adapter: adapter::by_name(&args.arch)?,
+        preset: args.preset.parse::<Preset>().map_err(anyhow::Error::msg)?,
+        dims: DimOverrides {
+            n_layers: args.layers,
+            hidden: args.hidden,
+            n_heads: args.heads,
+            n_kv_heads: args.kv_heads,
+            head_dim: args.head_dim,
+            vocab: args.vocab,
+            n_experts: args.experts,
+            n_experts_used: args.top_k,
+            expert_ff: args.expert_ff,
+            shared_expert_ff: args.shared_expert_ff,
+            tied_embeddings: args.tied.then_some(true),
+        },
+        dtype: DType::parse_float(&args.dtype).with_context(|| format!("--dtype {}: expected bf16, f16 or f32", args.dtype))?,
+        seed: args.seed,
+        skew: args.skew.parse::<Skew>().map_err(anyhow::Error::msg)?,
+        format: match args.format.as_str() {
+            "gguf" => SynthFormat::Gguf,
+            "safetensors" | "hf" => SynthFormat::Safetensors,
+            other => bail!("--format {other}: expected gguf or safetensors"),
+        },
+        out: args.out,
+    };
+    synth::check_output_path(&opts.out)?;
+    let report = write_with_progress(&opts)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!("wrote {} ({}, {} tensors)", report.path.display(), format_bytes(report.n_bytes), report.n_tensors);
+    }
+    Ok(())
+}
+
+fn write_with_progress(opts: &SynthOptions) -> Result<synth::SynthReport> {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} writing [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let report = synth::write_synthetic(opts, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    });
+    bar.finish_and_clear();
+    Ok(report?)
+}
+
+fn inspect(args: InspectArgs) -> Result<()> {
+    let model = open_model(&args.path)?;
+    let mut report = InspectReport::new(&model);
+    if let Some(n_tokens) = args.coverage_tokens {
+        report.measure_coverage(&model, n_tokens)?;
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", report.to_text());
+    }
+    Ok(())
+}
+
+fn logits(args: LogitsArgs) -> Result<()> {
+    check_engine(&args.engine)?;
+    let model = open_model(&args.model)?;
+    let reference = Reference::new(&model)?;
+    let mut cache = reference.new_cache();
+    let logits = reference.forward(&mut cache, &args.tokens, &mut NoObserver)?;
+    let out = serde_json::json!({ "tokens": args.tokens, "logits": logits });
+    println!("{}", serde_json::to_string(&out)?);
+    Ok(())
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    check_engine(&args.engine)?;
+    let model = open_model(&args.model)?;
+    let reference = Reference::new(&model)?;
+    let tokens = reference.generate(&args.tokens, args.max_new_tokens)?;
+    println!("{}", serde_json::json!({ "tokens": tokens }));
+    Ok(())
+}
+
+/// Where the default synthetic model lives: `$MOE_LANES_HOME` or `~/.cache/moe-lanes`.
+fn default_model_path() -> PathBuf {
+    let home = std::env::var_os("MOE_LANES_HOME").map(PathBuf::from).unwrap_or_else(|| {
+        let base = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+        base.join(".cache").join("moe-lanes")
+    });
+    home.join("default-qwen3moe-small.gguf")
+}
+
+/// The embedded default: a small Qwen3-MoE-shaped model with skewed routing.
+fn default_model_options(out: PathBuf) -> Result<SynthOptions> {
+    Ok(SynthOptions {
+        adapter: adapter::by_name("qwen3_moe")?,
+        preset: Preset::Tiny,
+        dims: DimOverrides {
+            n_layers: Some(4),
+            hidden: Some(256),
+            n_heads: Some(8),
+            n_kv_heads: Some(2),
+            head_dim: Some(32),
+            vocab: Some(2048),
+            n_experts: Some(32),
+            n_experts_used: Some(4),
+            expert_ff: Some(128),
+            ..DimOverrides::default()
+        },
+        dtype: DType::BF16,
+        seed: 42,
+        skew: Skew::Skewed,
+        format: SynthFormat::Gguf,
+        out,
+    })
+}
+
+fn demo(args: DemoArgs) -> Result<()> {
+    let path = match args.model {
+        Some(p) => p,
+        None => {
+            let path = default_model_path();
+            if !path.exists() {
+                std::fs::create_dir_all(path.parent().expect("has a parent"))
+                    .with_context(|| format!("cannot create {}", path.display()))?;
+                eprintln!("first use: writing the default synthetic model to {}", path.display());
+                write_with_progress(&default_model_options(path.clone())?)?;
+            }
+            path
+        }
+    };
+    let model = open_model(&path)?;
+    print!("{}", InspectReport::new(&model).to_text());
+    let reference = Reference::new(&model)?;
+    let prompt = moe_lanes::inspect::sample_tokens(model.config().vocab, 8);
+    let start = Instant::now();
+    let tokens = reference.generate(&prompt, args.max_new_tokens)?;
+    let seconds = start.elapsed().as_secs_f64();
+    println!("prompt    {prompt:?}");
+    println!("generated {tokens:?}");
+    println!("engine reference: {} tokens in {:.3} s ({:.1} tokens/s)", tokens.len(), seconds, (prompt.len() + tokens.len()) as f64 / seconds);
     Ok(())
 }

@@ -283,7 +283,9 @@ fn write_hf(
     let hf_json = config.to_hf_json(opts.adapter);
     // Shards of at most 4 GiB, as Hugging Face writes large checkpoints.
     const MAX_SHARD_BYTES: u64 = 4 << 30;
-    safetensors::write_model_dir(&opts.out, &hf_json, &specs, Some(MAX_SHARD_BYTES), fill, &mut |done| {
+    let mut done = 0u64;
+    safetensors::write_model_dir(&opts.out, &hf_json, &specs, Some(MAX_SHARD_BYTES), fill, &mut |n_bytes| {
+        done += n_bytes;
         progress(done, total)
     })?;
     Ok(total)

@@ -1,0 +1,499 @@
+//! The reference forward pass: plain CPU arithmetic in f32, written to be obviously right rather
+//! than fast. It is the oracle every faster path is tested against, so it shares the model view
+//! with them but none of their arithmetic: its own matrix-vector products, norms, RoPE, attention
+//! and routing.
+//!
+//! Tokens are processed one at a time, each appended to the KV cache and attending to every cached
+//! position up to its own, which is causal attention by construction. A prefill of n tokens is n
+//! such steps; decode continues from the same cache.
+
+use crate::adapter::{Adapter, QkNorm, RopeStyle, RoutingVariant};
+use crate::config::ModelConfig;
+use crate::model::Model;
+use crate::naming::{GlobalRole, LayerRole};
+use crate::tensor::{TensorError, TensorRef};
+
+/// Why a forward call was refused or failed.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ForwardError {
+    #[error("token id {token} at position {position} is out of range: the vocabulary has {vocab} tokens")]
+    TokenOutOfRange { token: u32, position: usize, vocab: usize },
+    #[error("context is full: {max_positions} positions")]
+    ContextFull { max_positions: usize },
+    #[error("no tokens given")]
+    EmptyInput,
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+}
+
+/// Receives every routing decision the forward pass makes (for learn passes and tests).
+pub trait RoutingObserver {
+    fn on_route(&mut self, layer_idx: usize, position: usize, experts: &[(usize, f32)]);
+}
+
+/// An observer that ignores everything.
+pub struct NoObserver;
+
+impl RoutingObserver for NoObserver {
+    fn on_route(&mut self, _: usize, _: usize, _: &[(usize, f32)]) {}
+}
+
+/// Per-layer expert usage counts, `[layer][expert]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertCounts(pub Vec<Vec<u64>>);
+
+impl RoutingObserver for ExpertCounts {
+    fn on_route(&mut self, layer_idx: usize, _: usize, experts: &[(usize, f32)]) {
+        for &(expert_idx, _) in experts {
+            self.0[layer_idx][expert_idx] += 1;
+        }
+    }
+}
+
+impl ExpertCounts {
+    pub fn new(n_layers: usize, n_experts: usize) -> ExpertCounts {
+        ExpertCounts(vec![vec![0; n_experts]; n_layers])
+    }
+
+    /// Mean over layers of the share of routed slots that went to the most-used half of experts.
+    pub fn top_half_coverage(&self) -> f64 {
+        let per_layer: Vec<f64> = self
+            .0
+            .iter()
+            .map(|counts| {
+                let mut sorted = counts.clone();
+                sorted.sort_unstable_by(|a, b| b.cmp(a));
+                let total: u64 = sorted.iter().sum();
+                let top: u64 = sorted[..sorted.len().div_ceil(2)].iter().sum();
+                if total == 0 {
+                    0.0
+                } else {
+                    top as f64 / total as f64
+                }
+            })
+            .collect();
+        per_layer.iter().sum::<f64>() / per_layer.len().max(1) as f64
+    }
+}
+
+/// The KV cache: per layer, keys and values of every position so far (`kv_dim` floats each).
+pub struct KvCache {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    n_positions: usize,
+}
+
+impl KvCache {
+    pub fn n_positions(&self) -> usize {
+        self.n_positions
+    }
+}
+
+/// Non-expert weights of one layer, decoded to f32 once.
+struct LayerWeights {
+    attn_norm: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    o: Vec<f32>,
+    q_bias: Option<Vec<f32>>,
+    k_bias: Option<Vec<f32>>,
+    v_bias: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    ffn_norm: Vec<f32>,
+    router: Vec<f32>,
+    shared: Option<SharedExpert>,
+}
+
+struct SharedExpert {
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+    gate_logit: Vec<f32>,
+}
+
+/// The reference engine over an opened model.
+pub struct Reference<'m> {
+    model: &'m Model,
+    config: ModelConfig,
+    adapter: &'static Adapter,
+    embedding: Vec<f32>,
+    final_norm: Vec<f32>,
+    /// `None` when embeddings are tied (the embedding matrix is the lm_head).
+    lm_head: Option<Vec<f32>>,
+    layers: Vec<LayerWeights>,
+}
+
+fn decode(t: TensorRef<'_>) -> Result<Vec<f32>, TensorError> {
+    t.to_f32_vec()
+}
+
+impl<'m> Reference<'m> {
+    pub fn new(model: &'m Model) -> Result<Reference<'m>, ForwardError> {
+        let config = model.config().clone();
+        let embedding = decode(model.global(GlobalRole::TokenEmbedding).expect("validated"))?;
+        let final_norm = decode(model.global(GlobalRole::OutputNorm).expect("validated"))?;
+        let lm_head = model.global(GlobalRole::Output).map(decode).transpose()?;
+        let layers = (0..config.n_layers).map(|l| load_layer(model, l)).collect::<Result<Vec<_>, _>>()?;
+        Ok(Reference { model, config, adapter: model.adapter(), embedding, final_norm, lm_head, layers })
+    }
+
+    pub fn new_cache(&self) -> KvCache {
+        KvCache {
+            keys: vec![Vec::new(); self.config.n_layers],
+            values: vec![Vec::new(); self.config.n_layers],
+            n_positions: 0,
+        }
+    }
+
+    /// Run `tokens` through the model after whatever `cache` holds; returns one logits row per token.
+    /// Checks every token id before touching the cache, so a bad id changes nothing.
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        observer: &mut dyn RoutingObserver,
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        self.check_tokens(cache, tokens)?;
+        let mut all_logits = Vec::with_capacity(tokens.len());
+        for &token in tokens {
+            let hidden = self.forward_hidden(cache, token, observer)?;
+            all_logits.push(self.logits(&hidden));
+        }
+        Ok(all_logits)
+    }
+
+    /// Like [`Reference::forward`] but without the lm_head (for routing measurements).
+    pub fn forward_no_logits(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        observer: &mut dyn RoutingObserver,
+    ) -> Result<(), ForwardError> {
+        self.check_tokens(cache, tokens)?;
+        for &token in tokens {
+            self.forward_hidden(cache, token, observer)?;
+        }
+        Ok(())
+    }
+
+    /// Greedy generation: prefill `prompt`, then decode `n_new` tokens one by one.
+    pub fn generate(&self, prompt: &[u32], n_new: usize) -> Result<Vec<u32>, ForwardError> {
+        let mut cache = self.new_cache();
+        let logits = self.forward(&mut cache, prompt, &mut NoObserver)?;
+        let mut next = argmax(logits.last().expect("prompt is not empty"));
+        let mut generated = Vec::with_capacity(n_new);
+        for i in 0..n_new {
+            generated.push(next);
+            if i + 1 < n_new {
+                let logits = self.forward(&mut cache, &[next], &mut NoObserver)?;
+                next = argmax(&logits[0]);
+            }
+        }
+        Ok(generated)
+    }
+
+    fn check_tokens(&self, cache: &KvCache, tokens: &[u32]) -> Result<(), ForwardError> {
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyInput);
+        }
+        for (i, &token) in tokens.iter().enumerate() {
+            if token as usize >= self.config.vocab {
+                return Err(ForwardError::TokenOutOfRange { token, position: cache.n_positions + i, vocab: self.config.vocab });
+            }
+        }
+        if cache.n_positions + tokens.len() > self.config.max_positions {
+            return Err(ForwardError::ContextFull { max_positions: self.config.max_positions });
+        }
+        Ok(())
+    }
+
+    fn forward_hidden(
+        &self,
+        cache: &mut KvCache,
+        token: u32,
+        observer: &mut dyn RoutingObserver,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.config;
+        let position = cache.n_positions;
+        let row = token as usize * c.hidden;
+        let mut hidden = self.embedding[row..row + c.hidden].to_vec();
+        for (layer_idx, layer) in self.layers.iter().enumerate() {
+            let normed = rms_norm(&hidden, &layer.attn_norm, c.rms_eps);
+            let attn = self.attention(layer, layer_idx, cache, &normed, position);
+            add_into(&mut hidden, &attn);
+            let normed = rms_norm(&hidden, &layer.ffn_norm, c.rms_eps);
+            let moe = self.moe(layer, layer_idx, &normed, position, observer)?;
+            add_into(&mut hidden, &moe);
+        }
+        cache.n_positions += 1;
+        Ok(hidden)
+    }
+
+    fn logits(&self, hidden: &[f32]) -> Vec<f32> {
+        let normed = rms_norm(hidden, &self.final_norm, self.config.rms_eps);
+        let head = self.lm_head.as_deref().unwrap_or(&self.embedding);
+        matvec(head, &normed, self.config.vocab)
+    }
+
+    fn attention(&self, w: &LayerWeights, layer_idx: usize, cache: &mut KvCache, x: &[f32], position: usize) -> Vec<f32> {
+        let c = &self.config;
+        let (hd, n_heads, n_kv) = (c.head_dim, c.n_heads, c.n_kv_heads);
+        let mut q = matvec(&w.q, x, c.q_dim());
+        let mut k = matvec(&w.k, x, c.kv_dim());
+        let mut v = matvec(&w.v, x, c.kv_dim());
+        for (proj, bias) in [(&mut q, &w.q_bias), (&mut k, &w.k_bias), (&mut v, &w.v_bias)] {
+            if let Some(b) = bias {
+                add_into(proj, b);
+            }
+        }
+        match self.adapter.qk_norm {
+            QkNorm::None => {}
+            QkNorm::WholeProjection => {
+                q = rms_norm(&q, w.q_norm.as_ref().expect("validated"), c.rms_eps);
+                k = rms_norm(&k, w.k_norm.as_ref().expect("validated"), c.rms_eps);
+            }
+            QkNorm::PerHead => {
+                for head in q.chunks_mut(hd) {
+                    let normed = rms_norm(head, w.q_norm.as_ref().expect("validated"), c.rms_eps);
+                    head.copy_from_slice(&normed);
+                }
+                for head in k.chunks_mut(hd) {
+                    let normed = rms_norm(head, w.k_norm.as_ref().expect("validated"), c.rms_eps);
+                    head.copy_from_slice(&normed);
+                }
+            }
+        }
+        if let Some(clip) = c.clip_qkv {
+            for x in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
+                *x = x.clamp(-clip, clip);
+            }
+        }
+        for head in q.chunks_mut(hd).chain(k.chunks_mut(hd)) {
+            apply_rope(head, position, c.rope_theta, c.rope_style);
+        }
+        cache.keys[layer_idx].extend_from_slice(&k);
+        cache.values[layer_idx].extend_from_slice(&v);
+        let keys = &cache.keys[layer_idx];
+        let values = &cache.values[layer_idx];
+        let first_visible = match c.sliding_window {
+            Some(window) => (position + 1).saturating_sub(window),
+            None => 0,
+        };
+        let scale = 1.0 / (hd as f32).sqrt();
+        let group = n_heads / n_kv;
+        let mut out = vec![0.0; c.q_dim()];
+        for head in 0..n_heads {
+            let kv_head = head / group;
+            let qh = &q[head * hd..(head + 1) * hd];
+            let scores: Vec<f32> = (first_visible..=position)
+                .map(|p| dot(qh, &keys[p * c.kv_dim() + kv_head * hd..][..hd]) * scale)
+                .collect();
+            let probs = softmax(&scores);
+            let oh = &mut out[head * hd..(head + 1) * hd];
+            for (p, prob) in (first_visible..=position).zip(probs) {
+                let vh = &values[p * c.kv_dim() + kv_head * hd..][..hd];
+                for (o, val) in oh.iter_mut().zip(vh) {
+                    *o += prob * val;
+                }
+            }
+        }
+        matvec(&w.o, &out, c.hidden)
+    }
+
+    fn moe(
+        &self,
+        w: &LayerWeights,
+        layer_idx: usize,
+        x: &[f32],
+        position: usize,
+        observer: &mut dyn RoutingObserver,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.config;
+        let logits = matvec(&w.router, x, c.n_experts);
+        let chosen = route(&logits, c.n_experts_used, self.adapter.routing, c.norm_topk_prob);
+        observer.on_route(layer_idx, position, &chosen);
+        let mut out = vec![0.0; c.hidden];
+        for &(expert_idx, weight) in &chosen {
+            let e = self.model.expert(layer_idx, expert_idx);
+            let y = ffn(&decode(e.gate)?, &decode(e.up)?, &decode(e.down)?, x, c.expert_ff, c.hidden);
+            for (o, v) in out.iter_mut().zip(&y) {
+                *o += weight * v;
+            }
+        }
+        if let Some(shared) = &w.shared {
+            let y = ffn(&shared.gate, &shared.up, &shared.down, x, c.shared_expert_ff, c.hidden);
+            let gate = sigmoid(dot(&shared.gate_logit, x));
+            for (o, v) in out.iter_mut().zip(&y) {
+                *o += gate * v;
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorError> {
+    let get = |role| model.layer(layer_idx, role).map(decode).transpose();
+    let req = |role| decode(model.required(layer_idx, role));
+    let shared = if model.adapter().shared_expert {
+        Some(SharedExpert {
+            gate: req(LayerRole::SharedGate)?,
+            up: req(LayerRole::SharedUp)?,
+            down: req(LayerRole::SharedDown)?,
+            gate_logit: req(LayerRole::SharedExpertGate)?,
+        })
+    } else {
+        None
+    };
+    Ok(LayerWeights {
+        attn_norm: req(LayerRole::AttnNorm)?,
+        q: req(LayerRole::Q)?,
+        k: req(LayerRole::K)?,
+        v: req(LayerRole::V)?,
+        o: req(LayerRole::O)?,
+        q_bias: get(LayerRole::QBias)?,
+        k_bias: get(LayerRole::KBias)?,
+        v_bias: get(LayerRole::VBias)?,
+        q_norm: get(LayerRole::QNorm)?,
+        k_norm: get(LayerRole::KNorm)?,
+        ffn_norm: req(LayerRole::FfnNorm)?,
+        router: req(LayerRole::Router)?,
+        shared,
+    })
+}
+
+/// The router: expert ids and weights for one token. Ties go to the lower expert id.
+pub fn route(logits: &[f32], k: usize, variant: RoutingVariant, norm_topk_prob: bool) -> Vec<(usize, f32)> {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    // Softmax is monotonic, so ranking by logits equals ranking by probabilities.
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let top = &order[..k];
+    match variant {
+        RoutingVariant::SoftmaxThenTopK => {
+            let probs = softmax(logits);
+            let mut chosen: Vec<(usize, f32)> = top.iter().map(|&e| (e, probs[e])).collect();
+            if norm_topk_prob {
+                let sum: f32 = chosen.iter().map(|(_, w)| w).sum();
+                chosen.iter_mut().for_each(|(_, w)| *w /= sum);
+            }
+            chosen
+        }
+        RoutingVariant::TopKThenSoftmax => {
+            let top_logits: Vec<f32> = top.iter().map(|&e| logits[e]).collect();
+            top.iter().copied().zip(softmax(&top_logits)).collect()
+        }
+    }
+}
+
+/// `down · (silu(gate · x) * (up · x))`
+fn ffn(gate: &[f32], up: &[f32], down: &[f32], x: &[f32], ff: usize, hidden: usize) -> Vec<f32> {
+    let g = matvec(gate, x, ff);
+    let u = matvec(up, x, ff);
+    let h: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
+    matvec(down, &h, hidden)
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// `weight` is row-major `[n_rows, x.len()]`.
+fn matvec(weight: &[f32], x: &[f32], n_rows: usize) -> Vec<f32> {
+    assert_eq!(weight.len(), n_rows * x.len(), "matvec shape");
+    weight.chunks_exact(x.len()).map(|row| dot(row, x)).collect()
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+fn add_into(acc: &mut [f32], x: &[f32]) {
+    for (a, v) in acc.iter_mut().zip(x) {
+        *a += v;
+    }
+}
+
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let mean_square = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (mean_square + eps).sqrt();
+    x.iter().zip(weight).map(|(v, w)| v * inv * w).collect()
+}
+
+fn softmax(x: &[f32]) -> Vec<f32> {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = x.iter().map(|v| (v - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    exps.iter().map(|e| e / sum).collect()
+}
+
+/// Rotate one head in place. Frequencies as Hugging Face computes them: `theta^(-2i/d)`.
+fn apply_rope(head: &mut [f32], position: usize, theta: f32, style: RopeStyle) {
+    let d = head.len();
+    let half = d / 2;
+    for i in 0..half {
+        let inv_freq = 1.0 / (theta as f64).powf(2.0 * i as f64 / d as f64);
+        let angle = position as f64 * inv_freq;
+        let (sin, cos) = (angle.sin() as f32, angle.cos() as f32);
+        let (a, b) = match style {
+            RopeStyle::HalfSplit => (i, i + half),
+            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+        };
+        let (x0, x1) = (head[a], head[b]);
+        head[a] = x0 * cos - x1 * sin;
+        head[b] = x1 * cos + x0 * sin;
+    }
+}
+
+/// Index of the largest value (first on ties).
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in values.iter().enumerate() {
+        if *v > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_routing_variants_agree_when_renormalised() {
+        let logits = [0.3, -1.0, 2.0, 0.9, 1.5];
+        let a = route(&logits, 3, RoutingVariant::SoftmaxThenTopK, true);
+        let b = route(&logits, 3, RoutingVariant::TopKThenSoftmax, false);
+        for ((ea, wa), (eb, wb)) in a.iter().zip(&b) {
+            assert_eq!(ea, eb);
+            assert!((wa - wb).abs() < 1e-6);
+        }
+        assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), vec![2, 4, 3]);
+    }
+
+    #[test]
+    fn unnormalised_softmax_topk_keeps_full_softmax_weights() {
+        let logits = [0.0, 0.0, 0.0, 0.0];
+        let chosen = route(&logits, 2, RoutingVariant::SoftmaxThenTopK, false);
+        assert_eq!(chosen, vec![(0, 0.25), (1, 0.25)]);
+    }
+
+    #[test]
+    fn rope_styles_agree_on_permuted_input() {
+        let canonical: Vec<f32> = (0..8).map(|i| i as f32 * 0.37 - 1.0).collect();
+        let mut half = canonical.clone();
+        apply_rope(&mut half, 5, 10000.0, RopeStyle::HalfSplit);
+        let mut inter: Vec<f32> = (0..8).map(|r| canonical[if r % 2 == 0 { r / 2 } else { 4 + r / 2 }]).collect();
+        apply_rope(&mut inter, 5, 10000.0, RopeStyle::Interleaved);
+        for r in 0..8 {
+            let c = if r % 2 == 0 { r / 2 } else { 4 + r / 2 };
+            assert!((inter[r] - half[c]).abs() < 1e-6);
+        }
+    }
+}
