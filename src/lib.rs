@@ -5,4 +5,5 @@
 //! perf state and metrics. `src/main.rs` is the `moe-lanes` CLI on top of it. See ARCHITECTURE.md.
 
 pub mod dtype;
+pub mod gguf;
 pub mod tensor;
