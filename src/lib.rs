@@ -4,14 +4,15 @@
 //! checkpoints, the reference forward pass, and (as they land) routing, worklists, cache planning,
 //! perf state and metrics. `src/main.rs` is the `moe-lanes` CLI on top of it. See ARCHITECTURE.md.
 
-pub mod dtype;
-pub mod safetensors;
-pub mod tensor;
 pub mod adapter;
 pub mod config;
-// pub mod model;
-pub mod naming;
-pub mod vocab;
-pub mod synth;
-pub mod reference;
+pub mod dtype;
+pub mod gguf;
 pub mod inspect;
+pub mod model;
+pub mod naming;
+pub mod reference;
+pub mod safetensors;
+pub mod synth;
+pub mod tensor;
+pub mod vocab;
