@@ -225,9 +225,14 @@ pub fn for_gguf_arch(gguf_arch: &str, n_experts: usize) -> Result<&'static Adapt
     match found {
         Some(adapter) if gguf_arch != "llama" || n_experts > 0 => Ok(adapter),
         _ => Err(UnsupportedArch {
-            found: if gguf_arch == "llama" { "llama (without experts)".to_string() } else { gguf_arch.to_string() },
+            found: if gguf_arch == "llama" {
+                "llama (without experts)".to_string()
+            } else {
+                gguf_arch.to_string()
+            },
             source_kind: "GGUF general.architecture",
-            supported: supported_list(ADAPTERS.iter().map(|a| a.gguf_arch)) + " (llama with experts = mixtral)",
+            supported: supported_list(ADAPTERS.iter().map(|a| a.gguf_arch))
+                + " (llama with experts = mixtral)",
         }),
     }
 }

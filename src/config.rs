@@ -69,7 +69,10 @@ impl<'a> HfFields<'a> {
     fn opt_usize(&self, field: &str) -> Result<Option<usize>, ConfigError> {
         match self.raw(field) {
             None => Ok(None),
-            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| self.wrong(field, "a non-negative integer", v)),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .ok_or_else(|| self.wrong(field, "a non-negative integer", v)),
         }
     }
 
@@ -95,7 +98,12 @@ impl<'a> HfFields<'a> {
     }
 
     fn wrong(&self, field: &str, expected: &'static str, found: &Value) -> ConfigError {
-        ConfigError::WrongType { path: self.path.into(), field: field.into(), expected, found: found.to_string() }
+        ConfigError::WrongType {
+            path: self.path.into(),
+            field: field.into(),
+            expected,
+            found: found.to_string(),
+        }
     }
 
     fn invalid(&self, field: &str, reason: impl Into<String>) -> ConfigError {
@@ -122,7 +130,9 @@ impl<'a> HfFields<'a> {
             let nested = HfFields { path: self.path, value: params };
             if let Some(kind) = nested.opt_str("rope_type")? {
                 if kind != "default" {
-                    return Err(self.invalid("rope_parameters.rope_type", format!("'{kind}' is not supported")));
+                    return Err(
+                        self.invalid("rope_parameters.rope_type", format!("'{kind}' is not supported"))
+                    );
                 }
             }
             if let Some(theta) = nested.opt_f64("rope_theta")? {
@@ -137,7 +147,9 @@ impl<'a> HfFields<'a> {
         let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str);
         match kind {
             None | Some("default") => Ok(()),
-            Some(other) => Err(self.invalid("rope_scaling", format!("'{other}' RoPE scaling is not supported"))),
+            Some(other) => {
+                Err(self.invalid("rope_scaling", format!("'{other}' RoPE scaling is not supported")))
+            }
         }
     }
 }
@@ -161,7 +173,10 @@ impl ModelConfig {
             .map_err(|source| ConfigError::Arch { path: path.into(), source })?;
         if let Some(act) = f.opt_str("hidden_act")? {
             if act != "silu" {
-                return Err(f.invalid("hidden_act", format!("'{act}' is not supported for {model_type} (expected silu)")));
+                return Err(f.invalid(
+                    "hidden_act",
+                    format!("'{act}' is not supported for {model_type} (expected silu)"),
+                ));
             }
         }
         f.refuse_rope_scaling()?;
@@ -229,10 +244,16 @@ impl ModelConfig {
             }
         }
         if self.n_heads % self.n_kv_heads != 0 {
-            return Err(("num_key_value_heads", format!("{} does not divide {} heads", self.n_kv_heads, self.n_heads)));
+            return Err((
+                "num_key_value_heads",
+                format!("{} does not divide {} heads", self.n_kv_heads, self.n_heads),
+            ));
         }
         if self.n_experts_used > self.n_experts {
-            return Err(("num_experts_per_tok", format!("{} exceeds {} experts", self.n_experts_used, self.n_experts)));
+            return Err((
+                "num_experts_per_tok",
+                format!("{} exceeds {} experts", self.n_experts_used, self.n_experts),
+            ));
         }
         if self.head_dim % 2 != 0 {
             return Err(("head_dim", format!("{} is odd; RoPE needs pairs", self.head_dim)));
@@ -313,7 +334,9 @@ fn refuse_dense_layers(f: &HfFields<'_>) -> Result<(), ConfigError> {
     }
     if let Some(step) = f.opt_usize("decoder_sparse_step")? {
         if step != 1 {
-            return Err(f.invalid("decoder_sparse_step", format!("{step}: only every-layer MoE (1) is supported")));
+            return Err(
+                f.invalid("decoder_sparse_step", format!("{step}: only every-layer MoE (1) is supported"))
+            );
         }
     }
     Ok(())

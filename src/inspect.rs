@@ -102,12 +102,18 @@ impl InspectReport {
         line("layers", self.n_layers.to_string());
         line("experts", format!("{} (top-{} used per token)", self.n_experts, self.n_experts_used));
         line("hidden", self.hidden.to_string());
-        line("attention", format!("{} q heads, {} kv heads, head dim {}", self.n_heads, self.n_kv_heads, self.head_dim));
+        line(
+            "attention",
+            format!("{} q heads, {} kv heads, head dim {}", self.n_heads, self.n_kv_heads, self.head_dim),
+        );
         line("expert ff", self.expert_ff.to_string());
         if self.shared_expert_ff > 0 {
             line("shared expert ff", self.shared_expert_ff.to_string());
         }
-        line("vocab", format!("{} ({})", self.vocab, if self.tied_embeddings { "tied embeddings" } else { "untied" }));
+        line(
+            "vocab",
+            format!("{} ({})", self.vocab, if self.tied_embeddings { "tied embeddings" } else { "untied" }),
+        );
         line("rope theta", self.rope_theta.to_string());
         line("expert dtype", self.expert_dtype.clone());
         let dtypes: Vec<String> = self.dtypes.iter().map(|(k, v)| format!("{k} x{v}")).collect();
@@ -117,7 +123,10 @@ impl InspectReport {
         line("everything else", format_bytes(self.other_bytes));
         line("total", format_bytes(self.total_bytes));
         if let (Some(cov), Some(n)) = (self.top_half_coverage, self.coverage_tokens) {
-            line("routing coverage", format!("{:.1}% of slots to the top half of experts ({n} tokens)", cov * 100.0));
+            line(
+                "routing coverage",
+                format!("{:.1}% of slots to the top half of experts ({n} tokens)", cov * 100.0),
+            );
         }
         s
     }

@@ -13,7 +13,11 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Parser)]
-#[command(name = "moe-lanes", version, about = "Run Mixture-of-Experts models with hot experts on the GPU and cold experts on a CPU lane pool")]
+#[command(
+    name = "moe-lanes",
+    version,
+    about = "Run Mixture-of-Experts models with hot experts on the GPU and cold experts on a CPU lane pool"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -167,7 +171,8 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
             shared_expert_ff: args.shared_expert_ff,
             tied_embeddings: args.tied.then_some(true),
         },
-        dtype: DType::parse_float(&args.dtype).with_context(|| format!("--dtype {}: expected bf16, f16 or f32", args.dtype))?,
+        dtype: DType::parse_float(&args.dtype)
+            .with_context(|| format!("--dtype {}: expected bf16, f16 or f32", args.dtype))?,
         seed: args.seed,
         skew: args.skew.parse::<Skew>().map_err(anyhow::Error::msg)?,
         format: match args.format.as_str() {
@@ -182,7 +187,12 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
-        println!("wrote {} ({}, {} tensors)", report.path.display(), format_bytes(report.n_bytes), report.n_tensors);
+        println!(
+            "wrote {} ({}, {} tensors)",
+            report.path.display(),
+            format_bytes(report.n_bytes),
+            report.n_tensors
+        );
     }
     Ok(())
 }
@@ -190,9 +200,11 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
 fn write_with_progress(opts: &SynthOptions) -> Result<synth::SynthReport> {
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{spinner} writing [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
+        indicatif::ProgressStyle::with_template(
+            "{spinner} writing [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
     );
     let report = synth::write_synthetic(opts, &mut |done, total| {
         bar.set_length(total);
@@ -293,6 +305,11 @@ fn demo(args: DemoArgs) -> Result<()> {
     let seconds = start.elapsed().as_secs_f64();
     println!("prompt    {prompt:?}");
     println!("generated {tokens:?}");
-    println!("engine reference: {} tokens in {:.3} s ({:.1} tokens/s)", tokens.len(), seconds, (prompt.len() + tokens.len()) as f64 / seconds);
+    println!(
+        "engine reference: {} tokens in {:.3} s ({:.1} tokens/s)",
+        tokens.len(),
+        seconds,
+        (prompt.len() + tokens.len()) as f64 / seconds
+    );
     Ok(())
 }

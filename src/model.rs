@@ -151,22 +151,30 @@ impl Model {
 
     /// The three projections of expert `expert_idx` in layer `layer_idx`.
     pub fn expert(&self, layer_idx: usize, expert_idx: usize) -> ExpertRef<'_> {
-        assert!(layer_idx < self.config.n_layers && expert_idx < self.config.n_experts, "expert id out of range");
+        assert!(
+            layer_idx < self.config.n_layers && expert_idx < self.config.n_experts,
+            "expert id out of range"
+        );
         let proj = |p: ExpertProj| self.expert_proj(layer_idx, expert_idx, p);
         ExpertRef { gate: proj(ExpertProj::Gate), up: proj(ExpertProj::Up), down: proj(ExpertProj::Down) }
     }
 
     /// Bytes of one expert's gate + up + down.
     pub fn expert_bytes(&self) -> usize {
-        3 * self.expert_dtype.bytes_for(self.config.expert_ff * self.config.hidden).expect("validated at open")
+        3 * self
+            .expert_dtype
+            .bytes_for(self.config.expert_ff * self.config.hidden)
+            .expect("validated at open")
     }
 
     /// Every tensor name in the file with its dtype, shape and byte size.
     pub fn tensor_list(&self) -> Vec<(String, DType, Vec<usize>, usize)> {
         match &self.source {
-            Source::Gguf(f) => {
-                f.tensor_infos().iter().map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.n_bytes)).collect()
-            }
+            Source::Gguf(f) => f
+                .tensor_infos()
+                .iter()
+                .map(|t| (t.name.clone(), t.dtype, t.shape.clone(), t.n_bytes))
+                .collect(),
             Source::Safetensors(s) => s
                 .tensor_names()
                 .into_iter()
@@ -187,7 +195,9 @@ impl Model {
     fn file_of(&self, name: &str) -> PathBuf {
         match &self.source {
             Source::Gguf(f) => f.path().to_path_buf(),
-            Source::Safetensors(s) => s.file_of(name).map(Path::to_path_buf).unwrap_or_else(|| s.dir().to_path_buf()),
+            Source::Safetensors(s) => {
+                s.file_of(name).map(Path::to_path_buf).unwrap_or_else(|| s.dir().to_path_buf())
+            }
         }
     }
 
@@ -216,7 +226,12 @@ impl Model {
                 let stacked = f.tensor(&naming::gguf_experts(layer_idx, proj)).expect("validated at open");
                 let n_bytes = stacked.data.len() / self.config.n_experts;
                 let begin = expert_idx * n_bytes;
-                TensorRef { name: stacked.name, dtype: stacked.dtype, shape, data: &stacked.data[begin..begin + n_bytes] }
+                TensorRef {
+                    name: stacked.name,
+                    dtype: stacked.dtype,
+                    shape,
+                    data: &stacked.data[begin..begin + n_bytes],
+                }
             }
         }
     }
@@ -252,7 +267,8 @@ impl Model {
     fn validate_experts(&mut self, layer_idx: usize) -> Result<(), ModelError> {
         let c = &self.config;
         for proj in ExpertProj::ALL {
-            let per_expert = if proj == ExpertProj::Down { [c.hidden, c.expert_ff] } else { [c.expert_ff, c.hidden] };
+            let per_expert =
+                if proj == ExpertProj::Down { [c.hidden, c.expert_ff] } else { [c.expert_ff, c.hidden] };
             let dtype = match self.source {
                 Source::Gguf(_) => {
                     let name = naming::gguf_experts(layer_idx, proj);
@@ -284,7 +300,9 @@ impl Model {
 
     /// Check presence, shape (leading 1-dims ignored) and dtype; returns the dtype.
     fn check_tensor(&self, name: &str, expected: &[usize], float_only: bool) -> Result<DType, ModelError> {
-        let t = self.raw(name).ok_or_else(|| ModelError::MissingTensor { path: self.file_of(name), tensor: name.into() })?;
+        let t = self
+            .raw(name)
+            .ok_or_else(|| ModelError::MissingTensor { path: self.file_of(name), tensor: name.into() })?;
         if strip_leading_ones(t.shape) != strip_leading_ones(expected) {
             return Err(ModelError::ShapeMismatch {
                 path: self.file_of(name),
@@ -367,9 +385,10 @@ impl GgufMeta<'_> {
     }
 
     fn usize(&self, suffix: &str) -> Result<usize, ModelError> {
-        self.opt_u64(suffix)?
-            .map(|v| v as usize)
-            .ok_or_else(|| ModelError::MissingMetadata { path: self.file.path().into(), key: self.key(suffix) })
+        self.opt_u64(suffix)?.map(|v| v as usize).ok_or_else(|| ModelError::MissingMetadata {
+            path: self.file.path().into(),
+            key: self.key(suffix),
+        })
     }
 
     fn opt_f32(&self, suffix: &str) -> Result<Option<f32>, ModelError> {
@@ -439,11 +458,17 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         n_experts,
         n_experts_used: meta.usize("expert_used_count")?,
         expert_ff,
-        shared_expert_ff: if adapter.shared_expert { meta.usize("expert_shared_feed_forward_length")? } else { 0 },
+        shared_expert_ff: if adapter.shared_expert {
+            meta.usize("expert_shared_feed_forward_length")?
+        } else {
+            0
+        },
         rms_eps: meta.opt_f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
         rope_theta: meta.opt_f32("rope.freq_base")?.unwrap_or(adapter.default_rope_theta),
         rope_style: if adapter.arch == Arch::Mixtral { RopeStyle::Interleaved } else { adapter.rope_style },
-        norm_topk_prob: meta.opt_bool("expert_weights_norm")?.unwrap_or(llama_cpp_default_norm_topk(adapter.arch)),
+        norm_topk_prob: meta
+            .opt_bool("expert_weights_norm")?
+            .unwrap_or(llama_cpp_default_norm_topk(adapter.arch)),
         tied_embeddings: file.tensor(naming::gguf_global(GlobalRole::Output)).is_none(),
         max_positions: meta.opt_u64("context_length")?.map(|v| v as usize).unwrap_or(4096),
         sliding_window: None,

@@ -148,9 +148,18 @@ mod tests {
 
     #[test]
     fn names_follow_each_family() {
-        assert_eq!(hf_expert(HfNaming::BlockSparseMoe, 3, 5, ExpertProj::Up), "model.layers.3.block_sparse_moe.experts.5.w3.weight");
-        assert_eq!(hf_expert(HfNaming::Mlp, 0, 1, ExpertProj::Down), "model.layers.0.mlp.experts.1.down_proj.weight");
-        assert_eq!(hf_layer(HfNaming::BlockSparseMoe, 2, LayerRole::Router), "model.layers.2.block_sparse_moe.gate.weight");
+        assert_eq!(
+            hf_expert(HfNaming::BlockSparseMoe, 3, 5, ExpertProj::Up),
+            "model.layers.3.block_sparse_moe.experts.5.w3.weight"
+        );
+        assert_eq!(
+            hf_expert(HfNaming::Mlp, 0, 1, ExpertProj::Down),
+            "model.layers.0.mlp.experts.1.down_proj.weight"
+        );
+        assert_eq!(
+            hf_layer(HfNaming::BlockSparseMoe, 2, LayerRole::Router),
+            "model.layers.2.block_sparse_moe.gate.weight"
+        );
         assert_eq!(gguf_experts(7, ExpertProj::Gate), "blk.7.ffn_gate_exps.weight");
         assert_eq!(gguf_layer(1, LayerRole::SharedExpertGate), "blk.1.ffn_gate_inp_shexp.weight");
     }

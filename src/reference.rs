@@ -200,7 +200,11 @@ impl<'m> Reference<'m> {
         }
         for (i, &token) in tokens.iter().enumerate() {
             if token as usize >= self.config.vocab {
-                return Err(ForwardError::TokenOutOfRange { token, position: cache.n_positions + i, vocab: self.config.vocab });
+                return Err(ForwardError::TokenOutOfRange {
+                    token,
+                    position: cache.n_positions + i,
+                    vocab: self.config.vocab,
+                });
             }
         }
         if cache.n_positions + tokens.len() > self.config.max_positions {
@@ -237,7 +241,14 @@ impl<'m> Reference<'m> {
         matvec(head, &normed, self.config.vocab)
     }
 
-    fn attention(&self, w: &LayerWeights, layer_idx: usize, cache: &mut KvCache, x: &[f32], position: usize) -> Vec<f32> {
+    fn attention(
+        &self,
+        w: &LayerWeights,
+        layer_idx: usize,
+        cache: &mut KvCache,
+        x: &[f32],
+        position: usize,
+    ) -> Vec<f32> {
         let c = &self.config;
         let (hd, n_heads, n_kv) = (c.head_dim, c.n_heads, c.n_kv_heads);
         let mut q = matvec(&w.q, x, c.q_dim());
@@ -489,7 +500,8 @@ mod tests {
         let canonical: Vec<f32> = (0..8).map(|i| i as f32 * 0.37 - 1.0).collect();
         let mut half = canonical.clone();
         apply_rope(&mut half, 5, 10000.0, RopeStyle::HalfSplit);
-        let mut inter: Vec<f32> = (0..8).map(|r| canonical[if r % 2 == 0 { r / 2 } else { 4 + r / 2 }]).collect();
+        let mut inter: Vec<f32> =
+            (0..8).map(|r| canonical[if r % 2 == 0 { r / 2 } else { 4 + r / 2 }]).collect();
         apply_rope(&mut inter, 5, 10000.0, RopeStyle::Interleaved);
         for r in 0..8 {
             let c = if r % 2 == 0 { r / 2 } else { 4 + r / 2 };

@@ -59,9 +59,43 @@ pub enum Skew {
     Zipf(f32),
 }
 
-/// The exponent `Skew::Skewed` uses; chosen by measurement (`tests/synth_skew.rs` checks the
-/// resulting top-half coverage on a real forward pass).
-pub const SKEWED_EXPONENT: f32 = 1.6;
+/// The top-half coverage `Skew::Skewed` aims for (Qwen3-30B-A3B on real text shows 85-95%).
+pub const SKEWED_TARGET_COVERAGE: f64 = 0.90;
+
+/// Expected top-half coverage for logits `bias(rank) + noise`, with unit Gaussian noise, by
+/// simulation (deterministic). This is the statistical model of the router the bias channel
+/// builds; `tests/synth_skew.rs` checks it against real forward passes.
+pub fn simulated_top_half_coverage(n_experts: usize, k: usize, exponent: f32) -> f64 {
+    const N_TOKENS: usize = 3000;
+    let bias: Vec<f32> = (0..n_experts).map(|rank| -exponent * (1.0 + rank as f32).ln()).collect();
+    let mut rng = SplitMix::new(0x5EED);
+    let mut counts = vec![0u64; n_experts];
+    let mut logits: Vec<(f32, usize)> = vec![(0.0, 0); n_experts];
+    for _ in 0..N_TOKENS {
+        for (rank, slot) in logits.iter_mut().enumerate() {
+            *slot = (bias[rank] + rng.gaussian(), rank);
+        }
+        logits.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0));
+        logits[..k].iter().for_each(|&(_, rank)| counts[rank] += 1);
+    }
+    counts.sort_unstable_by(|a, b| b.cmp(a));
+    let top: u64 = counts[..n_experts.div_ceil(2)].iter().sum();
+    top as f64 / (N_TOKENS * k) as f64
+}
+
+/// The exponent whose simulated top-half coverage is `target` (bisection).
+pub fn calibrate_exponent(n_experts: usize, k: usize, target: f64) -> f32 {
+    let (mut lo, mut hi) = (0.0f32, 8.0f32);
+    for _ in 0..24 {
+        let mid = 0.5 * (lo + hi);
+        if simulated_top_half_coverage(n_experts, k, mid) < target {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    0.5 * (lo + hi)
+}
 
 impl std::str::FromStr for Skew {
     type Err = String;
@@ -78,10 +112,11 @@ impl std::str::FromStr for Skew {
 }
 
 impl Skew {
-    fn exponent(self) -> Option<f32> {
+    /// The bias exponent for a layer of `n_experts` with top-`k` routing (`None`: no bias).
+    pub fn exponent(self, n_experts: usize, k: usize) -> Option<f32> {
         match self {
             Skew::Uniform => None,
-            Skew::Skewed => Some(SKEWED_EXPONENT),
+            Skew::Skewed => Some(calibrate_exponent(n_experts, k, SKEWED_TARGET_COVERAGE)),
             Skew::Zipf(s) => Some(s),
         }
     }
@@ -149,7 +184,11 @@ pub struct SynthReport {
 }
 
 /// The model config a preset plus overrides describe.
-pub fn synth_config(adapter: &Adapter, preset: Preset, dims: &DimOverrides) -> Result<ModelConfig, SynthError> {
+pub fn synth_config(
+    adapter: &Adapter,
+    preset: Preset,
+    dims: &DimOverrides,
+) -> Result<ModelConfig, SynthError> {
     let mut c = match preset {
         Preset::Tiny => ModelConfig {
             arch: adapter.arch,
@@ -228,13 +267,19 @@ fn invalid(field: &str, reason: String) -> SynthError {
 }
 
 /// Write a synthetic checkpoint. `progress(bytes_done, bytes_total)` is called as data is written.
-pub fn write_synthetic(opts: &SynthOptions, progress: &mut dyn FnMut(u64, u64)) -> Result<SynthReport, SynthError> {
+pub fn write_synthetic(
+    opts: &SynthOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<SynthReport, SynthError> {
     if !opts.dtype.is_float() {
         return Err(SynthError::UnsupportedDType(opts.dtype));
     }
     let config = synth_config(opts.adapter, opts.preset, &opts.dims)?;
     if opts.format == SynthFormat::Gguf && config.vocab < vocab::MIN_VOCAB {
-        return Err(invalid("vocab", format!("{} is below {} (GGUF needs a byte-level tokenizer)", config.vocab, vocab::MIN_VOCAB)));
+        return Err(invalid(
+            "vocab",
+            format!("{} is below {} (GGUF needs a byte-level tokenizer)", config.vocab, vocab::MIN_VOCAB),
+        ));
     }
     let generator = WeightGenerator::new(&config, opts);
     let tensors = match opts.format {
@@ -277,8 +322,10 @@ fn write_hf(
     fill: &mut dyn FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<u64, SynthError> {
-    let specs: Vec<TensorSpec> =
-        tensors.iter().map(|t| TensorSpec { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() }).collect();
+    let specs: Vec<TensorSpec> = tensors
+        .iter()
+        .map(|t| TensorSpec { name: t.name.clone(), dtype: t.dtype, shape: t.shape.clone() })
+        .collect();
     let total: u64 = tensors.iter().map(|t| t.n_bytes() as u64).sum();
     let hf_json = config.to_hf_json(opts.adapter);
     // Shards of at most 4 GiB, as Hugging Face writes large checkpoints.
@@ -297,13 +344,20 @@ fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
     let k = |suffix: &str| format!("{arch}.{suffix}");
     let u32v = |v: usize| MetaValue::U32(v as u32);
     w.add_metadata("general.architecture", MetaValue::String(arch.into()));
-    w.add_metadata("general.name", MetaValue::String(format!("moe-lanes synthetic {}", opts.adapter.hf_model_type)));
+    w.add_metadata(
+        "general.name",
+        MetaValue::String(format!("moe-lanes synthetic {}", opts.adapter.hf_model_type)),
+    );
     w.add_metadata("general.file_type", MetaValue::U32(gguf_file_type(opts.dtype)));
     w.add_metadata("general.quantization_version", MetaValue::U32(2));
     w.add_metadata(k("context_length"), u32v(c.max_positions));
     w.add_metadata(k("embedding_length"), u32v(c.hidden));
     w.add_metadata(k("block_count"), u32v(c.n_layers));
-    let dense_ff = if matches!(c.arch, Arch::Qwen3Moe | Arch::Qwen2Moe) { c.expert_ff * c.n_experts_used } else { c.expert_ff };
+    let dense_ff = if matches!(c.arch, Arch::Qwen3Moe | Arch::Qwen2Moe) {
+        c.expert_ff * c.n_experts_used
+    } else {
+        c.expert_ff
+    };
     w.add_metadata(k("feed_forward_length"), u32v(dense_ff));
     w.add_metadata(k("expert_feed_forward_length"), u32v(c.expert_ff));
     if c.shared_expert_ff > 0 {
@@ -395,14 +449,20 @@ struct WeightGenerator {
 
 impl WeightGenerator {
     fn new(config: &ModelConfig, opts: &SynthOptions) -> WeightGenerator {
-        let skew_exponent = opts.skew.exponent();
+        let skew_exponent = opts.skew.exponent(config.n_experts, config.n_experts_used);
         let router_bias = (0..config.n_layers)
             .map(|layer_idx| match skew_exponent {
                 None => vec![0.0; config.n_experts],
                 Some(s) => expert_biases(opts.seed, layer_idx, config.n_experts, s),
             })
             .collect();
-        WeightGenerator { seed: opts.seed, model_dtype: opts.dtype, hidden: config.hidden, skew_exponent, router_bias }
+        WeightGenerator {
+            seed: opts.seed,
+            model_dtype: opts.dtype,
+            hidden: config.hidden,
+            skew_exponent,
+            router_bias,
+        }
     }
 
     fn write_tensor(&self, t: &PlannedTensor, out: &mut dyn Write) -> std::io::Result<()> {
@@ -429,7 +489,8 @@ impl WeightGenerator {
 
     /// Append canonical row `row` of `part`, rounded to the model dtype.
     fn push_row(&self, part: &Canonical, row: usize, values: &mut Vec<f32>) {
-        let mut rng = SplitMix::new(self.seed ^ hash_str(&part.key) ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut rng =
+            SplitMix::new(self.seed ^ hash_str(&part.key) ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let start = values.len();
         let skewed = self.skew_exponent.is_some();
         match part.init {
@@ -509,6 +570,13 @@ impl SplitMix {
         z ^ (z >> 31)
     }
 
+    /// Standard normal (Box-Muller).
+    fn gaussian(&mut self) -> f32 {
+        let u1 = ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        let u2 = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        ((-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+    }
+
     /// Uniform in [-1, 1).
     fn uniform_pm1(&mut self) -> f32 {
         ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
@@ -556,7 +624,12 @@ fn canonical_2d(key: String, shape: &[usize], init: Init, layer_idx: usize) -> C
 fn global_parts(c: &ModelConfig, a: &Adapter) -> Vec<(GlobalRole, Canonical)> {
     let mut parts = vec![(
         GlobalRole::TokenEmbedding,
-        canonical_2d(naming::hf_global(GlobalRole::TokenEmbedding).into(), &[c.vocab, c.hidden], Init::Embedding, 0),
+        canonical_2d(
+            naming::hf_global(GlobalRole::TokenEmbedding).into(),
+            &[c.vocab, c.hidden],
+            Init::Embedding,
+            0,
+        ),
     )];
     parts.push((
         GlobalRole::OutputNorm,
@@ -564,7 +637,10 @@ fn global_parts(c: &ModelConfig, a: &Adapter) -> Vec<(GlobalRole, Canonical)> {
     ));
     if !c.tied_embeddings {
         let init = Init::Uniform(1.0 / (c.hidden as f32).sqrt());
-        parts.push((GlobalRole::Output, canonical_2d(naming::hf_global(GlobalRole::Output).into(), &[c.vocab, c.hidden], init, 0)));
+        parts.push((
+            GlobalRole::Output,
+            canonical_2d(naming::hf_global(GlobalRole::Output).into(), &[c.vocab, c.hidden], init, 0),
+        ));
     }
     let _ = a;
     parts
@@ -582,9 +658,20 @@ fn layer_parts(c: &ModelConfig, a: &Adapter, layer_idx: usize) -> Vec<(LayerRole
         .collect()
 }
 
-fn expert_part(c: &ModelConfig, a: &Adapter, layer_idx: usize, expert_idx: usize, proj: ExpertProj) -> Canonical {
+fn expert_part(
+    c: &ModelConfig,
+    a: &Adapter,
+    layer_idx: usize,
+    expert_idx: usize,
+    proj: ExpertProj,
+) -> Canonical {
     let shape = if proj == ExpertProj::Down { [c.hidden, c.expert_ff] } else { [c.expert_ff, c.hidden] };
-    canonical_2d(naming::hf_expert(a.hf_naming, layer_idx, expert_idx, proj), &shape, expert_init(c, proj), layer_idx)
+    canonical_2d(
+        naming::hf_expert(a.hf_naming, layer_idx, expert_idx, proj),
+        &shape,
+        expert_init(c, proj),
+        layer_idx,
+    )
 }
 
 fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
@@ -594,7 +681,11 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
         plan.push(PlannedTensor { name: part.key.clone(), dtype: opts.dtype, shape, parts: vec![part] });
     };
     for (_, part) in global_parts(c, a) {
-        let shape = if part.n_rows == 1 && part.key.ends_with("norm.weight") { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
+        let shape = if part.n_rows == 1 && part.key.ends_with("norm.weight") {
+            vec![part.n_cols]
+        } else {
+            vec![part.n_rows, part.n_cols]
+        };
         push(part, shape);
     }
     for layer_idx in 0..c.n_layers {
@@ -618,7 +709,8 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
     let mut plan = Vec::new();
     for (role, part) in global_parts(c, a) {
         let dtype = if role == GlobalRole::OutputNorm { DType::F32 } else { opts.dtype };
-        let shape = if role == GlobalRole::OutputNorm { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
+        let shape =
+            if role == GlobalRole::OutputNorm { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
         plan.push(PlannedTensor { name: naming::gguf_global(role).into(), dtype, shape, parts: vec![part] });
     }
     for layer_idx in 0..c.n_layers {
@@ -630,12 +722,23 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
             let f32_role = one_d || role == LayerRole::Router;
             let dtype = if f32_role { DType::F32 } else { opts.dtype };
             let shape = if one_d { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
-            plan.push(PlannedTensor { name: naming::gguf_layer(layer_idx, role), dtype, shape, parts: vec![part] });
+            plan.push(PlannedTensor {
+                name: naming::gguf_layer(layer_idx, role),
+                dtype,
+                shape,
+                parts: vec![part],
+            });
         }
         for proj in ExpertProj::ALL {
-            let parts: Vec<Canonical> = (0..c.n_experts).map(|e| expert_part(c, a, layer_idx, e, proj)).collect();
+            let parts: Vec<Canonical> =
+                (0..c.n_experts).map(|e| expert_part(c, a, layer_idx, e, proj)).collect();
             let shape = vec![c.n_experts, parts[0].n_rows, parts[0].n_cols];
-            plan.push(PlannedTensor { name: naming::gguf_experts(layer_idx, proj), dtype: opts.dtype, shape, parts });
+            plan.push(PlannedTensor {
+                name: naming::gguf_experts(layer_idx, proj),
+                dtype: opts.dtype,
+                shape,
+                parts,
+            });
         }
     }
     plan
@@ -645,7 +748,10 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
 pub fn check_output_path(path: &Path) -> Result<(), SynthError> {
     let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if !parent.is_dir() {
-        return Err(SynthError::Output { path: path.into(), reason: format!("directory {} does not exist", parent.display()) });
+        return Err(SynthError::Output {
+            path: path.into(),
+            reason: format!("directory {} does not exist", parent.display()),
+        });
     }
     Ok(())
 }

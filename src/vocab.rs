@@ -42,7 +42,9 @@ pub fn byte_to_unicode(byte: u8) -> char {
 /// and specials.
 pub fn synthetic_vocab(vocab_size: usize) -> Result<SyntheticVocab, String> {
     if vocab_size < MIN_VOCAB {
-        return Err(format!("vocab size {vocab_size} is below {MIN_VOCAB}, the minimum for a byte-level tokenizer"));
+        return Err(format!(
+            "vocab size {vocab_size} is below {MIN_VOCAB}, the minimum for a byte-level tokenizer"
+        ));
     }
     let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_to_unicode(b).to_string()).collect();
     let n_merged = vocab_size - 256 - SPECIAL_TOKENS.len();
