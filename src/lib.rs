@@ -11,6 +11,7 @@ pub mod gguf;
 pub mod inspect;
 pub mod model;
 pub mod naming;
+pub mod plan;
 pub mod reference;
 pub mod safetensors;
 pub mod synth;

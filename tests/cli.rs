@@ -34,21 +34,35 @@ fn synth_inspect_logits_generate_end_to_end_in_both_formats() {
     for (format, name) in [("gguf", "m.gguf"), ("safetensors", "m-st")] {
         let out = dir.path().join(name);
         ok_stdout(&["synth", "--arch", "olmoe", "--format", format, "--out", p(&out), "--seed", "9"]);
-        let report: serde_json::Value = serde_json::from_str(&ok_stdout(&["inspect", p(&out), "--json"])).unwrap();
+        let report: serde_json::Value =
+            serde_json::from_str(&ok_stdout(&["inspect", p(&out), "--json"])).unwrap();
         assert_eq!(report["arch"], "olmoe");
         assert_eq!(report["n_layers"], 2);
         assert_eq!(report["n_experts"], 8);
         assert_eq!(report["expert_bytes"], 3 * 32 * 64 * 2);
         assert_eq!(report["all_experts_bytes"], 2 * 8 * 3 * 32 * 64 * 2);
         let total = report["total_bytes"].as_u64().unwrap();
-        assert_eq!(total, report["all_experts_bytes"].as_u64().unwrap() + report["other_bytes"].as_u64().unwrap());
-        let logits: serde_json::Value = serde_json::from_str(&ok_stdout(&["logits", "--model", p(&out), "--tokens", "5,17,200"])).unwrap();
+        assert_eq!(
+            total,
+            report["all_experts_bytes"].as_u64().unwrap() + report["other_bytes"].as_u64().unwrap()
+        );
+        let logits: serde_json::Value =
+            serde_json::from_str(&ok_stdout(&["logits", "--model", p(&out), "--tokens", "5,17,200"]))
+                .unwrap();
         assert_eq!(logits["tokens"], serde_json::json!([5, 17, 200]));
         let rows = logits["logits"].as_array().unwrap();
         assert_eq!(rows.len(), 3);
         assert!(rows.iter().all(|r| r.as_array().unwrap().len() == 512));
-        let generated: serde_json::Value =
-            serde_json::from_str(&ok_stdout(&["generate", "--model", p(&out), "--tokens", "5,17,200", "--max-new-tokens", "4"])).unwrap();
+        let generated: serde_json::Value = serde_json::from_str(&ok_stdout(&[
+            "generate",
+            "--model",
+            p(&out),
+            "--tokens",
+            "5,17,200",
+            "--max-new-tokens",
+            "4",
+        ]))
+        .unwrap();
         assert_eq!(generated["tokens"].as_array().unwrap().len(), 4);
     }
 }
@@ -59,7 +73,9 @@ fn inspect_text_names_sizes() {
     let out = dir.path().join("q.gguf");
     ok_stdout(&["synth", "--arch", "qwen2_moe", "--out", p(&out)]);
     let text = ok_stdout(&["inspect", p(&out), "--coverage-tokens", "64"]);
-    for needle in ["qwen2_moe", "shared expert ff", "one expert", "all experts", "everything else", "routing coverage"] {
+    for needle in
+        ["qwen2_moe", "shared expert ff", "one expert", "all experts", "everything else", "routing coverage"]
+    {
         assert!(text.contains(needle), "missing {needle} in\n{text}");
     }
 }

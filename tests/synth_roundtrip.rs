@@ -20,7 +20,11 @@ fn synth_then_open_round_trips_for_every_adapter_in_both_formats() {
             let model = Model::open(&path).unwrap_or_else(|e| panic!("{arch} {format:?}: {e}"));
             let mut config = model.config().clone();
             if format == SynthFormat::Gguf && model.adapter().arch == Arch::Mixtral {
-                assert_eq!(config.rope_style, RopeStyle::Interleaved, "GGUF llama uses GGML's interleaved RoPE");
+                assert_eq!(
+                    config.rope_style,
+                    RopeStyle::Interleaved,
+                    "GGUF llama uses GGML's interleaved RoPE"
+                );
                 config.rope_style = expected.rope_style;
             }
             assert_eq!(config, expected, "{arch} {format:?}");
@@ -40,7 +44,11 @@ fn same_seed_loads_to_identical_tensors_in_both_formats() {
         let gguf = Model::open(&synth_tiny(dir.path(), arch, SynthFormat::Gguf, 7)).unwrap();
         let st = Model::open(&synth_tiny(dir.path(), arch, SynthFormat::Safetensors, 7)).unwrap();
         for role in [GlobalRole::TokenEmbedding, GlobalRole::OutputNorm, GlobalRole::Output] {
-            assert_eq!(values(gguf.global(role).unwrap()), values(st.global(role).unwrap()), "{arch} {role:?}");
+            assert_eq!(
+                values(gguf.global(role).unwrap()),
+                values(st.global(role).unwrap()),
+                "{arch} {role:?}"
+            );
         }
         let c = gguf.config().clone();
         for layer_idx in 0..c.n_layers {
@@ -54,7 +62,11 @@ fn same_seed_loads_to_identical_tensors_in_both_formats() {
                     for disk_row in 0..a.len() / cols {
                         let (head, local) = (disk_row / hd, disk_row % hd);
                         let canon = head * hd + if local % 2 == 0 { local / 2 } else { hd / 2 + local / 2 };
-                        assert_eq!(&a[disk_row * cols..][..cols], &b[canon * cols..][..cols], "{arch} {role:?}");
+                        assert_eq!(
+                            &a[disk_row * cols..][..cols],
+                            &b[canon * cols..][..cols],
+                            "{arch} {role:?}"
+                        );
                     }
                 } else {
                     assert_eq!(a, b, "{arch} layer {layer_idx} {role:?}");
@@ -109,8 +121,14 @@ fn gguf_carries_a_tokenizer_llama_cpp_can_load() {
     assert_eq!(file.get("tokenizer.ggml.token_type").unwrap().as_array().unwrap().values.len(), 512);
     assert!(!file.get("tokenizer.ggml.merges").unwrap().as_array().unwrap().values.is_empty());
     assert_eq!(file.get("tokenizer.ggml.model").unwrap().as_str(), Some("gpt2"));
-    for key in ["qwen3moe.expert_count", "qwen3moe.expert_used_count", "qwen3moe.attention.layer_norm_rms_epsilon",
-        "qwen3moe.expert_feed_forward_length", "qwen3moe.attention.key_length", "general.architecture"] {
+    for key in [
+        "qwen3moe.expert_count",
+        "qwen3moe.expert_used_count",
+        "qwen3moe.attention.layer_norm_rms_epsilon",
+        "qwen3moe.expert_feed_forward_length",
+        "qwen3moe.attention.key_length",
+        "general.architecture",
+    ] {
         assert!(file.get(key).is_some(), "{key}");
     }
 }

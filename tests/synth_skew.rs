@@ -20,7 +20,9 @@ fn coverage(arch: &str, skew: Skew, n_experts: usize, top_k: usize) -> f64 {
 
 #[test]
 fn skewed_routing_sends_85_to_95_percent_of_slots_to_the_top_half() {
-    for (arch, n_experts, top_k) in [("qwen3_moe", 8, 2), ("olmoe", 16, 4), ("mixtral", 8, 2), ("qwen2_moe", 16, 2)] {
+    for (arch, n_experts, top_k) in
+        [("qwen3_moe", 8, 2), ("olmoe", 16, 4), ("mixtral", 8, 2), ("qwen2_moe", 16, 2)]
+    {
         let cov = coverage(arch, Skew::Skewed, n_experts, top_k);
         println!("{arch} {n_experts} experts top-{top_k}: measured top-half coverage {cov:.3}");
         assert!((0.85..=0.95).contains(&cov), "{arch}: coverage {cov}");
