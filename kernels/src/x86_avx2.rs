@@ -1,0 +1,165 @@
+//! AVX2 + FMA + F16C tile kernels (256-bit). BF16 weights widen by zero-extending u16 to u32
+//! and shifting into the high half; F16 weights use `vcvtph2ps`; all loads are unaligned.
+//! Only called after [`crate::SimdLevel::Avx2`] was detected.
+
+use std::arch::x86_64::*;
+
+use crate::weights::{bf16_bits_to_f32, WeightDType};
+
+const DT_F32: u8 = 0;
+const DT_F16: u8 = 1;
+const DT_BF16: u8 = 2;
+
+/// Rows per tile for a token block of `n_tokens` (at most [`MAX_TILE_TOKENS`]): keeps
+/// `R * T` accumulators plus the weight and activation vectors within 16 ymm registers.
+pub(crate) fn rows_per_tile(n_tokens: usize) -> usize {
+    match n_tokens {
+        1 => 8,
+        2 | 3 => 4,
+        _ => 2,
+    }
+}
+
+/// Largest token block of one tile.
+pub(crate) const MAX_TILE_TOKENS: usize = 6;
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn load8<const DT: u8>(row: *const u8, col: usize) -> __m256 {
+    // SAFETY (all arms): the tile's caller guarantees `row` has `cols` elements and the tile
+    // loop only asks for `col + 8 <= cols`; loadu tolerates any alignment.
+    unsafe {
+        match DT {
+            DT_F32 => _mm256_loadu_ps(row.add(col * 4) as *const f32),
+            DT_F16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(col * 2) as *const __m128i)),
+            _ => {
+                let widened = _mm256_cvtepu16_epi32(_mm_loadu_si128(row.add(col * 2) as *const __m128i));
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(widened))
+            }
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn horizontal_sum(v: __m256) -> f32 {
+    let pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
+    let single = _mm_add_ss(quad, _mm_shuffle_ps::<0b01>(quad, quad));
+    _mm_cvtss_f32(single)
+}
+
+#[inline]
+fn load_scalar<const DT: u8>(row: *const u8, col: usize) -> f32 {
+    // SAFETY: same bounds as `load8`, one element; read_unaligned tolerates any alignment.
+    unsafe {
+        match DT {
+            DT_F32 => (row.add(col * 4) as *const f32).read_unaligned(),
+            DT_F16 => half::f16::from_bits((row.add(col * 2) as *const u16).read_unaligned()).to_f32(),
+            _ => bf16_bits_to_f32((row.add(col * 2) as *const u16).read_unaligned()),
+        }
+    }
+}
+
+/// Register-blocked `R x T` tile: each weight vector is loaded once and applied to `T` tokens.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_rt<const DT: u8, const R: usize, const T: usize>(
+    rows: *const *const u8,
+    xs: *const *const f32,
+    cols: usize,
+    out: *mut f32,
+) {
+    // SAFETY: the caller passes R row pointers, T activation pointers and R*T outputs.
+    let rows: [*const u8; R] = std::array::from_fn(|i| unsafe { *rows.add(i) });
+    let xs: [*const f32; T] = std::array::from_fn(|i| unsafe { *xs.add(i) });
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let vector_cols = cols / 8 * 8;
+    let mut col = 0;
+    while col < vector_cols {
+        let mut w = [_mm256_setzero_ps(); R];
+        for r in 0..R {
+            // SAFETY: col + 8 <= cols, see load8.
+            w[r] = unsafe { load8::<DT>(rows[r], col) };
+        }
+        for t in 0..T {
+            // SAFETY: xs[t] has `cols` f32 and col + 8 <= cols.
+            let x = unsafe { _mm256_loadu_ps(xs[t].add(col)) };
+            for r in 0..R {
+                acc[r][t] = _mm256_fmadd_ps(w[r], x, acc[r][t]);
+            }
+        }
+        col += 8;
+    }
+    for r in 0..R {
+        for t in 0..T {
+            let mut sum = horizontal_sum(acc[r][t]);
+            for c in vector_cols..cols {
+                // SAFETY: c < cols.
+                sum += load_scalar::<DT>(rows[r], c) * unsafe { *xs[t].add(c) };
+            }
+            // SAFETY: r * T + t < R * T.
+            unsafe { *out.add(r * T + t) = sum };
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_dtype<const DT: u8>(rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]) {
+    macro_rules! dispatch {
+        ($(($r:literal, $t:literal)),* $(,)?) => {
+            match (rows.len(), xs.len()) {
+                // SAFETY: the pointer counts match the const shape; the caller vouches for the data.
+                $(($r, $t) => unsafe { tile_rt::<DT, $r, $t>(rows.as_ptr(), xs.as_ptr(), cols, out.as_mut_ptr()) },)*
+                (r, t) => unreachable!("no AVX2 tile of {r}x{t}"),
+            }
+        };
+    }
+    debug_assert!(out.len() >= rows.len() * xs.len());
+    dispatch!(
+        (8, 1), (4, 2), (4, 3), (2, 4), (2, 5), (2, 6),
+        (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6),
+    )
+}
+
+/// `out[r * T + t] = dot(row r, x t)`; shapes as in [`crate::scalar::tile`] and limited to the
+/// (rows, tokens) pairs of [`rows_per_tile`] plus single rows.
+///
+/// # Safety
+/// As [`crate::scalar::tile`], and the CPU must support AVX2, FMA and F16C.
+pub(crate) unsafe fn tile(dtype: WeightDType, rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]) {
+    // SAFETY: the caller checked the CPU features and the pointer contracts.
+    unsafe {
+        match dtype {
+            WeightDType::F32 => tile_dtype::<DT_F32>(rows, xs, cols, out),
+            WeightDType::F16 => tile_dtype::<DT_F16>(rows, xs, cols, out),
+            WeightDType::BF16 => tile_dtype::<DT_BF16>(rows, xs, cols, out),
+        }
+    }
+}
+
+/// Sum of `len` f32 at `data` with 8 independent accumulators (the read-bandwidth probe).
+///
+/// # Safety
+/// `data` must address `len` readable f32; the CPU must support AVX2.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn sum_f32(data: *const f32, len: usize) -> f32 {
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let blocks = len / 64 * 64;
+    let mut i = 0;
+    while i < blocks {
+        for (k, a) in acc.iter_mut().enumerate() {
+            // SAFETY: i + 64 <= len.
+            *a = _mm256_add_ps(*a, unsafe { _mm256_loadu_ps(data.add(i + k * 8)) });
+        }
+        i += 64;
+    }
+    let mut total = 0.0;
+    for a in acc {
+        total += horizontal_sum(a);
+    }
+    for j in blocks..len {
+        // SAFETY: j < len.
+        total += unsafe { *data.add(j) };
+    }
+    total
+}
