@@ -41,17 +41,28 @@ const _: () = assert!(x86_avx2::MAX_TILE_TOKENS == MAX_TILE_TOKENS && x86_avx512
 /// # Safety
 /// `level` must be supported by this CPU; pointer contract as [`scalar::tile`].
 #[inline]
-unsafe fn run_tile(level: SimdLevel, dtype: WeightDType, rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]) {
+unsafe fn run_tile(
+    level: SimdLevel,
+    dtype: WeightDType,
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    xs: &[*const f32],
+    cols: usize,
+    out: &mut [f32],
+) {
     // SAFETY: forwarded from the caller (level detected, pointers valid for `cols`).
     unsafe {
         match level {
             #[cfg(target_arch = "x86_64")]
-            SimdLevel::Avx2 => x86_avx2::tile(dtype, rows, xs, cols, out),
+            SimdLevel::Avx2 => x86_avx2::tile(dtype, rows, prefetch_rows, xs, cols, out),
             #[cfg(target_arch = "x86_64")]
-            SimdLevel::Avx512 => x86_avx512::tile(dtype, rows, xs, cols, out),
+            SimdLevel::Avx512 => x86_avx512::tile(dtype, rows, prefetch_rows, xs, cols, out),
             #[cfg(target_arch = "x86_64")]
-            SimdLevel::Avx512Bf16 => x86_avx512::tile_bf16dot(dtype, rows, xs, cols, out),
-            _ => scalar::tile(dtype, rows, xs, cols, out),
+            SimdLevel::Avx512Bf16 => x86_avx512::tile_bf16dot(dtype, rows, prefetch_rows, xs, cols, out),
+            _ => {
+                let _ = prefetch_rows;
+                scalar::tile(dtype, rows, xs, cols, out)
+            }
         }
     }
 }
@@ -73,6 +84,7 @@ pub(crate) unsafe fn dot_tiles(
     mut sink: impl FnMut(usize, usize, f32),
 ) {
     let mut rows = [std::ptr::null::<u8>(); ROW_BLOCK];
+    let mut next_block_rows = [std::ptr::null::<u8>(); ROW_BLOCK];
     let mut xs = [std::ptr::null::<f32>(); MAX_TILE_TOKENS];
     let mut sums = [0.0f32; ROW_BLOCK * MAX_TILE_TOKENS];
     let mut row0 = 0;
@@ -85,14 +97,26 @@ pub(crate) unsafe fn dot_tiles(
                 *x = token_ptr(token0 + i);
             }
             let tile_rows = if block_rows == ROW_BLOCK { rows_per_tile(level, block_tokens) } else { 1 };
+            // While the first token block streams this row block, prefetch the next full row
+            // block (same sub-tile position) into L2: one block ahead, whatever the row layout.
+            let prefetch_next = token0 == 0 && row0 + 2 * ROW_BLOCK <= n_rows;
             let mut sub = 0;
             while sub < block_rows {
                 for (i, row) in rows[..tile_rows].iter_mut().enumerate() {
                     *row = row_ptr(row0 + sub + i);
                 }
+                let prefetch_rows = if prefetch_next {
+                    for (i, row) in next_block_rows[..tile_rows].iter_mut().enumerate() {
+                        *row = row_ptr(row0 + ROW_BLOCK + sub + i);
+                    }
+                    next_block_rows.as_ptr()
+                } else {
+                    std::ptr::null()
+                };
                 let out = &mut sums[..tile_rows * block_tokens];
-                // SAFETY: forwarded contract; the tile shape is one the level's kernel provides.
-                unsafe { run_tile(level, dtype, &rows[..tile_rows], &xs[..block_tokens], cols, out) };
+                // SAFETY: forwarded contract; the tile shape is one the level's kernel provides;
+                // prefetch pointers address rows < n_rows (and are only hints).
+                unsafe { run_tile(level, dtype, &rows[..tile_rows], prefetch_rows, &xs[..block_tokens], cols, out) };
                 for r in 0..tile_rows {
                     for t in 0..block_tokens {
                         sink(row0 + sub + r, token0 + t, out[r * block_tokens + t]);

@@ -40,6 +40,10 @@ unsafe fn load8<const DT: u8>(row: *const u8, col: usize) -> __m256 {
     }
 }
 
+const fn elem_bytes<const DT: u8>() -> usize {
+    if DT == DT_F32 { 4 } else { 2 }
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn horizontal_sum(v: __m256) -> f32 {
@@ -65,17 +69,30 @@ fn load_scalar<const DT: u8>(row: *const u8, col: usize) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_rt<const DT: u8, const R: usize, const T: usize>(
     rows: *const *const u8,
+    prefetch_rows: *const *const u8,
     xs: *const *const f32,
     cols: usize,
     out: *mut f32,
 ) {
-    // SAFETY: the caller passes R row pointers, T activation pointers and R*T outputs.
+    // SAFETY: the caller passes R row pointers, R prefetch pointers (or null), T activation
+    // pointers and R*T outputs.
     let rows: [*const u8; R] = std::array::from_fn(|i| unsafe { *rows.add(i) });
+    let prefetch_rows: Option<[*const u8; R]> =
+        (!prefetch_rows.is_null()).then(|| std::array::from_fn(|i| unsafe { *prefetch_rows.add(i) }));
+    let line_cols = 64 / elem_bytes::<DT>();
     let xs: [*const f32; T] = std::array::from_fn(|i| unsafe { *xs.add(i) });
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let vector_cols = cols / 8 * 8;
     let mut col = 0;
     while col < vector_cols {
+        if let Some(next_rows) = &prefetch_rows {
+            if col % line_cols == 0 {
+                for next_row in next_rows {
+                    // A hint only: prefetches never fault, and the address stays in the next row.
+                    _mm_prefetch::<_MM_HINT_T1>(next_row.wrapping_add(col * elem_bytes::<DT>()) as *const i8);
+                }
+            }
+        }
         let mut w = [_mm256_setzero_ps(); R];
         for r in 0..R {
             // SAFETY: col + 8 <= cols, see load8.
@@ -104,12 +121,18 @@ unsafe fn tile_rt<const DT: u8, const R: usize, const T: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_dtype<const DT: u8>(rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]) {
+unsafe fn tile_dtype<const DT: u8>(
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    xs: &[*const f32],
+    cols: usize,
+    out: &mut [f32],
+) {
     macro_rules! dispatch {
         ($(($r:literal, $t:literal)),* $(,)?) => {
             match (rows.len(), xs.len()) {
                 // SAFETY: the pointer counts match the const shape; the caller vouches for the data.
-                $(($r, $t) => unsafe { tile_rt::<DT, $r, $t>(rows.as_ptr(), xs.as_ptr(), cols, out.as_mut_ptr()) },)*
+                $(($r, $t) => unsafe { tile_rt::<DT, $r, $t>(rows.as_ptr(), prefetch_rows, xs.as_ptr(), cols, out.as_mut_ptr()) },)*
                 (r, t) => unreachable!("no AVX2 tile of {r}x{t}"),
             }
         };
@@ -126,13 +149,20 @@ unsafe fn tile_dtype<const DT: u8>(rows: &[*const u8], xs: &[*const f32], cols: 
 ///
 /// # Safety
 /// As [`crate::scalar::tile`], and the CPU must support AVX2, FMA and F16C.
-pub(crate) unsafe fn tile(dtype: WeightDType, rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]) {
+pub(crate) unsafe fn tile(
+    dtype: WeightDType,
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    xs: &[*const f32],
+    cols: usize,
+    out: &mut [f32],
+) {
     // SAFETY: the caller checked the CPU features and the pointer contracts.
     unsafe {
         match dtype {
-            WeightDType::F32 => tile_dtype::<DT_F32>(rows, xs, cols, out),
-            WeightDType::F16 => tile_dtype::<DT_F16>(rows, xs, cols, out),
-            WeightDType::BF16 => tile_dtype::<DT_BF16>(rows, xs, cols, out),
+            WeightDType::F32 => tile_dtype::<DT_F32>(rows, prefetch_rows, xs, cols, out),
+            WeightDType::F16 => tile_dtype::<DT_F16>(rows, prefetch_rows, xs, cols, out),
+            WeightDType::BF16 => tile_dtype::<DT_BF16>(rows, prefetch_rows, xs, cols, out),
         }
     }
 }

@@ -56,17 +56,31 @@ fn load_scalar<const DT: u8>(row: *const u8, col: usize) -> f32 {
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn tile_rt<const DT: u8, const R: usize, const T: usize>(
     rows: *const *const u8,
+    prefetch_rows: *const *const u8,
     xs: *const *const f32,
     cols: usize,
     out: *mut f32,
 ) {
-    // SAFETY: the caller passes R row pointers, T activation pointers and R*T outputs.
+    // SAFETY: the caller passes R row pointers, R prefetch pointers (or null), T activation
+    // pointers and R*T outputs.
     let rows: [*const u8; R] = std::array::from_fn(|i| unsafe { *rows.add(i) });
+    let prefetch_rows: Option<[*const u8; R]> =
+        (!prefetch_rows.is_null()).then(|| std::array::from_fn(|i| unsafe { *prefetch_rows.add(i) }));
     let xs: [*const f32; T] = std::array::from_fn(|i| unsafe { *xs.add(i) });
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let vector_cols = cols / 16 * 16;
+    let line_cols = if DT == DT_F32 { 16 } else { 32 };
+    let elem_bytes = if DT == DT_F32 { 4 } else { 2 };
     let mut col = 0;
     while col < vector_cols {
+        if let Some(next_rows) = &prefetch_rows {
+            if col % line_cols == 0 {
+                for next_row in next_rows {
+                    // A hint only: prefetches never fault, and the address stays in the next row.
+                    _mm_prefetch::<_MM_HINT_T1>(next_row.wrapping_add(col * elem_bytes) as *const i8);
+                }
+            }
+        }
         let mut w = [_mm512_setzero_ps(); R];
         for r in 0..R {
             // SAFETY: col + 16 <= cols, see load16.
@@ -98,17 +112,27 @@ unsafe fn tile_rt<const DT: u8, const R: usize, const T: usize>(
 #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
 unsafe fn tile_bf16dot_rt<const R: usize, const T: usize>(
     rows: *const *const u8,
+    prefetch_rows: *const *const u8,
     xs: *const *const f32,
     cols: usize,
     out: *mut f32,
 ) {
-    // SAFETY: the caller passes R row pointers, T activation pointers and R*T outputs.
+    // SAFETY: the caller passes R row pointers, R prefetch pointers (or null), T activation
+    // pointers and R*T outputs.
     let rows: [*const u8; R] = std::array::from_fn(|i| unsafe { *rows.add(i) });
+    let prefetch_rows: Option<[*const u8; R]> =
+        (!prefetch_rows.is_null()).then(|| std::array::from_fn(|i| unsafe { *prefetch_rows.add(i) }));
     let xs: [*const f32; T] = std::array::from_fn(|i| unsafe { *xs.add(i) });
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     let vector_cols = cols / 32 * 32;
     let mut col = 0;
     while col < vector_cols {
+        if let Some(next_rows) = &prefetch_rows {
+            for next_row in next_rows {
+                // A hint only: prefetches never fault, and the address stays in the next row.
+                _mm_prefetch::<_MM_HINT_T1>(next_row.wrapping_add(col * 2) as *const i8);
+            }
+        }
         let mut w = [_mm512_setzero_si512(); R];
         for r in 0..R {
             // SAFETY: 32 BF16 (64 bytes) at col + 32 <= cols; loadu tolerates any alignment.
@@ -141,30 +165,30 @@ unsafe fn tile_bf16dot_rt<const R: usize, const T: usize>(
 }
 
 macro_rules! dispatch_shapes {
-    ($rows:ident, $xs:ident, $cols:ident, $out:ident, $kernel:ident $(::<$dt:ident>)?) => {
+    ($rows:ident, $prefetch_rows:ident, $xs:ident, $cols:ident, $out:ident, $kernel:ident $(::<$dt:ident>)?) => {
         match ($rows.len(), $xs.len()) {
-            (8, 1) => $kernel::<$($dt,)? 8, 1>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
-            (4, 2) => $kernel::<$($dt,)? 4, 2>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
-            (4, 3) => $kernel::<$($dt,)? 4, 3>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
-            (4, 4) => $kernel::<$($dt,)? 4, 4>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
-            (4, 5) => $kernel::<$($dt,)? 4, 5>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
-            (4, 6) => $kernel::<$($dt,)? 4, 6>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
-            (1, 1) => $kernel::<$($dt,)? 1, 1>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
-            (1, 2) => $kernel::<$($dt,)? 1, 2>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
-            (1, 3) => $kernel::<$($dt,)? 1, 3>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
-            (1, 4) => $kernel::<$($dt,)? 1, 4>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
-            (1, 5) => $kernel::<$($dt,)? 1, 5>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
-            (1, 6) => $kernel::<$($dt,)? 1, 6>($rows.as_ptr(), $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (8, 1) => $kernel::<$($dt,)? 8, 1>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (4, 2) => $kernel::<$($dt,)? 4, 2>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (4, 3) => $kernel::<$($dt,)? 4, 3>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (4, 4) => $kernel::<$($dt,)? 4, 4>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (4, 5) => $kernel::<$($dt,)? 4, 5>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (4, 6) => $kernel::<$($dt,)? 4, 6>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (1, 1) => $kernel::<$($dt,)? 1, 1>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (1, 2) => $kernel::<$($dt,)? 1, 2>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (1, 3) => $kernel::<$($dt,)? 1, 3>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (1, 4) => $kernel::<$($dt,)? 1, 4>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (1, 5) => $kernel::<$($dt,)? 1, 5>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
+            (1, 6) => $kernel::<$($dt,)? 1, 6>($rows.as_ptr(), $prefetch_rows, $xs.as_ptr(), $cols, $out.as_mut_ptr()),
             (r, t) => unreachable!("no AVX-512 tile of {r}x{t}"),
         }
     };
 }
 
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn tile_dtype<const DT: u8>(rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]) {
+unsafe fn tile_dtype<const DT: u8>(rows: &[*const u8], prefetch_rows: *const *const u8, xs: &[*const f32], cols: usize, out: &mut [f32]) {
     debug_assert!(out.len() >= rows.len() * xs.len());
     // SAFETY: the pointer counts match the const shape; the caller vouches for the data.
-    unsafe { dispatch_shapes!(rows, xs, cols, out, tile_rt::<DT>) }
+    unsafe { dispatch_shapes!(rows, prefetch_rows, xs, cols, out, tile_rt::<DT>) }
 }
 
 /// `out[r * T + t] = dot(row r, x t)` with AVX-512F; shapes as in [`crate::scalar::tile`],
@@ -172,13 +196,20 @@ unsafe fn tile_dtype<const DT: u8>(rows: &[*const u8], xs: &[*const f32], cols: 
 ///
 /// # Safety
 /// As [`crate::scalar::tile`], and the CPU must support AVX-512F, AVX2, FMA and F16C.
-pub(crate) unsafe fn tile(dtype: WeightDType, rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]) {
+pub(crate) unsafe fn tile(
+    dtype: WeightDType,
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    xs: &[*const f32],
+    cols: usize,
+    out: &mut [f32],
+) {
     // SAFETY: the caller checked the CPU features and the pointer contracts.
     unsafe {
         match dtype {
-            WeightDType::F32 => tile_dtype::<DT_F32>(rows, xs, cols, out),
-            WeightDType::F16 => tile_dtype::<DT_F16>(rows, xs, cols, out),
-            WeightDType::BF16 => tile_dtype::<DT_BF16>(rows, xs, cols, out),
+            WeightDType::F32 => tile_dtype::<DT_F32>(rows, prefetch_rows, xs, cols, out),
+            WeightDType::F16 => tile_dtype::<DT_F16>(rows, prefetch_rows, xs, cols, out),
+            WeightDType::BF16 => tile_dtype::<DT_BF16>(rows, prefetch_rows, xs, cols, out),
         }
     }
 }
@@ -187,20 +218,27 @@ pub(crate) unsafe fn tile(dtype: WeightDType, rows: &[*const u8], xs: &[*const f
 ///
 /// # Safety
 /// As [`tile`], and the CPU must also support AVX-512 BF16.
-pub(crate) unsafe fn tile_bf16dot(dtype: WeightDType, rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]) {
+pub(crate) unsafe fn tile_bf16dot(
+    dtype: WeightDType,
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    xs: &[*const f32],
+    cols: usize,
+    out: &mut [f32],
+) {
     if dtype != WeightDType::BF16 {
         // SAFETY: forwarded contract; AVX-512 BF16 implies AVX-512F here (see simd.rs).
-        return unsafe { tile(dtype, rows, xs, cols, out) };
+        return unsafe { tile(dtype, rows, prefetch_rows, xs, cols, out) };
     }
     // SAFETY: the caller checked AVX-512 BF16 and the pointer contracts.
-    unsafe { tile_bf16dot_shapes(rows, xs, cols, out) }
+    unsafe { tile_bf16dot_shapes(rows, prefetch_rows, xs, cols, out) }
 }
 
 #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-unsafe fn tile_bf16dot_shapes(rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]) {
+unsafe fn tile_bf16dot_shapes(rows: &[*const u8], prefetch_rows: *const *const u8, xs: &[*const f32], cols: usize, out: &mut [f32]) {
     debug_assert!(out.len() >= rows.len() * xs.len());
     // SAFETY: the pointer counts match the const shape; the caller vouches for the data.
-    unsafe { dispatch_shapes!(rows, xs, cols, out, tile_bf16dot_rt) }
+    unsafe { dispatch_shapes!(rows, prefetch_rows, xs, cols, out, tile_bf16dot_rt) }
 }
 
 /// Sum of `len` f32 at `data` with 8 independent 512-bit accumulators (read-bandwidth probe).
