@@ -4,7 +4,10 @@
 //! Shapes follow a Qwen3-30B-A3B-like layer: hidden 2048, expert ff 768, BF16 weights, 128
 //! experts, top-8 routing, SiLU.
 //! - `read_gbs`: every pool thread sums its share of a buffer far larger than the LLC
-//!   (1 GiB, 256 MiB when `quick`); best of several passes.
+//!   (1 GiB, 256 MiB when `quick`) with the best SIMD level of the CPU.
+//!
+//! Read, decode and layer25 are measured in interleaved rounds (8, 3 when `quick`) and each
+//! keeps its best round, so the ratios compare the same machine state.
 //! - `decode_gbs`: one token routed to 8 experts; effective GB/s = weight bytes of the 8
 //!   experts (gate+up+down) / time per call. Calls rotate through all 128 experts of a
 //!   ~1.2 GB weight pool, so every call reads weights from DRAM, not cache.
@@ -215,12 +218,9 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
 
     // 1. Read bandwidth.
     let read_buffer_bytes: usize = if opts.quick { 256 << 20 } else { 1 << 30 };
-    let read_gbs = {
-        let mut buffer = vec![0u8; read_buffer_bytes];
-        parallel_fill(&mut pool, &mut buffer, |part, seed| part.fill((seed % 7) as u8 + 1))?;
-        let floats: &[f32] = bytemuck::cast_slice(&buffer);
-        measure_read_gbs(&mut pool, read_simd, floats, if opts.quick { 3 } else { 6 })?
-    };
+    let mut read_buffer = vec![0u8; read_buffer_bytes];
+    parallel_fill(&mut pool, &mut read_buffer, |part, seed| part.fill((seed % 7) as u8 + 1))?;
+    let read_floats: &[f32] = bytemuck::cast_slice(&read_buffer);
 
     // 2. Expert weight pool: 128 distinct BF16 experts, ~1.2 GB.
     let dtype = WeightDType::BF16;
@@ -274,18 +274,6 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     for group in 0..decode_groups.len() {
         pool.run(&decode_job(group), &mut decode_out)?;
     }
-    let decode_calls = if opts.quick { 64 } else { 256 };
-    let mut best_decode_seconds = f64::INFINITY;
-    for _repeat in 0..3 {
-        let start = Instant::now();
-        for call in 0..decode_calls {
-            pool.run(&decode_job(call), &mut decode_out)?;
-        }
-        best_decode_seconds = best_decode_seconds.min(start.elapsed().as_secs_f64() / decode_calls as f64);
-    }
-    black_box(&decode_out);
-    let decode_gbs = decode_weight_bytes as f64 / best_decode_seconds / 1e9;
-
     // 4. Layer at 25% hit rate: 32 tokens x top-8 distinct experts, 64 of 256 slots hot.
     let layer_x = random_x(&mut rng, LAYER25_TOKENS);
     let mut slots: Vec<(u32, usize, f32)> = Vec::with_capacity(LAYER25_TOKENS * TOP_K);
@@ -318,13 +306,26 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let layer25_cold_experts = layer25_weight_bytes / expert_bytes;
     let mut layer_out = vec![0.0f32; LAYER25_TOKENS * HIDDEN];
     pool.run(&layer_job, &mut layer_out)?;
-    let layer_calls = if opts.quick { 4 } else { 16 };
-    let start = Instant::now();
-    for _ in 0..layer_calls {
+
+    // Rounds interleave the read probe, decode and layer25 so that all three see the same
+    // machine state (other processes come and go); each keeps its best round.
+    let rounds = if opts.quick { 3 } else { 8 };
+    let decode_calls_per_round = 2 * decode_groups.len();
+    let (mut read_gbs, mut best_decode_seconds, mut layer25_seconds) = (0.0f64, f64::INFINITY, f64::INFINITY);
+    for round in 0..rounds {
+        read_gbs = read_gbs.max(measure_read_gbs(&mut pool, read_simd, read_floats, 1)?);
+        let start = Instant::now();
+        for call in 0..decode_calls_per_round {
+            pool.run(&decode_job(round + call), &mut decode_out)?;
+        }
+        best_decode_seconds = best_decode_seconds.min(start.elapsed().as_secs_f64() / decode_calls_per_round as f64);
+        let start = Instant::now();
         pool.run(&layer_job, &mut layer_out)?;
+        layer25_seconds = layer25_seconds.min(start.elapsed().as_secs_f64());
     }
-    let layer25_seconds = start.elapsed().as_secs_f64() / layer_calls as f64;
-    black_box(&layer_out);
+    black_box((&decode_out, &layer_out));
+    drop(read_buffer);
+    let decode_gbs = decode_weight_bytes as f64 / best_decode_seconds / 1e9;
     let layer25_gbs = layer25_weight_bytes as f64 / layer25_seconds / 1e9;
 
     // 5. Prefill: 512 tokens x top-8, all cold, expert-major.

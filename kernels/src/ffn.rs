@@ -70,14 +70,20 @@ unsafe fn run_tile(
 /// Computes `dot(row r, x t)` for rows `0..n_rows` and tokens `0..n_tokens`, handing each
 /// value to `sink(r, t, value)`. For a fixed token, rows arrive in increasing order.
 ///
+/// Rows `n_rows..n_rows_prefetchable` exist in memory (the caller's range ends before the
+/// matrix does): they are only prefetched, so streaming runs on across range boundaries.
+///
 /// # Safety
 /// `level` must be supported by this CPU; `row_ptr(r)` must address `cols` elements of
-/// `dtype` for every `r < n_rows`, and `token_ptr(t)` `cols` f32 for every `t < n_tokens`.
+/// `dtype` for every `r < n_rows`, and `token_ptr(t)` `cols` f32 for every `t < n_tokens`;
+/// `row_ptr(r)` must be computable (not dereferenced) for `r < n_rows_prefetchable`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn dot_tiles(
     level: SimdLevel,
     dtype: WeightDType,
     cols: usize,
     n_rows: usize,
+    n_rows_prefetchable: usize,
     row_ptr: impl Fn(usize) -> *const u8,
     n_tokens: usize,
     token_ptr: impl Fn(usize) -> *const f32,
@@ -99,7 +105,7 @@ pub(crate) unsafe fn dot_tiles(
             let tile_rows = if block_rows == ROW_BLOCK { rows_per_tile(level, block_tokens) } else { 1 };
             // While the first token block streams this row block, prefetch the next full row
             // block (same sub-tile position) into L2: one block ahead, whatever the row layout.
-            let prefetch_next = token0 == 0 && row0 + 2 * ROW_BLOCK <= n_rows;
+            let prefetch_next = token0 == 0 && row0 + 2 * ROW_BLOCK <= n_rows_prefetchable.max(n_rows);
             let mut sub = 0;
             while sub < block_rows {
                 for (i, row) in rows[..tile_rows].iter_mut().enumerate() {
@@ -115,7 +121,7 @@ pub(crate) unsafe fn dot_tiles(
                 };
                 let out = &mut sums[..tile_rows * block_tokens];
                 // SAFETY: forwarded contract; the tile shape is one the level's kernel provides;
-                // prefetch pointers address rows < n_rows (and are only hints).
+                // prefetch pointers address rows < n_rows_prefetchable (and are only hints).
                 unsafe { run_tile(level, dtype, &rows[..tile_rows], prefetch_rows, &xs[..block_tokens], cols, out) };
                 for r in 0..tile_rows {
                     for t in 0..block_tokens {
@@ -150,7 +156,8 @@ pub(crate) unsafe fn gate_up_unchecked(
     // Virtual row 2i is gate row first+i, 2i+1 is up row first+i.
     let row_ptr = |virtual_row: usize| {
         let matrix = if virtual_row % 2 == 0 { gate } else { up };
-        // SAFETY: first + virtual_row / 2 < ff_rows.end <= ff, inside the validated matrix.
+        // SAFETY: first + virtual_row / 2 < ff (dereferenced only below ff_rows.end), inside the
+        // validated matrix.
         unsafe { matrix.add((first + virtual_row / 2) * row_bytes) }
     };
     let sink = |virtual_row: usize, token: usize, value: f32| {
@@ -162,8 +169,9 @@ pub(crate) unsafe fn gate_up_unchecked(
             *slot = act.gated(*slot, value); // ... then up completes the activation.
         }
     };
+    let prefetchable = 2 * (ff - first);
     // SAFETY: forwarded contract.
-    unsafe { dot_tiles(level, weights.dtype, weights.hidden, 2 * ff_rows.len(), row_ptr, n_tokens, token_ptr, sink) };
+    unsafe { dot_tiles(level, weights.dtype, weights.hidden, 2 * ff_rows.len(), prefetchable, row_ptr, n_tokens, token_ptr, sink) };
 }
 
 /// Down projection for hidden rows `hidden_rows`: `out(t)[row] += token_weight[t] * down_row·h_t`
@@ -183,7 +191,7 @@ pub(crate) unsafe fn down_unchecked(
 ) {
     let row_bytes = weights.ff * weights.dtype.size_bytes();
     let (down, ff, first) = (weights.down.as_ptr(), weights.ff, hidden_rows.start);
-    // SAFETY: first + r < hidden_rows.end <= hidden, inside the validated matrix.
+    // SAFETY: first + r < hidden (dereferenced only below hidden_rows.end), inside the matrix.
     let row_ptr = |r: usize| unsafe { down.add((first + r) * row_bytes) };
     // SAFETY: t < n_tokens, h has n_tokens * ff values.
     let token_ptr = |t: usize| unsafe { h_base.add(t * ff) };
@@ -191,8 +199,9 @@ pub(crate) unsafe fn down_unchecked(
         // SAFETY: the caller owns row first + r of token t's output row.
         unsafe { *out_row_ptr(t).add(first + r) += token_weight[t] * value };
     };
+    let prefetchable = weights.hidden - first;
     // SAFETY: forwarded contract.
-    unsafe { dot_tiles(level, weights.dtype, ff, hidden_rows.len(), row_ptr, n_tokens, token_ptr, sink) };
+    unsafe { dot_tiles(level, weights.dtype, ff, hidden_rows.len(), prefetchable, row_ptr, n_tokens, token_ptr, sink) };
 }
 
 fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<(), KernelError> {
@@ -240,6 +249,7 @@ pub fn matmul_rows(
             dtype,
             cols,
             n_out,
+            matrix.len() / row_bytes - first,
             |r| base.add((first + r) * row_bytes),
             n_tokens,
             |t| x_base.add(t * cols),

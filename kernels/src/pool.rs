@@ -2,19 +2,27 @@
 //!
 //! A [`ColdJob`] is expert-major: each cold expert comes with the tokens routed to it and their
 //! routing weights. [`ColdPool::run`] splits it in two phases separated by a barrier:
-//! 1. gate/up + activation: the (expert, block of 4 ff rows) space of all experts that have
-//!    tokens is split evenly by a cost model (row bytes plus per-token work), so every thread
-//!    streams weights at once even when a single expert carries all the work; each thread
-//!    writes its rows of the intermediate `h` into a pool-owned scratch buffer;
-//! 2. down + weighted accumulation: the hidden output rows are split evenly and each thread
-//!    walks all experts for its rows, so threads own disjoint output rows (no locks, no atomics
-//!    on data), and a token routed to several experts is accumulated by one thread per row.
+//! 1. gate/up + activation: the (expert, unit of 4 ff rows) space of all experts that have
+//!    tokens is split by rows, not by expert, so every thread streams weights at once even
+//!    when a single expert carries all the work; each thread writes its rows of the
+//!    intermediate `h` into a pool-owned scratch buffer;
+//! 2. down + weighted accumulation: the hidden output rows (units of 8) are split and each
+//!    thread walks all experts for the rows it claimed, so threads own disjoint output rows (no
+//!    locks, no atomics on data), and a token routed to several experts is accumulated by one
+//!    thread per row.
+//!
+//! Both phases hand out contiguous unit ranges by guided self-scheduling: one atomic counter
+//! per phase, each claim takes `remaining / (2 * threads)` units (at least one). Early claims
+//! are long (weights stream sequentially, the next-block prefetch runs on), late claims are
+//! short, so the split adapts to the number of cold slots and experts and to a thread that
+//! was slowed down (another process on its core) without any per-token allocation or lock.
 //!
 //! The caller's thread works as thread 0; the other threads are spawned once and pinned to
 //! cores (pinning failure is ignored). Dispatch is one epoch bump per call; workers spin
 //! briefly and then sleep on a condvar. The scratch buffers only grow, so steady-state calls do
 //! not allocate.
 
+use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -29,8 +37,6 @@ use crate::weights::{Activation, ExpertWeights};
 
 /// ff rows per phase-1 work unit: gate and up rows interleave into one 8-row tile block.
 const FF_ROWS_PER_UNIT: usize = ROW_BLOCK / 2;
-/// Phase-1 cost of reading one ff row pair, in units of one token's FMA work on it.
-const ROW_READ_COST: u64 = 4;
 /// How long an idle worker spins before it sleeps.
 const IDLE_SPIN: Duration = Duration::from_micros(200);
 
@@ -107,6 +113,25 @@ struct ColdTask<'t> {
     out: *mut f32,
     h_scratch: *mut f32,
     h_offsets: &'t [usize],
+    /// Next unclaimed phase-1 unit (over the concatenated experts that have tokens).
+    next_gate_up_unit: AtomicUsize,
+    /// Next unclaimed phase-2 unit (row block of the hidden output rows).
+    next_down_unit: AtomicUsize,
+}
+
+/// Claims the next range of units by guided self-scheduling; `None` when all are claimed.
+fn claim_units(next: &AtomicUsize, total: usize, n_threads: usize) -> Option<Range<usize>> {
+    let mut start = next.load(Ordering::Relaxed);
+    loop {
+        if start >= total {
+            return None;
+        }
+        let len = ((total - start) / (2 * n_threads)).max(1);
+        match next.compare_exchange_weak(start, start + len, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return Some(start..start + len),
+            Err(current) => start = current,
+        }
+    }
 }
 
 /// A sense-reversing spin barrier that yields the CPU when it waits long.
@@ -222,6 +247,8 @@ impl ColdPool {
             out: out.as_mut_ptr(),
             h_scratch: self.h_scratch.as_mut_ptr(),
             h_offsets: &self.h_offsets,
+            next_gate_up_unit: AtomicUsize::new(0),
+            next_down_unit: AtomicUsize::new(0),
         });
         dispatch(&self.shared, &task)
     }
@@ -348,99 +375,83 @@ fn execute(shared: &Shared, task: &Task<'_>, index: usize) {
             }
         }
         Task::Cold(cold) => {
-            if catch_unwind(AssertUnwindSafe(|| gate_up_phase(cold, index, n_threads))).is_err() {
+            if catch_unwind(AssertUnwindSafe(|| gate_up_phase(cold, n_threads))).is_err() {
                 shared.panicked.store(true, Ordering::Relaxed);
             }
             shared.barrier.wait();
-            if catch_unwind(AssertUnwindSafe(|| down_phase(cold, index, n_threads))).is_err() {
+            if catch_unwind(AssertUnwindSafe(|| down_phase(cold, n_threads))).is_err() {
                 shared.panicked.store(true, Ordering::Relaxed);
             }
         }
     }
 }
 
-/// Phase 1: this thread's share of the (expert, ff-row unit) space, split by cost.
-fn gate_up_phase(task: &ColdTask<'_>, index: usize, n_threads: usize) {
+/// Phase 1: claims ranges of (expert, 4-ff-row unit) and computes gate/up + activation there.
+fn gate_up_phase(task: &ColdTask<'_>, n_threads: usize) {
     let job = task.job;
-    let units_per_expert = job.ff.div_ceil(FF_ROWS_PER_UNIT) as u64;
-    let unit_cost = |n_tokens: usize| ROW_READ_COST + n_tokens as u64;
-    let total_cost: u64 =
-        job.experts.iter().filter(|e| !e.token_idx.is_empty()).map(|e| units_per_expert * unit_cost(e.token_idx.len())).sum();
-    if total_cost == 0 {
-        return;
-    }
-    let n = n_threads as u64;
-    // Thread `index` owns the units whose starting cost s satisfies lo <= s*n/... i.e. the
-    // cost interval [index*total/n, (index+1)*total/n), compared as n*s in [index*total, ...).
-    let (lo, hi) = (index as u64 * total_cost, (index as u64 + 1) * total_cost);
-    let mut prefix_cost = 0u64;
-    for (expert_index, expert) in job.experts.iter().enumerate() {
-        if expert.token_idx.is_empty() {
-            continue;
-        }
-        let cost = unit_cost(expert.token_idx.len());
-        let expert_cost = units_per_expert * cost;
-        // Unit u starts at n * (prefix + u * cost); find the u range inside [lo, hi).
-        let first_unit = |bound: u64| -> u64 {
-            let start = n * prefix_cost;
-            if bound <= start {
-                0
-            } else {
-                (bound - start).div_ceil(n * cost).min(units_per_expert)
+    let units_per_expert = job.ff.div_ceil(FF_ROWS_PER_UNIT);
+    let total_units = units_per_expert * job.experts.iter().filter(|e| !e.token_idx.is_empty()).count();
+    // Claims are increasing per thread, so a forward-only cursor maps units to experts.
+    let (mut expert_index, mut expert_first_unit) = (0usize, 0usize);
+    while let Some(claim) = claim_units(&task.next_gate_up_unit, total_units, n_threads) {
+        let mut unit = claim.start;
+        while unit < claim.end {
+            while job.experts[expert_index].token_idx.is_empty() || unit >= expert_first_unit + units_per_expert {
+                if !job.experts[expert_index].token_idx.is_empty() {
+                    expert_first_unit += units_per_expert;
+                }
+                expert_index += 1;
             }
-        };
-        let (unit_start, unit_end) = (first_unit(lo), first_unit(hi));
-        prefix_cost += expert_cost;
-        if unit_start >= unit_end {
-            continue;
+            let expert = &job.experts[expert_index];
+            let local_end = (claim.end - expert_first_unit).min(units_per_expert);
+            let local_start = unit - expert_first_unit;
+            let ff_rows = local_start * FF_ROWS_PER_UNIT..(local_end * FF_ROWS_PER_UNIT).min(job.ff);
+            unit = expert_first_unit + local_end;
+            let (x, hidden, token_idx) = (job.x.as_ptr(), job.hidden, expert.token_idx);
+            // SAFETY: the job was validated (level supported, weights sized, token indices <
+            // n_tokens); claimed units are disjoint across threads, so are these ff rows of h,
+            // and h for this expert spans h_offsets[e] .. + n_tokens_e * ff of the scratch.
+            unsafe {
+                gate_up_unchecked(
+                    job.level,
+                    &expert.weights,
+                    job.act,
+                    ff_rows,
+                    token_idx.len(),
+                    |t| x.add(token_idx[t] as usize * hidden),
+                    task.h_scratch.add(task.h_offsets[expert_index]),
+                )
+            };
         }
-        let ff_rows = (unit_start as usize * FF_ROWS_PER_UNIT)..(unit_end as usize * FF_ROWS_PER_UNIT).min(job.ff);
-        let (x, hidden, token_idx) = (job.x.as_ptr(), job.hidden, expert.token_idx);
-        // SAFETY: the job was validated (level supported, weights sized, token indices < n_tokens);
-        // this thread's ff rows of this expert are disjoint from every other thread's, and h for
-        // this expert spans h_offsets[e] .. + n_tokens_e * ff inside the scratch buffer.
-        unsafe {
-            gate_up_unchecked(
-                job.level,
-                &expert.weights,
-                job.act,
-                ff_rows,
-                token_idx.len(),
-                |t| x.add(token_idx[t] as usize * hidden),
-                task.h_scratch.add(task.h_offsets[expert_index]),
-            )
-        };
     }
 }
 
-/// Phase 2: this thread's hidden rows, for every expert.
-fn down_phase(task: &ColdTask<'_>, index: usize, n_threads: usize) {
+/// Phase 2: claims ranges of hidden row blocks and runs every expert's down rows there.
+fn down_phase(task: &ColdTask<'_>, n_threads: usize) {
     let job = task.job;
-    let n_blocks = job.hidden.div_ceil(ROW_BLOCK);
-    let block_start = index * n_blocks / n_threads;
-    let block_end = (index + 1) * n_blocks / n_threads;
-    let hidden_rows = (block_start * ROW_BLOCK).min(job.hidden)..(block_end * ROW_BLOCK).min(job.hidden);
-    if hidden_rows.is_empty() {
-        return;
-    }
-    for (expert_index, expert) in job.experts.iter().enumerate() {
-        if expert.token_idx.is_empty() {
-            continue;
+    let total_units = job.hidden.div_ceil(ROW_BLOCK);
+    while let Some(claim) = claim_units(&task.next_down_unit, total_units, n_threads) {
+        let hidden_rows = claim.start * ROW_BLOCK..(claim.end * ROW_BLOCK).min(job.hidden);
+        for (expert_index, expert) in job.experts.iter().enumerate() {
+            if expert.token_idx.is_empty() {
+                continue;
+            }
+            let (out, hidden, token_idx) = (task.out, job.hidden, expert.token_idx);
+            // SAFETY: job validated; after the barrier all of h is written and only read; this
+            // thread alone claimed `hidden_rows`, so it is the only one touching those columns
+            // of any output row.
+            unsafe {
+                down_unchecked(
+                    job.level,
+                    &expert.weights,
+                    hidden_rows.clone(),
+                    token_idx.len(),
+                    task.h_scratch.add(task.h_offsets[expert_index]),
+                    expert.token_weight,
+                    |t| out.add(token_idx[t] as usize * hidden),
+                )
+            };
         }
-        let (out, hidden, token_idx) = (task.out, job.hidden, expert.token_idx);
-        // SAFETY: job validated; after the barrier all of h is written and only read; this
-        // thread is the only one touching `hidden_rows` of any output row.
-        unsafe {
-            down_unchecked(
-                job.level,
-                &expert.weights,
-                hidden_rows.clone(),
-                token_idx.len(),
-                task.h_scratch.add(task.h_offsets[expert_index]),
-                expert.token_weight,
-                |t| out.add(token_idx[t] as usize * hidden),
-            )
-        };
     }
 }
 
