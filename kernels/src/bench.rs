@@ -4,7 +4,7 @@
 //! Shapes follow a Qwen3-30B-A3B-like layer: hidden 2048, expert ff 768, BF16 weights, 128
 //! experts, top-8 routing, SiLU.
 //! - `read_gbs`: every pool thread sums its share of a buffer far larger than the LLC
-//!   (1 GiB, 256 MiB when `quick`) with the best SIMD level of the CPU.
+//!   (2 GiB, 256 MiB when `quick`) with the best SIMD level of the CPU.
 //!
 //! Read, decode and layer25 are measured in interleaved rounds (8, 3 when `quick`) and each
 //! keeps its best round, so the ratios compare the same machine state.
@@ -219,7 +219,8 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let read_simd = SimdLevel::detect();
 
     // 1. Read bandwidth.
-    let read_buffer_bytes: usize = if opts.quick { 256 << 20 } else { 1 << 30 };
+    // 2 GiB: several times any LLC, so adaptive LLC replacement cannot keep a useful part.
+    let read_buffer_bytes: usize = if opts.quick { 256 << 20 } else { 2 << 30 };
     let mut read_buffer = vec![0u8; read_buffer_bytes];
     parallel_fill(&mut pool, &mut read_buffer, |part, seed| part.fill((seed % 7) as u8 + 1))?;
     let read_floats: &[f32] = bytemuck::cast_slice(&read_buffer);
