@@ -4,7 +4,8 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use moe_lanes_kernels::{
-    available, gemv_rows, Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, SimdLevel, WeightDType,
+    available, gemv_rows, Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, SimdLevel,
+    WeightDType,
 };
 
 const HIDDEN: usize = 2048;
@@ -41,8 +42,9 @@ fn bench_pool_decode(c: &mut Criterion) {
     let mut pool = ColdPool::new(threads);
     let level = SimdLevel::from_env_or_detect().expect("MOE_LANES_SIMD names a supported level");
     let n_experts = 8;
-    let matrices: Vec<Vec<u8>> =
-        (0..3 * n_experts).map(|i| WeightDType::BF16.encode(&pseudo_random_f32(FF * HIDDEN, 10 + i as u32))).collect();
+    let matrices: Vec<Vec<u8>> = (0..3 * n_experts)
+        .map(|i| WeightDType::BF16.encode(&pseudo_random_f32(FF * HIDDEN, 10 + i as u32)))
+        .collect();
     let x = pseudo_random_f32(HIDDEN, 3);
     let (token_idx, token_weight) = ([0u32], [0.125f32]);
     let work: Vec<ColdExpertWork<'_>> = (0..n_experts)
@@ -63,7 +65,9 @@ fn bench_pool_decode(c: &mut Criterion) {
     let mut out = vec![0.0f32; HIDDEN];
     let mut group = c.benchmark_group("pool_decode_1tok_8experts");
     group.throughput(Throughput::Bytes(job.weight_bytes() as u64));
-    group.bench_function(format!("{level}_{threads}threads"), |b| b.iter(|| pool.run(&job, &mut out).unwrap()));
+    group.bench_function(format!("{level}_{threads}threads"), |b| {
+        b.iter(|| pool.run(&job, &mut out).unwrap())
+    });
     group.finish();
 }
 

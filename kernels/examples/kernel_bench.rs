@@ -11,8 +11,12 @@ fn main() {
         match arg.as_str() {
             "--json" => json = true,
             "--quick" => opts.quick = true,
-            "--threads" => opts.threads = Some(args.next().and_then(|v| v.parse().ok()).expect("--threads N")),
-            "--simd" => opts.simd = Some(SimdLevel::parse(&args.next().expect("--simd LEVEL")).expect("SIMD level")),
+            "--threads" => {
+                opts.threads = Some(args.next().and_then(|v| v.parse().ok()).expect("--threads N"))
+            }
+            "--simd" => {
+                opts.simd = Some(SimdLevel::parse(&args.next().expect("--simd LEVEL")).expect("SIMD level"))
+            }
             other => panic!("unknown argument {other}"),
         }
     }

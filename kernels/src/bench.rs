@@ -153,7 +153,11 @@ unsafe impl<T> Send for SendPtr<T> {}
 unsafe impl<T> Sync for SendPtr<T> {}
 
 /// Fills `buffer` in parallel (first touch by the threads that will read it).
-fn parallel_fill(pool: &mut ColdPool, buffer: &mut [u8], fill: impl Fn(&mut [u8], u64) + Sync) -> Result<(), KernelError> {
+fn parallel_fill(
+    pool: &mut ColdPool,
+    buffer: &mut [u8],
+    fill: impl Fn(&mut [u8], u64) + Sync,
+) -> Result<(), KernelError> {
     let (base, len) = (SendPtr(buffer.as_mut_ptr()), buffer.len());
     pool.broadcast(&|index, n_threads| {
         let (start, end) = (index * len / n_threads, (index + 1) * len / n_threads);
@@ -169,7 +173,9 @@ fn sum_f32(level: SimdLevel, data: &[f32]) -> f32 {
     match level {
         // SAFETY: the level is supported (checked by the caller); the slice is readable.
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => unsafe { crate::x86_avx512::sum_f32(data.as_ptr(), data.len()) },
+        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => unsafe {
+            crate::x86_avx512::sum_f32(data.as_ptr(), data.len())
+        },
         // SAFETY: as above.
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 => unsafe { crate::x86_avx2::sum_f32(data.as_ptr(), data.len()) },
@@ -188,7 +194,12 @@ fn sum_f32(level: SimdLevel, data: &[f32]) -> f32 {
 }
 
 /// Best multi-thread read bandwidth over `passes` passes of `buffer`, in GB/s.
-fn measure_read_gbs(pool: &mut ColdPool, level: SimdLevel, buffer: &[f32], passes: usize) -> Result<f64, KernelError> {
+fn measure_read_gbs(
+    pool: &mut ColdPool,
+    level: SimdLevel,
+    buffer: &[f32],
+    passes: usize,
+) -> Result<f64, KernelError> {
     let mut best = 0.0f64;
     for _ in 0..passes {
         let start = Instant::now();
@@ -211,7 +222,8 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         }
         None => SimdLevel::from_env_or_detect()?,
     };
-    let threads = opts.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let threads =
+        opts.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     if threads == 0 {
         return Err(KernelError::InvalidOption("threads must be at least 1".into()));
     }
@@ -255,7 +267,9 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         })
         .collect();
     let mut rng = SplitMix64(42);
-    let random_x = |rng: &mut SplitMix64, n_tokens: usize| -> Vec<f32> { (0..n_tokens * HIDDEN).map(|_| rng.symmetric(1.0)).collect() };
+    let random_x = |rng: &mut SplitMix64, n_tokens: usize| -> Vec<f32> {
+        (0..n_tokens * HIDDEN).map(|_| rng.symmetric(1.0)).collect()
+    };
 
     // 3. Decode: 1 token x 8 experts, rotating through the pool.
     let decode_x = random_x(&mut rng, 1);
@@ -265,7 +279,11 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let decode_groups: Vec<Vec<ColdExpertWork<'_>>> = (0..experts.len() / TOP_K)
         .map(|group| {
             (0..TOP_K)
-                .map(|k| ColdExpertWork { weights: experts[group * TOP_K + k], token_idx: &token_zero, token_weight: &routing_weight })
+                .map(|k| ColdExpertWork {
+                    weights: experts[group * TOP_K + k],
+                    token_idx: &token_zero,
+                    token_weight: &routing_weight,
+                })
                 .collect()
         })
         .collect();
@@ -300,7 +318,8 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     }
     let cold_slots = &slots[LAYER25_HOT_SLOTS..];
     let layer25_cold_slots = cold_slots.len();
-    let (mut per_expert_tokens, mut per_expert_weights) = (vec![Vec::new(); N_EXPERTS], vec![Vec::new(); N_EXPERTS]);
+    let (mut per_expert_tokens, mut per_expert_weights) =
+        (vec![Vec::new(); N_EXPERTS], vec![Vec::new(); N_EXPERTS]);
     for &(token, expert, weight) in cold_slots {
         per_expert_tokens[expert].push(token);
         per_expert_weights[expert].push(weight);
@@ -345,7 +364,8 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         for call in 0..decode_calls_per_round {
             pool.run(&decode_job(round + call), &mut decode_out)?;
         }
-        best_decode_seconds = best_decode_seconds.min(start.elapsed().as_secs_f64() / decode_calls_per_round as f64);
+        best_decode_seconds =
+            best_decode_seconds.min(start.elapsed().as_secs_f64() / decode_calls_per_round as f64);
         let start = Instant::now();
         pool.run(&layer_job(round), &mut layer_out)?;
         layer25_seconds = layer25_seconds.min(start.elapsed().as_secs_f64());
@@ -357,7 +377,8 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
 
     // 5. Prefill: 512 tokens x top-8, all cold, expert-major.
     let prefill_x = random_x(&mut rng, PREFILL_TOKENS);
-    let (mut prefill_tokens, mut prefill_weights) = (vec![Vec::new(); N_EXPERTS], vec![Vec::new(); N_EXPERTS]);
+    let (mut prefill_tokens, mut prefill_weights) =
+        (vec![Vec::new(); N_EXPERTS], vec![Vec::new(); N_EXPERTS]);
     for token in 0..PREFILL_TOKENS {
         let mut chosen: Vec<usize> = Vec::with_capacity(TOP_K);
         while chosen.len() < TOP_K {
@@ -372,9 +393,20 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         }
     }
     let prefill_work: Vec<ColdExpertWork<'_>> = (0..N_EXPERTS)
-        .map(|e| ColdExpertWork { weights: experts[e], token_idx: &prefill_tokens[e], token_weight: &prefill_weights[e] })
+        .map(|e| ColdExpertWork {
+            weights: experts[e],
+            token_idx: &prefill_tokens[e],
+            token_weight: &prefill_weights[e],
+        })
         .collect();
-    let prefill_job = ColdJob { level, act: Activation::Silu, hidden: HIDDEN, ff: FF, x: &prefill_x, experts: &prefill_work };
+    let prefill_job = ColdJob {
+        level,
+        act: Activation::Silu,
+        hidden: HIDDEN,
+        ff: FF,
+        x: &prefill_x,
+        experts: &prefill_work,
+    };
     let mut prefill_out = vec![0.0f32; PREFILL_TOKENS * HIDDEN];
     pool.run(&prefill_job, &mut prefill_out)?;
     let prefill_calls = if opts.quick { 1 } else { 3 };

@@ -34,7 +34,8 @@ fn rows_per_tile(level: SimdLevel, n_tokens: usize) -> usize {
 }
 
 #[cfg(target_arch = "x86_64")]
-const _: () = assert!(x86_avx2::MAX_TILE_TOKENS == MAX_TILE_TOKENS && x86_avx512::MAX_TILE_TOKENS == MAX_TILE_TOKENS);
+const _: () =
+    assert!(x86_avx2::MAX_TILE_TOKENS == MAX_TILE_TOKENS && x86_avx512::MAX_TILE_TOKENS == MAX_TILE_TOKENS);
 
 /// Runs one tile on the level's kernel.
 ///
@@ -122,7 +123,9 @@ pub(crate) unsafe fn dot_tiles(
                 let out = &mut sums[..tile_rows * block_tokens];
                 // SAFETY: forwarded contract; the tile shape is one the level's kernel provides;
                 // prefetch pointers address rows < n_rows_prefetchable (and are only hints).
-                unsafe { run_tile(level, dtype, &rows[..tile_rows], prefetch_rows, &xs[..block_tokens], cols, out) };
+                unsafe {
+                    run_tile(level, dtype, &rows[..tile_rows], prefetch_rows, &xs[..block_tokens], cols, out)
+                };
                 for r in 0..tile_rows {
                     for t in 0..block_tokens {
                         sink(row0 + sub + r, token0 + t, out[r * block_tokens + t]);
@@ -171,7 +174,19 @@ pub(crate) unsafe fn gate_up_unchecked(
     };
     let prefetchable = 2 * (ff - first);
     // SAFETY: forwarded contract.
-    unsafe { dot_tiles(level, weights.dtype, weights.hidden, 2 * ff_rows.len(), prefetchable, row_ptr, n_tokens, token_ptr, sink) };
+    unsafe {
+        dot_tiles(
+            level,
+            weights.dtype,
+            weights.hidden,
+            2 * ff_rows.len(),
+            prefetchable,
+            row_ptr,
+            n_tokens,
+            token_ptr,
+            sink,
+        )
+    };
 }
 
 /// Down projection for hidden rows `hidden_rows`: `out(t)[row] += token_weight[t] * down_row·h_t`
@@ -201,7 +216,19 @@ pub(crate) unsafe fn down_unchecked(
     };
     let prefetchable = weights.hidden - first;
     // SAFETY: forwarded contract.
-    unsafe { dot_tiles(level, weights.dtype, ff, hidden_rows.len(), prefetchable, row_ptr, n_tokens, token_ptr, sink) };
+    unsafe {
+        dot_tiles(
+            level,
+            weights.dtype,
+            ff,
+            hidden_rows.len(),
+            prefetchable,
+            row_ptr,
+            n_tokens,
+            token_ptr,
+            sink,
+        )
+    };
 }
 
 fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<(), KernelError> {
@@ -288,14 +315,20 @@ pub fn gate_up_activation(
     weights.validate()?;
     let (hidden, ff) = (weights.hidden, weights.ff);
     if hidden == 0 || x.len() % hidden != 0 {
-        return Err(KernelError::ShapeMismatch { what: "x (tokens x hidden)", expected: hidden, actual: x.len() });
+        return Err(KernelError::ShapeMismatch {
+            what: "x (tokens x hidden)",
+            expected: hidden,
+            actual: x.len(),
+        });
     }
     let n_tokens = x.len() / hidden;
     check_rows("gate/up", &ff_rows, ff)?;
     check_len("h (tokens x ff)", n_tokens * ff, h.len())?;
     let x_base = x.as_ptr();
     // SAFETY: level checked, weights validated, x/h lengths checked, h exclusively borrowed.
-    unsafe { gate_up_unchecked(level, weights, act, ff_rows, n_tokens, |t| x_base.add(t * hidden), h.as_mut_ptr()) };
+    unsafe {
+        gate_up_unchecked(level, weights, act, ff_rows, n_tokens, |t| x_base.add(t * hidden), h.as_mut_ptr())
+    };
     Ok(())
 }
 
@@ -320,7 +353,9 @@ pub fn down_accumulate(
     let out_base = out.as_mut_ptr();
     // SAFETY: level checked, weights validated, h/out lengths checked, out exclusively borrowed.
     unsafe {
-        down_unchecked(level, weights, hidden_rows, n_tokens, h.as_ptr(), token_weight, |t| out_base.add(t * hidden))
+        down_unchecked(level, weights, hidden_rows, n_tokens, h.as_ptr(), token_weight, |t| {
+            out_base.add(t * hidden)
+        })
     };
     Ok(())
 }

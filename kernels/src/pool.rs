@@ -68,20 +68,36 @@ impl<'a> ColdJob<'a> {
     pub fn validate(&self, out_len: usize) -> Result<usize, KernelError> {
         self.level.ensure_supported()?;
         if self.hidden == 0 || self.x.len() % self.hidden != 0 {
-            return Err(KernelError::ShapeMismatch { what: "x (tokens x hidden)", expected: self.hidden, actual: self.x.len() });
+            return Err(KernelError::ShapeMismatch {
+                what: "x (tokens x hidden)",
+                expected: self.hidden,
+                actual: self.x.len(),
+            });
         }
         if out_len != self.x.len() {
-            return Err(KernelError::ShapeMismatch { what: "out (tokens x hidden)", expected: self.x.len(), actual: out_len });
+            return Err(KernelError::ShapeMismatch {
+                what: "out (tokens x hidden)",
+                expected: self.x.len(),
+                actual: out_len,
+            });
         }
         let n_tokens = self.x.len() / self.hidden;
         for expert in self.experts {
             let w = &expert.weights;
             if w.hidden != self.hidden || w.ff != self.ff {
-                return Err(KernelError::ShapeMismatch { what: "expert hidden x ff", expected: self.hidden * self.ff, actual: w.hidden * w.ff });
+                return Err(KernelError::ShapeMismatch {
+                    what: "expert hidden x ff",
+                    expected: self.hidden * self.ff,
+                    actual: w.hidden * w.ff,
+                });
             }
             w.validate()?;
             if expert.token_weight.len() != expert.token_idx.len() {
-                return Err(KernelError::ShapeMismatch { what: "token_weight", expected: expert.token_idx.len(), actual: expert.token_weight.len() });
+                return Err(KernelError::ShapeMismatch {
+                    what: "token_weight",
+                    expected: expert.token_idx.len(),
+                    actual: expert.token_weight.len(),
+                });
             }
             if let Some(&bad) = expert.token_idx.iter().find(|&&t| t as usize >= n_tokens) {
                 return Err(KernelError::TokenIndexOutOfBounds { index: bad as usize, n_tokens });
@@ -277,7 +293,8 @@ impl ColdPool {
                 }
                 let out_row = &mut out[token as usize * hidden..][..hidden];
                 for (row, o) in out_row.iter_mut().enumerate() {
-                    *o += token_weight * dot_row(w.dtype, &w.down[row * down_row_bytes..][..down_row_bytes], &h);
+                    *o += token_weight
+                        * dot_row(w.dtype, &w.down[row * down_row_bytes..][..down_row_bytes], &h);
                 }
             }
         }
@@ -396,7 +413,9 @@ fn gate_up_phase(task: &ColdTask<'_>, n_threads: usize) {
     while let Some(claim) = claim_units(&task.next_gate_up_unit, total_units, n_threads) {
         let mut unit = claim.start;
         while unit < claim.end {
-            while job.experts[expert_index].token_idx.is_empty() || unit >= expert_first_unit + units_per_expert {
+            while job.experts[expert_index].token_idx.is_empty()
+                || unit >= expert_first_unit + units_per_expert
+            {
                 if !job.experts[expert_index].token_idx.is_empty() {
                     expert_first_unit += units_per_expert;
                 }

@@ -9,7 +9,13 @@ use crate::weights::WeightDType;
 /// # Safety
 /// Every `rows[r]` must point to `cols` readable elements of `dtype` (any alignment), every
 /// `xs[t]` to `cols` readable f32 (f32-aligned), and `out` must hold `R * T` values.
-pub(crate) unsafe fn tile(dtype: WeightDType, rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]) {
+pub(crate) unsafe fn tile(
+    dtype: WeightDType,
+    rows: &[*const u8],
+    xs: &[*const f32],
+    cols: usize,
+    out: &mut [f32],
+) {
     let row_bytes = cols * dtype.size_bytes();
     let n_tokens = xs.len();
     for (r, &row_ptr) in rows.iter().enumerate() {

@@ -28,7 +28,8 @@ pub enum SimdLevel {
 
 impl SimdLevel {
     /// All levels, weakest first.
-    pub const ALL: [SimdLevel; 4] = [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512, SimdLevel::Avx512Bf16];
+    pub const ALL: [SimdLevel; 4] =
+        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512, SimdLevel::Avx512Bf16];
 
     /// The lower-case name used by `MOE_LANES_SIMD` and in reports.
     pub fn name(self) -> &'static str {

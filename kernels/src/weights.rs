@@ -61,8 +61,12 @@ impl WeightDType {
         for &value in values {
             match self {
                 WeightDType::F32 => bytes.extend_from_slice(&value.to_le_bytes()),
-                WeightDType::F16 => bytes.extend_from_slice(&half::f16::from_f32(value).to_bits().to_le_bytes()),
-                WeightDType::BF16 => bytes.extend_from_slice(&half::bf16::from_f32(value).to_bits().to_le_bytes()),
+                WeightDType::F16 => {
+                    bytes.extend_from_slice(&half::f16::from_f32(value).to_bits().to_le_bytes())
+                }
+                WeightDType::BF16 => {
+                    bytes.extend_from_slice(&half::bf16::from_f32(value).to_bits().to_le_bytes())
+                }
             }
         }
         bytes
@@ -165,7 +169,9 @@ mod tests {
 
     #[test]
     fn erf_matches_known_values() {
-        for (x, expected) in [(0.0, 0.0), (0.5, 0.520_499_877_8), (1.0, 0.842_700_792_9), (-2.0, -0.995_322_265)] {
+        for (x, expected) in
+            [(0.0, 0.0), (0.5, 0.520_499_877_8), (1.0, 0.842_700_792_9), (-2.0, -0.995_322_265)]
+        {
             assert!((erf(x) - expected).abs() < 3e-7, "erf({x})");
         }
     }

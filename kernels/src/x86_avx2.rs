@@ -41,7 +41,11 @@ unsafe fn load8<const DT: u8>(row: *const u8, col: usize) -> __m256 {
 }
 
 const fn elem_bytes<const DT: u8>() -> usize {
-    if DT == DT_F32 { 4 } else { 2 }
+    if DT == DT_F32 {
+        4
+    } else {
+        2
+    }
 }
 
 #[inline]
@@ -149,7 +153,8 @@ unsafe fn tile_bf16_split_rt<const R: usize, const T: usize>(
             let mut x_odd = [_mm256_setzero_ps(); T];
             for t in 0..T {
                 // SAFETY: xs[t] has `cols` f32 and col + 16 <= cols.
-                let (a, b) = unsafe { (_mm256_loadu_ps(xs[t].add(col)), _mm256_loadu_ps(xs[t].add(col + 8))) };
+                let (a, b) =
+                    unsafe { (_mm256_loadu_ps(xs[t].add(col)), _mm256_loadu_ps(xs[t].add(col + 8))) };
                 // shuffle gives [0 2 8 10 | 4 6 12 14]; the 64-bit permute restores column order.
                 let even = _mm256_shuffle_ps::<0b10_00_10_00>(a, b);
                 let odd = _mm256_shuffle_ps::<0b11_01_11_01>(a, b);
@@ -215,10 +220,7 @@ unsafe fn tile_dtype<const DT: u8>(
         };
     }
     debug_assert!(out.len() >= rows.len() * xs.len());
-    dispatch!(
-        (8, 1), (4, 2), (4, 3), (2, 4), (2, 5), (2, 6),
-        (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6),
-    )
+    dispatch!((8, 1), (4, 2), (4, 3), (2, 4), (2, 5), (2, 6), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 6),)
 }
 
 /// `out[r * T + t] = dot(row r, x t)`; shapes as in [`crate::scalar::tile`] and limited to the
@@ -240,10 +242,34 @@ pub(crate) unsafe fn tile(
             WeightDType::F32 => tile_dtype::<DT_F32>(rows, prefetch_rows, xs, cols, out),
             WeightDType::F16 => tile_dtype::<DT_F16>(rows, prefetch_rows, xs, cols, out),
             WeightDType::BF16 => match (rows.len(), xs.len()) {
-                (8, 1) => tile_bf16_split_rt::<8, 1>(rows.as_ptr(), prefetch_rows, xs.as_ptr(), cols, out.as_mut_ptr()),
-                (4, 2) => tile_bf16_split_rt::<4, 2>(rows.as_ptr(), prefetch_rows, xs.as_ptr(), cols, out.as_mut_ptr()),
-                (1, 1) => tile_bf16_split_rt::<1, 1>(rows.as_ptr(), prefetch_rows, xs.as_ptr(), cols, out.as_mut_ptr()),
-                (1, 2) => tile_bf16_split_rt::<1, 2>(rows.as_ptr(), prefetch_rows, xs.as_ptr(), cols, out.as_mut_ptr()),
+                (8, 1) => tile_bf16_split_rt::<8, 1>(
+                    rows.as_ptr(),
+                    prefetch_rows,
+                    xs.as_ptr(),
+                    cols,
+                    out.as_mut_ptr(),
+                ),
+                (4, 2) => tile_bf16_split_rt::<4, 2>(
+                    rows.as_ptr(),
+                    prefetch_rows,
+                    xs.as_ptr(),
+                    cols,
+                    out.as_mut_ptr(),
+                ),
+                (1, 1) => tile_bf16_split_rt::<1, 1>(
+                    rows.as_ptr(),
+                    prefetch_rows,
+                    xs.as_ptr(),
+                    cols,
+                    out.as_mut_ptr(),
+                ),
+                (1, 2) => tile_bf16_split_rt::<1, 2>(
+                    rows.as_ptr(),
+                    prefetch_rows,
+                    xs.as_ptr(),
+                    cols,
+                    out.as_mut_ptr(),
+                ),
                 _ => tile_dtype::<DT_BF16>(rows, prefetch_rows, xs, cols, out),
             },
         }

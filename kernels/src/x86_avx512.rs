@@ -140,7 +140,8 @@ unsafe fn tile_bf16dot_rt<const R: usize, const T: usize>(
         }
         for t in 0..T {
             // SAFETY: xs[t] has `cols` f32 and col + 32 <= cols.
-            let (low, high) = unsafe { (_mm512_loadu_ps(xs[t].add(col)), _mm512_loadu_ps(xs[t].add(col + 16))) };
+            let (low, high) =
+                unsafe { (_mm512_loadu_ps(xs[t].add(col)), _mm512_loadu_ps(xs[t].add(col + 16))) };
             // Lower 16 BF16 lanes come from the second operand: element order matches the weights.
             let x = _mm512_cvtne2ps_pbh(high, low);
             for r in 0..R {
@@ -185,7 +186,13 @@ macro_rules! dispatch_shapes {
 }
 
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn tile_dtype<const DT: u8>(rows: &[*const u8], prefetch_rows: *const *const u8, xs: &[*const f32], cols: usize, out: &mut [f32]) {
+unsafe fn tile_dtype<const DT: u8>(
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    xs: &[*const f32],
+    cols: usize,
+    out: &mut [f32],
+) {
     debug_assert!(out.len() >= rows.len() * xs.len());
     // SAFETY: the pointer counts match the const shape; the caller vouches for the data.
     unsafe { dispatch_shapes!(rows, prefetch_rows, xs, cols, out, tile_rt::<DT>) }
@@ -235,7 +242,13 @@ pub(crate) unsafe fn tile_bf16dot(
 }
 
 #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
-unsafe fn tile_bf16dot_shapes(rows: &[*const u8], prefetch_rows: *const *const u8, xs: &[*const f32], cols: usize, out: &mut [f32]) {
+unsafe fn tile_bf16dot_shapes(
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    xs: &[*const f32],
+    cols: usize,
+    out: &mut [f32],
+) {
     debug_assert!(out.len() >= rows.len() * xs.len());
     // SAFETY: the pointer counts match the const shape; the caller vouches for the data.
     unsafe { dispatch_shapes!(rows, prefetch_rows, xs, cols, out, tile_bf16dot_rt) }

@@ -6,8 +6,8 @@ mod common;
 
 use common::{relative_error, tolerance, MisalignedBytes, Rng};
 use moe_lanes_kernels::{
-    available, down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, matmul_rows, Activation,
-    ExpertWeights, SimdLevel, WeightDType,
+    available, down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, matmul_rows,
+    Activation, ExpertWeights, SimdLevel, WeightDType,
 };
 
 struct OwnedExpert {
@@ -57,7 +57,8 @@ fn check_expert_ffn(rng: &mut Rng, hidden: usize, ff: usize, token_counts: &[usi
             let initial = rng.vec(n_tokens * hidden, 0.5);
             for act in ACTIVATIONS {
                 let mut reference = initial.clone();
-                expert_ffn_accumulate(SimdLevel::Scalar, &weights, act, &x, &token_weight, &mut reference).unwrap();
+                expert_ffn_accumulate(SimdLevel::Scalar, &weights, act, &x, &token_weight, &mut reference)
+                    .unwrap();
                 for level in available() {
                     let mut out = initial.clone();
                     expert_ffn_accumulate(level, &weights, act, &x, &token_weight, &mut out).unwrap();
@@ -98,15 +99,28 @@ fn gemv_and_matmul_row_ranges_match_scalar() {
                 for range in [0..rows, 3..rows.min(17), rows - 1..rows, 5..5] {
                     let range = range.start.min(rows)..range.end.min(rows).max(range.start.min(rows));
                     let mut reference = vec![0.0; n_tokens * range.len()];
-                    matmul_rows(SimdLevel::Scalar, dtype, matrix.bytes(), cols, &x, range.clone(), &mut reference).unwrap();
+                    matmul_rows(
+                        SimdLevel::Scalar,
+                        dtype,
+                        matrix.bytes(),
+                        cols,
+                        &x,
+                        range.clone(),
+                        &mut reference,
+                    )
+                    .unwrap();
                     for level in available() {
                         let mut y = vec![f32::NAN; n_tokens * range.len()];
                         matmul_rows(level, dtype, matrix.bytes(), cols, &x, range.clone(), &mut y).unwrap();
                         let error = relative_error(&y, &reference);
-                        assert!(error <= tolerance(level, dtype), "{level} {dtype:?} {rows}x{cols} {range:?}: {error:e}");
+                        assert!(
+                            error <= tolerance(level, dtype),
+                            "{level} {dtype:?} {rows}x{cols} {range:?}: {error:e}"
+                        );
                         if n_tokens == 1 {
                             let mut y1 = vec![f32::NAN; range.len()];
-                            gemv_rows(level, dtype, matrix.bytes(), cols, &x, range.clone(), &mut y1).unwrap();
+                            gemv_rows(level, dtype, matrix.bytes(), cols, &x, range.clone(), &mut y1)
+                                .unwrap();
                             assert_eq!(y1, y, "gemv_rows equals matmul_rows for one token");
                         }
                     }
@@ -146,6 +160,13 @@ fn shape_errors_are_reported() {
     let mut y = vec![0.0; 2];
     assert!(gemv_rows(SimdLevel::Scalar, WeightDType::F32, &matrix, 10, &[0.0; 9], 0..2, &mut y).is_err());
     assert!(gemv_rows(SimdLevel::Scalar, WeightDType::F32, &matrix, 10, &[0.0; 10], 0..3, &mut y).is_err());
-    let weights = ExpertWeights { gate: &matrix, up: &matrix, down: &matrix[1..], dtype: WeightDType::F32, hidden: 10, ff: 2 };
+    let weights = ExpertWeights {
+        gate: &matrix,
+        up: &matrix,
+        down: &matrix[1..],
+        dtype: WeightDType::F32,
+        hidden: 10,
+        ff: 2,
+    };
     assert!(weights.validate().is_err());
 }
