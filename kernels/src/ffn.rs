@@ -204,6 +204,42 @@ pub(crate) unsafe fn down_unchecked(
     token_weight: &[f32],
     out_row_ptr: impl Fn(usize) -> *mut f32,
 ) {
+    // SAFETY: forwarded contract.
+    unsafe { down_rows::<true>(level, weights, hidden_rows, n_tokens, h_base, token_weight, out_row_ptr) }
+}
+
+/// As [`down_unchecked`], but stores `token_weight[t] * down_row·h_t` instead of adding it (the
+/// same product, so adding the stored values later in the same order gives the same bits).
+///
+/// # Safety
+/// As [`down_unchecked`].
+pub(crate) unsafe fn down_store_unchecked(
+    level: SimdLevel,
+    weights: &ExpertWeights<'_>,
+    hidden_rows: Range<usize>,
+    n_tokens: usize,
+    h_base: *const f32,
+    token_weight: &[f32],
+    out_row_ptr: impl Fn(usize) -> *mut f32,
+) {
+    // SAFETY: forwarded contract.
+    unsafe { down_rows::<false>(level, weights, hidden_rows, n_tokens, h_base, token_weight, out_row_ptr) }
+}
+
+/// Shared body of [`down_unchecked`] (`ACCUMULATE`) and [`down_store_unchecked`].
+///
+/// # Safety
+/// As [`down_unchecked`].
+#[inline(always)]
+unsafe fn down_rows<const ACCUMULATE: bool>(
+    level: SimdLevel,
+    weights: &ExpertWeights<'_>,
+    hidden_rows: Range<usize>,
+    n_tokens: usize,
+    h_base: *const f32,
+    token_weight: &[f32],
+    out_row_ptr: impl Fn(usize) -> *mut f32,
+) {
     let row_bytes = weights.ff * weights.dtype.size_bytes();
     let (down, ff, first) = (weights.down.as_ptr(), weights.ff, hidden_rows.start);
     // SAFETY: first + r < hidden (dereferenced only below hidden_rows.end), inside the matrix.
@@ -212,7 +248,14 @@ pub(crate) unsafe fn down_unchecked(
     let token_ptr = |t: usize| unsafe { h_base.add(t * ff) };
     let sink = |r: usize, t: usize, value: f32| {
         // SAFETY: the caller owns row first + r of token t's output row.
-        unsafe { *out_row_ptr(t).add(first + r) += token_weight[t] * value };
+        unsafe {
+            let slot = out_row_ptr(t).add(first + r);
+            if ACCUMULATE {
+                *slot += token_weight[t] * value;
+            } else {
+                *slot = token_weight[t] * value;
+            }
+        };
     };
     let prefetchable = weights.hidden - first;
     // SAFETY: forwarded contract.
