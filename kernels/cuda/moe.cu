@@ -5,6 +5,10 @@
 
 typedef __nv_bfloat16 bf16;
 
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 #define WARP 32
 #define ROWS_PER_BLOCK 8  // warps per block in the warp-per-row kernels (block = 256 threads)
 
