@@ -14,7 +14,7 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["target"]["name"], m["executable"])' |
-    while read -r name exe; do cp "$exe" "$DEST/bin/$name"; echo "staged $name"; done
+    while read -r name exe; do cp "$exe" "$DEST/bin/$name"; strip --strip-debug "$DEST/bin/$name" 2>/dev/null || true; echo "staged $name"; done
 rm -rf "$DEST/fixtures"
 cp -r tests/fixtures "$DEST/fixtures"
 cp scripts/gpu-test.sh "$DEST/gpu-test.sh"
