@@ -20,8 +20,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 const REL_TOL: f32 = 2e-2;
-const FIXTURES: [&str; 8] =
-    ["qwen3_moe_a", "qwen3_moe_b", "mixtral_a", "mixtral_b", "olmoe_a", "olmoe_b", "qwen2_moe_a", "qwen2_moe_b"];
+const FIXTURES: [&str; 8] = [
+    "qwen3_moe_a",
+    "qwen3_moe_b",
+    "mixtral_a",
+    "mixtral_b",
+    "olmoe_a",
+    "olmoe_b",
+    "qwen2_moe_a",
+    "qwen2_moe_b",
+];
 
 fn fixtures_dir() -> PathBuf {
     std::env::var_os("MOE_LANES_FIXTURES")
@@ -98,7 +106,12 @@ impl ColdExperts for Counting<'_> {
 
 fn run_budget(budget: Budget) {
     let Some(be) = backend() else { return };
-    eprintln!("device: {} (sm_{}{})", be.info().name, be.info().compute_capability.0, be.info().compute_capability.1);
+    eprintln!(
+        "device: {} (sm_{}{})",
+        be.info().name,
+        be.info().compute_capability.0,
+        be.info().compute_capability.1
+    );
     let mut worst_rel = 0f32;
     for name in FIXTURES {
         let model = Model::open(&fixtures_dir().join(name)).unwrap();
@@ -142,15 +155,21 @@ fn run_budget(budget: Budget) {
         for step in 0..3 {
             let want = reference.forward(&mut rc, &[next], &mut NoObserver).unwrap();
             let got = gm.forward(&[next], &mut kv, &mut cold).unwrap();
-            let (err, scale) = compare_row(&format!("{name} {budget:?} decode step {step}"), got.row(0), &want[0]);
+            let (err, scale) =
+                compare_row(&format!("{name} {budget:?} decode step {step}"), got.row(0), &want[0]);
             max_err = max_err.max(err);
             max_rel = max_rel.max(err / scale);
             let ref_next = argmax(&want[0]);
             let gap = top2_gap(&want[0]);
             if gap > 2.0 * REL_TOL * scale {
-                assert_eq!(got.argmax[0], ref_next, "{name} {budget:?} step {step}: greedy token differs (gap {gap})");
+                assert_eq!(
+                    got.argmax[0], ref_next,
+                    "{name} {budget:?} step {step}: greedy token differs (gap {gap})"
+                );
             } else if got.argmax[0] != ref_next {
-                eprintln!("{name} {budget:?} step {step}: greedy differs but the gap {gap} is within tolerance");
+                eprintln!(
+                    "{name} {budget:?} step {step}: greedy differs but the gap {gap} is within tolerance"
+                );
             }
             next = ref_next;
         }

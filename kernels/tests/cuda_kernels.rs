@@ -79,8 +79,11 @@ fn gemv_bf16_matches_cpu() {
         let dy = be.upload(&vec![1.0f32; t * n]).unwrap();
         be.gemv_bf16(dw.ptr(), dx.ptr(), dy.ptr(), t, n, k, true).unwrap();
         let y = be.read_vec(dy.ptr()).unwrap();
-        let want: Vec<f32> =
-            (0..t).flat_map(|ti| (0..n).map(|ni| 1.0 + dot(&w[ni * k..][..k], &x[ti * k..][..k])).collect::<Vec<_>>()).collect();
+        let want: Vec<f32> = (0..t)
+            .flat_map(|ti| {
+                (0..n).map(|ni| 1.0 + dot(&w[ni * k..][..k], &x[ti * k..][..k])).collect::<Vec<_>>()
+            })
+            .collect();
         let err = max_abs_diff(&y, &want);
         eprintln!("gemv t={t} n={n} k={k}: max err {err:e}");
         assert!(err < 1e-4 * (k as f32).sqrt(), "{err}");
@@ -101,8 +104,9 @@ fn gemm_bf16_split_matches_cpu() {
     let dy = be.alloc_zeros::<f32>(t * n).unwrap();
     be.gemm_bf16(dw.ptr(), hi.ptr(), Some(lo.ptr()), dy.ptr(), t, n, k, false).unwrap();
     let y = be.read_vec(dy.ptr()).unwrap();
-    let want: Vec<f32> =
-        (0..t).flat_map(|ti| (0..n).map(|ni| dot(&w[ni * k..][..k], &x[ti * k..][..k])).collect::<Vec<_>>()).collect();
+    let want: Vec<f32> = (0..t)
+        .flat_map(|ti| (0..n).map(|ni| dot(&w[ni * k..][..k], &x[ti * k..][..k])).collect::<Vec<_>>())
+        .collect();
     let err = max_abs_diff(&y, &want);
     eprintln!("gemm split: max err {err:e}");
     assert!(err < 1e-4, "{err}");
@@ -168,8 +172,7 @@ fn elementwise_kernels_match_cpu() {
     let acc = be.upload(&y).unwrap();
     be.add_sigmoid_scaled_rows(acc.ptr(), dx.ptr(), dg.ptr(), rows, dim).unwrap();
     let got = be.read_vec(acc.ptr()).unwrap();
-    let want5: Vec<f32> =
-        (0..rows * dim).map(|i| y[i] + want3[i] / (1.0 + (-gate[i / dim]).exp())).collect();
+    let want5: Vec<f32> = (0..rows * dim).map(|i| y[i] + want3[i] / (1.0 + (-gate[i / dim]).exp())).collect();
     assert!(max_abs_diff(&got, &want5) < 1e-6, "add_sigmoid_scaled_rows");
 
     let rows_idx = vec![2i32, 0];
@@ -243,8 +246,9 @@ fn attention_causal_gqa_matches_cpu() {
             for h in 0..n_heads {
                 let kvh = h / (n_heads / n_kv);
                 let qh = &q[(ti * n_heads + h) * hd..][..hd];
-                let scores: Vec<f32> =
-                    (first..=pos).map(|p| dot(qh, &kc[p * kv_dim + kvh * hd..][..hd]) / (hd as f32).sqrt()).collect();
+                let scores: Vec<f32> = (first..=pos)
+                    .map(|p| dot(qh, &kc[p * kv_dim + kvh * hd..][..hd]) / (hd as f32).sqrt())
+                    .collect();
                 let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
                 let sum: f32 = e.iter().sum();
@@ -345,7 +349,11 @@ fn route_topk_matches_cpu() {
     let dl = be.upload(&l).unwrap();
     let ids = be.alloc_zeros::<i32>(t * k).unwrap();
     let w = be.alloc_zeros::<f32>(t * k).unwrap();
-    for (variant, norm) in [(RouteVariant::SoftmaxThenTopK, true), (RouteVariant::SoftmaxThenTopK, false), (RouteVariant::TopKThenSoftmax, false)] {
+    for (variant, norm) in [
+        (RouteVariant::SoftmaxThenTopK, true),
+        (RouteVariant::SoftmaxThenTopK, false),
+        (RouteVariant::TopKThenSoftmax, false),
+    ] {
         be.route_topk(dl.ptr(), t, e, k, variant, norm, ids.ptr(), w.ptr()).unwrap();
         let (gi, gw) = (be.read_vec(ids.ptr()).unwrap(), be.read_vec(w.ptr()).unwrap());
         for ti in 0..t {
@@ -376,7 +384,10 @@ fn hot_expert_kernels_match_cpu() {
     let tok_rows = vec![0i32, 1];
     let ffn = |s: usize, xt: &[f32]| -> Vec<f32> {
         let h: Vec<f32> = (0..ff)
-            .map(|r| silu(dot(&g[(s * ff + r) * hidden..][..hidden], xt)) * dot(&u[(s * ff + r) * hidden..][..hidden], xt))
+            .map(|r| {
+                silu(dot(&g[(s * ff + r) * hidden..][..hidden], xt))
+                    * dot(&u[(s * ff + r) * hidden..][..hidden], xt)
+            })
             .collect();
         (0..hidden).map(|r| dot(&d[(s * hidden + r) * ff..][..ff], &h)).collect()
     };
@@ -394,7 +405,19 @@ fn hot_expert_kernels_match_cpu() {
     let h = be.alloc_zeros::<f32>(3 * ff).unwrap();
     let out = be.upload(&vec![0.25f32; t * hidden]).unwrap();
     be.moe_gate_up_gemv(dg.ptr(), du.ptr(), dx.ptr(), ds.ptr(), dt.ptr(), h.ptr(), 3, ff, hidden).unwrap();
-    be.moe_down_accum(dd.ptr(), h.ptr(), ds.ptr(), dw.ptr(), doff.ptr(), drows.ptr(), out.ptr(), 2, hidden, ff).unwrap();
+    be.moe_down_accum(
+        dd.ptr(),
+        h.ptr(),
+        ds.ptr(),
+        dw.ptr(),
+        doff.ptr(),
+        drows.ptr(),
+        out.ptr(),
+        2,
+        hidden,
+        ff,
+    )
+    .unwrap();
     let got = be.read_vec(out.ptr()).unwrap();
     let err = max_abs_diff(&got, &want);
     eprintln!("hot decode kernels: max err {err:e}");
@@ -414,19 +437,50 @@ fn hot_expert_kernels_match_cpu() {
     for (e, &s) in em_slots.iter().enumerate() {
         let xs = xh.ptr().sub(e * hidden, hidden);
         let xls = xl.ptr().sub(e * hidden, hidden);
-        be.gemm_bf16(dg.ptr().sub(s * ff * hidden, ff * hidden), xs, Some(xls), gg.ptr().sub(e * ff, ff), 1, ff, hidden, false).unwrap();
-        be.gemm_bf16(du.ptr().sub(s * ff * hidden, ff * hidden), xs, Some(xls), uu.ptr().sub(e * ff, ff), 1, ff, hidden, false).unwrap();
+        be.gemm_bf16(
+            dg.ptr().sub(s * ff * hidden, ff * hidden),
+            xs,
+            Some(xls),
+            gg.ptr().sub(e * ff, ff),
+            1,
+            ff,
+            hidden,
+            false,
+        )
+        .unwrap();
+        be.gemm_bf16(
+            du.ptr().sub(s * ff * hidden, ff * hidden),
+            xs,
+            Some(xls),
+            uu.ptr().sub(e * ff, ff),
+            1,
+            ff,
+            hidden,
+            false,
+        )
+        .unwrap();
     }
     be.silu_mul(gg.ptr(), uu.ptr(), h.ptr(), 3 * ff).unwrap();
     be.gather_split_bf16(h.ptr(), None, xh.ptr(), Some(xl.ptr()), 3, ff).unwrap();
     let y = be.alloc_zeros::<f32>(3 * hidden).unwrap();
     for (e, &s) in em_slots.iter().enumerate() {
-        be.gemm_bf16(dd.ptr().sub(s * hidden * ff, hidden * ff), xh.ptr().sub(e * ff, ff), Some(xl.ptr().sub(e * ff, ff)), y.ptr().sub(e * hidden, hidden), 1, hidden, ff, false).unwrap();
+        be.gemm_bf16(
+            dd.ptr().sub(s * hidden * ff, hidden * ff),
+            xh.ptr().sub(e * ff, ff),
+            Some(xl.ptr().sub(e * ff, ff)),
+            y.ptr().sub(e * hidden, hidden),
+            1,
+            hidden,
+            ff,
+            false,
+        )
+        .unwrap();
     }
     // token 0 has entries 0 and 2; token 1 has entry 1.
     let entries = be.upload(&[0i32, 2, 1]).unwrap();
     let out2 = be.upload(&vec![0.25f32; t * hidden]).unwrap();
-    be.moe_scatter_accum(y.ptr(), entries.ptr(), dw2.ptr(), doff.ptr(), drows.ptr(), out2.ptr(), 2, hidden).unwrap();
+    be.moe_scatter_accum(y.ptr(), entries.ptr(), dw2.ptr(), doff.ptr(), drows.ptr(), out2.ptr(), 2, hidden)
+        .unwrap();
     let got = be.read_vec(out2.ptr()).unwrap();
     let err = max_abs_diff(&got, &want);
     eprintln!("hot prefill kernels: max err {err:e}");

@@ -43,7 +43,12 @@ impl<'m> CpuColdExperts<'m> {
             other => return Err(format!("CpuColdExperts needs float experts, the model has {other}")),
         }
         let c = model.config();
-        Ok(CpuColdExperts { model, row: vec![0.0; c.hidden.max(c.expert_ff)], h: vec![0.0; c.expert_ff], slots_computed: 0 })
+        Ok(CpuColdExperts {
+            model,
+            row: vec![0.0; c.hidden.max(c.expert_ff)],
+            h: vec![0.0; c.expert_ff],
+            slots_computed: 0,
+        })
     }
 }
 

@@ -60,7 +60,9 @@ impl HotAssignment {
     }
     /// Expert `e` of layer `l` is hot when `hot(l, e)`.
     pub fn from_fn(n_layers: usize, n_experts: usize, hot: impl Fn(usize, usize) -> bool) -> HotAssignment {
-        HotAssignment { per_layer: (0..n_layers).map(|l| (0..n_experts).filter(|&e| hot(l, e)).collect()).collect() }
+        HotAssignment {
+            per_layer: (0..n_layers).map(|l| (0..n_experts).filter(|&e| hot(l, e)).collect()).collect(),
+        }
     }
     pub fn n_hot(&self) -> usize {
         self.per_layer.iter().map(Vec::len).sum()
@@ -291,8 +293,13 @@ fn bf16_bits(t: TensorRef<'_>) -> Result<Vec<u16>, GpuError> {
             }
             Ok(t.data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect())
         }
-        DType::F16 | DType::F32 => Ok(t.to_f32_vec()?.into_iter().map(|v| bf16::from_f32(v).to_bits()).collect()),
-        other => Err(GpuError::Unsupported(format!("tensor '{}' has dtype {other}; the GPU path takes F32, F16 or BF16", t.name))),
+        DType::F16 | DType::F32 => {
+            Ok(t.to_f32_vec()?.into_iter().map(|v| bf16::from_f32(v).to_bits()).collect())
+        }
+        other => Err(GpuError::Unsupported(format!(
+            "tensor '{}' has dtype {other}; the GPU path takes F32, F16 or BF16",
+            t.name
+        ))),
     }
 }
 
@@ -303,15 +310,24 @@ impl GpuModel {
         GpuModel::with_options(model, backend, hot, GpuOptions::default())
     }
 
-    pub fn with_options(model: &Model, backend: Arc<CudaBackend>, hot: &HotAssignment, opts: GpuOptions) -> Result<GpuModel, GpuError> {
+    pub fn with_options(
+        model: &Model,
+        backend: Arc<CudaBackend>,
+        hot: &HotAssignment,
+        opts: GpuOptions,
+    ) -> Result<GpuModel, GpuError> {
         let be = backend;
         be.bind_to_thread()?;
         let cfg = model.config().clone();
         let adapter = model.adapter();
         if hot.per_layer.len() != cfg.n_layers {
-            return Err(GpuError::Hot(format!("{} layers given, the model has {}", hot.per_layer.len(), cfg.n_layers)));
+            return Err(GpuError::Hot(format!(
+                "{} layers given, the model has {}",
+                hot.per_layer.len(),
+                cfg.n_layers
+            )));
         }
-        if cfg.head_dim % 2 != 0 {
+        if cfg.head_dim & 1 == 1 {
             return Err(GpuError::Unsupported(format!("odd head_dim {}", cfg.head_dim)));
         }
         let mut weight_bytes = 0usize;
@@ -320,7 +336,8 @@ impl GpuModel {
             weight_bytes += b.bytes();
             Ok(b)
         };
-        let up_vec = |t: TensorRef<'_>| -> Result<DeviceBuffer<f32>, GpuError> { Ok(be.upload(&t.to_f32_vec()?)?) };
+        let up_vec =
+            |t: TensorRef<'_>| -> Result<DeviceBuffer<f32>, GpuError> { Ok(be.upload(&t.to_f32_vec()?)?) };
         let embed = up_mat(model.global(GlobalRole::TokenEmbedding).expect("validated at open"))?;
         let final_norm = up_vec(model.global(GlobalRole::OutputNorm).expect("validated at open"))?;
         let lm_head = model.global(GlobalRole::Output).map(&mut up_mat).transpose()?;
@@ -378,7 +395,9 @@ impl GpuModel {
             hot_layers.push(layer);
             for &e in experts {
                 if e >= n_exp {
-                    return Err(GpuError::Hot(format!("layer {l}: expert {e} out of range ({n_exp} experts)")));
+                    return Err(GpuError::Hot(format!(
+                        "layer {l}: expert {e} out of range ({n_exp} experts)"
+                    )));
                 }
                 if hot_id_map[l][e] >= 0 {
                     return Err(GpuError::Hot(format!("layer {l}: expert {e} listed twice")));
@@ -388,7 +407,9 @@ impl GpuModel {
         }
         let flat: Vec<i32> = vec![-1; cfg.n_layers * n_exp];
         let hot_id_map_dev = be.upload(&flat)?;
-        let events = (0..cfg.n_layers).map(|_| Ok((be.event()?, be.event()?))).collect::<Result<Vec<_>, CudaError>>()?;
+        let events = (0..cfg.n_layers)
+            .map(|_| Ok((be.event()?, be.event()?)))
+            .collect::<Result<Vec<_>, CudaError>>()?;
         let cold_ready = be.event()?;
         let route_ready = be.event()?;
         let mut gm = GpuModel {
@@ -421,13 +442,26 @@ impl GpuModel {
 
     /// Put expert `expert_idx` into cache slot `slot` of layer `layer_idx` (evicting whatever was
     /// there), updating `hot_id_map` on host and device. Capacity never changes.
-    pub fn replace_hot(&mut self, model: &Model, layer_idx: usize, slot: usize, expert_idx: usize) -> Result<(), GpuError> {
-        if layer_idx >= self.cfg.n_layers || slot >= self.hot[layer_idx].slots.len() || expert_idx >= self.cfg.n_experts {
-            return Err(GpuError::Hot(format!("layer {layer_idx} slot {slot} expert {expert_idx} out of range")));
+    pub fn replace_hot(
+        &mut self,
+        model: &Model,
+        layer_idx: usize,
+        slot: usize,
+        expert_idx: usize,
+    ) -> Result<(), GpuError> {
+        if layer_idx >= self.cfg.n_layers
+            || slot >= self.hot[layer_idx].slots.len()
+            || expert_idx >= self.cfg.n_experts
+        {
+            return Err(GpuError::Hot(format!(
+                "layer {layer_idx} slot {slot} expert {expert_idx} out of range"
+            )));
         }
         let current = self.hot_id_map[layer_idx][expert_idx];
         if current >= 0 && current as usize != slot {
-            return Err(GpuError::Hot(format!("layer {layer_idx}: expert {expert_idx} is already in slot {current}")));
+            return Err(GpuError::Hot(format!(
+                "layer {layer_idx}: expert {expert_idx} is already in slot {current}"
+            )));
         }
         self.be.synchronize()?;
         self.fill_slot(model, layer_idx, slot, expert_idx)?;
@@ -489,7 +523,10 @@ impl GpuModel {
     /// A KV cache for up to `capacity` positions.
     pub fn new_kv_cache(&self, capacity: usize) -> Result<GpuKvCache, GpuError> {
         if capacity == 0 || capacity > self.cfg.max_positions {
-            return Err(GpuError::Cache(format!("capacity {capacity} outside 1..={}", self.cfg.max_positions)));
+            return Err(GpuError::Cache(format!(
+                "capacity {capacity} outside 1..={}",
+                self.cfg.max_positions
+            )));
         }
         let kv_dim = self.cfg.kv_dim();
         let mut k = Vec::new();
@@ -548,7 +585,17 @@ impl GpuModel {
 
     /// `y (+)= W x` for `t` rows: GEMV kernel in decode, cuBLAS in prefill.
     #[allow(clippy::too_many_arguments)]
-    fn linear(&self, phase: Phase, x: DPtr<f32>, w: DPtr<u16>, y: DPtr<f32>, t: usize, n: usize, k: usize, accumulate: bool) -> Result<(), GpuError> {
+    fn linear(
+        &self,
+        phase: Phase,
+        x: DPtr<f32>,
+        w: DPtr<u16>,
+        y: DPtr<f32>,
+        t: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
         match phase {
             Phase::Decode => self.be.gemv_bf16(w, x, y, t, n, k, accumulate)?,
             Phase::Prefill => {
@@ -562,13 +609,24 @@ impl GpuModel {
     }
 
     /// Run `tokens` after what `cache` holds: phase `Decode` for one token, `Prefill` otherwise.
-    pub fn forward(&mut self, tokens: &[u32], cache: &mut GpuKvCache, cold: &mut dyn ColdExperts) -> Result<Logits, GpuError> {
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+    ) -> Result<Logits, GpuError> {
         let phase = if tokens.len() == 1 { Phase::Decode } else { Phase::Prefill };
         self.forward_phase(tokens, phase, cache, cold)
     }
 
     /// Run `tokens` with an explicit phase; returns one logits row per token.
-    pub fn forward_phase(&mut self, tokens: &[u32], phase: Phase, cache: &mut GpuKvCache, cold: &mut dyn ColdExperts) -> Result<Logits, GpuError> {
+    pub fn forward_phase(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+    ) -> Result<Logits, GpuError> {
         let call_start = Instant::now();
         let c = self.cfg.clone();
         if tokens.is_empty() {
@@ -577,7 +635,9 @@ impl GpuModel {
         let pos0 = cache.n_positions;
         for (i, &tok) in tokens.iter().enumerate() {
             if tok as usize >= c.vocab {
-                return Err(ForwardError::TokenOutOfRange { token: tok, position: pos0 + i, vocab: c.vocab }.into());
+                return Err(
+                    ForwardError::TokenOutOfRange { token: tok, position: pos0 + i, vocab: c.vocab }.into()
+                );
             }
         }
         if cache.k.len() != c.n_layers || cache.kv_dim != c.kv_dim() {
@@ -602,16 +662,20 @@ impl GpuModel {
         let mut work_i = vec![0i32; layout.len];
         let mut work_f = vec![0f32; t * k];
         let mut cold_slots: Vec<ColdSlot> = Vec::with_capacity(t * k);
-        let mut stats = ForwardStats { n_tokens: t, prefill: phase == Phase::Prefill, layers: Vec::new(), total_us: 0.0 };
+        let mut stats =
+            ForwardStats { n_tokens: t, prefill: phase == Phase::Prefill, layers: Vec::new(), total_us: 0.0 };
         let mut hot_launch_at = Vec::with_capacity(c.n_layers);
         let mut cold_window = Vec::with_capacity(c.n_layers);
 
         // Pointers are Copy; take them once so the borrow checker leaves `self` usable.
         let s = self.scratch.as_ref().unwrap();
-        let (p_tokens, p_hidden, p_normed, p_moe) = (s.tokens.ptr(), s.hidden.ptr(), s.normed.ptr(), s.moe_out.ptr());
-        let (p_q, p_attn, p_rl, p_ids, p_w) = (s.q.ptr(), s.attn.ptr(), s.router_logits.ptr(), s.ids.ptr(), s.weights.ptr());
+        let (p_tokens, p_hidden, p_normed, p_moe) =
+            (s.tokens.ptr(), s.hidden.ptr(), s.normed.ptr(), s.moe_out.ptr());
+        let (p_q, p_attn, p_rl, p_ids, p_w) =
+            (s.q.ptr(), s.attn.ptr(), s.router_logits.ptr(), s.ids.ptr(), s.weights.ptr());
         let (p_g, p_u, p_h, p_y) = (s.g.ptr(), s.u.ptr(), s.h.ptr(), s.y.ptr());
-        let (p_sout, p_sgl, p_xhi, p_xlo) = (s.shared_out.ptr(), s.shared_gl.ptr(), s.x_hi.ptr(), s.x_lo.ptr());
+        let (p_sout, p_sgl, p_xhi, p_xlo) =
+            (s.shared_out.ptr(), s.shared_gl.ptr(), s.x_hi.ptr(), s.x_lo.ptr());
         let (p_wi, p_wf, p_cin, p_cout) = (s.work_i.ptr(), s.work_f.ptr(), s.cold_in.ptr(), s.cold_out.ptr());
         let (p_logits, p_argmax) = (s.logits.ptr(), s.argmax.ptr());
         let lo = self.opts.split_bf16_activations.then_some(p_xlo);
@@ -693,7 +757,9 @@ impl GpuModel {
                 for j in 0..k {
                     let e = ids[ti * k + j];
                     if e < 0 || e as usize >= e_n {
-                        return Err(GpuError::Unsupported(format!("router produced expert id {e} (NaN logits?)")));
+                        return Err(GpuError::Unsupported(format!(
+                            "router produced expert id {e} (NaN logits?)"
+                        )));
                     }
                     let slot = map[e as usize];
                     if slot >= 0 {
@@ -704,7 +770,11 @@ impl GpuModel {
                             n_cold_rows += 1;
                             n_cold_rows - 1
                         });
-                        cold_slots.push(ColdSlot { row_idx: r, expert_idx: e as usize, weight: wts[ti * k + j] });
+                        cold_slots.push(ColdSlot {
+                            row_idx: r,
+                            expert_idx: e as usize,
+                            weight: wts[ti * k + j],
+                        });
                     }
                 }
             }
@@ -754,12 +824,37 @@ impl GpuModel {
             be.record(ev_start)?;
             if n_hot > 0 {
                 let hl = &self.hot[l];
-                let (gc, uc, dc) = (hl.gate.as_ref().unwrap().ptr(), hl.up.as_ref().unwrap().ptr(), hl.down.as_ref().unwrap().ptr());
+                let (gc, uc, dc) = (
+                    hl.gate.as_ref().unwrap().ptr(),
+                    hl.up.as_ref().unwrap().ptr(),
+                    hl.down.as_ref().unwrap().ptr(),
+                );
                 let (ff, nf) = (c.expert_ff, c.expert_ff * h);
                 match phase {
                     Phase::Decode => {
-                        be.moe_gate_up_gemv(gc, uc, p_normed, wi(layout.slots, n_hot), wi(layout.tokens, n_hot), p_h, n_hot, ff, h)?;
-                        be.moe_down_accum(dc, p_h, wi(layout.slots, n_hot), p_wf, wi(layout.tok_off, n_rows + 1), wi(layout.tok_rows, n_rows), p_moe, n_rows, h, ff)?;
+                        be.moe_gate_up_gemv(
+                            gc,
+                            uc,
+                            p_normed,
+                            wi(layout.slots, n_hot),
+                            wi(layout.tokens, n_hot),
+                            p_h,
+                            n_hot,
+                            ff,
+                            h,
+                        )?;
+                        be.moe_down_accum(
+                            dc,
+                            p_h,
+                            wi(layout.slots, n_hot),
+                            p_wf,
+                            wi(layout.tok_off, n_rows + 1),
+                            wi(layout.tok_rows, n_rows),
+                            p_moe,
+                            n_rows,
+                            h,
+                            ff,
+                        )?;
                     }
                     Phase::Prefill => {
                         // grouped GEMM: one cuBLAS GEMM per used slot over its gathered token rows
@@ -767,12 +862,31 @@ impl GpuModel {
                         let mut start = 0;
                         while start < n_hot {
                             let slot = hot[start].0 as usize;
-                            let end = start + hot[start..].iter().take_while(|x| x.0 as usize == slot).count();
+                            let end =
+                                start + hot[start..].iter().take_while(|x| x.0 as usize == slot).count();
                             let n_s = end - start;
                             let xs = p_xhi.sub(start * h, n_s * h);
                             let xl = lo.map(|p| p.sub(start * h, n_s * h));
-                            be.gemm_bf16(gc.sub(slot * nf, nf), xs, xl, p_g.sub(start * ff, n_s * ff), n_s, ff, h, false)?;
-                            be.gemm_bf16(uc.sub(slot * nf, nf), xs, xl, p_u.sub(start * ff, n_s * ff), n_s, ff, h, false)?;
+                            be.gemm_bf16(
+                                gc.sub(slot * nf, nf),
+                                xs,
+                                xl,
+                                p_g.sub(start * ff, n_s * ff),
+                                n_s,
+                                ff,
+                                h,
+                                false,
+                            )?;
+                            be.gemm_bf16(
+                                uc.sub(slot * nf, nf),
+                                xs,
+                                xl,
+                                p_u.sub(start * ff, n_s * ff),
+                                n_s,
+                                ff,
+                                h,
+                                false,
+                            )?;
                             start = end;
                         }
                         be.silu_mul(p_g, p_u, p_h, n_hot * ff)?;
@@ -780,21 +894,45 @@ impl GpuModel {
                         let mut start = 0;
                         while start < n_hot {
                             let slot = hot[start].0 as usize;
-                            let end = start + hot[start..].iter().take_while(|x| x.0 as usize == slot).count();
+                            let end =
+                                start + hot[start..].iter().take_while(|x| x.0 as usize == slot).count();
                             let n_s = end - start;
                             let xs = p_xhi.sub(start * ff, n_s * ff);
                             let xl = lo.map(|p| p.sub(start * ff, n_s * ff));
-                            be.gemm_bf16(dc.sub(slot * nf, nf), xs, xl, p_y.sub(start * h, n_s * h), n_s, h, ff, false)?;
+                            be.gemm_bf16(
+                                dc.sub(slot * nf, nf),
+                                xs,
+                                xl,
+                                p_y.sub(start * h, n_s * h),
+                                n_s,
+                                h,
+                                ff,
+                                false,
+                            )?;
                             start = end;
                         }
-                        be.moe_scatter_accum(p_y, wi(layout.entries, n_hot), p_wf, wi(layout.tok_off, n_rows + 1), wi(layout.tok_rows, n_rows), p_moe, n_rows, h)?;
+                        be.moe_scatter_accum(
+                            p_y,
+                            wi(layout.entries, n_hot),
+                            p_wf,
+                            wi(layout.tok_off, n_rows + 1),
+                            wi(layout.tok_rows, n_rows),
+                            p_moe,
+                            n_rows,
+                            h,
+                        )?;
                     }
                 }
             }
             be.record(ev_end)?;
 
             // ---- cold lane on the CPU, overlapping the GPU ----
-            let mut lane = LayerLaneStats { hot_slots: n_hot, cold_slots: cold_slots.len(), cold_rows: n_cold_rows, ..Default::default() };
+            let mut lane = LayerLaneStats {
+                hot_slots: n_hot,
+                cold_slots: cold_slots.len(),
+                cold_rows: n_cold_rows,
+                ..Default::default()
+            };
             if n_cold_rows > 0 {
                 self.cold_ready.synchronize()?;
                 let cold_start = Instant::now();

@@ -14,7 +14,9 @@
 pub mod ops;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{result as drv, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr};
+use cudarc::driver::{
+    result as drv, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+};
 use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::path::PathBuf;
@@ -285,7 +287,9 @@ impl CudaBackend {
             })
         })?;
         match present {
-            (false, _, _) => return Err(CudaError::NoDriver("libcuda (the NVIDIA driver) was not found".into())),
+            (false, _, _) => {
+                return Err(CudaError::NoDriver("libcuda (the NVIDIA driver) was not found".into()))
+            }
             (_, false, _) => {
                 return Err(CudaError::NoDriver(
                     "libnvrtc was not found (add the CUDA lib64 directory to LD_LIBRARY_PATH)".into(),
@@ -299,7 +303,8 @@ impl CudaBackend {
             _ => {}
         }
         guard("device start-up", || {
-            let count = CudaContext::device_count().map_err(|e| CudaError::NoDriver(format!("cuInit/cuDeviceGetCount: {e}")))?;
+            let count = CudaContext::device_count()
+                .map_err(|e| CudaError::NoDriver(format!("cuInit/cuDeviceGetCount: {e}")))?;
             if count <= 0 {
                 return Err(CudaError::NoDriver("the driver reports no CUDA devices".into()));
             }
@@ -317,14 +322,13 @@ impl CudaBackend {
                     .ctx("cuDeviceGetAttribute(sm count)")?,
             };
             let (cubin, compile) = compile_cached(MOE_CU, "moe.cu", &info.arch())?;
-            let module = ctx
-                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
-                .ctx("cuModuleLoadData")?;
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).ctx("cuModuleLoadData")?;
             let mut functions = HashMap::new();
             for &name in KERNEL_NAMES {
                 functions.insert(name, module.load_function(name).ctx("cuModuleGetFunction")?);
             }
-            let blas = CudaBlas::new(stream.clone()).map_err(|source| CudaError::Cublas { what: "cublasCreate", source })?;
+            let blas = CudaBlas::new(stream.clone())
+                .map_err(|source| CudaError::Cublas { what: "cublasCreate", source })?;
             Ok(CudaBackend { ctx, stream, blas, functions, info, compile })
         })
     }
@@ -357,7 +361,10 @@ impl CudaBackend {
     }
 
     /// A zero-filled device buffer.
-    pub fn alloc_zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, len: usize) -> Result<DeviceBuffer<T>> {
+    pub fn alloc_zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>> {
         let slice = self.stream.alloc_zeros::<T>(len.max(1)).ctx("cuMemAlloc")?;
         let raw = {
             let (raw, _g) = slice.device_ptr(&self.stream);
@@ -367,7 +374,10 @@ impl CudaBackend {
     }
 
     /// A device buffer holding `data`.
-    pub fn upload<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, data: &[T]) -> Result<DeviceBuffer<T>> {
+    pub fn upload<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        data: &[T],
+    ) -> Result<DeviceBuffer<T>> {
         let buf = self.alloc_zeros::<T>(data.len())?;
         self.write(data, buf.ptr())?;
         Ok(buf)
@@ -415,8 +425,10 @@ impl CudaBackend {
         if src.len == 0 {
             return Ok(());
         }
-        unsafe { drv::memcpy_dtod_async(dst.raw, src.raw, src.len * std::mem::size_of::<T>(), self.stream_raw()) }
-            .ctx("cuMemcpyDtoDAsync")
+        unsafe {
+            drv::memcpy_dtod_async(dst.raw, src.raw, src.len * std::mem::size_of::<T>(), self.stream_raw())
+        }
+        .ctx("cuMemcpyDtoDAsync")
     }
 
     /// Page-locked host memory (not write-combined: the CPU reads it).
@@ -434,19 +446,30 @@ impl CudaBackend {
     /// # Safety
     /// `dst` must not be read or written until an event recorded after this call (or the stream)
     /// has been synchronised.
-    pub unsafe fn read_async<T: Copy + Default>(&self, src: DPtr<T>, dst: &mut PinnedBuffer<T>, n: usize) -> Result<()> {
+    pub unsafe fn read_async<T: Copy + Default>(
+        &self,
+        src: DPtr<T>,
+        dst: &mut PinnedBuffer<T>,
+        n: usize,
+    ) -> Result<()> {
         assert!(n <= src.len && n <= dst.len);
         if n == 0 {
             return Ok(());
         }
-        drv::memcpy_dtoh_async(&mut dst.as_mut_slice()[..n], src.raw, self.stream_raw()).ctx("cuMemcpyDtoHAsync")
+        drv::memcpy_dtoh_async(&mut dst.as_mut_slice()[..n], src.raw, self.stream_raw())
+            .ctx("cuMemcpyDtoHAsync")
     }
 
     /// Queue a copy of the first `n` elements of pinned `src` into `dst`.
     ///
     /// # Safety
     /// `src` must not be written until the copy is done (an event recorded after it, or the stream).
-    pub unsafe fn write_async<T: Copy + Default>(&self, src: &PinnedBuffer<T>, n: usize, dst: DPtr<T>) -> Result<()> {
+    pub unsafe fn write_async<T: Copy + Default>(
+        &self,
+        src: &PinnedBuffer<T>,
+        n: usize,
+        dst: DPtr<T>,
+    ) -> Result<()> {
         assert!(n <= src.len && n <= dst.len);
         if n == 0 {
             return Ok(());
@@ -563,7 +586,13 @@ pub fn compile_cached(src: &str, name: &str, arch: &str) -> Result<(Vec<u8>, Com
             Ok(bytes) if !bytes.is_empty() => {
                 return Ok((
                     bytes,
-                    CompileReport { arch: arch.into(), cache_hit: true, cache_path, compile_ms: 0.0, cache_note },
+                    CompileReport {
+                        arch: arch.into(),
+                        cache_hit: true,
+                        cache_path,
+                        compile_ms: 0.0,
+                        cache_note,
+                    },
                 ))
             }
             Ok(_) => cache_note = Some(format!("{}: empty cache file ignored", path.display())),
@@ -602,7 +631,9 @@ fn nvrtc_compile_cubin(src: &str, name: &str, arch: &str, options: &[String]) ->
             return Err(err(format!("{e}; options {options:?}; log:\n{log}")));
         }
         let mut size = 0usize;
-        ns::nvrtcGetCUBINSize(prog, &mut size).result().map_err(|e| err(format!("nvrtcGetCUBINSize: {e}")))?;
+        ns::nvrtcGetCUBINSize(prog, &mut size)
+            .result()
+            .map_err(|e| err(format!("nvrtcGetCUBINSize: {e}")))?;
         let mut cubin = vec![0u8; size];
         ns::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut std::ffi::c_char)
             .result()
