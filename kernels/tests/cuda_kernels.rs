@@ -507,3 +507,22 @@ fn pinned_async_round_trip_and_events() {
     let back = be.read_vec(d2.ptr()).unwrap();
     assert_eq!(back, x.iter().map(|v| v * 2.0).collect::<Vec<_>>());
 }
+
+#[test]
+fn nvrtc_cubin_cache_hits_on_second_compile() {
+    let Some(be) = backend() else { return };
+    let dir = std::env::temp_dir().join(format!("moe-lanes-nvrtc-test-{}", std::process::id()));
+    std::env::set_var("MOE_LANES_NVRTC_CACHE", &dir);
+    let arch = be.info().arch();
+    let (a, first) =
+        moe_lanes_kernels::cuda::compile_cached(moe_lanes_kernels::cuda::MOE_CU, "moe.cu", &arch).unwrap();
+    let (b, second) =
+        moe_lanes_kernels::cuda::compile_cached(moe_lanes_kernels::cuda::MOE_CU, "moe.cu", &arch).unwrap();
+    std::env::remove_var("MOE_LANES_NVRTC_CACHE");
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!("first: {first:?}\nsecond: {second:?}");
+    assert!(!first.cache_hit, "fresh directory");
+    assert!(second.cache_hit, "second compile comes from the cache");
+    assert_eq!(a, b);
+    assert!(first.cache_note.is_none(), "{:?}", first.cache_note);
+}
