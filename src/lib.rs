@@ -8,6 +8,7 @@ pub mod adapter;
 pub mod config;
 pub mod dtype;
 pub mod gguf;
+pub mod gpu;
 pub mod inspect;
 pub mod model;
 pub mod naming;

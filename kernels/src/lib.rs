@@ -6,9 +6,11 @@
 //! - [`ffn`]: row-range GEMV/GEMM, fused gate/up + activation, down + weighted accumulation,
 //!   in decode (one token) and prefill (many tokens per expert, register-blocked) form.
 //! - [`pool`]: the cold pool of pinned threads running whole cold-lane jobs.
+//! - [`cuda`]: the CUDA backend (dynamically loaded): NVRTC-compiled kernels, cuBLAS, streams, events.
 //! - [`bench`]: read bandwidth vs. cold-lane effective weight bandwidth.
 
 pub mod bench;
+pub mod cuda;
 pub mod error;
 pub mod ffn;
 pub mod pool;
