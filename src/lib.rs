@@ -5,6 +5,7 @@
 //! perf state and metrics. `src/main.rs` is the `moe-lanes` CLI on top of it. See ARCHITECTURE.md.
 
 pub mod adapter;
+pub mod bench;
 pub mod config;
 pub mod dtype;
 pub mod gguf;

@@ -7,8 +7,10 @@
 
 pub mod cold;
 pub mod engine;
+pub mod pool_cold;
 
 pub use cold::{ColdExperts, ColdSlot, CpuColdExperts};
+pub use pool_cold::{PoolColdError, PoolColdExperts};
 pub use engine::{
     ForwardStats, GpuError, GpuKvCache, GpuModel, GpuOptions, HotAssignment, LayerLaneStats, Logits, Phase,
 };
