@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# Run every GPU test binary in .gpu/ on the GPU machine and print a summary table.
+# Run every GPU test and benchmark on the GPU machine and print summary tables: the test
+# binaries, the cold-lane kernel bench, and the end-to-end bench (pp/tg at hot budgets 0, 50% and
+# 100% of expert bytes, skewed and uniform routing) on a Qwen3-30B-A3B-shaped synthetic model.
+# PARTS selects what runs (default "tests kernels bench"); BENCH_SKEWS (default "skewed uniform"),
+# BENCH_LAYERS (16), BENCH_P (512), BENCH_N (128), BENCH_RUNS (3) and MODEL_DIR (/dev/shm when it
+# has room, else /tmp) tune the bench.
 #
 # Layout (built elsewhere by scripts/gpu-build.sh, which needs no GPU), GPU_DIR default .gpu:
 #   $GPU_DIR/bin/<name>      test binaries (cargo test --release --no-run)
@@ -36,4 +41,36 @@ done
 echo
 printf '%-28s %-10s %7s  %s\n' "test binary" "result" "seconds" "details"
 for r in "${rows[@]}"; do echo "$r"; done
+
+# ---- cold-lane kernels ----
+if [[ " ${PARTS:-tests kernels bench} " == *" kernels "* ]]; then
+    echo; echo "== bench-kernels (all cores) =="
+    "$GPU_DIR/moe-lanes" bench-kernels --json | tee "$LOGS/bench-kernels.json"
+    "$GPU_DIR/moe-lanes" bench-kernels --simd avx512 --json | tee "$LOGS/bench-kernels-avx512.json"
+fi
+
+# ---- end-to-end bench ----
+if [[ " ${PARTS:-tests kernels bench} " == *" bench "* ]]; then
+    MODEL_DIR="${MODEL_DIR:-$( [ "$(df --output=avail -k /dev/shm 2>/dev/null | tail -1)" -gt 30000000 ] 2>/dev/null && echo /dev/shm || echo /tmp)}"
+    layers="${BENCH_LAYERS:-16}"
+    table=()
+    for skew in ${BENCH_SKEWS:-skewed uniform}; do
+        model="$MODEL_DIR/qwen3-30b-a3b-${layers}l-$skew.gguf"
+        if [ ! -f "$model" ]; then
+            echo; echo "== synth $model =="
+            "$GPU_DIR/moe-lanes" synth --preset qwen3-30b-a3b --layers "$layers" --skew "$skew" --format gguf --out "$model" || { fail=1; continue; }
+        fi
+        all_mib=$(( layers * 128 * 9 ))
+        for budget in 0 $(( all_mib / 2 )) $all_mib; do
+            echo; echo "== bench $skew budget ${budget} MiB =="
+            json="$LOGS/bench-$skew-$budget.json"
+            "$GPU_DIR/moe-lanes" bench --model "$model" --hot-budget-mib "$budget" -p "${BENCH_P:-512}" -n "${BENCH_N:-128}" --runs "${BENCH_RUNS:-3}" --json > "$json" || { fail=1; continue; }
+            table+=("$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print("%-8s %9s %5.0f%% %9.1f %9.1f %7.1f%% %9.1f %9.1f %5d" % (sys.argv[2], sys.argv[3], 100*r["hot_bytes"]/r["all_experts_bytes"], r["pp_tokens_per_s"], r["tg_tokens_per_s"], 100*r["hit_rate"], r["overlap_us"], r["join_wait_us"], r["fallbacks"]))' "$json" "$skew" "$budget")")
+        done
+        [ -n "${KEEP_MODELS:-}" ] || rm -f "$model"
+    done
+    echo; echo "== end-to-end bench (pp${BENCH_P:-512}, tg${BENCH_N:-128}, median of ${BENCH_RUNS:-3}) =="
+    printf '%-8s %9s %6s %9s %9s %8s %9s %9s %5s\n' skew budget_MiB hot pp_t/s tg_t/s hit_rate overlap_us wait_us fallb
+    for r in "${table[@]}"; do echo "$r"; done
+fi
 exit $fail
