@@ -22,11 +22,12 @@ export MOE_LANES_NVRTC_CACHE="${MOE_LANES_NVRTC_CACHE:-$PWD/$GPU_DIR/nvrtc-cache
 LOGS="${OUT:-$GPU_DIR/logs}"
 mkdir -p "$LOGS"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader
+fail=0
+if [[ " ${PARTS:-tests kernels bench} " == *" tests "* ]]; then
 shopt -s nullglob
 bins=("$GPU_DIR"/bin/*)
 if [ ${#bins[@]} -eq 0 ]; then echo "no test binaries in $GPU_DIR/bin"; exit 2; fi
 rows=()
-fail=0
 for b in "${bins[@]}"; do
     name=$(basename "$b")
     start=$(date +%s%N)
@@ -41,6 +42,8 @@ done
 echo
 printf '%-28s %-10s %7s  %s\n' "test binary" "result" "seconds" "details"
 for r in "${rows[@]}"; do echo "$r"; done
+
+fi
 
 # ---- cold-lane kernels ----
 if [[ " ${PARTS:-tests kernels bench} " == *" kernels "* ]]; then

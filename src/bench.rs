@@ -3,7 +3,9 @@
 //! processing (PP) and token generation (TG) separately over several runs, with the lane
 //! statistics (hit rate, overlap, join wait, fallbacks) of the same runs.
 
-use crate::gpu::{CudaBackend, ForwardStats, GpuError, GpuKvCache, GpuModel, HotAssignment, PoolColdError, PoolColdExperts};
+use crate::gpu::{
+    CudaBackend, ForwardStats, GpuError, GpuKvCache, GpuModel, HotAssignment, PoolColdError, PoolColdExperts,
+};
 use crate::inspect::sample_tokens;
 use crate::model::Model;
 use crate::plan::{plan_fraction, plan_hot_set, WeightMode};
@@ -65,7 +67,13 @@ impl Spread {
     pub fn of(values: &[f64]) -> Spread {
         let mut v = values.to_vec();
         v.sort_by(f64::total_cmp);
-        let median = if v.is_empty() { 0.0 } else if v.len() % 2 == 1 { v[v.len() / 2] } else { 0.5 * (v[v.len() / 2 - 1] + v[v.len() / 2]) };
+        let median = if v.is_empty() {
+            0.0
+        } else if v.len() % 2 == 1 {
+            v[v.len() / 2]
+        } else {
+            0.5 * (v[v.len() / 2 - 1] + v[v.len() / 2])
+        };
         Spread { median, min: v.first().copied().unwrap_or(0.0), max: v.last().copied().unwrap_or(0.0) }
     }
 }
@@ -147,26 +155,40 @@ pub struct BenchReport {
 }
 
 /// Run the benchmark on the GPU. `progress(done, total)` ticks once per phase of each run.
-pub fn run_bench(model: &Model, opts: &BenchOptions, progress: &mut dyn FnMut(u64, u64)) -> Result<BenchReport, BenchError> {
+pub fn run_bench(
+    model: &Model,
+    opts: &BenchOptions,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<BenchReport, BenchError> {
     if opts.n_prompt_tokens == 0 || opts.n_gen_tokens == 0 || opts.n_runs == 0 {
-        return Err(BenchError::Invalid("prompt tokens, generated tokens and runs must all be at least 1".into()));
+        return Err(BenchError::Invalid(
+            "prompt tokens, generated tokens and runs must all be at least 1".into(),
+        ));
     }
     let c = model.config().clone();
     let context = opts.n_prompt_tokens + opts.n_gen_tokens;
     if context > c.max_positions {
-        return Err(BenchError::Invalid(format!("{context} positions exceed the model's {}", c.max_positions)));
+        return Err(BenchError::Invalid(format!(
+            "{context} positions exceed the model's {}",
+            c.max_positions
+        )));
     }
     let backend = Arc::new(CudaBackend::try_new().map_err(|e| BenchError::NoGpu(e.to_string()))?);
     let device = format!("{} ({})", backend.info().name, backend.info().arch());
     let mut cold = PoolColdExperts::new(model, opts.cold_threads)?;
     let (counts, learn_source) = match &opts.learn_counts {
         Some(counts) => (counts.clone(), "learn file"),
-        None => (learn_pass(model, &backend, &mut cold, opts.learn_tokens.min(c.max_positions))?, "built-in learn pass"),
+        None => (
+            learn_pass(model, &backend, &mut cold, opts.learn_tokens.min(c.max_positions))?,
+            "built-in learn pass",
+        ),
     };
     let expert_bytes = model.expert_bytes() as u64;
     let hot = match opts.budget {
         HotBudget::Fraction(f) => plan_fraction(Some(&counts), c.n_layers, c.n_experts, f),
-        HotBudget::Bytes(bytes) => plan_hot_set(&counts, c.n_layers, c.n_experts, expert_bytes, bytes, WeightMode::Flat)?.layers,
+        HotBudget::Bytes(bytes) => {
+            plan_hot_set(&counts, c.n_layers, c.n_experts, expert_bytes, bytes, WeightMode::Flat)?.layers
+        }
         HotBudget::Auto => {
             let budget = auto_budget_bytes(model, &backend, context);
             plan_hot_set(&counts, c.n_layers, c.n_experts, expert_bytes, budget, WeightMode::Flat)?.layers
@@ -227,7 +249,13 @@ pub fn run_bench(model: &Model, opts: &BenchOptions, progress: &mut dyn FnMut(u6
 }
 
 /// Prefill `prompt`, then decode `n_gen` tokens greedily.
-fn run_once(gpu: &mut GpuModel, cache: &mut GpuKvCache, cold: &mut PoolColdExperts<'_>, prompt: &[u32], n_gen: usize) -> Result<(), GpuError> {
+fn run_once(
+    gpu: &mut GpuModel,
+    cache: &mut GpuKvCache,
+    cold: &mut PoolColdExperts<'_>,
+    prompt: &[u32],
+    n_gen: usize,
+) -> Result<(), GpuError> {
     cache.clear();
     let mut next = *gpu.forward(prompt, cache, cold)?.argmax.last().expect("rows");
     for _ in 0..n_gen {
@@ -237,7 +265,12 @@ fn run_once(gpu: &mut GpuModel, cache: &mut GpuKvCache, cold: &mut PoolColdExper
 }
 
 /// All experts cold: every routed slot reaches the cold lane, which counts them per expert.
-fn learn_pass(model: &Model, backend: &Arc<CudaBackend>, cold: &mut PoolColdExperts<'_>, n_tokens: usize) -> Result<Vec<Vec<u64>>, BenchError> {
+fn learn_pass(
+    model: &Model,
+    backend: &Arc<CudaBackend>,
+    cold: &mut PoolColdExperts<'_>,
+    n_tokens: usize,
+) -> Result<Vec<Vec<u64>>, BenchError> {
     let c = model.config();
     let mut gpu = GpuModel::new(model, backend.clone(), &HotAssignment::none(c.n_layers))?;
     let mut cache = gpu.new_kv_cache(n_tokens.max(1))?;
@@ -253,7 +286,8 @@ fn auto_budget_bytes(model: &Model, backend: &CudaBackend, context: usize) -> u6
     let c = model.config();
     let report = crate::inspect::InspectReport::new(model);
     let kv_bytes = (2 * c.n_layers * context * c.kv_dim() * std::mem::size_of::<f32>()) as u64;
-    (backend.info().total_mem_bytes as u64).saturating_sub(report.other_bytes + kv_bytes + AUTO_BUDGET_RESERVE_BYTES)
+    (backend.info().total_mem_bytes as u64)
+        .saturating_sub(report.other_bytes + kv_bytes + AUTO_BUDGET_RESERVE_BYTES)
 }
 
 impl BenchReport {

@@ -37,6 +37,37 @@ enum Command {
     Generate(GenerateArgs),
     /// Measure the machine's read bandwidth and the cold-lane kernels' decode/prefill speed.
     BenchKernels(BenchKernelsArgs),
+    /// End-to-end prompt processing and generation speed on the GPU with a hot cache.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// VRAM for the hot cache in MiB; -1 = free VRAM after weights and KV cache minus 1024 MiB.
+    #[arg(long, allow_negative_numbers = true, conflicts_with = "hot_fraction")]
+    hot_budget_mib: Option<i64>,
+    /// Fraction of each layer's experts to keep hot (the most used ones).
+    #[arg(long)]
+    hot_fraction: Option<f64>,
+    /// Prompt tokens (pp).
+    #[arg(short = 'p', long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Generated tokens (tg).
+    #[arg(short = 'n', long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Timed runs (median and spread are reported).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Cold-lane threads (default: every CPU).
+    #[arg(long)]
+    cold_threads: Option<usize>,
+    /// Tokens routed by the built-in learn pass.
+    #[arg(long, default_value_t = 256)]
+    learn_tokens: usize,
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -159,6 +190,7 @@ fn main() -> Result<()> {
         Command::Logits(args) => logits(args),
         Command::Generate(args) => generate(args),
         Command::BenchKernels(args) => bench_kernels(args),
+        Command::Bench(args) => bench(args),
     }
 }
 
@@ -345,6 +377,49 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
     let report = run_kernel_bench(KernelBenchOptions { threads: args.threads, simd, quick: args.quick })?;
     if args.json {
         println!("{}", report.to_json());
+    } else {
+        print!("{}", report.to_text());
+    }
+    Ok(())
+}
+
+fn bench(args: BenchArgs) -> Result<()> {
+    use moe_lanes::bench::{run_bench, BenchOptions, HotBudget};
+    let budget = match (args.hot_budget_mib, args.hot_fraction) {
+        (Some(-1), _) => HotBudget::Auto,
+        (Some(mib), _) if mib >= 0 => HotBudget::Bytes(mib as u64 * (1 << 20)),
+        (Some(mib), _) => bail!("--hot-budget-mib {mib}: expected a size in MiB or -1 for auto"),
+        (None, Some(f)) if (0.0..=1.0).contains(&f) => HotBudget::Fraction(f),
+        (None, Some(f)) => bail!("--hot-fraction {f}: expected a value in 0..=1"),
+        (None, None) => HotBudget::Auto,
+    };
+    let model = open_model(&args.model)?;
+    let cold_threads = args
+        .cold_threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    let opts = BenchOptions {
+        budget,
+        learn_counts: None,
+        n_prompt_tokens: args.prompt_tokens,
+        n_gen_tokens: args.gen_tokens,
+        n_runs: args.runs,
+        cold_threads,
+        learn_tokens: args.learn_tokens,
+    };
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} phases {elapsed}")
+            .expect("valid template"),
+    );
+    let report = run_bench(&model, &opts, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    });
+    bar.finish_and_clear();
+    let report =
+        report.context("bench needs a CUDA GPU; run `moe-lanes bench-kernels` for the CPU lane alone")?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print!("{}", report.to_text());
     }

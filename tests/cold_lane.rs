@@ -36,7 +36,8 @@ fn pool_cold_lane_equals_plain_cold_lane() {
         let mut plain = CpuColdExperts::new(&model).unwrap();
         let mut pool = PoolColdExperts::new(&model, 3).unwrap();
         for (call_idx, n_rows) in [1usize, 5, 17, 1, 0].into_iter().enumerate() {
-            let hidden: Vec<f32> = (0..n_rows * c.hidden).map(|i| ((i * 7919 + call_idx) % 97) as f32 / 48.0 - 1.0).collect();
+            let hidden: Vec<f32> =
+                (0..n_rows * c.hidden).map(|i| ((i * 7919 + call_idx) % 97) as f32 / 48.0 - 1.0).collect();
             let slots = random_slots(call_idx as u64 + 3, n_rows, c.n_experts, c.n_experts_used);
             let layer_idx = call_idx % c.n_layers;
             let (mut a, mut b) = (vec![0.0; hidden.len()], vec![0.0; hidden.len()]);

@@ -10,8 +10,8 @@ pub mod engine;
 pub mod pool_cold;
 
 pub use cold::{ColdExperts, ColdSlot, CpuColdExperts};
-pub use pool_cold::{PoolColdError, PoolColdExperts};
 pub use engine::{
     ForwardStats, GpuError, GpuKvCache, GpuModel, GpuOptions, HotAssignment, LayerLaneStats, Logits, Phase,
 };
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
+pub use pool_cold::{PoolColdError, PoolColdExperts};

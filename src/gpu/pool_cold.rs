@@ -9,7 +9,9 @@ use super::cold::{ColdExperts, ColdSlot};
 use crate::adapter::FfnActivation;
 use crate::dtype::DType;
 use crate::model::Model;
-use moe_lanes_kernels::{Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KernelError, SimdLevel, WeightDType};
+use moe_lanes_kernels::{
+    Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KernelError, SimdLevel, WeightDType,
+};
 
 /// Why the pool cold lane cannot serve a model.
 #[derive(Debug, thiserror::Error)]
@@ -129,7 +131,14 @@ impl ColdExperts for PoolColdExperts<'_> {
                 token_weight: &self.token_weight[expert_idx],
             });
         }
-        let job = ColdJob { level: self.level, act: self.act, hidden: c.hidden, ff: c.expert_ff, x: hidden_rows, experts: &work };
+        let job = ColdJob {
+            level: self.level,
+            act: self.act,
+            hidden: c.hidden,
+            ff: c.expert_ff,
+            x: hidden_rows,
+            experts: &work,
+        };
         // Shapes and ids come from the engine's own worklist and the validated model, so a
         // failure here is a broken invariant, not bad input.
         self.pool.run(&job, out_rows).expect("cold pool job built from validated shapes");
