@@ -51,6 +51,8 @@ pub struct LaneSet {
     max_tokens: usize,
     k: usize,
     slot_locs: Vec<SlotLoc>,
+    /// Poll window of the join before parking.
+    spin: std::time::Duration,
     /// Buffer index -> reduced this layer (hot lanes first, then cold workers).
     reduced: Vec<bool>,
     /// Where each buffer's rows came back this layer (indexes into `returned`).
@@ -58,7 +60,8 @@ pub struct LaneSet {
 }
 
 impl LaneSet {
-    /// Start one thread per hot lane and `n_cold_workers` cold workers.
+    /// Start one thread per hot lane and `n_cold_workers` cold workers, polling before parking
+    /// only when the machine has a core for every lane thread and the driver (see [`LANE_SPIN`]).
     pub fn start(
         hot_lanes: Vec<Box<dyn HotLane>>,
         cold: Arc<dyn ColdCompute>,
@@ -66,6 +69,22 @@ impl LaneSet {
         max_tokens: usize,
         k: usize,
         n_experts: usize,
+    ) -> LaneSet {
+        let n_threads = hot_lanes.len() + n_cold_workers.clamp(1, MAX_COLD_WORKERS) + 1;
+        let n_cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let spin = if n_cores >= n_threads { LANE_SPIN } else { std::time::Duration::ZERO };
+        Self::start_with_spin(hot_lanes, cold, n_cold_workers, max_tokens, k, n_experts, spin)
+    }
+
+    /// [`LaneSet::start`] with an explicit poll window for lanes and join (zero: park at once).
+    pub fn start_with_spin(
+        hot_lanes: Vec<Box<dyn HotLane>>,
+        cold: Arc<dyn ColdCompute>,
+        n_cold_workers: usize,
+        max_tokens: usize,
+        k: usize,
+        n_experts: usize,
+        spin: std::time::Duration,
     ) -> LaneSet {
         assert!(!hot_lanes.is_empty() && hot_lanes.len() <= MAX_HOT_LANES, "1..=3 hot lanes");
         let n_cold_workers = n_cold_workers.clamp(1, MAX_COLD_WORKERS);
@@ -84,7 +103,7 @@ impl LaneSet {
                 let done = done_tx.clone();
                 let thread = std::thread::Builder::new()
                     .name(format!("moe-hot-{i}"))
-                    .spawn(move || hot_lane_loop(i, lane, rx, done))
+                    .spawn(move || hot_lane_loop(i, lane, rx, done, spin))
                     .expect("spawn hot lane thread");
                 Lane { tx, thread: Some(thread), buf: Some(buffer(capacity)) }
             })
@@ -97,7 +116,7 @@ impl LaneSet {
                 let compute = cold.clone();
                 let thread = std::thread::Builder::new()
                     .name(format!("moe-cold-{w}"))
-                    .spawn(move || cold_worker_loop(w, compute, rx, done))
+                    .spawn(move || cold_worker_loop(w, compute, rx, done, spin))
                     .expect("spawn cold worker thread");
                 Lane { tx, thread: Some(thread), buf: Some(buffer(per_worker)) }
             })
@@ -119,6 +138,7 @@ impl LaneSet {
             max_tokens,
             k,
             slot_locs: vec![SlotLoc::default(); capacity],
+            spin,
             reduced: vec![false; n_buffers],
             returned: (0..n_buffers).map(|_| None).collect(),
         }
@@ -245,7 +265,7 @@ impl LaneSet {
         let (mut hot_start, mut hot_end, mut cold_start, mut cold_end) = (None::<Instant>, None::<Instant>, None::<Instant>, None::<Instant>);
         let mut n_done = 0;
         while n_done < n_sent {
-            let done = match self.done_rx.recv_timeout(LANE_TIMEOUT) {
+            let done = match recv_spin(&self.done_rx, self.spin, Some(LANE_TIMEOUT)) {
                 Ok(d) => d,
                 Err(_) => {
                     failure.get_or_insert(LayerFailure {

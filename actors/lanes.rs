@@ -227,9 +227,15 @@ fn finish(lane: LaneId, task: LaneTask, started_at: Instant, out: LaneBuffer, re
 }
 
 /// The hot lane thread: runs tasks and slot exchanges until `Stop` or the channel closes.
-pub fn hot_lane_loop(lane_idx: usize, mut lane: Box<dyn HotLane>, rx: Receiver<HotMsg>, done: Sender<LaneDone>) {
+pub fn hot_lane_loop(
+    lane_idx: usize,
+    mut lane: Box<dyn HotLane>,
+    rx: Receiver<HotMsg>,
+    done: Sender<LaneDone>,
+    spin: std::time::Duration,
+) {
     let id = LaneId::Hot(lane_idx as u8);
-    while let Ok(msg) = rx.recv() {
+    while let Ok(msg) = recv_spin(&rx, spin, None) {
         match msg {
             HotMsg::Task(mut task) => {
                 let started_at = Instant::now();
@@ -259,10 +265,11 @@ pub fn cold_worker_loop(
     compute: Arc<dyn ColdCompute>,
     rx: Receiver<ColdMsg>,
     done: Sender<LaneDone>,
+    spin: std::time::Duration,
 ) {
     let id = LaneId::Cold(worker_idx as u8);
     let mut scratch = FfnScratch::new(compute.dims(), GROUP_TOKENS_MAX);
-    while let Ok(msg) = rx.recv() {
+    while let Ok(msg) = recv_spin(&rx, spin, None) {
         match msg {
             ColdMsg::Task(mut task) => {
                 let started_at = Instant::now();

@@ -21,6 +21,39 @@ pub const GROUP_TOKENS_MAX: usize = 64;
 /// cold lane over a large prompt on a slow machine can take seconds per layer.
 pub const LANE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
 
+/// How long an idle lane polls its channel before parking its thread. A parked thread costs a
+/// futex wake-up (several microseconds, tens under load or in a VM) when the next layer's task
+/// arrives; polling costs one core per lane for this long after each task. The join uses the
+/// same window. [`super::LaneSet::start`] polls only when there is a core for every lane thread
+/// and the driver; on an oversubscribed machine polling steals the cores the lanes need.
+pub const LANE_SPIN: std::time::Duration = std::time::Duration::from_micros(50);
+
+/// Receive from `rx`, polling for `spin` before blocking (up to `timeout` in all).
+pub fn recv_spin<T>(
+    rx: &crossbeam_channel::Receiver<T>,
+    spin: std::time::Duration,
+    timeout: Option<std::time::Duration>,
+) -> Result<T, crossbeam_channel::RecvTimeoutError> {
+    let start = std::time::Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(v) => return Ok(v),
+            Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                return Err(crossbeam_channel::RecvTimeoutError::Disconnected)
+            }
+            Err(crossbeam_channel::TryRecvError::Empty) => {}
+        }
+        if start.elapsed() >= spin {
+            break;
+        }
+        std::hint::spin_loop();
+    }
+    match timeout {
+        Some(t) => rx.recv_timeout(t.saturating_sub(spin)),
+        None => rx.recv().map_err(|_| crossbeam_channel::RecvTimeoutError::Disconnected),
+    }
+}
+
 /// Which lane a message is from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum LaneId {
