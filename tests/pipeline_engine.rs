@@ -1,6 +1,7 @@
 //! Pipeline engine behaviour: phase edge cases, fallbacks with reasons, Updater exchanges
 //! between calls, perf state.
 
+#[path = "pipeline_common/mod.rs"]
 mod common;
 
 use common::*;

@@ -2,6 +2,7 @@
 //! configs, hot sets (empty, full, in between), token counts 1..64, every phase, both worklist
 //! orders, every policy switch, and one to three hot lanes.
 
+#[path = "pipeline_common/mod.rs"]
 mod common;
 
 use common::*;
