@@ -10,10 +10,12 @@
 #[path = "../actors/mod.rs"]
 pub mod actors;
 pub mod adapter;
+pub mod bench;
 pub mod config;
 pub mod dtype;
 pub mod expert_math;
 pub mod gguf;
+pub mod gpu;
 pub mod hot_set;
 pub mod inspect;
 pub mod model;
@@ -21,6 +23,7 @@ pub mod naming;
 pub mod perf;
 pub mod phase;
 pub mod pipeline;
+pub mod plan;
 pub mod reference;
 pub mod routing;
 pub mod safetensors;

@@ -43,6 +43,8 @@ enum Command {
     /// Learn pass: run tokens through the pipeline with the cache off and write the perf JSON
     /// learn file (per-layer, per-expert usage and timings).
     Learn(LearnArgs),
+    /// Measure the machine's read bandwidth and the cold-lane kernels' decode/prefill speed.
+    BenchKernels(BenchKernelsArgs),
 }
 
 /// Engine selection and pipeline settings shared by logits and generate.
@@ -72,6 +74,22 @@ struct EngineArgs {
     /// full, update or off.
     #[arg(long, default_value = "full")]
     perf_mode: String,
+}
+
+#[derive(Args)]
+struct BenchKernelsArgs {
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Cold-pool threads (default: every CPU this process may use).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Force a SIMD level: scalar, avx2, avx512 or avx512bf16 (default: MOE_LANES_SIMD or the best detected).
+    #[arg(long)]
+    simd: Option<String>,
+    /// Smaller buffers and fewer rounds (a smoke run).
+    #[arg(long)]
+    quick: bool,
 }
 
 #[derive(Args)]
@@ -195,6 +213,7 @@ fn main() -> Result<()> {
         Command::Logits(args) => logits(args),
         Command::Generate(args) => generate(args),
         Command::Learn(args) => learn(args),
+        Command::BenchKernels(args) => bench_kernels(args),
     }
 }
 
@@ -441,5 +460,23 @@ fn demo(args: DemoArgs) -> Result<()> {
         seconds,
         (prompt.len() + tokens.len()) as f64 / seconds
     );
+    Ok(())
+}
+
+fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
+    use moe_lanes_kernels::bench::{run_kernel_bench, KernelBenchOptions};
+    let simd = match args.simd {
+        Some(name) => Some(
+            name.parse::<moe_lanes_kernels::simd::SimdLevel>()
+                .map_err(|e| anyhow::anyhow!("--simd {name}: {e}"))?,
+        ),
+        None => None,
+    };
+    let report = run_kernel_bench(KernelBenchOptions { threads: args.threads, simd, quick: args.quick })?;
+    if args.json {
+        println!("{}", report.to_json());
+    } else {
+        print!("{}", report.to_text());
+    }
     Ok(())
 }

@@ -1,2 +1,31 @@
 //! Compute kernels for moe-lanes. This crate knows nothing of models, files or actors: it takes
 //! slices and shapes and computes. CPU kernels pick their SIMD level at run time.
+//!
+//! - [`simd`]: SIMD level detection and the `MOE_LANES_SIMD` override.
+//! - [`weights`]: expert weight views (raw, possibly unaligned bytes), dtypes and activations.
+//! - [`ffn`]: row-range GEMV/GEMM, fused gate/up + activation, down + weighted accumulation,
+//!   in decode (one token) and prefill (many tokens per expert, register-blocked) form.
+//! - [`pool`]: the cold pool of pinned threads running whole cold-lane jobs.
+//! - [`cuda`]: the CUDA backend (dynamically loaded): NVRTC-compiled kernels, cuBLAS, streams, events.
+//! - [`bench`]: read bandwidth vs. cold-lane effective weight bandwidth.
+
+pub mod bench;
+pub mod cuda;
+pub mod error;
+pub mod ffn;
+pub mod pool;
+mod scalar;
+pub mod simd;
+pub mod weights;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx2;
+#[cfg(target_arch = "x86_64")]
+mod x86_avx512;
+
+pub use bench::{run_kernel_bench, KernelBenchOptions, KernelBenchReport};
+pub use error::KernelError;
+pub use ffn::{down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, matmul_rows};
+pub use pool::{ColdExpertWork, ColdJob, ColdPool};
+pub use scalar::dot_row;
+pub use simd::{available, SimdLevel, SIMD_ENV_VAR};
+pub use weights::{Activation, ExpertWeights, WeightDType};

@@ -1,0 +1,445 @@
+//! Kernel bench: the machine's multi-thread read bandwidth (STREAM-like sum) against the cold
+//! lane's effective weight bandwidth, measured in one run on the same pinned pool.
+//!
+//! Shapes follow a Qwen3-30B-A3B-like layer: hidden 2048, expert ff 768, BF16 weights, 128
+//! experts, top-8 routing, SiLU.
+//! - `read_gbs`: every pool thread sums its share of a buffer far larger than the LLC
+//!   (2 GiB, 256 MiB when `quick`) with the best SIMD level of the CPU.
+//!
+//! Read, decode and layer25 are measured in interleaved rounds (8, 3 when `quick`) and each
+//! keeps its best round, so the ratios compare the same machine state.
+//! - `decode_gbs`: one token routed to 8 experts; effective GB/s = weight bytes of the 8
+//!   experts (gate+up+down) / time per call. Calls rotate through all experts of a
+//!   weight pool of 2 layers x 128 experts (~2.4 GB; 1 layer when `quick`), so every call
+//!   reads weights from DRAM, not cache.
+//! - `layer25_gbs`: a decode batch over a whole 128-expert layer at a 25% hit rate: 32 tokens,
+//!   each routed to 8 distinct experts (256 slots, seeded), of which exactly 64 slots (25%) are
+//!   hot (served by the GPU lane, skipped here) and the other 192 are computed here. Bytes =
+//!   the weight bytes of each distinct expert with at least one cold slot, counted once.
+//! - `prefill_gflops`: 512 tokens routed top-8 over the 128 experts of the first layer, all
+//!   cold, expert-major;
+//!   FLOPs = 6 * hidden * ff per (token, expert) slot.
+//! Ratios are to `read_gbs`.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::error::KernelError;
+use crate::pool::{ColdExpertWork, ColdJob, ColdPool};
+use crate::simd::SimdLevel;
+use crate::weights::{Activation, ExpertWeights, WeightDType};
+
+const HIDDEN: usize = 2048;
+const FF: usize = 768;
+const N_EXPERTS: usize = 128;
+const TOP_K: usize = 8;
+const LAYER25_TOKENS: usize = 32;
+const LAYER25_HOT_SLOTS: usize = LAYER25_TOKENS * TOP_K / 4;
+const PREFILL_TOKENS: usize = 512;
+
+/// What to run the bench with.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KernelBenchOptions {
+    /// Pool threads; default: every CPU this process may use.
+    pub threads: Option<usize>,
+    /// SIMD level; default: `MOE_LANES_SIMD` or the detected best.
+    pub simd: Option<SimdLevel>,
+    /// Smaller read buffer and fewer repetitions (for tests and smoke runs).
+    pub quick: bool,
+}
+
+/// Results of [`run_kernel_bench`]; GB are 1e9 bytes.
+#[derive(Debug, Clone, Serialize)]
+pub struct KernelBenchReport {
+    pub simd: SimdLevel,
+    pub threads: usize,
+    /// Multi-thread read bandwidth of the machine (best pass), GB/s.
+    pub read_gbs: f64,
+    /// SIMD level used by the read probe (the best detected one).
+    pub read_simd: SimdLevel,
+    pub read_buffer_bytes: usize,
+    /// Decode (1 token, 8 experts of 2048x768 BF16) effective weight bandwidth, GB/s.
+    pub decode_gbs: f64,
+    pub decode_ratio: f64,
+    pub decode_call_us: f64,
+    pub decode_weight_bytes: usize,
+    /// Whole 128-expert layer, 32 tokens x top-8, 25% of slots hot, GB/s.
+    pub layer25_gbs: f64,
+    pub layer25_ratio: f64,
+    pub layer25_call_us: f64,
+    pub layer25_cold_slots: usize,
+    pub layer25_cold_experts: usize,
+    pub layer25_weight_bytes: usize,
+    /// Prefill, 512 tokens x top-8 over 128 experts, expert-major, GFLOP/s.
+    pub prefill_gflops: f64,
+    pub prefill_call_ms: f64,
+    pub hidden: usize,
+    pub ff: usize,
+    pub weight_pool_bytes: usize,
+    pub quick: bool,
+}
+
+impl KernelBenchReport {
+    /// One JSON object.
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("a bench report always serializes")
+    }
+
+    /// A small human-readable table.
+    pub fn to_text(&self) -> String {
+        let mut text = String::new();
+        text += &format!(
+            "cold-lane kernel bench: simd={} threads={} (read probe simd={}, hidden={} ff={} bf16)\n",
+            self.simd, self.threads, self.read_simd, self.hidden, self.ff
+        );
+        text += &format!("{:<34} {:>12} {:>10} {:>12}\n", "measurement", "value", "ratio", "per call");
+        text += &format!(
+            "{:<34} {:>8.2} GB/s {:>10} {:>12}\n",
+            format!("read bandwidth ({} MiB)", self.read_buffer_bytes >> 20),
+            self.read_gbs,
+            "1.00",
+            "-"
+        );
+        text += &format!(
+            "{:<34} {:>8.2} GB/s {:>10.3} {:>9.1} us\n",
+            "decode 1 tok x 8 experts", self.decode_gbs, self.decode_ratio, self.decode_call_us
+        );
+        text += &format!(
+            "{:<34} {:>8.2} GB/s {:>10.3} {:>9.1} us\n",
+            format!("layer 25% hot ({} cold exp.)", self.layer25_cold_experts),
+            self.layer25_gbs,
+            self.layer25_ratio,
+            self.layer25_call_us
+        );
+        text += &format!(
+            "{:<34} {:>6.1} GFLOP/s {:>10} {:>9.1} ms\n",
+            "prefill 512 tok expert-major", self.prefill_gflops, "-", self.prefill_call_ms
+        );
+        text
+    }
+}
+
+/// SplitMix64: small deterministic generator for bench data.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+
+    /// Uniform in [-scale, scale).
+    fn symmetric(&mut self, scale: f32) -> f32 {
+        ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+    }
+}
+
+/// A raw pointer that may cross to pool threads; each thread writes a disjoint range.
+#[derive(Clone, Copy)]
+struct SendPtr<T>(*mut T);
+// SAFETY: only used to hand disjoint sub-ranges of one buffer to pool threads inside a
+// broadcast that completes before the buffer is touched again.
+unsafe impl<T> Send for SendPtr<T> {}
+// SAFETY: as above.
+unsafe impl<T> Sync for SendPtr<T> {}
+
+/// Fills `buffer` in parallel (first touch by the threads that will read it).
+fn parallel_fill(
+    pool: &mut ColdPool,
+    buffer: &mut [u8],
+    fill: impl Fn(&mut [u8], u64) + Sync,
+) -> Result<(), KernelError> {
+    let (base, len) = (SendPtr(buffer.as_mut_ptr()), buffer.len());
+    pool.broadcast(&|index, n_threads| {
+        let (start, end) = (index * len / n_threads, (index + 1) * len / n_threads);
+        let base = base;
+        // SAFETY: [start, end) ranges of different threads are disjoint and inside `buffer`,
+        // which stays mutably borrowed until the broadcast returns.
+        let part = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), end - start) };
+        fill(part, index as u64);
+    })
+}
+
+fn sum_f32(level: SimdLevel, data: &[f32]) -> f32 {
+    match level {
+        // SAFETY: the level is supported (checked by the caller); the slice is readable.
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => unsafe {
+            crate::x86_avx512::sum_f32(data.as_ptr(), data.len())
+        },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => unsafe { crate::x86_avx2::sum_f32(data.as_ptr(), data.len()) },
+        _ => {
+            let mut acc = [0.0f32; 16];
+            let chunks = data.chunks_exact(16);
+            let rest: f32 = chunks.remainder().iter().sum();
+            for chunk in chunks {
+                for (a, v) in acc.iter_mut().zip(chunk) {
+                    *a += v;
+                }
+            }
+            acc.iter().sum::<f32>() + rest
+        }
+    }
+}
+
+/// Best multi-thread read bandwidth over `passes` passes of `buffer`, in GB/s.
+fn measure_read_gbs(
+    pool: &mut ColdPool,
+    level: SimdLevel,
+    buffer: &[f32],
+    passes: usize,
+) -> Result<f64, KernelError> {
+    let mut best = 0.0f64;
+    for _ in 0..passes {
+        let start = Instant::now();
+        pool.broadcast(&|index, n_threads| {
+            let (lo, hi) = (index * buffer.len() / n_threads, (index + 1) * buffer.len() / n_threads);
+            black_box(sum_f32(level, &buffer[lo..hi]));
+        })?;
+        let seconds = start.elapsed().as_secs_f64();
+        best = best.max(std::mem::size_of_val(buffer) as f64 / seconds / 1e9);
+    }
+    Ok(best)
+}
+
+/// Runs the whole bench; see the module docs for what each number means.
+pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, KernelError> {
+    let level = match opts.simd {
+        Some(level) => {
+            level.ensure_supported()?;
+            level
+        }
+        None => SimdLevel::from_env_or_detect()?,
+    };
+    let threads =
+        opts.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    if threads == 0 {
+        return Err(KernelError::InvalidOption("threads must be at least 1".into()));
+    }
+    let mut pool = ColdPool::new(threads);
+    let read_simd = SimdLevel::detect();
+
+    // 1. Read bandwidth.
+    // 2 GiB: several times any LLC, so adaptive LLC replacement cannot keep a useful part.
+    let read_buffer_bytes: usize = if opts.quick { 256 << 20 } else { 2 << 30 };
+    let mut read_buffer = vec![0u8; read_buffer_bytes];
+    parallel_fill(&mut pool, &mut read_buffer, |part, seed| part.fill((seed % 7) as u8 + 1))?;
+    let read_floats: &[f32] = bytemuck::cast_slice(&read_buffer);
+
+    // 2. Expert weight pool: 128 distinct BF16 experts, ~1.2 GB.
+    let dtype = WeightDType::BF16;
+    let matrix_bytes = HIDDEN * FF * dtype.size_bytes();
+    let expert_bytes = 3 * matrix_bytes;
+    // Two layers (one when quick), so the cyclic working set is ~2.4 GB: far past any LLC
+    // (the GPU machine's Xeon has 300 MiB of L3, whose adaptive replacement keeps part of a
+    // cyclic set only slightly larger than the cache).
+    let n_layers = if opts.quick { 1 } else { 2 };
+    let mut weight_pool = vec![0u8; n_layers * N_EXPERTS * expert_bytes];
+    parallel_fill(&mut pool, &mut weight_pool, |part, seed| {
+        let mut rng = SplitMix64(seed.wrapping_mul(0x1234_5678_9ABC_DEF1) ^ 0x5EED);
+        for pair in part.chunks_exact_mut(2) {
+            let bits = half::bf16::from_f32(rng.symmetric(0.05)).to_bits();
+            pair.copy_from_slice(&bits.to_le_bytes());
+        }
+    })?;
+    let experts: Vec<ExpertWeights<'_>> = (0..n_layers * N_EXPERTS)
+        .map(|e| {
+            let base = &weight_pool[e * expert_bytes..][..expert_bytes];
+            ExpertWeights {
+                gate: &base[..matrix_bytes],
+                up: &base[matrix_bytes..2 * matrix_bytes],
+                down: &base[2 * matrix_bytes..],
+                dtype,
+                hidden: HIDDEN,
+                ff: FF,
+            }
+        })
+        .collect();
+    let mut rng = SplitMix64(42);
+    let random_x = |rng: &mut SplitMix64, n_tokens: usize| -> Vec<f32> {
+        (0..n_tokens * HIDDEN).map(|_| rng.symmetric(1.0)).collect()
+    };
+
+    // 3. Decode: 1 token x 8 experts, rotating through the pool.
+    let decode_x = random_x(&mut rng, 1);
+    let mut decode_out = vec![0.0f32; HIDDEN];
+    let token_zero = [0u32];
+    let routing_weight = [1.0f32 / TOP_K as f32];
+    let decode_groups: Vec<Vec<ColdExpertWork<'_>>> = (0..experts.len() / TOP_K)
+        .map(|group| {
+            (0..TOP_K)
+                .map(|k| ColdExpertWork {
+                    weights: experts[group * TOP_K + k],
+                    token_idx: &token_zero,
+                    token_weight: &routing_weight,
+                })
+                .collect()
+        })
+        .collect();
+    let decode_job = |group: usize| ColdJob {
+        level,
+        act: Activation::Silu,
+        hidden: HIDDEN,
+        ff: FF,
+        x: &decode_x,
+        experts: &decode_groups[group % decode_groups.len()],
+    };
+    let decode_weight_bytes = decode_job(0).weight_bytes();
+    for group in 0..decode_groups.len() {
+        pool.run(&decode_job(group), &mut decode_out)?;
+    }
+    // 4. Layer at 25% hit rate: 32 tokens x top-8 distinct experts, 64 of 256 slots hot.
+    let layer_x = random_x(&mut rng, LAYER25_TOKENS);
+    let mut slots: Vec<(u32, usize, f32)> = Vec::with_capacity(LAYER25_TOKENS * TOP_K);
+    for token in 0..LAYER25_TOKENS {
+        let mut chosen: Vec<usize> = Vec::with_capacity(TOP_K);
+        while chosen.len() < TOP_K {
+            let expert = rng.below(N_EXPERTS);
+            if !chosen.contains(&expert) {
+                chosen.push(expert);
+            }
+        }
+        slots.extend(chosen.into_iter().map(|expert| (token as u32, expert, 1.0 / TOP_K as f32)));
+    }
+    // Mark exactly 25% of the slots hot with a seeded Fisher-Yates shuffle, keep the rest.
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, rng.below(i + 1));
+    }
+    let cold_slots = &slots[LAYER25_HOT_SLOTS..];
+    let layer25_cold_slots = cold_slots.len();
+    let (mut per_expert_tokens, mut per_expert_weights) =
+        (vec![Vec::new(); N_EXPERTS], vec![Vec::new(); N_EXPERTS]);
+    for &(token, expert, weight) in cold_slots {
+        per_expert_tokens[expert].push(token);
+        per_expert_weights[expert].push(weight);
+    }
+    // The same routing on every layer of the pool; calls alternate between layers.
+    let layer_works: Vec<Vec<ColdExpertWork<'_>>> = (0..n_layers)
+        .map(|layer| {
+            (0..N_EXPERTS)
+                .map(|e| ColdExpertWork {
+                    weights: experts[layer * N_EXPERTS + e],
+                    token_idx: &per_expert_tokens[e],
+                    token_weight: &per_expert_weights[e],
+                })
+                .collect()
+        })
+        .collect();
+    let layer_job = |layer: usize| ColdJob {
+        level,
+        act: Activation::Silu,
+        hidden: HIDDEN,
+        ff: FF,
+        x: &layer_x,
+        experts: &layer_works[layer % n_layers],
+    };
+    let layer25_weight_bytes = layer_job(0).weight_bytes();
+    let layer25_cold_experts = layer25_weight_bytes / expert_bytes;
+    let mut layer_out = vec![0.0f32; LAYER25_TOKENS * HIDDEN];
+    for layer in 0..n_layers {
+        pool.run(&layer_job(layer), &mut layer_out)?;
+    }
+
+    // Rounds interleave the read probe, decode and layer25 so that all three see the same
+    // machine state (other processes come and go); each keeps its best round.
+    let rounds = if opts.quick { 3 } else { 8 };
+    let decode_calls_per_round = 2 * decode_groups.len();
+    // The read probe also gets back-to-back passes first: read_gbs is the best of all passes.
+    let mut read_gbs = measure_read_gbs(&mut pool, read_simd, read_floats, if opts.quick { 2 } else { 4 })?;
+    let (mut best_decode_seconds, mut layer25_seconds) = (f64::INFINITY, f64::INFINITY);
+    for round in 0..rounds {
+        read_gbs = read_gbs.max(measure_read_gbs(&mut pool, read_simd, read_floats, 1)?);
+        let start = Instant::now();
+        for call in 0..decode_calls_per_round {
+            pool.run(&decode_job(round + call), &mut decode_out)?;
+        }
+        best_decode_seconds =
+            best_decode_seconds.min(start.elapsed().as_secs_f64() / decode_calls_per_round as f64);
+        let start = Instant::now();
+        pool.run(&layer_job(round), &mut layer_out)?;
+        layer25_seconds = layer25_seconds.min(start.elapsed().as_secs_f64());
+    }
+    black_box((&decode_out, &layer_out));
+    drop(read_buffer);
+    let decode_gbs = decode_weight_bytes as f64 / best_decode_seconds / 1e9;
+    let layer25_gbs = layer25_weight_bytes as f64 / layer25_seconds / 1e9;
+
+    // 5. Prefill: 512 tokens x top-8, all cold, expert-major.
+    let prefill_x = random_x(&mut rng, PREFILL_TOKENS);
+    let (mut prefill_tokens, mut prefill_weights) =
+        (vec![Vec::new(); N_EXPERTS], vec![Vec::new(); N_EXPERTS]);
+    for token in 0..PREFILL_TOKENS {
+        let mut chosen: Vec<usize> = Vec::with_capacity(TOP_K);
+        while chosen.len() < TOP_K {
+            let expert = rng.below(N_EXPERTS);
+            if !chosen.contains(&expert) {
+                chosen.push(expert);
+            }
+        }
+        for expert in chosen {
+            prefill_tokens[expert].push(token as u32);
+            prefill_weights[expert].push(1.0 / TOP_K as f32);
+        }
+    }
+    let prefill_work: Vec<ColdExpertWork<'_>> = (0..N_EXPERTS)
+        .map(|e| ColdExpertWork {
+            weights: experts[e],
+            token_idx: &prefill_tokens[e],
+            token_weight: &prefill_weights[e],
+        })
+        .collect();
+    let prefill_job = ColdJob {
+        level,
+        act: Activation::Silu,
+        hidden: HIDDEN,
+        ff: FF,
+        x: &prefill_x,
+        experts: &prefill_work,
+    };
+    let mut prefill_out = vec![0.0f32; PREFILL_TOKENS * HIDDEN];
+    pool.run(&prefill_job, &mut prefill_out)?;
+    let prefill_calls = if opts.quick { 1 } else { 3 };
+    let mut best_prefill_seconds = f64::INFINITY;
+    for _ in 0..prefill_calls {
+        let start = Instant::now();
+        pool.run(&prefill_job, &mut prefill_out)?;
+        best_prefill_seconds = best_prefill_seconds.min(start.elapsed().as_secs_f64());
+    }
+    black_box(&prefill_out);
+    let prefill_gflops = prefill_job.flops() / best_prefill_seconds / 1e9;
+
+    Ok(KernelBenchReport {
+        simd: level,
+        threads: pool.n_threads(),
+        read_gbs,
+        read_simd,
+        read_buffer_bytes,
+        decode_gbs,
+        decode_ratio: decode_gbs / read_gbs,
+        decode_call_us: best_decode_seconds * 1e6,
+        decode_weight_bytes,
+        layer25_gbs,
+        layer25_ratio: layer25_gbs / read_gbs,
+        layer25_call_us: layer25_seconds * 1e6,
+        layer25_cold_slots,
+        layer25_cold_experts,
+        layer25_weight_bytes,
+        prefill_gflops,
+        prefill_call_ms: best_prefill_seconds * 1e3,
+        hidden: HIDDEN,
+        ff: FF,
+        weight_pool_bytes: weight_pool.len(),
+        quick: opts.quick,
+    })
+}

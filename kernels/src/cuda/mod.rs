@@ -1,0 +1,673 @@
+//! CUDA backend: device selection, NVRTC compilation of `kernels/cuda/*.cu` for the device's own
+//! architecture (with an on-disk cubin cache), a cuBLAS handle, one dedicated stream, device and
+//! pinned host buffers, CUDA events, and typed launchers for every kernel ([`ops`]).
+//!
+//! Everything is loaded at run time (cudarc `fallback-dynamic-loading`), so this crate builds and
+//! its tests run on machines without CUDA: [`CudaBackend::try_new`] then returns
+//! [`CudaError::NoDriver`] and callers fall back to the CPU (and say so).
+//!
+//! Memory model: [`DeviceBuffer`] owns an allocation; [`DPtr`] is a copyable (pointer, length)
+//! view of part of one, checked against kernel shapes by every launcher. All work goes to the
+//! backend's one stream, in order; cudarc's per-slice event tracking is switched off because there
+//! is only one stream. A `DPtr` must not outlive its buffer (a stale one faults on the device).
+
+pub mod ops;
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{
+    result as drv, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
+};
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The CUDA C source of every kernel, embedded at build time.
+pub const MOE_CU: &str = include_str!("../../cuda/moe.cu");
+
+/// Kernel entry points in [`MOE_CU`].
+pub const KERNEL_NAMES: &[&str] = &[
+    "gemv_bf16",
+    "rmsnorm_f32",
+    "add_bias_rows",
+    "clamp_f32",
+    "add_f32",
+    "silu_mul_f32",
+    "rope_f32",
+    "attention_f32",
+    "argmax_f32",
+    "embed_bf16",
+    "gather_split_bf16",
+    "gather_rows_f32",
+    "scatter_add_rows_f32",
+    "add_sigmoid_scaled_rows",
+    "route_topk",
+    "moe_gate_up_gemv",
+    "moe_down_accum",
+    "moe_scatter_accum",
+];
+
+/// Every way the CUDA backend can fail.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    #[error("no CUDA driver or library: {0}")]
+    NoDriver(String),
+    #[error("CUDA device {ordinal} not usable: {source}")]
+    Device { ordinal: usize, source: drv::DriverError },
+    #[error("CUDA driver call '{what}' failed: {source}")]
+    Driver { what: &'static str, source: drv::DriverError },
+    #[error("NVRTC compile of {name} for {arch} failed: {message}")]
+    Compile { name: String, arch: String, message: String },
+    #[error("cuBLAS call '{what}' failed: {source}")]
+    Cublas { what: &'static str, source: cudarc::cublas::result::CublasError },
+    #[error("kernel '{kernel}': {reason}")]
+    Shape { kernel: &'static str, reason: String },
+    #[error("CUDA library panicked in {what}: {message}")]
+    Panic { what: &'static str, message: String },
+}
+
+pub type Result<T, E = CudaError> = std::result::Result<T, E>;
+
+trait DrvCtx<T> {
+    fn ctx(self, what: &'static str) -> Result<T>;
+}
+
+impl<T> DrvCtx<T> for std::result::Result<T, drv::DriverError> {
+    fn ctx(self, what: &'static str) -> Result<T> {
+        self.map_err(|source| CudaError::Driver { what, source })
+    }
+}
+
+/// What the backend knows about its device.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_mem_bytes: usize,
+    pub multiprocessors: i32,
+}
+
+impl DeviceInfo {
+    /// NVRTC target, e.g. `sm_90`.
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+    }
+}
+
+/// How the kernels were obtained at start-up.
+#[derive(Debug, Clone)]
+pub struct CompileReport {
+    pub arch: String,
+    /// The cubin came from the on-disk cache.
+    pub cache_hit: bool,
+    /// Cache file used (or that would have been used), if a cache directory exists.
+    pub cache_path: Option<PathBuf>,
+    pub compile_ms: f64,
+    /// Why the cache was not used, when it was not (informational; never fatal).
+    pub cache_note: Option<String>,
+}
+
+/// A copyable view of `len` elements of device memory.
+pub struct DPtr<T> {
+    raw: u64,
+    len: usize,
+    _m: PhantomData<T>,
+}
+
+impl<T> Clone for DPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for DPtr<T> {}
+
+impl<T> std::fmt::Debug for DPtr<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DPtr({:#x}, {})", self.raw, self.len)
+    }
+}
+
+impl<T> DPtr<T> {
+    pub fn raw(&self) -> u64 {
+        self.raw
+    }
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Sub-view `[offset, offset + len)`; panics when out of range (a programming error).
+    pub fn sub(&self, offset: usize, len: usize) -> DPtr<T> {
+        assert!(offset + len <= self.len, "DPtr::sub out of range: {offset}+{len} > {}", self.len);
+        DPtr { raw: self.raw + (offset * std::mem::size_of::<T>()) as u64, len, _m: PhantomData }
+    }
+    /// From `offset` to the end.
+    pub fn from(&self, offset: usize) -> DPtr<T> {
+        self.sub(offset, self.len - offset)
+    }
+}
+
+/// An owned device allocation of `len` elements.
+pub struct DeviceBuffer<T> {
+    _slice: CudaSlice<T>,
+    ptr: DPtr<T>,
+}
+
+impl<T> DeviceBuffer<T> {
+    pub fn ptr(&self) -> DPtr<T> {
+        self.ptr
+    }
+    pub fn len(&self) -> usize {
+        self.ptr.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.ptr.len == 0
+    }
+    pub fn bytes(&self) -> usize {
+        self.ptr.len * std::mem::size_of::<T>()
+    }
+}
+
+/// Page-locked host memory for asynchronous copies.
+pub struct PinnedBuffer<T: Copy + Default> {
+    ptr: *mut T,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// The buffer is plain host memory; the raw pointer is owned exclusively.
+unsafe impl<T: Copy + Default + Send> Send for PinnedBuffer<T> {}
+
+impl<T: Copy + Default> PinnedBuffer<T> {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The host data. The caller must have synchronised any asynchronous copy into or out of it
+    /// (an event recorded after the copy, or the stream) before reading or writing.
+    pub fn as_slice(&self) -> &[T] {
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    pub fn as_mut_slice(&mut self) -> &mut [T] {
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl<T: Copy + Default> Drop for PinnedBuffer<T> {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        unsafe {
+            let _ = drv::free_host(self.ptr as *mut std::ffi::c_void);
+        }
+    }
+}
+
+/// A CUDA event with timing enabled.
+pub struct GpuEvent {
+    ev: sys::CUevent,
+    ctx: Arc<CudaContext>,
+}
+
+unsafe impl Send for GpuEvent {}
+
+impl GpuEvent {
+    /// Block the calling thread until the work recorded before this event is done.
+    pub fn synchronize(&self) -> Result<()> {
+        unsafe { drv::event::synchronize(self.ev) }.ctx("cuEventSynchronize")
+    }
+    /// Whether the recorded work is done (non-blocking).
+    pub fn is_done(&self) -> bool {
+        unsafe { drv::event::query(self.ev) }.is_ok()
+    }
+    /// Milliseconds from `self` to `end` (both recorded and complete).
+    pub fn elapsed_ms(&self, end: &GpuEvent) -> Result<f32> {
+        unsafe { drv::event::elapsed(self.ev, end.ev) }.ctx("cuEventElapsedTime")
+    }
+}
+
+impl Drop for GpuEvent {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        unsafe {
+            let _ = drv::event::destroy(self.ev);
+        }
+    }
+}
+
+/// One GPU: context, dedicated stream, cuBLAS handle and the compiled kernels.
+pub struct CudaBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    functions: HashMap<&'static str, CudaFunction>,
+    info: DeviceInfo,
+    compile: CompileReport,
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else {
+        "unknown panic".into()
+    }
+}
+
+/// Run a closure that may panic inside cudarc's dynamic loader (missing library or symbol).
+fn guard<T>(what: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(r) => r,
+        Err(p) => Err(CudaError::Panic { what, message: panic_message(p) }),
+    }
+}
+
+impl CudaBackend {
+    /// The device named by `MOE_LANES_CUDA_DEVICE` (default 0), or an error saying why there is
+    /// none — callers fall back to the CPU and report the error.
+    pub fn try_new() -> Result<CudaBackend> {
+        let ordinal = std::env::var("MOE_LANES_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        CudaBackend::new(ordinal)
+    }
+
+    /// Open device `ordinal`: context, stream, cuBLAS, and the kernels compiled for its
+    /// architecture (or loaded from the cubin cache).
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        let present = guard("library probe", || {
+            Ok(unsafe {
+                (
+                    cudarc::driver::sys::is_culib_present(),
+                    cudarc::nvrtc::sys::is_culib_present(),
+                    cudarc::cublas::sys::is_culib_present(),
+                )
+            })
+        })?;
+        match present {
+            (false, _, _) => {
+                return Err(CudaError::NoDriver("libcuda (the NVIDIA driver) was not found".into()))
+            }
+            (_, false, _) => {
+                return Err(CudaError::NoDriver(
+                    "libnvrtc was not found (add the CUDA lib64 directory to LD_LIBRARY_PATH)".into(),
+                ))
+            }
+            (_, _, false) => {
+                return Err(CudaError::NoDriver(
+                    "libcublas was not found (add the CUDA lib64 directory to LD_LIBRARY_PATH)".into(),
+                ))
+            }
+            _ => {}
+        }
+        guard("device start-up", || {
+            let count = CudaContext::device_count()
+                .map_err(|e| CudaError::NoDriver(format!("cuInit/cuDeviceGetCount: {e}")))?;
+            if count <= 0 {
+                return Err(CudaError::NoDriver("the driver reports no CUDA devices".into()));
+            }
+            let ctx = CudaContext::new(ordinal).map_err(|source| CudaError::Device { ordinal, source })?;
+            // One stream: ordering is the stream's; no per-slice events needed.
+            unsafe { ctx.disable_event_tracking() };
+            let stream = ctx.new_stream().ctx("cuStreamCreate")?;
+            let info = DeviceInfo {
+                ordinal,
+                name: ctx.name().ctx("cuDeviceGetName")?,
+                compute_capability: ctx.compute_capability().ctx("cuDeviceGetAttribute(cc)")?,
+                total_mem_bytes: ctx.total_mem().ctx("cuDeviceTotalMem")?,
+                multiprocessors: ctx
+                    .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                    .ctx("cuDeviceGetAttribute(sm count)")?,
+            };
+            let (cubin, compile) = compile_cached(MOE_CU, "moe.cu", &info.arch())?;
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).ctx("cuModuleLoadData")?;
+            let mut functions = HashMap::new();
+            for &name in KERNEL_NAMES {
+                functions.insert(name, module.load_function(name).ctx("cuModuleGetFunction")?);
+            }
+            let blas = CudaBlas::new(stream.clone())
+                .map_err(|source| CudaError::Cublas { what: "cublasCreate", source })?;
+            Ok(CudaBackend { ctx, stream, blas, functions, info, compile })
+        })
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    pub fn compile_report(&self) -> &CompileReport {
+        &self.compile
+    }
+
+    /// Make this backend's context current on the calling thread (needed once per thread).
+    pub fn bind_to_thread(&self) -> Result<()> {
+        self.ctx.bind_to_thread().ctx("cuCtxSetCurrent")
+    }
+
+    /// (free, total) device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.ctx.mem_get_info().ctx("cuMemGetInfo")
+    }
+
+    fn stream_raw(&self) -> sys::CUstream {
+        self.stream.cu_stream()
+    }
+
+    /// Wait until all queued work is done.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().ctx("cuStreamSynchronize")
+    }
+
+    /// A zero-filled device buffer.
+    pub fn alloc_zeros<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        len: usize,
+    ) -> Result<DeviceBuffer<T>> {
+        let slice = self.stream.alloc_zeros::<T>(len.max(1)).ctx("cuMemAlloc")?;
+        let raw = {
+            let (raw, _g) = slice.device_ptr(&self.stream);
+            raw
+        };
+        Ok(DeviceBuffer { ptr: DPtr { raw, len, _m: PhantomData }, _slice: slice })
+    }
+
+    /// A device buffer holding `data`.
+    pub fn upload<T: DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        data: &[T],
+    ) -> Result<DeviceBuffer<T>> {
+        let buf = self.alloc_zeros::<T>(data.len())?;
+        self.write(data, buf.ptr())?;
+        Ok(buf)
+    }
+
+    /// Queue a copy of host `src` into `dst` (pageable memory: `src` is staged before return,
+    /// so it may be dropped at once).
+    pub fn write<T>(&self, src: &[T], dst: DPtr<T>) -> Result<()> {
+        assert!(src.len() <= dst.len, "write: {} elements into {}", src.len(), dst.len);
+        if src.is_empty() {
+            return Ok(());
+        }
+        unsafe { drv::memcpy_htod_async(dst.raw, src, self.stream_raw()) }.ctx("cuMemcpyHtoDAsync")
+    }
+
+    /// Copy `src` to host `dst` and wait for it (and everything queued before it).
+    pub fn read<T>(&self, src: DPtr<T>, dst: &mut [T]) -> Result<()> {
+        assert!(dst.len() <= src.len, "read: {} elements from {}", dst.len(), src.len);
+        if dst.is_empty() {
+            return Ok(());
+        }
+        unsafe { drv::memcpy_dtoh_async(dst, src.raw, self.stream_raw()) }.ctx("cuMemcpyDtoHAsync")?;
+        self.synchronize()
+    }
+
+    /// Convenience: copy a whole view back into a new Vec (synchronous).
+    pub fn read_vec<T: Copy + Default>(&self, src: DPtr<T>) -> Result<Vec<T>> {
+        let mut v = vec![T::default(); src.len];
+        self.read(src, &mut v)?;
+        Ok(v)
+    }
+
+    /// Queue a fill of `dst` with zero bytes.
+    pub fn zero<T>(&self, dst: DPtr<T>) -> Result<()> {
+        if dst.len == 0 {
+            return Ok(());
+        }
+        unsafe { drv::memset_d8_async(dst.raw, 0, dst.len * std::mem::size_of::<T>(), self.stream_raw()) }
+            .ctx("cuMemsetD8Async")
+    }
+
+    /// Queue a device-to-device copy.
+    pub fn copy<T>(&self, src: DPtr<T>, dst: DPtr<T>) -> Result<()> {
+        assert!(src.len <= dst.len);
+        if src.len == 0 {
+            return Ok(());
+        }
+        unsafe {
+            drv::memcpy_dtod_async(dst.raw, src.raw, src.len * std::mem::size_of::<T>(), self.stream_raw())
+        }
+        .ctx("cuMemcpyDtoDAsync")
+    }
+
+    /// Page-locked host memory (not write-combined: the CPU reads it).
+    pub fn alloc_pinned<T: Copy + Default>(&self, len: usize) -> Result<PinnedBuffer<T>> {
+        self.bind_to_thread()?;
+        let bytes = len.max(1) * std::mem::size_of::<T>();
+        let ptr = unsafe { drv::malloc_host(bytes, 0) }.ctx("cuMemHostAlloc")? as *mut T;
+        let mut buf = PinnedBuffer { ptr, len, ctx: self.ctx.clone() };
+        buf.as_mut_slice().fill(T::default());
+        Ok(buf)
+    }
+
+    /// Queue a copy of the first `n` elements of `src` into pinned `dst`.
+    ///
+    /// # Safety
+    /// `dst` must not be read or written until an event recorded after this call (or the stream)
+    /// has been synchronised.
+    pub unsafe fn read_async<T: Copy + Default>(
+        &self,
+        src: DPtr<T>,
+        dst: &mut PinnedBuffer<T>,
+        n: usize,
+    ) -> Result<()> {
+        assert!(n <= src.len && n <= dst.len);
+        if n == 0 {
+            return Ok(());
+        }
+        drv::memcpy_dtoh_async(&mut dst.as_mut_slice()[..n], src.raw, self.stream_raw())
+            .ctx("cuMemcpyDtoHAsync")
+    }
+
+    /// Queue a copy of the first `n` elements of pinned `src` into `dst`.
+    ///
+    /// # Safety
+    /// `src` must not be written until the copy is done (an event recorded after it, or the stream).
+    pub unsafe fn write_async<T: Copy + Default>(
+        &self,
+        src: &PinnedBuffer<T>,
+        n: usize,
+        dst: DPtr<T>,
+    ) -> Result<()> {
+        assert!(n <= src.len && n <= dst.len);
+        if n == 0 {
+            return Ok(());
+        }
+        drv::memcpy_htod_async(dst.raw, &src.as_slice()[..n], self.stream_raw()).ctx("cuMemcpyHtoDAsync")
+    }
+
+    /// A new timing event.
+    pub fn event(&self) -> Result<GpuEvent> {
+        self.bind_to_thread()?;
+        let ev = drv::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).ctx("cuEventCreate")?;
+        Ok(GpuEvent { ev, ctx: self.ctx.clone() })
+    }
+
+    /// Record `ev` on the stream: it completes when everything queued so far has.
+    pub fn record(&self, ev: &GpuEvent) -> Result<()> {
+        unsafe { drv::event::record(ev.ev, self.stream_raw()) }.ctx("cuEventRecord")
+    }
+
+    fn function(&self, name: &'static str) -> &CudaFunction {
+        self.functions.get(name).unwrap_or_else(|| panic!("kernel {name} not in KERNEL_NAMES"))
+    }
+
+    /// Launch `name` on the stream. `args` point at the kernel's parameters in order.
+    fn launch(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared_bytes: u32,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        unsafe {
+            drv::launch_kernel(
+                self.function(name).cu_function(),
+                grid,
+                (block, 1, 1),
+                shared_bytes,
+                self.stream_raw(),
+                args,
+            )
+        }
+        .ctx("cuLaunchKernel")
+    }
+}
+
+/// FNV-1a 64: a stable hash for the cache key (std's hasher may change between Rust releases).
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for p in parts {
+        for &b in *p {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+/// Where compiled cubins are kept: `$MOE_LANES_NVRTC_CACHE`, else `$XDG_CACHE_HOME/moe-lanes/nvrtc`,
+/// else `$HOME/.cache/moe-lanes/nvrtc`.
+pub fn nvrtc_cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("MOE_LANES_NVRTC_CACHE") {
+        return Some(PathBuf::from(d));
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(d).join("moe-lanes").join("nvrtc"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("moe-lanes").join("nvrtc"))
+}
+
+/// The directory holding CUDA headers (cuda_bf16.h) for NVRTC.
+fn cuda_include_dir() -> String {
+    for var in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
+        if let Some(d) = std::env::var_os(var) {
+            let p = PathBuf::from(d).join("include");
+            if p.join("cuda_bf16.h").exists() {
+                return p.to_string_lossy().into_owned();
+            }
+        }
+    }
+    "/usr/local/cuda/include".into()
+}
+
+fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    unsafe {
+        let _ = cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor);
+    }
+    (major, minor)
+}
+
+/// Compile `src` to a cubin for `arch`, or take it from the cache keyed by source hash, options,
+/// NVRTC version and arch. Cache problems are reported in the [`CompileReport`], never fatal.
+pub fn compile_cached(src: &str, name: &str, arch: &str) -> Result<(Vec<u8>, CompileReport)> {
+    let options = vec![
+        format!("--gpu-architecture={arch}"),
+        format!("--include-path={}", cuda_include_dir()),
+        "--std=c++17".to_string(),
+        "--fmad=true".to_string(),
+    ];
+    let (vmaj, vmin) = nvrtc_version();
+    let version = format!("nvrtc {vmaj}.{vmin}");
+    let key = fnv1a(&[src.as_bytes(), options.join(" ").as_bytes(), version.as_bytes(), arch.as_bytes()]);
+    let stem = name.trim_end_matches(".cu");
+    let cache_path = nvrtc_cache_dir().map(|d| d.join(format!("{stem}-{key:016x}-{arch}.cubin")));
+    let mut cache_note = None;
+    if let Some(path) = &cache_path {
+        match std::fs::read(path) {
+            Ok(bytes) if !bytes.is_empty() => {
+                return Ok((
+                    bytes,
+                    CompileReport {
+                        arch: arch.into(),
+                        cache_hit: true,
+                        cache_path,
+                        compile_ms: 0.0,
+                        cache_note,
+                    },
+                ))
+            }
+            Ok(_) => cache_note = Some(format!("{}: empty cache file ignored", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => cache_note = Some(format!("{}: {e}", path.display())),
+        }
+    }
+    let start = std::time::Instant::now();
+    let cubin = nvrtc_compile_cubin(src, name, arch, &options)?;
+    let compile_ms = start.elapsed().as_secs_f64() * 1e3;
+    if let Some(path) = &cache_path {
+        let write = || -> std::io::Result<()> {
+            std::fs::create_dir_all(path.parent().expect("cache file has a parent"))?;
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            std::fs::write(&tmp, &cubin)?;
+            std::fs::rename(&tmp, path)
+        };
+        if let Err(e) = write() {
+            cache_note = Some(format!("could not write {}: {e}", path.display()));
+        }
+    }
+    Ok((cubin, CompileReport { arch: arch.into(), cache_hit: false, cache_path, compile_ms, cache_note }))
+}
+
+fn nvrtc_compile_cubin(src: &str, name: &str, arch: &str, options: &[String]) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result as nr, sys as ns};
+    use std::ffi::{CStr, CString};
+    let err = |message: String| CudaError::Compile { name: name.into(), arch: arch.into(), message };
+    let c_src = CString::new(src).map_err(|e| err(e.to_string()))?;
+    let c_name = CString::new(name).map_err(|e| err(e.to_string()))?;
+    let prog = nr::create_program(&c_src, Some(&c_name)).map_err(|e| err(format!("create: {e}")))?;
+    let result = (|| unsafe {
+        if let Err(e) = nr::compile_program(prog, options) {
+            let log = nr::get_program_log(prog).unwrap_or_default();
+            let log = CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
+            return Err(err(format!("{e}; options {options:?}; log:\n{log}")));
+        }
+        let mut size = 0usize;
+        ns::nvrtcGetCUBINSize(prog, &mut size)
+            .result()
+            .map_err(|e| err(format!("nvrtcGetCUBINSize: {e}")))?;
+        let mut cubin = vec![0u8; size];
+        ns::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut std::ffi::c_char)
+            .result()
+            .map_err(|e| err(format!("nvrtcGetCUBIN: {e}")))?;
+        Ok(cubin)
+    })();
+    unsafe {
+        let _ = nr::destroy_program(prog);
+    }
+    result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn try_new_returns_instead_of_panicking() {
+        match CudaBackend::try_new() {
+            Ok(b) => eprintln!("CUDA device: {:?}", b.info()),
+            Err(e) => eprintln!("no CUDA (expected on CI): {e}"),
+        }
+    }
+
+    #[test]
+    fn cache_key_is_stable() {
+        assert_eq!(fnv1a(&[b"abc"]), fnv1a(&[b"abc"]));
+        assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
+    }
+
+    #[test]
+    fn every_kernel_name_is_in_the_source() {
+        for name in KERNEL_NAMES {
+            assert!(MOE_CU.contains(&format!("void {name}(")), "{name}");
+        }
+    }
+}

@@ -1,0 +1,498 @@
+//! Typed launchers for the kernels in `kernels/cuda/moe.cu`. Each checks its views against the
+//! shapes it is given (a mismatch is [`CudaError::Shape`], never an out-of-bounds launch) and
+//! queues the kernel on the backend's stream. bf16 data is passed as `u16` bit patterns.
+
+#![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
+
+use super::{CudaBackend, CudaError, DPtr, Result};
+use cudarc::cublas::{result as br, sys as bs};
+use std::ffi::c_void;
+
+/// Warps per block in the warp-per-row kernels (must match ROWS_PER_BLOCK in moe.cu).
+const ROWS_PER_BLOCK: u32 = 8;
+const BLOCK: u32 = 256;
+/// Attention keeps one score per visible position in shared memory (48 KiB default limit).
+pub const ATTENTION_MAX_POSITIONS: usize = 12 * 1024;
+
+/// How router logits become expert weights (kernel argument `variant`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RouteVariant {
+    SoftmaxThenTopK = 0,
+    TopKThenSoftmax = 1,
+}
+
+macro_rules! args {
+    ($($a:expr),* $(,)?) => {
+        &mut [$( &$a as *const _ as *mut c_void ),*]
+    };
+}
+
+fn need<T>(kernel: &'static str, what: &str, p: DPtr<T>, n: usize) -> Result<()> {
+    if p.len() < n {
+        return Err(CudaError::Shape {
+            kernel,
+            reason: format!("{what} holds {} elements, {n} needed", p.len()),
+        });
+    }
+    Ok(())
+}
+
+fn i(v: usize) -> i32 {
+    i32::try_from(v).expect("dimension fits in i32")
+}
+
+fn blocks(n: usize, per: u32) -> u32 {
+    (n as u32).div_ceil(per)
+}
+
+impl CudaBackend {
+    /// `y[t, :] (+)= W · x[t, :]` for `t < n_tokens`; W `[n, k]` bf16. Decode GEMV.
+    pub fn gemv_bf16(
+        &self,
+        w: DPtr<u16>,
+        x: DPtr<f32>,
+        y: DPtr<f32>,
+        n_tokens: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        const K: &str = "gemv_bf16";
+        need(K, "W", w, n * k)?;
+        need(K, "x", x, n_tokens * k)?;
+        need(K, "y", y, n_tokens * n)?;
+        let acc = accumulate as i32;
+        self.launch(
+            K,
+            (blocks(n, ROWS_PER_BLOCK), n_tokens as u32, 1),
+            BLOCK,
+            0,
+            args![w.raw(), x.raw(), y.raw(), i(n), i(k), acc],
+        )
+    }
+
+    /// `y[r] = x[r] / rms(x[r]) * w` over `rows` rows of `dim` (in place when x == y).
+    pub fn rmsnorm(
+        &self,
+        x: DPtr<f32>,
+        w: DPtr<f32>,
+        y: DPtr<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const K: &str = "rmsnorm_f32";
+        need(K, "x", x, rows * dim)?;
+        need(K, "w", w, dim)?;
+        need(K, "y", y, rows * dim)?;
+        self.launch(K, (rows as u32, 1, 1), BLOCK, 0, args![x.raw(), w.raw(), y.raw(), i(dim), eps])
+    }
+
+    /// `x[r, :] += b` for every row.
+    pub fn add_bias_rows(&self, x: DPtr<f32>, b: DPtr<f32>, rows: usize, dim: usize) -> Result<()> {
+        const K: &str = "add_bias_rows";
+        need(K, "x", x, rows * dim)?;
+        need(K, "b", b, dim)?;
+        self.launch(K, (blocks(rows * dim, BLOCK), 1, 1), BLOCK, 0, args![x.raw(), b.raw(), i(rows), i(dim)])
+    }
+
+    /// `x = clamp(x, -c, c)` on the first `n` elements.
+    pub fn clamp(&self, x: DPtr<f32>, n: usize, c: f32) -> Result<()> {
+        const K: &str = "clamp_f32";
+        need(K, "x", x, n)?;
+        self.launch(K, (blocks(n, BLOCK), 1, 1), BLOCK, 0, args![x.raw(), i(n), c])
+    }
+
+    /// `acc += x` on the first `n` elements.
+    pub fn add(&self, acc: DPtr<f32>, x: DPtr<f32>, n: usize) -> Result<()> {
+        const K: &str = "add_f32";
+        need(K, "acc", acc, n)?;
+        need(K, "x", x, n)?;
+        self.launch(K, (blocks(n, BLOCK), 1, 1), BLOCK, 0, args![acc.raw(), x.raw(), i(n)])
+    }
+
+    /// `out = silu(g) * u` on the first `n` elements.
+    pub fn silu_mul(&self, g: DPtr<f32>, u: DPtr<f32>, out: DPtr<f32>, n: usize) -> Result<()> {
+        const K: &str = "silu_mul_f32";
+        need(K, "g", g, n)?;
+        need(K, "u", u, n)?;
+        need(K, "out", out, n)?;
+        self.launch(K, (blocks(n, BLOCK), 1, 1), BLOCK, 0, args![g.raw(), u.raw(), out.raw(), i(n)])
+    }
+
+    /// RoPE on `n_heads` heads of `head_dim` in each of `n_tokens` rows of `row_stride`; token `t`
+    /// is at position `pos0 + t`. `interleaved`: pairs (2i, 2i+1), else (i, i + d/2).
+    pub fn rope(
+        &self,
+        x: DPtr<f32>,
+        n_tokens: usize,
+        n_heads: usize,
+        row_stride: usize,
+        head_dim: usize,
+        pos0: usize,
+        theta: f32,
+        interleaved: bool,
+    ) -> Result<()> {
+        const K: &str = "rope_f32";
+        if head_dim & 1 == 1 || n_heads * head_dim > row_stride {
+            return Err(CudaError::Shape {
+                kernel: K,
+                reason: format!("head_dim {head_dim} x {n_heads} heads in rows of {row_stride}"),
+            });
+        }
+        need(K, "x", x, n_tokens.saturating_sub(1) * row_stride + n_heads * head_dim)?;
+        let il = interleaved as i32;
+        self.launch(
+            K,
+            (n_tokens as u32, n_heads as u32, 1),
+            64,
+            0,
+            args![x.raw(), i(row_stride), i(head_dim), i(pos0), theta, il],
+        )
+    }
+
+    /// Causal GQA attention for `n_tokens` queries at positions `pos0..`, against caches that
+    /// already hold positions `0..pos0 + n_tokens` (`[positions, n_kv * head_dim]`).
+    /// `window` = 0: unlimited. Scale is `1/sqrt(head_dim)`.
+    pub fn attention(
+        &self,
+        q: DPtr<f32>,
+        k_cache: DPtr<f32>,
+        v_cache: DPtr<f32>,
+        out: DPtr<f32>,
+        n_tokens: usize,
+        pos0: usize,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+        window: usize,
+    ) -> Result<()> {
+        const K: &str = "attention_f32";
+        if n_kv == 0 || n_heads / n_kv * n_kv != n_heads {
+            return Err(CudaError::Shape {
+                kernel: K,
+                reason: format!("{n_heads} heads do not group over {n_kv} kv heads"),
+            });
+        }
+        let total = pos0 + n_tokens;
+        let visible = if window > 0 { window.min(total) } else { total };
+        if visible > ATTENTION_MAX_POSITIONS {
+            return Err(CudaError::Shape {
+                kernel: K,
+                reason: format!(
+                    "{visible} visible positions > {ATTENTION_MAX_POSITIONS} (shared-memory score buffer)"
+                ),
+            });
+        }
+        need(K, "q", q, n_tokens * n_heads * head_dim)?;
+        need(K, "k_cache", k_cache, total * n_kv * head_dim)?;
+        need(K, "v_cache", v_cache, total * n_kv * head_dim)?;
+        need(K, "out", out, n_tokens * n_heads * head_dim)?;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        self.launch(
+            K,
+            (n_tokens as u32, n_heads as u32, 1),
+            128,
+            (visible * 4) as u32,
+            args![
+                q.raw(),
+                k_cache.raw(),
+                v_cache.raw(),
+                out.raw(),
+                i(pos0),
+                i(n_heads),
+                i(n_kv),
+                i(head_dim),
+                i(window),
+                scale
+            ],
+        )
+    }
+
+    /// Index of the largest value of each of `rows` rows of `n` (first on ties).
+    pub fn argmax(&self, x: DPtr<f32>, rows: usize, n: usize, out: DPtr<i32>) -> Result<()> {
+        const K: &str = "argmax_f32";
+        need(K, "x", x, rows * n)?;
+        need(K, "out", out, rows)?;
+        self.launch(K, (rows as u32, 1, 1), BLOCK, 0, args![x.raw(), i(n), out.raw()])
+    }
+
+    /// `out[t] = table[tokens[t]]` widened to f32. Token ids must be checked by the caller.
+    pub fn embed(
+        &self,
+        table: DPtr<u16>,
+        tokens: DPtr<i32>,
+        out: DPtr<f32>,
+        n_tokens: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        const K: &str = "embed_bf16";
+        need(K, "tokens", tokens, n_tokens)?;
+        need(K, "out", out, n_tokens * hidden)?;
+        self.launch(
+            K,
+            (n_tokens as u32, 1, 1),
+            BLOCK,
+            0,
+            args![table.raw(), tokens.raw(), out.raw(), i(hidden)],
+        )
+    }
+
+    /// Rows of f32 `x` (gathered by `rows`, or the first `n_rows`) rounded to bf16 `hi`, with the
+    /// rounding remainder in `lo` when given (`hi + lo` ≈ x to ~16 mantissa bits).
+    pub fn gather_split_bf16(
+        &self,
+        x: DPtr<f32>,
+        rows: Option<DPtr<i32>>,
+        hi: DPtr<u16>,
+        lo: Option<DPtr<u16>>,
+        n_rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        const K: &str = "gather_split_bf16";
+        if let Some(r) = rows {
+            need(K, "rows", r, n_rows)?;
+        } else {
+            need(K, "x", x, n_rows * dim)?;
+        }
+        need(K, "hi", hi, n_rows * dim)?;
+        if let Some(l) = lo {
+            need(K, "lo", l, n_rows * dim)?;
+        }
+        let (r, l) = (rows.map_or(0, |p| p.raw()), lo.map_or(0, |p| p.raw()));
+        self.launch(K, (n_rows as u32, 1, 1), BLOCK, 0, args![x.raw(), r, hi.raw(), l, i(dim)])
+    }
+
+    /// `out[r] = x[rows[r]]`.
+    pub fn gather_rows(
+        &self,
+        x: DPtr<f32>,
+        rows: DPtr<i32>,
+        out: DPtr<f32>,
+        n_rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        const K: &str = "gather_rows_f32";
+        need(K, "rows", rows, n_rows)?;
+        need(K, "out", out, n_rows * dim)?;
+        self.launch(K, (n_rows as u32, 1, 1), BLOCK, 0, args![x.raw(), rows.raw(), out.raw(), i(dim)])
+    }
+
+    /// `out[rows[r]] += src[r]` (rows distinct).
+    pub fn scatter_add_rows(
+        &self,
+        src: DPtr<f32>,
+        rows: DPtr<i32>,
+        out: DPtr<f32>,
+        n_rows: usize,
+        dim: usize,
+    ) -> Result<()> {
+        const K: &str = "scatter_add_rows_f32";
+        need(K, "rows", rows, n_rows)?;
+        need(K, "src", src, n_rows * dim)?;
+        self.launch(K, (n_rows as u32, 1, 1), BLOCK, 0, args![src.raw(), rows.raw(), out.raw(), i(dim)])
+    }
+
+    /// `out[t] += sigmoid(gate_logit[t]) * x[t]` (shared expert).
+    pub fn add_sigmoid_scaled_rows(
+        &self,
+        out: DPtr<f32>,
+        x: DPtr<f32>,
+        gate_logit: DPtr<f32>,
+        n_tokens: usize,
+        dim: usize,
+    ) -> Result<()> {
+        const K: &str = "add_sigmoid_scaled_rows";
+        need(K, "out", out, n_tokens * dim)?;
+        need(K, "x", x, n_tokens * dim)?;
+        need(K, "gate_logit", gate_logit, n_tokens)?;
+        self.launch(K, (n_tokens as u32, 1, 1), BLOCK, 0, args![out.raw(), x.raw(), gate_logit.raw(), i(dim)])
+    }
+
+    /// Router: top-`k` ids and weights per token from logits `[n_tokens, n_experts]`.
+    pub fn route_topk(
+        &self,
+        logits: DPtr<f32>,
+        n_tokens: usize,
+        n_experts: usize,
+        k: usize,
+        variant: RouteVariant,
+        norm_topk: bool,
+        ids: DPtr<i32>,
+        weights: DPtr<f32>,
+    ) -> Result<()> {
+        const K: &str = "route_topk";
+        if k == 0 || k > n_experts {
+            return Err(CudaError::Shape { kernel: K, reason: format!("top-{k} of {n_experts} experts") });
+        }
+        need(K, "logits", logits, n_tokens * n_experts)?;
+        need(K, "ids", ids, n_tokens * k)?;
+        need(K, "weights", weights, n_tokens * k)?;
+        let (v, nm) = (variant as i32, norm_topk as i32);
+        self.launch(
+            K,
+            (blocks(n_tokens, 64), 1, 1),
+            64,
+            0,
+            args![logits.raw(), i(n_tokens), i(n_experts), i(k), v, nm, ids.raw(), weights.raw()],
+        )
+    }
+
+    /// Hot lane decode, first half: `h[e] = silu(G_s · x_t) * (U_s · x_t)` for each worklist
+    /// entry `e` (slot `slots[e]`, token row `tokens[e]`), caches `[n_slots, ff, hidden]`.
+    pub fn moe_gate_up_gemv(
+        &self,
+        gate_cache: DPtr<u16>,
+        up_cache: DPtr<u16>,
+        x: DPtr<f32>,
+        slots: DPtr<i32>,
+        tokens: DPtr<i32>,
+        h: DPtr<f32>,
+        n_entries: usize,
+        ff: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        const K: &str = "moe_gate_up_gemv";
+        need(K, "slots", slots, n_entries)?;
+        need(K, "tokens", tokens, n_entries)?;
+        need(K, "h", h, n_entries * ff)?;
+        need(K, "gate_cache", gate_cache, ff * hidden)?;
+        need(K, "up_cache", up_cache, ff * hidden)?;
+        self.launch(
+            K,
+            (blocks(ff, ROWS_PER_BLOCK), n_entries as u32, 1),
+            BLOCK,
+            0,
+            args![
+                gate_cache.raw(),
+                up_cache.raw(),
+                x.raw(),
+                slots.raw(),
+                tokens.raw(),
+                h.raw(),
+                i(ff),
+                i(hidden)
+            ],
+        )
+    }
+
+    /// Hot lane decode, second half: for output row `r` (token `tok_rows[r]`, entries
+    /// `tok_off[r]..tok_off[r+1]`), `out[token] += Σ weights[e] · D_{slots[e]} · h[e]`,
+    /// cache `[n_slots, hidden, ff]`. Deterministic (no atomics).
+    pub fn moe_down_accum(
+        &self,
+        down_cache: DPtr<u16>,
+        h: DPtr<f32>,
+        slots: DPtr<i32>,
+        weights: DPtr<f32>,
+        tok_off: DPtr<i32>,
+        tok_rows: DPtr<i32>,
+        out: DPtr<f32>,
+        n_rows: usize,
+        hidden: usize,
+        ff: usize,
+    ) -> Result<()> {
+        const K: &str = "moe_down_accum";
+        need(K, "tok_off", tok_off, n_rows + 1)?;
+        need(K, "tok_rows", tok_rows, n_rows)?;
+        need(K, "down_cache", down_cache, hidden * ff)?;
+        self.launch(
+            K,
+            (blocks(hidden, ROWS_PER_BLOCK), n_rows as u32, 1),
+            BLOCK,
+            0,
+            args![
+                down_cache.raw(),
+                h.raw(),
+                slots.raw(),
+                weights.raw(),
+                tok_off.raw(),
+                tok_rows.raw(),
+                out.raw(),
+                i(hidden),
+                i(ff)
+            ],
+        )
+    }
+
+    /// Hot lane prefill, final step: output row `r` (token `tok_rows[r]`) adds
+    /// `Σ weights[e] · y[e]` over `e` in `entries[tok_off[r]..tok_off[r+1]]`.
+    pub fn moe_scatter_accum(
+        &self,
+        y: DPtr<f32>,
+        entries: DPtr<i32>,
+        weights: DPtr<f32>,
+        tok_off: DPtr<i32>,
+        tok_rows: DPtr<i32>,
+        out: DPtr<f32>,
+        n_rows: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        const K: &str = "moe_scatter_accum";
+        need(K, "tok_off", tok_off, n_rows + 1)?;
+        need(K, "tok_rows", tok_rows, n_rows)?;
+        self.launch(
+            K,
+            (n_rows as u32, 1, 1),
+            BLOCK,
+            0,
+            args![y.raw(), entries.raw(), weights.raw(), tok_off.raw(), tok_rows.raw(), out.raw(), i(hidden)],
+        )
+    }
+
+    /// cuBLAS: `y[t, :] (+)= W · x[t, :]` for `n_tokens` rows with W `[n, k]` bf16 and x given as
+    /// bf16 `x_hi` (+ `x_lo`, the rounding remainder, as a second accumulated GEMM when given),
+    /// f32 output and f32 compute (`cublasGemmEx`, CUBLAS_COMPUTE_32F).
+    pub fn gemm_bf16(
+        &self,
+        w: DPtr<u16>,
+        x_hi: DPtr<u16>,
+        x_lo: Option<DPtr<u16>>,
+        y: DPtr<f32>,
+        n_tokens: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        const K: &str = "gemm_bf16";
+        need(K, "W", w, n * k)?;
+        need(K, "x_hi", x_hi, n_tokens * k)?;
+        need(K, "y", y, n_tokens * n)?;
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        let alpha: f32 = 1.0;
+        let parts: Vec<DPtr<u16>> = std::iter::once(x_hi).chain(x_lo).collect();
+        for (idx, x) in parts.iter().enumerate() {
+            need(K, "x_lo", *x, n_tokens * k)?;
+            let beta: f32 = if accumulate || idx > 0 { 1.0 } else { 0.0 };
+            // Row-major y[T, n] = x[T, k] · W[n, k]^T is column-major y^T[n, T] = W^T' · x^T:
+            // A = W (col-major k x n, op T), B = x (col-major k x T, op N).
+            unsafe {
+                br::gemm_ex(
+                    *self.blas.handle(),
+                    bs::cublasOperation_t::CUBLAS_OP_T,
+                    bs::cublasOperation_t::CUBLAS_OP_N,
+                    i(n),
+                    i(n_tokens),
+                    i(k),
+                    &alpha as *const f32 as *const c_void,
+                    w.raw() as *const c_void,
+                    bs::cudaDataType::CUDA_R_16BF,
+                    i(k),
+                    x.raw() as *const c_void,
+                    bs::cudaDataType::CUDA_R_16BF,
+                    i(k),
+                    &beta as *const f32 as *const c_void,
+                    y.raw() as *mut c_void,
+                    bs::cudaDataType::CUDA_R_32F,
+                    i(n),
+                    bs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    bs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(|source| CudaError::Cublas { what: "cublasGemmEx", source })?;
+        }
+        Ok(())
+    }
+}

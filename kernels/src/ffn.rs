@@ -1,0 +1,419 @@
+//! Expert FFN primitives with run-time SIMD dispatch: row-range GEMV/GEMM of a weight matrix
+//! against f32 activations, gate/up fused with the activation, and the down projection with
+//! weighted accumulation straight into token rows.
+//!
+//! Every primitive works for one token (decode, GEMV) or many tokens of one expert (prefill,
+//! expert-major): rows are processed in blocks of 8 and tokens in blocks of up to 6, and each
+//! block runs a register-blocked tile kernel that loads every weight vector once and applies it
+//! to all tokens of the block, so a weight row is streamed from memory once per call.
+
+use std::ops::Range;
+
+use crate::error::KernelError;
+use crate::scalar;
+use crate::simd::SimdLevel;
+use crate::weights::{Activation, ExpertWeights, WeightDType};
+#[cfg(target_arch = "x86_64")]
+use crate::{x86_avx2, x86_avx512};
+
+/// Rows of one row block; the pool also aligns its work split to it.
+pub(crate) const ROW_BLOCK: usize = 8;
+const MAX_TILE_TOKENS: usize = 6;
+
+fn rows_per_tile(level: SimdLevel, n_tokens: usize) -> usize {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => x86_avx512::rows_per_tile(n_tokens),
+        #[cfg(target_arch = "x86_64")]
+        SimdLevel::Avx2 => x86_avx2::rows_per_tile(n_tokens),
+        _ => {
+            let _ = n_tokens;
+            ROW_BLOCK
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+const _: () =
+    assert!(x86_avx2::MAX_TILE_TOKENS == MAX_TILE_TOKENS && x86_avx512::MAX_TILE_TOKENS == MAX_TILE_TOKENS);
+
+/// Runs one tile on the level's kernel.
+///
+/// # Safety
+/// `level` must be supported by this CPU; pointer contract as [`scalar::tile`].
+#[inline]
+unsafe fn run_tile(
+    level: SimdLevel,
+    dtype: WeightDType,
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    xs: &[*const f32],
+    cols: usize,
+    out: &mut [f32],
+) {
+    // SAFETY: forwarded from the caller (level detected, pointers valid for `cols`).
+    unsafe {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx2 => x86_avx2::tile(dtype, rows, prefetch_rows, xs, cols, out),
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512 => x86_avx512::tile(dtype, rows, prefetch_rows, xs, cols, out),
+            #[cfg(target_arch = "x86_64")]
+            SimdLevel::Avx512Bf16 => x86_avx512::tile_bf16dot(dtype, rows, prefetch_rows, xs, cols, out),
+            _ => {
+                let _ = prefetch_rows;
+                scalar::tile(dtype, rows, xs, cols, out)
+            }
+        }
+    }
+}
+
+/// Computes `dot(row r, x t)` for rows `0..n_rows` and tokens `0..n_tokens`, handing each
+/// value to `sink(r, t, value)`. For a fixed token, rows arrive in increasing order.
+///
+/// Rows `n_rows..n_rows_prefetchable` exist in memory (the caller's range ends before the
+/// matrix does): they are only prefetched, so streaming runs on across range boundaries.
+///
+/// # Safety
+/// `level` must be supported by this CPU; `row_ptr(r)` must address `cols` elements of
+/// `dtype` for every `r < n_rows`, and `token_ptr(t)` `cols` f32 for every `t < n_tokens`;
+/// `row_ptr(r)` must be computable (not dereferenced) for `r < n_rows_prefetchable`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn dot_tiles(
+    level: SimdLevel,
+    dtype: WeightDType,
+    cols: usize,
+    n_rows: usize,
+    n_rows_prefetchable: usize,
+    row_ptr: impl Fn(usize) -> *const u8,
+    n_tokens: usize,
+    token_ptr: impl Fn(usize) -> *const f32,
+    mut sink: impl FnMut(usize, usize, f32),
+) {
+    let mut rows = [std::ptr::null::<u8>(); ROW_BLOCK];
+    let mut next_block_rows = [std::ptr::null::<u8>(); ROW_BLOCK];
+    let mut xs = [std::ptr::null::<f32>(); MAX_TILE_TOKENS];
+    let mut sums = [0.0f32; ROW_BLOCK * MAX_TILE_TOKENS];
+    let mut row0 = 0;
+    while row0 < n_rows {
+        let block_rows = ROW_BLOCK.min(n_rows - row0);
+        let mut token0 = 0;
+        while token0 < n_tokens {
+            let block_tokens = MAX_TILE_TOKENS.min(n_tokens - token0);
+            for (i, x) in xs[..block_tokens].iter_mut().enumerate() {
+                *x = token_ptr(token0 + i);
+            }
+            let tile_rows = if block_rows == ROW_BLOCK { rows_per_tile(level, block_tokens) } else { 1 };
+            // While the first token block streams this row block, prefetch the next full row
+            // block (same sub-tile position) into L2: one block ahead, whatever the row layout.
+            let prefetch_next = token0 == 0 && row0 + 2 * ROW_BLOCK <= n_rows_prefetchable.max(n_rows);
+            let mut sub = 0;
+            while sub < block_rows {
+                for (i, row) in rows[..tile_rows].iter_mut().enumerate() {
+                    *row = row_ptr(row0 + sub + i);
+                }
+                let prefetch_rows = if prefetch_next {
+                    for (i, row) in next_block_rows[..tile_rows].iter_mut().enumerate() {
+                        *row = row_ptr(row0 + ROW_BLOCK + sub + i);
+                    }
+                    next_block_rows.as_ptr()
+                } else {
+                    std::ptr::null()
+                };
+                let out = &mut sums[..tile_rows * block_tokens];
+                // SAFETY: forwarded contract; the tile shape is one the level's kernel provides;
+                // prefetch pointers address rows < n_rows_prefetchable (and are only hints).
+                unsafe {
+                    run_tile(level, dtype, &rows[..tile_rows], prefetch_rows, &xs[..block_tokens], cols, out)
+                };
+                for r in 0..tile_rows {
+                    for t in 0..block_tokens {
+                        sink(row0 + sub + r, token0 + t, out[r * block_tokens + t]);
+                    }
+                }
+                sub += tile_rows;
+            }
+            token0 += block_tokens;
+        }
+        row0 += block_rows;
+    }
+}
+
+/// Gate/up fused with the activation for ff rows `ff_rows` and `n_tokens` tokens:
+/// `h[t*ff + k] = act(gate_k·x_t) * (up_k·x_t)`. Gate row k and up row k stream side by side.
+///
+/// # Safety
+/// `level` supported; `weights` validated; `token_ptr(t)` addresses `hidden` f32; `h_base`
+/// addresses `n_tokens * ff` writable f32 not read or written by anyone else in `ff_rows`.
+pub(crate) unsafe fn gate_up_unchecked(
+    level: SimdLevel,
+    weights: &ExpertWeights<'_>,
+    act: Activation,
+    ff_rows: Range<usize>,
+    n_tokens: usize,
+    token_ptr: impl Fn(usize) -> *const f32,
+    h_base: *mut f32,
+) {
+    let row_bytes = weights.hidden * weights.dtype.size_bytes();
+    let (gate, up, ff, first) = (weights.gate.as_ptr(), weights.up.as_ptr(), weights.ff, ff_rows.start);
+    // Virtual row 2i is gate row first+i, 2i+1 is up row first+i.
+    let row_ptr = |virtual_row: usize| {
+        let matrix = if virtual_row % 2 == 0 { gate } else { up };
+        // SAFETY: first + virtual_row / 2 < ff (dereferenced only below ff_rows.end), inside the
+        // validated matrix.
+        unsafe { matrix.add((first + virtual_row / 2) * row_bytes) }
+    };
+    let sink = |virtual_row: usize, token: usize, value: f32| {
+        // SAFETY: token < n_tokens and the ff row is in `ff_rows`, which the caller owns.
+        let slot = unsafe { &mut *h_base.add(token * ff + first + virtual_row / 2) };
+        if virtual_row % 2 == 0 {
+            *slot = value; // gate first (rows arrive in increasing order per token) ...
+        } else {
+            *slot = act.gated(*slot, value); // ... then up completes the activation.
+        }
+    };
+    let prefetchable = 2 * (ff - first);
+    // SAFETY: forwarded contract.
+    unsafe {
+        dot_tiles(
+            level,
+            weights.dtype,
+            weights.hidden,
+            2 * ff_rows.len(),
+            prefetchable,
+            row_ptr,
+            n_tokens,
+            token_ptr,
+            sink,
+        )
+    };
+}
+
+/// Down projection for hidden rows `hidden_rows`: `out(t)[row] += token_weight[t] * down_row·h_t`
+/// with `h_t` at `h_base + t*ff` and the output row of token t at `out_row_ptr(t)`.
+///
+/// # Safety
+/// `level` supported; `weights` validated; `h_base` addresses `n_tokens * ff` f32;
+/// `out_row_ptr(t)` addresses `hidden` f32 whose `hidden_rows` nobody else touches meanwhile.
+pub(crate) unsafe fn down_unchecked(
+    level: SimdLevel,
+    weights: &ExpertWeights<'_>,
+    hidden_rows: Range<usize>,
+    n_tokens: usize,
+    h_base: *const f32,
+    token_weight: &[f32],
+    out_row_ptr: impl Fn(usize) -> *mut f32,
+) {
+    // SAFETY: forwarded contract.
+    unsafe { down_rows::<true>(level, weights, hidden_rows, n_tokens, h_base, token_weight, out_row_ptr) }
+}
+
+/// As [`down_unchecked`], but stores `token_weight[t] * down_row·h_t` instead of adding it (the
+/// same product, so adding the stored values later in the same order gives the same bits).
+///
+/// # Safety
+/// As [`down_unchecked`].
+pub(crate) unsafe fn down_store_unchecked(
+    level: SimdLevel,
+    weights: &ExpertWeights<'_>,
+    hidden_rows: Range<usize>,
+    n_tokens: usize,
+    h_base: *const f32,
+    token_weight: &[f32],
+    out_row_ptr: impl Fn(usize) -> *mut f32,
+) {
+    // SAFETY: forwarded contract.
+    unsafe { down_rows::<false>(level, weights, hidden_rows, n_tokens, h_base, token_weight, out_row_ptr) }
+}
+
+/// Shared body of [`down_unchecked`] (`ACCUMULATE`) and [`down_store_unchecked`].
+///
+/// # Safety
+/// As [`down_unchecked`].
+#[inline(always)]
+unsafe fn down_rows<const ACCUMULATE: bool>(
+    level: SimdLevel,
+    weights: &ExpertWeights<'_>,
+    hidden_rows: Range<usize>,
+    n_tokens: usize,
+    h_base: *const f32,
+    token_weight: &[f32],
+    out_row_ptr: impl Fn(usize) -> *mut f32,
+) {
+    let row_bytes = weights.ff * weights.dtype.size_bytes();
+    let (down, ff, first) = (weights.down.as_ptr(), weights.ff, hidden_rows.start);
+    // SAFETY: first + r < hidden (dereferenced only below hidden_rows.end), inside the matrix.
+    let row_ptr = |r: usize| unsafe { down.add((first + r) * row_bytes) };
+    // SAFETY: t < n_tokens, h has n_tokens * ff values.
+    let token_ptr = |t: usize| unsafe { h_base.add(t * ff) };
+    let sink = |r: usize, t: usize, value: f32| {
+        // SAFETY: the caller owns row first + r of token t's output row.
+        unsafe {
+            let slot = out_row_ptr(t).add(first + r);
+            if ACCUMULATE {
+                *slot += token_weight[t] * value;
+            } else {
+                *slot = token_weight[t] * value;
+            }
+        };
+    };
+    let prefetchable = weights.hidden - first;
+    // SAFETY: forwarded contract.
+    unsafe {
+        dot_tiles(
+            level,
+            weights.dtype,
+            ff,
+            hidden_rows.len(),
+            prefetchable,
+            row_ptr,
+            n_tokens,
+            token_ptr,
+            sink,
+        )
+    };
+}
+
+fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<(), KernelError> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(KernelError::ShapeMismatch { what, expected, actual })
+    }
+}
+
+fn check_rows(what: &'static str, rows: &Range<usize>, n_rows: usize) -> Result<(), KernelError> {
+    if rows.start <= rows.end && rows.end <= n_rows {
+        Ok(())
+    } else {
+        Err(KernelError::RowRangeOutOfBounds { what, start: rows.start, end: rows.end, rows: n_rows })
+    }
+}
+
+/// GEMM over a row range: `y[t * rows.len() + i] = dot(matrix row rows.start + i, x_t)` for the
+/// `T = x.len() / cols` tokens of `x` (`T x cols`, row-major). `matrix` is `[n_rows, cols]`
+/// raw little-endian bytes of `dtype` (any alignment).
+pub fn matmul_rows(
+    level: SimdLevel,
+    dtype: WeightDType,
+    matrix: &[u8],
+    cols: usize,
+    x: &[f32],
+    rows: Range<usize>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    level.ensure_supported()?;
+    let row_bytes = cols * dtype.size_bytes();
+    if cols == 0 || matrix.len() % row_bytes != 0 || x.len() % cols != 0 {
+        return Err(KernelError::ShapeMismatch { what: "matrix/x columns", expected: cols, actual: x.len() });
+    }
+    let n_tokens = x.len() / cols;
+    check_rows("matrix", &rows, matrix.len() / row_bytes)?;
+    check_len("y", n_tokens * rows.len(), y.len())?;
+    let n_out = rows.len();
+    let (base, first, x_base) = (matrix.as_ptr(), rows.start, x.as_ptr());
+    // SAFETY: level checked; rows are in bounds of `matrix`, tokens of `x`, sinks of `y`.
+    unsafe {
+        dot_tiles(
+            level,
+            dtype,
+            cols,
+            n_out,
+            matrix.len() / row_bytes - first,
+            |r| base.add((first + r) * row_bytes),
+            n_tokens,
+            |t| x_base.add(t * cols),
+            |r, t, value| y[t * n_out + r] = value,
+        )
+    };
+    Ok(())
+}
+
+/// GEMV over a row range: `y[i] = dot(matrix row rows.start + i, x)`; see [`matmul_rows`].
+pub fn gemv_rows(
+    level: SimdLevel,
+    dtype: WeightDType,
+    matrix: &[u8],
+    cols: usize,
+    x: &[f32],
+    rows: Range<usize>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("x", cols, x.len())?;
+    matmul_rows(level, dtype, matrix, cols, x, rows, y)
+}
+
+/// Gate/up projections fused with the activation for the ff rows `ff_rows` of every token of
+/// `x` (`T x hidden`): `h[t * ff + k] = act(gate_k·x_t) * (up_k·x_t)`; other entries of `h`
+/// (`T x ff`) are left untouched.
+pub fn gate_up_activation(
+    level: SimdLevel,
+    weights: &ExpertWeights<'_>,
+    act: Activation,
+    x: &[f32],
+    ff_rows: Range<usize>,
+    h: &mut [f32],
+) -> Result<(), KernelError> {
+    level.ensure_supported()?;
+    weights.validate()?;
+    let (hidden, ff) = (weights.hidden, weights.ff);
+    if hidden == 0 || x.len() % hidden != 0 {
+        return Err(KernelError::ShapeMismatch {
+            what: "x (tokens x hidden)",
+            expected: hidden,
+            actual: x.len(),
+        });
+    }
+    let n_tokens = x.len() / hidden;
+    check_rows("gate/up", &ff_rows, ff)?;
+    check_len("h (tokens x ff)", n_tokens * ff, h.len())?;
+    let x_base = x.as_ptr();
+    // SAFETY: level checked, weights validated, x/h lengths checked, h exclusively borrowed.
+    unsafe {
+        gate_up_unchecked(level, weights, act, ff_rows, n_tokens, |t| x_base.add(t * hidden), h.as_mut_ptr())
+    };
+    Ok(())
+}
+
+/// Down projection with weighted accumulation for the hidden rows `hidden_rows`:
+/// `out[t * hidden + row] += token_weight[t] * (down_row·h_t)` for every token of `h`
+/// (`T x ff`); `out` is `T x hidden`.
+pub fn down_accumulate(
+    level: SimdLevel,
+    weights: &ExpertWeights<'_>,
+    h: &[f32],
+    token_weight: &[f32],
+    hidden_rows: Range<usize>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    level.ensure_supported()?;
+    weights.validate()?;
+    let (hidden, ff) = (weights.hidden, weights.ff);
+    let n_tokens = token_weight.len();
+    check_len("h (tokens x ff)", n_tokens * ff, h.len())?;
+    check_len("out (tokens x hidden)", n_tokens * hidden, out.len())?;
+    check_rows("down", &hidden_rows, hidden)?;
+    let out_base = out.as_mut_ptr();
+    // SAFETY: level checked, weights validated, h/out lengths checked, out exclusively borrowed.
+    unsafe {
+        down_unchecked(level, weights, hidden_rows, n_tokens, h.as_ptr(), token_weight, |t| {
+            out_base.add(t * hidden)
+        })
+    };
+    Ok(())
+}
+
+/// A whole expert on one thread: `out[t] += token_weight[t] * down(act(gate x_t) * up x_t)` for
+/// the tokens of `x` (`T x hidden`). Allocates the `T x ff` intermediate; the cold pool does not.
+pub fn expert_ffn_accumulate(
+    level: SimdLevel,
+    weights: &ExpertWeights<'_>,
+    act: Activation,
+    x: &[f32],
+    token_weight: &[f32],
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let mut h = vec![0.0f32; token_weight.len() * weights.ff];
+    gate_up_activation(level, weights, act, x, 0..weights.ff, &mut h)?;
+    down_accumulate(level, weights, &h, token_weight, 0..weights.hidden, out)
+}

@@ -1,0 +1,128 @@
+//! Run-time SIMD level selection: CPU feature detection (once, cached) and the
+//! `MOE_LANES_SIMD=scalar|avx2|avx512|avx512bf16` override used by tests and A/B runs.
+
+use std::sync::OnceLock;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::KernelError;
+
+/// Name of the environment variable that forces a SIMD level.
+pub const SIMD_ENV_VAR: &str = "MOE_LANES_SIMD";
+
+/// A CPU SIMD instruction-set level the kernels can run at. Ordered from weakest to strongest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SimdLevel {
+    /// Portable scalar Rust; also the reference the SIMD levels are tested against.
+    Scalar,
+    /// AVX2 + FMA + F16C (256-bit vectors).
+    Avx2,
+    /// AVX-512F (512-bit vectors; F16 weights also need F16C, BF16 is converted by shifting).
+    Avx512,
+    /// AVX-512F + AVX-512 BF16: BF16 weights use `vdpbf16ps`, which rounds the F32 activations
+    /// to BF16 before multiplying (a looser tolerance than the other levels); F16/F32 weights
+    /// run the plain AVX-512F kernels.
+    Avx512Bf16,
+}
+
+impl SimdLevel {
+    /// All levels, weakest first.
+    pub const ALL: [SimdLevel; 4] =
+        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512, SimdLevel::Avx512Bf16];
+
+    /// The lower-case name used by `MOE_LANES_SIMD` and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            SimdLevel::Scalar => "scalar",
+            SimdLevel::Avx2 => "avx2",
+            SimdLevel::Avx512 => "avx512",
+            SimdLevel::Avx512Bf16 => "avx512bf16",
+        }
+    }
+
+    /// Parses a level name (case-insensitive, surrounding whitespace ignored).
+    pub fn parse(name: &str) -> Result<SimdLevel, KernelError> {
+        let lowered = name.trim().to_ascii_lowercase();
+        SimdLevel::ALL
+            .into_iter()
+            .find(|level| level.name() == lowered)
+            .ok_or_else(|| KernelError::UnknownSimdLevel { name: name.to_string() })
+    }
+
+    /// The best level this CPU supports, detected once and cached.
+    pub fn detect() -> SimdLevel {
+        static DETECTED: OnceLock<SimdLevel> = OnceLock::new();
+        *DETECTED.get_or_init(|| available().into_iter().max().unwrap_or(SimdLevel::Scalar))
+    }
+
+    /// Whether this CPU can run this level.
+    pub fn is_supported(self) -> bool {
+        supported_flags()[self as usize]
+    }
+
+    /// `MOE_LANES_SIMD` if set (error if unknown or unsupported here), else [`SimdLevel::detect`].
+    pub fn from_env_or_detect() -> Result<SimdLevel, KernelError> {
+        match std::env::var(SIMD_ENV_VAR) {
+            Ok(value) if !value.trim().is_empty() => SimdLevel::from_forced_name(&value),
+            _ => Ok(SimdLevel::detect()),
+        }
+    }
+
+    /// Parses a forced level name and checks that this CPU supports it.
+    pub fn from_forced_name(name: &str) -> Result<SimdLevel, KernelError> {
+        let level = SimdLevel::parse(name)?;
+        level.ensure_supported()?;
+        Ok(level)
+    }
+
+    /// `Ok(())` if this CPU supports the level, else [`KernelError::UnsupportedSimdLevel`].
+    pub fn ensure_supported(self) -> Result<(), KernelError> {
+        if self.is_supported() {
+            Ok(())
+        } else {
+            let names: Vec<&str> = available().iter().map(|level| level.name()).collect();
+            Err(KernelError::UnsupportedSimdLevel { level: self.name(), available: names.join(",") })
+        }
+    }
+}
+
+impl std::fmt::Display for SimdLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for SimdLevel {
+    type Err = KernelError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        SimdLevel::parse(s)
+    }
+}
+
+/// The levels this CPU can run, weakest first (always starts with `Scalar`).
+pub fn available() -> Vec<SimdLevel> {
+    SimdLevel::ALL.into_iter().filter(|level| level.is_supported()).collect()
+}
+
+/// Per-level support flags, indexed by `SimdLevel as usize`, detected once.
+fn supported_flags() -> [bool; 4] {
+    static FLAGS: OnceLock<[bool; 4]> = OnceLock::new();
+    *FLAGS.get_or_init(detect_flags)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect_flags() -> [bool; 4] {
+    let avx2 = is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    // The AVX-512 kernels also use F16C (for F16 weights) and AVX2-era instructions for tails.
+    let avx512 = avx2 && is_x86_feature_detected!("avx512f");
+    let avx512_bf16 = avx512 && is_x86_feature_detected!("avx512bf16");
+    [true, avx2, avx512, avx512_bf16]
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect_flags() -> [bool; 4] {
+    [true, false, false, false]
+}

@@ -1,0 +1,196 @@
+//! Weight views and element types of one expert FFN, and the gate activations.
+//!
+//! Weights are raw little-endian bytes (straight from a memory-mapped file, possibly
+//! unaligned) in PyTorch `Linear` layout: gate and up are `[ff, hidden]`, down is `[hidden, ff]`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::KernelError;
+
+/// Element type of expert weight bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WeightDType {
+    F32,
+    F16,
+    BF16,
+}
+
+impl WeightDType {
+    /// All weight element types.
+    pub const ALL: [WeightDType; 3] = [WeightDType::F32, WeightDType::F16, WeightDType::BF16];
+
+    /// Bytes per element.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            WeightDType::F32 => 4,
+            WeightDType::F16 | WeightDType::BF16 => 2,
+        }
+    }
+
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightDType::F32 => "f32",
+            WeightDType::F16 => "f16",
+            WeightDType::BF16 => "bf16",
+        }
+    }
+
+    /// Reads element `index` of `bytes` as f32 (scalar, unaligned-safe). Panics if out of bounds.
+    #[inline]
+    pub fn load_f32(self, bytes: &[u8], index: usize) -> f32 {
+        match self {
+            WeightDType::F32 => {
+                let at = index * 4;
+                f32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]])
+            }
+            WeightDType::F16 => {
+                let at = index * 2;
+                half::f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
+            }
+            WeightDType::BF16 => {
+                let at = index * 2;
+                bf16_bits_to_f32(u16::from_le_bytes([bytes[at], bytes[at + 1]]))
+            }
+        }
+    }
+
+    /// Encodes `values` as little-endian bytes of this type (round to nearest even).
+    pub fn encode(self, values: &[f32]) -> Vec<u8> {
+        let mut bytes = Vec::with_capacity(values.len() * self.size_bytes());
+        for &value in values {
+            match self {
+                WeightDType::F32 => bytes.extend_from_slice(&value.to_le_bytes()),
+                WeightDType::F16 => {
+                    bytes.extend_from_slice(&half::f16::from_f32(value).to_bits().to_le_bytes())
+                }
+                WeightDType::BF16 => {
+                    bytes.extend_from_slice(&half::bf16::from_f32(value).to_bits().to_le_bytes())
+                }
+            }
+        }
+        bytes
+    }
+}
+
+/// BF16 bit pattern to f32: the BF16 bits are the high half of the f32 bits.
+#[inline]
+pub fn bf16_bits_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// The weights of one expert FFN: `h = act(gate·x) * (up·x)`, `y = down·h`.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertWeights<'a> {
+    /// `[ff, hidden]` row-major.
+    pub gate: &'a [u8],
+    /// `[ff, hidden]` row-major.
+    pub up: &'a [u8],
+    /// `[hidden, ff]` row-major.
+    pub down: &'a [u8],
+    pub dtype: WeightDType,
+    pub hidden: usize,
+    pub ff: usize,
+}
+
+impl<'a> ExpertWeights<'a> {
+    /// Bytes of one `[ff, hidden]` (or `[hidden, ff]`) matrix.
+    pub fn matrix_bytes(&self) -> usize {
+        self.hidden * self.ff * self.dtype.size_bytes()
+    }
+
+    /// Bytes of all three matrices: what a full pass over this expert reads.
+    pub fn total_bytes(&self) -> usize {
+        3 * self.matrix_bytes()
+    }
+
+    /// Checks that each matrix slice has exactly the length its shape implies.
+    pub fn validate(&self) -> Result<(), KernelError> {
+        let expected = self.matrix_bytes();
+        for (what, slice) in [("gate", self.gate), ("up", self.up), ("down", self.down)] {
+            if slice.len() != expected {
+                return Err(KernelError::ShapeMismatch { what, expected, actual: slice.len() });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Gate activation of the expert FFN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Activation {
+    /// `silu(g) * u` with `silu(g) = g / (1 + e^-g)` (SwiGLU).
+    Silu,
+    /// Exact GELU as PyTorch `gelu`: `0.5 g (1 + erf(g / sqrt 2))` (GeGLU).
+    Gelu,
+    /// PyTorch `gelu(approximate="tanh")`.
+    GeluTanh,
+}
+
+impl Activation {
+    /// Applies the activation to a gate value.
+    #[inline]
+    pub fn apply(self, gate: f32) -> f32 {
+        match self {
+            Activation::Silu => gate / (1.0 + (-gate).exp()),
+            Activation::Gelu => {
+                let g = gate as f64;
+                (0.5 * g * (1.0 + erf(g * std::f64::consts::FRAC_1_SQRT_2))) as f32
+            }
+            Activation::GeluTanh => {
+                let g = gate as f64;
+                let inner = (2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g * g * g);
+                (0.5 * g * (1.0 + inner.tanh())) as f32
+            }
+        }
+    }
+
+    /// The gated product `act(gate) * up` stored into `h`.
+    #[inline]
+    pub fn gated(self, gate: f32, up: f32) -> f32 {
+        self.apply(gate) * up
+    }
+}
+
+/// Error function, Abramowitz & Stegun 7.1.26 (absolute error below 1.5e-7), evaluated in f64.
+pub fn erf(x: f64) -> f64 {
+    let sign = if x < 0.0 { -1.0 } else { 1.0 };
+    let a = x.abs();
+    let t = 1.0 / (1.0 + 0.327_591_1 * a);
+    let poly = t
+        * (0.254_829_592
+            + t * (-0.284_496_736 + t * (1.421_413_741 + t * (-1.453_152_027 + t * 1.061_405_429))));
+    sign * (1.0 - poly * (-a * a).exp())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn erf_matches_known_values() {
+        for (x, expected) in
+            [(0.0, 0.0), (0.5, 0.520_499_877_8), (1.0, 0.842_700_792_9), (-2.0, -0.995_322_265)]
+        {
+            assert!((erf(x) - expected).abs() < 3e-7, "erf({x})");
+        }
+    }
+
+    #[test]
+    fn activations_match_known_values() {
+        assert!((Activation::Silu.apply(1.0) - 0.731_058_6).abs() < 1e-6);
+        assert!((Activation::Gelu.apply(1.0) - 0.841_344_7).abs() < 1e-6);
+        assert!((Activation::GeluTanh.apply(1.0) - 0.841_192).abs() < 1e-5);
+    }
+
+    #[test]
+    fn dtype_roundtrip() {
+        let values = [1.5f32, -2.25, 0.0, 3.0e-3];
+        for dtype in WeightDType::ALL {
+            let bytes = dtype.encode(&values);
+            for (i, v) in values.iter().enumerate() {
+                assert!((dtype.load_f32(&bytes, i) - v).abs() <= v.abs() * 1e-2);
+            }
+        }
+    }
+}

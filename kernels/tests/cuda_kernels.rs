@@ -1,0 +1,528 @@
+//! One test per CUDA kernel against a plain CPU scalar computation. Every test skips (and says
+//! so) when no CUDA device is usable, so CI without a GPU passes.
+
+use half::bf16;
+use moe_lanes_kernels::cuda::ops::RouteVariant;
+use moe_lanes_kernels::cuda::CudaBackend;
+use std::sync::OnceLock;
+
+fn backend() -> Option<&'static CudaBackend> {
+    static B: OnceLock<Option<CudaBackendBox>> = OnceLock::new();
+    let b = B.get_or_init(|| match CudaBackend::try_new() {
+        Ok(b) => {
+            eprintln!("CUDA device: {:?}; kernels: {:?}", b.info(), b.compile_report());
+            Some(CudaBackendBox(b))
+        }
+        Err(e) => {
+            if std::env::var_os("MOE_LANES_REQUIRE_GPU").is_some() {
+                panic!("MOE_LANES_REQUIRE_GPU is set but CUDA is not usable: {e}");
+            }
+            eprintln!("SKIP: no CUDA device: {e}");
+            None
+        }
+    });
+    match b {
+        Some(bb) => {
+            bb.0.bind_to_thread().unwrap();
+            Some(&bb.0)
+        }
+        None => {
+            eprintln!("SKIP: no CUDA device");
+            None
+        }
+    }
+}
+
+struct CudaBackendBox(CudaBackend);
+// Tests share one backend; every call binds the context to the calling thread first.
+unsafe impl Sync for CudaBackendBox {}
+unsafe impl Send for CudaBackendBox {}
+
+/// Deterministic pseudo-random values in [-1, 1).
+fn rnd(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn to_bf16(v: &[f32]) -> (Vec<u16>, Vec<f32>) {
+    let bits: Vec<u16> = v.iter().map(|x| bf16::from_f32(*x).to_bits()).collect();
+    let back = bits.iter().map(|b| bf16::from_bits(*b).to_f32()).collect();
+    (bits, back)
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+#[test]
+fn gemv_bf16_matches_cpu() {
+    let Some(be) = backend() else { return };
+    for &(t, n, k) in &[(1usize, 37usize, 64usize), (3, 50, 44), (2, 9, 1000)] {
+        let (wb, w) = to_bf16(&rnd(n * k, 1));
+        let x = rnd(t * k, 2);
+        let dw = be.upload(&wb).unwrap();
+        let dx = be.upload(&x).unwrap();
+        let dy = be.upload(&vec![1.0f32; t * n]).unwrap();
+        be.gemv_bf16(dw.ptr(), dx.ptr(), dy.ptr(), t, n, k, true).unwrap();
+        let y = be.read_vec(dy.ptr()).unwrap();
+        let want: Vec<f32> = (0..t)
+            .flat_map(|ti| {
+                (0..n).map(|ni| 1.0 + dot(&w[ni * k..][..k], &x[ti * k..][..k])).collect::<Vec<_>>()
+            })
+            .collect();
+        let err = max_abs_diff(&y, &want);
+        eprintln!("gemv t={t} n={n} k={k}: max err {err:e}");
+        assert!(err < 1e-4 * (k as f32).sqrt(), "{err}");
+    }
+}
+
+#[test]
+fn gemm_bf16_split_matches_cpu() {
+    let Some(be) = backend() else { return };
+    let (t, n, k) = (7, 33, 48);
+    let (wb, w) = to_bf16(&rnd(n * k, 3));
+    let x = rnd(t * k, 4);
+    let dw = be.upload(&wb).unwrap();
+    let dx = be.upload(&x).unwrap();
+    let hi = be.alloc_zeros::<u16>(t * k).unwrap();
+    let lo = be.alloc_zeros::<u16>(t * k).unwrap();
+    be.gather_split_bf16(dx.ptr(), None, hi.ptr(), Some(lo.ptr()), t, k).unwrap();
+    let dy = be.alloc_zeros::<f32>(t * n).unwrap();
+    be.gemm_bf16(dw.ptr(), hi.ptr(), Some(lo.ptr()), dy.ptr(), t, n, k, false).unwrap();
+    let y = be.read_vec(dy.ptr()).unwrap();
+    let want: Vec<f32> = (0..t)
+        .flat_map(|ti| (0..n).map(|ni| dot(&w[ni * k..][..k], &x[ti * k..][..k])).collect::<Vec<_>>())
+        .collect();
+    let err = max_abs_diff(&y, &want);
+    eprintln!("gemm split: max err {err:e}");
+    assert!(err < 1e-4, "{err}");
+    // hi only: bf16 activations, looser.
+    be.gemm_bf16(dw.ptr(), hi.ptr(), None, dy.ptr(), t, n, k, false).unwrap();
+    let y = be.read_vec(dy.ptr()).unwrap();
+    let err = max_abs_diff(&y, &want);
+    eprintln!("gemm hi only: max err {err:e}");
+    assert!(err < 3e-2, "{err}");
+}
+
+#[test]
+fn rmsnorm_matches_cpu() {
+    let Some(be) = backend() else { return };
+    let (rows, dim) = (5, 24);
+    let x = rnd(rows * dim, 5);
+    let w = rnd(dim, 6);
+    let dx = be.upload(&x).unwrap();
+    let dw = be.upload(&w).unwrap();
+    be.rmsnorm(dx.ptr(), dw.ptr(), dx.ptr(), rows, dim, 1e-6).unwrap();
+    let y = be.read_vec(dx.ptr()).unwrap();
+    let mut want = Vec::new();
+    for r in x.chunks(dim) {
+        let inv = 1.0 / (r.iter().map(|v| v * v).sum::<f32>() / dim as f32 + 1e-6).sqrt();
+        want.extend(r.iter().zip(&w).map(|(v, w)| v * inv * w));
+    }
+    assert!(max_abs_diff(&y, &want) < 1e-5);
+}
+
+#[test]
+fn elementwise_kernels_match_cpu() {
+    let Some(be) = backend() else { return };
+    let (rows, dim) = (3, 10);
+    let x = rnd(rows * dim, 7);
+    let b = rnd(dim, 8);
+    let dx = be.upload(&x).unwrap();
+    let db = be.upload(&b).unwrap();
+    be.add_bias_rows(dx.ptr(), db.ptr(), rows, dim).unwrap();
+    let got = be.read_vec(dx.ptr()).unwrap();
+    let want: Vec<f32> = x.iter().enumerate().map(|(i, v)| v + b[i % dim]).collect();
+    assert!(max_abs_diff(&got, &want) < 1e-6, "add_bias_rows");
+
+    be.clamp(dx.ptr(), rows * dim, 0.5).unwrap();
+    let got = be.read_vec(dx.ptr()).unwrap();
+    let want2: Vec<f32> = want.iter().map(|v| v.clamp(-0.5, 0.5)).collect();
+    assert!(max_abs_diff(&got, &want2) < 1e-6, "clamp");
+
+    let y = rnd(rows * dim, 9);
+    let dy = be.upload(&y).unwrap();
+    be.add(dx.ptr(), dy.ptr(), rows * dim).unwrap();
+    let got = be.read_vec(dx.ptr()).unwrap();
+    let want3: Vec<f32> = want2.iter().zip(&y).map(|(a, b)| a + b).collect();
+    assert!(max_abs_diff(&got, &want3) < 1e-6, "add");
+
+    let out = be.alloc_zeros::<f32>(rows * dim).unwrap();
+    be.silu_mul(dx.ptr(), dy.ptr(), out.ptr(), rows * dim).unwrap();
+    let got = be.read_vec(out.ptr()).unwrap();
+    let want4: Vec<f32> = want3.iter().zip(&y).map(|(g, u)| silu(*g) * u).collect();
+    assert!(max_abs_diff(&got, &want4) < 1e-6, "silu_mul");
+
+    let gate = rnd(rows, 10);
+    let dg = be.upload(&gate).unwrap();
+    let acc = be.upload(&y).unwrap();
+    be.add_sigmoid_scaled_rows(acc.ptr(), dx.ptr(), dg.ptr(), rows, dim).unwrap();
+    let got = be.read_vec(acc.ptr()).unwrap();
+    let want5: Vec<f32> = (0..rows * dim).map(|i| y[i] + want3[i] / (1.0 + (-gate[i / dim]).exp())).collect();
+    assert!(max_abs_diff(&got, &want5) < 1e-6, "add_sigmoid_scaled_rows");
+
+    let rows_idx = vec![2i32, 0];
+    let di = be.upload(&rows_idx).unwrap();
+    let g = be.alloc_zeros::<f32>(2 * dim).unwrap();
+    be.gather_rows(dx.ptr(), di.ptr(), g.ptr(), 2, dim).unwrap();
+    let got = be.read_vec(g.ptr()).unwrap();
+    let want6: Vec<f32> = want3[2 * dim..3 * dim].iter().chain(&want3[..dim]).copied().collect();
+    assert!(max_abs_diff(&got, &want6) < 1e-7, "gather_rows");
+    let dst = be.upload(&y).unwrap();
+    be.scatter_add_rows(g.ptr(), di.ptr(), dst.ptr(), 2, dim).unwrap();
+    let got = be.read_vec(dst.ptr()).unwrap();
+    let mut want7 = y.clone();
+    for d in 0..dim {
+        want7[2 * dim + d] += want6[d];
+        want7[d] += want6[dim + d];
+    }
+    assert!(max_abs_diff(&got, &want7) < 1e-6, "scatter_add_rows");
+}
+
+fn rope_cpu(head: &mut [f32], pos: usize, theta: f32, interleaved: bool) {
+    let d = head.len();
+    let half = d / 2;
+    for i in 0..half {
+        let ang = pos as f64 / (theta as f64).powf(2.0 * i as f64 / d as f64);
+        let (s, c) = (ang.sin() as f32, ang.cos() as f32);
+        let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+        let (x0, x1) = (head[a], head[b]);
+        head[a] = x0 * c - x1 * s;
+        head[b] = x1 * c + x0 * s;
+    }
+}
+
+#[test]
+fn rope_both_styles_match_cpu() {
+    let Some(be) = backend() else { return };
+    let (t, heads, hd, pos0) = (3, 2, 14, 5);
+    for interleaved in [false, true] {
+        let x = rnd(t * heads * hd, 11);
+        let dx = be.upload(&x).unwrap();
+        be.rope(dx.ptr(), t, heads, heads * hd, hd, pos0, 10000.0, interleaved).unwrap();
+        let got = be.read_vec(dx.ptr()).unwrap();
+        let mut want = x.clone();
+        for (r, row) in want.chunks_mut(heads * hd).enumerate() {
+            for head in row.chunks_mut(hd) {
+                rope_cpu(head, pos0 + r, 10000.0, interleaved);
+            }
+        }
+        assert!(max_abs_diff(&got, &want) < 1e-5, "interleaved={interleaved}");
+    }
+}
+
+#[test]
+fn attention_causal_gqa_matches_cpu() {
+    let Some(be) = backend() else { return };
+    let (n_heads, n_kv, hd, pos0, t) = (4, 2, 20, 6, 3);
+    let total = pos0 + t;
+    let kv_dim = n_kv * hd;
+    let q = rnd(t * n_heads * hd, 12);
+    let kc = rnd(total * kv_dim, 13);
+    let vc = rnd(total * kv_dim, 14);
+    for window in [0usize, 4] {
+        let (dq, dk, dv) = (be.upload(&q).unwrap(), be.upload(&kc).unwrap(), be.upload(&vc).unwrap());
+        let out = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+        be.attention(dq.ptr(), dk.ptr(), dv.ptr(), out.ptr(), t, pos0, n_heads, n_kv, hd, window).unwrap();
+        let got = be.read_vec(out.ptr()).unwrap();
+        let mut want = vec![0.0; t * n_heads * hd];
+        for ti in 0..t {
+            let pos = pos0 + ti;
+            let first = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+            for h in 0..n_heads {
+                let kvh = h / (n_heads / n_kv);
+                let qh = &q[(ti * n_heads + h) * hd..][..hd];
+                let scores: Vec<f32> = (first..=pos)
+                    .map(|p| dot(qh, &kc[p * kv_dim + kvh * hd..][..hd]) / (hd as f32).sqrt())
+                    .collect();
+                let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
+                let sum: f32 = e.iter().sum();
+                for (j, p) in (first..=pos).enumerate() {
+                    for i in 0..hd {
+                        want[(ti * n_heads + h) * hd + i] += e[j] / sum * vc[p * kv_dim + kvh * hd + i];
+                    }
+                }
+            }
+        }
+        let err = max_abs_diff(&got, &want);
+        assert!(err < 1e-5, "window={window}: {err}");
+    }
+}
+
+#[test]
+fn argmax_and_embed_match_cpu() {
+    let Some(be) = backend() else { return };
+    let (rows, n) = (3, 1000);
+    let mut x = rnd(rows * n, 15);
+    x[n + 17] = 5.0;
+    x[n + 900] = 5.0; // tie: first wins
+    let dx = be.upload(&x).unwrap();
+    let out = be.alloc_zeros::<i32>(rows).unwrap();
+    be.argmax(dx.ptr(), rows, n, out.ptr()).unwrap();
+    let got = be.read_vec(out.ptr()).unwrap();
+    for r in 0..rows {
+        let row = &x[r * n..][..n];
+        let mut best = 0;
+        for (i, v) in row.iter().enumerate() {
+            if *v > row[best] {
+                best = i;
+            }
+        }
+        assert_eq!(got[r] as usize, best, "row {r}");
+    }
+    let (vocab, hidden) = (11, 6);
+    let (tb, table) = to_bf16(&rnd(vocab * hidden, 16));
+    let dt = be.upload(&tb).unwrap();
+    let toks = vec![3i32, 0, 10];
+    let dtok = be.upload(&toks).unwrap();
+    let e = be.alloc_zeros::<f32>(3 * hidden).unwrap();
+    be.embed(dt.ptr(), dtok.ptr(), e.ptr(), 3, hidden).unwrap();
+    let got = be.read_vec(e.ptr()).unwrap();
+    let want: Vec<f32> = toks.iter().flat_map(|&t| table[t as usize * hidden..][..hidden].to_vec()).collect();
+    assert_eq!(got, want);
+}
+
+#[test]
+fn gather_split_bf16_reconstructs() {
+    let Some(be) = backend() else { return };
+    let (rows, dim) = (4, 9);
+    let x = rnd(rows * dim, 17);
+    let dx = be.upload(&x).unwrap();
+    let idx = be.upload(&[3i32, 1]).unwrap();
+    let hi = be.alloc_zeros::<u16>(2 * dim).unwrap();
+    let lo = be.alloc_zeros::<u16>(2 * dim).unwrap();
+    be.gather_split_bf16(dx.ptr(), Some(idx.ptr()), hi.ptr(), Some(lo.ptr()), 2, dim).unwrap();
+    let (h, l) = (be.read_vec(hi.ptr()).unwrap(), be.read_vec(lo.ptr()).unwrap());
+    for (j, &r) in [3usize, 1].iter().enumerate() {
+        for d in 0..dim {
+            let v = bf16::from_bits(h[j * dim + d]).to_f32() + bf16::from_bits(l[j * dim + d]).to_f32();
+            let want = x[r * dim + d];
+            assert!((v - want).abs() <= want.abs() * 1e-4 + 1e-7, "{v} vs {want}");
+            assert_eq!(h[j * dim + d], bf16::from_f32(want).to_bits());
+        }
+    }
+}
+
+fn route_cpu(l: &[f32], k: usize, variant: RouteVariant, norm: bool) -> Vec<(usize, f32)> {
+    let mut order: Vec<usize> = (0..l.len()).collect();
+    order.sort_by(|&a, &b| l[b].total_cmp(&l[a]).then(a.cmp(&b)));
+    let top = &order[..k];
+    let m = l[top[0]];
+    match variant {
+        RouteVariant::SoftmaxThenTopK => {
+            let sum: f32 = l.iter().map(|v| (v - m).exp()).sum();
+            let mut c: Vec<(usize, f32)> = top.iter().map(|&e| (e, (l[e] - m).exp() / sum)).collect();
+            if norm {
+                let s: f32 = c.iter().map(|x| x.1).sum();
+                c.iter_mut().for_each(|x| x.1 /= s);
+            }
+            c
+        }
+        RouteVariant::TopKThenSoftmax => {
+            let sum: f32 = top.iter().map(|&e| (l[e] - m).exp()).sum();
+            top.iter().map(|&e| (e, (l[e] - m).exp() / sum)).collect()
+        }
+    }
+}
+
+#[test]
+fn route_topk_matches_cpu() {
+    let Some(be) = backend() else { return };
+    let (t, e, k) = (70, 10, 3);
+    let mut l = rnd(t * e, 18);
+    l[5] = l[7]; // a tie: lower id first
+    let dl = be.upload(&l).unwrap();
+    let ids = be.alloc_zeros::<i32>(t * k).unwrap();
+    let w = be.alloc_zeros::<f32>(t * k).unwrap();
+    for (variant, norm) in [
+        (RouteVariant::SoftmaxThenTopK, true),
+        (RouteVariant::SoftmaxThenTopK, false),
+        (RouteVariant::TopKThenSoftmax, false),
+    ] {
+        be.route_topk(dl.ptr(), t, e, k, variant, norm, ids.ptr(), w.ptr()).unwrap();
+        let (gi, gw) = (be.read_vec(ids.ptr()).unwrap(), be.read_vec(w.ptr()).unwrap());
+        for ti in 0..t {
+            let want = route_cpu(&l[ti * e..][..e], k, variant, norm);
+            for j in 0..k {
+                assert_eq!(gi[ti * k + j] as usize, want[j].0, "{variant:?} token {ti}");
+                assert!((gw[ti * k + j] - want[j].1).abs() < 1e-6);
+            }
+        }
+    }
+}
+
+/// Hot-lane kernels: gathered gate/up GEMV from a slot cache, then weighted down accumulation into
+/// token rows; and the prefill path (grouped cuBLAS GEMMs + scatter), both against scalar FFNs.
+#[test]
+fn hot_expert_kernels_match_cpu() {
+    let Some(be) = backend() else { return };
+    let (n_slots, ff, hidden, t) = (3, 20, 16, 2);
+    let (gb, g) = to_bf16(&rnd(n_slots * ff * hidden, 19));
+    let (ub, u) = to_bf16(&rnd(n_slots * ff * hidden, 20));
+    let (db, d) = to_bf16(&rnd(n_slots * hidden * ff, 21));
+    let x = rnd(t * hidden, 22);
+    // token-major entries: token 0 -> slots 2, 0; token 1 -> slot 1
+    let slots = vec![2i32, 0, 1];
+    let toks = vec![0i32, 0, 1];
+    let weights = vec![0.7f32, 0.2, 0.5];
+    let tok_off = vec![0i32, 2, 3];
+    let tok_rows = vec![0i32, 1];
+    let ffn = |s: usize, xt: &[f32]| -> Vec<f32> {
+        let h: Vec<f32> = (0..ff)
+            .map(|r| {
+                silu(dot(&g[(s * ff + r) * hidden..][..hidden], xt))
+                    * dot(&u[(s * ff + r) * hidden..][..hidden], xt)
+            })
+            .collect();
+        (0..hidden).map(|r| dot(&d[(s * hidden + r) * ff..][..ff], &h)).collect()
+    };
+    let mut want = vec![0.25f32; t * hidden];
+    for e in 0..3 {
+        let y = ffn(slots[e] as usize, &x[toks[e] as usize * hidden..][..hidden]);
+        for c in 0..hidden {
+            want[toks[e] as usize * hidden + c] += weights[e] * y[c];
+        }
+    }
+    let (dg, du, dd) = (be.upload(&gb).unwrap(), be.upload(&ub).unwrap(), be.upload(&db).unwrap());
+    let dx = be.upload(&x).unwrap();
+    let (ds, dt, dw) = (be.upload(&slots).unwrap(), be.upload(&toks).unwrap(), be.upload(&weights).unwrap());
+    let (doff, drows) = (be.upload(&tok_off).unwrap(), be.upload(&tok_rows).unwrap());
+    let h = be.alloc_zeros::<f32>(3 * ff).unwrap();
+    let out = be.upload(&vec![0.25f32; t * hidden]).unwrap();
+    be.moe_gate_up_gemv(dg.ptr(), du.ptr(), dx.ptr(), ds.ptr(), dt.ptr(), h.ptr(), 3, ff, hidden).unwrap();
+    be.moe_down_accum(
+        dd.ptr(),
+        h.ptr(),
+        ds.ptr(),
+        dw.ptr(),
+        doff.ptr(),
+        drows.ptr(),
+        out.ptr(),
+        2,
+        hidden,
+        ff,
+    )
+    .unwrap();
+    let got = be.read_vec(out.ptr()).unwrap();
+    let err = max_abs_diff(&got, &want);
+    eprintln!("hot decode kernels: max err {err:e}");
+    assert!(err < 1e-4, "decode {err}");
+
+    // Prefill: expert-major entries (slot 0: e0 token 0; slot 1: e1 token 1; slot 2: e2 token 0).
+    let em_slots = [0usize, 1, 2];
+    let em_toks = vec![0i32, 1, 0];
+    let em_w = vec![0.2f32, 0.5, 0.7];
+    let dtoks = be.upload(&em_toks).unwrap();
+    let dw2 = be.upload(&em_w).unwrap();
+    let xh = be.alloc_zeros::<u16>(3 * hidden.max(ff)).unwrap();
+    let xl = be.alloc_zeros::<u16>(3 * hidden.max(ff)).unwrap();
+    be.gather_split_bf16(dx.ptr(), Some(dtoks.ptr()), xh.ptr(), Some(xl.ptr()), 3, hidden).unwrap();
+    let gg = be.alloc_zeros::<f32>(3 * ff).unwrap();
+    let uu = be.alloc_zeros::<f32>(3 * ff).unwrap();
+    for (e, &s) in em_slots.iter().enumerate() {
+        let xs = xh.ptr().sub(e * hidden, hidden);
+        let xls = xl.ptr().sub(e * hidden, hidden);
+        be.gemm_bf16(
+            dg.ptr().sub(s * ff * hidden, ff * hidden),
+            xs,
+            Some(xls),
+            gg.ptr().sub(e * ff, ff),
+            1,
+            ff,
+            hidden,
+            false,
+        )
+        .unwrap();
+        be.gemm_bf16(
+            du.ptr().sub(s * ff * hidden, ff * hidden),
+            xs,
+            Some(xls),
+            uu.ptr().sub(e * ff, ff),
+            1,
+            ff,
+            hidden,
+            false,
+        )
+        .unwrap();
+    }
+    be.silu_mul(gg.ptr(), uu.ptr(), h.ptr(), 3 * ff).unwrap();
+    be.gather_split_bf16(h.ptr(), None, xh.ptr(), Some(xl.ptr()), 3, ff).unwrap();
+    let y = be.alloc_zeros::<f32>(3 * hidden).unwrap();
+    for (e, &s) in em_slots.iter().enumerate() {
+        be.gemm_bf16(
+            dd.ptr().sub(s * hidden * ff, hidden * ff),
+            xh.ptr().sub(e * ff, ff),
+            Some(xl.ptr().sub(e * ff, ff)),
+            y.ptr().sub(e * hidden, hidden),
+            1,
+            hidden,
+            ff,
+            false,
+        )
+        .unwrap();
+    }
+    // token 0 has entries 0 and 2; token 1 has entry 1.
+    let entries = be.upload(&[0i32, 2, 1]).unwrap();
+    let out2 = be.upload(&vec![0.25f32; t * hidden]).unwrap();
+    be.moe_scatter_accum(y.ptr(), entries.ptr(), dw2.ptr(), doff.ptr(), drows.ptr(), out2.ptr(), 2, hidden)
+        .unwrap();
+    let got = be.read_vec(out2.ptr()).unwrap();
+    let err = max_abs_diff(&got, &want);
+    eprintln!("hot prefill kernels: max err {err:e}");
+    assert!(err < 1e-4, "prefill {err}");
+}
+
+#[test]
+fn pinned_async_round_trip_and_events() {
+    let Some(be) = backend() else { return };
+    let n = 1000;
+    let x = rnd(n, 23);
+    let d = be.upload(&x).unwrap();
+    let mut p = be.alloc_pinned::<f32>(n).unwrap();
+    let (a, b) = (be.event().unwrap(), be.event().unwrap());
+    be.record(&a).unwrap();
+    unsafe { be.read_async(d.ptr(), &mut p, n).unwrap() };
+    be.record(&b).unwrap();
+    b.synchronize().unwrap();
+    assert_eq!(p.as_slice(), &x[..]);
+    assert!(a.elapsed_ms(&b).unwrap() >= 0.0);
+    p.as_mut_slice().iter_mut().for_each(|v| *v *= 2.0);
+    let d2 = be.alloc_zeros::<f32>(n).unwrap();
+    unsafe { be.write_async(&p, n, d2.ptr()).unwrap() };
+    let back = be.read_vec(d2.ptr()).unwrap();
+    assert_eq!(back, x.iter().map(|v| v * 2.0).collect::<Vec<_>>());
+}
+
+#[test]
+fn nvrtc_cubin_cache_hits_on_second_compile() {
+    let Some(be) = backend() else { return };
+    let dir = std::env::temp_dir().join(format!("moe-lanes-nvrtc-test-{}", std::process::id()));
+    std::env::set_var("MOE_LANES_NVRTC_CACHE", &dir);
+    let arch = be.info().arch();
+    let (a, first) =
+        moe_lanes_kernels::cuda::compile_cached(moe_lanes_kernels::cuda::MOE_CU, "moe.cu", &arch).unwrap();
+    let (b, second) =
+        moe_lanes_kernels::cuda::compile_cached(moe_lanes_kernels::cuda::MOE_CU, "moe.cu", &arch).unwrap();
+    std::env::remove_var("MOE_LANES_NVRTC_CACHE");
+    let _ = std::fs::remove_dir_all(&dir);
+    eprintln!("first: {first:?}\nsecond: {second:?}");
+    assert!(!first.cache_hit, "fresh directory");
+    assert!(second.cache_hit, "second compile comes from the cache");
+    assert_eq!(a, b);
+    assert!(first.cache_note.is_none(), "{:?}", first.cache_note);
+}

@@ -1,0 +1,167 @@
+//! The cold pool against the single-thread scalar oracle `ColdPool::run_reference`: random
+//! jobs with tokens repeated across experts, experts with zero tokens, more threads than rows,
+//! every level and dtype, one pool reused across jobs of different sizes.
+
+mod common;
+
+use common::{relative_error, tolerance, MisalignedBytes, Rng};
+use moe_lanes_kernels::{
+    available, Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KernelError, SimdLevel,
+    WeightDType,
+};
+
+struct RandomJob {
+    hidden: usize,
+    ff: usize,
+    dtype: WeightDType,
+    x: Vec<f32>,
+    weights: Vec<[MisalignedBytes; 3]>,
+    token_idx: Vec<Vec<u32>>,
+    token_weight: Vec<Vec<f32>>,
+}
+
+impl RandomJob {
+    fn new(
+        rng: &mut Rng,
+        dtype: WeightDType,
+        hidden: usize,
+        ff: usize,
+        n_tokens: usize,
+        n_experts: usize,
+    ) -> RandomJob {
+        let mut job = RandomJob {
+            hidden,
+            ff,
+            dtype,
+            x: rng.vec(n_tokens * hidden, 1.0),
+            weights: Vec::new(),
+            token_idx: Vec::new(),
+            token_weight: Vec::new(),
+        };
+        for expert in 0..n_experts {
+            job.weights.push([
+                MisalignedBytes::new(dtype, &rng.vec(ff * hidden, 0.3)),
+                MisalignedBytes::new(dtype, &rng.vec(ff * hidden, 0.3)),
+                MisalignedBytes::new(dtype, &rng.vec(hidden * ff, 0.3)),
+            ]);
+            // Expert 0 always has no tokens; others get a random subset (tokens repeat across experts).
+            let tokens: Vec<u32> = if expert == 0 {
+                Vec::new()
+            } else {
+                (0..n_tokens as u32).filter(|_| rng.below(3) != 0).collect()
+            };
+            job.token_weight.push(rng.vec(tokens.len(), 1.0));
+            job.token_idx.push(tokens);
+        }
+        job
+    }
+
+    fn work(&self) -> Vec<ColdExpertWork<'_>> {
+        (0..self.weights.len())
+            .map(|e| ColdExpertWork {
+                weights: ExpertWeights {
+                    gate: self.weights[e][0].bytes(),
+                    up: self.weights[e][1].bytes(),
+                    down: self.weights[e][2].bytes(),
+                    dtype: self.dtype,
+                    hidden: self.hidden,
+                    ff: self.ff,
+                },
+                token_idx: &self.token_idx[e],
+                token_weight: &self.token_weight[e],
+            })
+            .collect()
+    }
+}
+
+#[test]
+fn pool_matches_reference_on_random_jobs() {
+    let mut rng = Rng(0xC01D);
+    for n_threads in [1, 2, 3, 8] {
+        let mut pool = ColdPool::new(n_threads);
+        assert_eq!(pool.n_threads(), n_threads);
+        for (hidden, ff, n_tokens, n_experts) in
+            [(5, 3, 2, 3), (37, 53, 7, 5), (64, 40, 1, 4), (130, 21, 19, 6)]
+        {
+            for dtype in WeightDType::ALL {
+                let random = RandomJob::new(&mut rng, dtype, hidden, ff, n_tokens, n_experts);
+                let work = random.work();
+                let initial = rng.vec(n_tokens * hidden, 1.0);
+                for act in [Activation::Silu, Activation::Gelu] {
+                    let mut reference = initial.clone();
+                    let job =
+                        ColdJob { level: SimdLevel::Scalar, act, hidden, ff, x: &random.x, experts: &work };
+                    ColdPool::run_reference(&job, &mut reference).unwrap();
+                    for level in available() {
+                        let mut out = initial.clone();
+                        pool.run(&ColdJob { level, ..job }, &mut out).unwrap();
+                        let error = relative_error(&out, &reference);
+                        assert!(
+                            error <= tolerance(level, dtype),
+                            "threads={n_threads} {level} {dtype:?} {act:?} {hidden}x{ff} tokens={n_tokens}: {error:e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn pool_decode_2048x768_matches_reference() {
+    let mut rng = Rng(0xBEEF);
+    let random = RandomJob::new(&mut rng, WeightDType::BF16, 2048, 768, 1, 4);
+    let work = random.work();
+    let mut pool = ColdPool::new(2);
+    let job = ColdJob {
+        level: SimdLevel::Scalar,
+        act: Activation::Silu,
+        hidden: 2048,
+        ff: 768,
+        x: &random.x,
+        experts: &work,
+    };
+    let mut reference = vec![0.0; 2048];
+    ColdPool::run_reference(&job, &mut reference).unwrap();
+    for level in available() {
+        let mut out = vec![0.0; 2048];
+        pool.run(&ColdJob { level, ..job }, &mut out).unwrap();
+        let error = relative_error(&out, &reference);
+        assert!(error <= tolerance(level, WeightDType::BF16), "{level}: {error:e}");
+    }
+}
+
+#[test]
+fn pool_rejects_bad_jobs() {
+    let mut rng = Rng(5);
+    let random = RandomJob::new(&mut rng, WeightDType::F32, 8, 4, 2, 2);
+    let mut work = random.work();
+    let bad_tokens = [7u32];
+    work[1].token_idx = &bad_tokens;
+    work[1].token_weight = &[1.0];
+    let job = ColdJob {
+        level: SimdLevel::Scalar,
+        act: Activation::Silu,
+        hidden: 8,
+        ff: 4,
+        x: &random.x,
+        experts: &work,
+    };
+    let mut pool = ColdPool::new(2);
+    assert_eq!(
+        pool.run(&job, &mut vec![0.0; 16]),
+        Err(KernelError::TokenIndexOutOfBounds { index: 7, n_tokens: 2 })
+    );
+    assert!(pool.run(&job, &mut vec![0.0; 15]).is_err());
+}
+
+#[test]
+fn empty_job_is_a_no_op() {
+    let mut pool = ColdPool::new(3);
+    let x = [1.0f32; 6];
+    let job =
+        ColdJob { level: SimdLevel::detect(), act: Activation::Silu, hidden: 3, ff: 2, x: &x, experts: &[] };
+    let mut out = vec![2.0; 6];
+    pool.run(&job, &mut out).unwrap();
+    assert_eq!(out, vec![2.0; 6]);
+}

@@ -1,0 +1,80 @@
+//! The cold-lane interface the GPU engine calls for experts that are not in the VRAM hot cache,
+//! and a plain CPU implementation for tests (f32 math straight from the model's expert bytes;
+//! the fast SIMD cold lane plugs in through the same trait).
+
+use crate::dtype::DType;
+use crate::model::Model;
+use crate::tensor::TensorRef;
+
+/// One cold routed slot: add `weight * expert(hidden_rows[row_idx])` into `out_rows[row_idx]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ColdSlot {
+    /// Row in the compact `hidden_rows` / `out_rows` handed to [`ColdExperts::compute`].
+    pub row_idx: usize,
+    /// Original expert id in the layer.
+    pub expert_idx: usize,
+    /// Routing weight.
+    pub weight: f32,
+}
+
+/// Computes the cold slots of one MoE layer on the CPU while the GPU computes the hot ones.
+pub trait ColdExperts {
+    /// `hidden_rows` is `[n_rows, hidden]` (the FFN-normed rows of the tokens that have cold
+    /// slots, compacted); `out_rows` is the same shape, zero on entry. For every slot, add
+    /// `weight * down(silu(gate(x)) * up(x))` of the slot's row into the same row of `out_rows`.
+    fn compute(&mut self, layer_idx: usize, hidden_rows: &[f32], slots: &[ColdSlot], out_rows: &mut [f32]);
+}
+
+/// A simple, obviously-right CPU cold lane: decodes weight rows to f32 as it goes (no caching,
+/// no SIMD, single-threaded). For tests and as a fallback, not for speed.
+pub struct CpuColdExperts<'m> {
+    model: &'m Model,
+    row: Vec<f32>,
+    h: Vec<f32>,
+    /// Slots computed so far (all layers).
+    pub slots_computed: u64,
+}
+
+impl<'m> CpuColdExperts<'m> {
+    /// Fails when the expert weights are not a float type (quantised experts need real kernels).
+    pub fn new(model: &'m Model) -> Result<CpuColdExperts<'m>, String> {
+        match model.expert_dtype() {
+            DType::F32 | DType::F16 | DType::BF16 => {}
+            other => return Err(format!("CpuColdExperts needs float experts, the model has {other}")),
+        }
+        let c = model.config();
+        Ok(CpuColdExperts {
+            model,
+            row: vec![0.0; c.hidden.max(c.expert_ff)],
+            h: vec![0.0; c.expert_ff],
+            slots_computed: 0,
+        })
+    }
+}
+
+fn row_dot(t: &TensorRef<'_>, row: usize, x: &[f32], buf: &mut [f32]) -> f32 {
+    let buf = &mut buf[..x.len()];
+    t.read_f32_into(row * x.len(), buf).expect("float expert tensor validated at open");
+    buf.iter().zip(x).map(|(a, b)| a * b).sum()
+}
+
+impl ColdExperts for CpuColdExperts<'_> {
+    fn compute(&mut self, layer_idx: usize, hidden_rows: &[f32], slots: &[ColdSlot], out_rows: &mut [f32]) {
+        let c = self.model.config();
+        let (hidden, ff) = (c.hidden, c.expert_ff);
+        for slot in slots {
+            let e = self.model.expert(layer_idx, slot.expert_idx);
+            let x = &hidden_rows[slot.row_idx * hidden..][..hidden];
+            for r in 0..ff {
+                let g = row_dot(&e.gate, r, x, &mut self.row);
+                let u = row_dot(&e.up, r, x, &mut self.row);
+                self.h[r] = g / (1.0 + (-g).exp()) * u;
+            }
+            let out = &mut out_rows[slot.row_idx * hidden..][..hidden];
+            for (d, o) in out.iter_mut().enumerate() {
+                *o += slot.weight * row_dot(&e.down, d, &self.h, &mut self.row);
+            }
+            self.slots_computed += 1;
+        }
+    }
+}

@@ -1,0 +1,214 @@
+//! The cache planner: which experts go into the VRAM hot cache, given per-layer usage counts (from
+//! a learn pass or live perf state), the exact bytes of one expert, and a byte budget.
+//!
+//! Weighting modes (DESIGN.md "The cache lifecycle"):
+//! - `flat` (default): interleave each layer's best experts, so the budget spreads across layers
+//!   first: every layer's most-used expert, then every layer's second, ... Within one rank, layers
+//!   whose expert carries a larger share of its layer's traffic go first.
+//! - `pressure`: rank all experts of all layers by their share of their layer's traffic.
+//!
+//! Plans are exact: `n_slots * expert_bytes <= budget_bytes`, and a layer never holds more slots
+//! than it has experts.
+
+use serde::Serialize;
+
+/// How experts are ranked against each other across layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightMode {
+    Flat,
+    Pressure,
+}
+
+impl std::str::FromStr for WeightMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "flat" => Ok(WeightMode::Flat),
+            "pressure" => Ok(WeightMode::Pressure),
+            other => Err(format!("unknown weight mode '{other}' (expected flat or pressure)")),
+        }
+    }
+}
+
+/// A planning request that cannot be satisfied.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PlanError {
+    #[error("expert usage has {found} layers, the model has {expected}")]
+    LayerCount { expected: usize, found: usize },
+    #[error("layer {layer_idx}: expert usage has {found} experts, the model has {expected}")]
+    ExpertCount { layer_idx: usize, expected: usize, found: usize },
+    #[error("expert size must be greater than zero")]
+    ZeroExpertBytes,
+}
+
+/// The experts chosen per layer, in the order they were picked (most valuable first).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HotPlan {
+    pub layers: Vec<Vec<usize>>,
+    pub expert_bytes: u64,
+    pub budget_bytes: u64,
+}
+
+impl HotPlan {
+    pub fn n_slots(&self) -> usize {
+        self.layers.iter().map(Vec::len).sum()
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.n_slots() as u64 * self.expert_bytes
+    }
+
+    /// Share of `counts`' routed slots that this plan would serve from the cache.
+    pub fn expected_hit_rate(&self, counts: &[Vec<u64>]) -> f64 {
+        let total: u64 = counts.iter().flatten().sum();
+        let hot: u64 =
+            self.layers.iter().zip(counts).map(|(ids, c)| ids.iter().map(|&e| c[e]).sum::<u64>()).sum();
+        if total == 0 {
+            0.0
+        } else {
+            hot as f64 / total as f64
+        }
+    }
+}
+
+struct Candidate {
+    layer_idx: usize,
+    expert_idx: usize,
+    rank: usize,
+    share: f64,
+}
+
+/// Pack the most valuable experts into `budget_bytes`.
+pub fn plan_hot_set(
+    counts: &[Vec<u64>],
+    n_layers: usize,
+    n_experts: usize,
+    expert_bytes: u64,
+    budget_bytes: u64,
+    mode: WeightMode,
+) -> Result<HotPlan, PlanError> {
+    if counts.len() != n_layers {
+        return Err(PlanError::LayerCount { expected: n_layers, found: counts.len() });
+    }
+    if let Some((layer_idx, c)) = counts.iter().enumerate().find(|(_, c)| c.len() != n_experts) {
+        return Err(PlanError::ExpertCount { layer_idx, expected: n_experts, found: c.len() });
+    }
+    if expert_bytes == 0 {
+        return Err(PlanError::ZeroExpertBytes);
+    }
+    let mut candidates = rank_candidates(counts);
+    match mode {
+        WeightMode::Flat => candidates.sort_by(|a, b| {
+            a.rank.cmp(&b.rank).then(b.share.total_cmp(&a.share)).then(a.layer_idx.cmp(&b.layer_idx))
+        }),
+        WeightMode::Pressure => candidates.sort_by(|a, b| {
+            b.share.total_cmp(&a.share).then(a.rank.cmp(&b.rank)).then(a.layer_idx.cmp(&b.layer_idx))
+        }),
+    }
+    let n_slots = ((budget_bytes / expert_bytes) as usize).min(candidates.len());
+    let mut layers = vec![Vec::new(); n_layers];
+    for c in &candidates[..n_slots] {
+        layers[c.layer_idx].push(c.expert_idx);
+    }
+    Ok(HotPlan { layers, expert_bytes, budget_bytes })
+}
+
+/// Every (layer, expert) with its rank inside its layer (0 = most used; ties to the lower id) and
+/// its share of the layer's routed slots.
+fn rank_candidates(counts: &[Vec<u64>]) -> Vec<Candidate> {
+    let mut out = Vec::with_capacity(counts.iter().map(Vec::len).sum());
+    for (layer_idx, layer_counts) in counts.iter().enumerate() {
+        let total: u64 = layer_counts.iter().sum();
+        let mut order: Vec<usize> = (0..layer_counts.len()).collect();
+        order.sort_by(|&a, &b| layer_counts[b].cmp(&layer_counts[a]).then(a.cmp(&b)));
+        for (rank, expert_idx) in order.into_iter().enumerate() {
+            let share = if total == 0 { 0.0 } else { layer_counts[expert_idx] as f64 / total as f64 };
+            out.push(Candidate { layer_idx, expert_idx, rank, share });
+        }
+    }
+    out
+}
+
+/// Hot sets from a fraction of each layer's experts: the `fraction` most used per layer (by
+/// `counts` when given, else the lowest ids).
+pub fn plan_fraction(
+    counts: Option<&[Vec<u64>]>,
+    n_layers: usize,
+    n_experts: usize,
+    fraction: f64,
+) -> Vec<Vec<usize>> {
+    let n_hot = ((fraction.clamp(0.0, 1.0) * n_experts as f64).round() as usize).min(n_experts);
+    (0..n_layers)
+        .map(|layer_idx| match counts {
+            Some(c) => {
+                let mut order: Vec<usize> = (0..n_experts).collect();
+                order.sort_by(|&a, &b| c[layer_idx][b].cmp(&c[layer_idx][a]).then(a.cmp(&b)));
+                order.truncate(n_hot);
+                order
+            }
+            None => (0..n_hot).collect(),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counts() -> Vec<Vec<u64>> {
+        vec![vec![50, 30, 15, 5], vec![10, 70, 10, 10], vec![25, 25, 25, 25]]
+    }
+
+    #[test]
+    fn flat_spreads_the_budget_across_layers_first() {
+        let plan = plan_hot_set(&counts(), 3, 4, 100, 350, WeightMode::Flat).unwrap();
+        assert_eq!(plan.layers, vec![vec![0], vec![1], vec![0]]);
+        assert_eq!(plan.used_bytes(), 300);
+        let plan = plan_hot_set(&counts(), 3, 4, 100, 500, WeightMode::Flat).unwrap();
+        assert_eq!(plan.n_slots(), 5);
+        assert_eq!(plan.layers[0], vec![0, 1], "second rank: layer 0's 30% beats layer 2's 25%");
+    }
+
+    #[test]
+    fn pressure_follows_shares_across_layers() {
+        let plan = plan_hot_set(&counts(), 3, 4, 100, 300, WeightMode::Pressure).unwrap();
+        assert_eq!(plan.layers, vec![vec![0, 1], vec![1], vec![]]);
+        assert!((plan.expected_hit_rate(&counts()) - 150.0 / 300.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn budget_never_exceeded_and_full_budget_takes_everything() {
+        for budget in [0, 99, 100, 1150, 5000] {
+            let plan = plan_hot_set(&counts(), 3, 4, 100, budget, WeightMode::Flat).unwrap();
+            assert!(plan.used_bytes() <= budget);
+            assert!(plan.layers.iter().all(|l| l.len() <= 4));
+        }
+        let all = plan_hot_set(&counts(), 3, 4, 100, 1200, WeightMode::Pressure).unwrap();
+        assert_eq!(all.n_slots(), 12);
+        assert!((all.expected_hit_rate(&counts()) - 1.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn mismatched_usage_is_refused() {
+        assert_eq!(
+            plan_hot_set(&counts(), 2, 4, 1, 1, WeightMode::Flat).unwrap_err(),
+            PlanError::LayerCount { expected: 2, found: 3 }
+        );
+        assert!(matches!(
+            plan_hot_set(&counts(), 3, 5, 1, 1, WeightMode::Flat),
+            Err(PlanError::ExpertCount { layer_idx: 0, .. })
+        ));
+        assert_eq!(
+            plan_hot_set(&counts(), 3, 4, 0, 1, WeightMode::Flat).unwrap_err(),
+            PlanError::ZeroExpertBytes
+        );
+    }
+
+    #[test]
+    fn fraction_takes_most_used_or_lowest_ids() {
+        assert_eq!(plan_fraction(Some(&counts()), 3, 4, 0.5), vec![vec![0, 1], vec![1, 0], vec![0, 1]]);
+        assert_eq!(plan_fraction(None, 2, 4, 0.25), vec![vec![0], vec![0]]);
+        assert_eq!(plan_fraction(None, 1, 4, 1.0), vec![vec![0, 1, 2, 3]]);
+    }
+}

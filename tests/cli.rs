@@ -1,0 +1,105 @@
+//! The real `moe-lanes` binary end to end: synth -> inspect -> logits -> generate, and clear
+//! errors (non-zero exit, message naming the file) for bad input.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn moe_lanes(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moe-lanes")).args(args).output().expect("binary runs")
+}
+
+fn ok_stdout(args: &[&str]) -> String {
+    let out = moe_lanes(args);
+    assert!(out.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn failure(args: &[&str]) -> String {
+    let out = moe_lanes(args);
+    assert!(!out.status.success(), "{args:?} should fail");
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    stderr
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[test]
+fn synth_inspect_logits_generate_end_to_end_in_both_formats() {
+    let dir = tempfile::tempdir().unwrap();
+    for (format, name) in [("gguf", "m.gguf"), ("safetensors", "m-st")] {
+        let out = dir.path().join(name);
+        ok_stdout(&["synth", "--arch", "olmoe", "--format", format, "--out", p(&out), "--seed", "9"]);
+        let report: serde_json::Value =
+            serde_json::from_str(&ok_stdout(&["inspect", p(&out), "--json"])).unwrap();
+        assert_eq!(report["arch"], "olmoe");
+        assert_eq!(report["n_layers"], 2);
+        assert_eq!(report["n_experts"], 8);
+        assert_eq!(report["expert_bytes"], 3 * 32 * 64 * 2);
+        assert_eq!(report["all_experts_bytes"], 2 * 8 * 3 * 32 * 64 * 2);
+        let total = report["total_bytes"].as_u64().unwrap();
+        assert_eq!(
+            total,
+            report["all_experts_bytes"].as_u64().unwrap() + report["other_bytes"].as_u64().unwrap()
+        );
+        let logits: serde_json::Value =
+            serde_json::from_str(&ok_stdout(&["logits", "--model", p(&out), "--tokens", "5,17,200"]))
+                .unwrap();
+        assert_eq!(logits["tokens"], serde_json::json!([5, 17, 200]));
+        let rows = logits["logits"].as_array().unwrap();
+        assert_eq!(rows.len(), 3);
+        assert!(rows.iter().all(|r| r.as_array().unwrap().len() == 512));
+        let generated: serde_json::Value = serde_json::from_str(&ok_stdout(&[
+            "generate",
+            "--model",
+            p(&out),
+            "--tokens",
+            "5,17,200",
+            "--max-new-tokens",
+            "4",
+        ]))
+        .unwrap();
+        assert_eq!(generated["tokens"].as_array().unwrap().len(), 4);
+    }
+}
+
+#[test]
+fn inspect_text_names_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("q.gguf");
+    ok_stdout(&["synth", "--arch", "qwen2_moe", "--out", p(&out)]);
+    let text = ok_stdout(&["inspect", p(&out), "--coverage-tokens", "64"]);
+    for needle in
+        ["qwen2_moe", "shared expert ff", "one expert", "all experts", "everything else", "routing coverage"]
+    {
+        assert!(text.contains(needle), "missing {needle} in\n{text}");
+    }
+}
+
+#[test]
+fn bad_inputs_fail_with_messages_naming_the_problem() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.gguf");
+    assert!(failure(&["inspect", p(&missing)]).contains("nope.gguf"));
+
+    let junk = dir.path().join("junk.gguf");
+    std::fs::write(&junk, b"NOTAGGUFFILE....").unwrap();
+    let err = failure(&["inspect", p(&junk)]);
+    assert!(err.contains("junk.gguf") && err.to_lowercase().contains("magic"), "{err}");
+
+    let model = dir.path().join("m.gguf");
+    ok_stdout(&["synth", "--out", p(&model)]);
+    let err = failure(&["logits", "--model", p(&model), "--tokens", "1,99999"]);
+    assert!(err.contains("99999") && err.contains("vocabulary"), "{err}");
+
+    let err = failure(&["synth", "--arch", "llama4", "--out", p(&dir.path().join("x.gguf"))]);
+    assert!(err.contains("llama4") && err.contains("qwen3_moe"), "{err}");
+    let err = failure(&["synth", "--skew", "zipf:abc", "--out", p(&dir.path().join("x.gguf"))]);
+    assert!(err.contains("zipf:abc"), "{err}");
+    let err = failure(&["synth", "--out", "/nonexistent-dir/x.gguf"]);
+    assert!(err.contains("/nonexistent-dir"), "{err}");
+}

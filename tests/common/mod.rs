@@ -1,0 +1,125 @@
+//! Helpers shared by integration tests: synthetic models in temp dirs, GGUF rewriting for
+//! corruption tests, and fixture discovery.
+#![allow(dead_code)]
+
+use moe_lanes::adapter::{self, Adapter};
+use moe_lanes::dtype::DType;
+use moe_lanes::gguf::{GgufFile, GgufWriter, MetaValue};
+use moe_lanes::synth::{write_synthetic, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+use std::path::{Path, PathBuf};
+
+pub const ARCHS: [&str; 4] = ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"];
+
+pub fn adapter(name: &str) -> &'static Adapter {
+    adapter::by_name(name).unwrap()
+}
+
+pub fn synth_options(arch: &str, format: SynthFormat, out: PathBuf, seed: u64) -> SynthOptions {
+    SynthOptions {
+        adapter: adapter(arch),
+        preset: Preset::Tiny,
+        dims: DimOverrides::default(),
+        dtype: DType::BF16,
+        seed,
+        skew: Skew::Skewed,
+        format,
+        out,
+    }
+}
+
+/// Write a tiny synthetic model and return its path.
+pub fn synth_tiny(dir: &Path, arch: &str, format: SynthFormat, seed: u64) -> PathBuf {
+    let name = match format {
+        SynthFormat::Gguf => format!("{arch}-{seed}.gguf"),
+        SynthFormat::Safetensors => format!("{arch}-{seed}-st"),
+    };
+    let opts = synth_options(arch, format, dir.join(name), seed);
+    write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    opts.out
+}
+
+/// How `rewrite_gguf` treats one tensor.
+pub enum TensorEdit {
+    Keep,
+    Drop,
+    Replace { dtype: DType, shape: Vec<usize> },
+}
+
+/// Copy a GGUF file, editing metadata and tensors; replaced tensors are zero-filled.
+pub fn rewrite_gguf(
+    src: &Path,
+    dst: &Path,
+    edit_meta: impl Fn(&str, &MetaValue) -> Option<MetaValue>,
+    edit_tensor: impl Fn(&str) -> TensorEdit,
+) {
+    let file = GgufFile::open(src).unwrap();
+    let mut w = GgufWriter::new();
+    for (key, value) in file.metadata() {
+        if let Some(v) = edit_meta(key, value) {
+            w.add_metadata(key.clone(), v);
+        }
+    }
+    let mut sources: Vec<Option<String>> = Vec::new();
+    for info in file.tensor_infos() {
+        match edit_tensor(&info.name) {
+            TensorEdit::Keep => {
+                w.add_tensor(info.name.clone(), info.dtype, &info.shape);
+                sources.push(Some(info.name.clone()));
+            }
+            TensorEdit::Drop => {}
+            TensorEdit::Replace { dtype, shape } => {
+                w.add_tensor(info.name.clone(), dtype, &shape);
+                sources.push(None);
+            }
+        }
+    }
+    let specs: Vec<(DType, Vec<usize>)> = file
+        .tensor_infos()
+        .iter()
+        .filter_map(|i| match edit_tensor(&i.name) {
+            TensorEdit::Keep => Some((i.dtype, i.shape.clone())),
+            TensorEdit::Drop => None,
+            TensorEdit::Replace { dtype, shape } => Some((dtype, shape)),
+        })
+        .collect();
+    w.write(
+        dst,
+        &mut |idx, out| match &sources[idx] {
+            Some(name) => out.write_all(file.tensor(name).unwrap().data),
+            None => {
+                let (dtype, shape) = &specs[idx];
+                out.write_all(&vec![0u8; dtype.bytes_for(shape.iter().product()).unwrap()])
+            }
+        },
+        &mut |_| {},
+    )
+    .unwrap();
+}
+
+/// The committed golden fixtures (directory per fixture).
+pub fn fixture_dirs() -> Vec<PathBuf> {
+    let root = std::env::var_os("MOE_LANES_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"));
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
+        .unwrap_or_else(|e| panic!("fixtures at {}: {e}", root.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("golden.json").exists())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 8, "expected the 8 committed fixtures in {}", root.display());
+    dirs
+}
+
+/// max |a - b| / max |b| over all rows.
+pub fn max_rel_err(ours: &[Vec<f32>], theirs: &[Vec<f32>]) -> f32 {
+    assert_eq!(ours.len(), theirs.len(), "row count");
+    let mut worst = 0.0f32;
+    for (a, b) in ours.iter().zip(theirs) {
+        assert_eq!(a.len(), b.len(), "row length");
+        let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-12);
+        let diff = a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        worst = worst.max(diff / scale);
+    }
+    worst
+}

@@ -1,0 +1,149 @@
+//! synth -> open round trips for every adapter in both formats, and the same seed giving the same
+//! weights (and logits) in GGUF and safetensors.
+
+mod common;
+
+use common::*;
+use moe_lanes::adapter::{Arch, RopeStyle};
+use moe_lanes::model::Model;
+use moe_lanes::naming::{GlobalRole, LayerRole};
+use moe_lanes::reference::{NoObserver, Reference};
+use moe_lanes::synth::{synth_config, DimOverrides, Preset, SynthFormat};
+
+#[test]
+fn synth_then_open_round_trips_for_every_adapter_in_both_formats() {
+    let dir = tempfile::tempdir().unwrap();
+    for arch in ARCHS {
+        let expected = synth_config(adapter(arch), Preset::Tiny, &DimOverrides::default()).unwrap();
+        for format in [SynthFormat::Gguf, SynthFormat::Safetensors] {
+            let path = synth_tiny(dir.path(), arch, format, 1);
+            let model = Model::open(&path).unwrap_or_else(|e| panic!("{arch} {format:?}: {e}"));
+            let mut config = model.config().clone();
+            if format == SynthFormat::Gguf && model.adapter().arch == Arch::Mixtral {
+                assert_eq!(
+                    config.rope_style,
+                    RopeStyle::Interleaved,
+                    "GGUF llama uses GGML's interleaved RoPE"
+                );
+                config.rope_style = expected.rope_style;
+            }
+            assert_eq!(config, expected, "{arch} {format:?}");
+            assert_eq!(model.adapter().hf_model_type, arch);
+        }
+    }
+}
+
+fn values(t: moe_lanes::tensor::TensorRef<'_>) -> Vec<f32> {
+    t.to_f32_vec().unwrap()
+}
+
+#[test]
+fn same_seed_loads_to_identical_tensors_in_both_formats() {
+    let dir = tempfile::tempdir().unwrap();
+    for arch in ARCHS {
+        let gguf = Model::open(&synth_tiny(dir.path(), arch, SynthFormat::Gguf, 7)).unwrap();
+        let st = Model::open(&synth_tiny(dir.path(), arch, SynthFormat::Safetensors, 7)).unwrap();
+        for role in [GlobalRole::TokenEmbedding, GlobalRole::OutputNorm, GlobalRole::Output] {
+            assert_eq!(
+                values(gguf.global(role).unwrap()),
+                values(st.global(role).unwrap()),
+                "{arch} {role:?}"
+            );
+        }
+        let c = gguf.config().clone();
+        for layer_idx in 0..c.n_layers {
+            for role in gguf.required_layer_roles() {
+                let (a, b) = (values(gguf.required(layer_idx, role)), values(st.required(layer_idx, role)));
+                let permuted = arch == "mixtral" && matches!(role, LayerRole::Q | LayerRole::K);
+                if permuted {
+                    // GGUF rows are in llama.cpp's interleaved-RoPE order: row 2i of a head holds
+                    // canonical row i, row 2i+1 holds canonical row d/2 + i.
+                    let (hd, cols) = (c.head_dim, c.hidden);
+                    for disk_row in 0..a.len() / cols {
+                        let (head, local) = (disk_row / hd, disk_row % hd);
+                        let canon = head * hd + if local % 2 == 0 { local / 2 } else { hd / 2 + local / 2 };
+                        assert_eq!(
+                            &a[disk_row * cols..][..cols],
+                            &b[canon * cols..][..cols],
+                            "{arch} {role:?}"
+                        );
+                    }
+                } else {
+                    assert_eq!(a, b, "{arch} layer {layer_idx} {role:?}");
+                }
+            }
+            for expert_idx in 0..c.n_experts {
+                let (x, y) = (gguf.expert(layer_idx, expert_idx), st.expert(layer_idx, expert_idx));
+                assert_eq!(values(x.gate), values(y.gate));
+                assert_eq!(values(x.up), values(y.up));
+                assert_eq!(values(x.down), values(y.down));
+            }
+        }
+    }
+}
+
+#[test]
+fn gguf_and_safetensors_copies_give_the_same_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = [3u32, 400, 17, 0, 511, 42];
+    for arch in ARCHS {
+        let mut logits = Vec::new();
+        for format in [SynthFormat::Gguf, SynthFormat::Safetensors] {
+            let model = Model::open(&synth_tiny(dir.path(), arch, format, 11)).unwrap();
+            let reference = Reference::new(&model).unwrap();
+            let mut cache = reference.new_cache();
+            logits.push(reference.forward(&mut cache, &tokens, &mut NoObserver).unwrap());
+        }
+        let err = max_rel_err(&logits[0], &logits[1]);
+        assert!(err < 1e-5, "{arch}: GGUF vs safetensors logits differ by {err}");
+    }
+}
+
+#[test]
+fn synth_is_deterministic_and_seed_dependent() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = std::fs::read(synth_tiny(dir.path(), "qwen3_moe", SynthFormat::Gguf, 5)).unwrap();
+    let path_b = dir.path().join("again.gguf");
+    let opts = synth_options("qwen3_moe", SynthFormat::Gguf, path_b.clone(), 5);
+    moe_lanes::synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    assert_eq!(a, std::fs::read(&path_b).unwrap(), "same seed, same bytes");
+    let c = std::fs::read(synth_tiny(dir.path(), "qwen3_moe", SynthFormat::Gguf, 6)).unwrap();
+    assert_ne!(a, c, "another seed, other weights");
+}
+
+#[test]
+fn gguf_carries_a_tokenizer_llama_cpp_can_load() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = synth_tiny(dir.path(), "qwen3_moe", SynthFormat::Gguf, 1);
+    let file = moe_lanes::gguf::GgufFile::open(&path).unwrap();
+    let tokens = file.get("tokenizer.ggml.tokens").unwrap().as_array().unwrap();
+    assert_eq!(tokens.values.len(), 512, "one token per vocabulary entry");
+    assert_eq!(file.get("tokenizer.ggml.token_type").unwrap().as_array().unwrap().values.len(), 512);
+    assert!(!file.get("tokenizer.ggml.merges").unwrap().as_array().unwrap().values.is_empty());
+    assert_eq!(file.get("tokenizer.ggml.model").unwrap().as_str(), Some("gpt2"));
+    for key in [
+        "qwen3moe.expert_count",
+        "qwen3moe.expert_used_count",
+        "qwen3moe.attention.layer_norm_rms_epsilon",
+        "qwen3moe.expert_feed_forward_length",
+        "qwen3moe.attention.key_length",
+        "general.architecture",
+    ] {
+        assert!(file.get(key).is_some(), "{key}");
+    }
+}
+
+#[test]
+fn impossible_dimensions_are_refused_before_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("bad.gguf");
+    let mut opts = synth_options("qwen3_moe", SynthFormat::Gguf, out.clone(), 1);
+    opts.dims.n_experts_used = Some(9);
+    let err = moe_lanes::synth::write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("num_experts_per_tok"), "{err}");
+    opts.dims.n_experts_used = None;
+    opts.dims.vocab = Some(100);
+    let err = moe_lanes::synth::write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("vocab"), "{err}");
+    assert!(!out.exists());
+}
