@@ -167,7 +167,13 @@ impl LaneSet {
     }
 
     /// Ask hot lane `lane_idx` to load an expert into a slot and wait for it (between calls).
-    pub fn load_slot(&self, lane_idx: usize, layer_idx: usize, slot_idx: u32, expert_idx: usize) -> Result<(), LaneError> {
+    pub fn load_slot(
+        &self,
+        lane_idx: usize,
+        layer_idx: usize,
+        slot_idx: u32,
+        expert_idx: usize,
+    ) -> Result<(), LaneError> {
         let lane = LaneId::Hot(lane_idx as u8);
         let (reply, rx) = bounded(1);
         self.hot
@@ -191,7 +197,8 @@ impl LaneSet {
         overlap_work: impl FnOnce(),
     ) -> Result<(), LayerFailure> {
         let sent_at = Instant::now();
-        let (call_idx, layer_idx, n_tokens) = (self.input.call_idx, self.input.layer_idx, self.input.n_tokens);
+        let (call_idx, layer_idx, n_tokens) =
+            (self.input.call_idx, self.input.layer_idx, self.input.n_tokens);
         let hidden = self.hidden;
         let hot_reduce = merge == MergeKind::ReduceMerge;
         let cold_reduce = compact_cold_reduce || merge == MergeKind::ReduceMerge;
@@ -262,7 +269,8 @@ impl LaneSet {
         overlap_work();
         // Join: wait for every lane that got a task.
         let wait_from = Instant::now();
-        let (mut hot_start, mut hot_end, mut cold_start, mut cold_end) = (None::<Instant>, None::<Instant>, None::<Instant>, None::<Instant>);
+        let (mut hot_start, mut hot_end, mut cold_start, mut cold_end) =
+            (None::<Instant>, None::<Instant>, None::<Instant>, None::<Instant>);
         let mut n_done = 0;
         while n_done < n_sent {
             let done = match recv_spin(&self.done_rx, self.spin, Some(LANE_TIMEOUT)) {
@@ -270,7 +278,11 @@ impl LaneSet {
                 Err(_) => {
                     failure.get_or_insert(LayerFailure {
                         reason: FallbackReason::LaneUnavailable,
-                        detail: format!("{} lane(s) did not answer within {:?}", n_sent - n_done, LANE_TIMEOUT),
+                        detail: format!(
+                            "{} lane(s) did not answer within {:?}",
+                            n_sent - n_done,
+                            LANE_TIMEOUT
+                        ),
                     });
                     break;
                 }
@@ -288,7 +300,10 @@ impl LaneSet {
             *start = Some(start.map_or(done.started_at, |s| s.min(done.started_at)));
             *end = Some(end.map_or(done.finished_at, |e| e.max(done.finished_at)));
             if let Err(e) = &done.result {
-                failure.get_or_insert(LayerFailure { reason: FallbackReason::LaneFailed, detail: e.to_string() });
+                failure.get_or_insert(LayerFailure {
+                    reason: FallbackReason::LaneFailed,
+                    detail: e.to_string(),
+                });
             }
             let idx = buffer_idx(done.lane);
             self.returned[idx] = Some(done.out);
@@ -381,7 +396,11 @@ impl LaneSet {
     fn send_buffers_home(&mut self) {
         for idx in 0..self.returned.len() {
             if let Some(buf) = self.returned[idx].take() {
-                let lane = if idx < MAX_HOT_LANES { LaneId::Hot(idx as u8) } else { LaneId::Cold((idx - MAX_HOT_LANES) as u8) };
+                let lane = if idx < MAX_HOT_LANES {
+                    LaneId::Hot(idx as u8)
+                } else {
+                    LaneId::Cold((idx - MAX_HOT_LANES) as u8)
+                };
                 self.home(lane, buf);
             }
         }
@@ -409,7 +428,12 @@ impl Drop for LaneSet {
         }
         // Drain late answers so no lane blocks on a full done channel, then join the threads.
         while self.done_rx.try_recv().is_ok() {}
-        for t in self.hot.iter_mut().filter_map(|l| l.thread.take()).chain(self.cold.iter_mut().filter_map(|l| l.thread.take())) {
+        for t in self
+            .hot
+            .iter_mut()
+            .filter_map(|l| l.thread.take())
+            .chain(self.cold.iter_mut().filter_map(|l| l.thread.take()))
+        {
             let _ = t.join();
         }
     }

@@ -7,9 +7,9 @@
 //! token rows (reduce).
 
 use super::messages::*;
-use crate::expert_math::{ffn_plain, ColdCompute, ExpertBytes, FfnDims, FfnScratch};
 use crate::adapter::FfnActivation;
 use crate::dtype::DType;
+use crate::expert_math::{ffn_plain, ColdCompute, ExpertBytes, FfnDims, FfnScratch};
 use crate::hot_set::HotSet;
 use crate::model::Model;
 use crossbeam_channel::{Receiver, Sender};
@@ -170,7 +170,8 @@ pub fn run_entries(
         let mut n = 0;
         while i + n < range.end && n < GROUP_TOKENS_MAX && entry(i + n).0 == key {
             let token = entry(i + n).1 as usize;
-            scratch.xs[n * hidden..(n + 1) * hidden].copy_from_slice(&input.x[token * hidden..(token + 1) * hidden]);
+            scratch.xs[n * hidden..(n + 1) * hidden]
+                .copy_from_slice(&input.x[token * hidden..(token + 1) * hidden]);
             n += 1;
         }
         compute(key, n, scratch)?;
@@ -219,7 +220,13 @@ pub fn run_cold_task(
     )
 }
 
-fn finish(lane: LaneId, task: LaneTask, started_at: Instant, out: LaneBuffer, result: Result<(), LaneError>) -> LaneDone {
+fn finish(
+    lane: LaneId,
+    task: LaneTask,
+    started_at: Instant,
+    out: LaneBuffer,
+    result: Result<(), LaneError>,
+) -> LaneDone {
     let (call_idx, layer_idx) = (task.input.call_idx, task.input.layer_idx);
     // `task` (and its Arc of the layer input) is dropped here, before the join hears of it.
     drop(task);
@@ -243,15 +250,17 @@ pub fn hot_lane_loop(
                 let range = task.range.clone();
                 let reduce = task.reduce_into_tokens;
                 let input = &task.input;
-                let result = catch_unwind(AssertUnwindSafe(|| lane.run(lane_idx, input, range, reduce, &mut out)))
-                    .unwrap_or(Err(LaneError::Panicked { lane: id }));
+                let result =
+                    catch_unwind(AssertUnwindSafe(|| lane.run(lane_idx, input, range, reduce, &mut out)))
+                        .unwrap_or(Err(LaneError::Panicked { lane: id }));
                 if done.send(finish(id, task, started_at, out, result)).is_err() {
                     return;
                 }
             }
             HotMsg::Exchange { layer_idx, slot_idx, expert_idx, reply } => {
-                let result = catch_unwind(AssertUnwindSafe(|| lane.load_slot(layer_idx, slot_idx, expert_idx)))
-                    .unwrap_or(Err(LaneError::Panicked { lane: id }));
+                let result =
+                    catch_unwind(AssertUnwindSafe(|| lane.load_slot(layer_idx, slot_idx, expert_idx)))
+                        .unwrap_or(Err(LaneError::Panicked { lane: id }));
                 let _ = reply.send(result);
             }
             HotMsg::Stop => return,

@@ -39,12 +39,27 @@ struct NullHotLane {
 }
 
 impl HotLane for NullHotLane {
-    fn run(&mut self, lane_idx: usize, input: &LayerInput, range: Range<usize>, reduce: bool, out: &mut LaneBuffer) -> Result<(), LaneError> {
+    fn run(
+        &mut self,
+        lane_idx: usize,
+        input: &LayerInput,
+        range: Range<usize>,
+        reduce: bool,
+        out: &mut LaneBuffer,
+    ) -> Result<(), LaneError> {
         let s = &input.worklist.hot[lane_idx];
-        run_entries(input, range, |i| (s.hot_id[i], s.hot_token_id[i], s.hot_weight[i]), reduce, out, &mut self.scratch, |_, n, sc| {
-            sc.ys[..n * HIDDEN].iter_mut().for_each(|y| *y = 0.0);
-            Ok(())
-        })
+        run_entries(
+            input,
+            range,
+            |i| (s.hot_id[i], s.hot_token_id[i], s.hot_weight[i]),
+            reduce,
+            out,
+            &mut self.scratch,
+            |_, n, sc| {
+                sc.ys[..n * HIDDEN].iter_mut().for_each(|y| *y = 0.0);
+                Ok(())
+            },
+        )
     }
     fn load_slot(&mut self, _: usize, _: u32, _: usize) -> Result<(), LaneError> {
         Ok(())
@@ -65,7 +80,12 @@ fn logits(seed: u64) -> Vec<f32> {
 
 fn router() -> Router {
     Router::new(
-        RouterOptions { variant: RoutingVariant::SoftmaxThenTopK, n_experts: N_EXPERTS, n_experts_used: K, norm_topk_prob: true },
+        RouterOptions {
+            variant: RoutingVariant::SoftmaxThenTopK,
+            n_experts: N_EXPERTS,
+            n_experts_used: K,
+            norm_topk_prob: true,
+        },
         1,
     )
 }
@@ -87,7 +107,8 @@ struct CrossbeamLayer {
 
 impl CrossbeamLayer {
     fn new(n_cold_workers: usize, spin: Option<Duration>) -> CrossbeamLayer {
-        let hot_lane: Box<dyn HotLane> = Box::new(NullHotLane { scratch: FfnScratch::new(DIMS, GROUP_TOKENS_MAX) });
+        let hot_lane: Box<dyn HotLane> =
+            Box::new(NullHotLane { scratch: FfnScratch::new(DIMS, GROUP_TOKENS_MAX) });
         let cold: Arc<dyn ColdCompute> = Arc::new(NullCompute(DIMS));
         CrossbeamLayer {
             router: router(),
@@ -110,7 +131,17 @@ impl CrossbeamLayer {
         input.call_idx = self.i as u64;
         input.n_tokens = 1;
         input.x[..HIDDEN].copy_from_slice(&self.x);
-        input.worklist.build(&routes.expert_ids, &routes.weights, 1, K, Some(&self.hot.layers[0]), WorklistOrder::TokenMajor).unwrap();
+        input
+            .worklist
+            .build(
+                &routes.expert_ids,
+                &routes.weights,
+                1,
+                K,
+                Some(&self.hot.layers[0]),
+                WorklistOrder::TokenMajor,
+            )
+            .unwrap();
         input.worklist.check_consistency(Some(&self.hot.layers[0])).unwrap();
         let mut timing = LayerTiming::default();
         self.lanes.run_layer(MergeKind::Direct, false, &mut self.out, &mut timing, || {}).unwrap();
@@ -151,10 +182,18 @@ impl Message<KTask> for KCold {
     type Reply = LaneReply;
     async fn handle(&mut self, mut t: KTask, _: &mut Context<Self, LaneReply>) -> LaneReply {
         let wl = &t.input.worklist;
-        run_entries(&t.input, t.range.clone(), |i| (wl.cold_id[i], wl.cold_token_id[i], wl.cold_weight[i]), false, &mut t.out, &mut self.scratch, |_, n, sc| {
-            sc.ys[..n * HIDDEN].iter_mut().for_each(|y| *y = 0.0);
-            Ok(())
-        })
+        run_entries(
+            &t.input,
+            t.range.clone(),
+            |i| (wl.cold_id[i], wl.cold_token_id[i], wl.cold_weight[i]),
+            false,
+            &mut t.out,
+            &mut self.scratch,
+            |_, n, sc| {
+                sc.ys[..n * HIDDEN].iter_mut().for_each(|y| *y = 0.0);
+                Ok(())
+            },
+        )
         .unwrap();
         LaneReply(t.out)
     }
@@ -184,7 +223,10 @@ impl KameoLayer {
                     KHot { lane: NullHotLane { scratch: FfnScratch::new(DIMS, GROUP_TOKENS_MAX) } },
                     kameo::mailbox::bounded(2),
                 ),
-                KCold::spawn_with_mailbox(KCold { scratch: FfnScratch::new(DIMS, GROUP_TOKENS_MAX) }, kameo::mailbox::bounded(2)),
+                KCold::spawn_with_mailbox(
+                    KCold { scratch: FfnScratch::new(DIMS, GROUP_TOKENS_MAX) },
+                    kameo::mailbox::bounded(2),
+                ),
             )
         };
         let buf = || LaneBuffer { entry_rows: vec![0.0; K * HIDDEN], token_rows: vec![0.0; HIDDEN] };
@@ -194,7 +236,14 @@ impl KameoLayer {
             cold_actor,
             router: router(),
             hot: hot_set(),
-            input: Arc::new(LayerInput { call_idx: 0, layer_idx: 0, n_tokens: 1, hidden: HIDDEN, x: vec![0.5; HIDDEN], worklist: Worklist::new(1, K, N_EXPERTS) }),
+            input: Arc::new(LayerInput {
+                call_idx: 0,
+                layer_idx: 0,
+                n_tokens: 1,
+                hidden: HIDDEN,
+                x: vec![0.5; HIDDEN],
+                worklist: Worklist::new(1, K, N_EXPERTS),
+            }),
             bufs: Some((buf(), buf())),
             out: vec![0.0; HIDDEN],
             logits: (0..64).map(logits).collect(),
@@ -206,11 +255,23 @@ impl KameoLayer {
         self.i += 1;
         let routes = self.router.route(&self.logits[self.i % 64], 1).unwrap();
         let input = Arc::get_mut(&mut self.input).unwrap();
-        input.worklist.build(&routes.expert_ids, &routes.weights, 1, K, Some(&self.hot.layers[0]), WorklistOrder::TokenMajor).unwrap();
+        input
+            .worklist
+            .build(
+                &routes.expert_ids,
+                &routes.weights,
+                1,
+                K,
+                Some(&self.hot.layers[0]),
+                WorklistOrder::TokenMajor,
+            )
+            .unwrap();
         input.worklist.check_consistency(Some(&self.hot.layers[0])).unwrap();
         let (hb, cb) = self.bufs.take().unwrap();
-        let hot_task = KTask { input: self.input.clone(), range: 0..self.input.worklist.hot[0].hot_count, out: hb };
-        let cold_task = KTask { input: self.input.clone(), range: 0..self.input.worklist.cold_count, out: cb };
+        let hot_task =
+            KTask { input: self.input.clone(), range: 0..self.input.worklist.hot[0].hot_count, out: hb };
+        let cold_task =
+            KTask { input: self.input.clone(), range: 0..self.input.worklist.cold_count, out: cb };
         let (hot_actor, cold_actor) = (&self.hot_actor, &self.cold_actor);
         let (h, c) = self.rt.block_on(async move {
             let (h, c) = tokio::join!(hot_actor.ask(hot_task).send(), cold_actor.ask(cold_task).send());
@@ -219,7 +280,10 @@ impl KameoLayer {
         // Join: sum the k rows in slot order.
         let wl = &self.input.worklist;
         self.out.iter_mut().for_each(|v| *v = 0.0);
-        for (rows, weights, n) in [(&h.entry_rows, &wl.hot[0].hot_weight, wl.hot[0].hot_count), (&c.entry_rows, &wl.cold_weight, wl.cold_count)] {
+        for (rows, weights, n) in [
+            (&h.entry_rows, &wl.hot[0].hot_weight, wl.hot[0].hot_count),
+            (&c.entry_rows, &wl.cold_weight, wl.cold_count),
+        ] {
             for e in 0..n {
                 for (o, v) in self.out.iter_mut().zip(&rows[e * HIDDEN..(e + 1) * HIDDEN]) {
                     *o += weights[e] * v;
@@ -233,7 +297,8 @@ impl KameoLayer {
 
 fn route_dispatch(router: &mut Router, wl: &mut Worklist, hot: &HotSet, logits: &[f32]) {
     let routes = router.route(logits, 1).unwrap();
-    wl.build(&routes.expert_ids, &routes.weights, 1, K, Some(&hot.layers[0]), WorklistOrder::TokenMajor).unwrap();
+    wl.build(&routes.expert_ids, &routes.weights, 1, K, Some(&hot.layers[0]), WorklistOrder::TokenMajor)
+        .unwrap();
     wl.check_consistency(Some(&hot.layers[0])).unwrap();
     black_box(&wl.cold_count);
 }
@@ -254,7 +319,10 @@ fn median_us(mut f: impl FnMut(), n: usize) -> f64 {
 }
 
 fn main() {
-    let mut c = Criterion::default().configure_from_args().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    let mut c = Criterion::default()
+        .configure_from_args()
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
     let mut group = c.benchmark_group("decode_layer_overhead");
     let mut cb = CrossbeamLayer::new(1, None);
     group.bench_function("crossbeam", |b| b.iter(|| cb.layer()));

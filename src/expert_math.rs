@@ -164,8 +164,13 @@ pub fn ffn_plain(
 ) -> Result<(), ComputeError> {
     let eb = elem_bytes(w.dtype)?;
     let FfnDims { hidden, ff } = dims;
-    if w.gate.len() != ff * hidden * eb || w.up.len() != ff * hidden * eb || w.down.len() != ff * hidden * eb {
-        return Err(ComputeError::Bad { layer_idx: 0, expert_idx: 0, reason: "weight bytes do not match the dims" });
+    if w.gate.len() != ff * hidden * eb || w.up.len() != ff * hidden * eb || w.down.len() != ff * hidden * eb
+    {
+        return Err(ComputeError::Bad {
+            layer_idx: 0,
+            expert_idx: 0,
+            reason: "weight bytes do not match the dims",
+        });
     }
     let row = &mut s.row[..hidden];
     for r in 0..ff {

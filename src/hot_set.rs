@@ -90,7 +90,8 @@ impl HotSet {
         let n_lanes = n_lanes.clamp(1, MAX_HOT_LANES);
         let layers = (0..n_layers)
             .map(|l| {
-                let mut layer = LayerHotSet { hot_id_map: vec![None; n_experts], slots: vec![Vec::new(); n_lanes] };
+                let mut layer =
+                    LayerHotSet { hot_id_map: vec![None; n_experts], slots: vec![Vec::new(); n_lanes] };
                 for (i, &e) in lists.get(l).map(Vec::as_slice).unwrap_or(&[]).iter().enumerate() {
                     if e >= n_experts || layer.hot_id_map[e].is_some() {
                         continue;
@@ -161,14 +162,18 @@ impl HotSet {
         let mut lists = vec![Vec::new(); n_layers];
         for (key, ids) in &file.layers {
             let field = format!("layers.{key}");
-            let layer_idx: usize =
-                key.parse().map_err(|_| malformed(&field, "layer key must be a non-negative integer".into()))?;
+            let layer_idx: usize = key
+                .parse()
+                .map_err(|_| malformed(&field, "layer key must be a non-negative integer".into()))?;
             if layer_idx >= n_layers {
                 return Err(malformed(&field, format!("the model has {n_layers} layers")));
             }
             for &e in ids {
                 if e as usize >= n_experts {
-                    return Err(malformed(&field, format!("expert {e} out of range (the model has {n_experts})")));
+                    return Err(malformed(
+                        &field,
+                        format!("expert {e} out of range (the model has {n_experts})"),
+                    ));
                 }
                 if lists[layer_idx].contains(&(e as usize)) {
                     return Err(malformed(&field, format!("expert {e} listed twice")));
@@ -181,7 +186,12 @@ impl HotSet {
 
     /// Exchange one slot: expert `evict` leaves the cache, expert `add` takes its slot; the maps
     /// are rewritten. Returns the slot that now holds `add`.
-    pub fn apply_exchange(&mut self, layer_idx: usize, evict: usize, add: usize) -> Result<HotSlot, HotSetError> {
+    pub fn apply_exchange(
+        &mut self,
+        layer_idx: usize,
+        evict: usize,
+        add: usize,
+    ) -> Result<HotSlot, HotSetError> {
         let bad = |reason: String| HotSetError::BadExchange { layer_idx, reason };
         let layer = self.layers.get_mut(layer_idx).ok_or_else(|| bad("no such layer".into()))?;
         if evict >= self.n_experts || add >= self.n_experts {
@@ -216,10 +226,8 @@ mod tests {
     fn fraction_picks_most_used_or_lowest_ids() {
         let hs = HotSet::from_fraction(2, 8, 1, 0.5, None).unwrap();
         assert_eq!(hs.layers[0].slots[0], vec![0, 1, 2, 3]);
-        let learn: PerfReport = serde_json::from_str(
-            r#"{"layers":[{"layer":1,"experts":[0,9,0,5,7,1,0,3]}]}"#,
-        )
-        .unwrap();
+        let learn: PerfReport =
+            serde_json::from_str(r#"{"layers":[{"layer":1,"experts":[0,9,0,5,7,1,0,3]}]}"#).unwrap();
         let hs = HotSet::from_fraction(2, 8, 2, 0.5, Some(&learn)).unwrap();
         assert_eq!(hs.layers[1].slots, vec![vec![1, 3], vec![4, 7]]);
         assert_eq!(hs.layers[1].hot_id_map[4], Some(HotSlot { lane_idx: 1, slot_idx: 0 }));
@@ -249,6 +257,9 @@ mod tests {
         assert!(back.layers[0].is_hot(5) && back.layers[0].is_hot(1) && back.layers[1].n_hot() == 0);
         std::fs::write(&path, r#"{"layers": {"0": [9]}}"#).unwrap();
         let err = HotSet::from_experts_file(&path, 2, 6, 1).unwrap_err().to_string();
-        assert!(err.contains("hot.json") && err.contains("layers.0") && err.contains("out of range"), "{err}");
+        assert!(
+            err.contains("hot.json") && err.contains("layers.0") && err.contains("out of range"),
+            "{err}"
+        );
     }
 }

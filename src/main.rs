@@ -5,16 +5,16 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use moe_lanes::adapter;
 use moe_lanes::dtype::DType;
+use moe_lanes::hot_set::HotSet;
 use moe_lanes::inspect::{format_bytes, InspectReport};
 use moe_lanes::model::Model;
-use moe_lanes::hot_set::HotSet;
 use moe_lanes::perf::{PerfMode, PerfReport};
 use moe_lanes::phase::{Phase, PolicySwitches};
 use moe_lanes::pipeline::{Pipeline, PipelineOptions};
 use moe_lanes::reference::{NoObserver, Reference};
-use std::sync::Arc;
 use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Parser)]
@@ -244,7 +244,13 @@ fn build_pipeline(model: Model, args: &EngineArgs) -> Result<Pipeline> {
     let hot_set = if let Some(path) = &args.hot_experts {
         HotSet::from_experts_file(path, c.n_layers, c.n_experts, args.hot_lanes)?
     } else {
-        HotSet::from_fraction(c.n_layers, c.n_experts, args.hot_lanes, args.hot_fraction.unwrap_or(0.0), learn.as_ref())?
+        HotSet::from_fraction(
+            c.n_layers,
+            c.n_experts,
+            args.hot_lanes,
+            args.hot_fraction.unwrap_or(0.0),
+            learn.as_ref(),
+        )?
     };
     let options = PipelineOptions {
         hot_set: Some(hot_set),
@@ -259,7 +265,8 @@ fn build_pipeline(model: Model, args: &EngineArgs) -> Result<Pipeline> {
 
 fn write_perf(pipeline: &Pipeline, path: &Option<PathBuf>) -> Result<()> {
     if let Some(path) = path {
-        std::fs::write(path, pipeline.perf().to_json()).with_context(|| format!("cannot write {}", path.display()))?;
+        std::fs::write(path, pipeline.perf().to_json())
+            .with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
 }

@@ -53,8 +53,12 @@ pub enum FallbackReason {
 }
 
 impl FallbackReason {
-    pub const ALL: [FallbackReason; 4] =
-        [FallbackReason::LaneFailed, FallbackReason::LaneUnavailable, FallbackReason::Worklist, FallbackReason::Shape];
+    pub const ALL: [FallbackReason; 4] = [
+        FallbackReason::LaneFailed,
+        FallbackReason::LaneUnavailable,
+        FallbackReason::Worklist,
+        FallbackReason::Shape,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -124,7 +128,8 @@ impl PerfReport {
         let value: serde_json::Value =
             serde_json::from_str(text).map_err(|e| malformed("(document)".into(), e.to_string()))?;
         // Re-parse field by field so the error names the field (serde_json's own error names a line).
-        let obj = value.as_object().ok_or_else(|| malformed("(document)".into(), "expected an object".into()))?;
+        let obj =
+            value.as_object().ok_or_else(|| malformed("(document)".into(), "expected an object".into()))?;
         let mut report = PerfReport::default();
         for (key, v) in obj {
             let field = key.clone();
@@ -136,11 +141,17 @@ impl PerfReport {
                 "updates" => serde_json::from_value(v.clone()).map(|x| report.updates = x),
                 "overflow_resets" => serde_json::from_value(v.clone()).map(|x| report.overflow_resets = x),
                 "layers" => {
-                    let arr = v.as_array().ok_or_else(|| malformed(field.clone(), "expected an array".into()))?;
+                    let arr =
+                        v.as_array().ok_or_else(|| malformed(field.clone(), "expected an array".into()))?;
                     for (i, layer) in arr.iter().enumerate() {
-                        let lp = parse_layer(layer).map_err(|(f, r)| malformed(format!("layers[{i}].{f}"), r))?;
+                        let lp =
+                            parse_layer(layer).map_err(|(f, r)| malformed(format!("layers[{i}].{f}"), r))?;
                         if let Some(n) = n_experts {
-                            for (name, a) in [("experts", &lp.experts), ("hot_experts", &lp.hot_experts), ("cold_experts", &lp.cold_experts)] {
+                            for (name, a) in [
+                                ("experts", &lp.experts),
+                                ("hot_experts", &lp.hot_experts),
+                                ("cold_experts", &lp.cold_experts),
+                            ] {
                                 if !a.is_empty() && a.len() != n {
                                     return Err(malformed(
                                         format!("layers[{i}].{name}"),
@@ -322,7 +333,11 @@ mod tests {
         let mut st = PerfState::new(PerfMode::Full, 2, 4, 2);
         st.record_slot(1, 3, true);
         st.record_slot(1, 2, false);
-        st.record_layer_call(1, &LayerTiming { hot_us: 5, cold_us: 7, wall_us: 9, ..Default::default() }, true);
+        st.record_layer_call(
+            1,
+            &LayerTiming { hot_us: 5, cold_us: 7, wall_us: 9, ..Default::default() },
+            true,
+        );
         st.record_fallback(0, FallbackReason::Worklist);
         let json = st.to_json();
         let back = PerfReport::parse(Path::new("x.json"), &json, Some(4)).unwrap();
@@ -332,11 +347,16 @@ mod tests {
     #[test]
     fn tolerant_and_strict_where_it_should_be() {
         let p = Path::new("learn.json");
-        let r = PerfReport::parse(p, r#"{"future": 1, "layers": [{"layer": 0, "experts": [1,2], "new": "x"}]}"#, Some(2))
-            .unwrap();
+        let r = PerfReport::parse(
+            p,
+            r#"{"future": 1, "layers": [{"layer": 0, "experts": [1,2], "new": "x"}]}"#,
+            Some(2),
+        )
+        .unwrap();
         assert_eq!(r.layers[0].experts, vec![1, 2]);
         assert_eq!(r.layers[0].calls, 0);
-        let err = PerfReport::parse(p, r#"{"layers": [{"layer": 0, "experts": [1, "a"]}]}"#, None).unwrap_err();
+        let err =
+            PerfReport::parse(p, r#"{"layers": [{"layer": 0, "experts": [1, "a"]}]}"#, None).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("learn.json") && msg.contains("layers[0].experts"), "{msg}");
         let err = PerfReport::parse(p, r#"{"layers": [{"layer": 0, "experts": [1]}]}"#, Some(3)).unwrap_err();

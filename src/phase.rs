@@ -144,7 +144,8 @@ impl PpPolicy {
     pub fn plan(&self, phase: Phase, n_tokens: usize, cache: CacheState, cold: ColdState) -> Plan {
         let p = &self.profile;
         let s = &self.switches;
-        let cpu_routing = phase == Phase::Decode && p.cpu_decode_routing && n_tokens <= p.cpu_decode_routing_max_tokens;
+        let cpu_routing =
+            phase == Phase::Decode && p.cpu_decode_routing && n_tokens <= p.cpu_decode_routing_max_tokens;
         let mut plan = match phase {
             // Warmup is conservative: token-major, every PP path off, slot-row merge.
             Phase::Warmup => Plan {
@@ -159,7 +160,11 @@ impl PpPolicy {
             Phase::Decode => Plan {
                 phase,
                 order: WorklistOrder::TokenMajor,
-                merge: if n_tokens == 1 && p.decode_direct_merge { MergeKind::Direct } else { MergeKind::SlotRows },
+                merge: if n_tokens == 1 && p.decode_direct_merge {
+                    MergeKind::Direct
+                } else {
+                    MergeKind::SlotRows
+                },
                 compact_cold_reduce: false,
                 dense_pp: false,
                 cold_placement: ColdPlacement::Cpu,

@@ -248,7 +248,8 @@ impl Pipeline {
         }
         let m = options.max_batch_tokens;
         let cold: Arc<dyn ColdCompute> = Arc::new(PlainCompute::new(model.clone()));
-        let lanes = LaneSet::start(hot_lanes, cold.clone(), options.n_cold_workers, m, c.n_experts_used, c.n_experts);
+        let lanes =
+            LaneSet::start(hot_lanes, cold.clone(), options.n_cold_workers, m, c.n_experts_used, c.n_experts);
         let router = Router::new(
             RouterOptions {
                 variant: adapter.routing,
@@ -366,7 +367,12 @@ impl Pipeline {
         }
         for (i, &token) in tokens.iter().enumerate() {
             if token as usize >= c.vocab {
-                return Err(ForwardError::TokenOutOfRange { token, position: cache.n_positions + i, vocab: c.vocab }.into());
+                return Err(ForwardError::TokenOutOfRange {
+                    token,
+                    position: cache.n_positions + i,
+                    vocab: c.vocab,
+                }
+                .into());
             }
         }
         if cache.n_positions + tokens.len() > c.max_positions {
@@ -430,7 +436,12 @@ impl Pipeline {
         let vocab = self.config.vocab;
         let eps = self.config.rms_eps;
         for t in 0..n {
-            rms_norm_row(&self.act.hidden[t * h..(t + 1) * h], &self.final_norm, eps, &mut self.act.normed[..h]);
+            rms_norm_row(
+                &self.act.hidden[t * h..(t + 1) * h],
+                &self.final_norm,
+                eps,
+                &mut self.act.normed[..h],
+            );
             let mut row = vec![0.0; vocab];
             matmul(head, &self.act.normed[..h], 1, h, vocab, &mut row);
             logits_out.push(row);
@@ -441,7 +452,7 @@ impl Pipeline {
     fn ensure_rope(&mut self, n_positions: usize) {
         let hd = self.config.head_dim;
         let half = hd / 2;
-        let have = if half == 0 { n_positions } else { self.rope.len() / half };
+        let have = self.rope.len().checked_div(half).unwrap_or(n_positions);
         let theta = self.config.rope_theta as f64;
         for pos in have..n_positions {
             for i in 0..half {
@@ -458,12 +469,19 @@ impl Pipeline {
         let a = &mut self.act;
         let (h, qd, kvd, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
         for t in 0..n {
-            rms_norm_row(&a.hidden[t * h..(t + 1) * h], &w.attn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
+            rms_norm_row(
+                &a.hidden[t * h..(t + 1) * h],
+                &w.attn_norm,
+                c.rms_eps,
+                &mut a.normed[t * h..(t + 1) * h],
+            );
         }
         matmul(&w.q, &a.normed[..n * h], n, h, qd, &mut a.q[..n * qd]);
         matmul(&w.k, &a.normed[..n * h], n, h, kvd, &mut a.k[..n * kvd]);
         matmul(&w.v, &a.normed[..n * h], n, h, kvd, &mut a.v[..n * kvd]);
-        for (buf, bias, dim) in [(&mut a.q, &w.q_bias, qd), (&mut a.k, &w.k_bias, kvd), (&mut a.v, &w.v_bias, kvd)] {
+        for (buf, bias, dim) in
+            [(&mut a.q, &w.q_bias, qd), (&mut a.k, &w.k_bias, kvd), (&mut a.v, &w.v_bias, kvd)]
+        {
             if let Some(b) = bias {
                 for row in buf[..n * dim].chunks_exact_mut(dim) {
                     row.iter_mut().zip(b).for_each(|(x, y)| *x += y);
@@ -492,7 +510,9 @@ impl Pipeline {
             }
         }
         if let Some(clip) = c.clip_qkv {
-            for x in a.q[..n * qd].iter_mut().chain(a.k[..n * kvd].iter_mut()).chain(a.v[..n * kvd].iter_mut()) {
+            for x in
+                a.q[..n * qd].iter_mut().chain(a.k[..n * kvd].iter_mut()).chain(a.v[..n * kvd].iter_mut())
+            {
                 *x = x.clamp(-clip, clip);
             }
         }
@@ -519,7 +539,8 @@ impl Pipeline {
                 let qh = &a.q[t * qd + head * hd..t * qd + (head + 1) * hd];
                 a.scores.clear();
                 for p in first_visible..=pos {
-                    a.scores.push(dot(qh, &keys[p * kvd + kv_head * hd..p * kvd + (kv_head + 1) * hd]) * scale);
+                    a.scores
+                        .push(dot(qh, &keys[p * kvd + kv_head * hd..p * kvd + (kv_head + 1) * hd]) * scale);
                 }
                 softmax_in_place(&mut a.scores);
                 let oh = &mut a.attn[t * qd + head * hd..t * qd + (head + 1) * hd];
@@ -545,7 +566,12 @@ impl Pipeline {
         let a = &mut self.act;
         let mut timing = LayerTiming::default();
         for t in 0..n {
-            rms_norm_row(&a.hidden[t * h..(t + 1) * h], &w.ffn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
+            rms_norm_row(
+                &a.hidden[t * h..(t + 1) * h],
+                &w.ffn_norm,
+                c.rms_eps,
+                &mut a.normed[t * h..(t + 1) * h],
+            );
         }
         // Router stage.
         let t0 = Instant::now();
@@ -570,8 +596,14 @@ impl Pipeline {
                 input.layer_idx = l;
                 input.n_tokens = n;
                 input.x[..n * h].copy_from_slice(&a.normed[..n * h]);
-                let built =
-                    input.worklist.build(&routes.expert_ids, &routes.weights, n, k, Some(hot_layer), plan.order);
+                let built = input.worklist.build(
+                    &routes.expert_ids,
+                    &routes.weights,
+                    n,
+                    k,
+                    Some(hot_layer),
+                    plan.order,
+                );
                 if built.is_err() {
                     failure = Some(FallbackReason::Shape);
                 } else {
@@ -593,12 +625,29 @@ impl Pipeline {
         let sff = c.shared_expert_ff;
         let mut shared_work = || {
             if let Some(s) = shared {
-                shared_expert(s, &a.normed[..n * h], n, h, sff, activation, &mut a.shared_g, &mut a.shared_u, &mut a.shared_y, &mut a.shared_gate);
+                shared_expert(
+                    s,
+                    &a.normed[..n * h],
+                    n,
+                    h,
+                    sff,
+                    activation,
+                    &mut a.shared_g,
+                    &mut a.shared_u,
+                    &mut a.shared_y,
+                    &mut a.shared_gate,
+                );
             }
         };
         let mut launched = false;
         if failure.is_none() {
-            match self.lanes.run_layer(plan.merge, plan.compact_cold_reduce, &mut a.moe[..n * h], &mut timing, &mut shared_work) {
+            match self.lanes.run_layer(
+                plan.merge,
+                plan.compact_cold_reduce,
+                &mut a.moe[..n * h],
+                &mut timing,
+                &mut shared_work,
+            ) {
                 Ok(()) => launched = true,
                 Err(f) => failure = Some(f.reason),
             }

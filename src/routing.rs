@@ -58,7 +58,9 @@ pub struct Router {
 pub enum RouterError {
     #[error("router sized for {max_tokens} tokens was given {n_tokens}")]
     TooManyTokens { n_tokens: usize, max_tokens: usize },
-    #[error("router logits hold {n_values} values, expected {expected} ({n_tokens} tokens x {n_experts} experts)")]
+    #[error(
+        "router logits hold {n_values} values, expected {expected} ({n_tokens} tokens x {n_experts} experts)"
+    )]
     BadLogits { n_values: usize, expected: usize, n_tokens: usize, n_experts: usize },
 }
 
@@ -97,7 +99,12 @@ impl Router {
             return Err(RouterError::TooManyTokens { n_tokens, max_tokens: self.max_tokens });
         }
         if logits.len() != n_tokens * n_experts {
-            return Err(RouterError::BadLogits { n_values: logits.len(), expected: n_tokens * n_experts, n_tokens, n_experts });
+            return Err(RouterError::BadLogits {
+                n_values: logits.len(),
+                expected: n_tokens * n_experts,
+                n_tokens,
+                n_experts,
+            });
         }
         self.routes.n_tokens = n_tokens;
         self.routes.expert_ids.clear();
@@ -204,8 +211,7 @@ mod tests {
                     let mut router = Router::new(opts, 8);
                     let routes = router.route(&logits, n_tokens).unwrap().clone();
                     for t in 0..n_tokens {
-                        let want =
-                            reference::route(&logits[t * n_experts..][..n_experts], k, variant, norm);
+                        let want = reference::route(&logits[t * n_experts..][..n_experts], k, variant, norm);
                         for (j, (e, w)) in want.iter().enumerate() {
                             assert_eq!(routes.expert_ids[t * k + j] as usize, *e);
                             assert!((routes.weights[t * k + j] - w).abs() < 1e-6);

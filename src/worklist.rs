@@ -131,7 +131,10 @@ impl Worklist {
             return Err(WorklistError::WrongK { found: k, expected: self.k });
         }
         if n_slots > self.capacity || expert_ids.len() != n_slots || weights.len() != n_slots {
-            return Err(WorklistError::OverCapacity { n_slots: n_slots.max(expert_ids.len()), capacity: self.capacity });
+            return Err(WorklistError::OverCapacity {
+                n_slots: n_slots.max(expert_ids.len()),
+                capacity: self.capacity,
+            });
         }
         self.n_tokens = n_tokens;
         self.order = order;
@@ -237,7 +240,10 @@ impl Worklist {
                     .and_then(|h| h.hot_id_map[s.hot_expert_id[i] as usize])
                     .is_some_and(|hs| hs.lane_idx as usize == lane_idx && hs.slot_idx == s.hot_id[i]);
                 if !agrees {
-                    return Err(WorklistError::Inconsistent { slot, reason: "hot id disagrees with the hot map" });
+                    return Err(WorklistError::Inconsistent {
+                        slot,
+                        reason: "hot id disagrees with the hot map",
+                    });
                 }
             }
             if !ordered(&s.hot_expert_id[..s.hot_count], &s.hot_src_slot[..s.hot_count], self.order) {

@@ -26,7 +26,8 @@ fn a_512_plus_1_prompt_keeps_its_tail_in_prefill() {
     spec.n_layers = 1;
     spec.hidden = 16;
     let model = write_tiny(dir.path(), &spec);
-    let opts = PipelineOptions { hot_set: Some(half_hot(&model, 1)), n_cold_workers: 2, ..Default::default() };
+    let opts =
+        PipelineOptions { hot_set: Some(half_hot(&model, 1)), n_cold_workers: 2, ..Default::default() };
     let mut p = Pipeline::new(model.clone(), opts).unwrap();
     let toks = tokens(3, 513, model.config().vocab);
     let mut cache = p.new_cache();
@@ -44,7 +45,11 @@ fn a_512_plus_1_prompt_keeps_its_tail_in_prefill() {
 fn a_multi_token_verify_batch_during_generation_is_decode() {
     let dir = tempfile::tempdir().unwrap();
     let model = write_tiny(dir.path(), &TinySpec::simple(1));
-    let mut p = Pipeline::new(model.clone(), PipelineOptions { hot_set: Some(half_hot(&model, 2)), ..Default::default() }).unwrap();
+    let mut p = Pipeline::new(
+        model.clone(),
+        PipelineOptions { hot_set: Some(half_hot(&model, 2)), ..Default::default() },
+    )
+    .unwrap();
     let toks = tokens(5, 9, model.config().vocab);
     let mut cache = p.new_cache();
     let mut got = p.forward(&mut cache, &toks[..5], Phase::Prefill).unwrap();
@@ -80,7 +85,14 @@ struct BrokenLane {
 }
 
 impl HotLane for BrokenLane {
-    fn run(&mut self, _: usize, _: &LayerInput, _: Range<usize>, _: bool, _: &mut LaneBuffer) -> Result<(), LaneError> {
+    fn run(
+        &mut self,
+        _: usize,
+        _: &LayerInput,
+        _: Range<usize>,
+        _: bool,
+        _: &mut LaneBuffer,
+    ) -> Result<(), LaneError> {
         if self.panic {
             panic!("injected hot lane panic");
         }
@@ -98,7 +110,8 @@ fn a_failing_hot_lane_falls_back_all_cold_with_a_reason() {
         let model = write_tiny(dir.path(), &TinySpec::simple(3));
         let hot = HotSet::from_fraction(2, 8, 1, 1.0, None).unwrap();
         let opts = PipelineOptions { hot_set: Some(hot), ..Default::default() };
-        let mut p = Pipeline::with_hot_lanes(model.clone(), opts, vec![Box::new(BrokenLane { panic })]).unwrap();
+        let mut p =
+            Pipeline::with_hot_lanes(model.clone(), opts, vec![Box::new(BrokenLane { panic })]).unwrap();
         let toks = tokens(11, 6, model.config().vocab);
         let mut cache = p.new_cache();
         let mut got = p.forward(&mut cache, &toks[..5], Phase::Prefill).unwrap();
@@ -137,7 +150,8 @@ fn updater_exchanges_apply_between_calls_and_keep_the_output() {
     let dir = tempfile::tempdir().unwrap();
     let model = write_tiny(dir.path(), &TinySpec::simple(1));
     let hot = HotSet::from_fraction(2, 8, 1, 0.5, None).unwrap(); // experts 0..4 hot
-    let mut p = Pipeline::new(model.clone(), PipelineOptions { hot_set: Some(hot), ..Default::default() }).unwrap();
+    let mut p =
+        Pipeline::new(model.clone(), PipelineOptions { hot_set: Some(hot), ..Default::default() }).unwrap();
     let toks = tokens(17, 10, model.config().vocab);
     let want = reference_logits(&model, &[&toks]);
     let mut cache = p.new_cache();
@@ -177,7 +191,8 @@ fn perf_state_counts_slots_and_renders_json() {
     let model = write_tiny(dir.path(), &TinySpec::simple(0));
     let k = model.config().n_experts_used as u64;
     for mode in [PerfMode::Full, PerfMode::Update, PerfMode::Off] {
-        let opts = PipelineOptions { hot_set: Some(half_hot(&model, 2)), perf_mode: mode, ..Default::default() };
+        let opts =
+            PipelineOptions { hot_set: Some(half_hot(&model, 2)), perf_mode: mode, ..Default::default() };
         let mut p = Pipeline::new(model.clone(), opts).unwrap();
         let toks = tokens(19, 7, model.config().vocab);
         p.forward(&mut p.new_cache(), &toks, Phase::Prefill).unwrap();

@@ -11,8 +11,16 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
-const FIXTURES: [&str; 8] =
-    ["qwen3_moe_a", "qwen3_moe_b", "mixtral_a", "mixtral_b", "olmoe_a", "olmoe_b", "qwen2_moe_a", "qwen2_moe_b"];
+const FIXTURES: [&str; 8] = [
+    "qwen3_moe_a",
+    "qwen3_moe_b",
+    "mixtral_a",
+    "mixtral_b",
+    "olmoe_a",
+    "olmoe_b",
+    "qwen2_moe_a",
+    "qwen2_moe_b",
+];
 const FRACTIONS: [f64; 3] = [0.0, 0.5, 1.0];
 
 fn dir(name: &str) -> PathBuf {
@@ -26,8 +34,10 @@ struct Golden {
 }
 
 fn golden(name: &str) -> Golden {
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(dir(name).join("golden.json")).unwrap()).unwrap();
-    let ids = |key: &str| v[key].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    let v: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir(name).join("golden.json")).unwrap()).unwrap();
+    let ids =
+        |key: &str| v[key].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
     Golden {
         prompt: ids("prompt"),
         greedy: ids("greedy_new_tokens"),
@@ -84,14 +94,34 @@ fn binary_logits_and_generate_agree_with_golden_with_the_default_engine() {
         for f in ["0", "0.5", "1"] {
             let perf = tmp.path().join(format!("{name}-{f}.json"));
             let perf = perf.to_str().unwrap();
-            let v = run(&["logits", "--model", model, "--tokens", &prompt, "--hot-fraction", f, "--perf-json", perf]);
+            let v = run(&[
+                "logits",
+                "--model",
+                model,
+                "--tokens",
+                &prompt,
+                "--hot-fraction",
+                f,
+                "--perf-json",
+                perf,
+            ]);
             let logits: Vec<Vec<f32>> = serde_json::from_value(v["logits"].clone()).unwrap();
             let diff = max_abs_diff(&logits, &g.logits);
             assert!(diff <= 1e-3, "{name} F={f}: max |diff| {diff}");
             let report: Value = serde_json::from_str(&std::fs::read_to_string(perf).unwrap()).unwrap();
             let hits = report["layers"][0]["expert_hits_total"].as_u64().unwrap();
             assert_eq!(hits as usize, g.prompt.len() * report["n_expert_used"].as_u64().unwrap() as usize);
-            let v = run(&["generate", "--model", model, "--tokens", &prompt, "--max-new-tokens", &n_new, "--hot-fraction", f]);
+            let v = run(&[
+                "generate",
+                "--model",
+                model,
+                "--tokens",
+                &prompt,
+                "--max-new-tokens",
+                &n_new,
+                "--hot-fraction",
+                f,
+            ]);
             let tokens: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
             assert_eq!(tokens, g.greedy, "{name} F={f}");
         }
@@ -111,9 +141,39 @@ fn binary_learn_then_hot_fraction_from_the_learn_file() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&learn).unwrap()).unwrap();
-    assert_eq!(report["layers"][0]["cold_slots_total"].as_u64().unwrap(), 64 * 3, "learn runs with the cache off");
+    assert_eq!(
+        report["layers"][0]["cold_slots_total"].as_u64().unwrap(),
+        64 * 3,
+        "learn runs with the cache off"
+    );
     let prompt = g.prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
-    let v = run(&["logits", "--model", model, "--tokens", &prompt, "--hot-fraction", "0.5", "--learn", learn.to_str().unwrap()]);
+    let v = run(&[
+        "logits",
+        "--model",
+        model,
+        "--tokens",
+        &prompt,
+        "--hot-fraction",
+        "0.5",
+        "--learn",
+        learn.to_str().unwrap(),
+    ]);
+    let logits: Vec<Vec<f32>> = serde_json::from_value(v["logits"].clone()).unwrap();
+    assert!(max_abs_diff(&logits, &g.logits) <= 1e-3);
+    // An explicit hot set over two hot lanes.
+    let hot = tmp.path().join("hot.json");
+    std::fs::write(&hot, r#"{"layers": {"0": [0, 3, 5], "1": [7, 1]}}"#).unwrap();
+    let v = run(&[
+        "logits",
+        "--model",
+        model,
+        "--tokens",
+        &prompt,
+        "--hot-experts",
+        hot.to_str().unwrap(),
+        "--hot-lanes",
+        "2",
+    ]);
     let logits: Vec<Vec<f32>> = serde_json::from_value(v["logits"].clone()).unwrap();
     assert!(max_abs_diff(&logits, &g.logits) <= 1e-3);
     // The reference engine is still there.
@@ -123,7 +183,17 @@ fn binary_learn_then_hot_fraction_from_the_learn_file() {
     // A malformed learn file is a clear error naming the file and the field.
     std::fs::write(&learn, r#"{"layers": [{"layer": 0, "experts": "many"}]}"#).unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_moe-lanes"))
-        .args(["logits", "--model", model, "--tokens", "1,2", "--hot-fraction", "0.5", "--learn", learn.to_str().unwrap()])
+        .args([
+            "logits",
+            "--model",
+            model,
+            "--tokens",
+            "1,2",
+            "--hot-fraction",
+            "0.5",
+            "--learn",
+            learn.to_str().unwrap(),
+        ])
         .output()
         .unwrap();
     assert!(!out.status.success());

@@ -46,21 +46,35 @@ fn case() -> impl Strategy<Value = Case> {
         any::<bool>(),
         prop_oneof![Just(DType::BF16), Just(DType::F16), Just(DType::F32)],
     )
-        .prop_map(|(adapter_idx, gguf, seed, n_layers, hidden, (n_heads, n_kv_heads), head_dim, (n_experts, k), expert_ff, tied, dtype)| TinySpec {
-            adapter_idx,
-            gguf,
-            seed,
-            n_layers,
-            hidden,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            n_experts,
-            k: k.min(n_experts),
-            expert_ff,
-            tied,
-            dtype,
-        });
+        .prop_map(
+            |(
+                adapter_idx,
+                gguf,
+                seed,
+                n_layers,
+                hidden,
+                (n_heads, n_kv_heads),
+                head_dim,
+                (n_experts, k),
+                expert_ff,
+                tied,
+                dtype,
+            )| TinySpec {
+                adapter_idx,
+                gguf,
+                seed,
+                n_layers,
+                hidden,
+                n_heads,
+                n_kv_heads,
+                head_dim,
+                n_experts,
+                k: k.min(n_experts),
+                expert_ff,
+                tied,
+                dtype,
+            },
+        );
     (
         spec,
         0u8..3,
@@ -69,26 +83,45 @@ fn case() -> impl Strategy<Value = Case> {
         1usize..=64,
         0usize..3,
         prop_oneof![Just(Phase::Warmup), Just(Phase::Prefill), Just(Phase::Decode)],
-        prop_oneof![Just(None), Just(Some(WorklistOrder::TokenMajor)), Just(Some(WorklistOrder::ExpertMajor))],
+        prop_oneof![
+            Just(None),
+            Just(Some(WorklistOrder::TokenMajor)),
+            Just(Some(WorklistOrder::ExpertMajor))
+        ],
         prop_oneof![Just(Switch::Off), Just(Switch::On), Just(Switch::Auto)],
         prop_oneof![Just(None), Just(Some(true)), Just(Some(false))],
         1usize..=3,
         prop_oneof![Just(64usize), Just(7), Just(1)],
     )
-        .prop_map(|(spec, hot_kind, hot_mask_seed, n_hot_lanes, n_tokens, n_decode, phase, order, reduce_merge, compact_cold_reduce, n_cold_workers, max_batch_tokens)| Case {
-            spec,
-            hot_kind,
-            hot_mask_seed,
-            n_hot_lanes,
-            n_tokens,
-            n_decode,
-            phase,
-            order,
-            reduce_merge,
-            compact_cold_reduce,
-            n_cold_workers,
-            max_batch_tokens,
-        })
+        .prop_map(
+            |(
+                spec,
+                hot_kind,
+                hot_mask_seed,
+                n_hot_lanes,
+                n_tokens,
+                n_decode,
+                phase,
+                order,
+                reduce_merge,
+                compact_cold_reduce,
+                n_cold_workers,
+                max_batch_tokens,
+            )| Case {
+                spec,
+                hot_kind,
+                hot_mask_seed,
+                n_hot_lanes,
+                n_tokens,
+                n_decode,
+                phase,
+                order,
+                reduce_merge,
+                compact_cold_reduce,
+                n_cold_workers,
+                max_batch_tokens,
+            },
+        )
 }
 
 fn run_case(case: &Case) -> Result<(), TestCaseError> {
