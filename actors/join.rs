@@ -26,7 +26,8 @@ pub struct LayerFailure {
 }
 
 struct Lane<M> {
-    tx: Sender<M>,
+    /// `None`: this cold share runs inline on the driver (cold participant 0).
+    tx: Option<Sender<M>>,
     thread: Option<JoinHandle<()>>,
     /// The lane's buffer while it is at home (None while a task holds it, or after it was lost).
     buf: Option<LaneBuffer>,
@@ -53,6 +54,8 @@ pub struct LaneSet {
     slot_locs: Vec<SlotLoc>,
     /// Poll window of the join before parking.
     spin: std::time::Duration,
+    /// The driver's own cold share (participant 0), when it takes one: compute and scratch.
+    driver_cold: Option<(Arc<dyn ColdCompute>, crate::expert_math::FfnScratch)>,
     /// Buffer index -> reduced this layer (hot lanes first, then cold workers).
     reduced: Vec<bool>,
     /// Where each buffer's rows came back this layer (indexes into `returned`).
@@ -73,11 +76,15 @@ impl LaneSet {
         let n_threads = hot_lanes.len() + n_cold_workers.clamp(1, MAX_COLD_WORKERS) + 1;
         let n_cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let spin = if n_cores >= n_threads { LANE_SPIN } else { std::time::Duration::ZERO };
-        Self::start_with_spin(hot_lanes, cold, n_cold_workers, max_tokens, k, n_experts, spin)
+        Self::start_with(hot_lanes, cold, n_cold_workers, max_tokens, k, n_experts, spin, true)
     }
 
-    /// [`LaneSet::start`] with an explicit poll window for lanes and join (zero: park at once).
-    pub fn start_with_spin(
+    /// [`LaneSet::start`] with an explicit poll window for lanes and join (zero: park at once)
+    /// and the choice whether the driver computes cold share 0 itself while it would otherwise
+    /// wait (`driver_cold`: then `n_cold_workers` counts the driver and one thread fewer is
+    /// started, which saves a thread wake-up per layer).
+    #[allow(clippy::too_many_arguments)]
+    pub fn start_with(
         hot_lanes: Vec<Box<dyn HotLane>>,
         cold: Arc<dyn ColdCompute>,
         n_cold_workers: usize,
@@ -85,6 +92,7 @@ impl LaneSet {
         k: usize,
         n_experts: usize,
         spin: std::time::Duration,
+        driver_cold: bool,
     ) -> LaneSet {
         assert!(!hot_lanes.is_empty() && hot_lanes.len() <= MAX_HOT_LANES, "1..=3 hot lanes");
         let n_cold_workers = n_cold_workers.clamp(1, MAX_COLD_WORKERS);
@@ -105,12 +113,15 @@ impl LaneSet {
                     .name(format!("moe-hot-{i}"))
                     .spawn(move || hot_lane_loop(i, lane, rx, done, spin))
                     .expect("spawn hot lane thread");
-                Lane { tx, thread: Some(thread), buf: Some(buffer(capacity)) }
+                Lane { tx: Some(tx), thread: Some(thread), buf: Some(buffer(capacity)) }
             })
             .collect::<Vec<_>>();
         let per_worker = capacity.div_ceil(n_cold_workers);
         let cold_lanes = (0..n_cold_workers)
             .map(|w| {
+                if w == 0 && driver_cold {
+                    return Lane { tx: None, thread: None, buf: Some(buffer(per_worker)) };
+                }
                 let (tx, rx) = bounded(LANE_MAILBOX_CAPACITY);
                 let done = done_tx.clone();
                 let compute = cold.clone();
@@ -118,7 +129,7 @@ impl LaneSet {
                     .name(format!("moe-cold-{w}"))
                     .spawn(move || cold_worker_loop(w, compute, rx, done, spin))
                     .expect("spawn cold worker thread");
-                Lane { tx, thread: Some(thread), buf: Some(buffer(per_worker)) }
+                Lane { tx: Some(tx), thread: Some(thread), buf: Some(buffer(per_worker)) }
             })
             .collect::<Vec<_>>();
         let n_buffers = MAX_HOT_LANES + n_cold_workers;
@@ -139,6 +150,8 @@ impl LaneSet {
             k,
             slot_locs: vec![SlotLoc::default(); capacity],
             spin,
+            driver_cold: driver_cold
+                .then(|| (cold.clone(), crate::expert_math::FfnScratch::new(cold.dims(), GROUP_TOKENS_MAX))),
             reduced: vec![false; n_buffers],
             returned: (0..n_buffers).map(|_| None).collect(),
         }
@@ -180,6 +193,8 @@ impl LaneSet {
             .get(lane_idx)
             .ok_or(LaneError::Disconnected { lane })?
             .tx
+            .as_ref()
+            .ok_or(LaneError::Disconnected { lane })?
             .send(HotMsg::Exchange { layer_idx, slot_idx, expert_idx, reply })
             .map_err(|_| LaneError::Disconnected { lane })?;
         rx.recv_timeout(LANE_TIMEOUT).map_err(|_| LaneError::Disconnected { lane })?
@@ -218,7 +233,8 @@ impl LaneSet {
                 out: lane.buf.take().unwrap_or_else(|| fresh_buffer(count, self.max_tokens, hidden)),
                 sent_at,
             };
-            match lane.tx.try_send(HotMsg::Task(task)) {
+            let tx = lane.tx.as_ref().expect("hot lanes have threads");
+            match tx.try_send(HotMsg::Task(task)) {
                 Ok(()) => {
                     n_sent += 1;
                     self.reduced[lane_idx] = hot_reduce;
@@ -238,11 +254,16 @@ impl LaneSet {
         let cold_count = self.input.worklist.cold_count;
         let n_workers = self.cold.len();
         let chunk = cold_count.div_ceil(n_workers).max(1);
+        let mut driver_range = 0..0;
         for (w, lane) in self.cold.iter_mut().enumerate() {
             let range = (w * chunk).min(cold_count)..((w + 1) * chunk).min(cold_count);
             if range.is_empty() {
                 continue;
             }
+            let Some(tx) = lane.tx.as_ref() else {
+                driver_range = range;
+                continue;
+            };
             let task = LaneTask {
                 input: self.input.clone(),
                 range: range.clone(),
@@ -250,7 +271,7 @@ impl LaneSet {
                 out: lane.buf.take().unwrap_or_else(|| fresh_buffer(range.len(), self.max_tokens, hidden)),
                 sent_at,
             };
-            match lane.tx.try_send(ColdMsg::Task(task)) {
+            match tx.try_send(ColdMsg::Task(task)) {
                 Ok(()) => {
                     n_sent += 1;
                     self.reduced[MAX_HOT_LANES + w] = cold_reduce;
@@ -266,11 +287,41 @@ impl LaneSet {
                 }
             }
         }
+        let (mut hot_start, mut hot_end, mut cold_start, mut cold_end) =
+            (None::<Instant>, None::<Instant>, None::<Instant>, None::<Instant>);
+        // The driver's own cold share, while the lanes run.
+        if !driver_range.is_empty() {
+            if let Some((compute, scratch)) = self.driver_cold.as_mut() {
+                let started_at = Instant::now();
+                let mut out = self.cold[0]
+                    .buf
+                    .take()
+                    .unwrap_or_else(|| fresh_buffer(driver_range.len(), self.max_tokens, hidden));
+                let lane = LaneId::Cold(0);
+                let result = super::lanes::run_cold_task(
+                    &**compute,
+                    lane,
+                    &self.input,
+                    driver_range,
+                    cold_reduce,
+                    &mut out,
+                    scratch,
+                );
+                cold_start = Some(started_at);
+                cold_end = Some(Instant::now());
+                self.reduced[MAX_HOT_LANES] = cold_reduce;
+                self.returned[MAX_HOT_LANES] = Some(out);
+                if let Err(e) = result {
+                    failure.get_or_insert(LayerFailure {
+                        reason: FallbackReason::LaneFailed,
+                        detail: e.to_string(),
+                    });
+                }
+            }
+        }
         overlap_work();
         // Join: wait for every lane that got a task.
         let wait_from = Instant::now();
-        let (mut hot_start, mut hot_end, mut cold_start, mut cold_end) =
-            (None::<Instant>, None::<Instant>, None::<Instant>, None::<Instant>);
         let mut n_done = 0;
         while n_done < n_sent {
             let done = match recv_spin(&self.done_rx, self.spin, Some(LANE_TIMEOUT)) {
@@ -420,11 +471,11 @@ fn fresh_buffer(rows: usize, max_tokens: usize, hidden: usize) -> LaneBuffer {
 
 impl Drop for LaneSet {
     fn drop(&mut self) {
-        for lane in &self.hot {
-            let _ = lane.tx.try_send(HotMsg::Stop);
+        for tx in self.hot.iter().filter_map(|l| l.tx.as_ref()) {
+            let _ = tx.try_send(HotMsg::Stop);
         }
-        for lane in &self.cold {
-            let _ = lane.tx.try_send(ColdMsg::Stop);
+        for tx in self.cold.iter().filter_map(|l| l.tx.as_ref()) {
+            let _ = tx.try_send(ColdMsg::Stop);
         }
         // Drain late answers so no lane blocks on a full done channel, then join the threads.
         while self.done_rx.try_recv().is_ok() {}

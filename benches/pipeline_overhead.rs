@@ -106,7 +106,7 @@ struct CrossbeamLayer {
 }
 
 impl CrossbeamLayer {
-    fn new(n_cold_workers: usize, spin: Option<Duration>) -> CrossbeamLayer {
+    fn new(n_cold_workers: usize, spin: Option<Duration>, driver_cold: bool) -> CrossbeamLayer {
         let hot_lane: Box<dyn HotLane> =
             Box::new(NullHotLane { scratch: FfnScratch::new(DIMS, GROUP_TOKENS_MAX) });
         let cold: Arc<dyn ColdCompute> = Arc::new(NullCompute(DIMS));
@@ -114,7 +114,9 @@ impl CrossbeamLayer {
             router: router(),
             lanes: match spin {
                 None => LaneSet::start(vec![hot_lane], cold, n_cold_workers, 1, K, N_EXPERTS),
-                Some(s) => LaneSet::start_with_spin(vec![hot_lane], cold, n_cold_workers, 1, K, N_EXPERTS, s),
+                Some(s) => {
+                    LaneSet::start_with(vec![hot_lane], cold, n_cold_workers, 1, K, N_EXPERTS, s, driver_cold)
+                }
             },
             hot: hot_set(),
             out: vec![0.0; HIDDEN],
@@ -324,12 +326,17 @@ fn main() {
         .measurement_time(Duration::from_secs(3))
         .warm_up_time(Duration::from_secs(1));
     let mut group = c.benchmark_group("decode_layer_overhead");
-    let mut cb = CrossbeamLayer::new(1, None);
+    // Engine default: the driver computes the cold share itself (1 cold participant).
+    let mut cb = CrossbeamLayer::new(1, None, true);
     group.bench_function("crossbeam", |b| b.iter(|| cb.layer()));
-    let mut cb_park = CrossbeamLayer::new(1, Some(Duration::ZERO));
-    group.bench_function("crossbeam_park", |b| b.iter(|| cb_park.layer()));
-    let mut cb_spin = CrossbeamLayer::new(1, Some(LANE_SPIN));
-    group.bench_function("crossbeam_spin", |b| b.iter(|| cb_spin.layer()));
+    // One cold worker thread besides the driver, parking at once.
+    let mut cb_park = CrossbeamLayer::new(1, Some(Duration::ZERO), false);
+    group.bench_function("crossbeam_cold_thread_park", |b| b.iter(|| cb_park.layer()));
+    // Driver + one cold worker thread (2 cold participants), parking at once.
+    let mut cb_two = CrossbeamLayer::new(2, Some(Duration::ZERO), true);
+    group.bench_function("crossbeam_driver_plus_cold_thread", |b| b.iter(|| cb_two.layer()));
+    let mut cb_spin = CrossbeamLayer::new(1, Some(LANE_SPIN), false);
+    group.bench_function("crossbeam_cold_thread_poll", |b| b.iter(|| cb_spin.layer()));
     let mut km = KameoLayer::new();
     group.bench_function("kameo", |b| b.iter(|| km.layer()));
     let (mut r, mut wl, hot, lg) = (router(), Worklist::new(1, K, N_EXPERTS), hot_set(), logits(3));
@@ -342,13 +349,18 @@ fn main() {
     let cross = median_us(|| cb.layer(), n);
     let park = median_us(|| cb_park.layer(), n);
     let spin = median_us(|| cb_spin.layer(), n);
+    let two = median_us(|| cb_two.layer(), n);
     let kameo = median_us(|| km.layer(), n);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("MEDIAN per-layer decode overhead, {N_EXPERTS} experts, k={K}, hidden={HIDDEN}, expert math excluded:");
-    println!("MEDIAN route+dispatch only:                  {rd:8.2} us");
+    println!("MEDIAN route+dispatch only:                                     {rd:8.2} us");
     println!("MEDIAN machine: {cores} cores");
-    println!("MEDIAN crossbeam lanes, engine default:       {cross:8.2} us");
-    println!("MEDIAN crossbeam lanes, park at once:         {park:8.2} us");
-    println!("MEDIAN crossbeam lanes, poll {:>3} us first:    {spin:8.2} us", LANE_SPIN.as_micros());
-    println!("MEDIAN kameo actors (ask, bounded mailbox):  {kameo:8.2} us");
+    println!("MEDIAN crossbeam, engine default (driver takes the cold share): {cross:8.2} us");
+    println!("MEDIAN crossbeam, cold worker thread, park at once:             {park:8.2} us");
+    println!("MEDIAN crossbeam, driver + cold worker thread, park at once:    {two:8.2} us");
+    println!(
+        "MEDIAN crossbeam, cold worker thread, poll {:>3} us first:        {spin:8.2} us",
+        LANE_SPIN.as_micros()
+    );
+    println!("MEDIAN kameo actors (ask, bounded mailbox, cold actor):         {kameo:8.2} us");
 }

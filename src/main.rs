@@ -65,7 +65,7 @@ struct EngineArgs {
     /// Hot lanes (1..=3); hot experts are dealt round-robin over them.
     #[arg(long, default_value_t = 1)]
     hot_lanes: usize,
-    /// Cold-lane worker threads (default: cores - 1).
+    /// Cold-lane threads, the driver thread included (default: cores - 1).
     #[arg(long)]
     cold_threads: Option<usize>,
     /// Write the perf JSON here after the run.

@@ -15,6 +15,7 @@
 //! are computed all-cold on the driver thread from the RAM experts, and the fallback is counted
 //! with its reason. The result is the same.
 
+use crate::actors::messages::LANE_SPIN;
 use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneSet, UpdaterHandle};
 use crate::adapter::{Adapter, FfnActivation, QkNorm, RopeStyle};
 use crate::config::ModelConfig;
@@ -35,8 +36,9 @@ use std::time::Instant;
 /// roughly `max_batch_tokens * (6 * hidden + 2 * q_dim + k * hidden * 2)` floats.
 pub const MAX_BATCH_TOKENS: usize = 512;
 
-/// Default cold-lane worker count when none is given: the machine's cores minus one (the
-/// driver), at least one.
+/// Default cold-lane participants when none is given: the machine's cores minus one (for the
+/// hot lane thread), at least one. The driver thread is cold participant 0 (it computes its share
+/// while it would otherwise wait for the lanes), so this many minus one worker threads start.
 pub fn default_cold_workers() -> usize {
     std::thread::available_parallelism().map(|n| n.get().saturating_sub(1)).unwrap_or(1).max(1)
 }
@@ -55,7 +57,10 @@ pub struct PipelineOptions {
     pub hot_set: Option<HotSet>,
     /// Hot lanes (1..=3) when `hot_set` is `None`; otherwise the hot set decides.
     pub n_hot_lanes: usize,
+    /// Cold-lane participants, the driver included when `driver_cold`.
     pub n_cold_workers: usize,
+    /// The driver computes cold share 0 itself while the lanes run (saves a wake-up per layer).
+    pub driver_cold: bool,
     pub perf_mode: PerfMode,
     pub switches: PolicySwitches,
     pub max_batch_tokens: usize,
@@ -68,6 +73,7 @@ impl Default for PipelineOptions {
             hot_set: None,
             n_hot_lanes: 1,
             n_cold_workers: default_cold_workers(),
+            driver_cold: true,
             perf_mode: PerfMode::Full,
             switches: PolicySwitches::default(),
             max_batch_tokens: MAX_BATCH_TOKENS,

@@ -29,6 +29,7 @@ struct Case {
     reduce_merge: Switch,
     compact_cold_reduce: Option<bool>,
     n_cold_workers: usize,
+    driver_cold: bool,
     max_batch_tokens: usize,
 }
 
@@ -90,7 +91,7 @@ fn case() -> impl Strategy<Value = Case> {
         ],
         prop_oneof![Just(Switch::Off), Just(Switch::On), Just(Switch::Auto)],
         prop_oneof![Just(None), Just(Some(true)), Just(Some(false))],
-        1usize..=3,
+        (1usize..=3, any::<bool>()),
         prop_oneof![Just(64usize), Just(7), Just(1)],
     )
         .prop_map(
@@ -105,7 +106,7 @@ fn case() -> impl Strategy<Value = Case> {
                 order,
                 reduce_merge,
                 compact_cold_reduce,
-                n_cold_workers,
+                (n_cold_workers, driver_cold),
                 max_batch_tokens,
             )| Case {
                 spec,
@@ -119,6 +120,7 @@ fn case() -> impl Strategy<Value = Case> {
                 reduce_merge,
                 compact_cold_reduce,
                 n_cold_workers,
+                driver_cold,
                 max_batch_tokens,
             },
         )
@@ -140,6 +142,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         hot_set: Some(hot_set),
         n_hot_lanes: case.n_hot_lanes,
         n_cold_workers: case.n_cold_workers,
+        driver_cold: case.driver_cold,
         switches: PolicySwitches {
             reduce_merge: case.reduce_merge,
             compact_cold_reduce: case.compact_cold_reduce,
