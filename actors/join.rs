@@ -73,7 +73,8 @@ impl LaneSet {
         k: usize,
         n_experts: usize,
     ) -> LaneSet {
-        let n_threads = hot_lanes.len() + n_cold_workers.clamp(1, MAX_COLD_WORKERS) + 1;
+        // Lane threads plus the driver, which is cold participant 0.
+        let n_threads = hot_lanes.len() + n_cold_workers.clamp(1, MAX_COLD_WORKERS);
         let n_cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let spin = if n_cores >= n_threads { LANE_SPIN } else { std::time::Duration::ZERO };
         Self::start_with(hot_lanes, cold, n_cold_workers, max_tokens, k, n_experts, spin, true)

@@ -305,6 +305,31 @@ fn route_dispatch(router: &mut Router, wl: &mut Worklist, hot: &HotSet, logits: 
     black_box(&wl.cold_count);
 }
 
+/// The floor: one message to a parked thread and one back (bounded crossbeam channels).
+struct PingPong {
+    tx: crossbeam_channel::Sender<u64>,
+    rx: crossbeam_channel::Receiver<u64>,
+}
+
+impl PingPong {
+    fn new() -> PingPong {
+        let (tx, peer_rx) = crossbeam_channel::bounded::<u64>(1);
+        let (peer_tx, rx) = crossbeam_channel::bounded::<u64>(1);
+        std::thread::spawn(move || {
+            while let Ok(v) = peer_rx.recv() {
+                if peer_tx.send(v + 1).is_err() {
+                    return;
+                }
+            }
+        });
+        PingPong { tx, rx }
+    }
+    fn round_trip(&self) {
+        self.tx.send(1).unwrap();
+        black_box(self.rx.recv().unwrap());
+    }
+}
+
 fn median_us(mut f: impl FnMut(), n: usize) -> f64 {
     for _ in 0..n / 10 {
         f();
@@ -341,6 +366,8 @@ fn main() {
     group.bench_function("kameo", |b| b.iter(|| km.layer()));
     let (mut r, mut wl, hot, lg) = (router(), Worklist::new(1, K, N_EXPERTS), hot_set(), logits(3));
     group.bench_function("route_dispatch_only", |b| b.iter(|| route_dispatch(&mut r, &mut wl, &hot, &lg)));
+    let ping = PingPong::new();
+    group.bench_function("bare_round_trip_to_parked_thread", |b| b.iter(|| ping.round_trip()));
     group.finish();
     c.final_summary();
 
@@ -351,10 +378,12 @@ fn main() {
     let spin = median_us(|| cb_spin.layer(), n);
     let two = median_us(|| cb_two.layer(), n);
     let kameo = median_us(|| km.layer(), n);
+    let floor = median_us(|| ping.round_trip(), n);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("MEDIAN per-layer decode overhead, {N_EXPERTS} experts, k={K}, hidden={HIDDEN}, expert math excluded:");
     println!("MEDIAN route+dispatch only:                                     {rd:8.2} us");
     println!("MEDIAN machine: {cores} cores");
+    println!("MEDIAN floor: bare round trip to a parked thread:                {floor:8.2} us");
     println!("MEDIAN crossbeam, engine default (driver takes the cold share): {cross:8.2} us");
     println!("MEDIAN crossbeam, cold worker thread, park at once:             {park:8.2} us");
     println!("MEDIAN crossbeam, driver + cold worker thread, park at once:    {two:8.2} us");

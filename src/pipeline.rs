@@ -254,8 +254,20 @@ impl Pipeline {
         }
         let m = options.max_batch_tokens;
         let cold: Arc<dyn ColdCompute> = Arc::new(PlainCompute::new(model.clone()));
-        let lanes =
-            LaneSet::start(hot_lanes, cold.clone(), options.n_cold_workers, m, c.n_experts_used, c.n_experts);
+        // Lane threads plus the driver (which is cold participant 0 when `driver_cold`).
+        let n_threads = hot_lanes.len() + options.n_cold_workers + usize::from(!options.driver_cold);
+        let n_cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let spin = if n_cores >= n_threads { LANE_SPIN } else { std::time::Duration::ZERO };
+        let lanes = LaneSet::start_with(
+            hot_lanes,
+            cold.clone(),
+            options.n_cold_workers,
+            m,
+            c.n_experts_used,
+            c.n_experts,
+            spin,
+            options.driver_cold,
+        );
         let router = Router::new(
             RouterOptions {
                 variant: adapter.routing,
