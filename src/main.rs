@@ -454,15 +454,26 @@ fn demo(args: DemoArgs) -> Result<()> {
     };
     let model = open_model(&path)?;
     print!("{}", InspectReport::new(&model).to_text());
-    let reference = Reference::new(&model)?;
     let prompt = moe_lanes::inspect::sample_tokens(model.config().vocab, 8);
+    // The default engine, with half of every layer's experts on the (CPU) hot lane.
+    let engine = EngineArgs {
+        engine: "pipeline".into(),
+        hot_fraction: Some(0.5),
+        learn: None,
+        hot_experts: None,
+        hot_lanes: 1,
+        cold_threads: None,
+        perf_json: None,
+        perf_mode: "full".into(),
+    };
+    let mut pipeline = build_pipeline(model, &engine)?;
     let start = Instant::now();
-    let tokens = reference.generate(&prompt, args.max_new_tokens)?;
+    let tokens = pipeline.generate(&prompt, args.max_new_tokens)?;
     let seconds = start.elapsed().as_secs_f64();
     println!("prompt    {prompt:?}");
     println!("generated {tokens:?}");
     println!(
-        "engine reference: {} tokens in {:.3} s ({:.1} tokens/s)",
+        "engine pipeline: {} tokens in {:.3} s ({:.1} tokens/s)",
         tokens.len(),
         seconds,
         (prompt.len() + tokens.len()) as f64 / seconds

@@ -222,6 +222,9 @@ pub struct LayerTiming {
 pub struct PerfState {
     mode: PerfMode,
     report: PerfReport,
+    /// Per layer, the timings of the most recent call (`full` mode): hot-lane, cold-lane, wall,
+    /// overlap and join wait of one layer and one call, beside the totals of the report.
+    last_call: Vec<LayerTiming>,
 }
 
 impl PerfState {
@@ -239,6 +242,7 @@ impl PerfState {
             .collect();
         PerfState {
             mode,
+            last_call: vec![LayerTiming::default(); n_layers],
             report: PerfReport {
                 mode,
                 active: mode != PerfMode::Off,
@@ -283,6 +287,7 @@ impl PerfState {
         if self.mode != PerfMode::Full {
             return;
         }
+        self.last_call[layer_idx] = *timing;
         l.routing_time_us += timing.routing_us;
         l.worklist_time_us += timing.worklist_us;
         l.merge_time_us += timing.merge_us;
@@ -309,6 +314,11 @@ impl PerfState {
         if self.mode != PerfMode::Off {
             self.report.updates += 1;
         }
+    }
+
+    /// Timings of `layer_idx` in the most recent call (`full` mode; zero otherwise).
+    pub fn last_call(&self, layer_idx: usize) -> &LayerTiming {
+        &self.last_call[layer_idx]
     }
 
     pub fn report(&self) -> &PerfReport {

@@ -206,6 +206,11 @@ fn perf_state_counts_slots_and_renders_json() {
                 assert_eq!(l.experts.iter().sum::<u64>(), 7 * k);
                 assert_eq!(l.calls, 1);
                 assert_eq!(l.parallel_launches, u64::from(mode == PerfMode::Full));
+                if mode == PerfMode::Full {
+                    let last = p.perf().last_call(0);
+                    assert!(last.wall_us >= last.join_wait_us);
+                    assert!(last.overlap_us <= last.hot_us.min(last.cold_us));
+                }
             }
         }
     }
