@@ -201,3 +201,88 @@ pub fn ffn_plain(
     }
     Ok(())
 }
+
+/// The fast cold-lane kernels of `moe-lanes-kernels` (runtime-dispatched SIMD, level from
+/// `MOE_LANES_SIMD` or the best exact level the CPU has: AVX-512 BF16 only when named) behind
+/// the same [`ColdCompute`] boundary. Same math as [`PlainCompute`], different summation order
+/// (equal within rounding).
+pub struct SimdCompute {
+    model: Arc<Model>,
+    dims: FfnDims,
+    level: moe_lanes_kernels::SimdLevel,
+    act: moe_lanes_kernels::Activation,
+    dtype: moe_lanes_kernels::WeightDType,
+}
+
+/// Unit token weights for [`SimdCompute`]'s down projection (which accumulates `w * y`).
+static UNIT_WEIGHTS: [f32; crate::actors::messages::GROUP_TOKENS_MAX] =
+    [1.0; crate::actors::messages::GROUP_TOKENS_MAX];
+
+impl SimdCompute {
+    pub fn new(model: Arc<Model>) -> Result<SimdCompute, ComputeError> {
+        use moe_lanes_kernels::{Activation, SimdLevel, WeightDType};
+        let dtype = match model.expert_dtype() {
+            DType::BF16 => WeightDType::BF16,
+            DType::F16 => WeightDType::F16,
+            DType::F32 => WeightDType::F32,
+            other => return Err(ComputeError::UnsupportedDType(other)),
+        };
+        let level = SimdLevel::from_env_or_detect().map_err(|_| ComputeError::Bad {
+            layer_idx: 0,
+            expert_idx: 0,
+            reason: "MOE_LANES_SIMD names a SIMD level this CPU lacks",
+        })?;
+        // The AVX-512 BF16 kernel rounds activations to BF16 (about 1e-3 relative), outside the
+        // pipeline's 1e-4 contract with the reference: use it only when asked for by name.
+        let forced = std::env::var_os(moe_lanes_kernels::SIMD_ENV_VAR).is_some();
+        let level = if level == SimdLevel::Avx512Bf16 && !forced { SimdLevel::Avx512 } else { level };
+        let act = match model.adapter().activation {
+            FfnActivation::Silu => Activation::Silu,
+            // The plain kernel's GELU is the tanh form; keep the two kernels equal.
+            FfnActivation::Gelu => Activation::GeluTanh,
+        };
+        let c = model.config();
+        let dims = FfnDims { hidden: c.hidden, ff: c.expert_ff };
+        Ok(SimdCompute { model, dims, level, act, dtype })
+    }
+}
+
+impl ColdCompute for SimdCompute {
+    fn dims(&self) -> FfnDims {
+        self.dims
+    }
+
+    fn expert_ffn(
+        &self,
+        layer_idx: usize,
+        expert_idx: usize,
+        n: usize,
+        s: &mut FfnScratch,
+    ) -> Result<(), ComputeError> {
+        let FfnDims { hidden, ff } = self.dims;
+        let e = self.model.expert(layer_idx, expert_idx);
+        let w = moe_lanes_kernels::ExpertWeights {
+            gate: e.gate.data,
+            up: e.up.data,
+            down: e.down.data,
+            dtype: self.dtype,
+            hidden,
+            ff,
+        };
+        let bad = |_| ComputeError::Bad { layer_idx, expert_idx, reason: "kernel rejected the shapes" };
+        let h = &mut s.gate[..n * ff];
+        moe_lanes_kernels::gate_up_activation(self.level, &w, self.act, &s.xs[..n * hidden], 0..ff, h)
+            .map_err(bad)?;
+        let ys = &mut s.ys[..n * hidden];
+        ys.iter_mut().for_each(|y| *y = 0.0);
+        moe_lanes_kernels::down_accumulate(
+            self.level,
+            &w,
+            &s.gate[..n * ff],
+            &UNIT_WEIGHTS[..n],
+            0..hidden,
+            ys,
+        )
+        .map_err(bad)
+    }
+}

@@ -10,7 +10,7 @@ use moe_lanes::inspect::{format_bytes, InspectReport};
 use moe_lanes::model::Model;
 use moe_lanes::perf::{PerfMode, PerfReport};
 use moe_lanes::phase::{Phase, PolicySwitches};
-use moe_lanes::pipeline::{Pipeline, PipelineOptions};
+use moe_lanes::pipeline::{ColdKernels, Pipeline, PipelineOptions};
 use moe_lanes::reference::{NoObserver, Reference};
 use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
 use std::path::{Path, PathBuf};
@@ -74,6 +74,9 @@ struct EngineArgs {
     /// full, update or off.
     #[arg(long, default_value = "full")]
     perf_mode: String,
+    /// Cold-lane kernels: simd (moe-lanes-kernels) or plain.
+    #[arg(long, default_value = "simd")]
+    cold_kernels: String,
 }
 
 #[derive(Args)]
@@ -257,6 +260,7 @@ fn build_pipeline(model: Model, args: &EngineArgs) -> Result<Pipeline> {
         n_hot_lanes: args.hot_lanes,
         n_cold_workers: args.cold_threads.unwrap_or_else(moe_lanes::pipeline::default_cold_workers),
         perf_mode: args.perf_mode.parse::<PerfMode>().map_err(anyhow::Error::msg)?,
+        cold_kernels: args.cold_kernels.parse::<ColdKernels>().map_err(anyhow::Error::msg)?,
         switches: PolicySwitches::from_env(),
         ..PipelineOptions::default()
     };
@@ -395,6 +399,7 @@ fn learn(args: LearnArgs) -> Result<()> {
         cold_threads: args.cold_threads,
         perf_json: Some(args.out.clone()),
         perf_mode: "full".into(),
+        cold_kernels: "simd".into(),
     };
     let mut pipeline = build_pipeline(model, &engine)?;
     let mut cache = pipeline.new_cache();
@@ -465,6 +470,7 @@ fn demo(args: DemoArgs) -> Result<()> {
         cold_threads: None,
         perf_json: None,
         perf_mode: "full".into(),
+        cold_kernels: "simd".into(),
     };
     let mut pipeline = build_pipeline(model, &engine)?;
     let start = Instant::now();

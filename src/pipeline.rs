@@ -19,7 +19,7 @@ use crate::actors::messages::LANE_SPIN;
 use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneSet, UpdaterHandle};
 use crate::adapter::{Adapter, FfnActivation, QkNorm, RopeStyle};
 use crate::config::ModelConfig;
-use crate::expert_math::{gelu, silu, ColdCompute, FfnScratch, PlainCompute};
+use crate::expert_math::{gelu, silu, ColdCompute, FfnScratch, PlainCompute, SimdCompute};
 use crate::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
 use crate::model::Model;
 use crate::naming::{GlobalRole, LayerRole};
@@ -50,6 +50,27 @@ pub struct FaultInjection {
     pub corrupt_worklist_layer: Option<usize>,
 }
 
+/// Which kernels the cold lane runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ColdKernels {
+    /// The plain row-dot kernel of [`crate::expert_math`] (bit-identical to the reference).
+    Plain,
+    /// The SIMD kernels of `moe-lanes-kernels` (equal within rounding).
+    #[default]
+    Simd,
+}
+
+impl std::str::FromStr for ColdKernels {
+    type Err = String;
+    fn from_str(s: &str) -> Result<ColdKernels, String> {
+        match s {
+            "plain" => Ok(ColdKernels::Plain),
+            "simd" => Ok(ColdKernels::Simd),
+            other => Err(format!("cold kernels '{other}': expected plain or simd")),
+        }
+    }
+}
+
 /// How to build a pipeline.
 #[derive(Debug, Clone)]
 pub struct PipelineOptions {
@@ -62,6 +83,8 @@ pub struct PipelineOptions {
     /// The driver computes cold share 0 itself while the lanes run (saves a wake-up per layer).
     pub driver_cold: bool,
     pub perf_mode: PerfMode,
+    /// The cold lane's kernels.
+    pub cold_kernels: ColdKernels,
     pub switches: PolicySwitches,
     pub max_batch_tokens: usize,
     pub fault: FaultInjection,
@@ -75,6 +98,7 @@ impl Default for PipelineOptions {
             n_cold_workers: default_cold_workers(),
             driver_cold: true,
             perf_mode: PerfMode::Full,
+            cold_kernels: ColdKernels::Simd,
             switches: PolicySwitches::default(),
             max_batch_tokens: MAX_BATCH_TOKENS,
             fault: FaultInjection::default(),
@@ -253,7 +277,13 @@ impl Pipeline {
             });
         }
         let m = options.max_batch_tokens;
-        let cold: Arc<dyn ColdCompute> = Arc::new(PlainCompute::new(model.clone()));
+        let cold: Arc<dyn ColdCompute> = match options.cold_kernels {
+            ColdKernels::Plain => Arc::new(PlainCompute::new(model.clone())),
+            ColdKernels::Simd => Arc::new(
+                SimdCompute::new(model.clone())
+                    .map_err(|e| PipelineError::Setup(format!("cold kernels: {e}")))?,
+            ),
+        };
         // Lane threads plus the driver (which is cold participant 0 when `driver_cold`).
         let n_threads = hot_lanes.len() + options.n_cold_workers + usize::from(!options.driver_cold);
         let n_cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);

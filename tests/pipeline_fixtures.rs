@@ -176,6 +176,20 @@ fn binary_learn_then_hot_fraction_from_the_learn_file() {
     ]);
     let logits: Vec<Vec<f32>> = serde_json::from_value(v["logits"].clone()).unwrap();
     assert!(max_abs_diff(&logits, &g.logits) <= 1e-3);
+    // The plain cold kernels.
+    let v = run(&[
+        "logits",
+        "--model",
+        model,
+        "--tokens",
+        &prompt,
+        "--hot-fraction",
+        "0.5",
+        "--cold-kernels",
+        "plain",
+    ]);
+    let logits: Vec<Vec<f32>> = serde_json::from_value(v["logits"].clone()).unwrap();
+    assert!(max_abs_diff(&logits, &g.logits) <= 1e-3);
     // The reference engine is still there.
     let v = run(&["logits", "--model", model, "--tokens", &prompt, "--engine", "reference"]);
     let logits: Vec<Vec<f32>> = serde_json::from_value(v["logits"].clone()).unwrap();

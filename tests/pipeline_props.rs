@@ -9,7 +9,7 @@ use common::*;
 use moe_lanes::dtype::DType;
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::phase::{Phase, PolicySwitches, Switch};
-use moe_lanes::pipeline::{Pipeline, PipelineOptions};
+use moe_lanes::pipeline::{ColdKernels, Pipeline, PipelineOptions};
 use moe_lanes::worklist::WorklistOrder;
 use proptest::prelude::*;
 use proptest::test_runner::{RngSeed, TestRunner};
@@ -30,6 +30,7 @@ struct Case {
     compact_cold_reduce: Option<bool>,
     n_cold_workers: usize,
     driver_cold: bool,
+    simd: bool,
     max_batch_tokens: usize,
 }
 
@@ -91,7 +92,7 @@ fn case() -> impl Strategy<Value = Case> {
         ],
         prop_oneof![Just(Switch::Off), Just(Switch::On), Just(Switch::Auto)],
         prop_oneof![Just(None), Just(Some(true)), Just(Some(false))],
-        (1usize..=3, any::<bool>()),
+        (1usize..=3, any::<bool>(), any::<bool>()),
         prop_oneof![Just(64usize), Just(7), Just(1)],
     )
         .prop_map(
@@ -106,7 +107,7 @@ fn case() -> impl Strategy<Value = Case> {
                 order,
                 reduce_merge,
                 compact_cold_reduce,
-                (n_cold_workers, driver_cold),
+                (n_cold_workers, driver_cold, simd),
                 max_batch_tokens,
             )| Case {
                 spec,
@@ -121,6 +122,7 @@ fn case() -> impl Strategy<Value = Case> {
                 compact_cold_reduce,
                 n_cold_workers,
                 driver_cold,
+                simd,
                 max_batch_tokens,
             },
         )
@@ -143,6 +145,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         n_hot_lanes: case.n_hot_lanes,
         n_cold_workers: case.n_cold_workers,
         driver_cold: case.driver_cold,
+        cold_kernels: if case.simd { ColdKernels::Simd } else { ColdKernels::Plain },
         switches: PolicySwitches {
             reduce_merge: case.reduce_merge,
             compact_cold_reduce: case.compact_cold_reduce,
