@@ -5,11 +5,16 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use moe_lanes::adapter;
 use moe_lanes::dtype::DType;
+use moe_lanes::hot_set::HotSet;
 use moe_lanes::inspect::{format_bytes, InspectReport};
 use moe_lanes::model::Model;
+use moe_lanes::perf::{PerfMode, PerfReport};
+use moe_lanes::phase::{Phase, PolicySwitches};
+use moe_lanes::pipeline::{ColdKernels, Pipeline, PipelineOptions};
 use moe_lanes::reference::{NoObserver, Reference};
 use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 #[derive(Parser)]
@@ -35,6 +40,9 @@ enum Command {
     Logits(LogitsArgs),
     /// Greedy generation; prints the generated token ids as JSON.
     Generate(GenerateArgs),
+    /// Learn pass: run tokens through the pipeline with the cache off and write the perf JSON
+    /// learn file (per-layer, per-expert usage and timings).
+    Learn(LearnArgs),
     /// Measure the machine's read bandwidth and the cold-lane kernels' decode/prefill speed.
     BenchKernels(BenchKernelsArgs),
     /// End-to-end prompt processing and generation speed on the GPU with a hot cache.
@@ -68,6 +76,38 @@ struct BenchArgs {
     learn_tokens: usize,
     #[arg(long)]
     json: bool,
+}
+
+/// Engine selection and pipeline settings shared by logits and generate.
+#[derive(Args)]
+struct EngineArgs {
+    /// Forward engine: pipeline (default) or reference (the oracle).
+    #[arg(long, default_value = "pipeline")]
+    engine: String,
+    /// Per layer, this fraction of experts is hot (the most used of --learn, else the lowest ids).
+    #[arg(long)]
+    hot_fraction: Option<f64>,
+    /// Learn file (perf JSON) that ranks experts for --hot-fraction.
+    #[arg(long)]
+    learn: Option<PathBuf>,
+    /// Explicit hot experts: JSON {"layers": {"0": [ids...], ...}}.
+    #[arg(long, conflicts_with = "hot_fraction")]
+    hot_experts: Option<PathBuf>,
+    /// Hot lanes (1..=3); hot experts are dealt round-robin over them.
+    #[arg(long, default_value_t = 1)]
+    hot_lanes: usize,
+    /// Cold-lane threads, the driver thread included (default: cores - 1).
+    #[arg(long)]
+    cold_threads: Option<usize>,
+    /// Write the perf JSON here after the run.
+    #[arg(long)]
+    perf_json: Option<PathBuf>,
+    /// full, update or off.
+    #[arg(long, default_value = "full")]
+    perf_mode: String,
+    /// Cold-lane kernels: simd (moe-lanes-kernels) or plain.
+    #[arg(long, default_value = "simd")]
+    cold_kernels: String,
 }
 
 #[derive(Args)]
@@ -164,9 +204,8 @@ struct LogitsArgs {
     /// Comma-separated token ids.
     #[arg(long, value_delimiter = ',', required = true)]
     tokens: Vec<u32>,
-    /// Forward engine.
-    #[arg(long, default_value = "reference")]
-    engine: String,
+    #[command(flatten)]
+    engine: EngineArgs,
 }
 
 #[derive(Args)]
@@ -177,8 +216,26 @@ struct GenerateArgs {
     tokens: Vec<u32>,
     #[arg(long, default_value_t = 16)]
     max_new_tokens: usize,
-    #[arg(long, default_value = "reference")]
-    engine: String,
+    #[command(flatten)]
+    engine: EngineArgs,
+}
+
+#[derive(Args)]
+struct LearnArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// Comma-separated token ids; default: --n-tokens sampled ids.
+    #[arg(long, value_delimiter = ',')]
+    tokens: Vec<u32>,
+    /// Tokens to sample when --tokens is not given.
+    #[arg(long, default_value_t = 256)]
+    n_tokens: usize,
+    /// Where to write the learn file.
+    #[arg(long)]
+    out: PathBuf,
+    /// Cold-lane worker threads (default: cores - 1).
+    #[arg(long)]
+    cold_threads: Option<usize>,
 }
 
 fn main() -> Result<()> {
@@ -189,6 +246,7 @@ fn main() -> Result<()> {
         Command::Inspect(args) => inspect(args),
         Command::Logits(args) => logits(args),
         Command::Generate(args) => generate(args),
+        Command::Learn(args) => learn(args),
         Command::BenchKernels(args) => bench_kernels(args),
         Command::Bench(args) => bench(args),
     }
@@ -198,11 +256,55 @@ fn open_model(path: &Path) -> Result<Model> {
     Model::open(path).with_context(|| format!("cannot open model {}", path.display()))
 }
 
-fn check_engine(engine: &str) -> Result<()> {
+#[derive(PartialEq)]
+enum EngineKind {
+    Pipeline,
+    Reference,
+}
+
+fn check_engine(engine: &str) -> Result<EngineKind> {
     match engine {
-        "reference" => Ok(()),
-        other => bail!("unknown engine '{other}' (available: reference)"),
+        "pipeline" => Ok(EngineKind::Pipeline),
+        "reference" => Ok(EngineKind::Reference),
+        other => bail!("unknown engine '{other}' (available: pipeline, reference)"),
     }
+}
+
+fn build_pipeline(model: Model, args: &EngineArgs) -> Result<Pipeline> {
+    let c = model.config().clone();
+    let learn = match &args.learn {
+        Some(path) => Some(PerfReport::read(path, Some(c.n_experts))?),
+        None => None,
+    };
+    let hot_set = if let Some(path) = &args.hot_experts {
+        HotSet::from_experts_file(path, c.n_layers, c.n_experts, args.hot_lanes)?
+    } else {
+        HotSet::from_fraction(
+            c.n_layers,
+            c.n_experts,
+            args.hot_lanes,
+            args.hot_fraction.unwrap_or(0.0),
+            learn.as_ref(),
+        )?
+    };
+    let options = PipelineOptions {
+        hot_set: Some(hot_set),
+        n_hot_lanes: args.hot_lanes,
+        n_cold_workers: args.cold_threads.unwrap_or_else(moe_lanes::pipeline::default_cold_workers),
+        perf_mode: args.perf_mode.parse::<PerfMode>().map_err(anyhow::Error::msg)?,
+        cold_kernels: args.cold_kernels.parse::<ColdKernels>().map_err(anyhow::Error::msg)?,
+        switches: PolicySwitches::from_env(),
+        ..PipelineOptions::default()
+    };
+    Ok(Pipeline::new(Arc::new(model), options)?)
+}
+
+fn write_perf(pipeline: &Pipeline, path: &Option<PathBuf>) -> Result<()> {
+    if let Some(path) = path {
+        std::fs::write(path, pipeline.perf().to_json())
+            .with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
 }
 
 fn synth_cmd(args: SynthArgs) -> Result<()> {
@@ -280,8 +382,16 @@ fn inspect(args: InspectArgs) -> Result<()> {
 }
 
 fn logits(args: LogitsArgs) -> Result<()> {
-    check_engine(&args.engine)?;
+    let kind = check_engine(&args.engine.engine)?;
     let model = open_model(&args.model)?;
+    if kind == EngineKind::Pipeline {
+        let mut pipeline = build_pipeline(model, &args.engine)?;
+        let mut cache = pipeline.new_cache();
+        let logits = pipeline.forward(&mut cache, &args.tokens, Phase::Prefill)?;
+        let out = serde_json::json!({ "tokens": args.tokens, "logits": logits });
+        println!("{}", serde_json::to_string(&out)?);
+        return write_perf(&pipeline, &args.engine.perf_json);
+    }
     let reference = Reference::new(&model)?;
     let mut cache = reference.new_cache();
     let logits = reference.forward(&mut cache, &args.tokens, &mut NoObserver)?;
@@ -291,11 +401,43 @@ fn logits(args: LogitsArgs) -> Result<()> {
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
-    check_engine(&args.engine)?;
+    let kind = check_engine(&args.engine.engine)?;
     let model = open_model(&args.model)?;
+    if kind == EngineKind::Pipeline {
+        let mut pipeline = build_pipeline(model, &args.engine)?;
+        let tokens = pipeline.generate(&args.tokens, args.max_new_tokens)?;
+        println!("{}", serde_json::json!({ "tokens": tokens }));
+        return write_perf(&pipeline, &args.engine.perf_json);
+    }
     let reference = Reference::new(&model)?;
     let tokens = reference.generate(&args.tokens, args.max_new_tokens)?;
     println!("{}", serde_json::json!({ "tokens": tokens }));
+    Ok(())
+}
+
+fn learn(args: LearnArgs) -> Result<()> {
+    let model = open_model(&args.model)?;
+    let tokens = if args.tokens.is_empty() {
+        moe_lanes::inspect::sample_tokens(model.config().vocab, args.n_tokens)
+    } else {
+        args.tokens.clone()
+    };
+    let engine = EngineArgs {
+        engine: "pipeline".into(),
+        hot_fraction: Some(0.0),
+        learn: None,
+        hot_experts: None,
+        hot_lanes: 1,
+        cold_threads: args.cold_threads,
+        perf_json: Some(args.out.clone()),
+        perf_mode: "full".into(),
+        cold_kernels: "simd".into(),
+    };
+    let mut pipeline = build_pipeline(model, &engine)?;
+    let mut cache = pipeline.new_cache();
+    pipeline.forward(&mut cache, &tokens, Phase::Prefill)?;
+    write_perf(&pipeline, &engine.perf_json)?;
+    eprintln!("learned {} tokens -> {}", tokens.len(), args.out.display());
     Ok(())
 }
 
@@ -349,15 +491,27 @@ fn demo(args: DemoArgs) -> Result<()> {
     };
     let model = open_model(&path)?;
     print!("{}", InspectReport::new(&model).to_text());
-    let reference = Reference::new(&model)?;
     let prompt = moe_lanes::inspect::sample_tokens(model.config().vocab, 8);
+    // The default engine, with half of every layer's experts on the (CPU) hot lane.
+    let engine = EngineArgs {
+        engine: "pipeline".into(),
+        hot_fraction: Some(0.5),
+        learn: None,
+        hot_experts: None,
+        hot_lanes: 1,
+        cold_threads: None,
+        perf_json: None,
+        perf_mode: "full".into(),
+        cold_kernels: "simd".into(),
+    };
+    let mut pipeline = build_pipeline(model, &engine)?;
     let start = Instant::now();
-    let tokens = reference.generate(&prompt, args.max_new_tokens)?;
+    let tokens = pipeline.generate(&prompt, args.max_new_tokens)?;
     let seconds = start.elapsed().as_secs_f64();
     println!("prompt    {prompt:?}");
     println!("generated {tokens:?}");
     println!(
-        "engine reference: {} tokens in {:.3} s ({:.1} tokens/s)",
+        "engine pipeline: {} tokens in {:.3} s ({:.1} tokens/s)",
         tokens.len(),
         seconds,
         (prompt.len() + tokens.len()) as f64 / seconds

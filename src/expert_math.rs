@@ -1,0 +1,288 @@
+//! Expert FFN math for the lanes: `y = down · (act(gate · x) * (up · x))` for a group of tokens
+//! that share one expert, decoding raw bf16/f16/f32 weight bytes on the fly ("plain kernels").
+//!
+//! [`ColdCompute`] is the boundary the fast SIMD kernels of `kernels/` will be dropped in behind:
+//! the cold lane only ever calls [`ColdCompute::expert_ffn`]. [`PlainCompute`] is the plain
+//! implementation: each weight row is decoded once per group and dotted with every token of the
+//! group (so expert-major worklists read each expert's weights once per layer).
+
+use crate::adapter::FfnActivation;
+use crate::dtype::DType;
+use crate::model::Model;
+use crate::tensor::decode_f32;
+use std::sync::Arc;
+
+/// Raw bytes of one expert's three projections.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertBytes<'a> {
+    pub dtype: DType,
+    /// `[ff, hidden]`
+    pub gate: &'a [u8],
+    /// `[ff, hidden]`
+    pub up: &'a [u8],
+    /// `[hidden, ff]`
+    pub down: &'a [u8],
+}
+
+/// Shape of one expert FFN.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FfnDims {
+    pub hidden: usize,
+    pub ff: usize,
+}
+
+/// Reusable buffers of one worker, sized for `max_group` tokens.
+#[derive(Debug, Clone)]
+pub struct FfnScratch {
+    row: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    /// Gathered inputs of one group, `[max_group, hidden]`.
+    pub xs: Vec<f32>,
+    /// Outputs of one group, `[max_group, hidden]`.
+    pub ys: Vec<f32>,
+}
+
+impl FfnScratch {
+    pub fn new(dims: FfnDims, max_group: usize) -> FfnScratch {
+        FfnScratch {
+            row: vec![0.0; dims.hidden.max(dims.ff)],
+            gate: vec![0.0; max_group * dims.ff],
+            up: vec![0.0; max_group * dims.ff],
+            xs: vec![0.0; max_group * dims.hidden],
+            ys: vec![0.0; max_group * dims.hidden],
+        }
+    }
+}
+
+/// Why expert math failed.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ComputeError {
+    #[error("expert weights of dtype {0} are not supported by this kernel")]
+    UnsupportedDType(DType),
+    #[error("expert {expert_idx} of layer {layer_idx}: {reason}")]
+    Bad { layer_idx: usize, expert_idx: usize, reason: &'static str },
+}
+
+/// The cold lane's compute boundary (the fast kernels implement this later).
+pub trait ColdCompute: Send + Sync {
+    fn dims(&self) -> FfnDims;
+    /// For `n` tokens (`xs[..n * hidden]`), write `ys[..n * hidden]` = the expert's FFN output.
+    fn expert_ffn(
+        &self,
+        layer_idx: usize,
+        expert_idx: usize,
+        n: usize,
+        scratch: &mut FfnScratch,
+    ) -> Result<(), ComputeError>;
+}
+
+/// Plain kernels over the model's RAM experts.
+pub struct PlainCompute {
+    model: Arc<Model>,
+    dims: FfnDims,
+    activation: FfnActivation,
+}
+
+impl PlainCompute {
+    pub fn new(model: Arc<Model>) -> PlainCompute {
+        let c = model.config();
+        let dims = FfnDims { hidden: c.hidden, ff: c.expert_ff };
+        let activation = model.adapter().activation;
+        PlainCompute { model, dims, activation }
+    }
+}
+
+impl ColdCompute for PlainCompute {
+    fn dims(&self) -> FfnDims {
+        self.dims
+    }
+
+    fn expert_ffn(
+        &self,
+        layer_idx: usize,
+        expert_idx: usize,
+        n: usize,
+        scratch: &mut FfnScratch,
+    ) -> Result<(), ComputeError> {
+        let e = self.model.expert(layer_idx, expert_idx);
+        let w = ExpertBytes { dtype: e.gate.dtype, gate: e.gate.data, up: e.up.data, down: e.down.data };
+        ffn_plain(w, self.dims, self.activation, n, scratch)
+    }
+}
+
+/// A compute that does no math (outputs zeros): the data-plane benchmark uses it to measure
+/// everything but the expert math.
+pub struct NullCompute(pub FfnDims);
+
+impl ColdCompute for NullCompute {
+    fn dims(&self) -> FfnDims {
+        self.0
+    }
+    fn expert_ffn(&self, _: usize, _: usize, n: usize, s: &mut FfnScratch) -> Result<(), ComputeError> {
+        s.ys[..n * self.0.hidden].iter_mut().for_each(|y| *y = 0.0);
+        Ok(())
+    }
+}
+
+fn elem_bytes(dtype: DType) -> Result<usize, ComputeError> {
+    match dtype {
+        DType::F32 => Ok(4),
+        DType::F16 | DType::BF16 => Ok(2),
+        other => Err(ComputeError::UnsupportedDType(other)),
+    }
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = 0.0f32;
+    for (x, y) in a.iter().zip(b) {
+        acc += x * y;
+    }
+    acc
+}
+
+/// `x / (1 + e^-x)`
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// tanh approximation of GELU.
+#[inline]
+pub fn gelu(x: f32) -> f32 {
+    0.5 * x * (1.0 + (0.797_884_6 * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// The plain kernel: `scratch.ys[i] = down · (act(gate · xs[i]) * (up · xs[i]))` for i < n.
+pub fn ffn_plain(
+    w: ExpertBytes<'_>,
+    dims: FfnDims,
+    activation: FfnActivation,
+    n: usize,
+    s: &mut FfnScratch,
+) -> Result<(), ComputeError> {
+    let eb = elem_bytes(w.dtype)?;
+    let FfnDims { hidden, ff } = dims;
+    if w.gate.len() != ff * hidden * eb || w.up.len() != ff * hidden * eb || w.down.len() != ff * hidden * eb
+    {
+        return Err(ComputeError::Bad {
+            layer_idx: 0,
+            expert_idx: 0,
+            reason: "weight bytes do not match the dims",
+        });
+    }
+    let row = &mut s.row[..hidden];
+    for r in 0..ff {
+        decode_f32(w.dtype, &w.gate[r * hidden * eb..(r + 1) * hidden * eb], row);
+        for i in 0..n {
+            s.gate[i * ff + r] = dot(row, &s.xs[i * hidden..(i + 1) * hidden]);
+        }
+        decode_f32(w.dtype, &w.up[r * hidden * eb..(r + 1) * hidden * eb], row);
+        for i in 0..n {
+            s.up[i * ff + r] = dot(row, &s.xs[i * hidden..(i + 1) * hidden]);
+        }
+    }
+    for i in 0..n {
+        for (g, u) in s.gate[i * ff..(i + 1) * ff].iter_mut().zip(&s.up[i * ff..(i + 1) * ff]) {
+            let a = match activation {
+                FfnActivation::Silu => silu(*g),
+                FfnActivation::Gelu => gelu(*g),
+            };
+            *g = a * u;
+        }
+    }
+    let row = &mut s.row[..ff];
+    for r in 0..hidden {
+        decode_f32(w.dtype, &w.down[r * ff * eb..(r + 1) * ff * eb], row);
+        for i in 0..n {
+            s.ys[i * hidden + r] = dot(row, &s.gate[i * ff..(i + 1) * ff]);
+        }
+    }
+    Ok(())
+}
+
+/// The fast cold-lane kernels of `moe-lanes-kernels` (runtime-dispatched SIMD, level from
+/// `MOE_LANES_SIMD` or the best exact level the CPU has: AVX-512 BF16 only when named) behind
+/// the same [`ColdCompute`] boundary. Same math as [`PlainCompute`], different summation order
+/// (equal within rounding).
+pub struct SimdCompute {
+    model: Arc<Model>,
+    dims: FfnDims,
+    level: moe_lanes_kernels::SimdLevel,
+    act: moe_lanes_kernels::Activation,
+    dtype: moe_lanes_kernels::WeightDType,
+}
+
+/// Unit token weights for [`SimdCompute`]'s down projection (which accumulates `w * y`).
+static UNIT_WEIGHTS: [f32; crate::actors::messages::GROUP_TOKENS_MAX] =
+    [1.0; crate::actors::messages::GROUP_TOKENS_MAX];
+
+impl SimdCompute {
+    pub fn new(model: Arc<Model>) -> Result<SimdCompute, ComputeError> {
+        use moe_lanes_kernels::{Activation, SimdLevel, WeightDType};
+        let dtype = match model.expert_dtype() {
+            DType::BF16 => WeightDType::BF16,
+            DType::F16 => WeightDType::F16,
+            DType::F32 => WeightDType::F32,
+            other => return Err(ComputeError::UnsupportedDType(other)),
+        };
+        let level = SimdLevel::from_env_or_detect().map_err(|_| ComputeError::Bad {
+            layer_idx: 0,
+            expert_idx: 0,
+            reason: "MOE_LANES_SIMD names a SIMD level this CPU lacks",
+        })?;
+        // The AVX-512 BF16 kernel rounds activations to BF16 (about 1e-3 relative), outside the
+        // pipeline's 1e-4 contract with the reference: use it only when asked for by name.
+        let forced = std::env::var_os(moe_lanes_kernels::SIMD_ENV_VAR).is_some();
+        let level = if level == SimdLevel::Avx512Bf16 && !forced { SimdLevel::Avx512 } else { level };
+        let act = match model.adapter().activation {
+            FfnActivation::Silu => Activation::Silu,
+            // The plain kernel's GELU is the tanh form; keep the two kernels equal.
+            FfnActivation::Gelu => Activation::GeluTanh,
+        };
+        let c = model.config();
+        let dims = FfnDims { hidden: c.hidden, ff: c.expert_ff };
+        Ok(SimdCompute { model, dims, level, act, dtype })
+    }
+}
+
+impl ColdCompute for SimdCompute {
+    fn dims(&self) -> FfnDims {
+        self.dims
+    }
+
+    fn expert_ffn(
+        &self,
+        layer_idx: usize,
+        expert_idx: usize,
+        n: usize,
+        s: &mut FfnScratch,
+    ) -> Result<(), ComputeError> {
+        let FfnDims { hidden, ff } = self.dims;
+        let e = self.model.expert(layer_idx, expert_idx);
+        let w = moe_lanes_kernels::ExpertWeights {
+            gate: e.gate.data,
+            up: e.up.data,
+            down: e.down.data,
+            dtype: self.dtype,
+            hidden,
+            ff,
+        };
+        let bad = |_| ComputeError::Bad { layer_idx, expert_idx, reason: "kernel rejected the shapes" };
+        let h = &mut s.gate[..n * ff];
+        moe_lanes_kernels::gate_up_activation(self.level, &w, self.act, &s.xs[..n * hidden], 0..ff, h)
+            .map_err(bad)?;
+        let ys = &mut s.ys[..n * hidden];
+        ys.iter_mut().for_each(|y| *y = 0.0);
+        moe_lanes_kernels::down_accumulate(
+            self.level,
+            &w,
+            &s.gate[..n * ff],
+            &UNIT_WEIGHTS[..n],
+            0..hidden,
+            ys,
+        )
+        .map_err(bad)
+    }
+}

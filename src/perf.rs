@@ -1,0 +1,387 @@
+//! Perf state: per layer and expert, hot and cold slot counts, calls, lane timings and fallbacks
+//! with reasons; rendered as (and parsed from) the perf JSON of DESIGN.md, which is also the
+//! learn file format.
+//!
+//! Modes: `full` (every counter and timing), `update` (only the slot counts the updater needs),
+//! `off` (nothing recorded: every recording method returns after one branch on the mode).
+//!
+//! The state is owned by the engine's driver thread, so counters are plain integers, allocated
+//! once for every layer and expert when the state is created ("handles registered once"); the
+//! Prometheus exporter that will read them comes in a later issue.
+//!
+//! Parsing is tolerant where DESIGN.md says so: unknown fields are ignored, missing optional
+//! fields default to zero, and a learn file may carry only `experts` per layer. Anything
+//! malformed is a [`PerfError`] naming the file and the field.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// What the perf state records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum PerfMode {
+    #[default]
+    Full,
+    Update,
+    Off,
+}
+
+impl std::str::FromStr for PerfMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<PerfMode, String> {
+        match s {
+            "full" => Ok(PerfMode::Full),
+            "update" => Ok(PerfMode::Update),
+            "off" => Ok(PerfMode::Off),
+            other => Err(format!("perf mode '{other}': expected full, update or off")),
+        }
+    }
+}
+
+/// Why a layer ran all-cold instead of split.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FallbackReason {
+    /// A lane reported an error (or panicked).
+    LaneFailed,
+    /// A lane did not answer in time or its thread is gone.
+    LaneUnavailable,
+    /// The worklist failed its consistency check.
+    Worklist,
+    /// The layer's shape is outside what the split path handles (e.g. too many tokens).
+    Shape,
+}
+
+impl FallbackReason {
+    pub const ALL: [FallbackReason; 4] = [
+        FallbackReason::LaneFailed,
+        FallbackReason::LaneUnavailable,
+        FallbackReason::Worklist,
+        FallbackReason::Shape,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FallbackReason::LaneFailed => "lane_failed",
+            FallbackReason::LaneUnavailable => "lane_unavailable",
+            FallbackReason::Worklist => "worklist",
+            FallbackReason::Shape => "shape",
+        }
+    }
+}
+
+/// One layer in the perf JSON.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct LayerPerf {
+    pub layer: usize,
+    pub calls: u64,
+    pub expert_hits_total: u64,
+    pub hot_slots_total: u64,
+    pub cold_slots_total: u64,
+    pub moe_time_us: u64,
+    pub routing_time_us: u64,
+    pub worklist_time_us: u64,
+    pub matmul_time_us: u64,
+    pub branch_time_us: u64,
+    pub gather_scatter_time_us: u64,
+    pub merge_time_us: u64,
+    pub parallel_wall_time_us: u64,
+    pub parallel_hot_time_us: u64,
+    pub parallel_cold_time_us: u64,
+    pub parallel_overlap_us: u64,
+    pub parallel_join_wait_us: u64,
+    pub parallel_launches: u64,
+    pub parallel_fallbacks: u64,
+    pub fallback_reasons: BTreeMap<String, u64>,
+    pub experts: Vec<u64>,
+    pub hot_experts: Vec<u64>,
+    pub cold_experts: Vec<u64>,
+}
+
+/// The perf JSON document (also the learn file).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct PerfReport {
+    pub mode: PerfMode,
+    pub active: bool,
+    pub n_expert: usize,
+    pub n_expert_used: usize,
+    pub updates: u64,
+    pub overflow_resets: u64,
+    pub layers: Vec<LayerPerf>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PerfError {
+    #[error("{path}: cannot read: {reason}")]
+    Io { path: PathBuf, reason: String },
+    #[error("{path}: malformed perf JSON at '{field}': {reason}")]
+    Malformed { path: PathBuf, field: String, reason: String },
+}
+
+impl PerfReport {
+    /// Parse a learn file / perf snapshot. `n_experts` (when known) checks the expert arrays.
+    pub fn parse(path: &Path, text: &str, n_experts: Option<usize>) -> Result<PerfReport, PerfError> {
+        let malformed =
+            |field: String, reason: String| PerfError::Malformed { path: path.into(), field, reason };
+        let value: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| malformed("(document)".into(), e.to_string()))?;
+        // Re-parse field by field so the error names the field (serde_json's own error names a line).
+        let obj =
+            value.as_object().ok_or_else(|| malformed("(document)".into(), "expected an object".into()))?;
+        let mut report = PerfReport::default();
+        for (key, v) in obj {
+            let field = key.clone();
+            let res: Result<(), serde_json::Error> = match key.as_str() {
+                "mode" => serde_json::from_value(v.clone()).map(|x| report.mode = x),
+                "active" => serde_json::from_value(v.clone()).map(|x| report.active = x),
+                "n_expert" => serde_json::from_value(v.clone()).map(|x| report.n_expert = x),
+                "n_expert_used" => serde_json::from_value(v.clone()).map(|x| report.n_expert_used = x),
+                "updates" => serde_json::from_value(v.clone()).map(|x| report.updates = x),
+                "overflow_resets" => serde_json::from_value(v.clone()).map(|x| report.overflow_resets = x),
+                "layers" => {
+                    let arr =
+                        v.as_array().ok_or_else(|| malformed(field.clone(), "expected an array".into()))?;
+                    for (i, layer) in arr.iter().enumerate() {
+                        let lp =
+                            parse_layer(layer).map_err(|(f, r)| malformed(format!("layers[{i}].{f}"), r))?;
+                        if let Some(n) = n_experts {
+                            for (name, a) in [
+                                ("experts", &lp.experts),
+                                ("hot_experts", &lp.hot_experts),
+                                ("cold_experts", &lp.cold_experts),
+                            ] {
+                                if !a.is_empty() && a.len() != n {
+                                    return Err(malformed(
+                                        format!("layers[{i}].{name}"),
+                                        format!("has {} entries, the model has {n} experts", a.len()),
+                                    ));
+                                }
+                            }
+                        }
+                        report.layers.push(lp);
+                    }
+                    Ok(())
+                }
+                _ => Ok(()),
+            };
+            res.map_err(|e| malformed(field, e.to_string()))?;
+        }
+        Ok(report)
+    }
+
+    pub fn read(path: &Path, n_experts: Option<usize>) -> Result<PerfReport, PerfError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| PerfError::Io { path: path.into(), reason: e.to_string() })?;
+        Self::parse(path, &text, n_experts)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("perf report serialises")
+    }
+}
+
+fn parse_layer(v: &serde_json::Value) -> Result<LayerPerf, (String, String)> {
+    let obj = v.as_object().ok_or_else(|| ("(layer)".to_string(), "expected an object".to_string()))?;
+    if !obj.contains_key("layer") {
+        return Err(("layer".into(), "missing field".into()));
+    }
+    // Field by field so the error names the field; unknown fields are skipped.
+    let known = serde_json::to_value(LayerPerf::default()).expect("serialises");
+    let known = known.as_object().expect("object");
+    let mut filtered = serde_json::Map::new();
+    for (k, x) in obj {
+        if let Some(template) = known.get(k) {
+            let one = serde_json::json!({ k.clone(): x.clone() });
+            if let Err(e) = serde_json::from_value::<LayerPerf>(one) {
+                let _ = template;
+                return Err((k.clone(), e.to_string()));
+            }
+            filtered.insert(k.clone(), x.clone());
+        }
+    }
+    serde_json::from_value(serde_json::Value::Object(filtered)).map_err(|e| ("(layer)".into(), e.to_string()))
+}
+
+/// Timings of one layer of one call, read off lane message timestamps.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct LayerTiming {
+    pub routing_us: u64,
+    pub worklist_us: u64,
+    pub hot_us: u64,
+    pub cold_us: u64,
+    pub wall_us: u64,
+    pub overlap_us: u64,
+    pub join_wait_us: u64,
+    pub merge_us: u64,
+}
+
+/// The live perf state the engine records into.
+#[derive(Debug, Clone)]
+pub struct PerfState {
+    mode: PerfMode,
+    report: PerfReport,
+    /// Per layer, the timings of the most recent call (`full` mode): hot-lane, cold-lane, wall,
+    /// overlap and join wait of one layer and one call, beside the totals of the report.
+    last_call: Vec<LayerTiming>,
+}
+
+impl PerfState {
+    /// Allocate every counter once: `n_layers` layers of `n_experts` experts.
+    pub fn new(mode: PerfMode, n_layers: usize, n_experts: usize, n_experts_used: usize) -> PerfState {
+        let layers = (0..n_layers)
+            .map(|layer| LayerPerf {
+                layer,
+                experts: vec![0; n_experts],
+                hot_experts: vec![0; n_experts],
+                cold_experts: vec![0; n_experts],
+                fallback_reasons: FallbackReason::ALL.iter().map(|r| (r.name().to_string(), 0)).collect(),
+                ..LayerPerf::default()
+            })
+            .collect();
+        PerfState {
+            mode,
+            last_call: vec![LayerTiming::default(); n_layers],
+            report: PerfReport {
+                mode,
+                active: mode != PerfMode::Off,
+                n_expert: n_experts,
+                n_expert_used: n_experts_used,
+                layers,
+                ..PerfReport::default()
+            },
+        }
+    }
+
+    pub fn mode(&self) -> PerfMode {
+        self.mode
+    }
+
+    /// Count one routed slot of `expert_idx` in `layer_idx`, hot or cold.
+    #[inline]
+    pub fn record_slot(&mut self, layer_idx: usize, expert_idx: usize, hot: bool) {
+        if self.mode == PerfMode::Off {
+            return;
+        }
+        let l = &mut self.report.layers[layer_idx];
+        l.experts[expert_idx] += 1;
+        l.expert_hits_total += 1;
+        if hot {
+            l.hot_experts[expert_idx] += 1;
+            l.hot_slots_total += 1;
+        } else {
+            l.cold_experts[expert_idx] += 1;
+            l.cold_slots_total += 1;
+        }
+    }
+
+    /// One layer call finished (split or fallback) with these timings.
+    #[inline]
+    pub fn record_layer_call(&mut self, layer_idx: usize, timing: &LayerTiming, launched: bool) {
+        if self.mode == PerfMode::Off {
+            return;
+        }
+        let l = &mut self.report.layers[layer_idx];
+        l.calls += 1;
+        if self.mode != PerfMode::Full {
+            return;
+        }
+        self.last_call[layer_idx] = *timing;
+        l.routing_time_us += timing.routing_us;
+        l.worklist_time_us += timing.worklist_us;
+        l.merge_time_us += timing.merge_us;
+        l.moe_time_us += timing.wall_us + timing.routing_us + timing.worklist_us;
+        if launched {
+            l.parallel_launches += 1;
+            l.parallel_wall_time_us += timing.wall_us;
+            l.parallel_hot_time_us += timing.hot_us;
+            l.parallel_cold_time_us += timing.cold_us;
+            l.parallel_overlap_us += timing.overlap_us;
+            l.parallel_join_wait_us += timing.join_wait_us;
+        }
+    }
+
+    /// Fallbacks are counted in every mode, `off` included: they are rare (off the hot path)
+    /// and must never be silent.
+    pub fn record_fallback(&mut self, layer_idx: usize, reason: FallbackReason) {
+        let l = &mut self.report.layers[layer_idx];
+        l.parallel_fallbacks += 1;
+        *l.fallback_reasons.entry(reason.name().to_string()).or_insert(0) += 1;
+    }
+
+    pub fn record_update(&mut self) {
+        if self.mode != PerfMode::Off {
+            self.report.updates += 1;
+        }
+    }
+
+    /// Timings of `layer_idx` in the most recent call (`full` mode; zero otherwise).
+    pub fn last_call(&self, layer_idx: usize) -> &LayerTiming {
+        &self.last_call[layer_idx]
+    }
+
+    pub fn report(&self) -> &PerfReport {
+        &self.report
+    }
+
+    pub fn fallbacks(&self, reason: FallbackReason) -> u64 {
+        self.report.layers.iter().map(|l| l.fallback_reasons.get(reason.name()).copied().unwrap_or(0)).sum()
+    }
+
+    pub fn to_json(&self) -> String {
+        self.report.to_json()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip() {
+        let mut st = PerfState::new(PerfMode::Full, 2, 4, 2);
+        st.record_slot(1, 3, true);
+        st.record_slot(1, 2, false);
+        st.record_layer_call(
+            1,
+            &LayerTiming { hot_us: 5, cold_us: 7, wall_us: 9, ..Default::default() },
+            true,
+        );
+        st.record_fallback(0, FallbackReason::Worklist);
+        let json = st.to_json();
+        let back = PerfReport::parse(Path::new("x.json"), &json, Some(4)).unwrap();
+        assert_eq!(&back, st.report());
+    }
+
+    #[test]
+    fn tolerant_and_strict_where_it_should_be() {
+        let p = Path::new("learn.json");
+        let r = PerfReport::parse(
+            p,
+            r#"{"future": 1, "layers": [{"layer": 0, "experts": [1,2], "new": "x"}]}"#,
+            Some(2),
+        )
+        .unwrap();
+        assert_eq!(r.layers[0].experts, vec![1, 2]);
+        assert_eq!(r.layers[0].calls, 0);
+        let err =
+            PerfReport::parse(p, r#"{"layers": [{"layer": 0, "experts": [1, "a"]}]}"#, None).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains("learn.json") && msg.contains("layers[0].experts"), "{msg}");
+        let err = PerfReport::parse(p, r#"{"layers": [{"layer": 0, "experts": [1]}]}"#, Some(3)).unwrap_err();
+        assert!(err.to_string().contains("layers[0].experts"), "{err}");
+        let err = PerfReport::parse(p, r#"{"n_expert": -1}"#, None).unwrap_err();
+        assert!(err.to_string().contains("n_expert"), "{err}");
+        assert!(PerfReport::parse(p, "not json", None).is_err());
+    }
+
+    #[test]
+    fn off_records_nothing() {
+        let mut st = PerfState::new(PerfMode::Off, 1, 2, 1);
+        st.record_slot(0, 1, true);
+        st.record_fallback(0, FallbackReason::Shape);
+        assert_eq!(st.report().layers[0].expert_hits_total, 0);
+        assert_eq!(st.fallbacks(FallbackReason::Shape), 1);
+    }
+}

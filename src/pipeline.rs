@@ -1,0 +1,861 @@
+//! The pipeline engine: the default forward pass of moe-lanes.
+//!
+//! Every token of a forward call is processed together: batched dense stage (embeddings,
+//! RMSNorm, attention over the KV cache with RoPE per adapter, q/k norms, qkv bias, router
+//! logits), then per MoE layer the lane pipeline — Router -> Dispatcher (worklist) -> hot
+//! lane(s) and cold pool concurrently -> Join — with the shared expert (sigmoid-gated) computed
+//! on the driver thread while the lanes run, then the final norm and the lm_head.
+//!
+//! The arithmetic here is written independently of [`crate::reference`] (the oracle), which the
+//! tests compare it against. The phase is given per call; a call longer than
+//! `max_batch_tokens` runs as sub-batches that all keep the call's phase. Slot exchanges queued
+//! on the Updater are applied at the start of a call, never during one.
+//!
+//! Fallback: if the worklist fails its consistency check or a lane fails, that layer's experts
+//! are computed all-cold on the driver thread from the RAM experts, and the fallback is counted
+//! with its reason. The result is the same.
+
+use crate::actors::messages::LANE_SPIN;
+use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneSet, UpdaterHandle};
+use crate::adapter::{Adapter, FfnActivation, QkNorm, RopeStyle};
+use crate::config::ModelConfig;
+use crate::expert_math::{gelu, silu, ColdCompute, FfnScratch, PlainCompute, SimdCompute};
+use crate::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
+use crate::model::Model;
+use crate::naming::{GlobalRole, LayerRole};
+use crate::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
+use crate::phase::{CacheState, ColdState, Phase, Plan, PolicySwitches, PpPolicy};
+use crate::reference::ForwardError;
+use crate::routing::{Router, RouterOptions};
+use crate::tensor::TensorError;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Most tokens one sub-batch carries; longer calls are split (same phase). Every per-token
+/// buffer of the engine (activations, worklist, lane buffers) is sized for it once:
+/// roughly `max_batch_tokens * (6 * hidden + 2 * q_dim + k * hidden * 2)` floats.
+pub const MAX_BATCH_TOKENS: usize = 512;
+
+/// Default cold-lane participants when none is given: the machine's cores minus one (for the
+/// hot lane thread), at least one. The driver thread is cold participant 0 (it computes its share
+/// while it would otherwise wait for the lanes), so this many minus one worker threads start.
+pub fn default_cold_workers() -> usize {
+    std::thread::available_parallelism().map(|n| n.get().saturating_sub(1)).unwrap_or(1).max(1)
+}
+
+/// Test hooks that break things on purpose, to prove the fallback path.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultInjection {
+    /// Corrupt the worklist of this layer after it is built (every call).
+    pub corrupt_worklist_layer: Option<usize>,
+}
+
+/// Which kernels the cold lane runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ColdKernels {
+    /// The plain row-dot kernel of [`crate::expert_math`] (bit-identical to the reference).
+    Plain,
+    /// The SIMD kernels of `moe-lanes-kernels` (equal within rounding).
+    #[default]
+    Simd,
+}
+
+impl std::str::FromStr for ColdKernels {
+    type Err = String;
+    fn from_str(s: &str) -> Result<ColdKernels, String> {
+        match s {
+            "plain" => Ok(ColdKernels::Plain),
+            "simd" => Ok(ColdKernels::Simd),
+            other => Err(format!("cold kernels '{other}': expected plain or simd")),
+        }
+    }
+}
+
+/// How to build a pipeline.
+#[derive(Debug, Clone)]
+pub struct PipelineOptions {
+    /// Hot experts; `None` = none (cache off).
+    pub hot_set: Option<HotSet>,
+    /// Hot lanes (1..=3) when `hot_set` is `None`; otherwise the hot set decides.
+    pub n_hot_lanes: usize,
+    /// Cold-lane participants, the driver included when `driver_cold`.
+    pub n_cold_workers: usize,
+    /// The driver computes cold share 0 itself while the lanes run (saves a wake-up per layer).
+    pub driver_cold: bool,
+    pub perf_mode: PerfMode,
+    /// The cold lane's kernels.
+    pub cold_kernels: ColdKernels,
+    pub switches: PolicySwitches,
+    pub max_batch_tokens: usize,
+    pub fault: FaultInjection,
+}
+
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        PipelineOptions {
+            hot_set: None,
+            n_hot_lanes: 1,
+            n_cold_workers: default_cold_workers(),
+            driver_cold: true,
+            perf_mode: PerfMode::Full,
+            cold_kernels: ColdKernels::Simd,
+            switches: PolicySwitches::default(),
+            max_batch_tokens: MAX_BATCH_TOKENS,
+            fault: FaultInjection::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    #[error(transparent)]
+    HotSet(#[from] HotSetError),
+    #[error(transparent)]
+    Lane(#[from] LaneError),
+    #[error("pipeline: {0}")]
+    Setup(String),
+}
+
+/// The engine's KV cache: per layer, keys and values of every position so far.
+#[derive(Debug, Clone)]
+pub struct PipelineCache {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+    n_positions: usize,
+}
+
+impl PipelineCache {
+    pub fn n_positions(&self) -> usize {
+        self.n_positions
+    }
+}
+
+struct SharedExpertWeights {
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
+    gate_logit: Vec<f32>,
+}
+
+struct DenseLayer {
+    attn_norm: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    o: Vec<f32>,
+    q_bias: Option<Vec<f32>>,
+    k_bias: Option<Vec<f32>>,
+    v_bias: Option<Vec<f32>>,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    ffn_norm: Vec<f32>,
+    router: Vec<f32>,
+    shared: Option<SharedExpertWeights>,
+}
+
+/// Per-call activations, sized once for `max_batch_tokens`.
+struct Activations {
+    hidden: Vec<f32>,
+    normed: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    router_logits: Vec<f32>,
+    moe: Vec<f32>,
+    shared_g: Vec<f32>,
+    shared_u: Vec<f32>,
+    shared_y: Vec<f32>,
+    shared_gate: Vec<f32>,
+    scores: Vec<f32>,
+}
+
+/// The pipeline engine over one model.
+pub struct Pipeline {
+    model: Arc<Model>,
+    config: ModelConfig,
+    adapter: &'static Adapter,
+    embedding: Vec<f32>,
+    final_norm: Vec<f32>,
+    lm_head: Option<Vec<f32>>,
+    layers: Vec<DenseLayer>,
+    router: Router,
+    lanes: LaneSet,
+    hot_set: HotSet,
+    perf: PerfState,
+    policy: PpPolicy,
+    updater: UpdaterHandle,
+    cold: Arc<dyn ColdCompute>,
+    fallback_scratch: FfnScratch,
+    act: Activations,
+    /// `rope[pos * half + i] = (cos, sin)`, grown as positions are reached.
+    rope: Vec<(f32, f32)>,
+    call_idx: u64,
+    plans: Vec<Plan>,
+    fault: FaultInjection,
+    max_batch_tokens: usize,
+}
+
+fn decode(t: crate::tensor::TensorRef<'_>) -> Result<Vec<f32>, TensorError> {
+    let mut out = vec![0.0; t.n_elems()];
+    t.read_f32_into(0, &mut out)?;
+    Ok(out)
+}
+
+impl Pipeline {
+    /// Build the engine with CPU hot lanes caching `options.hot_set`.
+    pub fn new(model: Arc<Model>, options: PipelineOptions) -> Result<Pipeline, PipelineError> {
+        let c = model.config().clone();
+        let hot_set = options
+            .hot_set
+            .clone()
+            .unwrap_or_else(|| HotSet::empty(c.n_layers, c.n_experts, options.n_hot_lanes));
+        let lanes = (0..hot_set.n_lanes)
+            .map(|i| CpuHotLane::new(model.clone(), &hot_set, i).map(|l| Box::new(l) as Box<dyn HotLane>))
+            .collect::<Result<Vec<_>, _>>()?;
+        Self::with_hot_lanes(model, PipelineOptions { hot_set: Some(hot_set), ..options }, lanes)
+    }
+
+    /// Build the engine with the given hot lanes (one per lane of the hot set; e.g. a CUDA
+    /// lane, or a failing lane in tests).
+    pub fn with_hot_lanes(
+        model: Arc<Model>,
+        options: PipelineOptions,
+        hot_lanes: Vec<Box<dyn HotLane>>,
+    ) -> Result<Pipeline, PipelineError> {
+        let c = model.config().clone();
+        let adapter = model.adapter();
+        let hot_set = options
+            .hot_set
+            .clone()
+            .unwrap_or_else(|| HotSet::empty(c.n_layers, c.n_experts, hot_lanes.len()));
+        if hot_lanes.is_empty() || hot_lanes.len() > MAX_HOT_LANES || hot_lanes.len() != hot_set.n_lanes {
+            return Err(PipelineError::Setup(format!(
+                "{} hot lanes given for a hot set of {} lanes (1..={MAX_HOT_LANES})",
+                hot_lanes.len(),
+                hot_set.n_lanes
+            )));
+        }
+        if options.max_batch_tokens == 0 {
+            return Err(PipelineError::Setup("max_batch_tokens must be at least 1".into()));
+        }
+        let embedding = decode(model.global(GlobalRole::TokenEmbedding).expect("validated at open"))?;
+        let final_norm = decode(model.global(GlobalRole::OutputNorm).expect("validated at open"))?;
+        let lm_head = model.global(GlobalRole::Output).map(decode).transpose()?;
+        let mut layers = Vec::with_capacity(c.n_layers);
+        for l in 0..c.n_layers {
+            let req = |role| decode(model.required(l, role));
+            let opt = |role| model.layer(l, role).map(decode).transpose();
+            layers.push(DenseLayer {
+                attn_norm: req(LayerRole::AttnNorm)?,
+                q: req(LayerRole::Q)?,
+                k: req(LayerRole::K)?,
+                v: req(LayerRole::V)?,
+                o: req(LayerRole::O)?,
+                q_bias: opt(LayerRole::QBias)?,
+                k_bias: opt(LayerRole::KBias)?,
+                v_bias: opt(LayerRole::VBias)?,
+                q_norm: opt(LayerRole::QNorm)?,
+                k_norm: opt(LayerRole::KNorm)?,
+                ffn_norm: req(LayerRole::FfnNorm)?,
+                router: req(LayerRole::Router)?,
+                shared: if adapter.shared_expert {
+                    Some(SharedExpertWeights {
+                        gate: req(LayerRole::SharedGate)?,
+                        up: req(LayerRole::SharedUp)?,
+                        down: req(LayerRole::SharedDown)?,
+                        gate_logit: req(LayerRole::SharedExpertGate)?,
+                    })
+                } else {
+                    None
+                },
+            });
+        }
+        let m = options.max_batch_tokens;
+        let cold: Arc<dyn ColdCompute> = match options.cold_kernels {
+            ColdKernels::Plain => Arc::new(PlainCompute::new(model.clone())),
+            ColdKernels::Simd => Arc::new(
+                SimdCompute::new(model.clone())
+                    .map_err(|e| PipelineError::Setup(format!("cold kernels: {e}")))?,
+            ),
+        };
+        // Lane threads plus the driver (which is cold participant 0 when `driver_cold`).
+        let n_threads = hot_lanes.len() + options.n_cold_workers + usize::from(!options.driver_cold);
+        let n_cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        let spin = if n_cores >= n_threads { LANE_SPIN } else { std::time::Duration::ZERO };
+        let lanes = LaneSet::start_with(
+            hot_lanes,
+            cold.clone(),
+            options.n_cold_workers,
+            m,
+            c.n_experts_used,
+            c.n_experts,
+            spin,
+            options.driver_cold,
+        );
+        let router = Router::new(
+            RouterOptions {
+                variant: adapter.routing,
+                n_experts: c.n_experts,
+                n_experts_used: c.n_experts_used,
+                norm_topk_prob: c.norm_topk_prob,
+            },
+            m,
+        );
+        let sff = c.shared_expert_ff;
+        let act = Activations {
+            hidden: vec![0.0; m * c.hidden],
+            normed: vec![0.0; m * c.hidden],
+            q: vec![0.0; m * c.q_dim()],
+            k: vec![0.0; m * c.kv_dim()],
+            v: vec![0.0; m * c.kv_dim()],
+            attn: vec![0.0; m * c.q_dim()],
+            proj: vec![0.0; m * c.hidden],
+            router_logits: vec![0.0; m * c.n_experts],
+            moe: vec![0.0; m * c.hidden],
+            shared_g: vec![0.0; m * sff],
+            shared_u: vec![0.0; m * sff],
+            shared_y: vec![0.0; m * c.hidden],
+            shared_gate: vec![0.0; m],
+            scores: Vec::new(),
+        };
+        let updater = UpdaterHandle::start().map_err(|e| PipelineError::Setup(format!("updater: {e}")))?;
+        let switches = options.switches;
+        Ok(Pipeline {
+            perf: PerfState::new(options.perf_mode, c.n_layers, c.n_experts, c.n_experts_used),
+            policy: PpPolicy { profile: adapter.profile, switches },
+            fallback_scratch: FfnScratch::new(cold.dims(), 1),
+            cold,
+            router,
+            lanes,
+            hot_set,
+            updater,
+            act,
+            rope: Vec::new(),
+            call_idx: 0,
+            plans: Vec::new(),
+            fault: options.fault,
+            max_batch_tokens: m,
+            embedding,
+            final_norm,
+            lm_head,
+            layers,
+            adapter,
+            config: c,
+            model,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    pub fn perf(&self) -> &PerfState {
+        &self.perf
+    }
+
+    pub fn hot_set(&self) -> &HotSet {
+        &self.hot_set
+    }
+
+    /// The plans of the last forward call, one per sub-batch.
+    pub fn last_plans(&self) -> &[Plan] {
+        &self.plans
+    }
+
+    /// The Updater: queue slot exchanges here; they apply at the start of the next call.
+    pub fn updater(&self) -> &UpdaterHandle {
+        &self.updater
+    }
+
+    pub fn new_cache(&self) -> PipelineCache {
+        PipelineCache {
+            keys: vec![Vec::new(); self.config.n_layers],
+            values: vec![Vec::new(); self.config.n_layers],
+            n_positions: 0,
+        }
+    }
+
+    /// Apply every queued exchange (between calls). Returns how many were applied.
+    pub fn apply_pending_exchanges(&mut self) -> Result<usize, PipelineError> {
+        let pending = self.updater.take_pending();
+        let n = pending.len();
+        for Exchange { layer_idx, evict, add } in pending {
+            let slot = self.hot_set.apply_exchange(layer_idx, evict, add)?;
+            if let Err(e) = self.lanes.load_slot(slot.lane_idx as usize, layer_idx, slot.slot_idx, add) {
+                // Keep the maps true to the lane's contents: undo, and report.
+                let _ = self.hot_set.apply_exchange(layer_idx, add, evict);
+                return Err(e.into());
+            }
+            self.perf.record_update();
+        }
+        Ok(n)
+    }
+
+    /// Run `tokens` after whatever `cache` holds, in `phase`; returns one logits row per token.
+    /// Checks every token id before touching the cache, so a bad id changes nothing.
+    pub fn forward(
+        &mut self,
+        cache: &mut PipelineCache,
+        tokens: &[u32],
+        phase: Phase,
+    ) -> Result<Vec<Vec<f32>>, PipelineError> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyInput.into());
+        }
+        for (i, &token) in tokens.iter().enumerate() {
+            if token as usize >= c.vocab {
+                return Err(ForwardError::TokenOutOfRange {
+                    token,
+                    position: cache.n_positions + i,
+                    vocab: c.vocab,
+                }
+                .into());
+            }
+        }
+        if cache.n_positions + tokens.len() > c.max_positions {
+            return Err(ForwardError::ContextFull { max_positions: c.max_positions }.into());
+        }
+        self.apply_pending_exchanges()?;
+        self.plans.clear();
+        let mut logits = Vec::with_capacity(tokens.len());
+        for batch in tokens.chunks(self.max_batch_tokens) {
+            self.call_idx += 1;
+            let cache_state = CacheState {
+                n_hot_slots: self.hot_set.layers.iter().map(|l| l.n_hot()).sum(),
+                n_experts: self.config.n_experts,
+            };
+            let cold_state = ColdState { n_workers: self.lanes.n_cold_workers(), healthy: true };
+            // The phase is the call's, whatever the sub-batch's size.
+            let plan = self.policy.plan(phase, batch.len(), cache_state, cold_state);
+            self.plans.push(plan);
+            self.forward_batch(cache, batch, &plan, &mut logits)?;
+        }
+        Ok(logits)
+    }
+
+    /// Greedy generation: prefill `prompt` (Prefill), then decode `n_new` tokens (Decode).
+    pub fn generate(&mut self, prompt: &[u32], n_new: usize) -> Result<Vec<u32>, PipelineError> {
+        let mut cache = self.new_cache();
+        let logits = self.forward(&mut cache, prompt, Phase::Prefill)?;
+        let mut next = argmax(logits.last().expect("prompt is not empty"));
+        let mut out = Vec::with_capacity(n_new);
+        for i in 0..n_new {
+            out.push(next);
+            if i + 1 < n_new {
+                let logits = self.forward(&mut cache, &[next], Phase::Decode)?;
+                next = argmax(&logits[0]);
+            }
+        }
+        Ok(out)
+    }
+
+    fn forward_batch(
+        &mut self,
+        cache: &mut PipelineCache,
+        tokens: &[u32],
+        plan: &Plan,
+        logits_out: &mut Vec<Vec<f32>>,
+    ) -> Result<(), PipelineError> {
+        let n = tokens.len();
+        let h = self.config.hidden;
+        let first_pos = cache.n_positions;
+        self.ensure_rope(first_pos + n);
+        for (t, &token) in tokens.iter().enumerate() {
+            let row = token as usize * h;
+            self.act.hidden[t * h..(t + 1) * h].copy_from_slice(&self.embedding[row..row + h]);
+        }
+        for l in 0..self.config.n_layers {
+            self.attention_block(cache, l, n, first_pos);
+            self.moe_block(l, n, plan)?;
+        }
+        cache.n_positions += n;
+        let head = self.lm_head.as_deref().unwrap_or(&self.embedding);
+        let vocab = self.config.vocab;
+        let eps = self.config.rms_eps;
+        for t in 0..n {
+            rms_norm_row(
+                &self.act.hidden[t * h..(t + 1) * h],
+                &self.final_norm,
+                eps,
+                &mut self.act.normed[..h],
+            );
+            let mut row = vec![0.0; vocab];
+            matmul(head, &self.act.normed[..h], 1, h, vocab, &mut row);
+            logits_out.push(row);
+        }
+        Ok(())
+    }
+
+    fn ensure_rope(&mut self, n_positions: usize) {
+        let hd = self.config.head_dim;
+        let half = hd / 2;
+        let have = self.rope.len().checked_div(half).unwrap_or(n_positions);
+        let theta = self.config.rope_theta as f64;
+        for pos in have..n_positions {
+            for i in 0..half {
+                let inv_freq = 1.0 / theta.powf(2.0 * i as f64 / hd as f64);
+                let angle = pos as f64 * inv_freq;
+                self.rope.push((angle.cos() as f32, angle.sin() as f32));
+            }
+        }
+    }
+
+    fn attention_block(&mut self, cache: &mut PipelineCache, l: usize, n: usize, first_pos: usize) {
+        let c = &self.config;
+        let w = &self.layers[l];
+        let a = &mut self.act;
+        let (h, qd, kvd, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
+        for t in 0..n {
+            rms_norm_row(
+                &a.hidden[t * h..(t + 1) * h],
+                &w.attn_norm,
+                c.rms_eps,
+                &mut a.normed[t * h..(t + 1) * h],
+            );
+        }
+        matmul(&w.q, &a.normed[..n * h], n, h, qd, &mut a.q[..n * qd]);
+        matmul(&w.k, &a.normed[..n * h], n, h, kvd, &mut a.k[..n * kvd]);
+        matmul(&w.v, &a.normed[..n * h], n, h, kvd, &mut a.v[..n * kvd]);
+        for (buf, bias, dim) in
+            [(&mut a.q, &w.q_bias, qd), (&mut a.k, &w.k_bias, kvd), (&mut a.v, &w.v_bias, kvd)]
+        {
+            if let Some(b) = bias {
+                for row in buf[..n * dim].chunks_exact_mut(dim) {
+                    row.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+                }
+            }
+        }
+        match self.adapter.qk_norm {
+            QkNorm::None => {}
+            QkNorm::WholeProjection => {
+                let (qn, kn) = (w.q_norm.as_ref().expect("validated"), w.k_norm.as_ref().expect("validated"));
+                for row in a.q[..n * qd].chunks_exact_mut(qd) {
+                    rms_norm_in_place(row, qn, c.rms_eps);
+                }
+                for row in a.k[..n * kvd].chunks_exact_mut(kvd) {
+                    rms_norm_in_place(row, kn, c.rms_eps);
+                }
+            }
+            QkNorm::PerHead => {
+                let (qn, kn) = (w.q_norm.as_ref().expect("validated"), w.k_norm.as_ref().expect("validated"));
+                for head in a.q[..n * qd].chunks_exact_mut(hd) {
+                    rms_norm_in_place(head, qn, c.rms_eps);
+                }
+                for head in a.k[..n * kvd].chunks_exact_mut(hd) {
+                    rms_norm_in_place(head, kn, c.rms_eps);
+                }
+            }
+        }
+        if let Some(clip) = c.clip_qkv {
+            for x in
+                a.q[..n * qd].iter_mut().chain(a.k[..n * kvd].iter_mut()).chain(a.v[..n * kvd].iter_mut())
+            {
+                *x = x.clamp(-clip, clip);
+            }
+        }
+        let half = hd / 2;
+        for t in 0..n {
+            let table = &self.rope[(first_pos + t) * half..(first_pos + t + 1) * half];
+            for head in a.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
+                rope_head(head, table, c.rope_style);
+            }
+            for head in a.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(hd) {
+                rope_head(head, table, c.rope_style);
+            }
+        }
+        cache.keys[l].extend_from_slice(&a.k[..n * kvd]);
+        cache.values[l].extend_from_slice(&a.v[..n * kvd]);
+        let (keys, values) = (&cache.keys[l], &cache.values[l]);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let group = c.n_heads / c.n_kv_heads;
+        for t in 0..n {
+            let pos = first_pos + t;
+            let first_visible = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
+            for head in 0..c.n_heads {
+                let kv_head = head / group;
+                let qh = &a.q[t * qd + head * hd..t * qd + (head + 1) * hd];
+                a.scores.clear();
+                for p in first_visible..=pos {
+                    a.scores
+                        .push(dot(qh, &keys[p * kvd + kv_head * hd..p * kvd + (kv_head + 1) * hd]) * scale);
+                }
+                softmax_in_place(&mut a.scores);
+                let oh = &mut a.attn[t * qd + head * hd..t * qd + (head + 1) * hd];
+                oh.iter_mut().for_each(|o| *o = 0.0);
+                for (p, &prob) in (first_visible..=pos).zip(a.scores.iter()) {
+                    let vh = &values[p * kvd + kv_head * hd..p * kvd + (kv_head + 1) * hd];
+                    for (o, v) in oh.iter_mut().zip(vh) {
+                        *o += prob * v;
+                    }
+                }
+            }
+        }
+        matmul(&w.o, &a.attn[..n * qd], n, qd, h, &mut a.proj[..n * h]);
+        for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
+            *x += y;
+        }
+    }
+
+    fn moe_block(&mut self, l: usize, n: usize, plan: &Plan) -> Result<(), PipelineError> {
+        let c = &self.config;
+        let (h, n_experts, k) = (c.hidden, c.n_experts, c.n_experts_used);
+        let w = &self.layers[l];
+        let a = &mut self.act;
+        let mut timing = LayerTiming::default();
+        for t in 0..n {
+            rms_norm_row(
+                &a.hidden[t * h..(t + 1) * h],
+                &w.ffn_norm,
+                c.rms_eps,
+                &mut a.normed[t * h..(t + 1) * h],
+            );
+        }
+        // Router stage.
+        let t0 = Instant::now();
+        matmul(&w.router, &a.normed[..n * h], n, h, n_experts, &mut a.router_logits[..n * n_experts]);
+        let routes = self
+            .router
+            .route(&a.router_logits[..n * n_experts], n)
+            .map_err(|e| PipelineError::Setup(e.to_string()))?;
+        let t1 = Instant::now();
+        let hot_layer = &self.hot_set.layers[l];
+        if self.perf.mode() != PerfMode::Off {
+            for &e in &routes.expert_ids {
+                self.perf.record_slot(l, e as usize, hot_layer.is_hot(e as usize));
+            }
+        }
+        // Dispatcher stage: the worklist, in the lanes' shared layer input.
+        let mut failure: Option<FallbackReason> = None;
+        match self.lanes.input_mut() {
+            None => failure = Some(FallbackReason::LaneUnavailable),
+            Some(input) => {
+                input.call_idx = self.call_idx;
+                input.layer_idx = l;
+                input.n_tokens = n;
+                input.x[..n * h].copy_from_slice(&a.normed[..n * h]);
+                let built = input.worklist.build(
+                    &routes.expert_ids,
+                    &routes.weights,
+                    n,
+                    k,
+                    Some(hot_layer),
+                    plan.order,
+                );
+                if built.is_err() {
+                    failure = Some(FallbackReason::Shape);
+                } else {
+                    if self.fault.corrupt_worklist_layer == Some(l) {
+                        corrupt(&mut input.worklist);
+                    }
+                    if input.worklist.check_consistency(Some(hot_layer)).is_err() {
+                        failure = Some(FallbackReason::Worklist);
+                    }
+                }
+            }
+        }
+        let t2 = Instant::now();
+        timing.routing_us = (t1 - t0).as_micros() as u64;
+        timing.worklist_us = (t2 - t1).as_micros() as u64;
+        // Shared expert on this thread while the lanes run.
+        let shared = w.shared.as_ref();
+        let activation = self.adapter.activation;
+        let sff = c.shared_expert_ff;
+        let mut shared_work = || {
+            if let Some(s) = shared {
+                shared_expert(
+                    s,
+                    &a.normed[..n * h],
+                    n,
+                    h,
+                    sff,
+                    activation,
+                    &mut a.shared_g,
+                    &mut a.shared_u,
+                    &mut a.shared_y,
+                    &mut a.shared_gate,
+                );
+            }
+        };
+        let mut launched = false;
+        if failure.is_none() {
+            match self.lanes.run_layer(
+                plan.merge,
+                plan.compact_cold_reduce,
+                &mut a.moe[..n * h],
+                &mut timing,
+                &mut shared_work,
+            ) {
+                Ok(()) => launched = true,
+                Err(f) => failure = Some(f.reason),
+            }
+        } else {
+            shared_work();
+        }
+        if let Some(reason) = failure {
+            // All-cold fallback on this thread, from the RAM experts.
+            self.perf.record_fallback(l, reason);
+            let routes = self.router.routes();
+            let scratch = &mut self.fallback_scratch;
+            for t in 0..n {
+                let out = &mut a.moe[t * h..(t + 1) * h];
+                out.iter_mut().for_each(|v| *v = 0.0);
+                for j in 0..k {
+                    let (e, wt) = (routes.expert_ids[t * k + j] as usize, routes.weights[t * k + j]);
+                    scratch.xs[..h].copy_from_slice(&a.normed[t * h..(t + 1) * h]);
+                    self.cold
+                        .expert_ffn(l, e, 1, scratch)
+                        .map_err(|e| PipelineError::Setup(format!("all-cold fallback failed: {e}")))?;
+                    for (o, y) in out.iter_mut().zip(&scratch.ys[..h]) {
+                        *o += wt * y;
+                    }
+                }
+            }
+            launched = false;
+        }
+        if shared.is_some() {
+            for t in 0..n {
+                let g = a.shared_gate[t];
+                for (o, y) in a.moe[t * h..(t + 1) * h].iter_mut().zip(&a.shared_y[t * h..(t + 1) * h]) {
+                    *o += g * y;
+                }
+            }
+        }
+        for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.moe[..n * h]) {
+            *x += y;
+        }
+        self.perf.record_layer_call(l, &timing, launched);
+        Ok(())
+    }
+}
+
+/// Break a worklist on purpose (fault injection): duplicate a slot.
+fn corrupt(wl: &mut crate::worklist::Worklist) {
+    if wl.cold_count >= 2 {
+        wl.cold_src_slot[1] = wl.cold_src_slot[0];
+    } else if wl.hot[0].hot_count >= 1 {
+        wl.hot[0].hot_id[0] = u32::MAX;
+    } else {
+        wl.cold_count = wl.cold_count.saturating_sub(1);
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn shared_expert(
+    s: &SharedExpertWeights,
+    x: &[f32],
+    n: usize,
+    h: usize,
+    sff: usize,
+    activation: FfnActivation,
+    g: &mut [f32],
+    u: &mut [f32],
+    y: &mut [f32],
+    gate: &mut [f32],
+) {
+    matmul(&s.gate, x, n, h, sff, &mut g[..n * sff]);
+    matmul(&s.up, x, n, h, sff, &mut u[..n * sff]);
+    for (gv, uv) in g[..n * sff].iter_mut().zip(&u[..n * sff]) {
+        let act = match activation {
+            FfnActivation::Silu => silu(*gv),
+            FfnActivation::Gelu => gelu(*gv),
+        };
+        *gv = act * uv;
+    }
+    matmul(&s.down, &g[..n * sff], n, sff, h, &mut y[..n * h]);
+    for t in 0..n {
+        gate[t] = sigmoid(dot(&s.gate_logit, &x[t * h..(t + 1) * h]));
+    }
+}
+
+/// `out[t, r] = w[r, :] · x[t, :]` for `n` tokens: `w` is `[out_dim, in_dim]`, `x` is
+/// `[n, in_dim]`, `out` is `[n, out_dim]`. Each weight row is read once for the whole batch.
+fn matmul(w: &[f32], x: &[f32], n: usize, in_dim: usize, out_dim: usize, out: &mut [f32]) {
+    debug_assert_eq!(w.len(), in_dim * out_dim);
+    for (r, row) in w.chunks_exact(in_dim).enumerate() {
+        for t in 0..n {
+            out[t * out_dim + r] = dot(row, &x[t * in_dim..(t + 1) * in_dim]);
+        }
+    }
+}
+
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = 0.0f32;
+    for (x, y) in a.iter().zip(b) {
+        acc += x * y;
+    }
+    acc
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+fn rms_norm_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let mut ss = 0.0f32;
+    for v in x {
+        ss += v * v;
+    }
+    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    for ((o, v), w) in out.iter_mut().zip(x).zip(weight) {
+        *o = v * inv * w;
+    }
+}
+
+fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let mut ss = 0.0f32;
+    for v in x.iter() {
+        ss += v * v;
+    }
+    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    for (v, w) in x.iter_mut().zip(weight) {
+        *v = *v * inv * w;
+    }
+}
+
+fn softmax_in_place(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0f32;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+fn rope_head(head: &mut [f32], table: &[(f32, f32)], style: RopeStyle) {
+    let half = head.len() / 2;
+    for (i, &(cos, sin)) in table.iter().enumerate().take(half) {
+        let (a, b) = match style {
+            RopeStyle::HalfSplit => (i, i + half),
+            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+        };
+        let (x0, x1) = (head[a], head[b]);
+        head[a] = x0 * cos - x1 * sin;
+        head[b] = x1 * cos + x0 * sin;
+    }
+}
+
+/// Index of the largest value (first on ties).
+pub fn argmax(values: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in values.iter().enumerate() {
+        if *v > values[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
