@@ -17,6 +17,26 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
+/// Print a line to stdout; a closed pipe (`moe-lanes logits ... | head`) ends the program quietly
+/// instead of panicking.
+macro_rules! out {
+    ($($arg:tt)*) => { emit(&format!("{}\n", format_args!($($arg)*))) };
+}
+
+/// Like `out!` without the trailing newline.
+macro_rules! out_raw {
+    ($($arg:tt)*) => { emit(&format!($($arg)*)) };
+}
+
+fn emit(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut stdout = std::io::stdout().lock();
+    match stdout.write_all(text.as_bytes()).and_then(|_| stdout.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        other => Ok(other?),
+    }
+}
+
 #[derive(Parser)]
 #[command(
     name = "moe-lanes",
@@ -74,6 +94,9 @@ struct BenchArgs {
     /// Tokens routed by the built-in learn pass.
     #[arg(long, default_value_t = 256)]
     learn_tokens: usize,
+    /// Choose the hot set from this learn file (perf JSON) instead of a built-in learn pass.
+    #[arg(long)]
+    learn: Option<PathBuf>,
     #[arg(long)]
     json: bool,
 }
@@ -338,7 +361,7 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
     synth::check_output_path(&opts.out)?;
     let report = write_with_progress(&opts)?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        out!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
         println!(
             "wrote {} ({}, {} tensors)",
@@ -374,9 +397,9 @@ fn inspect(args: InspectArgs) -> Result<()> {
         report.measure_coverage(&model, n_tokens)?;
     }
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        out!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
-        print!("{}", report.to_text());
+        out_raw!("{}", report.to_text())?;
     }
     Ok(())
 }
@@ -389,14 +412,14 @@ fn logits(args: LogitsArgs) -> Result<()> {
         let mut cache = pipeline.new_cache();
         let logits = pipeline.forward(&mut cache, &args.tokens, Phase::Prefill)?;
         let out = serde_json::json!({ "tokens": args.tokens, "logits": logits });
-        println!("{}", serde_json::to_string(&out)?);
+        out!("{}", serde_json::to_string(&out)?)?;
         return write_perf(&pipeline, &args.engine.perf_json);
     }
     let reference = Reference::new(&model)?;
     let mut cache = reference.new_cache();
     let logits = reference.forward(&mut cache, &args.tokens, &mut NoObserver)?;
     let out = serde_json::json!({ "tokens": args.tokens, "logits": logits });
-    println!("{}", serde_json::to_string(&out)?);
+    out!("{}", serde_json::to_string(&out)?)?;
     Ok(())
 }
 
@@ -406,12 +429,12 @@ fn generate(args: GenerateArgs) -> Result<()> {
     if kind == EngineKind::Pipeline {
         let mut pipeline = build_pipeline(model, &args.engine)?;
         let tokens = pipeline.generate(&args.tokens, args.max_new_tokens)?;
-        println!("{}", serde_json::json!({ "tokens": tokens }));
+        out!("{}", serde_json::json!({ "tokens": tokens }))?;
         return write_perf(&pipeline, &args.engine.perf_json);
     }
     let reference = Reference::new(&model)?;
     let tokens = reference.generate(&args.tokens, args.max_new_tokens)?;
-    println!("{}", serde_json::json!({ "tokens": tokens }));
+    out!("{}", serde_json::json!({ "tokens": tokens }))?;
     Ok(())
 }
 
@@ -490,7 +513,7 @@ fn demo(args: DemoArgs) -> Result<()> {
         }
     };
     let model = open_model(&path)?;
-    print!("{}", InspectReport::new(&model).to_text());
+    out_raw!("{}", InspectReport::new(&model).to_text())?;
     let prompt = moe_lanes::inspect::sample_tokens(model.config().vocab, 8);
     // The default engine, with half of every layer's experts on the (CPU) hot lane.
     let engine = EngineArgs {
@@ -508,8 +531,8 @@ fn demo(args: DemoArgs) -> Result<()> {
     let start = Instant::now();
     let tokens = pipeline.generate(&prompt, args.max_new_tokens)?;
     let seconds = start.elapsed().as_secs_f64();
-    println!("prompt    {prompt:?}");
-    println!("generated {tokens:?}");
+    out!("prompt    {prompt:?}")?;
+    out!("generated {tokens:?}")?;
     println!(
         "engine pipeline: {} tokens in {:.3} s ({:.1} tokens/s)",
         tokens.len(),
@@ -530,9 +553,9 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
     };
     let report = run_kernel_bench(KernelBenchOptions { threads: args.threads, simd, quick: args.quick })?;
     if args.json {
-        println!("{}", report.to_json());
+        out!("{}", report.to_json())?;
     } else {
-        print!("{}", report.to_text());
+        out_raw!("{}", report.to_text())?;
     }
     Ok(())
 }
@@ -553,7 +576,10 @@ fn bench(args: BenchArgs) -> Result<()> {
         .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     let opts = BenchOptions {
         budget,
-        learn_counts: None,
+        learn_counts: match &args.learn {
+            Some(path) => Some(learn_counts(path, &model)?),
+            None => None,
+        },
         n_prompt_tokens: args.prompt_tokens,
         n_gen_tokens: args.gen_tokens,
         n_runs: args.runs,
@@ -573,9 +599,25 @@ fn bench(args: BenchArgs) -> Result<()> {
     let report =
         report.context("bench needs a CUDA GPU; run `moe-lanes bench-kernels` for the CPU lane alone")?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        out!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
-        print!("{}", report.to_text());
+        out_raw!("{}", report.to_text())?;
     }
     Ok(())
+}
+
+/// Per-layer expert counts from a learn file, checked against the model.
+fn learn_counts(path: &Path, model: &Model) -> Result<Vec<Vec<u64>>> {
+    let c = model.config();
+    let report = PerfReport::read(path, Some(c.n_experts))?;
+    let mut counts = vec![vec![0u64; c.n_experts]; c.n_layers];
+    for layer in &report.layers {
+        if layer.layer >= c.n_layers {
+            bail!("{}: layer {} is past the model's {} layers", path.display(), layer.layer, c.n_layers);
+        }
+        if !layer.experts.is_empty() {
+            counts[layer.layer].clone_from(&layer.experts);
+        }
+    }
+    Ok(counts)
 }
