@@ -197,6 +197,7 @@ pub fn run_bench(
     let planned = crate::plan::HotPlan { layers: hot.clone(), expert_bytes, budget_bytes: 0 };
     let mut gpu = GpuModel::new(model, backend, &HotAssignment { per_layer: hot })?;
     let mut cache = gpu.new_kv_cache(context)?;
+    gpu.set_copy_logits(false); // the bench only needs the greedy tokens
     let prompt = sample_tokens(c.vocab, opts.n_prompt_tokens);
     // Warm-up: first cuBLAS calls, page-ins of cold experts, pool threads.
     run_once(&mut gpu, &mut cache, &mut cold, &prompt[..prompt.len().min(32)], 4)?;

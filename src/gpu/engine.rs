@@ -122,7 +122,8 @@ pub struct ForwardStats {
 }
 
 /// Logits of one forward call: `n_rows` rows of `vocab`, plus the greedy token of each row
-/// (computed on the GPU: the first index of the maximum).
+/// (computed on the GPU: the first index of the maximum). `data` is empty when the model was told
+/// not to copy logits ([`GpuModel::set_copy_logits`]).
 #[derive(Debug, Clone)]
 pub struct Logits {
     pub n_rows: usize,
@@ -146,9 +147,9 @@ pub const PROFILE_LAYER_STAGES: [&str; 9] = [
     "o proj",
     "ffn norm+router+topk+D2H",
     "shared expert",
-    "host sync+worklist+H2D (+cold gather)",
+    "worklist: host sync+build+H2D | decode: GPU kernel",
     "hot lane",
-    "cold wait+H2D+scatter",
+    "cold lane: (decode: host sync) compute+H2D+add",
     "residual add",
 ];
 /// Stages outside the layers: embedding, final norm + lm_head, argmax.
@@ -167,6 +168,9 @@ pub struct StageProfile {
     pub copy_us: f64,
     /// Host wall time of the calls.
     pub total_us: f64,
+    /// Host time from the call's start to the start of the final copy (all work enqueued). Close
+    /// to `total_us` with a short final copy: the host, not the GPU, sets the pace.
+    pub enqueue_us: f64,
 }
 
 impl StageProfile {
@@ -198,6 +202,8 @@ impl StageProfile {
         out +=
             &format!("  host   {:40} {:>10} {:10.1} us/call\n", "logits+argmax copy", "", per(self.copy_us));
         out += &format!("  sum of GPU stages {:.1} us/call\n", per(gpu_sum));
+        out +=
+            &format!("  host enqueue (call start -> final copy start) {:.1} us/call\n", per(self.enqueue_us));
         out
     }
 }
@@ -351,6 +357,8 @@ pub struct GpuModel {
     stats: ForwardStats,
     weight_bytes: usize,
     profiler: Option<Profiler>,
+    /// Copy every logits row to the host (default); off: only the argmax comes back.
+    copy_logits: bool,
 }
 
 /// bf16 bit patterns of a float tensor (bf16 copied exactly; f16/f32 rounded to nearest even).
@@ -507,6 +515,7 @@ impl GpuModel {
             stats: ForwardStats::default(),
             weight_bytes,
             profiler: None,
+            copy_logits: true,
         };
         if std::env::var_os("MOE_LANES_GPU_PROFILE").is_some_and(|v| v != "0" && !v.is_empty()) {
             gm.enable_profile()?;
@@ -595,6 +604,14 @@ impl GpuModel {
         self.weight_bytes
     }
 
+    /// Whether forward calls copy the full logits rows to the host (default true). Off, only the
+    /// greedy tokens come back ([`Logits::data`] is empty and [`Logits::row`] must not be called):
+    /// a `[tokens, vocab]` f32 copy per call saved (600 KB per decode token at a 152K vocabulary,
+    /// 311 MB for a 512-token prompt).
+    pub fn set_copy_logits(&mut self, on: bool) {
+        self.copy_logits = on;
+    }
+
     /// Turn on the per-stage GPU timing breakdown (also on when `MOE_LANES_GPU_PROFILE=1` at
     /// construction). Adds CUDA event records at stage boundaries; timings are read after each
     /// forward call's final copy.
@@ -653,6 +670,7 @@ impl GpuModel {
         phase: Phase,
         t: usize,
         copy_us: f64,
+        enqueue_us: f64,
         total_us: f64,
     ) -> Result<(), GpuError> {
         let Some(p) = &mut self.profiler else { return Ok(()) };
@@ -662,6 +680,7 @@ impl GpuModel {
         prof.layer_calls += p.layer_marks.len();
         prof.copy_us += copy_us;
         prof.total_us += total_us;
+        prof.enqueue_us += enqueue_us;
         for marks in &p.layer_marks {
             for i in 0..PROFILE_LAYER_STAGES.len() {
                 prof.layer_us[i] += marks[i].elapsed_ms(&marks[i + 1])? as f64 * 1e3;
@@ -822,6 +841,8 @@ impl GpuModel {
         let mut work_i = vec![0i32; layout.len];
         let mut work_f = vec![0f32; t * k];
         let mut cold_slots: Vec<ColdSlot> = Vec::with_capacity(t * k);
+        let mut cold_row_tok: Vec<usize> = Vec::with_capacity(t);
+        let (mut cold_in_host, mut cold_out_host) = (Vec::<f32>::new(), Vec::<f32>::new());
         let mut stats =
             ForwardStats { n_tokens: t, prefill: phase == Phase::Prefill, layers: Vec::new(), total_us: 0.0 };
         let mut hot_launch_at = Vec::with_capacity(c.n_layers);
@@ -890,12 +911,22 @@ impl GpuModel {
             be.zero(p_moe.sub(0, t * h))?;
             be.gemv_bf16(w.router.ptr(), p_normed, p_rl, t, e_n, h, false)?;
             be.route_topk(p_rl, t, e_n, k, variant, c.norm_topk_prob, p_ids, p_w)?;
+            // Decode builds the hot worklist on the GPU; the host sees the routing only when the
+            // layer has cold experts (then the normed rows come along for the cold lane).
+            let device_worklist = phase == Phase::Decode;
+            let n_hot_experts = self.hot_id_map[l].iter().filter(|&&x| x >= 0).count();
+            let all_hot = n_hot_experts == e_n;
             let s = self.scratch.as_mut().unwrap();
-            unsafe {
-                be.read_async(p_ids, &mut s.pin_ids, t * k)?;
-                be.read_async(p_w, &mut s.pin_w, t * k)?;
+            if !(device_worklist && all_hot) {
+                unsafe {
+                    be.read_async(p_ids, &mut s.pin_ids, t * k)?;
+                    be.read_async(p_w, &mut s.pin_w, t * k)?;
+                    if device_worklist {
+                        be.read_async(p_normed, &mut s.pin_cold_in, t * h)?;
+                    }
+                }
+                be.record(&self.route_ready)?;
             }
-            be.record(&self.route_ready)?;
             self.mark(l, 4)?;
             if let Some(sw) = &w.shared {
                 let sff = c.shared_expert_ff;
@@ -907,6 +938,142 @@ impl GpuModel {
                 be.add_sigmoid_scaled_rows(p_moe, p_sout, p_sgl, t, h)?;
             }
             self.mark(l, 5)?;
+            if device_worklist {
+                let wi = |o: usize, n: usize| p_wi.sub(o, n);
+                let n_ent = t * k;
+                be.hot_worklist_tokens(
+                    self.hot_id_map_dev.ptr().sub(l * e_n, e_n),
+                    p_ids,
+                    t,
+                    k,
+                    e_n,
+                    wi(layout.slots, n_ent),
+                    wi(layout.tokens, n_ent),
+                    wi(layout.tok_off, t + 1),
+                    wi(layout.tok_rows, t),
+                )?;
+                self.mark(l, 6)?;
+                let (ev_start, ev_end) = &self.events[l];
+                hot_launch_at.push(Instant::now());
+                be.record(ev_start)?;
+                if n_hot_experts > 0 {
+                    let hl = &self.hot[l];
+                    let (gc, uc, dc) = (
+                        hl.gate.as_ref().unwrap().ptr(),
+                        hl.up.as_ref().unwrap().ptr(),
+                        hl.down.as_ref().unwrap().ptr(),
+                    );
+                    let ff = c.expert_ff;
+                    // entries routed to cold experts have slot -1: the kernels skip them
+                    be.moe_gate_up_gemv(
+                        gc,
+                        uc,
+                        p_normed,
+                        wi(layout.slots, n_ent),
+                        wi(layout.tokens, n_ent),
+                        p_h,
+                        n_ent,
+                        ff,
+                        h,
+                    )?;
+                    be.moe_down_accum(
+                        dc,
+                        p_h,
+                        wi(layout.slots, n_ent),
+                        p_w,
+                        wi(layout.tok_off, t + 1),
+                        wi(layout.tok_rows, t),
+                        p_moe,
+                        t,
+                        h,
+                        ff,
+                    )?;
+                }
+                be.record(ev_end)?;
+                self.mark(l, 7)?;
+                let split_at = Instant::now();
+                let mut lane = LayerLaneStats::default();
+                if all_hot {
+                    lane.hot_slots = n_ent;
+                    cold_window.push(None);
+                } else {
+                    // the hot lane is queued: the CPU works while the GPU runs it
+                    self.route_ready.synchronize()?;
+                    let s = self.scratch.as_mut().unwrap();
+                    let ids = &s.pin_ids.as_slice()[..n_ent];
+                    let wts = &s.pin_w.as_slice()[..n_ent];
+                    let map = &self.hot_id_map[l];
+                    cold_slots.clear();
+                    cold_row_tok.clear();
+                    for ti in 0..t {
+                        let mut row: Option<usize> = None;
+                        for j in 0..k {
+                            let e = ids[ti * k + j];
+                            if e < 0 || e as usize >= e_n {
+                                return Err(GpuError::Unsupported(format!(
+                                    "router produced expert id {e} (NaN logits?)"
+                                )));
+                            }
+                            if map[e as usize] >= 0 {
+                                lane.hot_slots += 1;
+                                continue;
+                            }
+                            let r = *row.get_or_insert_with(|| {
+                                cold_row_tok.push(ti);
+                                cold_row_tok.len() - 1
+                            });
+                            cold_slots.push(ColdSlot {
+                                row_idx: r,
+                                expert_idx: e as usize,
+                                weight: wts[ti * k + j],
+                            });
+                        }
+                    }
+                    let n_cold_rows = cold_row_tok.len();
+                    lane.cold_slots = cold_slots.len();
+                    lane.cold_rows = n_cold_rows;
+                    if n_cold_rows > 0 {
+                        let cold_start = Instant::now();
+                        let normed_rows = &s.pin_cold_in.as_slice()[..t * h];
+                        // compact rows (identity when every token has a cold slot, as in t = 1)
+                        let input: &[f32] = if n_cold_rows == t {
+                            normed_rows
+                        } else {
+                            cold_in_host.clear();
+                            for &ti in &cold_row_tok {
+                                cold_in_host.extend_from_slice(&normed_rows[ti * h..][..h]);
+                            }
+                            &cold_in_host
+                        };
+                        cold_out_host.clear();
+                        cold_out_host.resize(n_cold_rows * h, 0.0);
+                        cold.compute(l, input, &cold_slots, &mut cold_out_host);
+                        let out = &mut s.pin_cold_out.as_mut_slice()[..t * h];
+                        if n_cold_rows == t {
+                            out.copy_from_slice(&cold_out_host);
+                        } else {
+                            out.fill(0.0);
+                            for (r, &ti) in cold_row_tok.iter().enumerate() {
+                                out[ti * h..][..h].copy_from_slice(&cold_out_host[r * h..][..h]);
+                            }
+                        }
+                        let cold_end = Instant::now();
+                        lane.cold_us = (cold_end - cold_start).as_secs_f64() * 1e6;
+                        cold_window.push(Some((cold_start, cold_end)));
+                        // join on the GPU stream: no host wait for the hot lane
+                        unsafe { be.write_async(&s.pin_cold_out, t * h, p_cout)? };
+                        be.add(p_moe, p_cout, t * h)?;
+                    } else {
+                        cold_window.push(None);
+                    }
+                }
+                self.mark(l, 8)?;
+                lane.wall_us = split_at.elapsed().as_secs_f64() * 1e6;
+                stats.layers.push(lane);
+                be.add(p_hidden, p_moe, t * h)?;
+                self.mark(l, 9)?;
+                continue;
+            }
             self.route_ready.synchronize()?;
             let split_at = Instant::now();
 
@@ -1136,8 +1303,13 @@ impl GpuModel {
         be.argmax(p_logits, t, c.vocab, p_argmax)?;
         self.mark_tail(2)?;
         let copy_start = Instant::now();
-        let mut data = vec![0f32; t * c.vocab];
-        be.read(p_logits.sub(0, t * c.vocab), &mut data)?;
+        let data = if self.copy_logits {
+            let mut data = vec![0f32; t * c.vocab];
+            be.read(p_logits.sub(0, t * c.vocab), &mut data)?;
+            data
+        } else {
+            Vec::new()
+        };
         let mut am = vec![0i32; t];
         be.read(p_argmax.sub(0, t), &mut am)?;
         let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
@@ -1155,7 +1327,8 @@ impl GpuModel {
             }
         }
         stats.total_us = call_start.elapsed().as_secs_f64() * 1e6;
-        self.collect_profile(phase, t, copy_us, stats.total_us)?;
+        let enqueue_us = (copy_start - call_start).as_secs_f64() * 1e6;
+        self.collect_profile(phase, t, copy_us, enqueue_us, stats.total_us)?;
         self.stats = stats;
         Ok(Logits { n_rows: t, vocab: c.vocab, data, argmax: am.into_iter().map(|x| x as u32).collect() })
     }
