@@ -197,9 +197,11 @@ pub fn run_bench(
     let planned = crate::plan::HotPlan { layers: hot.clone(), expert_bytes, budget_bytes: 0 };
     let mut gpu = GpuModel::new(model, backend, &HotAssignment { per_layer: hot })?;
     let mut cache = gpu.new_kv_cache(context)?;
+    gpu.set_copy_logits(false); // the bench only needs the greedy tokens
     let prompt = sample_tokens(c.vocab, opts.n_prompt_tokens);
     // Warm-up: first cuBLAS calls, page-ins of cold experts, pool threads.
     run_once(&mut gpu, &mut cache, &mut cold, &prompt[..prompt.len().min(32)], 4)?;
+    gpu.reset_profile();
     let total_ticks = 2 * opts.n_runs as u64;
     let (mut pp_rates, mut tg_rates) = (Vec::new(), Vec::new());
     let (mut pp_lanes, mut tg_lanes) = (LaneTotals::default(), LaneTotals::default());
@@ -218,6 +220,9 @@ pub fn run_bench(
         }
         tg_rates.push(opts.n_gen_tokens as f64 / start.elapsed().as_secs_f64());
         progress(2 * run_idx as u64 + 2, total_ticks);
+    }
+    if let Some(report) = gpu.profile_report() {
+        eprintln!("== GPU stage profile (MOE_LANES_GPU_PROFILE, timed runs, warm-up excluded) ==\n{report}");
     }
     let (pp, tg) = (Spread::of(&pp_rates), Spread::of(&tg_rates));
     Ok(BenchReport {

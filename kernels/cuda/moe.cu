@@ -152,8 +152,11 @@ extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int 
 
 // Causal GQA attention of T query rows (positions pos0..pos0+T-1) against the layer's KV cache,
 // which already holds positions 0..pos0+T-1 ([positions, kv_dim] f32). Decode is T = 1.
-// window > 0 limits each query to its last `window` positions.
-// grid (T, n_heads), block 128, dynamic shared memory: max visible positions * 4 bytes.
+// window > 0 limits each query to its last `window` positions. head_dim <= 256.
+// Scores: one warp per position (coalesced K rows, 4 positions in flight per warp); values: each
+// warp accumulates its positions for all dims, then the warps' partials are summed.
+// grid (T, n_heads), block 256, dynamic shared memory: max(visible positions, 8 * hd) * 4 bytes.
+#define ATT_MAXC 8  // head_dim / 32, at most
 extern "C" __global__ void attention_f32(const float* __restrict__ q, const float* __restrict__ kc,
                                          const float* __restrict__ vc, float* __restrict__ out, int pos0,
                                          int n_heads, int n_kv, int hd, int window, float scale) {
@@ -162,17 +165,43 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
     int pos = pos0 + t;
     int kvh = h / (n_heads / n_kv);
     int kv_dim = n_kv * hd, q_dim = n_heads * hd;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const float* qh = q + (size_t)t * q_dim + (size_t)h * hd;
+    const float* kb = kc + (size_t)kvh * hd;
+    const float* vb = vc + (size_t)kvh * hd;
     int first = window > 0 ? max(0, pos + 1 - window) : 0;
     int n = pos + 1 - first;
+    float qr[ATT_MAXC];
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) {
+        int i = lane + 32 * c;
+        qr[c] = i < hd ? qh[i] : 0.f;
+    }
     float mx = -INFINITY;
-    for (int j = threadIdx.x; j < n; j += blockDim.x) {
-        const float* kr = kc + (size_t)(first + j) * kv_dim + (size_t)kvh * hd;
-        float d = 0.f;
-        for (int i = 0; i < hd; i++) d += qh[i] * kr[i];
-        d *= scale;
-        sc[j] = d;
-        mx = fmaxf(mx, d);
+    for (int j0 = wid; j0 < n; j0 += 4 * nw) {
+        float d[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int j = j0 + u * nw;
+            d[u] = 0.f;
+            if (j < n) {
+                const float* kr = kb + (size_t)(first + j) * kv_dim;
+#pragma unroll
+                for (int c = 0; c < ATT_MAXC; c++) {
+                    int i = lane + 32 * c;
+                    if (i < hd) d[u] += qr[c] * kr[i];
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int j = j0 + u * nw;
+            float v = warp_sum(d[u]) * scale;
+            if (j < n) {
+                if (lane == 0) sc[j] = v;
+                mx = fmaxf(mx, v);
+            }
+        }
     }
     mx = block_max(mx);
     float s = 0.f;
@@ -182,22 +211,42 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
         s += e;
     }
     s = block_sum(s);
+    float acc[ATT_MAXC];
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) acc[c] = 0.f;
+#pragma unroll 4
+    for (int j = wid; j < n; j += nw) {
+        float p = sc[j];
+        const float* vr = vb + (size_t)(first + j) * kv_dim;
+#pragma unroll
+        for (int c = 0; c < ATT_MAXC; c++) {
+            int i = lane + 32 * c;
+            if (i < hd) acc[c] += p * vr[i];
+        }
+    }
+    __syncthreads();  // every warp is done with the scores: reuse sc for the partials
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) {
+        int i = lane + 32 * c;
+        if (i < hd) sc[wid * hd + i] = acc[c];
+    }
+    __syncthreads();
     float inv = 1.f / s;
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float acc = 0.f;
-        const float* vr = vc + (size_t)first * kv_dim + (size_t)kvh * hd + i;
-        for (int j = 0; j < n; j++) acc += sc[j] * vr[(size_t)j * kv_dim];
-        out[(size_t)t * q_dim + (size_t)h * hd + i] = acc * inv;
+        float a = 0.f;
+        for (int w = 0; w < nw; w++) a += sc[w * hd + i];
+        out[(size_t)t * q_dim + (size_t)h * hd + i] = a * inv;
     }
 }
 
-// Index of the largest value per row (first on ties). grid (rows), block 256.
+// Index of the largest value per row (first on ties). grid (rows), block 1024.
 extern "C" __global__ void argmax_f32(const float* __restrict__ x, int n, int* __restrict__ out) {
-    __shared__ float sv[256];
-    __shared__ int si[256];
+    __shared__ float sv[1024];
+    __shared__ int si[1024];
     const float* xr = x + (size_t)blockIdx.x * n;
     float bv = -INFINITY;
     int bi = 0x7fffffff;
+#pragma unroll 4
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         float v = xr[i];
         if (v > bv) { bv = v; bi = i; }
@@ -268,41 +317,55 @@ extern "C" __global__ void add_sigmoid_scaled_rows(float* __restrict__ out, cons
 
 // Router: top-k expert ids and weights per token from logits [T, E]. Ties go to the lower id.
 // variant 0: softmax over all experts, then top-k (renormalised when norm != 0);
-// variant 1: top-k on logits, then softmax over the k. grid ceil(T/64), block 64.
+// variant 1: top-k on logits, then softmax over the k. One warp per token: each of the k rounds
+// is a warp argmax (larger value, then lower id) over the experts after the previous pick.
+// grid ceil(T/8), block 256.
 extern "C" __global__ void route_topk(const float* __restrict__ logits, int T, int E, int k, int variant,
                                       int norm, int* __restrict__ ids, float* __restrict__ weights) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= T) return;
+    int t = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    int lane = threadIdx.x & 31;
+    if (t >= T) return;  // whole warps
     const float* l = logits + (size_t)t * E;
     float pv = INFINITY;
     int pi = -1;
+    float mx = -INFINITY;
     for (int j = 0; j < k; j++) {
         float bv = -INFINITY;
         int bi = -1;
-        for (int e = 0; e < E; e++) {
+        for (int e = lane; e < E; e += WARP) {
             float v = l[e];
             bool after = (v < pv) || (v == pv && e > pi);
             if (!after) continue;
             if (bi < 0 || v > bv) { bv = v; bi = e; }
         }
-        ids[t * k + j] = bi;
-        weights[t * k + j] = bv;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
+        }
+        if (lane == 0) {
+            ids[t * k + j] = bi;
+            weights[t * k + j] = bv;
+        }
+        if (j == 0) mx = bv;  // the largest logit overall
         pv = bv;
         pi = bi;
     }
-    float mx = weights[t * k];  // the largest logit overall
     if (variant == 0) {
         float sum = 0.f;
-        for (int e = 0; e < E; e++) sum += expf(l[e] - mx);
-        float sel = 0.f;
-        for (int j = 0; j < k; j++) {
-            float p = expf(weights[t * k + j] - mx) / sum;
-            weights[t * k + j] = p;
-            sel += p;
+        for (int e = lane; e < E; e += WARP) sum += expf(l[e] - mx);
+        sum = warp_sum(sum);
+        if (lane == 0) {
+            float sel = 0.f;
+            for (int j = 0; j < k; j++) {
+                float p = expf(weights[t * k + j] - mx) / sum;
+                weights[t * k + j] = p;
+                sel += p;
+            }
+            if (norm)
+                for (int j = 0; j < k; j++) weights[t * k + j] /= sel;
         }
-        if (norm)
-            for (int j = 0; j < k; j++) weights[t * k + j] /= sel;
-    } else {
+    } else if (lane == 0) {
         float sum = 0.f;
         for (int j = 0; j < k; j++) sum += expf(weights[t * k + j] - mx);
         for (int j = 0; j < k; j++) weights[t * k + j] = expf(weights[t * k + j] - mx) / sum;
@@ -318,7 +381,7 @@ extern "C" __global__ void moe_gate_up_gemv(const bf16* __restrict__ G, const bf
                                             int hidden) {
     int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     int e = blockIdx.y;
-    if (r >= ff) return;
+    if (r >= ff || slots[e] < 0) return;  // slot -1: a cold entry of a device-built worklist
     size_t off = ((size_t)slots[e] * ff + r) * hidden;
     const float* xt = x + (size_t)tokens[e] * hidden;
     float g = warp_dot_bf16(G + off, xt, hidden);
@@ -339,6 +402,7 @@ extern "C" __global__ void moe_down_accum(const bf16* __restrict__ D, const floa
     if (r >= hidden) return;
     float acc = 0.f;
     for (int e = tok_off[i]; e < tok_off[i + 1]; e++) {
+        if (slots[e] < 0) continue;  // cold entry (device-built worklist)
         float d = warp_dot_bf16(D + ((size_t)slots[e] * hidden + r) * ff, h + (size_t)e * ff, ff);
         acc += weights[e] * d;
     }
@@ -361,4 +425,21 @@ extern "C" __global__ void moe_scatter_accum(const float* __restrict__ y, const 
         }
         o[d] += acc;
     }
+}
+
+// Decode hot worklist built on the GPU from the router's ids, token-major with every routed entry:
+// entry e = t * k + j has slot map[ids[e]] (-1 for a cold expert or an out-of-range id; the hot
+// kernels skip it) and token t; token row r is token r with entries r*k..(r+1)*k.
+// grid ceil(max(T*k, T+1)/256), block 256.
+extern "C" __global__ void hot_worklist_tokens(const int* __restrict__ map, const int* __restrict__ ids, int T,
+                                               int k, int E, int* __restrict__ slots, int* __restrict__ tokens,
+                                               int* __restrict__ tok_off, int* __restrict__ tok_rows) {
+    int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e < T * k) {
+        int id = ids[e];
+        slots[e] = (id >= 0 && id < E) ? map[id] : -1;
+        tokens[e] = e / k;
+    }
+    if (e < T) tok_rows[e] = e;
+    if (e <= T) tok_off[e] = e * k;
 }

@@ -228,62 +228,69 @@ fn rope_both_styles_match_cpu() {
 #[test]
 fn attention_causal_gqa_matches_cpu() {
     let Some(be) = backend() else { return };
-    let (n_heads, n_kv, hd, pos0, t) = (4, 2, 20, 6, 3);
-    let total = pos0 + t;
-    let kv_dim = n_kv * hd;
-    let q = rnd(t * n_heads * hd, 12);
-    let kc = rnd(total * kv_dim, 13);
-    let vc = rnd(total * kv_dim, 14);
-    for window in [0usize, 4] {
-        let (dq, dk, dv) = (be.upload(&q).unwrap(), be.upload(&kc).unwrap(), be.upload(&vc).unwrap());
-        let out = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
-        be.attention(dq.ptr(), dk.ptr(), dv.ptr(), out.ptr(), t, pos0, n_heads, n_kv, hd, window).unwrap();
-        let got = be.read_vec(out.ptr()).unwrap();
-        let mut want = vec![0.0; t * n_heads * hd];
-        for ti in 0..t {
-            let pos = pos0 + ti;
-            let first = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
-            for h in 0..n_heads {
-                let kvh = h / (n_heads / n_kv);
-                let qh = &q[(ti * n_heads + h) * hd..][..hd];
-                let scores: Vec<f32> = (first..=pos)
-                    .map(|p| dot(qh, &kc[p * kv_dim + kvh * hd..][..hd]) / (hd as f32).sqrt())
-                    .collect();
-                let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
-                let sum: f32 = e.iter().sum();
-                for (j, p) in (first..=pos).enumerate() {
-                    for i in 0..hd {
-                        want[(ti * n_heads + h) * hd + i] += e[j] / sum * vc[p * kv_dim + kvh * hd + i];
+    // small odd shapes, and Qwen3-like decode/prefill shapes (hd 128, long context)
+    for (n_heads, n_kv, hd, pos0, t) in
+        [(4, 2, 20, 6, 3), (8, 2, 128, 700, 1), (4, 4, 64, 37, 5), (2, 1, 256, 3, 1)]
+    {
+        let total = pos0 + t;
+        let kv_dim = n_kv * hd;
+        let q = rnd(t * n_heads * hd, 12);
+        let kc = rnd(total * kv_dim, 13);
+        let vc = rnd(total * kv_dim, 14);
+        for window in [0usize, 4, 100] {
+            let (dq, dk, dv) = (be.upload(&q).unwrap(), be.upload(&kc).unwrap(), be.upload(&vc).unwrap());
+            let out = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+            be.attention(dq.ptr(), dk.ptr(), dv.ptr(), out.ptr(), t, pos0, n_heads, n_kv, hd, window)
+                .unwrap();
+            let got = be.read_vec(out.ptr()).unwrap();
+            let mut want = vec![0.0; t * n_heads * hd];
+            for ti in 0..t {
+                let pos = pos0 + ti;
+                let first = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+                for h in 0..n_heads {
+                    let kvh = h / (n_heads / n_kv);
+                    let qh = &q[(ti * n_heads + h) * hd..][..hd];
+                    let scores: Vec<f32> = (first..=pos)
+                        .map(|p| dot(qh, &kc[p * kv_dim + kvh * hd..][..hd]) / (hd as f32).sqrt())
+                        .collect();
+                    let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
+                    let sum: f32 = e.iter().sum();
+                    for (j, p) in (first..=pos).enumerate() {
+                        for i in 0..hd {
+                            want[(ti * n_heads + h) * hd + i] += e[j] / sum * vc[p * kv_dim + kvh * hd + i];
+                        }
                     }
                 }
             }
+            let err = max_abs_diff(&got, &want);
+            assert!(err < 1e-5, "hd={hd} pos0={pos0} t={t} window={window}: {err}");
         }
-        let err = max_abs_diff(&got, &want);
-        assert!(err < 1e-5, "window={window}: {err}");
     }
 }
 
 #[test]
 fn argmax_and_embed_match_cpu() {
     let Some(be) = backend() else { return };
-    let (rows, n) = (3, 1000);
-    let mut x = rnd(rows * n, 15);
-    x[n + 17] = 5.0;
-    x[n + 900] = 5.0; // tie: first wins
-    let dx = be.upload(&x).unwrap();
-    let out = be.alloc_zeros::<i32>(rows).unwrap();
-    be.argmax(dx.ptr(), rows, n, out.ptr()).unwrap();
-    let got = be.read_vec(out.ptr()).unwrap();
-    for r in 0..rows {
-        let row = &x[r * n..][..n];
-        let mut best = 0;
-        for (i, v) in row.iter().enumerate() {
-            if *v > row[best] {
-                best = i;
+    for (rows, n) in [(3usize, 1000usize), (2, 151936)] {
+        let mut x = rnd(rows * n, 15);
+        x[n + 17] = 5.0;
+        x[n + 900] = 5.0; // tie: first wins
+        x[n - 1] = 6.0; // row 0: the last element
+        let dx = be.upload(&x).unwrap();
+        let out = be.alloc_zeros::<i32>(rows).unwrap();
+        be.argmax(dx.ptr(), rows, n, out.ptr()).unwrap();
+        let got = be.read_vec(out.ptr()).unwrap();
+        for r in 0..rows {
+            let row = &x[r * n..][..n];
+            let mut best = 0;
+            for (i, v) in row.iter().enumerate() {
+                if *v > row[best] {
+                    best = i;
+                }
             }
+            assert_eq!(got[r] as usize, best, "n {n} row {r}");
         }
-        assert_eq!(got[r] as usize, best, "row {r}");
     }
     let (vocab, hidden) = (11, 6);
     let (tb, table) = to_bf16(&rnd(vocab * hidden, 16));
@@ -343,24 +350,26 @@ fn route_cpu(l: &[f32], k: usize, variant: RouteVariant, norm: bool) -> Vec<(usi
 #[test]
 fn route_topk_matches_cpu() {
     let Some(be) = backend() else { return };
-    let (t, e, k) = (70, 10, 3);
-    let mut l = rnd(t * e, 18);
-    l[5] = l[7]; // a tie: lower id first
-    let dl = be.upload(&l).unwrap();
-    let ids = be.alloc_zeros::<i32>(t * k).unwrap();
-    let w = be.alloc_zeros::<f32>(t * k).unwrap();
-    for (variant, norm) in [
-        (RouteVariant::SoftmaxThenTopK, true),
-        (RouteVariant::SoftmaxThenTopK, false),
-        (RouteVariant::TopKThenSoftmax, false),
-    ] {
-        be.route_topk(dl.ptr(), t, e, k, variant, norm, ids.ptr(), w.ptr()).unwrap();
-        let (gi, gw) = (be.read_vec(ids.ptr()).unwrap(), be.read_vec(w.ptr()).unwrap());
-        for ti in 0..t {
-            let want = route_cpu(&l[ti * e..][..e], k, variant, norm);
-            for j in 0..k {
-                assert_eq!(gi[ti * k + j] as usize, want[j].0, "{variant:?} token {ti}");
-                assert!((gw[ti * k + j] - want[j].1).abs() < 1e-6);
+    for (t, e, k) in [(70usize, 10usize, 3usize), (19, 128, 8), (9, 40, 40), (3, 64, 1)] {
+        let mut l = rnd(t * e, 18);
+        l[5] = l[7]; // a tie: lower id first
+        l[e + 3] = l[e + 60 % e]; // another (or the same element)
+        let dl = be.upload(&l).unwrap();
+        let ids = be.alloc_zeros::<i32>(t * k).unwrap();
+        let w = be.alloc_zeros::<f32>(t * k).unwrap();
+        for (variant, norm) in [
+            (RouteVariant::SoftmaxThenTopK, true),
+            (RouteVariant::SoftmaxThenTopK, false),
+            (RouteVariant::TopKThenSoftmax, false),
+        ] {
+            be.route_topk(dl.ptr(), t, e, k, variant, norm, ids.ptr(), w.ptr()).unwrap();
+            let (gi, gw) = (be.read_vec(ids.ptr()).unwrap(), be.read_vec(w.ptr()).unwrap());
+            for ti in 0..t {
+                let want = route_cpu(&l[ti * e..][..e], k, variant, norm);
+                for j in 0..k {
+                    assert_eq!(gi[ti * k + j] as usize, want[j].0, "{variant:?} token {ti}");
+                    assert!((gw[ti * k + j] - want[j].1).abs() < 1e-6, "E {e} k {k} token {ti} slot {j}");
+                }
             }
         }
     }
@@ -422,6 +431,61 @@ fn hot_expert_kernels_match_cpu() {
     let err = max_abs_diff(&got, &want);
     eprintln!("hot decode kernels: max err {err:e}");
     assert!(err < 1e-4, "decode {err}");
+
+    // The same decode step from a worklist built on the GPU out of router ids (k = 2 per token):
+    // experts 5, 3 | 4, 6 with map 5->2, 3->0, 4->1 and 6 cold: the cold entry is skipped and
+    // everything else matches the host-built worklist above.
+    let (k, n_exp) = (2usize, 8usize);
+    let mut map = vec![-1i32; n_exp];
+    map[5] = 2;
+    map[3] = 0;
+    map[4] = 1;
+    let ids = vec![5i32, 3, 4, 6];
+    let rw = vec![0.7f32, 0.2, 0.5, 0.9];
+    let (dmap, dids, drw) = (be.upload(&map).unwrap(), be.upload(&ids).unwrap(), be.upload(&rw).unwrap());
+    let ws = be.alloc_zeros::<i32>(t * k).unwrap();
+    let wt = be.alloc_zeros::<i32>(t * k).unwrap();
+    let woff = be.alloc_zeros::<i32>(t + 1).unwrap();
+    let wrows = be.alloc_zeros::<i32>(t).unwrap();
+    be.hot_worklist_tokens(dmap.ptr(), dids.ptr(), t, k, n_exp, ws.ptr(), wt.ptr(), woff.ptr(), wrows.ptr())
+        .unwrap();
+    assert_eq!(be.read_vec(ws.ptr()).unwrap(), vec![2, 0, 1, -1]);
+    assert_eq!(be.read_vec(wt.ptr()).unwrap(), vec![0, 0, 1, 1]);
+    assert_eq!(be.read_vec(woff.ptr()).unwrap(), vec![0, 2, 4]);
+    assert_eq!(be.read_vec(wrows.ptr()).unwrap(), vec![0, 1]);
+    let h2 = be.alloc_zeros::<f32>(t * k * ff).unwrap();
+    let out2 = be.upload(&vec![0.25f32; t * hidden]).unwrap();
+    be.moe_gate_up_gemv(dg.ptr(), du.ptr(), dx.ptr(), ws.ptr(), wt.ptr(), h2.ptr(), t * k, ff, hidden)
+        .unwrap();
+    be.moe_down_accum(
+        dd.ptr(),
+        h2.ptr(),
+        ws.ptr(),
+        drw.ptr(),
+        woff.ptr(),
+        wrows.ptr(),
+        out2.ptr(),
+        t,
+        hidden,
+        ff,
+    )
+    .unwrap();
+    let got2 = be.read_vec(out2.ptr()).unwrap();
+    let err2 = max_abs_diff(&got2, &want);
+    assert!(err2 < 1e-4, "device worklist decode {err2}");
+    // one token, k = 3, ids out of range map to -1 as well
+    let ids1 = vec![7i32, 9, -1];
+    let d1 = be.upload(&ids1).unwrap();
+    let s1 = be.alloc_zeros::<i32>(3).unwrap();
+    let t1 = be.alloc_zeros::<i32>(3).unwrap();
+    let o1 = be.alloc_zeros::<i32>(2).unwrap();
+    let r1 = be.alloc_zeros::<i32>(1).unwrap();
+    let mut map1 = vec![-1i32; n_exp];
+    map1[7] = 4;
+    let dm1 = be.upload(&map1).unwrap();
+    be.hot_worklist_tokens(dm1.ptr(), d1.ptr(), 1, 3, n_exp, s1.ptr(), t1.ptr(), o1.ptr(), r1.ptr()).unwrap();
+    assert_eq!(be.read_vec(s1.ptr()).unwrap(), vec![4, -1, -1]);
+    assert_eq!(be.read_vec(o1.ptr()).unwrap(), vec![0, 3]);
 
     // Prefill: expert-major entries (slot 0: e0 token 0; slot 1: e1 token 1; slot 2: e2 token 0).
     let em_slots = [0usize, 1, 2];

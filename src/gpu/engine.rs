@@ -122,7 +122,8 @@ pub struct ForwardStats {
 }
 
 /// Logits of one forward call: `n_rows` rows of `vocab`, plus the greedy token of each row
-/// (computed on the GPU: the first index of the maximum).
+/// (computed on the GPU: the first index of the maximum). `data` is empty when the model was told
+/// not to copy logits ([`GpuModel::set_copy_logits`]).
 #[derive(Debug, Clone)]
 pub struct Logits {
     pub n_rows: usize,
@@ -135,6 +136,86 @@ impl Logits {
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.vocab..(i + 1) * self.vocab]
     }
+}
+
+/// Stage names of the opt-in per-stage GPU timing breakdown (`MOE_LANES_GPU_PROFILE=1`): the
+/// time on the GPU timeline between consecutive CUDA events recorded at stage boundaries, so a
+/// stage includes any time the GPU sat idle waiting for the host (synchronisation, host work).
+pub const PROFILE_LAYER_STAGES: [&str; 9] = [
+    "qkv+norm+rope",
+    "attention kernel",
+    "o proj",
+    "ffn norm+router+topk+D2H",
+    "shared expert",
+    "worklist: host sync+build+H2D | decode: GPU kernel",
+    "hot lane",
+    "cold lane: (decode: host sync) compute+H2D+add",
+    "residual add",
+];
+/// Stages outside the layers: embedding, final norm + lm_head, argmax.
+pub const PROFILE_TAIL_STAGES: [&str; 3] = ["embed", "final norm+lm_head", "argmax"];
+
+/// Accumulated per-stage times (microseconds) over forward calls, per phase.
+#[derive(Debug, Clone, Default)]
+pub struct StageProfile {
+    pub calls: usize,
+    pub tokens: usize,
+    pub layer_calls: usize,
+    /// Summed over layers and calls.
+    pub layer_us: [f64; 9],
+    pub tail_us: [f64; 3],
+    /// Host time of the logits + argmax copies.
+    pub copy_us: f64,
+    /// Host wall time of the calls.
+    pub total_us: f64,
+    /// Host time from the call's start to the start of the final copy (all work enqueued). Close
+    /// to `total_us` with a short final copy: the host, not the GPU, sets the pace.
+    pub enqueue_us: f64,
+}
+
+impl StageProfile {
+    pub fn report(&self, name: &str) -> String {
+        if self.calls == 0 {
+            return String::new();
+        }
+        let per = |v: f64| v / self.calls as f64;
+        let lc = self.layer_calls.max(1) as f64;
+        let mut out = format!(
+            "{name}: {} calls, {:.1} tokens/call, wall {:.1} us/call\n",
+            self.calls,
+            self.tokens as f64 / self.calls as f64,
+            per(self.total_us)
+        );
+        let mut gpu_sum = 0.0;
+        for (i, n) in PROFILE_LAYER_STAGES.iter().enumerate() {
+            gpu_sum += self.layer_us[i];
+            out += &format!(
+                "  layer  {n:40} {:10.1} us/layer {:10.1} us/call\n",
+                self.layer_us[i] / lc,
+                per(self.layer_us[i])
+            );
+        }
+        for (i, n) in PROFILE_TAIL_STAGES.iter().enumerate() {
+            gpu_sum += self.tail_us[i];
+            out += &format!("  tail   {n:40} {:>10} {:10.1} us/call\n", "", per(self.tail_us[i]));
+        }
+        out +=
+            &format!("  host   {:40} {:>10} {:10.1} us/call\n", "logits+argmax copy", "", per(self.copy_us));
+        out += &format!("  sum of GPU stages {:.1} us/call\n", per(gpu_sum));
+        out +=
+            &format!("  host enqueue (call start -> final copy start) {:.1} us/call\n", per(self.enqueue_us));
+        out
+    }
+}
+
+/// Events and sums of the per-stage profile.
+struct Profiler {
+    /// `[layer][mark]`, marks 0..=9 (stage i runs from mark i to mark i + 1).
+    layer_marks: Vec<Vec<GpuEvent>>,
+    /// start, before embed; after lm_head; after argmax.
+    tail_marks: Vec<GpuEvent>,
+    decode: StageProfile,
+    prefill: StageProfile,
 }
 
 /// Per-layer K and V on the device, f32 `[capacity, kv_dim]` each.
@@ -275,6 +356,9 @@ pub struct GpuModel {
     route_ready: GpuEvent,
     stats: ForwardStats,
     weight_bytes: usize,
+    profiler: Option<Profiler>,
+    /// Copy every logits row to the host (default); off: only the argmax comes back.
+    copy_logits: bool,
 }
 
 /// bf16 bit patterns of a float tensor (bf16 copied exactly; f16/f32 rounded to nearest even).
@@ -430,7 +514,12 @@ impl GpuModel {
             events,
             stats: ForwardStats::default(),
             weight_bytes,
+            profiler: None,
+            copy_logits: true,
         };
+        if std::env::var_os("MOE_LANES_GPU_PROFILE").is_some_and(|v| v != "0" && !v.is_empty()) {
+            gm.enable_profile()?;
+        }
         for (l, experts) in hot.per_layer.iter().enumerate() {
             for (slot, &e) in experts.iter().enumerate() {
                 gm.fill_slot(model, l, slot, e)?;
@@ -513,6 +602,96 @@ impl GpuModel {
     /// Bytes of the non-expert matrices on the device.
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes
+    }
+
+    /// Whether forward calls copy the full logits rows to the host (default true). Off, only the
+    /// greedy tokens come back ([`Logits::data`] is empty and [`Logits::row`] must not be called):
+    /// a `[tokens, vocab]` f32 copy per call saved (600 KB per decode token at a 152K vocabulary,
+    /// 311 MB for a 512-token prompt).
+    pub fn set_copy_logits(&mut self, on: bool) {
+        self.copy_logits = on;
+    }
+
+    /// Turn on the per-stage GPU timing breakdown (also on when `MOE_LANES_GPU_PROFILE=1` at
+    /// construction). Adds CUDA event records at stage boundaries; timings are read after each
+    /// forward call's final copy.
+    pub fn enable_profile(&mut self) -> Result<(), GpuError> {
+        let n = self.cfg.n_layers;
+        let layer_marks = (0..n)
+            .map(|_| (0..=PROFILE_LAYER_STAGES.len()).map(|_| self.be.event()).collect::<Result<Vec<_>, _>>())
+            .collect::<Result<Vec<_>, _>>()?;
+        let tail_marks = (0..3).map(|_| self.be.event()).collect::<Result<Vec<_>, _>>()?;
+        self.profiler = Some(Profiler {
+            layer_marks,
+            tail_marks,
+            decode: StageProfile::default(),
+            prefill: StageProfile::default(),
+        });
+        Ok(())
+    }
+
+    /// Accumulated (decode, prefill) stage profiles, when profiling is on.
+    pub fn stage_profile(&self) -> Option<(&StageProfile, &StageProfile)> {
+        self.profiler.as_ref().map(|p| (&p.decode, &p.prefill))
+    }
+
+    /// The profile as text (decode and prefill), when profiling is on.
+    pub fn profile_report(&self) -> Option<String> {
+        self.profiler
+            .as_ref()
+            .map(|p| format!("{}{}", p.decode.report("decode"), p.prefill.report("prefill")))
+    }
+
+    /// Clear the accumulated profile.
+    pub fn reset_profile(&mut self) {
+        if let Some(p) = &mut self.profiler {
+            p.decode = StageProfile::default();
+            p.prefill = StageProfile::default();
+        }
+    }
+
+    fn mark(&self, l: usize, m: usize) -> Result<(), GpuError> {
+        if let Some(p) = &self.profiler {
+            self.be.record(&p.layer_marks[l][m])?;
+        }
+        Ok(())
+    }
+
+    fn mark_tail(&self, m: usize) -> Result<(), GpuError> {
+        if let Some(p) = &self.profiler {
+            self.be.record(&p.tail_marks[m])?;
+        }
+        Ok(())
+    }
+
+    /// After the stream is idle: add this call's stage times to the profile.
+    fn collect_profile(
+        &mut self,
+        phase: Phase,
+        t: usize,
+        copy_us: f64,
+        enqueue_us: f64,
+        total_us: f64,
+    ) -> Result<(), GpuError> {
+        let Some(p) = &mut self.profiler else { return Ok(()) };
+        let prof = if phase == Phase::Decode { &mut p.decode } else { &mut p.prefill };
+        prof.calls += 1;
+        prof.tokens += t;
+        prof.layer_calls += p.layer_marks.len();
+        prof.copy_us += copy_us;
+        prof.total_us += total_us;
+        prof.enqueue_us += enqueue_us;
+        for marks in &p.layer_marks {
+            for i in 0..PROFILE_LAYER_STAGES.len() {
+                prof.layer_us[i] += marks[i].elapsed_ms(&marks[i + 1])? as f64 * 1e3;
+            }
+        }
+        let first = &p.layer_marks[0][0];
+        let last = &p.layer_marks[p.layer_marks.len() - 1][PROFILE_LAYER_STAGES.len()];
+        prof.tail_us[0] += p.tail_marks[0].elapsed_ms(first)? as f64 * 1e3;
+        prof.tail_us[1] += last.elapsed_ms(&p.tail_marks[1])? as f64 * 1e3;
+        prof.tail_us[2] += p.tail_marks[1].elapsed_ms(&p.tail_marks[2])? as f64 * 1e3;
+        Ok(())
     }
 
     /// Statistics of the last forward call.
@@ -662,6 +841,8 @@ impl GpuModel {
         let mut work_i = vec![0i32; layout.len];
         let mut work_f = vec![0f32; t * k];
         let mut cold_slots: Vec<ColdSlot> = Vec::with_capacity(t * k);
+        let mut cold_row_tok: Vec<usize> = Vec::with_capacity(t);
+        let (mut cold_in_host, mut cold_out_host) = (Vec::<f32>::new(), Vec::<f32>::new());
         let mut stats =
             ForwardStats { n_tokens: t, prefill: phase == Phase::Prefill, layers: Vec::new(), total_us: 0.0 };
         let mut hot_launch_at = Vec::with_capacity(c.n_layers);
@@ -681,10 +862,12 @@ impl GpuModel {
         let lo = self.opts.split_bf16_activations.then_some(p_xlo);
 
         let tok_i32: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
+        self.mark_tail(0)?;
         be.write(&tok_i32, p_tokens)?;
         be.embed(self.embed.ptr(), p_tokens, p_hidden, t, h)?;
 
         for l in 0..c.n_layers {
+            self.mark(l, 0)?;
             let w = &self.layers[l];
             // ---- attention block ----
             be.rmsnorm(p_hidden, w.attn_norm.ptr(), p_normed, t, h, c.rms_eps)?;
@@ -716,21 +899,35 @@ impl GpuModel {
             }
             be.rope(p_q, t, nh, qd, hd, pos0, c.rope_theta, interleaved)?;
             be.rope(k_new, t, nkv, kvd, hd, pos0, c.rope_theta, interleaved)?;
+            self.mark(l, 1)?;
             be.attention(p_q, cache.k[l].ptr(), cache.v[l].ptr(), p_attn, t, pos0, nh, nkv, hd, window)?;
+            self.mark(l, 2)?;
             // o projection accumulates straight into the residual stream.
             self.linear(phase, p_attn, w.o.ptr(), p_hidden, t, h, qd, true)?;
+            self.mark(l, 3)?;
 
             // ---- MoE block: dense stage ----
             be.rmsnorm(p_hidden, w.ffn_norm.ptr(), p_normed, t, h, c.rms_eps)?;
             be.zero(p_moe.sub(0, t * h))?;
             be.gemv_bf16(w.router.ptr(), p_normed, p_rl, t, e_n, h, false)?;
             be.route_topk(p_rl, t, e_n, k, variant, c.norm_topk_prob, p_ids, p_w)?;
+            // Decode builds the hot worklist on the GPU; the host sees the routing only when the
+            // layer has cold experts (then the normed rows come along for the cold lane).
+            let device_worklist = phase == Phase::Decode;
+            let n_hot_experts = self.hot_id_map[l].iter().filter(|&&x| x >= 0).count();
+            let all_hot = n_hot_experts == e_n;
             let s = self.scratch.as_mut().unwrap();
-            unsafe {
-                be.read_async(p_ids, &mut s.pin_ids, t * k)?;
-                be.read_async(p_w, &mut s.pin_w, t * k)?;
+            if !(device_worklist && all_hot) {
+                unsafe {
+                    be.read_async(p_ids, &mut s.pin_ids, t * k)?;
+                    be.read_async(p_w, &mut s.pin_w, t * k)?;
+                    if device_worklist {
+                        be.read_async(p_normed, &mut s.pin_cold_in, t * h)?;
+                    }
+                }
+                be.record(&self.route_ready)?;
             }
-            be.record(&self.route_ready)?;
+            self.mark(l, 4)?;
             if let Some(sw) = &w.shared {
                 let sff = c.shared_expert_ff;
                 self.linear(phase, p_normed, sw.gate.ptr(), p_g, t, sff, h, false)?;
@@ -739,6 +936,143 @@ impl GpuModel {
                 self.linear(phase, p_h, sw.down.ptr(), p_sout, t, h, sff, false)?;
                 be.gemv_bf16(sw.gate_logit.ptr(), p_normed, p_sgl, t, 1, h, false)?;
                 be.add_sigmoid_scaled_rows(p_moe, p_sout, p_sgl, t, h)?;
+            }
+            self.mark(l, 5)?;
+            if device_worklist {
+                let wi = |o: usize, n: usize| p_wi.sub(o, n);
+                let n_ent = t * k;
+                be.hot_worklist_tokens(
+                    self.hot_id_map_dev.ptr().sub(l * e_n, e_n),
+                    p_ids,
+                    t,
+                    k,
+                    e_n,
+                    wi(layout.slots, n_ent),
+                    wi(layout.tokens, n_ent),
+                    wi(layout.tok_off, t + 1),
+                    wi(layout.tok_rows, t),
+                )?;
+                self.mark(l, 6)?;
+                let (ev_start, ev_end) = &self.events[l];
+                hot_launch_at.push(Instant::now());
+                be.record(ev_start)?;
+                if n_hot_experts > 0 {
+                    let hl = &self.hot[l];
+                    let (gc, uc, dc) = (
+                        hl.gate.as_ref().unwrap().ptr(),
+                        hl.up.as_ref().unwrap().ptr(),
+                        hl.down.as_ref().unwrap().ptr(),
+                    );
+                    let ff = c.expert_ff;
+                    // entries routed to cold experts have slot -1: the kernels skip them
+                    be.moe_gate_up_gemv(
+                        gc,
+                        uc,
+                        p_normed,
+                        wi(layout.slots, n_ent),
+                        wi(layout.tokens, n_ent),
+                        p_h,
+                        n_ent,
+                        ff,
+                        h,
+                    )?;
+                    be.moe_down_accum(
+                        dc,
+                        p_h,
+                        wi(layout.slots, n_ent),
+                        p_w,
+                        wi(layout.tok_off, t + 1),
+                        wi(layout.tok_rows, t),
+                        p_moe,
+                        t,
+                        h,
+                        ff,
+                    )?;
+                }
+                be.record(ev_end)?;
+                self.mark(l, 7)?;
+                let split_at = Instant::now();
+                let mut lane = LayerLaneStats::default();
+                if all_hot {
+                    lane.hot_slots = n_ent;
+                    cold_window.push(None);
+                } else {
+                    // the hot lane is queued: the CPU works while the GPU runs it
+                    self.route_ready.synchronize()?;
+                    let s = self.scratch.as_mut().unwrap();
+                    let ids = &s.pin_ids.as_slice()[..n_ent];
+                    let wts = &s.pin_w.as_slice()[..n_ent];
+                    let map = &self.hot_id_map[l];
+                    cold_slots.clear();
+                    cold_row_tok.clear();
+                    for ti in 0..t {
+                        let mut row: Option<usize> = None;
+                        for j in 0..k {
+                            let e = ids[ti * k + j];
+                            if e < 0 || e as usize >= e_n {
+                                return Err(GpuError::Unsupported(format!(
+                                    "router produced expert id {e} (NaN logits?)"
+                                )));
+                            }
+                            if map[e as usize] >= 0 {
+                                lane.hot_slots += 1;
+                                continue;
+                            }
+                            let r = *row.get_or_insert_with(|| {
+                                cold_row_tok.push(ti);
+                                cold_row_tok.len() - 1
+                            });
+                            cold_slots.push(ColdSlot {
+                                row_idx: r,
+                                expert_idx: e as usize,
+                                weight: wts[ti * k + j],
+                            });
+                        }
+                    }
+                    let n_cold_rows = cold_row_tok.len();
+                    lane.cold_slots = cold_slots.len();
+                    lane.cold_rows = n_cold_rows;
+                    if n_cold_rows > 0 {
+                        let cold_start = Instant::now();
+                        let normed_rows = &s.pin_cold_in.as_slice()[..t * h];
+                        // compact rows (identity when every token has a cold slot, as in t = 1)
+                        let input: &[f32] = if n_cold_rows == t {
+                            normed_rows
+                        } else {
+                            cold_in_host.clear();
+                            for &ti in &cold_row_tok {
+                                cold_in_host.extend_from_slice(&normed_rows[ti * h..][..h]);
+                            }
+                            &cold_in_host
+                        };
+                        cold_out_host.clear();
+                        cold_out_host.resize(n_cold_rows * h, 0.0);
+                        cold.compute(l, input, &cold_slots, &mut cold_out_host);
+                        let out = &mut s.pin_cold_out.as_mut_slice()[..t * h];
+                        if n_cold_rows == t {
+                            out.copy_from_slice(&cold_out_host);
+                        } else {
+                            out.fill(0.0);
+                            for (r, &ti) in cold_row_tok.iter().enumerate() {
+                                out[ti * h..][..h].copy_from_slice(&cold_out_host[r * h..][..h]);
+                            }
+                        }
+                        let cold_end = Instant::now();
+                        lane.cold_us = (cold_end - cold_start).as_secs_f64() * 1e6;
+                        cold_window.push(Some((cold_start, cold_end)));
+                        // join on the GPU stream: no host wait for the hot lane
+                        unsafe { be.write_async(&s.pin_cold_out, t * h, p_cout)? };
+                        be.add(p_moe, p_cout, t * h)?;
+                    } else {
+                        cold_window.push(None);
+                    }
+                }
+                self.mark(l, 8)?;
+                lane.wall_us = split_at.elapsed().as_secs_f64() * 1e6;
+                stats.layers.push(lane);
+                be.add(p_hidden, p_moe, t * h)?;
+                self.mark(l, 9)?;
+                continue;
             }
             self.route_ready.synchronize()?;
             let split_at = Instant::now();
@@ -819,6 +1153,7 @@ impl GpuModel {
             }
 
             // ---- hot lane on the GPU ----
+            self.mark(l, 6)?;
             let (ev_start, ev_end) = &self.events[l];
             hot_launch_at.push(Instant::now());
             be.record(ev_start)?;
@@ -925,6 +1260,7 @@ impl GpuModel {
                 }
             }
             be.record(ev_end)?;
+            self.mark(l, 7)?;
 
             // ---- cold lane on the CPU, overlapping the GPU ----
             let mut lane = LayerLaneStats {
@@ -952,20 +1288,31 @@ impl GpuModel {
             } else {
                 cold_window.push(None);
             }
+            self.mark(l, 8)?;
             lane.wall_us = split_at.elapsed().as_secs_f64() * 1e6;
             stats.layers.push(lane);
             be.add(p_hidden, p_moe, t * h)?;
+            self.mark(l, 9)?;
         }
 
         // ---- final norm, lm_head, greedy ----
         be.rmsnorm(p_hidden, self.final_norm.ptr(), p_normed, t, h, c.rms_eps)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed).ptr();
         self.linear(phase, p_normed, head, p_logits, t, c.vocab, h, false)?;
+        self.mark_tail(1)?;
         be.argmax(p_logits, t, c.vocab, p_argmax)?;
-        let mut data = vec![0f32; t * c.vocab];
-        be.read(p_logits.sub(0, t * c.vocab), &mut data)?;
+        self.mark_tail(2)?;
+        let copy_start = Instant::now();
+        let data = if self.copy_logits {
+            let mut data = vec![0f32; t * c.vocab];
+            be.read(p_logits.sub(0, t * c.vocab), &mut data)?;
+            data
+        } else {
+            Vec::new()
+        };
         let mut am = vec![0i32; t];
         be.read(p_argmax.sub(0, t), &mut am)?;
+        let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
         cache.n_positions += t;
 
         for (l, lane) in stats.layers.iter_mut().enumerate() {
@@ -980,6 +1327,8 @@ impl GpuModel {
             }
         }
         stats.total_us = call_start.elapsed().as_secs_f64() * 1e6;
+        let enqueue_us = (copy_start - call_start).as_secs_f64() * 1e6;
+        self.collect_profile(phase, t, copy_us, enqueue_us, stats.total_us)?;
         self.stats = stats;
         Ok(Logits { n_rows: t, vocab: c.vocab, data, argmax: am.into_iter().map(|x| x as u32).collect() })
     }

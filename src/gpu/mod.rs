@@ -12,6 +12,7 @@ pub mod pool_cold;
 pub use cold::{ColdExperts, ColdSlot, CpuColdExperts};
 pub use engine::{
     ForwardStats, GpuError, GpuKvCache, GpuModel, GpuOptions, HotAssignment, LayerLaneStats, Logits, Phase,
+    StageProfile,
 };
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use pool_cold::{PoolColdError, PoolColdExperts};

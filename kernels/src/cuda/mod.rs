@@ -45,6 +45,7 @@ pub const KERNEL_NAMES: &[&str] = &[
     "moe_gate_up_gemv",
     "moe_down_accum",
     "moe_scatter_accum",
+    "hot_worklist_tokens",
 ];
 
 /// Every way the CUDA backend can fail.

@@ -13,6 +13,10 @@ const ROWS_PER_BLOCK: u32 = 8;
 const BLOCK: u32 = 256;
 /// Attention keeps one score per visible position in shared memory (48 KiB default limit).
 pub const ATTENTION_MAX_POSITIONS: usize = 12 * 1024;
+/// Largest head dimension of the attention kernel (8 values per lane).
+pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
+/// Threads of the attention kernel (one warp per position in the score pass).
+const ATTENTION_BLOCK: u32 = 256;
 
 /// How router logits become expert weights (kernel argument `variant`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -188,12 +192,18 @@ impl CudaBackend {
         need(K, "k_cache", k_cache, total * n_kv * head_dim)?;
         need(K, "v_cache", v_cache, total * n_kv * head_dim)?;
         need(K, "out", out, n_tokens * n_heads * head_dim)?;
+        if head_dim > ATTENTION_MAX_HEAD_DIM {
+            return Err(CudaError::Shape {
+                kernel: K,
+                reason: format!("head_dim {head_dim} > {ATTENTION_MAX_HEAD_DIM}"),
+            });
+        }
         let scale = 1.0 / (head_dim as f32).sqrt();
         self.launch(
             K,
             (n_tokens as u32, n_heads as u32, 1),
-            128,
-            (visible * 4) as u32,
+            ATTENTION_BLOCK,
+            (visible.max((ATTENTION_BLOCK / 32) as usize * head_dim) * 4) as u32,
             args![
                 q.raw(),
                 k_cache.raw(),
@@ -214,7 +224,7 @@ impl CudaBackend {
         const K: &str = "argmax_f32";
         need(K, "x", x, rows * n)?;
         need(K, "out", out, rows)?;
-        self.launch(K, (rows as u32, 1, 1), BLOCK, 0, args![x.raw(), i(n), out.raw()])
+        self.launch(K, (rows as u32, 1, 1), 1024, 0, args![x.raw(), i(n), out.raw()])
     }
 
     /// `out[t] = table[tokens[t]]` widened to f32. Token ids must be checked by the caller.
@@ -331,8 +341,8 @@ impl CudaBackend {
         let (v, nm) = (variant as i32, norm_topk as i32);
         self.launch(
             K,
-            (blocks(n_tokens, 64), 1, 1),
-            64,
+            (blocks(n_tokens, ROWS_PER_BLOCK), 1, 1),
+            BLOCK,
             0,
             args![logits.raw(), i(n_tokens), i(n_experts), i(k), v, nm, ids.raw(), weights.raw()],
         )
@@ -437,6 +447,49 @@ impl CudaBackend {
             BLOCK,
             0,
             args![y.raw(), entries.raw(), weights.raw(), tok_off.raw(), tok_rows.raw(), out.raw(), i(hidden)],
+        )
+    }
+
+    /// Decode hot worklist on the GPU: for entry `e = t * k + j`, `slots[e] = map[ids[e]]` (-1 when
+    /// cold or out of range: the hot kernels skip such entries) and `tokens[e] = t`; token row `r`
+    /// is token `r` with entries `tok_off[r]..tok_off[r + 1]` = `r*k..(r+1)*k`. `map` is one
+    /// layer's expert -> cache slot map (`n_experts` entries).
+    pub fn hot_worklist_tokens(
+        &self,
+        map: DPtr<i32>,
+        ids: DPtr<i32>,
+        n_tokens: usize,
+        k: usize,
+        n_experts: usize,
+        slots: DPtr<i32>,
+        tokens: DPtr<i32>,
+        tok_off: DPtr<i32>,
+        tok_rows: DPtr<i32>,
+    ) -> Result<()> {
+        const K: &str = "hot_worklist_tokens";
+        need(K, "map", map, n_experts)?;
+        need(K, "ids", ids, n_tokens * k)?;
+        need(K, "slots", slots, n_tokens * k)?;
+        need(K, "tokens", tokens, n_tokens * k)?;
+        need(K, "tok_off", tok_off, n_tokens + 1)?;
+        need(K, "tok_rows", tok_rows, n_tokens)?;
+        let n = (n_tokens * k).max(n_tokens + 1);
+        self.launch(
+            K,
+            (blocks(n, BLOCK), 1, 1),
+            BLOCK,
+            0,
+            args![
+                map.raw(),
+                ids.raw(),
+                i(n_tokens),
+                i(k),
+                i(n_experts),
+                slots.raw(),
+                tokens.raw(),
+                tok_off.raw(),
+                tok_rows.raw()
+            ],
         )
     }
 
