@@ -107,7 +107,9 @@ pub struct LayerLaneStats {
     /// Time both lanes were busy at once. Estimate: the hot lane is placed on the host clock at
     /// its launch time and lasts `hot_us` (it may start slightly later on the GPU).
     pub overlap_us: f64,
-    /// Time the join waited for the hot lane after the cold lane finished.
+    /// Time the join waited for the later lane. Host join: the host's wait for the hot lane after
+    /// the cold lane finished. GPU-stream join (decode with a GPU-built worklist): the gap between
+    /// the two lanes' estimated ends.
     pub join_wait_us: f64,
 }
 
@@ -846,6 +848,8 @@ impl GpuModel {
         let mut stats =
             ForwardStats { n_tokens: t, prefill: phase == Phase::Prefill, layers: Vec::new(), total_us: 0.0 };
         let mut hot_launch_at = Vec::with_capacity(c.n_layers);
+        // Layers whose join ran on the GPU stream (no host wait): their join wait is derived below.
+        let mut gpu_joined = vec![false; c.n_layers];
         let mut cold_window = Vec::with_capacity(c.n_layers);
 
         // Pointers are Copy; take them once so the borrow checker leaves `self` usable.
@@ -999,6 +1003,12 @@ impl GpuModel {
                 } else {
                     // the hot lane is queued: the CPU works while the GPU runs it
                     self.route_ready.synchronize()?;
+                    // The host runs ahead of the GPU: the hot lane cannot start before routing
+                    // is done, so its start (for the overlap estimate) is now, not its enqueue.
+                    if let Some(hot_start) = hot_launch_at.last_mut() {
+                        *hot_start = Instant::now();
+                    }
+                    gpu_joined[l] = true;
                     let s = self.scratch.as_mut().unwrap();
                     let ids = &s.pin_ids.as_slice()[..n_ent];
                     let wts = &s.pin_w.as_slice()[..n_ent];
@@ -1324,6 +1334,11 @@ impl GpuModel {
                 let start = hs.max(cs);
                 let end = he.min(ce);
                 lane.overlap_us = end.checked_duration_since(start).map_or(0.0, |d| d.as_secs_f64() * 1e6);
+                if gpu_joined[l] {
+                    // The join waits for the later lane: the gap between the two lanes' ends.
+                    let gap = if ce > he { ce - he } else { he - ce };
+                    lane.join_wait_us = gap.as_secs_f64() * 1e6;
+                }
             }
         }
         stats.total_us = call_start.elapsed().as_secs_f64() * 1e6;
