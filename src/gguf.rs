@@ -16,6 +16,7 @@
 
 use crate::dtype::DType;
 use crate::tensor::TensorRef;
+use crate::write_util::{tmp_path_of, CountingWriter};
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -761,8 +762,9 @@ impl GgufWriter {
         progress: &mut dyn FnMut(u64),
     ) -> Result<(), GgufError> {
         self.validate(path)?;
-        let tmp_path =
-            tmp_path_for(path).map_err(|source| GgufError::Io { path: path.to_path_buf(), source })?;
+        let tmp_path = no_file_name_check(path)
+            .map(|_| tmp_path_of(path))
+            .map_err(|source| GgufError::Io { path: path.to_path_buf(), source })?;
         let result = self.write_to(&tmp_path, fill, progress);
         let result = result.and_then(|()| {
             std::fs::rename(&tmp_path, path)
@@ -965,31 +967,11 @@ fn write_padding(out: &mut dyn Write, n_written: u64, alignment: u64) -> std::io
     Ok(n_padding)
 }
 
-/// `<path>.tmp` in the same directory as `path`.
-fn tmp_path_for(path: &Path) -> std::io::Result<PathBuf> {
-    let Some(file_name) = path.file_name() else {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "output path has no file name"));
-    };
-    let mut tmp_name = file_name.to_os_string();
-    tmp_name.push(".tmp");
-    Ok(path.with_file_name(tmp_name))
-}
-
-/// Passes writes through and counts the bytes.
-struct CountingWriter<'a> {
-    inner: &'a mut dyn Write,
-    n_bytes: u64,
-}
-
-impl Write for CountingWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.inner.write(buf)?;
-        self.n_bytes += n as u64;
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
+/// A path without a file name (`/`, `..`) cannot be written.
+fn no_file_name_check(path: &Path) -> std::io::Result<()> {
+    match path.file_name() {
+        Some(_) => Ok(()),
+        None => Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "output path has no file name")),
     }
 }
 

@@ -31,3 +31,4 @@ pub mod synth;
 pub mod tensor;
 pub mod vocab;
 pub mod worklist;
+mod write_util;

@@ -15,6 +15,7 @@
 
 use crate::dtype::DType;
 use crate::tensor::TensorRef;
+use crate::write_util::{tmp_path_of, CountingWriter};
 use memmap2::Mmap;
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::Value;
@@ -752,12 +753,6 @@ pub fn write_file(
     written
 }
 
-fn tmp_path_of(path: &Path) -> PathBuf {
-    let mut name = path.as_os_str().to_os_string();
-    name.push(".tmp");
-    PathBuf::from(name)
-}
-
 fn rename(from: &Path, to: &Path) -> Result<()> {
     std::fs::rename(from, to).map_err(|source| SafetensorsError::Io { path: to.to_path_buf(), source })
 }
@@ -787,24 +782,6 @@ fn header_bytes(path: &Path, tensors: &[TensorSpec], metadata: &BTreeMap<String,
     let mut bytes = (json.len() as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(&json);
     Ok(bytes)
-}
-
-/// Counts the bytes `fill` writes through it.
-struct CountingWriter<'a> {
-    inner: &'a mut dyn Write,
-    n_bytes: u64,
-}
-
-impl Write for CountingWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.inner.write(buf)?;
-        self.n_bytes += n as u64;
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
-    }
 }
 
 /// Write header and data to `tmp_path` and sync it; errors name `final_path`.

@@ -31,7 +31,10 @@ fn inspect_text_and_json() {
     let dir = tempfile::tempdir().unwrap();
     let (path, placeholder) = tiny_model(dir.path());
     insta::assert_snapshot!("inspect_text", moe_lanes(&["inspect", &path]).replace(&path, &placeholder));
-    insta::assert_snapshot!("inspect_json", moe_lanes(&["inspect", &path, "--json"]).replace(&path, &placeholder));
+    insta::assert_snapshot!(
+        "inspect_json",
+        moe_lanes(&["inspect", &path, "--json"]).replace(&path, &placeholder)
+    );
 }
 
 #[test]
@@ -39,8 +42,19 @@ fn perf_json_shape() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = tiny_model(dir.path());
     let perf = dir.path().join("perf.json");
-    moe_lanes(&["logits", "--model", &path, "--tokens", "1,2,3,4", "--hot-fraction", "0.5", "--perf-json", perf.to_str().unwrap()]);
-    let mut value: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&perf).unwrap()).unwrap();
+    moe_lanes(&[
+        "logits",
+        "--model",
+        &path,
+        "--tokens",
+        "1,2,3,4",
+        "--hot-fraction",
+        "0.5",
+        "--perf-json",
+        perf.to_str().unwrap(),
+    ]);
+    let mut value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&perf).unwrap()).unwrap();
     // Timings vary run to run; everything else (counts, field names, structure) is deterministic.
     for layer in value["layers"].as_array_mut().unwrap() {
         for (key, v) in layer.as_object_mut().unwrap() {
