@@ -3,6 +3,7 @@
 #   DEST/bin/<test>      test binaries: CUDA kernels, GPU parity, CPU kernel equivalence (AVX-512
 #                        levels only run there), cold pool
 #   DEST/moe-lanes       the CLI (bench-kernels, synth, bench)
+#   DEST/pipeline_overhead  the message-overhead bench
 #   DEST/fixtures/       copy of tests/fixtures
 #   DEST/gpu-test.sh     the runner (scripts/gpu-test.sh)
 # Usage: scripts/gpu-build.sh [DEST]; then on the GPU machine: GPU_DIR=DEST bash DEST/gpu-test.sh
@@ -22,6 +23,14 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
         print(m["target"]["name"], m["executable"])' |
     while read -r name exe; do cp "$exe" "$DEST/bin/$name"; strip --strip-debug "$DEST/bin/$name" 2>/dev/null || true; echo "staged $name"; done
+# The pipeline message-overhead bench (criterion; prints MEDIAN lines at the end).
+exe=$(cargo bench --bench pipeline_overhead --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import sys, json
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "pipeline_overhead":
+        print(m["executable"])' | tail -1)
+cp "$exe" "$DEST/pipeline_overhead" && strip --strip-debug "$DEST/pipeline_overhead" && echo "staged pipeline_overhead"
 rm -rf "$DEST/fixtures"
 cp -r tests/fixtures "$DEST/fixtures"
 rm -rf "$DEST/fixtures/__pycache__"
