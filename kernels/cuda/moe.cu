@@ -95,6 +95,31 @@ extern "C" __global__ void gemv_bf16(const bf16* __restrict__ W, const float* __
     }
 }
 
+// Three GEMVs over one input in one launch (decode q/k/v): rows 0..N0 of the concatenation go to
+// y0 = W0 . x, the next N1 to y1, the last N2 to y2 (no accumulation). Output rows of token t are
+// at t * Ni. grid (ceil((N0 + N1 + N2) / 8), T), block 256: one warp per output row.
+extern "C" __global__ void gemv3_bf16(const bf16* __restrict__ W0, const bf16* __restrict__ W1,
+                                      const bf16* __restrict__ W2, const float* __restrict__ x,
+                                      float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
+                                      int N0, int N1, int N2, int K) {
+    int n = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    int t = blockIdx.y;
+    const bf16* W;
+    float* y;
+    int N;
+    if (n < N0) {
+        W = W0, y = y0, N = N0;
+    } else if (n < N0 + N1) {
+        n -= N0, W = W1, y = y1, N = N1;
+    } else if (n < N0 + N1 + N2) {
+        n -= N0 + N1, W = W2, y = y2, N = N2;
+    } else {
+        return;
+    }
+    float d = warp_dot_bf16(W + (size_t)n * K, x + (size_t)t * K, K);
+    if ((threadIdx.x & 31) == 0) y[(size_t)t * N + n] = d;
+}
+
 // One row of `dim` per block: y = x * rsqrt(mean(x^2) + eps) * w. In place allowed (x == y).
 // Per-head q/k norms: rows = T * heads, dim = head_dim. grid (rows), block 256.
 extern "C" __global__ void rmsnorm_f32(const float* x, const float* __restrict__ w, float* y, int dim, float eps) {
@@ -145,6 +170,40 @@ extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int 
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
         float x0 = xh[a], x1 = xh[b];
+        xh[a] = x0 * c - x1 * s;
+        xh[b] = x1 * c + x0 * s;
+    }
+}
+
+// Fused decode/prefill q/k post-processing: optional per-head RMSNorm (qw / kw, null for none),
+// then RoPE, for the nh query heads and nkv key heads of token t (position pos0 + t). Same math and
+// summation order as rmsnorm_f32 (block 256) followed by rope_f32. grid (T, nh + nkv), block 256.
+extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __restrict__ qw,
+                                            const float* __restrict__ kw, int q_stride, int k_stride, int nh,
+                                            int hd, int pos0, float theta, int interleaved, float eps) {
+    int t = blockIdx.x, h = blockIdx.y, half = hd / 2;
+    bool is_q = h < nh;
+    float* xh = is_q ? q + (size_t)t * q_stride + (size_t)h * hd : k + (size_t)t * k_stride + (size_t)(h - nh) * hd;
+    const float* w = is_q ? qw : kw;
+    float inv = 1.f;
+    if (w) {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) ss += xh[i] * xh[i];
+        ss = block_sum(ss);  // ends with a barrier: every read of xh is done
+        inv = 1.f / sqrtf(ss / (float)hd + eps);
+    }
+    double pos = (double)(pos0 + t);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)hd);
+        double ang = pos * inv_freq;
+        float s = (float)sin(ang), c = (float)cos(ang);
+        int a = interleaved ? 2 * i : i;
+        int b = interleaved ? 2 * i + 1 : i + half;
+        float x0 = xh[a], x1 = xh[b];
+        if (w) {
+            x0 = x0 * inv * w[a];
+            x1 = x1 * inv * w[b];
+        }
         xh[a] = x0 * c - x1 * s;
         xh[b] = x1 * c + x0 * s;
     }

@@ -590,3 +590,104 @@ fn nvrtc_cubin_cache_hits_on_second_compile() {
     assert_eq!(a, b);
     assert!(first.cache_note.is_none(), "{:?}", first.cache_note);
 }
+
+#[test]
+fn gemv3_matches_three_gemvs() {
+    let Some(be) = backend() else { return };
+    let (t, k) = (2, 40);
+    let ns = [24usize, 8, 13];
+    let x = rnd(t * k, 41);
+    let dx = be.upload(&x).unwrap();
+    let mut ws = Vec::new();
+    let mut backs = Vec::new();
+    let mut ys = Vec::new();
+    for (j, &n) in ns.iter().enumerate() {
+        let (bits, back) = to_bf16(&rnd(n * k, 42 + j as u64));
+        ws.push(be.upload(&bits).unwrap());
+        backs.push(back);
+        ys.push(be.upload(&rnd(t * n, 50 + j as u64)).unwrap()); // overwritten, not accumulated
+    }
+    be.gemv3_bf16(
+        [ws[0].ptr(), ws[1].ptr(), ws[2].ptr()],
+        dx.ptr(),
+        [ys[0].ptr(), ys[1].ptr(), ys[2].ptr()],
+        ns,
+        t,
+        k,
+    )
+    .unwrap();
+    for (j, &n) in ns.iter().enumerate() {
+        let got = be.read_vec(ys[j].ptr()).unwrap();
+        let want: Vec<f32> =
+            (0..t * n).map(|i| dot(&backs[j][(i % n) * k..][..k], &x[(i / n) * k..][..k])).collect();
+        assert!(max_abs_diff(&got, &want) < 1e-4, "output {j}");
+        // bit-identical to the single GEMV kernel
+        let single = be.alloc_zeros::<f32>(t * n).unwrap();
+        be.gemv_bf16(ws[j].ptr(), dx.ptr(), single.ptr(), t, n, k, false).unwrap();
+        assert_eq!(got, be.read_vec(single.ptr()).unwrap(), "output {j} vs gemv_bf16");
+    }
+}
+
+#[test]
+fn qk_norm_rope_matches_norm_then_rope() {
+    let Some(be) = backend() else { return };
+    let (t, nh, nkv, hd, pos0) = (3, 4, 2, 128, 37);
+    let (qs, ks) = (nh * hd, nkv * hd + 8); // k rows with a stride larger than the heads
+    for interleaved in [false, true] {
+        for with_norm in [false, true] {
+            let q = rnd(t * qs, 60);
+            let k = rnd(t * ks, 61);
+            let (qw, kw) = (rnd(hd, 62), rnd(hd, 63));
+            let (dq, dk) = (be.upload(&q).unwrap(), be.upload(&k).unwrap());
+            let (dqw, dkw) = (be.upload(&qw).unwrap(), be.upload(&kw).unwrap());
+            let norm = with_norm.then(|| (dqw.ptr(), dkw.ptr()));
+            be.qk_norm_rope(dq.ptr(), dk.ptr(), norm, t, nh, nkv, qs, ks, hd, pos0, 1e6, interleaved, 1e-6)
+                .unwrap();
+            let (gq, gk) = (be.read_vec(dq.ptr()).unwrap(), be.read_vec(dk.ptr()).unwrap());
+            // reference: the separate kernels
+            let (rq, rk) = (be.upload(&q).unwrap(), be.upload(&k).unwrap());
+            for r in 0..t {
+                if with_norm {
+                    be.rmsnorm(
+                        rq.ptr().sub(r * qs, nh * hd),
+                        dqw.ptr(),
+                        rq.ptr().sub(r * qs, nh * hd),
+                        nh,
+                        hd,
+                        1e-6,
+                    )
+                    .unwrap();
+                    be.rmsnorm(
+                        rk.ptr().sub(r * ks, nkv * hd),
+                        dkw.ptr(),
+                        rk.ptr().sub(r * ks, nkv * hd),
+                        nkv,
+                        hd,
+                        1e-6,
+                    )
+                    .unwrap();
+                }
+            }
+            be.rope(rq.ptr(), t, nh, qs, hd, pos0, 1e6, interleaved).unwrap();
+            be.rope(rk.ptr(), t, nkv, ks, hd, pos0, 1e6, interleaved).unwrap();
+            assert_eq!(gq, be.read_vec(rq.ptr()).unwrap(), "q il={interleaved} norm={with_norm}");
+            assert_eq!(gk, be.read_vec(rk.ptr()).unwrap(), "k il={interleaved} norm={with_norm}");
+            // and the CPU
+            let mut want = q.clone();
+            for row in want.chunks_mut(qs) {
+                for head in row.chunks_mut(hd) {
+                    if with_norm {
+                        let inv = 1.0 / (head.iter().map(|v| v * v).sum::<f32>() / hd as f32 + 1e-6).sqrt();
+                        head.iter_mut().zip(&qw).for_each(|(v, w)| *v = *v * inv * w);
+                    }
+                }
+            }
+            for (r, row) in want.chunks_mut(qs).enumerate() {
+                for head in row.chunks_mut(hd) {
+                    rope_cpu(head, pos0 + r, 1e6, interleaved);
+                }
+            }
+            assert!(max_abs_diff(&gq, &want) < 1e-4, "cpu q il={interleaved} norm={with_norm}");
+        }
+    }
+}

@@ -873,15 +873,31 @@ impl GpuModel {
             be.rmsnorm(p_hidden, w.attn_norm.ptr(), p_normed, t, h, c.rms_eps)?;
             let k_new = cache.k[l].ptr().sub(pos0 * kvd, t * kvd);
             let v_new = cache.v[l].ptr().sub(pos0 * kvd, t * kvd);
-            self.linear(phase, p_normed, w.q.ptr(), p_q, t, qd, h, false)?;
-            self.linear(phase, p_normed, w.k.ptr(), k_new, t, kvd, h, false)?;
-            self.linear(phase, p_normed, w.v.ptr(), v_new, t, kvd, h, false)?;
+            if phase == Phase::Decode {
+                // one launch for the three projections (GEMV rows of q, k, v)
+                be.gemv3_bf16(
+                    [w.q.ptr(), w.k.ptr(), w.v.ptr()],
+                    p_normed,
+                    [p_q, k_new, v_new],
+                    [qd, kvd, kvd],
+                    t,
+                    h,
+                )?;
+            } else {
+                self.linear(phase, p_normed, w.q.ptr(), p_q, t, qd, h, false)?;
+                self.linear(phase, p_normed, w.k.ptr(), k_new, t, kvd, h, false)?;
+                self.linear(phase, p_normed, w.v.ptr(), v_new, t, kvd, h, false)?;
+            }
             for (dst, bias, dim) in [(p_q, &w.q_bias, qd), (k_new, &w.k_bias, kvd), (v_new, &w.v_bias, kvd)] {
                 if let Some(b) = bias {
                     be.add_bias_rows(dst, b.ptr(), t, dim)?;
                 }
             }
+            // per-head q/k norm (or none) and RoPE fused into one launch when no clamp sits between
+            let fused_qk =
+                c.clip_qkv.is_none() && matches!(self.adapter.qk_norm, QkNorm::None | QkNorm::PerHead);
             match self.adapter.qk_norm {
+                _ if fused_qk => {}
                 QkNorm::None => {}
                 QkNorm::PerHead => {
                     be.rmsnorm(p_q, w.q_norm.as_ref().unwrap().ptr(), p_q, t * nh, hd, c.rms_eps)?;
@@ -897,8 +913,32 @@ impl GpuModel {
                 be.clamp(k_new, t * kvd, clip)?;
                 be.clamp(v_new, t * kvd, clip)?;
             }
-            be.rope(p_q, t, nh, qd, hd, pos0, c.rope_theta, interleaved)?;
-            be.rope(k_new, t, nkv, kvd, hd, pos0, c.rope_theta, interleaved)?;
+            if fused_qk {
+                let norm = match self.adapter.qk_norm {
+                    QkNorm::PerHead => {
+                        Some((w.q_norm.as_ref().unwrap().ptr(), w.k_norm.as_ref().unwrap().ptr()))
+                    }
+                    _ => None,
+                };
+                be.qk_norm_rope(
+                    p_q,
+                    k_new,
+                    norm,
+                    t,
+                    nh,
+                    nkv,
+                    qd,
+                    kvd,
+                    hd,
+                    pos0,
+                    c.rope_theta,
+                    interleaved,
+                    c.rms_eps,
+                )?;
+            } else {
+                be.rope(p_q, t, nh, qd, hd, pos0, c.rope_theta, interleaved)?;
+                be.rope(k_new, t, nkv, kvd, hd, pos0, c.rope_theta, interleaved)?;
+            }
             self.mark(l, 1)?;
             be.attention(p_q, cache.k[l].ptr(), cache.v[l].ptr(), p_attn, t, pos0, nh, nkv, hd, window)?;
             self.mark(l, 2)?;
@@ -907,15 +947,20 @@ impl GpuModel {
             self.mark(l, 3)?;
 
             // ---- MoE block: dense stage ----
-            be.rmsnorm(p_hidden, w.ffn_norm.ptr(), p_normed, t, h, c.rms_eps)?;
-            be.zero(p_moe.sub(0, t * h))?;
-            be.gemv_bf16(w.router.ptr(), p_normed, p_rl, t, e_n, h, false)?;
-            be.route_topk(p_rl, t, e_n, k, variant, c.norm_topk_prob, p_ids, p_w)?;
             // Decode builds the hot worklist on the GPU; the host sees the routing only when the
             // layer has cold experts (then the normed rows come along for the cold lane).
             let device_worklist = phase == Phase::Decode;
             let n_hot_experts = self.hot_id_map[l].iter().filter(|&&x| x >= 0).count();
             let all_hot = n_hot_experts == e_n;
+            // All-hot decode without a shared expert: the hot lane accumulates straight into the
+            // residual stream (hidden + sum, as hidden + (0 + sum) before), no zero fill, no add.
+            let direct_residual = device_worklist && all_hot && w.shared.is_none();
+            be.rmsnorm(p_hidden, w.ffn_norm.ptr(), p_normed, t, h, c.rms_eps)?;
+            if !direct_residual {
+                be.zero(p_moe.sub(0, t * h))?;
+            }
+            be.gemv_bf16(w.router.ptr(), p_normed, p_rl, t, e_n, h, false)?;
+            be.route_topk(p_rl, t, e_n, k, variant, c.norm_topk_prob, p_ids, p_w)?;
             let s = self.scratch.as_mut().unwrap();
             if !(device_worklist && all_hot) {
                 unsafe {
@@ -983,7 +1028,7 @@ impl GpuModel {
                         p_w,
                         wi(layout.tok_off, t + 1),
                         wi(layout.tok_rows, t),
-                        p_moe,
+                        if direct_residual { p_hidden } else { p_moe },
                         t,
                         h,
                         ff,
@@ -1070,7 +1115,9 @@ impl GpuModel {
                 self.mark(l, 8)?;
                 lane.wall_us = split_at.elapsed().as_secs_f64() * 1e6;
                 stats.layers.push(lane);
-                be.add(p_hidden, p_moe, t * h)?;
+                if !direct_residual {
+                    be.add(p_hidden, p_moe, t * h)?;
+                }
                 self.mark(l, 9)?;
                 continue;
             }

@@ -34,6 +34,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "add_f32",
     "silu_mul_f32",
     "rope_f32",
+    "qk_norm_rope_f32",
+    "gemv3_bf16",
     "attention_f32",
     "argmax_f32",
     "embed_bf16",

@@ -75,6 +75,44 @@ impl CudaBackend {
         )
     }
 
+    /// Three GEMVs over one input in one launch: `y0 = W0 · x`, `y1 = W1 · x`, `y2 = W2 · x` for
+    /// `t < n_tokens` (no accumulation); `Wi` `[ni, k]` bf16, `yi` rows of `ni`. Decode q/k/v.
+    pub fn gemv3_bf16(
+        &self,
+        w: [DPtr<u16>; 3],
+        x: DPtr<f32>,
+        y: [DPtr<f32>; 3],
+        n: [usize; 3],
+        n_tokens: usize,
+        k: usize,
+    ) -> Result<()> {
+        const K: &str = "gemv3_bf16";
+        for j in 0..3 {
+            need(K, "W", w[j], n[j] * k)?;
+            need(K, "y", y[j], n_tokens * n[j])?;
+        }
+        need(K, "x", x, n_tokens * k)?;
+        self.launch(
+            K,
+            (blocks(n[0] + n[1] + n[2], ROWS_PER_BLOCK), n_tokens as u32, 1),
+            BLOCK,
+            0,
+            args![
+                w[0].raw(),
+                w[1].raw(),
+                w[2].raw(),
+                x.raw(),
+                y[0].raw(),
+                y[1].raw(),
+                y[2].raw(),
+                i(n[0]),
+                i(n[1]),
+                i(n[2]),
+                i(k)
+            ],
+        )
+    }
+
     /// `y[r] = x[r] / rms(x[r]) * w` over `rows` rows of `dim` (in place when x == y).
     pub fn rmsnorm(
         &self,
@@ -152,6 +190,68 @@ impl CudaBackend {
             64,
             0,
             args![x.raw(), i(row_stride), i(head_dim), i(pos0), theta, il],
+        )
+    }
+
+    /// Per-head RMSNorm (weights `qw` / `kw` of `head_dim`, or none) then RoPE on the `n_heads`
+    /// query heads of `q` (rows of `q_stride`) and `n_kv` key heads of `k` (rows of `k_stride`),
+    /// token `t` at position `pos0 + t`, in one launch. Same results as [`Self::rmsnorm`] per head
+    /// followed by [`Self::rope`].
+    pub fn qk_norm_rope(
+        &self,
+        q: DPtr<f32>,
+        k: DPtr<f32>,
+        norm: Option<(DPtr<f32>, DPtr<f32>)>,
+        n_tokens: usize,
+        n_heads: usize,
+        n_kv: usize,
+        q_stride: usize,
+        k_stride: usize,
+        head_dim: usize,
+        pos0: usize,
+        theta: f32,
+        interleaved: bool,
+        eps: f32,
+    ) -> Result<()> {
+        const K: &str = "qk_norm_rope_f32";
+        if head_dim & 1 == 1 || n_heads * head_dim > q_stride || n_kv * head_dim > k_stride {
+            return Err(CudaError::Shape {
+                kernel: K,
+                reason: format!(
+                    "head_dim {head_dim} x {n_heads}/{n_kv} heads in rows of {q_stride}/{k_stride}"
+                ),
+            });
+        }
+        need(K, "q", q, n_tokens.saturating_sub(1) * q_stride + n_heads * head_dim)?;
+        need(K, "k", k, n_tokens.saturating_sub(1) * k_stride + n_kv * head_dim)?;
+        let (qw, kw) = match norm {
+            Some((qw, kw)) => {
+                need(K, "q norm", qw, head_dim)?;
+                need(K, "k norm", kw, head_dim)?;
+                (qw.raw(), kw.raw())
+            }
+            None => (0, 0),
+        };
+        let il = interleaved as i32;
+        self.launch(
+            K,
+            (n_tokens as u32, (n_heads + n_kv) as u32, 1),
+            BLOCK,
+            0,
+            args![
+                q.raw(),
+                k.raw(),
+                qw,
+                kw,
+                i(q_stride),
+                i(k_stride),
+                i(n_heads),
+                i(head_dim),
+                i(pos0),
+                theta,
+                il,
+                eps
+            ],
         )
     }
 
