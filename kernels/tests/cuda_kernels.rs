@@ -243,6 +243,25 @@ fn attention_causal_gqa_matches_cpu() {
             be.attention(dq.ptr(), dk.ptr(), dv.ptr(), out.ptr(), t, pos0, n_heads, n_kv, hd, window)
                 .unwrap();
             let got = be.read_vec(out.ptr()).unwrap();
+            // split-position version (decode path)
+            let part =
+                be.alloc_zeros::<f32>(CudaBackend::attention_split_scratch(t, n_heads, hd, total)).unwrap();
+            let out2 = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+            be.attention_split(
+                dq.ptr(),
+                dk.ptr(),
+                dv.ptr(),
+                out2.ptr(),
+                part.ptr(),
+                t,
+                pos0,
+                n_heads,
+                n_kv,
+                hd,
+                window,
+            )
+            .unwrap();
+            let got2 = be.read_vec(out2.ptr()).unwrap();
             let mut want = vec![0.0; t * n_heads * hd];
             for ti in 0..t {
                 let pos = pos0 + ti;
@@ -265,6 +284,8 @@ fn attention_causal_gqa_matches_cpu() {
             }
             let err = max_abs_diff(&got, &want);
             assert!(err < 1e-5, "hd={hd} pos0={pos0} t={t} window={window}: {err}");
+            let err2 = max_abs_diff(&got2, &want);
+            assert!(err2 < 1e-5, "split: hd={hd} pos0={pos0} t={t} window={window}: {err2}");
         }
     }
 }

@@ -357,6 +357,8 @@ pub struct GpuModel {
     stats: ForwardStats,
     weight_bytes: usize,
     profiler: Option<Profiler>,
+    /// Partials of the split decode attention (grown to the cache's capacity on demand).
+    attn_part: Option<DeviceBuffer<f32>>,
     /// Copy every logits row to the host (default); off: only the argmax comes back.
     copy_logits: bool,
 }
@@ -515,6 +517,7 @@ impl GpuModel {
             stats: ForwardStats::default(),
             weight_bytes,
             profiler: None,
+            attn_part: None,
             copy_logits: true,
         };
         if std::env::var_os("MOE_LANES_GPU_PROFILE").is_some_and(|v| v != "0" && !v.is_empty()) {
@@ -861,6 +864,15 @@ impl GpuModel {
         let (p_logits, p_argmax) = (s.logits.ptr(), s.argmax.ptr());
         let lo = self.opts.split_bf16_activations.then_some(p_xlo);
 
+        // decode attention: positions split over many blocks, partials combined by a second kernel
+        let split_attention = phase == Phase::Decode;
+        if split_attention {
+            let need = CudaBackend::attention_split_scratch(t, c.n_heads, c.head_dim, cache.capacity);
+            if self.attn_part.as_ref().is_none_or(|b| b.len() < need) {
+                self.attn_part = Some(be.alloc_zeros::<f32>(need)?);
+            }
+        }
+        let p_part = self.attn_part.as_ref().map(|b| b.ptr());
         let tok_i32: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
         self.mark_tail(0)?;
         be.write(&tok_i32, p_tokens)?;
@@ -940,7 +952,33 @@ impl GpuModel {
                 be.rope(k_new, t, nkv, kvd, hd, pos0, c.rope_theta, interleaved)?;
             }
             self.mark(l, 1)?;
-            be.attention(p_q, cache.k[l].ptr(), cache.v[l].ptr(), p_attn, t, pos0, nh, nkv, hd, window)?;
+            match p_part {
+                Some(part) if split_attention => be.attention_split(
+                    p_q,
+                    cache.k[l].ptr(),
+                    cache.v[l].ptr(),
+                    p_attn,
+                    part,
+                    t,
+                    pos0,
+                    nh,
+                    nkv,
+                    hd,
+                    window,
+                )?,
+                _ => be.attention(
+                    p_q,
+                    cache.k[l].ptr(),
+                    cache.v[l].ptr(),
+                    p_attn,
+                    t,
+                    pos0,
+                    nh,
+                    nkv,
+                    hd,
+                    window,
+                )?,
+            }
             self.mark(l, 2)?;
             // o projection accumulates straight into the residual stream.
             self.linear(phase, p_attn, w.o.ptr(), p_hidden, t, h, qd, true)?;

@@ -37,6 +37,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "qk_norm_rope_f32",
     "gemv3_bf16",
     "attention_f32",
+    "attention_split_f32",
+    "attention_combine_f32",
     "argmax_f32",
     "embed_bf16",
     "gather_split_bf16",

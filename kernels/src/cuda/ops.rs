@@ -15,6 +15,8 @@ const BLOCK: u32 = 256;
 pub const ATTENTION_MAX_POSITIONS: usize = 12 * 1024;
 /// Largest head dimension of the attention kernel (8 values per lane).
 pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
+/// Positions per block of the split attention kernel (ATT_CHUNK in moe.cu).
+pub const ATTENTION_SPLIT_CHUNK: usize = 32;
 /// Threads of the attention kernel (one warp per position in the score pass).
 const ATTENTION_BLOCK: u32 = 256;
 
@@ -316,6 +318,84 @@ impl CudaBackend {
                 i(window),
                 scale
             ],
+        )
+    }
+
+    /// Floats of the partials buffer [`Self::attention_split`] needs for `n_tokens` rows of
+    /// `n_heads` heads over at most `positions` visible positions.
+    pub fn attention_split_scratch(
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        positions: usize,
+    ) -> usize {
+        n_tokens * n_heads * positions.div_ceil(ATTENTION_SPLIT_CHUNK).max(1) * (head_dim + 2)
+    }
+
+    /// Same as [`Self::attention`], with the visible positions split into chunks of
+    /// [`ATTENTION_SPLIT_CHUNK`] scored by separate blocks (many more blocks in flight in decode),
+    /// then combined: two launches. `part` holds [`Self::attention_split_scratch`] floats.
+    pub fn attention_split(
+        &self,
+        q: DPtr<f32>,
+        k_cache: DPtr<f32>,
+        v_cache: DPtr<f32>,
+        out: DPtr<f32>,
+        part: DPtr<f32>,
+        n_tokens: usize,
+        pos0: usize,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+        window: usize,
+    ) -> Result<()> {
+        const K: &str = "attention_split_f32";
+        if n_kv == 0 || n_heads / n_kv * n_kv != n_heads {
+            return Err(CudaError::Shape {
+                kernel: K,
+                reason: format!("{n_heads} heads do not group over {n_kv} kv heads"),
+            });
+        }
+        if head_dim > ATTENTION_MAX_HEAD_DIM {
+            return Err(CudaError::Shape {
+                kernel: K,
+                reason: format!("head_dim {head_dim} > {ATTENTION_MAX_HEAD_DIM}"),
+            });
+        }
+        let total = pos0 + n_tokens;
+        let visible = if window > 0 { window.min(total) } else { total };
+        let splits = visible.div_ceil(ATTENTION_SPLIT_CHUNK).max(1);
+        need(K, "q", q, n_tokens * n_heads * head_dim)?;
+        need(K, "k_cache", k_cache, total * n_kv * head_dim)?;
+        need(K, "v_cache", v_cache, total * n_kv * head_dim)?;
+        need(K, "out", out, n_tokens * n_heads * head_dim)?;
+        need(K, "part", part, Self::attention_split_scratch(n_tokens, n_heads, head_dim, visible))?;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        self.launch(
+            K,
+            (splits as u32, n_heads as u32, n_tokens as u32),
+            ATTENTION_BLOCK,
+            0,
+            args![
+                q.raw(),
+                k_cache.raw(),
+                v_cache.raw(),
+                part.raw(),
+                i(pos0),
+                i(n_heads),
+                i(n_kv),
+                i(head_dim),
+                i(window),
+                scale,
+                i(splits)
+            ],
+        )?;
+        self.launch(
+            "attention_combine_f32",
+            (n_heads as u32, n_tokens as u32, 1),
+            128,
+            0,
+            args![part.raw(), out.raw(), i(n_heads), i(head_dim), i(splits)],
         )
     }
 
