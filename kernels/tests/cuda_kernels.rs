@@ -302,6 +302,10 @@ fn argmax_and_embed_match_cpu() {
         let out = be.alloc_zeros::<i32>(rows).unwrap();
         be.argmax(dx.ptr(), rows, n, out.ptr()).unwrap();
         let got = be.read_vec(out.ptr()).unwrap();
+        let part = be.alloc_zeros::<f32>(CudaBackend::argmax_split_scratch(rows)).unwrap();
+        let out2 = be.alloc_zeros::<i32>(rows).unwrap();
+        be.argmax_split(dx.ptr(), rows, n, out2.ptr(), part.ptr()).unwrap();
+        assert_eq!(be.read_vec(out2.ptr()).unwrap(), got, "argmax_split vs argmax n={n}");
         for r in 0..rows {
             let row = &x[r * n..][..n];
             let mut best = 0;
@@ -313,6 +317,18 @@ fn argmax_and_embed_match_cpu() {
             assert_eq!(got[r] as usize, best, "n {n} row {r}");
         }
     }
+    // fewer values than blocks (empty slices), ties across slices, NaNs and an all -inf row
+    let n = 50;
+    let mut x = rnd(2 * n, 17);
+    x[3] = f32::NAN;
+    x[10] = 2.0;
+    x[40] = 2.0;
+    x[n..].fill(f32::NEG_INFINITY);
+    let dx = be.upload(&x).unwrap();
+    let part = be.alloc_zeros::<f32>(CudaBackend::argmax_split_scratch(2)).unwrap();
+    let out = be.alloc_zeros::<i32>(2).unwrap();
+    be.argmax_split(dx.ptr(), 2, n, out.ptr(), part.ptr()).unwrap();
+    assert_eq!(be.read_vec(out.ptr()).unwrap(), vec![10, 0]);
     let (vocab, hidden) = (11, 6);
     let (tb, table) = to_bf16(&rnd(vocab * hidden, 16));
     let dt = be.upload(&tb).unwrap();

@@ -303,6 +303,7 @@ struct Scratch {
     cold_out: DeviceBuffer<f32>,
     logits: DeviceBuffer<f32>,
     argmax: DeviceBuffer<i32>,
+    argmax_part: DeviceBuffer<f32>,
     pin_ids: PinnedBuffer<i32>,
     pin_w: PinnedBuffer<f32>,
     pin_cold_in: PinnedBuffer<f32>,
@@ -757,6 +758,7 @@ impl GpuModel {
             cold_out: f(cap * c.hidden)?,
             logits: f(cap * c.vocab)?,
             argmax: be.alloc_zeros::<i32>(cap)?,
+            argmax_part: f(CudaBackend::argmax_split_scratch(cap))?,
             pin_ids: be.alloc_pinned::<i32>(cap * k)?,
             pin_w: be.alloc_pinned::<f32>(cap * k)?,
             pin_cold_in: be.alloc_pinned::<f32>(cap * c.hidden)?,
@@ -861,7 +863,7 @@ impl GpuModel {
         let (p_sout, p_sgl, p_xhi, p_xlo) =
             (s.shared_out.ptr(), s.shared_gl.ptr(), s.x_hi.ptr(), s.x_lo.ptr());
         let (p_wi, p_wf, p_cin, p_cout) = (s.work_i.ptr(), s.work_f.ptr(), s.cold_in.ptr(), s.cold_out.ptr());
-        let (p_logits, p_argmax) = (s.logits.ptr(), s.argmax.ptr());
+        let (p_logits, p_argmax, p_am_part) = (s.logits.ptr(), s.argmax.ptr(), s.argmax_part.ptr());
         let lo = self.opts.split_bf16_activations.then_some(p_xlo);
 
         // decode attention: positions split over many blocks, partials combined by a second kernel
@@ -1385,7 +1387,12 @@ impl GpuModel {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed).ptr();
         self.linear(phase, p_normed, head, p_logits, t, c.vocab, h, false)?;
         self.mark_tail(1)?;
-        be.argmax(p_logits, t, c.vocab, p_argmax)?;
+        if t <= 8 {
+            // decode: one row over many blocks (the one-block-per-row kernel is latency bound)
+            be.argmax_split(p_logits, t, c.vocab, p_argmax, p_am_part)?;
+        } else {
+            be.argmax(p_logits, t, c.vocab, p_argmax)?;
+        }
         self.mark_tail(2)?;
         let copy_start = Instant::now();
         let data = if self.copy_logits {

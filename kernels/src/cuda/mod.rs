@@ -40,6 +40,8 @@ pub const KERNEL_NAMES: &[&str] = &[
     "attention_split_f32",
     "attention_combine_f32",
     "argmax_f32",
+    "argmax_partial_f32",
+    "argmax_final_f32",
     "embed_bf16",
     "gather_split_bf16",
     "gather_rows_f32",

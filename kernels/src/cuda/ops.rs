@@ -17,6 +17,8 @@ pub const ATTENTION_MAX_POSITIONS: usize = 12 * 1024;
 pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
 /// Positions per block of the split attention kernel (ATT_CHUNK in moe.cu).
 pub const ATTENTION_SPLIT_CHUNK: usize = 32;
+/// Blocks per row of the split argmax.
+pub const ARGMAX_SPLIT_BLOCKS: usize = 128;
 /// Threads of the attention kernel (one warp per position in the score pass).
 const ATTENTION_BLOCK: u32 = 256;
 
@@ -405,6 +407,36 @@ impl CudaBackend {
         need(K, "x", x, rows * n)?;
         need(K, "out", out, rows)?;
         self.launch(K, (rows as u32, 1, 1), 1024, 0, args![x.raw(), i(n), out.raw()])
+    }
+
+    /// Floats of the partials buffer [`Self::argmax_split`] needs for `rows` rows.
+    pub fn argmax_split_scratch(rows: usize) -> usize {
+        rows * ARGMAX_SPLIT_BLOCKS * 2
+    }
+
+    /// Same result as [`Self::argmax`], each row spread over [`ARGMAX_SPLIT_BLOCKS`] blocks, then
+    /// reduced by a second kernel. `part` holds [`Self::argmax_split_scratch`] floats.
+    pub fn argmax_split(
+        &self,
+        x: DPtr<f32>,
+        rows: usize,
+        n: usize,
+        out: DPtr<i32>,
+        part: DPtr<f32>,
+    ) -> Result<()> {
+        const K: &str = "argmax_partial_f32";
+        need(K, "x", x, rows * n)?;
+        need(K, "out", out, rows)?;
+        need(K, "part", part, Self::argmax_split_scratch(rows))?;
+        let nb = ARGMAX_SPLIT_BLOCKS as u32;
+        self.launch(K, (nb, rows as u32, 1), BLOCK, 0, args![x.raw(), i(n), part.raw()])?;
+        self.launch(
+            "argmax_final_f32",
+            (rows as u32, 1, 1),
+            32,
+            0,
+            args![part.raw(), i(nb as usize), out.raw()],
+        )
     }
 
     /// `out[t] = table[tokens[t]]` widened to f32. Token ids must be checked by the caller.
