@@ -95,6 +95,31 @@ extern "C" __global__ void gemv_bf16(const bf16* __restrict__ W, const float* __
     }
 }
 
+// Three GEMVs over one input in one launch (decode q/k/v): rows 0..N0 of the concatenation go to
+// y0 = W0 . x, the next N1 to y1, the last N2 to y2 (no accumulation). Output rows of token t are
+// at t * Ni. grid (ceil((N0 + N1 + N2) / 8), T), block 256: one warp per output row.
+extern "C" __global__ void gemv3_bf16(const bf16* __restrict__ W0, const bf16* __restrict__ W1,
+                                      const bf16* __restrict__ W2, const float* __restrict__ x,
+                                      float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
+                                      int N0, int N1, int N2, int K) {
+    int n = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    int t = blockIdx.y;
+    const bf16* W;
+    float* y;
+    int N;
+    if (n < N0) {
+        W = W0, y = y0, N = N0;
+    } else if (n < N0 + N1) {
+        n -= N0, W = W1, y = y1, N = N1;
+    } else if (n < N0 + N1 + N2) {
+        n -= N0 + N1, W = W2, y = y2, N = N2;
+    } else {
+        return;
+    }
+    float d = warp_dot_bf16(W + (size_t)n * K, x + (size_t)t * K, K);
+    if ((threadIdx.x & 31) == 0) y[(size_t)t * N + n] = d;
+}
+
 // One row of `dim` per block: y = x * rsqrt(mean(x^2) + eps) * w. In place allowed (x == y).
 // Per-head q/k norms: rows = T * heads, dim = head_dim. grid (rows), block 256.
 extern "C" __global__ void rmsnorm_f32(const float* x, const float* __restrict__ w, float* y, int dim, float eps) {
@@ -145,6 +170,40 @@ extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int 
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
         float x0 = xh[a], x1 = xh[b];
+        xh[a] = x0 * c - x1 * s;
+        xh[b] = x1 * c + x0 * s;
+    }
+}
+
+// Fused decode/prefill q/k post-processing: optional per-head RMSNorm (qw / kw, null for none),
+// then RoPE, for the nh query heads and nkv key heads of token t (position pos0 + t). Same math and
+// summation order as rmsnorm_f32 (block 256) followed by rope_f32. grid (T, nh + nkv), block 256.
+extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __restrict__ qw,
+                                            const float* __restrict__ kw, int q_stride, int k_stride, int nh,
+                                            int hd, int pos0, float theta, int interleaved, float eps) {
+    int t = blockIdx.x, h = blockIdx.y, half = hd / 2;
+    bool is_q = h < nh;
+    float* xh = is_q ? q + (size_t)t * q_stride + (size_t)h * hd : k + (size_t)t * k_stride + (size_t)(h - nh) * hd;
+    const float* w = is_q ? qw : kw;
+    float inv = 1.f;
+    if (w) {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) ss += xh[i] * xh[i];
+        ss = block_sum(ss);  // ends with a barrier: every read of xh is done
+        inv = 1.f / sqrtf(ss / (float)hd + eps);
+    }
+    double pos = (double)(pos0 + t);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)hd);
+        double ang = pos * inv_freq;
+        float s = (float)sin(ang), c = (float)cos(ang);
+        int a = interleaved ? 2 * i : i;
+        int b = interleaved ? 2 * i + 1 : i + half;
+        float x0 = xh[a], x1 = xh[b];
+        if (w) {
+            x0 = x0 * inv * w[a];
+            x1 = x1 * inv * w[b];
+        }
         xh[a] = x0 * c - x1 * s;
         xh[b] = x1 * c + x0 * s;
     }
@@ -239,6 +298,125 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
     }
 }
 
+// Split-position ("flash-decoding") attention, pass 1: block (s, h, t) scores the ATT_CHUNK
+// positions s*ATT_CHUNK.. of query row t / head h (one per warp-slot, all loads in flight at once)
+// and writes a partial (max m, sum l of exp(score - m), acc[hd] = sum exp(score - m) * v) to
+// part[((t * n_heads + h) * splits + s) * (hd + 2)]: acc, then m, then l. An empty chunk writes
+// m = -inf, l = 0, acc = 0. grid (splits, n_heads, T), block 256 (8 warps x 4 positions).
+#define ATT_CHUNK 32
+extern "C" __global__ void attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
+                                               const float* __restrict__ vc, float* __restrict__ part, int pos0,
+                                               int n_heads, int n_kv, int hd, int window, float scale, int splits) {
+    __shared__ float sc[ATT_CHUNK];
+    __shared__ float red[8 * 256];
+    int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
+    int pos = pos0 + t;
+    int kvh = h / (n_heads / n_kv);
+    int kv_dim = n_kv * hd, q_dim = n_heads * hd;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    int first = window > 0 ? max(0, pos + 1 - window) : 0;
+    int n = pos + 1 - first;
+    int j0 = s * ATT_CHUNK, cnt = min(ATT_CHUNK, n - j0);
+    float* pr = part + ((size_t)(t * n_heads + h) * splits + s) * (hd + 2);
+    if (cnt <= 0) {
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) pr[i] = 0.f;
+        if (threadIdx.x == 0) {
+            pr[hd] = -INFINITY;
+            pr[hd + 1] = 0.f;
+        }
+        return;
+    }
+    const float* qh = q + (size_t)t * q_dim + (size_t)h * hd;
+    const float* kb = kc + (size_t)kvh * hd + (size_t)(first + j0) * kv_dim;
+    const float* vb = vc + (size_t)kvh * hd + (size_t)(first + j0) * kv_dim;
+    float qr[ATT_MAXC];
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) {
+        int i = lane + 32 * c;
+        qr[c] = i < hd ? qh[i] : 0.f;
+    }
+    float d[4];
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        int j = wid + 8 * u;
+        d[u] = 0.f;
+        if (j < cnt) {
+            const float* kr = kb + (size_t)j * kv_dim;
+#pragma unroll
+            for (int c = 0; c < ATT_MAXC; c++) {
+                int i = lane + 32 * c;
+                if (i < hd) d[u] += qr[c] * kr[i];
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        int j = wid + 8 * u;
+        float v = warp_sum(d[u]) * scale;
+        if (lane == 0 && j < cnt) sc[j] = v;
+    }
+    __syncthreads();
+    float m = -INFINITY;
+    for (int j = 0; j < cnt; j++) m = fmaxf(m, sc[j]);
+    float acc[ATT_MAXC];
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) acc[c] = 0.f;
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        int j = wid + 8 * u;
+        if (j < cnt) {
+            float p = expf(sc[j] - m);
+            const float* vr = vb + (size_t)j * kv_dim;
+#pragma unroll
+            for (int c = 0; c < ATT_MAXC; c++) {
+                int i = lane + 32 * c;
+                if (i < hd) acc[c] += p * vr[i];
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) {
+        int i = lane + 32 * c;
+        if (i < hd) red[wid * hd + i] = acc[c];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0.f;
+        for (int w = 0; w < 8; w++) a += red[w * hd + i];
+        pr[i] = a;
+    }
+    if (threadIdx.x == 0) {
+        float l = 0.f;
+        for (int j = 0; j < cnt; j++) l += expf(sc[j] - m);
+        pr[hd] = m;
+        pr[hd + 1] = l;
+    }
+}
+
+// Split attention, pass 2: out[t, h, :] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with
+// M = max_s m_s. grid (n_heads, T), block 128.
+extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
+                                                 int n_heads, int hd, int splits) {
+    int h = blockIdx.x, t = blockIdx.y;
+    const float* pr = part + (size_t)(t * n_heads + h) * splits * (hd + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, pr[(size_t)s * (hd + 2) + hd]);
+    float L = 0.f;
+    for (int s = 0; s < splits; s++) {
+        const float* ps = pr + (size_t)s * (hd + 2);
+        L += ps[hd + 1] * expf(ps[hd] - M);
+    }
+    float inv = 1.f / L;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < splits; s++) {
+            const float* ps = pr + (size_t)s * (hd + 2);
+            a += ps[i] * expf(ps[hd] - M);
+        }
+        out[((size_t)t * n_heads + h) * hd + i] = a * inv;
+    }
+}
+
 // Index of the largest value per row (first on ties). grid (rows), block 1024.
 extern "C" __global__ void argmax_f32(const float* __restrict__ x, int n, int* __restrict__ out) {
     __shared__ float sv[1024];
@@ -266,6 +444,62 @@ extern "C" __global__ void argmax_f32(const float* __restrict__ x, int n, int* _
         __syncthreads();
     }
     if (threadIdx.x == 0) out[blockIdx.x] = si[0] == 0x7fffffff ? 0 : si[0];
+}
+
+// Two-pass argmax over many blocks per row, same result as argmax_f32 (largest value, first index
+// on ties, NaNs never win, 0 when nothing beats -inf). Pass 1: block (b, r) reduces its slice of
+// row r to (value, index) at part[(r * nb + b) * 2] (index as int bits, INT_MAX for none).
+// grid (nb, rows), block 256.
+__device__ __forceinline__ void argmax_merge(float& bv, int& bi, float ov, int oi) {
+    if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+}
+__device__ void block_argmax(float& bv, int& bi) {
+    __shared__ float sv[32];
+    __shared__ int si[32];
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        argmax_merge(bv, bi, ov, oi);
+    }
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    if (lane == 0) { sv[wid] = bv; si[wid] = bi; }
+    __syncthreads();
+    if (wid == 0) {
+        bv = lane < nw ? sv[lane] : -INFINITY;
+        bi = lane < nw ? si[lane] : 0x7fffffff;
+        for (int o = 16; o > 0; o >>= 1) {
+            float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            argmax_merge(bv, bi, ov, oi);
+        }
+    }
+}
+extern "C" __global__ void argmax_partial_f32(const float* __restrict__ x, int n, float* __restrict__ part) {
+    int b = blockIdx.x, nb = gridDim.x, r = blockIdx.y;
+    int chunk = (n + nb - 1) / nb;
+    int lo = b * chunk, hi = min(n, lo + chunk);
+    const float* xr = x + (size_t)r * n;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        float v = xr[i];
+        if (v > bv) { bv = v; bi = i; }
+    }
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) {
+        part[((size_t)r * nb + b) * 2] = bv;
+        part[((size_t)r * nb + b) * 2 + 1] = __int_as_float(bi);
+    }
+}
+// Pass 2: out[r] from the nb partials of row r. grid (rows), block 32.
+extern "C" __global__ void argmax_final_f32(const float* __restrict__ part, int nb, int* __restrict__ out) {
+    int r = blockIdx.x;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int b = threadIdx.x; b < nb; b += blockDim.x)
+        argmax_merge(bv, bi, part[((size_t)r * nb + b) * 2], __float_as_int(part[((size_t)r * nb + b) * 2 + 1]));
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) out[r] = bi == 0x7fffffff ? 0 : bi;
 }
 
 // out[t, :] = table[tokens[t], :] as f32. grid (T), block 256.

@@ -243,6 +243,25 @@ fn attention_causal_gqa_matches_cpu() {
             be.attention(dq.ptr(), dk.ptr(), dv.ptr(), out.ptr(), t, pos0, n_heads, n_kv, hd, window)
                 .unwrap();
             let got = be.read_vec(out.ptr()).unwrap();
+            // split-position version (decode path)
+            let part =
+                be.alloc_zeros::<f32>(CudaBackend::attention_split_scratch(t, n_heads, hd, total)).unwrap();
+            let out2 = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+            be.attention_split(
+                dq.ptr(),
+                dk.ptr(),
+                dv.ptr(),
+                out2.ptr(),
+                part.ptr(),
+                t,
+                pos0,
+                n_heads,
+                n_kv,
+                hd,
+                window,
+            )
+            .unwrap();
+            let got2 = be.read_vec(out2.ptr()).unwrap();
             let mut want = vec![0.0; t * n_heads * hd];
             for ti in 0..t {
                 let pos = pos0 + ti;
@@ -265,6 +284,8 @@ fn attention_causal_gqa_matches_cpu() {
             }
             let err = max_abs_diff(&got, &want);
             assert!(err < 1e-5, "hd={hd} pos0={pos0} t={t} window={window}: {err}");
+            let err2 = max_abs_diff(&got2, &want);
+            assert!(err2 < 1e-5, "split: hd={hd} pos0={pos0} t={t} window={window}: {err2}");
         }
     }
 }
@@ -281,6 +302,10 @@ fn argmax_and_embed_match_cpu() {
         let out = be.alloc_zeros::<i32>(rows).unwrap();
         be.argmax(dx.ptr(), rows, n, out.ptr()).unwrap();
         let got = be.read_vec(out.ptr()).unwrap();
+        let part = be.alloc_zeros::<f32>(CudaBackend::argmax_split_scratch(rows)).unwrap();
+        let out2 = be.alloc_zeros::<i32>(rows).unwrap();
+        be.argmax_split(dx.ptr(), rows, n, out2.ptr(), part.ptr()).unwrap();
+        assert_eq!(be.read_vec(out2.ptr()).unwrap(), got, "argmax_split vs argmax n={n}");
         for r in 0..rows {
             let row = &x[r * n..][..n];
             let mut best = 0;
@@ -292,6 +317,18 @@ fn argmax_and_embed_match_cpu() {
             assert_eq!(got[r] as usize, best, "n {n} row {r}");
         }
     }
+    // fewer values than blocks (empty slices), ties across slices, NaNs and an all -inf row
+    let n = 50;
+    let mut x = rnd(2 * n, 17);
+    x[3] = f32::NAN;
+    x[10] = 2.0;
+    x[40] = 2.0;
+    x[n..].fill(f32::NEG_INFINITY);
+    let dx = be.upload(&x).unwrap();
+    let part = be.alloc_zeros::<f32>(CudaBackend::argmax_split_scratch(2)).unwrap();
+    let out = be.alloc_zeros::<i32>(2).unwrap();
+    be.argmax_split(dx.ptr(), 2, n, out.ptr(), part.ptr()).unwrap();
+    assert_eq!(be.read_vec(out.ptr()).unwrap(), vec![10, 0]);
     let (vocab, hidden) = (11, 6);
     let (tb, table) = to_bf16(&rnd(vocab * hidden, 16));
     let dt = be.upload(&tb).unwrap();
@@ -589,4 +626,105 @@ fn nvrtc_cubin_cache_hits_on_second_compile() {
     assert!(second.cache_hit, "second compile comes from the cache");
     assert_eq!(a, b);
     assert!(first.cache_note.is_none(), "{:?}", first.cache_note);
+}
+
+#[test]
+fn gemv3_matches_three_gemvs() {
+    let Some(be) = backend() else { return };
+    let (t, k) = (2, 40);
+    let ns = [24usize, 8, 13];
+    let x = rnd(t * k, 41);
+    let dx = be.upload(&x).unwrap();
+    let mut ws = Vec::new();
+    let mut backs = Vec::new();
+    let mut ys = Vec::new();
+    for (j, &n) in ns.iter().enumerate() {
+        let (bits, back) = to_bf16(&rnd(n * k, 42 + j as u64));
+        ws.push(be.upload(&bits).unwrap());
+        backs.push(back);
+        ys.push(be.upload(&rnd(t * n, 50 + j as u64)).unwrap()); // overwritten, not accumulated
+    }
+    be.gemv3_bf16(
+        [ws[0].ptr(), ws[1].ptr(), ws[2].ptr()],
+        dx.ptr(),
+        [ys[0].ptr(), ys[1].ptr(), ys[2].ptr()],
+        ns,
+        t,
+        k,
+    )
+    .unwrap();
+    for (j, &n) in ns.iter().enumerate() {
+        let got = be.read_vec(ys[j].ptr()).unwrap();
+        let want: Vec<f32> =
+            (0..t * n).map(|i| dot(&backs[j][(i % n) * k..][..k], &x[(i / n) * k..][..k])).collect();
+        assert!(max_abs_diff(&got, &want) < 1e-4, "output {j}");
+        // bit-identical to the single GEMV kernel
+        let single = be.alloc_zeros::<f32>(t * n).unwrap();
+        be.gemv_bf16(ws[j].ptr(), dx.ptr(), single.ptr(), t, n, k, false).unwrap();
+        assert_eq!(got, be.read_vec(single.ptr()).unwrap(), "output {j} vs gemv_bf16");
+    }
+}
+
+#[test]
+fn qk_norm_rope_matches_norm_then_rope() {
+    let Some(be) = backend() else { return };
+    let (t, nh, nkv, hd, pos0) = (3, 4, 2, 128, 37);
+    let (qs, ks) = (nh * hd, nkv * hd + 8); // k rows with a stride larger than the heads
+    for interleaved in [false, true] {
+        for with_norm in [false, true] {
+            let q = rnd(t * qs, 60);
+            let k = rnd(t * ks, 61);
+            let (qw, kw) = (rnd(hd, 62), rnd(hd, 63));
+            let (dq, dk) = (be.upload(&q).unwrap(), be.upload(&k).unwrap());
+            let (dqw, dkw) = (be.upload(&qw).unwrap(), be.upload(&kw).unwrap());
+            let norm = with_norm.then(|| (dqw.ptr(), dkw.ptr()));
+            be.qk_norm_rope(dq.ptr(), dk.ptr(), norm, t, nh, nkv, qs, ks, hd, pos0, 1e6, interleaved, 1e-6)
+                .unwrap();
+            let (gq, gk) = (be.read_vec(dq.ptr()).unwrap(), be.read_vec(dk.ptr()).unwrap());
+            // reference: the separate kernels
+            let (rq, rk) = (be.upload(&q).unwrap(), be.upload(&k).unwrap());
+            for r in 0..t {
+                if with_norm {
+                    be.rmsnorm(
+                        rq.ptr().sub(r * qs, nh * hd),
+                        dqw.ptr(),
+                        rq.ptr().sub(r * qs, nh * hd),
+                        nh,
+                        hd,
+                        1e-6,
+                    )
+                    .unwrap();
+                    be.rmsnorm(
+                        rk.ptr().sub(r * ks, nkv * hd),
+                        dkw.ptr(),
+                        rk.ptr().sub(r * ks, nkv * hd),
+                        nkv,
+                        hd,
+                        1e-6,
+                    )
+                    .unwrap();
+                }
+            }
+            be.rope(rq.ptr(), t, nh, qs, hd, pos0, 1e6, interleaved).unwrap();
+            be.rope(rk.ptr(), t, nkv, ks, hd, pos0, 1e6, interleaved).unwrap();
+            assert_eq!(gq, be.read_vec(rq.ptr()).unwrap(), "q il={interleaved} norm={with_norm}");
+            assert_eq!(gk, be.read_vec(rk.ptr()).unwrap(), "k il={interleaved} norm={with_norm}");
+            // and the CPU
+            let mut want = q.clone();
+            for row in want.chunks_mut(qs) {
+                for head in row.chunks_mut(hd) {
+                    if with_norm {
+                        let inv = 1.0 / (head.iter().map(|v| v * v).sum::<f32>() / hd as f32 + 1e-6).sqrt();
+                        head.iter_mut().zip(&qw).for_each(|(v, w)| *v = *v * inv * w);
+                    }
+                }
+            }
+            for (r, row) in want.chunks_mut(qs).enumerate() {
+                for head in row.chunks_mut(hd) {
+                    rope_cpu(head, pos0 + r, 1e6, interleaved);
+                }
+            }
+            assert!(max_abs_diff(&gq, &want) < 1e-4, "cpu q il={interleaved} norm={with_norm}");
+        }
+    }
 }

@@ -305,6 +305,7 @@ struct Scratch {
     cold_out: DeviceBuffer<f32>,
     logits: DeviceBuffer<f32>,
     argmax: DeviceBuffer<i32>,
+    argmax_part: DeviceBuffer<f32>,
     pin_ids: PinnedBuffer<i32>,
     pin_w: PinnedBuffer<f32>,
     pin_cold_in: PinnedBuffer<f32>,
@@ -359,6 +360,8 @@ pub struct GpuModel {
     stats: ForwardStats,
     weight_bytes: usize,
     profiler: Option<Profiler>,
+    /// Partials of the split decode attention (grown to the cache's capacity on demand).
+    attn_part: Option<DeviceBuffer<f32>>,
     /// Copy every logits row to the host (default); off: only the argmax comes back.
     copy_logits: bool,
 }
@@ -517,6 +520,7 @@ impl GpuModel {
             stats: ForwardStats::default(),
             weight_bytes,
             profiler: None,
+            attn_part: None,
             copy_logits: true,
         };
         if std::env::var_os("MOE_LANES_GPU_PROFILE").is_some_and(|v| v != "0" && !v.is_empty()) {
@@ -756,6 +760,7 @@ impl GpuModel {
             cold_out: f(cap * c.hidden)?,
             logits: f(cap * c.vocab)?,
             argmax: be.alloc_zeros::<i32>(cap)?,
+            argmax_part: f(CudaBackend::argmax_split_scratch(cap))?,
             pin_ids: be.alloc_pinned::<i32>(cap * k)?,
             pin_w: be.alloc_pinned::<f32>(cap * k)?,
             pin_cold_in: be.alloc_pinned::<f32>(cap * c.hidden)?,
@@ -862,9 +867,18 @@ impl GpuModel {
         let (p_sout, p_sgl, p_xhi, p_xlo) =
             (s.shared_out.ptr(), s.shared_gl.ptr(), s.x_hi.ptr(), s.x_lo.ptr());
         let (p_wi, p_wf, p_cin, p_cout) = (s.work_i.ptr(), s.work_f.ptr(), s.cold_in.ptr(), s.cold_out.ptr());
-        let (p_logits, p_argmax) = (s.logits.ptr(), s.argmax.ptr());
+        let (p_logits, p_argmax, p_am_part) = (s.logits.ptr(), s.argmax.ptr(), s.argmax_part.ptr());
         let lo = self.opts.split_bf16_activations.then_some(p_xlo);
 
+        // decode attention: positions split over many blocks, partials combined by a second kernel
+        let split_attention = phase == Phase::Decode;
+        if split_attention {
+            let need = CudaBackend::attention_split_scratch(t, c.n_heads, c.head_dim, cache.capacity);
+            if self.attn_part.as_ref().is_none_or(|b| b.len() < need) {
+                self.attn_part = Some(be.alloc_zeros::<f32>(need)?);
+            }
+        }
+        let p_part = self.attn_part.as_ref().map(|b| b.ptr());
         let tok_i32: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
         self.mark_tail(0)?;
         be.write(&tok_i32, p_tokens)?;
@@ -877,15 +891,31 @@ impl GpuModel {
             be.rmsnorm(p_hidden, w.attn_norm.ptr(), p_normed, t, h, c.rms_eps)?;
             let k_new = cache.k[l].ptr().sub(pos0 * kvd, t * kvd);
             let v_new = cache.v[l].ptr().sub(pos0 * kvd, t * kvd);
-            self.linear(phase, p_normed, w.q.ptr(), p_q, t, qd, h, false)?;
-            self.linear(phase, p_normed, w.k.ptr(), k_new, t, kvd, h, false)?;
-            self.linear(phase, p_normed, w.v.ptr(), v_new, t, kvd, h, false)?;
+            if phase == Phase::Decode {
+                // one launch for the three projections (GEMV rows of q, k, v)
+                be.gemv3_bf16(
+                    [w.q.ptr(), w.k.ptr(), w.v.ptr()],
+                    p_normed,
+                    [p_q, k_new, v_new],
+                    [qd, kvd, kvd],
+                    t,
+                    h,
+                )?;
+            } else {
+                self.linear(phase, p_normed, w.q.ptr(), p_q, t, qd, h, false)?;
+                self.linear(phase, p_normed, w.k.ptr(), k_new, t, kvd, h, false)?;
+                self.linear(phase, p_normed, w.v.ptr(), v_new, t, kvd, h, false)?;
+            }
             for (dst, bias, dim) in [(p_q, &w.q_bias, qd), (k_new, &w.k_bias, kvd), (v_new, &w.v_bias, kvd)] {
                 if let Some(b) = bias {
                     be.add_bias_rows(dst, b.ptr(), t, dim)?;
                 }
             }
+            // per-head q/k norm (or none) and RoPE fused into one launch when no clamp sits between
+            let fused_qk =
+                c.clip_qkv.is_none() && matches!(self.adapter.qk_norm, QkNorm::None | QkNorm::PerHead);
             match self.adapter.qk_norm {
+                _ if fused_qk => {}
                 QkNorm::None => {}
                 QkNorm::PerHead => {
                     be.rmsnorm(p_q, w.q_norm.as_ref().unwrap().ptr(), p_q, t * nh, hd, c.rms_eps)?;
@@ -901,25 +931,80 @@ impl GpuModel {
                 be.clamp(k_new, t * kvd, clip)?;
                 be.clamp(v_new, t * kvd, clip)?;
             }
-            be.rope(p_q, t, nh, qd, hd, pos0, c.rope_theta, interleaved)?;
-            be.rope(k_new, t, nkv, kvd, hd, pos0, c.rope_theta, interleaved)?;
+            if fused_qk {
+                let norm = match self.adapter.qk_norm {
+                    QkNorm::PerHead => {
+                        Some((w.q_norm.as_ref().unwrap().ptr(), w.k_norm.as_ref().unwrap().ptr()))
+                    }
+                    _ => None,
+                };
+                be.qk_norm_rope(
+                    p_q,
+                    k_new,
+                    norm,
+                    t,
+                    nh,
+                    nkv,
+                    qd,
+                    kvd,
+                    hd,
+                    pos0,
+                    c.rope_theta,
+                    interleaved,
+                    c.rms_eps,
+                )?;
+            } else {
+                be.rope(p_q, t, nh, qd, hd, pos0, c.rope_theta, interleaved)?;
+                be.rope(k_new, t, nkv, kvd, hd, pos0, c.rope_theta, interleaved)?;
+            }
             self.mark(l, 1)?;
-            be.attention(p_q, cache.k[l].ptr(), cache.v[l].ptr(), p_attn, t, pos0, nh, nkv, hd, window)?;
+            match p_part {
+                Some(part) if split_attention => be.attention_split(
+                    p_q,
+                    cache.k[l].ptr(),
+                    cache.v[l].ptr(),
+                    p_attn,
+                    part,
+                    t,
+                    pos0,
+                    nh,
+                    nkv,
+                    hd,
+                    window,
+                )?,
+                _ => be.attention(
+                    p_q,
+                    cache.k[l].ptr(),
+                    cache.v[l].ptr(),
+                    p_attn,
+                    t,
+                    pos0,
+                    nh,
+                    nkv,
+                    hd,
+                    window,
+                )?,
+            }
             self.mark(l, 2)?;
             // o projection accumulates straight into the residual stream.
             self.linear(phase, p_attn, w.o.ptr(), p_hidden, t, h, qd, true)?;
             self.mark(l, 3)?;
 
             // ---- MoE block: dense stage ----
-            be.rmsnorm(p_hidden, w.ffn_norm.ptr(), p_normed, t, h, c.rms_eps)?;
-            be.zero(p_moe.sub(0, t * h))?;
-            be.gemv_bf16(w.router.ptr(), p_normed, p_rl, t, e_n, h, false)?;
-            be.route_topk(p_rl, t, e_n, k, variant, c.norm_topk_prob, p_ids, p_w)?;
             // Decode builds the hot worklist on the GPU; the host sees the routing only when the
             // layer has cold experts (then the normed rows come along for the cold lane).
             let device_worklist = phase == Phase::Decode;
             let n_hot_experts = self.hot_id_map[l].iter().filter(|&&x| x >= 0).count();
             let all_hot = n_hot_experts == e_n;
+            // All-hot decode without a shared expert: the hot lane accumulates straight into the
+            // residual stream (hidden + sum, as hidden + (0 + sum) before), no zero fill, no add.
+            let direct_residual = device_worklist && all_hot && w.shared.is_none();
+            be.rmsnorm(p_hidden, w.ffn_norm.ptr(), p_normed, t, h, c.rms_eps)?;
+            if !direct_residual {
+                be.zero(p_moe.sub(0, t * h))?;
+            }
+            be.gemv_bf16(w.router.ptr(), p_normed, p_rl, t, e_n, h, false)?;
+            be.route_topk(p_rl, t, e_n, k, variant, c.norm_topk_prob, p_ids, p_w)?;
             let s = self.scratch.as_mut().unwrap();
             if !(device_worklist && all_hot) {
                 unsafe {
@@ -987,7 +1072,7 @@ impl GpuModel {
                         p_w,
                         wi(layout.tok_off, t + 1),
                         wi(layout.tok_rows, t),
-                        p_moe,
+                        if direct_residual { p_hidden } else { p_moe },
                         t,
                         h,
                         ff,
@@ -1080,7 +1165,9 @@ impl GpuModel {
                 self.mark(l, 8)?;
                 lane.wall_us = split_at.elapsed().as_secs_f64() * 1e6;
                 stats.layers.push(lane);
-                be.add(p_hidden, p_moe, t * h)?;
+                if !direct_residual {
+                    be.add(p_hidden, p_moe, t * h)?;
+                }
                 self.mark(l, 9)?;
                 continue;
             }
@@ -1310,7 +1397,12 @@ impl GpuModel {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed).ptr();
         self.linear(phase, p_normed, head, p_logits, t, c.vocab, h, false)?;
         self.mark_tail(1)?;
-        be.argmax(p_logits, t, c.vocab, p_argmax)?;
+        if t <= 8 {
+            // decode: one row over many blocks (the one-block-per-row kernel is latency bound)
+            be.argmax_split(p_logits, t, c.vocab, p_argmax, p_am_part)?;
+        } else {
+            be.argmax(p_logits, t, c.vocab, p_argmax)?;
+        }
         self.mark_tail(2)?;
         let copy_start = Instant::now();
         let data = if self.copy_logits {

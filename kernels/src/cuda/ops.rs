@@ -15,6 +15,10 @@ const BLOCK: u32 = 256;
 pub const ATTENTION_MAX_POSITIONS: usize = 12 * 1024;
 /// Largest head dimension of the attention kernel (8 values per lane).
 pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
+/// Positions per block of the split attention kernel (ATT_CHUNK in moe.cu).
+pub const ATTENTION_SPLIT_CHUNK: usize = 32;
+/// Blocks per row of the split argmax.
+pub const ARGMAX_SPLIT_BLOCKS: usize = 128;
 /// Threads of the attention kernel (one warp per position in the score pass).
 const ATTENTION_BLOCK: u32 = 256;
 
@@ -72,6 +76,44 @@ impl CudaBackend {
             BLOCK,
             0,
             args![w.raw(), x.raw(), y.raw(), i(n), i(k), acc],
+        )
+    }
+
+    /// Three GEMVs over one input in one launch: `y0 = W0 · x`, `y1 = W1 · x`, `y2 = W2 · x` for
+    /// `t < n_tokens` (no accumulation); `Wi` `[ni, k]` bf16, `yi` rows of `ni`. Decode q/k/v.
+    pub fn gemv3_bf16(
+        &self,
+        w: [DPtr<u16>; 3],
+        x: DPtr<f32>,
+        y: [DPtr<f32>; 3],
+        n: [usize; 3],
+        n_tokens: usize,
+        k: usize,
+    ) -> Result<()> {
+        const K: &str = "gemv3_bf16";
+        for j in 0..3 {
+            need(K, "W", w[j], n[j] * k)?;
+            need(K, "y", y[j], n_tokens * n[j])?;
+        }
+        need(K, "x", x, n_tokens * k)?;
+        self.launch(
+            K,
+            (blocks(n[0] + n[1] + n[2], ROWS_PER_BLOCK), n_tokens as u32, 1),
+            BLOCK,
+            0,
+            args![
+                w[0].raw(),
+                w[1].raw(),
+                w[2].raw(),
+                x.raw(),
+                y[0].raw(),
+                y[1].raw(),
+                y[2].raw(),
+                i(n[0]),
+                i(n[1]),
+                i(n[2]),
+                i(k)
+            ],
         )
     }
 
@@ -155,6 +197,68 @@ impl CudaBackend {
         )
     }
 
+    /// Per-head RMSNorm (weights `qw` / `kw` of `head_dim`, or none) then RoPE on the `n_heads`
+    /// query heads of `q` (rows of `q_stride`) and `n_kv` key heads of `k` (rows of `k_stride`),
+    /// token `t` at position `pos0 + t`, in one launch. Same results as [`Self::rmsnorm`] per head
+    /// followed by [`Self::rope`].
+    pub fn qk_norm_rope(
+        &self,
+        q: DPtr<f32>,
+        k: DPtr<f32>,
+        norm: Option<(DPtr<f32>, DPtr<f32>)>,
+        n_tokens: usize,
+        n_heads: usize,
+        n_kv: usize,
+        q_stride: usize,
+        k_stride: usize,
+        head_dim: usize,
+        pos0: usize,
+        theta: f32,
+        interleaved: bool,
+        eps: f32,
+    ) -> Result<()> {
+        const K: &str = "qk_norm_rope_f32";
+        if head_dim & 1 == 1 || n_heads * head_dim > q_stride || n_kv * head_dim > k_stride {
+            return Err(CudaError::Shape {
+                kernel: K,
+                reason: format!(
+                    "head_dim {head_dim} x {n_heads}/{n_kv} heads in rows of {q_stride}/{k_stride}"
+                ),
+            });
+        }
+        need(K, "q", q, n_tokens.saturating_sub(1) * q_stride + n_heads * head_dim)?;
+        need(K, "k", k, n_tokens.saturating_sub(1) * k_stride + n_kv * head_dim)?;
+        let (qw, kw) = match norm {
+            Some((qw, kw)) => {
+                need(K, "q norm", qw, head_dim)?;
+                need(K, "k norm", kw, head_dim)?;
+                (qw.raw(), kw.raw())
+            }
+            None => (0, 0),
+        };
+        let il = interleaved as i32;
+        self.launch(
+            K,
+            (n_tokens as u32, (n_heads + n_kv) as u32, 1),
+            BLOCK,
+            0,
+            args![
+                q.raw(),
+                k.raw(),
+                qw,
+                kw,
+                i(q_stride),
+                i(k_stride),
+                i(n_heads),
+                i(head_dim),
+                i(pos0),
+                theta,
+                il,
+                eps
+            ],
+        )
+    }
+
     /// Causal GQA attention for `n_tokens` queries at positions `pos0..`, against caches that
     /// already hold positions `0..pos0 + n_tokens` (`[positions, n_kv * head_dim]`).
     /// `window` = 0: unlimited. Scale is `1/sqrt(head_dim)`.
@@ -219,12 +323,120 @@ impl CudaBackend {
         )
     }
 
+    /// Floats of the partials buffer [`Self::attention_split`] needs for `n_tokens` rows of
+    /// `n_heads` heads over at most `positions` visible positions.
+    pub fn attention_split_scratch(
+        n_tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        positions: usize,
+    ) -> usize {
+        n_tokens * n_heads * positions.div_ceil(ATTENTION_SPLIT_CHUNK).max(1) * (head_dim + 2)
+    }
+
+    /// Same as [`Self::attention`], with the visible positions split into chunks of
+    /// [`ATTENTION_SPLIT_CHUNK`] scored by separate blocks (many more blocks in flight in decode),
+    /// then combined: two launches. `part` holds [`Self::attention_split_scratch`] floats.
+    pub fn attention_split(
+        &self,
+        q: DPtr<f32>,
+        k_cache: DPtr<f32>,
+        v_cache: DPtr<f32>,
+        out: DPtr<f32>,
+        part: DPtr<f32>,
+        n_tokens: usize,
+        pos0: usize,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+        window: usize,
+    ) -> Result<()> {
+        const K: &str = "attention_split_f32";
+        if n_kv == 0 || n_heads / n_kv * n_kv != n_heads {
+            return Err(CudaError::Shape {
+                kernel: K,
+                reason: format!("{n_heads} heads do not group over {n_kv} kv heads"),
+            });
+        }
+        if head_dim > ATTENTION_MAX_HEAD_DIM {
+            return Err(CudaError::Shape {
+                kernel: K,
+                reason: format!("head_dim {head_dim} > {ATTENTION_MAX_HEAD_DIM}"),
+            });
+        }
+        let total = pos0 + n_tokens;
+        let visible = if window > 0 { window.min(total) } else { total };
+        let splits = visible.div_ceil(ATTENTION_SPLIT_CHUNK).max(1);
+        need(K, "q", q, n_tokens * n_heads * head_dim)?;
+        need(K, "k_cache", k_cache, total * n_kv * head_dim)?;
+        need(K, "v_cache", v_cache, total * n_kv * head_dim)?;
+        need(K, "out", out, n_tokens * n_heads * head_dim)?;
+        need(K, "part", part, Self::attention_split_scratch(n_tokens, n_heads, head_dim, visible))?;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        self.launch(
+            K,
+            (splits as u32, n_heads as u32, n_tokens as u32),
+            ATTENTION_BLOCK,
+            0,
+            args![
+                q.raw(),
+                k_cache.raw(),
+                v_cache.raw(),
+                part.raw(),
+                i(pos0),
+                i(n_heads),
+                i(n_kv),
+                i(head_dim),
+                i(window),
+                scale,
+                i(splits)
+            ],
+        )?;
+        self.launch(
+            "attention_combine_f32",
+            (n_heads as u32, n_tokens as u32, 1),
+            128,
+            0,
+            args![part.raw(), out.raw(), i(n_heads), i(head_dim), i(splits)],
+        )
+    }
+
     /// Index of the largest value of each of `rows` rows of `n` (first on ties).
     pub fn argmax(&self, x: DPtr<f32>, rows: usize, n: usize, out: DPtr<i32>) -> Result<()> {
         const K: &str = "argmax_f32";
         need(K, "x", x, rows * n)?;
         need(K, "out", out, rows)?;
         self.launch(K, (rows as u32, 1, 1), 1024, 0, args![x.raw(), i(n), out.raw()])
+    }
+
+    /// Floats of the partials buffer [`Self::argmax_split`] needs for `rows` rows.
+    pub fn argmax_split_scratch(rows: usize) -> usize {
+        rows * ARGMAX_SPLIT_BLOCKS * 2
+    }
+
+    /// Same result as [`Self::argmax`], each row spread over [`ARGMAX_SPLIT_BLOCKS`] blocks, then
+    /// reduced by a second kernel. `part` holds [`Self::argmax_split_scratch`] floats.
+    pub fn argmax_split(
+        &self,
+        x: DPtr<f32>,
+        rows: usize,
+        n: usize,
+        out: DPtr<i32>,
+        part: DPtr<f32>,
+    ) -> Result<()> {
+        const K: &str = "argmax_partial_f32";
+        need(K, "x", x, rows * n)?;
+        need(K, "out", out, rows)?;
+        need(K, "part", part, Self::argmax_split_scratch(rows))?;
+        let nb = ARGMAX_SPLIT_BLOCKS as u32;
+        self.launch(K, (nb, rows as u32, 1), BLOCK, 0, args![x.raw(), i(n), part.raw()])?;
+        self.launch(
+            "argmax_final_f32",
+            (rows as u32, 1, 1),
+            32,
+            0,
+            args![part.raw(), i(nb as usize), out.raw()],
+        )
     }
 
     /// `out[t] = table[tokens[t]]` widened to f32. Token ids must be checked by the caller.
