@@ -104,7 +104,8 @@ struct BenchArgs {
 /// Engine selection and pipeline settings shared by logits and generate.
 #[derive(Args)]
 struct EngineArgs {
-    /// Forward engine: pipeline (default) or reference (the oracle).
+    /// Forward engine: pipeline (default, CPU lanes), gpu (dense path and hot experts on the GPU;
+    /// falls back to pipeline when no GPU is usable) or reference (the oracle).
     #[arg(long, default_value = "pipeline")]
     engine: String,
     /// Per layer, this fraction of experts is hot (the most used of --learn, else the lowest ids).
@@ -282,24 +283,27 @@ fn open_model(path: &Path) -> Result<Model> {
 #[derive(PartialEq)]
 enum EngineKind {
     Pipeline,
+    Gpu,
     Reference,
 }
 
 fn check_engine(engine: &str) -> Result<EngineKind> {
     match engine {
         "pipeline" => Ok(EngineKind::Pipeline),
+        "gpu" => Ok(EngineKind::Gpu),
         "reference" => Ok(EngineKind::Reference),
-        other => bail!("unknown engine '{other}' (available: pipeline, reference)"),
+        other => bail!("unknown engine '{other}' (available: pipeline, gpu, reference)"),
     }
 }
 
-fn build_pipeline(model: Model, args: &EngineArgs) -> Result<Pipeline> {
-    let c = model.config().clone();
+/// The hot set `--hot-experts` or `--hot-fraction` (with `--learn`) describe.
+fn hot_set_of(model: &Model, args: &EngineArgs) -> Result<HotSet> {
+    let c = model.config();
     let learn = match &args.learn {
         Some(path) => Some(PerfReport::read(path, Some(c.n_experts))?),
         None => None,
     };
-    let hot_set = if let Some(path) = &args.hot_experts {
+    Ok(if let Some(path) = &args.hot_experts {
         HotSet::from_experts_file(path, c.n_layers, c.n_experts, args.hot_lanes)?
     } else {
         HotSet::from_fraction(
@@ -309,7 +313,11 @@ fn build_pipeline(model: Model, args: &EngineArgs) -> Result<Pipeline> {
             args.hot_fraction.unwrap_or(0.0),
             learn.as_ref(),
         )?
-    };
+    })
+}
+
+fn build_pipeline(model: Model, args: &EngineArgs) -> Result<Pipeline> {
+    let hot_set = hot_set_of(&model, args)?;
     let options = PipelineOptions {
         hot_set: Some(hot_set),
         n_hot_lanes: args.hot_lanes,
@@ -320,6 +328,24 @@ fn build_pipeline(model: Model, args: &EngineArgs) -> Result<Pipeline> {
         ..PipelineOptions::default()
     };
     Ok(Pipeline::new(Arc::new(model), options)?)
+}
+
+/// A GPU session with the hot set the engine flags describe. `Err` carries the reason the GPU
+/// cannot be used (no driver, a failure at start), which callers print before falling back.
+fn gpu_session<'m>(
+    model: &'m Model,
+    args: &EngineArgs,
+    n_positions: usize,
+) -> Result<moe_lanes::gpu::GpuSession<'m>, String> {
+    use moe_lanes::gpu::{GpuSession, HotAssignment, SessionError};
+    let c = model.config();
+    let hot_set = hot_set_of(model, args).map_err(|e| e.to_string())?;
+    let hot = HotAssignment::from_fn(c.n_layers, c.n_experts, |l, e| hot_set.layers[l].is_hot(e));
+    let cold_threads = args.cold_threads.unwrap_or_else(moe_lanes::pipeline::default_cold_workers);
+    GpuSession::new(model, &hot, cold_threads, n_positions).map_err(|e| match e {
+        SessionError::NoGpu(reason) => format!("GPU engine unavailable ({reason})"),
+        other => format!("GPU engine failed at start ({other})"),
+    })
 }
 
 fn write_perf(pipeline: &Pipeline, path: &Option<PathBuf>) -> Result<()> {
@@ -405,8 +431,23 @@ fn inspect(args: InspectArgs) -> Result<()> {
 }
 
 fn logits(args: LogitsArgs) -> Result<()> {
-    let kind = check_engine(&args.engine.engine)?;
+    let mut kind = check_engine(&args.engine.engine)?;
     let model = open_model(&args.model)?;
+    if kind == EngineKind::Gpu {
+        match gpu_session(&model, &args.engine, args.tokens.len()) {
+            Ok(mut session) => {
+                let logits = session.logits(&args.tokens)?;
+                return out!(
+                    "{}",
+                    serde_json::to_string(&serde_json::json!({ "tokens": args.tokens, "logits": logits }))?
+                );
+            }
+            Err(reason) => {
+                eprintln!("{reason}; falling back to the CPU pipeline engine");
+                kind = EngineKind::Pipeline;
+            }
+        }
+    }
     if kind == EngineKind::Pipeline {
         let mut pipeline = build_pipeline(model, &args.engine)?;
         let mut cache = pipeline.new_cache();
@@ -424,8 +465,20 @@ fn logits(args: LogitsArgs) -> Result<()> {
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
-    let kind = check_engine(&args.engine.engine)?;
+    let mut kind = check_engine(&args.engine.engine)?;
     let model = open_model(&args.model)?;
+    if kind == EngineKind::Gpu {
+        match gpu_session(&model, &args.engine, args.tokens.len() + args.max_new_tokens) {
+            Ok(mut session) => {
+                let tokens = session.generate(&args.tokens, args.max_new_tokens)?;
+                return out!("{}", serde_json::json!({ "tokens": tokens }));
+            }
+            Err(reason) => {
+                eprintln!("{reason}; falling back to the CPU pipeline engine");
+                kind = EngineKind::Pipeline;
+            }
+        }
+    }
     if kind == EngineKind::Pipeline {
         let mut pipeline = build_pipeline(model, &args.engine)?;
         let tokens = pipeline.generate(&args.tokens, args.max_new_tokens)?;

@@ -103,3 +103,37 @@ fn bad_inputs_fail_with_messages_naming_the_problem() {
     let err = failure(&["synth", "--out", "/nonexistent-dir/x.gguf"]);
     assert!(err.contains("/nonexistent-dir"), "{err}");
 }
+
+#[test]
+fn gpu_engine_generates_golden_tokens_or_falls_back_and_says_so() {
+    for dir in common::fixture_dirs() {
+        let golden: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+        let prompt: Vec<String> =
+            golden["prompt"].as_array().unwrap().iter().map(|t| t.to_string()).collect();
+        let n_new = golden["greedy_new_tokens"].as_array().unwrap().len().to_string();
+        let out = moe_lanes(&[
+            "generate",
+            "--model",
+            p(&dir),
+            "--tokens",
+            &prompt.join(","),
+            "--max-new-tokens",
+            &n_new,
+            "--engine",
+            "gpu",
+            "--hot-fraction",
+            "0.5",
+        ]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let fell_back = stderr.contains("falling back to the CPU pipeline engine");
+        if std::env::var_os("MOE_LANES_REQUIRE_GPU").is_some() {
+            assert!(!fell_back, "a GPU is required here: {stderr}");
+        } else if fell_back {
+            assert!(stderr.contains("GPU engine unavailable"), "the fallback must say why: {stderr}");
+        }
+        let tokens: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(tokens["tokens"], golden["greedy_new_tokens"], "{}", dir.display());
+    }
+}

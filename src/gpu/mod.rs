@@ -8,6 +8,7 @@
 pub mod cold;
 pub mod engine;
 pub mod pool_cold;
+pub mod session;
 
 pub use cold::{ColdExperts, ColdSlot, CpuColdExperts};
 pub use engine::{
@@ -16,3 +17,4 @@ pub use engine::{
 };
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use pool_cold::{PoolColdError, PoolColdExperts};
+pub use session::{GpuSession, SessionError};
