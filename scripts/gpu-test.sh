@@ -2,7 +2,7 @@
 # Run every GPU test and benchmark on the GPU machine and print summary tables: the test
 # binaries, the cold-lane kernel bench, and the end-to-end bench (pp/tg at hot budgets 0, 50% and
 # 100% of expert bytes, skewed and uniform routing) on a Qwen3-30B-A3B-shaped synthetic model.
-# PARTS selects what runs (default "tests kernels overhead bench"); BENCH_SKEWS (default "skewed uniform"),
+# PARTS selects what runs (default "tests engine kernels overhead bench"); BENCH_SKEWS (default "skewed uniform"),
 # BENCH_LAYERS (16), BENCH_P (512), BENCH_N (128), BENCH_RUNS (3) and MODEL_DIR (/dev/shm when it
 # has room, else /tmp) tune the bench.
 #
@@ -23,7 +23,7 @@ LOGS="${OUT:-$GPU_DIR/logs}"
 mkdir -p "$LOGS"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader
 fail=0
-if [[ " ${PARTS:-tests kernels overhead bench} " == *" tests "* ]]; then
+if [[ " ${PARTS:-tests engine kernels overhead bench} " == *" tests "* ]]; then
 shopt -s nullglob
 bins=("$GPU_DIR"/bin/*)
 if [ ${#bins[@]} -eq 0 ]; then echo "no test binaries in $GPU_DIR/bin"; exit 2; fi
@@ -45,22 +45,29 @@ for r in "${rows[@]}"; do echo "$r"; done
 
 fi
 
+# ---- the CLI's GPU engine against the golden fixtures ----
+if [[ " ${PARTS:-tests engine kernels overhead bench} " == *" engine "* ]]; then
+    echo; echo "== generate --engine gpu vs golden greedy tokens (hot fraction 0 / 0.5 / 1) =="
+    GPU_DIR="$GPU_DIR" bash "$GPU_DIR/gpu-engine-check.sh" > "$LOGS/engine-check.log" 2>&1 || fail=1
+    echo "$(grep -c ' ok$' "$LOGS/engine-check.log") ok, $(grep -c MISMATCH "$LOGS/engine-check.log") mismatched"
+fi
+
 # ---- cold-lane kernels ----
-if [[ " ${PARTS:-tests kernels overhead bench} " == *" kernels "* ]]; then
+if [[ " ${PARTS:-tests engine kernels overhead bench} " == *" kernels "* ]]; then
     echo; echo "== bench-kernels (all cores) =="
     "$GPU_DIR/moe-lanes" bench-kernels --json | tee "$LOGS/bench-kernels.json"
     "$GPU_DIR/moe-lanes" bench-kernels --simd avx512 --json | tee "$LOGS/bench-kernels-avx512.json"
 fi
 
 # ---- pipeline message overhead ----
-if [[ " ${PARTS:-tests kernels overhead bench} " == *" overhead "* ]] && [ -x "$GPU_DIR/pipeline_overhead" ]; then
+if [[ " ${PARTS:-tests engine kernels overhead bench} " == *" overhead "* ]] && [ -x "$GPU_DIR/pipeline_overhead" ]; then
     echo; echo "== pipeline message overhead (per layer, expert math excluded) =="
     "$GPU_DIR/pipeline_overhead" --bench --warm-up-time 1 --measurement-time 2 > "$LOGS/pipeline_overhead.log" 2>&1
     grep MEDIAN "$LOGS/pipeline_overhead.log"
 fi
 
 # ---- end-to-end bench ----
-if [[ " ${PARTS:-tests kernels overhead bench} " == *" bench "* ]]; then
+if [[ " ${PARTS:-tests engine kernels overhead bench} " == *" bench "* ]]; then
     MODEL_DIR="${MODEL_DIR:-$( [ "$(df --output=avail -k /dev/shm 2>/dev/null | tail -1)" -gt 30000000 ] 2>/dev/null && echo /dev/shm || echo /tmp)}"
     layers="${BENCH_LAYERS:-16}"
     table=()
