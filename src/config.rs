@@ -243,7 +243,7 @@ impl ModelConfig {
                 return Err((field, "must be greater than zero".into()));
             }
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err((
                 "num_key_value_heads",
                 format!("{} does not divide {} heads", self.n_kv_heads, self.n_heads),
@@ -255,10 +255,12 @@ impl ModelConfig {
                 format!("{} exceeds {} experts", self.n_experts_used, self.n_experts),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(("head_dim", format!("{} is odd; RoPE needs pairs", self.head_dim)));
         }
-        if !(self.rms_eps > 0.0) || !(self.rope_theta > 0.0) {
+        // Written so NaN fails too (NaN > 0.0 is false).
+        let positive = |v: f32| v.partial_cmp(&0.0) == Some(std::cmp::Ordering::Greater);
+        if !positive(self.rms_eps) || !positive(self.rope_theta) {
             return Err(("rms_norm_eps/rope_theta", "must be positive".into()));
         }
         Ok(())

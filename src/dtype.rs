@@ -76,7 +76,7 @@ impl DType {
     /// Bytes needed for `n_elems` values, or `None` when `n_elems` is not a whole number of blocks
     /// (or the size overflows).
     pub fn bytes_for(self, n_elems: usize) -> Option<usize> {
-        if n_elems % self.block_elems() != 0 {
+        if !n_elems.is_multiple_of(self.block_elems()) {
             return None;
         }
         (n_elems / self.block_elems()).checked_mul(self.block_bytes())

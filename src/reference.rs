@@ -503,9 +503,9 @@ mod tests {
         let mut inter: Vec<f32> =
             (0..8).map(|r| canonical[if r % 2 == 0 { r / 2 } else { 4 + r / 2 }]).collect();
         apply_rope(&mut inter, 5, 10000.0, RopeStyle::Interleaved);
-        for r in 0..8 {
+        for (r, value) in inter.iter().enumerate() {
             let c = if r % 2 == 0 { r / 2 } else { 4 + r / 2 };
-            assert!((inter[r] - half[c]).abs() < 1e-6);
+            assert!((value - half[c]).abs() < 1e-6);
         }
     }
 }

@@ -524,7 +524,7 @@ fn disk_row_to_canonical(part: &Canonical, disk_row: usize) -> usize {
             let head = disk_row / head_dim;
             let local = disk_row % head_dim;
             let half = head_dim / 2;
-            let canonical_local = if local % 2 == 0 { local / 2 } else { half + local / 2 };
+            let canonical_local = if local.is_multiple_of(2) { local / 2 } else { half + local / 2 };
             head * head_dim + canonical_local
         }
     }

@@ -1093,7 +1093,9 @@ impl GpuModel {
                     if let Some(hot_start) = hot_launch_at.last_mut() {
                         *hot_start = Instant::now();
                     }
-                    gpu_joined[l] = true;
+                    if let Some(joined) = gpu_joined.get_mut(l) {
+                        *joined = true;
+                    }
                     let s = self.scratch.as_mut().unwrap();
                     let ids = &s.pin_ids.as_slice()[..n_ent];
                     let wts = &s.pin_w.as_slice()[..n_ent];
