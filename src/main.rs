@@ -389,12 +389,12 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
     if args.json {
         out!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
-        println!(
+        out!(
             "wrote {} ({}, {} tensors)",
             report.path.display(),
             format_bytes(report.n_bytes),
             report.n_tensors
-        );
+        )?;
     }
     Ok(())
 }
@@ -568,9 +568,9 @@ fn demo(args: DemoArgs) -> Result<()> {
     let model = open_model(&path)?;
     out_raw!("{}", InspectReport::new(&model).to_text())?;
     let prompt = moe_lanes::inspect::sample_tokens(model.config().vocab, 8);
-    // The default engine, with half of every layer's experts on the (CPU) hot lane.
+    // Half of every layer's experts hot: on the GPU when one is usable, else on the CPU hot lane.
     let engine = EngineArgs {
-        engine: "pipeline".into(),
+        engine: "gpu".into(),
         hot_fraction: Some(0.5),
         learn: None,
         hot_experts: None,
@@ -580,18 +580,31 @@ fn demo(args: DemoArgs) -> Result<()> {
         perf_mode: "full".into(),
         cold_kernels: "simd".into(),
     };
-    let mut pipeline = build_pipeline(model, &engine)?;
+    let expected = Reference::new(&model)?.generate(&prompt, args.max_new_tokens)?;
     let start = Instant::now();
-    let tokens = pipeline.generate(&prompt, args.max_new_tokens)?;
+    let (label, tokens) = match gpu_session(&model, &engine, prompt.len() + args.max_new_tokens) {
+        Ok(mut session) => {
+            (format!("gpu ({})", session.device_name()), session.generate(&prompt, args.max_new_tokens)?)
+        }
+        Err(reason) => {
+            eprintln!("{reason}; running the CPU pipeline engine");
+            let mut pipeline = build_pipeline(model, &engine)?;
+            ("pipeline (CPU lanes)".to_string(), pipeline.generate(&prompt, args.max_new_tokens)?)
+        }
+    };
     let seconds = start.elapsed().as_secs_f64();
     out!("prompt    {prompt:?}")?;
     out!("generated {tokens:?}")?;
-    println!(
-        "engine pipeline: {} tokens in {:.3} s ({:.1} tokens/s)",
+    out!("matches the reference forward pass: {}", if tokens == expected { "yes" } else { "NO" })?;
+    out!(
+        "engine {label}: {} tokens in {:.3} s ({:.1} tokens/s, model upload included)",
         tokens.len(),
         seconds,
         (prompt.len() + tokens.len()) as f64 / seconds
-    );
+    )?;
+    if tokens != expected {
+        bail!("the engine's tokens differ from the reference: {tokens:?} vs {expected:?}");
+    }
     Ok(())
 }
 
