@@ -137,3 +137,21 @@ fn gpu_engine_generates_golden_tokens_or_falls_back_and_says_so() {
         assert_eq!(tokens["tokens"], golden["greedy_new_tokens"], "{}", dir.display());
     }
 }
+
+#[test]
+fn demo_creates_the_default_model_on_first_use_and_matches_the_reference() {
+    let home = tempfile::tempdir().unwrap();
+    for run in 0..2 {
+        let out = Command::new(env!("CARGO_BIN_EXE_moe-lanes"))
+            .args(["demo", "--max-new-tokens", "6"])
+            .env("MOE_LANES_HOME", home.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stdout.contains("matches the reference forward pass: yes"), "{stdout}");
+        assert_eq!(stderr.contains("first use"), run == 0, "the model is written once: {stderr}");
+    }
+    assert!(home.path().join("default-qwen3moe-small.gguf").exists());
+}
