@@ -19,6 +19,10 @@
 //! - `prefill_gflops`: 512 tokens routed top-8 over the 128 experts of the first layer, all
 //!   cold, expert-major;
 //!   FLOPs = 6 * hidden * ff per (token, expert) slot.
+//! - `prefill_skewed_gflops`: the same with Zipf-like expert popularity (`1 / (rank + 1)^1.2`
+//!   over a seeded permutation of the experts, top-8 distinct per token): the most popular half
+//!   of the experts gets ~90% of the slots (`prefill_skewed_top_half_share`), the most popular
+//!   expert a few hundred tokens, many experts a handful. Same FLOPs as the uniform case.
 //! Ratios are to `read_gbs`.
 
 use std::hint::black_box;
@@ -38,6 +42,8 @@ const TOP_K: usize = 8;
 const LAYER25_TOKENS: usize = 32;
 const LAYER25_HOT_SLOTS: usize = LAYER25_TOKENS * TOP_K / 4;
 const PREFILL_TOKENS: usize = 512;
+/// Exponent of the skewed prefill's expert popularity `1 / (rank + 1)^s`.
+const PREFILL_ZIPF_EXPONENT: f64 = 1.2;
 
 /// What to run the bench with.
 #[derive(Debug, Clone, Copy, Default)]
@@ -75,6 +81,13 @@ pub struct KernelBenchReport {
     /// Prefill, 512 tokens x top-8 over 128 experts, expert-major, GFLOP/s.
     pub prefill_gflops: f64,
     pub prefill_call_ms: f64,
+    /// Prefill as above with Zipf-like expert popularity (same FLOPs), GFLOP/s.
+    pub prefill_skewed_gflops: f64,
+    pub prefill_skewed_call_ms: f64,
+    /// Share of the skewed prefill's slots routed to the most popular half of the experts.
+    pub prefill_skewed_top_half_share: f64,
+    /// Tokens of the skewed prefill's most popular expert.
+    pub prefill_skewed_max_tokens: usize,
     pub hidden: usize,
     pub ff: usize,
     pub weight_pool_bytes: usize,
@@ -116,6 +129,13 @@ impl KernelBenchReport {
         text += &format!(
             "{:<34} {:>6.1} GFLOP/s {:>10} {:>9.1} ms\n",
             "prefill 512 tok expert-major", self.prefill_gflops, "-", self.prefill_call_ms
+        );
+        text += &format!(
+            "{:<34} {:>6.1} GFLOP/s {:>10} {:>9.1} ms\n",
+            format!("prefill skewed (top half {:.0}%)", 100.0 * self.prefill_skewed_top_half_share),
+            self.prefill_skewed_gflops,
+            "-",
+            self.prefill_skewed_call_ms
         );
         text
     }
@@ -375,49 +395,34 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let decode_gbs = decode_weight_bytes as f64 / best_decode_seconds / 1e9;
     let layer25_gbs = layer25_weight_bytes as f64 / layer25_seconds / 1e9;
 
-    // 5. Prefill: 512 tokens x top-8, all cold, expert-major.
+    // 5. Prefill: 512 tokens x top-8, all cold, expert-major; uniform then skewed routing.
     let prefill_x = random_x(&mut rng, PREFILL_TOKENS);
-    let (mut prefill_tokens, mut prefill_weights) =
-        (vec![Vec::new(); N_EXPERTS], vec![Vec::new(); N_EXPERTS]);
-    for token in 0..PREFILL_TOKENS {
-        let mut chosen: Vec<usize> = Vec::with_capacity(TOP_K);
-        while chosen.len() < TOP_K {
-            let expert = rng.below(N_EXPERTS);
-            if !chosen.contains(&expert) {
-                chosen.push(expert);
-            }
-        }
-        for expert in chosen {
-            prefill_tokens[expert].push(token as u32);
-            prefill_weights[expert].push(1.0 / TOP_K as f32);
-        }
-    }
-    let prefill_work: Vec<ColdExpertWork<'_>> = (0..N_EXPERTS)
-        .map(|e| ColdExpertWork {
-            weights: experts[e],
-            token_idx: &prefill_tokens[e],
-            token_weight: &prefill_weights[e],
-        })
-        .collect();
-    let prefill_job = ColdJob {
-        level,
-        act: Activation::Silu,
-        hidden: HIDDEN,
-        ff: FF,
-        x: &prefill_x,
-        experts: &prefill_work,
-    };
-    let mut prefill_out = vec![0.0f32; PREFILL_TOKENS * HIDDEN];
-    pool.run(&prefill_job, &mut prefill_out)?;
     let prefill_calls = if opts.quick { 1 } else { 3 };
-    let mut best_prefill_seconds = f64::INFINITY;
-    for _ in 0..prefill_calls {
-        let start = Instant::now();
-        pool.run(&prefill_job, &mut prefill_out)?;
-        best_prefill_seconds = best_prefill_seconds.min(start.elapsed().as_secs_f64());
+    let uniform = vec![1.0f64; N_EXPERTS];
+    let (prefill_gflops, prefill_seconds, _, _) = measure_prefill(
+        &mut pool,
+        level,
+        &experts[..N_EXPERTS],
+        &prefill_x,
+        &uniform,
+        &mut rng,
+        prefill_calls,
+    )?;
+    // Zipf-like popularity 1/(rank+1)^1.2 over a seeded permutation of the experts: the top half
+    // of the experts gets ~90% of the slots (reported), the most popular ones a few hundred tokens.
+    let mut ranks: Vec<usize> = (0..N_EXPERTS).collect();
+    for i in (1..N_EXPERTS).rev() {
+        ranks.swap(i, rng.below(i + 1));
     }
-    black_box(&prefill_out);
-    let prefill_gflops = prefill_job.flops() / best_prefill_seconds / 1e9;
+    let zipf: Vec<f64> =
+        ranks.iter().map(|&rank| 1.0 / ((rank + 1) as f64).powf(PREFILL_ZIPF_EXPONENT)).collect();
+    let (prefill_skewed_gflops, prefill_skewed_seconds, skewed_counts, _) =
+        measure_prefill(&mut pool, level, &experts[..N_EXPERTS], &prefill_x, &zipf, &mut rng, prefill_calls)?;
+    let mut sorted_counts = skewed_counts.clone();
+    sorted_counts.sort_unstable_by(|a, b| b.cmp(a));
+    let top_half: usize = sorted_counts[..N_EXPERTS / 2].iter().sum();
+    let prefill_skewed_top_half_share = top_half as f64 / (PREFILL_TOKENS * TOP_K) as f64;
+    let prefill_skewed_max_tokens = sorted_counts[0];
 
     Ok(KernelBenchReport {
         simd: level,
@@ -436,10 +441,67 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         layer25_cold_experts,
         layer25_weight_bytes,
         prefill_gflops,
-        prefill_call_ms: best_prefill_seconds * 1e3,
+        prefill_call_ms: prefill_seconds * 1e3,
+        prefill_skewed_gflops,
+        prefill_skewed_call_ms: prefill_skewed_seconds * 1e3,
+        prefill_skewed_top_half_share,
+        prefill_skewed_max_tokens,
         hidden: HIDDEN,
         ff: FF,
         weight_pool_bytes: weight_pool.len(),
         quick: opts.quick,
     })
+}
+
+/// Routes `x`'s tokens top-8 (distinct experts drawn with probability proportional to
+/// `popularity`) over `experts`, all cold, and times `calls` pool calls after a warm-up.
+/// Returns GFLOP/s and seconds of the best call, tokens per expert, and the FLOPs.
+fn measure_prefill(
+    pool: &mut ColdPool,
+    level: SimdLevel,
+    experts: &[ExpertWeights<'_>],
+    x: &[f32],
+    popularity: &[f64],
+    rng: &mut SplitMix64,
+    calls: usize,
+) -> Result<(f64, f64, Vec<usize>, f64), KernelError> {
+    let n_tokens = x.len() / HIDDEN;
+    let total: f64 = popularity.iter().sum();
+    let (mut tokens, mut weights) = (vec![Vec::new(); experts.len()], vec![Vec::new(); experts.len()]);
+    for token in 0..n_tokens {
+        let mut chosen: Vec<usize> = Vec::with_capacity(TOP_K);
+        while chosen.len() < TOP_K {
+            let mut draw = (rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * total;
+            let mut expert = experts.len() - 1;
+            for (e, &p) in popularity.iter().enumerate() {
+                if draw < p {
+                    expert = e;
+                    break;
+                }
+                draw -= p;
+            }
+            if !chosen.contains(&expert) {
+                chosen.push(expert);
+            }
+        }
+        for expert in chosen {
+            tokens[expert].push(token as u32);
+            weights[expert].push(1.0 / TOP_K as f32);
+        }
+    }
+    let work: Vec<ColdExpertWork<'_>> = (0..experts.len())
+        .map(|e| ColdExpertWork { weights: experts[e], token_idx: &tokens[e], token_weight: &weights[e] })
+        .collect();
+    let job = ColdJob { level, act: Activation::Silu, hidden: HIDDEN, ff: FF, x, experts: &work };
+    let mut out = vec![0.0f32; x.len()];
+    pool.run(&job, &mut out)?;
+    let mut best_seconds = f64::INFINITY;
+    for _ in 0..calls {
+        let start = Instant::now();
+        pool.run(&job, &mut out)?;
+        best_seconds = best_seconds.min(start.elapsed().as_secs_f64());
+    }
+    black_box(&out);
+    let counts = tokens.iter().map(Vec::len).collect();
+    Ok((job.flops() / best_seconds / 1e9, best_seconds, counts, job.flops()))
 }

@@ -24,7 +24,11 @@
 //! 1. gate/up + activation: the (expert, unit of 4 ff rows) space of all experts that have
 //!    tokens is split by rows, not by expert, so every thread streams weights at once even
 //!    when a single expert carries all the work; each thread writes its rows of the
-//!    intermediate `h` into a pool-owned scratch buffer;
+//!    intermediate `h` into a pool-owned scratch buffer. A unit costs its expert's tokens (plus
+//!    a constant for streaming its weight rows), so with skewed routing units differ by 100x:
+//!    experts are handed out most tokens first and claims are guided by remaining *cost*, not
+//!    units (see [`claim_units_by_cost`]), so the last claims are cheap and threads reach the
+//!    barrier together;
 //! 2. down + weighted accumulation: the hidden output rows (units of 8) are split and each
 //!    thread walks all experts for the rows it claimed, so threads own disjoint output rows (no
 //!    locks, no atomics on data), and a token routed to several experts is accumulated by one
@@ -69,6 +73,9 @@ pub const PIPELINED_MAX_CLAIM: usize = 64;
 /// [`ColdSchedule::Auto`] picks the pipelined schedule when the partial outputs (routed slots x
 /// hidden f32) are at most this many values (4 MiB).
 pub const PIPELINED_MAX_PARTIAL: usize = 1 << 20;
+/// Phased phase 1: cost of one (expert, ff unit) is the expert's tokens plus this many tokens'
+/// worth for streaming the unit's weight rows (a thin tile is dominated by its weight loads).
+const UNIT_WEIGHT_COST: u64 = 4;
 /// Environment override of the schedule: `auto` (default), `phased` or `pipelined`.
 pub const SCHEDULE_ENV_VAR: &str = "MOE_LANES_COLD_SCHEDULE";
 
@@ -203,6 +210,11 @@ struct ColdTask<'t> {
     /// First routed slot of each active expert: its `h` starts at `slot * ff` of the scratch,
     /// its partial outputs (pipelined) at `slot * hidden`.
     slot_start: &'t [usize],
+    /// Phased: active expert positions in phase-1 order (most tokens first).
+    gate_up_order: &'t [usize],
+    /// Phased: cost of the phase-1 units before each entry of `gate_up_order` (one more entry:
+    /// the total); an expert's units each cost its tokens + [`UNIT_WEIGHT_COST`].
+    gate_up_cost: &'t [u64],
     /// Pipelined: weighted down rows of every slot (`slots x hidden`).
     partial: *mut f32,
     /// Pipelined: gate/up units completed per active expert.
@@ -290,6 +302,8 @@ pub struct ColdPool {
     partial: Vec<f32>,
     active: Vec<usize>,
     slot_start: Vec<usize>,
+    gate_up_order: Vec<usize>,
+    gate_up_cost: Vec<u64>,
     h_done: Vec<Padded<AtomicUsize>>,
     group_done: Vec<Padded<AtomicUsize>>,
     schedule: ColdSchedule,
@@ -342,6 +356,8 @@ impl ColdPool {
             partial: Vec::new(),
             active: Vec::new(),
             slot_start: Vec::new(),
+            gate_up_order: Vec::new(),
+            gate_up_cost: Vec::new(),
             h_done: Vec::new(),
             group_done: Vec::new(),
             schedule,
@@ -391,6 +407,23 @@ impl ColdPool {
             ColdSchedule::Phased => false,
             ColdSchedule::Pipelined => true,
         };
+        self.gate_up_order.clear();
+        self.gate_up_cost.clear();
+        if !pipelined {
+            // Phase 1 hands out the most expensive experts' units first and sizes claims by
+            // cost, so the last claims are cheap whatever the routing skew. The order only
+            // changes who computes which rows of h, never the values or the accumulation order.
+            let n_tokens_of = |a: usize| job.experts[self.active[a]].token_idx.len();
+            self.gate_up_order.extend(0..self.active.len());
+            self.gate_up_order.sort_unstable_by_key(|&a| (std::cmp::Reverse(n_tokens_of(a)), a));
+            let units_per_expert = job.ff.div_ceil(FF_ROWS_PER_UNIT) as u64;
+            let mut cost = 0u64;
+            self.gate_up_cost.push(0);
+            for &a in &self.gate_up_order {
+                cost += units_per_expert * (n_tokens_of(a) as u64 + UNIT_WEIGHT_COST);
+                self.gate_up_cost.push(cost);
+            }
+        }
         if pipelined {
             if self.partial.len() < slots * job.hidden {
                 self.partial.resize(slots * job.hidden, 0.0);
@@ -415,6 +448,8 @@ impl ColdPool {
             h_scratch: self.h_scratch.as_mut_ptr(),
             active: &self.active,
             slot_start: &self.slot_start,
+            gate_up_order: &self.gate_up_order,
+            gate_up_cost: &self.gate_up_cost,
             partial: self.partial.as_mut_ptr(),
             h_done: &self.h_done,
             group_done: &self.group_done,
@@ -585,20 +620,59 @@ fn gate_up_units(task: &ColdTask<'_>, a: usize, units: Range<usize>) {
     };
 }
 
-/// Phase 1 (phased): claims ranges of (expert, 4-ff-row unit) and computes gate/up there.
+/// Phase 1 (phased): claims ranges of (expert, 4-ff-row unit), experts in `gate_up_order`, and
+/// computes gate/up there. Claims are guided by cost, not units: each takes about
+/// `remaining cost / (2 * threads)`, so a claim of a popular expert's units is short.
 fn gate_up_phase(task: &ColdTask<'_>, n_threads: usize) {
     let units_per_expert = task.job.ff.div_ceil(FF_ROWS_PER_UNIT);
-    let total_units = units_per_expert * task.active.len();
-    while let Some(claim) =
-        claim_units(&task.next_gate_up_unit, total_units, total_units, n_threads, usize::MAX)
-    {
+    let total_units = units_per_expert * task.gate_up_order.len();
+    while let Some(claim) = claim_units_by_cost(
+        &task.next_gate_up_unit,
+        task.gate_up_cost,
+        units_per_expert,
+        total_units,
+        n_threads,
+    ) {
         let mut unit = claim.start;
         while unit < claim.end {
-            let a = unit / units_per_expert;
-            let first = a * units_per_expert;
+            let k = unit / units_per_expert;
+            let first = k * units_per_expert;
             let end = claim.end.min(first + units_per_expert);
-            gate_up_units(task, a, unit - first..end - first);
+            gate_up_units(task, task.gate_up_order[k], unit - first..end - first);
             unit = end;
+        }
+    }
+}
+
+/// Guided self-scheduling over a unit space whose expert `k` (in order) has `units_per_expert`
+/// units of equal cost, `cum_cost[k]` being the cost before it: claims the next range worth about
+/// `remaining cost / (2 * threads)` (at least one unit); `None` when all are claimed.
+fn claim_units_by_cost(
+    next: &AtomicUsize,
+    cum_cost: &[u64],
+    units_per_expert: usize,
+    total_units: usize,
+    n_threads: usize,
+) -> Option<Range<usize>> {
+    let n_experts = cum_cost.len() - 1;
+    let total_cost = cum_cost[n_experts];
+    let unit_cost = |k: usize| (cum_cost[k + 1] - cum_cost[k]) / units_per_expert as u64;
+    let mut start = next.load(Ordering::Relaxed);
+    loop {
+        if start >= total_units {
+            return None;
+        }
+        let k = start / units_per_expert;
+        let done = cum_cost[k] + (start - k * units_per_expert) as u64 * unit_cost(k);
+        let target = done + ((total_cost - done) / (2 * n_threads as u64)).max(1);
+        // Last expert whose units start at or before `target` (k at least: cum_cost[k] <= done).
+        let k_end = cum_cost[..n_experts].partition_point(|&c| c <= target) - 1;
+        let end_in_expert = (target - cum_cost[k_end]).div_ceil(unit_cost(k_end).max(1)) as usize;
+        let end =
+            (k_end * units_per_expert + end_in_expert.min(units_per_expert)).clamp(start + 1, total_units);
+        match next.compare_exchange_weak(start, end, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return Some(start..end),
+            Err(current) => start = current,
         }
     }
 }

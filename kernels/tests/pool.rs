@@ -5,6 +5,7 @@
 mod common;
 
 use common::{relative_error, tolerance, MisalignedBytes, Rng};
+use moe_lanes_kernels::pool::ColdSchedule;
 use moe_lanes_kernels::{
     available, Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KernelError, SimdLevel,
     WeightDType,
@@ -164,4 +165,56 @@ fn empty_job_is_a_no_op() {
     let mut out = vec![2.0; 6];
     pool.run(&job, &mut out).unwrap();
     assert_eq!(out, vec![2.0; 6]);
+}
+
+/// Skewed routing (one expert takes every token, others one or two, one none) under the phased
+/// schedule, whose phase 1 orders experts by tokens and sizes claims by cost: same bits for
+/// every thread count and as the pipelined schedule, and close to the reference.
+#[test]
+fn phased_skewed_routing_is_exact_across_threads() {
+    let mut rng = Rng(0x5CE3);
+    let (hidden, ff, n_tokens, n_experts) = (72, 45, 23, 7);
+    for dtype in [WeightDType::F32, WeightDType::BF16] {
+        let mut random = RandomJob::new(&mut rng, dtype, hidden, ff, n_tokens, n_experts);
+        for e in 1..n_experts {
+            random.token_idx[e] = match e {
+                3 => (0..n_tokens as u32).collect(),
+                5 => (0..n_tokens as u32).rev().step_by(2).collect(),
+                _ => vec![(e * 5 % n_tokens) as u32; 1 + e % 2],
+            };
+            random.token_weight[e] = rng.vec(random.token_idx[e].len(), 1.0);
+        }
+        let work = random.work();
+        let initial = rng.vec(n_tokens * hidden, 1.0);
+        let job = ColdJob {
+            level: SimdLevel::Scalar,
+            act: Activation::Silu,
+            hidden,
+            ff,
+            x: &random.x,
+            experts: &work,
+        };
+        let mut reference = initial.clone();
+        ColdPool::run_reference(&job, &mut reference).unwrap();
+        for level in available() {
+            let mut results = Vec::new();
+            for n_threads in [1, 2, 5, 16] {
+                let mut pool = ColdPool::new(n_threads);
+                for schedule in [ColdSchedule::Phased, ColdSchedule::Pipelined] {
+                    pool.set_schedule(schedule);
+                    let mut out = initial.clone();
+                    pool.run(&ColdJob { level, ..job }, &mut out).unwrap();
+                    results.push(out);
+                }
+            }
+            for out in &results[1..] {
+                assert!(
+                    out.iter().zip(&results[0]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{level} {dtype:?}: schedules or thread counts differ"
+                );
+            }
+            let error = relative_error(&results[0], &reference);
+            assert!(error <= tolerance(level, dtype), "{level} {dtype:?}: {error:e}");
+        }
+    }
 }
