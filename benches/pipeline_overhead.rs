@@ -14,7 +14,7 @@
 use criterion::{black_box, Criterion};
 use kameo::message::{Context, Message};
 use moe_lanes::actors::lanes::run_entries;
-use moe_lanes::actors::messages::{LaneBuffer, LayerInput, GROUP_TOKENS_MAX, LANE_SPIN};
+use moe_lanes::actors::messages::{recv_spin, LaneBuffer, LayerInput, GROUP_TOKENS_MAX, LANE_SPIN};
 use moe_lanes::actors::{HotLane, LaneError, LaneSet};
 use moe_lanes::adapter::RoutingVariant;
 use moe_lanes::expert_math::{ColdCompute, FfnDims, FfnScratch, NullCompute};
@@ -331,6 +331,36 @@ impl PingPong {
     }
 }
 
+/// A polled round trip that carries `rows` output rows back, as a lane does: the peer writes
+/// them, the caller reads them (the cross-core cache-line traffic of one layer's hot rows).
+struct PolledRows {
+    tx: crossbeam_channel::Sender<Vec<f32>>,
+    rx: crossbeam_channel::Receiver<Vec<f32>>,
+    buf: Option<Vec<f32>>,
+}
+
+impl PolledRows {
+    fn new(rows: usize) -> PolledRows {
+        let (tx, peer_rx) = crossbeam_channel::bounded::<Vec<f32>>(1);
+        let (peer_tx, rx) = crossbeam_channel::bounded::<Vec<f32>>(1);
+        std::thread::spawn(move || {
+            while let Ok(mut v) = recv_spin(&peer_rx, LANE_SPIN, None) {
+                v.iter_mut().for_each(|x| *x += 1.0);
+                if peer_tx.send(v).is_err() {
+                    return;
+                }
+            }
+        });
+        PolledRows { tx, rx, buf: Some(vec![0.0; rows * HIDDEN]) }
+    }
+    fn round_trip(&mut self) {
+        self.tx.send(self.buf.take().unwrap()).unwrap();
+        let v = recv_spin(&self.rx, LANE_SPIN, None).unwrap();
+        black_box(v.iter().sum::<f32>());
+        self.buf = Some(v);
+    }
+}
+
 fn median_us(mut f: impl FnMut(), n: usize) -> f64 {
     for _ in 0..n / 10 {
         f();
@@ -380,11 +410,17 @@ fn main() {
     let two = median_us(|| cb_two.layer(), n);
     let kameo = median_us(|| km.layer(), n);
     let floor = median_us(|| ping.round_trip(), n);
+    let mut polled0 = PolledRows::new(0);
+    let polled0_us = median_us(|| polled0.round_trip(), n);
+    let mut polled4 = PolledRows::new(4);
+    let polled4_us = median_us(|| polled4.round_trip(), n);
     let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("MEDIAN per-layer decode overhead, {N_EXPERTS} experts, k={K}, hidden={HIDDEN}, expert math excluded:");
     println!("MEDIAN route+dispatch only:                                     {rd:8.2} us");
     println!("MEDIAN machine: {cores} cores");
     println!("MEDIAN floor: bare crossbeam round trip:                         {floor:8.2} us");
+    println!("MEDIAN floor: polled round trip, no rows:                        {polled0_us:8.2} us");
+    println!("MEDIAN floor: polled round trip, 4 rows written there, read here: {polled4_us:8.2} us");
     println!("MEDIAN crossbeam, engine default (driver takes the cold share): {cross:8.2} us");
     println!("MEDIAN crossbeam, cold worker thread, park at once:             {park:8.2} us");
     println!("MEDIAN crossbeam, driver + cold worker thread, park at once:    {two:8.2} us");
