@@ -337,6 +337,22 @@ impl WorkLayout {
 }
 
 /// A model resident on one GPU (non-expert weights + hot expert cache).
+/// Host buffers of one forward call (worklists, cold-lane rows, per-layer timing marks), kept
+/// between calls so a steady-state call allocates nothing on the host besides its result.
+#[derive(Default)]
+struct HostScratch {
+    work_i: Vec<i32>,
+    work_f: Vec<f32>,
+    cold_slots: Vec<ColdSlot>,
+    cold_row_tok: Vec<usize>,
+    cold_in_host: Vec<f32>,
+    cold_out_host: Vec<f32>,
+    hot_launch_at: Vec<Instant>,
+    gpu_joined: Vec<bool>,
+    cold_window: Vec<Option<(Instant, Instant)>>,
+    tok_i32: Vec<i32>,
+}
+
 pub struct GpuModel {
     be: Arc<CudaBackend>,
     cfg: ModelConfig,
@@ -358,6 +374,8 @@ pub struct GpuModel {
     cold_ready: GpuEvent,
     route_ready: GpuEvent,
     stats: ForwardStats,
+    /// Host-side per-call buffers, reused across calls.
+    host: HostScratch,
     weight_bytes: usize,
     profiler: Option<Profiler>,
     /// Partials of the split decode attention (grown to the cache's capacity on demand).
@@ -518,6 +536,7 @@ impl GpuModel {
             scratch: None,
             events,
             stats: ForwardStats::default(),
+            host: HostScratch::default(),
             weight_bytes,
             profiler: None,
             attn_part: None,
@@ -845,17 +864,34 @@ impl GpuModel {
             RoutingVariant::TopKThenSoftmax => RouteVariant::TopKThenSoftmax,
         };
         let layout = WorkLayout::new(self.scratch.as_ref().unwrap().cap, k);
-        let mut work_i = vec![0i32; layout.len];
-        let mut work_f = vec![0f32; t * k];
-        let mut cold_slots: Vec<ColdSlot> = Vec::with_capacity(t * k);
-        let mut cold_row_tok: Vec<usize> = Vec::with_capacity(t);
-        let (mut cold_in_host, mut cold_out_host) = (Vec::<f32>::new(), Vec::<f32>::new());
-        let mut stats =
-            ForwardStats { n_tokens: t, prefill: phase == Phase::Prefill, layers: Vec::new(), total_us: 0.0 };
-        let mut hot_launch_at = Vec::with_capacity(c.n_layers);
+        // Host buffers live in `self.host` between calls, so steady-state calls do not allocate;
+        // they are moved out here and back before returning (an error just drops them).
+        let HostScratch {
+            mut work_i,
+            mut work_f,
+            mut cold_slots,
+            mut cold_row_tok,
+            mut cold_in_host,
+            mut cold_out_host,
+            mut hot_launch_at,
+            mut gpu_joined,
+            mut cold_window,
+            mut tok_i32,
+        } = std::mem::take(&mut self.host);
+        work_i.clear();
+        work_i.resize(layout.len, 0);
+        work_f.clear();
+        work_f.resize(t * k, 0.0);
+        cold_slots.clear();
+        cold_row_tok.clear();
+        hot_launch_at.clear();
         // Layers whose join ran on the GPU stream (no host wait): their join wait is derived below.
-        let mut gpu_joined = vec![false; c.n_layers];
-        let mut cold_window = Vec::with_capacity(c.n_layers);
+        gpu_joined.clear();
+        gpu_joined.resize(c.n_layers, false);
+        cold_window.clear();
+        let mut layers = std::mem::take(&mut self.stats.layers);
+        layers.clear();
+        let mut stats = ForwardStats { n_tokens: t, prefill: phase == Phase::Prefill, layers, total_us: 0.0 };
 
         // Pointers are Copy; take them once so the borrow checker leaves `self` usable.
         let s = self.scratch.as_ref().unwrap();
@@ -879,7 +915,8 @@ impl GpuModel {
             }
         }
         let p_part = self.attn_part.as_ref().map(|b| b.ptr());
-        let tok_i32: Vec<i32> = tokens.iter().map(|&x| x as i32).collect();
+        tok_i32.clear();
+        tok_i32.extend(tokens.iter().map(|&x| x as i32));
         self.mark_tail(0)?;
         be.write(&tok_i32, p_tokens)?;
         be.embed(self.embed.ptr(), p_tokens, p_hidden, t, h)?;
@@ -1439,6 +1476,18 @@ impl GpuModel {
         let enqueue_us = (copy_start - call_start).as_secs_f64() * 1e6;
         self.collect_profile(phase, t, copy_us, enqueue_us, stats.total_us)?;
         self.stats = stats;
+        self.host = HostScratch {
+            work_i,
+            work_f,
+            cold_slots,
+            cold_row_tok,
+            cold_in_host,
+            cold_out_host,
+            hot_launch_at,
+            gpu_joined,
+            cold_window,
+            tok_i32,
+        };
         Ok(Logits { n_rows: t, vocab: c.vocab, data, argmax: am.into_iter().map(|x| x as u32).collect() })
     }
 }
