@@ -8,11 +8,11 @@
 
 use super::lanes::{cold_worker_loop, hot_lane_loop, HotLane};
 use super::messages::*;
-use crate::expert_math::ColdCompute;
-use crate::hot_set::MAX_HOT_LANES;
-use crate::perf::{FallbackReason, LayerTiming};
-use crate::phase::MergeKind;
-use crate::worklist::Worklist;
+use crate::cache::hot_set::MAX_HOT_LANES;
+use crate::cache::perf::{FallbackReason, LayerTiming};
+use crate::moe::expert_math::ColdCompute;
+use crate::moe::phase::MergeKind;
+use crate::moe::worklist::Worklist;
 use crossbeam_channel::{bounded, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -55,7 +55,7 @@ pub struct LaneSet {
     /// Poll window of the join before parking.
     spin: std::time::Duration,
     /// The driver's own cold share (participant 0), when it takes one: compute and scratch.
-    driver_cold: Option<(Arc<dyn ColdCompute>, crate::expert_math::FfnScratch)>,
+    driver_cold: Option<(Arc<dyn ColdCompute>, crate::moe::expert_math::FfnScratch)>,
     /// Buffer index -> reduced this layer (hot lanes first, then cold workers).
     reduced: Vec<bool>,
     /// Where each buffer's rows came back this layer (indexes into `returned`).
@@ -151,8 +151,9 @@ impl LaneSet {
             k,
             slot_locs: vec![SlotLoc::default(); capacity],
             spin,
-            driver_cold: driver_cold
-                .then(|| (cold.clone(), crate::expert_math::FfnScratch::new(cold.dims(), GROUP_TOKENS_MAX))),
+            driver_cold: driver_cold.then(|| {
+                (cold.clone(), crate::moe::expert_math::FfnScratch::new(cold.dims(), GROUP_TOKENS_MAX))
+            }),
             reduced: vec![false; n_buffers],
             returned: (0..n_buffers).map(|_| None).collect(),
         }

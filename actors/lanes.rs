@@ -7,11 +7,11 @@
 //! token rows (reduce).
 
 use super::messages::*;
-use crate::adapter::FfnActivation;
-use crate::dtype::DType;
-use crate::expert_math::{ffn_plain, ColdCompute, ExpertBytes, FfnDims, FfnScratch};
-use crate::hot_set::HotSet;
+use crate::cache::hot_set::HotSet;
+use crate::format::dtype::DType;
+use crate::model::adapter::FfnActivation;
 use crate::model::Model;
+use crate::moe::expert_math::{ffn_plain, ColdCompute, ExpertBytes, FfnDims, FfnScratch};
 use crossbeam_channel::{Receiver, Sender};
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};

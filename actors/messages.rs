@@ -1,6 +1,6 @@
 //! Typed messages of the per-layer data plane and the limits that size their channels.
 
-use crate::worklist::Worklist;
+use crate::moe::worklist::Worklist;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;

@@ -3,12 +3,12 @@
 //! processing (PP) and token generation (TG) separately over several runs, with the lane
 //! statistics (hit rate, overlap, join wait, fallbacks) of the same runs.
 
+use crate::cache::planner::{plan_fraction, plan_hot_set, WeightMode};
 use crate::gpu::{
     CudaBackend, ForwardStats, GpuError, GpuKvCache, GpuModel, HotAssignment, PoolColdError, PoolColdExperts,
 };
 use crate::inspect::sample_tokens;
 use crate::model::Model;
-use crate::plan::{plan_fraction, plan_hot_set, WeightMode};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -50,7 +50,7 @@ pub enum BenchError {
     #[error(transparent)]
     Cold(#[from] PoolColdError),
     #[error(transparent)]
-    Plan(#[from] crate::plan::PlanError),
+    Plan(#[from] crate::cache::planner::PlanError),
     #[error("{0}")]
     Invalid(String),
 }
@@ -194,7 +194,7 @@ pub fn run_bench(
             plan_hot_set(&counts, c.n_layers, c.n_experts, expert_bytes, budget, WeightMode::Flat)?.layers
         }
     };
-    let planned = crate::plan::HotPlan { layers: hot.clone(), expert_bytes, budget_bytes: 0 };
+    let planned = crate::cache::planner::HotPlan { layers: hot.clone(), expert_bytes, budget_bytes: 0 };
     let mut gpu = GpuModel::new(model, backend, &HotAssignment { per_layer: hot })?;
     let mut cache = gpu.new_kv_cache(context)?;
     gpu.set_copy_logits(false); // the bench only needs the greedy tokens

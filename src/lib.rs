@@ -1,34 +1,35 @@
 //! moe-lanes: run large Mixture-of-Experts language models on one machine with a small GPU.
 //!
-//! This crate is the library: model formats (GGUF, safetensors), architecture adapters, synthetic
-//! checkpoints, the reference forward pass, and (as they land) routing, worklists, cache planning,
-//! perf state and metrics. `src/main.rs` is the `moe-lanes` CLI on top of it. See ARCHITECTURE.md.
+//! This crate is the library a service embeds. Its folders show the layers, lowest first:
+//! - [`format`]: element types, tensor views, GGUF and safetensors files;
+//! - [`model`]: the model view by role, architecture adapters, configs, tensor names;
+//! - [`reference`]: the plain f32 oracle (shares no arithmetic with the fast paths);
+//! - [`moe`]: routing, worklist, phases and policy, cold-lane expert math, the CPU lane pipeline;
+//! - [`cache`]: hot set, planner, perf state;
+//! - [`gpu`]: the GPU dense stage and hot lane;
+//! - [`engine`]: the one `Engine` interface every backend implements, which the CLI, the
+//!   server and embedding services go through.
+//!
+//! The `moe-lanes` CLI is a separate package (`cli/`). See ARCHITECTURE.md.
 
 // The actors live in the top-level `actors/` directory (DESIGN.md layout) but are compiled as
-// part of this crate: the CLI in this package needs both the library and the actors, and the
-// actors need the library, so they cannot be a separate crate without a dependency cycle.
+// part of this crate: they need the library's types and the library's engines need them.
 #[path = "../actors/mod.rs"]
 pub mod actors;
-pub mod adapter;
 pub mod bench;
-pub mod config;
-pub mod dtype;
-pub mod expert_math;
-pub mod gguf;
+pub mod cache;
+pub mod engine;
+pub mod format;
 pub mod gpu;
-pub mod hot_set;
 pub mod inspect;
 pub mod model;
-pub mod naming;
-pub mod perf;
-pub mod phase;
-pub mod pipeline;
-pub mod plan;
+pub mod moe;
 pub mod reference;
-pub mod routing;
-pub mod safetensors;
 pub mod synth;
-pub mod tensor;
 pub mod vocab;
-pub mod worklist;
-mod write_util;
+
+// The flat paths of earlier releases, kept so embedding code keeps compiling.
+pub use cache::{hot_set, perf, planner};
+pub use format::{dtype, gguf, safetensors, tensor};
+pub use model::{adapter, config, naming};
+pub use moe::{expert_math, phase, pipeline, routing, worklist};

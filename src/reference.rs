@@ -7,11 +7,11 @@
 //! position up to its own, which is causal attention by construction. A prefill of n tokens is n
 //! such steps; decode continues from the same cache.
 
-use crate::adapter::{Adapter, QkNorm, RopeStyle, RoutingVariant};
-use crate::config::ModelConfig;
+use crate::format::tensor::{TensorError, TensorRef};
+use crate::model::adapter::{Adapter, QkNorm, RopeStyle, RoutingVariant};
+use crate::model::config::ModelConfig;
+use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
-use crate::naming::{GlobalRole, LayerRole};
-use crate::tensor::{TensorError, TensorRef};
 
 /// Why a forward call was refused or failed.
 #[derive(Debug, thiserror::Error, PartialEq)]

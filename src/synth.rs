@@ -12,14 +12,14 @@
 //! weight on that channel then acts as a per-expert logit bias, ranked by a per-layer random
 //! permutation, `bias(rank) = -s * ln(1 + rank)` in units of the router logits' noise.
 
-use crate::adapter::{Adapter, Arch, RopeStyle};
-use crate::config::ModelConfig;
-use crate::dtype::DType;
-use crate::gguf::{GgufError, GgufWriter, MetaValue};
+use crate::format::dtype::DType;
+use crate::format::gguf::{GgufError, GgufWriter, MetaValue};
+use crate::format::safetensors::{self, SafetensorsError, TensorSpec};
+use crate::format::tensor::encode_f32;
+use crate::model::adapter::{Adapter, Arch, RopeStyle};
+use crate::model::config::ModelConfig;
+use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
 use crate::model::{expected_layer_shape, llama_cpp_default_norm_topk, required_layer_roles};
-use crate::naming::{self, ExpertProj, GlobalRole, LayerRole};
-use crate::safetensors::{self, SafetensorsError, TensorSpec};
-use crate::tensor::encode_f32;
 use crate::vocab;
 use half::{bf16, f16};
 use serde::Serialize;

@@ -2,9 +2,9 @@
 //! and a plain CPU implementation for tests (f32 math straight from the model's expert bytes;
 //! the fast SIMD cold lane plugs in through the same trait).
 
-use crate::dtype::DType;
+use crate::format::dtype::DType;
+use crate::format::tensor::TensorRef;
 use crate::model::Model;
-use crate::tensor::TensorRef;
 
 /// One cold routed slot: add `weight * expert(hidden_rows[row_idx])` into `out_rows[row_idx]`.
 #[derive(Debug, Clone, Copy, PartialEq)]

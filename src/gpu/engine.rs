@@ -12,13 +12,13 @@
 //! router always uses the f32-activation GEMV so routing matches the reference closely.
 
 use super::cold::{ColdExperts, ColdSlot};
-use crate::adapter::{Adapter, QkNorm, RopeStyle, RoutingVariant};
-use crate::config::ModelConfig;
-use crate::dtype::DType;
+use crate::format::dtype::DType;
+use crate::format::tensor::{TensorError, TensorRef};
+use crate::model::adapter::{Adapter, QkNorm, RopeStyle, RoutingVariant};
+use crate::model::config::ModelConfig;
+use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
-use crate::naming::{GlobalRole, LayerRole};
 use crate::reference::ForwardError;
-use crate::tensor::{TensorError, TensorRef};
 use half::bf16;
 use moe_lanes_kernels::cuda::ops::RouteVariant;
 use moe_lanes_kernels::cuda::{CudaBackend, CudaError, DPtr, DeviceBuffer, GpuEvent, PinnedBuffer};

@@ -6,8 +6,8 @@
 //! job's expert list is recycled through an in-place `collect` (same layout, new lifetime).
 
 use super::cold::{ColdExperts, ColdSlot};
-use crate::adapter::FfnActivation;
-use crate::dtype::DType;
+use crate::format::dtype::DType;
+use crate::model::adapter::FfnActivation;
 use crate::model::Model;
 use moe_lanes_kernels::{
     Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KernelError, SimdLevel, WeightDType,

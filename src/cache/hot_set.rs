@@ -3,7 +3,7 @@
 //!
 //! Selection for now (cache planning comes in a later issue):
 //! - [`HotSet::from_fraction`]: per layer the `ceil(F * n_experts)` most-used experts of a learn
-//!   file (perf JSON, see [`crate::perf`]), else the lowest ids;
+//!   file (perf JSON, see [`crate::cache::perf`]), else the lowest ids;
 //! - [`HotSet::from_experts_file`]: an explicit JSON file, format
 //!   `{"layers": {"0": [3, 5, 7], "1": [0]}}` — keys are layer indexes as strings, values the
 //!   expert ids that are hot in that layer; layers not listed have no hot experts.
@@ -11,7 +11,7 @@
 //! With several hot lanes, the hot experts of a layer are dealt round-robin over the lanes in
 //! the order they were chosen; each lane numbers its slots from zero.
 
-use crate::perf::{PerfError, PerfReport};
+use crate::cache::perf::{PerfError, PerfReport};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

@@ -13,9 +13,9 @@
 //! shards (if both are present the index wins). The index and the shards must agree exactly: every
 //! listed shard exists, holds the tensors mapped to it and no others, and no tensor is in two shards.
 
-use crate::dtype::DType;
-use crate::tensor::TensorRef;
-use crate::write_util::{tmp_path_of, CountingWriter};
+use super::write_util::{tmp_path_of, CountingWriter};
+use crate::format::dtype::DType;
+use crate::format::tensor::TensorRef;
 use memmap2::Mmap;
 use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
 use serde_json::Value;

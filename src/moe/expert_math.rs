@@ -6,10 +6,11 @@
 //! implementation: each weight row is decoded once per group and dotted with every token of the
 //! group (so expert-major worklists read each expert's weights once per layer).
 
-use crate::adapter::FfnActivation;
-use crate::dtype::DType;
+use crate::format::dtype::DType;
+use crate::format::tensor::decode_f32;
+use crate::model::adapter::FfnActivation;
 use crate::model::Model;
-use crate::tensor::decode_f32;
+use crate::moe::math::dot;
 use std::sync::Arc;
 
 /// Raw bytes of one expert's three projections.
@@ -131,15 +132,6 @@ fn elem_bytes(dtype: DType) -> Result<usize, ComputeError> {
         DType::F16 | DType::BF16 => Ok(2),
         other => Err(ComputeError::UnsupportedDType(other)),
     }
-}
-
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = 0.0f32;
-    for (x, y) in a.iter().zip(b) {
-        acc += x * y;
-    }
-    acc
 }
 
 /// `x / (1 + e^-x)`

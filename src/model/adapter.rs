@@ -4,7 +4,7 @@
 //! model's config: how the router turns logits into expert weights, the FFN activation, where q/k
 //! norms sit, the RoPE style, whether there is a shared expert, the tensor-name family, and the
 //! *profile* of pipeline switches (DESIGN.md "Phases and policies"). Numbers (sizes, theta,
-//! `norm_topk_prob`, tied embeddings) live in [`crate::config::ModelConfig`].
+//! `norm_topk_prob`, tied embeddings) live in [`crate::model::config::ModelConfig`].
 
 use serde::Serialize;
 

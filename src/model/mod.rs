@@ -5,13 +5,17 @@
 //! Invariant: after `Model::open` succeeds, every role the adapter requires exists with the
 //! expected shape, so the accessors below cannot fail for required roles.
 
-use crate::adapter::{self, Adapter, Arch, QkNorm, RopeStyle};
-use crate::config::{ConfigError, ModelConfig};
-use crate::dtype::DType;
-use crate::gguf::{GgufError, GgufFile, MetaValue};
-use crate::naming::{self, ExpertProj, GlobalRole, LayerRole};
-use crate::safetensors::{SafetensorsError, SafetensorsModel};
-use crate::tensor::TensorRef;
+pub mod adapter;
+pub mod config;
+pub mod naming;
+
+use crate::format::dtype::DType;
+use crate::format::gguf::{GgufError, GgufFile, MetaValue};
+use crate::format::safetensors::{SafetensorsError, SafetensorsModel};
+use crate::format::tensor::TensorRef;
+use crate::model::adapter::{Adapter, Arch, QkNorm, RopeStyle};
+use crate::model::config::{ConfigError, ModelConfig};
+use crate::model::naming::{ExpertProj, GlobalRole, LayerRole};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 

@@ -17,17 +17,19 @@
 
 use crate::actors::messages::LANE_SPIN;
 use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneSet, UpdaterHandle};
-use crate::adapter::{Adapter, FfnActivation, QkNorm, RopeStyle};
-use crate::config::ModelConfig;
-use crate::expert_math::{gelu, silu, ColdCompute, FfnScratch, PlainCompute, SimdCompute};
-use crate::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
+use crate::cache::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
+use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
+use crate::format::tensor::TensorError;
+use crate::model::adapter::{Adapter, FfnActivation, QkNorm, RopeStyle};
+use crate::model::config::ModelConfig;
+use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
-use crate::naming::{GlobalRole, LayerRole};
-use crate::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
-use crate::phase::{CacheState, ColdState, Phase, Plan, PolicySwitches, PpPolicy};
+use crate::moe::expert_math::{gelu, silu, ColdCompute, FfnScratch, PlainCompute, SimdCompute};
+pub use crate::moe::math::argmax;
+use crate::moe::math::{dot, sigmoid, softmax_in_place};
+use crate::moe::phase::{CacheState, ColdState, ExecPlan, Phase, PolicySwitches, PpPolicy};
+use crate::moe::routing::{Router, RouterOptions};
 use crate::reference::ForwardError;
-use crate::routing::{Router, RouterOptions};
-use crate::tensor::TensorError;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -53,7 +55,7 @@ pub struct FaultInjection {
 /// Which kernels the cold lane runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ColdKernels {
-    /// The plain row-dot kernel of [`crate::expert_math`] (bit-identical to the reference).
+    /// The plain row-dot kernel of [`crate::moe::expert_math`] (bit-identical to the reference).
     Plain,
     /// The SIMD kernels of `moe-lanes-kernels` (equal within rounding).
     #[default]
@@ -196,12 +198,12 @@ pub struct Pipeline {
     /// `rope[pos * half + i] = (cos, sin)`, grown as positions are reached.
     rope: Vec<(f32, f32)>,
     call_idx: u64,
-    plans: Vec<Plan>,
+    plans: Vec<ExecPlan>,
     fault: FaultInjection,
     max_batch_tokens: usize,
 }
 
-fn decode(t: crate::tensor::TensorRef<'_>) -> Result<Vec<f32>, TensorError> {
+fn decode(t: crate::format::tensor::TensorRef<'_>) -> Result<Vec<f32>, TensorError> {
     let mut out = vec![0.0; t.n_elems()];
     t.read_f32_into(0, &mut out)?;
     Ok(out)
@@ -368,7 +370,7 @@ impl Pipeline {
     }
 
     /// The plans of the last forward call, one per sub-batch.
-    pub fn last_plans(&self) -> &[Plan] {
+    pub fn last_plans(&self) -> &[ExecPlan] {
         &self.plans
     }
 
@@ -464,7 +466,7 @@ impl Pipeline {
         &mut self,
         cache: &mut PipelineCache,
         tokens: &[u32],
-        plan: &Plan,
+        plan: &ExecPlan,
         logits_out: &mut Vec<Vec<f32>>,
     ) -> Result<(), PipelineError> {
         let n = tokens.len();
@@ -607,7 +609,7 @@ impl Pipeline {
         }
     }
 
-    fn moe_block(&mut self, l: usize, n: usize, plan: &Plan) -> Result<(), PipelineError> {
+    fn moe_block(&mut self, l: usize, n: usize, plan: &ExecPlan) -> Result<(), PipelineError> {
         let c = &self.config;
         let (h, n_experts, k) = (c.hidden, c.n_experts, c.n_experts_used);
         let w = &self.layers[l];
@@ -740,7 +742,7 @@ impl Pipeline {
 }
 
 /// Break a worklist on purpose (fault injection): duplicate a slot.
-fn corrupt(wl: &mut crate::worklist::Worklist) {
+fn corrupt(wl: &mut crate::moe::worklist::Worklist) {
     if wl.cold_count >= 2 {
         wl.cold_src_slot[1] = wl.cold_src_slot[0];
     } else if wl.hot[0].hot_count >= 1 {
@@ -789,19 +791,6 @@ fn matmul(w: &[f32], x: &[f32], n: usize, in_dim: usize, out_dim: usize, out: &m
     }
 }
 
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = 0.0f32;
-    for (x, y) in a.iter().zip(b) {
-        acc += x * y;
-    }
-    acc
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
 fn rms_norm_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     let mut ss = 0.0f32;
     for v in x {
@@ -824,18 +813,6 @@ fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
     }
 }
 
-fn softmax_in_place(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    for v in x.iter_mut() {
-        *v /= sum;
-    }
-}
-
 fn rope_head(head: &mut [f32], table: &[(f32, f32)], style: RopeStyle) {
     let half = head.len() / 2;
     for (i, &(cos, sin)) in table.iter().enumerate().take(half) {
@@ -847,15 +824,4 @@ fn rope_head(head: &mut [f32], table: &[(f32, f32)], style: RopeStyle) {
         head[a] = x0 * cos - x1 * sin;
         head[b] = x1 * cos + x0 * sin;
     }
-}
-
-/// Index of the largest value (first on ties).
-pub fn argmax(values: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in values.iter().enumerate() {
-        if *v > values[best] {
-            best = i;
-        }
-    }
-    best as u32
 }

@@ -10,7 +10,7 @@
 //! Columns are allocated once to capacity (`max_tokens * k`) and reused; [`Worklist::build`]
 //! never allocates.
 
-use crate::hot_set::{LayerHotSet, MAX_HOT_LANES};
+use crate::cache::hot_set::{LayerHotSet, MAX_HOT_LANES};
 
 /// Entry order inside every section.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -292,7 +292,7 @@ fn ordered(experts: &[u32], slots: &[u32], order: WorklistOrder) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hot_set::HotSet;
+    use crate::cache::hot_set::HotSet;
 
     fn routes() -> (Vec<u32>, Vec<f32>) {
         // 3 tokens, k = 2, 4 experts.

@@ -14,9 +14,9 @@
 //! arithmetic, and every failure is a [`GgufError`] naming the file and the offending key, tensor
 //! or byte offset.
 
-use crate::dtype::DType;
-use crate::tensor::TensorRef;
-use crate::write_util::{tmp_path_of, CountingWriter};
+use super::write_util::{tmp_path_of, CountingWriter};
+use crate::format::dtype::DType;
+use crate::format::tensor::TensorRef;
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::{BufWriter, Write};

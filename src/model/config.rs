@@ -1,8 +1,8 @@
 //! The numbers that describe one model (layer count, dims, expert counts, RoPE theta, ...),
 //! parsed from a Hugging Face `config.json` or from GGUF metadata, validated once, and written back
-//! out by `synth`. Architecture behaviour that is not a number lives in [`crate::adapter`].
+//! out by `synth`. Architecture behaviour that is not a number lives in [`crate::model::adapter`].
 
-use crate::adapter::{self, Adapter, Arch, RopeStyle, UnsupportedArch};
+use crate::model::adapter::{self, Adapter, Arch, RopeStyle, UnsupportedArch};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};

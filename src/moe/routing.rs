@@ -9,7 +9,8 @@
 //!
 //! This is written independently of `reference::route` (the oracle); the tests compare them.
 
-use crate::adapter::RoutingVariant;
+use crate::model::adapter::RoutingVariant;
+use crate::moe::math::softmax_in_place;
 
 /// Everything that decides how one layer's router logits become expert weights.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -170,18 +171,6 @@ fn softmax_into(x: &[f32], out: &mut [f32]) {
     }
     for o in out.iter_mut() {
         *o /= sum;
-    }
-}
-
-fn softmax_in_place(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    for v in x.iter_mut() {
-        *v /= sum;
     }
 }
 

@@ -3,14 +3,14 @@
 //! The phase is decided once per forward call by the caller — never from the size of a
 //! sub-batch: a 512 + 1 prompt keeps its one-token tail in `Prefill`, and a multi-token
 //! verification batch during generation is `Decode`. [`PpPolicy::plan`] turns (phase, token
-//! count, cache capacity, cold-lane state, profile) into an execution [`Plan`].
+//! count, cache capacity, cold-lane state, profile) into an [`ExecPlan`] (execution plan).
 //!
 //! Environment switches (`MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`,
 //! `MOE_LANES_COMPACT_COLD_REDUCE`) exist for A/B diagnosis only; they are read once when the
 //! engine is built ([`PolicySwitches::from_env`]), never per call.
 
-use crate::adapter::Profile;
-use crate::worklist::WorklistOrder;
+use crate::model::adapter::Profile;
+use crate::moe::worklist::WorklistOrder;
 
 /// The phase of one forward call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -67,7 +67,7 @@ pub enum MergeKind {
 
 /// The execution plan of one forward call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Plan {
+pub struct ExecPlan {
     pub phase: Phase,
     pub order: WorklistOrder,
     pub merge: MergeKind,
@@ -141,14 +141,14 @@ pub struct PpPolicy {
 }
 
 impl PpPolicy {
-    pub fn plan(&self, phase: Phase, n_tokens: usize, cache: CacheState, cold: ColdState) -> Plan {
+    pub fn plan(&self, phase: Phase, n_tokens: usize, cache: CacheState, cold: ColdState) -> ExecPlan {
         let p = &self.profile;
         let s = &self.switches;
         let cpu_routing =
             phase == Phase::Decode && p.cpu_decode_routing && n_tokens <= p.cpu_decode_routing_max_tokens;
         let mut plan = match phase {
             // Warmup is conservative: token-major, every PP path off, slot-row merge.
-            Phase::Warmup => Plan {
+            Phase::Warmup => ExecPlan {
                 phase,
                 order: WorklistOrder::TokenMajor,
                 merge: MergeKind::SlotRows,
@@ -157,7 +157,7 @@ impl PpPolicy {
                 cold_placement: ColdPlacement::Cpu,
                 cpu_routing: false,
             },
-            Phase::Decode => Plan {
+            Phase::Decode => ExecPlan {
                 phase,
                 order: WorklistOrder::TokenMajor,
                 merge: if n_tokens == 1 && p.decode_direct_merge {
@@ -176,7 +176,7 @@ impl PpPolicy {
                     Switch::Off => false,
                     Switch::Auto => p.pp_reduce_merge && n_tokens >= REDUCE_MERGE_MIN_TOKENS,
                 };
-                Plan {
+                ExecPlan {
                     phase,
                     order: WorklistOrder::ExpertMajor,
                     merge: if reduce_merge { MergeKind::ReduceMerge } else { MergeKind::SlotRows },
@@ -208,7 +208,7 @@ impl PpPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::adapter::DEFAULT_PROFILE;
+    use crate::model::adapter::DEFAULT_PROFILE;
 
     fn policy(switches: PolicySwitches) -> PpPolicy {
         PpPolicy { profile: DEFAULT_PROFILE, switches }

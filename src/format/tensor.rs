@@ -5,7 +5,7 @@
 //! (GGUF stores dimensions innermost first; its reader reverses them.) A 2-D weight of a linear
 //! layer is `[out_features, in_features]`.
 
-use crate::dtype::DType;
+use crate::format::dtype::DType;
 use half::{bf16, f16};
 
 /// A tensor as it lies in a file: name, element type, shape and the raw bytes.

@@ -1,0 +1,1 @@
+//! The one engine interface (filled in below).

@@ -1,0 +1,10 @@
+//! The MoE layer machinery of the fast paths: routing, the worklist, phases and the PP policy,
+//! the cold lane's expert math, the CPU lane pipeline, and the small numeric helpers they share
+//! (the oracle in `crate::reference` keeps its own arithmetic on purpose).
+
+pub mod expert_math;
+pub mod math;
+pub mod phase;
+pub mod pipeline;
+pub mod routing;
+pub mod worklist;
