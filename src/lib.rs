@@ -16,6 +16,7 @@
 // part of this crate: they need the library's types and the library's engines need them.
 #[path = "../actors/mod.rs"]
 pub mod actors;
+
 pub mod bench;
 pub mod cache;
 pub mod engine;

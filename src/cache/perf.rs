@@ -50,14 +50,17 @@ pub enum FallbackReason {
     Worklist,
     /// The layer's shape is outside what the split path handles (e.g. too many tokens).
     Shape,
+    /// The GPU (or its context) failed: the whole call ran on the CPU pipeline.
+    GpuLost,
 }
 
 impl FallbackReason {
-    pub const ALL: [FallbackReason; 4] = [
+    pub const ALL: [FallbackReason; 5] = [
         FallbackReason::LaneFailed,
         FallbackReason::LaneUnavailable,
         FallbackReason::Worklist,
         FallbackReason::Shape,
+        FallbackReason::GpuLost,
     ];
 
     pub fn name(self) -> &'static str {
@@ -66,6 +69,7 @@ impl FallbackReason {
             FallbackReason::LaneUnavailable => "lane_unavailable",
             FallbackReason::Worklist => "worklist",
             FallbackReason::Shape => "shape",
+            FallbackReason::GpuLost => "gpu_lost",
         }
     }
 }

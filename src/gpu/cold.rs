@@ -1,10 +1,12 @@
-//! The cold-lane interface the GPU engine calls for experts that are not in the VRAM hot cache,
-//! and a plain CPU implementation for tests (f32 math straight from the model's expert bytes;
-//! the fast SIMD cold lane plugs in through the same trait).
+//! The cold-lane boundary the GPU engine calls for experts that are not in the VRAM hot cache,
+//! and a plain CPU implementation (f32 math straight from the model's expert bytes) that serves
+//! as the test oracle and as the fallback when the fast cold lane fails.
 
 use crate::format::dtype::DType;
 use crate::format::tensor::TensorRef;
 use crate::model::Model;
+use moe_lanes_kernels::KernelError;
+use std::sync::Arc;
 
 /// One cold routed slot: add `weight * expert(hidden_rows[row_idx])` into `out_rows[row_idx]`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -17,38 +19,48 @@ pub struct ColdSlot {
     pub weight: f32,
 }
 
+/// Why a cold lane could not compute its slots. The engine falls back (counted by reason).
+#[derive(Debug, thiserror::Error)]
+pub enum ColdError {
+    #[error("cold lane, layer {layer_idx}: {source}")]
+    Kernel { layer_idx: usize, source: KernelError },
+    #[error("cold lane, layer {layer_idx}: the experts are {dtype}; this cold lane needs F32, F16 or BF16")]
+    ExpertDType { layer_idx: usize, dtype: DType },
+    #[error("cold lane, layer {layer_idx}: injected fault")]
+    Injected { layer_idx: usize },
+    #[error("cold lane, layer {layer_idx}: panicked")]
+    Panicked { layer_idx: usize },
+}
+
 /// Computes the cold slots of one MoE layer on the CPU while the GPU computes the hot ones.
 pub trait ColdExperts {
     /// `hidden_rows` is `[n_rows, hidden]` (the FFN-normed rows of the tokens that have cold
     /// slots, compacted); `out_rows` is the same shape, zero on entry. For every slot, add
-    /// `weight * down(silu(gate(x)) * up(x))` of the slot's row into the same row of `out_rows`.
-    fn compute(&mut self, layer_idx: usize, hidden_rows: &[f32], slots: &[ColdSlot], out_rows: &mut [f32]);
+    /// `weight * down(act(gate(x)) * up(x))` of the slot's row into the same row of `out_rows`.
+    fn compute(
+        &mut self,
+        layer_idx: usize,
+        hidden_rows: &[f32],
+        slots: &[ColdSlot],
+        out_rows: &mut [f32],
+    ) -> Result<(), ColdError>;
 }
 
 /// A simple, obviously-right CPU cold lane: decodes weight rows to f32 as it goes (no caching,
-/// no SIMD, single-threaded). For tests and as a fallback, not for speed.
-pub struct CpuColdExperts<'m> {
-    model: &'m Model,
+/// no SIMD, single-threaded). For tests and as the fallback, not for speed.
+pub struct CpuColdExperts {
+    model: Arc<Model>,
     row: Vec<f32>,
     h: Vec<f32>,
     /// Slots computed so far (all layers).
     pub slots_computed: u64,
 }
 
-impl<'m> CpuColdExperts<'m> {
-    /// Fails when the expert weights are not a float type (quantised experts need real kernels).
-    pub fn new(model: &'m Model) -> Result<CpuColdExperts<'m>, String> {
-        match model.expert_dtype() {
-            DType::F32 | DType::F16 | DType::BF16 => {}
-            other => return Err(format!("CpuColdExperts needs float experts, the model has {other}")),
-        }
+impl CpuColdExperts {
+    pub fn new(model: Arc<Model>) -> CpuColdExperts {
         let c = model.config();
-        Ok(CpuColdExperts {
-            model,
-            row: vec![0.0; c.hidden.max(c.expert_ff)],
-            h: vec![0.0; c.expert_ff],
-            slots_computed: 0,
-        })
+        let (row, h) = (vec![0.0; c.hidden.max(c.expert_ff)], vec![0.0; c.expert_ff]);
+        CpuColdExperts { model, row, h, slots_computed: 0 }
     }
 }
 
@@ -58,8 +70,25 @@ fn row_dot(t: &TensorRef<'_>, row: usize, x: &[f32], buf: &mut [f32]) -> f32 {
     buf.iter().zip(x).map(|(a, b)| a * b).sum()
 }
 
-impl ColdExperts for CpuColdExperts<'_> {
-    fn compute(&mut self, layer_idx: usize, hidden_rows: &[f32], slots: &[ColdSlot], out_rows: &mut [f32]) {
+fn activation(model: &Model, g: f32) -> f32 {
+    match model.adapter().activation {
+        crate::model::adapter::FfnActivation::Silu => g / (1.0 + (-g).exp()),
+        crate::model::adapter::FfnActivation::Gelu => crate::moe::expert_math::gelu(g),
+    }
+}
+
+impl ColdExperts for CpuColdExperts {
+    fn compute(
+        &mut self,
+        layer_idx: usize,
+        hidden_rows: &[f32],
+        slots: &[ColdSlot],
+        out_rows: &mut [f32],
+    ) -> Result<(), ColdError> {
+        let dtype = self.model.expert_dtype();
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(ColdError::ExpertDType { layer_idx, dtype });
+        }
         let c = self.model.config();
         let (hidden, ff) = (c.hidden, c.expert_ff);
         for slot in slots {
@@ -68,7 +97,7 @@ impl ColdExperts for CpuColdExperts<'_> {
             for r in 0..ff {
                 let g = row_dot(&e.gate, r, x, &mut self.row);
                 let u = row_dot(&e.up, r, x, &mut self.row);
-                self.h[r] = g / (1.0 + (-g).exp()) * u;
+                self.h[r] = activation(&self.model, g) * u;
             }
             let out = &mut out_rows[slot.row_idx * hidden..][..hidden];
             for (d, o) in out.iter_mut().enumerate() {
@@ -76,5 +105,6 @@ impl ColdExperts for CpuColdExperts<'_> {
             }
             self.slots_computed += 1;
         }
+        Ok(())
     }
 }

@@ -2,19 +2,29 @@
 //! hot cache of experts) whose MoE layers split routed slots into a hot lane on the GPU and a cold
 //! lane on the CPU ([`ColdExperts`]), overlapped and joined per layer.
 //!
+//! Files by stage: `weights` (upload), `hot_cache` (slots, maps, exchanges), `kv` (KV cache),
+//! `scratch` (per-call buffers), `dense` (attention, router, shared expert), `moe` (hot/cold
+//! split, lanes, join, fallback), `stats` (lane statistics, profile), `model` (the forward call).
+//!
 //! Without a CUDA driver nothing here can run: [`CudaBackend::try_new`] returns an error that
 //! callers report before falling back to the CPU path.
 
 pub mod cold;
-pub mod engine;
+mod dense;
+mod error;
+mod hot_cache;
+mod kv;
+mod model;
+mod moe;
 pub mod pool_cold;
-pub mod session;
+mod scratch;
+mod stats;
+mod weights;
 
-pub use cold::{ColdExperts, ColdSlot, CpuColdExperts};
-pub use engine::{
-    ForwardStats, GpuError, GpuKvCache, GpuModel, GpuOptions, HotAssignment, LayerLaneStats, Logits, Phase,
-    StageProfile,
-};
+pub use cold::{ColdError, ColdExperts, ColdSlot, CpuColdExperts};
+pub use error::GpuError;
+pub use kv::GpuKvCache;
+pub use model::{GpuFaults, GpuModel, GpuOptions, HOT_LANE_TIMEOUT};
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use pool_cold::{PoolColdError, PoolColdExperts};
-pub use session::{GpuSession, SessionError};
+pub use stats::{ForwardStats, LayerLaneStats, StageProfile, PROFILE_LAYER_STAGES, PROFILE_TAIL_STAGES};

@@ -5,13 +5,14 @@
 //! Steady state allocates nothing: the per-expert token lists are reused between calls, and the
 //! job's expert list is recycled through an in-place `collect` (same layout, new lifetime).
 
-use super::cold::{ColdExperts, ColdSlot};
+use super::cold::{ColdError, ColdExperts, ColdSlot};
 use crate::format::dtype::DType;
 use crate::model::adapter::FfnActivation;
 use crate::model::Model;
 use moe_lanes_kernels::{
     Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KernelError, SimdLevel, WeightDType,
 };
+use std::sync::Arc;
 
 /// Why the pool cold lane cannot serve a model.
 #[derive(Debug, thiserror::Error)]
@@ -23,8 +24,8 @@ pub enum PoolColdError {
 }
 
 /// Cold lane on the SIMD thread pool.
-pub struct PoolColdExperts<'m> {
-    model: &'m Model,
+pub struct PoolColdExperts {
+    model: Arc<Model>,
     pool: ColdPool,
     level: SimdLevel,
     act: Activation,
@@ -41,10 +42,10 @@ pub struct PoolColdExperts<'m> {
     pub slots_computed: u64,
 }
 
-impl<'m> PoolColdExperts<'m> {
+impl PoolColdExperts {
     /// A pool of `n_threads` workers (pinned to cores) at the SIMD level `MOE_LANES_SIMD` or the
     /// best the CPU has.
-    pub fn new(model: &'m Model, n_threads: usize) -> Result<PoolColdExperts<'m>, PoolColdError> {
+    pub fn new(model: Arc<Model>, n_threads: usize) -> Result<PoolColdExperts, PoolColdError> {
         let dtype = match model.expert_dtype() {
             DType::BF16 => WeightDType::BF16,
             DType::F16 => WeightDType::F16,
@@ -55,7 +56,7 @@ impl<'m> PoolColdExperts<'m> {
             FfnActivation::Silu => Activation::Silu,
             FfnActivation::Gelu => Activation::Gelu,
         };
-        let c = model.config();
+        let c = model.config().clone();
         Ok(PoolColdExperts {
             model,
             pool: ColdPool::new(n_threads.max(1)),
@@ -108,10 +109,16 @@ fn unrecycle(mut work: Vec<ColdExpertWork<'_>>) -> Vec<ColdExpertWork<'static>> 
     work.into_iter().map(|_| unreachable!("the vector is empty")).collect()
 }
 
-impl ColdExperts for PoolColdExperts<'_> {
-    fn compute(&mut self, layer_idx: usize, hidden_rows: &[f32], slots: &[ColdSlot], out_rows: &mut [f32]) {
+impl ColdExperts for PoolColdExperts {
+    fn compute(
+        &mut self,
+        layer_idx: usize,
+        hidden_rows: &[f32],
+        slots: &[ColdSlot],
+        out_rows: &mut [f32],
+    ) -> Result<(), ColdError> {
         if slots.is_empty() {
-            return;
+            return Ok(());
         }
         self.group_by_expert(layer_idx, slots);
         let c = self.model.config();
@@ -139,10 +146,10 @@ impl ColdExperts for PoolColdExperts<'_> {
             x: hidden_rows,
             experts: &work,
         };
-        // Shapes and ids come from the engine's own worklist and the validated model, so a
-        // failure here is a broken invariant, not bad input.
-        self.pool.run(&job, out_rows).expect("cold pool job built from validated shapes");
-        self.slots_computed += slots.len() as u64;
+        let result = self.pool.run(&job, out_rows);
         self.work_storage = unrecycle(work);
+        result.map_err(|source| ColdError::Kernel { layer_idx, source })?;
+        self.slots_computed += slots.len() as u64;
+        Ok(())
     }
 }

@@ -658,7 +658,7 @@ impl Pipeline {
                     failure = Some(FallbackReason::Shape);
                 } else {
                     if self.fault.corrupt_worklist_layer == Some(l) {
-                        corrupt(&mut input.worklist);
+                        input.worklist.inject_corruption();
                     }
                     if input.worklist.check_consistency(Some(hot_layer)).is_err() {
                         failure = Some(FallbackReason::Worklist);
@@ -738,17 +738,6 @@ impl Pipeline {
         }
         self.perf.record_layer_call(l, &timing, launched);
         Ok(())
-    }
-}
-
-/// Break a worklist on purpose (fault injection): duplicate a slot.
-fn corrupt(wl: &mut crate::moe::worklist::Worklist) {
-    if wl.cold_count >= 2 {
-        wl.cold_src_slot[1] = wl.cold_src_slot[0];
-    } else if wl.hot[0].hot_count >= 1 {
-        wl.hot[0].hot_id[0] = u32::MAX;
-    } else {
-        wl.cold_count = wl.cold_count.saturating_sub(1);
     }
 }
 

@@ -110,6 +110,18 @@ impl Worklist {
         self.n_tokens * self.k
     }
 
+    /// Break the worklist on purpose (fault injection: proves the consistency check and the
+    /// fallback): duplicate a cold slot, or point a hot entry at a slot that does not exist.
+    pub fn inject_corruption(&mut self) {
+        if self.cold_count >= 2 {
+            self.cold_src_slot[1] = self.cold_src_slot[0];
+        } else if self.hot[0].hot_count >= 1 {
+            self.hot[0].hot_id[0] = u32::MAX;
+        } else {
+            self.cold_count = self.cold_count.saturating_sub(1);
+        }
+    }
+
     /// Sum of the hot sections' counts (for hit rates).
     pub fn hot_count_total(&self) -> usize {
         self.hot[..self.n_hot_lanes].iter().map(|s| s.hot_count).sum()

@@ -1,1 +1,0 @@
-//! The one engine interface (filled in below).

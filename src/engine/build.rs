@@ -1,0 +1,348 @@
+//! From typed options to an engine: choose the engine (GPU when usable, else the pipeline, and
+//! say why), resolve the hot cache (explicit set, fraction, or a byte budget planned by the
+//! library planner from learn counts or a built-in learn pass), and check the budget before
+//! anything is allocated.
+
+use super::cpu::ReferenceEngine;
+use super::gpu::GpuEngine;
+use super::{Engine, EngineError, EngineKind};
+use crate::cache::hot_set::HotSet;
+use crate::cache::perf::PerfMode;
+use crate::cache::planner::{plan_fraction, plan_hot_set, HotPlan, WeightMode};
+use crate::gpu::{CudaBackend, GpuKvCache, GpuModel, GpuOptions, PoolColdExperts};
+use crate::inspect::{sample_tokens, InspectReport};
+use crate::model::Model;
+use crate::moe::phase::Phase;
+use crate::moe::pipeline::{Pipeline, PipelineOptions, MAX_BATCH_TOKENS};
+use crate::reference::Reference;
+use serde::Serialize;
+use std::sync::Arc;
+
+/// VRAM kept free by the automatic budget for warm-up and transient buffers (DESIGN.md).
+pub const AUTO_BUDGET_RESERVE_BYTES: u64 = 1024 << 20;
+
+/// Tokens skipped in the sampled stream before the learn pass's tokens, so a plan is not fitted
+/// to the benchmark's own prompt (which starts at the stream's beginning).
+const LEARN_STREAM_OFFSET: usize = 1013;
+
+/// How much of the experts goes into the hot cache.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HotBudget {
+    /// Exactly this many bytes (planned with exact expert sizes).
+    Bytes(u64),
+    /// Free VRAM after weights, KV cache and scratch, minus [`AUTO_BUDGET_RESERVE_BYTES`].
+    Auto,
+    /// This fraction of each layer's experts (the most used ones; the lowest ids without counts).
+    Fraction(f64),
+}
+
+/// Which experts start hot.
+#[derive(Debug, Clone)]
+pub enum HotChoice {
+    None,
+    Set(HotSet),
+    Budget(HotBudget),
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// `None`: the GPU when one is usable, else the pipeline.
+    pub kind: Option<EngineKind>,
+    pub hot: HotChoice,
+    /// Per-layer expert counts (a learn file); `None` runs a learn pass when a budget needs it.
+    pub learn_counts: Option<Vec<Vec<u64>>>,
+    pub learn_tokens: usize,
+    pub weighting: WeightMode,
+    pub cold_threads: usize,
+    /// Positions the caller's sessions need (sizes the KV cache the auto budget leaves room for).
+    pub n_positions: usize,
+    pub perf_mode: PerfMode,
+    pub gpu: GpuOptions,
+    /// Simulate a smaller GPU: never plan past this many bytes of device memory in use.
+    pub vram_limit_bytes: Option<u64>,
+    /// Pipeline settings (its hot set comes from `hot`).
+    pub pipeline: PipelineOptions,
+}
+
+impl EngineOptions {
+    pub fn new(n_positions: usize) -> EngineOptions {
+        let pipeline = PipelineOptions::default();
+        EngineOptions {
+            kind: None,
+            hot: HotChoice::None,
+            learn_counts: None,
+            learn_tokens: 256,
+            weighting: WeightMode::Flat,
+            cold_threads: pipeline.n_cold_workers,
+            n_positions,
+            perf_mode: PerfMode::Full,
+            gpu: GpuOptions::default(),
+            vram_limit_bytes: None,
+            pipeline,
+        }
+    }
+}
+
+/// What was built, and why.
+#[derive(Debug, Clone, Serialize)]
+pub struct BuildReport {
+    pub kind: EngineKind,
+    /// Why the GPU engine was not used, when it was wanted or the default.
+    pub gpu_unavailable: Option<String>,
+    pub hot_source: &'static str,
+    pub n_hot_experts: usize,
+    /// The budget planned for, in bytes (after `auto` was resolved).
+    pub budget_bytes: Option<u64>,
+    pub planned_hit_rate: Option<f64>,
+    pub learn_counts: Option<Vec<Vec<u64>>>,
+}
+
+/// A budget that cannot be met, refused before anything is allocated.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum BudgetError {
+    #[error("hot budget of {budget_mib} MiB exceeds the {available_mib} MiB left on the device ({device_mib} MiB) after the weights (~{weights_mib} MiB) and the KV cache ({kv_mib} MiB)")]
+    TooLarge { budget_mib: u64, available_mib: u64, device_mib: u64, weights_mib: u64, kv_mib: u64 },
+}
+
+const MIB: u64 = 1 << 20;
+
+pub fn build_engine<'m>(
+    model: &'m Arc<Model>,
+    opts: EngineOptions,
+) -> Result<(Box<dyn Engine + 'm>, BuildReport), EngineError> {
+    let mut gpu_unavailable = None;
+    if matches!(opts.kind, None | Some(EngineKind::Gpu)) {
+        match CudaBackend::try_new() {
+            Ok(be) => {
+                let (engine, report) = build_gpu(model, &opts, Arc::new(be))?;
+                return Ok((Box::new(engine), report));
+            }
+            Err(e) => gpu_unavailable = Some(e.to_string()),
+        }
+    }
+    if opts.kind == Some(EngineKind::Reference) {
+        let engine = ReferenceEngine::new(Reference::new(model)?, model.config().clone());
+        let report = BuildReport {
+            kind: EngineKind::Reference,
+            gpu_unavailable: None,
+            hot_source: "none (oracle)",
+            n_hot_experts: 0,
+            budget_bytes: None,
+            planned_hit_rate: None,
+            learn_counts: None,
+        };
+        return Ok((Box::new(engine), report));
+    }
+    let (engine, mut report) = build_pipeline(model, &opts)?;
+    report.gpu_unavailable = gpu_unavailable;
+    Ok((Box::new(engine), report))
+}
+
+/// Every expert slot of the learn pass's routing, counted per layer and expert.
+type Counts = Vec<Vec<u64>>;
+
+/// Resolve the hot choice into per-layer expert lists. `learn` runs a learn pass when counts
+/// are needed and none were given; `auto_bytes` is the automatic budget.
+/// What a backend provides to resolve a budget: a learn pass and the automatic budget.
+trait BudgetSource {
+    fn learn(&mut self) -> Result<Counts, EngineError>;
+    fn auto_bytes(&mut self) -> Result<u64, EngineError>;
+}
+
+fn resolve_hot(
+    model: &Model,
+    opts: &EngineOptions,
+    src: &mut dyn BudgetSource,
+) -> Result<(Vec<Vec<usize>>, Plan), EngineError> {
+    let c = model.config();
+    let (n_layers, n_experts) = (c.n_layers, c.n_experts);
+    let given = |source| Plan { source, counts: opts.learn_counts.clone(), budget_bytes: None };
+    match &opts.hot {
+        HotChoice::None => Ok((vec![Vec::new(); n_layers], given("none"))),
+        HotChoice::Set(set) => Ok((hot_lists(set), given("explicit hot set"))),
+        HotChoice::Budget(HotBudget::Fraction(f)) => {
+            let source = if opts.learn_counts.is_some() { "learn file" } else { "lowest ids" };
+            Ok((plan_fraction(opts.learn_counts.as_deref(), n_layers, n_experts, *f), given(source)))
+        }
+        HotChoice::Budget(budget) => {
+            let (counts, source) = match &opts.learn_counts {
+                Some(c) => (c.clone(), "learn file"),
+                None => (src.learn()?, "built-in learn pass"),
+            };
+            let bytes = match budget {
+                HotBudget::Bytes(b) => *b,
+                _ => src.auto_bytes()?,
+            };
+            let plan = plan_hot_set(
+                &counts,
+                n_layers,
+                n_experts,
+                model.expert_bytes() as u64,
+                bytes,
+                opts.weighting,
+            )?;
+            Ok((plan.layers, Plan { source, counts: Some(counts), budget_bytes: Some(bytes) }))
+        }
+    }
+}
+
+struct Plan {
+    source: &'static str,
+    counts: Option<Counts>,
+    budget_bytes: Option<u64>,
+}
+
+fn hot_lists(set: &HotSet) -> Vec<Vec<usize>> {
+    set.layers.iter().map(|l| (0..set.n_experts).filter(|&e| l.is_hot(e)).collect()).collect()
+}
+
+fn report(kind: EngineKind, lists: &[Vec<usize>], plan: Plan, model: &Model) -> BuildReport {
+    let hot = HotPlan { layers: lists.to_vec(), expert_bytes: model.expert_bytes() as u64, budget_bytes: 0 };
+    BuildReport {
+        kind,
+        gpu_unavailable: None,
+        hot_source: plan.source,
+        n_hot_experts: hot.n_slots(),
+        budget_bytes: plan.budget_bytes,
+        planned_hit_rate: plan.counts.as_ref().map(|c| hot.expected_hit_rate(c)),
+        learn_counts: plan.counts,
+    }
+}
+
+fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline, BuildReport), EngineError> {
+    let c = model.config();
+    let base = PipelineOptions {
+        perf_mode: opts.perf_mode,
+        n_cold_workers: opts.cold_threads,
+        ..opts.pipeline.clone()
+    };
+    let mut src = CpuSource { model, opts, base: &base };
+    let (lists, plan) = resolve_hot(model, opts, &mut src)?;
+    let set = HotSet::from_lists(c.n_layers, c.n_experts, base.n_hot_lanes, &lists);
+    let pipeline = Pipeline::new(model.clone(), PipelineOptions { hot_set: Some(set), ..base })?;
+    Ok((pipeline, report(EngineKind::Pipeline, &lists, plan, model)))
+}
+
+struct CpuSource<'a> {
+    model: &'a Arc<Model>,
+    opts: &'a EngineOptions,
+    base: &'a PipelineOptions,
+}
+
+impl BudgetSource for CpuSource<'_> {
+    fn learn(&mut self) -> Result<Counts, EngineError> {
+        let c = self.model.config();
+        let popts = PipelineOptions { hot_set: None, perf_mode: PerfMode::Full, ..self.base.clone() };
+        let mut p = Pipeline::new(self.model.clone(), popts)?;
+        let tokens = learn_tokens(c.vocab, self.opts.learn_tokens.min(c.max_positions).max(1));
+        let mut cache = p.new_cache();
+        p.forward(&mut cache, &tokens, Phase::Prefill)?;
+        Ok(p.perf().report().layers.iter().map(|l| l.experts.clone()).collect())
+    }
+    /// No VRAM on the CPU: the automatic budget is empty.
+    fn auto_bytes(&mut self) -> Result<u64, EngineError> {
+        Ok(0)
+    }
+}
+
+struct GpuSource<'a> {
+    gm: &'a mut GpuModel,
+    cold: &'a mut PoolColdExperts,
+    opts: &'a EngineOptions,
+    n_positions: usize,
+}
+
+impl BudgetSource for GpuSource<'_> {
+    fn learn(&mut self) -> Result<Counts, EngineError> {
+        let c = self.gm.config().clone();
+        let n = self.opts.learn_tokens.clamp(1, c.max_positions);
+        let mut kv = self.gm.new_kv_cache(n)?;
+        self.cold.expert_counts.iter_mut().for_each(|l| l.fill(0));
+        self.gm.forward(&learn_tokens(c.vocab, n), Phase::Prefill, &mut kv, self.cold)?;
+        self.gm.reset_perf();
+        Ok(self.cold.expert_counts.clone())
+    }
+    /// Measured with the session's KV cache allocated (then freed for the session to take).
+    fn auto_bytes(&mut self) -> Result<u64, EngineError> {
+        let probe: GpuKvCache = self.gm.new_kv_cache(self.n_positions)?;
+        let (free, total) = self.gm.backend().mem_info().map_err(crate::gpu::GpuError::from)?;
+        drop(probe);
+        Ok(auto_budget_bytes(free as u64, total as u64, self.opts.vram_limit_bytes))
+    }
+}
+
+fn learn_tokens(vocab: usize, n: usize) -> Vec<u32> {
+    sample_tokens(vocab, n + LEARN_STREAM_OFFSET).split_off(LEARN_STREAM_OFFSET)
+}
+
+fn build_gpu(
+    model: &Arc<Model>,
+    opts: &EngineOptions,
+    be: Arc<CudaBackend>,
+) -> Result<(GpuEngine, BuildReport), EngineError> {
+    let c = model.config();
+    let n_positions = opts.n_positions.clamp(1, c.max_positions);
+    let device_bytes = device_limit(be.info().total_mem_bytes as u64, opts.vram_limit_bytes);
+    if let HotChoice::Budget(HotBudget::Bytes(b)) = opts.hot {
+        check_budget(model, n_positions, device_bytes, b)?;
+    }
+    let mut gm = GpuModel::new(model.clone(), be.clone(), opts.gpu)?;
+    let mut cold = PoolColdExperts::new(model.clone(), opts.cold_threads)?;
+    gm.reserve_tokens(n_positions.min(MAX_BATCH_TOKENS))?;
+    let mut src = GpuSource { gm: &mut gm, cold: &mut cold, opts, n_positions };
+    let (lists, plan) = resolve_hot(model, opts, &mut src)?;
+    gm.allocate_hot(&HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists))?;
+    Ok((GpuEngine::new(model.clone(), gm, cold)?, report(EngineKind::Gpu, &lists, plan, model)))
+}
+
+fn device_limit(total: u64, limit: Option<u64>) -> u64 {
+    limit.map_or(total, |l| l.min(total))
+}
+
+/// The automatic budget: free device memory (capped by a simulated limit on what may be in
+/// use) minus the reserve.
+pub fn auto_budget_bytes(free: u64, total: u64, limit: Option<u64>) -> u64 {
+    let used = total.saturating_sub(free);
+    let available = limit.map_or(free, |l| free.min(l.saturating_sub(used)));
+    available.saturating_sub(AUTO_BUDGET_RESERVE_BYTES)
+}
+
+/// Refuse a byte budget that cannot fit beside the weights and the KV cache.
+fn check_budget(
+    model: &Model,
+    n_positions: usize,
+    device_bytes: u64,
+    budget: u64,
+) -> Result<(), BudgetError> {
+    let c = model.config();
+    let weights = InspectReport::new(model).other_bytes;
+    let kv = (2 * c.n_layers * n_positions * c.kv_dim() * std::mem::size_of::<f32>()) as u64;
+    let available = device_bytes.saturating_sub(weights + kv);
+    if budget > available {
+        return Err(BudgetError::TooLarge {
+            budget_mib: budget.div_ceil(MIB),
+            available_mib: available / MIB,
+            device_mib: device_bytes / MIB,
+            weights_mib: weights.div_ceil(MIB),
+            kv_mib: kv.div_ceil(MIB),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_budget_respects_reserve_and_limit() {
+        let g = 1u64 << 30;
+        assert_eq!(auto_budget_bytes(10 * g, 80 * g, None), 10 * g - AUTO_BUDGET_RESERVE_BYTES);
+        // 70 GiB in use, limit 72 GiB: only 2 GiB may be planned, minus the reserve.
+        assert_eq!(auto_budget_bytes(10 * g, 80 * g, Some(72 * g)), g);
+        // Already over the limit: nothing.
+        assert_eq!(auto_budget_bytes(10 * g, 80 * g, Some(60 * g)), 0);
+        assert_eq!(device_limit(80 * g, Some(8 * g)), 8 * g);
+    }
+}

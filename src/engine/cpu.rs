@@ -1,0 +1,94 @@
+//! The two CPU engines behind [`Engine`]: the reference oracle and the lane pipeline.
+
+use super::{wrong_cache, Engine, EngineError, EngineKind, KvCache, Logits};
+use crate::actors::Exchange;
+use crate::cache::hot_set::HotSet;
+use crate::cache::perf::PerfState;
+use crate::model::config::ModelConfig;
+use crate::moe::phase::Phase;
+use crate::moe::pipeline::Pipeline;
+use crate::reference::{NoObserver, Reference};
+
+/// The oracle as an engine: every phase is one token at a time; no hot cache, no perf state.
+pub struct ReferenceEngine<'m> {
+    reference: Reference<'m>,
+    config: ModelConfig,
+}
+
+impl<'m> ReferenceEngine<'m> {
+    pub fn new(reference: Reference<'m>, config: ModelConfig) -> ReferenceEngine<'m> {
+        ReferenceEngine { reference, config }
+    }
+}
+
+impl Engine for ReferenceEngine<'_> {
+    fn kind(&self) -> EngineKind {
+        EngineKind::Reference
+    }
+    fn device(&self) -> String {
+        "cpu".into()
+    }
+    fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+    fn new_cache(&self, _capacity: usize) -> Result<KvCache, EngineError> {
+        Ok(KvCache::Reference(self.reference.new_cache()))
+    }
+    fn forward(&mut self, tokens: &[u32], _phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError> {
+        let KvCache::Reference(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
+        let rows = self.reference.forward(c, tokens, &mut NoObserver)?;
+        Ok(Logits::from_rows(rows, self.config.vocab))
+    }
+    fn perf(&self) -> Option<&PerfState> {
+        None
+    }
+    fn hot_set(&self) -> Option<&HotSet> {
+        None
+    }
+    fn hot_bytes(&self) -> u64 {
+        0
+    }
+    fn request_exchange(&self, _exchange: Exchange) -> Result<(), EngineError> {
+        Err(EngineError::NoHotCache { engine: self.kind() })
+    }
+    fn apply_exchanges(&mut self) -> Result<usize, EngineError> {
+        Ok(0)
+    }
+}
+
+impl Engine for Pipeline {
+    fn kind(&self) -> EngineKind {
+        EngineKind::Pipeline
+    }
+    fn device(&self) -> String {
+        "cpu".into()
+    }
+    fn config(&self) -> &ModelConfig {
+        Pipeline::config(self)
+    }
+    fn new_cache(&self, _capacity: usize) -> Result<KvCache, EngineError> {
+        Ok(KvCache::Pipeline(Pipeline::new_cache(self)))
+    }
+    fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError> {
+        let KvCache::Pipeline(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
+        let rows = Pipeline::forward(self, c, tokens, phase)?;
+        Ok(Logits::from_rows(rows, self.config().vocab))
+    }
+    fn perf(&self) -> Option<&PerfState> {
+        Some(Pipeline::perf(self))
+    }
+    fn hot_set(&self) -> Option<&HotSet> {
+        Some(Pipeline::hot_set(self))
+    }
+    fn hot_bytes(&self) -> u64 {
+        let n_hot: usize = Pipeline::hot_set(self).layers.iter().map(|l| l.n_hot()).sum();
+        n_hot as u64 * self.model().expert_bytes() as u64
+    }
+    fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError> {
+        self.updater().request(exchange);
+        Ok(())
+    }
+    fn apply_exchanges(&mut self) -> Result<usize, EngineError> {
+        Ok(self.apply_pending_exchanges()?)
+    }
+}

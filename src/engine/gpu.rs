@@ -1,0 +1,144 @@
+//! The GPU engine behind [`Engine`]: [`GpuModel`] (dense stage and hot lane on the GPU) with the
+//! SIMD pool as its cold lane, the Updater's exchanges applied between calls, and the CPU
+//! pipeline standing by: when the device fails mid-session the session's tokens are replayed on
+//! the pipeline and every later call runs there, counted as `gpu_lost` fallbacks.
+
+use super::{wrong_cache, Engine, EngineError, EngineKind, GpuSessionCache, KvCache, Logits};
+use crate::actors::{Exchange, UpdaterHandle};
+use crate::cache::hot_set::HotSet;
+use crate::cache::perf::{FallbackReason, PerfState};
+use crate::gpu::{GpuModel, PoolColdExperts};
+use crate::model::config::ModelConfig;
+use crate::model::Model;
+use crate::moe::phase::Phase;
+use crate::moe::pipeline::{Pipeline, PipelineError, PipelineOptions};
+use std::sync::Arc;
+
+pub struct GpuEngine {
+    model: Arc<Model>,
+    gpu: GpuModel,
+    cold: PoolColdExperts,
+    updater: UpdaterHandle,
+    /// Set once the device failed: every call runs here from then on.
+    cpu: Option<Pipeline>,
+    cold_threads: usize,
+}
+
+impl GpuEngine {
+    pub fn new(model: Arc<Model>, gpu: GpuModel, cold: PoolColdExperts) -> Result<GpuEngine, EngineError> {
+        let updater = UpdaterHandle::start().map_err(|e| PipelineError::Setup(format!("updater: {e}")))?;
+        let cold_threads = cold.n_threads();
+        Ok(GpuEngine { model, gpu, cold, updater, cpu: None, cold_threads })
+    }
+
+    pub fn gpu(&self) -> &GpuModel {
+        &self.gpu
+    }
+
+    pub fn gpu_mut(&mut self) -> &mut GpuModel {
+        &mut self.gpu
+    }
+
+    pub fn cold(&self) -> &PoolColdExperts {
+        &self.cold
+    }
+
+    /// The device failed: from now on the CPU pipeline serves this engine.
+    pub fn device_lost(&self) -> bool {
+        self.cpu.is_some()
+    }
+
+    fn lose_device(&mut self) -> Result<(), EngineError> {
+        let opts = PipelineOptions { n_cold_workers: self.cold_threads, ..PipelineOptions::default() };
+        self.cpu = Some(Pipeline::new(self.model.clone(), opts)?);
+        Ok(())
+    }
+
+    /// Run on the CPU pipeline, first replaying the session's tokens into its own cache.
+    fn forward_cpu(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        c: &mut GpuSessionCache,
+    ) -> Result<Logits, EngineError> {
+        let pipeline = self.cpu.as_mut().expect("device lost");
+        if c.cpu.is_none() {
+            let mut pc = pipeline.new_cache();
+            if !c.tokens.is_empty() {
+                Pipeline::forward(pipeline, &mut pc, &c.tokens, Phase::Prefill)?;
+            }
+            c.cpu = Some(pc);
+        }
+        let rows = Pipeline::forward(pipeline, c.cpu.as_mut().expect("set above"), tokens, phase)?;
+        c.tokens.extend_from_slice(tokens);
+        let perf = self.gpu.perf_mut();
+        for l in 0..self.model.config().n_layers {
+            perf.record_fallback(l, FallbackReason::GpuLost);
+        }
+        Ok(Logits::from_rows(rows, self.model.config().vocab))
+    }
+}
+
+impl Engine for GpuEngine {
+    fn kind(&self) -> EngineKind {
+        EngineKind::Gpu
+    }
+    fn device(&self) -> String {
+        let info = self.gpu.backend().info();
+        format!("{} ({})", info.name, info.arch())
+    }
+    fn config(&self) -> &ModelConfig {
+        self.gpu.config()
+    }
+    fn new_cache(&self, capacity: usize) -> Result<KvCache, EngineError> {
+        let kv = self.gpu.new_kv_cache(capacity)?;
+        Ok(KvCache::Gpu(GpuSessionCache { kv, tokens: Vec::with_capacity(capacity), cpu: None }))
+    }
+    fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError> {
+        let KvCache::Gpu(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
+        if self.cpu.is_none() {
+            self.apply_exchanges()?;
+            match self.gpu.forward(tokens, phase, &mut c.kv, &mut self.cold) {
+                Ok(logits) => {
+                    c.tokens.extend_from_slice(tokens);
+                    return Ok(logits);
+                }
+                Err(e) if e.is_device_loss() => self.lose_device()?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.forward_cpu(tokens, phase, c)
+    }
+    fn perf(&self) -> Option<&PerfState> {
+        Some(self.gpu.perf())
+    }
+    fn hot_set(&self) -> Option<&HotSet> {
+        Some(self.gpu.hot_set())
+    }
+    fn hot_bytes(&self) -> u64 {
+        self.gpu.hot_cache_bytes() as u64
+    }
+    fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError> {
+        self.updater.request(exchange);
+        Ok(())
+    }
+    /// Each exchange rewrites one cache slot in place and both copies of `hot_id_map`; the
+    /// capacity never changes. An invalid exchange is refused before anything changes.
+    fn apply_exchanges(&mut self) -> Result<usize, EngineError> {
+        let pending = self.updater.take_pending();
+        for (i, Exchange { layer_idx, evict, add }) in pending.iter().copied().enumerate() {
+            if let Err(e) = self.gpu.exchange(layer_idx, evict, add) {
+                // Requeue what was not applied, so nothing is lost.
+                pending[i + 1..].iter().for_each(|&x| {
+                    self.updater.request(x);
+                });
+                return Err(e.into());
+            }
+            self.gpu.perf_mut().record_update();
+        }
+        Ok(pending.len())
+    }
+    fn set_copy_logits(&mut self, on: bool) {
+        self.gpu.set_copy_logits(on);
+    }
+}

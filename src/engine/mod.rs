@@ -1,0 +1,200 @@
+//! The one engine interface. The reference oracle, the CPU lane pipeline and the GPU engine all
+//! implement [`Engine`]: `forward(tokens, phase, cache)`, `generate`, perf state, hot-set
+//! exchanges. The CLI dispatches once on [`EngineKind`]; the server and embedding services hold a
+//! `Box<dyn Engine>`. [`build::build_engine`] turns typed options (engine, hot-cache budget or
+//! fraction, learn counts, perf mode, faults) into an engine.
+
+pub mod build;
+mod cpu;
+mod gpu;
+
+use crate::actors::Exchange;
+use crate::cache::hot_set::{HotSet, HotSetError};
+use crate::cache::perf::PerfState;
+use crate::cache::planner::PlanError;
+use crate::gpu::{GpuError, GpuKvCache, PoolColdError};
+use crate::model::config::ModelConfig;
+use crate::moe::math::argmax;
+use crate::moe::phase::Phase;
+use crate::moe::pipeline::{PipelineCache, PipelineError};
+use crate::reference::ForwardError;
+
+pub use build::{build_engine, BuildReport, EngineOptions, HotBudget, HotChoice, AUTO_BUDGET_RESERVE_BYTES};
+pub use gpu::GpuEngine;
+
+/// Which engine runs a forward call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    /// The plain f32 oracle, one token at a time.
+    Reference,
+    /// The CPU lane pipeline (dense stage, hot lanes and cold pool on the CPU).
+    Pipeline,
+    /// Dense stage and hot lane on the GPU, cold lane on the CPU pool.
+    Gpu,
+}
+
+impl EngineKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            EngineKind::Reference => "reference",
+            EngineKind::Pipeline => "pipeline",
+            EngineKind::Gpu => "gpu",
+        }
+    }
+}
+
+impl std::fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An engine name that is not one of the three.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("unknown engine '{given}' (available: reference, pipeline, gpu)")]
+pub struct UnknownEngine {
+    pub given: String,
+}
+
+impl std::str::FromStr for EngineKind {
+    type Err = UnknownEngine;
+    fn from_str(s: &str) -> Result<EngineKind, UnknownEngine> {
+        match s {
+            "reference" => Ok(EngineKind::Reference),
+            "pipeline" => Ok(EngineKind::Pipeline),
+            "gpu" => Ok(EngineKind::Gpu),
+            other => Err(UnknownEngine { given: other.to_string() }),
+        }
+    }
+}
+
+/// Logits of one forward call: `n_rows` rows of `vocab` (empty `data` when the engine was told
+/// not to copy them), plus the greedy token of each row (the first index of the maximum).
+#[derive(Debug, Clone)]
+pub struct Logits {
+    pub n_rows: usize,
+    pub vocab: usize,
+    pub data: Vec<f32>,
+    pub argmax: Vec<u32>,
+}
+
+impl Logits {
+    pub fn row(&self, i: usize) -> &[f32] {
+        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    /// From one row per token (the CPU engines' form).
+    pub fn from_rows(rows: Vec<Vec<f32>>, vocab: usize) -> Logits {
+        let argmax = rows.iter().map(|r| argmax(r)).collect();
+        Logits { n_rows: rows.len(), vocab, data: rows.concat(), argmax }
+    }
+
+    pub fn rows(&self) -> Vec<Vec<f32>> {
+        self.data.chunks_exact(self.vocab.max(1)).map(<[f32]>::to_vec).collect()
+    }
+}
+
+/// The KV cache of one session (sequence) of an engine.
+pub enum KvCache {
+    Reference(crate::reference::KvCache),
+    Pipeline(PipelineCache),
+    Gpu(GpuSessionCache),
+}
+
+/// The GPU engine's session cache: the device KV cache, the tokens it holds (so a session can
+/// move to the CPU pipeline exactly if the device is lost), and the CPU cache once it has.
+pub struct GpuSessionCache {
+    pub(crate) kv: GpuKvCache,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) cpu: Option<PipelineCache>,
+}
+
+impl KvCache {
+    pub fn n_positions(&self) -> usize {
+        match self {
+            KvCache::Reference(c) => c.n_positions(),
+            KvCache::Pipeline(c) => c.n_positions(),
+            KvCache::Gpu(c) => c.tokens.len(),
+        }
+    }
+
+    pub fn kind(&self) -> EngineKind {
+        match self {
+            KvCache::Reference(_) => EngineKind::Reference,
+            KvCache::Pipeline(_) => EngineKind::Pipeline,
+            KvCache::Gpu(_) => EngineKind::Gpu,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+    #[error(transparent)]
+    HotSet(#[from] HotSetError),
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    #[error(transparent)]
+    Cold(#[from] PoolColdError),
+    #[error(transparent)]
+    Budget(#[from] build::BudgetError),
+    #[error("a {cache} KV cache was given to the {engine} engine")]
+    CacheKind { engine: EngineKind, cache: EngineKind },
+    #[error("the {engine} engine has no hot cache to exchange experts in")]
+    NoHotCache { engine: EngineKind },
+    #[error("no GPU: {reason}")]
+    NoGpu { reason: String },
+}
+
+/// What every engine does. Calls on one engine are sequential (`&mut self`); exchanges queued
+/// with [`Engine::request_exchange`] apply between calls, never during one.
+pub trait Engine {
+    fn kind(&self) -> EngineKind;
+    /// Where it runs, for reports ("cpu", or the GPU's name and architecture).
+    fn device(&self) -> String;
+    fn config(&self) -> &ModelConfig;
+    /// A KV cache for one sequence of up to `capacity` positions.
+    fn new_cache(&self, capacity: usize) -> Result<KvCache, EngineError>;
+    /// Run `tokens` after what `cache` holds, in `phase` (decided by the caller, once per call).
+    fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError>;
+    /// Perf state (counts, lane timings, fallbacks); `None` for the oracle.
+    fn perf(&self) -> Option<&PerfState>;
+    /// Which experts are hot; `None` for the oracle.
+    fn hot_set(&self) -> Option<&HotSet>;
+    /// Bytes held by the hot cache (VRAM on the GPU, RAM copies on the CPU pipeline).
+    fn hot_bytes(&self) -> u64;
+    /// Queue an exchange for the Updater; it applies before the next call.
+    fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError>;
+    /// Apply every queued exchange now (between calls). Returns how many were applied.
+    fn apply_exchanges(&mut self) -> Result<usize, EngineError>;
+    /// Whether forward calls copy logits rows back (default on); off: only greedy tokens.
+    fn set_copy_logits(&mut self, _on: bool) {}
+
+    /// Greedy generation from a fresh cache: prefill `prompt` (Prefill), then decode `n_new`
+    /// tokens one at a time (Decode).
+    fn generate(&mut self, prompt: &[u32], n_new: usize) -> Result<Vec<u32>, EngineError> {
+        let mut cache = self.new_cache((prompt.len() + n_new).min(self.config().max_positions).max(1))?;
+        let mut out = Vec::with_capacity(n_new);
+        if n_new == 0 {
+            return Ok(out);
+        }
+        let mut next =
+            *self.forward(prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("one row per token");
+        out.push(next);
+        while out.len() < n_new {
+            next = self.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
+            out.push(next);
+        }
+        Ok(out)
+    }
+}
+
+fn wrong_cache(engine: EngineKind, cache: &KvCache) -> EngineError {
+    EngineError::CacheKind { engine, cache: cache.kind() }
+}

@@ -1,0 +1,214 @@
+//! The dense stage of one layer on the GPU: attention with the KV cache (fused q/k/v, q/k norm
+//! and RoPE, split-position decode attention), the FFN norm and the router, and the shared
+//! expert. Decode uses GEMV kernels; prefill and warmup use cuBLAS GEMMs.
+
+use super::kv::GpuKvCache;
+use super::model::GpuModel;
+use super::GpuError;
+use crate::model::adapter::{QkNorm, RopeStyle, RoutingVariant};
+use crate::moe::phase::Phase;
+use moe_lanes_kernels::cuda::ops::RouteVariant;
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr};
+
+impl GpuModel {
+    /// `y (+)= W x` for `t` rows: GEMV kernel in decode, cuBLAS otherwise.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn linear(
+        &self,
+        phase: Phase,
+        x: DPtr<f32>,
+        w: DPtr<u16>,
+        y: DPtr<f32>,
+        t: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        if phase == Phase::Decode {
+            self.be.gemv_bf16(w, x, y, t, n, k, accumulate)?;
+            return Ok(());
+        }
+        let s = self.scratch.as_ref().expect("reserved");
+        let lo = self.opts.split_bf16_activations.then(|| s.x_lo.ptr());
+        self.be.gather_split_bf16(x, None, s.x_hi.ptr(), lo, t, k)?;
+        self.be.gemm_bf16(w, s.x_hi.ptr(), lo, y, t, n, k, accumulate)?;
+        Ok(())
+    }
+
+    /// Attention block of layer `l`: norm, q/k/v (+bias), q/k norm, RoPE, attention over the
+    /// cache, o projection accumulated into the residual stream.
+    pub(crate) fn attention_block(
+        &mut self,
+        l: usize,
+        phase: Phase,
+        t: usize,
+        pos0: usize,
+        cache: &GpuKvCache,
+    ) -> Result<(), GpuError> {
+        let c = &self.cfg;
+        let (h, qd, kvd) = (c.hidden, c.q_dim(), c.kv_dim());
+        let s = self.scratch.as_ref().expect("reserved");
+        let w = &self.w.layers[l];
+        self.be.rmsnorm(s.hidden.ptr(), w.attn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
+        let k_new = cache.k[l].ptr().sub(pos0 * kvd, t * kvd);
+        let v_new = cache.v[l].ptr().sub(pos0 * kvd, t * kvd);
+        if phase == Phase::Decode {
+            let (ws, ys) = ([w.q.ptr(), w.k.ptr(), w.v.ptr()], [s.q.ptr(), k_new, v_new]);
+            self.be.gemv3_bf16(ws, s.normed.ptr(), ys, [qd, kvd, kvd], t, h)?;
+        } else {
+            self.linear(phase, s.normed.ptr(), w.q.ptr(), s.q.ptr(), t, qd, h, false)?;
+            self.linear(phase, s.normed.ptr(), w.k.ptr(), k_new, t, kvd, h, false)?;
+            self.linear(phase, s.normed.ptr(), w.v.ptr(), v_new, t, kvd, h, false)?;
+        }
+        for (dst, bias, dim) in [(s.q.ptr(), &w.q_bias, qd), (k_new, &w.k_bias, kvd), (v_new, &w.v_bias, kvd)]
+        {
+            if let Some(b) = bias {
+                self.be.add_bias_rows(dst, b.ptr(), t, dim)?;
+            }
+        }
+        self.qk_norm_rope(l, t, pos0, s.q.ptr(), k_new, v_new)?;
+        self.mark(l, 1)?;
+        self.attention(l, phase, t, pos0, cache)?;
+        self.mark(l, 2)?;
+        // o projection accumulates straight into the residual stream.
+        let s = self.scratch.as_ref().expect("reserved");
+        self.linear(phase, s.attn.ptr(), self.w.layers[l].o.ptr(), s.hidden.ptr(), t, h, qd, true)?;
+        self.mark(l, 3)?;
+        Ok(())
+    }
+
+    /// Per-head q/k norm (or none) and RoPE, fused into one launch when no clamp sits between.
+    fn qk_norm_rope(
+        &self,
+        l: usize,
+        t: usize,
+        pos0: usize,
+        q: DPtr<f32>,
+        k_new: DPtr<f32>,
+        v_new: DPtr<f32>,
+    ) -> Result<(), GpuError> {
+        let (c, be, w) = (&self.cfg, &self.be, &self.w.layers[l]);
+        let (qd, kvd, hd, nh, nkv) = (c.q_dim(), c.kv_dim(), c.head_dim, c.n_heads, c.n_kv_heads);
+        let interleaved = c.rope_style == RopeStyle::Interleaved;
+        let norms =
+            || (w.q_norm.as_ref().expect("validated").ptr(), w.k_norm.as_ref().expect("validated").ptr());
+        let fused = c.clip_qkv.is_none() && matches!(self.adapter.qk_norm, QkNorm::None | QkNorm::PerHead);
+        if fused {
+            let norm = (self.adapter.qk_norm == QkNorm::PerHead).then(norms);
+            let (theta, eps) = (c.rope_theta, c.rms_eps);
+            be.qk_norm_rope(q, k_new, norm, t, nh, nkv, qd, kvd, hd, pos0, theta, interleaved, eps)?;
+            return Ok(());
+        }
+        match self.adapter.qk_norm {
+            QkNorm::None => {}
+            QkNorm::PerHead => {
+                be.rmsnorm(q, norms().0, q, t * nh, hd, c.rms_eps)?;
+                be.rmsnorm(k_new, norms().1, k_new, t * nkv, hd, c.rms_eps)?;
+            }
+            QkNorm::WholeProjection => {
+                be.rmsnorm(q, norms().0, q, t, qd, c.rms_eps)?;
+                be.rmsnorm(k_new, norms().1, k_new, t, kvd, c.rms_eps)?;
+            }
+        }
+        if let Some(clip) = c.clip_qkv {
+            be.clamp(q, t * qd, clip)?;
+            be.clamp(k_new, t * kvd, clip)?;
+            be.clamp(v_new, t * kvd, clip)?;
+        }
+        be.rope(q, t, nh, qd, hd, pos0, c.rope_theta, interleaved)?;
+        be.rope(k_new, t, nkv, kvd, hd, pos0, c.rope_theta, interleaved)?;
+        Ok(())
+    }
+
+    /// Decode: positions split over many blocks, partials combined by a second kernel.
+    fn attention(
+        &mut self,
+        l: usize,
+        phase: Phase,
+        t: usize,
+        pos0: usize,
+        cache: &GpuKvCache,
+    ) -> Result<(), GpuError> {
+        let c = &self.cfg;
+        let (nh, nkv, hd, window) = (c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window.unwrap_or(0));
+        if phase == Phase::Decode {
+            let need = CudaBackend::attention_split_scratch(t, nh, hd, cache.capacity);
+            if self.attn_part.as_ref().is_none_or(|b| b.len() < need) {
+                self.attn_part = Some(self.be.alloc_zeros::<f32>(need)?);
+            }
+        }
+        let s = self.scratch.as_ref().expect("reserved");
+        let (q, kc, vc, out) = (s.q.ptr(), cache.k[l].ptr(), cache.v[l].ptr(), s.attn.ptr());
+        match (&self.attn_part, phase) {
+            (Some(part), Phase::Decode) => {
+                self.be.attention_split(q, kc, vc, out, part.ptr(), t, pos0, nh, nkv, hd, window)?
+            }
+            _ => self.be.attention(q, kc, vc, out, t, pos0, nh, nkv, hd, window)?,
+        }
+        Ok(())
+    }
+
+    /// FFN norm, router GEMV and top-k on the GPU into layer `l`'s routing section; when the
+    /// host needs the routing (`to_host`), queue its copy and record `route_ready`.
+    pub(crate) fn route(
+        &mut self,
+        l: usize,
+        t: usize,
+        zero_moe: bool,
+        to_host: bool,
+    ) -> Result<(), GpuError> {
+        let c = &self.cfg;
+        let (h, e_n, k) = (c.hidden, c.n_experts, c.n_experts_used);
+        let variant = match self.adapter.routing {
+            RoutingVariant::SoftmaxThenTopK => RouteVariant::SoftmaxThenTopK,
+            RoutingVariant::TopKThenSoftmax => RouteVariant::TopKThenSoftmax,
+        };
+        let s = self.scratch.as_mut().expect("reserved");
+        let (ids, wts) = (route_ids(s.ids.ptr(), s.cap, k, l, t), route_ids(s.weights.ptr(), s.cap, k, l, t));
+        self.be.rmsnorm(s.hidden.ptr(), self.w.layers[l].ffn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
+        if zero_moe {
+            self.be.zero(s.moe_out.ptr().sub(0, t * h))?;
+        }
+        self.be.gemv_bf16(
+            self.w.layers[l].router.ptr(),
+            s.normed.ptr(),
+            s.router_logits.ptr(),
+            t,
+            e_n,
+            h,
+            false,
+        )?;
+        self.be.route_topk(s.router_logits.ptr(), t, e_n, k, variant, c.norm_topk_prob, ids, wts)?;
+        if to_host {
+            // SAFETY: the pinned buffers are read on the host only after `route_ready` (recorded
+            // right below, after these copies) has been synchronised, and are not freed before:
+            // the scratch lives until the next `reserve_tokens`, which runs between calls.
+            unsafe {
+                self.be.read_async(ids, &mut s.pin_ids, t * k)?;
+                self.be.read_async(wts, &mut s.pin_w, t * k)?;
+            }
+            self.be.record(&self.route_ready)?;
+        }
+        self.mark(l, 4)?;
+        Ok(())
+    }
+
+    /// The shared expert (sigmoid-gated), added into the layer's MoE output.
+    pub(crate) fn shared_expert(&self, l: usize, phase: Phase, t: usize) -> Result<(), GpuError> {
+        let Some(sw) = &self.w.layers[l].shared else { return Ok(()) };
+        let (h, sff) = (self.cfg.hidden, self.cfg.shared_expert_ff);
+        let s = self.scratch.as_ref().expect("reserved");
+        self.linear(phase, s.normed.ptr(), sw.gate.ptr(), s.g.ptr(), t, sff, h, false)?;
+        self.linear(phase, s.normed.ptr(), sw.up.ptr(), s.u.ptr(), t, sff, h, false)?;
+        self.be.silu_mul(s.g.ptr(), s.u.ptr(), s.h.ptr(), t * sff)?;
+        self.linear(phase, s.h.ptr(), sw.down.ptr(), s.shared_out.ptr(), t, h, sff, false)?;
+        self.be.gemv_bf16(sw.gate_logit.ptr(), s.normed.ptr(), s.shared_gl.ptr(), t, 1, h, false)?;
+        self.be.add_sigmoid_scaled_rows(s.moe_out.ptr(), s.shared_out.ptr(), s.shared_gl.ptr(), t, h)?;
+        Ok(())
+    }
+}
+
+/// Layer `l`'s section of a `[n_layers, cap * k]` routing buffer, first `t * k` entries.
+pub(crate) fn route_ids<T>(all: DPtr<T>, cap: usize, k: usize, l: usize, t: usize) -> DPtr<T> {
+    all.sub(l * cap * k, t * k)
+}

@@ -1,0 +1,49 @@
+//! What the GPU engine refuses or fails at: one typed enum with structured fields.
+
+use crate::cache::hot_set::HotSetError;
+use crate::format::dtype::DType;
+use crate::format::tensor::TensorError;
+use crate::reference::ForwardError;
+use moe_lanes_kernels::cuda::CudaError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    #[error(transparent)]
+    Cuda(#[from] CudaError),
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    #[error(transparent)]
+    Tensor(#[from] TensorError),
+    #[error(transparent)]
+    HotSet(#[from] HotSetError),
+    #[error(transparent)]
+    Cold(super::cold::ColdError),
+    #[error("tensor '{tensor}' has dtype {dtype}; the GPU path takes F32, F16 or BF16")]
+    UnsupportedDType { tensor: String, dtype: DType },
+    #[error("head_dim {head_dim} is odd; the GPU RoPE kernels need an even head_dim")]
+    OddHeadDim { head_dim: usize },
+    #[error("the hot set has {given} layers, the model has {expected}")]
+    HotLayers { given: usize, expected: usize },
+    #[error("the hot set has {n_experts} experts per layer, the model has {expected}")]
+    HotExperts { n_experts: usize, expected: usize },
+    #[error("the hot set uses {lanes} hot lanes; the GPU engine has one")]
+    HotLanes { lanes: usize },
+    #[error("the hot cache is already allocated; it is never reallocated (exchange slots instead)")]
+    HotCacheAllocated,
+    #[error("KV cache capacity {capacity} outside 1..={max_positions}")]
+    CacheCapacity { capacity: usize, max_positions: usize },
+    #[error("this KV cache was made for another model ({cache_layers} layers of width {cache_kv_dim}; the model has {model_layers} of {model_kv_dim})")]
+    CacheModel { cache_layers: usize, cache_kv_dim: usize, model_layers: usize, model_kv_dim: usize },
+    #[error("layer {layer_idx}: the router produced expert id {expert_id} (NaN logits?)")]
+    BadRoute { layer_idx: usize, expert_id: i32 },
+    #[error("injected fault: {what}")]
+    Injected { what: &'static str },
+}
+
+impl GpuError {
+    /// Errors that mean the device (or its context) can no longer be trusted: the engine moves
+    /// the session to the CPU pipeline instead of failing the call.
+    pub fn is_device_loss(&self) -> bool {
+        matches!(self, GpuError::Cuda(_) | GpuError::Injected { what: "gpu lost" })
+    }
+}

@@ -1,0 +1,412 @@
+//! `GpuModel`: a model resident on one GPU (non-expert weights + the VRAM hot cache) and the
+//! forward call that drives it. The per-layer work lives in `dense` (attention, router, shared
+//! expert) and `moe` (the hot/cold split, the lanes, the join and the fallback); statistics in
+//! `stats`.
+
+use super::cold::{ColdExperts, CpuColdExperts};
+use super::hot_cache::HotCache;
+use super::kv::GpuKvCache;
+use super::scratch::{HostScratch, Scratch};
+use super::stats::{self, CallTimes, ForwardStats, LaneEvents, LayerRecord, Profiler, StageProfile};
+use super::weights::DenseWeights;
+use super::GpuError;
+use crate::cache::hot_set::HotSet;
+use crate::cache::perf::{PerfMode, PerfState};
+use crate::engine::Logits;
+use crate::model::adapter::Adapter;
+use crate::model::config::ModelConfig;
+use crate::model::Model;
+use crate::moe::phase::Phase;
+use crate::reference::ForwardError;
+use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, GpuEvent};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How long the join waits for the hot lane before the layer falls back to all-cold.
+/// Generous: a long prefill on a busy device can take seconds per layer.
+pub const HOT_LANE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Faults injected on purpose (tests and `MOE_LANES_FAULT`), to prove each fallback path.
+/// A layer named here always takes the host path (worklist built on the host).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GpuFaults {
+    /// The hot lane's launch fails in this layer.
+    pub hot_error_layer: Option<usize>,
+    /// The hot lane "does not finish" in time in this layer.
+    pub hot_timeout_layer: Option<usize>,
+    /// The cold lane returns an error in this layer.
+    pub cold_error_layer: Option<usize>,
+    /// The cold lane panics in this layer.
+    pub cold_panic_layer: Option<usize>,
+    /// The host worklist of this layer is corrupted after it is built.
+    pub corrupt_worklist_layer: Option<usize>,
+    /// The device is "lost" at the start of this forward call (counted from 1).
+    pub gpu_lost_at_call: Option<u64>,
+}
+
+impl GpuFaults {
+    pub(crate) fn names_layer(&self, l: usize) -> bool {
+        [
+            self.hot_error_layer,
+            self.hot_timeout_layer,
+            self.cold_error_layer,
+            self.cold_panic_layer,
+            self.corrupt_worklist_layer,
+        ]
+        .contains(&Some(l))
+    }
+}
+
+/// Engine switches.
+#[derive(Debug, Clone, Copy)]
+pub struct GpuOptions {
+    /// Prefill GEMMs take activations as bf16 hi + lo (two GEMMs, ~f32 accuracy); off: bf16 only.
+    pub split_bf16_activations: bool,
+    pub perf_mode: PerfMode,
+    /// Record CUDA events per stage (`MOE_LANES_GPU_PROFILE=1` at the CLI).
+    pub profile: bool,
+    /// Copy every logits row to the host; off: only the greedy tokens come back.
+    pub copy_logits: bool,
+    pub hot_lane_timeout: Duration,
+    pub faults: GpuFaults,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            split_bf16_activations: true,
+            perf_mode: PerfMode::Full,
+            profile: false,
+            copy_logits: true,
+            hot_lane_timeout: HOT_LANE_TIMEOUT,
+            faults: GpuFaults::default(),
+        }
+    }
+}
+
+pub struct GpuModel {
+    pub(crate) be: Arc<CudaBackend>,
+    pub(crate) model: Arc<Model>,
+    pub(crate) cfg: ModelConfig,
+    pub(crate) adapter: &'static Adapter,
+    pub(crate) opts: GpuOptions,
+    pub(crate) w: DenseWeights,
+    pub(crate) hot: HotCache,
+    pub(crate) scratch: Option<Scratch>,
+    pub(crate) host: HostScratch,
+    pub(crate) lane_events: Vec<LaneEvents>,
+    pub(crate) cold_ready: GpuEvent,
+    pub(crate) route_ready: GpuEvent,
+    pub(crate) records: Vec<LayerRecord>,
+    pub(crate) stats: ForwardStats,
+    pub(crate) perf: PerfState,
+    /// The plain CPU cold lane: computes a layer when the given cold lane failed.
+    pub(crate) fallback_cold: CpuColdExperts,
+    pub(crate) profiler: Option<Profiler>,
+    /// Partials of the split decode attention (grown to the cache's capacity on demand).
+    pub(crate) attn_part: Option<DeviceBuffer<f32>>,
+    call_idx: u64,
+}
+
+impl GpuModel {
+    /// Upload every non-expert weight; the hot cache starts empty (every expert cold) until
+    /// [`GpuModel::allocate_hot`].
+    pub fn new(model: Arc<Model>, be: Arc<CudaBackend>, opts: GpuOptions) -> Result<GpuModel, GpuError> {
+        be.bind_to_thread()?;
+        let cfg = model.config().clone();
+        if cfg.head_dim % 2 == 1 {
+            return Err(GpuError::OddHeadDim { head_dim: cfg.head_dim });
+        }
+        let w = DenseWeights::upload(&model, &be)?;
+        let hot = HotCache::empty(&be, cfg.n_layers, cfg.n_experts, cfg.expert_ff * cfg.hidden)?;
+        let lane_events = (0..cfg.n_layers)
+            .map(|_| Ok(LaneEvents { start: be.event()?, end: be.event()? }))
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        let mut gm = GpuModel {
+            cold_ready: be.event()?,
+            route_ready: be.event()?,
+            adapter: model.adapter(),
+            perf: PerfState::new(opts.perf_mode, cfg.n_layers, cfg.n_experts, cfg.n_experts_used),
+            fallback_cold: CpuColdExperts::new(model.clone()),
+            host: HostScratch::new(&cfg, 8),
+            records: vec![LayerRecord::default(); cfg.n_layers],
+            stats: ForwardStats::default(),
+            scratch: None,
+            profiler: None,
+            attn_part: None,
+            call_idx: 0,
+            lane_events,
+            hot,
+            w,
+            opts,
+            cfg,
+            model,
+            be,
+        };
+        if opts.profile {
+            gm.enable_profile()?;
+        }
+        Ok(gm)
+    }
+
+    /// Allocate the hot cache once (capacity = each layer's hot count) and fill it.
+    pub fn allocate_hot(&mut self, set: &HotSet) -> Result<(), GpuError> {
+        self.be.bind_to_thread()?;
+        self.hot.allocate(&self.be, &self.model, set)
+    }
+
+    /// Exchange one cache slot between calls: `add` takes the slot of `evict`.
+    pub fn exchange(&mut self, layer_idx: usize, evict: usize, add: usize) -> Result<(), GpuError> {
+        self.be.bind_to_thread()?;
+        self.hot.exchange(&self.be, &self.model, layer_idx, evict, add)
+    }
+
+    pub fn hot_set(&self) -> &HotSet {
+        self.hot.set()
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn backend(&self) -> &Arc<CudaBackend> {
+        &self.be
+    }
+
+    pub fn perf(&self) -> &PerfState {
+        &self.perf
+    }
+
+    /// Start the perf state over (after a learn pass, say).
+    pub fn reset_perf(&mut self) {
+        let c = &self.cfg;
+        self.perf = PerfState::new(self.opts.perf_mode, c.n_layers, c.n_experts, c.n_experts_used);
+    }
+
+    pub fn perf_mut(&mut self) -> &mut PerfState {
+        &mut self.perf
+    }
+
+    /// Bytes of the hot expert caches (all layers).
+    pub fn hot_cache_bytes(&self) -> usize {
+        self.hot.bytes()
+    }
+
+    /// Bytes of the non-expert matrices on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.w.matrix_bytes
+    }
+
+    pub fn set_copy_logits(&mut self, on: bool) {
+        self.opts.copy_logits = on;
+    }
+
+    /// Statistics of the last forward call.
+    pub fn last_stats(&self) -> &ForwardStats {
+        &self.stats
+    }
+
+    /// A KV cache for up to `capacity` positions.
+    pub fn new_kv_cache(&self, capacity: usize) -> Result<GpuKvCache, GpuError> {
+        if capacity == 0 || capacity > self.cfg.max_positions {
+            return Err(GpuError::CacheCapacity { capacity, max_positions: self.cfg.max_positions });
+        }
+        GpuKvCache::new(&self.be, self.cfg.n_layers, self.cfg.kv_dim(), capacity)
+    }
+
+    /// Device scratch (and its host twin) for calls of up to `t` tokens; grows, never shrinks.
+    pub fn reserve_tokens(&mut self, t: usize) -> Result<(), GpuError> {
+        if self.scratch.as_ref().is_some_and(|s| s.cap >= t) {
+            return Ok(());
+        }
+        self.scratch = None; // free first
+        let s = Scratch::new(&self.be, &self.cfg, t)?;
+        self.host = HostScratch::new(&self.cfg, s.cap);
+        self.scratch = Some(s);
+        Ok(())
+    }
+
+    fn check_call(&self, tokens: &[u32], cache: &GpuKvCache) -> Result<(), GpuError> {
+        let c = &self.cfg;
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyInput.into());
+        }
+        let pos0 = cache.n_positions;
+        if let Some((i, &token)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= c.vocab) {
+            return Err(ForwardError::TokenOutOfRange { token, position: pos0 + i, vocab: c.vocab }.into());
+        }
+        if cache.k.len() != c.n_layers || cache.kv_dim != c.kv_dim() {
+            return Err(GpuError::CacheModel {
+                cache_layers: cache.k.len(),
+                cache_kv_dim: cache.kv_dim,
+                model_layers: c.n_layers,
+                model_kv_dim: c.kv_dim(),
+            });
+        }
+        if pos0 + tokens.len() > cache.capacity {
+            return Err(ForwardError::ContextFull { max_positions: cache.capacity }.into());
+        }
+        Ok(())
+    }
+
+    /// Run `tokens` after what `cache` holds, in the caller's `phase` (decided once per call);
+    /// the hot and cold lanes of every MoE layer split the routed slots; returns one logits row
+    /// per token (or only the greedy tokens when logits copies are off).
+    pub fn forward(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+    ) -> Result<Logits, GpuError> {
+        let call_start = Instant::now();
+        self.check_call(tokens, cache)?;
+        self.call_idx += 1;
+        if self.opts.faults.gpu_lost_at_call == Some(self.call_idx) {
+            return Err(GpuError::Injected { what: "gpu lost" });
+        }
+        self.be.bind_to_thread()?;
+        let t = tokens.len();
+        self.reserve_tokens(t)?;
+        let pos0 = cache.n_positions;
+        self.embed(tokens)?;
+        for l in 0..self.cfg.n_layers {
+            self.mark(l, 0)?;
+            self.attention_block(l, phase, t, pos0, cache)?;
+            self.moe_block(l, phase, t, cold)?;
+        }
+        let copy_start = Instant::now();
+        let logits = self.head(phase, t)?;
+        let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
+        cache.n_positions += t;
+        self.finish_call(phase, t, call_start, copy_start, copy_us)?;
+        Ok(logits)
+    }
+
+    fn embed(&mut self, tokens: &[u32]) -> Result<(), GpuError> {
+        let s = self.scratch.as_ref().expect("reserved");
+        self.host.tokens_i32.clear();
+        self.host.tokens_i32.extend(tokens.iter().map(|&x| x as i32));
+        self.mark_tail(0)?;
+        self.be.write(&self.host.tokens_i32, s.tokens.ptr())?;
+        self.be.embed(self.w.embed.ptr(), s.tokens.ptr(), s.hidden.ptr(), tokens.len(), self.cfg.hidden)?;
+        Ok(())
+    }
+
+    /// Final norm, lm_head, greedy tokens on the GPU, and the copies back.
+    fn head(&mut self, phase: Phase, t: usize) -> Result<Logits, GpuError> {
+        let (c, be) = (&self.cfg, &self.be);
+        let s = self.scratch.as_ref().expect("reserved");
+        be.rmsnorm(s.hidden.ptr(), self.w.final_norm.ptr(), s.normed.ptr(), t, c.hidden, c.rms_eps)?;
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed).ptr();
+        self.linear(phase, s.normed.ptr(), head, s.logits.ptr(), t, c.vocab, c.hidden, false)?;
+        self.mark_tail(1)?;
+        if t <= 8 {
+            // decode: one row over many blocks (the one-block-per-row kernel is latency bound)
+            be.argmax_split(s.logits.ptr(), t, c.vocab, s.argmax.ptr(), s.argmax_part.ptr())?;
+        } else {
+            be.argmax(s.logits.ptr(), t, c.vocab, s.argmax.ptr())?;
+        }
+        self.mark_tail(2)?;
+        let mut data = Vec::new();
+        if self.opts.copy_logits {
+            data = vec![0f32; t * c.vocab];
+            be.read(s.logits.ptr().sub(0, t * c.vocab), &mut data)?;
+        }
+        let mut am = vec![0i32; t];
+        be.read(s.argmax.ptr().sub(0, t), &mut am)?;
+        Ok(Logits { n_rows: t, vocab: c.vocab, data, argmax: am.into_iter().map(|x| x as u32).collect() })
+    }
+
+    /// After the stream is idle: lane statistics, perf state, profile.
+    fn finish_call(
+        &mut self,
+        phase: Phase,
+        t: usize,
+        call_start: Instant,
+        copy_start: Instant,
+        copy_us: f64,
+    ) -> Result<(), GpuError> {
+        let mut layers = std::mem::take(&mut self.stats.layers);
+        layers.clear();
+        for (r, ev) in self.records.iter().zip(&self.lane_events) {
+            let hot_us = if r.hot_at.is_some() { ev.hot_us()? } else { 0.0 };
+            layers.push(stats::lane_stats(r, hot_us));
+        }
+        let total_us = call_start.elapsed().as_secs_f64() * 1e6;
+        self.stats = ForwardStats { n_tokens: t, prefill: phase != Phase::Decode, layers, total_us };
+        if self.perf.mode() != PerfMode::Off {
+            let s = self.scratch.as_mut().expect("reserved");
+            let stride = s.cap * self.cfg.n_experts_used;
+            let n = self.cfg.n_layers * stride;
+            self.host.route_ids.resize(n, 0);
+            self.be.read(s.ids.ptr().sub(0, n), &mut self.host.route_ids)?;
+            let n_slots = t * self.cfg.n_experts_used;
+            stats::record_call(
+                &mut self.perf,
+                &self.stats,
+                &self.host.route_ids,
+                stride,
+                n_slots,
+                self.hot.set(),
+            );
+        }
+        if let Some(p) = &mut self.profiler {
+            let enqueue_us = (copy_start - call_start).as_secs_f64() * 1e6;
+            p.collect(&CallTimes {
+                decode: phase == Phase::Decode,
+                n_tokens: t,
+                copy_us,
+                enqueue_us,
+                total_us,
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Turn on the per-stage GPU timing breakdown: CUDA event records at stage boundaries,
+    /// read after each call's final copy.
+    pub fn enable_profile(&mut self) -> Result<(), GpuError> {
+        let n_marks = stats::PROFILE_LAYER_STAGES.len() + 1;
+        let layer_marks = (0..self.cfg.n_layers)
+            .map(|_| (0..n_marks).map(|_| self.be.event()).collect::<Result<Vec<_>, _>>())
+            .collect::<Result<Vec<_>, _>>()?;
+        let tail_marks = (0..3).map(|_| self.be.event()).collect::<Result<Vec<_>, _>>()?;
+        self.profiler = Some(Profiler {
+            layer_marks,
+            tail_marks,
+            decode: StageProfile::default(),
+            prefill: StageProfile::default(),
+        });
+        Ok(())
+    }
+
+    /// The profile as text (decode and prefill), when profiling is on.
+    pub fn profile_report(&self) -> Option<String> {
+        self.profiler
+            .as_ref()
+            .map(|p| format!("{}{}", p.decode.report("decode"), p.prefill.report("prefill")))
+    }
+
+    /// Clear the accumulated profile.
+    pub fn reset_profile(&mut self) {
+        if let Some(p) = &mut self.profiler {
+            p.decode = StageProfile::default();
+            p.prefill = StageProfile::default();
+        }
+    }
+
+    pub(crate) fn mark(&self, l: usize, m: usize) -> Result<(), GpuError> {
+        if let Some(p) = &self.profiler {
+            self.be.record(&p.layer_marks[l][m])?;
+        }
+        Ok(())
+    }
+
+    fn mark_tail(&self, m: usize) -> Result<(), GpuError> {
+        if let Some(p) = &self.profiler {
+            self.be.record(&p.tail_marks[m])?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,505 @@
+//! The MoE block of one layer on the GPU engine: split the routed slots into the hot lane (GPU,
+//! from the VRAM cache) and the cold lane (CPU, [`ColdExperts`]), run both at once, join, and
+//! fall back to all-cold when a lane fails.
+//!
+//! Two paths build the same [`Worklist`](crate::moe::worklist::Worklist):
+//! - *device path* (decode): the hot worklist is built on the GPU from the routing ids and the
+//!   device `hot_id_map`, so an all-hot layer never goes back to the host; when the layer has
+//!   cold experts the host builds the worklist (token-major) for the cold lane, which joins on the
+//!   GPU stream (no host wait);
+//! - *host path* (prefill, warmup, and any layer named by a fault injection): the host builds
+//!   the worklist expert-major, checks it, uploads it, and the hot lane runs one GEMM pair per
+//!   cached expert over its gathered token rows; the join waits for the hot lane's event with a
+//!   timeout.
+//!
+//! A fallback recomputes the layer's routed experts all-cold on the CPU from the RAM experts
+//! (the given cold lane, or the plain one when the cold lane itself failed), overwrites the
+//! layer's MoE output, adds the shared expert again, and is counted by reason.
+
+use super::cold::{ColdError, ColdExperts, ColdSlot};
+use super::dense::route_ids;
+use super::model::GpuModel;
+use super::scratch::{HostScratch, WorkLayout};
+use super::stats::LayerRecord;
+use super::GpuError;
+use crate::cache::perf::FallbackReason;
+use crate::moe::phase::Phase;
+use crate::moe::worklist::WorklistOrder;
+use moe_lanes_kernels::cuda::GpuEvent;
+use std::time::{Duration, Instant};
+
+/// How a layer's split ended when it did not end well.
+pub(crate) enum LayerFault {
+    /// Recompute the layer all-cold; `plain`: the cold lane itself failed, use the plain one.
+    Fallback { reason: FallbackReason, plain: bool },
+    /// The device failed: the call cannot go on here.
+    Fatal(GpuError),
+}
+
+impl From<GpuError> for LayerFault {
+    fn from(e: GpuError) -> LayerFault {
+        LayerFault::Fatal(e)
+    }
+}
+
+impl From<moe_lanes_kernels::cuda::CudaError> for LayerFault {
+    fn from(e: moe_lanes_kernels::cuda::CudaError) -> LayerFault {
+        LayerFault::Fatal(e.into())
+    }
+}
+
+const HOT_FAILED: LayerFault = LayerFault::Fallback { reason: FallbackReason::LaneFailed, plain: false };
+const COLD_FAILED: LayerFault = LayerFault::Fallback { reason: FallbackReason::LaneFailed, plain: true };
+
+impl GpuModel {
+    pub(crate) fn moe_block(
+        &mut self,
+        l: usize,
+        phase: Phase,
+        t: usize,
+        cold: &mut dyn ColdExperts,
+    ) -> Result<(), GpuError> {
+        self.records[l] = LayerRecord::default();
+        let device_path = phase == Phase::Decode && !self.opts.faults.names_layer(l);
+        let all_hot = self.hot.all_hot(l);
+        // All-hot decode without a shared expert: the hot lane accumulates straight into the
+        // residual stream (no zero fill, no add).
+        let direct = device_path && all_hot && self.w.layers[l].shared.is_none();
+        let to_host = !(device_path && all_hot);
+        self.route(l, t, !direct, to_host)?;
+        if device_path && to_host {
+            self.rows_to_host(t)?;
+        }
+        self.shared_expert(l, phase, t)?;
+        self.mark(l, 5)?;
+        let outcome =
+            if device_path { self.moe_device(l, t, cold, direct) } else { self.moe_host(l, t, cold) };
+        let fell_back = match outcome {
+            Ok(()) => false,
+            Err(LayerFault::Fatal(e)) => return Err(e),
+            Err(LayerFault::Fallback { reason, plain }) => {
+                self.all_cold(l, phase, t, reason, if plain { None } else { Some(cold) })?;
+                true
+            }
+        };
+        self.records[l].launched = !fell_back;
+        self.mark(l, 8)?;
+        if !direct || fell_back {
+            let s = self.scratch.as_ref().expect("reserved");
+            self.be.add(s.hidden.ptr(), s.moe_out.ptr(), t * self.cfg.hidden)?;
+        }
+        self.mark(l, 9)?;
+        Ok(())
+    }
+
+    /// Queue the FFN-normed rows to pinned memory (device path with cold slots), ready at
+    /// `cold_ready`.
+    fn rows_to_host(&mut self, t: usize) -> Result<(), GpuError> {
+        let s = self.scratch.as_mut().expect("reserved");
+        // SAFETY: `pin_cold_in` is read on the host only after `cold_ready` (recorded right
+        // below) is synchronised; the scratch outlives the call.
+        unsafe { self.be.read_async(s.normed.ptr(), &mut s.pin_cold_in, t * self.cfg.hidden)? };
+        self.be.record(&self.cold_ready)?;
+        Ok(())
+    }
+
+    /// Decode: worklist on the GPU, hot lane by GEMV kernels, cold lane on the host, join on
+    /// the stream.
+    fn moe_device(
+        &mut self,
+        l: usize,
+        t: usize,
+        cold: &mut dyn ColdExperts,
+        direct: bool,
+    ) -> Result<(), LayerFault> {
+        let (h, k, e_n) = (self.cfg.hidden, self.cfg.n_experts_used, self.cfg.n_experts);
+        let n_ent = t * k;
+        let s = self.scratch.as_ref().expect("reserved");
+        let (lay, wi) = (s.layout, s.work_i.ptr());
+        let ids = route_ids(s.ids.ptr(), s.cap, k, l, t);
+        let (p_slots, p_toks) = (wi.sub(lay.slots, n_ent), wi.sub(lay.tokens, n_ent));
+        let (p_off, p_rows) = (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
+        self.be.hot_worklist_tokens(self.hot.map_dev(l), ids, t, k, e_n, p_slots, p_toks, p_off, p_rows)?;
+        self.mark(l, 6)?;
+        self.be.record(&self.lane_events[l].start)?;
+        self.records[l].hot_at = Some(Instant::now());
+        if let Some(c) = self.hot.slots(l) {
+            let wts = route_ids(s.weights.ptr(), s.cap, k, l, t);
+            let out = if direct { s.hidden.ptr() } else { s.moe_out.ptr() };
+            // entries routed to cold experts have slot -1: the kernels skip them
+            let hot = || -> Result<(), GpuError> {
+                let ff = self.cfg.expert_ff;
+                self.be.moe_gate_up_gemv(
+                    c.gate,
+                    c.up,
+                    s.normed.ptr(),
+                    p_slots,
+                    p_toks,
+                    s.h.ptr(),
+                    n_ent,
+                    ff,
+                    h,
+                )?;
+                self.be.moe_down_accum(c.down, s.h.ptr(), p_slots, wts, p_off, p_rows, out, t, h, ff)?;
+                Ok(())
+            };
+            hot().map_err(|_| HOT_FAILED)?;
+        }
+        self.be.record(&self.lane_events[l].end)?;
+        self.mark(l, 7)?;
+        if self.hot.all_hot(l) {
+            self.records[l].hot_slots = n_ent;
+            return Ok(());
+        }
+        let split_at = Instant::now();
+        self.route_ready.synchronize()?;
+        self.cold_ready.synchronize()?;
+        // The hot lane cannot start on the GPU before routing is done: place it now.
+        self.records[l].hot_at = Some(Instant::now());
+        self.records[l].gpu_joined = true;
+        self.host_worklist(l, t, WorklistOrder::TokenMajor)?;
+        self.cold_lane_joined_on_stream(l, t, cold)?;
+        self.records[l].wall_us = split_at.elapsed().as_secs_f64() * 1e6;
+        Ok(())
+    }
+
+    /// Device path: the cold rows of the host worklist on the CPU, added on the GPU stream.
+    fn cold_lane_joined_on_stream(
+        &mut self,
+        l: usize,
+        t: usize,
+        cold: &mut dyn ColdExperts,
+    ) -> Result<(), LayerFault> {
+        let h = self.cfg.hidden;
+        let n_rows = collect_cold(&mut self.host, t);
+        let rec = &mut self.records[l];
+        (rec.hot_slots, rec.cold_slots, rec.cold_rows) =
+            (self.host.worklist.hot_count_total(), self.host.cold_slots.len(), n_rows);
+        if n_rows == 0 {
+            return Ok(());
+        }
+        let s = self.scratch.as_mut().expect("reserved");
+        let faults = self.opts.faults;
+        let cold_start = Instant::now();
+        let hs = &mut self.host;
+        let normed = &s.pin_cold_in.as_slice()[..t * h];
+        let out = &mut s.pin_cold_out.as_mut_slice()[..t * h];
+        out.fill(0.0);
+        if n_rows == t {
+            call_cold(cold, &faults, l, normed, &hs.cold_slots, out).map_err(|_| COLD_FAILED)?;
+        } else {
+            hs.cold_in.clear();
+            for &ti in &hs.cold_row_tok {
+                hs.cold_in.extend_from_slice(&normed[ti * h..][..h]);
+            }
+            hs.cold_out.clear();
+            hs.cold_out.resize(n_rows * h, 0.0);
+            call_cold(cold, &faults, l, &hs.cold_in, &hs.cold_slots, &mut hs.cold_out)
+                .map_err(|_| COLD_FAILED)?;
+            for (r, &ti) in hs.cold_row_tok.iter().enumerate() {
+                out[ti * h..][..h].copy_from_slice(&hs.cold_out[r * h..][..h]);
+            }
+        }
+        self.records[l].cold = Some((cold_start, Instant::now()));
+        // SAFETY: `pin_cold_out` is next written by the host in a later layer, after that
+        // layer's `route_ready` / `cold_ready` synchronisation, which orders after this copy on
+        // the one stream; the scratch outlives the call.
+        unsafe { self.be.write_async(&s.pin_cold_out, t * h, s.cold_out.ptr())? };
+        self.be.add(s.moe_out.ptr(), s.cold_out.ptr(), t * h)?;
+        Ok(())
+    }
+
+    /// Host path: worklist built and checked on the host, hot lane by grouped GEMMs, cold lane
+    /// on the CPU meanwhile, join on the host with a timeout.
+    fn moe_host(&mut self, l: usize, t: usize, cold: &mut dyn ColdExperts) -> Result<(), LayerFault> {
+        self.route_ready.synchronize()?;
+        let split_at = Instant::now();
+        self.host_worklist(l, t, WorklistOrder::ExpertMajor)?;
+        self.records[l].worklist_us = split_at.elapsed().as_secs_f64() * 1e6;
+        let n_cold_rows = self.upload_worklist(l, t)?;
+        self.mark(l, 6)?;
+        self.be.record(&self.lane_events[l].start)?;
+        self.records[l].hot_at = Some(Instant::now());
+        if self.opts.faults.hot_error_layer == Some(l) {
+            return Err(HOT_FAILED);
+        }
+        if self.records[l].hot_slots > 0 {
+            self.hot_lane_gemm(l).map_err(|_| HOT_FAILED)?;
+        }
+        self.be.record(&self.lane_events[l].end)?;
+        self.mark(l, 7)?;
+        if n_cold_rows > 0 {
+            self.cold_lane_host_join(l, n_cold_rows, cold)?;
+        }
+        let timed_out = self.opts.faults.hot_timeout_layer == Some(l);
+        if n_cold_rows > 0 || timed_out {
+            let wait_start = Instant::now();
+            let limit = if timed_out { Duration::ZERO } else { self.opts.hot_lane_timeout };
+            if timed_out || !wait_event(&self.lane_events[l].end, limit) {
+                return Err(LayerFault::Fallback { reason: FallbackReason::LaneUnavailable, plain: false });
+            }
+            self.records[l].join_wait_us = wait_start.elapsed().as_secs_f64() * 1e6;
+        }
+        self.records[l].wall_us = split_at.elapsed().as_secs_f64() * 1e6;
+        Ok(())
+    }
+
+    /// The host worklist's hot and cold sections as the GPU's integer layout; uploads it and
+    /// queues the cold rows' gather and copy to pinned memory. Returns the cold row count.
+    fn upload_worklist(&mut self, l: usize, t: usize) -> Result<usize, GpuError> {
+        let h = self.cfg.hidden;
+        let s = self.scratch.as_mut().expect("reserved");
+        let (n_hot, _) = encode_hot(&mut self.host, &s.layout, t);
+        let n_cold_rows = collect_cold(&mut self.host, t);
+        for (r, &ti) in self.host.cold_row_tok.iter().enumerate() {
+            self.host.work_i[s.layout.cold_rows + r] = ti as i32;
+        }
+        let rec = &mut self.records[l];
+        (rec.hot_slots, rec.cold_slots, rec.cold_rows) = (n_hot, self.host.cold_slots.len(), n_cold_rows);
+        self.be.write(&self.host.work_i, s.work_i.ptr())?;
+        self.be.write(&self.host.work_f[..n_hot.max(1)], s.work_f.ptr())?;
+        if n_cold_rows > 0 {
+            let rows = s.work_i.ptr().sub(s.layout.cold_rows, n_cold_rows);
+            self.be.gather_rows(s.normed.ptr(), rows, s.cold_in.ptr(), n_cold_rows, h)?;
+            // SAFETY: read on the host only after `cold_ready` (recorded below) is synchronised.
+            unsafe { self.be.read_async(s.cold_in.ptr(), &mut s.pin_cold_in, n_cold_rows * h)? };
+            self.be.record(&self.cold_ready)?;
+        }
+        Ok(n_cold_rows)
+    }
+
+    /// The hot lane over the host worklist: per cached expert, gate and up GEMMs over its
+    /// gathered rows, activation, down GEMM, then a weighted scatter into the token rows.
+    fn hot_lane_gemm(&self, l: usize) -> Result<(), GpuError> {
+        let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
+        let s = self.scratch.as_ref().expect("reserved");
+        let sec = &self.host.worklist.hot[0];
+        let n_hot = sec.hot_count;
+        let c = self.hot.slots(l).expect("hot entries imply a cache");
+        let lo = self.opts.split_bf16_activations.then(|| s.x_lo.ptr());
+        let (xhi, lay, wi) = (s.x_hi.ptr(), s.layout, s.work_i.ptr());
+        self.be.gather_split_bf16(s.normed.ptr(), Some(wi.sub(lay.tokens, n_hot)), xhi, lo, n_hot, h)?;
+        let nf = ff * h;
+        for_slot_groups(&sec.hot_id[..n_hot], |slot, start, n_s| {
+            let (xs, xl) = (xhi.sub(start * h, n_s * h), lo.map(|p| p.sub(start * h, n_s * h)));
+            let g = s.g.ptr().sub(start * ff, n_s * ff);
+            self.be.gemm_bf16(c.gate.sub(slot * nf, nf), xs, xl, g, n_s, ff, h, false)?;
+            let u = s.u.ptr().sub(start * ff, n_s * ff);
+            self.be.gemm_bf16(c.up.sub(slot * nf, nf), xs, xl, u, n_s, ff, h, false)
+        })?;
+        self.be.silu_mul(s.g.ptr(), s.u.ptr(), s.h.ptr(), n_hot * ff)?;
+        self.be.gather_split_bf16(s.h.ptr(), None, xhi, lo, n_hot, ff)?;
+        for_slot_groups(&sec.hot_id[..n_hot], |slot, start, n_s| {
+            let (xs, xl) = (xhi.sub(start * ff, n_s * ff), lo.map(|p| p.sub(start * ff, n_s * ff)));
+            let y = s.y.ptr().sub(start * h, n_s * h);
+            self.be.gemm_bf16(c.down.sub(slot * nf, nf), xs, xl, y, n_s, h, ff, false)
+        })?;
+        let n_rows = self.host.tok_rows;
+        let (ent, off, rows) =
+            (wi.sub(lay.entries, n_hot), wi.sub(lay.tok_off, n_rows + 1), wi.sub(lay.tok_rows, n_rows));
+        self.be.moe_scatter_accum(s.y.ptr(), ent, s.work_f.ptr(), off, rows, s.moe_out.ptr(), n_rows, h)?;
+        Ok(())
+    }
+
+    /// Host path: the cold lane on the CPU while the hot lane runs, its rows scattered into
+    /// the layer output on the stream.
+    fn cold_lane_host_join(
+        &mut self,
+        l: usize,
+        n_rows: usize,
+        cold: &mut dyn ColdExperts,
+    ) -> Result<(), LayerFault> {
+        let h = self.cfg.hidden;
+        self.cold_ready.synchronize()?;
+        let cold_start = Instant::now();
+        let s = self.scratch.as_mut().expect("reserved");
+        let out = &mut s.pin_cold_out.as_mut_slice()[..n_rows * h];
+        out.fill(0.0);
+        let input = &s.pin_cold_in.as_slice()[..n_rows * h];
+        call_cold(cold, &self.opts.faults, l, input, &self.host.cold_slots, out).map_err(|_| COLD_FAILED)?;
+        self.records[l].cold = Some((cold_start, Instant::now()));
+        // SAFETY: `pin_cold_out` is next written after a later synchronisation that orders after
+        // this copy on the one stream; the scratch outlives the call.
+        unsafe { self.be.write_async(&s.pin_cold_out, n_rows * h, s.cold_out.ptr())? };
+        let rows = s.work_i.ptr().sub(s.layout.cold_rows, n_rows);
+        self.be.scatter_add_rows(s.cold_out.ptr(), rows, s.moe_out.ptr(), n_rows, h)?;
+        Ok(())
+    }
+
+    /// Build (and check) layer `l`'s worklist on the host from the pinned routing.
+    fn host_worklist(&mut self, l: usize, t: usize, order: WorklistOrder) -> Result<(), LayerFault> {
+        let (k, e_n) = (self.cfg.n_experts_used, self.cfg.n_experts);
+        let s = self.scratch.as_ref().expect("reserved");
+        let hs = &mut self.host;
+        hs.expert_ids.clear();
+        for &e in &s.pin_ids.as_slice()[..t * k] {
+            if e < 0 || e as usize >= e_n {
+                return Err(GpuError::BadRoute { layer_idx: l, expert_id: e }.into());
+            }
+            hs.expert_ids.push(e as u32);
+        }
+        let layer = self.hot.layer(l);
+        let wts = &s.pin_w.as_slice()[..t * k];
+        let shape = LayerFault::Fallback { reason: FallbackReason::Shape, plain: false };
+        hs.worklist.build(&hs.expert_ids, wts, t, k, Some(layer), order).map_err(|_| shape)?;
+        if self.opts.faults.corrupt_worklist_layer == Some(l) {
+            hs.worklist.inject_corruption();
+        }
+        let bad = LayerFault::Fallback { reason: FallbackReason::Worklist, plain: false };
+        hs.worklist.check_consistency(Some(layer)).map_err(|_| bad)
+    }
+
+    /// Recompute layer `l`'s routed experts all-cold on the CPU (`cold`, or the plain lane when
+    /// `None`), overwrite the layer's output with them and add the shared expert again.
+    fn all_cold(
+        &mut self,
+        l: usize,
+        phase: Phase,
+        t: usize,
+        reason: FallbackReason,
+        cold: Option<&mut dyn ColdExperts>,
+    ) -> Result<(), GpuError> {
+        self.perf.record_fallback(l, reason);
+        let (h, k) = (self.cfg.hidden, self.cfg.n_experts_used);
+        self.records[l] = LayerRecord { cold_slots: t * k, cold_rows: t, ..LayerRecord::default() };
+        self.be.synchronize()?;
+        let s = self.scratch.as_ref().expect("reserved");
+        let hs = &mut self.host;
+        hs.cold_in.resize(t * h, 0.0);
+        self.be.read(s.normed.ptr().sub(0, t * h), &mut hs.cold_in)?;
+        hs.route_ids.resize(t * k, 0);
+        self.be.read(route_ids(s.ids.ptr(), s.cap, k, l, t), &mut hs.route_ids[..t * k])?;
+        hs.work_f.resize(hs.work_f.len().max(t * k), 0.0);
+        self.be.read(route_ids(s.weights.ptr(), s.cap, k, l, t), &mut hs.work_f[..t * k])?;
+        hs.cold_slots.clear();
+        for (i, (&e, &w)) in hs.route_ids[..t * k].iter().zip(&hs.work_f[..t * k]).enumerate() {
+            if e < 0 || e as usize >= self.cfg.n_experts {
+                return Err(GpuError::BadRoute { layer_idx: l, expert_id: e });
+            }
+            hs.cold_slots.push(ColdSlot { row_idx: i / k, expert_idx: e as usize, weight: w });
+        }
+        hs.cold_out.clear();
+        hs.cold_out.resize(t * h, 0.0);
+        let lane: &mut dyn ColdExperts = match cold {
+            Some(c) => c,
+            None => &mut self.fallback_cold,
+        };
+        lane.compute(l, &hs.cold_in, &hs.cold_slots, &mut hs.cold_out).map_err(GpuError::Cold)?;
+        self.be.write(&hs.cold_out, s.moe_out.ptr().sub(0, t * h))?;
+        self.shared_expert(l, phase, t)
+    }
+}
+
+/// Run the cold lane (with the injected faults of this layer); a panic is caught and reported.
+fn call_cold(
+    cold: &mut dyn ColdExperts,
+    faults: &super::GpuFaults,
+    l: usize,
+    input: &[f32],
+    slots: &[ColdSlot],
+    out: &mut [f32],
+) -> Result<(), ColdError> {
+    if faults.cold_error_layer == Some(l) {
+        return Err(ColdError::Injected { layer_idx: l });
+    }
+    let panic_here = faults.cold_panic_layer == Some(l);
+    let run = std::panic::AssertUnwindSafe(|| {
+        if panic_here {
+            panic!("injected cold-lane panic in layer {l}");
+        }
+        cold.compute(l, input, slots, out)
+    });
+    std::panic::catch_unwind(run).unwrap_or(Err(ColdError::Panicked { layer_idx: l }))
+}
+
+/// Poll `ev` until it completes or `limit` passes; `false` on time-out.
+fn wait_event(ev: &GpuEvent, limit: Duration) -> bool {
+    let start = Instant::now();
+    loop {
+        if ev.is_done() {
+            return true;
+        }
+        if start.elapsed() >= limit {
+            return false;
+        }
+        std::hint::spin_loop();
+    }
+}
+
+/// Call `f(slot, start, len)` for each run of equal cache slots in `slots`.
+fn for_slot_groups(
+    slots: &[u32],
+    mut f: impl FnMut(usize, usize, usize) -> Result<(), moe_lanes_kernels::cuda::CudaError>,
+) -> Result<(), GpuError> {
+    let mut start = 0;
+    while start < slots.len() {
+        let slot = slots[start];
+        let n = slots[start..].iter().take_while(|&&x| x == slot).count();
+        f(slot as usize, start, n)?;
+        start += n;
+    }
+    Ok(())
+}
+
+/// The worklist's hot section as the GPU layout: per entry slot, token and weight; token rows
+/// with hot entries (`tok_off`, `tok_rows`) and the entries grouped by token row (`entries`).
+/// Returns (hot entries, token rows).
+fn encode_hot(hs: &mut HostScratch, lay: &WorkLayout, t: usize) -> (usize, usize) {
+    let sec = &hs.worklist.hot[0];
+    let n_hot = sec.hot_count;
+    let starts = &mut hs.tok_count[..t];
+    starts.fill(0);
+    for i in 0..n_hot {
+        hs.work_i[lay.slots + i] = sec.hot_id[i] as i32;
+        hs.work_i[lay.tokens + i] = sec.hot_token_id[i] as i32;
+        hs.work_f[i] = sec.hot_weight[i];
+        starts[sec.hot_token_id[i] as usize] += 1;
+    }
+    let (mut n_rows, mut off) = (0usize, 0u32);
+    hs.work_i[lay.tok_off] = 0;
+    for (ti, start) in starts.iter_mut().enumerate() {
+        let count = *start;
+        if count == 0 {
+            continue;
+        }
+        hs.work_i[lay.tok_rows + n_rows] = ti as i32;
+        *start = off;
+        off += count;
+        n_rows += 1;
+        hs.work_i[lay.tok_off + n_rows] = off as i32;
+    }
+    for i in 0..n_hot {
+        let tok = sec.hot_token_id[i] as usize;
+        hs.work_i[lay.entries + starts[tok] as usize] = i as i32;
+        starts[tok] += 1;
+    }
+    hs.tok_rows = n_rows;
+    (n_hot, n_rows)
+}
+
+/// The worklist's cold section as compact rows (tokens with cold slots, in token order) and
+/// cold slots (in worklist order). Returns the row count.
+fn collect_cold(hs: &mut HostScratch, t: usize) -> usize {
+    let wl = &hs.worklist;
+    let row_of = &mut hs.tok_count[..t];
+    row_of.fill(u32::MAX);
+    for &tok in &wl.cold_token_id[..wl.cold_count] {
+        row_of[tok as usize] = 0;
+    }
+    hs.cold_row_tok.clear();
+    for (ti, row) in row_of.iter_mut().enumerate() {
+        if *row == 0 {
+            *row = hs.cold_row_tok.len() as u32;
+            hs.cold_row_tok.push(ti);
+        }
+    }
+    hs.cold_slots.clear();
+    for i in 0..wl.cold_count {
+        hs.cold_slots.push(ColdSlot {
+            row_idx: row_of[wl.cold_token_id[i] as usize] as usize,
+            expert_idx: wl.cold_id[i] as usize,
+            weight: wl.cold_weight[i],
+        });
+    }
+    hs.cold_row_tok.len()
+}

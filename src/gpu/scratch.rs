@@ -1,0 +1,156 @@
+//! Per-call buffers of the GPU engine, sized once for a token capacity and reused: device
+//! activations, the integer worklist upload, pinned staging for the cold lane, and the host-side
+//! worklist and cold-slot lists. A steady-state call allocates nothing here.
+
+use super::cold::ColdSlot;
+use super::GpuError;
+use crate::model::config::ModelConfig;
+use crate::moe::worklist::Worklist;
+use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, PinnedBuffer};
+
+/// Offsets of the sections of the integer worklist (one upload per layer):
+/// `slots`/`tokens` per hot entry, `tok_off`/`tok_rows` per token row with hot entries,
+/// `entries` (hot entry indices grouped by token row) and `cold_rows` (token of each cold row).
+#[derive(Clone, Copy)]
+pub(crate) struct WorkLayout {
+    pub slots: usize,
+    pub tokens: usize,
+    pub tok_off: usize,
+    pub tok_rows: usize,
+    pub entries: usize,
+    pub cold_rows: usize,
+    pub len: usize,
+}
+
+impl WorkLayout {
+    pub fn new(cap: usize, k: usize) -> WorkLayout {
+        let n = cap * k;
+        let slots = 0;
+        let tokens = slots + n;
+        let tok_off = tokens + n;
+        let tok_rows = tok_off + cap + 1;
+        let entries = tok_rows + cap;
+        let cold_rows = entries + n;
+        WorkLayout { slots, tokens, tok_off, tok_rows, entries, cold_rows, len: cold_rows + cap }
+    }
+}
+
+/// Device scratch sized for `cap` tokens.
+pub(crate) struct Scratch {
+    pub cap: usize,
+    pub layout: WorkLayout,
+    pub tokens: DeviceBuffer<i32>,
+    pub hidden: DeviceBuffer<f32>,
+    pub normed: DeviceBuffer<f32>,
+    pub moe_out: DeviceBuffer<f32>,
+    pub q: DeviceBuffer<f32>,
+    pub attn: DeviceBuffer<f32>,
+    pub router_logits: DeviceBuffer<f32>,
+    /// Routing of every layer of the call: `[n_layers, cap * k]` ids and weights (the perf
+    /// state counts the ids after the call with one copy).
+    pub ids: DeviceBuffer<i32>,
+    pub weights: DeviceBuffer<f32>,
+    pub g: DeviceBuffer<f32>,
+    pub u: DeviceBuffer<f32>,
+    pub h: DeviceBuffer<f32>,
+    pub y: DeviceBuffer<f32>,
+    pub shared_out: DeviceBuffer<f32>,
+    pub shared_gl: DeviceBuffer<f32>,
+    pub x_hi: DeviceBuffer<u16>,
+    pub x_lo: DeviceBuffer<u16>,
+    pub work_i: DeviceBuffer<i32>,
+    pub work_f: DeviceBuffer<f32>,
+    pub cold_in: DeviceBuffer<f32>,
+    pub cold_out: DeviceBuffer<f32>,
+    pub logits: DeviceBuffer<f32>,
+    pub argmax: DeviceBuffer<i32>,
+    pub argmax_part: DeviceBuffer<f32>,
+    pub pin_ids: PinnedBuffer<i32>,
+    pub pin_w: PinnedBuffer<f32>,
+    pub pin_cold_in: PinnedBuffer<f32>,
+    pub pin_cold_out: PinnedBuffer<f32>,
+}
+
+impl Scratch {
+    pub fn new(be: &CudaBackend, c: &ModelConfig, t: usize) -> Result<Scratch, GpuError> {
+        let cap = t.next_power_of_two().max(8);
+        let k = c.n_experts_used;
+        let inner = (k * c.expert_ff).max(c.shared_expert_ff);
+        let widest = c.hidden.max(c.q_dim()).max(c.expert_ff).max(c.shared_expert_ff);
+        let f = |n: usize| be.alloc_zeros::<f32>(n);
+        let layout = WorkLayout::new(cap, k);
+        Ok(Scratch {
+            cap,
+            layout,
+            tokens: be.alloc_zeros::<i32>(cap)?,
+            hidden: f(cap * c.hidden)?,
+            normed: f(cap * c.hidden)?,
+            moe_out: f(cap * c.hidden)?,
+            q: f(cap * c.q_dim())?,
+            attn: f(cap * c.q_dim())?,
+            router_logits: f(cap * c.n_experts)?,
+            ids: be.alloc_zeros::<i32>(c.n_layers * cap * k)?,
+            weights: f(c.n_layers * cap * k)?,
+            g: f(cap * inner)?,
+            u: f(cap * inner)?,
+            h: f(cap * inner)?,
+            y: f(cap * k * c.hidden)?,
+            shared_out: f(cap * c.hidden)?,
+            shared_gl: f(cap)?,
+            x_hi: be.alloc_zeros::<u16>(cap * k.max(1) * widest)?,
+            x_lo: be.alloc_zeros::<u16>(cap * k.max(1) * widest)?,
+            work_i: be.alloc_zeros::<i32>(layout.len)?,
+            work_f: f(cap * k)?,
+            cold_in: f(cap * c.hidden)?,
+            cold_out: f(cap * c.hidden)?,
+            logits: f(cap * c.vocab)?,
+            argmax: be.alloc_zeros::<i32>(cap)?,
+            argmax_part: f(CudaBackend::argmax_split_scratch(cap))?,
+            pin_ids: be.alloc_pinned::<i32>(c.n_layers * cap * k)?,
+            pin_w: be.alloc_pinned::<f32>(cap * k)?,
+            pin_cold_in: be.alloc_pinned::<f32>(cap * c.hidden)?,
+            pin_cold_out: be.alloc_pinned::<f32>(cap * c.hidden)?,
+        })
+    }
+}
+
+/// Host buffers of one call, reused between calls.
+pub(crate) struct HostScratch {
+    /// The layer's worklist (the same type the CPU pipeline dispatches), built on the host for
+    /// the host path (prefill, warmup, fault-injected layers).
+    pub worklist: Worklist,
+    pub expert_ids: Vec<u32>,
+    pub work_i: Vec<i32>,
+    pub work_f: Vec<f32>,
+    /// Per token: hot entries seen (counting sort of entries by token row).
+    pub tok_count: Vec<u32>,
+    /// Token rows with hot entries in the last encoded worklist.
+    pub tok_rows: usize,
+    pub cold_slots: Vec<ColdSlot>,
+    pub cold_row_tok: Vec<usize>,
+    pub cold_in: Vec<f32>,
+    pub cold_out: Vec<f32>,
+    pub tokens_i32: Vec<i32>,
+    /// The routing ids of every layer after the call (perf counting).
+    pub route_ids: Vec<i32>,
+}
+
+impl HostScratch {
+    pub fn new(c: &ModelConfig, cap: usize) -> HostScratch {
+        let k = c.n_experts_used;
+        HostScratch {
+            worklist: Worklist::new(cap, k, c.n_experts),
+            expert_ids: Vec::with_capacity(cap * k),
+            work_i: vec![0; WorkLayout::new(cap, k).len],
+            work_f: vec![0.0; cap * k],
+            tok_count: vec![0; cap],
+            tok_rows: 0,
+            cold_slots: Vec::with_capacity(cap * k),
+            cold_row_tok: Vec::with_capacity(cap),
+            cold_in: Vec::with_capacity(cap * c.hidden),
+            cold_out: Vec::with_capacity(cap * c.hidden),
+            tokens_i32: Vec::with_capacity(cap),
+            route_ids: Vec::with_capacity(c.n_layers * cap * k),
+        }
+    }
+}
