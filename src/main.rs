@@ -5,13 +5,15 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use moe_lanes::adapter;
 use moe_lanes::dtype::DType;
+use moe_lanes::engine::{build_engine, BuildReport, Engine, EngineKind, EngineOptions, HotBudget, HotChoice};
+use moe_lanes::gpu::GpuFaults;
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::inspect::{format_bytes, InspectReport};
 use moe_lanes::model::Model;
 use moe_lanes::perf::{PerfMode, PerfReport};
 use moe_lanes::phase::{Phase, PolicySwitches};
-use moe_lanes::pipeline::{ColdKernels, Pipeline, PipelineOptions};
-use moe_lanes::reference::{NoObserver, Reference};
+use moe_lanes::pipeline::ColdKernels;
+use moe_lanes::reference::Reference;
 use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -73,12 +75,6 @@ enum Command {
 struct BenchArgs {
     #[arg(long)]
     model: PathBuf,
-    /// VRAM for the hot cache in MiB; -1 = free VRAM after weights and KV cache minus 1024 MiB.
-    #[arg(long, allow_negative_numbers = true, conflicts_with = "hot_fraction")]
-    hot_budget_mib: Option<i64>,
-    /// Fraction of each layer's experts to keep hot (the most used ones).
-    #[arg(long)]
-    hot_fraction: Option<f64>,
     /// Prompt tokens (pp).
     #[arg(short = 'p', long, default_value_t = 512)]
     prompt_tokens: usize,
@@ -88,39 +84,40 @@ struct BenchArgs {
     /// Timed runs (median and spread are reported).
     #[arg(long, default_value_t = 3)]
     runs: usize,
-    /// Cold-lane threads (default: every CPU).
-    #[arg(long)]
-    cold_threads: Option<usize>,
-    /// Tokens routed by the built-in learn pass.
-    #[arg(long, default_value_t = 256)]
-    learn_tokens: usize,
-    /// Choose the hot set from this learn file (perf JSON) instead of a built-in learn pass.
-    #[arg(long)]
-    learn: Option<PathBuf>,
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    engine: EngineArgs,
 }
 
-/// Engine selection and pipeline settings shared by logits and generate.
+/// Engine selection, hot cache and perf settings shared by every command that runs a model.
 #[derive(Args)]
 struct EngineArgs {
-    /// Forward engine: pipeline (default, CPU lanes), gpu (dense path and hot experts on the GPU;
-    /// falls back to pipeline when no GPU is usable) or reference (the oracle).
-    #[arg(long, default_value = "pipeline")]
-    engine: String,
-    /// Per layer, this fraction of experts is hot (the most used of --learn, else the lowest ids).
+    /// Forward engine: gpu (dense path and hot experts on the GPU, cold experts on the CPU pool),
+    /// pipeline (CPU lanes) or reference (the oracle). Default: gpu when a usable GPU is present,
+    /// else pipeline (the choice is printed on stderr).
     #[arg(long)]
+    engine: Option<String>,
+    /// Per layer, this fraction of experts is hot (the most used of --learn, else the lowest ids).
+    #[arg(long, conflicts_with = "hot_budget_mib")]
     hot_fraction: Option<f64>,
-    /// Learn file (perf JSON) that ranks experts for --hot-fraction.
+    /// Hot-cache budget in MiB, planned from --learn (or a built-in learn pass); -1 = free VRAM
+    /// after weights, KV cache and scratch, minus 1024 MiB.
+    #[arg(long, allow_negative_numbers = true)]
+    hot_budget_mib: Option<i64>,
+    /// Learn file (perf JSON) that ranks experts for --hot-fraction and --hot-budget-mib.
     #[arg(long)]
     learn: Option<PathBuf>,
+    /// Tokens routed by the built-in learn pass (budget without --learn).
+    #[arg(long, default_value_t = 256)]
+    learn_tokens: usize,
     /// Explicit hot experts: JSON {"layers": {"0": [ids...], ...}}.
-    #[arg(long, conflicts_with = "hot_fraction")]
+    #[arg(long, conflicts_with_all = ["hot_fraction", "hot_budget_mib"])]
     hot_experts: Option<PathBuf>,
-    /// Hot lanes (1..=3); hot experts are dealt round-robin over them.
+    /// Hot lanes of the CPU pipeline (1..=3); hot experts are dealt round-robin over them.
     #[arg(long, default_value_t = 1)]
     hot_lanes: usize,
-    /// Cold-lane threads, the driver thread included (default: cores - 1).
+    /// Cold-lane threads (default: cores - 1).
     #[arg(long)]
     cold_threads: Option<usize>,
     /// Write the perf JSON here after the run.
@@ -129,7 +126,7 @@ struct EngineArgs {
     /// full, update or off.
     #[arg(long, default_value = "full")]
     perf_mode: String,
-    /// Cold-lane kernels: simd (moe-lanes-kernels) or plain.
+    /// Cold-lane kernels of the CPU pipeline: simd (moe-lanes-kernels) or plain.
     #[arg(long, default_value = "simd")]
     cold_kernels: String,
 }
@@ -158,6 +155,9 @@ struct DemoArgs {
     /// Tokens to generate.
     #[arg(long, default_value_t = 16)]
     max_new_tokens: usize,
+    /// Forward engine (default: gpu when usable, else pipeline).
+    #[arg(long)]
+    engine: Option<String>,
 }
 
 #[derive(Args)]
@@ -257,6 +257,9 @@ struct LearnArgs {
     /// Where to write the learn file.
     #[arg(long)]
     out: PathBuf,
+    /// Forward engine (default: gpu when usable, else pipeline). The cache is off.
+    #[arg(long)]
+    engine: Option<String>,
     /// Cold-lane worker threads (default: cores - 1).
     #[arg(long)]
     cold_threads: Option<usize>,
@@ -280,78 +283,74 @@ fn open_model(path: &Path) -> Result<Model> {
     Model::open(path).with_context(|| format!("cannot open model {}", path.display()))
 }
 
-#[derive(PartialEq)]
-enum EngineKind {
-    Pipeline,
-    Gpu,
-    Reference,
-}
-
-fn check_engine(engine: &str) -> Result<EngineKind> {
-    match engine {
-        "pipeline" => Ok(EngineKind::Pipeline),
-        "gpu" => Ok(EngineKind::Gpu),
-        "reference" => Ok(EngineKind::Reference),
-        other => bail!("unknown engine '{other}' (available: pipeline, gpu, reference)"),
+/// Typed engine options from the flags and the environment (read here, at the edge):
+/// `MOE_LANES_VRAM_LIMIT_MIB` (simulate a smaller GPU), `MOE_LANES_GPU_PROFILE=1` (per-stage
+/// GPU profile), `MOE_LANES_FAULT` (fault injection, e.g. `hot_error:1,gpu_lost:3`) and the
+/// pipeline's A/B switches.
+fn engine_options(model: &Model, args: &EngineArgs, n_positions: usize) -> Result<EngineOptions> {
+    let mut opts = EngineOptions::new(n_positions);
+    opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
+    opts.learn_counts = args.learn.as_deref().map(|p| learn_counts(p, model)).transpose()?;
+    opts.learn_tokens = args.learn_tokens;
+    opts.hot = hot_choice(model, args)?;
+    opts.cold_threads = args.cold_threads.unwrap_or_else(moe_lanes::pipeline::default_cold_workers);
+    opts.perf_mode = args.perf_mode.parse::<PerfMode>().map_err(anyhow::Error::msg)?;
+    opts.pipeline.n_hot_lanes = args.hot_lanes;
+    opts.pipeline.cold_kernels = args.cold_kernels.parse::<ColdKernels>().map_err(anyhow::Error::msg)?;
+    opts.pipeline.switches = PolicySwitches::from_env();
+    opts.gpu.perf_mode = opts.perf_mode;
+    opts.gpu.profile = std::env::var_os("MOE_LANES_GPU_PROFILE").is_some_and(|v| v != "0" && !v.is_empty());
+    if let Ok(spec) = std::env::var("MOE_LANES_FAULT") {
+        opts.gpu.faults = spec.parse::<GpuFaults>().context("MOE_LANES_FAULT")?;
     }
+    if let Ok(mib) = std::env::var("MOE_LANES_VRAM_LIMIT_MIB") {
+        let mib: u64 =
+            mib.parse().with_context(|| format!("MOE_LANES_VRAM_LIMIT_MIB={mib}: expected MiB"))?;
+        opts.vram_limit_bytes = Some(mib << 20);
+    }
+    Ok(opts)
 }
 
-/// The hot set `--hot-experts` or `--hot-fraction` (with `--learn`) describe.
-fn hot_set_of(model: &Model, args: &EngineArgs) -> Result<HotSet> {
+fn hot_choice(model: &Model, args: &EngineArgs) -> Result<HotChoice> {
     let c = model.config();
-    let learn = match &args.learn {
-        Some(path) => Some(PerfReport::read(path, Some(c.n_experts))?),
-        None => None,
-    };
-    Ok(if let Some(path) = &args.hot_experts {
-        HotSet::from_experts_file(path, c.n_layers, c.n_experts, args.hot_lanes)?
-    } else {
-        HotSet::from_fraction(
-            c.n_layers,
-            c.n_experts,
-            args.hot_lanes,
-            args.hot_fraction.unwrap_or(0.0),
-            learn.as_ref(),
-        )?
+    if let Some(path) = &args.hot_experts {
+        return Ok(HotChoice::Set(HotSet::from_experts_file(path, c.n_layers, c.n_experts, args.hot_lanes)?));
+    }
+    Ok(match (args.hot_budget_mib, args.hot_fraction) {
+        (Some(-1), _) => HotChoice::Budget(HotBudget::Auto),
+        (Some(mib), _) if mib >= 0 => HotChoice::Budget(HotBudget::Bytes(mib as u64 * (1 << 20))),
+        (Some(mib), _) => bail!("--hot-budget-mib {mib}: expected a size in MiB or -1 for auto"),
+        (None, Some(f)) if (0.0..=1.0).contains(&f) => HotChoice::Budget(HotBudget::Fraction(f)),
+        (None, Some(f)) => bail!("--hot-fraction {f}: expected a value in 0..=1"),
+        (None, None) => HotChoice::None,
     })
 }
 
-fn build_pipeline(model: Model, args: &EngineArgs) -> Result<Pipeline> {
-    let hot_set = hot_set_of(&model, args)?;
-    let options = PipelineOptions {
-        hot_set: Some(hot_set),
-        n_hot_lanes: args.hot_lanes,
-        n_cold_workers: args.cold_threads.unwrap_or_else(moe_lanes::pipeline::default_cold_workers),
-        perf_mode: args.perf_mode.parse::<PerfMode>().map_err(anyhow::Error::msg)?,
-        cold_kernels: args.cold_kernels.parse::<ColdKernels>().map_err(anyhow::Error::msg)?,
-        switches: PolicySwitches::from_env(),
-        ..PipelineOptions::default()
-    };
-    Ok(Pipeline::new(Arc::new(model), options)?)
+/// Build the engine the flags describe and say on stderr which one runs (and why not the GPU).
+fn open_engine<'m>(
+    model: &'m Arc<Model>,
+    opts: EngineOptions,
+) -> Result<(Box<dyn Engine + 'm>, BuildReport)> {
+    let wanted = opts.kind;
+    let (engine, report) = build_engine(model, opts)?;
+    if let Some(reason) = &report.gpu_unavailable {
+        if wanted.is_some() || report.kind != EngineKind::Reference {
+            eprintln!("GPU engine unavailable ({reason}); running the {} engine", report.kind);
+        }
+    }
+    eprintln!(
+        "engine: {} on {} ({} hot experts from {})",
+        report.kind,
+        engine.device(),
+        report.n_hot_experts,
+        report.hot_source
+    );
+    Ok((engine, report))
 }
 
-/// A GPU session with the hot set the engine flags describe. `Err` carries the reason the GPU
-/// cannot be used (no driver, a failure at start), which callers print before falling back.
-fn gpu_session<'m>(
-    model: &'m Model,
-    args: &EngineArgs,
-    n_positions: usize,
-) -> Result<moe_lanes::gpu::GpuSession<'m>, String> {
-    use moe_lanes::gpu::{GpuSession, HotAssignment, SessionError};
-    let c = model.config();
-    let hot_set = hot_set_of(model, args).map_err(|e| e.to_string())?;
-    let hot = HotAssignment::from_fn(c.n_layers, c.n_experts, |l, e| hot_set.layers[l].is_hot(e));
-    let cold_threads = args.cold_threads.unwrap_or_else(moe_lanes::pipeline::default_cold_workers);
-    GpuSession::new(model, &hot, cold_threads, n_positions).map_err(|e| match e {
-        SessionError::NoGpu(reason) => format!("GPU engine unavailable ({reason})"),
-        other => format!("GPU engine failed at start ({other})"),
-    })
-}
-
-fn write_perf(pipeline: &Pipeline, path: &Option<PathBuf>) -> Result<()> {
-    if let Some(path) = path {
-        std::fs::write(path, pipeline.perf().to_json())
-            .with_context(|| format!("cannot write {}", path.display()))?;
+fn write_perf(engine: &dyn Engine, path: &Option<PathBuf>) -> Result<()> {
+    if let (Some(path), Some(perf)) = (path, engine.perf()) {
+        std::fs::write(path, perf.to_json()).with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
 }
@@ -431,88 +430,42 @@ fn inspect(args: InspectArgs) -> Result<()> {
 }
 
 fn logits(args: LogitsArgs) -> Result<()> {
-    let mut kind = check_engine(&args.engine.engine)?;
-    let model = open_model(&args.model)?;
-    if kind == EngineKind::Gpu {
-        match gpu_session(&model, &args.engine, args.tokens.len()) {
-            Ok(mut session) => {
-                let logits = session.logits(&args.tokens)?;
-                return out!(
-                    "{}",
-                    serde_json::to_string(&serde_json::json!({ "tokens": args.tokens, "logits": logits }))?
-                );
-            }
-            Err(reason) => {
-                eprintln!("{reason}; falling back to the CPU pipeline engine");
-                kind = EngineKind::Pipeline;
-            }
-        }
-    }
-    if kind == EngineKind::Pipeline {
-        let mut pipeline = build_pipeline(model, &args.engine)?;
-        let mut cache = pipeline.new_cache();
-        let logits = pipeline.forward(&mut cache, &args.tokens, Phase::Prefill)?;
-        let out = serde_json::json!({ "tokens": args.tokens, "logits": logits });
-        out!("{}", serde_json::to_string(&out)?)?;
-        return write_perf(&pipeline, &args.engine.perf_json);
-    }
-    let reference = Reference::new(&model)?;
-    let mut cache = reference.new_cache();
-    let logits = reference.forward(&mut cache, &args.tokens, &mut NoObserver)?;
-    let out = serde_json::json!({ "tokens": args.tokens, "logits": logits });
+    let model = Arc::new(open_model(&args.model)?);
+    let opts = engine_options(&model, &args.engine, args.tokens.len())?;
+    let (mut engine, _) = open_engine(&model, opts)?;
+    let mut cache = engine.new_cache(args.tokens.len())?;
+    let logits = engine.forward(&args.tokens, Phase::Prefill, &mut cache)?;
+    let out = serde_json::json!({ "tokens": args.tokens, "logits": logits.rows() });
     out!("{}", serde_json::to_string(&out)?)?;
-    Ok(())
+    write_perf(engine.as_ref(), &args.engine.perf_json)
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
-    let mut kind = check_engine(&args.engine.engine)?;
-    let model = open_model(&args.model)?;
-    if kind == EngineKind::Gpu {
-        match gpu_session(&model, &args.engine, args.tokens.len() + args.max_new_tokens) {
-            Ok(mut session) => {
-                let tokens = session.generate(&args.tokens, args.max_new_tokens)?;
-                return out!("{}", serde_json::json!({ "tokens": tokens }));
-            }
-            Err(reason) => {
-                eprintln!("{reason}; falling back to the CPU pipeline engine");
-                kind = EngineKind::Pipeline;
-            }
-        }
-    }
-    if kind == EngineKind::Pipeline {
-        let mut pipeline = build_pipeline(model, &args.engine)?;
-        let tokens = pipeline.generate(&args.tokens, args.max_new_tokens)?;
-        out!("{}", serde_json::json!({ "tokens": tokens }))?;
-        return write_perf(&pipeline, &args.engine.perf_json);
-    }
-    let reference = Reference::new(&model)?;
-    let tokens = reference.generate(&args.tokens, args.max_new_tokens)?;
+    let model = Arc::new(open_model(&args.model)?);
+    let opts = engine_options(&model, &args.engine, args.tokens.len() + args.max_new_tokens)?;
+    let (mut engine, _) = open_engine(&model, opts)?;
+    let tokens = engine.generate(&args.tokens, args.max_new_tokens)?;
     out!("{}", serde_json::json!({ "tokens": tokens }))?;
-    Ok(())
+    write_perf(engine.as_ref(), &args.engine.perf_json)
 }
 
 fn learn(args: LearnArgs) -> Result<()> {
-    let model = open_model(&args.model)?;
+    let model = Arc::new(open_model(&args.model)?);
     let tokens = if args.tokens.is_empty() {
         moe_lanes::inspect::sample_tokens(model.config().vocab, args.n_tokens)
     } else {
         args.tokens.clone()
     };
-    let engine = EngineArgs {
-        engine: "pipeline".into(),
-        hot_fraction: Some(0.0),
-        learn: None,
-        hot_experts: None,
-        hot_lanes: 1,
-        cold_threads: args.cold_threads,
-        perf_json: Some(args.out.clone()),
-        perf_mode: "full".into(),
-        cold_kernels: "simd".into(),
-    };
-    let mut pipeline = build_pipeline(model, &engine)?;
-    let mut cache = pipeline.new_cache();
-    pipeline.forward(&mut cache, &tokens, Phase::Prefill)?;
-    write_perf(&pipeline, &engine.perf_json)?;
+    let mut opts = EngineOptions::new(tokens.len());
+    opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
+    if opts.kind == Some(EngineKind::Reference) {
+        bail!("learn needs an engine with perf state: gpu or pipeline");
+    }
+    opts.cold_threads = args.cold_threads.unwrap_or_else(moe_lanes::pipeline::default_cold_workers);
+    let (mut engine, _) = open_engine(&model, opts)?;
+    let mut cache = engine.new_cache(tokens.len())?;
+    engine.forward(&tokens, Phase::Prefill, &mut cache)?;
+    write_perf(engine.as_ref(), &Some(args.out.clone()))?;
     eprintln!("learned {} tokens -> {}", tokens.len(), args.out.display());
     Ok(())
 }
@@ -565,39 +518,25 @@ fn demo(args: DemoArgs) -> Result<()> {
             path
         }
     };
-    let model = open_model(&path)?;
+    let model = Arc::new(open_model(&path)?);
     out_raw!("{}", InspectReport::new(&model).to_text())?;
     let prompt = moe_lanes::inspect::sample_tokens(model.config().vocab, 8);
-    // Half of every layer's experts hot: on the GPU when one is usable, else on the CPU hot lane.
-    let engine = EngineArgs {
-        engine: "gpu".into(),
-        hot_fraction: Some(0.5),
-        learn: None,
-        hot_experts: None,
-        hot_lanes: 1,
-        cold_threads: None,
-        perf_json: None,
-        perf_mode: "full".into(),
-        cold_kernels: "simd".into(),
-    };
     let expected = Reference::new(&model)?.generate(&prompt, args.max_new_tokens)?;
+    // Half of every layer's experts hot: on the GPU when one is usable, else on the CPU hot lane.
+    let mut opts = EngineOptions::new(prompt.len() + args.max_new_tokens);
+    opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
+    opts.hot = HotChoice::Budget(HotBudget::Fraction(0.5));
     let start = Instant::now();
-    let (label, tokens) = match gpu_session(&model, &engine, prompt.len() + args.max_new_tokens) {
-        Ok(mut session) => {
-            (format!("gpu ({})", session.device_name()), session.generate(&prompt, args.max_new_tokens)?)
-        }
-        Err(reason) => {
-            eprintln!("{reason}; running the CPU pipeline engine");
-            let mut pipeline = build_pipeline(model, &engine)?;
-            ("pipeline (CPU lanes)".to_string(), pipeline.generate(&prompt, args.max_new_tokens)?)
-        }
-    };
+    let (mut engine, _) = open_engine(&model, opts)?;
+    let tokens = engine.generate(&prompt, args.max_new_tokens)?;
     let seconds = start.elapsed().as_secs_f64();
     out!("prompt    {prompt:?}")?;
     out!("generated {tokens:?}")?;
     out!("matches the reference forward pass: {}", if tokens == expected { "yes" } else { "NO" })?;
     out!(
-        "engine {label}: {} tokens in {:.3} s ({:.1} tokens/s, model upload included)",
+        "engine {} ({}): {} tokens in {:.3} s ({:.1} tokens/s, model upload included)",
+        engine.kind(),
+        engine.device(),
         tokens.len(),
         seconds,
         (prompt.len() + tokens.len()) as f64 / seconds
@@ -627,49 +566,50 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
 }
 
 fn bench(args: BenchArgs) -> Result<()> {
-    use moe_lanes::bench::{run_bench, BenchOptions, HotBudget};
-    let budget = match (args.hot_budget_mib, args.hot_fraction) {
-        (Some(-1), _) => HotBudget::Auto,
-        (Some(mib), _) if mib >= 0 => HotBudget::Bytes(mib as u64 * (1 << 20)),
-        (Some(mib), _) => bail!("--hot-budget-mib {mib}: expected a size in MiB or -1 for auto"),
-        (None, Some(f)) if (0.0..=1.0).contains(&f) => HotBudget::Fraction(f),
-        (None, Some(f)) => bail!("--hot-fraction {f}: expected a value in 0..=1"),
-        (None, None) => HotBudget::Auto,
+    use moe_lanes::bench::{run_bench, BenchOptions};
+    let model = Arc::new(open_model(&args.model)?);
+    let mut opts = engine_options(&model, &args.engine, args.prompt_tokens + args.gen_tokens)?;
+    if matches!(opts.hot, HotChoice::None) && args.engine.hot_experts.is_none() {
+        opts.hot = HotChoice::Budget(HotBudget::Auto);
+    }
+    let budget = match opts.hot {
+        HotChoice::Budget(b) => Some(b),
+        _ => None,
     };
-    let model = open_model(&args.model)?;
-    let cold_threads = args
-        .cold_threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    let opts = BenchOptions {
-        budget,
-        learn_counts: match &args.learn {
-            Some(path) => Some(learn_counts(path, &model)?),
-            None => None,
-        },
+    let cold_threads = opts.cold_threads;
+    let (mut engine, build) = open_engine(&model, opts)?;
+    let bench_opts = BenchOptions {
         n_prompt_tokens: args.prompt_tokens,
         n_gen_tokens: args.gen_tokens,
         n_runs: args.runs,
+        budget,
         cold_threads,
-        learn_tokens: args.learn_tokens,
+        simd: moe_lanes_kernels::simd::SimdLevel::from_env_or_detect()?.name().to_string(),
     };
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template("{spinner} bench [{bar:30}] {pos}/{len} phases {elapsed}")
             .expect("valid template"),
     );
-    let report = run_bench(&model, &opts, &mut |done, total| {
+    let report = run_bench(engine.as_mut(), &build, &model, &bench_opts, &mut |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     });
     bar.finish_and_clear();
-    let report =
-        report.context("bench needs a CUDA GPU; run `moe-lanes bench-kernels` for the CPU lane alone")?;
+    let report = report?;
+    if let Some(text) = engine_profile(engine.as_ref()) {
+        eprintln!("== GPU stage profile (MOE_LANES_GPU_PROFILE, timed runs and warm-up) ==\n{text}");
+    }
     if args.json {
         out!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
         out_raw!("{}", report.to_text())?;
     }
-    Ok(())
+    write_perf(engine.as_ref(), &args.engine.perf_json)
+}
+
+fn engine_profile(engine: &dyn Engine) -> Option<String> {
+    engine.profile_report()
 }
 
 /// Per-layer expert counts from a learn file, checked against the model.

@@ -141,4 +141,7 @@ impl Engine for GpuEngine {
     fn set_copy_logits(&mut self, on: bool) {
         self.gpu.set_copy_logits(on);
     }
+    fn profile_report(&self) -> Option<String> {
+        self.gpu.profile_report()
+    }
 }

@@ -175,6 +175,10 @@ pub trait Engine {
     fn apply_exchanges(&mut self) -> Result<usize, EngineError>;
     /// Whether forward calls copy logits rows back (default on); off: only greedy tokens.
     fn set_copy_logits(&mut self, _on: bool) {}
+    /// The per-stage GPU profile, when the engine records one.
+    fn profile_report(&self) -> Option<String> {
+        None
+    }
 
     /// Greedy generation from a fresh cache: prefill `prompt` (Prefill), then decode `n_new`
     /// tokens one at a time (Decode).

@@ -57,6 +57,36 @@ impl GpuFaults {
     }
 }
 
+/// A `MOE_LANES_FAULT` entry that is not `NAME:NUMBER` with a known name.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("fault '{entry}': expected NAME:N with NAME one of hot_error, hot_timeout, cold_error, cold_panic, worklist, gpu_lost")]
+pub struct BadFault {
+    pub entry: String,
+}
+
+impl std::str::FromStr for GpuFaults {
+    type Err = BadFault;
+    /// `hot_error:1,cold_panic:0,gpu_lost:3` (layers, and the call number for `gpu_lost`).
+    fn from_str(s: &str) -> Result<GpuFaults, BadFault> {
+        let mut f = GpuFaults::default();
+        for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let bad = || BadFault { entry: entry.to_string() };
+            let (name, n) = entry.split_once(':').ok_or_else(bad)?;
+            let n: usize = n.parse().map_err(|_| bad())?;
+            match name {
+                "hot_error" => f.hot_error_layer = Some(n),
+                "hot_timeout" => f.hot_timeout_layer = Some(n),
+                "cold_error" => f.cold_error_layer = Some(n),
+                "cold_panic" => f.cold_panic_layer = Some(n),
+                "worklist" => f.corrupt_worklist_layer = Some(n),
+                "gpu_lost" => f.gpu_lost_at_call = Some(n as u64),
+                _ => return Err(bad()),
+            }
+        }
+        Ok(f)
+    }
+}
+
 /// Engine switches.
 #[derive(Debug, Clone, Copy)]
 pub struct GpuOptions {
