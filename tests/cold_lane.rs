@@ -31,18 +31,18 @@ fn random_slots(seed: u64, n_rows: usize, n_experts: usize, k: usize) -> Vec<Col
 fn pool_cold_lane_equals_plain_cold_lane() {
     let dir = tempfile::tempdir().unwrap();
     for arch in ARCHS {
-        let model = Model::open(&synth_tiny(dir.path(), arch, SynthFormat::Gguf, 4)).unwrap();
+        let model = std::sync::Arc::new(Model::open(&synth_tiny(dir.path(), arch, SynthFormat::Gguf, 4)).unwrap());
         let c = model.config().clone();
-        let mut plain = CpuColdExperts::new(&model).unwrap();
-        let mut pool = PoolColdExperts::new(&model, 3).unwrap();
+        let mut plain = CpuColdExperts::new(model.clone());
+        let mut pool = PoolColdExperts::new(model.clone(), 3).unwrap();
         for (call_idx, n_rows) in [1usize, 5, 17, 1, 0].into_iter().enumerate() {
             let hidden: Vec<f32> =
                 (0..n_rows * c.hidden).map(|i| ((i * 7919 + call_idx) % 97) as f32 / 48.0 - 1.0).collect();
             let slots = random_slots(call_idx as u64 + 3, n_rows, c.n_experts, c.n_experts_used);
             let layer_idx = call_idx % c.n_layers;
             let (mut a, mut b) = (vec![0.0; hidden.len()], vec![0.0; hidden.len()]);
-            plain.compute(layer_idx, &hidden, &slots, &mut a);
-            pool.compute(layer_idx, &hidden, &slots, &mut b);
+            plain.compute(layer_idx, &hidden, &slots, &mut a).unwrap();
+            pool.compute(layer_idx, &hidden, &slots, &mut b).unwrap();
             if n_rows > 0 {
                 let err = max_rel_err(&[b.clone()], &[a.clone()]);
                 // BF16 weights with f32 activations; avx512bf16 rounds activations to bf16.
