@@ -584,7 +584,11 @@ fn bench(args: BenchArgs) -> Result<()> {
         n_runs: args.runs,
         budget,
         cold_threads,
-        simd: moe_lanes_kernels::simd::SimdLevel::from_env_or_detect()?.name().to_string(),
+        simd: moe_lanes::expert_math::exact_unless_forced(
+            moe_lanes_kernels::simd::SimdLevel::from_env_or_detect()?,
+        )
+        .name()
+        .to_string(),
     };
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(

@@ -31,7 +31,8 @@ fn random_slots(seed: u64, n_rows: usize, n_experts: usize, k: usize) -> Vec<Col
 fn pool_cold_lane_equals_plain_cold_lane() {
     let dir = tempfile::tempdir().unwrap();
     for arch in ARCHS {
-        let model = std::sync::Arc::new(Model::open(&synth_tiny(dir.path(), arch, SynthFormat::Gguf, 4)).unwrap());
+        let model =
+            std::sync::Arc::new(Model::open(&synth_tiny(dir.path(), arch, SynthFormat::Gguf, 4)).unwrap());
         let c = model.config().clone();
         let mut plain = CpuColdExperts::new(model.clone());
         let mut pool = PoolColdExperts::new(model.clone(), 3).unwrap();

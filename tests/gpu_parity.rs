@@ -24,8 +24,16 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 const REL_TOL: f32 = 2e-3;
-const FIXTURES: [&str; 8] =
-    ["qwen3_moe_a", "qwen3_moe_b", "mixtral_a", "mixtral_b", "olmoe_a", "olmoe_b", "qwen2_moe_a", "qwen2_moe_b"];
+const FIXTURES: [&str; 8] = [
+    "qwen3_moe_a",
+    "qwen3_moe_b",
+    "mixtral_a",
+    "mixtral_b",
+    "olmoe_a",
+    "olmoe_b",
+    "qwen2_moe_a",
+    "qwen2_moe_b",
+];
 const N_DECODE: usize = 3;
 
 fn fixtures_dir() -> PathBuf {
@@ -140,7 +148,8 @@ fn run_hot(hot: Hot) {
     for name in FIXTURES {
         let model = open(name);
         let c = model.config().clone();
-        let mut engine = gpu_engine(&model, HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts)), GpuFaults::default());
+        let mut engine =
+            gpu_engine(&model, HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts)), GpuFaults::default());
         worst = worst.max(check_against_reference(&format!("{name} {hot:?}"), &model, engine.as_mut()));
         let perf = engine.perf().unwrap();
         let fallbacks: u64 = perf.report().layers.iter().map(|l| l.parallel_fallbacks).sum();
@@ -172,7 +181,11 @@ fn exchanges_keep_output_exact() {
     for name in FIXTURES {
         let model = open(name);
         let c = model.config().clone();
-        let mut engine = gpu_engine(&model, HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts)), GpuFaults::default());
+        let mut engine = gpu_engine(
+            &model,
+            HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts)),
+            GpuFaults::default(),
+        );
         check_against_reference(&format!("{name} before"), &model, engine.as_mut());
         for l in 0..c.n_layers {
             let set = engine.hot_set().unwrap();
@@ -201,7 +214,8 @@ fn run_fault(faults: GpuFaults, reason: FallbackReason) {
     for name in FIXTURES {
         let model = open(name);
         let c = model.config().clone();
-        let mut engine = gpu_engine(&model, HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts)), faults);
+        let mut engine =
+            gpu_engine(&model, HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts)), faults);
         check_against_reference(&format!("{name} {faults:?}"), &model, engine.as_mut());
         let n = engine.perf().unwrap().fallbacks(reason);
         assert!(n > 0, "{name}: the {reason:?} fallback was counted ({faults:?})");
@@ -215,7 +229,10 @@ fn fault_hot_lane_error() {
 
 #[test]
 fn fault_hot_lane_timeout() {
-    run_fault(GpuFaults { hot_timeout_layer: Some(0), ..Default::default() }, FallbackReason::LaneUnavailable);
+    run_fault(
+        GpuFaults { hot_timeout_layer: Some(0), ..Default::default() },
+        FallbackReason::LaneUnavailable,
+    );
 }
 
 #[test]
@@ -246,7 +263,8 @@ fn perf_json_of_a_gpu_run() {
     }
     let model = open("qwen3_moe_a");
     let c = model.config().clone();
-    let mut engine = gpu_engine(&model, HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts)), GpuFaults::default());
+    let mut engine =
+        gpu_engine(&model, HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts)), GpuFaults::default());
     let prompt = prompt(model.path());
     engine.generate(&prompt, 4).unwrap();
     let json = engine.perf().unwrap().to_json();

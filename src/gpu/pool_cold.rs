@@ -60,7 +60,7 @@ impl PoolColdExperts {
         Ok(PoolColdExperts {
             model,
             pool: ColdPool::new(n_threads.max(1)),
-            level: SimdLevel::from_env_or_detect()?,
+            level: crate::moe::expert_math::exact_unless_forced(SimdLevel::from_env_or_detect()?),
             act,
             dtype,
             token_idx: vec![Vec::new(); c.n_experts],

@@ -224,10 +224,7 @@ impl SimdCompute {
             expert_idx: 0,
             reason: "MOE_LANES_SIMD names a SIMD level this CPU lacks",
         })?;
-        // The AVX-512 BF16 kernel rounds activations to BF16 (about 1e-3 relative), outside the
-        // pipeline's 1e-4 contract with the reference: use it only when asked for by name.
-        let forced = std::env::var_os(moe_lanes_kernels::SIMD_ENV_VAR).is_some();
-        let level = if level == SimdLevel::Avx512Bf16 && !forced { SimdLevel::Avx512 } else { level };
+        let level = exact_unless_forced(level);
         let act = match model.adapter().activation {
             FfnActivation::Silu => Activation::Silu,
             // The plain kernel's GELU is the tanh form; keep the two kernels equal.
@@ -236,6 +233,17 @@ impl SimdCompute {
         let c = model.config();
         let dims = FfnDims { hidden: c.hidden, ff: c.expert_ff };
         Ok(SimdCompute { model, dims, level, act, dtype })
+    }
+}
+
+/// The AVX-512 BF16 kernel rounds activations to BF16 (about 1e-3 relative), outside the
+/// engines' contract with the reference: use it only when `MOE_LANES_SIMD` names a level.
+pub fn exact_unless_forced(level: SimdLevel) -> SimdLevel {
+    let forced = std::env::var_os(moe_lanes_kernels::SIMD_ENV_VAR).is_some();
+    if level == SimdLevel::Avx512Bf16 && !forced {
+        SimdLevel::Avx512
+    } else {
+        level
     }
 }
 
