@@ -155,3 +155,64 @@ fn demo_creates_the_default_model_on_first_use_and_matches_the_reference() {
     }
     assert!(home.path().join("default-qwen3moe-small.gguf").exists());
 }
+
+/// `bench --json` runs on whatever engine is usable (the CPU pipeline without a GPU) and reports
+/// the same keys; `fallbacks` counts real fallbacks (an injected corrupted worklist on the
+/// pipeline cannot be injected from the CLI, so a clean run must report zero and a learn file
+/// must drive the plan).
+#[test]
+fn bench_json_runs_without_a_gpu_with_the_same_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("b.gguf");
+    ok_stdout(&["synth", "--out", p(&model)]);
+    let learn = dir.path().join("learn.json");
+    ok_stdout(&[
+        "learn",
+        "--model",
+        p(&model),
+        "--n-tokens",
+        "32",
+        "--out",
+        p(&learn),
+        "--engine",
+        "pipeline",
+    ]);
+    let args = [
+        "bench",
+        "--model",
+        p(&model),
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "--runs",
+        "1",
+        "--json",
+        "--engine",
+        "pipeline",
+    ];
+    let mut args = args.to_vec();
+    args.extend(["--learn", p(&learn), "--hot-budget-mib", "1"]);
+    let v: serde_json::Value = serde_json::from_str(&ok_stdout(&args)).unwrap();
+    for key in [
+        "device",
+        "engine",
+        "pp_tokens_per_s",
+        "tg_tokens_per_s",
+        "hit_rate",
+        "overlap_us",
+        "join_wait_us",
+        "fallbacks",
+        "hot_bytes",
+        "planned_hit_rate",
+    ] {
+        assert!(v.get(key).is_some(), "bench --json lacks {key}: {v}");
+    }
+    assert_eq!(v["device"], "cpu");
+    assert_eq!(v["engine"], "pipeline");
+    assert_eq!(v["fallbacks"], 0);
+    assert_eq!(v["learn_source"], "learn file");
+    assert!(v["tg_tokens_per_s"].as_f64().unwrap() > 0.0);
+    let bad = failure(&["generate", "--model", p(&model), "--tokens", "1", "--engine", "warp"]);
+    assert!(bad.contains("unknown engine 'warp'"), "{bad}");
+}

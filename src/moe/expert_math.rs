@@ -238,7 +238,8 @@ impl SimdCompute {
 
 /// The AVX-512 BF16 kernel rounds activations to BF16 (about 1e-3 relative), outside the
 /// engines' contract with the reference: use it only when `MOE_LANES_SIMD` names a level.
-pub fn exact_unless_forced(level: SimdLevel) -> SimdLevel {
+pub fn exact_unless_forced(level: moe_lanes_kernels::SimdLevel) -> moe_lanes_kernels::SimdLevel {
+    use moe_lanes_kernels::SimdLevel;
     let forced = std::env::var_os(moe_lanes_kernels::SIMD_ENV_VAR).is_some();
     if level == SimdLevel::Avx512Bf16 && !forced {
         SimdLevel::Avx512
