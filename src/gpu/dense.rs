@@ -164,7 +164,7 @@ impl GpuModel {
             RoutingVariant::TopKThenSoftmax => RouteVariant::TopKThenSoftmax,
         };
         let s = self.scratch.as_mut().expect("reserved");
-        let (ids, wts) = (route_ids(s.ids.ptr(), s.cap, k, l, t), route_ids(s.weights.ptr(), s.cap, k, l, t));
+        let (ids, wts) = (route_ids(s.ids.ptr(), k, l, t), route_ids(s.weights.ptr(), k, l, t));
         self.be.rmsnorm(s.hidden.ptr(), self.w.layers[l].ffn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
         if zero_moe {
             self.be.zero(s.moe_out.ptr().sub(0, t * h))?;
@@ -208,7 +208,8 @@ impl GpuModel {
     }
 }
 
-/// Layer `l`'s section of a `[n_layers, cap * k]` routing buffer, first `t * k` entries.
-pub(crate) fn route_ids<T>(all: DPtr<T>, cap: usize, k: usize, l: usize, t: usize) -> DPtr<T> {
-    all.sub(l * cap * k, t * k)
+/// Layer `l`'s section of a routing buffer laid out `[n_layers, t * k]` for a call of `t`
+/// tokens (so the perf state copies exactly the call's ids, every layer at once).
+pub(crate) fn route_ids<T>(all: DPtr<T>, k: usize, l: usize, t: usize) -> DPtr<T> {
+    all.sub(l * t * k, t * k)
 }

@@ -367,7 +367,7 @@ impl GpuModel {
         self.stats = ForwardStats { n_tokens: t, prefill: phase != Phase::Decode, layers, total_us };
         if self.perf.mode() != PerfMode::Off {
             let s = self.scratch.as_mut().expect("reserved");
-            let stride = s.cap * self.cfg.n_experts_used;
+            let stride = t * self.cfg.n_experts_used;
             let n = self.cfg.n_layers * stride;
             self.host.route_ids.resize(n, 0);
             self.be.read(s.ids.ptr().sub(0, n), &mut self.host.route_ids)?;

@@ -116,7 +116,7 @@ impl GpuModel {
         let n_ent = t * k;
         let s = self.scratch.as_ref().expect("reserved");
         let (lay, wi) = (s.layout, s.work_i.ptr());
-        let ids = route_ids(s.ids.ptr(), s.cap, k, l, t);
+        let ids = route_ids(s.ids.ptr(), k, l, t);
         let (p_slots, p_toks) = (wi.sub(lay.slots, n_ent), wi.sub(lay.tokens, n_ent));
         let (p_off, p_rows) = (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
         self.be.hot_worklist_tokens(self.hot.map_dev(l), ids, t, k, e_n, p_slots, p_toks, p_off, p_rows)?;
@@ -124,7 +124,7 @@ impl GpuModel {
         self.be.record(&self.lane_events[l].start)?;
         self.records[l].hot_at = Some(Instant::now());
         if let Some(c) = self.hot.slots(l) {
-            let wts = route_ids(s.weights.ptr(), s.cap, k, l, t);
+            let wts = route_ids(s.weights.ptr(), k, l, t);
             let out = if direct { s.hidden.ptr() } else { s.moe_out.ptr() };
             // entries routed to cold experts have slot -1: the kernels skip them
             let hot = || -> Result<(), GpuError> {
@@ -368,9 +368,9 @@ impl GpuModel {
         hs.cold_in.resize(t * h, 0.0);
         self.be.read(s.normed.ptr().sub(0, t * h), &mut hs.cold_in)?;
         hs.route_ids.resize(t * k, 0);
-        self.be.read(route_ids(s.ids.ptr(), s.cap, k, l, t), &mut hs.route_ids[..t * k])?;
+        self.be.read(route_ids(s.ids.ptr(), k, l, t), &mut hs.route_ids[..t * k])?;
         hs.work_f.resize(hs.work_f.len().max(t * k), 0.0);
-        self.be.read(route_ids(s.weights.ptr(), s.cap, k, l, t), &mut hs.work_f[..t * k])?;
+        self.be.read(route_ids(s.weights.ptr(), k, l, t), &mut hs.work_f[..t * k])?;
         hs.cold_slots.clear();
         for (i, (&e, &w)) in hs.route_ids[..t * k].iter().zip(&hs.work_f[..t * k]).enumerate() {
             if e < 0 || e as usize >= self.cfg.n_experts {
