@@ -293,7 +293,7 @@ fn engine_options(model: &Model, args: &EngineArgs, n_positions: usize) -> Resul
     opts.learn_counts = args.learn.as_deref().map(|p| learn_counts(p, model)).transpose()?;
     opts.learn_tokens = args.learn_tokens;
     opts.hot = hot_choice(model, args)?;
-    opts.cold_threads = args.cold_threads.unwrap_or_else(moe_lanes::pipeline::default_cold_workers);
+    opts.cold_threads = args.cold_threads;
     opts.perf_mode = args.perf_mode.parse::<PerfMode>().map_err(anyhow::Error::msg)?;
     opts.pipeline.n_hot_lanes = args.hot_lanes;
     opts.pipeline.cold_kernels = args.cold_kernels.parse::<ColdKernels>().map_err(anyhow::Error::msg)?;
@@ -461,7 +461,7 @@ fn learn(args: LearnArgs) -> Result<()> {
     if opts.kind == Some(EngineKind::Reference) {
         bail!("learn needs an engine with perf state: gpu or pipeline");
     }
-    opts.cold_threads = args.cold_threads.unwrap_or_else(moe_lanes::pipeline::default_cold_workers);
+    opts.cold_threads = args.cold_threads;
     let (mut engine, _) = open_engine(&model, opts)?;
     let mut cache = engine.new_cache(tokens.len())?;
     engine.forward(&tokens, Phase::Prefill, &mut cache)?;
@@ -576,14 +576,13 @@ fn bench(args: BenchArgs) -> Result<()> {
         HotChoice::Budget(b) => Some(b),
         _ => None,
     };
-    let cold_threads = opts.cold_threads;
     let (mut engine, build) = open_engine(&model, opts)?;
     let bench_opts = BenchOptions {
         n_prompt_tokens: args.prompt_tokens,
         n_gen_tokens: args.gen_tokens,
         n_runs: args.runs,
         budget,
-        cold_threads,
+        cold_threads: build.cold_threads,
         simd: moe_lanes::expert_math::exact_unless_forced(
             moe_lanes_kernels::simd::SimdLevel::from_env_or_detect()?,
         )

@@ -54,7 +54,9 @@ pub struct EngineOptions {
     pub learn_counts: Option<Vec<Vec<u64>>>,
     pub learn_tokens: usize,
     pub weighting: WeightMode,
-    pub cold_threads: usize,
+    /// Cold-lane threads; `None`: every core for the GPU engine (its driver thread only waits),
+    /// cores - 1 for the pipeline (its hot lane has a thread of its own).
+    pub cold_threads: Option<usize>,
     /// Positions the caller's sessions need (sizes the KV cache the auto budget leaves room for).
     pub n_positions: usize,
     pub perf_mode: PerfMode,
@@ -67,19 +69,18 @@ pub struct EngineOptions {
 
 impl EngineOptions {
     pub fn new(n_positions: usize) -> EngineOptions {
-        let pipeline = PipelineOptions::default();
         EngineOptions {
             kind: None,
             hot: HotChoice::None,
             learn_counts: None,
             learn_tokens: 256,
             weighting: WeightMode::Flat,
-            cold_threads: pipeline.n_cold_workers,
+            cold_threads: None,
             n_positions,
             perf_mode: PerfMode::Full,
             gpu: GpuOptions::default(),
             vram_limit_bytes: None,
-            pipeline,
+            pipeline: PipelineOptions::default(),
         }
     }
 }
@@ -92,6 +93,8 @@ pub struct BuildReport {
     pub gpu_unavailable: Option<String>,
     pub hot_source: &'static str,
     pub n_hot_experts: usize,
+    /// Threads of the cold lane.
+    pub cold_threads: usize,
     /// The budget planned for, in bytes (after `auto` was resolved).
     pub budget_bytes: Option<u64>,
     pub planned_hit_rate: Option<f64>,
@@ -128,6 +131,7 @@ pub fn build_engine<'m>(
             gpu_unavailable: None,
             hot_source: "none (oracle)",
             n_hot_experts: 0,
+            cold_threads: 0,
             budget_bytes: None,
             planned_hit_rate: None,
             learn_counts: None,
@@ -197,13 +201,20 @@ fn hot_lists(set: &HotSet) -> Vec<Vec<usize>> {
     set.layers.iter().map(|l| (0..set.n_experts).filter(|&e| l.is_hot(e)).collect()).collect()
 }
 
-fn report(kind: EngineKind, lists: &[Vec<usize>], plan: Plan, model: &Model) -> BuildReport {
+fn report(
+    kind: EngineKind,
+    lists: &[Vec<usize>],
+    plan: Plan,
+    model: &Model,
+    cold_threads: usize,
+) -> BuildReport {
     let hot = HotPlan { layers: lists.to_vec(), expert_bytes: model.expert_bytes() as u64, budget_bytes: 0 };
     BuildReport {
         kind,
         gpu_unavailable: None,
         hot_source: plan.source,
         n_hot_experts: hot.n_slots(),
+        cold_threads,
         budget_bytes: plan.budget_bytes,
         planned_hit_rate: plan.counts.as_ref().map(|c| hot.expected_hit_rate(c)),
         learn_counts: plan.counts,
@@ -212,16 +223,13 @@ fn report(kind: EngineKind, lists: &[Vec<usize>], plan: Plan, model: &Model) -> 
 
 fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline, BuildReport), EngineError> {
     let c = model.config();
-    let base = PipelineOptions {
-        perf_mode: opts.perf_mode,
-        n_cold_workers: opts.cold_threads,
-        ..opts.pipeline.clone()
-    };
+    let n_cold_workers = opts.cold_threads.unwrap_or(opts.pipeline.n_cold_workers);
+    let base = PipelineOptions { perf_mode: opts.perf_mode, n_cold_workers, ..opts.pipeline.clone() };
     let mut src = CpuSource { model, opts, base: &base };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;
     let set = HotSet::from_lists(c.n_layers, c.n_experts, base.n_hot_lanes, &lists);
     let pipeline = Pipeline::new(model.clone(), PipelineOptions { hot_set: Some(set), ..base })?;
-    Ok((pipeline, report(EngineKind::Pipeline, &lists, plan, model)))
+    Ok((pipeline, report(EngineKind::Pipeline, &lists, plan, model, n_cold_workers)))
 }
 
 struct CpuSource<'a> {
@@ -288,12 +296,14 @@ fn build_gpu(
         check_budget(model, n_positions, device_bytes, b)?;
     }
     let mut gm = GpuModel::new(model.clone(), be.clone(), opts.gpu)?;
-    let mut cold = PoolColdExperts::new(model.clone(), opts.cold_threads)?;
+    let all_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut cold = PoolColdExperts::new(model.clone(), opts.cold_threads.unwrap_or(all_cores))?;
     gm.reserve_tokens(n_positions.min(MAX_BATCH_TOKENS))?;
     let mut src = GpuSource { gm: &mut gm, cold: &mut cold, opts, n_positions };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;
     gm.allocate_hot(&HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists))?;
-    Ok((GpuEngine::new(model.clone(), gm, cold)?, report(EngineKind::Gpu, &lists, plan, model)))
+    let report = report(EngineKind::Gpu, &lists, plan, model, cold.n_threads());
+    Ok((GpuEngine::new(model.clone(), gm, cold)?, report))
 }
 
 fn device_limit(total: u64, limit: Option<u64>) -> u64 {
