@@ -178,6 +178,7 @@ pub fn run_bench(
     for _ in 0..4 {
         next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
     }
+    engine.reset_profile();
     let (mut pp_rates, mut tg_rates) = (Vec::new(), Vec::new());
     let (mut pp, mut tg) = (LaneTotals::default(), LaneTotals::default());
     let total_ticks = 2 * opts.n_runs as u64;

@@ -601,7 +601,7 @@ fn bench(args: BenchArgs) -> Result<()> {
     bar.finish_and_clear();
     let report = report?;
     if let Some(text) = engine_profile(engine.as_ref()) {
-        eprintln!("== GPU stage profile (MOE_LANES_GPU_PROFILE, timed runs and warm-up) ==\n{text}");
+        eprintln!("== GPU stage profile (MOE_LANES_GPU_PROFILE, timed runs, warm-up excluded) ==\n{text}");
     }
     if args.json {
         out!("{}", serde_json::to_string_pretty(&report)?)?;

@@ -144,4 +144,7 @@ impl Engine for GpuEngine {
     fn profile_report(&self) -> Option<String> {
         self.gpu.profile_report()
     }
+    fn reset_profile(&mut self) {
+        self.gpu.reset_profile();
+    }
 }

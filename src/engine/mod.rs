@@ -179,6 +179,8 @@ pub trait Engine {
     fn profile_report(&self) -> Option<String> {
         None
     }
+    /// Start the per-stage profile over (after a warm-up, say).
+    fn reset_profile(&mut self) {}
 
     /// Greedy generation from a fresh cache: prefill `prompt` (Prefill), then decode `n_new`
     /// tokens one at a time (Decode).

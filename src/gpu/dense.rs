@@ -150,12 +150,15 @@ impl GpuModel {
 
     /// FFN norm, router GEMV and top-k on the GPU into layer `l`'s routing section; when the
     /// host needs the routing (`to_host`), queue its copy and record `route_ready`.
+    /// `rows_to_host` also queues the FFN-normed rows to pinned memory (decode on the device
+    /// path with cold slots), ready at the same event.
     pub(crate) fn route(
         &mut self,
         l: usize,
         t: usize,
         zero_moe: bool,
         to_host: bool,
+        rows_to_host: bool,
     ) -> Result<(), GpuError> {
         let c = &self.cfg;
         let (h, e_n, k) = (c.hidden, c.n_experts, c.n_experts_used);
@@ -186,6 +189,9 @@ impl GpuModel {
             unsafe {
                 self.be.read_async(ids, &mut s.pin_ids, t * k)?;
                 self.be.read_async(wts, &mut s.pin_w, t * k)?;
+                if rows_to_host {
+                    self.be.read_async(s.normed.ptr(), &mut s.pin_cold_in, t * h)?;
+                }
             }
             self.be.record(&self.route_ready)?;
         }

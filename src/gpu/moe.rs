@@ -66,10 +66,7 @@ impl GpuModel {
         // residual stream (no zero fill, no add).
         let direct = device_path && all_hot && self.w.layers[l].shared.is_none();
         let to_host = !(device_path && all_hot);
-        self.route(l, t, !direct, to_host)?;
-        if device_path && to_host {
-            self.rows_to_host(t)?;
-        }
+        self.route(l, t, !direct, to_host, device_path && to_host)?;
         self.shared_expert(l, phase, t)?;
         self.mark(l, 5)?;
         let outcome =
@@ -89,17 +86,6 @@ impl GpuModel {
             self.be.add(s.hidden.ptr(), s.moe_out.ptr(), t * self.cfg.hidden)?;
         }
         self.mark(l, 9)?;
-        Ok(())
-    }
-
-    /// Queue the FFN-normed rows to pinned memory (device path with cold slots), ready at
-    /// `cold_ready`.
-    fn rows_to_host(&mut self, t: usize) -> Result<(), GpuError> {
-        let s = self.scratch.as_mut().expect("reserved");
-        // SAFETY: `pin_cold_in` is read on the host only after `cold_ready` (recorded right
-        // below) is synchronised; the scratch outlives the call.
-        unsafe { self.be.read_async(s.normed.ptr(), &mut s.pin_cold_in, t * self.cfg.hidden)? };
-        self.be.record(&self.cold_ready)?;
         Ok(())
     }
 
@@ -153,7 +139,6 @@ impl GpuModel {
         }
         let split_at = Instant::now();
         self.route_ready.synchronize()?;
-        self.cold_ready.synchronize()?;
         // The hot lane cannot start on the GPU before routing is done: place it now.
         self.records[l].hot_at = Some(Instant::now());
         self.records[l].gpu_joined = true;
