@@ -214,32 +214,52 @@ impl LaneSet {
         overlap_work: impl FnOnce(),
     ) -> Result<(), LayerFailure> {
         let sent_at = Instant::now();
-        let (call_idx, layer_idx, n_tokens) =
-            (self.input.call_idx, self.input.layer_idx, self.input.n_tokens);
-        let hidden = self.hidden;
         let hot_reduce = merge == MergeKind::ReduceMerge;
         let cold_reduce = compact_cold_reduce || merge == MergeKind::ReduceMerge;
-        let mut n_sent = 0usize;
         let mut failure: Option<LayerFailure> = None;
         self.reduced.iter_mut().for_each(|r| *r = false);
-        // Hot lanes.
+        let mut n_sent = self.send_hot(sent_at, hot_reduce, &mut failure);
+        let (n_cold_sent, driver_range) = self.send_cold(sent_at, cold_reduce, &mut failure);
+        n_sent += n_cold_sent;
+        let mut windows = LaneWindows::default();
+        if let Some(w) = self.run_driver_share(driver_range, cold_reduce, &mut failure) {
+            windows.cold = Some(w);
+        }
+        overlap_work();
+        let wait_from = Instant::now();
+        self.join_lanes(n_sent, &mut windows, &mut failure);
+        let joined_at = Instant::now();
+        if let Some(f) = failure {
+            self.send_buffers_home();
+            return Err(f);
+        }
+        self.merge(self.input.n_tokens, out);
+        self.send_buffers_home();
+        windows.fill(timing, sent_at, wait_from, joined_at, Instant::now());
+        Ok(())
+    }
+
+    /// Send each busy hot lane its section. Returns how many tasks went out.
+    fn send_hot(&mut self, sent_at: Instant, reduce: bool, failure: &mut Option<LayerFailure>) -> usize {
+        let mut n_sent = 0;
         for (lane_idx, lane) in self.hot.iter_mut().enumerate() {
             let count = self.input.worklist.hot[lane_idx].hot_count;
             if count == 0 {
                 continue;
             }
+            let out = lane.buf.take().unwrap_or_else(|| fresh_buffer(count, self.max_tokens, self.hidden));
             let task = LaneTask {
                 input: self.input.clone(),
                 range: 0..count,
-                reduce_into_tokens: hot_reduce,
-                out: lane.buf.take().unwrap_or_else(|| fresh_buffer(count, self.max_tokens, hidden)),
+                reduce_into_tokens: reduce,
+                out,
                 sent_at,
             };
             let tx = lane.tx.as_ref().expect("hot lanes have threads");
             match tx.try_send(HotMsg::Task(task)) {
                 Ok(()) => {
                     n_sent += 1;
-                    self.reduced[lane_idx] = hot_reduce;
+                    self.reduced[lane_idx] = reduce;
                 }
                 Err(e) => {
                     if let HotMsg::Task(t) = e.into_inner() {
@@ -252,11 +272,20 @@ impl LaneSet {
                 }
             }
         }
-        // Cold pool: split the cold prefix evenly over the workers.
+        n_sent
+    }
+
+    /// Split the cold prefix evenly over the workers and send their shares; the driver's share
+    /// (worker 0 without a thread) is returned, not sent. Returns (tasks sent, driver range).
+    fn send_cold(
+        &mut self,
+        sent_at: Instant,
+        reduce: bool,
+        failure: &mut Option<LayerFailure>,
+    ) -> (usize, std::ops::Range<usize>) {
         let cold_count = self.input.worklist.cold_count;
-        let n_workers = self.cold.len();
-        let chunk = cold_count.div_ceil(n_workers).max(1);
-        let mut driver_range = 0..0;
+        let chunk = cold_count.div_ceil(self.cold.len()).max(1);
+        let (mut n_sent, mut driver_range) = (0, 0..0);
         for (w, lane) in self.cold.iter_mut().enumerate() {
             let range = (w * chunk).min(cold_count)..((w + 1) * chunk).min(cold_count);
             if range.is_empty() {
@@ -266,17 +295,14 @@ impl LaneSet {
                 driver_range = range;
                 continue;
             };
-            let task = LaneTask {
-                input: self.input.clone(),
-                range: range.clone(),
-                reduce_into_tokens: cold_reduce,
-                out: lane.buf.take().unwrap_or_else(|| fresh_buffer(range.len(), self.max_tokens, hidden)),
-                sent_at,
-            };
+            let out =
+                lane.buf.take().unwrap_or_else(|| fresh_buffer(range.len(), self.max_tokens, self.hidden));
+            let task =
+                LaneTask { input: self.input.clone(), range, reduce_into_tokens: reduce, out, sent_at };
             match tx.try_send(ColdMsg::Task(task)) {
                 Ok(()) => {
                     n_sent += 1;
-                    self.reduced[MAX_HOT_LANES + w] = cold_reduce;
+                    self.reduced[MAX_HOT_LANES + w] = reduce;
                 }
                 Err(e) => {
                     if let ColdMsg::Task(t) = e.into_inner() {
@@ -289,56 +315,55 @@ impl LaneSet {
                 }
             }
         }
-        let (mut hot_start, mut hot_end, mut cold_start, mut cold_end) =
-            (None::<Instant>, None::<Instant>, None::<Instant>, None::<Instant>);
-        // The driver's own cold share, while the lanes run.
-        if !driver_range.is_empty() {
-            if let Some((compute, scratch)) = self.driver_cold.as_mut() {
-                let started_at = Instant::now();
-                let mut out = self.cold[0]
-                    .buf
-                    .take()
-                    .unwrap_or_else(|| fresh_buffer(driver_range.len(), self.max_tokens, hidden));
-                let lane = LaneId::Cold(0);
-                let result = super::lanes::run_cold_task(
-                    &**compute,
-                    lane,
-                    &self.input,
-                    driver_range,
-                    cold_reduce,
-                    &mut out,
-                    scratch,
-                );
-                cold_start = Some(started_at);
-                cold_end = Some(Instant::now());
-                self.reduced[MAX_HOT_LANES] = cold_reduce;
-                self.returned[MAX_HOT_LANES] = Some(out);
-                if let Err(e) = result {
-                    failure.get_or_insert(LayerFailure {
-                        reason: FallbackReason::LaneFailed,
-                        detail: e.to_string(),
-                    });
-                }
-            }
+        (n_sent, driver_range)
+    }
+
+    /// The driver's own cold share, computed while the lanes run. Returns its time window.
+    fn run_driver_share(
+        &mut self,
+        range: std::ops::Range<usize>,
+        reduce: bool,
+        failure: &mut Option<LayerFailure>,
+    ) -> Option<(Instant, Instant)> {
+        if range.is_empty() {
+            return None;
         }
-        overlap_work();
-        // Join: wait for every lane that got a task.
-        let wait_from = Instant::now();
+        let (compute, scratch) = self.driver_cold.as_mut()?;
+        let started_at = Instant::now();
+        let mut out = self.cold[0]
+            .buf
+            .take()
+            .unwrap_or_else(|| fresh_buffer(range.len(), self.max_tokens, self.hidden));
+        let result = super::lanes::run_cold_task(
+            &**compute,
+            LaneId::Cold(0),
+            &self.input,
+            range,
+            reduce,
+            &mut out,
+            scratch,
+        );
+        let window = (started_at, Instant::now());
+        self.reduced[MAX_HOT_LANES] = reduce;
+        self.returned[MAX_HOT_LANES] = Some(out);
+        if let Err(e) = result {
+            failure.get_or_insert(LayerFailure { reason: FallbackReason::LaneFailed, detail: e.to_string() });
+        }
+        Some(window)
+    }
+
+    /// Wait for every lane that got a task (up to [`LANE_TIMEOUT`]), taking their buffers and
+    /// widening the lanes' time windows; late answers from an earlier layer go home.
+    fn join_lanes(&mut self, n_sent: usize, windows: &mut LaneWindows, failure: &mut Option<LayerFailure>) {
+        let (call_idx, layer_idx) = (self.input.call_idx, self.input.layer_idx);
         let mut n_done = 0;
         while n_done < n_sent {
-            let done = match recv_spin(&self.done_rx, self.spin, Some(LANE_TIMEOUT)) {
-                Ok(d) => d,
-                Err(_) => {
-                    failure.get_or_insert(LayerFailure {
-                        reason: FallbackReason::LaneUnavailable,
-                        detail: format!(
-                            "{} lane(s) did not answer within {:?}",
-                            n_sent - n_done,
-                            LANE_TIMEOUT
-                        ),
-                    });
-                    break;
-                }
+            let Ok(done) = recv_spin(&self.done_rx, self.spin, Some(LANE_TIMEOUT)) else {
+                failure.get_or_insert(LayerFailure {
+                    reason: FallbackReason::LaneUnavailable,
+                    detail: format!("{} lane(s) did not answer within {:?}", n_sent - n_done, LANE_TIMEOUT),
+                });
+                break;
             };
             if done.call_idx != call_idx || done.layer_idx != layer_idx {
                 // A late answer from a layer that already fell back: take its buffer home.
@@ -346,46 +371,15 @@ impl LaneSet {
                 continue;
             }
             n_done += 1;
-            let (start, end) = match done.lane {
-                LaneId::Hot(_) => (&mut hot_start, &mut hot_end),
-                LaneId::Cold(_) => (&mut cold_start, &mut cold_end),
-            };
-            *start = Some(start.map_or(done.started_at, |s| s.min(done.started_at)));
-            *end = Some(end.map_or(done.finished_at, |e| e.max(done.finished_at)));
+            windows.widen(done.lane, done.started_at, done.finished_at);
             if let Err(e) = &done.result {
                 failure.get_or_insert(LayerFailure {
                     reason: FallbackReason::LaneFailed,
                     detail: e.to_string(),
                 });
             }
-            let idx = buffer_idx(done.lane);
-            self.returned[idx] = Some(done.out);
+            self.returned[buffer_idx(done.lane)] = Some(done.out);
         }
-        let joined_at = Instant::now();
-        if let Some(f) = failure {
-            self.send_buffers_home();
-            return Err(f);
-        }
-        self.merge(n_tokens, out);
-        self.send_buffers_home();
-        let merged_at = Instant::now();
-        let us = |a: Instant, b: Instant| b.saturating_duration_since(a).as_micros() as u64;
-        timing.hot_us = match (hot_start, hot_end) {
-            (Some(s), Some(e)) => us(s, e),
-            _ => 0,
-        };
-        timing.cold_us = match (cold_start, cold_end) {
-            (Some(s), Some(e)) => us(s, e),
-            _ => 0,
-        };
-        timing.overlap_us = match (hot_start, hot_end, cold_start, cold_end) {
-            (Some(hs), Some(he), Some(cs), Some(ce)) => us(hs.max(cs), he.min(ce)),
-            _ => 0,
-        };
-        timing.join_wait_us = us(wait_from, joined_at);
-        timing.merge_us = us(joined_at, merged_at);
-        timing.wall_us = us(sent_at, merged_at);
-        Ok(())
     }
 
     fn merge(&mut self, n_tokens: usize, out: &mut [f32]) {
@@ -489,5 +483,43 @@ impl Drop for LaneSet {
         {
             let _ = t.join();
         }
+    }
+}
+
+/// When the hot lanes and the cold lanes ran (earliest start, latest finish of each kind).
+#[derive(Default)]
+struct LaneWindows {
+    hot: Option<(Instant, Instant)>,
+    cold: Option<(Instant, Instant)>,
+}
+
+impl LaneWindows {
+    fn widen(&mut self, lane: LaneId, start: Instant, end: Instant) {
+        let w = match lane {
+            LaneId::Hot(_) => &mut self.hot,
+            LaneId::Cold(_) => &mut self.cold,
+        };
+        *w = Some(w.map_or((start, end), |(s, e)| (s.min(start), e.max(end))));
+    }
+
+    /// Lane, overlap, join-wait, merge and wall times, read off the message timestamps.
+    fn fill(
+        &self,
+        t: &mut LayerTiming,
+        sent_at: Instant,
+        wait_from: Instant,
+        joined_at: Instant,
+        merged_at: Instant,
+    ) {
+        let us = |a: Instant, b: Instant| b.saturating_duration_since(a).as_micros() as u64;
+        t.hot_us = self.hot.map_or(0, |(s, e)| us(s, e));
+        t.cold_us = self.cold.map_or(0, |(s, e)| us(s, e));
+        t.overlap_us = match (self.hot, self.cold) {
+            (Some((hs, he)), Some((cs, ce))) => us(hs.max(cs), he.min(ce)),
+            _ => 0,
+        };
+        t.join_wait_us = us(wait_from, joined_at);
+        t.merge_us = us(joined_at, merged_at);
+        t.wall_us = us(sent_at, merged_at);
     }
 }

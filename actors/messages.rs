@@ -13,9 +13,9 @@ pub const LANE_MAILBOX_CAPACITY: usize = 2;
 /// `ceil(max_tokens * k / n_workers) * hidden` floats.
 pub const MAX_COLD_WORKERS: usize = 64;
 
-/// Most tokens one lane computes together per expert (the group is split beyond it). Each
-/// worker's scratch holds `GROUP_TOKENS_MAX * (2 * ff + 2 * hidden)` floats.
-pub const GROUP_TOKENS_MAX: usize = 64;
+/// Most tokens one lane computes together per expert: defined with the expert math that
+/// sizes its scratch.
+pub use crate::moe::expert_math::GROUP_TOKENS_MAX;
 
 /// How long the join waits for a lane before the layer falls back to all-cold. Generous: a
 /// cold lane over a large prompt on a slow machine can take seconds per layer.

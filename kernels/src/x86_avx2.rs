@@ -23,6 +23,9 @@ pub(crate) fn rows_per_tile(n_tokens: usize) -> usize {
 /// Largest token block of one tile.
 pub(crate) const MAX_TILE_TOKENS: usize = 6;
 
+// SAFETY (callers): the CPU must have the target features named below (callers check
+// the detected SIMD level first) and every pointer argument must cover the rows and columns
+// the shape arguments describe (the safe wrappers in `ffn.rs` build them from slices).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn load8<const DT: u8>(row: *const u8, col: usize) -> __m256 {
@@ -70,6 +73,9 @@ fn load_scalar<const DT: u8>(row: *const u8, col: usize) -> f32 {
 }
 
 /// Register-blocked `R x T` tile: each weight vector is loaded once and applied to `T` tokens.
+// SAFETY (callers): the CPU must have the target features named below (callers check
+// the detected SIMD level first) and every pointer argument must cover the rows and columns
+// the shape arguments describe (the safe wrappers in `ffn.rs` build them from slices).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_rt<const DT: u8, const R: usize, const T: usize>(
     rows: *const *const u8,
@@ -128,6 +134,9 @@ unsafe fn tile_rt<const DT: u8, const R: usize, const T: usize>(
 /// `<< 16` yields the even columns as f32 and `& 0xFFFF0000` the odd ones (two cheap ALU ops
 /// per 16 weights instead of two widening shuffles and two shifts). The activations are split
 /// into even/odd columns once per step and shared by all `R` rows.
+// SAFETY (callers): the CPU must have the target features named below (callers check
+// the detected SIMD level first) and every pointer argument must cover the rows and columns
+// the shape arguments describe (the safe wrappers in `ffn.rs` build them from slices).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_bf16_split_rt<const R: usize, const T: usize>(
     rows: *const *const u8,
@@ -202,6 +211,9 @@ unsafe fn tile_bf16_split_rt<const R: usize, const T: usize>(
     }
 }
 
+// SAFETY (callers): the CPU must have the target features named below (callers check
+// the detected SIMD level first) and every pointer argument must cover the rows and columns
+// the shape arguments describe (the safe wrappers in `ffn.rs` build them from slices).
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_dtype<const DT: u8>(
     rows: &[*const u8],

@@ -23,6 +23,9 @@ pub(crate) fn rows_per_tile(n_tokens: usize) -> usize {
 /// Largest token block of one tile.
 pub(crate) const MAX_TILE_TOKENS: usize = 6;
 
+// SAFETY (callers): the CPU must have the target features named below (callers check
+// the detected SIMD level first) and every pointer argument must cover the rows and columns
+// the shape arguments describe (the safe wrappers in `ffn.rs` build them from slices).
 #[inline]
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn load16<const DT: u8>(row: *const u8, col: usize) -> __m512 {
@@ -53,6 +56,9 @@ fn load_scalar<const DT: u8>(row: *const u8, col: usize) -> f32 {
 }
 
 /// Register-blocked `R x T` tile with f32 FMAs.
+// SAFETY (callers): the CPU must have the target features named below (callers check
+// the detected SIMD level first) and every pointer argument must cover the rows and columns
+// the shape arguments describe (the safe wrappers in `ffn.rs` build them from slices).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn tile_rt<const DT: u8, const R: usize, const T: usize>(
     rows: *const *const u8,
@@ -109,6 +115,9 @@ unsafe fn tile_rt<const DT: u8, const R: usize, const T: usize>(
 }
 
 /// Register-blocked `R x T` BF16 tile with `vdpbf16ps` (32 columns per step).
+// SAFETY (callers): the CPU must have the target features named below (callers check
+// the detected SIMD level first) and every pointer argument must cover the rows and columns
+// the shape arguments describe (the safe wrappers in `ffn.rs` build them from slices).
 #[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
 unsafe fn tile_bf16dot_rt<const R: usize, const T: usize>(
     rows: *const *const u8,
@@ -185,6 +194,9 @@ macro_rules! dispatch_shapes {
     };
 }
 
+// SAFETY (callers): the CPU must have the target features named below (callers check
+// the detected SIMD level first) and every pointer argument must cover the rows and columns
+// the shape arguments describe (the safe wrappers in `ffn.rs` build them from slices).
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 unsafe fn tile_dtype<const DT: u8>(
     rows: &[*const u8],

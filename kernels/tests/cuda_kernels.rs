@@ -35,6 +35,9 @@ fn backend() -> Option<&'static CudaBackend> {
 
 struct CudaBackendBox(CudaBackend);
 // Tests share one backend; every call binds the context to the calling thread first.
+// SAFETY: tests share one backend; every call binds the context to the calling thread
+// first and the tests run one at a time on it (`--test-threads=1` on the GPU machine),
+// so no two threads drive the stream at once.
 unsafe impl Sync for CudaBackendBox {}
 unsafe impl Send for CudaBackendBox {}
 
@@ -597,16 +600,23 @@ fn pinned_async_round_trip_and_events() {
     let mut p = be.alloc_pinned::<f32>(n).unwrap();
     let (a, b) = (be.event().unwrap(), be.event().unwrap());
     be.record(&a).unwrap();
-    unsafe { be.read_async(d.ptr(), &mut p, n).unwrap() };
+    be.read_async(d.ptr(), &mut p, n).unwrap();
     be.record(&b).unwrap();
     b.synchronize().unwrap();
-    assert_eq!(p.as_slice(), &x[..]);
+    assert_eq!(p.as_slice().unwrap(), &x[..]);
     assert!(a.elapsed_ms(&b).unwrap() >= 0.0);
-    p.as_mut_slice().iter_mut().for_each(|v| *v *= 2.0);
+    p.as_mut_slice().unwrap().iter_mut().for_each(|v| *v *= 2.0);
     let d2 = be.alloc_zeros::<f32>(n).unwrap();
-    unsafe { be.write_async(&p, n, d2.ptr()).unwrap() };
+    be.write_async(&p, n, d2.ptr()).unwrap();
     let back = be.read_vec(d2.ptr()).unwrap();
     assert_eq!(back, x.iter().map(|v| v * 2.0).collect::<Vec<_>>());
+    // No synchronisation by the caller: the buffer's own fence makes host access wait.
+    let m = 1 << 22;
+    let big = rnd(m, 29);
+    let d_big = be.upload(&big).unwrap();
+    let mut p_big = be.alloc_pinned::<f32>(m).unwrap();
+    be.read_async(d_big.ptr(), &mut p_big, m).unwrap();
+    assert_eq!(p_big.as_slice().unwrap(), &big[..]);
 }
 
 #[test]

@@ -149,7 +149,8 @@ impl GpuModel {
     }
 
     /// FFN norm, router GEMV and top-k on the GPU into layer `l`'s routing section; when the
-    /// host needs the routing (`to_host`), queue its copy and record `route_ready`.
+    /// host needs the routing (`to_host`), queue its copy to pinned memory (the pinned buffers'
+    /// accessors wait for it).
     /// `rows_to_host` also queues the FFN-normed rows to pinned memory (decode on the device
     /// path with cold slots), ready at the same event.
     pub(crate) fn route(
@@ -183,17 +184,11 @@ impl GpuModel {
         )?;
         self.be.route_topk(s.router_logits.ptr(), t, e_n, k, variant, c.norm_topk_prob, ids, wts)?;
         if to_host {
-            // SAFETY: the pinned buffers are read on the host only after `route_ready` (recorded
-            // right below, after these copies) has been synchronised, and are not freed before:
-            // the scratch lives until the next `reserve_tokens`, which runs between calls.
-            unsafe {
-                self.be.read_async(ids, &mut s.pin_ids, t * k)?;
-                self.be.read_async(wts, &mut s.pin_w, t * k)?;
-                if rows_to_host {
-                    self.be.read_async(s.normed.ptr(), &mut s.pin_cold_in, t * h)?;
-                }
+            self.be.read_async(ids, &mut s.pin_ids, t * k)?;
+            self.be.read_async(wts, &mut s.pin_w, t * k)?;
+            if rows_to_host {
+                self.be.read_async(s.normed.ptr(), &mut s.pin_cold_in, t * h)?;
             }
-            self.be.record(&self.route_ready)?;
         }
         self.mark(l, 4)?;
         Ok(())

@@ -18,7 +18,7 @@ use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::phase::Phase;
 use crate::reference::ForwardError;
-use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, GpuEvent};
+use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -125,8 +125,6 @@ pub struct GpuModel {
     pub(crate) scratch: Option<Scratch>,
     pub(crate) host: HostScratch,
     pub(crate) lane_events: Vec<LaneEvents>,
-    pub(crate) cold_ready: GpuEvent,
-    pub(crate) route_ready: GpuEvent,
     pub(crate) records: Vec<LayerRecord>,
     pub(crate) stats: ForwardStats,
     pub(crate) perf: PerfState,
@@ -153,8 +151,6 @@ impl GpuModel {
             .map(|_| Ok(LaneEvents { start: be.event()?, end: be.event()? }))
             .collect::<Result<Vec<_>, GpuError>>()?;
         let mut gm = GpuModel {
-            cold_ready: be.event()?,
-            route_ready: be.event()?,
             adapter: model.adapter(),
             perf: PerfState::new(opts.perf_mode, cfg.n_layers, cfg.n_experts, cfg.n_experts_used),
             fallback_cold: CpuColdExperts::new(model.clone()),

@@ -138,7 +138,7 @@ impl GpuModel {
             return Ok(());
         }
         let split_at = Instant::now();
-        self.route_ready.synchronize()?;
+        self.wait_routes()?;
         // The hot lane cannot start on the GPU before routing is done: place it now.
         self.records[l].hot_at = Some(Instant::now());
         self.records[l].gpu_joined = true;
@@ -167,8 +167,8 @@ impl GpuModel {
         let faults = self.opts.faults;
         let cold_start = Instant::now();
         let hs = &mut self.host;
-        let normed = &s.pin_cold_in.as_slice()[..t * h];
-        let out = &mut s.pin_cold_out.as_mut_slice()[..t * h];
+        let normed = &s.pin_cold_in.as_slice()?[..t * h];
+        let out = &mut s.pin_cold_out.as_mut_slice()?[..t * h];
         out.fill(0.0);
         if n_rows == t {
             call_cold(cold, &faults, l, normed, &hs.cold_slots, out).map_err(|_| COLD_FAILED)?;
@@ -186,10 +186,7 @@ impl GpuModel {
             }
         }
         self.records[l].cold = Some((cold_start, Instant::now()));
-        // SAFETY: `pin_cold_out` is next written by the host in a later layer, after that
-        // layer's `route_ready` / `cold_ready` synchronisation, which orders after this copy on
-        // the one stream; the scratch outlives the call.
-        unsafe { self.be.write_async(&s.pin_cold_out, t * h, s.cold_out.ptr())? };
+        self.be.write_async(&s.pin_cold_out, t * h, s.cold_out.ptr())?;
         self.be.add(s.moe_out.ptr(), s.cold_out.ptr(), t * h)?;
         Ok(())
     }
@@ -197,7 +194,7 @@ impl GpuModel {
     /// Host path: worklist built and checked on the host, hot lane by grouped GEMMs, cold lane
     /// on the CPU meanwhile, join on the host with a timeout.
     fn moe_host(&mut self, l: usize, t: usize, cold: &mut dyn ColdExperts) -> Result<(), LayerFault> {
-        self.route_ready.synchronize()?;
+        self.wait_routes()?;
         let split_at = Instant::now();
         self.host_worklist(l, t, WorklistOrder::ExpertMajor)?;
         self.records[l].worklist_us = split_at.elapsed().as_secs_f64() * 1e6;
@@ -246,9 +243,7 @@ impl GpuModel {
         if n_cold_rows > 0 {
             let rows = s.work_i.ptr().sub(s.layout.cold_rows, n_cold_rows);
             self.be.gather_rows(s.normed.ptr(), rows, s.cold_in.ptr(), n_cold_rows, h)?;
-            // SAFETY: read on the host only after `cold_ready` (recorded below) is synchronised.
-            unsafe { self.be.read_async(s.cold_in.ptr(), &mut s.pin_cold_in, n_cold_rows * h)? };
-            self.be.record(&self.cold_ready)?;
+            self.be.read_async(s.cold_in.ptr(), &mut s.pin_cold_in, n_cold_rows * h)?;
         }
         Ok(n_cold_rows)
     }
@@ -295,19 +290,22 @@ impl GpuModel {
         cold: &mut dyn ColdExperts,
     ) -> Result<(), LayerFault> {
         let h = self.cfg.hidden;
-        self.cold_ready.synchronize()?;
-        let cold_start = Instant::now();
         let s = self.scratch.as_mut().expect("reserved");
-        let out = &mut s.pin_cold_out.as_mut_slice()[..n_rows * h];
+        let input = &s.pin_cold_in.as_slice()?[..n_rows * h];
+        let cold_start = Instant::now();
+        let out = &mut s.pin_cold_out.as_mut_slice()?[..n_rows * h];
         out.fill(0.0);
-        let input = &s.pin_cold_in.as_slice()[..n_rows * h];
         call_cold(cold, &self.opts.faults, l, input, &self.host.cold_slots, out).map_err(|_| COLD_FAILED)?;
         self.records[l].cold = Some((cold_start, Instant::now()));
-        // SAFETY: `pin_cold_out` is next written after a later synchronisation that orders after
-        // this copy on the one stream; the scratch outlives the call.
-        unsafe { self.be.write_async(&s.pin_cold_out, n_rows * h, s.cold_out.ptr())? };
+        self.be.write_async(&s.pin_cold_out, n_rows * h, s.cold_out.ptr())?;
         let rows = s.work_i.ptr().sub(s.layout.cold_rows, n_rows);
         self.be.scatter_add_rows(s.cold_out.ptr(), rows, s.moe_out.ptr(), n_rows, h)?;
+        Ok(())
+    }
+
+    /// Wait until the layer's routing is on the host (its copy is the last before the split).
+    fn wait_routes(&self) -> Result<(), GpuError> {
+        self.scratch.as_ref().expect("reserved").pin_w.as_slice()?;
         Ok(())
     }
 
@@ -317,14 +315,14 @@ impl GpuModel {
         let s = self.scratch.as_ref().expect("reserved");
         let hs = &mut self.host;
         hs.expert_ids.clear();
-        for &e in &s.pin_ids.as_slice()[..t * k] {
+        for &e in &s.pin_ids.as_slice()?[..t * k] {
             if e < 0 || e as usize >= e_n {
                 return Err(GpuError::BadRoute { layer_idx: l, expert_id: e }.into());
             }
             hs.expert_ids.push(e as u32);
         }
         let layer = self.hot.layer(l);
-        let wts = &s.pin_w.as_slice()[..t * k];
+        let wts = &s.pin_w.as_slice()?[..t * k];
         let shape = LayerFault::Fallback { reason: FallbackReason::Shape, plain: false };
         hs.worklist.build(&hs.expert_ids, wts, t, k, Some(layer), order).map_err(|_| shape)?;
         if self.opts.faults.corrupt_worklist_layer == Some(l) {

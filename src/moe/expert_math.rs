@@ -207,8 +207,7 @@ pub struct SimdCompute {
 }
 
 /// Unit token weights for [`SimdCompute`]'s down projection (which accumulates `w * y`).
-static UNIT_WEIGHTS: [f32; crate::actors::messages::GROUP_TOKENS_MAX] =
-    [1.0; crate::actors::messages::GROUP_TOKENS_MAX];
+static UNIT_WEIGHTS: [f32; GROUP_TOKENS_MAX] = [1.0; GROUP_TOKENS_MAX];
 
 impl SimdCompute {
     pub fn new(model: Arc<Model>) -> Result<SimdCompute, ComputeError> {
@@ -235,6 +234,10 @@ impl SimdCompute {
         Ok(SimdCompute { model, dims, level, act, dtype })
     }
 }
+
+/// Most tokens one lane computes together per expert (the group is split beyond it). Each
+/// worker's scratch holds `GROUP_TOKENS_MAX * (2 * ff + 2 * hidden)` floats.
+pub const GROUP_TOKENS_MAX: usize = 64;
 
 /// The AVX-512 BF16 kernel rounds activations to BF16 (about 1e-3 relative), outside the
 /// engines' contract with the reference: use it only when `MOE_LANES_SIMD` names a level.

@@ -203,6 +203,70 @@ pub struct Pipeline {
     max_batch_tokens: usize,
 }
 
+impl Activations {
+    fn new(c: &ModelConfig, m: usize) -> Activations {
+        let sff = c.shared_expert_ff;
+        Activations {
+            hidden: vec![0.0; m * c.hidden],
+            normed: vec![0.0; m * c.hidden],
+            q: vec![0.0; m * c.q_dim()],
+            k: vec![0.0; m * c.kv_dim()],
+            v: vec![0.0; m * c.kv_dim()],
+            attn: vec![0.0; m * c.q_dim()],
+            proj: vec![0.0; m * c.hidden],
+            router_logits: vec![0.0; m * c.n_experts],
+            moe: vec![0.0; m * c.hidden],
+            shared_g: vec![0.0; m * sff],
+            shared_u: vec![0.0; m * sff],
+            shared_y: vec![0.0; m * c.hidden],
+            shared_gate: vec![0.0; m],
+            scores: Vec::new(),
+        }
+    }
+}
+
+type DenseWeights = (Vec<f32>, Vec<f32>, Option<Vec<f32>>, Vec<DenseLayer>);
+
+/// Every non-expert weight decoded to f32: embedding, final norm, lm_head (untied), layers.
+fn load_dense(model: &Model) -> Result<DenseWeights, TensorError> {
+    let embedding = decode(model.global(GlobalRole::TokenEmbedding).expect("validated at open"))?;
+    let final_norm = decode(model.global(GlobalRole::OutputNorm).expect("validated at open"))?;
+    let lm_head = model.global(GlobalRole::Output).map(decode).transpose()?;
+    let layers =
+        (0..model.config().n_layers).map(|l| load_dense_layer(model, l)).collect::<Result<_, _>>()?;
+    Ok((embedding, final_norm, lm_head, layers))
+}
+
+fn load_dense_layer(model: &Model, l: usize) -> Result<DenseLayer, TensorError> {
+    let req = |role| decode(model.required(l, role));
+    let opt = |role| model.layer(l, role).map(decode).transpose();
+    let shared = if model.adapter().shared_expert {
+        Some(SharedExpertWeights {
+            gate: req(LayerRole::SharedGate)?,
+            up: req(LayerRole::SharedUp)?,
+            down: req(LayerRole::SharedDown)?,
+            gate_logit: req(LayerRole::SharedExpertGate)?,
+        })
+    } else {
+        None
+    };
+    Ok(DenseLayer {
+        attn_norm: req(LayerRole::AttnNorm)?,
+        q: req(LayerRole::Q)?,
+        k: req(LayerRole::K)?,
+        v: req(LayerRole::V)?,
+        o: req(LayerRole::O)?,
+        q_bias: opt(LayerRole::QBias)?,
+        k_bias: opt(LayerRole::KBias)?,
+        v_bias: opt(LayerRole::VBias)?,
+        q_norm: opt(LayerRole::QNorm)?,
+        k_norm: opt(LayerRole::KNorm)?,
+        ffn_norm: req(LayerRole::FfnNorm)?,
+        router: req(LayerRole::Router)?,
+        shared,
+    })
+}
+
 fn decode(t: crate::format::tensor::TensorRef<'_>) -> Result<Vec<f32>, TensorError> {
     let mut out = vec![0.0; t.n_elems()];
     t.read_f32_into(0, &mut out)?;
@@ -246,38 +310,7 @@ impl Pipeline {
         if options.max_batch_tokens == 0 {
             return Err(PipelineError::Setup("max_batch_tokens must be at least 1".into()));
         }
-        let embedding = decode(model.global(GlobalRole::TokenEmbedding).expect("validated at open"))?;
-        let final_norm = decode(model.global(GlobalRole::OutputNorm).expect("validated at open"))?;
-        let lm_head = model.global(GlobalRole::Output).map(decode).transpose()?;
-        let mut layers = Vec::with_capacity(c.n_layers);
-        for l in 0..c.n_layers {
-            let req = |role| decode(model.required(l, role));
-            let opt = |role| model.layer(l, role).map(decode).transpose();
-            layers.push(DenseLayer {
-                attn_norm: req(LayerRole::AttnNorm)?,
-                q: req(LayerRole::Q)?,
-                k: req(LayerRole::K)?,
-                v: req(LayerRole::V)?,
-                o: req(LayerRole::O)?,
-                q_bias: opt(LayerRole::QBias)?,
-                k_bias: opt(LayerRole::KBias)?,
-                v_bias: opt(LayerRole::VBias)?,
-                q_norm: opt(LayerRole::QNorm)?,
-                k_norm: opt(LayerRole::KNorm)?,
-                ffn_norm: req(LayerRole::FfnNorm)?,
-                router: req(LayerRole::Router)?,
-                shared: if adapter.shared_expert {
-                    Some(SharedExpertWeights {
-                        gate: req(LayerRole::SharedGate)?,
-                        up: req(LayerRole::SharedUp)?,
-                        down: req(LayerRole::SharedDown)?,
-                        gate_logit: req(LayerRole::SharedExpertGate)?,
-                    })
-                } else {
-                    None
-                },
-            });
-        }
+        let (embedding, final_norm, lm_head, layers) = load_dense(&model)?;
         let m = options.max_batch_tokens;
         let cold: Arc<dyn ColdCompute> = match options.cold_kernels {
             ColdKernels::Plain => Arc::new(PlainCompute::new(model.clone())),
@@ -309,23 +342,7 @@ impl Pipeline {
             },
             m,
         );
-        let sff = c.shared_expert_ff;
-        let act = Activations {
-            hidden: vec![0.0; m * c.hidden],
-            normed: vec![0.0; m * c.hidden],
-            q: vec![0.0; m * c.q_dim()],
-            k: vec![0.0; m * c.kv_dim()],
-            v: vec![0.0; m * c.kv_dim()],
-            attn: vec![0.0; m * c.q_dim()],
-            proj: vec![0.0; m * c.hidden],
-            router_logits: vec![0.0; m * c.n_experts],
-            moe: vec![0.0; m * c.hidden],
-            shared_g: vec![0.0; m * sff],
-            shared_u: vec![0.0; m * sff],
-            shared_y: vec![0.0; m * c.hidden],
-            shared_gate: vec![0.0; m],
-            scores: Vec::new(),
-        };
+        let act = Activations::new(&c, m);
         let updater = UpdaterHandle::start().map_err(|e| PipelineError::Setup(format!("updater: {e}")))?;
         let switches = options.switches;
         Ok(Pipeline {
@@ -610,65 +627,17 @@ impl Pipeline {
     }
 
     fn moe_block(&mut self, l: usize, n: usize, plan: &ExecPlan) -> Result<(), PipelineError> {
-        let c = &self.config;
-        let (h, n_experts, k) = (c.hidden, c.n_experts, c.n_experts_used);
-        let w = &self.layers[l];
-        let a = &mut self.act;
         let mut timing = LayerTiming::default();
-        for t in 0..n {
-            rms_norm_row(
-                &a.hidden[t * h..(t + 1) * h],
-                &w.ffn_norm,
-                c.rms_eps,
-                &mut a.normed[t * h..(t + 1) * h],
-            );
-        }
-        // Router stage.
         let t0 = Instant::now();
-        matmul(&w.router, &a.normed[..n * h], n, h, n_experts, &mut a.router_logits[..n * n_experts]);
-        let routes = self
-            .router
-            .route(&a.router_logits[..n * n_experts], n)
-            .map_err(|e| PipelineError::Setup(e.to_string()))?;
+        self.route_layer(l, n)?;
         let t1 = Instant::now();
-        let hot_layer = &self.hot_set.layers[l];
-        if self.perf.mode() != PerfMode::Off {
-            for &e in &routes.expert_ids {
-                self.perf.record_slot(l, e as usize, hot_layer.is_hot(e as usize));
-            }
-        }
         // Dispatcher stage: the worklist, in the lanes' shared layer input.
-        let mut failure: Option<FallbackReason> = None;
-        match self.lanes.input_mut() {
-            None => failure = Some(FallbackReason::LaneUnavailable),
-            Some(input) => {
-                input.call_idx = self.call_idx;
-                input.layer_idx = l;
-                input.n_tokens = n;
-                input.x[..n * h].copy_from_slice(&a.normed[..n * h]);
-                let built = input.worklist.build(
-                    &routes.expert_ids,
-                    &routes.weights,
-                    n,
-                    k,
-                    Some(hot_layer),
-                    plan.order,
-                );
-                if built.is_err() {
-                    failure = Some(FallbackReason::Shape);
-                } else {
-                    if self.fault.corrupt_worklist_layer == Some(l) {
-                        input.worklist.inject_corruption();
-                    }
-                    if input.worklist.check_consistency(Some(hot_layer)).is_err() {
-                        failure = Some(FallbackReason::Worklist);
-                    }
-                }
-            }
-        }
+        let mut failure = self.dispatch(l, n, plan);
         let t2 = Instant::now();
         timing.routing_us = (t1 - t0).as_micros() as u64;
         timing.worklist_us = (t2 - t1).as_micros() as u64;
+        let (c, w, a) = (&self.config, &self.layers[l], &mut self.act);
+        let h = c.hidden;
         // Shared expert on this thread while the lanes run.
         let shared = w.shared.as_ref();
         let activation = self.adapter.activation;
@@ -705,27 +674,12 @@ impl Pipeline {
             shared_work();
         }
         if let Some(reason) = failure {
-            // All-cold fallback on this thread, from the RAM experts.
             self.perf.record_fallback(l, reason);
-            let routes = self.router.routes();
-            let scratch = &mut self.fallback_scratch;
-            for t in 0..n {
-                let out = &mut a.moe[t * h..(t + 1) * h];
-                out.iter_mut().for_each(|v| *v = 0.0);
-                for j in 0..k {
-                    let (e, wt) = (routes.expert_ids[t * k + j] as usize, routes.weights[t * k + j]);
-                    scratch.xs[..h].copy_from_slice(&a.normed[t * h..(t + 1) * h]);
-                    self.cold
-                        .expert_ffn(l, e, 1, scratch)
-                        .map_err(|e| PipelineError::Setup(format!("all-cold fallback failed: {e}")))?;
-                    for (o, y) in out.iter_mut().zip(&scratch.ys[..h]) {
-                        *o += wt * y;
-                    }
-                }
-            }
+            self.all_cold(l, n)?;
             launched = false;
         }
-        if shared.is_some() {
+        let a = &mut self.act;
+        if self.layers[l].shared.is_some() {
             for t in 0..n {
                 let g = a.shared_gate[t];
                 for (o, y) in a.moe[t * h..(t + 1) * h].iter_mut().zip(&a.shared_y[t * h..(t + 1) * h]) {
@@ -737,6 +691,77 @@ impl Pipeline {
             *x += y;
         }
         self.perf.record_layer_call(l, &timing, launched);
+        Ok(())
+    }
+
+    /// FFN norm and the Router stage of layer `l` (routes kept in the router); counts slots.
+    fn route_layer(&mut self, l: usize, n: usize) -> Result<(), PipelineError> {
+        let c = &self.config;
+        let (h, n_experts) = (c.hidden, c.n_experts);
+        let (w, a) = (&self.layers[l], &mut self.act);
+        for t in 0..n {
+            rms_norm_row(
+                &a.hidden[t * h..(t + 1) * h],
+                &w.ffn_norm,
+                c.rms_eps,
+                &mut a.normed[t * h..(t + 1) * h],
+            );
+        }
+        matmul(&w.router, &a.normed[..n * h], n, h, n_experts, &mut a.router_logits[..n * n_experts]);
+        let routes = self
+            .router
+            .route(&a.router_logits[..n * n_experts], n)
+            .map_err(|e| PipelineError::Setup(e.to_string()))?;
+        let hot_layer = &self.hot_set.layers[l];
+        if self.perf.mode() != PerfMode::Off {
+            for &e in &routes.expert_ids {
+                self.perf.record_slot(l, e as usize, hot_layer.is_hot(e as usize));
+            }
+        }
+        Ok(())
+    }
+
+    /// Build and check layer `l`'s worklist in the lanes' shared input (the Dispatcher).
+    /// Returns why the layer cannot be split, if it cannot.
+    fn dispatch(&mut self, l: usize, n: usize, plan: &ExecPlan) -> Option<FallbackReason> {
+        let (h, k) = (self.config.hidden, self.config.n_experts_used);
+        let hot_layer = &self.hot_set.layers[l];
+        let routes = self.router.routes();
+        let Some(input) = self.lanes.input_mut() else { return Some(FallbackReason::LaneUnavailable) };
+        input.call_idx = self.call_idx;
+        input.layer_idx = l;
+        input.n_tokens = n;
+        input.x[..n * h].copy_from_slice(&self.act.normed[..n * h]);
+        let wl = &mut input.worklist;
+        if wl.build(&routes.expert_ids, &routes.weights, n, k, Some(hot_layer), plan.order).is_err() {
+            return Some(FallbackReason::Shape);
+        }
+        if self.fault.corrupt_worklist_layer == Some(l) {
+            wl.inject_corruption();
+        }
+        wl.check_consistency(Some(hot_layer)).err().map(|_| FallbackReason::Worklist)
+    }
+
+    /// All-cold fallback on this thread, from the RAM experts: layer `l`'s routed experts of
+    /// every token into `act.moe`.
+    fn all_cold(&mut self, l: usize, n: usize) -> Result<(), PipelineError> {
+        let (h, k) = (self.config.hidden, self.config.n_experts_used);
+        let routes = self.router.routes();
+        let (a, scratch) = (&mut self.act, &mut self.fallback_scratch);
+        for t in 0..n {
+            let out = &mut a.moe[t * h..(t + 1) * h];
+            out.iter_mut().for_each(|v| *v = 0.0);
+            for j in 0..k {
+                let (e, wt) = (routes.expert_ids[t * k + j] as usize, routes.weights[t * k + j]);
+                scratch.xs[..h].copy_from_slice(&a.normed[t * h..(t + 1) * h]);
+                self.cold
+                    .expert_ffn(l, e, 1, scratch)
+                    .map_err(|e| PipelineError::Setup(format!("all-cold fallback failed: {e}")))?;
+                for (o, y) in out.iter_mut().zip(&scratch.ys[..h]) {
+                    *o += wt * y;
+                }
+            }
+        }
         Ok(())
     }
 }

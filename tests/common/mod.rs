@@ -100,7 +100,7 @@ pub fn rewrite_gguf(
 pub fn fixture_dirs() -> Vec<PathBuf> {
     let root = std::env::var_os("MOE_LANES_FIXTURES")
         .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures"));
+        .unwrap_or_else(|| repo_root().join("tests/fixtures"));
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap_or_else(|e| panic!("fixtures at {}: {e}", root.display()))
         .map(|e| e.unwrap().path())
@@ -122,4 +122,14 @@ pub fn max_rel_err(ours: &[Vec<f32>], theirs: &[Vec<f32>]) -> f32 {
         worst = worst.max(diff / scale);
     }
     worst
+}
+
+/// The repository root: the manifest dir of the root package, or the parent of `cli/`.
+pub fn repo_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    if manifest.join("tests/fixtures").is_dir() {
+        manifest.to_path_buf()
+    } else {
+        manifest.parent().expect("cli/ has a parent").to_path_buf()
+    }
 }

@@ -178,13 +178,21 @@ impl<T> DeviceBuffer<T> {
 }
 
 /// Page-locked host memory for asynchronous copies.
+///
+/// Safe to use with [`CudaBackend::read_async`] / [`CudaBackend::write_async`]: every
+/// asynchronous copy into or out of the buffer records the buffer's own fence event after it,
+/// and every host access ([`PinnedBuffer::as_slice`], [`PinnedBuffer::as_mut_slice`]) and the
+/// drop wait for that fence first, so the host never touches (or frees) memory a copy is using.
 pub struct PinnedBuffer<T: Copy + Default> {
     ptr: *mut T,
     len: usize,
     ctx: Arc<CudaContext>,
+    fence: sys::CUevent,
+    in_flight: std::cell::Cell<bool>,
 }
 
-// The buffer is plain host memory; the raw pointer is owned exclusively.
+// SAFETY: the buffer is plain host memory whose raw pointer is owned exclusively by this value,
+// and the fence event is only used through it; moving it to another thread moves the ownership.
 unsafe impl<T: Copy + Default + Send> Send for PinnedBuffer<T> {}
 
 impl<T: Copy + Default> PinnedBuffer<T> {
@@ -194,20 +202,46 @@ impl<T: Copy + Default> PinnedBuffer<T> {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// The host data. The caller must have synchronised any asynchronous copy into or out of it
-    /// (an event recorded after the copy, or the stream) before reading or writing.
-    pub fn as_slice(&self) -> &[T] {
-        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    /// Wait for the last asynchronous copy that touched the buffer.
+    fn settle(&self) -> Result<()> {
+        if self.in_flight.get() {
+            // SAFETY: `fence` is a live event created with the buffer and destroyed in `drop`.
+            unsafe { drv::event::synchronize(self.fence) }.ctx("cuEventSynchronize")?;
+            self.in_flight.set(false);
+        }
+        Ok(())
     }
-    pub fn as_mut_slice(&mut self) -> &mut [T] {
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    /// The host data, once any asynchronous copy into or out of it is done.
+    pub fn as_slice(&self) -> Result<&[T]> {
+        self.settle()?;
+        // SAFETY: `ptr` points to `len` initialised elements (filled at allocation) owned by
+        // this buffer, and no copy is in flight (settled above), so nothing writes them meanwhile.
+        Ok(unsafe { std::slice::from_raw_parts(self.ptr, self.len) })
+    }
+    /// The host data for writing, once any asynchronous copy into or out of it is done.
+    pub fn as_mut_slice(&mut self) -> Result<&mut [T]> {
+        self.settle()?;
+        // SAFETY: as in `as_slice`; `&mut self` makes this the only view.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
+    }
+    /// Mark a copy queued on `stream` as using the buffer until the fence recorded now.
+    fn fence_after(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: `fence` is a live event of this context; `stream` is the caller's live stream.
+        unsafe { drv::event::record(self.fence, stream) }.ctx("cuEventRecord")?;
+        self.in_flight.set(true);
+        Ok(())
     }
 }
 
 impl<T: Copy + Default> Drop for PinnedBuffer<T> {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
+        let _ = self.settle();
+        // SAFETY: no copy is in flight any more (settled above, or the context is gone and with
+        // it every copy); `ptr` came from `cuMemHostAlloc` and `fence` from `cuEventCreate`, and
+        // neither is used after this.
         unsafe {
+            let _ = drv::event::destroy(self.fence);
             let _ = drv::free_host(self.ptr as *mut std::ffi::c_void);
         }
     }
@@ -219,19 +253,25 @@ pub struct GpuEvent {
     ctx: Arc<CudaContext>,
 }
 
+// SAFETY: a CUevent is a handle the driver lets any thread use once its context is bound
+// (every method binds or uses it through the backend); this value owns it exclusively.
 unsafe impl Send for GpuEvent {}
 
 impl GpuEvent {
     /// Block the calling thread until the work recorded before this event is done.
     pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: `ev` is a live event of this context (destroyed only in `drop`).
         unsafe { drv::event::synchronize(self.ev) }.ctx("cuEventSynchronize")
     }
     /// Whether the recorded work is done (non-blocking).
     pub fn is_done(&self) -> bool {
+        // SAFETY: `ev` is a live event of this context (destroyed only in `drop`).
         unsafe { drv::event::query(self.ev) }.is_ok()
     }
     /// Milliseconds from `self` to `end` (both recorded and complete).
     pub fn elapsed_ms(&self, end: &GpuEvent) -> Result<f32> {
+        // SAFETY: both events are live events of this context; the driver checks that both were
+        // recorded and completed and reports an error otherwise.
         unsafe { drv::event::elapsed(self.ev, end.ev) }.ctx("cuEventElapsedTime")
     }
 }
@@ -239,6 +279,7 @@ impl GpuEvent {
 impl Drop for GpuEvent {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
+        // SAFETY: `ev` is owned by this value and is not used after this.
         unsafe {
             let _ = drv::event::destroy(self.ev);
         }
@@ -285,6 +326,8 @@ impl CudaBackend {
     /// architecture (or loaded from the cubin cache).
     pub fn new(ordinal: usize) -> Result<CudaBackend> {
         let present = guard("library probe", || {
+            // SAFETY: probing symbols of dynamically loaded libraries has no preconditions; the
+            // calls are guarded (`guard`) so a missing symbol is an error, not a crash.
             Ok(unsafe {
                 (
                     cudarc::driver::sys::is_culib_present(),
@@ -317,6 +360,8 @@ impl CudaBackend {
             }
             let ctx = CudaContext::new(ordinal).map_err(|source| CudaError::Device { ordinal, source })?;
             // One stream: ordering is the stream's; no per-slice events needed.
+            // SAFETY: event tracking is only needed when several streams share buffers; this backend
+            // has one stream, which orders every use of every buffer.
             unsafe { ctx.disable_event_tracking() };
             let stream = ctx.new_stream().ctx("cuStreamCreate")?;
             let info = DeviceInfo {
@@ -397,6 +442,9 @@ impl CudaBackend {
         if src.is_empty() {
             return Ok(());
         }
+        // SAFETY: `dst` is a live device range of at least `src.len()` elements (checked above),
+        // and `src` is borrowed for the call; the async copy from pageable memory is staged by the
+        // driver before this call returns.
         unsafe { drv::memcpy_htod_async(dst.raw, src, self.stream_raw()) }.ctx("cuMemcpyHtoDAsync")
     }
 
@@ -406,6 +454,8 @@ impl CudaBackend {
         if dst.is_empty() {
             return Ok(());
         }
+        // SAFETY: `src` is a live device range of at least `dst.len()` elements (checked above);
+        // the stream is synchronised right after, before `dst` is released to the caller.
         unsafe { drv::memcpy_dtoh_async(dst, src.raw, self.stream_raw()) }.ctx("cuMemcpyDtoHAsync")?;
         self.synchronize()
     }
@@ -422,6 +472,8 @@ impl CudaBackend {
         if dst.len == 0 {
             return Ok(());
         }
+        // SAFETY: `dst` is a live device range of `dst.len` elements (a `DPtr` cannot outrun its
+        // buffer: `sub` checks bounds).
         unsafe { drv::memset_d8_async(dst.raw, 0, dst.len * std::mem::size_of::<T>(), self.stream_raw()) }
             .ctx("cuMemsetD8Async")
     }
@@ -432,28 +484,29 @@ impl CudaBackend {
         if src.len == 0 {
             return Ok(());
         }
+        // SAFETY: both ranges are live device ranges, `src.len <= dst.len` (checked above).
         unsafe {
             drv::memcpy_dtod_async(dst.raw, src.raw, src.len * std::mem::size_of::<T>(), self.stream_raw())
         }
         .ctx("cuMemcpyDtoDAsync")
     }
 
-    /// Page-locked host memory (not write-combined: the CPU reads it).
+    /// Page-locked host memory (not write-combined: the CPU reads it), zero-filled.
     pub fn alloc_pinned<T: Copy + Default>(&self, len: usize) -> Result<PinnedBuffer<T>> {
         self.bind_to_thread()?;
         let bytes = len.max(1) * std::mem::size_of::<T>();
+        // SAFETY: a plain allocation call; the result is checked before use.
         let ptr = unsafe { drv::malloc_host(bytes, 0) }.ctx("cuMemHostAlloc")? as *mut T;
-        let mut buf = PinnedBuffer { ptr, len, ctx: self.ctx.clone() };
-        buf.as_mut_slice().fill(T::default());
-        Ok(buf)
+        let fence = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).ctx("cuEventCreate")?;
+        // SAFETY: `ptr` is a fresh allocation of at least `len` elements; writing defaults
+        // initialises every element before any slice of it is formed.
+        unsafe { (0..len).for_each(|i| ptr.add(i).write(T::default())) };
+        Ok(PinnedBuffer { ptr, len, ctx: self.ctx.clone(), fence, in_flight: std::cell::Cell::new(false) })
     }
 
-    /// Queue a copy of the first `n` elements of `src` into pinned `dst`.
-    ///
-    /// # Safety
-    /// `dst` must not be read or written until an event recorded after this call (or the stream)
-    /// has been synchronised.
-    pub unsafe fn read_async<T: Copy + Default>(
+    /// Queue a copy of the first `n` elements of `src` into pinned `dst`. Safe: `dst`'s host
+    /// accessors wait until the copy is done.
+    pub fn read_async<T: Copy + Default>(
         &self,
         src: DPtr<T>,
         dst: &mut PinnedBuffer<T>,
@@ -463,15 +516,19 @@ impl CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        drv::memcpy_dtoh_async(&mut dst.as_mut_slice()[..n], src.raw, self.stream_raw())
-            .ctx("cuMemcpyDtoHAsync")
+        // SAFETY: `dst.ptr` holds `dst.len >= n` elements owned by `dst`; the host cannot read,
+        // write or free them before the fence recorded right after the copy completes (every
+        // accessor and the drop wait for it), and copies on the one stream run in order.
+        unsafe {
+            let host = std::slice::from_raw_parts_mut(dst.ptr, n);
+            drv::memcpy_dtoh_async(host, src.raw, self.stream_raw()).ctx("cuMemcpyDtoHAsync")?;
+        }
+        dst.fence_after(self.stream_raw())
     }
 
-    /// Queue a copy of the first `n` elements of pinned `src` into `dst`.
-    ///
-    /// # Safety
-    /// `src` must not be written until the copy is done (an event recorded after it, or the stream).
-    pub unsafe fn write_async<T: Copy + Default>(
+    /// Queue a copy of the first `n` elements of pinned `src` into `dst`. Safe: `src`'s host
+    /// accessors wait until the copy is done, so the host cannot change the data under it.
+    pub fn write_async<T: Copy + Default>(
         &self,
         src: &PinnedBuffer<T>,
         n: usize,
@@ -481,7 +538,13 @@ impl CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        drv::memcpy_htod_async(dst.raw, &src.as_slice()[..n], self.stream_raw()).ctx("cuMemcpyHtoDAsync")
+        // SAFETY: as in `read_async`: `src` keeps `n` initialised elements alive and unchanged
+        // until its fence, recorded right after this copy, completes.
+        unsafe {
+            let host = std::slice::from_raw_parts(src.ptr, n);
+            drv::memcpy_htod_async(dst.raw, host, self.stream_raw()).ctx("cuMemcpyHtoDAsync")?;
+        }
+        src.fence_after(self.stream_raw())
     }
 
     /// A new timing event.
@@ -493,6 +556,7 @@ impl CudaBackend {
 
     /// Record `ev` on the stream: it completes when everything queued so far has.
     pub fn record(&self, ev: &GpuEvent) -> Result<()> {
+        // SAFETY: `ev` is a live event of this context and the stream is this backend's.
         unsafe { drv::event::record(ev.ev, self.stream_raw()) }.ctx("cuEventRecord")
     }
 
@@ -512,6 +576,9 @@ impl CudaBackend {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
+        // SAFETY: the kernel was compiled from `kernels/cuda` with the argument list its launcher
+        // built in `args` (one pointer per parameter, in order, checked by the typed launchers in
+        // `ops.rs`), and every device pointer in it is a checked `DPtr` into a live buffer.
         unsafe {
             drv::launch_kernel(
                 self.function(name).cu_function(),
@@ -567,6 +634,7 @@ fn cuda_include_dir() -> String {
 
 fn nvrtc_version() -> (i32, i32) {
     let (mut major, mut minor) = (0, 0);
+    // SAFETY: `nvrtcVersion` writes two ints through valid pointers.
     unsafe {
         let _ = cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor);
     }
@@ -631,6 +699,7 @@ fn nvrtc_compile_cubin(src: &str, name: &str, arch: &str, options: &[String]) ->
     let c_src = CString::new(src).map_err(|e| err(e.to_string()))?;
     let c_name = CString::new(name).map_err(|e| err(e.to_string()))?;
     let prog = nr::create_program(&c_src, Some(&c_name)).map_err(|e| err(format!("create: {e}")))?;
+    // SAFETY: `prog` is the live program created above; it is destroyed once, below.
     let result = (|| unsafe {
         if let Err(e) = nr::compile_program(prog, options) {
             let log = nr::get_program_log(prog).unwrap_or_default();
@@ -647,6 +716,7 @@ fn nvrtc_compile_cubin(src: &str, name: &str, arch: &str, options: &[String]) ->
             .map_err(|e| err(format!("nvrtcGetCUBIN: {e}")))?;
         Ok(cubin)
     })();
+    // SAFETY: `prog` is live and not used after this.
     unsafe {
         let _ = nr::destroy_program(prog);
     }

@@ -733,6 +733,9 @@ impl CudaBackend {
             let beta: f32 = if accumulate || idx > 0 { 1.0 } else { 0.0 };
             // Row-major y[T, n] = x[T, k] · W[n, k]^T is column-major y^T[n, T] = W^T' · x^T:
             // A = W (col-major k x n, op T), B = x (col-major k x T, op N).
+            // SAFETY: the cuBLAS handle is live and bound to this backend's stream; `w`, `x` and `y`
+            // are checked `DPtr`s into live buffers of the sizes `need` verified above, and the scalars
+            // live across the call.
             unsafe {
                 br::gemm_ex(
                     *self.blas.handle(),

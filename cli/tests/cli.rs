@@ -1,6 +1,7 @@
 //! The real `moe-lanes` binary end to end: synth -> inspect -> logits -> generate, and clear
 //! errors (non-zero exit, message naming the file) for bad input.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;

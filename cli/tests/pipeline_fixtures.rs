@@ -1,13 +1,15 @@
 //! The pipeline on the golden fixtures (transformers logits): every fixture, hot fractions
 //! 0, 0.5 and 1, logits within 1e-3 of golden.json and identical greedy tokens — through the
-//! library and through the real `moe-lanes` binary (where the pipeline is the default engine).
+//! library and through the real `moe-lanes` binary (the pipeline engine: CI has no GPU).
 
+#[path = "../../tests/common/mod.rs"]
+mod common;
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use moe_lanes::pipeline::{Pipeline, PipelineOptions};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 
@@ -24,7 +26,7 @@ const FIXTURES: [&str; 8] = [
 const FRACTIONS: [f64; 3] = [0.0, 0.5, 1.0];
 
 fn dir(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name)
+    common::repo_root().join("tests/fixtures").join(name)
 }
 
 struct Golden {
