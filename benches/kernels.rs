@@ -40,7 +40,8 @@ fn bench_gemv(c: &mut Criterion) {
 fn bench_pool_decode(c: &mut Criterion) {
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     let mut pool = ColdPool::new(threads);
-    let level = SimdLevel::from_env_or_detect().expect("MOE_LANES_SIMD names a supported level");
+    let level = SimdLevel::resolve(moe_lanes::env::simd_override().expect("MOE_LANES_SIMD is a level name"))
+        .expect("MOE_LANES_SIMD names a supported level");
     let n_experts = 8;
     let matrices: Vec<Vec<u8>> = (0..3 * n_experts)
         .map(|i| WeightDType::BF16.encode(&pseudo_random_f32(FF * HIDDEN, 10 + i as u32)))

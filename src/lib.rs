@@ -20,6 +20,7 @@ pub mod actors;
 pub mod bench;
 pub mod cache;
 pub mod engine;
+pub mod env;
 pub mod format;
 pub mod gpu;
 pub mod inspect;

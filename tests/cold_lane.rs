@@ -35,7 +35,9 @@ fn pool_cold_lane_equals_plain_cold_lane() {
             std::sync::Arc::new(Model::open(&synth_tiny(dir.path(), arch, SynthFormat::Gguf, 4)).unwrap());
         let c = model.config().clone();
         let mut plain = CpuColdExperts::new(model.clone());
-        let mut pool = PoolColdExperts::new(model.clone(), 3).unwrap();
+        let mut pool =
+            PoolColdExperts::new(model.clone(), 3, None, moe_lanes_kernels::pool::ColdSchedule::Auto)
+                .unwrap();
         for (call_idx, n_rows) in [1usize, 5, 17, 1, 0].into_iter().enumerate() {
             let hidden: Vec<f32> =
                 (0..n_rows * c.hidden).map(|i| ((i * 7919 + call_idx) % 97) as f32 / 48.0 - 1.0).collect();

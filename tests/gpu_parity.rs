@@ -83,6 +83,7 @@ fn hot_set(hot: Hot, n_layers: usize, n_experts: usize) -> HotSet {
 
 fn gpu_engine(model: &Arc<Model>, hot: HotChoice, faults: GpuFaults) -> Box<dyn Engine + '_> {
     let mut opts = EngineOptions::new(64);
+    opts.cuda = moe_lanes::env::cuda_config().unwrap();
     opts.kind = Some(EngineKind::Gpu);
     opts.hot = hot;
     opts.cold_threads = Some(2);
@@ -296,6 +297,7 @@ fn auto_budget_never_over_allocates_and_impossible_budget_is_refused() {
     let expert = model.expert_bytes() as u64;
     let limit = used + (1 << 30) + 3 * expert + (64 << 20);
     let mut opts = EngineOptions::new(64);
+    opts.cuda = moe_lanes::env::cuda_config().unwrap();
     opts.kind = Some(EngineKind::Gpu);
     opts.hot = HotChoice::Budget(HotBudget::Auto);
     opts.vram_limit_bytes = Some(limit);

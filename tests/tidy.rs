@@ -73,17 +73,20 @@ fn kernels_know_nothing_of_the_library() {
 #[test]
 fn kernels_read_no_environment() {
     let files = rust_files(&root().join("kernels/src"));
-    let mut found = offending(&files, &["env::var"]);
-    // The one documented exception: the SIMD override and pool schedule are read where they are
-    // resolved, listed here so a new one cannot slip in unnoticed.
-    found.retain(|l| !KERNEL_ENV_READS.iter().any(|ok| l.starts_with(ok)));
-    assert_none("kernels/ reads environment variables (pass config down from the edge)", found);
+    assert_none(
+        "kernels/ reads environment variables (read them in src/env.rs and pass config down)",
+        offending(&files, &["env::var", "env::set_var"]),
+    );
 }
 
-/// Environment reads still inside kernels/ (SIMD override, pool schedule, CUDA device and the
-/// NVRTC cache): to move to the edge.
-const KERNEL_ENV_READS: [&str; 4] =
-    ["kernels/src/simd.rs", "kernels/src/pool.rs", "kernels/src/cuda/mod.rs", "kernels/src/bench.rs"];
+#[test]
+fn the_library_reads_the_environment_in_one_module() {
+    let mut files = rust_files(&root().join("src"));
+    files.extend(rust_files(&root().join("actors")));
+    let mut found = offending(&files, &["env::var"]);
+    found.retain(|l| !l.starts_with("src/env.rs"));
+    assert_none("environment read outside src/env.rs", found);
+}
 
 #[test]
 fn the_library_knows_nothing_of_the_cli_or_http() {

@@ -6,12 +6,12 @@ use clap::{Args, Parser, Subcommand};
 use moe_lanes::adapter;
 use moe_lanes::dtype::DType;
 use moe_lanes::engine::{build_engine, BuildReport, Engine, EngineKind, EngineOptions, HotBudget, HotChoice};
-use moe_lanes::gpu::GpuFaults;
+use moe_lanes::env;
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::inspect::{format_bytes, InspectReport};
 use moe_lanes::model::Model;
 use moe_lanes::perf::{PerfMode, PerfReport};
-use moe_lanes::phase::{Phase, PolicySwitches};
+use moe_lanes::phase::Phase;
 use moe_lanes::pipeline::ColdKernels;
 use moe_lanes::reference::Reference;
 use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
@@ -283,12 +283,24 @@ fn open_model(path: &Path) -> Result<Model> {
     Model::open(path).with_context(|| format!("cannot open model {}", path.display()))
 }
 
-/// Typed engine options from the flags and the environment (read here, at the edge):
-/// `MOE_LANES_VRAM_LIMIT_MIB` (simulate a smaller GPU), `MOE_LANES_GPU_PROFILE=1` (per-stage
-/// GPU profile), `MOE_LANES_FAULT` (fault injection, e.g. `hot_error:1,gpu_lost:3`) and the
-/// pipeline's A/B switches.
-fn engine_options(model: &Model, args: &EngineArgs, n_positions: usize) -> Result<EngineOptions> {
+/// Engine options with the environment applied (read here, at the edge; `moe_lanes::env` lists
+/// the variables): device and cubin cache, SIMD level, cold schedule, GPU profile, fault
+/// injection, a simulated VRAM limit, and the pipeline's A/B switches.
+fn base_options(n_positions: usize) -> Result<EngineOptions> {
     let mut opts = EngineOptions::new(n_positions);
+    opts.cuda = env::cuda_config()?;
+    opts.simd = env::simd_override()?;
+    opts.cold_schedule = env::cold_schedule()?;
+    opts.gpu.profile = env::gpu_profile();
+    opts.gpu.faults = env::faults()?;
+    opts.vram_limit_bytes = env::vram_limit_bytes()?;
+    opts.pipeline.switches = env::policy_switches();
+    Ok(opts)
+}
+
+/// Typed engine options from the flags (and the environment, [`base_options`]).
+fn engine_options(model: &Model, args: &EngineArgs, n_positions: usize) -> Result<EngineOptions> {
+    let mut opts = base_options(n_positions)?;
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
     opts.learn_counts = args.learn.as_deref().map(|p| learn_counts(p, model)).transpose()?;
     opts.learn_tokens = args.learn_tokens;
@@ -297,17 +309,7 @@ fn engine_options(model: &Model, args: &EngineArgs, n_positions: usize) -> Resul
     opts.perf_mode = args.perf_mode.parse::<PerfMode>().map_err(anyhow::Error::msg)?;
     opts.pipeline.n_hot_lanes = args.hot_lanes;
     opts.pipeline.cold_kernels = args.cold_kernels.parse::<ColdKernels>().map_err(anyhow::Error::msg)?;
-    opts.pipeline.switches = PolicySwitches::from_env();
     opts.gpu.perf_mode = opts.perf_mode;
-    opts.gpu.profile = std::env::var_os("MOE_LANES_GPU_PROFILE").is_some_and(|v| v != "0" && !v.is_empty());
-    if let Ok(spec) = std::env::var("MOE_LANES_FAULT") {
-        opts.gpu.faults = spec.parse::<GpuFaults>().context("MOE_LANES_FAULT")?;
-    }
-    if let Ok(mib) = std::env::var("MOE_LANES_VRAM_LIMIT_MIB") {
-        let mib: u64 =
-            mib.parse().with_context(|| format!("MOE_LANES_VRAM_LIMIT_MIB={mib}: expected MiB"))?;
-        opts.vram_limit_bytes = Some(mib << 20);
-    }
     Ok(opts)
 }
 
@@ -456,7 +458,7 @@ fn learn(args: LearnArgs) -> Result<()> {
     } else {
         args.tokens.clone()
     };
-    let mut opts = EngineOptions::new(tokens.len());
+    let mut opts = base_options(tokens.len())?;
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
     if opts.kind == Some(EngineKind::Reference) {
         bail!("learn needs an engine with perf state: gpu or pipeline");
@@ -523,7 +525,7 @@ fn demo(args: DemoArgs) -> Result<()> {
     let prompt = moe_lanes::inspect::sample_tokens(model.config().vocab, 8);
     let expected = Reference::new(&model)?.generate(&prompt, args.max_new_tokens)?;
     // Half of every layer's experts hot: on the GPU when one is usable, else on the CPU hot lane.
-    let mut opts = EngineOptions::new(prompt.len() + args.max_new_tokens);
+    let mut opts = base_options(prompt.len() + args.max_new_tokens)?;
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
     opts.hot = HotChoice::Budget(HotBudget::Fraction(0.5));
     let start = Instant::now();
@@ -554,7 +556,7 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
             name.parse::<moe_lanes_kernels::simd::SimdLevel>()
                 .map_err(|e| anyhow::anyhow!("--simd {name}: {e}"))?,
         ),
-        None => None,
+        None => env::simd_override()?,
     };
     let report = run_kernel_bench(KernelBenchOptions { threads: args.threads, simd, quick: args.quick })?;
     if args.json {
@@ -576,6 +578,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         HotChoice::Budget(b) => Some(b),
         _ => None,
     };
+    let simd_name = moe_lanes::expert_math::cold_simd_level(opts.simd)?.name().to_string();
     let (mut engine, build) = open_engine(&model, opts)?;
     let bench_opts = BenchOptions {
         n_prompt_tokens: args.prompt_tokens,
@@ -583,11 +586,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         n_runs: args.runs,
         budget,
         cold_threads: build.cold_threads,
-        simd: moe_lanes::expert_math::exact_unless_forced(
-            moe_lanes_kernels::simd::SimdLevel::from_env_or_detect()?,
-        )
-        .name()
-        .to_string(),
+        simd: simd_name,
     };
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(

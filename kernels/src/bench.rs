@@ -235,13 +235,7 @@ fn measure_read_gbs(
 
 /// Runs the whole bench; see the module docs for what each number means.
 pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, KernelError> {
-    let level = match opts.simd {
-        Some(level) => {
-            level.ensure_supported()?;
-            level
-        }
-        None => SimdLevel::from_env_or_detect()?,
-    };
+    let level = SimdLevel::resolve(opts.simd)?;
     let threads =
         opts.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
     if threads == 0 {

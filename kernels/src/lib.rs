@@ -27,5 +27,5 @@ pub use error::KernelError;
 pub use ffn::{down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, matmul_rows};
 pub use pool::{ColdExpertWork, ColdJob, ColdPool};
 pub use scalar::dot_row;
-pub use simd::{available, SimdLevel, SIMD_ENV_VAR};
+pub use simd::{available, SimdLevel};
 pub use weights::{Activation, ExpertWeights, WeightDType};

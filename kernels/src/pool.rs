@@ -76,8 +76,6 @@ pub const PIPELINED_MAX_PARTIAL: usize = 1 << 20;
 /// Phased phase 1: cost of one (expert, ff unit) is the expert's tokens plus this many tokens'
 /// worth for streaming the unit's weight rows (a thin tile is dominated by its weight loads).
 const UNIT_WEIGHT_COST: u64 = 4;
-/// Environment override of the schedule: `auto` (default), `phased` or `pipelined`.
-pub const SCHEDULE_ENV_VAR: &str = "MOE_LANES_COLD_SCHEDULE";
 
 /// How [`ColdPool::run`] orders a job's work; see the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -344,11 +342,7 @@ impl ColdPool {
                 .expect("spawning a cold pool worker thread");
             workers.push(handle);
         }
-        // An unknown value is ignored (Auto): the schedule changes speed, never results.
-        let schedule = std::env::var(SCHEDULE_ENV_VAR)
-            .ok()
-            .and_then(|name| ColdSchedule::parse(&name))
-            .unwrap_or(ColdSchedule::Auto);
+        let schedule = ColdSchedule::Auto;
         ColdPool {
             shared,
             workers,
@@ -365,7 +359,7 @@ impl ColdPool {
         }
     }
 
-    /// The schedule used by [`ColdPool::run`] (default: `MOE_LANES_COLD_SCHEDULE` or `Auto`).
+    /// The schedule used by [`ColdPool::run`] (default `Auto`; the caller may set another).
     pub fn schedule(&self) -> ColdSchedule {
         self.schedule
     }

@@ -1,14 +1,11 @@
-//! Run-time SIMD level selection: CPU feature detection (once, cached) and the
-//! `MOE_LANES_SIMD=scalar|avx2|avx512|avx512bf16` override used by tests and A/B runs.
+//! Run-time SIMD level selection: CPU feature detection (once, cached) and a forced level
+//! passed in by the caller (the CLI reads `MOE_LANES_SIMD`; kernels read no environment).
 
 use std::sync::OnceLock;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::KernelError;
-
-/// Name of the environment variable that forces a SIMD level.
-pub const SIMD_ENV_VAR: &str = "MOE_LANES_SIMD";
 
 /// A CPU SIMD instruction-set level the kernels can run at. Ordered from weakest to strongest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -61,11 +58,15 @@ impl SimdLevel {
         supported_flags()[self as usize]
     }
 
-    /// `MOE_LANES_SIMD` if set (error if unknown or unsupported here), else [`SimdLevel::detect`].
-    pub fn from_env_or_detect() -> Result<SimdLevel, KernelError> {
-        match std::env::var(SIMD_ENV_VAR) {
-            Ok(value) if !value.trim().is_empty() => SimdLevel::from_forced_name(&value),
-            _ => Ok(SimdLevel::detect()),
+    /// The forced level if one is given (an error if this CPU lacks it), else
+    /// [`SimdLevel::detect`]. Callers read any override (e.g. `MOE_LANES_SIMD`) at their edge.
+    pub fn resolve(forced: Option<SimdLevel>) -> Result<SimdLevel, KernelError> {
+        match forced {
+            Some(level) => {
+                level.ensure_supported()?;
+                Ok(level)
+            }
+            None => Ok(SimdLevel::detect()),
         }
     }
 

@@ -623,13 +623,12 @@ fn pinned_async_round_trip_and_events() {
 fn nvrtc_cubin_cache_hits_on_second_compile() {
     let Some(be) = backend() else { return };
     let dir = std::env::temp_dir().join(format!("moe-lanes-nvrtc-test-{}", std::process::id()));
-    std::env::set_var("MOE_LANES_NVRTC_CACHE", &dir);
+    let config =
+        moe_lanes_kernels::cuda::CudaConfig { nvrtc_cache_dir: Some(dir.clone()), ..Default::default() };
     let arch = be.info().arch();
-    let (a, first) =
-        moe_lanes_kernels::cuda::compile_cached(moe_lanes_kernels::cuda::MOE_CU, "moe.cu", &arch).unwrap();
-    let (b, second) =
-        moe_lanes_kernels::cuda::compile_cached(moe_lanes_kernels::cuda::MOE_CU, "moe.cu", &arch).unwrap();
-    std::env::remove_var("MOE_LANES_NVRTC_CACHE");
+    let src = moe_lanes_kernels::cuda::MOE_CU;
+    let (a, first) = moe_lanes_kernels::cuda::compile_cached(src, "moe.cu", &arch, &config).unwrap();
+    let (b, second) = moe_lanes_kernels::cuda::compile_cached(src, "moe.cu", &arch, &config).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     eprintln!("first: {first:?}\nsecond: {second:?}");
     assert!(!first.cache_hit, "fresh directory");

@@ -1,9 +1,9 @@
-//! `MOE_LANES_SIMD` parsing and forcing. One test function: it mutates the process environment.
+//! SIMD level names, detection and forcing.
 
-use moe_lanes_kernels::{available, KernelError, SimdLevel, SIMD_ENV_VAR};
+use moe_lanes_kernels::{available, KernelError, SimdLevel};
 
 #[test]
-fn simd_level_names_parse_and_env_forces_a_level() {
+fn simd_level_names_parse_and_a_forced_level_is_checked() {
     for level in SimdLevel::ALL {
         assert_eq!(SimdLevel::parse(level.name()), Ok(level));
         assert_eq!(level.name().to_uppercase().parse::<SimdLevel>(), Ok(level));
@@ -12,18 +12,14 @@ fn simd_level_names_parse_and_env_forces_a_level() {
     assert_eq!(available()[0], SimdLevel::Scalar);
     assert_eq!(SimdLevel::detect(), *available().last().unwrap());
 
-    std::env::remove_var(SIMD_ENV_VAR);
-    assert_eq!(SimdLevel::from_env_or_detect(), Ok(SimdLevel::detect()));
+    assert_eq!(SimdLevel::resolve(None), Ok(SimdLevel::detect()));
     for level in SimdLevel::ALL {
-        std::env::set_var(SIMD_ENV_VAR, level.name());
-        let forced = SimdLevel::from_env_or_detect();
+        let forced = SimdLevel::resolve(Some(level));
         if level.is_supported() {
             assert_eq!(forced, Ok(level));
         } else {
             assert!(matches!(forced, Err(KernelError::UnsupportedSimdLevel { .. })), "{level}: {forced:?}");
         }
     }
-    std::env::set_var(SIMD_ENV_VAR, "avx1024");
-    assert!(matches!(SimdLevel::from_env_or_detect(), Err(KernelError::UnknownSimdLevel { .. })));
-    std::env::remove_var(SIMD_ENV_VAR);
+    assert!(matches!(SimdLevel::from_forced_name("avx1024"), Err(KernelError::UnknownSimdLevel { .. })));
 }

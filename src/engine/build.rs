@@ -15,6 +15,9 @@ use crate::model::Model;
 use crate::moe::phase::Phase;
 use crate::moe::pipeline::{Pipeline, PipelineOptions, MAX_BATCH_TOKENS};
 use crate::reference::Reference;
+use moe_lanes_kernels::cuda::CudaConfig;
+use moe_lanes_kernels::pool::ColdSchedule;
+use moe_lanes_kernels::SimdLevel;
 use serde::Serialize;
 use std::sync::Arc;
 
@@ -61,6 +64,12 @@ pub struct EngineOptions {
     pub n_positions: usize,
     pub perf_mode: PerfMode,
     pub gpu: GpuOptions,
+    /// Which device, and where NVRTC keeps its cubins.
+    pub cuda: CudaConfig,
+    /// A forced SIMD level for the cold lane (`None`: the best exact one for this CPU).
+    pub simd: Option<SimdLevel>,
+    /// The GPU engine's cold-pool schedule (changes speed, never results).
+    pub cold_schedule: ColdSchedule,
     /// Simulate a smaller GPU: never plan past this many bytes of device memory in use.
     pub vram_limit_bytes: Option<u64>,
     /// Pipeline settings (its hot set comes from `hot`).
@@ -79,6 +88,9 @@ impl EngineOptions {
             n_positions,
             perf_mode: PerfMode::Full,
             gpu: GpuOptions::default(),
+            cuda: CudaConfig::default(),
+            simd: None,
+            cold_schedule: ColdSchedule::Auto,
             vram_limit_bytes: None,
             pipeline: PipelineOptions::default(),
         }
@@ -116,7 +128,7 @@ pub fn build_engine<'m>(
 ) -> Result<(Box<dyn Engine + 'm>, BuildReport), EngineError> {
     let mut gpu_unavailable = None;
     if matches!(opts.kind, None | Some(EngineKind::Gpu)) {
-        match CudaBackend::try_new() {
+        match CudaBackend::with_config(&opts.cuda) {
             Ok(be) => {
                 let (engine, report) = build_gpu(model, &opts, Arc::new(be))?;
                 return Ok((Box::new(engine), report));
@@ -224,7 +236,12 @@ fn report(
 fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline, BuildReport), EngineError> {
     let c = model.config();
     let n_cold_workers = opts.cold_threads.unwrap_or(opts.pipeline.n_cold_workers);
-    let base = PipelineOptions { perf_mode: opts.perf_mode, n_cold_workers, ..opts.pipeline.clone() };
+    let base = PipelineOptions {
+        perf_mode: opts.perf_mode,
+        n_cold_workers,
+        simd: opts.simd,
+        ..opts.pipeline.clone()
+    };
     let mut src = CpuSource { model, opts, base: &base };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;
     let set = HotSet::from_lists(c.n_layers, c.n_experts, base.n_hot_lanes, &lists);
@@ -297,7 +314,12 @@ fn build_gpu(
     }
     let mut gm = GpuModel::new(model.clone(), be.clone(), opts.gpu)?;
     let all_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut cold = PoolColdExperts::new(model.clone(), opts.cold_threads.unwrap_or(all_cores))?;
+    let mut cold = PoolColdExperts::new(
+        model.clone(),
+        opts.cold_threads.unwrap_or(all_cores),
+        opts.simd,
+        opts.cold_schedule,
+    )?;
     gm.reserve_tokens(n_positions.min(MAX_BATCH_TOKENS))?;
     let mut src = GpuSource { gm: &mut gm, cold: &mut cold, opts, n_positions };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;

@@ -9,6 +9,7 @@ use super::cold::{ColdError, ColdExperts, ColdSlot};
 use crate::format::dtype::DType;
 use crate::model::adapter::FfnActivation;
 use crate::model::Model;
+use moe_lanes_kernels::pool::ColdSchedule;
 use moe_lanes_kernels::{
     Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KernelError, SimdLevel, WeightDType,
 };
@@ -43,9 +44,15 @@ pub struct PoolColdExperts {
 }
 
 impl PoolColdExperts {
-    /// A pool of `n_threads` workers (pinned to cores) at the SIMD level `MOE_LANES_SIMD` or the
-    /// best the CPU has.
-    pub fn new(model: Arc<Model>, n_threads: usize) -> Result<PoolColdExperts, PoolColdError> {
+    /// A pool of `n_threads` workers (pinned to cores).
+    /// `simd`: a forced SIMD level (else [`crate::moe::expert_math::cold_simd_level`]'s default);
+    /// `schedule`: the pool's schedule (it changes speed, never results).
+    pub fn new(
+        model: Arc<Model>,
+        n_threads: usize,
+        simd: Option<SimdLevel>,
+        schedule: ColdSchedule,
+    ) -> Result<PoolColdExperts, PoolColdError> {
         let dtype = match model.expert_dtype() {
             DType::BF16 => WeightDType::BF16,
             DType::F16 => WeightDType::F16,
@@ -59,8 +66,12 @@ impl PoolColdExperts {
         let c = model.config().clone();
         Ok(PoolColdExperts {
             model,
-            pool: ColdPool::new(n_threads.max(1)),
-            level: crate::moe::expert_math::exact_unless_forced(SimdLevel::from_env_or_detect()?),
+            pool: {
+                let mut pool = ColdPool::new(n_threads.max(1));
+                pool.set_schedule(schedule);
+                pool
+            },
+            level: crate::moe::expert_math::cold_simd_level(simd)?,
             act,
             dtype,
             token_idx: vec![Vec::new(); c.n_experts],

@@ -11,6 +11,7 @@ use crate::format::tensor::decode_f32;
 use crate::model::adapter::FfnActivation;
 use crate::model::Model;
 use crate::moe::math::dot;
+use moe_lanes_kernels::SimdLevel;
 use std::sync::Arc;
 
 /// Raw bytes of one expert's three projections.
@@ -210,20 +211,20 @@ pub struct SimdCompute {
 static UNIT_WEIGHTS: [f32; GROUP_TOKENS_MAX] = [1.0; GROUP_TOKENS_MAX];
 
 impl SimdCompute {
-    pub fn new(model: Arc<Model>) -> Result<SimdCompute, ComputeError> {
-        use moe_lanes_kernels::{Activation, SimdLevel, WeightDType};
+    /// `forced`: a SIMD level named by the caller; `None` picks [`cold_simd_level`]'s default.
+    pub fn new(model: Arc<Model>, forced: Option<SimdLevel>) -> Result<SimdCompute, ComputeError> {
+        use moe_lanes_kernels::{Activation, WeightDType};
         let dtype = match model.expert_dtype() {
             DType::BF16 => WeightDType::BF16,
             DType::F16 => WeightDType::F16,
             DType::F32 => WeightDType::F32,
             other => return Err(ComputeError::UnsupportedDType(other)),
         };
-        let level = SimdLevel::from_env_or_detect().map_err(|_| ComputeError::Bad {
+        let level = cold_simd_level(forced).map_err(|_| ComputeError::Bad {
             layer_idx: 0,
             expert_idx: 0,
-            reason: "MOE_LANES_SIMD names a SIMD level this CPU lacks",
+            reason: "the forced SIMD level is one this CPU lacks",
         })?;
-        let level = exact_unless_forced(level);
         let act = match model.adapter().activation {
             FfnActivation::Silu => Activation::Silu,
             // The plain kernel's GELU is the tanh form; keep the two kernels equal.
@@ -239,16 +240,12 @@ impl SimdCompute {
 /// worker's scratch holds `GROUP_TOKENS_MAX * (2 * ff + 2 * hidden)` floats.
 pub const GROUP_TOKENS_MAX: usize = 64;
 
-/// The AVX-512 BF16 kernel rounds activations to BF16 (about 1e-3 relative), outside the
-/// engines' contract with the reference: use it only when `MOE_LANES_SIMD` names a level.
-pub fn exact_unless_forced(level: moe_lanes_kernels::SimdLevel) -> moe_lanes_kernels::SimdLevel {
-    use moe_lanes_kernels::SimdLevel;
-    let forced = std::env::var_os(moe_lanes_kernels::SIMD_ENV_VAR).is_some();
-    if level == SimdLevel::Avx512Bf16 && !forced {
-        SimdLevel::Avx512
-    } else {
-        level
-    }
+/// The cold lane's SIMD level: the forced one (checked against this CPU), else the best the CPU
+/// has except AVX-512 BF16, whose kernel rounds activations to BF16 (about 1e-3 relative,
+/// outside the engines' contract with the reference): that one only when named.
+pub fn cold_simd_level(forced: Option<SimdLevel>) -> Result<SimdLevel, moe_lanes_kernels::KernelError> {
+    let level = SimdLevel::resolve(forced)?;
+    Ok(if level == SimdLevel::Avx512Bf16 && forced.is_none() { SimdLevel::Avx512 } else { level })
 }
 
 impl ColdCompute for SimdCompute {

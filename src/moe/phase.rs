@@ -90,30 +90,6 @@ pub struct PolicySwitches {
     pub dense_pp: Option<bool>,
 }
 
-impl PolicySwitches {
-    /// Read the A/B environment switches. Unparseable values are ignored (with the policy's
-    /// own choice standing), since these are diagnostics, not configuration.
-    pub fn from_env() -> PolicySwitches {
-        let get = |name: &str| std::env::var(name).ok();
-        PolicySwitches {
-            reduce_merge: get("MOE_LANES_REDUCE_MERGE").and_then(|v| v.parse().ok()).unwrap_or_default(),
-            compact_cold_reduce: get("MOE_LANES_COMPACT_COLD_REDUCE")
-                .and_then(|v| v.parse::<Switch>().ok())
-                .and_then(|s| match s {
-                    Switch::On => Some(true),
-                    Switch::Off => Some(false),
-                    Switch::Auto => None,
-                }),
-            order: get("MOE_LANES_ORDER").and_then(|v| match v.as_str() {
-                "token" => Some(WorklistOrder::TokenMajor),
-                "expert" => Some(WorklistOrder::ExpertMajor),
-                _ => None,
-            }),
-            dense_pp: None,
-        }
-    }
-}
-
 /// Cache state the policy looks at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CacheState {

@@ -87,6 +87,8 @@ pub struct PipelineOptions {
     pub perf_mode: PerfMode,
     /// The cold lane's kernels.
     pub cold_kernels: ColdKernels,
+    /// A forced SIMD level for the SIMD cold kernels (`None`: the best exact one).
+    pub simd: Option<moe_lanes_kernels::SimdLevel>,
     pub switches: PolicySwitches,
     pub max_batch_tokens: usize,
     pub fault: FaultInjection,
@@ -101,6 +103,7 @@ impl Default for PipelineOptions {
             driver_cold: true,
             perf_mode: PerfMode::Full,
             cold_kernels: ColdKernels::Simd,
+            simd: None,
             switches: PolicySwitches::default(),
             max_batch_tokens: MAX_BATCH_TOKENS,
             fault: FaultInjection::default(),
@@ -315,7 +318,7 @@ impl Pipeline {
         let cold: Arc<dyn ColdCompute> = match options.cold_kernels {
             ColdKernels::Plain => Arc::new(PlainCompute::new(model.clone())),
             ColdKernels::Simd => Arc::new(
-                SimdCompute::new(model.clone())
+                SimdCompute::new(model.clone(), options.simd)
                     .map_err(|e| PipelineError::Setup(format!("cold kernels: {e}")))?,
             ),
         };

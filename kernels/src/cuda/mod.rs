@@ -314,17 +314,28 @@ fn guard<T>(what: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     }
 }
 
+/// Where and how to open a device. The caller fills it (the library's `env` module reads
+/// `MOE_LANES_CUDA_DEVICE`, `MOE_LANES_NVRTC_CACHE` and `CUDA_HOME` at the edge).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CudaConfig {
+    pub device_ordinal: usize,
+    /// Keep compiled cubins here (none: compile once per process).
+    pub nvrtc_cache_dir: Option<PathBuf>,
+    /// CUDA headers for NVRTC (default `/usr/local/cuda/include`).
+    pub cuda_include_dir: Option<PathBuf>,
+}
+
 impl CudaBackend {
-    /// The device named by `MOE_LANES_CUDA_DEVICE` (default 0), or an error saying why there is
-    /// none — callers fall back to the CPU and report the error.
+    /// Device 0 without a cubin cache, or an error saying why there is none — callers fall back
+    /// to the CPU and report the error.
     pub fn try_new() -> Result<CudaBackend> {
-        let ordinal = std::env::var("MOE_LANES_CUDA_DEVICE").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        CudaBackend::new(ordinal)
+        CudaBackend::with_config(&CudaConfig::default())
     }
 
-    /// Open device `ordinal`: context, stream, cuBLAS, and the kernels compiled for its
+    /// Open the configured device: context, stream, cuBLAS, and the kernels compiled for its
     /// architecture (or loaded from the cubin cache).
-    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+    pub fn with_config(config: &CudaConfig) -> Result<CudaBackend> {
+        let ordinal = config.device_ordinal;
         let present = guard("library probe", || {
             // SAFETY: probing symbols of dynamically loaded libraries has no preconditions; the
             // calls are guarded (`guard`) so a missing symbol is an error, not a crash.
@@ -373,7 +384,7 @@ impl CudaBackend {
                     .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                     .ctx("cuDeviceGetAttribute(sm count)")?,
             };
-            let (cubin, compile) = compile_cached(MOE_CU, "moe.cu", &info.arch())?;
+            let (cubin, compile) = compile_cached(MOE_CU, "moe.cu", &info.arch(), config)?;
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).ctx("cuModuleLoadData")?;
             let mut functions = HashMap::new();
             for &name in KERNEL_NAMES {
@@ -607,31 +618,6 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-/// Where compiled cubins are kept: `$MOE_LANES_NVRTC_CACHE`, else `$XDG_CACHE_HOME/moe-lanes/nvrtc`,
-/// else `$HOME/.cache/moe-lanes/nvrtc`.
-pub fn nvrtc_cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("MOE_LANES_NVRTC_CACHE") {
-        return Some(PathBuf::from(d));
-    }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
-        return Some(PathBuf::from(d).join("moe-lanes").join("nvrtc"));
-    }
-    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache").join("moe-lanes").join("nvrtc"))
-}
-
-/// The directory holding CUDA headers (cuda_bf16.h) for NVRTC.
-fn cuda_include_dir() -> String {
-    for var in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
-        if let Some(d) = std::env::var_os(var) {
-            let p = PathBuf::from(d).join("include");
-            if p.join("cuda_bf16.h").exists() {
-                return p.to_string_lossy().into_owned();
-            }
-        }
-    }
-    "/usr/local/cuda/include".into()
-}
-
 fn nvrtc_version() -> (i32, i32) {
     let (mut major, mut minor) = (0, 0);
     // SAFETY: `nvrtcVersion` writes two ints through valid pointers.
@@ -643,10 +629,16 @@ fn nvrtc_version() -> (i32, i32) {
 
 /// Compile `src` to a cubin for `arch`, or take it from the cache keyed by source hash, options,
 /// NVRTC version and arch. Cache problems are reported in the [`CompileReport`], never fatal.
-pub fn compile_cached(src: &str, name: &str, arch: &str) -> Result<(Vec<u8>, CompileReport)> {
+pub fn compile_cached(
+    src: &str,
+    name: &str,
+    arch: &str,
+    config: &CudaConfig,
+) -> Result<(Vec<u8>, CompileReport)> {
+    let include = config.cuda_include_dir.clone().unwrap_or_else(|| PathBuf::from("/usr/local/cuda/include"));
     let options = vec![
         format!("--gpu-architecture={arch}"),
-        format!("--include-path={}", cuda_include_dir()),
+        format!("--include-path={}", include.display()),
         "--std=c++17".to_string(),
         "--fmad=true".to_string(),
     ];
@@ -654,7 +646,8 @@ pub fn compile_cached(src: &str, name: &str, arch: &str) -> Result<(Vec<u8>, Com
     let version = format!("nvrtc {vmaj}.{vmin}");
     let key = fnv1a(&[src.as_bytes(), options.join(" ").as_bytes(), version.as_bytes(), arch.as_bytes()]);
     let stem = name.trim_end_matches(".cu");
-    let cache_path = nvrtc_cache_dir().map(|d| d.join(format!("{stem}-{key:016x}-{arch}.cubin")));
+    let cache_path =
+        config.nvrtc_cache_dir.as_ref().map(|d| d.join(format!("{stem}-{key:016x}-{arch}.cubin")));
     let mut cache_note = None;
     if let Some(path) = &cache_path {
         match std::fs::read(path) {

@@ -1,0 +1,122 @@
+//! The environment variables moe-lanes honours, read in this one module. The library's engines
+//! take typed options; the CLI (the edge) calls these once and passes the values down, and
+//! `kernels/` reads no environment at all. An embedding service may call them too, or not.
+//!
+//! | variable | effect |
+//! |---|---|
+//! | `MOE_LANES_SIMD` | force the cold lane's SIMD level (`scalar`, `avx2`, `avx512`, `avx512bf16`) |
+//! | `MOE_LANES_COLD_SCHEDULE` | the GPU engine's cold-pool schedule (`auto`, `phased`, `pipelined`) |
+//! | `MOE_LANES_CUDA_DEVICE` | CUDA device ordinal (default 0) |
+//! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |
+//! | `CUDA_HOME`, `CUDA_PATH`, `CUDA_ROOT` | where NVRTC finds the CUDA headers |
+//! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
+//! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
+//! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
+//! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
+
+use crate::gpu::GpuFaults;
+use crate::moe::phase::{PolicySwitches, Switch};
+use crate::moe::worklist::WorklistOrder;
+use moe_lanes_kernels::cuda::CudaConfig;
+use moe_lanes_kernels::pool::ColdSchedule;
+use moe_lanes_kernels::SimdLevel;
+use std::path::PathBuf;
+
+/// A variable set to a value it cannot take.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("{var}={value}: expected {expected}")]
+pub struct EnvError {
+    pub var: &'static str,
+    pub value: String,
+    pub expected: &'static str,
+}
+
+fn var(name: &'static str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn bad(var: &'static str, value: &str, expected: &'static str) -> EnvError {
+    EnvError { var, value: value.to_string(), expected }
+}
+
+/// `MOE_LANES_SIMD`, parsed (whether this CPU has it is checked where the level is used).
+pub fn simd_override() -> Result<Option<SimdLevel>, EnvError> {
+    var("MOE_LANES_SIMD")
+        .map(|v| {
+            SimdLevel::parse(&v).map_err(|_| bad("MOE_LANES_SIMD", &v, "scalar, avx2, avx512 or avx512bf16"))
+        })
+        .transpose()
+}
+
+/// `MOE_LANES_COLD_SCHEDULE` (an unknown value is an error; unset is `auto`).
+pub fn cold_schedule() -> Result<ColdSchedule, EnvError> {
+    match var("MOE_LANES_COLD_SCHEDULE") {
+        None => Ok(ColdSchedule::Auto),
+        Some(v) => ColdSchedule::parse(&v)
+            .ok_or_else(|| bad("MOE_LANES_COLD_SCHEDULE", &v, "auto, phased or pipelined")),
+    }
+}
+
+/// `MOE_LANES_CUDA_DEVICE`, `MOE_LANES_NVRTC_CACHE` (or the XDG / home cache), CUDA headers.
+pub fn cuda_config() -> Result<CudaConfig, EnvError> {
+    let device_ordinal = match var("MOE_LANES_CUDA_DEVICE") {
+        None => 0,
+        Some(v) => v.parse().map_err(|_| bad("MOE_LANES_CUDA_DEVICE", &v, "a device number"))?,
+    };
+    let nvrtc_cache_dir = var("MOE_LANES_NVRTC_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("moe-lanes/nvrtc")))
+        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".cache/moe-lanes/nvrtc")));
+    let cuda_include_dir = ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"]
+        .into_iter()
+        .filter_map(var)
+        .map(|d| PathBuf::from(d).join("include"))
+        .find(|p| p.join("cuda_bf16.h").exists());
+    Ok(CudaConfig { device_ordinal, nvrtc_cache_dir, cuda_include_dir })
+}
+
+/// `MOE_LANES_GPU_PROFILE` set to anything but `0`.
+pub fn gpu_profile() -> bool {
+    var("MOE_LANES_GPU_PROFILE").is_some_and(|v| v != "0")
+}
+
+/// `MOE_LANES_FAULT`.
+pub fn faults() -> Result<GpuFaults, EnvError> {
+    match var("MOE_LANES_FAULT") {
+        None => Ok(GpuFaults::default()),
+        Some(v) => v.parse().map_err(|_| bad("MOE_LANES_FAULT", &v, "NAME:N[,NAME:N...] (see GpuFaults)")),
+    }
+}
+
+/// `MOE_LANES_VRAM_LIMIT_MIB`, in bytes.
+pub fn vram_limit_bytes() -> Result<Option<u64>, EnvError> {
+    var("MOE_LANES_VRAM_LIMIT_MIB")
+        .map(|v| {
+            v.parse::<u64>()
+                .map(|mib| mib << 20)
+                .map_err(|_| bad("MOE_LANES_VRAM_LIMIT_MIB", &v, "a size in MiB"))
+        })
+        .transpose()
+}
+
+/// The pipeline's A/B switches (`MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE`,
+/// `MOE_LANES_ORDER`). Unparseable values are ignored (the policy's own choice stands), since
+/// these are diagnostics, not configuration.
+pub fn policy_switches() -> PolicySwitches {
+    PolicySwitches {
+        reduce_merge: var("MOE_LANES_REDUCE_MERGE").and_then(|v| v.parse().ok()).unwrap_or_default(),
+        compact_cold_reduce: var("MOE_LANES_COMPACT_COLD_REDUCE")
+            .and_then(|v| v.parse::<Switch>().ok())
+            .and_then(|s| match s {
+                Switch::On => Some(true),
+                Switch::Off => Some(false),
+                Switch::Auto => None,
+            }),
+        order: var("MOE_LANES_ORDER").and_then(|v| match v.as_str() {
+            "token" => Some(WorklistOrder::TokenMajor),
+            "expert" => Some(WorklistOrder::ExpertMajor),
+            _ => None,
+        }),
+        dense_pp: None,
+    }
+}
