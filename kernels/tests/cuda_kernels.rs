@@ -626,9 +626,9 @@ fn nvrtc_cubin_cache_hits_on_second_compile() {
     let config =
         moe_lanes_kernels::cuda::CudaConfig { nvrtc_cache_dir: Some(dir.clone()), ..Default::default() };
     let arch = be.info().arch();
-    let src = moe_lanes_kernels::cuda::MOE_CU;
-    let (a, first) = moe_lanes_kernels::cuda::compile_cached(src, "moe.cu", &arch, &config).unwrap();
-    let (b, second) = moe_lanes_kernels::cuda::compile_cached(src, "moe.cu", &arch, &config).unwrap();
+    let src = moe_lanes_kernels::cuda::kernel_source();
+    let (a, first) = moe_lanes_kernels::cuda::compile_cached(&src, "moe-lanes.cu", &arch, &config).unwrap();
+    let (b, second) = moe_lanes_kernels::cuda::compile_cached(&src, "moe-lanes.cu", &arch, &config).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     eprintln!("first: {first:?}\nsecond: {second:?}");
     assert!(!first.cache_hit, "fresh directory");

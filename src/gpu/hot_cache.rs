@@ -1,13 +1,14 @@
 //! The VRAM hot cache: per layer a fixed number of expert slots (gate, up, down as bf16),
 //! allocated once, and `hot_id_map` (expert -> slot) on the host ([`HotSet`], one lane) and on
 //! the device (`[n_layers * n_experts]` i32, -1 = cold). Exchanges rewrite a slot and both maps;
-//! capacity never changes.
+//! capacity never changes. Exchanges copy on the backend's side stream (through pinned staging),
+//! so a call's compute runs beside them and waits only where a layer uses an exchanged slot.
 
 use super::weights::bf16_bits;
 use super::GpuError;
 use crate::cache::hot_set::{HotSet, LayerHotSet};
 use crate::model::Model;
-use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, GpuEvent, PinnedBuffer};
 
 /// One layer's slots: `[capacity, ff, hidden]` gate and up, `[capacity, hidden, ff]` down.
 struct HotLayer {
@@ -33,7 +34,18 @@ pub(crate) struct HotCache {
     n_experts: usize,
     /// Elements of one expert matrix (`ff * hidden`).
     expert_elems: usize,
+    /// Pinned staging for exchanges (gate, up, down of one expert each), used in turn so one
+    /// fills while the other copies; allocated at the first exchange.
+    staging: Vec<PinnedBuffer<u16>>,
+    next_staging: usize,
+    /// Per layer: recorded on the side stream after the layer's last exchange.
+    exchanged: Vec<GpuEvent>,
+    /// Per layer: an exchange is queued that the compute stream has not waited for yet.
+    pending: Vec<bool>,
 }
+
+/// Staging buffers for exchanges (each holds one expert's three matrices).
+const EXCHANGE_STAGING_BUFFERS: usize = 2;
 
 impl HotCache {
     /// No slots yet: every expert is cold until [`HotCache::allocate`].
@@ -52,6 +64,10 @@ impl HotCache {
             allocated: false,
             n_experts,
             expert_elems,
+            staging: Vec::new(),
+            next_staging: 0,
+            exchanged: (0..n_layers).map(|_| be.event()).collect::<Result<_, _>>()?,
+            pending: vec![false; n_layers],
         })
     }
 
@@ -81,7 +97,8 @@ impl HotCache {
     }
 
     /// Expert `add` takes the slot of hot expert `evict` in `layer_idx`. Checked before anything
-    /// changes; the host map, the slot contents and the device map change together.
+    /// changes; the host map changes now, the slot contents and the device map on the side stream
+    /// (the compute stream waits for them before it next runs this layer's MoE block).
     pub fn exchange(
         &mut self,
         be: &CudaBackend,
@@ -91,11 +108,40 @@ impl HotCache {
         add: usize,
     ) -> Result<(), GpuError> {
         let mut next = self.set.clone();
-        let slot = next.apply_exchange(layer_idx, evict, add)?;
-        self.write_slot(be, model, layer_idx, slot.slot_idx as usize, add)?;
-        self.write_map(be, layer_idx, evict, -1)?;
-        self.write_map(be, layer_idx, add, slot.slot_idx as i32)?;
+        let slot = next.apply_exchange(layer_idx, evict, add)?.slot_idx as usize;
+        let n = self.expert_elems;
+        if self.staging.is_empty() {
+            for _ in 0..EXCHANGE_STAGING_BUFFERS {
+                self.staging.push(be.alloc_pinned::<u16>(3 * n)?);
+            }
+        }
+        let buf = &mut self.staging[self.next_staging];
+        self.next_staging = (self.next_staging + 1) % EXCHANGE_STAGING_BUFFERS;
+        let x = model.expert(layer_idx, add);
+        let host = buf.as_mut_slice()?;
+        for (i, t) in [x.gate, x.up, x.down].into_iter().enumerate() {
+            host[i * n..(i + 1) * n].copy_from_slice(&bf16_bits(t)?);
+        }
+        let hl = &self.layers[layer_idx];
+        for (i, dst) in [&hl.gate, &hl.up, &hl.down].into_iter().enumerate() {
+            let dst = dst.as_ref().expect("a hot expert implies an allocated layer");
+            be.write_async_side(buf, i * n..(i + 1) * n, dst.ptr().sub(slot * n, n))?;
+        }
+        let map = self.map_dev.ptr();
+        be.write_side(&[-1i32], map.sub(layer_idx * self.n_experts + evict, 1))?;
+        be.write_side(&[slot as i32], map.sub(layer_idx * self.n_experts + add, 1))?;
+        be.record_side(&self.exchanged[layer_idx])?;
+        self.pending[layer_idx] = true;
         self.set = next;
+        Ok(())
+    }
+
+    /// Before layer `l` uses the cache: make the compute stream wait (on the GPU) for the
+    /// layer's queued exchanges.
+    pub fn order_after_exchanges(&mut self, be: &CudaBackend, l: usize) -> Result<(), GpuError> {
+        if std::mem::take(&mut self.pending[l]) {
+            be.wait_event(&self.exchanged[l])?;
+        }
         Ok(())
     }
 

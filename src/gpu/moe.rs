@@ -60,6 +60,7 @@ impl GpuModel {
         cold: &mut dyn ColdExperts,
     ) -> Result<(), GpuError> {
         self.records[l] = LayerRecord::default();
+        self.hot.order_after_exchanges(&self.be, l)?;
         let device_path = phase == Phase::Decode && !self.opts.faults.names_layer(l);
         let all_hot = self.hot.all_hot(l);
         // All-hot decode without a shared expert: the hot lane accumulates straight into the

@@ -11,48 +11,18 @@
 //! backend's one stream, in order; cudarc's per-slice event tracking is switched off because there
 //! is only one stream. A `DPtr` must not outlive its buffer (a stale one faults on the device).
 
+pub mod kernel;
 pub mod ops;
+
+pub use kernel::{kernel_source, Kernel};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
     result as drv, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
 };
-use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::path::PathBuf;
 use std::sync::Arc;
-
-/// The CUDA C source of every kernel, embedded at build time.
-pub const MOE_CU: &str = include_str!("../../cuda/moe.cu");
-
-/// Kernel entry points in [`MOE_CU`].
-pub const KERNEL_NAMES: &[&str] = &[
-    "gemv_bf16",
-    "rmsnorm_f32",
-    "add_bias_rows",
-    "clamp_f32",
-    "add_f32",
-    "silu_mul_f32",
-    "rope_f32",
-    "qk_norm_rope_f32",
-    "gemv3_bf16",
-    "attention_f32",
-    "attention_split_f32",
-    "attention_combine_f32",
-    "argmax_f32",
-    "argmax_partial_f32",
-    "argmax_final_f32",
-    "embed_bf16",
-    "gather_split_bf16",
-    "gather_rows_f32",
-    "scatter_add_rows_f32",
-    "add_sigmoid_scaled_rows",
-    "route_topk",
-    "moe_gate_up_gemv",
-    "moe_down_accum",
-    "moe_scatter_accum",
-    "hot_worklist_tokens",
-];
 
 /// Every way the CUDA backend can fail.
 #[derive(Debug, thiserror::Error)]
@@ -290,8 +260,12 @@ impl Drop for GpuEvent {
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// Side stream for hot-cache exchanges: copies there run beside the compute stream, which
+    /// waits for them only where it uses what they wrote ([`CudaBackend::wait_event`]).
+    side: Arc<CudaStream>,
     blas: CudaBlas,
-    functions: HashMap<&'static str, CudaFunction>,
+    /// Indexed by [`Kernel`] id.
+    functions: Vec<CudaFunction>,
     info: DeviceInfo,
     compile: CompileReport,
 }
@@ -370,11 +344,13 @@ impl CudaBackend {
                 return Err(CudaError::NoDriver("the driver reports no CUDA devices".into()));
             }
             let ctx = CudaContext::new(ordinal).map_err(|source| CudaError::Device { ordinal, source })?;
-            // One stream: ordering is the stream's; no per-slice events needed.
+            // Ordering is ours: the compute stream orders every use of every buffer, and the side
+            // stream only writes hot-cache slots the compute stream reads after `wait_event`.
             // SAFETY: event tracking is only needed when several streams share buffers; this backend
             // has one stream, which orders every use of every buffer.
             unsafe { ctx.disable_event_tracking() };
             let stream = ctx.new_stream().ctx("cuStreamCreate")?;
+            let side = ctx.new_stream().ctx("cuStreamCreate(side)")?;
             let info = DeviceInfo {
                 ordinal,
                 name: ctx.name().ctx("cuDeviceGetName")?,
@@ -384,15 +360,15 @@ impl CudaBackend {
                     .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                     .ctx("cuDeviceGetAttribute(sm count)")?,
             };
-            let (cubin, compile) = compile_cached(MOE_CU, "moe.cu", &info.arch(), config)?;
+            let (cubin, compile) = compile_cached(&kernel_source(), "moe-lanes.cu", &info.arch(), config)?;
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).ctx("cuModuleLoadData")?;
-            let mut functions = HashMap::new();
-            for &name in KERNEL_NAMES {
-                functions.insert(name, module.load_function(name).ctx("cuModuleGetFunction")?);
-            }
+            let functions = Kernel::ALL
+                .iter()
+                .map(|k| module.load_function(k.symbol()).ctx("cuModuleGetFunction"))
+                .collect::<Result<Vec<_>>>()?;
             let blas = CudaBlas::new(stream.clone())
                 .map_err(|source| CudaError::Cublas { what: "cublasCreate", source })?;
-            Ok(CudaBackend { ctx, stream, blas, functions, info, compile })
+            Ok(CudaBackend { ctx, stream, side, blas, functions, info, compile })
         })
     }
 
@@ -558,6 +534,59 @@ impl CudaBackend {
         src.fence_after(self.stream_raw())
     }
 
+    /// Queue a copy of `src[range]` (pinned) into `dst` on the side stream. Safe like
+    /// [`CudaBackend::write_async`]: `src`'s host accessors wait until the copy is done.
+    pub fn write_async_side<T: Copy + Default>(
+        &self,
+        src: &PinnedBuffer<T>,
+        range: std::ops::Range<usize>,
+        dst: DPtr<T>,
+    ) -> Result<()> {
+        assert!(range.end <= src.len && range.len() <= dst.len);
+        if range.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `src.ptr + range.start` holds `range.len()` initialised elements owned by
+        // `src`, kept alive and unchanged until its fence, recorded right after on the same stream.
+        unsafe {
+            let host = std::slice::from_raw_parts(src.ptr.add(range.start), range.len());
+            drv::memcpy_htod_async(dst.raw, host, self.side.cu_stream()).ctx("cuMemcpyHtoDAsync(side)")?;
+        }
+        src.fence_after(self.side.cu_stream())
+    }
+
+    /// Copy a small pageable `src` into `dst` on the side stream (the driver stages pageable
+    /// memory before returning, so `src` may change afterwards).
+    pub fn write_side<T>(&self, src: &[T], dst: DPtr<T>) -> Result<()> {
+        assert!(src.len() <= dst.len, "write_side: {} elements into {}", src.len(), dst.len);
+        if src.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `dst` is a live device range of at least `src.len()` elements (checked above);
+        // a copy from pageable memory is staged by the driver before this call returns.
+        unsafe { drv::memcpy_htod_async(dst.raw, src, self.side.cu_stream()) }.ctx("cuMemcpyHtoDAsync(side)")
+    }
+
+    /// Record `ev` on the side stream: it completes when every side copy queued so far has.
+    pub fn record_side(&self, ev: &GpuEvent) -> Result<()> {
+        // SAFETY: `ev` is a live event of this context and the side stream is this backend's.
+        unsafe { drv::event::record(ev.ev, self.side.cu_stream()) }.ctx("cuEventRecord(side)")
+    }
+
+    /// Make the compute stream wait (on the GPU, the host goes on) until `ev` completes.
+    pub fn wait_event(&self, ev: &GpuEvent) -> Result<()> {
+        // SAFETY: `ev` is a live event of this context and the stream is this backend's.
+        unsafe {
+            drv::stream::wait_event(self.stream_raw(), ev.ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+        }
+        .ctx("cuStreamWaitEvent")
+    }
+
+    /// Wait on the host until every side-stream copy is done.
+    pub fn synchronize_side(&self) -> Result<()> {
+        self.side.synchronize().ctx("cuStreamSynchronize(side)")
+    }
+
     /// A new timing event.
     pub fn event(&self) -> Result<GpuEvent> {
         self.bind_to_thread()?;
@@ -571,14 +600,14 @@ impl CudaBackend {
         unsafe { drv::event::record(ev.ev, self.stream_raw()) }.ctx("cuEventRecord")
     }
 
-    fn function(&self, name: &'static str) -> &CudaFunction {
-        self.functions.get(name).unwrap_or_else(|| panic!("kernel {name} not in KERNEL_NAMES"))
+    fn function(&self, kernel: Kernel) -> &CudaFunction {
+        &self.functions[kernel as usize]
     }
 
-    /// Launch `name` on the stream. `args` point at the kernel's parameters in order.
+    /// Launch `kernel` on the stream. `args` point at the kernel's parameters in order.
     fn launch(
         &self,
-        name: &'static str,
+        kernel: Kernel,
         grid: (u32, u32, u32),
         block: u32,
         shared_bytes: u32,
@@ -592,7 +621,7 @@ impl CudaBackend {
         // `ops.rs`), and every device pointer in it is a checked `DPtr` into a live buffer.
         unsafe {
             drv::launch_kernel(
-                self.function(name).cu_function(),
+                self.function(kernel).cu_function(),
                 grid,
                 (block, 1, 1),
                 shared_bytes,
@@ -641,7 +670,10 @@ pub fn compile_cached(
         format!("--include-path={}", include.display()),
         "--std=c++17".to_string(),
         "--fmad=true".to_string(),
-    ];
+    ]
+    .into_iter()
+    .chain(kernel::shared_defines())
+    .collect::<Vec<_>>();
     let (vmaj, vmin) = nvrtc_version();
     let version = format!("nvrtc {vmaj}.{vmin}");
     let key = fnv1a(&[src.as_bytes(), options.join(" ").as_bytes(), version.as_bytes(), arch.as_bytes()]);
@@ -732,12 +764,5 @@ mod tests {
     fn cache_key_is_stable() {
         assert_eq!(fnv1a(&[b"abc"]), fnv1a(&[b"abc"]));
         assert_ne!(fnv1a(&[b"ab", b"c"]), fnv1a(&[b"a", b"bc"]));
-    }
-
-    #[test]
-    fn every_kernel_name_is_in_the_source() {
-        for name in KERNEL_NAMES {
-            assert!(MOE_CU.contains(&format!("void {name}(")), "{name}");
-        }
     }
 }

@@ -1,21 +1,20 @@
-//! Typed launchers for the kernels in `kernels/cuda/moe.cu`. Each checks its views against the
+//! Typed launchers for the kernels in `kernels/cuda/*.cu` (looked up by [`Kernel`] id). Each checks its views against the
 //! shapes it is given (a mismatch is [`CudaError::Shape`], never an out-of-bounds launch) and
 //! queues the kernel on the backend's stream. bf16 data is passed as `u16` bit patterns.
 
 #![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
 
+use super::kernel::{Kernel, ROWS_PER_BLOCK};
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
 use std::ffi::c_void;
 
-/// Warps per block in the warp-per-row kernels (must match ROWS_PER_BLOCK in moe.cu).
-const ROWS_PER_BLOCK: u32 = 8;
 const BLOCK: u32 = 256;
 /// Attention keeps one score per visible position in shared memory (48 KiB default limit).
 pub const ATTENTION_MAX_POSITIONS: usize = 12 * 1024;
 /// Largest head dimension of the attention kernel (8 values per lane).
 pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
-/// Positions per block of the split attention kernel (ATT_CHUNK in moe.cu).
+/// Positions per block of the split attention kernel (`-DATT_CHUNK`).
 pub const ATTENTION_SPLIT_CHUNK: usize = 32;
 /// Blocks per row of the split argmax.
 pub const ARGMAX_SPLIT_BLOCKS: usize = 128;
@@ -35,7 +34,25 @@ macro_rules! args {
     };
 }
 
-fn need<T>(kernel: &'static str, what: &str, p: DPtr<T>, n: usize) -> Result<()> {
+/// A kernel id or the name of a library call (cuBLAS), for error messages.
+trait KernelName: Copy {
+    fn name(self) -> &'static str;
+}
+
+impl KernelName for Kernel {
+    fn name(self) -> &'static str {
+        self.symbol()
+    }
+}
+
+impl KernelName for &'static str {
+    fn name(self) -> &'static str {
+        self
+    }
+}
+
+fn need<T>(kernel: impl KernelName, what: &str, p: DPtr<T>, n: usize) -> Result<()> {
+    let kernel = kernel.name();
     if p.len() < n {
         return Err(CudaError::Shape {
             kernel,
@@ -65,7 +82,7 @@ impl CudaBackend {
         k: usize,
         accumulate: bool,
     ) -> Result<()> {
-        const K: &str = "gemv_bf16";
+        const K: Kernel = Kernel::GemvBf16;
         need(K, "W", w, n * k)?;
         need(K, "x", x, n_tokens * k)?;
         need(K, "y", y, n_tokens * n)?;
@@ -90,7 +107,7 @@ impl CudaBackend {
         n_tokens: usize,
         k: usize,
     ) -> Result<()> {
-        const K: &str = "gemv3_bf16";
+        const K: Kernel = Kernel::Gemv3Bf16;
         for j in 0..3 {
             need(K, "W", w[j], n[j] * k)?;
             need(K, "y", y[j], n_tokens * n[j])?;
@@ -127,7 +144,7 @@ impl CudaBackend {
         dim: usize,
         eps: f32,
     ) -> Result<()> {
-        const K: &str = "rmsnorm_f32";
+        const K: Kernel = Kernel::RmsnormF32;
         need(K, "x", x, rows * dim)?;
         need(K, "w", w, dim)?;
         need(K, "y", y, rows * dim)?;
@@ -136,7 +153,7 @@ impl CudaBackend {
 
     /// `x[r, :] += b` for every row.
     pub fn add_bias_rows(&self, x: DPtr<f32>, b: DPtr<f32>, rows: usize, dim: usize) -> Result<()> {
-        const K: &str = "add_bias_rows";
+        const K: Kernel = Kernel::AddBiasRows;
         need(K, "x", x, rows * dim)?;
         need(K, "b", b, dim)?;
         self.launch(K, (blocks(rows * dim, BLOCK), 1, 1), BLOCK, 0, args![x.raw(), b.raw(), i(rows), i(dim)])
@@ -144,14 +161,14 @@ impl CudaBackend {
 
     /// `x = clamp(x, -c, c)` on the first `n` elements.
     pub fn clamp(&self, x: DPtr<f32>, n: usize, c: f32) -> Result<()> {
-        const K: &str = "clamp_f32";
+        const K: Kernel = Kernel::ClampF32;
         need(K, "x", x, n)?;
         self.launch(K, (blocks(n, BLOCK), 1, 1), BLOCK, 0, args![x.raw(), i(n), c])
     }
 
     /// `acc += x` on the first `n` elements.
     pub fn add(&self, acc: DPtr<f32>, x: DPtr<f32>, n: usize) -> Result<()> {
-        const K: &str = "add_f32";
+        const K: Kernel = Kernel::AddF32;
         need(K, "acc", acc, n)?;
         need(K, "x", x, n)?;
         self.launch(K, (blocks(n, BLOCK), 1, 1), BLOCK, 0, args![acc.raw(), x.raw(), i(n)])
@@ -159,7 +176,7 @@ impl CudaBackend {
 
     /// `out = silu(g) * u` on the first `n` elements.
     pub fn silu_mul(&self, g: DPtr<f32>, u: DPtr<f32>, out: DPtr<f32>, n: usize) -> Result<()> {
-        const K: &str = "silu_mul_f32";
+        const K: Kernel = Kernel::SiluMulF32;
         need(K, "g", g, n)?;
         need(K, "u", u, n)?;
         need(K, "out", out, n)?;
@@ -179,10 +196,10 @@ impl CudaBackend {
         theta: f32,
         interleaved: bool,
     ) -> Result<()> {
-        const K: &str = "rope_f32";
+        const K: Kernel = Kernel::RopeF32;
         if head_dim & 1 == 1 || n_heads * head_dim > row_stride {
             return Err(CudaError::Shape {
-                kernel: K,
+                kernel: K.symbol(),
                 reason: format!("head_dim {head_dim} x {n_heads} heads in rows of {row_stride}"),
             });
         }
@@ -217,10 +234,10 @@ impl CudaBackend {
         interleaved: bool,
         eps: f32,
     ) -> Result<()> {
-        const K: &str = "qk_norm_rope_f32";
+        const K: Kernel = Kernel::QkNormRopeF32;
         if head_dim & 1 == 1 || n_heads * head_dim > q_stride || n_kv * head_dim > k_stride {
             return Err(CudaError::Shape {
-                kernel: K,
+                kernel: K.symbol(),
                 reason: format!(
                     "head_dim {head_dim} x {n_heads}/{n_kv} heads in rows of {q_stride}/{k_stride}"
                 ),
@@ -275,10 +292,10 @@ impl CudaBackend {
         head_dim: usize,
         window: usize,
     ) -> Result<()> {
-        const K: &str = "attention_f32";
+        const K: Kernel = Kernel::AttentionF32;
         if n_kv == 0 || n_heads / n_kv * n_kv != n_heads {
             return Err(CudaError::Shape {
-                kernel: K,
+                kernel: K.symbol(),
                 reason: format!("{n_heads} heads do not group over {n_kv} kv heads"),
             });
         }
@@ -286,7 +303,7 @@ impl CudaBackend {
         let visible = if window > 0 { window.min(total) } else { total };
         if visible > ATTENTION_MAX_POSITIONS {
             return Err(CudaError::Shape {
-                kernel: K,
+                kernel: K.symbol(),
                 reason: format!(
                     "{visible} visible positions > {ATTENTION_MAX_POSITIONS} (shared-memory score buffer)"
                 ),
@@ -298,7 +315,7 @@ impl CudaBackend {
         need(K, "out", out, n_tokens * n_heads * head_dim)?;
         if head_dim > ATTENTION_MAX_HEAD_DIM {
             return Err(CudaError::Shape {
-                kernel: K,
+                kernel: K.symbol(),
                 reason: format!("head_dim {head_dim} > {ATTENTION_MAX_HEAD_DIM}"),
             });
         }
@@ -351,16 +368,16 @@ impl CudaBackend {
         head_dim: usize,
         window: usize,
     ) -> Result<()> {
-        const K: &str = "attention_split_f32";
+        const K: Kernel = Kernel::AttentionSplitF32;
         if n_kv == 0 || n_heads / n_kv * n_kv != n_heads {
             return Err(CudaError::Shape {
-                kernel: K,
+                kernel: K.symbol(),
                 reason: format!("{n_heads} heads do not group over {n_kv} kv heads"),
             });
         }
         if head_dim > ATTENTION_MAX_HEAD_DIM {
             return Err(CudaError::Shape {
-                kernel: K,
+                kernel: K.symbol(),
                 reason: format!("head_dim {head_dim} > {ATTENTION_MAX_HEAD_DIM}"),
             });
         }
@@ -393,7 +410,7 @@ impl CudaBackend {
             ],
         )?;
         self.launch(
-            "attention_combine_f32",
+            Kernel::AttentionCombineF32,
             (n_heads as u32, n_tokens as u32, 1),
             128,
             0,
@@ -403,7 +420,7 @@ impl CudaBackend {
 
     /// Index of the largest value of each of `rows` rows of `n` (first on ties).
     pub fn argmax(&self, x: DPtr<f32>, rows: usize, n: usize, out: DPtr<i32>) -> Result<()> {
-        const K: &str = "argmax_f32";
+        const K: Kernel = Kernel::ArgmaxF32;
         need(K, "x", x, rows * n)?;
         need(K, "out", out, rows)?;
         self.launch(K, (rows as u32, 1, 1), 1024, 0, args![x.raw(), i(n), out.raw()])
@@ -424,14 +441,14 @@ impl CudaBackend {
         out: DPtr<i32>,
         part: DPtr<f32>,
     ) -> Result<()> {
-        const K: &str = "argmax_partial_f32";
+        const K: Kernel = Kernel::ArgmaxPartialF32;
         need(K, "x", x, rows * n)?;
         need(K, "out", out, rows)?;
         need(K, "part", part, Self::argmax_split_scratch(rows))?;
         let nb = ARGMAX_SPLIT_BLOCKS as u32;
         self.launch(K, (nb, rows as u32, 1), BLOCK, 0, args![x.raw(), i(n), part.raw()])?;
         self.launch(
-            "argmax_final_f32",
+            Kernel::ArgmaxFinalF32,
             (rows as u32, 1, 1),
             32,
             0,
@@ -448,7 +465,7 @@ impl CudaBackend {
         n_tokens: usize,
         hidden: usize,
     ) -> Result<()> {
-        const K: &str = "embed_bf16";
+        const K: Kernel = Kernel::EmbedBf16;
         need(K, "tokens", tokens, n_tokens)?;
         need(K, "out", out, n_tokens * hidden)?;
         self.launch(
@@ -471,7 +488,7 @@ impl CudaBackend {
         n_rows: usize,
         dim: usize,
     ) -> Result<()> {
-        const K: &str = "gather_split_bf16";
+        const K: Kernel = Kernel::GatherSplitBf16;
         if let Some(r) = rows {
             need(K, "rows", r, n_rows)?;
         } else {
@@ -494,7 +511,7 @@ impl CudaBackend {
         n_rows: usize,
         dim: usize,
     ) -> Result<()> {
-        const K: &str = "gather_rows_f32";
+        const K: Kernel = Kernel::GatherRowsF32;
         need(K, "rows", rows, n_rows)?;
         need(K, "out", out, n_rows * dim)?;
         self.launch(K, (n_rows as u32, 1, 1), BLOCK, 0, args![x.raw(), rows.raw(), out.raw(), i(dim)])
@@ -509,7 +526,7 @@ impl CudaBackend {
         n_rows: usize,
         dim: usize,
     ) -> Result<()> {
-        const K: &str = "scatter_add_rows_f32";
+        const K: Kernel = Kernel::ScatterAddRowsF32;
         need(K, "rows", rows, n_rows)?;
         need(K, "src", src, n_rows * dim)?;
         self.launch(K, (n_rows as u32, 1, 1), BLOCK, 0, args![src.raw(), rows.raw(), out.raw(), i(dim)])
@@ -524,7 +541,7 @@ impl CudaBackend {
         n_tokens: usize,
         dim: usize,
     ) -> Result<()> {
-        const K: &str = "add_sigmoid_scaled_rows";
+        const K: Kernel = Kernel::AddSigmoidScaledRows;
         need(K, "out", out, n_tokens * dim)?;
         need(K, "x", x, n_tokens * dim)?;
         need(K, "gate_logit", gate_logit, n_tokens)?;
@@ -543,9 +560,12 @@ impl CudaBackend {
         ids: DPtr<i32>,
         weights: DPtr<f32>,
     ) -> Result<()> {
-        const K: &str = "route_topk";
+        const K: Kernel = Kernel::RouteTopk;
         if k == 0 || k > n_experts {
-            return Err(CudaError::Shape { kernel: K, reason: format!("top-{k} of {n_experts} experts") });
+            return Err(CudaError::Shape {
+                kernel: K.symbol(),
+                reason: format!("top-{k} of {n_experts} experts"),
+            });
         }
         need(K, "logits", logits, n_tokens * n_experts)?;
         need(K, "ids", ids, n_tokens * k)?;
@@ -574,7 +594,7 @@ impl CudaBackend {
         ff: usize,
         hidden: usize,
     ) -> Result<()> {
-        const K: &str = "moe_gate_up_gemv";
+        const K: Kernel = Kernel::MoeGateUpGemv;
         need(K, "slots", slots, n_entries)?;
         need(K, "tokens", tokens, n_entries)?;
         need(K, "h", h, n_entries * ff)?;
@@ -614,7 +634,7 @@ impl CudaBackend {
         hidden: usize,
         ff: usize,
     ) -> Result<()> {
-        const K: &str = "moe_down_accum";
+        const K: Kernel = Kernel::MoeDownAccum;
         need(K, "tok_off", tok_off, n_rows + 1)?;
         need(K, "tok_rows", tok_rows, n_rows)?;
         need(K, "down_cache", down_cache, hidden * ff)?;
@@ -650,7 +670,7 @@ impl CudaBackend {
         n_rows: usize,
         hidden: usize,
     ) -> Result<()> {
-        const K: &str = "moe_scatter_accum";
+        const K: Kernel = Kernel::MoeScatterAccum;
         need(K, "tok_off", tok_off, n_rows + 1)?;
         need(K, "tok_rows", tok_rows, n_rows)?;
         self.launch(
@@ -678,7 +698,7 @@ impl CudaBackend {
         tok_off: DPtr<i32>,
         tok_rows: DPtr<i32>,
     ) -> Result<()> {
-        const K: &str = "hot_worklist_tokens";
+        const K: Kernel = Kernel::HotWorklistTokens;
         need(K, "map", map, n_experts)?;
         need(K, "ids", ids, n_tokens * k)?;
         need(K, "slots", slots, n_tokens * k)?;

@@ -1,0 +1,208 @@
+// Attention over the KV cache: one block per (token, head), and the split-position decode form.
+// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/mod.rs).
+
+// Causal GQA attention of T query rows (positions pos0..pos0+T-1) against the layer's KV cache,
+// which already holds positions 0..pos0+T-1 ([positions, kv_dim] f32). Decode is T = 1.
+// window > 0 limits each query to its last `window` positions. head_dim <= 256.
+// Scores: one warp per position (coalesced K rows, 4 positions in flight per warp); values: each
+// warp accumulates its positions for all dims, then the warps' partials are summed.
+// grid (T, n_heads), block 256, dynamic shared memory: max(visible positions, 8 * hd) * 4 bytes.
+extern "C" __global__ void attention_f32(const float* __restrict__ q, const float* __restrict__ kc,
+                                         const float* __restrict__ vc, float* __restrict__ out, int pos0,
+                                         int n_heads, int n_kv, int hd, int window, float scale) {
+    extern __shared__ float sc[];
+    int t = blockIdx.x, h = blockIdx.y;
+    int pos = pos0 + t;
+    int kvh = h / (n_heads / n_kv);
+    int kv_dim = n_kv * hd, q_dim = n_heads * hd;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const float* qh = q + (size_t)t * q_dim + (size_t)h * hd;
+    const float* kb = kc + (size_t)kvh * hd;
+    const float* vb = vc + (size_t)kvh * hd;
+    int first = window > 0 ? max(0, pos + 1 - window) : 0;
+    int n = pos + 1 - first;
+    float qr[ATT_MAXC];
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) {
+        int i = lane + 32 * c;
+        qr[c] = i < hd ? qh[i] : 0.f;
+    }
+    float mx = -INFINITY;
+    for (int j0 = wid; j0 < n; j0 += 4 * nw) {
+        float d[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int j = j0 + u * nw;
+            d[u] = 0.f;
+            if (j < n) {
+                const float* kr = kb + (size_t)(first + j) * kv_dim;
+#pragma unroll
+                for (int c = 0; c < ATT_MAXC; c++) {
+                    int i = lane + 32 * c;
+                    if (i < hd) d[u] += qr[c] * kr[i];
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int j = j0 + u * nw;
+            float v = warp_sum(d[u]) * scale;
+            if (j < n) {
+                if (lane == 0) sc[j] = v;
+                mx = fmaxf(mx, v);
+            }
+        }
+    }
+    mx = block_max(mx);
+    float s = 0.f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        float e = expf(sc[j] - mx);
+        sc[j] = e;
+        s += e;
+    }
+    s = block_sum(s);
+    float acc[ATT_MAXC];
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) acc[c] = 0.f;
+#pragma unroll 4
+    for (int j = wid; j < n; j += nw) {
+        float p = sc[j];
+        const float* vr = vb + (size_t)(first + j) * kv_dim;
+#pragma unroll
+        for (int c = 0; c < ATT_MAXC; c++) {
+            int i = lane + 32 * c;
+            if (i < hd) acc[c] += p * vr[i];
+        }
+    }
+    __syncthreads();  // every warp is done with the scores: reuse sc for the partials
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) {
+        int i = lane + 32 * c;
+        if (i < hd) sc[wid * hd + i] = acc[c];
+    }
+    __syncthreads();
+    float inv = 1.f / s;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0.f;
+        for (int w = 0; w < nw; w++) a += sc[w * hd + i];
+        out[(size_t)t * q_dim + (size_t)h * hd + i] = a * inv;
+    }
+}
+
+// Split-position ("flash-decoding") attention, pass 1: block (s, h, t) scores the ATT_CHUNK
+// positions s*ATT_CHUNK.. of query row t / head h (one per warp-slot, all loads in flight at once)
+// and writes a partial (max m, sum l of exp(score - m), acc[hd] = sum exp(score - m) * v) to
+// part[((t * n_heads + h) * splits + s) * (hd + 2)]: acc, then m, then l. An empty chunk writes
+// m = -inf, l = 0, acc = 0. grid (splits, n_heads, T), block 256 (8 warps x 4 positions).
+extern "C" __global__ void attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
+                                               const float* __restrict__ vc, float* __restrict__ part, int pos0,
+                                               int n_heads, int n_kv, int hd, int window, float scale, int splits) {
+    __shared__ float sc[ATT_CHUNK];
+    __shared__ float red[8 * 256];
+    int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
+    int pos = pos0 + t;
+    int kvh = h / (n_heads / n_kv);
+    int kv_dim = n_kv * hd, q_dim = n_heads * hd;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    int first = window > 0 ? max(0, pos + 1 - window) : 0;
+    int n = pos + 1 - first;
+    int j0 = s * ATT_CHUNK, cnt = min(ATT_CHUNK, n - j0);
+    float* pr = part + ((size_t)(t * n_heads + h) * splits + s) * (hd + 2);
+    if (cnt <= 0) {
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) pr[i] = 0.f;
+        if (threadIdx.x == 0) {
+            pr[hd] = -INFINITY;
+            pr[hd + 1] = 0.f;
+        }
+        return;
+    }
+    const float* qh = q + (size_t)t * q_dim + (size_t)h * hd;
+    const float* kb = kc + (size_t)kvh * hd + (size_t)(first + j0) * kv_dim;
+    const float* vb = vc + (size_t)kvh * hd + (size_t)(first + j0) * kv_dim;
+    float qr[ATT_MAXC];
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) {
+        int i = lane + 32 * c;
+        qr[c] = i < hd ? qh[i] : 0.f;
+    }
+    float d[4];
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        int j = wid + 8 * u;
+        d[u] = 0.f;
+        if (j < cnt) {
+            const float* kr = kb + (size_t)j * kv_dim;
+#pragma unroll
+            for (int c = 0; c < ATT_MAXC; c++) {
+                int i = lane + 32 * c;
+                if (i < hd) d[u] += qr[c] * kr[i];
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        int j = wid + 8 * u;
+        float v = warp_sum(d[u]) * scale;
+        if (lane == 0 && j < cnt) sc[j] = v;
+    }
+    __syncthreads();
+    float m = -INFINITY;
+    for (int j = 0; j < cnt; j++) m = fmaxf(m, sc[j]);
+    float acc[ATT_MAXC];
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) acc[c] = 0.f;
+#pragma unroll
+    for (int u = 0; u < 4; u++) {
+        int j = wid + 8 * u;
+        if (j < cnt) {
+            float p = expf(sc[j] - m);
+            const float* vr = vb + (size_t)j * kv_dim;
+#pragma unroll
+            for (int c = 0; c < ATT_MAXC; c++) {
+                int i = lane + 32 * c;
+                if (i < hd) acc[c] += p * vr[i];
+            }
+        }
+    }
+#pragma unroll
+    for (int c = 0; c < ATT_MAXC; c++) {
+        int i = lane + 32 * c;
+        if (i < hd) red[wid * hd + i] = acc[c];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0.f;
+        for (int w = 0; w < 8; w++) a += red[w * hd + i];
+        pr[i] = a;
+    }
+    if (threadIdx.x == 0) {
+        float l = 0.f;
+        for (int j = 0; j < cnt; j++) l += expf(sc[j] - m);
+        pr[hd] = m;
+        pr[hd + 1] = l;
+    }
+}
+
+// Split attention, pass 2: out[t, h, :] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with
+// M = max_s m_s. grid (n_heads, T), block 128.
+extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
+                                                 int n_heads, int hd, int splits) {
+    int h = blockIdx.x, t = blockIdx.y;
+    const float* pr = part + (size_t)(t * n_heads + h) * splits * (hd + 2);
+    float M = -INFINITY;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, pr[(size_t)s * (hd + 2) + hd]);
+    float L = 0.f;
+    for (int s = 0; s < splits; s++) {
+        const float* ps = pr + (size_t)s * (hd + 2);
+        L += ps[hd + 1] * expf(ps[hd] - M);
+    }
+    float inv = 1.f / L;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float a = 0.f;
+        for (int s = 0; s < splits; s++) {
+            const float* ps = pr + (size_t)s * (hd + 2);
+            a += ps[i] * expf(ps[hd] - M);
+        }
+        out[((size_t)t * n_heads + h) * hd + i] = a * inv;
+    }
+}

@@ -1,0 +1,89 @@
+// moe-lanes CUDA kernels, shared part: types and warp/block reductions. Prepended to every
+// op-family file (gemv, norm_rope, elementwise, attention, argmax, route, moe); the whole is
+// compiled at start-up with NVRTC for the device's own architecture (kernels/src/cuda/mod.rs).
+// Constants shared with the Rust launchers (ROWS_PER_BLOCK, ATT_CHUNK, ATT_MAXC) are passed as
+// -D defines from kernels/src/cuda/mod.rs, defined once there. Conventions: weights are bf16 row-major [out, in]; activations,
+// norms, biases and the KV cache are f32; every kernel states its launch configuration.
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+#define WARP 32
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide reductions; every thread of the block must call them.
+__device__ float block_sum(float v) {
+    __shared__ float s[33];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    if (lane == 0) s[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        float t = lane < nw ? s[lane] : 0.f;
+        t = warp_sum(t);
+        if (lane == 0) s[32] = t;
+    }
+    __syncthreads();
+    float r = s[32];
+    __syncthreads();
+    return r;
+}
+
+__device__ float block_max(float v) {
+    __shared__ float s[33];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    if (lane == 0) s[wid] = v;
+    __syncthreads();
+    if (wid == 0) {
+        float t = lane < nw ? s[lane] : -INFINITY;
+        t = warp_max(t);
+        if (lane == 0) s[32] = t;
+    }
+    __syncthreads();
+    float r = s[32];
+    __syncthreads();
+    return r;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// Dot product of a bf16 row with an f32 vector, one warp, result in every lane.
+__device__ __forceinline__ float warp_dot_bf16(const bf16* __restrict__ w, const float* __restrict__ x, int k) {
+    float acc = 0.f;
+    if ((k & 7) == 0 && ((((size_t)w) & 15) == 0) && ((((size_t)x) & 15) == 0)) {
+        const uint4* w8 = (const uint4*)w;
+        const float4* x4 = (const float4*)x;
+        int n8 = k >> 3;
+        for (int i = threadIdx.x & 31; i < n8; i += WARP) {
+            uint4 p = w8[i];
+            float4 a = x4[2 * i], b = x4[2 * i + 1];
+            const __nv_bfloat162* h = (const __nv_bfloat162*)&p;
+            float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
+            float2 f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
+            acc += f0.x * a.x + f0.y * a.y + f1.x * a.z + f1.y * a.w;
+            acc += f2.x * b.x + f2.y * b.y + f3.x * b.z + f3.y * b.w;
+        }
+    } else {
+        for (int i = threadIdx.x & 31; i < k; i += WARP) acc += __bfloat162float(w[i]) * x[i];
+    }
+    return warp_sum(acc);
+}
+
+
+#if !defined(ROWS_PER_BLOCK) || !defined(ATT_CHUNK) || !defined(ATT_MAXC)
+#error "compile with -DROWS_PER_BLOCK, -DATT_CHUNK and -DATT_MAXC (kernels/src/cuda/mod.rs)"
+#endif

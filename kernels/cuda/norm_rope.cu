@@ -1,0 +1,67 @@
+// RMSNorm and RoPE (separate and fused with per-head q/k norms).
+// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/mod.rs).
+
+// One row of `dim` per block: y = x * rsqrt(mean(x^2) + eps) * w. In place allowed (x == y).
+// Per-head q/k norms: rows = T * heads, dim = head_dim. grid (rows), block 256.
+extern "C" __global__ void rmsnorm_f32(const float* x, const float* __restrict__ w, float* y, int dim, float eps) {
+    const float* xr = x + (size_t)blockIdx.x * dim;
+    float* yr = y + (size_t)blockIdx.x * dim;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    float inv = 1.f / sqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = xr[i] * inv * w[i];
+}
+
+// RoPE for token t (position pos0 + t), head h: rotate pairs (i, i + d/2) (half_split) or
+// (2i, 2i + 1) (interleaved) by pos * theta^(-2i/d), angles in double as the reference does.
+// x rows are [T, row_stride]; heads at h * head_dim. grid (T, n_heads), block 64.
+extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int pos0, float theta, int interleaved) {
+    int t = blockIdx.x, h = blockIdx.y, half = head_dim / 2;
+    float* xh = x + (size_t)t * row_stride + (size_t)h * head_dim;
+    double pos = (double)(pos0 + t);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)head_dim);
+        double ang = pos * inv_freq;
+        float s = (float)sin(ang), c = (float)cos(ang);
+        int a = interleaved ? 2 * i : i;
+        int b = interleaved ? 2 * i + 1 : i + half;
+        float x0 = xh[a], x1 = xh[b];
+        xh[a] = x0 * c - x1 * s;
+        xh[b] = x1 * c + x0 * s;
+    }
+}
+
+// Fused decode/prefill q/k post-processing: optional per-head RMSNorm (qw / kw, null for none),
+// then RoPE, for the nh query heads and nkv key heads of token t (position pos0 + t). Same math and
+// summation order as rmsnorm_f32 (block 256) followed by rope_f32. grid (T, nh + nkv), block 256.
+extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __restrict__ qw,
+                                            const float* __restrict__ kw, int q_stride, int k_stride, int nh,
+                                            int hd, int pos0, float theta, int interleaved, float eps) {
+    int t = blockIdx.x, h = blockIdx.y, half = hd / 2;
+    bool is_q = h < nh;
+    float* xh = is_q ? q + (size_t)t * q_stride + (size_t)h * hd : k + (size_t)t * k_stride + (size_t)(h - nh) * hd;
+    const float* w = is_q ? qw : kw;
+    float inv = 1.f;
+    if (w) {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) ss += xh[i] * xh[i];
+        ss = block_sum(ss);  // ends with a barrier: every read of xh is done
+        inv = 1.f / sqrtf(ss / (float)hd + eps);
+    }
+    double pos = (double)(pos0 + t);
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)hd);
+        double ang = pos * inv_freq;
+        float s = (float)sin(ang), c = (float)cos(ang);
+        int a = interleaved ? 2 * i : i;
+        int b = interleaved ? 2 * i + 1 : i + half;
+        float x0 = xh[a], x1 = xh[b];
+        if (w) {
+            x0 = x0 * inv * w[a];
+            x1 = x1 * inv * w[b];
+        }
+        xh[a] = x0 * c - x1 * s;
+        xh[b] = x1 * c + x0 * s;
+    }
+}
