@@ -24,7 +24,7 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])' |
     while read -r name exe; do cp "$exe" "$DEST/bin/$name"; strip --strip-debug "$DEST/bin/$name" 2>/dev/null || true; echo "staged $name"; done
 # The pipeline message-overhead bench (criterion; prints MEDIAN lines at the end).
-exe=$(cargo bench --bench pipeline_overhead --no-run --message-format=json 2>/dev/null |
+exe=$(cargo bench -p moe-lanes --bench pipeline_overhead --no-run --message-format=json 2>/dev/null |
     python3 -c 'import sys, json
 for line in sys.stdin:
     m = json.loads(line)
