@@ -36,7 +36,7 @@ def load(path):
 
 
 def row(name, r):
-    cells = [name[:6], r["engine"], r["device"][:28], f"{r['hot_bytes'] / 2**20:.0f}",
+    cells = [name[:6], r["engine"], r["device"][:28], f"{r['hot_bytes'] / 2**20:.1f}",
              f"{100 * r['hit_rate']:.1f}", f"{r['pp_tokens_per_s']:.1f}", f"{r['tg_tokens_per_s']:.1f}",
              f"{r['overlap_us']:.1f}", f"{r['join_wait_us']:.1f}", str(r["fallbacks"])]
     return " ".join(fmt.format(c) for (_, fmt), c in zip(COLUMNS, cells))
@@ -59,7 +59,7 @@ def self_test():
             "join_wait_us": 25.0, "fallbacks": 0}
     off = dict(base, hot_bytes=0, hit_rate=0.0, pp_tokens_per_s=400.0, tg_tokens_per_s=74.0)
     out = table([("hot", base), ("off", off)])
-    ok = "hot / off: pp 10.00x, tg 5.00x" in out and "9216" in out and "96.3" in out
+    ok = "hot / off: pp 10.00x, tg 5.00x" in out and "9216.0" in out and "96.3" in out
     try:
         table([("x", {"engine": "gpu"})])
         ok = False
