@@ -12,6 +12,8 @@
 //! Every test prints "SKIP: no CUDA device: ..." and passes when CUDA is not usable (CI), unless
 //! MOE_LANES_REQUIRE_GPU is set (the GPU machine), where that is a failure.
 
+mod common;
+
 use moe_lanes::actors::Exchange;
 use moe_lanes::cache::hot_set::HotSet;
 use moe_lanes::cache::perf::{FallbackReason, PerfReport};
@@ -20,27 +22,11 @@ use moe_lanes::gpu::{CudaBackend, GpuFaults};
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use moe_lanes::reference::{NoObserver, Reference};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 const REL_TOL: f32 = 2e-3;
-const FIXTURES: [&str; 8] = [
-    "qwen3_moe_a",
-    "qwen3_moe_b",
-    "mixtral_a",
-    "mixtral_b",
-    "olmoe_a",
-    "olmoe_b",
-    "qwen2_moe_a",
-    "qwen2_moe_b",
-];
 const N_DECODE: usize = 3;
-
-fn fixtures_dir() -> PathBuf {
-    std::env::var_os("MOE_LANES_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures")))
-}
 
 fn gpu_usable() -> bool {
     match CudaBackend::try_new() {
@@ -138,7 +124,7 @@ fn check_against_reference(what: &str, model: &Model, engine: &mut dyn Engine) -
 }
 
 fn open(name: &str) -> Arc<Model> {
-    Arc::new(Model::open(&fixtures_dir().join(name)).unwrap())
+    Arc::new(Model::open(&common::fixtures_root().join(name)).unwrap())
 }
 
 fn run_hot(hot: Hot) {
@@ -146,7 +132,7 @@ fn run_hot(hot: Hot) {
         return;
     }
     let mut worst = 0f32;
-    for name in FIXTURES {
+    for name in &common::fixture_names() {
         let model = open(name);
         let c = model.config().clone();
         let mut engine =
@@ -179,7 +165,7 @@ fn exchanges_keep_output_exact() {
     if !gpu_usable() {
         return;
     }
-    for name in FIXTURES {
+    for name in &common::fixture_names() {
         let model = open(name);
         let c = model.config().clone();
         let mut engine = gpu_engine(
@@ -212,7 +198,7 @@ fn run_fault(faults: GpuFaults, reason: FallbackReason) {
     if !gpu_usable() {
         return;
     }
-    for name in FIXTURES {
+    for name in &common::fixture_names() {
         let model = open(name);
         let c = model.config().clone();
         let mut engine =

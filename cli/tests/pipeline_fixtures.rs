@@ -13,16 +13,6 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
 
-const FIXTURES: [&str; 8] = [
-    "qwen3_moe_a",
-    "qwen3_moe_b",
-    "mixtral_a",
-    "mixtral_b",
-    "olmoe_a",
-    "olmoe_b",
-    "qwen2_moe_a",
-    "qwen2_moe_b",
-];
 const FRACTIONS: [f64; 3] = [0.0, 0.5, 1.0];
 
 fn dir(name: &str) -> PathBuf {
@@ -59,7 +49,7 @@ fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 
 #[test]
 fn library_pipeline_matches_golden_for_every_fixture_and_fraction() {
-    for name in FIXTURES {
+    for name in &common::fixture_names() {
         let g = golden(name);
         let model = Arc::new(Model::open(&dir(name)).unwrap());
         let c = model.config().clone();
@@ -87,7 +77,7 @@ fn run(args: &[&str]) -> Value {
 #[test]
 fn binary_logits_and_generate_agree_with_golden_with_the_default_engine() {
     let tmp = tempfile::tempdir().unwrap();
-    for name in FIXTURES {
+    for name in &common::fixture_names() {
         let g = golden(name);
         let model = dir(name);
         let model = model.to_str().unwrap();

@@ -96,11 +96,22 @@ pub fn rewrite_gguf(
     .unwrap();
 }
 
+/// Where the golden fixtures are: `MOE_LANES_FIXTURES` (the GPU machine's staged copy) or
+/// `tests/fixtures`.
+pub fn fixtures_root() -> PathBuf {
+    std::env::var_os("MOE_LANES_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("tests/fixtures"))
+}
+
+/// The names of the committed golden fixtures, sorted.
+pub fn fixture_names() -> Vec<String> {
+    fixture_dirs().iter().map(|d| d.file_name().unwrap().to_string_lossy().into_owned()).collect()
+}
+
 /// The committed golden fixtures (directory per fixture).
 pub fn fixture_dirs() -> Vec<PathBuf> {
-    let root = std::env::var_os("MOE_LANES_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("tests/fixtures"));
+    let root = fixtures_root();
     let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap_or_else(|e| panic!("fixtures at {}: {e}", root.display()))
         .map(|e| e.unwrap().path())
