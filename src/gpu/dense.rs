@@ -184,11 +184,10 @@ impl GpuModel {
         )?;
         self.be.route_topk(s.router_logits.ptr(), t, e_n, k, variant, c.norm_topk_prob, ids, wts)?;
         if to_host {
-            self.be.read_async(ids, &mut s.pin_ids, t * k)?;
-            self.be.read_async(wts, &mut s.pin_w, t * k)?;
-            if rows_to_host {
-                self.be.read_async(s.normed.ptr(), &mut s.pin_cold_in, t * h)?;
-            }
+            let rows = s.normed.ptr().sub(0, if rows_to_host { t * h } else { 0 });
+            let copies =
+                [(ids.cast::<u32>(), 0), (wts.cast::<u32>(), s.cap * k), (rows.cast::<u32>(), 2 * s.cap * k)];
+            self.be.read_async_many(&copies, &mut s.pin_route)?;
         }
         self.mark(l, 4)?;
         Ok(())

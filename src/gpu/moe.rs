@@ -19,7 +19,7 @@
 use super::cold::{ColdError, ColdExperts, ColdSlot};
 use super::dense::route_ids;
 use super::model::GpuModel;
-use super::scratch::{HostScratch, WorkLayout};
+use super::scratch::{HostScratch, RouteView, WorkLayout};
 use super::stats::LayerRecord;
 use super::GpuError;
 use crate::cache::perf::FallbackReason;
@@ -168,7 +168,8 @@ impl GpuModel {
         let faults = self.opts.faults;
         let cold_start = Instant::now();
         let hs = &mut self.host;
-        let normed = &s.pin_cold_in.as_slice()?[..t * h];
+        let (cap, k) = (s.cap, self.cfg.n_experts_used);
+        let normed = RouteView::of(s.pin_route.as_slice()?, cap, k, t, h).rows;
         let out = &mut s.pin_cold_out.as_mut_slice()?[..t * h];
         out.fill(0.0);
         if n_rows == t {
@@ -306,7 +307,7 @@ impl GpuModel {
 
     /// Wait until the layer's routing is on the host (its copy is the last before the split).
     fn wait_routes(&self) -> Result<(), GpuError> {
-        self.scratch.as_ref().expect("reserved").pin_w.as_slice()?;
+        self.scratch.as_ref().expect("reserved").pin_route.as_slice()?;
         Ok(())
     }
 
@@ -316,14 +317,15 @@ impl GpuModel {
         let s = self.scratch.as_ref().expect("reserved");
         let hs = &mut self.host;
         hs.expert_ids.clear();
-        for &e in &s.pin_ids.as_slice()?[..t * k] {
+        let route = RouteView::of(s.pin_route.as_slice()?, s.cap, k, t, 0);
+        for &e in route.ids {
             if e < 0 || e as usize >= e_n {
                 return Err(GpuError::BadRoute { layer_idx: l, expert_id: e }.into());
             }
             hs.expert_ids.push(e as u32);
         }
         let layer = self.hot.layer(l);
-        let wts = &s.pin_w.as_slice()?[..t * k];
+        let wts = route.weights;
         let shape = LayerFault::Fallback { reason: FallbackReason::Shape, plain: false };
         hs.worklist.build(&hs.expert_ids, wts, t, k, Some(layer), order).map_err(|_| shape)?;
         if self.opts.faults.corrupt_worklist_layer == Some(l) {

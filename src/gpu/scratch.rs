@@ -65,8 +65,11 @@ pub(crate) struct Scratch {
     pub logits: DeviceBuffer<f32>,
     pub argmax: DeviceBuffer<i32>,
     pub argmax_part: DeviceBuffer<f32>,
-    pub pin_ids: PinnedBuffer<i32>,
-    pub pin_w: PinnedBuffer<f32>,
+    /// The layer's routing on the host, one copy batch and one fence: ids (i32 bits) at 0,
+    /// weights (f32 bits) at `cap * k`, and in decode with cold slots the normed rows (f32 bits)
+    /// at `2 * cap * k`. See [`RouteView`].
+    pub pin_route: PinnedBuffer<u32>,
+    /// Gathered cold rows (host path).
     pub pin_cold_in: PinnedBuffer<f32>,
     pub pin_cold_out: PinnedBuffer<f32>,
 }
@@ -106,11 +109,27 @@ impl Scratch {
             logits: f(cap * c.vocab)?,
             argmax: be.alloc_zeros::<i32>(cap)?,
             argmax_part: f(CudaBackend::argmax_split_scratch(cap))?,
-            pin_ids: be.alloc_pinned::<i32>(c.n_layers * cap * k)?,
-            pin_w: be.alloc_pinned::<f32>(cap * k)?,
+            pin_route: be.alloc_pinned::<u32>(2 * cap * k + cap * c.hidden)?,
             pin_cold_in: be.alloc_pinned::<f32>(cap * c.hidden)?,
             pin_cold_out: be.alloc_pinned::<f32>(cap * c.hidden)?,
         })
+    }
+}
+
+/// Typed views of [`Scratch::pin_route`] for a call of `t` tokens.
+pub(crate) struct RouteView<'a> {
+    pub ids: &'a [i32],
+    pub weights: &'a [f32],
+    pub rows: &'a [f32],
+}
+
+impl RouteView<'_> {
+    pub fn of(pinned: &[u32], cap: usize, k: usize, t: usize, hidden: usize) -> RouteView<'_> {
+        RouteView {
+            ids: bytemuck::cast_slice(&pinned[..t * k]),
+            weights: bytemuck::cast_slice(&pinned[cap * k..][..t * k]),
+            rows: bytemuck::cast_slice(&pinned[2 * cap * k..][..t * hidden]),
+        }
     }
 }
 

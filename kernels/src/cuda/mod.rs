@@ -124,6 +124,14 @@ impl<T> DPtr<T> {
     pub fn from(&self, offset: usize) -> DPtr<T> {
         self.sub(offset, self.len - offset)
     }
+    /// The same device bytes seen as another plain type of the same size (e.g. f32 as u32 bits).
+    pub fn cast<U: bytemuck::Pod>(&self) -> DPtr<U>
+    where
+        T: bytemuck::Pod,
+    {
+        assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<U>(), "DPtr::cast between sizes");
+        DPtr { raw: self.raw, len: self.len, _m: PhantomData }
+    }
 }
 
 /// An owned device allocation of `len` elements.
@@ -509,6 +517,28 @@ impl CudaBackend {
         unsafe {
             let host = std::slice::from_raw_parts_mut(dst.ptr, n);
             drv::memcpy_dtoh_async(host, src.raw, self.stream_raw()).ctx("cuMemcpyDtoHAsync")?;
+        }
+        dst.fence_after(self.stream_raw())
+    }
+
+    /// Queue several copies into ranges of one pinned buffer, `(src, dst_offset)` each copying all
+    /// of `src`, fenced once after the last (one event record, one host wait for the batch).
+    pub fn read_async_many<T: Copy + Default>(
+        &self,
+        copies: &[(DPtr<T>, usize)],
+        dst: &mut PinnedBuffer<T>,
+    ) -> Result<()> {
+        for &(src, offset) in copies {
+            assert!(offset + src.len <= dst.len, "read_async_many: {}+{} > {}", offset, src.len, dst.len);
+            if src.len == 0 {
+                continue;
+            }
+            // SAFETY: as in `read_async`: the range lies inside `dst` (checked above), and the
+            // host cannot touch `dst` before the fence recorded after the batch completes.
+            unsafe {
+                let host = std::slice::from_raw_parts_mut(dst.ptr.add(offset), src.len);
+                drv::memcpy_dtoh_async(host, src.raw, self.stream_raw()).ctx("cuMemcpyDtoHAsync")?;
+            }
         }
         dst.fence_after(self.stream_raw())
     }
