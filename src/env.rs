@@ -99,24 +99,28 @@ pub fn vram_limit_bytes() -> Result<Option<u64>, EnvError> {
         .transpose()
 }
 
-/// The pipeline's A/B switches (`MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE`,
-/// `MOE_LANES_ORDER`). Unparseable values are ignored (the policy's own choice stands), since
-/// these are diagnostics, not configuration.
-pub fn policy_switches() -> PolicySwitches {
-    PolicySwitches {
-        reduce_merge: var("MOE_LANES_REDUCE_MERGE").and_then(|v| v.parse().ok()).unwrap_or_default(),
-        compact_cold_reduce: var("MOE_LANES_COMPACT_COLD_REDUCE")
-            .and_then(|v| v.parse::<Switch>().ok())
-            .and_then(|s| match s {
-                Switch::On => Some(true),
-                Switch::Off => Some(false),
-                Switch::Auto => None,
-            }),
-        order: var("MOE_LANES_ORDER").and_then(|v| match v.as_str() {
-            "token" => Some(WorklistOrder::TokenMajor),
-            "expert" => Some(WorklistOrder::ExpertMajor),
-            _ => None,
+/// The pipeline's A/B switches (`MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE`:
+/// `off|on|auto`; `MOE_LANES_ORDER`: `token|expert`). A value outside those is an error.
+pub fn policy_switches() -> Result<PolicySwitches, EnvError> {
+    let switch = |name: &'static str| -> Result<Option<Switch>, EnvError> {
+        var(name).map(|v| v.parse::<Switch>().map_err(|_| bad(name, &v, "off, on or auto"))).transpose()
+    };
+    let order = match var("MOE_LANES_ORDER") {
+        None => None,
+        Some(v) => Some(match v.as_str() {
+            "token" => WorklistOrder::TokenMajor,
+            "expert" => WorklistOrder::ExpertMajor,
+            _ => return Err(bad("MOE_LANES_ORDER", &v, "token or expert")),
         }),
+    };
+    Ok(PolicySwitches {
+        reduce_merge: switch("MOE_LANES_REDUCE_MERGE")?.unwrap_or_default(),
+        compact_cold_reduce: switch("MOE_LANES_COMPACT_COLD_REDUCE")?.and_then(|s| match s {
+            Switch::On => Some(true),
+            Switch::Off => Some(false),
+            Switch::Auto => None,
+        }),
+        order,
         dense_pp: None,
-    }
+    })
 }

@@ -20,10 +20,28 @@ pub enum ForwardError {
     TokenOutOfRange { token: u32, position: usize, vocab: usize },
     #[error("context is full: {max_positions} positions")]
     ContextFull { max_positions: usize },
+    #[error("{prompt_tokens} prompt tokens + {new_tokens} new tokens exceed the context of {max_positions} positions (ask for at most {} new tokens)", max_positions.saturating_sub(*prompt_tokens))]
+    TooLong { prompt_tokens: usize, new_tokens: usize, max_positions: usize },
     #[error("no tokens given")]
     EmptyInput,
     #[error(transparent)]
     Tensor(#[from] TensorError),
+}
+
+/// Refuse a generation that cannot fit before any work: `prompt + n_new` positions (the last
+/// new token is not fed back, but a caller continuing the session needs its position).
+pub fn check_generation_fits(
+    prompt_tokens: usize,
+    new_tokens: usize,
+    max_positions: usize,
+) -> Result<(), ForwardError> {
+    if prompt_tokens == 0 {
+        return Err(ForwardError::EmptyInput);
+    }
+    match prompt_tokens.checked_add(new_tokens) {
+        Some(n) if n <= max_positions => Ok(()),
+        _ => Err(ForwardError::TooLong { prompt_tokens, new_tokens, max_positions }),
+    }
 }
 
 /// Receives every routing decision the forward pass makes (for learn passes and tests).
@@ -180,6 +198,7 @@ impl<'m> Reference<'m> {
 
     /// Greedy generation: prefill `prompt`, then decode `n_new` tokens one by one.
     pub fn generate(&self, prompt: &[u32], n_new: usize) -> Result<Vec<u32>, ForwardError> {
+        check_generation_fits(prompt.len(), n_new, self.config.max_positions)?;
         let mut cache = self.new_cache();
         let logits = self.forward(&mut cache, prompt, &mut NoObserver)?;
         let mut next = argmax(logits.last().expect("prompt is not empty"));

@@ -274,6 +274,7 @@ pub fn write_synthetic(
     if !opts.dtype.is_float() {
         return Err(SynthError::UnsupportedDType(opts.dtype));
     }
+    refuse_special(&opts.out)?;
     let config = synth_config(opts.adapter, opts.preset, &opts.dims)?;
     if opts.format == SynthFormat::Gguf && config.vocab < vocab::MIN_VOCAB {
         return Err(invalid(
@@ -745,7 +746,7 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
 }
 
 /// Reject output paths that cannot be written before any work starts.
-pub fn check_output_path(path: &Path) -> Result<(), SynthError> {
+pub fn check_output_path(path: &Path, force: bool) -> Result<(), SynthError> {
     let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if !parent.is_dir() {
         return Err(SynthError::Output {
@@ -753,7 +754,26 @@ pub fn check_output_path(path: &Path) -> Result<(), SynthError> {
             reason: format!("directory {} does not exist", parent.display()),
         });
     }
+    refuse_special(path)?;
+    if path.exists() && !force {
+        return Err(SynthError::Output {
+            path: path.into(),
+            reason: "already exists (pass --force to replace it)".into(),
+        });
+    }
     Ok(())
+}
+
+/// Never replace something that is not a regular file or a directory (a device node, a FIFO,
+/// a socket): the atomic rename would put a regular file in its place.
+fn refuse_special(path: &Path) -> Result<(), SynthError> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if !m.is_file() && !m.is_dir() => Err(SynthError::Output {
+            path: path.into(),
+            reason: "exists and is not a regular file; refusing to replace it".into(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -205,6 +205,9 @@ struct SynthArgs {
     /// Tie the lm_head to the token embedding.
     #[arg(long)]
     tied: bool,
+    /// Replace an existing output file (never a device or FIFO).
+    #[arg(long)]
+    force: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -294,17 +297,27 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.gpu.profile = env::gpu_profile();
     opts.gpu.faults = env::faults()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
-    opts.pipeline.switches = env::policy_switches();
+    opts.pipeline.switches = env::policy_switches()?;
     Ok(opts)
 }
 
 /// Typed engine options from the flags (and the environment, [`base_options`]).
-fn engine_options(model: &Model, args: &EngineArgs, n_positions: usize) -> Result<EngineOptions> {
+fn engine_options(
+    model: &Model,
+    args: &EngineArgs,
+    n_positions: usize,
+    default_hot: HotChoice,
+) -> Result<EngineOptions> {
     let mut opts = base_options(n_positions)?;
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
     opts.learn_counts = args.learn.as_deref().map(|p| learn_counts(p, model)).transpose()?;
     opts.learn_tokens = args.learn_tokens;
-    opts.hot = hot_choice(model, args)?;
+    opts.hot = hot_choice(model, args, default_hot)?;
+    if let Some(n) =
+        args.cold_threads.filter(|&n| n == 0 || n > moe_lanes::actors::messages::MAX_COLD_WORKERS)
+    {
+        bail!("--cold-threads {n}: expected 1..={}", moe_lanes::actors::messages::MAX_COLD_WORKERS);
+    }
     opts.cold_threads = args.cold_threads;
     opts.perf_mode = args.perf_mode.parse::<PerfMode>().map_err(anyhow::Error::msg)?;
     opts.pipeline.n_hot_lanes = args.hot_lanes;
@@ -313,7 +326,7 @@ fn engine_options(model: &Model, args: &EngineArgs, n_positions: usize) -> Resul
     Ok(opts)
 }
 
-fn hot_choice(model: &Model, args: &EngineArgs) -> Result<HotChoice> {
+fn hot_choice(model: &Model, args: &EngineArgs, default: HotChoice) -> Result<HotChoice> {
     let c = model.config();
     if let Some(path) = &args.hot_experts {
         return Ok(HotChoice::Set(HotSet::from_experts_file(path, c.n_layers, c.n_experts, args.hot_lanes)?));
@@ -324,7 +337,10 @@ fn hot_choice(model: &Model, args: &EngineArgs) -> Result<HotChoice> {
         (Some(mib), _) => bail!("--hot-budget-mib {mib}: expected a size in MiB or -1 for auto"),
         (None, Some(f)) if (0.0..=1.0).contains(&f) => HotChoice::Budget(HotBudget::Fraction(f)),
         (None, Some(f)) => bail!("--hot-fraction {f}: expected a value in 0..=1"),
-        (None, None) => HotChoice::None,
+        (None, None) if args.learn.is_some() && matches!(default, HotChoice::None) => {
+            bail!("--learn ranks experts for --hot-fraction or --hot-budget-mib; give one of them")
+        }
+        (None, None) => default,
     })
 }
 
@@ -385,7 +401,7 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
         },
         out: args.out,
     };
-    synth::check_output_path(&opts.out)?;
+    synth::check_output_path(&opts.out, args.force)?;
     let report = write_with_progress(&opts)?;
     if args.json {
         out!("{}", serde_json::to_string_pretty(&report)?)?;
@@ -433,7 +449,7 @@ fn inspect(args: InspectArgs) -> Result<()> {
 
 fn logits(args: LogitsArgs) -> Result<()> {
     let model = Arc::new(open_model(&args.model)?);
-    let opts = engine_options(&model, &args.engine, args.tokens.len())?;
+    let opts = engine_options(&model, &args.engine, args.tokens.len(), HotChoice::None)?;
     let (mut engine, _) = open_engine(&model, opts)?;
     let mut cache = engine.new_cache(args.tokens.len())?;
     let logits = engine.forward(&args.tokens, Phase::Prefill, &mut cache)?;
@@ -444,7 +460,14 @@ fn logits(args: LogitsArgs) -> Result<()> {
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let model = Arc::new(open_model(&args.model)?);
-    let opts = engine_options(&model, &args.engine, args.tokens.len() + args.max_new_tokens)?;
+    // Before any work: prompt + new tokens must fit the context.
+    moe_lanes::reference::check_generation_fits(
+        args.tokens.len(),
+        args.max_new_tokens,
+        model.config().max_positions,
+    )?;
+    let opts =
+        engine_options(&model, &args.engine, args.tokens.len() + args.max_new_tokens, HotChoice::None)?;
     let (mut engine, _) = open_engine(&model, opts)?;
     let tokens = engine.generate(&args.tokens, args.max_new_tokens)?;
     out!("{}", serde_json::json!({ "tokens": tokens }))?;
@@ -474,10 +497,14 @@ fn learn(args: LearnArgs) -> Result<()> {
 
 /// Where the default synthetic model lives: `$MOE_LANES_HOME` or `~/.cache/moe-lanes`.
 fn default_model_path() -> PathBuf {
-    let home = std::env::var_os("MOE_LANES_HOME").map(PathBuf::from).unwrap_or_else(|| {
-        let base = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
-        base.join(".cache").join("moe-lanes")
-    });
+    // An empty MOE_LANES_HOME is unset (not the current directory).
+    let home = std::env::var_os("MOE_LANES_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let base = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+            base.join(".cache").join("moe-lanes")
+        });
     home.join("default-qwen3moe-small.gguf")
 }
 
@@ -507,20 +534,10 @@ fn default_model_options(out: PathBuf) -> Result<SynthOptions> {
 }
 
 fn demo(args: DemoArgs) -> Result<()> {
-    let path = match args.model {
-        Some(p) => p,
-        None => {
-            let path = default_model_path();
-            if !path.exists() {
-                std::fs::create_dir_all(path.parent().expect("has a parent"))
-                    .with_context(|| format!("cannot create {}", path.display()))?;
-                eprintln!("first use: writing the default synthetic model to {}", path.display());
-                write_with_progress(&default_model_options(path.clone())?)?;
-            }
-            path
-        }
-    };
-    let model = Arc::new(open_model(&path)?);
+    let model = Arc::new(match args.model {
+        Some(p) => open_model(&p)?,
+        None => default_model()?,
+    });
     out_raw!("{}", InspectReport::new(&model).to_text())?;
     let prompt = moe_lanes::inspect::sample_tokens(model.config().vocab, 8);
     let expected = Reference::new(&model)?.generate(&prompt, args.max_new_tokens)?;
@@ -528,25 +545,46 @@ fn demo(args: DemoArgs) -> Result<()> {
     let mut opts = base_options(prompt.len() + args.max_new_tokens)?;
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
     opts.hot = HotChoice::Budget(HotBudget::Fraction(0.5));
-    let start = Instant::now();
     let (mut engine, _) = open_engine(&model, opts)?;
+    let start = Instant::now();
     let tokens = engine.generate(&prompt, args.max_new_tokens)?;
     let seconds = start.elapsed().as_secs_f64();
     out!("prompt    {prompt:?}")?;
     out!("generated {tokens:?}")?;
     out!("matches the reference forward pass: {}", if tokens == expected { "yes" } else { "NO" })?;
     out!(
-        "engine {} ({}): {} tokens in {:.3} s ({:.1} tokens/s, model upload included)",
+        "engine {} ({}): {} tokens generated in {:.3} s ({:.1} tokens/s; the {}-token prompt's processing included)",
         engine.kind(),
         engine.device(),
         tokens.len(),
         seconds,
-        (prompt.len() + tokens.len()) as f64 / seconds
+        tokens.len() as f64 / seconds,
+        prompt.len()
     )?;
     if tokens != expected {
         bail!("the engine's tokens differ from the reference: {tokens:?} vs {expected:?}");
     }
     Ok(())
+}
+
+/// The embedded default model: written on first use (concurrent first runs each write their own
+/// temporary file and rename it into place), and written again if the cached copy is unreadable.
+fn default_model() -> Result<Model> {
+    let path = default_model_path();
+    if path.exists() {
+        match Model::open(&path) {
+            Ok(model) => return Ok(model),
+            Err(e) => {
+                eprintln!("the cached default model {} is unreadable ({e}); writing it again", path.display())
+            }
+        }
+    } else {
+        std::fs::create_dir_all(path.parent().expect("has a parent"))
+            .with_context(|| format!("cannot create {}", path.display()))?;
+        eprintln!("first use: writing the default synthetic model to {}", path.display());
+    }
+    write_with_progress(&default_model_options(path.clone())?)?;
+    open_model(&path)
 }
 
 fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
@@ -570,10 +608,8 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
 fn bench(args: BenchArgs) -> Result<()> {
     use moe_lanes::bench::{run_bench, BenchOptions};
     let model = Arc::new(open_model(&args.model)?);
-    let mut opts = engine_options(&model, &args.engine, args.prompt_tokens + args.gen_tokens)?;
-    if matches!(opts.hot, HotChoice::None) && args.engine.hot_experts.is_none() {
-        opts.hot = HotChoice::Budget(HotBudget::Auto);
-    }
+    let n_positions = args.prompt_tokens.saturating_add(args.gen_tokens);
+    let opts = engine_options(&model, &args.engine, n_positions, HotChoice::Budget(HotBudget::Auto))?;
     let budget = match opts.hot {
         HotChoice::Budget(b) => Some(b),
         _ => None,
@@ -618,6 +654,22 @@ fn engine_profile(engine: &dyn Engine) -> Option<String> {
 fn learn_counts(path: &Path, model: &Model) -> Result<Vec<Vec<u64>>> {
     let c = model.config();
     let report = PerfReport::read(path, Some(c.n_experts))?;
+    if report.n_expert != 0 && report.n_expert != c.n_experts {
+        bail!(
+            "{}: a learn file for {} experts per layer; this model has {}",
+            path.display(),
+            report.n_expert,
+            c.n_experts
+        );
+    }
+    let with_counts = report.layers.iter().filter(|l| !l.experts.is_empty()).count();
+    if with_counts != c.n_layers {
+        bail!(
+            "{}: expert counts for {with_counts} layers; this model has {} (a learn file from another model?)",
+            path.display(),
+            c.n_layers
+        );
+    }
     let mut counts = vec![vec![0u64; c.n_experts]; c.n_layers];
     for layer in &report.layers {
         if layer.layer >= c.n_layers {

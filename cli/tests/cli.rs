@@ -4,30 +4,9 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::path::Path;
-use std::process::{Command, Output};
+mod bin;
 
-fn moe_lanes(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_moe-lanes")).args(args).output().expect("binary runs")
-}
-
-fn ok_stdout(args: &[&str]) -> String {
-    let out = moe_lanes(args);
-    assert!(out.status.success(), "{args:?} failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn failure(args: &[&str]) -> String {
-    let out = moe_lanes(args);
-    assert!(!out.status.success(), "{args:?} should fail");
-    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
-    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
-    stderr
-}
-
-fn p(path: &Path) -> &str {
-    path.to_str().unwrap()
-}
+use bin::{failure, moe_lanes, ok_stdout, p};
 
 #[test]
 fn synth_inspect_logits_generate_end_to_end_in_both_formats() {
@@ -143,7 +122,7 @@ fn gpu_engine_generates_golden_tokens_or_falls_back_and_says_so() {
 fn demo_creates_the_default_model_on_first_use_and_matches_the_reference() {
     let home = tempfile::tempdir().unwrap();
     for run in 0..2 {
-        let out = Command::new(env!("CARGO_BIN_EXE_moe-lanes"))
+        let out = bin::command()
             .args(["demo", "--max-new-tokens", "6"])
             .env("MOE_LANES_HOME", home.path())
             .output()

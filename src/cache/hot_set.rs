@@ -162,9 +162,14 @@ impl HotSet {
         let mut lists = vec![Vec::new(); n_layers];
         for (key, ids) in &file.layers {
             let field = format!("layers.{key}");
-            let layer_idx: usize = key
-                .parse()
-                .map_err(|_| malformed(&field, "layer key must be a non-negative integer".into()))?;
+            let layer_idx: usize =
+                key.parse().ok().filter(|n: &usize| n.to_string() == *key).ok_or_else(|| {
+                    malformed(
+                        &field,
+                        "layer key must be a layer number written plainly (\"0\", not \"00\" or \"+0\")"
+                            .into(),
+                    )
+                })?;
             if layer_idx >= n_layers {
                 return Err(malformed(&field, format!("the model has {n_layers} layers")));
             }

@@ -185,7 +185,8 @@ pub trait Engine {
     /// Greedy generation from a fresh cache: prefill `prompt` (Prefill), then decode `n_new`
     /// tokens one at a time (Decode).
     fn generate(&mut self, prompt: &[u32], n_new: usize) -> Result<Vec<u32>, EngineError> {
-        let mut cache = self.new_cache((prompt.len() + n_new).min(self.config().max_positions).max(1))?;
+        crate::reference::check_generation_fits(prompt.len(), n_new, self.config().max_positions)?;
+        let mut cache = self.new_cache(prompt.len() + n_new)?;
         let mut out = Vec::with_capacity(n_new);
         if n_new == 0 {
             return Ok(out);

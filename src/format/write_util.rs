@@ -7,8 +7,12 @@ use std::path::{Path, PathBuf};
 
 /// `<path>.tmp`, in the same directory as `path` (so the final rename stays on one filesystem).
 pub(crate) fn tmp_path_of(path: &Path) -> PathBuf {
+    // Unique per process and call, so concurrent writers of one target (four first-run demos,
+    // say) each write their own file and the atomic renames cannot trip over each other.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut name = path.as_os_str().to_os_string();
-    name.push(".tmp");
+    name.push(format!(".{}.{n}.tmp", std::process::id()));
     PathBuf::from(name)
 }
 

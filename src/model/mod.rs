@@ -32,6 +32,12 @@ pub enum ModelFormat {
 pub enum ModelError {
     #[error("{path}: no such file or directory")]
     NotFound { path: PathBuf },
+    #[error(
+        "{path}: not a regular file or a directory (a model is a GGUF file or a directory with config.json)"
+    )]
+    NotAFile { path: PathBuf },
+    #[error("{path}: a safetensors file alone is not a model; pass its directory ({dir}), which holds config.json")]
+    SafetensorsFile { path: PathBuf, dir: PathBuf },
     #[error(transparent)]
     Gguf(#[from] GgufError),
     #[error(transparent)]
@@ -82,8 +88,14 @@ pub struct Model {
 impl Model {
     /// Open a GGUF file or a directory with `config.json` and safetensors.
     pub fn open(path: &Path) -> Result<Model, ModelError> {
-        if !path.exists() {
-            return Err(ModelError::NotFound { path: path.into() });
+        let kind = std::fs::metadata(path).map_err(|_| ModelError::NotFound { path: path.into() })?;
+        if !kind.is_file() && !kind.is_dir() {
+            // A FIFO or a device would block or stream forever.
+            return Err(ModelError::NotAFile { path: path.into() });
+        }
+        if kind.is_file() && path.extension().is_some_and(|e| e == "safetensors") {
+            let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).into();
+            return Err(ModelError::SafetensorsFile { path: path.into(), dir });
         }
         let (source, config, adapter) = if path.is_dir() {
             let st = SafetensorsModel::open(path)?;

@@ -468,6 +468,7 @@ impl Pipeline {
 
     /// Greedy generation: prefill `prompt` (Prefill), then decode `n_new` tokens (Decode).
     pub fn generate(&mut self, prompt: &[u32], n_new: usize) -> Result<Vec<u32>, PipelineError> {
+        crate::reference::check_generation_fits(prompt.len(), n_new, self.config.max_positions)?;
         let mut cache = self.new_cache();
         let logits = self.forward(&mut cache, prompt, Phase::Prefill)?;
         let mut next = argmax(logits.last().expect("prompt is not empty"));

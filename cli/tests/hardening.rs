@@ -1,0 +1,149 @@
+//! What a new user broke (issue "Hardening"), each through the real binary: the output is a
+//! clear error (exit 1, no panic, the message says what to do) and nothing is changed.
+
+mod bin;
+
+use bin::{command, failure, failure_of, ok_stdout, p};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+fn tiny(dir: &Path) -> String {
+    let path = dir.join("t.gguf");
+    ok_stdout(&["synth", "--out", p(&path)]);
+    p(&path).to_string()
+}
+
+#[test]
+fn synth_refuses_to_overwrite_without_force_and_never_replaces_a_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let before = std::fs::read(&model).unwrap();
+    let err = failure(&["synth", "--seed", "9", "--out", &model]);
+    assert!(err.contains("already exists") && err.contains("--force"), "{err}");
+    assert_eq!(std::fs::read(&model).unwrap(), before, "the existing file is untouched");
+    ok_stdout(&["synth", "--seed", "9", "--out", &model, "--force"]);
+    assert_ne!(std::fs::read(&model).unwrap(), before, "--force replaces it");
+    let err = failure(&["synth", "--out", "/dev/null", "--force"]);
+    assert!(err.contains("not a regular file"), "{err}");
+    use std::os::unix::fs::FileTypeExt;
+    assert!(std::fs::metadata("/dev/null").unwrap().file_type().is_char_device());
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(leftovers.iter().all(|n| !n.to_string_lossy().ends_with(".tmp")), "{leftovers:?}");
+}
+
+#[test]
+fn generation_past_the_context_is_refused_before_any_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    for n in ["18446744073709551615", "100000000000", "5000"] {
+        let start = Instant::now();
+        let err = failure(&[
+            "generate",
+            "--model",
+            &model,
+            "--tokens",
+            "1,2,3",
+            "--max-new-tokens",
+            n,
+            "--engine",
+            "pipeline",
+        ]);
+        assert!(err.contains("exceed the context of") && err.contains("ask for at most"), "{n}: {err}");
+        assert!(start.elapsed() < Duration::from_secs(20), "{n}: refused before generating");
+    }
+}
+
+#[test]
+fn a_fifo_or_a_lone_safetensors_file_as_model_gets_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("model.gguf");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+    if made.is_ok_and(|s| s.success()) {
+        let mut child =
+            command().args(["inspect", p(&fifo)]).stderr(std::process::Stdio::piped()).spawn().unwrap();
+        let start = Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            assert!(start.elapsed() < Duration::from_secs(20), "inspect on a FIFO hangs");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let err = failure_of(child.wait_with_output().unwrap(), "inspect FIFO");
+        assert!(err.contains("not a regular file or a directory"), "{err}");
+    } else {
+        eprintln!("SKIP: mkfifo not available");
+    }
+    let st = dir.path().join("st");
+    ok_stdout(&["synth", "--format", "safetensors", "--out", p(&st)]);
+    let file = st.join("model.safetensors");
+    let err = failure(&["inspect", p(&file)]);
+    assert!(err.contains("pass its directory") && err.contains(p(&st)), "{err}");
+}
+
+#[test]
+fn inputs_that_used_to_be_ignored_or_clamped_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let gen = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model", &model, "--tokens", "1,2", "--max-new-tokens", "2"];
+        args.extend_from_slice(extra);
+        failure(&args)
+    };
+    for n in ["0", "10000"] {
+        let err = gen(&["--cold-threads", n]);
+        assert!(err.contains(&format!("--cold-threads {n}: expected 1..=")), "{err}");
+    }
+    let learn = dir.path().join("learn.json");
+    ok_stdout(&["learn", "--model", &model, "--n-tokens", "16", "--out", p(&learn), "--engine", "pipeline"]);
+    let err = gen(&["--learn", p(&learn)]);
+    assert!(err.contains("--hot-fraction or --hot-budget-mib"), "{err}");
+    let empty = dir.path().join("empty.json");
+    std::fs::write(&empty, "{}").unwrap();
+    let err = gen(&["--learn", p(&empty), "--hot-fraction", "0.5"]);
+    assert!(err.contains("empty.json") && err.contains("counts for 0 layers"), "{err}");
+    let hot = dir.path().join("hot.json");
+    std::fs::write(&hot, r#"{"layers": {"0": [1], "00": [2]}}"#).unwrap();
+    let err = gen(&["--hot-experts", p(&hot)]);
+    assert!(err.contains("layers.00") && err.contains("written plainly"), "{err}");
+    let out = command()
+        .args(["generate", "--model", &model, "--tokens", "1,2", "--max-new-tokens", "2"])
+        .env("MOE_LANES_ORDER", "sideways")
+        .output()
+        .unwrap();
+    let err = failure_of(out, "MOE_LANES_ORDER=sideways");
+    assert!(err.contains("MOE_LANES_ORDER=sideways: expected token or expert"), "{err}");
+}
+
+#[test]
+fn concurrent_first_run_demos_all_succeed_and_an_empty_home_is_unset() {
+    let home = tempfile::tempdir().unwrap();
+    let children: Vec<_> = (0..4)
+        .map(|_| {
+            command()
+                .args(["demo", "--max-new-tokens", "2", "--engine", "pipeline"])
+                .env("MOE_LANES_HOME", home.path())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for child in children {
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "a concurrent demo failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("matches the reference forward pass: yes"));
+    }
+    let names: Vec<_> = std::fs::read_dir(home.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert_eq!(names.len(), 1, "one model, no temp files left: {names:?}");
+    // MOE_LANES_HOME="" means unset: the model goes under $HOME/.cache, not the current directory.
+    let cwd = tempfile::tempdir().unwrap();
+    let fake_home = tempfile::tempdir().unwrap();
+    let out = command()
+        .args(["demo", "--max-new-tokens", "1", "--engine", "pipeline"])
+        .env("MOE_LANES_HOME", "")
+        .env("HOME", fake_home.path())
+        .current_dir(cwd.path())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(std::fs::read_dir(cwd.path()).unwrap().count(), 0, "nothing written to the current directory");
+    assert!(fake_home.path().join(".cache/moe-lanes").is_dir());
+}
