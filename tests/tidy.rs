@@ -220,3 +220,58 @@ fn functions_are_short_enough_to_see_whole() {
 const MAX_FN_LINES: usize = 120;
 /// Files whose long functions predate this check; to split.
 const LONG_FN_ALLOWED: [&str; 0] = [];
+
+fn version(v: &str) -> (u32, u32, u32) {
+    let mut parts = v.trim().split('.').map(|x| x.parse::<u32>().unwrap_or(0));
+    (parts.next().unwrap_or(0), parts.next().unwrap_or(0), parts.next().unwrap_or(0))
+}
+
+/// `rust-version = "…"` of a manifest's text, if it declares one.
+fn rust_version_of(manifest: &str) -> Option<(u32, u32, u32)> {
+    manifest.lines().find_map(|l| {
+        let l = l.trim();
+        let rest = l.strip_prefix("rust-version")?.trim_start().strip_prefix('=')?;
+        Some(version(rest.trim().trim_matches('"')))
+    })
+}
+
+/// The stated MSRV is true: no locked registry dependency needs a newer Rust. Reads the
+/// dependency sources cargo unpacked for this build (offline; crates not unpacked are skipped).
+#[test]
+fn the_stated_rust_version_covers_every_locked_dependency() {
+    let ours = rust_version_of(&std::fs::read_to_string(root().join("Cargo.toml")).unwrap())
+        .expect("workspace rust-version");
+    let lock = std::fs::read_to_string(root().join("Cargo.lock")).unwrap();
+    let home = std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
+    let Some(src) = home.map(|h| h.join("registry/src")) else { return eprintln!("SKIP: no cargo home") };
+    let indexes: Vec<PathBuf> =
+        std::fs::read_dir(&src).map(|d| d.flatten().map(|e| e.path()).collect()).unwrap_or_default();
+    let (mut checked, mut newer) = (0, Vec::new());
+    for block in lock.split("[[package]]").skip(1) {
+        let field = |k: &str| {
+            block.lines().find_map(|l| l.strip_prefix(k).map(|v| v.trim().trim_matches('"').to_string()))
+        };
+        let (Some(name), Some(ver)) = (field("name = "), field("version = ")) else { continue };
+        let Some(manifest) =
+            indexes.iter().map(|i| i.join(format!("{name}-{ver}/Cargo.toml"))).find(|p| p.exists())
+        else {
+            continue;
+        };
+        checked += 1;
+        if let Some(need) = rust_version_of(&std::fs::read_to_string(manifest).unwrap()) {
+            if need > ours {
+                newer.push(format!("{name} {ver} needs {}.{}.{}", need.0, need.1, need.2));
+            }
+        }
+    }
+    eprintln!("rust-version {}.{}: {checked} locked dependencies checked", ours.0, ours.1);
+    assert!(
+        newer.is_empty(),
+        "Cargo.toml says rust-version {}.{}, but:\n{}",
+        ours.0,
+        ours.1,
+        newer.join("\n")
+    );
+}
