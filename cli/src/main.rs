@@ -269,6 +269,11 @@ struct LearnArgs {
 }
 
 fn main() -> Result<()> {
+    // Ctrl-c or SIGTERM mid-write (synth, the first demo) leaves no partial model behind.
+    let _ = ctrlc::set_handler(|| {
+        moe_lanes::format::remove_partial_files();
+        std::process::exit(130);
+    });
     let cli = Cli::parse();
     match cli.command {
         Command::Demo(args) => demo(args),

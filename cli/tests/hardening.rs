@@ -147,3 +147,55 @@ fn concurrent_first_run_demos_all_succeed_and_an_empty_home_is_unset() {
     assert_eq!(std::fs::read_dir(cwd.path()).unwrap().count(), 0, "nothing written to the current directory");
     assert!(fake_home.path().join(".cache/moe-lanes").is_dir());
 }
+
+/// Interrupt `synth` while it writes (SIGINT, then SIGTERM): nothing is left that looks like a
+/// model or a temporary file, in both formats.
+#[test]
+fn an_interrupted_synth_leaves_nothing_behind() {
+    for (format, signal) in [("gguf", "-INT"), ("safetensors", "-TERM")] {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join(format!("big.{format}"));
+        let mut child = command()
+            .args([
+                "synth",
+                "--preset",
+                "qwen3-30b-a3b",
+                "--layers",
+                "2",
+                "--format",
+                format,
+                "--out",
+                p(&out),
+            ])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        let started = loop {
+            let names: Vec<String> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into())
+                .collect();
+            if names.iter().any(|n| n.ends_with(".tmp")) {
+                break true;
+            }
+            if child.try_wait().unwrap().is_some() || start.elapsed() > Duration::from_secs(60) {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        if !started {
+            eprintln!("SKIP: {format}: the write finished before it could be interrupted");
+            let _ = child.kill();
+            continue;
+        }
+        let killed =
+            std::process::Command::new("kill").args([signal, &child.id().to_string()]).status().unwrap();
+        assert!(killed.success());
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(130), "{format}: exits as interrupted");
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert!(left.is_empty(), "{format}: left behind {left:?}");
+    }
+}

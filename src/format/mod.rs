@@ -6,3 +6,5 @@ pub mod gguf;
 pub mod safetensors;
 pub mod tensor;
 mod write_util;
+
+pub use write_util::remove_partial_files;

@@ -847,6 +847,28 @@ pub fn write_model_dir(
     fill: &mut dyn FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
     progress: &mut dyn FnMut(u64),
 ) -> Result<()> {
+    if dir.exists() {
+        return write_model_dir_in(dir, config, tensors, max_shard_bytes, fill, progress);
+    }
+    // A new directory is built under a temporary name and renamed into place when complete, so
+    // an interrupted or failed write never leaves a half-made model at `dir`.
+    let tmp = tmp_path_of(dir);
+    let result = write_model_dir_in(&tmp, config, tensors, max_shard_bytes, fill, progress)
+        .and_then(|()| rename(&tmp, dir));
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn write_model_dir_in(
+    dir: &Path,
+    config: &Value,
+    tensors: &[TensorSpec],
+    max_shard_bytes: Option<u64>,
+    fill: &mut dyn FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
+    progress: &mut dyn FnMut(u64),
+) -> Result<()> {
     std::fs::create_dir_all(dir)
         .map_err(|source| SafetensorsError::Io { path: dir.to_path_buf(), source })?;
     let mut sizes = Vec::with_capacity(tensors.len());

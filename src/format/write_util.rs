@@ -13,7 +13,26 @@ pub(crate) fn tmp_path_of(path: &Path) -> PathBuf {
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut name = path.as_os_str().to_os_string();
     name.push(format!(".{}.{n}.tmp", std::process::id()));
-    PathBuf::from(name)
+    let tmp = PathBuf::from(name);
+    PARTIAL.lock().unwrap_or_else(|e| e.into_inner()).push(tmp.clone());
+    tmp
+}
+
+/// Every temporary path handed out by [`tmp_path_of`] in this process. After a rename or a
+/// clean-up the path no longer exists, so removing it again is harmless.
+static PARTIAL: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+/// Remove every temporary file or directory this process's writers have not finished (for an
+/// interrupt handler: ctrl-c during `synth` leaves nothing that looks like a model).
+pub fn remove_partial_files() {
+    let paths = std::mem::take(&mut *PARTIAL.lock().unwrap_or_else(|e| e.into_inner()));
+    for p in paths {
+        if p.is_dir() {
+            let _ = std::fs::remove_dir_all(&p);
+        } else {
+            let _ = std::fs::remove_file(&p);
+        }
+    }
 }
 
 /// Passes writes through and counts the bytes.
