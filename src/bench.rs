@@ -1,7 +1,7 @@
 //! The end-to-end benchmark behind `moe-lanes bench`, on any [`Engine`]: time prompt processing
 //! (PP) and token generation (TG) separately over several runs, and read the lane statistics of
 //! the same runs (hit rate, overlap, join wait, lane times, fallbacks) off the engine's perf
-//! state. Generation feeds the greedy token back (the tokens stay in the vocabulary).
+//! state. Generation feeds random token ids by default (as llama-bench does), or the greedy token.
 
 use crate::cache::perf::PerfReport;
 use crate::engine::{BuildReport, Engine, EngineError, HotBudget};
@@ -20,6 +20,10 @@ pub struct BenchOptions {
     pub budget: Option<HotBudget>,
     pub cold_threads: usize,
     pub simd: String,
+    /// Feed each generated token back (greedy) instead of random token ids. Random ids (the
+    /// default, as llama-bench does) keep the routing mix of a real workload; greedy output on
+    /// random weights can loop on one token and hit the same experts over and over.
+    pub greedy: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -146,6 +150,8 @@ pub struct BenchReport {
     pub learn_source: &'static str,
     pub cold_threads: usize,
     pub simd: String,
+    /// What generation fed back: "random" token ids (default) or the "greedy" tokens.
+    pub tg_feed: &'static str,
 }
 
 fn snapshot(engine: &dyn Engine) -> PerfReport {
@@ -192,9 +198,11 @@ pub fn run_bench(
         pp.add(LaneTotals::between(&before, &mid));
         progress(2 * run_idx as u64 + 1, total_ticks);
         let mut next = *logits.argmax.last().expect("one row per prompt token");
+        let feed = random_feed(c.vocab, opts.n_gen_tokens, run_idx);
         let start = Instant::now();
-        for _ in 0..opts.n_gen_tokens {
-            next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
+        for i in 0..opts.n_gen_tokens {
+            let greedy = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
+            next = if opts.greedy { greedy } else { feed[i] };
         }
         tg_rates.push(opts.n_gen_tokens as f64 / start.elapsed().as_secs_f64());
         tg.add(LaneTotals::between(&mid, &snapshot(engine)));
@@ -227,7 +235,14 @@ pub fn run_bench(
         learn_source: build.hot_source,
         cold_threads: opts.cold_threads,
         simd: opts.simd.clone(),
+        tg_feed: if opts.greedy { "greedy" } else { "random" },
     })
+}
+
+/// Token ids fed during generation in run `run_idx` (drawn before the timing starts).
+fn random_feed(vocab: usize, n: usize, run_idx: usize) -> Vec<u32> {
+    let offset = 7919 * (run_idx + 1);
+    sample_tokens(vocab, n + offset).split_off(offset)
 }
 
 impl BenchReport {
@@ -265,6 +280,7 @@ impl BenchReport {
             "per layer     hot {:.1} us, cold {:.1} us, overlap {:.1} us, join wait {:.1} us, fallbacks {}\n",
             self.hot_lane_us, self.cold_lane_us, self.overlap_us, self.join_wait_us, self.fallbacks
         );
+        out += &format!("tg feeds      {} token ids\n", self.tg_feed);
         out + &format!("cold lane     {} threads, {}\n", self.cold_threads, self.simd)
     }
 }

@@ -86,6 +86,9 @@ struct BenchArgs {
     runs: usize,
     #[arg(long)]
     json: bool,
+    /// Feed the greedy token back during tg (default: random token ids, as llama-bench does).
+    #[arg(long)]
+    greedy: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -628,6 +631,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         budget,
         cold_threads: build.cold_threads,
         simd: simd_name,
+        greedy: args.greedy,
     };
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(

@@ -192,6 +192,11 @@ fn bench_json_runs_without_a_gpu_with_the_same_keys() {
     assert_eq!(v["engine"], "pipeline");
     assert_eq!(v["fallbacks"], 0);
     assert_eq!(v["learn_source"], "learn file");
+    assert_eq!(v["tg_feed"], "random", "random token ids by default, as llama-bench");
+    let mut greedy = args.clone();
+    greedy.push("--greedy");
+    let g: serde_json::Value = serde_json::from_str(&ok_stdout(&greedy)).unwrap();
+    assert_eq!(g["tg_feed"], "greedy");
     assert!(v["tg_tokens_per_s"].as_f64().unwrap() > 0.0);
     let bad = failure(&["generate", "--model", p(&model), "--tokens", "1", "--engine", "warp"]);
     assert!(bad.contains("unknown engine 'warp'"), "{bad}");
