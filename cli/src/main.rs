@@ -231,19 +231,54 @@ struct InspectArgs {
 struct LogitsArgs {
     #[arg(long)]
     model: PathBuf,
-    /// Comma-separated token ids.
-    #[arg(long, value_delimiter = ',', required = true)]
-    tokens: Vec<u32>,
+    #[command(flatten)]
+    prompt: PromptArgs,
     #[command(flatten)]
     engine: EngineArgs,
+}
+
+/// The prompt's token ids: on the command line, or from a file for long prompts.
+#[derive(Args)]
+struct PromptArgs {
+    /// Comma-separated token ids.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        required_unless_present = "tokens_file",
+        conflicts_with = "tokens_file"
+    )]
+    tokens: Vec<u32>,
+    /// A file of token ids separated by commas or white space (for prompts too long for a command line).
+    #[arg(long)]
+    tokens_file: Option<PathBuf>,
+}
+
+impl PromptArgs {
+    fn ids(&self) -> Result<Vec<u32>> {
+        let Some(path) = &self.tokens_file else { return Ok(self.tokens.clone()) };
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let words = text.split(|c: char| c == ',' || c.is_whitespace()).filter(|w| !w.is_empty());
+        let ids = words
+            .enumerate()
+            .map(|(i, w)| {
+                w.parse::<u32>()
+                    .with_context(|| format!("{}: token {} is '{w}', not a token id", path.display(), i + 1))
+            })
+            .collect::<Result<Vec<u32>>>()?;
+        if ids.is_empty() {
+            bail!("{}: no token ids", path.display());
+        }
+        Ok(ids)
+    }
 }
 
 #[derive(Args)]
 struct GenerateArgs {
     #[arg(long)]
     model: PathBuf,
-    #[arg(long, value_delimiter = ',', required = true)]
-    tokens: Vec<u32>,
+    #[command(flatten)]
+    prompt: PromptArgs,
     #[arg(long, default_value_t = 16)]
     max_new_tokens: usize,
     #[command(flatten)]
@@ -456,28 +491,36 @@ fn inspect(args: InspectArgs) -> Result<()> {
 }
 
 fn logits(args: LogitsArgs) -> Result<()> {
+    let prompt = args.prompt.ids()?;
     let model = Arc::new(open_model(&args.model)?);
-    let opts = engine_options(&model, &args.engine, args.tokens.len(), HotChoice::None)?;
+    if prompt.len() > model.config().max_positions {
+        bail!(
+            "{} prompt tokens exceed the context of {} positions",
+            prompt.len(),
+            model.config().max_positions
+        );
+    }
+    let opts = engine_options(&model, &args.engine, prompt.len(), HotChoice::None)?;
     let (mut engine, _) = open_engine(&model, opts)?;
-    let mut cache = engine.new_cache(args.tokens.len())?;
-    let logits = engine.forward(&args.tokens, Phase::Prefill, &mut cache)?;
-    let out = serde_json::json!({ "tokens": args.tokens, "logits": logits.rows() });
+    let mut cache = engine.new_cache(prompt.len())?;
+    let logits = engine.forward(&prompt, Phase::Prefill, &mut cache)?;
+    let out = serde_json::json!({ "tokens": prompt, "logits": logits.rows() });
     out!("{}", serde_json::to_string(&out)?)?;
     write_perf(engine.as_ref(), &args.engine.perf_json)
 }
 
 fn generate(args: GenerateArgs) -> Result<()> {
+    let prompt = args.prompt.ids()?;
     let model = Arc::new(open_model(&args.model)?);
     // Before any work: prompt + new tokens must fit the context.
     moe_lanes::reference::check_generation_fits(
-        args.tokens.len(),
+        prompt.len(),
         args.max_new_tokens,
         model.config().max_positions,
     )?;
-    let opts =
-        engine_options(&model, &args.engine, args.tokens.len() + args.max_new_tokens, HotChoice::None)?;
+    let opts = engine_options(&model, &args.engine, prompt.len() + args.max_new_tokens, HotChoice::None)?;
     let (mut engine, _) = open_engine(&model, opts)?;
-    let tokens = engine.generate(&args.tokens, args.max_new_tokens)?;
+    let tokens = engine.generate(&prompt, args.max_new_tokens)?;
     out!("{}", serde_json::json!({ "tokens": tokens }))?;
     write_perf(engine.as_ref(), &args.engine.perf_json)
 }

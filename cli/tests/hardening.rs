@@ -199,3 +199,23 @@ fn an_interrupted_synth_leaves_nothing_behind() {
         assert!(left.is_empty(), "{format}: left behind {left:?}");
     }
 }
+
+/// A prompt too long for a command line comes from `--tokens-file`; a bad file is named.
+#[test]
+fn tokens_file_gives_the_same_answer_as_tokens_and_names_a_bad_entry() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, "5, 17\n200 3\n").unwrap();
+    let args = |extra: &[&str]| {
+        let mut a = vec!["generate", "--model", &model, "--max-new-tokens", "3", "--engine", "pipeline"];
+        a.extend_from_slice(extra);
+        a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let run = |a: Vec<String>| ok_stdout(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(run(args(&["--tokens-file", p(&file)])), run(args(&["--tokens", "5,17,200,3"])));
+    std::fs::write(&file, "5, x7").unwrap();
+    let a = args(&["--tokens-file", p(&file)]);
+    let err = failure(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(err.contains("prompt.txt: token 2 is 'x7'"), "{err}");
+}
