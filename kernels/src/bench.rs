@@ -233,15 +233,173 @@ fn measure_read_gbs(
     Ok(best)
 }
 
+/// The expert weight pool: `bytes` of seeded BF16 values in (-0.05, 0.05), filled by the pool.
+fn bench_weight_pool(pool: &mut ColdPool, bytes: usize) -> Result<Vec<u8>, KernelError> {
+    let mut weight_pool = vec![0u8; bytes];
+    parallel_fill(pool, &mut weight_pool, |part, seed| {
+        let mut rng = SplitMix64(seed.wrapping_mul(0x1234_5678_9ABC_DEF1) ^ 0x5EED);
+        for pair in part.chunks_exact_mut(2) {
+            let bits = half::bf16::from_f32(rng.symmetric(0.05)).to_bits();
+            pair.copy_from_slice(&bits.to_le_bytes());
+        }
+    })?;
+    Ok(weight_pool)
+}
+
+/// `n_layers * N_EXPERTS` experts laid out back to back (gate, up, down) in `weight_pool`.
+fn expert_views(
+    weight_pool: &[u8],
+    n_layers: usize,
+    matrix_bytes: usize,
+    dtype: WeightDType,
+) -> Vec<ExpertWeights<'_>> {
+    let expert_bytes = 3 * matrix_bytes;
+    (0..n_layers * N_EXPERTS)
+        .map(|e| {
+            let base = &weight_pool[e * expert_bytes..][..expert_bytes];
+            ExpertWeights {
+                gate: &base[..matrix_bytes],
+                up: &base[matrix_bytes..2 * matrix_bytes],
+                down: &base[2 * matrix_bytes..],
+                dtype,
+                hidden: HIDDEN,
+                ff: FF,
+            }
+        })
+        .collect()
+}
+
+/// The layer at 25% hit rate: 32 tokens x top-8 distinct experts, exactly 25% of the slots hot
+/// (seeded Fisher-Yates), the rest cold. Returns the cold slots' tokens and weights per expert,
+/// and the cold slot count.
+fn layer25_routing(rng: &mut SplitMix64) -> (Vec<Vec<u32>>, Vec<Vec<f32>>, usize) {
+    let mut slots: Vec<(u32, usize, f32)> = Vec::with_capacity(LAYER25_TOKENS * TOP_K);
+    for token in 0..LAYER25_TOKENS {
+        let mut chosen: Vec<usize> = Vec::with_capacity(TOP_K);
+        while chosen.len() < TOP_K {
+            let expert = rng.below(N_EXPERTS);
+            if !chosen.contains(&expert) {
+                chosen.push(expert);
+            }
+        }
+        slots.extend(chosen.into_iter().map(|expert| (token as u32, expert, 1.0 / TOP_K as f32)));
+    }
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, rng.below(i + 1));
+    }
+    let cold_slots = &slots[LAYER25_HOT_SLOTS..];
+    let (mut tokens, mut weights) = (vec![Vec::new(); N_EXPERTS], vec![Vec::new(); N_EXPERTS]);
+    for &(token, expert, weight) in cold_slots {
+        tokens[expert].push(token);
+        weights[expert].push(weight);
+    }
+    (tokens, weights, cold_slots.len())
+}
+
+/// Zipf-like popularity 1/(rank+1)^1.2 over a seeded permutation of the experts: the top half
+/// of the experts gets ~90% of the slots (reported), the most popular ones a few hundred tokens.
+fn zipf_popularity(rng: &mut SplitMix64) -> Vec<f64> {
+    let mut ranks: Vec<usize> = (0..N_EXPERTS).collect();
+    for i in (1..N_EXPERTS).rev() {
+        ranks.swap(i, rng.below(i + 1));
+    }
+    ranks.iter().map(|&rank| 1.0 / ((rank + 1) as f64).powf(PREFILL_ZIPF_EXPONENT)).collect()
+}
+
+/// Share of the slots the top half of the experts got, and the largest per-expert count.
+fn top_half_share(counts: &[usize]) -> (f64, usize) {
+    let mut sorted = counts.to_vec();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let top_half: usize = sorted[..N_EXPERTS / 2].iter().sum();
+    (top_half as f64 / (PREFILL_TOKENS * TOP_K) as f64, sorted[0])
+}
+
+/// Threads of the bench's pool: the given count, or every CPU this process may use.
+fn pool_threads(threads: Option<usize>) -> Result<usize, KernelError> {
+    let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+    if n == 0 {
+        return Err(KernelError::InvalidOption("threads must be at least 1".into()));
+    }
+    Ok(n)
+}
+
+/// Decode work: one token routed to `TOP_K` consecutive experts, one group per `TOP_K` experts.
+fn decode_groups<'a>(
+    experts: &[ExpertWeights<'a>],
+    token: &'a [u32],
+    weight: &'a [f32],
+) -> Vec<Vec<ColdExpertWork<'a>>> {
+    experts
+        .chunks_exact(TOP_K)
+        .map(|group| {
+            group
+                .iter()
+                .map(|&weights| ColdExpertWork { weights, token_idx: token, token_weight: weight })
+                .collect()
+        })
+        .collect()
+}
+
+/// The layer25 routing applied to every layer of the pool (calls alternate between layers).
+fn layer_works<'a>(
+    experts: &[ExpertWeights<'a>],
+    n_layers: usize,
+    tokens: &'a [Vec<u32>],
+    weights: &'a [Vec<f32>],
+) -> Vec<Vec<ColdExpertWork<'a>>> {
+    (0..n_layers)
+        .map(|layer| {
+            (0..N_EXPERTS)
+                .map(|e| ColdExpertWork {
+                    weights: experts[layer * N_EXPERTS + e],
+                    token_idx: &tokens[e],
+                    token_weight: &weights[e],
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Prefill figures for uniform and Zipf-skewed routing.
+struct PrefillPair {
+    uniform_gflops: f64,
+    uniform_seconds: f64,
+    skewed_gflops: f64,
+    skewed_seconds: f64,
+    top_half_share: f64,
+    max_tokens: usize,
+}
+
+/// 512 tokens x top-8, all cold, expert-major: uniform routing, then skewed.
+fn measure_prefill_pair(
+    pool: &mut ColdPool,
+    level: SimdLevel,
+    experts: &[ExpertWeights<'_>],
+    rng: &mut SplitMix64,
+    calls: usize,
+) -> Result<PrefillPair, KernelError> {
+    let x: Vec<f32> = (0..PREFILL_TOKENS * HIDDEN).map(|_| rng.symmetric(1.0)).collect();
+    let uniform = vec![1.0f64; N_EXPERTS];
+    let (uniform_gflops, uniform_seconds, _, _) =
+        measure_prefill(pool, level, experts, &x, &uniform, rng, calls)?;
+    let zipf = zipf_popularity(rng);
+    let (skewed_gflops, skewed_seconds, counts, _) =
+        measure_prefill(pool, level, experts, &x, &zipf, rng, calls)?;
+    let (top_half_share, max_tokens) = top_half_share(&counts);
+    Ok(PrefillPair {
+        uniform_gflops,
+        uniform_seconds,
+        skewed_gflops,
+        skewed_seconds,
+        top_half_share,
+        max_tokens,
+    })
+}
+
 /// Runs the whole bench; see the module docs for what each number means.
 pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, KernelError> {
     let level = SimdLevel::resolve(opts.simd)?;
-    let threads =
-        opts.threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    if threads == 0 {
-        return Err(KernelError::InvalidOption("threads must be at least 1".into()));
-    }
-    let mut pool = ColdPool::new(threads);
+    let mut pool = ColdPool::new(pool_threads(opts.threads)?);
     let read_simd = SimdLevel::detect();
 
     // 1. Read bandwidth.
@@ -259,27 +417,8 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     // (the GPU machine's Xeon has 300 MiB of L3, whose adaptive replacement keeps part of a
     // cyclic set only slightly larger than the cache).
     let n_layers = if opts.quick { 1 } else { 2 };
-    let mut weight_pool = vec![0u8; n_layers * N_EXPERTS * expert_bytes];
-    parallel_fill(&mut pool, &mut weight_pool, |part, seed| {
-        let mut rng = SplitMix64(seed.wrapping_mul(0x1234_5678_9ABC_DEF1) ^ 0x5EED);
-        for pair in part.chunks_exact_mut(2) {
-            let bits = half::bf16::from_f32(rng.symmetric(0.05)).to_bits();
-            pair.copy_from_slice(&bits.to_le_bytes());
-        }
-    })?;
-    let experts: Vec<ExpertWeights<'_>> = (0..n_layers * N_EXPERTS)
-        .map(|e| {
-            let base = &weight_pool[e * expert_bytes..][..expert_bytes];
-            ExpertWeights {
-                gate: &base[..matrix_bytes],
-                up: &base[matrix_bytes..2 * matrix_bytes],
-                down: &base[2 * matrix_bytes..],
-                dtype,
-                hidden: HIDDEN,
-                ff: FF,
-            }
-        })
-        .collect();
+    let weight_pool = bench_weight_pool(&mut pool, n_layers * N_EXPERTS * expert_bytes)?;
+    let experts = expert_views(&weight_pool, n_layers, matrix_bytes, dtype);
     let mut rng = SplitMix64(42);
     let random_x = |rng: &mut SplitMix64, n_tokens: usize| -> Vec<f32> {
         (0..n_tokens * HIDDEN).map(|_| rng.symmetric(1.0)).collect()
@@ -290,17 +429,7 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let mut decode_out = vec![0.0f32; HIDDEN];
     let token_zero = [0u32];
     let routing_weight = [1.0f32 / TOP_K as f32];
-    let decode_groups: Vec<Vec<ColdExpertWork<'_>>> = (0..experts.len() / TOP_K)
-        .map(|group| {
-            (0..TOP_K)
-                .map(|k| ColdExpertWork {
-                    weights: experts[group * TOP_K + k],
-                    token_idx: &token_zero,
-                    token_weight: &routing_weight,
-                })
-                .collect()
-        })
-        .collect();
+    let decode_groups = decode_groups(&experts, &token_zero, &routing_weight);
     let decode_job = |group: usize| ColdJob {
         level,
         act: Activation::Silu,
@@ -315,41 +444,9 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     }
     // 4. Layer at 25% hit rate: 32 tokens x top-8 distinct experts, 64 of 256 slots hot.
     let layer_x = random_x(&mut rng, LAYER25_TOKENS);
-    let mut slots: Vec<(u32, usize, f32)> = Vec::with_capacity(LAYER25_TOKENS * TOP_K);
-    for token in 0..LAYER25_TOKENS {
-        let mut chosen: Vec<usize> = Vec::with_capacity(TOP_K);
-        while chosen.len() < TOP_K {
-            let expert = rng.below(N_EXPERTS);
-            if !chosen.contains(&expert) {
-                chosen.push(expert);
-            }
-        }
-        slots.extend(chosen.into_iter().map(|expert| (token as u32, expert, 1.0 / TOP_K as f32)));
-    }
-    // Mark exactly 25% of the slots hot with a seeded Fisher-Yates shuffle, keep the rest.
-    for i in (1..slots.len()).rev() {
-        slots.swap(i, rng.below(i + 1));
-    }
-    let cold_slots = &slots[LAYER25_HOT_SLOTS..];
-    let layer25_cold_slots = cold_slots.len();
-    let (mut per_expert_tokens, mut per_expert_weights) =
-        (vec![Vec::new(); N_EXPERTS], vec![Vec::new(); N_EXPERTS]);
-    for &(token, expert, weight) in cold_slots {
-        per_expert_tokens[expert].push(token);
-        per_expert_weights[expert].push(weight);
-    }
+    let (per_expert_tokens, per_expert_weights, layer25_cold_slots) = layer25_routing(&mut rng);
     // The same routing on every layer of the pool; calls alternate between layers.
-    let layer_works: Vec<Vec<ColdExpertWork<'_>>> = (0..n_layers)
-        .map(|layer| {
-            (0..N_EXPERTS)
-                .map(|e| ColdExpertWork {
-                    weights: experts[layer * N_EXPERTS + e],
-                    token_idx: &per_expert_tokens[e],
-                    token_weight: &per_expert_weights[e],
-                })
-                .collect()
-        })
-        .collect();
+    let layer_works = layer_works(&experts, n_layers, &per_expert_tokens, &per_expert_weights);
     let layer_job = |layer: usize| ColdJob {
         level,
         act: Activation::Silu,
@@ -390,33 +487,8 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let layer25_gbs = layer25_weight_bytes as f64 / layer25_seconds / 1e9;
 
     // 5. Prefill: 512 tokens x top-8, all cold, expert-major; uniform then skewed routing.
-    let prefill_x = random_x(&mut rng, PREFILL_TOKENS);
     let prefill_calls = if opts.quick { 1 } else { 3 };
-    let uniform = vec![1.0f64; N_EXPERTS];
-    let (prefill_gflops, prefill_seconds, _, _) = measure_prefill(
-        &mut pool,
-        level,
-        &experts[..N_EXPERTS],
-        &prefill_x,
-        &uniform,
-        &mut rng,
-        prefill_calls,
-    )?;
-    // Zipf-like popularity 1/(rank+1)^1.2 over a seeded permutation of the experts: the top half
-    // of the experts gets ~90% of the slots (reported), the most popular ones a few hundred tokens.
-    let mut ranks: Vec<usize> = (0..N_EXPERTS).collect();
-    for i in (1..N_EXPERTS).rev() {
-        ranks.swap(i, rng.below(i + 1));
-    }
-    let zipf: Vec<f64> =
-        ranks.iter().map(|&rank| 1.0 / ((rank + 1) as f64).powf(PREFILL_ZIPF_EXPONENT)).collect();
-    let (prefill_skewed_gflops, prefill_skewed_seconds, skewed_counts, _) =
-        measure_prefill(&mut pool, level, &experts[..N_EXPERTS], &prefill_x, &zipf, &mut rng, prefill_calls)?;
-    let mut sorted_counts = skewed_counts.clone();
-    sorted_counts.sort_unstable_by(|a, b| b.cmp(a));
-    let top_half: usize = sorted_counts[..N_EXPERTS / 2].iter().sum();
-    let prefill_skewed_top_half_share = top_half as f64 / (PREFILL_TOKENS * TOP_K) as f64;
-    let prefill_skewed_max_tokens = sorted_counts[0];
+    let pf = measure_prefill_pair(&mut pool, level, &experts[..N_EXPERTS], &mut rng, prefill_calls)?;
 
     Ok(KernelBenchReport {
         simd: level,
@@ -434,12 +506,12 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         layer25_cold_slots,
         layer25_cold_experts,
         layer25_weight_bytes,
-        prefill_gflops,
-        prefill_call_ms: prefill_seconds * 1e3,
-        prefill_skewed_gflops,
-        prefill_skewed_call_ms: prefill_skewed_seconds * 1e3,
-        prefill_skewed_top_half_share,
-        prefill_skewed_max_tokens,
+        prefill_gflops: pf.uniform_gflops,
+        prefill_call_ms: pf.uniform_seconds * 1e3,
+        prefill_skewed_gflops: pf.skewed_gflops,
+        prefill_skewed_call_ms: pf.skewed_seconds * 1e3,
+        prefill_skewed_top_half_share: pf.top_half_share,
+        prefill_skewed_max_tokens: pf.max_tokens,
         hidden: HIDDEN,
         ff: FF,
         weight_pool_bytes: weight_pool.len(),
