@@ -99,6 +99,10 @@ def table(named):
         hot, off = by["hot"], by["off"]
         lines.append(f"hot/off: pp {ratio(hot['pp_tokens_per_s'], off['pp_tokens_per_s'])}, "
                      f"tg {ratio(hot['tg_tokens_per_s'], off['tg_tokens_per_s'])}")
+    for n, r in named:
+        if r["budget"] == "auto" and r["hot_bytes"] == 0:
+            lines.append(f"note: {n}: the auto budget planned no hot experts (no GPU memory on "
+                         f"{r['device']}?); give a size, e.g. BUDGET=1024")
     return "\n".join(lines)
 
 
@@ -165,6 +169,9 @@ def self_test():
         except ReportError as e:
             if "absent.json" not in str(e):
                 failures.append(f"absent file: {e}")
+    cpu = dict(SAMPLE_OFF, device="cpu", engine="pipeline", budget="auto")
+    if "note: hot: the auto budget planned no hot experts (no GPU memory on cpu?)" not in table([("hot", cpu)]):
+        failures.append("no note for an auto budget that planned nothing")
     print(out)
     for f in failures:
         print("FAILED:", f)

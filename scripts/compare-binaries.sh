@@ -47,7 +47,7 @@ read -r -a new_args <<<"$NEW_ARGS"
     echo "old:   $OLD ($(sha256sum "$OLD" | cut -c1-12)) ${OLD_ARGS:-}"
     echo "new:   $NEW ($(sha256sum "$NEW" | cut -c1-12)) --engine gpu $NEW_ARGS"
     echo "model: $MODEL"
-    echo "pp$P tg$N, $RUNS runs per bench, $REPEATS old/new pairs per budget; logs in $LOGS"
+    echo "pp$P tg$N, $RUNS timed runs per bench, $REPEATS old/new pairs per budget; logs in $LOGS"
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     echo "host:  $(nproc) CPUs"
 } | tee "$LOGS/setup.txt"
@@ -55,8 +55,9 @@ read -r -a new_args <<<"$NEW_ARGS"
 all_mib=$("$NEW" inspect "$MODEL" --json 2>"$LOGS/inspect.err" |
     python3 -c 'import json, sys; print(-(-json.load(sys.stdin)["all_experts_bytes"] // (1 << 20)))') ||
     die "NEW_BIN inspect $MODEL --json gave no all_experts_bytes (see $LOGS/inspect.err)"
+shares=(0 50 100)
 budgets=(0 $((all_mib / 2)) "$all_mib")
-echo "budgets: ${budgets[*]} MiB (all experts: $all_mib MiB)"
+echo "budgets: ${budgets[*]} MiB (0/50/100% of all experts, $all_mib MiB)"
 
 learn=$LOGS/learn.json
 if "$NEW" learn --engine gpu --model "$MODEL" --n-tokens "$LEARN_TOKENS" --out "$learn" 2>"$LOGS/learn-new.err"; then
@@ -68,11 +69,11 @@ else
 fi
 
 fail=0
-printf 'seq\tbudget_mib\trep\tbinary\trc\tpp\ttg\n' >"$LOGS/runs.tsv"
+printf 'seq\tshare\tbudget_mib\trep\tbinary\trc\tpp\ttg\n' >"$LOGS/runs.tsv"
 seq_no=0
-run_bench() { # which budget rep
-    local which=$1 budget=$2 rep=$3 base rc
-    base=$LOGS/b$budget-r$rep-$which
+run_bench() { # which share budget rep
+    local which=$1 share=$2 budget=$3 rep=$4 base rc
+    base=$LOGS/s$share-r$rep-$which
     seq_no=$((seq_no + 1))
     if [ "$which" = old ]; then
         "$OLD" bench --model "$MODEL" --learn "$learn" --hot-budget-mib "$budget" -p "$P" -n "$N" \
@@ -82,8 +83,8 @@ run_bench() { # which budget rep
             --runs "$RUNS" --json "${new_args[@]}" >"$base.json" 2>"$base.err"
     fi
     rc=$?
-    [ $rc -eq 0 ] || { fail=1; echo "FAILED ($rc): $which budget $budget rep $rep: $(tail -1 "$base.err")" >&2; }
-    python3 - "$base.json" "$seq_no" "$budget" "$rep" "$which" "$rc" >>"$LOGS/runs.tsv" <<'PY'
+    [ $rc -eq 0 ] || { fail=1; echo "FAILED ($rc): $which budget $budget MiB rep $rep: $(tail -1 "$base.err")" >&2; }
+    python3 - "$base.json" "$seq_no" "$share%" "$budget" "$rep" "$which" "$rc" >>"$LOGS/runs.tsv" <<'PY'
 import json, sys
 path, *cols = sys.argv[1:]
 try:
@@ -93,23 +94,23 @@ except Exception:
     cols += ["-", "-"]
 print("\t".join(cols))
 PY
-    tail -1 "$LOGS/runs.tsv" | awk -F'\t' '{printf "  #%-3s budget %6s MiB  rep %s  %-3s  pp %9s  tg %8s\n", $1, $2, $3, $4, $6, $7}'
+    tail -1 "$LOGS/runs.tsv" | awk -F'\t' '{printf "  #%-3s %4s budget %6s MiB  rep %s  %-3s  pp %9s  tg %8s\n", $1, $2, $3, $4, $5, $7, $8}'
 }
-for budget in "${budgets[@]}"; do
+for i in "${!shares[@]}"; do
     for rep in $(seq "$REPEATS"); do
-        run_bench old "$budget" "$rep"
-        run_bench new "$budget" "$rep"
+        run_bench old "${shares[$i]}" "${budgets[$i]}" "$rep"
+        run_bench new "${shares[$i]}" "${budgets[$i]}" "$rep"
     done
 done
 
 python3 - "$LOGS" "${budgets[@]}" <<'PY' | tee "$LOGS/compare.md"
 import glob, json, os, statistics, sys
-logs, budgets = sys.argv[1], [int(b) for b in sys.argv[2:]]
+logs, budgets = sys.argv[1], list(zip((0, 50, 100), (int(b) for b in sys.argv[2:])))
 notes = []
 
-def reports(budget, which):
+def reports(share, which):
     out = []
-    for path in sorted(glob.glob(os.path.join(logs, f"b{budget}-r*-{which}.json"))):
+    for path in sorted(glob.glob(os.path.join(logs, f"s{share}-r*-{which}.json"))):
         try:
             r = json.load(open(path))
             float(r["pp_tokens_per_s"]), float(r["tg_tokens_per_s"])
@@ -130,19 +131,19 @@ def ratio(new, old):
 print()
 print("| budget MiB | old pp | new pp | pp ratio | old tg | new tg | tg ratio |")
 print("|---:|---:|---:|---:|---:|---:|---:|")
-for b in budgets:
-    old, new = reports(b, "old"), reports(b, "new")
+for share, b in budgets:
+    old, new = reports(share, "old"), reports(share, "new")
     op, np_, ot, nt = med(old, "pp_tokens_per_s"), med(new, "pp_tokens_per_s"), med(old, "tg_tokens_per_s"), med(new, "tg_tokens_per_s")
-    print(f"| {b} | {num(op)} | {num(np_)} | {ratio(np_, op)} | {num(ot)} | {num(nt)} | {ratio(nt, ot)} |")
+    print(f"| {b} ({share}%) | {num(op)} | {num(np_)} | {ratio(np_, op)} | {num(ot)} | {num(nt)} | {ratio(nt, ot)} |")
     oh, nh = med(old, "hit_rate"), med(new, "hit_rate")
     if oh is not None and nh is not None and abs(oh - nh) > 0.01:
-        notes.append(f"budget {b}: tg hit rates differ (old {oh:.3f}, new {nh:.3f}): not the same hot set or token feed")
+        notes.append(f"budget {b} MiB ({share}%): tg hit rates differ (old {oh:.3f}, new {nh:.3f}): not the same hot set or token feed")
     fb = sum(r.get("fallbacks", 0) for r in new)
     if fb:
-        notes.append(f"budget {b}: new binary reported {fb} fallbacks")
+        notes.append(f"budget {b} MiB ({share}%): new binary reported {fb} fallbacks")
     n_old, n_new = len(old), len(new)
     if n_old != n_new:
-        notes.append(f"budget {b}: {n_old} old and {n_new} new reports")
+        notes.append(f"budget {b} MiB ({share}%): {n_old} old and {n_new} new reports")
 print()
 print("Medians over the repeats of each bench's median; ratios are new / old.")
 for n in notes:
