@@ -1,25 +1,44 @@
 # Longer recipes for moe-lanes. The two everyday commands are in README.md:
 #   cargo run --release -- demo      and      cargo test --workspace
 #
-# The seeds' benchmark passes: `just learn` (learn pass, cache off), `just hot` (timed run with the
-# hot cache planned into BUDGET MiB from the learn file), `just off` (the same with budget 0);
-# `hot` and `off` print one comparison table (pp, tg, hit rate, overlap, join wait). They work in
-# a fresh clone: the model and the learn file are made when missing. The engine is the GPU when
-# one is usable, else the CPU pipeline (ENGINE=gpu|pipeline forces one).
+# The seeds' benchmark passes: `just learn` (learn pass, cache off, into LEARN), `just hot` (timed
+# pp/tg with the hot cache planned into BUDGET MiB from the learn file), `just off` (the same with
+# budget 0); `hot` and `off` print one comparison table (pp, tg, hit rate, overlap, join wait) of
+# whichever of the two runs exist, `just compare` prints it again. They work in a fresh clone: the
+# model and the learn file are made when missing. The engine is the GPU when one is usable, else
+# the CPU pipeline (ENGINE=gpu|pipeline forces one).
+#
+# Every variable below can be set in the environment or on the command line:
+#   MODEL=models/qwen3-30b-a3b-16l.gguf just hot        just ENGINE=pipeline P=32 N=8 off
+# On a machine without cargo, BIN runs a prebuilt binary:  BIN=.gpu/moe-lanes just hot
 
-model := env_var_or_default("MODEL", "models/bench.gguf")
-# A fresh clone's model: Qwen3-30B-A3B shapes with 2 layers (~2.5 GB, BF16, skewed routing).
-# `just synth-bench-model` writes the 16-layer benchmark model (~20 GB).
-synth_args := env_var_or_default("SYNTH_ARGS", "--preset qwen3-30b-a3b --layers 2 --skew skewed")
-learn_file := env_var_or_default("LEARN", "models/learn.json")
-budget := env_var_or_default("BUDGET", "-1")
-engine := env_var_or_default("ENGINE", "")
-p := env_var_or_default("P", "512")
-n := env_var_or_default("N", "128")
-runs := env_var_or_default("RUNS", "3")
-learn_tokens := env_var_or_default("LEARN_TOKENS", "256")
-engine_flag := if engine == "" { "" } else { "--engine " + engine }
-bin := "cargo run --release --quiet --"
+# The model the passes run on; written with SYNTH_ARGS when missing.
+MODEL := env_var_or_default("MODEL", "models/bench.gguf")
+# A fresh clone's model: Qwen3-30B-A3B shapes with 2 layers, BF16, skewed routing (3.5 GiB:
+# 2.25 GiB of experts, 1.2 GiB embeddings/output). `just synth-bench-model` writes the 16-layer
+# benchmark model of the design (19.7 GiB).
+SYNTH_ARGS := env_var_or_default("SYNTH_ARGS", "--preset qwen3-30b-a3b --layers 2 --skew skewed --format gguf")
+LEARN := env_var_or_default("LEARN", "models/learn.json")
+LEARN_TOKENS := env_var_or_default("LEARN_TOKENS", "256")
+# Hot-cache budget of `just hot` in MiB; -1 = free VRAM minus a reserve (0 MiB without a GPU).
+BUDGET := env_var_or_default("BUDGET", "-1")
+# gpu, pipeline or reference; empty lets the CLI choose (gpu when usable, else pipeline).
+ENGINE := env_var_or_default("ENGINE", "")
+BIN := env_var_or_default("BIN", "cargo run --release --")
+# Run sizes: pp512/tg128 (as in benches/RESULTS.md) where the GPU engine runs, pp64/tg16 on the CPU
+# pipeline (about 3 tokens/s for the default model on 2 cores).
+gpu_seen := `nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes || echo no`
+gpu_sizes := if ENGINE == "gpu" { "yes" } else if ENGINE == "" { gpu_seen } else { "no" }
+P := env_var_or_default("P", if gpu_sizes == "yes" { "512" } else { "64" })
+N := env_var_or_default("N", if gpu_sizes == "yes" { "128" } else { "16" })
+RUNS := env_var_or_default("RUNS", "3")
+
+engine_flag := if ENGINE == "" { "" } else { "--engine " + ENGINE }
+hot_json := "models/bench-hot.json"
+off_json := "models/bench-off.json"
+learn_cmd := BIN + " learn --model " + quote(MODEL) + " " + engine_flag + " --n-tokens " + LEARN_TOKENS + " --out " + quote(LEARN)
+bench_cmd := BIN + " bench --model " + quote(MODEL) + " " + engine_flag + " --learn " + quote(LEARN) + " -p " + P + " -n " + N + " --runs " + RUNS + " --json"
+table_cmd := "python3 scripts/bench-table.py --skip-missing " + hot_json + " " + off_json
 
 # Run every test (the README's test command).
 test:
@@ -29,40 +48,62 @@ test:
 demo:
     cargo run --release -- demo
 
-# Write MODEL if it is missing (SYNTH_ARGS choose its shape).
+# Write MODEL with SYNTH_ARGS if it is missing.
 model:
-    @mkdir -p "$(dirname {{model}})"
-    @test -f {{model}} || {{bin}} synth {{synth_args}} --format gguf --out {{model}}
+    #!/usr/bin/env bash
+    set -euo pipefail
+    if [ -e {{ quote(MODEL) }} ]; then echo "model {{ MODEL }} exists"; exit 0; fi
+    mkdir -p "$(dirname {{ quote(MODEL) }})"
+    {{ BIN }} synth {{ SYNTH_ARGS }} --out {{ quote(MODEL) }}
 
-# Write the benchmark model: Qwen3-30B-A3B shapes, 16 layers, BF16, skewed routing (~20 GB).
-synth-bench-model:
-    mkdir -p models
-    {{bin}} synth --preset qwen3-30b-a3b --layers 16 --format gguf --skew skewed --out models/qwen3-30b-a3b-16l.gguf
+# Write the benchmark model: Qwen3-30B-A3B shapes, 16 layers, BF16, skewed routing (19.7 GiB).
+synth-bench-model out="models/qwen3-30b-a3b-16l.gguf":
+    mkdir -p "$(dirname {{ quote(out) }})"
+    {{ BIN }} synth --preset qwen3-30b-a3b --layers 16 --format gguf --skew skewed --out {{ quote(out) }}
+    @echo "bench it with: MODEL={{ out }} just hot off"
 
-# Learn pass (cache off): per-layer, per-expert usage into the learn file.
+# Learn pass (cache off): per-layer, per-expert usage of LEARN_TOKENS tokens into LEARN.
 learn: model
-    {{bin}} learn --model {{model}} {{engine_flag}} --n-tokens {{learn_tokens}} --out {{learn_file}}
+    mkdir -p "$(dirname {{ quote(LEARN) }})"
+    {{ learn_cmd }}
 
-# Timed pp/tg with the hot cache planned into BUDGET MiB (-1: free VRAM minus the reserve).
-hot: model
-    @test -f {{learn_file}} || just learn
-    {{bin}} bench --model {{model}} {{engine_flag}} --learn {{learn_file}} --hot-budget-mib {{budget}} -p {{p}} -n {{n}} --runs {{runs}} --json > models/bench-hot.json
-    @python3 scripts/bench-table.py models/bench-hot.json models/bench-off.json
+# The learn pass when LEARN is missing (or, at the default path, older than MODEL).
+[private]
+learned: model
+    #!/usr/bin/env bash
+    set -euo pipefail
+    learn={{ quote(LEARN) }} model={{ quote(MODEL) }}
+    if [ -f "$learn" ] && [ "$learn" -nt "$model" ]; then exit 0; fi
+    if [ -f "$learn" ] && [ "$learn" != models/learn.json ]; then
+        echo "warning: $learn is older than $model (learned on another model?); \`just learn\` rewrites it" >&2
+        exit 0
+    fi
+    [ -f "$learn" ] && echo "$learn is older than $model: learning again" >&2
+    mkdir -p "$(dirname "$learn")"
+    {{ learn_cmd }}
 
-# The same run with the hot cache off (budget 0: every expert cold).
-off: model
-    @test -f {{learn_file}} || just learn
-    {{bin}} bench --model {{model}} {{engine_flag}} --learn {{learn_file}} --hot-budget-mib 0 -p {{p}} -n {{n}} --runs {{runs}} --json > models/bench-off.json
-    @python3 scripts/bench-table.py models/bench-hot.json models/bench-off.json
+# Timed pp/tg with the hot cache planned into BUDGET MiB from LEARN -> models/bench-hot.json; table.
+hot: learned
+    mkdir -p models
+    {{ bench_cmd }} --hot-budget-mib {{ BUDGET }} > {{ hot_json }}.tmp || { rm -f {{ hot_json }}.tmp; exit 1; }
+    mv {{ hot_json }}.tmp {{ hot_json }}
+    @{{ table_cmd }}
+
+# The same with the hot cache off (budget 0: every expert cold) -> models/bench-off.json; table.
+off: learned
+    mkdir -p models
+    {{ bench_cmd }} --hot-budget-mib 0 > {{ off_json }}.tmp || { rm -f {{ off_json }}.tmp; exit 1; }
+    mv {{ off_json }}.tmp {{ off_json }}
+    @{{ table_cmd }}
 
 # The comparison table of the last `hot` and `off` runs.
 compare:
-    python3 scripts/bench-table.py models/bench-hot.json models/bench-off.json
+    @{{ table_cmd }}
 
 # Criterion micro-benchmarks (kernels, message overhead) and the cold-lane kernel bench.
 bench:
     cargo bench -p moe-lanes
-    {{bin}} bench-kernels
+    {{ BIN }} bench-kernels
 
 # Regenerate the golden fixtures with transformers (makes a venv from PyPI if torch is missing).
 fixtures:
@@ -72,11 +113,12 @@ fixtures:
 gpu-build:
     scripts/gpu-build.sh
 
-# On the GPU machine, from the repo root after gpu-build: every GPU test, bench-kernels and the
-# end-to-end bench table (budgets 0/50/100%, skewed and uniform routing).
+# On the GPU machine after gpu-build: every GPU test, bench-kernels, the end-to-end bench table.
 gpu-test:
     GPU_DIR=.gpu bash .gpu/gpu-test.sh
 
-# On the GPU machine: an old binary against the new one, same call, same model (budgets 0/50/100%).
-gpu-compare old new model:
-    bash .gpu/gpu-compare.sh {{old}} {{new}} {{model}}
+# On the GPU machine: old binary vs new, alternating, one learn file, budgets 0/50/100% (env P N RUNS).
+compare-binaries old new model:
+    bash scripts/compare-binaries.sh {{ quote(old) }} {{ quote(new) }} {{ quote(model) }}
+
+alias gpu-compare := compare-binaries
