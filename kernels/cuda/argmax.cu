@@ -1,10 +1,10 @@
 // Greedy tokens: argmax per row, one block per row or split over many blocks.
-// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/mod.rs).
+// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
-// Index of the largest value per row (first on ties). grid (rows), block 1024.
+// Index of the largest value per row (first on ties). grid (rows), block ARGMAX_BLOCK (a power of two).
 extern "C" __global__ void argmax_f32(const float* __restrict__ x, int n, int* __restrict__ out) {
-    __shared__ float sv[1024];
-    __shared__ int si[1024];
+    __shared__ float sv[ARGMAX_BLOCK];
+    __shared__ int si[ARGMAX_BLOCK];
     const float* xr = x + (size_t)blockIdx.x * n;
     float bv = -INFINITY;
     int bi = 0x7fffffff;

@@ -1,5 +1,5 @@
 // Attention over the KV cache: one block per (token, head), and the split-position decode form.
-// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/mod.rs).
+// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
 // Causal GQA attention of T query rows (positions pos0..pos0+T-1) against the layer's KV cache,
 // which already holds positions 0..pos0+T-1 ([positions, kv_dim] f32). Decode is T = 1.
@@ -93,12 +93,16 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
 // positions s*ATT_CHUNK.. of query row t / head h (one per warp-slot, all loads in flight at once)
 // and writes a partial (max m, sum l of exp(score - m), acc[hd] = sum exp(score - m) * v) to
 // part[((t * n_heads + h) * splits + s) * (hd + 2)]: acc, then m, then l. An empty chunk writes
-// m = -inf, l = 0, acc = 0. grid (splits, n_heads, T), block 256 (8 warps x 4 positions).
+// m = -inf, l = 0, acc = 0. grid (splits, n_heads, T), block 32 * ATT_SPLIT_WARPS (each warp scores
+// ATT_CHUNK / ATT_SPLIT_WARPS positions).
+#define ATT_SPLIT_PER_WARP (ATT_CHUNK / ATT_SPLIT_WARPS)
+static_assert(ATT_CHUNK % ATT_SPLIT_WARPS == 0, "every warp scores the same number of positions");
+static_assert(ATT_MAXC * 32 == ATT_MAX_HEAD_DIM, "ATT_MAXC values per lane cover the largest head");
 extern "C" __global__ void attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
                                                const float* __restrict__ vc, float* __restrict__ part, int pos0,
                                                int n_heads, int n_kv, int hd, int window, float scale, int splits) {
     __shared__ float sc[ATT_CHUNK];
-    __shared__ float red[8 * 256];
+    __shared__ float red[ATT_SPLIT_WARPS * ATT_MAX_HEAD_DIM];
     int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
     int pos = pos0 + t;
     int kvh = h / (n_heads / n_kv);
@@ -125,10 +129,10 @@ extern "C" __global__ void attention_split_f32(const float* __restrict__ q, cons
         int i = lane + 32 * c;
         qr[c] = i < hd ? qh[i] : 0.f;
     }
-    float d[4];
+    float d[ATT_SPLIT_PER_WARP];
 #pragma unroll
-    for (int u = 0; u < 4; u++) {
-        int j = wid + 8 * u;
+    for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+        int j = wid + ATT_SPLIT_WARPS * u;
         d[u] = 0.f;
         if (j < cnt) {
             const float* kr = kb + (size_t)j * kv_dim;
@@ -140,8 +144,8 @@ extern "C" __global__ void attention_split_f32(const float* __restrict__ q, cons
         }
     }
 #pragma unroll
-    for (int u = 0; u < 4; u++) {
-        int j = wid + 8 * u;
+    for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+        int j = wid + ATT_SPLIT_WARPS * u;
         float v = warp_sum(d[u]) * scale;
         if (lane == 0 && j < cnt) sc[j] = v;
     }
@@ -152,8 +156,8 @@ extern "C" __global__ void attention_split_f32(const float* __restrict__ q, cons
 #pragma unroll
     for (int c = 0; c < ATT_MAXC; c++) acc[c] = 0.f;
 #pragma unroll
-    for (int u = 0; u < 4; u++) {
-        int j = wid + 8 * u;
+    for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+        int j = wid + ATT_SPLIT_WARPS * u;
         if (j < cnt) {
             float p = expf(sc[j] - m);
             const float* vr = vb + (size_t)j * kv_dim;
@@ -172,7 +176,7 @@ extern "C" __global__ void attention_split_f32(const float* __restrict__ q, cons
     __syncthreads();
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float a = 0.f;
-        for (int w = 0; w < 8; w++) a += red[w * hd + i];
+        for (int w = 0; w < ATT_SPLIT_WARPS; w++) a += red[w * hd + i];
         pr[i] = a;
     }
     if (threadIdx.x == 0) {

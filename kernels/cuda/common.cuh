@@ -1,8 +1,9 @@
 // moe-lanes CUDA kernels, shared part: types and warp/block reductions. Prepended to every
 // op-family file (gemv, norm_rope, elementwise, attention, argmax, route, moe); the whole is
 // compiled at start-up with NVRTC for the device's own architecture (kernels/src/cuda/mod.rs).
-// Constants shared with the Rust launchers (ROWS_PER_BLOCK, ATT_CHUNK, ATT_MAXC) are passed as
-// -D defines from kernels/src/cuda/mod.rs, defined once there. Conventions: weights are bf16 row-major [out, in]; activations,
+// Constants shared with the Rust launchers (ROWS_PER_BLOCK, ATT_CHUNK, ATT_MAXC, ATT_MAX_HEAD_DIM,
+// ATT_SPLIT_WARPS, ARGMAX_BLOCK) are passed as -D defines from kernels/src/cuda/kernel.rs,
+// defined once there. Conventions: weights are bf16 row-major [out, in]; activations,
 // norms, biases and the KV cache are f32; every kernel states its launch configuration.
 #include <cuda_bf16.h>
 
@@ -83,7 +84,7 @@ __device__ __forceinline__ float warp_dot_bf16(const bf16* __restrict__ w, const
     return warp_sum(acc);
 }
 
-
-#if !defined(ROWS_PER_BLOCK) || !defined(ATT_CHUNK) || !defined(ATT_MAXC)
-#error "compile with -DROWS_PER_BLOCK, -DATT_CHUNK and -DATT_MAXC (kernels/src/cuda/mod.rs)"
+#if !defined(ROWS_PER_BLOCK) || !defined(ATT_CHUNK) || !defined(ATT_MAXC) || !defined(ATT_MAX_HEAD_DIM) || \
+    !defined(ATT_SPLIT_WARPS) || !defined(ARGMAX_BLOCK)
+#error "compile with the -D options of shared_defines() (kernels/src/cuda/kernel.rs)"
 #endif

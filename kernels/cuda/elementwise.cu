@@ -1,5 +1,5 @@
 // Element-wise and row-movement kernels: bias, clamp, add, SiLU-multiply, embedding, gathers and scatters.
-// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/mod.rs).
+// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
 // x[r, :] += b for every row. grid ceil(rows*dim/256), block 256.
 extern "C" __global__ void add_bias_rows(float* x, const float* __restrict__ b, int rows, int dim) {

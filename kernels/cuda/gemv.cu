@@ -1,5 +1,5 @@
 // GEMV: decode matrix-vector products over bf16 weights.
-// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/mod.rs).
+// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
 // y[t, n] = (accumulate ? y[t, n] : 0) + W[n, :] . x[t, :]
 // grid (ceil(N / 8), T), block 256: one warp per output row, one grid row per token.

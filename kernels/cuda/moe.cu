@@ -1,5 +1,5 @@
 // The hot lane: expert GEMVs over the VRAM cache and the decode worklist built on the GPU.
-// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/mod.rs).
+// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
 // Hot lane, decode: for worklist entry e (cache slot slots[e], token row tokens[e]),
 // h[e, r] = silu(G_s[r] . x_t) * (U_s[r] . x_t) over the per-layer cache [n_slots, ff, hidden].

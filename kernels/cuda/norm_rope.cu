@@ -1,5 +1,5 @@
 // RMSNorm and RoPE (separate and fused with per-head q/k norms).
-// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/mod.rs).
+// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
 // One row of `dim` per block: y = x * rsqrt(mean(x^2) + eps) * w. In place allowed (x == y).
 // Per-head q/k norms: rows = T * heads, dim = head_dim. grid (rows), block 256.

@@ -1,5 +1,5 @@
 // Router: top-k expert ids and weights from router logits (both routing variants).
-// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/mod.rs).
+// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
 // Router: top-k expert ids and weights per token from logits [T, E]. Ties go to the lower id.
 // variant 0: softmax over all experts, then top-k (renormalised when norm != 0);

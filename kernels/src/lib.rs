@@ -1,7 +1,7 @@
 //! Compute kernels for moe-lanes. This crate knows nothing of models, files or actors: it takes
 //! slices and shapes and computes. CPU kernels pick their SIMD level at run time.
 //!
-//! - [`simd`]: SIMD level detection and the `MOE_LANES_SIMD` override.
+//! - [`simd`]: SIMD level detection and the forced level the caller passes in (parsed with `FromStr`).
 //! - [`weights`]: expert weight views (raw, possibly unaligned bytes), dtypes and activations.
 //! - [`ffn`]: row-range GEMV/GEMM, fused gate/up + activation, down + weighted accumulation,
 //!   in decode (one token) and prefill (many tokens per expert, register-blocked) form.

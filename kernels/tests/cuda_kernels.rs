@@ -34,11 +34,12 @@ fn backend() -> Option<&'static CudaBackend> {
 }
 
 struct CudaBackendBox(CudaBackend);
-// Tests share one backend; every call binds the context to the calling thread first.
 // SAFETY: tests share one backend; every call binds the context to the calling thread
 // first and the tests run one at a time on it (`--test-threads=1` on the GPU machine),
 // so no two threads drive the stream at once.
 unsafe impl Sync for CudaBackendBox {}
+// SAFETY: the backend's handles (context, streams, cuBLAS, module) may be used from any thread
+// once the context is bound there, which every call does; the box owns the backend outright.
 unsafe impl Send for CudaBackendBox {}
 
 /// Deterministic pseudo-random values in [-1, 1).
@@ -626,9 +627,8 @@ fn nvrtc_cubin_cache_hits_on_second_compile() {
     let config =
         moe_lanes_kernels::cuda::CudaConfig { nvrtc_cache_dir: Some(dir.clone()), ..Default::default() };
     let arch = be.info().arch();
-    let src = moe_lanes_kernels::cuda::kernel_source();
-    let (a, first) = moe_lanes_kernels::cuda::compile_cached(&src, "moe-lanes.cu", &arch, &config).unwrap();
-    let (b, second) = moe_lanes_kernels::cuda::compile_cached(&src, "moe-lanes.cu", &arch, &config).unwrap();
+    let (a, first) = moe_lanes_kernels::cuda::compile_for_arch(&arch, &config).unwrap();
+    let (b, second) = moe_lanes_kernels::cuda::compile_for_arch(&arch, &config).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
     eprintln!("first: {first:?}\nsecond: {second:?}");
     assert!(!first.cache_hit, "fresh directory");

@@ -3,32 +3,93 @@
 
 use super::ops::{ATTENTION_MAX_HEAD_DIM, ATTENTION_SPLIT_CHUNK};
 
-/// Warps per block in the warp-per-row kernels (a block is `32 * ROWS_PER_BLOCK` threads).
+/// Warps per block in the warp-per-row kernels (`-DROWS_PER_BLOCK`).
 pub const ROWS_PER_BLOCK: u32 = 8;
+/// Threads of a warp-per-row block: one warp per output row.
+pub const ROW_BLOCK_THREADS: u32 = 32 * ROWS_PER_BLOCK;
+/// Threads of the one-block-per-row argmax, also its shared-memory slots (`-DARGMAX_BLOCK`).
+pub const ARGMAX_BLOCK: u32 = 1024;
+/// Warps of the split attention kernel (`-DATT_SPLIT_WARPS`); each scores
+/// `ATTENTION_SPLIT_CHUNK / ATTENTION_SPLIT_WARPS` positions of its chunk.
+pub const ATTENTION_SPLIT_WARPS: u32 = 8;
+/// Threads of the split attention kernel.
+pub const ATTENTION_SPLIT_THREADS: u32 = 32 * ATTENTION_SPLIT_WARPS;
+const _: () = assert!(ATTENTION_SPLIT_CHUNK.is_multiple_of(ATTENTION_SPLIT_WARPS as usize));
+const _: () = assert!(ATTENTION_MAX_HEAD_DIM.is_multiple_of(32));
 
 /// Shared device helpers (types, warp and block reductions), prepended to the families.
 pub const COMMON_CUH: &str = include_str!("../../cuda/common.cuh");
 
-/// The op-family sources, in compile order.
-pub const FAMILY_SOURCES: [(&str, &str); 7] = [
-    ("gemv.cu", include_str!("../../cuda/gemv.cu")),
-    ("norm_rope.cu", include_str!("../../cuda/norm_rope.cu")),
-    ("elementwise.cu", include_str!("../../cuda/elementwise.cu")),
-    ("attention.cu", include_str!("../../cuda/attention.cu")),
-    ("argmax.cu", include_str!("../../cuda/argmax.cu")),
-    ("route.cu", include_str!("../../cuda/route.cu")),
-    ("moe.cu", include_str!("../../cuda/moe.cu")),
-];
+/// An op family: one `kernels/cuda/*.cu` file, compiled after [`COMMON_CUH`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Family {
+    Gemv,
+    NormRope,
+    Elementwise,
+    Attention,
+    Argmax,
+    Route,
+    Moe,
+}
+
+impl Family {
+    /// Every family, in compile order.
+    pub const ALL: [Family; 7] = [
+        Family::Gemv,
+        Family::NormRope,
+        Family::Elementwise,
+        Family::Attention,
+        Family::Argmax,
+        Family::Route,
+        Family::Moe,
+    ];
+
+    /// The file under `kernels/cuda/`.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Family::Gemv => "gemv.cu",
+            Family::NormRope => "norm_rope.cu",
+            Family::Elementwise => "elementwise.cu",
+            Family::Attention => "attention.cu",
+            Family::Argmax => "argmax.cu",
+            Family::Route => "route.cu",
+            Family::Moe => "moe.cu",
+        }
+    }
+
+    /// The file's text (embedded at build time).
+    pub fn source(self) -> &'static str {
+        match self {
+            Family::Gemv => include_str!("../../cuda/gemv.cu"),
+            Family::NormRope => include_str!("../../cuda/norm_rope.cu"),
+            Family::Elementwise => include_str!("../../cuda/elementwise.cu"),
+            Family::Attention => include_str!("../../cuda/attention.cu"),
+            Family::Argmax => include_str!("../../cuda/argmax.cu"),
+            Family::Route => include_str!("../../cuda/route.cu"),
+            Family::Moe => include_str!("../../cuda/moe.cu"),
+        }
+    }
+
+    /// This family alone as a program: the shared header, then the file (to check that each
+    /// family compiles by itself).
+    pub fn standalone_source(self) -> String {
+        format!("{COMMON_CUH}\n// ---- {} ----\n{}", self.file_name(), self.source())
+    }
+}
 
 /// The whole program NVRTC compiles: the shared header, then every family.
 pub fn kernel_source() -> String {
     let mut src = String::from(COMMON_CUH);
-    for (name, text) in FAMILY_SOURCES {
-        src.push_str(&format!("\n// ---- {name} ----\n"));
-        src.push_str(text);
+    for family in Family::ALL {
+        src.push_str(&format!("\n// ---- {} ----\n", family.file_name()));
+        src.push_str(family.source());
     }
     src
 }
+
+/// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
+pub const SHARED_DEFINE_NAMES: [&str; 6] =
+    ["ROWS_PER_BLOCK", "ATT_CHUNK", "ATT_MAXC", "ATT_MAX_HEAD_DIM", "ATT_SPLIT_WARPS", "ARGMAX_BLOCK"];
 
 /// `-D` options for the constants the launchers and the kernels share.
 pub fn shared_defines() -> Vec<String> {
@@ -36,6 +97,9 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DROWS_PER_BLOCK={ROWS_PER_BLOCK}"),
         format!("-DATT_CHUNK={ATTENTION_SPLIT_CHUNK}"),
         format!("-DATT_MAXC={}", ATTENTION_MAX_HEAD_DIM / 32),
+        format!("-DATT_MAX_HEAD_DIM={ATTENTION_MAX_HEAD_DIM}"),
+        format!("-DATT_SPLIT_WARPS={ATTENTION_SPLIT_WARPS}"),
+        format!("-DARGMAX_BLOCK={ARGMAX_BLOCK}"),
     ]
 }
 
@@ -129,34 +193,34 @@ impl Kernel {
         }
     }
 
-    /// The op-family file that defines it.
-    pub fn family(self) -> &'static str {
+    /// The op family whose file defines it.
+    pub fn family(self) -> Family {
         match self {
-            Kernel::GemvBf16 => "gemv.cu",
-            Kernel::Gemv3Bf16 => "gemv.cu",
-            Kernel::RmsnormF32 => "norm_rope.cu",
-            Kernel::AddBiasRows => "elementwise.cu",
-            Kernel::ClampF32 => "elementwise.cu",
-            Kernel::AddF32 => "elementwise.cu",
-            Kernel::SiluMulF32 => "elementwise.cu",
-            Kernel::RopeF32 => "norm_rope.cu",
-            Kernel::QkNormRopeF32 => "norm_rope.cu",
-            Kernel::AttentionF32 => "attention.cu",
-            Kernel::AttentionSplitF32 => "attention.cu",
-            Kernel::AttentionCombineF32 => "attention.cu",
-            Kernel::ArgmaxF32 => "argmax.cu",
-            Kernel::ArgmaxPartialF32 => "argmax.cu",
-            Kernel::ArgmaxFinalF32 => "argmax.cu",
-            Kernel::EmbedBf16 => "elementwise.cu",
-            Kernel::GatherSplitBf16 => "elementwise.cu",
-            Kernel::GatherRowsF32 => "elementwise.cu",
-            Kernel::ScatterAddRowsF32 => "elementwise.cu",
-            Kernel::AddSigmoidScaledRows => "elementwise.cu",
-            Kernel::RouteTopk => "route.cu",
-            Kernel::MoeGateUpGemv => "moe.cu",
-            Kernel::MoeDownAccum => "moe.cu",
-            Kernel::MoeScatterAccum => "moe.cu",
-            Kernel::HotWorklistTokens => "moe.cu",
+            Kernel::GemvBf16 => Family::Gemv,
+            Kernel::Gemv3Bf16 => Family::Gemv,
+            Kernel::RmsnormF32 => Family::NormRope,
+            Kernel::AddBiasRows => Family::Elementwise,
+            Kernel::ClampF32 => Family::Elementwise,
+            Kernel::AddF32 => Family::Elementwise,
+            Kernel::SiluMulF32 => Family::Elementwise,
+            Kernel::RopeF32 => Family::NormRope,
+            Kernel::QkNormRopeF32 => Family::NormRope,
+            Kernel::AttentionF32 => Family::Attention,
+            Kernel::AttentionSplitF32 => Family::Attention,
+            Kernel::AttentionCombineF32 => Family::Attention,
+            Kernel::ArgmaxF32 => Family::Argmax,
+            Kernel::ArgmaxPartialF32 => Family::Argmax,
+            Kernel::ArgmaxFinalF32 => Family::Argmax,
+            Kernel::EmbedBf16 => Family::Elementwise,
+            Kernel::GatherSplitBf16 => Family::Elementwise,
+            Kernel::GatherRowsF32 => Family::Elementwise,
+            Kernel::ScatterAddRowsF32 => Family::Elementwise,
+            Kernel::AddSigmoidScaledRows => Family::Elementwise,
+            Kernel::RouteTopk => Family::Route,
+            Kernel::MoeGateUpGemv => Family::Moe,
+            Kernel::MoeDownAccum => Family::Moe,
+            Kernel::MoeScatterAccum => Family::Moe,
+            Kernel::HotWorklistTokens => Family::Moe,
         }
     }
 }
@@ -166,11 +230,20 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_shared_define_is_passed_and_required() {
+        let defines = shared_defines();
+        assert_eq!(defines.len(), SHARED_DEFINE_NAMES.len());
+        for (d, name) in defines.iter().zip(SHARED_DEFINE_NAMES) {
+            assert!(d.starts_with(&format!("-D{name}=")), "{d} vs {name}");
+            assert!(COMMON_CUH.contains(&format!("!defined({name})")), "common.cuh does not require {name}");
+        }
+    }
+
+    #[test]
     fn every_kernel_is_defined_once_in_its_family_and_ids_index_the_table() {
         for (i, k) in Kernel::ALL.iter().enumerate() {
             assert_eq!(*k as usize, i, "Kernel::ALL is in declaration order");
-            let (_, text) = FAMILY_SOURCES.iter().find(|(f, _)| *f == k.family()).expect("family file");
-            assert_eq!(text.matches(&format!("void {}(", k.symbol())).count(), 1, "{k:?}");
+            assert_eq!(k.family().source().matches(&format!("void {}(", k.symbol())).count(), 1, "{k:?}");
         }
         let all = kernel_source();
         assert_eq!(all.matches("__global__").count(), Kernel::ALL.len(), "no kernel without an id");
@@ -178,9 +251,11 @@ mod tests {
 
     #[test]
     fn shared_constants_are_defines_not_literals() {
-        for (name, text) in FAMILY_SOURCES.iter().chain([("common.cuh", COMMON_CUH)].iter()) {
-            for c in ["#define ROWS_PER_BLOCK", "#define ATT_CHUNK", "#define ATT_MAXC"] {
-                assert!(!text.contains(c), "{name} defines {c} itself; it comes from shared_defines()");
+        let files = Family::ALL.iter().map(|f| (f.file_name(), f.source()));
+        for (name, text) in files.chain([("common.cuh", COMMON_CUH)]) {
+            for c in SHARED_DEFINE_NAMES {
+                let own = format!("#define {c}");
+                assert!(!text.contains(&own), "{name} defines {c} itself; it comes from shared_defines()");
             }
         }
     }

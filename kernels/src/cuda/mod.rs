@@ -1,20 +1,24 @@
 //! CUDA backend: device selection, NVRTC compilation of `kernels/cuda/*.cu` for the device's own
-//! architecture (with an on-disk cubin cache), a cuBLAS handle, one dedicated stream, device and
-//! pinned host buffers, CUDA events, and typed launchers for every kernel ([`ops`]).
+//! architecture (with an on-disk cubin cache; [`compile_for_arch`] needs no device), a cuBLAS
+//! handle, a compute stream and a side (copy) stream, device and pinned host buffers, CUDA events,
+//! and typed launchers for every kernel ([`ops`]), looked up by [`Kernel`] id.
 //!
 //! Everything is loaded at run time (cudarc `fallback-dynamic-loading`), so this crate builds and
 //! its tests run on machines without CUDA: [`CudaBackend::try_new`] then returns
 //! [`CudaError::NoDriver`] and callers fall back to the CPU (and say so).
 //!
 //! Memory model: [`DeviceBuffer`] owns an allocation; [`DPtr`] is a copyable (pointer, length)
-//! view of part of one, checked against kernel shapes by every launcher. All work goes to the
-//! backend's one stream, in order; cudarc's per-slice event tracking is switched off because there
-//! is only one stream. A `DPtr` must not outlive its buffer (a stale one faults on the device).
+//! view of part of one, checked against kernel shapes by every launcher (sub-views are checked
+//! against the view they come from). Compute goes to the backend's compute stream, in order; the
+//! side stream only writes hot-cache slots, and the compute stream waits for those copies through
+//! an event ([`CudaBackend::record_side`], [`CudaBackend::wait_event`]), so cudarc's per-slice
+//! event tracking is switched off. A `DPtr` must not outlive its buffer (a stale one faults on
+//! the device). [`PinnedBuffer`]s fence their own asynchronous copies, so those copies are safe.
 
 pub mod kernel;
 pub mod ops;
 
-pub use kernel::{kernel_source, Kernel};
+pub use kernel::{kernel_source, Family, Kernel};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
@@ -117,11 +121,13 @@ impl<T> DPtr<T> {
     }
     /// Sub-view `[offset, offset + len)`; panics when out of range (a programming error).
     pub fn sub(&self, offset: usize, len: usize) -> DPtr<T> {
-        assert!(offset + len <= self.len, "DPtr::sub out of range: {offset}+{len} > {}", self.len);
+        let in_range = offset.checked_add(len).is_some_and(|end| end <= self.len);
+        assert!(in_range, "DPtr::sub out of range: {offset}+{len} > {}", self.len);
         DPtr { raw: self.raw + (offset * std::mem::size_of::<T>()) as u64, len, _m: PhantomData }
     }
-    /// From `offset` to the end.
+    /// From `offset` to the end; panics when `offset > len` (a programming error).
     pub fn from(&self, offset: usize) -> DPtr<T> {
+        assert!(offset <= self.len, "DPtr::from out of range: {offset} > {}", self.len);
         self.sub(offset, self.len - offset)
     }
     /// The same device bytes seen as another plain type of the same size (e.g. f32 as u32 bits).
@@ -352,10 +358,10 @@ impl CudaBackend {
                 return Err(CudaError::NoDriver("the driver reports no CUDA devices".into()));
             }
             let ctx = CudaContext::new(ordinal).map_err(|source| CudaError::Device { ordinal, source })?;
-            // Ordering is ours: the compute stream orders every use of every buffer, and the side
-            // stream only writes hot-cache slots the compute stream reads after `wait_event`.
-            // SAFETY: event tracking is only needed when several streams share buffers; this backend
-            // has one stream, which orders every use of every buffer.
+            // SAFETY: cudarc's per-slice events order streams that share a `CudaSlice`; here the
+            // ordering is ours: the compute stream orders every use of every buffer, the side
+            // stream only writes hot-cache slots that the compute stream reads after
+            // `wait_event`, and pinned buffers fence their own copies (`PinnedBuffer::fence_after`).
             unsafe { ctx.disable_event_tracking() };
             let stream = ctx.new_stream().ctx("cuStreamCreate")?;
             let side = ctx.new_stream().ctx("cuStreamCreate(side)")?;
@@ -368,7 +374,7 @@ impl CudaBackend {
                     .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                     .ctx("cuDeviceGetAttribute(sm count)")?,
             };
-            let (cubin, compile) = compile_cached(&kernel_source(), "moe-lanes.cu", &info.arch(), config)?;
+            let (cubin, compile) = compile_for_arch(&info.arch(), config)?;
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).ctx("cuModuleLoadData")?;
             let functions = Kernel::ALL
                 .iter()
@@ -686,16 +692,64 @@ fn nvrtc_version() -> (i32, i32) {
     (major, minor)
 }
 
+/// The name NVRTC gives the whole kernel program (and the stem of its cache files).
+pub const PROGRAM_NAME: &str = "moe-lanes.cu";
+
+/// Whether libnvrtc can be loaded (no driver or device needed).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: probing a dynamically loaded library has no preconditions; `guard` turns a panic of
+    // the loader into an error.
+    guard("nvrtc probe", || Ok(unsafe { cudarc::nvrtc::sys::is_culib_present() })).unwrap_or(false)
+}
+
+/// Every kernel ([`kernel_source`]) compiled for `arch` (e.g. `sm_90`), or taken from the
+/// configured cubin cache. Needs libnvrtc and the CUDA headers, but no driver or device.
+pub fn compile_for_arch(arch: &str, config: &CudaConfig) -> Result<(Vec<u8>, CompileReport)> {
+    compile_cached(&kernel_source(), PROGRAM_NAME, arch, config)
+}
+
 /// Compile `src` to a cubin for `arch`, or take it from the cache keyed by source hash, options,
 /// NVRTC version and arch. Cache problems are reported in the [`CompileReport`], never fatal.
+/// Needs no device; without libnvrtc it is [`CudaError::NoDriver`].
 pub fn compile_cached(
     src: &str,
     name: &str,
     arch: &str,
     config: &CudaConfig,
 ) -> Result<(Vec<u8>, CompileReport)> {
+    if !nvrtc_available() {
+        return Err(CudaError::NoDriver(
+            "libnvrtc was not found (add the CUDA lib64 directory to LD_LIBRARY_PATH)".into(),
+        ));
+    }
+    let options = nvrtc_options(arch, config);
+    let (vmaj, vmin) = nvrtc_version();
+    let version = format!("nvrtc {vmaj}.{vmin}");
+    let key = fnv1a(&[src.as_bytes(), options.join(" ").as_bytes(), version.as_bytes(), arch.as_bytes()]);
+    let stem = name.trim_end_matches(".cu");
+    let cache_path =
+        config.nvrtc_cache_dir.as_ref().map(|d| d.join(format!("{stem}-{key:016x}-{arch}.cubin")));
+    let (cached, mut cache_note) = cache_path.as_deref().map(read_cached).unwrap_or((None, None));
+    if let Some(bytes) = cached {
+        let report =
+            CompileReport { arch: arch.into(), cache_hit: true, cache_path, compile_ms: 0.0, cache_note };
+        return Ok((bytes, report));
+    }
+    let start = std::time::Instant::now();
+    let cubin = nvrtc_compile_cubin(src, name, arch, &options)?;
+    let compile_ms = start.elapsed().as_secs_f64() * 1e3;
+    if let Some(path) = &cache_path {
+        if let Err(e) = write_cached(path, &cubin) {
+            cache_note = Some(format!("could not write {}: {e}", path.display()));
+        }
+    }
+    Ok((cubin, CompileReport { arch: arch.into(), cache_hit: false, cache_path, compile_ms, cache_note }))
+}
+
+/// NVRTC options: target, CUDA headers, language, and the shared `-D` constants.
+fn nvrtc_options(arch: &str, config: &CudaConfig) -> Vec<String> {
     let include = config.cuda_include_dir.clone().unwrap_or_else(|| PathBuf::from("/usr/local/cuda/include"));
-    let options = vec![
+    vec![
         format!("--gpu-architecture={arch}"),
         format!("--include-path={}", include.display()),
         "--std=c++17".to_string(),
@@ -703,48 +757,25 @@ pub fn compile_cached(
     ]
     .into_iter()
     .chain(kernel::shared_defines())
-    .collect::<Vec<_>>();
-    let (vmaj, vmin) = nvrtc_version();
-    let version = format!("nvrtc {vmaj}.{vmin}");
-    let key = fnv1a(&[src.as_bytes(), options.join(" ").as_bytes(), version.as_bytes(), arch.as_bytes()]);
-    let stem = name.trim_end_matches(".cu");
-    let cache_path =
-        config.nvrtc_cache_dir.as_ref().map(|d| d.join(format!("{stem}-{key:016x}-{arch}.cubin")));
-    let mut cache_note = None;
-    if let Some(path) = &cache_path {
-        match std::fs::read(path) {
-            Ok(bytes) if !bytes.is_empty() => {
-                return Ok((
-                    bytes,
-                    CompileReport {
-                        arch: arch.into(),
-                        cache_hit: true,
-                        cache_path,
-                        compile_ms: 0.0,
-                        cache_note,
-                    },
-                ))
-            }
-            Ok(_) => cache_note = Some(format!("{}: empty cache file ignored", path.display())),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => cache_note = Some(format!("{}: {e}", path.display())),
-        }
+    .collect()
+}
+
+/// A cached cubin, or why the cache file was not used (none when it does not exist yet).
+fn read_cached(path: &std::path::Path) -> (Option<Vec<u8>>, Option<String>) {
+    match std::fs::read(path) {
+        Ok(bytes) if !bytes.is_empty() => (Some(bytes), None),
+        Ok(_) => (None, Some(format!("{}: empty cache file ignored", path.display()))),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, None),
+        Err(e) => (None, Some(format!("{}: {e}", path.display()))),
     }
-    let start = std::time::Instant::now();
-    let cubin = nvrtc_compile_cubin(src, name, arch, &options)?;
-    let compile_ms = start.elapsed().as_secs_f64() * 1e3;
-    if let Some(path) = &cache_path {
-        let write = || -> std::io::Result<()> {
-            std::fs::create_dir_all(path.parent().expect("cache file has a parent"))?;
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            std::fs::write(&tmp, &cubin)?;
-            std::fs::rename(&tmp, path)
-        };
-        if let Err(e) = write() {
-            cache_note = Some(format!("could not write {}: {e}", path.display()));
-        }
-    }
-    Ok((cubin, CompileReport { arch: arch.into(), cache_hit: false, cache_path, compile_ms, cache_note }))
+}
+
+/// Write a cubin to the cache atomically (temporary file, then rename).
+fn write_cached(path: &std::path::Path, cubin: &[u8]) -> std::io::Result<()> {
+    std::fs::create_dir_all(path.parent().expect("cache file has a parent"))?;
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, cubin)?;
+    std::fs::rename(&tmp, path)
 }
 
 fn nvrtc_compile_cubin(src: &str, name: &str, arch: &str, options: &[String]) -> Result<Vec<u8>> {
@@ -788,6 +819,36 @@ mod tests {
             Ok(b) => eprintln!("CUDA device: {:?}", b.info()),
             Err(e) => eprintln!("no CUDA (expected on CI): {e}"),
         }
+    }
+
+    fn view(len: usize) -> DPtr<f32> {
+        DPtr { raw: 0x1000, len, _m: PhantomData }
+    }
+
+    #[test]
+    fn sub_views_stay_inside_their_view() {
+        let v = view(10);
+        assert_eq!((v.sub(2, 8).raw(), v.sub(2, 8).len()), (0x1008, 8));
+        assert_eq!((v.from(10).raw(), v.from(10).len()), (0x1028, 0));
+        assert_eq!(v.sub(0, 0).len(), 0);
+    }
+
+    #[test]
+    #[should_panic(expected = "DPtr::sub out of range")]
+    fn sub_past_the_end_panics() {
+        view(10).sub(3, 8);
+    }
+
+    #[test]
+    #[should_panic(expected = "DPtr::sub out of range")]
+    fn sub_with_an_overflowing_end_panics() {
+        view(10).sub(1, usize::MAX);
+    }
+
+    #[test]
+    #[should_panic(expected = "DPtr::from out of range")]
+    fn from_past_the_end_panics() {
+        view(10).from(11);
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 #![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
 
-use super::kernel::{Kernel, ROWS_PER_BLOCK};
+use super::kernel::{Kernel, ARGMAX_BLOCK, ATTENTION_SPLIT_THREADS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS};
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
 use std::ffi::c_void;
@@ -12,9 +12,11 @@ use std::ffi::c_void;
 const BLOCK: u32 = 256;
 /// Attention keeps one score per visible position in shared memory (48 KiB default limit).
 pub const ATTENTION_MAX_POSITIONS: usize = 12 * 1024;
-/// Largest head dimension of the attention kernel (8 values per lane).
+/// Largest head dimension of the attention kernels (`-DATT_MAX_HEAD_DIM`; `-DATT_MAXC` values per
+/// lane).
 pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
-/// Positions per block of the split attention kernel (`-DATT_CHUNK`).
+/// Positions per block of the split attention kernel (`-DATT_CHUNK`; a multiple of
+/// [`super::kernel::ATTENTION_SPLIT_WARPS`]).
 pub const ATTENTION_SPLIT_CHUNK: usize = 32;
 /// Blocks per row of the split argmax.
 pub const ARGMAX_SPLIT_BLOCKS: usize = 128;
@@ -90,7 +92,7 @@ impl CudaBackend {
         self.launch(
             K,
             (blocks(n, ROWS_PER_BLOCK), n_tokens as u32, 1),
-            BLOCK,
+            ROW_BLOCK_THREADS,
             0,
             args![w.raw(), x.raw(), y.raw(), i(n), i(k), acc],
         )
@@ -116,7 +118,7 @@ impl CudaBackend {
         self.launch(
             K,
             (blocks(n[0] + n[1] + n[2], ROWS_PER_BLOCK), n_tokens as u32, 1),
-            BLOCK,
+            ROW_BLOCK_THREADS,
             0,
             args![
                 w[0].raw(),
@@ -393,7 +395,7 @@ impl CudaBackend {
         self.launch(
             K,
             (splits as u32, n_heads as u32, n_tokens as u32),
-            ATTENTION_BLOCK,
+            ATTENTION_SPLIT_THREADS,
             0,
             args![
                 q.raw(),
@@ -423,7 +425,7 @@ impl CudaBackend {
         const K: Kernel = Kernel::ArgmaxF32;
         need(K, "x", x, rows * n)?;
         need(K, "out", out, rows)?;
-        self.launch(K, (rows as u32, 1, 1), 1024, 0, args![x.raw(), i(n), out.raw()])
+        self.launch(K, (rows as u32, 1, 1), ARGMAX_BLOCK, 0, args![x.raw(), i(n), out.raw()])
     }
 
     /// Floats of the partials buffer [`Self::argmax_split`] needs for `rows` rows.
@@ -574,7 +576,7 @@ impl CudaBackend {
         self.launch(
             K,
             (blocks(n_tokens, ROWS_PER_BLOCK), 1, 1),
-            BLOCK,
+            ROW_BLOCK_THREADS,
             0,
             args![logits.raw(), i(n_tokens), i(n_experts), i(k), v, nm, ids.raw(), weights.raw()],
         )
@@ -603,7 +605,7 @@ impl CudaBackend {
         self.launch(
             K,
             (blocks(ff, ROWS_PER_BLOCK), n_entries as u32, 1),
-            BLOCK,
+            ROW_BLOCK_THREADS,
             0,
             args![
                 gate_cache.raw(),
@@ -641,7 +643,7 @@ impl CudaBackend {
         self.launch(
             K,
             (blocks(hidden, ROWS_PER_BLOCK), n_rows as u32, 1),
-            BLOCK,
+            ROW_BLOCK_THREADS,
             0,
             args![
                 down_cache.raw(),
