@@ -132,6 +132,10 @@ struct EngineArgs {
     /// Cold-lane kernels of the CPU pipeline: simd (moe-lanes-kernels) or plain.
     #[arg(long, default_value = "simd")]
     cold_kernels: String,
+    /// Context size in positions (prompt + generated tokens). Default: the model's trained
+    /// context, lowered to what the KV cache can take of the available memory.
+    #[arg(long)]
+    ctx_size: Option<usize>,
 }
 
 #[derive(Args)]
@@ -329,6 +333,17 @@ fn open_model(path: &Path) -> Result<Model> {
     Model::open(path).with_context(|| format!("cannot open model {}", path.display()))
 }
 
+/// The model with its session context set from `--ctx-size` (checked against the trained
+/// context and the memory the KV cache would take).
+fn open_model_ctx(path: &Path, ctx_size: Option<usize>) -> Result<Arc<Model>> {
+    use moe_lanes::model::context::{available_memory_bytes, resolve_context};
+    let mut model = open_model(path)?;
+    let positions = resolve_context(model.config(), ctx_size, available_memory_bytes())
+        .with_context(|| format!("--ctx-size for {}", path.display()))?;
+    model.set_context(positions);
+    Ok(Arc::new(model))
+}
+
 /// Engine options with the environment applied (read here, at the edge; `moe_lanes::env` lists
 /// the variables): device and cubin cache, SIMD level, cold schedule, GPU profile, fault
 /// injection, a simulated VRAM limit, and the pipeline's A/B switches.
@@ -492,7 +507,7 @@ fn inspect(args: InspectArgs) -> Result<()> {
 
 fn logits(args: LogitsArgs) -> Result<()> {
     let prompt = args.prompt.ids()?;
-    let model = Arc::new(open_model(&args.model)?);
+    let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
     if prompt.len() > model.config().max_positions {
         bail!(
             "{} prompt tokens exceed the context of {} positions",
@@ -511,7 +526,7 @@ fn logits(args: LogitsArgs) -> Result<()> {
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let prompt = args.prompt.ids()?;
-    let model = Arc::new(open_model(&args.model)?);
+    let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
     // Before any work: prompt + new tokens must fit the context.
     moe_lanes::reference::check_generation_fits(
         prompt.len(),
@@ -658,7 +673,7 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
 
 fn bench(args: BenchArgs) -> Result<()> {
     use moe_lanes::bench::{run_bench, BenchOptions};
-    let model = Arc::new(open_model(&args.model)?);
+    let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
     let n_positions = args.prompt_tokens.saturating_add(args.gen_tokens);
     let opts = engine_options(&model, &args.engine, n_positions, HotChoice::Budget(HotBudget::Auto))?;
     let budget = match opts.hot {

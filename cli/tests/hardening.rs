@@ -54,6 +54,31 @@ fn generation_past_the_context_is_refused_before_any_work() {
 }
 
 #[test]
+fn ctx_size_limits_the_session_and_is_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let run = |ctx: &str, n_new: &str| {
+        let args = ["generate", "--model", &model, "--tokens", "1,2,3", "--max-new-tokens", n_new, "--engine"];
+        let mut args: Vec<&str> = args.to_vec();
+        args.extend(["pipeline", "--ctx-size", ctx]);
+        args.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    fn refs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    let err = failure(&refs(&run("8", "6")));
+    assert!(err.contains("3 prompt tokens + 6 new tokens exceed the context of 8 positions"), "{err}");
+    assert!(err.contains("ask for at most 5"), "{err}");
+    let fits = ok_stdout(&refs(&run("8", "5")));
+    let full = ok_stdout(&refs(&run("4096", "5")));
+    assert_eq!(fits, full, "a smaller context changes nothing that fits in it");
+    let err = failure(&refs(&run("4097", "1")));
+    assert!(err.contains("context size 4097 is past the model's trained context of 4096"), "{err}");
+    let err = failure(&refs(&run("0", "1")));
+    assert!(err.contains("at least one position"), "{err}");
+}
+
+#[test]
 fn a_fifo_or_a_lone_safetensors_file_as_model_gets_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("model.gguf");

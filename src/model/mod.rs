@@ -7,6 +7,7 @@
 
 pub mod adapter;
 pub mod config;
+pub mod context;
 pub mod naming;
 
 use crate::format::dtype::DType;
@@ -132,6 +133,13 @@ impl Model {
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Limit sessions to `positions` (from [`context::resolve_context`]); every engine built on
+    /// this model checks prompt + new tokens against it before any work.
+    pub fn set_context(&mut self, positions: usize) {
+        assert!(positions >= 1 && positions <= self.config.max_positions, "resolve_context checks the size");
+        self.config.max_positions = positions;
     }
 
     pub fn adapter(&self) -> &'static Adapter {

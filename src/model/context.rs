@@ -1,0 +1,112 @@
+//! The context size of a session: how many positions (prompt + generated tokens) a KV cache may
+//! hold. The default is the model's trained context (`context_length` in GGUF metadata,
+//! `max_position_embeddings` in config.json), lowered to what fits in memory; an explicit size is
+//! refused when it is past the trained context or does not fit.
+
+use crate::model::config::ModelConfig;
+
+/// Bytes of KV cache per position on the CPU engines: K and V, f32, every layer.
+pub fn kv_bytes_per_position(c: &ModelConfig) -> u64 {
+    2 * c.n_layers as u64 * c.kv_dim() as u64 * 4
+}
+
+/// Why a context size cannot be used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ContextError {
+    #[error("context size 0: a context holds at least one position")]
+    Zero,
+    #[error("context size {asked_positions} is past the model's trained context of {trained_positions} positions")]
+    PastTrained { asked_positions: usize, trained_positions: usize },
+    #[error(
+        "context size {asked_positions} needs {kv_bytes} bytes of KV cache, but {available_bytes} bytes of memory \
+         are available (at most {fits_positions} positions fit)"
+    )]
+    NoMemory { asked_positions: usize, kv_bytes: u64, available_bytes: u64, fits_positions: usize },
+}
+
+/// The context a session gets: `asked` (or the trained context when `None`), checked against the
+/// trained context and against `available_bytes` of memory for the KV cache (`None`: unknown, not
+/// checked). A default is lowered to what fits; an explicit size that does not fit is an error.
+pub fn resolve_context(
+    c: &ModelConfig,
+    asked: Option<usize>,
+    available_bytes: Option<u64>,
+) -> Result<usize, ContextError> {
+    let trained = c.max_positions;
+    let per_position = kv_bytes_per_position(c).max(1);
+    let fits = available_bytes.map(|b| usize::try_from(b / per_position).unwrap_or(usize::MAX));
+    let Some(asked) = asked else {
+        return Ok(fits.map_or(trained, |f| trained.min(f).max(1)));
+    };
+    if asked == 0 {
+        return Err(ContextError::Zero);
+    }
+    if asked > trained {
+        return Err(ContextError::PastTrained { asked_positions: asked, trained_positions: trained });
+    }
+    match (fits, available_bytes) {
+        (Some(f), Some(available)) if asked > f => Err(ContextError::NoMemory {
+            asked_positions: asked,
+            kv_bytes: per_position.saturating_mul(asked as u64),
+            available_bytes: available,
+            fits_positions: f,
+        }),
+        _ => Ok(asked),
+    }
+}
+
+/// `MemAvailable` of `/proc/meminfo` in bytes; `None` where the file or the line is missing.
+pub fn available_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    parse_mem_available(&text)
+}
+
+fn parse_mem_available(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> ModelConfig {
+        let adapter = crate::model::adapter::by_name("qwen3_moe").unwrap();
+        crate::synth::synth_config(adapter, crate::synth::Preset::Tiny, &Default::default()).unwrap()
+    }
+
+    #[test]
+    fn default_is_trained_context_lowered_to_memory() {
+        let c = config();
+        assert_eq!(resolve_context(&c, None, None), Ok(c.max_positions));
+        let per = kv_bytes_per_position(&c);
+        assert_eq!(resolve_context(&c, None, Some(per * 10 + 1)), Ok(10));
+        assert_eq!(resolve_context(&c, None, Some(0)), Ok(1));
+    }
+
+    #[test]
+    fn explicit_sizes_are_checked() {
+        let c = config();
+        let per = kv_bytes_per_position(&c);
+        assert_eq!(resolve_context(&c, Some(0), None), Err(ContextError::Zero));
+        assert_eq!(resolve_context(&c, Some(64), None), Ok(64));
+        let past = c.max_positions + 1;
+        assert_eq!(
+            resolve_context(&c, Some(past), None),
+            Err(ContextError::PastTrained { asked_positions: past, trained_positions: c.max_positions })
+        );
+        let err = resolve_context(&c, Some(20), Some(per * 10)).unwrap_err();
+        assert_eq!(
+            err,
+            ContextError::NoMemory { asked_positions: 20, kv_bytes: per * 20, available_bytes: per * 10, fits_positions: 10 }
+        );
+    }
+
+    #[test]
+    fn meminfo_is_parsed() {
+        let text = "MemTotal:       24000000 kB\nMemAvailable:   2048 kB\n";
+        assert_eq!(parse_mem_available(text), Some(2048 * 1024));
+        assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
+    }
+}
