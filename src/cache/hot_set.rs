@@ -146,6 +146,18 @@ impl HotSet {
     ) -> Result<HotSet, HotSetError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| HotSetError::Io { path: path.into(), reason: e.to_string() })?;
+        Self::from_experts_json(path, &text, n_layers, n_experts, n_lanes)
+    }
+
+    /// The text of a `--hot-experts` file (`path` names it in errors); every key a plain layer
+    /// number below `n_layers`, every id an expert below `n_experts`, none twice.
+    pub fn from_experts_json(
+        path: &Path,
+        text: &str,
+        n_layers: usize,
+        n_experts: usize,
+        n_lanes: usize,
+    ) -> Result<HotSet, HotSetError> {
         let malformed = |field: &str, reason: String| HotSetError::Malformed {
             path: path.into(),
             field: field.into(),
@@ -155,7 +167,7 @@ impl HotSet {
         struct File {
             layers: BTreeMap<String, Vec<u64>>,
         }
-        let file: File = serde_json::from_str(&text).map_err(|e| malformed("layers", e.to_string()))?;
+        let file: File = serde_json::from_str(text).map_err(|e| malformed("layers", e.to_string()))?;
         if n_lanes == 0 || n_lanes > MAX_HOT_LANES {
             return Err(HotSetError::BadLaneCount(n_lanes));
         }

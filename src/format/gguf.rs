@@ -333,6 +333,12 @@ impl GgufFile {
         })
     }
 
+    /// Validate a GGUF image held in memory exactly as [`GgufFile::open`] validates a file
+    /// (`path` only names it in errors). Returns the tensor infos; the fuzz target's entry point.
+    pub fn check_bytes(path: &Path, bytes: &[u8]) -> Result<Vec<GgufTensorInfo>, GgufError> {
+        Ok(Parser::new(path, bytes).parse_header()?.tensors)
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }

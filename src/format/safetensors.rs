@@ -197,6 +197,16 @@ impl SafetensorsFile {
         })
     }
 
+    /// Validate a `.safetensors` image held in memory exactly as [`SafetensorsFile::open`]
+    /// validates a file (`path` only names it in errors). Returns the tensor infos; the fuzz
+    /// target's entry point.
+    pub fn check_bytes(path: &Path, bytes: &[u8]) -> Result<Vec<StTensorInfo>> {
+        if bytes.len() < 8 {
+            return Err(SafetensorsError::FileTooShort { path: path.to_path_buf(), n_bytes: bytes.len() as u64 });
+        }
+        Ok(parse_header(path, bytes)?.tensors)
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -596,11 +606,17 @@ struct RawIndex {
     weight_map: Option<OrderedEntries>,
 }
 
-/// Parse the index into tensor name -> shard file name.
+/// Read the index into tensor name -> shard file name.
 fn read_index(index_path: &Path) -> Result<BTreeMap<String, String>> {
     let path = index_path.to_path_buf();
     let text = std::fs::read_to_string(index_path).map_err(|source| SafetensorsError::Io { path, source })?;
-    let raw: RawIndex = serde_json::from_str(&text).map_err(|e| SafetensorsError::IndexNotJson {
+    parse_index(index_path, &text)
+}
+
+/// Parse `model.safetensors.index.json` text (`index_path` names it in errors) into tensor name
+/// -> shard file name: every shard a plain file name, no tensor twice. The fuzz target's entry.
+pub fn parse_index(index_path: &Path, text: &str) -> Result<BTreeMap<String, String>> {
+    let raw: RawIndex = serde_json::from_str(text).map_err(|e| SafetensorsError::IndexNotJson {
         path: index_path.to_path_buf(),
         line: e.line(),
         column: e.column(),
