@@ -6,6 +6,7 @@
 //! non-reduced slots in slot order (the same order as the reference, so a slot-row merge is
 //! bit-identical to it), then adds the token rows of every lane that reduced.
 
+use super::faults::{LaneFault, LaneFaultSchedule};
 use super::lanes::{cold_worker_loop, hot_lane_loop, HotLane};
 use super::messages::*;
 use crate::cache::hot_set::MAX_HOT_LANES;
@@ -60,6 +61,22 @@ pub struct LaneSet {
     reduced: Vec<bool>,
     /// Where each buffer's rows came back this layer (indexes into `returned`).
     returned: Vec<Option<LaneBuffer>>,
+    /// How long the join waits for the lanes of one layer.
+    timeout: std::time::Duration,
+    /// Seeded faults to inject (fault tests only), and the log of those injected.
+    faults: Option<LaneFaultSchedule>,
+    injected: Vec<InjectedFault>,
+    /// Layers refused because a lane that timed out still held the layer input.
+    busy_refusals: u64,
+}
+
+/// One fault the join injected into a lane task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InjectedFault {
+    pub call_idx: u64,
+    pub layer_idx: usize,
+    pub lane: LaneId,
+    pub fault: LaneFault,
 }
 
 impl LaneSet {
@@ -156,7 +173,37 @@ impl LaneSet {
             }),
             reduced: vec![false; n_buffers],
             returned: (0..n_buffers).map(|_| None).collect(),
+            timeout: LANE_TIMEOUT,
+            faults: None,
+            injected: Vec::new(),
+            busy_refusals: 0,
         }
+    }
+
+    /// Wait at most `timeout` for the lanes of a layer (default [`LANE_TIMEOUT`]).
+    pub fn set_timeout(&mut self, timeout: std::time::Duration) {
+        assert!(!timeout.is_zero(), "a zero lane timeout fails every layer");
+        self.timeout = timeout;
+    }
+
+    /// Inject the faults of `schedule` into the lane tasks sent from now on.
+    pub fn set_fault_schedule(&mut self, schedule: Option<LaneFaultSchedule>) {
+        self.faults = schedule;
+    }
+
+    /// The faults injected so far, and how many layers were refused because a lane that timed
+    /// out still held the layer input.
+    pub fn fault_log(&self) -> (&[InjectedFault], u64) {
+        (&self.injected, self.busy_refusals)
+    }
+
+    /// The fault of `lane`'s task in the current layer, logged; `None` without a schedule.
+    fn draw_fault(&mut self, lane: LaneId, can_stall: bool) -> Option<(LaneFault, std::time::Duration)> {
+        let schedule = self.faults?;
+        let (call_idx, layer_idx) = (self.input.call_idx, self.input.layer_idx);
+        let fault = schedule.fault(call_idx, layer_idx, lane, can_stall)?;
+        self.injected.push(InjectedFault { call_idx, layer_idx, lane, fault });
+        Some((fault, schedule.stall))
     }
 
     pub fn n_hot_lanes(&self) -> usize {
@@ -174,6 +221,10 @@ impl LaneSet {
     /// The layer input to fill before [`LaneSet::run_layer`]; `None` if a lane still holds it
     /// (only after a lane timed out).
     pub fn input_mut(&mut self) -> Option<&mut LayerInput> {
+        if Arc::get_mut(&mut self.input).is_none() {
+            self.busy_refusals += 1;
+            return None;
+        }
         Arc::get_mut(&mut self.input)
     }
 
@@ -199,7 +250,7 @@ impl LaneSet {
             .ok_or(LaneError::Disconnected { lane })?
             .send(HotMsg::Exchange { layer_idx, slot_idx, expert_idx, reply })
             .map_err(|_| LaneError::Disconnected { lane })?;
-        rx.recv_timeout(LANE_TIMEOUT).map_err(|_| LaneError::Disconnected { lane })?
+        rx.recv_timeout(self.timeout).map_err(|_| LaneError::Disconnected { lane })?
     }
 
     /// Run the layer described by [`LaneSet::input`]: send the lanes their tasks, run
@@ -242,11 +293,13 @@ impl LaneSet {
     /// Send each busy hot lane its section. Returns how many tasks went out.
     fn send_hot(&mut self, sent_at: Instant, reduce: bool, failure: &mut Option<LayerFailure>) -> usize {
         let mut n_sent = 0;
-        for (lane_idx, lane) in self.hot.iter_mut().enumerate() {
+        for lane_idx in 0..self.hot.len() {
             let count = self.input.worklist.hot[lane_idx].hot_count;
             if count == 0 {
                 continue;
             }
+            let fault = self.draw_fault(LaneId::Hot(lane_idx as u8), true);
+            let lane = &mut self.hot[lane_idx];
             let out = lane.buf.take().unwrap_or_else(|| fresh_buffer(count, self.max_tokens, self.hidden));
             let task = LaneTask {
                 input: self.input.clone(),
@@ -254,6 +307,7 @@ impl LaneSet {
                 reduce_into_tokens: reduce,
                 out,
                 sent_at,
+                fault,
             };
             let tx = lane.tx.as_ref().expect("hot lanes have threads");
             match tx.try_send(HotMsg::Task(task)) {
@@ -286,19 +340,22 @@ impl LaneSet {
         let cold_count = self.input.worklist.cold_count;
         let chunk = cold_count.div_ceil(self.cold.len()).max(1);
         let (mut n_sent, mut driver_range) = (0, 0..0);
-        for (w, lane) in self.cold.iter_mut().enumerate() {
+        for w in 0..self.cold.len() {
             let range = (w * chunk).min(cold_count)..((w + 1) * chunk).min(cold_count);
             if range.is_empty() {
                 continue;
             }
-            let Some(tx) = lane.tx.as_ref() else {
+            if self.cold[w].tx.is_none() {
                 driver_range = range;
                 continue;
-            };
+            }
+            let fault = self.draw_fault(LaneId::Cold(w as u8), true);
+            let lane = &mut self.cold[w];
+            let tx = lane.tx.as_ref().expect("checked above");
             let out =
                 lane.buf.take().unwrap_or_else(|| fresh_buffer(range.len(), self.max_tokens, self.hidden));
             let task =
-                LaneTask { input: self.input.clone(), range, reduce_into_tokens: reduce, out, sent_at };
+                LaneTask { input: self.input.clone(), range, reduce_into_tokens: reduce, out, sent_at, fault };
             match tx.try_send(ColdMsg::Task(task)) {
                 Ok(()) => {
                     n_sent += 1;
@@ -328,21 +385,21 @@ impl LaneSet {
         if range.is_empty() {
             return None;
         }
+        self.driver_cold.as_ref()?;
+        let fault = self.draw_fault(LaneId::Cold(0), false);
         let (compute, scratch) = self.driver_cold.as_mut()?;
         let started_at = Instant::now();
         let mut out = self.cold[0]
             .buf
             .take()
             .unwrap_or_else(|| fresh_buffer(range.len(), self.max_tokens, self.hidden));
-        let result = super::lanes::run_cold_task(
-            &**compute,
-            LaneId::Cold(0),
-            &self.input,
-            range,
-            reduce,
-            &mut out,
-            scratch,
-        );
+        let (id, input) = (LaneId::Cold(0), &self.input);
+        // A panic in the driver's share is a lane failure like any other, not the caller's.
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            super::faults::act_out(fault, id)?;
+            super::lanes::run_cold_task(&**compute, id, input, range, reduce, &mut out, scratch)
+        }))
+        .unwrap_or(Err(LaneError::Panicked { lane: id }));
         let window = (started_at, Instant::now());
         self.reduced[MAX_HOT_LANES] = reduce;
         self.returned[MAX_HOT_LANES] = Some(out);
@@ -352,16 +409,16 @@ impl LaneSet {
         Some(window)
     }
 
-    /// Wait for every lane that got a task (up to [`LANE_TIMEOUT`]), taking their buffers and
+    /// Wait for every lane that got a task (up to the timeout), taking their buffers and
     /// widening the lanes' time windows; late answers from an earlier layer go home.
     fn join_lanes(&mut self, n_sent: usize, windows: &mut LaneWindows, failure: &mut Option<LayerFailure>) {
         let (call_idx, layer_idx) = (self.input.call_idx, self.input.layer_idx);
         let mut n_done = 0;
         while n_done < n_sent {
-            let Ok(done) = recv_spin(&self.done_rx, self.spin, Some(LANE_TIMEOUT)) else {
+            let Ok(done) = recv_spin(&self.done_rx, self.spin, Some(self.timeout)) else {
                 failure.get_or_insert(LayerFailure {
                     reason: FallbackReason::LaneUnavailable,
-                    detail: format!("{} lane(s) did not answer within {:?}", n_sent - n_done, LANE_TIMEOUT),
+                    detail: format!("{} lane(s) did not answer within {:?}", n_sent - n_done, self.timeout),
                 });
                 break;
             };

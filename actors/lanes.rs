@@ -14,6 +14,7 @@ use crate::model::Model;
 use crate::moe::expert_math::{ffn_plain, ColdCompute, ExpertBytes, FfnDims, FfnScratch};
 use crossbeam_channel::{Receiver, Sender};
 use std::ops::Range;
+use super::faults::act_out;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
@@ -249,10 +250,12 @@ pub fn hot_lane_loop(
                 let mut out = std::mem::take(&mut task.out);
                 let range = task.range.clone();
                 let reduce = task.reduce_into_tokens;
-                let input = &task.input;
-                let result =
-                    catch_unwind(AssertUnwindSafe(|| lane.run(lane_idx, input, range, reduce, &mut out)))
-                        .unwrap_or(Err(LaneError::Panicked { lane: id }));
+                let (input, fault) = (&task.input, task.fault);
+                let result = catch_unwind(AssertUnwindSafe(|| {
+                    act_out(fault, id)?;
+                    lane.run(lane_idx, input, range, reduce, &mut out)
+                }))
+                .unwrap_or(Err(LaneError::Panicked { lane: id }));
                 if done.send(finish(id, task, started_at, out, result)).is_err() {
                     return;
                 }
@@ -285,8 +288,9 @@ pub fn cold_worker_loop(
                 let mut out = std::mem::take(&mut task.out);
                 let range = task.range.clone();
                 let reduce = task.reduce_into_tokens;
-                let input = &task.input;
+                let (input, fault) = (&task.input, task.fault);
                 let result = catch_unwind(AssertUnwindSafe(|| {
+                    act_out(fault, id)?;
                     run_cold_task(&*compute, id, input, range, reduce, &mut out, &mut scratch)
                 }))
                 .unwrap_or(Err(LaneError::Panicked { lane: id }));

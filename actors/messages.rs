@@ -106,6 +106,8 @@ pub struct LaneTask {
     pub reduce_into_tokens: bool,
     pub out: LaneBuffer,
     pub sent_at: Instant,
+    /// A fault to act out first (seeded fault tests only; see [`super::faults`]).
+    pub fault: Option<(super::faults::LaneFault, std::time::Duration)>,
 }
 
 /// A lane finished (or failed) its task.

@@ -16,12 +16,14 @@
 //! - **Control plane** (between calls): the [`updater::Updater`] is a kameo actor that queues
 //!   slot exchanges; the engine drains it between forward calls, never during one.
 
+pub mod faults;
 pub mod join;
 pub mod lanes;
 pub mod messages;
 pub mod updater;
 
-pub use join::{LaneSet, LayerFailure};
+pub use faults::{LaneFault, LaneFaultSchedule};
+pub use join::{InjectedFault, LaneSet, LayerFailure};
 pub use lanes::{CpuHotLane, HotLane};
 pub use messages::{LaneError, LaneId};
 pub use updater::{Exchange, Updater, UpdaterHandle};

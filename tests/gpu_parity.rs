@@ -97,10 +97,15 @@ fn top2_gap(row: &[f32]) -> f32 {
 /// Prefill the fixture's prompt, then decode greedily; every row against the reference.
 /// Returns the worst relative error.
 fn check_against_reference(what: &str, model: &Model, engine: &mut dyn Engine) -> f32 {
+    check_steps(what, model, engine, N_DECODE)
+}
+
+/// [`check_against_reference`] over `n_decode` decode steps.
+fn check_steps(what: &str, model: &Model, engine: &mut dyn Engine, n_decode: usize) -> f32 {
     let reference = Reference::new(model).unwrap();
     let prompt = prompt(model.path());
     let mut rc = reference.new_cache();
-    let mut cache = engine.new_cache(prompt.len() + N_DECODE).unwrap();
+    let mut cache = engine.new_cache(prompt.len() + n_decode).unwrap();
     let want = reference.forward(&mut rc, &prompt, &mut NoObserver).unwrap();
     let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
     let mut worst = 0f32;
@@ -109,7 +114,7 @@ fn check_against_reference(what: &str, model: &Model, engine: &mut dyn Engine) -
     }
     let mut next = *got.argmax.last().unwrap();
     let mut last = want.last().unwrap().clone();
-    for step in 0..N_DECODE {
+    for step in 0..n_decode {
         let want_tok = moe_lanes::reference::argmax(&last);
         if top2_gap(&last) > 2.0 * REL_TOL * last.iter().fold(0f32, |m, v| m.max(v.abs())) {
             assert_eq!(next, want_tok, "{what}: greedy token differs at step {step}");
@@ -206,6 +211,48 @@ fn run_fault(faults: GpuFaults, reason: FallbackReason) {
         check_against_reference(&format!("{name} {faults:?}"), &model, engine.as_mut());
         let n = engine.perf().unwrap().fallbacks(reason);
         assert!(n > 0, "{name}: the {reason:?} fallback was counted ({faults:?})");
+    }
+}
+
+/// Seeded fault schedules (hot-lane errors and time-outs, cold-lane errors and panics at places
+/// the seed decides) over long generations: every row equals the reference, the fallbacks are
+/// counted with their reasons within what the schedule injected, and nothing hangs.
+#[test]
+fn seeded_fault_schedules_over_long_generations() {
+    use moe_lanes::actors::LaneFaultSchedule;
+    const DECODE_STEPS: usize = 40;
+    if !gpu_usable() {
+        return;
+    }
+    for (i, name) in common::fixture_names().iter().enumerate().take(4) {
+        let seed = 11 + i as u64;
+        let model = open(name);
+        let c = model.config().clone();
+        let faults = GpuFaults { schedule: Some(LaneFaultSchedule::seeded(seed)), ..Default::default() };
+        let hot = HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts));
+        let mut engine = gpu_engine(&model, hot, faults);
+        check_steps(&format!("{name} seed {seed}"), &model, engine.as_mut(), DECODE_STEPS);
+        let (mut hot_err, mut any_failed, mut timeouts) = (0, 0, 0);
+        for call in 1..=1 + DECODE_STEPS as u64 {
+            for l in 0..c.n_layers {
+                let f = faults.at(call, l);
+                hot_err += u64::from(f.hot_error);
+                any_failed += u64::from(f.hot_error || f.cold_error || f.cold_panic);
+                timeouts += u64::from(f.hot_timeout && !(f.hot_error || f.cold_error || f.cold_panic));
+            }
+        }
+        let perf = engine.perf().unwrap();
+        let (failed, unavailable) =
+            (perf.fallbacks(FallbackReason::LaneFailed), perf.fallbacks(FallbackReason::LaneUnavailable));
+        let what = format!("{name} seed {seed}: lane_failed {failed}, lane_unavailable {unavailable}");
+        assert!(hot_err + timeouts > 0, "{what}: the schedule injected something");
+        assert!((hot_err..=any_failed).contains(&failed), "{what}: expected {hot_err}..={any_failed}");
+        assert!(unavailable <= timeouts, "{what}: expected at most {timeouts}");
+        assert!(failed + unavailable > 0, "{what}: the faults were counted");
+        for reason in [FallbackReason::Worklist, FallbackReason::Shape, FallbackReason::GpuLost] {
+            assert_eq!(perf.fallbacks(reason), 0, "{what}: no {reason:?} fallback was injected");
+        }
+        println!("{what} (schedule: {hot_err} hot errors, {any_failed} layer calls with a failure, {timeouts} time-outs)");
     }
 }
 

@@ -10,6 +10,7 @@ use super::scratch::{HostScratch, Scratch};
 use super::stats::{self, CallTimes, ForwardStats, LaneEvents, LayerRecord, Profiler, StageProfile};
 use super::weights::DenseWeights;
 use super::GpuError;
+use crate::actors::{LaneFault, LaneFaultSchedule, LaneId};
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{PerfMode, PerfState};
 use crate::engine::Logits;
@@ -42,31 +43,64 @@ pub struct GpuFaults {
     pub corrupt_worklist_layer: Option<usize>,
     /// The device is "lost" at the start of this forward call (counted from 1).
     pub gpu_lost_at_call: Option<u64>,
+    /// Seeded faults per (call, layer): the hot lane's error or panic is a failed launch, its
+    /// stall a time-out; the cold lane errors or panics (it cannot stall: the join runs it).
+    pub schedule: Option<LaneFaultSchedule>,
+}
+
+/// The faults of one layer in one forward call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerFaults {
+    pub hot_error: bool,
+    pub hot_timeout: bool,
+    pub cold_error: bool,
+    pub cold_panic: bool,
+    pub worklist: bool,
+}
+
+impl LayerFaults {
+    pub fn any(&self) -> bool {
+        self.hot_error || self.hot_timeout || self.cold_error || self.cold_panic || self.worklist
+    }
 }
 
 impl GpuFaults {
-    pub(crate) fn names_layer(&self, l: usize) -> bool {
-        [
-            self.hot_error_layer,
-            self.hot_timeout_layer,
-            self.cold_error_layer,
-            self.cold_panic_layer,
-            self.corrupt_worklist_layer,
-        ]
-        .contains(&Some(l))
+    /// What goes wrong in layer `l` of forward call `call_idx` (counted from 1).
+    pub fn at(&self, call_idx: u64, l: usize) -> LayerFaults {
+        let mut f = LayerFaults {
+            hot_error: self.hot_error_layer == Some(l),
+            hot_timeout: self.hot_timeout_layer == Some(l),
+            cold_error: self.cold_error_layer == Some(l),
+            cold_panic: self.cold_panic_layer == Some(l),
+            worklist: self.corrupt_worklist_layer == Some(l),
+        };
+        if let Some(s) = &self.schedule {
+            match s.fault(call_idx, l, LaneId::Hot(0), true) {
+                Some(LaneFault::Error | LaneFault::Panic) => f.hot_error = true,
+                Some(LaneFault::Stall) => f.hot_timeout = true,
+                None => {}
+            }
+            match s.fault(call_idx, l, LaneId::Cold(0), false) {
+                Some(LaneFault::Panic) => f.cold_panic = true,
+                Some(_) => f.cold_error = true,
+                None => {}
+            }
+        }
+        f
     }
 }
 
 /// A `MOE_LANES_FAULT` entry that is not `NAME:NUMBER` with a known name.
 #[derive(Debug, thiserror::Error, PartialEq)]
-#[error("fault '{entry}': expected NAME:N with NAME one of hot_error, hot_timeout, cold_error, cold_panic, worklist, gpu_lost")]
+#[error("fault '{entry}': expected NAME:N with NAME one of hot_error, hot_timeout, cold_error, cold_panic, worklist, gpu_lost, seed")]
 pub struct BadFault {
     pub entry: String,
 }
 
 impl std::str::FromStr for GpuFaults {
     type Err = BadFault;
-    /// `hot_error:1,cold_panic:0,gpu_lost:3` (layers, and the call number for `gpu_lost`).
+    /// `hot_error:1,cold_panic:0,gpu_lost:3` (layers, and the call number for `gpu_lost`);
+    /// `seed:S` adds a seeded schedule faulting about one lane task in ten.
     fn from_str(s: &str) -> Result<GpuFaults, BadFault> {
         let mut f = GpuFaults::default();
         for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
@@ -80,6 +114,7 @@ impl std::str::FromStr for GpuFaults {
                 "cold_panic" => f.cold_panic_layer = Some(n),
                 "worklist" => f.corrupt_worklist_layer = Some(n),
                 "gpu_lost" => f.gpu_lost_at_call = Some(n as u64),
+                "seed" => f.schedule = Some(LaneFaultSchedule::seeded(n as u64)),
                 _ => return Err(bad()),
             }
         }
@@ -133,7 +168,7 @@ pub struct GpuModel {
     pub(crate) profiler: Option<Profiler>,
     /// Partials of the split decode attention (grown to the cache's capacity on demand).
     pub(crate) attn_part: Option<DeviceBuffer<f32>>,
-    call_idx: u64,
+    pub(super) call_idx: u64,
 }
 
 impl GpuModel {

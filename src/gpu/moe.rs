@@ -61,7 +61,7 @@ impl GpuModel {
     ) -> Result<(), GpuError> {
         self.records[l] = LayerRecord::default();
         self.hot.order_after_exchanges(&self.be, l)?;
-        let device_path = phase == Phase::Decode && !self.opts.faults.names_layer(l);
+        let device_path = phase == Phase::Decode && !self.opts.faults.at(self.call_idx, l).any();
         let all_hot = self.hot.all_hot(l);
         // All-hot decode without a shared expert: the hot lane accumulates straight into the
         // residual stream (no zero fill, no add).
@@ -165,7 +165,7 @@ impl GpuModel {
             return Ok(());
         }
         let s = self.scratch.as_mut().expect("reserved");
-        let faults = self.opts.faults;
+        let faults = self.opts.faults.at(self.call_idx, l);
         let cold_start = Instant::now();
         let hs = &mut self.host;
         let (cap, k) = (s.cap, self.cfg.n_experts_used);
@@ -173,7 +173,7 @@ impl GpuModel {
         let out = &mut s.pin_cold_out.as_mut_slice()?[..t * h];
         out.fill(0.0);
         if n_rows == t {
-            call_cold(cold, &faults, l, normed, &hs.cold_slots, out).map_err(|_| COLD_FAILED)?;
+            call_cold(cold, faults, l, normed, &hs.cold_slots, out).map_err(|_| COLD_FAILED)?;
         } else {
             hs.cold_in.clear();
             for &ti in &hs.cold_row_tok {
@@ -181,7 +181,7 @@ impl GpuModel {
             }
             hs.cold_out.clear();
             hs.cold_out.resize(n_rows * h, 0.0);
-            call_cold(cold, &faults, l, &hs.cold_in, &hs.cold_slots, &mut hs.cold_out)
+            call_cold(cold, faults, l, &hs.cold_in, &hs.cold_slots, &mut hs.cold_out)
                 .map_err(|_| COLD_FAILED)?;
             for (r, &ti) in hs.cold_row_tok.iter().enumerate() {
                 out[ti * h..][..h].copy_from_slice(&hs.cold_out[r * h..][..h]);
@@ -204,7 +204,8 @@ impl GpuModel {
         self.mark(l, 6)?;
         self.be.record(&self.lane_events[l].start)?;
         self.records[l].hot_at = Some(Instant::now());
-        if self.opts.faults.hot_error_layer == Some(l) {
+        let faults = self.opts.faults.at(self.call_idx, l);
+        if faults.hot_error {
             return Err(HOT_FAILED);
         }
         if self.records[l].hot_slots > 0 {
@@ -215,7 +216,7 @@ impl GpuModel {
         if n_cold_rows > 0 {
             self.cold_lane_host_join(l, n_cold_rows, cold)?;
         }
-        let timed_out = self.opts.faults.hot_timeout_layer == Some(l);
+        let timed_out = faults.hot_timeout;
         if n_cold_rows > 0 || timed_out {
             let wait_start = Instant::now();
             let limit = if timed_out { Duration::ZERO } else { self.opts.hot_lane_timeout };
@@ -297,7 +298,7 @@ impl GpuModel {
         let cold_start = Instant::now();
         let out = &mut s.pin_cold_out.as_mut_slice()?[..n_rows * h];
         out.fill(0.0);
-        call_cold(cold, &self.opts.faults, l, input, &self.host.cold_slots, out).map_err(|_| COLD_FAILED)?;
+        call_cold(cold, self.opts.faults.at(self.call_idx, l), l, input, &self.host.cold_slots, out).map_err(|_| COLD_FAILED)?;
         self.records[l].cold = Some((cold_start, Instant::now()));
         self.be.write_async(&s.pin_cold_out, n_rows * h, s.cold_out.ptr())?;
         let rows = s.work_i.ptr().sub(s.layout.cold_rows, n_rows);
@@ -328,7 +329,7 @@ impl GpuModel {
         let wts = route.weights;
         let shape = LayerFault::Fallback { reason: FallbackReason::Shape, plain: false };
         hs.worklist.build(&hs.expert_ids, wts, t, k, Some(layer), order).map_err(|_| shape)?;
-        if self.opts.faults.corrupt_worklist_layer == Some(l) {
+        if self.opts.faults.at(self.call_idx, l).worklist {
             hs.worklist.inject_corruption();
         }
         let bad = LayerFault::Fallback { reason: FallbackReason::Worklist, plain: false };
@@ -379,16 +380,16 @@ impl GpuModel {
 /// Run the cold lane (with the injected faults of this layer); a panic is caught and reported.
 fn call_cold(
     cold: &mut dyn ColdExperts,
-    faults: &super::GpuFaults,
+    faults: super::LayerFaults,
     l: usize,
     input: &[f32],
     slots: &[ColdSlot],
     out: &mut [f32],
 ) -> Result<(), ColdError> {
-    if faults.cold_error_layer == Some(l) {
+    if faults.cold_error {
         return Err(ColdError::Injected { layer_idx: l });
     }
-    let panic_here = faults.cold_panic_layer == Some(l);
+    let panic_here = faults.cold_panic;
     let run = std::panic::AssertUnwindSafe(|| {
         if panic_here {
             panic!("injected cold-lane panic in layer {l}");

@@ -50,6 +50,10 @@ pub fn default_cold_workers() -> usize {
 pub struct FaultInjection {
     /// Corrupt the worklist of this layer after it is built (every call).
     pub corrupt_worklist_layer: Option<usize>,
+    /// Seeded lane faults (errors, panics, stalls) injected into lane tasks.
+    pub lanes: Option<crate::actors::LaneFaultSchedule>,
+    /// How long the join waits for the lanes of a layer (default: `LANE_TIMEOUT`).
+    pub lane_timeout: Option<std::time::Duration>,
 }
 
 /// Which kernels the cold lane runs.
@@ -326,7 +330,7 @@ impl Pipeline {
         let n_threads = hot_lanes.len() + options.n_cold_workers + usize::from(!options.driver_cold);
         let n_cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let spin = if n_cores >= n_threads { LANE_SPIN } else { std::time::Duration::ZERO };
-        let lanes = LaneSet::start_with(
+        let mut lanes = LaneSet::start_with(
             hot_lanes,
             cold.clone(),
             options.n_cold_workers,
@@ -336,6 +340,10 @@ impl Pipeline {
             spin,
             options.driver_cold,
         );
+        lanes.set_fault_schedule(options.fault.lanes);
+        if let Some(t) = options.fault.lane_timeout {
+            lanes.set_timeout(t);
+        }
         let router = Router::new(
             RouterOptions {
                 variant: adapter.routing,
@@ -375,6 +383,12 @@ impl Pipeline {
 
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// Faults injected by [`FaultInjection::lanes`] so far, and the layers refused because a
+    /// lane that timed out still held the layer input.
+    pub fn lane_fault_log(&self) -> (&[crate::actors::InjectedFault], u64) {
+        self.lanes.fault_log()
     }
 
     pub fn model(&self) -> &Arc<Model> {
