@@ -122,3 +122,9 @@ compare-binaries old new model:
     bash scripts/compare-binaries.sh {{ quote(old) }} {{ quote(new) }} {{ quote(model) }}
 
 alias gpu-compare := compare-binaries
+
+# Coverage-guided fuzzing (AFL++ through cargo-afl, stable toolchain) of the GGUF reader, the
+# safetensors header and index, the perf/learn JSON and the hot-experts JSON: 10M executions each
+# by default; crashes and hangs fail it. `just fuzz gguf 1000000` runs one target.
+fuzz target="all" execs="10000000":
+    scripts/fuzz.sh {{ target }} {{ execs }}

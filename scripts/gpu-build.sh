@@ -16,7 +16,7 @@ cargo build --release --bin moe-lanes
 cp target/release/moe-lanes "$DEST/moe-lanes"
 strip --strip-debug "$DEST/moe-lanes"
 cargo test --release --no-run --message-format=json -p moe-lanes -p moe-lanes-kernels \
-    --test gpu_parity --test cuda_kernels --test equivalence --test pool --test cold_lane 2>/dev/null |
+    --test gpu_parity --test cuda_kernels --test equivalence --test pool --test cold_lane --test lane_faults 2>/dev/null |
     python3 -c 'import sys, json
 for line in sys.stdin:
     m = json.loads(line)
