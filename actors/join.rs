@@ -201,7 +201,7 @@ impl LaneSet {
     fn draw_fault(&mut self, lane: LaneId, can_stall: bool) -> Option<(LaneFault, std::time::Duration)> {
         let schedule = self.faults?;
         let (call_idx, layer_idx) = (self.input.call_idx, self.input.layer_idx);
-        let fault = schedule.fault(call_idx, layer_idx, lane, can_stall)?;
+        let fault = schedule.fault(call_idx, layer_idx, lane.into(), can_stall)?;
         self.injected.push(InjectedFault { call_idx, layer_idx, lane, fault });
         Some((fault, schedule.stall))
     }

@@ -10,7 +10,7 @@ use super::scratch::{HostScratch, Scratch};
 use super::stats::{self, CallTimes, ForwardStats, LaneEvents, LayerRecord, Profiler, StageProfile};
 use super::weights::DenseWeights;
 use super::GpuError;
-use crate::actors::{LaneFault, LaneFaultSchedule, LaneId};
+use crate::moe::faults::{FaultLane, LaneFault, LaneFaultSchedule};
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{PerfMode, PerfState};
 use crate::engine::Logits;
@@ -75,12 +75,12 @@ impl GpuFaults {
             worklist: self.corrupt_worklist_layer == Some(l),
         };
         if let Some(s) = &self.schedule {
-            match s.fault(call_idx, l, LaneId::Hot(0), true) {
+            match s.fault(call_idx, l, FaultLane::Hot(0), true) {
                 Some(LaneFault::Error | LaneFault::Panic) => f.hot_error = true,
                 Some(LaneFault::Stall) => f.hot_timeout = true,
                 None => {}
             }
-            match s.fault(call_idx, l, LaneId::Cold(0), false) {
+            match s.fault(call_idx, l, FaultLane::Cold(0), false) {
                 Some(LaneFault::Panic) => f.cold_panic = true,
                 Some(_) => f.cold_error = true,
                 None => {}

@@ -3,6 +3,7 @@
 //! (the oracle in `crate::reference` keeps its own arithmetic on purpose).
 
 pub mod expert_math;
+pub mod faults;
 pub mod math;
 pub mod phase;
 pub mod pipeline;
