@@ -69,6 +69,27 @@ enum Command {
     BenchKernels(BenchKernelsArgs),
     /// End-to-end prompt processing and generation speed on the GPU with a hot cache.
     Bench(BenchArgs),
+    /// Serve the model over HTTP: /v1/completions (token-id prompts), /metrics, /moe-layer-perf,
+    /// /moe-hot-cache, /health. Stops on ctrl-c or SIGTERM after in-flight requests finish.
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to listen on (loopback by default; port 0 picks a free one).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: std::net::SocketAddr,
+    /// Token required (Authorization: Bearer) by mutating endpoints; needed for them when
+    /// --listen is not a loopback address.
+    #[arg(long)]
+    admin_token: Option<String>,
+    /// Requests that may wait for the engine; more get 429.
+    #[arg(long, default_value_t = 64)]
+    queue: usize,
+    #[command(flatten)]
+    engine: EngineArgs,
 }
 
 #[derive(Args)]
@@ -311,13 +332,17 @@ struct LearnArgs {
 }
 
 fn main() -> Result<()> {
-    // Ctrl-c or SIGTERM mid-write (synth, the first demo) leaves no partial model behind.
-    let _ = ctrlc::set_handler(|| {
-        moe_lanes::format::remove_partial_files();
-        std::process::exit(130);
-    });
     let cli = Cli::parse();
+    // Ctrl-c or SIGTERM mid-write (synth, the first demo) leaves no partial model behind; the
+    // server handles those signals itself (it lets in-flight requests finish).
+    if !matches!(cli.command, Command::Serve(_)) {
+        let _ = ctrlc::set_handler(|| {
+            moe_lanes::format::remove_partial_files();
+            std::process::exit(130);
+        });
+    }
     match cli.command {
+        Command::Serve(args) => serve(args),
         Command::Demo(args) => demo(args),
         Command::Synth(args) => synth_cmd(args),
         Command::Inspect(args) => inspect(args),
@@ -422,6 +447,29 @@ fn open_engine<'m>(
         report.hot_source
     );
     Ok((engine, report))
+}
+
+fn serve(args: ServeArgs) -> Result<()> {
+    let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
+    let positions = model.config().max_positions;
+    let opts = engine_options(&model, &args.engine, positions, HotChoice::None)?;
+    let name = args.model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    let serve_opts = moe_lanes_server::ServeOptions {
+        listen: args.listen,
+        admin_token: args.admin_token,
+        queue_capacity: args.queue,
+        model_name: name,
+        perf_json: args.engine.perf_json.clone(),
+    };
+    moe_lanes_server::run(model, opts, serve_opts, |s| {
+        eprintln!("engine: {} on {} ({} hot experts from {})", s.report.kind, s.device, s.report.n_hot_experts, s.report.hot_source);
+        if let Some(reason) = &s.report.gpu_unavailable {
+            eprintln!("GPU engine unavailable ({reason})");
+        }
+        // The one line scripts wait for (the port, when --listen asked for port 0).
+        println!("listening on http://{}", s.addr);
+    })?;
+    Ok(())
 }
 
 fn write_perf(engine: &dyn Engine, path: &Option<PathBuf>) -> Result<()> {

@@ -262,6 +262,13 @@ impl PerfState {
         self.mode
     }
 
+    /// Switch what is recorded from the next call on (the counts so far stay).
+    pub fn set_mode(&mut self, mode: PerfMode) {
+        self.mode = mode;
+        self.report.mode = mode;
+        self.report.active = mode != PerfMode::Off;
+    }
+
     /// Count one routed slot of `expert_idx` in `layer_idx`, hot or cold.
     #[inline]
     pub fn record_slot(&mut self, layer_idx: usize, expert_idx: usize, hot: bool) {

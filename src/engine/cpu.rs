@@ -77,6 +77,9 @@ impl Engine for Pipeline {
     fn perf(&self) -> Option<&PerfState> {
         Some(Pipeline::perf(self))
     }
+    fn set_perf_mode(&mut self, mode: crate::cache::perf::PerfMode) {
+        self.perf_mut().set_mode(mode);
+    }
     fn hot_set(&self) -> Option<&HotSet> {
         Some(Pipeline::hot_set(self))
     }

@@ -112,6 +112,12 @@ impl Engine for GpuEngine {
     fn perf(&self) -> Option<&PerfState> {
         Some(self.gpu.perf())
     }
+    fn set_perf_mode(&mut self, mode: crate::cache::perf::PerfMode) {
+        self.gpu.perf_mut().set_mode(mode);
+        if let Some(cpu) = self.cpu.as_mut() {
+            cpu.perf_mut().set_mode(mode);
+        }
+    }
     fn hot_set(&self) -> Option<&HotSet> {
         Some(self.gpu.hot_set())
     }

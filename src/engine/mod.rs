@@ -175,6 +175,8 @@ pub trait Engine {
     fn apply_exchanges(&mut self) -> Result<usize, EngineError>;
     /// Whether forward calls copy logits rows back (default on); off: only greedy tokens.
     fn set_copy_logits(&mut self, _on: bool) {}
+    /// Switch the perf mode between calls (engines without perf state ignore it).
+    fn set_perf_mode(&mut self, _mode: crate::cache::perf::PerfMode) {}
     /// The per-stage GPU profile, when the engine records one.
     fn profile_report(&self) -> Option<String> {
         None

@@ -399,6 +399,10 @@ impl Pipeline {
         &self.perf
     }
 
+    pub fn perf_mut(&mut self) -> &mut PerfState {
+        &mut self.perf
+    }
+
     pub fn hot_set(&self) -> &HotSet {
         &self.hot_set
     }

@@ -1,0 +1,263 @@
+//! The HTTP endpoints (axum): health, models, metrics, perf JSON, hot-cache admin, completions.
+
+use crate::api::{self, ApiError};
+use crate::prom;
+use crate::worker::{ApplyJob, CompletionJob, Event, Shared};
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use moe_lanes::actors::Exchange;
+use moe_lanes::hot_set::HotSet;
+use moe_lanes::perf::{PerfMode, PerfReport};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Everything a handler needs.
+#[derive(Clone)]
+pub struct AppState {
+    pub jobs: crossbeam_channel::Sender<CompletionJob>,
+    pub shared: Arc<Shared>,
+    pub metrics: metrics_exporter_prometheus::PrometheusHandle,
+    pub model_name: String,
+    pub admin_token: Option<String>,
+    pub loopback: bool,
+    pub n_layers: usize,
+    pub n_experts: usize,
+    pub vocab: usize,
+    pub ctx_positions: usize,
+}
+
+pub fn router(state: AppState) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/moe-layer-perf", get(layer_perf))
+        .route("/moe-hot-cache", get(hot_cache).post(apply_hot_cache))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", axum::routing::post(completions))
+        .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+async fn health(State(s): State<AppState>) -> Json<Value> {
+    Json(json!({
+        "status": "ok",
+        "model": s.model_name,
+        "requests_running": s.shared.running.load(Ordering::Relaxed),
+        "requests_waiting": s.shared.waiting.load(Ordering::Relaxed),
+    }))
+}
+
+async fn models(State(s): State<AppState>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [{"id": s.model_name, "object": "model", "owned_by": "moe-lanes"}]}))
+}
+
+async fn metrics(State(s): State<AppState>) -> Response {
+    prom::queue_depth(s.shared.running.load(Ordering::Relaxed), s.shared.waiting.load(Ordering::Relaxed));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], s.metrics.render()).into_response()
+}
+
+/// Mutating endpoints: free on loopback, else only with `Authorization: Bearer <admin token>`.
+fn check_admin(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if s.loopback && s.admin_token.is_none() {
+        return Ok(());
+    }
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+    match (&s.admin_token, given) {
+        (Some(token), Some(g)) if g == token => Ok(()),
+        (None, _) => Err(ApiError::status(StatusCode::FORBIDDEN, "permission_error", "admin endpoints are off: the server listens beyond loopback without --admin-token")),
+        _ => Err(ApiError::status(StatusCode::UNAUTHORIZED, "authentication_error", "this endpoint needs Authorization: Bearer <admin token>")),
+    }
+}
+
+async fn layer_perf(State(s): State<AppState>, Query(q): Query<HashMap<String, String>>, headers: HeaderMap) -> Result<Response, ApiError> {
+    if let Some(key) = q.keys().find(|k| k.as_str() != "mode") {
+        return Err(ApiError::bad(key, format!("unknown query parameter '{key}' (only mode)")));
+    }
+    if let Some(mode) = q.get("mode") {
+        check_admin(&s, &headers)?;
+        let mode: PerfMode = mode.parse().map_err(|e: String| ApiError::bad("mode", e))?;
+        *s.shared.mode_switch.lock().expect("mode lock") = Some(mode);
+        wait_until(Duration::from_secs(5), || s.shared.mode_switch.lock().expect("mode lock").is_none()).await;
+    }
+    let json = s.shared.snapshot.read().expect("snapshot lock").perf_json.clone();
+    let json = json.ok_or_else(|| ApiError::status(StatusCode::NOT_FOUND, "not_found_error", "this engine keeps no perf state"))?;
+    Ok(([(header::CONTENT_TYPE, "application/json")], json).into_response())
+}
+
+async fn wait_until(limit: Duration, done: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !done() && start.elapsed() < limit {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+async fn hot_cache(State(s): State<AppState>) -> Json<Value> {
+    let snap = s.shared.snapshot.read().expect("snapshot lock");
+    let layers = snap.hot_set.as_ref().map(|h| h.to_experts_json()["layers"].clone());
+    Json(json!({
+        "layers": layers,
+        "hot_bytes": snap.hot_bytes,
+        "updates": s.shared.updates.load(Ordering::Relaxed),
+        "exchanges_applied": s.shared.exchanges_applied.load(Ordering::Relaxed),
+        "apply_pending": s.shared.apply_pending.load(Ordering::Relaxed),
+    }))
+}
+
+/// `POST /moe-hot-cache`: a hot set (`{"layers": {"0": [ids], ...}}`; layers not named keep
+/// theirs) or a learn file (perf
+/// JSON; each layer's slots go to its most used experts). Validated whole before anything changes;
+/// applied when no request runs.
+async fn apply_hot_cache(State(s): State<AppState>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
+    check_admin(&s, &headers)?;
+    let text = String::from_utf8(body.map_err(|e| ApiError::status(e.status(), "invalid_request_error", e.body_text()))?.to_vec())
+        .map_err(|_| ApiError::bad("(body)", "body is not UTF-8"))?;
+    let current = s.shared.snapshot.read().expect("snapshot lock").hot_set.clone();
+    let current = current.ok_or_else(|| ApiError::status(StatusCode::CONFLICT, "invalid_request_error", "this engine has no hot cache"))?;
+    let target = target_set(&s, &current, &text)?;
+    let exchanges = exchanges_between(&current, &target)?;
+    if s.shared.apply_pending.swap(true, Ordering::AcqRel) {
+        return Err(ApiError::status(StatusCode::CONFLICT, "conflict_error", "another hot-cache apply is pending"));
+    }
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    let n = exchanges.len();
+    *s.shared.apply.lock().expect("apply lock") = Some(ApplyJob { exchanges, reply });
+    match rx.await {
+        Ok(Ok(applied)) => Ok(Json(json!({"exchanges": n, "applied": applied}))),
+        Ok(Err(e)) => Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e)),
+        Err(_) => Err(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine stopped")),
+    }
+}
+
+fn target_set(s: &AppState, current: &HotSet, text: &str) -> Result<HotSet, ApiError> {
+    let value: Value = serde_json::from_str(text).map_err(|e| ApiError::bad("(body)", format!("body is not JSON: {e}")))?;
+    let path = std::path::Path::new("request body");
+    if value.get("layers").is_some_and(Value::is_array) {
+        let report = PerfReport::parse(path, text, Some(s.n_experts)).map_err(|e| ApiError::bad("layers", e.to_string()))?;
+        if report.layers.len() != s.n_layers {
+            return Err(ApiError::bad("layers", format!("the learn file has {} layers, the model {}", report.layers.len(), s.n_layers)));
+        }
+        let lists = report.layers.iter().enumerate().map(|(l, lp)| top_experts(&lp.experts, current.layers[l].n_hot())).collect::<Vec<_>>();
+        return Ok(HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists));
+    }
+    let asked = HotSet::from_experts_json(path, text, s.n_layers, s.n_experts, current.n_lanes)
+        .map_err(|e| ApiError::bad("layers", e.to_string()))?;
+    // Layers the body does not name keep their experts.
+    let named = |l: usize| value["layers"].get(l.to_string()).is_some();
+    let hot_ids = |set: &HotSet, l: usize| (0..s.n_experts).filter(|&e| set.layers[l].is_hot(e)).collect::<Vec<_>>();
+    let lists: Vec<Vec<usize>> =
+        (0..s.n_layers).map(|l| if named(l) { hot_ids(&asked, l) } else { hot_ids(current, l) }).collect();
+    Ok(HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists))
+}
+
+/// The `n` most counted experts (lowest id first among equals).
+fn top_experts(counts: &[u64], n: usize) -> Vec<usize> {
+    let mut ids: Vec<usize> = (0..counts.len()).collect();
+    ids.sort_by(|&a, &b| counts[b].cmp(&counts[a]).then(a.cmp(&b)));
+    ids.truncate(n);
+    ids
+}
+
+/// Slot exchanges from `current` to `target`; every layer must keep its slot count.
+fn exchanges_between(current: &HotSet, target: &HotSet) -> Result<Vec<Exchange>, ApiError> {
+    let mut out = Vec::new();
+    for (l, (cur, want)) in current.layers.iter().zip(&target.layers).enumerate() {
+        if cur.n_hot() != want.n_hot() {
+            return Err(ApiError::bad(&format!("layers.{l}"), format!("layer {l} has {} cache slots; {} experts were given", cur.n_hot(), want.n_hot())));
+        }
+        let evict = (0..cur.hot_mask().len()).filter(|&e| cur.is_hot(e) && !want.is_hot(e));
+        let add = (0..want.hot_mask().len()).filter(|&e| want.is_hot(e) && !cur.is_hot(e));
+        out.extend(evict.zip(add).map(|(evict, add)| Exchange { layer_idx: l, evict, add }));
+    }
+    Ok(out)
+}
+
+async fn completions(State(s): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
+    let req = api::completion(&api::object(body)?, s.vocab)?;
+    moe_lanes::reference::check_generation_fits(req.prompt.len(), req.max_tokens, s.ctx_positions)
+        .map_err(|e| ApiError::bad("max_tokens", e.to_string()))?;
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let job = CompletionJob { prompt: req.prompt.clone(), max_tokens: req.max_tokens, events: tx, enqueued_at: Instant::now() };
+    s.shared.waiting.fetch_add(1, Ordering::Relaxed);
+    if s.jobs.try_send(job).is_err() {
+        s.shared.waiting.fetch_sub(1, Ordering::Relaxed);
+        return Err(ApiError::status(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "the request queue is full; retry later"));
+    }
+    let id = format!("cmpl-{:x}", rand_id());
+    if req.stream {
+        return Ok(stream(id, s.model_name.clone(), rx).into_response());
+    }
+    collect(id, &s.model_name, rx).await.map(|v| Json(v).into_response())
+}
+
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(Instant::now().elapsed().as_nanos());
+    h.finish()
+}
+
+fn created() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+fn choice(ids: &[u32], finish: Option<&str>) -> Value {
+    json!({"index": 0, "text": "", "token_ids": ids, "logprobs": null, "finish_reason": finish})
+}
+
+async fn collect(id: String, model: &str, mut rx: tokio::sync::mpsc::Receiver<Event>) -> Result<Value, ApiError> {
+    let mut ids = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Token(t) => ids.push(t),
+            Event::Done { prompt_tokens, completion_tokens } => {
+                return Ok(json!({
+                    "id": id, "object": "text_completion", "created": created(), "model": model,
+                    "choices": [choice(&ids, Some("length"))],
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
+                }));
+            }
+            Event::Failed(e) => return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e)),
+        }
+    }
+    Err(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine stopped"))
+}
+
+/// Server-sent events: one chunk per token, a last chunk with `finish_reason` and `usage`, then
+/// `data: [DONE]`. A client that goes away drops the stream, and with it the generation.
+fn stream(id: String, model: String, rx: tokio::sync::mpsc::Receiver<Event>) -> impl IntoResponse {
+    use futures_util::stream::{self, StreamExt};
+    let chunk = move |choice: Value, usage: Option<Value>| {
+        let mut v = json!({"id": id, "object": "text_completion", "created": created(), "model": model, "choices": [choice]});
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        SseEvent::default().data(v.to_string())
+    };
+    // The worker drops its sender after the last event, which ends this stream.
+    let events = stream::unfold(rx, move |mut rx| {
+        let chunk = chunk.clone();
+        async move {
+            let ev = match rx.recv().await {
+                Some(Event::Token(t)) => chunk(choice(&[t], None), None),
+                Some(Event::Done { prompt_tokens, completion_tokens }) => {
+                    let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
+                    chunk(choice(&[], Some("length")), Some(usage))
+                }
+                Some(Event::Failed(e)) => SseEvent::default().data(json!({"error": {"message": e, "type": "server_error"}}).to_string()),
+                None => return None,
+            };
+            Some((Ok::<_, std::convert::Infallible>(ev), rx))
+        }
+    });
+    let done = stream::once(async { Ok(SseEvent::default().data("[DONE]")) });
+    Sse::new(events.chain(done))
+}

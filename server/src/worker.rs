@@ -1,0 +1,203 @@
+//! The engine thread: owns the engine (engines are `&mut` and need not be `Send`), takes
+//! completion jobs from a bounded queue one at a time, applies manual hot-cache changes only
+//! between requests, switches the perf mode between tokens, and publishes a snapshot (perf JSON,
+//! hot set, counters) after every request for the HTTP side to read without waiting.
+
+use crate::prom;
+use crossbeam_channel::{Receiver, RecvTimeoutError};
+use moe_lanes::actors::Exchange;
+use moe_lanes::engine::{build_engine, BuildReport, Engine, EngineError, EngineOptions};
+use moe_lanes::hot_set::HotSet;
+use moe_lanes::model::Model;
+use moe_lanes::perf::PerfMode;
+use moe_lanes::phase::Phase;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+/// How often an idle worker looks for a pending hot-cache apply or perf-mode switch.
+const IDLE_POLL: Duration = Duration::from_millis(20);
+
+/// One completion request, validated.
+pub struct CompletionJob {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub events: tokio::sync::mpsc::Sender<Event>,
+    pub enqueued_at: Instant,
+}
+
+/// What the worker tells the request handler.
+#[derive(Debug)]
+pub enum Event {
+    Token(u32),
+    Done { prompt_tokens: usize, completion_tokens: usize },
+    Failed(String),
+}
+
+/// A manual hot-cache apply: the exchanges that turn the current set into the asked one.
+pub struct ApplyJob {
+    pub exchanges: Vec<Exchange>,
+    pub reply: tokio::sync::oneshot::Sender<Result<usize, String>>,
+}
+
+/// What the HTTP side reads (never blocks on the engine).
+#[derive(Default)]
+pub struct Snapshot {
+    pub perf_json: Option<String>,
+    pub hot_set: Option<HotSet>,
+    pub hot_bytes: u64,
+    pub perf_mode: Option<PerfMode>,
+}
+
+/// State shared between the HTTP side and the worker.
+pub struct Shared {
+    pub snapshot: RwLock<Snapshot>,
+    pub apply: Mutex<Option<ApplyJob>>,
+    pub apply_pending: AtomicBool,
+    pub mode_switch: Mutex<Option<PerfMode>>,
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    pub updates: AtomicU64,
+    pub exchanges_applied: AtomicU64,
+}
+
+impl Shared {
+    pub fn new() -> Shared {
+        Shared {
+            snapshot: RwLock::new(Snapshot::default()),
+            apply: Mutex::new(None),
+            apply_pending: AtomicBool::new(false),
+            mode_switch: Mutex::new(None),
+            running: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
+            updates: AtomicU64::new(0),
+            exchanges_applied: AtomicU64::new(0),
+        }
+    }
+}
+
+/// Build the engine on this thread, report how it went, then serve jobs until the queue closes.
+pub fn run(
+    model: Arc<Model>,
+    opts: EngineOptions,
+    jobs: Receiver<CompletionJob>,
+    shared: Arc<Shared>,
+    built: std::sync::mpsc::Sender<Result<(BuildReport, String), EngineError>>,
+) -> Option<String> {
+    let (mut engine, report) = match build_engine(&model, opts) {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = built.send(Err(e));
+            return None;
+        }
+    };
+    let _ = built.send(Ok((report, engine.device())));
+    engine.set_copy_logits(false);
+    publish(engine.as_ref(), &shared);
+    loop {
+        between_requests(engine.as_mut(), &shared);
+        match jobs.recv_timeout(IDLE_POLL) {
+            Ok(job) => {
+                shared.waiting.fetch_sub(1, Ordering::Relaxed);
+                shared.running.fetch_add(1, Ordering::Relaxed);
+                complete(engine.as_mut(), job, &shared);
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+    }
+    engine.perf().map(|p| p.to_json())
+}
+
+/// A pending apply (no request runs now) and a pending perf-mode switch.
+fn between_requests(engine: &mut dyn Engine, shared: &Shared) {
+    switch_mode(engine, shared);
+    let job = shared.apply.lock().expect("apply lock").take();
+    if let Some(job) = job {
+        let result = apply(engine, job.exchanges);
+        if let Ok(n) = &result {
+            shared.updates.fetch_add(1, Ordering::Relaxed);
+            shared.exchanges_applied.fetch_add(*n as u64, Ordering::Relaxed);
+        }
+        publish(engine, shared);
+        shared.apply_pending.store(false, Ordering::Release);
+        let _ = job.reply.send(result);
+    }
+}
+
+fn apply(engine: &mut dyn Engine, exchanges: Vec<Exchange>) -> Result<usize, String> {
+    for e in exchanges {
+        engine.request_exchange(e).map_err(|e| e.to_string())?;
+    }
+    engine.apply_exchanges().map_err(|e| e.to_string())
+}
+
+fn switch_mode(engine: &mut dyn Engine, shared: &Shared) {
+    let mode = shared.mode_switch.lock().expect("mode lock").take();
+    if let Some(mode) = mode {
+        engine.set_perf_mode(mode);
+        publish(engine, shared);
+    }
+}
+
+/// Prefill, then decode greedily, streaming each token; stops early when the client is gone.
+fn complete(engine: &mut dyn Engine, job: CompletionJob, shared: &Shared) {
+    let started = Instant::now();
+    prom::request_started(started - job.enqueued_at);
+    let result = generate(engine, &job, shared, started);
+    // Counters and the snapshot are current before the client hears the end.
+    shared.running.fetch_sub(1, Ordering::Relaxed);
+    publish(engine, shared);
+    let event = match result {
+        Ok(Some(n)) => {
+            prom::request_finished(started.elapsed(), job.prompt.len(), n);
+            Event::Done { prompt_tokens: job.prompt.len(), completion_tokens: n }
+        }
+        Ok(None) => {
+            prom::request_cancelled();
+            return;
+        }
+        Err(e) => {
+            prom::request_failed();
+            Event::Failed(e.to_string())
+        }
+    };
+    let _ = job.events.blocking_send(event);
+}
+
+/// `Ok(None)`: the client went away (its generation stopped).
+fn generate(
+    engine: &mut dyn Engine,
+    job: &CompletionJob,
+    shared: &Shared,
+    started: Instant,
+) -> Result<Option<usize>, EngineError> {
+    let mut cache = engine.new_cache(job.prompt.len() + job.max_tokens)?;
+    let mut next = *engine.forward(&job.prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("a row");
+    prom::first_token(started.elapsed());
+    let mut last = Instant::now();
+    for n in 1..=job.max_tokens {
+        if job.events.blocking_send(Event::Token(next)).is_err() {
+            return Ok(None);
+        }
+        if n == job.max_tokens {
+            break;
+        }
+        switch_mode(engine, shared);
+        next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
+        prom::inter_token(last.elapsed());
+        last = Instant::now();
+    }
+    Ok(Some(job.max_tokens))
+}
+
+fn publish(engine: &dyn Engine, shared: &Shared) {
+    let mut s = shared.snapshot.write().expect("snapshot lock");
+    s.perf_json = engine.perf().map(|p| p.to_json());
+    s.perf_mode = engine.perf().map(|p| p.mode());
+    s.hot_set = engine.hot_set().cloned();
+    s.hot_bytes = engine.hot_bytes();
+    if let Some(p) = engine.perf() {
+        prom::record_perf(p.report(), s.hot_bytes);
+    }
+}
