@@ -2,7 +2,7 @@
 //! never do: panic, hang, or allocate past the limit (the fuzzer's memory limit catches that), and
 //! that whatever it accepts is consistent (an accepted file's tensors lie inside it; an accepted
 //! JSON document survives a write/re-read). Shared by the AFL++ binaries in `fuzz/src/bin/` and by
-//! `tests/fuzz_regressions.rs`, which replays the seed corpora and every crash found.
+//! `server/tests/fuzz_regressions.rs`, which replays the seed corpora and every crash found.
 
 use moe_lanes::cache::hot_set::HotSet;
 use moe_lanes::cache::perf::PerfReport;
@@ -11,12 +11,13 @@ use moe_lanes::format::safetensors::{parse_index, SafetensorsFile};
 use std::path::Path;
 
 /// Every target, by the name of its corpus folder.
-pub const TARGETS: [(&str, fn(&[u8])); 5] = [
+pub const TARGETS: [(&str, fn(&[u8])); 6] = [
     ("gguf", gguf),
     ("safetensors_header", safetensors_header),
     ("safetensors_index", safetensors_index),
     ("perf_json", perf_json),
     ("hot_experts_json", hot_experts_json),
+    ("completion_request", completion_request),
 ];
 
 const NAME: &str = "fuzz-input";
@@ -64,5 +65,15 @@ pub fn hot_experts_json(data: &[u8]) {
         let json = set.to_experts_json().to_string();
         let again = HotSet::from_experts_json(Path::new(NAME), &json, 4, 16, 1).expect("written hot set re-reads");
         assert_eq!(again.to_experts_json(), set.to_experts_json());
+    }
+}
+
+/// `POST /v1/completions` bodies (the server's parser) against a 512-token vocabulary: whatever
+/// is accepted has a non-empty prompt of in-range ids and at least one token to generate.
+pub fn completion_request(data: &[u8]) {
+    use moe_lanes_server::api;
+    let Ok(body) = api::object(Ok(data.to_vec().into())) else { return };
+    if let Ok(req) = api::completion(&body, 512) {
+        assert!(!req.prompt.is_empty() && req.prompt.iter().all(|&t| t < 512) && req.max_tokens >= 1);
     }
 }

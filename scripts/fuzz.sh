@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Coverage-guided fuzzing with AFL++ (cargo-afl, stable toolchain) of one target or all of them.
 #   scripts/fuzz.sh [TARGET|all] [EXECS]     (default: all, 10000000 executions each)
-# Targets: gguf safetensors_header safetensors_index perf_json hot_experts_json (fuzz/targets.rs).
+# Targets: gguf safetensors_header safetensors_index perf_json hot_experts_json completion_request
+# (fuzz/targets.rs).
 # Limits: 1000 ms per input (a hang), 1024 MiB of memory (an over-limit allocation aborts: a crash).
 # Each run starts from fuzz/seeds/<target> and writes fuzz/out/<target>; the summary line per
 # target gives executions, time, corpus size, crashes and hangs. A crash found is copied to
-# fuzz/regressions/<target>/ once fixed, where `tests/fuzz_regressions.rs` replays it forever.
+# fuzz/regressions/<target>/ once fixed, where `server/tests/fuzz_regressions.rs` replays it forever.
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
 target="${1:-all}"
 execs="${2:-10000000}"
-all=(gguf safetensors_header safetensors_index perf_json hot_experts_json)
+all=(gguf safetensors_header safetensors_index perf_json hot_experts_json completion_request)
 if [ "$target" = all ]; then targets=("${all[@]}"); else targets=("$target"); fi
 command -v cargo-afl >/dev/null || cargo install cargo-afl --locked
 cargo afl config --build >/dev/null 2>&1 || true

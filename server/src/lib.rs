@@ -4,7 +4,7 @@
 //! `POST /v1/completions` (OpenAI-compatible, prompts as token ids, streaming as server-sent
 //! events). One engine thread serves a bounded queue; 429 when it is full.
 
-mod api;
+pub mod api;
 mod prom;
 mod routes;
 mod worker;

@@ -1,17 +1,17 @@
+//! (In the server package: it alone depends on every parser a target reaches.)
 //! Replays the fuzz corpora through the fuzz targets in plain `cargo test` (no AFL++ needed):
 //! every seed (real files: synthetic GGUF and safetensors models, learn files, perf snapshots,
 //! hot-expert lists) and every input the fuzzer ever crashed on (`fuzz/regressions/<target>/`,
 //! kept after the fix) must run through its parser without a panic.
 
-#[path = "../fuzz/targets.rs"]
+#[path = "../../fuzz/targets.rs"]
 mod targets;
-
-mod common;
 
 use std::path::PathBuf;
 
 fn inputs(kind: &str, target: &str) -> Vec<PathBuf> {
-    let dir = common::repo_root().join("fuzz").join(kind).join(target);
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("server/ is in the repository");
+    let dir = root.join("fuzz").join(kind).join(target);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
         .flatten()
