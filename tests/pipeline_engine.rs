@@ -131,7 +131,7 @@ fn a_corrupted_worklist_falls_back_all_cold_with_a_reason() {
     let model = write_tiny(dir.path(), &TinySpec::simple(0));
     let opts = PipelineOptions {
         hot_set: Some(half_hot(&model, 1)),
-        fault: FaultInjection { corrupt_worklist_layer: Some(1) },
+        fault: FaultInjection { corrupt_worklist_layer: Some(1), ..Default::default() },
         ..Default::default()
     };
     let mut p = Pipeline::new(model.clone(), opts).unwrap();
