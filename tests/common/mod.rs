@@ -24,6 +24,7 @@ pub fn synth_options(arch: &str, format: SynthFormat, out: PathBuf, seed: u64) -
         skew: Skew::Skewed,
         format,
         out,
+        vocab_from: None,
     }
 }
 
