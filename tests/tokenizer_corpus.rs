@@ -169,3 +169,20 @@ fn pre_tokenizers_split_like_the_regexes_they_implement() {
     }
     assert!(failures.is_empty(), "{} splits differ:\n{}", failures.len(), failures.join("\n"));
 }
+
+#[test]
+fn long_inputs_encode_and_round_trip() {
+    // 100 KB in one call: a long word without spaces, long whitespace runs, long digit runs.
+    let text = format!(
+        "{}{}{}{}",
+        "abc".repeat(10_000),
+        " ".repeat(20_000),
+        "9".repeat(20_000),
+        "é🦀".repeat(5_000)
+    );
+    for name in VOCABS {
+        let tok = tokenizer(name);
+        let ids = tok.encode(&text, false, false).unwrap();
+        assert_eq!(tok.decode(&ids, false).unwrap(), text, "{name}");
+    }
+}

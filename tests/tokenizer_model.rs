@@ -1,0 +1,122 @@
+//! The tokenizer of models: synthetic models' own vocabulary, `synth --vocab-from`, and typed
+//! errors naming the metadata key (and index) for malformed tokenizer tables.
+
+mod common;
+
+use common::{rewrite_gguf, synth_options, TensorEdit};
+use moe_lanes::gguf::MetaValue;
+use moe_lanes::model::Model;
+use moe_lanes::synth::{write_synthetic, SynthFormat};
+use moe_lanes::text::{Tokenizer, TokenizerError};
+use std::path::{Path, PathBuf};
+
+fn synth_gguf(dir: &Path, vocab_from: Option<PathBuf>) -> PathBuf {
+    let mut opts = synth_options("qwen3_moe", SynthFormat::Gguf, dir.join("m.gguf"), 3);
+    opts.vocab_from = vocab_from;
+    write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    opts.out
+}
+
+#[test]
+fn synthetic_models_tokenize_with_their_own_vocabulary() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = Model::open(&synth_gguf(dir.path(), None)).unwrap();
+    let tok = Tokenizer::from_model(&model).unwrap();
+    assert_eq!(tok.n_vocab(), model.config().vocab);
+    let text = "hello world, 123 <|im_start|>héllo\n";
+    let ids = tok.encode(text, false, true).unwrap();
+    assert!(ids.len() < text.len(), "merges apply: {ids:?}");
+    assert!(ids.contains(&tok.token_id("<|im_start|>").unwrap()));
+    assert_eq!(tok.decode(&ids, false).unwrap(), text);
+    assert!(tok.is_eog(tok.token_id("<|im_end|>").unwrap()));
+    assert_eq!(tok.eos(), tok.token_id("<|endoftext|>"));
+}
+
+#[test]
+fn vocab_from_copies_the_tokenizer_and_the_vocabulary_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let vocab = common::shared_tokenizers().join("ggml-vocab-qwen2.gguf");
+    let model = Model::open(&synth_gguf(dir.path(), Some(vocab.clone()))).unwrap();
+    let real = Tokenizer::from_gguf_path(&vocab).unwrap();
+    let copied = Tokenizer::from_model(&model).unwrap();
+    assert_eq!(model.config().vocab, real.n_vocab());
+    assert_eq!(copied.n_vocab(), 151_936);
+    assert_eq!(copied.chat_template(), real.chat_template());
+    assert!(copied.chat_template().is_some());
+    for (text, _) in common::vocab_test_vectors("ggml-vocab-qwen2") {
+        assert_eq!(copied.encode(&text, false, true).unwrap(), real.encode(&text, false, true).unwrap());
+    }
+    // Every tokenizer.* key is copied, values equal.
+    let (src, dst) = (moe_lanes::gguf::GgufFile::open(&vocab).unwrap(), model.gguf().unwrap());
+    for (key, value) in src.metadata().iter().filter(|(k, _)| k.starts_with("tokenizer.")) {
+        assert_eq!(dst.get(key), Some(value), "{key}");
+    }
+}
+
+#[test]
+fn vocab_from_refuses_safetensors_and_a_conflicting_vocab_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let vocab = common::shared_tokenizers().join("ggml-vocab-qwen2.gguf");
+    let mut opts = synth_options("olmoe", SynthFormat::Safetensors, dir.path().join("st"), 1);
+    opts.vocab_from = Some(vocab.clone());
+    let err = write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("--vocab-from") && err.contains("GGUF output only"), "{err}");
+    assert!(!opts.out.exists());
+    let mut opts = synth_options("olmoe", SynthFormat::Gguf, dir.path().join("v.gguf"), 1);
+    opts.vocab_from = Some(vocab);
+    opts.dims.vocab = Some(1000);
+    let err = write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("vocab: 1000 conflicts with the 151936 tokens"), "{err}");
+}
+
+/// The synthetic model with one tokenizer key edited (`None`: removed).
+fn edited(dir: &Path, key: &'static str, value: Option<MetaValue>) -> Result<Tokenizer, TokenizerError> {
+    let src = synth_gguf(dir, None);
+    let dst = dir.join(format!("edited-{}.gguf", key.replace('.', "_")));
+    rewrite_gguf(
+        &src,
+        &dst,
+        |k, v| if k == key { value.clone() } else { Some(v.clone()) },
+        |_| TensorEdit::Keep,
+    );
+    Tokenizer::from_gguf_path(&dst)
+}
+
+#[test]
+fn malformed_tokenizer_metadata_is_a_typed_error_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = |v: &str| Some(MetaValue::String(v.into()));
+    let cases: Vec<(&str, Option<MetaValue>, &str)> = vec![
+        ("tokenizer.ggml.pre", s("klingon"), "pre-tokenizer 'klingon' (metadata key 'tokenizer.ggml.pre') is not supported"),
+        ("tokenizer.ggml.model", s("t5"), "tokenizer model 't5' (metadata key 'tokenizer.ggml.model') is not supported"),
+        ("tokenizer.ggml.model", None, "missing metadata key 'tokenizer.ggml.model'"),
+        ("tokenizer.ggml.tokens", None, "missing metadata key 'tokenizer.ggml.tokens'"),
+        ("tokenizer.ggml.merges", Some(MetaValue::U32(3)), "metadata key 'tokenizer.ggml.merges' must be an array of strings"),
+        (
+            "tokenizer.ggml.merges",
+            Some(MetaValue::string_array(vec!["a b".into(), "ab".into()])),
+            "metadata key 'tokenizer.ggml.merges', entry 1: must be two tokens joined by a space",
+        ),
+        (
+            "tokenizer.ggml.token_type",
+            Some(MetaValue::i32_array(vec![1, 1, 1])),
+            "metadata key 'tokenizer.ggml.token_type' has 3 entries, but 'tokenizer.ggml.tokens' has",
+        ),
+        (
+            "tokenizer.ggml.eos_token_id",
+            Some(MetaValue::U32(999_999)),
+            "metadata key 'tokenizer.ggml.eos_token_id' is token id 999999, but the vocabulary has 512 tokens",
+        ),
+        ("tokenizer.ggml.add_bos_token", s("yes"), "metadata key 'tokenizer.ggml.add_bos_token' must be a bool"),
+    ];
+    for (key, value, expected) in cases {
+        let err = edited(dir.path(), key, value).unwrap_err().to_string();
+        assert!(err.contains(expected), "{key}: {err}");
+        assert!(err.contains("edited-"), "names the file: {err}");
+    }
+    // A bad entry names its index.
+    let mut types = vec![1i32; 512];
+    types[7] = 42;
+    let err = edited(dir.path(), "tokenizer.ggml.token_type", Some(MetaValue::i32_array(types))).unwrap_err();
+    assert!(matches!(err, TokenizerError::BadEntry { index: 7, .. }), "{err}");
+}
