@@ -20,7 +20,7 @@ use crate::model::adapter::{Adapter, Arch, RopeStyle};
 use crate::model::config::ModelConfig;
 use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
 use crate::model::{expected_layer_shape, llama_cpp_default_norm_topk, required_layer_roles};
-use crate::text::{Tokenizer, TokenizerError};
+use crate::text::{HfTokenizerFiles, Tokenizer, TokenizerError};
 use crate::vocab;
 use half::{bf16, f16};
 use serde::Serialize;
@@ -159,8 +159,8 @@ pub struct SynthOptions {
     pub format: SynthFormat,
     pub out: PathBuf,
     /// Copy the tokenizer of this GGUF file (every `tokenizer.*` key, chat template included)
-    /// instead of writing the small synthetic one; the vocabulary size follows it. GGUF output
-    /// only.
+    /// instead of writing the small synthetic one; the vocabulary size follows it. Safetensors
+    /// output gets it as `tokenizer.json` + `tokenizer_config.json` (byte-level BPE only).
     pub vocab_from: Option<PathBuf>,
 }
 
@@ -178,23 +178,45 @@ pub enum SynthError {
     Safetensors(#[from] SafetensorsError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
-    #[error("--vocab-from {path}: copying a tokenizer is supported for GGUF output only (a safetensors model would need a tokenizer.json written from it)")]
-    VocabFromSafetensors { path: PathBuf },
+    #[error("{path}: cannot write {file}: {source}")]
+    WriteTokenizer { path: PathBuf, file: &'static str, source: std::io::Error },
 }
 
-/// A real tokenizer to put into a synthetic model: its `tokenizer.*` metadata, validated.
+/// A real tokenizer to put into a synthetic model: its `tokenizer.*` metadata, validated, and
+/// for safetensors output the same tokenizer as Hugging Face files.
 struct CopiedTokenizer {
     metadata: Vec<(String, MetaValue)>,
     n_vocab: usize,
+    hf_files: Option<HfTokenizerFiles>,
 }
 
 impl CopiedTokenizer {
     /// Read and validate (by loading it) the tokenizer of a GGUF file.
-    fn read(path: &Path) -> Result<CopiedTokenizer, SynthError> {
+    fn read(path: &Path, format: SynthFormat) -> Result<CopiedTokenizer, SynthError> {
         let file = GgufFile::open(path)?;
-        let n_vocab = Tokenizer::from_gguf(&file)?.n_vocab();
+        let tokenizer = Tokenizer::from_gguf(&file)?;
+        let hf_files = match format {
+            SynthFormat::Gguf => None,
+            SynthFormat::Safetensors => Some(tokenizer.to_hf_files()?),
+        };
         let metadata = file.metadata().iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned().collect();
-        Ok(CopiedTokenizer { metadata, n_vocab })
+        Ok(CopiedTokenizer { metadata, n_vocab: tokenizer.n_vocab(), hf_files })
+    }
+
+    /// Write `tokenizer.json` and `tokenizer_config.json` into a safetensors model directory.
+    fn write_hf_files(&self, dir: &Path) -> Result<(), SynthError> {
+        let Some(files) = &self.hf_files else { return Ok(()) };
+        for (file, text) in [
+            ("tokenizer.json", &files.tokenizer_json),
+            ("tokenizer_config.json", &files.tokenizer_config_json),
+        ] {
+            std::fs::write(dir.join(file), text).map_err(|source| SynthError::WriteTokenizer {
+                path: dir.into(),
+                file,
+                source,
+            })?;
+        }
+        Ok(())
     }
 }
 
@@ -316,7 +338,11 @@ pub fn write_synthetic(
     let mut fill = |idx: usize, out: &mut dyn Write| generator.write_tensor(&tensors[idx], out);
     let n_bytes = match opts.format {
         SynthFormat::Gguf => write_gguf(&config, opts, copied.as_ref(), &tensors, &mut fill, progress)?,
-        SynthFormat::Safetensors => write_hf(&config, opts, &tensors, &mut fill, progress)?,
+        SynthFormat::Safetensors => {
+            let n_bytes = write_hf(&config, opts, &tensors, &mut fill, progress)?;
+            copied.as_ref().map(|c| c.write_hf_files(&opts.out)).transpose()?;
+            n_bytes
+        }
     };
     if opts.format == SynthFormat::Gguf && opts.adapter.arch == Arch::Mixtral {
         config.rope_style = RopeStyle::Interleaved;
@@ -330,10 +356,7 @@ fn copied_tokenizer(
     config: &mut ModelConfig,
 ) -> Result<Option<CopiedTokenizer>, SynthError> {
     let Some(path) = &opts.vocab_from else { return Ok(None) };
-    if opts.format != SynthFormat::Gguf {
-        return Err(SynthError::VocabFromSafetensors { path: path.clone() });
-    }
-    let copied = CopiedTokenizer::read(path)?;
+    let copied = CopiedTokenizer::read(path, opts.format)?;
     if let Some(v) = opts.dims.vocab.filter(|&v| v != copied.n_vocab) {
         let reason =
             format!("{v} conflicts with the {} tokens of --vocab-from {}", copied.n_vocab, path.display());

@@ -54,19 +54,51 @@ fn vocab_from_copies_the_tokenizer_and_the_vocabulary_size() {
 }
 
 #[test]
-fn vocab_from_refuses_safetensors_and_a_conflicting_vocab_size() {
+fn vocab_from_into_safetensors_writes_a_tokenizer_json_that_tokenizes_the_same() {
     let dir = tempfile::tempdir().unwrap();
     let vocab = common::shared_tokenizers().join("ggml-vocab-qwen2.gguf");
     let mut opts = synth_options("olmoe", SynthFormat::Safetensors, dir.path().join("st"), 1);
     opts.vocab_from = Some(vocab.clone());
+    write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    let model = Model::open(&opts.out).unwrap();
+    assert_eq!(model.config().vocab, 151_936);
+    let hf = Tokenizer::from_model(&model).unwrap(); // tokenizer.json, through the tokenizers crate
+    let gguf = Tokenizer::from_gguf_path(&vocab).unwrap();
+    assert_eq!((hf.n_vocab(), hf.bos(), hf.eos()), (gguf.n_vocab(), gguf.bos(), gguf.eos()));
+    assert_eq!(hf.chat_template(), gguf.chat_template());
+    assert_eq!(hf.eog_ids(), gguf.eog_ids());
+    let mut texts: Vec<String> =
+        common::vocab_test_vectors("ggml-vocab-qwen2").into_iter().map(|(t, _)| t).collect();
+    texts.push("<|im_start|>user\nHi 🦀<|im_end|>\n  x".into());
+    for text in &texts {
+        for parse_special in [false, true] {
+            let ids = hf.encode(text, false, parse_special).unwrap();
+            assert_eq!(ids, gguf.encode(text, false, parse_special).unwrap(), "{text:?} {parse_special}");
+            assert_eq!(hf.decode(&ids, false).unwrap(), *text);
+        }
+    }
+    let im_end = hf.token_id("<|im_end|>").unwrap();
+    assert!(hf.is_special(im_end) && hf.decode(&[im_end], true).unwrap().is_empty());
+}
+
+#[test]
+fn vocab_from_refuses_what_it_cannot_copy() {
+    let dir = tempfile::tempdir().unwrap();
+    let spm = common::shared_tokenizers().join("ggml-vocab-llama-spm.gguf");
+    let mut opts = synth_options("mixtral", SynthFormat::Safetensors, dir.path().join("st"), 1);
+    opts.vocab_from = Some(spm);
     let err = write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
-    assert!(err.contains("--vocab-from") && err.contains("GGUF output only"), "{err}");
-    assert!(!opts.out.exists());
+    assert!(err.contains("cannot write a SentencePiece (llama) tokenizer as tokenizer.json"), "{err}");
+    assert!(!opts.out.exists(), "nothing written");
     let mut opts = synth_options("olmoe", SynthFormat::Gguf, dir.path().join("v.gguf"), 1);
-    opts.vocab_from = Some(vocab);
+    opts.vocab_from = Some(common::shared_tokenizers().join("ggml-vocab-qwen2.gguf"));
     opts.dims.vocab = Some(1000);
     let err = write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
     assert!(err.contains("vocab: 1000 conflicts with the 151936 tokens"), "{err}");
+    opts.vocab_from = Some(dir.path().join("missing.gguf"));
+    opts.dims.vocab = None;
+    let err = write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("missing.gguf"), "{err}");
 }
 
 /// The synthetic model with one tokenizer key edited (`None`: removed).

@@ -230,7 +230,8 @@ struct SynthArgs {
     #[arg(long)]
     vocab: Option<usize>,
     /// Copy the tokenizer (and chat template) of this GGUF file, a vocabulary-only one works;
-    /// the vocabulary size follows it. GGUF output only.
+    /// the vocabulary size follows it. Safetensors output also gets it as tokenizer.json (byte-level
+    /// BPE vocabularies only).
     #[arg(long)]
     vocab_from: Option<PathBuf>,
     #[arg(long)]

@@ -97,9 +97,8 @@ impl HfTokenizer {
             Value::Array(ids) => eog.extend(ids.iter().filter_map(|v| v.as_u64()).map(|id| id as u32)),
             _ => {}
         }
-        eog.extend(
-            ["<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>"].iter().filter_map(|t| self.ids.get(*t)),
-        );
+        // llama.cpp's end-of-generation token texts, as for GGUF.
+        eog.extend(super::vocab::EOG_TEXTS.iter().filter_map(|t| self.ids.get(*t)));
         eog.retain(|&id| (id as usize) < self.tokens.len());
         eog.sort_unstable();
         eog.dedup();

@@ -42,11 +42,13 @@
 //! # Hugging Face `tokenizer.json` (feature `hf-tokenizer`, on by default)
 //! A safetensors model directory's `tokenizer.json` is run by the `tokenizers` crate; BOS/EOS
 //! and the chat template come from `tokenizer_config.json` beside it.
+//! [`Tokenizer::to_hf_files`] writes a GGUF byte-level BPE tokenizer as those two files.
 
 mod bpe;
 mod gguf_tok;
 #[cfg(feature = "hf-tokenizer")]
 mod hf;
+mod hf_export;
 mod pretokenize;
 mod special;
 mod spm;
@@ -54,6 +56,7 @@ mod stream;
 mod tokenizer;
 mod vocab;
 
+pub use hf_export::HfTokenizerFiles;
 pub use pretokenize::PreTokenizer;
 pub use stream::StreamDecoder;
 pub use tokenizer::Tokenizer;
@@ -100,6 +103,10 @@ pub enum TokenizerError {
     HfConfig { path: PathBuf, field: String, problem: &'static str },
     #[error("Hugging Face tokenizer failed on the input: {message}")]
     HfEncode { message: String },
+    #[error(
+        "cannot write {kind} tokenizer as tokenizer.json (only GGUF byte-level BPE ones); use GGUF output"
+    )]
+    NoHfExport { kind: &'static str },
     #[error("token id {id} is out of range: the vocabulary has {n_vocab} tokens")]
     IdOutOfRange { id: u32, n_vocab: usize },
 }

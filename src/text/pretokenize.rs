@@ -45,6 +45,25 @@ impl PreTokenizer {
         })
     }
 
+    /// llama.cpp's regexes for this pre-tokenizer, applied in order as isolating splits (what
+    /// [`split`](Self::split) implements by hand; written into exported `tokenizer.json` files).
+    pub fn regexes(self) -> &'static [&'static str] {
+        const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+        match self {
+            PreTokenizer::Default => &[r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
+            PreTokenizer::Gpt2 => &[GPT2],
+            PreTokenizer::Llama3 => &[
+                r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+            ],
+            PreTokenizer::Qwen2 => &[
+                r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+            ],
+            PreTokenizer::Qwen35 => &[
+                r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+            ],
+        }
+    }
+
     /// Whether a word that is itself a vocabulary token is taken whole, skipping merges
     /// (llama.cpp's `ignore_merges`, set for the Llama 3 family).
     pub fn ignores_merges(self) -> bool {

@@ -3,8 +3,8 @@
 use super::gguf_tok::GgufTokenizer;
 #[cfg(feature = "hf-tokenizer")]
 use super::hf::HfTokenizer;
-use super::vocab::{GgufVocab, TokenType};
-use super::{StreamDecoder, TokenizerError};
+use super::vocab::{GgufVocab, TokenType, VocabKind};
+use super::{hf_export, HfTokenizerFiles, StreamDecoder, TokenizerError};
 use crate::format::gguf::GgufFile;
 use crate::model::{Model, ModelFormat};
 use std::path::Path;
@@ -205,6 +205,23 @@ impl Tokenizer {
             Inner::Gguf(g) => g.vocab.chat_template.as_deref(),
             #[cfg(feature = "hf-tokenizer")]
             Inner::Hf(h) => h.chat_template.as_deref(),
+        }
+    }
+
+    /// The tokenizer as Hugging Face `tokenizer.json` and `tokenizer_config.json` contents, which
+    /// the `tokenizers` crate (and `transformers`) load to the same ids. GGUF byte-level BPE only.
+    pub fn to_hf_files(&self) -> Result<HfTokenizerFiles, TokenizerError> {
+        match &self.inner {
+            Inner::Gguf(g) => hf_export::export(&g.vocab).ok_or(TokenizerError::NoHfExport {
+                kind: match g.vocab.kind {
+                    VocabKind::Spm => "a SentencePiece (llama)",
+                    VocabKind::Bpe(_) => "this",
+                },
+            }),
+            #[cfg(feature = "hf-tokenizer")]
+            Inner::Hf(_) => {
+                Err(TokenizerError::NoHfExport { kind: "a tokenizer.json-based (copy the file)" })
+            }
         }
     }
 

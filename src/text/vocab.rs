@@ -50,7 +50,7 @@ pub enum VocabKind {
 }
 
 /// Token texts that end generation although no id key names them (llama.cpp's list).
-const EOG_TEXTS: &[&str] = &[
+pub(crate) const EOG_TEXTS: &[&str] = &[
     "<|eot_id|>",
     "<|im_end|>",
     "<|end|>",
