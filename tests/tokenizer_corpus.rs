@@ -186,3 +186,23 @@ fn long_inputs_encode_and_round_trip() {
         assert_eq!(tok.decode(&ids, false).unwrap(), text, "{name}");
     }
 }
+
+#[test]
+fn one_tokenizer_serves_several_threads() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Tokenizer>();
+    let tok = std::sync::Arc::new(tokenizer("ggml-vocab-qwen2"));
+    let texts: Vec<String> = corpus("ggml-vocab-qwen2").into_iter().map(|(t, _)| t).collect();
+    let expected: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, false, true).unwrap()).collect();
+    let handles: Vec<_> = (0..4)
+        .map(|_| {
+            let (tok, texts) = (tok.clone(), texts.clone());
+            std::thread::spawn(move || {
+                texts.iter().map(|t| tok.encode(t, false, true).unwrap()).collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), expected);
+    }
+}

@@ -152,3 +152,83 @@ fn malformed_tokenizer_metadata_is_a_typed_error_naming_the_key() {
     let err = edited(dir.path(), "tokenizer.ggml.token_type", Some(MetaValue::i32_array(types))).unwrap_err();
     assert!(matches!(err, TokenizerError::BadEntry { index: 7, .. }), "{err}");
 }
+
+/// A tiny SentencePiece-style `tokenizer.json` (Metaspace spelling, byte fallback), as Llama and
+/// Mistral repositories ship, with BOS added by the post-processor.
+fn write_spm_tokenizer_json(dir: &Path) {
+    let special = |id: u32, content: &str| {
+        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true})
+    };
+    let mut vocab = serde_json::Map::new();
+    for (i, t) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
+        vocab.insert(t.to_string(), i.into());
+    }
+    for b in 0..256u32 {
+        vocab.insert(format!("<0x{b:02X}>"), (3 + b).into());
+    }
+    for (i, t) in ["▁", "a", "b", "▁a", "ab", "▁ab"].iter().enumerate() {
+        vocab.insert(t.to_string(), (259 + i).into());
+    }
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+        "normalizer": {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+        "pre_tokenizer": null,
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"},
+            {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+            "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+            "vocab": vocab, "merges": ["▁ a", "a b", "▁a b"]},
+    });
+    std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+    let config = serde_json::json!({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true,
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+}
+
+#[test]
+fn sentencepiece_style_tokenizer_json_decodes_spaces_and_byte_fallback() {
+    let dir = tempfile::tempdir().unwrap();
+    write_spm_tokenizer_json(dir.path());
+    let tok = Tokenizer::from_hf_dir(dir.path()).unwrap();
+    assert_eq!((tok.n_vocab(), tok.bos(), tok.eos()), (265, Some(1), Some(2)));
+    assert!(tok.add_bos() && tok.is_eog(2) && tok.chat_template().unwrap().contains("bos_token"));
+    assert_eq!(tok.encode("ab a", false, true).unwrap(), [264, 262]);
+    assert_eq!(tok.encode("ab a", true, true).unwrap(), [1, 264, 262]);
+    assert_eq!(tok.decode(&[1, 264, 262], true).unwrap(), "ab a", "the prefix space is dropped");
+    assert_eq!(tok.decode(&[1, 264, 262], false).unwrap(), "<s>ab a");
+    // 🦀 = F0 9F A6 80: four byte-fallback tokens, held back until whole.
+    let ids = tok.encode("a🦀", false, true).unwrap();
+    assert_eq!(ids, [262, 3 + 0xF0, 3 + 0x9F, 3 + 0xA6, 3 + 0x80]);
+    assert_eq!(tok.token_bytes(3 + 0xF0).unwrap(), [0xF0]);
+    let mut stream = tok.stream(true);
+    let pieces: Vec<String> = ids.iter().map(|&id| stream.push(id).unwrap()).collect();
+    assert_eq!(pieces, ["a", "", "", "", "🦀"]);
+    assert_eq!(tok.decode(&ids, false).unwrap(), "a🦀");
+    assert!(tok.decode(&[265], false).is_err());
+}
+
+#[test]
+fn a_broken_tokenizer_json_is_an_error_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), "{\"version\": ").unwrap();
+    let err = Tokenizer::from_hf_dir(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("tokenizer.json"), "{err}");
+    write_spm_tokenizer_json(dir.path());
+    std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"bos_token": "<nope>"}"#).unwrap();
+    let err = Tokenizer::from_hf_dir(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("tokenizer_config.json: field 'bos_token' names a token that is not in tokenizer.json"),
+        "{err}"
+    );
+}
