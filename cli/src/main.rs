@@ -30,6 +30,8 @@ macro_rules! out_raw {
     ($($arg:tt)*) => { emit(&format!($($arg)*)) };
 }
 
+mod text_cmds;
+
 fn emit(text: &str) -> Result<()> {
     use std::io::Write;
     let mut stdout = std::io::stdout().lock();
@@ -72,6 +74,11 @@ enum Command {
     /// Serve the model over HTTP: /v1/completions (token-id prompts), /metrics, /moe-layer-perf,
     /// /moe-hot-cache, /health. Stops on ctrl-c or SIGTERM after in-flight requests finish.
     Serve(ServeArgs),
+    /// Text to token ids with the model's tokenizer (GGUF metadata or tokenizer.json); prints a
+    /// JSON array of ids.
+    Tokenize(text_cmds::TokenizeArgs),
+    /// Token ids to text with the model's tokenizer.
+    Detokenize(text_cmds::DetokenizeArgs),
 }
 
 #[derive(Args)]
@@ -222,6 +229,11 @@ struct SynthArgs {
     head_dim: Option<usize>,
     #[arg(long)]
     vocab: Option<usize>,
+    /// Copy the tokenizer (and chat template) of this GGUF file, a vocabulary-only one works;
+    /// the vocabulary size follows it. Safetensors output also gets it as tokenizer.json (byte-level
+    /// BPE vocabularies only).
+    #[arg(long)]
+    vocab_from: Option<PathBuf>,
     #[arg(long)]
     experts: Option<usize>,
     #[arg(long)]
@@ -351,6 +363,8 @@ fn main() -> Result<()> {
         Command::Learn(args) => learn(args),
         Command::BenchKernels(args) => bench_kernels(args),
         Command::Bench(args) => bench(args),
+        Command::Tokenize(args) => text_cmds::tokenize(args),
+        Command::Detokenize(args) => text_cmds::detokenize(args),
     }
 }
 
@@ -506,6 +520,7 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
             other => bail!("--format {other}: expected gguf or safetensors"),
         },
         out: args.out,
+        vocab_from: args.vocab_from,
     };
     synth::check_output_path(&opts.out, args.force)?;
     let report = write_with_progress(&opts)?;
@@ -644,6 +659,7 @@ fn default_model_options(out: PathBuf) -> Result<SynthOptions> {
         skew: Skew::Skewed,
         format: SynthFormat::Gguf,
         out,
+        vocab_from: None,
     })
 }
 
