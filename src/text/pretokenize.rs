@@ -73,7 +73,7 @@ impl PreTokenizer {
     /// Split `text` into words (byte ranges of `text`, in order, covering it).
     pub fn split(self, text: &str) -> Vec<std::ops::Range<usize>> {
         let chars: Vec<(usize, char)> = text.char_indices().collect();
-        let whole = vec![0..chars.len()];
+        let whole = std::iter::once(0..chars.len()).collect::<Vec<_>>();
         let char_ranges = match self {
             PreTokenizer::Default => {
                 let words = refine(&chars, whole, default_punct);
@@ -267,7 +267,7 @@ impl Family {
     }
 
     fn is_punct(self, c: char) -> bool {
-        !is_space(c) && !is_letter(c) && !is_number(c) && !(self.marks_are_letters && is_mark(c))
+        !is_space(c) && !is_letter(c) && !is_number(c) && (!self.marks_are_letters || !is_mark(c))
     }
 }
 

@@ -9,10 +9,11 @@ use crate::format::gguf::GgufFile;
 use crate::model::{Model, ModelFormat};
 use std::path::Path;
 
+/// Boxed: the two differ much in size, and a `Tokenizer` is moved around whole.
 enum Inner {
-    Gguf(GgufTokenizer),
+    Gguf(Box<GgufTokenizer>),
     #[cfg(feature = "hf-tokenizer")]
-    Hf(HfTokenizer),
+    Hf(Box<HfTokenizer>),
 }
 
 /// A model's tokenizer. `Send + Sync`: share one behind an `Arc` between requests.
@@ -49,7 +50,7 @@ impl Tokenizer {
     /// The tokenizer in an opened GGUF file's metadata.
     pub fn from_gguf(file: &GgufFile) -> Result<Tokenizer, TokenizerError> {
         let vocab = GgufVocab::from_gguf(file)?;
-        Ok(Tokenizer { inner: Inner::Gguf(GgufTokenizer::new(vocab)) })
+        Ok(Tokenizer { inner: Inner::Gguf(Box::new(GgufTokenizer::new(vocab))) })
     }
 
     /// The tokenizer of a Hugging Face model directory (`tokenizer.json`, and
@@ -60,7 +61,7 @@ impl Tokenizer {
             return Err(TokenizerError::NoTokenizerJson { path: dir.into() });
         }
         #[cfg(feature = "hf-tokenizer")]
-        return Ok(Tokenizer { inner: Inner::Hf(HfTokenizer::open(dir)?) });
+        return Ok(Tokenizer { inner: Inner::Hf(Box::new(HfTokenizer::open(dir)?)) });
         #[cfg(not(feature = "hf-tokenizer"))]
         Err(TokenizerError::HfDisabled { path: json })
     }

@@ -40,6 +40,9 @@ impl TokenType {
     }
 }
 
+/// BPE merges: (left id, right id) -> (rank, merged id).
+pub type MergeMap = HashMap<(u32, u32), (u32, u32)>;
+
 /// Which algorithm `tokenizer.ggml.model` names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum VocabKind {
@@ -77,7 +80,7 @@ pub struct GgufVocab {
     pub scores: Vec<f32>,
     pub ids: HashMap<String, u32>,
     /// BPE merges: (left id, right id) -> (rank, merged id).
-    pub merges: HashMap<(u32, u32), (u32, u32)>,
+    pub merges: MergeMap,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     pub eog: Vec<u32>,
@@ -276,10 +279,7 @@ fn read_kind(meta: &Meta<'_>) -> Result<VocabKind, TokenizerError> {
 /// `tokenizer.ggml.merges`: "left right" strings in rank order. A merge whose parts or result
 /// are not tokens can never fire in an id-level BPE, so it is left out (llama.cpp would try it on
 /// strings and then fall back to bytes; no real vocabulary has one).
-fn read_merges(
-    meta: &Meta<'_>,
-    ids: &HashMap<String, u32>,
-) -> Result<HashMap<(u32, u32), (u32, u32)>, TokenizerError> {
+fn read_merges(meta: &Meta<'_>, ids: &HashMap<String, u32>) -> Result<MergeMap, TokenizerError> {
     let key = "tokenizer.ggml.merges";
     let values = meta.required_array(key, "an array of strings")?;
     let mut merges = HashMap::with_capacity(values.len());
