@@ -201,3 +201,47 @@ fn bench_json_runs_without_a_gpu_with_the_same_keys() {
     let bad = failure(&["generate", "--model", p(&model), "--tokens", "1", "--engine", "warp"]);
     assert!(bad.contains("unknown engine 'warp'"), "{bad}");
 }
+
+#[test]
+fn generate_samples_with_flags_reproducibly_and_refuses_bad_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    ok_stdout(&["synth", "--out", p(&model)]);
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["generate", "--model", p(&model), "--tokens", "3,1,4", "--max-new-tokens", "10"];
+        args.extend(["--engine", "pipeline"]);
+        args.extend(extra);
+        serde_json::from_str(&ok_stdout(&args)).unwrap()
+    };
+    let greedy = run(&[]);
+    assert_eq!(greedy, run(&["--temperature", "0"]), "temperature 0 is greedy");
+    assert_eq!(greedy["finish_reason"], "length");
+    let sampled = ["--temperature", "1.5", "--top-k", "50", "--top-p", "0.9", "--min-p", "0.02"];
+    let with_seed = |seed: &str| {
+        let mut a = sampled.to_vec();
+        a.extend(["--seed", seed, "--repeat-penalty", "1.1", "--presence-penalty", "0.3"]);
+        run(&a)
+    };
+    assert_eq!(with_seed("5"), with_seed("5"));
+    assert_ne!(with_seed("5")["tokens"], with_seed("6")["tokens"]);
+    let lp = run(&["--logprobs", "2"]);
+    assert_eq!(lp["tokens"], greedy["tokens"]);
+    assert_eq!(lp["logprobs"].as_array().unwrap().len(), 10);
+    assert_eq!(lp["logprobs"][0]["chosen"]["id"], greedy["tokens"][0]);
+    assert_eq!(lp["logprobs"][0]["top"].as_array().unwrap().len(), 2);
+    let third = greedy["tokens"][2].to_string();
+    let stopped = run(&["--stop-ids", &third]);
+    assert_eq!(stopped["finish_reason"], "stop");
+    assert!(stopped["tokens"].as_array().unwrap().len() <= 2);
+    for (flag, value, want) in [
+        ("--temperature", "-1", "--temperature -1: must be a finite number >= 0"),
+        ("--top-p", "0", "--top-p 0: must be in (0, 1]"),
+        ("--repeat-penalty", "0", "--repeat-penalty 0: must be"),
+        ("--logprobs", "30", "--logprobs 30: must be at most 20"),
+    ] {
+        let bad = failure(&["generate", "--model", p(&model), "--tokens", "1", flag, value]);
+        assert!(bad.contains(want), "{flag}: {bad}");
+    }
+    let bad = failure(&["generate", "--model", p(&model), "--tokens", "1", "--stop-ids", "999999"]);
+    assert!(bad.contains("stop id 999999"), "{bad}");
+}

@@ -207,6 +207,12 @@ impl<'e, E: Engine + ?Sized> Generation<'e, E> {
         &self.context[self.n_prompt..]
     }
 
+    /// The engine, between tokens (to switch its perf mode, say). Exchanges and forward calls
+    /// made here do not touch this session's cache.
+    pub fn engine_mut(&mut self) -> &mut E {
+        self.engine
+    }
+
     /// The session's cache (prompt and generated tokens except the last, which was not fed).
     pub fn cache(&self) -> &KvCache {
         &self.cache
