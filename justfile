@@ -123,6 +123,17 @@ compare-binaries old new model:
 
 alias gpu-compare := compare-binaries
 
+# Side by side with llama.cpp on the same file in one run (benches/compare-llama-cpp.sh): `just
+# llama-fetch` here (downloads llama-cpp-python's source distribution from PyPI into .llama/, git-ignored),
+# then `just compare-llama` builds llama-bench (CUDA when nvcc is present) and prints pp/tg and ratios
+# for budget 0 / 50 / 100% vs -ncmoe (with a GPU) or CPU-only (without). MODEL, CASES, P, N, REPS, THREADS.
+llama-fetch:
+    bash benches/compare-llama-cpp.sh fetch
+
+compare-llama:
+    cargo build --release --bin moe-lanes
+    bash benches/compare-llama-cpp.sh run
+
 # Coverage-guided fuzzing (AFL++ through cargo-afl, stable toolchain) of the GGUF reader, the
 # safetensors header and index, the perf/learn JSON and the hot-experts JSON: 10M executions each
 # by default; crashes and hangs fail it. `just fuzz gguf 1000000` runs one target.

@@ -8,6 +8,7 @@
 //! - [`cache`]: hot set, planner, perf state;
 //! - [`gpu`]: the GPU dense stage and hot lane;
 //! - [`sample`]: choosing the next token (greedy, sampling filters, penalties, seeds, logprobs);
+//! - [`text`]: tokenizers (GGUF metadata, `tokenizer.json`) and streaming detokenization;
 //! - [`engine`]: the one `Engine` interface every backend implements, which the CLI, the
 //!   server and embedding services go through.
 //!
@@ -30,6 +31,7 @@ pub mod moe;
 pub mod reference;
 pub mod sample;
 pub mod synth;
+pub mod text;
 pub mod vocab;
 
 // The flat paths of earlier releases, kept so embedding code keeps compiling.

@@ -13,13 +13,14 @@
 //! permutation, `bias(rank) = -s * ln(1 + rank)` in units of the router logits' noise.
 
 use crate::format::dtype::DType;
-use crate::format::gguf::{GgufError, GgufWriter, MetaValue};
+use crate::format::gguf::{GgufError, GgufFile, GgufWriter, MetaValue};
 use crate::format::safetensors::{self, SafetensorsError, TensorSpec};
 use crate::format::tensor::encode_f32;
 use crate::model::adapter::{Adapter, Arch, RopeStyle};
 use crate::model::config::ModelConfig;
 use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
 use crate::model::{expected_layer_shape, llama_cpp_default_norm_topk, required_layer_roles};
+use crate::text::{HfTokenizerFiles, Tokenizer, TokenizerError};
 use crate::vocab;
 use half::{bf16, f16};
 use serde::Serialize;
@@ -157,6 +158,10 @@ pub struct SynthOptions {
     pub skew: Skew,
     pub format: SynthFormat,
     pub out: PathBuf,
+    /// Copy the tokenizer of this GGUF file (every `tokenizer.*` key, chat template included)
+    /// instead of writing the small synthetic one; the vocabulary size follows it. Safetensors
+    /// output gets it as `tokenizer.json` + `tokenizer_config.json` (byte-level BPE only).
+    pub vocab_from: Option<PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -171,6 +176,48 @@ pub enum SynthError {
     Gguf(#[from] GgufError),
     #[error(transparent)]
     Safetensors(#[from] SafetensorsError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error("{path}: cannot write {file}: {source}")]
+    WriteTokenizer { path: PathBuf, file: &'static str, source: std::io::Error },
+}
+
+/// A real tokenizer to put into a synthetic model: its `tokenizer.*` metadata, validated, and
+/// for safetensors output the same tokenizer as Hugging Face files.
+struct CopiedTokenizer {
+    metadata: Vec<(String, MetaValue)>,
+    n_vocab: usize,
+    hf_files: Option<HfTokenizerFiles>,
+}
+
+impl CopiedTokenizer {
+    /// Read and validate (by loading it) the tokenizer of a GGUF file.
+    fn read(path: &Path, format: SynthFormat) -> Result<CopiedTokenizer, SynthError> {
+        let file = GgufFile::open(path)?;
+        let tokenizer = Tokenizer::from_gguf(&file)?;
+        let hf_files = match format {
+            SynthFormat::Gguf => None,
+            SynthFormat::Safetensors => Some(tokenizer.to_hf_files()?),
+        };
+        let metadata = file.metadata().iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned().collect();
+        Ok(CopiedTokenizer { metadata, n_vocab: tokenizer.n_vocab(), hf_files })
+    }
+
+    /// Write `tokenizer.json` and `tokenizer_config.json` into a safetensors model directory.
+    fn write_hf_files(&self, dir: &Path) -> Result<(), SynthError> {
+        let Some(files) = &self.hf_files else { return Ok(()) };
+        for (file, text) in [
+            ("tokenizer.json", &files.tokenizer_json),
+            ("tokenizer_config.json", &files.tokenizer_config_json),
+        ] {
+            std::fs::write(dir.join(file), text).map_err(|source| SynthError::WriteTokenizer {
+                path: dir.into(),
+                file,
+                source,
+            })?;
+        }
+        Ok(())
+    }
 }
 
 /// What was written.
@@ -275,8 +322,9 @@ pub fn write_synthetic(
         return Err(SynthError::UnsupportedDType(opts.dtype));
     }
     refuse_special(&opts.out)?;
-    let config = synth_config(opts.adapter, opts.preset, &opts.dims)?;
-    if opts.format == SynthFormat::Gguf && config.vocab < vocab::MIN_VOCAB {
+    let mut config = synth_config(opts.adapter, opts.preset, &opts.dims)?;
+    let copied = copied_tokenizer(opts, &mut config)?;
+    if opts.format == SynthFormat::Gguf && copied.is_none() && config.vocab < vocab::MIN_VOCAB {
         return Err(invalid(
             "vocab",
             format!("{} is below {} (GGUF needs a byte-level tokenizer)", config.vocab, vocab::MIN_VOCAB),
@@ -289,25 +337,49 @@ pub fn write_synthetic(
     };
     let mut fill = |idx: usize, out: &mut dyn Write| generator.write_tensor(&tensors[idx], out);
     let n_bytes = match opts.format {
-        SynthFormat::Gguf => write_gguf(&config, opts, &tensors, &mut fill, progress)?,
-        SynthFormat::Safetensors => write_hf(&config, opts, &tensors, &mut fill, progress)?,
+        SynthFormat::Gguf => write_gguf(&config, opts, copied.as_ref(), &tensors, &mut fill, progress)?,
+        SynthFormat::Safetensors => {
+            let n_bytes = write_hf(&config, opts, &tensors, &mut fill, progress)?;
+            copied.as_ref().map(|c| c.write_hf_files(&opts.out)).transpose()?;
+            n_bytes
+        }
     };
-    let mut config = config;
     if opts.format == SynthFormat::Gguf && opts.adapter.arch == Arch::Mixtral {
         config.rope_style = RopeStyle::Interleaved;
     }
     Ok(SynthReport { path: opts.out.clone(), format: opts.format, n_bytes, n_tensors: tensors.len(), config })
 }
 
+/// `--vocab-from`: read the tokenizer and make the vocabulary size follow it.
+fn copied_tokenizer(
+    opts: &SynthOptions,
+    config: &mut ModelConfig,
+) -> Result<Option<CopiedTokenizer>, SynthError> {
+    let Some(path) = &opts.vocab_from else { return Ok(None) };
+    let copied = CopiedTokenizer::read(path, opts.format)?;
+    if let Some(v) = opts.dims.vocab.filter(|&v| v != copied.n_vocab) {
+        let reason =
+            format!("{v} conflicts with the {} tokens of --vocab-from {}", copied.n_vocab, path.display());
+        return Err(invalid("vocab", reason));
+    }
+    config.vocab = copied.n_vocab;
+    Ok(Some(copied))
+}
+
 fn write_gguf(
     config: &ModelConfig,
     opts: &SynthOptions,
+    copied: Option<&CopiedTokenizer>,
     tensors: &[PlannedTensor],
     fill: &mut dyn FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<u64, SynthError> {
     let mut w = GgufWriter::new();
     add_gguf_metadata(&mut w, config, opts);
+    match copied {
+        Some(tok) => tok.metadata.iter().for_each(|(k, v)| w.add_metadata(k.clone(), v.clone())),
+        None => add_synthetic_vocab(&mut w, config),
+    }
     for t in tensors {
         w.add_tensor(t.name.clone(), t.dtype, &t.shape);
     }
@@ -339,7 +411,7 @@ fn write_hf(
     Ok(total)
 }
 
-/// llama.cpp's metadata keys for the architecture, and a small valid tokenizer.
+/// llama.cpp's metadata keys for the architecture.
 fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
     let arch = opts.adapter.gguf_arch;
     let k = |suffix: &str| format!("{arch}.{suffix}");
@@ -375,6 +447,10 @@ fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
     w.add_metadata(k("expert_used_count"), u32v(c.n_experts_used));
     w.add_metadata(k("expert_weights_norm"), MetaValue::Bool(c.norm_topk_prob));
     w.add_metadata(k("vocab_size"), u32v(c.vocab));
+}
+
+/// The small synthetic byte-level BPE tokenizer (src/vocab.rs).
+fn add_synthetic_vocab(w: &mut GgufWriter, c: &ModelConfig) {
     let v = vocab::synthetic_vocab(c.vocab).expect("vocab size checked by the caller");
     w.add_metadata("tokenizer.ggml.model", MetaValue::String("gpt2".into()));
     w.add_metadata("tokenizer.ggml.pre", MetaValue::String("default".into()));

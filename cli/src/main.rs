@@ -33,6 +33,8 @@ macro_rules! out_raw {
     ($($arg:tt)*) => { emit(&format!($($arg)*)) };
 }
 
+mod text_cmds;
+
 fn emit(text: &str) -> Result<()> {
     use std::io::Write;
     let mut stdout = std::io::stdout().lock();
@@ -75,6 +77,11 @@ enum Command {
     /// Serve the model over HTTP: /v1/completions (token-id prompts, sampling), /metrics, /moe-layer-perf,
     /// /moe-hot-cache, /health. Stops on ctrl-c or SIGTERM after in-flight requests finish.
     Serve(ServeArgs),
+    /// Text to token ids with the model's tokenizer (GGUF metadata or tokenizer.json); prints a
+    /// JSON array of ids.
+    Tokenize(text_cmds::TokenizeArgs),
+    /// Token ids to text with the model's tokenizer.
+    Detokenize(text_cmds::DetokenizeArgs),
 }
 
 #[derive(Args)]
@@ -225,6 +232,11 @@ struct SynthArgs {
     head_dim: Option<usize>,
     #[arg(long)]
     vocab: Option<usize>,
+    /// Copy the tokenizer (and chat template) of this GGUF file, a vocabulary-only one works;
+    /// the vocabulary size follows it. Safetensors output also gets it as tokenizer.json (byte-level
+    /// BPE vocabularies only).
+    #[arg(long)]
+    vocab_from: Option<PathBuf>,
     #[arg(long)]
     experts: Option<usize>,
     #[arg(long)]
@@ -421,6 +433,8 @@ fn main() -> Result<()> {
         Command::Learn(args) => learn(args),
         Command::BenchKernels(args) => bench_kernels(args),
         Command::Bench(args) => bench(args),
+        Command::Tokenize(args) => text_cmds::tokenize(args),
+        Command::Detokenize(args) => text_cmds::detokenize(args),
     }
 }
 
@@ -580,6 +594,7 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
             other => bail!("--format {other}: expected gguf or safetensors"),
         },
         out: args.out,
+        vocab_from: args.vocab_from,
     };
     synth::check_output_path(&opts.out, args.force)?;
     let report = write_with_progress(&opts)?;
@@ -731,6 +746,7 @@ fn default_model_options(out: PathBuf) -> Result<SynthOptions> {
         skew: Skew::Skewed,
         format: SynthFormat::Gguf,
         out,
+        vocab_from: None,
     })
 }
 

@@ -131,6 +131,15 @@ impl Model {
         }
     }
 
+    /// The GGUF file behind a GGUF model (its metadata holds the tokenizer); `None` for a
+    /// safetensors directory.
+    pub fn gguf(&self) -> Option<&GgufFile> {
+        match &self.source {
+            Source::Gguf(file) => Some(file),
+            Source::Safetensors(_) => None,
+        }
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }

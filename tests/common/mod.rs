@@ -24,6 +24,7 @@ pub fn synth_options(arch: &str, format: SynthFormat, out: PathBuf, seed: u64) -
         skew: Skew::Skewed,
         format,
         out,
+        vocab_from: None,
     }
 }
 
@@ -143,4 +144,31 @@ pub fn repo_root() -> PathBuf {
     } else {
         manifest.parent().expect("cli/ has a parent").to_path_buf()
     }
+}
+
+/// The real tokenizer data of the design repository: `../shared/tokenizers` beside the clone
+/// (as CI has it). Panics naming the path when it is missing, so no test passes without it.
+pub fn shared_tokenizers() -> PathBuf {
+    let dir = repo_root().join("../shared/tokenizers");
+    assert!(
+        dir.join("ggml-vocab-qwen2.gguf").is_file(),
+        "{}: the design repository's tokenizers are missing (clone it beside this repository as ../shared)",
+        dir.display()
+    );
+    dir
+}
+
+/// llama.cpp's tokenizer test vectors for `<name>.gguf`: (input text, expected ids) pairs.
+pub fn vocab_test_vectors(name: &str) -> Vec<(String, Vec<u32>)> {
+    let dir = shared_tokenizers();
+    let inp = std::fs::read_to_string(dir.join(format!("{name}.gguf.inp"))).unwrap();
+    let out = std::fs::read_to_string(dir.join(format!("{name}.gguf.out"))).unwrap();
+    let mut inputs: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();
+    if inputs.last() == Some(&"") {
+        inputs.pop();
+    }
+    let expected: Vec<Vec<u32>> =
+        out.lines().map(|l| l.split_whitespace().map(|t| t.parse().unwrap()).collect()).collect();
+    assert_eq!(inputs.len(), expected.len(), "{name}: inputs and expected lines differ in count");
+    inputs.into_iter().map(str::to_owned).zip(expected).collect()
 }

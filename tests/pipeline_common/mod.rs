@@ -73,6 +73,7 @@ pub fn write_tiny(dir: &Path, spec: &TinySpec) -> Arc<Model> {
         skew: Skew::Skewed,
         format: if spec.gguf { SynthFormat::Gguf } else { SynthFormat::Safetensors },
         out: out.clone(),
+        vocab_from: None,
     };
     synth::write_synthetic(&opts, &mut |_, _| {}).expect("synth");
     Arc::new(Model::open(&out).expect("open"))

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Side-by-side comparison with llama.cpp on the same machine, the same file, in one call.
+#
+#   bash benches/compare-llama-cpp.sh fetch      # here (network): llama-cpp-python's sdist from PyPI,
+#                                                #   pruned to the llama.cpp sources into $LLAMA_DIR/src
+#   bash benches/compare-llama-cpp.sh build      # cmake build of llama-bench + llama-quantize into
+#                                                #   $LLAMA_DIR/build (CUDA when nvcc is present, else CPU)
+#   bash benches/compare-llama-cpp.sh run        # build (if missing, in the background while the model is
+#                                                #   written), then llama.cpp and moe-lanes alternately
+#
+# `run` prints one table: pp$P / tg$N of llama.cpp and moe-lanes and their ratios, for each case of
+# CASES. A case is `cpu` (no GPU at all: llama.cpp -ngl 0 with op offload off, moe-lanes --engine
+# pipeline) or `SHARE` in percent of expert bytes in VRAM (moe-lanes --hot-budget-mib SHARE% of all
+# experts; llama.cpp -ncmoe with the matching number of layers' experts kept on the CPU). No llama.cpp
+# source is committed: only this script.
+#
+# Settings (environment): LLAMA_DIR (.llama), LLAMA_VERSION (0.3.36), BIN (target/release/moe-lanes),
+# MODEL (written with SYNTH_ARGS when missing), SYNTH_ARGS (--preset qwen3-30b-a3b --layers 16 --skew
+# uniform --format gguf), CASES ("0 50 100" with a GPU, "cpu" without), P (512), N (128), REPS (3),
+# THREADS (all cores), OUT_JSON (a file for the table as JSON lines; optional).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+LLAMA_DIR="${LLAMA_DIR:-.llama}"
+LLAMA_VERSION="${LLAMA_VERSION:-0.3.36}"
+BIN="${BIN:-target/release/moe-lanes}"
+THREADS="${THREADS:-$(nproc)}"
+P="${P:-512}"
+N="${N:-128}"
+REPS="${REPS:-3}"
+have_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; }
+
+fetch() {
+    local tmp
+    tmp=$(mktemp -d)
+    # --no-binary for this package only: its build dependencies may come as wheels.
+    pip download --no-deps --no-binary llama-cpp-python "llama-cpp-python==$LLAMA_VERSION" -d "$tmp" >&2
+    tar xzf "$tmp"/llama_cpp_python-"$LLAMA_VERSION".tar.gz -C "$tmp"
+    rm -rf "$LLAMA_DIR/src"
+    mkdir -p "$LLAMA_DIR"
+    mv "$tmp/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp" "$LLAMA_DIR/src"
+    rm -rf "$tmp"
+    # Prune what the two tools never build, so the tree travels to the GPU machine (64 MiB limit).
+    local s="$LLAMA_DIR/src"
+    rm -rf "$s"/{docs,models,tests,examples,benches,pocs,gguf-py,media,.git*} "$s"/tools/{ui,server}
+    rm -rf "$s"/ggml/src/ggml-{vulkan,sycl,opencl,hexagon,metal,et,cann,musa,webgpu,zdnn,kompute}
+    echo "llama.cpp $LLAMA_VERSION sources in $s ($(du -sh "$s" | cut -f1))"
+}
+
+build() {
+    local s="$LLAMA_DIR/src" b="$LLAMA_DIR/build" cuda=OFF
+    [ -d "$s" ] || { echo "no llama.cpp sources in $s: run '$0 fetch' on a machine with network" >&2; exit 2; }
+    if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+        cuda=ON
+        export PATH="/usr/local/cuda/bin:$PATH"
+    fi
+    cmake -S "$s" -B "$b" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA="$cuda" \
+        -DCMAKE_CUDA_ARCHITECTURES=native -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON >&2
+    cmake --build "$b" --target llama-bench llama-quantize -j "$(nproc)" >&2
+    echo "built $b/bin/llama-bench (CUDA $cuda)"
+}
+
+# llama-bench's JSON: average tokens/s of the pp and tg tests.
+llama_rates() {
+    python3 -c 'import json,sys
+rows = json.load(open(sys.argv[1]))
+pp = [r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0]
+tg = [r["avg_ts"] for r in rows if r["n_gen"] > 0 and r["n_prompt"] == 0]
+print(pp[0] if pp else 0, tg[0] if tg else 0)' "$1"
+}
+
+moe_rates() {
+    python3 -c 'import json,sys; r=json.load(open(sys.argv[1])); print(r["pp_tokens_per_s"], r["tg_tokens_per_s"], r.get("hit_rate", 0), r.get("cold_threads", ""))' "$1"
+}
+
+# One case: llama.cpp then moe-lanes on MODEL; prints one table row.
+run_case() {
+    local case="$1" layers="$2" all_mib="$3" logs="$4" lflags mflags
+    if [ "$case" = cpu ]; then
+        lflags=(-ngl 0 -nopo 1)
+        mflags=(--engine pipeline --hot-budget-mib 0)
+    else
+        lflags=(-ngl 99 -ncmoe $(( layers - layers * case / 100 )))
+        mflags=(--hot-budget-mib $(( all_mib * case / 100 )))
+    fi
+    "$LLAMA_DIR/build/bin/llama-bench" -m "$MODEL" -p "$P" -n "$N" -r "$REPS" -t "$THREADS" "${lflags[@]}" \
+        -o json > "$logs/llama-$case.json" 2> "$logs/llama-$case.log"
+    "$BIN" bench --model "$MODEL" -p "$P" -n "$N" --runs "$REPS" --json "${mflags[@]}" \
+        > "$logs/moe-$case.json" 2> "$logs/moe-$case.log"
+    read -r lpp ltg < <(llama_rates "$logs/llama-$case.json")
+    read -r mpp mtg hit threads < <(moe_rates "$logs/moe-$case.json")
+    python3 -c 'import sys
+c, lf, lpp, ltg, mpp, mtg, hit, th = sys.argv[1:9]
+lpp, ltg, mpp, mtg, hit = map(float, (lpp, ltg, mpp, mtg, hit))
+r = lambda a, b: "%.2fx" % (a / b) if b else "-"
+print("| %s | %s | %.1f / %.1f | %.1f / %.1f | %s / %s | %.0f%% | %s |" % (c, lf, lpp, ltg, mpp, mtg, r(mpp, lpp), r(mtg, ltg), 100 * hit, th))' \
+        "$case" "${lflags[*]}" "$lpp" "$ltg" "$mpp" "$mtg" "$hit" "$threads"
+}
+
+run() {
+    local logs="${OUT:-$LLAMA_DIR/logs}" build_pid=""
+    mkdir -p "$logs"
+    if [ ! -x "$LLAMA_DIR/build/bin/llama-bench" ]; then
+        build > "$logs/build.log" 2>&1 &
+        build_pid=$!
+    fi
+    MODEL="${MODEL:-$LLAMA_DIR/model.gguf}"
+    if [ ! -f "$MODEL" ]; then
+        # shellcheck disable=SC2086
+        "$BIN" synth ${SYNTH_ARGS:---preset qwen3-30b-a3b --layers 16 --skew uniform --format gguf} --out "$MODEL" >&2
+    fi
+    if [ -n "$build_pid" ]; then
+        wait "$build_pid" || { tail -20 "$logs/build.log" >&2; exit 1; }
+    fi
+    local layers all_mib
+    read -r layers all_mib < <("$BIN" inspect "$MODEL" --json | python3 -c 'import json,sys
+r = json.load(sys.stdin); print(r["n_layers"], r["all_experts_bytes"] // (1 << 20))')
+    echo "model $MODEL: $layers layers, $all_mib MiB of experts; pp$P / tg$N, $REPS reps, $THREADS threads"
+    echo "| case | llama.cpp flags | llama.cpp pp / tg | moe-lanes pp / tg | ratio pp / tg | hit | cold threads |"
+    echo "|---|---|---|---|---|---|---|"
+    local cases
+    if have_gpu; then cases="${CASES:-0 50 100}"; else cases="${CASES:-cpu}"; fi
+    for c in $cases; do
+        run_case "$c" "$layers" "$all_mib" "$logs"
+    done
+}
+
+case "${1:-run}" in
+    fetch) fetch ;;
+    build) build ;;
+    run) run ;;
+    *) echo "usage: $0 fetch|build|run" >&2; exit 2 ;;
+esac
