@@ -33,6 +33,7 @@ macro_rules! out_raw {
     ($($arg:tt)*) => { emit(&format!($($arg)*)) };
 }
 
+mod run_cmd;
 mod text_cmds;
 
 fn emit(text: &str) -> Result<()> {
@@ -77,6 +78,9 @@ enum Command {
     /// Serve the model over HTTP: /v1/completions (token-id prompts, sampling), /metrics, /moe-layer-perf,
     /// /moe-hot-cache, /health. Stops on ctrl-c or SIGTERM after in-flight requests finish.
     Serve(ServeArgs),
+    /// Generate text from a text prompt, streamed as it is generated, then a one-line summary
+    /// on stderr (prompt t/s, generation t/s, hit rate). Sampling flags as `generate`.
+    Run(run_cmd::RunArgs),
     /// Text to token ids with the model's tokenizer (GGUF metadata or tokenizer.json); prints a
     /// JSON array of ids.
     Tokenize(text_cmds::TokenizeArgs),
@@ -433,6 +437,7 @@ fn main() -> Result<()> {
         Command::Learn(args) => learn(args),
         Command::BenchKernels(args) => bench_kernels(args),
         Command::Bench(args) => bench(args),
+        Command::Run(args) => run_cmd::run(args),
         Command::Tokenize(args) => text_cmds::tokenize(args),
         Command::Detokenize(args) => text_cmds::detokenize(args),
     }
