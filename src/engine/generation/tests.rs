@@ -19,6 +19,7 @@ fn model(dir: &std::path::Path) -> Arc<Model> {
         skew: Skew::Skewed,
         format: SynthFormat::Gguf,
         out: out.clone(),
+        vocab_from: None,
     };
     write_synthetic(&opts, &mut |_, _| {}).unwrap();
     Arc::new(Model::open(&out).unwrap())
