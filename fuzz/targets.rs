@@ -53,7 +53,8 @@ pub fn safetensors_index(data: &[u8]) {
 pub fn perf_json(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };
     if let Ok(report) = PerfReport::parse(Path::new(NAME), text, None) {
-        let again = PerfReport::parse(Path::new(NAME), &report.to_json(), None).expect("written perf JSON re-reads");
+        let again =
+            PerfReport::parse(Path::new(NAME), &report.to_json(), None).expect("written perf JSON re-reads");
         assert_eq!(again.to_json(), report.to_json());
     }
 }
@@ -63,17 +64,21 @@ pub fn hot_experts_json(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };
     if let Ok(set) = HotSet::from_experts_json(Path::new(NAME), text, 4, 16, 1) {
         let json = set.to_experts_json().to_string();
-        let again = HotSet::from_experts_json(Path::new(NAME), &json, 4, 16, 1).expect("written hot set re-reads");
+        let again =
+            HotSet::from_experts_json(Path::new(NAME), &json, 4, 16, 1).expect("written hot set re-reads");
         assert_eq!(again.to_experts_json(), set.to_experts_json());
     }
 }
 
 /// `POST /v1/completions` bodies (the server's parser) against a 512-token vocabulary: whatever
-/// is accepted has a non-empty prompt of in-range ids and at least one token to generate.
+/// is accepted has a non-empty prompt of in-range ids, at least one token to generate, sampling
+/// parameters in range and stop ids in range.
 pub fn completion_request(data: &[u8]) {
     use moe_lanes_server::api;
     let Ok(body) = api::object(Ok(data.to_vec().into())) else { return };
     if let Ok(req) = api::completion(&body, 512) {
-        assert!(!req.prompt.is_empty() && req.prompt.iter().all(|&t| t < 512) && req.max_tokens >= 1);
+        let g = &req.generation;
+        assert!(!req.prompt.is_empty() && req.prompt.iter().all(|&t| t < 512) && g.max_tokens >= 1);
+        assert!(g.sampling.validate().is_ok() && g.stop_ids.iter().all(|&t| t < 512));
     }
 }

@@ -7,6 +7,7 @@
 //! - [`moe`]: routing, worklist, phases and policy, cold-lane expert math, the CPU lane pipeline;
 //! - [`cache`]: hot set, planner, perf state;
 //! - [`gpu`]: the GPU dense stage and hot lane;
+//! - [`sample`]: choosing the next token (greedy, sampling filters, penalties, seeds, logprobs);
 //! - [`text`]: tokenizers (GGUF metadata, `tokenizer.json`) and streaming detokenization;
 //! - [`engine`]: the one `Engine` interface every backend implements, which the CLI, the
 //!   server and embedding services go through.
@@ -28,6 +29,7 @@ pub mod inspect;
 pub mod model;
 pub mod moe;
 pub mod reference;
+pub mod sample;
 pub mod synth;
 pub mod text;
 pub mod vocab;

@@ -5,7 +5,10 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use moe_lanes::adapter;
 use moe_lanes::dtype::DType;
-use moe_lanes::engine::{build_engine, BuildReport, Engine, EngineKind, EngineOptions, HotBudget, HotChoice};
+use moe_lanes::engine::{
+    build_engine, BuildReport, Engine, EngineKind, EngineOptions, Generation, GenerationOptions, HotBudget,
+    HotChoice,
+};
 use moe_lanes::env;
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::inspect::{format_bytes, InspectReport};
@@ -30,6 +33,7 @@ macro_rules! out_raw {
     ($($arg:tt)*) => { emit(&format!($($arg)*)) };
 }
 
+mod run_cmd;
 mod text_cmds;
 
 fn emit(text: &str) -> Result<()> {
@@ -62,7 +66,7 @@ enum Command {
     Inspect(InspectArgs),
     /// Print the logits of every position as JSON.
     Logits(LogitsArgs),
-    /// Greedy generation; prints the generated token ids as JSON.
+    /// Generate token ids, greedy or sampled (--temperature > 0); prints them as JSON.
     Generate(GenerateArgs),
     /// Learn pass: run tokens through the pipeline with the cache off and write the perf JSON
     /// learn file (per-layer, per-expert usage and timings).
@@ -71,9 +75,12 @@ enum Command {
     BenchKernels(BenchKernelsArgs),
     /// End-to-end prompt processing and generation speed on the GPU with a hot cache.
     Bench(BenchArgs),
-    /// Serve the model over HTTP: /v1/completions (token-id prompts), /metrics, /moe-layer-perf,
+    /// Serve the model over HTTP: /v1/completions (token-id prompts, sampling), /metrics, /moe-layer-perf,
     /// /moe-hot-cache, /health. Stops on ctrl-c or SIGTERM after in-flight requests finish.
     Serve(ServeArgs),
+    /// Generate text from a text prompt, streamed as it is generated, then a one-line summary
+    /// on stderr (prompt t/s, generation t/s, hit rate). Sampling flags as `generate`.
+    Run(run_cmd::RunArgs),
     /// Text to token ids with the model's tokenizer (GGUF metadata or tokenizer.json); prints a
     /// JSON array of ids.
     Tokenize(text_cmds::TokenizeArgs),
@@ -318,8 +325,75 @@ struct GenerateArgs {
     prompt: PromptArgs,
     #[arg(long, default_value_t = 16)]
     max_new_tokens: usize,
+    /// Comma-separated token ids that end the generation (not printed).
+    #[arg(long, value_delimiter = ',')]
+    stop_ids: Vec<u32>,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     #[command(flatten)]
     engine: EngineArgs,
+}
+
+/// How the next token is chosen (llama.cpp's flag names).
+#[derive(Args)]
+struct SamplingArgs {
+    /// 0 = greedy (the default); higher = more random.
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    temperature: f32,
+    /// Keep the K most likely tokens (0 = off).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Keep the most likely tokens whose probabilities sum to P (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Drop tokens less likely than P times the most likely one (0 = off).
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    /// Penalise tokens of the last --repeat-last-n (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repeat_penalty: f32,
+    /// Window of the repeat, presence and frequency penalties, in tokens.
+    #[arg(long, default_value_t = moe_lanes::sample::DEFAULT_PENALTY_LAST_N)]
+    repeat_last_n: usize,
+    /// Subtract from the logits of tokens in the window (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// Subtract per occurrence in the window (0 = off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
+    /// Same seed, same tokens (default: from the clock).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Print each token's log-probability and this many alternatives (0..=20).
+    #[arg(long)]
+    logprobs: Option<usize>,
+}
+
+impl SamplingArgs {
+    fn params(&self) -> Result<moe_lanes::sample::SamplingParams> {
+        let p = moe_lanes::sample::SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repetition_penalty: self.repeat_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            penalty_last_n: self.repeat_last_n,
+            seed: self.seed,
+            logprobs: self.logprobs,
+        };
+        // Flag names in the message, not the API's field names.
+        p.validate().map_err(|e| {
+            let flag = match e.field {
+                "repetition_penalty" => "repeat-penalty".to_string(),
+                "top_logprobs" => "logprobs".to_string(),
+                f => f.replace('_', "-"),
+            };
+            anyhow::anyhow!("--{flag} {}: must be {}", e.value, e.expected)
+        })?;
+        Ok(p)
+    }
 }
 
 #[derive(Args)]
@@ -363,6 +437,7 @@ fn main() -> Result<()> {
         Command::Learn(args) => learn(args),
         Command::BenchKernels(args) => bench_kernels(args),
         Command::Bench(args) => bench(args),
+        Command::Run(args) => run_cmd::run(args),
         Command::Tokenize(args) => text_cmds::tokenize(args),
         Command::Detokenize(args) => text_cmds::detokenize(args),
     }
@@ -467,7 +542,8 @@ fn serve(args: ServeArgs) -> Result<()> {
     let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
     let positions = model.config().max_positions;
     let opts = engine_options(&model, &args.engine, positions, HotChoice::None)?;
-    let name = args.model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    let name =
+        args.model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let serve_opts = moe_lanes_server::ServeOptions {
         listen: args.listen,
         admin_token: args.admin_token,
@@ -476,7 +552,10 @@ fn serve(args: ServeArgs) -> Result<()> {
         perf_json: args.engine.perf_json.clone(),
     };
     moe_lanes_server::run(model, opts, serve_opts, |s| {
-        eprintln!("engine: {} on {} ({} hot experts from {})", s.report.kind, s.device, s.report.n_hot_experts, s.report.hot_source);
+        eprintln!(
+            "engine: {} on {} ({} hot experts from {})",
+            s.report.kind, s.device, s.report.n_hot_experts, s.report.hot_source
+        );
         if let Some(reason) = &s.report.gpu_unavailable {
             eprintln!("GPU engine unavailable ({reason})");
         }
@@ -589,6 +668,7 @@ fn logits(args: LogitsArgs) -> Result<()> {
 
 fn generate(args: GenerateArgs) -> Result<()> {
     let prompt = args.prompt.ids()?;
+    let sampling = args.sampling.params()?;
     let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
     // Before any work: prompt + new tokens must fit the context.
     moe_lanes::reference::check_generation_fits(
@@ -598,8 +678,20 @@ fn generate(args: GenerateArgs) -> Result<()> {
     )?;
     let opts = engine_options(&model, &args.engine, prompt.len() + args.max_new_tokens, HotChoice::None)?;
     let (mut engine, _) = open_engine(&model, opts)?;
-    let tokens = engine.generate(&prompt, args.max_new_tokens)?;
-    out!("{}", serde_json::json!({ "tokens": tokens }))?;
+    let gen_opts =
+        GenerationOptions { max_tokens: args.max_new_tokens, stop_ids: args.stop_ids.clone(), sampling };
+    let mut session = Generation::new(engine.as_mut(), &prompt, gen_opts)?;
+    let mut logprobs = Vec::new();
+    let finish = session.run(|t| {
+        logprobs.extend(t.logprobs.clone());
+        std::ops::ControlFlow::Continue(())
+    })?;
+    let mut out = serde_json::json!({ "tokens": session.generated(), "finish_reason": finish.openai() });
+    if args.sampling.logprobs.is_some() {
+        out["logprobs"] = serde_json::to_value(&logprobs)?;
+    }
+    drop(session);
+    out!("{out}")?;
     write_perf(engine.as_ref(), &args.engine.perf_json)
 }
 

@@ -201,3 +201,107 @@ fn bench_json_runs_without_a_gpu_with_the_same_keys() {
     let bad = failure(&["generate", "--model", p(&model), "--tokens", "1", "--engine", "warp"]);
     assert!(bad.contains("unknown engine 'warp'"), "{bad}");
 }
+
+#[test]
+fn generate_samples_with_flags_reproducibly_and_refuses_bad_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    ok_stdout(&["synth", "--out", p(&model)]);
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["generate", "--model", p(&model), "--tokens", "3,1,4", "--max-new-tokens", "10"];
+        args.extend(["--engine", "pipeline"]);
+        args.extend(extra);
+        serde_json::from_str(&ok_stdout(&args)).unwrap()
+    };
+    let greedy = run(&[]);
+    assert_eq!(greedy, run(&["--temperature", "0"]), "temperature 0 is greedy");
+    assert_eq!(greedy["finish_reason"], "length");
+    let sampled = ["--temperature", "1.5", "--top-k", "50", "--top-p", "0.9", "--min-p", "0.02"];
+    let with_seed = |seed: &str| {
+        let mut a = sampled.to_vec();
+        a.extend(["--seed", seed, "--repeat-penalty", "1.1", "--presence-penalty", "0.3"]);
+        run(&a)
+    };
+    assert_eq!(with_seed("5"), with_seed("5"));
+    assert_ne!(with_seed("5")["tokens"], with_seed("6")["tokens"]);
+    let lp = run(&["--logprobs", "2"]);
+    assert_eq!(lp["tokens"], greedy["tokens"]);
+    assert_eq!(lp["logprobs"].as_array().unwrap().len(), 10);
+    assert_eq!(lp["logprobs"][0]["chosen"]["id"], greedy["tokens"][0]);
+    assert_eq!(lp["logprobs"][0]["top"].as_array().unwrap().len(), 2);
+    let third = greedy["tokens"][2].to_string();
+    let stopped = run(&["--stop-ids", &third]);
+    assert_eq!(stopped["finish_reason"], "stop");
+    assert!(stopped["tokens"].as_array().unwrap().len() <= 2);
+    for (flag, value, want) in [
+        ("--temperature", "-1", "--temperature -1: must be a finite number >= 0"),
+        ("--top-p", "0", "--top-p 0: must be in (0, 1]"),
+        ("--repeat-penalty", "0", "--repeat-penalty 0: must be"),
+        ("--logprobs", "30", "--logprobs 30: must be at most 20"),
+    ] {
+        let bad = failure(&["generate", "--model", p(&model), "--tokens", "1", flag, value]);
+        assert!(bad.contains(want), "{flag}: {bad}");
+    }
+    let bad = failure(&["generate", "--model", p(&model), "--tokens", "1", "--stop-ids", "999999"]);
+    assert!(bad.contains("stop id 999999"), "{bad}");
+}
+
+#[test]
+fn run_streams_the_text_of_the_greedy_tokens_and_a_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("q.gguf");
+    let vocab = common::repo_root().join("../shared/tokenizers/ggml-vocab-qwen2.gguf");
+    ok_stdout(&["synth", "--out", p(&model), "--vocab-from", p(&vocab)]);
+    let prompt = "Hello, wörld! 🦀";
+    let base = ["--model", p(&model), "--engine", "pipeline"];
+    let out = moe_lanes(&[&["run"][..], &base, &["--prompt", prompt, "-n", "12"]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let summary = stderr.lines().last().unwrap();
+    assert!(summary.starts_with("prompt ") && summary.contains(" t/s | generated "), "{stderr}");
+    assert!(summary.contains("hit rate"), "{summary}");
+    // the same tokens through generate, then detokenized: the same text
+    let ids: Vec<u32> =
+        serde_json::from_str(&ok_stdout(&["tokenize", "--model", p(&model), "--text", prompt, "--special"]))
+            .unwrap();
+    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let g: serde_json::Value = serde_json::from_str(&ok_stdout(
+        &[&["generate"][..], &base, &["--tokens", &ids.join(","), "--max-new-tokens", "12"]].concat(),
+    ))
+    .unwrap();
+    let gen: Vec<String> = g["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap())
+        .take_while(|&t| t < 151643) // qwen2's special tokens (end of generation among them) start here
+        .map(|t| t.to_string())
+        .collect();
+    let want = ok_stdout(&["detokenize", "--model", p(&model), "--skip-special", "--tokens", &gen.join(",")]);
+    assert_eq!(text, want, "run prints the detokenized greedy tokens");
+    // the prompt from a file and from standard input; seeded sampling repeats
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, prompt).unwrap();
+    let from_file = ok_stdout(&[&["run"][..], &base, &["--prompt-file", p(&file), "-n", "12"]].concat());
+    assert_eq!(from_file, text);
+    let sampled = ["-n", "8", "--temperature", "0.9", "--seed", "3"];
+    let piped = |args: &[&str]| {
+        use std::io::Write;
+        let mut child = bin::command()
+            .args(args)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(prompt.as_bytes()).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let run_args = [&["run"][..], &base, &sampled].concat();
+    assert_eq!(piped(&run_args), piped(&run_args));
+    let bad = failure(&[&["run"][..], &base, &["--prompt", "x", "--top-p", "2"]].concat());
+    assert!(bad.contains("--top-p 2"), "{bad}");
+}

@@ -23,7 +23,8 @@ impl Server {
         let mut child = command().args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let addr = line.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("{line}")).to_string();
+        let addr =
+            line.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("{line}")).to_string();
         Server { child, addr }
     }
 
@@ -114,18 +115,32 @@ fn completions_equal_generate_plain_and_streamed() {
     let model = tiny(dir.path());
     let want = generate(&model, "1,2,3", 6, &["--hot-fraction", "0.5"]);
     let server = Server::start(&model, &["--hot-fraction", "0.5"]);
-    let (status, v) = server.json("POST", "/v1/completions", &json!({"prompt": [1, 2, 3], "max_tokens": 6, "model": "t"}));
+    let (status, v) = server.json(
+        "POST",
+        "/v1/completions",
+        &json!({"prompt": [1, 2, 3], "max_tokens": 6, "model": "t", "temperature": 0}),
+    );
     assert_eq!(status, 200, "{v}");
-    let got: Vec<u64> = v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    let got: Vec<u64> =
+        v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
     assert_eq!(got, want);
     assert_eq!(v["usage"], json!({"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}));
-    let (status, text) = server.request("POST", "/v1/completions", json!({"prompt": [[1, 2, 3]], "max_tokens": 6, "stream": true}).to_string().as_bytes(), &[]);
+    let (status, text) = server.request(
+        "POST",
+        "/v1/completions",
+        json!({"prompt": [[1, 2, 3]], "max_tokens": 6, "stream": true, "temperature": 0.0})
+            .to_string()
+            .as_bytes(),
+        &[],
+    );
     assert_eq!(status, 200);
     let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
     assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
     let streamed: Vec<u64> = data[..data.len() - 1]
         .iter()
-        .flat_map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["token_ids"].as_array().unwrap().clone())
+        .flat_map(|d| {
+            serde_json::from_str::<Value>(d).unwrap()["choices"][0]["token_ids"].as_array().unwrap().clone()
+        })
         .map(|t| t.as_u64().unwrap())
         .collect();
     assert_eq!(streamed, want);
@@ -148,7 +163,45 @@ fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
         ("POST", "/v1/completions", br#"{"prompt": [1], "max_tokens": "many"}"#.to_vec(), 400, "max_tokens"),
         ("POST", "/v1/completions", br#"{"prompt": [1], "max_tokens": 100000}"#.to_vec(), 400, "max_tokens"),
         ("POST", "/v1/completions", br#"{"prompt": [1], "stream": "yes"}"#.to_vec(), 400, "stream"),
-        ("POST", "/v1/completions", br#"{"prompt": [1], "temperature": 0.8}"#.to_vec(), 400, "temperature"),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "temperature": -0.5}"#.to_vec(), 400, "temperature"),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "temperature": "hot"}"#.to_vec(), 400, "temperature"),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "top_p": 0}"#.to_vec(), 400, "top_p"),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "top_p": 1.5}"#.to_vec(), 400, "top_p"),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "top_k": 2.5}"#.to_vec(), 400, "top_k"),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "min_p": 2}"#.to_vec(), 400, "min_p"),
+        (
+            "POST",
+            "/v1/completions",
+            br#"{"prompt": [1], "presence_penalty": 3}"#.to_vec(),
+            400,
+            "presence_penalty",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            br#"{"prompt": [1], "frequency_penalty": -2.5}"#.to_vec(),
+            400,
+            "frequency_penalty",
+        ),
+        (
+            "POST",
+            "/v1/completions",
+            br#"{"prompt": [1], "repetition_penalty": 0}"#.to_vec(),
+            400,
+            "repetition_penalty",
+        ),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "seed": -1}"#.to_vec(), 400, "seed"),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "logprobs": 6}"#.to_vec(), 400, "logprobs"),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "stop": "\n"}"#.to_vec(), 400, "stop"),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "stop": [1, 100000]}"#.to_vec(), 400, "stop"),
+        (
+            "POST",
+            "/v1/completions",
+            br#"{"prompt": [1], "stop_token_ids": [-3]}"#.to_vec(),
+            400,
+            "stop_token_ids",
+        ),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "n": 2}"#.to_vec(), 400, "n"),
         ("POST", "/v1/completions", br#"{"prompt": [1], "bogus": 1}"#.to_vec(), 400, "bogus"),
         ("GET", "/moe-layer-perf?mode=fast", Vec::new(), 400, "mode"),
         ("GET", "/moe-layer-perf?colour=red", Vec::new(), 400, "colour"),
@@ -163,7 +216,8 @@ fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
         let (status, text) = server.request(method, path, &body, &[]);
         let what = format!("{method} {path} {}", String::from_utf8_lossy(&body));
         assert_eq!(status, want_status, "{what}: {text}");
-        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: not JSON ({e}): {text}"));
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: not JSON ({e}): {text}"));
         assert_eq!(v["error"]["param"], want_param, "{what}: {v}");
         assert!(!v["error"]["message"].as_str().unwrap().is_empty());
     }
@@ -176,6 +230,71 @@ fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
     assert_eq!(after["updates"], 0);
 }
 
+fn token_ids(v: &Value) -> Vec<u64> {
+    v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect()
+}
+
+#[test]
+fn sampled_completions_repeat_with_a_seed_report_logprobs_and_stop_on_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let server = Server::start(&model, &[]);
+    let body = |seed: u64| {
+        json!({"prompt": [4, 8, 15], "max_tokens": 12, "temperature": 1.5, "top_k": 40, "top_p": 0.95,
+               "min_p": 0.01, "presence_penalty": 0.5, "seed": seed, "logprobs": 2})
+    };
+    let (status, a) = server.json("POST", "/v1/completions", &body(7));
+    assert_eq!(status, 200, "{a}");
+    let (_, b) = server.json("POST", "/v1/completions", &body(7));
+    let (_, c) = server.json("POST", "/v1/completions", &body(8));
+    assert_eq!(token_ids(&a), token_ids(&b), "same seed, same tokens");
+    assert_ne!(token_ids(&a), token_ids(&c), "another seed, other tokens");
+    let lp = &a["choices"][0]["logprobs"];
+    let names: Vec<String> = token_ids(&a).iter().map(|t| format!("token_id:{t}")).collect();
+    assert_eq!(lp["tokens"], json!(names));
+    assert_eq!(lp["token_logprobs"].as_array().unwrap().len(), 12);
+    assert!(lp["token_logprobs"].as_array().unwrap().iter().all(|x| x.as_f64().unwrap() <= 0.0));
+    assert!(lp["top_logprobs"].as_array().unwrap().iter().all(|m| m.as_object().unwrap().len() == 2));
+    assert_eq!(a["choices"][0]["finish_reason"], "length");
+    // greedy, stopped by the id of its third token (via `stop` and via `stop_token_ids`)
+    let greedy = generate(&model, "4,8,15", 6, &[]);
+    for key in ["stop", "stop_token_ids"] {
+        let (_, v) = server.json(
+            "POST",
+            "/v1/completions",
+            &json!({"prompt": [4, 8, 15], "max_tokens": 6, "temperature": 0, key: [greedy[2]]}),
+        );
+        let upto = greedy.iter().position(|&t| t == greedy[2]).unwrap();
+        assert_eq!(token_ids(&v), greedy[..upto].to_vec(), "{v}");
+        assert_eq!(v["choices"][0]["finish_reason"], "stop");
+        assert_eq!(v["usage"]["completion_tokens"], upto);
+    }
+    let (_, streamed) = server.request(
+        "POST",
+        "/v1/completions",
+        body(7)
+            .as_object()
+            .cloned()
+            .map(|mut m| {
+                m.insert("stream".into(), json!(true));
+                Value::Object(m)
+            })
+            .unwrap()
+            .to_string()
+            .as_bytes(),
+        &[],
+    );
+    let chunks: Vec<Value> = streamed
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let ids: Vec<u64> = chunks.iter().flat_map(token_ids).collect();
+    assert_eq!(ids, token_ids(&a), "streamed with the same seed: the same tokens");
+    assert!(chunks[0]["choices"][0]["logprobs"]["token_logprobs"][0].is_number());
+}
+
 fn moe_lanes_server_max_body() -> usize {
     1 << 20
 }
@@ -186,14 +305,20 @@ fn a_hot_cache_apply_changes_the_set_between_requests_and_the_output_stays_exact
     let model = tiny(dir.path());
     let want = generate(&model, "5,6,7", 8, &[]);
     let server = Server::start(&model, &["--hot-fraction", "0.5"]);
-    let (status, v) = server.json("POST", "/moe-hot-cache", &json!({"layers": {"0": [4, 5, 6, 7], "1": [0, 2, 4, 6]}}));
+    let (status, v) =
+        server.json("POST", "/moe-hot-cache", &json!({"layers": {"0": [4, 5, 6, 7], "1": [0, 2, 4, 6]}}));
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["exchanges"], 6);
     let (_, hot) = server.json("GET", "/moe-hot-cache", &json!({}));
     assert_eq!(hot["layers"], json!({"0": [4, 5, 6, 7], "1": [0, 2, 4, 6]}));
     assert_eq!(hot["updates"], 1);
-    let (_, v) = server.json("POST", "/v1/completions", &json!({"prompt": [5, 6, 7], "max_tokens": 8}));
-    let got: Vec<u64> = v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    let (_, v) = server.json(
+        "POST",
+        "/v1/completions",
+        &json!({"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0}),
+    );
+    let got: Vec<u64> =
+        v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
     assert_eq!(got, want, "output after the exchange equals the reference engine's");
     let (status, _) = server.request("GET", "/moe-layer-perf?mode=update", b"", &[]);
     assert_eq!(status, 200);
@@ -209,12 +334,15 @@ fn a_full_queue_answers_429_and_every_other_request_completes() {
     let handles: Vec<_> = (0..8)
         .map(|_| {
             let s = server.clone();
-            std::thread::spawn(move || s.json("POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 2000})))
+            std::thread::spawn(move || {
+                s.json("POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 2000}))
+            })
         })
         .collect();
     let results: Vec<(u16, Value)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     let n_ok = results.iter().filter(|(s, v)| *s == 200 && v["usage"]["completion_tokens"] == 2000).count();
-    let n_busy = results.iter().filter(|(s, v)| *s == 429 && v["error"]["type"] == "rate_limit_error").count();
+    let n_busy =
+        results.iter().filter(|(s, v)| *s == 429 && v["error"]["type"] == "rate_limit_error").count();
     assert_eq!(n_ok + n_busy, 8, "{results:?}");
     assert!(n_busy >= 1 && n_ok >= 1, "ok {n_ok}, 429 {n_busy}");
     let (_, text) = server.request("GET", "/metrics", b"", &[]);
@@ -235,11 +363,13 @@ fn metrics_name_every_family_and_admin_endpoints_need_the_token() {
     let body = json!({"layers": {"0": [4, 5, 6, 7]}}).to_string();
     let (status, _) = server.request("POST", "/moe-hot-cache", body.as_bytes(), &[]);
     assert_eq!(status, 401);
-    let (status, _) = server.request("POST", "/moe-hot-cache", body.as_bytes(), &["Authorization: Bearer wrong"]);
+    let (status, _) =
+        server.request("POST", "/moe-hot-cache", body.as_bytes(), &["Authorization: Bearer wrong"]);
     assert_eq!(status, 401);
     let (status, _) = server.request("GET", "/moe-layer-perf?mode=off", b"", &[]);
     assert_eq!(status, 401);
-    let (status, v) = server.request("POST", "/moe-hot-cache", body.as_bytes(), &["Authorization: Bearer s3cret"]);
+    let (status, v) =
+        server.request("POST", "/moe-hot-cache", body.as_bytes(), &["Authorization: Bearer s3cret"]);
     assert_eq!(status, 200, "{v}");
 }
 
@@ -250,7 +380,9 @@ fn sigterm_lets_the_running_request_finish_and_writes_the_perf_json() {
     let perf = dir.path().join("perf.json");
     let server = Server::start(&model, &["--perf-json", p(&perf)]);
     let addr = server.addr.clone();
-    let req = std::thread::spawn(move || json_request(&addr, "POST", "/v1/completions", &json!({"prompt": [1], "max_tokens": 3000})));
+    let req = std::thread::spawn(move || {
+        json_request(&addr, "POST", "/v1/completions", &json!({"prompt": [1], "max_tokens": 3000}))
+    });
     std::thread::sleep(std::time::Duration::from_millis(300));
     let status = server.stop();
     let (code, v) = req.join().unwrap();

@@ -23,6 +23,7 @@ fn cli_help() {
         "bench-kernels",
         "demo",
         "serve",
+        "run",
         "tokenize",
         "detokenize",
     ] {

@@ -6,11 +6,14 @@
 use crate::prom;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use moe_lanes::actors::Exchange;
-use moe_lanes::engine::{build_engine, BuildReport, Engine, EngineError, EngineOptions};
+use moe_lanes::engine::{
+    build_engine, BuildReport, Engine, EngineError, EngineOptions, FinishReason, Generation, GenerationError,
+    GenerationOptions,
+};
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::model::Model;
 use moe_lanes::perf::PerfMode;
-use moe_lanes::phase::Phase;
+use moe_lanes::sample::Logprobs;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -21,7 +24,7 @@ const IDLE_POLL: Duration = Duration::from_millis(20);
 /// One completion request, validated.
 pub struct CompletionJob {
     pub prompt: Vec<u32>,
-    pub max_tokens: usize,
+    pub generation: GenerationOptions,
     pub events: tokio::sync::mpsc::Sender<Event>,
     pub enqueued_at: Instant,
 }
@@ -29,8 +32,8 @@ pub struct CompletionJob {
 /// What the worker tells the request handler.
 #[derive(Debug)]
 pub enum Event {
-    Token(u32),
-    Done { prompt_tokens: usize, completion_tokens: usize },
+    Token { id: u32, logprobs: Option<Logprobs> },
+    Done { prompt_tokens: usize, completion_tokens: usize, finish: FinishReason },
     Failed(String),
 }
 
@@ -149,9 +152,9 @@ fn complete(engine: &mut dyn Engine, job: CompletionJob, shared: &Shared) {
     shared.running.fetch_sub(1, Ordering::Relaxed);
     publish(engine, shared);
     let event = match result {
-        Ok(Some(n)) => {
+        Ok(Some((n, finish))) => {
             prom::request_finished(started.elapsed(), job.prompt.len(), n);
-            Event::Done { prompt_tokens: job.prompt.len(), completion_tokens: n }
+            Event::Done { prompt_tokens: job.prompt.len(), completion_tokens: n, finish }
         }
         Ok(None) => {
             prom::request_cancelled();
@@ -165,30 +168,31 @@ fn complete(engine: &mut dyn Engine, job: CompletionJob, shared: &Shared) {
     let _ = job.events.blocking_send(event);
 }
 
-/// `Ok(None)`: the client went away (its generation stopped).
+/// Generate with the job's sampler, streaming each token; `Ok(None)`: the client went away (its
+/// generation stopped). Otherwise the number of tokens and why it ended.
 fn generate(
     engine: &mut dyn Engine,
     job: &CompletionJob,
     shared: &Shared,
     started: Instant,
-) -> Result<Option<usize>, EngineError> {
-    let mut cache = engine.new_cache(job.prompt.len() + job.max_tokens)?;
-    let mut next = *engine.forward(&job.prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("a row");
-    prom::first_token(started.elapsed());
-    let mut last = Instant::now();
-    for n in 1..=job.max_tokens {
-        if job.events.blocking_send(Event::Token(next)).is_err() {
+) -> Result<Option<(usize, FinishReason)>, GenerationError> {
+    let mut session = Generation::new(engine, &job.prompt, job.generation.clone())?;
+    let mut first = true;
+    while let Some(t) = session.next_token()? {
+        if first {
+            prom::first_token(started.elapsed());
+            first = false;
+        } else {
+            prom::inter_token(std::time::Duration::from_micros(t.step_us));
+        }
+        if job.events.blocking_send(Event::Token { id: t.id, logprobs: t.logprobs }).is_err() {
             return Ok(None);
         }
-        if n == job.max_tokens {
-            break;
-        }
-        switch_mode(engine, shared);
-        next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
-        prom::inter_token(last.elapsed());
-        last = Instant::now();
+        switch_mode(session.engine_mut(), shared);
     }
-    Ok(Some(job.max_tokens))
+    let n = session.generated_tokens();
+    let finish = session.finish_reason().expect("finished");
+    Ok(Some((n, finish)))
 }
 
 fn publish(engine: &dyn Engine, shared: &Shared) {

@@ -147,6 +147,10 @@ impl Engine for GpuEngine {
     fn set_copy_logits(&mut self, on: bool) {
         self.gpu.set_copy_logits(on);
     }
+    fn copies_logits(&self) -> bool {
+        // After a device loss the CPU pipeline answers, and it always copies rows.
+        self.cpu.is_some() || self.gpu.copies_logits()
+    }
     fn profile_report(&self) -> Option<String> {
         self.gpu.profile_report()
     }

@@ -6,6 +6,7 @@
 
 pub mod build;
 mod cpu;
+pub mod generation;
 mod gpu;
 
 use crate::actors::Exchange;
@@ -20,6 +21,7 @@ use crate::moe::pipeline::{PipelineCache, PipelineError};
 use crate::reference::ForwardError;
 
 pub use build::{build_engine, BuildReport, EngineOptions, HotBudget, HotChoice, AUTO_BUDGET_RESERVE_BYTES};
+pub use generation::{FinishReason, GeneratedToken, Generation, GenerationError, GenerationOptions};
 pub use gpu::GpuEngine;
 
 /// Which engine runs a forward call.
@@ -175,6 +177,10 @@ pub trait Engine {
     fn apply_exchanges(&mut self) -> Result<usize, EngineError>;
     /// Whether forward calls copy logits rows back (default on); off: only greedy tokens.
     fn set_copy_logits(&mut self, _on: bool) {}
+    /// Whether forward calls copy logits rows back now (the CPU engines always do).
+    fn copies_logits(&self) -> bool {
+        true
+    }
     /// Switch the perf mode between calls (engines without perf state ignore it).
     fn set_perf_mode(&mut self, _mode: crate::cache::perf::PerfMode) {}
     /// The per-stage GPU profile, when the engine records one.
@@ -183,6 +189,18 @@ pub trait Engine {
     }
     /// Start the per-stage profile over (after a warm-up, say).
     fn reset_profile(&mut self) {}
+
+    /// A [`Generation`] session: sampled or greedy, token by token, with stop ids and timing.
+    fn generation(
+        &mut self,
+        prompt: &[u32],
+        opts: GenerationOptions,
+    ) -> Result<Generation<'_, Self>, GenerationError>
+    where
+        Self: Sized,
+    {
+        Generation::new(self, prompt, opts)
+    }
 
     /// Greedy generation from a fresh cache: prefill `prompt` (Prefill), then decode `n_new`
     /// tokens one at a time (Decode).

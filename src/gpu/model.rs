@@ -10,13 +10,13 @@ use super::scratch::{HostScratch, Scratch};
 use super::stats::{self, CallTimes, ForwardStats, LaneEvents, LayerRecord, Profiler, StageProfile};
 use super::weights::DenseWeights;
 use super::GpuError;
-use crate::moe::faults::{FaultLane, LaneFault, LaneFaultSchedule};
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{PerfMode, PerfState};
 use crate::engine::Logits;
 use crate::model::adapter::Adapter;
 use crate::model::config::ModelConfig;
 use crate::model::Model;
+use crate::moe::faults::{FaultLane, LaneFault, LaneFaultSchedule};
 use crate::moe::phase::Phase;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer};
@@ -260,6 +260,10 @@ impl GpuModel {
 
     pub fn set_copy_logits(&mut self, on: bool) {
         self.opts.copy_logits = on;
+    }
+
+    pub fn copies_logits(&self) -> bool {
+        self.opts.copy_logits
     }
 
     /// Statistics of the last forward call.

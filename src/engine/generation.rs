@@ -1,0 +1,231 @@
+//! A generation session: prefill a prompt, then hand back one token per call, chosen by a
+//! [`Sampler`], until `max_tokens`, a stop id, or the caller stops asking (cancel = stop calling
+//! [`Generation::next_token`], or return `ControlFlow::Break` from [`Generation::run`]).
+//!
+//! Greedy generation without logprobs or penalties keeps the engine's fast path (only the
+//! greedy ids come back); anything else turns on the logits rows for the session and restores
+//! the engine's setting when the session ends.
+
+use super::{Engine, EngineError, KvCache, Logits};
+use crate::moe::phase::Phase;
+use crate::sample::{Logprobs, Sampler, SamplingError, SamplingParams};
+use std::ops::ControlFlow;
+use std::time::Instant;
+
+/// What to generate.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct GenerationOptions {
+    /// Most tokens to generate (a stop id ends sooner).
+    pub max_tokens: usize,
+    /// Tokens that end the generation (EOS, end-of-turn); the stop token is not returned.
+    pub stop_ids: Vec<u32>,
+    pub sampling: SamplingParams,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// `max_tokens` were generated.
+    Length,
+    /// A stop id was chosen.
+    Stop { token: u32 },
+    /// The caller stopped it.
+    Cancelled,
+}
+
+impl FinishReason {
+    /// OpenAI's `finish_reason`.
+    pub fn openai(self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+            FinishReason::Stop { .. } | FinishReason::Cancelled => "stop",
+        }
+    }
+}
+
+/// One generated token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneratedToken {
+    pub id: u32,
+    /// Present when the sampling parameters ask for logprobs.
+    pub logprobs: Option<Logprobs>,
+    /// Time from the start of the session (prefill included) to this token: the first token's
+    /// is the time to first token.
+    pub at_us: u64,
+    /// Time since the previous token (the first token's equals `at_us`): inter-token latency.
+    pub step_us: u64,
+}
+
+/// Bad generation options (checked before any work).
+#[derive(Debug, thiserror::Error)]
+pub enum GenerationError {
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("stop id {id} is not below the vocabulary size {vocab}")]
+    StopId { id: u32, vocab: usize },
+    #[error("the {engine} engine returned no logits rows, which sampling needs")]
+    NoLogits { engine: super::EngineKind },
+}
+
+/// A running generation over one engine and one KV cache.
+pub struct Generation<'e, E: Engine + ?Sized> {
+    engine: &'e mut E,
+    cache: KvCache,
+    sampler: Sampler,
+    opts: GenerationOptions,
+    /// Prompt and generated tokens (the penalties' window).
+    context: Vec<u32>,
+    n_prompt: usize,
+    /// The last chosen token, not yet fed to the engine.
+    pending: Option<u32>,
+    n_generated: usize,
+    finish: Option<FinishReason>,
+    started: Instant,
+    last: Instant,
+    restore_copy_logits: Option<bool>,
+}
+
+impl<'e, E: Engine + ?Sized> Generation<'e, E> {
+    /// Check the options and that prompt + `max_tokens` fits; nothing runs until the first
+    /// [`next_token`](Self::next_token).
+    pub fn new(engine: &'e mut E, prompt: &[u32], opts: GenerationOptions) -> Result<Self, GenerationError> {
+        let vocab = engine.config().vocab;
+        if let Some(&id) = opts.stop_ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(GenerationError::StopId { id, vocab });
+        }
+        let sampler = Sampler::new(opts.sampling.clone())?;
+        crate::reference::check_generation_fits(prompt.len(), opts.max_tokens, engine.config().max_positions)
+            .map_err(EngineError::from)?;
+        let cache = engine.new_cache(prompt.len() + opts.max_tokens)?;
+        let needs = opts.sampling.needs_logits();
+        let restore_copy_logits = (engine.copies_logits() != needs).then(|| engine.copies_logits());
+        engine.set_copy_logits(needs);
+        let now = Instant::now();
+        Ok(Generation {
+            engine,
+            cache,
+            sampler,
+            context: prompt.to_vec(),
+            n_prompt: prompt.len(),
+            pending: None,
+            n_generated: 0,
+            finish: if opts.max_tokens == 0 { Some(FinishReason::Length) } else { None },
+            opts,
+            started: now,
+            last: now,
+            restore_copy_logits,
+        })
+    }
+
+    /// The next token, or `None` once finished (see [`finish_reason`](Self::finish_reason)).
+    pub fn next_token(&mut self) -> Result<Option<GeneratedToken>, GenerationError> {
+        if self.finish.is_some() {
+            return Ok(None);
+        }
+        let logits = match self.pending.take() {
+            None => {
+                self.started = Instant::now();
+                let prompt = self.context.clone();
+                self.engine.forward(&prompt, Phase::Prefill, &mut self.cache)?
+            }
+            Some(t) => self.engine.forward(&[t], Phase::Decode, &mut self.cache)?,
+        };
+        let (id, logprobs) = self.choose(&logits)?;
+        let now = Instant::now();
+        let token = GeneratedToken {
+            id,
+            logprobs,
+            at_us: (now - self.started).as_micros() as u64,
+            step_us: (now - if self.n_generated == 0 { self.started } else { self.last }).as_micros() as u64,
+        };
+        self.last = now;
+        if self.opts.stop_ids.contains(&id) {
+            self.finish = Some(FinishReason::Stop { token: id });
+            return Ok(None);
+        }
+        self.context.push(id);
+        self.n_generated += 1;
+        if self.n_generated == self.opts.max_tokens {
+            self.finish = Some(FinishReason::Length);
+        } else {
+            self.pending = Some(id);
+        }
+        Ok(Some(token))
+    }
+
+    fn choose(&mut self, logits: &Logits) -> Result<(u32, Option<Logprobs>), GenerationError> {
+        let last = logits.n_rows.checked_sub(1).expect("one row per token");
+        if !self.opts.sampling.needs_logits() {
+            return Ok((logits.argmax[last], None));
+        }
+        if logits.data.len() < logits.n_rows * logits.vocab {
+            return Err(GenerationError::NoLogits { engine: self.engine.kind() });
+        }
+        let row = logits.row(last);
+        let id = self.sampler.sample(row, &self.context);
+        Ok((id, self.sampler.logprobs(row, id)))
+    }
+
+    /// Generate until the end, handing each token to `on_token`; `Break` cancels.
+    pub fn run(
+        &mut self,
+        mut on_token: impl FnMut(&GeneratedToken) -> ControlFlow<()>,
+    ) -> Result<FinishReason, GenerationError> {
+        while let Some(t) = self.next_token()? {
+            if on_token(&t).is_break() {
+                self.cancel();
+            }
+        }
+        Ok(self.finish.expect("set when next_token returns None"))
+    }
+
+    /// Stop now; later calls return `None`.
+    pub fn cancel(&mut self) {
+        if self.finish.is_none() {
+            self.finish = Some(FinishReason::Cancelled);
+        }
+    }
+
+    /// `None` while running.
+    pub fn finish_reason(&self) -> Option<FinishReason> {
+        self.finish
+    }
+
+    pub fn prompt_tokens(&self) -> usize {
+        self.n_prompt
+    }
+
+    pub fn generated_tokens(&self) -> usize {
+        self.n_generated
+    }
+
+    /// The generated ids so far.
+    pub fn generated(&self) -> &[u32] {
+        &self.context[self.n_prompt..]
+    }
+
+    /// The engine, between tokens (to switch its perf mode, say). Exchanges and forward calls
+    /// made here do not touch this session's cache.
+    pub fn engine_mut(&mut self) -> &mut E {
+        self.engine
+    }
+
+    /// The session's cache (prompt and generated tokens except the last, which was not fed).
+    pub fn cache(&self) -> &KvCache {
+        &self.cache
+    }
+}
+
+impl<E: Engine + ?Sized> Drop for Generation<'_, E> {
+    fn drop(&mut self) {
+        if let Some(on) = self.restore_copy_logits {
+            self.engine.set_copy_logits(on);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
