@@ -47,6 +47,10 @@ pub struct Snapshot {
     pub hot_set: Option<HotSet>,
     pub hot_bytes: u64,
     pub perf_mode: Option<PerfMode>,
+    /// The hot-cache budget the engine was planned for, when it was built from one.
+    pub hot_budget_bytes: Option<u64>,
+    /// Free device memory at the last publish (GPU engine).
+    pub device_free_bytes: Option<u64>,
 }
 
 /// State shared between the HTTP side and the worker.
@@ -91,6 +95,7 @@ pub fn run(
             return None;
         }
     };
+    shared.snapshot.write().expect("snapshot lock").hot_budget_bytes = report.budget_bytes;
     let _ = built.send(Ok((report, engine.device())));
     engine.set_copy_logits(false);
     publish(engine.as_ref(), &shared);
@@ -118,6 +123,7 @@ fn between_requests(engine: &mut dyn Engine, shared: &Shared) {
         if let Ok(n) = &result {
             shared.updates.fetch_add(1, Ordering::Relaxed);
             shared.exchanges_applied.fetch_add(*n as u64, Ordering::Relaxed);
+            prom::cache_updated();
         }
         publish(engine, shared);
         shared.apply_pending.store(false, Ordering::Release);
@@ -197,7 +203,8 @@ fn publish(engine: &dyn Engine, shared: &Shared) {
     s.perf_mode = engine.perf().map(|p| p.mode());
     s.hot_set = engine.hot_set().cloned();
     s.hot_bytes = engine.hot_bytes();
-    if let Some(p) = engine.perf() {
-        prom::record_perf(p.report(), s.hot_bytes);
-    }
+    s.device_free_bytes = engine.device_free_bytes();
+    // The per-layer figures went to the exporter as they were recorded (the perf state records
+    // through the facade); only the engine gauges are set here.
+    prom::engine_gauges(s.hot_bytes, s.hot_budget_bytes, s.device_free_bytes);
 }
