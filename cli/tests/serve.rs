@@ -383,3 +383,51 @@ fn sigterm_lets_the_running_request_finish_and_writes_the_perf_json() {
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&perf).unwrap()).unwrap();
     assert!(report["layers"][0]["calls"].as_u64().unwrap() >= 3000);
 }
+
+/// Headless Chromium, when installed (`.ci/run` installs Debian's `chromium`).
+fn chromium() -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    ["chromium", "chromium-browser", "google-chrome"]
+        .iter()
+        .flat_map(|name| std::env::split_paths(&path).map(move |d| d.join(name)))
+        .find(|p| p.is_file())
+}
+
+/// The live page at `/`: loaded in headless Chromium against a live server while a request
+/// runs, its script fills a row and a heatmap row for every layer and the serving figures.
+#[test]
+fn live_page_shows_every_layer_in_headless_chromium() {
+    let Some(browser) = chromium() else {
+        eprintln!("SKIP: chromium not found (.ci/run installs Debian's chromium)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m5.gguf");
+    ok_stdout(&["synth", "--out", p(&path), "--layers", "5"]);
+    let server = Server::start(p(&path), &["--hot-fraction", "0.5"]);
+    let (status, text) = server.request("GET", "/", b"", &[]);
+    assert_eq!(status, 200);
+    assert!(!text.contains("http://") && !text.contains("https://"), "the page loads no external assets");
+    let addr = server.addr.clone();
+    let req = std::thread::spawn(move || {
+        json_request(&addr, "POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 3000}))
+    });
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let out = std::process::Command::new(&browser)
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000", "--dump-dom"])
+        .arg(format!("http://{}/", server.addr))
+        .output()
+        .unwrap();
+    let dom = String::from_utf8_lossy(&out.stdout);
+    assert!(dom.contains("data-ready=\"1\""), "the page's script ran and reached the server:\n{dom}");
+    for layer in 0..5 {
+        assert!(dom.contains(&format!("data-layer=\"{layer}\"")), "layer {layer} row missing:\n{dom}");
+        assert!(dom.contains(&format!("data-heat-layer=\"{layer}\"")), "layer {layer} heatmap row missing");
+    }
+    assert!(!dom.contains("data-layer=\"5\""));
+    assert!(dom.contains("data-hit-rate=\"\">") && dom.contains("%</td>"), "hit rates shown:\n{dom}");
+    let running =
+        dom.split("data-card=\"running\"><div class=\"v\">").nth(1).and_then(|r| r.split('<').next());
+    assert_eq!(running, Some("1"), "the running request shows:\n{dom}");
+    assert_eq!(req.join().unwrap().0, 200);
+}

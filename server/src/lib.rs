@@ -1,10 +1,11 @@
-//! moe-lanes over HTTP (the only package that knows HTTP): `GET /health`, `GET /metrics`
+//! moe-lanes over HTTP (the only package that knows HTTP): `GET /` (live page), `GET /health`, `GET /metrics`
 //! (Prometheus), `GET /moe-layer-perf[?mode=full|update|off]` (perf JSON), `GET|POST
 //! /moe-hot-cache` (hot set; manual apply between requests), `GET /v1/models` and
 //! `POST /v1/completions` (OpenAI-compatible, prompts as token ids, streaming as server-sent
 //! events). One engine thread serves a bounded queue; 429 when it is full.
 
 pub mod api;
+mod page;
 mod prom;
 mod routes;
 mod worker;

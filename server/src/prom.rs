@@ -106,23 +106,28 @@ fn handles() -> &'static Handles {
     })
 }
 
-pub fn request_started(queue_wait: Duration) {
-    handles().queue_wait.record(queue_wait.as_secs_f64());
+/// A request left the queue; its prompt is processed now.
+pub fn request_started(queue_wait: Duration, prompt_tokens: usize) {
+    let h = handles();
+    h.queue_wait.record(queue_wait.as_secs_f64());
+    h.prompt_tokens.increment(prompt_tokens as u64);
 }
 
+/// The first token was generated (tokens count as they come, so throughput is live).
 pub fn first_token(after: Duration) {
     handles().ttft.record(after.as_secs_f64());
+    handles().generated_tokens.increment(1);
 }
 
+/// One more token was generated, `gap` after the previous one.
 pub fn inter_token(gap: Duration) {
     handles().itl.record(gap.as_secs_f64());
+    handles().generated_tokens.increment(1);
 }
 
-pub fn request_finished(took: Duration, prompt_tokens: usize, generated: usize) {
+pub fn request_finished(took: Duration) {
     let h = handles();
     h.request.record(took.as_secs_f64());
-    h.prompt_tokens.increment(prompt_tokens as u64);
-    h.generated_tokens.increment(generated as u64);
     h.ok.increment(1);
 }
 

@@ -37,6 +37,7 @@ pub struct AppState {
 
 pub fn router(state: AppState) -> Router {
     Router::new()
+        .route("/", get(crate::page::page))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/moe-layer-perf", get(layer_perf))

@@ -18,6 +18,10 @@ use std::time::{Duration, Instant};
 /// How often an idle worker looks for a pending hot-cache apply or perf-mode switch.
 const IDLE_POLL: Duration = Duration::from_millis(20);
 
+/// How often a running request republishes the snapshot (perf JSON, gauges), so the live page
+/// and `/moe-layer-perf` move while long generations run.
+const PUBLISH_EVERY: Duration = Duration::from_millis(250);
+
 /// One completion request, validated.
 pub struct CompletionJob {
     pub prompt: Vec<u32>,
@@ -149,14 +153,14 @@ fn switch_mode(engine: &mut dyn Engine, shared: &Shared) {
 /// Prefill, then decode greedily, streaming each token; stops early when the client is gone.
 fn complete(engine: &mut dyn Engine, job: CompletionJob, shared: &Shared) {
     let started = Instant::now();
-    prom::request_started(started - job.enqueued_at);
+    prom::request_started(started - job.enqueued_at, job.prompt.len());
     let result = generate(engine, &job, shared, started);
     // Counters and the snapshot are current before the client hears the end.
     shared.running.fetch_sub(1, Ordering::Relaxed);
     publish(engine, shared);
     let event = match result {
         Ok(Some(n)) => {
-            prom::request_finished(started.elapsed(), job.prompt.len(), n);
+            prom::request_finished(started.elapsed());
             Event::Done { prompt_tokens: job.prompt.len(), completion_tokens: n }
         }
         Ok(None) => {
@@ -182,6 +186,7 @@ fn generate(
     let mut next = *engine.forward(&job.prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("a row");
     prom::first_token(started.elapsed());
     let mut last = Instant::now();
+    let mut published = last;
     for n in 1..=job.max_tokens {
         if job.events.blocking_send(Event::Token(next)).is_err() {
             return Ok(None);
@@ -190,6 +195,10 @@ fn generate(
             break;
         }
         switch_mode(engine, shared);
+        if published.elapsed() >= PUBLISH_EVERY {
+            publish(engine, shared);
+            published = Instant::now();
+        }
         next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
         prom::inter_token(last.elapsed());
         last = Instant::now();
