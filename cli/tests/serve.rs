@@ -167,6 +167,23 @@ fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
         ("POST", "/moe-hot-cache", br#"{"layers": {"0": [4, 5]}}"#.to_vec(), 400, "layers.0"),
         ("POST", "/moe-hot-cache", br#"{"layers": "all"}"#.to_vec(), 400, "layers"),
         ("POST", "/moe-hot-cache", b"\xff\xfe".to_vec(), 400, "(body)"),
+        ("POST", "/moe-hot-cache", b"{not json".to_vec(), 400, "(body)"),
+        ("POST", "/moe-hot-cache", br#"{"layers": {"0": ["a", 1, 2, 3]}}"#.to_vec(), 400, "layers"),
+        ("POST", "/moe-hot-cache", br#"{"layers": {"x": [0, 1, 2, 3]}}"#.to_vec(), 400, "layers"),
+        (
+            "POST",
+            "/moe-hot-cache",
+            br#"{"layers": [{"layer": 0, "experts": [1, 2]}]}"#.to_vec(),
+            400,
+            "layers",
+        ),
+        (
+            "POST",
+            "/moe-hot-cache",
+            br#"{"layers": [{"layer": 0, "experts": "many"}]}"#.to_vec(),
+            400,
+            "layers",
+        ),
     ];
     let (_, before) = server.json("GET", "/moe-hot-cache", &json!({}));
     for (method, path, body, want_status, want_param) in cases {
@@ -179,9 +196,21 @@ fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
         assert!(!v["error"]["message"].as_str().unwrap().is_empty());
     }
     let oversize = vec![b' '; moe_lanes_server_max_body() + 10];
-    let (status, text) = server.request("POST", "/v1/completions", &oversize, &[]);
-    assert_eq!(status, 413, "{text}");
-    assert!(serde_json::from_str::<Value>(&text).is_ok(), "oversize gets a JSON error: {text}");
+    for path in ["/v1/completions", "/moe-hot-cache"] {
+        let (status, text) = server.request("POST", path, &oversize, &[]);
+        assert_eq!(status, 413, "{path}: {text}");
+        assert!(serde_json::from_str::<Value>(&text).is_ok(), "{path}: oversize gets a JSON error: {text}");
+    }
+    // Unknown paths and methods: JSON errors too.
+    for (method, path, want) in
+        [("GET", "/nope", 404), ("DELETE", "/moe-hot-cache", 405), ("GET", "/v1/completions", 405)]
+    {
+        let (status, text) = server.request(method, path, b"", &[]);
+        assert_eq!(status, want, "{method} {path}: {text}");
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {text}"));
+        assert!(v["error"]["message"].as_str().unwrap().contains(path), "{v}");
+    }
     let (_, after) = server.json("GET", "/moe-hot-cache", &json!({}));
     assert_eq!(before["layers"], after["layers"], "nothing changed");
     assert_eq!(after["updates"], 0);
@@ -430,4 +459,50 @@ fn live_page_shows_every_layer_in_headless_chromium() {
         dom.split("data-card=\"running\"><div class=\"v\">").nth(1).and_then(|r| r.split('<').next());
     assert_eq!(running, Some("1"), "the running request shows:\n{dom}");
     assert_eq!(req.join().unwrap().0, 200);
+}
+
+/// A manual apply posted while a request runs waits for it: the request's tokens all come from
+/// the hot set it started with, the apply answers only after the request ended, and a second
+/// apply while the first is pending gets 409.
+#[test]
+fn a_manual_apply_during_a_running_request_waits_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let want = generate(&model, "1,2", 2000, &["--hot-fraction", "0.5"]);
+    let server = Server::start(&model, &["--hot-fraction", "0.5"]);
+    let addr = server.addr.clone();
+    let req = std::thread::spawn(move || {
+        json_request(&addr, "POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 2000}))
+    });
+    // Wait until the request runs.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while server.json("GET", "/health", &json!({})).1["requests_running"] != 1 {
+        assert!(std::time::Instant::now() < deadline, "the request never ran");
+    }
+    let addr = server.addr.clone();
+    let apply = std::thread::spawn(move || {
+        json_request(&addr, "POST", "/moe-hot-cache", &json!({"layers": {"0": [4, 5, 6, 7]}}))
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while server.json("GET", "/moe-hot-cache", &json!({})).1["apply_pending"] != true {
+        assert!(std::time::Instant::now() < deadline, "the apply never became pending");
+    }
+    let (status, v) = server.json("POST", "/moe-hot-cache", &json!({"layers": {"1": [4, 5, 6, 7]}}));
+    assert_eq!(status, 409, "{v}");
+    // While the request still runs (read after the hot set), the apply has not happened.
+    let (_, hot) = server.json("GET", "/moe-hot-cache", &json!({}));
+    let (_, health) = server.json("GET", "/health", &json!({}));
+    if health["requests_running"] == 1 {
+        assert_eq!(hot["layers"]["0"], json!([0, 1, 2, 3]), "applied while a request ran");
+        assert_eq!(hot["apply_pending"], true);
+    }
+    let ((req_status, out), (apply_status, applied)) = (req.join().unwrap(), apply.join().unwrap());
+    assert_eq!(req_status, 200, "{out}");
+    assert_eq!(apply_status, 200, "{applied}");
+    let got: Vec<u64> =
+        out["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    assert_eq!(got, want, "the running request kept its hot set (output exact)");
+    let (_, hot) = server.json("GET", "/moe-hot-cache", &json!({}));
+    assert_eq!(hot["layers"]["0"], json!([4, 5, 6, 7]));
+    assert_eq!(hot["layers"]["1"], json!([0, 1, 2, 3]), "the refused apply changed nothing");
 }

@@ -44,8 +44,23 @@ pub fn router(state: AppState) -> Router {
         .route("/moe-hot-cache", get(hot_cache).post(apply_hot_cache))
         .route("/v1/models", get(models))
         .route("/v1/completions", axum::routing::post(completions))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY_BYTES))
         .with_state(state)
+}
+
+/// Unknown paths and methods get a JSON error too (never an empty body).
+async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::status(StatusCode::NOT_FOUND, "not_found_error", format!("no endpoint at {}", uri.path()))
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    ApiError::status(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        format!("{method} is not allowed on {}", uri.path()),
+    )
 }
 
 async fn health(State(s): State<AppState>) -> Json<Value> {
