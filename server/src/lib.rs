@@ -18,6 +18,13 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+/// Install the process's Prometheus recorder (once; `serve` does it too), so everything that
+/// records through the `metrics` facade (the engine's perf state) records for real: what
+/// `bench --metrics-ab` measures the cost of.
+pub fn install_metrics() {
+    prom::install();
+}
+
 /// How to serve.
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
