@@ -13,8 +13,7 @@ fn moe_lanes(args: &[&str]) -> String {
 #[test]
 fn cli_help() {
     insta::assert_snapshot!("help", moe_lanes(&["--help"]));
-    for cmd in ["synth", "inspect", "logits", "generate", "learn", "bench", "bench-kernels", "demo", "serve"]
-    {
+    for cmd in ["synth", "inspect", "logits", "generate", "learn", "bench", "bench-kernels", "demo", "serve"] {
         insta::assert_snapshot!(format!("help_{}", cmd.replace('-', "_")), moe_lanes(&[cmd, "--help"]));
     }
 }
