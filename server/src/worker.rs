@@ -100,9 +100,10 @@ pub fn run(
         }
     };
     shared.snapshot.write().expect("snapshot lock").hot_budget_bytes = report.budget_bytes;
-    let _ = built.send(Ok((report, engine.device())));
     engine.set_copy_logits(false);
+    // The first snapshot is there before the server listens (no request sees an empty one).
     publish(engine.as_ref(), &shared);
+    let _ = built.send(Ok((report, engine.device())));
     loop {
         between_requests(engine.as_mut(), &shared);
         match jobs.recv_timeout(IDLE_POLL) {
