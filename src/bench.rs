@@ -3,8 +3,8 @@
 //! the same runs (hit rate, overlap, join wait, lane times, fallbacks) off the engine's perf
 //! state. Generation feeds random token ids by default (as llama-bench does), or the greedy token.
 
-use crate::cache::perf::PerfReport;
-use crate::engine::{BuildReport, Engine, EngineError, HotBudget};
+use crate::cache::perf::{PerfMode, PerfReport};
+use crate::engine::{BuildReport, Engine, EngineError, HotBudget, KvCache};
 use crate::inspect::sample_tokens;
 use crate::model::Model;
 use crate::moe::phase::Phase;
@@ -24,6 +24,10 @@ pub struct BenchOptions {
     /// default, as llama-bench does) keep the routing mix of a real workload; greedy output on
     /// random weights can loop on one token and hit the same experts over and over.
     pub greedy: bool,
+    /// Metrics on vs off in one call: every run also times generation with the perf state off
+    /// (nothing recorded, in either view), alternating which goes first, so the cost of
+    /// recording is measured under the same conditions.
+    pub metrics_ab: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -34,6 +38,8 @@ pub enum BenchError {
     ZeroCount,
     #[error("bench: {positions} positions exceed the model's {max_positions}")]
     TooLong { positions: usize, max_positions: usize },
+    #[error("bench: metrics on vs off needs an engine that records (perf state present, mode not off)")]
+    NothingRecorded,
 }
 
 /// Median and spread of one measured quantity.
@@ -152,6 +158,9 @@ pub struct BenchReport {
     pub simd: String,
     /// What generation fed back: "random" token ids (default) or the "greedy" tokens.
     pub tg_feed: &'static str,
+    /// Generation with the perf state off, timed in the same runs (`metrics_ab`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tg_metrics_off_tokens_per_s_spread: Option<Spread>,
 }
 
 fn snapshot(engine: &dyn Engine) -> PerfReport {
@@ -185,7 +194,10 @@ pub fn run_bench(
         next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
     }
     engine.reset_profile();
-    let (mut pp_rates, mut tg_rates) = (Vec::new(), Vec::new());
+    if opts.metrics_ab && engine.perf().is_none_or(|p| p.mode() == PerfMode::Off) {
+        return Err(BenchError::NothingRecorded);
+    }
+    let (mut pp_rates, mut tg_rates, mut tg_off_rates) = (Vec::new(), Vec::new(), Vec::new());
     let (mut pp, mut tg) = (LaneTotals::default(), LaneTotals::default());
     let total_ticks = 2 * opts.n_runs as u64;
     for run_idx in 0..opts.n_runs {
@@ -197,15 +209,18 @@ pub fn run_bench(
         let mid = snapshot(engine);
         pp.add(LaneTotals::between(&before, &mid));
         progress(2 * run_idx as u64 + 1, total_ticks);
-        let mut next = *logits.argmax.last().expect("one row per prompt token");
+        let next = *logits.argmax.last().expect("one row per prompt token");
         let feed = random_feed(c.vocab, opts.n_gen_tokens, run_idx);
-        let start = Instant::now();
-        for i in 0..opts.n_gen_tokens {
-            let greedy = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
-            next = if opts.greedy { greedy } else { feed[i] };
+        let off_first = opts.metrics_ab && run_idx % 2 == 1;
+        if off_first {
+            tg_off_rates.push(timed_tg_off(engine, &prompt, &feed, opts, context)?);
         }
-        tg_rates.push(opts.n_gen_tokens as f64 / start.elapsed().as_secs_f64());
+        let mid = if off_first { snapshot(engine) } else { mid };
+        tg_rates.push(timed_tg(engine, &mut cache, next, &feed, opts.greedy)?);
         tg.add(LaneTotals::between(&mid, &snapshot(engine)));
+        if opts.metrics_ab && !off_first {
+            tg_off_rates.push(timed_tg_off(engine, &prompt, &feed, opts, context)?);
+        }
         progress(2 * run_idx as u64 + 2, total_ticks);
     }
     let (pps, tgs) = (Spread::of(&pp_rates), Spread::of(&tg_rates));
@@ -236,7 +251,43 @@ pub fn run_bench(
         cold_threads: opts.cold_threads,
         simd: opts.simd.clone(),
         tg_feed: if opts.greedy { "greedy" } else { "random" },
+        tg_metrics_off_tokens_per_s_spread: opts.metrics_ab.then(|| Spread::of(&tg_off_rates)),
     })
+}
+
+/// Decode `feed.len()` tokens after `first` (feeding the greedy token or `feed`); tokens/s.
+fn timed_tg(
+    engine: &mut dyn Engine,
+    cache: &mut KvCache,
+    first: u32,
+    feed: &[u32],
+    greedy: bool,
+) -> Result<f64, BenchError> {
+    let mut next = first;
+    let start = Instant::now();
+    for &fed in feed {
+        let g = engine.forward(&[next], Phase::Decode, cache)?.argmax[0];
+        next = if greedy { g } else { fed };
+    }
+    Ok(feed.len() as f64 / start.elapsed().as_secs_f64())
+}
+
+/// The same generation with the perf state off (a fresh cache, prefilled untimed); the mode
+/// is restored after.
+fn timed_tg_off(
+    engine: &mut dyn Engine,
+    prompt: &[u32],
+    feed: &[u32],
+    opts: &BenchOptions,
+    context: usize,
+) -> Result<f64, BenchError> {
+    let mode = engine.perf().map_or(PerfMode::Off, |p| p.mode());
+    let mut cache = engine.new_cache(context)?;
+    let first = *engine.forward(prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("rows");
+    engine.set_perf_mode(PerfMode::Off);
+    let rate = timed_tg(engine, &mut cache, first, feed, opts.greedy);
+    engine.set_perf_mode(mode);
+    rate
 }
 
 /// Token ids fed during generation in run `run_idx` (drawn before the timing starts).
@@ -281,6 +332,16 @@ impl BenchReport {
             self.hot_lane_us, self.cold_lane_us, self.overlap_us, self.join_wait_us, self.fallbacks
         );
         out += &format!("tg feeds      {} token ids\n", self.tg_feed);
+        if let Some(off) = &self.tg_metrics_off_tokens_per_s_spread {
+            out += &format!(
+                "tg{:<4} off    {:.1} t/s with metrics off (min {:.1}, max {:.1}); recording costs {:.2}% of tg\n",
+                self.n_gen_tokens,
+                off.median,
+                off.min,
+                off.max,
+                (off.median - self.tg_tokens_per_s) / off.median * 100.0
+            );
+        }
         out + &format!("cold lane     {} threads, {}\n", self.cold_threads, self.simd)
     }
 }

@@ -124,6 +124,11 @@ struct BenchArgs {
     /// Feed the greedy token back during tg (default: random token ids, as llama-bench does).
     #[arg(long)]
     greedy: bool,
+    /// Metrics on vs off in one call: install the Prometheus recorder (as serve does) and time
+    /// tg in every run also with the perf state off (alternating order); prints the cost of
+    /// recording.
+    #[arg(long)]
+    metrics_ab: bool,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -829,6 +834,10 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
 
 fn bench(args: BenchArgs) -> Result<()> {
     use moe_lanes::bench::{run_bench, BenchOptions};
+    if args.metrics_ab {
+        // Before the engine is built: its perf state registers its handles with the recorder.
+        moe_lanes_server::install_metrics();
+    }
     let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
     let n_positions = args.prompt_tokens.saturating_add(args.gen_tokens);
     let opts = engine_options(&model, &args.engine, n_positions, HotChoice::Budget(HotBudget::Auto))?;
@@ -846,6 +855,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         cold_threads: build.cold_threads,
         simd: simd_name,
         greedy: args.greedy,
+        metrics_ab: args.metrics_ab,
     };
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(

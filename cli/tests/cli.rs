@@ -197,6 +197,17 @@ fn bench_json_runs_without_a_gpu_with_the_same_keys() {
     greedy.push("--greedy");
     let g: serde_json::Value = serde_json::from_str(&ok_stdout(&greedy)).unwrap();
     assert_eq!(g["tg_feed"], "greedy");
+    assert!(v.get("tg_metrics_off_tokens_per_s_spread").is_none(), "only with --metrics-ab");
+    // Metrics on vs off in one call: both timed, every run.
+    let mut ab = args.clone();
+    ab.push("--metrics-ab");
+    let m: serde_json::Value = serde_json::from_str(&ok_stdout(&ab)).unwrap();
+    let off = &m["tg_metrics_off_tokens_per_s_spread"];
+    assert!(off["median"].as_f64().unwrap() > 0.0 && off["min"].as_f64().unwrap() > 0.0, "{m}");
+    ab.retain(|a| *a != "--json");
+    assert!(ok_stdout(&ab).contains("with metrics off"));
+    ab.extend(["--perf-mode", "off"]);
+    assert!(failure(&ab).contains("metrics on vs off needs an engine that records"));
     assert!(v["tg_tokens_per_s"].as_f64().unwrap() > 0.0);
     let bad = failure(&["generate", "--model", p(&model), "--tokens", "1", "--engine", "warp"]);
     assert!(bad.contains("unknown engine 'warp'"), "{bad}");

@@ -210,6 +210,23 @@ fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
         ("POST", "/moe-hot-cache", br#"{"layers": {"0": [4, 5]}}"#.to_vec(), 400, "layers.0"),
         ("POST", "/moe-hot-cache", br#"{"layers": "all"}"#.to_vec(), 400, "layers"),
         ("POST", "/moe-hot-cache", b"\xff\xfe".to_vec(), 400, "(body)"),
+        ("POST", "/moe-hot-cache", b"{not json".to_vec(), 400, "(body)"),
+        ("POST", "/moe-hot-cache", br#"{"layers": {"0": ["a", 1, 2, 3]}}"#.to_vec(), 400, "layers"),
+        ("POST", "/moe-hot-cache", br#"{"layers": {"x": [0, 1, 2, 3]}}"#.to_vec(), 400, "layers"),
+        (
+            "POST",
+            "/moe-hot-cache",
+            br#"{"layers": [{"layer": 0, "experts": [1, 2]}]}"#.to_vec(),
+            400,
+            "layers",
+        ),
+        (
+            "POST",
+            "/moe-hot-cache",
+            br#"{"layers": [{"layer": 0, "experts": "many"}]}"#.to_vec(),
+            400,
+            "layers",
+        ),
     ];
     let (_, before) = server.json("GET", "/moe-hot-cache", &json!({}));
     for (method, path, body, want_status, want_param) in cases {
@@ -222,9 +239,21 @@ fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
         assert!(!v["error"]["message"].as_str().unwrap().is_empty());
     }
     let oversize = vec![b' '; moe_lanes_server_max_body() + 10];
-    let (status, text) = server.request("POST", "/v1/completions", &oversize, &[]);
-    assert_eq!(status, 413, "{text}");
-    assert!(serde_json::from_str::<Value>(&text).is_ok(), "oversize gets a JSON error: {text}");
+    for path in ["/v1/completions", "/moe-hot-cache"] {
+        let (status, text) = server.request("POST", path, &oversize, &[]);
+        assert_eq!(status, 413, "{path}: {text}");
+        assert!(serde_json::from_str::<Value>(&text).is_ok(), "{path}: oversize gets a JSON error: {text}");
+    }
+    // Unknown paths and methods: JSON errors too.
+    for (method, path, want) in
+        [("GET", "/nope", 404), ("DELETE", "/moe-hot-cache", 405), ("GET", "/v1/completions", 405)]
+    {
+        let (status, text) = server.request(method, path, b"", &[]);
+        assert_eq!(status, want, "{method} {path}: {text}");
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{method} {path}: not JSON ({e}): {text}"));
+        assert!(v["error"]["message"].as_str().unwrap().contains(path), "{v}");
+    }
     let (_, after) = server.json("GET", "/moe-hot-cache", &json!({}));
     assert_eq!(before["layers"], after["layers"], "nothing changed");
     assert_eq!(after["updates"], 0);
@@ -349,17 +378,26 @@ fn a_full_queue_answers_429_and_every_other_request_completes() {
     assert!(text.contains(&format!("moe_lanes_requests_total{{outcome=\"ok\"}} {n_ok}")), "{text}");
 }
 
+/// Every sample of `/metrics` (`name{labels}` -> value).
+fn samples(text: &str) -> std::collections::BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(k, v)| Some((k.to_string(), v.parse().ok()?))))
+        .collect()
+}
+
+/// The sum of a family's samples whose name is exactly `name` (any labels).
+fn family_sum(samples: &std::collections::BTreeMap<String, f64>, name: &str) -> f64 {
+    samples.iter().filter(|(k, _)| k.split('{').next() == Some(name)).map(|(_, v)| v).sum()
+}
+
 #[test]
 fn metrics_name_every_family_and_admin_endpoints_need_the_token() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let server = Server::start(&model, &["--hot-fraction", "0.5", "--admin-token", "s3cret"]);
+    let (_, before) = server.request("GET", "/metrics", b"", &[]);
     server.json("POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 3}));
-    let (status, text) = server.request("GET", "/metrics", b"", &[]);
-    assert_eq!(status, 200);
-    let mut families: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).collect();
-    families.sort();
-    insta::assert_snapshot!("metric_families", families.join("\n"));
     let body = json!({"layers": {"0": [4, 5, 6, 7]}}).to_string();
     let (status, _) = server.request("POST", "/moe-hot-cache", body.as_bytes(), &[]);
     assert_eq!(status, 401);
@@ -371,6 +409,100 @@ fn metrics_name_every_family_and_admin_endpoints_need_the_token() {
     let (status, v) =
         server.request("POST", "/moe-hot-cache", body.as_bytes(), &["Authorization: Bearer s3cret"]);
     assert_eq!(status, 200, "{v}");
+    let (status, text) = server.request("GET", "/metrics", b"", &[]);
+    assert_eq!(status, 200);
+    let mut families: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).collect();
+    families.sort();
+    insta::assert_snapshot!("metric_families", families.join("\n"));
+    // Every counter and histogram that a request and an apply drive has moved.
+    let (was, now) = (samples(&before), samples(&text));
+    let moved = |name: &str| family_sum(&now, name) > family_sum(&was, name);
+    for name in [
+        "moe_lanes_layer_calls_total",
+        "moe_lanes_layer_hot_slots_total",
+        "moe_lanes_layer_cold_slots_total",
+        "moe_lanes_layer_lane_seconds_count",
+        "moe_lanes_layer_lane_seconds_sum",
+        "moe_lanes_layer_overlap_seconds_count",
+        "moe_lanes_layer_join_wait_seconds_count",
+        "moe_lanes_prompt_tokens_total",
+        "moe_lanes_generated_tokens_total",
+        "moe_lanes_requests_total",
+        "moe_lanes_queue_wait_seconds_count",
+        "moe_lanes_time_to_first_token_seconds_count",
+        "moe_lanes_inter_token_seconds_count",
+        "moe_lanes_request_seconds_count",
+        "moe_lanes_cache_updates_total",
+        "moe_lanes_cache_exchanges_total",
+        "moe_lanes_cache_bytes_copied_total",
+    ] {
+        assert!(moved(name), "{name} did not move:\n{text}");
+    }
+    // The two views agree: the per-layer counters equal the perf JSON's totals.
+    let (_, perf) = server.json("GET", "/moe-layer-perf", &json!({}));
+    for l in perf["layers"].as_array().unwrap() {
+        let layer = l["layer"].as_u64().unwrap();
+        for (family, field) in [
+            ("calls_total", "calls"),
+            ("hot_slots_total", "hot_slots_total"),
+            ("cold_slots_total", "cold_slots_total"),
+        ] {
+            let key = format!("moe_lanes_layer_{family}{{layer=\"{layer}\"}}");
+            assert_eq!(now[&key], l[field].as_f64().unwrap(), "{key}");
+        }
+    }
+    assert_eq!(now["moe_lanes_cache_exchanges_total"], perf["updates"].as_f64().unwrap());
+    assert!(now["moe_lanes_hot_bytes"] > 0.0);
+    assert_eq!(now["moe_lanes_perf_mode{mode=\"full\"}"], 1.0);
+    let (status, _) =
+        server.request("GET", "/moe-layer-perf?mode=update", b"", &["Authorization: Bearer s3cret"]);
+    assert_eq!(status, 200);
+    let (_, text) = server.request("GET", "/metrics", b"", &[]);
+    let now = samples(&text);
+    assert_eq!(
+        (now["moe_lanes_perf_mode{mode=\"full\"}"], now["moe_lanes_perf_mode{mode=\"update\"}"]),
+        (0.0, 1.0)
+    );
+}
+
+/// Requests running and waiting move while requests run; a budget is exported when the engine
+/// was planned from one, and a learn pass leaves no trace in the served counters.
+#[test]
+fn running_and_waiting_gauges_move_and_the_budget_is_exported() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let server = std::sync::Arc::new(Server::start(&model, &["--hot-budget-mib", "1"]));
+    let (_, text) = server.request("GET", "/metrics", b"", &[]);
+    let start = samples(&text);
+    assert_eq!(start["moe_lanes_hot_budget_bytes"], 1048576.0);
+    assert_eq!(
+        family_sum(&start, "moe_lanes_layer_cold_slots_total"),
+        0.0,
+        "the learn pass is not served traffic"
+    );
+    let reqs: Vec<_> = (0..2)
+        .map(|_| {
+            let s = server.clone();
+            std::thread::spawn(move || {
+                s.json("POST", "/v1/completions", &json!({"prompt": [1], "max_tokens": 3000}))
+            })
+        })
+        .collect();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    let mut seen = (false, false);
+    while !(seen.0 && seen.1) && std::time::Instant::now() < deadline {
+        let (_, text) = server.request("GET", "/metrics", b"", &[]);
+        let now = samples(&text);
+        seen.0 |= now["moe_lanes_requests_running"] == 1.0;
+        seen.1 |= now["moe_lanes_requests_waiting"] == 1.0;
+    }
+    assert!(seen.0 && seen.1, "running/waiting seen: {seen:?}");
+    for r in reqs {
+        assert_eq!(r.join().unwrap().0, 200);
+    }
+    let (_, text) = server.request("GET", "/metrics", b"", &[]);
+    let end = samples(&text);
+    assert_eq!((end["moe_lanes_requests_running"], end["moe_lanes_requests_waiting"]), (0.0, 0.0));
 }
 
 #[test]
@@ -391,4 +523,98 @@ fn sigterm_lets_the_running_request_finish_and_writes_the_perf_json() {
     assert!(status.success(), "clean exit: {status:?}");
     let report: Value = serde_json::from_str(&std::fs::read_to_string(&perf).unwrap()).unwrap();
     assert!(report["layers"][0]["calls"].as_u64().unwrap() >= 3000);
+}
+
+/// Headless Chromium, when installed (`.ci/run` installs Debian's `chromium`).
+fn chromium() -> Option<std::path::PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    ["chromium", "chromium-browser", "google-chrome"]
+        .iter()
+        .flat_map(|name| std::env::split_paths(&path).map(move |d| d.join(name)))
+        .find(|p| p.is_file())
+}
+
+/// The live page at `/`: loaded in headless Chromium against a live server while a request
+/// runs, its script fills a row and a heatmap row for every layer and the serving figures.
+#[test]
+fn live_page_shows_every_layer_in_headless_chromium() {
+    let Some(browser) = chromium() else {
+        eprintln!("SKIP: chromium not found (.ci/run installs Debian's chromium)");
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m5.gguf");
+    ok_stdout(&["synth", "--out", p(&path), "--layers", "5"]);
+    let server = Server::start(p(&path), &["--hot-fraction", "0.5"]);
+    let (status, text) = server.request("GET", "/", b"", &[]);
+    assert_eq!(status, 200);
+    assert!(!text.contains("http://") && !text.contains("https://"), "the page loads no external assets");
+    let addr = server.addr.clone();
+    let req = std::thread::spawn(move || {
+        json_request(&addr, "POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 3000}))
+    });
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let out = std::process::Command::new(&browser)
+        .args(["--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=3000", "--dump-dom"])
+        .arg(format!("http://{}/", server.addr))
+        .output()
+        .unwrap();
+    let dom = String::from_utf8_lossy(&out.stdout);
+    assert!(dom.contains("data-ready=\"1\""), "the page's script ran and reached the server:\n{dom}");
+    for layer in 0..5 {
+        assert!(dom.contains(&format!("data-layer=\"{layer}\"")), "layer {layer} row missing:\n{dom}");
+        assert!(dom.contains(&format!("data-heat-layer=\"{layer}\"")), "layer {layer} heatmap row missing");
+    }
+    assert!(!dom.contains("data-layer=\"5\""));
+    assert!(dom.contains("data-hit-rate=\"\">") && dom.contains("%</td>"), "hit rates shown:\n{dom}");
+    let running =
+        dom.split("data-card=\"running\"><div class=\"v\">").nth(1).and_then(|r| r.split('<').next());
+    assert_eq!(running, Some("1"), "the running request shows:\n{dom}");
+    assert_eq!(req.join().unwrap().0, 200);
+}
+
+/// A manual apply posted while a request runs waits for it: the request's tokens all come from
+/// the hot set it started with, the apply answers only after the request ended, and a second
+/// apply while the first is pending gets 409.
+#[test]
+fn a_manual_apply_during_a_running_request_waits_for_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let want = generate(&model, "1,2", 2000, &["--hot-fraction", "0.5"]);
+    let server = Server::start(&model, &["--hot-fraction", "0.5"]);
+    let addr = server.addr.clone();
+    let req = std::thread::spawn(move || {
+        json_request(&addr, "POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 2000}))
+    });
+    // Wait until the request runs.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while server.json("GET", "/health", &json!({})).1["requests_running"] != 1 {
+        assert!(std::time::Instant::now() < deadline, "the request never ran");
+    }
+    let addr = server.addr.clone();
+    let apply = std::thread::spawn(move || {
+        json_request(&addr, "POST", "/moe-hot-cache", &json!({"layers": {"0": [4, 5, 6, 7]}}))
+    });
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while server.json("GET", "/moe-hot-cache", &json!({})).1["apply_pending"] != true {
+        assert!(std::time::Instant::now() < deadline, "the apply never became pending");
+    }
+    let (status, v) = server.json("POST", "/moe-hot-cache", &json!({"layers": {"1": [4, 5, 6, 7]}}));
+    assert_eq!(status, 409, "{v}");
+    // While the request still runs (read after the hot set), the apply has not happened.
+    let (_, hot) = server.json("GET", "/moe-hot-cache", &json!({}));
+    let (_, health) = server.json("GET", "/health", &json!({}));
+    if health["requests_running"] == 1 {
+        assert_eq!(hot["layers"]["0"], json!([0, 1, 2, 3]), "applied while a request ran");
+        assert_eq!(hot["apply_pending"], true);
+    }
+    let ((req_status, out), (apply_status, applied)) = (req.join().unwrap(), apply.join().unwrap());
+    assert_eq!(req_status, 200, "{out}");
+    assert_eq!(apply_status, 200, "{applied}");
+    let got: Vec<u64> =
+        out["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    assert_eq!(got, want, "the running request kept its hot set (output exact)");
+    let (_, hot) = server.json("GET", "/moe-hot-cache", &json!({}));
+    assert_eq!(hot["layers"]["0"], json!([4, 5, 6, 7]));
+    assert_eq!(hot["layers"]["1"], json!([0, 1, 2, 3]), "the refused apply changed nothing");
 }

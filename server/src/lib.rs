@@ -1,10 +1,11 @@
-//! moe-lanes over HTTP (the only package that knows HTTP): `GET /health`, `GET /metrics`
+//! moe-lanes over HTTP (the only package that knows HTTP): `GET /` (live page), `GET /health`, `GET /metrics`
 //! (Prometheus), `GET /moe-layer-perf[?mode=full|update|off]` (perf JSON), `GET|POST
 //! /moe-hot-cache` (hot set; manual apply between requests), `GET /v1/models` and
 //! `POST /v1/completions` (OpenAI-compatible, prompts as token ids, streaming as server-sent
 //! events). One engine thread serves a bounded queue; 429 when it is full.
 
 pub mod api;
+mod page;
 mod prom;
 mod routes;
 mod worker;
@@ -16,6 +17,13 @@ use moe_lanes::model::Model;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+
+/// Install the process's Prometheus recorder (once; `serve` does it too), so everything that
+/// records through the `metrics` facade (the engine's perf state) records for real: what
+/// `bench --metrics-ab` measures the cost of.
+pub fn install_metrics() {
+    prom::install();
+}
 
 /// How to serve.
 #[derive(Debug, Clone)]

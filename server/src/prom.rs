@@ -1,33 +1,49 @@
-//! Prometheus metrics. Request-level figures (queue wait, time to first token, inter-token
-//! latency, request latency, tokens) record through the `metrics` facade with handles made once;
-//! the per-layer engine figures are kept by the engine's perf state (the one store the perf JSON
-//! is also rendered from) and copied into the facade after each request, so `/metrics` and
-//! `/moe-layer-perf` never disagree. Names follow Prometheus conventions: `moe_lanes_` prefix,
-//! base units, `_total` counters, `_seconds` histograms.
+//! Prometheus metrics: the exporter (the only place that knows Prometheus) and the server's own
+//! figures. Request-level figures (queue wait, time to first token, inter-token latency, request
+//! latency, tokens, requests running and waiting) and engine gauges (hot bytes, budget, free
+//! device memory) record through the `metrics` facade with handles made once. The per-layer
+//! figures (slots, calls, lane times, overlap, join wait, fallbacks, exchanges, perf mode) are
+//! recorded by the library's perf state itself, per layer call, through handles it registered
+//! when it was created; the exporter installed here is what they land in. Names follow
+//! Prometheus conventions: `moe_lanes_` prefix, base units, `_total` counters, `_seconds`
+//! histograms.
 
-use metrics::{counter, gauge, histogram, Counter, Histogram};
+use metrics::{counter, gauge, histogram, Counter, Gauge, Histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use moe_lanes::perf::{FallbackReason, PerfReport};
+use moe_lanes::perf::{metric_names, LAYER_BUCKETS_S};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-/// Buckets for per-token and per-layer latencies: 50 µs to 10 s.
+/// Buckets for per-token and per-request latencies: 50 µs to 10 s.
 const LATENCY_BUCKETS_S: [f64; 16] =
     [5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
 
+/// How often histogram samples are folded into their buckets between scrapes (bounds the
+/// memory samples hold when nobody scrapes).
+const UPKEEP_EVERY: Duration = Duration::from_secs(2);
+
 /// Install the recorder (once per process) and return the handle that renders `/metrics`.
+/// Per-layer-call histograms get µs–ms buckets, the other `_seconds` histograms 50 µs–10 s.
 pub fn install() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
     HANDLE
         .get_or_init(|| {
             let recorder = PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Prefix(metric_names::LAYER_PREFIX.into()), &LAYER_BUCKETS_S)
+                .expect("non-empty buckets")
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LATENCY_BUCKETS_S)
                 .expect("non-empty buckets")
                 .build_recorder();
             let handle = recorder.handle();
             metrics::set_global_recorder(recorder).expect("the only recorder of this process");
             describe();
+            moe_lanes::perf::describe_metrics();
             handles();
+            let upkeep = handle.clone();
+            let _ = std::thread::Builder::new().name("metrics-upkeep".into()).spawn(move || loop {
+                std::thread::sleep(UPKEEP_EVERY);
+                upkeep.run_upkeep();
+            });
             handle
         })
         .clone()
@@ -44,19 +60,14 @@ fn describe() {
     describe_counter!("moe_lanes_requests_total", "Requests by outcome.");
     describe_gauge!("moe_lanes_requests_running", "Requests being generated.");
     describe_gauge!("moe_lanes_requests_waiting", "Requests in the queue.");
-    describe_counter!("moe_lanes_layer_hot_slots_total", "Routed slots served by the hot lane, per layer.");
-    describe_counter!("moe_lanes_layer_cold_slots_total", "Routed slots served by the cold lane, per layer.");
-    describe_counter!(
-        "moe_lanes_layer_lane_busy_seconds",
-        "Busy time so far per layer and lane (hot, cold)."
+    describe_counter!("moe_lanes_cache_updates_total", "Manual hot-cache applies (POST /moe-hot-cache).");
+    describe_gauge!("moe_lanes_hot_bytes", Unit::Bytes, "Bytes held by the hot cache.");
+    describe_gauge!(
+        "moe_lanes_hot_budget_bytes",
+        Unit::Bytes,
+        "Hot-cache budget the engine was planned for."
     );
-    describe_counter!("moe_lanes_layer_overlap_seconds", "Time so far both lanes ran at once, per layer.");
-    describe_counter!("moe_lanes_layer_join_wait_seconds", "Time so far the join waited, per layer.");
-    describe_counter!("moe_lanes_layer_calls_total", "Forward calls through the layer's MoE block.");
-    describe_counter!("moe_lanes_fallbacks_total", "Layers that ran all-cold, by layer and reason.");
-    describe_counter!("moe_lanes_cache_updates_total", "Hot-cache updates applied.");
-    describe_gauge!("moe_lanes_hot_bytes", "Bytes held by the hot cache.");
-    describe_gauge!("moe_lanes_perf_mode", "Perf mode (1 on the current mode's label).");
+    describe_gauge!("moe_lanes_device_free_bytes", Unit::Bytes, "Free device memory (GPU engine only).");
 }
 
 /// The handles used per token or per request, made once.
@@ -70,6 +81,10 @@ struct Handles {
     ok: Counter,
     failed: Counter,
     cancelled: Counter,
+    running: Gauge,
+    waiting: Gauge,
+    cache_updates: Counter,
+    hot_bytes: Gauge,
 }
 
 fn handles() -> &'static Handles {
@@ -84,26 +99,35 @@ fn handles() -> &'static Handles {
         ok: counter!("moe_lanes_requests_total", "outcome" => "ok"),
         failed: counter!("moe_lanes_requests_total", "outcome" => "error"),
         cancelled: counter!("moe_lanes_requests_total", "outcome" => "cancelled"),
+        running: gauge!("moe_lanes_requests_running"),
+        waiting: gauge!("moe_lanes_requests_waiting"),
+        cache_updates: counter!("moe_lanes_cache_updates_total"),
+        hot_bytes: gauge!("moe_lanes_hot_bytes"),
     })
 }
 
-pub fn request_started(queue_wait: Duration) {
-    handles().queue_wait.record(queue_wait.as_secs_f64());
+/// A request left the queue; its prompt is processed now.
+pub fn request_started(queue_wait: Duration, prompt_tokens: usize) {
+    let h = handles();
+    h.queue_wait.record(queue_wait.as_secs_f64());
+    h.prompt_tokens.increment(prompt_tokens as u64);
 }
 
+/// The first token was generated (tokens count as they come, so throughput is live).
 pub fn first_token(after: Duration) {
     handles().ttft.record(after.as_secs_f64());
+    handles().generated_tokens.increment(1);
 }
 
+/// One more token was generated, `gap` after the previous one.
 pub fn inter_token(gap: Duration) {
     handles().itl.record(gap.as_secs_f64());
+    handles().generated_tokens.increment(1);
 }
 
-pub fn request_finished(took: Duration, prompt_tokens: usize, generated: usize) {
+pub fn request_finished(took: Duration) {
     let h = handles();
     h.request.record(took.as_secs_f64());
-    h.prompt_tokens.increment(prompt_tokens as u64);
-    h.generated_tokens.increment(generated as u64);
     h.ok.increment(1);
 }
 
@@ -116,37 +140,26 @@ pub fn request_cancelled() {
 }
 
 pub fn queue_depth(running: u64, waiting: u64) {
-    gauge!("moe_lanes_requests_running").set(running as f64);
-    gauge!("moe_lanes_requests_waiting").set(waiting as f64);
+    handles().running.set(running as f64);
+    handles().waiting.set(waiting as f64);
 }
 
-/// Copy the perf state's per-layer totals into the facade (after each request; the perf state
-/// is the store, these are its Prometheus view). Per-expert counts stay in the JSON only.
-pub fn record_perf(report: &PerfReport, hot_bytes: u64) {
-    for l in &report.layers {
-        let layer = l.layer.to_string();
-        counter!("moe_lanes_layer_hot_slots_total", "layer" => layer.clone()).absolute(l.hot_slots_total);
-        counter!("moe_lanes_layer_cold_slots_total", "layer" => layer.clone()).absolute(l.cold_slots_total);
-        counter!("moe_lanes_layer_calls_total", "layer" => layer.clone()).absolute(l.calls);
-        let secs = |us: u64| us as f64 / 1e6;
-        gauge!("moe_lanes_layer_lane_busy_seconds", "layer" => layer.clone(), "lane" => "hot")
-            .set(secs(l.parallel_hot_time_us));
-        gauge!("moe_lanes_layer_lane_busy_seconds", "layer" => layer.clone(), "lane" => "cold")
-            .set(secs(l.parallel_cold_time_us));
-        gauge!("moe_lanes_layer_overlap_seconds", "layer" => layer.clone()).set(secs(l.parallel_overlap_us));
-        gauge!("moe_lanes_layer_join_wait_seconds", "layer" => layer.clone())
-            .set(secs(l.parallel_join_wait_us));
-        for reason in FallbackReason::ALL {
-            let n = l.fallback_reasons.get(reason.name()).copied().unwrap_or(0);
-            counter!("moe_lanes_fallbacks_total", "layer" => layer.clone(), "reason" => reason.name())
-                .absolute(n);
-        }
+/// A manual hot-cache apply went through.
+pub fn cache_updated() {
+    handles().cache_updates.increment(1);
+}
+
+/// Engine gauges, after each request or apply: hot bytes, and the budget and free device
+/// memory where the engine knows them (their handles are made the first time they are known,
+/// so an engine without a budget or a device exports no made-up zero).
+pub fn engine_gauges(hot_bytes: u64, budget_bytes: Option<u64>, device_free_bytes: Option<u64>) {
+    static BUDGET: OnceLock<Gauge> = OnceLock::new();
+    static FREE: OnceLock<Gauge> = OnceLock::new();
+    handles().hot_bytes.set(hot_bytes as f64);
+    if let Some(b) = budget_bytes {
+        BUDGET.get_or_init(|| gauge!("moe_lanes_hot_budget_bytes")).set(b as f64);
     }
-    counter!("moe_lanes_cache_updates_total").absolute(report.updates);
-    gauge!("moe_lanes_hot_bytes").set(hot_bytes as f64);
-    for mode in ["full", "update", "off"] {
-        let on =
-            serde_json::to_value(report.mode).ok().and_then(|v| v.as_str().map(|s| s == mode)) == Some(true);
-        gauge!("moe_lanes_perf_mode", "mode" => mode).set(if on { 1.0 } else { 0.0 });
+    if let Some(f) = device_free_bytes {
+        FREE.get_or_init(|| gauge!("moe_lanes_device_free_bytes")).set(f as f64);
     }
 }

@@ -38,14 +38,27 @@ pub struct AppState {
 
 pub fn router(state: AppState) -> Router {
     Router::new()
+        .route("/", get(crate::page::page))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/moe-layer-perf", get(layer_perf))
         .route("/moe-hot-cache", get(hot_cache).post(apply_hot_cache))
         .route("/v1/models", get(models))
         .route("/v1/completions", axum::routing::post(completions))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY_BYTES))
         .with_state(state)
+}
+
+/// Unknown paths and methods get a JSON error too (never an empty body).
+async fn not_found(uri: axum::http::Uri) -> ApiError {
+    ApiError::status(StatusCode::NOT_FOUND, "not_found_error", format!("no endpoint at {}", uri.path()))
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> ApiError {
+    let message = format!("{method} is not allowed on {}", uri.path());
+    ApiError::status(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", message)
 }
 
 async fn health(State(s): State<AppState>) -> Json<Value> {
@@ -127,6 +140,8 @@ async fn hot_cache(State(s): State<AppState>) -> Json<Value> {
     Json(json!({
         "layers": layers,
         "hot_bytes": snap.hot_bytes,
+        "hot_budget_bytes": snap.hot_budget_bytes,
+        "device_free_bytes": snap.device_free_bytes,
         "updates": s.shared.updates.load(Ordering::Relaxed),
         "exchanges_applied": s.shared.exchanges_applied.load(Ordering::Relaxed),
         "apply_pending": s.shared.apply_pending.load(Ordering::Relaxed),

@@ -21,6 +21,10 @@ use std::time::{Duration, Instant};
 /// How often an idle worker looks for a pending hot-cache apply or perf-mode switch.
 const IDLE_POLL: Duration = Duration::from_millis(20);
 
+/// How often a running request republishes the snapshot (perf JSON, gauges), so the live page
+/// and `/moe-layer-perf` move while long generations run.
+const PUBLISH_EVERY: Duration = Duration::from_millis(250);
+
 /// One completion request, validated.
 pub struct CompletionJob {
     pub prompt: Vec<u32>,
@@ -50,6 +54,10 @@ pub struct Snapshot {
     pub hot_set: Option<HotSet>,
     pub hot_bytes: u64,
     pub perf_mode: Option<PerfMode>,
+    /// The hot-cache budget the engine was planned for, when it was built from one.
+    pub hot_budget_bytes: Option<u64>,
+    /// Free device memory at the last publish (GPU engine).
+    pub device_free_bytes: Option<u64>,
 }
 
 /// State shared between the HTTP side and the worker.
@@ -94,9 +102,11 @@ pub fn run(
             return None;
         }
     };
-    let _ = built.send(Ok((report, engine.device())));
+    shared.snapshot.write().expect("snapshot lock").hot_budget_bytes = report.budget_bytes;
     engine.set_copy_logits(false);
+    // The first snapshot is there before the server listens (no request sees an empty one).
     publish(engine.as_ref(), &shared);
+    let _ = built.send(Ok((report, engine.device())));
     loop {
         between_requests(engine.as_mut(), &shared);
         match jobs.recv_timeout(IDLE_POLL) {
@@ -121,6 +131,7 @@ fn between_requests(engine: &mut dyn Engine, shared: &Shared) {
         if let Ok(n) = &result {
             shared.updates.fetch_add(1, Ordering::Relaxed);
             shared.exchanges_applied.fetch_add(*n as u64, Ordering::Relaxed);
+            prom::cache_updated();
         }
         publish(engine, shared);
         shared.apply_pending.store(false, Ordering::Release);
@@ -146,14 +157,14 @@ fn switch_mode(engine: &mut dyn Engine, shared: &Shared) {
 /// Prefill, then decode greedily, streaming each token; stops early when the client is gone.
 fn complete(engine: &mut dyn Engine, job: CompletionJob, shared: &Shared) {
     let started = Instant::now();
-    prom::request_started(started - job.enqueued_at);
+    prom::request_started(started - job.enqueued_at, job.prompt.len());
     let result = generate(engine, &job, shared, started);
     // Counters and the snapshot are current before the client hears the end.
     shared.running.fetch_sub(1, Ordering::Relaxed);
     publish(engine, shared);
     let event = match result {
         Ok(Some((n, finish))) => {
-            prom::request_finished(started.elapsed(), job.prompt.len(), n);
+            prom::request_finished(started.elapsed());
             Event::Done { prompt_tokens: job.prompt.len(), completion_tokens: n, finish }
         }
         Ok(None) => {
@@ -178,6 +189,7 @@ fn generate(
 ) -> Result<Option<(usize, FinishReason)>, GenerationError> {
     let mut session = Generation::new(engine, &job.prompt, job.generation.clone())?;
     let mut first = true;
+    let mut published = Instant::now();
     while let Some(t) = session.next_token()? {
         if first {
             prom::first_token(started.elapsed());
@@ -189,6 +201,10 @@ fn generate(
             return Ok(None);
         }
         switch_mode(session.engine_mut(), shared);
+        if published.elapsed() >= PUBLISH_EVERY {
+            publish(session.engine_mut(), shared);
+            published = Instant::now();
+        }
     }
     let n = session.generated_tokens();
     let finish = session.finish_reason().expect("finished");
@@ -201,7 +217,8 @@ fn publish(engine: &dyn Engine, shared: &Shared) {
     s.perf_mode = engine.perf().map(|p| p.mode());
     s.hot_set = engine.hot_set().cloned();
     s.hot_bytes = engine.hot_bytes();
-    if let Some(p) = engine.perf() {
-        prom::record_perf(p.report(), s.hot_bytes);
-    }
+    s.device_free_bytes = engine.device_free_bytes();
+    // The per-layer figures went to the exporter as they were recorded (the perf state records
+    // through the facade); only the engine gauges are set here.
+    prom::engine_gauges(s.hot_bytes, s.hot_budget_bytes, s.device_free_bytes);
 }

@@ -5,14 +5,18 @@
 //! Modes: `full` (every counter and timing), `update` (only the slot counts the updater needs),
 //! `off` (nothing recorded: every recording method returns after one branch on the mode).
 //!
-//! The state is owned by the engine's driver thread, so counters are plain integers, allocated
-//! once for every layer and expert when the state is created ("handles registered once"); the
-//! Prometheus exporter that will read them comes in a later issue.
+//! One store, two views: the state is owned by the engine's driver thread and records each layer
+//! call once, into plain integers (allocated for every layer and expert when the state is created;
+//! the perf JSON is rendered from them) and through `metrics` facade handles registered once per
+//! layer, lane and fallback reason when the state is created ([`PerfMetrics`]; whatever recorder
+//! the process installed, e.g. the server's Prometheus exporter, else no-ops). Per call that is a
+//! few atomic adds: no allocation, no formatting, no lookup. Per-expert counts stay in the JSON.
 //!
 //! Parsing is tolerant where DESIGN.md says so: unknown fields are ignored, missing optional
 //! fields default to zero, and a learn file may carry only `experts` per layer. Anything
 //! malformed is a [`PerfError`] naming the file and the field.
 
+use metrics::{Counter, Gauge, Histogram};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -25,6 +29,18 @@ pub enum PerfMode {
     Full,
     Update,
     Off,
+}
+
+impl PerfMode {
+    pub const ALL: [PerfMode; 3] = [PerfMode::Full, PerfMode::Update, PerfMode::Off];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PerfMode::Full => "full",
+            PerfMode::Update => "update",
+            PerfMode::Off => "off",
+        }
+    }
 }
 
 impl std::str::FromStr for PerfMode {
@@ -221,6 +237,120 @@ pub struct LayerTiming {
     pub merge_us: u64,
 }
 
+/// Names of the metrics the perf state records (Prometheus conventions: `moe_lanes_` prefix,
+/// base units, `_total` counters, `_seconds` histograms). Histograms named `moe_lanes_layer_*`
+/// hold one layer call each (µs to ms); an exporter should give them [`LAYER_BUCKETS_S`].
+pub mod metric_names {
+    pub const LAYER_CALLS: &str = "moe_lanes_layer_calls_total";
+    pub const LAYER_HOT_SLOTS: &str = "moe_lanes_layer_hot_slots_total";
+    pub const LAYER_COLD_SLOTS: &str = "moe_lanes_layer_cold_slots_total";
+    pub const LAYER_LANE: &str = "moe_lanes_layer_lane_seconds";
+    pub const LAYER_OVERLAP: &str = "moe_lanes_layer_overlap_seconds";
+    pub const LAYER_JOIN_WAIT: &str = "moe_lanes_layer_join_wait_seconds";
+    pub const FALLBACKS: &str = "moe_lanes_fallbacks_total";
+    pub const EXCHANGES: &str = "moe_lanes_cache_exchanges_total";
+    pub const BYTES_COPIED: &str = "moe_lanes_cache_bytes_copied_total";
+    pub const PERF_MODE: &str = "moe_lanes_perf_mode";
+    /// Prefix of the per-layer-call histograms.
+    pub const LAYER_PREFIX: &str = "moe_lanes_layer_";
+}
+
+/// Histogram buckets for one layer call's lane time, overlap and join wait: 10 µs to 250 ms.
+pub const LAYER_BUCKETS_S: [f64; 14] =
+    [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25];
+
+/// Describe the perf state's metrics to the installed recorder (help text and units).
+pub fn describe_metrics() {
+    use metric_names as m;
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(m::LAYER_CALLS, "Forward calls through the layer's MoE block.");
+    describe_counter!(m::LAYER_HOT_SLOTS, "Routed slots served by the hot lane, per layer.");
+    describe_counter!(m::LAYER_COLD_SLOTS, "Routed slots served by the cold lane, per layer.");
+    describe_histogram!(m::LAYER_LANE, Unit::Seconds, "Busy time of one lane in one split layer call.");
+    describe_histogram!(
+        m::LAYER_OVERLAP,
+        Unit::Seconds,
+        "Time both lanes ran at once in one split layer call."
+    );
+    describe_histogram!(m::LAYER_JOIN_WAIT, Unit::Seconds, "Time the join waited for the later lane.");
+    describe_counter!(m::FALLBACKS, "Layer calls that ran all-cold, by layer and reason.");
+    describe_counter!(m::EXCHANGES, "Hot-cache slot exchanges applied (one expert evicted, one loaded).");
+    describe_counter!(m::BYTES_COPIED, Unit::Bytes, "Expert weight bytes copied into the hot cache.");
+    describe_gauge!(m::PERF_MODE, "Perf mode (1 on the current mode's label, 0 on the others).");
+}
+
+/// One layer's handles, made once.
+#[derive(Debug, Clone)]
+struct LayerMetrics {
+    calls: Counter,
+    hot_slots: Counter,
+    cold_slots: Counter,
+    hot_lane: Histogram,
+    cold_lane: Histogram,
+    overlap: Histogram,
+    join_wait: Histogram,
+    /// In [`FallbackReason::ALL`] order.
+    fallbacks: [Counter; 5],
+    /// Slot totals already added to the counters (the counters move once per layer call).
+    pushed_hot: u64,
+    pushed_cold: u64,
+}
+
+/// The perf state's `metrics` facade handles: registered once per layer, lane and reason when
+/// the state is created (labels formatted then, never per call).
+#[derive(Debug, Clone)]
+pub struct PerfMetrics {
+    layers: Vec<LayerMetrics>,
+    exchanges: Counter,
+    bytes_copied: Counter,
+    /// In [`PerfMode::ALL`] order.
+    mode: [Gauge; 3],
+}
+
+impl PerfMetrics {
+    fn register(n_layers: usize) -> PerfMetrics {
+        use metric_names as m;
+        use metrics::{counter, gauge, histogram};
+        describe_metrics();
+        let layers = (0..n_layers)
+            .map(|l| {
+                let layer = l.to_string();
+                let fallback = |r: FallbackReason| counter!(m::FALLBACKS, "layer" => layer.clone(), "reason" => r.name());
+                LayerMetrics {
+                    calls: counter!(m::LAYER_CALLS, "layer" => layer.clone()),
+                    hot_slots: counter!(m::LAYER_HOT_SLOTS, "layer" => layer.clone()),
+                    cold_slots: counter!(m::LAYER_COLD_SLOTS, "layer" => layer.clone()),
+                    hot_lane: histogram!(m::LAYER_LANE, "layer" => layer.clone(), "lane" => "hot"),
+                    cold_lane: histogram!(m::LAYER_LANE, "layer" => layer.clone(), "lane" => "cold"),
+                    overlap: histogram!(m::LAYER_OVERLAP, "layer" => layer.clone()),
+                    join_wait: histogram!(m::LAYER_JOIN_WAIT, "layer" => layer.clone()),
+                    fallbacks: FallbackReason::ALL.map(fallback),
+                    pushed_hot: 0,
+                    pushed_cold: 0,
+                }
+            })
+            .collect();
+        PerfMetrics {
+            layers,
+            exchanges: counter!(m::EXCHANGES),
+            bytes_copied: counter!(m::BYTES_COPIED),
+            mode: PerfMode::ALL.map(|mode| gauge!(m::PERF_MODE, "mode" => mode.name())),
+        }
+    }
+
+    fn set_mode(&self, mode: PerfMode) {
+        for (g, m) in self.mode.iter().zip(PerfMode::ALL) {
+            g.set(if m == mode { 1.0 } else { 0.0 });
+        }
+    }
+}
+
+/// Microseconds as seconds, for the `_seconds` histograms.
+#[inline]
+fn secs(us: u64) -> f64 {
+    us as f64 * 1e-6
+}
+
 /// The live perf state the engine records into.
 #[derive(Debug, Clone)]
 pub struct PerfState {
@@ -229,10 +359,12 @@ pub struct PerfState {
     /// Per layer, the timings of the most recent call (`full` mode): hot-lane, cold-lane, wall,
     /// overlap and join wait of one layer and one call, beside the totals of the report.
     last_call: Vec<LayerTiming>,
+    metrics: PerfMetrics,
 }
 
 impl PerfState {
-    /// Allocate every counter once: `n_layers` layers of `n_experts` experts.
+    /// Allocate every counter once: `n_layers` layers of `n_experts` experts; register the
+    /// facade handles of every layer, lane and fallback reason.
     pub fn new(mode: PerfMode, n_layers: usize, n_experts: usize, n_experts_used: usize) -> PerfState {
         let layers = (0..n_layers)
             .map(|layer| LayerPerf {
@@ -244,9 +376,12 @@ impl PerfState {
                 ..LayerPerf::default()
             })
             .collect();
+        let metrics = PerfMetrics::register(n_layers);
+        metrics.set_mode(mode);
         PerfState {
             mode,
             last_call: vec![LayerTiming::default(); n_layers],
+            metrics,
             report: PerfReport {
                 mode,
                 active: mode != PerfMode::Off,
@@ -262,14 +397,24 @@ impl PerfState {
         self.mode
     }
 
+    /// From now on record into no exporter (the JSON view only): for a learn pass, whose
+    /// routing is not served traffic and must not show in the process's metrics.
+    pub fn detach_metrics(&mut self) {
+        let n_layers = self.report.layers.len();
+        self.metrics =
+            metrics::with_local_recorder(&metrics::NoopRecorder, || PerfMetrics::register(n_layers));
+    }
+
     /// Switch what is recorded from the next call on (the counts so far stay).
     pub fn set_mode(&mut self, mode: PerfMode) {
         self.mode = mode;
         self.report.mode = mode;
         self.report.active = mode != PerfMode::Off;
+        self.metrics.set_mode(mode);
     }
 
-    /// Count one routed slot of `expert_idx` in `layer_idx`, hot or cold.
+    /// Count one routed slot of `expert_idx` in `layer_idx`, hot or cold (plain integers; the
+    /// facade counters move by the layer's slots once per layer call).
     #[inline]
     pub fn record_slot(&mut self, layer_idx: usize, expert_idx: usize, hot: bool) {
         if self.mode == PerfMode::Off {
@@ -294,7 +439,12 @@ impl PerfState {
             return;
         }
         let l = &mut self.report.layers[layer_idx];
+        let m = &mut self.metrics.layers[layer_idx];
         l.calls += 1;
+        m.calls.increment(1);
+        m.hot_slots.increment(l.hot_slots_total - m.pushed_hot);
+        m.cold_slots.increment(l.cold_slots_total - m.pushed_cold);
+        (m.pushed_hot, m.pushed_cold) = (l.hot_slots_total, l.cold_slots_total);
         if self.mode != PerfMode::Full {
             return;
         }
@@ -310,6 +460,10 @@ impl PerfState {
             l.parallel_cold_time_us += timing.cold_us;
             l.parallel_overlap_us += timing.overlap_us;
             l.parallel_join_wait_us += timing.join_wait_us;
+            m.hot_lane.record(secs(timing.hot_us));
+            m.cold_lane.record(secs(timing.cold_us));
+            m.overlap.record(secs(timing.overlap_us));
+            m.join_wait.record(secs(timing.join_wait_us));
         }
     }
 
@@ -319,12 +473,19 @@ impl PerfState {
         let l = &mut self.report.layers[layer_idx];
         l.parallel_fallbacks += 1;
         *l.fallback_reasons.entry(reason.name().to_string()).or_insert(0) += 1;
+        let i = FallbackReason::ALL.iter().position(|&r| r == reason).expect("every reason is in ALL");
+        self.metrics.layers[layer_idx].fallbacks[i].increment(1);
     }
 
-    pub fn record_update(&mut self) {
+    /// One hot-cache slot exchange was applied, copying `bytes_copied` bytes of expert weights.
+    /// Counted in every mode (rare, and a cache that churns must never be silent); the perf
+    /// JSON's `updates` counts them unless the mode is `off`.
+    pub fn record_exchange(&mut self, bytes_copied: u64) {
         if self.mode != PerfMode::Off {
             self.report.updates += 1;
         }
+        self.metrics.exchanges.increment(1);
+        self.metrics.bytes_copied.increment(bytes_copied);
     }
 
     /// Timings of `layer_idx` in the most recent call (`full` mode; zero otherwise).
@@ -385,6 +546,95 @@ mod tests {
         let err = PerfReport::parse(p, r#"{"n_expert": -1}"#, None).unwrap_err();
         assert!(err.to_string().contains("n_expert"), "{err}");
         assert!(PerfReport::parse(p, "not json", None).is_err());
+    }
+
+    /// The facade view moves with the JSON view: every handle registered at creation, counters
+    /// and histograms moved per layer call, nothing recorded in `off` but fallbacks/exchanges.
+    #[test]
+    fn records_through_the_facade() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use std::collections::HashMap;
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let mut st = metrics::with_local_recorder(&recorder, || PerfState::new(PerfMode::Full, 2, 4, 2));
+        // A snapshot reads and resets: counters are what moved since the last one.
+        let take = || -> HashMap<String, DebugValue> {
+            let snap = snapshotter.snapshot().into_vec().into_iter();
+            snap.map(|(k, _, _, v)| {
+                let key = k.key();
+                let labels: Vec<String> =
+                    key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+                (format!("{}{{{}}}", key.name(), labels.join(",")), v)
+            })
+            .collect()
+        };
+        let snap = take();
+        // Registered at creation: 2 layers x (3 counters + 4 histograms + 5 reasons) + 2 + 3 modes.
+        assert_eq!(snap.len(), 2 * 12 + 2 + 3);
+        assert_eq!(snap["moe_lanes_perf_mode{mode=full}"], DebugValue::Gauge(1.0.into()));
+        assert_eq!(snap["moe_lanes_perf_mode{mode=off}"], DebugValue::Gauge(0.0.into()));
+        st.record_slot(1, 3, true);
+        st.record_slot(1, 2, false);
+        st.record_slot(1, 2, false);
+        let t = LayerTiming {
+            hot_us: 50,
+            cold_us: 70,
+            wall_us: 90,
+            overlap_us: 40,
+            join_wait_us: 20,
+            ..Default::default()
+        };
+        st.record_layer_call(1, &t, true);
+        st.record_slot(1, 3, true);
+        st.record_layer_call(1, &t, false);
+        st.record_fallback(0, FallbackReason::Shape);
+        st.record_exchange(4096);
+        let snap = take();
+        assert_eq!(snap["moe_lanes_layer_hot_slots_total{layer=1}"], DebugValue::Counter(2));
+        assert_eq!(snap["moe_lanes_layer_cold_slots_total{layer=1}"], DebugValue::Counter(2));
+        assert_eq!(snap["moe_lanes_layer_calls_total{layer=1}"], DebugValue::Counter(2));
+        assert_eq!(snap["moe_lanes_layer_calls_total{layer=0}"], DebugValue::Counter(0));
+        // Lane times only for the launched call, in seconds.
+        let DebugValue::Histogram(h) = &snap["moe_lanes_layer_lane_seconds{layer=1,lane=cold}"] else {
+            panic!()
+        };
+        assert_eq!(h.iter().map(|v| v.into_inner()).collect::<Vec<_>>(), vec![70e-6]);
+        let DebugValue::Histogram(h) = &snap["moe_lanes_layer_join_wait_seconds{layer=1}"] else { panic!() };
+        assert_eq!(h.len(), 1);
+        assert_eq!(snap["moe_lanes_fallbacks_total{layer=0,reason=shape}"], DebugValue::Counter(1));
+        assert_eq!(snap["moe_lanes_fallbacks_total{layer=0,reason=worklist}"], DebugValue::Counter(0));
+        assert_eq!(snap["moe_lanes_cache_exchanges_total{}"], DebugValue::Counter(1));
+        assert_eq!(snap["moe_lanes_cache_bytes_copied_total{}"], DebugValue::Counter(4096));
+        // The JSON view holds the same totals.
+        let l1 = &st.report().layers[1];
+        assert_eq!(
+            (l1.hot_slots_total, l1.cold_slots_total, l1.calls, l1.parallel_cold_time_us),
+            (2, 2, 2, 70)
+        );
+        // Off: the hot path records nothing in either view; rare events still count.
+        st.set_mode(PerfMode::Off);
+        let before = st.report().layers.clone();
+        st.record_slot(1, 3, true);
+        st.record_layer_call(1, &t, true);
+        st.record_exchange(10);
+        let snap = take();
+        assert_eq!(snap["moe_lanes_perf_mode{mode=off}"], DebugValue::Gauge(1.0.into()));
+        assert_eq!(snap["moe_lanes_layer_calls_total{layer=1}"], DebugValue::Counter(0));
+        assert_eq!(snap["moe_lanes_layer_hot_slots_total{layer=1}"], DebugValue::Counter(0));
+        let DebugValue::Histogram(h) = &snap["moe_lanes_layer_lane_seconds{layer=1,lane=hot}"] else {
+            panic!()
+        };
+        assert!(h.is_empty());
+        assert_eq!(snap["moe_lanes_cache_exchanges_total{}"], DebugValue::Counter(1));
+        assert_eq!(st.report().layers, before);
+        // Detached (a learn pass): the JSON view counts, the exporter hears nothing.
+        st.set_mode(PerfMode::Full);
+        st.detach_metrics();
+        st.record_slot(0, 1, false);
+        st.record_layer_call(0, &t, true);
+        let snap = take();
+        assert_eq!(snap["moe_lanes_layer_calls_total{layer=0}"], DebugValue::Counter(0));
+        assert_eq!(st.report().layers[0].calls, 1);
     }
 
     #[test]

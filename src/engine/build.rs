@@ -260,6 +260,7 @@ impl BudgetSource for CpuSource<'_> {
         let c = self.model.config();
         let popts = PipelineOptions { hot_set: None, perf_mode: PerfMode::Full, ..self.base.clone() };
         let mut p = Pipeline::new(self.model.clone(), popts)?;
+        p.perf_mut().detach_metrics(); // the learn pass is not served traffic
         let tokens = learn_tokens(c.vocab, self.opts.learn_tokens.min(c.max_positions).max(1));
         let mut cache = p.new_cache();
         p.forward(&mut cache, &tokens, Phase::Prefill)?;
@@ -284,6 +285,7 @@ impl BudgetSource for GpuSource<'_> {
         let n = self.opts.learn_tokens.clamp(1, c.max_positions);
         let mut kv = self.gm.new_kv_cache(n)?;
         self.cold.expert_counts.iter_mut().for_each(|l| l.fill(0));
+        self.gm.perf_mut().detach_metrics(); // the learn pass is not served traffic
         self.gm.forward(&learn_tokens(c.vocab, n), Phase::Prefill, &mut kv, self.cold)?;
         self.gm.reset_perf();
         Ok(self.cold.expert_counts.clone())

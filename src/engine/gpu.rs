@@ -124,6 +124,10 @@ impl Engine for GpuEngine {
     fn hot_bytes(&self) -> u64 {
         self.gpu.hot_cache_bytes() as u64
     }
+    fn device_free_bytes(&self) -> Option<u64> {
+        // None once the device is lost (the CPU pipeline serves then).
+        self.cpu.is_none().then(|| self.gpu.backend().mem_info().ok()).flatten().map(|(free, _)| free as u64)
+    }
     fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError> {
         self.updater.request(exchange);
         Ok(())
@@ -132,6 +136,9 @@ impl Engine for GpuEngine {
     /// capacity never changes. An invalid exchange is refused before anything changes.
     fn apply_exchanges(&mut self) -> Result<usize, EngineError> {
         let pending = self.updater.take_pending();
+        // Every slot holds one expert: an exchange rewrites one slot's bytes.
+        let n_slots: usize = self.gpu.hot_set().layers.iter().map(|l| l.n_hot()).sum();
+        let slot_bytes = (self.gpu.hot_cache_bytes() / n_slots.max(1)) as u64;
         for (i, Exchange { layer_idx, evict, add }) in pending.iter().copied().enumerate() {
             if let Err(e) = self.gpu.exchange(layer_idx, evict, add) {
                 // Requeue what was not applied, so nothing is lost.
@@ -140,7 +147,7 @@ impl Engine for GpuEngine {
                 });
                 return Err(e.into());
             }
-            self.gpu.perf_mut().record_update();
+            self.gpu.perf_mut().record_exchange(slot_bytes);
         }
         Ok(pending.len())
     }

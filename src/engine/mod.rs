@@ -171,6 +171,10 @@ pub trait Engine {
     fn hot_set(&self) -> Option<&HotSet>;
     /// Bytes held by the hot cache (VRAM on the GPU, RAM copies on the CPU pipeline).
     fn hot_bytes(&self) -> u64;
+    /// Free device memory in bytes, where the engine has a device that can tell (the GPU).
+    fn device_free_bytes(&self) -> Option<u64> {
+        None
+    }
     /// Queue an exchange for the Updater; it applies before the next call.
     fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError>;
     /// Apply every queued exchange now (between calls). Returns how many were applied.
