@@ -180,7 +180,7 @@ pub fn run_bench(
     // Warm-up: first cuBLAS calls, page-ins of cold experts, pool threads.
     let warm = &prompt[..prompt.len().min(32)];
     let mut cache = engine.new_cache(warm.len() + 4)?;
-    let mut next = *engine.forward(warm, Phase::Warmup, &mut cache)?.argmax.last().expect("rows");
+    let mut next = *engine.forward_last(warm, Phase::Warmup, &mut cache)?.argmax.last().expect("rows");
     for _ in 0..4 {
         next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
     }
@@ -192,7 +192,8 @@ pub fn run_bench(
         let mut cache = engine.new_cache(context)?;
         let before = snapshot(engine);
         let start = Instant::now();
-        let logits = engine.forward(&prompt, Phase::Prefill, &mut cache)?;
+        // The lm_head of the last row only, as llama-bench's prompt processing.
+        let logits = engine.forward_last(&prompt, Phase::Prefill, &mut cache)?;
         pp_rates.push(prompt.len() as f64 / start.elapsed().as_secs_f64());
         let mid = snapshot(engine);
         pp.add(LaneTotals::between(&before, &mid));

@@ -173,7 +173,8 @@ fn generate(
     started: Instant,
 ) -> Result<Option<usize>, EngineError> {
     let mut cache = engine.new_cache(job.prompt.len() + job.max_tokens)?;
-    let mut next = *engine.forward(&job.prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("a row");
+    let mut next =
+        *engine.forward_last(&job.prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("a row");
     prom::first_token(started.elapsed());
     let mut last = Instant::now();
     for n in 1..=job.max_tokens {

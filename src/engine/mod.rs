@@ -163,6 +163,19 @@ pub trait Engine {
     fn new_cache(&self, capacity: usize) -> Result<KvCache, EngineError>;
     /// Run `tokens` after what `cache` holds, in `phase` (decided by the caller, once per call).
     fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError>;
+    /// As [`Engine::forward`], but only the last token's logits row is needed (generation):
+    /// engines that can skip the lm_head of the other rows do. Returns one row.
+    fn forward_last(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut KvCache,
+    ) -> Result<Logits, EngineError> {
+        let all = self.forward(tokens, phase, cache)?;
+        let last = all.n_rows.checked_sub(1).expect("one row per token");
+        let data = if all.data.is_empty() { Vec::new() } else { all.row(last).to_vec() };
+        Ok(Logits { n_rows: 1, vocab: all.vocab, data, argmax: vec![all.argmax[last]] })
+    }
     /// Perf state (counts, lane timings, fallbacks); `None` for the oracle.
     fn perf(&self) -> Option<&PerfState>;
     /// Which experts are hot; `None` for the oracle.
@@ -194,7 +207,7 @@ pub trait Engine {
             return Ok(out);
         }
         let mut next =
-            *self.forward(prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("one row per token");
+            *self.forward_last(prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("one row");
         out.push(next);
         while out.len() < n_new {
             next = self.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
