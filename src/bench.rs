@@ -18,7 +18,8 @@ pub struct BenchOptions {
     pub n_runs: usize,
     /// The budget the engine was built with (reported as given).
     pub budget: Option<HotBudget>,
-    pub cold_threads: usize,
+    /// The engine's threads (from its build report).
+    pub threads: crate::threads::ThreadReport,
     pub simd: String,
     /// Feed each generated token back (greedy) instead of random token ids. Random ids (the
     /// default, as llama-bench does) keep the routing mix of a real workload; greedy output on
@@ -149,6 +150,8 @@ pub struct BenchReport {
     pub planned_hit_rate: f64,
     pub learn_source: &'static str,
     pub cold_threads: usize,
+    /// The engine's threads and how the cold count was chosen (`auto` or `fixed`).
+    pub threads: crate::threads::ThreadReport,
     pub simd: String,
     /// What generation fed back: "random" token ids (default) or the "greedy" tokens.
     pub tg_feed: &'static str,
@@ -234,7 +237,8 @@ pub fn run_bench(
         budget: opts.budget,
         planned_hit_rate: build.planned_hit_rate.unwrap_or(0.0),
         learn_source: build.hot_source,
-        cold_threads: opts.cold_threads,
+        cold_threads: opts.threads.cold,
+        threads: opts.threads,
         simd: opts.simd.clone(),
         tg_feed: if opts.greedy { "greedy" } else { "random" },
     })
@@ -282,7 +286,16 @@ impl BenchReport {
             self.hot_lane_us, self.cold_lane_us, self.overlap_us, self.join_wait_us, self.fallbacks
         );
         out += &format!("tg feeds      {} token ids\n", self.tg_feed);
-        out + &format!("cold lane     {} threads, {}\n", self.cold_threads, self.simd)
+        let t = &self.threads;
+        let chosen = match t.chosen_by {
+            crate::threads::ThreadChoice::Auto => "auto",
+            crate::threads::ThreadChoice::Fixed => "fixed",
+        };
+        out += &format!("cold lane     {} threads ({chosen}), {}\n", t.cold, self.simd);
+        if t.dense > 0 {
+            out += &format!("dense stage   {} threads\n", t.dense);
+        }
+        out
     }
 }
 

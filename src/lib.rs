@@ -28,6 +28,7 @@ pub mod model;
 pub mod moe;
 pub mod reference;
 pub mod synth;
+pub mod threads;
 pub mod vocab;
 
 // The flat paths of earlier releases, kept so embedding code keeps compiling.

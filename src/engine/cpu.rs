@@ -90,6 +90,9 @@ impl Engine for Pipeline {
     fn set_perf_mode(&mut self, mode: crate::cache::perf::PerfMode) {
         self.perf_mut().set_mode(mode);
     }
+    fn set_thread_report(&mut self, threads: crate::threads::ThreadReport) {
+        self.perf_mut().set_threads(threads);
+    }
     fn hot_set(&self) -> Option<&HotSet> {
         Some(Pipeline::hot_set(self))
     }

@@ -188,6 +188,8 @@ pub trait Engine {
     fn apply_exchanges(&mut self) -> Result<usize, EngineError>;
     /// Whether forward calls copy logits rows back (default on); off: only greedy tokens.
     fn set_copy_logits(&mut self, _on: bool) {}
+    /// Record the thread counts the engine was built with in its perf state (the perf JSON).
+    fn set_thread_report(&mut self, _threads: crate::threads::ThreadReport) {}
     /// Switch the perf mode between calls (engines without perf state ignore it).
     fn set_perf_mode(&mut self, _mode: crate::cache::perf::PerfMode) {}
     /// The per-stage GPU profile, when the engine records one.

@@ -44,11 +44,13 @@ use std::time::Instant;
 /// roughly `max_batch_tokens * (6 * hidden + 2 * q_dim + k * hidden * 2)` floats.
 pub const MAX_BATCH_TOKENS: usize = 512;
 
-/// Default cold-lane participants when none is given: the machine's cores minus one (for the
-/// hot lane thread), at least one. The driver thread is cold participant 0 (it computes its share
-/// while it would otherwise wait for the lanes), so this many minus one worker threads start.
+/// Default cold-lane participants when none is given: the rule of `--cold-threads auto`
+/// ([`crate::threads::auto_cold_threads`]) for a pipeline whose driver is cold participant 0 and
+/// whose hot lanes hold no experts (every core). The driver computes its share while it would
+/// otherwise wait for the lanes, so this many minus one worker threads start. `build_engine`
+/// applies the same rule with the hot set known (one core less per busy hot lane).
 pub fn default_cold_workers() -> usize {
-    std::thread::available_parallelism().map(|n| n.get().saturating_sub(1)).unwrap_or(1).max(1)
+    crate::threads::auto_cold_threads(&crate::threads::ThreadInputs::this_machine())
 }
 
 /// Default dense-stage threads: every core the process may use (the lanes are idle meanwhile).
