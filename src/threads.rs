@@ -3,8 +3,9 @@
 
 use serde::Serialize;
 
-/// Most cold-lane threads a caller may ask for.
-pub const MAX_COLD_THREADS: usize = crate::actors::messages::MAX_COLD_WORKERS;
+/// Most cold-lane threads a caller may ask for. Each costs a thread; in the CPU pipeline also a
+/// channel and one lane buffer of `ceil(max_tokens * k / n_workers) * hidden` floats.
+pub const MAX_COLD_THREADS: usize = 64;
 
 /// A `--cold-threads` value, parsed once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
