@@ -121,6 +121,33 @@ pub fn par_attention(
     pool.broadcast(&|index, _| attention_worker(&call, index))
 }
 
+/// The same attention on the calling thread alone (small calls, where waking the pool costs
+/// more than the work).
+pub fn attention(
+    level: SimdLevel,
+    input: &AttentionInput<'_>,
+    scratch: &mut AttentionScratch,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    level.ensure_supported()?;
+    let n_tokens = input.validate(out.len())?;
+    let row_len = input.first_pos + n_tokens;
+    if scratch.scores.len() < row_len {
+        scratch.scores.resize(row_len, 0.0);
+    }
+    let call = RawAttention {
+        input: *input,
+        level,
+        n_tokens,
+        scores: scratch.scores.as_mut_ptr(),
+        row_len,
+        out: out.as_mut_ptr(),
+        next_unit: AtomicUsize::new(0),
+    };
+    attention_worker(&call, 0);
+    Ok(())
+}
+
 fn attention_worker(call: &RawAttention<'_>, index: usize) {
     let n_heads = call.input.shape.n_heads;
     loop {

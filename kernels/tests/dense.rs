@@ -5,7 +5,7 @@ mod common;
 
 use common::{relative_error, tolerance, MisalignedBytes, Rng};
 use moe_lanes_kernels::{
-    attention_reference, available, dot_row, matmul, par_attention, par_matmul, AttentionInput,
+    attention, attention_reference, available, dot_row, matmul, par_attention, par_matmul, AttentionInput,
     AttentionScratch, AttentionShape, ColdPool, DenseMatrix, MatmulPart, SimdLevel, WeightDType,
 };
 
@@ -122,6 +122,9 @@ fn par_attention_matches_scalar_for_every_level_and_thread_count() {
             attention_reference(&input, &mut expected).unwrap();
             for level in available() {
                 let mut first: Option<Vec<f32>> = None;
+                let mut single = vec![f32::NAN; q.len()];
+                attention(level, &input, &mut scratch, &mut single).unwrap();
+                assert!(relative_error(&single, &expected) <= tolerance(level, WeightDType::F32));
                 for pool in pools.iter_mut() {
                     let mut out = vec![f32::NAN; q.len()];
                     par_attention(pool, level, &input, &mut scratch, &mut out).unwrap();
@@ -135,6 +138,7 @@ fn par_attention_matches_scalar_for_every_level_and_thread_count() {
                         Some(bits) => assert_eq!(&out, bits, "{level}: thread count changed the bits"),
                     }
                 }
+                assert_eq!(Some(single), first, "{level}: the calling-thread form differs");
             }
         }
     }

@@ -11,8 +11,8 @@ use crate::format::tensor::{TensorError, TensorRef};
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
 use moe_lanes_kernels::{
-    matmul, par_attention, par_matmul, AttentionInput, AttentionScratch, ColdPool, DenseMatrix, KernelError,
-    MatmulPart, SimdLevel, WeightDType,
+    attention, matmul, par_attention, par_matmul, AttentionInput, AttentionScratch, ColdPool, DenseMatrix,
+    KernelError, MatmulPart, SimdLevel, WeightDType,
 };
 
 /// Small per-layer vectors, decoded to f32 once at load.
@@ -137,6 +137,13 @@ pub(crate) fn decode_row(m: &DenseMatrix<'_>, r: usize, out: &mut [f32]) {
     }
 }
 
+/// Smallest dense call (multiply-adds) worth waking the pool for: 2^18 is about 15-30 us of one
+/// core's SIMD work, several times a pool dispatch and wake-up (a few us on idle cores, far more
+/// on a loaded machine). Smaller calls (a tiny model's projections, attention over a short
+/// context) run on the driver alone. It changes no bit: the kernels give the same result on
+/// any number of threads.
+pub const PAR_MIN_MACS: usize = 1 << 18;
+
 /// The pool and kernel level of the dense stage, and its reused attention scratch.
 pub(crate) struct DenseStage {
     pool: ColdPool,
@@ -155,7 +162,9 @@ impl DenseStage {
 
     /// `part.y = x · part.wᵀ` for every part, row-split over the pool.
     pub fn matmul(&mut self, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Result<(), KernelError> {
-        if self.pool.n_threads() == 1 {
+        let macs =
+            parts.iter().map(|p| p.w.rows * p.w.cols).sum::<usize>() * x.len() / parts[0].w.cols.max(1);
+        if self.pool.n_threads() == 1 || macs < PAR_MIN_MACS {
             matmul(self.level, x, parts)
         } else {
             par_matmul(&mut self.pool, self.level, x, parts)
@@ -164,7 +173,15 @@ impl DenseStage {
 
     /// Causal attention of one layer over the pool (units of token x head).
     pub fn attention(&mut self, input: &AttentionInput<'_>, out: &mut [f32]) -> Result<(), KernelError> {
-        par_attention(&mut self.pool, self.level, input, &mut self.scratch, out)
+        let s = input.shape;
+        let positions = input.first_pos + input.q.len() / (s.n_heads * s.head_dim).max(1);
+        // Scores and the weighted sum: 2 * head_dim multiply-adds per (token, head, position).
+        let macs = input.q.len() * positions * 2;
+        if self.pool.n_threads() == 1 || macs < PAR_MIN_MACS {
+            attention(self.level, input, &mut self.scratch, out)
+        } else {
+            par_attention(&mut self.pool, self.level, input, &mut self.scratch, out)
+        }
     }
 
     /// The lanes take the cores now: the pool's idle workers sleep instead of spinning.
