@@ -145,7 +145,7 @@ struct EngineArgs {
     /// Cold-lane threads: auto (every core the process may use, less one per busy CPU hot lane
     /// and two for an active GPU lane) or a number.
     #[arg(long, default_value = "auto")]
-    cold_threads: ColdThreads,
+    cold_threads: String,
     /// Write the perf JSON here after the run.
     #[arg(long)]
     perf_json: Option<PathBuf>,
@@ -331,7 +331,7 @@ struct LearnArgs {
     /// Cold-lane threads: auto (every core the process may use, less one per busy CPU hot lane
     /// and two for an active GPU lane) or a number.
     #[arg(long, default_value = "auto")]
-    cold_threads: ColdThreads,
+    cold_threads: String,
 }
 
 fn main() -> Result<()> {
@@ -399,7 +399,7 @@ fn engine_options(
     opts.learn_counts = args.learn.as_deref().map(|p| learn_counts(p, model)).transpose()?;
     opts.learn_tokens = args.learn_tokens;
     opts.hot = hot_choice(model, args, default_hot)?;
-    opts.cold_threads = args.cold_threads;
+    opts.cold_threads = cold_threads(&args.cold_threads)?;
     opts.perf_mode = args.perf_mode.parse::<PerfMode>().map_err(anyhow::Error::msg)?;
     opts.pipeline.n_hot_lanes = args.hot_lanes;
     opts.pipeline.cold_kernels = args.cold_kernels.parse::<ColdKernels>().map_err(anyhow::Error::msg)?;
@@ -598,13 +598,20 @@ fn learn(args: LearnArgs) -> Result<()> {
     if opts.kind == Some(EngineKind::Reference) {
         bail!("learn needs an engine with perf state: gpu or pipeline");
     }
-    opts.cold_threads = args.cold_threads;
+    opts.cold_threads = cold_threads(&args.cold_threads)?;
     let (mut engine, _) = open_engine(&model, opts)?;
     let mut cache = engine.new_cache(tokens.len())?;
     engine.forward(&tokens, Phase::Prefill, &mut cache)?;
     write_perf(engine.as_ref(), &Some(args.out.clone()))?;
     eprintln!("learned {} tokens -> {}", tokens.len(), args.out.display());
     Ok(())
+}
+
+/// `--cold-threads auto|N`, parsed once into the library's type.
+fn cold_threads(given: &str) -> Result<ColdThreads> {
+    given
+        .parse::<ColdThreads>()
+        .map_err(|e| anyhow::anyhow!("--cold-threads {given}: expected auto or 1..={}", e.max))
 }
 
 /// Where the default synthetic model lives: `$MOE_LANES_HOME` or `~/.cache/moe-lanes`.
