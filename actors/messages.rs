@@ -9,9 +9,8 @@ use std::time::Instant;
 /// enough (one running, one queued); a larger bound only hides a stuck lane for longer.
 pub const LANE_MAILBOX_CAPACITY: usize = 2;
 
-/// Most cold-lane worker threads. Each costs a thread, a channel and one lane buffer of
-/// `ceil(max_tokens * k / n_workers) * hidden` floats.
-pub const MAX_COLD_WORKERS: usize = 64;
+/// Most cold-lane worker threads: [`crate::threads::MAX_COLD_THREADS`] (its cost is there).
+pub const MAX_COLD_WORKERS: usize = crate::threads::MAX_COLD_THREADS;
 
 /// Most tokens one lane computes together per expert: defined with the expert math that
 /// sizes its scratch.

@@ -18,7 +18,8 @@ pub struct BenchOptions {
     pub n_runs: usize,
     /// The budget the engine was built with (reported as given).
     pub budget: Option<HotBudget>,
-    pub cold_threads: usize,
+    /// The engine's threads (from its build report).
+    pub threads: crate::threads::ThreadReport,
     pub simd: String,
     /// Feed each generated token back (greedy) instead of random token ids. Random ids (the
     /// default, as llama-bench does) keep the routing mix of a real workload; greedy output on
@@ -155,6 +156,8 @@ pub struct BenchReport {
     pub planned_hit_rate: f64,
     pub learn_source: &'static str,
     pub cold_threads: usize,
+    /// The engine's threads and how the cold count was chosen (`auto` or `fixed`).
+    pub threads: crate::threads::ThreadReport,
     pub simd: String,
     /// What generation fed back: "random" token ids (default) or the "greedy" tokens.
     pub tg_feed: &'static str,
@@ -189,7 +192,7 @@ pub fn run_bench(
     // Warm-up: first cuBLAS calls, page-ins of cold experts, pool threads.
     let warm = &prompt[..prompt.len().min(32)];
     let mut cache = engine.new_cache(warm.len() + 4)?;
-    let mut next = *engine.forward(warm, Phase::Warmup, &mut cache)?.argmax.last().expect("rows");
+    let mut next = *engine.forward_last(warm, Phase::Warmup, &mut cache)?.argmax.last().expect("rows");
     for _ in 0..4 {
         next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
     }
@@ -204,7 +207,8 @@ pub fn run_bench(
         let mut cache = engine.new_cache(context)?;
         let before = snapshot(engine);
         let start = Instant::now();
-        let logits = engine.forward(&prompt, Phase::Prefill, &mut cache)?;
+        // The lm_head of the last row only, as llama-bench's prompt processing.
+        let logits = engine.forward_last(&prompt, Phase::Prefill, &mut cache)?;
         pp_rates.push(prompt.len() as f64 / start.elapsed().as_secs_f64());
         let mid = snapshot(engine);
         pp.add(LaneTotals::between(&before, &mid));
@@ -248,7 +252,8 @@ pub fn run_bench(
         budget: opts.budget,
         planned_hit_rate: build.planned_hit_rate.unwrap_or(0.0),
         learn_source: build.hot_source,
-        cold_threads: opts.cold_threads,
+        cold_threads: opts.threads.cold,
+        threads: opts.threads,
         simd: opts.simd.clone(),
         tg_feed: if opts.greedy { "greedy" } else { "random" },
         tg_metrics_off_tokens_per_s_spread: opts.metrics_ab.then(|| Spread::of(&tg_off_rates)),
@@ -342,7 +347,16 @@ impl BenchReport {
                 (off.median - self.tg_tokens_per_s) / off.median * 100.0
             );
         }
-        out + &format!("cold lane     {} threads, {}\n", self.cold_threads, self.simd)
+        let t = &self.threads;
+        let chosen = match t.chosen_by {
+            crate::threads::ThreadChoice::Auto => "auto",
+            crate::threads::ThreadChoice::Fixed => "fixed",
+        };
+        out += &format!("cold lane     {} threads ({chosen}), {}\n", t.cold, self.simd);
+        if t.dense > 0 {
+            out += &format!("dense stage   {} threads\n", t.dense);
+        }
+        out
     }
 }
 

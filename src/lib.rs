@@ -32,6 +32,7 @@ pub mod reference;
 pub mod sample;
 pub mod synth;
 pub mod text;
+pub mod threads;
 pub mod vocab;
 
 // The flat paths of earlier releases, kept so embedding code keeps compiling.

@@ -20,7 +20,7 @@ fn options(kind: EngineKind, hot: HotChoice) -> EngineOptions {
     let mut opts = EngineOptions::new(32);
     opts.kind = Some(kind);
     opts.hot = hot;
-    opts.cold_threads = Some(2);
+    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
     opts
 }
 

@@ -72,7 +72,7 @@ fn gpu_engine(model: &Arc<Model>, hot: HotChoice, faults: GpuFaults) -> Box<dyn 
     opts.cuda = moe_lanes::env::cuda_config().unwrap();
     opts.kind = Some(EngineKind::Gpu);
     opts.hot = hot;
-    opts.cold_threads = Some(2);
+    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
     opts.gpu.faults = faults;
     let (engine, report) = build_engine(model, opts).unwrap();
     assert_eq!(report.kind, EngineKind::Gpu, "{:?}", report.gpu_unavailable);
@@ -334,7 +334,7 @@ fn auto_budget_never_over_allocates_and_impossible_budget_is_refused() {
     opts.kind = Some(EngineKind::Gpu);
     opts.hot = HotChoice::Budget(HotBudget::Auto);
     opts.vram_limit_bytes = Some(limit);
-    opts.cold_threads = Some(2);
+    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
     let (engine, report) = build_engine(&model, opts.clone()).unwrap();
     let budget = report.budget_bytes.unwrap();
     assert!(engine.hot_bytes() <= budget, "{} > {budget}", engine.hot_bytes());

@@ -215,3 +215,42 @@ fn perf_state_counts_slots_and_renders_json() {
         }
     }
 }
+
+/// The dense stage reads every matrix in place (only norm weights and biases are copied), its
+/// thread count changes no bit, and `forward_rows(Last)` is the last row of `forward`.
+#[test]
+fn dense_stage_reads_weights_in_place_and_threads_change_no_bit() {
+    use moe_lanes::format::dtype::DType;
+    use moe_lanes::pipeline::LogitRows;
+    for (adapter_idx, dtype, tied) in
+        [(0, DType::BF16, false), (1, DType::F16, true), (2, DType::F32, false), (3, DType::BF16, false)]
+    {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = TinySpec { dtype, tied, ..TinySpec::simple(adapter_idx) };
+        let model = write_tiny(dir.path(), &spec);
+        let c = model.config().clone();
+        let toks = tokens(21, 9, c.vocab);
+        let mut runs = Vec::new();
+        for n_dense_threads in [1, 2, 3] {
+            let opts = PipelineOptions { n_dense_threads, ..Default::default() };
+            let mut p = Pipeline::new(model.clone(), opts).unwrap();
+            assert_eq!(p.dense_threads(), n_dense_threads);
+            let per_layer_vectors = 2 * c.hidden + 2 * c.q_dim() + 2 * c.kv_dim() + 2 * c.head_dim + c.hidden;
+            assert!(
+                p.weight_copy_bytes() <= 4 * (c.hidden + c.n_layers * per_layer_vectors),
+                "{} bytes copied: more than the small vectors",
+                p.weight_copy_bytes()
+            );
+            let mut cache = p.new_cache();
+            let mut got = p.forward(&mut cache, &toks[..7], Phase::Prefill).unwrap();
+            got.extend(p.forward(&mut cache, &toks[7..8], Phase::Decode).unwrap());
+            let mut last_cache = p.new_cache();
+            let last = p.forward_rows(&mut last_cache, &toks[..7], Phase::Prefill, LogitRows::Last).unwrap();
+            assert_eq!(last, vec![got[6].clone()], "the lm_head of the last row only");
+            runs.push(got);
+        }
+        assert!(rel_diff(&runs[0], &reference_logits(&model, &[&toks[..7], &toks[7..8]])) <= 1e-4);
+        assert_eq!(runs[0], runs[1], "{dtype}: 2 dense threads changed the bits");
+        assert_eq!(runs[0], runs[2], "{dtype}: 3 dense threads changed the bits");
+    }
+}

@@ -16,6 +16,7 @@ use moe_lanes::model::Model;
 use moe_lanes::perf::{PerfMode, PerfReport};
 use moe_lanes::phase::Phase;
 use moe_lanes::pipeline::ColdKernels;
+use moe_lanes::threads::ColdThreads;
 use moe_lanes::reference::Reference;
 use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
 use std::path::{Path, PathBuf};
@@ -160,9 +161,10 @@ struct EngineArgs {
     /// Hot lanes of the CPU pipeline (1..=3); hot experts are dealt round-robin over them.
     #[arg(long, default_value_t = 1)]
     hot_lanes: usize,
-    /// Cold-lane threads (default: cores - 1).
-    #[arg(long)]
-    cold_threads: Option<usize>,
+    /// Cold-lane threads: auto (every core the process may use, less one per busy CPU hot lane
+    /// and two for an active GPU lane) or a number.
+    #[arg(long, default_value = "auto")]
+    cold_threads: String,
     /// Write the perf JSON here after the run.
     #[arg(long)]
     perf_json: Option<PathBuf>,
@@ -417,9 +419,10 @@ struct LearnArgs {
     /// Forward engine (default: gpu when usable, else pipeline). The cache is off.
     #[arg(long)]
     engine: Option<String>,
-    /// Cold-lane worker threads (default: cores - 1).
-    #[arg(long)]
-    cold_threads: Option<usize>,
+    /// Cold-lane threads: auto (every core the process may use, less one per busy CPU hot lane
+    /// and two for an active GPU lane) or a number.
+    #[arg(long, default_value = "auto")]
+    cold_threads: String,
 }
 
 fn main() -> Result<()> {
@@ -490,12 +493,7 @@ fn engine_options(
     opts.learn_counts = args.learn.as_deref().map(|p| learn_counts(p, model)).transpose()?;
     opts.learn_tokens = args.learn_tokens;
     opts.hot = hot_choice(model, args, default_hot)?;
-    if let Some(n) =
-        args.cold_threads.filter(|&n| n == 0 || n > moe_lanes::actors::messages::MAX_COLD_WORKERS)
-    {
-        bail!("--cold-threads {n}: expected 1..={}", moe_lanes::actors::messages::MAX_COLD_WORKERS);
-    }
-    opts.cold_threads = args.cold_threads;
+    opts.cold_threads = cold_threads(&args.cold_threads)?;
     opts.perf_mode = args.perf_mode.parse::<PerfMode>().map_err(anyhow::Error::msg)?;
     opts.pipeline.n_hot_lanes = args.hot_lanes;
     opts.pipeline.cold_kernels = args.cold_kernels.parse::<ColdKernels>().map_err(anyhow::Error::msg)?;
@@ -712,13 +710,20 @@ fn learn(args: LearnArgs) -> Result<()> {
     if opts.kind == Some(EngineKind::Reference) {
         bail!("learn needs an engine with perf state: gpu or pipeline");
     }
-    opts.cold_threads = args.cold_threads;
+    opts.cold_threads = cold_threads(&args.cold_threads)?;
     let (mut engine, _) = open_engine(&model, opts)?;
     let mut cache = engine.new_cache(tokens.len())?;
     engine.forward(&tokens, Phase::Prefill, &mut cache)?;
     write_perf(engine.as_ref(), &Some(args.out.clone()))?;
     eprintln!("learned {} tokens -> {}", tokens.len(), args.out.display());
     Ok(())
+}
+
+/// `--cold-threads auto|N`, parsed once into the library's type.
+fn cold_threads(given: &str) -> Result<ColdThreads> {
+    given
+        .parse::<ColdThreads>()
+        .map_err(|e| anyhow::anyhow!("--cold-threads {given}: expected auto or 1..={}", e.max))
 }
 
 /// Where the default synthetic model lives: `$MOE_LANES_HOME` or `~/.cache/moe-lanes`.
@@ -852,7 +857,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         n_gen_tokens: args.gen_tokens,
         n_runs: args.runs,
         budget,
-        cold_threads: build.cold_threads,
+        threads: build.threads,
         simd: simd_name,
         greedy: args.greedy,
         metrics_ab: args.metrics_ab,

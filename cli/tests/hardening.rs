@@ -115,7 +115,7 @@ fn inputs_that_used_to_be_ignored_or_clamped_are_refused() {
     };
     for n in ["0", "10000"] {
         let err = gen(&["--cold-threads", n]);
-        assert!(err.contains(&format!("--cold-threads {n}: expected 1..=")), "{err}");
+        assert!(err.contains(&format!("--cold-threads {n}: expected auto or 1..=")), "{err}");
     }
     let learn = dir.path().join("learn.json");
     ok_stdout(&["learn", "--model", &model, "--n-tokens", "16", "--out", p(&learn), "--engine", "pipeline"]);

@@ -6,11 +6,15 @@
 //! - [`ffn`]: row-range GEMV/GEMM, fused gate/up + activation, down + weighted accumulation,
 //!   in decode (one token) and prefill (many tokens per expert, register-blocked) form.
 //! - [`pool`]: the cold pool of pinned threads running whole cold-lane jobs.
+//! - [`dense`]: row-split GEMV/GEMM of dense weight matrices read in place, on the pool's threads.
+//! - [`attention`]: causal GQA attention over a head-major KV cache, on the pool's threads.
 //! - [`cuda`]: the CUDA backend (dynamically loaded): NVRTC-compiled kernels, cuBLAS, streams, events.
 //! - [`bench`]: read bandwidth vs. cold-lane effective weight bandwidth.
 
+pub mod attention;
 pub mod bench;
 pub mod cuda;
+pub mod dense;
 pub mod error;
 pub mod ffn;
 pub mod pool;
@@ -22,7 +26,9 @@ mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx512;
 
+pub use attention::{attention, attention_reference, par_attention, AttentionInput, AttentionScratch, AttentionShape};
 pub use bench::{run_kernel_bench, KernelBenchOptions, KernelBenchReport};
+pub use dense::{matmul, par_matmul, DenseMatrix, MatmulPart, MAX_MATMUL_PARTS};
 pub use error::KernelError;
 pub use ffn::{down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, matmul_rows};
 pub use pool::{ColdExpertWork, ColdJob, ColdPool};

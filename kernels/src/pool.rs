@@ -286,6 +286,9 @@ struct Shared {
     workers_done: Padded<AtomicUsize>,
     panicked: AtomicBool,
     shutdown: AtomicBool,
+    /// Set by [`ColdPool::park_workers`]: idle workers stop spinning and sleep until the next
+    /// dispatch (which clears it).
+    park_hint: AtomicBool,
     barrier: Padded<SpinBarrier>,
     sleep_lock: Mutex<()>,
     wake: Condvar,
@@ -319,6 +322,7 @@ impl ColdPool {
             workers_done: Padded(AtomicUsize::new(0)),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
+            park_hint: AtomicBool::new(false),
             barrier: Padded(SpinBarrier {
                 arrived: AtomicUsize::new(0),
                 generation: AtomicUsize::new(0),
@@ -459,6 +463,12 @@ impl ColdPool {
         dispatch(&self.shared, &Task::Broadcast(f))
     }
 
+    /// Tells idle workers to sleep now instead of spinning for the next call: for a caller that
+    /// hands the cores to other threads (the pipeline's lanes) until its next dispatch.
+    pub fn park_workers(&self) {
+        self.shared.park_hint.store(true, Ordering::Relaxed);
+    }
+
     /// Single-thread scalar oracle for [`ColdPool::run`]: plain loops over experts, tokens and
     /// rows with sequential f32 dot products, independent of the tiled kernels.
     pub fn run_reference(job: &ColdJob<'_>, out: &mut [f32]) -> Result<(), KernelError> {
@@ -489,6 +499,7 @@ impl ColdPool {
 /// Publishes `task` to the workers, runs thread 0's share and waits for all workers.
 fn dispatch(shared: &Shared, task: &Task<'_>) -> Result<(), KernelError> {
     shared.panicked.store(false, Ordering::Relaxed);
+    shared.park_hint.store(false, Ordering::Relaxed);
     if shared.n_threads > 1 {
         shared.workers_done.store(0, Ordering::Relaxed);
         shared.task.store(task as *const Task<'_> as *mut (), Ordering::Relaxed);
@@ -551,7 +562,7 @@ fn wait_for_epoch_change(shared: &Shared, seen_epoch: u64) -> u64 {
         }
         std::hint::spin_loop();
         spins += 1;
-        if spins % 64 == 0 && spin_start.elapsed() > IDLE_SPIN {
+        if spins % 64 == 0 && (spin_start.elapsed() > IDLE_SPIN || shared.park_hint.load(Ordering::Relaxed)) {
             break;
         }
     }

@@ -129,6 +129,8 @@ pub struct PerfReport {
     pub n_expert_used: usize,
     pub updates: u64,
     pub overflow_resets: u64,
+    /// The engine's thread counts (cold lane, dense stage) and how they were chosen.
+    pub threads: crate::threads::ThreadReport,
     pub layers: Vec<LayerPerf>,
 }
 
@@ -160,6 +162,7 @@ impl PerfReport {
                 "n_expert_used" => serde_json::from_value(v.clone()).map(|x| report.n_expert_used = x),
                 "updates" => serde_json::from_value(v.clone()).map(|x| report.updates = x),
                 "overflow_resets" => serde_json::from_value(v.clone()).map(|x| report.overflow_resets = x),
+                "threads" => serde_json::from_value(v.clone()).map(|x| report.threads = x),
                 "layers" => {
                     let arr =
                         v.as_array().ok_or_else(|| malformed(field.clone(), "expected an array".into()))?;
@@ -495,6 +498,11 @@ impl PerfState {
 
     pub fn report(&self) -> &PerfReport {
         &self.report
+    }
+
+    /// Record the engine's thread counts (shown in the perf JSON).
+    pub fn set_threads(&mut self, threads: crate::threads::ThreadReport) {
+        self.report.threads = threads;
     }
 
     pub fn fallbacks(&self, reason: FallbackReason) -> u64 {

@@ -15,6 +15,7 @@ use crate::model::Model;
 use crate::moe::phase::Phase;
 use crate::moe::pipeline::{Pipeline, PipelineOptions, MAX_BATCH_TOKENS};
 use crate::reference::Reference;
+use crate::threads::{ColdThreads, ThreadInputs, ThreadReport};
 use moe_lanes_kernels::cuda::CudaConfig;
 use moe_lanes_kernels::pool::ColdSchedule;
 use moe_lanes_kernels::SimdLevel;
@@ -57,9 +58,9 @@ pub struct EngineOptions {
     pub learn_counts: Option<Vec<Vec<u64>>>,
     pub learn_tokens: usize,
     pub weighting: WeightMode,
-    /// Cold-lane threads; `None`: every core for the GPU engine (its driver thread only waits),
-    /// cores - 1 for the pipeline (its hot lane has a thread of its own).
-    pub cold_threads: Option<usize>,
+    /// Cold-lane threads: a number, or `auto` (the default): the rule of
+    /// [`crate::threads::auto_cold_threads`] for the engine's lanes.
+    pub cold_threads: ColdThreads,
     /// Positions the caller's sessions need (sizes the KV cache the auto budget leaves room for).
     pub n_positions: usize,
     pub perf_mode: PerfMode,
@@ -84,7 +85,7 @@ impl EngineOptions {
             learn_counts: None,
             learn_tokens: 256,
             weighting: WeightMode::Flat,
-            cold_threads: None,
+            cold_threads: ColdThreads::Auto,
             n_positions,
             perf_mode: PerfMode::Full,
             gpu: GpuOptions::default(),
@@ -107,6 +108,8 @@ pub struct BuildReport {
     pub n_hot_experts: usize,
     /// Threads of the cold lane.
     pub cold_threads: usize,
+    /// The engine's threads and how they were chosen (also in the perf JSON).
+    pub threads: ThreadReport,
     /// The budget planned for, in bytes (after `auto` was resolved).
     pub budget_bytes: Option<u64>,
     pub planned_hit_rate: Option<f64>,
@@ -130,7 +133,8 @@ pub fn build_engine<'m>(
     if matches!(opts.kind, None | Some(EngineKind::Gpu)) {
         match CudaBackend::with_config(&opts.cuda) {
             Ok(be) => {
-                let (engine, report) = build_gpu(model, &opts, Arc::new(be))?;
+                let (mut engine, report) = build_gpu(model, &opts, Arc::new(be))?;
+                engine.set_thread_report(report.threads);
                 return Ok((Box::new(engine), report));
             }
             Err(e) => gpu_unavailable = Some(e.to_string()),
@@ -144,14 +148,16 @@ pub fn build_engine<'m>(
             hot_source: "none (oracle)",
             n_hot_experts: 0,
             cold_threads: 0,
+            threads: ThreadReport::default(),
             budget_bytes: None,
             planned_hit_rate: None,
             learn_counts: None,
         };
         return Ok((Box::new(engine), report));
     }
-    let (engine, mut report) = build_pipeline(model, &opts)?;
+    let (mut engine, mut report) = build_pipeline(model, &opts)?;
     report.gpu_unavailable = gpu_unavailable;
+    engine.set_thread_report(report.threads);
     Ok((Box::new(engine), report))
 }
 
@@ -218,7 +224,7 @@ fn report(
     lists: &[Vec<usize>],
     plan: Plan,
     model: &Model,
-    cold_threads: usize,
+    threads: ThreadReport,
 ) -> BuildReport {
     let hot = HotPlan { layers: lists.to_vec(), expert_bytes: model.expert_bytes() as u64, budget_bytes: 0 };
     BuildReport {
@@ -226,7 +232,8 @@ fn report(
         gpu_unavailable: None,
         hot_source: plan.source,
         n_hot_experts: hot.n_slots(),
-        cold_threads,
+        cold_threads: threads.cold,
+        threads,
         budget_bytes: plan.budget_bytes,
         planned_hit_rate: plan.counts.as_ref().map(|c| hot.expected_hit_rate(c)),
         learn_counts: plan.counts,
@@ -235,7 +242,13 @@ fn report(
 
 fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline, BuildReport), EngineError> {
     let c = model.config();
-    let n_cold_workers = opts.cold_threads.unwrap_or(opts.pipeline.n_cold_workers);
+    // The learn pass runs with the cache off (no busy hot lane); the engine with its hot set.
+    let inputs = |busy_cpu_hot_lanes| ThreadInputs {
+        driver_in_pool: opts.pipeline.driver_cold,
+        busy_cpu_hot_lanes,
+        ..ThreadInputs::this_machine()
+    };
+    let n_cold_workers = opts.cold_threads.resolve(&inputs(0));
     let base = PipelineOptions {
         perf_mode: opts.perf_mode,
         n_cold_workers,
@@ -245,8 +258,16 @@ fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline,
     let mut src = CpuSource { model, opts, base: &base };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;
     let set = HotSet::from_lists(c.n_layers, c.n_experts, base.n_hot_lanes, &lists);
-    let pipeline = Pipeline::new(model.clone(), PipelineOptions { hot_set: Some(set), ..base })?;
-    Ok((pipeline, report(EngineKind::Pipeline, &lists, plan, model, n_cold_workers)))
+    let busy = (0..set.n_lanes).filter(|&lane| set.layers.iter().any(|l| !l.slots[lane].is_empty())).count();
+    let n_cold_workers = opts.cold_threads.resolve(&inputs(busy));
+    let popts = PipelineOptions { hot_set: Some(set), n_cold_workers, ..base };
+    let pipeline = Pipeline::new(model.clone(), popts)?;
+    let threads = ThreadReport {
+        cold: n_cold_workers,
+        dense: pipeline.dense_threads(),
+        chosen_by: opts.cold_threads.into(),
+    };
+    Ok((pipeline, report(EngineKind::Pipeline, &lists, plan, model, threads)))
 }
 
 struct CpuSource<'a> {
@@ -315,18 +336,16 @@ fn build_gpu(
         check_budget(model, n_positions, device_bytes, b)?;
     }
     let mut gm = GpuModel::new(model.clone(), be.clone(), opts.gpu)?;
-    let all_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut cold = PoolColdExperts::new(
-        model.clone(),
-        opts.cold_threads.unwrap_or(all_cores),
-        opts.simd,
-        opts.cold_schedule,
-    )?;
+    // The driver is the pool's thread 0; a GPU lane with hot experts needs cores of its own.
+    let gpu_lane = !matches!(opts.hot, HotChoice::None | HotChoice::Budget(HotBudget::Bytes(0)));
+    let n_cold = opts.cold_threads.resolve(&ThreadInputs { gpu_lane, ..ThreadInputs::this_machine() });
+    let mut cold = PoolColdExperts::new(model.clone(), n_cold, opts.simd, opts.cold_schedule)?;
     gm.reserve_tokens(n_positions.min(MAX_BATCH_TOKENS))?;
     let mut src = GpuSource { gm: &mut gm, cold: &mut cold, opts, n_positions };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;
     gm.allocate_hot(&HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists))?;
-    let report = report(EngineKind::Gpu, &lists, plan, model, cold.n_threads());
+    let threads = ThreadReport { cold: cold.n_threads(), dense: 0, chosen_by: opts.cold_threads.into() };
+    let report = report(EngineKind::Gpu, &lists, plan, model, threads);
     Ok((GpuEngine::new(model.clone(), gm, cold)?, report))
 }
 

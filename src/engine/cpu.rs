@@ -6,7 +6,7 @@ use crate::cache::hot_set::HotSet;
 use crate::cache::perf::PerfState;
 use crate::model::config::ModelConfig;
 use crate::moe::phase::Phase;
-use crate::moe::pipeline::Pipeline;
+use crate::moe::pipeline::{LogitRows, Pipeline};
 use crate::reference::{NoObserver, Reference};
 
 /// The oracle as an engine: every phase is one token at a time; no hot cache, no perf state.
@@ -74,11 +74,24 @@ impl Engine for Pipeline {
         let rows = Pipeline::forward(self, c, tokens, phase)?;
         Ok(Logits::from_rows(rows, self.config().vocab))
     }
+    fn forward_last(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut KvCache,
+    ) -> Result<Logits, EngineError> {
+        let KvCache::Pipeline(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
+        let rows = Pipeline::forward_rows(self, c, tokens, phase, LogitRows::Last)?;
+        Ok(Logits::from_rows(rows, self.config().vocab))
+    }
     fn perf(&self) -> Option<&PerfState> {
         Some(Pipeline::perf(self))
     }
     fn set_perf_mode(&mut self, mode: crate::cache::perf::PerfMode) {
         self.perf_mut().set_mode(mode);
+    }
+    fn set_thread_report(&mut self, threads: crate::threads::ThreadReport) {
+        self.perf_mut().set_threads(threads);
     }
     fn hot_set(&self) -> Option<&HotSet> {
         Some(Pipeline::hot_set(self))

@@ -129,7 +129,7 @@ impl<'e, E: Engine + ?Sized> Generation<'e, E> {
             None => {
                 self.started = Instant::now();
                 let prompt = self.context.clone();
-                self.engine.forward(&prompt, Phase::Prefill, &mut self.cache)?
+                self.engine.forward_last(&prompt, Phase::Prefill, &mut self.cache)?
             }
             Some(t) => self.engine.forward(&[t], Phase::Decode, &mut self.cache)?,
         };

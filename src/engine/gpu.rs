@@ -112,6 +112,9 @@ impl Engine for GpuEngine {
     fn perf(&self) -> Option<&PerfState> {
         Some(self.gpu.perf())
     }
+    fn set_thread_report(&mut self, threads: crate::threads::ThreadReport) {
+        self.gpu.perf_mut().set_threads(threads);
+    }
     fn set_perf_mode(&mut self, mode: crate::cache::perf::PerfMode) {
         self.gpu.perf_mut().set_mode(mode);
         if let Some(cpu) = self.cpu.as_mut() {

@@ -165,6 +165,19 @@ pub trait Engine {
     fn new_cache(&self, capacity: usize) -> Result<KvCache, EngineError>;
     /// Run `tokens` after what `cache` holds, in `phase` (decided by the caller, once per call).
     fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError>;
+    /// As [`Engine::forward`], but only the last token's logits row is needed (generation):
+    /// engines that can skip the lm_head of the other rows do. Returns one row.
+    fn forward_last(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut KvCache,
+    ) -> Result<Logits, EngineError> {
+        let all = self.forward(tokens, phase, cache)?;
+        let last = all.n_rows.checked_sub(1).expect("one row per token");
+        let data = if all.data.is_empty() { Vec::new() } else { all.row(last).to_vec() };
+        Ok(Logits { n_rows: 1, vocab: all.vocab, data, argmax: vec![all.argmax[last]] })
+    }
     /// Perf state (counts, lane timings, fallbacks); `None` for the oracle.
     fn perf(&self) -> Option<&PerfState>;
     /// Which experts are hot; `None` for the oracle.
@@ -185,6 +198,8 @@ pub trait Engine {
     fn copies_logits(&self) -> bool {
         true
     }
+    /// Record the thread counts the engine was built with in its perf state (the perf JSON).
+    fn set_thread_report(&mut self, _threads: crate::threads::ThreadReport) {}
     /// Switch the perf mode between calls (engines without perf state ignore it).
     fn set_perf_mode(&mut self, _mode: crate::cache::perf::PerfMode) {}
     /// The per-stage GPU profile, when the engine records one.
@@ -216,7 +231,7 @@ pub trait Engine {
             return Ok(out);
         }
         let mut next =
-            *self.forward(prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("one row per token");
+            *self.forward_last(prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("one row");
         out.push(next);
         while out.len() < n_new {
             next = self.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];

@@ -22,14 +22,20 @@ use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
 use crate::format::tensor::TensorError;
 use crate::model::adapter::{Adapter, FfnActivation, QkNorm, RopeStyle};
 use crate::model::config::ModelConfig;
-use crate::model::naming::{GlobalRole, LayerRole};
+use crate::model::naming::GlobalRole;
 use crate::model::Model;
-use crate::moe::expert_math::{gelu, silu, ColdCompute, FfnScratch, PlainCompute, SimdCompute};
+use crate::moe::dense::{
+    check_matrices, decode_row, global_matrices, DenseStage, LayerMatrices, LayerVectors,
+};
+use crate::moe::expert_math::{
+    cold_simd_level, gelu, silu, ColdCompute, FfnScratch, PlainCompute, SimdCompute,
+};
 pub use crate::moe::math::argmax;
-use crate::moe::math::{dot, sigmoid, softmax_in_place};
+use crate::moe::math::{dot, sigmoid};
 use crate::moe::phase::{CacheState, ColdState, ExecPlan, Phase, PolicySwitches, PpPolicy};
 use crate::moe::routing::{Router, RouterOptions};
 use crate::reference::ForwardError;
+use moe_lanes_kernels::{AttentionInput, AttentionShape, DenseMatrix, KernelError, MatmulPart};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -38,11 +44,18 @@ use std::time::Instant;
 /// roughly `max_batch_tokens * (6 * hidden + 2 * q_dim + k * hidden * 2)` floats.
 pub const MAX_BATCH_TOKENS: usize = 512;
 
-/// Default cold-lane participants when none is given: the machine's cores minus one (for the
-/// hot lane thread), at least one. The driver thread is cold participant 0 (it computes its share
-/// while it would otherwise wait for the lanes), so this many minus one worker threads start.
+/// Default cold-lane participants when none is given: the rule of `--cold-threads auto`
+/// ([`crate::threads::auto_cold_threads`]) for a pipeline whose driver is cold participant 0 and
+/// whose hot lanes hold no experts (every core). The driver computes its share while it would
+/// otherwise wait for the lanes, so this many minus one worker threads start. `build_engine`
+/// applies the same rule with the hot set known (one core less per busy hot lane).
 pub fn default_cold_workers() -> usize {
-    std::thread::available_parallelism().map(|n| n.get().saturating_sub(1)).unwrap_or(1).max(1)
+    crate::threads::auto_cold_threads(&crate::threads::ThreadInputs::this_machine())
+}
+
+/// Default dense-stage threads: every core the process may use (the lanes are idle meanwhile).
+pub fn default_dense_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
 }
 
 /// Test hooks that break things on purpose, to prove the fallback path.
@@ -88,6 +101,9 @@ pub struct PipelineOptions {
     pub n_cold_workers: usize,
     /// The driver computes cold share 0 itself while the lanes run (saves a wake-up per layer).
     pub driver_cold: bool,
+    /// Threads of the dense stage (attention, projections, router, shared expert, lm_head),
+    /// the driver included; they run while the lanes are idle.
+    pub n_dense_threads: usize,
     pub perf_mode: PerfMode,
     /// The cold lane's kernels.
     pub cold_kernels: ColdKernels,
@@ -105,6 +121,7 @@ impl Default for PipelineOptions {
             n_hot_lanes: 1,
             n_cold_workers: default_cold_workers(),
             driver_cold: true,
+            n_dense_threads: default_dense_threads(),
             perf_mode: PerfMode::Full,
             cold_kernels: ColdKernels::Simd,
             simd: None,
@@ -125,11 +142,15 @@ pub enum PipelineError {
     HotSet(#[from] HotSetError),
     #[error(transparent)]
     Lane(#[from] LaneError),
+    #[error("dense stage: {0}")]
+    Kernel(#[from] KernelError),
     #[error("pipeline: {0}")]
     Setup(String),
 }
 
-/// The engine's KV cache: per layer, keys and values of every position so far.
+/// The engine's KV cache, head-major: per layer and KV head (`l * n_kv_heads + kv_head`), the
+/// keys and values of every position so far as one contiguous `positions x head_dim` buffer,
+/// so attention streams a head's keys sequentially.
 #[derive(Debug, Clone)]
 pub struct PipelineCache {
     keys: Vec<Vec<f32>>,
@@ -141,29 +162,6 @@ impl PipelineCache {
     pub fn n_positions(&self) -> usize {
         self.n_positions
     }
-}
-
-struct SharedExpertWeights {
-    gate: Vec<f32>,
-    up: Vec<f32>,
-    down: Vec<f32>,
-    gate_logit: Vec<f32>,
-}
-
-struct DenseLayer {
-    attn_norm: Vec<f32>,
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    o: Vec<f32>,
-    q_bias: Option<Vec<f32>>,
-    k_bias: Option<Vec<f32>>,
-    v_bias: Option<Vec<f32>>,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    ffn_norm: Vec<f32>,
-    router: Vec<f32>,
-    shared: Option<SharedExpertWeights>,
 }
 
 /// Per-call activations, sized once for `max_batch_tokens`.
@@ -181,7 +179,6 @@ struct Activations {
     shared_u: Vec<f32>,
     shared_y: Vec<f32>,
     shared_gate: Vec<f32>,
-    scores: Vec<f32>,
 }
 
 /// The pipeline engine over one model.
@@ -189,10 +186,9 @@ pub struct Pipeline {
     model: Arc<Model>,
     config: ModelConfig,
     adapter: &'static Adapter,
-    embedding: Vec<f32>,
     final_norm: Vec<f32>,
-    lm_head: Option<Vec<f32>>,
-    layers: Vec<DenseLayer>,
+    layers: Vec<LayerVectors>,
+    dense: DenseStage,
     router: Router,
     lanes: LaneSet,
     hot_set: HotSet,
@@ -227,57 +223,27 @@ impl Activations {
             shared_u: vec![0.0; m * sff],
             shared_y: vec![0.0; m * c.hidden],
             shared_gate: vec![0.0; m],
-            scores: Vec::new(),
         }
     }
 }
 
-type DenseWeights = (Vec<f32>, Vec<f32>, Option<Vec<f32>>, Vec<DenseLayer>);
-
-/// Every non-expert weight decoded to f32: embedding, final norm, lm_head (untied), layers.
-fn load_dense(model: &Model) -> Result<DenseWeights, TensorError> {
-    let embedding = decode(model.global(GlobalRole::TokenEmbedding).expect("validated at open"))?;
-    let final_norm = decode(model.global(GlobalRole::OutputNorm).expect("validated at open"))?;
-    let lm_head = model.global(GlobalRole::Output).map(decode).transpose()?;
+/// The final norm and every layer's small vectors, decoded to f32; the matrices are checked
+/// here and read in place later.
+fn load_dense(model: &Model) -> Result<(Vec<f32>, Vec<LayerVectors>), TensorError> {
+    check_matrices(model)?;
+    let final_norm = model.global(GlobalRole::OutputNorm).expect("validated at open").to_f32_vec()?;
     let layers =
-        (0..model.config().n_layers).map(|l| load_dense_layer(model, l)).collect::<Result<_, _>>()?;
-    Ok((embedding, final_norm, lm_head, layers))
+        (0..model.config().n_layers).map(|l| LayerVectors::load(model, l)).collect::<Result<_, _>>()?;
+    Ok((final_norm, layers))
 }
 
-fn load_dense_layer(model: &Model, l: usize) -> Result<DenseLayer, TensorError> {
-    let req = |role| decode(model.required(l, role));
-    let opt = |role| model.layer(l, role).map(decode).transpose();
-    let shared = if model.adapter().shared_expert {
-        Some(SharedExpertWeights {
-            gate: req(LayerRole::SharedGate)?,
-            up: req(LayerRole::SharedUp)?,
-            down: req(LayerRole::SharedDown)?,
-            gate_logit: req(LayerRole::SharedExpertGate)?,
-        })
-    } else {
-        None
-    };
-    Ok(DenseLayer {
-        attn_norm: req(LayerRole::AttnNorm)?,
-        q: req(LayerRole::Q)?,
-        k: req(LayerRole::K)?,
-        v: req(LayerRole::V)?,
-        o: req(LayerRole::O)?,
-        q_bias: opt(LayerRole::QBias)?,
-        k_bias: opt(LayerRole::KBias)?,
-        v_bias: opt(LayerRole::VBias)?,
-        q_norm: opt(LayerRole::QNorm)?,
-        k_norm: opt(LayerRole::KNorm)?,
-        ffn_norm: req(LayerRole::FfnNorm)?,
-        router: req(LayerRole::Router)?,
-        shared,
-    })
-}
-
-fn decode(t: crate::format::tensor::TensorRef<'_>) -> Result<Vec<f32>, TensorError> {
-    let mut out = vec![0.0; t.n_elems()];
-    t.read_f32_into(0, &mut out)?;
-    Ok(out)
+/// Which logits rows a forward call computes (the lm_head runs only for those).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitRows {
+    /// One row per token (the `logits` command).
+    All,
+    /// The last token's row only (generation: prefill and decode).
+    Last,
 }
 
 impl Pipeline {
@@ -317,7 +283,9 @@ impl Pipeline {
         if options.max_batch_tokens == 0 {
             return Err(PipelineError::Setup("max_batch_tokens must be at least 1".into()));
         }
-        let (embedding, final_norm, lm_head, layers) = load_dense(&model)?;
+        let (final_norm, layers) = load_dense(&model)?;
+        let level = cold_simd_level(options.simd)?;
+        let dense = DenseStage::new(options.n_dense_threads, level);
         let m = options.max_batch_tokens;
         let cold: Arc<dyn ColdCompute> = match options.cold_kernels {
             ColdKernels::Plain => Arc::new(PlainCompute::new(model.clone())),
@@ -371,10 +339,9 @@ impl Pipeline {
             plans: Vec::new(),
             fault: options.fault,
             max_batch_tokens: m,
-            embedding,
             final_norm,
-            lm_head,
             layers,
+            dense,
             adapter,
             config: c,
             model,
@@ -389,6 +356,17 @@ impl Pipeline {
     /// lane that timed out still held the layer input.
     pub fn lane_fault_log(&self) -> (&[crate::actors::InjectedFault], u64) {
         self.lanes.fault_log()
+    }
+
+    /// Threads of the dense stage, the driver included.
+    pub fn dense_threads(&self) -> usize {
+        self.dense.n_threads()
+    }
+
+    /// Bytes of weights this engine holds as f32 copies (norm weights, biases, the shared
+    /// expert's gate vector): every matrix is read in place from the mapped file.
+    pub fn weight_copy_bytes(&self) -> usize {
+        4 * self.final_norm.len() + self.layers.iter().map(LayerVectors::f32_bytes).sum::<usize>()
     }
 
     pub fn model(&self) -> &Arc<Model> {
@@ -419,8 +397,8 @@ impl Pipeline {
 
     pub fn new_cache(&self) -> PipelineCache {
         PipelineCache {
-            keys: vec![Vec::new(); self.config.n_layers],
-            values: vec![Vec::new(); self.config.n_layers],
+            keys: vec![Vec::new(); self.config.n_layers * self.config.n_kv_heads],
+            values: vec![Vec::new(); self.config.n_layers * self.config.n_kv_heads],
             n_positions: 0,
         }
     }
@@ -449,6 +427,18 @@ impl Pipeline {
         tokens: &[u32],
         phase: Phase,
     ) -> Result<Vec<Vec<f32>>, PipelineError> {
+        self.forward_rows(cache, tokens, phase, LogitRows::All)
+    }
+
+    /// As [`Pipeline::forward`], computing the lm_head only for the `rows` asked for (with
+    /// [`LogitRows::Last`], one row: the last token's).
+    pub fn forward_rows(
+        &mut self,
+        cache: &mut PipelineCache,
+        tokens: &[u32],
+        phase: Phase,
+        rows: LogitRows,
+    ) -> Result<Vec<Vec<f32>>, PipelineError> {
         let c = &self.config;
         if tokens.is_empty() {
             return Err(ForwardError::EmptyInput.into());
@@ -469,7 +459,13 @@ impl Pipeline {
         self.apply_pending_exchanges()?;
         self.plans.clear();
         let mut logits = Vec::with_capacity(tokens.len());
-        for batch in tokens.chunks(self.max_batch_tokens) {
+        let n_batches = tokens.len().div_ceil(self.max_batch_tokens);
+        for (i, batch) in tokens.chunks(self.max_batch_tokens).enumerate() {
+            let batch_rows = match rows {
+                LogitRows::All => 0..batch.len(),
+                LogitRows::Last if i + 1 == n_batches => batch.len() - 1..batch.len(),
+                LogitRows::Last => 0..0,
+            };
             self.call_idx += 1;
             let cache_state = CacheState {
                 n_hot_slots: self.hot_set.layers.iter().map(|l| l.n_hot()).sum(),
@@ -479,7 +475,7 @@ impl Pipeline {
             // The phase is the call's, whatever the sub-batch's size.
             let plan = self.policy.plan(phase, batch.len(), cache_state, cold_state);
             self.plans.push(plan);
-            self.forward_batch(cache, batch, &plan, &mut logits)?;
+            self.forward_batch(cache, batch, &plan, batch_rows, &mut logits)?;
         }
         Ok(logits)
     }
@@ -488,7 +484,7 @@ impl Pipeline {
     pub fn generate(&mut self, prompt: &[u32], n_new: usize) -> Result<Vec<u32>, PipelineError> {
         crate::reference::check_generation_fits(prompt.len(), n_new, self.config.max_positions)?;
         let mut cache = self.new_cache();
-        let logits = self.forward(&mut cache, prompt, Phase::Prefill)?;
+        let logits = self.forward_rows(&mut cache, prompt, Phase::Prefill, LogitRows::Last)?;
         let mut next = argmax(logits.last().expect("prompt is not empty"));
         let mut out = Vec::with_capacity(n_new);
         for i in 0..n_new {
@@ -506,35 +502,35 @@ impl Pipeline {
         cache: &mut PipelineCache,
         tokens: &[u32],
         plan: &ExecPlan,
+        rows: std::ops::Range<usize>,
         logits_out: &mut Vec<Vec<f32>>,
     ) -> Result<(), PipelineError> {
         let n = tokens.len();
         let h = self.config.hidden;
         let first_pos = cache.n_positions;
         self.ensure_rope(first_pos + n);
+        let model = Arc::clone(&self.model);
+        let (embedding, head) = global_matrices(&model)?;
         for (t, &token) in tokens.iter().enumerate() {
-            let row = token as usize * h;
-            self.act.hidden[t * h..(t + 1) * h].copy_from_slice(&self.embedding[row..row + h]);
+            decode_row(&embedding, token as usize, &mut self.act.hidden[t * h..(t + 1) * h]);
         }
         for l in 0..self.config.n_layers {
-            self.attention_block(cache, l, n, first_pos);
-            self.moe_block(l, n, plan)?;
+            let m = LayerMatrices::resolve(&model, l)?;
+            self.attention_block(cache, l, &m, n, first_pos)?;
+            self.moe_block(l, &m, n, plan)?;
         }
         cache.n_positions += n;
-        let head = self.lm_head.as_deref().unwrap_or(&self.embedding);
-        let vocab = self.config.vocab;
-        let eps = self.config.rms_eps;
-        for t in 0..n {
-            rms_norm_row(
-                &self.act.hidden[t * h..(t + 1) * h],
-                &self.final_norm,
-                eps,
-                &mut self.act.normed[..h],
-            );
-            let mut row = vec![0.0; vocab];
-            matmul(head, &self.act.normed[..h], 1, h, vocab, &mut row);
-            logits_out.push(row);
+        if rows.is_empty() {
+            return Ok(());
         }
+        let (vocab, eps, k) = (self.config.vocab, self.config.rms_eps, rows.len());
+        for (i, t) in rows.enumerate() {
+            let x = &self.act.hidden[t * h..(t + 1) * h];
+            rms_norm_row(x, &self.final_norm, eps, &mut self.act.normed[i * h..(i + 1) * h]);
+        }
+        let mut out = vec![0.0; k * vocab];
+        self.dense.matmul(&self.act.normed[..k * h], &mut [MatmulPart { w: head, y: &mut out }])?;
+        logits_out.extend(out.chunks_exact(vocab).map(<[f32]>::to_vec));
         Ok(())
     }
 
@@ -552,22 +548,62 @@ impl Pipeline {
         }
     }
 
-    fn attention_block(&mut self, cache: &mut PipelineCache, l: usize, n: usize, first_pos: usize) {
+    fn attention_block(
+        &mut self,
+        cache: &mut PipelineCache,
+        l: usize,
+        m: &LayerMatrices<'_>,
+        n: usize,
+        first_pos: usize,
+    ) -> Result<(), PipelineError> {
         let c = &self.config;
-        let w = &self.layers[l];
-        let a = &mut self.act;
+        let (w, a) = (&self.layers[l], &mut self.act);
         let (h, qd, kvd, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
         for t in 0..n {
-            rms_norm_row(
-                &a.hidden[t * h..(t + 1) * h],
-                &w.attn_norm,
-                c.rms_eps,
-                &mut a.normed[t * h..(t + 1) * h],
-            );
+            let x = &a.hidden[t * h..(t + 1) * h];
+            rms_norm_row(x, &w.attn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
         }
-        matmul(&w.q, &a.normed[..n * h], n, h, qd, &mut a.q[..n * qd]);
-        matmul(&w.k, &a.normed[..n * h], n, h, kvd, &mut a.k[..n * kvd]);
-        matmul(&w.v, &a.normed[..n * h], n, h, kvd, &mut a.v[..n * kvd]);
+        self.dense.matmul(
+            &a.normed[..n * h],
+            &mut [
+                MatmulPart { w: m.q, y: &mut a.q[..n * qd] },
+                MatmulPart { w: m.k, y: &mut a.k[..n * kvd] },
+                MatmulPart { w: m.v, y: &mut a.v[..n * kvd] },
+            ],
+        )?;
+        self.qkv_post(l, n, first_pos);
+        let (c, a) = (&self.config, &mut self.act);
+        let nkv = c.n_kv_heads;
+        let (keys, values) =
+            (&mut cache.keys[l * nkv..(l + 1) * nkv], &mut cache.values[l * nkv..(l + 1) * nkv]);
+        for t in 0..n {
+            for kvh in 0..nkv {
+                let at = t * kvd + kvh * hd;
+                keys[kvh].extend_from_slice(&a.k[at..at + hd]);
+                values[kvh].extend_from_slice(&a.v[at..at + hd]);
+            }
+        }
+        let input = AttentionInput {
+            shape: AttentionShape { n_heads: c.n_heads, n_kv_heads: nkv, head_dim: hd },
+            q: &a.q[..n * qd],
+            keys,
+            values,
+            first_pos,
+            window: c.sliding_window,
+        };
+        self.dense.attention(&input, &mut a.attn[..n * qd])?;
+        self.dense.matmul(&a.attn[..n * qd], &mut [MatmulPart { w: m.o, y: &mut a.proj[..n * h] }])?;
+        for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
+            *x += y;
+        }
+        Ok(())
+    }
+
+    /// After the q/k/v projections: biases, q/k norms, clipping, RoPE.
+    fn qkv_post(&mut self, l: usize, n: usize, first_pos: usize) {
+        let c = &self.config;
+        let (w, a) = (&self.layers[l], &mut self.act);
+        let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
         for (buf, bias, dim) in
             [(&mut a.q, &w.q_bias, qd), (&mut a.k, &w.k_bias, kvd), (&mut a.v, &w.v_bias, kvd)]
         {
@@ -615,71 +651,32 @@ impl Pipeline {
                 rope_head(head, table, c.rope_style);
             }
         }
-        cache.keys[l].extend_from_slice(&a.k[..n * kvd]);
-        cache.values[l].extend_from_slice(&a.v[..n * kvd]);
-        let (keys, values) = (&cache.keys[l], &cache.values[l]);
-        let scale = 1.0 / (hd as f32).sqrt();
-        let group = c.n_heads / c.n_kv_heads;
-        for t in 0..n {
-            let pos = first_pos + t;
-            let first_visible = c.sliding_window.map_or(0, |w| (pos + 1).saturating_sub(w));
-            for head in 0..c.n_heads {
-                let kv_head = head / group;
-                let qh = &a.q[t * qd + head * hd..t * qd + (head + 1) * hd];
-                a.scores.clear();
-                for p in first_visible..=pos {
-                    a.scores
-                        .push(dot(qh, &keys[p * kvd + kv_head * hd..p * kvd + (kv_head + 1) * hd]) * scale);
-                }
-                softmax_in_place(&mut a.scores);
-                let oh = &mut a.attn[t * qd + head * hd..t * qd + (head + 1) * hd];
-                oh.iter_mut().for_each(|o| *o = 0.0);
-                for (p, &prob) in (first_visible..=pos).zip(a.scores.iter()) {
-                    let vh = &values[p * kvd + kv_head * hd..p * kvd + (kv_head + 1) * hd];
-                    for (o, v) in oh.iter_mut().zip(vh) {
-                        *o += prob * v;
-                    }
-                }
-            }
-        }
-        matmul(&w.o, &a.attn[..n * qd], n, qd, h, &mut a.proj[..n * h]);
-        for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
-            *x += y;
-        }
     }
 
-    fn moe_block(&mut self, l: usize, n: usize, plan: &ExecPlan) -> Result<(), PipelineError> {
+    fn moe_block(
+        &mut self,
+        l: usize,
+        m: &LayerMatrices<'_>,
+        n: usize,
+        plan: &ExecPlan,
+    ) -> Result<(), PipelineError> {
         let mut timing = LayerTiming::default();
         let t0 = Instant::now();
-        self.route_layer(l, n)?;
+        self.route_layer(l, m, n)?;
         let t1 = Instant::now();
         // Dispatcher stage: the worklist, in the lanes' shared layer input.
         let mut failure = self.dispatch(l, n, plan);
         let t2 = Instant::now();
         timing.routing_us = (t1 - t0).as_micros() as u64;
         timing.worklist_us = (t2 - t1).as_micros() as u64;
-        let (c, w, a) = (&self.config, &self.layers[l], &mut self.act);
-        let h = c.hidden;
-        // Shared expert on this thread while the lanes run.
-        let shared = w.shared.as_ref();
-        let activation = self.adapter.activation;
-        let sff = c.shared_expert_ff;
-        let mut shared_work = || {
-            if let Some(s) = shared {
-                shared_expert(
-                    s,
-                    &a.normed[..n * h],
-                    n,
-                    h,
-                    sff,
-                    activation,
-                    &mut a.shared_g,
-                    &mut a.shared_u,
-                    &mut a.shared_y,
-                    &mut a.shared_gate,
-                );
-            }
-        };
+        // The shared expert on the dense pool, then the lanes get the cores.
+        if let Some(shared) = &m.shared {
+            self.shared_expert(l, shared, n)?;
+        }
+        self.dense.park();
+        let h = self.config.hidden;
+        let a = &mut self.act;
+        let mut shared_work = || {};
         let mut launched = false;
         if failure.is_none() {
             match self.lanes.run_layer(
@@ -701,7 +698,7 @@ impl Pipeline {
             launched = false;
         }
         let a = &mut self.act;
-        if self.layers[l].shared.is_some() {
+        if m.shared.is_some() {
             for t in 0..n {
                 let g = a.shared_gate[t];
                 for (o, y) in a.moe[t * h..(t + 1) * h].iter_mut().zip(&a.shared_y[t * h..(t + 1) * h]) {
@@ -717,7 +714,7 @@ impl Pipeline {
     }
 
     /// FFN norm and the Router stage of layer `l` (routes kept in the router); counts slots.
-    fn route_layer(&mut self, l: usize, n: usize) -> Result<(), PipelineError> {
+    fn route_layer(&mut self, l: usize, m: &LayerMatrices<'_>, n: usize) -> Result<(), PipelineError> {
         let c = &self.config;
         let (h, n_experts) = (c.hidden, c.n_experts);
         let (w, a) = (&self.layers[l], &mut self.act);
@@ -729,7 +726,8 @@ impl Pipeline {
                 &mut a.normed[t * h..(t + 1) * h],
             );
         }
-        matmul(&w.router, &a.normed[..n * h], n, h, n_experts, &mut a.router_logits[..n * n_experts]);
+        let y = &mut a.router_logits[..n * n_experts];
+        self.dense.matmul(&a.normed[..n * h], &mut [MatmulPart { w: m.router, y }])?;
         let routes = self
             .router
             .route(&a.router_logits[..n * n_experts], n)
@@ -739,6 +737,30 @@ impl Pipeline {
             for &e in &routes.expert_ids {
                 self.perf.record_slot(l, e as usize, hot_layer.is_hot(e as usize));
             }
+        }
+        Ok(())
+    }
+
+    /// The shared expert of layer `l` on the dense pool: `shared_y` and its sigmoid gate.
+    fn shared_expert(&mut self, l: usize, w: &[DenseMatrix<'_>; 3], n: usize) -> Result<(), PipelineError> {
+        let (h, sff) = (self.config.hidden, self.config.shared_expert_ff);
+        let a = &mut self.act;
+        let x = &a.normed[..n * h];
+        let (g, u) = (&mut a.shared_g[..n * sff], &mut a.shared_u[..n * sff]);
+        self.dense.matmul(x, &mut [MatmulPart { w: w[0], y: g }, MatmulPart { w: w[1], y: u }])?;
+        let activation = self.adapter.activation;
+        for (gv, uv) in g.iter_mut().zip(u.iter()) {
+            let act = match activation {
+                FfnActivation::Silu => silu(*gv),
+                FfnActivation::Gelu => gelu(*gv),
+            };
+            *gv = act * uv;
+        }
+        self.dense
+            .matmul(&a.shared_g[..n * sff], &mut [MatmulPart { w: w[2], y: &mut a.shared_y[..n * h] }])?;
+        let gate_logit = self.layers[l].shared_gate_logit.as_ref().expect("loaded with the shared expert");
+        for t in 0..n {
+            a.shared_gate[t] = sigmoid(dot(gate_logit, &a.normed[t * h..(t + 1) * h]));
         }
         Ok(())
     }
@@ -785,45 +807,6 @@ impl Pipeline {
             }
         }
         Ok(())
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn shared_expert(
-    s: &SharedExpertWeights,
-    x: &[f32],
-    n: usize,
-    h: usize,
-    sff: usize,
-    activation: FfnActivation,
-    g: &mut [f32],
-    u: &mut [f32],
-    y: &mut [f32],
-    gate: &mut [f32],
-) {
-    matmul(&s.gate, x, n, h, sff, &mut g[..n * sff]);
-    matmul(&s.up, x, n, h, sff, &mut u[..n * sff]);
-    for (gv, uv) in g[..n * sff].iter_mut().zip(&u[..n * sff]) {
-        let act = match activation {
-            FfnActivation::Silu => silu(*gv),
-            FfnActivation::Gelu => gelu(*gv),
-        };
-        *gv = act * uv;
-    }
-    matmul(&s.down, &g[..n * sff], n, sff, h, &mut y[..n * h]);
-    for t in 0..n {
-        gate[t] = sigmoid(dot(&s.gate_logit, &x[t * h..(t + 1) * h]));
-    }
-}
-
-/// `out[t, r] = w[r, :] · x[t, :]` for `n` tokens: `w` is `[out_dim, in_dim]`, `x` is
-/// `[n, in_dim]`, `out` is `[n, out_dim]`. Each weight row is read once for the whole batch.
-fn matmul(w: &[f32], x: &[f32], n: usize, in_dim: usize, out_dim: usize, out: &mut [f32]) {
-    debug_assert_eq!(w.len(), in_dim * out_dim);
-    for (r, row) in w.chunks_exact(in_dim).enumerate() {
-        for t in 0..n {
-            out[t * out_dim + r] = dot(row, &x[t * in_dim..(t + 1) * in_dim]);
-        }
     }
 }
 

@@ -28,7 +28,7 @@ fn model(dir: &std::path::Path) -> Arc<Model> {
 fn engine(model: &Arc<Model>, kind: EngineKind) -> Box<dyn Engine + '_> {
     let mut opts = EngineOptions::new(64);
     opts.kind = Some(kind);
-    opts.cold_threads = Some(1);
+    opts.cold_threads = crate::threads::ColdThreads::Fixed(1);
     build_engine(model, opts).unwrap().0
 }
 

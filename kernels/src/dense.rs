@@ -1,0 +1,235 @@
+//! Dense (non-expert) matrix products on the pool's threads: `y = x · Wᵀ` for weight matrices
+//! read in place (raw little-endian bytes of any alignment, F32/F16/BF16, `[rows, cols]`
+//! row-major, as `Linear` stores them) and f32 activations of one token (GEMV, decode) or many
+//! (GEMM, prefill).
+//!
+//! Several matrices that share one input (q/k/v, or gate/up) go in one call: their row blocks
+//! form one work space, split over the pool's threads by guided self-scheduling in claims of
+//! whole [`ROW_BLOCK`]s, so every thread streams weights at once and each output value is
+//! computed by one tile call. Blocks start at absolute multiples of [`ROW_BLOCK`], so the
+//! result does not depend on the thread count (the same bits with 1 thread or 16).
+//!
+//! Prefill is a GEMM by construction: the tile kernels take a block of 8 weight rows and run it
+//! against every token of the call in register-blocked token groups of up to 6, so a weight row
+//! is read from memory once per call (then from L1/L2), not once per token.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::error::KernelError;
+use crate::ffn::{dot_tiles, ROW_BLOCK};
+use crate::pool::ColdPool;
+use crate::simd::SimdLevel;
+use crate::weights::WeightDType;
+
+/// Most matrices one [`par_matmul`] call takes (q, k, v is the widest use).
+pub const MAX_MATMUL_PARTS: usize = 4;
+/// Longest claim in row blocks (256 rows: 1 MiB of BF16 at 2048 columns), so the last claims
+/// are short enough for threads to finish together.
+const MAX_CLAIM_BLOCKS: usize = 32;
+
+/// A weight matrix `[rows, cols]` as raw bytes (possibly unaligned, straight from a mapped file).
+#[derive(Debug, Clone, Copy)]
+pub struct DenseMatrix<'a> {
+    pub bytes: &'a [u8],
+    pub dtype: WeightDType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl<'a> DenseMatrix<'a> {
+    /// Checks that `bytes` holds exactly `rows x cols` elements of `dtype`.
+    pub fn new(bytes: &'a [u8], dtype: WeightDType, rows: usize, cols: usize) -> Result<Self, KernelError> {
+        let expected = rows * cols * dtype.size_bytes();
+        if bytes.len() != expected || cols == 0 {
+            return Err(KernelError::ShapeMismatch {
+                what: "dense matrix bytes",
+                expected,
+                actual: bytes.len(),
+            });
+        }
+        Ok(DenseMatrix { bytes, dtype, rows, cols })
+    }
+
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.cols * self.dtype.size_bytes()
+    }
+
+    /// Row `r` as bytes (for embedding lookups).
+    pub fn row(&self, r: usize) -> &'a [u8] {
+        &self.bytes[r * self.row_bytes()..(r + 1) * self.row_bytes()]
+    }
+}
+
+/// One output of a [`par_matmul`] call: `y` (`tokens x w.rows`) receives `x · wᵀ`.
+pub struct MatmulPart<'a, 'y> {
+    pub w: DenseMatrix<'a>,
+    pub y: &'y mut [f32],
+}
+
+/// Raw view of one part for the worker threads.
+#[derive(Clone, Copy)]
+struct RawPart {
+    base: *const u8,
+    dtype: WeightDType,
+    rows: usize,
+    row_bytes: usize,
+    y: *mut f32,
+    /// First block of this part in the call's block space.
+    first_block: usize,
+}
+
+/// Everything the threads share for one call.
+struct RawCall {
+    parts: [Option<RawPart>; MAX_MATMUL_PARTS],
+    x: *const f32,
+    cols: usize,
+    n_tokens: usize,
+    total_blocks: usize,
+    level: SimdLevel,
+    next_block: AtomicUsize,
+}
+
+// SAFETY: the pointers address the caller's matrices (read only) and output slices, which
+// outlive the broadcast; threads write disjoint row ranges of the outputs (each block is
+// claimed by exactly one thread through `next_block`).
+unsafe impl Sync for RawCall {}
+
+/// `part.y = x · part.wᵀ` for every part, on all of `pool`'s threads. `x` is `tokens x cols`;
+/// every matrix has `cols` columns; each `y` is `tokens x rows`.
+pub fn par_matmul(
+    pool: &mut ColdPool,
+    level: SimdLevel,
+    x: &[f32],
+    parts: &mut [MatmulPart<'_, '_>],
+) -> Result<(), KernelError> {
+    let call = raw_call(level, x, parts)?;
+    if call.total_blocks == 0 {
+        return Ok(());
+    }
+    pool.broadcast(&|_index, n_threads| matmul_worker(&call, n_threads))
+}
+
+/// The same product on the calling thread alone (small matrices, or a caller without a pool).
+pub fn matmul(level: SimdLevel, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Result<(), KernelError> {
+    let call = raw_call(level, x, parts)?;
+    matmul_worker(&call, 1);
+    Ok(())
+}
+
+fn raw_call(level: SimdLevel, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Result<RawCall, KernelError> {
+    level.ensure_supported()?;
+    if parts.is_empty() || parts.len() > MAX_MATMUL_PARTS {
+        return Err(KernelError::ShapeMismatch {
+            what: "matmul parts (1..=MAX_MATMUL_PARTS)",
+            expected: MAX_MATMUL_PARTS,
+            actual: parts.len(),
+        });
+    }
+    let cols = parts[0].w.cols;
+    if cols == 0 || x.len() % cols != 0 {
+        return Err(KernelError::ShapeMismatch {
+            what: "x (tokens x cols)",
+            expected: cols,
+            actual: x.len(),
+        });
+    }
+    let n_tokens = x.len() / cols;
+    let mut raw = [None; MAX_MATMUL_PARTS];
+    let mut blocks = 0;
+    for (slot, part) in raw.iter_mut().zip(parts.iter_mut()) {
+        let w = part.w;
+        let expected = w.rows * cols * w.dtype.size_bytes();
+        if w.cols != cols || w.bytes.len() != expected {
+            return Err(KernelError::ShapeMismatch { what: "matrix bytes", expected, actual: w.bytes.len() });
+        }
+        if part.y.len() != n_tokens * w.rows {
+            let (expected, actual) = (n_tokens * w.rows, part.y.len());
+            return Err(KernelError::ShapeMismatch { what: "y (tokens x rows)", expected, actual });
+        }
+        *slot = Some(RawPart {
+            base: w.bytes.as_ptr(),
+            dtype: w.dtype,
+            rows: w.rows,
+            row_bytes: w.row_bytes(),
+            y: part.y.as_mut_ptr(),
+            first_block: blocks,
+        });
+        blocks += w.rows.div_ceil(ROW_BLOCK);
+    }
+    Ok(RawCall {
+        parts: raw,
+        x: x.as_ptr(),
+        cols,
+        n_tokens,
+        total_blocks: blocks,
+        level,
+        next_block: AtomicUsize::new(0),
+    })
+}
+
+/// Claims block ranges until none are left and computes them.
+fn matmul_worker(call: &RawCall, n_threads: usize) {
+    loop {
+        let done = call.next_block.load(Ordering::Relaxed);
+        if done >= call.total_blocks {
+            return;
+        }
+        let want = ((call.total_blocks - done) / (2 * n_threads)).clamp(1, MAX_CLAIM_BLOCKS);
+        let start = call.next_block.fetch_add(want, Ordering::Relaxed);
+        if start >= call.total_blocks {
+            return;
+        }
+        let end = (start + want).min(call.total_blocks);
+        for part in call.parts.iter().flatten() {
+            let part_blocks = part.first_block..part.first_block + part.rows.div_ceil(ROW_BLOCK);
+            let (lo, hi) = (start.max(part_blocks.start), end.min(part_blocks.end));
+            if lo < hi {
+                let first_row = (lo - part.first_block) * ROW_BLOCK;
+                let last_row = ((hi - part.first_block) * ROW_BLOCK).min(part.rows);
+                part_rows(call, part, first_row, last_row);
+            }
+        }
+    }
+}
+
+/// Rows `first..last` of one part for every token.
+fn part_rows(call: &RawCall, part: &RawPart, first: usize, last: usize) {
+    let (base, row_bytes, x, cols, y, rows) =
+        (part.base, part.row_bytes, call.x, call.cols, part.y, part.rows);
+    // SAFETY: `raw_call` checked the matrix holds `rows` rows of `cols` elements, x holds
+    // `n_tokens` rows of `cols` f32 and y `n_tokens x rows` f32; first..last < rows; this thread
+    // alone claimed these rows, so its writes to y do not race; the level was checked.
+    unsafe {
+        dot_tiles(
+            call.level,
+            part.dtype,
+            cols,
+            last - first,
+            rows - first,
+            |r| base.add((first + r) * row_bytes),
+            call.n_tokens,
+            |t| x.add(t * cols),
+            |r, t, value| *y.add(t * rows + first + r) = value,
+        )
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_bad_shapes() {
+        let bytes = WeightDType::F32.encode(&[1.0; 6]);
+        assert!(DenseMatrix::new(&bytes, WeightDType::F32, 2, 4).is_err());
+        let w = DenseMatrix::new(&bytes, WeightDType::F32, 2, 3).unwrap();
+        let mut y = [0.0f32; 3];
+        let err = matmul(SimdLevel::Scalar, &[1.0; 3], &mut [MatmulPart { w, y: &mut y }]).unwrap_err();
+        assert!(matches!(err, KernelError::ShapeMismatch { what: "y (tokens x rows)", .. }));
+        let mut y = [0.0f32; 2];
+        assert!(matmul(SimdLevel::Scalar, &[1.0; 4], &mut [MatmulPart { w, y: &mut y }]).is_err());
+        matmul(SimdLevel::Scalar, &[1.0, 2.0, 3.0], &mut [MatmulPart { w, y: &mut y }]).unwrap();
+        assert_eq!(y, [6.0, 6.0]);
+    }
+}

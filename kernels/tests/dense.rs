@@ -1,0 +1,157 @@
+//! The dense kernels (row-split GEMV/GEMM, attention) at every SIMD level this CPU runs,
+//! against plain scalar loops, and the same bits whatever the pool's thread count.
+
+mod common;
+
+use common::{relative_error, tolerance, MisalignedBytes, Rng};
+use moe_lanes_kernels::{
+    attention, attention_reference, available, dot_row, matmul, par_attention, par_matmul, AttentionInput,
+    AttentionScratch, AttentionShape, ColdPool, DenseMatrix, MatmulPart, SimdLevel, WeightDType,
+};
+
+/// `y[t * rows + r] = Σ_c w[r, c] x[t, c]`, sequential.
+fn reference_matmul(w: &DenseMatrix<'_>, x: &[f32]) -> Vec<f32> {
+    let n_tokens = x.len() / w.cols;
+    let mut y = vec![0.0; n_tokens * w.rows];
+    for t in 0..n_tokens {
+        for r in 0..w.rows {
+            y[t * w.rows + r] = dot_row(w.dtype, w.row(r), &x[t * w.cols..(t + 1) * w.cols]);
+        }
+    }
+    y
+}
+
+/// Three matrices sharing `cols` (as q, k, v do), every token count from decode to a prefill
+/// block of several tiles, at every level and 1..=3 threads.
+#[test]
+fn par_matmul_matches_scalar_for_every_level_dtype_and_thread_count() {
+    let mut rng = Rng(0x5eed_d3e5);
+    let mut pools: Vec<ColdPool> = (1..=3).map(ColdPool::new).collect();
+    for (cols, rows) in [(53, [37, 8, 1]), (64, [128, 24, 17]), (9, [3, 70, 5])] {
+        for dtype in WeightDType::ALL {
+            let mats: Vec<MisalignedBytes> =
+                rows.iter().map(|&r| MisalignedBytes::new(dtype, &rng.vec(r * cols, 1.0))).collect();
+            let views: Vec<DenseMatrix<'_>> = mats
+                .iter()
+                .zip(rows)
+                .map(|(m, r)| DenseMatrix::new(m.bytes(), dtype, r, cols).unwrap())
+                .collect();
+            for n_tokens in [1, 2, 5, 7, 13] {
+                let x = rng.vec(n_tokens * cols, 1.0);
+                let expected: Vec<Vec<f32>> = views.iter().map(|w| reference_matmul(w, &x)).collect();
+                for level in available() {
+                    check_level(level, dtype, &views, &x, &expected, &mut pools);
+                }
+            }
+        }
+    }
+}
+
+fn check_level(
+    level: SimdLevel,
+    dtype: WeightDType,
+    views: &[DenseMatrix<'_>],
+    x: &[f32],
+    expected: &[Vec<f32>],
+    pools: &mut [ColdPool],
+) {
+    let n_tokens = x.len() / views[0].cols;
+    let mut single: Vec<Vec<f32>> = views.iter().map(|w| vec![f32::NAN; n_tokens * w.rows]).collect();
+    let mut parts: Vec<MatmulPart<'_, '_>> =
+        views.iter().zip(single.iter_mut()).map(|(&w, y)| MatmulPart { w, y }).collect();
+    matmul(level, x, &mut parts).unwrap();
+    for (got, want) in single.iter().zip(expected) {
+        let error = relative_error(got, want);
+        assert!(error <= tolerance(level, dtype), "{level} {dtype:?} tokens={n_tokens}: {error:e}");
+    }
+    for pool in pools.iter_mut() {
+        let mut ys: Vec<Vec<f32>> = views.iter().map(|w| vec![f32::NAN; n_tokens * w.rows]).collect();
+        let mut parts: Vec<MatmulPart<'_, '_>> =
+            views.iter().zip(ys.iter_mut()).map(|(&w, y)| MatmulPart { w, y }).collect();
+        par_matmul(pool, level, x, &mut parts).unwrap();
+        assert_eq!(ys, single, "{level} {dtype:?} {} threads: not the single-thread bits", pool.n_threads());
+    }
+}
+
+#[test]
+fn par_matmul_rejects_bad_shapes_and_changes_nothing() {
+    let mut pool = ColdPool::new(2);
+    let bytes = WeightDType::BF16.encode(&[1.0; 12]);
+    let w = DenseMatrix::new(&bytes, WeightDType::BF16, 3, 4).unwrap();
+    let mut y = vec![7.0f32; 6];
+    let err = par_matmul(&mut pool, SimdLevel::Scalar, &[1.0; 5], &mut [MatmulPart { w, y: &mut y }]);
+    assert!(err.is_err());
+    assert_eq!(y, vec![7.0; 6]);
+    let wrong = DenseMatrix { bytes: &bytes[..10], ..w };
+    assert!(par_matmul(&mut pool, SimdLevel::Scalar, &[1.0; 8], &mut [MatmulPart { w: wrong, y: &mut y }])
+        .is_err());
+    assert!(par_matmul(&mut pool, SimdLevel::Scalar, &[1.0; 8], &mut []).is_err());
+}
+
+struct Kv {
+    keys: Vec<Vec<f32>>,
+    values: Vec<Vec<f32>>,
+}
+
+fn random_kv(rng: &mut Rng, n_kv_heads: usize, positions: usize, head_dim: usize) -> Kv {
+    Kv {
+        keys: (0..n_kv_heads).map(|_| rng.vec(positions * head_dim, 1.0)).collect(),
+        values: (0..n_kv_heads).map(|_| rng.vec(positions * head_dim, 1.0)).collect(),
+    }
+}
+
+/// GQA shapes, decode and prefill after a prefix, with and without a sliding window.
+#[test]
+fn par_attention_matches_scalar_for_every_level_and_thread_count() {
+    let mut rng = Rng(0xa77e_0001);
+    let mut pools: Vec<ColdPool> = (1..=3).map(ColdPool::new).collect();
+    let mut scratch = AttentionScratch::default();
+    for shape in [
+        AttentionShape { n_heads: 4, n_kv_heads: 2, head_dim: 64 },
+        AttentionShape { n_heads: 3, n_kv_heads: 3, head_dim: 9 },
+        AttentionShape { n_heads: 8, n_kv_heads: 1, head_dim: 128 },
+    ] {
+        for (first_pos, n_tokens, window) in
+            [(0, 1, None), (0, 7, None), (5, 1, None), (5, 6, Some(3)), (40, 1, Some(16))]
+        {
+            let kv = random_kv(&mut rng, shape.n_kv_heads, first_pos + n_tokens, shape.head_dim);
+            let q = rng.vec(n_tokens * shape.n_heads * shape.head_dim, 1.0);
+            let input =
+                AttentionInput { shape, q: &q, keys: &kv.keys, values: &kv.values, first_pos, window };
+            let mut expected = vec![0.0; q.len()];
+            attention_reference(&input, &mut expected).unwrap();
+            for level in available() {
+                let mut first: Option<Vec<f32>> = None;
+                let mut single = vec![f32::NAN; q.len()];
+                attention(level, &input, &mut scratch, &mut single).unwrap();
+                assert!(relative_error(&single, &expected) <= tolerance(level, WeightDType::F32));
+                for pool in pools.iter_mut() {
+                    let mut out = vec![f32::NAN; q.len()];
+                    par_attention(pool, level, &input, &mut scratch, &mut out).unwrap();
+                    let error = relative_error(&out, &expected);
+                    assert!(
+                        error <= tolerance(level, WeightDType::F32),
+                        "{level} {shape:?} pos={first_pos} n={n_tokens}: {error:e}"
+                    );
+                    match &first {
+                        None => first = Some(out),
+                        Some(bits) => assert_eq!(&out, bits, "{level}: thread count changed the bits"),
+                    }
+                }
+                assert_eq!(Some(single), first, "{level}: the calling-thread form differs");
+            }
+        }
+    }
+}
+
+#[test]
+fn par_attention_rejects_a_short_cache() {
+    let mut pool = ColdPool::new(2);
+    let shape = AttentionShape { n_heads: 2, n_kv_heads: 1, head_dim: 4 };
+    let (keys, values) = (vec![vec![0.0; 8]], vec![vec![0.0; 8]]);
+    let q = vec![1.0; 8];
+    let input = AttentionInput { shape, q: &q, keys: &keys, values: &values, first_pos: 2, window: None };
+    let mut out = vec![0.0; 8];
+    let err = par_attention(&mut pool, SimdLevel::Scalar, &input, &mut AttentionScratch::default(), &mut out);
+    assert!(err.is_err(), "position 2 of a 2-position cache holds no room for the call's token");
+}

@@ -1,0 +1,191 @@
+//! The CPU pipeline's dense stage: the non-expert weights read in place from the mapped file
+//! (F32/F16/BF16, no f32 copy at load) and run by the SIMD kernels of `moe-lanes-kernels` on a
+//! pool of pinned threads (row-split GEMV/GEMM, attention over heads).
+//!
+//! Matrices are resolved per layer and call from the model (a name lookup, no copy); only the
+//! small vectors (norm weights, biases, the shared expert's sigmoid gate) are decoded to f32
+//! once at load. Every matrix is checked at load, so a call cannot meet a bad one.
+
+use crate::format::dtype::DType;
+use crate::format::tensor::{TensorError, TensorRef};
+use crate::model::naming::{GlobalRole, LayerRole};
+use crate::model::Model;
+use moe_lanes_kernels::{
+    attention, matmul, par_attention, par_matmul, AttentionInput, AttentionScratch, ColdPool, DenseMatrix,
+    KernelError, MatmulPart, SimdLevel, WeightDType,
+};
+
+/// Small per-layer vectors, decoded to f32 once at load.
+pub(crate) struct LayerVectors {
+    pub attn_norm: Vec<f32>,
+    pub q_bias: Option<Vec<f32>>,
+    pub k_bias: Option<Vec<f32>>,
+    pub v_bias: Option<Vec<f32>>,
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    /// The shared expert's sigmoid gate `[1, hidden]`, when the model has a shared expert.
+    pub shared_gate_logit: Option<Vec<f32>>,
+}
+
+impl LayerVectors {
+    pub fn load(model: &Model, l: usize) -> Result<LayerVectors, TensorError> {
+        let req = |role| model.required(l, role).to_f32_vec();
+        let opt = |role| model.layer(l, role).map(|t| t.to_f32_vec()).transpose();
+        Ok(LayerVectors {
+            attn_norm: req(LayerRole::AttnNorm)?,
+            q_bias: opt(LayerRole::QBias)?,
+            k_bias: opt(LayerRole::KBias)?,
+            v_bias: opt(LayerRole::VBias)?,
+            q_norm: opt(LayerRole::QNorm)?,
+            k_norm: opt(LayerRole::KNorm)?,
+            ffn_norm: req(LayerRole::FfnNorm)?,
+            shared_gate_logit: if model.adapter().shared_expert {
+                Some(req(LayerRole::SharedExpertGate)?)
+            } else {
+                None
+            },
+        })
+    }
+
+    /// Bytes of f32 this layer holds (what the engine copies out of the file).
+    pub fn f32_bytes(&self) -> usize {
+        let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
+        4 * (self.attn_norm.len()
+            + self.ffn_norm.len()
+            + opt(&self.q_bias)
+            + opt(&self.k_bias)
+            + opt(&self.v_bias)
+            + opt(&self.q_norm)
+            + opt(&self.k_norm)
+            + opt(&self.shared_gate_logit))
+    }
+}
+
+/// The matrices of one layer, in place in the mapped file.
+pub(crate) struct LayerMatrices<'m> {
+    pub q: DenseMatrix<'m>,
+    pub k: DenseMatrix<'m>,
+    pub v: DenseMatrix<'m>,
+    pub o: DenseMatrix<'m>,
+    pub router: DenseMatrix<'m>,
+    /// Shared expert gate, up (`[ff, hidden]`) and down (`[hidden, ff]`).
+    pub shared: Option<[DenseMatrix<'m>; 3]>,
+}
+
+impl<'m> LayerMatrices<'m> {
+    pub fn resolve(model: &'m Model, l: usize) -> Result<LayerMatrices<'m>, TensorError> {
+        let m = |role| in_place(model.required(l, role));
+        let shared = if model.adapter().shared_expert {
+            Some([m(LayerRole::SharedGate)?, m(LayerRole::SharedUp)?, m(LayerRole::SharedDown)?])
+        } else {
+            None
+        };
+        Ok(LayerMatrices {
+            q: m(LayerRole::Q)?,
+            k: m(LayerRole::K)?,
+            v: m(LayerRole::V)?,
+            o: m(LayerRole::O)?,
+            router: m(LayerRole::Router)?,
+            shared,
+        })
+    }
+}
+
+/// The token embedding and the lm_head (the embedding again when tied), in place.
+pub(crate) fn global_matrices(model: &Model) -> Result<(DenseMatrix<'_>, DenseMatrix<'_>), TensorError> {
+    let embedding = in_place(model.global(GlobalRole::TokenEmbedding).expect("validated at open"))?;
+    Ok((embedding, in_place(model.lm_head())?))
+}
+
+/// Checks every dense matrix of the model once (dtype, 2-D shape, byte length).
+pub(crate) fn check_matrices(model: &Model) -> Result<(), TensorError> {
+    global_matrices(model)?;
+    for l in 0..model.config().n_layers {
+        LayerMatrices::resolve(model, l)?;
+    }
+    Ok(())
+}
+
+/// A 2-D F32/F16/BF16 tensor as a kernel matrix over its bytes.
+fn in_place(t: TensorRef<'_>) -> Result<DenseMatrix<'_>, TensorError> {
+    let dtype = match t.dtype {
+        DType::F32 => WeightDType::F32,
+        DType::F16 => WeightDType::F16,
+        DType::BF16 => WeightDType::BF16,
+        dtype => return Err(TensorError::UnsupportedDType { name: t.name.to_string(), dtype }),
+    };
+    let size_mismatch = || TensorError::SizeMismatch {
+        name: t.name.to_string(),
+        dtype: t.dtype,
+        shape: t.shape.to_vec(),
+        n_bytes: t.data.len(),
+    };
+    let (rows, cols) = match *t.shape {
+        [rows, cols] => (rows, cols),
+        [cols] => (1, cols),
+        _ => return Err(size_mismatch()),
+    };
+    DenseMatrix::new(t.data, dtype, rows, cols).map_err(|_| size_mismatch())
+}
+
+/// Decodes row `r` of `m` into `out` (`m.cols` values): embedding lookups.
+pub(crate) fn decode_row(m: &DenseMatrix<'_>, r: usize, out: &mut [f32]) {
+    let row = m.row(r);
+    for (c, o) in out.iter_mut().enumerate() {
+        *o = m.dtype.load_f32(row, c);
+    }
+}
+
+/// Smallest dense call (multiply-adds) worth waking the pool for: 2^18 is about 15-30 us of one
+/// core's SIMD work, several times a pool dispatch and wake-up (a few us on idle cores, far more
+/// on a loaded machine). Smaller calls (a tiny model's projections, attention over a short
+/// context) run on the driver alone. It changes no bit: the kernels give the same result on
+/// any number of threads.
+pub const PAR_MIN_MACS: usize = 1 << 18;
+
+/// The pool and kernel level of the dense stage, and its reused attention scratch.
+pub(crate) struct DenseStage {
+    pool: ColdPool,
+    level: SimdLevel,
+    scratch: AttentionScratch,
+}
+
+impl DenseStage {
+    pub fn new(n_threads: usize, level: SimdLevel) -> DenseStage {
+        DenseStage { pool: ColdPool::new(n_threads.max(1)), level, scratch: AttentionScratch::default() }
+    }
+
+    pub fn n_threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
+    /// `part.y = x · part.wᵀ` for every part, row-split over the pool.
+    pub fn matmul(&mut self, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Result<(), KernelError> {
+        let macs =
+            parts.iter().map(|p| p.w.rows * p.w.cols).sum::<usize>() * x.len() / parts[0].w.cols.max(1);
+        if self.pool.n_threads() == 1 || macs < PAR_MIN_MACS {
+            matmul(self.level, x, parts)
+        } else {
+            par_matmul(&mut self.pool, self.level, x, parts)
+        }
+    }
+
+    /// Causal attention of one layer over the pool (units of token x head).
+    pub fn attention(&mut self, input: &AttentionInput<'_>, out: &mut [f32]) -> Result<(), KernelError> {
+        let s = input.shape;
+        let positions = input.first_pos + input.q.len() / (s.n_heads * s.head_dim).max(1);
+        // Scores and the weighted sum: 2 * head_dim multiply-adds per (token, head, position).
+        let macs = input.q.len() * positions * 2;
+        if self.pool.n_threads() == 1 || macs < PAR_MIN_MACS {
+            attention(self.level, input, &mut self.scratch, out)
+        } else {
+            par_attention(&mut self.pool, self.level, input, &mut self.scratch, out)
+        }
+    }
+
+    /// The lanes take the cores now: the pool's idle workers sleep instead of spinning.
+    pub fn park(&self) {
+        self.pool.park_workers();
+    }
+}
