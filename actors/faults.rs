@@ -25,4 +25,3 @@ pub fn act_out(fault: Option<(LaneFault, Duration)>, lane: LaneId) -> Result<(),
         }
     }
 }
-

@@ -3,7 +3,9 @@
 //! the same runs (hit rate, overlap, join wait, lane times, fallbacks) off the engine's perf
 //! state. Generation feeds random token ids by default (as llama-bench does), or the greedy token.
 
-use crate::cache::perf::PerfReport;
+use crate::cache::perf::{ModelFingerprint, PerfReport};
+use crate::cache::update::UpdatePolicy;
+use crate::engine::LiveCache;
 use crate::engine::{BuildReport, Engine, EngineError, HotBudget};
 use crate::inspect::sample_tokens;
 use crate::model::Model;
@@ -24,6 +26,9 @@ pub struct BenchOptions {
     /// default, as llama-bench does) keep the routing mix of a real workload; greedy output on
     /// random weights can loop on one token and hit the same experts over and over.
     pub greedy: bool,
+    /// The online updater: each timed run is one request, updated after it (and every
+    /// `every_tokens` tokens inside it).
+    pub update: UpdatePolicy,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -152,6 +157,10 @@ pub struct BenchReport {
     pub simd: String,
     /// What generation fed back: "random" token ids (default) or the "greedy" tokens.
     pub tg_feed: &'static str,
+    /// The online updater's policy and what it did over the timed runs.
+    pub update: UpdatePolicy,
+    pub cache_updates: u64,
+    pub cache_exchanges: u64,
 }
 
 fn snapshot(engine: &dyn Engine) -> PerfReport {
@@ -185,11 +194,21 @@ pub fn run_bench(
         next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
     }
     engine.reset_profile();
+    let mut live =
+        LiveCache::new(engine, ModelFingerprint::of(model), model.expert_bytes() as u64, opts.update);
+    let (mut updates, mut exchanges) = (0u64, 0u64);
+    let mut count = |o: Option<crate::engine::UpdateOutcome>| {
+        if let Some(o) = o {
+            updates += 1;
+            exchanges += o.exchanges as u64;
+        }
+    };
     let (mut pp_rates, mut tg_rates) = (Vec::new(), Vec::new());
     let (mut pp, mut tg) = (LaneTotals::default(), LaneTotals::default());
     let total_ticks = 2 * opts.n_runs as u64;
     for run_idx in 0..opts.n_runs {
         let mut cache = engine.new_cache(context)?;
+        live.begin_request();
         let before = snapshot(engine);
         let start = Instant::now();
         let logits = engine.forward(&prompt, Phase::Prefill, &mut cache)?;
@@ -203,9 +222,11 @@ pub fn run_bench(
         for i in 0..opts.n_gen_tokens {
             let greedy = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
             next = if opts.greedy { greedy } else { feed[i] };
+            count(live.after_tokens(engine, 1)?);
         }
         tg_rates.push(opts.n_gen_tokens as f64 / start.elapsed().as_secs_f64());
         tg.add(LaneTotals::between(&mid, &snapshot(engine)));
+        count(live.end_request(engine)?);
         progress(2 * run_idx as u64 + 2, total_ticks);
     }
     let (pps, tgs) = (Spread::of(&pp_rates), Spread::of(&tg_rates));
@@ -236,6 +257,9 @@ pub fn run_bench(
         cold_threads: opts.cold_threads,
         simd: opts.simd.clone(),
         tg_feed: if opts.greedy { "greedy" } else { "random" },
+        update: opts.update,
+        cache_updates: updates,
+        cache_exchanges: exchanges,
     })
 }
 
@@ -281,6 +305,12 @@ impl BenchReport {
             self.hot_lane_us, self.cold_lane_us, self.overlap_us, self.join_wait_us, self.fallbacks
         );
         out += &format!("tg feeds      {} token ids\n", self.tg_feed);
+        if self.update.mode == crate::cache::update::UpdateMode::Auto {
+            out += &format!(
+                "updates       {} ({} exchanges, rate {})\n",
+                self.cache_updates, self.cache_exchanges, self.update.rate
+            );
+        }
         out + &format!("cold lane     {} threads, {}\n", self.cold_threads, self.simd)
     }
 }

@@ -27,6 +27,7 @@ pub mod inspect;
 pub mod model;
 pub mod moe;
 pub mod reference;
+pub mod scenario;
 pub mod synth;
 pub mod vocab;
 

@@ -23,7 +23,8 @@ impl Server {
         let mut child = command().args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let addr = line.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("{line}")).to_string();
+        let addr =
+            line.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("{line}")).to_string();
         Server { child, addr }
     }
 
@@ -114,18 +115,27 @@ fn completions_equal_generate_plain_and_streamed() {
     let model = tiny(dir.path());
     let want = generate(&model, "1,2,3", 6, &["--hot-fraction", "0.5"]);
     let server = Server::start(&model, &["--hot-fraction", "0.5"]);
-    let (status, v) = server.json("POST", "/v1/completions", &json!({"prompt": [1, 2, 3], "max_tokens": 6, "model": "t"}));
+    let (status, v) =
+        server.json("POST", "/v1/completions", &json!({"prompt": [1, 2, 3], "max_tokens": 6, "model": "t"}));
     assert_eq!(status, 200, "{v}");
-    let got: Vec<u64> = v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    let got: Vec<u64> =
+        v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
     assert_eq!(got, want);
     assert_eq!(v["usage"], json!({"prompt_tokens": 3, "completion_tokens": 6, "total_tokens": 9}));
-    let (status, text) = server.request("POST", "/v1/completions", json!({"prompt": [[1, 2, 3]], "max_tokens": 6, "stream": true}).to_string().as_bytes(), &[]);
+    let (status, text) = server.request(
+        "POST",
+        "/v1/completions",
+        json!({"prompt": [[1, 2, 3]], "max_tokens": 6, "stream": true}).to_string().as_bytes(),
+        &[],
+    );
     assert_eq!(status, 200);
     let data: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
     assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
     let streamed: Vec<u64> = data[..data.len() - 1]
         .iter()
-        .flat_map(|d| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["token_ids"].as_array().unwrap().clone())
+        .flat_map(|d| {
+            serde_json::from_str::<Value>(d).unwrap()["choices"][0]["token_ids"].as_array().unwrap().clone()
+        })
         .map(|t| t.as_u64().unwrap())
         .collect();
     assert_eq!(streamed, want);
@@ -163,7 +173,8 @@ fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
         let (status, text) = server.request(method, path, &body, &[]);
         let what = format!("{method} {path} {}", String::from_utf8_lossy(&body));
         assert_eq!(status, want_status, "{what}: {text}");
-        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: not JSON ({e}): {text}"));
+        let v: Value =
+            serde_json::from_str(&text).unwrap_or_else(|e| panic!("{what}: not JSON ({e}): {text}"));
         assert_eq!(v["error"]["param"], want_param, "{what}: {v}");
         assert!(!v["error"]["message"].as_str().unwrap().is_empty());
     }
@@ -186,14 +197,16 @@ fn a_hot_cache_apply_changes_the_set_between_requests_and_the_output_stays_exact
     let model = tiny(dir.path());
     let want = generate(&model, "5,6,7", 8, &[]);
     let server = Server::start(&model, &["--hot-fraction", "0.5"]);
-    let (status, v) = server.json("POST", "/moe-hot-cache", &json!({"layers": {"0": [4, 5, 6, 7], "1": [0, 2, 4, 6]}}));
+    let (status, v) =
+        server.json("POST", "/moe-hot-cache", &json!({"layers": {"0": [4, 5, 6, 7], "1": [0, 2, 4, 6]}}));
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["exchanges"], 6);
     let (_, hot) = server.json("GET", "/moe-hot-cache", &json!({}));
     assert_eq!(hot["layers"], json!({"0": [4, 5, 6, 7], "1": [0, 2, 4, 6]}));
     assert_eq!(hot["updates"], 1);
     let (_, v) = server.json("POST", "/v1/completions", &json!({"prompt": [5, 6, 7], "max_tokens": 8}));
-    let got: Vec<u64> = v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    let got: Vec<u64> =
+        v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
     assert_eq!(got, want, "output after the exchange equals the reference engine's");
     let (status, _) = server.request("GET", "/moe-layer-perf?mode=update", b"", &[]);
     assert_eq!(status, 200);
@@ -209,12 +222,15 @@ fn a_full_queue_answers_429_and_every_other_request_completes() {
     let handles: Vec<_> = (0..8)
         .map(|_| {
             let s = server.clone();
-            std::thread::spawn(move || s.json("POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 2000})))
+            std::thread::spawn(move || {
+                s.json("POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 2000}))
+            })
         })
         .collect();
     let results: Vec<(u16, Value)> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     let n_ok = results.iter().filter(|(s, v)| *s == 200 && v["usage"]["completion_tokens"] == 2000).count();
-    let n_busy = results.iter().filter(|(s, v)| *s == 429 && v["error"]["type"] == "rate_limit_error").count();
+    let n_busy =
+        results.iter().filter(|(s, v)| *s == 429 && v["error"]["type"] == "rate_limit_error").count();
     assert_eq!(n_ok + n_busy, 8, "{results:?}");
     assert!(n_busy >= 1 && n_ok >= 1, "ok {n_ok}, 429 {n_busy}");
     let (_, text) = server.request("GET", "/metrics", b"", &[]);
@@ -235,11 +251,13 @@ fn metrics_name_every_family_and_admin_endpoints_need_the_token() {
     let body = json!({"layers": {"0": [4, 5, 6, 7]}}).to_string();
     let (status, _) = server.request("POST", "/moe-hot-cache", body.as_bytes(), &[]);
     assert_eq!(status, 401);
-    let (status, _) = server.request("POST", "/moe-hot-cache", body.as_bytes(), &["Authorization: Bearer wrong"]);
+    let (status, _) =
+        server.request("POST", "/moe-hot-cache", body.as_bytes(), &["Authorization: Bearer wrong"]);
     assert_eq!(status, 401);
     let (status, _) = server.request("GET", "/moe-layer-perf?mode=off", b"", &[]);
     assert_eq!(status, 401);
-    let (status, v) = server.request("POST", "/moe-hot-cache", body.as_bytes(), &["Authorization: Bearer s3cret"]);
+    let (status, v) =
+        server.request("POST", "/moe-hot-cache", body.as_bytes(), &["Authorization: Bearer s3cret"]);
     assert_eq!(status, 200, "{v}");
 }
 
@@ -250,7 +268,9 @@ fn sigterm_lets_the_running_request_finish_and_writes_the_perf_json() {
     let perf = dir.path().join("perf.json");
     let server = Server::start(&model, &["--perf-json", p(&perf)]);
     let addr = server.addr.clone();
-    let req = std::thread::spawn(move || json_request(&addr, "POST", "/v1/completions", &json!({"prompt": [1], "max_tokens": 3000})));
+    let req = std::thread::spawn(move || {
+        json_request(&addr, "POST", "/v1/completions", &json!({"prompt": [1], "max_tokens": 3000}))
+    });
     std::thread::sleep(std::time::Duration::from_millis(300));
     let status = server.stop();
     let (code, v) = req.join().unwrap();

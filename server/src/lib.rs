@@ -95,6 +95,7 @@ pub fn run(
         n_experts: c.n_experts,
         vocab: c.vocab,
         ctx_positions: c.max_positions,
+        fingerprint: moe_lanes::perf::ModelFingerprint::of(&model),
     };
     rt.block_on(serve(state, &opts, report, device, on_start))?;
     drop(rt);
@@ -114,7 +115,10 @@ async fn serve(
         .map_err(|source| ServeError::Bind { addr: opts.listen, source })?;
     let addr = listener.local_addr().map_err(ServeError::Http)?;
     on_start(&Started { report, device, addr });
-    axum::serve(listener, routes::router(state)).with_graceful_shutdown(shutdown_signal()).await.map_err(ServeError::Http)
+    axum::serve(listener, routes::router(state))
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .map_err(ServeError::Http)
 }
 
 async fn shutdown_signal() {

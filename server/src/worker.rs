@@ -6,9 +6,10 @@
 use crate::prom;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use moe_lanes::actors::Exchange;
-use moe_lanes::engine::{build_engine, BuildReport, Engine, EngineError, EngineOptions};
+use moe_lanes::engine::{build_engine, BuildReport, Engine, EngineError, EngineOptions, LiveCache};
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::model::Model;
+use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::perf::PerfMode;
 use moe_lanes::phase::Phase;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -84,6 +85,7 @@ pub fn run(
     shared: Arc<Shared>,
     built: std::sync::mpsc::Sender<Result<(BuildReport, String), EngineError>>,
 ) -> Option<String> {
+    let policy = opts.update;
     let (mut engine, report) = match build_engine(&model, opts) {
         Ok(v) => v,
         Err(e) => {
@@ -93,14 +95,16 @@ pub fn run(
     };
     let _ = built.send(Ok((report, engine.device())));
     engine.set_copy_logits(false);
+    let mut live =
+        LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.expert_bytes() as u64, policy);
     publish(engine.as_ref(), &shared);
     loop {
-        between_requests(engine.as_mut(), &shared);
+        between_requests(engine.as_mut(), &mut live, &shared);
         match jobs.recv_timeout(IDLE_POLL) {
             Ok(job) => {
                 shared.waiting.fetch_sub(1, Ordering::Relaxed);
                 shared.running.fetch_add(1, Ordering::Relaxed);
-                complete(engine.as_mut(), job, &shared);
+                complete(engine.as_mut(), &mut live, job, &shared);
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
@@ -110,11 +114,14 @@ pub fn run(
 }
 
 /// A pending apply (no request runs now) and a pending perf-mode switch.
-fn between_requests(engine: &mut dyn Engine, shared: &Shared) {
+fn between_requests(engine: &mut dyn Engine, live: &mut LiveCache, shared: &Shared) {
     switch_mode(engine, shared);
     let job = shared.apply.lock().expect("apply lock").take();
     if let Some(job) = job {
-        let result = apply(engine, job.exchanges);
+        let result = live
+            .request_manual_exchanges(engine, job.exchanges)
+            .map(|o| o.map_or(0, |o| o.exchanges))
+            .map_err(|e| e.to_string());
         if let Ok(n) = &result {
             shared.updates.fetch_add(1, Ordering::Relaxed);
             shared.exchanges_applied.fetch_add(*n as u64, Ordering::Relaxed);
@@ -123,13 +130,6 @@ fn between_requests(engine: &mut dyn Engine, shared: &Shared) {
         shared.apply_pending.store(false, Ordering::Release);
         let _ = job.reply.send(result);
     }
-}
-
-fn apply(engine: &mut dyn Engine, exchanges: Vec<Exchange>) -> Result<usize, String> {
-    for e in exchanges {
-        engine.request_exchange(e).map_err(|e| e.to_string())?;
-    }
-    engine.apply_exchanges().map_err(|e| e.to_string())
 }
 
 fn switch_mode(engine: &mut dyn Engine, shared: &Shared) {
@@ -141,10 +141,22 @@ fn switch_mode(engine: &mut dyn Engine, shared: &Shared) {
 }
 
 /// Prefill, then decode greedily, streaming each token; stops early when the client is gone.
-fn complete(engine: &mut dyn Engine, job: CompletionJob, shared: &Shared) {
+fn complete(engine: &mut dyn Engine, live: &mut LiveCache, job: CompletionJob, shared: &Shared) {
     let started = Instant::now();
     prom::request_started(started - job.enqueued_at);
-    let result = generate(engine, &job, shared, started);
+    live.begin_request();
+    let mut result = generate(engine, live, &job, shared, started);
+    // The automatic update after the request; suspended while a manual apply waits (it runs
+    // next, between requests).
+    let ended = if shared.apply_pending.load(Ordering::Acquire) {
+        live.end_request_without_update();
+        Ok(None)
+    } else {
+        live.end_request(engine)
+    };
+    if let (Ok(_), Err(e)) = (&result, ended) {
+        result = Err(e);
+    }
     // Counters and the snapshot are current before the client hears the end.
     shared.running.fetch_sub(1, Ordering::Relaxed);
     publish(engine, shared);
@@ -168,6 +180,7 @@ fn complete(engine: &mut dyn Engine, job: CompletionJob, shared: &Shared) {
 /// `Ok(None)`: the client went away (its generation stopped).
 fn generate(
     engine: &mut dyn Engine,
+    live: &mut LiveCache,
     job: &CompletionJob,
     shared: &Shared,
     started: Instant,
@@ -184,6 +197,9 @@ fn generate(
             break;
         }
         switch_mode(engine, shared);
+        if !shared.apply_pending.load(Ordering::Acquire) {
+            live.after_tokens(engine, 1)?;
+        }
         next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
         prom::inter_token(last.elapsed());
         last = Instant::now();
