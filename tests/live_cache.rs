@@ -85,7 +85,7 @@ enum Op {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        3 => (0..2usize, 1..12usize, 1..10usize, proptest::option::of(any::<u64>()))
+        3 => (0..2usize, 1..16usize, 8..32usize, proptest::option::of(any::<u64>()))
             .prop_map(|(domain, prompt, gen, manual_seed)| Op::Request { domain, prompt, gen, manual_seed }),
         1 => any::<u64>().prop_map(Op::Manual),
     ]

@@ -10,8 +10,7 @@
 //! `n_hot` is every layer's hot slots together. Automatic updates use the configured
 //! `update_rate`; a manual apply uses rate 1.0 (every slot may change).
 
-use crate::actors::Exchange;
-use crate::cache::hot_set::{HotSet, HotSetError};
+use crate::cache::hot_set::{Exchange, HotSet, HotSetError};
 use crate::cache::weighting::Weighting;
 use serde::Serialize;
 
