@@ -219,19 +219,11 @@ fn live_cache_commands_end_to_end() {
         err.contains("learn.json") && err.contains("another model") && err.contains("n_experts"),
         "{err}"
     );
-    let err = failure(&[
-        "plan",
-        "--model",
-        p(&a),
-        "--learn",
-        p(&learn),
-        "--hot-budget-mib",
-        "1",
-        "--weighting",
-        "hot",
-    ]);
-    assert!(err.contains("--weighting") && err.contains("smooth_pressure"), "{err}");
     ok_stdout(&["learn", "--model", p(&a), "--out", p(&learn), "--engine", "pipeline", "--n-tokens", "32"]);
+    let bad_weighting =
+        ["plan", "--model", p(&a), "--learn", p(&learn), "--hot-budget-mib", "1", "--weighting", "hot"];
+    let err = failure(&bad_weighting);
+    assert!(err.contains("--weighting") && err.contains("smooth_pressure"), "{err}");
     let want = ok_stdout(&[
         "generate",
         "--model",

@@ -93,11 +93,12 @@ pub fn run(
             return None;
         }
     };
-    let _ = built.send(Ok((report, engine.device())));
     engine.set_copy_logits(false);
     let mut live =
         LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.expert_bytes() as u64, policy);
+    // Published before the server starts listening, so the first GET sees the hot set.
     publish(engine.as_ref(), &shared);
+    let _ = built.send(Ok((report, engine.device())));
     loop {
         between_requests(engine.as_mut(), &mut live, &shared);
         match jobs.recv_timeout(IDLE_POLL) {

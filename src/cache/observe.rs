@@ -404,6 +404,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("layers[0].calls"), "wrong types are refused: {err}");
+        let err = parse_observations(p, r#"{"layers": [{"layer": 0, "experts": [1]}]}"#, &fp())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("layers[0].experts") && err.contains("has 1 entries"), "{err}");
     }
 
     #[test]
