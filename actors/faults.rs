@@ -25,3 +25,4 @@ pub fn act_out(fault: Option<(LaneFault, Duration)>, lane: LaneId) -> Result<(),
         }
     }
 }
+

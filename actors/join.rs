@@ -354,14 +354,8 @@ impl LaneSet {
             let tx = lane.tx.as_ref().expect("checked above");
             let out =
                 lane.buf.take().unwrap_or_else(|| fresh_buffer(range.len(), self.max_tokens, self.hidden));
-            let task = LaneTask {
-                input: self.input.clone(),
-                range,
-                reduce_into_tokens: reduce,
-                out,
-                sent_at,
-                fault,
-            };
+            let task =
+                LaneTask { input: self.input.clone(), range, reduce_into_tokens: reduce, out, sent_at, fault };
             match tx.try_send(ColdMsg::Task(task)) {
                 Ok(()) => {
                     n_sent += 1;

@@ -6,7 +6,6 @@
 //! once per group, then write one unweighted row per entry or accumulate `weight * y` into
 //! token rows (reduce).
 
-use super::faults::act_out;
 use super::messages::*;
 use crate::cache::hot_set::HotSet;
 use crate::format::dtype::DType;
@@ -15,6 +14,7 @@ use crate::model::Model;
 use crate::moe::expert_math::{ffn_plain, ColdCompute, ExpertBytes, FfnDims, FfnScratch};
 use crossbeam_channel::{Receiver, Sender};
 use std::ops::Range;
+use super::faults::act_out;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;

@@ -53,8 +53,7 @@ pub fn safetensors_index(data: &[u8]) {
 pub fn perf_json(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };
     if let Ok(report) = PerfReport::parse(Path::new(NAME), text, None) {
-        let again =
-            PerfReport::parse(Path::new(NAME), &report.to_json(), None).expect("written perf JSON re-reads");
+        let again = PerfReport::parse(Path::new(NAME), &report.to_json(), None).expect("written perf JSON re-reads");
         assert_eq!(again.to_json(), report.to_json());
     }
 }
@@ -64,8 +63,7 @@ pub fn hot_experts_json(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else { return };
     if let Ok(set) = HotSet::from_experts_json(Path::new(NAME), text, 4, 16, 1) {
         let json = set.to_experts_json().to_string();
-        let again =
-            HotSet::from_experts_json(Path::new(NAME), &json, 4, 16, 1).expect("written hot set re-reads");
+        let again = HotSet::from_experts_json(Path::new(NAME), &json, 4, 16, 1).expect("written hot set re-reads");
         assert_eq!(again.to_experts_json(), set.to_experts_json());
     }
 }

@@ -71,11 +71,7 @@ fn run_seed(seed: u64) -> BTreeMap<LaneFault, usize> {
     let opts = PipelineOptions {
         hot_set: Some(HotSet::from_fraction(c.n_layers, c.n_experts, 2, 0.5, None).unwrap()),
         n_cold_workers: 3,
-        fault: FaultInjection {
-            lanes: Some(schedule),
-            lane_timeout: Some(LANE_TIMEOUT),
-            ..Default::default()
-        },
+        fault: FaultInjection { lanes: Some(schedule), lane_timeout: Some(LANE_TIMEOUT), ..Default::default() },
         ..Default::default()
     };
     let mut p = Pipeline::new(model.clone(), opts).unwrap();
@@ -86,9 +82,7 @@ fn run_seed(seed: u64) -> BTreeMap<LaneFault, usize> {
     let mut got = Vec::new();
     for (i, chunk) in chunks.iter().enumerate() {
         let phase = if i == 0 { Phase::Prefill } else { Phase::Decode };
-        got.extend(
-            p.forward(&mut cache, chunk, phase).unwrap_or_else(|e| panic!("seed {seed}, call {i}: {e}")),
-        );
+        got.extend(p.forward(&mut cache, chunk, phase).unwrap_or_else(|e| panic!("seed {seed}, call {i}: {e}")));
         let d = rel_diff(&got, &want[..got.len()]);
         assert!(d <= 1e-4, "seed {seed}: logits differ from the reference after call {i} ({d})");
     }

@@ -530,8 +530,7 @@ fn serve(args: ServeArgs) -> Result<()> {
     let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
     let positions = model.config().max_positions;
     let opts = engine_options(&model, &args.engine, positions, HotChoice::None)?;
-    let name =
-        args.model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    let name = args.model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     let serve_opts = moe_lanes_server::ServeOptions {
         listen: args.listen,
         admin_token: args.admin_token,
@@ -540,10 +539,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         perf_json: args.engine.perf_json.clone(),
     };
     moe_lanes_server::run(model, opts, serve_opts, |s| {
-        eprintln!(
-            "engine: {} on {} ({} hot experts from {})",
-            s.report.kind, s.device, s.report.n_hot_experts, s.report.hot_source
-        );
+        eprintln!("engine: {} on {} ({} hot experts from {})", s.report.kind, s.device, s.report.n_hot_experts, s.report.hot_source);
         if let Some(reason) = &s.report.gpu_unavailable {
             eprintln!("GPU engine unavailable ({reason})");
         }

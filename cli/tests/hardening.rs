@@ -58,8 +58,7 @@ fn ctx_size_limits_the_session_and_is_checked() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let run = |ctx: &str, n_new: &str| {
-        let args =
-            ["generate", "--model", &model, "--tokens", "1,2,3", "--max-new-tokens", n_new, "--engine"];
+        let args = ["generate", "--model", &model, "--tokens", "1,2,3", "--max-new-tokens", n_new, "--engine"];
         let mut args: Vec<&str> = args.to_vec();
         args.extend(["pipeline", "--ctx-size", ctx]);
         args.into_iter().map(String::from).collect::<Vec<_>>()

@@ -36,16 +36,13 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body =
-            json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": null}});
+        let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": null}});
         (self.status, axum::Json(body)).into_response()
     }
 }
 
 /// The body as a JSON object (413 past the limit, 400 on anything but an object).
-pub fn object(
-    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
-) -> Result<Map<String, Value>, ApiError> {
+pub fn object(body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>) -> Result<Map<String, Value>, ApiError> {
     let bytes = body.map_err(|e| ApiError::status(e.status(), "invalid_request_error", e.body_text()))?;
     let value: Value = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad("(body)", format!("body is not JSON: {e}")))?;
@@ -91,15 +88,11 @@ pub fn completion(body: &Map<String, Value>, vocab: usize) -> Result<CompletionR
     let prompt = prompt_ids(body.get("prompt"), vocab)?;
     let max_tokens = match body.get("max_tokens") {
         None | Some(Value::Null) => DEFAULT_MAX_TOKENS,
-        Some(v) => v.as_u64().filter(|&n| n >= 1).ok_or_else(|| {
-            ApiError::bad("max_tokens", format!("max_tokens must be a whole number of at least 1; got {v}"))
-        })? as usize,
+        Some(v) => v.as_u64().filter(|&n| n >= 1).ok_or_else(|| ApiError::bad("max_tokens", format!("max_tokens must be a whole number of at least 1; got {v}")))? as usize,
     };
     let stream = match body.get("stream") {
         None | Some(Value::Null) => false,
-        Some(v) => v
-            .as_bool()
-            .ok_or_else(|| ApiError::bad("stream", format!("stream must be true or false; got {v}")))?,
+        Some(v) => v.as_bool().ok_or_else(|| ApiError::bad("stream", format!("stream must be true or false; got {v}")))?,
     };
     Ok(CompletionRequest { prompt, max_tokens, stream })
 }
@@ -107,20 +100,11 @@ pub fn completion(body: &Map<String, Value>, vocab: usize) -> Result<CompletionR
 fn prompt_ids(v: Option<&Value>, vocab: usize) -> Result<Vec<u32>, ApiError> {
     let Some(v) = v else { return Err(ApiError::bad("prompt", "prompt is required")) };
     let ids = match v {
-        Value::String(_) => return Err(ApiError::bad(
-            "prompt",
-            "text prompts need the text API (not in this build): pass the prompt as an array of token ids",
-        )),
-        Value::Array(items) if items.len() == 1 && items[0].is_array() => {
-            items[0].as_array().expect("checked")
-        }
-        Value::Array(items) if items.iter().any(Value::is_array) => {
-            return Err(ApiError::bad("prompt", "one prompt per request: a batch of prompts is not served"))
-        }
+        Value::String(_) => return Err(ApiError::bad("prompt", "text prompts need the text API (not in this build): pass the prompt as an array of token ids")),
+        Value::Array(items) if items.len() == 1 && items[0].is_array() => items[0].as_array().expect("checked"),
+        Value::Array(items) if items.iter().any(Value::is_array) => return Err(ApiError::bad("prompt", "one prompt per request: a batch of prompts is not served")),
         Value::Array(items) => items,
-        other => {
-            return Err(ApiError::bad("prompt", format!("prompt must be an array of token ids; got {other}")))
-        }
+        other => return Err(ApiError::bad("prompt", format!("prompt must be an array of token ids; got {other}"))),
     };
     if ids.is_empty() {
         return Err(ApiError::bad("prompt", "prompt is empty"));
@@ -129,10 +113,7 @@ fn prompt_ids(v: Option<&Value>, vocab: usize) -> Result<Vec<u32>, ApiError> {
         .enumerate()
         .map(|(i, id)| match id.as_u64() {
             Some(n) if (n as usize) < vocab => Ok(n as u32),
-            _ => Err(ApiError::bad(
-                "prompt",
-                format!("prompt[{i}] = {id}: token ids are whole numbers below the vocabulary size {vocab}"),
-            )),
+            _ => Err(ApiError::bad("prompt", format!("prompt[{i}] = {id}: token ids are whole numbers below the vocabulary size {vocab}"))),
         })
         .collect()
 }

@@ -115,10 +115,7 @@ async fn serve(
         .map_err(|source| ServeError::Bind { addr: opts.listen, source })?;
     let addr = listener.local_addr().map_err(ServeError::Http)?;
     on_start(&Started { report, device, addr });
-    axum::serve(listener, routes::router(state))
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .map_err(ServeError::Http)
+    axum::serve(listener, routes::router(state)).with_graceful_shutdown(shutdown_signal()).await.map_err(ServeError::Http)
 }
 
 async fn shutdown_signal() {

@@ -46,10 +46,7 @@ fn describe() {
     describe_gauge!("moe_lanes_requests_waiting", "Requests in the queue.");
     describe_counter!("moe_lanes_layer_hot_slots_total", "Routed slots served by the hot lane, per layer.");
     describe_counter!("moe_lanes_layer_cold_slots_total", "Routed slots served by the cold lane, per layer.");
-    describe_counter!(
-        "moe_lanes_layer_lane_busy_seconds",
-        "Busy time so far per layer and lane (hot, cold)."
-    );
+    describe_counter!("moe_lanes_layer_lane_busy_seconds", "Busy time so far per layer and lane (hot, cold).");
     describe_counter!("moe_lanes_layer_overlap_seconds", "Time so far both lanes ran at once, per layer.");
     describe_counter!("moe_lanes_layer_join_wait_seconds", "Time so far the join waited, per layer.");
     describe_counter!("moe_lanes_layer_calls_total", "Forward calls through the layer's MoE block.");
@@ -138,15 +135,13 @@ pub fn record_perf(report: &PerfReport, hot_bytes: u64) {
             .set(secs(l.parallel_join_wait_us));
         for reason in FallbackReason::ALL {
             let n = l.fallback_reasons.get(reason.name()).copied().unwrap_or(0);
-            counter!("moe_lanes_fallbacks_total", "layer" => layer.clone(), "reason" => reason.name())
-                .absolute(n);
+            counter!("moe_lanes_fallbacks_total", "layer" => layer.clone(), "reason" => reason.name()).absolute(n);
         }
     }
     counter!("moe_lanes_cache_updates_total").absolute(report.updates);
     gauge!("moe_lanes_hot_bytes").set(hot_bytes as f64);
     for mode in ["full", "update", "off"] {
-        let on =
-            serde_json::to_value(report.mode).ok().and_then(|v| v.as_str().map(|s| s == mode)) == Some(true);
+        let on = serde_json::to_value(report.mode).ok().and_then(|v| v.as_str().map(|s| s == mode)) == Some(true);
         gauge!("moe_lanes_perf_mode", "mode" => mode).set(if on { 1.0 } else { 0.0 });
     }
 }

@@ -59,9 +59,7 @@ async fn health(State(s): State<AppState>) -> Json<Value> {
 }
 
 async fn models(State(s): State<AppState>) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": s.model_name, "object": "model", "owned_by": "moe-lanes"}]}),
-    )
+    Json(json!({"object": "list", "data": [{"id": s.model_name, "object": "model", "owned_by": "moe-lanes"}]}))
 }
 
 async fn metrics(State(s): State<AppState>) -> Response {
@@ -74,30 +72,15 @@ fn check_admin(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     if s.loopback && s.admin_token.is_none() {
         return Ok(());
     }
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+    let given = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
     match (&s.admin_token, given) {
         (Some(token), Some(g)) if g == token => Ok(()),
-        (None, _) => Err(ApiError::status(
-            StatusCode::FORBIDDEN,
-            "permission_error",
-            "admin endpoints are off: the server listens beyond loopback without --admin-token",
-        )),
-        _ => Err(ApiError::status(
-            StatusCode::UNAUTHORIZED,
-            "authentication_error",
-            "this endpoint needs Authorization: Bearer <admin token>",
-        )),
+        (None, _) => Err(ApiError::status(StatusCode::FORBIDDEN, "permission_error", "admin endpoints are off: the server listens beyond loopback without --admin-token")),
+        _ => Err(ApiError::status(StatusCode::UNAUTHORIZED, "authentication_error", "this endpoint needs Authorization: Bearer <admin token>")),
     }
 }
 
-async fn layer_perf(
-    State(s): State<AppState>,
-    Query(q): Query<HashMap<String, String>>,
-    headers: HeaderMap,
-) -> Result<Response, ApiError> {
+async fn layer_perf(State(s): State<AppState>, Query(q): Query<HashMap<String, String>>, headers: HeaderMap) -> Result<Response, ApiError> {
     if let Some(key) = q.keys().find(|k| k.as_str() != "mode") {
         return Err(ApiError::bad(key, format!("unknown query parameter '{key}' (only mode)")));
     }
@@ -105,13 +88,10 @@ async fn layer_perf(
         check_admin(&s, &headers)?;
         let mode: PerfMode = mode.parse().map_err(|e: String| ApiError::bad("mode", e))?;
         *s.shared.mode_switch.lock().expect("mode lock") = Some(mode);
-        wait_until(Duration::from_secs(5), || s.shared.mode_switch.lock().expect("mode lock").is_none())
-            .await;
+        wait_until(Duration::from_secs(5), || s.shared.mode_switch.lock().expect("mode lock").is_none()).await;
     }
     let json = s.shared.snapshot.read().expect("snapshot lock").perf_json.clone();
-    let json = json.ok_or_else(|| {
-        ApiError::status(StatusCode::NOT_FOUND, "not_found_error", "this engine keeps no perf state")
-    })?;
+    let json = json.ok_or_else(|| ApiError::status(StatusCode::NOT_FOUND, "not_found_error", "this engine keeps no perf state"))?;
     Ok(([(header::CONTENT_TYPE, "application/json")], json).into_response())
 }
 
@@ -138,28 +118,16 @@ async fn hot_cache(State(s): State<AppState>) -> Json<Value> {
 /// theirs) or a learn file (perf
 /// JSON; each layer's slots go to its most used experts). Validated whole before anything changes;
 /// applied when no request runs.
-async fn apply_hot_cache(
-    State(s): State<AppState>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Json<Value>, ApiError> {
+async fn apply_hot_cache(State(s): State<AppState>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Result<Json<Value>, ApiError> {
     check_admin(&s, &headers)?;
-    let text = String::from_utf8(
-        body.map_err(|e| ApiError::status(e.status(), "invalid_request_error", e.body_text()))?.to_vec(),
-    )
-    .map_err(|_| ApiError::bad("(body)", "body is not UTF-8"))?;
+    let text = String::from_utf8(body.map_err(|e| ApiError::status(e.status(), "invalid_request_error", e.body_text()))?.to_vec())
+        .map_err(|_| ApiError::bad("(body)", "body is not UTF-8"))?;
     let current = s.shared.snapshot.read().expect("snapshot lock").hot_set.clone();
-    let current = current.ok_or_else(|| {
-        ApiError::status(StatusCode::CONFLICT, "invalid_request_error", "this engine has no hot cache")
-    })?;
+    let current = current.ok_or_else(|| ApiError::status(StatusCode::CONFLICT, "invalid_request_error", "this engine has no hot cache"))?;
     let target = target_set(&s, &current, &text)?;
     let exchanges = exchanges_between(&current, &target)?;
     if s.shared.apply_pending.swap(true, Ordering::AcqRel) {
-        return Err(ApiError::status(
-            StatusCode::CONFLICT,
-            "conflict_error",
-            "another hot-cache apply is pending",
-        ));
+        return Err(ApiError::status(StatusCode::CONFLICT, "conflict_error", "another hot-cache apply is pending"));
     }
     let (reply, rx) = tokio::sync::oneshot::channel();
     let n = exchanges.len();
@@ -167,34 +135,25 @@ async fn apply_hot_cache(
     match rx.await {
         Ok(Ok(applied)) => Ok(Json(json!({"exchanges": n, "applied": applied}))),
         Ok(Err(e)) => Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e)),
-        Err(_) => {
-            Err(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine stopped"))
-        }
+        Err(_) => Err(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine stopped")),
     }
 }
 
 fn target_set(s: &AppState, current: &HotSet, text: &str) -> Result<HotSet, ApiError> {
-    let value: Value =
-        serde_json::from_str(text).map_err(|e| ApiError::bad("(body)", format!("body is not JSON: {e}")))?;
+    let value: Value = serde_json::from_str(text).map_err(|e| ApiError::bad("(body)", format!("body is not JSON: {e}")))?;
     let path = std::path::Path::new("request body");
     if value.get("layers").is_some_and(Value::is_array) {
         // The one parser of learn files, perf snapshots and manual applies (typed observations).
         let obs = moe_lanes::cache::observe::parse_observations(path, text, &s.fingerprint)
             .map_err(|e| ApiError::bad("layers", e.to_string()))?;
-        let lists = obs
-            .counts()
-            .iter()
-            .enumerate()
-            .map(|(l, c)| top_experts(c, current.layers[l].n_hot()))
-            .collect::<Vec<_>>();
+        let lists = obs.counts().iter().enumerate().map(|(l, c)| top_experts(c, current.layers[l].n_hot())).collect::<Vec<_>>();
         return Ok(HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists));
     }
     let asked = HotSet::from_experts_json(path, text, s.n_layers, s.n_experts, current.n_lanes)
         .map_err(|e| ApiError::bad("layers", e.to_string()))?;
     // Layers the body does not name keep their experts.
     let named = |l: usize| value["layers"].get(l.to_string()).is_some();
-    let hot_ids =
-        |set: &HotSet, l: usize| (0..s.n_experts).filter(|&e| set.layers[l].is_hot(e)).collect::<Vec<_>>();
+    let hot_ids = |set: &HotSet, l: usize| (0..s.n_experts).filter(|&e| set.layers[l].is_hot(e)).collect::<Vec<_>>();
     let lists: Vec<Vec<usize>> =
         (0..s.n_layers).map(|l| if named(l) { hot_ids(&asked, l) } else { hot_ids(current, l) }).collect();
     Ok(HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists))
@@ -215,10 +174,7 @@ fn exchanges_between(current: &HotSet, target: &HotSet) -> Result<Vec<Exchange>,
     let mut out = Vec::new();
     for (l, (cur, want)) in current.layers.iter().zip(&target.layers).enumerate() {
         if cur.n_hot() != want.n_hot() {
-            return Err(ApiError::bad(
-                &format!("layers.{l}"),
-                format!("layer {l} has {} cache slots; {} experts were given", cur.n_hot(), want.n_hot()),
-            ));
+            return Err(ApiError::bad(&format!("layers.{l}"), format!("layer {l} has {} cache slots; {} experts were given", cur.n_hot(), want.n_hot())));
         }
         let evict = (0..cur.hot_mask().len()).filter(|&e| cur.is_hot(e) && !want.is_hot(e));
         let add = (0..want.hot_mask().len()).filter(|&e| want.is_hot(e) && !cur.is_hot(e));
@@ -227,28 +183,16 @@ fn exchanges_between(current: &HotSet, target: &HotSet) -> Result<Vec<Exchange>,
     Ok(out)
 }
 
-async fn completions(
-    State(s): State<AppState>,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Response, ApiError> {
+async fn completions(State(s): State<AppState>, body: Result<Bytes, BytesRejection>) -> Result<Response, ApiError> {
     let req = api::completion(&api::object(body)?, s.vocab)?;
     moe_lanes::reference::check_generation_fits(req.prompt.len(), req.max_tokens, s.ctx_positions)
         .map_err(|e| ApiError::bad("max_tokens", e.to_string()))?;
     let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let job = CompletionJob {
-        prompt: req.prompt.clone(),
-        max_tokens: req.max_tokens,
-        events: tx,
-        enqueued_at: Instant::now(),
-    };
+    let job = CompletionJob { prompt: req.prompt.clone(), max_tokens: req.max_tokens, events: tx, enqueued_at: Instant::now() };
     s.shared.waiting.fetch_add(1, Ordering::Relaxed);
     if s.jobs.try_send(job).is_err() {
         s.shared.waiting.fetch_sub(1, Ordering::Relaxed);
-        return Err(ApiError::status(
-            StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_error",
-            "the request queue is full; retry later",
-        ));
+        return Err(ApiError::status(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "the request queue is full; retry later"));
     }
     let id = format!("cmpl-{:x}", rand_id());
     if req.stream {
@@ -272,11 +216,7 @@ fn choice(ids: &[u32], finish: Option<&str>) -> Value {
     json!({"index": 0, "text": "", "token_ids": ids, "logprobs": null, "finish_reason": finish})
 }
 
-async fn collect(
-    id: String,
-    model: &str,
-    mut rx: tokio::sync::mpsc::Receiver<Event>,
-) -> Result<Value, ApiError> {
+async fn collect(id: String, model: &str, mut rx: tokio::sync::mpsc::Receiver<Event>) -> Result<Value, ApiError> {
     let mut ids = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
@@ -288,9 +228,7 @@ async fn collect(
                     "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens},
                 }));
             }
-            Event::Failed(e) => {
-                return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e))
-            }
+            Event::Failed(e) => return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e)),
         }
     }
     Err(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine stopped"))
@@ -317,8 +255,7 @@ fn stream(id: String, model: String, rx: tokio::sync::mpsc::Receiver<Event>) -> 
                     let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens});
                     chunk(choice(&[], Some("length")), Some(usage))
                 }
-                Some(Event::Failed(e)) => SseEvent::default()
-                    .data(json!({"error": {"message": e, "type": "server_error"}}).to_string()),
+                Some(Event::Failed(e)) => SseEvent::default().data(json!({"error": {"message": e, "type": "server_error"}}).to_string()),
                 None => return None,
             };
             Some((Ok::<_, std::convert::Infallible>(ev), rx))

@@ -7,9 +7,9 @@ use crate::prom;
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use moe_lanes::actors::Exchange;
 use moe_lanes::engine::{build_engine, BuildReport, Engine, EngineError, EngineOptions, LiveCache};
+use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::model::Model;
-use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::perf::PerfMode;
 use moe_lanes::phase::Phase;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -114,7 +114,8 @@ pub fn run(
     engine.perf().map(|p| p.to_json())
 }
 
-/// A pending apply (no request runs now) and a pending perf-mode switch.
+/// A pending apply (no request runs now; applied through the live cache, rate 1.0) and a
+/// pending perf-mode switch.
 fn between_requests(engine: &mut dyn Engine, live: &mut LiveCache, shared: &Shared) {
     switch_mode(engine, shared);
     let job = shared.apply.lock().expect("apply lock").take();

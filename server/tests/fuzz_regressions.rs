@@ -10,8 +10,7 @@ mod targets;
 use std::path::PathBuf;
 
 fn inputs(kind: &str, target: &str) -> Vec<PathBuf> {
-    let root =
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("server/ is in the repository");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("server/ is in the repository");
     let dir = root.join("fuzz").join(kind).join(target);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))

@@ -202,10 +202,7 @@ impl SafetensorsFile {
     /// target's entry point.
     pub fn check_bytes(path: &Path, bytes: &[u8]) -> Result<Vec<StTensorInfo>> {
         if bytes.len() < 8 {
-            return Err(SafetensorsError::FileTooShort {
-                path: path.to_path_buf(),
-                n_bytes: bytes.len() as u64,
-            });
+            return Err(SafetensorsError::FileTooShort { path: path.to_path_buf(), n_bytes: bytes.len() as u64 });
         }
         Ok(parse_header(path, bytes)?.tensors)
     }

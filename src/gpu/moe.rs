@@ -298,8 +298,7 @@ impl GpuModel {
         let cold_start = Instant::now();
         let out = &mut s.pin_cold_out.as_mut_slice()?[..n_rows * h];
         out.fill(0.0);
-        call_cold(cold, self.opts.faults.at(self.call_idx, l), l, input, &self.host.cold_slots, out)
-            .map_err(|_| COLD_FAILED)?;
+        call_cold(cold, self.opts.faults.at(self.call_idx, l), l, input, &self.host.cold_slots, out).map_err(|_| COLD_FAILED)?;
         self.records[l].cold = Some((cold_start, Instant::now()));
         self.be.write_async(&s.pin_cold_out, n_rows * h, s.cold_out.ptr())?;
         let rows = s.work_i.ptr().sub(s.layout.cold_rows, n_rows);

@@ -15,9 +15,7 @@ pub fn kv_bytes_per_position(c: &ModelConfig) -> u64 {
 pub enum ContextError {
     #[error("context size 0: a context holds at least one position")]
     Zero,
-    #[error(
-        "context size {asked_positions} is past the model's trained context of {trained_positions} positions"
-    )]
+    #[error("context size {asked_positions} is past the model's trained context of {trained_positions} positions")]
     PastTrained { asked_positions: usize, trained_positions: usize },
     #[error(
         "context size {asked_positions} needs {kv_bytes} bytes of KV cache, but {available_bytes} bytes of memory \
@@ -101,12 +99,7 @@ mod tests {
         let err = resolve_context(&c, Some(20), Some(per * 10)).unwrap_err();
         assert_eq!(
             err,
-            ContextError::NoMemory {
-                asked_positions: 20,
-                kv_bytes: per * 20,
-                available_bytes: per * 10,
-                fits_positions: 10
-            }
+            ContextError::NoMemory { asked_positions: 20, kv_bytes: per * 20, available_bytes: per * 10, fits_positions: 10 }
         );
     }
 

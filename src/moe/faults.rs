@@ -44,19 +44,12 @@ impl LaneFaultSchedule {
 
     /// The fault (if any) of `lane`'s task in layer `layer_idx` of forward call `call_idx`.
     /// `can_stall`: false for the driver's own cold share (the driver cannot time itself out).
-    pub fn fault(
-        &self,
-        call_idx: u64,
-        layer_idx: usize,
-        lane: FaultLane,
-        can_stall: bool,
-    ) -> Option<LaneFault> {
+    pub fn fault(&self, call_idx: u64, layer_idx: usize, lane: FaultLane, can_stall: bool) -> Option<LaneFault> {
         let lane_code = match lane {
             FaultLane::Hot(i) => u64::from(i),
             FaultLane::Cold(i) => 0x100 + u64::from(i),
         };
-        let h =
-            splitmix64(self.seed ^ splitmix64(call_idx ^ splitmix64(layer_idx as u64 ^ (lane_code << 32))));
+        let h = splitmix64(self.seed ^ splitmix64(call_idx ^ splitmix64(layer_idx as u64 ^ (lane_code << 32))));
         if (h % 1000) as u32 >= self.per_mille {
             return None;
         }
@@ -100,8 +93,7 @@ mod tests {
         assert!((120..=280).contains(&total), "{total} faults in 1000 tasks at 20%");
         assert!(n.iter().all(|&k| k > 10), "every kind occurs: {n:?}");
         let other = LaneFaultSchedule { seed: 8, ..s };
-        let differs = (0..100)
-            .any(|c| s.fault(c, 0, FaultLane::Hot(0), true) != other.fault(c, 0, FaultLane::Hot(0), true));
+        let differs = (0..100).any(|c| s.fault(c, 0, FaultLane::Hot(0), true) != other.fault(c, 0, FaultLane::Hot(0), true));
         assert!(differs, "the seed matters");
     }
 }
