@@ -100,6 +100,16 @@ off: learned
 compare:
     @{{ table_cmd }}
 
+# The workload that moves: a domains:2 model (SHIFT_MODEL, written first from SHIFT_SYNTH), then
+# bench --scenario shift at half the experts hot (static_first, online, static_second per request).
+SHIFT_MODEL := env_var_or_default("SHIFT_MODEL", "models/shift.gguf")
+SHIFT_SYNTH := env_var_or_default("SHIFT_SYNTH", "--preset qwen3-30b-a3b --layers 2 --skew domains:2 --format gguf")
+UPDATE_RATE := env_var_or_default("UPDATE_RATE", "0.25")
+shift:
+    mkdir -p models
+    test -e {{ quote(SHIFT_MODEL) }} || {{ BIN }} synth {{ SHIFT_SYNTH }} --out {{ quote(SHIFT_MODEL) }}
+    {{ BIN }} bench --model {{ quote(SHIFT_MODEL) }} {{ engine_flag }} --scenario shift --domains 2 --requests 8 -p 32 -n {{ N }} --hot-fraction 0.5 --update-rate {{ UPDATE_RATE }}
+
 # Criterion micro-benchmarks (kernels, message overhead) and the cold-lane kernel bench.
 bench:
     cargo bench -p moe-lanes

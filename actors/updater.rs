@@ -18,13 +18,8 @@ pub const MAX_PENDING_EXCHANGES: usize = 4096;
 /// Capacity of the Updater's kameo mailbox (control plane; requests are rare).
 pub const UPDATER_MAILBOX_CAPACITY: usize = 64;
 
-/// Evict expert `evict` from the hot cache of layer `layer_idx` and load `add` into its slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Exchange {
-    pub layer_idx: usize,
-    pub evict: usize,
-    pub add: usize,
-}
+/// An exchange is hot-set vocabulary (planned in `cache::update`); the actor queues them.
+pub use crate::cache::hot_set::Exchange;
 
 /// The actor's state.
 #[derive(Actor)]

@@ -3,8 +3,9 @@
 //! the same runs (hit rate, overlap, join wait, lane times, fallbacks) off the engine's perf
 //! state. Generation feeds random token ids by default (as llama-bench does), or the greedy token.
 
-use crate::cache::perf::{PerfMode, PerfReport};
-use crate::engine::{BuildReport, Engine, EngineError, HotBudget, KvCache};
+use crate::cache::perf::{ModelFingerprint, PerfMode, PerfReport};
+use crate::cache::update::UpdatePolicy;
+use crate::engine::{BuildReport, Engine, EngineError, HotBudget, KvCache, LiveCache, UpdateOutcome};
 use crate::inspect::sample_tokens;
 use crate::model::Model;
 use crate::moe::phase::Phase;
@@ -29,6 +30,9 @@ pub struct BenchOptions {
     /// (nothing recorded, in either view), alternating which goes first, so the cost of
     /// recording is measured under the same conditions.
     pub metrics_ab: bool,
+    /// The online updater: each timed run is one request, updated after it (and every
+    /// `every_tokens` tokens inside it).
+    pub update: UpdatePolicy,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -164,6 +168,10 @@ pub struct BenchReport {
     /// Generation with the perf state off, timed in the same runs (`metrics_ab`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tg_metrics_off_tokens_per_s_spread: Option<Spread>,
+    /// The online updater's policy and what it did over the timed runs.
+    pub update: UpdatePolicy,
+    pub cache_updates: u64,
+    pub cache_exchanges: u64,
 }
 
 fn snapshot(engine: &dyn Engine) -> PerfReport {
@@ -200,11 +208,21 @@ pub fn run_bench(
     if opts.metrics_ab && engine.perf().is_none_or(|p| p.mode() == PerfMode::Off) {
         return Err(BenchError::NothingRecorded);
     }
+    let mut live =
+        LiveCache::new(engine, ModelFingerprint::of(model), model.expert_bytes() as u64, opts.update);
+    let (mut updates, mut exchanges) = (0u64, 0u64);
+    let mut count = |o: Option<UpdateOutcome>| {
+        if let Some(o) = o {
+            updates += 1;
+            exchanges += o.exchanges as u64;
+        }
+    };
     let (mut pp_rates, mut tg_rates, mut tg_off_rates) = (Vec::new(), Vec::new(), Vec::new());
     let (mut pp, mut tg) = (LaneTotals::default(), LaneTotals::default());
     let total_ticks = 2 * opts.n_runs as u64;
     for run_idx in 0..opts.n_runs {
         let mut cache = engine.new_cache(context)?;
+        live.begin_request();
         let before = snapshot(engine);
         let start = Instant::now();
         // The lm_head of the last row only, as llama-bench's prompt processing.
@@ -220,11 +238,13 @@ pub fn run_bench(
             tg_off_rates.push(timed_tg_off(engine, &prompt, &feed, opts, context)?);
         }
         let mid = if off_first { snapshot(engine) } else { mid };
-        tg_rates.push(timed_tg(engine, &mut cache, next, &feed, opts.greedy)?);
+        let mut after = |e: &mut dyn Engine| live.after_tokens(e, 1).map(&mut count);
+        tg_rates.push(timed_tg(engine, &mut cache, next, &feed, opts.greedy, &mut after)?);
         tg.add(LaneTotals::between(&mid, &snapshot(engine)));
         if opts.metrics_ab && !off_first {
             tg_off_rates.push(timed_tg_off(engine, &prompt, &feed, opts, context)?);
         }
+        count(live.end_request(engine)?);
         progress(2 * run_idx as u64 + 2, total_ticks);
     }
     let (pps, tgs) = (Spread::of(&pp_rates), Spread::of(&tg_rates));
@@ -257,6 +277,9 @@ pub fn run_bench(
         simd: opts.simd.clone(),
         tg_feed: if opts.greedy { "greedy" } else { "random" },
         tg_metrics_off_tokens_per_s_spread: opts.metrics_ab.then(|| Spread::of(&tg_off_rates)),
+        update: opts.update,
+        cache_updates: updates,
+        cache_exchanges: exchanges,
     })
 }
 
@@ -267,12 +290,14 @@ fn timed_tg(
     first: u32,
     feed: &[u32],
     greedy: bool,
+    after_token: &mut dyn FnMut(&mut dyn Engine) -> Result<(), EngineError>,
 ) -> Result<f64, BenchError> {
     let mut next = first;
     let start = Instant::now();
     for &fed in feed {
         let g = engine.forward(&[next], Phase::Decode, cache)?.argmax[0];
         next = if greedy { g } else { fed };
+        after_token(engine)?;
     }
     Ok(feed.len() as f64 / start.elapsed().as_secs_f64())
 }
@@ -290,7 +315,7 @@ fn timed_tg_off(
     let mut cache = engine.new_cache(context)?;
     let first = *engine.forward(prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("rows");
     engine.set_perf_mode(PerfMode::Off);
-    let rate = timed_tg(engine, &mut cache, first, feed, opts.greedy);
+    let rate = timed_tg(engine, &mut cache, first, feed, opts.greedy, &mut |_| Ok(()));
     engine.set_perf_mode(mode);
     rate
 }
@@ -337,6 +362,12 @@ impl BenchReport {
             self.hot_lane_us, self.cold_lane_us, self.overlap_us, self.join_wait_us, self.fallbacks
         );
         out += &format!("tg feeds      {} token ids\n", self.tg_feed);
+        if self.update.mode == crate::cache::update::UpdateMode::Auto {
+            out += &format!(
+                "updates       {} ({} exchanges, rate {})\n",
+                self.cache_updates, self.cache_exchanges, self.update.rate
+            );
+        }
         if let Some(off) = &self.tg_metrics_off_tokens_per_s_spread {
             out += &format!(
                 "tg{:<4} off    {:.1} t/s with metrics off (min {:.1}, max {:.1}); recording costs {:.2}% of tg\n",

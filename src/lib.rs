@@ -30,6 +30,7 @@ pub mod model;
 pub mod moe;
 pub mod reference;
 pub mod sample;
+pub mod scenario;
 pub mod synth;
 pub mod text;
 pub mod threads;

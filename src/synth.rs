@@ -58,6 +58,10 @@ pub enum Skew {
     Skewed,
     /// `bias(rank) = -s * ln(1 + rank)`.
     Zipf(f32),
+    /// `D` domains: the vocabulary splits into `D` equal token ranges, and each range routes to
+    /// its own popular experts (its own ranking per layer, skewed as `Skewed`), so routing
+    /// depends on the input. For bench scenarios where the workload moves.
+    Domains(usize),
 }
 
 /// The top-half coverage `Skew::Skewed` aims for (Qwen3-30B-A3B on real text shows 85-95%).
@@ -104,9 +108,15 @@ impl std::str::FromStr for Skew {
         match s {
             "uniform" => Ok(Skew::Uniform),
             "skewed" => Ok(Skew::Skewed),
+            _ if s.starts_with("domains:") => match s["domains:".len()..].parse::<usize>() {
+                Ok(d) if d >= 1 => Ok(Skew::Domains(d)),
+                _ => Err(format!("skew '{s}': domains:D needs a whole number D >= 1")),
+            },
             _ => match s.strip_prefix("zipf:").map(str::parse::<f32>) {
                 Some(Ok(v)) if v.is_finite() && v >= 0.0 => Ok(Skew::Zipf(v)),
-                _ => Err(format!("unknown skew '{s}' (expected uniform, skewed or zipf:S with S >= 0)")),
+                _ => Err(format!(
+                    "unknown skew '{s}' (expected uniform, skewed, zipf:S with S >= 0 or domains:D with D >= 1)"
+                )),
             },
         }
     }
@@ -117,10 +127,31 @@ impl Skew {
     pub fn exponent(self, n_experts: usize, k: usize) -> Option<f32> {
         match self {
             Skew::Uniform => None,
-            Skew::Skewed => Some(calibrate_exponent(n_experts, k, SKEWED_TARGET_COVERAGE)),
+            Skew::Skewed | Skew::Domains(_) => Some(calibrate_exponent(n_experts, k, SKEWED_TARGET_COVERAGE)),
             Skew::Zipf(s) => Some(s),
         }
     }
+
+    /// Domains of the vocabulary (1 unless `Domains`).
+    pub fn n_domains(self) -> usize {
+        match self {
+            Skew::Domains(d) => d,
+            _ => 1,
+        }
+    }
+}
+
+/// The domain of `token` when the vocabulary splits into `n_domains` equal ranges.
+pub fn domain_of_token(token: u32, vocab: usize, n_domains: usize) -> usize {
+    ((token as usize * n_domains.max(1)) / vocab.max(1)).min(n_domains.max(1) - 1)
+}
+
+/// The token range of `domain`.
+pub fn domain_tokens(vocab: usize, n_domains: usize, domain: usize) -> std::ops::Range<u32> {
+    let d = n_domains.max(1);
+    let first = (0..vocab).find(|&t| domain_of_token(t as u32, vocab, d) == domain).unwrap_or(vocab);
+    let end = (first..vocab).find(|&t| domain_of_token(t as u32, vocab, d) != domain).unwrap_or(vocab);
+    first as u32..end as u32
 }
 
 /// Output file format.
@@ -330,6 +361,16 @@ pub fn write_synthetic(
             format!("{} is below {} (GGUF needs a byte-level tokenizer)", config.vocab, vocab::MIN_VOCAB),
         ));
     }
+    if opts.skew.n_domains() + 1 >= config.hidden {
+        return Err(invalid(
+            "skew",
+            format!(
+                "domains:{} needs a hidden size above {}",
+                opts.skew.n_domains(),
+                opts.skew.n_domains() + 1
+            ),
+        ));
+    }
     let generator = WeightGenerator::new(&config, opts);
     let tensors = match opts.format {
         SynthFormat::Gguf => gguf_tensor_plan(&config, opts),
@@ -522,6 +563,9 @@ struct WeightGenerator {
     skew_exponent: Option<f32>,
     /// Per layer, per expert: the logit bias in noise units.
     router_bias: Vec<Vec<f32>>,
+    /// `Domains(D)`: per domain, per layer, per expert biases; channel `1 + d` carries domain d.
+    domain_bias: Vec<Vec<Vec<f32>>>,
+    vocab: usize,
 }
 
 impl WeightGenerator {
@@ -533,12 +577,27 @@ impl WeightGenerator {
                 Some(s) => expert_biases(opts.seed, layer_idx, config.n_experts, s),
             })
             .collect();
+        let domain_bias = match (opts.skew, skew_exponent) {
+            (Skew::Domains(d), Some(s)) => (0..d)
+                .map(|domain| {
+                    (0..config.n_layers)
+                        .map(|layer_idx| {
+                            let layer_key = (domain + 1) * 0x1_0000 + layer_idx;
+                            expert_biases(opts.seed, layer_key, config.n_experts, s)
+                        })
+                        .collect()
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
         WeightGenerator {
             seed: opts.seed,
             model_dtype: opts.dtype,
             hidden: config.hidden,
             skew_exponent,
             router_bias,
+            domain_bias,
+            vocab: config.vocab,
         }
     }
 
@@ -578,7 +637,9 @@ impl WeightGenerator {
             }
             Init::Embedding => values.extend((0..part.n_cols).map(|_| 3f32.sqrt() * rng.uniform_pm1())),
         }
-        if skewed {
+        if !self.domain_bias.is_empty() {
+            self.domain_channels(part, row, &mut values[start..]);
+        } else if skewed {
             let row_values = &mut values[start..];
             match part.init {
                 Init::Embedding => row_values[0] = (self.hidden as f32).sqrt(),
@@ -589,6 +650,31 @@ impl WeightGenerator {
         }
         for v in &mut values[start..] {
             *v = round_to(self.model_dtype, *v);
+        }
+    }
+}
+
+impl WeightGenerator {
+    /// `Domains(D)`: channels `1..=D` carry the domain instead of channel 0 carrying one bias.
+    /// A token of domain d has `sqrt(hidden)` on channel `1 + d` and 0 on the other domain
+    /// channels; no residual writer writes those channels; router column `1 + d` holds domain
+    /// d's expert biases. Each value still depends only on (seed, name, row).
+    fn domain_channels(&self, part: &Canonical, row: usize, row_values: &mut [f32]) {
+        let d = self.domain_bias.len();
+        match part.init {
+            Init::Embedding => {
+                let domain = domain_of_token(row as u32, self.vocab, d);
+                for j in 0..d {
+                    row_values[1 + j] = if j == domain { (self.hidden as f32).sqrt() } else { 0.0 };
+                }
+            }
+            Init::ResidualWriter(_) if (1..=d).contains(&row) => row_values.iter_mut().for_each(|v| *v = 0.0),
+            Init::Router(std) => {
+                for j in 0..d {
+                    row_values[1 + j] = std * self.domain_bias[j][part.layer_idx][row];
+                }
+            }
+            _ => {}
         }
     }
 }

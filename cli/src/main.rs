@@ -4,16 +4,19 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use moe_lanes::adapter;
+use moe_lanes::cache::observe::read_observations;
+use moe_lanes::cache::update::{UpdateMode, UpdatePolicy};
+use moe_lanes::cache::weighting::{WeightMode, Weighting};
 use moe_lanes::dtype::DType;
 use moe_lanes::engine::{
     build_engine, BuildReport, Engine, EngineKind, EngineOptions, Generation, GenerationOptions, HotBudget,
-    HotChoice,
+    HotChoice, LiveCache,
 };
 use moe_lanes::env;
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::inspect::{format_bytes, InspectReport};
 use moe_lanes::model::Model;
-use moe_lanes::perf::{PerfMode, PerfReport};
+use moe_lanes::perf::{ModelFingerprint, PerfMode};
 use moe_lanes::phase::Phase;
 use moe_lanes::pipeline::ColdKernels;
 use moe_lanes::threads::ColdThreads;
@@ -76,6 +79,9 @@ enum Command {
     BenchKernels(BenchKernelsArgs),
     /// End-to-end prompt processing and generation speed on the GPU with a hot cache.
     Bench(BenchArgs),
+    /// What-if planner: per layer the experts a budget holds, their bytes, the predicted hit
+    /// rate, and tg/pp predicted by a cost model calibrated from the learn file's perf data.
+    Plan(PlanArgs),
     /// Serve the model over HTTP: /v1/completions (token-id prompts, sampling), /metrics, /moe-layer-perf,
     /// /moe-hot-cache, /health. Stops on ctrl-c or SIGTERM after in-flight requests finish.
     Serve(ServeArgs),
@@ -87,6 +93,32 @@ enum Command {
     Tokenize(text_cmds::TokenizeArgs),
     /// Token ids to text with the model's tokenizer.
     Detokenize(text_cmds::DetokenizeArgs),
+}
+
+#[derive(Args)]
+struct PlanArgs {
+    #[arg(long)]
+    model: PathBuf,
+    /// Learn file (perf JSON from learn, or --perf-json of generate/bench for decode timings).
+    #[arg(long)]
+    learn: PathBuf,
+    /// Hot-cache budget in MiB; -1 = the device's free memory after the weights and the KV
+    /// cache of the model's context, minus 1024 MiB (needs a GPU).
+    #[arg(long, allow_negative_numbers = true)]
+    hot_budget_mib: i64,
+    /// flat, pressure, smooth_pressure, time or balanced.
+    #[arg(long, default_value = "flat")]
+    weighting: String,
+    #[arg(long, default_value_t = moe_lanes::cache::weighting::DEFAULT_LAYER_CURVE)]
+    layer_curve: f64,
+    /// Also print the curve over budgets (0, 10, ..., 100% of all experts).
+    #[arg(long)]
+    sweep: bool,
+    #[arg(long)]
+    json: bool,
+    /// Context size for the -1 budget's KV cache (default: the model's).
+    #[arg(long)]
+    ctx_size: Option<usize>,
 }
 
 #[derive(Args)]
@@ -130,6 +162,20 @@ struct BenchArgs {
     /// recording.
     #[arg(long)]
     metrics_ab: bool,
+    /// A scenario instead of the plain pp/tg runs: shift (requests from one domain of a
+    /// `synth --skew domains:D` model, then from another; policies static_first, online,
+    /// static_second; -p/-n are each request's prompt and generated tokens).
+    #[arg(long)]
+    scenario: Option<String>,
+    /// shift: the model's number of domains (its `--skew domains:D`).
+    #[arg(long, default_value_t = 2)]
+    domains: usize,
+    /// shift: the domain before the shift and the one after it.
+    #[arg(long, value_delimiter = ',', default_value = "0,1")]
+    shift: Vec<usize>,
+    /// shift: requests per domain.
+    #[arg(long, default_value_t = 8)]
+    requests: usize,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -171,6 +217,24 @@ struct EngineArgs {
     /// full, update or off.
     #[arg(long, default_value = "full")]
     perf_mode: String,
+    /// How the planner and the updater rank experts: flat (usage, spread over layers first),
+    /// pressure (favour layers whose cold lane is slow), smooth_pressure (pressure, outliers
+    /// damped), time (total MoE time), balanced (pressure with a stronger per-layer spread).
+    #[arg(long, default_value = "flat")]
+    weighting: String,
+    /// Exponent of the layer weight (0: usage alone; larger: lean harder on the layer signal).
+    #[arg(long, default_value_t = moe_lanes::cache::weighting::DEFAULT_LAYER_CURVE)]
+    layer_curve: f64,
+    /// Online updater: off (the cache changes only by manual applies) or auto (after each
+    /// request the cache follows the workload).
+    #[arg(long, default_value = "off")]
+    update: String,
+    /// Fraction of hot slots one automatic update may exchange.
+    #[arg(long, default_value_t = moe_lanes::cache::update::DEFAULT_UPDATE_RATE)]
+    update_rate: f64,
+    /// Also update every N generated tokens inside a request (0: only after requests).
+    #[arg(long, default_value_t = 0)]
+    update_every_tokens: usize,
     /// Cold-lane kernels of the CPU pipeline: simd (moe-lanes-kernels) or plain.
     #[arg(long, default_value = "simd")]
     cold_kernels: String,
@@ -225,7 +289,8 @@ struct SynthArgs {
     out: PathBuf,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// uniform, skewed (top half of experts gets ~90% of slots) or zipf:S.
+    /// uniform, skewed (top half of experts gets ~90% of slots), zipf:S, or domains:D (D token
+    /// ranges, each routing to its own popular experts).
     #[arg(long, default_value = "skewed")]
     skew: String,
     /// bf16, f16 or f32.
@@ -448,6 +513,7 @@ fn main() -> Result<()> {
         Command::Run(args) => run_cmd::run(args),
         Command::Tokenize(args) => text_cmds::tokenize(args),
         Command::Detokenize(args) => text_cmds::detokenize(args),
+        Command::Plan(args) => plan(args),
     }
 }
 
@@ -490,7 +556,17 @@ fn engine_options(
 ) -> Result<EngineOptions> {
     let mut opts = base_options(n_positions)?;
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
-    opts.learn_counts = args.learn.as_deref().map(|p| learn_counts(p, model)).transpose()?;
+    let fingerprint = ModelFingerprint::of(model);
+    opts.learn = args.learn.as_deref().map(|p| read_observations(p, &fingerprint)).transpose()?;
+    opts.weighting = weighting(&args.weighting, args.layer_curve)?;
+    opts.update = UpdatePolicy {
+        mode: args.update.parse::<UpdateMode>().map_err(|e| anyhow::anyhow!("--update: {e}"))?,
+        rate: args.update_rate,
+        every_tokens: args.update_every_tokens,
+        weighting: opts.weighting,
+        ..UpdatePolicy::default()
+    };
+    opts.update.check().context("--update-rate")?;
     opts.learn_tokens = args.learn_tokens;
     opts.hot = hot_choice(model, args, default_hot)?;
     opts.cold_threads = cold_threads(&args.cold_threads)?;
@@ -680,19 +756,26 @@ fn generate(args: GenerateArgs) -> Result<()> {
         model.config().max_positions,
     )?;
     let opts = engine_options(&model, &args.engine, prompt.len() + args.max_new_tokens, HotChoice::None)?;
+    let policy = opts.update;
     let (mut engine, _) = open_engine(&model, opts)?;
+    let mut live =
+        LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.expert_bytes() as u64, policy);
     let gen_opts =
         GenerationOptions { max_tokens: args.max_new_tokens, stop_ids: args.stop_ids.clone(), sampling };
+    live.begin_request();
     let mut session = Generation::new(engine.as_mut(), &prompt, gen_opts)?;
     let mut logprobs = Vec::new();
-    let finish = session.run(|t| {
+    // The online updater (--update auto) runs between tokens and after the request.
+    while let Some(t) = session.next_token()? {
         logprobs.extend(t.logprobs.clone());
-        std::ops::ControlFlow::Continue(())
-    })?;
+        live.after_tokens(session.engine_mut(), 1)?;
+    }
+    let finish = session.finish_reason().expect("the loop ran to the end");
     let mut out = serde_json::json!({ "tokens": session.generated(), "finish_reason": finish.openai() });
     if args.sampling.logprobs.is_some() {
         out["logprobs"] = serde_json::to_value(&logprobs)?;
     }
+    live.end_request(session.engine_mut())?;
     drop(session);
     out!("{out}")?;
     write_perf(engine.as_ref(), &args.engine.perf_json)
@@ -851,7 +934,13 @@ fn bench(args: BenchArgs) -> Result<()> {
         _ => None,
     };
     let simd_name = moe_lanes::expert_math::cold_simd_level(opts.simd)?.name().to_string();
+    let update_policy = opts.update;
     let (mut engine, build) = open_engine(&model, opts)?;
+    match args.scenario.as_deref() {
+        None => {}
+        Some("shift") => return bench_shift(&args, engine.as_mut(), &model, update_policy),
+        Some(other) => bail!("--scenario {other}: expected shift"),
+    }
     let bench_opts = BenchOptions {
         n_prompt_tokens: args.prompt_tokens,
         n_gen_tokens: args.gen_tokens,
@@ -861,6 +950,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         simd: simd_name,
         greedy: args.greedy,
         metrics_ab: args.metrics_ab,
+        update: update_policy,
     };
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
@@ -888,34 +978,71 @@ fn engine_profile(engine: &dyn Engine) -> Option<String> {
     engine.profile_report()
 }
 
-/// Per-layer expert counts from a learn file, checked against the model.
-fn learn_counts(path: &Path, model: &Model) -> Result<Vec<Vec<u64>>> {
+/// `--weighting W --layer-curve C`.
+fn weighting(mode: &str, layer_curve: f64) -> Result<Weighting> {
+    let mode = mode.parse::<WeightMode>().map_err(|e| anyhow::anyhow!("--weighting: {e}"))?;
+    Weighting::new(mode, layer_curve).context("--layer-curve")
+}
+
+fn plan(args: PlanArgs) -> Result<()> {
+    use moe_lanes::cache::whatif::{what_if, PlanShape};
+    let model = open_model_ctx(&args.model, args.ctx_size)?;
     let c = model.config();
-    let report = PerfReport::read(path, Some(c.n_experts))?;
-    if report.n_expert != 0 && report.n_expert != c.n_experts {
-        bail!(
-            "{}: a learn file for {} experts per layer; this model has {}",
-            path.display(),
-            report.n_expert,
-            c.n_experts
-        );
-    }
-    let with_counts = report.layers.iter().filter(|l| !l.experts.is_empty()).count();
-    if with_counts != c.n_layers {
-        bail!(
-            "{}: expert counts for {with_counts} layers; this model has {} (a learn file from another model?)",
-            path.display(),
-            c.n_layers
-        );
-    }
-    let mut counts = vec![vec![0u64; c.n_experts]; c.n_layers];
-    for layer in &report.layers {
-        if layer.layer >= c.n_layers {
-            bail!("{}: layer {} is past the model's {} layers", path.display(), layer.layer, c.n_layers);
+    let obs = read_observations(&args.learn, &ModelFingerprint::of(&model))?;
+    let w = weighting(&args.weighting, args.layer_curve)?;
+    let budget_bytes = match args.hot_budget_mib {
+        -1 => {
+            let opts = base_options(c.max_positions)?;
+            moe_lanes::engine::build::auto_budget_estimate(&model, c.max_positions, &opts)
+                .context("--hot-budget-mib -1")?
         }
-        if !layer.experts.is_empty() {
-            counts[layer.layer].clone_from(&layer.experts);
-        }
+        mib if mib >= 0 => mib as u64 * (1 << 20),
+        mib => bail!("--hot-budget-mib {mib}: expected a size in MiB or -1 for auto"),
+    };
+    let shape = PlanShape {
+        n_layers: c.n_layers,
+        n_experts: c.n_experts,
+        n_experts_used: c.n_experts_used,
+        expert_bytes: model.expert_bytes() as u64,
+    };
+    let report = what_if(&obs, &w, shape, budget_bytes, args.sweep)?;
+    if args.json {
+        out!("{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        out_raw!("{}", report.to_text())?;
     }
-    Ok(counts)
+    Ok(())
+}
+
+fn bench_shift(
+    args: &BenchArgs,
+    engine: &mut dyn Engine,
+    model: &Model,
+    update: moe_lanes::cache::update::UpdatePolicy,
+) -> Result<()> {
+    use moe_lanes::scenario::{run_shift, ShiftOptions};
+    let &[first, second] = args.shift.as_slice() else {
+        bail!("--shift: expected two domains, A,B");
+    };
+    let opts = ShiftOptions {
+        n_domains: args.domains,
+        domains: (first, second),
+        n_requests: args.requests,
+        n_prompt_tokens: args.prompt_tokens,
+        n_gen_tokens: args.gen_tokens,
+        update,
+    };
+    let bar = indicatif::ProgressBar::new(0);
+    let report = run_shift(engine, model, &opts, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    });
+    bar.finish_and_clear();
+    let report = report?;
+    if args.json {
+        out!("{}", serde_json::to_string_pretty(&report)?)?;
+    } else {
+        out_raw!("{}", report.to_text())?;
+    }
+    write_perf(engine, &args.engine.perf_json)
 }

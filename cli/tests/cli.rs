@@ -316,3 +316,115 @@ fn run_streams_the_text_of_the_greedy_tokens_and_a_summary() {
     let bad = failure(&[&["run"][..], &base, &["--prompt", "x", "--top-p", "2"]].concat());
     assert!(bad.contains("--top-p 2"), "{bad}");
 }
+
+/// `plan` refuses a learn file recorded on another model, naming the field that differs;
+/// `generate --update auto` and every weighting run end to end; `bench --scenario shift --json`
+/// prints the per-request rows.
+#[test]
+fn live_cache_commands_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a.gguf");
+    let b = dir.path().join("b.gguf");
+    ok_stdout(&["synth", "--arch", "qwen3_moe", "--out", p(&a), "--skew", "domains:2", "--experts", "16"]);
+    ok_stdout(&["synth", "--arch", "qwen3_moe", "--out", p(&b), "--expert-ff", "48"]);
+    let learn = dir.path().join("learn.json");
+    ok_stdout(&["learn", "--model", p(&b), "--out", p(&learn), "--engine", "pipeline", "--n-tokens", "32"]);
+    let err = failure(&["plan", "--model", p(&a), "--learn", p(&learn), "--hot-budget-mib", "1"]);
+    assert!(
+        err.contains("learn.json") && err.contains("another model") && err.contains("n_experts"),
+        "{err}"
+    );
+    ok_stdout(&["learn", "--model", p(&a), "--out", p(&learn), "--engine", "pipeline", "--n-tokens", "32"]);
+    let bad_weighting =
+        ["plan", "--model", p(&a), "--learn", p(&learn), "--hot-budget-mib", "1", "--weighting", "hot"];
+    let err = failure(&bad_weighting);
+    assert!(err.contains("--weighting") && err.contains("smooth_pressure"), "{err}");
+    let want = ok_stdout(&[
+        "generate",
+        "--model",
+        p(&a),
+        "--tokens",
+        "1,2,3",
+        "--max-new-tokens",
+        "24",
+        "--engine",
+        "reference",
+    ]);
+    let perf = dir.path().join("perf.json");
+    for w in ["flat", "pressure", "smooth_pressure", "time", "balanced"] {
+        let got = ok_stdout(&[
+            "generate",
+            "--model",
+            p(&a),
+            "--tokens",
+            "1,2,3",
+            "--max-new-tokens",
+            "24",
+            "--engine",
+            "pipeline",
+            "--hot-fraction",
+            "0.5",
+            "--learn",
+            p(&learn),
+            "--weighting",
+            w,
+            "--update",
+            "auto",
+            "--update-rate",
+            "0.5",
+            "--update-every-tokens",
+            "8",
+            "--perf-json",
+            p(&perf),
+        ]);
+        assert_eq!(got, want, "weighting {w}: output equals the reference");
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&perf).unwrap()).unwrap();
+        assert!(
+            report["cache_updates"]["auto_updates"].as_u64().unwrap() >= 1,
+            "{w}: {}",
+            report["cache_updates"]
+        );
+        assert_eq!(report["model"]["n_experts"], 16);
+    }
+    let err = failure(&["generate", "--model", p(&a), "--tokens", "1", "--update-rate", "2"]);
+    assert!(err.contains("--update-rate") && err.contains("0..=1"), "{err}");
+    let out = ok_stdout(&[
+        "bench",
+        "--model",
+        p(&a),
+        "--engine",
+        "pipeline",
+        "--hot-fraction",
+        "0.5",
+        "--scenario",
+        "shift",
+        "--requests",
+        "2",
+        "-p",
+        "8",
+        "-n",
+        "16",
+        "--json",
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let rows = v["requests"].as_array().unwrap();
+    assert_eq!(rows.len(), 12);
+    let policies: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(policies.iter().filter(|&&p| p == "online").count(), 4);
+    assert!(rows
+        .iter()
+        .all(|r| r["tg_tokens_per_s"].as_f64().unwrap() > 0.0 && r.get("exchanges").is_some()));
+    let err = failure(&[
+        "bench",
+        "--model",
+        p(&b),
+        "--engine",
+        "pipeline",
+        "--hot-fraction",
+        "0.5",
+        "--scenario",
+        "drift",
+    ]);
+    assert!(err.contains("--scenario drift"), "{err}");
+}

@@ -618,3 +618,23 @@ fn a_manual_apply_during_a_running_request_waits_for_it() {
     assert_eq!(hot["layers"]["0"], json!([4, 5, 6, 7]));
     assert_eq!(hot["layers"]["1"], json!([0, 1, 2, 3]), "the refused apply changed nothing");
 }
+
+#[test]
+fn serve_with_update_auto_follows_the_workload_and_stays_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let want = generate(&model, "5,6,7", 24, &[]);
+    let server =
+        Server::start(&model, &["--hot-fraction", "0.5", "--update", "auto", "--update-rate", "0.5"]);
+    for _ in 0..4 {
+        let (_, v) = server.json("POST", "/v1/completions", &json!({"prompt": [5, 6, 7], "max_tokens": 24}));
+        let got: Vec<u64> =
+            v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+        assert_eq!(got, want, "output with automatic updates equals the reference engine's");
+    }
+    let (_, perf) = server.json("GET", "/moe-layer-perf", &json!({}));
+    let updates = &perf["cache_updates"];
+    assert!(updates["auto_updates"].as_u64().unwrap() >= 1, "{updates}");
+    assert_eq!(updates["manual_applies"], 0);
+    assert_eq!(perf["model"]["n_layers"], 2);
+}

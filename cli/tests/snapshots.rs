@@ -26,6 +26,7 @@ fn cli_help() {
         "run",
         "tokenize",
         "detokenize",
+        "plan",
     ] {
         insta::assert_snapshot!(format!("help_{}", cmd.replace('-', "_")), moe_lanes(&[cmd, "--help"]));
     }
@@ -81,5 +82,82 @@ fn perf_json_shape() {
             }
         }
     }
+    for phase in value["phases"].as_object_mut().unwrap().values_mut() {
+        for (key, v) in phase.as_object_mut().unwrap() {
+            if key.ends_with("_us") {
+                *v = serde_json::json!("[us]");
+            }
+        }
+    }
     insta::assert_snapshot!("perf_json", serde_json::to_string_pretty(&value).unwrap());
+}
+
+/// A model big enough for MiB budgets to matter (16 experts of 768 KiB per layer), its learn
+/// file with every timing replaced by fixed figures, so the plan's predictions are stable.
+fn plan_fixture(dir: &std::path::Path) -> (String, String) {
+    let model = dir.join("plan.gguf");
+    let model_str = model.to_str().unwrap().to_string();
+    moe_lanes(&[
+        "synth",
+        "--arch",
+        "qwen3_moe",
+        "--seed",
+        "3",
+        "--hidden",
+        "256",
+        "--expert-ff",
+        "512",
+        "--experts",
+        "16",
+        "--out",
+        &model_str,
+    ]);
+    let learn = dir.join("learn.json");
+    let learn_str = learn.to_str().unwrap().to_string();
+    moe_lanes(&[
+        "learn",
+        "--model",
+        &model_str,
+        "--n-tokens",
+        "128",
+        "--engine",
+        "pipeline",
+        "--out",
+        &learn_str,
+    ]);
+    let mut value: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&learn).unwrap()).unwrap();
+    for layer in value["layers"].as_array_mut().unwrap() {
+        for (key, v) in layer.as_object_mut().unwrap() {
+            if key.ends_with("_us") {
+                *v = serde_json::json!(0);
+            }
+        }
+    }
+    value["phases"] = serde_json::json!({
+        "prefill": {"calls": 1, "tokens": 128, "wall_time_us": 64000, "lane_wall_time_us": 48000,
+                    "hot_slots": 0, "cold_slots": 512, "hot_time_us": 0, "cold_time_us": 48000},
+        "decode": {"calls": 64, "tokens": 64, "wall_time_us": 64000, "lane_wall_time_us": 51200,
+                   "hot_slots": 128, "cold_slots": 128, "hot_time_us": 1280, "cold_time_us": 51200}
+    });
+    std::fs::write(&learn, value.to_string()).unwrap();
+    (model_str, learn_str)
+}
+
+#[test]
+fn plan_text_json_and_sweep() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, learn) = plan_fixture(dir.path());
+    let base = ["plan", "--model", &model, "--learn", &learn, "--hot-budget-mib", "6"];
+    insta::assert_snapshot!("plan_text", moe_lanes(&base));
+    let json = moe_lanes(&[&base[..], &["--json"]].concat());
+    insta::assert_snapshot!("plan_json", json);
+    let sweep =
+        moe_lanes(&[&base[..], &["--sweep", "--weighting", "balanced", "--layer-curve", "1"]].concat());
+    insta::assert_snapshot!("plan_sweep_text", sweep);
+    let sweep_json: serde_json::Value =
+        serde_json::from_str(&moe_lanes(&[&base[..], &["--sweep", "--json"]].concat())).unwrap();
+    let points = sweep_json["sweep"].as_array().unwrap();
+    assert_eq!(points.len(), 11);
+    assert_eq!(points[10]["hit_rate"], 1.0);
 }

@@ -103,6 +103,7 @@ pub fn run(
         n_experts: c.n_experts,
         vocab: c.vocab,
         ctx_positions: c.max_positions,
+        fingerprint: moe_lanes::perf::ModelFingerprint::of(&model),
     };
     rt.block_on(serve(state, &opts, report, device, on_start))?;
     drop(rt);

@@ -13,7 +13,7 @@ use axum::routing::get;
 use axum::{Json, Router};
 use moe_lanes::actors::Exchange;
 use moe_lanes::hot_set::HotSet;
-use moe_lanes::perf::{PerfMode, PerfReport};
+use moe_lanes::perf::PerfMode;
 use moe_lanes::sample::Logprobs;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -34,6 +34,8 @@ pub struct AppState {
     pub n_experts: usize,
     pub vocab: usize,
     pub ctx_positions: usize,
+    /// The model, to refuse a learn file recorded on another one.
+    pub fingerprint: moe_lanes::perf::ModelFingerprint,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -192,20 +194,10 @@ fn target_set(s: &AppState, current: &HotSet, text: &str) -> Result<HotSet, ApiE
         serde_json::from_str(text).map_err(|e| ApiError::bad("(body)", format!("body is not JSON: {e}")))?;
     let path = std::path::Path::new("request body");
     if value.get("layers").is_some_and(Value::is_array) {
-        let report = PerfReport::parse(path, text, Some(s.n_experts))
+        // The one parser of learn files, perf snapshots and manual applies (typed observations).
+        let obs = moe_lanes::cache::observe::parse_observations(path, text, &s.fingerprint)
             .map_err(|e| ApiError::bad("layers", e.to_string()))?;
-        if report.layers.len() != s.n_layers {
-            return Err(ApiError::bad(
-                "layers",
-                format!("the learn file has {} layers, the model {}", report.layers.len(), s.n_layers),
-            ));
-        }
-        let lists = report
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(l, lp)| top_experts(&lp.experts, current.layers[l].n_hot()))
-            .collect::<Vec<_>>();
+        let lists = obs.counts().iter().enumerate().map(|(l, c)| top_experts(c, current.layers[l].n_hot())).collect::<Vec<_>>();
         return Ok(HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists));
     }
     let asked = HotSet::from_experts_json(path, text, s.n_layers, s.n_experts, current.n_lanes)
@@ -229,6 +221,8 @@ fn top_experts(counts: &[u64], n: usize) -> Vec<usize> {
 
 /// Slot exchanges from `current` to `target`; every layer must keep its slot count.
 fn exchanges_between(current: &HotSet, target: &HotSet) -> Result<Vec<Exchange>, ApiError> {
+    // The library's check (`cache::update::exchanges_to`) gives the same exchanges; this one
+    // names the body field in the error.
     let mut out = Vec::new();
     for (l, (cur, want)) in current.layers.iter().zip(&target.layers).enumerate() {
         if cur.n_hot() != want.n_hot() {

@@ -8,8 +8,9 @@ use crossbeam_channel::{Receiver, RecvTimeoutError};
 use moe_lanes::actors::Exchange;
 use moe_lanes::engine::{
     build_engine, BuildReport, Engine, EngineError, EngineOptions, FinishReason, Generation, GenerationError,
-    GenerationOptions,
+    GenerationOptions, LiveCache,
 };
+use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::model::Model;
 use moe_lanes::perf::PerfMode;
@@ -95,6 +96,7 @@ pub fn run(
     shared: Arc<Shared>,
     built: std::sync::mpsc::Sender<Result<(BuildReport, String), EngineError>>,
 ) -> Option<String> {
+    let policy = opts.update;
     let (mut engine, report) = match build_engine(&model, opts) {
         Ok(v) => v,
         Err(e) => {
@@ -104,16 +106,18 @@ pub fn run(
     };
     shared.snapshot.write().expect("snapshot lock").hot_budget_bytes = report.budget_bytes;
     engine.set_copy_logits(false);
+    let mut live =
+        LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.expert_bytes() as u64, policy);
     // The first snapshot is there before the server listens (no request sees an empty one).
     publish(engine.as_ref(), &shared);
     let _ = built.send(Ok((report, engine.device())));
     loop {
-        between_requests(engine.as_mut(), &shared);
+        between_requests(engine.as_mut(), &mut live, &shared);
         match jobs.recv_timeout(IDLE_POLL) {
             Ok(job) => {
                 shared.waiting.fetch_sub(1, Ordering::Relaxed);
                 shared.running.fetch_add(1, Ordering::Relaxed);
-                complete(engine.as_mut(), job, &shared);
+                complete(engine.as_mut(), &mut live, job, &shared);
             }
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
@@ -122,12 +126,16 @@ pub fn run(
     engine.perf().map(|p| p.to_json())
 }
 
-/// A pending apply (no request runs now) and a pending perf-mode switch.
-fn between_requests(engine: &mut dyn Engine, shared: &Shared) {
+/// A pending apply (no request runs now; applied through the live cache, rate 1.0) and a
+/// pending perf-mode switch.
+fn between_requests(engine: &mut dyn Engine, live: &mut LiveCache, shared: &Shared) {
     switch_mode(engine, shared);
     let job = shared.apply.lock().expect("apply lock").take();
     if let Some(job) = job {
-        let result = apply(engine, job.exchanges);
+        let result = live
+            .request_manual_exchanges(engine, job.exchanges)
+            .map(|o| o.map_or(0, |o| o.exchanges))
+            .map_err(|e| e.to_string());
         if let Ok(n) = &result {
             shared.updates.fetch_add(1, Ordering::Relaxed);
             shared.exchanges_applied.fetch_add(*n as u64, Ordering::Relaxed);
@@ -139,13 +147,6 @@ fn between_requests(engine: &mut dyn Engine, shared: &Shared) {
     }
 }
 
-fn apply(engine: &mut dyn Engine, exchanges: Vec<Exchange>) -> Result<usize, String> {
-    for e in exchanges {
-        engine.request_exchange(e).map_err(|e| e.to_string())?;
-    }
-    engine.apply_exchanges().map_err(|e| e.to_string())
-}
-
 fn switch_mode(engine: &mut dyn Engine, shared: &Shared) {
     let mode = shared.mode_switch.lock().expect("mode lock").take();
     if let Some(mode) = mode {
@@ -155,10 +156,22 @@ fn switch_mode(engine: &mut dyn Engine, shared: &Shared) {
 }
 
 /// Prefill, then decode greedily, streaming each token; stops early when the client is gone.
-fn complete(engine: &mut dyn Engine, job: CompletionJob, shared: &Shared) {
+fn complete(engine: &mut dyn Engine, live: &mut LiveCache, job: CompletionJob, shared: &Shared) {
     let started = Instant::now();
     prom::request_started(started - job.enqueued_at, job.prompt.len());
-    let result = generate(engine, &job, shared, started);
+    live.begin_request();
+    let mut result = generate(engine, live, &job, shared, started);
+    // The automatic update after the request; suspended while a manual apply waits (it runs
+    // next, between requests).
+    let ended = if shared.apply_pending.load(Ordering::Acquire) {
+        live.end_request_without_update();
+        Ok(None)
+    } else {
+        live.end_request(engine)
+    };
+    if let (Ok(_), Err(e)) = (&result, ended) {
+        result = Err(e.into());
+    }
     // Counters and the snapshot are current before the client hears the end.
     shared.running.fetch_sub(1, Ordering::Relaxed);
     publish(engine, shared);
@@ -183,6 +196,7 @@ fn complete(engine: &mut dyn Engine, job: CompletionJob, shared: &Shared) {
 /// generation stopped). Otherwise the number of tokens and why it ended.
 fn generate(
     engine: &mut dyn Engine,
+    live: &mut LiveCache,
     job: &CompletionJob,
     shared: &Shared,
     started: Instant,
@@ -204,6 +218,9 @@ fn generate(
         if published.elapsed() >= PUBLISH_EVERY {
             publish(session.engine_mut(), shared);
             published = Instant::now();
+        }
+        if !shared.apply_pending.load(Ordering::Acquire) {
+            live.after_tokens(session.engine_mut(), 1)?;
         }
     }
     let n = session.generated_tokens();

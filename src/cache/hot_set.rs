@@ -26,6 +26,14 @@ pub struct HotSlot {
     pub slot_idx: u32,
 }
 
+/// Evict expert `evict` from the hot cache of layer `layer_idx` and load `add` into its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Exchange {
+    pub layer_idx: usize,
+    pub evict: usize,
+    pub add: usize,
+}
+
 /// One layer's hot map.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LayerHotSet {

@@ -1,7 +1,13 @@
 //! The hot cache's bookkeeping: which experts are hot (`hot_set`), the planner that packs
 //! experts into a VRAM budget (`planner`), and the perf state / perf JSON that learn passes,
-//! the updater and the metrics read (`perf`).
+//! the updater and the metrics read (`perf`); typed observations parsed from perf JSON
+//! (`observe`), the weighting modes (`weighting`), the what-if planner (`whatif`) and the online
+//! updater's planning and statistics (`update`).
 
 pub mod hot_set;
+pub mod observe;
 pub mod perf;
 pub mod planner;
+pub mod update;
+pub mod weighting;
+pub mod whatif;

@@ -132,6 +132,69 @@ pub struct PerfReport {
     /// The engine's thread counts (cold lane, dense stage) and how they were chosen.
     pub threads: crate::threads::ThreadReport,
     pub layers: Vec<LayerPerf>,
+    /// The model this document was recorded on; a learn file from another model is refused
+    /// (`cache::observe`). Absent in files written before it existed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<ModelFingerprint>,
+    /// Per phase (`warmup`, `prefill`, `decode`): forward calls, tokens, wall time and the lane
+    /// share of it; the what-if planner's cost model is calibrated from these.
+    pub phases: BTreeMap<String, PhasePerf>,
+    /// What the hot-cache updater did (automatic updates and manual applies).
+    pub cache_updates: CacheUpdateStats,
+}
+
+/// The model a perf document was recorded on: architecture, layer and expert counts, and the
+/// shape of one expert (`[hidden, expert_ff]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelFingerprint {
+    pub architecture: String,
+    pub n_layers: usize,
+    pub n_experts: usize,
+    pub n_experts_used: usize,
+    pub expert_shape: [usize; 2],
+}
+
+/// Forward calls of one phase, summed over the run.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct PhasePerf {
+    pub calls: u64,
+    pub tokens: u64,
+    /// Wall time of the whole forward calls (dense stage, MoE, logits).
+    pub wall_time_us: u64,
+    /// Wall time of the split MoE region (hot and cold lanes, join) inside those calls.
+    pub lane_wall_time_us: u64,
+    pub hot_slots: u64,
+    pub cold_slots: u64,
+    pub hot_time_us: u64,
+    pub cold_time_us: u64,
+}
+
+/// Hot-cache update statistics (DESIGN.md "Update").
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct CacheUpdateStats {
+    /// Automatic updates that ran (also those that found nothing worth exchanging).
+    pub auto_updates: u64,
+    pub manual_applies: u64,
+    pub exchanges: u64,
+    pub bytes_copied: u64,
+    /// Host time spent issuing the exchanges (on the GPU the copies themselves run on the side
+    /// stream, overlapped with compute).
+    pub copy_time_us: u64,
+    /// Hit rate of the window that the last update was planned from, and of the window after it.
+    pub last_hit_rate_before: f64,
+    pub last_hit_rate_after: f64,
+}
+
+/// Lane totals over every layer, for per-phase deltas.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LaneSnapshot {
+    lane_wall_us: u64,
+    hot_slots: u64,
+    cold_slots: u64,
+    hot_us: u64,
+    cold_us: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -163,6 +226,9 @@ impl PerfReport {
                 "updates" => serde_json::from_value(v.clone()).map(|x| report.updates = x),
                 "overflow_resets" => serde_json::from_value(v.clone()).map(|x| report.overflow_resets = x),
                 "threads" => serde_json::from_value(v.clone()).map(|x| report.threads = x),
+                "model" => serde_json::from_value(v.clone()).map(|x| report.model = x),
+                "phases" => serde_json::from_value(v.clone()).map(|x| report.phases = x),
+                "cache_updates" => serde_json::from_value(v.clone()).map(|x| report.cache_updates = x),
                 "layers" => {
                     let arr =
                         v.as_array().ok_or_else(|| malformed(field.clone(), "expected an array".into()))?;
@@ -511,6 +577,46 @@ impl PerfState {
 
     pub fn to_json(&self) -> String {
         self.report.to_json()
+    }
+
+    /// Name the model the counts are recorded on (written into the perf JSON).
+    pub fn set_model(&mut self, model: ModelFingerprint) {
+        self.report.model = Some(model);
+    }
+
+    /// Lane totals now, to be passed to [`PerfState::record_call`] after the call.
+    pub fn lane_snapshot(&self) -> LaneSnapshot {
+        let mut s = LaneSnapshot::default();
+        for l in &self.report.layers {
+            s.lane_wall_us += l.parallel_wall_time_us;
+            s.hot_slots += l.hot_slots_total;
+            s.cold_slots += l.cold_slots_total;
+            s.hot_us += l.parallel_hot_time_us;
+            s.cold_us += l.parallel_cold_time_us;
+        }
+        s
+    }
+
+    /// One forward call of `n_tokens` in `phase` took `wall_us`; `before` was taken before it.
+    pub fn record_call(&mut self, phase: &str, n_tokens: usize, wall_us: u64, before: &LaneSnapshot) {
+        if self.mode == PerfMode::Off {
+            return;
+        }
+        let now = self.lane_snapshot();
+        let p = self.report.phases.entry(phase.to_string()).or_default();
+        p.calls += 1;
+        p.tokens += n_tokens as u64;
+        p.wall_time_us += wall_us;
+        p.lane_wall_time_us += now.lane_wall_us.saturating_sub(before.lane_wall_us);
+        p.hot_slots += now.hot_slots.saturating_sub(before.hot_slots);
+        p.cold_slots += now.cold_slots.saturating_sub(before.cold_slots);
+        p.hot_time_us += now.hot_us.saturating_sub(before.hot_us);
+        p.cold_time_us += now.cold_us.saturating_sub(before.cold_us);
+    }
+
+    /// The updater's statistics (counted in every mode: updates are rare and must be visible).
+    pub fn cache_updates_mut(&mut self) -> &mut CacheUpdateStats {
+        &mut self.report.cache_updates
     }
 }
 

@@ -1,35 +1,16 @@
-//! The cache planner: which experts go into the VRAM hot cache, given per-layer usage counts (from
-//! a learn pass or live perf state), the exact bytes of one expert, and a byte budget.
-//!
-//! Weighting modes (DESIGN.md "The cache lifecycle"):
-//! - `flat` (default): interleave each layer's best experts, so the budget spreads across layers
-//!   first: every layer's most-used expert, then every layer's second, ... Within one rank, layers
-//!   whose expert carries a larger share of its layer's traffic go first.
-//! - `pressure`: rank all experts of all layers by their share of their layer's traffic.
+//! The cache planner: which experts go into the VRAM hot cache, given typed observations (a
+//! learn file or live perf state, [`crate::cache::observe`]), a weighting
+//! ([`crate::cache::weighting`]: `flat`, `pressure`, `smooth_pressure`, `time`, `balanced`, and
+//! the layer curve), the exact bytes of one expert, and a byte budget: the ranking is packed in
+//! order until the budget is full.
 //!
 //! Plans are exact: `n_slots * expert_bytes <= budget_bytes`, and a layer never holds more slots
 //! than it has experts.
 
+use crate::cache::observe::Observations;
+pub use crate::cache::weighting::WeightMode;
+use crate::cache::weighting::{rank, Weighting};
 use serde::Serialize;
-
-/// How experts are ranked against each other across layers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum WeightMode {
-    Flat,
-    Pressure,
-}
-
-impl std::str::FromStr for WeightMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "flat" => Ok(WeightMode::Flat),
-            "pressure" => Ok(WeightMode::Pressure),
-            other => Err(format!("unknown weight mode '{other}' (expected flat or pressure)")),
-        }
-    }
-}
 
 /// A planning request that cannot be satisfied.
 #[derive(Debug, thiserror::Error, PartialEq)]
@@ -72,14 +53,8 @@ impl HotPlan {
     }
 }
 
-struct Candidate {
-    layer_idx: usize,
-    expert_idx: usize,
-    rank: usize,
-    share: f64,
-}
-
-/// Pack the most valuable experts into `budget_bytes`.
+/// Pack the most valuable experts (by `counts` alone, the mode's layer signal being absent)
+/// into `budget_bytes`.
 pub fn plan_hot_set(
     counts: &[Vec<u64>],
     n_layers: usize,
@@ -88,46 +63,36 @@ pub fn plan_hot_set(
     budget_bytes: u64,
     mode: WeightMode,
 ) -> Result<HotPlan, PlanError> {
-    if counts.len() != n_layers {
-        return Err(PlanError::LayerCount { expected: n_layers, found: counts.len() });
+    let obs = Observations::from_counts(counts, 1);
+    let w = Weighting { mode, ..Weighting::default() };
+    plan_weighted(&obs, &w, n_layers, n_experts, expert_bytes, budget_bytes)
+}
+
+/// Pack the ranking of `obs` under `weighting` into `budget_bytes`.
+pub fn plan_weighted(
+    obs: &Observations,
+    weighting: &Weighting,
+    n_layers: usize,
+    n_experts: usize,
+    expert_bytes: u64,
+    budget_bytes: u64,
+) -> Result<HotPlan, PlanError> {
+    if obs.layers.len() != n_layers {
+        return Err(PlanError::LayerCount { expected: n_layers, found: obs.layers.len() });
     }
-    if let Some((layer_idx, c)) = counts.iter().enumerate().find(|(_, c)| c.len() != n_experts) {
-        return Err(PlanError::ExpertCount { layer_idx, expected: n_experts, found: c.len() });
+    if let Some((layer_idx, l)) = obs.layers.iter().enumerate().find(|(_, l)| l.experts.len() != n_experts) {
+        return Err(PlanError::ExpertCount { layer_idx, expected: n_experts, found: l.experts.len() });
     }
     if expert_bytes == 0 {
         return Err(PlanError::ZeroExpertBytes);
     }
-    let mut candidates = rank_candidates(counts);
-    match mode {
-        WeightMode::Flat => candidates.sort_by(|a, b| {
-            a.rank.cmp(&b.rank).then(b.share.total_cmp(&a.share)).then(a.layer_idx.cmp(&b.layer_idx))
-        }),
-        WeightMode::Pressure => candidates.sort_by(|a, b| {
-            b.share.total_cmp(&a.share).then(a.rank.cmp(&b.rank)).then(a.layer_idx.cmp(&b.layer_idx))
-        }),
-    }
-    let n_slots = ((budget_bytes / expert_bytes) as usize).min(candidates.len());
+    let ranking = rank(obs, weighting);
+    let n_slots = ((budget_bytes / expert_bytes) as usize).min(ranking.len());
     let mut layers = vec![Vec::new(); n_layers];
-    for c in &candidates[..n_slots] {
+    for c in &ranking[..n_slots] {
         layers[c.layer_idx].push(c.expert_idx);
     }
     Ok(HotPlan { layers, expert_bytes, budget_bytes })
-}
-
-/// Every (layer, expert) with its rank inside its layer (0 = most used; ties to the lower id) and
-/// its share of the layer's routed slots.
-fn rank_candidates(counts: &[Vec<u64>]) -> Vec<Candidate> {
-    let mut out = Vec::with_capacity(counts.iter().map(Vec::len).sum());
-    for (layer_idx, layer_counts) in counts.iter().enumerate() {
-        let total: u64 = layer_counts.iter().sum();
-        let mut order: Vec<usize> = (0..layer_counts.len()).collect();
-        order.sort_by(|&a, &b| layer_counts[b].cmp(&layer_counts[a]).then(a.cmp(&b)));
-        for (rank, expert_idx) in order.into_iter().enumerate() {
-            let share = if total == 0 { 0.0 } else { layer_counts[expert_idx] as f64 / total as f64 };
-            out.push(Candidate { layer_idx, expert_idx, rank, share });
-        }
-    }
-    out
 }
 
 /// Hot sets from a fraction of each layer's experts: the `fraction` most used per layer (by

@@ -7,8 +7,12 @@ use super::cpu::ReferenceEngine;
 use super::gpu::GpuEngine;
 use super::{Engine, EngineError, EngineKind};
 use crate::cache::hot_set::HotSet;
+use crate::cache::observe::Observations;
+use crate::cache::perf::ModelFingerprint;
 use crate::cache::perf::PerfMode;
-use crate::cache::planner::{plan_fraction, plan_hot_set, HotPlan, WeightMode};
+use crate::cache::planner::{plan_fraction, plan_weighted, HotPlan};
+use crate::cache::update::UpdatePolicy;
+use crate::cache::weighting::Weighting;
 use crate::gpu::{CudaBackend, GpuKvCache, GpuModel, GpuOptions, PoolColdExperts};
 use crate::inspect::{sample_tokens, InspectReport};
 use crate::model::Model;
@@ -54,10 +58,15 @@ pub struct EngineOptions {
     /// `None`: the GPU when one is usable, else the pipeline.
     pub kind: Option<EngineKind>,
     pub hot: HotChoice,
-    /// Per-layer expert counts (a learn file); `None` runs a learn pass when a budget needs it.
-    pub learn_counts: Option<Vec<Vec<u64>>>,
+    /// Typed observations of a learn file (`cache::observe`); `None` runs a learn pass when a
+    /// budget needs it.
+    pub learn: Option<Observations>,
     pub learn_tokens: usize,
-    pub weighting: WeightMode,
+    /// How the planner ranks experts (mode and layer curve).
+    pub weighting: Weighting,
+    /// The online updater (`--update`, `--update-rate`); callers drive it with
+    /// [`crate::engine::LiveCache`].
+    pub update: UpdatePolicy,
     /// Cold-lane threads: a number, or `auto` (the default): the rule of
     /// [`crate::threads::auto_cold_threads`] for the engine's lanes.
     pub cold_threads: ColdThreads,
@@ -82,9 +91,10 @@ impl EngineOptions {
         EngineOptions {
             kind: None,
             hot: HotChoice::None,
-            learn_counts: None,
+            learn: None,
             learn_tokens: 256,
-            weighting: WeightMode::Flat,
+            weighting: Weighting::default(),
+            update: UpdatePolicy::default(),
             cold_threads: ColdThreads::Auto,
             n_positions,
             perf_mode: PerfMode::Full,
@@ -179,32 +189,33 @@ fn resolve_hot(
 ) -> Result<(Vec<Vec<usize>>, Plan), EngineError> {
     let c = model.config();
     let (n_layers, n_experts) = (c.n_layers, c.n_experts);
-    let given = |source| Plan { source, counts: opts.learn_counts.clone(), budget_bytes: None };
+    let learn_counts = opts.learn.as_ref().map(Observations::counts);
+    let given = |source| Plan { source, counts: learn_counts.clone(), budget_bytes: None };
     match &opts.hot {
         HotChoice::None => Ok((vec![Vec::new(); n_layers], given("none"))),
         HotChoice::Set(set) => Ok((hot_lists(set), given("explicit hot set"))),
         HotChoice::Budget(HotBudget::Fraction(f)) => {
-            let source = if opts.learn_counts.is_some() { "learn file" } else { "lowest ids" };
-            Ok((plan_fraction(opts.learn_counts.as_deref(), n_layers, n_experts, *f), given(source)))
+            let source = if learn_counts.is_some() { "learn file" } else { "lowest ids" };
+            Ok((plan_fraction(learn_counts.as_deref(), n_layers, n_experts, *f), given(source)))
         }
         HotChoice::Budget(budget) => {
-            let (counts, source) = match &opts.learn_counts {
-                Some(c) => (c.clone(), "learn file"),
-                None => (src.learn()?, "built-in learn pass"),
+            let (obs, source) = match &opts.learn {
+                Some(o) => (o.clone(), "learn file"),
+                None => (Observations::from_counts(&src.learn()?, c.n_experts_used), "built-in learn pass"),
             };
             let bytes = match budget {
                 HotBudget::Bytes(b) => *b,
                 _ => src.auto_bytes()?,
             };
-            let plan = plan_hot_set(
-                &counts,
+            let plan = plan_weighted(
+                &obs,
+                &opts.weighting,
                 n_layers,
                 n_experts,
                 model.expert_bytes() as u64,
                 bytes,
-                opts.weighting,
             )?;
-            Ok((plan.layers, Plan { source, counts: Some(counts), budget_bytes: Some(bytes) }))
+            Ok((plan.layers, Plan { source, counts: Some(obs.counts()), budget_bytes: Some(bytes) }))
         }
     }
 }
@@ -261,7 +272,8 @@ fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline,
     let busy = (0..set.n_lanes).filter(|&lane| set.layers.iter().any(|l| !l.slots[lane].is_empty())).count();
     let n_cold_workers = opts.cold_threads.resolve(&inputs(busy));
     let popts = PipelineOptions { hot_set: Some(set), n_cold_workers, ..base };
-    let pipeline = Pipeline::new(model.clone(), popts)?;
+    let mut pipeline = Pipeline::new(model.clone(), popts)?;
+    pipeline.perf_mut().set_model(ModelFingerprint::of(model));
     let threads = ThreadReport {
         cold: n_cold_workers,
         dense: pipeline.dense_threads(),
@@ -344,6 +356,7 @@ fn build_gpu(
     let mut src = GpuSource { gm: &mut gm, cold: &mut cold, opts, n_positions };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;
     gm.allocate_hot(&HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists))?;
+    gm.perf_mut().set_model(ModelFingerprint::of(model));
     let threads = ThreadReport { cold: cold.n_threads(), dense: 0, chosen_by: opts.cold_threads.into() };
     let report = report(EngineKind::Gpu, &lists, plan, model, threads);
     Ok((GpuEngine::new(model.clone(), gm, cold)?, report))
@@ -359,6 +372,23 @@ pub fn auto_budget_bytes(free: u64, total: u64, limit: Option<u64>) -> u64 {
     let used = total.saturating_sub(free);
     let available = limit.map_or(free, |l| free.min(l.saturating_sub(used)));
     available.saturating_sub(AUTO_BUDGET_RESERVE_BYTES)
+}
+
+/// The automatic budget without building an engine (the what-if planner): the device's memory
+/// (or the simulated limit) minus the weights, the KV cache of `n_positions` and the reserve.
+/// Needs a usable GPU.
+pub fn auto_budget_estimate(
+    model: &Model,
+    n_positions: usize,
+    opts: &EngineOptions,
+) -> Result<u64, EngineError> {
+    let be =
+        CudaBackend::with_config(&opts.cuda).map_err(|e| EngineError::NoGpu { reason: e.to_string() })?;
+    let c = model.config();
+    let device_bytes = device_limit(be.info().total_mem_bytes as u64, opts.vram_limit_bytes);
+    let weights = InspectReport::new(model).other_bytes;
+    let kv = (2 * c.n_layers * n_positions * c.kv_dim() * std::mem::size_of::<f32>()) as u64;
+    Ok(device_bytes.saturating_sub(weights + kv + AUTO_BUDGET_RESERVE_BYTES))
 }
 
 /// Refuse a byte budget that cannot fit beside the weights and the KV cache.

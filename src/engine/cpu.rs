@@ -71,7 +71,11 @@ impl Engine for Pipeline {
     }
     fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError> {
         let KvCache::Pipeline(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
+        let before = Pipeline::perf(self).lane_snapshot();
+        let start = std::time::Instant::now();
         let rows = Pipeline::forward(self, c, tokens, phase)?;
+        let wall_us = start.elapsed().as_micros() as u64;
+        self.perf_mut().record_call(phase.name(), tokens.len(), wall_us, &before);
         Ok(Logits::from_rows(rows, self.config().vocab))
     }
     fn forward_last(
@@ -86,6 +90,9 @@ impl Engine for Pipeline {
     }
     fn perf(&self) -> Option<&PerfState> {
         Some(Pipeline::perf(self))
+    }
+    fn perf_mut(&mut self) -> Option<&mut PerfState> {
+        Some(Pipeline::perf_mut(self))
     }
     fn set_perf_mode(&mut self, mode: crate::cache::perf::PerfMode) {
         self.perf_mut().set_mode(mode);

@@ -98,8 +98,12 @@ impl Engine for GpuEngine {
         let KvCache::Gpu(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
         if self.cpu.is_none() {
             self.apply_exchanges()?;
+            let before = self.gpu.perf().lane_snapshot();
+            let start = std::time::Instant::now();
             match self.gpu.forward(tokens, phase, &mut c.kv, &mut self.cold) {
                 Ok(logits) => {
+                    let wall_us = start.elapsed().as_micros() as u64;
+                    self.gpu.perf_mut().record_call(phase.name(), tokens.len(), wall_us, &before);
                     c.tokens.extend_from_slice(tokens);
                     return Ok(logits);
                 }
@@ -114,6 +118,9 @@ impl Engine for GpuEngine {
     }
     fn set_thread_report(&mut self, threads: crate::threads::ThreadReport) {
         self.gpu.perf_mut().set_threads(threads);
+    }
+    fn perf_mut(&mut self) -> Option<&mut PerfState> {
+        Some(self.gpu.perf_mut())
     }
     fn set_perf_mode(&mut self, mode: crate::cache::perf::PerfMode) {
         self.gpu.perf_mut().set_mode(mode);

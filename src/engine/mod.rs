@@ -8,6 +8,7 @@ pub mod build;
 mod cpu;
 pub mod generation;
 mod gpu;
+pub mod live;
 
 use crate::actors::Exchange;
 use crate::cache::hot_set::{HotSet, HotSetError};
@@ -23,6 +24,7 @@ use crate::reference::ForwardError;
 pub use build::{build_engine, BuildReport, EngineOptions, HotBudget, HotChoice, AUTO_BUDGET_RESERVE_BYTES};
 pub use generation::{FinishReason, GeneratedToken, Generation, GenerationError, GenerationOptions};
 pub use gpu::GpuEngine;
+pub use live::{LiveCache, UpdateKind, UpdateOutcome};
 
 /// Which engine runs a forward call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
@@ -146,6 +148,8 @@ pub enum EngineError {
     Cold(#[from] PoolColdError),
     #[error(transparent)]
     Budget(#[from] build::BudgetError),
+    #[error(transparent)]
+    Update(#[from] crate::cache::update::UpdateError),
     #[error("a {cache} KV cache was given to the {engine} engine")]
     CacheKind { engine: EngineKind, cache: EngineKind },
     #[error("the {engine} engine has no hot cache to exchange experts in")]
@@ -180,6 +184,10 @@ pub trait Engine {
     }
     /// Perf state (counts, lane timings, fallbacks); `None` for the oracle.
     fn perf(&self) -> Option<&PerfState>;
+    /// The perf state, to record what the updater did (`None` for the oracle).
+    fn perf_mut(&mut self) -> Option<&mut PerfState> {
+        None
+    }
     /// Which experts are hot; `None` for the oracle.
     fn hot_set(&self) -> Option<&HotSet>;
     /// Bytes held by the hot cache (VRAM on the GPU, RAM copies on the CPU pipeline).

@@ -23,6 +23,17 @@ pub enum Phase {
     Decode,
 }
 
+impl Phase {
+    /// The name used in the perf JSON's `phases` section.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Warmup => "warmup",
+            Phase::Prefill => "prefill",
+            Phase::Decode => "decode",
+        }
+    }
+}
+
 /// Off / on / decided by the policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Switch {

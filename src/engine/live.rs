@@ -1,0 +1,252 @@
+//! The live hot cache: drives the online updater around requests on any [`Engine`].
+//!
+//! - After each request ([`LiveCache::end_request`]), or every `every_tokens` generated tokens
+//!   inside one ([`LiveCache::after_tokens`]), an automatic update (policy `auto`) reads the
+//!   window of live perf counts since the last update as typed observations, scores them with
+//!   the weighting, plans exchanges by gain with hysteresis, capped by `update_rate`
+//!   ([`crate::cache::update`]), queues them on the engine's Updater and applies them between
+//!   calls. A window with fewer than [`MIN_WINDOW_SLOTS`] routed slots keeps growing instead.
+//! - A manual apply ([`LiveCache::request_manual`]: the CLI's `--hot-experts`, the server's
+//!   `POST /moe-hot-cache`) is validated whole at once, uses rate 1.0, and is applied only when
+//!   no request runs: asked during one, it waits for the request's end, and automatic updates
+//!   are suspended while it waits.
+//! - Statistics (updates, exchanges, bytes copied, copy time, hit rate of the window before the
+//!   last update and of the one after it) go into the perf state's `cache_updates`.
+//!
+//! The automatic updater needs the perf counts: with perf mode `off` no window ever fills.
+
+use super::{Engine, EngineError};
+use crate::actors::Exchange;
+use crate::cache::hot_set::HotSet;
+use crate::cache::observe::Observations;
+use crate::cache::perf::{ModelFingerprint, PerfReport};
+use crate::cache::update::{exchanges_to, plan_exchanges, UpdateMode, UpdatePolicy, MIN_WINDOW_SLOTS};
+use crate::cache::weighting::score_observations;
+use crate::moe::phase::Phase;
+use serde::Serialize;
+use std::time::Instant;
+
+/// Which kind of change was applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UpdateKind {
+    Auto,
+    Manual,
+}
+
+/// One applied update.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct UpdateOutcome {
+    pub kind: UpdateKind,
+    pub exchanges: usize,
+    /// Hit rate of the window the update was planned from (automatic updates).
+    pub hit_rate_before: f64,
+    pub copy_time_us: u64,
+    /// Applied between two calls of a running request (automatic updates every N tokens).
+    pub during_request: bool,
+}
+
+/// The updater's driver; one per engine.
+#[derive(Debug)]
+pub struct LiveCache {
+    policy: UpdatePolicy,
+    model: ModelFingerprint,
+    expert_bytes: u64,
+    window: PerfReport,
+    tokens_in_window: usize,
+    in_request: bool,
+    pending_manual: Option<Vec<Exchange>>,
+    after_pending: bool,
+}
+
+fn snapshot(engine: &dyn Engine) -> PerfReport {
+    engine.perf().map(|p| p.report().clone()).unwrap_or_default()
+}
+
+impl LiveCache {
+    /// `policy` must pass [`UpdatePolicy::check`] (the CLI and server check it first).
+    pub fn new(
+        engine: &dyn Engine,
+        model: ModelFingerprint,
+        expert_bytes: u64,
+        policy: UpdatePolicy,
+    ) -> LiveCache {
+        LiveCache {
+            policy,
+            model,
+            expert_bytes,
+            window: snapshot(engine),
+            tokens_in_window: 0,
+            in_request: false,
+            pending_manual: None,
+            after_pending: false,
+        }
+    }
+
+    pub fn policy(&self) -> &UpdatePolicy {
+        &self.policy
+    }
+
+    pub fn set_policy(&mut self, policy: UpdatePolicy) {
+        self.policy = policy;
+    }
+
+    pub fn in_request(&self) -> bool {
+        self.in_request
+    }
+
+    pub fn manual_pending(&self) -> bool {
+        self.pending_manual.is_some()
+    }
+
+    pub fn begin_request(&mut self) {
+        self.in_request = true;
+    }
+
+    /// The request ended: a waiting manual apply runs now, else an automatic update.
+    pub fn end_request(&mut self, engine: &mut dyn Engine) -> Result<Option<UpdateOutcome>, EngineError> {
+        self.in_request = false;
+        if let Some(exchanges) = self.pending_manual.take() {
+            return self.apply(engine, exchanges, UpdateKind::Manual, 0.0).map(Some);
+        }
+        self.auto_update(engine)
+    }
+
+    /// The request ended, without an update (the server, while its own manual apply waits).
+    pub fn end_request_without_update(&mut self) {
+        self.in_request = false;
+    }
+
+    /// `n` tokens were generated inside the running request: update every `every_tokens`.
+    pub fn after_tokens(
+        &mut self,
+        engine: &mut dyn Engine,
+        n: usize,
+    ) -> Result<Option<UpdateOutcome>, EngineError> {
+        self.tokens_in_window += n;
+        if self.policy.every_tokens == 0 || self.tokens_in_window < self.policy.every_tokens {
+            return Ok(None);
+        }
+        self.auto_update(engine)
+    }
+
+    /// An automatic update now, if the policy is `auto`, no manual apply waits, and the window
+    /// has enough slots.
+    pub fn auto_update(&mut self, engine: &mut dyn Engine) -> Result<Option<UpdateOutcome>, EngineError> {
+        if self.policy.mode != UpdateMode::Auto || self.pending_manual.is_some() {
+            return Ok(None);
+        }
+        let Some(hot) = engine.hot_set().cloned() else { return Ok(None) };
+        let now = snapshot(engine);
+        let window = Observations::between(&self.window, &now, &self.model);
+        if window.counts().iter().flatten().sum::<u64>() < MIN_WINDOW_SLOTS {
+            return Ok(None);
+        }
+        let hit_rate = window.hit_rate();
+        if self.after_pending {
+            if let Some(p) = engine.perf_mut() {
+                p.cache_updates_mut().last_hit_rate_after = hit_rate;
+            }
+            self.after_pending = false;
+        }
+        let scores = score_observations(&window, &self.policy.weighting);
+        let exchanges = plan_exchanges(&scores, &hot, self.policy.rate, self.policy.margin);
+        self.apply(engine, exchanges, UpdateKind::Auto, hit_rate).map(Some)
+    }
+
+    /// Turn the cache into `target` (rate 1.0). Validated now, so a bad target changes nothing;
+    /// applied now when no request runs, else when the running one ends (`Ok(None)`).
+    pub fn request_manual(
+        &mut self,
+        engine: &mut dyn Engine,
+        target: &HotSet,
+    ) -> Result<Option<UpdateOutcome>, EngineError> {
+        let current = engine.hot_set().ok_or(EngineError::NoHotCache { engine: engine.kind() })?;
+        let exchanges = exchanges_to(current, target)?;
+        self.request_manual_exchanges(engine, exchanges)
+    }
+
+    /// A manual apply already turned into exchanges (validated by the caller, e.g. the server
+    /// with [`crate::cache::update::exchanges_to`]): now when no request runs, else at its end.
+    pub fn request_manual_exchanges(
+        &mut self,
+        engine: &mut dyn Engine,
+        exchanges: Vec<Exchange>,
+    ) -> Result<Option<UpdateOutcome>, EngineError> {
+        if self.in_request {
+            self.pending_manual = Some(exchanges);
+            return Ok(None);
+        }
+        self.apply(engine, exchanges, UpdateKind::Manual, 0.0).map(Some)
+    }
+
+    fn apply(
+        &mut self,
+        engine: &mut dyn Engine,
+        exchanges: Vec<Exchange>,
+        kind: UpdateKind,
+        hit_rate_before: f64,
+    ) -> Result<UpdateOutcome, EngineError> {
+        let start = Instant::now();
+        for &x in &exchanges {
+            engine.request_exchange(x)?;
+        }
+        let n = engine.apply_exchanges()?;
+        let copy_time_us = start.elapsed().as_micros() as u64;
+        let bytes = self.expert_bytes;
+        if let Some(p) = engine.perf_mut() {
+            let s = p.cache_updates_mut();
+            match kind {
+                UpdateKind::Auto => s.auto_updates += 1,
+                UpdateKind::Manual => s.manual_applies += 1,
+            }
+            s.exchanges += n as u64;
+            s.bytes_copied += n as u64 * bytes;
+            s.copy_time_us += copy_time_us;
+            if kind == UpdateKind::Auto && n > 0 {
+                s.last_hit_rate_before = hit_rate_before;
+            }
+        }
+        self.after_pending |= kind == UpdateKind::Auto && n > 0;
+        self.window = snapshot(engine);
+        self.tokens_in_window = 0;
+        Ok(UpdateOutcome {
+            kind,
+            exchanges: n,
+            hit_rate_before,
+            copy_time_us,
+            during_request: self.in_request,
+        })
+    }
+
+    /// Greedy generation as one request: prefill, decode (updating every `every_tokens`),
+    /// then the end-of-request update.
+    pub fn generate(
+        &mut self,
+        engine: &mut dyn Engine,
+        prompt: &[u32],
+        n_new: usize,
+    ) -> Result<Vec<u32>, EngineError> {
+        crate::reference::check_generation_fits(prompt.len(), n_new, engine.config().max_positions)?;
+        let mut cache = engine.new_cache(prompt.len() + n_new)?;
+        let mut out = Vec::with_capacity(n_new);
+        self.begin_request();
+        let result = (|| {
+            if n_new == 0 {
+                return Ok(());
+            }
+            let mut next = *engine.forward(prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("rows");
+            out.push(next);
+            while out.len() < n_new {
+                self.after_tokens(engine, 1)?;
+                next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
+                out.push(next);
+            }
+            Ok::<(), EngineError>(())
+        })();
+        let ended = self.end_request(engine);
+        result?;
+        ended?;
+        Ok(out)
+    }
+}
