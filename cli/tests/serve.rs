@@ -364,7 +364,11 @@ fn a_full_queue_answers_429_and_every_other_request_completes() {
         .map(|_| {
             let s = server.clone();
             std::thread::spawn(move || {
-                s.json("POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 2000}))
+                s.json(
+                    "POST",
+                    "/v1/completions",
+                    &json!({"prompt": [1, 2], "max_tokens": 2000, "temperature": 0}),
+                )
             })
         })
         .collect();
@@ -584,7 +588,12 @@ fn a_manual_apply_during_a_running_request_waits_for_it() {
     let server = Server::start(&model, &["--hot-fraction", "0.5"]);
     let addr = server.addr.clone();
     let req = std::thread::spawn(move || {
-        json_request(&addr, "POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 2000}))
+        json_request(
+            &addr,
+            "POST",
+            "/v1/completions",
+            &json!({"prompt": [1, 2], "max_tokens": 2000, "temperature": 0}),
+        )
     });
     // Wait until the request runs.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
@@ -627,7 +636,11 @@ fn serve_with_update_auto_follows_the_workload_and_stays_exact() {
     let server =
         Server::start(&model, &["--hot-fraction", "0.5", "--update", "auto", "--update-rate", "0.5"]);
     for _ in 0..4 {
-        let (_, v) = server.json("POST", "/v1/completions", &json!({"prompt": [5, 6, 7], "max_tokens": 24}));
+        let (_, v) = server.json(
+            "POST",
+            "/v1/completions",
+            &json!({"prompt": [5, 6, 7], "max_tokens": 24, "temperature": 0}),
+        );
         let got: Vec<u64> =
             v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
         assert_eq!(got, want, "output with automatic updates equals the reference engine's");

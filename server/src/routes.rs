@@ -197,7 +197,12 @@ fn target_set(s: &AppState, current: &HotSet, text: &str) -> Result<HotSet, ApiE
         // The one parser of learn files, perf snapshots and manual applies (typed observations).
         let obs = moe_lanes::cache::observe::parse_observations(path, text, &s.fingerprint)
             .map_err(|e| ApiError::bad("layers", e.to_string()))?;
-        let lists = obs.counts().iter().enumerate().map(|(l, c)| top_experts(c, current.layers[l].n_hot())).collect::<Vec<_>>();
+        let lists = obs
+            .counts()
+            .iter()
+            .enumerate()
+            .map(|(l, c)| top_experts(c, current.layers[l].n_hot()))
+            .collect::<Vec<_>>();
         return Ok(HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists));
     }
     let asked = HotSet::from_experts_json(path, text, s.n_layers, s.n_experts, current.n_lanes)

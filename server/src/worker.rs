@@ -10,9 +10,9 @@ use moe_lanes::engine::{
     build_engine, BuildReport, Engine, EngineError, EngineOptions, FinishReason, Generation, GenerationError,
     GenerationOptions, LiveCache,
 };
-use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::model::Model;
+use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::perf::PerfMode;
 use moe_lanes::sample::Logprobs;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};

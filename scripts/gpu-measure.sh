@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The GPU-machine measurements the open issues ask for, one PART per call (each fits the device's
+# 10-minute limit; the models stay in MODEL_DIR between calls while the machine is held):
+#
+#   models   start the llama.cpp build in the background (benches/compare-llama-cpp.sh build, needs
+#            .llama/src carried), write the 16-layer Qwen3-30B-A3B-shaped models (uniform, skewed,
+#            domains:2) and run the GPU test binaries + golden check meanwhile (scripts/gpu-test.sh)
+#   metrics  bench --metrics-ab: tg with the perf state / metrics on and off in the same runs (issue 11)
+#   shift    bench --scenario shift on the domains:2 model at 50% (issue 10)
+#   plan     plan --sweep from a 50%-budget perf file, then measured bench at 0/25/50/75/100% (issue 10)
+#   compare  llama.cpp and moe-lanes alternately on the same files: CPU only, budget 0 / 50% / 100%
+#            on the uniform model, 50% on the skewed one (issues 14, 16)
+#
+# Usage on the GPU machine, from the repository root, after scripts/gpu-build.sh here:
+#   bash scripts/gpu-measure.sh models      (then, chained: metrics shift plan, and compare)
+# Settings: GPU_DIR (.gpu), MODEL_DIR (/dev/shm), OUT (logs; the device's $OUT), P (512), N (128),
+# RUNS (3), LAYERS (16).
+set -u
+GPU_DIR="${GPU_DIR:-.gpu}"
+BIN="$PWD/$GPU_DIR/moe-lanes"
+MD="${MODEL_DIR:-/dev/shm}"
+LOGS="${OUT:-$GPU_DIR/logs}"
+P="${P:-512}"
+N="${N:-128}"
+RUNS="${RUNS:-3}"
+LAYERS="${LAYERS:-16}"
+export LD_LIBRARY_PATH="/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export MOE_LANES_NVRTC_CACHE="${MOE_LANES_NVRTC_CACHE:-$PWD/$GPU_DIR/nvrtc-cache}"
+mkdir -p "$LOGS"
+model() { echo "$MD/q$LAYERS-$1.gguf"; }
+# MiB of all experts of the 16-layer model (128 experts x 9 MiB per layer) and a share of it.
+all_mib() { echo $(( LAYERS * 128 * 9 )); }
+share_mib() { echo $(( $(all_mib) * $1 / 100 )); }
+
+synth() {
+    local skew="$1" out
+    out=$(model "$skew")
+    [ -f "$out" ] && return 0
+    /usr/bin/time -f "synth $skew: %e s" "$BIN" synth --preset qwen3-30b-a3b --layers "$LAYERS" \
+        --skew "$skew" --format gguf --out "$out" >/dev/null
+}
+
+part_models() {
+    if [ -d .llama/src ] && [ ! -x .llama/build/bin/llama-bench ]; then
+        setsid nohup bash benches/compare-llama-cpp.sh build > "$MD/llama-build.log" 2>&1 < /dev/null &
+        echo "llama.cpp build started in the background (log $MD/llama-build.log)"
+    fi
+    synth uniform
+    synth domains:2
+    synth skewed
+    ls -la "$MD"/*.gguf
+    PARTS="tests engine" GPU_DIR="$GPU_DIR" bash scripts/gpu-test.sh
+}
+
+bench_json() { # OUTFILE MODEL [bench flags...]
+    local out="$1" m="$2"
+    shift 2
+    "$BIN" bench --model "$m" -p "$P" -n "$N" --runs "$RUNS" --json "$@" > "$out" 2> "$out.log" ||
+        { echo "bench failed: $*"; tail -5 "$out.log"; return 1; }
+}
+
+part_metrics() {
+    local f="$LOGS/metrics-ab.json"
+    bench_json "$f" "$(model skewed)" --engine gpu --hot-budget-mib -1 --runs 6 --metrics-ab
+    python3 - "$f" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+on, off = r["tg_tokens_per_s_spread"], r["tg_metrics_off_tokens_per_s_spread"]
+print("metrics on  tg %.1f t/s (min %.1f max %.1f)" % (on["median"], on["min"], on["max"]))
+print("metrics off tg %.1f t/s (min %.1f max %.1f)" % (off["median"], off["min"], off["max"]))
+print("recording costs %.2f%% of tg (hit rate %.3f)" % ((off["median"] - on["median"]) / off["median"] * 100, r["hit_rate"]))
+EOF
+}
+
+part_shift() {
+    local f="$LOGS/shift.json"
+    "$BIN" bench --model "$(model domains:2)" --engine gpu --scenario shift --domains 2 --shift 0,1 \
+        --requests 8 -p 128 -n 128 --hot-budget-mib "$(share_mib 50)" --json > "$f" 2> "$f.log" ||
+        { tail -5 "$f.log"; return 1; }
+    python3 scripts/shift-table.py "$f"
+}
+
+part_plan() {
+    local m learn="$LOGS/plan-calib.json"
+    m=$(model skewed)
+    bench_json "$LOGS/plan-calib-bench.json" "$m" --engine gpu --hot-budget-mib "$(share_mib 50)" \
+        --perf-json "$learn" || return 1
+    "$BIN" plan --model "$m" --learn "$learn" --hot-budget-mib "$(share_mib 50)" --sweep --json \
+        > "$LOGS/plan-sweep.json" || return 1
+    for pct in 0 25 50 75 100; do
+        bench_json "$LOGS/plan-bench-$pct.json" "$m" --engine gpu --learn "$learn" \
+            --hot-budget-mib "$(share_mib "$pct")" || return 1
+        "$BIN" plan --model "$m" --learn "$learn" --hot-budget-mib "$(share_mib "$pct")" --json \
+            > "$LOGS/plan-$pct.json" || return 1
+    done
+    python3 scripts/plan-accuracy.py "$LOGS" 0 25 50 75 100
+}
+
+part_compare() {
+    if [ ! -x .llama/build/bin/llama-bench ]; then
+        echo "waiting for the llama.cpp build"
+        while pgrep -f "compare-llama-cpp.sh build" >/dev/null; do sleep 5; done
+        tail -3 "$MD/llama-build.log"
+    fi
+    BIN="$BIN" MODEL="$(model uniform)" CASES="${CASES:-cpu 0 50 100}" OUT="$LOGS/compare-uniform" \
+        REPS="${REPS:-3}" bash benches/compare-llama-cpp.sh run
+    BIN="$BIN" MODEL="$(model skewed)" CASES="50" OUT="$LOGS/compare-skewed" REPS="${REPS:-3}" \
+        bash benches/compare-llama-cpp.sh run | tail -1
+}
+
+status=0
+for part in "$@"; do
+    echo "== $part ($(date -u +%H:%M:%S)) =="
+    case "$part" in
+        models | metrics | shift | plan | compare) "part_$part" || status=1 ;;
+        *) echo "unknown part $part (models metrics shift plan compare)"; exit 2 ;;
+    esac
+done
+exit $status
