@@ -19,9 +19,9 @@ use moe_lanes::model::Model;
 use moe_lanes::perf::{ModelFingerprint, PerfMode};
 use moe_lanes::phase::Phase;
 use moe_lanes::pipeline::ColdKernels;
-use moe_lanes::threads::ColdThreads;
 use moe_lanes::reference::Reference;
 use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+use moe_lanes::threads::ColdThreads;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
@@ -623,7 +623,17 @@ fn serve(args: ServeArgs) -> Result<()> {
     let opts = engine_options(&model, &args.engine, positions, HotChoice::None)?;
     let name =
         args.model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    // Text in and out need the tokenizer; a model without one (or with one this build cannot
+    // read) is served with token-id prompts only, saying so.
+    let tokenizer = match moe_lanes::text::Tokenizer::from_model(&model) {
+        Ok(t) => Some(std::sync::Arc::new(t)),
+        Err(e) => {
+            eprintln!("text API off (prompts are token ids): {e}");
+            None
+        }
+    };
     let serve_opts = moe_lanes_server::ServeOptions {
+        tokenizer,
         listen: args.listen,
         admin_token: args.admin_token,
         queue_capacity: args.queue,

@@ -26,7 +26,9 @@ mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx512;
 
-pub use attention::{attention, attention_reference, par_attention, AttentionInput, AttentionScratch, AttentionShape};
+pub use attention::{
+    attention, attention_reference, par_attention, AttentionInput, AttentionScratch, AttentionShape,
+};
 pub use bench::{run_kernel_bench, KernelBenchOptions, KernelBenchReport};
 pub use dense::{matmul, par_matmul, DenseMatrix, MatmulPart, MAX_MATMUL_PARTS};
 pub use error::KernelError;

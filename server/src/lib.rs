@@ -8,12 +8,14 @@ pub mod api;
 mod page;
 mod prom;
 mod routes;
+mod text_out;
 mod worker;
 
 pub use api::{DEFAULT_MAX_TOKENS, MAX_BODY_BYTES};
 
 use moe_lanes::engine::{BuildReport, EngineError, EngineOptions};
 use moe_lanes::model::Model;
+use moe_lanes::text::Tokenizer;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -37,6 +39,9 @@ pub struct ServeOptions {
     pub model_name: String,
     /// Write the perf JSON here at shutdown.
     pub perf_json: Option<PathBuf>,
+    /// The model's tokenizer: text prompts, text out, stop strings and chat need it (without
+    /// one, prompts are token ids).
+    pub tokenizer: Option<Arc<Tokenizer>>,
 }
 
 /// What went wrong serving.
@@ -97,6 +102,7 @@ pub fn run(
         shared,
         metrics,
         model_name: opts.model_name.clone(),
+        tokenizer: opts.tokenizer.clone(),
         admin_token: opts.admin_token.clone(),
         loopback: opts.listen.ip().is_loopback(),
         n_layers: c.n_layers,
