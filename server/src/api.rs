@@ -156,13 +156,17 @@ pub fn completion(
     tok: Option<&Tokenizer>,
 ) -> Result<CompletionRequest, ApiError> {
     known_fields(body, &FIELDS)?;
-    let prompt = prompt(body.get("prompt"), vocab, tok)?;
+    let (prompt, is_text) = prompt(body.get("prompt"), vocab, tok)?;
     let max_tokens = max_tokens(body, "max_tokens")?.unwrap_or(DEFAULT_MAX_TOKENS);
     let stream = flag(body, "stream")?;
     let sampling = sampling(body)?;
     let (mut stop_ids, stops) = stop(body, vocab, tok)?;
     stop_ids.extend(token_ids(body, "stop_token_ids", vocab)?);
-    stop_ids.extend(tok.map_or(&[][..], Tokenizer::eog_ids));
+    // Text prompts end at the model's end-of-generation tokens (as `run` does); token-id prompts
+    // only at the ids given (as `generate` does).
+    if is_text {
+        stop_ids.extend(tok.map_or(&[][..], Tokenizer::eog_ids));
+    }
     Ok(CompletionRequest {
         prompt,
         stream,
@@ -304,14 +308,15 @@ fn token_ids(body: &Map<String, Value>, key: &str, vocab: usize) -> Result<Vec<u
 /// The prompt: text (a string, or an array of one string; needs the tokenizer, which encodes
 /// it as `run` does: BOS as the metadata says, control tokens written in the text parsed) or
 /// token ids (an array, or an array of one array).
-fn prompt(v: Option<&Value>, vocab: usize, tok: Option<&Tokenizer>) -> Result<Vec<u32>, ApiError> {
+/// Returns the ids and whether the prompt was text.
+fn prompt(v: Option<&Value>, vocab: usize, tok: Option<&Tokenizer>) -> Result<(Vec<u32>, bool), ApiError> {
     let Some(v) = v else { return Err(ApiError::bad("prompt", "prompt is required")) };
     let batch =
         || ApiError::bad("prompt", "one prompt per request: a batch of several prompts is not served");
     let ids = match v {
-        Value::String(text) => return text_prompt(text, tok),
+        Value::String(text) => return Ok((text_prompt(text, tok)?, true)),
         Value::Array(items) if items.len() == 1 && items[0].is_string() => {
-            return text_prompt(items[0].as_str().expect("checked"), tok)
+            return Ok((text_prompt(items[0].as_str().expect("checked"), tok)?, true))
         }
         Value::Array(items) if items.len() == 1 && items[0].is_array() => {
             items[0].as_array().expect("checked")
@@ -339,7 +344,8 @@ fn prompt(v: Option<&Value>, vocab: usize, tok: Option<&Tokenizer>) -> Result<Ve
                 format!("prompt[{i}] = {id}: token ids are whole numbers below the vocabulary size {vocab}"),
             )),
         })
-        .collect()
+        .collect::<Result<Vec<u32>, ApiError>>()
+        .map(|ids| (ids, false))
 }
 
 fn text_prompt(text: &str, tok: Option<&Tokenizer>) -> Result<Vec<u32>, ApiError> {
