@@ -4,7 +4,7 @@
 
 mod bin;
 
-use bin::server::{json_request, Server};
+use bin::server::{json_request, metric_samples as samples, Server};
 use bin::{ok_stdout, p};
 use serde_json::{json, Value};
 
@@ -300,14 +300,6 @@ fn a_full_queue_answers_429_and_every_other_request_completes() {
     assert!(n_busy >= 1 && n_ok >= 1, "ok {n_ok}, 429 {n_busy}");
     let (_, text) = server.request("GET", "/metrics", b"", &[]);
     assert!(text.contains(&format!("moe_lanes_requests_total{{outcome=\"ok\"}} {n_ok}")), "{text}");
-}
-
-/// Every sample of `/metrics` (`name{labels}` -> value).
-fn samples(text: &str) -> std::collections::BTreeMap<String, f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| l.rsplit_once(' ').and_then(|(k, v)| Some((k.to_string(), v.parse().ok()?))))
-        .collect()
 }
 
 /// The sum of a family's samples whose name is exactly `name` (any labels).

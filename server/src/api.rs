@@ -43,12 +43,18 @@ impl ApiError {
     /// The prompt and `max_tokens` do not fit the context: names both numbers and the limit,
     /// and the field to shorten (`prompt_param` when the prompt alone is too long).
     pub fn context(prompt_param: &str, prompt_tokens: usize, max_tokens: usize, ctx: usize) -> ApiError {
-        let param = if prompt_tokens >= ctx { prompt_param } else { "max_tokens" };
+        let asked = prompt_tokens.saturating_add(max_tokens);
+        let (param, advice) = if prompt_tokens >= ctx {
+            (prompt_param, format!("shorten the prompt to fewer than {ctx} tokens"))
+        } else {
+            (
+                "max_tokens",
+                format!("shorten the prompt or ask for at most {} max_tokens", ctx - prompt_tokens),
+            )
+        };
         let message = format!(
-            "this model's context is {ctx} tokens, but {} were asked for: {prompt_tokens} in the prompt + \
-             {max_tokens} max_tokens; shorten the prompt or ask for at most {} max_tokens",
-            prompt_tokens.saturating_add(max_tokens),
-            ctx.saturating_sub(prompt_tokens)
+            "this model's context is {ctx} tokens, but {asked} were asked for: {prompt_tokens} in the \
+             prompt + {max_tokens} max_tokens; {advice}"
         );
         ApiError { code: Some("context_length_exceeded"), ..ApiError::bad(param, message) }
     }

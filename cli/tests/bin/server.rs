@@ -89,3 +89,68 @@ pub fn dechunk(body: &str) -> String {
         rest = after.get(n + 2..).unwrap_or("");
     }
 }
+
+/// A streamed (or plain) POST, timed: the status, when the first `data:` line (or, for a
+/// plain response, the whole body) arrived, and the body.
+pub struct Timed {
+    pub status: u16,
+    pub first_byte: std::time::Duration,
+    pub first_data: Option<std::time::Duration>,
+    pub body: String,
+}
+
+pub fn timed_post(addr: &str, path: &str, body: &Value) -> Timed {
+    let start = std::time::Instant::now();
+    let mut s = TcpStream::connect(addr).unwrap();
+    let body = body.to_string();
+    let head = format!("POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n", body.len());
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body.as_bytes()).unwrap();
+    let mut reader = BufReader::new(s);
+    let (mut raw, mut line) = (String::new(), String::new());
+    let (mut first_byte, mut first_data) = (None, None);
+    while reader.read_line(&mut line).unwrap_or(0) > 0 {
+        first_byte.get_or_insert_with(|| start.elapsed());
+        if first_data.is_none() && line.starts_with("data: ") {
+            first_data = Some(start.elapsed());
+        }
+        raw.push_str(&line);
+        line.clear();
+    }
+    let status = raw.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{raw}"));
+    let body = raw.split_once("\r\n\r\n").map(|(_, b)| dechunk(b)).unwrap_or_default();
+    Timed { status, first_byte: first_byte.unwrap_or_default(), first_data, body }
+}
+
+/// The `data:` payloads of an event stream (`[DONE]` included).
+pub fn sse_data(body: &str) -> Vec<String> {
+    body.lines().filter_map(|l| l.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+/// A POST whose client reads the first `data:` line of the answer, then hangs up.
+pub fn post_and_hang_up(addr: &str, path: &str, body: &Value) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let body = body.to_string();
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body.as_bytes()).unwrap();
+    let mut reader = BufReader::new(s);
+    let mut line = String::new();
+    while reader.read_line(&mut line).unwrap_or(0) > 0 && !line.starts_with("data: ") {
+        line.clear();
+    }
+    assert!(line.starts_with("data: "), "no event before the hang-up");
+    let _ = reader.into_inner().shutdown(std::net::Shutdown::Both);
+}
+
+/// Every sample of `/metrics` (`name{labels}` -> value).
+pub fn metric_samples(text: &str) -> std::collections::BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
+        .collect()
+}
