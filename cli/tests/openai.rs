@@ -336,3 +336,34 @@ fn loopback_load_every_answer_whole_and_its_own_and_429_when_full() {
         assert!(s.stop().success(), "clean exit, no panic");
     }
 }
+
+/// The official `openai` Python package as the client (tests/openai_client/test_openai.py).
+/// Skips, saying so, where `python3 -c "import openai"` fails, unless
+/// `MOE_LANES_REQUIRE_OPENAI=1` (`.ci/run` installs the package and sets it).
+#[test]
+fn the_official_openai_python_client_drives_the_server() {
+    let has_openai = std::process::Command::new("python3")
+        .args(["-c", "import openai"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_openai {
+        assert!(
+            std::env::var("MOE_LANES_REQUIRE_OPENAI").as_deref() != Ok("1"),
+            "MOE_LANES_REQUIRE_OPENAI=1 but python3 cannot import openai (pip install openai)"
+        );
+        eprintln!("SKIP: python3 cannot import openai (pip install openai; .ci/run does)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = qwen(dir.path());
+    let server = Server::start(&model, &[]);
+    let script = common::repo_root().join("tests/openai_client/test_openai.py");
+    let out = std::process::Command::new("python3")
+        .arg(&script)
+        .arg(format!("http://{}", server.addr))
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{}:\n{stdout}\n{stderr}", script.display());
+    assert!(stdout.contains("all checks passed"), "{stdout}");
+}

@@ -273,7 +273,11 @@ async fn completions(
         return Ok(sse(rx, Vec::new(), format).into_response());
     }
     let c = collect(rx).await?;
-    let lp = c.logprobs.as_ref().map(LogprobsJson::to_json);
+    let lp = (!c.logprobs.is_empty()).then(|| {
+        let mut j = LogprobsJson::default();
+        c.logprobs.iter().for_each(|lp| j.push(lp));
+        j.to_json()
+    });
     let choice =
         json!({"index": 0, "text": c.text, "token_ids": c.ids, "logprobs": lp, "finish_reason": c.finish});
     Ok(Json(json!({
@@ -331,7 +335,7 @@ fn token_name(id: u32) -> String {
 
 /// The completions API's `logprobs` object, built token by token.
 #[derive(Default)]
-pub(crate) struct LogprobsJson {
+struct LogprobsJson {
     tokens: Vec<String>,
     token_logprobs: Vec<f32>,
     top_logprobs: Vec<serde_json::Map<String, Value>>,
@@ -360,7 +364,8 @@ pub(crate) fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
 pub(crate) struct Collected {
     pub ids: Vec<u32>,
     pub text: String,
-    pub logprobs: Option<LogprobsJson>,
+    /// Per token, when asked for.
+    pub logprobs: Vec<Logprobs>,
     pub finish: &'static str,
     pub usage: Value,
 }
@@ -368,15 +373,13 @@ pub(crate) struct Collected {
 pub(crate) async fn collect(mut rx: tokio::sync::mpsc::Receiver<Event>) -> Result<Collected, ApiError> {
     let mut ids = Vec::new();
     let mut text = String::new();
-    let mut logprobs: Option<LogprobsJson> = None;
+    let mut logprobs = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
             Event::Token { id, text: piece, logprobs: lp } => {
                 ids.push(id);
                 text.push_str(&piece);
-                if let Some(lp) = lp {
-                    logprobs.get_or_insert_with(LogprobsJson::default).push(&lp);
-                }
+                logprobs.extend(lp);
             }
             Event::Done { prompt_tokens, completion_tokens, finish, tail } => {
                 text.push_str(&tail);
