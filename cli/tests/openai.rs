@@ -136,6 +136,109 @@ fn stop_strings_end_the_text_before_them_plain_and_streamed() {
     }
 }
 
+/// The ids `/v1/chat/completions` should generate from: the model's template, as the library
+/// renders and tokenizes it.
+fn chat_prompt_ids(model: &str, messages: &[(&str, &str)]) -> (Vec<u32>, Vec<u32>) {
+    use moe_lanes::text::{ChatMessage, ChatTemplate, RenderOptions, Tokenizer};
+    let tok = Tokenizer::from_gguf_path(model.as_ref()).unwrap();
+    let template = ChatTemplate::from_tokenizer(&tok, model.as_ref()).unwrap();
+    let msgs: Vec<ChatMessage> = messages.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect();
+    let opts = RenderOptions { add_generation_prompt: true, enable_thinking: None };
+    (template.encode(&tok, &msgs, opts).unwrap(), tok.eog_ids().to_vec())
+}
+
+#[test]
+fn chat_completion_follows_the_template_and_streams_to_the_same_content() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = qwen(dir.path());
+    let server = Server::start(&model, &[]);
+    let conversation = [
+        ("system", "You are terse."),
+        ("user", "Say hello in French."),
+        ("assistant", "Bonjour."),
+        ("user", "And in German?"),
+    ];
+    let messages: Vec<Value> = conversation.iter().map(|(r, c)| json!({"role": r, "content": c})).collect();
+    let body = json!({"model": "x", "messages": messages, "max_tokens": 12, "temperature": 0});
+    let (status, v) = post(&server, "/v1/chat/completions", body.clone());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    // The same ids through /v1/completions (token-id prompt, stopping on the EOG ids) give the
+    // same text: the messages went through the template.
+    let (ids, eog) = chat_prompt_ids(&model, &conversation);
+    let (_, c) = post(
+        &server,
+        "/v1/completions",
+        json!({"prompt": ids, "max_tokens": 12, "temperature": 0, "stop_token_ids": eog}),
+    );
+    assert_eq!(content, c["choices"][0]["text"].as_str().unwrap());
+    assert_eq!(v["usage"], c["usage"]);
+    assert_eq!(v["choices"][0]["finish_reason"], c["choices"][0]["finish_reason"]);
+    // Text parts are the same message.
+    let mut parts = body.clone();
+    parts["messages"][3]["content"] =
+        json!([{"type": "text", "text": "And in "}, {"type": "text", "text": "German?"}]);
+    assert_eq!(post(&server, "/v1/chat/completions", parts).1["choices"][0]["message"]["content"], content);
+    // Streamed: the first delta names the role, the deltas join to the same content.
+    let mut b = body;
+    b["stream"] = json!(true);
+    let c = chunks(&timed_post(&server.addr, "/v1/chat/completions", &b));
+    assert!(c.iter().all(|ch| ch["object"] == "chat.completion.chunk"));
+    assert_eq!(c[0]["choices"][0]["delta"]["role"], "assistant");
+    let joined: String = c.iter().filter_map(|ch| ch["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(joined, content);
+    let last = c.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], v["choices"][0]["finish_reason"]);
+    assert_eq!(last["usage"], v["usage"]);
+}
+
+#[test]
+fn bad_chat_requests_are_openai_shaped_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = qwen(dir.path());
+    let server = Server::start(&model, &["--ctx-size", "64"]);
+    let user = |c: Value| json!([{"role": "user", "content": c}]);
+    insta::assert_snapshot!(
+        "chat_no_messages",
+        error_body(&server, "/v1/chat/completions", json!({"messages": []}))
+    );
+    insta::assert_snapshot!(
+        "chat_bad_content",
+        error_body(&server, "/v1/chat/completions", json!({"messages": user(json!(5))}))
+    );
+    insta::assert_snapshot!(
+        "chat_image_part",
+        error_body(
+            &server,
+            "/v1/chat/completions",
+            json!({"messages": user(json!([{"type": "image_url", "image_url": {"url": "x"}}]))})
+        )
+    );
+    insta::assert_snapshot!(
+        "chat_context_overflow",
+        error_body(&server, "/v1/chat/completions", json!({"messages": user(json!("hi")), "max_tokens": 60}))
+    );
+    insta::assert_snapshot!(
+        "chat_top_logprobs_without_logprobs",
+        error_body(
+            &server,
+            "/v1/chat/completions",
+            json!({"messages": user(json!("hi")), "top_logprobs": 2})
+        )
+    );
+    // A model without a chat template: 400 naming messages and the missing template.
+    let tiny = dir.path().join("tiny.gguf");
+    ok_stdout(&["synth", "--out", p(&tiny)]);
+    let plain = Server::start(p(&tiny), &[]);
+    let (status, v) = post(&plain, "/v1/chat/completions", json!({"messages": user(json!("hi"))}));
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["param"], "messages");
+    let message = v["error"]["message"].as_str().unwrap();
+    assert!(message.contains("no chat template") && message.contains("--chat-template"), "{message}");
+}
+
 /// The error body without its message's volatile parts (none today) as pretty JSON.
 fn error_body(server: &Server, path: &str, body: Value) -> String {
     let (status, v) = post(server, path, body);
@@ -163,7 +266,11 @@ fn bad_text_requests_are_openai_shaped_errors() {
     );
     insta::assert_snapshot!(
         "too_many_stop_strings",
-        error_body(&server, "/v1/completions", json!({"prompt": "a", "stop": ["1", "2", "3", "4", "5"]}))
+        error_body(
+            &server,
+            "/v1/completions",
+            json!({"prompt": "a", "stop": (0..=moe_lanes::text::MAX_STOP_STRINGS).map(|i| i.to_string()).collect::<Vec<_>>()})
+        )
     );
     insta::assert_snapshot!(
         "unknown_field",

@@ -1,12 +1,11 @@
 //! Request bodies, validated field by field (an error names the field), and OpenAI-shaped JSON
 //! errors and responses.
 
-use crate::text_out::MAX_STOP_STRINGS;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use moe_lanes::engine::GenerationOptions;
 use moe_lanes::sample::SamplingParams;
-use moe_lanes::text::Tokenizer;
+use moe_lanes::text::{StopStrings, Tokenizer};
 use serde_json::{json, Map, Value};
 
 /// Largest request body accepted.
@@ -94,14 +93,14 @@ pub fn object(
 }
 
 /// A validated `POST /v1/completions`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct CompletionRequest {
     pub prompt: Vec<u32>,
     pub stream: bool,
     /// Tokens, stop ids (with the tokenizer's end-of-generation ids) and sampling.
     pub generation: GenerationOptions,
     /// Stop strings (text requests; needs the tokenizer).
-    pub stops: Vec<String>,
+    pub stops: StopStrings,
 }
 
 /// Most alternatives the completions API's `logprobs` may ask for (OpenAI's limit).
@@ -135,7 +134,7 @@ const FIELDS: [&str; 15] = [
 ];
 
 /// Refuse fields this server does not read; accept the neutral ones only with their default.
-fn known_fields(body: &Map<String, Value>, fields: &[&str]) -> Result<(), ApiError> {
+pub(crate) fn known_fields(body: &Map<String, Value>, fields: &[&str]) -> Result<(), ApiError> {
     for (key, value) in body {
         match key.as_str() {
             k if fields.contains(&k) => {}
@@ -202,18 +201,18 @@ pub(crate) fn flag(body: &Map<String, Value>, key: &str) -> Result<bool, ApiErro
 }
 
 /// `stop`: token ids (a number or an array of numbers) or stop strings (a string or an array of
-/// at most four strings; they need the tokenizer).
+/// strings, as many as the library's `MAX_STOP_STRINGS`; they need the tokenizer).
 pub(crate) fn stop(
     body: &Map<String, Value>,
     vocab: usize,
     tok: Option<&Tokenizer>,
-) -> Result<(Vec<u32>, Vec<String>), ApiError> {
-    let strings: Vec<&str> = match present(body, "stop") {
-        Some(Value::String(s)) => vec![s.as_str()],
+) -> Result<(Vec<u32>, StopStrings), ApiError> {
+    let strings: Vec<String> = match present(body, "stop") {
+        Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_string) => {
-            items.iter().filter_map(Value::as_str).collect()
+            items.iter().filter_map(Value::as_str).map(str::to_string).collect()
         }
-        _ => return Ok((token_ids(body, "stop", vocab)?, Vec::new())),
+        _ => return Ok((token_ids(body, "stop", vocab)?, StopStrings::default())),
     };
     if tok.is_none() {
         return Err(ApiError::bad(
@@ -221,19 +220,8 @@ pub(crate) fn stop(
             "stop strings need the model's tokenizer, and this model has none; give token ids",
         ));
     }
-    if strings.len() > MAX_STOP_STRINGS {
-        return Err(ApiError::bad(
-            "stop",
-            format!("stop: at most {MAX_STOP_STRINGS} stop strings; got {}", strings.len()),
-        ));
-    }
-    if let Some(i) = strings.iter().position(|s| s.is_empty()) {
-        return Err(ApiError::bad(
-            "stop",
-            format!("stop[{i}] is empty: a stop string needs at least one character"),
-        ));
-    }
-    Ok((Vec::new(), strings.into_iter().map(str::to_string).collect()))
+    let stops = StopStrings::new(strings).map_err(|e| ApiError::bad("stop", format!("stop: {e}")))?;
+    Ok((Vec::new(), stops))
 }
 
 /// A field that is there and not null.

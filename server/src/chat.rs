@@ -5,7 +5,7 @@
 
 use crate::api::{self, ApiError};
 use crate::routes::{collect, created, enqueue, rand_id, sse, AppState, Item};
-use crate::text_out::TextOut;
+use crate::worker::TextOut;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use moe_lanes::engine::GenerationOptions;
 use moe_lanes::sample::Logprobs;
-use moe_lanes::text::{ChatMessage, ChatTemplateError, RenderOptions, Tokenizer};
+use moe_lanes::text::{ChatMessage, ChatTemplateError, RenderOptions, StopStrings, Tokenizer};
 use serde_json::{json, Map, Value};
 
 /// The fields a chat request may carry (besides `model`, `n` = 1 and `user`).
@@ -41,7 +41,7 @@ pub struct ChatRequest {
     pub prompt: Vec<u32>,
     pub stream: bool,
     pub generation: GenerationOptions,
-    pub stops: Vec<String>,
+    pub stops: StopStrings,
     /// `logprobs: true`: each token's logprob (and `top_logprobs` alternatives).
     pub logprobs: bool,
 }
@@ -53,7 +53,10 @@ pub fn parse(body: &Map<String, Value>, s: &AppState) -> Result<ChatRequest, Api
     let (tok, template) = match (&s.tokenizer, &s.chat_template) {
         (Some(tok), Ok(t)) => (tok, t),
         (_, Err(why)) => {
-            return Err(ApiError::bad("messages", format!("this server has no chat template: {why}")))
+            return Err(ApiError::bad(
+                "messages",
+                format!("this server has no chat template ({why}); start serve with --chat-template FILE"),
+            ))
         }
         (None, Ok(_)) => unreachable!("a chat template is only loaded with a tokenizer"),
     };
@@ -125,9 +128,9 @@ fn messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
 
 fn message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
     let field = |f: &str| format!("messages[{i}].{f}");
-    let obj = m
-        .as_object()
-        .ok_or_else(|| ApiError::bad(&format!("messages[{i}]"), format!("messages[{i}] must be an object; got {m}")))?;
+    let obj = m.as_object().ok_or_else(|| {
+        ApiError::bad(&format!("messages[{i}]"), format!("messages[{i}] must be an object; got {m}"))
+    })?;
     let role = obj.get("role").and_then(Value::as_str).ok_or_else(|| {
         ApiError::bad(&field("role"), format!("{} must be a string (system, user, assistant)", field("role")))
     })?;
@@ -141,7 +144,10 @@ fn message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
                 (Some("text"), Some(t)) => Ok(t),
                 _ => Err(ApiError::bad(
                     &field("content"),
-                    format!("{}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are served", field("content")),
+                    format!(
+                        "{}[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) are served",
+                        field("content")
+                    ),
                 )),
             })
             .collect::<Result<String, _>>()?,
@@ -175,25 +181,31 @@ pub async fn chat_completions(
     let text = TextOut { tokenizer: tok.clone(), stops: req.stops };
     let rx = enqueue(&s, req.prompt, req.generation, Some(text))?;
     let (id, model, want_lp) = (format!("chatcmpl-{:x}", rand_id()), s.model_name.clone(), req.logprobs);
-    let head = |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created(), "model": model, "choices": choices});
+    let head = move |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created(), "model": model, "choices": choices});
     if req.stream {
-        let first = head(json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]));
+        let first = head(
+            json!([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}]),
+        );
         let head = head.clone();
         let format = move |item: Item| -> Vec<Value> {
             match item {
                 Item::Token { text, logprobs, .. } => {
-                    let lp = logprobs.filter(|_| want_lp).map(|lp| json!({"content": [token_logprobs(&tok, lp)]}));
+                    let lp =
+                        logprobs.filter(|_| want_lp).map(|lp| json!({"content": [token_logprobs(&tok, lp)]}));
                     if text.is_empty() && lp.is_none() {
                         return Vec::new();
                     }
-                    vec![head(json!([{"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}]))]
+                    vec![head(
+                        json!([{"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}]),
+                    )]
                 }
                 Item::Done { tail, finish, usage } => {
                     let mut out = Vec::new();
                     if !tail.is_empty() {
                         out.push(head(json!([{"index": 0, "delta": {"content": tail}, "logprobs": null, "finish_reason": null}])));
                     }
-                    let mut last = head(json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish}]));
+                    let mut last =
+                        head(json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish}]));
                     last["usage"] = usage;
                     out.push(last);
                     out
@@ -203,9 +215,9 @@ pub async fn chat_completions(
         return Ok(sse(rx, vec![first], format).into_response());
     }
     let c = collect(rx).await?;
-    let lp = want_lp.then(|| {
-        json!({"content": c.logprobs.iter().map(|lp| token_logprobs(&tok, lp)).collect::<Vec<_>>()})
-    });
+    let lp = want_lp.then(
+        || json!({"content": c.logprobs.iter().map(|lp| token_logprobs(&tok, lp)).collect::<Vec<_>>()}),
+    );
     let choice = json!({"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": c.finish});
     let mut v = head(json!([choice]));
     v["object"] = json!("chat.completion");

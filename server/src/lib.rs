@@ -1,21 +1,23 @@
 //! moe-lanes over HTTP (the only package that knows HTTP): `GET /` (live page), `GET /health`, `GET /metrics`
 //! (Prometheus), `GET /moe-layer-perf[?mode=full|update|off]` (perf JSON), `GET|POST
-//! /moe-hot-cache` (hot set; manual apply between requests), `GET /v1/models` and
-//! `POST /v1/completions` (OpenAI-compatible, prompts as token ids, streaming as server-sent
-//! events). One engine thread serves a bounded queue; 429 when it is full.
+//! /moe-hot-cache` (hot set; manual apply between requests), and the OpenAI-compatible `GET
+//! /v1/models`, `POST /v1/completions` (text or token-id prompts) and `POST
+//! /v1/chat/completions` (messages through the chat template), streaming as server-sent events.
+//! One engine thread serves a bounded queue; 429 when it is full; a client that hangs up
+//! cancels its generation.
 
 pub mod api;
+mod chat;
 mod page;
 mod prom;
 mod routes;
-mod text_out;
 mod worker;
 
 pub use api::{DEFAULT_MAX_TOKENS, MAX_BODY_BYTES};
 
 use moe_lanes::engine::{BuildReport, EngineError, EngineOptions};
 use moe_lanes::model::Model;
-use moe_lanes::text::Tokenizer;
+use moe_lanes::text::{ChatTemplate, Tokenizer};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -42,6 +44,8 @@ pub struct ServeOptions {
     /// The model's tokenizer: text prompts, text out, stop strings and chat need it (without
     /// one, prompts are token ids).
     pub tokenizer: Option<Arc<Tokenizer>>,
+    /// What renders `/v1/chat/completions` messages, or why there is nothing (the 400 says it).
+    pub chat_template: Result<Arc<ChatTemplate>, String>,
 }
 
 /// What went wrong serving.
@@ -103,6 +107,7 @@ pub fn run(
         metrics,
         model_name: opts.model_name.clone(),
         tokenizer: opts.tokenizer.clone(),
+        chat_template: opts.chat_template.clone(),
         admin_token: opts.admin_token.clone(),
         loopback: opts.listen.ip().is_loopback(),
         n_layers: c.n_layers,

@@ -1,8 +1,9 @@
-//! The HTTP endpoints (axum): health, models, metrics, perf JSON, hot-cache admin, completions.
+//! The HTTP endpoints (axum): health, models, metrics, perf JSON, hot-cache admin, completions
+//! (chat completions are in `chat`).
 
 use crate::api::{self, ApiError};
 use crate::prom;
-use crate::text_out::TextOut;
+use crate::worker::TextOut;
 use crate::worker::{ApplyJob, CompletionJob, Event, Shared};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -31,6 +32,8 @@ pub struct AppState {
     pub model_name: String,
     /// Text in and out (text prompts, `text`, stop strings, chat), when the model has one.
     pub tokenizer: Option<Arc<moe_lanes::text::Tokenizer>>,
+    /// Renders chat messages, or why there is nothing to (the model has no template).
+    pub chat_template: Result<Arc<moe_lanes::text::ChatTemplate>, String>,
     pub admin_token: Option<String>,
     pub loopback: bool,
     pub n_layers: usize,
@@ -50,6 +53,7 @@ pub fn router(state: AppState) -> Router {
         .route("/moe-hot-cache", get(hot_cache).post(apply_hot_cache))
         .route("/v1/models", get(models))
         .route("/v1/completions", axum::routing::post(completions))
+        .route("/v1/chat/completions", axum::routing::post(crate::chat::chat_completions))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY_BYTES))

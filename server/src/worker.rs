@@ -4,7 +4,6 @@
 //! hot set, counters) after every request for the HTTP side to read without waiting.
 
 use crate::prom;
-use crate::text_out::{Piece, TextOut, TextStream};
 use crossbeam_channel::{Receiver, RecvTimeoutError};
 use moe_lanes::actors::Exchange;
 use moe_lanes::engine::{
@@ -16,6 +15,7 @@ use moe_lanes::model::Model;
 use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::perf::PerfMode;
 use moe_lanes::sample::Logprobs;
+use moe_lanes::text::{StopPush, StopStrings, TextStream, Tokenizer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -35,6 +35,13 @@ pub struct CompletionJob {
     pub text: Option<TextOut>,
     pub events: tokio::sync::mpsc::Sender<Event>,
     pub enqueued_at: Instant,
+}
+
+/// What a text request needs on the engine thread: the tokenizer and its stop strings.
+#[derive(Clone)]
+pub struct TextOut {
+    pub tokenizer: Arc<Tokenizer>,
+    pub stops: StopStrings,
 }
 
 /// What the worker tells the request handler.
@@ -236,7 +243,8 @@ fn generate(
     started: Instant,
 ) -> Result<Option<Ended>, JobError> {
     let mut session = Generation::new(engine, &job.prompt, job.generation.clone())?;
-    let mut text = job.text.as_ref().map(TextStream::new);
+    // Control tokens (`<|im_end|>`, ...) are not in the text, as `run` shows it by default.
+    let mut text = job.text.as_ref().map(|t| TextStream::new(&t.tokenizer, true, t.stops.clone()));
     let mut stopped_on = None;
     let mut first = true;
     let mut published = Instant::now();
@@ -249,7 +257,7 @@ fn generate(
         }
         let piece = match text.as_mut() {
             Some(s) => s.push(t.id)?,
-            None => Piece { text: String::new(), stopped: false },
+            None => StopPush::default(),
         };
         if job
             .events
@@ -258,7 +266,7 @@ fn generate(
         {
             return Ok(None);
         }
-        if piece.stopped {
+        if piece.stopped.is_some() {
             stopped_on = Some(t.id);
             session.cancel();
         }
@@ -272,12 +280,14 @@ fn generate(
         }
     }
     let n = session.generated_tokens();
-    let finish = match stopped_on {
-        Some(token) => FinishReason::Stop { token },
-        None => session.finish_reason().expect("finished"),
+    // The held-back text; a stop string its last bytes complete still cuts it.
+    let end = text.map(TextStream::finish).unwrap_or_default();
+    let last = session.generated().last().copied();
+    let finish = match (stopped_on.or(end.stopped.and(last)), session.finish_reason()) {
+        (Some(token), _) => FinishReason::Stop { token },
+        (None, finish) => finish.expect("finished"),
     };
-    let tail = text.map(|s| s.finish()).filter(|_| stopped_on.is_none()).map_or(String::new(), |p| p.text);
-    Ok(Some((n, finish, tail)))
+    Ok(Some((n, finish, end.text)))
 }
 
 fn publish(engine: &dyn Engine, shared: &Shared) {
