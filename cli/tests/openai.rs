@@ -176,6 +176,17 @@ fn chat_completion_follows_the_template_and_streams_to_the_same_content() {
     assert_eq!(content, c["choices"][0]["text"].as_str().unwrap());
     assert_eq!(v["usage"], c["usage"]);
     assert_eq!(v["choices"][0]["finish_reason"], c["choices"][0]["finish_reason"]);
+    // logprobs: one entry per generated token, with its alternatives.
+    let mut lp = body.clone();
+    lp["logprobs"] = json!(true);
+    lp["top_logprobs"] = json!(2);
+    let (_, l) = post(&server, "/v1/chat/completions", lp);
+    assert_eq!(l["choices"][0]["message"]["content"], content, "logprobs change nothing else");
+    let entries = l["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(entries.len() as u64, v["usage"]["completion_tokens"].as_u64().unwrap());
+    assert!(entries
+        .iter()
+        .all(|e| e["logprob"].as_f64().unwrap() <= 0.0 && e["top_logprobs"].as_array().unwrap().len() == 2));
     // Text parts are the same message.
     let mut parts = body.clone();
     parts["messages"][3]["content"] =

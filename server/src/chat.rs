@@ -15,6 +15,7 @@ use moe_lanes::engine::GenerationOptions;
 use moe_lanes::sample::Logprobs;
 use moe_lanes::text::{ChatMessage, ChatTemplateError, RenderOptions, StopStrings, Tokenizer};
 use serde_json::{json, Map, Value};
+use std::sync::Arc;
 
 /// The fields a chat request may carry (besides `model`, `n` = 1 and `user`).
 const FIELDS: [&str; 16] = [
@@ -44,6 +45,7 @@ pub struct ChatRequest {
     pub stops: StopStrings,
     /// `logprobs: true`: each token's logprob (and `top_logprobs` alternatives).
     pub logprobs: bool,
+    pub tokenizer: Arc<Tokenizer>,
 }
 
 /// Parse and render a chat request; `max_tokens` defaults to what the context has left.
@@ -52,13 +54,18 @@ pub fn parse(body: &Map<String, Value>, s: &AppState) -> Result<ChatRequest, Api
     let messages = messages(body.get("messages"))?;
     let (tok, template) = match (&s.tokenizer, &s.chat_template) {
         (Some(tok), Ok(t)) => (tok, t),
+        (None, _) => {
+            return Err(ApiError::bad(
+                "messages",
+                "chat needs the model's tokenizer, and this model has none",
+            ))
+        }
         (_, Err(why)) => {
             return Err(ApiError::bad(
                 "messages",
                 format!("this server has no chat template ({why}); start serve with --chat-template FILE"),
             ))
         }
-        (None, Ok(_)) => unreachable!("a chat template is only loaded with a tokenizer"),
     };
     let opts = RenderOptions { add_generation_prompt: true, enable_thinking: None };
     let prompt = template.encode(tok, &messages, opts).map_err(|e| template_error(&e))?;
@@ -81,6 +88,7 @@ pub fn parse(body: &Map<String, Value>, s: &AppState) -> Result<ChatRequest, Api
         generation: GenerationOptions { max_tokens, stop_ids, sampling },
         stops,
         logprobs,
+        tokenizer: tok.clone(),
     })
 }
 
@@ -177,7 +185,7 @@ pub async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
     let req = parse(&api::object(body)?, &s)?;
-    let tok = s.tokenizer.clone().expect("parse checked");
+    let tok = req.tokenizer;
     let text = TextOut { tokenizer: tok.clone(), stops: req.stops };
     let rx = enqueue(&s, req.prompt, req.generation, Some(text))?;
     let (id, model, want_lp) = (format!("chatcmpl-{:x}", rand_id()), s.model_name.clone(), req.logprobs);
