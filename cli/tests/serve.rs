@@ -111,7 +111,8 @@ fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
         (
             "POST",
             "/v1/completions",
-            br#"{"prompt": [1], "stop": ["a", "b", "c", "d", "e"]}"#.to_vec(),
+            format!(r#"{{"prompt": [1], "stop": {:?}}}"#, vec!["s"; moe_lanes::text::MAX_STOP_STRINGS + 1])
+                .into_bytes(),
             400,
             "stop",
         ),
