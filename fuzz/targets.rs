@@ -70,13 +70,14 @@ pub fn hot_experts_json(data: &[u8]) {
     }
 }
 
-/// `POST /v1/completions` bodies (the server's parser) against a 512-token vocabulary: whatever
+/// `POST /v1/completions` bodies (the server's parser) against a 512-token vocabulary without a
+/// tokenizer (text prompts and stop strings are refused): whatever
 /// is accepted has a non-empty prompt of in-range ids, at least one token to generate, sampling
 /// parameters in range and stop ids in range.
 pub fn completion_request(data: &[u8]) {
     use moe_lanes_server::api;
     let Ok(body) = api::object(Ok(data.to_vec().into())) else { return };
-    if let Ok(req) = api::completion(&body, 512) {
+    if let Ok(req) = api::completion(&body, 512, None) {
         let g = &req.generation;
         assert!(!req.prompt.is_empty() && req.prompt.iter().all(|&t| t < 512) && g.max_tokens >= 1);
         assert!(g.sampling.validate().is_ok() && g.stop_ids.iter().all(|&t| t < 512));

@@ -82,8 +82,9 @@ enum Command {
     /// What-if planner: per layer the experts a budget holds, their bytes, the predicted hit
     /// rate, and tg/pp predicted by a cost model calibrated from the learn file's perf data.
     Plan(PlanArgs),
-    /// Serve the model over HTTP: /v1/completions (token-id prompts, sampling), /metrics, /moe-layer-perf,
-    /// /moe-hot-cache, /health. Stops on ctrl-c or SIGTERM after in-flight requests finish.
+    /// Serve the model over HTTP: the OpenAI API (/v1/models, /v1/completions with text or token-id
+    /// prompts, /v1/chat/completions), /metrics, /moe-layer-perf, /moe-hot-cache, /health, the live
+    /// page. Stops on ctrl-c or SIGTERM after in-flight requests finish.
     Serve(ServeArgs),
     /// Generate text from a text prompt, streamed as it is generated, then a one-line summary
     /// on stderr (prompt t/s, generation t/s, hit rate). Sampling flags as `generate`.
@@ -135,6 +136,10 @@ struct ServeArgs {
     /// Requests that may wait for the engine; more get 429.
     #[arg(long, default_value_t = 64)]
     queue: usize,
+    /// Jinja chat template for /v1/chat/completions (default: the model's own,
+    /// tokenizer.chat_template).
+    #[arg(long)]
+    chat_template: Option<PathBuf>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -623,7 +628,32 @@ fn serve(args: ServeArgs) -> Result<()> {
     let opts = engine_options(&model, &args.engine, positions, HotChoice::None)?;
     let name =
         args.model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+    // Text in and out need the tokenizer; a model without one (or with one this build cannot
+    // read) is served with token-id prompts only, saying so.
+    let tokenizer = match moe_lanes::text::Tokenizer::from_model(&model) {
+        Ok(t) => Some(std::sync::Arc::new(t)),
+        Err(e) => {
+            eprintln!("text API off (prompts are token ids): {e}");
+            None
+        }
+    };
+    let chat_template = match &tokenizer {
+        None => Err("the model has no tokenizer".to_string()),
+        Some(tok) => {
+            moe_lanes::text::ChatTemplate::from_file_or_model(args.chat_template.as_deref(), tok, &args.model)
+                .map(std::sync::Arc::new)
+                .map_err(|e| e.to_string())
+        }
+    };
+    if let (Err(why), Some(_)) = (&chat_template, &tokenizer) {
+        eprintln!("chat API off: {why}");
+    }
+    if let (Some(path), None) = (&args.chat_template, &tokenizer) {
+        anyhow::bail!("--chat-template {}: the model has no tokenizer to render it with", path.display());
+    }
     let serve_opts = moe_lanes_server::ServeOptions {
+        tokenizer,
+        chat_template,
         listen: args.listen,
         admin_token: args.admin_token,
         queue_capacity: args.queue,

@@ -4,95 +4,9 @@
 
 mod bin;
 
-use bin::{command, ok_stdout, p};
+use bin::server::{json_request, metric_samples as samples, Server};
+use bin::{ok_stdout, p};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Child, Stdio};
-
-/// A running server, stopped (SIGTERM) when dropped.
-struct Server {
-    child: Child,
-    addr: String,
-}
-
-impl Server {
-    fn start(model: &str, extra: &[&str]) -> Server {
-        let mut args = vec!["serve", "--model", model, "--listen", "127.0.0.1:0", "--engine", "pipeline"];
-        args.extend(extra);
-        let mut child = command().args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        let addr =
-            line.trim().strip_prefix("listening on http://").unwrap_or_else(|| panic!("{line}")).to_string();
-        Server { child, addr }
-    }
-
-    fn request(&self, method: &str, path: &str, body: &[u8], headers: &[&str]) -> (u16, String) {
-        request(&self.addr, method, path, body, headers)
-    }
-
-    fn json(&self, method: &str, path: &str, body: &Value) -> (u16, Value) {
-        json_request(&self.addr, method, path, body)
-    }
-
-    fn stop(mut self) -> std::process::ExitStatus {
-        sigterm(self.child.id());
-        self.child.wait().unwrap()
-    }
-}
-
-/// A raw HTTP/1.1 request (a hand-written client: the tests need to send malformed and
-/// oversize bodies and read the raw event stream, which a client crate would get in the way of).
-fn request(addr: &str, method: &str, path: &str, body: &[u8], headers: &[&str]) -> (u16, String) {
-    {
-        let mut s = TcpStream::connect(addr).unwrap();
-        let mut head = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n", body.len());
-        for h in headers {
-            head.push_str(h);
-            head.push_str("\r\n");
-        }
-        head.push_str("\r\n");
-        s.write_all(head.as_bytes()).unwrap();
-        let _ = s.write_all(body);
-        let mut raw = Vec::new();
-        let _ = s.read_to_end(&mut raw);
-        let raw = String::from_utf8_lossy(&raw).to_string();
-        let status = raw.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or_else(|| panic!("{raw}"));
-        let body = raw.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-        (status, dechunk(&body))
-    }
-}
-
-fn json_request(addr: &str, method: &str, path: &str, body: &Value) -> (u16, Value) {
-    let (status, text) = request(addr, method, path, body.to_string().as_bytes(), &[]);
-    (status, serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: not JSON ({e}): {text}")))
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-    }
-}
-
-fn sigterm(pid: u32) {
-    std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap();
-}
-
-/// Undo `Transfer-Encoding: chunked` when present (streamed responses).
-fn dechunk(body: &str) -> String {
-    let mut out = String::new();
-    let mut rest = body;
-    loop {
-        let Some((size, after)) = rest.split_once("\r\n") else { return body.to_string() };
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { return body.to_string() };
-        if n == 0 {
-            return out;
-        }
-        out.push_str(&after[..n.min(after.len())]);
-        rest = after.get(n + 2..).unwrap_or("");
-    }
-}
 
 fn tiny(dir: &std::path::Path) -> String {
     let path = dir.join("t.gguf");
@@ -157,7 +71,9 @@ fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
         ("POST", "/v1/completions", b"{not json".to_vec(), 400, "(body)"),
         ("POST", "/v1/completions", b"[1,2]".to_vec(), 400, "(body)"),
         ("POST", "/v1/completions", br#"{"max_tokens": 2}"#.to_vec(), 400, "prompt"),
-        ("POST", "/v1/completions", br#"{"prompt": "text"}"#.to_vec(), 400, "prompt"),
+        ("POST", "/v1/completions", br#"{"prompt": ["two", "prompts"]}"#.to_vec(), 400, "prompt"),
+        ("POST", "/v1/completions", br#"{"prompt": [[1], [2]]}"#.to_vec(), 400, "prompt"),
+        ("POST", "/v1/completions", br#"{"prompt": {"text": "a"}}"#.to_vec(), 400, "prompt"),
         ("POST", "/v1/completions", br#"{"prompt": [1, 100000]}"#.to_vec(), 400, "prompt"),
         ("POST", "/v1/completions", br#"{"prompt": [1, -1]}"#.to_vec(), 400, "prompt"),
         ("POST", "/v1/completions", br#"{"prompt": [1], "max_tokens": "many"}"#.to_vec(), 400, "max_tokens"),
@@ -192,7 +108,16 @@ fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
         ),
         ("POST", "/v1/completions", br#"{"prompt": [1], "seed": -1}"#.to_vec(), 400, "seed"),
         ("POST", "/v1/completions", br#"{"prompt": [1], "logprobs": 6}"#.to_vec(), 400, "logprobs"),
-        ("POST", "/v1/completions", br#"{"prompt": [1], "stop": "\n"}"#.to_vec(), 400, "stop"),
+        (
+            "POST",
+            "/v1/completions",
+            format!(r#"{{"prompt": [1], "stop": {:?}}}"#, vec!["s"; moe_lanes::text::MAX_STOP_STRINGS + 1])
+                .into_bytes(),
+            400,
+            "stop",
+        ),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "stop": ["a", ""]}"#.to_vec(), 400, "stop"),
+        ("POST", "/v1/completions", br#"{"prompt": [1], "stop": ["a", 1]}"#.to_vec(), 400, "stop"),
         ("POST", "/v1/completions", br#"{"prompt": [1], "stop": [1, 100000]}"#.to_vec(), 400, "stop"),
         (
             "POST",
@@ -380,14 +305,6 @@ fn a_full_queue_answers_429_and_every_other_request_completes() {
     assert!(n_busy >= 1 && n_ok >= 1, "ok {n_ok}, 429 {n_busy}");
     let (_, text) = server.request("GET", "/metrics", b"", &[]);
     assert!(text.contains(&format!("moe_lanes_requests_total{{outcome=\"ok\"}} {n_ok}")), "{text}");
-}
-
-/// Every sample of `/metrics` (`name{labels}` -> value).
-fn samples(text: &str) -> std::collections::BTreeMap<String, f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#') && !l.is_empty())
-        .filter_map(|l| l.rsplit_once(' ').and_then(|(k, v)| Some((k.to_string(), v.parse().ok()?))))
-        .collect()
 }
 
 /// The sum of a family's samples whose name is exactly `name` (any labels).

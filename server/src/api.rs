@@ -5,6 +5,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use moe_lanes::engine::GenerationOptions;
 use moe_lanes::sample::SamplingParams;
+use moe_lanes::text::{StopStrings, Tokenizer};
 use serde_json::{json, Map, Value};
 
 /// Largest request body accepted.
@@ -19,6 +20,8 @@ pub struct ApiError {
     pub kind: &'static str,
     pub message: String,
     pub param: Option<String>,
+    /// OpenAI's machine-readable `code` (`context_length_exceeded`), when there is one.
+    pub code: Option<&'static str>,
 }
 
 impl ApiError {
@@ -28,18 +31,50 @@ impl ApiError {
             kind: "invalid_request_error",
             message: message.into(),
             param: Some(param.into()),
+            code: None,
         }
     }
 
     pub fn status(status: StatusCode, kind: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, kind, message: message.into(), param: None }
+        ApiError { status, kind, message: message.into(), param: None, code: None }
+    }
+
+    /// The prompt and `max_tokens` do not fit the context: names both numbers and the limit,
+    /// and the field to shorten (`prompt_param` when the prompt alone is too long).
+    pub fn context(prompt_param: &str, prompt_tokens: usize, max_tokens: usize, ctx: usize) -> ApiError {
+        let asked = prompt_tokens.saturating_add(max_tokens);
+        let (param, advice) = if prompt_tokens >= ctx {
+            (prompt_param, format!("shorten the prompt to fewer than {ctx} tokens"))
+        } else {
+            (
+                "max_tokens",
+                format!("shorten the prompt or ask for at most {} max_tokens", ctx - prompt_tokens),
+            )
+        };
+        let message = format!(
+            "this model's context is {ctx} tokens, but {asked} were asked for: {prompt_tokens} in the \
+             prompt + {max_tokens} max_tokens; {advice}"
+        );
+        ApiError { code: Some("context_length_exceeded"), ..ApiError::bad(param, message) }
+    }
+}
+
+/// The request fits the context (prompt + max_tokens <= ctx), else [`ApiError::context`].
+pub fn check_fits(
+    prompt_param: &str,
+    prompt_tokens: usize,
+    max_tokens: usize,
+    ctx: usize,
+) -> Result<(), ApiError> {
+    match prompt_tokens.checked_add(max_tokens) {
+        Some(n) if n <= ctx => Ok(()),
+        _ => Err(ApiError::context(prompt_param, prompt_tokens, max_tokens, ctx)),
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body =
-            json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": null}});
+        let body = json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}});
         (self.status, axum::Json(body)).into_response()
     }
 }
@@ -58,12 +93,14 @@ pub fn object(
 }
 
 /// A validated `POST /v1/completions`.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct CompletionRequest {
     pub prompt: Vec<u32>,
     pub stream: bool,
-    /// Tokens, stop ids and sampling.
+    /// Tokens, stop ids (with the tokenizer's end-of-generation ids) and sampling.
     pub generation: GenerationOptions,
+    /// Stop strings (text requests; needs the tokenizer).
+    pub stops: StopStrings,
 }
 
 /// Most alternatives the completions API's `logprobs` may ask for (OpenAI's limit).
@@ -96,11 +133,11 @@ const FIELDS: [&str; 15] = [
     "stream_options",
 ];
 
-/// Parse a completion request for a model of `vocab` tokens.
-pub fn completion(body: &Map<String, Value>, vocab: usize) -> Result<CompletionRequest, ApiError> {
+/// Refuse fields this server does not read; accept the neutral ones only with their default.
+pub(crate) fn known_fields(body: &Map<String, Value>, fields: &[&str]) -> Result<(), ApiError> {
     for (key, value) in body {
         match key.as_str() {
-            k if FIELDS.contains(&k) => {}
+            k if fields.contains(&k) => {}
             k => match NEUTRAL.iter().find(|(name, _)| *name == k) {
                 Some((_, ok)) if ok(value) => {}
                 Some(_) => {
@@ -113,27 +150,82 @@ pub fn completion(body: &Map<String, Value>, vocab: usize) -> Result<CompletionR
             },
         }
     }
-    let prompt = prompt_ids(body.get("prompt"), vocab)?;
-    let max_tokens = match present(body, "max_tokens") {
-        None => DEFAULT_MAX_TOKENS,
-        Some(v) => v.as_u64().filter(|&n| n >= 1).ok_or_else(|| {
-            ApiError::bad("max_tokens", format!("max_tokens must be a whole number of at least 1; got {v}"))
-        })? as usize,
-    };
-    let stream = match present(body, "stream") {
-        None => false,
-        Some(v) => v
-            .as_bool()
-            .ok_or_else(|| ApiError::bad("stream", format!("stream must be true or false; got {v}")))?,
-    };
+    Ok(())
+}
+
+/// Parse a completion request for a model of `vocab` tokens; text prompts and stop strings
+/// need `tok`. The context check is the caller's (it knows the limit).
+pub fn completion(
+    body: &Map<String, Value>,
+    vocab: usize,
+    tok: Option<&Tokenizer>,
+) -> Result<CompletionRequest, ApiError> {
+    known_fields(body, &FIELDS)?;
+    let (prompt, is_text) = prompt(body.get("prompt"), vocab, tok)?;
+    let max_tokens = max_tokens(body, "max_tokens")?.unwrap_or(DEFAULT_MAX_TOKENS);
+    let stream = flag(body, "stream")?;
     let sampling = sampling(body)?;
-    let mut stop_ids = token_ids(body, "stop", vocab)?;
+    let (mut stop_ids, stops) = stop(body, vocab, tok)?;
     stop_ids.extend(token_ids(body, "stop_token_ids", vocab)?);
-    Ok(CompletionRequest { prompt, stream, generation: GenerationOptions { max_tokens, stop_ids, sampling } })
+    // Text prompts end at the model's end-of-generation tokens (as `run` does); token-id prompts
+    // only at the ids given (as `generate` does).
+    if is_text {
+        stop_ids.extend(tok.map_or(&[][..], Tokenizer::eog_ids));
+    }
+    Ok(CompletionRequest {
+        prompt,
+        stream,
+        generation: GenerationOptions { max_tokens, stop_ids, sampling },
+        stops,
+    })
+}
+
+/// A `max_tokens`-like field: a whole number of at least 1, or absent.
+pub(crate) fn max_tokens(body: &Map<String, Value>, key: &str) -> Result<Option<usize>, ApiError> {
+    present(body, key)
+        .map(|v| {
+            v.as_u64().filter(|&n| n >= 1).map(|n| n as usize).ok_or_else(|| {
+                ApiError::bad(key, format!("{key} must be a whole number of at least 1; got {v}"))
+            })
+        })
+        .transpose()
+}
+
+pub(crate) fn flag(body: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
+    match present(body, key) {
+        None => Ok(false),
+        Some(v) => {
+            v.as_bool().ok_or_else(|| ApiError::bad(key, format!("{key} must be true or false; got {v}")))
+        }
+    }
+}
+
+/// `stop`: token ids (a number or an array of numbers) or stop strings (a string or an array of
+/// strings, as many as the library's `MAX_STOP_STRINGS`; they need the tokenizer).
+pub(crate) fn stop(
+    body: &Map<String, Value>,
+    vocab: usize,
+    tok: Option<&Tokenizer>,
+) -> Result<(Vec<u32>, StopStrings), ApiError> {
+    let strings: Vec<String> = match present(body, "stop") {
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) if !items.is_empty() && items.iter().all(Value::is_string) => {
+            items.iter().filter_map(Value::as_str).map(str::to_string).collect()
+        }
+        _ => return Ok((token_ids(body, "stop", vocab)?, StopStrings::default())),
+    };
+    if tok.is_none() {
+        return Err(ApiError::bad(
+            "stop",
+            "stop strings need the model's tokenizer, and this model has none; give token ids",
+        ));
+    }
+    let stops = StopStrings::new(strings).map_err(|e| ApiError::bad("stop", format!("stop: {e}")))?;
+    Ok((Vec::new(), stops))
 }
 
 /// A field that is there and not null.
-fn present<'a>(body: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+pub(crate) fn present<'a>(body: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
     body.get(key).filter(|v| !v.is_null())
 }
 
@@ -148,7 +240,7 @@ fn number(body: &Map<String, Value>, key: &str, default: f32) -> Result<f32, Api
 }
 
 /// The sampling fields, typed and range-checked (an error names the field).
-fn sampling(body: &Map<String, Value>) -> Result<SamplingParams, ApiError> {
+pub(crate) fn sampling(body: &Map<String, Value>) -> Result<SamplingParams, ApiError> {
     let d = SamplingParams::default();
     let whole = |key: &str| -> Result<Option<u64>, ApiError> {
         present(body, key)
@@ -186,16 +278,10 @@ fn sampling(body: &Map<String, Value>) -> Result<SamplingParams, ApiError> {
     Ok(p)
 }
 
-/// `stop` / `stop_token_ids` as token ids (stop strings need the text API).
+/// `stop` / `stop_token_ids` as token ids.
 fn token_ids(body: &Map<String, Value>, key: &str, vocab: usize) -> Result<Vec<u32>, ApiError> {
     let items = match present(body, key) {
         None => return Ok(Vec::new()),
-        Some(Value::String(_)) => {
-            return Err(ApiError::bad(
-                key,
-                format!("{key}: stop strings need the text API (not in this build); give token ids"),
-            ))
-        }
         Some(Value::Array(items)) => items,
         Some(v) if v.is_u64() => std::slice::from_ref(v),
         Some(v) => return Err(ApiError::bad(key, format!("{key} must be an array of token ids; got {v}"))),
@@ -213,22 +299,31 @@ fn token_ids(body: &Map<String, Value>, key: &str, vocab: usize) -> Result<Vec<u
         .collect()
 }
 
-fn prompt_ids(v: Option<&Value>, vocab: usize) -> Result<Vec<u32>, ApiError> {
+/// The prompt: text (a string, or an array of one string; needs the tokenizer, which encodes
+/// it as `run` does: BOS as the metadata says, control tokens written in the text parsed) or
+/// token ids (an array, or an array of one array).
+/// Returns the ids and whether the prompt was text.
+fn prompt(v: Option<&Value>, vocab: usize, tok: Option<&Tokenizer>) -> Result<(Vec<u32>, bool), ApiError> {
     let Some(v) = v else { return Err(ApiError::bad("prompt", "prompt is required")) };
+    let batch =
+        || ApiError::bad("prompt", "one prompt per request: a batch of several prompts is not served");
     let ids = match v {
-        Value::String(_) => return Err(ApiError::bad(
-            "prompt",
-            "text prompts need the text API (not in this build): pass the prompt as an array of token ids",
-        )),
+        Value::String(text) => return Ok((text_prompt(text, tok)?, true)),
+        Value::Array(items) if items.len() == 1 && items[0].is_string() => {
+            return Ok((text_prompt(items[0].as_str().expect("checked"), tok)?, true))
+        }
         Value::Array(items) if items.len() == 1 && items[0].is_array() => {
             items[0].as_array().expect("checked")
         }
-        Value::Array(items) if items.iter().any(Value::is_array) => {
-            return Err(ApiError::bad("prompt", "one prompt per request: a batch of prompts is not served"))
+        Value::Array(items) if items.len() > 1 && items.iter().all(|i| i.is_array() || i.is_string()) => {
+            return Err(batch())
         }
         Value::Array(items) => items,
         other => {
-            return Err(ApiError::bad("prompt", format!("prompt must be an array of token ids; got {other}")))
+            return Err(ApiError::bad(
+                "prompt",
+                format!("prompt must be a string or an array of token ids; got {other}"),
+            ))
         }
     };
     if ids.is_empty() {
@@ -243,5 +338,20 @@ fn prompt_ids(v: Option<&Value>, vocab: usize) -> Result<Vec<u32>, ApiError> {
                 format!("prompt[{i}] = {id}: token ids are whole numbers below the vocabulary size {vocab}"),
             )),
         })
-        .collect()
+        .collect::<Result<Vec<u32>, ApiError>>()
+        .map(|ids| (ids, false))
+}
+
+fn text_prompt(text: &str, tok: Option<&Tokenizer>) -> Result<Vec<u32>, ApiError> {
+    let tok = tok.ok_or_else(|| {
+        ApiError::bad(
+            "prompt",
+            "text prompts need the model's tokenizer, and this model has none; pass token ids",
+        )
+    })?;
+    let ids = tok.encode(text, true, true).map_err(|e| ApiError::bad("prompt", e.to_string()))?;
+    if ids.is_empty() {
+        return Err(ApiError::bad("prompt", "prompt is empty"));
+    }
+    Ok(ids)
 }

@@ -1,10 +1,13 @@
 //! moe-lanes over HTTP (the only package that knows HTTP): `GET /` (live page), `GET /health`, `GET /metrics`
 //! (Prometheus), `GET /moe-layer-perf[?mode=full|update|off]` (perf JSON), `GET|POST
-//! /moe-hot-cache` (hot set; manual apply between requests), `GET /v1/models` and
-//! `POST /v1/completions` (OpenAI-compatible, prompts as token ids, streaming as server-sent
-//! events). One engine thread serves a bounded queue; 429 when it is full.
+//! /moe-hot-cache` (hot set; manual apply between requests), and the OpenAI-compatible `GET
+//! /v1/models`, `POST /v1/completions` (text or token-id prompts) and `POST
+//! /v1/chat/completions` (messages through the chat template), streaming as server-sent events.
+//! One engine thread serves a bounded queue; 429 when it is full; a client that hangs up
+//! cancels its generation.
 
 pub mod api;
+mod chat;
 mod page;
 mod prom;
 mod routes;
@@ -14,6 +17,7 @@ pub use api::{DEFAULT_MAX_TOKENS, MAX_BODY_BYTES};
 
 use moe_lanes::engine::{BuildReport, EngineError, EngineOptions};
 use moe_lanes::model::Model;
+use moe_lanes::text::{ChatTemplate, Tokenizer};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -37,6 +41,11 @@ pub struct ServeOptions {
     pub model_name: String,
     /// Write the perf JSON here at shutdown.
     pub perf_json: Option<PathBuf>,
+    /// The model's tokenizer: text prompts, text out, stop strings and chat need it (without
+    /// one, prompts are token ids).
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    /// What renders `/v1/chat/completions` messages, or why there is nothing (the 400 says it).
+    pub chat_template: Result<Arc<ChatTemplate>, String>,
 }
 
 /// What went wrong serving.
@@ -97,6 +106,8 @@ pub fn run(
         shared,
         metrics,
         model_name: opts.model_name.clone(),
+        tokenizer: opts.tokenizer.clone(),
+        chat_template: opts.chat_template.clone(),
         admin_token: opts.admin_token.clone(),
         loopback: opts.listen.ip().is_loopback(),
         n_layers: c.n_layers,

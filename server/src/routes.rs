@@ -1,7 +1,9 @@
-//! The HTTP endpoints (axum): health, models, metrics, perf JSON, hot-cache admin, completions.
+//! The HTTP endpoints (axum): health, models, metrics, perf JSON, hot-cache admin, completions
+//! (chat completions are in `chat`).
 
 use crate::api::{self, ApiError};
 use crate::prom;
+use crate::worker::TextOut;
 use crate::worker::{ApplyJob, CompletionJob, Event, Shared};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -28,6 +30,10 @@ pub struct AppState {
     pub shared: Arc<Shared>,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
     pub model_name: String,
+    /// Text in and out (text prompts, `text`, stop strings, chat), when the model has one.
+    pub tokenizer: Option<Arc<moe_lanes::text::Tokenizer>>,
+    /// Renders chat messages, or why there is nothing to (the model has no template).
+    pub chat_template: Result<Arc<moe_lanes::text::ChatTemplate>, String>,
     pub admin_token: Option<String>,
     pub loopback: bool,
     pub n_layers: usize,
@@ -47,6 +53,7 @@ pub fn router(state: AppState) -> Router {
         .route("/moe-hot-cache", get(hot_cache).post(apply_hot_cache))
         .route("/v1/models", get(models))
         .route("/v1/completions", axum::routing::post(completions))
+        .route("/v1/chat/completions", axum::routing::post(crate::chat::chat_completions))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(axum::extract::DefaultBodyLimit::max(api::MAX_BODY_BYTES))
@@ -247,17 +254,52 @@ async fn completions(
     State(s): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req = api::completion(&api::object(body)?, s.vocab)?;
-    let max_tokens = req.generation.max_tokens;
-    moe_lanes::reference::check_generation_fits(req.prompt.len(), max_tokens, s.ctx_positions)
-        .map_err(|e| ApiError::bad("max_tokens", e.to_string()))?;
+    let req = api::completion(&api::object(body)?, s.vocab, s.tokenizer.as_deref())?;
+    api::check_fits("prompt", req.prompt.len(), req.generation.max_tokens, s.ctx_positions)?;
+    let text = s.tokenizer.clone().map(|tokenizer| TextOut { tokenizer, stops: req.stops });
+    let rx = enqueue(&s, req.prompt, req.generation, text)?;
+    let id = format!("cmpl-{:x}", rand_id());
+    let model = s.model_name.clone();
+    if req.stream {
+        let format = move |item: Item| {
+            let (choice, usage) = match item {
+                Item::Token { id, text, logprobs } => (completion_choice(&[id], text, logprobs, None), None),
+                Item::Done { tail, finish, usage } => {
+                    (completion_choice(&[], tail, None, Some(finish)), Some(usage))
+                }
+            };
+            let mut v = json!({"id": id, "object": "text_completion", "created": created(), "model": model, "choices": [choice]});
+            if let Some(u) = usage {
+                v["usage"] = u;
+            }
+            vec![v]
+        };
+        return Ok(sse(rx, Vec::new(), format).into_response());
+    }
+    let c = collect(rx).await?;
+    let lp = (!c.logprobs.is_empty()).then(|| {
+        let mut j = LogprobsJson::default();
+        c.logprobs.iter().for_each(|lp| j.push(lp));
+        j.to_json()
+    });
+    let choice =
+        json!({"index": 0, "text": c.text, "token_ids": c.ids, "logprobs": lp, "finish_reason": c.finish});
+    Ok(Json(json!({
+        "id": id, "object": "text_completion", "created": created(), "model": model,
+        "choices": [choice], "usage": c.usage,
+    }))
+    .into_response())
+}
+
+/// Queue a job (429 when the queue is full); its events come on the returned channel.
+pub(crate) fn enqueue(
+    s: &AppState,
+    prompt: Vec<u32>,
+    generation: moe_lanes::engine::GenerationOptions,
+    text: Option<TextOut>,
+) -> Result<tokio::sync::mpsc::Receiver<Event>, ApiError> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let job = CompletionJob {
-        prompt: req.prompt.clone(),
-        generation: req.generation.clone(),
-        events: tx,
-        enqueued_at: Instant::now(),
-    };
+    let job = CompletionJob { prompt, generation, text, events: tx, enqueued_at: Instant::now() };
     s.shared.waiting.fetch_add(1, Ordering::Relaxed);
     if s.jobs.try_send(job).is_err() {
         s.shared.waiting.fetch_sub(1, Ordering::Relaxed);
@@ -267,30 +309,30 @@ async fn completions(
             "the request queue is full; retry later",
         ));
     }
-    let id = format!("cmpl-{:x}", rand_id());
-    if req.stream {
-        return Ok(stream(id, s.model_name.clone(), rx).into_response());
-    }
-    collect(id, &s.model_name, rx).await.map(|v| Json(v).into_response())
+    Ok(rx)
 }
 
-fn rand_id() -> u64 {
+pub(crate) fn rand_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(Instant::now().elapsed().as_nanos());
     h.finish()
 }
 
-fn created() -> u64 {
+pub(crate) fn created() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-fn choice(ids: &[u32], logprobs: Option<&LogprobsJson>, finish: Option<&str>) -> Value {
-    let lp = logprobs.map_or(Value::Null, LogprobsJson::to_json);
-    json!({"index": 0, "text": "", "token_ids": ids, "logprobs": lp, "finish_reason": finish})
+fn completion_choice(ids: &[u32], text: &str, logprobs: Option<&Logprobs>, finish: Option<&str>) -> Value {
+    let lp = logprobs.map_or(Value::Null, |lp| {
+        let mut j = LogprobsJson::default();
+        j.push(lp);
+        j.to_json()
+    });
+    json!({"index": 0, "text": text, "token_ids": ids, "logprobs": lp, "finish_reason": finish})
 }
 
-/// A token's name in logprobs until text lands: `token_id:<id>` (vLLM's spelling).
+/// A token's name in logprobs: `token_id:<id>` (vLLM's spelling).
 fn token_name(id: u32) -> String {
     format!("token_id:{id}")
 }
@@ -318,31 +360,35 @@ impl LogprobsJson {
     }
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+pub(crate) fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
     json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
 }
 
-async fn collect(
-    id: String,
-    model: &str,
-    mut rx: tokio::sync::mpsc::Receiver<Event>,
-) -> Result<Value, ApiError> {
+/// A whole generation, collected.
+pub(crate) struct Collected {
+    pub ids: Vec<u32>,
+    pub text: String,
+    /// Per token, when asked for.
+    pub logprobs: Vec<Logprobs>,
+    pub finish: &'static str,
+    pub usage: Value,
+}
+
+pub(crate) async fn collect(mut rx: tokio::sync::mpsc::Receiver<Event>) -> Result<Collected, ApiError> {
     let mut ids = Vec::new();
-    let mut lps: Option<LogprobsJson> = None;
+    let mut text = String::new();
+    let mut logprobs = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
-            Event::Token { id, logprobs } => {
+            Event::Token { id, text: piece, logprobs: lp } => {
                 ids.push(id);
-                if let Some(lp) = logprobs {
-                    lps.get_or_insert_with(LogprobsJson::default).push(&lp);
-                }
+                text.push_str(&piece);
+                logprobs.extend(lp);
             }
-            Event::Done { prompt_tokens, completion_tokens, finish } => {
-                return Ok(json!({
-                    "id": id, "object": "text_completion", "created": created(), "model": model,
-                    "choices": [choice(&ids, lps.as_ref(), Some(finish.openai()))],
-                    "usage": usage(prompt_tokens, completion_tokens),
-                }));
+            Event::Done { prompt_tokens, completion_tokens, finish, tail } => {
+                text.push_str(&tail);
+                let usage = usage(prompt_tokens, completion_tokens);
+                return Ok(Collected { ids, text, logprobs, finish: finish.openai(), usage });
             }
             Event::Failed(e) => {
                 return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e))
@@ -352,41 +398,44 @@ async fn collect(
     Err(ApiError::status(StatusCode::SERVICE_UNAVAILABLE, "server_error", "the engine stopped"))
 }
 
-/// Server-sent events: one chunk per token, a last chunk with `finish_reason` and `usage`, then
+/// One worker event, as a streaming formatter sees it.
+pub(crate) enum Item<'a> {
+    Token { id: u32, text: &'a str, logprobs: Option<&'a Logprobs> },
+    Done { tail: &'a str, finish: &'static str, usage: Value },
+}
+
+/// Server-sent events: `first` chunks, then what `format` makes of each event, then
 /// `data: [DONE]`. A client that goes away drops the stream, and with it the generation.
-fn stream(id: String, model: String, rx: tokio::sync::mpsc::Receiver<Event>) -> impl IntoResponse {
+pub(crate) fn sse(
+    rx: tokio::sync::mpsc::Receiver<Event>,
+    first: Vec<Value>,
+    format: impl Fn(Item) -> Vec<Value> + Clone + Send + 'static,
+) -> impl IntoResponse {
     use futures_util::stream::{self, StreamExt};
-    let chunk = move |choice: Value, usage: Option<Value>| {
-        let mut v = json!({"id": id, "object": "text_completion", "created": created(), "model": model, "choices": [choice]});
-        if let Some(u) = usage {
-            v["usage"] = u;
-        }
-        SseEvent::default().data(v.to_string())
-    };
+    let data =
+        |v: Vec<Value>| v.into_iter().map(|v| SseEvent::default().data(v.to_string())).collect::<Vec<_>>();
     // The worker drops its sender after the last event, which ends this stream.
     let events = stream::unfold(rx, move |mut rx| {
-        let chunk = chunk.clone();
+        let format = format.clone();
         async move {
-            let ev = match rx.recv().await {
-                Some(Event::Token { id, logprobs }) => {
-                    let lp = logprobs.map(|lp| {
-                        let mut j = LogprobsJson::default();
-                        j.push(&lp);
-                        j
-                    });
-                    chunk(choice(&[id], lp.as_ref(), None), None)
+            let chunks = match rx.recv().await? {
+                Event::Token { id, text, logprobs } => {
+                    data(format(Item::Token { id, text: &text, logprobs: logprobs.as_ref() }))
                 }
-                Some(Event::Done { prompt_tokens, completion_tokens, finish }) => chunk(
-                    choice(&[], None, Some(finish.openai())),
-                    Some(usage(prompt_tokens, completion_tokens)),
-                ),
-                Some(Event::Failed(e)) => SseEvent::default()
-                    .data(json!({"error": {"message": e, "type": "server_error"}}).to_string()),
-                None => return None,
+                Event::Done { prompt_tokens, completion_tokens, finish, tail } => {
+                    let usage = usage(prompt_tokens, completion_tokens);
+                    data(format(Item::Done { tail: &tail, finish: finish.openai(), usage }))
+                }
+                Event::Failed(e) => {
+                    vec![SseEvent::default()
+                        .data(json!({"error": {"message": e, "type": "server_error"}}).to_string())]
+                }
             };
-            Some((Ok::<_, std::convert::Infallible>(ev), rx))
+            Some((stream::iter(chunks.into_iter().map(Ok::<_, std::convert::Infallible>)), rx))
         }
-    });
+    })
+    .flatten();
+    let first = stream::iter(data(first).into_iter().map(Ok));
     let done = stream::once(async { Ok(SseEvent::default().data("[DONE]")) });
-    Sse::new(events.chain(done))
+    Sse::new(first.chain(events).chain(done))
 }

@@ -15,6 +15,7 @@ use moe_lanes::model::Model;
 use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::perf::PerfMode;
 use moe_lanes::sample::Logprobs;
+use moe_lanes::text::{StopPush, StopStrings, TextStream, Tokenizer};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -30,15 +31,36 @@ const PUBLISH_EVERY: Duration = Duration::from_millis(250);
 pub struct CompletionJob {
     pub prompt: Vec<u32>,
     pub generation: GenerationOptions,
+    /// Text out (decoded pieces, stop strings), when the model has a tokenizer.
+    pub text: Option<TextOut>,
     pub events: tokio::sync::mpsc::Sender<Event>,
     pub enqueued_at: Instant,
+}
+
+/// What a text request needs on the engine thread: the tokenizer and its stop strings.
+#[derive(Clone)]
+pub struct TextOut {
+    pub tokenizer: Arc<Tokenizer>,
+    pub stops: StopStrings,
 }
 
 /// What the worker tells the request handler.
 #[derive(Debug)]
 pub enum Event {
-    Token { id: u32, logprobs: Option<Logprobs> },
-    Done { prompt_tokens: usize, completion_tokens: usize, finish: FinishReason },
+    /// `text`: the whole UTF-8 this token released (empty without a tokenizer, or while a
+    /// character or a possible stop string is held back).
+    Token {
+        id: u32,
+        text: String,
+        logprobs: Option<Logprobs>,
+    },
+    /// `tail`: text released only at the end (held back until then).
+    Done {
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        finish: FinishReason,
+        tail: String,
+    },
     Failed(String),
 }
 
@@ -116,6 +138,11 @@ pub fn run(
         match jobs.recv_timeout(IDLE_POLL) {
             Ok(job) => {
                 shared.waiting.fetch_sub(1, Ordering::Relaxed);
+                if job.events.is_closed() {
+                    // Its client left while it waited: nothing to compute.
+                    prom::request_cancelled();
+                    continue;
+                }
                 shared.running.fetch_add(1, Ordering::Relaxed);
                 complete(engine.as_mut(), &mut live, job, &shared);
             }
@@ -176,9 +203,9 @@ fn complete(engine: &mut dyn Engine, live: &mut LiveCache, job: CompletionJob, s
     shared.running.fetch_sub(1, Ordering::Relaxed);
     publish(engine, shared);
     let event = match result {
-        Ok(Some((n, finish))) => {
+        Ok(Some((n, finish, tail))) => {
             prom::request_finished(started.elapsed());
-            Event::Done { prompt_tokens: job.prompt.len(), completion_tokens: n, finish }
+            Event::Done { prompt_tokens: job.prompt.len(), completion_tokens: n, finish, tail }
         }
         Ok(None) => {
             prom::request_cancelled();
@@ -192,16 +219,33 @@ fn complete(engine: &mut dyn Engine, live: &mut LiveCache, job: CompletionJob, s
     let _ = job.events.blocking_send(event);
 }
 
-/// Generate with the job's sampler, streaming each token; `Ok(None)`: the client went away (its
-/// generation stopped). Otherwise the number of tokens and why it ended.
+/// How a generation ended: tokens generated, why, and the text held back to the end.
+type Ended = (usize, FinishReason, String);
+
+/// Why a job failed (its client hears the message).
+#[derive(Debug, thiserror::Error)]
+enum JobError {
+    #[error(transparent)]
+    Generation(#[from] GenerationError),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    #[error("cannot decode the generated text: {0}")]
+    Text(#[from] moe_lanes::text::TokenizerError),
+}
+
+/// Generate with the job's sampler, streaming each token (and its text); `Ok(None)`: the client
+/// went away (its generation stopped). A completed stop string ends it with `Stop`.
 fn generate(
     engine: &mut dyn Engine,
     live: &mut LiveCache,
     job: &CompletionJob,
     shared: &Shared,
     started: Instant,
-) -> Result<Option<(usize, FinishReason)>, GenerationError> {
+) -> Result<Option<Ended>, JobError> {
     let mut session = Generation::new(engine, &job.prompt, job.generation.clone())?;
+    // Control tokens (`<|im_end|>`, ...) are not in the text, as `run` shows it by default.
+    let mut text = job.text.as_ref().map(|t| TextStream::new(&t.tokenizer, true, t.stops.clone()));
+    let mut stopped_on = None;
     let mut first = true;
     let mut published = Instant::now();
     while let Some(t) = session.next_token()? {
@@ -211,8 +255,20 @@ fn generate(
         } else {
             prom::inter_token(std::time::Duration::from_micros(t.step_us));
         }
-        if job.events.blocking_send(Event::Token { id: t.id, logprobs: t.logprobs }).is_err() {
+        let piece = match text.as_mut() {
+            Some(s) => s.push(t.id)?,
+            None => StopPush::default(),
+        };
+        if job
+            .events
+            .blocking_send(Event::Token { id: t.id, text: piece.text, logprobs: t.logprobs })
+            .is_err()
+        {
             return Ok(None);
+        }
+        if piece.stopped.is_some() {
+            stopped_on = Some(t.id);
+            session.cancel();
         }
         switch_mode(session.engine_mut(), shared);
         if published.elapsed() >= PUBLISH_EVERY {
@@ -224,8 +280,14 @@ fn generate(
         }
     }
     let n = session.generated_tokens();
-    let finish = session.finish_reason().expect("finished");
-    Ok(Some((n, finish)))
+    // The held-back text; a stop string its last bytes complete still cuts it.
+    let end = text.map(TextStream::finish).unwrap_or_default();
+    let last = session.generated().last().copied();
+    let finish = match (stopped_on.or(end.stopped.and(last)), session.finish_reason()) {
+        (Some(token), _) => FinishReason::Stop { token },
+        (None, finish) => finish.expect("finished"),
+    };
+    Ok(Some((n, finish, end.text)))
 }
 
 fn publish(engine: &dyn Engine, shared: &Shared) {

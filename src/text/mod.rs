@@ -30,6 +30,14 @@
 //!   (`<|im_end|>`, `<|eot_id|>`, `<|endoftext|>`, ...).
 //! - Every method taking an id returns [`TokenizerError::IdOutOfRange`] for `id >= n_vocab`.
 //!
+//! # Chat, stop strings, generation
+//! - [`ChatTemplate`] renders a conversation ([`ChatMessage`]s) with the model's Jinja template
+//!   as `transformers`' `apply_chat_template` does (see `chat_template.rs`).
+//! - [`StopStrings`] cuts streamed text at the first stop string, holding back a possible start.
+//! - [`generate_text`] runs a [`Generation`](crate::engine::Generation) on an engine and streams
+//!   text ([`TextStream`]: whole UTF-8, stop strings); [`TextGenerator`] does so for async code,
+//!   with the engine on its own thread.
+//!
 //! # GGUF (`tokenizer.ggml.*`)
 //! `model = "gpt2"`: byte-level BPE with the pre-tokenizer `pre` names ([`PreTokenizer`]:
 //! `qwen2`, `qwen35`, `llama-bpe`, `gpt-2`, `olmo`, `default`, and their llama.cpp aliases).
@@ -45,19 +53,27 @@
 //! [`Tokenizer::to_hf_files`] writes a GGUF byte-level BPE tokenizer as those two files.
 
 mod bpe;
+mod chat_template;
+mod generate;
 mod gguf_tok;
 #[cfg(feature = "hf-tokenizer")]
 mod hf;
 mod hf_export;
 mod pretokenize;
+mod service;
 mod special;
 mod spm;
+mod stop;
 mod stream;
 mod tokenizer;
 mod vocab;
 
+pub use chat_template::{ChatMessage, ChatTemplate, ChatTemplateError, RenderOptions};
+pub use generate::{generate_text, TextFinish, TextGenerationError, TextOptions, TextOutcome, TextStream};
 pub use hf_export::HfTokenizerFiles;
 pub use pretokenize::PreTokenizer;
+pub use service::{TextEvent, TextEvents, TextGenerator, TEXT_EVENTS_BUFFER};
+pub use stop::{StopPush, StopStringError, StopStrings, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
 pub use stream::StreamDecoder;
 pub use tokenizer::Tokenizer;
 pub use vocab::TokenType;

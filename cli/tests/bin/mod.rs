@@ -1,6 +1,8 @@
 //! Running the real `moe-lanes` binary from tests (shared by the CLI test files).
 #![allow(dead_code)]
 
+pub mod server;
+
 use std::path::Path;
 use std::process::{Command, Output};
 
