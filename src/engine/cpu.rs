@@ -70,13 +70,7 @@ impl Engine for Pipeline {
         Ok(KvCache::Pipeline(Pipeline::new_cache(self)))
     }
     fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError> {
-        let KvCache::Pipeline(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
-        let before = Pipeline::perf(self).lane_snapshot();
-        let start = std::time::Instant::now();
-        let rows = Pipeline::forward(self, c, tokens, phase)?;
-        let wall_us = start.elapsed().as_micros() as u64;
-        self.perf_mut().record_call(phase.name(), tokens.len(), wall_us, &before);
-        Ok(Logits::from_rows(rows, self.config().vocab))
+        timed_forward(self, tokens, phase, cache, LogitRows::All)
     }
     fn forward_last(
         &mut self,
@@ -84,9 +78,7 @@ impl Engine for Pipeline {
         phase: Phase,
         cache: &mut KvCache,
     ) -> Result<Logits, EngineError> {
-        let KvCache::Pipeline(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
-        let rows = Pipeline::forward_rows(self, c, tokens, phase, LogitRows::Last)?;
-        Ok(Logits::from_rows(rows, self.config().vocab))
+        timed_forward(self, tokens, phase, cache, LogitRows::Last)
     }
     fn perf(&self) -> Option<&PerfState> {
         Some(Pipeline::perf(self))
@@ -114,4 +106,22 @@ impl Engine for Pipeline {
     fn apply_exchanges(&mut self) -> Result<usize, EngineError> {
         Ok(self.apply_pending_exchanges()?)
     }
+}
+
+/// One pipeline call, recorded in the perf state's per-phase section (wall time and the lane
+/// share of it) whichever logits rows it computes, so `plan`'s cost model sees every call.
+fn timed_forward(
+    p: &mut Pipeline,
+    tokens: &[u32],
+    phase: Phase,
+    cache: &mut KvCache,
+    rows: LogitRows,
+) -> Result<Logits, EngineError> {
+    let KvCache::Pipeline(c) = cache else { return Err(wrong_cache(p.kind(), cache)) };
+    let before = Pipeline::perf(p).lane_snapshot();
+    let start = std::time::Instant::now();
+    let rows = Pipeline::forward_rows(p, c, tokens, phase, rows)?;
+    let wall_us = start.elapsed().as_micros() as u64;
+    p.perf_mut().record_call(phase.name(), tokens.len(), wall_us, &before);
+    Ok(Logits::from_rows(rows, p.config().vocab))
 }
