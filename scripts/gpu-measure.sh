@@ -52,6 +52,15 @@ part_models() {
     PARTS="tests engine" GPU_DIR="$GPU_DIR" bash scripts/gpu-test.sh
 }
 
+# Timed parts must not share the host with the llama.cpp build that `models` started.
+wait_llama_build() {
+    if pgrep -f "compare-llama-cpp.sh build" >/dev/null; then
+        echo "waiting for the llama.cpp build to finish before timing anything"
+        while pgrep -f "compare-llama-cpp.sh build" >/dev/null; do sleep 5; done
+        tail -1 "$MD/llama-build.log"
+    fi
+}
+
 bench_json() { # OUTFILE MODEL [bench flags...]
     local out="$1" m="$2"
     shift 2
@@ -111,6 +120,7 @@ part_compare() {
 status=0
 for part in "$@"; do
     echo "== $part ($(date -u +%H:%M:%S)) =="
+    [ "$part" = models ] || wait_llama_build
     case "$part" in
         models | metrics | shift | plan | compare) "part_$part" || status=1 ;;
         *) echo "unknown part $part (models metrics shift plan compare)"; exit 2 ;;
