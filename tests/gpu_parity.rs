@@ -165,6 +165,33 @@ fn fixtures_hot_all() {
     run_hot(Hot::All);
 }
 
+/// `forward_last` runs the lm_head for the last row only: one row, equal to the reference's
+/// last row, and the decode after it continues from the same cache.
+#[test]
+fn forward_last_is_the_last_row() {
+    if !gpu_usable() {
+        return;
+    }
+    for name in &common::fixture_names() {
+        let model = open(name);
+        let c = model.config().clone();
+        let hot = HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts));
+        let mut engine = gpu_engine(&model, hot, GpuFaults::default());
+        let reference = Reference::new(&model).unwrap();
+        let prompt = prompt(model.path());
+        let mut rc = reference.new_cache();
+        let want = reference.forward(&mut rc, &prompt, &mut NoObserver).unwrap();
+        let mut cache = engine.new_cache(prompt.len() + 1).unwrap();
+        let got = engine.forward_last(&prompt, Phase::Prefill, &mut cache).unwrap();
+        assert_eq!((got.n_rows, got.argmax.len()), (1, 1), "{name}: one row");
+        compare_row(&format!("{name} forward_last"), got.row(0), want.last().unwrap());
+        let next = moe_lanes::reference::argmax(want.last().unwrap());
+        let want = reference.forward(&mut rc, &[next], &mut NoObserver).unwrap();
+        let got = engine.forward(&[next], Phase::Decode, &mut cache).unwrap();
+        compare_row(&format!("{name} decode after forward_last"), got.row(0), &want[0]);
+    }
+}
+
 #[test]
 fn exchanges_keep_output_exact() {
     if !gpu_usable() {

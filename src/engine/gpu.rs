@@ -11,7 +11,7 @@ use crate::gpu::{GpuModel, PoolColdExperts};
 use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::phase::Phase;
-use crate::moe::pipeline::{Pipeline, PipelineError, PipelineOptions};
+use crate::moe::pipeline::{LogitRows, Pipeline, PipelineError, PipelineOptions};
 use std::sync::Arc;
 
 pub struct GpuEngine {
@@ -54,12 +54,41 @@ impl GpuEngine {
         Ok(())
     }
 
+    /// One call on the GPU (or, once the device is lost, on the CPU pipeline), with the lm_head
+    /// for `rows` only.
+    fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut KvCache,
+        rows: LogitRows,
+    ) -> Result<Logits, EngineError> {
+        let KvCache::Gpu(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
+        if self.cpu.is_none() {
+            self.apply_exchanges()?;
+            let before = self.gpu.perf().lane_snapshot();
+            let start = std::time::Instant::now();
+            match self.gpu.forward_rows(tokens, phase, &mut c.kv, &mut self.cold, rows) {
+                Ok(logits) => {
+                    let wall_us = start.elapsed().as_micros() as u64;
+                    self.gpu.perf_mut().record_call(phase.name(), tokens.len(), wall_us, &before);
+                    c.tokens.extend_from_slice(tokens);
+                    return Ok(logits);
+                }
+                Err(e) if e.is_device_loss() => self.lose_device()?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.forward_cpu(tokens, phase, c, rows)
+    }
+
     /// Run on the CPU pipeline, first replaying the session's tokens into its own cache.
     fn forward_cpu(
         &mut self,
         tokens: &[u32],
         phase: Phase,
         c: &mut GpuSessionCache,
+        rows: LogitRows,
     ) -> Result<Logits, EngineError> {
         let pipeline = self.cpu.as_mut().expect("device lost");
         if c.cpu.is_none() {
@@ -69,13 +98,13 @@ impl GpuEngine {
             }
             c.cpu = Some(pc);
         }
-        let rows = Pipeline::forward(pipeline, c.cpu.as_mut().expect("set above"), tokens, phase)?;
+        let logits = pipeline.forward_rows(c.cpu.as_mut().expect("set above"), tokens, phase, rows)?;
         c.tokens.extend_from_slice(tokens);
         let perf = self.gpu.perf_mut();
         for l in 0..self.model.config().n_layers {
             perf.record_fallback(l, FallbackReason::GpuLost);
         }
-        Ok(Logits::from_rows(rows, self.model.config().vocab))
+        Ok(Logits::from_rows(logits, self.model.config().vocab))
     }
 }
 
@@ -95,23 +124,15 @@ impl Engine for GpuEngine {
         Ok(KvCache::Gpu(GpuSessionCache { kv, tokens: Vec::with_capacity(capacity), cpu: None }))
     }
     fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError> {
-        let KvCache::Gpu(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
-        if self.cpu.is_none() {
-            self.apply_exchanges()?;
-            let before = self.gpu.perf().lane_snapshot();
-            let start = std::time::Instant::now();
-            match self.gpu.forward(tokens, phase, &mut c.kv, &mut self.cold) {
-                Ok(logits) => {
-                    let wall_us = start.elapsed().as_micros() as u64;
-                    self.gpu.perf_mut().record_call(phase.name(), tokens.len(), wall_us, &before);
-                    c.tokens.extend_from_slice(tokens);
-                    return Ok(logits);
-                }
-                Err(e) if e.is_device_loss() => self.lose_device()?,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        self.forward_cpu(tokens, phase, c)
+        self.forward_rows(tokens, phase, cache, LogitRows::All)
+    }
+    fn forward_last(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut KvCache,
+    ) -> Result<Logits, EngineError> {
+        self.forward_rows(tokens, phase, cache, LogitRows::Last)
     }
     fn perf(&self) -> Option<&PerfState> {
         Some(self.gpu.perf())

@@ -18,6 +18,7 @@ use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::faults::{FaultLane, LaneFault, LaneFaultSchedule};
 use crate::moe::phase::Phase;
+use crate::moe::pipeline::LogitRows;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer};
 use std::sync::Arc;
@@ -324,6 +325,19 @@ impl GpuModel {
         cache: &mut GpuKvCache,
         cold: &mut dyn ColdExperts,
     ) -> Result<Logits, GpuError> {
+        self.forward_rows(tokens, phase, cache, cold, LogitRows::All)
+    }
+
+    /// As [`GpuModel::forward`], with the lm_head run only for the `rows` asked for
+    /// ([`LogitRows::Last`]: the last token's row, as generation and prompt processing need).
+    pub fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+        rows: LogitRows,
+    ) -> Result<Logits, GpuError> {
         let call_start = Instant::now();
         self.check_call(tokens, cache)?;
         self.call_idx += 1;
@@ -341,7 +355,7 @@ impl GpuModel {
             self.moe_block(l, phase, t, cold)?;
         }
         let copy_start = Instant::now();
-        let logits = self.head(phase, t)?;
+        let logits = self.head(phase, t, rows)?;
         let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
         cache.n_positions += t;
         self.finish_call(phase, t, call_start, copy_start, copy_us)?;
@@ -358,11 +372,17 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Final norm, lm_head, greedy tokens on the GPU, and the copies back.
-    fn head(&mut self, phase: Phase, t: usize) -> Result<Logits, GpuError> {
+    /// Final norm, lm_head, greedy tokens on the GPU, and the copies back, for the `rows` asked
+    /// for (`Last`: the last token's row alone, by the one-row GEMV).
+    fn head(&mut self, phase: Phase, t: usize, rows: LogitRows) -> Result<Logits, GpuError> {
         let (c, be) = (&self.cfg, &self.be);
         let s = self.scratch.as_ref().expect("reserved");
-        be.rmsnorm(s.hidden.ptr(), self.w.final_norm.ptr(), s.normed.ptr(), t, c.hidden, c.rms_eps)?;
+        let (first, t, phase) = match rows {
+            LogitRows::All => (0, t, phase),
+            LogitRows::Last => (t - 1, 1, Phase::Decode),
+        };
+        let x = s.hidden.ptr().from(first * c.hidden);
+        be.rmsnorm(x, self.w.final_norm.ptr(), s.normed.ptr(), t, c.hidden, c.rms_eps)?;
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed).ptr();
         self.linear(phase, s.normed.ptr(), head, s.logits.ptr(), t, c.vocab, c.hidden, false)?;
         self.mark_tail(1)?;
