@@ -243,14 +243,18 @@ fn notes(cost: &CostModel) -> Vec<String> {
         let fallback = match c.layer_call.map(|l| l.fit) {
             None => Some("no per-layer-call lane costs (a file older than phases.*.lane_cost): per-slot model"),
             Some(FitKind::LeastSquares) => None,
-            Some(FitKind::ThroughNoCold) => Some("one cold-slot count only: cold cost taken as the line through the calls without cold work"),
-            Some(FitKind::Proportional) => Some("one cold-slot count and no call without cold work: cold cost taken as proportional to the cold slots"),
-            Some(FitKind::PerSlotOnly) => Some("no layer call with cold work: cold cost per slot from the phase totals"),
+            Some(FitKind::ThroughNoCold) => Some(
+                "one cold-slot count only: cold cost taken as the line through the calls without cold work (calibrate at a budget that leaves a few cold slots per layer)",
+            ),
+            Some(FitKind::Proportional) => Some(
+                "one cold-slot count and no call without cold work: cold cost taken as proportional to the cold slots (calibrate at a budget that leaves a few cold slots per layer)",
+            ),
+            Some(FitKind::PerSlotOnly) => Some(
+                "no layer call with cold work: cold cost per slot from the phase totals (calibrate at a budget that leaves a few cold slots per layer)",
+            ),
         };
         if let Some(why) = fallback {
-            notes.push(format!(
-                "{what} prediction: {why} (calibrate at a budget with some cold slots per layer)"
-            ));
+            notes.push(format!("{what} prediction: {why}"));
         }
     }
     notes
