@@ -85,12 +85,11 @@ fn solve(m: &[[f64; 3]; 3], r: &[f64; 3], use_: [bool; 3]) -> Option<[f64; 3]> {
         if a[c][c].abs() < 1e-6 {
             return None;
         }
-        for row in 0..p {
+        let pivot_row = a[c].clone();
+        for (row, r) in a.iter_mut().enumerate() {
             if row != c {
-                let f = a[row][c] / a[c][c];
-                for col in c..=p {
-                    a[row][col] -= f * a[c][col];
-                }
+                let f = r[c] / pivot_row[c];
+                r.iter_mut().zip(&pivot_row).skip(c).for_each(|(x, y)| *x -= f * y);
             }
         }
     }
