@@ -584,5 +584,6 @@ impl LaneWindows {
         t.join_wait_us = us(wait_from, joined_at);
         t.merge_us = us(joined_at, merged_at);
         t.wall_us = us(sent_at, merged_at);
+        t.split = true;
     }
 }

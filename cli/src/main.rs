@@ -100,7 +100,9 @@ enum Command {
 struct PlanArgs {
     #[arg(long)]
     model: PathBuf,
-    /// Learn file (perf JSON from learn, or --perf-json of generate/bench for decode timings).
+    /// Learn file (perf JSON from learn, or --perf-json of generate/bench for decode timings; the
+    /// per-layer-call cost model fits best to a bench at a budget that leaves some cold slots per
+    /// layer, e.g. 50%).
     #[arg(long)]
     learn: PathBuf,
     /// Hot-cache budget in MiB; -1 = the device's free memory after the weights and the KV

@@ -428,3 +428,89 @@ fn live_cache_commands_end_to_end() {
     ]);
     assert!(err.contains("--scenario drift"), "{err}");
 }
+
+/// The what-if planner's per-layer-call cost model end to end on the CPU pipeline: a bench at
+/// half the experts hot writes `phases.*.lane_cost` into its perf JSON, and `plan` fits and uses
+/// it (no fallback note); the same file without those fields falls back to the per-slot model
+/// and says so.
+#[test]
+fn plan_fits_the_lane_costs_a_bench_records() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    ok_stdout(&["synth", "--arch", "qwen3_moe", "--out", p(&model), "--experts", "16"]);
+    let cal = dir.path().join("cal.json");
+    let bench = [
+        "bench",
+        "--model",
+        p(&model),
+        "--engine",
+        "pipeline",
+        "--hot-fraction",
+        "0.5",
+        "-p",
+        "32",
+        "-n",
+        "24",
+        "--runs",
+        "1",
+        "--perf-json",
+        p(&cal),
+    ];
+    ok_stdout(&bench);
+    let perf: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&cal).unwrap()).unwrap();
+    let n_layers = perf["layers"].as_array().unwrap().len() as u64;
+    let decode = &perf["phases"]["decode"]["lane_cost"];
+    let prefill = &perf["phases"]["prefill"]["lane_cost"];
+    let calls =
+        |c: &serde_json::Value| c["calls_cold"].as_u64().unwrap() + c["calls_no_cold"].as_u64().unwrap();
+    // Every decode layer call is split on the pipeline, one token each.
+    let decode_tokens = perf["phases"]["decode"]["tokens"].as_u64().unwrap();
+    assert_eq!(calls(decode), decode_tokens * n_layers, "{decode}");
+    assert_eq!(decode["tokens"].as_u64().unwrap(), decode_tokens * n_layers);
+    assert!(decode["calls_cold"].as_u64().unwrap() > 0 && decode["calls_no_cold"].as_u64().unwrap() > 0);
+    // One-token calls: each cold slot is a distinct expert.
+    assert_eq!(decode["cold_slots"], decode["cold_experts"]);
+    assert!(decode["wall_cold_us"].as_u64().unwrap() > 0);
+    assert!(calls(prefill) >= n_layers && prefill["cold_slots"].as_u64() >= prefill["cold_experts"].as_u64());
+    let plan = |learn: &std::path::Path, budget: &str| -> serde_json::Value {
+        let out = ok_stdout(&[
+            "plan",
+            "--model",
+            p(&model),
+            "--learn",
+            p(learn),
+            "--hot-budget-mib",
+            budget,
+            "--json",
+        ]);
+        serde_json::from_str(&out).unwrap()
+    };
+    let fitted = plan(&cal, "0");
+    let lc = &fitted["cost_model"]["phases"]["decode"]["layer_call"];
+    assert_eq!(lc["fit"], "least_squares", "{lc}");
+    assert_eq!(lc["tokens_per_call"], 1.0);
+    assert_eq!(fitted["cost_model"]["phases"]["prefill"]["layer_call"]["fit"], "least_squares");
+    let notes = fitted["notes"].to_string();
+    assert!(!notes.contains("prediction:"), "{notes}");
+    assert!(fitted["plan"]["tg_tokens_per_s"].as_f64().unwrap() > 0.0);
+    assert!(fitted["plan"]["pp_tokens_per_s"].as_f64().unwrap() > 0.0);
+    // Budget 0 on the fitted model: every layer call has k cold slots, so it costs F + k (D + S).
+    let k = perf["n_expert_used"].as_f64().unwrap();
+    let c = &fitted["cost_model"]["phases"]["decode"];
+    let f = |v: &serde_json::Value| v.as_f64().unwrap();
+    let per_layer = f(&lc["fixed_us"]) + k * (f(&lc["per_cold_slot_us"]) + f(&lc["per_cold_expert_us"]));
+    let want = 1e6 / (f(&c["other_us_per_token"]) + n_layers as f64 * per_layer);
+    let got = f(&fitted["plan"]["tg_tokens_per_s"]);
+    assert!((got - want).abs() < 1e-6 * want, "{got} vs {want}");
+    // The same file as written before lane_cost existed: the per-slot model, said in the notes.
+    let mut old = perf.clone();
+    for phase in old["phases"].as_object_mut().unwrap().values_mut() {
+        phase.as_object_mut().unwrap().remove("lane_cost");
+    }
+    let old_path = dir.path().join("old.json");
+    std::fs::write(&old_path, old.to_string()).unwrap();
+    let fallback = plan(&old_path, "0");
+    assert!(fallback["cost_model"]["phases"]["decode"]["layer_call"].is_null());
+    assert!(fallback["notes"].to_string().contains("per-slot model"), "{}", fallback["notes"]);
+    assert!(fallback["plan"]["tg_tokens_per_s"].as_f64().unwrap() > 0.0);
+}

@@ -88,12 +88,20 @@ fn perf_json_shape() {
                 *v = serde_json::json!("[us]");
             }
         }
+        // The lane-cost sums: the wall-time moments vary, the counts do not.
+        for (key, v) in phase["lane_cost"].as_object_mut().unwrap() {
+            if key.contains("wall") {
+                *v = serde_json::json!("[us]");
+            }
+        }
     }
     insta::assert_snapshot!("perf_json", serde_json::to_string_pretty(&value).unwrap());
 }
 
 /// A model big enough for MiB budgets to matter (16 experts of 768 KiB per layer), its learn
-/// file with every timing replaced by fixed figures, so the plan's predictions are stable.
+/// file with every timing replaced by fixed figures, so the plan's predictions are stable:
+/// decode with per-layer-call lane costs (the fitted model), prefill without (the per-slot
+/// fallback of older files).
 fn plan_fixture(dir: &std::path::Path) -> (String, String) {
     let model = dir.join("plan.gguf");
     let model_str = model.to_str().unwrap().to_string();
@@ -137,8 +145,15 @@ fn plan_fixture(dir: &std::path::Path) -> (String, String) {
     value["phases"] = serde_json::json!({
         "prefill": {"calls": 1, "tokens": 128, "wall_time_us": 64000, "lane_wall_time_us": 48000,
                     "hot_slots": 0, "cold_slots": 512, "hot_time_us": 0, "cold_time_us": 48000},
-        "decode": {"calls": 64, "tokens": 64, "wall_time_us": 64000, "lane_wall_time_us": 51200,
-                   "hot_slots": 128, "cold_slots": 128, "hot_time_us": 1280, "cold_time_us": 51200}
+        "decode": {"calls": 64, "tokens": 64, "wall_time_us": 64000, "lane_wall_time_us": 44800,
+                   "hot_slots": 128, "cold_slots": 128, "hot_time_us": 1280, "cold_time_us": 41600,
+                   // 2 layers x 64 calls: 32 without cold work at 100 us, 64 with 1 cold slot at
+                   // 400 us, 32 with 2 at 500 us: W0 = 100, F = 300, S = 100.
+                   "lane_cost": {"calls_no_cold": 32, "wall_no_cold_us": 3200, "tokens": 128,
+                                 "calls_cold": 96, "cold_experts": 128, "cold_slots": 128,
+                                 "wall_cold_us": 41600, "cold_experts_sq": 192, "cold_slots_sq": 192,
+                                 "experts_x_slots": 192, "experts_x_wall_us": 57600,
+                                 "slots_x_wall_us": 57600, "wall_sq_us2": 18240000}}
     });
     std::fs::write(&learn, value.to_string()).unwrap();
     (model_str, learn_str)

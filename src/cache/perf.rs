@@ -168,6 +168,100 @@ pub struct PhasePerf {
     pub cold_slots: u64,
     pub hot_time_us: u64,
     pub cold_time_us: u64,
+    /// What the what-if planner's cost model fits per layer call (absent in older files: all
+    /// zero, and the planner falls back to its per-slot model).
+    pub lane_cost: LaneCost,
+}
+
+/// Per phase, the split layer calls (lanes ran; fallbacks excluded) in sums the what-if
+/// planner fits a per-layer-call cost to (`cache::whatif`): a call without cold work costs
+/// `W0`; one with `s` cold slots of `d` distinct cold experts costs `F + D*d + S*s`. With
+/// `y` the call's lane wall time, the sums are the least-squares moments of `(1, d, s, y)`
+/// over the calls with cold work. Integer adds only, per layer call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct LaneCost {
+    /// Split layer calls without cold slots, and their lane wall time.
+    pub calls_no_cold: u64,
+    pub wall_no_cold_us: u64,
+    /// Layer calls that ran no lane region at all (the GPU's fully cached decode layers).
+    pub calls_unsplit: u64,
+    /// Tokens of the split calls (with or without cold work): tokens per layer call.
+    pub tokens: u64,
+    /// Split layer calls with cold slots, and the moments of their `d`, `s` and `y`.
+    pub calls_cold: u64,
+    pub cold_experts: u64,
+    pub cold_slots: u64,
+    pub wall_cold_us: u64,
+    pub cold_experts_sq: u64,
+    pub cold_slots_sq: u64,
+    pub experts_x_slots: u64,
+    pub experts_x_wall_us: u64,
+    pub slots_x_wall_us: u64,
+    pub wall_sq_us2: u64,
+}
+
+impl LaneCost {
+    /// Whether any split layer call was recorded (false in files older than these fields).
+    pub fn is_recorded(&self) -> bool {
+        self.calls_cold + self.calls_no_cold > 0
+    }
+
+    /// Add one split layer call of `tokens` tokens: `cold_slots` slots of `cold_experts`
+    /// distinct cold experts, its lanes took `wall_us`.
+    #[inline]
+    pub fn add_call(&mut self, tokens: u64, cold_experts: u64, cold_slots: u64, wall_us: u64) {
+        self.tokens += tokens;
+        if cold_slots == 0 {
+            self.calls_no_cold += 1;
+            self.wall_no_cold_us += wall_us;
+            return;
+        }
+        let (d, s, y) = (cold_experts, cold_slots, wall_us);
+        self.calls_cold += 1;
+        self.cold_experts += d;
+        self.cold_slots += s;
+        self.wall_cold_us += y;
+        self.cold_experts_sq += d * d;
+        self.cold_slots_sq += s * s;
+        self.experts_x_slots += d * s;
+        self.experts_x_wall_us += d * y;
+        self.slots_x_wall_us += s * y;
+        self.wall_sq_us2 = self.wall_sq_us2.saturating_add(y * y);
+    }
+
+    fn add(&mut self, o: &LaneCost) {
+        let LaneCost {
+            calls_no_cold,
+            wall_no_cold_us,
+            calls_unsplit,
+            tokens,
+            calls_cold,
+            cold_experts,
+            cold_slots,
+            wall_cold_us,
+            cold_experts_sq,
+            cold_slots_sq,
+            experts_x_slots,
+            experts_x_wall_us,
+            slots_x_wall_us,
+            wall_sq_us2,
+        } = *o;
+        self.calls_no_cold += calls_no_cold;
+        self.wall_no_cold_us += wall_no_cold_us;
+        self.calls_unsplit += calls_unsplit;
+        self.tokens += tokens;
+        self.calls_cold += calls_cold;
+        self.cold_experts += cold_experts;
+        self.cold_slots += cold_slots;
+        self.wall_cold_us += wall_cold_us;
+        self.cold_experts_sq += cold_experts_sq;
+        self.cold_slots_sq += cold_slots_sq;
+        self.experts_x_slots += experts_x_slots;
+        self.experts_x_wall_us += experts_x_wall_us;
+        self.slots_x_wall_us += slots_x_wall_us;
+        self.wall_sq_us2 = self.wall_sq_us2.saturating_add(wall_sq_us2);
+    }
 }
 
 /// Hot-cache update statistics (DESIGN.md "Update").
@@ -304,6 +398,9 @@ pub struct LayerTiming {
     pub overlap_us: u64,
     pub join_wait_us: u64,
     pub merge_us: u64,
+    /// The lane region ran and `wall_us` measured it (false: e.g. a fully cached GPU decode
+    /// layer, whose hot lane runs on the stream with no host split).
+    pub split: bool,
 }
 
 /// Names of the metrics the perf state records (Prometheus conventions: `moe_lanes_` prefix,
@@ -335,7 +432,11 @@ pub fn describe_metrics() {
     describe_counter!(m::LAYER_CALLS, "Forward calls through the layer's MoE block.");
     describe_counter!(m::LAYER_HOT_SLOTS, "Routed slots served by the hot lane, per layer.");
     describe_counter!(m::LAYER_COLD_SLOTS, "Routed slots served by the cold lane, per layer.");
-    describe_histogram!(m::LAYER_LANE, Unit::Seconds, "Busy time of one lane in one split layer call.");
+    describe_histogram!(
+        m::LAYER_LANE,
+        Unit::Seconds,
+        "Busy time of one lane in one layer call (the cold lane: split calls only)."
+    );
     describe_histogram!(
         m::LAYER_OVERLAP,
         Unit::Seconds,
@@ -429,6 +530,16 @@ pub struct PerfState {
     /// overlap and join wait of one layer and one call, beside the totals of the report.
     last_call: Vec<LayerTiming>,
     metrics: PerfMetrics,
+    /// Per expert, the stamp of the layer call that last counted it cold (distinct cold
+    /// experts per call without clearing anything); the current stamp.
+    cold_seen: Vec<u32>,
+    stamp: u32,
+    /// The current layer call's slots, cold slots and distinct cold experts so far.
+    call_slots: u64,
+    call_cold_slots: u64,
+    call_cold_experts: u64,
+    /// Split layer calls since the last [`PerfState::record_call`], folded into its phase then.
+    pending_cost: LaneCost,
 }
 
 impl PerfState {
@@ -451,6 +562,12 @@ impl PerfState {
             mode,
             last_call: vec![LayerTiming::default(); n_layers],
             metrics,
+            cold_seen: vec![0; n_experts],
+            stamp: 1,
+            call_slots: 0,
+            call_cold_slots: 0,
+            call_cold_experts: 0,
+            pending_cost: LaneCost::default(),
             report: PerfReport {
                 mode,
                 active: mode != PerfMode::Off,
@@ -492,13 +609,35 @@ impl PerfState {
         let l = &mut self.report.layers[layer_idx];
         l.experts[expert_idx] += 1;
         l.expert_hits_total += 1;
+        self.call_slots += 1;
         if hot {
             l.hot_experts[expert_idx] += 1;
             l.hot_slots_total += 1;
         } else {
             l.cold_experts[expert_idx] += 1;
             l.cold_slots_total += 1;
+            self.call_cold_slots += 1;
+            let seen = &mut self.cold_seen[expert_idx];
+            if *seen != self.stamp {
+                *seen = self.stamp;
+                self.call_cold_experts += 1;
+            }
         }
+    }
+
+    /// End the current layer call's slot tally; returns (tokens, distinct cold experts, cold
+    /// slots) of it.
+    #[inline]
+    fn take_call_tally(&mut self) -> (u64, u64, u64) {
+        let k = self.report.n_expert_used.max(1) as u64;
+        let tally = (self.call_slots.div_ceil(k), self.call_cold_experts, self.call_cold_slots);
+        (self.call_slots, self.call_cold_experts, self.call_cold_slots) = (0, 0, 0);
+        self.stamp = self.stamp.wrapping_add(1);
+        if self.stamp == 0 {
+            self.cold_seen.fill(0);
+            self.stamp = 1;
+        }
+        tally
     }
 
     /// One layer call finished (split or fallback) with these timings.
@@ -507,6 +646,7 @@ impl PerfState {
         if self.mode == PerfMode::Off {
             return;
         }
+        let (tokens, cold_experts, cold_slots) = self.take_call_tally();
         let l = &mut self.report.layers[layer_idx];
         let m = &mut self.metrics.layers[layer_idx];
         l.calls += 1;
@@ -522,6 +662,11 @@ impl PerfState {
         l.worklist_time_us += timing.worklist_us;
         l.merge_time_us += timing.merge_us;
         l.moe_time_us += timing.wall_us + timing.routing_us + timing.worklist_us;
+        if launched && timing.split {
+            self.pending_cost.add_call(tokens, cold_experts, cold_slots, timing.wall_us);
+        } else if launched {
+            self.pending_cost.calls_unsplit += 1;
+        }
         if launched {
             l.parallel_launches += 1;
             l.parallel_wall_time_us += timing.wall_us;
@@ -530,9 +675,13 @@ impl PerfState {
             l.parallel_overlap_us += timing.overlap_us;
             l.parallel_join_wait_us += timing.join_wait_us;
             m.hot_lane.record(secs(timing.hot_us));
-            m.cold_lane.record(secs(timing.cold_us));
-            m.overlap.record(secs(timing.overlap_us));
-            m.join_wait.record(secs(timing.join_wait_us));
+            // Cold lane, overlap and join wait exist only where the host split the layer (a
+            // fully cached GPU decode layer has none: no zero samples, three records fewer).
+            if timing.split {
+                m.cold_lane.record(secs(timing.cold_us));
+                m.overlap.record(secs(timing.overlap_us));
+                m.join_wait.record(secs(timing.join_wait_us));
+            }
         }
     }
 
@@ -603,7 +752,13 @@ impl PerfState {
             return;
         }
         let now = self.lane_snapshot();
-        let p = self.report.phases.entry(phase.to_string()).or_default();
+        // Look up by &str first: a String is made once per phase name, not per call.
+        if !self.report.phases.contains_key(phase) {
+            self.report.phases.insert(phase.to_string(), PhasePerf::default());
+        }
+        let p = self.report.phases.get_mut(phase).expect("inserted above");
+        p.lane_cost.add(&self.pending_cost);
+        self.pending_cost = LaneCost::default();
         p.calls += 1;
         p.tokens += n_tokens as u64;
         p.wall_time_us += wall_us;
@@ -631,7 +786,7 @@ mod tests {
         st.record_slot(1, 2, false);
         st.record_layer_call(
             1,
-            &LayerTiming { hot_us: 5, cold_us: 7, wall_us: 9, ..Default::default() },
+            &LayerTiming { hot_us: 5, cold_us: 7, wall_us: 9, split: true, ..Default::default() },
             true,
         );
         st.record_fallback(0, FallbackReason::Worklist);
@@ -696,6 +851,7 @@ mod tests {
             wall_us: 90,
             overlap_us: 40,
             join_wait_us: 20,
+            split: true,
             ..Default::default()
         };
         st.record_layer_call(1, &t, true);

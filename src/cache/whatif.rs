@@ -6,16 +6,20 @@
 //! engines record ([`crate::cache::perf::PhasePerf`]):
 //! - `other` = (wall time - lane wall time) / tokens: everything but the hot and cold lanes
 //!   (attention, router, shared expert, join, logits), per token;
-//! - `hot` = hot-lane time / hot slots and `cold` = cold-lane time / cold slots, per slot;
-//! - per token, `T = other + sum_l max(k * h[l] * hot, k * (1 - h[l]) * cold)` with `k` experts
-//!   per token and `h[l]` the planned hit rate of layer `l` (the lanes run side by side, so a
-//!   layer costs its slower lane), and tokens/s = `1e6 / T`.
+//! - per layer, the lane wall of one layer call predicted by [`LayerCallCost`] (fixed cost of a
+//!   call with cold work, per distinct cold expert and per cold slot, fitted to the phase's
+//!   `lane_cost` sums; see `cache::cost_fit`) from the planned hot set and the learn counts;
+//! - per token, `T = other + sum_l cost_l / n` with `n` tokens per layer call, and tokens/s =
+//!   `1e6 / T`.
 //!
-//! A learn pass with the cache off has no hot slots: the hot per-slot time is then taken as 0
-//! and the report says so (with such a file the prediction is an upper bound). A phase the file
-//! has no calls of has no prediction (run `bench --perf-json` or `generate --perf-json` to record
-//! decode).
+//! A learn file written before `lane_cost` existed falls back to the per-slot model (and the
+//! report says so): `hot` = hot-lane time / hot slots, `cold` = cold-lane time / cold slots,
+//! `T = other + sum_l max(k * h[l] * hot, k * (1 - h[l]) * cold)` with `h[l]` the planned hit
+//! rate of layer `l`. A learn pass with the cache off has no hot slots: the hot per-slot time
+//! is then taken as 0 and the report says so. A phase the file has no calls of has no
+//! prediction (run `bench --perf-json` or `generate --perf-json` to record decode).
 
+use crate::cache::cost_fit::{FitKind, LayerCallCost};
 use crate::cache::observe::Observations;
 use crate::cache::perf::PhasePerf;
 use crate::cache::planner::{plan_weighted, HotPlan, PlanError};
@@ -35,6 +39,8 @@ pub struct PhaseCost {
     pub cold_us_per_slot: f64,
     /// Whether the hot per-slot time was measured (false: no hot slots recorded, taken as 0).
     pub hot_measured: bool,
+    /// The per-layer-call model; `None` for files without `lane_cost` (per-slot model).
+    pub layer_call: Option<LayerCallCost>,
 }
 
 /// Costs per phase name.
@@ -61,6 +67,7 @@ impl CostModel {
                     hot_us_per_slot: hot,
                     cold_us_per_slot: cold,
                     hot_measured,
+                    layer_call: LayerCallCost::fit(&p.lane_cost, cold),
                 };
                 (name.clone(), cost)
             })
@@ -68,13 +75,30 @@ impl CostModel {
         CostModel { phases }
     }
 
-    /// Predicted tokens per second of `phase` with per-layer hit rates `hit`, `k` experts per
-    /// token; `None` when the phase was not recorded.
-    pub fn tokens_per_s(&self, phase: &str, hit: &[f64], k: usize) -> Option<f64> {
+    /// Predicted tokens per second of `phase` with `hot[l]` cached in layer `l`, `counts[l]`
+    /// the learn counts, `k` experts per token; `None` when the phase was not recorded.
+    pub fn tokens_per_s(
+        &self,
+        phase: &str,
+        hot: &[Vec<usize>],
+        counts: &[Vec<u64>],
+        k: usize,
+    ) -> Option<f64> {
         let c = self.phases.get(phase)?;
-        let k = k as f64;
-        let lanes: f64 =
-            hit.iter().map(|h| (k * h * c.hot_us_per_slot).max(k * (1.0 - h) * c.cold_us_per_slot)).sum();
+        let lanes: f64 = match &c.layer_call {
+            Some(lc) => {
+                let per_call: f64 =
+                    hot.iter().zip(counts).map(|(h, n)| lc.layer_call_us(h, n, k, c.hot_us_per_slot)).sum();
+                per_call / lc.tokens_per_call
+            }
+            None => {
+                let kf = k as f64;
+                hit_rates(hot, counts)
+                    .iter()
+                    .map(|h| (kf * h * c.hot_us_per_slot).max(kf * (1.0 - h) * c.cold_us_per_slot))
+                    .sum()
+            }
+        };
         let t = c.other_us_per_token + lanes;
         (t > 0.0).then(|| 1e6 / t)
     }
@@ -124,9 +148,8 @@ pub struct PlanShape {
     pub expert_bytes: u64,
 }
 
-fn layer_hit_rates(plan: &HotPlan, counts: &[Vec<u64>]) -> Vec<f64> {
-    plan.layers
-        .iter()
+fn hit_rates(hot: &[Vec<usize>], counts: &[Vec<u64>]) -> Vec<f64> {
+    hot.iter()
         .zip(counts)
         .map(|(ids, c)| {
             let total: u64 = c.iter().sum();
@@ -149,14 +172,14 @@ fn point(
 ) -> Result<(HotPlan, Vec<f64>, PlanPoint), PlanError> {
     let plan = plan_weighted(obs, w, shape.n_layers, shape.n_experts, shape.expert_bytes, budget_bytes)?;
     let counts = obs.counts();
-    let hits = layer_hit_rates(&plan, &counts);
+    let hits = hit_rates(&plan.layers, &counts);
     let p = PlanPoint {
         budget_bytes,
         used_bytes: plan.used_bytes(),
         n_hot_experts: plan.n_slots(),
         hit_rate: plan.expected_hit_rate(&counts),
-        tg_tokens_per_s: cost.tokens_per_s("decode", &hits, shape.n_experts_used),
-        pp_tokens_per_s: cost.tokens_per_s("prefill", &hits, shape.n_experts_used),
+        tg_tokens_per_s: cost.tokens_per_s("decode", &plan.layers, &counts, shape.n_experts_used),
+        pp_tokens_per_s: cost.tokens_per_s("prefill", &plan.layers, &counts, shape.n_experts_used),
     };
     Ok((plan, hits, p))
 }
@@ -206,14 +229,32 @@ pub fn what_if(
 fn notes(cost: &CostModel) -> Vec<String> {
     let mut notes = Vec::new();
     for (phase, what) in [("decode", "tg"), ("prefill", "pp")] {
-        match cost.phases.get(phase) {
-            None => notes.push(format!(
+        let Some(c) = cost.phases.get(phase) else {
+            notes.push(format!(
                 "no {phase} calls in the learn file: no {what} prediction (record one with bench --perf-json or generate --perf-json)"
-            )),
-            Some(c) if !c.hot_measured => notes.push(format!(
+            ));
+            continue;
+        };
+        if !c.hot_measured {
+            notes.push(format!(
                 "no hot slots in the learn file's {phase} calls: hot-lane time taken as 0, so the {what} prediction is an upper bound"
-            )),
-            Some(_) => {}
+            ));
+        }
+        let fallback = match c.layer_call.map(|l| l.fit) {
+            None => Some("no per-layer-call lane costs (a file older than phases.*.lane_cost): per-slot model"),
+            Some(FitKind::LeastSquares) => None,
+            Some(FitKind::ThroughNoCold) => Some(
+                "one cold-slot count only: cold cost taken as the line through the calls without cold work (calibrate at a budget that leaves a few cold slots per layer)",
+            ),
+            Some(FitKind::Proportional) => Some(
+                "one cold-slot count and no call without cold work: cold cost taken as proportional to the cold slots (calibrate at a budget that leaves a few cold slots per layer)",
+            ),
+            Some(FitKind::PerSlotOnly) => Some(
+                "no layer call with cold work: cold cost per slot from the phase totals (calibrate at a budget that leaves a few cold slots per layer)",
+            ),
+        };
+        if let Some(why) = fallback {
+            notes.push(format!("{what} prediction: {why}"));
         }
     }
     notes
@@ -282,6 +323,7 @@ mod tests {
             cold_slots: 40,
             hot_time_us: 400,
             cold_time_us: 4_000,
+            ..PhasePerf::default()
         };
         [("decode".to_string(), decode)].into_iter().collect()
     }
@@ -292,10 +334,55 @@ mod tests {
         let c = cost.phases["decode"];
         assert_eq!((c.other_us_per_token, c.hot_us_per_slot, c.cold_us_per_slot), (400.0, 10.0, 100.0));
         // Two layers, k = 2: all cold costs 400 + 2 * 200 = 800 us; all hot 400 + 2 * 20 = 440 us.
-        let all_cold = cost.tokens_per_s("decode", &[0.0, 0.0], 2).unwrap();
-        let all_hot = cost.tokens_per_s("decode", &[1.0, 1.0], 2).unwrap();
+        assert!(c.layer_call.is_none(), "no lane_cost in the file: the per-slot model");
+        let counts = vec![vec![3, 1], vec![1, 3]];
+        let all_cold = cost.tokens_per_s("decode", &[vec![], vec![]], &counts, 2).unwrap();
+        let all_hot = cost.tokens_per_s("decode", &[vec![0, 1], vec![0, 1]], &counts, 2).unwrap();
         assert!((all_cold - 1250.0).abs() < 1e-9 && (all_hot - 1e6 / 440.0).abs() < 1e-9);
-        assert!(cost.tokens_per_s("prefill", &[0.0], 2).is_none());
+        assert!(cost.tokens_per_s("prefill", &[vec![]], &counts, 2).is_none());
+        assert!(notes(&cost).iter().any(|n| n.contains("per-slot model")));
+    }
+
+    /// Decode calls following `lane wall = F + S * cold slots` (and `W0` without cold work),
+    /// calibrated at a high budget (0-3 cold slots per call), predict budget 0 and every other
+    /// budget's time exactly; the per-slot model of the same run would not.
+    #[test]
+    fn layer_call_model_extrapolates_across_budgets() {
+        let (f, s, w0, other) = (120u64, 60u64, 30u64, 400.0);
+        let mut p = PhasePerf {
+            calls: 1000,
+            tokens: 1000,
+            hot_slots: 7000,
+            hot_time_us: 35_000,
+            ..Default::default()
+        };
+        for (n, c) in [(800u64, 0u64), (150, 1), (40, 2), (10, 3)] {
+            let y = if c == 0 { w0 } else { f + s * c };
+            for _ in 0..n {
+                p.lane_cost.add_call(1, c, c, y);
+                p.cold_slots += c;
+                p.cold_time_us += y;
+                p.lane_wall_time_us += y;
+            }
+        }
+        p.wall_time_us = p.lane_wall_time_us + (other * 1000.0) as u64;
+        let cost = CostModel::calibrate(&[("decode".to_string(), p)].into_iter().collect());
+        assert!(notes(&cost).iter().all(|n| !n.contains("tg prediction")), "{:?}", notes(&cost));
+        let counts = vec![vec![4, 2, 1, 1]; 2];
+        // Budget 0, k = 2: each of 2 layers has 2 cold slots: 400 + 2 * (120 + 2 * 60) us.
+        let tg0 = cost.tokens_per_s("decode", &[vec![], vec![]], &counts, 2).unwrap();
+        assert!((tg0 - 1e6 / 880.0).abs() < 1e-6, "{tg0}");
+        // Expert 0 hot in both layers: h = 0.5, P0 = 0.25, E[s] = 1 per layer.
+        let t = 400.0 + 2.0 * (0.25 * 30.0 + 0.75 * 120.0 + 60.0);
+        let tg = cost.tokens_per_s("decode", &[vec![0], vec![0]], &counts, 2).unwrap();
+        assert!((tg - 1e6 / t).abs() < 1e-6, "{tg} vs {}", 1e6 / t);
+        // Everything cached: the hot lane alone (5 us per slot).
+        let all: Vec<usize> = (0..4).collect();
+        let tg100 = cost.tokens_per_s("decode", &[all.clone(), all], &counts, 2).unwrap();
+        assert!((tg100 - 1e6 / 420.0).abs() < 1e-6, "{tg100}");
+        // The per-slot model spreads F over the few slots it saw and overestimates budget 0.
+        let per_slot = cost.phases["decode"].cold_us_per_slot;
+        assert!(400.0 + 4.0 * per_slot > 880.0 * 1.1, "{per_slot}");
     }
 
     #[test]

@@ -150,7 +150,8 @@ impl LiveCache {
             self.after_pending = false;
         }
         let scores = score_observations(&window, &self.policy.weighting);
-        let exchanges = plan_exchanges(&scores, &hot, self.policy.rate, self.policy.margin);
+        let counts = window.counts();
+        let exchanges = plan_exchanges(&scores, Some(&counts), &hot, self.policy.rate, self.policy.margin);
         self.apply(engine, exchanges, UpdateKind::Auto, hit_rate).map(Some)
     }
 

@@ -354,6 +354,7 @@ impl GpuModel {
             self.attention_block(l, phase, t, pos0, cache)?;
             self.moe_block(l, phase, t, cold)?;
         }
+        self.queue_call_ids(t)?;
         let copy_start = Instant::now();
         let logits = self.head(phase, t, rows)?;
         let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
@@ -403,6 +404,19 @@ impl GpuModel {
         Ok(Logits { n_rows: t, vocab: c.vocab, data, argmax: am.into_iter().map(|x| x as u32).collect() })
     }
 
+    /// When the perf state records: queue the copy of every layer's routing ids into pinned
+    /// memory now, so the head's synchronous copy (which waits for the stream) brings them back
+    /// too: no extra stream synchronisation or pageable staging per call.
+    fn queue_call_ids(&mut self, t: usize) -> Result<(), GpuError> {
+        if self.perf.mode() == PerfMode::Off {
+            return Ok(());
+        }
+        let n = self.cfg.n_layers * t * self.cfg.n_experts_used;
+        let s = self.scratch.as_mut().expect("reserved");
+        self.be.read_async(s.ids.ptr().sub(0, n), &mut s.pin_call_ids, n)?;
+        Ok(())
+    }
+
     /// After the stream is idle: lane statistics, perf state, profile.
     fn finish_call(
         &mut self,
@@ -421,20 +435,11 @@ impl GpuModel {
         let total_us = call_start.elapsed().as_secs_f64() * 1e6;
         self.stats = ForwardStats { n_tokens: t, prefill: phase != Phase::Decode, layers, total_us };
         if self.perf.mode() != PerfMode::Off {
-            let s = self.scratch.as_mut().expect("reserved");
+            let s = self.scratch.as_ref().expect("reserved");
             let stride = t * self.cfg.n_experts_used;
-            let n = self.cfg.n_layers * stride;
-            self.host.route_ids.resize(n, 0);
-            self.be.read(s.ids.ptr().sub(0, n), &mut self.host.route_ids)?;
-            let n_slots = t * self.cfg.n_experts_used;
-            stats::record_call(
-                &mut self.perf,
-                &self.stats,
-                &self.host.route_ids,
-                stride,
-                n_slots,
-                self.hot.set(),
-            );
+            // Queued by `queue_call_ids` before the head's synchronous copy: already here.
+            let ids = &s.pin_call_ids.as_slice()?[..self.cfg.n_layers * stride];
+            stats::record_call(&mut self.perf, &self.stats, ids, stride, stride, self.hot.set());
         }
         if let Some(p) = &mut self.profiler {
             let enqueue_us = (copy_start - call_start).as_secs_f64() * 1e6;

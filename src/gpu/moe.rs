@@ -146,6 +146,7 @@ impl GpuModel {
         self.host_worklist(l, t, WorklistOrder::TokenMajor)?;
         self.cold_lane_joined_on_stream(l, t, cold)?;
         self.records[l].wall_us = split_at.elapsed().as_secs_f64() * 1e6;
+        self.records[l].split = true;
         Ok(())
     }
 
@@ -226,6 +227,7 @@ impl GpuModel {
             self.records[l].join_wait_us = wait_start.elapsed().as_secs_f64() * 1e6;
         }
         self.records[l].wall_us = split_at.elapsed().as_secs_f64() * 1e6;
+        self.records[l].split = true;
         Ok(())
     }
 

@@ -69,6 +69,9 @@ pub(crate) struct Scratch {
     /// weights (f32 bits) at `cap * k`, and in decode with cold slots the normed rows (f32 bits)
     /// at `2 * cap * k`. See [`RouteView`].
     pub pin_route: PinnedBuffer<u32>,
+    /// Every layer's routing ids of the call (`[layer][t * k]`), copied asynchronously before
+    /// the call's final copy when the perf state records (no extra synchronisation).
+    pub pin_call_ids: PinnedBuffer<i32>,
     /// Gathered cold rows (host path).
     pub pin_cold_in: PinnedBuffer<f32>,
     pub pin_cold_out: PinnedBuffer<f32>,
@@ -110,6 +113,7 @@ impl Scratch {
             argmax: be.alloc_zeros::<i32>(cap)?,
             argmax_part: f(CudaBackend::argmax_split_scratch(cap))?,
             pin_route: be.alloc_pinned::<u32>(2 * cap * k + cap * c.hidden)?,
+            pin_call_ids: be.alloc_pinned::<i32>(c.n_layers * cap * k)?,
             pin_cold_in: be.alloc_pinned::<f32>(cap * c.hidden)?,
             pin_cold_out: be.alloc_pinned::<f32>(cap * c.hidden)?,
         })

@@ -26,6 +26,9 @@ pub(crate) struct LayerRecord {
     pub join_wait_us: f64,
     pub wall_us: f64,
     pub worklist_us: f64,
+    /// The host split the layer (routing back on the host, `wall_us` measured); false for a
+    /// fully cached decode layer, whose hot lane runs on the stream alone.
+    pub split: bool,
 }
 
 /// Lane timings and slot counts of one MoE layer in one forward call.
@@ -48,6 +51,8 @@ pub struct LayerLaneStats {
     pub join_wait_us: f64,
     /// The layer fell back to all-cold.
     pub fell_back: bool,
+    /// The host split the layer between the lanes (`wall_us` measured).
+    pub split: bool,
 }
 
 /// Statistics of the last forward call.
@@ -74,6 +79,7 @@ pub(crate) fn lane_stats(r: &LayerRecord, hot_us: f64) -> LayerLaneStats {
         wall_us: r.wall_us,
         join_wait_us: r.join_wait_us,
         fell_back: !r.launched,
+        split: r.split,
         ..Default::default()
     };
     if let (Some(hs), Some((cs, ce))) = (r.hot_at, r.cold) {
@@ -114,6 +120,7 @@ pub(crate) fn record_call(
             overlap_us: s.overlap_us as u64,
             join_wait_us: s.join_wait_us as u64,
             merge_us: 0,
+            split: s.split,
         };
         perf.record_layer_call(l, &timing, !s.fell_back);
     }
