@@ -565,7 +565,12 @@ impl Pipeline {
         }
         let mut out = vec![0.0; k * vocab];
         self.dense.matmul(&self.act.normed[..k * h], &mut [MatmulPart { w: head, y: &mut out }])?;
-        logits_out.extend(out.chunks_exact(vocab).map(<[f32]>::to_vec));
+        if k == 1 {
+            // Decode: the row is the buffer, no second copy of a vocab-sized row.
+            logits_out.push(out);
+        } else {
+            logits_out.extend(out.chunks_exact(vocab).map(<[f32]>::to_vec));
+        }
         Ok(())
     }
 
