@@ -13,6 +13,7 @@
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
 //! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
+//! | `MOE_LANES_POOL_COLD` | `off`: the pipeline's cold lane on lane-actor worker threads instead of the dense stage's pool ([`pool_cold`]) |
 
 use crate::gpu::GpuFaults;
 use crate::moe::phase::{PolicySwitches, Switch};
@@ -123,4 +124,14 @@ pub fn policy_switches() -> Result<PolicySwitches, EnvError> {
         order,
         dense_pp: None,
     })
+}
+
+/// `MOE_LANES_POOL_COLD` (`on` or `off`; unset is `on`): the pipeline's
+/// [`crate::pipeline::PipelineOptions::pool_cold`], an A/B switch.
+pub fn pool_cold() -> Result<bool, EnvError> {
+    match var("MOE_LANES_POOL_COLD").as_deref() {
+        None | Some("on") => Ok(true),
+        Some("off") => Ok(false),
+        Some(v) => Err(bad("MOE_LANES_POOL_COLD", v, "on or off")),
+    }
 }

@@ -549,6 +549,7 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.gpu.faults = env::faults()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
     opts.pipeline.switches = env::policy_switches()?;
+    opts.pipeline.pool_cold = env::pool_cold()?;
     Ok(opts)
 }
 
