@@ -10,6 +10,7 @@
 //! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |
 //! | `CUDA_HOME`, `CUDA_PATH`, `CUDA_ROOT` | where NVRTC finds the CUDA headers |
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
+//! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
 //! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
@@ -79,6 +80,11 @@ pub fn cuda_config() -> Result<CudaConfig, EnvError> {
 /// `MOE_LANES_GPU_PROFILE` set to anything but `0`.
 pub fn gpu_profile() -> bool {
     var("MOE_LANES_GPU_PROFILE").is_some_and(|v| v != "0")
+}
+
+/// `MOE_LANES_CPU_PROFILE` set to anything but `0`.
+pub fn cpu_profile() -> bool {
+    var("MOE_LANES_CPU_PROFILE").is_some_and(|v| v != "0")
 }
 
 /// `MOE_LANES_FAULT`.

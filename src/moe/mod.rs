@@ -9,5 +9,6 @@ pub mod math;
 pub mod phase;
 pub mod pipeline;
 pub mod pool_lane;
+pub mod profile;
 pub mod routing;
 pub mod worklist;

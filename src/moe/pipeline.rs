@@ -35,6 +35,7 @@ pub use crate::moe::math::argmax;
 use crate::moe::math::{dot, sigmoid};
 use crate::moe::phase::{CacheState, ColdState, ExecPlan, Phase, PolicySwitches, PpPolicy};
 use crate::moe::pool_lane::PoolLane;
+use crate::moe::profile::{mark, CpuProfiler};
 use crate::moe::routing::{Router, RouterOptions};
 use crate::reference::ForwardError;
 use moe_lanes_kernels::{AttentionInput, AttentionShape, DenseMatrix, KernelError, MatmulPart};
@@ -112,6 +113,8 @@ pub struct PipelineOptions {
     /// `driver_cold`; otherwise, or when false, the lane actors' cold worker threads run it, one
     /// even share of the slots each.
     pub pool_cold: bool,
+    /// Record the per-stage profile ([`crate::moe::profile`]; `MOE_LANES_CPU_PROFILE`).
+    pub profile: bool,
     pub perf_mode: PerfMode,
     /// The cold lane's kernels.
     pub cold_kernels: ColdKernels,
@@ -131,6 +134,7 @@ impl Default for PipelineOptions {
             driver_cold: true,
             n_dense_threads: default_dense_threads(),
             pool_cold: true,
+            profile: false,
             perf_mode: PerfMode::Full,
             cold_kernels: ColdKernels::Simd,
             simd: None,
@@ -209,6 +213,8 @@ pub struct Pipeline {
     pool_lane: Option<PoolLane>,
     /// Cold-lane participants, the driver included.
     cold_threads: usize,
+    /// The per-stage profile, when asked for.
+    profile: Option<CpuProfiler>,
     fallback_scratch: FfnScratch,
     act: Activations,
     /// `rope[pos * half + i] = (cos, sin)`, grown as positions are reached.
@@ -353,6 +359,7 @@ impl Pipeline {
             cold,
             pool_lane,
             cold_threads,
+            profile: options.profile.then(CpuProfiler::default),
             router,
             lanes,
             hot_set,
@@ -391,6 +398,23 @@ impl Pipeline {
     /// threads that take cold work).
     pub fn cold_threads(&self) -> usize {
         self.cold_threads
+    }
+
+    /// The per-stage profile's table, when it is recorded ([`PipelineOptions::profile`]).
+    pub fn profile_report(&self) -> Option<String> {
+        self.profile.as_ref().map(CpuProfiler::report)
+    }
+
+    /// Start the per-stage profile over (after a warm-up).
+    pub fn reset_profile(&mut self) {
+        if let Some(p) = &mut self.profile {
+            *p = CpuProfiler::default();
+        }
+    }
+
+    /// The engine's logits rows and argmax took `us` (timed by the engine around the call).
+    pub fn profile_logits_us(&mut self, us: f64) {
+        mark(&mut self.profile, |p| p.add_tail_us(2, us));
     }
 
     /// Whether the cold lane runs on the dense stage's pool ([`PipelineOptions::pool_cold`]).
@@ -510,7 +534,10 @@ impl Pipeline {
             // The phase is the call's, whatever the sub-batch's size.
             let plan = self.policy.plan(phase, batch.len(), cache_state, cold_state);
             self.plans.push(plan);
+            let start = Instant::now();
+            mark(&mut self.profile, |p| p.begin(phase == Phase::Decode, batch.len()));
             self.forward_batch(cache, batch, &plan, batch_rows, &mut logits)?;
+            mark(&mut self.profile, |p| p.add_total_us(start.elapsed().as_secs_f64() * 1e6));
         }
         Ok(logits)
     }
@@ -549,6 +576,7 @@ impl Pipeline {
         for (t, &token) in tokens.iter().enumerate() {
             decode_row(&embedding, token as usize, &mut self.act.hidden[t * h..(t + 1) * h]);
         }
+        mark(&mut self.profile, |p| p.tail(0));
         for l in 0..self.config.n_layers {
             let m = LayerMatrices::resolve(&model, l)?;
             self.attention_block(cache, l, &m, n, first_pos)?;
@@ -571,6 +599,7 @@ impl Pipeline {
         } else {
             logits_out.extend(out.chunks_exact(vocab).map(<[f32]>::to_vec));
         }
+        mark(&mut self.profile, |p| p.tail(1));
         Ok(())
     }
 
@@ -611,6 +640,7 @@ impl Pipeline {
                 MatmulPart { w: m.v, y: &mut a.v[..n * kvd] },
             ],
         )?;
+        mark(&mut self.profile, |p| p.layer(0));
         self.qkv_post(l, n, first_pos);
         let (c, a) = (&self.config, &mut self.act);
         let nkv = c.n_kv_heads;
@@ -623,6 +653,7 @@ impl Pipeline {
                 values[kvh].extend_from_slice(&a.v[at..at + hd]);
             }
         }
+        mark(&mut self.profile, |p| p.layer(1));
         let input = AttentionInput {
             shape: AttentionShape { n_heads: c.n_heads, n_kv_heads: nkv, head_dim: hd },
             q: &a.q[..n * qd],
@@ -632,10 +663,12 @@ impl Pipeline {
             window: c.sliding_window,
         };
         self.dense.attention(&input, &mut a.attn[..n * qd])?;
+        mark(&mut self.profile, |p| p.layer(2));
         self.dense.matmul(&a.attn[..n * qd], &mut [MatmulPart { w: m.o, y: &mut a.proj[..n * h] }])?;
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
             *x += y;
         }
+        mark(&mut self.profile, |p| p.layer(3));
         Ok(())
     }
 
@@ -703,9 +736,11 @@ impl Pipeline {
         let mut timing = LayerTiming::default();
         let t0 = Instant::now();
         self.route_layer(l, m, n)?;
+        mark(&mut self.profile, |p| p.layer(4));
         let t1 = Instant::now();
         // Dispatcher stage: the worklist, in the lanes' shared layer input.
         let mut failure = self.dispatch(l, n, plan);
+        mark(&mut self.profile, |p| p.layer(5));
         let t2 = Instant::now();
         timing.routing_us = (t1 - t0).as_micros() as u64;
         timing.worklist_us = (t2 - t1).as_micros() as u64;
@@ -713,6 +748,7 @@ impl Pipeline {
         if let Some(shared) = &m.shared {
             self.shared_expert(l, shared, n)?;
         }
+        mark(&mut self.profile, |p| p.layer(6));
         let h = self.config.hidden;
         let mut section = match &mut self.pool_lane {
             // One pool for both stages: its threads go on to the cold section without parking.
@@ -747,6 +783,7 @@ impl Pipeline {
             self.all_cold(l, n)?;
             launched = false;
         }
+        mark(&mut self.profile, |p| p.layer(7));
         let a = &mut self.act;
         if m.shared.is_some() {
             for t in 0..n {
@@ -759,6 +796,7 @@ impl Pipeline {
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.moe[..n * h]) {
             *x += y;
         }
+        mark(&mut self.profile, |p| p.layer(8));
         self.perf.record_layer_call(l, &timing, launched);
         Ok(())
     }
