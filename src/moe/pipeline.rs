@@ -761,7 +761,7 @@ impl Pipeline {
             }
         };
         let a = &mut self.act;
-        let mut shared_work = || {};
+        let shared_work = || {};
         let mut launched = false;
         if failure.is_none() {
             match self.lanes.run_layer_with(
@@ -769,7 +769,7 @@ impl Pipeline {
                 plan.compact_cold_reduce,
                 &mut a.moe[..n * h],
                 &mut timing,
-                &mut shared_work,
+                shared_work,
                 section.as_mut().map(|s| s as &mut dyn SectionCold),
             ) {
                 Ok(()) => launched = true,
