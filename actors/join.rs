@@ -7,7 +7,7 @@
 //! bit-identical to it), then adds the token rows of every lane that reduced.
 
 use super::faults::{LaneFault, LaneFaultSchedule};
-use super::lanes::{cold_worker_loop, hot_lane_loop, HotLane};
+use super::lanes::{cold_worker_loop, hot_lane_loop, HotLane, SectionCold};
 use super::messages::*;
 use crate::cache::hot_set::MAX_HOT_LANES;
 use crate::cache::perf::{FallbackReason, LayerTiming};
@@ -264,16 +264,32 @@ impl LaneSet {
         timing: &mut LayerTiming,
         overlap_work: impl FnOnce(),
     ) -> Result<(), LayerFailure> {
+        self.run_layer_with(merge, compact_cold_reduce, out, timing, overlap_work, None)
+    }
+
+    /// [`LaneSet::run_layer`] where `section`, when given, computes the driver's cold share (the
+    /// whole cold section when the set has no cold worker threads) reduced into token rows, in
+    /// place of the per-expert [`crate::moe::expert_math::ColdCompute`] kernels; faults drawn
+    /// for cold participant 0 apply to it as to the driver's share.
+    pub fn run_layer_with(
+        &mut self,
+        merge: MergeKind,
+        compact_cold_reduce: bool,
+        out: &mut [f32],
+        timing: &mut LayerTiming,
+        overlap_work: impl FnOnce(),
+        section: Option<&mut dyn SectionCold>,
+    ) -> Result<(), LayerFailure> {
         let sent_at = Instant::now();
         let hot_reduce = merge == MergeKind::ReduceMerge;
-        let cold_reduce = compact_cold_reduce || merge == MergeKind::ReduceMerge;
+        let cold_reduce = section.is_some() || compact_cold_reduce || merge == MergeKind::ReduceMerge;
         let mut failure: Option<LayerFailure> = None;
         self.reduced.iter_mut().for_each(|r| *r = false);
         let mut n_sent = self.send_hot(sent_at, hot_reduce, &mut failure);
         let (n_cold_sent, driver_range) = self.send_cold(sent_at, cold_reduce, &mut failure);
         n_sent += n_cold_sent;
         let mut windows = LaneWindows::default();
-        if let Some(w) = self.run_driver_share(driver_range, cold_reduce, &mut failure) {
+        if let Some(w) = self.run_driver_share(driver_range, cold_reduce, section, &mut failure) {
             windows.cold = Some(w);
         }
         overlap_work();
@@ -386,6 +402,7 @@ impl LaneSet {
         &mut self,
         range: std::ops::Range<usize>,
         reduce: bool,
+        section: Option<&mut dyn SectionCold>,
         failure: &mut Option<LayerFailure>,
     ) -> Option<(Instant, Instant)> {
         if range.is_empty() {
@@ -403,7 +420,14 @@ impl LaneSet {
         // A panic in the driver's share is a lane failure like any other, not the caller's.
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             super::faults::act_out(fault, id)?;
-            super::lanes::run_cold_task(&**compute, id, input, range, reduce, &mut out, scratch)
+            match section {
+                Some(section) => {
+                    let rows = &mut out.token_rows[..input.n_tokens * input.hidden];
+                    rows.iter_mut().for_each(|v| *v = 0.0);
+                    section.run(input, range, rows)
+                }
+                None => super::lanes::run_cold_task(&**compute, id, input, range, reduce, &mut out, scratch),
+            }
         }))
         .unwrap_or(Err(LaneError::Panicked { lane: id }));
         let window = (started_at, Instant::now());

@@ -24,6 +24,6 @@ pub mod updater;
 
 pub use faults::{LaneFault, LaneFaultSchedule};
 pub use join::{InjectedFault, LaneSet, LayerFailure};
-pub use lanes::{CpuHotLane, HotLane};
+pub use lanes::{CpuHotLane, HotLane, SectionCold};
 pub use messages::{LaneError, LaneId};
 pub use updater::{Exchange, Updater, UpdaterHandle};

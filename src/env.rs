@@ -10,9 +10,11 @@
 //! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |
 //! | `CUDA_HOME`, `CUDA_PATH`, `CUDA_ROOT` | where NVRTC finds the CUDA headers |
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
+//! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
 //! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
+//! | `MOE_LANES_POOL_COLD` | `off`: the pipeline's cold lane on lane-actor worker threads instead of the dense stage's pool ([`pool_cold`]) |
 
 use crate::gpu::GpuFaults;
 use crate::moe::phase::{PolicySwitches, Switch};
@@ -80,6 +82,11 @@ pub fn gpu_profile() -> bool {
     var("MOE_LANES_GPU_PROFILE").is_some_and(|v| v != "0")
 }
 
+/// `MOE_LANES_CPU_PROFILE` set to anything but `0`.
+pub fn cpu_profile() -> bool {
+    var("MOE_LANES_CPU_PROFILE").is_some_and(|v| v != "0")
+}
+
 /// `MOE_LANES_FAULT`.
 pub fn faults() -> Result<GpuFaults, EnvError> {
     match var("MOE_LANES_FAULT") {
@@ -123,4 +130,14 @@ pub fn policy_switches() -> Result<PolicySwitches, EnvError> {
         order,
         dense_pp: None,
     })
+}
+
+/// `MOE_LANES_POOL_COLD` (`on` or `off`; unset is `on`): the pipeline's
+/// [`crate::pipeline::PipelineOptions::pool_cold`], an A/B switch.
+pub fn pool_cold() -> Result<bool, EnvError> {
+    match var("MOE_LANES_POOL_COLD").as_deref() {
+        None | Some("on") => Ok(true),
+        Some("off") => Ok(false),
+        Some(v) => Err(bad("MOE_LANES_POOL_COLD", v, "on or off")),
+    }
 }

@@ -71,6 +71,9 @@ fn run_seed(seed: u64) -> BTreeMap<LaneFault, usize> {
     let opts = PipelineOptions {
         hot_set: Some(HotSet::from_fraction(c.n_layers, c.n_experts, 2, 0.5, None).unwrap()),
         n_cold_workers: 3,
+        // Odd seeds: the cold lane on the dense pool (faults reach the driver's section); even
+        // seeds: the lane actors' cold worker threads (faults reach every worker).
+        pool_cold: seed % 2 == 1,
         fault: FaultInjection {
             lanes: Some(schedule),
             lane_timeout: Some(LANE_TIMEOUT),

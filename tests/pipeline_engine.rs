@@ -254,3 +254,34 @@ fn dense_stage_reads_weights_in_place_and_threads_change_no_bit() {
         assert_eq!(runs[0], runs[2], "{dtype}: 3 dense threads changed the bits");
     }
 }
+
+/// The cold lane on the dense stage's pool: any number of participants (part of the pool or all
+/// of it) gives the same bits, within the reference's tolerance, and the count is what was asked
+/// for, capped at the pool's threads.
+#[test]
+fn pool_cold_lane_thread_counts_change_no_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = write_tiny(dir.path(), &TinySpec::simple(0));
+    let c = model.config().clone();
+    let toks = tokens(5, 12, c.vocab);
+    let mut runs = Vec::new();
+    for (n_dense_threads, n_cold_workers, want_cold) in
+        [(1, 1, 1), (3, 1, 1), (3, 2, 2), (3, 3, 3), (2, 5, 2)]
+    {
+        let opts = PipelineOptions { n_dense_threads, n_cold_workers, ..Default::default() };
+        let mut p = Pipeline::new(model.clone(), opts).unwrap();
+        assert!(p.pool_cold(), "the pool lane is the default with SIMD kernels");
+        assert_eq!(p.cold_threads(), want_cold);
+        let mut cache = p.new_cache();
+        let mut got = p.forward(&mut cache, &toks[..9], Phase::Prefill).unwrap();
+        for t in &toks[9..] {
+            got.extend(p.forward(&mut cache, std::slice::from_ref(t), Phase::Decode).unwrap());
+        }
+        runs.push(got);
+    }
+    let chunks: Vec<&[u32]> = std::iter::once(&toks[..9]).chain(toks[9..].chunks(1)).collect();
+    assert!(rel_diff(&runs[0], &reference_logits(&model, &chunks)) <= 1e-4);
+    for run in &runs[1..] {
+        assert_eq!(&runs[0], run, "the pool cold lane's thread count changed the bits");
+    }
+}

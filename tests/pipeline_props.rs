@@ -31,6 +31,8 @@ struct Case {
     n_cold_workers: usize,
     driver_cold: bool,
     simd: bool,
+    /// The cold lane on the dense stage's pool (in effect with `simd` and `driver_cold`).
+    pool_cold: bool,
     max_batch_tokens: usize,
 }
 
@@ -92,7 +94,7 @@ fn case() -> impl Strategy<Value = Case> {
         ],
         prop_oneof![Just(Switch::Off), Just(Switch::On), Just(Switch::Auto)],
         prop_oneof![Just(None), Just(Some(true)), Just(Some(false))],
-        (1usize..=3, any::<bool>(), any::<bool>()),
+        (1usize..=3, any::<bool>(), any::<bool>(), any::<bool>()),
         prop_oneof![Just(64usize), Just(7), Just(1)],
     )
         .prop_map(
@@ -107,7 +109,7 @@ fn case() -> impl Strategy<Value = Case> {
                 order,
                 reduce_merge,
                 compact_cold_reduce,
-                (n_cold_workers, driver_cold, simd),
+                (n_cold_workers, driver_cold, simd, pool_cold),
                 max_batch_tokens,
             )| Case {
                 spec,
@@ -123,6 +125,7 @@ fn case() -> impl Strategy<Value = Case> {
                 n_cold_workers,
                 driver_cold,
                 simd,
+                pool_cold,
                 max_batch_tokens,
             },
         )
@@ -146,6 +149,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         n_cold_workers: case.n_cold_workers,
         driver_cold: case.driver_cold,
         cold_kernels: if case.simd { ColdKernels::Simd } else { ColdKernels::Plain },
+        pool_cold: case.pool_cold,
         switches: PolicySwitches {
             reduce_merge: case.reduce_merge,
             compact_cold_reduce: case.compact_cold_reduce,
@@ -156,6 +160,7 @@ fn run_case(case: &Case) -> Result<(), TestCaseError> {
         ..PipelineOptions::default()
     };
     let mut pipeline = Pipeline::new(model.clone(), options).unwrap();
+    prop_assert_eq!(pipeline.pool_cold(), case.pool_cold && case.simd && case.driver_cold);
     let all = tokens(case.spec.seed + 1, case.n_tokens + case.n_decode, c.vocab);
     let (first, rest) = all.split_at(case.n_tokens);
     let mut chunks: Vec<&[u32]> = vec![first];

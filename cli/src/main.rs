@@ -551,6 +551,8 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.gpu.faults = env::faults()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
     opts.pipeline.switches = env::policy_switches()?;
+    opts.pipeline.pool_cold = env::pool_cold()?;
+    opts.pipeline.profile = env::cpu_profile();
     Ok(opts)
 }
 
@@ -996,7 +998,8 @@ fn bench(args: BenchArgs) -> Result<()> {
     bar.finish_and_clear();
     let report = report?;
     if let Some(text) = engine_profile(engine.as_ref()) {
-        eprintln!("== GPU stage profile (MOE_LANES_GPU_PROFILE, timed runs, warm-up excluded) ==\n{text}");
+        let var = if engine.kind() == EngineKind::Pipeline { "CPU_PROFILE" } else { "GPU_PROFILE" };
+        eprintln!("== stage profile (MOE_LANES_{var}, timed runs, warm-up excluded) ==\n{text}");
     }
     if args.json {
         out!("{}", serde_json::to_string_pretty(&report)?)?;

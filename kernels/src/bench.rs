@@ -6,7 +6,7 @@
 //! - `read_gbs`: every pool thread sums its share of a buffer far larger than the LLC
 //!   (2 GiB, 256 MiB when `quick`) with the best SIMD level of the CPU.
 //!
-//! Read, decode and layer25 are measured in interleaved rounds (8, 3 when `quick`) and each
+//! Read, decode, layer25 and the dense GEMV are measured in interleaved rounds (8, 3 when `quick`) and each
 //! keeps its best round, so the ratios compare the same machine state.
 //! - `decode_gbs`: one token routed to 8 experts; effective GB/s = weight bytes of the 8
 //!   experts (gate+up+down) / time per call. Calls rotate through all experts of a
@@ -16,6 +16,10 @@
 //!   each routed to 8 distinct experts (256 slots, seeded), of which exactly 64 slots (25%) are
 //!   hot (served by the GPU lane, skipped here) and the other 192 are computed here. Bytes =
 //!   the weight bytes of each distinct expert with at least one cold slot, counted once.
+//! - `dense_gemv_gbs`: the dense stage's largest GEMV, an lm_head of Qwen3's shape (151936 x
+//!   2048 BF16, 622 MB; 16384 rows when `quick`) times one token on the same pool
+//!   ([`crate::dense::par_matmul`]), read in place from the expert weight pool's bytes; measured
+//!   in the same rounds. Effective GB/s = matrix bytes / time per call.
 //! - `prefill_gflops`: 512 tokens routed top-8 over the 128 experts of the first layer, all
 //!   cold, expert-major;
 //!   FLOPs = 6 * hidden * ff per (token, expert) slot.
@@ -42,6 +46,10 @@ const TOP_K: usize = 8;
 const LAYER25_TOKENS: usize = 32;
 const LAYER25_HOT_SLOTS: usize = LAYER25_TOKENS * TOP_K / 4;
 const PREFILL_TOKENS: usize = 512;
+/// Rows of the dense GEMV (Qwen3's vocabulary: its lm_head).
+const DENSE_GEMV_ROWS: usize = 151_936;
+/// Rows of the dense GEMV when `quick`.
+const DENSE_GEMV_ROWS_QUICK: usize = 16_384;
 /// Exponent of the skewed prefill's expert popularity `1 / (rank + 1)^s`.
 const PREFILL_ZIPF_EXPONENT: f64 = 1.2;
 
@@ -78,6 +86,11 @@ pub struct KernelBenchReport {
     pub layer25_cold_slots: usize,
     pub layer25_cold_experts: usize,
     pub layer25_weight_bytes: usize,
+    /// Dense GEMV (lm_head-shaped `rows x hidden` BF16, one token) on the pool, GB/s.
+    pub dense_gemv_gbs: f64,
+    pub dense_gemv_ratio: f64,
+    pub dense_gemv_call_us: f64,
+    pub dense_gemv_rows: usize,
     /// Prefill, 512 tokens x top-8 over 128 experts, expert-major, GFLOP/s.
     pub prefill_gflops: f64,
     pub prefill_call_ms: f64,
@@ -125,6 +138,13 @@ impl KernelBenchReport {
             self.layer25_gbs,
             self.layer25_ratio,
             self.layer25_call_us
+        );
+        text += &format!(
+            "{:<34} {:>8.2} GB/s {:>10.3} {:>9.1} us\n",
+            format!("dense gemv {}x{} (1 tok)", self.dense_gemv_rows, self.hidden),
+            self.dense_gemv_gbs,
+            self.dense_gemv_ratio,
+            self.dense_gemv_call_us
         );
         text += &format!(
             "{:<34} {:>6.1} GFLOP/s {:>10} {:>9.1} ms\n",
@@ -462,13 +482,24 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         pool.run(&layer_job(layer), &mut layer_out)?;
     }
 
-    // Rounds interleave the read probe, decode and layer25 so that all three see the same
+    // 5. Dense GEMV: an lm_head-shaped matrix over the weight pool's first bytes.
+    let dense_gemv_rows = if opts.quick { DENSE_GEMV_ROWS_QUICK } else { DENSE_GEMV_ROWS };
+    let gemv_bytes = &weight_pool[..dense_gemv_rows * HIDDEN * dtype.size_bytes()];
+    let gemv_w = crate::dense::DenseMatrix::new(gemv_bytes, dtype, dense_gemv_rows, HIDDEN)?;
+    let mut gemv_y = vec![0.0f32; dense_gemv_rows];
+    let gemv = |pool: &mut ColdPool, y: &mut [f32]| {
+        crate::dense::par_matmul(pool, level, &decode_x, &mut [crate::dense::MatmulPart { w: gemv_w, y }])
+    };
+    gemv(&mut pool, &mut gemv_y)?;
+
+    // Rounds interleave the read probe, decode, layer25 and the dense GEMV so that all three see the same
     // machine state (other processes come and go); each keeps its best round.
     let rounds = if opts.quick { 3 } else { 8 };
     let decode_calls_per_round = 2 * decode_groups.len();
     // The read probe also gets back-to-back passes first: read_gbs is the best of all passes.
     let mut read_gbs = measure_read_gbs(&mut pool, read_simd, read_floats, if opts.quick { 2 } else { 4 })?;
     let (mut best_decode_seconds, mut layer25_seconds) = (f64::INFINITY, f64::INFINITY);
+    let mut gemv_seconds = f64::INFINITY;
     for round in 0..rounds {
         read_gbs = read_gbs.max(measure_read_gbs(&mut pool, read_simd, read_floats, 1)?);
         let start = Instant::now();
@@ -480,13 +511,17 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         let start = Instant::now();
         pool.run(&layer_job(round), &mut layer_out)?;
         layer25_seconds = layer25_seconds.min(start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        gemv(&mut pool, &mut gemv_y)?;
+        gemv_seconds = gemv_seconds.min(start.elapsed().as_secs_f64());
     }
-    black_box((&decode_out, &layer_out));
+    black_box((&decode_out, &layer_out, &gemv_y));
+    let dense_gemv_gbs = gemv_w.bytes.len() as f64 / gemv_seconds / 1e9;
     drop(read_buffer);
     let decode_gbs = decode_weight_bytes as f64 / best_decode_seconds / 1e9;
     let layer25_gbs = layer25_weight_bytes as f64 / layer25_seconds / 1e9;
 
-    // 5. Prefill: 512 tokens x top-8, all cold, expert-major; uniform then skewed routing.
+    // 6. Prefill: 512 tokens x top-8, all cold, expert-major; uniform then skewed routing.
     let prefill_calls = if opts.quick { 1 } else { 3 };
     let pf = measure_prefill_pair(&mut pool, level, &experts[..N_EXPERTS], &mut rng, prefill_calls)?;
 
@@ -506,6 +541,10 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         layer25_cold_slots,
         layer25_cold_experts,
         layer25_weight_bytes,
+        dense_gemv_gbs,
+        dense_gemv_ratio: dense_gemv_gbs / read_gbs,
+        dense_gemv_call_us: gemv_seconds * 1e6,
+        dense_gemv_rows,
         prefill_gflops: pf.uniform_gflops,
         prefill_call_ms: pf.uniform_seconds * 1e3,
         prefill_skewed_gflops: pf.skewed_gflops,

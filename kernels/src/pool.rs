@@ -201,6 +201,9 @@ enum Task<'t> {
 struct ColdTask<'t> {
     job: &'t ColdJob<'t>,
     pipelined: bool,
+    /// Threads that take work (the first ones, thread 0 included); the others only keep the
+    /// phased schedule's barrier.
+    participants: usize,
     out: *mut f32,
     h_scratch: *mut f32,
     /// Indices (into `job.experts`) of the experts that have tokens, in order.
@@ -385,6 +388,19 @@ impl ColdPool {
 
     /// Runs `job`, accumulating into `out` (`n_tokens x hidden`, `+=`).
     pub fn run(&mut self, job: &ColdJob<'_>, out: &mut [f32]) -> Result<(), KernelError> {
+        self.run_on(self.n_threads(), job, out)
+    }
+
+    /// [`ColdPool::run`] on the first `participants` threads only (clamped to 1..=`n_threads`;
+    /// the caller is one of them): a pool shared with other work (the CPU pipeline's dense
+    /// stage) can give the cold lane fewer threads than it has. The result is the same bits for
+    /// any count.
+    pub fn run_on(
+        &mut self,
+        participants: usize,
+        job: &ColdJob<'_>,
+        out: &mut [f32],
+    ) -> Result<(), KernelError> {
         job.validate(out.len())?;
         // Lay out h (and the partials): active expert a's tokens x ff block at slot_start[a] * ff.
         self.active.clear();
@@ -442,6 +458,7 @@ impl ColdPool {
         let task = Task::Cold(ColdTask {
             job,
             pipelined,
+            participants: participants.clamp(1, self.n_threads()),
             out: out.as_mut_ptr(),
             h_scratch: self.h_scratch.as_mut_ptr(),
             active: &self.active,
@@ -587,16 +604,20 @@ fn execute(shared: &Shared, task: &Task<'_>, index: usize) {
             }
         }
         Task::Cold(cold) if cold.pipelined => {
-            if catch_unwind(AssertUnwindSafe(|| pipelined_work(shared, cold, n_threads))).is_err() {
+            if index < cold.participants
+                && catch_unwind(AssertUnwindSafe(|| pipelined_work(shared, cold, cold.participants))).is_err()
+            {
                 shared.panicked.store(true, Ordering::Relaxed);
             }
         }
         Task::Cold(cold) => {
-            if catch_unwind(AssertUnwindSafe(|| gate_up_phase(cold, n_threads))).is_err() {
+            let n = cold.participants;
+            if index < n && catch_unwind(AssertUnwindSafe(|| gate_up_phase(cold, n))).is_err() {
                 shared.panicked.store(true, Ordering::Relaxed);
             }
+            // Every pool thread keeps the barrier (it counts them all), participant or not.
             shared.barrier.wait();
-            if catch_unwind(AssertUnwindSafe(|| down_phase(cold, n_threads))).is_err() {
+            if index < n && catch_unwind(AssertUnwindSafe(|| down_phase(cold, n))).is_err() {
                 shared.panicked.store(true, Ordering::Relaxed);
             }
         }
@@ -947,10 +968,11 @@ mod tests {
                         let mut pool = ColdPool::new(n_threads);
                         for schedule in [ColdSchedule::Phased, ColdSchedule::Pipelined, ColdSchedule::Auto] {
                             pool.set_schedule(schedule);
-                            // Twice: the second call reuses scratch and counters.
-                            for _ in 0..2 {
+                            // Twice: the second call reuses scratch and counters. Then on part
+                            // of the pool (the other threads idle, or keep only the barrier).
+                            for participants in [n_threads, n_threads, n_threads.div_ceil(2)] {
                                 let mut out = initial.clone();
-                                pool.run(&job, &mut out).unwrap();
+                                pool.run_on(participants, &job, &mut out).unwrap();
                                 results.push(out);
                             }
                         }

@@ -275,7 +275,7 @@ fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline,
     let mut pipeline = Pipeline::new(model.clone(), popts)?;
     pipeline.perf_mut().set_model(ModelFingerprint::of(model));
     let threads = ThreadReport {
-        cold: n_cold_workers,
+        cold: pipeline.cold_threads(),
         dense: pipeline.dense_threads(),
         chosen_by: opts.cold_threads.into(),
     };

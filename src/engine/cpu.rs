@@ -60,6 +60,12 @@ impl Engine for Pipeline {
     fn kind(&self) -> EngineKind {
         EngineKind::Pipeline
     }
+    fn profile_report(&self) -> Option<String> {
+        Pipeline::profile_report(self)
+    }
+    fn reset_profile(&mut self) {
+        Pipeline::reset_profile(self)
+    }
     fn device(&self) -> String {
         "cpu".into()
     }
@@ -123,5 +129,8 @@ fn timed_forward(
     let rows = Pipeline::forward_rows(p, c, tokens, phase, rows)?;
     let wall_us = start.elapsed().as_micros() as u64;
     p.perf_mut().record_call(phase.name(), tokens.len(), wall_us, &before);
-    Ok(Logits::from_rows(rows, p.config().vocab))
+    let logits_start = std::time::Instant::now();
+    let logits = Logits::from_rows(rows, p.config().vocab);
+    p.profile_logits_us(logits_start.elapsed().as_secs_f64() * 1e6);
+    Ok(logits)
 }

@@ -184,6 +184,11 @@ impl DenseStage {
         }
     }
 
+    /// The pool, for the cold lane that shares it ([`crate::moe::pool_lane`]).
+    pub fn pool_mut(&mut self) -> &mut ColdPool {
+        &mut self.pool
+    }
+
     /// The lanes take the cores now: the pool's idle workers sleep instead of spinning.
     pub fn park(&self) {
         self.pool.park_workers();

@@ -8,5 +8,7 @@ pub mod faults;
 pub mod math;
 pub mod phase;
 pub mod pipeline;
+pub mod pool_lane;
+pub mod profile;
 pub mod routing;
 pub mod worklist;

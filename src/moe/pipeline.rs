@@ -15,8 +15,9 @@
 //! are computed all-cold on the driver thread from the RAM experts, and the fallback is counted
 //! with its reason. The result is the same.
 
+use crate::actors::messages::LayerInput;
 use crate::actors::messages::LANE_SPIN;
-use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneSet, UpdaterHandle};
+use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneId, LaneSet, SectionCold, UpdaterHandle};
 use crate::cache::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
 use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
 use crate::format::tensor::TensorError;
@@ -33,6 +34,8 @@ use crate::moe::expert_math::{
 pub use crate::moe::math::argmax;
 use crate::moe::math::{dot, sigmoid};
 use crate::moe::phase::{CacheState, ColdState, ExecPlan, Phase, PolicySwitches, PpPolicy};
+use crate::moe::pool_lane::PoolLane;
+use crate::moe::profile::{mark, CpuProfiler};
 use crate::moe::routing::{Router, RouterOptions};
 use crate::reference::ForwardError;
 use moe_lanes_kernels::{AttentionInput, AttentionShape, DenseMatrix, KernelError, MatmulPart};
@@ -104,6 +107,14 @@ pub struct PipelineOptions {
     /// Threads of the dense stage (attention, projections, router, shared expert, lm_head),
     /// the driver included; they run while the lanes are idle.
     pub n_dense_threads: usize,
+    /// The cold lane runs on the dense stage's pool (one pool of pinned threads for both
+    /// stages, the driver as thread 0; `n_cold_workers` of its threads, at most all of them, take
+    /// cold work), splitting every cold expert by rows over them. Needs the SIMD kernels and
+    /// `driver_cold`; otherwise, or when false, the lane actors' cold worker threads run it, one
+    /// even share of the slots each.
+    pub pool_cold: bool,
+    /// Record the per-stage profile ([`crate::moe::profile`]; `MOE_LANES_CPU_PROFILE`).
+    pub profile: bool,
     pub perf_mode: PerfMode,
     /// The cold lane's kernels.
     pub cold_kernels: ColdKernels,
@@ -122,6 +133,8 @@ impl Default for PipelineOptions {
             n_cold_workers: default_cold_workers(),
             driver_cold: true,
             n_dense_threads: default_dense_threads(),
+            pool_cold: true,
+            profile: false,
             perf_mode: PerfMode::Full,
             cold_kernels: ColdKernels::Simd,
             simd: None,
@@ -196,6 +209,12 @@ pub struct Pipeline {
     policy: PpPolicy,
     updater: UpdaterHandle,
     cold: Arc<dyn ColdCompute>,
+    /// The cold lane on the dense stage's pool (see [`PipelineOptions::pool_cold`]).
+    pool_lane: Option<PoolLane>,
+    /// Cold-lane participants, the driver included.
+    cold_threads: usize,
+    /// The per-stage profile, when asked for.
+    profile: Option<CpuProfiler>,
     fallback_scratch: FfnScratch,
     act: Activations,
     /// `rope[pos * half + i] = (cos, sin)`, grown as positions are reached.
@@ -294,14 +313,23 @@ impl Pipeline {
                     .map_err(|e| PipelineError::Setup(format!("cold kernels: {e}")))?,
             ),
         };
+        let pool_lane =
+            (options.pool_cold && options.driver_cold && options.cold_kernels == ColdKernels::Simd)
+                .then(|| PoolLane::new(model.clone(), level))
+                .flatten();
+        // With the pool lane the driver alone is the lane set's cold participant.
+        let (lane_workers, cold_threads) = match pool_lane {
+            Some(_) => (1, options.n_cold_workers.clamp(1, dense.n_threads())),
+            None => (options.n_cold_workers, options.n_cold_workers),
+        };
         // Lane threads plus the driver (which is cold participant 0 when `driver_cold`).
-        let n_threads = hot_lanes.len() + options.n_cold_workers + usize::from(!options.driver_cold);
+        let n_threads = hot_lanes.len() + lane_workers + usize::from(!options.driver_cold);
         let n_cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         let spin = if n_cores >= n_threads { LANE_SPIN } else { std::time::Duration::ZERO };
         let mut lanes = LaneSet::start_with(
             hot_lanes,
             cold.clone(),
-            options.n_cold_workers,
+            lane_workers,
             m,
             c.n_experts_used,
             c.n_experts,
@@ -329,6 +357,9 @@ impl Pipeline {
             policy: PpPolicy { profile: adapter.profile, switches },
             fallback_scratch: FfnScratch::new(cold.dims(), 1),
             cold,
+            pool_lane,
+            cold_threads,
+            profile: options.profile.then(CpuProfiler::default),
             router,
             lanes,
             hot_set,
@@ -361,6 +392,34 @@ impl Pipeline {
     /// Threads of the dense stage, the driver included.
     pub fn dense_threads(&self) -> usize {
         self.dense.n_threads()
+    }
+
+    /// Cold-lane participants, the driver included (with the pool lane: the dense pool's
+    /// threads that take cold work).
+    pub fn cold_threads(&self) -> usize {
+        self.cold_threads
+    }
+
+    /// The per-stage profile's table, when it is recorded ([`PipelineOptions::profile`]).
+    pub fn profile_report(&self) -> Option<String> {
+        self.profile.as_ref().map(CpuProfiler::report)
+    }
+
+    /// Start the per-stage profile over (after a warm-up).
+    pub fn reset_profile(&mut self) {
+        if let Some(p) = &mut self.profile {
+            *p = CpuProfiler::default();
+        }
+    }
+
+    /// The engine's logits rows and argmax took `us` (timed by the engine around the call).
+    pub fn profile_logits_us(&mut self, us: f64) {
+        mark(&mut self.profile, |p| p.add_tail_us(2, us));
+    }
+
+    /// Whether the cold lane runs on the dense stage's pool ([`PipelineOptions::pool_cold`]).
+    pub fn pool_cold(&self) -> bool {
+        self.pool_lane.is_some()
     }
 
     /// Bytes of weights this engine holds as f32 copies (norm weights, biases, the shared
@@ -471,11 +530,14 @@ impl Pipeline {
                 n_hot_slots: self.hot_set.layers.iter().map(|l| l.n_hot()).sum(),
                 n_experts: self.config.n_experts,
             };
-            let cold_state = ColdState { n_workers: self.lanes.n_cold_workers(), healthy: true };
+            let cold_state = ColdState { n_workers: self.cold_threads, healthy: true };
             // The phase is the call's, whatever the sub-batch's size.
             let plan = self.policy.plan(phase, batch.len(), cache_state, cold_state);
             self.plans.push(plan);
+            let start = Instant::now();
+            mark(&mut self.profile, |p| p.begin(phase == Phase::Decode, batch.len()));
             self.forward_batch(cache, batch, &plan, batch_rows, &mut logits)?;
+            mark(&mut self.profile, |p| p.add_total_us(start.elapsed().as_secs_f64() * 1e6));
         }
         Ok(logits)
     }
@@ -514,6 +576,7 @@ impl Pipeline {
         for (t, &token) in tokens.iter().enumerate() {
             decode_row(&embedding, token as usize, &mut self.act.hidden[t * h..(t + 1) * h]);
         }
+        mark(&mut self.profile, |p| p.tail(0));
         for l in 0..self.config.n_layers {
             let m = LayerMatrices::resolve(&model, l)?;
             self.attention_block(cache, l, &m, n, first_pos)?;
@@ -530,7 +593,13 @@ impl Pipeline {
         }
         let mut out = vec![0.0; k * vocab];
         self.dense.matmul(&self.act.normed[..k * h], &mut [MatmulPart { w: head, y: &mut out }])?;
-        logits_out.extend(out.chunks_exact(vocab).map(<[f32]>::to_vec));
+        if k == 1 {
+            // Decode: the row is the buffer, no second copy of a vocab-sized row.
+            logits_out.push(out);
+        } else {
+            logits_out.extend(out.chunks_exact(vocab).map(<[f32]>::to_vec));
+        }
+        mark(&mut self.profile, |p| p.tail(1));
         Ok(())
     }
 
@@ -571,6 +640,7 @@ impl Pipeline {
                 MatmulPart { w: m.v, y: &mut a.v[..n * kvd] },
             ],
         )?;
+        mark(&mut self.profile, |p| p.layer(0));
         self.qkv_post(l, n, first_pos);
         let (c, a) = (&self.config, &mut self.act);
         let nkv = c.n_kv_heads;
@@ -583,6 +653,7 @@ impl Pipeline {
                 values[kvh].extend_from_slice(&a.v[at..at + hd]);
             }
         }
+        mark(&mut self.profile, |p| p.layer(1));
         let input = AttentionInput {
             shape: AttentionShape { n_heads: c.n_heads, n_kv_heads: nkv, head_dim: hd },
             q: &a.q[..n * qd],
@@ -592,10 +663,12 @@ impl Pipeline {
             window: c.sliding_window,
         };
         self.dense.attention(&input, &mut a.attn[..n * qd])?;
+        mark(&mut self.profile, |p| p.layer(2));
         self.dense.matmul(&a.attn[..n * qd], &mut [MatmulPart { w: m.o, y: &mut a.proj[..n * h] }])?;
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
             *x += y;
         }
+        mark(&mut self.profile, |p| p.layer(3));
         Ok(())
     }
 
@@ -663,9 +736,11 @@ impl Pipeline {
         let mut timing = LayerTiming::default();
         let t0 = Instant::now();
         self.route_layer(l, m, n)?;
+        mark(&mut self.profile, |p| p.layer(4));
         let t1 = Instant::now();
         // Dispatcher stage: the worklist, in the lanes' shared layer input.
         let mut failure = self.dispatch(l, n, plan);
+        mark(&mut self.profile, |p| p.layer(5));
         let t2 = Instant::now();
         timing.routing_us = (t1 - t0).as_micros() as u64;
         timing.worklist_us = (t2 - t1).as_micros() as u64;
@@ -673,18 +748,29 @@ impl Pipeline {
         if let Some(shared) = &m.shared {
             self.shared_expert(l, shared, n)?;
         }
-        self.dense.park();
+        mark(&mut self.profile, |p| p.layer(6));
         let h = self.config.hidden;
+        let mut section = match &mut self.pool_lane {
+            // One pool for both stages: its threads go on to the cold section without parking.
+            Some(lane) => {
+                Some(PoolSection { lane, pool: self.dense.pool_mut(), participants: self.cold_threads })
+            }
+            None => {
+                self.dense.park();
+                None
+            }
+        };
         let a = &mut self.act;
-        let mut shared_work = || {};
+        let shared_work = || {};
         let mut launched = false;
         if failure.is_none() {
-            match self.lanes.run_layer(
+            match self.lanes.run_layer_with(
                 plan.merge,
                 plan.compact_cold_reduce,
                 &mut a.moe[..n * h],
                 &mut timing,
-                &mut shared_work,
+                shared_work,
+                section.as_mut().map(|s| s as &mut dyn SectionCold),
             ) {
                 Ok(()) => launched = true,
                 Err(f) => failure = Some(f.reason),
@@ -697,6 +783,7 @@ impl Pipeline {
             self.all_cold(l, n)?;
             launched = false;
         }
+        mark(&mut self.profile, |p| p.layer(7));
         let a = &mut self.act;
         if m.shared.is_some() {
             for t in 0..n {
@@ -709,6 +796,7 @@ impl Pipeline {
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.moe[..n * h]) {
             *x += y;
         }
+        mark(&mut self.profile, |p| p.layer(8));
         self.perf.record_layer_call(l, &timing, launched);
         Ok(())
     }
@@ -842,5 +930,27 @@ fn rope_head(head: &mut [f32], table: &[(f32, f32)], style: RopeStyle) {
         let (x0, x1) = (head[a], head[b]);
         head[a] = x0 * cos - x1 * sin;
         head[b] = x1 * cos + x0 * sin;
+    }
+}
+
+/// [`PoolLane`] bound to the dense stage's pool for one layer: the join's [`SectionCold`].
+struct PoolSection<'a> {
+    lane: &'a mut PoolLane,
+    pool: &'a mut moe_lanes_kernels::ColdPool,
+    participants: usize,
+}
+
+impl SectionCold for PoolSection<'_> {
+    fn run(
+        &mut self,
+        input: &LayerInput,
+        range: std::ops::Range<usize>,
+        token_rows: &mut [f32],
+    ) -> Result<(), LaneError> {
+        let x = &input.x[..input.n_tokens * input.hidden];
+        let (l, wl) = (input.layer_idx, &input.worklist);
+        self.lane
+            .run(self.pool, self.participants, l, x, wl, range, token_rows)
+            .map_err(|e| LaneError::Failed { lane: LaneId::Cold(0), reason: e.to_string() })
     }
 }
