@@ -2,12 +2,14 @@
 //! experts into a VRAM budget (`planner`), and the perf state / perf JSON that learn passes,
 //! the updater and the metrics read (`perf`); typed observations parsed from perf JSON
 //! (`observe`), the weighting modes (`weighting`), the what-if planner (`whatif`) and the online
-//! updater's planning and statistics (`update`).
+//! updater's planning and statistics (`update`), and the expert usage tracer and its replay
+//! (`trace`).
 
 pub mod hot_set;
 pub mod observe;
 pub mod perf;
 pub mod planner;
+pub mod trace;
 pub mod update;
 pub mod weighting;
 pub mod whatif;

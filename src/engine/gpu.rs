@@ -48,6 +48,36 @@ impl GpuEngine {
         self.cpu.is_some()
     }
 
+    /// A forward call on the device (every logits row, or the last only), or on the CPU
+    /// pipeline once the device is lost.
+    fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut KvCache,
+        last_only: bool,
+    ) -> Result<Logits, EngineError> {
+        let KvCache::Gpu(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
+        if self.cpu.is_none() {
+            self.apply_exchanges()?;
+            let before = self.gpu.perf().lane_snapshot();
+            let start = std::time::Instant::now();
+            let run = if last_only { GpuModel::forward_last } else { GpuModel::forward };
+            match run(&mut self.gpu, tokens, phase, &mut c.kv, &mut self.cold) {
+                Ok(logits) => {
+                    let wall_us = start.elapsed().as_micros() as u64;
+                    self.gpu.perf_mut().record_call(phase.name(), tokens.len(), wall_us, &before);
+                    c.tokens.extend_from_slice(tokens);
+                    return Ok(logits);
+                }
+                Err(e) if e.is_device_loss() => self.lose_device()?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let all = self.forward_cpu(tokens, phase, c)?;
+        Ok(if last_only { all.last_row() } else { all })
+    }
+
     fn lose_device(&mut self) -> Result<(), EngineError> {
         let opts = PipelineOptions { n_cold_workers: self.cold_threads, ..PipelineOptions::default() };
         self.cpu = Some(Pipeline::new(self.model.clone(), opts)?);
@@ -95,23 +125,17 @@ impl Engine for GpuEngine {
         Ok(KvCache::Gpu(GpuSessionCache { kv, tokens: Vec::with_capacity(capacity), cpu: None }))
     }
     fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError> {
-        let KvCache::Gpu(c) = cache else { return Err(wrong_cache(self.kind(), cache)) };
-        if self.cpu.is_none() {
-            self.apply_exchanges()?;
-            let before = self.gpu.perf().lane_snapshot();
-            let start = std::time::Instant::now();
-            match self.gpu.forward(tokens, phase, &mut c.kv, &mut self.cold) {
-                Ok(logits) => {
-                    let wall_us = start.elapsed().as_micros() as u64;
-                    self.gpu.perf_mut().record_call(phase.name(), tokens.len(), wall_us, &before);
-                    c.tokens.extend_from_slice(tokens);
-                    return Ok(logits);
-                }
-                Err(e) if e.is_device_loss() => self.lose_device()?,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        self.forward_cpu(tokens, phase, c)
+        self.forward_rows(tokens, phase, cache, false)
+    }
+    /// The lm_head runs for the last token only (on the device; the CPU pipeline after a device
+    /// loss computes every row and the last is taken).
+    fn forward_last(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut KvCache,
+    ) -> Result<Logits, EngineError> {
+        self.forward_rows(tokens, phase, cache, true)
     }
     fn perf(&self) -> Option<&PerfState> {
         Some(self.gpu.perf())

@@ -122,10 +122,25 @@ impl std::str::FromStr for GpuFaults {
     }
 }
 
+/// How the prefill hot lane runs its expert GEMMs (an A/B switch: `MOE_LANES_HOT_GEMM` at the
+/// CLI).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HotGemm {
+    /// One tensor-core launch per projection for every cached expert of the layer (gate and up
+    /// fused with the activation, then down), then the weighted scatter.
+    #[default]
+    Grouped,
+    /// One cuBLAS GEMM per cached expert and projection (two with split activations).
+    PerExpert,
+}
+
 /// Engine switches.
 #[derive(Debug, Clone, Copy)]
 pub struct GpuOptions {
-    /// Prefill GEMMs take activations as bf16 hi + lo (two GEMMs, ~f32 accuracy); off: bf16 only.
+    /// The prefill hot lane's GEMMs: grouped (default) or per expert through cuBLAS.
+    pub hot_gemm: HotGemm,
+    /// Prefill GEMMs take activations as bf16 hi + lo (two GEMMs, or two MMAs per step in the
+    /// grouped hot lane; ~f32 accuracy); off: bf16 only.
     pub split_bf16_activations: bool,
     pub perf_mode: PerfMode,
     /// Record CUDA events per stage (`MOE_LANES_GPU_PROFILE=1` at the CLI).
@@ -139,6 +154,7 @@ pub struct GpuOptions {
 impl Default for GpuOptions {
     fn default() -> Self {
         GpuOptions {
+            hot_gemm: HotGemm::Grouped,
             split_bf16_activations: true,
             perf_mode: PerfMode::Full,
             profile: false,
@@ -324,6 +340,29 @@ impl GpuModel {
         cache: &mut GpuKvCache,
         cold: &mut dyn ColdExperts,
     ) -> Result<Logits, GpuError> {
+        self.forward_rows(tokens, phase, cache, cold, false)
+    }
+
+    /// As [`GpuModel::forward`], but the final norm and the lm_head run for the last token only:
+    /// one logits row (a prompt's other rows are never computed).
+    pub fn forward_last(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+    ) -> Result<Logits, GpuError> {
+        self.forward_rows(tokens, phase, cache, cold, true)
+    }
+
+    fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+        last_only: bool,
+    ) -> Result<Logits, GpuError> {
         let call_start = Instant::now();
         self.check_call(tokens, cache)?;
         self.call_idx += 1;
@@ -341,7 +380,7 @@ impl GpuModel {
             self.moe_block(l, phase, t, cold)?;
         }
         let copy_start = Instant::now();
-        let logits = self.head(phase, t)?;
+        let logits = self.head(phase, t, last_only)?;
         let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
         cache.n_positions += t;
         self.finish_call(phase, t, call_start, copy_start, copy_us)?;
@@ -358,29 +397,32 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Final norm, lm_head, greedy tokens on the GPU, and the copies back.
-    fn head(&mut self, phase: Phase, t: usize) -> Result<Logits, GpuError> {
+    /// Final norm, lm_head, greedy tokens on the GPU, and the copies back: for every token, or
+    /// for the last one only (`last_only`: one row).
+    fn head(&mut self, phase: Phase, t: usize, last_only: bool) -> Result<Logits, GpuError> {
         let (c, be) = (&self.cfg, &self.be);
         let s = self.scratch.as_ref().expect("reserved");
-        be.rmsnorm(s.hidden.ptr(), self.w.final_norm.ptr(), s.normed.ptr(), t, c.hidden, c.rms_eps)?;
+        let (first, rows) = if last_only { (t - 1, 1) } else { (0, t) };
+        let hidden = s.hidden.ptr().sub(first * c.hidden, rows * c.hidden);
+        be.rmsnorm(hidden, self.w.final_norm.ptr(), s.normed.ptr(), rows, c.hidden, c.rms_eps)?;
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed).ptr();
-        self.linear(phase, s.normed.ptr(), head, s.logits.ptr(), t, c.vocab, c.hidden, false)?;
+        self.linear(phase, s.normed.ptr(), head, s.logits.ptr(), rows, c.vocab, c.hidden, false)?;
         self.mark_tail(1)?;
-        if t <= 8 {
+        if rows <= 8 {
             // decode: one row over many blocks (the one-block-per-row kernel is latency bound)
-            be.argmax_split(s.logits.ptr(), t, c.vocab, s.argmax.ptr(), s.argmax_part.ptr())?;
+            be.argmax_split(s.logits.ptr(), rows, c.vocab, s.argmax.ptr(), s.argmax_part.ptr())?;
         } else {
-            be.argmax(s.logits.ptr(), t, c.vocab, s.argmax.ptr())?;
+            be.argmax(s.logits.ptr(), rows, c.vocab, s.argmax.ptr())?;
         }
         self.mark_tail(2)?;
         let mut data = Vec::new();
         if self.opts.copy_logits {
-            data = vec![0f32; t * c.vocab];
-            be.read(s.logits.ptr().sub(0, t * c.vocab), &mut data)?;
+            data = vec![0f32; rows * c.vocab];
+            be.read(s.logits.ptr().sub(0, rows * c.vocab), &mut data)?;
         }
-        let mut am = vec![0i32; t];
-        be.read(s.argmax.ptr().sub(0, t), &mut am)?;
-        Ok(Logits { n_rows: t, vocab: c.vocab, data, argmax: am.into_iter().map(|x| x as u32).collect() })
+        let mut am = vec![0i32; rows];
+        be.read(s.argmax.ptr().sub(0, rows), &mut am)?;
+        Ok(Logits { n_rows: rows, vocab: c.vocab, data, argmax: am.into_iter().map(|x| x as u32).collect() })
     }
 
     /// After the stream is idle: lane statistics, perf state, profile.
