@@ -206,7 +206,8 @@ fn long_prompt_grouped_tiles_and_forward_last() {
             let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
             let mut worst = 0f32;
             for (i, w) in want.iter().enumerate() {
-                worst = worst.max(compare_row(&format!("{name} {hot:?} {hot_gemm:?} row {i}"), got.row(i), w));
+                worst =
+                    worst.max(compare_row(&format!("{name} {hot:?} {hot_gemm:?} row {i}"), got.row(i), w));
             }
             eprintln!("{name} {n} tokens {hot:?} {hot_gemm:?}: worst relative error {worst:e}");
             let mut cache = engine.new_cache(n).unwrap();

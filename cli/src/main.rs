@@ -622,7 +622,11 @@ fn open_engine<'m>(
     let (mut engine, report) = build_engine(model, opts)?;
     if let Some(path) = trace {
         if engine.perf().is_none() {
-            bail!("--trace {}: the {} engine keeps no counts (use gpu or pipeline)", path.display(), report.kind);
+            bail!(
+                "--trace {}: the {} engine keeps no counts (use gpu or pipeline)",
+                path.display(),
+                report.kind
+            );
         }
         let tracer = ExpertTracer::create(path, &ModelFingerprint::of(model))?;
         engine = Box::new(TracedEngine::new(engine, tracer));

@@ -778,7 +778,8 @@ fn grouped_expert_gemms_match_cpu() {
     let Some(be) = backend() else { return };
     use moe_lanes_kernels::cuda::ops::grouped_tiles;
     // (hidden, ff): not multiples of the tile or of 8 (scalar loads), then multiples of 8
-    for &(hidden, ff, n_slots, t) in &[(100usize, 70usize, 6usize, 9usize), (136, 200, 6, 31), (64, 64, 6, 1)] {
+    for &(hidden, ff, n_slots, t) in &[(100usize, 70usize, 6usize, 9usize), (136, 200, 6, 31), (64, 64, 6, 1)]
+    {
         let slots = grouped_case_slots();
         let n_rows = slots.len();
         let (gb, g) = to_bf16(&rnd(n_slots * ff * hidden, 40));
@@ -789,14 +790,29 @@ fn grouped_expert_gemms_match_cpu() {
         let mut tiles = vec![0i32; 3 * n_rows];
         let n_tiles = grouped_tiles(&slots, &mut tiles).unwrap();
         let (dg, du, dd) = (be.upload(&gb).unwrap(), be.upload(&ub).unwrap(), be.upload(&db).unwrap());
-        let (dx, dtok, dtiles) = (be.upload(&x).unwrap(), be.upload(&toks).unwrap(), be.upload(&tiles).unwrap());
+        let (dx, dtok, dtiles) =
+            (be.upload(&x).unwrap(), be.upload(&toks).unwrap(), be.upload(&tiles).unwrap());
         let dh = be.alloc_zeros::<f32>(n_rows * ff).unwrap();
         let dy = be.alloc_zeros::<f32>(n_rows * hidden).unwrap();
         for split in [true, false] {
             let rel = if split { 2f64.powi(-15) } else { 2f64.powi(-7) };
             let tp = dtiles.ptr().sub(0, 3 * n_tiles);
-            be.grouped_gate_up(dg.ptr(), du.ptr(), n_slots, dx.ptr(), dtok.ptr(), t, tp, n_tiles, dh.ptr(), n_rows, ff, hidden, split)
-                .unwrap();
+            be.grouped_gate_up(
+                dg.ptr(),
+                du.ptr(),
+                n_slots,
+                dx.ptr(),
+                dtok.ptr(),
+                t,
+                tp,
+                n_tiles,
+                dh.ptr(),
+                n_rows,
+                ff,
+                hidden,
+                split,
+            )
+            .unwrap();
             let h = be.read_vec(dh.ptr()).unwrap();
             let mut worst = 0f64;
             for r in 0..n_rows {
@@ -808,20 +824,39 @@ fn grouped_expert_gemms_match_cpu() {
                     let want = sg * uv;
                     let tol = 1.1 * ga * rel * uv.abs() + sg.abs() * ua * rel + ga * ua * rel * rel + 1e-6;
                     let err = (h[r * ff + c] as f64 - want).abs();
-                    assert!(err <= tol, "gate_up split={split} ({hidden},{ff}) row {r} col {c}: {err:e} > {tol:e}");
+                    assert!(
+                        err <= tol,
+                        "gate_up split={split} ({hidden},{ff}) row {r} col {c}: {err:e} > {tol:e}"
+                    );
                     worst = worst.max(err / tol);
                 }
             }
             // down over the (f32) h just computed, rows taken in order
-            be.grouped_gemm(dd.ptr(), n_slots, dh.ptr(), None, n_rows, tp, n_tiles, dy.ptr(), n_rows, hidden, ff, split)
-                .unwrap();
+            be.grouped_gemm(
+                dd.ptr(),
+                n_slots,
+                dh.ptr(),
+                None,
+                n_rows,
+                tp,
+                n_tiles,
+                dy.ptr(),
+                n_rows,
+                hidden,
+                ff,
+                split,
+            )
+            .unwrap();
             let y = be.read_vec(dy.ptr()).unwrap();
             for r in 0..n_rows {
                 let s = slots[r] as usize;
                 for c in 0..hidden {
                     let (want, a) = dot_and_scale(&d[(s * hidden + c) * ff..][..ff], &h[r * ff..][..ff]);
                     let (err, tol) = ((y[r * hidden + c] as f64 - want).abs(), a * rel + 1e-6);
-                    assert!(err <= tol, "down split={split} ({hidden},{ff}) row {r} col {c}: {err:e} > {tol:e}");
+                    assert!(
+                        err <= tol,
+                        "down split={split} ({hidden},{ff}) row {r} col {c}: {err:e} > {tol:e}"
+                    );
                     worst = worst.max(err / tol);
                 }
             }
@@ -841,11 +876,16 @@ fn grouped_gemm_gathers_rows_and_skips_bad_tiles() {
     let rows = vec![4i32, 0, 2, 2];
     // tile 0: slot 1, rows 0..3; bad: slot 2 (of 2), rows 3..4 past n_rows 4 at 3+2, 65 rows
     let tiles = vec![1i32, 0, 3, 2, 3, 1, 0, 3, 2, 0, 0, 65];
-    let (dw, dx, dr, dt) =
-        (be.upload(&wb).unwrap(), be.upload(&x).unwrap(), be.upload(&rows).unwrap(), be.upload(&tiles).unwrap());
+    let (dw, dx, dr, dt) = (
+        be.upload(&wb).unwrap(),
+        be.upload(&x).unwrap(),
+        be.upload(&rows).unwrap(),
+        be.upload(&tiles).unwrap(),
+    );
     let sentinel = vec![7.5f32; 4 * n];
     let dy = be.upload(&sentinel).unwrap();
-    be.grouped_gemm(dw.ptr(), n_slots, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 4, dy.ptr(), 4, n, k, true).unwrap();
+    be.grouped_gemm(dw.ptr(), n_slots, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 4, dy.ptr(), 4, n, k, true)
+        .unwrap();
     let y = be.read_vec(dy.ptr()).unwrap();
     for r in 0..3 {
         for c in 0..n {
@@ -856,6 +896,10 @@ fn grouped_gemm_gathers_rows_and_skips_bad_tiles() {
     }
     assert!(y[3 * n..].iter().all(|&v| v == 7.5), "refused tiles wrote row 3");
     // shape checks: a tile buffer shorter than n_tiles, an output too small
-    assert!(be.grouped_gemm(dw.ptr(), n_slots, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 5, dy.ptr(), 4, n, k, true).is_err());
-    assert!(be.grouped_gemm(dw.ptr(), 3, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 4, dy.ptr(), 4, n, k, true).is_err());
+    assert!(be
+        .grouped_gemm(dw.ptr(), n_slots, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 5, dy.ptr(), 4, n, k, true)
+        .is_err());
+    assert!(be
+        .grouped_gemm(dw.ptr(), 3, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 4, dy.ptr(), 4, n, k, true)
+        .is_err());
 }

@@ -13,7 +13,7 @@
 //! trace is asked for (no tracer, no snapshot); it needs a perf mode that counts (`full` or
 //! `update`). Lines go through a buffered writer, flushed once per call.
 
-use crate::cache::observe::{ExpertObservation, LayerObservation, ObserveError, Observations};
+use crate::cache::observe::{ExpertObservation, LayerObservation, Observations, ObserveError};
 use crate::cache::perf::{ModelFingerprint, PerfMode, PerfState};
 use crate::moe::phase::Phase;
 use serde::{Deserialize, Serialize};
@@ -107,7 +107,12 @@ impl<W: Write> ExpertTracer<W> {
     }
 
     /// Write one line per layer for the call just made (`phase`, `n_tokens`), then flush.
-    pub fn after_call(&mut self, perf: Option<&PerfState>, phase: Phase, n_tokens: usize) -> Result<(), TraceError> {
+    pub fn after_call(
+        &mut self,
+        perf: Option<&PerfState>,
+        phase: Phase,
+        n_tokens: usize,
+    ) -> Result<(), TraceError> {
         let perf = perf.ok_or(TraceError::NoCounts)?;
         for (l, layer) in perf.report().layers.iter().enumerate() {
             let mut rec = TraceRecord {
@@ -162,13 +167,25 @@ pub fn parse_trace(source: &Path, text: &str, model: &ModelFingerprint) -> Resul
     let mut calls = vec![0u64; n_layers];
     for (i, text) in lines.filter(|(_, l)| !l.trim().is_empty()) {
         let line = i + 1;
-        let rec: TraceRecord = serde_json::from_str(text)
-            .map_err(|source_err| TraceError::Line { path: source.into(), line, source: source_err })?;
-        let range = |what, value: u64, limit| TraceError::OutOfRange { path: source.into(), line, what, value, limit };
+        let rec: TraceRecord = serde_json::from_str(text).map_err(|source_err| TraceError::Line {
+            path: source.into(),
+            line,
+            source: source_err,
+        })?;
+        let range = |what, value: u64, limit| TraceError::OutOfRange {
+            path: source.into(),
+            line,
+            what,
+            value,
+            limit,
+        };
         let layer = counts.get_mut(rec.layer).ok_or_else(|| range("layer", rec.layer as u64, n_layers))?;
         calls[rec.layer] += 1;
         for &[e, hot, cold] in &rec.experts {
-            let c = usize::try_from(e).ok().and_then(|e| layer.get_mut(e)).ok_or_else(|| range("expert", e, n_experts))?;
+            let c = usize::try_from(e)
+                .ok()
+                .and_then(|e| layer.get_mut(e))
+                .ok_or_else(|| range("expert", e, n_experts))?;
             (c[0], c[1]) = (c[0] + hot, c[1] + cold);
         }
     }
@@ -199,7 +216,8 @@ pub fn parse_trace(source: &Path, text: &str, model: &ModelFingerprint) -> Resul
 /// Read a learn file, a perf JSON or an expert trace (told apart by the trace header) as
 /// observations for `model`.
 pub fn read_learn_or_trace(path: &Path, model: &ModelFingerprint) -> Result<Observations, TraceError> {
-    let text = std::fs::read_to_string(path).map_err(|source| TraceError::Io { path: path.into(), source })?;
+    let text =
+        std::fs::read_to_string(path).map_err(|source| TraceError::Io { path: path.into(), source })?;
     if is_trace(&text) {
         parse_trace(path, &text, model)
     } else {

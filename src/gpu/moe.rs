@@ -288,8 +288,22 @@ impl GpuModel {
         let tiles = wi.sub(lay.tiles, 3 * n_tiles);
         let toks = wi.sub(lay.tokens, n_hot);
         let (x, hbuf) = (s.normed.ptr(), s.h.ptr());
-        self.be.grouped_gate_up(c.gate, c.up, n_slots, x, toks, t, tiles, n_tiles, hbuf, n_hot, ff, h, split)?;
-        self.be.grouped_gemm(c.down, n_slots, hbuf, None, n_hot, tiles, n_tiles, s.y.ptr(), n_hot, h, ff, split)?;
+        self.be
+            .grouped_gate_up(c.gate, c.up, n_slots, x, toks, t, tiles, n_tiles, hbuf, n_hot, ff, h, split)?;
+        self.be.grouped_gemm(
+            c.down,
+            n_slots,
+            hbuf,
+            None,
+            n_hot,
+            tiles,
+            n_tiles,
+            s.y.ptr(),
+            n_hot,
+            h,
+            ff,
+            split,
+        )?;
         Ok(())
     }
 

@@ -131,7 +131,10 @@ impl GroupedShape {
             None if self.n_x_rows < self.n_rows => {
                 return Err(CudaError::Shape {
                     kernel: kernel.symbol(),
-                    reason: format!("x has {} rows, {} needed without a row gather", self.n_x_rows, self.n_rows),
+                    reason: format!(
+                        "x has {} rows, {} needed without a row gather",
+                        self.n_x_rows, self.n_rows
+                    ),
                 })
             }
             None => {}
