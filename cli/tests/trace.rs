@@ -150,3 +150,16 @@ fn a_bad_trace_line_is_an_error_naming_the_file_and_line() {
     ]);
     assert!(err.contains("--trace") && err.contains("reference"), "{err}");
 }
+
+/// The trace's text, as written (a snapshot): the header, then per call and layer one line.
+#[test]
+fn trace_text_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    let layers = LAYERS.to_string();
+    ok_stdout(&["synth", "--out", p(&model), "--layers", &layers, "--experts", "16", "--top-k", "4"]);
+    let trace = dir.path().join("t.jsonl");
+    let run = ["logits", "--model", p(&model), "--tokens", "1,2,3", "--engine", "pipeline"];
+    ok_stdout(&[&run[..], &["--hot-fraction", "0.5", "--trace", p(&trace)][..]].concat());
+    insta::assert_snapshot!("trace_logits", std::fs::read_to_string(&trace).unwrap());
+}
