@@ -11,12 +11,13 @@
 //! | `CUDA_HOME`, `CUDA_PATH`, `CUDA_ROOT` | where NVRTC finds the CUDA headers |
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
+//! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
 //! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
 //! | `MOE_LANES_POOL_COLD` | `off`: the pipeline's cold lane on lane-actor worker threads instead of the dense stage's pool ([`pool_cold`]) |
 
-use crate::gpu::GpuFaults;
+use crate::gpu::{GpuFaults, HotGemm};
 use crate::moe::phase::{PolicySwitches, Switch};
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::CudaConfig;
@@ -85,6 +86,15 @@ pub fn gpu_profile() -> bool {
 /// `MOE_LANES_CPU_PROFILE` set to anything but `0`.
 pub fn cpu_profile() -> bool {
     var("MOE_LANES_CPU_PROFILE").is_some_and(|v| v != "0")
+}
+
+/// `MOE_LANES_HOT_GEMM` (`grouped` or `cublas`; unset is `grouped`).
+pub fn hot_gemm() -> Result<HotGemm, EnvError> {
+    match var("MOE_LANES_HOT_GEMM").as_deref() {
+        None | Some("grouped") => Ok(HotGemm::Grouped),
+        Some("cublas") => Ok(HotGemm::PerExpert),
+        Some(v) => Err(bad("MOE_LANES_HOT_GEMM", v, "grouped or cublas")),
+    }
 }
 
 /// `MOE_LANES_FAULT`.

@@ -18,7 +18,7 @@ use moe_lanes::actors::Exchange;
 use moe_lanes::cache::hot_set::HotSet;
 use moe_lanes::cache::perf::{FallbackReason, PerfReport};
 use moe_lanes::engine::{build_engine, Engine, EngineError, EngineKind, EngineOptions, HotBudget, HotChoice};
-use moe_lanes::gpu::{CudaBackend, GpuFaults};
+use moe_lanes::gpu::{CudaBackend, GpuFaults, HotGemm};
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use moe_lanes::reference::{NoObserver, Reference};
@@ -68,7 +68,18 @@ fn hot_set(hot: Hot, n_layers: usize, n_experts: usize) -> HotSet {
 }
 
 fn gpu_engine(model: &Arc<Model>, hot: HotChoice, faults: GpuFaults) -> Box<dyn Engine + '_> {
-    let mut opts = EngineOptions::new(64);
+    gpu_engine_with(model, hot, faults, HotGemm::default(), 64)
+}
+
+fn gpu_engine_with(
+    model: &Arc<Model>,
+    hot: HotChoice,
+    faults: GpuFaults,
+    hot_gemm: HotGemm,
+    positions: usize,
+) -> Box<dyn Engine + '_> {
+    let mut opts = EngineOptions::new(positions);
+    opts.gpu.hot_gemm = hot_gemm;
     opts.cuda = moe_lanes::env::cuda_config().unwrap();
     opts.kind = Some(EngineKind::Gpu);
     opts.hot = hot;
@@ -132,7 +143,7 @@ fn open(name: &str) -> Arc<Model> {
     Arc::new(Model::open(&common::fixtures_root().join(name)).unwrap())
 }
 
-fn run_hot(hot: Hot) {
+fn run_hot(hot: Hot, hot_gemm: HotGemm) {
     if !gpu_usable() {
         return;
     }
@@ -140,29 +151,74 @@ fn run_hot(hot: Hot) {
     for name in &common::fixture_names() {
         let model = open(name);
         let c = model.config().clone();
-        let mut engine =
-            gpu_engine(&model, HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts)), GpuFaults::default());
+        let set = HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts));
+        let mut engine = gpu_engine_with(&model, set, GpuFaults::default(), hot_gemm, 64);
         worst = worst.max(check_against_reference(&format!("{name} {hot:?}"), &model, engine.as_mut()));
         let perf = engine.perf().unwrap();
         let fallbacks: u64 = perf.report().layers.iter().map(|l| l.parallel_fallbacks).sum();
         assert_eq!(fallbacks, 0, "{name} {hot:?}: no fallback without a fault");
     }
-    eprintln!("hot {hot:?}: worst relative error {worst:e}");
+    eprintln!("hot {hot:?} {hot_gemm:?}: worst relative error {worst:e}");
 }
 
 #[test]
 fn fixtures_hot_none() {
-    run_hot(Hot::None);
+    run_hot(Hot::None, HotGemm::Grouped);
 }
 
 #[test]
 fn fixtures_hot_half() {
-    run_hot(Hot::Half);
+    run_hot(Hot::Half, HotGemm::Grouped);
 }
 
 #[test]
 fn fixtures_hot_all() {
-    run_hot(Hot::All);
+    run_hot(Hot::All, HotGemm::Grouped);
+}
+
+/// The A/B baseline (`MOE_LANES_HOT_GEMM=cublas`: one cuBLAS GEMM per cached expert) stays exact.
+#[test]
+fn fixtures_hot_half_and_all_per_expert_gemm() {
+    run_hot(Hot::Half, HotGemm::PerExpert);
+    run_hot(Hot::All, HotGemm::PerExpert);
+}
+
+/// A prompt long enough that experts get more rows than one grouped-GEMM tile (64): every
+/// prefill row of both hot-lane GEMM variants against the reference, and `forward_last` (the
+/// lm_head for the last row only) equal to the last row of a full forward.
+#[test]
+fn long_prompt_grouped_tiles_and_forward_last() {
+    if !gpu_usable() {
+        return;
+    }
+    let name = "qwen3_moe_a";
+    let model = open(name);
+    let c = model.config().clone();
+    let n = c.max_positions;
+    // more routed slots per expert on average than a tile holds: some expert spans two tiles
+    assert!(n * c.n_experts_used > 64 * c.n_experts, "{name}: {n} positions are too few");
+    let prompt: Vec<u32> = (0..n).map(|i| ((i * 7 + 3) % c.vocab) as u32).collect();
+    let reference = Reference::new(&model).unwrap();
+    let want = reference.forward(&mut reference.new_cache(), &prompt, &mut NoObserver).unwrap();
+    for hot_gemm in [HotGemm::Grouped, HotGemm::PerExpert] {
+        for hot in [Hot::Half, Hot::All] {
+            let set = HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts));
+            let mut engine = gpu_engine_with(&model, set, GpuFaults::default(), hot_gemm, n);
+            let mut cache = engine.new_cache(n).unwrap();
+            let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
+            let mut worst = 0f32;
+            for (i, w) in want.iter().enumerate() {
+                worst =
+                    worst.max(compare_row(&format!("{name} {hot:?} {hot_gemm:?} row {i}"), got.row(i), w));
+            }
+            eprintln!("{name} {n} tokens {hot:?} {hot_gemm:?}: worst relative error {worst:e}");
+            let mut cache = engine.new_cache(n).unwrap();
+            let last = engine.forward_last(&prompt, Phase::Prefill, &mut cache).unwrap();
+            assert_eq!((last.n_rows, last.argmax[0]), (1, *got.argmax.last().unwrap()));
+            compare_row(&format!("{name} forward_last"), last.row(0), want.last().unwrap());
+            assert_eq!(cache.n_positions(), n, "forward_last keeps every position in the KV cache");
+        }
+    }
 }
 
 /// `forward_last` runs the lm_head for the last row only: one row, equal to the reference's

@@ -4,13 +4,13 @@
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use moe_lanes::adapter;
-use moe_lanes::cache::observe::read_observations;
+use moe_lanes::cache::trace::{read_learn_or_trace, ExpertTracer};
 use moe_lanes::cache::update::{UpdateMode, UpdatePolicy};
 use moe_lanes::cache::weighting::{WeightMode, Weighting};
 use moe_lanes::dtype::DType;
 use moe_lanes::engine::{
     build_engine, BuildReport, Engine, EngineKind, EngineOptions, Generation, GenerationOptions, HotBudget,
-    HotChoice, LiveCache,
+    HotChoice, LiveCache, TracedEngine,
 };
 use moe_lanes::env;
 use moe_lanes::hot_set::HotSet;
@@ -102,9 +102,12 @@ struct PlanArgs {
     model: PathBuf,
     /// Learn file (perf JSON from learn, or --perf-json of generate/bench for decode timings; the
     /// per-layer-call cost model fits best to a bench at a budget that leaves some cold slots per
-    /// layer, e.g. 50%).
+    /// layer, e.g. 50%), or an expert trace (--trace of a model-running command).
+    #[arg(long, required_unless_present = "trace", conflicts_with = "trace")]
+    learn: Option<PathBuf>,
+    /// Expert trace (--trace of a model-running command) whose counts replace a learn pass.
     #[arg(long)]
-    learn: PathBuf,
+    trace: Option<PathBuf>,
     /// Hot-cache budget in MiB; -1 = the device's free memory after the weights and the KV
     /// cache of the model's context, minus 1024 MiB (needs a GPU).
     #[arg(long, allow_negative_numbers = true)]
@@ -202,9 +205,15 @@ struct EngineArgs {
     /// after weights, KV cache and scratch, minus 1024 MiB.
     #[arg(long, allow_negative_numbers = true)]
     hot_budget_mib: Option<i64>,
-    /// Learn file (perf JSON) that ranks experts for --hot-fraction and --hot-budget-mib.
+    /// Learn file (perf JSON) or expert trace (--trace) that ranks experts for --hot-fraction
+    /// and --hot-budget-mib.
     #[arg(long)]
     learn: Option<PathBuf>,
+    /// Write an expert trace here: per forward call and layer the phase, the routed experts
+    /// (hot and cold slots each) and the layer's slot counts, as JSON lines (gpu or pipeline
+    /// engine; replay it with plan --trace or --learn).
+    #[arg(long)]
+    trace: Option<PathBuf>,
     /// Tokens routed by the built-in learn pass (budget without --learn).
     #[arg(long, default_value_t = 256)]
     learn_tokens: usize,
@@ -541,7 +550,7 @@ fn open_model_ctx(path: &Path, ctx_size: Option<usize>) -> Result<Arc<Model>> {
 
 /// Engine options with the environment applied (read here, at the edge; `moe_lanes::env` lists
 /// the variables): device and cubin cache, SIMD level, cold schedule, GPU profile, fault
-/// injection, a simulated VRAM limit, and the pipeline's A/B switches.
+/// injection, a simulated VRAM limit, and the A/B switches (pipeline; GPU hot-lane GEMM).
 fn base_options(n_positions: usize) -> Result<EngineOptions> {
     let mut opts = EngineOptions::new(n_positions);
     opts.cuda = env::cuda_config()?;
@@ -549,6 +558,7 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.cold_schedule = env::cold_schedule()?;
     opts.gpu.profile = env::gpu_profile();
     opts.gpu.faults = env::faults()?;
+    opts.gpu.hot_gemm = env::hot_gemm()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
     opts.pipeline.switches = env::policy_switches()?;
     opts.pipeline.pool_cold = env::pool_cold()?;
@@ -566,7 +576,7 @@ fn engine_options(
     let mut opts = base_options(n_positions)?;
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
     let fingerprint = ModelFingerprint::of(model);
-    opts.learn = args.learn.as_deref().map(|p| read_observations(p, &fingerprint)).transpose()?;
+    opts.learn = args.learn.as_deref().map(|p| read_learn_or_trace(p, &fingerprint)).transpose()?;
     opts.weighting = weighting(&args.weighting, args.layer_curve)?;
     opts.update = UpdatePolicy {
         mode: args.update.parse::<UpdateMode>().map_err(|e| anyhow::anyhow!("--update: {e}"))?,
@@ -604,13 +614,26 @@ fn hot_choice(model: &Model, args: &EngineArgs, default: HotChoice) -> Result<Ho
     })
 }
 
-/// Build the engine the flags describe and say on stderr which one runs (and why not the GPU).
+/// Build the engine the flags describe and say on stderr which one runs (and why not the GPU);
+/// with `trace`, its forward calls are traced into that file.
 fn open_engine<'m>(
     model: &'m Arc<Model>,
     opts: EngineOptions,
+    trace: Option<&Path>,
 ) -> Result<(Box<dyn Engine + 'm>, BuildReport)> {
     let wanted = opts.kind;
-    let (engine, report) = build_engine(model, opts)?;
+    let (mut engine, report) = build_engine(model, opts)?;
+    if let Some(path) = trace {
+        if engine.perf().is_none() {
+            bail!(
+                "--trace {}: the {} engine keeps no counts (use gpu or pipeline)",
+                path.display(),
+                report.kind
+            );
+        }
+        let tracer = ExpertTracer::create(path, &ModelFingerprint::of(model))?;
+        engine = Box::new(TracedEngine::new(engine, tracer));
+    }
     if let Some(reason) = &report.gpu_unavailable {
         if wanted.is_some() || report.kind != EngineKind::Reference {
             eprintln!("GPU engine unavailable ({reason}); running the {} engine", report.kind);
@@ -629,6 +652,9 @@ fn open_engine<'m>(
 fn serve(args: ServeArgs) -> Result<()> {
     let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
     let positions = model.config().max_positions;
+    if let Some(path) = &args.engine.trace {
+        bail!("--trace {}: serve does not trace (trace with run, generate, logits or bench)", path.display());
+    }
     let opts = engine_options(&model, &args.engine, positions, HotChoice::None)?;
     let name =
         args.model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
@@ -771,7 +797,7 @@ fn logits(args: LogitsArgs) -> Result<()> {
         );
     }
     let opts = engine_options(&model, &args.engine, prompt.len(), HotChoice::None)?;
-    let (mut engine, _) = open_engine(&model, opts)?;
+    let (mut engine, _) = open_engine(&model, opts, args.engine.trace.as_deref())?;
     let mut cache = engine.new_cache(prompt.len())?;
     let logits = engine.forward(&prompt, Phase::Prefill, &mut cache)?;
     let out = serde_json::json!({ "tokens": prompt, "logits": logits.rows() });
@@ -791,7 +817,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     )?;
     let opts = engine_options(&model, &args.engine, prompt.len() + args.max_new_tokens, HotChoice::None)?;
     let policy = opts.update;
-    let (mut engine, _) = open_engine(&model, opts)?;
+    let (mut engine, _) = open_engine(&model, opts, args.engine.trace.as_deref())?;
     let mut live =
         LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.expert_bytes() as u64, policy);
     let gen_opts =
@@ -828,7 +854,7 @@ fn learn(args: LearnArgs) -> Result<()> {
         bail!("learn needs an engine with perf state: gpu or pipeline");
     }
     opts.cold_threads = cold_threads(&args.cold_threads)?;
-    let (mut engine, _) = open_engine(&model, opts)?;
+    let (mut engine, _) = open_engine(&model, opts, None)?;
     let mut cache = engine.new_cache(tokens.len())?;
     engine.forward(&tokens, Phase::Prefill, &mut cache)?;
     write_perf(engine.as_ref(), &Some(args.out.clone()))?;
@@ -894,7 +920,7 @@ fn demo(args: DemoArgs) -> Result<()> {
     let mut opts = base_options(prompt.len() + args.max_new_tokens)?;
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
     opts.hot = HotChoice::Budget(HotBudget::Fraction(0.5));
-    let (mut engine, _) = open_engine(&model, opts)?;
+    let (mut engine, _) = open_engine(&model, opts, None)?;
     let start = Instant::now();
     let tokens = engine.generate(&prompt, args.max_new_tokens)?;
     let seconds = start.elapsed().as_secs_f64();
@@ -969,7 +995,7 @@ fn bench(args: BenchArgs) -> Result<()> {
     };
     let simd_name = moe_lanes::expert_math::cold_simd_level(opts.simd)?.name().to_string();
     let update_policy = opts.update;
-    let (mut engine, build) = open_engine(&model, opts)?;
+    let (mut engine, build) = open_engine(&model, opts, args.engine.trace.as_deref())?;
     match args.scenario.as_deref() {
         None => {}
         Some("shift") => return bench_shift(&args, engine.as_mut(), &model, update_policy),
@@ -1023,7 +1049,8 @@ fn plan(args: PlanArgs) -> Result<()> {
     use moe_lanes::cache::whatif::{what_if, PlanShape};
     let model = open_model_ctx(&args.model, args.ctx_size)?;
     let c = model.config();
-    let obs = read_observations(&args.learn, &ModelFingerprint::of(&model))?;
+    let usage = args.learn.as_ref().or(args.trace.as_ref()).expect("clap requires --learn or --trace");
+    let obs = read_learn_or_trace(usage, &ModelFingerprint::of(&model))?;
     let w = weighting(&args.weighting, args.layer_curve)?;
     let budget_bytes = match args.hot_budget_mib {
         -1 => {

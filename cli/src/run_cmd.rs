@@ -46,7 +46,7 @@ pub fn run(args: RunArgs) -> Result<()> {
         model.config().max_positions,
     )?;
     let opts = engine_options(&model, &args.engine, prompt.len() + args.max_new_tokens, HotChoice::None)?;
-    let (mut engine, _) = open_engine(&model, opts)?;
+    let (mut engine, _) = open_engine(&model, opts, args.engine.trace.as_deref())?;
     let gen_opts =
         GenerationOptions { max_tokens: args.max_new_tokens, stop_ids: tok.eog_ids().to_vec(), sampling };
     let mut session = Generation::new(engine.as_mut(), &prompt, gen_opts)?;

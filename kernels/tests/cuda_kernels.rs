@@ -737,3 +737,169 @@ fn qk_norm_rope_matches_norm_then_rope() {
         }
     }
 }
+
+/// Expert-major slots of the grouped-GEMM cases: runs of one slot, uneven, a slot with no rows
+/// (slot 2 of 6), one longer than a tile (70 > 64 rows), a run of 1.
+fn grouped_case_slots() -> Vec<u32> {
+    [(3u32, 70usize), (0, 5), (4, 1), (1, 17), (5, 64)].iter().flat_map(|&(s, n)| vec![s; n]).collect()
+}
+
+/// `sum_i w_i x_i` in f64 and `sum_i |w_i x_i|`, the scale of its rounding error.
+fn dot_and_scale(w: &[f32], x: &[f32]) -> (f64, f64) {
+    w.iter().zip(x).fold((0.0, 0.0), |(d, a), (w, x)| {
+        let p = *w as f64 * *x as f64;
+        (d + p, a + p.abs())
+    })
+}
+
+#[test]
+fn grouped_tiles_cut_runs_into_tiles_of_one_slot() {
+    use moe_lanes_kernels::cuda::kernel::GROUPED_TILE_ROWS;
+    use moe_lanes_kernels::cuda::ops::grouped_tiles;
+    let slots = grouped_case_slots();
+    let mut tiles = vec![0i32; 3 * slots.len()];
+    let n = grouped_tiles(&slots, &mut tiles).unwrap();
+    assert_eq!(GROUPED_TILE_ROWS, 64);
+    let want = [[3, 0, 64], [3, 64, 6], [0, 70, 5], [4, 75, 1], [1, 76, 17], [5, 93, 64]];
+    assert_eq!(n, want.len());
+    for (t, w) in tiles.chunks(3).zip(want) {
+        assert_eq!(t, w);
+    }
+    assert_eq!(grouped_tiles(&[], &mut []).unwrap(), 0);
+    assert!(grouped_tiles(&slots, &mut tiles[..3 * 5]).is_err(), "too short a tile buffer is refused");
+}
+
+/// Grouped gate+up (+SiLU) and the grouped down GEMM against a plain CPU computation from the
+/// same bf16 weights and f32 inputs, with split (hi + lo) activations and with hi only.
+/// Tolerance per element, from the magnitude sum `A = sum |w_i x_i|`: split `A * 2^-15` (input
+/// carried to ~2^-17, f32 accumulation); hi only `A * 2^-7` (bf16 inputs, 2^-9 relative).
+#[test]
+fn grouped_expert_gemms_match_cpu() {
+    let Some(be) = backend() else { return };
+    use moe_lanes_kernels::cuda::ops::grouped_tiles;
+    // (hidden, ff): not multiples of the tile or of 8 (scalar loads), then multiples of 8
+    for &(hidden, ff, n_slots, t) in &[(100usize, 70usize, 6usize, 9usize), (136, 200, 6, 31), (64, 64, 6, 1)]
+    {
+        let slots = grouped_case_slots();
+        let n_rows = slots.len();
+        let (gb, g) = to_bf16(&rnd(n_slots * ff * hidden, 40));
+        let (ub, u) = to_bf16(&rnd(n_slots * ff * hidden, 41));
+        let (db, d) = to_bf16(&rnd(n_slots * hidden * ff, 42));
+        let x = rnd(t * hidden, 43);
+        let toks: Vec<i32> = (0..n_rows).map(|r| ((r * 7 + 3) % t) as i32).collect();
+        let mut tiles = vec![0i32; 3 * n_rows];
+        let n_tiles = grouped_tiles(&slots, &mut tiles).unwrap();
+        let (dg, du, dd) = (be.upload(&gb).unwrap(), be.upload(&ub).unwrap(), be.upload(&db).unwrap());
+        let (dx, dtok, dtiles) =
+            (be.upload(&x).unwrap(), be.upload(&toks).unwrap(), be.upload(&tiles).unwrap());
+        let dh = be.alloc_zeros::<f32>(n_rows * ff).unwrap();
+        let dy = be.alloc_zeros::<f32>(n_rows * hidden).unwrap();
+        for split in [true, false] {
+            let rel = if split { 2f64.powi(-15) } else { 2f64.powi(-7) };
+            let tp = dtiles.ptr().sub(0, 3 * n_tiles);
+            be.grouped_gate_up(
+                dg.ptr(),
+                du.ptr(),
+                n_slots,
+                dx.ptr(),
+                dtok.ptr(),
+                t,
+                tp,
+                n_tiles,
+                dh.ptr(),
+                n_rows,
+                ff,
+                hidden,
+                split,
+            )
+            .unwrap();
+            let h = be.read_vec(dh.ptr()).unwrap();
+            let mut worst = 0f64;
+            for r in 0..n_rows {
+                let (s, xt) = (slots[r] as usize, &x[toks[r] as usize * hidden..][..hidden]);
+                for c in 0..ff {
+                    let (gv, ga) = dot_and_scale(&g[(s * ff + c) * hidden..][..hidden], xt);
+                    let (uv, ua) = dot_and_scale(&u[(s * ff + c) * hidden..][..hidden], xt);
+                    let sg = gv / (1.0 + (-gv).exp());
+                    let want = sg * uv;
+                    let tol = 1.1 * ga * rel * uv.abs() + sg.abs() * ua * rel + ga * ua * rel * rel + 1e-6;
+                    let err = (h[r * ff + c] as f64 - want).abs();
+                    assert!(
+                        err <= tol,
+                        "gate_up split={split} ({hidden},{ff}) row {r} col {c}: {err:e} > {tol:e}"
+                    );
+                    worst = worst.max(err / tol);
+                }
+            }
+            // down over the (f32) h just computed, rows taken in order
+            be.grouped_gemm(
+                dd.ptr(),
+                n_slots,
+                dh.ptr(),
+                None,
+                n_rows,
+                tp,
+                n_tiles,
+                dy.ptr(),
+                n_rows,
+                hidden,
+                ff,
+                split,
+            )
+            .unwrap();
+            let y = be.read_vec(dy.ptr()).unwrap();
+            for r in 0..n_rows {
+                let s = slots[r] as usize;
+                for c in 0..hidden {
+                    let (want, a) = dot_and_scale(&d[(s * hidden + c) * ff..][..ff], &h[r * ff..][..ff]);
+                    let (err, tol) = ((y[r * hidden + c] as f64 - want).abs(), a * rel + 1e-6);
+                    assert!(
+                        err <= tol,
+                        "down split={split} ({hidden},{ff}) row {r} col {c}: {err:e} > {tol:e}"
+                    );
+                    worst = worst.max(err / tol);
+                }
+            }
+            eprintln!("grouped ({hidden},{ff}) t={t} split={split}: worst error / tolerance {worst:.3}");
+        }
+    }
+}
+
+/// The grouped GEMM with gathered rows, and a tile it must refuse (slot out of range, rows past
+/// the end, more rows than a tile): refused tiles leave their output untouched.
+#[test]
+fn grouped_gemm_gathers_rows_and_skips_bad_tiles() {
+    let Some(be) = backend() else { return };
+    let (n_slots, n, k, n_x) = (2usize, 24usize, 40usize, 5usize);
+    let (wb, w) = to_bf16(&rnd(n_slots * n * k, 50));
+    let x = rnd(n_x * k, 51);
+    let rows = vec![4i32, 0, 2, 2];
+    // tile 0: slot 1, rows 0..3; bad: slot 2 (of 2), rows 3..4 past n_rows 4 at 3+2, 65 rows
+    let tiles = vec![1i32, 0, 3, 2, 3, 1, 0, 3, 2, 0, 0, 65];
+    let (dw, dx, dr, dt) = (
+        be.upload(&wb).unwrap(),
+        be.upload(&x).unwrap(),
+        be.upload(&rows).unwrap(),
+        be.upload(&tiles).unwrap(),
+    );
+    let sentinel = vec![7.5f32; 4 * n];
+    let dy = be.upload(&sentinel).unwrap();
+    be.grouped_gemm(dw.ptr(), n_slots, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 4, dy.ptr(), 4, n, k, true)
+        .unwrap();
+    let y = be.read_vec(dy.ptr()).unwrap();
+    for r in 0..3 {
+        for c in 0..n {
+            let (want, a) = dot_and_scale(&w[(n + c) * k..][..k], &x[rows[r] as usize * k..][..k]);
+            let err = (y[r * n + c] as f64 - want).abs();
+            assert!(err <= a * 2f64.powi(-15) + 1e-6, "row {r} col {c}: {err:e}");
+        }
+    }
+    assert!(y[3 * n..].iter().all(|&v| v == 7.5), "refused tiles wrote row 3");
+    // shape checks: a tile buffer shorter than n_tiles, an output too small
+    assert!(be
+        .grouped_gemm(dw.ptr(), n_slots, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 5, dy.ptr(), 4, n, k, true)
+        .is_err());
+    assert!(be
+        .grouped_gemm(dw.ptr(), 3, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 4, dy.ptr(), 4, n, k, true)
+        .is_err());
+}

@@ -150,6 +150,20 @@ pub fn read_observations(path: &Path, model: &ModelFingerprint) -> Result<Observ
     observations_from_report(path, &report, model)
 }
 
+/// A document recorded on `theirs` is refused for `model` (naming the first field that differs).
+pub(crate) fn check_fingerprint(
+    source: &Path,
+    model: &ModelFingerprint,
+    theirs: &ModelFingerprint,
+) -> Result<(), ObserveError> {
+    match model.first_difference(theirs) {
+        Some((field, expected, found)) => {
+            Err(ObserveError::ModelMismatch { source_name: source.into(), field, expected, found })
+        }
+        None => Ok(()),
+    }
+}
+
 /// Typed observations of an already parsed document, checked against `model`.
 pub fn observations_from_report(
     source: &Path,
@@ -163,9 +177,7 @@ pub fn observations_from_report(
         found,
     };
     if let Some(theirs) = &report.model {
-        if let Some((field, ours, found)) = model.first_difference(theirs) {
-            return Err(mismatch(field, ours, found));
-        }
+        check_fingerprint(source, model, theirs)?;
     }
     if report.n_expert != 0 && report.n_expert != model.n_experts {
         return Err(mismatch("n_expert", model.n_experts.to_string(), report.n_expert.to_string()));

@@ -9,6 +9,7 @@ mod cpu;
 pub mod generation;
 mod gpu;
 pub mod live;
+mod traced;
 
 use crate::actors::Exchange;
 use crate::cache::hot_set::{HotSet, HotSetError};
@@ -25,6 +26,7 @@ pub use build::{build_engine, BuildReport, EngineOptions, HotBudget, HotChoice, 
 pub use generation::{FinishReason, GeneratedToken, Generation, GenerationError, GenerationOptions};
 pub use gpu::GpuEngine;
 pub use live::{LiveCache, UpdateKind, UpdateOutcome};
+pub use traced::TracedEngine;
 
 /// Which engine runs a forward call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
@@ -94,6 +96,13 @@ impl Logits {
         Logits { n_rows: rows.len(), vocab, data: rows.concat(), argmax }
     }
 
+    /// The last row alone (its logits, when copied, and its greedy token).
+    pub fn last_row(self) -> Logits {
+        let last = self.n_rows.checked_sub(1).expect("one row per token");
+        let data = if self.data.is_empty() { Vec::new() } else { self.row(last).to_vec() };
+        Logits { n_rows: 1, vocab: self.vocab, data, argmax: vec![self.argmax[last]] }
+    }
+
     pub fn rows(&self) -> Vec<Vec<f32>> {
         self.data.chunks_exact(self.vocab.max(1)).map(<[f32]>::to_vec).collect()
     }
@@ -156,6 +165,8 @@ pub enum EngineError {
     NoHotCache { engine: EngineKind },
     #[error("no GPU: {reason}")]
     NoGpu { reason: String },
+    #[error(transparent)]
+    Trace(#[from] crate::cache::trace::TraceError),
 }
 
 /// What every engine does. Calls on one engine are sequential (`&mut self`); exchanges queued
@@ -177,10 +188,7 @@ pub trait Engine {
         phase: Phase,
         cache: &mut KvCache,
     ) -> Result<Logits, EngineError> {
-        let all = self.forward(tokens, phase, cache)?;
-        let last = all.n_rows.checked_sub(1).expect("one row per token");
-        let data = if all.data.is_empty() { Vec::new() } else { all.row(last).to_vec() };
-        Ok(Logits { n_rows: 1, vocab: all.vocab, data, argmax: vec![all.argmax[last]] })
+        Ok(self.forward(tokens, phase, cache)?.last_row())
     }
     /// Perf state (counts, lane timings, fallbacks); `None` for the oracle.
     fn perf(&self) -> Option<&PerfState>;

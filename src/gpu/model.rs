@@ -123,10 +123,25 @@ impl std::str::FromStr for GpuFaults {
     }
 }
 
+/// How the prefill hot lane runs its expert GEMMs (an A/B switch: `MOE_LANES_HOT_GEMM` at the
+/// CLI).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HotGemm {
+    /// One tensor-core launch per projection for every cached expert of the layer (gate and up
+    /// fused with the activation, then down), then the weighted scatter.
+    #[default]
+    Grouped,
+    /// One cuBLAS GEMM per cached expert and projection (two with split activations).
+    PerExpert,
+}
+
 /// Engine switches.
 #[derive(Debug, Clone, Copy)]
 pub struct GpuOptions {
-    /// Prefill GEMMs take activations as bf16 hi + lo (two GEMMs, ~f32 accuracy); off: bf16 only.
+    /// The prefill hot lane's GEMMs: grouped (default) or per expert through cuBLAS.
+    pub hot_gemm: HotGemm,
+    /// Prefill GEMMs take activations as bf16 hi + lo (two GEMMs, or two MMAs per step in the
+    /// grouped hot lane; ~f32 accuracy); off: bf16 only.
     pub split_bf16_activations: bool,
     pub perf_mode: PerfMode,
     /// Record CUDA events per stage (`MOE_LANES_GPU_PROFILE=1` at the CLI).
@@ -140,6 +155,7 @@ pub struct GpuOptions {
 impl Default for GpuOptions {
     fn default() -> Self {
         GpuOptions {
+            hot_gemm: HotGemm::Grouped,
             split_bf16_activations: true,
             perf_mode: PerfMode::Full,
             profile: false,
@@ -378,30 +394,30 @@ impl GpuModel {
     fn head(&mut self, phase: Phase, t: usize, rows: LogitRows) -> Result<Logits, GpuError> {
         let (c, be) = (&self.cfg, &self.be);
         let s = self.scratch.as_ref().expect("reserved");
-        let (first, t, phase) = match rows {
+        let (first, n, phase) = match rows {
             LogitRows::All => (0, t, phase),
             LogitRows::Last => (t - 1, 1, Phase::Decode),
         };
-        let x = s.hidden.ptr().from(first * c.hidden);
-        be.rmsnorm(x, self.w.final_norm.ptr(), s.normed.ptr(), t, c.hidden, c.rms_eps)?;
+        let x = s.hidden.ptr().sub(first * c.hidden, n * c.hidden);
+        be.rmsnorm(x, self.w.final_norm.ptr(), s.normed.ptr(), n, c.hidden, c.rms_eps)?;
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed).ptr();
-        self.linear(phase, s.normed.ptr(), head, s.logits.ptr(), t, c.vocab, c.hidden, false)?;
+        self.linear(phase, s.normed.ptr(), head, s.logits.ptr(), n, c.vocab, c.hidden, false)?;
         self.mark_tail(1)?;
-        if t <= 8 {
+        if n <= 8 {
             // decode: one row over many blocks (the one-block-per-row kernel is latency bound)
-            be.argmax_split(s.logits.ptr(), t, c.vocab, s.argmax.ptr(), s.argmax_part.ptr())?;
+            be.argmax_split(s.logits.ptr(), n, c.vocab, s.argmax.ptr(), s.argmax_part.ptr())?;
         } else {
-            be.argmax(s.logits.ptr(), t, c.vocab, s.argmax.ptr())?;
+            be.argmax(s.logits.ptr(), n, c.vocab, s.argmax.ptr())?;
         }
         self.mark_tail(2)?;
         let mut data = Vec::new();
         if self.opts.copy_logits {
-            data = vec![0f32; t * c.vocab];
-            be.read(s.logits.ptr().sub(0, t * c.vocab), &mut data)?;
+            data = vec![0f32; n * c.vocab];
+            be.read(s.logits.ptr().sub(0, n * c.vocab), &mut data)?;
         }
-        let mut am = vec![0i32; t];
-        be.read(s.argmax.ptr().sub(0, t), &mut am)?;
-        Ok(Logits { n_rows: t, vocab: c.vocab, data, argmax: am.into_iter().map(|x| x as u32).collect() })
+        let mut am = vec![0i32; n];
+        be.read(s.argmax.ptr().sub(0, n), &mut am)?;
+        Ok(Logits { n_rows: n, vocab: c.vocab, data, argmax: am.into_iter().map(|x| x as u32).collect() })
     }
 
     /// When the perf state records: queue the copy of every layer's routing ids into pinned

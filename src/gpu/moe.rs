@@ -8,9 +8,10 @@
 //!   cold experts the host builds the worklist (token-major) for the cold lane, which joins on the
 //!   GPU stream (no host wait);
 //! - *host path* (prefill, warmup, and any layer named by a fault injection): the host builds
-//!   the worklist expert-major, checks it, uploads it, and the hot lane runs one GEMM pair per
-//!   cached expert over its gathered token rows; the join waits for the hot lane's event with a
-//!   timeout.
+//!   the worklist expert-major, checks it, uploads it, and the hot lane runs the grouped
+//!   tensor-core GEMMs over every cached expert's gathered token rows (one launch for gate, up
+//!   and the activation, one for down; `HotGemm::PerExpert`: one cuBLAS GEMM per cached expert
+//!   and projection); the join waits for the hot lane's event with a timeout.
 //!
 //! A fallback recomputes the layer's routed experts all-cold on the CPU from the RAM experts
 //! (the given cold lane, or the plain one when the cold lane itself failed), overwrites the
@@ -18,13 +19,14 @@
 
 use super::cold::{ColdError, ColdExperts, ColdSlot};
 use super::dense::route_ids;
-use super::model::GpuModel;
+use super::model::{GpuModel, HotGemm};
 use super::scratch::{HostScratch, RouteView, WorkLayout};
 use super::stats::LayerRecord;
 use super::GpuError;
 use crate::cache::perf::FallbackReason;
 use crate::moe::phase::Phase;
 use crate::moe::worklist::WorklistOrder;
+use moe_lanes_kernels::cuda::ops::grouped_tiles;
 use moe_lanes_kernels::cuda::GpuEvent;
 use std::time::{Duration, Instant};
 
@@ -210,7 +212,7 @@ impl GpuModel {
             return Err(HOT_FAILED);
         }
         if self.records[l].hot_slots > 0 {
-            self.hot_lane_gemm(l).map_err(|_| HOT_FAILED)?;
+            self.hot_lane_gemm(l, t).map_err(|_| HOT_FAILED)?;
         }
         self.be.record(&self.lane_events[l].end)?;
         self.mark(l, 7)?;
@@ -237,6 +239,12 @@ impl GpuModel {
         let h = self.cfg.hidden;
         let s = self.scratch.as_mut().expect("reserved");
         let (n_hot, _) = encode_hot(&mut self.host, &s.layout, t);
+        self.host.n_tiles = 0;
+        if self.opts.hot_gemm == HotGemm::Grouped {
+            let slots = &self.host.worklist.hot[0].hot_id[..n_hot];
+            let tiles = &mut self.host.work_i[s.layout.tiles..][..3 * n_hot];
+            self.host.n_tiles = grouped_tiles(slots, tiles)?;
+        }
         let n_cold_rows = collect_cold(&mut self.host, t);
         for (r, &ti) in self.host.cold_row_tok.iter().enumerate() {
             self.host.work_i[s.layout.cold_rows + r] = ti as i32;
@@ -253,9 +261,57 @@ impl GpuModel {
         Ok(n_cold_rows)
     }
 
-    /// The hot lane over the host worklist: per cached expert, gate and up GEMMs over its
-    /// gathered rows, activation, down GEMM, then a weighted scatter into the token rows.
-    fn hot_lane_gemm(&self, l: usize) -> Result<(), GpuError> {
+    /// The hot lane over the host worklist (expert-major): the cached experts' GEMMs over their
+    /// gathered rows, one entry row each in `y`, then a weighted scatter into the token rows.
+    fn hot_lane_gemm(&self, l: usize, t: usize) -> Result<(), GpuError> {
+        match self.opts.hot_gemm {
+            HotGemm::Grouped => self.hot_lane_grouped(l, t)?,
+            HotGemm::PerExpert => self.hot_lane_per_expert(l)?,
+        }
+        let (h, n_hot) = (self.cfg.hidden, self.host.worklist.hot[0].hot_count);
+        let s = self.scratch.as_ref().expect("reserved");
+        let (lay, wi, n_rows) = (s.layout, s.work_i.ptr(), self.host.tok_rows);
+        let (ent, off, rows) =
+            (wi.sub(lay.entries, n_hot), wi.sub(lay.tok_off, n_rows + 1), wi.sub(lay.tok_rows, n_rows));
+        self.be.moe_scatter_accum(s.y.ptr(), ent, s.work_f.ptr(), off, rows, s.moe_out.ptr(), n_rows, h)?;
+        Ok(())
+    }
+
+    /// Grouped: one tensor-core launch for gate, up and the activation over every cached
+    /// expert (rows gathered from the normed tokens in the kernel), one for down.
+    fn hot_lane_grouped(&self, l: usize, t: usize) -> Result<(), GpuError> {
+        let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
+        let s = self.scratch.as_ref().expect("reserved");
+        let n_hot = self.host.worklist.hot[0].hot_count;
+        let c = self.hot.slots(l).expect("hot entries imply a cache");
+        let n_slots = c.gate.len() / (ff * h).max(1);
+        let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.split_bf16_activations);
+        let n_tiles = self.host.n_tiles;
+        let tiles = wi.sub(lay.tiles, 3 * n_tiles);
+        let toks = wi.sub(lay.tokens, n_hot);
+        let (x, hbuf) = (s.normed.ptr(), s.h.ptr());
+        self.be
+            .grouped_gate_up(c.gate, c.up, n_slots, x, toks, t, tiles, n_tiles, hbuf, n_hot, ff, h, split)?;
+        self.be.grouped_gemm(
+            c.down,
+            n_slots,
+            hbuf,
+            None,
+            n_hot,
+            tiles,
+            n_tiles,
+            s.y.ptr(),
+            n_hot,
+            h,
+            ff,
+            split,
+        )?;
+        Ok(())
+    }
+
+    /// Per expert (the A/B baseline): gate and up cuBLAS GEMMs per cached expert over its
+    /// gathered rows, activation, down GEMM per cached expert.
+    fn hot_lane_per_expert(&self, l: usize) -> Result<(), GpuError> {
         let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
         let s = self.scratch.as_ref().expect("reserved");
         let sec = &self.host.worklist.hot[0];
@@ -278,12 +334,7 @@ impl GpuModel {
             let (xs, xl) = (xhi.sub(start * ff, n_s * ff), lo.map(|p| p.sub(start * ff, n_s * ff)));
             let y = s.y.ptr().sub(start * h, n_s * h);
             self.be.gemm_bf16(c.down.sub(slot * nf, nf), xs, xl, y, n_s, h, ff, false)
-        })?;
-        let n_rows = self.host.tok_rows;
-        let (ent, off, rows) =
-            (wi.sub(lay.entries, n_hot), wi.sub(lay.tok_off, n_rows + 1), wi.sub(lay.tok_rows, n_rows));
-        self.be.moe_scatter_accum(s.y.ptr(), ent, s.work_f.ptr(), off, rows, s.moe_out.ptr(), n_rows, h)?;
-        Ok(())
+        })
     }
 
     /// Host path: the cold lane on the CPU while the hot lane runs, its rows scattered into

@@ -10,7 +10,8 @@ use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, PinnedBuffer};
 
 /// Offsets of the sections of the integer worklist (one upload per layer):
 /// `slots`/`tokens` per hot entry, `tok_off`/`tok_rows` per token row with hot entries,
-/// `entries` (hot entry indices grouped by token row) and `cold_rows` (token of each cold row).
+/// `entries` (hot entry indices grouped by token row), `cold_rows` (token of each cold row) and
+/// `tiles` (the grouped hot-lane GEMM's `(slot, first row, rows)` triples, at most one per entry).
 #[derive(Clone, Copy)]
 pub(crate) struct WorkLayout {
     pub slots: usize,
@@ -19,6 +20,7 @@ pub(crate) struct WorkLayout {
     pub tok_rows: usize,
     pub entries: usize,
     pub cold_rows: usize,
+    pub tiles: usize,
     pub len: usize,
 }
 
@@ -31,7 +33,8 @@ impl WorkLayout {
         let tok_rows = tok_off + cap + 1;
         let entries = tok_rows + cap;
         let cold_rows = entries + n;
-        WorkLayout { slots, tokens, tok_off, tok_rows, entries, cold_rows, len: cold_rows + cap }
+        let tiles = cold_rows + cap;
+        WorkLayout { slots, tokens, tok_off, tok_rows, entries, cold_rows, tiles, len: tiles + 3 * n }
     }
 }
 
@@ -149,6 +152,8 @@ pub(crate) struct HostScratch {
     pub tok_count: Vec<u32>,
     /// Token rows with hot entries in the last encoded worklist.
     pub tok_rows: usize,
+    /// Tiles of the grouped hot-lane GEMM in the last encoded worklist.
+    pub n_tiles: usize,
     pub cold_slots: Vec<ColdSlot>,
     pub cold_row_tok: Vec<usize>,
     pub cold_in: Vec<f32>,
@@ -168,6 +173,7 @@ impl HostScratch {
             work_f: vec![0.0; cap * k],
             tok_count: vec![0; cap],
             tok_rows: 0,
+            n_tiles: 0,
             cold_slots: Vec::with_capacity(cap * k),
             cold_row_tok: Vec::with_capacity(cap),
             cold_in: Vec::with_capacity(cap * c.hidden),

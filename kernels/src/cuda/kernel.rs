@@ -14,6 +14,12 @@ pub const ARGMAX_BLOCK: u32 = 1024;
 pub const ATTENTION_SPLIT_WARPS: u32 = 8;
 /// Threads of the split attention kernel.
 pub const ATTENTION_SPLIT_THREADS: u32 = 32 * ATTENTION_SPLIT_WARPS;
+/// Rows (hot entries of one cache slot) of a grouped expert GEMM tile (`-DGG_BM`).
+pub const GROUPED_TILE_ROWS: usize = 64;
+/// Output columns of a grouped expert GEMM tile (`-DGG_BN`).
+pub const GROUPED_TILE_COLS: usize = 64;
+/// Threads of a grouped expert GEMM block (`-DGG_THREADS`): 4 warps, 2 x 2 over the tile.
+pub const GROUPED_THREADS: u32 = 128;
 const _: () = assert!(ATTENTION_SPLIT_CHUNK.is_multiple_of(ATTENTION_SPLIT_WARPS as usize));
 const _: () = assert!(ATTENTION_MAX_HEAD_DIM.is_multiple_of(32));
 
@@ -30,11 +36,12 @@ pub enum Family {
     Argmax,
     Route,
     Moe,
+    GroupedGemm,
 }
 
 impl Family {
     /// Every family, in compile order.
-    pub const ALL: [Family; 7] = [
+    pub const ALL: [Family; 8] = [
         Family::Gemv,
         Family::NormRope,
         Family::Elementwise,
@@ -42,6 +49,7 @@ impl Family {
         Family::Argmax,
         Family::Route,
         Family::Moe,
+        Family::GroupedGemm,
     ];
 
     /// The file under `kernels/cuda/`.
@@ -54,6 +62,7 @@ impl Family {
             Family::Argmax => "argmax.cu",
             Family::Route => "route.cu",
             Family::Moe => "moe.cu",
+            Family::GroupedGemm => "grouped_gemm.cu",
         }
     }
 
@@ -67,6 +76,7 @@ impl Family {
             Family::Argmax => include_str!("../../cuda/argmax.cu"),
             Family::Route => include_str!("../../cuda/route.cu"),
             Family::Moe => include_str!("../../cuda/moe.cu"),
+            Family::GroupedGemm => include_str!("../../cuda/grouped_gemm.cu"),
         }
     }
 
@@ -88,8 +98,17 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 6] =
-    ["ROWS_PER_BLOCK", "ATT_CHUNK", "ATT_MAXC", "ATT_MAX_HEAD_DIM", "ATT_SPLIT_WARPS", "ARGMAX_BLOCK"];
+pub const SHARED_DEFINE_NAMES: [&str; 9] = [
+    "ROWS_PER_BLOCK",
+    "ATT_CHUNK",
+    "ATT_MAXC",
+    "ATT_MAX_HEAD_DIM",
+    "ATT_SPLIT_WARPS",
+    "ARGMAX_BLOCK",
+    "GG_BM",
+    "GG_BN",
+    "GG_THREADS",
+];
 
 /// `-D` options for the constants the launchers and the kernels share.
 pub fn shared_defines() -> Vec<String> {
@@ -100,6 +119,9 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DATT_MAX_HEAD_DIM={ATTENTION_MAX_HEAD_DIM}"),
         format!("-DATT_SPLIT_WARPS={ATTENTION_SPLIT_WARPS}"),
         format!("-DARGMAX_BLOCK={ARGMAX_BLOCK}"),
+        format!("-DGG_BM={GROUPED_TILE_ROWS}"),
+        format!("-DGG_BN={GROUPED_TILE_COLS}"),
+        format!("-DGG_THREADS={GROUPED_THREADS}"),
     ]
 }
 
@@ -131,10 +153,12 @@ pub enum Kernel {
     MoeDownAccum,
     MoeScatterAccum,
     HotWorklistTokens,
+    GroupedGateUpBf16,
+    GroupedGemmBf16,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 25] = [
+    pub const ALL: [Kernel; 27] = [
         Kernel::GemvBf16,
         Kernel::Gemv3Bf16,
         Kernel::RmsnormF32,
@@ -160,6 +184,8 @@ impl Kernel {
         Kernel::MoeDownAccum,
         Kernel::MoeScatterAccum,
         Kernel::HotWorklistTokens,
+        Kernel::GroupedGateUpBf16,
+        Kernel::GroupedGemmBf16,
     ];
 
     /// The `extern "C"` symbol.
@@ -190,6 +216,8 @@ impl Kernel {
             Kernel::MoeDownAccum => "moe_down_accum",
             Kernel::MoeScatterAccum => "moe_scatter_accum",
             Kernel::HotWorklistTokens => "hot_worklist_tokens",
+            Kernel::GroupedGateUpBf16 => "grouped_gate_up_bf16",
+            Kernel::GroupedGemmBf16 => "grouped_gemm_bf16",
         }
     }
 
@@ -221,6 +249,8 @@ impl Kernel {
             Kernel::MoeDownAccum => Family::Moe,
             Kernel::MoeScatterAccum => Family::Moe,
             Kernel::HotWorklistTokens => Family::Moe,
+            Kernel::GroupedGateUpBf16 => Family::GroupedGemm,
+            Kernel::GroupedGemmBf16 => Family::GroupedGemm,
         }
     }
 }

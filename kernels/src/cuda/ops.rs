@@ -4,7 +4,10 @@
 
 #![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
 
-use super::kernel::{Kernel, ARGMAX_BLOCK, ATTENTION_SPLIT_THREADS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS};
+use super::kernel::{
+    Kernel, ARGMAX_BLOCK, ATTENTION_SPLIT_THREADS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS,
+    ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+};
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
 use std::ffi::c_void;
@@ -70,6 +73,80 @@ fn i(v: usize) -> i32 {
 
 fn blocks(n: usize, per: u32) -> u32 {
     (n as u32).div_ceil(per)
+}
+
+/// The tiles of a grouped expert GEMM over rows whose cache slots are `slot_of_row` (rows of one
+/// slot contiguous, as in an expert-major worklist): each run of equal slots cut into tiles of at
+/// most [`GROUPED_TILE_ROWS`] rows, written to `tiles` as `(slot, first row, row count)` triples.
+/// Returns the tile count. A tile holds at least one row, so `tiles` needs at most
+/// `3 * slot_of_row.len()` entries; a shorter `tiles` is [`CudaError::Shape`].
+pub fn grouped_tiles(slot_of_row: &[u32], tiles: &mut [i32]) -> Result<usize> {
+    let mut n_tiles = 0;
+    let mut start = 0;
+    while start < slot_of_row.len() {
+        let slot = slot_of_row[start];
+        let run = slot_of_row[start..].iter().take_while(|&&s| s == slot).count();
+        for first in (start..start + run).step_by(GROUPED_TILE_ROWS) {
+            let rows = GROUPED_TILE_ROWS.min(start + run - first);
+            let Some(t) = tiles.get_mut(3 * n_tiles..3 * n_tiles + 3) else {
+                return Err(CudaError::Shape {
+                    kernel: "grouped_tiles",
+                    reason: format!("tiles holds {} entries, more are needed", tiles.len()),
+                });
+            };
+            t.copy_from_slice(&[slot as i32, first as i32, rows as i32]);
+            n_tiles += 1;
+        }
+        start += run;
+    }
+    Ok(n_tiles)
+}
+
+/// One grouped GEMM's operands for the shape checks: the per-slot matrices, the f32 input
+/// (gathered by `rows` or taken row by row), the tiles and the output.
+struct GroupedShape {
+    n_slots: usize,
+    n_x_rows: usize,
+    n_rows: usize,
+    n_tiles: usize,
+    n: usize,
+    k: usize,
+}
+
+impl GroupedShape {
+    fn check(
+        &self,
+        kernel: Kernel,
+        ws: &[DPtr<u16>],
+        x: DPtr<f32>,
+        rows: Option<DPtr<i32>>,
+        tiles: DPtr<i32>,
+        out: DPtr<f32>,
+    ) -> Result<()> {
+        for w in ws {
+            need(kernel, "weight cache", *w, self.n_slots * self.n * self.k)?;
+        }
+        match rows {
+            Some(r) => need(kernel, "rows", r, self.n_rows)?,
+            None if self.n_x_rows < self.n_rows => {
+                return Err(CudaError::Shape {
+                    kernel: kernel.symbol(),
+                    reason: format!(
+                        "x has {} rows, {} needed without a row gather",
+                        self.n_x_rows, self.n_rows
+                    ),
+                })
+            }
+            None => {}
+        }
+        need(kernel, "x", x, self.n_x_rows * self.k)?;
+        need(kernel, "tiles", tiles, 3 * self.n_tiles)?;
+        need(kernel, "out", out, self.n_rows * self.n)
+    }
+
+    fn grid(&self) -> (u32, u32, u32) {
+        (self.n_tiles as u32, blocks(self.n, GROUPED_TILE_COLS as u32), 1)
+    }
 }
 
 impl CudaBackend {
@@ -784,5 +861,101 @@ impl CudaBackend {
             .map_err(|source| CudaError::Cublas { what: "cublasGemmEx", source })?;
         }
         Ok(())
+    }
+
+    /// Grouped expert GEMM, gate and up fused (the prefill hot lane's first half, one launch
+    /// for every cached expert of a layer): for row `r` of a tile of slot `s` ([`grouped_tiles`]),
+    /// `h[r] = silu(G_s · x[rows[r]]) * (U_s · x[rows[r]])`; caches `[n_slots, ff, hidden]` bf16,
+    /// `x` f32 `[n_x_rows, hidden]`, `h` f32 `[n_rows, ff]`. Tensor cores (sm_80+), bf16 inputs,
+    /// f32 accumulation; `split`: the input as bf16 hi + lo (two MMAs into one accumulator).
+    pub fn grouped_gate_up(
+        &self,
+        gate_cache: DPtr<u16>,
+        up_cache: DPtr<u16>,
+        n_slots: usize,
+        x: DPtr<f32>,
+        rows: DPtr<i32>,
+        n_x_rows: usize,
+        tiles: DPtr<i32>,
+        n_tiles: usize,
+        h: DPtr<f32>,
+        n_rows: usize,
+        ff: usize,
+        hidden: usize,
+        split: bool,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::GroupedGateUpBf16;
+        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n: ff, k: hidden };
+        shape.check(K, &[gate_cache, up_cache], x, Some(rows), tiles, h)?;
+        if n_tiles == 0 || ff == 0 {
+            return Ok(());
+        }
+        self.launch(
+            K,
+            shape.grid(),
+            GROUPED_THREADS,
+            0,
+            args![
+                gate_cache.raw(),
+                up_cache.raw(),
+                x.raw(),
+                rows.raw(),
+                i(n_x_rows),
+                tiles.raw(),
+                i(n_rows),
+                i(n_slots),
+                h.raw(),
+                i(ff),
+                i(hidden),
+                i32::from(split)
+            ],
+        )
+    }
+
+    /// Grouped expert GEMM (the prefill hot lane's down projection, one launch for every cached
+    /// expert of a layer): for row `r` of a tile of slot `s`, `y[r] = W_s · x_r` with `x_r` =
+    /// `x[rows[r]]` (or `x[r]` without `rows`); cache `[n_slots, n, k]` bf16, `x` f32
+    /// `[n_x_rows, k]`, `y` f32 `[n_rows, n]`. Tensor cores as [`CudaBackend::grouped_gate_up`].
+    pub fn grouped_gemm(
+        &self,
+        w_cache: DPtr<u16>,
+        n_slots: usize,
+        x: DPtr<f32>,
+        rows: Option<DPtr<i32>>,
+        n_x_rows: usize,
+        tiles: DPtr<i32>,
+        n_tiles: usize,
+        y: DPtr<f32>,
+        n_rows: usize,
+        n: usize,
+        k: usize,
+        split: bool,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::GroupedGemmBf16;
+        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n, k };
+        shape.check(K, &[w_cache], x, rows, tiles, y)?;
+        if n_tiles == 0 || n == 0 {
+            return Ok(());
+        }
+        let r = rows.map_or(0, |p| p.raw());
+        self.launch(
+            K,
+            shape.grid(),
+            GROUPED_THREADS,
+            0,
+            args![
+                w_cache.raw(),
+                x.raw(),
+                r,
+                i(n_x_rows),
+                tiles.raw(),
+                i(n_rows),
+                i(n_slots),
+                y.raw(),
+                i(n),
+                i(k),
+                i32::from(split)
+            ],
+        )
     }
 }

@@ -1,0 +1,165 @@
+//! The expert usage tracer through the real binary: `--trace FILE` on a model-running command
+//! writes one JSON line per forward call and layer (the header first), tracing changes no
+//! output, and `plan --trace` / `--learn TRACE` replay it as learn counts; a bad line is an
+//! error naming the file and the line.
+
+mod bin;
+
+use bin::{failure, moe_lanes, ok_stdout, p};
+use serde_json::Value;
+
+const LAYERS: usize = 2;
+const EXPERTS: u64 = 16;
+
+fn lines(path: &std::path::Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).unwrap();
+    text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+#[test]
+fn trace_records_every_call_and_layer_and_replays_as_learn_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    let layers = LAYERS.to_string();
+    ok_stdout(&["synth", "--out", p(&model), "--layers", &layers, "--experts", "16", "--top-k", "4"]);
+    let trace = dir.path().join("t.jsonl");
+    let gen = ["generate", "--model", p(&model), "--tokens", "1,2,3,4,5", "--max-new-tokens", "4"];
+    let engine = ["--engine", "pipeline", "--hot-fraction", "0.5"];
+    let plain = ok_stdout(&[&gen[..], &engine[..]].concat());
+    let traced = ok_stdout(&[&gen[..], &engine[..], &["--trace", p(&trace)][..]].concat());
+    assert_eq!(traced, plain, "tracing changes no output");
+    let rec = lines(&trace);
+    assert_eq!(rec[0]["trace"], "moe-lanes-expert-usage");
+    assert_eq!(rec[0]["model"]["n_experts"], EXPERTS);
+    // one prefill call of 5 tokens, then 3 decode calls of 1 (the 4th token needs no call)
+    let calls: Vec<(&str, u64)> = vec![("prefill", 5), ("decode", 1), ("decode", 1), ("decode", 1)];
+    assert_eq!(rec.len(), 1 + calls.len() * LAYERS, "header + one line per call and layer");
+    let (mut hot, mut cold) = (0, 0);
+    for (i, r) in rec[1..].iter().enumerate() {
+        let (phase, tokens) = calls[i / LAYERS];
+        assert_eq!(
+            (r["call"].as_u64().unwrap() as usize, r["layer"].as_u64().unwrap() as usize),
+            (i / LAYERS, i % LAYERS)
+        );
+        assert_eq!((r["phase"].as_str().unwrap(), r["tokens"].as_u64().unwrap()), (phase, tokens), "{r}");
+        let experts = r["experts"].as_array().unwrap();
+        let sum = |j: usize| experts.iter().map(|e| e[j].as_u64().unwrap()).sum::<u64>();
+        assert_eq!((sum(1), sum(2)), (r["hot_slots"].as_u64().unwrap(), r["cold_slots"].as_u64().unwrap()));
+        assert_eq!(sum(1) + sum(2), tokens * 4, "every token routes to top-k 4 experts: {r}");
+        assert!(
+            experts
+                .iter()
+                .all(|e| e[0].as_u64().unwrap() < EXPERTS
+                    && e[1].as_u64().unwrap() + e[2].as_u64().unwrap() > 0)
+        );
+        (hot, cold) = (hot + sum(1), cold + sum(2));
+    }
+    assert!(hot > 0 && cold > 0, "half the experts hot: both lanes served slots");
+
+    // Replay: plan from the trace equals plan from --learn TRACE; bench takes it as --learn.
+    let plan = ["plan", "--model", p(&model), "--hot-budget-mib", "1", "--json"];
+    let from_trace = ok_stdout(&[&plan[..], &["--trace", p(&trace)][..]].concat());
+    let from_learn = ok_stdout(&[&plan[..], &["--learn", p(&trace)][..]].concat());
+    assert_eq!(from_trace, from_learn);
+    let v: Value = serde_json::from_str(&from_trace).unwrap();
+    // The trace's counts rank each layer's experts: the plan lists them by count, most used first.
+    let mut counts = vec![vec![0u64; EXPERTS as usize]; LAYERS];
+    for r in &rec[1..] {
+        for e in r["experts"].as_array().unwrap() {
+            let c = &mut counts[r["layer"].as_u64().unwrap() as usize][e[0].as_u64().unwrap() as usize];
+            *c += e[1].as_u64().unwrap() + e[2].as_u64().unwrap();
+        }
+    }
+    for (l, layer) in v["layers"].as_array().unwrap().iter().enumerate() {
+        let order: Vec<u64> = layer["experts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| counts[l][e.as_u64().unwrap() as usize])
+            .collect();
+        assert!(
+            order.windows(2).all(|w| w[0] >= w[1]),
+            "layer {l}: plan order by the trace's counts: {order:?}"
+        );
+        assert_eq!(order[0], *counts[l].iter().max().unwrap());
+    }
+    let bench = [
+        "bench",
+        "--model",
+        p(&model),
+        "-p",
+        "8",
+        "-n",
+        "2",
+        "--runs",
+        "1",
+        "--json",
+        "--engine",
+        "pipeline",
+        "--hot-budget-mib",
+        "1",
+        "--learn",
+        p(&trace),
+    ];
+    let b: Value = serde_json::from_str(&ok_stdout(&bench)).unwrap();
+    assert_eq!(b["learn_source"], "learn file");
+    let both = moe_lanes(&[&plan[..], &["--trace", p(&trace), "--learn", p(&trace)][..]].concat());
+    let err = String::from_utf8_lossy(&both.stderr);
+    assert!(!both.status.success() && err.contains("--trace") && err.contains("--learn"), "{err}");
+}
+
+#[test]
+fn a_bad_trace_line_is_an_error_naming_the_file_and_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    let layers = LAYERS.to_string();
+    ok_stdout(&["synth", "--out", p(&model), "--layers", &layers, "--experts", "16", "--top-k", "4"]);
+    let trace = dir.path().join("bad.jsonl");
+    ok_stdout(&[
+        "logits",
+        "--model",
+        p(&model),
+        "--tokens",
+        "1,2",
+        "--engine",
+        "pipeline",
+        "--trace",
+        p(&trace),
+    ]);
+    let mut text = std::fs::read_to_string(&trace).unwrap();
+    text.push_str("{\"call\": 1, \"phase\": \"decode\", \"layer\": \"two\"}\n");
+    std::fs::write(&trace, text).unwrap();
+    let err = failure(&["plan", "--model", p(&model), "--trace", p(&trace), "--hot-budget-mib", "1"]);
+    assert!(err.contains(&format!("{}:{}:", trace.display(), 2 + LAYERS)), "{err}");
+    // another model's trace is refused by its fingerprint
+    let other = dir.path().join("o.gguf");
+    ok_stdout(&["synth", "--out", p(&other), "--layers", &layers, "--experts", "8", "--top-k", "4"]);
+    let err = failure(&["plan", "--model", p(&other), "--learn", p(&trace), "--hot-budget-mib", "1"]);
+    assert!(err.contains("another model") && err.contains("n_experts"), "{err}");
+    // the oracle keeps no counts: --trace is refused before any work
+    let err = failure(&[
+        "logits",
+        "--model",
+        p(&model),
+        "--tokens",
+        "1",
+        "--engine",
+        "reference",
+        "--trace",
+        p(&trace),
+    ]);
+    assert!(err.contains("--trace") && err.contains("reference"), "{err}");
+}
+
+/// The trace's text, as written (a snapshot): the header, then per call and layer one line.
+#[test]
+fn trace_text_snapshot() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    let layers = LAYERS.to_string();
+    ok_stdout(&["synth", "--out", p(&model), "--layers", &layers, "--experts", "16", "--top-k", "4"]);
+    let trace = dir.path().join("t.jsonl");
+    let run = ["logits", "--model", p(&model), "--tokens", "1,2,3", "--engine", "pipeline"];
+    ok_stdout(&[&run[..], &["--hot-fraction", "0.5", "--trace", p(&trace)][..]].concat());
+    insta::assert_snapshot!("trace_logits", std::fs::read_to_string(&trace).unwrap());
+}
