@@ -155,9 +155,15 @@ impl Model {
         self.adapter
     }
 
-    /// Element type of the expert weights (all experts share one).
+    /// Element type of the expert weights: the one all float experts share, or for a quantised
+    /// model the type of layer 0's gate projection (others may differ: see [`Model::expert`]).
     pub fn expert_dtype(&self) -> DType {
         self.expert_dtype
+    }
+
+    /// Whether any matrix the engines compute with is stored in quantised blocks.
+    pub fn first_quantized_tensor(&self) -> Option<(String, DType)> {
+        self.tensor_list().into_iter().find(|t| !t.1.is_float()).map(|(name, dtype, _, _)| (name, dtype))
     }
 
     /// A model-wide tensor; `None` only for `Output` when embeddings are tied.
@@ -192,12 +198,15 @@ impl Model {
         ExpertRef { gate: proj(ExpertProj::Gate), up: proj(ExpertProj::Up), down: proj(ExpertProj::Down) }
     }
 
-    /// Bytes of one expert's gate + up + down.
+    /// Bytes of one expert's gate + up + down (the largest over layers when quantised types mix).
     pub fn expert_bytes(&self) -> usize {
-        3 * self
-            .expert_dtype
-            .bytes_for(self.config.expert_ff * self.config.hidden)
-            .expect("validated at open")
+        (0..self.config.n_layers)
+            .map(|l| {
+                let e = self.expert(l, 0);
+                e.gate.data.len() + e.up.data.len() + e.down.data.len()
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Every tensor name in the file with its dtype, shape and byte size.
@@ -316,15 +325,18 @@ impl Model {
                     dtype
                 }
             };
+            // Quantised files mix block types per tensor (a `_M` mix puts Q6_K on some
+            // down projections); float experts share one dtype.
+            let mixed_quant = !dtype.is_float() && !self.expert_dtype.is_float();
             if layer_idx == 0 && proj == ExpertProj::Gate {
                 self.expert_dtype = dtype;
-            } else if dtype != self.expert_dtype {
+            } else if dtype != self.expert_dtype && !mixed_quant {
                 let name = naming::gguf_experts(layer_idx, proj);
                 return Err(ModelError::DTypeMismatch {
                     path: self.file_of(&name),
                     tensor: name,
                     dtype,
-                    allowed: "the same dtype as every other expert tensor",
+                    allowed: "the same dtype as every other expert tensor (or any quantised type when they are quantised)",
                 });
             }
         }
@@ -344,7 +356,10 @@ impl Model {
                 found: t.shape.to_vec(),
             });
         }
-        if float_only && !t.dtype.is_float() {
+        // Vectors (norms, biases, the shared expert's gate) are read as floats; matrices may be
+        // stored in any element type, GGML quantised blocks included.
+        let vector = strip_leading_ones(expected).len() <= 1;
+        if (float_only || vector) && !t.dtype.is_float() {
             return Err(ModelError::DTypeMismatch {
                 path: self.file_of(name),
                 tensor: name.into(),
