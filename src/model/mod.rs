@@ -290,16 +290,16 @@ impl Model {
 
     fn validate(&mut self) -> Result<(), ModelError> {
         let c = self.config.clone();
-        self.check_tensor(&self.global_name(GlobalRole::TokenEmbedding), &[c.vocab, c.hidden], true)?;
-        self.check_tensor(&self.global_name(GlobalRole::OutputNorm), &[c.hidden], true)?;
+        self.check_tensor(&self.global_name(GlobalRole::TokenEmbedding), &[c.vocab, c.hidden])?;
+        self.check_tensor(&self.global_name(GlobalRole::OutputNorm), &[c.hidden])?;
         let output = self.global_name(GlobalRole::Output);
         if !c.tied_embeddings || self.raw(&output).is_some() {
-            self.check_tensor(&output, &[c.vocab, c.hidden], true)?;
+            self.check_tensor(&output, &[c.vocab, c.hidden])?;
         }
         for layer_idx in 0..c.n_layers {
             for role in self.required_layer_roles() {
                 let shape = self.expected_layer_shape(role);
-                self.check_tensor(&self.layer_name(layer_idx, role), &shape, true)?;
+                self.check_tensor(&self.layer_name(layer_idx, role), &shape)?;
             }
             self.validate_experts(layer_idx)?;
         }
@@ -314,13 +314,13 @@ impl Model {
             let dtype = match self.source {
                 Source::Gguf(_) => {
                     let name = naming::gguf_experts(layer_idx, proj);
-                    self.check_tensor(&name, &[c.n_experts, per_expert[0], per_expert[1]], false)?
+                    self.check_tensor(&name, &[c.n_experts, per_expert[0], per_expert[1]])?
                 }
                 Source::Safetensors(_) => {
                     let mut dtype = DType::F32;
                     for expert_idx in 0..c.n_experts {
                         let name = naming::hf_expert(self.adapter.hf_naming, layer_idx, expert_idx, proj);
-                        dtype = self.check_tensor(&name, &per_expert, false)?;
+                        dtype = self.check_tensor(&name, &per_expert)?;
                     }
                     dtype
                 }
@@ -343,8 +343,8 @@ impl Model {
         Ok(())
     }
 
-    /// Check presence, shape (leading 1-dims ignored) and dtype; returns the dtype.
-    fn check_tensor(&self, name: &str, expected: &[usize], float_only: bool) -> Result<DType, ModelError> {
+    /// Check presence, shape (leading 1-dims ignored) and dtype (vectors float); returns the dtype.
+    fn check_tensor(&self, name: &str, expected: &[usize]) -> Result<DType, ModelError> {
         let t = self
             .raw(name)
             .ok_or_else(|| ModelError::MissingTensor { path: self.file_of(name), tensor: name.into() })?;
@@ -359,7 +359,7 @@ impl Model {
         // Vectors (norms, biases, the shared expert's gate) are read as floats; matrices may be
         // stored in any element type, GGML quantised blocks included.
         let vector = strip_leading_ones(expected).len() <= 1;
-        if (float_only || vector) && !t.dtype.is_float() {
+        if vector && !t.dtype.is_float() {
             return Err(ModelError::DTypeMismatch {
                 path: self.file_of(name),
                 tensor: name.into(),
