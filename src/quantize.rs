@@ -30,13 +30,17 @@ use std::path::{Path, PathBuf};
 
 /// A quantisation mix, as llama.cpp names its file types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
 #[allow(non_camel_case_types)]
 pub enum QuantMix {
+    #[serde(rename = "q8_0")]
     Q8_0,
+    #[serde(rename = "q4_0")]
     Q4_0,
+    #[serde(rename = "q4_k_m")]
     Q4_K_M,
+    #[serde(rename = "q5_k_m")]
     Q5_K_M,
+    #[serde(rename = "q6_k")]
     Q6_K,
 }
 
@@ -323,9 +327,10 @@ mod tests {
     }
 
     #[test]
-    fn mix_names_parse() {
+    fn mix_names_parse_and_serialize_as_written() {
         for m in QuantMix::ALL {
             assert_eq!(QuantMix::parse(&m.name().to_uppercase()), Some(m));
+            assert_eq!(serde_json::to_string(&m).unwrap(), format!("\"{}\"", m.name()));
         }
         assert_eq!(QuantMix::parse("q3_k"), None);
     }
