@@ -135,9 +135,8 @@ pub struct ModelFacts {
 /// llama.cpp's choice of layers that get more bits: the first and last eighth, and every third
 /// layer in between.
 pub fn use_more_bits(layer: usize, n_layers: usize) -> bool {
-    layer < n_layers / 8
-        || layer >= 7 * n_layers / 8
-        || (layer >= n_layers / 8 && (layer - n_layers / 8) % 3 == 2)
+    let first = n_layers / 8;
+    layer < first || layer >= 7 * n_layers / 8 || (layer - first) % 3 == 2
 }
 
 fn layer_of(name: &str) -> Option<usize> {

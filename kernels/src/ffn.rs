@@ -329,8 +329,8 @@ pub fn matmul_rows(
     let row_bytes = dtype.row_bytes(cols);
     if cols == 0
         || !cols.is_multiple_of(dtype.block_elems())
-        || matrix.len() % row_bytes != 0
-        || x.len() % cols != 0
+        || !matrix.len().is_multiple_of(row_bytes)
+        || !x.len().is_multiple_of(cols)
     {
         return Err(KernelError::ShapeMismatch { what: "matrix/x columns", expected: cols, actual: x.len() });
     }

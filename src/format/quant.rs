@@ -359,7 +359,8 @@ mod tests {
             let mut y = vec![0.0; x.len()];
             dequantize(dtype, &bytes, &mut y).unwrap();
             let worst = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / amax;
-            let rms = (x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum::<f32>() / x.len() as f32).sqrt() / amax;
+            let rms = (x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum::<f32>() / x.len() as f32).sqrt()
+                / amax;
             eprintln!("{dtype}: worst {worst:.4} rms {rms:.4} (of amax)");
             assert!(worst <= worst_bound && rms <= rms_bound, "{dtype}: worst {worst} rms {rms}");
         }
