@@ -161,7 +161,8 @@ impl Model {
         self.expert_dtype
     }
 
-    /// Whether any matrix the engines compute with is stored in quantised blocks.
+    /// The first tensor stored in quantised blocks (name and type), if any: engines without
+    /// quantised kernels refuse the model naming it.
     pub fn first_quantized_tensor(&self) -> Option<(String, DType)> {
         self.tensor_list().into_iter().find(|t| !t.1.is_float()).map(|(name, dtype, _, _)| (name, dtype))
     }
