@@ -56,6 +56,7 @@ pub trait SectionCold {
 /// One cached expert copy (raw bytes, same dtype as the file).
 struct CachedExpert {
     dtype: DType,
+    down_dtype: DType,
     gate: Vec<u8>,
     up: Vec<u8>,
     down: Vec<u8>,
@@ -127,7 +128,13 @@ impl HotLane for CpuHotLane {
                     .get(slot_idx as usize)
                     .and_then(Option::as_ref)
                     .ok_or(LaneError::EmptySlot { lane: id, layer_idx, slot_idx })?;
-                let w = ExpertBytes { dtype: c.dtype, gate: &c.gate, up: &c.up, down: &c.down };
+                let w = ExpertBytes {
+                    dtype: c.dtype,
+                    down_dtype: c.down_dtype,
+                    gate: &c.gate,
+                    up: &c.up,
+                    down: &c.down,
+                };
                 ffn_plain(w, dims, activation, n, scratch)
                     .map_err(|e| LaneError::Failed { lane: id, reason: e.to_string() })
             },
@@ -138,6 +145,7 @@ impl HotLane for CpuHotLane {
         let e = self.model.expert(layer_idx, expert_idx);
         let copy = CachedExpert {
             dtype: e.gate.dtype,
+            down_dtype: e.down.dtype,
             gate: e.gate.data.to_vec(),
             up: e.up.data.to_vec(),
             down: e.down.data.to_vec(),

@@ -55,6 +55,7 @@ fn bench_pool_decode(c: &mut Criterion) {
                 up: &matrices[3 * e + 1],
                 down: &matrices[3 * e + 2],
                 dtype: WeightDType::BF16,
+                down_dtype: WeightDType::BF16,
                 hidden: HIDDEN,
                 ff: FF,
             },

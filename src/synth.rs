@@ -20,6 +20,7 @@ use crate::model::adapter::{Adapter, Arch, RopeStyle};
 use crate::model::config::ModelConfig;
 use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
 use crate::model::{expected_layer_shape, llama_cpp_default_norm_topk, required_layer_roles};
+use crate::quantize::{quantize_gguf, QuantMix, QuantizeError};
 use crate::text::{HfTokenizerFiles, Tokenizer, TokenizerError};
 use crate::vocab;
 use half::{bf16, f16};
@@ -211,6 +212,10 @@ pub enum SynthError {
     Tokenizer(#[from] TokenizerError),
     #[error("{path}: cannot write {file}: {source}")]
     WriteTokenizer { path: PathBuf, file: &'static str, source: std::io::Error },
+    #[error("--quant {mix}: quantized checkpoints are GGUF files (--format gguf)")]
+    QuantFormat { mix: QuantMix },
+    #[error(transparent)]
+    Quantize(#[from] QuantizeError),
 }
 
 /// A real tokenizer to put into a synthetic model: its `tokenizer.*` metadata, validated, and
@@ -389,6 +394,28 @@ pub fn write_synthetic(
         config.rope_style = RopeStyle::Interleaved;
     }
     Ok(SynthReport { path: opts.out.clone(), format: opts.format, n_bytes, n_tensors: tensors.len(), config })
+}
+
+/// `synth --quant`: the float checkpoint is written to `<out>.float.tmp`, quantised into `out`
+/// (tmp + rename) and removed. `progress` sees the float file's bytes, then the output's.
+pub fn write_synthetic_quantized(
+    opts: &SynthOptions,
+    mix: QuantMix,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<SynthReport, SynthError> {
+    if opts.format != SynthFormat::Gguf {
+        return Err(SynthError::QuantFormat { mix });
+    }
+    let mut float_opts = opts.clone();
+    let mut float_name = opts.out.file_name().unwrap_or_default().to_os_string();
+    float_name.push(".float.tmp");
+    float_opts.out = opts.out.with_file_name(float_name);
+    let report = write_synthetic(&float_opts, progress);
+    let quantized = report.as_ref().ok().map(|_| quantize_gguf(&float_opts.out, &opts.out, mix, progress));
+    // Best effort: the float file is scratch either way.
+    let _ = std::fs::remove_file(&float_opts.out);
+    let (report, quantized) = (report?, quantized.expect("set when the float file was written")?);
+    Ok(SynthReport { path: opts.out.clone(), n_bytes: quantized.output_bytes, ..report })
 }
 
 /// `--vocab-from`: read the tokenizer and make the vocabulary size follow it.

@@ -105,7 +105,8 @@ fn config_that_disagrees_with_the_tensors_is_reported() {
 }
 
 #[test]
-fn dtype_that_the_dense_path_cannot_read_is_reported() {
+fn a_quantized_vector_is_reported() {
+    // Matrices may be quantized; norms and biases are read as floats.
     let (dir, src) = base();
     let dst = dir.path().join("dtype.gguf");
     rewrite_gguf(
@@ -113,8 +114,8 @@ fn dtype_that_the_dense_path_cannot_read_is_reported() {
         &dst,
         |_, v| Some(v.clone()),
         |name| {
-            if name == "blk.0.attn_v.weight" {
-                TensorEdit::Replace { dtype: DType::Q8_0, shape: vec![32, 64] }
+            if name == "blk.0.attn_norm.weight" {
+                TensorEdit::Replace { dtype: DType::Q8_0, shape: vec![64] }
             } else {
                 TensorEdit::Keep
             }
@@ -122,7 +123,7 @@ fn dtype_that_the_dense_path_cannot_read_is_reported() {
     );
     let err = open_err(&dst);
     assert!(
-        err.contains("blk.0.attn_v.weight") && err.contains("Q8_0") && err.contains("F32, F16 or BF16"),
+        err.contains("blk.0.attn_norm.weight") && err.contains("Q8_0") && err.contains("F32, F16 or BF16"),
         "{err}"
     );
 }

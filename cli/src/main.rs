@@ -37,6 +37,7 @@ macro_rules! out_raw {
     ($($arg:tt)*) => { emit(&format!($($arg)*)) };
 }
 
+mod quantize_cmd;
 mod run_cmd;
 mod text_cmds;
 
@@ -75,6 +76,9 @@ enum Command {
     /// Learn pass: run tokens through the pipeline with the cache off and write the perf JSON
     /// learn file (per-layer, per-expert usage and timings).
     Learn(LearnArgs),
+    /// Rewrite a GGUF file with quantized matrices (q8_0, q4_0, q4_k_m, q5_k_m, q6_k) in
+    /// llama.cpp's layout and tensor-type mix.
+    Quantize(quantize_cmd::QuantizeArgs),
     /// Measure the machine's read bandwidth and the cold-lane kernels' decode/prefill speed.
     BenchKernels(BenchKernelsArgs),
     /// End-to-end prompt processing and generation speed on the GPU with a hot cache.
@@ -274,6 +278,9 @@ struct BenchKernelsArgs {
     /// Smaller buffers and fewer rounds (a smoke run).
     #[arg(long)]
     quick: bool,
+    /// Expert weight type: bf16 (default), f16, f32, q8_0, q4_0, q4_k, q5_k or q6_k.
+    #[arg(long)]
+    dtype: Option<String>,
 }
 
 #[derive(Args)]
@@ -340,6 +347,11 @@ struct SynthArgs {
     /// Tie the lm_head to the token embedding.
     #[arg(long)]
     tied: bool,
+    /// Quantize the checkpoint (GGUF only): q8_0, q4_0, q4_k_m, q5_k_m or q6_k, tensor types
+    /// chosen as `quantize` does. K-quants need rows of 256 values (e.g. --hidden 256
+    /// --expert-ff 256 --head-dim 64); shorter rows fall back to q8_0.
+    #[arg(long)]
+    quant: Option<String>,
     /// Replace an existing output file (never a device or FIFO).
     #[arg(long)]
     force: bool,
@@ -524,6 +536,7 @@ fn main() -> Result<()> {
         Command::Logits(args) => logits(args),
         Command::Generate(args) => generate(args),
         Command::Learn(args) => learn(args),
+        Command::Quantize(args) => quantize_cmd::quantize(args),
         Command::BenchKernels(args) => bench_kernels(args),
         Command::Bench(args) => bench(args),
         Command::Run(args) => run_cmd::run(args),
@@ -741,7 +754,8 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
         vocab_from: args.vocab_from,
     };
     synth::check_output_path(&opts.out, args.force)?;
-    let report = write_with_progress(&opts)?;
+    let mix = args.quant.as_deref().map(|name| quantize_cmd::parse_mix(name, "--quant")).transpose()?;
+    let report = write_with_progress(&opts, mix)?;
     if args.json {
         out!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
@@ -755,19 +769,32 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
     Ok(())
 }
 
-fn write_with_progress(opts: &SynthOptions) -> Result<synth::SynthReport> {
+/// A byte progress bar on stderr (indicatif hides it when stderr is not a terminal).
+fn byte_progress_bar(what: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{spinner} writing [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-        )
+        indicatif::ProgressStyle::with_template(&format!(
+            "{{spinner}} {what} [{{bar:40}}] {{bytes}}/{{total_bytes}} {{bytes_per_sec}} eta {{eta}}"
+        ))
         .expect("valid template")
         .progress_chars("=> "),
     );
-    let report = synth::write_synthetic(opts, &mut |done, total| {
+    bar
+}
+
+fn write_with_progress(
+    opts: &SynthOptions,
+    mix: Option<moe_lanes::quantize::QuantMix>,
+) -> Result<synth::SynthReport> {
+    let bar = byte_progress_bar("writing");
+    let mut progress = |done, total| {
         bar.set_length(total);
         bar.set_position(done);
-    });
+    };
+    let report = match mix {
+        None => synth::write_synthetic(opts, &mut progress),
+        Some(mix) => synth::write_synthetic_quantized(opts, mix, &mut progress),
+    };
     bar.finish_and_clear();
     Ok(report?)
 }
@@ -958,7 +985,7 @@ fn default_model() -> Result<Model> {
             .with_context(|| format!("cannot create {}", path.display()))?;
         eprintln!("first use: writing the default synthetic model to {}", path.display());
     }
-    write_with_progress(&default_model_options(path.clone())?)?;
+    write_with_progress(&default_model_options(path.clone())?, None)?;
     open_model(&path)
 }
 
@@ -971,7 +998,14 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         ),
         None => env::simd_override()?,
     };
-    let report = run_kernel_bench(KernelBenchOptions { threads: args.threads, simd, quick: args.quick })?;
+    let dtype = match args.dtype {
+        Some(name) => Some(moe_lanes_kernels::WeightDType::parse(&name).with_context(|| {
+            format!("--dtype {name}: expected bf16, f16, f32, q8_0, q4_0, q4_k, q5_k or q6_k")
+        })?),
+        None => None,
+    };
+    let report =
+        run_kernel_bench(KernelBenchOptions { threads: args.threads, simd, quick: args.quick, dtype })?;
     if args.json {
         out!("{}", report.to_json())?;
     } else {

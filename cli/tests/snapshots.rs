@@ -27,6 +27,7 @@ fn cli_help() {
         "tokenize",
         "detokenize",
         "plan",
+        "quantize",
     ] {
         insta::assert_snapshot!(format!("help_{}", cmd.replace('-', "_")), moe_lanes(&[cmd, "--help"]));
     }

@@ -62,12 +62,17 @@ pub struct KernelBenchOptions {
     pub simd: Option<SimdLevel>,
     /// Smaller read buffer and fewer repetitions (for tests and smoke runs).
     pub quick: bool,
+    /// Element type of the expert weights; default BF16. Quantised types get random blocks
+    /// with sane f16 scales.
+    pub dtype: Option<WeightDType>,
 }
 
 /// Results of [`run_kernel_bench`]; GB are 1e9 bytes.
 #[derive(Debug, Clone, Serialize)]
 pub struct KernelBenchReport {
     pub simd: SimdLevel,
+    /// Element type of the expert weights (bytes/s count the bytes of this type).
+    pub dtype: WeightDType,
     pub threads: usize,
     /// Multi-thread read bandwidth of the machine (best pass), GB/s.
     pub read_gbs: f64,
@@ -117,8 +122,13 @@ impl KernelBenchReport {
     pub fn to_text(&self) -> String {
         let mut text = String::new();
         text += &format!(
-            "cold-lane kernel bench: simd={} threads={} (read probe simd={}, hidden={} ff={} bf16)\n",
-            self.simd, self.threads, self.read_simd, self.hidden, self.ff
+            "cold-lane kernel bench: simd={} threads={} (read probe simd={}, hidden={} ff={} {})\n",
+            self.simd,
+            self.threads,
+            self.read_simd,
+            self.hidden,
+            self.ff,
+            self.dtype.name()
         );
         text += &format!("{:<34} {:>12} {:>10} {:>12}\n", "measurement", "value", "ratio", "per call");
         text += &format!(
@@ -254,7 +264,7 @@ fn measure_read_gbs(
 }
 
 /// The expert weight pool: `bytes` of seeded BF16 values in (-0.05, 0.05), filled by the pool.
-fn bench_weight_pool(pool: &mut ColdPool, bytes: usize) -> Result<Vec<u8>, KernelError> {
+fn bench_weight_pool(pool: &mut ColdPool, bytes: usize, dtype: WeightDType) -> Result<Vec<u8>, KernelError> {
     let mut weight_pool = vec![0u8; bytes];
     parallel_fill(pool, &mut weight_pool, |part, seed| {
         let mut rng = SplitMix64(seed.wrapping_mul(0x1234_5678_9ABC_DEF1) ^ 0x5EED);
@@ -263,6 +273,19 @@ fn bench_weight_pool(pool: &mut ColdPool, bytes: usize) -> Result<Vec<u8>, Kerne
             pair.copy_from_slice(&bits.to_le_bytes());
         }
     })?;
+    // Random bytes are valid quantised values; only the f16 scales need sane magnitudes.
+    let scale_at: &[usize] = match dtype {
+        WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
+        WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
+        WeightDType::Q6_K => &[208],
+        WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => &[],
+    };
+    let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
+    if !scale_at.is_empty() {
+        for block in weight_pool.chunks_exact_mut(dtype.block_bytes()) {
+            scale_at.iter().for_each(|&at| block[at..at + 2].copy_from_slice(&scale));
+        }
+    }
     Ok(weight_pool)
 }
 
@@ -282,6 +305,7 @@ fn expert_views(
                 up: &base[matrix_bytes..2 * matrix_bytes],
                 down: &base[2 * matrix_bytes..],
                 dtype,
+                down_dtype: dtype,
                 hidden: HIDDEN,
                 ff: FF,
             }
@@ -430,14 +454,14 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let read_floats: &[f32] = bytemuck::cast_slice(&read_buffer);
 
     // 2. Expert weight pool: 128 distinct BF16 experts, ~1.2 GB.
-    let dtype = WeightDType::BF16;
-    let matrix_bytes = HIDDEN * FF * dtype.size_bytes();
+    let dtype = opts.dtype.unwrap_or(WeightDType::BF16);
+    let matrix_bytes = FF * dtype.row_bytes(HIDDEN);
     let expert_bytes = 3 * matrix_bytes;
     // Two layers (one when quick), so the cyclic working set is ~2.4 GB: far past any LLC
     // (the GPU machine's Xeon has 300 MiB of L3, whose adaptive replacement keeps part of a
     // cyclic set only slightly larger than the cache).
     let n_layers = if opts.quick { 1 } else { 2 };
-    let weight_pool = bench_weight_pool(&mut pool, n_layers * N_EXPERTS * expert_bytes)?;
+    let weight_pool = bench_weight_pool(&mut pool, n_layers * N_EXPERTS * expert_bytes, dtype)?;
     let experts = expert_views(&weight_pool, n_layers, matrix_bytes, dtype);
     let mut rng = SplitMix64(42);
     let random_x = |rng: &mut SplitMix64, n_tokens: usize| -> Vec<f32> {
@@ -484,7 +508,7 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
 
     // 5. Dense GEMV: an lm_head-shaped matrix over the weight pool's first bytes.
     let dense_gemv_rows = if opts.quick { DENSE_GEMV_ROWS_QUICK } else { DENSE_GEMV_ROWS };
-    let gemv_bytes = &weight_pool[..dense_gemv_rows * HIDDEN * dtype.size_bytes()];
+    let gemv_bytes = &weight_pool[..dense_gemv_rows * dtype.row_bytes(HIDDEN)];
     let gemv_w = crate::dense::DenseMatrix::new(gemv_bytes, dtype, dense_gemv_rows, HIDDEN)?;
     let mut gemv_y = vec![0.0f32; dense_gemv_rows];
     let gemv = |pool: &mut ColdPool, y: &mut [f32]| {
@@ -555,6 +579,7 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         ff: FF,
         weight_pool_bytes: weight_pool.len(),
         quick: opts.quick,
+        dtype,
     })
 }
 

@@ -37,10 +37,10 @@ pub struct DenseMatrix<'a> {
 }
 
 impl<'a> DenseMatrix<'a> {
-    /// Checks that `bytes` holds exactly `rows x cols` elements of `dtype`.
+    /// Checks that `bytes` holds exactly `rows x cols` elements of `dtype` (rows whole blocks).
     pub fn new(bytes: &'a [u8], dtype: WeightDType, rows: usize, cols: usize) -> Result<Self, KernelError> {
-        let expected = rows * cols * dtype.size_bytes();
-        if bytes.len() != expected || cols == 0 {
+        let expected = rows * dtype.row_bytes(cols);
+        if bytes.len() != expected || cols == 0 || !cols.is_multiple_of(dtype.block_elems()) {
             return Err(KernelError::ShapeMismatch {
                 what: "dense matrix bytes",
                 expected,
@@ -52,7 +52,7 @@ impl<'a> DenseMatrix<'a> {
 
     /// Bytes of one row.
     pub fn row_bytes(&self) -> usize {
-        self.cols * self.dtype.size_bytes()
+        self.dtype.row_bytes(self.cols)
     }
 
     /// Row `r` as bytes (for embedding lookups).
@@ -139,7 +139,7 @@ fn raw_call(level: SimdLevel, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Re
     let mut blocks = 0;
     for (slot, part) in raw.iter_mut().zip(parts.iter_mut()) {
         let w = part.w;
-        let expected = w.rows * cols * w.dtype.size_bytes();
+        let expected = w.rows * w.dtype.row_bytes(cols);
         if w.cols != cols || w.bytes.len() != expected {
             return Err(KernelError::ShapeMismatch { what: "matrix bytes", expected, actual: w.bytes.len() });
         }

@@ -10,6 +10,7 @@
 use std::ops::Range;
 
 use crate::error::KernelError;
+use crate::quant;
 use crate::scalar;
 use crate::simd::SimdLevel;
 use crate::weights::{Activation, ExpertWeights, WeightDType};
@@ -51,6 +52,28 @@ unsafe fn run_tile(
     cols: usize,
     out: &mut [f32],
 ) {
+    if dtype.is_quantized() {
+        // SAFETY: forwarded from the caller (level detected; rows hold `cols` values of
+        // `dtype`, whole blocks).
+        unsafe {
+            match level {
+                #[cfg(target_arch = "x86_64")]
+                SimdLevel::Avx2 => x86_avx2::quant_tile(dtype, rows, xs, cols, out),
+                #[cfg(target_arch = "x86_64")]
+                SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => {
+                    x86_avx512::quant_tile(dtype, rows, xs, cols, out)
+                }
+                _ => {
+                    let mut run_f32 =
+                        |rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]| {
+                            scalar::tile(WeightDType::F32, rows, xs, cols, out)
+                        };
+                    quant::tile(dtype, rows, xs, cols, out, &mut run_f32)
+                }
+            }
+        };
+        return;
+    }
     // SAFETY: forwarded from the caller (level detected, pointers valid for `cols`).
     unsafe {
         match level {
@@ -154,7 +177,7 @@ pub(crate) unsafe fn gate_up_unchecked(
     token_ptr: impl Fn(usize) -> *const f32,
     h_base: *mut f32,
 ) {
-    let row_bytes = weights.hidden * weights.dtype.size_bytes();
+    let row_bytes = weights.dtype.row_bytes(weights.hidden);
     let (gate, up, ff, first) = (weights.gate.as_ptr(), weights.up.as_ptr(), weights.ff, ff_rows.start);
     // Virtual row 2i is gate row first+i, 2i+1 is up row first+i.
     let row_ptr = |virtual_row: usize| {
@@ -240,7 +263,7 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
     token_weight: &[f32],
     out_row_ptr: impl Fn(usize) -> *mut f32,
 ) {
-    let row_bytes = weights.ff * weights.dtype.size_bytes();
+    let row_bytes = weights.down_dtype.row_bytes(weights.ff);
     let (down, ff, first) = (weights.down.as_ptr(), weights.ff, hidden_rows.start);
     // SAFETY: first + r < hidden (dereferenced only below hidden_rows.end), inside the matrix.
     let row_ptr = |r: usize| unsafe { down.add((first + r) * row_bytes) };
@@ -262,7 +285,7 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
     unsafe {
         dot_tiles(
             level,
-            weights.dtype,
+            weights.down_dtype,
             ff,
             hidden_rows.len(),
             prefetchable,
@@ -303,8 +326,12 @@ pub fn matmul_rows(
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     level.ensure_supported()?;
-    let row_bytes = cols * dtype.size_bytes();
-    if cols == 0 || matrix.len() % row_bytes != 0 || x.len() % cols != 0 {
+    let row_bytes = dtype.row_bytes(cols);
+    if cols == 0
+        || !cols.is_multiple_of(dtype.block_elems())
+        || !matrix.len().is_multiple_of(row_bytes)
+        || !x.len().is_multiple_of(cols)
+    {
         return Err(KernelError::ShapeMismatch { what: "matrix/x columns", expected: cols, actual: x.len() });
     }
     let n_tokens = x.len() / cols;

@@ -494,7 +494,7 @@ impl ColdPool {
         let mut h = vec![0.0f32; ff];
         for expert in job.experts {
             let w = &expert.weights;
-            let (gate_row_bytes, down_row_bytes) = (hidden * w.dtype.size_bytes(), ff * w.dtype.size_bytes());
+            let (gate_row_bytes, down_row_bytes) = (w.dtype.row_bytes(hidden), w.down_dtype.row_bytes(ff));
             for (&token, &token_weight) in expert.token_idx.iter().zip(expert.token_weight) {
                 let x = &job.x[token as usize * hidden..][..hidden];
                 for (k, hk) in h.iter_mut().enumerate() {
@@ -505,7 +505,7 @@ impl ColdPool {
                 let out_row = &mut out[token as usize * hidden..][..hidden];
                 for (row, o) in out_row.iter_mut().enumerate() {
                     *o += token_weight
-                        * dot_row(w.dtype, &w.down[row * down_row_bytes..][..down_row_bytes], &h);
+                        * dot_row(w.down_dtype, &w.down[row * down_row_bytes..][..down_row_bytes], &h);
                 }
             }
         }
@@ -943,6 +943,7 @@ mod tests {
                             up: &weights[e][1],
                             down: &weights[e][2],
                             dtype,
+                            down_dtype: dtype,
                             hidden,
                             ff,
                         },

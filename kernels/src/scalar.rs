@@ -16,7 +16,7 @@ pub(crate) unsafe fn tile(
     cols: usize,
     out: &mut [f32],
 ) {
-    let row_bytes = cols * dtype.size_bytes();
+    let row_bytes = dtype.row_bytes(cols);
     let n_tokens = xs.len();
     for (r, &row_ptr) in rows.iter().enumerate() {
         // SAFETY: the caller guarantees `row_ptr` addresses `row_bytes` readable bytes; u8 has no
@@ -30,9 +30,21 @@ pub(crate) unsafe fn tile(
     }
 }
 
-/// Sequential f32 dot product of one weight row (raw bytes) with `x`.
+/// Sequential f32 dot product of one weight row (raw bytes) with `x` (quantised rows are
+/// dequantised block by block).
 pub fn dot_row(dtype: WeightDType, row: &[u8], x: &[f32]) -> f32 {
     let mut sum = 0.0f32;
+    if dtype.is_quantized() {
+        let mut block = [0.0f32; crate::quant::MAX_BLOCK_ELEMS];
+        let (n, bb) = (dtype.block_elems(), dtype.block_bytes());
+        for (bytes, xs) in row.chunks_exact(bb).zip(x.chunks_exact(n)) {
+            crate::quant::dequantize_block(dtype, bytes, &mut block[..n]);
+            for (w, xv) in block[..n].iter().zip(xs) {
+                sum += w * xv;
+            }
+        }
+        return sum;
+    }
     for (c, &xv) in x.iter().enumerate() {
         sum += dtype.load_f32(row, c) * xv;
     }

@@ -7,24 +7,58 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::KernelError;
 
-/// Element type of expert weight bytes.
+/// Element type of weight bytes: a float type, or a GGML quantised block type as GGUF stores it
+/// (see [`crate::quant`] for the layouts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[allow(non_camel_case_types)]
 pub enum WeightDType {
     F32,
     F16,
     BF16,
+    Q8_0,
+    Q4_0,
+    Q4_K,
+    Q5_K,
+    Q6_K,
 }
 
 impl WeightDType {
-    /// All weight element types.
-    pub const ALL: [WeightDType; 3] = [WeightDType::F32, WeightDType::F16, WeightDType::BF16];
+    /// The float element types.
+    pub const FLOATS: [WeightDType; 3] = [WeightDType::F32, WeightDType::F16, WeightDType::BF16];
+    /// The quantised block types.
+    pub const QUANTIZED: [WeightDType; 5] =
+        [WeightDType::Q8_0, WeightDType::Q4_0, WeightDType::Q4_K, WeightDType::Q5_K, WeightDType::Q6_K];
 
-    /// Bytes per element.
-    pub fn size_bytes(self) -> usize {
+    /// Whether values are stored in quantised blocks.
+    pub fn is_quantized(self) -> bool {
+        !matches!(self, WeightDType::F32 | WeightDType::F16 | WeightDType::BF16)
+    }
+
+    /// Values per block (1 for the float types).
+    pub fn block_elems(self) -> usize {
+        match self {
+            WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => 1,
+            WeightDType::Q8_0 | WeightDType::Q4_0 => 32,
+            WeightDType::Q4_K | WeightDType::Q5_K | WeightDType::Q6_K => 256,
+        }
+    }
+
+    /// Bytes per block (bytes per element for the float types).
+    pub fn block_bytes(self) -> usize {
         match self {
             WeightDType::F32 => 4,
             WeightDType::F16 | WeightDType::BF16 => 2,
+            WeightDType::Q8_0 => 34,
+            WeightDType::Q4_0 => 18,
+            WeightDType::Q4_K => 144,
+            WeightDType::Q5_K => 176,
+            WeightDType::Q6_K => 210,
         }
+    }
+
+    /// Bytes of a row of `cols` values (`cols` a whole number of blocks, see [`Self::block_elems`]).
+    pub fn row_bytes(self, cols: usize) -> usize {
+        cols / self.block_elems() * self.block_bytes()
     }
 
     /// Lower-case name.
@@ -33,10 +67,22 @@ impl WeightDType {
             WeightDType::F32 => "f32",
             WeightDType::F16 => "f16",
             WeightDType::BF16 => "bf16",
+            WeightDType::Q8_0 => "q8_0",
+            WeightDType::Q4_0 => "q4_0",
+            WeightDType::Q4_K => "q4_k",
+            WeightDType::Q5_K => "q5_k",
+            WeightDType::Q6_K => "q6_k",
         }
     }
 
-    /// Reads element `index` of `bytes` as f32 (scalar, unaligned-safe). Panics if out of bounds.
+    /// Parses a lower- or upper-case name as [`Self::name`] writes it.
+    pub fn parse(name: &str) -> Option<WeightDType> {
+        let lowered = name.trim().to_ascii_lowercase();
+        WeightDType::FLOATS.into_iter().chain(WeightDType::QUANTIZED).find(|d| d.name() == lowered)
+    }
+
+    /// Reads element `index` of `bytes` as f32 (scalar, unaligned-safe; a quantised type decodes
+    /// the element's whole block). Panics if out of bounds.
     #[inline]
     pub fn load_f32(self, bytes: &[u8], index: usize) -> f32 {
         match self {
@@ -52,21 +98,45 @@ impl WeightDType {
                 let at = index * 2;
                 bf16_bits_to_f32(u16::from_le_bytes([bytes[at], bytes[at + 1]]))
             }
+            quantized => {
+                let (n, bb) = (quantized.block_elems(), quantized.block_bytes());
+                let mut block = [0.0f32; crate::quant::MAX_BLOCK_ELEMS];
+                let at = index / n * bb;
+                crate::quant::dequantize_block(quantized, &bytes[at..at + bb], &mut block[..n]);
+                block[index % n]
+            }
         }
     }
 
-    /// Encodes `values` as little-endian bytes of this type (round to nearest even).
+    /// Decodes a whole row (`out.len()` values, whole blocks) of `bytes` to f32.
+    pub fn decode_row(self, bytes: &[u8], out: &mut [f32]) {
+        if self.is_quantized() {
+            let (n, bb) = (self.block_elems(), self.block_bytes());
+            for (block, y) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(n)) {
+                crate::quant::dequantize_block(self, block, y);
+            }
+        } else {
+            for (c, o) in out.iter_mut().enumerate() {
+                *o = self.load_f32(bytes, c);
+            }
+        }
+    }
+
+    /// Encodes `values` as little-endian bytes of this float type (round to nearest even).
+    ///
+    /// # Panics
+    /// For a quantised type: the kernels read blocks but do not make them (the library's
+    /// quantiser does).
     pub fn encode(self, values: &[f32]) -> Vec<u8> {
-        let mut bytes = Vec::with_capacity(values.len() * self.size_bytes());
+        assert!(!self.is_quantized(), "encode is for float types, not {}", self.name());
+        let mut bytes = Vec::with_capacity(values.len() * self.block_bytes());
         for &value in values {
             match self {
                 WeightDType::F32 => bytes.extend_from_slice(&value.to_le_bytes()),
                 WeightDType::F16 => {
                     bytes.extend_from_slice(&half::f16::from_f32(value).to_bits().to_le_bytes())
                 }
-                WeightDType::BF16 => {
-                    bytes.extend_from_slice(&half::bf16::from_f32(value).to_bits().to_le_bytes())
-                }
+                _ => bytes.extend_from_slice(&half::bf16::from_f32(value).to_bits().to_le_bytes()),
             }
         }
         bytes
@@ -88,26 +158,46 @@ pub struct ExpertWeights<'a> {
     pub up: &'a [u8],
     /// `[hidden, ff]` row-major.
     pub down: &'a [u8],
+    /// Element type of gate and up.
     pub dtype: WeightDType,
+    /// Element type of down (a quantised `_M` mix may store it in another block type).
+    pub down_dtype: WeightDType,
     pub hidden: usize,
     pub ff: usize,
 }
 
 impl<'a> ExpertWeights<'a> {
-    /// Bytes of one `[ff, hidden]` (or `[hidden, ff]`) matrix.
-    pub fn matrix_bytes(&self) -> usize {
-        self.hidden * self.ff * self.dtype.size_bytes()
+    /// Bytes of the `[ff, hidden]` gate (or up) matrix.
+    pub fn gate_up_bytes(&self) -> usize {
+        self.ff * self.dtype.row_bytes(self.hidden)
+    }
+
+    /// Bytes of the `[hidden, ff]` down matrix.
+    pub fn down_bytes(&self) -> usize {
+        self.hidden * self.down_dtype.row_bytes(self.ff)
     }
 
     /// Bytes of all three matrices: what a full pass over this expert reads.
     pub fn total_bytes(&self) -> usize {
-        3 * self.matrix_bytes()
+        2 * self.gate_up_bytes() + self.down_bytes()
     }
 
-    /// Checks that each matrix slice has exactly the length its shape implies.
+    /// Checks that each matrix slice has exactly the length its shape implies (rows whole
+    /// blocks).
     pub fn validate(&self) -> Result<(), KernelError> {
-        let expected = self.matrix_bytes();
-        for (what, slice) in [("gate", self.gate), ("up", self.up), ("down", self.down)] {
+        let whole = |dtype: WeightDType, cols: usize, what| {
+            if cols.is_multiple_of(dtype.block_elems()) {
+                Ok(())
+            } else {
+                Err(KernelError::ShapeMismatch { what, expected: dtype.block_elems(), actual: cols })
+            }
+        };
+        whole(self.dtype, self.hidden, "gate/up row (whole blocks)")?;
+        whole(self.down_dtype, self.ff, "down row (whole blocks)")?;
+        let gate_up = self.gate_up_bytes();
+        for (what, slice, expected) in
+            [("gate", self.gate, gate_up), ("up", self.up, gate_up), ("down", self.down, self.down_bytes())]
+        {
             if slice.len() != expected {
                 return Err(KernelError::ShapeMismatch { what, expected, actual: slice.len() });
             }
@@ -186,7 +276,7 @@ mod tests {
     #[test]
     fn dtype_roundtrip() {
         let values = [1.5f32, -2.25, 0.0, 3.0e-3];
-        for dtype in WeightDType::ALL {
+        for dtype in WeightDType::FLOATS {
             let bytes = dtype.encode(&values);
             for (i, v) in values.iter().enumerate() {
                 assert!((dtype.load_f32(&bytes, i) - v).abs() <= v.abs() * 1e-2);

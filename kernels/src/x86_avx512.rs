@@ -226,6 +226,13 @@ pub(crate) unsafe fn tile(
     // SAFETY: the caller checked the CPU features and the pointer contracts.
     unsafe {
         match dtype {
+            quantized @ (WeightDType::Q8_0
+            | WeightDType::Q4_0
+            | WeightDType::Q4_K
+            | WeightDType::Q5_K
+            | WeightDType::Q6_K) => {
+                unreachable!("{} rows go through quant_tile", quantized.name())
+            }
             WeightDType::F32 => tile_dtype::<DT_F32>(rows, prefetch_rows, xs, cols, out),
             WeightDType::F16 => tile_dtype::<DT_F16>(rows, prefetch_rows, xs, cols, out),
             WeightDType::BF16 => tile_dtype::<DT_BF16>(rows, prefetch_rows, xs, cols, out),
@@ -291,4 +298,25 @@ pub(crate) unsafe fn sum_f32(data: *const f32, len: usize) -> f32 {
         total += unsafe { *data.add(j) };
     }
     total
+}
+
+/// The quantised tile ([`crate::quant::tile`]) compiled for AVX-512F, so its dequantisation loops
+/// vectorise, over this level's f32 tile.
+///
+/// # Safety
+/// As [`crate::quant::tile`], and the CPU must support AVX-512F (and the features named below).
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+pub(crate) unsafe fn quant_tile(
+    dtype: WeightDType,
+    rows: &[*const u8],
+    xs: &[*const f32],
+    cols: usize,
+    out: &mut [f32],
+) {
+    let mut run_f32 = |rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]| {
+        // SAFETY: quant::tile hands f32 chunk rows of `cols` values and in-bounds xs.
+        unsafe { tile(WeightDType::F32, rows, std::ptr::null(), xs, cols, out) }
+    };
+    // SAFETY: forwarded from the caller.
+    unsafe { crate::quant::tile(dtype, rows, xs, cols, out, &mut run_f32) }
 }

@@ -38,6 +38,7 @@ impl OwnedExpert {
             up: self.up.bytes(),
             down: self.down.bytes(),
             dtype: self.dtype,
+            down_dtype: self.dtype,
             hidden: self.hidden,
             ff: self.ff,
         }
@@ -48,7 +49,7 @@ const ODD_SHAPES: [(usize, usize); 4] = [(37, 53), (53, 37), (1, 9), (100, 33)];
 const ACTIVATIONS: [Activation; 3] = [Activation::Silu, Activation::Gelu, Activation::GeluTanh];
 
 fn check_expert_ffn(rng: &mut Rng, hidden: usize, ff: usize, token_counts: &[usize]) {
-    for dtype in WeightDType::ALL {
+    for dtype in WeightDType::FLOATS {
         let expert = OwnedExpert::random(rng, dtype, hidden, ff);
         let weights = expert.view();
         for &n_tokens in token_counts {
@@ -91,7 +92,7 @@ fn expert_ffn_2048x768_decode_and_prefill_match_scalar_for_every_level() {
 #[test]
 fn gemv_and_matmul_row_ranges_match_scalar() {
     let mut rng = Rng(77);
-    for dtype in WeightDType::ALL {
+    for dtype in WeightDType::FLOATS {
         for (rows, cols) in [(53, 37), (19, 64), (8, 1), (40, 129)] {
             let matrix = MisalignedBytes::new(dtype, &rng.vec(rows * cols, 1.0));
             for n_tokens in [1, 6, 11] {
@@ -135,7 +136,7 @@ fn split_row_ranges_compose_to_the_whole_expert() {
     // gate/up over two ff ranges and down over two hidden ranges equal the whole-expert call.
     let mut rng = Rng(99);
     let (hidden, ff, n_tokens) = (45, 29, 4);
-    for dtype in WeightDType::ALL {
+    for dtype in WeightDType::FLOATS {
         let expert = OwnedExpert::random(&mut rng, dtype, hidden, ff);
         let weights = expert.view();
         let x = rng.vec(n_tokens * hidden, 1.0);
@@ -165,6 +166,7 @@ fn shape_errors_are_reported() {
         up: &matrix,
         down: &matrix[1..],
         dtype: WeightDType::F32,
+        down_dtype: WeightDType::F32,
         hidden: 10,
         ff: 2,
     };

@@ -1,6 +1,5 @@
-//! Element types of model tensors: the float types moe-lanes computes with today and the GGML
-//! quantised block types it recognises (with their exact block sizes) so files holding them load
-//! and report sizes correctly even before their arithmetic exists.
+//! Element types of model tensors: the float types and the GGML quantised block types (with their
+//! exact block sizes; their layouts and arithmetic are in [`crate::format::quant`]).
 
 use serde::Serialize;
 

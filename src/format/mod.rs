@@ -3,6 +3,7 @@
 
 pub mod dtype;
 pub mod gguf;
+pub mod quant;
 pub mod safetensors;
 pub mod tensor;
 mod write_util;

@@ -6,6 +6,7 @@
 //! layer is `[out_features, in_features]`.
 
 use crate::format::dtype::DType;
+use crate::format::quant;
 use half::{bf16, f16};
 
 /// A tensor as it lies in a file: name, element type, shape and the raw bytes.
@@ -38,24 +39,32 @@ impl<'a> TensorRef<'a> {
         Ok(out)
     }
 
-    /// Decode elements `[start_elem, start_elem + out.len())` into `out`.
+    /// Decode elements `[start_elem, start_elem + out.len())` into `out`. Quantised tensors are
+    /// dequantised (plain code, [`crate::format::quant`]); the range must then start and end on
+    /// block boundaries.
     pub fn read_f32_into(&self, start_elem: usize, out: &mut [f32]) -> Result<(), TensorError> {
-        let elem_bytes = match self.dtype {
-            DType::F32 => 4,
-            DType::F16 | DType::BF16 => 2,
-            dtype => return Err(TensorError::UnsupportedDType { name: self.name.to_string(), dtype }),
+        let size_mismatch = || TensorError::SizeMismatch {
+            name: self.name.to_string(),
+            dtype: self.dtype,
+            shape: self.shape.to_vec(),
+            n_bytes: self.data.len(),
         };
-        let begin = start_elem * elem_bytes;
-        let end = begin + out.len() * elem_bytes;
-        if self.data.len() != self.n_elems() * elem_bytes || end > self.data.len() {
-            return Err(TensorError::SizeMismatch {
-                name: self.name.to_string(),
-                dtype: self.dtype,
-                shape: self.shape.to_vec(),
-                n_bytes: self.data.len(),
-            });
+        let block = self.dtype.block_elems();
+        let end_elem = start_elem + out.len();
+        if self.dtype.bytes_for(self.n_elems()) != Some(self.data.len())
+            || end_elem > self.n_elems()
+            || !start_elem.is_multiple_of(block)
+            || !end_elem.is_multiple_of(block)
+        {
+            return Err(size_mismatch());
         }
-        decode_f32(self.dtype, &self.data[begin..end], out);
+        let (begin, end) =
+            (start_elem / block * self.dtype.block_bytes(), end_elem / block * self.dtype.block_bytes());
+        if self.dtype.is_float() {
+            decode_f32(self.dtype, &self.data[begin..end], out);
+        } else {
+            quant::dequantize(self.dtype, &self.data[begin..end], out).map_err(|_| size_mismatch())?;
+        }
         Ok(())
     }
 }

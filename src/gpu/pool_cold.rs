@@ -142,6 +142,7 @@ impl ColdExperts for PoolColdExperts {
                     up: e.up.data,
                     down: e.down.data,
                     dtype: self.dtype,
+                    down_dtype: self.dtype,
                     hidden: c.hidden,
                     ff: c.expert_ff,
                 },

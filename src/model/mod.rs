@@ -155,9 +155,16 @@ impl Model {
         self.adapter
     }
 
-    /// Element type of the expert weights (all experts share one).
+    /// Element type of the expert weights: the one all float experts share, or for a quantised
+    /// model the type of layer 0's gate projection (others may differ: see [`Model::expert`]).
     pub fn expert_dtype(&self) -> DType {
         self.expert_dtype
+    }
+
+    /// The first tensor stored in quantised blocks (name and type), if any: engines without
+    /// quantised kernels refuse the model naming it.
+    pub fn first_quantized_tensor(&self) -> Option<(String, DType)> {
+        self.tensor_list().into_iter().find(|t| !t.1.is_float()).map(|(name, dtype, _, _)| (name, dtype))
     }
 
     /// A model-wide tensor; `None` only for `Output` when embeddings are tied.
@@ -192,12 +199,15 @@ impl Model {
         ExpertRef { gate: proj(ExpertProj::Gate), up: proj(ExpertProj::Up), down: proj(ExpertProj::Down) }
     }
 
-    /// Bytes of one expert's gate + up + down.
+    /// Bytes of one expert's gate + up + down (the largest over layers when quantised types mix).
     pub fn expert_bytes(&self) -> usize {
-        3 * self
-            .expert_dtype
-            .bytes_for(self.config.expert_ff * self.config.hidden)
-            .expect("validated at open")
+        (0..self.config.n_layers)
+            .map(|l| {
+                let e = self.expert(l, 0);
+                e.gate.data.len() + e.up.data.len() + e.down.data.len()
+            })
+            .max()
+            .unwrap_or(0)
     }
 
     /// Every tensor name in the file with its dtype, shape and byte size.
@@ -281,16 +291,16 @@ impl Model {
 
     fn validate(&mut self) -> Result<(), ModelError> {
         let c = self.config.clone();
-        self.check_tensor(&self.global_name(GlobalRole::TokenEmbedding), &[c.vocab, c.hidden], true)?;
-        self.check_tensor(&self.global_name(GlobalRole::OutputNorm), &[c.hidden], true)?;
+        self.check_tensor(&self.global_name(GlobalRole::TokenEmbedding), &[c.vocab, c.hidden])?;
+        self.check_tensor(&self.global_name(GlobalRole::OutputNorm), &[c.hidden])?;
         let output = self.global_name(GlobalRole::Output);
         if !c.tied_embeddings || self.raw(&output).is_some() {
-            self.check_tensor(&output, &[c.vocab, c.hidden], true)?;
+            self.check_tensor(&output, &[c.vocab, c.hidden])?;
         }
         for layer_idx in 0..c.n_layers {
             for role in self.required_layer_roles() {
                 let shape = self.expected_layer_shape(role);
-                self.check_tensor(&self.layer_name(layer_idx, role), &shape, true)?;
+                self.check_tensor(&self.layer_name(layer_idx, role), &shape)?;
             }
             self.validate_experts(layer_idx)?;
         }
@@ -305,34 +315,37 @@ impl Model {
             let dtype = match self.source {
                 Source::Gguf(_) => {
                     let name = naming::gguf_experts(layer_idx, proj);
-                    self.check_tensor(&name, &[c.n_experts, per_expert[0], per_expert[1]], false)?
+                    self.check_tensor(&name, &[c.n_experts, per_expert[0], per_expert[1]])?
                 }
                 Source::Safetensors(_) => {
                     let mut dtype = DType::F32;
                     for expert_idx in 0..c.n_experts {
                         let name = naming::hf_expert(self.adapter.hf_naming, layer_idx, expert_idx, proj);
-                        dtype = self.check_tensor(&name, &per_expert, false)?;
+                        dtype = self.check_tensor(&name, &per_expert)?;
                     }
                     dtype
                 }
             };
+            // Quantised files mix block types per tensor (a `_M` mix puts Q6_K on some
+            // down projections); float experts share one dtype.
+            let mixed_quant = !dtype.is_float() && !self.expert_dtype.is_float();
             if layer_idx == 0 && proj == ExpertProj::Gate {
                 self.expert_dtype = dtype;
-            } else if dtype != self.expert_dtype {
+            } else if dtype != self.expert_dtype && !mixed_quant {
                 let name = naming::gguf_experts(layer_idx, proj);
                 return Err(ModelError::DTypeMismatch {
                     path: self.file_of(&name),
                     tensor: name,
                     dtype,
-                    allowed: "the same dtype as every other expert tensor",
+                    allowed: "the same dtype as every other expert tensor (or any quantised type when they are quantised)",
                 });
             }
         }
         Ok(())
     }
 
-    /// Check presence, shape (leading 1-dims ignored) and dtype; returns the dtype.
-    fn check_tensor(&self, name: &str, expected: &[usize], float_only: bool) -> Result<DType, ModelError> {
+    /// Check presence, shape (leading 1-dims ignored) and dtype (vectors float); returns the dtype.
+    fn check_tensor(&self, name: &str, expected: &[usize]) -> Result<DType, ModelError> {
         let t = self
             .raw(name)
             .ok_or_else(|| ModelError::MissingTensor { path: self.file_of(name), tensor: name.into() })?;
@@ -344,7 +357,10 @@ impl Model {
                 found: t.shape.to_vec(),
             });
         }
-        if float_only && !t.dtype.is_float() {
+        // Vectors (norms, biases, the shared expert's gate) are read as floats; matrices may be
+        // stored in any element type, GGML quantised blocks included.
+        let vector = strip_leading_ones(expected).len() <= 1;
+        if vector && !t.dtype.is_float() {
             return Err(ModelError::DTypeMismatch {
                 path: self.file_of(name),
                 tensor: name.into(),

@@ -1,18 +1,18 @@
 //! The CPU pipeline's dense stage: the non-expert weights read in place from the mapped file
-//! (F32/F16/BF16, no f32 copy at load) and run by the SIMD kernels of `moe-lanes-kernels` on a
+//! (F32/F16/BF16 or GGML quantised blocks, no f32 copy at load) and run by the SIMD kernels of `moe-lanes-kernels` on a
 //! pool of pinned threads (row-split GEMV/GEMM, attention over heads).
 //!
 //! Matrices are resolved per layer and call from the model (a name lookup, no copy); only the
 //! small vectors (norm weights, biases, the shared expert's sigmoid gate) are decoded to f32
 //! once at load. Every matrix is checked at load, so a call cannot meet a bad one.
 
-use crate::format::dtype::DType;
 use crate::format::tensor::{TensorError, TensorRef};
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
+use crate::moe::expert_math::kernel_dtype;
 use moe_lanes_kernels::{
     attention, matmul, par_attention, par_matmul, AttentionInput, AttentionScratch, ColdPool, DenseMatrix,
-    KernelError, MatmulPart, SimdLevel, WeightDType,
+    KernelError, MatmulPart, SimdLevel,
 };
 
 /// Small per-layer vectors, decoded to f32 once at load.
@@ -107,14 +107,9 @@ pub(crate) fn check_matrices(model: &Model) -> Result<(), TensorError> {
     Ok(())
 }
 
-/// A 2-D F32/F16/BF16 tensor as a kernel matrix over its bytes.
+/// A 2-D tensor (float or quantised blocks) as a kernel matrix over its bytes.
 fn in_place(t: TensorRef<'_>) -> Result<DenseMatrix<'_>, TensorError> {
-    let dtype = match t.dtype {
-        DType::F32 => WeightDType::F32,
-        DType::F16 => WeightDType::F16,
-        DType::BF16 => WeightDType::BF16,
-        dtype => return Err(TensorError::UnsupportedDType { name: t.name.to_string(), dtype }),
-    };
+    let dtype = kernel_dtype(t.dtype);
     let size_mismatch = || TensorError::SizeMismatch {
         name: t.name.to_string(),
         dtype: t.dtype,
@@ -131,10 +126,7 @@ fn in_place(t: TensorRef<'_>) -> Result<DenseMatrix<'_>, TensorError> {
 
 /// Decodes row `r` of `m` into `out` (`m.cols` values): embedding lookups.
 pub(crate) fn decode_row(m: &DenseMatrix<'_>, r: usize, out: &mut [f32]) {
-    let row = m.row(r);
-    for (c, o) in out.iter_mut().enumerate() {
-        *o = m.dtype.load_f32(row, c);
-    }
+    m.dtype.decode_row(m.row(r), out);
 }
 
 /// Smallest dense call (multiply-adds) worth waking the pool for: 2^18 is about 15-30 us of one

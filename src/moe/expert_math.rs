@@ -7,6 +7,7 @@
 //! group (so expert-major worklists read each expert's weights once per layer).
 
 use crate::format::dtype::DType;
+use crate::format::quant::dequantize;
 use crate::format::tensor::decode_f32;
 use crate::model::adapter::FfnActivation;
 use crate::model::Model;
@@ -17,7 +18,10 @@ use std::sync::Arc;
 /// Raw bytes of one expert's three projections.
 #[derive(Debug, Clone, Copy)]
 pub struct ExpertBytes<'a> {
+    /// Element type of gate and up.
     pub dtype: DType,
+    /// Element type of down (quantised mixes may differ from gate/up).
+    pub down_dtype: DType,
     /// `[ff, hidden]`
     pub gate: &'a [u8],
     /// `[ff, hidden]`
@@ -108,7 +112,13 @@ impl ColdCompute for PlainCompute {
         scratch: &mut FfnScratch,
     ) -> Result<(), ComputeError> {
         let e = self.model.expert(layer_idx, expert_idx);
-        let w = ExpertBytes { dtype: e.gate.dtype, gate: e.gate.data, up: e.up.data, down: e.down.data };
+        let w = ExpertBytes {
+            dtype: e.gate.dtype,
+            down_dtype: e.down.dtype,
+            gate: e.gate.data,
+            up: e.up.data,
+            down: e.down.data,
+        };
         ffn_plain(w, self.dims, self.activation, n, scratch)
     }
 }
@@ -127,11 +137,13 @@ impl ColdCompute for NullCompute {
     }
 }
 
-fn elem_bytes(dtype: DType) -> Result<usize, ComputeError> {
-    match dtype {
-        DType::F32 => Ok(4),
-        DType::F16 | DType::BF16 => Ok(2),
-        other => Err(ComputeError::UnsupportedDType(other)),
+/// Decode one row of `dtype` (whole blocks) into `out`.
+fn decode_row(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(), ComputeError> {
+    if dtype.is_float() {
+        decode_f32(dtype, bytes, out);
+        Ok(())
+    } else {
+        dequantize(dtype, bytes, out).map_err(|_| ComputeError::UnsupportedDType(dtype))
     }
 }
 
@@ -155,10 +167,11 @@ pub fn ffn_plain(
     n: usize,
     s: &mut FfnScratch,
 ) -> Result<(), ComputeError> {
-    let eb = elem_bytes(w.dtype)?;
     let FfnDims { hidden, ff } = dims;
-    if w.gate.len() != ff * hidden * eb || w.up.len() != ff * hidden * eb || w.down.len() != ff * hidden * eb
-    {
+    let bytes_of =
+        |dtype: DType, cols: usize| dtype.bytes_for(cols).ok_or(ComputeError::UnsupportedDType(dtype));
+    let (gate_row, down_row) = (bytes_of(w.dtype, hidden)?, bytes_of(w.down_dtype, ff)?);
+    if w.gate.len() != ff * gate_row || w.up.len() != ff * gate_row || w.down.len() != hidden * down_row {
         return Err(ComputeError::Bad {
             layer_idx: 0,
             expert_idx: 0,
@@ -167,11 +180,11 @@ pub fn ffn_plain(
     }
     let row = &mut s.row[..hidden];
     for r in 0..ff {
-        decode_f32(w.dtype, &w.gate[r * hidden * eb..(r + 1) * hidden * eb], row);
+        decode_row(w.dtype, &w.gate[r * gate_row..(r + 1) * gate_row], row)?;
         for i in 0..n {
             s.gate[i * ff + r] = dot(row, &s.xs[i * hidden..(i + 1) * hidden]);
         }
-        decode_f32(w.dtype, &w.up[r * hidden * eb..(r + 1) * hidden * eb], row);
+        decode_row(w.dtype, &w.up[r * gate_row..(r + 1) * gate_row], row)?;
         for i in 0..n {
             s.up[i * ff + r] = dot(row, &s.xs[i * hidden..(i + 1) * hidden]);
         }
@@ -187,7 +200,7 @@ pub fn ffn_plain(
     }
     let row = &mut s.row[..ff];
     for r in 0..hidden {
-        decode_f32(w.dtype, &w.down[r * ff * eb..(r + 1) * ff * eb], row);
+        decode_row(w.down_dtype, &w.down[r * down_row..(r + 1) * down_row], row)?;
         for i in 0..n {
             s.ys[i * hidden + r] = dot(row, &s.gate[i * ff..(i + 1) * ff]);
         }
@@ -204,7 +217,21 @@ pub struct SimdCompute {
     dims: FfnDims,
     level: moe_lanes_kernels::SimdLevel,
     act: moe_lanes_kernels::Activation,
-    dtype: moe_lanes_kernels::WeightDType,
+}
+
+/// The kernels' name for a tensor element type (every type the library reads has one).
+pub fn kernel_dtype(dtype: DType) -> moe_lanes_kernels::WeightDType {
+    use moe_lanes_kernels::WeightDType;
+    match dtype {
+        DType::F32 => WeightDType::F32,
+        DType::F16 => WeightDType::F16,
+        DType::BF16 => WeightDType::BF16,
+        DType::Q8_0 => WeightDType::Q8_0,
+        DType::Q4_0 => WeightDType::Q4_0,
+        DType::Q4_K => WeightDType::Q4_K,
+        DType::Q5_K => WeightDType::Q5_K,
+        DType::Q6_K => WeightDType::Q6_K,
+    }
 }
 
 /// Unit token weights for [`SimdCompute`]'s down projection (which accumulates `w * y`).
@@ -213,13 +240,7 @@ static UNIT_WEIGHTS: [f32; GROUP_TOKENS_MAX] = [1.0; GROUP_TOKENS_MAX];
 impl SimdCompute {
     /// `forced`: a SIMD level named by the caller; `None` picks [`cold_simd_level`]'s default.
     pub fn new(model: Arc<Model>, forced: Option<SimdLevel>) -> Result<SimdCompute, ComputeError> {
-        use moe_lanes_kernels::{Activation, WeightDType};
-        let dtype = match model.expert_dtype() {
-            DType::BF16 => WeightDType::BF16,
-            DType::F16 => WeightDType::F16,
-            DType::F32 => WeightDType::F32,
-            other => return Err(ComputeError::UnsupportedDType(other)),
-        };
+        use moe_lanes_kernels::Activation;
         let level = cold_simd_level(forced).map_err(|_| ComputeError::Bad {
             layer_idx: 0,
             expert_idx: 0,
@@ -232,7 +253,7 @@ impl SimdCompute {
         };
         let c = model.config();
         let dims = FfnDims { hidden: c.hidden, ff: c.expert_ff };
-        Ok(SimdCompute { model, dims, level, act, dtype })
+        Ok(SimdCompute { model, dims, level, act })
     }
 }
 
@@ -266,7 +287,8 @@ impl ColdCompute for SimdCompute {
             gate: e.gate.data,
             up: e.up.data,
             down: e.down.data,
-            dtype: self.dtype,
+            dtype: kernel_dtype(e.gate.dtype),
+            down_dtype: kernel_dtype(e.down.dtype),
             hidden,
             ff,
         };

@@ -315,8 +315,7 @@ impl Pipeline {
         };
         let pool_lane =
             (options.pool_cold && options.driver_cold && options.cold_kernels == ColdKernels::Simd)
-                .then(|| PoolLane::new(model.clone(), level))
-                .flatten();
+                .then(|| PoolLane::new(model.clone(), level));
         // With the pool lane the driver alone is the lane set's cold participant.
         let (lane_workers, cold_threads) = match pool_lane {
             Some(_) => (1, options.n_cold_workers.clamp(1, dense.n_threads())),

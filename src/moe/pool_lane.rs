@@ -10,12 +10,12 @@
 //! allocates nothing: the token lists are reused and the job's expert list is recycled through an
 //! in-place `collect` (same layout, new lifetime).
 
-use crate::format::dtype::DType;
 use crate::model::adapter::FfnActivation;
 use crate::model::Model;
+use crate::moe::expert_math::kernel_dtype;
 use crate::moe::worklist::Worklist;
 use moe_lanes_kernels::{
-    Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KernelError, SimdLevel, WeightDType,
+    Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KernelError, SimdLevel,
 };
 use std::ops::Range;
 use std::sync::Arc;
@@ -25,7 +25,6 @@ pub struct PoolLane {
     model: Arc<Model>,
     level: SimdLevel,
     act: Activation,
-    dtype: WeightDType,
     /// Per expert: the section's rows routed to it in this layer, and their weights.
     token_idx: Vec<Vec<u32>>,
     token_weight: Vec<Vec<f32>>,
@@ -35,30 +34,23 @@ pub struct PoolLane {
 }
 
 impl PoolLane {
-    /// `None` when the experts' dtype is not one the pool's kernels read (F32, F16, BF16).
-    pub fn new(model: Arc<Model>, level: SimdLevel) -> Option<PoolLane> {
-        let dtype = match model.expert_dtype() {
-            DType::BF16 => WeightDType::BF16,
-            DType::F16 => WeightDType::F16,
-            DType::F32 => WeightDType::F32,
-            _ => return None,
-        };
+    /// The pool's kernels read every expert dtype (floats and GGML blocks, per matrix).
+    pub fn new(model: Arc<Model>, level: SimdLevel) -> PoolLane {
         let act = match model.adapter().activation {
             FfnActivation::Silu => Activation::Silu,
             // The plain kernel's GELU is the tanh form; all cold kernels agree on it.
             FfnActivation::Gelu => Activation::GeluTanh,
         };
         let n_experts = model.config().n_experts;
-        Some(PoolLane {
+        PoolLane {
             model,
             level,
             act,
-            dtype,
             token_idx: vec![Vec::new(); n_experts],
             token_weight: vec![Vec::new(); n_experts],
             active: Vec::with_capacity(n_experts),
             work_storage: Vec::with_capacity(n_experts),
-        })
+        }
     }
 
     /// For the cold entries `range` of `wl` (layer `layer_idx`, inputs `x`: `[n_tokens, hidden]`),
@@ -85,7 +77,8 @@ impl PoolLane {
                     gate: w.gate.data,
                     up: w.up.data,
                     down: w.down.data,
-                    dtype: self.dtype,
+                    dtype: kernel_dtype(w.gate.dtype),
+                    down_dtype: kernel_dtype(w.down.dtype),
                     hidden,
                     ff,
                 },

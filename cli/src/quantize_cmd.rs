@@ -1,0 +1,58 @@
+//! `moe-lanes quantize IN OUT --type MIX`: a thin layer over `moe_lanes::quantize`.
+
+use crate::emit;
+use anyhow::{Context, Result};
+use clap::Args;
+use moe_lanes::inspect::format_bytes;
+use moe_lanes::quantize::{quantize_gguf, QuantMix};
+use std::path::PathBuf;
+
+#[derive(Args)]
+pub struct QuantizeArgs {
+    /// The GGUF file to read.
+    input: PathBuf,
+    /// The GGUF file to write (as OUT.tmp, renamed when complete).
+    output: PathBuf,
+    /// The mix: q8_0, q4_0, q4_k_m, q5_k_m or q6_k (tensor types chosen per tensor as llama.cpp does).
+    #[arg(long = "type", value_name = "TYPE")]
+    mix: String,
+    /// Replace an existing output file (never a device or FIFO).
+    #[arg(long)]
+    force: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Parse `--type` (also used by `synth --quant`).
+pub fn parse_mix(name: &str, flag: &str) -> Result<QuantMix> {
+    QuantMix::parse(name).with_context(|| {
+        let names: Vec<&str> = QuantMix::ALL.iter().map(|m| m.name()).collect();
+        format!("{flag} {name}: expected one of {}", names.join(", "))
+    })
+}
+
+pub fn quantize(args: QuantizeArgs) -> Result<()> {
+    let mix = parse_mix(&args.mix, "--type")?;
+    moe_lanes::synth::check_output_path(&args.output, args.force)?;
+    let bar = crate::byte_progress_bar("quantizing");
+    let report = quantize_gguf(&args.input, &args.output, mix, &mut |done, total| {
+        bar.set_length(total);
+        bar.set_position(done);
+    });
+    bar.finish_and_clear();
+    let report = report.with_context(|| format!("cannot quantize {}", args.input.display()))?;
+    if args.json {
+        emit(&format!("{}\n", serde_json::to_string_pretty(&report)?))
+    } else {
+        let types: Vec<String> = report.tensor_types.iter().map(|(t, n)| format!("{n} {t}")).collect();
+        emit(&format!(
+            "wrote {} ({}, {} tensors: {}) from {}\n",
+            report.path.display(),
+            format_bytes(report.output_bytes),
+            report.n_tensors,
+            types.join(", "),
+            format_bytes(report.input_bytes)
+        ))
+    }
+}

@@ -1,0 +1,219 @@
+//! GGML quantised weights in the kernels: block dequantisation and the quantised tile.
+//!
+//! Layouts (as GGUF stores them; `d`/`dmin` f16): Q8_0 `d` + 32 i8 (34 bytes / 32 values);
+//! Q4_0 `d` + 16 nibble bytes, value j low / j+16 high, minus 8 (18 / 32); Q4_K `d`, `dmin`,
+//! 12 bytes of 6-bit scales/mins, 128 nibble bytes (144 / 256); Q5_K as Q4_K with 32 bytes of
+//! fifth bits before the nibbles (176 / 256); Q6_K 128 low-nibble bytes, 64 bytes of 2-bit
+//! pairs, 16 i8 scales, `d` (210 / 256).
+//!
+//! The quantised tile dequantises up to 256 columns of each row of the tile into an f32 buffer
+//! on the stack (L1) and runs the level's f32 tile kernel on it, adding the partial sums chunk by
+//! chunk: weights are read from memory once, in their compressed size, and the multiply-adds run
+//! in f32 at the level's vector width. Activations stay f32 (no 8-bit activation rounding), so
+//! every level agrees with the scalar one within f32 summation-order rounding.
+
+use crate::weights::WeightDType;
+
+/// The level's f32 tile kernel as [`tile`] calls it: `(rows, xs, cols, out)`.
+pub(crate) type F32Tile<'a> = dyn FnMut(&[*const u8], &[*const f32], usize, &mut [f32]) + 'a;
+
+/// Values of the largest block (a K-quant super-block).
+pub const MAX_BLOCK_ELEMS: usize = 256;
+/// Columns dequantised per chunk of the quantised tile.
+const CHUNK_COLS: usize = 256;
+
+/// The f16 at `b[at..at + 2]` widened to f32 (exact; plain bit arithmetic, which inlines into
+/// the block loops where a library call per block dominated the dequantisation).
+#[inline(always)]
+fn half_at(b: &[u8], at: usize) -> f32 {
+    let h = u16::from_le_bytes([b[at], b[at + 1]]) as u32;
+    let (sign, exp, mant) = ((h & 0x8000) << 16, (h >> 10) & 0x1f, h & 0x3ff);
+    match exp {
+        0 => {
+            let magnitude = mant as f32 * (1.0 / 16_777_216.0); // subnormal: mant * 2^-24
+            f32::from_bits(sign | magnitude.to_bits())
+        }
+        31 => f32::from_bits(sign | 0x7f80_0000 | (mant << 13)),
+        _ => f32::from_bits(sign | ((exp + 112) << 23) | (mant << 13)),
+    }
+}
+
+/// Dequantises one block of `dtype` (`block.len() == dtype.block_bytes()`) into `out`
+/// (`dtype.block_elems()` values).
+///
+/// # Panics
+/// For a float type, or when the lengths do not match the type.
+#[inline(always)]
+pub fn dequantize_block(dtype: WeightDType, block: &[u8], out: &mut [f32]) {
+    assert_eq!(block.len(), dtype.block_bytes(), "one {} block", dtype.name());
+    assert_eq!(out.len(), dtype.block_elems(), "one {} block", dtype.name());
+    match dtype {
+        WeightDType::Q8_0 => {
+            let d = half_at(block, 0);
+            for (o, &q) in out.iter_mut().zip(&block[2..34]) {
+                *o = d * (q as i8) as f32;
+            }
+        }
+        WeightDType::Q4_0 => {
+            let d = half_at(block, 0);
+            let (lo, hi) = out.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&block[2..18]) {
+                *l = d * ((q & 15) as i32 - 8) as f32;
+                *h = d * ((q >> 4) as i32 - 8) as f32;
+            }
+        }
+        WeightDType::Q4_K => k_asym(block, &block[16..144], None, out),
+        WeightDType::Q5_K => k_asym(block, &block[48..176], Some(&block[16..48]), out),
+        WeightDType::Q6_K => q6_k(block, out),
+        float => panic!("dequantize_block called with float type {}", float.name()),
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block's 12 packed bytes.
+#[inline(always)]
+fn scale_min(j: usize, packed: &[u8]) -> (f32, f32) {
+    let (sc, m) = if j < 4 {
+        (packed[j] & 63, packed[j + 4] & 63)
+    } else {
+        ((packed[j + 4] & 15) | ((packed[j - 4] >> 6) << 4), (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4))
+    };
+    (sc as f32, m as f32)
+}
+
+/// Q4_K (`qh` None) and Q5_K: `x = (d * sc) * q - (dmin * m)` per sub-block of 32.
+#[inline(always)]
+fn k_asym(block: &[u8], qs: &[u8], qh: Option<&[u8]>, out: &mut [f32]) {
+    let (d, dmin) = (half_at(block, 0), half_at(block, 2));
+    let packed = &block[4..16];
+    for (sub, y) in out.chunks_exact_mut(32).enumerate() {
+        let (sc, m) = scale_min(sub, packed);
+        let (scale, min) = (d * sc, dmin * m);
+        let (bytes, shift) = (&qs[32 * (sub / 2)..32 * (sub / 2) + 32], 4 * (sub % 2));
+        match qh {
+            None => {
+                for (o, &q) in y.iter_mut().zip(bytes) {
+                    *o = scale * ((q >> shift) & 15) as f32 - min;
+                }
+            }
+            Some(qh) => {
+                for ((o, &q), &h) in y.iter_mut().zip(bytes).zip(qh) {
+                    let v = ((q >> shift) & 15) | (((h >> sub) & 1) << 4);
+                    *o = scale * v as f32 - min;
+                }
+            }
+        }
+    }
+}
+
+/// Q6_K: `x = (d * sc) * (q - 32)`, one signed scale per 16 values.
+#[inline(always)]
+fn q6_k(block: &[u8], out: &mut [f32]) {
+    let d = half_at(block, 208);
+    for half in 0..2 {
+        let ql = &block[64 * half..64 * half + 64];
+        let qh = &block[128 + 32 * half..128 + 32 * half + 32];
+        let scales = &block[192 + 8 * half..192 + 8 * half + 8];
+        let y = &mut out[128 * half..128 * half + 128];
+        for l in 0..32 {
+            let h = qh[l];
+            let q = [
+                (ql[l] & 15) | ((h & 3) << 4),
+                (ql[l + 32] & 15) | (((h >> 2) & 3) << 4),
+                (ql[l] >> 4) | (((h >> 4) & 3) << 4),
+                (ql[l + 32] >> 4) | (((h >> 6) & 3) << 4),
+            ];
+            for (quarter, &v) in q.iter().enumerate() {
+                let sc = scales[2 * quarter + l / 16] as i8 as f32;
+                y[32 * quarter + l] = (d * sc) * (v as i32 - 32) as f32;
+            }
+        }
+    }
+}
+
+/// `out[r * T + t] = dot(row r, x t)` over `cols` columns of quantised rows, each `run_f32`
+/// call being the level's f32 tile kernel over one dequantised chunk.
+///
+/// # Safety
+/// Every `rows[r]` must address `dtype.row_bytes(cols)` readable bytes (`cols` whole blocks),
+/// every `xs[t]` `cols` readable f32; `out` must hold `R * T` values; `run_f32` must be safe to
+/// call with f32 rows of the chunk's length and `xs` offset to the chunk.
+#[inline(always)]
+pub(crate) unsafe fn tile(
+    dtype: WeightDType,
+    rows: &[*const u8],
+    xs: &[*const f32],
+    cols: usize,
+    out: &mut [f32],
+    run_f32: &mut F32Tile<'_>,
+) {
+    const MAX_ROWS: usize = crate::ffn::ROW_BLOCK;
+    const MAX_TOKENS: usize = 6;
+    let (n_rows, n_tokens) = (rows.len(), xs.len());
+    debug_assert!(n_rows <= MAX_ROWS && n_tokens <= MAX_TOKENS);
+    let mut buf = [[0.0f32; CHUNK_COLS]; MAX_ROWS];
+    let mut partial = [0.0f32; MAX_ROWS * MAX_TOKENS];
+    let (block_elems, block_bytes) = (dtype.block_elems(), dtype.block_bytes());
+    out.iter_mut().for_each(|o| *o = 0.0);
+    let mut col0 = 0;
+    while col0 < cols {
+        let n = CHUNK_COLS.min(cols - col0);
+        let chunk_bytes = n / block_elems * block_bytes;
+        let byte0 = col0 / block_elems * block_bytes;
+        let mut f32_rows = [std::ptr::null::<u8>(); MAX_ROWS];
+        for r in 0..n_rows {
+            // SAFETY: the caller guarantees `rows[r]` addresses the row's bytes; the chunk lies
+            // inside it (col0 + n <= cols, whole blocks).
+            let bytes = unsafe { std::slice::from_raw_parts(rows[r].add(byte0), chunk_bytes) };
+            for (block, y) in bytes.chunks_exact(block_bytes).zip(buf[r][..n].chunks_exact_mut(block_elems)) {
+                dequantize_block(dtype, block, y);
+            }
+            f32_rows[r] = buf[r].as_ptr() as *const u8;
+        }
+        let mut chunk_xs = [std::ptr::null::<f32>(); MAX_TOKENS];
+        for t in 0..n_tokens {
+            // SAFETY: col0 < cols and `xs[t]` addresses `cols` f32.
+            chunk_xs[t] = unsafe { xs[t].add(col0) };
+        }
+        let partial = &mut partial[..n_rows * n_tokens];
+        run_f32(&f32_rows[..n_rows], &chunk_xs[..n_tokens], n, partial);
+        for (o, p) in out.iter_mut().zip(partial.iter()) {
+            *o += p;
+        }
+        col0 += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn half_widening_is_exact_for_every_bit_pattern() {
+        for bits in 0..=u16::MAX {
+            let want = half::f16::from_bits(bits).to_f32();
+            let got = half_at(&bits.to_le_bytes(), 0);
+            assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{bits:#06x}");
+        }
+    }
+
+    #[test]
+    fn q8_0_block_decodes_scale_times_value() {
+        let mut block = vec![0u8; 34];
+        block[..2].copy_from_slice(&half::f16::from_f32(0.5).to_bits().to_le_bytes());
+        block[2] = (-3i8) as u8;
+        block[3] = 4;
+        let mut out = [0.0f32; 32];
+        dequantize_block(WeightDType::Q8_0, &block, &mut out);
+        assert_eq!(&out[..3], &[-1.5, 2.0, 0.0]);
+    }
+
+    #[test]
+    fn q4_0_block_splits_nibbles_low_first() {
+        let mut block = vec![0x88u8; 18];
+        block[..2].copy_from_slice(&half::f16::from_f32(2.0).to_bits().to_le_bytes());
+        block[2] = 0x9A; // value 0: 10 - 8 = 2, value 16: 9 - 8 = 1
+        let mut out = [0.0f32; 32];
+        dequantize_block(WeightDType::Q4_0, &block, &mut out);
+        assert_eq!((out[0], out[16], out[1]), (4.0, 2.0, 0.0));
+    }
+}

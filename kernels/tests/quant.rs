@@ -1,0 +1,174 @@
+//! Quantised weights in the kernels: block dequantisation equal to gguf-py's on the committed
+//! fixtures (tests/fixtures/quant, made by tests/fixtures/make_quant.py), and every SIMD level's
+//! expert FFN and GEMV/GEMM over quantised rows against the scalar kernel (tolerance
+//! `F32_ACCUMULATION_TOLERANCE`: activations stay f32, so only the summation order differs),
+//! and the scalar quantised kernel against a plain f32 product over the dequantised rows.
+
+mod common;
+
+use common::{relative_error, Rng, F32_ACCUMULATION_TOLERANCE};
+use moe_lanes_kernels::{
+    available, expert_ffn_accumulate, matmul_rows, quant, Activation, ExpertWeights, SimdLevel, WeightDType,
+};
+use std::path::PathBuf;
+
+fn fixture(name: &str) -> Vec<u8> {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/quant").join(name);
+    std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+#[test]
+fn block_dequantization_equals_gguf_py() {
+    for dtype in WeightDType::QUANTIZED {
+        let blocks = fixture(&format!("{}.blocks", dtype.name()));
+        let expected = floats(&fixture(&format!("{}.dequant.f32", dtype.name())));
+        let (n, bb) = (dtype.block_elems(), dtype.block_bytes());
+        for (i, (block, want)) in blocks.chunks_exact(bb).zip(expected.chunks_exact(n)).enumerate() {
+            let mut got = vec![0.0f32; n];
+            quant::dequantize_block(dtype, block, &mut got);
+            assert!(got.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()), "{dtype:?} block {i}");
+        }
+        let mut row = vec![0.0f32; expected.len()];
+        dtype.decode_row(&blocks, &mut row);
+        assert_eq!(row, expected, "{dtype:?} decode_row");
+        assert_eq!(dtype.load_f32(&blocks, n + 3), expected[n + 3], "{dtype:?} load_f32");
+    }
+}
+
+/// Random quantised rows (random bytes, f16 scales set to small values), one byte past an
+/// allocation start so the kernels see unaligned blocks.
+struct QuantBytes(Vec<u8>);
+
+impl QuantBytes {
+    fn random(rng: &mut Rng, dtype: WeightDType, rows: usize, cols: usize, scale: f32) -> QuantBytes {
+        let n_bytes = rows * dtype.row_bytes(cols);
+        let mut bytes: Vec<u8> = (0..n_bytes + 1).map(|_| rng.next_u64() as u8).collect();
+        let scale_at: &[usize] = match dtype {
+            WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
+            WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
+            _ => &[208],
+        };
+        for block in bytes[1..].chunks_exact_mut(dtype.block_bytes()) {
+            for &at in scale_at {
+                let d = half::f16::from_f32(rng.symmetric(scale)).to_bits().to_le_bytes();
+                block[at..at + 2].copy_from_slice(&d);
+            }
+        }
+        QuantBytes(bytes)
+    }
+    fn bytes(&self) -> &[u8] {
+        &self.0[1..]
+    }
+}
+
+#[test]
+fn matmul_over_quantized_rows_matches_scalar_and_dequantized_f32() {
+    let mut rng = Rng(0x0051_7A7E);
+    for dtype in WeightDType::QUANTIZED {
+        for (rows, cols) in [(19, 256), (8, 512), (33, 768)] {
+            let matrix = QuantBytes::random(&mut rng, dtype, rows, cols, 0.02);
+            let mut dense = vec![0.0f32; rows * cols];
+            dtype.decode_row(matrix.bytes(), &mut dense);
+            let dense_bytes = WeightDType::F32.encode(&dense);
+            for n_tokens in [1, 5, 13] {
+                let x = rng.vec(n_tokens * cols, 1.0);
+                let mut plain = vec![0.0; n_tokens * rows];
+                matmul_rows(SimdLevel::Scalar, WeightDType::F32, &dense_bytes, cols, &x, 0..rows, &mut plain)
+                    .unwrap();
+                let mut reference = vec![0.0; n_tokens * rows];
+                matmul_rows(SimdLevel::Scalar, dtype, matrix.bytes(), cols, &x, 0..rows, &mut reference)
+                    .unwrap();
+                let error = relative_error(&reference, &plain);
+                assert!(error <= F32_ACCUMULATION_TOLERANCE, "scalar {dtype:?} vs f32: {error:e}");
+                for level in available() {
+                    for range in [0..rows, 3..rows - 1] {
+                        let mut y = vec![f32::NAN; n_tokens * range.len()];
+                        matmul_rows(level, dtype, matrix.bytes(), cols, &x, range.clone(), &mut y).unwrap();
+                        let want: Vec<f32> = (0..n_tokens)
+                            .flat_map(|t| reference[t * rows + range.start..t * rows + range.end].to_vec())
+                            .collect();
+                        let error = relative_error(&y, &want);
+                        assert!(
+                            error <= F32_ACCUMULATION_TOLERANCE,
+                            "{level} {dtype:?} {rows}x{cols}: {error:e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn expert_ffn_over_mixed_quantized_types_matches_scalar_for_every_level() {
+    let mut rng = Rng(0xFF7_0001);
+    // gate/up in one block type, down in another (as a Q4_K_M file mixes them).
+    let mixes = [
+        (WeightDType::Q4_K, WeightDType::Q6_K),
+        (WeightDType::Q5_K, WeightDType::Q5_K),
+        (WeightDType::Q8_0, WeightDType::Q4_0),
+        (WeightDType::Q4_0, WeightDType::Q8_0),
+        (WeightDType::Q6_K, WeightDType::Q4_K),
+    ];
+    let (hidden, ff) = (512, 256);
+    for (dtype, down_dtype) in mixes {
+        let gate = QuantBytes::random(&mut rng, dtype, ff, hidden, 0.004);
+        let up = QuantBytes::random(&mut rng, dtype, ff, hidden, 0.004);
+        let down = QuantBytes::random(&mut rng, down_dtype, hidden, ff, 0.006);
+        let weights = ExpertWeights {
+            gate: gate.bytes(),
+            up: up.bytes(),
+            down: down.bytes(),
+            dtype,
+            down_dtype,
+            hidden,
+            ff,
+        };
+        for n_tokens in [1, 2, 7] {
+            let x = rng.vec(n_tokens * hidden, 1.0);
+            let token_weight = rng.vec(n_tokens, 1.0);
+            let mut reference = vec![0.0; n_tokens * hidden];
+            expert_ffn_accumulate(
+                SimdLevel::Scalar,
+                &weights,
+                Activation::Silu,
+                &x,
+                &token_weight,
+                &mut reference,
+            )
+            .unwrap();
+            assert!(reference.iter().any(|v| *v != 0.0) && reference.iter().all(|v| v.is_finite()));
+            for level in available() {
+                let mut out = vec![0.0; n_tokens * hidden];
+                expert_ffn_accumulate(level, &weights, Activation::Silu, &x, &token_weight, &mut out)
+                    .unwrap();
+                let error = relative_error(&out, &reference);
+                assert!(
+                    error <= F32_ACCUMULATION_TOLERANCE,
+                    "{level} {dtype:?}/{down_dtype:?} n={n_tokens}: {error:e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn quantized_rows_that_are_not_whole_blocks_are_refused() {
+    let bytes = vec![0u8; 2 * 34];
+    let mut y = vec![0.0; 1];
+    assert!(matmul_rows(SimdLevel::Scalar, WeightDType::Q8_0, &bytes, 48, &[0.0; 48], 0..1, &mut y).is_err());
+    let weights = ExpertWeights {
+        gate: &bytes,
+        up: &bytes,
+        down: &bytes,
+        dtype: WeightDType::Q8_0,
+        down_dtype: WeightDType::Q8_0,
+        hidden: 64,
+        ff: 1,
+    };
+    assert!(weights.validate().is_err(), "down rows of 1 value are not whole Q8_0 blocks");
+}

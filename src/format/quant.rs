@@ -1,0 +1,377 @@
+//! GGML quantised blocks as GGUF stores them: plain dequantisation to f32 (what the oracle reads)
+//! and the quantiser behind `moe-lanes quantize` and `synth --quant`.
+//!
+//! Block layouts (little-endian, `d`/`dmin` are f16):
+//! - Q8_0, 32 values: `d`, 32 × i8 `q`; `x = d * q`.
+//! - Q4_0, 32 values: `d`, 16 bytes; byte `j` holds value `j` (low nibble) and `j + 16` (high);
+//!   `x = d * (q - 8)`.
+//! - Q4_K, 256 values: `d`, `dmin`, 12 bytes of eight 6-bit scales and mins, 128 bytes of nibbles;
+//!   each 64 values use 32 bytes (low nibbles first 32 values, high nibbles next 32);
+//!   `x = (d * sc) * q - (dmin * m)`.
+//! - Q5_K, 256 values: as Q4_K plus 32 bytes `qh` between the scales and the nibbles: bit
+//!   `2i` / `2i + 1` of `qh[l]` is the fifth bit of value `l` / `l + 32` of the `i`-th 64.
+//! - Q6_K, 256 values: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 × i8 scales (one
+//!   per 16 values), `d`; `x = (d * sc) * (q - 32)`.
+//!
+//! The dequantisation is written for clarity and follows ggml's formulas operation by operation
+//! in f32, so it equals gguf-py's `gguf.quants.dequantize` bit for bit (tests/quant_fixtures.rs).
+//! The fast kernels keep their own copy (`moe-lanes-kernels`), as the oracle shares no code with
+//! them.
+
+use crate::format::dtype::DType;
+use half::f16;
+
+/// Values per Q4_0 / Q8_0 block.
+pub const QK: usize = 32;
+/// Values per K-quant super-block.
+pub const QK_K: usize = 256;
+
+/// A quantised row could not be written or read.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum QuantError {
+    #[error("{dtype} is not a quantised block type")]
+    NotQuantized { dtype: DType },
+    #[error("{n_values} values are not a whole number of {dtype} blocks ({block_elems} values each)")]
+    PartialBlock { dtype: DType, n_values: usize, block_elems: usize },
+    #[error("{n_bytes} bytes do not hold {n_values} values of {dtype}")]
+    ByteCount { dtype: DType, n_values: usize, n_bytes: usize },
+}
+
+fn f16_at(bytes: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([bytes[at], bytes[at + 1]])).to_f32()
+}
+
+fn check(dtype: DType, n_values: usize, n_bytes: usize) -> Result<(), QuantError> {
+    if dtype.is_float() {
+        return Err(QuantError::NotQuantized { dtype });
+    }
+    if !n_values.is_multiple_of(dtype.block_elems()) {
+        return Err(QuantError::PartialBlock { dtype, n_values, block_elems: dtype.block_elems() });
+    }
+    if dtype.bytes_for(n_values) != Some(n_bytes) {
+        return Err(QuantError::ByteCount { dtype, n_values, n_bytes });
+    }
+    Ok(())
+}
+
+/// Dequantise whole blocks of `dtype` from `bytes` into `out` (`out.len()` values).
+pub fn dequantize(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(), QuantError> {
+    check(dtype, out.len(), bytes.len())?;
+    let (n, bb) = (dtype.block_elems(), dtype.block_bytes());
+    for (block, y) in bytes.chunks_exact(bb).zip(out.chunks_exact_mut(n)) {
+        match dtype {
+            DType::Q8_0 => dequant_q8_0(block, y),
+            DType::Q4_0 => dequant_q4_0(block, y),
+            DType::Q4_K => dequant_q4_k(block, y),
+            DType::Q5_K => dequant_q5_k(block, y),
+            DType::Q6_K => dequant_q6_k(block, y),
+            DType::F32 | DType::F16 | DType::BF16 => unreachable!("checked above"),
+        }
+    }
+    Ok(())
+}
+
+fn dequant_q8_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (j, out) in y.iter_mut().enumerate() {
+        *out = d * (b[2 + j] as i8) as f32;
+    }
+}
+
+fn dequant_q4_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for j in 0..QK / 2 {
+        let byte = b[2 + j];
+        y[j] = d * ((byte & 0x0F) as i32 - 8) as f32;
+        y[j + QK / 2] = d * ((byte >> 4) as i32 - 8) as f32;
+    }
+}
+
+/// Scale and min of sub-block `j` (0..8) from the 12 packed bytes of a Q4_K/Q5_K block.
+pub fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    }
+}
+
+fn dequant_q4_k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (scales, qs) = (&b[4..16], &b[16..144]);
+    for chunk in 0..4 {
+        for half in 0..2 {
+            let (sc, m) = scale_min_k4(2 * chunk + half, scales);
+            let (d1, m1) = (d * sc as f32, dmin * m as f32);
+            for l in 0..32 {
+                let q = (qs[32 * chunk + l] >> (4 * half)) & 0x0F;
+                y[64 * chunk + 32 * half + l] = d1 * q as f32 - m1;
+            }
+        }
+    }
+}
+
+fn dequant_q5_k(b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let (scales, qh, qs) = (&b[4..16], &b[16..48], &b[48..176]);
+    for chunk in 0..4 {
+        for half in 0..2 {
+            let (sc, m) = scale_min_k4(2 * chunk + half, scales);
+            let (d1, m1) = (d * sc as f32, dmin * m as f32);
+            let high_bit = 2 * chunk + half;
+            for l in 0..32 {
+                let low = (qs[32 * chunk + l] >> (4 * half)) & 0x0F;
+                let high = ((qh[l] >> high_bit) & 1) << 4;
+                y[64 * chunk + 32 * half + l] = d1 * (low | high) as f32 - m1;
+            }
+        }
+    }
+}
+
+fn dequant_q6_k(b: &[u8], y: &mut [f32]) {
+    let (ql, qh, scales) = (&b[0..128], &b[128..192], &b[192..208]);
+    let d = f16_at(b, 208);
+    for pos in 0..QK_K {
+        let (half, within) = (pos / 128, pos % 128);
+        let (quarter, l) = (within / 32, within % 32);
+        // Quarters 0 and 2 share ql bytes 0..32 (low / high nibble), 1 and 3 bytes 32..64.
+        let ql_byte = ql[64 * half + 32 * (quarter % 2) + l];
+        let low = if quarter < 2 { ql_byte & 0x0F } else { ql_byte >> 4 };
+        let high = (qh[32 * half + l] >> (2 * quarter)) & 3;
+        let q = ((low | (high << 4)) as i32 - 32) as f32;
+        y[pos] = (d * scales[pos / 16] as i8 as f32) * q;
+    }
+}
+
+/// Quantise `values` (a whole number of blocks) into `out` as `dtype`; returns the bytes added.
+pub fn quantize(dtype: DType, values: &[f32], out: &mut Vec<u8>) -> Result<usize, QuantError> {
+    if dtype.is_float() {
+        return Err(QuantError::NotQuantized { dtype });
+    }
+    if !values.len().is_multiple_of(dtype.block_elems()) {
+        let (n_values, block_elems) = (values.len(), dtype.block_elems());
+        return Err(QuantError::PartialBlock { dtype, n_values, block_elems });
+    }
+    let before = out.len();
+    for block in values.chunks_exact(dtype.block_elems()) {
+        match dtype {
+            DType::Q8_0 => quant_q8_0(block, out),
+            DType::Q4_0 => quant_q4_0(block, out),
+            DType::Q4_K => quant_k_asym(block, 15, out),
+            DType::Q5_K => quant_k_asym(block, 31, out),
+            DType::Q6_K => quant_q6_k(block, out),
+            DType::F32 | DType::F16 | DType::BF16 => unreachable!("checked above"),
+        }
+    }
+    Ok(out.len() - before)
+}
+
+fn push_f16(out: &mut Vec<u8>, v: f32) -> f32 {
+    let h = f16::from_f32(v);
+    out.extend_from_slice(&h.to_bits().to_le_bytes());
+    h.to_f32()
+}
+
+fn round_clamp(v: f32, lo: i32, hi: i32) -> i32 {
+    (v.round() as i32).clamp(lo, hi)
+}
+
+fn quant_q8_0(x: &[f32], out: &mut Vec<u8>) {
+    let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let d = push_f16(out, amax / 127.0);
+    let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+    out.extend(x.iter().map(|v| round_clamp(v * inv, -127, 127) as i8 as u8));
+}
+
+fn quant_q4_0(x: &[f32], out: &mut Vec<u8>) {
+    // The value of largest magnitude maps to -8 exactly, so its sign picks the scale's sign.
+    let extreme = x.iter().fold(0.0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+    let d = push_f16(out, extreme / -8.0);
+    let inv = if d == 0.0 { 0.0 } else { 1.0 / d };
+    let q = |v: f32| round_clamp(v * inv + 8.0, 0, 15) as u8;
+    out.extend((0..QK / 2).map(|j| q(x[j]) | (q(x[j + QK / 2]) << 4)));
+}
+
+/// Best `(scale, min)` for `x ≈ scale * q - min` with `q` in `0..=nmax` and `min >= 0`: a grid
+/// over the step count around `nmax`, each assignment also refitted by least squares; the
+/// candidate with the least squared error wins.
+fn fit_scale_min(x: &[f32], nmax: i32) -> (f32, f32) {
+    let lo = x.iter().fold(f32::INFINITY, |a, &v| a.min(v)).min(0.0);
+    let hi = x.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+    if hi <= lo {
+        return (0.0, -lo);
+    }
+    let error = |scale: f32, min: f32| -> f32 {
+        x.iter()
+            .map(|&v| {
+                let q = if scale > 0.0 { round_clamp((v + min) / scale, 0, nmax) } else { 0 };
+                let e = scale * q as f32 - min - v;
+                e * e
+            })
+            .sum()
+    };
+    let mut best = ((hi - lo) / nmax as f32, -lo);
+    let mut best_err = error(best.0, best.1);
+    for step in 0..12 {
+        let scale = (hi - lo) / (nmax as f32 - 1.0 + step as f32 * 0.2);
+        let qs: Vec<f32> = x.iter().map(|&v| round_clamp((v - lo) / scale, 0, nmax) as f32).collect();
+        for candidate in [(scale, -lo), least_squares(&qs, x)] {
+            let err = error(candidate.0, candidate.1);
+            if candidate.0 > 0.0 && err < best_err {
+                best = candidate;
+                best_err = err;
+            }
+        }
+    }
+    best
+}
+
+/// `(a, m)` minimising `sum (a * q - m - x)^2` with `m >= 0`.
+fn least_squares(qs: &[f32], x: &[f32]) -> (f32, f32) {
+    let n = x.len() as f32;
+    let (sq, sx) = (qs.iter().sum::<f32>(), x.iter().sum::<f32>());
+    let sqq = qs.iter().map(|q| q * q).sum::<f32>();
+    let sqx = qs.iter().zip(x).map(|(q, v)| q * v).sum::<f32>();
+    let det = n * sqq - sq * sq;
+    if det <= 0.0 || sqq <= 0.0 {
+        return (0.0, 0.0);
+    }
+    let (a, b) = ((n * sqx - sq * sx) / det, (sqq * sx - sq * sqx) / det);
+    if b <= 0.0 {
+        (a, -b)
+    } else {
+        (sqx / sqq, 0.0)
+    }
+}
+
+/// Q4_K (`nmax` 15) and Q5_K (`nmax` 31): 8 sub-blocks of 32 with 6-bit scales and mins.
+fn quant_k_asym(x: &[f32], nmax: i32, out: &mut Vec<u8>) {
+    let fits: Vec<(f32, f32)> = x.chunks_exact(32).map(|c| fit_scale_min(c, nmax)).collect();
+    let max_scale = fits.iter().fold(0.0f32, |a, f| a.max(f.0));
+    let max_min = fits.iter().fold(0.0f32, |a, f| a.max(f.1));
+    let d = push_f16(out, max_scale / 63.0);
+    let dmin = push_f16(out, max_min / 63.0);
+    let q6 = |v: f32, unit: f32| if unit > 0.0 { round_clamp(v / unit, 0, 63) as u8 } else { 0 };
+    let sc: Vec<u8> = fits.iter().map(|f| q6(f.0, d)).collect();
+    let mn: Vec<u8> = fits.iter().map(|f| q6(f.1, dmin)).collect();
+    let mut packed = [0u8; 12];
+    for j in 0..8 {
+        if j < 4 {
+            packed[j] = sc[j];
+            packed[j + 4] = mn[j];
+        } else {
+            packed[j + 4] = (sc[j] & 0x0F) | ((mn[j] & 0x0F) << 4);
+            packed[j - 4] |= (sc[j] >> 4) << 6;
+            packed[j] |= (mn[j] >> 4) << 6;
+        }
+    }
+    out.extend_from_slice(&packed);
+    let levels: Vec<u8> = (0..QK_K)
+        .map(|i| {
+            let (step, min) = (d * sc[i / 32] as f32, dmin * mn[i / 32] as f32);
+            if step > 0.0 {
+                round_clamp((x[i] + min) / step, 0, nmax) as u8
+            } else {
+                0
+            }
+        })
+        .collect();
+    if nmax > 15 {
+        let mut qh = [0u8; 32];
+        for (i, &q) in levels.iter().enumerate() {
+            let (chunk, rest) = (i / 64, i % 64);
+            qh[rest % 32] |= (q >> 4) << (2 * chunk + rest / 32);
+        }
+        out.extend_from_slice(&qh);
+    }
+    for chunk in 0..4 {
+        let at = 64 * chunk;
+        out.extend((0..32).map(|l| (levels[at + l] & 0x0F) | ((levels[at + 32 + l] & 0x0F) << 4)));
+    }
+}
+
+/// Q6_K: 16 sub-blocks of 16 with signed 8-bit scales under one f16 `d`, values in -32..=31.
+fn quant_q6_k(x: &[f32], out: &mut Vec<u8>) {
+    // Per sub-block the value of largest magnitude maps to -32, as Q4_0 does with -8.
+    let scales: Vec<f32> = x
+        .chunks_exact(16)
+        .map(|c| c.iter().fold(0.0f32, |a, &v| if v.abs() > a.abs() { v } else { a }) / -32.0)
+        .collect();
+    let extreme = scales.iter().fold(0.0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+    let d = f16::from_f32(extreme / -128.0).to_f32();
+    let sc: Vec<i8> =
+        scales.iter().map(|&s| if d != 0.0 { round_clamp(s / d, -128, 127) as i8 } else { 0 }).collect();
+    let levels: Vec<u8> = (0..QK_K)
+        .map(|i| {
+            let step = d * sc[i / 16] as f32;
+            let q = if step != 0.0 { round_clamp(x[i] / step, -32, 31) } else { 0 };
+            (q + 32) as u8
+        })
+        .collect();
+    let (mut ql, mut qh) = ([0u8; 128], [0u8; 64]);
+    for half in 0..2 {
+        for l in 0..32 {
+            let at = 128 * half + l;
+            let [q1, q2, q3, q4] = [levels[at], levels[at + 32], levels[at + 64], levels[at + 96]];
+            ql[64 * half + l] = (q1 & 0x0F) | ((q3 & 0x0F) << 4);
+            ql[64 * half + 32 + l] = (q2 & 0x0F) | ((q4 & 0x0F) << 4);
+            qh[32 * half + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6);
+        }
+    }
+    out.extend_from_slice(&ql);
+    out.extend_from_slice(&qh);
+    out.extend(sc.iter().map(|&s| s as u8));
+    push_f16(out, d);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s as f32 / u32::MAX as f32 - 0.5) * 0.2
+            })
+            .collect()
+    }
+
+    /// Round trip error per type, relative to the row's largest magnitude `amax`: the worst value
+    /// within about one quantisation step (`amax / 8` for Q4_0, about `2 amax / 15` for Q4_K over
+    /// a sub-block's range, halving per extra bit), the RMS error well below half a step.
+    #[test]
+    fn quantize_then_dequantize_is_close() {
+        let x = values(1024, 7);
+        let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+        for (dtype, worst_bound, rms_bound) in [
+            (DType::Q8_0, 0.005, 0.003),
+            (DType::Q4_0, 0.13, 0.05),
+            (DType::Q4_K, 0.13, 0.05),
+            (DType::Q5_K, 0.065, 0.025),
+            (DType::Q6_K, 0.035, 0.012),
+        ] {
+            let mut bytes = Vec::new();
+            assert_eq!(quantize(dtype, &x, &mut bytes).unwrap(), dtype.bytes_for(x.len()).unwrap());
+            let mut y = vec![0.0; x.len()];
+            dequantize(dtype, &bytes, &mut y).unwrap();
+            let worst = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) / amax;
+            let rms = (x.iter().zip(&y).map(|(a, b)| (a - b) * (a - b)).sum::<f32>() / x.len() as f32).sqrt()
+                / amax;
+            eprintln!("{dtype}: worst {worst:.4} rms {rms:.4} (of amax)");
+            assert!(worst <= worst_bound && rms <= rms_bound, "{dtype}: worst {worst} rms {rms}");
+        }
+    }
+
+    #[test]
+    fn bad_lengths_are_errors() {
+        let mut out = Vec::new();
+        assert!(matches!(quantize(DType::Q4_K, &[0.0; 32], &mut out), Err(QuantError::PartialBlock { .. })));
+        assert!(matches!(quantize(DType::F32, &[0.0; 32], &mut out), Err(QuantError::NotQuantized { .. })));
+        let mut y = [0.0; 32];
+        assert!(matches!(dequantize(DType::Q8_0, &[0; 33], &mut y), Err(QuantError::ByteCount { .. })));
+    }
+}

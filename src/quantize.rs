@@ -1,0 +1,336 @@
+//! `moe-lanes quantize`: rewrite a GGUF file with its matrices in GGML quantised blocks, the
+//! tensor types chosen per tensor like llama.cpp's `llama_tensor_get_type` for the same mix, in
+//! the layout llama.cpp reads (same metadata, `general.file_type`, aligned data, tmp + rename).
+//!
+//! Type choice for a mix with default type `D` (Q8_0, Q4_0, Q4_K, Q5_K or Q6_K):
+//! - vectors (norms, biases), the router and the shared expert's gate (`ffn_gate_inp*`) keep
+//!   their type, as llama.cpp never quantises them;
+//! - `output.weight` (or `token_embd.weight` when embeddings are tied): Q6_K unless `D` is Q8_0;
+//! - `attn_v`: Q6_K in the layers `use_more_bits` picks for Q4_K_M / Q5_K_M; Q8_0 in any mix when
+//!   the model has exactly 8 experts (llama.cpp's rule for 8-expert models);
+//! - `attn_k`: Q8_0 when the model has 8 experts;
+//! - `attn_output`: Q5_K for Q4_K_M when the model has 8 experts;
+//! - every `ffn_down*` (experts and shared expert): Q6_K in the `use_more_bits` layers for
+//!   Q4_K_M / Q5_K_M;
+//! - everything else `D`.
+//!
+//! A row whose length is not a whole number of the chosen type's blocks falls back to Q8_0 (rows
+//! of 32s; llama.cpp would pick Q5_0/Q5_1 there, which moe-lanes does not compute) or F16.
+//! The quantisation itself is `format::quant` (its own scale/min search, not llama.cpp's
+//! rounding).
+
+use crate::format::dtype::DType;
+use crate::format::gguf::{GgufError, GgufFile, GgufWriter, MetaValue};
+use crate::format::quant::{quantize, QuantError};
+use crate::format::tensor::{encode_f32, TensorError};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// A quantisation mix, as llama.cpp names its file types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[allow(non_camel_case_types)]
+pub enum QuantMix {
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    #[serde(rename = "q4_0")]
+    Q4_0,
+    #[serde(rename = "q4_k_m")]
+    Q4_K_M,
+    #[serde(rename = "q5_k_m")]
+    Q5_K_M,
+    #[serde(rename = "q6_k")]
+    Q6_K,
+}
+
+impl QuantMix {
+    pub const ALL: [QuantMix; 5] =
+        [QuantMix::Q8_0, QuantMix::Q4_0, QuantMix::Q4_K_M, QuantMix::Q5_K_M, QuantMix::Q6_K];
+
+    /// The name `--type` takes (lower case).
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantMix::Q8_0 => "q8_0",
+            QuantMix::Q4_0 => "q4_0",
+            QuantMix::Q4_K_M => "q4_k_m",
+            QuantMix::Q5_K_M => "q5_k_m",
+            QuantMix::Q6_K => "q6_k",
+        }
+    }
+
+    /// Parse a `--type` name, case-insensitive.
+    pub fn parse(name: &str) -> Option<QuantMix> {
+        let lowered = name.trim().to_ascii_lowercase();
+        QuantMix::ALL.into_iter().find(|m| m.name() == lowered)
+    }
+
+    /// The type of most matrices.
+    pub fn default_type(self) -> DType {
+        match self {
+            QuantMix::Q8_0 => DType::Q8_0,
+            QuantMix::Q4_0 => DType::Q4_0,
+            QuantMix::Q4_K_M => DType::Q4_K,
+            QuantMix::Q5_K_M => DType::Q5_K,
+            QuantMix::Q6_K => DType::Q6_K,
+        }
+    }
+
+    /// llama.cpp's `llama_ftype` id, written as `general.file_type`.
+    pub fn file_type(self) -> u32 {
+        match self {
+            QuantMix::Q4_0 => 2,
+            QuantMix::Q8_0 => 7,
+            QuantMix::Q4_K_M => 15,
+            QuantMix::Q5_K_M => 17,
+            QuantMix::Q6_K => 18,
+        }
+    }
+
+    fn is_k_mix(self) -> bool {
+        matches!(self, QuantMix::Q4_K_M | QuantMix::Q5_K_M)
+    }
+}
+
+impl std::fmt::Display for QuantMix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What stops a quantisation, naming the file and tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum QuantizeError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("{path}: tensor '{tensor}': {source}")]
+    Tensor { path: PathBuf, tensor: String, source: TensorError },
+    #[error("{path}: tensor '{tensor}': {source}")]
+    Quant { path: PathBuf, tensor: String, source: QuantError },
+    #[error("{path}: the output would overwrite the input")]
+    SamePath { path: PathBuf },
+}
+
+/// What was written.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuantizeReport {
+    pub path: PathBuf,
+    pub mix: QuantMix,
+    pub n_tensors: usize,
+    /// Tensors per element type in the output.
+    pub tensor_types: BTreeMap<String, usize>,
+    pub input_bytes: u64,
+    pub output_bytes: u64,
+}
+
+/// Facts about the model the type rules need.
+#[derive(Debug, Clone, Copy)]
+pub struct ModelFacts {
+    pub n_layers: usize,
+    pub n_experts: usize,
+    /// The file has no `output.weight` (the embedding is the lm_head).
+    pub tied_embeddings: bool,
+}
+
+/// llama.cpp's choice of layers that get more bits: the first and last eighth, and every third
+/// layer in between.
+pub fn use_more_bits(layer: usize, n_layers: usize) -> bool {
+    let first = n_layers / 8;
+    layer < first || layer >= 7 * n_layers / 8 || (layer - first) % 3 == 2
+}
+
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("blk.")?.split('.').next()?.parse().ok()
+}
+
+/// The element type `name` (row-major `shape`, stored as `source`) gets in `mix`.
+pub fn tensor_type(mix: QuantMix, name: &str, shape: &[usize], source: DType, facts: ModelFacts) -> DType {
+    let matrix_dims = shape.iter().filter(|&&d| d != 1).count();
+    if matrix_dims < 2 || name.contains("ffn_gate_inp") || !name.ends_with(".weight") {
+        return source;
+    }
+    let layer = layer_of(name).unwrap_or(0);
+    let more_bits = mix.is_k_mix() && use_more_bits(layer, facts.n_layers);
+    let eight_experts = facts.n_experts == 8;
+    let mut t = mix.default_type();
+    if name == "output.weight" || (facts.tied_embeddings && name == "token_embd.weight") {
+        if t != DType::Q8_0 {
+            t = DType::Q6_K;
+        }
+    } else if name.contains("attn_v.weight") {
+        if more_bits {
+            t = DType::Q6_K;
+        }
+        if eight_experts {
+            t = DType::Q8_0;
+        }
+    } else if name.contains("attn_k.weight") {
+        if eight_experts {
+            t = DType::Q8_0;
+        }
+    } else if name.contains("attn_output.weight") {
+        if eight_experts && mix == QuantMix::Q4_K_M {
+            t = DType::Q5_K;
+        }
+    } else if name.contains("ffn_down") && more_bits {
+        t = DType::Q6_K;
+    }
+    let cols = *shape.last().expect("a matrix has dims");
+    if !cols.is_multiple_of(t.block_elems()) {
+        t = if cols.is_multiple_of(DType::Q8_0.block_elems()) { DType::Q8_0 } else { DType::F16 };
+    }
+    t
+}
+
+fn model_facts(file: &GgufFile) -> ModelFacts {
+    let arch = file.get("general.architecture").and_then(MetaValue::as_str).unwrap_or("");
+    let get = |key: &str| file.get(&format!("{arch}.{key}")).and_then(MetaValue::as_u64).map(|v| v as usize);
+    let counted = file.tensor_infos().iter().filter_map(|t| layer_of(&t.name)).max().map_or(0, |l| l + 1);
+    ModelFacts {
+        n_layers: get("block_count").unwrap_or(counted),
+        n_experts: get("expert_count").unwrap_or(0),
+        tied_embeddings: file.tensor("output.weight").is_none(),
+    }
+}
+
+/// Quantise `input` into `output` (written as `<output>.tmp`, renamed when complete).
+/// `progress(bytes_done, bytes_total)` follows the output bytes.
+pub fn quantize_gguf(
+    input: &Path,
+    output: &Path,
+    mix: QuantMix,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<QuantizeReport, QuantizeError> {
+    let same = |a: &Path, b: &Path| {
+        std::fs::canonicalize(a).ok().zip(std::fs::canonicalize(b).ok()).is_some_and(|(a, b)| a == b)
+    };
+    if same(input, output) {
+        return Err(QuantizeError::SamePath { path: output.into() });
+    }
+    let file = GgufFile::open(input)?;
+    let facts = model_facts(&file);
+    let mut w = GgufWriter::new();
+    w.set_alignment(file.alignment());
+    for (key, value) in file.metadata() {
+        w.add_metadata(key.clone(), value.clone());
+    }
+    w.add_metadata("general.file_type", MetaValue::U32(mix.file_type()));
+    w.add_metadata("general.quantization_version", MetaValue::U32(2));
+    let mut types = Vec::with_capacity(file.tensor_infos().len());
+    let mut tensor_types = BTreeMap::new();
+    for info in file.tensor_infos() {
+        let t = tensor_type(mix, &info.name, &info.shape, info.dtype, facts);
+        w.add_tensor(info.name.clone(), t, &info.shape);
+        *tensor_types.entry(t.name().to_string()).or_insert(0) += 1;
+        types.push(t);
+    }
+    let total = w.total_bytes();
+    let mut failure = None;
+    let mut fill = |idx: usize, out: &mut dyn Write| -> std::io::Result<()> {
+        match write_tensor(&file, idx, types[idx], out) {
+            Ok(written) => written,
+            Err(e) => {
+                failure = Some(e);
+                Err(std::io::Error::other("tensor conversion failed"))
+            }
+        }
+    };
+    let written = w.write(output, &mut fill, &mut |done| progress(done, total));
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    written?;
+    let input_bytes = std::fs::metadata(input).map(|m| m.len()).unwrap_or(0);
+    let n_tensors = types.len();
+    Ok(QuantizeReport { path: output.into(), mix, n_tensors, tensor_types, input_bytes, output_bytes: total })
+}
+
+/// Write tensor `idx` of `file` as `target`, row by row. The outer error is the conversion's,
+/// the inner the writer's.
+fn write_tensor(
+    file: &GgufFile,
+    idx: usize,
+    target: DType,
+    out: &mut dyn Write,
+) -> Result<std::io::Result<()>, QuantizeError> {
+    let info = &file.tensor_infos()[idx];
+    let t = file.tensor(&info.name).expect("listed tensors exist");
+    if t.dtype == target {
+        return Ok(out.write_all(t.data));
+    }
+    let cols = t.shape.last().copied().unwrap_or(1).max(1);
+    let n_rows = t.n_elems() / cols;
+    let (path, tensor) = (file.path().to_path_buf(), info.name.clone());
+    let mut row = vec![0.0f32; cols];
+    let mut bytes = Vec::new();
+    for r in 0..n_rows {
+        t.read_f32_into(r * cols, &mut row).map_err(|source| QuantizeError::Tensor {
+            path: path.clone(),
+            tensor: tensor.clone(),
+            source,
+        })?;
+        bytes.clear();
+        if target.is_float() {
+            encode_f32(target, &row, &mut bytes);
+        } else {
+            quantize(target, &row, &mut bytes).map_err(|source| QuantizeError::Quant {
+                path: path.clone(),
+                tensor: tensor.clone(),
+                source,
+            })?;
+        }
+        if let Err(e) = out.write_all(&bytes) {
+            return Ok(Err(e));
+        }
+    }
+    Ok(Ok(()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FACTS: ModelFacts = ModelFacts { n_layers: 16, n_experts: 128, tied_embeddings: false };
+
+    #[test]
+    fn q4_k_m_follows_llama_cpp_rules() {
+        let m = QuantMix::Q4_K_M;
+        let t = |name: &str, shape: &[usize]| tensor_type(m, name, shape, DType::F32, FACTS);
+        assert_eq!(t("output.weight", &[512, 256]), DType::Q6_K);
+        assert_eq!(t("token_embd.weight", &[512, 256]), DType::Q4_K);
+        assert_eq!(t("blk.0.attn_norm.weight", &[256]), DType::F32);
+        assert_eq!(t("blk.3.ffn_gate_inp.weight", &[128, 256]), DType::F32);
+        // use_more_bits(l, 16): l < 2, l >= 14, (l - 2) % 3 == 2 -> 4, 7, 10, 13.
+        let downs: Vec<usize> = (0..16)
+            .filter(|l| t(&format!("blk.{l}.ffn_down_exps.weight"), &[128, 256, 768]) == DType::Q6_K)
+            .collect();
+        assert_eq!(downs, vec![0, 1, 4, 7, 10, 13, 14, 15]);
+        assert_eq!(t("blk.4.attn_v.weight", &[512, 256]), DType::Q6_K);
+        assert_eq!(t("blk.5.attn_v.weight", &[512, 256]), DType::Q4_K);
+        assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 256]), DType::Q4_K);
+        // Rows that are not whole super-blocks fall back.
+        assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 96]), DType::Q8_0);
+        assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 20]), DType::F16);
+    }
+
+    #[test]
+    fn eight_expert_models_bump_attention_like_llama_cpp() {
+        let facts = ModelFacts { n_experts: 8, ..FACTS };
+        let t = |m, name: &str| tensor_type(m, name, &[256, 256], DType::F32, facts);
+        assert_eq!(t(QuantMix::Q4_K_M, "blk.5.attn_v.weight"), DType::Q8_0);
+        assert_eq!(t(QuantMix::Q4_0, "blk.5.attn_k.weight"), DType::Q8_0);
+        assert_eq!(t(QuantMix::Q4_K_M, "blk.5.attn_output.weight"), DType::Q5_K);
+        assert_eq!(t(QuantMix::Q5_K_M, "blk.5.attn_output.weight"), DType::Q5_K);
+        assert_eq!(t(QuantMix::Q8_0, "output.weight"), DType::Q8_0);
+        assert_eq!(t(QuantMix::Q4_0, "output.weight"), DType::Q6_K);
+    }
+
+    #[test]
+    fn mix_names_parse_and_serialize_as_written() {
+        for m in QuantMix::ALL {
+            assert_eq!(QuantMix::parse(&m.name().to_uppercase()), Some(m));
+            assert_eq!(serde_json::to_string(&m).unwrap(), format!("\"{}\"", m.name()));
+        }
+        assert_eq!(QuantMix::parse("q3_k"), None);
+    }
+}
