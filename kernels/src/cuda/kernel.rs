@@ -12,6 +12,9 @@ pub const ARGMAX_BLOCK: u32 = 1024;
 /// Warps of the split attention kernel (`-DATT_SPLIT_WARPS`); each scores
 /// `ATTENTION_SPLIT_CHUNK / ATTENTION_SPLIT_WARPS` positions of its chunk.
 pub const ATTENTION_SPLIT_WARPS: u32 = 8;
+/// Activation rows one launch of a quantized GEMV multiplies with each weight it decodes
+/// (`-DQUANT_MAX_TOKENS`; its accumulators live in registers).
+pub const QUANT_MAX_TOKENS: u32 = 8;
 /// Threads of the split attention kernel.
 pub const ATTENTION_SPLIT_THREADS: u32 = 32 * ATTENTION_SPLIT_WARPS;
 const _: () = assert!(ATTENTION_SPLIT_CHUNK.is_multiple_of(ATTENTION_SPLIT_WARPS as usize));
@@ -30,11 +33,12 @@ pub enum Family {
     Argmax,
     Route,
     Moe,
+    Quant,
 }
 
 impl Family {
     /// Every family, in compile order.
-    pub const ALL: [Family; 7] = [
+    pub const ALL: [Family; 8] = [
         Family::Gemv,
         Family::NormRope,
         Family::Elementwise,
@@ -42,6 +46,7 @@ impl Family {
         Family::Argmax,
         Family::Route,
         Family::Moe,
+        Family::Quant,
     ];
 
     /// The file under `kernels/cuda/`.
@@ -54,6 +59,7 @@ impl Family {
             Family::Argmax => "argmax.cu",
             Family::Route => "route.cu",
             Family::Moe => "moe.cu",
+            Family::Quant => "quant.cu",
         }
     }
 
@@ -67,6 +73,7 @@ impl Family {
             Family::Argmax => include_str!("../../cuda/argmax.cu"),
             Family::Route => include_str!("../../cuda/route.cu"),
             Family::Moe => include_str!("../../cuda/moe.cu"),
+            Family::Quant => include_str!("../../cuda/quant.cu"),
         }
     }
 
@@ -88,8 +95,15 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 6] =
-    ["ROWS_PER_BLOCK", "ATT_CHUNK", "ATT_MAXC", "ATT_MAX_HEAD_DIM", "ATT_SPLIT_WARPS", "ARGMAX_BLOCK"];
+pub const SHARED_DEFINE_NAMES: [&str; 7] = [
+    "ROWS_PER_BLOCK",
+    "ATT_CHUNK",
+    "ATT_MAXC",
+    "ATT_MAX_HEAD_DIM",
+    "ATT_SPLIT_WARPS",
+    "ARGMAX_BLOCK",
+    "QUANT_MAX_TOKENS",
+];
 
 /// `-D` options for the constants the launchers and the kernels share.
 pub fn shared_defines() -> Vec<String> {
@@ -100,6 +114,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DATT_MAX_HEAD_DIM={ATTENTION_MAX_HEAD_DIM}"),
         format!("-DATT_SPLIT_WARPS={ATTENTION_SPLIT_WARPS}"),
         format!("-DARGMAX_BLOCK={ARGMAX_BLOCK}"),
+        format!("-DQUANT_MAX_TOKENS={QUANT_MAX_TOKENS}"),
     ]
 }
 
@@ -131,10 +146,20 @@ pub enum Kernel {
     MoeDownAccum,
     MoeScatterAccum,
     HotWorklistTokens,
+    GemvQ8_0,
+    GemvQ4_0,
+    GemvQ4K,
+    GemvQ5K,
+    GemvQ6K,
+    DequantQ8_0Bf16,
+    DequantQ4_0Bf16,
+    DequantQ4KBf16,
+    DequantQ5KBf16,
+    DequantQ6KBf16,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 25] = [
+    pub const ALL: [Kernel; 35] = [
         Kernel::GemvBf16,
         Kernel::Gemv3Bf16,
         Kernel::RmsnormF32,
@@ -160,6 +185,16 @@ impl Kernel {
         Kernel::MoeDownAccum,
         Kernel::MoeScatterAccum,
         Kernel::HotWorklistTokens,
+        Kernel::GemvQ8_0,
+        Kernel::GemvQ4_0,
+        Kernel::GemvQ4K,
+        Kernel::GemvQ5K,
+        Kernel::GemvQ6K,
+        Kernel::DequantQ8_0Bf16,
+        Kernel::DequantQ4_0Bf16,
+        Kernel::DequantQ4KBf16,
+        Kernel::DequantQ5KBf16,
+        Kernel::DequantQ6KBf16,
     ];
 
     /// The `extern "C"` symbol.
@@ -190,6 +225,16 @@ impl Kernel {
             Kernel::MoeDownAccum => "moe_down_accum",
             Kernel::MoeScatterAccum => "moe_scatter_accum",
             Kernel::HotWorklistTokens => "hot_worklist_tokens",
+            Kernel::GemvQ8_0 => "gemv_q8_0",
+            Kernel::GemvQ4_0 => "gemv_q4_0",
+            Kernel::GemvQ4K => "gemv_q4_k",
+            Kernel::GemvQ5K => "gemv_q5_k",
+            Kernel::GemvQ6K => "gemv_q6_k",
+            Kernel::DequantQ8_0Bf16 => "dequant_q8_0_bf16",
+            Kernel::DequantQ4_0Bf16 => "dequant_q4_0_bf16",
+            Kernel::DequantQ4KBf16 => "dequant_q4_k_bf16",
+            Kernel::DequantQ5KBf16 => "dequant_q5_k_bf16",
+            Kernel::DequantQ6KBf16 => "dequant_q6_k_bf16",
         }
     }
 
@@ -221,6 +266,16 @@ impl Kernel {
             Kernel::MoeDownAccum => Family::Moe,
             Kernel::MoeScatterAccum => Family::Moe,
             Kernel::HotWorklistTokens => Family::Moe,
+            Kernel::GemvQ8_0 => Family::Quant,
+            Kernel::GemvQ4_0 => Family::Quant,
+            Kernel::GemvQ4K => Family::Quant,
+            Kernel::GemvQ5K => Family::Quant,
+            Kernel::GemvQ6K => Family::Quant,
+            Kernel::DequantQ8_0Bf16 => Family::Quant,
+            Kernel::DequantQ4_0Bf16 => Family::Quant,
+            Kernel::DequantQ4KBf16 => Family::Quant,
+            Kernel::DequantQ5KBf16 => Family::Quant,
+            Kernel::DequantQ6KBf16 => Family::Quant,
         }
     }
 }
