@@ -16,6 +16,7 @@
 // are bit-equal to the CPU's).
 #include <cuda_fp16.h>
 
+// ---- block decoding begin (also compiled on the host by kernels/tests/quant_cu_host.rs) ----
 typedef unsigned char u8;
 
 __device__ __forceinline__ float q_half(const u8* p) {
@@ -134,6 +135,8 @@ struct Q6_K {
         c0 = 128 * h + 32 * qp + 4 * j, c1 = 128 * h + 32 * (qp + 2) + 4 * j;
     }
 };
+
+// ---- block decoding end ----
 
 __device__ __forceinline__ float4 q_load_x4(const float* p, bool aligned) {
     return aligned ? *(const float4*)p : make_float4(p[0], p[1], p[2], p[3]);

@@ -79,8 +79,7 @@ fn run_gemv(
     x: &[f32],
     y0: &[f32],
     (t, n, k): (usize, usize, usize),
-    accumulate: bool,
-    offset_x: bool,
+    (accumulate, offset_x): (bool, bool),
 ) -> Vec<f32> {
     let dw = be.upload(matrix).unwrap();
     let pad = offset_x as usize;
@@ -105,7 +104,7 @@ fn gemv_of_every_type_matches_the_cpu_dequantization() {
                 let w = dequantize(dtype, &matrix[dtype.row_bytes(k)..]);
                 let x = rng.vec(t * k, 1.0);
                 let y0 = rng.vec(t * n, 1.0);
-                let y = run_gemv(be, dtype, &matrix, &x, &y0, (t, n, k), accumulate, offset_x);
+                let y = run_gemv(be, dtype, &matrix, &x, &y0, (t, n, k), (accumulate, offset_x));
                 let base = if accumulate { y0.clone() } else { vec![0.0; t * n] };
                 let want = gemv_reference(&w, &x, &base, n, k);
                 let mut worst = 0.0f64;
