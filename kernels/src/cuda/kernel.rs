@@ -12,6 +12,9 @@ pub const ARGMAX_BLOCK: u32 = 1024;
 /// Warps of the split attention kernel (`-DATT_SPLIT_WARPS`); each scores
 /// `ATTENTION_SPLIT_CHUNK / ATTENTION_SPLIT_WARPS` positions of its chunk.
 pub const ATTENTION_SPLIT_WARPS: u32 = 8;
+/// Activation rows one launch of a quantized GEMV multiplies with each weight it decodes
+/// (`-DQUANT_MAX_TOKENS`; its accumulators live in registers).
+pub const QUANT_MAX_TOKENS: u32 = 8;
 /// Threads of the split attention kernel.
 pub const ATTENTION_SPLIT_THREADS: u32 = 32 * ATTENTION_SPLIT_WARPS;
 /// Rows (hot entries of one cache slot) of a grouped expert GEMM tile (`-DGG_BM`).
@@ -37,11 +40,12 @@ pub enum Family {
     Route,
     Moe,
     GroupedGemm,
+    Quant,
 }
 
 impl Family {
     /// Every family, in compile order.
-    pub const ALL: [Family; 8] = [
+    pub const ALL: [Family; 9] = [
         Family::Gemv,
         Family::NormRope,
         Family::Elementwise,
@@ -50,6 +54,7 @@ impl Family {
         Family::Route,
         Family::Moe,
         Family::GroupedGemm,
+        Family::Quant,
     ];
 
     /// The file under `kernels/cuda/`.
@@ -63,6 +68,7 @@ impl Family {
             Family::Route => "route.cu",
             Family::Moe => "moe.cu",
             Family::GroupedGemm => "grouped_gemm.cu",
+            Family::Quant => "quant.cu",
         }
     }
 
@@ -77,6 +83,7 @@ impl Family {
             Family::Route => include_str!("../../cuda/route.cu"),
             Family::Moe => include_str!("../../cuda/moe.cu"),
             Family::GroupedGemm => include_str!("../../cuda/grouped_gemm.cu"),
+            Family::Quant => include_str!("../../cuda/quant.cu"),
         }
     }
 
@@ -98,7 +105,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 9] = [
+pub const SHARED_DEFINE_NAMES: [&str; 10] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -108,6 +115,7 @@ pub const SHARED_DEFINE_NAMES: [&str; 9] = [
     "GG_BM",
     "GG_BN",
     "GG_THREADS",
+    "QUANT_MAX_TOKENS",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -122,6 +130,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DGG_BM={GROUPED_TILE_ROWS}"),
         format!("-DGG_BN={GROUPED_TILE_COLS}"),
         format!("-DGG_THREADS={GROUPED_THREADS}"),
+        format!("-DQUANT_MAX_TOKENS={QUANT_MAX_TOKENS}"),
     ]
 }
 
@@ -155,10 +164,20 @@ pub enum Kernel {
     HotWorklistTokens,
     GroupedGateUpBf16,
     GroupedGemmBf16,
+    GemvQ8_0,
+    GemvQ4_0,
+    GemvQ4K,
+    GemvQ5K,
+    GemvQ6K,
+    DequantQ8_0Bf16,
+    DequantQ4_0Bf16,
+    DequantQ4KBf16,
+    DequantQ5KBf16,
+    DequantQ6KBf16,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 27] = [
+    pub const ALL: [Kernel; 37] = [
         Kernel::GemvBf16,
         Kernel::Gemv3Bf16,
         Kernel::RmsnormF32,
@@ -186,6 +205,16 @@ impl Kernel {
         Kernel::HotWorklistTokens,
         Kernel::GroupedGateUpBf16,
         Kernel::GroupedGemmBf16,
+        Kernel::GemvQ8_0,
+        Kernel::GemvQ4_0,
+        Kernel::GemvQ4K,
+        Kernel::GemvQ5K,
+        Kernel::GemvQ6K,
+        Kernel::DequantQ8_0Bf16,
+        Kernel::DequantQ4_0Bf16,
+        Kernel::DequantQ4KBf16,
+        Kernel::DequantQ5KBf16,
+        Kernel::DequantQ6KBf16,
     ];
 
     /// The `extern "C"` symbol.
@@ -218,6 +247,16 @@ impl Kernel {
             Kernel::HotWorklistTokens => "hot_worklist_tokens",
             Kernel::GroupedGateUpBf16 => "grouped_gate_up_bf16",
             Kernel::GroupedGemmBf16 => "grouped_gemm_bf16",
+            Kernel::GemvQ8_0 => "gemv_q8_0",
+            Kernel::GemvQ4_0 => "gemv_q4_0",
+            Kernel::GemvQ4K => "gemv_q4_k",
+            Kernel::GemvQ5K => "gemv_q5_k",
+            Kernel::GemvQ6K => "gemv_q6_k",
+            Kernel::DequantQ8_0Bf16 => "dequant_q8_0_bf16",
+            Kernel::DequantQ4_0Bf16 => "dequant_q4_0_bf16",
+            Kernel::DequantQ4KBf16 => "dequant_q4_k_bf16",
+            Kernel::DequantQ5KBf16 => "dequant_q5_k_bf16",
+            Kernel::DequantQ6KBf16 => "dequant_q6_k_bf16",
         }
     }
 
@@ -251,6 +290,16 @@ impl Kernel {
             Kernel::HotWorklistTokens => Family::Moe,
             Kernel::GroupedGateUpBf16 => Family::GroupedGemm,
             Kernel::GroupedGemmBf16 => Family::GroupedGemm,
+            Kernel::GemvQ8_0 => Family::Quant,
+            Kernel::GemvQ4_0 => Family::Quant,
+            Kernel::GemvQ4K => Family::Quant,
+            Kernel::GemvQ5K => Family::Quant,
+            Kernel::GemvQ6K => Family::Quant,
+            Kernel::DequantQ8_0Bf16 => Family::Quant,
+            Kernel::DequantQ4_0Bf16 => Family::Quant,
+            Kernel::DequantQ4KBf16 => Family::Quant,
+            Kernel::DequantQ5KBf16 => Family::Quant,
+            Kernel::DequantQ6KBf16 => Family::Quant,
         }
     }
 }

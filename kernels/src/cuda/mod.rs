@@ -1,7 +1,8 @@
 //! CUDA backend: device selection, NVRTC compilation of `kernels/cuda/*.cu` for the device's own
 //! architecture (with an on-disk cubin cache; [`compile_for_arch`] needs no device), a cuBLAS
 //! handle, a compute stream and a side (copy) stream, device and pinned host buffers, CUDA events,
-//! and typed launchers for every kernel ([`ops`]), looked up by [`Kernel`] id.
+//! and typed launchers for every kernel ([`ops`]; the quantized-block kernels in [`quant`]), looked
+//! up by [`Kernel`] id.
 //!
 //! Everything is loaded at run time (cudarc `fallback-dynamic-loading`), so this crate builds and
 //! its tests run on machines without CUDA: [`CudaBackend::try_new`] then returns
@@ -17,6 +18,7 @@
 
 pub mod kernel;
 pub mod ops;
+pub mod quant;
 
 pub use kernel::{kernel_source, Family, Kernel};
 

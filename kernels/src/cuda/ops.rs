@@ -35,12 +35,13 @@ pub enum RouteVariant {
 
 macro_rules! args {
     ($($a:expr),* $(,)?) => {
-        &mut [$( &$a as *const _ as *mut c_void ),*]
+        &mut [$( &$a as *const _ as *mut std::ffi::c_void ),*]
     };
 }
+pub(super) use args;
 
 /// A kernel id or the name of a library call (cuBLAS), for error messages.
-trait KernelName: Copy {
+pub(super) trait KernelName: Copy {
     fn name(self) -> &'static str;
 }
 
@@ -56,7 +57,7 @@ impl KernelName for &'static str {
     }
 }
 
-fn need<T>(kernel: impl KernelName, what: &str, p: DPtr<T>, n: usize) -> Result<()> {
+pub(super) fn need<T>(kernel: impl KernelName, what: &str, p: DPtr<T>, n: usize) -> Result<()> {
     let kernel = kernel.name();
     if p.len() < n {
         return Err(CudaError::Shape {
@@ -67,11 +68,11 @@ fn need<T>(kernel: impl KernelName, what: &str, p: DPtr<T>, n: usize) -> Result<
     Ok(())
 }
 
-fn i(v: usize) -> i32 {
+pub(super) fn i(v: usize) -> i32 {
     i32::try_from(v).expect("dimension fits in i32")
 }
 
-fn blocks(n: usize, per: u32) -> u32 {
+pub(super) fn blocks(n: usize, per: u32) -> u32 {
     (n as u32).div_ceil(per)
 }
 

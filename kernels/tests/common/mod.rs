@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod cuda;
+
 use moe_lanes_kernels::{SimdLevel, WeightDType};
 
 /// Normwise relative tolerance of every level whose products are exact f32 (scalar, AVX2,

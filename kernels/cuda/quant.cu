@@ -1,0 +1,243 @@
+// Quantized GGML blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K): a dequantizing GEMV for decode and a
+// dequantization to bf16 for prefill (tiles for the cuBLAS bf16 GEMM).
+// Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
+//
+// Layouts as GGUF stores them (the CPU side, kernels/src/quant.rs, reads the same; d/dmin f16):
+//   Q8_0  d, 32 i8                                                   34 bytes / 32 values
+//   Q4_0  d, 16 bytes: value j low nibble, j + 16 high, minus 8      18 bytes / 32 values
+//   Q4_K  d, dmin, 12 bytes of 6-bit scales/mins, 128 nibble bytes   144 bytes / 256 values
+//   Q5_K  as Q4_K with 32 bytes of fifth bits before the nibbles     176 bytes / 256 values
+//   Q6_K  128 low-nibble bytes, 64 bytes of 2-bit pairs, 16 i8 scales, d   210 bytes / 256 values
+// A matrix row of K values is K / ELEMS consecutive blocks; rows follow each other. Blocks are
+// 2-byte aligned (4-byte for Q4_K/Q5_K, whose sizes are multiples of 16) when the matrix is:
+// the launchers check it. Each block is cut into LANES units of 8 values, two runs of 4
+// consecutive columns; Q::unit decodes one unit exactly as the CPU decodes those values (the
+// products and differences through __fmul_rn/__fsub_rn, which --fmad never fuses, so the values
+// are bit-equal to the CPU's).
+#include <cuda_fp16.h>
+
+// ---- block decoding begin (also compiled on the host by kernels/tests/quant_cu_host.rs) ----
+typedef unsigned char u8;
+
+__device__ __forceinline__ float q_half(const u8* p) {
+    return __half2float(__ushort_as_half(*(const unsigned short*)p));
+}
+
+// Four bytes at a 2-byte aligned address, little-endian.
+__device__ __forceinline__ unsigned q_word2(const u8* p) {
+    const unsigned short* h = (const unsigned short*)p;
+    return (unsigned)h[0] | ((unsigned)h[1] << 16);
+}
+
+__device__ __forceinline__ unsigned q_byte(unsigned w, int i) { return (w >> (8 * i)) & 255u; }
+
+struct Q8_0 {
+    static constexpr int ELEMS = 32, BYTES = 34, LANES = 4;
+    // unit u: values 8u .. 8u + 7
+    static __device__ __forceinline__ void unit(const u8* b, int u, float* v, int& c0, int& c1) {
+        float d = q_half(b);
+        unsigned w0 = q_word2(b + 2 + 8 * u), w1 = q_word2(b + 6 + 8 * u);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(d, (float)(signed char)q_byte(w0, i));
+            v[4 + i] = __fmul_rn(d, (float)(signed char)q_byte(w1, i));
+        }
+        c0 = 8 * u, c1 = 8 * u + 4;
+    }
+};
+
+struct Q4_0 {
+    static constexpr int ELEMS = 32, BYTES = 18, LANES = 4;
+    // unit u: bytes 4u .. 4u + 3, values 4u .. (low nibbles) and 16 + 4u .. (high nibbles)
+    static __device__ __forceinline__ void unit(const u8* b, int u, float* v, int& c0, int& c1) {
+        float d = q_half(b);
+        unsigned w = q_word2(b + 2 + 4 * u);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(d, (float)((int)(q_byte(w, i) & 15) - 8));
+            v[4 + i] = __fmul_rn(d, (float)((int)(q_byte(w, i) >> 4) - 8));
+        }
+        c0 = 4 * u, c1 = 16 + 4 * u;
+    }
+};
+
+// The 6-bit scale and min of sub-block j of a Q4_K/Q5_K block's 12 packed bytes.
+__device__ __forceinline__ void k_scale_min(int j, const u8* p, float& sc, float& m) {
+    if (j < 4) {
+        sc = (float)(p[j] & 63), m = (float)(p[j + 4] & 63);
+    } else {
+        sc = (float)((p[j + 4] & 15) | ((p[j - 4] >> 6) << 4));
+        m = (float)((p[j + 4] >> 4) | ((p[j] >> 6) << 4));
+    }
+}
+
+// Q4_K (fifth bits none) and Q5_K: x = (d * sc) * q - (dmin * m) per sub-block of 32. Unit u:
+// pair p = u / 8 of sub-blocks (2p from the low nibbles, 2p + 1 from the high ones of the same 32
+// bytes), bytes 4 (u % 8) .. + 3 of that pair's 32.
+template <bool FIFTH>
+__device__ __forceinline__ void k_asym_unit(const u8* b, int u, float* v, int& c0, int& c1) {
+    int p = u >> 3, o = u & 7;
+    float d = q_half(b), dmin = q_half(b + 2);
+    float sc0, m0, sc1, m1;
+    k_scale_min(2 * p, b + 4, sc0, m0);
+    k_scale_min(2 * p + 1, b + 4, sc1, m1);
+    float s0 = __fmul_rn(d, sc0), n0 = __fmul_rn(dmin, m0);
+    float s1 = __fmul_rn(d, sc1), n1 = __fmul_rn(dmin, m1);
+    unsigned qs = *(const unsigned*)(b + (FIFTH ? 48 : 16) + 32 * p + 4 * o);
+    unsigned qh = FIFTH ? *(const unsigned*)(b + 16 + 4 * o) : 0u;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        unsigned q = q_byte(qs, i), h = q_byte(qh, i);
+        unsigned lo = (q & 15) | (((h >> (2 * p)) & 1) << 4);
+        unsigned hi = (q >> 4) | (((h >> (2 * p + 1)) & 1) << 4);
+        v[i] = __fsub_rn(__fmul_rn(s0, (float)lo), n0);
+        v[4 + i] = __fsub_rn(__fmul_rn(s1, (float)hi), n1);
+    }
+    c0 = 64 * p + 4 * o, c1 = 64 * p + 32 + 4 * o;
+}
+
+struct Q4_K {
+    static constexpr int ELEMS = 256, BYTES = 144, LANES = 32;
+    static __device__ __forceinline__ void unit(const u8* b, int u, float* v, int& c0, int& c1) {
+        k_asym_unit<false>(b, u, v, c0, c1);
+    }
+};
+
+struct Q5_K {
+    static constexpr int ELEMS = 256, BYTES = 176, LANES = 32;
+    static __device__ __forceinline__ void unit(const u8* b, int u, float* v, int& c0, int& c1) {
+        k_asym_unit<true>(b, u, v, c0, c1);
+    }
+};
+
+// Q6_K: x = (d * sc) * (q - 32), one signed scale per 16 values. Value l (0..32) of quarter
+// qr (0..4) of half h: 4 low bits from ql[64h + l + 32 (qr & 1)] (low nibble for qr < 2, high
+// for qr >= 2), 2 high bits from qh[32h + l] >> 2 qr, scale scales[8h + 2 qr + l / 16]. Unit u:
+// half h = u / 16, quarters qp and qp + 2 (qp = u / 8 % 2, which share their ql bytes),
+// l = 4 (u % 8) .. + 3.
+struct Q6_K {
+    static constexpr int ELEMS = 256, BYTES = 210, LANES = 32;
+    static __device__ __forceinline__ void unit(const u8* b, int u, float* v, int& c0, int& c1) {
+        int h = u >> 4, qp = (u >> 3) & 1, j = u & 7;
+        float d = q_half(b + 208);
+        const signed char* scales = (const signed char*)(b + 192 + 8 * h);
+        float s0 = __fmul_rn(d, (float)scales[2 * qp + (j >> 2)]);
+        float s1 = __fmul_rn(d, (float)scales[2 * (qp + 2) + (j >> 2)]);
+        unsigned ql = q_word2(b + 64 * h + 32 * qp + 4 * j), qh = q_word2(b + 128 + 32 * h + 4 * j);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            unsigned q = q_byte(ql, i), hb = q_byte(qh, i);
+            int lo = (int)((q & 15) | (((hb >> (2 * qp)) & 3) << 4));
+            int hi = (int)((q >> 4) | (((hb >> (2 * qp + 4)) & 3) << 4));
+            v[i] = __fmul_rn(s0, (float)(lo - 32));
+            v[4 + i] = __fmul_rn(s1, (float)(hi - 32));
+        }
+        c0 = 128 * h + 32 * qp + 4 * j, c1 = 128 * h + 32 * (qp + 2) + 4 * j;
+    }
+};
+
+// ---- block decoding end ----
+
+__device__ __forceinline__ float4 q_load_x4(const float* p, bool aligned) {
+    return aligned ? *(const float4*)p : make_float4(p[0], p[1], p[2], p[3]);
+}
+
+// y[t, n] = (accumulate ? y[t, n] : 0) + W[n, :] . x[t, :] for t < T <= QUANT_MAX_TOKENS. One warp
+// per output row walks the row's blocks (32 / LANES blocks per step, each lane one unit) and
+// multiplies every decoded value with all T activation rows, so each weight byte is read once.
+template <class Q>
+__device__ __forceinline__ void gemv_q(const u8* __restrict__ W, const float* __restrict__ x,
+                                       float* __restrict__ y, int N, int K, int T, int accumulate) {
+    int n = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (n >= N) return;
+    int lane = threadIdx.x & 31, nb = K / Q::ELEMS;
+    const u8* row = W + (size_t)n * nb * Q::BYTES;
+    bool aligned = (((size_t)x) & 15) == 0;
+    float acc[QUANT_MAX_TOKENS];
+#pragma unroll
+    for (int t = 0; t < QUANT_MAX_TOKENS; t++) acc[t] = 0.f;
+    for (int b = lane / Q::LANES; b < nb; b += WARP / Q::LANES) {
+        float v[8];
+        int c0, c1;
+        Q::unit(row + (size_t)b * Q::BYTES, lane % Q::LANES, v, c0, c1);
+        const float* xb = x + (size_t)b * Q::ELEMS;
+#pragma unroll
+        for (int t = 0; t < QUANT_MAX_TOKENS; t++) {
+            if (t < T) {
+                float4 a = q_load_x4(xb + (size_t)t * K + c0, aligned);
+                float4 c = q_load_x4(xb + (size_t)t * K + c1, aligned);
+                acc[t] += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w;
+                acc[t] += v[4] * c.x + v[5] * c.y + v[6] * c.z + v[7] * c.w;
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < QUANT_MAX_TOKENS; t++) {
+        if (t < T) {
+            float d = warp_sum(acc[t]);
+            if (lane == 0) {
+                float* o = y + (size_t)t * N + n;
+                *o = accumulate ? *o + d : d;
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void q_store_bf16x4(bf16* o, const float* v, bool aligned) {
+    if (aligned) {
+        __nv_bfloat162 p[2] = {__floats2bfloat162_rn(v[0], v[1]), __floats2bfloat162_rn(v[2], v[3])};
+        *(uint2*)o = *(const uint2*)p;
+    } else {
+        for (int i = 0; i < 4; i++) o[i] = __float2bfloat16_rn(v[i]);
+    }
+}
+
+// out[i] = bf16(value i) over n_blocks consecutive blocks (a row range of a matrix: its rows are
+// consecutive blocks, so block k's values land at out[k * ELEMS ...]). One thread per unit.
+template <class Q>
+__device__ __forceinline__ void dequant_q(const u8* __restrict__ W, bf16* __restrict__ out, int n_blocks) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (long long)n_blocks * Q::LANES) return;
+    long long blk = i / Q::LANES;
+    float v[8];
+    int c0, c1;
+    Q::unit(W + blk * Q::BYTES, (int)(i % Q::LANES), v, c0, c1);
+    bf16* o = out + blk * Q::ELEMS;
+    bool aligned = (((size_t)out) & 7) == 0;
+    q_store_bf16x4(o + c0, v, aligned);
+    q_store_bf16x4(o + c1, v + 4, aligned);
+}
+
+// GEMV entry points: grid (ceil(N / ROWS_PER_BLOCK)), block 32 * ROWS_PER_BLOCK; W bytes of N rows.
+extern "C" __global__ void gemv_q8_0(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    gemv_q<Q8_0>(W, x, y, N, K, T, accumulate);
+}
+extern "C" __global__ void gemv_q4_0(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    gemv_q<Q4_0>(W, x, y, N, K, T, accumulate);
+}
+extern "C" __global__ void gemv_q4_k(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    gemv_q<Q4_K>(W, x, y, N, K, T, accumulate);
+}
+extern "C" __global__ void gemv_q5_k(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    gemv_q<Q5_K>(W, x, y, N, K, T, accumulate);
+}
+extern "C" __global__ void gemv_q6_k(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    gemv_q<Q6_K>(W, x, y, N, K, T, accumulate);
+}
+
+// Dequantization entry points: grid (ceil(n_blocks * LANES / 256)), block 256.
+extern "C" __global__ void dequant_q8_0_bf16(const u8* W, bf16* out, int n_blocks) {
+    dequant_q<Q8_0>(W, out, n_blocks);
+}
+extern "C" __global__ void dequant_q4_0_bf16(const u8* W, bf16* out, int n_blocks) {
+    dequant_q<Q4_0>(W, out, n_blocks);
+}
+extern "C" __global__ void dequant_q4_k_bf16(const u8* W, bf16* out, int n_blocks) {
+    dequant_q<Q4_K>(W, out, n_blocks);
+}
+extern "C" __global__ void dequant_q5_k_bf16(const u8* W, bf16* out, int n_blocks) {
+    dequant_q<Q5_K>(W, out, n_blocks);
+}
+extern "C" __global__ void dequant_q6_k_bf16(const u8* W, bf16* out, int n_blocks) {
+    dequant_q<Q6_K>(W, out, n_blocks);
+}

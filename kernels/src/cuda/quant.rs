@@ -1,0 +1,252 @@
+//! Typed launchers for the quantized-block kernels (`kernels/cuda/quant.cu`), dispatched by
+//! [`WeightDType`]: the dequantizing GEMV for decode ([`CudaBackend::gemv_quant`], the
+//! counterpart of [`CudaBackend::gemv_bf16`]) and the dequantization of a row range to bf16 for
+//! prefill ([`CudaBackend::dequantize_bf16`], whose output feeds [`CudaBackend::gemm_bf16`]).
+//! Weights are raw GGUF blocks (`DPtr<u8>`), rows of `k` values as `k / block_elems`
+//! consecutive blocks. Type, shapes, byte lengths and alignment are checked before any launch
+//! ([`CudaError::Shape`], never an out-of-bounds launch).
+
+#![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
+
+use super::kernel::{Kernel, QUANT_MAX_TOKENS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS};
+use super::ops::{args, blocks, i, need};
+use super::{CudaBackend, CudaError, DPtr, Result};
+use crate::weights::WeightDType;
+
+/// Threads per block of the dequantization kernels.
+const DEQUANT_BLOCK: u32 = 256;
+/// Error name of the GEMV launcher before a kernel is chosen.
+const GEMV_NAME: &str = "gemv_quant";
+/// Error name of the dequantization launcher before a kernel is chosen.
+const DEQUANT_NAME: &str = "dequantize_bf16";
+
+/// The GEMV and the dequantization kernel of a quantized type (none for a float type).
+pub fn quant_kernels(dtype: WeightDType) -> Option<(Kernel, Kernel)> {
+    match dtype {
+        WeightDType::Q8_0 => Some((Kernel::GemvQ8_0, Kernel::DequantQ8_0Bf16)),
+        WeightDType::Q4_0 => Some((Kernel::GemvQ4_0, Kernel::DequantQ4_0Bf16)),
+        WeightDType::Q4_K => Some((Kernel::GemvQ4K, Kernel::DequantQ4KBf16)),
+        WeightDType::Q5_K => Some((Kernel::GemvQ5K, Kernel::DequantQ5KBf16)),
+        WeightDType::Q6_K => Some((Kernel::GemvQ6K, Kernel::DequantQ6KBf16)),
+        WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => None,
+    }
+}
+
+/// Threads that decode one block in `quant.cu` (its `LANES`: 8 values each).
+fn units_per_block(dtype: WeightDType) -> usize {
+    dtype.block_elems() / 8
+}
+
+/// Byte alignment the kernels need for the blocks: word loads, 4 bytes for Q4_K/Q5_K (block
+/// sizes multiples of 16), 2 for the others (block sizes only even).
+pub fn quant_alignment_bytes(dtype: WeightDType) -> u64 {
+    match dtype {
+        WeightDType::Q4_K | WeightDType::Q5_K => 4,
+        _ => 2,
+    }
+}
+
+fn shape(kernel: &'static str, reason: String) -> CudaError {
+    CudaError::Shape { kernel, reason }
+}
+
+/// A `rows` x `k` matrix of `dtype` blocks starting at `w`: the type's kernels, once the type is
+/// quantized, `k` whole blocks, `w` aligned for the kernel's loads and holding the rows' bytes.
+fn check_matrix(
+    name: &'static str,
+    dtype: WeightDType,
+    w: DPtr<u8>,
+    rows: usize,
+    k: usize,
+) -> Result<(Kernel, Kernel)> {
+    let kernels = quant_kernels(dtype)
+        .ok_or_else(|| shape(name, format!("{} is not a quantized block type", dtype.name())))?;
+    if !k.is_multiple_of(dtype.block_elems()) {
+        let reason =
+            format!("k = {k} is not a multiple of the {} block ({})", dtype.name(), dtype.block_elems());
+        return Err(shape(name, reason));
+    }
+    let align = quant_alignment_bytes(dtype);
+    if !w.raw().is_multiple_of(align) {
+        return Err(shape(name, format!("W at {:#x} is not {align}-byte aligned", w.raw())));
+    }
+    let bytes =
+        rows.checked_mul(dtype.row_bytes(k)).ok_or_else(|| shape(name, format!("{rows} rows overflow")))?;
+    need(name, "W bytes", w, bytes)?;
+    Ok(kernels)
+}
+
+/// The checks of [`CudaBackend::gemv_quant`]; its kernel.
+pub(super) fn check_gemv(
+    dtype: WeightDType,
+    w: DPtr<u8>,
+    x: DPtr<f32>,
+    y: DPtr<f32>,
+    n_tokens: usize,
+    n: usize,
+    k: usize,
+) -> Result<Kernel> {
+    let (gemv, _) = check_matrix(GEMV_NAME, dtype, w, n, k)?;
+    need(gemv, "x", x, n_tokens * k)?;
+    need(gemv, "y", y, n_tokens * n)?;
+    if i32::try_from(n * k).is_err() {
+        return Err(shape(gemv.symbol(), format!("{n} x {k} does not fit the kernel's int indices")));
+    }
+    Ok(gemv)
+}
+
+/// The checks of [`CudaBackend::dequantize_bf16`]: its kernel, the byte view of the row range
+/// and its number of blocks.
+pub(super) fn check_dequantize(
+    dtype: WeightDType,
+    w: DPtr<u8>,
+    row0: usize,
+    rows: usize,
+    k: usize,
+    out: DPtr<u16>,
+) -> Result<(Kernel, DPtr<u8>, usize)> {
+    let end = row0.checked_add(rows).ok_or_else(|| shape(DEQUANT_NAME, format!("row {row0} + {rows}")))?;
+    let (_, dequant) = check_matrix(DEQUANT_NAME, dtype, w, end, k)?;
+    need(dequant, "out", out, rows * k)?;
+    let n_blocks = rows * (k / dtype.block_elems());
+    if i32::try_from(n_blocks * units_per_block(dtype)).is_err() {
+        return Err(shape(dequant.symbol(), format!("{n_blocks} blocks in one launch")));
+    }
+    let row_bytes = dtype.row_bytes(k);
+    Ok((dequant, w.sub(row0 * row_bytes, rows * row_bytes), n_blocks))
+}
+
+impl CudaBackend {
+    /// `y[t, :] (+)= W · x[t, :]` for `t < n_tokens`; W `[n, k]` in `dtype` blocks (a quantized
+    /// type, `k` a multiple of its block). Decode GEMV: each launch decodes every weight once and
+    /// multiplies it with up to [`QUANT_MAX_TOKENS`] token rows (more tokens take more launches).
+    pub fn gemv_quant(
+        &self,
+        dtype: WeightDType,
+        w: DPtr<u8>,
+        x: DPtr<f32>,
+        y: DPtr<f32>,
+        n_tokens: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let kernel = check_gemv(dtype, w, x, y, n_tokens, n, k)?;
+        let acc = accumulate as i32;
+        let per = QUANT_MAX_TOKENS as usize;
+        for t0 in (0..n_tokens).step_by(per) {
+            let (xs, ys) = (x.from(t0 * k), y.from(t0 * n));
+            let t = i(per.min(n_tokens - t0));
+            self.launch(
+                kernel,
+                (blocks(n, ROWS_PER_BLOCK), 1, 1),
+                ROW_BLOCK_THREADS,
+                0,
+                args![w.raw(), xs.raw(), ys.raw(), i(n), i(k), t, acc],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// `out[r - row0, :] = bf16(W[r, :])` for `row0 <= r < row0 + rows` (round to nearest even;
+    /// the values before rounding equal the CPU's `quant::dequantize_block`); W `[>= row0 + rows,
+    /// k]` in `dtype` blocks, `out` `[rows, k]` bf16. Prefill: dequantized tiles for
+    /// [`CudaBackend::gemm_bf16`].
+    pub fn dequantize_bf16(
+        &self,
+        dtype: WeightDType,
+        w: DPtr<u8>,
+        row0: usize,
+        rows: usize,
+        k: usize,
+        out: DPtr<u16>,
+    ) -> Result<()> {
+        let (kernel, range, n_blocks) = check_dequantize(dtype, w, row0, rows, k, out)?;
+        let units = n_blocks * units_per_block(dtype);
+        self.launch(
+            kernel,
+            (blocks(units, DEQUANT_BLOCK), 1, 1),
+            DEQUANT_BLOCK,
+            0,
+            args![range.raw(), out.raw(), i(n_blocks)],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::marker::PhantomData;
+
+    fn view<T>(raw: u64, len: usize) -> DPtr<T> {
+        DPtr { raw, len, _m: PhantomData }
+    }
+
+    fn is_shape(r: Result<impl std::fmt::Debug>, needle: &str) -> bool {
+        matches!(&r, Err(CudaError::Shape { reason, .. }) if reason.contains(needle))
+    }
+
+    #[test]
+    fn every_quantized_type_has_its_kernels_and_floats_none() {
+        for dtype in WeightDType::QUANTIZED {
+            let (gemv, dequant) = quant_kernels(dtype).unwrap();
+            let name = dtype.name();
+            assert_eq!(
+                (gemv.symbol(), dequant.symbol()),
+                (&*format!("gemv_{name}"), &*format!("dequant_{name}_bf16"))
+            );
+            assert!(dtype.block_bytes().is_multiple_of(quant_alignment_bytes(dtype) as usize));
+        }
+        for dtype in WeightDType::FLOATS {
+            assert!(quant_kernels(dtype).is_none());
+        }
+    }
+
+    #[test]
+    fn gemv_checks_type_blocks_bytes_alignment_and_views() {
+        let (n, k, t) = (3, 512, 2);
+        let x = view::<f32>(0x1000, t * k);
+        let y = view::<f32>(0x1000, t * n);
+        for dtype in WeightDType::QUANTIZED {
+            let w = view::<u8>(0x1000, n * dtype.row_bytes(k));
+            assert_eq!(check_gemv(dtype, w, x, y, t, n, k).unwrap(), quant_kernels(dtype).unwrap().0);
+            assert!(is_shape(
+                check_gemv(dtype, w, x, y, t, n, k + 32 - dtype.block_elems() / 2),
+                "not a multiple"
+            ));
+            assert!(is_shape(check_gemv(dtype, w.sub(0, w.len() - 1), x, y, t, n, k), "W bytes"));
+            assert!(is_shape(check_gemv(dtype, view(0x1001, w.len()), x, y, t, n, k), "aligned"));
+            assert!(is_shape(check_gemv(dtype, w, x.sub(0, t * k - 1), y, t, n, k), "x holds"));
+            assert!(is_shape(check_gemv(dtype, w, x, y.sub(0, t * n - 1), t, n, k), "y holds"));
+        }
+        let w = view::<u8>(0x1002, n * WeightDType::Q4_K.row_bytes(k));
+        assert!(is_shape(check_gemv(WeightDType::Q4_K, w, x, y, t, n, k), "4-byte aligned"));
+        assert!(check_gemv(WeightDType::Q6_K, view(0x1002, n * 420), x, y, t, n, k).is_ok());
+        assert!(is_shape(check_gemv(WeightDType::BF16, w, x, y, t, n, k), "not a quantized"));
+    }
+
+    #[test]
+    fn dequantize_checks_the_row_range_and_output() {
+        let (rows, k) = (5, 256);
+        for dtype in WeightDType::QUANTIZED {
+            let rb = dtype.row_bytes(k);
+            let w = view::<u8>(0x2000, rows * rb);
+            let out = view::<u16>(0x8000, 2 * k);
+            let (kernel, range, n_blocks) = check_dequantize(dtype, w, 3, 2, k, out).unwrap();
+            assert_eq!(kernel, quant_kernels(dtype).unwrap().1);
+            assert_eq!(
+                (range.raw(), range.len(), n_blocks),
+                (0x2000 + 3 * rb as u64, 2 * rb, 2 * k / dtype.block_elems())
+            );
+            assert!(is_shape(check_dequantize(dtype, w, 4, 2, k, out), "W bytes"));
+            assert!(is_shape(check_dequantize(dtype, w, usize::MAX, 2, k, out), "row"));
+            assert!(is_shape(check_dequantize(dtype, w, 0, 3, k, out), "out holds"));
+            assert!(is_shape(check_dequantize(dtype, w, 0, 1, k - 16, out), "not a multiple"));
+        }
+        let w = view::<u8>(0x2000, 100);
+        assert!(is_shape(
+            check_dequantize(WeightDType::F16, w, 0, 1, 32, view(0x8000, 32)),
+            "not a quantized"
+        ));
+    }
+}

@@ -1,0 +1,223 @@
+//! The quantized-block CUDA kernels (`kernels/cuda/quant.cu`) against the CPU's dequantization
+//! (`quant::dequantize_block`) for every type: the dequantizing GEMV within the f32 summation
+//! bound of an f64 product over the CPU-dequantized rows, the dequantization to bf16 bit-equal to
+//! the CPU values rounded to bf16, a prefill tile (dequantize, then the cuBLAS bf16 GEMM), and bad
+//! shapes refused. Every test skips without a CUDA device (and fails when MOE_LANES_REQUIRE_GPU
+//! is set).
+
+mod common;
+
+use common::cuda::backend;
+use common::Rng;
+use half::bf16;
+use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
+use moe_lanes_kernels::{quant, WeightDType};
+
+/// Random rows of `dtype` blocks: random bytes (every scale/min/nibble pattern), the f16 scales
+/// (`d`, and `dmin` for Q4_K/Q5_K) set to finite values in [-0.05, 0.05).
+fn random_blocks(rng: &mut Rng, dtype: WeightDType, rows: usize, cols: usize) -> Vec<u8> {
+    let mut bytes: Vec<u8> = (0..rows * dtype.row_bytes(cols)).map(|_| rng.next_u64() as u8).collect();
+    let scale_at: &[usize] = match dtype {
+        WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
+        WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
+        WeightDType::Q6_K => &[208],
+        float => panic!("{float:?} is not quantized"),
+    };
+    for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
+        for &at in scale_at {
+            let d = half::f16::from_f32(rng.symmetric(0.05)).to_bits().to_le_bytes();
+            block[at..at + 2].copy_from_slice(&d);
+        }
+    }
+    bytes
+}
+
+/// The CPU dequantization, block by block.
+fn dequantize(dtype: WeightDType, bytes: &[u8]) -> Vec<f32> {
+    let n_blocks = bytes.len() / dtype.block_bytes();
+    let mut out = vec![0.0f32; n_blocks * dtype.block_elems()];
+    for (block, y) in bytes.chunks_exact(dtype.block_bytes()).zip(out.chunks_exact_mut(dtype.block_elems())) {
+        quant::dequantize_block(dtype, block, y);
+    }
+    out
+}
+
+/// `(value, bound)` per output: `y0 + sum_k w x` in f64, and the error bound of an f32 sum of
+/// those terms in any order, `(k / 32 + 8) * EPSILON * (|y0| + sum_k |w x|)`: a lane adds
+/// `k / 32` products, the warp tree 5 levels, the accumulation one (each rounding at most
+/// `EPSILON / 2` relative; the factor 2 is margin). One wrong value of `k` would show as about
+/// `1 / k` of the sum, far above the bound.
+fn gemv_reference(w: &[f32], x: &[f32], y0: &[f32], n: usize, k: usize) -> Vec<(f64, f64)> {
+    let rounds = (k / 32 + 8) as f64 * f32::EPSILON as f64;
+    (0..y0.len())
+        .map(|o| {
+            let (t, r) = (o / n, o % n);
+            let terms = w[r * k..][..k].iter().zip(&x[t * k..][..k]).map(|(a, b)| *a as f64 * *b as f64);
+            let (sum, abs) =
+                terms.fold((y0[o] as f64, (y0[o] as f64).abs()), |(s, a), v| (s + v, a + v.abs()));
+            (sum, rounds * abs)
+        })
+        .collect()
+}
+
+/// Block counts per row: one, a partial warp step, and several steps.
+fn block_counts(dtype: WeightDType) -> [usize; 3] {
+    if dtype.block_elems() == 32 {
+        [1, 11, 40]
+    } else {
+        [1, 3, 11]
+    }
+}
+
+/// Runs the GEMV on rows `1..=n` of an `n + 1`-row matrix (so the weights start one row in, at
+/// an odd block count for the `[.., 11, ..]` shapes) with `x` one f32 into its buffer when
+/// `offset_x` (no 16-byte alignment), `y` prefilled with `y0`; returns y.
+fn run_gemv(
+    be: &CudaBackend,
+    dtype: WeightDType,
+    matrix: &[u8],
+    x: &[f32],
+    y0: &[f32],
+    (t, n, k): (usize, usize, usize),
+    (accumulate, offset_x): (bool, bool),
+) -> Vec<f32> {
+    let dw = be.upload(matrix).unwrap();
+    let pad = offset_x as usize;
+    let dx = be.upload(&[vec![0.0f32; pad], x.to_vec()].concat()).unwrap();
+    let dy = be.upload(y0).unwrap();
+    let w = dw.ptr().from(dtype.row_bytes(k));
+    be.gemv_quant(dtype, w, dx.ptr().from(pad), dy.ptr(), t, n, k, accumulate).unwrap();
+    be.read_vec(dy.ptr()).unwrap()
+}
+
+#[test]
+fn gemv_of_every_type_matches_the_cpu_dequantization() {
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    for dtype in WeightDType::QUANTIZED {
+        for blocks_per_row in block_counts(dtype) {
+            let k = blocks_per_row * dtype.block_elems();
+            for (t, n, accumulate, offset_x) in
+                [(1, 37, false, false), (3, 9, true, true), (11, 5, true, false)]
+            {
+                let matrix = random_blocks(&mut rng, dtype, n + 1, k);
+                let w = dequantize(dtype, &matrix[dtype.row_bytes(k)..]);
+                let x = rng.vec(t * k, 1.0);
+                let y0 = rng.vec(t * n, 1.0);
+                let y = run_gemv(be, dtype, &matrix, &x, &y0, (t, n, k), (accumulate, offset_x));
+                let base = if accumulate { y0.clone() } else { vec![0.0; t * n] };
+                let want = gemv_reference(&w, &x, &base, n, k);
+                let mut worst = 0.0f64;
+                for (o, (got, (value, bound))) in y.iter().zip(&want).enumerate() {
+                    let err = (*got as f64 - value).abs();
+                    assert!(
+                        err <= *bound,
+                        "{dtype:?} t={t} n={n} k={k} out {o}: {got} vs {value} (bound {bound:e})"
+                    );
+                    worst = worst.max(err / bound.max(f64::MIN_POSITIVE));
+                }
+                eprintln!("gemv {} t={t} n={n} k={k}: worst error {worst:.3} of the bound", dtype.name());
+            }
+        }
+    }
+}
+
+fn bf16_bits(values: &[f32]) -> Vec<u16> {
+    values.iter().map(|v| bf16::from_f32(*v).to_bits()).collect()
+}
+
+#[test]
+fn dequantize_to_bf16_equals_the_cpu_values_rounded() {
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x00C0_FFEE);
+    for dtype in WeightDType::QUANTIZED {
+        let (rows, k) = (5, 3 * dtype.block_elems());
+        let matrix = random_blocks(&mut rng, dtype, rows, k);
+        let want = bf16_bits(&dequantize(dtype, &matrix));
+        let dw = be.upload(&matrix).unwrap();
+        // The whole matrix, then rows 2..4 into a view one element in (no 8-byte alignment).
+        for (row0, n_rows, pad) in [(0, rows, 0), (2, 2, 1), (4, 1, 0)] {
+            let out = be.upload(&vec![0xFFFFu16; pad + n_rows * k]).unwrap();
+            be.dequantize_bf16(dtype, dw.ptr(), row0, n_rows, k, out.ptr().from(pad)).unwrap();
+            let got = be.read_vec(out.ptr()).unwrap();
+            assert!(got[..pad].iter().all(|&b| b == 0xFFFF), "{dtype:?}: wrote before the view");
+            let expected = &want[row0 * k..(row0 + n_rows) * k];
+            if let Some(i) = (0..expected.len()).find(|&i| got[pad + i] != expected[i]) {
+                panic!(
+                    "{dtype:?} rows {row0}+{n_rows}: value {i} is {:#06x}, want {:#06x}",
+                    got[pad + i],
+                    expected[i]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn dequantized_tile_through_gemm_bf16_matches_the_cpu() {
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x7AB1E);
+    for dtype in WeightDType::QUANTIZED {
+        let (t, n, k) = (13, 19, 2 * dtype.block_elems());
+        let matrix = random_blocks(&mut rng, dtype, n, k);
+        let w: Vec<f32> =
+            bf16_bits(&dequantize(dtype, &matrix)).into_iter().map(|b| bf16::from_bits(b).to_f32()).collect();
+        let x = rng.vec(t * k, 1.0);
+        let hi = bf16_bits(&x);
+        let lo: Vec<u16> = x
+            .iter()
+            .zip(&hi)
+            .map(|(v, h)| bf16::from_f32(v - bf16::from_bits(*h).to_f32()).to_bits())
+            .collect();
+        let dw = be.upload(&matrix).unwrap();
+        let tile = be.alloc_zeros::<u16>(n * k).unwrap();
+        be.dequantize_bf16(dtype, dw.ptr(), 0, n, k, tile.ptr()).unwrap();
+        let (dhi, dlo) = (be.upload(&hi).unwrap(), be.upload(&lo).unwrap());
+        let dy = be.alloc_zeros::<f32>(t * n).unwrap();
+        be.gemm_bf16(tile.ptr(), dhi.ptr(), Some(dlo.ptr()), dy.ptr(), t, n, k, false).unwrap();
+        let y = be.read_vec(dy.ptr()).unwrap();
+        // x = hi + lo leaves 2^-16 of |x|; cuBLAS sums in f32: 1e-4 of sum |w x| bounds both.
+        for ((o, got), (value, _)) in
+            y.iter().enumerate().zip(gemv_reference(&w, &x, &vec![0.0; t * n], n, k))
+        {
+            let abs: f64 =
+                (0..k).map(|c| (w[(o % n) * k + c] as f64 * x[(o / n) * k + c] as f64).abs()).sum();
+            assert!((*got as f64 - value).abs() <= 1e-4 * abs, "{dtype:?} out {o}: {got} vs {value}");
+        }
+    }
+}
+
+fn shape_error(r: Result<(), CudaError>) -> String {
+    match r {
+        Err(e @ CudaError::Shape { .. }) => e.to_string(),
+        other => panic!("expected a shape error, got {other:?}"),
+    }
+}
+
+#[test]
+fn bad_shapes_are_refused_before_launch() {
+    let Some(be) = backend() else { return };
+    let dtype = WeightDType::Q4_K;
+    let (n, k) = (4, 512);
+    let dw = be.alloc_zeros::<u8>(n * dtype.row_bytes(k)).unwrap();
+    let dx = be.alloc_zeros::<f32>(2 * k).unwrap();
+    let dy = be.alloc_zeros::<f32>(2 * n).unwrap();
+    let out = be.alloc_zeros::<u16>(n * k).unwrap();
+    let (w, x, y) = (dw.ptr(), dx.ptr(), dy.ptr());
+    let errors = [
+        shape_error(be.gemv_quant(dtype, w, x, y, 2, n, k - 128, false)),
+        shape_error(be.gemv_quant(dtype, w, x, y, 2, n + 1, k, false)),
+        shape_error(be.gemv_quant(dtype, w, x, y, 3, n, k, false)),
+        shape_error(be.gemv_quant(dtype, w.from(2), x, y, 2, n - 1, k, false)),
+        shape_error(be.gemv_quant(WeightDType::BF16, w, x, y, 2, n, k, false)),
+        shape_error(be.dequantize_bf16(dtype, w, 3, 2, k, out.ptr())),
+        shape_error(be.dequantize_bf16(dtype, w, 0, n, k, out.ptr().from(1))),
+        shape_error(be.dequantize_bf16(WeightDType::Q8_0, w, 0, 1, 48, out.ptr())),
+    ];
+    for e in &errors {
+        eprintln!("refused: {e}");
+    }
+    assert!(errors[0].contains("not a multiple") && errors[4].contains("not a quantized"), "{errors:?}");
+    assert!(errors[3].contains("aligned") && errors[6].contains("out holds"), "{errors:?}");
+    be.synchronize().unwrap();
+}

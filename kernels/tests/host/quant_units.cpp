@@ -1,0 +1,62 @@
+// Host harness for the block decoding of kernels/cuda/quant.cu: kernels/tests/quant_cu_host.rs
+// puts the section between the "block decoding" markers of quant.cu at @QUANT_DECODE@, compiles
+// it with the host C++ compiler (these shims stand in for the CUDA intrinsics; -ffp-contract=off
+// keeps products and differences unfused as __fmul_rn/__fsub_rn do) and runs it on the gguf-py
+// fixtures: every unit of every block must decode to gguf-py's value bit for bit, and the units
+// of a block must cover each of its columns exactly once. Usage: quant_units FIXTURE_DIR
+
+#include <cstdint>
+#include <cstring>
+#include <cstdio>
+#include <cmath>
+#include <vector>
+#include <fstream>
+#include <iterator>
+#define __device__
+#define __forceinline__ inline
+struct Half { uint16_t bits; };
+static inline Half __ushort_as_half(unsigned short b) { return Half{b}; }
+static inline float __half2float(Half h) {
+    uint32_t s = (h.bits >> 15) & 1, e = (h.bits >> 10) & 31, m = h.bits & 1023;
+    float v = e == 0 ? std::ldexp((float)m, -24) : e == 31 ? (m ? NAN : INFINITY) : std::ldexp((float)(m | 1024), (int)e - 25);
+    return s ? -v : v;
+}
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+// @QUANT_DECODE@
+static std::vector<char> slurp(const char* p) { std::ifstream f(p, std::ios::binary); return std::vector<char>(std::istreambuf_iterator<char>(f), {}); }
+template <class Q> int check(const char* dir, const char* name) {
+    char pb[256], pd[256];
+    snprintf(pb, 256, "%s/%s.blocks", dir, name);
+    snprintf(pd, 256, "%s/%s.dequant.f32", dir, name);
+    auto blocks = slurp(pb); auto deq = slurp(pd);
+    size_t nb = blocks.size() / Q::BYTES; const float* want = (const float*)deq.data();
+    if (nb == 0 || deq.size() != nb * Q::ELEMS * 4) { printf("%s: size mismatch\n", name); return 1; }
+    // copy each block to a 4-aligned buffer (the kernels' alignment)
+    alignas(16) u8 buf[256];
+    int bad = 0;
+    for (size_t b = 0; b < nb; b++) {
+        std::vector<int> seen(Q::ELEMS, 0);
+        for (int i = 0; i < Q::BYTES; i++) buf[i] = (u8)blocks[b * Q::BYTES + i];
+        for (int u = 0; u < Q::LANES; u++) {
+            float v[8]; int c0, c1;
+            Q::unit(buf, u, v, c0, c1);
+            for (int i = 0; i < 8; i++) {
+                int c = (i < 4 ? c0 : c1) + (i & 3);
+                seen[c]++;
+                float w = want[b * Q::ELEMS + c];
+                if (memcmp(&w, &v[i], 4) != 0 && bad++ < 5) printf("%s block %zu col %d: %g vs %g\n", name, b, c, v[i], w);
+            }
+        }
+        for (int c = 0; c < Q::ELEMS; c++) if (seen[c] != 1 && bad++ < 5) printf("%s block %zu col %d covered %d times\n", name, b, c, seen[c]);
+    }
+    printf("%s: %zu blocks, %d mismatches\n", name, nb, bad);
+    return bad != 0;
+}
+int main(int argc, char** argv) {
+    if (argc != 2) return 2;
+    const char* d = argv[1];
+    int f = check<Q8_0>(d, "q8_0") + check<Q4_0>(d, "q4_0") + check<Q4_K>(d, "q4_k") + check<Q5_K>(d, "q5_k") +
+            check<Q6_K>(d, "q6_k");
+    return f;
+}
