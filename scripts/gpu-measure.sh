@@ -10,6 +10,11 @@
 #   plan     plan --sweep from a 50%-budget perf file, then measured bench at 0/25/50/75/100% (issue 10)
 #   compare  llama.cpp and moe-lanes alternately on the same files: CPU only, budget 0 / 50% / 100%
 #            on the uniform model, 50% on the skewed one (issues 14, 16)
+#   ab       A/B switches in one call: the prefill hot lane's grouped GEMM vs per-expert cuBLAS
+#            (MOE_LANES_HOT_GEMM) at 100% and 50%; the CPU engine's pool cold lane vs the lane
+#            workers (MOE_LANES_POOL_COLD), with the CPU stage profile (issues 14, 16)
+#   quant    a 2-layer model quantized by `moe-lanes quantize` (q4_k_m, q8_0) loads and runs in
+#            llama-bench; the pipeline engine's pp/tg on the same files (issue 12)
 #
 # Usage on the GPU machine, from the repository root, after scripts/gpu-build.sh here:
 #   bash scripts/gpu-measure.sh models      (then, chained: metrics shift plan, and compare)
@@ -127,13 +132,57 @@ part_compare() {
         bash benches/compare-llama-cpp.sh run | tail -1
 }
 
+rates() { # JSON [label]: one line of a bench JSON
+    python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))
+print("%-28s pp %8.1f  tg %7.1f  hit %.3f  cold_lane_us %6.0f  threads %s" % (sys.argv[2], r["pp_tokens_per_s"],
+      r["tg_tokens_per_s"], r["hit_rate"], r["cold_lane_us"], r["threads"]))' "$1" "${2:-$1}"
+}
+
+part_ab() {
+    # Shorter runs than the tables (bench_json reads P, N and RUNS; bash scoping makes these its).
+    local m g v b N=32 RUNS=2
+    m=$(model skewed)
+    for b in -1 "$(share_mib 50)"; do
+        for g in cublas grouped cublas grouped; do
+            MOE_LANES_HOT_GEMM=$g bench_json "$LOGS/ab-$g-$b.json" "$m" --engine gpu --hot-budget-mib "$b" \
+                && rates "$LOGS/ab-$g-$b.json" "hot gemm $g, budget $b"
+        done
+    done
+    m=$(model uniform)
+    local P=128
+    for v in off on off on; do
+        MOE_LANES_POOL_COLD=$v bench_json "$LOGS/ab-pool-$v.json" "$m" --engine pipeline --hot-budget-mib 0 \
+            && rates "$LOGS/ab-pool-$v.json" "cpu only, pool cold $v"
+    done
+    RUNS=1 MOE_LANES_CPU_PROFILE=1 bench_json "$LOGS/ab-pool-prof.json" "$m" --engine pipeline \
+        --hot-budget-mib 0 && grep -A30 -i "profile" "$LOGS/ab-pool-prof.json.log" | head -40
+}
+
+part_quant() {
+    local f="$MD/q2-bf16.gguf" t q P=64 N=16 RUNS=1
+    [ -f "$f" ] || "$BIN" synth --preset qwen3-30b-a3b --layers 2 --format gguf --out "$f" >/dev/null
+    for t in q4_k_m q8_0; do
+        q="$MD/q2-$t.gguf"
+        /usr/bin/time -f "quantize $t: %e s" "$BIN" quantize "$f" "$q" --type "$t" --force --json \
+            > "$LOGS/quantize-$t.json" || continue
+        if .llama/build/bin/llama-bench -m "$q" -p 64 -n 16 -r 1 -ngl 99 -o json > "$LOGS/llama-q2-$t.json" \
+            2> "$LOGS/llama-q2-$t.log"; then
+            echo "llama.cpp loads and runs $q: $(python3 -c 'import json,sys; print(["%s %.1f t/s" % ("pp" if r["n_prompt"] else "tg", r["avg_ts"]) for r in json.load(open(sys.argv[1]))])' "$LOGS/llama-q2-$t.json")"
+        else
+            echo "llama.cpp FAILED on $q:"; tail -5 "$LOGS/llama-q2-$t.log"
+        fi
+        bench_json "$LOGS/moe-q2-$t.json" "$q" --engine pipeline --hot-budget-mib 0 &&
+            rates "$LOGS/moe-q2-$t.json" "moe-lanes pipeline $t"
+    done
+}
+
 status=0
 for part in "$@"; do
     echo "== $part ($(date -u +%H:%M:%S)) =="
     [ "$part" = models ] || wait_llama_build
     case "$part" in
-        models | metrics | shift | plan | compare) "part_$part" || status=1 ;;
-        *) echo "unknown part $part (models metrics shift plan compare)"; exit 2 ;;
+        models | metrics | shift | plan | compare | ab | quant) "part_$part" || status=1 ;;
+        *) echo "unknown part $part (models metrics shift plan compare ab quant)"; exit 2 ;;
     esac
 done
 exit $status
