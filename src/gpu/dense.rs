@@ -168,7 +168,7 @@ impl GpuModel {
             RoutingVariant::TopKThenSoftmax => RouteVariant::TopKThenSoftmax,
         };
         let s = self.scratch.as_mut().expect("reserved");
-        let (ids, wts) = (route_ids(s.ids.ptr(), k, l, t), route_ids(s.weights.ptr(), k, l, t));
+        let (ids, wts) = (route_ids(s.ids(), k, l, t), route_ids(s.weights.ptr(), k, l, t));
         self.be.rmsnorm(s.hidden.ptr(), self.w.layers[l].ffn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
         if zero_moe {
             self.be.zero(s.moe_out.ptr().sub(0, t * h))?;

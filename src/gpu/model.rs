@@ -370,7 +370,6 @@ impl GpuModel {
             self.attention_block(l, phase, t, pos0, cache)?;
             self.moe_block(l, phase, t, cold)?;
         }
-        self.queue_call_ids(t)?;
         let copy_start = Instant::now();
         let logits = self.head(phase, t, rows)?;
         let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
@@ -405,9 +404,9 @@ impl GpuModel {
         self.mark_tail(1)?;
         if n <= 8 {
             // decode: one row over many blocks (the one-block-per-row kernel is latency bound)
-            be.argmax_split(s.logits.ptr(), n, c.vocab, s.argmax.ptr(), s.argmax_part.ptr())?;
+            be.argmax_split(s.logits.ptr(), n, c.vocab, s.argmax(), s.argmax_part.ptr())?;
         } else {
-            be.argmax(s.logits.ptr(), n, c.vocab, s.argmax.ptr())?;
+            be.argmax(s.logits.ptr(), n, c.vocab, s.argmax())?;
         }
         self.mark_tail(2)?;
         let mut data = Vec::new();
@@ -415,22 +414,23 @@ impl GpuModel {
             data = vec![0f32; n * c.vocab];
             be.read(s.logits.ptr().sub(0, n * c.vocab), &mut data)?;
         }
-        let mut am = vec![0i32; n];
-        be.read(s.argmax.ptr().sub(0, n), &mut am)?;
-        Ok(Logits { n_rows: n, vocab: c.vocab, data, argmax: am.into_iter().map(|x| x as u32).collect() })
+        let vocab = c.vocab;
+        let argmax = self.read_tail(t, n)?;
+        Ok(Logits { n_rows: n, vocab, data, argmax })
     }
 
-    /// When the perf state records: queue the copy of every layer's routing ids into pinned
-    /// memory now, so the head's synchronous copy (which waits for the stream) brings them back
-    /// too: no extra stream synchronisation or pageable staging per call.
-    fn queue_call_ids(&mut self, t: usize) -> Result<(), GpuError> {
+    /// The call's `n` greedy tokens; when the perf state records, the same copy also brings
+    /// every layer's routing ids of the call's `t` tokens into `pin_tail` (one transfer).
+    fn read_tail(&mut self, t: usize, n: usize) -> Result<Vec<u32>, GpuError> {
+        let (be, s) = (&self.be, self.scratch.as_mut().expect("reserved"));
         if self.perf.mode() == PerfMode::Off {
-            return Ok(());
+            let mut am = vec![0i32; n];
+            be.read(s.argmax().sub(0, n), &mut am)?;
+            return Ok(am.into_iter().map(|x| x as u32).collect());
         }
-        let n = self.cfg.n_layers * t * self.cfg.n_experts_used;
-        let s = self.scratch.as_mut().expect("reserved");
-        self.be.read_async(s.ids.ptr().sub(0, n), &mut s.pin_call_ids, n)?;
-        Ok(())
+        let len = s.cap + self.cfg.n_layers * t * self.cfg.n_experts_used;
+        be.read_async(s.tail_i.ptr().sub(0, len), &mut s.pin_tail, len)?;
+        Ok(s.pin_tail.as_slice()?[..n].iter().map(|&x| x as u32).collect())
     }
 
     /// After the stream is idle: lane statistics, perf state, profile.
@@ -453,8 +453,8 @@ impl GpuModel {
         if self.perf.mode() != PerfMode::Off {
             let s = self.scratch.as_ref().expect("reserved");
             let stride = t * self.cfg.n_experts_used;
-            // Queued by `queue_call_ids` before the head's synchronous copy: already here.
-            let ids = &s.pin_call_ids.as_slice()?[..self.cfg.n_layers * stride];
+            // Brought back with the greedy tokens by `read_tail`.
+            let ids = &s.pin_tail.as_slice()?[s.cap..][..self.cfg.n_layers * stride];
             stats::record_call(&mut self.perf, &self.stats, ids, stride, stride, self.hot.set());
         }
         if let Some(p) = &mut self.profiler {

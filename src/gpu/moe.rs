@@ -105,7 +105,7 @@ impl GpuModel {
         let n_ent = t * k;
         let s = self.scratch.as_ref().expect("reserved");
         let (lay, wi) = (s.layout, s.work_i.ptr());
-        let ids = route_ids(s.ids.ptr(), k, l, t);
+        let ids = route_ids(s.ids(), k, l, t);
         let (p_slots, p_toks) = (wi.sub(lay.slots, n_ent), wi.sub(lay.tokens, n_ent));
         let (p_off, p_rows) = (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
         self.be.hot_worklist_tokens(self.hot.map_dev(l), ids, t, k, e_n, p_slots, p_toks, p_off, p_rows)?;
@@ -409,7 +409,7 @@ impl GpuModel {
         hs.cold_in.resize(t * h, 0.0);
         self.be.read(s.normed.ptr().sub(0, t * h), &mut hs.cold_in)?;
         hs.route_ids.resize(t * k, 0);
-        self.be.read(route_ids(s.ids.ptr(), k, l, t), &mut hs.route_ids[..t * k])?;
+        self.be.read(route_ids(s.ids(), k, l, t), &mut hs.route_ids[..t * k])?;
         hs.work_f.resize(hs.work_f.len().max(t * k), 0.0);
         self.be.read(route_ids(s.weights.ptr(), k, l, t), &mut hs.work_f[..t * k])?;
         hs.cold_slots.clear();

@@ -6,7 +6,7 @@ use super::cold::ColdSlot;
 use super::GpuError;
 use crate::model::config::ModelConfig;
 use crate::moe::worklist::Worklist;
-use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, PinnedBuffer};
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, PinnedBuffer};
 
 /// Offsets of the sections of the integer worklist (one upload per layer):
 /// `slots`/`tokens` per hot entry, `tok_off`/`tok_rows` per token row with hot entries,
@@ -49,9 +49,11 @@ pub(crate) struct Scratch {
     pub q: DeviceBuffer<f32>,
     pub attn: DeviceBuffer<f32>,
     pub router_logits: DeviceBuffer<f32>,
-    /// Routing of every layer of the call: `[n_layers, cap * k]` ids and weights (the perf
-    /// state counts the ids after the call with one copy).
-    pub ids: DeviceBuffer<i32>,
+    /// The call's greedy tokens (`cap`, [`Scratch::argmax`]) followed by every layer's routing
+    /// ids (`[n_layers, cap * k]`, [`Scratch::ids`]): one buffer, so when the perf state counts
+    /// the ids they come back in the same copy as the tokens (no second transfer per call).
+    pub tail_i: DeviceBuffer<i32>,
+    /// Routing weights of every layer of the call: `[n_layers, cap * k]`.
     pub weights: DeviceBuffer<f32>,
     pub g: DeviceBuffer<f32>,
     pub u: DeviceBuffer<f32>,
@@ -66,15 +68,14 @@ pub(crate) struct Scratch {
     pub cold_in: DeviceBuffer<f32>,
     pub cold_out: DeviceBuffer<f32>,
     pub logits: DeviceBuffer<f32>,
-    pub argmax: DeviceBuffer<i32>,
     pub argmax_part: DeviceBuffer<f32>,
     /// The layer's routing on the host, one copy batch and one fence: ids (i32 bits) at 0,
     /// weights (f32 bits) at `cap * k`, and in decode with cold slots the normed rows (f32 bits)
     /// at `2 * cap * k`. See [`RouteView`].
     pub pin_route: PinnedBuffer<u32>,
-    /// Every layer's routing ids of the call (`[layer][t * k]`), copied asynchronously before
-    /// the call's final copy when the perf state records (no extra synchronisation).
-    pub pin_call_ids: PinnedBuffer<i32>,
+    /// Host copy of `tail_i` (tokens, then ids), filled by the call's final copy when the perf
+    /// state records.
+    pub pin_tail: PinnedBuffer<i32>,
     /// Gathered cold rows (host path).
     pub pin_cold_in: PinnedBuffer<f32>,
     pub pin_cold_out: PinnedBuffer<f32>,
@@ -98,7 +99,7 @@ impl Scratch {
             q: f(cap * c.q_dim())?,
             attn: f(cap * c.q_dim())?,
             router_logits: f(cap * c.n_experts)?,
-            ids: be.alloc_zeros::<i32>(c.n_layers * cap * k)?,
+            tail_i: be.alloc_zeros::<i32>(cap + c.n_layers * cap * k)?,
             weights: f(c.n_layers * cap * k)?,
             g: f(cap * inner)?,
             u: f(cap * inner)?,
@@ -113,13 +114,24 @@ impl Scratch {
             cold_in: f(cap * c.hidden)?,
             cold_out: f(cap * c.hidden)?,
             logits: f(cap * c.vocab)?,
-            argmax: be.alloc_zeros::<i32>(cap)?,
             argmax_part: f(CudaBackend::argmax_split_scratch(cap))?,
             pin_route: be.alloc_pinned::<u32>(2 * cap * k + cap * c.hidden)?,
-            pin_call_ids: be.alloc_pinned::<i32>(c.n_layers * cap * k)?,
+            pin_tail: be.alloc_pinned::<i32>(cap + c.n_layers * cap * k)?,
             pin_cold_in: be.alloc_pinned::<f32>(cap * c.hidden)?,
             pin_cold_out: be.alloc_pinned::<f32>(cap * c.hidden)?,
         })
+    }
+}
+
+impl Scratch {
+    /// The call's greedy tokens (`cap` entries of `tail_i`).
+    pub fn argmax(&self) -> DPtr<i32> {
+        self.tail_i.ptr().sub(0, self.cap)
+    }
+
+    /// Every layer's routing ids (`tail_i` after the tokens).
+    pub fn ids(&self) -> DPtr<i32> {
+        self.tail_i.ptr().from(self.cap)
     }
 }
 
