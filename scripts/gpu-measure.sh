@@ -84,8 +84,9 @@ bench_json() { # OUTFILE MODEL [bench flags...]
 }
 
 part_metrics() {
-    local f="$LOGS/metrics-ab.json"
-    bench_json "$f" "$(model skewed)" --engine gpu --hot-budget-mib -1 --runs 6 --metrics-ab
+    # Six runs (bench_json reads RUNS): on/off alternate per run, three each way round.
+    local f="$LOGS/metrics-ab.json" RUNS="${METRICS_RUNS:-6}"
+    bench_json "$f" "$(model skewed)" --engine gpu --hot-budget-mib -1 --metrics-ab
     python3 - "$f" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))
