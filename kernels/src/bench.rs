@@ -516,29 +516,25 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     };
     gemv(&mut pool, &mut gemv_y)?;
 
-    // Rounds interleave the read probe, decode, layer25 and the dense GEMV so that all three see the same
-    // machine state (other processes come and go); each keeps its best round.
+    // Rounds interleave the read probe, decode, layer25 and the dense GEMV so that all see the
+    // same machine state (other processes come and go); each keeps its best round.
     let rounds = if opts.quick { 3 } else { 8 };
     let decode_calls_per_round = 2 * decode_groups.len();
-    // The read probe also gets back-to-back passes first: read_gbs is the best of all passes.
-    let mut read_gbs = measure_read_gbs(&mut pool, read_simd, read_floats, if opts.quick { 2 } else { 4 })?;
-    let (mut best_decode_seconds, mut layer25_seconds) = (f64::INFINITY, f64::INFINITY);
-    let mut gemv_seconds = f64::INFINITY;
-    for round in 0..rounds {
-        read_gbs = read_gbs.max(measure_read_gbs(&mut pool, read_simd, read_floats, 1)?);
-        let start = Instant::now();
-        for call in 0..decode_calls_per_round {
-            pool.run(&decode_job(round + call), &mut decode_out)?;
-        }
-        best_decode_seconds =
-            best_decode_seconds.min(start.elapsed().as_secs_f64() / decode_calls_per_round as f64);
-        let start = Instant::now();
-        pool.run(&layer_job(round), &mut layer_out)?;
-        layer25_seconds = layer25_seconds.min(start.elapsed().as_secs_f64());
-        let start = Instant::now();
-        gemv(&mut pool, &mut gemv_y)?;
-        gemv_seconds = gemv_seconds.min(start.elapsed().as_secs_f64());
-    }
+    let best = interleaved_rounds(
+        &mut pool,
+        rounds,
+        (read_simd, read_floats, if opts.quick { 2 } else { 4 }),
+        &mut |pool, round| {
+            for call in 0..decode_calls_per_round {
+                pool.run(&decode_job(round + call), &mut decode_out)?;
+            }
+            Ok(decode_calls_per_round)
+        },
+        &mut |pool, round| pool.run(&layer_job(round), &mut layer_out),
+        &mut |pool| gemv(pool, &mut gemv_y),
+    )?;
+    let (read_gbs, best_decode_seconds, layer25_seconds, gemv_seconds) =
+        (best.read_gbs, best.decode_s, best.layer25_s, best.gemv_s);
     black_box((&decode_out, &layer_out, &gemv_y));
     let dense_gemv_gbs = gemv_w.bytes.len() as f64 / gemv_seconds / 1e9;
     drop(read_buffer);
@@ -581,6 +577,52 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         quick: opts.quick,
         dtype,
     })
+}
+
+/// Best of the interleaved rounds: read bandwidth, seconds per decode call, per layer25 call and
+/// per dense GEMV.
+struct BestTimes {
+    read_gbs: f64,
+    decode_s: f64,
+    layer25_s: f64,
+    gemv_s: f64,
+}
+
+/// Job closures of one round: decode (returns its call count), layer25, the dense GEMV.
+type RoundJob<'a> = dyn FnMut(&mut ColdPool, usize) -> Result<(), KernelError> + 'a;
+type DecodeRound<'a> = dyn FnMut(&mut ColdPool, usize) -> Result<usize, KernelError> + 'a;
+type GemvRound<'a> = dyn FnMut(&mut ColdPool) -> Result<(), KernelError> + 'a;
+
+/// `rounds` rounds of: one read-probe pass, the decode calls, one layer25 call, one dense GEMV;
+/// the read probe first gets `read.2` back-to-back passes. Each part keeps its best round.
+fn interleaved_rounds(
+    pool: &mut ColdPool,
+    rounds: usize,
+    read: (SimdLevel, &[f32], usize),
+    decode: &mut DecodeRound<'_>,
+    layer25: &mut RoundJob<'_>,
+    gemv: &mut GemvRound<'_>,
+) -> Result<BestTimes, KernelError> {
+    let (read_simd, read_floats, first_passes) = read;
+    let mut best = BestTimes {
+        read_gbs: measure_read_gbs(pool, read_simd, read_floats, first_passes)?,
+        decode_s: f64::INFINITY,
+        layer25_s: f64::INFINITY,
+        gemv_s: f64::INFINITY,
+    };
+    for round in 0..rounds {
+        best.read_gbs = best.read_gbs.max(measure_read_gbs(pool, read_simd, read_floats, 1)?);
+        let start = Instant::now();
+        let calls = decode(pool, round)?;
+        best.decode_s = best.decode_s.min(start.elapsed().as_secs_f64() / calls as f64);
+        let start = Instant::now();
+        layer25(pool, round)?;
+        best.layer25_s = best.layer25_s.min(start.elapsed().as_secs_f64());
+        let start = Instant::now();
+        gemv(pool)?;
+        best.gemv_s = best.gemv_s.min(start.elapsed().as_secs_f64());
+    }
+    Ok(best)
 }
 
 /// Routes `x`'s tokens top-8 (distinct experts drawn with probability proportional to
