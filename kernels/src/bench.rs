@@ -440,6 +440,18 @@ fn measure_prefill_pair(
     })
 }
 
+/// A SwiGLU cold job of the bench's shapes over `experts` with inputs `x`.
+fn silu_job<'a>(level: SimdLevel, x: &'a [f32], experts: &'a [ColdExpertWork<'a>]) -> ColdJob<'a> {
+    ColdJob { level, act: Activation::Silu, hidden: HIDDEN, ff: FF, x, experts }
+}
+
+/// The read probe's buffer, `bytes` long, filled (so every page is touched) on the pool.
+fn read_probe_buffer(pool: &mut ColdPool, bytes: usize) -> Result<Vec<u8>, KernelError> {
+    let mut buffer = vec![0u8; bytes];
+    parallel_fill(pool, &mut buffer, |part, seed| part.fill((seed % 7) as u8 + 1))?;
+    Ok(buffer)
+}
+
 /// Runs the whole bench; see the module docs for what each number means.
 pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, KernelError> {
     let level = SimdLevel::resolve(opts.simd)?;
@@ -449,8 +461,7 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     // 1. Read bandwidth.
     // 2 GiB: several times any LLC, so adaptive LLC replacement cannot keep a useful part.
     let read_buffer_bytes: usize = if opts.quick { 256 << 20 } else { 2 << 30 };
-    let mut read_buffer = vec![0u8; read_buffer_bytes];
-    parallel_fill(&mut pool, &mut read_buffer, |part, seed| part.fill((seed % 7) as u8 + 1))?;
+    let read_buffer = read_probe_buffer(&mut pool, read_buffer_bytes)?;
     let read_floats: &[f32] = bytemuck::cast_slice(&read_buffer);
 
     // 2. Expert weight pool: 128 distinct BF16 experts, ~1.2 GB.
@@ -474,14 +485,7 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let token_zero = [0u32];
     let routing_weight = [1.0f32 / TOP_K as f32];
     let decode_groups = decode_groups(&experts, &token_zero, &routing_weight);
-    let decode_job = |group: usize| ColdJob {
-        level,
-        act: Activation::Silu,
-        hidden: HIDDEN,
-        ff: FF,
-        x: &decode_x,
-        experts: &decode_groups[group % decode_groups.len()],
-    };
+    let decode_job = |group: usize| silu_job(level, &decode_x, &decode_groups[group % decode_groups.len()]);
     let decode_weight_bytes = decode_job(0).weight_bytes();
     for group in 0..decode_groups.len() {
         pool.run(&decode_job(group), &mut decode_out)?;
@@ -491,14 +495,7 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let (per_expert_tokens, per_expert_weights, layer25_cold_slots) = layer25_routing(&mut rng);
     // The same routing on every layer of the pool; calls alternate between layers.
     let layer_works = layer_works(&experts, n_layers, &per_expert_tokens, &per_expert_weights);
-    let layer_job = |layer: usize| ColdJob {
-        level,
-        act: Activation::Silu,
-        hidden: HIDDEN,
-        ff: FF,
-        x: &layer_x,
-        experts: &layer_works[layer % n_layers],
-    };
+    let layer_job = |layer: usize| silu_job(level, &layer_x, &layer_works[layer % n_layers]);
     let layer25_weight_bytes = layer_job(0).weight_bytes();
     let layer25_cold_experts = layer25_weight_bytes / expert_bytes;
     let mut layer_out = vec![0.0f32; LAYER25_TOKENS * HIDDEN];
@@ -533,13 +530,12 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         &mut |pool, round| pool.run(&layer_job(round), &mut layer_out),
         &mut |pool| gemv(pool, &mut gemv_y),
     )?;
-    let (read_gbs, best_decode_seconds, layer25_seconds, gemv_seconds) =
-        (best.read_gbs, best.decode_s, best.layer25_s, best.gemv_s);
+    let read_gbs = best.read_gbs;
     black_box((&decode_out, &layer_out, &gemv_y));
-    let dense_gemv_gbs = gemv_w.bytes.len() as f64 / gemv_seconds / 1e9;
+    let dense_gemv_gbs = gemv_w.bytes.len() as f64 / best.gemv_s / 1e9;
     drop(read_buffer);
-    let decode_gbs = decode_weight_bytes as f64 / best_decode_seconds / 1e9;
-    let layer25_gbs = layer25_weight_bytes as f64 / layer25_seconds / 1e9;
+    let decode_gbs = decode_weight_bytes as f64 / best.decode_s / 1e9;
+    let layer25_gbs = layer25_weight_bytes as f64 / best.layer25_s / 1e9;
 
     // 6. Prefill: 512 tokens x top-8, all cold, expert-major; uniform then skewed routing.
     let prefill_calls = if opts.quick { 1 } else { 3 };
@@ -553,17 +549,17 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         read_buffer_bytes,
         decode_gbs,
         decode_ratio: decode_gbs / read_gbs,
-        decode_call_us: best_decode_seconds * 1e6,
+        decode_call_us: best.decode_s * 1e6,
         decode_weight_bytes,
         layer25_gbs,
         layer25_ratio: layer25_gbs / read_gbs,
-        layer25_call_us: layer25_seconds * 1e6,
+        layer25_call_us: best.layer25_s * 1e6,
         layer25_cold_slots,
         layer25_cold_experts,
         layer25_weight_bytes,
         dense_gemv_gbs,
         dense_gemv_ratio: dense_gemv_gbs / read_gbs,
-        dense_gemv_call_us: gemv_seconds * 1e6,
+        dense_gemv_call_us: best.gemv_s * 1e6,
         dense_gemv_rows,
         prefill_gflops: pf.uniform_gflops,
         prefill_call_ms: pf.uniform_seconds * 1e3,
