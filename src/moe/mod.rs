@@ -3,6 +3,7 @@
 //! (the oracle in `crate::reference` keeps its own arithmetic on purpose).
 
 pub mod dense;
+pub mod expert_groups;
 pub mod expert_math;
 pub mod faults;
 pub mod math;
