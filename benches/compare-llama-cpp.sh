@@ -3,8 +3,9 @@
 #
 #   bash benches/compare-llama-cpp.sh fetch      # here (network): llama-cpp-python's sdist from PyPI,
 #                                                #   pruned to the llama.cpp sources into $LLAMA_DIR/src
-#   bash benches/compare-llama-cpp.sh build      # cmake build of llama-bench + llama-quantize into
-#                                                #   $LLAMA_DIR/build (CUDA when nvcc is present, else CPU)
+#   bash benches/compare-llama-cpp.sh build      # cmake build of llama-bench, llama-quantize and our
+#                                                #   llama-argmax (benches/llama-argmax) into $LLAMA_DIR/build
+#                                                #   (CUDA when nvcc is present, else CPU)
 #   bash benches/compare-llama-cpp.sh run        # build (if missing, in the background while the model is
 #                                                #   written), then llama.cpp and moe-lanes alternately
 #
@@ -54,10 +55,13 @@ build() {
         cuda=ON
         export PATH="/usr/local/cuda/bin:$PATH"
     fi
-    cmake -S "$s" -B "$b" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DGGML_CUDA="$cuda" \
-        -DCMAKE_CUDA_ARCHITECTURES=native -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON >&2
-    cmake --build "$b" --target llama-bench llama-quantize -j "$(nproc)" >&2
+    # Our wrapper project (benches/llama-argmax) adds llama.cpp as a subproject and its own
+    # llama-argmax tool; the binaries land in $b/bin.
+    cmake -S benches/llama-argmax -B "$b" -DLLAMA_SRC="$(realpath "$s")" -DCMAKE_BUILD_TYPE=Release \
+        -DGGML_NATIVE=ON -DGGML_CUDA="$cuda" -DCMAKE_CUDA_ARCHITECTURES=native -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON >&2
+    cmake --build "$b" --target llama-bench llama-quantize llama-argmax -j "${BUILD_JOBS:-$(nproc)}" >&2
     echo "built $b/bin/llama-bench (CUDA $cuda)"
 }
 

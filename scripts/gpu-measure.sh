@@ -14,7 +14,10 @@
 #            (MOE_LANES_HOT_GEMM) at 100% and 50%; the CPU engine's pool cold lane vs the lane
 #            workers (MOE_LANES_POOL_COLD), with the CPU stage profile (issues 14, 16)
 #   quant    a 2-layer model quantized by `moe-lanes quantize` (q4_k_m, q8_0) loads and runs in
-#            llama-bench; the pipeline engine's pp/tg on the same files (issue 12)
+#            llama.cpp with per-position argmax agreement (llama-argmax); the pipeline engine's
+#            pp/tg on the same files (issue 12)
+#   quantcmp the skewed model quantized (QTYPES q4_k_m q8_0) by llama-quantize and by moe-lanes,
+#            both systems at budget 0 / 50% / 100% on each file (issue 12)
 #
 # Usage on the GPU machine, from the repository root, after scripts/gpu-build.sh here:
 #   bash scripts/gpu-measure.sh models      (then, chained: metrics shift plan, and compare)
@@ -159,6 +162,9 @@ part_ab() {
         --hot-budget-mib 0 && grep -A30 -i "profile" "$LOGS/ab-pool-prof.json.log" | head -40
 }
 
+# Token ids of the argmax check (any ids below the synthetic vocabulary's size).
+ARGMAX_TOKENS="${ARGMAX_TOKENS:-1,17,256,4096,77,9000,31,5,1234,600,42,7,8191,300,12,99,2048,3,65,1000,5000,11,250,16000,8,640,72,13,4444,2,150,909}"
+
 part_quant() {
     local f="$MD/q2-bf16.gguf" t q P=64 N=16 RUNS=1
     [ -f "$f" ] || "$BIN" synth --preset qwen3-30b-a3b --layers 2 --format gguf --out "$f" >/dev/null
@@ -166,14 +172,46 @@ part_quant() {
         q="$MD/q2-$t.gguf"
         /usr/bin/time -f "quantize $t: %e s" "$BIN" quantize "$f" "$q" --type "$t" --force --json \
             > "$LOGS/quantize-$t.json" || continue
-        if .llama/build/bin/llama-bench -m "$q" -p 64 -n 16 -r 1 -ngl 99 -o json > "$LOGS/llama-q2-$t.json" \
-            2> "$LOGS/llama-q2-$t.log"; then
-            echo "llama.cpp loads and runs $q: $(python3 -c 'import json,sys; print(["%s %.1f t/s" % ("pp" if r["n_prompt"] else "tg", r["avg_ts"]) for r in json.load(open(sys.argv[1]))])' "$LOGS/llama-q2-$t.json")"
-        else
-            echo "llama.cpp FAILED on $q:"; tail -5 "$LOGS/llama-q2-$t.log"
-        fi
+        argmax_check "$q" "$t"
         bench_json "$LOGS/moe-q2-$t.json" "$q" --engine pipeline --hot-budget-mib 0 &&
             rates "$LOGS/moe-q2-$t.json" "moe-lanes pipeline $t"
+    done
+}
+
+# A file written by `moe-lanes quantize` in llama.cpp (llama-argmax, CPU) against moe-lanes'
+# reference forward on the same file: per-position argmax agreement over ARGMAX_TOKENS.
+argmax_check() { # FILE LABEL
+    local q="$1" t="$2"
+    .llama/build/bin/llama-argmax "$q" 0 "$ARGMAX_TOKENS" > "$LOGS/llama-argmax-$t.json" \
+        2> "$LOGS/llama-argmax-$t.log" || { echo "llama.cpp FAILED on $q:"; tail -5 "$LOGS/llama-argmax-$t.log"; return 1; }
+    "$BIN" logits --model "$q" --tokens "$ARGMAX_TOKENS" > "$MD/moe-logits-$t.json" 2> "$LOGS/moe-logits-$t.log" ||
+        { echo "moe-lanes logits failed on $q"; tail -3 "$LOGS/moe-logits-$t.log"; return 1; }
+    python3 scripts/argmax-agreement.py "$LOGS/llama-argmax-$t.json" "$MD/moe-logits-$t.json" "$t"
+    rm -f "$MD/moe-logits-$t.json"
+}
+
+# Issue 12's table: the skewed 16-layer model quantized by llama.cpp's llama-quantize and by
+# `moe-lanes quantize` (QTYPES: q4_k_m q8_0), each run by both at budget 0 / 50% / 100%
+# (llama.cpp -ncmoe 16 / 8 / 0). Quantized files go to QDIR (/tmp: the tmpfs holds the BF16 ones).
+part_quantcmp() {
+    local src t who q qd="${QDIR:-/tmp}"
+    src=$(model skewed)
+    for t in ${QTYPES:-q4_k_m q8_0}; do
+        for who in llama moe; do
+            q="$qd/q$LAYERS-$who-$t.gguf"
+            if [ ! -f "$q" ]; then
+                if [ "$who" = llama ]; then
+                    /usr/bin/time -f "llama-quantize $t: %e s" .llama/build/bin/llama-quantize "$src" "$q" \
+                        "${t^^}" "$(nproc)" > "$LOGS/llama-quantize-$t.log" 2>&1 || { tail -3 "$LOGS/llama-quantize-$t.log"; continue; }
+                else
+                    /usr/bin/time -f "moe-lanes quantize $t: %e s" "$BIN" quantize "$src" "$q" --type "$t" \
+                        --json > "$LOGS/moe-quantize-$t.json" || continue
+                fi
+            fi
+            echo "== $t written by $who: $(du -h "$q" | cut -f1)"
+            BIN="$BIN" MODEL="$q" CASES="${QCASES:-0 50 100}" OUT="$LOGS/quantcmp-$who-$t" \
+                REPS="${REPS:-1}" bash benches/compare-llama-cpp.sh run | tail -n +2
+        done
     done
 }
 
@@ -182,8 +220,8 @@ for part in "$@"; do
     echo "== $part ($(date -u +%H:%M:%S)) =="
     [ "$part" = models ] || wait_llama_build
     case "$part" in
-        models | metrics | shift | plan | compare | ab | quant) "part_$part" || status=1 ;;
-        *) echo "unknown part $part (models metrics shift plan compare ab quant)"; exit 2 ;;
+        models | metrics | shift | plan | compare | ab | quant | quantcmp) "part_$part" || status=1 ;;
+        *) echo "unknown part $part (models metrics shift plan compare ab quant quantcmp)"; exit 2 ;;
     esac
 done
 exit $status

@@ -22,7 +22,7 @@
 use crate::format::dtype::DType;
 use crate::format::gguf::{GgufError, GgufFile, GgufWriter, MetaValue};
 use crate::format::quant::{quantize, QuantError};
-use crate::format::tensor::{encode_f32, TensorError};
+use crate::format::tensor::{encode_f32, TensorError, TensorRef};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -245,6 +245,12 @@ pub fn quantize_gguf(
     Ok(QuantizeReport { path: output.into(), mix, n_tensors, tensor_types, input_bytes, output_bytes: total })
 }
 
+/// Rows one thread converts per batch. A batch (this times the thread count) is converted in
+/// parallel and written in row order before the next starts, so memory stays at a few MiB
+/// (`threads x 256 rows x row bytes`) while every core quantises (the K-quant search is
+/// compute-bound: one thread writes a 20 GiB BF16 model in many minutes).
+const BATCH_ROWS_PER_THREAD: usize = 256;
+
 /// Write tensor `idx` of `file` as `target`, row by row. The outer error is the conversion's,
 /// the inner the writer's.
 fn write_tensor(
@@ -260,30 +266,74 @@ fn write_tensor(
     }
     let cols = t.shape.last().copied().unwrap_or(1).max(1);
     let n_rows = t.n_elems() / cols;
-    let (path, tensor) = (file.path().to_path_buf(), info.name.clone());
-    let mut row = vec![0.0f32; cols];
-    let mut bytes = Vec::new();
-    for r in 0..n_rows {
-        t.read_f32_into(r * cols, &mut row).map_err(|source| QuantizeError::Tensor {
-            path: path.clone(),
-            tensor: tensor.clone(),
-            source,
-        })?;
-        bytes.clear();
-        if target.is_float() {
-            encode_f32(target, &row, &mut bytes);
-        } else {
-            quantize(target, &row, &mut bytes).map_err(|source| QuantizeError::Quant {
-                path: path.clone(),
-                tensor: tensor.clone(),
-                source,
-            })?;
-        }
-        if let Err(e) = out.write_all(&bytes) {
-            return Ok(Err(e));
+    let job = RowJob { t: &t, target, cols, path: file.path(), tensor: &info.name };
+    let n_threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut parts = vec![Vec::new(); n_threads];
+    for first in (0..n_rows).step_by(BATCH_ROWS_PER_THREAD * n_threads) {
+        let last = (first + BATCH_ROWS_PER_THREAD * n_threads).min(n_rows);
+        job.convert_batch(first, last, &mut parts)?;
+        for part in &parts {
+            if let Err(e) = out.write_all(part) {
+                return Ok(Err(e));
+            }
         }
     }
     Ok(Ok(()))
+}
+
+/// One tensor's conversion: rows of `cols` values from `t` to `target` blocks.
+struct RowJob<'a> {
+    t: &'a TensorRef<'a>,
+    target: DType,
+    cols: usize,
+    path: &'a Path,
+    tensor: &'a str,
+}
+
+impl RowJob<'_> {
+    /// Rows `first..last` split into `parts.len()` contiguous shares, one thread each; part `i`
+    /// receives share `i`'s bytes (empty when the batch is short).
+    fn convert_batch(&self, first: usize, last: usize, parts: &mut [Vec<u8>]) -> Result<(), QuantizeError> {
+        let share = (last - first).div_ceil(parts.len());
+        std::thread::scope(|s| {
+            let handles: Vec<_> = parts
+                .iter_mut()
+                .enumerate()
+                .map(|(i, part)| {
+                    let lo = (first + i * share).min(last);
+                    let hi = (lo + share).min(last);
+                    s.spawn(move || self.convert_rows(lo, hi, part))
+                })
+                .collect();
+            let results: Vec<_> = handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect();
+            results.into_iter().collect()
+        })
+    }
+
+    fn convert_rows(&self, lo: usize, hi: usize, bytes: &mut Vec<u8>) -> Result<(), QuantizeError> {
+        let mut row = vec![0.0f32; self.cols];
+        bytes.clear();
+        for r in lo..hi {
+            self.t.read_f32_into(r * self.cols, &mut row).map_err(|source| QuantizeError::Tensor {
+                path: self.path.into(),
+                tensor: self.tensor.into(),
+                source,
+            })?;
+            if self.target.is_float() {
+                encode_f32(self.target, &row, bytes);
+            } else {
+                quantize(self.target, &row, bytes).map_err(|source| QuantizeError::Quant {
+                    path: self.path.into(),
+                    tensor: self.tensor.into(),
+                    source,
+                })?;
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -291,6 +341,32 @@ mod tests {
     use super::*;
 
     const FACTS: ModelFacts = ModelFacts { n_layers: 16, n_experts: 128, tied_embeddings: false };
+
+    /// Rows are converted in parallel batches: the file must hold them in row order, across
+    /// several batches and a short last one.
+    #[test]
+    fn parallel_batches_keep_row_order() {
+        let dir = std::env::temp_dir().join(format!("moe-lanes-quantize-order-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let (rows, cols) = (BATCH_ROWS_PER_THREAD * threads * 2 + 37, 64);
+        let values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919) % 1013) as f32 / 97.0 - 5.0).collect();
+        let mut w = GgufWriter::new();
+        w.add_metadata("general.architecture", MetaValue::String("qwen3moe".into()));
+        w.add_tensor("blk.0.attn_q.weight", DType::F32, &[rows, cols]);
+        let input = dir.join("in.gguf");
+        let mut fill = |_: usize, out: &mut dyn Write| out.write_all(bytemuck::cast_slice(&values));
+        w.write(&input, &mut fill, &mut |_| {}).unwrap();
+        let output = dir.join("out.gguf");
+        quantize_gguf(&input, &output, QuantMix::Q8_0, &mut |_, _| {}).unwrap();
+        let mut expected = Vec::new();
+        quantize(DType::Q8_0, &values, &mut expected).unwrap();
+        let file = GgufFile::open(&output).unwrap();
+        let t = file.tensor("blk.0.attn_q.weight").unwrap();
+        assert_eq!(t.dtype, DType::Q8_0);
+        assert!(t.data == expected.as_slice(), "quantized rows differ from the sequential conversion");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn q4_k_m_follows_llama_cpp_rules() {
