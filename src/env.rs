@@ -12,12 +12,13 @@
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |
+//! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `tiled` (default, flash-style tiles of queries x keys) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
 //! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
 //! | `MOE_LANES_POOL_COLD` | `off`: the pipeline's cold lane on lane-actor worker threads instead of the dense stage's pool ([`pool_cold`]) |
 
-use crate::gpu::{GpuFaults, HotGemm};
+use crate::gpu::{GpuFaults, HotGemm, PrefillAttention};
 use crate::moe::phase::{PolicySwitches, Switch};
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::CudaConfig;
@@ -94,6 +95,15 @@ pub fn hot_gemm() -> Result<HotGemm, EnvError> {
         None | Some("grouped") => Ok(HotGemm::Grouped),
         Some("cublas") => Ok(HotGemm::PerExpert),
         Some(v) => Err(bad("MOE_LANES_HOT_GEMM", v, "grouped or cublas")),
+    }
+}
+
+/// `MOE_LANES_GPU_ATTENTION` (`tiled` or `rows`; unset is `tiled`).
+pub fn prefill_attention() -> Result<PrefillAttention, EnvError> {
+    match var("MOE_LANES_GPU_ATTENTION").as_deref() {
+        None | Some("tiled") => Ok(PrefillAttention::Tiled),
+        Some("rows") => Ok(PrefillAttention::PerRow),
+        Some(v) => Err(bad("MOE_LANES_GPU_ATTENTION", v, "tiled or rows")),
     }
 }
 

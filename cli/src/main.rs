@@ -572,6 +572,7 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.gpu.profile = env::gpu_profile();
     opts.gpu.faults = env::faults()?;
     opts.gpu.hot_gemm = env::hot_gemm()?;
+    opts.gpu.prefill_attention = env::prefill_attention()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
     opts.pipeline.switches = env::policy_switches()?;
     opts.pipeline.pool_cold = env::pool_cold()?;

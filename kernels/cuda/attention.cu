@@ -210,3 +210,111 @@ extern "C" __global__ void attention_combine_f32(const float* __restrict__ part,
         out[((size_t)t * n_heads + h) * hd + i] = a * inv;
     }
 }
+
+// Prefill attention, flash style (tiles of queries x tiles of keys, online softmax). A "row" is a
+// (token, head of kv head kvh's group) pair, token-major; block (b, kvh) owns rows
+// b*ATT_TILE_ROWS.. and stages their queries once, then walks the keys they see in tiles of
+// ATT_TILE_KEYS positions staged in shared memory, so every K/V value read from memory feeds
+// ATT_TILE_ROWS query rows (the per-(token, head) kernel above reads the cache once per row).
+// ATT_TILE_ROWS, ATT_TILE_KEYS, ATT_TILE_MAXC: -D defines (kernels/src/cuda/kernel.rs). Warp w owns rows 4w..4w+3; lane j scores key j of the tile for them (K rows padded to hd + 4
+// floats: float4 loads without bank conflicts), then a running max m / sum l per row and
+// acc[row][lane + 32c] += p * v. Same math as attention_f32 in another summation order.
+// grid (ceil(T * group / ATT_TILE_ROWS), n_kv), block 32 * ATT_TILE_ROWS / 4, dynamic shared
+// (ATT_TILE_KEYS * (2 hd + 4) + ATT_TILE_ROWS * hd) * 4 bytes. hd % 4 == 0, hd <= 32 * ATT_TILE_MAXC.
+extern "C" __global__ void attention_tiled_f32(const float* __restrict__ q, const float* __restrict__ kc,
+                                               const float* __restrict__ vc, float* __restrict__ out,
+                                               int n_tokens, int pos0, int n_heads, int n_kv, int hd,
+                                               int window, float scale) {
+    extern __shared__ float4 sm4[];
+    float* ks = (float*)sm4;                        // [ATT_TILE_KEYS][hd + 4]
+    float* vs = ks + ATT_TILE_KEYS * (hd + 4);      // [ATT_TILE_KEYS][hd]
+    float* qs = vs + ATT_TILE_KEYS * hd;            // [ATT_TILE_ROWS][hd]
+    const int g = n_heads / n_kv, kvh = blockIdx.y, row0 = blockIdx.x * ATT_TILE_ROWS;
+    const int n_rows = n_tokens * g, kv_dim = n_kv * hd, q_dim = n_heads * hd, ks_stride = hd + 4;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (int e = threadIdx.x; e < ATT_TILE_ROWS * hd; e += blockDim.x) {
+        int rg = row0 + e / hd, i = e % hd;
+        qs[e] = rg < n_rows ? q[(size_t)(rg / g) * q_dim + (size_t)(kvh * g + rg % g) * hd + i] : 0.f;
+    }
+    int last_row = min(n_rows, row0 + ATT_TILE_ROWS) - 1;
+    int key_hi = pos0 + last_row / g;  // inclusive
+    int key_lo = window > 0 ? max(0, pos0 + row0 / g + 1 - window) : 0;
+    int rpos[4], rfirst[4];
+    float m[4], l[4], acc[4][ATT_TILE_MAXC];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int rg = row0 + 4 * w + r;
+        rpos[r] = rg < n_rows ? pos0 + rg / g : -1;  // -1: padding row, sees nothing
+        rfirst[r] = window > 0 ? max(0, rpos[r] + 1 - window) : 0;
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+#pragma unroll
+        for (int c = 0; c < ATT_TILE_MAXC; c++) acc[r][c] = 0.f;
+    }
+    for (int k0 = key_lo; k0 <= key_hi; k0 += ATT_TILE_KEYS) {
+        __syncthreads();  // the previous tile is consumed (and, first time, the queries are staged)
+        for (int e = threadIdx.x; e < ATT_TILE_KEYS * hd; e += blockDim.x) {
+            int j = e / hd, i = e % hd, p = k0 + j;
+            size_t src = (size_t)p * kv_dim + (size_t)kvh * hd + i;
+            ks[j * ks_stride + i] = p <= key_hi ? kc[src] : 0.f;
+            vs[j * hd + i] = p <= key_hi ? vc[src] : 0.f;
+        }
+        __syncthreads();
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        const float4* kr = (const float4*)(ks + lane * ks_stride);
+        const float4* qr = (const float4*)(qs + 4 * w * hd);
+        for (int i4 = 0; i4 < hd / 4; i4++) {
+            float4 k = kr[i4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) {
+                float4 a = qr[r * (hd / 4) + i4];
+                s[r] += a.x * k.x + a.y * k.y + a.z * k.z + a.w * k.w;
+            }
+        }
+        int p = k0 + lane;
+        float pr[4];
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            bool vis = p <= rpos[r] && p >= rfirst[r];
+            float sc = vis ? s[r] * scale : -INFINITY;
+            float mn = fmaxf(m[r], warp_max(sc));  // warp-uniform
+            if (mn == -INFINITY) {                 // nothing visible yet for this row
+                pr[r] = 0.f;
+                continue;
+            }
+            float corr = expf(m[r] - mn);  // m = -inf: 0
+            pr[r] = vis ? expf(sc - mn) : 0.f;
+            l[r] = l[r] * corr + warp_sum(pr[r]);
+            m[r] = mn;
+#pragma unroll
+            for (int c = 0; c < ATT_TILE_MAXC; c++) acc[r][c] *= corr;
+        }
+        int nk = min(ATT_TILE_KEYS, key_hi - k0 + 1);
+        for (int j = 0; j < nk; j++) {
+            float pj[4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) pj[r] = __shfl_sync(0xffffffffu, pr[r], j);
+#pragma unroll
+            for (int c = 0; c < ATT_TILE_MAXC; c++) {
+                int i = lane + 32 * c;
+                if (i < hd) {
+                    float v = vs[j * hd + i];
+#pragma unroll
+                    for (int r = 0; r < 4; r++) acc[r][c] += pj[r] * v;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int rg = row0 + 4 * w + r;
+        if (rg >= n_rows) continue;
+        float inv = 1.f / l[r];
+        float* o = out + (size_t)(rg / g) * q_dim + (size_t)(kvh * g + rg % g) * hd;
+#pragma unroll
+        for (int c = 0; c < ATT_TILE_MAXC; c++) {
+            int i = lane + 32 * c;
+            if (i < hd) o[i] = acc[r][c] * inv;
+        }
+    }
+}

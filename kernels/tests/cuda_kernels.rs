@@ -199,9 +199,15 @@ fn rope_both_styles_match_cpu() {
 fn attention_causal_gqa_matches_cpu() {
     let Some(be) = backend() else { return };
     // small odd shapes, and Qwen3-like decode/prefill shapes (hd 128, long context)
-    for (n_heads, n_kv, hd, pos0, t) in
-        [(4, 2, 20, 6, 3), (8, 2, 128, 700, 1), (4, 4, 64, 37, 5), (2, 1, 256, 3, 1)]
-    {
+    for (n_heads, n_kv, hd, pos0, t) in [
+        (4, 2, 20, 6, 3),
+        (8, 2, 128, 700, 1),
+        (4, 4, 64, 37, 5),
+        (2, 1, 256, 3, 1),
+        (32, 4, 128, 0, 70),
+        (32, 4, 128, 45, 19),
+        (6, 1, 16, 2, 33),
+    ] {
         let total = pos0 + t;
         let kv_dim = n_kv * hd;
         let q = rnd(t * n_heads * hd, 12);
@@ -232,6 +238,24 @@ fn attention_causal_gqa_matches_cpu() {
             )
             .unwrap();
             let got2 = be.read_vec(out2.ptr()).unwrap();
+            // tiled prefill version (heads up to 128 dims)
+            let got3 = CudaBackend::attention_tiled_fits(hd).then(|| {
+                let out3 = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+                be.attention_tiled(
+                    dq.ptr(),
+                    dk.ptr(),
+                    dv.ptr(),
+                    out3.ptr(),
+                    t,
+                    pos0,
+                    n_heads,
+                    n_kv,
+                    hd,
+                    window,
+                )
+                .unwrap();
+                be.read_vec(out3.ptr()).unwrap()
+            });
             let mut want = vec![0.0; t * n_heads * hd];
             for ti in 0..t {
                 let pos = pos0 + ti;
@@ -256,6 +280,10 @@ fn attention_causal_gqa_matches_cpu() {
             assert!(err < 1e-5, "hd={hd} pos0={pos0} t={t} window={window}: {err}");
             let err2 = max_abs_diff(&got2, &want);
             assert!(err2 < 1e-5, "split: hd={hd} pos0={pos0} t={t} window={window}: {err2}");
+            if let Some(got3) = got3 {
+                let err3 = max_abs_diff(&got3, &want);
+                assert!(err3 < 1e-5, "tiled: hd={hd} pos0={pos0} t={t} window={window}: {err3}");
+            }
         }
     }
 }

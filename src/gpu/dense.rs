@@ -3,7 +3,7 @@
 //! expert. Decode uses GEMV kernels; prefill and warmup use cuBLAS GEMMs.
 
 use super::kv::GpuKvCache;
-use super::model::GpuModel;
+use super::model::{GpuModel, PrefillAttention};
 use super::GpuError;
 use crate::model::adapter::{QkNorm, RopeStyle, RoutingVariant};
 use crate::moe::phase::Phase;
@@ -142,6 +142,11 @@ impl GpuModel {
         match (&self.attn_part, phase) {
             (Some(part), Phase::Decode) => {
                 self.be.attention_split(q, kc, vc, out, part.ptr(), t, pos0, nh, nkv, hd, window)?
+            }
+            _ if self.opts.prefill_attention == PrefillAttention::Tiled
+                && CudaBackend::attention_tiled_fits(hd) =>
+            {
+                self.be.attention_tiled(q, kc, vc, out, t, pos0, nh, nkv, hd, window)?
             }
             _ => self.be.attention(q, kc, vc, out, t, pos0, nh, nkv, hd, window)?,
         }

@@ -24,7 +24,9 @@ mod weights;
 pub use cold::{ColdError, ColdExperts, ColdSlot, CpuColdExperts};
 pub use error::GpuError;
 pub use kv::GpuKvCache;
-pub use model::{BadFault, GpuFaults, GpuModel, GpuOptions, HotGemm, LayerFaults, HOT_LANE_TIMEOUT};
+pub use model::{
+    BadFault, GpuFaults, GpuModel, GpuOptions, HotGemm, LayerFaults, PrefillAttention, HOT_LANE_TIMEOUT,
+};
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use pool_cold::{PoolColdError, PoolColdExperts};
 pub use stats::{ForwardStats, LayerLaneStats, StageProfile, PROFILE_LAYER_STAGES, PROFILE_TAIL_STAGES};

@@ -135,11 +135,24 @@ pub enum HotGemm {
     PerExpert,
 }
 
+/// How prefill attention runs (an A/B switch: `MOE_LANES_GPU_ATTENTION` at the CLI). Decode
+/// always splits positions over blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillAttention {
+    /// Flash-style: a block per tile of query rows of one kv head's group, keys staged in
+    /// shared-memory tiles (heads up to 128 dims; wider heads run per row).
+    #[default]
+    Tiled,
+    /// One block per (token, head), reading the cache once per row.
+    PerRow,
+}
+
 /// Engine switches.
 #[derive(Debug, Clone, Copy)]
 pub struct GpuOptions {
     /// The prefill hot lane's GEMMs: grouped (default) or per expert through cuBLAS.
     pub hot_gemm: HotGemm,
+    pub prefill_attention: PrefillAttention,
     /// Prefill GEMMs take activations as bf16 hi + lo (two GEMMs, or two MMAs per step in the
     /// grouped hot lane; ~f32 accuracy); off: bf16 only.
     pub split_bf16_activations: bool,
@@ -156,6 +169,7 @@ impl Default for GpuOptions {
     fn default() -> Self {
         GpuOptions {
             hot_gemm: HotGemm::Grouped,
+            prefill_attention: PrefillAttention::Tiled,
             split_bf16_activations: true,
             perf_mode: PerfMode::Full,
             profile: false,

@@ -15,6 +15,17 @@ pub const ATTENTION_SPLIT_WARPS: u32 = 8;
 /// Activation rows one launch of a quantized GEMV multiplies with each weight it decodes
 /// (`-DQUANT_MAX_TOKENS`; its accumulators live in registers).
 pub const QUANT_MAX_TOKENS: u32 = 8;
+/// Query rows ((token, head) pairs of one kv head's group) of a tiled prefill attention block
+/// (`-DATT_TILE_ROWS`): four per warp.
+pub const ATTENTION_TILE_ROWS: usize = 16;
+/// Key positions of a tiled prefill attention tile staged in shared memory (`-DATT_TILE_KEYS`):
+/// one per lane.
+pub const ATTENTION_TILE_KEYS: usize = 32;
+/// Largest head dimension of the tiled prefill attention (`-DATT_TILE_MAXC` = this / 32 values
+/// per lane and row): K, V and query tiles of 128-dim heads take 41.5 KiB of shared memory.
+pub const ATTENTION_TILE_MAX_HEAD_DIM: usize = 128;
+/// Threads of a tiled prefill attention block.
+pub const ATTENTION_TILE_THREADS: u32 = 32 * (ATTENTION_TILE_ROWS as u32 / 4);
 /// Threads of the split attention kernel.
 pub const ATTENTION_SPLIT_THREADS: u32 = 32 * ATTENTION_SPLIT_WARPS;
 /// Rows (hot entries of one cache slot) of a grouped expert GEMM tile (`-DGG_BM`).
@@ -25,6 +36,8 @@ pub const GROUPED_TILE_COLS: usize = 64;
 pub const GROUPED_THREADS: u32 = 128;
 const _: () = assert!(ATTENTION_SPLIT_CHUNK.is_multiple_of(ATTENTION_SPLIT_WARPS as usize));
 const _: () = assert!(ATTENTION_MAX_HEAD_DIM.is_multiple_of(32));
+const _: () = assert!(ATTENTION_TILE_ROWS.is_multiple_of(4) && ATTENTION_TILE_KEYS == 32);
+const _: () = assert!(ATTENTION_TILE_MAX_HEAD_DIM.is_multiple_of(32));
 
 /// Shared device helpers (types, warp and block reductions), prepended to the families.
 pub const COMMON_CUH: &str = include_str!("../../cuda/common.cuh");
@@ -105,7 +118,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 10] = [
+pub const SHARED_DEFINE_NAMES: [&str; 13] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -116,6 +129,9 @@ pub const SHARED_DEFINE_NAMES: [&str; 10] = [
     "GG_BN",
     "GG_THREADS",
     "QUANT_MAX_TOKENS",
+    "ATT_TILE_ROWS",
+    "ATT_TILE_KEYS",
+    "ATT_TILE_MAXC",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -131,6 +147,9 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DGG_BN={GROUPED_TILE_COLS}"),
         format!("-DGG_THREADS={GROUPED_THREADS}"),
         format!("-DQUANT_MAX_TOKENS={QUANT_MAX_TOKENS}"),
+        format!("-DATT_TILE_ROWS={ATTENTION_TILE_ROWS}"),
+        format!("-DATT_TILE_KEYS={ATTENTION_TILE_KEYS}"),
+        format!("-DATT_TILE_MAXC={}", ATTENTION_TILE_MAX_HEAD_DIM / 32),
     ]
 }
 
@@ -148,6 +167,7 @@ pub enum Kernel {
     QkNormRopeF32,
     AttentionF32,
     AttentionSplitF32,
+    AttentionTiledF32,
     AttentionCombineF32,
     ArgmaxF32,
     ArgmaxPartialF32,
@@ -177,7 +197,7 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 37] = [
+    pub const ALL: [Kernel; 38] = [
         Kernel::GemvBf16,
         Kernel::Gemv3Bf16,
         Kernel::RmsnormF32,
@@ -189,6 +209,7 @@ impl Kernel {
         Kernel::QkNormRopeF32,
         Kernel::AttentionF32,
         Kernel::AttentionSplitF32,
+        Kernel::AttentionTiledF32,
         Kernel::AttentionCombineF32,
         Kernel::ArgmaxF32,
         Kernel::ArgmaxPartialF32,
@@ -231,6 +252,7 @@ impl Kernel {
             Kernel::QkNormRopeF32 => "qk_norm_rope_f32",
             Kernel::AttentionF32 => "attention_f32",
             Kernel::AttentionSplitF32 => "attention_split_f32",
+            Kernel::AttentionTiledF32 => "attention_tiled_f32",
             Kernel::AttentionCombineF32 => "attention_combine_f32",
             Kernel::ArgmaxF32 => "argmax_f32",
             Kernel::ArgmaxPartialF32 => "argmax_partial_f32",
@@ -274,6 +296,7 @@ impl Kernel {
             Kernel::QkNormRopeF32 => Family::NormRope,
             Kernel::AttentionF32 => Family::Attention,
             Kernel::AttentionSplitF32 => Family::Attention,
+            Kernel::AttentionTiledF32 => Family::Attention,
             Kernel::AttentionCombineF32 => Family::Attention,
             Kernel::ArgmaxF32 => Family::Argmax,
             Kernel::ArgmaxPartialF32 => Family::Argmax,

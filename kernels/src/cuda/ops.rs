@@ -5,7 +5,8 @@
 #![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
 
 use super::kernel::{
-    Kernel, ARGMAX_BLOCK, ATTENTION_SPLIT_THREADS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS,
+    Kernel, ARGMAX_BLOCK, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS, ATTENTION_TILE_MAX_HEAD_DIM,
+    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS,
     ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
@@ -410,6 +411,68 @@ impl CudaBackend {
                 k_cache.raw(),
                 v_cache.raw(),
                 out.raw(),
+                i(pos0),
+                i(n_heads),
+                i(n_kv),
+                i(head_dim),
+                i(window),
+                scale
+            ],
+        )
+    }
+
+    /// Whether [`Self::attention_tiled`] takes heads of `head_dim`.
+    pub fn attention_tiled_fits(head_dim: usize) -> bool {
+        head_dim > 0 && head_dim.is_multiple_of(4) && head_dim <= ATTENTION_TILE_MAX_HEAD_DIM
+    }
+
+    /// Same result as [`Self::attention`] (another summation order) for prefill: each block
+    /// stages [`ATTENTION_TILE_ROWS`] query rows of one kv head's group and walks their keys in
+    /// shared-memory tiles of [`ATTENTION_TILE_KEYS`] positions with an online softmax, so the
+    /// cache is read once per tile of rows instead of once per row; no limit on the positions.
+    /// `head_dim` must pass [`Self::attention_tiled_fits`].
+    pub fn attention_tiled(
+        &self,
+        q: DPtr<f32>,
+        k_cache: DPtr<f32>,
+        v_cache: DPtr<f32>,
+        out: DPtr<f32>,
+        n_tokens: usize,
+        pos0: usize,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+        window: usize,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::AttentionTiledF32;
+        if n_kv == 0 || n_heads / n_kv * n_kv != n_heads || !Self::attention_tiled_fits(head_dim) {
+            return Err(CudaError::Shape {
+                kernel: K.symbol(),
+                reason: format!(
+                    "{n_heads} heads over {n_kv} kv heads of dim {head_dim} (groups must divide; dim a \
+                     multiple of 4, at most {ATTENTION_TILE_MAX_HEAD_DIM})"
+                ),
+            });
+        }
+        let total = pos0 + n_tokens;
+        need(K, "q", q, n_tokens * n_heads * head_dim)?;
+        need(K, "k_cache", k_cache, total * n_kv * head_dim)?;
+        need(K, "v_cache", v_cache, total * n_kv * head_dim)?;
+        need(K, "out", out, n_tokens * n_heads * head_dim)?;
+        let rows = n_tokens * (n_heads / n_kv);
+        let shared_floats = ATTENTION_TILE_KEYS * (2 * head_dim + 4) + ATTENTION_TILE_ROWS * head_dim;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        self.launch(
+            K,
+            (rows.div_ceil(ATTENTION_TILE_ROWS) as u32, n_kv as u32, 1),
+            ATTENTION_TILE_THREADS,
+            (shared_floats * 4) as u32,
+            args![
+                q.raw(),
+                k_cache.raw(),
+                v_cache.raw(),
+                out.raw(),
+                i(n_tokens),
                 i(pos0),
                 i(n_heads),
                 i(n_kv),
