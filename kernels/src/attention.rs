@@ -5,10 +5,12 @@
 //! head scans are one sequential stream. Work units are (token, query head) pairs, claimed one
 //! at a time; each unit's scores (`q · k * scale`, by the SIMD tile kernels with F32 "weights")
 //! go to the claiming thread's own scratch row, then a max-subtracted softmax and the weighted
-//! sum of the values. A unit's result does not depend on which thread ran it.
+//! sum of the values. A unit's result does not depend on which thread ran it. Calls of
+//! `TILED_MIN_TOKENS` tokens or more (prefill) run in tiles instead ([`crate::attention_tiled`]).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::attention_tiled::{thread_scratch_floats, TiledCall, TILED_MIN_TOKENS};
 use crate::error::KernelError;
 use crate::ffn::dot_tiles;
 use crate::pool::ColdPool;
@@ -75,6 +77,8 @@ impl AttentionInput<'_> {
 #[derive(Debug, Default)]
 pub struct AttentionScratch {
     scores: Vec<f32>,
+    /// The tiled prefill path's per-thread regions.
+    tiles: Vec<f32>,
 }
 
 struct RawAttention<'a> {
@@ -104,6 +108,10 @@ pub fn par_attention(
 ) -> Result<(), KernelError> {
     level.ensure_supported()?;
     let n_tokens = input.validate(out.len())?;
+    if n_tokens >= TILED_MIN_TOKENS {
+        let call = tiled_call(level, input, n_tokens, scratch, pool.n_threads(), out);
+        return pool.broadcast(&|index, _| call.work(index));
+    }
     let row_len = input.first_pos + n_tokens;
     let n_threads = pool.n_threads();
     if scratch.scores.len() < n_threads * row_len {
@@ -131,6 +139,10 @@ pub fn attention(
 ) -> Result<(), KernelError> {
     level.ensure_supported()?;
     let n_tokens = input.validate(out.len())?;
+    if n_tokens >= TILED_MIN_TOKENS {
+        tiled_call(level, input, n_tokens, scratch, 1, out).work(0);
+        return Ok(());
+    }
     let row_len = input.first_pos + n_tokens;
     if scratch.scores.len() < row_len {
         scratch.scores.resize(row_len, 0.0);
@@ -146,6 +158,29 @@ pub fn attention(
     };
     attention_worker(&call, 0);
     Ok(())
+}
+
+/// A tiled prefill call over `n_threads` scratch regions (see [`crate::attention_tiled`]).
+fn tiled_call<'a>(
+    level: SimdLevel,
+    input: &AttentionInput<'a>,
+    n_tokens: usize,
+    scratch: &mut AttentionScratch,
+    n_threads: usize,
+    out: &mut [f32],
+) -> TiledCall<'a> {
+    let need = n_threads * thread_scratch_floats(input.shape);
+    if scratch.tiles.len() < need {
+        scratch.tiles.resize(need, 0.0);
+    }
+    TiledCall {
+        input: *input,
+        level,
+        n_tokens,
+        scratch: scratch.tiles.as_mut_ptr(),
+        out: out.as_mut_ptr(),
+        next_unit: AtomicUsize::new(0),
+    }
 }
 
 fn attention_worker(call: &RawAttention<'_>, index: usize) {

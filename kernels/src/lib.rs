@@ -13,6 +13,7 @@
 //! - [`bench`]: read bandwidth vs. cold-lane effective weight bandwidth.
 
 pub mod attention;
+pub mod attention_tiled;
 pub mod bench;
 pub mod cuda;
 pub mod dense;

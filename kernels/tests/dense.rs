@@ -112,7 +112,17 @@ fn par_attention_matches_scalar_for_every_level_and_thread_count() {
         AttentionShape { n_heads: 8, n_kv_heads: 1, head_dim: 128 },
     ] {
         for (first_pos, n_tokens, window) in
-            [(0, 1, None), (0, 7, None), (5, 1, None), (5, 6, Some(3)), (40, 1, Some(16))]
+            // from 4 tokens on the tiled path (key chunks of 256: 260 + 9 crosses one)
+            [
+                (0, 1, None),
+                (0, 7, None),
+                (5, 1, None),
+                (5, 6, Some(3)),
+                (40, 1, Some(16)),
+                (0, 33, None),
+                (260, 9, None),
+                (260, 9, Some(200)),
+            ]
         {
             let kv = random_kv(&mut rng, shape.n_kv_heads, first_pos + n_tokens, shape.head_dim);
             let q = rng.vec(n_tokens * shape.n_heads * shape.head_dim, 1.0);

@@ -1,0 +1,367 @@
+//! Prefill attention in tiles: a work unit is one KV head and a block of tokens, i.e. every
+//! query row (token, head of that KV head's group) of the block, at most [`TILE_ROWS`] rows.
+//! The unit walks the keys its rows see in chunks of [`KEY_CHUNK`] positions: the chunk's keys are
+//! transposed once and every row's scores accumulate `q[k] * keyᵀ[k, ..]` along the keys (SIMD
+//! along the chunk, no horizontal sums on these short rows), masked (causal, window) and folded
+//! into a running max / sum per row (online softmax); the weighted sum of the values accumulates
+//! `p[j] * v[j, ..]` along head_dim. Every K/V value read
+//! feeds up to `TILE_ROWS` rows, where the per-(token, head) path reads the cache once per row.
+//! A unit's result does not depend on which thread ran it.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::attention::{AttentionInput, AttentionShape};
+use crate::simd::SimdLevel;
+
+/// Query rows per unit (a GQA group wider than this makes one-token units of the group's width).
+pub const TILE_ROWS: usize = 32;
+/// Key positions per chunk: the scores (rows x chunk) and transposed keys (head_dim x chunk)
+/// of one unit stay in L2.
+pub const KEY_CHUNK: usize = 256;
+/// Calls with at least this many tokens take the tiled path (decode keeps one unit per row).
+pub const TILED_MIN_TOKENS: usize = 4;
+
+/// Floats of one thread's scratch for `shape`: scores, transposed values, accumulators, max and
+/// sum per row.
+pub(crate) fn thread_scratch_floats(shape: AttentionShape) -> usize {
+    let rows = max_rows(shape);
+    rows * KEY_CHUNK + shape.head_dim * KEY_CHUNK + rows * shape.head_dim + 2 * rows
+}
+
+fn group(shape: AttentionShape) -> usize {
+    shape.n_heads / shape.n_kv_heads
+}
+
+fn tokens_per_unit(shape: AttentionShape) -> usize {
+    (TILE_ROWS / group(shape)).max(1)
+}
+
+fn max_rows(shape: AttentionShape) -> usize {
+    tokens_per_unit(shape) * group(shape)
+}
+
+/// One call's units, claimed by the threads through `next_unit`.
+pub(crate) struct TiledCall<'a> {
+    pub input: AttentionInput<'a>,
+    pub level: SimdLevel,
+    pub n_tokens: usize,
+    /// `n_threads` regions of [`thread_scratch_floats`].
+    pub scratch: *mut f32,
+    pub out: *mut f32,
+    pub next_unit: AtomicUsize,
+}
+
+// SAFETY: scratch regions are per thread index (each thread writes only its own); `out` rows
+// are written per unit, and units (kv head, token block) own disjoint (token, head) rows, each
+// unit claimed by exactly one thread through `next_unit`; the buffers outlive the call.
+unsafe impl Sync for TiledCall<'_> {}
+
+impl TiledCall<'_> {
+    fn n_units(&self) -> usize {
+        self.input.shape.n_kv_heads * self.n_tokens.div_ceil(tokens_per_unit(self.input.shape))
+    }
+
+    /// Claims and runs units until none are left; `index` picks this thread's scratch region.
+    pub(crate) fn work(&self, index: usize) {
+        let shape = self.input.shape;
+        let per_thread = thread_scratch_floats(shape);
+        let blocks = self.n_tokens.div_ceil(tokens_per_unit(shape));
+        loop {
+            let unit = self.next_unit.fetch_add(1, Ordering::Relaxed);
+            if unit >= self.n_units() {
+                return;
+            }
+            // SAFETY: region `index` belongs to this thread (index < n_threads regions).
+            let scratch =
+                unsafe { std::slice::from_raw_parts_mut(self.scratch.add(index * per_thread), per_thread) };
+            let t0 = (unit % blocks) * tokens_per_unit(shape);
+            let t1 = (t0 + tokens_per_unit(shape)).min(self.n_tokens);
+            self.unit(unit / blocks, t0..t1, scratch);
+        }
+    }
+
+    /// Rows of kv head `kv` for tokens `tokens`: row `r` is token `tokens.start + r / group`,
+    /// head `kv * group + r % group`.
+    fn unit(&self, kv: usize, tokens: std::ops::Range<usize>, scratch: &mut [f32]) {
+        let shape = self.input.shape;
+        let (hd, g) = (shape.head_dim, group(shape));
+        let rows = tokens.len() * g;
+        let mut tile = UnitTile::split(scratch, self.level, max_rows(shape), hd, rows);
+        let q_row = |r: usize| (tokens.start + r / g) * shape.n_heads + kv * g + r % g;
+        let first_pos = self.input.first_pos;
+        let visible = |t: usize| {
+            let pos = first_pos + t;
+            (self.input.window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos)
+        };
+        let (lo, hi) = (visible(tokens.start).0, visible(tokens.end - 1).1);
+        let mut k0 = lo;
+        while k0 <= hi {
+            let n = KEY_CHUNK.min(hi + 1 - k0);
+            self.scores(&mut tile, kv, k0, n, rows, &q_row);
+            for r in 0..rows {
+                let (first, last) = visible(tokens.start + r / g);
+                tile.fold_row(r, k0, n, first, last);
+            }
+            self.weigh_values(&mut tile, kv, k0, n, rows);
+            k0 += n;
+        }
+        for r in 0..rows {
+            // SAFETY: this unit alone writes the (token, head) row q_row(r); validate checked
+            // that `out` holds n_tokens * n_heads rows of hd.
+            let out = unsafe { std::slice::from_raw_parts_mut(self.out.add(q_row(r) * hd), hd) };
+            tile.finish_row(r, out);
+        }
+    }
+
+    /// Scores of keys `k0..k0 + n` for every row into `tile.scores` (scaled): the chunk's keys
+    /// are transposed once, then each row accumulates `q[r, k] * kᵀ[k, ..n]` along the keys.
+    fn scores(
+        &self,
+        tile: &mut UnitTile<'_>,
+        kv: usize,
+        k0: usize,
+        n: usize,
+        rows: usize,
+        q_row: &dyn Fn(usize) -> usize,
+    ) {
+        let hd = self.input.shape.head_dim;
+        transpose_chunk(&self.input.keys[kv][k0 * hd..(k0 + n) * hd], hd, tile.trans);
+        let scale = 1.0 / (hd as f32).sqrt();
+        for r in 0..rows {
+            let q = &self.input.q[q_row(r) * hd..(q_row(r) + 1) * hd];
+            let out = &mut tile.scores[r * KEY_CHUNK..r * KEY_CHUNK + n];
+            out.fill(0.0);
+            row_times_matrix(self.level, q, tile.trans, KEY_CHUNK, out);
+            out.iter_mut().for_each(|s| *s *= scale);
+        }
+    }
+
+    /// `acc[r] += sum_j p[r, j] * v[k0 + j]`: each row accumulates probability-weighted value
+    /// rows (contiguous along head_dim).
+    fn weigh_values(&self, tile: &mut UnitTile<'_>, kv: usize, k0: usize, n: usize, rows: usize) {
+        let hd = self.input.shape.head_dim;
+        let values = &self.input.values[kv][k0 * hd..(k0 + n) * hd];
+        for r in 0..rows {
+            let p = &tile.scores[r * KEY_CHUNK..r * KEY_CHUNK + n];
+            row_times_matrix(self.level, p, values, hd, &mut tile.acc[r * hd..(r + 1) * hd]);
+        }
+    }
+}
+
+/// `dst[k * KEY_CHUNK + j] = src[j * hd + k]` for the chunk's `src.len() / hd` positions.
+fn transpose_chunk(src: &[f32], hd: usize, dst: &mut [f32]) {
+    for (j, row) in src.chunks_exact(hd).enumerate() {
+        for (k, &x) in row.iter().enumerate() {
+            dst[k * KEY_CHUNK + j] = x;
+        }
+    }
+}
+
+/// `out += sum_i a[i] * m[i * stride .. i * stride + out.len()]`, vectorised along `out` for the
+/// level (no horizontal sums: the rows are short, head_dim or a key chunk).
+fn row_times_matrix(level: SimdLevel, a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    assert!(a.is_empty() || (a.len() - 1) * stride + out.len() <= m.len(), "row_times_matrix: m too short");
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller checked that the CPU supports the level's features.
+        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => unsafe { row_times_matrix_avx512(a, m, stride, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        SimdLevel::Avx2 => unsafe { row_times_matrix_avx2(a, m, stride, out) },
+        _ => row_times_matrix_plain(a, m, stride, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+// SAFETY (callers): the CPU has these features; the body is safe code, compiled for them.
+unsafe fn row_times_matrix_avx512(a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    row_times_matrix_fma(a, m, stride, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+// SAFETY (callers): the CPU has these features; the body is safe code, compiled for them.
+unsafe fn row_times_matrix_avx2(a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    row_times_matrix_fma(a, m, stride, out)
+}
+
+/// Columns of `out` kept in registers across all of `a` (four 16-lane or eight 8-lane vectors).
+const OUT_BLOCK: usize = 64;
+
+/// Fused multiply-adds (inlined into the feature-enabled callers, where they vectorise): `out`
+/// in blocks of [`OUT_BLOCK`] columns accumulated in a local array over every `a[i]`, so each
+/// step loads one matrix vector and no accumulator; the tail column by column.
+#[inline(always)]
+fn row_times_matrix_fma(a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    let n = out.len();
+    let blocks = n / OUT_BLOCK * OUT_BLOCK;
+    for c0 in (0..blocks).step_by(OUT_BLOCK) {
+        let mut acc = [0.0f32; OUT_BLOCK];
+        acc.copy_from_slice(&out[c0..c0 + OUT_BLOCK]);
+        for (i, &ai) in a.iter().enumerate() {
+            let row: &[f32; OUT_BLOCK] =
+                m[i * stride + c0..i * stride + c0 + OUT_BLOCK].try_into().expect("block");
+            for k in 0..OUT_BLOCK {
+                acc[k] = ai.mul_add(row[k], acc[k]);
+            }
+        }
+        out[c0..c0 + OUT_BLOCK].copy_from_slice(&acc);
+    }
+    for (i, &ai) in a.iter().enumerate() {
+        for (o, &x) in out[blocks..].iter_mut().zip(&m[i * stride + blocks..i * stride + n]) {
+            *o = ai.mul_add(x, *o);
+        }
+    }
+}
+
+/// The scalar level: separate multiply and add (no FMA unit assumed).
+fn row_times_matrix_plain(a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
+    let n = out.len();
+    for (i, &ai) in a.iter().enumerate() {
+        if ai == 0.0 {
+            continue;
+        }
+        for (o, &x) in out.iter_mut().zip(&m[i * stride..i * stride + n]) {
+            *o += ai * x;
+        }
+    }
+}
+
+/// One unit's views of its thread's scratch.
+struct UnitTile<'s> {
+    /// rows x KEY_CHUNK: scores, then probabilities.
+    scores: &'s mut [f32],
+    /// head_dim x KEY_CHUNK: the chunk's keys, transposed.
+    trans: &'s mut [f32],
+    /// rows x head_dim.
+    acc: &'s mut [f32],
+    max: &'s mut [f32],
+    sum: &'s mut [f32],
+    hd: usize,
+    level: SimdLevel,
+}
+
+impl<'s> UnitTile<'s> {
+    fn split(
+        scratch: &'s mut [f32],
+        level: SimdLevel,
+        max_rows: usize,
+        hd: usize,
+        rows: usize,
+    ) -> UnitTile<'s> {
+        let (scores, rest) = scratch.split_at_mut(max_rows * KEY_CHUNK);
+        let (trans, rest) = rest.split_at_mut(hd * KEY_CHUNK);
+        let (acc, rest) = rest.split_at_mut(max_rows * hd);
+        let (max, sum) = rest.split_at_mut(max_rows);
+        acc[..rows * hd].fill(0.0);
+        max[..rows].fill(f32::NEG_INFINITY);
+        sum[..rows].fill(0.0);
+        UnitTile { scores, trans, acc, max, sum, hd, level }
+    }
+
+    /// Masks row `r`'s scores of keys `k0..k0 + n` to `first..=last`, turns them into
+    /// `exp(score - running max)` and rescales the row's sum and accumulator to the new max.
+    fn fold_row(&mut self, r: usize, k0: usize, n: usize, first: usize, last: usize) {
+        let level = self.level;
+        let row = &mut self.scores[r * KEY_CHUNK..r * KEY_CHUNK + n];
+        let mut chunk_max = f32::NEG_INFINITY;
+        for (j, s) in row.iter_mut().enumerate() {
+            let p = k0 + j;
+            if p < first || p > last {
+                *s = f32::NEG_INFINITY;
+            }
+            chunk_max = chunk_max.max(*s);
+        }
+        if chunk_max == f32::NEG_INFINITY {
+            row.fill(0.0); // nothing visible in this chunk: it adds nothing
+            return;
+        }
+        let new_max = self.max[r].max(chunk_max);
+        let correction = (self.max[r] - new_max).exp(); // 0 while the max was -inf
+        exp_shifted(level, row, new_max);
+        let chunk_sum: f32 = row.iter().sum();
+        self.sum[r] = self.sum[r] * correction + chunk_sum;
+        self.max[r] = new_max;
+        if correction != 1.0 {
+            self.acc[r * self.hd..(r + 1) * self.hd].iter_mut().for_each(|a| *a *= correction);
+        }
+    }
+
+    fn finish_row(&self, r: usize, out: &mut [f32]) {
+        let inv = 1.0 / self.sum[r];
+        for (o, a) in out.iter_mut().zip(&self.acc[r * self.hd..(r + 1) * self.hd]) {
+            *o = a * inv;
+        }
+    }
+}
+
+/// `x = exp(x - shift)` for every value (all `<= shift`: softmax arguments), vectorised for the
+/// level. Masked values (`-inf`) become exactly 0.
+fn exp_shifted(level: SimdLevel, x: &mut [f32], shift: f32) {
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller checked that the CPU supports the level's features.
+        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => unsafe { exp_shifted_avx512(x, shift) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        SimdLevel::Avx2 => unsafe { exp_shifted_avx2(x, shift) },
+        _ => x.iter_mut().for_each(|v| *v = exp_nonpositive(*v - shift)),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+// SAFETY (callers): the CPU has these features; the body is safe code, compiled for them.
+unsafe fn exp_shifted_avx512(x: &mut [f32], shift: f32) {
+    x.iter_mut().for_each(|v| *v = exp_nonpositive(*v - shift))
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+// SAFETY (callers): the CPU has these features; the body is safe code, compiled for them.
+unsafe fn exp_shifted_avx2(x: &mut [f32], shift: f32) {
+    x.iter_mut().for_each(|v| *v = exp_nonpositive(*v - shift))
+}
+
+/// `e^x` for `x <= 0` without a libm call, so that loops of it vectorise: `x = n ln2 + f` with
+/// `|f| <= ln2 / 2` (Cody-Waite split of ln2), `e^f` by its degree-6 Taylor polynomial (relative
+/// error below 2e-7 there), `2^n` through the exponent bits. Below -87 (where `e^x` leaves the
+/// normal floats) it returns 0, so `-inf` gives exactly 0.
+#[inline(always)]
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let clamped = x.max(-87.0);
+    let n = (clamped * LOG2_E + ROUND) - ROUND;
+    let f = (clamped - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + f * (1.0 + f * (0.5 + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0))))));
+    let scale = f32::from_bits((((n as i32) + 127) as u32) << 23);
+    if x < -87.0 {
+        0.0
+    } else {
+        p * scale
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exp_nonpositive;
+
+    #[test]
+    fn exp_nonpositive_is_close_to_libm() {
+        let mut worst = 0.0f32;
+        for i in 0..=200_000 {
+            let x = -87.0 * i as f32 / 200_000.0;
+            let (got, want) = (exp_nonpositive(x), x.exp());
+            worst = worst.max(((got - want) / want).abs());
+        }
+        assert!(worst < 5e-7, "relative error {worst:e}");
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpositive(-100.0), 0.0);
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+    }
+}
