@@ -2,20 +2,17 @@
 //! cache, on the pool's threads.
 //!
 //! The cache holds one contiguous `[positions, head_dim]` f32 buffer per KV head, so the keys a
-//! head scans are one sequential stream. Work units are (token, query head) pairs, claimed one
-//! at a time; each unit's scores (`q · k * scale`, by the SIMD tile kernels with F32 "weights")
-//! go to the claiming thread's own scratch row, then a max-subtracted softmax and the weighted
-//! sum of the values. A unit's result does not depend on which thread ran it. Calls of
-//! `TILED_MIN_TOKENS` tokens or more (prefill) run in tiles instead ([`crate::attention_tiled`]).
+//! head scans are one sequential stream. The work is done in units of one KV head's query rows
+//! ([`crate::attention_tiled`]: prefill in token blocks, decode in key ranges combined after);
+//! a unit's result does not depend on which thread ran it. `attention_reference` is the plain
+//! oracle.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::AtomicUsize;
 
-use crate::attention_tiled::{thread_scratch_floats, TiledCall, TILED_MIN_TOKENS};
+use crate::attention_tiled::{partial_floats, split_count, thread_scratch_floats, TiledCall};
 use crate::error::KernelError;
-use crate::ffn::dot_tiles;
 use crate::pool::ColdPool;
 use crate::simd::SimdLevel;
-use crate::weights::WeightDType;
 
 /// Head layout of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,7 +47,7 @@ impl AttentionInput<'_> {
             return bad("n_heads (a multiple of n_kv_heads)", n_kv_heads, n_heads);
         }
         let q_dim = n_heads * head_dim;
-        if self.q.len() % q_dim != 0 {
+        if !self.q.len().is_multiple_of(q_dim) {
             return bad("q (tokens x n_heads*head_dim)", q_dim, self.q.len());
         }
         let n_tokens = self.q.len() / q_dim;
@@ -73,32 +70,16 @@ impl AttentionInput<'_> {
     }
 }
 
-/// Scores scratch reused across calls: one row of positions per pool thread.
+/// Scratch reused across calls: the units' per-thread regions and the decode splits' partials.
 #[derive(Debug, Default)]
 pub struct AttentionScratch {
-    scores: Vec<f32>,
-    /// The tiled prefill path's per-thread regions.
     tiles: Vec<f32>,
+    partials: Vec<f32>,
 }
-
-struct RawAttention<'a> {
-    input: AttentionInput<'a>,
-    level: SimdLevel,
-    n_tokens: usize,
-    /// Scores: `n_threads` rows of `row_len`.
-    scores: *mut f32,
-    row_len: usize,
-    out: *mut f32,
-    next_unit: AtomicUsize,
-}
-
-// SAFETY: `scores` rows are per thread index (each thread writes only its own row); `out` is
-// written per (token, head) unit, each claimed by exactly one thread through `next_unit`; the
-// buffers outlive the broadcast.
-unsafe impl Sync for RawAttention<'_> {}
 
 /// `out[t, head] = softmax(q[t, head] · K[kv]ᵀ / sqrt(head_dim)) · V[kv]` over the visible
-/// positions, for every token of the call and every query head, on all of `pool`'s threads.
+/// positions, for every token of the call and every query head, on all of `pool`'s threads
+/// (units of [`crate::attention_tiled`]).
 pub fn par_attention(
     pool: &mut ColdPool,
     level: SimdLevel,
@@ -108,29 +89,14 @@ pub fn par_attention(
 ) -> Result<(), KernelError> {
     level.ensure_supported()?;
     let n_tokens = input.validate(out.len())?;
-    if n_tokens >= TILED_MIN_TOKENS {
-        let call = tiled_call(level, input, n_tokens, scratch, pool.n_threads(), out);
-        return pool.broadcast(&|index, _| call.work(index));
-    }
-    let row_len = input.first_pos + n_tokens;
-    let n_threads = pool.n_threads();
-    if scratch.scores.len() < n_threads * row_len {
-        scratch.scores.resize(n_threads * row_len, 0.0);
-    }
-    let call = RawAttention {
-        input: *input,
-        level,
-        n_tokens,
-        scores: scratch.scores.as_mut_ptr(),
-        row_len,
-        out: out.as_mut_ptr(),
-        next_unit: AtomicUsize::new(0),
-    };
-    pool.broadcast(&|index, _| attention_worker(&call, index))
+    let call = tiled_call(level, input, n_tokens, scratch, pool.n_threads(), out);
+    pool.broadcast(&|index, _| call.work(index))?;
+    call.combine();
+    Ok(())
 }
 
 /// The same attention on the calling thread alone (small calls, where waking the pool costs
-/// more than the work).
+/// more than the work); the same units, so the same bits.
 pub fn attention(
     level: SimdLevel,
     input: &AttentionInput<'_>,
@@ -139,28 +105,13 @@ pub fn attention(
 ) -> Result<(), KernelError> {
     level.ensure_supported()?;
     let n_tokens = input.validate(out.len())?;
-    if n_tokens >= TILED_MIN_TOKENS {
-        tiled_call(level, input, n_tokens, scratch, 1, out).work(0);
-        return Ok(());
-    }
-    let row_len = input.first_pos + n_tokens;
-    if scratch.scores.len() < row_len {
-        scratch.scores.resize(row_len, 0.0);
-    }
-    let call = RawAttention {
-        input: *input,
-        level,
-        n_tokens,
-        scores: scratch.scores.as_mut_ptr(),
-        row_len,
-        out: out.as_mut_ptr(),
-        next_unit: AtomicUsize::new(0),
-    };
-    attention_worker(&call, 0);
+    let call = tiled_call(level, input, n_tokens, scratch, 1, out);
+    call.work(0);
+    call.combine();
     Ok(())
 }
 
-/// A tiled prefill call over `n_threads` scratch regions (see [`crate::attention_tiled`]).
+/// A call's units over `n_threads` scratch regions (see [`crate::attention_tiled`]).
 fn tiled_call<'a>(
     level: SimdLevel,
     input: &AttentionInput<'a>,
@@ -173,6 +124,11 @@ fn tiled_call<'a>(
     if scratch.tiles.len() < need {
         scratch.tiles.resize(need, 0.0);
     }
+    let splits = split_count(input, n_tokens);
+    let partials = if splits > 1 { partial_floats(input.shape, n_tokens, splits) } else { 0 };
+    if scratch.partials.len() < partials {
+        scratch.partials.resize(partials, 0.0);
+    }
     TiledCall {
         input: *input,
         level,
@@ -180,81 +136,9 @@ fn tiled_call<'a>(
         scratch: scratch.tiles.as_mut_ptr(),
         out: out.as_mut_ptr(),
         next_unit: AtomicUsize::new(0),
+        splits,
+        partials: scratch.partials.as_mut_ptr(),
     }
-}
-
-fn attention_worker(call: &RawAttention<'_>, index: usize) {
-    let n_heads = call.input.shape.n_heads;
-    loop {
-        let unit = call.next_unit.fetch_add(1, Ordering::Relaxed);
-        if unit >= call.n_tokens * n_heads {
-            return;
-        }
-        // SAFETY: row `index` of the scores belongs to this thread (index < n_threads rows).
-        let scores =
-            unsafe { std::slice::from_raw_parts_mut(call.scores.add(index * call.row_len), call.row_len) };
-        let hd = call.input.shape.head_dim;
-        let at = unit * hd; // (token, head) units are laid out as the q and out rows are.
-                            // SAFETY: this unit alone writes out[at..at + hd]; validate checked out's length.
-        let out = unsafe { std::slice::from_raw_parts_mut(call.out.add(at), hd) };
-        attend(call.level, &call.input, unit / n_heads, unit % n_heads, scores, out);
-    }
-}
-
-/// One (token, head) unit.
-fn attend(
-    level: SimdLevel,
-    input: &AttentionInput<'_>,
-    t: usize,
-    head: usize,
-    scores: &mut [f32],
-    out: &mut [f32],
-) {
-    let AttentionShape { n_heads, n_kv_heads, head_dim: hd } = input.shape;
-    let kv = head / (n_heads / n_kv_heads);
-    let pos = input.first_pos + t;
-    let first = input.window.map_or(0, |w| (pos + 1).saturating_sub(w));
-    let q = &input.q[(t * n_heads + head) * hd..(t * n_heads + head + 1) * hd];
-    let (keys, values) = (&input.keys[kv], &input.values[kv]);
-    let scale = 1.0 / (hd as f32).sqrt();
-    let scores = &mut scores[first..=pos];
-    let key_base = keys[first * hd..].as_ptr() as *const u8;
-    let sink = &mut *scores;
-    // SAFETY: rows are positions first..=pos of `keys` (validate checked the cache holds them),
-    // `hd` f32 each; q holds hd f32; the level was checked by the caller.
-    unsafe {
-        dot_tiles(
-            level,
-            WeightDType::F32,
-            hd,
-            pos + 1 - first,
-            pos + 1 - first,
-            |r| key_base.add(r * hd * 4),
-            1,
-            |_| q.as_ptr(),
-            |r, _, value| sink[r] = value * scale,
-        )
-    };
-    softmax(scores);
-    out.iter_mut().for_each(|o| *o = 0.0);
-    for (p, &prob) in scores.iter().enumerate() {
-        let v = &values[(first + p) * hd..(first + p + 1) * hd];
-        for (o, &vv) in out.iter_mut().zip(v) {
-            *o += prob * vv;
-        }
-    }
-}
-
-/// Softmax in place (max-subtracted, f32).
-fn softmax(x: &mut [f32]) {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0.0f32;
-    for v in x.iter_mut() {
-        *v = (*v - max).exp();
-        sum += *v;
-    }
-    let inv = 1.0 / sum;
-    x.iter_mut().for_each(|v| *v *= inv);
 }
 
 /// Single-thread scalar oracle for [`par_attention`]: plain loops, sequential dot products.

@@ -6,20 +6,30 @@
 //! into a running max / sum per row (online softmax); the weighted sum of the values accumulates
 //! `p[j] * v[j, ..]` along head_dim. Every K/V value read
 //! feeds up to `TILE_ROWS` rows, where the per-(token, head) path reads the cache once per row.
-//! A unit's result does not depend on which thread ran it.
+//! Decode (fewer than [`SPLIT_BELOW_TOKENS`] tokens) also splits the keys into ranges, one unit
+//! each, and combines the ranges' partial sums per row afterwards. A unit's result does not
+//! depend on which thread ran it.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::attention::{AttentionInput, AttentionShape};
+use crate::ffn::dot_tiles;
 use crate::simd::SimdLevel;
+use crate::weights::WeightDType;
 
 /// Query rows per unit (a GQA group wider than this makes one-token units of the group's width).
 pub const TILE_ROWS: usize = 32;
 /// Key positions per chunk: the scores (rows x chunk) and transposed keys (head_dim x chunk)
 /// of one unit stay in L2.
 pub const KEY_CHUNK: usize = 256;
-/// Calls with at least this many tokens take the tiled path (decode keeps one unit per row).
-pub const TILED_MIN_TOKENS: usize = 4;
+/// Calls with fewer tokens (decode) also split each KV head's keys into ranges of about
+/// [`DECODE_SPLIT_KEYS`] positions, one unit each, combined after the units (flash-decoding):
+/// one token's units alone would be only `n_kv_heads`.
+pub const SPLIT_BELOW_TOKENS: usize = 4;
+/// Units with fewer query rows score keys by dot products instead of transposing them.
+pub const TRANSPOSE_MIN_ROWS: usize = 16;
+/// Key positions per split unit in decode.
+pub const DECODE_SPLIT_KEYS: usize = 128;
 
 /// Floats of one thread's scratch for `shape`: scores, transposed values, accumulators, max and
 /// sum per row.
@@ -49,16 +59,47 @@ pub(crate) struct TiledCall<'a> {
     pub scratch: *mut f32,
     pub out: *mut f32,
     pub next_unit: AtomicUsize,
+    /// Key ranges per (kv head, token block); > 1 only in decode ([`split_count`]).
+    pub splits: usize,
+    /// With splits: per unit, per row, the unnormalised sum (head_dim), running max and sum
+    /// ([`partial_floats`]); the combine step writes `out`.
+    pub partials: *mut f32,
 }
 
 // SAFETY: scratch regions are per thread index (each thread writes only its own); `out` rows
-// are written per unit, and units (kv head, token block) own disjoint (token, head) rows, each
-// unit claimed by exactly one thread through `next_unit`; the buffers outlive the call.
+// (without splits) and partial regions (with splits) are written per unit, and units own disjoint
+// ones, each unit claimed by exactly one thread through `next_unit`; the buffers outlive the call.
 unsafe impl Sync for TiledCall<'_> {}
+
+/// Key ranges per (kv head, token block) of a call: 1 from [`SPLIT_BELOW_TOKENS`] tokens on,
+/// else the visible positions over [`DECODE_SPLIT_KEYS`]. Depends only on the call, never on the
+/// thread count, so the result's bits do not either.
+pub(crate) fn split_count(input: &AttentionInput<'_>, n_tokens: usize) -> usize {
+    if n_tokens >= SPLIT_BELOW_TOKENS {
+        return 1;
+    }
+    let (lo, hi) = (visible(input, 0).0, visible(input, n_tokens - 1).1);
+    (hi + 1 - lo).div_ceil(DECODE_SPLIT_KEYS).max(1)
+}
+
+/// Floats of the partials buffer for a call with `splits` > 1.
+pub(crate) fn partial_floats(shape: AttentionShape, n_tokens: usize, splits: usize) -> usize {
+    n_units(shape, n_tokens, splits) * max_rows(shape) * (shape.head_dim + 2)
+}
+
+fn n_units(shape: AttentionShape, n_tokens: usize, splits: usize) -> usize {
+    shape.n_kv_heads * n_tokens.div_ceil(tokens_per_unit(shape)) * splits
+}
+
+/// First and last position token `t` of the call sees.
+fn visible(input: &AttentionInput<'_>, t: usize) -> (usize, usize) {
+    let pos = input.first_pos + t;
+    (input.window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos)
+}
 
 impl TiledCall<'_> {
     fn n_units(&self) -> usize {
-        self.input.shape.n_kv_heads * self.n_tokens.div_ceil(tokens_per_unit(self.input.shape))
+        n_units(self.input.shape, self.n_tokens, self.splits)
     }
 
     /// Claims and runs units until none are left; `index` picks this thread's scratch region.
@@ -74,42 +115,80 @@ impl TiledCall<'_> {
             // SAFETY: region `index` belongs to this thread (index < n_threads regions).
             let scratch =
                 unsafe { std::slice::from_raw_parts_mut(self.scratch.add(index * per_thread), per_thread) };
-            let t0 = (unit % blocks) * tokens_per_unit(shape);
+            let (split, rest) = (unit % self.splits, unit / self.splits);
+            let t0 = (rest % blocks) * tokens_per_unit(shape);
             let t1 = (t0 + tokens_per_unit(shape)).min(self.n_tokens);
-            self.unit(unit / blocks, t0..t1, scratch);
+            self.unit(rest / blocks, t0..t1, (unit, split), scratch);
         }
     }
 
     /// Rows of kv head `kv` for tokens `tokens`: row `r` is token `tokens.start + r / group`,
-    /// head `kv * group + r % group`.
-    fn unit(&self, kv: usize, tokens: std::ops::Range<usize>, scratch: &mut [f32]) {
+    /// head `kv * group + r % group`; `(unit, split)`: the unit's index and its key range.
+    fn unit(
+        &self,
+        kv: usize,
+        tokens: std::ops::Range<usize>,
+        (unit, split): (usize, usize),
+        scratch: &mut [f32],
+    ) {
         let shape = self.input.shape;
         let (hd, g) = (shape.head_dim, group(shape));
         let rows = tokens.len() * g;
         let mut tile = UnitTile::split(scratch, self.level, max_rows(shape), hd, rows);
         let q_row = |r: usize| (tokens.start + r / g) * shape.n_heads + kv * g + r % g;
-        let first_pos = self.input.first_pos;
-        let visible = |t: usize| {
-            let pos = first_pos + t;
-            (self.input.window.map_or(0, |w| (pos + 1).saturating_sub(w)), pos)
-        };
-        let (lo, hi) = (visible(tokens.start).0, visible(tokens.end - 1).1);
-        let mut k0 = lo;
-        while k0 <= hi {
-            let n = KEY_CHUNK.min(hi + 1 - k0);
+        let (lo, hi) = (visible(&self.input, tokens.start).0, visible(&self.input, tokens.end - 1).1);
+        let len = hi + 1 - lo;
+        let (mut k0, end) = (lo + split * len / self.splits, lo + (split + 1) * len / self.splits);
+        while k0 < end {
+            let n = KEY_CHUNK.min(end - k0);
             self.scores(&mut tile, kv, k0, n, rows, &q_row);
             for r in 0..rows {
-                let (first, last) = visible(tokens.start + r / g);
+                let (first, last) = visible(&self.input, tokens.start + r / g);
                 tile.fold_row(r, k0, n, first, last);
             }
             self.weigh_values(&mut tile, kv, k0, n, rows);
             k0 += n;
         }
         for r in 0..rows {
-            // SAFETY: this unit alone writes the (token, head) row q_row(r); validate checked
-            // that `out` holds n_tokens * n_heads rows of hd.
-            let out = unsafe { std::slice::from_raw_parts_mut(self.out.add(q_row(r) * hd), hd) };
-            tile.finish_row(r, out);
+            if self.splits == 1 {
+                // SAFETY: this unit alone writes the (token, head) row q_row(r); validate checked
+                // that `out` holds n_tokens * n_heads rows of hd.
+                let out = unsafe { std::slice::from_raw_parts_mut(self.out.add(q_row(r) * hd), hd) };
+                tile.finish_row(r, out);
+            } else {
+                let at = (unit * max_rows(shape) + r) * (hd + 2);
+                // SAFETY: this unit alone writes its partial rows; the buffer holds
+                // partial_floats (every unit's max_rows rows of hd + 2).
+                let part = unsafe { std::slice::from_raw_parts_mut(self.partials.add(at), hd + 2) };
+                tile.partial_row(r, part);
+            }
+        }
+    }
+
+    /// With splits, after every unit ran: each row's output from its units' partials,
+    /// `sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)` with `M = max_s m_s`.
+    pub(crate) fn combine(&self) {
+        if self.splits == 1 {
+            return;
+        }
+        let shape = self.input.shape;
+        let (hd, g, per_unit) = (shape.head_dim, group(shape), max_rows(shape) * (shape.head_dim + 2));
+        let blocks = self.n_tokens.div_ceil(tokens_per_unit(shape));
+        // SAFETY: the units are done (the broadcast returned); the buffers hold what they say.
+        let (partials, out) = unsafe {
+            (
+                std::slice::from_raw_parts(self.partials, self.n_units() * per_unit),
+                std::slice::from_raw_parts_mut(self.out, self.n_tokens * shape.n_heads * hd),
+            )
+        };
+        for (group_idx, units) in partials.chunks_exact(self.splits * per_unit).enumerate() {
+            let (kv, t0) = (group_idx / blocks, (group_idx % blocks) * tokens_per_unit(shape));
+            let rows = (tokens_per_unit(shape).min(self.n_tokens - t0)) * g;
+            for r in 0..rows {
+                let row = (t0 + r / g) * shape.n_heads + kv * g + r % g;
+                let parts = (0..self.splits).map(|s| &units[s * per_unit + r * (hd + 2)..][..hd + 2]);
+                combine_row(parts, &mut out[row * hd..(row + 1) * hd]);
+            }
         }
     }
 
@@ -125,6 +204,9 @@ impl TiledCall<'_> {
         q_row: &dyn Fn(usize) -> usize,
     ) {
         let hd = self.input.shape.head_dim;
+        if rows < TRANSPOSE_MIN_ROWS {
+            return self.scores_by_dots(tile, kv, k0, n, rows, q_row);
+        }
         transpose_chunk(&self.input.keys[kv][k0 * hd..(k0 + n) * hd], hd, tile.trans);
         let scale = 1.0 / (hd as f32).sqrt();
         for r in 0..rows {
@@ -134,6 +216,41 @@ impl TiledCall<'_> {
             row_times_matrix(self.level, q, tile.trans, KEY_CHUNK, out);
             out.iter_mut().for_each(|s| *s *= scale);
         }
+    }
+
+    /// The same scores as dot products of key rows with the query rows (the SIMD tile kernels
+    /// keep a few keys x rows in registers): for units of few rows, where transposing the
+    /// chunk's keys would cost more than it saves.
+    fn scores_by_dots(
+        &self,
+        tile: &mut UnitTile<'_>,
+        kv: usize,
+        k0: usize,
+        n: usize,
+        rows: usize,
+        q_row: &dyn Fn(usize) -> usize,
+    ) {
+        let hd = self.input.shape.head_dim;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let key_base = self.input.keys[kv][k0 * hd..].as_ptr() as *const u8;
+        let q = self.input.q.as_ptr();
+        let scores = &mut *tile.scores;
+        // SAFETY: key rows k0..k0 + n of the cache exist (validate checked positions up to the
+        // call's last token); query rows q_row(r) < n_tokens * n_heads hold hd f32 each; the
+        // level was checked by the caller.
+        unsafe {
+            dot_tiles(
+                self.level,
+                WeightDType::F32,
+                hd,
+                n,
+                n,
+                |j| key_base.add(j * hd * 4),
+                rows,
+                |r| q.add(q_row(r) * hd),
+                |j, r, value| scores[r * KEY_CHUNK + j] = value * scale,
+            )
+        };
     }
 
     /// `acc[r] += sum_j p[r, j] * v[k0 + j]`: each row accumulates probability-weighted value
@@ -228,6 +345,24 @@ fn row_times_matrix_plain(a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) 
     }
 }
 
+/// One row's output from partials `[acc (hd), max, sum]` of disjoint key ranges.
+fn combine_row<'p>(parts: impl Iterator<Item = &'p [f32]> + Clone, out: &mut [f32]) {
+    let hd = out.len();
+    let max = parts.clone().map(|p| p[hd]).fold(f32::NEG_INFINITY, f32::max);
+    out.fill(0.0);
+    let mut sum = 0.0f32;
+    for p in parts {
+        if p[hd] == f32::NEG_INFINITY {
+            continue; // a range this row sees nothing of
+        }
+        let w = (p[hd] - max).exp();
+        sum += p[hd + 1] * w;
+        out.iter_mut().zip(&p[..hd]).for_each(|(o, a)| *o += a * w);
+    }
+    let inv = 1.0 / sum;
+    out.iter_mut().for_each(|o| *o *= inv);
+}
+
 /// One unit's views of its thread's scratch.
 struct UnitTile<'s> {
     /// rows x KEY_CHUNK: scores, then probabilities.
@@ -286,6 +421,13 @@ impl<'s> UnitTile<'s> {
         if correction != 1.0 {
             self.acc[r * self.hd..(r + 1) * self.hd].iter_mut().for_each(|a| *a *= correction);
         }
+    }
+
+    /// Row `r`'s unnormalised sum, running max and sum, for [`combine_row`].
+    fn partial_row(&self, r: usize, part: &mut [f32]) {
+        part[..self.hd].copy_from_slice(&self.acc[r * self.hd..(r + 1) * self.hd]);
+        part[self.hd] = self.max[r];
+        part[self.hd + 1] = self.sum[r];
     }
 
     fn finish_row(&self, r: usize, out: &mut [f32]) {

@@ -112,7 +112,7 @@ fn par_attention_matches_scalar_for_every_level_and_thread_count() {
         AttentionShape { n_heads: 8, n_kv_heads: 1, head_dim: 128 },
     ] {
         for (first_pos, n_tokens, window) in
-            // from 4 tokens on the tiled path (key chunks of 256: 260 + 9 crosses one)
+            // key chunks of 256 (260 + 9 crosses one); decode (< 4 tokens) splits keys by 128
             [
                 (0, 1, None),
                 (0, 7, None),
