@@ -144,6 +144,14 @@ compare-llama:
     cargo build --release --bin moe-lanes
     bash benches/compare-llama-cpp.sh run
 
+# A GGUF file (e.g. from `moe-lanes quantize`) in llama.cpp: per-position argmax of llama.cpp's
+# `llama-argmax` (benches/llama-argmax, built with llama-bench by `compare-llama`) against
+# `moe-lanes logits` on the same file and token ids (scripts/argmax-agreement.py).
+llama-argmax file tokens="1,17,256,4096,77,9000,31,5,1234,600,42,7,8191,300,12,99":
+    .llama/build/bin/llama-argmax {{ quote(file) }} 0 {{ tokens }} > target/llama-argmax.json
+    cargo run --release --bin moe-lanes -- logits --model {{ quote(file) }} --tokens {{ tokens }} > target/moe-logits.json
+    python3 scripts/argmax-agreement.py target/llama-argmax.json target/moe-logits.json {{ quote(file) }}
+
 # Coverage-guided fuzzing (AFL++ through cargo-afl, stable toolchain) of the GGUF reader, the
 # safetensors header and index, the perf/learn JSON and the hot-experts JSON: 10M executions each
 # by default; crashes and hangs fail it. `just fuzz gguf 1000000` runs one target.
