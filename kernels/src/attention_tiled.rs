@@ -75,7 +75,7 @@ unsafe impl Sync for TiledCall<'_> {}
 /// else the visible positions over [`DECODE_SPLIT_KEYS`]. Depends only on the call, never on the
 /// thread count, so the result's bits do not either.
 pub(crate) fn split_count(input: &AttentionInput<'_>, n_tokens: usize) -> usize {
-    if n_tokens >= SPLIT_BELOW_TOKENS {
+    if n_tokens == 0 || n_tokens >= SPLIT_BELOW_TOKENS {
         return 1;
     }
     let (lo, hi) = (visible(input, 0).0, visible(input, n_tokens - 1).1);

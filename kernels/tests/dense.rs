@@ -154,6 +154,18 @@ fn par_attention_matches_scalar_for_every_level_and_thread_count() {
     }
 }
 
+/// A call with no tokens writes nothing and does not fail.
+#[test]
+fn attention_of_no_tokens_is_empty() {
+    let mut pool = ColdPool::new(2);
+    let shape = AttentionShape { n_heads: 4, n_kv_heads: 2, head_dim: 8 };
+    let kv: Vec<Vec<f32>> = vec![vec![0.5; 3 * 8]; 2];
+    let input = AttentionInput { shape, q: &[], keys: &kv, values: &kv, first_pos: 3, window: None };
+    let mut scratch = AttentionScratch::default();
+    par_attention(&mut pool, SimdLevel::Scalar, &input, &mut scratch, &mut []).unwrap();
+    attention(SimdLevel::Scalar, &input, &mut scratch, &mut []).unwrap();
+}
+
 #[test]
 fn par_attention_rejects_a_short_cache() {
     let mut pool = ColdPool::new(2);
