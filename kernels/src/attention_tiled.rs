@@ -141,12 +141,13 @@ impl TiledCall<'_> {
         let (mut k0, end) = (lo + split * len / self.splits, lo + (split + 1) * len / self.splits);
         while k0 < end {
             let n = KEY_CHUNK.min(end - k0);
-            self.scores(&mut tile, kv, k0, n, rows, &q_row);
+            let chunk = Chunk { kv, k0, n, rows };
+            self.scores(&mut tile, chunk, &q_row);
             for r in 0..rows {
                 let (first, last) = visible(&self.input, tokens.start + r / g);
                 tile.fold_row(r, k0, n, first, last);
             }
-            self.weigh_values(&mut tile, kv, k0, n, rows);
+            self.weigh_values(&mut tile, chunk);
             k0 += n;
         }
         for r in 0..rows {
@@ -194,18 +195,11 @@ impl TiledCall<'_> {
 
     /// Scores of keys `k0..k0 + n` for every row into `tile.scores` (scaled): the chunk's keys
     /// are transposed once, then each row accumulates `q[r, k] * kᵀ[k, ..n]` along the keys.
-    fn scores(
-        &self,
-        tile: &mut UnitTile<'_>,
-        kv: usize,
-        k0: usize,
-        n: usize,
-        rows: usize,
-        q_row: &dyn Fn(usize) -> usize,
-    ) {
+    fn scores(&self, tile: &mut UnitTile<'_>, chunk: Chunk, q_row: &dyn Fn(usize) -> usize) {
+        let Chunk { kv, k0, n, rows } = chunk;
         let hd = self.input.shape.head_dim;
         if rows < TRANSPOSE_MIN_ROWS {
-            return self.scores_by_dots(tile, kv, k0, n, rows, q_row);
+            return self.scores_by_dots(tile, chunk, q_row);
         }
         transpose_chunk(&self.input.keys[kv][k0 * hd..(k0 + n) * hd], hd, tile.trans);
         let scale = 1.0 / (hd as f32).sqrt();
@@ -221,15 +215,8 @@ impl TiledCall<'_> {
     /// The same scores as dot products of key rows with the query rows (the SIMD tile kernels
     /// keep a few keys x rows in registers): for units of few rows, where transposing the
     /// chunk's keys would cost more than it saves.
-    fn scores_by_dots(
-        &self,
-        tile: &mut UnitTile<'_>,
-        kv: usize,
-        k0: usize,
-        n: usize,
-        rows: usize,
-        q_row: &dyn Fn(usize) -> usize,
-    ) {
+    fn scores_by_dots(&self, tile: &mut UnitTile<'_>, chunk: Chunk, q_row: &dyn Fn(usize) -> usize) {
+        let Chunk { kv, k0, n, rows } = chunk;
         let hd = self.input.shape.head_dim;
         let scale = 1.0 / (hd as f32).sqrt();
         let key_base = self.input.keys[kv][k0 * hd..].as_ptr() as *const u8;
@@ -255,7 +242,8 @@ impl TiledCall<'_> {
 
     /// `acc[r] += sum_j p[r, j] * v[k0 + j]`: each row accumulates probability-weighted value
     /// rows (contiguous along head_dim).
-    fn weigh_values(&self, tile: &mut UnitTile<'_>, kv: usize, k0: usize, n: usize, rows: usize) {
+    fn weigh_values(&self, tile: &mut UnitTile<'_>, chunk: Chunk) {
+        let Chunk { kv, k0, n, rows } = chunk;
         let hd = self.input.shape.head_dim;
         let values = &self.input.values[kv][k0 * hd..(k0 + n) * hd];
         for r in 0..rows {
@@ -343,6 +331,15 @@ fn row_times_matrix_plain(a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) 
             *o += ai * x;
         }
     }
+}
+
+/// Keys `k0..k0 + n` of kv head `kv` for a unit's `rows` query rows.
+#[derive(Clone, Copy)]
+struct Chunk {
+    kv: usize,
+    k0: usize,
+    n: usize,
+    rows: usize,
 }
 
 /// One row's output from partials `[acc (hd), max, sum]` of disjoint key ranges.

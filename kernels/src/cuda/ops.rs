@@ -58,6 +58,40 @@ impl KernelName for &'static str {
     }
 }
 
+/// Head layout of an attention launch: `n_tokens` queries against `total` cached positions.
+#[derive(Clone, Copy)]
+struct AttentionHeads {
+    n_tokens: usize,
+    total: usize,
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+}
+
+/// The checks every attention launcher makes: the heads group over the kv heads, the head
+/// dimension is within the kernel's `max_head_dim`, and q, the two caches and out hold what the
+/// shapes say.
+fn check_attention(
+    kernel: Kernel,
+    [q, k, v, out]: [DPtr<f32>; 4],
+    h: AttentionHeads,
+    max_head_dim: usize,
+) -> Result<()> {
+    let AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim } = h;
+    if n_kv == 0 || n_heads / n_kv * n_kv != n_heads {
+        let reason = format!("{n_heads} heads do not group over {n_kv} kv heads");
+        return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
+    }
+    if head_dim == 0 || head_dim > max_head_dim {
+        let reason = format!("head_dim {head_dim} not in 1..={max_head_dim}");
+        return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
+    }
+    need(kernel, "q", q, n_tokens * n_heads * head_dim)?;
+    need(kernel, "k_cache", k, total * n_kv * head_dim)?;
+    need(kernel, "v_cache", v, total * n_kv * head_dim)?;
+    need(kernel, "out", out, n_tokens * n_heads * head_dim)
+}
+
 pub(super) fn need<T>(kernel: impl KernelName, what: &str, p: DPtr<T>, n: usize) -> Result<()> {
     let kernel = kernel.name();
     if p.len() < n {
@@ -374,13 +408,9 @@ impl CudaBackend {
         window: usize,
     ) -> Result<()> {
         const K: Kernel = Kernel::AttentionF32;
-        if n_kv == 0 || n_heads / n_kv * n_kv != n_heads {
-            return Err(CudaError::Shape {
-                kernel: K.symbol(),
-                reason: format!("{n_heads} heads do not group over {n_kv} kv heads"),
-            });
-        }
         let total = pos0 + n_tokens;
+        let heads = AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim };
+        check_attention(K, [q, k_cache, v_cache, out], heads, ATTENTION_MAX_HEAD_DIM)?;
         let visible = if window > 0 { window.min(total) } else { total };
         if visible > ATTENTION_MAX_POSITIONS {
             return Err(CudaError::Shape {
@@ -388,16 +418,6 @@ impl CudaBackend {
                 reason: format!(
                     "{visible} visible positions > {ATTENTION_MAX_POSITIONS} (shared-memory score buffer)"
                 ),
-            });
-        }
-        need(K, "q", q, n_tokens * n_heads * head_dim)?;
-        need(K, "k_cache", k_cache, total * n_kv * head_dim)?;
-        need(K, "v_cache", v_cache, total * n_kv * head_dim)?;
-        need(K, "out", out, n_tokens * n_heads * head_dim)?;
-        if head_dim > ATTENTION_MAX_HEAD_DIM {
-            return Err(CudaError::Shape {
-                kernel: K.symbol(),
-                reason: format!("head_dim {head_dim} > {ATTENTION_MAX_HEAD_DIM}"),
             });
         }
         let scale = 1.0 / (head_dim as f32).sqrt();
@@ -445,20 +465,14 @@ impl CudaBackend {
         window: usize,
     ) -> Result<()> {
         const K: Kernel = Kernel::AttentionTiledF32;
-        if n_kv == 0 || n_heads / n_kv * n_kv != n_heads || !Self::attention_tiled_fits(head_dim) {
+        let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
+        check_attention(K, [q, k_cache, v_cache, out], heads, ATTENTION_TILE_MAX_HEAD_DIM)?;
+        if !head_dim.is_multiple_of(4) {
             return Err(CudaError::Shape {
                 kernel: K.symbol(),
-                reason: format!(
-                    "{n_heads} heads over {n_kv} kv heads of dim {head_dim} (groups must divide; dim a \
-                     multiple of 4, at most {ATTENTION_TILE_MAX_HEAD_DIM})"
-                ),
+                reason: format!("head_dim {head_dim} is not a multiple of 4 (float4 tiles)"),
             });
         }
-        let total = pos0 + n_tokens;
-        need(K, "q", q, n_tokens * n_heads * head_dim)?;
-        need(K, "k_cache", k_cache, total * n_kv * head_dim)?;
-        need(K, "v_cache", v_cache, total * n_kv * head_dim)?;
-        need(K, "out", out, n_tokens * n_heads * head_dim)?;
         let rows = n_tokens * (n_heads / n_kv);
         let shared_floats = ATTENTION_TILE_KEYS * (2 * head_dim + 4) + ATTENTION_TILE_ROWS * head_dim;
         let scale = 1.0 / (head_dim as f32).sqrt();
@@ -512,25 +526,11 @@ impl CudaBackend {
         window: usize,
     ) -> Result<()> {
         const K: Kernel = Kernel::AttentionSplitF32;
-        if n_kv == 0 || n_heads / n_kv * n_kv != n_heads {
-            return Err(CudaError::Shape {
-                kernel: K.symbol(),
-                reason: format!("{n_heads} heads do not group over {n_kv} kv heads"),
-            });
-        }
-        if head_dim > ATTENTION_MAX_HEAD_DIM {
-            return Err(CudaError::Shape {
-                kernel: K.symbol(),
-                reason: format!("head_dim {head_dim} > {ATTENTION_MAX_HEAD_DIM}"),
-            });
-        }
         let total = pos0 + n_tokens;
+        let heads = AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim };
+        check_attention(K, [q, k_cache, v_cache, out], heads, ATTENTION_MAX_HEAD_DIM)?;
         let visible = if window > 0 { window.min(total) } else { total };
         let splits = visible.div_ceil(ATTENTION_SPLIT_CHUNK).max(1);
-        need(K, "q", q, n_tokens * n_heads * head_dim)?;
-        need(K, "k_cache", k_cache, total * n_kv * head_dim)?;
-        need(K, "v_cache", v_cache, total * n_kv * head_dim)?;
-        need(K, "out", out, n_tokens * n_heads * head_dim)?;
         need(K, "part", part, Self::attention_split_scratch(n_tokens, n_heads, head_dim, visible))?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         self.launch(
