@@ -38,7 +38,9 @@ use crate::moe::pool_lane::PoolLane;
 use crate::moe::profile::{mark, CpuProfiler};
 use crate::moe::routing::{Router, RouterOptions};
 use crate::reference::ForwardError;
-use moe_lanes_kernels::{AttentionInput, AttentionShape, DenseMatrix, KernelError, MatmulPart};
+use moe_lanes_kernels::{
+    par_chunks_mut, AttentionInput, AttentionShape, DenseMatrix, KernelError, MatmulPart,
+};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -46,6 +48,9 @@ use std::time::Instant;
 /// buffer of the engine (activations, worklist, lane buffers) is sized for it once:
 /// roughly `max_batch_tokens * (6 * hidden + 2 * q_dim + k * hidden * 2)` floats.
 pub const MAX_BATCH_TOKENS: usize = 512;
+/// Calls of at least this many tokens run the per-head q/k norm and RoPE on the dense pool
+/// (prefill; in decode the 36-odd heads cost less than waking the pool).
+const PAR_HEADS_MIN_TOKENS: usize = 8;
 
 /// Default cold-lane participants when none is given: the rule of `--cold-threads auto`
 /// ([`crate::threads::auto_cold_threads`]) for a pipeline whose driver is cold participant 0 and
@@ -640,7 +645,7 @@ impl Pipeline {
             ],
         )?;
         mark(&mut self.profile, |p| p.layer(0));
-        self.qkv_post(l, n, first_pos);
+        self.qkv_post(l, n, first_pos)?;
         let (c, a) = (&self.config, &mut self.act);
         let nkv = c.n_kv_heads;
         let (keys, values) =
@@ -672,10 +677,10 @@ impl Pipeline {
     }
 
     /// After the q/k/v projections: biases, q/k norms, clipping, RoPE.
-    fn qkv_post(&mut self, l: usize, n: usize, first_pos: usize) {
+    fn qkv_post(&mut self, l: usize, n: usize, first_pos: usize) -> Result<(), PipelineError> {
         let c = &self.config;
         let (w, a) = (&self.layers[l], &mut self.act);
-        let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
+        let (qd, kvd) = (c.q_dim(), c.kv_dim());
         for (buf, bias, dim) in
             [(&mut a.q, &w.q_bias, qd), (&mut a.k, &w.k_bias, kvd), (&mut a.v, &w.v_bias, kvd)]
         {
@@ -685,6 +690,45 @@ impl Pipeline {
                 }
             }
         }
+        let per_head = matches!(self.adapter.qk_norm, QkNorm::None | QkNorm::PerHead) && c.clip_qkv.is_none();
+        if per_head && n >= PAR_HEADS_MIN_TOKENS {
+            return self.norm_rope_heads_on_pool(l, n, first_pos);
+        }
+        self.norm_rope_sequential(l, n, first_pos);
+        Ok(())
+    }
+
+    /// Per-head q/k norm (if any) and RoPE of each head on the dense pool's threads (prefill):
+    /// the same per-head functions as the sequential path, so the same bits.
+    fn norm_rope_heads_on_pool(&mut self, l: usize, n: usize, first_pos: usize) -> Result<(), PipelineError> {
+        let c = &self.config;
+        let (hd, half, eps, style) = (c.head_dim, c.head_dim / 2, c.rms_eps, c.rope_style);
+        let w = &self.layers[l];
+        let (qn, kn) = match self.adapter.qk_norm {
+            QkNorm::PerHead => (w.q_norm.as_deref(), w.k_norm.as_deref()),
+            _ => (None, None),
+        };
+        let (a, rope, pool) = (&mut self.act, &self.rope, self.dense.pool_mut());
+        for (buf, dim, norm) in
+            [(&mut a.q[..n * c.q_dim()], c.q_dim(), qn), (&mut a.k[..n * c.kv_dim()], c.kv_dim(), kn)]
+        {
+            let heads_per_token = dim / hd;
+            par_chunks_mut(pool, buf, hd, &|i, head| {
+                if let Some(weight) = norm {
+                    rms_norm_in_place(head, weight, eps);
+                }
+                let t = first_pos + i / heads_per_token;
+                rope_head(head, &rope[t * half..(t + 1) * half], style);
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Biases done: q/k norms (per head or over the projection), clipping, RoPE on this thread.
+    fn norm_rope_sequential(&mut self, l: usize, n: usize, first_pos: usize) {
+        let c = &self.config;
+        let (w, a) = (&self.layers[l], &mut self.act);
+        let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
         match self.adapter.qk_norm {
             QkNorm::None => {}
             QkNorm::WholeProjection => {
