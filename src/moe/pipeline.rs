@@ -650,6 +650,11 @@ impl Pipeline {
         let nkv = c.n_kv_heads;
         let (keys, values) =
             (&mut cache.keys[l * nkv..(l + 1) * nkv], &mut cache.values[l * nkv..(l + 1) * nkv]);
+        for kvh in 0..nkv {
+            // One (amortised) growth per call, not one per token.
+            keys[kvh].reserve(n * hd);
+            values[kvh].reserve(n * hd);
+        }
         for t in 0..n {
             for kvh in 0..nkv {
                 let at = t * kvd + kvh * hd;
