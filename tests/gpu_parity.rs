@@ -28,19 +28,6 @@ use std::sync::Arc;
 const REL_TOL: f32 = 2e-3;
 const N_DECODE: usize = 3;
 
-fn gpu_usable() -> bool {
-    match CudaBackend::try_new() {
-        Ok(_) => true,
-        Err(e) => {
-            if std::env::var_os("MOE_LANES_REQUIRE_GPU").is_some() {
-                panic!("MOE_LANES_REQUIRE_GPU is set but CUDA is not usable: {e}");
-            }
-            eprintln!("SKIP: no CUDA device: {e}");
-            false
-        }
-    }
-}
-
 fn prompt(dir: &Path) -> Vec<u32> {
     let path = dir.join("golden.json");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -144,7 +131,7 @@ fn open(name: &str) -> Arc<Model> {
 }
 
 fn run_hot(hot: Hot, hot_gemm: HotGemm) {
-    if !gpu_usable() {
+    if !common::gpu_usable() {
         return;
     }
     let mut worst = 0f32;
@@ -188,7 +175,7 @@ fn fixtures_hot_half_and_all_per_expert_gemm() {
 /// lm_head for the last row only) equal to the last row of a full forward.
 #[test]
 fn long_prompt_grouped_tiles_and_forward_last() {
-    if !gpu_usable() {
+    if !common::gpu_usable() {
         return;
     }
     let name = "qwen3_moe_a";
@@ -225,7 +212,7 @@ fn long_prompt_grouped_tiles_and_forward_last() {
 /// last row, and the decode after it continues from the same cache.
 #[test]
 fn forward_last_is_the_last_row() {
-    if !gpu_usable() {
+    if !common::gpu_usable() {
         return;
     }
     for name in &common::fixture_names() {
@@ -250,7 +237,7 @@ fn forward_last_is_the_last_row() {
 
 #[test]
 fn exchanges_keep_output_exact() {
-    if !gpu_usable() {
+    if !common::gpu_usable() {
         return;
     }
     for name in &common::fixture_names() {
@@ -283,7 +270,7 @@ fn exchanges_keep_output_exact() {
 }
 
 fn run_fault(faults: GpuFaults, reason: FallbackReason) {
-    if !gpu_usable() {
+    if !common::gpu_usable() {
         return;
     }
     for name in &common::fixture_names() {
@@ -304,7 +291,7 @@ fn run_fault(faults: GpuFaults, reason: FallbackReason) {
 fn seeded_fault_schedules_over_long_generations() {
     use moe_lanes::actors::LaneFaultSchedule;
     const DECODE_STEPS: usize = 40;
-    if !gpu_usable() {
+    if !common::gpu_usable() {
         return;
     }
     for (i, name) in common::fixture_names().iter().enumerate().take(4) {
@@ -375,7 +362,7 @@ fn fault_gpu_lost_mid_session() {
 
 #[test]
 fn perf_json_of_a_gpu_run() {
-    if !gpu_usable() {
+    if !common::gpu_usable() {
         return;
     }
     let model = open("qwen3_moe_a");
@@ -401,7 +388,7 @@ fn perf_json_of_a_gpu_run() {
 
 #[test]
 fn auto_budget_never_over_allocates_and_impossible_budget_is_refused() {
-    if !gpu_usable() {
+    if !common::gpu_usable() {
         return;
     }
     let model = open("qwen3_moe_a");

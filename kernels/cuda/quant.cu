@@ -241,3 +241,77 @@ extern "C" __global__ void dequant_q5_k_bf16(const u8* W, bf16* out, int n_block
 extern "C" __global__ void dequant_q6_k_bf16(const u8* W, bf16* out, int n_blocks) {
     dequant_q<Q6_K>(W, out, n_blocks);
 }
+
+// ---- the hot lane over caches of any block type ----
+// Type codes (kernels/src/cuda/quant.rs, `type_code`): 0 Q8_0, 1 Q4_0, 2 Q4_K, 3 Q5_K, 4 Q6_K,
+// 5 bf16. A cache is [n_slots, rows, K] in its type: row r of slot s at (s * rows + r) * row_bytes.
+
+// Dot product of one row of Q blocks (K values) with f32 x, one warp, result in every lane.
+template <class Q>
+__device__ __forceinline__ float warp_dot_q(const u8* __restrict__ row, const float* __restrict__ x, int K) {
+    int lane = threadIdx.x & 31, nb = K / Q::ELEMS;
+    bool aligned = (((size_t)x) & 15) == 0;
+    float acc = 0.f;
+    for (int b = lane / Q::LANES; b < nb; b += WARP / Q::LANES) {
+        float v[8];
+        int c0, c1;
+        Q::unit(row + (size_t)b * Q::BYTES, lane % Q::LANES, v, c0, c1);
+        const float* xb = x + (size_t)b * Q::ELEMS;
+        float4 a = q_load_x4(xb + c0, aligned), c = q_load_x4(xb + c1, aligned);
+        acc += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w;
+        acc += v[4] * c.x + v[5] * c.y + v[6] * c.z + v[7] * c.w;
+    }
+    return warp_sum(acc);
+}
+
+// The row's type chosen at run time (uniform over the warp, so no divergence).
+__device__ __forceinline__ float warp_dot_typed(int type, const u8* __restrict__ row, const float* __restrict__ x,
+                                                int K) {
+    switch (type) {
+        case 0: return warp_dot_q<Q8_0>(row, x, K);
+        case 1: return warp_dot_q<Q4_0>(row, x, K);
+        case 2: return warp_dot_q<Q4_K>(row, x, K);
+        case 3: return warp_dot_q<Q5_K>(row, x, K);
+        case 4: return warp_dot_q<Q6_K>(row, x, K);
+        default: return warp_dot_bf16((const bf16*)row, x, K);
+    }
+}
+
+// Hot lane decode, first half, as moe_gate_up_gemv over typed caches [n_slots, ff, hidden]:
+// h[e, r] = silu(G_s[r] . x_t) * (U_s[r] . x_t), slot s = slots[e] (-1: cold, skipped), t = tokens[e].
+// grid (ceil(ff/ROWS_PER_BLOCK), n_entries), block 32 * ROWS_PER_BLOCK: one warp per ff row.
+extern "C" __global__ void moe_gate_up_gemv_q(const u8* __restrict__ G, const u8* __restrict__ U, int g_type,
+                                              int u_type, int g_row_bytes, int u_row_bytes,
+                                              const float* __restrict__ x, const int* __restrict__ slots,
+                                              const int* __restrict__ tokens, float* __restrict__ h, int ff,
+                                              int hidden) {
+    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    int e = blockIdx.y;
+    if (r >= ff || slots[e] < 0) return;
+    size_t row = (size_t)slots[e] * ff + r;
+    const float* xt = x + (size_t)tokens[e] * hidden;
+    float g = warp_dot_typed(g_type, G + row * g_row_bytes, xt, hidden);
+    float u = warp_dot_typed(u_type, U + row * u_row_bytes, xt, hidden);
+    if ((threadIdx.x & 31) == 0) h[(size_t)e * ff + r] = silu(g) * u;
+}
+
+// Hot lane decode, second half, as moe_down_accum over a typed cache [n_slots, hidden, ff]:
+// output row i (token tok_rows[i], entries tok_off[i]..tok_off[i+1]) adds
+// sum_e weights[e] * (D_{slots[e]}[r] . h[e]); deterministic (no atomics).
+// grid (ceil(hidden/ROWS_PER_BLOCK), n_rows), block 32 * ROWS_PER_BLOCK.
+extern "C" __global__ void moe_down_accum_q(const u8* __restrict__ D, int d_type, int d_row_bytes,
+                                            const float* __restrict__ h, const int* __restrict__ slots,
+                                            const float* __restrict__ weights, const int* __restrict__ tok_off,
+                                            const int* __restrict__ tok_rows, float* __restrict__ out, int hidden,
+                                            int ff) {
+    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    int i = blockIdx.y;
+    if (r >= hidden) return;
+    float acc = 0.f;
+    for (int e = tok_off[i]; e < tok_off[i + 1]; e++) {
+        if (slots[e] < 0) continue;  // cold entry (device-built worklist)
+        const u8* row = D + ((size_t)slots[e] * hidden + r) * d_row_bytes;
+        acc += weights[e] * warp_dot_typed(d_type, row, h + (size_t)e * ff, ff);
+    }
+    if ((threadIdx.x & 31) == 0) out[(size_t)tok_rows[i] * hidden + r] += acc;
+}

@@ -10,7 +10,7 @@ mod common;
 use common::cuda::backend;
 use common::Rng;
 use half::bf16;
-use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
+use moe_lanes_kernels::cuda::{CudaBackend, CudaError, TypedWeights};
 use moe_lanes_kernels::{quant, WeightDType};
 
 /// Random rows of `dtype` blocks: random bytes (every scale/min/nibble pattern), the f16 scales
@@ -220,4 +220,109 @@ fn bad_shapes_are_refused_before_launch() {
     assert!(errors[0].contains("not a multiple") && errors[4].contains("not a quantized"), "{errors:?}");
     assert!(errors[3].contains("aligned") && errors[6].contains("out holds"), "{errors:?}");
     be.synchronize().unwrap();
+}
+
+/// A cache of `n_slots` random `[rows, k]` matrices of `dtype` (bf16 bit patterns for
+/// [`WeightDType::BF16`]): the bytes and the CPU values.
+fn random_cache(
+    rng: &mut Rng,
+    dtype: WeightDType,
+    n_slots: usize,
+    rows: usize,
+    k: usize,
+) -> (Vec<u8>, Vec<f32>) {
+    if dtype == WeightDType::BF16 {
+        let bits = bf16_bits(&rng.vec(n_slots * rows * k, 0.05));
+        let values = bits.iter().map(|b| bf16::from_bits(*b).to_f32()).collect();
+        return (bits.iter().flat_map(|b| b.to_le_bytes()).collect(), values);
+    }
+    let bytes = random_blocks(rng, dtype, n_slots * rows, k);
+    let values = dequantize(dtype, &bytes);
+    (bytes, values)
+}
+
+/// `|got - want| <= 1e-4 * sum |terms|` (f32 sums in any order over at most a few thousand terms).
+fn assert_close(what: &str, got: &[f32], want: &[(f64, f64)]) {
+    for (i, (g, (value, abs))) in got.iter().zip(want).enumerate() {
+        assert!((*g as f64 - value).abs() <= 1e-4 * abs + 1e-30, "{what} [{i}]: {g} vs {value}");
+    }
+}
+
+/// `(sum, sum |terms|)` of a dot product in f64.
+fn dot64(w: &[f32], x: &[f32]) -> (f64, f64) {
+    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (w, x)| {
+        let p = *w as f64 * *x as f64;
+        (s + p, a + p.abs())
+    })
+}
+
+#[test]
+fn typed_hot_lane_kernels_match_the_cpu_for_every_type_and_a_mix() {
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x5107);
+    let mixes: Vec<[WeightDType; 3]> = WeightDType::QUANTIZED
+        .iter()
+        .map(|&d| [d; 3])
+        .chain([[WeightDType::Q4_K, WeightDType::Q5_K, WeightDType::Q6_K]])
+        .chain([[WeightDType::Q8_0, WeightDType::Q4_0, WeightDType::BF16]])
+        .collect();
+    // Two tokens, two entries each; entry 1 is cold (slot -1) and skipped.
+    let (n_slots, slots, tokens, tok_off) = (3, [2i32, -1, 0, 1], [0i32, 0, 1, 1], [0i32, 2, 4]);
+    for types in mixes {
+        let (hidden, ff) = (2 * 256, 256);
+        let caches: Vec<(Vec<u8>, Vec<f32>)> = types
+            .iter()
+            .zip([(ff, hidden), (ff, hidden), (hidden, ff)])
+            .map(|(&d, (rows, k))| random_cache(&mut rng, d, n_slots, rows, k))
+            .collect();
+        let (x, weights) = (rng.vec(2 * hidden, 1.0), rng.vec(4, 1.0));
+        let dev: Vec<_> = caches.iter().map(|(b, _)| be.upload(b).unwrap()).collect();
+        let typed = |i: usize| TypedWeights { bytes: dev[i].ptr(), dtype: types[i] };
+        let (dx, ds, dt) = (be.upload(&x).unwrap(), be.upload(&slots).unwrap(), be.upload(&tokens).unwrap());
+        let dh = be.alloc_zeros::<f32>(4 * ff).unwrap();
+        be.moe_gate_up_gemv_typed(typed(0), typed(1), dx.ptr(), ds.ptr(), dt.ptr(), dh.ptr(), 4, ff, hidden)
+            .unwrap();
+        let h = be.read_vec(dh.ptr()).unwrap();
+        let mut want_h = vec![(0.0, 0.0); 4 * ff];
+        for e in (0..4).filter(|&e| slots[e] >= 0) {
+            let (s, xt) = (slots[e] as usize, &x[tokens[e] as usize * hidden..][..hidden]);
+            for r in 0..ff {
+                let row = |c: &[f32]| dot64(&c[(s * ff + r) * hidden..][..hidden], xt);
+                let ((g, ga), (u, ua)) = (row(&caches[0].1), row(&caches[1].1));
+                let silu = g / (1.0 + (-g).exp());
+                want_h[e * ff + r] = (silu * u, ga * (u.abs() + 1.0) + ua * (g.abs() + 1.0));
+            }
+        }
+        let what = format!("{types:?}");
+        assert_close(&format!("{what} gate/up"), &h, &want_h);
+        let y0 = rng.vec(2 * hidden, 1.0);
+        let (dw, doff, drows) =
+            (be.upload(&weights).unwrap(), be.upload(&tok_off).unwrap(), be.upload(&[0i32, 1]).unwrap());
+        let dy = be.upload(&y0).unwrap();
+        let (hp, sp, op) = (dh.ptr(), ds.ptr(), dy.ptr());
+        be.moe_down_accum_typed(typed(2), hp, sp, dw.ptr(), doff.ptr(), drows.ptr(), op, 2, hidden, ff)
+            .unwrap();
+        let y = be.read_vec(dy.ptr()).unwrap();
+        let want_y: Vec<(f64, f64)> = (0..2 * hidden)
+            .map(|o| {
+                let (t, r) = (o / hidden, o % hidden);
+                let entries = (tok_off[t] as usize..tok_off[t + 1] as usize).filter(|&e| slots[e] >= 0);
+                entries.fold((y0[o] as f64, (y0[o] as f64).abs()), |(s, a), e| {
+                    let row = &caches[2].1[(slots[e] as usize * hidden + r) * ff..][..ff];
+                    let (d, da) = dot64(row, &h[e * ff..][..ff]);
+                    (s + weights[e] as f64 * d, a + (weights[e] as f64).abs() * da)
+                })
+            })
+            .collect();
+        assert_close(&format!("{what} down"), &y, &want_y);
+    }
+    let (raw, zf, zi) = (
+        be.alloc_zeros::<u8>(64).unwrap(),
+        be.alloc_zeros::<f32>(8).unwrap(),
+        be.alloc_zeros::<i32>(8).unwrap(),
+    );
+    let bad = TypedWeights { bytes: raw.ptr(), dtype: WeightDType::F32 };
+    let (z, zi) = (zf.ptr(), zi.ptr());
+    let err = shape_error(be.moe_gate_up_gemv_typed(bad, bad, z, zi, zi, z, 1, 1, 1));
+    assert!(err.contains("no hot-lane kernel for f32"), "{err}");
 }

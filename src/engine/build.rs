@@ -140,14 +140,7 @@ pub fn build_engine<'m>(
     opts: EngineOptions,
 ) -> Result<(Box<dyn Engine + 'm>, BuildReport), EngineError> {
     let mut gpu_unavailable = None;
-    let quantized =
-        model.first_quantized_tensor().map(|(tensor, dtype)| EngineError::QuantizedOnGpu { tensor, dtype });
-    if let Some(refusal) = quantized.filter(|_| matches!(opts.kind, None | Some(EngineKind::Gpu))) {
-        if opts.kind == Some(EngineKind::Gpu) {
-            return Err(refusal);
-        }
-        gpu_unavailable = Some(refusal.to_string());
-    } else if matches!(opts.kind, None | Some(EngineKind::Gpu)) {
+    if matches!(opts.kind, None | Some(EngineKind::Gpu)) {
         match CudaBackend::with_config(&opts.cuda) {
             Ok(be) => {
                 let (mut engine, report) = build_gpu(model, &opts, Arc::new(be))?;

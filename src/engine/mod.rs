@@ -167,8 +167,6 @@ pub enum EngineError {
     NoGpu { reason: String },
     #[error(transparent)]
     Trace(#[from] crate::cache::trace::TraceError),
-    #[error("tensor '{tensor}' is {dtype}: the GPU engine has no kernels for quantized weights yet (the pipeline engine runs them: --engine pipeline)")]
-    QuantizedOnGpu { tensor: String, dtype: crate::format::dtype::DType },
 }
 
 /// What every engine does. Calls on one engine are sequential (`&mut self`); exchanges queued

@@ -7,31 +7,81 @@ use super::model::{GpuModel, PrefillAttention};
 use super::GpuError;
 use crate::model::adapter::{QkNorm, RopeStyle, RoutingVariant};
 use crate::moe::phase::Phase;
+use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
 use moe_lanes_kernels::cuda::ops::RouteVariant;
-use moe_lanes_kernels::cuda::{CudaBackend, DPtr};
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, TypedWeights};
 
 impl GpuModel {
-    /// `y (+)= W x` for `t` rows: GEMV kernel in decode, cuBLAS otherwise.
+    /// `y (+)= W x` for `t` rows: GEMV kernel in decode (and for a few rows of a quantized
+    /// matrix), cuBLAS otherwise (quantized rows dequantized to bf16 first).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn linear(
         &self,
         phase: Phase,
         x: DPtr<f32>,
-        w: DPtr<u16>,
+        w: TypedWeights,
         y: DPtr<f32>,
         t: usize,
         n: usize,
         k: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        if phase == Phase::Decode {
-            self.be.gemv_bf16(w, x, y, t, n, k, accumulate)?;
-            return Ok(());
+        let few_rows = w.dtype.is_quantized() && t <= QUANT_MAX_TOKENS as usize;
+        if phase == Phase::Decode || few_rows {
+            return self.gemv(x, w, y, t, n, k, accumulate);
         }
         let s = self.scratch.as_ref().expect("reserved");
         let lo = self.opts.split_bf16_activations.then(|| s.x_lo.ptr());
         self.be.gather_split_bf16(x, None, s.x_hi.ptr(), lo, t, k)?;
-        self.be.gemm_bf16(w, s.x_hi.ptr(), lo, y, t, n, k, accumulate)?;
+        self.gemm(w, s.x_hi.ptr(), lo, y, t, n, k, accumulate)
+    }
+
+    /// The decode GEMV of a matrix in its stored type.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemv(
+        &self,
+        x: DPtr<f32>,
+        w: TypedWeights,
+        y: DPtr<f32>,
+        t: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        match w.bf16() {
+            Some(bf) => self.be.gemv_bf16(bf, x, y, t, n, k, accumulate)?,
+            None => self.be.gemv_quant(w.dtype, w.bytes, x, y, t, n, k, accumulate)?,
+        }
+        Ok(())
+    }
+
+    /// cuBLAS GEMM of a matrix in its stored type over bf16 activations (hi + optional lo): a
+    /// quantized matrix is dequantized to bf16 in row ranges that fit the dequantization scratch,
+    /// each GEMM writing its column range of `y`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm(
+        &self,
+        w: TypedWeights,
+        x_hi: DPtr<u16>,
+        x_lo: Option<DPtr<u16>>,
+        y: DPtr<f32>,
+        t: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        if let Some(bf) = w.bf16() {
+            self.be.gemm_bf16(bf, x_hi, x_lo, y, t, n, k, accumulate)?;
+            return Ok(());
+        }
+        let buf = self.dequant.as_ref().expect("reserved for a model with quantized matrices").ptr();
+        assert!(buf.len() >= k, "the dequantization scratch holds at least one row");
+        let rows_per = (buf.len() / k).min(n);
+        for r0 in (0..n).step_by(rows_per) {
+            let r = rows_per.min(n - r0);
+            self.be.dequantize_bf16(w.dtype, w.bytes, r0, r, k, buf)?;
+            self.be.gemm_bf16_strided(buf.sub(0, r * k), x_hi, x_lo, y.from(r0), t, r, k, n, accumulate)?;
+        }
         Ok(())
     }
 
@@ -52,13 +102,13 @@ impl GpuModel {
         self.be.rmsnorm(s.hidden.ptr(), w.attn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
         let k_new = cache.k[l].ptr().sub(pos0 * kvd, t * kvd);
         let v_new = cache.v[l].ptr().sub(pos0 * kvd, t * kvd);
-        if phase == Phase::Decode {
-            let (ws, ys) = ([w.q.ptr(), w.k.ptr(), w.v.ptr()], [s.q.ptr(), k_new, v_new]);
-            self.be.gemv3_bf16(ws, s.normed.ptr(), ys, [qd, kvd, kvd], t, h)?;
+        let qkv_bf16 = [w.q.view().bf16(), w.k.view().bf16(), w.v.view().bf16()];
+        if let (Phase::Decode, [Some(q), Some(k), Some(v)]) = (phase, qkv_bf16) {
+            self.be.gemv3_bf16([q, k, v], s.normed.ptr(), [s.q.ptr(), k_new, v_new], [qd, kvd, kvd], t, h)?;
         } else {
-            self.linear(phase, s.normed.ptr(), w.q.ptr(), s.q.ptr(), t, qd, h, false)?;
-            self.linear(phase, s.normed.ptr(), w.k.ptr(), k_new, t, kvd, h, false)?;
-            self.linear(phase, s.normed.ptr(), w.v.ptr(), v_new, t, kvd, h, false)?;
+            self.linear(phase, s.normed.ptr(), w.q.view(), s.q.ptr(), t, qd, h, false)?;
+            self.linear(phase, s.normed.ptr(), w.k.view(), k_new, t, kvd, h, false)?;
+            self.linear(phase, s.normed.ptr(), w.v.view(), v_new, t, kvd, h, false)?;
         }
         for (dst, bias, dim) in [(s.q.ptr(), &w.q_bias, qd), (k_new, &w.k_bias, kvd), (v_new, &w.v_bias, kvd)]
         {
@@ -72,7 +122,7 @@ impl GpuModel {
         self.mark(l, 2)?;
         // o projection accumulates straight into the residual stream.
         let s = self.scratch.as_ref().expect("reserved");
-        self.linear(phase, s.attn.ptr(), self.w.layers[l].o.ptr(), s.hidden.ptr(), t, h, qd, true)?;
+        self.linear(phase, s.attn.ptr(), self.w.layers[l].o.view(), s.hidden.ptr(), t, h, qd, true)?;
         self.mark(l, 3)?;
         Ok(())
     }
@@ -172,21 +222,14 @@ impl GpuModel {
             RoutingVariant::SoftmaxThenTopK => RouteVariant::SoftmaxThenTopK,
             RoutingVariant::TopKThenSoftmax => RouteVariant::TopKThenSoftmax,
         };
-        let s = self.scratch.as_mut().expect("reserved");
+        let s = self.scratch.as_ref().expect("reserved");
         let (ids, wts) = (route_ids(s.ids(), k, l, t), route_ids(s.weights.ptr(), k, l, t));
         self.be.rmsnorm(s.hidden.ptr(), self.w.layers[l].ffn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
         if zero_moe {
             self.be.zero(s.moe_out.ptr().sub(0, t * h))?;
         }
-        self.be.gemv_bf16(
-            self.w.layers[l].router.ptr(),
-            s.normed.ptr(),
-            s.router_logits.ptr(),
-            t,
-            e_n,
-            h,
-            false,
-        )?;
+        self.gemv(s.normed.ptr(), self.w.layers[l].router.view(), s.router_logits.ptr(), t, e_n, h, false)?;
+        let s = self.scratch.as_mut().expect("reserved");
         self.be.route_topk(s.router_logits.ptr(), t, e_n, k, variant, c.norm_topk_prob, ids, wts)?;
         if to_host {
             let rows = s.normed.ptr().sub(0, if rows_to_host { t * h } else { 0 });
@@ -203,11 +246,11 @@ impl GpuModel {
         let Some(sw) = &self.w.layers[l].shared else { return Ok(()) };
         let (h, sff) = (self.cfg.hidden, self.cfg.shared_expert_ff);
         let s = self.scratch.as_ref().expect("reserved");
-        self.linear(phase, s.normed.ptr(), sw.gate.ptr(), s.g.ptr(), t, sff, h, false)?;
-        self.linear(phase, s.normed.ptr(), sw.up.ptr(), s.u.ptr(), t, sff, h, false)?;
+        self.linear(phase, s.normed.ptr(), sw.gate.view(), s.g.ptr(), t, sff, h, false)?;
+        self.linear(phase, s.normed.ptr(), sw.up.view(), s.u.ptr(), t, sff, h, false)?;
         self.be.silu_mul(s.g.ptr(), s.u.ptr(), s.h.ptr(), t * sff)?;
-        self.linear(phase, s.h.ptr(), sw.down.ptr(), s.shared_out.ptr(), t, h, sff, false)?;
-        self.be.gemv_bf16(sw.gate_logit.ptr(), s.normed.ptr(), s.shared_gl.ptr(), t, 1, h, false)?;
+        self.linear(phase, s.h.ptr(), sw.down.view(), s.shared_out.ptr(), t, h, sff, false)?;
+        self.gemv(s.normed.ptr(), sw.gate_logit.view(), s.shared_gl.ptr(), t, 1, h, false)?;
         self.be.add_sigmoid_scaled_rows(s.moe_out.ptr(), s.shared_out.ptr(), s.shared_gl.ptr(), t, h)?;
         Ok(())
     }

@@ -1,7 +1,6 @@
 //! What the GPU engine refuses or fails at: one typed enum with structured fields.
 
 use crate::cache::hot_set::HotSetError;
-use crate::format::dtype::DType;
 use crate::format::tensor::TensorError;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::cuda::CudaError;
@@ -18,8 +17,6 @@ pub enum GpuError {
     HotSet(#[from] HotSetError),
     #[error(transparent)]
     Cold(super::cold::ColdError),
-    #[error("tensor '{tensor}' has dtype {dtype}; the GPU path takes F32, F16 or BF16")]
-    UnsupportedDType { tensor: String, dtype: DType },
     #[error("head_dim {head_dim} is odd; the GPU RoPE kernels need an even head_dim")]
     OddHeadDim { head_dim: usize },
     #[error("the hot set has {given} layers, the model has {expected}")]

@@ -1,29 +1,65 @@
-//! The VRAM hot cache: per layer a fixed number of expert slots (gate, up, down as bf16),
+//! The VRAM hot cache: per layer a fixed number of expert slots (gate, up, down in their stored
+//! type: GGUF blocks as the file stores them, bf16 for float files, so a 4-bit expert costs
+//! 4-bit VRAM and the planner's byte budget counts real bytes),
 //! allocated once, and `hot_id_map` (expert -> slot) on the host ([`HotSet`], one lane) and on
 //! the device (`[n_layers * n_experts]` i32, -1 = cold). Exchanges rewrite a slot and both maps;
 //! capacity never changes. Exchanges copy on the backend's side stream (through pinned staging),
 //! so a call's compute runs beside them and waits only where a layer uses an exchanged slot.
 
-use super::weights::bf16_bits;
+use super::weights::{stored_bytes, stored_dtype};
 use super::GpuError;
 use crate::cache::hot_set::{HotSet, LayerHotSet};
 use crate::model::Model;
-use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, GpuEvent, PinnedBuffer};
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, GpuEvent, PinnedBuffer, TypedWeights};
+use moe_lanes_kernels::WeightDType;
+
+/// Stored types and bytes of one expert's matrices in a layer (experts of a layer share them).
+#[derive(Clone, Copy)]
+struct SlotShape {
+    dtypes: [WeightDType; 3],
+    /// Bytes of one expert's gate, up, down.
+    bytes: [usize; 3],
+}
+
+impl SlotShape {
+    fn of(model: &Model, l: usize) -> SlotShape {
+        let (c, x) = (model.config(), model.expert(l, 0));
+        let dtypes = [x.gate.dtype, x.up.dtype, x.down.dtype].map(stored_dtype);
+        let bytes = [
+            c.expert_ff * dtypes[0].row_bytes(c.hidden),
+            c.expert_ff * dtypes[1].row_bytes(c.hidden),
+            c.hidden * dtypes[2].row_bytes(c.expert_ff),
+        ];
+        SlotShape { dtypes, bytes }
+    }
+
+    fn total_bytes(&self) -> usize {
+        self.bytes.iter().sum()
+    }
+}
 
 /// One layer's slots: `[capacity, ff, hidden]` gate and up, `[capacity, hidden, ff]` down.
 struct HotLayer {
     capacity: usize,
-    gate: Option<DeviceBuffer<u16>>,
-    up: Option<DeviceBuffer<u16>>,
-    down: Option<DeviceBuffer<u16>>,
+    shape: SlotShape,
+    /// Gate, up, down (none while the capacity is 0).
+    bufs: Option<[DeviceBuffer<u8>; 3]>,
 }
 
-/// Device pointers of one layer's cached experts.
+/// Device views of one layer's cached experts (every slot).
 #[derive(Clone, Copy)]
 pub(crate) struct SlotPtrs {
-    pub gate: DPtr<u16>,
-    pub up: DPtr<u16>,
-    pub down: DPtr<u16>,
+    pub n_slots: usize,
+    pub gate: TypedWeights,
+    pub up: TypedWeights,
+    pub down: TypedWeights,
+}
+
+impl SlotPtrs {
+    /// Every matrix is bf16 (a float file): the tuned bf16 kernels and the grouped GEMM apply.
+    pub fn all_bf16(&self) -> bool {
+        [self.gate, self.up, self.down].iter().all(|m| m.dtype == WeightDType::BF16)
+    }
 }
 
 pub(crate) struct HotCache {
@@ -32,11 +68,9 @@ pub(crate) struct HotCache {
     set: HotSet,
     allocated: bool,
     n_experts: usize,
-    /// Elements of one expert matrix (`ff * hidden`).
-    expert_elems: usize,
     /// Pinned staging for exchanges (gate, up, down of one expert each), used in turn so one
     /// fills while the other copies; allocated at the first exchange.
-    staging: Vec<PinnedBuffer<u16>>,
+    staging: Vec<PinnedBuffer<u8>>,
     next_staging: usize,
     /// Per layer: recorded on the side stream after the layer's last exchange.
     exchanged: Vec<GpuEvent>,
@@ -49,21 +83,16 @@ const EXCHANGE_STAGING_BUFFERS: usize = 2;
 
 impl HotCache {
     /// No slots yet: every expert is cold until [`HotCache::allocate`].
-    pub fn empty(
-        be: &CudaBackend,
-        n_layers: usize,
-        n_experts: usize,
-        expert_elems: usize,
-    ) -> Result<Self, GpuError> {
+    pub fn empty(be: &CudaBackend, model: &Model) -> Result<Self, GpuError> {
+        let (n_layers, n_experts) = (model.config().n_layers, model.config().n_experts);
         Ok(HotCache {
             layers: (0..n_layers)
-                .map(|_| HotLayer { capacity: 0, gate: None, up: None, down: None })
+                .map(|l| HotLayer { capacity: 0, shape: SlotShape::of(model, l), bufs: None })
                 .collect(),
             map_dev: be.upload(&vec![-1i32; n_layers * n_experts])?,
             set: HotSet::empty(n_layers, n_experts, 1),
             allocated: false,
             n_experts,
-            expert_elems,
             staging: Vec::new(),
             next_staging: 0,
             exchanged: (0..n_layers).map(|_| be.event()).collect::<Result<_, _>>()?,
@@ -78,11 +107,9 @@ impl HotCache {
         }
         check_shape(set, self.layers.len(), self.n_experts)?;
         for (hl, ls) in self.layers.iter_mut().zip(&set.layers) {
-            let cap = ls.n_hot();
-            let alloc = || -> Result<Option<DeviceBuffer<u16>>, GpuError> {
-                Ok(if cap == 0 { None } else { Some(be.alloc_zeros::<u16>(cap * self.expert_elems)?) })
-            };
-            *hl = HotLayer { capacity: cap, gate: alloc()?, up: alloc()?, down: alloc()? };
+            hl.capacity = ls.n_hot();
+            let alloc = |i: usize| be.alloc_zeros::<u8>(hl.capacity * hl.shape.bytes[i]);
+            hl.bufs = if hl.capacity == 0 { None } else { Some([alloc(0)?, alloc(1)?, alloc(2)?]) };
         }
         self.allocated = true;
         for (l, ls) in set.layers.iter().enumerate() {
@@ -109,23 +136,27 @@ impl HotCache {
     ) -> Result<(), GpuError> {
         let mut next = self.set.clone();
         let slot = next.apply_exchange(layer_idx, evict, add)?.slot_idx as usize;
-        let n = self.expert_elems;
         if self.staging.is_empty() {
+            let most = self.layers.iter().map(|hl| hl.shape.total_bytes()).max().unwrap_or(0);
             for _ in 0..EXCHANGE_STAGING_BUFFERS {
-                self.staging.push(be.alloc_pinned::<u16>(3 * n)?);
+                self.staging.push(be.alloc_pinned::<u8>(most)?);
             }
         }
         let buf = &mut self.staging[self.next_staging];
         self.next_staging = (self.next_staging + 1) % EXCHANGE_STAGING_BUFFERS;
         let x = model.expert(layer_idx, add);
-        let host = buf.as_mut_slice()?;
-        for (i, t) in [x.gate, x.up, x.down].into_iter().enumerate() {
-            host[i * n..(i + 1) * n].copy_from_slice(&bf16_bits(t)?);
-        }
         let hl = &self.layers[layer_idx];
-        for (i, dst) in [&hl.gate, &hl.up, &hl.down].into_iter().enumerate() {
-            let dst = dst.as_ref().expect("a hot expert implies an allocated layer");
-            be.write_async_side(buf, i * n..(i + 1) * n, dst.ptr().sub(slot * n, n))?;
+        let host = buf.as_mut_slice()?;
+        let mut at = 0;
+        for (t, n) in [x.gate, x.up, x.down].into_iter().zip(hl.shape.bytes) {
+            host[at..at + n].copy_from_slice(&stored_bytes(t)?);
+            at += n;
+        }
+        let bufs = hl.bufs.as_ref().expect("a hot expert implies an allocated layer");
+        let mut at = 0;
+        for (dst, n) in bufs.iter().zip(hl.shape.bytes) {
+            be.write_async_side(buf, at..at + n, dst.ptr().sub(slot * n, n))?;
+            at += n;
         }
         let map = self.map_dev.ptr();
         be.write_side(&[-1i32], map.sub(layer_idx * self.n_experts + evict, 1))?;
@@ -156,10 +187,9 @@ impl HotCache {
         let x = model.expert(l, e);
         let hl = &self.layers[l];
         assert!(slot < hl.capacity, "slot {slot} of layer {l} beyond capacity {}", hl.capacity);
-        let n = self.expert_elems;
-        for (buf, t) in [(&hl.gate, x.gate), (&hl.up, x.up), (&hl.down, x.down)] {
-            let buf = buf.as_ref().expect("capacity > 0, so the layer is allocated");
-            be.write(&bf16_bits(t)?, buf.ptr().sub(slot * n, n))?;
+        let bufs = hl.bufs.as_ref().expect("capacity > 0, so the layer is allocated");
+        for ((buf, t), n) in bufs.iter().zip([x.gate, x.up, x.down]).zip(hl.shape.bytes) {
+            be.write(&stored_bytes(t)?, buf.ptr().sub(slot * n, n))?;
         }
         Ok(())
     }
@@ -191,15 +221,19 @@ impl HotCache {
 
     pub fn slots(&self, l: usize) -> Option<SlotPtrs> {
         let hl = &self.layers[l];
-        Some(SlotPtrs {
-            gate: hl.gate.as_ref()?.ptr(),
-            up: hl.up.as_ref()?.ptr(),
-            down: hl.down.as_ref()?.ptr(),
-        })
+        let [g, u, d] = hl.bufs.as_ref()?;
+        let view =
+            |b: &DeviceBuffer<u8>, i: usize| TypedWeights { bytes: b.ptr(), dtype: hl.shape.dtypes[i] };
+        Some(SlotPtrs { n_slots: hl.capacity, gate: view(g, 0), up: view(u, 1), down: view(d, 2) })
+    }
+
+    /// Whether any layer stores its experts quantized.
+    pub fn any_quantized(&self) -> bool {
+        self.layers.iter().any(|hl| hl.shape.dtypes.iter().any(|d| d.is_quantized()))
     }
 
     pub fn bytes(&self) -> usize {
-        self.layers.iter().flat_map(|h| [&h.gate, &h.up, &h.down]).flatten().map(DeviceBuffer::bytes).sum()
+        self.layers.iter().flat_map(|h| h.bufs.iter().flatten()).map(DeviceBuffer::bytes).sum()
     }
 }
 

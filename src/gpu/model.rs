@@ -180,6 +180,27 @@ impl Default for GpuOptions {
     }
 }
 
+/// Elements of the prefill dequantization scratch (bf16, 32 MiB): a quantized matrix with more
+/// elements is dequantized and multiplied in row ranges.
+const DEQUANT_SCRATCH_ELEMS: usize = 16 << 20;
+
+/// The dequantization scratch a model needs: none for a float model, else room for the largest
+/// quantized matrix (dense or expert) up to [`DEQUANT_SCRATCH_ELEMS`].
+fn dequant_scratch(
+    be: &CudaBackend,
+    cfg: &ModelConfig,
+    w: &DenseWeights,
+    hot: &HotCache,
+) -> Result<Option<DeviceBuffer<u16>>, GpuError> {
+    let experts = if hot.any_quantized() { cfg.expert_ff * cfg.hidden } else { 0 };
+    let most = w.max_quantized_elems.max(experts);
+    if most == 0 {
+        return Ok(None);
+    }
+    let widest_row = cfg.hidden.max(cfg.q_dim()).max(cfg.expert_ff).max(cfg.shared_expert_ff);
+    Ok(Some(be.alloc_zeros::<u16>(most.min(DEQUANT_SCRATCH_ELEMS.max(widest_row)))?))
+}
+
 pub struct GpuModel {
     pub(crate) be: Arc<CudaBackend>,
     pub(crate) model: Arc<Model>,
@@ -199,6 +220,8 @@ pub struct GpuModel {
     pub(crate) profiler: Option<Profiler>,
     /// Partials of the split decode attention (grown to the cache's capacity on demand).
     pub(crate) attn_part: Option<DeviceBuffer<f32>>,
+    /// bf16 rows of quantized matrices for the prefill GEMMs (none for a float model).
+    pub(crate) dequant: Option<DeviceBuffer<u16>>,
     pub(super) call_idx: u64,
 }
 
@@ -212,7 +235,8 @@ impl GpuModel {
             return Err(GpuError::OddHeadDim { head_dim: cfg.head_dim });
         }
         let w = DenseWeights::upload(&model, &be)?;
-        let hot = HotCache::empty(&be, cfg.n_layers, cfg.n_experts, cfg.expert_ff * cfg.hidden)?;
+        let hot = HotCache::empty(&be, &model)?;
+        let dequant = dequant_scratch(&be, &cfg, &w, &hot)?;
         let lane_events = (0..cfg.n_layers)
             .map(|_| Ok(LaneEvents { start: be.event()?, end: be.event()? }))
             .collect::<Result<Vec<_>, GpuError>>()?;
@@ -226,6 +250,7 @@ impl GpuModel {
             scratch: None,
             profiler: None,
             attn_part: None,
+            dequant,
             call_idx: 0,
             lane_events,
             hot,
@@ -398,7 +423,8 @@ impl GpuModel {
         self.host.tokens_i32.extend(tokens.iter().map(|&x| x as i32));
         self.mark_tail(0)?;
         self.be.write(&self.host.tokens_i32, s.tokens.ptr())?;
-        self.be.embed(self.w.embed.ptr(), s.tokens.ptr(), s.hidden.ptr(), tokens.len(), self.cfg.hidden)?;
+        let table = self.w.embed.view().bf16().expect("the embedding is stored as bf16");
+        self.be.embed(table, s.tokens.ptr(), s.hidden.ptr(), tokens.len(), self.cfg.hidden)?;
         Ok(())
     }
 
@@ -413,7 +439,7 @@ impl GpuModel {
         };
         let x = s.hidden.ptr().sub(first * c.hidden, n * c.hidden);
         be.rmsnorm(x, self.w.final_norm.ptr(), s.normed.ptr(), n, c.hidden, c.rms_eps)?;
-        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed).ptr();
+        let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed).view();
         self.linear(phase, s.normed.ptr(), head, s.logits.ptr(), n, c.vocab, c.hidden, false)?;
         self.mark_tail(1)?;
         if n <= 8 {

@@ -27,7 +27,7 @@ use crate::cache::perf::FallbackReason;
 use crate::moe::phase::Phase;
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::ops::grouped_tiles;
-use moe_lanes_kernels::cuda::GpuEvent;
+use moe_lanes_kernels::cuda::{GpuEvent, TypedWeights};
 use std::time::{Duration, Instant};
 
 /// How a layer's split ended when it did not end well.
@@ -117,19 +117,14 @@ impl GpuModel {
             let out = if direct { s.hidden.ptr() } else { s.moe_out.ptr() };
             // entries routed to cold experts have slot -1: the kernels skip them
             let hot = || -> Result<(), GpuError> {
-                let ff = self.cfg.expert_ff;
-                self.be.moe_gate_up_gemv(
-                    c.gate,
-                    c.up,
-                    s.normed.ptr(),
-                    p_slots,
-                    p_toks,
-                    s.h.ptr(),
-                    n_ent,
-                    ff,
-                    h,
-                )?;
-                self.be.moe_down_accum(c.down, s.h.ptr(), p_slots, wts, p_off, p_rows, out, t, h, ff)?;
+                let (ff, x, hb) = (self.cfg.expert_ff, s.normed.ptr(), s.h.ptr());
+                if let (Some(g), Some(u), Some(d)) = (c.gate.bf16(), c.up.bf16(), c.down.bf16()) {
+                    self.be.moe_gate_up_gemv(g, u, x, p_slots, p_toks, hb, n_ent, ff, h)?;
+                    self.be.moe_down_accum(d, hb, p_slots, wts, p_off, p_rows, out, t, h, ff)?;
+                } else {
+                    self.be.moe_gate_up_gemv_typed(c.gate, c.up, x, p_slots, p_toks, hb, n_ent, ff, h)?;
+                    self.be.moe_down_accum_typed(c.down, hb, p_slots, wts, p_off, p_rows, out, t, h, ff)?;
+                }
                 Ok(())
             };
             hot().map_err(|_| HOT_FAILED)?;
@@ -264,9 +259,11 @@ impl GpuModel {
     /// The hot lane over the host worklist (expert-major): the cached experts' GEMMs over their
     /// gathered rows, one entry row each in `y`, then a weighted scatter into the token rows.
     fn hot_lane_gemm(&self, l: usize, t: usize) -> Result<(), GpuError> {
+        let all_bf16 = self.hot.slots(l).expect("hot entries imply a cache").all_bf16();
         match self.opts.hot_gemm {
-            HotGemm::Grouped => self.hot_lane_grouped(l, t)?,
-            HotGemm::PerExpert => self.hot_lane_per_expert(l)?,
+            // the grouped kernels read bf16 caches; quantized slots go per expert
+            HotGemm::Grouped if all_bf16 => self.hot_lane_grouped(l, t)?,
+            _ => self.hot_lane_per_expert(l)?,
         }
         let (h, n_hot) = (self.cfg.hidden, self.host.worklist.hot[0].hot_count);
         let s = self.scratch.as_ref().expect("reserved");
@@ -284,16 +281,17 @@ impl GpuModel {
         let s = self.scratch.as_ref().expect("reserved");
         let n_hot = self.host.worklist.hot[0].hot_count;
         let c = self.hot.slots(l).expect("hot entries imply a cache");
-        let n_slots = c.gate.len() / (ff * h).max(1);
+        let n_slots = c.n_slots;
+        let bf16 = |m: TypedWeights| m.bf16().expect("grouped GEMM runs on bf16 caches");
+        let (gate, up, down) = (bf16(c.gate), bf16(c.up), bf16(c.down));
         let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.split_bf16_activations);
         let n_tiles = self.host.n_tiles;
         let tiles = wi.sub(lay.tiles, 3 * n_tiles);
         let toks = wi.sub(lay.tokens, n_hot);
         let (x, hbuf) = (s.normed.ptr(), s.h.ptr());
-        self.be
-            .grouped_gate_up(c.gate, c.up, n_slots, x, toks, t, tiles, n_tiles, hbuf, n_hot, ff, h, split)?;
+        self.be.grouped_gate_up(gate, up, n_slots, x, toks, t, tiles, n_tiles, hbuf, n_hot, ff, h, split)?;
         self.be.grouped_gemm(
-            c.down,
+            down,
             n_slots,
             hbuf,
             None,
@@ -309,8 +307,9 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Per expert (the A/B baseline): gate and up cuBLAS GEMMs per cached expert over its
-    /// gathered rows, activation, down GEMM per cached expert.
+    /// Per expert (the A/B baseline, and quantized caches): gate and up cuBLAS GEMMs per cached
+    /// expert over its gathered rows, activation, down GEMM per cached expert (a quantized
+    /// expert dequantized to bf16 first).
     fn hot_lane_per_expert(&self, l: usize) -> Result<(), GpuError> {
         let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
         let s = self.scratch.as_ref().expect("reserved");
@@ -320,20 +319,19 @@ impl GpuModel {
         let lo = self.opts.split_bf16_activations.then(|| s.x_lo.ptr());
         let (xhi, lay, wi) = (s.x_hi.ptr(), s.layout, s.work_i.ptr());
         self.be.gather_split_bf16(s.normed.ptr(), Some(wi.sub(lay.tokens, n_hot)), xhi, lo, n_hot, h)?;
-        let nf = ff * h;
         for_slot_groups(&sec.hot_id[..n_hot], |slot, start, n_s| {
             let (xs, xl) = (xhi.sub(start * h, n_s * h), lo.map(|p| p.sub(start * h, n_s * h)));
             let g = s.g.ptr().sub(start * ff, n_s * ff);
-            self.be.gemm_bf16(c.gate.sub(slot * nf, nf), xs, xl, g, n_s, ff, h, false)?;
+            self.gemm(c.gate.matrix(slot, ff, h), xs, xl, g, n_s, ff, h, false)?;
             let u = s.u.ptr().sub(start * ff, n_s * ff);
-            self.be.gemm_bf16(c.up.sub(slot * nf, nf), xs, xl, u, n_s, ff, h, false)
+            self.gemm(c.up.matrix(slot, ff, h), xs, xl, u, n_s, ff, h, false)
         })?;
         self.be.silu_mul(s.g.ptr(), s.u.ptr(), s.h.ptr(), n_hot * ff)?;
         self.be.gather_split_bf16(s.h.ptr(), None, xhi, lo, n_hot, ff)?;
         for_slot_groups(&sec.hot_id[..n_hot], |slot, start, n_s| {
             let (xs, xl) = (xhi.sub(start * ff, n_s * ff), lo.map(|p| p.sub(start * ff, n_s * ff)));
             let y = s.y.ptr().sub(start * h, n_s * h);
-            self.be.gemm_bf16(c.down.sub(slot * nf, nf), xs, xl, y, n_s, h, ff, false)
+            self.gemm(c.down.matrix(slot, h, ff), xs, xl, y, n_s, h, ff, false)
         })
     }
 
@@ -470,7 +468,7 @@ fn wait_event(ev: &GpuEvent, limit: Duration) -> bool {
 /// Call `f(slot, start, len)` for each run of equal cache slots in `slots`.
 fn for_slot_groups(
     slots: &[u32],
-    mut f: impl FnMut(usize, usize, usize) -> Result<(), moe_lanes_kernels::cuda::CudaError>,
+    mut f: impl FnMut(usize, usize, usize) -> Result<(), GpuError>,
 ) -> Result<(), GpuError> {
     let mut start = 0;
     while start < slots.len() {

@@ -161,12 +161,6 @@ impl Model {
         self.expert_dtype
     }
 
-    /// The first tensor stored in quantised blocks (name and type), if any: engines without
-    /// quantised kernels refuse the model naming it.
-    pub fn first_quantized_tensor(&self) -> Option<(String, DType)> {
-        self.tensor_list().into_iter().find(|t| !t.1.is_float()).map(|(name, dtype, _, _)| (name, dtype))
-    }
-
     /// A model-wide tensor; `None` only for `Output` when embeddings are tied.
     pub fn global(&self, role: GlobalRole) -> Option<TensorRef<'_>> {
         self.raw(&self.global_name(role))

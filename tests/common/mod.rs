@@ -172,3 +172,18 @@ pub fn vocab_test_vectors(name: &str) -> Vec<(String, Vec<u32>)> {
     assert_eq!(inputs.len(), expected.len(), "{name}: inputs and expected lines differ in count");
     inputs.into_iter().map(str::to_owned).zip(expected).collect()
 }
+
+/// Whether a CUDA device is usable: false (with a "SKIP" line) without one, a panic instead when
+/// `MOE_LANES_REQUIRE_GPU` is set (the GPU machine, where a skip would hide a failure).
+pub fn gpu_usable() -> bool {
+    match moe_lanes::gpu::CudaBackend::try_new() {
+        Ok(_) => true,
+        Err(e) => {
+            if std::env::var_os("MOE_LANES_REQUIRE_GPU").is_some() {
+                panic!("MOE_LANES_REQUIRE_GPU is set but CUDA is not usable: {e}");
+            }
+            eprintln!("SKIP: no CUDA device: {e}");
+            false
+        }
+    }
+}

@@ -194,10 +194,12 @@ pub enum Kernel {
     DequantQ4KBf16,
     DequantQ5KBf16,
     DequantQ6KBf16,
+    MoeGateUpGemvQ,
+    MoeDownAccumQ,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 38] = [
+    pub const ALL: [Kernel; 40] = [
         Kernel::GemvBf16,
         Kernel::Gemv3Bf16,
         Kernel::RmsnormF32,
@@ -236,6 +238,8 @@ impl Kernel {
         Kernel::DequantQ4KBf16,
         Kernel::DequantQ5KBf16,
         Kernel::DequantQ6KBf16,
+        Kernel::MoeGateUpGemvQ,
+        Kernel::MoeDownAccumQ,
     ];
 
     /// The `extern "C"` symbol.
@@ -279,6 +283,8 @@ impl Kernel {
             Kernel::DequantQ4KBf16 => "dequant_q4_k_bf16",
             Kernel::DequantQ5KBf16 => "dequant_q5_k_bf16",
             Kernel::DequantQ6KBf16 => "dequant_q6_k_bf16",
+            Kernel::MoeGateUpGemvQ => "moe_gate_up_gemv_q",
+            Kernel::MoeDownAccumQ => "moe_down_accum_q",
         }
     }
 
@@ -323,6 +329,8 @@ impl Kernel {
             Kernel::DequantQ4KBf16 => Family::Quant,
             Kernel::DequantQ5KBf16 => Family::Quant,
             Kernel::DequantQ6KBf16 => Family::Quant,
+            Kernel::MoeGateUpGemvQ => Family::Quant,
+            Kernel::MoeDownAccumQ => Family::Quant,
         }
     }
 }

@@ -21,6 +21,7 @@ pub mod ops;
 pub mod quant;
 
 pub use kernel::{kernel_source, Family, Kernel};
+pub use quant::TypedWeights;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
@@ -139,6 +140,15 @@ impl<T> DPtr<T> {
     {
         assert_eq!(std::mem::size_of::<T>(), std::mem::size_of::<U>(), "DPtr::cast between sizes");
         DPtr { raw: self.raw, len: self.len, _m: PhantomData }
+    }
+}
+
+impl DPtr<u8> {
+    /// The bytes seen as 16-bit elements (bf16 bit patterns); panics on an odd length or
+    /// address (a programming error).
+    pub fn as_u16(&self) -> DPtr<u16> {
+        assert!(self.len % 2 == 0 && self.raw % 2 == 0, "DPtr::as_u16 of {self:?}");
+        DPtr { raw: self.raw, len: self.len / 2, _m: PhantomData }
     }
 }
 

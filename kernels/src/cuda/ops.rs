@@ -882,13 +882,33 @@ impl CudaBackend {
         k: usize,
         accumulate: bool,
     ) -> Result<()> {
+        self.gemm_bf16_strided(w, x_hi, x_lo, y, n_tokens, n, k, n, accumulate)
+    }
+
+    /// As [`CudaBackend::gemm_bf16`] into columns `0..n` of a row-major `y` whose rows are
+    /// `ldy >= n` apart (a column range of a wider output: W holds a row range of a matrix).
+    pub fn gemm_bf16_strided(
+        &self,
+        w: DPtr<u16>,
+        x_hi: DPtr<u16>,
+        x_lo: Option<DPtr<u16>>,
+        y: DPtr<f32>,
+        n_tokens: usize,
+        n: usize,
+        k: usize,
+        ldy: usize,
+        accumulate: bool,
+    ) -> Result<()> {
         const K: &str = "gemm_bf16";
         need(K, "W", w, n * k)?;
         need(K, "x_hi", x_hi, n_tokens * k)?;
-        need(K, "y", y, n_tokens * n)?;
         if n_tokens == 0 {
             return Ok(());
         }
+        if ldy < n {
+            return Err(CudaError::Shape { kernel: K, reason: format!("ldy = {ldy} < n = {n}") });
+        }
+        need(K, "y", y, (n_tokens - 1) * ldy + n)?;
         let alpha: f32 = 1.0;
         let parts: Vec<DPtr<u16>> = std::iter::once(x_hi).chain(x_lo).collect();
         for (idx, x) in parts.iter().enumerate() {
@@ -917,7 +937,7 @@ impl CudaBackend {
                     &beta as *const f32 as *const c_void,
                     y.raw() as *mut c_void,
                     bs::cudaDataType::CUDA_R_32F,
-                    i(n),
+                    i(ldy),
                     bs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     bs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
                 )

@@ -116,6 +116,62 @@ pub(super) fn check_dequantize(
     Ok((dequant, w.sub(row0 * row_bytes, rows * row_bytes), n_blocks))
 }
 
+/// Device weights in one block type: GGUF blocks as the file stores them, or bf16 bit patterns
+/// ([`WeightDType::BF16`], float files). A stack of `[rows, k]` matrices (a hot cache's slots)
+/// lies matrix after matrix, each `rows * dtype.row_bytes(k)` bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct TypedWeights {
+    pub bytes: DPtr<u8>,
+    pub dtype: WeightDType,
+}
+
+impl TypedWeights {
+    /// The bf16 view, when the type is bf16.
+    pub fn bf16(&self) -> Option<DPtr<u16>> {
+        (self.dtype == WeightDType::BF16).then(|| self.bytes.as_u16())
+    }
+
+    /// Matrix `idx` of a stack of `[rows, k]` matrices; panics beyond the stack (a programming
+    /// error).
+    pub fn matrix(&self, idx: usize, rows: usize, k: usize) -> TypedWeights {
+        let n = rows * self.dtype.row_bytes(k);
+        TypedWeights { bytes: self.bytes.sub(idx * n, n), dtype: self.dtype }
+    }
+}
+
+/// The hot-lane kernels' code for a type (`quant.cu`, `warp_dot_typed`); none for f32/f16,
+/// which the device never stores.
+fn type_code(dtype: WeightDType) -> Option<i32> {
+    match dtype {
+        WeightDType::Q8_0 => Some(0),
+        WeightDType::Q4_0 => Some(1),
+        WeightDType::Q4_K => Some(2),
+        WeightDType::Q5_K => Some(3),
+        WeightDType::Q6_K => Some(4),
+        WeightDType::BF16 => Some(5),
+        WeightDType::F32 | WeightDType::F16 => None,
+    }
+}
+
+/// A stack of `[rows, k]` matrices for the typed hot-lane kernels: its type code and row bytes,
+/// once the type has kernels, `k` is whole blocks, the base is aligned and one matrix fits.
+fn check_typed(kernel: Kernel, what: &str, w: TypedWeights, rows: usize, k: usize) -> Result<(i32, i32)> {
+    let name = kernel.symbol();
+    let code = type_code(w.dtype)
+        .ok_or_else(|| shape(name, format!("{what}: no hot-lane kernel for {}", w.dtype.name())))?;
+    if !k.is_multiple_of(w.dtype.block_elems()) {
+        let reason = format!("{what}: k = {k} is not whole {} blocks", w.dtype.name());
+        return Err(shape(name, reason));
+    }
+    let align = if w.dtype.is_quantized() { quant_alignment_bytes(w.dtype) } else { 2 };
+    if !w.bytes.raw().is_multiple_of(align) {
+        return Err(shape(name, format!("{what} at {:#x} is not {align}-byte aligned", w.bytes.raw())));
+    }
+    let row_bytes = w.dtype.row_bytes(k);
+    need(kernel, what, w.bytes, rows * row_bytes)?;
+    Ok((code, i(row_bytes)))
+}
+
 impl CudaBackend {
     /// `y[t, :] (+)= W · x[t, :]` for `t < n_tokens`; W `[n, k]` in `dtype` blocks (a quantized
     /// type, `k` a multiple of its block). Decode GEMV: each launch decodes every weight once and
@@ -169,6 +225,95 @@ impl CudaBackend {
             DEQUANT_BLOCK,
             0,
             args![range.raw(), out.raw(), i(n_blocks)],
+        )
+    }
+}
+
+impl CudaBackend {
+    /// Hot lane decode, first half, over caches of any stored type (the counterpart of
+    /// [`CudaBackend::moe_gate_up_gemv`]): `h[e] = silu(G_s · x_t) * (U_s · x_t)` for entry `e`
+    /// (slot `slots[e]`, -1 skipped; token row `tokens[e]`), caches `[n_slots, ff, hidden]`.
+    pub fn moe_gate_up_gemv_typed(
+        &self,
+        gate: TypedWeights,
+        up: TypedWeights,
+        x: DPtr<f32>,
+        slots: DPtr<i32>,
+        tokens: DPtr<i32>,
+        h: DPtr<f32>,
+        n_entries: usize,
+        ff: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::MoeGateUpGemvQ;
+        let (g_type, g_row) = check_typed(K, "gate_cache", gate, ff, hidden)?;
+        let (u_type, u_row) = check_typed(K, "up_cache", up, ff, hidden)?;
+        need(K, "slots", slots, n_entries)?;
+        need(K, "tokens", tokens, n_entries)?;
+        need(K, "h", h, n_entries * ff)?;
+        let (g, u) = (gate.bytes.raw(), up.bytes.raw());
+        self.launch(
+            K,
+            (blocks(ff, ROWS_PER_BLOCK), n_entries as u32, 1),
+            ROW_BLOCK_THREADS,
+            0,
+            args![
+                g,
+                u,
+                g_type,
+                u_type,
+                g_row,
+                u_row,
+                x.raw(),
+                slots.raw(),
+                tokens.raw(),
+                h.raw(),
+                i(ff),
+                i(hidden)
+            ],
+        )
+    }
+
+    /// Hot lane decode, second half, over a cache of any stored type (the counterpart of
+    /// [`CudaBackend::moe_down_accum`]): output row `r` (token `tok_rows[r]`, entries
+    /// `tok_off[r]..tok_off[r+1]`) adds `Σ weights[e] · D_{slots[e]} · h[e]`; cache
+    /// `[n_slots, hidden, ff]`. Deterministic (no atomics).
+    pub fn moe_down_accum_typed(
+        &self,
+        down: TypedWeights,
+        h: DPtr<f32>,
+        slots: DPtr<i32>,
+        weights: DPtr<f32>,
+        tok_off: DPtr<i32>,
+        tok_rows: DPtr<i32>,
+        out: DPtr<f32>,
+        n_rows: usize,
+        hidden: usize,
+        ff: usize,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::MoeDownAccumQ;
+        let (d_type, d_row) = check_typed(K, "down_cache", down, hidden, ff)?;
+        need(K, "tok_off", tok_off, n_rows + 1)?;
+        need(K, "tok_rows", tok_rows, n_rows)?;
+        let (p, o) = (down.bytes.raw(), out.raw());
+        self.launch(
+            K,
+            (blocks(hidden, ROWS_PER_BLOCK), n_rows as u32, 1),
+            ROW_BLOCK_THREADS,
+            0,
+            args![
+                p,
+                d_type,
+                d_row,
+                h.raw(),
+                slots.raw(),
+                weights.raw(),
+                tok_off.raw(),
+                tok_rows.raw(),
+                o,
+                i(hidden),
+                i(ff)
+            ],
         )
     }
 }
