@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build everything the GPU machine runs (no GPU needed here) and stage it in DEST (default .gpu):
-#   DEST/bin/<test>      test binaries: CUDA kernels (bf16 and quantized blocks), GPU parity, CPU kernel equivalence (AVX-512
+#   DEST/bin/<test>      test binaries: CUDA kernels (bf16 and quantized blocks), GPU parity, quantized engines, CPU kernel equivalence (AVX-512
 #                        levels only run there), cold pool
 #   DEST/moe-lanes       the CLI (bench-kernels, synth, bench)
 #   DEST/pipeline_overhead  the message-overhead bench
@@ -16,7 +16,7 @@ cargo build --release --bin moe-lanes
 cp target/release/moe-lanes "$DEST/moe-lanes"
 strip --strip-debug "$DEST/moe-lanes"
 cargo test --release --no-run --message-format=json -p moe-lanes -p moe-lanes-kernels \
-    --test gpu_parity --test cuda_kernels --test cuda_quant --test equivalence --test pool --test cold_lane --test lane_faults 2>/dev/null |
+    --test gpu_parity --test quant_engine --test cuda_kernels --test cuda_quant --test equivalence --test pool --test cold_lane --test lane_faults 2>/dev/null |
     python3 -c 'import sys, json
 for line in sys.stdin:
     m = json.loads(line)

@@ -192,12 +192,13 @@ argmax_check() { # FILE LABEL
 
 # Issue 12's table: the skewed 16-layer model quantized by llama.cpp's llama-quantize and by
 # `moe-lanes quantize` (QTYPES: q4_k_m q8_0), each run by both at budget 0 / 50% / 100%
-# (llama.cpp -ncmoe 16 / 8 / 0). Quantized files go to QDIR (/tmp: the tmpfs holds the BF16 ones).
+# (llama.cpp -ncmoe 16 / 8 / 0); QWHO picks the quantizers (default: llama moe). Quantized files go to
+# QDIR (/tmp: the tmpfs holds the BF16 ones).
 part_quantcmp() {
     local src t who q qd="${QDIR:-/tmp}"
     src=$(model skewed)
     for t in ${QTYPES:-q4_k_m q8_0}; do
-        for who in llama moe; do
+        for who in ${QWHO:-llama moe}; do
             q="$qd/q$LAYERS-$who-$t.gguf"
             if [ ! -f "$q" ]; then
                 if [ "$who" = llama ]; then

@@ -4,7 +4,9 @@
 //! identical on a few prompts. The pipeline's SIMD kernels and the oracle see the same
 //! dequantised weights (the kernels keep activations in f32), so only the summation order
 //! differs, as for float models. The GPU engine runs every mix at hot caches none / half / all
-//! (quantised experts cached in their file format) within a stated tolerance of the reference.
+//! (quantised experts cached in their file format) within stated tolerances of the reference:
+//! tight where it dequantises in registers (decode, short prompts), looser for a long prompt's
+//! tensor-core prefill.
 
 mod common;
 
@@ -96,11 +98,13 @@ fn a_q4_k_m_file_mixes_block_types_like_llama_cpp() {
     assert!(dtype_of("blk.0.ffn_gate_inp.weight").is_float());
 }
 
-/// Normwise relative tolerance of GPU logits against the reference on a quantised file: decode
-/// dequantises in registers (f32, as the CPU), but prefill multiplies dequantised rows rounded to
-/// bf16 on the tensor cores (~2^-9 relative per weight), and the KV cache carries that into the
-/// decode rows after it.
-const GPU_LOGITS_TOLERANCE: f64 = 1e-2;
+/// Normwise relative tolerance of GPU logits against the reference on a quantised file when
+/// every weight is dequantised in registers (decode, and prefill calls of a few rows): the same
+/// f32 values as the CPU, only the summation order differs.
+const GPU_EXACT_TOLERANCE: f64 = 1e-3;
+/// The same for long prompts, whose prefill multiplies dequantised rows rounded to bf16 on the
+/// tensor cores (~2^-9 relative per weight); the KV cache carries that into the decode rows.
+const GPU_TENSOR_CORE_TOLERANCE: f64 = 2e-2;
 
 /// Prefill `prompt` then decode `n_decode` tokens (the reference's greedy choices) on both
 /// engines; every row within `tolerance`, and the engine's greedy token equal to the
@@ -138,8 +142,9 @@ fn check_steps(
     worst
 }
 
-#[test]
-fn every_mix_runs_on_the_gpu_engine_at_every_cache_size_within_tolerance() {
+/// Every mix and architecture through the GPU engine at hot caches none / half / all, each
+/// prompt prefilled then decoded; returns nothing, asserts `tolerance` on every row.
+fn gpu_runs(prompts: &[&[u32]], n_decode: usize, tolerance: f64) {
     if !common::gpu_usable() {
         return;
     }
@@ -154,14 +159,23 @@ fn every_mix_runs_on_the_gpu_engine_at_every_cache_size_within_tolerance() {
                 let (mut gpu, report) = build_engine(&model, opts).unwrap();
                 assert_eq!(report.kind, EngineKind::Gpu);
                 let what = format!("{arch} {mix} hot {fraction}");
-                let mut worst = 0f64;
-                for prompt in PROMPTS {
-                    let err =
-                        check_steps(&what, reference.as_mut(), gpu.as_mut(), prompt, 4, GPU_LOGITS_TOLERANCE);
-                    worst = worst.max(err);
-                }
+                let worst = prompts
+                    .iter()
+                    .map(|p| check_steps(&what, reference.as_mut(), gpu.as_mut(), p, n_decode, tolerance))
+                    .fold(0f64, f64::max);
                 eprintln!("{what}: worst relative error {worst:e}");
             }
         }
     }
+}
+
+#[test]
+fn every_mix_runs_on_the_gpu_engine_at_every_cache_size_within_tolerance() {
+    gpu_runs(&PROMPTS, 4, GPU_EXACT_TOLERANCE);
+}
+
+#[test]
+fn a_long_prompt_takes_the_tensor_core_path_within_its_tolerance() {
+    let prompt: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
+    gpu_runs(&[&prompt], 2, GPU_TENSOR_CORE_TOLERANCE);
 }

@@ -315,3 +315,34 @@ extern "C" __global__ void moe_down_accum_q(const u8* __restrict__ D, int d_type
     }
     if ((threadIdx.x & 31) == 0) out[(size_t)tok_rows[i] * hidden + r] += acc;
 }
+
+// One embedding row of Q blocks as f32 (the CPU's dequantized values exactly), block-wide.
+template <class Q>
+__device__ __forceinline__ void embed_row_q(const u8* __restrict__ row, float* __restrict__ out, int hidden) {
+    int units = hidden / Q::ELEMS * Q::LANES;
+    for (int u = threadIdx.x; u < units; u += blockDim.x) {
+        int b = u / Q::LANES, c0, c1;
+        float v[8];
+        Q::unit(row + (size_t)b * Q::BYTES, u % Q::LANES, v, c0, c1);
+        float* o = out + (size_t)b * Q::ELEMS;
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[c0 + i] = v[i], o[c1 + i] = v[4 + i];
+    }
+}
+
+// out[t, :] = row tokens[t] of a table in any stored type (type codes as warp_dot_typed), widened
+// to f32. Token ids must be checked by the caller. grid (n_tokens), block 256.
+extern "C" __global__ void embed_q(const u8* __restrict__ table, int type, int row_bytes,
+                                   const int* __restrict__ tokens, float* __restrict__ out, int hidden) {
+    const u8* row = table + (size_t)tokens[blockIdx.x] * row_bytes;
+    float* o = out + (size_t)blockIdx.x * hidden;
+    switch (type) {
+        case 0: embed_row_q<Q8_0>(row, o, hidden); break;
+        case 1: embed_row_q<Q4_0>(row, o, hidden); break;
+        case 2: embed_row_q<Q4_K>(row, o, hidden); break;
+        case 3: embed_row_q<Q5_K>(row, o, hidden); break;
+        case 4: embed_row_q<Q6_K>(row, o, hidden); break;
+        default:
+            for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = __bfloat162float(((const bf16*)row)[i]);
+    }
+}

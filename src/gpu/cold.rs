@@ -2,7 +2,6 @@
 //! and a plain CPU implementation (f32 math straight from the model's expert bytes) that serves
 //! as the test oracle and as the fallback when the fast cold lane fails.
 
-use crate::format::dtype::DType;
 use crate::format::tensor::TensorRef;
 use crate::model::Model;
 use moe_lanes_kernels::KernelError;
@@ -24,8 +23,6 @@ pub struct ColdSlot {
 pub enum ColdError {
     #[error("cold lane, layer {layer_idx}: {source}")]
     Kernel { layer_idx: usize, source: KernelError },
-    #[error("cold lane, layer {layer_idx}: the experts are {dtype}; this cold lane needs F32, F16 or BF16")]
-    ExpertDType { layer_idx: usize, dtype: DType },
     #[error("cold lane, layer {layer_idx}: injected fault")]
     Injected { layer_idx: usize },
     #[error("cold lane, layer {layer_idx}: panicked")]
@@ -66,7 +63,7 @@ impl CpuColdExperts {
 
 fn row_dot(t: &TensorRef<'_>, row: usize, x: &[f32], buf: &mut [f32]) -> f32 {
     let buf = &mut buf[..x.len()];
-    t.read_f32_into(row * x.len(), buf).expect("float expert tensor validated at open");
+    t.read_f32_into(row * x.len(), buf).expect("expert tensor validated at open (rows are whole blocks)");
     buf.iter().zip(x).map(|(a, b)| a * b).sum()
 }
 
@@ -85,10 +82,6 @@ impl ColdExperts for CpuColdExperts {
         slots: &[ColdSlot],
         out_rows: &mut [f32],
     ) -> Result<(), ColdError> {
-        let dtype = self.model.expert_dtype();
-        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-            return Err(ColdError::ExpertDType { layer_idx, dtype });
-        }
         let c = self.model.config();
         let (hidden, ff) = (c.hidden, c.expert_ff);
         for slot in slots {

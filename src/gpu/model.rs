@@ -423,8 +423,11 @@ impl GpuModel {
         self.host.tokens_i32.extend(tokens.iter().map(|&x| x as i32));
         self.mark_tail(0)?;
         self.be.write(&self.host.tokens_i32, s.tokens.ptr())?;
-        let table = self.w.embed.view().bf16().expect("the embedding is stored as bf16");
-        self.be.embed(table, s.tokens.ptr(), s.hidden.ptr(), tokens.len(), self.cfg.hidden)?;
+        let (table, n, h) = (self.w.embed.view(), tokens.len(), self.cfg.hidden);
+        match table.bf16() {
+            Some(bf) => self.be.embed(bf, s.tokens.ptr(), s.hidden.ptr(), n, h)?,
+            None => self.be.embed_typed(table, self.cfg.vocab, s.tokens.ptr(), s.hidden.ptr(), n, h)?,
+        }
         Ok(())
     }
 

@@ -3,15 +3,17 @@
 //! fall back to all-cold when a lane fails.
 //!
 //! Two paths build the same [`Worklist`](crate::moe::worklist::Worklist):
-//! - *device path* (decode): the hot worklist is built on the GPU from the routing ids and the
+//! - *device path* (decode, and prefill calls of at most `QUANT_MAX_TOKENS` rows over quantized
+//!   slots): the hot worklist is built on the GPU from the routing ids and the
 //!   device `hot_id_map`, so an all-hot layer never goes back to the host; when the layer has
 //!   cold experts the host builds the worklist (token-major) for the cold lane, which joins on the
 //!   GPU stream (no host wait);
 //! - *host path* (prefill, warmup, and any layer named by a fault injection): the host builds
 //!   the worklist expert-major, checks it, uploads it, and the hot lane runs the grouped
 //!   tensor-core GEMMs over every cached expert's gathered token rows (one launch for gate, up
-//!   and the activation, one for down; `HotGemm::PerExpert`: one cuBLAS GEMM per cached expert
-//!   and projection); the join waits for the hot lane's event with a timeout.
+//!   and the activation, one for down; `HotGemm::PerExpert` and quantized slots: one cuBLAS GEMM
+//!   per cached expert and projection, quantized slots dequantized to bf16 first); the join
+//!   waits for the hot lane's event with a timeout.
 //!
 //! A fallback recomputes the layer's routed experts all-cold on the CPU from the RAM experts
 //! (the given cold lane, or the plain one when the cold lane itself failed), overwrites the
@@ -26,6 +28,7 @@ use super::GpuError;
 use crate::cache::perf::FallbackReason;
 use crate::moe::phase::Phase;
 use crate::moe::worklist::WorklistOrder;
+use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
 use moe_lanes_kernels::cuda::ops::grouped_tiles;
 use moe_lanes_kernels::cuda::{GpuEvent, TypedWeights};
 use std::time::{Duration, Instant};
@@ -63,7 +66,13 @@ impl GpuModel {
     ) -> Result<(), GpuError> {
         self.records[l] = LayerRecord::default();
         self.hot.order_after_exchanges(&self.be, l)?;
-        let device_path = phase == Phase::Decode && !self.opts.faults.at(self.call_idx, l).any();
+        // A few prefill rows over quantized slots take the decode kernels too: they read each
+        // weight once per row (as cheap as dequantizing the slots for tensor cores) and keep the
+        // dequantized values exact (f32, as the CPU) instead of rounding them to bf16.
+        let few_quantized =
+            t <= QUANT_MAX_TOKENS as usize && self.hot.slots(l).is_some_and(|c| !c.all_bf16());
+        let by_gemv = phase == Phase::Decode || few_quantized;
+        let device_path = by_gemv && !self.opts.faults.at(self.call_idx, l).any();
         let all_hot = self.hot.all_hot(l);
         // All-hot decode without a shared expert: the hot lane accumulates straight into the
         // residual stream (no zero fill, no add).

@@ -1,11 +1,11 @@
 //! The fast CPU cold lane for the GPU engine: a [`ColdExperts`] that groups a layer's cold slots
 //! by expert (expert-major, so each expert's weights are read once per layer) and runs them on the
-//! SIMD cold pool of `moe-lanes-kernels`, straight from the memory-mapped expert bytes.
+//! SIMD cold pool of `moe-lanes-kernels`, straight from the memory-mapped expert bytes (float or
+//! quantized blocks, as the CPU pipeline's cold lane).
 //!
 //! The grouping and the job are [`ExpertGroups`], shared with the CPU pipeline's pool cold lane.
 
 use super::cold::{ColdError, ColdExperts, ColdSlot};
-use crate::format::dtype::DType;
 use crate::model::adapter::FfnActivation;
 use crate::model::Model;
 use crate::moe::expert_groups::{ExpertGroups, GroupRun};
@@ -16,8 +16,6 @@ use std::sync::Arc;
 /// Why the pool cold lane cannot serve a model.
 #[derive(Debug, thiserror::Error)]
 pub enum PoolColdError {
-    #[error("the cold pool needs F32, F16 or BF16 experts; this model's experts are {0}")]
-    ExpertDType(DType),
     #[error(transparent)]
     Kernel(#[from] KernelError),
 }
@@ -45,10 +43,6 @@ impl PoolColdExperts {
         simd: Option<SimdLevel>,
         schedule: ColdSchedule,
     ) -> Result<PoolColdExperts, PoolColdError> {
-        match model.expert_dtype() {
-            DType::BF16 | DType::F16 | DType::F32 => {}
-            other => return Err(PoolColdError::ExpertDType(other)),
-        }
         let act = match model.adapter().activation {
             FfnActivation::Silu => Activation::Silu,
             FfnActivation::Gelu => Activation::Gelu,

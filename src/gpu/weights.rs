@@ -1,9 +1,9 @@
 //! Non-expert weights on the device: embeddings, norms, attention, router, shared expert,
 //! lm_head. Matrices of float files are stored as bf16 (bf16 copied bit-exactly, f16/f32 rounded
 //! to nearest even); quantized matrices keep their GGUF blocks exactly as the file stores them (a
-//! 4-bit matrix costs 4-bit VRAM; the decode GEMV dequantizes in registers, prefill dequantizes
-//! row ranges to bf16 for cuBLAS). The embedding table is always bf16 (the lookup reads one row
-//! per token). Norm weights and biases stay f32.
+//! 4-bit matrix costs 4-bit VRAM; the decode GEMV and the embedding lookup dequantize in
+//! registers, exactly as the CPU; prefill dequantizes row ranges to bf16 for cuBLAS). Norm
+//! weights and biases stay f32.
 
 use super::GpuError;
 use crate::format::dtype::DType;
@@ -51,7 +51,7 @@ pub(crate) struct LayerWeights {
 }
 
 pub(crate) struct DenseWeights {
-    /// The embedding table, bf16 whatever the file stores.
+    /// The embedding table in its stored type (the lookup decodes quantized rows exactly).
     pub embed: DevMatrix,
     pub final_norm: DeviceBuffer<f32>,
     /// `None`: tied, the embedding is the lm_head.
@@ -128,10 +128,6 @@ impl Uploader<'_> {
         }
         self.upload(&stored_bytes(t)?, dtype)
     }
-    /// A matrix as bf16 whatever the file stores.
-    fn bf16_mat(&mut self, t: TensorRef<'_>) -> Result<DevMatrix, GpuError> {
-        self.upload(bytemuck::cast_slice(&bf16_bits(t)?), WeightDType::BF16)
-    }
     fn upload(&mut self, bytes: &[u8], dtype: WeightDType) -> Result<DevMatrix, GpuError> {
         let buf = self.be.upload(bytes)?;
         self.matrix_bytes += buf.bytes();
@@ -145,7 +141,7 @@ impl Uploader<'_> {
 impl DenseWeights {
     pub fn upload(model: &Model, be: &CudaBackend) -> Result<DenseWeights, GpuError> {
         let mut up = Uploader { be, matrix_bytes: 0, max_quantized_elems: 0 };
-        let embed = up.bf16_mat(model.global(GlobalRole::TokenEmbedding).expect("validated at open"))?;
+        let embed = up.mat(model.global(GlobalRole::TokenEmbedding).expect("validated at open"))?;
         let final_norm = up.vec(model.global(GlobalRole::OutputNorm).expect("validated at open"))?;
         let lm_head = model.global(GlobalRole::Output).map(|t| up.mat(t)).transpose()?;
         let layers = (0..model.config().n_layers)

@@ -196,10 +196,11 @@ pub enum Kernel {
     DequantQ6KBf16,
     MoeGateUpGemvQ,
     MoeDownAccumQ,
+    EmbedQ,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 40] = [
+    pub const ALL: [Kernel; 41] = [
         Kernel::GemvBf16,
         Kernel::Gemv3Bf16,
         Kernel::RmsnormF32,
@@ -240,6 +241,7 @@ impl Kernel {
         Kernel::DequantQ6KBf16,
         Kernel::MoeGateUpGemvQ,
         Kernel::MoeDownAccumQ,
+        Kernel::EmbedQ,
     ];
 
     /// The `extern "C"` symbol.
@@ -285,6 +287,7 @@ impl Kernel {
             Kernel::DequantQ6KBf16 => "dequant_q6_k_bf16",
             Kernel::MoeGateUpGemvQ => "moe_gate_up_gemv_q",
             Kernel::MoeDownAccumQ => "moe_down_accum_q",
+            Kernel::EmbedQ => "embed_q",
         }
     }
 
@@ -331,6 +334,7 @@ impl Kernel {
             Kernel::DequantQ6KBf16 => Family::Quant,
             Kernel::MoeGateUpGemvQ => Family::Quant,
             Kernel::MoeDownAccumQ => Family::Quant,
+            Kernel::EmbedQ => Family::Quant,
         }
     }
 }

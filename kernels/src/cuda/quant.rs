@@ -274,6 +274,26 @@ impl CudaBackend {
         )
     }
 
+    /// `out[t] = table[tokens[t]]` widened to f32 for a table `[vocab, hidden]` in any stored
+    /// type (quantized rows decode to the CPU's values exactly). Token ids must be checked by the
+    /// caller.
+    pub fn embed_typed(
+        &self,
+        table: TypedWeights,
+        vocab: usize,
+        tokens: DPtr<i32>,
+        out: DPtr<f32>,
+        n_tokens: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::EmbedQ;
+        let (code, row_bytes) = check_typed(K, "table", table, vocab, hidden)?;
+        need(K, "tokens", tokens, n_tokens)?;
+        need(K, "out", out, n_tokens * hidden)?;
+        let args = args![table.bytes.raw(), code, row_bytes, tokens.raw(), out.raw(), i(hidden)];
+        self.launch(K, (n_tokens as u32, 1, 1), DEQUANT_BLOCK, 0, args)
+    }
+
     /// Hot lane decode, second half, over a cache of any stored type (the counterpart of
     /// [`CudaBackend::moe_down_accum`]): output row `r` (token `tok_rows[r]`, entries
     /// `tok_off[r]..tok_off[r+1]`) adds `Σ weights[e] · D_{slots[e]} · h[e]`; cache
