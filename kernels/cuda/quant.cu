@@ -136,7 +136,184 @@ struct Q6_K {
     }
 };
 
+// ---- wide decoding: 32 values per lane ----
+// Q::chunk(b, j, v) decodes chunk j (of Q::CHUNKS per block) into v[32] with the same operations
+// as Q::unit (so the same bits); Q::cols(j, c) gives the 4 runs of 8 consecutive columns v[8r..]
+// land in. A lane reads its chunk with few wide loads (uint4 for Q4_K/Q5_K, whose blocks are
+// 16-byte aligned when the matrix is; aligned words and funnel shifts for the 2-byte aligned
+// types), so the decode GEMVs are no longer bound by load instructions.
+
+// Eight bytes at a 2-byte aligned address as two little-endian words.
+__device__ __forceinline__ void q_load8(const u8* p, unsigned& lo, unsigned& hi) {
+    if ((((size_t)p) & 3) == 0) {
+        lo = ((const unsigned*)p)[0], hi = ((const unsigned*)p)[1];
+    } else {
+        unsigned a = *(const unsigned short*)p, m = *(const unsigned*)(p + 2), z = *(const unsigned short*)(p + 6);
+        lo = a | (m << 16), hi = (m >> 16) | (z << 16);
+    }
+}
+
+// `n` little-endian words of the bytes at a 2-byte aligned `p` (p + 4n inside the block).
+template <int N>
+__device__ __forceinline__ void q_words(const u8* p, unsigned* w) {
+    if ((((size_t)p) & 3) == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i++) w[i] = ((const unsigned*)p)[i];
+    } else {
+        const unsigned* a = (const unsigned*)(p - 2);
+        unsigned prev = a[0];
+#pragma unroll
+        for (int i = 0; i < N; i++) {
+            unsigned next = i + 1 < N ? a[i + 1] : (unsigned)*(const unsigned short*)(p + 4 * N - 2);
+            w[i] = __funnelshift_r(prev, next, 16);
+            prev = next;
+        }
+    }
+}
+
+struct W8_0 : Q8_0 {
+    static constexpr int CHUNKS = 1;
+    static __device__ __forceinline__ void cols(int, int* c) { c[0] = 0, c[1] = 8, c[2] = 16, c[3] = 24; }
+    static __device__ __forceinline__ void chunk(const u8* b, int, float* v) {
+        float d = q_half(b);
+        unsigned w[8];
+        q_words<8>(b + 2, w);
+#pragma unroll
+        for (int i = 0; i < 32; i++) v[i] = __fmul_rn(d, (float)(signed char)q_byte(w[i >> 2], i & 3));
+    }
+};
+
+struct W4_0 : Q4_0 {
+    static constexpr int CHUNKS = 1;
+    static __device__ __forceinline__ void cols(int, int* c) { c[0] = 0, c[1] = 8, c[2] = 16, c[3] = 24; }
+    static __device__ __forceinline__ void chunk(const u8* b, int, float* v) {
+        float d = q_half(b);
+        unsigned w[4];
+        q_words<4>(b + 2, w);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            unsigned q = q_byte(w[i >> 2], i & 3);
+            v[i] = __fmul_rn(d, (float)((int)(q & 15) - 8));
+            v[16 + i] = __fmul_rn(d, (float)((int)(q >> 4) - 8));
+        }
+    }
+};
+
+// Q4_K/Q5_K chunk j: pair p = j / 2 of sub-blocks, bytes 16 (j % 2) .. + 15 of the pair's 32:
+// low nibbles are sub-block 2p (columns 64p + 16h ..), high ones 2p + 1 (columns 64p + 32 + 16h ..).
+template <bool FIFTH>
+__device__ __forceinline__ void k_asym_chunk(const u8* b, int j, float* v) {
+    int p = j >> 1, h = j & 1;
+    const unsigned* hw = (const unsigned*)b;
+    unsigned dd = hw[0], sw[3] = {hw[1], hw[2], hw[3]};
+    u8 sc[12];
+#pragma unroll
+    for (int i = 0; i < 12; i++) sc[i] = (u8)q_byte(sw[i >> 2], i & 3);
+    float d = __half2float(__ushort_as_half((unsigned short)(dd & 0xffff)));
+    float dmin = __half2float(__ushort_as_half((unsigned short)(dd >> 16)));
+    float sc0, m0, sc1, m1;
+    k_scale_min(2 * p, sc, sc0, m0);
+    k_scale_min(2 * p + 1, sc, sc1, m1);
+    float s0 = __fmul_rn(d, sc0), n0 = __fmul_rn(dmin, m0);
+    float s1 = __fmul_rn(d, sc1), n1 = __fmul_rn(dmin, m1);
+    uint4 q4 = *(const uint4*)(b + (FIFTH ? 48 : 16) + 32 * p + 16 * h);
+    uint4 h4 = FIFTH ? *(const uint4*)(b + 16 + 16 * h) : make_uint4(0, 0, 0, 0);
+    unsigned qw[4] = {q4.x, q4.y, q4.z, q4.w}, hwd[4] = {h4.x, h4.y, h4.z, h4.w};
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        unsigned q = q_byte(qw[i >> 2], i & 3), hb = q_byte(hwd[i >> 2], i & 3);
+        unsigned lo = (q & 15) | (((hb >> (2 * p)) & 1) << 4);
+        unsigned hi = (q >> 4) | (((hb >> (2 * p + 1)) & 1) << 4);
+        v[i] = __fsub_rn(__fmul_rn(s0, (float)lo), n0);
+        v[16 + i] = __fsub_rn(__fmul_rn(s1, (float)hi), n1);
+    }
+}
+
+__device__ __forceinline__ void k_asym_cols(int j, int* c) {
+    int c0 = 64 * (j >> 1) + 16 * (j & 1);
+    c[0] = c0, c[1] = c0 + 8, c[2] = c0 + 32, c[3] = c0 + 40;
+}
+
+struct W4_K : Q4_K {
+    static constexpr int CHUNKS = 8;
+    static __device__ __forceinline__ void cols(int j, int* c) { k_asym_cols(j, c); }
+    static __device__ __forceinline__ void chunk(const u8* b, int j, float* v) { k_asym_chunk<false>(b, j, v); }
+};
+
+struct W5_K : Q5_K {
+    static constexpr int CHUNKS = 8;
+    static __device__ __forceinline__ void cols(int j, int* c) { k_asym_cols(j, c); }
+    static __device__ __forceinline__ void chunk(const u8* b, int j, float* v) { k_asym_chunk<true>(b, j, v); }
+};
+
+// Q6_K chunk j: half hf = j / 4, l = l0 .. l0 + 7 (l0 = 8 (j % 4)) of all four quarters.
+struct W6_K : Q6_K {
+    static constexpr int CHUNKS = 8;
+    static __device__ __forceinline__ void cols(int j, int* c) {
+        int c0 = 128 * (j >> 2) + 8 * (j & 3);
+        c[0] = c0, c[1] = c0 + 32, c[2] = c0 + 64, c[3] = c0 + 96;
+    }
+    static __device__ __forceinline__ void chunk(const u8* b, int j, float* v) {
+        int hf = j >> 2, l0 = 8 * (j & 3);
+        unsigned a[2], bb[2], hh[2], sw[2];
+        q_load8(b + 64 * hf + l0, a[0], a[1]);
+        q_load8(b + 64 * hf + 32 + l0, bb[0], bb[1]);
+        q_load8(b + 128 + 32 * hf + l0, hh[0], hh[1]);
+        q_load8(b + 192 + 8 * hf, sw[0], sw[1]);
+        float d = q_half(b + 208), s[4];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            int at = 2 * q + (l0 >> 4);
+            s[q] = __fmul_rn(d, (float)(signed char)q_byte(sw[at >> 2], at & 3));
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            unsigned x = q_byte(a[i >> 2], i & 3), y = q_byte(bb[i >> 2], i & 3), z = q_byte(hh[i >> 2], i & 3);
+            v[i] = __fmul_rn(s[0], (float)((int)((x & 15) | ((z & 3) << 4)) - 32));
+            v[8 + i] = __fmul_rn(s[1], (float)((int)((y & 15) | (((z >> 2) & 3) << 4)) - 32));
+            v[16 + i] = __fmul_rn(s[2], (float)((int)((x >> 4) | (((z >> 4) & 3) << 4)) - 32));
+            v[24 + i] = __fmul_rn(s[3], (float)((int)((y >> 4) | (((z >> 6) & 3) << 4)) - 32));
+        }
+    }
+};
+
 // ---- block decoding end ----
+
+// R rows of W blocks (K values each) . x (16-byte aligned) with one warp: out[r] in every lane.
+// Each lane takes chunks lane, lane + 32, ...; the x values of a chunk are loaded once for all
+// rows.
+template <class W, int R>
+__device__ __forceinline__ void warp_dot_wide(const u8* const* rows, const float* __restrict__ x, int K,
+                                              float* out) {
+    int lane = threadIdx.x & 31, nch = K / W::ELEMS * W::CHUNKS;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.f;
+    for (int g = lane; g < nch; g += WARP) {
+        int b = g / W::CHUNKS, j = g % W::CHUNKS, c[4];
+        W::cols(j, c);
+        const float* xb = x + (size_t)b * W::ELEMS;
+        float xv[32];
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            float4 lo = *(const float4*)(xb + c[q]), hi = *(const float4*)(xb + c[q] + 4);
+            xv[8 * q] = lo.x, xv[8 * q + 1] = lo.y, xv[8 * q + 2] = lo.z, xv[8 * q + 3] = lo.w;
+            xv[8 * q + 4] = hi.x, xv[8 * q + 5] = hi.y, xv[8 * q + 6] = hi.z, xv[8 * q + 7] = hi.w;
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float v[32];
+            W::chunk(rows[r] + (size_t)b * W::BYTES, j, v);
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < 32; i++) s += v[i] * xv[i];
+            acc[r] += s;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
+}
+
 
 __device__ __forceinline__ float4 q_load_x4(const float* p, bool aligned) {
     return aligned ? *(const float4*)p : make_float4(p[0], p[1], p[2], p[3]);
@@ -246,34 +423,21 @@ extern "C" __global__ void dequant_q6_k_bf16(const u8* W, bf16* out, int n_block
 // Type codes (kernels/src/cuda/quant.rs, `type_code`): 0 Q8_0, 1 Q4_0, 2 Q4_K, 3 Q5_K, 4 Q6_K,
 // 5 bf16. A cache is [n_slots, rows, K] in its type: row r of slot s at (s * rows + r) * row_bytes.
 
-// Dot product of one row of Q blocks (K values) with f32 x, one warp, result in every lane.
-template <class Q>
-__device__ __forceinline__ float warp_dot_q(const u8* __restrict__ row, const float* __restrict__ x, int K) {
-    int lane = threadIdx.x & 31, nb = K / Q::ELEMS;
-    bool aligned = (((size_t)x) & 15) == 0;
-    float acc = 0.f;
-    for (int b = lane / Q::LANES; b < nb; b += WARP / Q::LANES) {
-        float v[8];
-        int c0, c1;
-        Q::unit(row + (size_t)b * Q::BYTES, lane % Q::LANES, v, c0, c1);
-        const float* xb = x + (size_t)b * Q::ELEMS;
-        float4 a = q_load_x4(xb + c0, aligned), c = q_load_x4(xb + c1, aligned);
-        acc += v[0] * a.x + v[1] * a.y + v[2] * a.z + v[3] * a.w;
-        acc += v[4] * c.x + v[5] * c.y + v[6] * c.z + v[7] * c.w;
-    }
-    return warp_sum(acc);
-}
-
-// The row's type chosen at run time (uniform over the warp, so no divergence).
-__device__ __forceinline__ float warp_dot_typed(int type, const u8* __restrict__ row, const float* __restrict__ x,
-                                                int K) {
+// R rows of one stored type (chosen at run time, uniform over the warp: no divergence) . x,
+// one warp, out[r] in every lane. Quantized rows take the wide chunks (x 16-byte aligned; Q4_K /
+// Q5_K rows 16-byte aligned: the launchers check both).
+template <int R>
+__device__ __forceinline__ void warp_dot_typed(int type, const u8* const* rows, const float* __restrict__ x, int K,
+                                               float* out) {
     switch (type) {
-        case 0: return warp_dot_q<Q8_0>(row, x, K);
-        case 1: return warp_dot_q<Q4_0>(row, x, K);
-        case 2: return warp_dot_q<Q4_K>(row, x, K);
-        case 3: return warp_dot_q<Q5_K>(row, x, K);
-        case 4: return warp_dot_q<Q6_K>(row, x, K);
-        default: return warp_dot_bf16((const bf16*)row, x, K);
+        case 0: warp_dot_wide<W8_0, R>(rows, x, K, out); break;
+        case 1: warp_dot_wide<W4_0, R>(rows, x, K, out); break;
+        case 2: warp_dot_wide<W4_K, R>(rows, x, K, out); break;
+        case 3: warp_dot_wide<W5_K, R>(rows, x, K, out); break;
+        case 4: warp_dot_wide<W6_K, R>(rows, x, K, out); break;
+        default:
+#pragma unroll
+            for (int r = 0; r < R; r++) out[r] = warp_dot_bf16((const bf16*)rows[r], x, K);
     }
 }
 
@@ -290,9 +454,15 @@ extern "C" __global__ void moe_gate_up_gemv_q(const u8* __restrict__ G, const u8
     if (r >= ff || slots[e] < 0) return;
     size_t row = (size_t)slots[e] * ff + r;
     const float* xt = x + (size_t)tokens[e] * hidden;
-    float g = warp_dot_typed(g_type, G + row * g_row_bytes, xt, hidden);
-    float u = warp_dot_typed(u_type, U + row * u_row_bytes, xt, hidden);
-    if ((threadIdx.x & 31) == 0) h[(size_t)e * ff + r] = silu(g) * u;
+    const u8* rows[2] = {G + row * g_row_bytes, U + row * u_row_bytes};
+    float gu[2];
+    if (g_type == u_type) {
+        warp_dot_typed<2>(g_type, rows, xt, hidden, gu);  // gate and up share the loads of x
+    } else {
+        warp_dot_typed<1>(g_type, rows, xt, hidden, gu);
+        warp_dot_typed<1>(u_type, rows + 1, xt, hidden, gu + 1);
+    }
+    if ((threadIdx.x & 31) == 0) h[(size_t)e * ff + r] = silu(gu[0]) * gu[1];
 }
 
 // Hot lane decode, second half, as moe_down_accum over a typed cache [n_slots, hidden, ff]:
@@ -311,7 +481,9 @@ extern "C" __global__ void moe_down_accum_q(const u8* __restrict__ D, int d_type
     for (int e = tok_off[i]; e < tok_off[i + 1]; e++) {
         if (slots[e] < 0) continue;  // cold entry (device-built worklist)
         const u8* row = D + ((size_t)slots[e] * hidden + r) * d_row_bytes;
-        acc += weights[e] * warp_dot_typed(d_type, row, h + (size_t)e * ff, ff);
+        float d;
+        warp_dot_typed<1>(d_type, &row, h + (size_t)e * ff, ff, &d);
+        acc += weights[e] * d;
     }
     if ((threadIdx.x & 31) == 0) out[(size_t)tok_rows[i] * hidden + r] += acc;
 }
@@ -345,4 +517,40 @@ extern "C" __global__ void embed_q(const u8* __restrict__ table, int type, int r
         default:
             for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = __bfloat162float(((const bf16*)row)[i]);
     }
+}
+
+// One-token GEMV, y[n] = (accumulate ? y[n] : 0) + W[n, :] . x: a warp takes QUANT_WIDE_ROWS rows
+// with the wide chunks (x 16-byte aligned; Q4_K / Q5_K matrices 16-byte aligned).
+// grid ceil(N / (ROWS_PER_BLOCK * QUANT_WIDE_ROWS)), block 32 * ROWS_PER_BLOCK.
+template <class W>
+__device__ __forceinline__ void gemv1_q(const u8* __restrict__ Wm, const float* __restrict__ x, float* __restrict__ y,
+                                        int N, int K, int accumulate) {
+    int n0 = (blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5)) * QUANT_WIDE_ROWS;
+    if (n0 >= N) return;
+    size_t row_bytes = (size_t)(K / W::ELEMS) * W::BYTES;
+    const u8* rows[QUANT_WIDE_ROWS];
+#pragma unroll
+    for (int r = 0; r < QUANT_WIDE_ROWS; r++) rows[r] = Wm + (size_t)min(n0 + r, N - 1) * row_bytes;
+    float out[QUANT_WIDE_ROWS];
+    warp_dot_wide<W, QUANT_WIDE_ROWS>(rows, x, K, out);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < QUANT_WIDE_ROWS; r++)
+            if (n0 + r < N) y[n0 + r] = accumulate ? y[n0 + r] + out[r] : out[r];
+    }
+}
+extern "C" __global__ void gemv1_q8_0(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
+    gemv1_q<W8_0>(W, x, y, N, K, accumulate);
+}
+extern "C" __global__ void gemv1_q4_0(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
+    gemv1_q<W4_0>(W, x, y, N, K, accumulate);
+}
+extern "C" __global__ void gemv1_q4_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
+    gemv1_q<W4_K>(W, x, y, N, K, accumulate);
+}
+extern "C" __global__ void gemv1_q5_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
+    gemv1_q<W5_K>(W, x, y, N, K, accumulate);
+}
+extern "C" __global__ void gemv1_q6_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
+    gemv1_q<W6_K>(W, x, y, N, K, accumulate);
 }

@@ -15,6 +15,9 @@ pub const ATTENTION_SPLIT_WARPS: u32 = 8;
 /// Activation rows one launch of a quantized GEMV multiplies with each weight it decodes
 /// (`-DQUANT_MAX_TOKENS`; its accumulators live in registers).
 pub const QUANT_MAX_TOKENS: u32 = 8;
+/// Rows of one warp in the one-token quantized GEMV (`-DQUANT_WIDE_ROWS`): they share the
+/// warp's loads of x, so more rows read x less often but leave fewer warps for small matrices.
+pub const QUANT_WIDE_ROWS: u32 = 2;
 /// Query rows ((token, head) pairs of one kv head's group) of a tiled prefill attention block
 /// (`-DATT_TILE_ROWS`): four per warp.
 pub const ATTENTION_TILE_ROWS: usize = 16;
@@ -118,7 +121,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 13] = [
+pub const SHARED_DEFINE_NAMES: [&str; 14] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -132,6 +135,7 @@ pub const SHARED_DEFINE_NAMES: [&str; 13] = [
     "ATT_TILE_ROWS",
     "ATT_TILE_KEYS",
     "ATT_TILE_MAXC",
+    "QUANT_WIDE_ROWS",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -150,6 +154,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DATT_TILE_ROWS={ATTENTION_TILE_ROWS}"),
         format!("-DATT_TILE_KEYS={ATTENTION_TILE_KEYS}"),
         format!("-DATT_TILE_MAXC={}", ATTENTION_TILE_MAX_HEAD_DIM / 32),
+        format!("-DQUANT_WIDE_ROWS={QUANT_WIDE_ROWS}"),
     ]
 }
 
@@ -197,10 +202,15 @@ pub enum Kernel {
     MoeGateUpGemvQ,
     MoeDownAccumQ,
     EmbedQ,
+    Gemv1Q8_0,
+    Gemv1Q4_0,
+    Gemv1Q4K,
+    Gemv1Q5K,
+    Gemv1Q6K,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 41] = [
+    pub const ALL: [Kernel; 46] = [
         Kernel::GemvBf16,
         Kernel::Gemv3Bf16,
         Kernel::RmsnormF32,
@@ -242,6 +252,11 @@ impl Kernel {
         Kernel::MoeGateUpGemvQ,
         Kernel::MoeDownAccumQ,
         Kernel::EmbedQ,
+        Kernel::Gemv1Q8_0,
+        Kernel::Gemv1Q4_0,
+        Kernel::Gemv1Q4K,
+        Kernel::Gemv1Q5K,
+        Kernel::Gemv1Q6K,
     ];
 
     /// The `extern "C"` symbol.
@@ -288,6 +303,11 @@ impl Kernel {
             Kernel::MoeGateUpGemvQ => "moe_gate_up_gemv_q",
             Kernel::MoeDownAccumQ => "moe_down_accum_q",
             Kernel::EmbedQ => "embed_q",
+            Kernel::Gemv1Q8_0 => "gemv1_q8_0",
+            Kernel::Gemv1Q4_0 => "gemv1_q4_0",
+            Kernel::Gemv1Q4K => "gemv1_q4_k",
+            Kernel::Gemv1Q5K => "gemv1_q5_k",
+            Kernel::Gemv1Q6K => "gemv1_q6_k",
         }
     }
 
@@ -335,6 +355,11 @@ impl Kernel {
             Kernel::MoeGateUpGemvQ => Family::Quant,
             Kernel::MoeDownAccumQ => Family::Quant,
             Kernel::EmbedQ => Family::Quant,
+            Kernel::Gemv1Q8_0 => Family::Quant,
+            Kernel::Gemv1Q4_0 => Family::Quant,
+            Kernel::Gemv1Q4K => Family::Quant,
+            Kernel::Gemv1Q5K => Family::Quant,
+            Kernel::Gemv1Q6K => Family::Quant,
         }
     }
 }

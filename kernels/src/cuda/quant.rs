@@ -8,7 +8,7 @@
 
 #![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
 
-use super::kernel::{Kernel, QUANT_MAX_TOKENS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS};
+use super::kernel::{Kernel, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS};
 use super::ops::{args, blocks, i, need};
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::weights::WeightDType;
@@ -29,6 +29,27 @@ pub fn quant_kernels(dtype: WeightDType) -> Option<(Kernel, Kernel)> {
         WeightDType::Q5_K => Some((Kernel::GemvQ5K, Kernel::DequantQ5KBf16)),
         WeightDType::Q6_K => Some((Kernel::GemvQ6K, Kernel::DequantQ6KBf16)),
         WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => None,
+    }
+}
+
+/// The one-token GEMV of a quantized type (`gemv1_*`: wide 32-value chunks, several rows a warp).
+fn wide_gemv_kernel(dtype: WeightDType) -> Option<Kernel> {
+    match dtype {
+        WeightDType::Q8_0 => Some(Kernel::Gemv1Q8_0),
+        WeightDType::Q4_0 => Some(Kernel::Gemv1Q4_0),
+        WeightDType::Q4_K => Some(Kernel::Gemv1Q4K),
+        WeightDType::Q5_K => Some(Kernel::Gemv1Q5K),
+        WeightDType::Q6_K => Some(Kernel::Gemv1Q6K),
+        WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => None,
+    }
+}
+
+/// Byte alignment of the wide chunks' loads: 16 for Q4_K/Q5_K (uint4 loads; their blocks are
+/// multiples of 16 bytes), 2 for the others (aligned words and shifts).
+pub fn wide_alignment_bytes(dtype: WeightDType) -> u64 {
+    match dtype {
+        WeightDType::Q4_K | WeightDType::Q5_K => 16,
+        _ => 2,
     }
 }
 
@@ -163,7 +184,7 @@ fn check_typed(kernel: Kernel, what: &str, w: TypedWeights, rows: usize, k: usiz
         let reason = format!("{what}: k = {k} is not whole {} blocks", w.dtype.name());
         return Err(shape(name, reason));
     }
-    let align = if w.dtype.is_quantized() { quant_alignment_bytes(w.dtype) } else { 2 };
+    let align = wide_alignment_bytes(w.dtype);
     if !w.bytes.raw().is_multiple_of(align) {
         return Err(shape(name, format!("{what} at {:#x} is not {align}-byte aligned", w.bytes.raw())));
     }
@@ -175,7 +196,9 @@ fn check_typed(kernel: Kernel, what: &str, w: TypedWeights, rows: usize, k: usiz
 impl CudaBackend {
     /// `y[t, :] (+)= W · x[t, :]` for `t < n_tokens`; W `[n, k]` in `dtype` blocks (a quantized
     /// type, `k` a multiple of its block). Decode GEMV: each launch decodes every weight once and
-    /// multiplies it with up to [`QUANT_MAX_TOKENS`] token rows (more tokens take more launches).
+    /// multiplies it with up to [`QUANT_MAX_TOKENS`] token rows (more tokens take more launches);
+    /// one token with aligned views takes the wide kernel (`gemv1_*`: 32 values per lane and
+    /// load, [`QUANT_WIDE_ROWS`] rows per warp sharing the loads of x).
     pub fn gemv_quant(
         &self,
         dtype: WeightDType,
@@ -189,6 +212,14 @@ impl CudaBackend {
     ) -> Result<()> {
         let kernel = check_gemv(dtype, w, x, y, n_tokens, n, k)?;
         let acc = accumulate as i32;
+        let wide = wide_gemv_kernel(dtype)
+            .filter(|_| n_tokens == 1 && x.raw().is_multiple_of(16))
+            .filter(|_| w.raw().is_multiple_of(wide_alignment_bytes(dtype)));
+        if let Some(wide) = wide {
+            let grid = (blocks(n, ROWS_PER_BLOCK * QUANT_WIDE_ROWS), 1, 1);
+            let args = args![w.raw(), x.raw(), y.raw(), i(n), i(k), acc];
+            return self.launch(wide, grid, ROW_BLOCK_THREADS, 0, args);
+        }
         let per = QUANT_MAX_TOKENS as usize;
         for t0 in (0..n_tokens).step_by(per) {
             let (xs, ys) = (x.from(t0 * k), y.from(t0 * n));
@@ -229,6 +260,14 @@ impl CudaBackend {
     }
 }
 
+/// The wide chunks read x as float4: its base must be 16-byte aligned.
+fn check_x16(kernel: Kernel, what: &str, x: DPtr<f32>) -> Result<()> {
+    if !x.raw().is_multiple_of(16) {
+        return Err(shape(kernel.symbol(), format!("{what} at {:#x} is not 16-byte aligned", x.raw())));
+    }
+    Ok(())
+}
+
 impl CudaBackend {
     /// Hot lane decode, first half, over caches of any stored type (the counterpart of
     /// [`CudaBackend::moe_gate_up_gemv`]): `h[e] = silu(G_s · x_t) * (U_s · x_t)` for entry `e`
@@ -248,6 +287,7 @@ impl CudaBackend {
         const K: Kernel = Kernel::MoeGateUpGemvQ;
         let (g_type, g_row) = check_typed(K, "gate_cache", gate, ff, hidden)?;
         let (u_type, u_row) = check_typed(K, "up_cache", up, ff, hidden)?;
+        check_x16(K, "x", x)?;
         need(K, "slots", slots, n_entries)?;
         need(K, "tokens", tokens, n_entries)?;
         need(K, "h", h, n_entries * ff)?;
@@ -313,6 +353,7 @@ impl CudaBackend {
     ) -> Result<()> {
         const K: Kernel = Kernel::MoeDownAccumQ;
         let (d_type, d_row) = check_typed(K, "down_cache", down, hidden, ff)?;
+        check_x16(K, "h", h)?;
         need(K, "tok_off", tok_off, n_rows + 1)?;
         need(K, "tok_rows", tok_rows, n_rows)?;
         let (p, o) = (down.bytes.raw(), out.raw());

@@ -2,8 +2,8 @@
 // puts the section between the "block decoding" markers of quant.cu at @QUANT_DECODE@, compiles
 // it with the host C++ compiler (these shims stand in for the CUDA intrinsics; -ffp-contract=off
 // keeps products and differences unfused as __fmul_rn/__fsub_rn do) and runs it on the gguf-py
-// fixtures: every unit of every block must decode to gguf-py's value bit for bit, and the units
-// of a block must cover each of its columns exactly once. Usage: quant_units FIXTURE_DIR
+// fixtures: every unit (and every wide chunk) of every block must decode to gguf-py's value bit for
+// bit, and the units (chunks) of a block must cover each of its columns exactly once. Usage: quant_units FIXTURE_DIR
 
 #include <cstdint>
 #include <cstring>
@@ -23,6 +23,11 @@ static inline float __half2float(Half h) {
 }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
+struct uint4 { unsigned x, y, z, w; };
+static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
+static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
+    return (unsigned)((((uint64_t)hi << 32) | lo) >> (sh & 31));
+}
 // @QUANT_DECODE@
 static std::vector<char> slurp(const char* p) { std::ifstream f(p, std::ios::binary); return std::vector<char>(std::istreambuf_iterator<char>(f), {}); }
 template <class Q> int check(const char* dir, const char* name) {
@@ -53,10 +58,46 @@ template <class Q> int check(const char* dir, const char* name) {
     printf("%s: %zu blocks, %d mismatches\n", name, nb, bad);
     return bad != 0;
 }
+// The wide chunks (W::chunk, 32 values each) against the same fixtures, with the block at a
+// 16-byte aligned address and, for the types stored 2-byte aligned, at 2 mod 4 as well.
+template <class W> int check_wide(const char* dir, const char* name, bool odd) {
+    char pb[256], pd[256];
+    snprintf(pb, 256, "%s/%s.blocks", dir, name);
+    snprintf(pd, 256, "%s/%s.dequant.f32", dir, name);
+    auto blocks = slurp(pb); auto deq = slurp(pd);
+    size_t nb = blocks.size() / W::BYTES; const float* want = (const float*)deq.data();
+    alignas(16) u8 buf[512];
+    int bad = 0;
+    for (int shift : {0, 2}) {
+        if (shift && !odd) continue;
+        for (size_t b = 0; b < nb; b++) {
+            std::vector<int> seen(W::ELEMS, 0);
+            u8* blk = buf + shift;
+            for (int i = 0; i < W::BYTES; i++) blk[i] = (u8)blocks[b * W::BYTES + i];
+            for (int i = W::BYTES; i < W::BYTES + 16; i++) blk[i] = 0xA5;  // the next block's bytes
+            for (int j = 0; j < W::CHUNKS; j++) {
+                float v[32]; int c[4];
+                W::cols(j, c);
+                W::chunk(blk, j, v);
+                for (int i = 0; i < 32; i++) {
+                    int col = c[i >> 3] + (i & 7);
+                    seen[col]++;
+                    float w = want[b * W::ELEMS + col];
+                    if (memcmp(&w, &v[i], 4) != 0 && bad++ < 5) printf("%s wide block %zu col %d: %g vs %g\n", name, b, col, v[i], w);
+                }
+            }
+            for (int c = 0; c < W::ELEMS; c++) if (seen[c] != 1 && bad++ < 5) printf("%s wide block %zu col %d covered %d times\n", name, b, c, seen[c]);
+        }
+    }
+    printf("%s wide: %zu blocks, %d mismatches\n", name, nb, bad);
+    return bad != 0;
+}
 int main(int argc, char** argv) {
     if (argc != 2) return 2;
     const char* d = argv[1];
     int f = check<Q8_0>(d, "q8_0") + check<Q4_0>(d, "q4_0") + check<Q4_K>(d, "q4_k") + check<Q5_K>(d, "q5_k") +
             check<Q6_K>(d, "q6_k");
+    f += check_wide<W8_0>(d, "q8_0", true) + check_wide<W4_0>(d, "q4_0", true) + check_wide<W4_K>(d, "q4_k", false) +
+         check_wide<W5_K>(d, "q5_k", false) + check_wide<W6_K>(d, "q6_k", true);
     return f;
 }
