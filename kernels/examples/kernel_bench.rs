@@ -1,7 +1,7 @@
-//! Runs the cold-lane kernel bench: `kernel_bench [--json] [--quick] [--threads N] [--simd LEVEL]`.
+//! Runs the cold-lane kernel bench: `kernel_bench [--json] [--quick] [--threads N] [--simd LEVEL] [--dtype T]`.
 //! The `moe-lanes bench-kernels` CLI command calls the same `run_kernel_bench`.
 
-use moe_lanes_kernels::{run_kernel_bench, KernelBenchOptions, SimdLevel};
+use moe_lanes_kernels::{run_kernel_bench, KernelBenchOptions, SimdLevel, WeightDType};
 
 fn main() {
     let mut opts = KernelBenchOptions::default();
@@ -16,6 +16,10 @@ fn main() {
             }
             "--simd" => {
                 opts.simd = Some(SimdLevel::parse(&args.next().expect("--simd LEVEL")).expect("SIMD level"))
+            }
+            "--dtype" => {
+                let name = args.next().expect("--dtype TYPE");
+                opts.dtype = Some(WeightDType::parse(&name).expect("weight dtype"))
             }
             other => panic!("unknown argument {other}"),
         }

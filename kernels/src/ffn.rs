@@ -58,17 +58,20 @@ unsafe fn run_tile(
         unsafe {
             match level {
                 #[cfg(target_arch = "x86_64")]
-                SimdLevel::Avx2 => x86_avx2::quant_tile(dtype, rows, xs, cols, out),
+                SimdLevel::Avx2 => x86_avx2::quant_tile(dtype, rows, prefetch_rows, xs, cols, out),
                 #[cfg(target_arch = "x86_64")]
                 SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => {
-                    x86_avx512::quant_tile(dtype, rows, xs, cols, out)
+                    x86_avx512::quant_tile(dtype, rows, prefetch_rows, xs, cols, out)
                 }
                 _ => {
                     let mut run_f32 =
                         |rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]| {
                             scalar::tile(WeightDType::F32, rows, xs, cols, out)
                         };
-                    quant::tile(dtype, rows, xs, cols, out, &mut run_f32)
+                    let dequant = |src: *const u8, n_blocks: usize, dst: *mut f32| {
+                        quant::dequantize_blocks_scalar(dtype, src, n_blocks, dst)
+                    };
+                    quant::tile(dtype, rows, std::ptr::null(), xs, cols, out, dequant, &mut run_f32)
                 }
             }
         };

@@ -29,6 +29,8 @@ pub mod weights;
 mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx512;
+#[cfg(target_arch = "x86_64")]
+mod x86_quant;
 
 pub use attention::{
     attention, attention_reference, par_attention, AttentionInput, AttentionScratch, AttentionShape,

@@ -25,7 +25,7 @@ const CHUNK_COLS: usize = 256;
 /// The f16 at `b[at..at + 2]` widened to f32 (exact; plain bit arithmetic, which inlines into
 /// the block loops where a library call per block dominated the dequantisation).
 #[inline(always)]
-fn half_at(b: &[u8], at: usize) -> f32 {
+pub(crate) fn half_at(b: &[u8], at: usize) -> f32 {
     let h = u16::from_le_bytes([b[at], b[at + 1]]) as u32;
     let (sign, exp, mant) = ((h & 0x8000) << 16, (h >> 10) & 0x1f, h & 0x3ff);
     match exp {
@@ -71,7 +71,7 @@ pub fn dequantize_block(dtype: WeightDType, block: &[u8], out: &mut [f32]) {
 
 /// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block's 12 packed bytes.
 #[inline(always)]
-fn scale_min(j: usize, packed: &[u8]) -> (f32, f32) {
+pub(crate) fn scale_min(j: usize, packed: &[u8]) -> (f32, f32) {
     let (sc, m) = if j < 4 {
         (packed[j] & 63, packed[j + 4] & 63)
     } else {
@@ -130,20 +130,28 @@ fn q6_k(block: &[u8], out: &mut [f32]) {
     }
 }
 
-/// `out[r * T + t] = dot(row r, x t)` over `cols` columns of quantised rows, each `run_f32`
-/// call being the level's f32 tile kernel over one dequantised chunk.
+/// `out[r * T + t] = dot(row r, x t)` over `cols` columns of quantised rows: `dequant(src,
+/// n_blocks, dst)` dequantises `n_blocks` blocks of `dtype` into f32 (the level's SIMD decoder,
+/// bit-equal to [`dequantize_block`]) and each `run_f32` call runs the level's f32 tile kernel
+/// over one dequantised chunk. While a chunk is decoded, the same bytes of `prefetch_rows` (the
+/// next row block, or null) are prefetched.
 ///
 /// # Safety
 /// Every `rows[r]` must address `dtype.row_bytes(cols)` readable bytes (`cols` whole blocks),
-/// every `xs[t]` `cols` readable f32; `out` must hold `R * T` values; `run_f32` must be safe to
-/// call with f32 rows of the chunk's length and `xs` offset to the chunk.
+/// every `xs[t]` `cols` readable f32; `out` must hold `R * T` values; `prefetch_rows` must be
+/// null or hold `R` pointers (hints only, never dereferenced); `dequant` must be safe to call
+/// on whole blocks of a row and room for their values; `run_f32` must be safe to call with f32
+/// rows of the chunk's length and `xs` offset to the chunk.
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn tile(
     dtype: WeightDType,
     rows: &[*const u8],
+    prefetch_rows: *const *const u8,
     xs: &[*const f32],
     cols: usize,
     out: &mut [f32],
+    mut dequant: impl FnMut(*const u8, usize, *mut f32),
     run_f32: &mut F32Tile<'_>,
 ) {
     const MAX_ROWS: usize = crate::ffn::ROW_BLOCK;
@@ -157,15 +165,16 @@ pub(crate) unsafe fn tile(
     let mut col0 = 0;
     while col0 < cols {
         let n = CHUNK_COLS.min(cols - col0);
-        let chunk_bytes = n / block_elems * block_bytes;
         let byte0 = col0 / block_elems * block_bytes;
         let mut f32_rows = [std::ptr::null::<u8>(); MAX_ROWS];
         for r in 0..n_rows {
             // SAFETY: the caller guarantees `rows[r]` addresses the row's bytes; the chunk lies
-            // inside it (col0 + n <= cols, whole blocks).
-            let bytes = unsafe { std::slice::from_raw_parts(rows[r].add(byte0), chunk_bytes) };
-            for (block, y) in bytes.chunks_exact(block_bytes).zip(buf[r][..n].chunks_exact_mut(block_elems)) {
-                dequantize_block(dtype, block, y);
+            // inside it (col0 + n <= cols, whole blocks) and `buf[r]` holds CHUNK_COLS >= n.
+            unsafe { dequant(rows[r].add(byte0), n / block_elems, buf[r].as_mut_ptr()) };
+            if !prefetch_rows.is_null() {
+                // SAFETY: a non-null `prefetch_rows` holds R pointers (r < R).
+                let next = unsafe { *prefetch_rows.add(r) };
+                prefetch_bytes(next.wrapping_add(byte0), n / block_elems * block_bytes);
             }
             f32_rows[r] = buf[r].as_ptr() as *const u8;
         }
@@ -180,6 +189,44 @@ pub(crate) unsafe fn tile(
             *o += p;
         }
         col0 += n;
+    }
+}
+
+/// Prefetch hints (into L2) for the cache lines of `len` bytes at `at`; never dereferences.
+#[inline(always)]
+fn prefetch_bytes(at: *const u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let mut offset = 0;
+        while offset < len {
+            // SAFETY: SSE is part of the x86_64 baseline; a prefetch is a hint and never faults.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(offset) as *const i8) };
+            offset += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (at, len);
+}
+
+/// Dequantises `n_blocks` blocks of `dtype` at `src` into `out` with [`dequantize_block`].
+///
+/// # Safety
+/// `src` must address `n_blocks` whole blocks, `out` `n_blocks * dtype.block_elems()` f32.
+#[inline(always)]
+pub(crate) unsafe fn dequantize_blocks_scalar(
+    dtype: WeightDType,
+    src: *const u8,
+    n_blocks: usize,
+    out: *mut f32,
+) {
+    let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+    // SAFETY: the caller vouches for both ranges.
+    let (bytes, values) = unsafe {
+        (std::slice::from_raw_parts(src, n_blocks * bb), std::slice::from_raw_parts_mut(out, n_blocks * be))
+    };
+    for (block, y) in bytes.chunks_exact(bb).zip(values.chunks_exact_mut(be)) {
+        dequantize_block(dtype, block, y);
     }
 }
 

@@ -300,23 +300,29 @@ pub(crate) unsafe fn sum_f32(data: *const f32, len: usize) -> f32 {
     total
 }
 
-/// The quantised tile ([`crate::quant::tile`]) compiled for AVX-512F, so its dequantisation loops
-/// vectorise, over this level's f32 tile.
+/// The quantised tile ([`crate::quant::tile`]) over this level's SIMD dequantisation
+/// ([`crate::x86_quant::avx512`], bit-equal to the scalar blocks) and this level's f32 tile.
 ///
 /// # Safety
-/// As [`crate::quant::tile`], and the CPU must support AVX-512F (and the features named below).
+/// As [`crate::quant::tile`], and the CPU must support the features named below.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 pub(crate) unsafe fn quant_tile(
     dtype: WeightDType,
     rows: &[*const u8],
+    prefetch_rows: *const *const u8,
     xs: &[*const f32],
     cols: usize,
     out: &mut [f32],
 ) {
+    let dequant = |src: *const u8, n_blocks: usize, dst: *mut f32| {
+        // SAFETY: quant::tile hands whole blocks of a row and room for their values; the CPU
+        // features are this function's.
+        unsafe { crate::x86_quant::avx512::dequantize_blocks(dtype, src, n_blocks, dst) }
+    };
     let mut run_f32 = |rows: &[*const u8], xs: &[*const f32], cols: usize, out: &mut [f32]| {
         // SAFETY: quant::tile hands f32 chunk rows of `cols` values and in-bounds xs.
         unsafe { tile(WeightDType::F32, rows, std::ptr::null(), xs, cols, out) }
     };
     // SAFETY: forwarded from the caller.
-    unsafe { crate::quant::tile(dtype, rows, xs, cols, out, &mut run_f32) }
+    unsafe { crate::quant::tile(dtype, rows, prefetch_rows, xs, cols, out, dequant, &mut run_f32) }
 }
