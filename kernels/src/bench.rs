@@ -27,6 +27,7 @@
 //!   over a seeded permutation of the experts, top-8 distinct per token): the most popular half
 //!   of the experts gets ~90% of the slots (`prefill_skewed_top_half_share`), the most popular
 //!   expert a few hundred tokens, many experts a handful. Same FLOPs as the uniform case.
+//!
 //! Ratios are to `read_gbs`.
 
 use std::hint::black_box;
@@ -211,6 +212,8 @@ fn parallel_fill(
     let (base, len) = (SendPtr(buffer.as_mut_ptr()), buffer.len());
     pool.broadcast(&|index, n_threads| {
         let (start, end) = (index * len / n_threads, (index + 1) * len / n_threads);
+        // Moves the whole SendPtr (Send) into the closure, not its raw-pointer field.
+        #[allow(clippy::redundant_locals)]
         let base = base;
         // SAFETY: [start, end) ranges of different threads are disjoint and inside `buffer`,
         // which stays mutably borrowed until the broadcast returns.

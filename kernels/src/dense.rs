@@ -127,7 +127,7 @@ fn raw_call(level: SimdLevel, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Re
         });
     }
     let cols = parts[0].w.cols;
-    if cols == 0 || x.len() % cols != 0 {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(KernelError::ShapeMismatch {
             what: "x (tokens x cols)",
             expected: cols,

@@ -184,7 +184,7 @@ pub(crate) unsafe fn gate_up_unchecked(
     let (gate, up, ff, first) = (weights.gate.as_ptr(), weights.up.as_ptr(), weights.ff, ff_rows.start);
     // Virtual row 2i is gate row first+i, 2i+1 is up row first+i.
     let row_ptr = |virtual_row: usize| {
-        let matrix = if virtual_row % 2 == 0 { gate } else { up };
+        let matrix = if virtual_row.is_multiple_of(2) { gate } else { up };
         // SAFETY: first + virtual_row / 2 < ff (dereferenced only below ff_rows.end), inside the
         // validated matrix.
         unsafe { matrix.add((first + virtual_row / 2) * row_bytes) }
@@ -192,7 +192,7 @@ pub(crate) unsafe fn gate_up_unchecked(
     let sink = |virtual_row: usize, token: usize, value: f32| {
         // SAFETY: token < n_tokens and the ff row is in `ff_rows`, which the caller owns.
         let slot = unsafe { &mut *h_base.add(token * ff + first + virtual_row / 2) };
-        if virtual_row % 2 == 0 {
+        if virtual_row.is_multiple_of(2) {
             *slot = value; // gate first (rows arrive in increasing order per token) ...
         } else {
             *slot = act.gated(*slot, value); // ... then up completes the activation.
@@ -387,7 +387,7 @@ pub fn gate_up_activation(
     level.ensure_supported()?;
     weights.validate()?;
     let (hidden, ff) = (weights.hidden, weights.ff);
-    if hidden == 0 || x.len() % hidden != 0 {
+    if hidden == 0 || !x.len().is_multiple_of(hidden) {
         return Err(KernelError::ShapeMismatch {
             what: "x (tokens x hidden)",
             expected: hidden,

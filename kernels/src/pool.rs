@@ -139,7 +139,7 @@ impl<'a> ColdJob<'a> {
     /// number of token rows.
     pub fn validate(&self, out_len: usize) -> Result<usize, KernelError> {
         self.level.ensure_supported()?;
-        if self.hidden == 0 || self.x.len() % self.hidden != 0 {
+        if self.hidden == 0 || !self.x.len().is_multiple_of(self.hidden) {
             return Err(KernelError::ShapeMismatch {
                 what: "x (tokens x hidden)",
                 expected: self.hidden,
@@ -579,7 +579,9 @@ fn wait_for_epoch_change(shared: &Shared, seen_epoch: u64) -> u64 {
         }
         std::hint::spin_loop();
         spins += 1;
-        if spins % 64 == 0 && (spin_start.elapsed() > IDLE_SPIN || shared.park_hint.load(Ordering::Relaxed)) {
+        if spins.is_multiple_of(64)
+            && (spin_start.elapsed() > IDLE_SPIN || shared.park_hint.load(Ordering::Relaxed))
+        {
             break;
         }
     }

@@ -151,10 +151,10 @@ fn pool_rejects_bad_jobs() {
     };
     let mut pool = ColdPool::new(2);
     assert_eq!(
-        pool.run(&job, &mut vec![0.0; 16]),
+        pool.run(&job, &mut [0.0; 16]),
         Err(KernelError::TokenIndexOutOfBounds { index: 7, n_tokens: 2 })
     );
-    assert!(pool.run(&job, &mut vec![0.0; 15]).is_err());
+    assert!(pool.run(&job, &mut [0.0; 15]).is_err());
 }
 
 #[test]

@@ -147,7 +147,7 @@ impl DPtr<u8> {
     /// The bytes seen as 16-bit elements (bf16 bit patterns); panics on an odd length or
     /// address (a programming error).
     pub fn as_u16(&self) -> DPtr<u16> {
-        assert!(self.len % 2 == 0 && self.raw % 2 == 0, "DPtr::as_u16 of {self:?}");
+        assert!(self.len.is_multiple_of(2) && self.raw.is_multiple_of(2), "DPtr::as_u16 of {self:?}");
         DPtr { raw: self.raw, len: self.len / 2, _m: PhantomData }
     }
 }
