@@ -279,6 +279,165 @@ struct W6_K : Q6_K {
 
 // ---- block decoding end ----
 
+// ---- factored chunk dot products (the decode GEMVs) ----
+// chunk_dot<W>(b, j, xv, xs) = sum_i value_i * xv[i] over chunk j of block b (xv as W::cols
+// places them), with each scale (and min) applied once per run of equal scale: s * sum(q x) -
+// m * sum(x), where xs[0] / xs[1] are the sums of xv[0..16) / xv[16..32) (only the K-quants with
+// mins read them). A quant value q becomes a float without a conversion instruction: the byte
+// under the exponent of 2^23 (q_f23) is 2^23 + q exactly, and one add takes the 2^23 and the
+// type's offset off, exactly. Rounding differs from summing the dequantized values only in f32
+// order and the factored scale (within the GEMV tests' tolerance); the exact values remain what
+// W::chunk computes (the dequantization and the embedding use those).
+
+// Byte i of w as the float 2^23 + byte.
+__device__ __forceinline__ float q_f23(unsigned w, int i) {
+    return __int_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | (unsigned)i));
+}
+
+// sum_i (byte_i(w) + off) * x[i] added to acc, off given as 2^23 - off (an exact float).
+__device__ __forceinline__ float q_dot4(unsigned w, float sub, const float* x, float acc) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc = fmaf(q_f23(w, i) - sub, x[i], acc);
+    return acc;
+}
+
+template <class W>
+struct NeedsXSum {
+    static constexpr bool value = false;
+};
+template <>
+struct NeedsXSum<W4_K> {
+    static constexpr bool value = true;
+};
+template <>
+struct NeedsXSum<W5_K> {
+    static constexpr bool value = true;
+};
+
+template <class W>
+__device__ __forceinline__ float chunk_dot(const u8* b, int j, const float* xv, const float* xs);
+
+template <>
+__device__ __forceinline__ float chunk_dot<W8_0>(const u8* b, int, const float* xv, const float*) {
+    unsigned w[8];
+    q_words<8>(b + 2, w);
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) s = q_dot4(w[k] ^ 0x80808080u, 8388736.f, xv + 4 * k, s);  // signed: +128
+    return q_half(b) * s;
+}
+
+template <>
+__device__ __forceinline__ float chunk_dot<W4_0>(const u8* b, int, const float* xv, const float*) {
+    unsigned w[4];
+    q_words<4>(b + 2, w);
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        s = q_dot4(w[k] & 0x0F0F0F0Fu, 8388616.f, xv + 4 * k, s);  // q - 8
+        s = q_dot4((w[k] >> 4) & 0x0F0F0F0Fu, 8388616.f, xv + 16 + 4 * k, s);
+    }
+    return q_half(b) * s;
+}
+
+// k_scale_min of sub-block j from the packed bytes as three little-endian words (w0 = bytes
+// 0..3, ...), by shifts: a run-time index into a byte array would live in local memory.
+__device__ __forceinline__ void k_scale_min_words(int j, unsigned w0, unsigned w1, unsigned w2, float& sc,
+                                                  float& m) {
+    int sh = 8 * (j & 3);
+    if (j < 4) {
+        sc = (float)((w0 >> sh) & 63u), m = (float)((w1 >> sh) & 63u);
+    } else {
+        sc = (float)(((w2 >> sh) & 15u) | (((w0 >> sh) >> 6 & 3u) << 4));
+        m = (float)(((w2 >> sh) >> 4 & 15u) | (((w1 >> sh) >> 6 & 3u) << 4));
+    }
+}
+
+template <bool FIFTH>
+__device__ __forceinline__ float k_asym_dot(const u8* b, int j, const float* xv, const float* xs) {
+    int p = j >> 1, h = j & 1;
+    uint4 head = *(const uint4*)b;  // d, dmin and the 12 packed scale bytes
+    float d = __half2float(__ushort_as_half((unsigned short)(head.x & 0xffff)));
+    float dmin = __half2float(__ushort_as_half((unsigned short)(head.x >> 16)));
+    float sc0, m0, sc1, m1;
+    k_scale_min_words(2 * p, head.y, head.z, head.w, sc0, m0);
+    k_scale_min_words(2 * p + 1, head.y, head.z, head.w, sc1, m1);
+    uint4 q4 = *(const uint4*)(b + (FIFTH ? 48 : 16) + 32 * p + 16 * h);
+    uint4 h4 = FIFTH ? *(const uint4*)(b + 16 + 16 * h) : make_uint4(0, 0, 0, 0);
+    unsigned qw[4] = {q4.x, q4.y, q4.z, q4.w}, hwd[4] = {h4.x, h4.y, h4.z, h4.w};
+    float a0 = 0.f, a1 = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        unsigned lo = qw[k] & 0x0F0F0F0Fu, hi = (qw[k] >> 4) & 0x0F0F0F0Fu;
+        if (FIFTH) {
+            lo |= ((hwd[k] >> (2 * p)) & 0x01010101u) << 4;
+            hi |= ((hwd[k] >> (2 * p + 1)) & 0x01010101u) << 4;
+        }
+        a0 = q_dot4(lo, 8388608.f, xv + 4 * k, a0);
+        a1 = q_dot4(hi, 8388608.f, xv + 16 + 4 * k, a1);
+    }
+    return (d * sc0) * a0 - (dmin * m0) * xs[0] + (d * sc1) * a1 - (dmin * m1) * xs[1];
+}
+
+template <>
+__device__ __forceinline__ float chunk_dot<W4_K>(const u8* b, int j, const float* xv, const float* xs) {
+    return k_asym_dot<false>(b, j, xv, xs);
+}
+
+template <>
+__device__ __forceinline__ float chunk_dot<W5_K>(const u8* b, int j, const float* xv, const float* xs) {
+    return k_asym_dot<true>(b, j, xv, xs);
+}
+
+// Q6_K chunk j: the four runs of 8 (one per quarter, each under one scale) as W6_K::chunk reads them.
+template <>
+__device__ __forceinline__ float chunk_dot<W6_K>(const u8* b, int j, const float* xv, const float*) {
+    int hf = j >> 2, l0 = 8 * (j & 3);
+    unsigned a[2], bb[2], hh[2], sw[2];
+    q_load8(b + 64 * hf + l0, a[0], a[1]);
+    q_load8(b + 64 * hf + 32 + l0, bb[0], bb[1]);
+    q_load8(b + 128 + 32 * hf + l0, hh[0], hh[1]);
+    q_load8(b + 192 + 8 * hf, sw[0], sw[1]);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        unsigned A = a[k], B = bb[k], Z = hh[k];
+        unsigned q[4] = {(A & 0x0F0F0F0Fu) | ((Z & 0x03030303u) << 4),
+                         (B & 0x0F0F0F0Fu) | (((Z >> 2) & 0x03030303u) << 4),
+                         ((A >> 4) & 0x0F0F0F0Fu) | (((Z >> 4) & 0x03030303u) << 4),
+                         ((B >> 4) & 0x0F0F0F0Fu) | (((Z >> 6) & 0x03030303u) << 4)};
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[r] = q_dot4(q[r], 8388640.f, xv + 8 * r + 4 * k, acc[r]);  // q - 32
+    }
+    float d = q_half(b + 208), s = 0.f;
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int at = 2 * r + (l0 >> 4);  // scale bytes 0..7: words by a select, not an index
+        s += (float)(signed char)q_byte(at < 4 ? sw[0] : sw[1], at & 3) * acc[r];
+    }
+    return d * s;
+}
+
+// The 32 activations of chunk j of block b (runs at W::cols, 16-byte aligned) and, where the type
+// needs them, their two half sums.
+template <class W>
+__device__ __forceinline__ void chunk_x(const float* __restrict__ xb, int j, float* xv, float* xs) {
+    int c[4];
+    W::cols(j, c);
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        float4 lo = *(const float4*)(xb + c[q]), hi = *(const float4*)(xb + c[q] + 4);
+        xv[8 * q] = lo.x, xv[8 * q + 1] = lo.y, xv[8 * q + 2] = lo.z, xv[8 * q + 3] = lo.w;
+        xv[8 * q + 4] = hi.x, xv[8 * q + 5] = hi.y, xv[8 * q + 6] = hi.z, xv[8 * q + 7] = hi.w;
+    }
+    if (NeedsXSum<W>::value) {
+        float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) s0 += xv[i], s1 += xv[16 + i];
+        xs[0] = s0, xs[1] = s1;
+    }
+}
+
 // R rows of W blocks (K values each) . x (16-byte aligned) with one warp: out[r] in every lane.
 // Each lane takes chunks lane, lane + 32, ...; the x values of a chunk are loaded once for all
 // rows.
@@ -290,30 +449,35 @@ __device__ __forceinline__ void warp_dot_wide(const u8* const* rows, const float
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.f;
     for (int g = lane; g < nch; g += WARP) {
-        int b = g / W::CHUNKS, j = g % W::CHUNKS, c[4];
-        W::cols(j, c);
-        const float* xb = x + (size_t)b * W::ELEMS;
-        float xv[32];
+        int b = g / W::CHUNKS, j = g % W::CHUNKS;
+        float xv[32], xs[2];
+        chunk_x<W>(x + (size_t)b * W::ELEMS, j, xv, xs);
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            float4 lo = *(const float4*)(xb + c[q]), hi = *(const float4*)(xb + c[q] + 4);
-            xv[8 * q] = lo.x, xv[8 * q + 1] = lo.y, xv[8 * q + 2] = lo.z, xv[8 * q + 3] = lo.w;
-            xv[8 * q + 4] = hi.x, xv[8 * q + 5] = hi.y, xv[8 * q + 6] = hi.z, xv[8 * q + 7] = hi.w;
-        }
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            float v[32];
-            W::chunk(rows[r] + (size_t)b * W::BYTES, j, v);
-            float s = 0.f;
-#pragma unroll
-            for (int i = 0; i < 32; i++) s += v[i] * xv[i];
-            acc[r] += s;
-        }
+        for (int r = 0; r < R; r++) acc[r] += chunk_dot<W>(rows[r] + (size_t)b * W::BYTES, j, xv, xs);
     }
 #pragma unroll
     for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
 }
 
+// One down-projection output row r over a token's entries e0..e1 of a typed cache: the warp's
+// lanes take (entry, chunk) pairs of all entries at once (independent loads, one reduction).
+template <class W>
+__device__ __forceinline__ float down_entries(const u8* __restrict__ D, int row_bytes, const float* __restrict__ h,
+                                              const int* __restrict__ slots, const float* __restrict__ weights,
+                                              int e0, int e1, int r, int hidden, int ff) {
+    int nch = ff / W::ELEMS * W::CHUNKS, total = (e1 - e0) * nch;
+    float acc = 0.f;
+#pragma unroll 2
+    for (int g = threadIdx.x & 31; g < total; g += WARP) {
+        int e = e0 + g / nch, gc = g % nch, b = gc / W::CHUNKS, j = gc % W::CHUNKS;
+        if (slots[e] < 0) continue;  // cold entry (device-built worklist)
+        const u8* row = D + ((size_t)slots[e] * hidden + r) * row_bytes + (size_t)b * W::BYTES;
+        float xv[32], xs[2];
+        chunk_x<W>(h + (size_t)e * ff + (size_t)b * W::ELEMS, j, xv, xs);
+        acc = fmaf(weights[e], chunk_dot<W>(row, j, xv, xs), acc);
+    }
+    return warp_sum(acc);
+}
 
 __device__ __forceinline__ float4 q_load_x4(const float* p, bool aligned) {
     return aligned ? *(const float4*)p : make_float4(p[0], p[1], p[2], p[3]);
@@ -477,13 +641,20 @@ extern "C" __global__ void moe_down_accum_q(const u8* __restrict__ D, int d_type
     int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     int i = blockIdx.y;
     if (r >= hidden) return;
+    int e0 = tok_off[i], e1 = tok_off[i + 1];
     float acc = 0.f;
-    for (int e = tok_off[i]; e < tok_off[i + 1]; e++) {
-        if (slots[e] < 0) continue;  // cold entry (device-built worklist)
-        const u8* row = D + ((size_t)slots[e] * hidden + r) * d_row_bytes;
-        float d;
-        warp_dot_typed<1>(d_type, &row, h + (size_t)e * ff, ff, &d);
-        acc += weights[e] * d;
+    switch (d_type) {
+        case 0: acc = down_entries<W8_0>(D, d_row_bytes, h, slots, weights, e0, e1, r, hidden, ff); break;
+        case 1: acc = down_entries<W4_0>(D, d_row_bytes, h, slots, weights, e0, e1, r, hidden, ff); break;
+        case 2: acc = down_entries<W4_K>(D, d_row_bytes, h, slots, weights, e0, e1, r, hidden, ff); break;
+        case 3: acc = down_entries<W5_K>(D, d_row_bytes, h, slots, weights, e0, e1, r, hidden, ff); break;
+        case 4: acc = down_entries<W6_K>(D, d_row_bytes, h, slots, weights, e0, e1, r, hidden, ff); break;
+        default:
+            for (int e = e0; e < e1; e++) {
+                if (slots[e] < 0) continue;  // cold entry (device-built worklist)
+                const bf16* row = (const bf16*)(D + ((size_t)slots[e] * hidden + r) * d_row_bytes);
+                acc += weights[e] * warp_dot_bf16(row, h + (size_t)e * ff, ff);
+            }
     }
     if ((threadIdx.x & 31) == 0) out[(size_t)tok_rows[i] * hidden + r] += acc;
 }
