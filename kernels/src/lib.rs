@@ -31,6 +31,8 @@ mod x86_avx2;
 mod x86_avx512;
 #[cfg(target_arch = "x86_64")]
 mod x86_quant;
+#[cfg(target_arch = "x86_64")]
+mod x86_quant_tile;
 
 pub use attention::{
     attention, attention_reference, par_attention, AttentionInput, AttentionScratch, AttentionShape,

@@ -14,6 +14,9 @@
 //! level's vector width. (256 columns measured best: 128 and 512 were 10-25% slower for decode
 //! on the 2-core AMD EPYC build VM.) Activations stay f32 (no 8-bit activation rounding), so
 //! every level agrees with the scalar one within f32 summation-order rounding.
+//!
+//! One token (decode) on the AVX2/AVX-512 levels skips this tile: `x86_quant_tile.rs` decodes
+//! blocks in registers and multiplies them into the accumulators directly (no L1 buffer).
 
 use crate::weights::WeightDType;
 

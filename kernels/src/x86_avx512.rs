@@ -300,8 +300,10 @@ pub(crate) unsafe fn sum_f32(data: *const f32, len: usize) -> f32 {
     total
 }
 
-/// The quantised tile ([`crate::quant::tile`]) over this level's SIMD dequantisation
-/// ([`crate::x86_quant::avx512`], bit-equal to the scalar blocks) and this level's f32 tile.
+/// The quantised tile: one token on 8 rows or 1 row runs the fused decode tile
+/// ([`crate::x86_quant_tile::avx512`]); other shapes [`crate::quant::tile`] over this level's
+/// SIMD dequantisation ([`crate::x86_quant::avx512`], bit-equal to the scalar blocks) and this
+/// level's f32 tile.
 ///
 /// # Safety
 /// As [`crate::quant::tile`], and the CPU must support the features named below.
@@ -314,6 +316,13 @@ pub(crate) unsafe fn quant_tile(
     cols: usize,
     out: &mut [f32],
 ) {
+    // SAFETY: one token: the caller's contract covers the fused tile's (rows of `cols` whole
+    // blocks, `cols` activations, room for the rows' sums); the CPU features are this function's.
+    if xs.len() == 1
+        && unsafe { crate::x86_quant_tile::avx512::decode_tile(dtype, rows, prefetch_rows, xs[0], cols, out) }
+    {
+        return;
+    }
     let dequant = |src: *const u8, n_blocks: usize, dst: *mut f32| {
         // SAFETY: quant::tile hands whole blocks of a row and room for their values; the CPU
         // features are this function's.

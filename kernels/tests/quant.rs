@@ -69,7 +69,7 @@ impl QuantBytes {
 fn matmul_over_quantized_rows_matches_scalar_and_dequantized_f32() {
     let mut rng = Rng(0x0051_7A7E);
     for dtype in WeightDType::QUANTIZED {
-        for (rows, cols) in [(19, 256), (8, 512), (33, 768)] {
+        for (rows, cols) in [(19, 256), (8, 512), (33, 768), (16, 2048)] {
             let matrix = QuantBytes::random(&mut rng, dtype, rows, cols, 0.02);
             let mut dense = vec![0.0f32; rows * cols];
             dtype.decode_row(matrix.bytes(), &mut dense);

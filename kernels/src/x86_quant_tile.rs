@@ -1,0 +1,599 @@
+//! Fused one-token (decode) tiles over GGML-quantised rows: every block is decoded to f32 in
+//! registers and multiplied into the accumulators straight away, with no store and reload of
+//! dequantised values through an L1 buffer.
+//!
+//! The 4- and 5-bit types look their values up in a per-(sub-)block table of the 16 (or 32)
+//! possible dequantised values (`vpermps` / `vpermt2ps` index with the nibble's low bits), so a
+//! value costs one permute and one FMA: the table entry `scale * q - min` is computed with one
+//! FMA (the scalar decoder rounds the product and the difference apart), Q4_0's `d * (q - 8)` is
+//! exactly the scalar value. Q8_0 and Q6_K convert the integers and apply the (sub-)block scale
+//! once per 32 or 16 values: `acc += scale * (q · x)`. Results differ from the scalar kernel by
+//! f32 rounding only (summation order, the fused table entries, the factored scale).
+//!
+//! Every block is read in its compressed size once; the next row block's bytes are prefetched
+//! into L2 as the block advances (one hint per cache line).
+
+/// AVX-512F fused decode tiles (16 lanes).
+pub(crate) mod avx512 {
+    use std::arch::x86_64::*;
+
+    use crate::weights::WeightDType;
+
+    const Q8_0: u8 = 0;
+    const Q4_0: u8 = 1;
+    const Q4_K: u8 = 2;
+    const Q5_K: u8 = 3;
+    const Q6_K: u8 = 4;
+
+    /// Two accumulators per row: halves of a block alternate between them, so the FMA chain of
+    /// one row is half as long.
+    type Acc = [__m512; 2];
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    fn iota() -> __m512 {
+        _mm512_setr_ps(0., 1., 2., 3., 4., 5., 6., 7., 8., 9., 10., 11., 12., 13., 14., 15.)
+    }
+
+    /// 16 bytes at `p` zero-extended to 16 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn load_u8(p: *const u8) -> __m512i {
+        // SAFETY: the caller vouches for 16 readable bytes at `p`; loadu tolerates any alignment.
+        _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(p as *const __m128i) })
+    }
+
+    /// 16 f32 at `p`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn load_x(p: *const f32) -> __m512 {
+        // SAFETY: the caller vouches for 16 readable f32 at `p`.
+        unsafe { _mm512_loadu_ps(p) }
+    }
+
+    /// The f16 at `p` widened (exactly) and broadcast to 16 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn half_splat(p: *const u8) -> __m512 {
+        // SAFETY: the caller vouches for two readable bytes at `p`.
+        let bits = unsafe { (p as *const u16).read_unaligned() };
+        _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// Q8_0 block at `b` against 32 f32 at `x`: `acc += d * (q · x)`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn q8_0(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 34-byte block at `b` and 32 f32 at `x`.
+        unsafe {
+            let q0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(2) as *const __m128i)));
+            let q1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(18) as *const __m128i)));
+            let dot = _mm512_fmadd_ps(q1, load_x(x.add(16)), _mm512_mul_ps(q0, load_x(x)));
+            acc[0] = _mm512_fmadd_ps(half_splat(b), dot, acc[0]);
+        }
+    }
+
+    /// Q4_0 block at `b` against 32 f32 at `x`, values looked up in the table `d * (i - 8)`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn q4_0(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 18-byte block at `b` and 32 f32 at `x`.
+        unsafe {
+            let table = _mm512_mul_ps(half_splat(b), _mm512_sub_ps(iota(), _mm512_set1_ps(8.0)));
+            let q = load_u8(b.add(2));
+            let lo = _mm512_permutexvar_ps(q, table);
+            let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table);
+            acc[0] = _mm512_fmadd_ps(lo, load_x(x), acc[0]);
+            acc[1] = _mm512_fmadd_ps(hi, load_x(x.add(16)), acc[1]);
+        }
+    }
+
+    /// The 8 scales (lanes 0..8, `d * sc`) and 8 mins (lanes 8..16, `dmin * m`) of a Q4_K/Q5_K
+    /// block at `b`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn k_coefficients(b: *const u8) -> [f32; 16] {
+        // SAFETY: the caller vouches for a whole K-quant block at `b` (16 header bytes).
+        unsafe {
+            let d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()));
+            let (sc, m) = crate::x86_quant::k_scales_mins(&*(b.add(4) as *const [u8; 12]));
+            let packed = _mm_set_epi64x(i64::from_le_bytes(m), i64::from_le_bytes(sc));
+            let pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+            let factor = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(d_dmin));
+            let mut out = [0.0f32; 16];
+            _mm512_storeu_ps(
+                out.as_mut_ptr(),
+                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)), factor),
+            );
+            out
+        }
+    }
+
+    /// Q4_K block at `b` against 256 f32 at `x`: per sub-block the table `scale * i - min` of
+    /// its 16 values, indexed by the nibbles (low nibbles of 32 bytes: sub-block 2p, high: 2p+1).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn q4_k(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 144-byte block at `b` and 256 f32 at `x`; every
+        // offset below stays inside them.
+        unsafe {
+            let c = k_coefficients(b);
+            let iota = iota();
+            for p in 0..4 {
+                let t_lo = _mm512_fmsub_ps(_mm512_set1_ps(c[2 * p]), iota, _mm512_set1_ps(c[8 + 2 * p]));
+                let t_hi = _mm512_fmsub_ps(_mm512_set1_ps(c[2 * p + 1]), iota, _mm512_set1_ps(c[9 + 2 * p]));
+                for h in 0..2 {
+                    let q = load_u8(b.add(16 + 32 * p + 16 * h));
+                    let lo = _mm512_permutexvar_ps(q, t_lo);
+                    let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), t_hi);
+                    acc[0] = _mm512_fmadd_ps(lo, load_x(x.add(64 * p + 16 * h)), acc[0]);
+                    acc[1] = _mm512_fmadd_ps(hi, load_x(x.add(64 * p + 32 + 16 * h)), acc[1]);
+                }
+            }
+        }
+    }
+
+    /// Bit `j` of every lane of `h` moved to bit 4 (other bits are don't-cares above bit 4).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    fn bit_to_4(h: __m512i, j: u32) -> __m512i {
+        if j <= 4 {
+            _mm512_sll_epi32(h, _mm_cvtsi32_si128(4 - j as i32))
+        } else {
+            _mm512_srl_epi32(h, _mm_cvtsi32_si128(j as i32 - 4))
+        }
+    }
+
+    /// Q5_K block at `b` against 256 f32 at `x`: as Q4_K with 32-entry tables (`vpermt2ps`),
+    /// the index's bit 4 taken from the fifth-bit bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn q5_k(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 176-byte block at `b` and 256 f32 at `x`; every
+        // offset below stays inside them.
+        unsafe {
+            let c = k_coefficients(b);
+            let (iota, iota16) = (iota(), _mm512_add_ps(iota(), _mm512_set1_ps(16.0)));
+            let low4 = _mm512_set1_epi32(15);
+            for p in 0..4 {
+                let table = |j: usize| {
+                    let (s, m) = (_mm512_set1_ps(c[j]), _mm512_set1_ps(c[8 + j]));
+                    (_mm512_fmsub_ps(s, iota, m), _mm512_fmsub_ps(s, iota16, m))
+                };
+                let ((lo_a, lo_b), (hi_a, hi_b)) = (table(2 * p), table(2 * p + 1));
+                for h in 0..2 {
+                    let q = load_u8(b.add(48 + 32 * p + 16 * h));
+                    let fifth = load_u8(b.add(16 + 16 * h));
+                    // (q & 15) | (fifth bit at 4, don't-cares above): ternary select on `low4`.
+                    let idx_lo = _mm512_ternarylogic_epi32::<0xE4>(q, bit_to_4(fifth, 2 * p as u32), low4);
+                    let idx_hi = _mm512_ternarylogic_epi32::<0xE4>(
+                        _mm512_srli_epi32::<4>(q),
+                        bit_to_4(fifth, 2 * p as u32 + 1),
+                        low4,
+                    );
+                    let lo = _mm512_permutex2var_ps(lo_a, idx_lo, lo_b);
+                    let hi = _mm512_permutex2var_ps(hi_a, idx_hi, hi_b);
+                    acc[0] = _mm512_fmadd_ps(lo, load_x(x.add(64 * p + 16 * h)), acc[0]);
+                    acc[1] = _mm512_fmadd_ps(hi, load_x(x.add(64 * p + 32 + 16 * h)), acc[1]);
+                }
+            }
+        }
+    }
+
+    /// Q6_K block at `b` against 256 f32 at `x`: `acc += (d * sc) * ((q - 32) · x)` per
+    /// sub-block of 16 (one vector).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn q6_k(b: *const u8, x: *const f32, acc: &mut Acc) {
+        let mut scale = [0.0f32; 16];
+        // SAFETY: the caller vouches for one 210-byte block at `b` and 256 f32 at `x`; every
+        // offset below stays inside them.
+        unsafe {
+            let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(192) as *const __m128i)));
+            _mm512_storeu_ps(scale.as_mut_ptr(), _mm512_mul_ps(half_splat(b.add(208)), sc));
+            let (low4, high2, offset) =
+                (_mm512_set1_epi32(15), _mm512_set1_epi32(0x30), _mm512_set1_epi32(32));
+            for half in 0..2 {
+                let (ql, qh) = (b.add(64 * half), b.add(128 + 32 * half));
+                for g in 0..2 {
+                    let (a, c, h) =
+                        (load_u8(ql.add(16 * g)), load_u8(ql.add(32 + 16 * g)), load_u8(qh.add(16 * g)));
+                    let low = [
+                        _mm512_and_si512(a, low4),
+                        _mm512_and_si512(c, low4),
+                        _mm512_srli_epi32::<4>(a),
+                        _mm512_srli_epi32::<4>(c),
+                    ];
+                    let high =
+                        [_mm512_slli_epi32::<4>(h), _mm512_slli_epi32::<2>(h), h, _mm512_srli_epi32::<2>(h)];
+                    for quarter in 0..4 {
+                        // low | (high & 0x30), then minus 32.
+                        let v = _mm512_ternarylogic_epi32::<0xF8>(low[quarter], high[quarter], high2);
+                        let q = _mm512_cvtepi32_ps(_mm512_sub_epi32(v, offset));
+                        let at = 128 * half + 32 * quarter + 16 * g;
+                        let dot = _mm512_mul_ps(q, load_x(x.add(at)));
+                        let s = _mm512_set1_ps(scale[8 * half + 2 * quarter + g]);
+                        acc[quarter & 1] = _mm512_fmadd_ps(s, dot, acc[quarter & 1]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One block of type `Q` at `b` against its activations at `x`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn block<const Q: u8>(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: forwarded from the caller (one whole block, its activations, the CPU features
+        // of this module, checked by the only caller, `fused_rows`).
+        unsafe {
+            match Q {
+                Q8_0 => q8_0(b, x, acc),
+                Q4_0 => q4_0(b, x, acc),
+                Q4_K => q4_k(b, x, acc),
+                Q5_K => q5_k(b, x, acc),
+                _ => q6_k(b, x, acc),
+            }
+        }
+    }
+
+    /// `out[r] = dot(row r, x)` for `R` quantised rows of `cols` values (whole blocks of `Q`),
+    /// block by block across the rows, prefetching the next row block's lines as it goes.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn fused_rows<const Q: u8, const R: usize>(
+        dtype: WeightDType,
+        rows: &[*const u8],
+        prefetch_rows: *const *const u8,
+        x: *const f32,
+        cols: usize,
+        out: &mut [f32],
+    ) {
+        let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+        let rows: [*const u8; R] = std::array::from_fn(|r| rows[r]);
+        // SAFETY: a non-null `prefetch_rows` holds R pointers (the caller's contract).
+        let next: Option<[*const u8; R]> =
+            (!prefetch_rows.is_null()).then(|| std::array::from_fn(|r| unsafe { *prefetch_rows.add(r) }));
+        let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        let mut prefetched = 0;
+        for blk in 0..cols / be {
+            for r in 0..R {
+                // SAFETY: block `blk` lies inside row r (`cols` whole blocks) and its `be`
+                // activations inside `x`; the CPU features are this function's.
+                unsafe { block::<Q>(rows[r].add(blk * bb), x.add(blk * be), &mut acc[r]) };
+            }
+            if let Some(next) = &next {
+                while prefetched < (blk + 1) * bb {
+                    for row in next {
+                        // A hint only: prefetches never fault, and the address stays in the row.
+                        _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(prefetched) as *const i8);
+                    }
+                    prefetched += 64;
+                }
+            }
+        }
+        for r in 0..R {
+            out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+        }
+    }
+
+    /// The fused one-token tile for 8 or 1 rows (`out[r] = dot(row r, x)`), or false (nothing
+    /// done) for any other row count.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F, AVX2, FMA and F16C; every `rows[r]` must address
+    /// `dtype.row_bytes(cols)` readable bytes (`cols` whole blocks of the quantised `dtype`),
+    /// `x` `cols` f32; `out` must hold `rows.len()` values; `prefetch_rows` null or
+    /// `rows.len()` pointers (hints only, never dereferenced).
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    pub(crate) unsafe fn decode_tile(
+        dtype: WeightDType,
+        rows: &[*const u8],
+        prefetch_rows: *const *const u8,
+        x: *const f32,
+        cols: usize,
+        out: &mut [f32],
+    ) -> bool {
+        macro_rules! by_rows {
+            ($q:expr) => {
+                match rows.len() {
+                    // SAFETY: forwarded from the caller; the row count matches R.
+                    8 => unsafe { fused_rows::<{ $q }, 8>(dtype, rows, prefetch_rows, x, cols, out) },
+                    // SAFETY: as above.
+                    1 => unsafe { fused_rows::<{ $q }, 1>(dtype, rows, prefetch_rows, x, cols, out) },
+                    _ => return false,
+                }
+            };
+        }
+        match dtype {
+            WeightDType::Q8_0 => by_rows!(Q8_0),
+            WeightDType::Q4_0 => by_rows!(Q4_0),
+            WeightDType::Q4_K => by_rows!(Q4_K),
+            WeightDType::Q5_K => by_rows!(Q5_K),
+            WeightDType::Q6_K => by_rows!(Q6_K),
+            _ => return false,
+        }
+        true
+    }
+}
+
+/// AVX2 fused decode tiles (8 lanes): values converted to f32 in registers; Q4_K/Q5_K
+/// dequantised there with one FMA (`scale * q - min`), the others with the (sub-)block scale
+/// applied once to the integer values' dot product.
+pub(crate) mod avx2 {
+    use std::arch::x86_64::*;
+
+    use crate::weights::WeightDType;
+
+    const Q8_0: u8 = 0;
+    const Q4_0: u8 = 1;
+    const Q4_K: u8 = 2;
+    const Q5_K: u8 = 3;
+    const Q6_K: u8 = 4;
+
+    /// Two accumulators per row (see the AVX-512 tile).
+    type Acc = [__m256; 2];
+
+    /// 8 bytes at `p` zero-extended to 8 i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_u8(p: *const u8) -> __m256i {
+        // SAFETY: the caller vouches for 8 readable bytes at `p`; loadl tolerates any alignment.
+        _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) })
+    }
+
+    /// 8 bytes at `p` sign-extended to 8 f32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_i8_f32(p: *const u8) -> __m256 {
+        // SAFETY: the caller vouches for 8 readable bytes at `p`.
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(p as *const __m128i) }))
+    }
+
+    /// 8 f32 at `p`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load_x(p: *const f32) -> __m256 {
+        // SAFETY: the caller vouches for 8 readable f32 at `p`.
+        unsafe { _mm256_loadu_ps(p) }
+    }
+
+    /// The f16 at `p` widened (exactly) and broadcast to 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn half_splat(p: *const u8) -> __m256 {
+        // SAFETY: the caller vouches for two readable bytes at `p`.
+        let bits = unsafe { (p as *const u16).read_unaligned() };
+        _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+    }
+
+    /// Q8_0 block at `b` against 32 f32 at `x`: `acc += d * (q · x)`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q8_0(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 34-byte block at `b` and 32 f32 at `x`.
+        unsafe {
+            let mut dot = _mm256_mul_ps(load_i8_f32(b.add(2)), load_x(x));
+            for i in 1..4 {
+                dot = _mm256_fmadd_ps(load_i8_f32(b.add(2 + 8 * i)), load_x(x.add(8 * i)), dot);
+            }
+            acc[0] = _mm256_fmadd_ps(half_splat(b), dot, acc[0]);
+        }
+    }
+
+    /// Q4_0 block at `b` against 32 f32 at `x`: `acc += d * ((q - 8) · x)`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q4_0(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 18-byte block at `b` and 32 f32 at `x`.
+        unsafe {
+            let (low4, eight) = (_mm256_set1_epi32(15), _mm256_set1_epi32(8));
+            let mut dot = _mm256_setzero_ps();
+            for h in 0..2 {
+                let q = load_u8(b.add(2 + 8 * h));
+                let lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, low4), eight));
+                let hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32::<4>(q), eight));
+                dot = _mm256_fmadd_ps(lo, load_x(x.add(8 * h)), dot);
+                dot = _mm256_fmadd_ps(hi, load_x(x.add(16 + 8 * h)), dot);
+            }
+            acc[0] = _mm256_fmadd_ps(half_splat(b), dot, acc[0]);
+        }
+    }
+
+    /// The 8 scales (`d * sc`, entries 0..8) and 8 mins (`dmin * m`, 8..16) of a Q4_K/Q5_K
+    /// block at `b`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn k_coefficients(b: *const u8) -> [f32; 16] {
+        let mut out = [0.0f32; 16];
+        // SAFETY: the caller vouches for a whole K-quant block at `b` (16 header bytes).
+        unsafe {
+            let (sc, m) = crate::x86_quant::k_scales_mins(&*(b.add(4) as *const [u8; 12]));
+            _mm256_storeu_ps(
+                out.as_mut_ptr(),
+                _mm256_mul_ps(half_splat(b), _mm256_cvtepi32_ps(load_u8(sc.as_ptr()))),
+            );
+            let min = _mm256_mul_ps(half_splat(b.add(2)), _mm256_cvtepi32_ps(load_u8(m.as_ptr())));
+            _mm256_storeu_ps(out.as_mut_ptr().add(8), min);
+        }
+        out
+    }
+
+    /// Q4_K (`FIFTH` false) or Q5_K block at `b` against 256 f32 at `x`: every value
+    /// `scale * q - min` in one FMA, then multiplied into the accumulators.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn k_asym<const FIFTH: bool>(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one whole block at `b` (144 or 176 bytes) and 256 f32
+        // at `x`; every offset below stays inside them.
+        unsafe {
+            let c = k_coefficients(b);
+            let (low4, bit4) = (_mm256_set1_epi32(15), _mm256_set1_epi32(16));
+            let qs = b.add(if FIFTH { 48 } else { 16 });
+            for p in 0..4 {
+                let (s_lo, m_lo) = (_mm256_set1_ps(c[2 * p]), _mm256_set1_ps(c[8 + 2 * p]));
+                let (s_hi, m_hi) = (_mm256_set1_ps(c[2 * p + 1]), _mm256_set1_ps(c[9 + 2 * p]));
+                for h in 0..4 {
+                    let q = load_u8(qs.add(32 * p + 8 * h));
+                    let (mut lo, mut hi) = (_mm256_and_si256(q, low4), _mm256_srli_epi32::<4>(q));
+                    if FIFTH {
+                        let f = load_u8(b.add(16 + 8 * h));
+                        let shift = |j: i32| {
+                            _mm256_and_si256(
+                                _mm256_srl_epi32(_mm256_slli_epi32::<4>(f), _mm_cvtsi32_si128(j)),
+                                bit4,
+                            )
+                        };
+                        lo = _mm256_or_si256(lo, shift(2 * p as i32));
+                        hi = _mm256_or_si256(hi, shift(2 * p as i32 + 1));
+                    }
+                    let lo = _mm256_fmsub_ps(s_lo, _mm256_cvtepi32_ps(lo), m_lo);
+                    let hi = _mm256_fmsub_ps(s_hi, _mm256_cvtepi32_ps(hi), m_hi);
+                    acc[0] = _mm256_fmadd_ps(lo, load_x(x.add(64 * p + 8 * h)), acc[0]);
+                    acc[1] = _mm256_fmadd_ps(hi, load_x(x.add(64 * p + 32 + 8 * h)), acc[1]);
+                }
+            }
+        }
+    }
+
+    /// Q6_K block at `b` against 256 f32 at `x`: `acc += (d * sc) * ((q - 32) · x)` per
+    /// sub-block of 16 (two vectors).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q6_k(b: *const u8, x: *const f32, acc: &mut Acc) {
+        let mut scale = [0.0f32; 16];
+        // SAFETY: the caller vouches for one 210-byte block at `b` and 256 f32 at `x`; every
+        // offset below stays inside them.
+        unsafe {
+            let d = half_splat(b.add(208));
+            _mm256_storeu_ps(scale.as_mut_ptr(), _mm256_mul_ps(d, load_i8_f32(b.add(192))));
+            _mm256_storeu_ps(scale.as_mut_ptr().add(8), _mm256_mul_ps(d, load_i8_f32(b.add(200))));
+            let (low4, high2, offset) =
+                (_mm256_set1_epi32(15), _mm256_set1_epi32(0x30), _mm256_set1_epi32(32));
+            for half in 0..2 {
+                let (ql, qh) = (b.add(64 * half), b.add(128 + 32 * half));
+                for g in 0..2 {
+                    let mut dot = [_mm256_setzero_ps(); 4];
+                    for k in 0..2 {
+                        let l = 16 * g + 8 * k;
+                        let (a, c, h) = (load_u8(ql.add(l)), load_u8(ql.add(32 + l)), load_u8(qh.add(l)));
+                        let low = [
+                            _mm256_and_si256(a, low4),
+                            _mm256_and_si256(c, low4),
+                            _mm256_srli_epi32::<4>(a),
+                            _mm256_srli_epi32::<4>(c),
+                        ];
+                        let high = [
+                            _mm256_slli_epi32::<4>(h),
+                            _mm256_slli_epi32::<2>(h),
+                            h,
+                            _mm256_srli_epi32::<2>(h),
+                        ];
+                        for quarter in 0..4 {
+                            let v = _mm256_or_si256(low[quarter], _mm256_and_si256(high[quarter], high2));
+                            let q = _mm256_cvtepi32_ps(_mm256_sub_epi32(v, offset));
+                            dot[quarter] = _mm256_fmadd_ps(
+                                q,
+                                load_x(x.add(128 * half + 32 * quarter + l)),
+                                dot[quarter],
+                            );
+                        }
+                    }
+                    for (quarter, dot) in dot.into_iter().enumerate() {
+                        let s = _mm256_set1_ps(scale[8 * half + 2 * quarter + g]);
+                        acc[quarter & 1] = _mm256_fmadd_ps(s, dot, acc[quarter & 1]);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One block of type `Q` at `b` against its activations at `x`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn block<const Q: u8>(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: forwarded from the caller (one whole block and its activations).
+        unsafe {
+            match Q {
+                Q8_0 => q8_0(b, x, acc),
+                Q4_0 => q4_0(b, x, acc),
+                Q4_K => k_asym::<false>(b, x, acc),
+                Q5_K => k_asym::<true>(b, x, acc),
+                _ => q6_k(b, x, acc),
+            }
+        }
+    }
+
+    /// As the AVX-512 `fused_rows`, over 8 lanes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn fused_rows<const Q: u8, const R: usize>(
+        dtype: WeightDType,
+        rows: &[*const u8],
+        prefetch_rows: *const *const u8,
+        x: *const f32,
+        cols: usize,
+        out: &mut [f32],
+    ) {
+        let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+        let rows: [*const u8; R] = std::array::from_fn(|r| rows[r]);
+        // SAFETY: a non-null `prefetch_rows` holds R pointers (the caller's contract).
+        let next: Option<[*const u8; R]> =
+            (!prefetch_rows.is_null()).then(|| std::array::from_fn(|r| unsafe { *prefetch_rows.add(r) }));
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut prefetched = 0;
+        for blk in 0..cols / be {
+            for r in 0..R {
+                // SAFETY: block `blk` lies inside row r (`cols` whole blocks) and its `be`
+                // activations inside `x`; the CPU features are this function's.
+                unsafe { block::<Q>(rows[r].add(blk * bb), x.add(blk * be), &mut acc[r]) };
+            }
+            if let Some(next) = &next {
+                while prefetched < (blk + 1) * bb {
+                    for row in next {
+                        // A hint only: prefetches never fault, and the address stays in the row.
+                        _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(prefetched) as *const i8);
+                    }
+                    prefetched += 64;
+                }
+            }
+        }
+        for r in 0..R {
+            out[r] = crate::x86_avx2::horizontal_sum(_mm256_add_ps(acc[r][0], acc[r][1]));
+        }
+    }
+
+    /// The fused one-token tile for 8 or 1 rows, or false (nothing done) for any other row
+    /// count; as the AVX-512 `decode_tile`.
+    ///
+    /// # Safety
+    /// As the AVX-512 `decode_tile`, with AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn decode_tile(
+        dtype: WeightDType,
+        rows: &[*const u8],
+        prefetch_rows: *const *const u8,
+        x: *const f32,
+        cols: usize,
+        out: &mut [f32],
+    ) -> bool {
+        macro_rules! by_rows {
+            ($q:expr) => {
+                match rows.len() {
+                    // SAFETY: forwarded from the caller; the row count matches R.
+                    8 => unsafe { fused_rows::<{ $q }, 8>(dtype, rows, prefetch_rows, x, cols, out) },
+                    // SAFETY: as above.
+                    1 => unsafe { fused_rows::<{ $q }, 1>(dtype, rows, prefetch_rows, x, cols, out) },
+                    _ => return false,
+                }
+            };
+        }
+        match dtype {
+            WeightDType::Q8_0 => by_rows!(Q8_0),
+            WeightDType::Q4_0 => by_rows!(Q4_0),
+            WeightDType::Q4_K => by_rows!(Q4_K),
+            WeightDType::Q5_K => by_rows!(Q5_K),
+            WeightDType::Q6_K => by_rows!(Q6_K),
+            _ => return false,
+        }
+        true
+    }
+}
