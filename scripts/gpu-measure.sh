@@ -16,6 +16,9 @@
 #   quant    a 2-layer model quantized by `moe-lanes quantize` (q4_k_m, q8_0) loads and runs in
 #            llama.cpp with per-position argmax agreement (llama-argmax); the pipeline engine's
 #            pp/tg on the same files (issue 12)
+#   quantprep  in the background (returns at once): the llama.cpp build (from .llama/src or the
+#            tarball LLAMA_TAR), the skewed model, then its QTYPES files written by moe-lanes
+#            quantize and, once llama.cpp is built, by llama-quantize; quantcmp waits for it
 #   quantcmp the skewed model quantized (QTYPES q4_k_m q8_0) by llama-quantize and by moe-lanes,
 #            both systems at budget 0 / 50% / 100% on each file (issue 12)
 #
@@ -194,8 +197,40 @@ argmax_check() { # FILE LABEL
 # `moe-lanes quantize` (QTYPES: q4_k_m q8_0), each run by both at budget 0 / 50% / 100%
 # (llama.cpp -ncmoe 16 / 8 / 0); QWHO picks the quantizers (default: llama moe). Quantized files go to
 # QDIR (/tmp: the tmpfs holds the BF16 ones).
+# The quantized files of part_quantcmp, written in the background so that a call can return
+# while they are made (moe-lanes quantize takes minutes for 16 layers of K-quants).
+quant_file() { echo "${QDIR:-/tmp}/q$LAYERS-$1-$2.gguf"; }
+part_quantprep() {
+    if [ ! -d .llama/src ] && [ -f "${LLAMA_TAR:-$GPU_DIR/llama-src.tar.xz}" ]; then
+        mkdir -p .llama && tar -C .llama -xJf "${LLAMA_TAR:-$GPU_DIR/llama-src.tar.xz}"
+    fi
+    rm -f "$MD/quantprep.done"
+    BIN="$BIN" QTYPES="${QTYPES:-q4_k_m q8_0}" LAYERS="$LAYERS" MD="$MD" QDIR="${QDIR:-/tmp}" setsid nohup bash -c '
+        [ -x .llama/build/bin/llama-bench ] || bash benches/compare-llama-cpp.sh build > "$1/llama-build.log" 2>&1 &
+        build=$!
+        '"$(declare -f model_dir model synth quant_file)"'
+        synth skewed
+        for t in $QTYPES; do
+            q=$(quant_file moe "$t"); [ -f "$q" ] || "$BIN" quantize "$(model skewed)" "$q" --type "$t" --json > /dev/null
+        done
+        wait $build
+        for t in $QTYPES; do
+            q=$(quant_file llama "$t"); [ -f "$q" ] || .llama/build/bin/llama-quantize "$(model skewed)" "$q" "${t^^}" "$(nproc)" > /dev/null 2>&1
+        done
+        touch "$1/quantprep.done"' _ "$MD" > "$MD/quantprep.log" 2>&1 < /dev/null &
+    echo "quantprep started in the background (log $MD/quantprep.log, marker $MD/quantprep.done)"
+}
+
+wait_quantprep() {
+    if [ -f "$MD/quantprep.log" ] && [ ! -f "$MD/quantprep.done" ]; then
+        echo "waiting for quantprep"
+        while [ ! -f "$MD/quantprep.done" ]; do sleep 5; done
+    fi
+}
+
 part_quantcmp() {
     local src t who q qd="${QDIR:-/tmp}"
+    wait_quantprep
     src=$(model skewed)
     for t in ${QTYPES:-q4_k_m q8_0}; do
         for who in ${QWHO:-llama moe}; do
@@ -219,10 +254,10 @@ part_quantcmp() {
 status=0
 for part in "$@"; do
     echo "== $part ($(date -u +%H:%M:%S)) =="
-    [ "$part" = models ] || wait_llama_build
+    [ "$part" = models ] || [ "$part" = quantprep ] || wait_llama_build
     case "$part" in
-        models | metrics | shift | plan | compare | ab | quant | quantcmp) "part_$part" || status=1 ;;
-        *) echo "unknown part $part (models metrics shift plan compare ab quant quantcmp)"; exit 2 ;;
+        models | metrics | shift | plan | compare | ab | quant | quantprep | quantcmp) "part_$part" || status=1 ;;
+        *) echo "unknown part $part (models metrics shift plan compare ab quant quantprep quantcmp)"; exit 2 ;;
     esac
 done
 exit $status
