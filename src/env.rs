@@ -12,6 +12,7 @@
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |
+//! | `MOE_LANES_HOT_DEQUANT_MIB` | VRAM for quantized hot slots dequantized to bf16 for the grouped prefill GEMMs (default 256; more: fewer chunks) |
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `tiled` (default, flash-style tiles of queries x keys) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
@@ -122,6 +123,18 @@ pub fn vram_limit_bytes() -> Result<Option<u64>, EnvError> {
             v.parse::<u64>()
                 .map(|mib| mib << 20)
                 .map_err(|_| bad("MOE_LANES_VRAM_LIMIT_MIB", &v, "a size in MiB"))
+        })
+        .transpose()
+}
+
+/// `MOE_LANES_HOT_DEQUANT_MIB`: VRAM for the bf16 chunks of quantized hot slots in grouped
+/// prefill (unset: [`crate::gpu::HOT_DEQUANT_SCRATCH_BYTES`]).
+pub fn hot_dequant_bytes() -> Result<Option<usize>, EnvError> {
+    var("MOE_LANES_HOT_DEQUANT_MIB")
+        .map(|v| {
+            v.parse::<usize>()
+                .map(|mib| mib << 20)
+                .map_err(|_| bad("MOE_LANES_HOT_DEQUANT_MIB", &v, "a size in MiB"))
         })
         .transpose()
 }
