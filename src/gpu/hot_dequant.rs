@@ -3,20 +3,24 @@
 //! at a time, and the grouped kernels (`grouped_gate_up`, `grouped_gemm`) run each chunk's tiles
 //! on that scratch. The host sorts the worklist's tiles by slot (the kernels write disjoint rows,
 //! so tile order changes nothing), cuts them into chunks of at most
-//! [`GpuModel::hot_dequant_slots`] slot indices and rewrites each tile's slot to its chunk-local
-//! index. The values are the per-expert cuBLAS path's (`dequantize_bf16`, bf16-rounded).
+//! [`HotDequant::slots`] slot indices and rewrites each tile's slot to its chunk-local index.
+//! Chunks alternate between two halves of the scratch: a chunk's dequantization runs on the side
+//! stream beside the previous chunk's GEMMs, ordered by events (`GpuOptions::hot_dequant_overlap`;
+//! off: all on the compute stream). The values are the per-expert cuBLAS path's
+//! (`dequantize_bf16`, bf16-rounded).
 
 use super::model::GpuModel;
 use super::GpuError;
 use crate::model::config::ModelConfig;
-use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, TypedWeights};
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, GpuEvent, TypedWeights};
 
-/// VRAM for the bf16 copies of quantized hot slots (gate, up and down of one chunk of slots):
-/// 256 MiB, allocated once with the engine, before the automatic hot-cache budget measures free
-/// memory, so it comes out of that budget. For 768 x 2048 experts (9 MiB a slot in bf16) a
-/// chunk holds 28 slots and a layer of 128 cached experts takes 5 chunks; a larger limit saves
-/// launches (one dequantization per matrix and two grouped GEMMs a chunk), not work.
-pub const HOT_DEQUANT_SCRATCH_BYTES: usize = 256 << 20;
+/// VRAM for the bf16 copies of quantized hot slots: two halves, each one chunk's gate, up and
+/// down, so one chunk is dequantized (on the side stream) while the previous one's GEMMs run.
+/// 512 MiB, allocated once with the engine, before the automatic hot-cache budget measures free
+/// memory, so it comes out of that budget (for Qwen3-30B-A3B in Q4_K_M, about 3% of its
+/// experts). For 768 x 2048 experts (9 MiB a slot in bf16) a chunk holds 28 slots and a layer
+/// of 128 cached experts takes 5 chunks; a larger limit saves launches, not work.
+pub const HOT_DEQUANT_SCRATCH_BYTES: usize = 512 << 20;
 
 /// A contiguous range of the slot-sorted tiles whose slots lie in
 /// `first_slot..first_slot + n_slots`; its tiles carry chunk-local slot indices.
@@ -28,20 +32,36 @@ pub(crate) struct SlotChunk {
     pub n_slots: usize,
 }
 
-/// Slots per chunk: as many as fit `limit_bytes` (normally [`HOT_DEQUANT_SCRATCH_BYTES`]) in
-/// bf16, at least one, at most every expert.
+/// Slots per chunk: as many as fit half of `limit_bytes` (normally
+/// [`HOT_DEQUANT_SCRATCH_BYTES`]) in bf16, at least one, at most every expert.
 pub(crate) fn hot_dequant_slots(cfg: &ModelConfig, limit_bytes: usize) -> usize {
     let slot_bytes = 3 * cfg.expert_ff * cfg.hidden * std::mem::size_of::<u16>();
-    (limit_bytes / slot_bytes.max(1)).clamp(1, cfg.n_experts.max(1))
+    (limit_bytes / 2 / slot_bytes.max(1)).clamp(1, cfg.n_experts.max(1))
 }
 
-/// The scratch of `slots` slots' bf16 gate, up and down.
-pub(crate) fn alloc_hot_dequant(
-    be: &CudaBackend,
-    cfg: &ModelConfig,
-    slots: usize,
-) -> Result<DeviceBuffer<u16>, GpuError> {
-    Ok(be.alloc_zeros::<u16>(slots * 3 * cfg.expert_ff * cfg.hidden)?)
+/// The bf16 scratch (two chunks) and its events: `ready[b]` on the side stream when half `b`
+/// holds its chunk, `free[b]` on the compute stream when the GEMMs that read it are queued
+/// before it.
+pub(crate) struct HotDequant {
+    buf: DeviceBuffer<u16>,
+    /// Slots per chunk (per half).
+    pub slots: usize,
+    ready: [GpuEvent; 2],
+    free: [GpuEvent; 2],
+}
+
+impl HotDequant {
+    pub fn new(be: &CudaBackend, cfg: &ModelConfig, limit_bytes: usize) -> Result<HotDequant, GpuError> {
+        let slots = hot_dequant_slots(cfg, limit_bytes);
+        let buf = be.alloc_zeros::<u16>(2 * slots * 3 * cfg.expert_ff * cfg.hidden)?;
+        Ok(HotDequant { buf, slots, ready: [be.event()?, be.event()?], free: [be.event()?, be.event()?] })
+    }
+
+    /// Half `b`'s gate, up and down views (`per` elements each).
+    fn half(&self, b: usize, per: usize) -> [DPtr<u16>; 3] {
+        let p = self.buf.ptr();
+        [0, 1, 2].map(|m| p.sub((3 * b + m) * per, per))
+    }
 }
 
 /// Sort `tiles` (`(slot, first row, rows)` triples) by slot, cut them into chunks of at most
@@ -66,34 +86,47 @@ pub(crate) fn plan_chunks(tiles: &mut [i32], max_slots: usize, chunks: &mut Vec<
 }
 
 impl GpuModel {
-    /// Grouped hot lane over a layer with quantized slots: per chunk of
-    /// [`GpuModel::hot_dequant_slots`] slots, dequantize the chunk's gate, up and down to bf16,
-    /// then one launch for gate, up and the activation and one for down over the chunk's tiles.
+    /// Grouped hot lane over a layer with quantized slots: per chunk of slots, dequantize the
+    /// chunk's gate, up and down to bf16 (into the half the chunk before last used; on the side
+    /// stream when overlapped, so it runs beside the previous chunk's GEMMs), then one launch
+    /// for gate, up and the activation and one for down over the chunk's tiles.
     pub(super) fn hot_lane_dequant_grouped(&self, l: usize, t: usize) -> Result<(), GpuError> {
         let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
         let s = self.scratch.as_ref().expect("reserved");
         let n_hot = self.host.worklist.hot[0].hot_count;
         let c = self.hot.slots(l).expect("hot entries imply a cache");
-        let buf = self.hot_dequant.as_ref().expect("allocated for quantized caches").ptr();
-        let per = self.hot_dequant_slots * ff * h;
-        let (gate, up, down) = (buf.sub(0, per), buf.sub(per, per), buf.sub(2 * per, per));
+        let d = self.hot_dequant.as_ref().expect("allocated for quantized caches");
+        let (per, side) = (d.slots * ff * h, self.opts.hot_dequant_overlap);
         let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.split_bf16_activations);
         let (x, toks, hbuf, y) = (s.normed.ptr(), wi.sub(lay.tokens, n_hot), s.h.ptr(), s.y.ptr());
-        for ch in &self.host.chunks {
-            let n = ch.n_slots;
-            self.stage_bf16(c.gate, ch.first_slot, n, ff, h, gate)?;
-            self.stage_bf16(c.up, ch.first_slot, n, ff, h, up)?;
-            self.stage_bf16(c.down, ch.first_slot, n, h, ff, down)?;
+        for (i, ch) in self.host.chunks.iter().enumerate() {
+            let (b, n) = (i % 2, ch.n_slots);
+            let [gate, up, down] = d.half(b, per);
+            if side {
+                self.be.wait_event_side(&d.free[b])?;
+            }
+            self.stage_bf16(c.gate, ch.first_slot, n, ff, h, gate, side)?;
+            self.stage_bf16(c.up, ch.first_slot, n, ff, h, up, side)?;
+            self.stage_bf16(c.down, ch.first_slot, n, h, ff, down, side)?;
+            if side {
+                self.be.record_side(&d.ready[b])?;
+                self.be.wait_event(&d.ready[b])?;
+            }
             let tiles = wi.sub(lay.tiles + 3 * ch.first_tile, 3 * ch.n_tiles);
             let nt = ch.n_tiles;
             self.be.grouped_gate_up(gate, up, n, x, toks, t, tiles, nt, hbuf, n_hot, ff, h, split)?;
             self.be.grouped_gemm(down, n, hbuf, None, n_hot, tiles, nt, y, n_hot, h, ff, split)?;
+            if side {
+                self.be.record(&d.free[b])?;
+            }
         }
         Ok(())
     }
 
     /// Matrices `first..first + n` of a stack of `[rows, k]` matrices as bf16 into `dst`:
-    /// dequantized (a quantized type) or copied (bf16).
+    /// dequantized (a quantized type; on the side stream with `side`) or copied (bf16, on the
+    /// compute stream: after the GEMMs that last read `dst`, before the ones that read it next).
+    #[allow(clippy::too_many_arguments)]
     fn stage_bf16(
         &self,
         m: TypedWeights,
@@ -102,10 +135,13 @@ impl GpuModel {
         rows: usize,
         k: usize,
         dst: DPtr<u16>,
+        side: bool,
     ) -> Result<(), GpuError> {
+        let (r0, r) = (first * rows, n * rows);
         match m.bf16() {
-            Some(bf) => self.be.copy(bf.sub(first * rows * k, n * rows * k), dst.sub(0, n * rows * k))?,
-            None => self.be.dequantize_bf16(m.dtype, m.bytes, first * rows, n * rows, k, dst)?,
+            Some(bf) => self.be.copy(bf.sub(r0 * k, r * k), dst.sub(0, r * k))?,
+            None if side => self.be.dequantize_bf16_side(m.dtype, m.bytes, r0, r, k, dst)?,
+            None => self.be.dequantize_bf16(m.dtype, m.bytes, r0, r, k, dst)?,
         }
         Ok(())
     }

@@ -5,7 +5,7 @@
 
 use super::cold::{ColdExperts, CpuColdExperts};
 use super::hot_cache::HotCache;
-use super::hot_dequant::{self, HOT_DEQUANT_SCRATCH_BYTES};
+use super::hot_dequant::{HotDequant, HOT_DEQUANT_SCRATCH_BYTES};
 use super::kv::GpuKvCache;
 use super::scratch::{HostScratch, Scratch};
 use super::stats::{self, CallTimes, ForwardStats, LaneEvents, LayerRecord, Profiler, StageProfile};
@@ -161,6 +161,9 @@ pub struct GpuOptions {
     /// VRAM for the bf16 chunks of quantized hot slots in grouped prefill
     /// ([`HOT_DEQUANT_SCRATCH_BYTES`]; smaller: more chunks, at least one slot each).
     pub hot_dequant_bytes: usize,
+    /// Dequantize the next chunk of quantized hot slots on the side stream while the current
+    /// chunk's GEMMs run; off: both on the compute stream.
+    pub hot_dequant_overlap: bool,
     pub perf_mode: PerfMode,
     /// Record CUDA events per stage (`MOE_LANES_GPU_PROFILE=1` at the CLI).
     pub profile: bool,
@@ -177,6 +180,7 @@ impl Default for GpuOptions {
             prefill_attention: PrefillAttention::Tiled,
             split_bf16_activations: true,
             hot_dequant_bytes: HOT_DEQUANT_SCRATCH_BYTES,
+            hot_dequant_overlap: true,
             perf_mode: PerfMode::Full,
             profile: false,
             copy_logits: true,
@@ -228,11 +232,9 @@ pub struct GpuModel {
     pub(crate) attn_part: Option<DeviceBuffer<f32>>,
     /// bf16 rows of quantized matrices for the prefill GEMMs (none for a float model).
     pub(crate) dequant: Option<DeviceBuffer<u16>>,
-    /// bf16 gate, up and down of [`GpuModel::hot_dequant_slots`] quantized hot slots for the
-    /// grouped prefill GEMMs (none for a float model or `HotGemm::PerExpert`).
-    pub(crate) hot_dequant: Option<DeviceBuffer<u16>>,
-    /// Slots per chunk of the grouped prefill over quantized slots.
-    pub(crate) hot_dequant_slots: usize,
+    /// bf16 gate, up and down of two chunks of quantized hot slots for the grouped prefill
+    /// GEMMs (none for a float model or `HotGemm::PerExpert`).
+    pub(crate) hot_dequant: Option<HotDequant>,
     pub(super) call_idx: u64,
 }
 
@@ -248,9 +250,8 @@ impl GpuModel {
         let w = DenseWeights::upload(&model, &be)?;
         let hot = HotCache::empty(&be, &model)?;
         let dequant = dequant_scratch(&be, &cfg, &w, &hot)?;
-        let hot_dequant_slots = hot_dequant::hot_dequant_slots(&cfg, opts.hot_dequant_bytes);
         let hot_dequant = if hot.any_quantized() && opts.hot_gemm == HotGemm::Grouped {
-            Some(hot_dequant::alloc_hot_dequant(&be, &cfg, hot_dequant_slots)?)
+            Some(HotDequant::new(&be, &cfg, opts.hot_dequant_bytes)?)
         } else {
             None
         };
@@ -269,7 +270,6 @@ impl GpuModel {
             attn_part: None,
             dequant,
             hot_dequant,
-            hot_dequant_slots,
             call_idx: 0,
             lane_events,
             hot,

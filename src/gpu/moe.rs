@@ -250,9 +250,10 @@ impl GpuModel {
             let slots = &self.host.worklist.hot[0].hot_id[..n_hot];
             let tiles = &mut self.host.work_i[s.layout.tiles..][..3 * n_hot];
             self.host.n_tiles = grouped_tiles(slots, tiles)?;
-            if self.hot_dequant.is_some() && self.hot.slots(l).is_some_and(|c| !c.all_bf16()) {
+            let quantized = self.hot.slots(l).is_some_and(|c| !c.all_bf16());
+            if let Some(d) = self.hot_dequant.as_ref().filter(|_| quantized) {
                 let tiles = &mut tiles[..3 * self.host.n_tiles];
-                plan_chunks(tiles, self.hot_dequant_slots, &mut self.host.chunks);
+                plan_chunks(tiles, d.slots, &mut self.host.chunks);
             }
         }
         let n_cold_rows = collect_cold(&mut self.host, t);
