@@ -12,8 +12,8 @@
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |
-//! | `MOE_LANES_HOT_DEQUANT_MIB` | VRAM for quantized hot slots dequantized to bf16 for the grouped prefill GEMMs (default 512, two chunks' worth; more: fewer chunks) |
-//! | `MOE_LANES_HOT_DEQUANT_OVERLAP=0` | dequantize those chunks on the compute stream instead of beside the previous chunk's GEMMs |
+//! | `MOE_LANES_HOT_DEQUANT_MIB` | VRAM for quantized hot slots dequantized to bf16 for the grouped prefill GEMMs (default 512; more: fewer chunks) |
+//! | `MOE_LANES_HOT_DEQUANT_OVERLAP=1` | dequantize those chunks (two half-size ones) on the side stream beside the previous chunk's GEMMs |
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `tiled` (default, flash-style tiles of queries x keys) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
@@ -140,10 +140,10 @@ pub fn hot_dequant_bytes() -> Result<Option<usize>, EnvError> {
         .transpose()
 }
 
-/// `MOE_LANES_HOT_DEQUANT_OVERLAP=0`: dequantize quantized hot slots on the compute stream (no
-/// overlap with the previous chunk's GEMMs).
+/// `MOE_LANES_HOT_DEQUANT_OVERLAP=1`: dequantize quantized hot slots on the side stream beside
+/// the previous chunk's GEMMs (two half-size chunks).
 pub fn hot_dequant_overlap() -> bool {
-    var("MOE_LANES_HOT_DEQUANT_OVERLAP").is_none_or(|v| v != "0")
+    var("MOE_LANES_HOT_DEQUANT_OVERLAP").is_some_and(|v| v != "0")
 }
 
 /// The pipeline's A/B switches (`MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE`:

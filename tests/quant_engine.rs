@@ -180,8 +180,8 @@ fn a_long_prompt_takes_the_tensor_core_path_within_its_tolerance() {
     gpu_runs(&[&prompt], 2, GPU_TENSOR_CORE_TOLERANCE);
 }
 
-/// Quantized hot slots in chunks of two (a scratch of two chunks of two slots' bf16 gate, up
-/// and down): every layer takes several dequantize-and-GEMM rounds, tiles remapped to
+/// Quantized hot slots in chunks of two (a scratch of one chunk of two slots' bf16 gate, up
+/// and down, or two such chunks with overlap): every layer takes several dequantize-and-GEMM rounds, tiles remapped to
 /// chunk-local slots, dequantized beside the previous chunk's GEMMs or not, within the
 /// tensor-core tolerance of the reference.
 #[test]
@@ -198,7 +198,8 @@ fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
     for overlap in [true, false] {
         let mut opts = options(Some(EngineKind::Gpu));
         opts.hot = HotChoice::Budget(HotBudget::Fraction(1.0));
-        opts.gpu.hot_dequant_bytes = 2 * 2 * 3 * c.expert_ff * c.hidden * 2;
+        let chunks = if overlap { 2 } else { 1 };
+        opts.gpu.hot_dequant_bytes = chunks * 2 * 3 * c.expert_ff * c.hidden * 2;
         opts.gpu.hot_dequant_overlap = overlap;
         let (mut gpu, _) = build_engine(&model, opts).unwrap();
         let what = format!("chunks of 2, overlap {overlap}");

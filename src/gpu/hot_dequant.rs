@@ -4,9 +4,10 @@
 //! on that scratch. The host sorts the worklist's tiles by slot (the kernels write disjoint rows,
 //! so tile order changes nothing), cuts them into chunks of at most
 //! [`HotDequant::slots`] slot indices and rewrites each tile's slot to its chunk-local index.
-//! Chunks alternate between two halves of the scratch: a chunk's dequantization runs on the side
-//! stream beside the previous chunk's GEMMs, ordered by events (`GpuOptions::hot_dequant_overlap`;
-//! off: all on the compute stream). The values are the per-expert cuBLAS path's
+//! With `GpuOptions::hot_dequant_overlap` chunks alternate between two halves of the scratch and
+//! a chunk's dequantization runs on the side stream beside the previous chunk's GEMMs, ordered by
+//! events (off, the default: one chunk the size of the scratch, all on the compute stream; at
+//! equal VRAM the fewer, larger chunks measured faster). The values are the per-expert cuBLAS path's
 //! (`dequantize_bf16`, bf16-rounded).
 
 use super::model::GpuModel;
@@ -14,12 +15,14 @@ use super::GpuError;
 use crate::model::config::ModelConfig;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, GpuEvent, TypedWeights};
 
-/// VRAM for the bf16 copies of quantized hot slots: two halves, each one chunk's gate, up and
-/// down, so one chunk is dequantized (on the side stream) while the previous one's GEMMs run.
-/// 512 MiB, allocated once with the engine, before the automatic hot-cache budget measures free
-/// memory, so it comes out of that budget (for Qwen3-30B-A3B in Q4_K_M, about 3% of its
-/// experts). For 768 x 2048 experts (9 MiB a slot in bf16) a chunk holds 28 slots and a layer
-/// of 128 cached experts takes 5 chunks; a larger limit saves launches, not work.
+/// VRAM for the bf16 copies of quantized hot slots (one chunk's gate, up and down; two half-size
+/// chunks with `GpuOptions::hot_dequant_overlap`): 512 MiB, allocated once with the engine,
+/// before the automatic hot-cache budget measures free memory, so it comes out of that budget
+/// (for Qwen3-30B-A3B in Q4_K_M, about 3% of its experts). For 768 x 2048 experts (9 MiB a slot
+/// in bf16) a chunk holds 56 slots and a layer of 128 cached experts takes 3 chunks. Fewer
+/// chunks are faster (H100, 512-token prefill, Q4_K_M, all 128 experts hot: hot lane 2.58 ms a
+/// layer at 3 chunks, 2.18 ms at 1 chunk of 1.2 GiB, 3.24 ms at 5, 4.34 ms at 10 chunks with
+/// overlap); the dequantization itself costs about 0.7 ms a layer.
 pub const HOT_DEQUANT_SCRATCH_BYTES: usize = 512 << 20;
 
 /// A contiguous range of the slot-sorted tiles whose slots lie in
@@ -32,35 +35,45 @@ pub(crate) struct SlotChunk {
     pub n_slots: usize,
 }
 
-/// Slots per chunk: as many as fit half of `limit_bytes` (normally
+/// Slots per chunk: as many as fit `limit_bytes / halves` (normally
 /// [`HOT_DEQUANT_SCRATCH_BYTES`]) in bf16, at least one, at most every expert.
-pub(crate) fn hot_dequant_slots(cfg: &ModelConfig, limit_bytes: usize) -> usize {
+pub(crate) fn hot_dequant_slots(cfg: &ModelConfig, limit_bytes: usize, halves: usize) -> usize {
     let slot_bytes = 3 * cfg.expert_ff * cfg.hidden * std::mem::size_of::<u16>();
-    (limit_bytes / 2 / slot_bytes.max(1)).clamp(1, cfg.n_experts.max(1))
+    (limit_bytes / halves / slot_bytes.max(1)).clamp(1, cfg.n_experts.max(1))
 }
 
-/// The bf16 scratch (two chunks) and its events: `ready[b]` on the side stream when half `b`
-/// holds its chunk, `free[b]` on the compute stream when the GEMMs that read it are queued
-/// before it.
+/// The bf16 scratch (one chunk, or two with overlap) and its events: `ready[b]` on the side
+/// stream when half `b` holds its chunk, `free[b]` on the compute stream when the GEMMs that
+/// read it are queued before it.
 pub(crate) struct HotDequant {
     buf: DeviceBuffer<u16>,
     /// Slots per chunk (per half).
     pub slots: usize,
+    /// Two halves: chunks dequantized on the side stream beside the previous chunk's GEMMs.
+    overlap: bool,
     ready: [GpuEvent; 2],
     free: [GpuEvent; 2],
 }
 
 impl HotDequant {
-    pub fn new(be: &CudaBackend, cfg: &ModelConfig, limit_bytes: usize) -> Result<HotDequant, GpuError> {
-        let slots = hot_dequant_slots(cfg, limit_bytes);
-        let buf = be.alloc_zeros::<u16>(2 * slots * 3 * cfg.expert_ff * cfg.hidden)?;
-        Ok(HotDequant { buf, slots, ready: [be.event()?, be.event()?], free: [be.event()?, be.event()?] })
+    pub fn new(
+        be: &CudaBackend,
+        cfg: &ModelConfig,
+        limit_bytes: usize,
+        overlap: bool,
+    ) -> Result<HotDequant, GpuError> {
+        let halves = if overlap { 2 } else { 1 };
+        let slots = hot_dequant_slots(cfg, limit_bytes, halves);
+        let buf = be.alloc_zeros::<u16>(halves * slots * 3 * cfg.expert_ff * cfg.hidden)?;
+        let (ready, free) = ([be.event()?, be.event()?], [be.event()?, be.event()?]);
+        Ok(HotDequant { buf, slots, overlap, ready, free })
     }
 
-    /// Half `b`'s gate, up and down views (`per` elements each).
-    fn half(&self, b: usize, per: usize) -> [DPtr<u16>; 3] {
+    /// The half of chunk `i`: its index and gate, up and down views (`per` elements each).
+    fn half(&self, i: usize, per: usize) -> (usize, [DPtr<u16>; 3]) {
+        let b = if self.overlap { i % 2 } else { 0 };
         let p = self.buf.ptr();
-        [0, 1, 2].map(|m| p.sub((3 * b + m) * per, per))
+        (b, [0, 1, 2].map(|m| p.sub((3 * b + m) * per, per)))
     }
 }
 
@@ -87,8 +100,8 @@ pub(crate) fn plan_chunks(tiles: &mut [i32], max_slots: usize, chunks: &mut Vec<
 
 impl GpuModel {
     /// Grouped hot lane over a layer with quantized slots: per chunk of slots, dequantize the
-    /// chunk's gate, up and down to bf16 (into the half the chunk before last used; on the side
-    /// stream when overlapped, so it runs beside the previous chunk's GEMMs), then one launch
+    /// chunk's gate, up and down to bf16 (with overlap into the half the chunk before last used,
+    /// on the side stream, so it runs beside the previous chunk's GEMMs), then one launch
     /// for gate, up and the activation and one for down over the chunk's tiles.
     pub(super) fn hot_lane_dequant_grouped(&self, l: usize, t: usize) -> Result<(), GpuError> {
         let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
@@ -96,12 +109,11 @@ impl GpuModel {
         let n_hot = self.host.worklist.hot[0].hot_count;
         let c = self.hot.slots(l).expect("hot entries imply a cache");
         let d = self.hot_dequant.as_ref().expect("allocated for quantized caches");
-        let (per, side) = (d.slots * ff * h, self.opts.hot_dequant_overlap);
+        let (per, side) = (d.slots * ff * h, d.overlap);
         let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.split_bf16_activations);
         let (x, toks, hbuf, y) = (s.normed.ptr(), wi.sub(lay.tokens, n_hot), s.h.ptr(), s.y.ptr());
         for (i, ch) in self.host.chunks.iter().enumerate() {
-            let (b, n) = (i % 2, ch.n_slots);
-            let [gate, up, down] = d.half(b, per);
+            let (n, (b, [gate, up, down])) = (ch.n_slots, d.half(i, per));
             if side {
                 self.be.wait_event_side(&d.free[b])?;
             }

@@ -162,7 +162,8 @@ pub struct GpuOptions {
     /// ([`HOT_DEQUANT_SCRATCH_BYTES`]; smaller: more chunks, at least one slot each).
     pub hot_dequant_bytes: usize,
     /// Dequantize the next chunk of quantized hot slots on the side stream while the current
-    /// chunk's GEMMs run; off: both on the compute stream.
+    /// chunk's GEMMs run (two half-size chunks in the scratch); off (default): one chunk, both on
+    /// the compute stream.
     pub hot_dequant_overlap: bool,
     pub perf_mode: PerfMode,
     /// Record CUDA events per stage (`MOE_LANES_GPU_PROFILE=1` at the CLI).
@@ -180,7 +181,7 @@ impl Default for GpuOptions {
             prefill_attention: PrefillAttention::Tiled,
             split_bf16_activations: true,
             hot_dequant_bytes: HOT_DEQUANT_SCRATCH_BYTES,
-            hot_dequant_overlap: true,
+            hot_dequant_overlap: false,
             perf_mode: PerfMode::Full,
             profile: false,
             copy_logits: true,
@@ -251,7 +252,7 @@ impl GpuModel {
         let hot = HotCache::empty(&be, &model)?;
         let dequant = dequant_scratch(&be, &cfg, &w, &hot)?;
         let hot_dequant = if hot.any_quantized() && opts.hot_gemm == HotGemm::Grouped {
-            Some(HotDequant::new(&be, &cfg, opts.hot_dequant_bytes)?)
+            Some(HotDequant::new(&be, &cfg, opts.hot_dequant_bytes, opts.hot_dequant_overlap)?)
         } else {
             None
         };
