@@ -12,6 +12,8 @@
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |
+//! | `MOE_LANES_HOT_DEQUANT_MIB` | VRAM for quantized hot slots dequantized to bf16 for the grouped prefill GEMMs (default 512; more: fewer chunks) |
+//! | `MOE_LANES_HOT_DEQUANT_OVERLAP=1` | dequantize those chunks (two half-size ones) on the side stream beside the previous chunk's GEMMs |
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `tiled` (default, flash-style tiles of queries x keys) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
@@ -124,6 +126,24 @@ pub fn vram_limit_bytes() -> Result<Option<u64>, EnvError> {
                 .map_err(|_| bad("MOE_LANES_VRAM_LIMIT_MIB", &v, "a size in MiB"))
         })
         .transpose()
+}
+
+/// `MOE_LANES_HOT_DEQUANT_MIB`: VRAM for the bf16 chunks of quantized hot slots in grouped
+/// prefill (unset: [`crate::gpu::HOT_DEQUANT_SCRATCH_BYTES`]).
+pub fn hot_dequant_bytes() -> Result<Option<usize>, EnvError> {
+    var("MOE_LANES_HOT_DEQUANT_MIB")
+        .map(|v| {
+            v.parse::<usize>()
+                .map(|mib| mib << 20)
+                .map_err(|_| bad("MOE_LANES_HOT_DEQUANT_MIB", &v, "a size in MiB"))
+        })
+        .transpose()
+}
+
+/// `MOE_LANES_HOT_DEQUANT_OVERLAP=1`: dequantize quantized hot slots on the side stream beside
+/// the previous chunk's GEMMs (two half-size chunks).
+pub fn hot_dequant_overlap() -> bool {
+    var("MOE_LANES_HOT_DEQUANT_OVERLAP").is_some_and(|v| v != "0")
 }
 
 /// The pipeline's A/B switches (`MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE`:

@@ -179,3 +179,32 @@ fn a_long_prompt_takes_the_tensor_core_path_within_its_tolerance() {
     let prompt: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
     gpu_runs(&[&prompt], 2, GPU_TENSOR_CORE_TOLERANCE);
 }
+
+/// Quantized hot slots in chunks of two (a scratch of one chunk of two slots' bf16 gate, up
+/// and down, or two such chunks with overlap): every layer takes several dequantize-and-GEMM rounds, tiles remapped to
+/// chunk-local slots, dequantized beside the previous chunk's GEMMs or not, within the
+/// tensor-core tolerance of the reference.
+#[test]
+fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
+    if !common::gpu_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", QuantMix::Q4_K_M)).unwrap());
+    let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+    let c = model.config();
+    assert!(c.n_experts > 2, "the test needs more slots than a chunk");
+    let prompt: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
+    for overlap in [true, false] {
+        let mut opts = options(Some(EngineKind::Gpu));
+        opts.hot = HotChoice::Budget(HotBudget::Fraction(1.0));
+        let chunks = if overlap { 2 } else { 1 };
+        opts.gpu.hot_dequant_bytes = chunks * 2 * 3 * c.expert_ff * c.hidden * 2;
+        opts.gpu.hot_dequant_overlap = overlap;
+        let (mut gpu, _) = build_engine(&model, opts).unwrap();
+        let what = format!("chunks of 2, overlap {overlap}");
+        let worst =
+            check_steps(&what, reference.as_mut(), gpu.as_mut(), &prompt, 2, GPU_TENSOR_CORE_TOLERANCE);
+        eprintln!("{what}: worst relative error {worst:e}");
+    }
+}

@@ -572,6 +572,10 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.gpu.profile = env::gpu_profile();
     opts.gpu.faults = env::faults()?;
     opts.gpu.hot_gemm = env::hot_gemm()?;
+    opts.gpu.hot_dequant_overlap = env::hot_dequant_overlap();
+    if let Some(b) = env::hot_dequant_bytes()? {
+        opts.gpu.hot_dequant_bytes = b;
+    }
     opts.gpu.prefill_attention = env::prefill_attention()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
     opts.pipeline.switches = env::policy_switches()?;

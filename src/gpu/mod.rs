@@ -2,7 +2,8 @@
 //! hot cache of experts) whose MoE layers split routed slots into a hot lane on the GPU and a cold
 //! lane on the CPU ([`ColdExperts`]), overlapped and joined per layer.
 //!
-//! Files by stage: `weights` (upload), `hot_cache` (slots, maps, exchanges), `kv` (KV cache),
+//! Files by stage: `weights` (upload), `hot_cache` (slots, maps, exchanges),
+//! `hot_dequant` (prefill's quantized slots as bf16 chunks for the grouped GEMMs), `kv` (KV cache),
 //! `scratch` (per-call buffers), `dense` (attention, router, shared expert), `moe` (hot/cold
 //! split, lanes, join, fallback), `stats` (lane statistics, profile), `model` (the forward call).
 //!
@@ -13,6 +14,7 @@ pub mod cold;
 mod dense;
 mod error;
 mod hot_cache;
+mod hot_dequant;
 mod kv;
 mod model;
 mod moe;
@@ -23,6 +25,7 @@ mod weights;
 
 pub use cold::{ColdError, ColdExperts, ColdSlot, CpuColdExperts};
 pub use error::GpuError;
+pub use hot_dequant::HOT_DEQUANT_SCRATCH_BYTES;
 pub use kv::GpuKvCache;
 pub use model::{
     BadFault, GpuFaults, GpuModel, GpuOptions, HotGemm, LayerFaults, PrefillAttention, HOT_LANE_TIMEOUT,

@@ -5,6 +5,7 @@
 
 use super::cold::{ColdExperts, CpuColdExperts};
 use super::hot_cache::HotCache;
+use super::hot_dequant::{HotDequant, HOT_DEQUANT_SCRATCH_BYTES};
 use super::kv::GpuKvCache;
 use super::scratch::{HostScratch, Scratch};
 use super::stats::{self, CallTimes, ForwardStats, LaneEvents, LayerRecord, Profiler, StageProfile};
@@ -128,7 +129,8 @@ impl std::str::FromStr for GpuFaults {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum HotGemm {
     /// One tensor-core launch per projection for every cached expert of the layer (gate and up
-    /// fused with the activation, then down), then the weighted scatter.
+    /// fused with the activation, then down), then the weighted scatter; quantized slots are
+    /// dequantized to bf16 chunk by chunk first (`hot_dequant`).
     #[default]
     Grouped,
     /// One cuBLAS GEMM per cached expert and projection (two with split activations).
@@ -156,6 +158,13 @@ pub struct GpuOptions {
     /// Prefill GEMMs take activations as bf16 hi + lo (two GEMMs, or two MMAs per step in the
     /// grouped hot lane; ~f32 accuracy); off: bf16 only.
     pub split_bf16_activations: bool,
+    /// VRAM for the bf16 chunks of quantized hot slots in grouped prefill
+    /// ([`HOT_DEQUANT_SCRATCH_BYTES`]; smaller: more chunks, at least one slot each).
+    pub hot_dequant_bytes: usize,
+    /// Dequantize the next chunk of quantized hot slots on the side stream while the current
+    /// chunk's GEMMs run (two half-size chunks in the scratch); off (default): one chunk, both on
+    /// the compute stream.
+    pub hot_dequant_overlap: bool,
     pub perf_mode: PerfMode,
     /// Record CUDA events per stage (`MOE_LANES_GPU_PROFILE=1` at the CLI).
     pub profile: bool,
@@ -171,6 +180,8 @@ impl Default for GpuOptions {
             hot_gemm: HotGemm::Grouped,
             prefill_attention: PrefillAttention::Tiled,
             split_bf16_activations: true,
+            hot_dequant_bytes: HOT_DEQUANT_SCRATCH_BYTES,
+            hot_dequant_overlap: false,
             perf_mode: PerfMode::Full,
             profile: false,
             copy_logits: true,
@@ -222,6 +233,9 @@ pub struct GpuModel {
     pub(crate) attn_part: Option<DeviceBuffer<f32>>,
     /// bf16 rows of quantized matrices for the prefill GEMMs (none for a float model).
     pub(crate) dequant: Option<DeviceBuffer<u16>>,
+    /// bf16 gate, up and down of two chunks of quantized hot slots for the grouped prefill
+    /// GEMMs (none for a float model or `HotGemm::PerExpert`).
+    pub(crate) hot_dequant: Option<HotDequant>,
     pub(super) call_idx: u64,
 }
 
@@ -237,6 +251,11 @@ impl GpuModel {
         let w = DenseWeights::upload(&model, &be)?;
         let hot = HotCache::empty(&be, &model)?;
         let dequant = dequant_scratch(&be, &cfg, &w, &hot)?;
+        let hot_dequant = if hot.any_quantized() && opts.hot_gemm == HotGemm::Grouped {
+            Some(HotDequant::new(&be, &cfg, opts.hot_dequant_bytes, opts.hot_dequant_overlap)?)
+        } else {
+            None
+        };
         let lane_events = (0..cfg.n_layers)
             .map(|_| Ok(LaneEvents { start: be.event()?, end: be.event()? }))
             .collect::<Result<Vec<_>, GpuError>>()?;
@@ -251,6 +270,7 @@ impl GpuModel {
             profiler: None,
             attn_part: None,
             dequant,
+            hot_dequant,
             call_idx: 0,
             lane_events,
             hot,

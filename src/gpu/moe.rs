@@ -11,8 +11,9 @@
 //! - *host path* (prefill, warmup, and any layer named by a fault injection): the host builds
 //!   the worklist expert-major, checks it, uploads it, and the hot lane runs the grouped
 //!   tensor-core GEMMs over every cached expert's gathered token rows (one launch for gate, up
-//!   and the activation, one for down; `HotGemm::PerExpert` and quantized slots: one cuBLAS GEMM
-//!   per cached expert and projection, quantized slots dequantized to bf16 first); the join
+//!   and the activation, one for down; quantized slots are dequantized to bf16 into a bounded
+//!   scratch first, a chunk of slots at a time, `hot_dequant`; `HotGemm::PerExpert`: one cuBLAS
+//!   GEMM per cached expert and projection, quantized slots dequantized to bf16 first); the join
 //!   waits for the hot lane's event with a timeout.
 //!
 //! A fallback recomputes the layer's routed experts all-cold on the CPU from the RAM experts
@@ -21,6 +22,7 @@
 
 use super::cold::{ColdError, ColdExperts, ColdSlot};
 use super::dense::route_ids;
+use super::hot_dequant::plan_chunks;
 use super::model::{GpuModel, HotGemm};
 use super::scratch::{HostScratch, RouteView, WorkLayout};
 use super::stats::LayerRecord;
@@ -248,6 +250,11 @@ impl GpuModel {
             let slots = &self.host.worklist.hot[0].hot_id[..n_hot];
             let tiles = &mut self.host.work_i[s.layout.tiles..][..3 * n_hot];
             self.host.n_tiles = grouped_tiles(slots, tiles)?;
+            let quantized = self.hot.slots(l).is_some_and(|c| !c.all_bf16());
+            if let Some(d) = self.hot_dequant.as_ref().filter(|_| quantized) {
+                let tiles = &mut tiles[..3 * self.host.n_tiles];
+                plan_chunks(tiles, d.slots, &mut self.host.chunks);
+            }
         }
         let n_cold_rows = collect_cold(&mut self.host, t);
         for (r, &ti) in self.host.cold_row_tok.iter().enumerate() {
@@ -270,8 +277,9 @@ impl GpuModel {
     fn hot_lane_gemm(&self, l: usize, t: usize) -> Result<(), GpuError> {
         let all_bf16 = self.hot.slots(l).expect("hot entries imply a cache").all_bf16();
         match self.opts.hot_gemm {
-            // the grouped kernels read bf16 caches; quantized slots go per expert
             HotGemm::Grouped if all_bf16 => self.hot_lane_grouped(l, t)?,
+            // quantized slots: dequantized to bf16 chunk by chunk for the same kernels
+            HotGemm::Grouped if self.hot_dequant.is_some() => self.hot_lane_dequant_grouped(l, t)?,
             _ => self.hot_lane_per_expert(l)?,
         }
         let (h, n_hot) = (self.cfg.hidden, self.host.worklist.hot[0].hot_count);
@@ -316,7 +324,7 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Per expert (the A/B baseline, and quantized caches): gate and up cuBLAS GEMMs per cached
+    /// Per expert (the A/B baseline): gate and up cuBLAS GEMMs per cached
     /// expert over its gathered rows, activation, down GEMM per cached expert (a quantized
     /// expert dequantized to bf16 first).
     fn hot_lane_per_expert(&self, l: usize) -> Result<(), GpuError> {

@@ -3,6 +3,7 @@
 //! worklist and cold-slot lists. A steady-state call allocates nothing here.
 
 use super::cold::ColdSlot;
+use super::hot_dequant::SlotChunk;
 use super::GpuError;
 use crate::model::config::ModelConfig;
 use crate::moe::worklist::Worklist;
@@ -166,6 +167,9 @@ pub(crate) struct HostScratch {
     pub tok_rows: usize,
     /// Tiles of the grouped hot-lane GEMM in the last encoded worklist.
     pub n_tiles: usize,
+    /// Slot chunks of the grouped hot lane over quantized slots (tiles sorted by slot, local
+    /// slot indices), in the last encoded worklist.
+    pub chunks: Vec<SlotChunk>,
     pub cold_slots: Vec<ColdSlot>,
     pub cold_row_tok: Vec<usize>,
     pub cold_in: Vec<f32>,
@@ -186,6 +190,7 @@ impl HostScratch {
             tok_count: vec![0; cap],
             tok_rows: 0,
             n_tiles: 0,
+            chunks: Vec::new(),
             cold_slots: Vec::with_capacity(cap * k),
             cold_row_tok: Vec::with_capacity(cap),
             cold_in: Vec::with_capacity(cap * c.hidden),

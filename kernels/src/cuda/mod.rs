@@ -630,6 +630,19 @@ impl CudaBackend {
         .ctx("cuStreamWaitEvent")
     }
 
+    /// Make the side stream wait (on the GPU, the host goes on) until `ev` completes.
+    pub fn wait_event_side(&self, ev: &GpuEvent) -> Result<()> {
+        // SAFETY: `ev` is a live event of this context and the side stream is this backend's.
+        unsafe {
+            drv::stream::wait_event(
+                self.side.cu_stream(),
+                ev.ev,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .ctx("cuStreamWaitEvent(side)")
+    }
+
     /// Wait on the host until every side-stream copy is done.
     pub fn synchronize_side(&self) -> Result<()> {
         self.side.synchronize().ctx("cuStreamSynchronize(side)")
@@ -661,6 +674,20 @@ impl CudaBackend {
         shared_bytes: u32,
         args: &mut [*mut std::ffi::c_void],
     ) -> Result<()> {
+        self.launch_on(false, kernel, grid, block, shared_bytes, args)
+    }
+
+    /// Launch `kernel` on the side stream (`side`) or the compute stream.
+    fn launch_on(
+        &self,
+        side: bool,
+        kernel: Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared_bytes: u32,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        let stream = if side { self.side.cu_stream() } else { self.stream_raw() };
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
@@ -673,7 +700,7 @@ impl CudaBackend {
                 grid,
                 (block, 1, 1),
                 shared_bytes,
-                self.stream_raw(),
+                stream,
                 args,
             )
         }

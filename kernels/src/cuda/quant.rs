@@ -248,9 +248,37 @@ impl CudaBackend {
         k: usize,
         out: DPtr<u16>,
     ) -> Result<()> {
+        self.dequantize_bf16_on(false, dtype, w, row0, rows, k, out)
+    }
+
+    /// [`CudaBackend::dequantize_bf16`] on the side stream (after the side stream's queued
+    /// copies; the caller orders it against the compute stream with events).
+    pub fn dequantize_bf16_side(
+        &self,
+        dtype: WeightDType,
+        w: DPtr<u8>,
+        row0: usize,
+        rows: usize,
+        k: usize,
+        out: DPtr<u16>,
+    ) -> Result<()> {
+        self.dequantize_bf16_on(true, dtype, w, row0, rows, k, out)
+    }
+
+    fn dequantize_bf16_on(
+        &self,
+        side: bool,
+        dtype: WeightDType,
+        w: DPtr<u8>,
+        row0: usize,
+        rows: usize,
+        k: usize,
+        out: DPtr<u16>,
+    ) -> Result<()> {
         let (kernel, range, n_blocks) = check_dequantize(dtype, w, row0, rows, k, out)?;
         let units = n_blocks * units_per_block(dtype);
-        self.launch(
+        self.launch_on(
+            side,
             kernel,
             (blocks(units, DEQUANT_BLOCK), 1, 1),
             DEQUANT_BLOCK,
