@@ -35,6 +35,8 @@ pub(crate) fn k_scales_mins(packed: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
 macro_rules! dequant_bodies {
     ($features:literal) => {
         /// Q8_0 block at `b` into 32 f32 at `out`.
+        // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+        // level) and the pointers cover the block, lanes or rows this function reads and writes.
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn q8_0(b: *const u8, out: *mut f32) {
@@ -48,6 +50,8 @@ macro_rules! dequant_bodies {
         }
 
         /// Q4_0 block at `b` into 32 f32 at `out` (low nibbles first, minus 8).
+        // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+        // level) and the pointers cover the block, lanes or rows this function reads and writes.
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn q4_0(b: *const u8, out: *mut f32) {
@@ -63,6 +67,8 @@ macro_rules! dequant_bodies {
         }
 
         /// Q4_K (`FIFTH` false) or Q5_K block at `b` into 256 f32 at `out`.
+        // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+        // level) and the pointers cover the block, lanes or rows this function reads and writes.
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn k_asym<const FIFTH: bool>(b: *const u8, out: *mut f32) {
@@ -102,6 +108,8 @@ macro_rules! dequant_bodies {
         }
 
         /// Q6_K block at `b` into 256 f32 at `out`: `(d * sc) * (q - 32)`.
+        // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+        // level) and the pointers cover the block, lanes or rows this function reads and writes.
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn q6_k(b: *const u8, out: *mut f32) {
@@ -183,6 +191,8 @@ pub(crate) mod avx512 {
     fn splat(v: f32) -> F {
         _mm512_set1_ps(v)
     }
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn load_u8(p: *const u8) -> I {
@@ -235,6 +245,8 @@ pub(crate) mod avx512 {
     fn sub(a: F, b: F) -> F {
         _mm512_sub_ps(a, b)
     }
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn store(p: *mut f32, v: F) {
@@ -252,6 +264,8 @@ pub(crate) mod avx512 {
         }
     }
     /// `out[i] = d * bytes[i] as i8 as f32` for 16 i8.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn scales16_i8(bytes: *const u8, d: f32, out: *mut f32) {
@@ -286,6 +300,8 @@ pub(crate) mod avx2 {
     fn splat(v: f32) -> F {
         _mm256_set1_ps(v)
     }
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load_u8(p: *const u8) -> I {
@@ -338,6 +354,8 @@ pub(crate) mod avx2 {
     fn sub(a: F, b: F) -> F {
         _mm256_sub_ps(a, b)
     }
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn store(p: *mut f32, v: F) {
