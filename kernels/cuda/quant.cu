@@ -614,7 +614,7 @@ __device__ __forceinline__ void warp_dot_typed(int type, const u8* const* rows, 
 // Hot lane decode, first half, as moe_gate_up_gemv over typed caches [n_slots, ff, hidden]:
 // h[e, r] = silu(G_s[r] . x_t) * (U_s[r] . x_t), slot s = slots[e] (-1: cold, skipped), t = tokens[e].
 // grid (ceil(ff/ROWS_PER_BLOCK), n_entries), block 32 * ROWS_PER_BLOCK: one warp per ff row.
-extern "C" __global__ void __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) moe_gate_up_gemv_q(const u8* __restrict__ G, const u8* __restrict__ U, int g_type,
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_gate_up_gemv_q(const u8* __restrict__ G, const u8* __restrict__ U, int g_type,
                                               int u_type, int g_row_bytes, int u_row_bytes,
                                               const float* __restrict__ x, const int* __restrict__ slots,
                                               const int* __restrict__ tokens, float* __restrict__ h, int ff,
@@ -639,7 +639,7 @@ extern "C" __global__ void __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOC
 // output row i (token tok_rows[i], entries tok_off[i]..tok_off[i+1]) adds
 // sum_e weights[e] * (D_{slots[e]}[r] . h[e]); deterministic (no atomics).
 // grid (ceil(hidden/ROWS_PER_BLOCK), n_rows), block 32 * ROWS_PER_BLOCK.
-extern "C" __global__ void __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) moe_down_accum_q(const u8* __restrict__ D, int d_type, int d_row_bytes,
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_down_accum_q(const u8* __restrict__ D, int d_type, int d_row_bytes,
                                             const float* __restrict__ h, const int* __restrict__ slots,
                                             const float* __restrict__ weights, const int* __restrict__ tok_off,
                                             const int* __restrict__ tok_rows, float* __restrict__ out, int hidden,
@@ -716,18 +716,18 @@ __device__ __forceinline__ void gemv1_q(const u8* __restrict__ Wm, const float* 
             if (n0 + r < N) y[n0 + r] = accumulate ? y[n0 + r] + out[r] : out[r];
     }
 }
-extern "C" __global__ void __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) gemv1_q8_0(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q8_0(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
     gemv1_q<W8_0>(W, x, y, N, K, accumulate);
 }
-extern "C" __global__ void __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) gemv1_q4_0(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q4_0(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
     gemv1_q<W4_0>(W, x, y, N, K, accumulate);
 }
-extern "C" __global__ void __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) gemv1_q4_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q4_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
     gemv1_q<W4_K>(W, x, y, N, K, accumulate);
 }
-extern "C" __global__ void __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) gemv1_q5_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q5_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
     gemv1_q<W5_K>(W, x, y, N, K, accumulate);
 }
-extern "C" __global__ void __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) gemv1_q6_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q6_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
     gemv1_q<W6_K>(W, x, y, N, K, accumulate);
 }

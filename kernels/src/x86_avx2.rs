@@ -295,27 +295,34 @@ pub(crate) unsafe fn tile(
     }
 }
 
-/// Sum of `len` f32 at `data` with 8 independent accumulators (the read-bandwidth probe).
+/// Concurrent sequential streams of one thread in the read probe ([`sum_f32`]).
+const READ_STREAMS: usize = 4;
+
+/// Sum of `len` f32 (the read probe).
 ///
 /// # Safety
 /// `data` must address `len` readable f32; the CPU must support AVX2.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) unsafe fn sum_f32(data: *const f32, len: usize) -> f32 {
-    let mut acc = [_mm256_setzero_ps(); 8];
-    let blocks = len / 64 * 64;
+    // READ_STREAMS equal parts walked side by side, two vectors of each per step: several
+    // concurrent sequential streams per core, as the GEMV tiles read 8 rows at once (one stream
+    // per core leaves the L2 prefetchers short of misses in flight and under-reads DRAM).
+    let mut acc = [_mm256_setzero_ps(); 2 * READ_STREAMS];
+    let part = len / (16 * READ_STREAMS) * 16;
     let mut i = 0;
-    while i < blocks {
+    while i < part {
         for (k, a) in acc.iter_mut().enumerate() {
-            // SAFETY: i + 64 <= len.
-            *a = _mm256_add_ps(*a, unsafe { _mm256_loadu_ps(data.add(i + k * 8)) });
+            let at = (k / 2) * part + i + (k % 2) * 8;
+            // SAFETY: at + 8 <= (k / 2 + 1) * part <= len.
+            *a = _mm256_add_ps(*a, unsafe { _mm256_loadu_ps(data.add(at)) });
         }
-        i += 64;
+        i += 16;
     }
     let mut total = 0.0;
     for a in acc {
         total += horizontal_sum(a);
     }
-    for j in blocks..len {
+    for j in part * READ_STREAMS..len {
         // SAFETY: j < len.
         total += unsafe { *data.add(j) };
     }

@@ -273,27 +273,34 @@ unsafe fn tile_bf16dot_shapes(
     unsafe { dispatch_shapes!(rows, prefetch_rows, xs, cols, out, tile_bf16dot_rt) }
 }
 
-/// Sum of `len` f32 at `data` with 8 independent 512-bit accumulators (read-bandwidth probe).
+/// Concurrent sequential streams of one thread in the read probe ([`sum_f32`]).
+const READ_STREAMS: usize = 4;
+
+/// Sum of `len` f32 (the read probe).
 ///
 /// # Safety
 /// `data` must address `len` readable f32; the CPU must support AVX-512F.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 pub(crate) unsafe fn sum_f32(data: *const f32, len: usize) -> f32 {
-    let mut acc = [_mm512_setzero_ps(); 8];
-    let blocks = len / 128 * 128;
+    // READ_STREAMS equal parts walked side by side, two vectors of each per step: several
+    // concurrent sequential streams per core, as the GEMV tiles read 8 rows at once (one stream
+    // per core leaves the L2 prefetchers short of misses in flight and under-reads DRAM).
+    let mut acc = [_mm512_setzero_ps(); 2 * READ_STREAMS];
+    let part = len / (32 * READ_STREAMS) * 32;
     let mut i = 0;
-    while i < blocks {
+    while i < part {
         for (k, a) in acc.iter_mut().enumerate() {
-            // SAFETY: i + 128 <= len.
-            *a = _mm512_add_ps(*a, unsafe { _mm512_loadu_ps(data.add(i + k * 16)) });
+            let at = (k / 2) * part + i + (k % 2) * 16;
+            // SAFETY: at + 16 <= (k / 2 + 1) * part <= len.
+            *a = _mm512_add_ps(*a, unsafe { _mm512_loadu_ps(data.add(at)) });
         }
-        i += 128;
+        i += 32;
     }
     let mut total = 0.0;
     for a in acc {
         total += _mm512_reduce_add_ps(a);
     }
-    for j in blocks..len {
+    for j in part * READ_STREAMS..len {
         // SAFETY: j < len.
         total += unsafe { *data.add(j) };
     }
