@@ -217,13 +217,13 @@ pub(crate) mod avx512 {
             let fifth = [load_u8(b.add(16)), load_u8(b.add(32))];
             for p in 0..4 {
                 let (mut lo, mut hi) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-                for h in 0..2 {
+                for (h, &fifth) in fifth.iter().enumerate() {
                     let q = load_u8(b.add(48 + 32 * p + 16 * h));
                     // (q & 15) | (fifth bit at 4, don't-cares above): ternary select on `low4`.
-                    let idx_lo = _mm512_ternarylogic_epi32::<0xE4>(q, bit_to_4(fifth[h], 2 * p as u32), low4);
+                    let idx_lo = _mm512_ternarylogic_epi32::<0xE4>(q, bit_to_4(fifth, 2 * p as u32), low4);
                     let idx_hi = _mm512_ternarylogic_epi32::<0xE4>(
                         _mm512_srli_epi32::<4>(q),
-                        bit_to_4(fifth[h], 2 * p as u32 + 1),
+                        bit_to_4(fifth, 2 * p as u32 + 1),
                         low4,
                     );
                     let (ql, qh) = (
