@@ -471,10 +471,12 @@ pub(crate) mod avx2 {
         let mut out = [0.0f32; 16];
         // SAFETY: the caller vouches for a whole K-quant block at `b` (16 header bytes).
         unsafe {
-            let packed = crate::x86_quant::k_scales_mins_vec(b.add(4));
-            let (sc, m) = (_mm256_cvtepu8_epi32(packed), _mm256_cvtepu8_epi32(_mm_srli_si128::<8>(packed)));
-            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_mul_ps(half_splat(b), _mm256_cvtepi32_ps(sc)));
-            let min = _mm256_mul_ps(half_splat(b.add(2)), _mm256_cvtepi32_ps(m));
+            let (sc, m) = crate::x86_quant::k_scales_mins(&*(b.add(4) as *const [u8; 12]));
+            _mm256_storeu_ps(
+                out.as_mut_ptr(),
+                _mm256_mul_ps(half_splat(b), _mm256_cvtepi32_ps(load_u8(sc.as_ptr()))),
+            );
+            let min = _mm256_mul_ps(half_splat(b.add(2)), _mm256_cvtepi32_ps(load_u8(m.as_ptr())));
             _mm256_storeu_ps(out.as_mut_ptr().add(8), min);
         }
         out
