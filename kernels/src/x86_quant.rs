@@ -27,6 +27,31 @@ pub(crate) fn k_scales_mins(packed: &[u8; 12]) -> ([u8; 8], [u8; 8]) {
     (bytes(w0 & LOW6, scales_hi), bytes(w1 & LOW6, mins_hi))
 }
 
+/// [`k_scales_mins`] in one SSE register: bytes 0..8 the 6-bit scales, bytes 8..16 the mins of
+/// the 8 sub-blocks, from the 12 packed bytes at `p` (the same word operations, lane-parallel:
+/// lanes [w0 & 63, (w2 & 15) | w0 top bits, w1 & 63, (w2 >> 4) | w1 top bits]).
+///
+/// # Safety
+/// The CPU must support AVX2; `p` must address 16 readable bytes (the 12 packed bytes of a
+/// K-quant block and 4 of the block's quants after them).
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn k_scales_mins_vec(p: *const u8) -> std::arch::x86_64::__m128i {
+    use std::arch::x86_64::*;
+    const LOW6: i32 = 0x3f3f_3f3f;
+    const LOW4: i32 = 0x0f0f_0f0f;
+    const TOP2: i32 = 0x3030_3030;
+    // SAFETY: the caller vouches for 16 readable bytes at `p`; loadu tolerates any alignment.
+    let w = unsafe { _mm_loadu_si128(p as *const __m128i) };
+    // [w0, w2, w1, w2 >> 4] and [w0, w0, w1, w1] >> 2 (bits 6..8 of every byte down to 4..6).
+    let low = _mm_srlv_epi32(_mm_shuffle_epi32::<0b10_01_10_00>(w), _mm_setr_epi32(0, 0, 0, 4));
+    let top = _mm_srli_epi32::<2>(_mm_shuffle_epi32::<0b01_01_00_00>(w));
+    _mm_or_si128(
+        _mm_and_si128(low, _mm_setr_epi32(LOW6, LOW4, LOW6, LOW4)),
+        _mm_and_si128(top, _mm_setr_epi32(0, TOP2, 0, TOP2)),
+    )
+}
+
 /// The level-independent dequantisation bodies, written against the lane helpers of the module
 /// that expands them: `LANES`, `F`, `I`, `half_splat(p)`, `splat(f32)`, `load_u8(p)`, `load_i8(p)`,
 /// `and_i(I, i32)`, `srl_i(I, u32)`, `sll_i`, `or_i`, `sub_i32(I, i32)`, `to_f32(I)`, `mul`, `sub`,
@@ -455,6 +480,15 @@ mod tests {
             let mut packed = [0u8; 12];
             packed.iter_mut().enumerate().for_each(|(i, p)| *p = (state >> (i * 5 % 57)) as u8);
             let (sc, m) = k_scales_mins(&packed);
+            if crate::simd::SimdLevel::Avx2.is_supported() {
+                let mut bytes = [0u8; 16];
+                bytes[..12].copy_from_slice(&packed);
+                // SAFETY: AVX2 was just checked; `bytes` holds the 16 bytes read.
+                let v = unsafe { k_scales_mins_vec(bytes.as_ptr()) };
+                // SAFETY: an __m128i is 16 plain bytes.
+                let v: [u8; 16] = unsafe { std::mem::transmute(v) };
+                assert_eq!((&v[..8], &v[8..]), (&sc[..], &m[..]), "{packed:?}");
+            }
             for j in 0..8 {
                 assert_eq!(
                     crate::quant::scale_min(j, &packed),

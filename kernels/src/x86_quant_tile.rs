@@ -89,46 +89,104 @@ pub(crate) mod avx512 {
     }
 
     /// The 8 scales (lanes 0..8, `d * sc`) and 8 mins (lanes 8..16, `dmin * m`) of a Q4_K/Q5_K
-    /// block at `b`.
+    /// block at `b`, unpacked in vector registers.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn k_coefficients(b: *const u8) -> [f32; 16] {
-        // SAFETY: the caller vouches for a whole K-quant block at `b` (16 header bytes).
+    unsafe fn k_coefficients(b: *const u8) -> __m512 {
+        // SAFETY: the caller vouches for a whole K-quant block at `b` (16 header bytes and the
+        // quants after them, of which `k_scales_mins_vec` reads 4).
         unsafe {
             let d_dmin = _mm_cvtph_ps(_mm_cvtsi32_si128((b as *const i32).read_unaligned()));
-            let (sc, m) = crate::x86_quant::k_scales_mins(&*(b.add(4) as *const [u8; 12]));
-            let packed = _mm_set_epi64x(i64::from_le_bytes(m), i64::from_le_bytes(sc));
+            let packed = crate::x86_quant::k_scales_mins_vec(b.add(4));
             let pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
             let factor = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(d_dmin));
-            let mut out = [0.0f32; 16];
-            _mm512_storeu_ps(
-                out.as_mut_ptr(),
-                _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)), factor),
-            );
-            out
+            _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(packed)), factor)
         }
     }
 
-    /// Q4_K block at `b` against 256 f32 at `x`: per sub-block the table `scale * i - min` of
-    /// its 16 values, indexed by the nibbles (low nibbles of 32 bytes: sub-block 2p, high: 2p+1).
+    /// The scales of `k_coefficients` stored for broadcasting (entries 0..8), and the min term
+    /// `sum_j min_j * (x summed over sub-block j)` as a vector to subtract (its lane sum): the
+    /// mins repeated per 16 values times `xsum16` (lane i: the sum of the block's x[16i..16i+16]).
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn q4_k(b: *const u8, x: *const f32, acc: &mut Acc) {
+    unsafe fn k_scales_and_min_term(b: *const u8, xsum16: __m512) -> ([f32; 16], __m512) {
+        let mut scale = [0.0f32; 16];
+        // SAFETY: forwarded from the caller (a whole K-quant block at `b`); `scale` holds 16 f32.
+        unsafe {
+            let c = k_coefficients(b);
+            _mm512_storeu_ps(scale.as_mut_ptr(), c);
+            let twice = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
+            (scale, _mm512_mul_ps(_mm512_permutexvar_ps(twice, c), xsum16))
+        }
+    }
+
+    /// Sums of the 128-bit quarters of `a` and `b` paired: quarters 0 and 1 of the result
+    /// from `a`, 2 and 3 from `b` (when `PAIR` is 0x44/0xEE), or 0 from `a`, 1 from `b`, ...
+    /// (0x88/0xDD): one step of `xsum16`'s transposing add tree.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    fn add_quarters<const LO: i32, const HI: i32>(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(_mm512_shuffle_f32x4::<LO>(a, b), _mm512_shuffle_f32x4::<HI>(a, b))
+    }
+
+    /// As `add_quarters`, lanes within each quarter.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    fn add_lanes<const LO: i32, const HI: i32>(a: __m512, b: __m512) -> __m512 {
+        _mm512_add_ps(_mm512_shuffle_ps::<LO>(a, b), _mm512_shuffle_ps::<HI>(a, b))
+    }
+
+    /// Per 16 activations of the 256 at `x`, their sum (lane i: x[16i..16i+16]), by a
+    /// transposing add tree: pairs of quarters, quarters, pairs of lanes, lanes; lane 4k + m
+    /// then holds the sum of vector 4m + k, put in order by one permute.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn xsum16(x: *const f32) -> __m512 {
+        let mut t = [_mm512_setzero_ps(); 8];
+        // SAFETY: the caller vouches for 256 readable f32 at `x`.
+        unsafe {
+            for (p, t) in t.iter_mut().enumerate() {
+                *t = add_quarters::<0x44, 0xEE>(load_x(x.add(32 * p)), load_x(x.add(32 * p + 16)));
+            }
+        }
+        let mut y = [_mm512_setzero_ps(); 4];
+        for (r, y) in y.iter_mut().enumerate() {
+            *y = add_quarters::<0x88, 0xDD>(t[2 * r], t[2 * r + 1]);
+        }
+        let z = [add_lanes::<0x44, 0xEE>(y[0], y[1]), add_lanes::<0x44, 0xEE>(y[2], y[3])];
+        let w = add_lanes::<0x88, 0xDD>(z[0], z[1]);
+        let order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        _mm512_permutexvar_ps(order, w)
+    }
+
+    /// Q4_K block at `b` against 256 f32 at `x`: per sub-block `scale * (q · x)`, the values
+    /// `q` looked up in the constant table 0..16 by the nibbles (low nibbles of 32 bytes:
+    /// sub-block 2p, high: 2p+1), the mins factored out against `xsum16` (see `xsum16`).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn q4_k(b: *const u8, x: *const f32, xsum16: __m512, acc: &mut Acc) {
         // SAFETY: the caller vouches for one 144-byte block at `b` and 256 f32 at `x`; every
         // offset below stays inside them.
         unsafe {
-            let c = k_coefficients(b);
+            let (scale, min_term) = k_scales_and_min_term(b, xsum16);
+            acc[1] = _mm512_sub_ps(acc[1], min_term);
             let iota = iota();
             for p in 0..4 {
-                let t_lo = _mm512_fmsub_ps(_mm512_set1_ps(c[2 * p]), iota, _mm512_set1_ps(c[8 + 2 * p]));
-                let t_hi = _mm512_fmsub_ps(_mm512_set1_ps(c[2 * p + 1]), iota, _mm512_set1_ps(c[9 + 2 * p]));
-                for h in 0..2 {
-                    let q = load_u8(b.add(16 + 32 * p + 16 * h));
-                    let lo = _mm512_permutexvar_ps(q, t_lo);
-                    let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), t_hi);
-                    acc[0] = _mm512_fmadd_ps(lo, load_x(x.add(64 * p + 16 * h)), acc[0]);
-                    acc[1] = _mm512_fmadd_ps(hi, load_x(x.add(64 * p + 32 + 16 * h)), acc[1]);
-                }
+                let (q0, q1) = (load_u8(b.add(16 + 32 * p)), load_u8(b.add(32 + 32 * p)));
+                let at = x.add(64 * p);
+                let lo = _mm512_fmadd_ps(
+                    _mm512_permutexvar_ps(q1, iota),
+                    load_x(at.add(16)),
+                    _mm512_mul_ps(_mm512_permutexvar_ps(q0, iota), load_x(at)),
+                );
+                let (h0, h1) = (_mm512_srli_epi32::<4>(q0), _mm512_srli_epi32::<4>(q1));
+                let hi = _mm512_fmadd_ps(
+                    _mm512_permutexvar_ps(h1, iota),
+                    load_x(at.add(48)),
+                    _mm512_mul_ps(_mm512_permutexvar_ps(h0, iota), load_x(at.add(32))),
+                );
+                acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(scale[2 * p]), lo, acc[0]);
+                acc[1] = _mm512_fmadd_ps(_mm512_set1_ps(scale[2 * p + 1]), hi, acc[1]);
             }
         }
     }
@@ -144,26 +202,23 @@ pub(crate) mod avx512 {
         }
     }
 
-    /// Q5_K block at `b` against 256 f32 at `x`: as Q4_K with 32-entry tables (`vpermt2ps`),
-    /// the index's bit 4 taken from the fifth-bit bytes.
+    /// Q5_K block at `b` against 256 f32 at `x`: as Q4_K with the constant 32-entry table 0..32
+    /// (`vpermt2ps`), the index's bit 4 taken from the fifth-bit bytes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn q5_k(b: *const u8, x: *const f32, acc: &mut Acc) {
+    unsafe fn q5_k(b: *const u8, x: *const f32, xsum16: __m512, acc: &mut Acc) {
         // SAFETY: the caller vouches for one 176-byte block at `b` and 256 f32 at `x`; every
         // offset below stays inside them.
         unsafe {
-            let c = k_coefficients(b);
+            let (scale, min_term) = k_scales_and_min_term(b, xsum16);
+            acc[1] = _mm512_sub_ps(acc[1], min_term);
             let (iota, iota16) = (iota(), _mm512_add_ps(iota(), _mm512_set1_ps(16.0)));
             let low4 = _mm512_set1_epi32(15);
+            let fifth = [load_u8(b.add(16)), load_u8(b.add(32))];
             for p in 0..4 {
-                let table = |j: usize| {
-                    let (s, m) = (_mm512_set1_ps(c[j]), _mm512_set1_ps(c[8 + j]));
-                    (_mm512_fmsub_ps(s, iota, m), _mm512_fmsub_ps(s, iota16, m))
-                };
-                let ((lo_a, lo_b), (hi_a, hi_b)) = (table(2 * p), table(2 * p + 1));
-                for h in 0..2 {
+                let (mut lo, mut hi) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+                for (h, &fifth) in fifth.iter().enumerate() {
                     let q = load_u8(b.add(48 + 32 * p + 16 * h));
-                    let fifth = load_u8(b.add(16 + 16 * h));
                     // (q & 15) | (fifth bit at 4, don't-cares above): ternary select on `low4`.
                     let idx_lo = _mm512_ternarylogic_epi32::<0xE4>(q, bit_to_4(fifth, 2 * p as u32), low4);
                     let idx_hi = _mm512_ternarylogic_epi32::<0xE4>(
@@ -171,28 +226,34 @@ pub(crate) mod avx512 {
                         bit_to_4(fifth, 2 * p as u32 + 1),
                         low4,
                     );
-                    let lo = _mm512_permutex2var_ps(lo_a, idx_lo, lo_b);
-                    let hi = _mm512_permutex2var_ps(hi_a, idx_hi, hi_b);
-                    acc[0] = _mm512_fmadd_ps(lo, load_x(x.add(64 * p + 16 * h)), acc[0]);
-                    acc[1] = _mm512_fmadd_ps(hi, load_x(x.add(64 * p + 32 + 16 * h)), acc[1]);
+                    let (ql, qh) = (
+                        _mm512_permutex2var_ps(iota, idx_lo, iota16),
+                        _mm512_permutex2var_ps(iota, idx_hi, iota16),
+                    );
+                    lo = _mm512_fmadd_ps(ql, load_x(x.add(64 * p + 16 * h)), lo);
+                    hi = _mm512_fmadd_ps(qh, load_x(x.add(64 * p + 32 + 16 * h)), hi);
                 }
+                acc[0] = _mm512_fmadd_ps(_mm512_set1_ps(scale[2 * p]), lo, acc[0]);
+                acc[1] = _mm512_fmadd_ps(_mm512_set1_ps(scale[2 * p + 1]), hi, acc[1]);
             }
         }
     }
 
-    /// Q6_K block at `b` against 256 f32 at `x`: `acc += (d * sc) * ((q - 32) · x)` per
-    /// sub-block of 16 (one vector).
+    /// Q6_K block at `b` against 256 f32 at `x`: `acc += (d * sc) * (q · x)` per sub-block of
+    /// 16 (one vector), the offset 32 factored out against `xsum16` (see `xsum16`).
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn q6_k(b: *const u8, x: *const f32, acc: &mut Acc) {
+    unsafe fn q6_k(b: *const u8, x: *const f32, xsum16: __m512, acc: &mut Acc) {
         let mut scale = [0.0f32; 16];
         // SAFETY: the caller vouches for one 210-byte block at `b` and 256 f32 at `x`; every
         // offset below stays inside them.
         unsafe {
             let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(192) as *const __m128i)));
-            _mm512_storeu_ps(scale.as_mut_ptr(), _mm512_mul_ps(half_splat(b.add(208)), sc));
-            let (low4, high2, offset) =
-                (_mm512_set1_epi32(15), _mm512_set1_epi32(0x30), _mm512_set1_epi32(32));
+            let sc = _mm512_mul_ps(half_splat(b.add(208)), sc);
+            _mm512_storeu_ps(scale.as_mut_ptr(), sc);
+            // The offset 32 factored out: minus 32 * scale_i * (sum of x over sub-block i).
+            acc[1] = _mm512_fnmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(32.0)), xsum16, acc[1]);
+            let (low4, high2) = (_mm512_set1_epi32(15), _mm512_set1_epi32(0x30));
             for half in 0..2 {
                 let (ql, qh) = (b.add(64 * half), b.add(128 + 32 * half));
                 for g in 0..2 {
@@ -207,9 +268,9 @@ pub(crate) mod avx512 {
                     let high =
                         [_mm512_slli_epi32::<4>(h), _mm512_slli_epi32::<2>(h), h, _mm512_srli_epi32::<2>(h)];
                     for quarter in 0..4 {
-                        // low | (high & 0x30), then minus 32.
+                        // low | (high & 0x30) (the offset 32 is factored out).
                         let v = _mm512_ternarylogic_epi32::<0xF8>(low[quarter], high[quarter], high2);
-                        let q = _mm512_cvtepi32_ps(_mm512_sub_epi32(v, offset));
+                        let q = _mm512_cvtepi32_ps(v);
                         let at = 128 * half + 32 * quarter + 16 * g;
                         let dot = _mm512_mul_ps(q, load_x(x.add(at)));
                         let s = _mm512_set1_ps(scale[8 * half + 2 * quarter + g]);
@@ -223,16 +284,16 @@ pub(crate) mod avx512 {
     /// One block of type `Q` at `b` against its activations at `x`.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn block<const Q: u8>(b: *const u8, x: *const f32, acc: &mut Acc) {
+    unsafe fn block<const Q: u8>(b: *const u8, x: *const f32, xsum16: __m512, acc: &mut Acc) {
         // SAFETY: forwarded from the caller (one whole block, its activations, the CPU features
         // of this module, checked by the only caller, `fused_rows`).
         unsafe {
             match Q {
                 Q8_0 => q8_0(b, x, acc),
                 Q4_0 => q4_0(b, x, acc),
-                Q4_K => q4_k(b, x, acc),
-                Q5_K => q5_k(b, x, acc),
-                _ => q6_k(b, x, acc),
+                Q4_K => q4_k(b, x, xsum16, acc),
+                Q5_K => q5_k(b, x, xsum16, acc),
+                _ => q6_k(b, x, xsum16, acc),
             }
         }
     }
@@ -256,10 +317,13 @@ pub(crate) mod avx512 {
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         let mut prefetched = 0;
         for blk in 0..cols / be {
+            // K-quants: the block's activations summed per 16, shared by the R rows.
+            // SAFETY: block `blk`'s `be` (256) activations lie inside `x`.
+            let xs = if Q >= Q4_K { unsafe { xsum16(x.add(blk * be)) } } else { _mm512_setzero_ps() };
             for r in 0..R {
                 // SAFETY: block `blk` lies inside row r (`cols` whole blocks) and its `be`
                 // activations inside `x`; the CPU features are this function's.
-                unsafe { block::<Q>(rows[r].add(blk * bb), x.add(blk * be), &mut acc[r]) };
+                unsafe { block::<Q>(rows[r].add(blk * bb), x.add(blk * be), xs, &mut acc[r]) };
             }
             if let Some(next) = &next {
                 while prefetched < (blk + 1) * bb {
