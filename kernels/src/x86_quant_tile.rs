@@ -36,6 +36,8 @@ pub(crate) mod avx512 {
     }
 
     /// 16 bytes at `p` zero-extended to 16 i32 lanes.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn load_u8(p: *const u8) -> __m512i {
@@ -44,6 +46,8 @@ pub(crate) mod avx512 {
     }
 
     /// 16 f32 at `p`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn load_x(p: *const f32) -> __m512 {
@@ -52,6 +56,8 @@ pub(crate) mod avx512 {
     }
 
     /// The f16 at `p` widened (exactly) and broadcast to 16 lanes.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn half_splat(p: *const u8) -> __m512 {
@@ -61,6 +67,8 @@ pub(crate) mod avx512 {
     }
 
     /// Q8_0 block at `b` against 32 f32 at `x`: `acc += d * (q · x)`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn q8_0(b: *const u8, x: *const f32, acc: &mut Acc) {
@@ -74,6 +82,8 @@ pub(crate) mod avx512 {
     }
 
     /// Q4_0 block at `b` against 32 f32 at `x`, values looked up in the table `d * (i - 8)`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn q4_0(b: *const u8, x: *const f32, acc: &mut Acc) {
@@ -90,6 +100,8 @@ pub(crate) mod avx512 {
 
     /// The 8 scales (lanes 0..8, `d * sc`) and 8 mins (lanes 8..16, `dmin * m`) of a Q4_K/Q5_K
     /// block at `b`, unpacked in vector registers.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn k_coefficients(b: *const u8) -> __m512 {
@@ -107,6 +119,8 @@ pub(crate) mod avx512 {
     /// The scales of `k_coefficients` stored for broadcasting (entries 0..8), and the min term
     /// `sum_j min_j * (x summed over sub-block j)` as a vector to subtract (its lane sum): the
     /// mins repeated per 16 values times `xsum16` (lane i: the sum of the block's x[16i..16i+16]).
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn k_scales_and_min_term(b: *const u8, xsum16: __m512) -> ([f32; 16], __m512) {
@@ -139,6 +153,8 @@ pub(crate) mod avx512 {
     /// Per 16 activations of the 256 at `x`, their sum (lane i: x[16i..16i+16]), by a
     /// transposing add tree: pairs of quarters, quarters, pairs of lanes, lanes; lane 4k + m
     /// then holds the sum of vector 4m + k, put in order by one permute.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn xsum16(x: *const f32) -> __m512 {
@@ -162,6 +178,8 @@ pub(crate) mod avx512 {
     /// Q4_K block at `b` against 256 f32 at `x`: per sub-block `scale * (q · x)`, the values
     /// `q` looked up in the constant table 0..16 by the nibbles (low nibbles of 32 bytes:
     /// sub-block 2p, high: 2p+1), the mins factored out against `xsum16` (see `xsum16`).
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn q4_k(b: *const u8, x: *const f32, xsum16: __m512, acc: &mut Acc) {
@@ -204,6 +222,8 @@ pub(crate) mod avx512 {
 
     /// Q5_K block at `b` against 256 f32 at `x`: as Q4_K with the constant 32-entry table 0..32
     /// (`vpermt2ps`), the index's bit 4 taken from the fifth-bit bytes.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn q5_k(b: *const u8, x: *const f32, xsum16: __m512, acc: &mut Acc) {
@@ -241,6 +261,8 @@ pub(crate) mod avx512 {
 
     /// Q6_K block at `b` against 256 f32 at `x`: `acc += (d * sc) * (q · x)` per sub-block of
     /// 16 (one vector), the offset 32 factored out against `xsum16` (see `xsum16`).
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn q6_k(b: *const u8, x: *const f32, xsum16: __m512, acc: &mut Acc) {
@@ -282,6 +304,8 @@ pub(crate) mod avx512 {
     }
 
     /// One block of type `Q` at `b` against its activations at `x`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn block<const Q: u8>(b: *const u8, x: *const f32, xsum16: __m512, acc: &mut Acc) {
@@ -300,6 +324,8 @@ pub(crate) mod avx512 {
 
     /// `out[r] = dot(row r, x)` for `R` quantised rows of `cols` values (whole blocks of `Q`),
     /// block by block across the rows, prefetching the next row block's lines as it goes.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn fused_rows<const Q: u8, const R: usize>(
         dtype: WeightDType,
@@ -398,6 +424,8 @@ pub(crate) mod avx2 {
     type Acc = [__m256; 2];
 
     /// 8 bytes at `p` zero-extended to 8 i32 lanes.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load_u8(p: *const u8) -> __m256i {
@@ -406,6 +434,8 @@ pub(crate) mod avx2 {
     }
 
     /// 8 bytes at `p` sign-extended to 8 f32 lanes.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load_i8_f32(p: *const u8) -> __m256 {
@@ -414,6 +444,8 @@ pub(crate) mod avx2 {
     }
 
     /// 8 f32 at `p`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load_x(p: *const f32) -> __m256 {
@@ -422,6 +454,8 @@ pub(crate) mod avx2 {
     }
 
     /// The f16 at `p` widened (exactly) and broadcast to 8 lanes.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn half_splat(p: *const u8) -> __m256 {
@@ -431,6 +465,8 @@ pub(crate) mod avx2 {
     }
 
     /// Q8_0 block at `b` against 32 f32 at `x`: `acc += d * (q · x)`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q8_0(b: *const u8, x: *const f32, acc: &mut Acc) {
@@ -445,6 +481,8 @@ pub(crate) mod avx2 {
     }
 
     /// Q4_0 block at `b` against 32 f32 at `x`: `acc += d * ((q - 8) · x)`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q4_0(b: *const u8, x: *const f32, acc: &mut Acc) {
@@ -465,6 +503,8 @@ pub(crate) mod avx2 {
 
     /// The 8 scales (`d * sc`, entries 0..8) and 8 mins (`dmin * m`, 8..16) of a Q4_K/Q5_K
     /// block at `b`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn k_coefficients(b: *const u8) -> [f32; 16] {
@@ -484,6 +524,8 @@ pub(crate) mod avx2 {
 
     /// Q4_K (`FIFTH` false) or Q5_K block at `b` against 256 f32 at `x`: every value
     /// `scale * q - min` in one FMA, then multiplied into the accumulators.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn k_asym<const FIFTH: bool>(b: *const u8, x: *const f32, acc: &mut Acc) {
@@ -521,6 +563,8 @@ pub(crate) mod avx2 {
 
     /// Q6_K block at `b` against 256 f32 at `x`: `acc += (d * sc) * ((q - 32) · x)` per
     /// sub-block of 16 (two vectors).
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn q6_k(b: *const u8, x: *const f32, acc: &mut Acc) {
@@ -572,6 +616,8 @@ pub(crate) mod avx2 {
     }
 
     /// One block of type `Q` at `b` against its activations at `x`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn block<const Q: u8>(b: *const u8, x: *const f32, acc: &mut Acc) {
@@ -588,6 +634,8 @@ pub(crate) mod avx2 {
     }
 
     /// As the AVX-512 `fused_rows`, over 8 lanes.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn fused_rows<const Q: u8, const R: usize>(
         dtype: WeightDType,
