@@ -12,7 +12,7 @@
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |
-//! | `MOE_LANES_HOT_DEQUANT_MIB` | VRAM for quantized hot slots dequantized to bf16 for the grouped prefill GEMMs (default 512; more: fewer chunks) |
+//! | `MOE_LANES_HOT_DEQUANT_MIB` | VRAM for quantized hot slots dequantized to bf16 for the grouped prefill GEMMs (default 512; more: fewer chunks; 0: none, quantized slots go per expert through cuBLAS) |
 //! | `MOE_LANES_HOT_DEQUANT_OVERLAP=1` | dequantize those chunks (two half-size ones) on the side stream beside the previous chunk's GEMMs |
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `tiled` (default, flash-style tiles of queries x keys) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |

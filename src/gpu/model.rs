@@ -159,7 +159,8 @@ pub struct GpuOptions {
     /// grouped hot lane; ~f32 accuracy); off: bf16 only.
     pub split_bf16_activations: bool,
     /// VRAM for the bf16 chunks of quantized hot slots in grouped prefill
-    /// ([`HOT_DEQUANT_SCRATCH_BYTES`]; smaller: more chunks, at least one slot each).
+    /// ([`HOT_DEQUANT_SCRATCH_BYTES`]; smaller: more chunks, at least one slot each; 0: no
+    /// scratch, quantized slots go per expert, as an engine built without hot experts does).
     pub hot_dequant_bytes: usize,
     /// Dequantize the next chunk of quantized hot slots on the side stream while the current
     /// chunk's GEMMs run (two half-size chunks in the scratch); off (default): one chunk, both on
@@ -251,7 +252,8 @@ impl GpuModel {
         let w = DenseWeights::upload(&model, &be)?;
         let hot = HotCache::empty(&be, &model)?;
         let dequant = dequant_scratch(&be, &cfg, &w, &hot)?;
-        let hot_dequant = if hot.any_quantized() && opts.hot_gemm == HotGemm::Grouped {
+        let wants_scratch = opts.hot_dequant_bytes > 0 && opts.hot_gemm == HotGemm::Grouped;
+        let hot_dequant = if hot.any_quantized() && wants_scratch {
             Some(HotDequant::new(&be, &cfg, opts.hot_dequant_bytes, opts.hot_dequant_overlap)?)
         } else {
             None
