@@ -259,45 +259,98 @@ pub(crate) mod avx512 {
         }
     }
 
-    /// Q6_K block at `b` against 256 f32 at `x`: `acc += (d * sc) * (q · x)` per sub-block of
-    /// 16 (one vector), the offset 32 factored out against `xsum16` (see `xsum16`).
+    /// The 128 six-bit levels (offset 32 not subtracted) of one Q6_K half block (64 `ql` bytes
+    /// at `ql`, 32 `qh` bytes at `qh`) as bytes in column order: 64 at a time in 512-bit
+    /// registers. Bytes 0..32 of `ql` give columns 0..32 (low nibbles) and 64..96 (high), bytes
+    /// 32..64 columns 32..64 and 96..128; their `qh` byte is the same for both, bit pairs 0, 1,
+    /// 2, 3 in that column order. The pairs are masked first (0x33 per byte for the lower 256
+    /// bits, 0xCC for the upper), so shifting them to bits 4..6 leaves bits 6..8 clear and one
+    /// ternary select `(nibble & 15) | (pair & !15)` builds 64 levels.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn q6_levels(ql: *const u8, qh: *const u8) -> [__m512i; 2] {
+        // SAFETY: the caller vouches for 64 readable bytes at `ql` and 32 at `qh`.
+        let (a, h) = unsafe {
+            (
+                _mm512_loadu_si512(ql as *const _),
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(qh as *const __m256i)),
+            )
+        };
+        let low4 = _mm512_set1_epi32(0x0F0F_0F0F);
+        let (m, mh) = (0x3333_3333_3333_3333, 0xCCCC_CCCC_CCCC_CCCCu64 as i64);
+        let h = _mm512_and_si512(h, _mm512_setr_epi64(m, m, m, m, mh, mh, mh, mh));
+        let lo_pairs = _mm512_sllv_epi64(h, _mm512_setr_epi64(4, 4, 4, 4, 2, 2, 2, 2));
+        let hi_pairs = _mm512_srlv_epi64(h, _mm512_setr_epi64(0, 0, 0, 0, 2, 2, 2, 2));
+        [
+            _mm512_ternarylogic_epi32::<0xE4>(a, lo_pairs, low4),
+            _mm512_ternarylogic_epi32::<0xE4>(_mm512_srli_epi64::<4>(a), hi_pairs, low4),
+        ]
+    }
+
+    /// The 256 activations at `x` in the order `q6_k` reads its levels: per 64 columns (group
+    /// g), four vectors k = 0..4 with lane j holding column `64g + 4j + k` (byte k of level
+    /// dword j), stored to `out`; done once per block and shared by the tile's rows.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn q6_x_order(x: *const f32, out: &mut [f32; 256]) {
+        // SAFETY: the caller vouches for 256 readable f32 at `x`; `out` holds 256.
+        unsafe {
+            for g in 0..4 {
+                let v: [__m512; 4] = std::array::from_fn(|m| load_x(x.add(64 * g + 16 * m)));
+                for k in 0..4 {
+                    let idx = _mm512_add_epi32(
+                        _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28),
+                        _mm512_set1_epi32(k as i32),
+                    );
+                    let lo = _mm512_permutex2var_ps(v[0], idx, v[1]);
+                    let p = _mm512_mask_blend_ps(0xFF00, lo, _mm512_permutex2var_ps(v[2], idx, v[3]));
+                    _mm512_storeu_ps(out.as_mut_ptr().add(64 * g + 16 * k), p);
+                }
+            }
+        }
+    }
+
+    /// Q6_K block at `b` against 256 f32 at `x` (reordered by `q6_x_order`): the levels built 64
+    /// at a time by `q6_levels` (one group of 64 columns), byte k of every dword taken by a
+    /// shift and a mask and converted, `q · x` summed over the group's four vectors, then
+    /// scaled once by the lanes' sub-block scales (lane j: sub-block `4g + j / 4`); the offset
+    /// 32 factored out against `xsum16` (see `xsum16`).
     // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
     // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     unsafe fn q6_k(b: *const u8, x: *const f32, xsum16: __m512, acc: &mut Acc) {
-        let mut scale = [0.0f32; 16];
         // SAFETY: the caller vouches for one 210-byte block at `b` and 256 f32 at `x`; every
         // offset below stays inside them.
         unsafe {
             let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(192) as *const __m128i)));
             let sc = _mm512_mul_ps(half_splat(b.add(208)), sc);
-            _mm512_storeu_ps(scale.as_mut_ptr(), sc);
             // The offset 32 factored out: minus 32 * scale_i * (sum of x over sub-block i).
             acc[1] = _mm512_fnmadd_ps(_mm512_mul_ps(sc, _mm512_set1_ps(32.0)), xsum16, acc[1]);
-            let (low4, high2) = (_mm512_set1_epi32(15), _mm512_set1_epi32(0x30));
+            let low6 = _mm512_set1_epi32(0x3F);
+            let quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
             for half in 0..2 {
-                let (ql, qh) = (b.add(64 * half), b.add(128 + 32 * half));
-                for g in 0..2 {
-                    let (a, c, h) =
-                        (load_u8(ql.add(16 * g)), load_u8(ql.add(32 + 16 * g)), load_u8(qh.add(16 * g)));
-                    let low = [
-                        _mm512_and_si512(a, low4),
-                        _mm512_and_si512(c, low4),
-                        _mm512_srli_epi32::<4>(a),
-                        _mm512_srli_epi32::<4>(c),
+                let v = q6_levels(b.add(64 * half), b.add(128 + 32 * half));
+                for (h, v) in v.into_iter().enumerate() {
+                    let g = 2 * half + h;
+                    let at = x.add(64 * g);
+                    let q = [
+                        _mm512_and_si512(v, low6),
+                        _mm512_and_si512(_mm512_srli_epi32::<8>(v), low6),
+                        _mm512_and_si512(_mm512_srli_epi32::<16>(v), low6),
+                        _mm512_srli_epi32::<24>(v),
                     ];
-                    let high =
-                        [_mm512_slli_epi32::<4>(h), _mm512_slli_epi32::<2>(h), h, _mm512_srli_epi32::<2>(h)];
-                    for quarter in 0..4 {
-                        // low | (high & 0x30) (the offset 32 is factored out).
-                        let v = _mm512_ternarylogic_epi32::<0xF8>(low[quarter], high[quarter], high2);
-                        let q = _mm512_cvtepi32_ps(v);
-                        let at = 128 * half + 32 * quarter + 16 * g;
-                        let dot = _mm512_mul_ps(q, load_x(x.add(at)));
-                        let s = _mm512_set1_ps(scale[8 * half + 2 * quarter + g]);
-                        acc[quarter & 1] = _mm512_fmadd_ps(s, dot, acc[quarter & 1]);
+                    let mut dot = _mm512_mul_ps(_mm512_cvtepi32_ps(q[0]), load_x(at));
+                    for (k, &q) in q.iter().enumerate().skip(1) {
+                        dot = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), load_x(at.add(16 * k)), dot);
                     }
+                    let s =
+                        _mm512_permutexvar_ps(_mm512_add_epi32(quarter, _mm512_set1_epi32(4 * g as i32)), sc);
+                    acc[h] = _mm512_fmadd_ps(s, dot, acc[h]);
                 }
             }
         }
@@ -341,15 +394,23 @@ pub(crate) mod avx512 {
         let next: Option<[*const u8; R]> =
             (!prefetch_rows.is_null()).then(|| std::array::from_fn(|r| unsafe { *prefetch_rows.add(r) }));
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
+        let mut x_order = [0.0f32; 256];
         let mut prefetched = 0;
         for blk in 0..cols / be {
             // K-quants: the block's activations summed per 16, shared by the R rows.
             // SAFETY: block `blk`'s `be` (256) activations lie inside `x`.
             let xs = if Q >= Q4_K { unsafe { xsum16(x.add(blk * be)) } } else { _mm512_setzero_ps() };
+            let xb = if Q == Q6_K {
+                // SAFETY: as above; Q6_K reads its activations reordered (see `q6_x_order`).
+                unsafe { q6_x_order(x.add(blk * be), &mut x_order) };
+                x_order.as_ptr()
+            } else {
+                x.wrapping_add(blk * be)
+            };
             for r in 0..R {
                 // SAFETY: block `blk` lies inside row r (`cols` whole blocks) and its `be`
-                // activations inside `x`; the CPU features are this function's.
-                unsafe { block::<Q>(rows[r].add(blk * bb), x.add(blk * be), xs, &mut acc[r]) };
+                // activations at `xb`; the CPU features are this function's.
+                unsafe { block::<Q>(rows[r].add(blk * bb), xb, xs, &mut acc[r]) };
             }
             if let Some(next) = &next {
                 while prefetched < (blk + 1) * bb {
