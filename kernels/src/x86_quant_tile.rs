@@ -2,13 +2,16 @@
 //! registers and multiplied into the accumulators straight away, with no store and reload of
 //! dequantised values through an L1 buffer.
 //!
-//! The 4- and 5-bit types look their values up in a per-(sub-)block table of the 16 (or 32)
-//! possible dequantised values (`vpermps` / `vpermt2ps` index with the nibble's low bits), so a
-//! value costs one permute and one FMA: the table entry `scale * q - min` is computed with one
-//! FMA (the scalar decoder rounds the product and the difference apart), Q4_0's `d * (q - 8)` is
-//! exactly the scalar value. Q8_0 and Q6_K convert the integers and apply the (sub-)block scale
-//! once per 32 or 16 values: `acc += scale * (q · x)`. Results differ from the scalar kernel by
-//! f32 rounding only (summation order, the fused table entries, the factored scale).
+//! AVX-512: Q4_0 looks its values up in a per-block table of the 16 dequantised values
+//! (`vpermps`, exactly the scalar values); the K-quants dot the raw levels (constant tables
+//! 0..16 / 0..32 for Q4_K / Q5_K; Q6_K's 64 six-bit levels per step assembled with one
+//! `vpternlogd` against activations put into the levels' byte order once per block), scale each
+//! sub-block's dot once, and take the mins (Q4_K/Q5_K) or the offset 32 (Q6_K) as one 16-lane term
+//! against sums of x per 16 columns shared by the tile's rows. AVX2: the 4- and 5-bit types look
+//! their values up in a per-(sub-)block table (`scale * q - min` in one FMA); Q8_0 and Q6_K convert
+//! the integers and apply the (sub-)block scale once per 32 or 16 values. Results differ from the
+//! scalar kernel by f32 rounding only (summation order, the fused table entries, the factored
+//! scales).
 //!
 //! Every block is read in its compressed size once; the next row block's bytes are prefetched
 //! into L2 as the block advances (one hint per cache line).
