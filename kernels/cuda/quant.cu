@@ -142,11 +142,13 @@ struct Q6_K {
 };
 
 // ---- wide decoding: 32 values per lane ----
-// Q::chunk(b, j, v) decodes chunk j (of Q::CHUNKS per block) into v[32] with the same operations
-// as Q::unit (so the same bits); Q::cols(j, c) gives the 4 runs of 8 consecutive columns v[8r..]
-// land in. A lane reads its chunk with few wide loads (uint4 for Q4_K/Q5_K, whose blocks are
-// 16-byte aligned when the matrix is; aligned words and funnel shifts for the 2-byte aligned
-// types), so the decode GEMVs are no longer bound by load instructions.
+// Q::cols(j, c) gives the 4 runs of 8 consecutive columns that chunk j (of Q::CHUNKS per block)
+// covers; Q::chunk(b, j, v) decodes that chunk into v[32] with the same operations as Q::unit (so
+// the same bits). The decode GEMVs read chunks through chunk_dot (below: the same loads and the
+// same layout, the scale factored out); Q::chunk is the exact decoding of that layout, which the
+// host test checks against gguf-py's values and for covering every column once. A lane reads its
+// chunk with few wide loads (uint4 for Q4_K/Q5_K, whose blocks are 16-byte aligned when the
+// matrix is; aligned words and funnel shifts for the 2-byte aligned types).
 
 // Eight bytes at a 2-byte aligned address as two little-endian words.
 __device__ __forceinline__ void q_load8(const u8* p, unsigned& lo, unsigned& hi) {

@@ -16,17 +16,62 @@
 //! Every block is read in its compressed size once; the next row block's bytes are prefetched
 //! into L2 as the block advances (one hint per cache line).
 
+// Block type codes of the tiles' const generic.
+const Q8_0: u8 = 0;
+const Q4_0: u8 = 1;
+const Q4_K: u8 = 2;
+const Q5_K: u8 = 3;
+const Q6_K: u8 = 4;
+
+/// Prefetches (into L2) every cache line of each of `next` rows below byte `upto`, from
+/// `*prefetched` on, so the next row block streams while this one is decoded.
+#[inline(always)]
+fn prefetch_rows_through(next: &[*const u8], prefetched: &mut usize, upto: usize) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+    while *prefetched < upto {
+        for row in next {
+            // SAFETY: SSE is part of the x86-64 baseline; a prefetch is a hint that never faults,
+            // and the address stays in the row.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(*prefetched) as *const i8) };
+        }
+        *prefetched += 64;
+    }
+}
+
+/// A level's `decode_tile` body: the fused tile of `$fused_rows` for 8 or 1 rows of a quantised
+/// type, `true`; `false` (nothing done) for any other row count or type.
+macro_rules! dispatch_decode_tile {
+    ($fused_rows:ident, $dtype:expr, $rows:expr, $prefetch:expr, $x:expr, $cols:expr, $out:expr) => {{
+        macro_rules! by_rows {
+            ($q:expr) => {
+                match $rows.len() {
+                    // SAFETY: forwarded from the caller; the row count matches R.
+                    8 => unsafe { $fused_rows::<{ $q }, 8>($dtype, $rows, $prefetch, $x, $cols, $out) },
+                    // SAFETY: as above.
+                    1 => unsafe { $fused_rows::<{ $q }, 1>($dtype, $rows, $prefetch, $x, $cols, $out) },
+                    _ => return false,
+                }
+            };
+        }
+        match $dtype {
+            WeightDType::Q8_0 => by_rows!(Q8_0),
+            WeightDType::Q4_0 => by_rows!(Q4_0),
+            WeightDType::Q4_K => by_rows!(Q4_K),
+            WeightDType::Q5_K => by_rows!(Q5_K),
+            WeightDType::Q6_K => by_rows!(Q6_K),
+            _ => return false,
+        }
+        true
+    }};
+}
+
 /// AVX-512F fused decode tiles (16 lanes).
 pub(crate) mod avx512 {
     use std::arch::x86_64::*;
 
     use crate::weights::WeightDType;
 
-    const Q8_0: u8 = 0;
-    const Q4_0: u8 = 1;
-    const Q4_K: u8 = 2;
-    const Q5_K: u8 = 3;
-    const Q6_K: u8 = 4;
+    use super::{prefetch_rows_through, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
 
     /// Two accumulators per row: halves of a block alternate between them, so the FMA chain of
     /// one row is half as long.
@@ -416,13 +461,7 @@ pub(crate) mod avx512 {
                 unsafe { block::<Q>(rows[r].add(blk * bb), xb, xs, &mut acc[r]) };
             }
             if let Some(next) = &next {
-                while prefetched < (blk + 1) * bb {
-                    for row in next {
-                        // A hint only: prefetches never fault, and the address stays in the row.
-                        _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(prefetched) as *const i8);
-                    }
-                    prefetched += 64;
-                }
+                prefetch_rows_through(next, &mut prefetched, (blk + 1) * bb);
             }
         }
         for r in 0..R {
@@ -447,26 +486,7 @@ pub(crate) mod avx512 {
         cols: usize,
         out: &mut [f32],
     ) -> bool {
-        macro_rules! by_rows {
-            ($q:expr) => {
-                match rows.len() {
-                    // SAFETY: forwarded from the caller; the row count matches R.
-                    8 => unsafe { fused_rows::<{ $q }, 8>(dtype, rows, prefetch_rows, x, cols, out) },
-                    // SAFETY: as above.
-                    1 => unsafe { fused_rows::<{ $q }, 1>(dtype, rows, prefetch_rows, x, cols, out) },
-                    _ => return false,
-                }
-            };
-        }
-        match dtype {
-            WeightDType::Q8_0 => by_rows!(Q8_0),
-            WeightDType::Q4_0 => by_rows!(Q4_0),
-            WeightDType::Q4_K => by_rows!(Q4_K),
-            WeightDType::Q5_K => by_rows!(Q5_K),
-            WeightDType::Q6_K => by_rows!(Q6_K),
-            _ => return false,
-        }
-        true
+        dispatch_decode_tile!(fused_rows, dtype, rows, prefetch_rows, x, cols, out)
     }
 }
 
@@ -478,11 +498,7 @@ pub(crate) mod avx2 {
 
     use crate::weights::WeightDType;
 
-    const Q8_0: u8 = 0;
-    const Q4_0: u8 = 1;
-    const Q4_K: u8 = 2;
-    const Q5_K: u8 = 3;
-    const Q6_K: u8 = 4;
+    use super::{prefetch_rows_through, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
 
     /// Two accumulators per row (see the AVX-512 tile).
     type Acc = [__m256; 2];
@@ -723,13 +739,7 @@ pub(crate) mod avx2 {
                 unsafe { block::<Q>(rows[r].add(blk * bb), x.add(blk * be), &mut acc[r]) };
             }
             if let Some(next) = &next {
-                while prefetched < (blk + 1) * bb {
-                    for row in next {
-                        // A hint only: prefetches never fault, and the address stays in the row.
-                        _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(prefetched) as *const i8);
-                    }
-                    prefetched += 64;
-                }
+                prefetch_rows_through(next, &mut prefetched, (blk + 1) * bb);
             }
         }
         for r in 0..R {
@@ -751,25 +761,6 @@ pub(crate) mod avx2 {
         cols: usize,
         out: &mut [f32],
     ) -> bool {
-        macro_rules! by_rows {
-            ($q:expr) => {
-                match rows.len() {
-                    // SAFETY: forwarded from the caller; the row count matches R.
-                    8 => unsafe { fused_rows::<{ $q }, 8>(dtype, rows, prefetch_rows, x, cols, out) },
-                    // SAFETY: as above.
-                    1 => unsafe { fused_rows::<{ $q }, 1>(dtype, rows, prefetch_rows, x, cols, out) },
-                    _ => return false,
-                }
-            };
-        }
-        match dtype {
-            WeightDType::Q8_0 => by_rows!(Q8_0),
-            WeightDType::Q4_0 => by_rows!(Q4_0),
-            WeightDType::Q4_K => by_rows!(Q4_K),
-            WeightDType::Q5_K => by_rows!(Q5_K),
-            WeightDType::Q6_K => by_rows!(Q6_K),
-            _ => return false,
-        }
-        true
+        dispatch_decode_tile!(fused_rows, dtype, rows, prefetch_rows, x, cols, out)
     }
 }
