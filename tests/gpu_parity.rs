@@ -235,6 +235,50 @@ fn forward_last_is_the_last_row() {
     }
 }
 
+/// An all-hot GPU engine for `positions`, with the decode graph on or off.
+fn all_hot_engine(model: &Arc<Model>, positions: usize, graph: bool) -> Box<dyn Engine + '_> {
+    let c = model.config();
+    let mut opts = EngineOptions::new(positions);
+    opts.cuda = moe_lanes::env::cuda_config().unwrap();
+    opts.kind = Some(EngineKind::Gpu);
+    opts.hot = HotChoice::Set(hot_set(Hot::All, c.n_layers, c.n_experts));
+    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
+    opts.gpu.decode_graph = graph;
+    build_engine(model, opts).unwrap().0
+}
+
+/// The replayed decode graph gives the eager decode's logits bit for bit, across a change of
+/// attention bucket (256 positions: a new capture).
+#[test]
+fn decode_graph_matches_eager_bit_for_bit() {
+    if !common::gpu_usable() {
+        return;
+    }
+    for name in &common::fixture_names() {
+        let model = open(name);
+        let c = model.config().clone();
+        let n_steps = 300.min(c.max_positions - 8);
+        let prompt = prompt(model.path());
+        let prompt = &prompt[..prompt.len().min(8)];
+        let (mut eager, mut graph) = (
+            all_hot_engine(&model, prompt.len() + n_steps, false),
+            all_hot_engine(&model, prompt.len() + n_steps, true),
+        );
+        let (mut ce, mut cg) = (
+            eager.new_cache(prompt.len() + n_steps).unwrap(),
+            graph.new_cache(prompt.len() + n_steps).unwrap(),
+        );
+        let mut next = *eager.forward(prompt, Phase::Prefill, &mut ce).unwrap().argmax.last().unwrap();
+        graph.forward(prompt, Phase::Prefill, &mut cg).unwrap();
+        for step in 0..n_steps {
+            let want = eager.forward(&[next], Phase::Decode, &mut ce).unwrap();
+            let got = graph.forward(&[next], Phase::Decode, &mut cg).unwrap();
+            assert_eq!(got.row(0), want.row(0), "{name}: decode step {step} differs from the eager call");
+            next = want.argmax[0];
+        }
+    }
+}
+
 #[test]
 fn exchanges_keep_output_exact() {
     if !common::gpu_usable() {

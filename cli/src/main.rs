@@ -573,6 +573,7 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.gpu.faults = env::faults()?;
     opts.gpu.hot_gemm = env::hot_gemm()?;
     opts.gpu.hot_dequant_overlap = env::hot_dequant_overlap();
+    opts.gpu.decode_graph = env::decode_graph();
     if let Some(b) = env::hot_dequant_bytes()? {
         opts.gpu.hot_dequant_bytes = b;
     }

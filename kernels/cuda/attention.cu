@@ -94,14 +94,18 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
 // and writes a partial (max m, sum l of exp(score - m), acc[hd] = sum exp(score - m) * v) to
 // part[((t * n_heads + h) * splits + s) * (hd + 2)]: acc, then m, then l. An empty chunk writes
 // m = -inf, l = 0, acc = 0. grid (splits, n_heads, T), block 32 * ATT_SPLIT_WARPS (each warp scores
-// ATT_CHUNK / ATT_SPLIT_WARPS positions).
+// ATT_CHUNK / ATT_SPLIT_WARPS positions). pos_ptr non-null (the decode graph): the first query's
+// position comes from device memory, and the grid may hold more splits than the keys need (the
+// extra chunks are empty).
 #define ATT_SPLIT_PER_WARP (ATT_CHUNK / ATT_SPLIT_WARPS)
 static_assert(ATT_CHUNK % ATT_SPLIT_WARPS == 0, "every warp scores the same number of positions");
 static_assert(ATT_MAXC * 32 == ATT_MAX_HEAD_DIM, "ATT_MAXC values per lane cover the largest head");
 extern "C" __global__ void attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
                                                const float* __restrict__ vc, float* __restrict__ part, int pos0,
-                                               int n_heads, int n_kv, int hd, int window, float scale, int splits) {
+                                               int n_heads, int n_kv, int hd, int window, float scale, int splits,
+                                               const int* __restrict__ pos_ptr) {
     __shared__ float sc[ATT_CHUNK];
+    if (pos_ptr) pos0 = *pos_ptr;
     __shared__ float red[ATT_SPLIT_WARPS * ATT_MAX_HEAD_DIM];
     int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
     int pos = pos0 + t;

@@ -35,12 +35,27 @@ extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int 
 // Fused decode/prefill q/k post-processing: optional per-head RMSNorm (qw / kw, null for none),
 // then RoPE, for the nh query heads and nkv key heads of token t (position pos0 + t). Same math and
 // summation order as rmsnorm_f32 (block 256) followed by rope_f32. grid (T, nh + nkv), block 256.
+// Appending (kc non-null, the decode graph): the position comes from device memory (*pos_ptr,
+// so a captured graph replays for every token), the roped key heads go to the key cache row
+// pos + t instead of back into k, and nkv more blocks (grid (T, nh + 2 nkv)) copy the value heads
+// of v into the value cache row pos + t (rows of kv_dim = k_stride).
 extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __restrict__ qw,
                                             const float* __restrict__ kw, int q_stride, int k_stride, int nh,
-                                            int hd, int pos0, float theta, int interleaved, float eps) {
+                                            int hd, int pos0, float theta, int interleaved, float eps,
+                                            const int* __restrict__ pos_ptr, float* __restrict__ kc,
+                                            float* __restrict__ vc, const float* __restrict__ v, int nkv) {
     int t = blockIdx.x, h = blockIdx.y, half = hd / 2;
+    if (kc) pos0 = *pos_ptr;
+    if (kc && h >= nh + nkv) {  // value head copy into the cache
+        size_t off = (size_t)(h - nh - nkv) * hd;
+        const float* src = v + (size_t)t * k_stride + off;
+        float* dst = vc + (size_t)(pos0 + t) * k_stride + off;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = src[i];
+        return;
+    }
     bool is_q = h < nh;
     float* xh = is_q ? q + (size_t)t * q_stride + (size_t)h * hd : k + (size_t)t * k_stride + (size_t)(h - nh) * hd;
+    float* yh = (!is_q && kc) ? kc + (size_t)(pos0 + t) * k_stride + (size_t)(h - nh) * hd : xh;
     const float* w = is_q ? qw : kw;
     float inv = 1.f;
     if (w) {
@@ -61,7 +76,7 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
             x0 = x0 * inv * w[a];
             x1 = x1 * inv * w[b];
         }
-        xh[a] = x0 * c - x1 * s;
-        xh[b] = x1 * c + x0 * s;
+        yh[a] = x0 * c - x1 * s;
+        yh[b] = x1 * c + x0 * s;
     }
 }

@@ -235,6 +235,7 @@ fn attention_causal_gqa_matches_cpu() {
                 n_kv,
                 hd,
                 window,
+                None,
             )
             .unwrap();
             let got2 = be.read_vec(out2.ptr()).unwrap();
@@ -681,8 +682,23 @@ fn qk_norm_rope_matches_norm_then_rope() {
             let (dq, dk) = (be.upload(&q).unwrap(), be.upload(&k).unwrap());
             let (dqw, dkw) = (be.upload(&qw).unwrap(), be.upload(&kw).unwrap());
             let norm = with_norm.then(|| (dqw.ptr(), dkw.ptr()));
-            be.qk_norm_rope(dq.ptr(), dk.ptr(), norm, t, nh, nkv, qs, ks, hd, pos0, 1e6, interleaved, 1e-6)
-                .unwrap();
+            be.qk_norm_rope(
+                dq.ptr(),
+                dk.ptr(),
+                norm,
+                t,
+                nh,
+                nkv,
+                qs,
+                ks,
+                hd,
+                pos0,
+                1e6,
+                interleaved,
+                1e-6,
+                None,
+            )
+            .unwrap();
             let (gq, gk) = (be.read_vec(dq.ptr()).unwrap(), be.read_vec(dk.ptr()).unwrap());
             // reference: the separate kernels
             let (rq, rk) = (be.upload(&q).unwrap(), be.upload(&k).unwrap());

@@ -8,7 +8,7 @@ use super::GpuError;
 use crate::model::adapter::{QkNorm, RopeStyle, RoutingVariant};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
-use moe_lanes_kernels::cuda::ops::RouteVariant;
+use moe_lanes_kernels::cuda::ops::{DevicePos, KvAppend, RouteVariant};
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, TypedWeights};
 
 impl GpuModel {
@@ -100,8 +100,18 @@ impl GpuModel {
         let s = self.scratch.as_ref().expect("reserved");
         let w = &self.w.layers[l];
         self.be.rmsnorm(s.hidden.ptr(), w.attn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
-        let k_new = cache.k[l].ptr().sub(pos0 * kvd, t * kvd);
-        let v_new = cache.v[l].ptr().sub(pos0 * kvd, t * kvd);
+        // The decode graph writes the new key/value rows to scratch; the q/k norm + RoPE kernel
+        // appends them at the position it reads from the device.
+        let (k_new, v_new, append) = match self.step {
+            Some(_) => {
+                let (k, v) = (s.kv_step.ptr().sub(0, kvd), s.kv_step.ptr().sub(kvd, kvd));
+                let (kc, vc) = (cache.k[l].ptr(), cache.v[l].ptr());
+                (k, v, Some(KvAppend { pos: s.step.ptr().sub(1, 1), v, k_cache: kc, v_cache: vc }))
+            }
+            None => {
+                (cache.k[l].ptr().sub(pos0 * kvd, t * kvd), cache.v[l].ptr().sub(pos0 * kvd, t * kvd), None)
+            }
+        };
         let qkv_bf16 = [w.q.view().bf16(), w.k.view().bf16(), w.v.view().bf16()];
         if let (Phase::Decode, [Some(q), Some(k), Some(v)]) = (phase, qkv_bf16) {
             self.be.gemv3_bf16([q, k, v], s.normed.ptr(), [s.q.ptr(), k_new, v_new], [qd, kvd, kvd], t, h)?;
@@ -116,7 +126,7 @@ impl GpuModel {
                 self.be.add_bias_rows(dst, b.ptr(), t, dim)?;
             }
         }
-        self.qk_norm_rope(l, t, pos0, s.q.ptr(), k_new, v_new)?;
+        self.qk_norm_rope(l, t, pos0, s.q.ptr(), k_new, v_new, append)?;
         self.mark(l, 1)?;
         self.attention(l, phase, t, pos0, cache)?;
         self.mark(l, 2)?;
@@ -127,7 +137,15 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Per-head q/k norm (or none) and RoPE, fused into one launch when no clamp sits between.
+    /// Whether q/k norm and RoPE run as the one fused launch (no clamp between them and a norm
+    /// the fused kernel does); the decode graph needs it (its KV append lives there).
+    pub(crate) fn qk_fused(&self) -> bool {
+        self.cfg.clip_qkv.is_none() && matches!(self.adapter.qk_norm, QkNorm::None | QkNorm::PerHead)
+    }
+
+    /// Per-head q/k norm (or none) and RoPE, fused into one launch when no clamp sits between
+    /// (`append`: the decode graph's, see [`KvAppend`]; only on the fused path).
+    #[allow(clippy::too_many_arguments)]
     fn qk_norm_rope(
         &self,
         l: usize,
@@ -136,19 +154,20 @@ impl GpuModel {
         q: DPtr<f32>,
         k_new: DPtr<f32>,
         v_new: DPtr<f32>,
+        append: Option<KvAppend>,
     ) -> Result<(), GpuError> {
         let (c, be, w) = (&self.cfg, &self.be, &self.w.layers[l]);
         let (qd, kvd, hd, nh, nkv) = (c.q_dim(), c.kv_dim(), c.head_dim, c.n_heads, c.n_kv_heads);
         let interleaved = c.rope_style == RopeStyle::Interleaved;
         let norms =
             || (w.q_norm.as_ref().expect("validated").ptr(), w.k_norm.as_ref().expect("validated").ptr());
-        let fused = c.clip_qkv.is_none() && matches!(self.adapter.qk_norm, QkNorm::None | QkNorm::PerHead);
-        if fused {
+        if self.qk_fused() {
             let norm = (self.adapter.qk_norm == QkNorm::PerHead).then(norms);
             let (theta, eps) = (c.rope_theta, c.rms_eps);
-            be.qk_norm_rope(q, k_new, norm, t, nh, nkv, qd, kvd, hd, pos0, theta, interleaved, eps)?;
+            be.qk_norm_rope(q, k_new, norm, t, nh, nkv, qd, kvd, hd, pos0, theta, interleaved, eps, append)?;
             return Ok(());
         }
+        assert!(append.is_none(), "the decode graph runs only with the fused q/k norm + RoPE");
         match self.adapter.qk_norm {
             QkNorm::None => {}
             QkNorm::PerHead => {
@@ -170,6 +189,18 @@ impl GpuModel {
         Ok(())
     }
 
+    /// The split decode attention's partials for `t` rows over the whole cache (grows, never
+    /// shrinks).
+    pub(crate) fn reserve_attention(&mut self, t: usize, cache: &GpuKvCache) -> Result<(), GpuError> {
+        let c = &self.cfg;
+        let need = CudaBackend::attention_split_scratch(t, c.n_heads, c.head_dim, cache.capacity);
+        if self.attn_part.as_ref().is_none_or(|b| b.len() < need) {
+            self.attn_part = None; // free first
+            self.attn_part = Some(self.be.alloc_zeros::<f32>(need)?);
+        }
+        Ok(())
+    }
+
     /// Decode: positions split over many blocks, partials combined by a second kernel.
     fn attention(
         &mut self,
@@ -182,16 +213,15 @@ impl GpuModel {
         let c = &self.cfg;
         let (nh, nkv, hd, window) = (c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window.unwrap_or(0));
         if phase == Phase::Decode {
-            let need = CudaBackend::attention_split_scratch(t, nh, hd, cache.capacity);
-            if self.attn_part.as_ref().is_none_or(|b| b.len() < need) {
-                self.attn_part = Some(self.be.alloc_zeros::<f32>(need)?);
-            }
+            self.reserve_attention(t, cache)?;
         }
         let s = self.scratch.as_ref().expect("reserved");
         let (q, kc, vc, out) = (s.q.ptr(), cache.k[l].ptr(), cache.v[l].ptr(), s.attn.ptr());
         match (&self.attn_part, phase) {
             (Some(part), Phase::Decode) => {
-                self.be.attention_split(q, kc, vc, out, part.ptr(), t, pos0, nh, nkv, hd, window)?
+                let at =
+                    self.step.map(|max_positions| DevicePos { pos: s.step.ptr().sub(1, 1), max_positions });
+                self.be.attention_split(q, kc, vc, out, part.ptr(), t, pos0, nh, nkv, hd, window, at)?
             }
             _ if self.opts.prefill_attention == PrefillAttention::Tiled
                 && CudaBackend::attention_tiled_fits(hd) =>

@@ -13,6 +13,7 @@
 pub mod cold;
 mod dense;
 mod error;
+mod graph;
 mod hot_cache;
 mod hot_dequant;
 mod kv;

@@ -4,6 +4,7 @@
 //! `stats`.
 
 use super::cold::{ColdExperts, CpuColdExperts};
+use super::graph::DecodeGraph;
 use super::hot_cache::HotCache;
 use super::hot_dequant::{HotDequant, HOT_DEQUANT_SCRATCH_BYTES};
 use super::kv::GpuKvCache;
@@ -21,7 +22,7 @@ use crate::moe::faults::{FaultLane, LaneFault, LaneFaultSchedule};
 use crate::moe::phase::Phase;
 use crate::moe::pipeline::LogitRows;
 use crate::reference::ForwardError;
-use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer};
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -173,6 +174,9 @@ pub struct GpuOptions {
     pub copy_logits: bool,
     pub hot_lane_timeout: Duration,
     pub faults: GpuFaults,
+    /// One-token decode calls over a model whose layers are all hot replay a captured CUDA graph
+    /// (`graph`); off: every kernel is launched one by one (`MOE_LANES_GPU_GRAPH=0` at the CLI).
+    pub decode_graph: bool,
 }
 
 impl Default for GpuOptions {
@@ -188,6 +192,7 @@ impl Default for GpuOptions {
             copy_logits: true,
             hot_lane_timeout: HOT_LANE_TIMEOUT,
             faults: GpuFaults::default(),
+            decode_graph: true,
         }
     }
 }
@@ -238,6 +243,11 @@ pub struct GpuModel {
     /// GEMMs (none for a float model or `HotGemm::PerExpert`).
     pub(crate) hot_dequant: Option<HotDequant>,
     pub(super) call_idx: u64,
+    /// The captured one-token decode call, replayed while its key holds.
+    pub(super) graph: Option<DecodeGraph>,
+    /// While a decode graph is captured: the most positions its attention is sized for (the
+    /// position itself is read from device memory, `Scratch::step`).
+    pub(crate) step: Option<usize>,
 }
 
 impl GpuModel {
@@ -274,6 +284,8 @@ impl GpuModel {
             dequant,
             hot_dequant,
             call_idx: 0,
+            graph: None,
+            step: None,
             lane_events,
             hot,
             w,
@@ -291,6 +303,7 @@ impl GpuModel {
     /// Allocate the hot cache once (capacity = each layer's hot count) and fill it.
     pub fn allocate_hot(&mut self, set: &HotSet) -> Result<(), GpuError> {
         self.be.bind_to_thread()?;
+        self.graph = None; // its slot pointers go with the old cache
         self.hot.allocate(&self.be, &self.model, set)
     }
 
@@ -425,6 +438,9 @@ impl GpuModel {
         let t = tokens.len();
         self.reserve_tokens(t)?;
         let pos0 = cache.n_positions;
+        if self.graph_eligible(tokens, phase) {
+            return self.forward_graph(tokens[0], cache, cold, rows, call_start);
+        }
         self.embed(tokens)?;
         for l in 0..self.cfg.n_layers {
             self.mark(l, 0)?;
@@ -445,10 +461,16 @@ impl GpuModel {
         self.host.tokens_i32.extend(tokens.iter().map(|&x| x as i32));
         self.mark_tail(0)?;
         self.be.write(&self.host.tokens_i32, s.tokens.ptr())?;
-        let (table, n, h) = (self.w.embed.view(), tokens.len(), self.cfg.hidden);
+        self.embed_rows(s.tokens.ptr().sub(0, tokens.len()))
+    }
+
+    /// The embedding rows of the token ids at `ids` (on the device) into the hidden rows.
+    pub(super) fn embed_rows(&self, ids: DPtr<i32>) -> Result<(), GpuError> {
+        let s = self.scratch.as_ref().expect("reserved");
+        let (table, n, h) = (self.w.embed.view(), ids.len(), self.cfg.hidden);
         match table.bf16() {
-            Some(bf) => self.be.embed(bf, s.tokens.ptr(), s.hidden.ptr(), n, h)?,
-            None => self.be.embed_typed(table, self.cfg.vocab, s.tokens.ptr(), s.hidden.ptr(), n, h)?,
+            Some(bf) => self.be.embed(bf, ids, s.hidden.ptr(), n, h)?,
+            None => self.be.embed_typed(table, self.cfg.vocab, ids, s.hidden.ptr(), n, h)?,
         }
         Ok(())
     }
@@ -456,6 +478,13 @@ impl GpuModel {
     /// Final norm, lm_head, greedy tokens on the GPU, and the copies back, for the `rows` asked
     /// for (`Last`: the last token's row alone, by the one-row GEMV).
     fn head(&mut self, phase: Phase, t: usize, rows: LogitRows) -> Result<Logits, GpuError> {
+        let n = self.head_kernels(phase, t, rows)?;
+        self.head_copies(t, n)
+    }
+
+    /// The head's kernels (final norm, lm_head, argmax) for the `rows` asked for; returns how
+    /// many logits rows they wrote.
+    pub(super) fn head_kernels(&self, phase: Phase, t: usize, rows: LogitRows) -> Result<usize, GpuError> {
         let (c, be) = (&self.cfg, &self.be);
         let s = self.scratch.as_ref().expect("reserved");
         let (first, n, phase) = match rows {
@@ -474,6 +503,13 @@ impl GpuModel {
             be.argmax(s.logits.ptr(), n, c.vocab, s.argmax())?;
         }
         self.mark_tail(2)?;
+        Ok(n)
+    }
+
+    /// The head's copies back: every logits row when asked for, and the greedy tokens.
+    pub(super) fn head_copies(&mut self, t: usize, n: usize) -> Result<Logits, GpuError> {
+        let (c, be) = (&self.cfg, &self.be);
+        let s = self.scratch.as_ref().expect("reserved");
         let mut data = Vec::new();
         if self.opts.copy_logits {
             data = vec![0f32; n * c.vocab];
@@ -499,7 +535,7 @@ impl GpuModel {
     }
 
     /// After the stream is idle: lane statistics, perf state, profile.
-    fn finish_call(
+    pub(super) fn finish_call(
         &mut self,
         phase: Phase,
         t: usize,
@@ -574,7 +610,7 @@ impl GpuModel {
         Ok(())
     }
 
-    fn mark_tail(&self, m: usize) -> Result<(), GpuError> {
+    pub(super) fn mark_tail(&self, m: usize) -> Result<(), GpuError> {
         if let Some(p) = &self.profiler {
             self.be.record(&p.tail_marks[m])?;
         }

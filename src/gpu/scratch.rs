@@ -44,6 +44,11 @@ pub(crate) struct Scratch {
     pub cap: usize,
     pub layout: WorkLayout,
     pub tokens: DeviceBuffer<i32>,
+    /// The decode graph's per-token input: the token and its position (one upload per token).
+    pub step: DeviceBuffer<i32>,
+    /// The decode graph's new key row then value row (`2 * kv_dim`): the graph's q/k/v GEMVs
+    /// write here and the fused q/k norm + RoPE appends them to the cache at the device position.
+    pub kv_step: DeviceBuffer<f32>,
     pub hidden: DeviceBuffer<f32>,
     pub normed: DeviceBuffer<f32>,
     pub moe_out: DeviceBuffer<f32>,
@@ -94,6 +99,8 @@ impl Scratch {
             cap,
             layout,
             tokens: be.alloc_zeros::<i32>(cap)?,
+            step: be.alloc_zeros::<i32>(2)?,
+            kv_step: f(2 * c.kv_dim())?,
             hidden: f(cap * c.hidden)?,
             normed: f(cap * c.hidden)?,
             moe_out: f(cap * c.hidden)?,

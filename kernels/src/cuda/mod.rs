@@ -282,6 +282,16 @@ impl Drop for GpuEvent {
     }
 }
 
+/// A captured and instantiated sequence of the compute stream's work (the decode graph).
+pub struct StreamGraph {
+    graph: cudarc::driver::CudaGraph,
+}
+
+// SAFETY: a graph and its executable are driver handles that any thread may use once the
+// context is bound (`CudaGraph::launch` binds it); this value owns them exclusively and `&mut`/
+// ownership serialise every use, as the driver requires of graph objects.
+unsafe impl Send for StreamGraph {}
+
 /// One GPU: context, dedicated stream, cuBLAS handle and the compiled kernels.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -294,6 +304,8 @@ pub struct CudaBackend {
     functions: Vec<CudaFunction>,
     info: DeviceInfo,
     compile: CompileReport,
+    /// The compute stream is being captured into a graph (event records become graph nodes).
+    capturing: std::sync::atomic::AtomicBool,
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -394,7 +406,16 @@ impl CudaBackend {
                 .collect::<Result<Vec<_>>>()?;
             let blas = CudaBlas::new(stream.clone())
                 .map_err(|source| CudaError::Cublas { what: "cublasCreate", source })?;
-            Ok(CudaBackend { ctx, stream, side, blas, functions, info, compile })
+            Ok(CudaBackend {
+                ctx,
+                stream,
+                side,
+                blas,
+                functions,
+                info,
+                compile,
+                capturing: Default::default(),
+            })
         })
     }
 
@@ -655,10 +676,44 @@ impl CudaBackend {
         Ok(GpuEvent { ev, ctx: self.ctx.clone() })
     }
 
-    /// Record `ev` on the stream: it completes when everything queued so far has.
+    /// Record `ev` on the stream: it completes when everything queued so far has. While the
+    /// stream is being captured ([`CudaBackend::begin_capture`]) the record becomes a node of the
+    /// graph (an external record), so the event times every replay.
     pub fn record(&self, ev: &GpuEvent) -> Result<()> {
+        if self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+            let flags = sys::CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL as u32;
+            // SAFETY: `ev` is a live event of this context and the stream is this backend's.
+            return unsafe { sys::cuEventRecordWithFlags(ev.ev, self.stream_raw(), flags) }
+                .result()
+                .ctx("cuEventRecordWithFlags");
+        }
         // SAFETY: `ev` is a live event of this context and the stream is this backend's.
         unsafe { drv::event::record(ev.ev, self.stream_raw()) }.ctx("cuEventRecord")
+    }
+
+    /// Start capturing the compute stream's work into a graph instead of running it (this
+    /// thread's calls only). Nothing captured may wait on the host: no synchronous copies, no
+    /// pinned-buffer fences, no allocations; [`CudaBackend::end_capture`] ends it either way.
+    pub fn begin_capture(&self) -> Result<()> {
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        self.stream.begin_capture(mode).ctx("cuStreamBeginCapture")?;
+        self.capturing.store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// End the capture begun by [`CudaBackend::begin_capture`] and instantiate what it holds.
+    pub fn end_capture(&self) -> Result<StreamGraph> {
+        self.capturing.store(false, std::sync::atomic::Ordering::Relaxed);
+        let flags = sys::CUgraphInstantiate_flags(0);
+        match self.stream.end_capture(flags).ctx("cuStreamEndCapture")? {
+            Some(graph) => Ok(StreamGraph { graph }),
+            None => Err(CudaError::Shape { kernel: "graph", reason: "the capture holds no work".into() }),
+        }
+    }
+
+    /// Queue a replay of `graph` on the compute stream.
+    pub fn launch_graph(&self, graph: &StreamGraph) -> Result<()> {
+        graph.graph.launch().ctx("cuGraphLaunch")
     }
 
     fn function(&self, kernel: Kernel) -> &CudaFunction {

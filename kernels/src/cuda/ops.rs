@@ -185,6 +185,35 @@ impl GroupedShape {
     }
 }
 
+/// The decode graph's key/value append ([`CudaBackend::qk_norm_rope`]): the call's first position
+/// is read from `pos` on the device, the new key rows (roped in the kernel) and value rows `v`
+/// (`[n_tokens, kv_dim]`) go to rows `pos..` of the caches (`[capacity, kv_dim]`). The host
+/// writes a position below `capacity - n_tokens + 1` (the kernel cannot check it).
+#[derive(Debug, Clone, Copy)]
+pub struct KvAppend {
+    pub pos: DPtr<i32>,
+    pub v: DPtr<f32>,
+    pub k_cache: DPtr<f32>,
+    pub v_cache: DPtr<f32>,
+}
+
+impl KvAppend {
+    fn check(&self, kernel: Kernel, n_tokens: usize, kv_dim: usize) -> Result<()> {
+        need(kernel, "pos", self.pos, 1)?;
+        need(kernel, "v", self.v, n_tokens * kv_dim)?;
+        need(kernel, "k cache", self.k_cache, n_tokens * kv_dim)?;
+        need(kernel, "v cache", self.v_cache, self.k_cache.len())
+    }
+}
+
+/// A query position held in device memory (the decode graph replays for every token), and the
+/// most positions before it the call may see (the split attention's grid is sized for them).
+#[derive(Debug, Clone, Copy)]
+pub struct DevicePos {
+    pub pos: DPtr<i32>,
+    pub max_positions: usize,
+}
+
 impl CudaBackend {
     /// `y[t, :] (+)= W · x[t, :]` for `t < n_tokens`; W `[n, k]` bf16. Decode GEMV.
     pub fn gemv_bf16(
@@ -332,7 +361,8 @@ impl CudaBackend {
     /// Per-head RMSNorm (weights `qw` / `kw` of `head_dim`, or none) then RoPE on the `n_heads`
     /// query heads of `q` (rows of `q_stride`) and `n_kv` key heads of `k` (rows of `k_stride`),
     /// token `t` at position `pos0 + t`, in one launch. Same results as [`Self::rmsnorm`] per head
-    /// followed by [`Self::rope`].
+    /// followed by [`Self::rope`]. With `append` (the decode graph) the position is read from
+    /// device memory and the new key and value rows go into the caches (see [`KvAppend`]).
     pub fn qk_norm_rope(
         &self,
         q: DPtr<f32>,
@@ -348,6 +378,7 @@ impl CudaBackend {
         theta: f32,
         interleaved: bool,
         eps: f32,
+        append: Option<KvAppend>,
     ) -> Result<()> {
         const K: Kernel = Kernel::QkNormRopeF32;
         if head_dim & 1 == 1 || n_heads * head_dim > q_stride || n_kv * head_dim > k_stride {
@@ -369,9 +400,16 @@ impl CudaBackend {
             None => (0, 0),
         };
         let il = interleaved as i32;
+        let (pos, kc, vc, v, heads) = match append {
+            Some(a) => {
+                a.check(K, n_tokens, k_stride)?;
+                (a.pos.raw(), a.k_cache.raw(), a.v_cache.raw(), a.v.raw(), n_heads + 2 * n_kv)
+            }
+            None => (0, 0, 0, 0, n_heads + n_kv),
+        };
         self.launch(
             K,
-            (n_tokens as u32, (n_heads + n_kv) as u32, 1),
+            (n_tokens as u32, heads as u32, 1),
             BLOCK,
             0,
             args![
@@ -386,7 +424,12 @@ impl CudaBackend {
                 i(pos0),
                 theta,
                 il,
-                eps
+                eps,
+                pos,
+                kc,
+                vc,
+                v,
+                i(n_kv)
             ],
         )
     }
@@ -524,11 +567,17 @@ impl CudaBackend {
         n_kv: usize,
         head_dim: usize,
         window: usize,
+        at: Option<DevicePos>,
     ) -> Result<()> {
         const K: Kernel = Kernel::AttentionSplitF32;
-        let total = pos0 + n_tokens;
+        // From device memory the position is unknown here: check (and size the grid) for the
+        // most positions the call may see.
+        let total = at.map_or(pos0, |a| a.max_positions) + n_tokens;
         let heads = AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim };
         check_attention(K, [q, k_cache, v_cache, out], heads, ATTENTION_MAX_HEAD_DIM)?;
+        if let Some(a) = at {
+            need(K, "pos", a.pos, 1)?;
+        }
         let visible = if window > 0 { window.min(total) } else { total };
         let splits = visible.div_ceil(ATTENTION_SPLIT_CHUNK).max(1);
         need(K, "part", part, Self::attention_split_scratch(n_tokens, n_heads, head_dim, visible))?;
@@ -549,7 +598,8 @@ impl CudaBackend {
                 i(head_dim),
                 i(window),
                 scale,
-                i(splits)
+                i(splits),
+                at.map_or(0, |a| a.pos.raw())
             ],
         )?;
         self.launch(

@@ -1,0 +1,167 @@
+//! The decode graph: a one-token decode call over a model whose every layer is all hot has no
+//! host step between its kernels (the worklist is built on the GPU, nothing goes to the cold
+//! lane), so it is captured once into a CUDA graph and replayed for every later token: one
+//! launch instead of about a dozen per layer, and no launch gaps between the kernels on the GPU.
+//!
+//! What changes from token to token lives in device memory (`Scratch::step`: the token id and
+//! its position, one small upload per token): the embedding reads the id, the fused q/k norm +
+//! RoPE kernel reads the position and appends the new key/value rows to the cache there, and the
+//! split attention reads it too, over a grid sized for a bucket of positions (powers of two):
+//! crossing into the next bucket captures again. Every pointer the graph holds is part of its
+//! key (KV cache, scratch, attention partials; a new hot-cache allocation drops the graph);
+//! exchanges rewrite slots in place, so they only need ordering before the launch. The results
+//! are the eager call's, bit for bit (the same kernels in the same order; the extra attention
+//! splits are empty and add exact zeros).
+
+use super::cold::ColdExperts;
+use super::kv::GpuKvCache;
+use super::model::{GpuFaults, GpuModel};
+use super::stats::LayerRecord;
+use super::GpuError;
+use crate::engine::Logits;
+use crate::moe::phase::Phase;
+use crate::moe::pipeline::LogitRows;
+use moe_lanes_kernels::cuda::StreamGraph;
+use std::time::Instant;
+
+/// Smallest attention bucket: positions below it share one graph.
+const MIN_GRAPH_POSITIONS: usize = 256;
+
+/// Everything a captured decode graph points at; a change means capturing again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct GraphKey {
+    kv_cache: u64,
+    scratch: u64,
+    attn_part: u64,
+    /// The split attention's grid covers this many positions before the token.
+    max_positions: usize,
+    profile: bool,
+}
+
+pub(crate) struct DecodeGraph {
+    graph: StreamGraph,
+    key: GraphKey,
+    /// The layer records the captured call left: a replay does the same work.
+    records: Vec<LayerRecord>,
+}
+
+/// The attention bucket for a token at `pos0` in a cache of `capacity` positions: the grid
+/// covers `bucket + 1` positions, at least `pos0 + 1` and at most `capacity`.
+fn positions_bucket(pos0: usize, capacity: usize) -> usize {
+    assert!(pos0 < capacity, "the call was checked against the cache capacity");
+    (pos0 + 1).next_power_of_two().max(MIN_GRAPH_POSITIONS).min(capacity) - 1
+}
+
+impl GpuModel {
+    /// Whether this call runs as the decode graph: one decode token, graphs on, no injected
+    /// faults, every layer all hot (no cold lane, no host step), the fused q/k norm + RoPE.
+    pub(super) fn graph_eligible(&self, tokens: &[u32], phase: Phase) -> bool {
+        self.opts.decode_graph
+            && phase == Phase::Decode
+            && tokens.len() == 1
+            && self.opts.faults == GpuFaults::default()
+            && self.qk_fused()
+            && (0..self.cfg.n_layers).all(|l| self.hot.all_hot(l))
+    }
+
+    /// The decode call through the graph (captured first when its key changed).
+    pub(super) fn forward_graph(
+        &mut self,
+        token: u32,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+        rows: LogitRows,
+        call_start: Instant,
+    ) -> Result<Logits, GpuError> {
+        let pos0 = cache.n_positions;
+        for l in 0..self.cfg.n_layers {
+            self.hot.order_after_exchanges(&self.be, l)?; // outside the graph: it may wait
+        }
+        self.reserve_attention(1, cache)?;
+        let key = self.graph_key(cache, positions_bucket(pos0, cache.capacity));
+        let s = self.scratch.as_ref().expect("reserved");
+        self.be.write(&[token as i32, pos0 as i32], s.step.ptr())?;
+        if self.graph.as_ref().is_none_or(|g| g.key != key) {
+            self.graph = None;
+            self.graph = Some(self.capture(key, pos0, cache, cold, rows)?);
+        }
+        let g = self.graph.as_ref().expect("captured above");
+        self.be.launch_graph(&g.graph)?;
+        let hot_at = Some(Instant::now());
+        self.records.clone_from(&g.records);
+        self.records.iter_mut().for_each(|r| r.hot_at = hot_at);
+        let copy_start = Instant::now();
+        let logits = self.head_copies(1, 1)?;
+        let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
+        cache.n_positions += 1;
+        self.finish_call(Phase::Decode, 1, call_start, copy_start, copy_us)?;
+        Ok(logits)
+    }
+
+    fn graph_key(&self, cache: &GpuKvCache, max_positions: usize) -> GraphKey {
+        let s = self.scratch.as_ref().expect("reserved");
+        GraphKey {
+            kv_cache: cache.k[0].ptr().raw(),
+            scratch: s.hidden.ptr().raw(),
+            attn_part: self.attn_part.as_ref().map_or(0, |p| p.ptr().raw()),
+            max_positions,
+            profile: self.profiler.is_some(),
+        }
+    }
+
+    /// Capture one decode call's kernels (embedding to argmax) into a graph. The capture always
+    /// ends, so a failed enqueue leaves the stream usable.
+    fn capture(
+        &mut self,
+        key: GraphKey,
+        pos0: usize,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+        rows: LogitRows,
+    ) -> Result<DecodeGraph, GpuError> {
+        self.be.begin_capture()?;
+        self.step = Some(key.max_positions);
+        let enqueued = self.enqueue_decode(pos0, cache, cold, rows);
+        self.step = None;
+        let graph = self.be.end_capture();
+        enqueued?;
+        Ok(DecodeGraph { graph: graph?, key, records: self.records.clone() })
+    }
+
+    fn enqueue_decode(
+        &mut self,
+        pos0: usize,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+        rows: LogitRows,
+    ) -> Result<(), GpuError> {
+        let s = self.scratch.as_ref().expect("reserved");
+        self.mark_tail(0)?;
+        self.embed_rows(s.step.ptr().sub(0, 1))?;
+        for l in 0..self.cfg.n_layers {
+            self.mark(l, 0)?;
+            self.attention_block(l, Phase::Decode, 1, pos0, cache)?;
+            self.moe_block(l, Phase::Decode, 1, cold)?;
+        }
+        self.head_kernels(Phase::Decode, 1, rows)?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_cover_the_position_and_stay_in_the_cache() {
+        assert_eq!(positions_bucket(0, 4096), 255);
+        assert_eq!(positions_bucket(255, 4096), 255);
+        assert_eq!(positions_bucket(256, 4096), 511);
+        assert_eq!(positions_bucket(3000, 4096), 4095);
+        assert_eq!(positions_bucket(10, 100), 99);
+        for (pos0, cap) in [(0, 1), (7, 8), (511, 513), (1000, 5000)] {
+            let b = positions_bucket(pos0, cap);
+            assert!(b >= pos0 && b < cap, "{pos0} {cap} -> {b}");
+        }
+    }
+}
