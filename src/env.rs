@@ -15,6 +15,7 @@
 //! | `MOE_LANES_HOT_DEQUANT_MIB` | VRAM for quantized hot slots dequantized to bf16 for the grouped prefill GEMMs (default 512; more: fewer chunks; 0: none, quantized slots go per expert through cuBLAS) |
 //! | `MOE_LANES_HOT_DEQUANT_OVERLAP=1` | dequantize those chunks (two half-size ones) on the side stream beside the previous chunk's GEMMs |
 //! | `MOE_LANES_GPU_GRAPH=0` | launch every decode kernel one by one instead of replaying the captured decode graph (all-hot models) |
+//! | `MOE_LANES_GPU_FUSED_ROUTE=0` | decode routing as four launches (norm, router GEMV, top-k, worklist) instead of the fused one |
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `tiled` (default, flash-style tiles of queries x keys) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
@@ -150,6 +151,11 @@ pub fn hot_dequant_overlap() -> bool {
 /// `MOE_LANES_GPU_GRAPH=0`: no decode graph (every kernel launched one by one); on by default.
 pub fn decode_graph() -> bool {
     var("MOE_LANES_GPU_GRAPH").is_none_or(|v| v != "0")
+}
+
+/// `MOE_LANES_GPU_FUSED_ROUTE=0`: decode routing as four launches; fused by default.
+pub fn fused_route() -> bool {
+    var("MOE_LANES_GPU_FUSED_ROUTE").is_none_or(|v| v != "0")
 }
 
 /// The pipeline's A/B switches (`MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE`:

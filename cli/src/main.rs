@@ -574,6 +574,7 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.gpu.hot_gemm = env::hot_gemm()?;
     opts.gpu.hot_dequant_overlap = env::hot_dequant_overlap();
     opts.gpu.decode_graph = env::decode_graph();
+    opts.gpu.fused_route = env::fused_route();
     if let Some(b) = env::hot_dequant_bytes()? {
         opts.gpu.hot_dequant_bytes = b;
     }

@@ -1,17 +1,12 @@
 // Router: top-k expert ids and weights from router logits (both routing variants).
 // Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
-// Router: top-k expert ids and weights per token from logits [T, E]. Ties go to the lower id.
-// variant 0: softmax over all experts, then top-k (renormalised when norm != 0);
-// variant 1: top-k on logits, then softmax over the k. One warp per token: each of the k rounds
-// is a warp argmax (larger value, then lower id) over the experts after the previous pick.
-// grid ceil(T/8), block 256.
-extern "C" __global__ void route_topk(const float* __restrict__ logits, int T, int E, int k, int variant,
-                                      int norm, int* __restrict__ ids, float* __restrict__ weights) {
-    int t = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+// The top-k of one logits row `l` by one warp (every lane calls it): each of the k rounds is a
+// warp argmax (larger value, then lower id) over the experts after the previous pick; lane 0
+// writes ids[0..k] and weights[0..k] (see route_topk for the variants).
+__device__ void topk_row(const float* l, int E, int k, int variant, int norm, int* __restrict__ ids,
+                         float* __restrict__ weights) {
     int lane = threadIdx.x & 31;
-    if (t >= T) return;  // whole warps
-    const float* l = logits + (size_t)t * E;
     float pv = INFINITY;
     int pi = -1;
     float mx = -INFINITY;
@@ -30,8 +25,8 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int T, i
             if (oi >= 0 && (bi < 0 || ov > bv || (ov == bv && oi < bi))) { bv = ov; bi = oi; }
         }
         if (lane == 0) {
-            ids[t * k + j] = bi;
-            weights[t * k + j] = bv;
+            ids[j] = bi;
+            weights[j] = bv;
         }
         if (j == 0) mx = bv;  // the largest logit overall
         pv = bv;
@@ -44,16 +39,90 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int T, i
         if (lane == 0) {
             float sel = 0.f;
             for (int j = 0; j < k; j++) {
-                float p = expf(weights[t * k + j] - mx) / sum;
-                weights[t * k + j] = p;
+                float p = expf(weights[j] - mx) / sum;
+                weights[j] = p;
                 sel += p;
             }
             if (norm)
-                for (int j = 0; j < k; j++) weights[t * k + j] /= sel;
+                for (int j = 0; j < k; j++) weights[j] /= sel;
         }
     } else if (lane == 0) {
         float sum = 0.f;
-        for (int j = 0; j < k; j++) sum += expf(weights[t * k + j] - mx);
-        for (int j = 0; j < k; j++) weights[t * k + j] = expf(weights[t * k + j] - mx) / sum;
+        for (int j = 0; j < k; j++) sum += expf(weights[j] - mx);
+        for (int j = 0; j < k; j++) weights[j] = expf(weights[j] - mx) / sum;
+    }
+}
+
+// Router: top-k expert ids and weights per token from logits [T, E]. Ties go to the lower id.
+// variant 0: softmax over all experts, then top-k (renormalised when norm != 0);
+// variant 1: top-k on logits, then softmax over the k. One warp per token: each of the k rounds
+// is a warp argmax (larger value, then lower id) over the experts after the previous pick.
+// grid ceil(T/8), block 256.
+extern "C" __global__ void route_topk(const float* __restrict__ logits, int T, int E, int k, int variant,
+                                      int norm, int* __restrict__ ids, float* __restrict__ weights) {
+    int t = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (t >= T) return;  // whole warps
+    topk_row(logits + (size_t)t * E, E, k, variant, norm, ids + (size_t)t * k, weights + (size_t)t * k);
+}
+
+// Decode routing in one launch, for the decode graph's fewer launches: the FFN RMSNorm of token
+// row t (every block normalises the row into shared memory with rmsnorm_f32's math and order, so
+// the bits are the same; block 0 also writes it to `normed`), one warp per router row (bf16
+// weights, warp_dot_bf16 as gemv_bf16) into `logits`, and the block that finishes row t last
+// (a per-row counter, reset by that block, so a replayed graph finds it at zero) copies the row's
+// logits (past L1) and takes its top-k (topk_row) and, when `map` is given, the row's hot
+// worklist entries (hot_worklist_tokens's layout). grid (ceil(E / ROWS_PER_BLOCK), T), block
+// 32 * ROWS_PER_BLOCK, dynamic shared (H + E) floats.
+extern "C" __global__ void route_decode(const float* __restrict__ x, const float* __restrict__ nw,
+                                        float* __restrict__ normed, const bf16* __restrict__ W, int H, int E,
+                                        float eps, float* __restrict__ logits, int k, int variant, int norm,
+                                        int* __restrict__ ids, float* __restrict__ weights,
+                                        unsigned* __restrict__ counter, const int* __restrict__ map,
+                                        int* __restrict__ slots, int* __restrict__ tokens,
+                                        int* __restrict__ tok_off, int* __restrict__ tok_rows) {
+    extern __shared__ float4 route_sm4[];
+    float* xs = (float*)route_sm4;  // [H] the normed row, then [E] the logits row
+    __shared__ int last;
+    int t = blockIdx.y, T = gridDim.y;
+    const float* xr = x + (size_t)t * H;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = block_sum(ss);
+    float inv = 1.f / sqrtf(ss / (float)H + eps);
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        float v = xr[i] * inv * nw[i];
+        xs[i] = v;
+        if (blockIdx.x == 0) normed[(size_t)t * H + i] = v;
+    }
+    __syncthreads();
+    int e = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (e < E) {
+        float d = warp_dot_bf16(W + (size_t)e * H, xs, H);
+        if ((threadIdx.x & 31) == 0) logits[(size_t)t * E + e] = d;
+    }
+    __threadfence();  // this block's logits are visible before its count
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&counter[t], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    float* ls = xs + H;
+    for (int i = threadIdx.x; i < E; i += blockDim.x) ls[i] = __ldcg(logits + (size_t)t * E + i);
+    __syncthreads();
+    if (threadIdx.x >= 32) return;
+    int* id = ids + (size_t)t * k;
+    topk_row(ls, E, k, variant, norm, id, weights + (size_t)t * k);
+    __syncwarp();
+    if (threadIdx.x == 0) counter[t] = 0;
+    if (!map) return;
+    for (int j = threadIdx.x; j < k; j += WARP) {
+        int ej = id[j];
+        slots[t * k + j] = (ej >= 0 && ej < E) ? map[ej] : -1;
+        tokens[t * k + j] = t;
+    }
+    if (threadIdx.x == 0) {
+        tok_rows[t] = t;
+        tok_off[t] = t * k;
+        if (t == T - 1) tok_off[T] = T * k;
     }
 }

@@ -411,6 +411,106 @@ fn route_topk_matches_cpu() {
     }
 }
 
+/// The fused decode routing gives the bits of rmsnorm, gemv_bf16, route_topk and
+/// hot_worklist_tokens in turn (for the normed rows, the logits, the top-k and the worklist),
+/// and leaves its per-row counter at zero so the next call (or a graph replay) starts clean.
+#[test]
+fn route_decode_matches_unfused_bit_for_bit() {
+    use moe_lanes_kernels::cuda::ops::{HotWorklist, NormRows};
+    let Some(be) = backend() else { return };
+    for (t, h, e, k) in [(1usize, 2048usize, 128usize, 8usize), (3, 200, 10, 3), (2, 64, 60, 60)] {
+        let x = rnd(t * h, 40);
+        let nw: Vec<f32> = rnd(h, 41).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let (rb, _) = to_bf16(&rnd(e * h, 42));
+        let mut map = vec![-1i32; e];
+        for (j, m) in map.iter_mut().enumerate().filter(|(j, _)| j % 3 != 1) {
+            *m = (j / 2) as i32;
+        }
+        let (dx, dnw, dr, dm) = (
+            be.upload(&x).unwrap(),
+            be.upload(&nw).unwrap(),
+            be.upload(&rb).unwrap(),
+            be.upload(&map).unwrap(),
+        );
+        let bufs = |n: usize| (be.alloc_zeros::<f32>(n).unwrap(), be.alloc_zeros::<f32>(n).unwrap());
+        let (normed_a, normed_b) = bufs(t * h);
+        let (logit_a, logit_b) = bufs(t * e);
+        let (w_a, w_b) = bufs(t * k);
+        let ints = |n: usize| (be.alloc_zeros::<i32>(n).unwrap(), be.alloc_zeros::<i32>(n).unwrap());
+        let (ids_a, ids_b) = ints(t * k);
+        let (sl_a, sl_b) = ints(t * k);
+        let (tk_a, tk_b) = ints(t * k);
+        let (off_a, off_b) = ints(t + 1);
+        let (rows_a, rows_b) = ints(t);
+        let counter = be.alloc_zeros::<u32>(t).unwrap();
+        for (variant, norm) in [(RouteVariant::SoftmaxThenTopK, true), (RouteVariant::TopKThenSoftmax, false)]
+        {
+            be.rmsnorm(dx.ptr(), dnw.ptr(), normed_a.ptr(), t, h, 1e-6).unwrap();
+            be.gemv_bf16(dr.ptr(), normed_a.ptr(), logit_a.ptr(), t, e, h, false).unwrap();
+            be.route_topk(logit_a.ptr(), t, e, k, variant, norm, ids_a.ptr(), w_a.ptr()).unwrap();
+            be.hot_worklist_tokens(
+                dm.ptr(),
+                ids_a.ptr(),
+                t,
+                k,
+                e,
+                sl_a.ptr(),
+                tk_a.ptr(),
+                off_a.ptr(),
+                rows_a.ptr(),
+            )
+            .unwrap();
+            let rows = NormRows {
+                x: dx.ptr(),
+                weight: dnw.ptr(),
+                normed: normed_b.ptr(),
+                n_rows: t,
+                dim: h,
+                eps: 1e-6,
+            };
+            let wl = HotWorklist {
+                map: dm.ptr(),
+                slots: sl_b.ptr(),
+                tokens: tk_b.ptr(),
+                tok_off: off_b.ptr(),
+                tok_rows: rows_b.ptr(),
+            };
+            for _ in 0..2 {
+                be.route_decode(
+                    rows,
+                    dr.ptr(),
+                    e,
+                    k,
+                    variant,
+                    norm,
+                    logit_b.ptr(),
+                    ids_b.ptr(),
+                    w_b.ptr(),
+                    counter.ptr(),
+                    Some(wl),
+                )
+                .unwrap();
+            }
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            let read_f = |p: &moe_lanes_kernels::cuda::DeviceBuffer<f32>| bits(be.read_vec(p.ptr()).unwrap());
+            let read_i = |p: &moe_lanes_kernels::cuda::DeviceBuffer<i32>| be.read_vec(p.ptr()).unwrap();
+            let case = format!("t {t} h {h} e {e} k {k} {variant:?}");
+            assert_eq!(read_f(&normed_a), read_f(&normed_b), "normed rows, {case}");
+            assert_eq!(read_f(&logit_a), read_f(&logit_b), "logits, {case}");
+            assert_eq!(read_i(&ids_a), read_i(&ids_b), "ids, {case}");
+            assert_eq!(read_f(&w_a), read_f(&w_b), "weights, {case}");
+            for (a, b, what) in
+                [(&sl_a, &sl_b, "slots"), (&tk_a, &tk_b, "tokens"), (&off_a, &off_b, "tok_off")]
+            {
+                assert_eq!(read_i(a), read_i(b), "{what}, {case}");
+            }
+            assert_eq!(read_i(&rows_a), read_i(&rows_b), "tok_rows, {case}");
+            assert_eq!(be.read_vec(counter.ptr()).unwrap(), vec![0u32; t], "counter reset, {case}");
+        }
+    }
+    assert!(!CudaBackend::route_decode_fits(12 * 1024, 128), "a row past shared memory is refused");
+}
+
 /// Hot-lane kernels: gathered gate/up GEMV from a slot cache, then weighted down accumulation into
 /// token rows; and the prefill path (grouped cuBLAS GEMMs + scatter), both against scalar FFNs.
 #[test]

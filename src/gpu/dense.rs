@@ -8,7 +8,7 @@ use super::GpuError;
 use crate::model::adapter::{QkNorm, RopeStyle, RoutingVariant};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
-use moe_lanes_kernels::cuda::ops::{DevicePos, KvAppend, RouteVariant};
+use moe_lanes_kernels::cuda::ops::{DevicePos, HotWorklist, KvAppend, NormRows, RouteVariant};
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, TypedWeights};
 
 impl GpuModel {
@@ -238,6 +238,17 @@ impl GpuModel {
     /// accessors wait for it).
     /// `rows_to_host` also queues the FFN-normed rows to pinned memory (decode on the device
     /// path with cold slots), ready at the same event.
+    /// Whether layer `l`'s decode routing runs as the one fused launch (`route_decode`: norm,
+    /// router, top-k and the hot worklist): on unless switched off, for a bf16 router whose
+    /// rows fit the kernel's shared memory.
+    pub(crate) fn route_fusable(&self, l: usize) -> bool {
+        let c = &self.cfg;
+        self.opts.fused_route
+            && self.w.layers[l].router.view().bf16().is_some()
+            && CudaBackend::route_decode_fits(c.hidden, c.n_experts)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn route(
         &mut self,
         l: usize,
@@ -245,6 +256,7 @@ impl GpuModel {
         zero_moe: bool,
         to_host: bool,
         rows_to_host: bool,
+        fused: bool,
     ) -> Result<(), GpuError> {
         let c = &self.cfg;
         let (h, e_n, k) = (c.hidden, c.n_experts, c.n_experts_used);
@@ -254,13 +266,53 @@ impl GpuModel {
         };
         let s = self.scratch.as_ref().expect("reserved");
         let (ids, wts) = (route_ids(s.ids(), k, l, t), route_ids(s.weights.ptr(), k, l, t));
-        self.be.rmsnorm(s.hidden.ptr(), self.w.layers[l].ffn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
         if zero_moe {
             self.be.zero(s.moe_out.ptr().sub(0, t * h))?;
         }
-        self.gemv(s.normed.ptr(), self.w.layers[l].router.view(), s.router_logits.ptr(), t, e_n, h, false)?;
+        let norm_w = self.w.layers[l].ffn_norm.ptr();
+        let router = self.w.layers[l].router.view();
+        match router.bf16().filter(|_| fused) {
+            Some(r) => {
+                let (lay, wi) = (s.layout, s.work_i.ptr());
+                let n_ent = t * k;
+                let worklist = HotWorklist {
+                    map: self.hot.map_dev(l),
+                    slots: wi.sub(lay.slots, n_ent),
+                    tokens: wi.sub(lay.tokens, n_ent),
+                    tok_off: wi.sub(lay.tok_off, t + 1),
+                    tok_rows: wi.sub(lay.tok_rows, t),
+                };
+                let rows = NormRows {
+                    x: s.hidden.ptr(),
+                    weight: norm_w,
+                    normed: s.normed.ptr(),
+                    n_rows: t,
+                    dim: h,
+                    eps: c.rms_eps,
+                };
+                let (logits, counter) = (s.router_logits.ptr(), s.route_counter.ptr());
+                let norm_topk = c.norm_topk_prob;
+                self.be.route_decode(
+                    rows,
+                    r,
+                    e_n,
+                    k,
+                    variant,
+                    norm_topk,
+                    logits,
+                    ids,
+                    wts,
+                    counter,
+                    Some(worklist),
+                )?;
+            }
+            None => {
+                self.be.rmsnorm(s.hidden.ptr(), norm_w, s.normed.ptr(), t, h, c.rms_eps)?;
+                self.gemv(s.normed.ptr(), router, s.router_logits.ptr(), t, e_n, h, false)?;
+                self.be.route_topk(s.router_logits.ptr(), t, e_n, k, variant, c.norm_topk_prob, ids, wts)?;
+            }
+        }
         let s = self.scratch.as_mut().expect("reserved");
-        self.be.route_topk(s.router_logits.ptr(), t, e_n, k, variant, c.norm_topk_prob, ids, wts)?;
         if to_host {
             let rows = s.normed.ptr().sub(0, if rows_to_host { t * h } else { 0 });
             let copies =

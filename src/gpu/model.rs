@@ -177,6 +177,9 @@ pub struct GpuOptions {
     /// One-token decode calls over a model whose layers are all hot replay a captured CUDA graph
     /// (`graph`); off: every kernel is launched one by one (`MOE_LANES_GPU_GRAPH=0` at the CLI).
     pub decode_graph: bool,
+    /// Decode routing (FFN norm, router, top-k, hot worklist) as one launch (`route_decode`);
+    /// off: four (`MOE_LANES_GPU_FUSED_ROUTE=0` at the CLI).
+    pub fused_route: bool,
 }
 
 impl Default for GpuOptions {
@@ -193,6 +196,7 @@ impl Default for GpuOptions {
             hot_lane_timeout: HOT_LANE_TIMEOUT,
             faults: GpuFaults::default(),
             decode_graph: true,
+            fused_route: true,
         }
     }
 }

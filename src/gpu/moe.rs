@@ -80,11 +80,13 @@ impl GpuModel {
         // residual stream (no zero fill, no add).
         let direct = device_path && all_hot && self.w.layers[l].shared.is_none();
         let to_host = !(device_path && all_hot);
-        self.route(l, t, !direct, to_host, device_path && to_host)?;
+        // the fused routing also writes the device path's hot worklist
+        let fused = device_path && self.route_fusable(l);
+        self.route(l, t, !direct, to_host, device_path && to_host, fused)?;
         self.shared_expert(l, phase, t)?;
         self.mark(l, 5)?;
         let outcome =
-            if device_path { self.moe_device(l, t, cold, direct) } else { self.moe_host(l, t, cold) };
+            if device_path { self.moe_device(l, t, cold, direct, fused) } else { self.moe_host(l, t, cold) };
         let fell_back = match outcome {
             Ok(()) => false,
             Err(LayerFault::Fatal(e)) => return Err(e),
@@ -111,6 +113,7 @@ impl GpuModel {
         t: usize,
         cold: &mut dyn ColdExperts,
         direct: bool,
+        worklist_built: bool,
     ) -> Result<(), LayerFault> {
         let (h, k, e_n) = (self.cfg.hidden, self.cfg.n_experts_used, self.cfg.n_experts);
         let n_ent = t * k;
@@ -119,7 +122,19 @@ impl GpuModel {
         let ids = route_ids(s.ids(), k, l, t);
         let (p_slots, p_toks) = (wi.sub(lay.slots, n_ent), wi.sub(lay.tokens, n_ent));
         let (p_off, p_rows) = (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
-        self.be.hot_worklist_tokens(self.hot.map_dev(l), ids, t, k, e_n, p_slots, p_toks, p_off, p_rows)?;
+        if !worklist_built {
+            self.be.hot_worklist_tokens(
+                self.hot.map_dev(l),
+                ids,
+                t,
+                k,
+                e_n,
+                p_slots,
+                p_toks,
+                p_off,
+                p_rows,
+            )?;
+        }
         self.mark(l, 6)?;
         self.be.record(&self.lane_events[l].start)?;
         self.records[l].hot_at = Some(Instant::now());

@@ -55,6 +55,8 @@ pub(crate) struct Scratch {
     pub q: DeviceBuffer<f32>,
     pub attn: DeviceBuffer<f32>,
     pub router_logits: DeviceBuffer<f32>,
+    /// Per token row: blocks of the fused decode routing done (zero between launches).
+    pub route_counter: DeviceBuffer<u32>,
     /// The call's greedy tokens (`cap`, [`Scratch::argmax`]) followed by every layer's routing
     /// ids (`[n_layers, cap * k]`, [`Scratch::ids`]): one buffer, so when the perf state counts
     /// the ids they come back in the same copy as the tokens (no second transfer per call).
@@ -107,6 +109,7 @@ impl Scratch {
             q: f(cap * c.q_dim())?,
             attn: f(cap * c.q_dim())?,
             router_logits: f(cap * c.n_experts)?,
+            route_counter: be.alloc_zeros::<u32>(cap)?,
             tail_i: be.alloc_zeros::<i32>(cap + c.n_layers * cap * k)?,
             weights: f(c.n_layers * cap * k)?,
             g: f(cap * inner)?,

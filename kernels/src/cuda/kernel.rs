@@ -183,6 +183,7 @@ pub enum Kernel {
     ScatterAddRowsF32,
     AddSigmoidScaledRows,
     RouteTopk,
+    RouteDecode,
     MoeGateUpGemv,
     MoeDownAccum,
     MoeScatterAccum,
@@ -210,7 +211,7 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 46] = [
+    pub const ALL: [Kernel; 47] = [
         Kernel::GemvBf16,
         Kernel::Gemv3Bf16,
         Kernel::RmsnormF32,
@@ -233,6 +234,7 @@ impl Kernel {
         Kernel::ScatterAddRowsF32,
         Kernel::AddSigmoidScaledRows,
         Kernel::RouteTopk,
+        Kernel::RouteDecode,
         Kernel::MoeGateUpGemv,
         Kernel::MoeDownAccum,
         Kernel::MoeScatterAccum,
@@ -284,6 +286,7 @@ impl Kernel {
             Kernel::ScatterAddRowsF32 => "scatter_add_rows_f32",
             Kernel::AddSigmoidScaledRows => "add_sigmoid_scaled_rows",
             Kernel::RouteTopk => "route_topk",
+            Kernel::RouteDecode => "route_decode",
             Kernel::MoeGateUpGemv => "moe_gate_up_gemv",
             Kernel::MoeDownAccum => "moe_down_accum",
             Kernel::MoeScatterAccum => "moe_scatter_accum",
@@ -336,6 +339,7 @@ impl Kernel {
             Kernel::ScatterAddRowsF32 => Family::Elementwise,
             Kernel::AddSigmoidScaledRows => Family::Elementwise,
             Kernel::RouteTopk => Family::Route,
+            Kernel::RouteDecode => Family::Route,
             Kernel::MoeGateUpGemv => Family::Moe,
             Kernel::MoeDownAccum => Family::Moe,
             Kernel::MoeScatterAccum => Family::Moe,

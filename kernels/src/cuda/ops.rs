@@ -14,6 +14,9 @@ use cudarc::cublas::{result as br, sys as bs};
 use std::ffi::c_void;
 
 const BLOCK: u32 = 256;
+/// Shared memory of [`CudaBackend::route_decode`]: a normed row and a logits row (the default
+/// 48 KiB a block may take without opting in).
+const ROUTE_DECODE_SHARED_BYTES: usize = 48 << 10;
 /// Attention keeps one score per visible position in shared memory (48 KiB default limit).
 pub const ATTENTION_MAX_POSITIONS: usize = 12 * 1024;
 /// Largest head dimension of the attention kernels (`-DATT_MAX_HEAD_DIM`; `-DATT_MAXC` values per
@@ -182,6 +185,48 @@ impl GroupedShape {
 
     fn grid(&self) -> (u32, u32, u32) {
         (self.n_tiles as u32, blocks(self.n, GROUPED_TILE_COLS as u32), 1)
+    }
+}
+
+/// Rows to RMS-normalise: `x` `[n_rows, dim]` with the norm's `weight`, into `normed`.
+#[derive(Debug, Clone, Copy)]
+pub struct NormRows {
+    pub x: DPtr<f32>,
+    pub weight: DPtr<f32>,
+    pub normed: DPtr<f32>,
+    pub n_rows: usize,
+    pub dim: usize,
+    pub eps: f32,
+}
+
+impl NormRows {
+    fn check(&self, kernel: Kernel) -> Result<()> {
+        need(kernel, "x", self.x, self.n_rows * self.dim)?;
+        need(kernel, "norm weight", self.weight, self.dim)?;
+        need(kernel, "normed", self.normed, self.n_rows * self.dim)
+    }
+}
+
+/// A layer's hot worklist in the token-major layout of [`CudaBackend::hot_worklist_tokens`]:
+/// the layer's expert -> slot `map` and the sections it fills.
+#[derive(Debug, Clone, Copy)]
+pub struct HotWorklist {
+    pub map: DPtr<i32>,
+    pub slots: DPtr<i32>,
+    pub tokens: DPtr<i32>,
+    pub tok_off: DPtr<i32>,
+    pub tok_rows: DPtr<i32>,
+}
+
+impl HotWorklist {
+    /// Checks the sections for `t` rows of top-`k` over `n_experts`; the raw pointers in order.
+    fn check(&self, kernel: Kernel, t: usize, k: usize, n_experts: usize) -> Result<[u64; 5]> {
+        need(kernel, "map", self.map, n_experts)?;
+        need(kernel, "slots", self.slots, t * k)?;
+        need(kernel, "tokens", self.tokens, t * k)?;
+        need(kernel, "tok_off", self.tok_off, t + 1)?;
+        need(kernel, "tok_rows", self.tok_rows, t)?;
+        Ok([self.map, self.slots, self.tokens, self.tok_off, self.tok_rows].map(|p| p.raw()))
     }
 }
 
@@ -771,6 +816,82 @@ impl CudaBackend {
             0,
             args![logits.raw(), i(n_tokens), i(n_experts), i(k), v, nm, ids.raw(), weights.raw()],
         )
+    }
+
+    /// Decode routing in one launch (`route_decode` in route.cu): the FFN RMSNorm of each row
+    /// (written to `rows.normed`), the bf16 router's logits, the top-`k` ids and weights (as
+    /// [`Self::route_topk`]) and, with `worklist`, the rows' hot worklist entries (as
+    /// [`Self::hot_worklist_tokens`]). `counter` holds one zero per row and is zero again after.
+    /// The same bits as [`Self::rmsnorm`], [`Self::gemv_bf16`], [`Self::route_topk`] and
+    /// [`Self::hot_worklist_tokens`] in turn.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_decode(
+        &self,
+        rows: NormRows,
+        router: DPtr<u16>,
+        n_experts: usize,
+        k: usize,
+        variant: RouteVariant,
+        norm_topk: bool,
+        logits: DPtr<f32>,
+        ids: DPtr<i32>,
+        weights: DPtr<f32>,
+        counter: DPtr<u32>,
+        worklist: Option<HotWorklist>,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::RouteDecode;
+        let (t, h) = (rows.n_rows, rows.dim);
+        if k == 0 || k > n_experts || !Self::route_decode_fits(h, n_experts) {
+            return Err(CudaError::Shape {
+                kernel: K.symbol(),
+                reason: format!("top-{k} of {n_experts} experts over rows of {h}"),
+            });
+        }
+        rows.check(K)?;
+        need(K, "router", router, n_experts * h)?;
+        need(K, "logits", logits, t * n_experts)?;
+        need(K, "ids", ids, t * k)?;
+        need(K, "weights", weights, t * k)?;
+        need(K, "counter", counter, t)?;
+        let [map, slots, tokens, tok_off, tok_rows] = match worklist {
+            Some(w) => w.check(K, t, k, n_experts)?,
+            None => [0; 5],
+        };
+        let smem = ((h + n_experts) * 4) as u32;
+        let (v, nm) = (variant as i32, norm_topk as i32);
+        self.launch(
+            K,
+            (blocks(n_experts, ROWS_PER_BLOCK), t as u32, 1),
+            ROW_BLOCK_THREADS,
+            smem,
+            args![
+                rows.x.raw(),
+                rows.weight.raw(),
+                rows.normed.raw(),
+                router.raw(),
+                i(h),
+                i(n_experts),
+                rows.eps,
+                logits.raw(),
+                i(k),
+                v,
+                nm,
+                ids.raw(),
+                weights.raw(),
+                counter.raw(),
+                map,
+                slots,
+                tokens,
+                tok_off,
+                tok_rows
+            ],
+        )
+    }
+
+    /// Whether [`Self::route_decode`] takes rows of `hidden` over `n_experts` (its shared memory
+    /// holds a normed row and a logits row).
+    pub fn route_decode_fits(hidden: usize, n_experts: usize) -> bool {
+        (hidden + n_experts) * 4 <= ROUTE_DECODE_SHARED_BYTES
     }
 
     /// Hot lane decode, first half: `h[e] = silu(G_s · x_t) * (U_s · x_t)` for each worklist
