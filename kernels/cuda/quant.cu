@@ -733,3 +733,41 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q6_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
     gemv1_q<W6_K>(W, x, y, N, K, accumulate);
 }
+
+// Decode q/k/v in one launch over matrices of any stored types (type codes as warp_dot_typed;
+// bf16 segments too): segment j's warps take QUANT_WIDE_ROWS rows of W_j each (row_bytes rb_j)
+// with warp_dot_typed, the dot products of gemv1_q (quantized) and gemv_bf16 (bf16), so the bits
+// are theirs; y_j = W_j . x for one token (x 16-byte aligned; Q4_K / Q5_K matrices 16-byte
+// aligned). grid ceil((w_0 + w_1 + w_2) / ROWS_PER_BLOCK), w_j = ceil(N_j / QUANT_WIDE_ROWS);
+// block 32 * ROWS_PER_BLOCK.
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv3_typed(
+    const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2, int ty0, int ty1, int ty2,
+    int rb0, int rb1, int rb2, const float* __restrict__ x, float* __restrict__ y0, float* __restrict__ y1,
+    float* __restrict__ y2, int N0, int N1, int N2, int K) {
+    int w = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    int w0 = (N0 + QUANT_WIDE_ROWS - 1) / QUANT_WIDE_ROWS, w1 = (N1 + QUANT_WIDE_ROWS - 1) / QUANT_WIDE_ROWS;
+    int w2 = (N2 + QUANT_WIDE_ROWS - 1) / QUANT_WIDE_ROWS;
+    const u8* W;
+    float* y;
+    int N, ty, rb;
+    if (w < w0) {
+        W = W0, y = y0, N = N0, ty = ty0, rb = rb0;
+    } else if (w < w0 + w1) {
+        w -= w0, W = W1, y = y1, N = N1, ty = ty1, rb = rb1;
+    } else if (w < w0 + w1 + w2) {
+        w -= w0 + w1, W = W2, y = y2, N = N2, ty = ty2, rb = rb2;
+    } else {
+        return;
+    }
+    int n0 = w * QUANT_WIDE_ROWS;
+    const u8* rows[QUANT_WIDE_ROWS];
+#pragma unroll
+    for (int r = 0; r < QUANT_WIDE_ROWS; r++) rows[r] = W + (size_t)min(n0 + r, N - 1) * rb;
+    float out[QUANT_WIDE_ROWS];
+    warp_dot_typed<QUANT_WIDE_ROWS>(ty, rows, x, K, out);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < QUANT_WIDE_ROWS; r++)
+            if (n0 + r < N) y[n0 + r] = out[r];
+    }
+}

@@ -326,3 +326,43 @@ fn typed_hot_lane_kernels_match_the_cpu_for_every_type_and_a_mix() {
     let err = shape_error(be.moe_gate_up_gemv_typed(bad, bad, z, zi, zi, z, 1, 1, 1));
     assert!(err.contains("no hot-lane kernel for f32"), "{err}");
 }
+
+/// Decode q/k/v in one launch (`gemv3_typed`) gives the bits of the one-token GEMV of each
+/// matrix on its own (`gemv_quant`'s wide kernel, `gemv_bf16` for a bf16 matrix), for a
+/// Q4_K_M-like mix and one with bf16 and odd row counts.
+#[test]
+fn gemv3_typed_matches_one_gemv_per_matrix_bit_for_bit() {
+    use WeightDType::{BF16, Q4_K, Q5_K, Q6_K, Q8_0};
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x5EED_0003);
+    let k = 512;
+    for (types, n) in [([Q4_K, Q4_K, Q6_K], [64usize, 16, 16]), ([BF16, Q8_0, Q5_K], [33, 7, 9])] {
+        let mats: Vec<Vec<u8>> = types
+            .iter()
+            .zip(n)
+            .map(|(&d, rows)| match d {
+                BF16 => bytemuck::cast_slice(&bf16_bits(&rng.vec(rows * k, 1.0))).to_vec(),
+                q => random_blocks(&mut rng, q, rows, k),
+            })
+            .collect();
+        let bufs: Vec<_> = mats.iter().map(|m| be.upload(m).unwrap()).collect();
+        let w: [TypedWeights; 3] =
+            std::array::from_fn(|j| TypedWeights { bytes: bufs[j].ptr(), dtype: types[j] });
+        let dx = be.upload(&rng.vec(k, 1.0)).unwrap();
+        let fused: Vec<_> = n.iter().map(|&rows| be.upload(&vec![7.0f32; rows]).unwrap()).collect();
+        let apart: Vec<_> = n.iter().map(|&rows| be.upload(&vec![7.0f32; rows]).unwrap()).collect();
+        be.gemv3_typed(w, dx.ptr(), std::array::from_fn(|j| fused[j].ptr()), n, k).unwrap();
+        for j in 0..3 {
+            match w[j].bf16() {
+                Some(bf) => be.gemv_bf16(bf, dx.ptr(), apart[j].ptr(), 1, n[j], k, false).unwrap(),
+                None => {
+                    be.gemv_quant(types[j], w[j].bytes, dx.ptr(), apart[j].ptr(), 1, n[j], k, false).unwrap()
+                }
+            }
+            let bits = |b: &moe_lanes_kernels::cuda::DeviceBuffer<f32>| {
+                be.read_vec(b.ptr()).unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&fused[j]), bits(&apart[j]), "{types:?} matrix {j}");
+        }
+    }
+}

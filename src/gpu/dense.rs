@@ -112,9 +112,13 @@ impl GpuModel {
                 (cache.k[l].ptr().sub(pos0 * kvd, t * kvd), cache.v[l].ptr().sub(pos0 * kvd, t * kvd), None)
             }
         };
-        let qkv_bf16 = [w.q.view().bf16(), w.k.view().bf16(), w.v.view().bf16()];
-        if let (Phase::Decode, [Some(q), Some(k), Some(v)]) = (phase, qkv_bf16) {
-            self.be.gemv3_bf16([q, k, v], s.normed.ptr(), [s.q.ptr(), k_new, v_new], [qd, kvd, kvd], t, h)?;
+        let qkv = [w.q.view(), w.k.view(), w.v.view()];
+        let (y, n) = ([s.q.ptr(), k_new, v_new], [qd, kvd, kvd]);
+        if let (Phase::Decode, [Some(q), Some(k), Some(v)]) = (phase, qkv.map(|m| m.bf16())) {
+            self.be.gemv3_bf16([q, k, v], s.normed.ptr(), y, n, t, h)?;
+        } else if phase == Phase::Decode && t == 1 {
+            // quantized (or mixed) q/k/v: one launch of the one-token kernels
+            self.be.gemv3_typed(qkv, s.normed.ptr(), y, n, h)?;
         } else {
             self.linear(phase, s.normed.ptr(), w.q.view(), s.q.ptr(), t, qd, h, false)?;
             self.linear(phase, s.normed.ptr(), w.k.view(), k_new, t, kvd, h, false)?;

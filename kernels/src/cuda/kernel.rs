@@ -208,10 +208,11 @@ pub enum Kernel {
     Gemv1Q4K,
     Gemv1Q5K,
     Gemv1Q6K,
+    Gemv3Typed,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 47] = [
+    pub const ALL: [Kernel; 48] = [
         Kernel::GemvBf16,
         Kernel::Gemv3Bf16,
         Kernel::RmsnormF32,
@@ -259,6 +260,7 @@ impl Kernel {
         Kernel::Gemv1Q4K,
         Kernel::Gemv1Q5K,
         Kernel::Gemv1Q6K,
+        Kernel::Gemv3Typed,
     ];
 
     /// The `extern "C"` symbol.
@@ -311,6 +313,7 @@ impl Kernel {
             Kernel::Gemv1Q4K => "gemv1_q4_k",
             Kernel::Gemv1Q5K => "gemv1_q5_k",
             Kernel::Gemv1Q6K => "gemv1_q6_k",
+            Kernel::Gemv3Typed => "gemv3_typed",
         }
     }
 
@@ -364,6 +367,7 @@ impl Kernel {
             Kernel::Gemv1Q4K => Family::Quant,
             Kernel::Gemv1Q5K => Family::Quant,
             Kernel::Gemv1Q6K => Family::Quant,
+            Kernel::Gemv3Typed => Family::Quant,
         }
     }
 }

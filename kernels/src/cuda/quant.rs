@@ -342,6 +342,54 @@ impl CudaBackend {
         )
     }
 
+    /// Decode q/k/v in one launch (`gemv3_typed`): `y[j] = w[j] · x` for one token, each matrix
+    /// `[n[j], k]` in any stored type (quantized or bf16); the bits of [`Self::gemv_quant`]'s
+    /// one-token kernel and of [`CudaBackend::gemv_bf16`] per matrix. `x` 16-byte aligned.
+    pub fn gemv3_typed(
+        &self,
+        w: [TypedWeights; 3],
+        x: DPtr<f32>,
+        y: [DPtr<f32>; 3],
+        n: [usize; 3],
+        k: usize,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::Gemv3Typed;
+        let mut ty = [0i32; 3];
+        let mut rb = [0i32; 3];
+        for j in 0..3 {
+            (ty[j], rb[j]) = check_typed(K, ["q", "k", "v"][j], w[j], n[j], k)?;
+            need(K, "y", y[j], n[j])?;
+        }
+        check_x16(K, "x", x)?;
+        need(K, "x", x, k)?;
+        let warps: usize = n.iter().map(|nj| nj.div_ceil(QUANT_WIDE_ROWS as usize)).sum();
+        self.launch(
+            K,
+            (blocks(warps, ROWS_PER_BLOCK), 1, 1),
+            ROW_BLOCK_THREADS,
+            0,
+            args![
+                w[0].bytes.raw(),
+                w[1].bytes.raw(),
+                w[2].bytes.raw(),
+                ty[0],
+                ty[1],
+                ty[2],
+                rb[0],
+                rb[1],
+                rb[2],
+                x.raw(),
+                y[0].raw(),
+                y[1].raw(),
+                y[2].raw(),
+                i(n[0]),
+                i(n[1]),
+                i(n[2]),
+                i(k)
+            ],
+        )
+    }
+
     /// `out[t] = table[tokens[t]]` widened to f32 for a table `[vocab, hidden]` in any stored
     /// type (quantized rows decode to the CPU's values exactly). Token ids must be checked by the
     /// caller.
