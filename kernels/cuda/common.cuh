@@ -62,6 +62,18 @@ __device__ float block_max(float v) {
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
+// RMSNorm of one row x[0..K) with weight nw into xs (block-wide; every thread of the block must
+// call it): rmsnorm_f32's math and order for a block of the same size, so the same bits.
+__device__ __forceinline__ void norm_row(const float* __restrict__ x, const float* __restrict__ nw, int K, float eps,
+                                         float* __restrict__ xs) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) ss += x[i] * x[i];
+    ss = block_sum(ss);
+    float inv = 1.f / sqrtf(ss / (float)K + eps);
+    for (int i = threadIdx.x; i < K; i += blockDim.x) xs[i] = x[i] * inv * nw[i];
+    __syncthreads();
+}
+
 // Dot product of a bf16 row with an f32 vector, one warp, result in every lane.
 __device__ __forceinline__ float warp_dot_bf16(const bf16* __restrict__ w, const float* __restrict__ x, int k) {
     float acc = 0.f;

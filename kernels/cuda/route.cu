@@ -84,17 +84,9 @@ extern "C" __global__ void route_decode(const float* __restrict__ x, const float
     float* xs = (float*)route_sm4;  // [H] the normed row, then [E] the logits row
     __shared__ int last;
     int t = blockIdx.y, T = gridDim.y;
-    const float* xr = x + (size_t)t * H;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = block_sum(ss);
-    float inv = 1.f / sqrtf(ss / (float)H + eps);
-    for (int i = threadIdx.x; i < H; i += blockDim.x) {
-        float v = xr[i] * inv * nw[i];
-        xs[i] = v;
-        if (blockIdx.x == 0) normed[(size_t)t * H + i] = v;
-    }
-    __syncthreads();
+    norm_row(x + (size_t)t * H, nw, H, eps, xs);
+    if (blockIdx.x == 0)
+        for (int i = threadIdx.x; i < H; i += blockDim.x) normed[(size_t)t * H + i] = xs[i];
     int e = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     if (e < E) {
         float d = warp_dot_bf16(W + (size_t)e * H, xs, H);
