@@ -172,6 +172,9 @@ pub struct BenchReport {
     pub update: UpdatePolicy,
     pub cache_updates: u64,
     pub cache_exchanges: u64,
+    /// Post-Fetch of cold experts in prefill over the whole run (GPU engine with it enabled).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub postfetch: Option<crate::cache::perf::PostFetchPerf>,
 }
 
 fn snapshot(engine: &dyn Engine) -> PerfReport {
@@ -280,6 +283,7 @@ pub fn run_bench(
         update: opts.update,
         cache_updates: updates,
         cache_exchanges: exchanges,
+        postfetch: snapshot(engine).postfetch,
     })
 }
 
@@ -361,6 +365,9 @@ impl BenchReport {
             "per layer     hot {:.1} us, cold {:.1} us, overlap {:.1} us, join wait {:.1} us, fallbacks {}\n",
             self.hot_lane_us, self.cold_lane_us, self.overlap_us, self.join_wait_us, self.fallbacks
         );
+        if let Some(p) = &self.postfetch {
+            out += &postfetch_line(p);
+        }
         out += &format!("tg feeds      {} token ids\n", self.tg_feed);
         if self.update.mode == crate::cache::update::UpdateMode::Auto {
             out += &format!(
@@ -391,9 +398,47 @@ impl BenchReport {
     }
 }
 
+/// Bench's one line for Post-Fetch: what moved, and seed 001's three targets.
+fn postfetch_line(p: &crate::cache::perf::PostFetchPerf) -> String {
+    let pct = |x: Option<f64>| x.map_or("n/a".to_string(), |v| format!("{:.1}%", v * 100.0));
+    format!(
+        "postfetch     {}: {} experts fetched ({:.1} MiB, copy {:.1} ms), overlap {} (target >= 70%), \
+         fallback {} (<= 5%), VRAM {:.1} MiB = {} of the hot cache (<= 10%), {} block waits, PCIe {:.1} GB/s\n",
+        p.mode,
+        p.experts_fetched,
+        p.bytes_copied as f64 / (1 << 20) as f64,
+        p.copy_time_us as f64 / 1e3,
+        pct(p.transfer_overlap),
+        pct(p.fallback_rate),
+        p.scratch_bytes as f64 / (1 << 20) as f64,
+        pct(p.vram_overhead),
+        p.block_waits,
+        p.pcie_bytes_per_s / 1e9
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn postfetch_line_reports_the_seed_targets() {
+        let p = crate::cache::perf::PostFetchPerf {
+            mode: "auto".into(),
+            experts_fetched: 3,
+            bytes_copied: 3 << 20,
+            copy_time_us: 1500,
+            transfer_overlap: Some(0.75),
+            fallback_rate: None,
+            scratch_bytes: 1 << 20,
+            vram_overhead: Some(0.02),
+            pcie_bytes_per_s: 5e10,
+            ..Default::default()
+        };
+        let line = postfetch_line(&p);
+        assert!(line.starts_with("postfetch     auto: 3 experts fetched (3.0 MiB, copy 1.5 ms), overlap 75.0%"), "{line}");
+        assert!(line.contains("fallback n/a (<= 5%), VRAM 1.0 MiB = 2.0% of the hot cache"), "{line}");
+    }
 
     #[test]
     fn spread_takes_median_and_extremes() {

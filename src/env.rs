@@ -20,9 +20,15 @@
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
 //! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
+//! | `MOE_LANES_POSTFETCH` | Post-Fetch of cold experts in GPU prefill: `auto` (default, a cost model decides per expert), `on` (every cold expert that fits), `off` (all on the CPU) |
+//! | `MOE_LANES_POSTFETCH_BLOCK_ON_MISS` | `1` (default): wait for a copy in flight when `max_transfers` are queued; `0`: such experts run on the CPU |
+//! | `MOE_LANES_POSTFETCH_MAX_TRANSFERS` | expert copies in flight at most (default 64) |
+//! | `MOE_LANES_POSTFETCH_SCRATCH_MIB` | VRAM of the scratchpad, both halves (default 1024; decimals allowed; at least one expert a half; 0: off) |
+//! | `MOE_LANES_POSTFETCH_STREAMS` | copy streams (default 1, at most 4) |
+//! | `MOE_LANES_POSTFETCH_DEBUG=1` | a line per prefill layer with the decision (stderr) |
 //! | `MOE_LANES_POOL_COLD` | `off`: the pipeline's cold lane on lane-actor worker threads instead of the dense stage's pool ([`pool_cold`]) |
 
-use crate::gpu::{GpuFaults, HotGemm, PrefillAttention};
+use crate::gpu::{GpuFaults, HotGemm, PostFetchOptions, PrefillAttention};
 use crate::moe::phase::{PolicySwitches, Switch};
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::CudaConfig;
@@ -191,5 +197,59 @@ pub fn pool_cold() -> Result<bool, EnvError> {
         None | Some("on") => Ok(true),
         Some("off") => Ok(false),
         Some(v) => Err(bad("MOE_LANES_POOL_COLD", v, "on or off")),
+    }
+}
+
+/// A size in MiB (decimals allowed) as bytes.
+pub fn parse_mib(v: &str) -> Option<usize> {
+    v.trim().parse::<f64>().ok().filter(|m| m.is_finite() && *m >= 0.0).map(|m| (m * (1 << 20) as f64) as usize)
+}
+
+/// A flag value: `1`/`on`/`true` or `0`/`off`/`false`.
+pub fn parse_flag(v: &str) -> Option<bool> {
+    match v.trim() {
+        "1" | "on" | "true" => Some(true),
+        "0" | "off" | "false" => Some(false),
+        _ => None,
+    }
+}
+
+/// `MOE_LANES_POSTFETCH*` over the defaults of [`PostFetchOptions`].
+pub fn postfetch() -> Result<PostFetchOptions, EnvError> {
+    let mut o = PostFetchOptions::default();
+    if let Some(v) = var("MOE_LANES_POSTFETCH") {
+        o.mode = v.parse().map_err(|_| bad("MOE_LANES_POSTFETCH", &v, "auto, on or off"))?;
+    }
+    if let Some(v) = var("MOE_LANES_POSTFETCH_BLOCK_ON_MISS") {
+        o.block_on_miss = parse_flag(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_BLOCK_ON_MISS", &v, "0 or 1"))?;
+    }
+    if let Some(v) = var("MOE_LANES_POSTFETCH_MAX_TRANSFERS") {
+        let n = v.parse::<usize>().ok().filter(|&n| n > 0);
+        o.max_transfers = n.ok_or_else(|| bad("MOE_LANES_POSTFETCH_MAX_TRANSFERS", &v, "a count > 0"))?;
+    }
+    if let Some(v) = var("MOE_LANES_POSTFETCH_SCRATCH_MIB") {
+        o.scratch_bytes = parse_mib(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_SCRATCH_MIB", &v, "a size in MiB"))?;
+    }
+    if let Some(v) = var("MOE_LANES_POSTFETCH_STREAMS") {
+        let n = v.parse::<usize>().ok().filter(|n| (1..=4).contains(n));
+        o.streams = n.ok_or_else(|| bad("MOE_LANES_POSTFETCH_STREAMS", &v, "1 to 4"))?;
+    }
+    if let Some(v) = var("MOE_LANES_POSTFETCH_DEBUG") {
+        o.debug = parse_flag(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_DEBUG", &v, "0 or 1"))?;
+    }
+    Ok(o)
+}
+
+#[cfg(test)]
+mod postfetch_tests {
+    use super::*;
+
+    #[test]
+    fn mib_and_flags_parse() {
+        assert_eq!(parse_mib("1024"), Some(1 << 30));
+        assert_eq!(parse_mib("0.5"), Some(1 << 19));
+        assert_eq!(parse_mib("-1"), None);
+        assert_eq!(parse_mib("x"), None);
+        assert_eq!((parse_flag("1"), parse_flag("off"), parse_flag("yes")), (Some(true), Some(false), None));
     }
 }

@@ -2,7 +2,8 @@
 //! fixture at hot caches none / half / all, prefill then decode; after Updater exchanges; with
 //! each injected fault (hot-lane error, hot-lane timeout, cold-lane error, cold-lane panic,
 //! corrupted worklist, device lost mid-session); plus the perf JSON of a GPU run and the budget
-//! (auto under a simulated smaller GPU, and an impossible budget refused before allocation).
+//! (auto under a simulated smaller GPU, and an impossible budget refused before allocation); and
+//! Post-Fetch of cold experts forced on, off, with a tiny scratchpad and bounded transfers.
 //!
 //! Tolerance: max |gpu - ref| <= 2e-3 * max |ref logit| per row, and greedy tokens identical
 //! wherever the reference's top-1/top-2 gap exceeds twice that. The GPU keeps bf16 weights (the
@@ -18,7 +19,7 @@ use moe_lanes::actors::Exchange;
 use moe_lanes::cache::hot_set::HotSet;
 use moe_lanes::cache::perf::{FallbackReason, PerfReport};
 use moe_lanes::engine::{build_engine, Engine, EngineError, EngineKind, EngineOptions, HotBudget, HotChoice};
-use moe_lanes::gpu::{CudaBackend, GpuFaults, HotGemm};
+use moe_lanes::gpu::{CudaBackend, GpuFaults, HotGemm, PostFetchMode, PostFetchOptions};
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use moe_lanes::reference::{NoObserver, Reference};
@@ -460,5 +461,102 @@ fn auto_budget_never_over_allocates_and_impossible_budget_is_refused() {
         Err(EngineError::Budget(e)) => eprintln!("refused as expected: {e}"),
         Err(other) => panic!("wrong error: {other}"),
         Ok(_) => panic!("a 1 PiB budget must be refused"),
+    }
+}
+
+fn postfetch_engine(
+    model: &Arc<Model>,
+    hot: Hot,
+    pf: PostFetchOptions,
+    positions: usize,
+) -> Box<dyn Engine + '_> {
+    let c = model.config().clone();
+    let mut opts = EngineOptions::new(positions);
+    opts.cuda = moe_lanes::env::cuda_config().unwrap();
+    opts.kind = Some(EngineKind::Gpu);
+    opts.hot = HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts));
+    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
+    opts.gpu.postfetch = pf;
+    let (engine, report) = build_engine(model, opts).unwrap();
+    assert_eq!(report.kind, EngineKind::Gpu, "{:?}", report.gpu_unavailable);
+    engine
+}
+
+/// Post-Fetch forced on (every cold expert copied to the scratchpad and run by the grouped
+/// GEMMs), off, with a one-expert scratchpad half (fallbacks to the CPU), with one transfer in
+/// flight blocking, and with one transfer in flight falling back: every prefill and decode row
+/// equal to the reference; the counters say each path ran.
+#[test]
+fn postfetch_on_off_and_tiny_scratch_match_reference() {
+    if !common::gpu_usable() {
+        return;
+    }
+    let on = PostFetchOptions { mode: PostFetchMode::On, ..Default::default() };
+    let cases: [(&str, PostFetchOptions); 5] = [
+        ("on", on),
+        ("off", PostFetchOptions { mode: PostFetchMode::Off, ..Default::default() }),
+        ("tiny", PostFetchOptions { scratch_bytes: 1, ..on }),
+        ("block", PostFetchOptions { max_transfers: 1, block_on_miss: true, ..on }),
+        ("no_block", PostFetchOptions { max_transfers: 1, block_on_miss: false, ..on }),
+    ];
+    // Whether a copy is still in flight when the next is queued is a race (tiny copies): the
+    // bounded-transfer counters are checked over every fixture together.
+    let (mut transfers_bound, mut block_waits) = (0, 0);
+    for name in &common::fixture_names() {
+        let model = open(name);
+        for hot in [Hot::None, Hot::Half] {
+            for (what, pf) in cases {
+                let mut engine = postfetch_engine(&model, hot, pf, 64);
+                let worst = check_against_reference(&format!("{name} {hot:?} {what}"), &model, engine.as_mut());
+                let perf = engine.perf().unwrap().report();
+                let fallbacks: u64 = perf.layers.iter().map(|l| l.parallel_fallbacks).sum();
+                assert_eq!(fallbacks, 0, "{name} {hot:?} {what}: no layer fallback");
+                let Some(p) = perf.postfetch.clone() else {
+                    assert_eq!(what, "off", "{name}: bf16 fixtures have a scratchpad unless off");
+                    continue;
+                };
+                eprintln!("{name} {hot:?} {what}: worst {worst:e}, {p:?}");
+                assert!(p.experts_fetched > 0, "{name} {hot:?} {what}: experts were fetched");
+                assert_eq!(p.bytes_copied, p.experts_fetched * model.expert_bytes() as u64);
+                let misses = p.fallback_reasons.clone();
+                match what {
+                    "on" | "block" => assert_eq!(p.fallbacks, 0, "{name} {what}: {misses:?}"),
+                    "tiny" => assert!(misses["scratch_full"] > 0, "{name}: {misses:?}"),
+                    _ => transfers_bound += misses["transfers_bound"],
+                }
+                if what == "block" {
+                    block_waits += p.block_waits;
+                }
+            }
+        }
+    }
+    assert!(transfers_bound > 0, "one transfer in flight without blocking falls back");
+    assert!(block_waits > 0, "one transfer in flight blocks");
+}
+
+/// Post-Fetch on over a prompt long enough that fetched experts span several grouped-GEMM
+/// tiles, beside hot experts: every row equal to the reference.
+#[test]
+fn postfetch_long_prompt_matches_reference() {
+    if !common::gpu_usable() {
+        return;
+    }
+    let model = open("qwen3_moe_a");
+    let c = model.config().clone();
+    let n = c.max_positions;
+    let prompt: Vec<u32> = (0..n).map(|i| ((i * 7 + 3) % c.vocab) as u32).collect();
+    let reference = Reference::new(&model).unwrap();
+    let want = reference.forward(&mut reference.new_cache(), &prompt, &mut NoObserver).unwrap();
+    for hot in [Hot::None, Hot::Half] {
+        let pf = PostFetchOptions { mode: PostFetchMode::On, ..Default::default() };
+        let mut engine = postfetch_engine(&model, hot, pf, n);
+        let mut cache = engine.new_cache(n).unwrap();
+        let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
+        for (i, w) in want.iter().enumerate() {
+            compare_row(&format!("postfetch {hot:?} row {i}"), got.row(i), w);
+        }
+        let p = engine.perf().unwrap().report().postfetch.clone().unwrap();
+        assert!(p.experts_fetched > 0 && p.copy_time_us > 0, "{p:?}");
+        eprintln!("postfetch long prompt {hot:?}: {p:?}");
     }
 }

@@ -1,7 +1,7 @@
 //! The `moe-lanes` command-line interface. The only place that turns library errors into
 //! `anyhow` errors and prints; everything it does is a library call.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use moe_lanes::adapter;
 use moe_lanes::cache::trace::{read_learn_or_trace, ExpertTracer};
@@ -258,6 +258,29 @@ struct EngineArgs {
     /// Cold-lane kernels of the CPU pipeline: simd (moe-lanes-kernels) or plain.
     #[arg(long, default_value = "simd")]
     cold_kernels: String,
+    /// Post-Fetch in GPU prefill (bf16 models): auto (a cost model copies a cold expert to a VRAM
+    /// scratchpad and runs it on the GPU when that beats the CPU), on (every cold expert that
+    /// fits), off (every cold expert on the CPU). Default: MOE_LANES_POSTFETCH, else auto.
+    #[arg(long)]
+    postfetch: Option<String>,
+    /// Post-Fetch: when --postfetch-max-transfers copies are in flight, wait for one (true) or
+    /// compute the expert on the CPU (false). Default: MOE_LANES_POSTFETCH_BLOCK_ON_MISS, else true.
+    #[arg(long)]
+    postfetch_block_on_miss: Option<bool>,
+    /// Post-Fetch: expert copies in flight at most. Default: MOE_LANES_POSTFETCH_MAX_TRANSFERS,
+    /// else 64.
+    #[arg(long)]
+    postfetch_max_transfers: Option<usize>,
+    /// Post-Fetch: VRAM of the scratchpad in MiB, both halves (at least one expert a half; 0:
+    /// off). Default: MOE_LANES_POSTFETCH_SCRATCH_MIB, else 1024.
+    #[arg(long)]
+    postfetch_scratch_mib: Option<f64>,
+    /// Post-Fetch: copy streams (1 to 4). Default: MOE_LANES_POSTFETCH_STREAMS, else 1.
+    #[arg(long)]
+    postfetch_streams: Option<usize>,
+    /// Post-Fetch: a line per prefill layer with the decision on stderr.
+    #[arg(long)]
+    postfetch_debug: bool,
     /// Context size in positions (prompt + generated tokens). Default: the model's trained
     /// context, lowered to what the KV cache can take of the available memory.
     #[arg(long)]
@@ -579,6 +602,7 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
         opts.gpu.hot_dequant_bytes = b;
     }
     opts.gpu.prefill_attention = env::prefill_attention()?;
+    opts.gpu.postfetch = env::postfetch()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
     opts.pipeline.switches = env::policy_switches()?;
     opts.pipeline.pool_cold = env::pool_cold()?;
@@ -613,7 +637,32 @@ fn engine_options(
     opts.pipeline.n_hot_lanes = args.hot_lanes;
     opts.pipeline.cold_kernels = args.cold_kernels.parse::<ColdKernels>().map_err(anyhow::Error::msg)?;
     opts.gpu.perf_mode = opts.perf_mode;
+    postfetch_flags(&mut opts.gpu.postfetch, args)?;
     Ok(opts)
+}
+
+/// The `--postfetch*` flags over what the environment set.
+fn postfetch_flags(o: &mut moe_lanes::gpu::PostFetchOptions, args: &EngineArgs) -> Result<()> {
+    if let Some(m) = &args.postfetch {
+        o.mode = m.parse().map_err(|e| anyhow::anyhow!("--postfetch {m}: {e}"))?;
+    }
+    if let Some(b) = args.postfetch_block_on_miss {
+        o.block_on_miss = b;
+    }
+    if let Some(n) = args.postfetch_max_transfers {
+        ensure!(n > 0, "--postfetch-max-transfers: expected a count > 0");
+        o.max_transfers = n;
+    }
+    if let Some(mib) = args.postfetch_scratch_mib {
+        o.scratch_bytes = env::parse_mib(&mib.to_string())
+            .ok_or_else(|| anyhow::anyhow!("--postfetch-scratch-mib {mib}: expected a size in MiB"))?;
+    }
+    if let Some(n) = args.postfetch_streams {
+        ensure!((1..=4).contains(&n), "--postfetch-streams {n}: expected 1 to 4");
+        o.streams = n;
+    }
+    o.debug |= args.postfetch_debug;
+    Ok(())
 }
 
 fn hot_choice(model: &Model, args: &EngineArgs, default: HotChoice) -> Result<HotChoice> {

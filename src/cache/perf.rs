@@ -141,6 +141,45 @@ pub struct PerfReport {
     pub phases: BTreeMap<String, PhasePerf>,
     /// What the hot-cache updater did (automatic updates and manual applies).
     pub cache_updates: CacheUpdateStats,
+    /// Post-Fetch of cold experts in prefill (GPU engine with it enabled; absent otherwise).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub postfetch: Option<PostFetchPerf>,
+}
+
+/// Post-Fetch in the perf JSON: cold experts copied to a VRAM scratchpad and computed on the GPU
+/// in prefill, summed over the run. Seed 001's targets: `transfer_overlap` >= 0.7,
+/// `fallback_rate` <= 0.05, `vram_overhead` <= 0.1.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct PostFetchPerf {
+    /// `auto` or `on`.
+    pub mode: String,
+    /// Prefill layer calls planned.
+    pub layer_calls: u64,
+    /// Experts the cost model (or `on`) chose for the GPU.
+    pub experts_chosen: u64,
+    pub experts_fetched: u64,
+    pub bytes_copied: u64,
+    /// Copy-lane time (first copy queued to last copy done, per layer call).
+    pub copy_time_us: u64,
+    /// Copy time not hidden behind compute (the host's CPU lane or the GPU's hot lane).
+    pub copy_exposed_us: u64,
+    /// `1 - copy_exposed / copy_time` (null before any copy).
+    pub transfer_overlap: Option<f64>,
+    /// Chosen experts that ran on the CPU after all, and why.
+    pub fallbacks: u64,
+    pub fallback_reasons: BTreeMap<String, u64>,
+    /// `fallbacks / experts_chosen` (null before any was chosen).
+    pub fallback_rate: Option<f64>,
+    /// Times the host waited for a copy in flight (`block_on_miss`), and how long in all.
+    pub block_waits: u64,
+    pub block_wait_us: u64,
+    /// VRAM of the scratchpad, the hot cache's, and their ratio (null without a hot cache).
+    pub scratch_bytes: u64,
+    pub hot_cache_bytes: u64,
+    pub vram_overhead: Option<f64>,
+    /// Host-to-device rate the cost model uses (measured at engine start).
+    pub pcie_bytes_per_s: f64,
 }
 
 /// The model a perf document was recorded on: architecture, layer and expert counts, and the
@@ -713,6 +752,11 @@ impl PerfState {
 
     pub fn report(&self) -> &PerfReport {
         &self.report
+    }
+
+    /// Post-Fetch's totals (shown in the perf JSON; the GPU engine sets them after each call).
+    pub fn set_postfetch(&mut self, postfetch: Option<PostFetchPerf>) {
+        self.report.postfetch = postfetch;
     }
 
     /// Record the engine's thread counts (shown in the perf JSON).

@@ -355,6 +355,7 @@ fn build_gpu(
     let mut gm = GpuModel::new(model.clone(), be.clone(), gpu_opts)?;
     let n_cold = opts.cold_threads.resolve(&ThreadInputs { gpu_lane, ..ThreadInputs::this_machine() });
     let mut cold = PoolColdExperts::new(model.clone(), n_cold, opts.simd, opts.cold_schedule)?;
+    gm.set_cold_threads(cold.n_threads());
     gm.reserve_tokens(n_positions.min(MAX_BATCH_TOKENS))?;
     let mut src = GpuSource { gm: &mut gm, cold: &mut cold, opts, n_positions };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;

@@ -33,6 +33,8 @@ pub enum GpuError {
     CacheModel { cache_layers: usize, cache_kv_dim: usize, model_layers: usize, model_kv_dim: usize },
     #[error("layer {layer_idx}: the router produced expert id {expert_id} (NaN logits?)")]
     BadRoute { layer_idx: usize, expert_id: i32 },
+    #[error(transparent)]
+    PostFetch(#[from] super::postfetch::plan::BadTransition),
     #[error("injected fault: {what}")]
     Injected { what: &'static str },
 }

@@ -5,7 +5,8 @@
 //! Files by stage: `weights` (upload), `hot_cache` (slots, maps, exchanges),
 //! `hot_dequant` (prefill's quantized slots as bf16 chunks for the grouped GEMMs), `kv` (KV cache),
 //! `scratch` (per-call buffers), `dense` (attention, router, shared expert), `moe` (hot/cold
-//! split, lanes, join, fallback), `stats` (lane statistics, profile), `model` (the forward call).
+//! split, lanes, join, fallback), `postfetch` (prefill's cold experts copied to a VRAM
+//! scratchpad and computed on the GPU when a cost model says so), `stats` (lane statistics, profile), `model` (the forward call).
 //!
 //! Without a CUDA driver nothing here can run: [`CudaBackend::try_new`] returns an error that
 //! callers report before falling back to the CPU path.
@@ -20,6 +21,7 @@ mod kv;
 mod model;
 mod moe;
 pub mod pool_cold;
+mod postfetch;
 mod scratch;
 mod stats;
 mod weights;
@@ -33,4 +35,8 @@ pub use model::{
 };
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use pool_cold::{PoolColdError, PoolColdExperts};
+pub use postfetch::plan::{
+    BadPostFetchMode, PostFetchCosts, PostFetchMode, PostFetchOptions, DEFAULT_MAX_TRANSFERS,
+    DEFAULT_SCRATCH_BYTES as POSTFETCH_DEFAULT_SCRATCH_BYTES,
+};
 pub use stats::{ForwardStats, LayerLaneStats, StageProfile, PROFILE_LAYER_STAGES, PROFILE_TAIL_STAGES};

@@ -8,6 +8,8 @@ use super::graph::DecodeGraph;
 use super::hot_cache::HotCache;
 use super::hot_dequant::{HotDequant, HOT_DEQUANT_SCRATCH_BYTES};
 use super::kv::GpuKvCache;
+use super::postfetch::plan::{PostFetchCosts, PostFetchOptions, PostFetchTotals};
+use super::postfetch::{PostFetch, STAGE_THREADS};
 use super::scratch::{HostScratch, Scratch};
 use super::stats::{self, CallTimes, ForwardStats, LaneEvents, LayerRecord, Profiler, StageProfile};
 use super::weights::DenseWeights;
@@ -180,6 +182,8 @@ pub struct GpuOptions {
     /// Decode routing (FFN norm, router, top-k, hot worklist) as one launch (`route_decode`);
     /// off: four (`MOE_LANES_GPU_FUSED_ROUTE=0` at the CLI).
     pub fused_route: bool,
+    /// Post-Fetch of cold experts in prefill (`postfetch` module).
+    pub postfetch: PostFetchOptions,
 }
 
 impl Default for GpuOptions {
@@ -197,6 +201,7 @@ impl Default for GpuOptions {
             faults: GpuFaults::default(),
             decode_graph: true,
             fused_route: true,
+            postfetch: PostFetchOptions::default(),
         }
     }
 }
@@ -246,6 +251,8 @@ pub struct GpuModel {
     /// bf16 gate, up and down of two chunks of quantized hot slots for the grouped prefill
     /// GEMMs (none for a float model or `HotGemm::PerExpert`).
     pub(crate) hot_dequant: Option<HotDequant>,
+    /// Post-Fetch's scratchpad, streams and totals (none: off, or not a bf16 model).
+    pub(crate) postfetch: Option<PostFetch>,
     pub(super) call_idx: u64,
     /// The captured one-token decode call, replayed while its key holds.
     pub(super) graph: Option<DecodeGraph>,
@@ -272,6 +279,7 @@ impl GpuModel {
         } else {
             None
         };
+        let postfetch = PostFetch::new(&be, &model, opts.postfetch, opts.hot_gemm)?;
         let lane_events = (0..cfg.n_layers)
             .map(|_| Ok(LaneEvents { start: be.event()?, end: be.event()? }))
             .collect::<Result<Vec<_>, GpuError>>()?;
@@ -287,6 +295,7 @@ impl GpuModel {
             attn_part: None,
             dequant,
             hot_dequant,
+            postfetch,
             call_idx: 0,
             graph: None,
             step: None,
@@ -337,6 +346,28 @@ impl GpuModel {
     pub fn reset_perf(&mut self) {
         let c = &self.cfg;
         self.perf = PerfState::new(self.opts.perf_mode, c.n_layers, c.n_experts, c.n_experts_used);
+        if let Some(pf) = self.postfetch.as_mut() {
+            pf.totals = PostFetchTotals::default();
+        }
+    }
+
+    /// The cold lane's thread count, for Post-Fetch's CPU cost per token.
+    pub fn set_cold_threads(&mut self, n_threads: usize) {
+        let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
+        if let Some(pf) = self.postfetch.as_mut() {
+            let configured = PostFetchCosts::configured(h, ff, n_threads, STAGE_THREADS);
+            pf.costs = PostFetchCosts { pcie_bytes_per_s: pf.pcie_bytes_per_s, ..configured };
+        }
+    }
+
+    /// Post-Fetch's cost model inputs (none when Post-Fetch is off or unsupported).
+    pub fn postfetch_costs(&self) -> Option<PostFetchCosts> {
+        self.postfetch.as_ref().map(|p| p.costs)
+    }
+
+    /// VRAM of the Post-Fetch scratchpad (0 without one).
+    pub fn postfetch_scratch_bytes(&self) -> usize {
+        self.postfetch.as_ref().map_or(0, PostFetch::scratch_bytes)
     }
 
     pub fn perf_mut(&mut self) -> &mut PerfState {
@@ -552,6 +583,9 @@ impl GpuModel {
         for (r, ev) in self.records.iter().zip(&self.lane_events) {
             let hot_us = if r.hot_at.is_some() { ev.hot_us()? } else { 0.0 };
             layers.push(stats::lane_stats(r, hot_us));
+        }
+        if phase != Phase::Decode {
+            self.postfetch_finish()?;
         }
         let total_us = call_start.elapsed().as_secs_f64() * 1e6;
         self.stats = ForwardStats { n_tokens: t, prefill: phase != Phase::Decode, layers, total_us };

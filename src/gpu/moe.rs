@@ -67,6 +67,7 @@ impl GpuModel {
         cold: &mut dyn ColdExperts,
     ) -> Result<(), GpuError> {
         self.records[l] = LayerRecord::default();
+        self.postfetch_reset();
         self.hot.order_after_exchanges(&self.be, l)?;
         // A few prefill rows over quantized slots take the decode kernels too: they read each
         // weight once per row (as cheap as dequantizing the slots for tensor cores) and keep the
@@ -86,7 +87,7 @@ impl GpuModel {
         self.shared_expert(l, phase, t)?;
         self.mark(l, 5)?;
         let outcome =
-            if device_path { self.moe_device(l, t, cold, direct, fused) } else { self.moe_host(l, t, cold) };
+            if device_path { self.moe_device(l, t, cold, direct, fused) } else { self.moe_host(l, phase, t, cold) };
         let fell_back = match outcome {
             Ok(()) => false,
             Err(LayerFault::Fatal(e)) => return Err(e),
@@ -217,12 +218,20 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Host path: worklist built and checked on the host, hot lane by grouped GEMMs, cold lane
-    /// on the CPU meanwhile, join on the host with a timeout.
-    fn moe_host(&mut self, l: usize, t: usize, cold: &mut dyn ColdExperts) -> Result<(), LayerFault> {
+    /// Host path: worklist built and checked on the host, Post-Fetch's copies queued (prefill),
+    /// hot lane (and fetched experts) by grouped GEMMs, cold lane on the CPU meanwhile, join on
+    /// the host with a timeout.
+    fn moe_host(
+        &mut self,
+        l: usize,
+        phase: Phase,
+        t: usize,
+        cold: &mut dyn ColdExperts,
+    ) -> Result<(), LayerFault> {
         self.wait_routes()?;
         let split_at = Instant::now();
         self.host_worklist(l, t, WorklistOrder::ExpertMajor)?;
+        self.postfetch_issue(l, phase)?;
         self.records[l].worklist_us = split_at.elapsed().as_secs_f64() * 1e6;
         let n_cold_rows = self.upload_worklist(l, t)?;
         self.mark(l, 6)?;
@@ -232,14 +241,16 @@ impl GpuModel {
         if faults.hot_error {
             return Err(HOT_FAILED);
         }
-        if self.records[l].hot_slots > 0 {
+        if self.records[l].hot_slots + self.host.pf_slot.len() > 0 {
             self.hot_lane_gemm(l, t).map_err(|_| HOT_FAILED)?;
+            self.postfetch_launched();
         }
         self.be.record(&self.lane_events[l].end)?;
         self.mark(l, 7)?;
         if n_cold_rows > 0 {
             self.cold_lane_host_join(l, n_cold_rows, cold)?;
         }
+        self.postfetch_join()?;
         let timed_out = faults.hot_timeout;
         if n_cold_rows > 0 || timed_out {
             let wait_start = Instant::now();
@@ -259,7 +270,7 @@ impl GpuModel {
     fn upload_worklist(&mut self, l: usize, t: usize) -> Result<usize, GpuError> {
         let h = self.cfg.hidden;
         let s = self.scratch.as_mut().expect("reserved");
-        let (n_hot, _) = encode_hot(&mut self.host, &s.layout, t);
+        let (n_hot, n_all, _) = encode_hot(&mut self.host, &s.layout, t);
         self.host.n_tiles = 0;
         if self.opts.hot_gemm == HotGemm::Grouped {
             let slots = &self.host.worklist.hot[0].hot_id[..n_hot];
@@ -270,6 +281,7 @@ impl GpuModel {
                 let tiles = &mut tiles[..3 * self.host.n_tiles];
                 plan_chunks(tiles, d.slots, &mut self.host.chunks);
             }
+            encode_fetched_tiles(&mut self.host, &s.layout, n_hot)?;
         }
         let n_cold_rows = collect_cold(&mut self.host, t);
         for (r, &ti) in self.host.cold_row_tok.iter().enumerate() {
@@ -278,7 +290,7 @@ impl GpuModel {
         let rec = &mut self.records[l];
         (rec.hot_slots, rec.cold_slots, rec.cold_rows) = (n_hot, self.host.cold_slots.len(), n_cold_rows);
         self.be.write(&self.host.work_i, s.work_i.ptr())?;
-        self.be.write(&self.host.work_f[..n_hot.max(1)], s.work_f.ptr())?;
+        self.be.write(&self.host.work_f[..n_all.max(1)], s.work_f.ptr())?;
         if n_cold_rows > 0 {
             let rows = s.work_i.ptr().sub(s.layout.cold_rows, n_cold_rows);
             self.be.gather_rows(s.normed.ptr(), rows, s.cold_in.ptr(), n_cold_rows, h)?;
@@ -288,16 +300,22 @@ impl GpuModel {
     }
 
     /// The hot lane over the host worklist (expert-major): the cached experts' GEMMs over their
-    /// gathered rows, one entry row each in `y`, then a weighted scatter into the token rows.
+    /// gathered rows, one entry row each in `y`, then Post-Fetch's fetched experts' GEMMs (entry
+    /// rows after the hot ones), then one weighted scatter of both into the token rows.
     fn hot_lane_gemm(&self, l: usize, t: usize) -> Result<(), GpuError> {
-        let all_bf16 = self.hot.slots(l).expect("hot entries imply a cache").all_bf16();
-        match self.opts.hot_gemm {
-            HotGemm::Grouped if all_bf16 => self.hot_lane_grouped(l, t)?,
-            // quantized slots: dequantized to bf16 chunk by chunk for the same kernels
-            HotGemm::Grouped if self.hot_dequant.is_some() => self.hot_lane_dequant_grouped(l, t)?,
-            _ => self.hot_lane_per_expert(l)?,
+        let n_hot = self.host.worklist.hot[0].hot_count;
+        if n_hot > 0 {
+            let all_bf16 = self.hot.slots(l).expect("hot entries imply a cache").all_bf16();
+            match self.opts.hot_gemm {
+                HotGemm::Grouped if all_bf16 => self.hot_lane_grouped(l, t)?,
+                // quantized slots: dequantized to bf16 chunk by chunk for the same kernels
+                HotGemm::Grouped if self.hot_dequant.is_some() => self.hot_lane_dequant_grouped(l, t)?,
+                _ => self.hot_lane_per_expert(l)?,
+            }
         }
-        let (h, n_hot) = (self.cfg.hidden, self.host.worklist.hot[0].hot_count);
+        let n_all = n_hot + self.host.pf_slot.len();
+        self.postfetch_gemm(t, n_all)?;
+        let (h, n_hot) = (self.cfg.hidden, n_all);
         let s = self.scratch.as_ref().expect("reserved");
         let (lay, wi, n_rows) = (s.layout, s.work_i.ptr(), self.host.tok_rows);
         let (ent, off, rows) =
@@ -512,12 +530,14 @@ fn for_slot_groups(
     Ok(())
 }
 
-/// The worklist's hot section as the GPU layout: per entry slot, token and weight; token rows
-/// with hot entries (`tok_off`, `tok_rows`) and the entries grouped by token row (`entries`).
-/// Returns (hot entries, token rows).
-fn encode_hot(hs: &mut HostScratch, lay: &WorkLayout, t: usize) -> (usize, usize) {
+/// The worklist's hot section, then Post-Fetch's fetched entries (`pf_*`: slots of the
+/// scratchpad half), as the GPU layout: per entry slot, token and weight; token rows with GPU
+/// entries (`tok_off`, `tok_rows`) and the entries grouped by token row (`entries`).
+/// Returns (hot entries, all GPU entries, token rows).
+fn encode_hot(hs: &mut HostScratch, lay: &WorkLayout, t: usize) -> (usize, usize, usize) {
     let sec = &hs.worklist.hot[0];
     let n_hot = sec.hot_count;
+    let n_all = n_hot + hs.pf_slot.len();
     let starts = &mut hs.tok_count[..t];
     starts.fill(0);
     for i in 0..n_hot {
@@ -525,6 +545,12 @@ fn encode_hot(hs: &mut HostScratch, lay: &WorkLayout, t: usize) -> (usize, usize
         hs.work_i[lay.tokens + i] = sec.hot_token_id[i] as i32;
         hs.work_f[i] = sec.hot_weight[i];
         starts[sec.hot_token_id[i] as usize] += 1;
+    }
+    for (j, i) in (n_hot..n_all).enumerate() {
+        hs.work_i[lay.slots + i] = hs.pf_slot[j] as i32;
+        hs.work_i[lay.tokens + i] = hs.pf_token[j] as i32;
+        hs.work_f[i] = hs.pf_weight[j];
+        starts[hs.pf_token[j] as usize] += 1;
     }
     let (mut n_rows, mut off) = (0usize, 0u32);
     hs.work_i[lay.tok_off] = 0;
@@ -539,13 +565,29 @@ fn encode_hot(hs: &mut HostScratch, lay: &WorkLayout, t: usize) -> (usize, usize
         n_rows += 1;
         hs.work_i[lay.tok_off + n_rows] = off as i32;
     }
-    for i in 0..n_hot {
-        let tok = sec.hot_token_id[i] as usize;
+    for i in 0..n_all {
+        let tok = if i < n_hot { sec.hot_token_id[i] } else { hs.pf_token[i - n_hot] } as usize;
         hs.work_i[lay.entries + starts[tok] as usize] = i as i32;
         starts[tok] += 1;
     }
     hs.tok_rows = n_rows;
-    (n_hot, n_rows)
+    (n_hot, n_all, n_rows)
+}
+
+/// Post-Fetch's entries (after the `n_hot` hot ones) as grouped-GEMM tiles in the tiles section
+/// after the hot tiles: slots of the scratchpad half, first rows counted from entry 0.
+fn encode_fetched_tiles(hs: &mut HostScratch, lay: &WorkLayout, n_hot: usize) -> Result<(), GpuError> {
+    hs.pf_tile_at = 3 * hs.n_tiles;
+    hs.pf_tiles = 0;
+    if hs.pf_slot.is_empty() {
+        return Ok(());
+    }
+    let tiles = &mut hs.work_i[lay.tiles + hs.pf_tile_at..lay.tiles + 3 * (n_hot + hs.pf_slot.len())];
+    hs.pf_tiles = grouped_tiles(&hs.pf_slot, tiles)?;
+    for tile in tiles[..3 * hs.pf_tiles].chunks_exact_mut(3) {
+        tile[1] += n_hot as i32;
+    }
+    Ok(())
 }
 
 /// The worklist's cold section as compact rows (tokens with cold slots, in token order) and
@@ -554,8 +596,10 @@ fn collect_cold(hs: &mut HostScratch, t: usize) -> usize {
     let wl = &hs.worklist;
     let row_of = &mut hs.tok_count[..t];
     row_of.fill(u32::MAX);
-    for &tok in &wl.cold_token_id[..wl.cold_count] {
-        row_of[tok as usize] = 0;
+    // entries of experts Post-Fetch sent to the GPU are not the cold lane's
+    let cpu = |i: usize| hs.pf_fetch[wl.cold_id[i] as usize] < 0;
+    for i in (0..wl.cold_count).filter(|&i| cpu(i)) {
+        row_of[wl.cold_token_id[i] as usize] = 0;
     }
     hs.cold_row_tok.clear();
     for (ti, row) in row_of.iter_mut().enumerate() {
@@ -565,7 +609,7 @@ fn collect_cold(hs: &mut HostScratch, t: usize) -> usize {
         }
     }
     hs.cold_slots.clear();
-    for i in 0..wl.cold_count {
+    for i in (0..wl.cold_count).filter(|&i| cpu(i)) {
         hs.cold_slots.push(ColdSlot {
             row_idx: row_of[wl.cold_token_id[i] as usize] as usize,
             expert_idx: wl.cold_id[i] as usize,

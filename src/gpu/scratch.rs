@@ -187,6 +187,20 @@ pub(crate) struct HostScratch {
     pub tokens_i32: Vec<i32>,
     /// The routing ids of every layer after the call (perf counting).
     pub route_ids: Vec<i32>,
+    /// Post-Fetch, per expert: its slot in the layer's scratchpad half, -1 (CPU).
+    pub pf_fetch: Vec<i32>,
+    /// Post-Fetch, per expert: cold slots routed to it in the layer.
+    pub pf_count: Vec<u32>,
+    /// Post-Fetch: the layer's cold experts and their tokens (the chosen ones first).
+    pub pf_loads: Vec<super::postfetch::plan::ExpertLoad>,
+    /// Post-Fetch: the fetched experts' worklist entries (scratchpad slot, token, weight), in
+    /// worklist order; they follow the hot entries on the GPU.
+    pub pf_slot: Vec<u32>,
+    pub pf_token: Vec<u32>,
+    pub pf_weight: Vec<f32>,
+    /// Post-Fetch: tiles of the fetched entries and where they start in the tiles section.
+    pub pf_tiles: usize,
+    pub pf_tile_at: usize,
 }
 
 impl HostScratch {
@@ -207,6 +221,14 @@ impl HostScratch {
             cold_out: Vec::with_capacity(cap * c.hidden),
             tokens_i32: Vec::with_capacity(cap),
             route_ids: Vec::with_capacity(c.n_layers * cap * k),
+            pf_fetch: vec![-1; c.n_experts],
+            pf_count: vec![0; c.n_experts],
+            pf_loads: Vec::with_capacity(c.n_experts),
+            pf_slot: Vec::with_capacity(cap * k),
+            pf_token: Vec::with_capacity(cap * k),
+            pf_weight: Vec::with_capacity(cap * k),
+            pf_tiles: 0,
+            pf_tile_at: 0,
         }
     }
 }

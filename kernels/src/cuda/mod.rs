@@ -12,7 +12,8 @@
 //! view of part of one, checked against kernel shapes by every launcher (sub-views are checked
 //! against the view they come from). Compute goes to the backend's compute stream, in order; the
 //! side stream only writes hot-cache slots, and the compute stream waits for those copies through
-//! an event ([`CudaBackend::record_side`], [`CudaBackend::wait_event`]), so cudarc's per-slice
+//! an event ([`CudaBackend::record_side`], [`CudaBackend::wait_event`]; the same for the Post-Fetch
+//! [`CopyStream`]s), so cudarc's per-slice
 //! event tracking is switched off. A `DPtr` must not outlive its buffer (a stale one faults on
 //! the device). [`PinnedBuffer`]s fence their own asynchronous copies, so those copies are safe.
 
@@ -292,6 +293,12 @@ pub struct StreamGraph {
 // ownership serialise every use, as the driver requires of graph objects.
 unsafe impl Send for StreamGraph {}
 
+/// A dedicated copy stream made by [`CudaBackend::copy_stream`] (Post-Fetch's host-to-device
+/// copies of cold experts); it only writes buffers the compute stream reads after an event.
+pub struct CopyStream {
+    stream: Arc<CudaStream>,
+}
+
 /// One GPU: context, dedicated stream, cuBLAS handle and the compiled kernels.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -385,7 +392,10 @@ impl CudaBackend {
             // SAFETY: cudarc's per-slice events order streams that share a `CudaSlice`; here the
             // ordering is ours: the compute stream orders every use of every buffer, the side
             // stream only writes hot-cache slots that the compute stream reads after
-            // `wait_event`, and pinned buffers fence their own copies (`PinnedBuffer::fence_after`).
+            // `wait_event`, copy streams ([`CopyStream`]) only write Post-Fetch scratch slots that
+            // the compute stream reads after `wait_event` and that they overwrite only after
+            // `wait_event_on` an event the compute stream recorded after its last read, and pinned
+            // buffers fence their own copies (`PinnedBuffer::fence_after`).
             unsafe { ctx.disable_event_tracking() };
             let stream = ctx.new_stream().ctx("cuStreamCreate")?;
             let side = ctx.new_stream().ctx("cuStreamCreate(side)")?;
@@ -622,6 +632,52 @@ impl CudaBackend {
             drv::memcpy_htod_async(dst.raw, host, self.side.cu_stream()).ctx("cuMemcpyHtoDAsync(side)")?;
         }
         src.fence_after(self.side.cu_stream())
+    }
+
+    /// A dedicated host-to-device copy stream (Post-Fetch of cold experts), beside the compute
+    /// and side streams; ordered against them only through events.
+    pub fn copy_stream(&self) -> Result<CopyStream> {
+        self.bind_to_thread()?;
+        Ok(CopyStream { stream: self.ctx.new_stream().ctx("cuStreamCreate(copy)")? })
+    }
+
+    /// Queue a copy of `src[range]` (pinned) into `dst` on copy stream `cs`. Safe like
+    /// [`CudaBackend::write_async`]: `src`'s host accessors wait until the copy is done.
+    pub fn write_async_on<T: Copy + Default>(
+        &self,
+        cs: &CopyStream,
+        src: &PinnedBuffer<T>,
+        range: std::ops::Range<usize>,
+        dst: DPtr<T>,
+    ) -> Result<()> {
+        assert!(range.end <= src.len && range.len() <= dst.len);
+        if range.is_empty() {
+            return Ok(());
+        }
+        let stream = cs.stream.cu_stream();
+        // SAFETY: `src.ptr + range.start` holds `range.len()` initialised elements owned by
+        // `src`, kept alive and unchanged until its fence, recorded right after on the same stream;
+        // `dst` is a live device range of at least `range.len()` elements (checked above).
+        unsafe {
+            let host = std::slice::from_raw_parts(src.ptr.add(range.start), range.len());
+            drv::memcpy_htod_async(dst.raw, host, stream).ctx("cuMemcpyHtoDAsync(copy)")?;
+        }
+        src.fence_after(stream)
+    }
+
+    /// Record `ev` on copy stream `cs`: it completes when every copy queued there so far has.
+    pub fn record_on(&self, cs: &CopyStream, ev: &GpuEvent) -> Result<()> {
+        // SAFETY: `ev` is a live event of this context and `cs` a live stream of it.
+        unsafe { drv::event::record(ev.ev, cs.stream.cu_stream()) }.ctx("cuEventRecord(copy)")
+    }
+
+    /// Make copy stream `cs` wait (on the GPU, the host goes on) until `ev` completes.
+    pub fn wait_event_on(&self, cs: &CopyStream, ev: &GpuEvent) -> Result<()> {
+        // SAFETY: `ev` is a live event of this context and `cs` a live stream of it.
+        unsafe {
+            drv::stream::wait_event(cs.stream.cu_stream(), ev.ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+        }
+        .ctx("cuStreamWaitEvent(copy)")
     }
 
     /// Copy a small pageable `src` into `dst` on the side stream (the driver stages pageable

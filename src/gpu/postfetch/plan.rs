@@ -1,0 +1,492 @@
+//! Post-Fetch's host-side decisions, pure and unit-tested without a GPU: the settings, the cost
+//! model that splits a layer's cold experts between the CPU lane and the copy lane
+//! ([`assign`]), how the chosen ones are issued against the scratchpad and the transfer bound
+//! ([`issue_step`]), the per-slot transfer state machine ([`TransferTracker`]) and the
+//! statistics ([`PostFetchTotals`]).
+
+use crate::cache::perf::PostFetchPerf;
+use std::collections::{BTreeMap, VecDeque};
+
+/// Whether prefill fetches cold experts to the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PostFetchMode {
+    /// The cost model decides per expert ([`assign`]).
+    #[default]
+    Auto,
+    /// Fetch every cold expert that fits (the rest fall back to the CPU, counted): tests, A/B.
+    On,
+    /// Every cold expert on the CPU (no scratchpad is allocated).
+    Off,
+}
+
+impl PostFetchMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            PostFetchMode::Auto => "auto",
+            PostFetchMode::On => "on",
+            PostFetchMode::Off => "off",
+        }
+    }
+}
+
+/// A Post-Fetch mode that is not `auto`, `on` or `off`.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("post-fetch mode: expected auto, on or off")]
+pub struct BadPostFetchMode;
+
+impl std::str::FromStr for PostFetchMode {
+    type Err = BadPostFetchMode;
+    fn from_str(s: &str) -> Result<PostFetchMode, BadPostFetchMode> {
+        match s {
+            "auto" => Ok(PostFetchMode::Auto),
+            "on" => Ok(PostFetchMode::On),
+            "off" => Ok(PostFetchMode::Off),
+            _ => Err(BadPostFetchMode),
+        }
+    }
+}
+
+/// Default VRAM of the scratchpad (both halves): 1 GiB, about 54 bf16 experts of 768 x 2048 a
+/// half.
+pub const DEFAULT_SCRATCH_BYTES: usize = 1 << 30;
+/// Default bound on expert copies queued and not yet complete.
+pub const DEFAULT_MAX_TRANSFERS: usize = 64;
+
+/// Post-Fetch settings (the CLI and `env` parse them at the edge).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PostFetchOptions {
+    pub mode: PostFetchMode,
+    /// A chosen expert whose copy cannot be queued because `max_transfers` copies are in
+    /// flight: wait for the oldest (`true`) or compute it on the CPU (counted either way).
+    pub block_on_miss: bool,
+    pub max_transfers: usize,
+    /// VRAM of the scratchpad, both halves (at least one expert slot a half when not 0; 0: off).
+    pub scratch_bytes: usize,
+    /// Copy streams (experts dealt round-robin over them).
+    pub streams: usize,
+    /// A log line per layer with the decision (stderr).
+    pub debug: bool,
+}
+
+impl Default for PostFetchOptions {
+    fn default() -> Self {
+        PostFetchOptions {
+            mode: PostFetchMode::Auto,
+            block_on_miss: true,
+            max_transfers: DEFAULT_MAX_TRANSFERS,
+            scratch_bytes: DEFAULT_SCRATCH_BYTES,
+            streams: 1,
+            debug: false,
+        }
+    }
+}
+
+/// Cold-lane read bandwidth of expert weights (configured: DRAM read rate of a server socket
+/// as the cold pool reaches it).
+pub const DEFAULT_CPU_BYTES_PER_S: f64 = 40e9;
+/// Cold-lane arithmetic per thread (f32 FMAs of the SIMD tiles, measured ~44 GFLOP/s a thread
+/// on the H100 machine's CPU: 512 tokens x 8 experts of 768 x 2048 in ~55 ms a layer at 16
+/// threads beyond the weight reads).
+pub const DEFAULT_CPU_FLOP_PER_S_PER_THREAD: f64 = 40e9;
+/// Host staging rate of one thread (memcpy from the mapped file into pinned memory).
+pub const STAGE_BYTES_PER_S_PER_THREAD: f64 = 8e9;
+/// GPU time of one fetched expert's grouped GEMMs beyond its copy (small next to the copy).
+pub const DEFAULT_GPU_EXPERT_S: f64 = 20e-6;
+/// PCIe rate assumed until measured (pinned host-to-device, PCIe 5 x16 in practice ~55 GB/s).
+pub const DEFAULT_PCIE_BYTES_PER_S: f64 = 25e9;
+
+/// The rates the cost model weighs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PostFetchCosts {
+    /// Host-to-device rate of a pinned copy (measured once at engine start).
+    pub pcie_bytes_per_s: f64,
+    /// Rate at which the cold lane reads an expert's weights.
+    pub cpu_bytes_per_s: f64,
+    /// CPU time of one routed token of one expert (its three projections).
+    pub cpu_token_s: f64,
+    /// Host time to stage the bytes into pinned memory (`f64::INFINITY`: no staging).
+    pub stage_bytes_per_s: f64,
+    /// GPU time of one fetched expert beyond its copy.
+    pub gpu_expert_s: f64,
+}
+
+impl PostFetchCosts {
+    /// Configured CPU rates for `cold_threads` threads and experts of `hidden x ff`;
+    /// `stage_threads` threads stage the copies.
+    pub fn configured(hidden: usize, ff: usize, cold_threads: usize, stage_threads: usize) -> Self {
+        let flop_per_token = 6.0 * hidden as f64 * ff as f64;
+        PostFetchCosts {
+            pcie_bytes_per_s: DEFAULT_PCIE_BYTES_PER_S,
+            cpu_bytes_per_s: DEFAULT_CPU_BYTES_PER_S,
+            cpu_token_s: flop_per_token / (DEFAULT_CPU_FLOP_PER_S_PER_THREAD * cold_threads.max(1) as f64),
+            stage_bytes_per_s: STAGE_BYTES_PER_S_PER_THREAD * stage_threads.max(1) as f64,
+            gpu_expert_s: DEFAULT_GPU_EXPERT_S,
+        }
+    }
+
+    /// CPU lane time of an expert of `bytes` with `tokens` routed tokens.
+    pub fn cpu_s(&self, bytes: usize, tokens: u32) -> f64 {
+        bytes as f64 / self.cpu_bytes_per_s + tokens as f64 * self.cpu_token_s
+    }
+
+    /// Copy-lane time of one expert (the copy and its GEMMs).
+    pub fn copy_s(&self, bytes: usize) -> f64 {
+        bytes as f64 / self.pcie_bytes_per_s + self.gpu_expert_s
+    }
+
+    /// Host time to stage one expert before its copy (delays the CPU lane).
+    pub fn stage_s(&self, bytes: usize) -> f64 {
+        bytes as f64 / self.stage_bytes_per_s
+    }
+}
+
+/// A cold expert of a layer call and the tokens routed to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertLoad {
+    pub expert: u32,
+    pub tokens: u32,
+}
+
+/// Sort `loads` by tokens (most first, then expert id) and return how many of the first go to
+/// the GPU. `On`: all of them (the issue step bounds them). `Auto`: greedily, while moving one
+/// more expert lowers the layer's finish time `stage + max(cpu lane, copy lane)` (the CPU lane
+/// and the copy lane run at once; staging runs before the CPU lane), at most `max_experts`.
+/// `Off`: none.
+pub fn assign(
+    loads: &mut [ExpertLoad],
+    bytes: usize,
+    costs: &PostFetchCosts,
+    mode: PostFetchMode,
+    max_experts: usize,
+) -> usize {
+    loads.sort_unstable_by(|a, b| b.tokens.cmp(&a.tokens).then(a.expert.cmp(&b.expert)));
+    match mode {
+        PostFetchMode::Off => return 0,
+        PostFetchMode::On => return loads.len(),
+        PostFetchMode::Auto => {}
+    }
+    let mut cpu: f64 = loads.iter().map(|x| costs.cpu_s(bytes, x.tokens)).sum();
+    let (mut stage, mut copy) = (0.0, 0.0);
+    let mut n = 0;
+    for x in loads.iter().take(max_experts) {
+        let now = stage + f64::max(cpu, copy);
+        let (s, c, p) = (stage + costs.stage_s(bytes), cpu - costs.cpu_s(bytes, x.tokens), copy + costs.copy_s(bytes));
+        if s + f64::max(c, p) >= now {
+            break;
+        }
+        (stage, cpu, copy, n) = (s, c, p, n + 1);
+    }
+    n
+}
+
+/// Why a chosen expert ran on the CPU after all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PostFetchMiss {
+    /// Every slot of the layer's scratchpad half was taken.
+    ScratchFull,
+    /// `max_transfers` copies were in flight and `block_on_miss` is off.
+    TransfersBound,
+}
+
+impl PostFetchMiss {
+    pub const ALL: [PostFetchMiss; 2] = [PostFetchMiss::ScratchFull, PostFetchMiss::TransfersBound];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PostFetchMiss::ScratchFull => "scratch_full",
+            PostFetchMiss::TransfersBound => "transfers_bound",
+        }
+    }
+}
+
+/// The next step of issuing a layer's chosen experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IssueStep {
+    /// Stage and copy the next `n` experts.
+    Issue(usize),
+    /// Wait on the host for the oldest copy in flight, then look again.
+    Block,
+    /// The remaining experts run on the CPU.
+    Fallback(PostFetchMiss),
+    Done,
+}
+
+/// What to do with `remaining` chosen experts when `free_slots` slots of the half are free and
+/// `room` more copies may be in flight.
+pub fn issue_step(remaining: usize, free_slots: usize, room: usize, block_on_miss: bool) -> IssueStep {
+    match (remaining, free_slots, room) {
+        (0, _, _) => IssueStep::Done,
+        (_, 0, _) => IssueStep::Fallback(PostFetchMiss::ScratchFull),
+        (_, _, 0) if block_on_miss => IssueStep::Block,
+        (_, _, 0) => IssueStep::Fallback(PostFetchMiss::TransfersBound),
+        (r, f, m) => IssueStep::Issue(r.min(f).min(m)),
+    }
+}
+
+/// A scratchpad slot's expert: `CpuOnly` (nothing fetched), `CopyInFlight` (queued on a copy
+/// stream, its event not yet complete), `GpuReady` (its copy is done). Nothing is cached across
+/// calls or layers: a half's slots go back to `CpuOnly` when the half is reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FetchState {
+    CpuOnly,
+    CopyInFlight,
+    GpuReady,
+}
+
+/// A transition the state machine does not allow (a programming error, reported as such).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("post-fetch slot {slot}: {from:?} cannot become {to:?}")]
+pub struct BadTransition {
+    pub slot: usize,
+    pub from: FetchState,
+    pub to: FetchState,
+}
+
+/// Per slot state and the copies in flight (issue order), bounded by `max_in_flight`.
+#[derive(Debug, Clone)]
+pub struct TransferTracker {
+    states: Vec<FetchState>,
+    in_flight: VecDeque<usize>,
+    max_in_flight: usize,
+}
+
+impl TransferTracker {
+    pub fn new(n_slots: usize, max_in_flight: usize) -> TransferTracker {
+        TransferTracker {
+            states: vec![FetchState::CpuOnly; n_slots],
+            in_flight: VecDeque::new(),
+            max_in_flight: max_in_flight.max(1),
+        }
+    }
+
+    #[cfg(test)]
+    pub fn state(&self, slot: usize) -> FetchState {
+        self.states[slot]
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Copies that may still be queued.
+    pub fn room(&self) -> usize {
+        self.max_in_flight.saturating_sub(self.in_flight.len())
+    }
+
+    /// The oldest copy in flight.
+    pub fn oldest(&self) -> Option<usize> {
+        self.in_flight.front().copied()
+    }
+
+    /// `CpuOnly -> CopyInFlight` (a slot reused before its half was released is refused).
+    pub fn start(&mut self, slot: usize) -> Result<(), BadTransition> {
+        self.to(slot, FetchState::CpuOnly, FetchState::CopyInFlight)?;
+        self.in_flight.push_back(slot);
+        Ok(())
+    }
+
+    /// `CopyInFlight -> GpuReady` for every slot in flight whose copy is `done` (any order).
+    pub fn poll(&mut self, mut done: impl FnMut(usize) -> bool) {
+        let states = &mut self.states;
+        self.in_flight.retain(|&s| {
+            let d = done(s);
+            if d {
+                states[s] = FetchState::GpuReady;
+            }
+            !d
+        });
+    }
+
+    /// `CopyInFlight -> GpuReady` for `slot` (the host waited for its copy).
+    pub fn ready(&mut self, slot: usize) -> Result<(), BadTransition> {
+        self.to(slot, FetchState::CopyInFlight, FetchState::GpuReady)?;
+        self.in_flight.retain(|&s| s != slot);
+        Ok(())
+    }
+
+    /// Slots `range` go back to `CpuOnly` (their half is reused); copies still in flight there
+    /// are forgotten (the copy stream orders them before the new ones).
+    pub fn release(&mut self, range: std::ops::Range<usize>) {
+        self.in_flight.retain(|s| !range.contains(s));
+        self.states[range].fill(FetchState::CpuOnly);
+    }
+
+    fn to(&mut self, slot: usize, from: FetchState, to: FetchState) -> Result<(), BadTransition> {
+        if self.states[slot] != from {
+            return Err(BadTransition { slot, from: self.states[slot], to });
+        }
+        self.states[slot] = to;
+        Ok(())
+    }
+}
+
+/// What Post-Fetch did, summed over calls (rendered as the perf JSON's `postfetch` object).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PostFetchTotals {
+    /// Prefill layer calls planned.
+    pub layer_calls: u64,
+    /// Experts the cost model (or `on`) sent to the GPU.
+    pub experts_chosen: u64,
+    pub experts_fetched: u64,
+    pub bytes_copied: u64,
+    /// Copy-lane GPU time (first copy queued to last copy done, per layer call).
+    pub copy_us: f64,
+    /// Copy time not hidden: the least of the host's wait after its CPU lane and the compute
+    /// stream's stall before the fetched GEMMs.
+    pub exposed_us: f64,
+    /// Per [`PostFetchMiss::ALL`].
+    pub fallbacks: [u64; 2],
+    pub block_waits: u64,
+    pub block_wait_us: f64,
+}
+
+impl PostFetchTotals {
+    /// Share of the copy time hidden behind compute (none before any copy).
+    pub fn overlap(&self) -> Option<f64> {
+        (self.copy_us > 0.0).then(|| (1.0 - self.exposed_us / self.copy_us).clamp(0.0, 1.0))
+    }
+
+    /// Fallbacks per chosen expert (none before any was chosen).
+    pub fn fallback_rate(&self) -> Option<f64> {
+        let n: u64 = self.fallbacks.iter().sum();
+        (self.experts_chosen > 0).then(|| n as f64 / self.experts_chosen as f64)
+    }
+
+    pub fn add_fallbacks(&mut self, why: PostFetchMiss, n: usize) {
+        self.fallbacks[why as usize] += n as u64;
+    }
+
+    /// The perf JSON object: `scratch_bytes` of VRAM beside a hot cache of `hot_bytes`.
+    pub fn perf(&self, mode: PostFetchMode, scratch_bytes: usize, hot_bytes: usize, pcie: f64) -> PostFetchPerf {
+        let reasons: BTreeMap<String, u64> =
+            PostFetchMiss::ALL.iter().map(|m| (m.name().to_string(), self.fallbacks[*m as usize])).collect();
+        PostFetchPerf {
+            mode: mode.name().to_string(),
+            layer_calls: self.layer_calls,
+            experts_chosen: self.experts_chosen,
+            experts_fetched: self.experts_fetched,
+            bytes_copied: self.bytes_copied,
+            copy_time_us: self.copy_us as u64,
+            copy_exposed_us: self.exposed_us as u64,
+            transfer_overlap: self.overlap(),
+            fallbacks: self.fallbacks.iter().sum(),
+            fallback_reasons: reasons,
+            fallback_rate: self.fallback_rate(),
+            block_waits: self.block_waits,
+            block_wait_us: self.block_wait_us as u64,
+            scratch_bytes: scratch_bytes as u64,
+            hot_cache_bytes: hot_bytes as u64,
+            vram_overhead: (hot_bytes > 0).then(|| scratch_bytes as f64 / hot_bytes as f64),
+            pcie_bytes_per_s: pcie,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn costs() -> PostFetchCosts {
+        // 1 MB experts: copy 1 ms, CPU read 1 ms + 0.1 ms a token, no staging, no GPU time
+        PostFetchCosts {
+            pcie_bytes_per_s: 1e9,
+            cpu_bytes_per_s: 1e9,
+            cpu_token_s: 1e-4,
+            stage_bytes_per_s: f64::INFINITY,
+            gpu_expert_s: 0.0,
+        }
+    }
+
+    fn loads(tokens: &[u32]) -> Vec<ExpertLoad> {
+        tokens.iter().enumerate().map(|(e, &t)| ExpertLoad { expert: e as u32, tokens: t }).collect()
+    }
+
+    #[test]
+    fn auto_moves_the_busiest_experts_until_the_lanes_balance() {
+        // CPU costs 3, 2, 1.5, 1.1, 1.1 ms (sum 8.7); copies 1 ms each:
+        // 1 -> max(5.7, 1); 2 -> max(3.7, 2); 3 -> max(2.2, 3) = 3 < 3.7; 4 -> max(1.1, 4) worse
+        let mut l = loads(&[5, 20, 1, 10, 1]);
+        let n = assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, 64);
+        assert_eq!(n, 3);
+        assert_eq!(l.iter().map(|x| x.expert).collect::<Vec<_>>(), [1, 3, 0, 2, 4]);
+    }
+
+    #[test]
+    fn auto_respects_the_expert_limit_and_staging() {
+        let mut l = loads(&[5, 20, 1, 10, 1]);
+        assert_eq!(assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, 1), 1);
+        // staging at 1 GB/s puts 1 ms per expert on the host before the CPU lane:
+        // 1 + max(5.7, 1) = 6.7; 2 + max(3.7, 2) = 5.7; 3 + max(2.2, 3) = 6 is worse
+        let slow = PostFetchCosts { stage_bytes_per_s: 1e9, ..costs() };
+        assert_eq!(assign(&mut l, 1_000_000, &slow, PostFetchMode::Auto, 64), 2);
+        // a copy lane slower than the whole CPU lane: nothing moves
+        let pcie = PostFetchCosts { pcie_bytes_per_s: 1e7, ..costs() };
+        assert_eq!(assign(&mut l, 1_000_000, &pcie, PostFetchMode::Auto, 64), 0);
+    }
+
+    #[test]
+    fn on_takes_every_expert_and_off_none() {
+        let mut l = loads(&[1, 1, 1]);
+        assert_eq!(assign(&mut l, 1 << 30, &costs(), PostFetchMode::On, 0), 3);
+        assert_eq!(assign(&mut l, 1, &costs(), PostFetchMode::Off, 64), 0);
+        assert_eq!(assign(&mut [], 1, &costs(), PostFetchMode::Auto, 64), 0);
+    }
+
+    #[test]
+    fn configured_costs_scale_with_threads() {
+        let one = PostFetchCosts::configured(2048, 768, 1, 1);
+        let sixteen = PostFetchCosts::configured(2048, 768, 16, 4);
+        assert!((one.cpu_token_s / sixteen.cpu_token_s - 16.0).abs() < 1e-9);
+        assert_eq!(sixteen.stage_bytes_per_s, 4.0 * STAGE_BYTES_PER_S_PER_THREAD);
+        assert!(one.cpu_s(1 << 20, 2) > one.cpu_s(1 << 20, 1));
+    }
+
+    #[test]
+    fn issue_steps_follow_slots_room_and_policy() {
+        assert_eq!(issue_step(5, 8, 3, true), IssueStep::Issue(3));
+        assert_eq!(issue_step(5, 2, 3, false), IssueStep::Issue(2));
+        assert_eq!(issue_step(5, 0, 3, true), IssueStep::Fallback(PostFetchMiss::ScratchFull));
+        assert_eq!(issue_step(5, 4, 0, true), IssueStep::Block);
+        assert_eq!(issue_step(5, 4, 0, false), IssueStep::Fallback(PostFetchMiss::TransfersBound));
+        assert_eq!(issue_step(0, 0, 0, false), IssueStep::Done);
+    }
+
+    #[test]
+    fn tracker_walks_cpu_only_in_flight_ready() {
+        let mut t = TransferTracker::new(4, 2);
+        assert_eq!(t.room(), 2);
+        t.start(0).unwrap();
+        t.start(1).unwrap();
+        assert_eq!((t.room(), t.oldest()), (0, Some(0)));
+        assert_eq!(t.state(1), FetchState::CopyInFlight);
+        // a slot in flight cannot start again; a slot not in flight cannot become ready
+        assert_eq!(
+            t.start(1),
+            Err(BadTransition { slot: 1, from: FetchState::CopyInFlight, to: FetchState::CopyInFlight })
+        );
+        assert!(t.ready(2).is_err());
+        t.poll(|s| s == 1);
+        assert_eq!((t.state(1), t.in_flight(), t.oldest()), (FetchState::GpuReady, 1, Some(0)));
+        t.ready(0).unwrap();
+        assert_eq!((t.state(0), t.room()), (FetchState::GpuReady, 2));
+        // ready slots are not reused until their half is released
+        assert!(t.start(0).is_err());
+        t.start(2).unwrap();
+        t.release(0..3);
+        assert_eq!((t.state(0), t.state(2), t.in_flight()), (FetchState::CpuOnly, FetchState::CpuOnly, 0));
+        t.start(0).unwrap();
+    }
+
+    #[test]
+    fn totals_report_the_seed_targets() {
+        let mut t = PostFetchTotals { experts_chosen: 40, copy_us: 100.0, exposed_us: 20.0, ..Default::default() };
+        t.add_fallbacks(PostFetchMiss::TransfersBound, 2);
+        assert!((t.overlap().unwrap() - 0.8).abs() < 1e-12);
+        assert!((t.fallback_rate().unwrap() - 0.05).abs() < 1e-12);
+        let p = t.perf(PostFetchMode::On, 100, 1000, 5e10);
+        assert_eq!((p.fallbacks, p.fallback_reasons["transfers_bound"]), (2, 2));
+        assert_eq!(p.vram_overhead, Some(0.1));
+        assert_eq!(PostFetchTotals::default().perf(PostFetchMode::Auto, 1, 0, 1.0).vram_overhead, None);
+        assert_eq!(PostFetchTotals::default().overlap(), None);
+    }
+}
