@@ -20,15 +20,15 @@
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
 //! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
-//! | `MOE_LANES_POSTFETCH` | Post-Fetch of cold experts in GPU prefill: `auto` (default, a cost model decides per expert), `on` (every cold expert that fits), `off` (all on the CPU) |
-//! | `MOE_LANES_POSTFETCH_BLOCK_ON_MISS` | `1` (default): wait for a copy in flight when `max_transfers` are queued; `0`: such experts run on the CPU |
-//! | `MOE_LANES_POSTFETCH_MAX_TRANSFERS` | expert copies in flight at most (default 64) |
+//! | `MOE_LANES_POSTFETCH` | Post-Fetch of cold experts in GPU prefill (bf16 files): `auto` (default, a cost model decides per expert), `on` (every cold expert that fits), `cpu` (scratchpad allocated, every expert on the CPU: A/B at equal VRAM), `off` (no scratchpad) |
+//! | `MOE_LANES_POSTFETCH_BLOCK_ON_MISS` | `1` (default): a fetched expert whose copy is still in flight when the CPU lane is done is waited for; `0`: the CPU computes it |
+//! | `MOE_LANES_POSTFETCH_MAX_TRANSFERS` | expert copies in flight at most; the layer's other chosen experts run on the CPU (default 64) |
 //! | `MOE_LANES_POSTFETCH_SCRATCH_MIB` | VRAM of the scratchpad, both halves (default 1024; decimals allowed; at least one expert a half; 0: off) |
 //! | `MOE_LANES_POSTFETCH_STREAMS` | copy streams (default 1, at most 4) |
 //! | `MOE_LANES_POSTFETCH_DEBUG=1` | a line per prefill layer with the decision (stderr) |
 //! | `MOE_LANES_POOL_COLD` | `off`: the pipeline's cold lane on lane-actor worker threads instead of the dense stage's pool ([`pool_cold`]) |
 
-use crate::gpu::{GpuFaults, HotGemm, PostFetchOptions, PrefillAttention};
+use crate::gpu::{GpuFaults, HotGemm, PostFetchOptions, PrefillAttention, POSTFETCH_MAX_STREAMS};
 use crate::moe::phase::{PolicySwitches, Switch};
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::CudaConfig;
@@ -214,11 +214,14 @@ pub fn parse_flag(v: &str) -> Option<bool> {
     }
 }
 
+// the message of `MOE_LANES_POSTFETCH_STREAMS` names the bound
+const _: () = assert!(POSTFETCH_MAX_STREAMS == 4);
+
 /// `MOE_LANES_POSTFETCH*` over the defaults of [`PostFetchOptions`].
 pub fn postfetch() -> Result<PostFetchOptions, EnvError> {
     let mut o = PostFetchOptions::default();
     if let Some(v) = var("MOE_LANES_POSTFETCH") {
-        o.mode = v.parse().map_err(|_| bad("MOE_LANES_POSTFETCH", &v, "auto, on or off"))?;
+        o.mode = v.parse().map_err(|_| bad("MOE_LANES_POSTFETCH", &v, "auto, on, off or cpu"))?;
     }
     if let Some(v) = var("MOE_LANES_POSTFETCH_BLOCK_ON_MISS") {
         o.block_on_miss = parse_flag(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_BLOCK_ON_MISS", &v, "0 or 1"))?;
@@ -231,7 +234,7 @@ pub fn postfetch() -> Result<PostFetchOptions, EnvError> {
         o.scratch_bytes = parse_mib(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_SCRATCH_MIB", &v, "a size in MiB"))?;
     }
     if let Some(v) = var("MOE_LANES_POSTFETCH_STREAMS") {
-        let n = v.parse::<usize>().ok().filter(|n| (1..=4).contains(n));
+        let n = v.parse::<usize>().ok().filter(|n| (1..=POSTFETCH_MAX_STREAMS).contains(n));
         o.streams = n.ok_or_else(|| bad("MOE_LANES_POSTFETCH_STREAMS", &v, "1 to 4"))?;
     }
     if let Some(v) = var("MOE_LANES_POSTFETCH_DEBUG") {

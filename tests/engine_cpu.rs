@@ -99,7 +99,9 @@ fn typed_options_parse_or_name_what_is_wrong() {
     assert_eq!("gpu".parse::<EngineKind>().unwrap(), EngineKind::Gpu);
     let err = "warp".parse::<EngineKind>().unwrap_err();
     assert_eq!(err.to_string(), "unknown engine 'warp' (available: reference, pipeline, gpu)");
-    let f: GpuFaults = "hot_error:1, cold_panic:0,gpu_lost:3".parse().unwrap();
+    let f: GpuFaults = "hot_error:1, cold_panic:0,gpu_lost:3,postfetch_late:2".parse().unwrap();
+    assert_eq!(f.postfetch_late_layer, Some(2));
+    assert!(f.at(1, 2).postfetch_late && !f.at(1, 2).any(), "prefill only: decode keeps its path");
     assert_eq!(f.hot_error_layer, Some(1));
     assert_eq!(f.cold_panic_layer, Some(0));
     assert_eq!(f.gpu_lost_at_call, Some(3));

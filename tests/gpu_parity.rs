@@ -17,7 +17,7 @@ mod common;
 
 use moe_lanes::actors::Exchange;
 use moe_lanes::cache::hot_set::HotSet;
-use moe_lanes::cache::perf::{FallbackReason, PerfReport};
+use moe_lanes::cache::perf::{FallbackReason, PerfReport, PostFetchPerf};
 use moe_lanes::engine::{build_engine, Engine, EngineError, EngineKind, EngineOptions, HotBudget, HotChoice};
 use moe_lanes::gpu::{CudaBackend, GpuFaults, HotGemm, PostFetchMode, PostFetchOptions};
 use moe_lanes::model::Model;
@@ -66,13 +66,23 @@ fn gpu_engine_with(
     hot_gemm: HotGemm,
     positions: usize,
 ) -> Box<dyn Engine + '_> {
-    let mut opts = EngineOptions::new(positions);
+    let mut opts = gpu_options(hot, positions);
     opts.gpu.hot_gemm = hot_gemm;
+    opts.gpu.faults = faults;
+    build_gpu(model, opts)
+}
+
+/// The GPU engine's options in these tests: `hot`, two cold threads, the rest as it defaults.
+fn gpu_options(hot: HotChoice, positions: usize) -> EngineOptions {
+    let mut opts = EngineOptions::new(positions);
     opts.cuda = moe_lanes::env::cuda_config().unwrap();
     opts.kind = Some(EngineKind::Gpu);
     opts.hot = hot;
     opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
-    opts.gpu.faults = faults;
+    opts
+}
+
+fn build_gpu(model: &Arc<Model>, opts: EngineOptions) -> Box<dyn Engine + '_> {
     let (engine, report) = build_engine(model, opts).unwrap();
     assert_eq!(report.kind, EngineKind::Gpu, "{:?}", report.gpu_unavailable);
     engine
@@ -444,12 +454,8 @@ fn auto_budget_never_over_allocates_and_impossible_budget_is_refused() {
     // A GPU with room for the used memory plus 1 GiB reserve plus 3 experts of headroom.
     let expert = model.expert_bytes() as u64;
     let limit = used + (1 << 30) + 3 * expert + (64 << 20);
-    let mut opts = EngineOptions::new(64);
-    opts.cuda = moe_lanes::env::cuda_config().unwrap();
-    opts.kind = Some(EngineKind::Gpu);
-    opts.hot = HotChoice::Budget(HotBudget::Auto);
+    let mut opts = gpu_options(HotChoice::Budget(HotBudget::Auto), 64);
     opts.vram_limit_bytes = Some(limit);
-    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
     let (engine, report) = build_engine(&model, opts.clone()).unwrap();
     let budget = report.budget_bytes.unwrap();
     assert!(engine.hot_bytes() <= budget, "{} > {budget}", engine.hot_bytes());
@@ -468,74 +474,110 @@ fn postfetch_engine(
     model: &Arc<Model>,
     hot: Hot,
     pf: PostFetchOptions,
+    faults: GpuFaults,
     positions: usize,
 ) -> Box<dyn Engine + '_> {
-    let c = model.config().clone();
-    let mut opts = EngineOptions::new(positions);
-    opts.cuda = moe_lanes::env::cuda_config().unwrap();
-    opts.kind = Some(EngineKind::Gpu);
-    opts.hot = HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts));
-    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
+    let c = model.config();
+    let mut opts = gpu_options(HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts)), positions);
     opts.gpu.postfetch = pf;
-    let (engine, report) = build_engine(model, opts).unwrap();
-    assert_eq!(report.kind, EngineKind::Gpu, "{:?}", report.gpu_unavailable);
-    engine
+    opts.gpu.faults = faults;
+    build_gpu(model, opts)
 }
 
-/// Post-Fetch forced on (every cold expert copied to the scratchpad and run by the grouped
-/// GEMMs), off, with a one-expert scratchpad half (fallbacks to the CPU), with one transfer in
-/// flight blocking, and with one transfer in flight falling back: every prefill and decode row
-/// equal to the reference; the counters say each path ran.
+/// One Post-Fetch setting of [`postfetch_modes_match_reference`] and what its counters must show.
+struct PostFetchCase {
+    what: &'static str,
+    pf: PostFetchOptions,
+    faults: GpuFaults,
+    check: fn(&PostFetchPerf) -> Result<(), &'static str>,
+}
+
+fn postfetch_cases() -> Vec<PostFetchCase> {
+    let on = PostFetchOptions { mode: PostFetchMode::On, ..Default::default() };
+    let deferred = PostFetchOptions { block_on_miss: false, ..on };
+    let late = GpuFaults { postfetch_late_layer: Some(0), ..Default::default() };
+    let none = GpuFaults::default();
+    vec![
+        // every cold expert copied, waited for, run by the grouped GEMMs: nothing on the CPU
+        case("on", on, none, |p| ok(p.experts_fetched > 0 && p.fallbacks == 0, "fetched, no fallback")),
+        // the readiness query before the fetched GEMMs; whether a copy is late is a race
+        case("on deferred", deferred, none, |p| {
+            ok(p.experts_fetched > 0 && p.fallback_reasons["scratch_full"] == 0, "fetched, scratch fits")
+        }),
+        // a one-expert scratchpad half: the rest of the chosen experts fall back to the CPU
+        case("tiny scratchpad", PostFetchOptions { scratch_bytes: 1, ..on }, none, |p| {
+            ok(p.experts_fetched > 0 && p.fallback_reasons["scratch_full"] > 0, "scratch_full fallbacks")
+        }),
+        // one copy in flight at most: the layer's other chosen experts run on the CPU
+        case("one transfer", PostFetchOptions { max_transfers: 1, ..on }, none, |p| {
+            ok(p.experts_fetched > 0 && p.fallback_reasons["transfers_bound"] > 0, "transfers_bound fallbacks")
+        }),
+        // layer 0 finds every copy in flight: waited for, or computed on the CPU
+        case("late, blocking", on, late, |p| ok(p.block_waits > 0 && p.fallbacks == 0, "block waits")),
+        case("late, deferred", deferred, late, |p| ok(p.fallback_reasons["not_ready"] > 0, "not_ready fallbacks")),
+        // force CPU: the scratchpad exists, nothing is chosen
+        case("cpu", PostFetchOptions { mode: PostFetchMode::Cpu, ..Default::default() }, none, |p| {
+            ok(p.layer_calls > 0 && p.experts_chosen == 0 && p.experts_fetched == 0, "nothing fetched")
+        }),
+        case("off", PostFetchOptions { mode: PostFetchMode::Off, ..Default::default() }, none, |_| {
+            Err("off allocates no scratchpad and reports nothing")
+        }),
+    ]
+}
+
+fn case(
+    what: &'static str,
+    pf: PostFetchOptions,
+    faults: GpuFaults,
+    check: fn(&PostFetchPerf) -> Result<(), &'static str>,
+) -> PostFetchCase {
+    PostFetchCase { what, pf, faults, check }
+}
+
+fn ok(cond: bool, what: &'static str) -> Result<(), &'static str> {
+    if cond {
+        Ok(())
+    } else {
+        Err(what)
+    }
+}
+
+/// Every golden fixture through the GPU engine with Post-Fetch forced on (waiting for late
+/// copies, or deferring the fetched GEMMs to the readiness query), with a tiny scratchpad and
+/// with one transfer in flight (fallbacks to the CPU), with every copy of a layer late (waited
+/// for, or computed on the CPU), forced to the CPU, and off, at no and half hot caches: every
+/// prefill and decode row equal to the reference, no layer fallback, and the counters show that
+/// each path ran.
 #[test]
-fn postfetch_on_off_and_tiny_scratch_match_reference() {
+fn postfetch_modes_match_reference() {
     if !common::gpu_usable() {
         return;
     }
-    let on = PostFetchOptions { mode: PostFetchMode::On, ..Default::default() };
-    let cases: [(&str, PostFetchOptions); 5] = [
-        ("on", on),
-        ("off", PostFetchOptions { mode: PostFetchMode::Off, ..Default::default() }),
-        ("tiny", PostFetchOptions { scratch_bytes: 1, ..on }),
-        ("block", PostFetchOptions { max_transfers: 1, block_on_miss: true, ..on }),
-        ("no_block", PostFetchOptions { max_transfers: 1, block_on_miss: false, ..on }),
-    ];
-    // Whether a copy is still in flight when the next is queued is a race (tiny copies): the
-    // bounded-transfer counters are checked over every fixture together.
-    let (mut transfers_bound, mut block_waits) = (0, 0);
     for name in &common::fixture_names() {
         let model = open(name);
         for hot in [Hot::None, Hot::Half] {
-            for (what, pf) in cases {
-                let mut engine = postfetch_engine(&model, hot, pf, 64);
-                let worst = check_against_reference(&format!("{name} {hot:?} {what}"), &model, engine.as_mut());
+            for case in postfetch_cases() {
+                let what = format!("{name} {hot:?} {}", case.what);
+                let mut engine = postfetch_engine(&model, hot, case.pf, case.faults, 64);
+                let worst = check_against_reference(&what, &model, engine.as_mut());
                 let perf = engine.perf().unwrap().report();
                 let fallbacks: u64 = perf.layers.iter().map(|l| l.parallel_fallbacks).sum();
-                assert_eq!(fallbacks, 0, "{name} {hot:?} {what}: no layer fallback");
+                assert_eq!(fallbacks, 0, "{what}: no layer fallback");
                 let Some(p) = perf.postfetch.clone() else {
-                    assert_eq!(what, "off", "{name}: bf16 fixtures have a scratchpad unless off");
+                    assert_eq!(case.pf.mode, PostFetchMode::Off, "{what}: bf16 fixtures have a scratchpad unless off");
                     continue;
                 };
-                eprintln!("{name} {hot:?} {what}: worst {worst:e}, {p:?}");
-                assert!(p.experts_fetched > 0, "{name} {hot:?} {what}: experts were fetched");
-                assert_eq!(p.bytes_copied, p.experts_fetched * model.expert_bytes() as u64);
-                let misses = p.fallback_reasons.clone();
-                match what {
-                    "on" | "block" => assert_eq!(p.fallbacks, 0, "{name} {what}: {misses:?}"),
-                    "tiny" => assert!(misses["scratch_full"] > 0, "{name}: {misses:?}"),
-                    _ => transfers_bound += misses["transfers_bound"],
-                }
-                if what == "block" {
-                    block_waits += p.block_waits;
-                }
+                eprintln!("{what}: worst {worst:e}, {p:?}");
+                (case.check)(&p).unwrap_or_else(|e| panic!("{what}: {e}: {p:?}"));
+                assert_eq!(p.bytes_copied, p.experts_fetched * model.expert_bytes() as u64, "{what}");
+                assert!(p.layer_calls > 0 && p.scratch_bytes > 0, "{what}");
             }
         }
     }
-    assert!(transfers_bound > 0, "one transfer in flight without blocking falls back");
-    assert!(block_waits > 0, "one transfer in flight blocks");
 }
 
 /// Post-Fetch on over a prompt long enough that fetched experts span several grouped-GEMM
-/// tiles, beside hot experts: every row equal to the reference.
+/// tiles, beside hot experts, blocking and deferred: every row equal to the reference.
 #[test]
 fn postfetch_long_prompt_matches_reference() {
     if !common::gpu_usable() {
@@ -547,16 +589,36 @@ fn postfetch_long_prompt_matches_reference() {
     let prompt: Vec<u32> = (0..n).map(|i| ((i * 7 + 3) % c.vocab) as u32).collect();
     let reference = Reference::new(&model).unwrap();
     let want = reference.forward(&mut reference.new_cache(), &prompt, &mut NoObserver).unwrap();
-    for hot in [Hot::None, Hot::Half] {
-        let pf = PostFetchOptions { mode: PostFetchMode::On, ..Default::default() };
-        let mut engine = postfetch_engine(&model, hot, pf, n);
-        let mut cache = engine.new_cache(n).unwrap();
-        let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
-        for (i, w) in want.iter().enumerate() {
-            compare_row(&format!("postfetch {hot:?} row {i}"), got.row(i), w);
+    let on = PostFetchOptions { mode: PostFetchMode::On, ..Default::default() };
+    for pf in [on, PostFetchOptions { block_on_miss: false, ..on }] {
+        for hot in [Hot::None, Hot::Half] {
+            let mut engine = postfetch_engine(&model, hot, pf, GpuFaults::default(), n);
+            let mut cache = engine.new_cache(n).unwrap();
+            let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
+            for (i, w) in want.iter().enumerate() {
+                compare_row(&format!("postfetch {hot:?} block {} row {i}", pf.block_on_miss), got.row(i), w);
+            }
+            let p = engine.perf().unwrap().report().postfetch.clone().unwrap();
+            assert!(p.experts_fetched > 0 && p.transfer_overlap.is_some(), "{p:?}");
+            eprintln!("postfetch long prompt {hot:?} block {}: {p:?}", pf.block_on_miss);
         }
-        let p = engine.perf().unwrap().report().postfetch.clone().unwrap();
-        assert!(p.experts_fetched > 0 && p.copy_time_us > 0, "{p:?}");
-        eprintln!("postfetch long prompt {hot:?}: {p:?}");
     }
+}
+
+/// A learn pass counts routed slots in the cold lane: Post-Fetch (forced on) pauses for it, so
+/// the planned hot set is the one learned without it.
+#[test]
+fn learn_pass_counts_every_slot_with_postfetch_on() {
+    if !common::gpu_usable() {
+        return;
+    }
+    let model = open("qwen3_moe_a");
+    let mut sets = Vec::new();
+    for mode in [PostFetchMode::Off, PostFetchMode::On] {
+        let budget = HotBudget::Bytes(3 * model.expert_bytes() as u64 * model.config().n_layers as u64);
+        let mut opts = gpu_options(HotChoice::Budget(budget), 64);
+        opts.gpu.postfetch = PostFetchOptions { mode, ..Default::default() };
+        sets.push(build_gpu(&model, opts).hot_set().unwrap().clone());
+    }
+    assert_eq!(sets[0], sets[1], "the learn pass saw the same slots");
 }

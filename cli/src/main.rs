@@ -260,15 +260,17 @@ struct EngineArgs {
     cold_kernels: String,
     /// Post-Fetch in GPU prefill (bf16 models): auto (a cost model copies a cold expert to a VRAM
     /// scratchpad and runs it on the GPU when that beats the CPU), on (every cold expert that
-    /// fits), off (every cold expert on the CPU). Default: MOE_LANES_POSTFETCH, else auto.
+    /// fits), cpu (scratchpad allocated, every cold expert on the CPU), off (no scratchpad).
+    /// Default: MOE_LANES_POSTFETCH, else auto.
     #[arg(long)]
     postfetch: Option<String>,
-    /// Post-Fetch: when --postfetch-max-transfers copies are in flight, wait for one (true) or
-    /// compute the expert on the CPU (false). Default: MOE_LANES_POSTFETCH_BLOCK_ON_MISS, else true.
+    /// Post-Fetch: a fetched expert whose copy is still in flight when the CPU lane is done is
+    /// waited for (true) or computed on the CPU (false). Default:
+    /// MOE_LANES_POSTFETCH_BLOCK_ON_MISS, else true.
     #[arg(long)]
     postfetch_block_on_miss: Option<bool>,
-    /// Post-Fetch: expert copies in flight at most. Default: MOE_LANES_POSTFETCH_MAX_TRANSFERS,
-    /// else 64.
+    /// Post-Fetch: expert copies in flight at most (the layer's other chosen experts run on the
+    /// CPU). Default: MOE_LANES_POSTFETCH_MAX_TRANSFERS, else 64.
     #[arg(long)]
     postfetch_max_transfers: Option<usize>,
     /// Post-Fetch: VRAM of the scratchpad in MiB, both halves (at least one expert a half; 0:
@@ -658,7 +660,8 @@ fn postfetch_flags(o: &mut moe_lanes::gpu::PostFetchOptions, args: &EngineArgs) 
             .ok_or_else(|| anyhow::anyhow!("--postfetch-scratch-mib {mib}: expected a size in MiB"))?;
     }
     if let Some(n) = args.postfetch_streams {
-        ensure!((1..=4).contains(&n), "--postfetch-streams {n}: expected 1 to 4");
+        let max = moe_lanes::gpu::POSTFETCH_MAX_STREAMS;
+        ensure!((1..=max).contains(&n), "--postfetch-streams {n}: expected 1 to {max}");
         o.streams = n;
     }
     o.debug |= args.postfetch_debug;

@@ -8,8 +8,8 @@ use super::graph::DecodeGraph;
 use super::hot_cache::HotCache;
 use super::hot_dequant::{HotDequant, HOT_DEQUANT_SCRATCH_BYTES};
 use super::kv::GpuKvCache;
-use super::postfetch::plan::{PostFetchCosts, PostFetchOptions, PostFetchTotals};
-use super::postfetch::{PostFetch, STAGE_THREADS};
+use super::postfetch::plan::{PostFetchOptions, PostFetchTotals};
+use super::postfetch::PostFetch;
 use super::scratch::{HostScratch, Scratch};
 use super::stats::{self, CallTimes, ForwardStats, LaneEvents, LayerRecord, Profiler, StageProfile};
 use super::weights::DenseWeights;
@@ -48,6 +48,9 @@ pub struct GpuFaults {
     pub corrupt_worklist_layer: Option<usize>,
     /// The device is "lost" at the start of this forward call (counted from 1).
     pub gpu_lost_at_call: Option<u64>,
+    /// Post-Fetch's readiness query in this layer finds every copy still in flight (waited for
+    /// with `block_on_miss`, else computed on the CPU).
+    pub postfetch_late_layer: Option<usize>,
     /// Seeded faults per (call, layer): the hot lane's error or panic is a failed launch, its
     /// stall a time-out; the cold lane errors or panics (it cannot stall: the join runs it).
     pub schedule: Option<LaneFaultSchedule>,
@@ -61,6 +64,9 @@ pub struct LayerFaults {
     pub cold_error: bool,
     pub cold_panic: bool,
     pub worklist: bool,
+    /// Prefill only (Post-Fetch), so not in [`LayerFaults::any`], which sends decode layers to
+    /// the host path.
+    pub postfetch_late: bool,
 }
 
 impl LayerFaults {
@@ -78,6 +84,7 @@ impl GpuFaults {
             cold_error: self.cold_error_layer == Some(l),
             cold_panic: self.cold_panic_layer == Some(l),
             worklist: self.corrupt_worklist_layer == Some(l),
+            postfetch_late: self.postfetch_late_layer == Some(l),
         };
         if let Some(s) = &self.schedule {
             match s.fault(call_idx, l, FaultLane::Hot(0), true) {
@@ -97,7 +104,7 @@ impl GpuFaults {
 
 /// A `MOE_LANES_FAULT` entry that is not `NAME:NUMBER` with a known name.
 #[derive(Debug, thiserror::Error, PartialEq)]
-#[error("fault '{entry}': expected NAME:N with NAME one of hot_error, hot_timeout, cold_error, cold_panic, worklist, gpu_lost, seed")]
+#[error("fault '{entry}': expected NAME:N with NAME one of hot_error, hot_timeout, cold_error, cold_panic, worklist, postfetch_late, gpu_lost, seed")]
 pub struct BadFault {
     pub entry: String,
 }
@@ -118,6 +125,7 @@ impl std::str::FromStr for GpuFaults {
                 "cold_error" => f.cold_error_layer = Some(n),
                 "cold_panic" => f.cold_panic_layer = Some(n),
                 "worklist" => f.corrupt_worklist_layer = Some(n),
+                "postfetch_late" => f.postfetch_late_layer = Some(n),
                 "gpu_lost" => f.gpu_lost_at_call = Some(n as u64),
                 "seed" => f.schedule = Some(LaneFaultSchedule::seeded(n as u64)),
                 _ => return Err(bad()),
@@ -351,23 +359,12 @@ impl GpuModel {
         }
     }
 
-    /// The cold lane's thread count, for Post-Fetch's CPU cost per token.
+    /// The cold lane's thread count: Post-Fetch's CPU cost per token and its staging threads.
     pub fn set_cold_threads(&mut self, n_threads: usize) {
         let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
         if let Some(pf) = self.postfetch.as_mut() {
-            let configured = PostFetchCosts::configured(h, ff, n_threads, STAGE_THREADS);
-            pf.costs = PostFetchCosts { pcie_bytes_per_s: pf.pcie_bytes_per_s, ..configured };
+            pf.set_cold_threads(h, ff, n_threads);
         }
-    }
-
-    /// Post-Fetch's cost model inputs (none when Post-Fetch is off or unsupported).
-    pub fn postfetch_costs(&self) -> Option<PostFetchCosts> {
-        self.postfetch.as_ref().map(|p| p.costs)
-    }
-
-    /// VRAM of the Post-Fetch scratchpad (0 without one).
-    pub fn postfetch_scratch_bytes(&self) -> usize {
-        self.postfetch.as_ref().map_or(0, PostFetch::scratch_bytes)
     }
 
     pub fn perf_mut(&mut self) -> &mut PerfState {

@@ -24,6 +24,7 @@ use super::cold::{ColdError, ColdExperts, ColdSlot};
 use super::dense::route_ids;
 use super::hot_dequant::plan_chunks;
 use super::model::{GpuModel, HotGemm};
+use super::postfetch::{PF_CPU, PF_LATE};
 use super::scratch::{HostScratch, RouteView, WorkLayout};
 use super::stats::LayerRecord;
 use super::GpuError;
@@ -182,7 +183,7 @@ impl GpuModel {
         cold: &mut dyn ColdExperts,
     ) -> Result<(), LayerFault> {
         let h = self.cfg.hidden;
-        let n_rows = collect_cold(&mut self.host, t);
+        let n_rows = collect_cold(&mut self.host, t, false);
         let rec = &mut self.records[l];
         (rec.hot_slots, rec.cold_slots, rec.cold_rows) =
             (self.host.worklist.hot_count_total(), self.host.cold_slots.len(), n_rows);
@@ -219,8 +220,8 @@ impl GpuModel {
     }
 
     /// Host path: worklist built and checked on the host, Post-Fetch's copies queued (prefill),
-    /// hot lane (and fetched experts) by grouped GEMMs, cold lane on the CPU meanwhile, join on
-    /// the host with a timeout.
+    /// hot lane (and, with `block_on_miss`, the fetched experts) by grouped GEMMs, cold lane on
+    /// the CPU meanwhile, Post-Fetch's readiness query, join on the host with a timeout.
     fn moe_host(
         &mut self,
         l: usize,
@@ -243,14 +244,16 @@ impl GpuModel {
         }
         if self.records[l].hot_slots + self.host.pf_slot.len() > 0 {
             self.hot_lane_gemm(l, t).map_err(|_| HOT_FAILED)?;
-            self.postfetch_launched();
+            if !self.host.pf_slot.is_empty() {
+                self.postfetch_launched();
+            }
         }
         self.be.record(&self.lane_events[l].end)?;
         self.mark(l, 7)?;
-        if n_cold_rows > 0 {
+        if !self.host.cold_slots.is_empty() {
             self.cold_lane_host_join(l, n_cold_rows, cold)?;
         }
-        self.postfetch_join()?;
+        self.postfetch_join(l, t, n_cold_rows, cold)?;
         let timed_out = faults.hot_timeout;
         if n_cold_rows > 0 || timed_out {
             let wait_start = Instant::now();
@@ -265,12 +268,60 @@ impl GpuModel {
         Ok(())
     }
 
+    /// Post-Fetch once the CPU lane is done: the readiness query; when it was deferred
+    /// (`block_on_miss` off), the late experts on the CPU (their rows were gathered with the
+    /// cold lane's, `n_cold_rows`), then the GEMMs and scatter of the fetched experts whose
+    /// copies are complete.
+    fn postfetch_join(
+        &mut self,
+        l: usize,
+        t: usize,
+        n_cold_rows: usize,
+        cold: &mut dyn ColdExperts,
+    ) -> Result<(), LayerFault> {
+        let late = self.opts.faults.at(self.call_idx, l).postfetch_late;
+        if !self.postfetch_ready(late)? {
+            return Ok(());
+        }
+        if late_cold_slots(&mut self.host, t) > 0 {
+            self.records[l].cold_slots += self.host.cold_slots.len();
+            self.cold_lane_host_join(l, n_cold_rows, cold)?;
+        }
+        self.postfetch_entries();
+        if !self.host.pf_slot.is_empty() {
+            self.fetched_lane_gemm(t).map_err(|_| HOT_FAILED)?;
+            self.postfetch_launched();
+        }
+        Ok(())
+    }
+
+    /// The fetched experts after the readiness query: their entries (after the hot ones, which
+    /// the hot lane's scatter already added) uploaded, their GEMMs, their scatter.
+    fn fetched_lane_gemm(&mut self, t: usize) -> Result<(), GpuError> {
+        let s = self.scratch.as_ref().expect("reserved");
+        let lay = s.layout;
+        let (n_hot, n_all, n_rows) = encode_hot(&mut self.host, &lay, t, false);
+        encode_fetched_tiles(&mut self.host, &lay, n_hot)?;
+        // stream-ordered after the hot lane's launches, which read the same sections
+        self.be.write(&self.host.work_i, s.work_i.ptr())?;
+        self.be.write(&self.host.work_f[..n_all], s.work_f.ptr())?;
+        self.postfetch_gemm(t, n_all)?;
+        let (wi, h, n_ent) = (s.work_i.ptr(), self.cfg.hidden, n_all - n_hot);
+        let (ent, off, rows) =
+            (wi.sub(lay.entries, n_ent), wi.sub(lay.tok_off, n_rows + 1), wi.sub(lay.tok_rows, n_rows));
+        self.be.moe_scatter_accum(s.y.ptr(), ent, s.work_f.ptr(), off, rows, s.moe_out.ptr(), n_rows, h)?;
+        Ok(())
+    }
+
     /// The host worklist's hot and cold sections as the GPU's integer layout; uploads it and
-    /// queues the cold rows' gather and copy to pinned memory. Returns the cold row count.
+    /// queues the cold rows' gather and copy to pinned memory. Returns the cold row count
+    /// (tokens of the CPU lane's entries, and of the fetched experts' while their readiness
+    /// query is deferred: a late one runs on the CPU).
     fn upload_worklist(&mut self, l: usize, t: usize) -> Result<usize, GpuError> {
         let h = self.cfg.hidden;
+        let deferred = self.postfetch.as_ref().and_then(|p| p.current).is_some_and(|c| c.deferred);
         let s = self.scratch.as_mut().expect("reserved");
-        let (n_hot, n_all, _) = encode_hot(&mut self.host, &s.layout, t);
+        let (n_hot, n_all, _) = encode_hot(&mut self.host, &s.layout, t, true);
         self.host.n_tiles = 0;
         if self.opts.hot_gemm == HotGemm::Grouped {
             let slots = &self.host.worklist.hot[0].hot_id[..n_hot];
@@ -283,7 +334,7 @@ impl GpuModel {
             }
             encode_fetched_tiles(&mut self.host, &s.layout, n_hot)?;
         }
-        let n_cold_rows = collect_cold(&mut self.host, t);
+        let n_cold_rows = collect_cold(&mut self.host, t, deferred);
         for (r, &ti) in self.host.cold_row_tok.iter().enumerate() {
             self.host.work_i[s.layout.cold_rows + r] = ti as i32;
         }
@@ -314,7 +365,9 @@ impl GpuModel {
             }
         }
         let n_all = n_hot + self.host.pf_slot.len();
-        self.postfetch_gemm(t, n_all)?;
+        if n_all > n_hot {
+            self.postfetch_gemm(t, n_all)?;
+        }
         let (h, n_hot) = (self.cfg.hidden, n_all);
         let s = self.scratch.as_ref().expect("reserved");
         let (lay, wi, n_rows) = (s.layout, s.work_i.ptr(), self.host.tok_rows);
@@ -385,8 +438,9 @@ impl GpuModel {
         })
     }
 
-    /// Host path: the cold lane on the CPU while the hot lane runs, its rows scattered into
-    /// the layer output on the stream.
+    /// Host path: the cold lane on the CPU (`HostScratch::cold_slots` over the `n_rows` gathered
+    /// rows) while the hot lane runs, its rows scattered into the layer output on the stream.
+    /// A second call in the layer (Post-Fetch's late experts) extends the lane's time.
     fn cold_lane_host_join(
         &mut self,
         l: usize,
@@ -401,7 +455,8 @@ impl GpuModel {
         out.fill(0.0);
         call_cold(cold, self.opts.faults.at(self.call_idx, l), l, input, &self.host.cold_slots, out)
             .map_err(|_| COLD_FAILED)?;
-        self.records[l].cold = Some((cold_start, Instant::now()));
+        let started = self.records[l].cold.map_or(cold_start, |(start, _)| start);
+        self.records[l].cold = Some((started, Instant::now()));
         self.be.write_async(&s.pin_cold_out, n_rows * h, s.cold_out.ptr())?;
         let rows = s.work_i.ptr().sub(s.layout.cold_rows, n_rows);
         self.be.scatter_add_rows(s.cold_out.ptr(), rows, s.moe_out.ptr(), n_rows, h)?;
@@ -532,15 +587,18 @@ fn for_slot_groups(
 
 /// The worklist's hot section, then Post-Fetch's fetched entries (`pf_*`: slots of the
 /// scratchpad half), as the GPU layout: per entry slot, token and weight; token rows with GPU
-/// entries (`tok_off`, `tok_rows`) and the entries grouped by token row (`entries`).
+/// entries (`tok_off`, `tok_rows`) and the entries grouped by token row (`entries`). Without
+/// `with_hot`, the hot entries (already scattered) are neither written nor grouped: the rows and
+/// `entries` are the fetched entries' only, which keep their places after the hot ones.
 /// Returns (hot entries, all GPU entries, token rows).
-fn encode_hot(hs: &mut HostScratch, lay: &WorkLayout, t: usize) -> (usize, usize, usize) {
+fn encode_hot(hs: &mut HostScratch, lay: &WorkLayout, t: usize, with_hot: bool) -> (usize, usize, usize) {
     let sec = &hs.worklist.hot[0];
     let n_hot = sec.hot_count;
     let n_all = n_hot + hs.pf_slot.len();
+    let first = if with_hot { 0 } else { n_hot };
     let starts = &mut hs.tok_count[..t];
     starts.fill(0);
-    for i in 0..n_hot {
+    for i in first..n_hot {
         hs.work_i[lay.slots + i] = sec.hot_id[i] as i32;
         hs.work_i[lay.tokens + i] = sec.hot_token_id[i] as i32;
         hs.work_f[i] = sec.hot_weight[i];
@@ -565,7 +623,7 @@ fn encode_hot(hs: &mut HostScratch, lay: &WorkLayout, t: usize) -> (usize, usize
         n_rows += 1;
         hs.work_i[lay.tok_off + n_rows] = off as i32;
     }
-    for i in 0..n_all {
+    for i in first..n_all {
         let tok = if i < n_hot { sec.hot_token_id[i] } else { hs.pf_token[i - n_hot] } as usize;
         hs.work_i[lay.entries + starts[tok] as usize] = i as i32;
         starts[tok] += 1;
@@ -591,14 +649,14 @@ fn encode_fetched_tiles(hs: &mut HostScratch, lay: &WorkLayout, n_hot: usize) ->
 }
 
 /// The worklist's cold section as compact rows (tokens with cold slots, in token order) and
-/// cold slots (in worklist order). Returns the row count.
-fn collect_cold(hs: &mut HostScratch, t: usize) -> usize {
+/// the CPU lane's cold slots (in worklist order: not those of experts Post-Fetch copies, whose
+/// tokens get rows too with `fetched_rows`). Returns the row count.
+fn collect_cold(hs: &mut HostScratch, t: usize, fetched_rows: bool) -> usize {
     let wl = &hs.worklist;
     let row_of = &mut hs.tok_count[..t];
     row_of.fill(u32::MAX);
-    // entries of experts Post-Fetch sent to the GPU are not the cold lane's
-    let cpu = |i: usize| hs.pf_fetch[wl.cold_id[i] as usize] < 0;
-    for i in (0..wl.cold_count).filter(|&i| cpu(i)) {
+    let cpu = |i: usize| hs.pf_fetch[wl.cold_id[i] as usize] == PF_CPU;
+    for i in (0..wl.cold_count).filter(|&i| fetched_rows || cpu(i)) {
         row_of[wl.cold_token_id[i] as usize] = 0;
     }
     hs.cold_row_tok.clear();
@@ -617,4 +675,23 @@ fn collect_cold(hs: &mut HostScratch, t: usize) -> usize {
         });
     }
     hs.cold_row_tok.len()
+}
+
+/// The cold slots of the fetched experts whose copies were late ([`PF_LATE`]), over the rows
+/// [`collect_cold`] gathered (with `fetched_rows`). Returns their count.
+fn late_cold_slots(hs: &mut HostScratch, t: usize) -> usize {
+    let row_of = &mut hs.tok_count[..t];
+    for (r, &ti) in hs.cold_row_tok.iter().enumerate() {
+        row_of[ti] = r as u32;
+    }
+    let wl = &hs.worklist;
+    hs.cold_slots.clear();
+    for i in (0..wl.cold_count).filter(|&i| hs.pf_fetch[wl.cold_id[i] as usize] == PF_LATE) {
+        hs.cold_slots.push(ColdSlot {
+            row_idx: row_of[wl.cold_token_id[i] as usize] as usize,
+            expert_idx: wl.cold_id[i] as usize,
+            weight: wl.cold_weight[i],
+        });
+    }
+    hs.cold_slots.len()
 }

@@ -299,6 +299,13 @@ pub struct CopyStream {
     stream: Arc<CudaStream>,
 }
 
+impl CopyStream {
+    /// Wait on the host until every copy queued on this stream is done.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().ctx("cuStreamSynchronize(copy)")
+    }
+}
+
 /// One GPU: context, dedicated stream, cuBLAS handle and the compiled kernels.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,

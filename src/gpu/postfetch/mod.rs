@@ -7,24 +7,33 @@
 //!
 //! Per layer, as soon as the routing is on the host (before the CPU lane starts): the chosen
 //! experts are staged into pinned buffers and queued on the copy stream(s), one CUDA event per
-//! expert (`CpuOnly -> CopyInFlight -> GpuReady`, [`plan::TransferTracker`]), bounded by
-//! `max_transfers` in flight (`block_on_miss`: wait for the oldest, else the rest run on the
-//! CPU) and by the slots of the scratchpad half (the rest run on the CPU); misses are counted by
-//! reason. The scratchpad has the hot cache's layout (gate/up `[slots, ff, hidden]`, down
-//! `[slots, hidden, ff]`, bf16) in two halves used by alternate layers: a half is overwritten
-//! only after the compute stream recorded `free` behind the GEMMs that read it. The compute
-//! stream waits for the layer's copies (events) and runs the fetched experts through the same
-//! grouped GEMM kernels as the hot lane (their own tiles, a second launch); their rows join the
-//! hot entries in the one weighted scatter into the layer output.
+//! expert (`CpuOnly -> CopyInFlight -> GpuReady`, [`plan::TransferTracker`]), bounded by the
+//! slots of the scratchpad half and by `max_transfers` copies in flight (the rest run on the
+//! CPU, counted by reason, [`plan::plan_issue`]). When the CPU lane is done with its own experts,
+//! the readiness query ([`plan::on_use`]) decides for each fetched expert whose copy is still in
+//! flight: `block_on_miss` waits for it (its GEMMs were queued on the GPU at once, behind the
+//! copies' events, and the host's wait is the exposed copy time), otherwise the CPU computes it
+//! (counted as `not_ready`) and the GPU runs only the fetched experts whose copies are complete,
+//! queued after that query.
+//!
+//! The scratchpad has the hot cache's layout (gate/up `[slots, ff, hidden]`, down
+//! `[slots, hidden, ff]`, bf16) in two halves used by alternate fetching layers. A half is
+//! written again only after the copy streams waited (on the GPU) for the `free` event the compute
+//! stream recorded behind the GEMMs that read it, and for the half's previous copies on every
+//! copy stream. The fetched experts run through the same grouped GEMM kernels as the hot lane
+//! (their own tiles, rows after the hot entries); their rows join the layer output through the
+//! same weighted scatter.
 //!
 //! Staging: the expert bytes live in the memory-mapped model file. They are copied into pinned
-//! buffers (one per scratchpad slot, so staging a slot waits only for that slot's previous copy)
-//! by [`STAGE_THREADS`] scoped threads, then copied asynchronously. Registering the mapped pages
-//! with `cuMemHostRegister` (read-only) would skip that host copy, but the format layer does not
-//! expose the mapping, experts of one stacked tensor share pages (overlapping registrations are
-//! refused), it pins the whole file for the engine's life, and it cannot be tested without a
-//! GPU here: staging is sound with safe code, and its host time is in the cost model
-//! (`stage_bytes_per_s`).
+//! buffers (one per scratchpad slot, so staging a slot waits only for that slot's previous copy,
+//! [`PinnedBuffer`]'s fence) by up to [`plan::MAX_STAGE_THREADS`] scoped threads (the cold
+//! lane's, idle until the CPU lane starts), a chunk of experts at a time, each chunk's copies
+//! queued as soon as it is staged (so the copy of one chunk overlaps the staging of the next).
+//! Registering the mapped pages with `cuMemHostRegister` (read-only) would skip that host copy,
+//! but the format layer does not expose the mapping, experts of one stacked tensor share pages
+//! (overlapping registrations are refused), it pins the whole file for the engine's life, and it
+//! cannot be tested without a GPU here: staging is sound with safe code, and its host time is in
+//! the cost model (`stage_bytes_per_s`).
 //!
 //! Only files whose experts are stored as bf16 are fetched (the bytes are copied as they are);
 //! quantized and f16/f32 files keep every cold expert on the CPU (no scratchpad is allocated).
@@ -40,16 +49,17 @@ use crate::format::dtype::DType;
 use crate::model::Model;
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::{CopyStream, CudaBackend, DPtr, DeviceBuffer, GpuEvent, PinnedBuffer};
-use plan::{assign, issue_step, ExpertLoad, IssueStep, PostFetchCosts, PostFetchOptions, PostFetchTotals};
-use plan::{PostFetchMode, TransferTracker};
+use plan::{assign, on_use, plan_issue, ExpertLoad, FetchState, OnUse, PostFetchCosts, PostFetchMiss};
+use plan::{PostFetchMode, PostFetchOptions, PostFetchTotals, TransferTracker};
 use std::time::Instant;
 
-/// Threads that stage expert bytes from the mapped file into pinned memory.
-pub const STAGE_THREADS: usize = 4;
 /// Bytes of the one timed pinned copy that measures the PCIe rate at engine start.
 pub const PCIE_PROBE_BYTES: usize = 64 << 20;
-/// Copy streams at most.
-const MAX_STREAMS: usize = 4;
+/// `HostScratch::pf_fetch` of an expert the CPU lane computes.
+pub(crate) const PF_CPU: i32 = -1;
+/// `HostScratch::pf_fetch` of a fetched expert whose copy was late: the CPU computes it after
+/// its own lane (`block_on_miss` off).
+pub(crate) const PF_LATE: i32 = -2;
 
 /// Events of one scratchpad half for the layer that last used it.
 struct Half {
@@ -65,10 +75,23 @@ struct Half {
     pending: Option<Pending>,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Pending {
+    /// The fetched GEMMs were queued behind the copies (`pre_wait`/`post_wait` recorded).
     launched: bool,
+    /// The host's wait for the copies once its CPU lane was done (none: the layer fell back
+    /// before that).
     host_wait_us: Option<f64>,
+}
+
+/// The layer whose experts are being fetched.
+#[derive(Clone, Copy)]
+pub(crate) struct Current {
+    pub half: usize,
+    /// `HostScratch::pf_loads[..issued]` were copied, `pf_loads[i]` into slot `i` of the half.
+    pub issued: usize,
+    /// `block_on_miss` off: the fetched GEMMs wait for the readiness query.
+    pub deferred: bool,
 }
 
 /// The scratchpad, its staging, streams and events, and the running totals.
@@ -89,18 +112,22 @@ pub(crate) struct PostFetch {
     halves: [Half; 2],
     next_half: usize,
     tracker: TransferTracker,
+    stage_threads: usize,
     pub totals: PostFetchTotals,
-    /// The half the current layer fetched into (none: nothing fetched).
-    pub current: Option<usize>,
+    pub current: Option<Current>,
     pub pcie_bytes_per_s: f64,
+    /// Learn passes count routed slots in the cold lane: nothing is fetched meanwhile.
+    paused: bool,
 }
 
 /// Whether every expert of `model` is stored as bf16 with the bytes its shape needs.
 fn bf16_experts(model: &Model) -> bool {
     let c = model.config();
     (0..c.n_layers).all(|l| {
-        let x = model.expert(l, 0);
-        [x.gate, x.up, x.down].iter().all(|t| t.dtype == DType::BF16 && t.data.len() == 2 * t.n_elems())
+        (0..c.n_experts).all(|e| {
+            let x = model.expert(l, e);
+            [x.gate, x.up, x.down].iter().all(|t| t.dtype == DType::BF16 && t.data.len() == 2 * t.n_elems())
+        })
     })
 }
 
@@ -122,10 +149,9 @@ impl PostFetch {
         let bytes = [2 * ff * h, 2 * ff * h, 2 * h * ff];
         let expert = bytes.iter().sum::<usize>();
         let slots = (opts.scratch_bytes / 2 / expert).clamp(1, c.n_experts.max(1));
-        let bufs = [0, 1, 2].map(|i| be.alloc_zeros::<u8>(2 * slots * bytes[i]));
-        let [g, u, d] = bufs;
+        let [g, u, d] = [0, 1, 2].map(|i| be.alloc_zeros::<u8>(2 * slots * bytes[i]));
         let staging = (0..2 * slots).map(|_| be.alloc_pinned::<u8>(expert)).collect::<Result<_, _>>()?;
-        let n_streams = opts.streams.clamp(1, MAX_STREAMS);
+        let n_streams = opts.streams.clamp(1, plan::MAX_STREAMS);
         let streams = (0..n_streams).map(|_| be.copy_stream()).collect::<Result<Vec<_>, _>>()?;
         let slot_ready = (0..2 * slots).map(|_| be.event()).collect::<Result<_, _>>()?;
         let half = || -> Result<Half, GpuError> {
@@ -139,10 +165,9 @@ impl PostFetch {
             })
         };
         let pcie = measure_pcie(be, &streams[0])?;
-        let costs = PostFetchCosts { pcie_bytes_per_s: pcie, ..PostFetchCosts::configured(h, ff, 1, STAGE_THREADS) };
         Ok(Some(PostFetch {
             opts,
-            costs,
+            costs: PostFetchCosts { pcie_bytes_per_s: pcie, ..PostFetchCosts::configured(h, ff, 1) },
             slots,
             bytes,
             bufs: [g?, u?, d?],
@@ -152,10 +177,20 @@ impl PostFetch {
             halves: [half()?, half()?],
             next_half: 0,
             tracker: TransferTracker::new(2 * slots, opts.max_transfers),
+            stage_threads: plan::stage_threads(1),
             totals: PostFetchTotals::default(),
             current: None,
             pcie_bytes_per_s: pcie,
+            paused: false,
         }))
+    }
+
+    /// The CPU costs and the staging threads for a cold lane of `n_threads` (the measured PCIe
+    /// rate stays).
+    pub fn set_cold_threads(&mut self, hidden: usize, ff: usize, n_threads: usize) {
+        let configured = PostFetchCosts::configured(hidden, ff, n_threads);
+        self.costs = PostFetchCosts { pcie_bytes_per_s: self.pcie_bytes_per_s, ..configured };
+        self.stage_threads = plan::stage_threads(n_threads);
     }
 
     pub fn expert_bytes(&self) -> usize {
@@ -175,20 +210,26 @@ impl PostFetch {
         })
     }
 
-    /// Fold half `b`'s last layer into the totals (its events are complete or about to be).
+    /// Fold half `b`'s last layer into the totals: copy time, and the part of it not hidden
+    /// (the host's wait after its CPU lane, capped by the compute stream's stall when the
+    /// fetched GEMMs were queued behind the copies). A layer that fell back before its
+    /// readiness query is left out.
     fn harvest(&mut self, b: usize) -> Result<(), GpuError> {
         let hf = &mut self.halves[b];
         let Some(p) = hf.pending.take() else { return Ok(()) };
-        let (true, Some(host_wait_us)) = (p.launched, p.host_wait_us) else { return Ok(()) };
+        let Some(host_wait_us) = p.host_wait_us else { return Ok(()) };
         let mut copy_us = 0f64;
         for end in &hf.copy_end {
             end.synchronize()?;
             copy_us = copy_us.max(hf.copy_start.elapsed_ms(end)? as f64 * 1e3);
         }
-        hf.post_wait.synchronize()?;
-        let stall_us = hf.pre_wait.elapsed_ms(&hf.post_wait)? as f64 * 1e3;
+        let mut exposed_us = host_wait_us.min(copy_us);
+        if p.launched {
+            hf.post_wait.synchronize()?;
+            exposed_us = exposed_us.min(hf.pre_wait.elapsed_ms(&hf.post_wait)? as f64 * 1e3);
+        }
         self.totals.copy_us += copy_us;
-        self.totals.exposed_us += host_wait_us.min(stall_us).min(copy_us).max(0.0);
+        self.totals.exposed_us += exposed_us.max(0.0);
         Ok(())
     }
 
@@ -196,6 +237,21 @@ impl PostFetch {
     pub fn harvest_all(&mut self) -> Result<(), GpuError> {
         self.harvest(0)?;
         self.harvest(1)
+    }
+
+    /// Slot of half `b` holding the `i`-th issued expert, over both halves.
+    fn slot(&self, b: usize, i: usize) -> usize {
+        b * self.slots + i
+    }
+}
+
+impl Drop for PostFetch {
+    /// The scratchpad and the staging buffers go only after every copy into them is done (a
+    /// layer that fell back may leave copies in flight).
+    fn drop(&mut self) {
+        for cs in &self.streams {
+            let _ = cs.synchronize();
+        }
     }
 }
 
@@ -233,11 +289,32 @@ pub(crate) fn stage_parallel(jobs: Vec<(&[u8], &mut [u8])>, threads: usize) {
     });
 }
 
+/// Stage `experts` of layer `l` into the pinned buffers `staging` (one each, in order): gate,
+/// up, down back to back. Each buffer's accessor waits for its previous copy first.
+fn stage(
+    model: &Model,
+    staging: &mut [PinnedBuffer<u8>],
+    bytes: [usize; 3],
+    l: usize,
+    experts: &[ExpertLoad],
+    threads: usize,
+) -> Result<(), GpuError> {
+    let mut jobs = Vec::with_capacity(3 * experts.len());
+    for (buf, x) in staging.iter_mut().zip(experts) {
+        let w = model.expert(l, x.expert as usize);
+        let (gate, rest) = buf.as_mut_slice()?.split_at_mut(bytes[0]);
+        let (up, down) = rest.split_at_mut(bytes[1]);
+        jobs.extend([(w.gate.data, gate), (w.up.data, up), (w.down.data, down)]);
+    }
+    stage_parallel(jobs, threads);
+    Ok(())
+}
+
 impl GpuModel {
     /// Forget the previous layer's fetch (before each MoE block).
     pub(super) fn postfetch_reset(&mut self) {
         let hs = &mut self.host;
-        hs.pf_fetch.fill(-1);
+        hs.pf_fetch.fill(PF_CPU);
         hs.pf_slot.clear();
         hs.pf_token.clear();
         hs.pf_weight.clear();
@@ -246,10 +323,18 @@ impl GpuModel {
         }
     }
 
-    /// Prefill, host path, worklist built: choose layer `l`'s experts for the GPU, queue their
-    /// copies, and list their worklist entries (`HostScratch::pf_*`; the cold lane skips them).
+    /// Learn passes count routed slots in the cold lane: fetch nothing while `paused`.
+    pub fn pause_postfetch(&mut self, paused: bool) {
+        if let Some(pf) = self.postfetch.as_mut() {
+            pf.paused = paused;
+        }
+    }
+
+    /// Prefill, host path, worklist built: choose layer `l`'s experts for the GPU and queue
+    /// their copies (`HostScratch::pf_fetch`: the cold lane skips them). With `block_on_miss`
+    /// their worklist entries are listed at once (`pf_*`), else after the readiness query.
     pub(super) fn postfetch_issue(&mut self, l: usize, phase: Phase) -> Result<(), GpuError> {
-        let Some(pf) = self.postfetch.as_mut() else { return Ok(()) };
+        let Some(pf) = self.postfetch.as_mut().filter(|p| !p.paused) else { return Ok(()) };
         if phase != Phase::Prefill {
             return Ok(());
         }
@@ -266,21 +351,74 @@ impl GpuModel {
         pf.tracker.poll(|s| slot_ready[s].is_done());
         let limit = pf.slots.min(pf.tracker.room());
         let n_chosen = assign(&mut hs.pf_loads, pf.expert_bytes(), &pf.costs, pf.opts.mode, limit);
+        let plan = plan_issue(n_chosen, pf.slots, pf.tracker.room());
         pf.totals.layer_calls += 1;
         pf.totals.experts_chosen += n_chosen as u64;
-        if n_chosen == 0 {
-            return self.postfetch_debug(l, 0, 0);
+        pf.totals.add_fallbacks(PostFetchMiss::ScratchFull, plan.scratch_full);
+        pf.totals.add_fallbacks(PostFetchMiss::TransfersBound, plan.transfers_bound);
+        if plan.issue > 0 {
+            let b = pf.next_half;
+            pf.next_half ^= 1;
+            pf.harvest(b)?;
+            pf.tracker.release(b * pf.slots..(b + 1) * pf.slots);
+            self.postfetch_copies(l, b, plan.issue)?;
+            let pf = self.postfetch.as_mut().expect("checked above");
+            let deferred = !pf.opts.block_on_miss;
+            pf.current = Some(Current { half: b, issued: plan.issue, deferred });
+            pf.halves[b].pending = Some(Pending::default());
+            for (i, x) in self.host.pf_loads[..plan.issue].iter().enumerate() {
+                self.host.pf_fetch[x.expert as usize] = i as i32;
+            }
+            if !deferred {
+                self.postfetch_entries();
+            }
         }
-        let b = pf.next_half;
-        pf.next_half ^= 1;
-        pf.harvest(b)?;
-        pf.tracker.release(b * pf.slots..(b + 1) * pf.slots);
-        let issued = self.postfetch_copies(l, b, n_chosen)?;
-        let pf = self.postfetch.as_mut().expect("checked above");
-        if issued > 0 {
-            pf.current = Some(b);
-            pf.halves[b].pending = Some(Pending { launched: false, host_wait_us: None });
+        self.postfetch_debug(l, n_chosen, plan.issue)
+    }
+
+    /// Queue the copies of the first `n` of `pf_loads` into half `b`, slot `i` for the `i`-th,
+    /// staged a chunk of experts at a time.
+    fn postfetch_copies(&mut self, l: usize, b: usize, n: usize) -> Result<(), GpuError> {
+        let pf = self.postfetch.as_mut().expect("called with post-fetch");
+        let hf = &pf.halves[b];
+        // The half is read by the GEMMs of its previous layer (`free`) and may still be written
+        // by that layer's copies on any stream (a layer that fell back waits for nothing).
+        for cs in &pf.streams {
+            self.be.wait_event_on(cs, &hf.free)?;
+            for end in &hf.copy_end {
+                self.be.wait_event_on(cs, end)?;
+            }
         }
+        let first = pf.slot(b, 0);
+        let chunk = pf.stage_threads;
+        for (c, group) in self.host.pf_loads[..n].chunks(chunk).enumerate() {
+            let at = first + c * chunk;
+            stage(&self.model, &mut pf.staging[at..at + group.len()], pf.bytes, l, group, pf.stage_threads)?;
+            if c == 0 {
+                self.be.record_on(&pf.streams[at % pf.streams.len()], &pf.halves[b].copy_start)?;
+            }
+            for slot in at..at + group.len() {
+                let cs = &pf.streams[slot % pf.streams.len()];
+                let mut from = 0;
+                for (dev, n) in pf.bufs.iter().zip(pf.bytes) {
+                    self.be.write_async_on(cs, &pf.staging[slot], from..from + n, dev.ptr().sub(slot * n, n))?;
+                    from += n;
+                }
+                self.be.record_on(cs, &pf.slot_ready[slot])?;
+                pf.tracker.start(slot)?;
+                pf.totals.experts_fetched += 1;
+                pf.totals.bytes_copied += from as u64;
+            }
+        }
+        for (cs, end) in pf.streams.iter().zip(&pf.halves[b].copy_end) {
+            self.be.record_on(cs, end)?;
+        }
+        Ok(())
+    }
+
+    /// The worklist entries of the experts the GPU computes from the scratchpad (`pf_fetch` a
+    /// slot), in worklist order: slot, token, weight.
+    pub(super) fn postfetch_entries(&mut self) {
         let hs = &mut self.host;
         let wl = &hs.worklist;
         for i in 0..wl.cold_count {
@@ -291,50 +429,6 @@ impl GpuModel {
                 hs.pf_weight.push(wl.cold_weight[i]);
             }
         }
-        self.postfetch_debug(l, n_chosen, issued)
-    }
-
-    /// Queue the copies of the first `n_chosen` of `pf_loads` into half `b` (in steps bounded
-    /// by free slots and transfers in flight); returns how many were queued.
-    fn postfetch_copies(&mut self, l: usize, b: usize, n_chosen: usize) -> Result<usize, GpuError> {
-        let pf = self.postfetch.as_mut().expect("called with post-fetch");
-        for cs in &pf.streams {
-            self.be.wait_event_on(cs, &pf.halves[b].free)?;
-        }
-        self.be.record_on(&pf.streams[0], &pf.halves[b].copy_start)?;
-        let (mut next, mut issued) = (0, 0);
-        loop {
-            let slot_ready = &pf.slot_ready;
-            pf.tracker.poll(|s| slot_ready[s].is_done());
-            let step = issue_step(n_chosen - next, pf.slots - issued, pf.tracker.room(), pf.opts.block_on_miss);
-            match step {
-                IssueStep::Done => break,
-                IssueStep::Fallback(why) => {
-                    pf.totals.add_fallbacks(why, n_chosen - next);
-                    break;
-                }
-                IssueStep::Block => {
-                    let oldest = pf.tracker.oldest().expect("no room implies a copy in flight");
-                    let wait = Instant::now();
-                    pf.slot_ready[oldest].synchronize()?;
-                    pf.tracker.ready(oldest)?;
-                    pf.totals.block_waits += 1;
-                    pf.totals.block_wait_us += wait.elapsed().as_secs_f64() * 1e6;
-                }
-                IssueStep::Issue(n) => {
-                    let experts: Vec<u32> = self.host.pf_loads[next..next + n].iter().map(|x| x.expert).collect();
-                    issue_experts(&self.be, &self.model, pf, l, b * pf.slots + issued, &experts)?;
-                    for (j, &e) in experts.iter().enumerate() {
-                        self.host.pf_fetch[e as usize] = (issued + j) as i32;
-                    }
-                    (next, issued) = (next + n, issued + n);
-                }
-            }
-        }
-        for (cs, end) in pf.streams.iter().zip(&pf.halves[b].copy_end) {
-            self.be.record_on(cs, end)?;
-        }
-        Ok(issued)
     }
 
     fn postfetch_debug(&self, l: usize, n_chosen: usize, issued: usize) -> Result<(), GpuError> {
@@ -342,66 +436,103 @@ impl GpuModel {
         let hs = &self.host;
         eprintln!(
             "postfetch layer {l}: {} cold experts ({} cold slots), chose {n_chosen} for the GPU, fetched {issued}, \
-             {} to the CPU after all, {} copies in flight, {} block waits so far",
+             {} copies in flight, fallbacks so far {:?} (scratch_full, transfers_bound, not_ready)",
             hs.pf_loads.len(),
             hs.worklist.cold_count,
-            n_chosen - issued,
             pf.tracker.in_flight(),
-            pf.totals.block_waits
+            pf.totals.fallbacks,
         );
         Ok(())
     }
 
     /// The fetched experts' GEMMs over their entries (`n_all` entry rows in all, the fetched
-    /// ones after the hot ones), once the compute stream has waited for their copies.
+    /// ones after the hot ones), once the compute stream has waited for their copies: every
+    /// copy of the layer (`block_on_miss`), or those of the experts it runs (after the
+    /// readiness query). The half's `free` is recorded behind them even when a launch fails.
     pub(super) fn postfetch_gemm(&self, t: usize, n_all: usize) -> Result<(), GpuError> {
-        let Some((pf, b)) = self.postfetch.as_ref().and_then(|p| p.current.map(|b| (p, b))) else {
+        let Some((pf, cur)) = self.postfetch.as_ref().and_then(|p| p.current.map(|c| (p, c))) else {
             return Ok(());
         };
-        let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
-        let s = self.scratch.as_ref().expect("reserved");
-        let hf = &pf.halves[b];
+        let hf = &pf.halves[cur.half];
         self.be.record(&hf.pre_wait)?;
-        for end in &hf.copy_end {
-            self.be.wait_event(end)?;
+        if cur.deferred {
+            for (i, x) in self.host.pf_loads[..cur.issued].iter().enumerate() {
+                if self.host.pf_fetch[x.expert as usize] >= 0 {
+                    self.be.wait_event(&pf.slot_ready[pf.slot(cur.half, i)])?;
+                }
+            }
+        } else {
+            for end in &hf.copy_end {
+                self.be.wait_event(end)?;
+            }
         }
         self.be.record(&hf.post_wait)?;
-        let [gate, up, down] = pf.half_views(b);
-        let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.split_bf16_activations);
-        let nt = self.host.pf_tiles;
-        let tiles = wi.sub(lay.tiles + self.host.pf_tile_at, 3 * nt);
-        let (x, toks, hbuf, y) = (s.normed.ptr(), wi.sub(lay.tokens, n_all), s.h.ptr(), s.y.ptr());
-        let n = pf.slots;
-        self.be.grouped_gate_up(gate, up, n, x, toks, t, tiles, nt, hbuf, n_all, ff, h, split)?;
-        self.be.grouped_gemm(down, n, hbuf, None, n_all, tiles, nt, y, n_all, h, ff, split)?;
+        let gemms = || -> Result<(), GpuError> {
+            let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
+            let s = self.scratch.as_ref().expect("reserved");
+            let [gate, up, down] = pf.half_views(cur.half);
+            let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.split_bf16_activations);
+            let nt = self.host.pf_tiles;
+            let tiles = wi.sub(lay.tiles + self.host.pf_tile_at, 3 * nt);
+            let (x, toks, hbuf, y) = (s.normed.ptr(), wi.sub(lay.tokens, n_all), s.h.ptr(), s.y.ptr());
+            let n = pf.slots;
+            self.be.grouped_gate_up(gate, up, n, x, toks, t, tiles, nt, hbuf, n_all, ff, h, split)?;
+            self.be.grouped_gemm(down, n, hbuf, None, n_all, tiles, nt, y, n_all, h, ff, split)?;
+            Ok(())
+        };
+        let launched = gemms();
         self.be.record(&hf.free)?;
-        Ok(())
+        launched
     }
 
-    /// The layer's GPU lanes were queued (its fetched GEMMs included).
+    /// The layer's fetched GEMMs were queued.
     pub(super) fn postfetch_launched(&mut self) {
         if let Some(pf) = self.postfetch.as_mut() {
-            if let Some(p) = pf.current.and_then(|b| pf.halves[b].pending.as_mut()) {
+            if let Some(p) = pf.current.and_then(|c| pf.halves[c.half].pending.as_mut()) {
                 p.launched = true;
             }
         }
     }
 
-    /// After the CPU lane: wait on the host for the layer's copies (the join needs them anyway)
-    /// and keep that wait as the copy time the CPU lane did not hide.
-    pub(super) fn postfetch_join(&mut self) -> Result<(), GpuError> {
-        let Some(pf) = self.postfetch.as_mut() else { return Ok(()) };
-        let Some(b) = pf.current else { return Ok(()) };
-        let wait = Instant::now();
-        for end in &pf.halves[b].copy_end {
-            end.synchronize()?;
-        }
+    /// The readiness query, once the CPU lane is done with its own experts: for each fetched
+    /// expert, [`on_use`] of its copy's state (`late`: a fault injection that finds every copy
+    /// still in flight). `block_on_miss`: wait on the host for the copies in flight (counted;
+    /// the exposed copy time). Otherwise the late ones become [`PF_LATE`] (counted `not_ready`)
+    /// and the rest keep their slots. Returns whether the caller runs the deferred part: the
+    /// late experts on the CPU, then the fetched GEMMs.
+    pub(super) fn postfetch_ready(&mut self, late: bool) -> Result<bool, GpuError> {
+        let Some(pf) = self.postfetch.as_mut() else { return Ok(false) };
+        let Some(cur) = pf.current else { return Ok(false) };
         let slot_ready = &pf.slot_ready;
         pf.tracker.poll(|s| slot_ready[s].is_done());
-        if let Some(p) = pf.halves[b].pending.as_mut() {
-            p.host_wait_us = Some(wait.elapsed().as_secs_f64() * 1e6);
+        let (mut n_wait, mut n_late) = (0, 0);
+        for (i, x) in self.host.pf_loads[..cur.issued].iter().enumerate() {
+            let state = if late { FetchState::CopyInFlight } else { pf.tracker.state(pf.slot(cur.half, i)) };
+            match on_use(state, pf.opts.block_on_miss) {
+                OnUse::Gpu => {}
+                OnUse::Wait => n_wait += 1,
+                OnUse::Cpu => {
+                    self.host.pf_fetch[x.expert as usize] = PF_LATE;
+                    n_late += 1;
+                }
+            }
         }
-        Ok(())
+        let mut host_wait_us = 0.0;
+        if n_wait > 0 {
+            let wait = Instant::now();
+            for end in &pf.halves[cur.half].copy_end {
+                end.synchronize()?;
+            }
+            host_wait_us = wait.elapsed().as_secs_f64() * 1e6;
+            pf.tracker.poll(|s| slot_ready[s].is_done());
+            pf.totals.block_waits += n_wait;
+            pf.totals.block_wait_us += host_wait_us;
+        }
+        pf.totals.add_fallbacks(PostFetchMiss::NotReady, n_late);
+        if let Some(p) = pf.halves[cur.half].pending.as_mut() {
+            p.host_wait_us = Some(host_wait_us);
+        }
+        Ok(cur.deferred)
     }
 
     /// After a call: fold the pending layers into the totals and the perf JSON.
@@ -413,42 +544,6 @@ impl GpuModel {
         self.perf.set_postfetch(Some(report));
         Ok(())
     }
-}
-
-/// Stage `experts` of layer `l` into the pinned buffers of slots `first..` and queue their
-/// copies into the same scratchpad slots, one event per slot (`CpuOnly -> CopyInFlight`).
-fn issue_experts(
-    be: &CudaBackend,
-    model: &Model,
-    pf: &mut PostFetch,
-    l: usize,
-    first: usize,
-    experts: &[u32],
-) -> Result<(), GpuError> {
-    let [g, u, _] = pf.bytes;
-    let mut jobs = Vec::with_capacity(3 * experts.len());
-    for (buf, &e) in pf.staging[first..first + experts.len()].iter_mut().zip(experts) {
-        let x = model.expert(l, e as usize);
-        let host = buf.as_mut_slice()?;
-        let (gate, rest) = host.split_at_mut(g);
-        let (up, down) = rest.split_at_mut(u);
-        jobs.extend([(x.gate.data, gate), (x.up.data, up), (x.down.data, down)]);
-    }
-    stage_parallel(jobs, STAGE_THREADS);
-    for j in 0..experts.len() {
-        let slot = first + j;
-        let cs = &pf.streams[j % pf.streams.len()];
-        let mut at = 0;
-        for (dev, n) in pf.bufs.iter().zip(pf.bytes) {
-            be.write_async_on(cs, &pf.staging[slot], at..at + n, dev.ptr().sub(slot * n, n))?;
-            at += n;
-        }
-        be.record_on(cs, &pf.slot_ready[slot])?;
-        pf.tracker.start(slot)?;
-        pf.totals.experts_fetched += 1;
-        pf.totals.bytes_copied += at as u64;
-    }
-    Ok(())
 }
 
 #[cfg(test)]

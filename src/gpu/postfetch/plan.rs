@@ -1,11 +1,11 @@
 //! Post-Fetch's host-side decisions, pure and unit-tested without a GPU: the settings, the cost
 //! model that splits a layer's cold experts between the CPU lane and the copy lane
 //! ([`assign`]), how the chosen ones are issued against the scratchpad and the transfer bound
-//! ([`issue_step`]), the per-slot transfer state machine ([`TransferTracker`]) and the
-//! statistics ([`PostFetchTotals`]).
+//! ([`plan_issue`]), the per-slot transfer state machine ([`TransferTracker`]), the readiness
+//! query when a fetched expert is needed ([`on_use`]) and the statistics ([`PostFetchTotals`]).
 
 use crate::cache::perf::PostFetchPerf;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::BTreeMap;
 
 /// Whether prefill fetches cold experts to the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -17,6 +17,9 @@ pub enum PostFetchMode {
     On,
     /// Every cold expert on the CPU (no scratchpad is allocated).
     Off,
+    /// Every cold expert on the CPU with the scratchpad allocated (seed 001's "force CPU": an
+    /// A/B run at the same VRAM and hot budget as `auto`).
+    Cpu,
 }
 
 impl PostFetchMode {
@@ -25,13 +28,14 @@ impl PostFetchMode {
             PostFetchMode::Auto => "auto",
             PostFetchMode::On => "on",
             PostFetchMode::Off => "off",
+            PostFetchMode::Cpu => "cpu",
         }
     }
 }
 
-/// A Post-Fetch mode that is not `auto`, `on` or `off`.
+/// A Post-Fetch mode that is not `auto`, `on`, `off` or `cpu`.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("post-fetch mode: expected auto, on or off")]
+#[error("post-fetch mode: expected auto, on, off or cpu")]
 pub struct BadPostFetchMode;
 
 impl std::str::FromStr for PostFetchMode {
@@ -41,6 +45,7 @@ impl std::str::FromStr for PostFetchMode {
             "auto" => Ok(PostFetchMode::Auto),
             "on" => Ok(PostFetchMode::On),
             "off" => Ok(PostFetchMode::Off),
+            "cpu" => Ok(PostFetchMode::Cpu),
             _ => Err(BadPostFetchMode),
         }
     }
@@ -51,14 +56,22 @@ impl std::str::FromStr for PostFetchMode {
 pub const DEFAULT_SCRATCH_BYTES: usize = 1 << 30;
 /// Default bound on expert copies queued and not yet complete.
 pub const DEFAULT_MAX_TRANSFERS: usize = 64;
+/// Copy streams at most. Each is a CUDA stream with an end event per scratchpad half, and
+/// every stream waits for every stream's previous copies into a half before writing it again
+/// (streams squared waits a fetching layer); one host-to-device DMA direction gains little
+/// beyond a few.
+pub const MAX_STREAMS: usize = 4;
 
 /// Post-Fetch settings (the CLI and `env` parse them at the edge).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct PostFetchOptions {
     pub mode: PostFetchMode,
-    /// A chosen expert whose copy cannot be queued because `max_transfers` copies are in
-    /// flight: wait for the oldest (`true`) or compute it on the CPU (counted either way).
+    /// A fetched expert whose copy is still in flight when the CPU lane is done with its own
+    /// experts: wait for the copy (`true`: its GEMMs are queued on the GPU at once, behind the
+    /// copy's event) or compute it on the CPU (`false`: the fetched GEMMs are queued only after
+    /// that check). Counted either way.
     pub block_on_miss: bool,
+    /// Expert copies queued and not complete at most; a chosen expert beyond it runs on the CPU.
     pub max_transfers: usize,
     /// VRAM of the scratchpad, both halves (at least one expert slot a half when not 0; 0: off).
     pub scratch_bytes: usize,
@@ -84,16 +97,26 @@ impl Default for PostFetchOptions {
 /// Cold-lane read bandwidth of expert weights (configured: DRAM read rate of a server socket
 /// as the cold pool reaches it).
 pub const DEFAULT_CPU_BYTES_PER_S: f64 = 40e9;
-/// Cold-lane arithmetic per thread (f32 FMAs of the SIMD tiles, measured ~44 GFLOP/s a thread
-/// on the H100 machine's CPU: 512 tokens x 8 experts of 768 x 2048 in ~55 ms a layer at 16
-/// threads beyond the weight reads).
+/// Cold-lane arithmetic per thread (f32 FMAs of the SIMD tiles). Derived from issue 14's
+/// budget-0 prefill on the H100 machine (512 tokens, 16 threads, 1.26 s over 16 layers = 79 ms
+/// a layer): 128 experts of 768 x 2048 bf16 read at 40 GB/s take ~30 ms, the rest, 4096 slots
+/// x 6 x 768 x 2048 flop, leaves ~44 GFLOP/s a thread. Not yet measured on its own.
 pub const DEFAULT_CPU_FLOP_PER_S_PER_THREAD: f64 = 40e9;
 /// Host staging rate of one thread (memcpy from the mapped file into pinned memory).
 pub const STAGE_BYTES_PER_S_PER_THREAD: f64 = 8e9;
+/// Threads that stage expert bytes at most (the cold lane's threads, idle while staging runs
+/// before the CPU lane; beyond this the copy is bound by DRAM, and each chunk of experts spawns
+/// them anew).
+pub const MAX_STAGE_THREADS: usize = 8;
 /// GPU time of one fetched expert's grouped GEMMs beyond its copy (small next to the copy).
 pub const DEFAULT_GPU_EXPERT_S: f64 = 20e-6;
 /// PCIe rate assumed until measured (pinned host-to-device, PCIe 5 x16 in practice ~55 GB/s).
 pub const DEFAULT_PCIE_BYTES_PER_S: f64 = 25e9;
+
+/// Threads that stage the copies beside a cold lane of `cold_threads`.
+pub fn stage_threads(cold_threads: usize) -> usize {
+    cold_threads.clamp(1, MAX_STAGE_THREADS)
+}
 
 /// The rates the cost model weighs.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -112,14 +135,14 @@ pub struct PostFetchCosts {
 
 impl PostFetchCosts {
     /// Configured CPU rates for `cold_threads` threads and experts of `hidden x ff`;
-    /// `stage_threads` threads stage the copies.
-    pub fn configured(hidden: usize, ff: usize, cold_threads: usize, stage_threads: usize) -> Self {
+    /// [`stage_threads`]`(cold_threads)` threads stage the copies.
+    pub fn configured(hidden: usize, ff: usize, cold_threads: usize) -> Self {
         let flop_per_token = 6.0 * hidden as f64 * ff as f64;
         PostFetchCosts {
             pcie_bytes_per_s: DEFAULT_PCIE_BYTES_PER_S,
             cpu_bytes_per_s: DEFAULT_CPU_BYTES_PER_S,
             cpu_token_s: flop_per_token / (DEFAULT_CPU_FLOP_PER_S_PER_THREAD * cold_threads.max(1) as f64),
-            stage_bytes_per_s: STAGE_BYTES_PER_S_PER_THREAD * stage_threads.max(1) as f64,
+            stage_bytes_per_s: STAGE_BYTES_PER_S_PER_THREAD * stage_threads(cold_threads) as f64,
             gpu_expert_s: DEFAULT_GPU_EXPERT_S,
         }
     }
@@ -148,10 +171,10 @@ pub struct ExpertLoad {
 }
 
 /// Sort `loads` by tokens (most first, then expert id) and return how many of the first go to
-/// the GPU. `On`: all of them (the issue step bounds them). `Auto`: greedily, while moving one
+/// the GPU. `On`: all of them ([`plan_issue`] bounds them). `Auto`: greedily, while moving one
 /// more expert lowers the layer's finish time `stage + max(cpu lane, copy lane)` (the CPU lane
 /// and the copy lane run at once; staging runs before the CPU lane), at most `max_experts`.
-/// `Off`: none.
+/// `Off` and `Cpu`: none.
 pub fn assign(
     loads: &mut [ExpertLoad],
     bytes: usize,
@@ -161,7 +184,7 @@ pub fn assign(
 ) -> usize {
     loads.sort_unstable_by(|a, b| b.tokens.cmp(&a.tokens).then(a.expert.cmp(&b.expert)));
     match mode {
-        PostFetchMode::Off => return 0,
+        PostFetchMode::Off | PostFetchMode::Cpu => return 0,
         PostFetchMode::On => return loads.len(),
         PostFetchMode::Auto => {}
     }
@@ -182,44 +205,63 @@ pub fn assign(
 /// Why a chosen expert ran on the CPU after all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PostFetchMiss {
-    /// Every slot of the layer's scratchpad half was taken.
+    /// Every slot of the layer's scratchpad half was taken (at issue).
     ScratchFull,
-    /// `max_transfers` copies were in flight and `block_on_miss` is off.
+    /// `max_transfers` copies were in flight (at issue).
     TransfersBound,
+    /// Its copy was still in flight when the CPU lane was done and `block_on_miss` is off.
+    NotReady,
 }
 
 impl PostFetchMiss {
-    pub const ALL: [PostFetchMiss; 2] = [PostFetchMiss::ScratchFull, PostFetchMiss::TransfersBound];
+    pub const ALL: [PostFetchMiss; 3] =
+        [PostFetchMiss::ScratchFull, PostFetchMiss::TransfersBound, PostFetchMiss::NotReady];
 
     pub fn name(self) -> &'static str {
         match self {
             PostFetchMiss::ScratchFull => "scratch_full",
             PostFetchMiss::TransfersBound => "transfers_bound",
+            PostFetchMiss::NotReady => "not_ready",
         }
     }
 }
 
-/// The next step of issuing a layer's chosen experts.
+/// How a layer's chosen experts are issued: the first `issue` are copied, the next
+/// `scratch_full` found no slot and the last `transfers_bound` no room among the copies in
+/// flight (both run on the CPU).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IssueStep {
-    /// Stage and copy the next `n` experts.
-    Issue(usize),
-    /// Wait on the host for the oldest copy in flight, then look again.
-    Block,
-    /// The remaining experts run on the CPU.
-    Fallback(PostFetchMiss),
-    Done,
+pub struct IssuePlan {
+    pub issue: usize,
+    pub scratch_full: usize,
+    pub transfers_bound: usize,
 }
 
-/// What to do with `remaining` chosen experts when `free_slots` slots of the half are free and
-/// `room` more copies may be in flight.
-pub fn issue_step(remaining: usize, free_slots: usize, room: usize, block_on_miss: bool) -> IssueStep {
-    match (remaining, free_slots, room) {
-        (0, _, _) => IssueStep::Done,
-        (_, 0, _) => IssueStep::Fallback(PostFetchMiss::ScratchFull),
-        (_, _, 0) if block_on_miss => IssueStep::Block,
-        (_, _, 0) => IssueStep::Fallback(PostFetchMiss::TransfersBound),
-        (r, f, m) => IssueStep::Issue(r.min(f).min(m)),
+/// Issue `chosen` experts into a half with `free_slots` free slots while `room` more copies may
+/// be in flight. The host never waits here: waiting for room would delay the CPU lane, which
+/// starts after the issue.
+pub fn plan_issue(chosen: usize, free_slots: usize, room: usize) -> IssuePlan {
+    let fit = chosen.min(free_slots);
+    let issue = fit.min(room);
+    IssuePlan { issue, scratch_full: chosen - fit, transfers_bound: fit - issue }
+}
+
+/// Where a fetched expert runs, asked when the CPU lane is done with its own experts (seed 001's
+/// readiness query).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnUse {
+    /// Its copy is complete: the GPU.
+    Gpu,
+    /// Its copy is in flight and `block_on_miss`: wait for it, then the GPU.
+    Wait,
+    /// Its copy is in flight and not `block_on_miss` (or it was never copied): the CPU.
+    Cpu,
+}
+
+pub fn on_use(state: FetchState, block_on_miss: bool) -> OnUse {
+    match state {
+        FetchState::GpuReady => OnUse::Gpu,
+        FetchState::CopyInFlight if block_on_miss => OnUse::Wait,
+        FetchState::CopyInFlight | FetchState::CpuOnly => OnUse::Cpu,
     }
 }
 
@@ -242,11 +284,11 @@ pub struct BadTransition {
     pub to: FetchState,
 }
 
-/// Per slot state and the copies in flight (issue order), bounded by `max_in_flight`.
+/// Per slot state and the copies in flight, bounded by `max_in_flight`.
 #[derive(Debug, Clone)]
 pub struct TransferTracker {
     states: Vec<FetchState>,
-    in_flight: VecDeque<usize>,
+    in_flight: Vec<usize>,
     max_in_flight: usize,
 }
 
@@ -254,12 +296,11 @@ impl TransferTracker {
     pub fn new(n_slots: usize, max_in_flight: usize) -> TransferTracker {
         TransferTracker {
             states: vec![FetchState::CpuOnly; n_slots],
-            in_flight: VecDeque::new(),
+            in_flight: Vec::with_capacity(n_slots),
             max_in_flight: max_in_flight.max(1),
         }
     }
 
-    #[cfg(test)]
     pub fn state(&self, slot: usize) -> FetchState {
         self.states[slot]
     }
@@ -273,15 +314,14 @@ impl TransferTracker {
         self.max_in_flight.saturating_sub(self.in_flight.len())
     }
 
-    /// The oldest copy in flight.
-    pub fn oldest(&self) -> Option<usize> {
-        self.in_flight.front().copied()
-    }
-
     /// `CpuOnly -> CopyInFlight` (a slot reused before its half was released is refused).
     pub fn start(&mut self, slot: usize) -> Result<(), BadTransition> {
-        self.to(slot, FetchState::CpuOnly, FetchState::CopyInFlight)?;
-        self.in_flight.push_back(slot);
+        let from = self.states[slot];
+        if from != FetchState::CpuOnly {
+            return Err(BadTransition { slot, from, to: FetchState::CopyInFlight });
+        }
+        self.states[slot] = FetchState::CopyInFlight;
+        self.in_flight.push(slot);
         Ok(())
     }
 
@@ -297,26 +337,11 @@ impl TransferTracker {
         });
     }
 
-    /// `CopyInFlight -> GpuReady` for `slot` (the host waited for its copy).
-    pub fn ready(&mut self, slot: usize) -> Result<(), BadTransition> {
-        self.to(slot, FetchState::CopyInFlight, FetchState::GpuReady)?;
-        self.in_flight.retain(|&s| s != slot);
-        Ok(())
-    }
-
     /// Slots `range` go back to `CpuOnly` (their half is reused); copies still in flight there
-    /// are forgotten (the copy stream orders them before the new ones).
+    /// are forgotten (the copy streams wait for them before writing the half again).
     pub fn release(&mut self, range: std::ops::Range<usize>) {
         self.in_flight.retain(|s| !range.contains(s));
         self.states[range].fill(FetchState::CpuOnly);
-    }
-
-    fn to(&mut self, slot: usize, from: FetchState, to: FetchState) -> Result<(), BadTransition> {
-        if self.states[slot] != from {
-            return Err(BadTransition { slot, from: self.states[slot], to });
-        }
-        self.states[slot] = to;
-        Ok(())
     }
 }
 
@@ -335,7 +360,9 @@ pub struct PostFetchTotals {
     /// stream's stall before the fetched GEMMs.
     pub exposed_us: f64,
     /// Per [`PostFetchMiss::ALL`].
-    pub fallbacks: [u64; 2],
+    pub fallbacks: [u64; 3],
+    /// Fetched experts whose copy was still in flight when the CPU lane was done, waited for
+    /// (`block_on_miss`), and the host's time in those waits.
     pub block_waits: u64,
     pub block_wait_us: f64,
 }
@@ -401,6 +428,10 @@ mod tests {
         tokens.iter().enumerate().map(|(e, &t)| ExpertLoad { expert: e as u32, tokens: t }).collect()
     }
 
+    fn experts(l: &[ExpertLoad]) -> Vec<u32> {
+        l.iter().map(|x| x.expert).collect()
+    }
+
     #[test]
     fn auto_moves_the_busiest_experts_until_the_lanes_balance() {
         // CPU costs 3, 2, 1.5, 1.1, 1.1 ms (sum 8.7); copies 1 ms each:
@@ -408,13 +439,18 @@ mod tests {
         let mut l = loads(&[5, 20, 1, 10, 1]);
         let n = assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, 64);
         assert_eq!(n, 3);
-        assert_eq!(l.iter().map(|x| x.expert).collect::<Vec<_>>(), [1, 3, 0, 2, 4]);
+        assert_eq!(experts(&l), [1, 3, 0, 2, 4]);
+        // equal tokens: the lower expert id first, so the choice does not depend on input order
+        let mut l = loads(&[7, 7, 9]);
+        assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, 64);
+        assert_eq!(experts(&l), [2, 0, 1]);
     }
 
     #[test]
     fn auto_respects_the_expert_limit_and_staging() {
         let mut l = loads(&[5, 20, 1, 10, 1]);
         assert_eq!(assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, 1), 1);
+        assert_eq!(assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, 0), 0);
         // staging at 1 GB/s puts 1 ms per expert on the host before the CPU lane:
         // 1 + max(5.7, 1) = 6.7; 2 + max(3.7, 2) = 5.7; 3 + max(2.2, 3) = 6 is worse
         let slow = PostFetchCosts { stage_bytes_per_s: 1e9, ..costs() };
@@ -422,33 +458,60 @@ mod tests {
         // a copy lane slower than the whole CPU lane: nothing moves
         let pcie = PostFetchCosts { pcie_bytes_per_s: 1e7, ..costs() };
         assert_eq!(assign(&mut l, 1_000_000, &pcie, PostFetchMode::Auto, 64), 0);
+        // GPU time per fetched expert counts on the copy lane: 1 ms more per expert stops at 2
+        // (1 -> max(5.7, 2); 2 -> max(3.7, 4) = 4 < 5.7; 3 -> max(2.2, 6) worse)
+        let gpu = PostFetchCosts { gpu_expert_s: 1e-3, ..costs() };
+        assert_eq!(assign(&mut l, 1_000_000, &gpu, PostFetchMode::Auto, 64), 2);
     }
 
     #[test]
-    fn on_takes_every_expert_and_off_none() {
+    fn on_takes_every_expert_and_off_and_cpu_none() {
         let mut l = loads(&[1, 1, 1]);
         assert_eq!(assign(&mut l, 1 << 30, &costs(), PostFetchMode::On, 0), 3);
         assert_eq!(assign(&mut l, 1, &costs(), PostFetchMode::Off, 64), 0);
+        assert_eq!(assign(&mut l, 1, &costs(), PostFetchMode::Cpu, 64), 0);
         assert_eq!(assign(&mut [], 1, &costs(), PostFetchMode::Auto, 64), 0);
     }
 
     #[test]
-    fn configured_costs_scale_with_threads() {
-        let one = PostFetchCosts::configured(2048, 768, 1, 1);
-        let sixteen = PostFetchCosts::configured(2048, 768, 16, 4);
-        assert!((one.cpu_token_s / sixteen.cpu_token_s - 16.0).abs() < 1e-9);
-        assert_eq!(sixteen.stage_bytes_per_s, 4.0 * STAGE_BYTES_PER_S_PER_THREAD);
-        assert!(one.cpu_s(1 << 20, 2) > one.cpu_s(1 << 20, 1));
+    fn modes_parse_and_name_themselves() {
+        for m in [PostFetchMode::Auto, PostFetchMode::On, PostFetchMode::Off, PostFetchMode::Cpu] {
+            assert_eq!(m.name().parse::<PostFetchMode>(), Ok(m));
+        }
+        assert_eq!("yes".parse::<PostFetchMode>(), Err(BadPostFetchMode));
     }
 
     #[test]
-    fn issue_steps_follow_slots_room_and_policy() {
-        assert_eq!(issue_step(5, 8, 3, true), IssueStep::Issue(3));
-        assert_eq!(issue_step(5, 2, 3, false), IssueStep::Issue(2));
-        assert_eq!(issue_step(5, 0, 3, true), IssueStep::Fallback(PostFetchMiss::ScratchFull));
-        assert_eq!(issue_step(5, 4, 0, true), IssueStep::Block);
-        assert_eq!(issue_step(5, 4, 0, false), IssueStep::Fallback(PostFetchMiss::TransfersBound));
-        assert_eq!(issue_step(0, 0, 0, false), IssueStep::Done);
+    fn configured_costs_scale_with_threads() {
+        let one = PostFetchCosts::configured(2048, 768, 1);
+        let sixteen = PostFetchCosts::configured(2048, 768, 16);
+        assert!((one.cpu_token_s / sixteen.cpu_token_s - 16.0).abs() < 1e-9);
+        assert_eq!(one.stage_bytes_per_s, STAGE_BYTES_PER_S_PER_THREAD);
+        let max = MAX_STAGE_THREADS as f64 * STAGE_BYTES_PER_S_PER_THREAD;
+        assert_eq!(sixteen.stage_bytes_per_s, max);
+        assert_eq!((stage_threads(0), stage_threads(3), stage_threads(64)), (1, 3, MAX_STAGE_THREADS));
+        assert!(one.cpu_s(1 << 20, 2) > one.cpu_s(1 << 20, 1));
+        assert!((one.copy_s(1 << 20) - ((1 << 20) as f64 / DEFAULT_PCIE_BYTES_PER_S + DEFAULT_GPU_EXPERT_S)).abs() < 1e-15);
+    }
+
+    #[test]
+    fn issue_plans_split_by_slots_then_room() {
+        let p = |issue, scratch_full, transfers_bound| IssuePlan { issue, scratch_full, transfers_bound };
+        assert_eq!(plan_issue(5, 8, 8), p(5, 0, 0));
+        assert_eq!(plan_issue(5, 2, 8), p(2, 3, 0));
+        assert_eq!(plan_issue(5, 8, 3), p(3, 0, 2));
+        assert_eq!(plan_issue(9, 4, 1), p(1, 5, 3));
+        assert_eq!(plan_issue(5, 0, 3), p(0, 5, 0));
+        assert_eq!(plan_issue(0, 0, 0), p(0, 0, 0));
+    }
+
+    #[test]
+    fn readiness_follows_seed_001() {
+        assert_eq!(on_use(FetchState::GpuReady, true), OnUse::Gpu);
+        assert_eq!(on_use(FetchState::GpuReady, false), OnUse::Gpu);
+        assert_eq!(on_use(FetchState::CopyInFlight, true), OnUse::Wait);
+        assert_eq!(on_use(FetchState::CopyInFlight, false), OnUse::Cpu);
+        assert_eq!(on_use(FetchState::CpuOnly, true), OnUse::Cpu);
     }
 
     #[test]
@@ -457,36 +520,47 @@ mod tests {
         assert_eq!(t.room(), 2);
         t.start(0).unwrap();
         t.start(1).unwrap();
-        assert_eq!((t.room(), t.oldest()), (0, Some(0)));
+        assert_eq!((t.room(), t.in_flight()), (0, 2));
         assert_eq!(t.state(1), FetchState::CopyInFlight);
-        // a slot in flight cannot start again; a slot not in flight cannot become ready
+        // a slot in flight cannot start again
         assert_eq!(
             t.start(1),
             Err(BadTransition { slot: 1, from: FetchState::CopyInFlight, to: FetchState::CopyInFlight })
         );
-        assert!(t.ready(2).is_err());
         t.poll(|s| s == 1);
-        assert_eq!((t.state(1), t.in_flight(), t.oldest()), (FetchState::GpuReady, 1, Some(0)));
-        t.ready(0).unwrap();
+        assert_eq!((t.state(0), t.state(1), t.in_flight()), (FetchState::CopyInFlight, FetchState::GpuReady, 1));
+        t.poll(|_| true);
         assert_eq!((t.state(0), t.room()), (FetchState::GpuReady, 2));
         // ready slots are not reused until their half is released
         assert!(t.start(0).is_err());
         t.start(2).unwrap();
-        t.release(0..3);
-        assert_eq!((t.state(0), t.state(2), t.in_flight()), (FetchState::CpuOnly, FetchState::CpuOnly, 0));
+        t.start(3).unwrap();
+        // releasing a half forgets its copies in flight and frees their room
+        t.release(2..4);
+        assert_eq!((t.state(2), t.state(3), t.in_flight(), t.room()), (FetchState::CpuOnly, FetchState::CpuOnly, 0, 2));
+        assert_eq!(t.state(0), FetchState::GpuReady, "the other half is untouched");
+        t.release(0..2);
         t.start(0).unwrap();
+        // a bound of 0 still lets one copy through
+        assert_eq!(TransferTracker::new(1, 0).room(), 1);
     }
 
     #[test]
     fn totals_report_the_seed_targets() {
         let mut t = PostFetchTotals { experts_chosen: 40, copy_us: 100.0, exposed_us: 20.0, ..Default::default() };
-        t.add_fallbacks(PostFetchMiss::TransfersBound, 2);
+        t.add_fallbacks(PostFetchMiss::TransfersBound, 1);
+        t.add_fallbacks(PostFetchMiss::NotReady, 1);
         assert!((t.overlap().unwrap() - 0.8).abs() < 1e-12);
         assert!((t.fallback_rate().unwrap() - 0.05).abs() < 1e-12);
         let p = t.perf(PostFetchMode::On, 100, 1000, 5e10);
-        assert_eq!((p.fallbacks, p.fallback_reasons["transfers_bound"]), (2, 2));
+        assert_eq!(p.fallbacks, 2);
+        let reasons: Vec<(&str, u64)> = p.fallback_reasons.iter().map(|(k, &v)| (k.as_str(), v)).collect();
+        assert_eq!(reasons, [("not_ready", 1), ("scratch_full", 0), ("transfers_bound", 1)]);
         assert_eq!(p.vram_overhead, Some(0.1));
         assert_eq!(PostFetchTotals::default().perf(PostFetchMode::Auto, 1, 0, 1.0).vram_overhead, None);
         assert_eq!(PostFetchTotals::default().overlap(), None);
+        assert_eq!(PostFetchTotals::default().fallback_rate(), None);
+        // exposure beyond the copy time clamps to no overlap
+        assert_eq!(PostFetchTotals { copy_us: 1.0, exposed_us: 2.0, ..Default::default() }.overlap(), Some(0.0));
     }
 }
