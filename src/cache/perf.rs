@@ -456,6 +456,15 @@ pub mod metric_names {
     pub const EXCHANGES: &str = "moe_lanes_cache_exchanges_total";
     pub const BYTES_COPIED: &str = "moe_lanes_cache_bytes_copied_total";
     pub const PERF_MODE: &str = "moe_lanes_perf_mode";
+    pub const POSTFETCH_CHOSEN: &str = "moe_lanes_postfetch_experts_chosen_total";
+    pub const POSTFETCH_FETCHED: &str = "moe_lanes_postfetch_experts_fetched_total";
+    pub const POSTFETCH_BYTES: &str = "moe_lanes_postfetch_bytes_copied_total";
+    pub const POSTFETCH_FALLBACKS: &str = "moe_lanes_postfetch_fallbacks_total";
+    pub const POSTFETCH_BLOCK_WAITS: &str = "moe_lanes_postfetch_block_waits_total";
+    pub const POSTFETCH_OVERLAP: &str = "moe_lanes_postfetch_transfer_overlap_ratio";
+    pub const POSTFETCH_FALLBACK_RATIO: &str = "moe_lanes_postfetch_fallback_ratio";
+    pub const POSTFETCH_VRAM: &str = "moe_lanes_postfetch_vram_overhead_ratio";
+    pub const POSTFETCH_SCRATCH: &str = "moe_lanes_postfetch_scratch_bytes";
     /// Prefix of the per-layer-call histograms.
     pub const LAYER_PREFIX: &str = "moe_lanes_layer_";
 }
@@ -486,6 +495,15 @@ pub fn describe_metrics() {
     describe_counter!(m::EXCHANGES, "Hot-cache slot exchanges applied (one expert evicted, one loaded).");
     describe_counter!(m::BYTES_COPIED, Unit::Bytes, "Expert weight bytes copied into the hot cache.");
     describe_gauge!(m::PERF_MODE, "Perf mode (1 on the current mode's label, 0 on the others).");
+    describe_counter!(m::POSTFETCH_CHOSEN, "Post-Fetch: cold experts chosen for the GPU in prefill layer calls.");
+    describe_counter!(m::POSTFETCH_FETCHED, "Post-Fetch: cold experts copied to the VRAM scratchpad.");
+    describe_counter!(m::POSTFETCH_BYTES, Unit::Bytes, "Post-Fetch: expert bytes copied to the scratchpad.");
+    describe_counter!(m::POSTFETCH_FALLBACKS, "Post-Fetch: chosen experts computed on the CPU after all, by reason.");
+    describe_counter!(m::POSTFETCH_BLOCK_WAITS, "Post-Fetch: fetched experts whose late copy was waited for.");
+    describe_gauge!(m::POSTFETCH_OVERLAP, "Post-Fetch: share of the copy time hidden behind compute (target >= 0.7).");
+    describe_gauge!(m::POSTFETCH_FALLBACK_RATIO, "Post-Fetch: fallbacks per chosen expert (target <= 0.05).");
+    describe_gauge!(m::POSTFETCH_VRAM, "Post-Fetch: scratchpad VRAM over the hot cache's (target <= 0.1).");
+    describe_gauge!(m::POSTFETCH_SCRATCH, Unit::Bytes, "Post-Fetch: VRAM of the scratchpad.");
 }
 
 /// One layer's handles, made once.
@@ -514,6 +532,69 @@ pub struct PerfMetrics {
     bytes_copied: Counter,
     /// In [`PerfMode::ALL`] order.
     mode: [Gauge; 3],
+    /// Registered at the first Post-Fetch report (GPU engines with a scratchpad only).
+    postfetch: Option<PostFetchMetrics>,
+    /// Recording into no exporter ([`PerfState::detach_metrics`]): handles registered later
+    /// go nowhere too.
+    detached: bool,
+}
+
+/// Post-Fetch's handles and the totals already added to its counters.
+#[derive(Debug, Clone)]
+struct PostFetchMetrics {
+    chosen: Counter,
+    fetched: Counter,
+    bytes: Counter,
+    block_waits: Counter,
+    /// Per reason of the first report (the reasons are a fixed set).
+    fallbacks: Vec<(String, Counter)>,
+    overlap: Gauge,
+    fallback_ratio: Gauge,
+    vram: Gauge,
+    scratch: Gauge,
+    pushed: PostFetchPerf,
+}
+
+impl PostFetchMetrics {
+    fn register(p: &PostFetchPerf) -> PostFetchMetrics {
+        use metric_names as m;
+        use metrics::{counter, gauge};
+        let reason = |r: &String| (r.clone(), counter!(m::POSTFETCH_FALLBACKS, "reason" => r.clone()));
+        PostFetchMetrics {
+            chosen: counter!(m::POSTFETCH_CHOSEN),
+            fetched: counter!(m::POSTFETCH_FETCHED),
+            bytes: counter!(m::POSTFETCH_BYTES),
+            block_waits: counter!(m::POSTFETCH_BLOCK_WAITS),
+            fallbacks: p.fallback_reasons.keys().map(reason).collect(),
+            overlap: gauge!(m::POSTFETCH_OVERLAP),
+            fallback_ratio: gauge!(m::POSTFETCH_FALLBACK_RATIO),
+            vram: gauge!(m::POSTFETCH_VRAM),
+            scratch: gauge!(m::POSTFETCH_SCRATCH),
+            pushed: PostFetchPerf::default(),
+        }
+    }
+
+    /// Move the counters by what `p` (running totals) adds to the last report; set the ratios
+    /// that are known.
+    fn push(&mut self, p: &PostFetchPerf) {
+        let was = &self.pushed;
+        self.chosen.increment(p.experts_chosen.saturating_sub(was.experts_chosen));
+        self.fetched.increment(p.experts_fetched.saturating_sub(was.experts_fetched));
+        self.bytes.increment(p.bytes_copied.saturating_sub(was.bytes_copied));
+        self.block_waits.increment(p.block_waits.saturating_sub(was.block_waits));
+        for (reason, counter) in &self.fallbacks {
+            let count = |q: &PostFetchPerf| q.fallback_reasons.get(reason).copied().unwrap_or(0);
+            counter.increment(count(p).saturating_sub(count(was)));
+        }
+        let ratios = [(&self.overlap, p.transfer_overlap), (&self.fallback_ratio, p.fallback_rate)];
+        for (gauge, value) in ratios.into_iter().chain([(&self.vram, p.vram_overhead)]) {
+            if let Some(v) = value {
+                gauge.set(v);
+            }
+        }
+        self.scratch.set(p.scratch_bytes as f64);
+        self.pushed = p.clone();
+    }
 }
 
 impl PerfMetrics {
@@ -544,6 +625,8 @@ impl PerfMetrics {
             exchanges: counter!(m::EXCHANGES),
             bytes_copied: counter!(m::BYTES_COPIED),
             mode: PerfMode::ALL.map(|mode| gauge!(m::PERF_MODE, "mode" => mode.name())),
+            postfetch: None,
+            detached: false,
         }
     }
 
@@ -628,6 +711,7 @@ impl PerfState {
         let n_layers = self.report.layers.len();
         self.metrics =
             metrics::with_local_recorder(&metrics::NoopRecorder, || PerfMetrics::register(n_layers));
+        self.metrics.detached = true;
     }
 
     /// Switch what is recorded from the next call on (the counts so far stay).
@@ -754,9 +838,20 @@ impl PerfState {
         &self.report
     }
 
-    /// Post-Fetch's totals (shown in the perf JSON; the GPU engine sets them after each call).
-    pub fn set_postfetch(&mut self, postfetch: Option<PostFetchPerf>) {
-        self.report.postfetch = postfetch;
+    /// Post-Fetch's running totals (the perf JSON's `postfetch`; the GPU engine sets them after
+    /// each prefill call): the facade's counters move by what they add, its ratios are set.
+    pub fn set_postfetch(&mut self, postfetch: PostFetchPerf) {
+        let m = &mut self.metrics;
+        let pf = match m.postfetch.as_mut() {
+            Some(pf) => pf,
+            None if m.detached => {
+                let handles = metrics::with_local_recorder(&metrics::NoopRecorder, || PostFetchMetrics::register(&postfetch));
+                m.postfetch.insert(handles)
+            }
+            None => m.postfetch.insert(PostFetchMetrics::register(&postfetch)),
+        };
+        pf.push(&postfetch);
+        self.report.postfetch = Some(postfetch);
     }
 
     /// Record the engine's thread counts (shown in the perf JSON).
@@ -949,6 +1044,59 @@ mod tests {
         let snap = take();
         assert_eq!(snap["moe_lanes_layer_calls_total{layer=0}"], DebugValue::Counter(0));
         assert_eq!(st.report().layers[0].calls, 1);
+    }
+
+    /// Post-Fetch's handles appear with its first report, its counters move by what each
+    /// report (running totals) adds, its known ratios are set; detached, nothing is heard.
+    #[test]
+    fn postfetch_records_through_the_facade() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        use std::collections::HashMap;
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let take = || -> HashMap<String, DebugValue> {
+            let snap = snapshotter.snapshot().into_vec().into_iter();
+            snap.map(|(k, _, _, v)| {
+                let key = k.key();
+                let labels: Vec<String> =
+                    key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+                (format!("{}{{{}}}", key.name(), labels.join(",")), v)
+            })
+            .collect()
+        };
+        let mut st = metrics::with_local_recorder(&recorder, || PerfState::new(PerfMode::Full, 1, 4, 2));
+        assert!(!take().keys().any(|k| k.contains("postfetch")), "nothing before a report");
+        let reasons = |n: u64| [("not_ready".to_string(), n), ("scratch_full".to_string(), 0)].into();
+        let report = |fetched: u64, fallbacks: u64, overlap: Option<f64>| PostFetchPerf {
+            experts_chosen: fetched + fallbacks,
+            experts_fetched: fetched,
+            bytes_copied: 100 * fetched,
+            fallbacks,
+            fallback_reasons: reasons(fallbacks),
+            transfer_overlap: overlap,
+            scratch_bytes: 1000,
+            ..Default::default()
+        };
+        metrics::with_local_recorder(&recorder, || st.set_postfetch(report(3, 1, Some(0.5))));
+        let snap = take();
+        assert_eq!(snap["moe_lanes_postfetch_experts_fetched_total{}"], DebugValue::Counter(3));
+        assert_eq!(snap["moe_lanes_postfetch_bytes_copied_total{}"], DebugValue::Counter(300));
+        assert_eq!(snap["moe_lanes_postfetch_fallbacks_total{reason=not_ready}"], DebugValue::Counter(1));
+        assert_eq!(snap["moe_lanes_postfetch_transfer_overlap_ratio{}"], DebugValue::Gauge(0.5.into()));
+        assert_eq!(snap["moe_lanes_postfetch_scratch_bytes{}"], DebugValue::Gauge(1000.0.into()));
+        // The next report's totals: the counters move by the difference (the handles stay).
+        st.set_postfetch(report(5, 1, None));
+        let snap = take();
+        assert_eq!(snap["moe_lanes_postfetch_experts_fetched_total{}"], DebugValue::Counter(2));
+        assert_eq!(snap["moe_lanes_postfetch_experts_chosen_total{}"], DebugValue::Counter(2));
+        assert_eq!(snap["moe_lanes_postfetch_fallbacks_total{reason=not_ready}"], DebugValue::Counter(0));
+        assert_eq!(st.report().postfetch.as_ref().map(|p| p.experts_fetched), Some(5));
+        // A detached state registers its Post-Fetch handles nowhere.
+        let mut learn = metrics::with_local_recorder(&recorder, || PerfState::new(PerfMode::Full, 1, 4, 2));
+        learn.detach_metrics();
+        take();
+        metrics::with_local_recorder(&recorder, || learn.set_postfetch(report(7, 0, None)));
+        assert_eq!(take()["moe_lanes_postfetch_experts_fetched_total{}"], DebugValue::Counter(0));
     }
 
     #[test]

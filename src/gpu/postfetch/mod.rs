@@ -541,7 +541,7 @@ impl GpuModel {
         let Some(pf) = self.postfetch.as_mut() else { return Ok(()) };
         pf.harvest_all()?;
         let report = pf.totals.perf(pf.opts.mode, pf.scratch_bytes(), hot_bytes, pf.pcie_bytes_per_s);
-        self.perf.set_postfetch(Some(report));
+        self.perf.set_postfetch(report);
         Ok(())
     }
 }
