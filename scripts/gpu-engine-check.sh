@@ -2,7 +2,7 @@
 # Greedy tokens of `generate --engine gpu` against every golden fixture (run on the GPU machine),
 # at hot fractions 0 / 0.5 / 1, each with Post-Fetch of cold experts in prefill as it defaults
 # (auto), forced on, forced on without blocking on a late copy, on with a one-expert scratchpad
-# half (fallbacks to the CPU), on with every copy of layer 0 late and not waited for (the CPU
+# (fallbacks to the CPU), on with every copy of layer 0 late and not waited for (the CPU
 # computes those experts), forced to the CPU, and off.
 GPU_DIR="${GPU_DIR:-.gpu}"
 export LD_LIBRARY_PATH="${CUDA_LIB:-/usr/local/cuda/lib64}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"

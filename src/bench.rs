@@ -436,7 +436,10 @@ mod tests {
             ..Default::default()
         };
         let line = postfetch_line(&p);
-        assert!(line.starts_with("postfetch     auto: 3 experts fetched (3.0 MiB, copy 1.5 ms), overlap 75.0%"), "{line}");
+        assert!(
+            line.starts_with("postfetch     auto: 3 experts fetched (3.0 MiB, copy 1.5 ms), overlap 75.0%"),
+            "{line}"
+        );
         assert!(line.contains("fallback n/a (<= 5%), VRAM 1.0 MiB = 2.0% of the hot cache"), "{line}");
     }
 

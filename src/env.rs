@@ -23,7 +23,7 @@
 //! | `MOE_LANES_POSTFETCH` | Post-Fetch of cold experts in GPU prefill (bf16 files): `auto` (default, a cost model decides per expert), `on` (every cold expert that fits), `cpu` (scratchpad allocated, every expert on the CPU: A/B at equal VRAM), `off` (no scratchpad) |
 //! | `MOE_LANES_POSTFETCH_BLOCK_ON_MISS` | `1` (default): a fetched expert whose copy is still in flight when the CPU lane is done is waited for; `0`: the CPU computes it |
 //! | `MOE_LANES_POSTFETCH_MAX_TRANSFERS` | expert copies in flight at most; the layer's other chosen experts run on the CPU (default 64) |
-//! | `MOE_LANES_POSTFETCH_SCRATCH_MIB` | VRAM of the scratchpad, both halves (default 1024; decimals allowed; at least one expert a half; 0: off) |
+//! | `MOE_LANES_POSTFETCH_SCRATCH_MIB` | VRAM of the scratchpad (default 1024; decimals allowed; at least one expert; 0: off) |
 //! | `MOE_LANES_POSTFETCH_STREAMS` | copy streams (default 1, at most 4) |
 //! | `MOE_LANES_POSTFETCH_DEBUG=1` | a line per prefill layer with the decision (stderr) |
 //! | `MOE_LANES_POOL_COLD` | `off`: the pipeline's cold lane on lane-actor worker threads instead of the dense stage's pool ([`pool_cold`]) |
@@ -202,7 +202,11 @@ pub fn pool_cold() -> Result<bool, EnvError> {
 
 /// A size in MiB (decimals allowed) as bytes.
 pub fn parse_mib(v: &str) -> Option<usize> {
-    v.trim().parse::<f64>().ok().filter(|m| m.is_finite() && *m >= 0.0).map(|m| (m * (1 << 20) as f64) as usize)
+    v.trim()
+        .parse::<f64>()
+        .ok()
+        .filter(|m| m.is_finite() && *m >= 0.0)
+        .map(|m| (m * (1 << 20) as f64) as usize)
 }
 
 /// A flag value: `1`/`on`/`true` or `0`/`off`/`false`.
@@ -224,14 +228,16 @@ pub fn postfetch() -> Result<PostFetchOptions, EnvError> {
         o.mode = v.parse().map_err(|_| bad("MOE_LANES_POSTFETCH", &v, "auto, on, off or cpu"))?;
     }
     if let Some(v) = var("MOE_LANES_POSTFETCH_BLOCK_ON_MISS") {
-        o.block_on_miss = parse_flag(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_BLOCK_ON_MISS", &v, "0 or 1"))?;
+        o.block_on_miss =
+            parse_flag(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_BLOCK_ON_MISS", &v, "0 or 1"))?;
     }
     if let Some(v) = var("MOE_LANES_POSTFETCH_MAX_TRANSFERS") {
         let n = v.parse::<usize>().ok().filter(|&n| n > 0);
         o.max_transfers = n.ok_or_else(|| bad("MOE_LANES_POSTFETCH_MAX_TRANSFERS", &v, "a count > 0"))?;
     }
     if let Some(v) = var("MOE_LANES_POSTFETCH_SCRATCH_MIB") {
-        o.scratch_bytes = parse_mib(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_SCRATCH_MIB", &v, "a size in MiB"))?;
+        o.scratch_bytes =
+            parse_mib(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_SCRATCH_MIB", &v, "a size in MiB"))?;
     }
     if let Some(v) = var("MOE_LANES_POSTFETCH_STREAMS") {
         let n = v.parse::<usize>().ok().filter(|n| (1..=POSTFETCH_MAX_STREAMS).contains(n));

@@ -504,17 +504,22 @@ fn postfetch_cases() -> Vec<PostFetchCase> {
         case("on deferred", deferred, none, |p| {
             ok(p.experts_fetched > 0 && p.fallback_reasons["scratch_full"] == 0, "fetched, scratch fits")
         }),
-        // a one-expert scratchpad half: the rest of the chosen experts fall back to the CPU
+        // a one-expert scratchpad: the rest of the chosen experts fall back to the CPU
         case("tiny scratchpad", PostFetchOptions { scratch_bytes: 1, ..on }, none, |p| {
             ok(p.experts_fetched > 0 && p.fallback_reasons["scratch_full"] > 0, "scratch_full fallbacks")
         }),
         // one copy in flight at most: the layer's other chosen experts run on the CPU
         case("one transfer", PostFetchOptions { max_transfers: 1, ..on }, none, |p| {
-            ok(p.experts_fetched > 0 && p.fallback_reasons["transfers_bound"] > 0, "transfers_bound fallbacks")
+            ok(
+                p.experts_fetched > 0 && p.fallback_reasons["transfers_bound"] > 0,
+                "transfers_bound fallbacks",
+            )
         }),
         // layer 0 finds every copy in flight: waited for, or computed on the CPU
         case("late, blocking", on, late, |p| ok(p.block_waits > 0 && p.fallbacks == 0, "block waits")),
-        case("late, deferred", deferred, late, |p| ok(p.fallback_reasons["not_ready"] > 0, "not_ready fallbacks")),
+        case("late, deferred", deferred, late, |p| {
+            ok(p.fallback_reasons["not_ready"] > 0, "not_ready fallbacks")
+        }),
         // force CPU: the scratchpad exists, nothing is chosen
         case("cpu", PostFetchOptions { mode: PostFetchMode::Cpu, ..Default::default() }, none, |p| {
             ok(p.layer_calls > 0 && p.experts_chosen == 0 && p.experts_fetched == 0, "nothing fetched")
@@ -564,7 +569,11 @@ fn postfetch_modes_match_reference() {
                 let fallbacks: u64 = perf.layers.iter().map(|l| l.parallel_fallbacks).sum();
                 assert_eq!(fallbacks, 0, "{what}: no layer fallback");
                 let Some(p) = perf.postfetch.clone() else {
-                    assert_eq!(case.pf.mode, PostFetchMode::Off, "{what}: bf16 fixtures have a scratchpad unless off");
+                    assert_eq!(
+                        case.pf.mode,
+                        PostFetchMode::Off,
+                        "{what}: bf16 fixtures have a scratchpad unless off"
+                    );
                     continue;
                 };
                 eprintln!("{what}: worst {worst:e}, {p:?}");

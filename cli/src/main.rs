@@ -273,7 +273,7 @@ struct EngineArgs {
     /// CPU). Default: MOE_LANES_POSTFETCH_MAX_TRANSFERS, else 64.
     #[arg(long)]
     postfetch_max_transfers: Option<usize>,
-    /// Post-Fetch: VRAM of the scratchpad in MiB, both halves (at least one expert a half; 0:
+    /// Post-Fetch: VRAM of the scratchpad in MiB (at least one expert; 0:
     /// off). Default: MOE_LANES_POSTFETCH_SCRATCH_MIB, else 1024.
     #[arg(long)]
     postfetch_scratch_mib: Option<f64>,

@@ -495,12 +495,24 @@ pub fn describe_metrics() {
     describe_counter!(m::EXCHANGES, "Hot-cache slot exchanges applied (one expert evicted, one loaded).");
     describe_counter!(m::BYTES_COPIED, Unit::Bytes, "Expert weight bytes copied into the hot cache.");
     describe_gauge!(m::PERF_MODE, "Perf mode (1 on the current mode's label, 0 on the others).");
-    describe_counter!(m::POSTFETCH_CHOSEN, "Post-Fetch: cold experts chosen for the GPU in prefill layer calls.");
+    describe_counter!(
+        m::POSTFETCH_CHOSEN,
+        "Post-Fetch: cold experts chosen for the GPU in prefill layer calls."
+    );
     describe_counter!(m::POSTFETCH_FETCHED, "Post-Fetch: cold experts copied to the VRAM scratchpad.");
     describe_counter!(m::POSTFETCH_BYTES, Unit::Bytes, "Post-Fetch: expert bytes copied to the scratchpad.");
-    describe_counter!(m::POSTFETCH_FALLBACKS, "Post-Fetch: chosen experts computed on the CPU after all, by reason.");
-    describe_counter!(m::POSTFETCH_BLOCK_WAITS, "Post-Fetch: fetched experts whose late copy was waited for.");
-    describe_gauge!(m::POSTFETCH_OVERLAP, "Post-Fetch: share of the copy time hidden behind compute (target >= 0.7).");
+    describe_counter!(
+        m::POSTFETCH_FALLBACKS,
+        "Post-Fetch: chosen experts computed on the CPU after all, by reason."
+    );
+    describe_counter!(
+        m::POSTFETCH_BLOCK_WAITS,
+        "Post-Fetch: fetched experts whose late copy was waited for."
+    );
+    describe_gauge!(
+        m::POSTFETCH_OVERLAP,
+        "Post-Fetch: share of the copy time hidden behind compute (target >= 0.7)."
+    );
     describe_gauge!(m::POSTFETCH_FALLBACK_RATIO, "Post-Fetch: fallbacks per chosen expert (target <= 0.05).");
     describe_gauge!(m::POSTFETCH_VRAM, "Post-Fetch: scratchpad VRAM over the hot cache's (target <= 0.1).");
     describe_gauge!(m::POSTFETCH_SCRATCH, Unit::Bytes, "Post-Fetch: VRAM of the scratchpad.");
@@ -845,7 +857,9 @@ impl PerfState {
         let pf = match m.postfetch.as_mut() {
             Some(pf) => pf,
             None if m.detached => {
-                let handles = metrics::with_local_recorder(&metrics::NoopRecorder, || PostFetchMetrics::register(&postfetch));
+                let handles = metrics::with_local_recorder(&metrics::NoopRecorder, || {
+                    PostFetchMetrics::register(&postfetch)
+                });
                 m.postfetch.insert(handles)
             }
             None => m.postfetch.insert(PostFetchMetrics::register(&postfetch)),

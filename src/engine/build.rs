@@ -319,7 +319,7 @@ impl BudgetSource for GpuSource<'_> {
         let mut kv = self.gm.new_kv_cache(n)?;
         self.cold.expert_counts.iter_mut().for_each(|l| l.fill(0));
         self.gm.perf_mut().detach_metrics(); // the learn pass is not served traffic
-        // the counts are the cold lane's: every routed slot must reach it
+                                             // the counts are the cold lane's: every routed slot must reach it
         self.gm.pause_postfetch(true);
         let learned = self.gm.forward(&learn_tokens(c.vocab, n), Phase::Prefill, &mut kv, self.cold);
         self.gm.pause_postfetch(false);

@@ -87,8 +87,11 @@ impl GpuModel {
         self.route(l, t, !direct, to_host, device_path && to_host, fused)?;
         self.shared_expert(l, phase, t)?;
         self.mark(l, 5)?;
-        let outcome =
-            if device_path { self.moe_device(l, t, cold, direct, fused) } else { self.moe_host(l, phase, t, cold) };
+        let outcome = if device_path {
+            self.moe_device(l, t, cold, direct, fused)
+        } else {
+            self.moe_host(l, phase, t, cold)
+        };
         let fell_back = match outcome {
             Ok(()) => false,
             Err(LayerFault::Fatal(e)) => return Err(e),
@@ -586,7 +589,7 @@ fn for_slot_groups(
 }
 
 /// The worklist's hot section, then Post-Fetch's fetched entries (`pf_*`: slots of the
-/// scratchpad half), as the GPU layout: per entry slot, token and weight; token rows with GPU
+/// scratchpad), as the GPU layout: per entry slot, token and weight; token rows with GPU
 /// entries (`tok_off`, `tok_rows`) and the entries grouped by token row (`entries`). Without
 /// `with_hot`, the hot entries (already scattered) are neither written nor grouped: the rows and
 /// `entries` are the fetched entries' only, which keep their places after the hot ones.
@@ -633,7 +636,7 @@ fn encode_hot(hs: &mut HostScratch, lay: &WorkLayout, t: usize, with_hot: bool) 
 }
 
 /// Post-Fetch's entries (after the `n_hot` hot ones) as grouped-GEMM tiles in the tiles section
-/// after the hot tiles: slots of the scratchpad half, first rows counted from entry 0.
+/// after the hot tiles: slots of the scratchpad, first rows counted from entry 0.
 fn encode_fetched_tiles(hs: &mut HostScratch, lay: &WorkLayout, n_hot: usize) -> Result<(), GpuError> {
     hs.pf_tile_at = 3 * hs.n_tiles;
     hs.pf_tiles = 0;

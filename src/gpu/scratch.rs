@@ -187,7 +187,7 @@ pub(crate) struct HostScratch {
     pub tokens_i32: Vec<i32>,
     /// The routing ids of every layer after the call (perf counting).
     pub route_ids: Vec<i32>,
-    /// Post-Fetch, per expert: its slot in the layer's scratchpad half, -1 (CPU).
+    /// Post-Fetch, per expert: its slot in the scratchpad, or `PF_CPU` / `PF_LATE` (the CPU).
     pub pf_fetch: Vec<i32>,
     /// Post-Fetch, per expert: cold slots routed to it in the layer.
     pub pf_count: Vec<u32>,

@@ -682,7 +682,11 @@ impl CudaBackend {
     pub fn wait_event_on(&self, cs: &CopyStream, ev: &GpuEvent) -> Result<()> {
         // SAFETY: `ev` is a live event of this context and `cs` a live stream of it.
         unsafe {
-            drv::stream::wait_event(cs.stream.cu_stream(), ev.ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
+            drv::stream::wait_event(
+                cs.stream.cu_stream(),
+                ev.ev,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
         }
         .ctx("cuStreamWaitEvent(copy)")
     }

@@ -8,8 +8,8 @@
 //! Per layer, as soon as the routing is on the host (before the CPU lane starts): the chosen
 //! experts are staged into pinned buffers and queued on the copy stream(s), one CUDA event per
 //! expert (`CpuOnly -> CopyInFlight -> GpuReady`, [`plan::TransferTracker`]), bounded by the
-//! slots of the scratchpad half and by `max_transfers` copies in flight (the rest run on the
-//! CPU, counted by reason, [`plan::plan_issue`]). When the CPU lane is done with its own experts,
+//! slots of the scratchpad and by `max_transfers` copies in flight (the rest run on the CPU,
+//! counted by reason, [`plan::plan_issue`]). When the CPU lane is done with its own experts,
 //! the readiness query ([`plan::on_use`]) decides for each fetched expert whose copy is still in
 //! flight: `block_on_miss` waits for it (its GEMMs were queued on the GPU at once, behind the
 //! copies' events, and the host's wait is the exposed copy time), otherwise the CPU computes it
@@ -17,12 +17,15 @@
 //! queued after that query.
 //!
 //! The scratchpad has the hot cache's layout (gate/up `[slots, ff, hidden]`, down
-//! `[slots, hidden, ff]`, bf16) in two halves used by alternate fetching layers. A half is
-//! written again only after the copy streams waited (on the GPU) for the `free` event the compute
-//! stream recorded behind the GEMMs that read it, and for the half's previous copies on every
-//! copy stream. The fetched experts run through the same grouped GEMM kernels as the hot lane
-//! (their own tiles, rows after the hot entries); their rows join the layer output through the
-//! same weighted scatter.
+//! `[slots, hidden, ff]`, bf16), nothing kept across layers: each fetching layer writes it from
+//! slot 0, after the copy streams waited (on the GPU) for the `free` event the compute stream
+//! recorded behind the GEMMs that read it last, and for the previous layer's copies on every
+//! copy stream. One region, not two halves for alternate layers: a layer's routing reaches the
+//! host only after the compute stream has run everything before it, the previous layer's
+//! fetched GEMMs included, so a second half could never be written while the first is read; it
+//! would only halve the experts a layer can fetch for the same VRAM. The fetched experts run
+//! through the same grouped GEMM kernels as the hot lane (their own tiles, rows after the hot
+//! entries); their rows join the layer output through the same weighted scatter.
 //!
 //! Staging: the expert bytes live in the memory-mapped model file. They are copied into pinned
 //! buffers (one per scratchpad slot, so staging a slot waits only for that slot's previous copy,
@@ -61,15 +64,15 @@ pub(crate) const PF_CPU: i32 = -1;
 /// its own lane (`block_on_miss` off).
 pub(crate) const PF_LATE: i32 = -2;
 
-/// Events of one scratchpad half for the layer that last used it.
-struct Half {
+/// Events of the layer that last fetched into the scratchpad.
+struct LayerEvents {
     copy_start: GpuEvent,
     /// Per copy stream, after the layer's last copy there.
     copy_end: Vec<GpuEvent>,
     /// Compute stream, around its wait for the copies.
     pre_wait: GpuEvent,
     post_wait: GpuEvent,
-    /// Compute stream, after the GEMMs that read the half.
+    /// Compute stream, after the GEMMs that read the scratchpad.
     free: GpuEvent,
     /// The layer's copies were queued; not yet folded into the totals.
     pending: Option<Pending>,
@@ -87,8 +90,7 @@ struct Pending {
 /// The layer whose experts are being fetched.
 #[derive(Clone, Copy)]
 pub(crate) struct Current {
-    pub half: usize,
-    /// `HostScratch::pf_loads[..issued]` were copied, `pf_loads[i]` into slot `i` of the half.
+    /// `HostScratch::pf_loads[..issued]` were copied, `pf_loads[i]` into slot `i`.
     pub issued: usize,
     /// `block_on_miss` off: the fetched GEMMs wait for the readiness query.
     pub deferred: bool,
@@ -98,19 +100,18 @@ pub(crate) struct Current {
 pub(crate) struct PostFetch {
     pub opts: PostFetchOptions,
     pub costs: PostFetchCosts,
-    /// Expert slots per half.
+    /// Expert slots of the scratchpad.
     pub slots: usize,
     /// Bytes of one expert's gate, up, down.
     bytes: [usize; 3],
-    /// Gate, up, down: `[2 * slots]` experts each.
+    /// Gate, up, down: `slots` experts each.
     bufs: [DeviceBuffer<u8>; 3],
-    /// One pinned buffer per slot (both halves).
+    /// One pinned buffer per slot.
     staging: Vec<PinnedBuffer<u8>>,
     streams: Vec<CopyStream>,
-    /// Per slot (both halves), recorded after its copies.
+    /// Per slot, recorded after its copies.
     slot_ready: Vec<GpuEvent>,
-    halves: [Half; 2],
-    next_half: usize,
+    events: LayerEvents,
     tracker: TransferTracker,
     stage_threads: usize,
     pub totals: PostFetchTotals,
@@ -148,21 +149,19 @@ impl PostFetch {
         let (h, ff) = (c.hidden, c.expert_ff);
         let bytes = [2 * ff * h, 2 * ff * h, 2 * h * ff];
         let expert = bytes.iter().sum::<usize>();
-        let slots = (opts.scratch_bytes / 2 / expert).clamp(1, c.n_experts.max(1));
-        let [g, u, d] = [0, 1, 2].map(|i| be.alloc_zeros::<u8>(2 * slots * bytes[i]));
-        let staging = (0..2 * slots).map(|_| be.alloc_pinned::<u8>(expert)).collect::<Result<_, _>>()?;
+        let slots = (opts.scratch_bytes / expert).clamp(1, c.n_experts.max(1));
+        let [g, u, d] = [0, 1, 2].map(|i| be.alloc_zeros::<u8>(slots * bytes[i]));
+        let staging = (0..slots).map(|_| be.alloc_pinned::<u8>(expert)).collect::<Result<_, _>>()?;
         let n_streams = opts.streams.clamp(1, plan::MAX_STREAMS);
         let streams = (0..n_streams).map(|_| be.copy_stream()).collect::<Result<Vec<_>, _>>()?;
-        let slot_ready = (0..2 * slots).map(|_| be.event()).collect::<Result<_, _>>()?;
-        let half = || -> Result<Half, GpuError> {
-            Ok(Half {
-                copy_start: be.event()?,
-                copy_end: (0..n_streams).map(|_| be.event()).collect::<Result<_, _>>()?,
-                pre_wait: be.event()?,
-                post_wait: be.event()?,
-                free: be.event()?,
-                pending: None,
-            })
+        let slot_ready = (0..slots).map(|_| be.event()).collect::<Result<_, _>>()?;
+        let events = LayerEvents {
+            copy_start: be.event()?,
+            copy_end: (0..n_streams).map(|_| be.event()).collect::<Result<_, _>>()?,
+            pre_wait: be.event()?,
+            post_wait: be.event()?,
+            free: be.event()?,
+            pending: None,
         };
         let pcie = measure_pcie(be, &streams[0])?;
         Ok(Some(PostFetch {
@@ -174,9 +173,8 @@ impl PostFetch {
             staging,
             streams,
             slot_ready,
-            halves: [half()?, half()?],
-            next_half: 0,
-            tracker: TransferTracker::new(2 * slots, opts.max_transfers),
+            events,
+            tracker: TransferTracker::new(slots, opts.max_transfers),
             stage_threads: plan::stage_threads(1),
             totals: PostFetchTotals::default(),
             current: None,
@@ -202,20 +200,17 @@ impl PostFetch {
         self.bufs.iter().map(DeviceBuffer::bytes).sum()
     }
 
-    /// Gate, up and down of half `b` (`slots` experts each, bf16).
-    fn half_views(&self, b: usize) -> [DPtr<u16>; 3] {
-        [0, 1, 2].map(|i| {
-            let n = self.slots * self.bytes[i];
-            self.bufs[i].ptr().sub(b * n, n).as_u16()
-        })
+    /// Gate, up and down (`slots` experts each, bf16).
+    fn views(&self) -> [DPtr<u16>; 3] {
+        [0, 1, 2].map(|i| self.bufs[i].ptr().as_u16())
     }
 
-    /// Fold half `b`'s last layer into the totals: copy time, and the part of it not hidden
+    /// Fold the last fetching layer into the totals: copy time, and the part of it not hidden
     /// (the host's wait after its CPU lane, capped by the compute stream's stall when the
     /// fetched GEMMs were queued behind the copies). A layer that fell back before its
     /// readiness query is left out.
-    fn harvest(&mut self, b: usize) -> Result<(), GpuError> {
-        let hf = &mut self.halves[b];
+    fn harvest(&mut self) -> Result<(), GpuError> {
+        let hf = &mut self.events;
         let Some(p) = hf.pending.take() else { return Ok(()) };
         let Some(host_wait_us) = p.host_wait_us else { return Ok(()) };
         let mut copy_us = 0f64;
@@ -231,17 +226,6 @@ impl PostFetch {
         self.totals.copy_us += copy_us;
         self.totals.exposed_us += exposed_us.max(0.0);
         Ok(())
-    }
-
-    /// Fold every pending layer into the totals (after a call).
-    pub fn harvest_all(&mut self) -> Result<(), GpuError> {
-        self.harvest(0)?;
-        self.harvest(1)
-    }
-
-    /// Slot of half `b` holding the `i`-th issued expert, over both halves.
-    fn slot(&self, b: usize, i: usize) -> usize {
-        b * self.slots + i
     }
 }
 
@@ -357,15 +341,13 @@ impl GpuModel {
         pf.totals.add_fallbacks(PostFetchMiss::ScratchFull, plan.scratch_full);
         pf.totals.add_fallbacks(PostFetchMiss::TransfersBound, plan.transfers_bound);
         if plan.issue > 0 {
-            let b = pf.next_half;
-            pf.next_half ^= 1;
-            pf.harvest(b)?;
-            pf.tracker.release(b * pf.slots..(b + 1) * pf.slots);
-            self.postfetch_copies(l, b, plan.issue)?;
+            pf.harvest()?;
+            pf.tracker.release(0..pf.slots);
+            self.postfetch_copies(l, plan.issue)?;
             let pf = self.postfetch.as_mut().expect("checked above");
             let deferred = !pf.opts.block_on_miss;
-            pf.current = Some(Current { half: b, issued: plan.issue, deferred });
-            pf.halves[b].pending = Some(Pending::default());
+            pf.current = Some(Current { issued: plan.issue, deferred });
+            pf.events.pending = Some(Pending::default());
             for (i, x) in self.host.pf_loads[..plan.issue].iter().enumerate() {
                 self.host.pf_fetch[x.expert as usize] = i as i32;
             }
@@ -376,32 +358,36 @@ impl GpuModel {
         self.postfetch_debug(l, n_chosen, plan.issue)
     }
 
-    /// Queue the copies of the first `n` of `pf_loads` into half `b`, slot `i` for the `i`-th,
-    /// staged a chunk of experts at a time.
-    fn postfetch_copies(&mut self, l: usize, b: usize, n: usize) -> Result<(), GpuError> {
+    /// Queue the copies of the first `n` of `pf_loads`, slot `i` for the `i`-th, staged a chunk
+    /// of experts at a time.
+    fn postfetch_copies(&mut self, l: usize, n: usize) -> Result<(), GpuError> {
         let pf = self.postfetch.as_mut().expect("called with post-fetch");
-        let hf = &pf.halves[b];
-        // The half is read by the GEMMs of its previous layer (`free`) and may still be written
-        // by that layer's copies on any stream (a layer that fell back waits for nothing).
+        let ev = &pf.events;
+        // The scratchpad is read by the previous fetching layer's GEMMs (`free`) and may still
+        // be written by that layer's copies on any stream (late ones, or a layer that fell back).
         for cs in &pf.streams {
-            self.be.wait_event_on(cs, &hf.free)?;
-            for end in &hf.copy_end {
+            self.be.wait_event_on(cs, &ev.free)?;
+            for end in &ev.copy_end {
                 self.be.wait_event_on(cs, end)?;
             }
         }
-        let first = pf.slot(b, 0);
         let chunk = pf.stage_threads;
         for (c, group) in self.host.pf_loads[..n].chunks(chunk).enumerate() {
-            let at = first + c * chunk;
+            let at = c * chunk;
             stage(&self.model, &mut pf.staging[at..at + group.len()], pf.bytes, l, group, pf.stage_threads)?;
             if c == 0 {
-                self.be.record_on(&pf.streams[at % pf.streams.len()], &pf.halves[b].copy_start)?;
+                self.be.record_on(&pf.streams[0], &pf.events.copy_start)?;
             }
             for slot in at..at + group.len() {
                 let cs = &pf.streams[slot % pf.streams.len()];
                 let mut from = 0;
                 for (dev, n) in pf.bufs.iter().zip(pf.bytes) {
-                    self.be.write_async_on(cs, &pf.staging[slot], from..from + n, dev.ptr().sub(slot * n, n))?;
+                    self.be.write_async_on(
+                        cs,
+                        &pf.staging[slot],
+                        from..from + n,
+                        dev.ptr().sub(slot * n, n),
+                    )?;
                     from += n;
                 }
                 self.be.record_on(cs, &pf.slot_ready[slot])?;
@@ -410,7 +396,7 @@ impl GpuModel {
                 pf.totals.bytes_copied += from as u64;
             }
         }
-        for (cs, end) in pf.streams.iter().zip(&pf.halves[b].copy_end) {
+        for (cs, end) in pf.streams.iter().zip(&pf.events.copy_end) {
             self.be.record_on(cs, end)?;
         }
         Ok(())
@@ -448,17 +434,17 @@ impl GpuModel {
     /// The fetched experts' GEMMs over their entries (`n_all` entry rows in all, the fetched
     /// ones after the hot ones), once the compute stream has waited for their copies: every
     /// copy of the layer (`block_on_miss`), or those of the experts it runs (after the
-    /// readiness query). The half's `free` is recorded behind them even when a launch fails.
+    /// readiness query). `free` is recorded behind them even when a launch fails.
     pub(super) fn postfetch_gemm(&self, t: usize, n_all: usize) -> Result<(), GpuError> {
         let Some((pf, cur)) = self.postfetch.as_ref().and_then(|p| p.current.map(|c| (p, c))) else {
             return Ok(());
         };
-        let hf = &pf.halves[cur.half];
+        let hf = &pf.events;
         self.be.record(&hf.pre_wait)?;
         if cur.deferred {
             for (i, x) in self.host.pf_loads[..cur.issued].iter().enumerate() {
                 if self.host.pf_fetch[x.expert as usize] >= 0 {
-                    self.be.wait_event(&pf.slot_ready[pf.slot(cur.half, i)])?;
+                    self.be.wait_event(&pf.slot_ready[i])?;
                 }
             }
         } else {
@@ -470,7 +456,7 @@ impl GpuModel {
         let gemms = || -> Result<(), GpuError> {
             let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
             let s = self.scratch.as_ref().expect("reserved");
-            let [gate, up, down] = pf.half_views(cur.half);
+            let [gate, up, down] = pf.views();
             let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.split_bf16_activations);
             let nt = self.host.pf_tiles;
             let tiles = wi.sub(lay.tiles + self.host.pf_tile_at, 3 * nt);
@@ -488,7 +474,7 @@ impl GpuModel {
     /// The layer's fetched GEMMs were queued.
     pub(super) fn postfetch_launched(&mut self) {
         if let Some(pf) = self.postfetch.as_mut() {
-            if let Some(p) = pf.current.and_then(|c| pf.halves[c.half].pending.as_mut()) {
+            if let Some(p) = pf.current.and(pf.events.pending.as_mut()) {
                 p.launched = true;
             }
         }
@@ -507,7 +493,7 @@ impl GpuModel {
         pf.tracker.poll(|s| slot_ready[s].is_done());
         let (mut n_wait, mut n_late) = (0, 0);
         for (i, x) in self.host.pf_loads[..cur.issued].iter().enumerate() {
-            let state = if late { FetchState::CopyInFlight } else { pf.tracker.state(pf.slot(cur.half, i)) };
+            let state = if late { FetchState::CopyInFlight } else { pf.tracker.state(i) };
             match on_use(state, pf.opts.block_on_miss) {
                 OnUse::Gpu => {}
                 OnUse::Wait => n_wait += 1,
@@ -520,7 +506,7 @@ impl GpuModel {
         let mut host_wait_us = 0.0;
         if n_wait > 0 {
             let wait = Instant::now();
-            for end in &pf.halves[cur.half].copy_end {
+            for end in &pf.events.copy_end {
                 end.synchronize()?;
             }
             host_wait_us = wait.elapsed().as_secs_f64() * 1e6;
@@ -529,7 +515,7 @@ impl GpuModel {
             pf.totals.block_wait_us += host_wait_us;
         }
         pf.totals.add_fallbacks(PostFetchMiss::NotReady, n_late);
-        if let Some(p) = pf.halves[cur.half].pending.as_mut() {
+        if let Some(p) = pf.events.pending.as_mut() {
             p.host_wait_us = Some(host_wait_us);
         }
         Ok(cur.deferred)
@@ -539,7 +525,7 @@ impl GpuModel {
     pub(super) fn postfetch_finish(&mut self) -> Result<(), GpuError> {
         let hot_bytes = self.hot.bytes();
         let Some(pf) = self.postfetch.as_mut() else { return Ok(()) };
-        pf.harvest_all()?;
+        pf.harvest()?;
         let report = pf.totals.perf(pf.opts.mode, pf.scratch_bytes(), hot_bytes, pf.pcie_bytes_per_s);
         self.perf.set_postfetch(report);
         Ok(())
@@ -555,7 +541,8 @@ mod tests {
         let src: Vec<Vec<u8>> = (0..7u8).map(|i| vec![i; 1000 + i as usize]).collect();
         for threads in [1, 3, 16] {
             let mut dst: Vec<Vec<u8>> = src.iter().map(|s| vec![0xff; s.len()]).collect();
-            let jobs = src.iter().map(|s| s.as_slice()).zip(dst.iter_mut().map(|d| d.as_mut_slice())).collect();
+            let jobs =
+                src.iter().map(|s| s.as_slice()).zip(dst.iter_mut().map(|d| d.as_mut_slice())).collect();
             stage_parallel(jobs, threads);
             assert_eq!(dst, src, "{threads} threads");
         }

@@ -51,15 +51,14 @@ impl std::str::FromStr for PostFetchMode {
     }
 }
 
-/// Default VRAM of the scratchpad (both halves): 1 GiB, about 54 bf16 experts of 768 x 2048 a
-/// half.
+/// Default VRAM of the scratchpad: 1 GiB, 113 bf16 experts of 768 x 2048 (Qwen3-30B-A3B; a
+/// 512-token prefill routes to about all 128 of a layer). As much pinned host memory stages them.
 pub const DEFAULT_SCRATCH_BYTES: usize = 1 << 30;
 /// Default bound on expert copies queued and not yet complete.
 pub const DEFAULT_MAX_TRANSFERS: usize = 64;
-/// Copy streams at most. Each is a CUDA stream with an end event per scratchpad half, and
-/// every stream waits for every stream's previous copies into a half before writing it again
-/// (streams squared waits a fetching layer); one host-to-device DMA direction gains little
-/// beyond a few.
+/// Copy streams at most. Each is a CUDA stream with an end event, and every stream waits for
+/// every stream's previous copies before writing the scratchpad again (streams squared waits a
+/// fetching layer); one host-to-device DMA direction gains little beyond a few.
 pub const MAX_STREAMS: usize = 4;
 
 /// Post-Fetch settings (the CLI and `env` parse them at the edge).
@@ -73,7 +72,7 @@ pub struct PostFetchOptions {
     pub block_on_miss: bool,
     /// Expert copies queued and not complete at most; a chosen expert beyond it runs on the CPU.
     pub max_transfers: usize,
-    /// VRAM of the scratchpad, both halves (at least one expert slot a half when not 0; 0: off).
+    /// VRAM of the scratchpad (at least one expert slot when not 0; 0: off).
     pub scratch_bytes: usize,
     /// Copy streams (experts dealt round-robin over them).
     pub streams: usize,
@@ -193,7 +192,8 @@ pub fn assign(
     let mut n = 0;
     for x in loads.iter().take(max_experts) {
         let now = stage + f64::max(cpu, copy);
-        let (s, c, p) = (stage + costs.stage_s(bytes), cpu - costs.cpu_s(bytes, x.tokens), copy + costs.copy_s(bytes));
+        let (s, c, p) =
+            (stage + costs.stage_s(bytes), cpu - costs.cpu_s(bytes, x.tokens), copy + costs.copy_s(bytes));
         if s + f64::max(c, p) >= now {
             break;
         }
@@ -205,7 +205,7 @@ pub fn assign(
 /// Why a chosen expert ran on the CPU after all.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PostFetchMiss {
-    /// Every slot of the layer's scratchpad half was taken (at issue).
+    /// Every slot of the scratchpad was taken (at issue).
     ScratchFull,
     /// `max_transfers` copies were in flight (at issue).
     TransfersBound,
@@ -236,7 +236,7 @@ pub struct IssuePlan {
     pub transfers_bound: usize,
 }
 
-/// Issue `chosen` experts into a half with `free_slots` free slots while `room` more copies may
+/// Issue `chosen` experts into a scratchpad of `free_slots` free slots while `room` more copies may
 /// be in flight. The host never waits here: waiting for room would delay the CPU lane, which
 /// starts after the issue.
 pub fn plan_issue(chosen: usize, free_slots: usize, room: usize) -> IssuePlan {
@@ -267,7 +267,7 @@ pub fn on_use(state: FetchState, block_on_miss: bool) -> OnUse {
 
 /// A scratchpad slot's expert: `CpuOnly` (nothing fetched), `CopyInFlight` (queued on a copy
 /// stream, its event not yet complete), `GpuReady` (its copy is done). Nothing is cached across
-/// calls or layers: a half's slots go back to `CpuOnly` when the half is reused.
+/// calls or layers: the slots go back to `CpuOnly` when the next layer fetches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FetchState {
     CpuOnly,
@@ -314,7 +314,7 @@ impl TransferTracker {
         self.max_in_flight.saturating_sub(self.in_flight.len())
     }
 
-    /// `CpuOnly -> CopyInFlight` (a slot reused before its half was released is refused).
+    /// `CpuOnly -> CopyInFlight` (a slot reused before it was released is refused).
     pub fn start(&mut self, slot: usize) -> Result<(), BadTransition> {
         let from = self.states[slot];
         if from != FetchState::CpuOnly {
@@ -337,8 +337,8 @@ impl TransferTracker {
         });
     }
 
-    /// Slots `range` go back to `CpuOnly` (their half is reused); copies still in flight there
-    /// are forgotten (the copy streams wait for them before writing the half again).
+    /// Slots `range` go back to `CpuOnly` (the next layer fetches); copies still in flight there
+    /// are forgotten (the copy streams wait for them before writing the slots again).
     pub fn release(&mut self, range: std::ops::Range<usize>) {
         self.in_flight.retain(|s| !range.contains(s));
         self.states[range].fill(FetchState::CpuOnly);
@@ -384,7 +384,13 @@ impl PostFetchTotals {
     }
 
     /// The perf JSON object: `scratch_bytes` of VRAM beside a hot cache of `hot_bytes`.
-    pub fn perf(&self, mode: PostFetchMode, scratch_bytes: usize, hot_bytes: usize, pcie: f64) -> PostFetchPerf {
+    pub fn perf(
+        &self,
+        mode: PostFetchMode,
+        scratch_bytes: usize,
+        hot_bytes: usize,
+        pcie: f64,
+    ) -> PostFetchPerf {
         let reasons: BTreeMap<String, u64> =
             PostFetchMiss::ALL.iter().map(|m| (m.name().to_string(), self.fallbacks[*m as usize])).collect();
         PostFetchPerf {
@@ -491,7 +497,11 @@ mod tests {
         assert_eq!(sixteen.stage_bytes_per_s, max);
         assert_eq!((stage_threads(0), stage_threads(3), stage_threads(64)), (1, 3, MAX_STAGE_THREADS));
         assert!(one.cpu_s(1 << 20, 2) > one.cpu_s(1 << 20, 1));
-        assert!((one.copy_s(1 << 20) - ((1 << 20) as f64 / DEFAULT_PCIE_BYTES_PER_S + DEFAULT_GPU_EXPERT_S)).abs() < 1e-15);
+        assert!(
+            (one.copy_s(1 << 20) - ((1 << 20) as f64 / DEFAULT_PCIE_BYTES_PER_S + DEFAULT_GPU_EXPERT_S))
+                .abs()
+                < 1e-15
+        );
     }
 
     #[test]
@@ -528,17 +538,23 @@ mod tests {
             Err(BadTransition { slot: 1, from: FetchState::CopyInFlight, to: FetchState::CopyInFlight })
         );
         t.poll(|s| s == 1);
-        assert_eq!((t.state(0), t.state(1), t.in_flight()), (FetchState::CopyInFlight, FetchState::GpuReady, 1));
+        assert_eq!(
+            (t.state(0), t.state(1), t.in_flight()),
+            (FetchState::CopyInFlight, FetchState::GpuReady, 1)
+        );
         t.poll(|_| true);
         assert_eq!((t.state(0), t.room()), (FetchState::GpuReady, 2));
-        // ready slots are not reused until their half is released
+        // ready slots are not reused until they are released
         assert!(t.start(0).is_err());
         t.start(2).unwrap();
         t.start(3).unwrap();
-        // releasing a half forgets its copies in flight and frees their room
+        // releasing slots forgets their copies in flight and frees their room
         t.release(2..4);
-        assert_eq!((t.state(2), t.state(3), t.in_flight(), t.room()), (FetchState::CpuOnly, FetchState::CpuOnly, 0, 2));
-        assert_eq!(t.state(0), FetchState::GpuReady, "the other half is untouched");
+        assert_eq!(
+            (t.state(2), t.state(3), t.in_flight(), t.room()),
+            (FetchState::CpuOnly, FetchState::CpuOnly, 0, 2)
+        );
+        assert_eq!(t.state(0), FetchState::GpuReady, "slots outside the range are untouched");
         t.release(0..2);
         t.start(0).unwrap();
         // a bound of 0 still lets one copy through
@@ -547,7 +563,8 @@ mod tests {
 
     #[test]
     fn totals_report_the_seed_targets() {
-        let mut t = PostFetchTotals { experts_chosen: 40, copy_us: 100.0, exposed_us: 20.0, ..Default::default() };
+        let mut t =
+            PostFetchTotals { experts_chosen: 40, copy_us: 100.0, exposed_us: 20.0, ..Default::default() };
         t.add_fallbacks(PostFetchMiss::TransfersBound, 1);
         t.add_fallbacks(PostFetchMiss::NotReady, 1);
         assert!((t.overlap().unwrap() - 0.8).abs() < 1e-12);
@@ -561,6 +578,9 @@ mod tests {
         assert_eq!(PostFetchTotals::default().overlap(), None);
         assert_eq!(PostFetchTotals::default().fallback_rate(), None);
         // exposure beyond the copy time clamps to no overlap
-        assert_eq!(PostFetchTotals { copy_us: 1.0, exposed_us: 2.0, ..Default::default() }.overlap(), Some(0.0));
+        assert_eq!(
+            PostFetchTotals { copy_us: 1.0, exposed_us: 2.0, ..Default::default() }.overlap(),
+            Some(0.0)
+        );
     }
 }
