@@ -270,7 +270,7 @@ struct EngineArgs {
     #[arg(long)]
     postfetch_block_on_miss: Option<bool>,
     /// Post-Fetch: expert copies in flight at most (the layer's other chosen experts run on the
-    /// CPU). Default: MOE_LANES_POSTFETCH_MAX_TRANSFERS, else 64.
+    /// CPU). Default: MOE_LANES_POSTFETCH_MAX_TRANSFERS, else 256.
     #[arg(long)]
     postfetch_max_transfers: Option<usize>,
     /// Post-Fetch: VRAM of the scratchpad in MiB (at least one expert; 0:

@@ -54,8 +54,12 @@ impl std::str::FromStr for PostFetchMode {
 /// Default VRAM of the scratchpad: 1 GiB, 113 bf16 experts of 768 x 2048 (Qwen3-30B-A3B; a
 /// 512-token prefill routes to about all 128 of a layer). As much pinned host memory stages them.
 pub const DEFAULT_SCRATCH_BYTES: usize = 1 << 30;
-/// Default bound on expert copies queued and not yet complete.
-pub const DEFAULT_MAX_TRANSFERS: usize = 64;
+/// Default bound on expert copies queued and not yet complete. It costs nothing (the pinned
+/// staging is per scratchpad slot, the copies queue in order on their stream), and as the
+/// previous layer's copies are complete when a layer issues (waited for, or computed on the CPU
+/// and long done), it caps the experts one layer fetches: above any layer's cold experts of the
+/// models in view, so that the scratchpad's slots bind.
+pub const DEFAULT_MAX_TRANSFERS: usize = 256;
 /// Copy streams at most. Each is a CUDA stream with an end event, and every stream waits for
 /// every stream's previous copies before writing the scratchpad again (streams squared waits a
 /// fetching layer); one host-to-device DMA direction gains little beyond a few.
