@@ -97,14 +97,16 @@ impl Default for PostFetchOptions {
     }
 }
 
-/// Cold-lane read bandwidth of expert weights (configured: DRAM read rate of a server socket
-/// as the cold pool reaches it).
-pub const DEFAULT_CPU_BYTES_PER_S: f64 = 40e9;
+/// Cold-lane read bandwidth of expert weights (configured: the H100 machine's 16-core host reads
+/// 100-120 GB/s in `bench-kernels`' probe). At 40 GB/s the model fetched the few-token cold
+/// experts of a 50%-skewed prefill, whose copies took twice as long as the CPU did: pp512 on
+/// the 4-layer skewed BF16 file fell from 13741 / 14232 t/s (off) to 5406 / 7157 (auto).
+pub const DEFAULT_CPU_BYTES_PER_S: f64 = 100e9;
 /// Cold-lane arithmetic per thread (f32 FMAs of the SIMD tiles). Derived from issue 14's
 /// budget-0 prefill on the H100 machine (512 tokens, 16 threads, 1.26 s over 16 layers = 79 ms
-/// a layer): 128 experts of 768 x 2048 bf16 read at 40 GB/s take ~30 ms, the rest, 4096 slots
-/// x 6 x 768 x 2048 flop, leaves ~44 GFLOP/s a thread. Not yet measured on its own.
-pub const DEFAULT_CPU_FLOP_PER_S_PER_THREAD: f64 = 40e9;
+/// a layer): 128 experts of 768 x 2048 bf16 read at 100 GB/s take ~12 ms, the rest, 4096 slots
+/// x 6 x 768 x 2048 flop, leaves ~36 GFLOP/s a thread. Not measured on its own.
+pub const DEFAULT_CPU_FLOP_PER_S_PER_THREAD: f64 = 36e9;
 /// Host staging rate of one thread (memcpy from the mapped file into pinned memory).
 pub const STAGE_BYTES_PER_S_PER_THREAD: f64 = 8e9;
 /// Threads that stage expert bytes at most (the cold lane's threads, idle while staging runs
