@@ -46,7 +46,7 @@ impl DecodeActivations {
         match name.trim().to_ascii_lowercase().as_str() {
             "f32" => Ok(DecodeActivations::F32),
             "q8" => Ok(DecodeActivations::Q8),
-            _ => Err(KernelError::InvalidOption(format!("activations {name:?}: expected f32 or q8"))),
+            _ => Err(KernelError::UnknownActivations { name: name.to_string() }),
         }
     }
 
