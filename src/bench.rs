@@ -163,6 +163,9 @@ pub struct BenchReport {
     /// The engine's threads and how the cold count was chosen (`auto` or `fixed`).
     pub threads: crate::threads::ThreadReport,
     pub simd: String,
+    /// The cold lane's one-token tiles of quantised experts: `q8` (8-bit activations, AVX-512
+    /// VNNI) or `f32` (the engine's build report; `--activations`, `MOE_LANES_Q8_ACTIVATIONS`).
+    pub activations: moe_lanes_kernels::DecodeActivations,
     /// What generation fed back: "random" token ids (default) or the "greedy" tokens.
     pub tg_feed: &'static str,
     /// Generation with the perf state off, timed in the same runs (`metrics_ab`).
@@ -278,6 +281,7 @@ pub fn run_bench(
         cold_threads: opts.threads.cold,
         threads: opts.threads,
         simd: opts.simd.clone(),
+        activations: build.activations,
         tg_feed: if opts.greedy { "greedy" } else { "random" },
         tg_metrics_off_tokens_per_s_spread: opts.metrics_ab.then(|| Spread::of(&tg_off_rates)),
         update: opts.update,
@@ -390,7 +394,10 @@ impl BenchReport {
             crate::threads::ThreadChoice::Auto => "auto",
             crate::threads::ThreadChoice::Fixed => "fixed",
         };
-        out += &format!("cold lane     {} threads ({chosen}), {}\n", t.cold, self.simd);
+        out += &format!(
+            "cold lane     {} threads ({chosen}), {}, {} activations (quantised experts)\n",
+            t.cold, self.simd, self.activations
+        );
         if t.dense > 0 {
             out += &format!("dense stage   {} threads\n", t.dense);
         }

@@ -283,6 +283,10 @@ struct EngineArgs {
     /// Post-Fetch: a line per prefill layer with the decision on stderr.
     #[arg(long)]
     postfetch_debug: bool,
+    /// Activations of the cold pool's one-token tiles of quantised experts: f32 or q8 (8-bit,
+    /// AVX-512 VNNI; default: MOE_LANES_Q8_ACTIVATIONS or q8 where the level has VNNI).
+    #[arg(long)]
+    activations: Option<String>,
     /// Context size in positions (prompt + generated tokens). Default: the model's trained
     /// context, lowered to what the KV cache can take of the available memory.
     #[arg(long)]
@@ -306,6 +310,10 @@ struct BenchKernelsArgs {
     /// Expert weight type: bf16 (default), f16, f32, q8_0, q4_0, q4_k, q5_k or q6_k.
     #[arg(long)]
     dtype: Option<String>,
+    /// Activations of the one-token tiles of quantised weights: f32 or q8 (8-bit, AVX-512
+    /// VNNI; default: MOE_LANES_Q8_ACTIVATIONS or q8 where the level has VNNI).
+    #[arg(long)]
+    activations: Option<String>,
 }
 
 #[derive(Args)]
@@ -593,6 +601,7 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     let mut opts = EngineOptions::new(n_positions);
     opts.cuda = env::cuda_config()?;
     opts.simd = env::simd_override()?;
+    opts.activations = env::q8_activations()?;
     opts.cold_schedule = env::cold_schedule()?;
     opts.gpu.profile = env::gpu_profile();
     opts.gpu.faults = env::faults()?;
@@ -638,6 +647,9 @@ fn engine_options(
     opts.perf_mode = args.perf_mode.parse::<PerfMode>().map_err(anyhow::Error::msg)?;
     opts.pipeline.n_hot_lanes = args.hot_lanes;
     opts.pipeline.cold_kernels = args.cold_kernels.parse::<ColdKernels>().map_err(anyhow::Error::msg)?;
+    if let Some(name) = &args.activations {
+        opts.activations = Some(name.parse().map_err(|e| anyhow::anyhow!("--activations {name}: {e}"))?);
+    }
     opts.gpu.perf_mode = opts.perf_mode;
     postfetch_flags(&mut opts.gpu.postfetch, args)?;
     Ok(opts)
@@ -1063,8 +1075,17 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         })?),
         None => None,
     };
-    let report =
-        run_kernel_bench(KernelBenchOptions { threads: args.threads, simd, quick: args.quick, dtype })?;
+    let activations = match args.activations {
+        Some(name) => Some(name.parse().map_err(|e| anyhow::anyhow!("--activations {name}: {e}"))?),
+        None => env::q8_activations()?,
+    };
+    let report = run_kernel_bench(KernelBenchOptions {
+        threads: args.threads,
+        simd,
+        quick: args.quick,
+        dtype,
+        activations,
+    })?;
     if args.json {
         out!("{}", report.to_json())?;
     } else {

@@ -235,6 +235,7 @@ impl TiledCall<'_> {
                 |j| key_base.add(j * hd * 4),
                 rows,
                 |r| q.add(q_row(r) * hd),
+                None,
                 |j, r, value| scores[r * KEY_CHUNK + j] = value * scale,
             )
         };

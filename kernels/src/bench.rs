@@ -37,6 +37,7 @@ use serde::Serialize;
 
 use crate::error::KernelError;
 use crate::pool::{ColdExpertWork, ColdJob, ColdPool};
+use crate::q8::DecodeActivations;
 use crate::simd::SimdLevel;
 use crate::weights::{Activation, ExpertWeights, WeightDType};
 
@@ -66,12 +67,16 @@ pub struct KernelBenchOptions {
     /// Element type of the expert weights; default BF16. Quantised types get random blocks
     /// with sane f16 scales.
     pub dtype: Option<WeightDType>,
+    /// Activations of the quantised one-token tiles; default: Q8 where the level has VNNI.
+    pub activations: Option<DecodeActivations>,
 }
 
 /// Results of [`run_kernel_bench`]; GB are 1e9 bytes.
 #[derive(Debug, Clone, Serialize)]
 pub struct KernelBenchReport {
     pub simd: SimdLevel,
+    /// Activations the one-token tiles of quantised weights ran with (Q8 only on VNNI levels).
+    pub activations: DecodeActivations,
     /// Element type of the expert weights (bytes/s count the bytes of this type).
     pub dtype: WeightDType,
     pub threads: usize,
@@ -123,8 +128,9 @@ impl KernelBenchReport {
     pub fn to_text(&self) -> String {
         let mut text = String::new();
         text += &format!(
-            "cold-lane kernel bench: simd={} threads={} (read probe simd={}, hidden={} ff={} {})\n",
+            "cold-lane kernel bench: simd={} activations={} threads={} (read probe simd={}, hidden={} ff={} {})\n",
             self.simd,
+            self.activations,
             self.threads,
             self.read_simd,
             self.hidden,
@@ -420,7 +426,7 @@ struct PrefillPair {
 /// 512 tokens x top-8, all cold, expert-major: uniform routing, then skewed.
 fn measure_prefill_pair(
     pool: &mut ColdPool,
-    level: SimdLevel,
+    (level, activations): (SimdLevel, DecodeActivations),
     experts: &[ExpertWeights<'_>],
     rng: &mut SplitMix64,
     calls: usize,
@@ -428,10 +434,10 @@ fn measure_prefill_pair(
     let x: Vec<f32> = (0..PREFILL_TOKENS * HIDDEN).map(|_| rng.symmetric(1.0)).collect();
     let uniform = vec![1.0f64; N_EXPERTS];
     let (uniform_gflops, uniform_seconds, _, _) =
-        measure_prefill(pool, level, experts, &x, &uniform, rng, calls)?;
+        measure_prefill(pool, (level, activations), experts, &x, &uniform, rng, calls)?;
     let zipf = zipf_popularity(rng);
     let (skewed_gflops, skewed_seconds, counts, _) =
-        measure_prefill(pool, level, experts, &x, &zipf, rng, calls)?;
+        measure_prefill(pool, (level, activations), experts, &x, &zipf, rng, calls)?;
     let (top_half_share, max_tokens) = top_half_share(&counts);
     Ok(PrefillPair {
         uniform_gflops,
@@ -444,8 +450,12 @@ fn measure_prefill_pair(
 }
 
 /// A SwiGLU cold job of the bench's shapes over `experts` with inputs `x`.
-fn silu_job<'a>(level: SimdLevel, x: &'a [f32], experts: &'a [ColdExpertWork<'a>]) -> ColdJob<'a> {
-    ColdJob { level, act: Activation::Silu, hidden: HIDDEN, ff: FF, x, experts }
+fn silu_job<'a>(
+    (level, activations): (SimdLevel, DecodeActivations),
+    x: &'a [f32],
+    experts: &'a [ColdExpertWork<'a>],
+) -> ColdJob<'a> {
+    ColdJob { level, activations, act: Activation::Silu, hidden: HIDDEN, ff: FF, x, experts }
 }
 
 /// The read probe's buffer, `bytes` long, filled (so every page is touched) on the pool.
@@ -458,6 +468,7 @@ fn read_probe_buffer(pool: &mut ColdPool, bytes: usize) -> Result<Vec<u8>, Kerne
 /// Runs the whole bench; see the module docs for what each number means.
 pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, KernelError> {
     let level = SimdLevel::resolve(opts.simd)?;
+    let activations = DecodeActivations::resolve(opts.activations, level);
     let mut pool = ColdPool::new(pool_threads(opts.threads)?);
     let read_simd = SimdLevel::detect();
 
@@ -488,7 +499,7 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let token_zero = [0u32];
     let routing_weight = [1.0f32 / TOP_K as f32];
     let decode_groups = decode_groups(&experts, &token_zero, &routing_weight);
-    let decode_job = |group: usize| silu_job(level, &decode_x, &decode_groups[group % decode_groups.len()]);
+    let decode_job = |group: usize| silu_job((level, activations), &decode_x, &decode_groups[group % decode_groups.len()]);
     let decode_weight_bytes = decode_job(0).weight_bytes();
     for group in 0..decode_groups.len() {
         pool.run(&decode_job(group), &mut decode_out)?;
@@ -498,7 +509,7 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let (per_expert_tokens, per_expert_weights, layer25_cold_slots) = layer25_routing(&mut rng);
     // The same routing on every layer of the pool; calls alternate between layers.
     let layer_works = layer_works(&experts, n_layers, &per_expert_tokens, &per_expert_weights);
-    let layer_job = |layer: usize| silu_job(level, &layer_x, &layer_works[layer % n_layers]);
+    let layer_job = |layer: usize| silu_job((level, activations), &layer_x, &layer_works[layer % n_layers]);
     let layer25_weight_bytes = layer_job(0).weight_bytes();
     let layer25_cold_experts = layer25_weight_bytes / expert_bytes;
     let mut layer_out = vec![0.0f32; LAYER25_TOKENS * HIDDEN];
@@ -542,10 +553,11 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
 
     // 6. Prefill: 512 tokens x top-8, all cold, expert-major; uniform then skewed routing.
     let prefill_calls = if opts.quick { 1 } else { 3 };
-    let pf = measure_prefill_pair(&mut pool, level, &experts[..N_EXPERTS], &mut rng, prefill_calls)?;
+    let pf = measure_prefill_pair(&mut pool, (level, activations), &experts[..N_EXPERTS], &mut rng, prefill_calls)?;
 
     Ok(KernelBenchReport {
         simd: level,
+        activations: if activations.is_q8_at(level) { DecodeActivations::Q8 } else { DecodeActivations::F32 },
         threads: pool.n_threads(),
         read_gbs,
         read_simd,
@@ -629,7 +641,7 @@ fn interleaved_rounds(
 /// Returns GFLOP/s and seconds of the best call, tokens per expert, and the FLOPs.
 fn measure_prefill(
     pool: &mut ColdPool,
-    level: SimdLevel,
+    kernels: (SimdLevel, DecodeActivations),
     experts: &[ExpertWeights<'_>],
     x: &[f32],
     popularity: &[f64],
@@ -663,7 +675,7 @@ fn measure_prefill(
     let work: Vec<ColdExpertWork<'_>> = (0..experts.len())
         .map(|e| ColdExpertWork { weights: experts[e], token_idx: &tokens[e], token_weight: &weights[e] })
         .collect();
-    let job = ColdJob { level, act: Activation::Silu, hidden: HIDDEN, ff: FF, x, experts: &work };
+    let job = silu_job(kernels, x, &work);
     let mut out = vec![0.0f32; x.len()];
     pool.run(&job, &mut out)?;
     let mut best_seconds = f64::INFINITY;

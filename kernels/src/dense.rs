@@ -210,6 +210,7 @@ fn part_rows(call: &RawCall, part: &RawPart, first: usize, last: usize) {
             |r| base.add((first + r) * row_bytes),
             call.n_tokens,
             |t| x.add(t * cols),
+            None,
             |r, t, value| *y.add(t * rows + first + r) = value,
         )
     };

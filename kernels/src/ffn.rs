@@ -10,6 +10,7 @@
 use std::ops::Range;
 
 use crate::error::KernelError;
+use crate::q8::{Q8Activations, Q8Row};
 use crate::quant;
 use crate::scalar;
 use crate::simd::SimdLevel;
@@ -49,9 +50,20 @@ unsafe fn run_tile(
     rows: &[*const u8],
     prefetch_rows: *const *const u8,
     xs: &[*const f32],
+    q8: Option<Q8Row>,
     cols: usize,
     out: &mut [f32],
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(x) = q8 {
+        // SAFETY: `q8` is only given where the level has VNNI (`dot_tiles`) and it holds the one
+        // token's `cols` quantised values; the rows as in the caller's contract.
+        if unsafe { crate::x86_quant_tile::avx512_vnni::decode_tile(dtype, rows, prefetch_rows, x, cols, out) } {
+            return;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = q8;
     if dtype.is_quantized() {
         // SAFETY: forwarded from the caller (level detected; rows hold `cols` values of
         // `dtype`, whole blocks).
@@ -100,10 +112,14 @@ unsafe fn run_tile(
 /// Rows `n_rows..n_rows_prefetchable` exist in memory (the caller's range ends before the
 /// matrix does): they are only prefetched, so streaming runs on across range boundaries.
 ///
+/// `q8`: the one token's activations quantised to 8 bits ([`crate::q8`]); used (by the VNNI
+/// decode tile) only when `n_tokens == 1`, `dtype` is quantised and the level has VNNI.
+///
 /// # Safety
 /// `level` must be supported by this CPU; `row_ptr(r)` must address `cols` elements of
 /// `dtype` for every `r < n_rows`, and `token_ptr(t)` `cols` f32 for every `t < n_tokens`;
-/// `row_ptr(r)` must be computable (not dereferenced) for `r < n_rows_prefetchable`.
+/// `row_ptr(r)` must be computable (not dereferenced) for `r < n_rows_prefetchable`; a `q8` row
+/// must hold `cols` quantised values (of token 0's activations).
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn dot_tiles(
     level: SimdLevel,
@@ -114,8 +130,10 @@ pub(crate) unsafe fn dot_tiles(
     row_ptr: impl Fn(usize) -> *const u8,
     n_tokens: usize,
     token_ptr: impl Fn(usize) -> *const f32,
+    q8: Option<Q8Row>,
     mut sink: impl FnMut(usize, usize, f32),
 ) {
+    let q8 = q8.filter(|_| n_tokens == 1 && dtype.is_quantized() && level.has_q8_dot());
     let mut rows = [std::ptr::null::<u8>(); ROW_BLOCK];
     let mut next_block_rows = [std::ptr::null::<u8>(); ROW_BLOCK];
     let mut xs = [std::ptr::null::<f32>(); MAX_TILE_TOKENS];
@@ -150,7 +168,7 @@ pub(crate) unsafe fn dot_tiles(
                 // SAFETY: forwarded contract; the tile shape is one the level's kernel provides;
                 // prefetch pointers address rows < n_rows_prefetchable (and are only hints).
                 unsafe {
-                    run_tile(level, dtype, &rows[..tile_rows], prefetch_rows, &xs[..block_tokens], cols, out)
+                    run_tile(level, dtype, &rows[..tile_rows], prefetch_rows, &xs[..block_tokens], q8, cols, out)
                 };
                 for r in 0..tile_rows {
                     for t in 0..block_tokens {
@@ -178,6 +196,7 @@ pub(crate) unsafe fn gate_up_unchecked(
     ff_rows: Range<usize>,
     n_tokens: usize,
     token_ptr: impl Fn(usize) -> *const f32,
+    q8: Option<Q8Row>,
     h_base: *mut f32,
 ) {
     let row_bytes = weights.dtype.row_bytes(weights.hidden);
@@ -210,6 +229,7 @@ pub(crate) unsafe fn gate_up_unchecked(
             row_ptr,
             n_tokens,
             token_ptr,
+            q8,
             sink,
         )
     };
@@ -227,11 +247,12 @@ pub(crate) unsafe fn down_unchecked(
     hidden_rows: Range<usize>,
     n_tokens: usize,
     h_base: *const f32,
+    q8: Option<Q8Row>,
     token_weight: &[f32],
     out_row_ptr: impl Fn(usize) -> *mut f32,
 ) {
     // SAFETY: forwarded contract.
-    unsafe { down_rows::<true>(level, weights, hidden_rows, n_tokens, h_base, token_weight, out_row_ptr) }
+    unsafe { down_rows::<true>(level, weights, hidden_rows, n_tokens, h_base, q8, token_weight, out_row_ptr) }
 }
 
 /// As [`down_unchecked`], but stores `token_weight[t] * down_row·h_t` instead of adding it (the
@@ -245,11 +266,12 @@ pub(crate) unsafe fn down_store_unchecked(
     hidden_rows: Range<usize>,
     n_tokens: usize,
     h_base: *const f32,
+    q8: Option<Q8Row>,
     token_weight: &[f32],
     out_row_ptr: impl Fn(usize) -> *mut f32,
 ) {
     // SAFETY: forwarded contract.
-    unsafe { down_rows::<false>(level, weights, hidden_rows, n_tokens, h_base, token_weight, out_row_ptr) }
+    unsafe { down_rows::<false>(level, weights, hidden_rows, n_tokens, h_base, q8, token_weight, out_row_ptr) }
 }
 
 /// Shared body of [`down_unchecked`] (`ACCUMULATE`) and [`down_store_unchecked`].
@@ -263,6 +285,7 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
     hidden_rows: Range<usize>,
     n_tokens: usize,
     h_base: *const f32,
+    q8: Option<Q8Row>,
     token_weight: &[f32],
     out_row_ptr: impl Fn(usize) -> *mut f32,
 ) {
@@ -295,6 +318,7 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
             row_ptr,
             n_tokens,
             token_ptr,
+            q8,
             sink,
         )
     };
@@ -353,6 +377,7 @@ pub fn matmul_rows(
             |r| base.add((first + r) * row_bytes),
             n_tokens,
             |t| x_base.add(t * cols),
+            None,
             |r, t, value| y[t * n_out + r] = value,
         )
     };
@@ -371,6 +396,47 @@ pub fn gemv_rows(
 ) -> Result<(), KernelError> {
     check_len("x", cols, x.len())?;
     matmul_rows(level, dtype, matrix, cols, x, rows, y)
+}
+
+/// As [`gemv_rows`] with 8-bit activations (one quantised row, [`Q8Activations`]): quantised
+/// rows run the VNNI decode tile where `level` has it ([`SimdLevel::has_q8_dot`]); elsewhere
+/// (and for float rows) the f32 kernels run on the dequantised activations `d * q`.
+pub fn gemv_rows_q8(
+    level: SimdLevel,
+    dtype: WeightDType,
+    matrix: &[u8],
+    cols: usize,
+    x: &Q8Activations,
+    rows: Range<usize>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    level.ensure_supported()?;
+    check_len("x", cols, x.cols())?;
+    let row_bytes = dtype.row_bytes(cols);
+    if cols == 0 || !cols.is_multiple_of(dtype.block_elems()) || !matrix.len().is_multiple_of(row_bytes) {
+        return Err(KernelError::ShapeMismatch { what: "matrix columns", expected: cols, actual: matrix.len() });
+    }
+    check_rows("matrix", &rows, matrix.len() / row_bytes)?;
+    check_len("y", rows.len(), y.len())?;
+    let x_f32 = x.dequantized(0);
+    let (base, first, n_out) = (matrix.as_ptr(), rows.start, rows.len());
+    // SAFETY: level checked; rows are in bounds of `matrix`, the token of `x_f32` and of the q8
+    // row (`cols` values), sinks of `y`.
+    unsafe {
+        dot_tiles(
+            level,
+            dtype,
+            cols,
+            n_out,
+            matrix.len() / row_bytes - first,
+            |r| base.add((first + r) * row_bytes),
+            1,
+            |_| x_f32.as_ptr(),
+            Some(x.row_ptr(0)),
+            |r, _, value| y[r] = value,
+        )
+    };
+    Ok(())
 }
 
 /// Gate/up projections fused with the activation for the ff rows `ff_rows` of every token of
@@ -400,7 +466,7 @@ pub fn gate_up_activation(
     let x_base = x.as_ptr();
     // SAFETY: level checked, weights validated, x/h lengths checked, h exclusively borrowed.
     unsafe {
-        gate_up_unchecked(level, weights, act, ff_rows, n_tokens, |t| x_base.add(t * hidden), h.as_mut_ptr())
+        gate_up_unchecked(level, weights, act, ff_rows, n_tokens, |t| x_base.add(t * hidden), None, h.as_mut_ptr())
     };
     Ok(())
 }
@@ -426,7 +492,7 @@ pub fn down_accumulate(
     let out_base = out.as_mut_ptr();
     // SAFETY: level checked, weights validated, h/out lengths checked, out exclusively borrowed.
     unsafe {
-        down_unchecked(level, weights, hidden_rows, n_tokens, h.as_ptr(), token_weight, |t| {
+        down_unchecked(level, weights, hidden_rows, n_tokens, h.as_ptr(), None, token_weight, |t| {
             out_base.add(t * hidden)
         })
     };

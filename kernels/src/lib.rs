@@ -3,6 +3,7 @@
 //!
 //! - [`simd`]: SIMD level detection and the forced level the caller passes in (parsed with `FromStr`).
 //! - [`weights`]: expert weight views (raw, possibly unaligned bytes), dtypes and activations.
+//! - [`q8`]: 8-bit activations for the integer (VNNI) decode tiles, [`DecodeActivations`].
 //! - [`quant`]: GGML block dequantisation (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) and the quantised tile.
 //! - [`ffn`]: row-range GEMV/GEMM, fused gate/up + activation, down + weighted accumulation,
 //!   in decode (one token) and prefill (many tokens per expert, register-blocked) form.
@@ -21,6 +22,7 @@ pub mod error;
 pub mod ffn;
 pub mod par;
 pub mod pool;
+pub mod q8;
 pub mod quant;
 mod scalar;
 pub mod simd;
@@ -40,9 +42,10 @@ pub use attention::{
 pub use bench::{run_kernel_bench, KernelBenchOptions, KernelBenchReport};
 pub use dense::{matmul, par_matmul, DenseMatrix, MatmulPart, MAX_MATMUL_PARTS};
 pub use error::KernelError;
-pub use ffn::{down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, matmul_rows};
+pub use ffn::{down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, gemv_rows_q8, matmul_rows};
 pub use par::par_chunks_mut;
 pub use pool::{ColdExpertWork, ColdJob, ColdPool};
 pub use scalar::dot_row;
-pub use simd::{available, SimdLevel};
+pub use q8::{DecodeActivations, Q8Activations};
+pub use simd::{available, has_avx512_vnni, SimdLevel};
 pub use weights::{Activation, ExpertWeights, WeightDType};

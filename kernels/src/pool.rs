@@ -56,6 +56,7 @@ use std::time::{Duration, Instant};
 use crate::error::KernelError;
 use crate::ffn::{down_store_unchecked, down_unchecked, gate_up_unchecked, ROW_BLOCK};
 use crate::scalar::dot_row;
+use crate::q8::{quantize_raw, DecodeActivations, Q8Activations, Q8Row, Q8_BLOCK};
 use crate::simd::SimdLevel;
 use crate::weights::{Activation, ExpertWeights};
 
@@ -126,6 +127,10 @@ pub struct ColdExpertWork<'a> {
 #[derive(Debug, Clone, Copy)]
 pub struct ColdJob<'a> {
     pub level: SimdLevel,
+    /// Activations of the one-token decode tiles: [`DecodeActivations::Q8`] quantises `x` (the
+    /// rows of experts with one token) and those experts' `h` to 8 bits once per call and runs
+    /// the VNNI tiles where the level has VNNI; F32 (or no VNNI) keeps f32 activations.
+    pub activations: DecodeActivations,
     pub act: Activation,
     pub hidden: usize,
     pub ff: usize,
@@ -198,6 +203,66 @@ enum Task<'t> {
     Broadcast(&'t (dyn Fn(usize, usize) + Sync)),
 }
 
+/// Base pointers `(qs, d, sum)` of the pool's quantised `x` and `h` rows (see `ColdTask::q8`).
+#[derive(Clone, Copy)]
+struct Q8Scratch {
+    x: (*mut i8, *mut f32, *mut f32),
+    h: (*mut i8, *mut f32, *mut f32),
+}
+
+/// Row `row` (of `cols` values) of a quantised buffer's base pointers.
+fn q8_row(base: (*mut i8, *mut f32, *mut f32), row: usize, cols: usize) -> Q8Row {
+    let b = row * cols / Q8_BLOCK;
+    Q8Row {
+        qs: base.0.wrapping_add(row * cols),
+        d: base.1.wrapping_add(b),
+        sum: base.2.wrapping_add(b),
+    }
+}
+
+impl ColdTask<'_> {
+    /// The quantised `x` row of active expert `a`'s token, if it runs 8-bit (one token).
+    fn q8_x(&self, a: usize) -> Option<Q8Row> {
+        let expert = &self.job.experts[self.active[a]];
+        let q8 = self.q8.filter(|_| expert.token_idx.len() == 1)?;
+        Some(q8_row(q8.x, expert.token_idx[0] as usize, self.job.hidden))
+    }
+
+    /// The quantised `h` row of active expert `a`'s slot, if it runs 8-bit (one token).
+    fn q8_h(&self, a: usize) -> Option<Q8Row> {
+        let expert = &self.job.experts[self.active[a]];
+        let q8 = self.q8.filter(|_| expert.token_idx.len() == 1)?;
+        Some(q8_row(q8.h, self.slot_start[a], self.job.ff))
+    }
+
+    /// Counts `n` completed gate/up units of active expert `a`; the thread that completes them
+    /// quantises its `h` (8-bit, one token) and, pipelined, adds one more to say `h` is ready.
+    fn gate_up_done(&self, a: usize, n: usize) {
+        let ff_units = self.job.ff.div_ceil(FF_ROWS_PER_UNIT);
+        if !self.pipelined && self.q8.is_none() {
+            return;
+        }
+        // AcqRel: releases this thread's rows of h; the completing thread acquires all of them.
+        if self.h_done[a].fetch_add(n, Ordering::AcqRel) + n != ff_units {
+            return;
+        }
+        if let Some(row) = self.q8_h(a) {
+            let ff = self.job.ff;
+            // SAFETY: all gate/up units of expert a are complete (acquired above), so its h slot
+            // (`ff` f32 in the scratch) is written and only read from now on; the quantised slot
+            // row lies in `q8_h` (reserved slots x ff in `prepare_q8`) and only this thread, the
+            // one that completed the expert, writes it.
+            unsafe {
+                quantize_raw(self.h_scratch.add(self.slot_start[a] * ff), ff, row.qs as *mut i8, row.d as *mut f32, row.sum as *mut f32)
+            };
+        }
+        if self.pipelined {
+            // Release: publishes the quantised h to the down units of expert a.
+            self.h_done[a].fetch_add(1, Ordering::Release);
+        }
+    }
+}
+
 struct ColdTask<'t> {
     job: &'t ColdJob<'t>,
     pipelined: bool,
@@ -218,8 +283,13 @@ struct ColdTask<'t> {
     gate_up_cost: &'t [u64],
     /// Pipelined: weighted down rows of every slot (`slots x hidden`).
     partial: *mut f32,
-    /// Pipelined: gate/up units completed per active expert.
+    /// Gate/up units completed per active expert (pipelined; phased only when `q8`); pipelined,
+    /// the thread that completes them adds one more once `h` is quantised (or right away).
     h_done: &'t [Padded<AtomicUsize>],
+    /// 8-bit activations ([`ColdJob::activations`] Q8 on a VNNI level): the quantised rows of
+    /// `x` (`n_tokens x hidden`, those of one-token experts written) and of `h` (`slots x ff`,
+    /// the slots of one-token experts, written by the thread that completes their gate/up).
+    q8: Option<Q8Scratch>,
     /// Pipelined: (expert, row block) down units completed per reduce group.
     group_done: &'t [Padded<AtomicUsize>],
     /// Next unclaimed unit: phase 1 (phased) or the whole unit space (pipelined).
@@ -303,6 +373,8 @@ pub struct ColdPool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     h_scratch: Vec<f32>,
+    q8_x: Q8Activations,
+    q8_h: Q8Activations,
     partial: Vec<f32>,
     active: Vec<usize>,
     slot_start: Vec<usize>,
@@ -354,6 +426,8 @@ impl ColdPool {
             shared,
             workers,
             h_scratch: Vec::new(),
+            q8_x: Q8Activations::new(),
+            q8_h: Q8Activations::new(),
             partial: Vec::new(),
             active: Vec::new(),
             slot_start: Vec::new(),
@@ -438,22 +512,20 @@ impl ColdPool {
                 self.gate_up_cost.push(cost);
             }
         }
-        if pipelined {
-            if self.partial.len() < slots * job.hidden {
-                self.partial.resize(slots * job.hidden, 0.0);
-            }
-            let n_groups = job.hidden.div_ceil(ROW_BLOCK).div_ceil(REDUCE_GROUP_BLOCKS);
-            if self.h_done.len() < self.active.len() {
-                self.h_done.resize_with(self.active.len(), Padded::default);
-            }
-            if self.group_done.len() < n_groups {
-                self.group_done.resize_with(n_groups, Padded::default);
-            }
-            // Exclusive access here; the epoch bump in dispatch publishes the zeros.
-            for counter in self.h_done[..self.active.len()].iter_mut().chain(&mut self.group_done[..n_groups])
-            {
-                *counter.0.get_mut() = 0;
-            }
+        let q8 = self.prepare_q8(job, slots)?;
+        let n_groups = if pipelined { job.hidden.div_ceil(ROW_BLOCK).div_ceil(REDUCE_GROUP_BLOCKS) } else { 0 };
+        if pipelined && self.partial.len() < slots * job.hidden {
+            self.partial.resize(slots * job.hidden, 0.0);
+        }
+        if self.h_done.len() < self.active.len() {
+            self.h_done.resize_with(self.active.len(), Padded::default);
+        }
+        if self.group_done.len() < n_groups {
+            self.group_done.resize_with(n_groups, Padded::default);
+        }
+        // Exclusive access here; the epoch bump in dispatch publishes the zeros.
+        for counter in self.h_done[..self.active.len()].iter_mut().chain(&mut self.group_done[..n_groups]) {
+            *counter.0.get_mut() = 0;
         }
         let task = Task::Cold(ColdTask {
             job,
@@ -467,11 +539,39 @@ impl ColdPool {
             gate_up_cost: &self.gate_up_cost,
             partial: self.partial.as_mut_ptr(),
             h_done: &self.h_done,
+            q8,
             group_done: &self.group_done,
             next_gate_up_unit: Padded(AtomicUsize::new(0)),
             next_down_unit: Padded(AtomicUsize::new(0)),
         });
         dispatch(&self.shared, &task)
+    }
+
+    /// For 8-bit activations ([`ColdJob::activations`] Q8 on a VNNI level): room for the
+    /// quantised `x` and `h` rows, and the rows of `x` that one-token experts read quantised
+    /// (each once); `None` for f32 activations.
+    fn prepare_q8(&mut self, job: &ColdJob<'_>, slots: usize) -> Result<Option<Q8Scratch>, KernelError> {
+        if !job.activations.is_q8_at(job.level)
+            || !job.hidden.is_multiple_of(Q8_BLOCK)
+            || !job.ff.is_multiple_of(Q8_BLOCK)
+        {
+            return Ok(None);
+        }
+        let n_tokens = job.x.len() / job.hidden;
+        self.q8_x.reserve_rows(n_tokens, job.hidden)?;
+        self.q8_h.reserve_rows(slots, job.ff)?;
+        // A small cache of rows done (a row quantised twice gives the same bytes; decode has one).
+        let mut done = [usize::MAX; 8];
+        for expert in job.experts.iter().filter(|e| e.token_idx.len() == 1) {
+            let t = expert.token_idx[0] as usize;
+            if done.contains(&t) {
+                continue;
+            }
+            done[t % done.len()] = t;
+            self.q8_x.quantize_row(t, &job.x[t * job.hidden..][..job.hidden]);
+        }
+        let (x, h) = (self.q8_x.raw_mut(), self.q8_h.raw_mut());
+        Ok(Some(Q8Scratch { x, h }))
     }
 
     /// Runs `f(thread_index, n_threads)` once on every pool thread (the caller is index 0) and
@@ -643,6 +743,7 @@ fn gate_up_units(task: &ColdTask<'_>, a: usize, units: Range<usize>) {
             ff_rows,
             token_idx.len(),
             |t| x.add(token_idx[t] as usize * hidden),
+            task.q8_x(a),
             task.h_scratch.add(task.slot_start[a] * job.ff),
         )
     };
@@ -667,6 +768,7 @@ fn gate_up_phase(task: &ColdTask<'_>, n_threads: usize) {
             let first = k * units_per_expert;
             let end = claim.end.min(first + units_per_expert);
             gate_up_units(task, task.gate_up_order[k], unit - first..end - first);
+            task.gate_up_done(task.gate_up_order[k], end - unit);
             unit = end;
         }
     }
@@ -725,6 +827,7 @@ fn down_phase(task: &ColdTask<'_>, n_threads: usize) {
                     hidden_rows.clone(),
                     token_idx.len(),
                     task.h_scratch.add(task.slot_start[a] * job.ff),
+                    task.q8_h(a),
                     expert.token_weight,
                     |t| out.add(token_idx[t] as usize * hidden),
                 )
@@ -751,16 +854,16 @@ fn pipelined_work(shared: &Shared, task: &ColdTask<'_>, n_threads: usize) {
                 let first = a * ff_units;
                 let end = claim.end.min(first + ff_units);
                 gate_up_units(task, a, unit - first..end - first);
-                // Release: publishes this thread's rows of h to the down units of expert a.
-                task.h_done[a].fetch_add(end - unit, Ordering::Release);
+                task.gate_up_done(a, end - unit);
                 unit = end;
             } else {
                 let a = (unit - gate_up_total) / row_blocks;
                 let first = gate_up_total + a * row_blocks;
                 let end = claim.end.min(first + row_blocks);
                 let mut spins = 0u32;
-                // Acquire: pairs with the Release increments of every gate/up unit of expert a.
-                while task.h_done[a].load(Ordering::Acquire) < ff_units {
+                // Acquire: pairs with the Release of the extra increment that follows the last
+                // gate/up unit of expert a (and the quantisation of its h, when 8-bit).
+                while task.h_done[a].load(Ordering::Acquire) <= ff_units {
                     if shared.panicked.load(Ordering::Relaxed) {
                         // A gate/up unit of expert a panicked; the call reports the panic.
                         return;
@@ -793,6 +896,7 @@ fn down_units(task: &ColdTask<'_>, a: usize, blocks: Range<usize>) {
             hidden_rows,
             expert.token_idx.len(),
             task.h_scratch.add(slot * job.ff),
+            task.q8_h(a),
             expert.token_weight,
             |t| partial.add((slot + t) * hidden),
         )
@@ -956,6 +1060,7 @@ mod tests {
                 let initial: Vec<f32> = (0..n_tokens * hidden).map(|_| random_f32(&mut seed)).collect();
                 let job = ColdJob {
                     level: SimdLevel::Scalar,
+                    activations: DecodeActivations::F32,
                     act: Activation::Silu,
                     hidden,
                     ff,

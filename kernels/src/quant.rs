@@ -16,7 +16,8 @@
 //! every level agrees with the scalar one within f32 summation-order rounding.
 //!
 //! One token (decode) on the AVX2/AVX-512 levels skips this tile: `x86_quant_tile.rs` decodes
-//! blocks in registers and multiplies them into the accumulators directly (no L1 buffer).
+//! blocks in registers and multiplies them into the accumulators directly (no L1 buffer), or,
+//! with 8-bit activations on AVX-512 VNNI ([`crate::q8`]), dots the raw levels as integers.
 
 use crate::weights::WeightDType;
 

@@ -70,6 +70,12 @@ impl SimdLevel {
         }
     }
 
+    /// Whether this level runs the 8-bit-activation decode tiles here: an AVX-512 level on a CPU
+    /// with AVX-512 VNNI (`vpdpbusd`), BW and VL ([`has_avx512_vnni`]).
+    pub fn has_q8_dot(self) -> bool {
+        self >= SimdLevel::Avx512 && self.is_supported() && has_avx512_vnni()
+    }
+
     /// Parses a forced level name and checks that this CPU supports it.
     pub fn from_forced_name(name: &str) -> Result<SimdLevel, KernelError> {
         let level = SimdLevel::parse(name)?;
@@ -104,6 +110,26 @@ impl std::str::FromStr for SimdLevel {
 /// The levels this CPU can run, weakest first (always starts with `Scalar`).
 pub fn available() -> Vec<SimdLevel> {
     SimdLevel::ALL.into_iter().filter(|level| level.is_supported()).collect()
+}
+
+/// Whether this CPU has AVX-512 VNNI with the BW and VL subsets the integer decode tiles use
+/// (with AVX-512F), detected once.
+pub fn has_avx512_vnni() -> bool {
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    *VNNI.get_or_init(detect_vnni)
+}
+
+#[cfg(target_arch = "x86_64")]
+fn detect_vnni() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vl")
+        && is_x86_feature_detected!("avx512vnni")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn detect_vnni() -> bool {
+    false
 }
 
 /// Per-level support flags, indexed by `SimdLevel as usize`, detected once.

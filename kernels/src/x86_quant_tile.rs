@@ -13,6 +13,12 @@
 //! scalar kernel by f32 rounding only (summation order, the fused table entries, the factored
 //! scales).
 //!
+//! AVX-512 VNNI (`avx512_vnni`, in `x86_quant_vnni.rs`): with 8-bit activations
+//! ([`crate::q8`], [`crate::DecodeActivations::Q8`]) the raw levels are dotted against int8
+//! activations with `vpdpbusd` and scaled once per (sub-)block; results then differ from the
+//! scalar kernel by the activation rounding (bound in [`crate::q8`]). `ffn::run_tile` takes
+//! that tile when the one-token call comes with a quantised row and the level has VNNI.
+//!
 //! Every block is read in its compressed size once; the next row block's bytes are prefetched
 //! into L2 as the block advances (one hint per cache line).
 
@@ -65,6 +71,10 @@ macro_rules! dispatch_decode_tile {
     }};
 }
 
+/// AVX-512 VNNI fused decode tiles with 8-bit activations.
+#[path = "x86_quant_vnni.rs"]
+pub(crate) mod avx512_vnni;
+
 /// AVX-512F fused decode tiles (16 lanes).
 pub(crate) mod avx512 {
     use std::arch::x86_64::*;
@@ -108,7 +118,7 @@ pub(crate) mod avx512 {
     // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn half_splat(p: *const u8) -> __m512 {
+    pub(super) unsafe fn half_splat(p: *const u8) -> __m512 {
         // SAFETY: the caller vouches for two readable bytes at `p`.
         let bits = unsafe { (p as *const u16).read_unaligned() };
         _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
@@ -152,7 +162,7 @@ pub(crate) mod avx512 {
     // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn k_coefficients(b: *const u8) -> __m512 {
+    pub(super) unsafe fn k_coefficients(b: *const u8) -> __m512 {
         // SAFETY: the caller vouches for a whole K-quant block at `b` (16 header bytes and the
         // quants after them, of which `k_scales_mins_vec` reads 4).
         unsafe {
@@ -318,7 +328,7 @@ pub(crate) mod avx512 {
     // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    unsafe fn q6_levels(ql: *const u8, qh: *const u8) -> [__m512i; 2] {
+    pub(super) unsafe fn q6_levels(ql: *const u8, qh: *const u8) -> [__m512i; 2] {
         // SAFETY: the caller vouches for 64 readable bytes at `ql` and 32 at `qh`.
         let (a, h) = unsafe {
             (

@@ -4,17 +4,18 @@
 
 mod common;
 
-use common::{relative_error, tolerance, MisalignedBytes, Rng};
+use common::{relative_error, tolerance, MisalignedBytes, QuantBytes, Rng, Q8_ACTIVATION_TOLERANCE};
 use moe_lanes_kernels::pool::ColdSchedule;
 use moe_lanes_kernels::{
-    available, Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KernelError, SimdLevel,
-    WeightDType,
+    available, Activation, ColdExpertWork, ColdJob, ColdPool, DecodeActivations, ExpertWeights, KernelError,
+    SimdLevel, WeightDType,
 };
 
 struct RandomJob {
     hidden: usize,
     ff: usize,
     dtype: WeightDType,
+    down_dtype: WeightDType,
     x: Vec<f32>,
     weights: Vec<[MisalignedBytes; 3]>,
     token_idx: Vec<Vec<u32>>,
@@ -34,6 +35,7 @@ impl RandomJob {
             hidden,
             ff,
             dtype,
+            down_dtype: dtype,
             x: rng.vec(n_tokens * hidden, 1.0),
             weights: Vec::new(),
             token_idx: Vec::new(),
@@ -57,6 +59,28 @@ impl RandomJob {
         job
     }
 
+    /// As [`RandomJob::new`] with random quantised blocks: gate/up of `dtype`, down of
+    /// `down_dtype`.
+    fn quantized(
+        rng: &mut Rng,
+        (dtype, down_dtype): (WeightDType, WeightDType),
+        (hidden, ff): (usize, usize),
+        n_tokens: usize,
+        n_experts: usize,
+    ) -> RandomJob {
+        let mut job = RandomJob::new(rng, WeightDType::F32, 1, 1, n_tokens, n_experts);
+        (job.dtype, job.down_dtype, job.hidden, job.ff) = (dtype, down_dtype, hidden, ff);
+        job.x = rng.vec(n_tokens * hidden, 1.0);
+        for weights in &mut job.weights {
+            *weights = [
+                QuantBytes::random(rng, dtype, ff, hidden, 0.01).into(),
+                QuantBytes::random(rng, dtype, ff, hidden, 0.01).into(),
+                QuantBytes::random(rng, down_dtype, hidden, ff, 0.01).into(),
+            ];
+        }
+        job
+    }
+
     fn work(&self) -> Vec<ColdExpertWork<'_>> {
         (0..self.weights.len())
             .map(|e| ColdExpertWork {
@@ -65,7 +89,7 @@ impl RandomJob {
                     up: self.weights[e][1].bytes(),
                     down: self.weights[e][2].bytes(),
                     dtype: self.dtype,
-                    down_dtype: self.dtype,
+                    down_dtype: self.down_dtype,
                     hidden: self.hidden,
                     ff: self.ff,
                 },
@@ -91,8 +115,15 @@ fn pool_matches_reference_on_random_jobs() {
                 let initial = rng.vec(n_tokens * hidden, 1.0);
                 for act in [Activation::Silu, Activation::Gelu] {
                     let mut reference = initial.clone();
-                    let job =
-                        ColdJob { level: SimdLevel::Scalar, act, hidden, ff, x: &random.x, experts: &work };
+                    let job = ColdJob {
+                        level: SimdLevel::Scalar,
+                        activations: DecodeActivations::F32,
+                        act,
+                        hidden,
+                        ff,
+                        x: &random.x,
+                        experts: &work,
+                    };
                     ColdPool::run_reference(&job, &mut reference).unwrap();
                     for level in available() {
                         let mut out = initial.clone();
@@ -117,6 +148,7 @@ fn pool_decode_2048x768_matches_reference() {
     let mut pool = ColdPool::new(2);
     let job = ColdJob {
         level: SimdLevel::Scalar,
+        activations: DecodeActivations::F32,
         act: Activation::Silu,
         hidden: 2048,
         ff: 768,
@@ -143,6 +175,7 @@ fn pool_rejects_bad_jobs() {
     work[1].token_weight = &[1.0];
     let job = ColdJob {
         level: SimdLevel::Scalar,
+        activations: DecodeActivations::F32,
         act: Activation::Silu,
         hidden: 8,
         ff: 4,
@@ -162,7 +195,15 @@ fn empty_job_is_a_no_op() {
     let mut pool = ColdPool::new(3);
     let x = [1.0f32; 6];
     let job =
-        ColdJob { level: SimdLevel::detect(), act: Activation::Silu, hidden: 3, ff: 2, x: &x, experts: &[] };
+        ColdJob {
+            level: SimdLevel::detect(),
+            activations: DecodeActivations::F32,
+            act: Activation::Silu,
+            hidden: 3,
+            ff: 2,
+            x: &x,
+            experts: &[],
+        };
     let mut out = vec![2.0; 6];
     pool.run(&job, &mut out).unwrap();
     assert_eq!(out, vec![2.0; 6]);
@@ -189,6 +230,7 @@ fn phased_skewed_routing_is_exact_across_threads() {
         let initial = rng.vec(n_tokens * hidden, 1.0);
         let job = ColdJob {
             level: SimdLevel::Scalar,
+            activations: DecodeActivations::F32,
             act: Activation::Silu,
             hidden,
             ff,
@@ -216,6 +258,51 @@ fn phased_skewed_routing_is_exact_across_threads() {
             }
             let error = relative_error(&results[0], &reference);
             assert!(error <= tolerance(level, dtype), "{level} {dtype:?}: {error:e}");
+        }
+    }
+}
+
+/// 8-bit activations (a no-op on levels without VNNI) on quantised experts, gate/up and down
+/// types mixed: one token (decode, every expert one token) and three (experts with one token and
+/// with several) against the f32 oracle within the activation rounding, and the same bits
+/// under both schedules and any thread count.
+#[test]
+fn pool_q8_activations_match_reference_within_the_rounding() {
+    use WeightDType::*;
+    let mut rng = Rng(0x0008_9001);
+    let mixes = [(Q4_K, Q6_K), (Q5_K, Q8_0), (Q6_K, Q4_K), (Q8_0, Q4_0), (Q4_0, Q5_K)];
+    let mut pools: Vec<ColdPool> = [1, 3].into_iter().map(ColdPool::new).collect();
+    for (mix, n_tokens) in mixes.into_iter().zip([1, 3, 1, 3, 1]) {
+        let random = RandomJob::quantized(&mut rng, mix, (512, 256), n_tokens, 5);
+        let work = random.work();
+        let job = ColdJob {
+            level: SimdLevel::Scalar,
+            activations: DecodeActivations::Q8,
+            act: Activation::Silu,
+            hidden: 512,
+            ff: 256,
+            x: &random.x,
+            experts: &work,
+        };
+        let mut reference = vec![0.0; n_tokens * 512];
+        ColdPool::run_reference(&job, &mut reference).unwrap();
+        for level in available() {
+            let mut first: Option<Vec<f32>> = None;
+            let runs = pools.iter_mut().flat_map(|p| [ColdSchedule::Phased, ColdSchedule::Pipelined].map(|s| (p.n_threads(), s)));
+            for (threads, schedule) in runs.collect::<Vec<_>>() {
+                let pool = &mut pools[usize::from(threads > 1)];
+                pool.set_schedule(schedule);
+                let mut out = vec![0.0; n_tokens * 512];
+                pool.run(&ColdJob { level, ..job }, &mut out).unwrap();
+                let error = relative_error(&out, &reference);
+                assert!(error <= Q8_ACTIVATION_TOLERANCE, "{level} {mix:?} tokens={n_tokens}: {error:e}");
+                let first = first.get_or_insert_with(|| out.clone());
+                assert!(
+                    first.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{level} {mix:?} {schedule:?} threads={}",
+                    pool.n_threads()
+                );
+            }
         }
     }
 }

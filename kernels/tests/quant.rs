@@ -2,13 +2,17 @@
 //! fixtures (tests/fixtures/quant, made by tests/fixtures/make_quant.py), and every SIMD level's
 //! expert FFN and GEMV/GEMM over quantised rows against the scalar kernel (tolerance
 //! `F32_ACCUMULATION_TOLERANCE`: activations stay f32, so only the summation order differs),
-//! and the scalar quantised kernel against a plain f32 product over the dequantised rows.
+//! and the scalar quantised kernel against a plain f32 product over the dequantised rows; the
+//! 8-bit-activation decode tiles (VNNI) within the activation rounding bound of
+//! `moe_lanes_kernels::q8` of the exact product, and equal (to f32 rounding) to the exact
+//! product with the rounded activations.
 
 mod common;
 
-use common::{relative_error, Rng, F32_ACCUMULATION_TOLERANCE};
+use common::{q8_rounding_bound, relative_error, QuantBytes, Rng, F32_ACCUMULATION_TOLERANCE};
 use moe_lanes_kernels::{
-    available, expert_ffn_accumulate, matmul_rows, quant, Activation, ExpertWeights, SimdLevel, WeightDType,
+    available, expert_ffn_accumulate, gemv_rows_q8, has_avx512_vnni, matmul_rows, quant, Activation,
+    ExpertWeights, Q8Activations, SimdLevel, WeightDType,
 };
 use std::path::PathBuf;
 
@@ -36,32 +40,6 @@ fn block_dequantization_equals_gguf_py() {
         dtype.decode_row(&blocks, &mut row);
         assert_eq!(row, expected, "{dtype:?} decode_row");
         assert_eq!(dtype.load_f32(&blocks, n + 3), expected[n + 3], "{dtype:?} load_f32");
-    }
-}
-
-/// Random quantised rows (random bytes, f16 scales set to small values), one byte past an
-/// allocation start so the kernels see unaligned blocks.
-struct QuantBytes(Vec<u8>);
-
-impl QuantBytes {
-    fn random(rng: &mut Rng, dtype: WeightDType, rows: usize, cols: usize, scale: f32) -> QuantBytes {
-        let n_bytes = rows * dtype.row_bytes(cols);
-        let mut bytes: Vec<u8> = (0..n_bytes + 1).map(|_| rng.next_u64() as u8).collect();
-        let scale_at: &[usize] = match dtype {
-            WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
-            WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
-            _ => &[208],
-        };
-        for block in bytes[1..].chunks_exact_mut(dtype.block_bytes()) {
-            for &at in scale_at {
-                let d = half::f16::from_f32(rng.symmetric(scale)).to_bits().to_le_bytes();
-                block[at..at + 2].copy_from_slice(&d);
-            }
-        }
-        QuantBytes(bytes)
-    }
-    fn bytes(&self) -> &[u8] {
-        &self.0[1..]
     }
 }
 
@@ -171,4 +149,66 @@ fn quantized_rows_that_are_not_whole_blocks_are_refused() {
         ff: 1,
     };
     assert!(weights.validate().is_err(), "down rows of 1 value are not whole Q8_0 blocks");
+}
+
+/// Activations with a different magnitude per block of 32 (up to 1000x apart) and some
+/// all-zero blocks, so per-block scales matter.
+fn uneven_activations(rng: &mut Rng, cols: usize) -> Vec<f32> {
+    let mut x = rng.vec(cols, 1.0);
+    for block in x.chunks_mut(32) {
+        let magnitude = match rng.below(8) {
+            0 => 0.0,
+            1 => 1e-3,
+            2 => 30.0,
+            _ => 1.0,
+        };
+        block.iter_mut().for_each(|v| *v *= magnitude);
+    }
+    x
+}
+
+#[test]
+fn q8_decode_tiles_stay_within_the_activation_rounding_bound() {
+    let mut rng = Rng(0x0008_AC71);
+    for dtype in WeightDType::QUANTIZED {
+        // 1 and 8 rows: one tile of each; 19: two 8-row tiles and three 1-row tiles.
+        for (rows, cols) in [(1, 256), (8, 512), (19, 768), (8, 2048)] {
+            let matrix = QuantBytes::random(&mut rng, dtype, rows, cols, 0.05);
+            let mut w = vec![0.0f32; rows * cols];
+            dtype.decode_row(matrix.bytes(), &mut w);
+            let x = uneven_activations(&mut rng, cols);
+            let q8 = Q8Activations::quantize(&x).unwrap();
+            let x_rounded = q8.dequantized(0);
+            for level in available() {
+                let mut y = vec![f32::NAN; rows];
+                gemv_rows_q8(level, dtype, matrix.bytes(), cols, &q8, 0..rows, &mut y).unwrap();
+                for (r, &got) in y.iter().enumerate() {
+                    let w = &w[r * cols..][..cols];
+                    let exact: f64 = w.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    let rounded: f64 = w.iter().zip(&x_rounded).map(|(&a, &b)| a as f64 * b as f64).sum();
+                    let abs_sum: f64 = w.iter().zip(&x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                    let f32_slack = 1e-5 * abs_sum + 1e-30;
+                    let what = format!("{level} {dtype:?} {rows}x{cols} row {r}");
+                    assert!((got as f64 - rounded).abs() <= f32_slack, "{what}: {got} vs rounded {rounded}");
+                    let bound = q8_rounding_bound(w, &x) + f32_slack;
+                    assert!((got as f64 - exact).abs() <= bound, "{what}: {got} vs {exact}, bound {bound}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn q8_activations_round_to_nearest_with_one_scale_per_32() {
+    let mut x: Vec<f32> = (0..64).map(|i| i as f32 - 20.0).collect();
+    x[40] = -127.0; // the second block's max |x|: its step is exactly 1.
+    let q8 = Q8Activations::quantize(&x).unwrap();
+    let back = q8.dequantized(0);
+    assert_eq!(&back[32..], &x[32..]);
+    let step = 20.0f32 / 127.0;
+    assert!(back[..32].iter().zip(&x).all(|(b, v)| (b - v).abs() <= step / 2.0 * 1.0001));
+    assert_eq!(back[0], -20.0);
+    assert!(Q8Activations::quantize(&x[..40]).is_err());
+    assert_eq!(Q8Activations::quantize(&[0.0; 32]).unwrap().dequantized(0), vec![0.0; 32]);
+    println!("vnni: {}", has_avx512_vnni());
 }

@@ -22,7 +22,7 @@ use crate::reference::Reference;
 use crate::threads::{ColdThreads, ThreadInputs, ThreadReport};
 use moe_lanes_kernels::cuda::CudaConfig;
 use moe_lanes_kernels::pool::ColdSchedule;
-use moe_lanes_kernels::SimdLevel;
+use moe_lanes_kernels::{DecodeActivations, SimdLevel};
 use serde::Serialize;
 use std::sync::Arc;
 
@@ -78,6 +78,9 @@ pub struct EngineOptions {
     pub cuda: CudaConfig,
     /// A forced SIMD level for the cold lane (`None`: the best exact one for this CPU).
     pub simd: Option<SimdLevel>,
+    /// Activations of the cold pool's one-token decode tiles of quantised experts (`None`: Q8
+    /// where the level has AVX-512 VNNI, else F32; [`DecodeActivations::resolve`]).
+    pub activations: Option<DecodeActivations>,
     /// The GPU engine's cold-pool schedule (changes speed, never results).
     pub cold_schedule: ColdSchedule,
     /// Simulate a smaller GPU: never plan past this many bytes of device memory in use.
@@ -101,6 +104,7 @@ impl EngineOptions {
             gpu: GpuOptions::default(),
             cuda: CudaConfig::default(),
             simd: None,
+            activations: None,
             cold_schedule: ColdSchedule::Auto,
             vram_limit_bytes: None,
             pipeline: PipelineOptions::default(),
@@ -120,6 +124,9 @@ pub struct BuildReport {
     pub cold_threads: usize,
     /// The engine's threads and how they were chosen (also in the perf JSON).
     pub threads: ThreadReport,
+    /// What the cold lane's one-token tiles of quantised experts run with (Q8: 8-bit
+    /// activations on AVX-512 VNNI; F32 on other levels, the plain kernels and the reference).
+    pub activations: DecodeActivations,
     /// The budget planned for, in bytes (after `auto` was resolved).
     pub budget_bytes: Option<u64>,
     pub planned_hit_rate: Option<f64>,
@@ -159,6 +166,7 @@ pub fn build_engine<'m>(
             n_hot_experts: 0,
             cold_threads: 0,
             threads: ThreadReport::default(),
+            activations: DecodeActivations::F32,
             budget_bytes: None,
             planned_hit_rate: None,
             learn_counts: None,
@@ -235,7 +243,7 @@ fn report(
     lists: &[Vec<usize>],
     plan: Plan,
     model: &Model,
-    threads: ThreadReport,
+    (threads, activations): (ThreadReport, DecodeActivations),
 ) -> BuildReport {
     let hot = HotPlan { layers: lists.to_vec(), expert_bytes: model.expert_bytes() as u64, budget_bytes: 0 };
     BuildReport {
@@ -245,6 +253,7 @@ fn report(
         n_hot_experts: hot.n_slots(),
         cold_threads: threads.cold,
         threads,
+        activations,
         budget_bytes: plan.budget_bytes,
         planned_hit_rate: plan.counts.as_ref().map(|c| hot.expected_hit_rate(c)),
         learn_counts: plan.counts,
@@ -264,6 +273,7 @@ fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline,
         perf_mode: opts.perf_mode,
         n_cold_workers,
         simd: opts.simd,
+        activations: opts.activations,
         ..opts.pipeline.clone()
     };
     let mut src = CpuSource { model, opts, base: &base };
@@ -279,7 +289,8 @@ fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline,
         dense: pipeline.dense_threads(),
         chosen_by: opts.cold_threads.into(),
     };
-    Ok((pipeline, report(EngineKind::Pipeline, &lists, plan, model, threads)))
+    let report = report(EngineKind::Pipeline, &lists, plan, model, (threads, pipeline.cold_activations()));
+    Ok((pipeline, report))
 }
 
 struct CpuSource<'a> {
@@ -360,13 +371,14 @@ fn build_gpu(
     let n_cold = opts.cold_threads.resolve(&ThreadInputs { gpu_lane, ..ThreadInputs::this_machine() });
     let mut cold = PoolColdExperts::new(model.clone(), n_cold, opts.simd, opts.cold_schedule)?;
     gm.set_cold_threads(cold.n_threads());
+    cold.set_activations(opts.activations);
     gm.reserve_tokens(n_positions.min(MAX_BATCH_TOKENS))?;
     let mut src = GpuSource { gm: &mut gm, cold: &mut cold, opts, n_positions };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;
     gm.allocate_hot(&HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists))?;
     gm.perf_mut().set_model(ModelFingerprint::of(model));
     let threads = ThreadReport { cold: cold.n_threads(), dense: 0, chosen_by: opts.cold_threads.into() };
-    let report = report(EngineKind::Gpu, &lists, plan, model, threads);
+    let report = report(EngineKind::Gpu, &lists, plan, model, (threads, cold.activations()));
     Ok((GpuEngine::new(model.clone(), gm, cold)?, report))
 }
 

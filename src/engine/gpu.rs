@@ -49,7 +49,11 @@ impl GpuEngine {
     }
 
     fn lose_device(&mut self) -> Result<(), EngineError> {
-        let opts = PipelineOptions { n_cold_workers: self.cold_threads, ..PipelineOptions::default() };
+        let opts = PipelineOptions {
+            n_cold_workers: self.cold_threads,
+            activations: Some(self.cold.activations()),
+            ..PipelineOptions::default()
+        };
         self.cpu = Some(Pipeline::new(self.model.clone(), opts)?);
         Ok(())
     }

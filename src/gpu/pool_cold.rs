@@ -10,7 +10,7 @@ use crate::model::adapter::FfnActivation;
 use crate::model::Model;
 use crate::moe::expert_groups::{ExpertGroups, GroupRun};
 use moe_lanes_kernels::pool::ColdSchedule;
-use moe_lanes_kernels::{Activation, ColdPool, KernelError, SimdLevel};
+use moe_lanes_kernels::{Activation, ColdPool, DecodeActivations, KernelError, SimdLevel};
 use std::sync::Arc;
 
 /// Why the pool cold lane cannot serve a model.
@@ -25,6 +25,7 @@ pub struct PoolColdExperts {
     model: Arc<Model>,
     pool: ColdPool,
     level: SimdLevel,
+    activations: DecodeActivations,
     act: Activation,
     groups: ExpertGroups,
     /// Routed slots per `[layer][expert]` seen by this lane (learn passes read it).
@@ -48,6 +49,7 @@ impl PoolColdExperts {
             FfnActivation::Gelu => Activation::Gelu,
         };
         let c = model.config().clone();
+        let level = crate::moe::expert_math::cold_simd_level(simd)?;
         Ok(PoolColdExperts {
             model,
             pool: {
@@ -55,12 +57,25 @@ impl PoolColdExperts {
                 pool.set_schedule(schedule);
                 pool
             },
-            level: crate::moe::expert_math::cold_simd_level(simd)?,
+            level,
+            activations: DecodeActivations::resolve(None, level),
             act,
             groups: ExpertGroups::new(c.n_experts),
             expert_counts: vec![vec![0; c.n_experts]; c.n_layers],
             slots_computed: 0,
         })
+    }
+
+    /// Sets the activations of the one-token decode tiles (`None`: the default for the level,
+    /// [`DecodeActivations::resolve`]); they change results within the 8-bit rounding.
+    pub fn set_activations(&mut self, requested: Option<DecodeActivations>) {
+        self.activations = DecodeActivations::resolve(requested, self.level);
+    }
+
+    /// The activations the one-token tiles of quantised experts run with (Q8 only where
+    /// requested and the level has AVX-512 VNNI).
+    pub fn activations(&self) -> DecodeActivations {
+        if self.activations.is_q8_at(self.level) { DecodeActivations::Q8 } else { DecodeActivations::F32 }
     }
 
     pub fn n_threads(&self) -> usize {
@@ -92,7 +107,7 @@ impl ColdExperts for PoolColdExperts {
             return Ok(());
         }
         self.group_by_expert(layer_idx, slots);
-        let run = GroupRun { level: self.level, act: self.act, layer_idx, x: hidden_rows };
+        let run = GroupRun { level: self.level, activations: self.activations, act: self.act, layer_idx, x: hidden_rows };
         let all = self.pool.n_threads();
         let result = self.groups.run(&self.model, &run, &mut self.pool, all, out_rows);
         result.map_err(|source| ColdError::Kernel { layer_idx, source })?;

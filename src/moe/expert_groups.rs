@@ -9,7 +9,7 @@
 use crate::model::Model;
 use crate::moe::expert_math::kernel_dtype;
 use moe_lanes_kernels::{
-    Activation, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KernelError, SimdLevel,
+    Activation, ColdExpertWork, ColdJob, ColdPool, DecodeActivations, ExpertWeights, KernelError, SimdLevel,
 };
 
 /// Per expert the rows routed to it in the current layer and their weights; the experts with
@@ -24,6 +24,8 @@ pub struct ExpertGroups {
 /// What a grouped layer runs with: kernels level, activation, inputs `[rows, hidden]`.
 pub struct GroupRun<'a> {
     pub level: SimdLevel,
+    /// Activations of the one-token decode tiles of quantised experts (Q8: 8-bit, VNNI).
+    pub activations: DecodeActivations,
     pub act: Activation,
     pub layer_idx: usize,
     pub x: &'a [f32],
@@ -87,7 +89,15 @@ impl ExpertGroups {
                 token_weight: &self.token_weight[e],
             });
         }
-        let job = ColdJob { level: run.level, act: run.act, hidden, ff, x: run.x, experts: &work };
+        let job = ColdJob {
+            level: run.level,
+            activations: run.activations,
+            act: run.act,
+            hidden,
+            ff,
+            x: run.x,
+            experts: &work,
+        };
         let result = pool.run_on(participants, &job, out);
         self.work_storage = unrecycle(work);
         result

@@ -39,7 +39,7 @@ use crate::moe::profile::{mark, CpuProfiler};
 use crate::moe::routing::{Router, RouterOptions};
 use crate::reference::ForwardError;
 use moe_lanes_kernels::{
-    par_chunks_mut, AttentionInput, AttentionShape, DenseMatrix, KernelError, MatmulPart,
+    par_chunks_mut, AttentionInput, AttentionShape, DecodeActivations, DenseMatrix, KernelError, MatmulPart,
 };
 use std::sync::Arc;
 use std::time::Instant;
@@ -125,6 +125,10 @@ pub struct PipelineOptions {
     pub cold_kernels: ColdKernels,
     /// A forced SIMD level for the SIMD cold kernels (`None`: the best exact one).
     pub simd: Option<moe_lanes_kernels::SimdLevel>,
+    /// Activations of the pool cold lane's one-token decode tiles of quantised experts (`None`:
+    /// [`moe_lanes_kernels::DecodeActivations::resolve`]'s default for the level). The
+    /// lane-actor cold kernels (no pool lane) keep f32 activations.
+    pub activations: Option<moe_lanes_kernels::DecodeActivations>,
     pub switches: PolicySwitches,
     pub max_batch_tokens: usize,
     pub fault: FaultInjection,
@@ -143,6 +147,7 @@ impl Default for PipelineOptions {
             perf_mode: PerfMode::Full,
             cold_kernels: ColdKernels::Simd,
             simd: None,
+            activations: None,
             switches: PolicySwitches::default(),
             max_batch_tokens: MAX_BATCH_TOKENS,
             fault: FaultInjection::default(),
@@ -320,7 +325,7 @@ impl Pipeline {
         };
         let pool_lane =
             (options.pool_cold && options.driver_cold && options.cold_kernels == ColdKernels::Simd)
-                .then(|| PoolLane::new(model.clone(), level));
+                .then(|| PoolLane::new(model.clone(), level, DecodeActivations::resolve(options.activations, level)));
         // With the pool lane the driver alone is the lane set's cold participant.
         let (lane_workers, cold_threads) = match pool_lane {
             Some(_) => (1, options.n_cold_workers.clamp(1, dense.n_threads())),
@@ -402,6 +407,12 @@ impl Pipeline {
     /// threads that take cold work).
     pub fn cold_threads(&self) -> usize {
         self.cold_threads
+    }
+
+    /// The activations of the cold lane's one-token tiles of quantised experts: the pool lane's
+    /// setting, F32 without the pool lane (the lane-actor kernels keep f32).
+    pub fn cold_activations(&self) -> DecodeActivations {
+        self.pool_lane.as_ref().map_or(DecodeActivations::F32, PoolLane::activations)
     }
 
     /// The per-stage profile's table, when it is recorded ([`PipelineOptions::profile`]).

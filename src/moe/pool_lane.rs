@@ -13,7 +13,7 @@ use crate::model::adapter::FfnActivation;
 use crate::model::Model;
 use crate::moe::expert_groups::{ExpertGroups, GroupRun};
 use crate::moe::worklist::Worklist;
-use moe_lanes_kernels::{Activation, ColdPool, KernelError, SimdLevel};
+use moe_lanes_kernels::{Activation, ColdPool, DecodeActivations, KernelError, SimdLevel};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -21,20 +21,28 @@ use std::sync::Arc;
 pub struct PoolLane {
     model: Arc<Model>,
     level: SimdLevel,
+    activations: DecodeActivations,
     act: Activation,
     groups: ExpertGroups,
 }
 
 impl PoolLane {
     /// The pool's kernels read every expert dtype (floats and GGML blocks, per matrix).
-    pub fn new(model: Arc<Model>, level: SimdLevel) -> PoolLane {
+    /// `activations`: of the one-token decode tiles of quantised experts.
+    pub fn new(model: Arc<Model>, level: SimdLevel, activations: DecodeActivations) -> PoolLane {
         let act = match model.adapter().activation {
             FfnActivation::Silu => Activation::Silu,
             // The plain kernel's GELU is the tanh form; all cold kernels agree on it.
             FfnActivation::Gelu => Activation::GeluTanh,
         };
         let groups = ExpertGroups::new(model.config().n_experts);
-        PoolLane { model, level, act, groups }
+        PoolLane { model, level, activations, act, groups }
+    }
+
+    /// The activations the one-token tiles of quantised experts run with here (Q8 only where
+    /// requested and the level has AVX-512 VNNI).
+    pub fn activations(&self) -> DecodeActivations {
+        if self.activations.is_q8_at(self.level) { DecodeActivations::Q8 } else { DecodeActivations::F32 }
     }
 
     /// For the cold entries `range` of `wl` (layer `layer_idx`, inputs `x`: `[n_tokens, hidden]`),
@@ -54,7 +62,7 @@ impl PoolLane {
         for i in range {
             self.groups.push(wl.cold_id[i] as usize, wl.cold_token_id[i], wl.cold_weight[i]);
         }
-        let run = GroupRun { level: self.level, act: self.act, layer_idx, x };
+        let run = GroupRun { level: self.level, activations: self.activations, act: self.act, layer_idx, x };
         self.groups.run(&self.model, &run, pool, participants, token_rows)
     }
 }

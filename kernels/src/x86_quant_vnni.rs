@@ -1,0 +1,265 @@
+//! AVX-512 VNNI fused one-token decode tiles with 8-bit activations ([`crate::q8`]): the raw
+//! weight levels (u8: 0..16, 0..32, 0..64; Q8_0's i8 plus 128) dotted against the int8
+//! activations with `vpdpbusd` (u8 x i8 -> i32, four products per lane), the weight and
+//! activation scales applied once per (sub-)block in f32.
+//!
+//! Offsets are folded into the integer accumulator's start: Q6_K's 32, Q4_0's 8 and Q8_0's 128
+//! times the activations' sums per four values (one `vpdpbusd` per block, shared by the rows).
+//! The K-quant mins go as one 16-lane product `[d sc_j | dmin m_j] * [d_x,j | sum_x,j]`, the
+//! min lanes subtracted. Per block the activations are prepared once for the tile's rows
+//! ([`XBlock`]); Q4_K/Q5_K read them paired by sub-block as their nibbles come (sub-blocks
+//! `4q, 4q+2` from the low nibbles of 64 bytes, `4q+1, 4q+3` from the high ones), Q6_K in
+//! column order (the levels of `q6_levels`). The results differ from the exact dot of the
+//! dequantised weights with f32 `x` by the activation rounding (bound in [`crate::q8`]) and f32
+//! rounding of the scale products.
+
+use std::arch::x86_64::*;
+
+use crate::q8::Q8Row;
+use crate::weights::WeightDType;
+
+use super::avx512::{half_splat, k_coefficients, q6_levels};
+use super::{prefetch_rows_through, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
+
+/// Two accumulators per row (halves of a block alternate between them).
+type Acc = [__m512; 2];
+
+/// One block's activations prepared for the rows of a tile: `v` the int8 values (per 64
+/// columns, in the order the type's levels come; the 32-value types use `v[0]`'s low half),
+/// `off` the accumulator start per lane (minus the type's offset times the four values' sum),
+/// `f` the activation scales (per type: see [`prepare`]).
+struct XBlock {
+    v: [__m512i; 4],
+    off: [__m512i; 4],
+    f: __m512,
+}
+
+/// `-(k * (x summed per four bytes))` per i32 lane of `v` (k < 256 as the u8 operand).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn neg_offset(k: i8, v: __m512i) -> __m512i {
+    _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(k), v))
+}
+
+/// 32 int8 activations at `lo` in the low half, 32 at `hi` in the high half.
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn pair(lo: *const i8, hi: *const i8) -> __m512i {
+    // SAFETY: the caller vouches for 32 readable bytes at each pointer.
+    unsafe {
+        _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_loadu_si256(lo as *const __m256i)),
+            _mm256_loadu_si256(hi as *const __m256i),
+        )
+    }
+}
+
+/// Block `blk`'s activations of `x` prepared for type `Q` (see [`XBlock`]): Q4_K/Q5_K `v[2q]` =
+/// sub-blocks `4q | 4q+2`, `v[2q+1]` = `4q+1 | 4q+3`, `f` = `[d_x,j (8) | sum_x,j (8)]`; Q6_K
+/// `v[g]` columns `64g..64g+64`, `off` minus 32 sums, `f` lane s = `d_x` of sub-block s (16
+/// values); Q4_0/Q8_0 `v[0]` the 32 values, `off[0]` minus 8 / 128 sums, `f` = `d_x` (all lanes).
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn prepare<const Q: u8>(x: Q8Row, blk: usize) -> XBlock {
+    let zero = _mm512_setzero_si512();
+    // SAFETY: block `blk` of the row: its 256 (or 32) values and 8 (or 1) scales and sums lie
+    // inside the caller's row.
+    unsafe {
+        match Q {
+            Q4_K | Q5_K => {
+                let sub = |j: usize| x.qs.add(256 * blk + 32 * j);
+                let v = [pair(sub(0), sub(2)), pair(sub(1), sub(3)), pair(sub(4), sub(6)), pair(sub(5), sub(7))];
+                let f = _mm512_insertf32x8::<1>(
+                    _mm512_castps256_ps512(_mm256_loadu_ps(x.d.add(8 * blk))),
+                    _mm256_loadu_ps(x.sum.add(8 * blk)),
+                );
+                XBlock { v, off: [zero; 4], f }
+            }
+            Q6_K => {
+                let v: [__m512i; 4] = std::array::from_fn(|g| _mm512_loadu_si512(x.qs.add(256 * blk + 64 * g) as *const _));
+                let off = v.map(|v| neg_offset(32, v));
+                let half = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+                let f = _mm512_permutexvar_ps(half, _mm512_castps256_ps512(_mm256_loadu_ps(x.d.add(8 * blk))));
+                XBlock { v, off, f }
+            }
+            _ => {
+                let v = _mm512_castsi256_si512(_mm256_loadu_si256(x.qs.add(32 * blk) as *const __m256i));
+                let off = neg_offset(if Q == Q4_0 { 8 } else { -128 }, v);
+                XBlock { v: [v, zero, zero, zero], off: [off, zero, zero, zero], f: _mm512_set1_ps(*x.d.add(blk)) }
+            }
+        }
+    }
+}
+
+/// Q4_K (`FIFTH` false) or Q5_K block at `b`: per 64 nibble bytes the low and high nibbles
+/// (plus Q5_K's fifth bits, by a byte mask test and a masked add of 16) dotted with `vpdpbusd`,
+/// each result's two sub-blocks scaled by `d sc_j d_x,j` (a lane permute of the block's
+/// products); the mins `dmin m_j sum_x,j` subtracted as one 16-lane product.
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k_asym<const FIFTH: bool>(b: *const u8, x: &XBlock, acc: &mut Acc) {
+    // SAFETY: the caller vouches for one whole block at `b` (144 or 176 bytes).
+    unsafe {
+        let c = _mm512_mul_ps(k_coefficients(b), x.f);
+        acc[1] = _mm512_mask_sub_ps(acc[1], 0xFF00, acc[1], c);
+        let low4 = _mm512_set1_epi8(15);
+        let qh = if FIFTH { _mm512_broadcast_i64x4(_mm256_loadu_si256(b.add(16) as *const __m256i)) } else { low4 };
+        let qs = b.add(if FIFTH { 48 } else { 16 });
+        for q in 0..2 {
+            let raw = _mm512_loadu_si512(qs.add(64 * q) as *const _);
+            let mut lo = _mm512_and_si512(raw, low4);
+            let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4);
+            if FIFTH {
+                let bit = |j: usize| {
+                    let bytes = |j: usize| ((1u64 << j) * 0x0101_0101_0101_0101) as i64;
+                    let (a, c) = (bytes(j), bytes(j + 2));
+                    _mm512_setr_epi64(a, a, a, a, c, c, c, c)
+                };
+                let sixteen = _mm512_set1_epi8(16);
+                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bit(4 * q)), lo, sixteen);
+                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, bit(4 * q + 1)), hi, sixteen);
+            }
+            let zero = _mm512_setzero_si512();
+            let dlo = _mm512_dpbusd_epi32(zero, lo, x.v[2 * q]);
+            let dhi = _mm512_dpbusd_epi32(zero, hi, x.v[2 * q + 1]);
+            let j = 4 * q as i32;
+            let (slo, shi) = (pick2(j, j + 2), pick2(j + 1, j + 3));
+            acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dlo), _mm512_permutexvar_ps(slo, c), acc[0]);
+            acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi), _mm512_permutexvar_ps(shi, c), acc[1]);
+        }
+    }
+}
+
+/// Lane indices: `a` in lanes 0..8, `b` in 8..16.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn pick2(a: i32, b: i32) -> __m512i {
+    _mm512_mask_blend_epi32(0xFF00, _mm512_set1_epi32(a), _mm512_set1_epi32(b))
+}
+
+/// Q6_K block at `b`: the 64 levels per group of `q6_levels` dotted in column order, the
+/// accumulator started at minus 32 times the activation sums; lane j of group g scaled by
+/// `d sc_(4g + j/4) d_x`.
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn q6_k(b: *const u8, x: &XBlock, acc: &mut Acc) {
+    // SAFETY: the caller vouches for one 210-byte block at `b`.
+    unsafe {
+        let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(192) as *const __m128i)));
+        let sc = _mm512_mul_ps(_mm512_mul_ps(half_splat(b.add(208)), sc), x.f);
+        let quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+        for half in 0..2 {
+            let v = q6_levels(b.add(64 * half), b.add(128 + 32 * half));
+            for (h, v) in v.into_iter().enumerate() {
+                let g = 2 * half + h;
+                let dot = _mm512_dpbusd_epi32(x.off[g], v, x.v[g]);
+                let s = _mm512_permutexvar_ps(_mm512_add_epi32(quarter, _mm512_set1_epi32(4 * g as i32)), sc);
+                acc[h] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[h]);
+            }
+        }
+    }
+}
+
+/// Q4_0 (levels: the nibbles, offset 8) or Q8_0 (levels: i8 + 128) block at `b`: one 256-bit
+/// `vpdpbusd`, scaled by `d d_x`.
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn small_block<const Q: u8>(b: *const u8, x: &XBlock, acc: &mut Acc) {
+    // SAFETY: the caller vouches for one 18- or 34-byte block at `b`.
+    unsafe {
+        let w = if Q == Q4_0 {
+            let q = _mm_loadu_si128(b.add(2) as *const __m128i);
+            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), _mm256_set1_epi8(15))
+        } else {
+            _mm256_xor_si256(_mm256_loadu_si256(b.add(2) as *const __m256i), _mm256_set1_epi8(-128))
+        };
+        let dot = _mm256_dpbusd_epi32(_mm512_castsi512_si256(x.off[0]), w, _mm512_castsi512_si256(x.v[0]));
+        let s = _mm512_mul_ps(half_splat(b), x.f);
+        acc[0] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(dot)), s, acc[0]);
+    }
+}
+
+/// One block of type `Q` at `b` against its prepared activations.
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn block<const Q: u8>(b: *const u8, x: &XBlock, acc: &mut Acc) {
+    // SAFETY: forwarded from the caller (one whole block, the CPU features of this module).
+    unsafe {
+        match Q {
+            Q4_K => k_asym::<false>(b, x, acc),
+            Q5_K => k_asym::<true>(b, x, acc),
+            Q6_K => q6_k(b, x, acc),
+            _ => small_block::<Q>(b, x, acc),
+        }
+    }
+}
+
+/// `out[r] = dot(row r, x)` for `R` quantised rows of `cols` values (whole blocks of `Q`),
+/// block by block across the rows, the block's activations prepared once for all rows,
+/// prefetching the next row block's lines as it goes.
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn fused_rows<const Q: u8, const R: usize>(
+    dtype: WeightDType,
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    x: Q8Row,
+    cols: usize,
+    out: &mut [f32],
+) {
+    let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+    let rows: [*const u8; R] = std::array::from_fn(|r| rows[r]);
+    // SAFETY: a non-null `prefetch_rows` holds R pointers (the caller's contract).
+    let next: Option<[*const u8; R]> =
+        (!prefetch_rows.is_null()).then(|| std::array::from_fn(|r| unsafe { *prefetch_rows.add(r) }));
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    let mut prefetched = 0;
+    for blk in 0..cols / be {
+        // SAFETY: block `blk`'s activations lie inside the row `x` (`cols` values).
+        let xb = unsafe { prepare::<Q>(x, blk) };
+        for r in 0..R {
+            // SAFETY: block `blk` lies inside row r (`cols` whole blocks); the CPU features are
+            // this function's.
+            unsafe { block::<Q>(rows[r].add(blk * bb), &xb, &mut acc[r]) };
+        }
+        if let Some(next) = &next {
+            prefetch_rows_through(next, &mut prefetched, (blk + 1) * bb);
+        }
+    }
+    for r in 0..R {
+        out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    }
+}
+
+/// The fused one-token tile with 8-bit activations for 8 or 1 rows (`out[r] = dot(row r, x)`),
+/// or false (nothing done) for any other row count or type.
+///
+/// # Safety
+/// The CPU must support AVX-512F, BW, VL, VNNI, AVX2, FMA and F16C; every `rows[r]` must address
+/// `dtype.row_bytes(cols)` readable bytes (`cols` whole blocks of the quantised `dtype`), `x`
+/// one quantised row of `cols` values; `out` must hold `rows.len()` values; `prefetch_rows`
+/// null or `rows.len()` pointers (hints only, never dereferenced).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn decode_tile(
+    dtype: WeightDType,
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    x: Q8Row,
+    cols: usize,
+    out: &mut [f32],
+) -> bool {
+    dispatch_decode_tile!(fused_rows, dtype, rows, prefetch_rows, x, cols, out)
+}
