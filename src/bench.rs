@@ -163,8 +163,9 @@ pub struct BenchReport {
     /// The engine's threads and how the cold count was chosen (`auto` or `fixed`).
     pub threads: crate::threads::ThreadReport,
     pub simd: String,
-    /// The cold lane's one-token tiles of quantised experts: `q8` (8-bit activations, AVX-512
-    /// VNNI) or `f32` (the engine's build report; `--activations`, `MOE_LANES_Q8_ACTIVATIONS`).
+    /// The cold lane's one-token tiles of quantised experts: `auto` (8-bit activations except
+    /// for Q8_0, AVX-512 VNNI), `q8` (8-bit for every quantised type) or `f32` (the engine's
+    /// build report; `--activations`, `MOE_LANES_Q8_ACTIVATIONS`).
     pub activations: moe_lanes_kernels::DecodeActivations,
     /// What generation fed back: "random" token ids (default) or the "greedy" tokens.
     pub tg_feed: &'static str,
@@ -395,8 +396,11 @@ impl BenchReport {
             crate::threads::ThreadChoice::Fixed => "fixed",
         };
         out += &format!(
-            "cold lane     {} threads ({chosen}), {}, {} activations (quantised experts)\n",
-            t.cold, self.simd, self.activations
+            "cold lane     {} threads ({chosen}), {}, activations {} ({})\n",
+            t.cold,
+            self.simd,
+            self.activations,
+            self.activations.describe()
         );
         if t.dense > 0 {
             out += &format!("dense stage   {} threads\n", t.dense);

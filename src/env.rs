@@ -5,7 +5,7 @@
 //! | variable | effect |
 //! |---|---|
 //! | `MOE_LANES_SIMD` | force the cold lane's SIMD level (`scalar`, `avx2`, `avx512`, `avx512bf16`) |
-//! | `MOE_LANES_Q8_ACTIVATIONS` | `1`: 8-bit activations in the cold pool's one-token tiles of quantised experts (AVX-512 VNNI); `0`: f32 (unset: the level's default, Q8 with VNNI) |
+//! | `MOE_LANES_Q8_ACTIVATIONS` | the cold pool's one-token tiles of quantised experts (AVX-512 VNNI): `1` 8-bit activations for every quantised type, `0` f32, `auto` (the default with VNNI) 8-bit except for Q8_0 |
 //! | `MOE_LANES_COLD_SCHEDULE` | the GPU engine's cold-pool schedule (`auto`, `phased`, `pipelined`) |
 //! | `MOE_LANES_CUDA_DEVICE` | CUDA device ordinal (default 0) |
 //! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |
@@ -63,13 +63,14 @@ pub fn simd_override() -> Result<Option<SimdLevel>, EnvError> {
         .transpose()
 }
 
-/// `MOE_LANES_Q8_ACTIVATIONS`: `1` Q8, `0` F32, unset `None` (the level's default).
+/// `MOE_LANES_Q8_ACTIVATIONS`: `1` Q8, `0` F32, `auto` Auto; unset `None` (the level's default).
 pub fn q8_activations() -> Result<Option<DecodeActivations>, EnvError> {
     var("MOE_LANES_Q8_ACTIVATIONS")
         .map(|v| match v.trim() {
             "1" => Ok(DecodeActivations::Q8),
             "0" => Ok(DecodeActivations::F32),
-            _ => Err(bad("MOE_LANES_Q8_ACTIVATIONS", &v, "0 or 1")),
+            "auto" => Ok(DecodeActivations::Auto),
+            _ => Err(bad("MOE_LANES_Q8_ACTIVATIONS", &v, "0, 1 or auto")),
         })
         .transpose()
 }

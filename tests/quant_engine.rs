@@ -6,7 +6,8 @@
 //! models (largest error here about 5e-7); with 8-bit activations (the default with AVX-512
 //! VNNI) the prefill and decode logits stay within 1e-2 (largest here 1.7e-3 to 2.7e-3 over the
 //! mixes, printed by the test), greedy generation is still identical, and the logits differ
-//! from the f32 run's exactly where VNNI runs the 8-bit tiles. The GPU engine runs every mix at hot caches none / half / all
+//! from the f32 run's exactly where VNNI runs the 8-bit tiles; the default (`auto`) gives the
+//! f32 run's logits for Q8_0 experts and the q8 run's for the others. The GPU engine runs every mix at hot caches none / half / all
 //! (quantised experts cached in their file format) within stated tolerances of the reference:
 //! tight where it dequantises in registers (decode, short prompts), looser for a long prompt's
 //! tensor-core prefill.
@@ -72,29 +73,29 @@ fn prompt_logits(engine: &mut dyn Engine, prompt: &[u32]) -> Vec<Vec<f32>> {
     rows
 }
 
-/// The pipeline with `activations` against the reference on every prompt: logits within
-/// `tolerance` (returns the largest error and the logits), greedy tokens identical.
+/// The pipeline with `activations` (`None`: the default) against the reference on every
+/// prompt: logits within `tolerance` (returns the largest error and the logits), greedy tokens
+/// identical, and the build report names what ran.
 fn pipeline_against_reference(
     model: &Arc<Model>,
     reference: &mut dyn Engine,
-    activations: DecodeActivations,
+    activations: Option<DecodeActivations>,
     tolerance: f64,
 ) -> (f64, Vec<Vec<f32>>) {
-    let opts = EngineOptions { activations: Some(activations), ..options(Some(EngineKind::Pipeline)) };
+    let opts = EngineOptions { activations, ..options(Some(EngineKind::Pipeline)) };
     let (mut pipeline, report) = build_engine(model, opts).unwrap();
     assert_eq!(report.kind, EngineKind::Pipeline);
-    let q8_here = activations == DecodeActivations::Q8 && SimdLevel::detect().has_q8_dot();
-    let in_effect = if q8_here { DecodeActivations::Q8 } else { DecodeActivations::F32 };
-    assert_eq!(report.activations, in_effect);
+    let what = DecodeActivations::resolve(activations, SimdLevel::detect());
+    assert_eq!(report.activations, what);
     let (mut largest, mut all) = (0.0f64, Vec::new());
     for prompt in PROMPTS {
         let (want, got) = (prompt_logits(reference, prompt), prompt_logits(pipeline.as_mut(), prompt));
         for (row, (g, w)) in got.iter().zip(&want).enumerate() {
             let error = relative_error(g, w);
-            assert!(error <= tolerance, "{activations} row {row}: relative error {error:e}");
+            assert!(error <= tolerance, "{what} row {row}: relative error {error:e}");
             largest = largest.max(error);
         }
-        assert_eq!(pipeline.generate(prompt, 6).unwrap(), reference.generate(prompt, 6).unwrap(), "{activations}");
+        assert_eq!(pipeline.generate(prompt, 6).unwrap(), reference.generate(prompt, 6).unwrap(), "{what}");
         all.extend(got);
     }
     (largest, all)
@@ -102,20 +103,25 @@ fn pipeline_against_reference(
 
 #[test]
 fn every_mix_runs_on_the_pipeline_within_tolerance_of_the_reference() {
+    use DecodeActivations::{F32, Q8};
     let dir = tempfile::tempdir().unwrap();
     let q8_here = SimdLevel::detect().has_q8_dot();
     for mix in QuantMix::ALL {
         let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", mix)).unwrap());
         let types: Vec<DType> = model.tensor_list().iter().map(|t| t.1).collect();
         assert!(types.contains(&mix.default_type()), "{mix}: {types:?}");
+        let q8_0_experts = model.tensor_list().iter().any(|t| t.0.contains("_exps") && t.1 == DType::Q8_0);
         let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
-        let (f32_error, f32_logits) =
-            pipeline_against_reference(&model, reference.as_mut(), DecodeActivations::F32, LOGITS_TOLERANCE);
-        let (q8_error, q8_logits) =
-            pipeline_against_reference(&model, reference.as_mut(), DecodeActivations::Q8, Q8_LOGITS_TOLERANCE);
+        let reference = reference.as_mut();
+        let (f32_error, f32_logits) = pipeline_against_reference(&model, reference, Some(F32), LOGITS_TOLERANCE);
+        let (q8_error, q8_logits) = pipeline_against_reference(&model, reference, Some(Q8), Q8_LOGITS_TOLERANCE);
+        let (_, default_logits) = pipeline_against_reference(&model, reference, None, Q8_LOGITS_TOLERANCE);
         println!("{mix}: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e} (vnni: {q8_here})");
         // Where VNNI runs them, the 8-bit tiles were taken: their rounding shows in the logits.
         assert_eq!(q8_logits != f32_logits, q8_here, "{mix}");
+        // The default (auto) keeps Q8_0 experts f32 and takes the other types 8-bit.
+        let expected = if q8_0_experts { &f32_logits } else { &q8_logits };
+        assert!(default_logits == *expected, "{mix}: the default is auto");
     }
 }
 

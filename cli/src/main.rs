@@ -283,8 +283,9 @@ struct EngineArgs {
     /// Post-Fetch: a line per prefill layer with the decision on stderr.
     #[arg(long)]
     postfetch_debug: bool,
-    /// Activations of the cold pool's one-token tiles of quantised experts: f32 or q8 (8-bit,
-    /// AVX-512 VNNI; default: MOE_LANES_Q8_ACTIVATIONS or q8 where the level has VNNI).
+    /// Activations of the cold pool's one-token tiles of quantised experts (AVX-512 VNNI): f32,
+    /// q8 (8-bit for every quantised type) or auto (8-bit except for Q8_0; the default with
+    /// VNNI, unless MOE_LANES_Q8_ACTIVATIONS says otherwise).
     #[arg(long)]
     activations: Option<String>,
     /// Context size in positions (prompt + generated tokens). Default: the model's trained
@@ -310,8 +311,9 @@ struct BenchKernelsArgs {
     /// Expert weight type: bf16 (default), f16, f32, q8_0, q4_0, q4_k, q5_k or q6_k.
     #[arg(long)]
     dtype: Option<String>,
-    /// Activations of the one-token tiles of quantised weights: f32 or q8 (8-bit, AVX-512
-    /// VNNI; default: MOE_LANES_Q8_ACTIVATIONS or q8 where the level has VNNI).
+    /// Activations of the one-token tiles of quantised weights (AVX-512 VNNI): f32, q8 (8-bit
+    /// for every quantised type) or auto (8-bit except for Q8_0; the default with VNNI, unless
+    /// MOE_LANES_Q8_ACTIVATIONS says otherwise).
     #[arg(long)]
     activations: Option<String>,
 }

@@ -1,6 +1,6 @@
 //! `moe-lanes quantize` and `synth --quant` through the real binary: a quantised file runs on
 //! the pipeline engine with the reference's greedy tokens and logits within 1e-4 (normwise
-//! relative, per row) with `--activations f32`, within 1e-2 with `--activations q8` (8-bit
+//! relative, per row) with `--activations f32`, within 1e-2 with `q8` and `auto` (8-bit
 //! activations where the CPU has AVX-512 VNNI; about 3e-3 here); bad input fails cleanly and
 //! leaves no output file behind.
 
@@ -51,7 +51,7 @@ fn quantize_then_run_on_the_pipeline_like_the_reference() {
         assert!(text.contains(if mix == "q8_0" { "Q8_0" } else { "Q4_K" }), "{text}");
         let reference = ["--engine", "reference"];
         let want = logits(p(&out), &reference);
-        for (activations, tolerance) in [("f32", 1e-4), ("q8", 1e-2)] {
+        for (activations, tolerance) in [("f32", 1e-4), ("q8", 1e-2), ("auto", 1e-2)] {
             let pipeline = ["--engine", "pipeline", "--activations", activations];
             for (w, g) in want.iter().zip(&logits(p(&out), &pipeline)) {
                 let diff: f64 = w.iter().zip(g).map(|(a, b)| ((a - b) as f64).powi(2)).sum();

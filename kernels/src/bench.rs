@@ -67,7 +67,7 @@ pub struct KernelBenchOptions {
     /// Element type of the expert weights; default BF16. Quantised types get random blocks
     /// with sane f16 scales.
     pub dtype: Option<WeightDType>,
-    /// Activations of the quantised one-token tiles; default: Q8 where the level has VNNI.
+    /// Activations of the quantised one-token tiles; default: Auto where the level has VNNI.
     pub activations: Option<DecodeActivations>,
 }
 
@@ -75,7 +75,8 @@ pub struct KernelBenchOptions {
 #[derive(Debug, Clone, Serialize)]
 pub struct KernelBenchReport {
     pub simd: SimdLevel,
-    /// Activations the one-token tiles of quantised weights ran with (Q8 only on VNNI levels).
+    /// Activations the one-token tiles of quantised weights ran with (Q8 or Auto only on VNNI
+    /// levels).
     pub activations: DecodeActivations,
     /// Element type of the expert weights (bytes/s count the bytes of this type).
     pub dtype: WeightDType,
@@ -557,7 +558,7 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
 
     Ok(KernelBenchReport {
         simd: level,
-        activations: if activations.is_q8_at(level) { DecodeActivations::Q8 } else { DecodeActivations::F32 },
+        activations,
         threads: pool.n_threads(),
         read_gbs,
         read_simd,

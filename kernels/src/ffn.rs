@@ -44,6 +44,7 @@ const _: () =
 /// # Safety
 /// `level` must be supported by this CPU; pointer contract as [`scalar::tile`].
 #[inline]
+#[allow(clippy::too_many_arguments)]
 unsafe fn run_tile(
     level: SimdLevel,
     dtype: WeightDType,
@@ -189,6 +190,7 @@ pub(crate) unsafe fn dot_tiles(
 /// # Safety
 /// `level` supported; `weights` validated; `token_ptr(t)` addresses `hidden` f32; `h_base`
 /// addresses `n_tokens * ff` writable f32 not read or written by anyone else in `ff_rows`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn gate_up_unchecked(
     level: SimdLevel,
     weights: &ExpertWeights<'_>,
@@ -241,6 +243,7 @@ pub(crate) unsafe fn gate_up_unchecked(
 /// # Safety
 /// `level` supported; `weights` validated; `h_base` addresses `n_tokens * ff` f32;
 /// `out_row_ptr(t)` addresses `hidden` f32 whose `hidden_rows` nobody else touches meanwhile.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn down_unchecked(
     level: SimdLevel,
     weights: &ExpertWeights<'_>,
@@ -260,6 +263,7 @@ pub(crate) unsafe fn down_unchecked(
 ///
 /// # Safety
 /// As [`down_unchecked`].
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn down_store_unchecked(
     level: SimdLevel,
     weights: &ExpertWeights<'_>,
@@ -279,6 +283,7 @@ pub(crate) unsafe fn down_store_unchecked(
 /// # Safety
 /// As [`down_unchecked`].
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 unsafe fn down_rows<const ACCUMULATE: bool>(
     level: SimdLevel,
     weights: &ExpertWeights<'_>,

@@ -127,9 +127,10 @@ pub struct ColdExpertWork<'a> {
 #[derive(Debug, Clone, Copy)]
 pub struct ColdJob<'a> {
     pub level: SimdLevel,
-    /// Activations of the one-token decode tiles: [`DecodeActivations::Q8`] quantises `x` (the
-    /// rows of experts with one token) and those experts' `h` to 8 bits once per call and runs
-    /// the VNNI tiles where the level has VNNI; F32 (or no VNNI) keeps f32 activations.
+    /// Activations of the one-token decode tiles: [`DecodeActivations::Q8`] (or `Auto`, for the
+    /// types it picks) quantises `x` (the rows of experts with one token) and those experts' `h`
+    /// to 8 bits once per call and runs the VNNI tiles where the level has VNNI; F32 (or no
+    /// VNNI) keeps f32 activations.
     pub activations: DecodeActivations,
     pub act: Activation,
     pub hidden: usize,
@@ -210,6 +211,13 @@ struct Q8Scratch {
     h: (*mut i8, *mut f32, *mut f32),
 }
 
+/// Whether `expert`'s gate/up and its down take 8-bit activations under `activations`: one
+/// token, and a type the setting takes 8-bit (the level's VNNI is checked per job).
+fn q8_expert(activations: DecodeActivations, expert: &ColdExpertWork<'_>) -> (bool, bool) {
+    let one = expert.token_idx.len() == 1;
+    (one && activations.q8_for(expert.weights.dtype), one && activations.q8_for(expert.weights.down_dtype))
+}
+
 /// Row `row` (of `cols` values) of a quantised buffer's base pointers.
 fn q8_row(base: (*mut i8, *mut f32, *mut f32), row: usize, cols: usize) -> Q8Row {
     let b = row * cols / Q8_BLOCK;
@@ -221,17 +229,18 @@ fn q8_row(base: (*mut i8, *mut f32, *mut f32), row: usize, cols: usize) -> Q8Row
 }
 
 impl ColdTask<'_> {
-    /// The quantised `x` row of active expert `a`'s token, if it runs 8-bit (one token).
+    /// The quantised `x` row of active expert `a`'s token, if its gate/up run 8-bit (one token,
+    /// a type the setting takes 8-bit).
     fn q8_x(&self, a: usize) -> Option<Q8Row> {
         let expert = &self.job.experts[self.active[a]];
-        let q8 = self.q8.filter(|_| expert.token_idx.len() == 1)?;
+        let q8 = self.q8.filter(|_| q8_expert(self.job.activations, expert).0)?;
         Some(q8_row(q8.x, expert.token_idx[0] as usize, self.job.hidden))
     }
 
-    /// The quantised `h` row of active expert `a`'s slot, if it runs 8-bit (one token).
+    /// The quantised `h` row of active expert `a`'s slot, if its down runs 8-bit.
     fn q8_h(&self, a: usize) -> Option<Q8Row> {
         let expert = &self.job.experts[self.active[a]];
-        let q8 = self.q8.filter(|_| expert.token_idx.len() == 1)?;
+        let q8 = self.q8.filter(|_| q8_expert(self.job.activations, expert).1)?;
         Some(q8_row(q8.h, self.slot_start[a], self.job.ff))
     }
 
@@ -547,11 +556,13 @@ impl ColdPool {
         dispatch(&self.shared, &task)
     }
 
-    /// For 8-bit activations ([`ColdJob::activations`] Q8 on a VNNI level): room for the
-    /// quantised `x` and `h` rows, and the rows of `x` that one-token experts read quantised
-    /// (each once); `None` for f32 activations.
+    /// For 8-bit activations ([`ColdJob::activations`] Q8 or Auto on a VNNI level, and an
+    /// expert that takes them): room for the quantised `x` and `h` rows, and the rows of `x`
+    /// that one-token experts read quantised (each once); `None` when nothing runs 8-bit.
     fn prepare_q8(&mut self, job: &ColdJob<'_>, slots: usize) -> Result<Option<Q8Scratch>, KernelError> {
-        if !job.activations.is_q8_at(job.level)
+        let activations = job.activations.at(job.level);
+        let uses = |e: &ColdExpertWork<'_>| q8_expert(activations, e);
+        if !job.experts.iter().any(|e| uses(e) != (false, false))
             || !job.hidden.is_multiple_of(Q8_BLOCK)
             || !job.ff.is_multiple_of(Q8_BLOCK)
         {
@@ -562,7 +573,7 @@ impl ColdPool {
         self.q8_h.reserve_rows(slots, job.ff)?;
         // A small cache of rows done (a row quantised twice gives the same bytes; decode has one).
         let mut done = [usize::MAX; 8];
-        for expert in job.experts.iter().filter(|e| e.token_idx.len() == 1) {
+        for expert in job.experts.iter().filter(|e| uses(e).0) {
             let t = expert.token_idx[0] as usize;
             if done.contains(&t) {
                 continue;

@@ -16,6 +16,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::KernelError;
+use crate::weights::WeightDType;
 
 /// Values per activation block (the scale `d` and `sum` are per block).
 pub const Q8_BLOCK: usize = 32;
@@ -27,38 +28,64 @@ pub enum DecodeActivations {
     /// f32 activations (dequantised weights times f32; f32 rounding only).
     #[default]
     F32,
-    /// 8-bit activations against the raw weight levels (`vpdpbusd`, AVX-512 VNNI): faster, with
-    /// the rounding bound of the module docs. Levels without VNNI run F32.
+    /// 8-bit activations against the raw weight levels (`vpdpbusd`, AVX-512 VNNI) for every
+    /// quantised type: faster for most, with the rounding bound of the module docs. Levels
+    /// without VNNI run F32.
     Q8,
+    /// 8-bit activations for the types they measured faster on (Q4_0, Q4_K, Q5_K, Q6_K), f32
+    /// for Q8_0, whose f32 tile runs as fast (near the read bandwidth; benches/RESULTS.md). The
+    /// default where the level has VNNI.
+    Auto,
 }
 
 impl DecodeActivations {
-    /// `f32` or `q8`.
+    /// `f32`, `q8` or `auto`.
     pub fn name(self) -> &'static str {
         match self {
             DecodeActivations::F32 => "f32",
             DecodeActivations::Q8 => "q8",
+            DecodeActivations::Auto => "auto",
         }
     }
 
-    /// Parses `f32` or `q8` (case-insensitive).
+    /// Parses `f32`, `q8` or `auto` (case-insensitive).
     pub fn parse(name: &str) -> Result<DecodeActivations, KernelError> {
         match name.trim().to_ascii_lowercase().as_str() {
             "f32" => Ok(DecodeActivations::F32),
             "q8" => Ok(DecodeActivations::Q8),
+            "auto" => Ok(DecodeActivations::Auto),
             _ => Err(KernelError::UnknownActivations { name: name.to_string() }),
         }
     }
 
-    /// The requested setting, else the default for `level`: Q8 where the level runs the
-    /// integer tiles (AVX-512 with VNNI), F32 elsewhere.
+    /// What runs at `level`: the requested setting (default [`DecodeActivations::Auto`]) where
+    /// the level has the integer tiles (AVX-512 with VNNI), else F32.
     pub fn resolve(requested: Option<DecodeActivations>, level: crate::SimdLevel) -> DecodeActivations {
-        requested.unwrap_or(if level.has_q8_dot() { DecodeActivations::Q8 } else { DecodeActivations::F32 })
+        requested.unwrap_or(DecodeActivations::Auto).at(level)
     }
 
-    /// Whether `level` runs these activations as 8-bit (Q8 requested and the level has VNNI).
-    pub fn is_q8_at(self, level: crate::SimdLevel) -> bool {
-        self == DecodeActivations::Q8 && level.has_q8_dot()
+    /// Which one-token tiles take 8-bit activations, in words (for reports).
+    pub fn describe(self) -> &'static str {
+        match self {
+            DecodeActivations::F32 => "f32 for every type",
+            DecodeActivations::Q8 => "8-bit for every quantised type",
+            DecodeActivations::Auto => "8-bit for Q4_0, Q4_K, Q5_K, Q6_K; f32 for Q8_0",
+        }
+    }
+
+    /// This setting where `level` runs the integer tiles, F32 where it does not.
+    pub fn at(self, level: crate::SimdLevel) -> DecodeActivations {
+        if level.has_q8_dot() { self } else { DecodeActivations::F32 }
+    }
+
+    /// Whether the one-token tiles of `dtype` take 8-bit activations under this setting (the
+    /// level's VNNI is checked apart: [`DecodeActivations::at`]).
+    pub fn q8_for(self, dtype: WeightDType) -> bool {
+        match self {
+            DecodeActivations::F32 => false,
+            DecodeActivations::Q8 => dtype.is_quantized(),
+            DecodeActivations::Auto => dtype.is_quantized() && dtype != WeightDType::Q8_0,
+        }
     }
 }
 

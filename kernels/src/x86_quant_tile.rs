@@ -14,7 +14,7 @@
 //! scales).
 //!
 //! AVX-512 VNNI (`avx512_vnni`, in `x86_quant_vnni.rs`): with 8-bit activations
-//! ([`crate::q8`], [`crate::DecodeActivations::Q8`]) the raw levels are dotted against int8
+//! ([`crate::q8`], [`crate::DecodeActivations`] Q8 or Auto) the raw levels are dotted against int8
 //! activations with `vpdpbusd` and scaled once per (sub-)block; results then differ from the
 //! scalar kernel by the activation rounding (bound in [`crate::q8`]). `ffn::run_tile` takes
 //! that tile when the one-token call comes with a quantised row and the level has VNNI.

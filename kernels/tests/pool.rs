@@ -306,3 +306,45 @@ fn pool_q8_activations_match_reference_within_the_rounding() {
         }
     }
 }
+
+/// `Auto` takes 8-bit activations for every quantised type but Q8_0, per matrix: all-Q8_0
+/// experts give F32's bits, K-quant experts Q8's, and a Q8_0 gate/up with a Q4_K down (gate/up
+/// f32, down 8-bit) stays within the rounding of the reference.
+#[test]
+fn auto_activations_take_8_bits_for_every_type_but_q8_0() {
+    use WeightDType::*;
+    let mut rng = Rng(0x0008_A070);
+    let mut pool = ColdPool::new(2);
+    let level = SimdLevel::detect();
+    for mix in [(Q8_0, Q8_0), (Q4_K, Q6_K), (Q8_0, Q4_K)] {
+        let random = RandomJob::quantized(&mut rng, mix, (512, 256), 1, 3);
+        let work = random.work();
+        let job = |activations| ColdJob {
+            level,
+            activations,
+            act: Activation::Silu,
+            hidden: 512,
+            ff: 256,
+            x: &random.x,
+            experts: &work,
+        };
+        let mut run = |activations| {
+            let mut out = vec![0.0f32; 512];
+            pool.run(&job(activations), &mut out).unwrap();
+            out
+        };
+        let (auto, f32, q8) = (run(DecodeActivations::Auto), run(DecodeActivations::F32), run(DecodeActivations::Q8));
+        let mut reference = vec![0.0; 512];
+        ColdPool::run_reference(&job(DecodeActivations::F32), &mut reference).unwrap();
+        let error = relative_error(&auto, &reference);
+        assert!(error <= Q8_ACTIVATION_TOLERANCE, "{mix:?}: {error:e}");
+        match mix {
+            (Q8_0, Q8_0) => assert_eq!(auto, f32, "{mix:?}"),
+            (Q4_K, Q6_K) => assert_eq!(auto, q8, "{mix:?}"),
+            _ if level.has_q8_dot() => assert!(auto != f32 && auto != q8, "{mix:?}: down 8-bit only"),
+            _ => assert_eq!(auto, f32, "{mix:?}"),
+        }
+    }
+    assert_eq!("auto".parse::<DecodeActivations>().unwrap(), DecodeActivations::Auto);
+    assert!("q4".parse::<DecodeActivations>().is_err());
+}

@@ -72,10 +72,10 @@ impl PoolColdExperts {
         self.activations = DecodeActivations::resolve(requested, self.level);
     }
 
-    /// The activations the one-token tiles of quantised experts run with (Q8 only where
-    /// requested and the level has AVX-512 VNNI).
+    /// The activations the one-token tiles of quantised experts run with (Q8 or Auto only where
+    /// the level has AVX-512 VNNI).
     pub fn activations(&self) -> DecodeActivations {
-        if self.activations.is_q8_at(self.level) { DecodeActivations::Q8 } else { DecodeActivations::F32 }
+        self.activations.at(self.level)
     }
 
     pub fn n_threads(&self) -> usize {

@@ -39,10 +39,10 @@ impl PoolLane {
         PoolLane { model, level, activations, act, groups }
     }
 
-    /// The activations the one-token tiles of quantised experts run with here (Q8 only where
-    /// requested and the level has AVX-512 VNNI).
+    /// The activations the one-token tiles of quantised experts run with here (Q8 or Auto only
+    /// where the level has AVX-512 VNNI).
     pub fn activations(&self) -> DecodeActivations {
-        if self.activations.is_q8_at(self.level) { DecodeActivations::Q8 } else { DecodeActivations::F32 }
+        self.activations.at(self.level)
     }
 
     /// For the cold entries `range` of `wl` (layer `layer_idx`, inputs `x`: `[n_tokens, hidden]`),
