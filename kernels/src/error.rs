@@ -8,8 +8,8 @@ pub enum KernelError {
     /// `MOE_LANES_SIMD` (or a parsed name) is not one of `scalar|avx2|avx512|avx512bf16`.
     #[error("unknown SIMD level name {name:?} (expected scalar, avx2, avx512 or avx512bf16)")]
     UnknownSimdLevel { name: String },
-    /// A decode-activations name (`--activations`) is not `f32` or `q8`.
-    #[error("unknown activations {name:?} (expected f32 or q8)")]
+    /// A decode-activations name (`--activations`) is not `f32`, `q8` or `auto`.
+    #[error("unknown activations {name:?} (expected f32, q8 or auto)")]
     UnknownActivations { name: String },
     /// A SIMD level was requested that this CPU (or this build target) cannot run.
     #[error("SIMD level {level} is not supported by this CPU (available: {available})")]
