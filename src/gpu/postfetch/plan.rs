@@ -84,10 +84,15 @@ pub struct PostFetchOptions {
     pub debug: bool,
 }
 
+/// Off by default: on the H100 machine's 16-layer BF16 file (one lease, 2026-11-24) `auto`
+/// halved the 50%-skewed prefill (pp512 6041 off vs 3842 auto; host staging of the fetched
+/// experts sits before the CPU lane) and moved budget-0 prefill within the noise (off 580 / 525,
+/// auto 725 / 466 t/s); on the 4-layer file it gained at budget 0 (skewed 2120 / 2212 -> 3131 /
+/// 3149). Opt in with `--postfetch auto` until staging leaves the critical path.
 impl Default for PostFetchOptions {
     fn default() -> Self {
         PostFetchOptions {
-            mode: PostFetchMode::Auto,
+            mode: PostFetchMode::Off,
             block_on_miss: true,
             max_transfers: DEFAULT_MAX_TRANSFERS,
             scratch_bytes: DEFAULT_SCRATCH_BYTES,
