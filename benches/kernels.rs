@@ -63,7 +63,15 @@ fn bench_pool_decode(c: &mut Criterion) {
             token_weight: &token_weight,
         })
         .collect();
-    let job = ColdJob { level, activations: Default::default(), act: Activation::Silu, hidden: HIDDEN, ff: FF, x: &x, experts: &work };
+    let job = ColdJob {
+        level,
+        activations: Default::default(),
+        act: Activation::Silu,
+        hidden: HIDDEN,
+        ff: FF,
+        x: &x,
+        experts: &work,
+    };
     let mut out = vec![0.0f32; HIDDEN];
     let mut group = c.benchmark_group("pool_decode_1tok_8experts");
     group.throughput(Throughput::Bytes(job.weight_bytes() as u64));

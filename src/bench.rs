@@ -275,7 +275,7 @@ pub fn run_bench(
         fallbacks: pp.fallbacks + tg.fallbacks,
         hot_bytes: engine.hot_bytes(),
         hot_experts: build.n_hot_experts,
-        all_experts_bytes: model.expert_bytes() as u64 * (c.n_layers * c.n_experts) as u64,
+        all_experts_bytes: model.all_experts_bytes(),
         budget: opts.budget,
         planned_hit_rate: build.planned_hit_rate.unwrap_or(0.0),
         learn_source: build.hot_source,

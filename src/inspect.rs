@@ -54,7 +54,7 @@ impl InspectReport {
         }
         let total_bytes: u64 = tensors.iter().map(|t| t.3 as u64).sum();
         let expert_bytes = model.expert_bytes() as u64;
-        let all_experts_bytes = expert_bytes * (c.n_layers * c.n_experts) as u64;
+        let all_experts_bytes = model.all_experts_bytes();
         InspectReport {
             path: model.path().display().to_string(),
             format: model.format(),

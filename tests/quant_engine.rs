@@ -113,10 +113,14 @@ fn every_mix_runs_on_the_pipeline_within_tolerance_of_the_reference() {
         let q8_0_experts = model.tensor_list().iter().any(|t| t.0.contains("_exps") && t.1 == DType::Q8_0);
         let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
         let reference = reference.as_mut();
-        let (f32_error, f32_logits) = pipeline_against_reference(&model, reference, Some(F32), LOGITS_TOLERANCE);
-        let (q8_error, q8_logits) = pipeline_against_reference(&model, reference, Some(Q8), Q8_LOGITS_TOLERANCE);
+        let (f32_error, f32_logits) =
+            pipeline_against_reference(&model, reference, Some(F32), LOGITS_TOLERANCE);
+        let (q8_error, q8_logits) =
+            pipeline_against_reference(&model, reference, Some(Q8), Q8_LOGITS_TOLERANCE);
         let (_, default_logits) = pipeline_against_reference(&model, reference, None, Q8_LOGITS_TOLERANCE);
-        println!("{mix}: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e} (vnni: {q8_here})");
+        println!(
+            "{mix}: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e} (vnni: {q8_here})"
+        );
         // Where VNNI runs them, the 8-bit tiles were taken: their rounding shows in the logits.
         assert_eq!(q8_logits != f32_logits, q8_here, "{mix}");
         // The default (auto) keeps Q8_0 experts f32 and takes the other types 8-bit.

@@ -49,6 +49,12 @@ fn quantize_then_run_on_the_pipeline_like_the_reference() {
         assert!(report["output_bytes"].as_u64().unwrap() < report["input_bytes"].as_u64().unwrap());
         let text = ok_stdout(&["inspect", p(&out)]);
         assert!(text.contains(if mix == "q8_0" { "Q8_0" } else { "Q4_K" }), "{text}");
+        // expert bytes summed per layer (a _M mix keeps some layers' down projections in Q6_K)
+        let sizes: serde_json::Value =
+            serde_json::from_str(&ok_stdout(&["inspect", p(&out), "--json"])).unwrap();
+        let (all, other) =
+            (sizes["all_experts_bytes"].as_u64().unwrap(), sizes["other_bytes"].as_u64().unwrap());
+        assert!(all + other <= report["output_bytes"].as_u64().unwrap(), "{mix}: {sizes}");
         let reference = ["--engine", "reference"];
         let want = logits(p(&out), &reference);
         for (activations, tolerance) in [("f32", 1e-4), ("q8", 1e-2), ("auto", 1e-2)] {

@@ -500,7 +500,8 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let token_zero = [0u32];
     let routing_weight = [1.0f32 / TOP_K as f32];
     let decode_groups = decode_groups(&experts, &token_zero, &routing_weight);
-    let decode_job = |group: usize| silu_job((level, activations), &decode_x, &decode_groups[group % decode_groups.len()]);
+    let decode_job =
+        |group: usize| silu_job((level, activations), &decode_x, &decode_groups[group % decode_groups.len()]);
     let decode_weight_bytes = decode_job(0).weight_bytes();
     for group in 0..decode_groups.len() {
         pool.run(&decode_job(group), &mut decode_out)?;
@@ -554,7 +555,13 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
 
     // 6. Prefill: 512 tokens x top-8, all cold, expert-major; uniform then skewed routing.
     let prefill_calls = if opts.quick { 1 } else { 3 };
-    let pf = measure_prefill_pair(&mut pool, (level, activations), &experts[..N_EXPERTS], &mut rng, prefill_calls)?;
+    let pf = measure_prefill_pair(
+        &mut pool,
+        (level, activations),
+        &experts[..N_EXPERTS],
+        &mut rng,
+        prefill_calls,
+    )?;
 
     Ok(KernelBenchReport {
         simd: level,

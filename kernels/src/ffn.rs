@@ -59,7 +59,9 @@ unsafe fn run_tile(
     if let Some(x) = q8 {
         // SAFETY: `q8` is only given where the level has VNNI (`dot_tiles`) and it holds the one
         // token's `cols` quantised values; the rows as in the caller's contract.
-        if unsafe { crate::x86_quant_tile::avx512_vnni::decode_tile(dtype, rows, prefetch_rows, x, cols, out) } {
+        if unsafe {
+            crate::x86_quant_tile::avx512_vnni::decode_tile(dtype, rows, prefetch_rows, x, cols, out)
+        } {
             return;
         }
     }
@@ -169,7 +171,16 @@ pub(crate) unsafe fn dot_tiles(
                 // SAFETY: forwarded contract; the tile shape is one the level's kernel provides;
                 // prefetch pointers address rows < n_rows_prefetchable (and are only hints).
                 unsafe {
-                    run_tile(level, dtype, &rows[..tile_rows], prefetch_rows, &xs[..block_tokens], q8, cols, out)
+                    run_tile(
+                        level,
+                        dtype,
+                        &rows[..tile_rows],
+                        prefetch_rows,
+                        &xs[..block_tokens],
+                        q8,
+                        cols,
+                        out,
+                    )
                 };
                 for r in 0..tile_rows {
                     for t in 0..block_tokens {
@@ -275,7 +286,9 @@ pub(crate) unsafe fn down_store_unchecked(
     out_row_ptr: impl Fn(usize) -> *mut f32,
 ) {
     // SAFETY: forwarded contract.
-    unsafe { down_rows::<false>(level, weights, hidden_rows, n_tokens, h_base, q8, token_weight, out_row_ptr) }
+    unsafe {
+        down_rows::<false>(level, weights, hidden_rows, n_tokens, h_base, q8, token_weight, out_row_ptr)
+    }
 }
 
 /// Shared body of [`down_unchecked`] (`ACCUMULATE`) and [`down_store_unchecked`].
@@ -419,7 +432,11 @@ pub fn gemv_rows_q8(
     check_len("x", cols, x.cols())?;
     let row_bytes = dtype.row_bytes(cols);
     if cols == 0 || !cols.is_multiple_of(dtype.block_elems()) || !matrix.len().is_multiple_of(row_bytes) {
-        return Err(KernelError::ShapeMismatch { what: "matrix columns", expected: cols, actual: matrix.len() });
+        return Err(KernelError::ShapeMismatch {
+            what: "matrix columns",
+            expected: cols,
+            actual: matrix.len(),
+        });
     }
     check_rows("matrix", &rows, matrix.len() / row_bytes)?;
     check_len("y", rows.len(), y.len())?;
@@ -471,7 +488,16 @@ pub fn gate_up_activation(
     let x_base = x.as_ptr();
     // SAFETY: level checked, weights validated, x/h lengths checked, h exclusively borrowed.
     unsafe {
-        gate_up_unchecked(level, weights, act, ff_rows, n_tokens, |t| x_base.add(t * hidden), None, h.as_mut_ptr())
+        gate_up_unchecked(
+            level,
+            weights,
+            act,
+            ff_rows,
+            n_tokens,
+            |t| x_base.add(t * hidden),
+            None,
+            h.as_mut_ptr(),
+        )
     };
     Ok(())
 }

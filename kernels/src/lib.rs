@@ -42,10 +42,12 @@ pub use attention::{
 pub use bench::{run_kernel_bench, KernelBenchOptions, KernelBenchReport};
 pub use dense::{matmul, par_matmul, DenseMatrix, MatmulPart, MAX_MATMUL_PARTS};
 pub use error::KernelError;
-pub use ffn::{down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, gemv_rows_q8, matmul_rows};
+pub use ffn::{
+    down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, gemv_rows_q8, matmul_rows,
+};
 pub use par::par_chunks_mut;
 pub use pool::{ColdExpertWork, ColdJob, ColdPool};
-pub use scalar::dot_row;
 pub use q8::{DecodeActivations, Q8Activations};
+pub use scalar::dot_row;
 pub use simd::{available, has_avx512_vnni, SimdLevel};
 pub use weights::{Activation, ExpertWeights, WeightDType};

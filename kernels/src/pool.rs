@@ -55,8 +55,8 @@ use std::time::{Duration, Instant};
 
 use crate::error::KernelError;
 use crate::ffn::{down_store_unchecked, down_unchecked, gate_up_unchecked, ROW_BLOCK};
-use crate::scalar::dot_row;
 use crate::q8::{quantize_raw, DecodeActivations, Q8Activations, Q8Row, Q8_BLOCK};
+use crate::scalar::dot_row;
 use crate::simd::SimdLevel;
 use crate::weights::{Activation, ExpertWeights};
 
@@ -221,11 +221,7 @@ fn q8_expert(activations: DecodeActivations, expert: &ColdExpertWork<'_>) -> (bo
 /// Row `row` (of `cols` values) of a quantised buffer's base pointers.
 fn q8_row(base: (*mut i8, *mut f32, *mut f32), row: usize, cols: usize) -> Q8Row {
     let b = row * cols / Q8_BLOCK;
-    Q8Row {
-        qs: base.0.wrapping_add(row * cols),
-        d: base.1.wrapping_add(b),
-        sum: base.2.wrapping_add(b),
-    }
+    Q8Row { qs: base.0.wrapping_add(row * cols), d: base.1.wrapping_add(b), sum: base.2.wrapping_add(b) }
 }
 
 impl ColdTask<'_> {
@@ -262,7 +258,13 @@ impl ColdTask<'_> {
             // row lies in `q8_h` (reserved slots x ff in `prepare_q8`) and only this thread, the
             // one that completed the expert, writes it.
             unsafe {
-                quantize_raw(self.h_scratch.add(self.slot_start[a] * ff), ff, row.qs as *mut i8, row.d as *mut f32, row.sum as *mut f32)
+                quantize_raw(
+                    self.h_scratch.add(self.slot_start[a] * ff),
+                    ff,
+                    row.qs as *mut i8,
+                    row.d as *mut f32,
+                    row.sum as *mut f32,
+                )
             };
         }
         if self.pipelined {
@@ -522,7 +524,8 @@ impl ColdPool {
             }
         }
         let q8 = self.prepare_q8(job, slots)?;
-        let n_groups = if pipelined { job.hidden.div_ceil(ROW_BLOCK).div_ceil(REDUCE_GROUP_BLOCKS) } else { 0 };
+        let n_groups =
+            if pipelined { job.hidden.div_ceil(ROW_BLOCK).div_ceil(REDUCE_GROUP_BLOCKS) } else { 0 };
         if pipelined && self.partial.len() < slots * job.hidden {
             self.partial.resize(slots * job.hidden, 0.0);
         }

@@ -75,7 +75,11 @@ impl DecodeActivations {
 
     /// This setting where `level` runs the integer tiles, F32 where it does not.
     pub fn at(self, level: crate::SimdLevel) -> DecodeActivations {
-        if level.has_q8_dot() { self } else { DecodeActivations::F32 }
+        if level.has_q8_dot() {
+            self
+        } else {
+            DecodeActivations::F32
+        }
     }
 
     /// Whether the one-token tiles of `dtype` take 8-bit activations under this setting (the
@@ -128,7 +132,11 @@ impl Q8Activations {
     /// Room for `rows` rows of `cols` values (a multiple of 32); contents unspecified.
     pub fn reserve_rows(&mut self, rows: usize, cols: usize) -> Result<(), KernelError> {
         if !cols.is_multiple_of(Q8_BLOCK) {
-            return Err(KernelError::ShapeMismatch { what: "q8 columns (multiple of 32)", expected: 32, actual: cols });
+            return Err(KernelError::ShapeMismatch {
+                what: "q8 columns (multiple of 32)",
+                expected: 32,
+                actual: cols,
+            });
         }
         self.cols = cols;
         if self.qs.len() < rows * cols {
@@ -185,7 +193,13 @@ impl Q8Activations {
         assert!((row + 1) * self.cols <= self.qs.len(), "row {row} reserved");
         let b0 = row * self.cols / Q8_BLOCK;
         // SAFETY: offsets inside the buffers (asserted).
-        unsafe { Q8Row { qs: self.qs.as_ptr().add(row * self.cols), d: self.d.as_ptr().add(b0), sum: self.sum.as_ptr().add(b0) } }
+        unsafe {
+            Q8Row {
+                qs: self.qs.as_ptr().add(row * self.cols),
+                d: self.d.as_ptr().add(b0),
+                sum: self.sum.as_ptr().add(b0),
+            }
+        }
     }
 
     /// Raw writable base pointers `(qs, d, sum)` of the whole buffer (the pool's scratch, written

@@ -38,7 +38,10 @@ struct XBlock {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn neg_offset(k: i8, v: __m512i) -> __m512i {
-    _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(k), v))
+    _mm512_sub_epi32(
+        _mm512_setzero_si512(),
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(k), v),
+    )
 }
 
 /// 32 int8 activations at `lo` in the low half, 32 at `hi` in the high half.
@@ -72,7 +75,8 @@ unsafe fn prepare<const Q: u8>(x: Q8Row, blk: usize) -> XBlock {
         match Q {
             Q4_K | Q5_K => {
                 let sub = |j: usize| x.qs.add(256 * blk + 32 * j);
-                let v = [pair(sub(0), sub(2)), pair(sub(1), sub(3)), pair(sub(4), sub(6)), pair(sub(5), sub(7))];
+                let v =
+                    [pair(sub(0), sub(2)), pair(sub(1), sub(3)), pair(sub(4), sub(6)), pair(sub(5), sub(7))];
                 let f = _mm512_insertf32x8::<1>(
                     _mm512_castps256_ps512(_mm256_loadu_ps(x.d.add(8 * blk))),
                     _mm256_loadu_ps(x.sum.add(8 * blk)),
@@ -80,16 +84,22 @@ unsafe fn prepare<const Q: u8>(x: Q8Row, blk: usize) -> XBlock {
                 XBlock { v, off: [zero; 4], f }
             }
             Q6_K => {
-                let v: [__m512i; 4] = std::array::from_fn(|g| _mm512_loadu_si512(x.qs.add(256 * blk + 64 * g) as *const _));
+                let v: [__m512i; 4] =
+                    std::array::from_fn(|g| _mm512_loadu_si512(x.qs.add(256 * blk + 64 * g) as *const _));
                 let off = v.map(|v| neg_offset(32, v));
                 let half = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-                let f = _mm512_permutexvar_ps(half, _mm512_castps256_ps512(_mm256_loadu_ps(x.d.add(8 * blk))));
+                let f =
+                    _mm512_permutexvar_ps(half, _mm512_castps256_ps512(_mm256_loadu_ps(x.d.add(8 * blk))));
                 XBlock { v, off, f }
             }
             _ => {
                 let v = _mm512_castsi256_si512(_mm256_loadu_si256(x.qs.add(32 * blk) as *const __m256i));
                 let off = neg_offset(if Q == Q4_0 { 8 } else { -128 }, v);
-                XBlock { v: [v, zero, zero, zero], off: [off, zero, zero, zero], f: _mm512_set1_ps(*x.d.add(blk)) }
+                XBlock {
+                    v: [v, zero, zero, zero],
+                    off: [off, zero, zero, zero],
+                    f: _mm512_set1_ps(*x.d.add(blk)),
+                }
             }
         }
     }
@@ -109,7 +119,11 @@ unsafe fn k_asym<const FIFTH: bool>(b: *const u8, x: &XBlock, acc: &mut Acc) {
         let c = _mm512_mul_ps(k_coefficients(b), x.f);
         acc[1] = _mm512_mask_sub_ps(acc[1], 0xFF00, acc[1], c);
         let low4 = _mm512_set1_epi8(15);
-        let qh = if FIFTH { _mm512_broadcast_i64x4(_mm256_loadu_si256(b.add(16) as *const __m256i)) } else { low4 };
+        let qh = if FIFTH {
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(b.add(16) as *const __m256i))
+        } else {
+            low4
+        };
         let qs = b.add(if FIFTH { 48 } else { 16 });
         for q in 0..2 {
             let raw = _mm512_loadu_si512(qs.add(64 * q) as *const _);

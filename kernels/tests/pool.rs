@@ -194,16 +194,15 @@ fn pool_rejects_bad_jobs() {
 fn empty_job_is_a_no_op() {
     let mut pool = ColdPool::new(3);
     let x = [1.0f32; 6];
-    let job =
-        ColdJob {
-            level: SimdLevel::detect(),
-            activations: DecodeActivations::F32,
-            act: Activation::Silu,
-            hidden: 3,
-            ff: 2,
-            x: &x,
-            experts: &[],
-        };
+    let job = ColdJob {
+        level: SimdLevel::detect(),
+        activations: DecodeActivations::F32,
+        act: Activation::Silu,
+        hidden: 3,
+        ff: 2,
+        x: &x,
+        experts: &[],
+    };
     let mut out = vec![2.0; 6];
     pool.run(&job, &mut out).unwrap();
     assert_eq!(out, vec![2.0; 6]);
@@ -288,7 +287,9 @@ fn pool_q8_activations_match_reference_within_the_rounding() {
         ColdPool::run_reference(&job, &mut reference).unwrap();
         for level in available() {
             let mut first: Option<Vec<f32>> = None;
-            let runs = pools.iter_mut().flat_map(|p| [ColdSchedule::Phased, ColdSchedule::Pipelined].map(|s| (p.n_threads(), s)));
+            let runs = pools
+                .iter_mut()
+                .flat_map(|p| [ColdSchedule::Phased, ColdSchedule::Pipelined].map(|s| (p.n_threads(), s)));
             for (threads, schedule) in runs.collect::<Vec<_>>() {
                 let pool = &mut pools[usize::from(threads > 1)];
                 pool.set_schedule(schedule);
@@ -333,7 +334,8 @@ fn auto_activations_take_8_bits_for_every_type_but_q8_0() {
             pool.run(&job(activations), &mut out).unwrap();
             out
         };
-        let (auto, f32, q8) = (run(DecodeActivations::Auto), run(DecodeActivations::F32), run(DecodeActivations::Q8));
+        let (auto, f32, q8) =
+            (run(DecodeActivations::Auto), run(DecodeActivations::F32), run(DecodeActivations::Q8));
         let mut reference = vec![0.0; 512];
         ColdPool::run_reference(&job(DecodeActivations::F32), &mut reference).unwrap();
         let error = relative_error(&auto, &reference);

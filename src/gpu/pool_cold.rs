@@ -107,7 +107,13 @@ impl ColdExperts for PoolColdExperts {
             return Ok(());
         }
         self.group_by_expert(layer_idx, slots);
-        let run = GroupRun { level: self.level, activations: self.activations, act: self.act, layer_idx, x: hidden_rows };
+        let run = GroupRun {
+            level: self.level,
+            activations: self.activations,
+            act: self.act,
+            layer_idx,
+            x: hidden_rows,
+        };
         let all = self.pool.n_threads();
         let result = self.groups.run(&self.model, &run, &mut self.pool, all, out_rows);
         result.map_err(|source| ColdError::Kernel { layer_idx, source })?;

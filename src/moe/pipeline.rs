@@ -323,9 +323,12 @@ impl Pipeline {
                     .map_err(|e| PipelineError::Setup(format!("cold kernels: {e}")))?,
             ),
         };
-        let pool_lane =
-            (options.pool_cold && options.driver_cold && options.cold_kernels == ColdKernels::Simd)
-                .then(|| PoolLane::new(model.clone(), level, DecodeActivations::resolve(options.activations, level)));
+        let pool_lane = (options.pool_cold
+            && options.driver_cold
+            && options.cold_kernels == ColdKernels::Simd)
+            .then(|| {
+                PoolLane::new(model.clone(), level, DecodeActivations::resolve(options.activations, level))
+            });
         // With the pool lane the driver alone is the lane set's cold participant.
         let (lane_workers, cold_threads) = match pool_lane {
             Some(_) => (1, options.n_cold_workers.clamp(1, dense.n_threads())),
