@@ -472,22 +472,10 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let activations = DecodeActivations::resolve(opts.activations, level);
     let mut pool = ColdPool::new(pool_threads(opts.threads)?);
     let read_simd = SimdLevel::detect();
-
-    // 1. Read bandwidth.
-    // 2 GiB: several times any LLC, so adaptive LLC replacement cannot keep a useful part.
-    let read_buffer_bytes: usize = if opts.quick { 256 << 20 } else { 2 << 30 };
-    let read_buffer = read_probe_buffer(&mut pool, read_buffer_bytes)?;
+    let BenchMemory { read_buffer, weight_pool, dtype, matrix_bytes, n_layers } =
+        bench_memory(&mut pool, &opts)?;
+    let (read_buffer_bytes, expert_bytes) = (read_buffer.len(), 3 * matrix_bytes);
     let read_floats: &[f32] = bytemuck::cast_slice(&read_buffer);
-
-    // 2. Expert weight pool: 128 distinct BF16 experts, ~1.2 GB.
-    let dtype = opts.dtype.unwrap_or(WeightDType::BF16);
-    let matrix_bytes = FF * dtype.row_bytes(HIDDEN);
-    let expert_bytes = 3 * matrix_bytes;
-    // Two layers (one when quick), so the cyclic working set is ~2.4 GB: far past any LLC
-    // (the GPU machine's Xeon has 300 MiB of L3, whose adaptive replacement keeps part of a
-    // cyclic set only slightly larger than the cache).
-    let n_layers = if opts.quick { 1 } else { 2 };
-    let weight_pool = bench_weight_pool(&mut pool, n_layers * N_EXPERTS * expert_bytes, dtype)?;
     let experts = expert_views(&weight_pool, n_layers, matrix_bytes, dtype);
     let mut rng = SplitMix64(42);
     let random_x = |rng: &mut SplitMix64, n_tokens: usize| -> Vec<f32> {
@@ -563,7 +551,7 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         prefill_calls,
     )?;
 
-    Ok(KernelBenchReport {
+    let mut report = KernelBenchReport {
         simd: level,
         activations,
         threads: pool.n_threads(),
@@ -584,18 +572,56 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         dense_gemv_ratio: dense_gemv_gbs / read_gbs,
         dense_gemv_call_us: best.gemv_s * 1e6,
         dense_gemv_rows,
-        prefill_gflops: pf.uniform_gflops,
-        prefill_call_ms: pf.uniform_seconds * 1e3,
-        prefill_skewed_gflops: pf.skewed_gflops,
-        prefill_skewed_call_ms: pf.skewed_seconds * 1e3,
-        prefill_skewed_top_half_share: pf.top_half_share,
-        prefill_skewed_max_tokens: pf.max_tokens,
+        prefill_gflops: 0.0,
+        prefill_call_ms: 0.0,
+        prefill_skewed_gflops: 0.0,
+        prefill_skewed_call_ms: 0.0,
+        prefill_skewed_top_half_share: 0.0,
+        prefill_skewed_max_tokens: 0,
         hidden: HIDDEN,
         ff: FF,
         weight_pool_bytes: weight_pool.len(),
         quick: opts.quick,
         dtype,
-    })
+    };
+    report.set_prefill(&pf);
+    Ok(report)
+}
+
+impl KernelBenchReport {
+    /// Step 6's figures.
+    fn set_prefill(&mut self, pf: &PrefillPair) {
+        self.prefill_gflops = pf.uniform_gflops;
+        self.prefill_call_ms = pf.uniform_seconds * 1e3;
+        self.prefill_skewed_gflops = pf.skewed_gflops;
+        self.prefill_skewed_call_ms = pf.skewed_seconds * 1e3;
+        self.prefill_skewed_top_half_share = pf.top_half_share;
+        self.prefill_skewed_max_tokens = pf.max_tokens;
+    }
+}
+
+/// The bench's memory: the read probe's buffer (step 1) and the expert weight pool (step 2).
+struct BenchMemory {
+    read_buffer: Vec<u8>,
+    weight_pool: Vec<u8>,
+    dtype: WeightDType,
+    matrix_bytes: usize,
+    n_layers: usize,
+}
+
+/// Steps 1 and 2: the read probe's buffer, 2 GiB (several times any LLC, so adaptive LLC
+/// replacement cannot keep a useful part), and 128 distinct experts per layer, two layers (one
+/// when quick), so the cyclic working set is ~2.4 GB in BF16: far past any LLC (the GPU machine's
+/// Xeon has 300 MiB of L3, whose adaptive replacement keeps part of a cyclic set only slightly
+/// larger than the cache).
+fn bench_memory(pool: &mut ColdPool, opts: &KernelBenchOptions) -> Result<BenchMemory, KernelError> {
+    let read_buffer_bytes: usize = if opts.quick { 256 << 20 } else { 2 << 30 };
+    let read_buffer = read_probe_buffer(pool, read_buffer_bytes)?;
+    let dtype = opts.dtype.unwrap_or(WeightDType::BF16);
+    let matrix_bytes = FF * dtype.row_bytes(HIDDEN);
+    let n_layers = if opts.quick { 1 } else { 2 };
+    let weight_pool = bench_weight_pool(pool, n_layers * N_EXPERTS * 3 * matrix_bytes, dtype)?;
+    Ok(BenchMemory { read_buffer, weight_pool, dtype, matrix_bytes, n_layers })
 }
 
 /// Best of the interleaved rounds: read bandwidth, seconds per decode call, per layer25 call and
