@@ -972,24 +972,29 @@ mod tests {
 
     /// The facade view moves with the JSON view: every handle registered at creation, counters
     /// and histograms moved per layer call, nothing recorded in `off` but fallbacks/exchanges.
+    /// A metrics snapshot keyed `name{label=value,...}`; a snapshot reads and resets, so counters
+    /// are what moved since the last one.
+    fn snapshot_map(
+        snapshotter: &metrics_util::debugging::Snapshotter,
+    ) -> std::collections::HashMap<String, metrics_util::debugging::DebugValue> {
+        let snap = snapshotter.snapshot().into_vec().into_iter();
+        snap.map(|(k, _, _, v)| {
+            let key = k.key();
+            let labels: Vec<String> = key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
+            (format!("{}{{{}}}", key.name(), labels.join(",")), v)
+        })
+        .collect()
+    }
+
     #[test]
     fn records_through_the_facade() {
         use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-        use std::collections::HashMap;
+
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
         let mut st = metrics::with_local_recorder(&recorder, || PerfState::new(PerfMode::Full, 2, 4, 2));
         // A snapshot reads and resets: counters are what moved since the last one.
-        let take = || -> HashMap<String, DebugValue> {
-            let snap = snapshotter.snapshot().into_vec().into_iter();
-            snap.map(|(k, _, _, v)| {
-                let key = k.key();
-                let labels: Vec<String> =
-                    key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
-                (format!("{}{{{}}}", key.name(), labels.join(",")), v)
-            })
-            .collect()
-        };
+        let take = || snapshot_map(&snapshotter);
         let snap = take();
         // Registered at creation: 2 layers x (3 counters + 4 histograms + 5 reasons) + 2 + 3 modes.
         assert_eq!(snap.len(), 2 * 12 + 2 + 3);
@@ -1065,19 +1070,10 @@ mod tests {
     #[test]
     fn postfetch_records_through_the_facade() {
         use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-        use std::collections::HashMap;
+
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
-        let take = || -> HashMap<String, DebugValue> {
-            let snap = snapshotter.snapshot().into_vec().into_iter();
-            snap.map(|(k, _, _, v)| {
-                let key = k.key();
-                let labels: Vec<String> =
-                    key.labels().map(|l| format!("{}={}", l.key(), l.value())).collect();
-                (format!("{}{{{}}}", key.name(), labels.join(",")), v)
-            })
-            .collect()
-        };
+        let take = || snapshot_map(&snapshotter);
         let mut st = metrics::with_local_recorder(&recorder, || PerfState::new(PerfMode::Full, 1, 4, 2));
         assert!(!take().keys().any(|k| k.contains("postfetch")), "nothing before a report");
         let reasons = |n: u64| [("not_ready".to_string(), n), ("scratch_full".to_string(), 0)].into();

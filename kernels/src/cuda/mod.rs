@@ -680,15 +680,7 @@ impl CudaBackend {
 
     /// Make copy stream `cs` wait (on the GPU, the host goes on) until `ev` completes.
     pub fn wait_event_on(&self, cs: &CopyStream, ev: &GpuEvent) -> Result<()> {
-        // SAFETY: `ev` is a live event of this context and `cs` a live stream of it.
-        unsafe {
-            drv::stream::wait_event(
-                cs.stream.cu_stream(),
-                ev.ev,
-                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
-        }
-        .ctx("cuStreamWaitEvent(copy)")
+        wait_on(cs.stream.cu_stream(), ev).ctx("cuStreamWaitEvent(copy)")
     }
 
     /// Copy a small pageable `src` into `dst` on the side stream (the driver stages pageable
@@ -711,24 +703,12 @@ impl CudaBackend {
 
     /// Make the compute stream wait (on the GPU, the host goes on) until `ev` completes.
     pub fn wait_event(&self, ev: &GpuEvent) -> Result<()> {
-        // SAFETY: `ev` is a live event of this context and the stream is this backend's.
-        unsafe {
-            drv::stream::wait_event(self.stream_raw(), ev.ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT)
-        }
-        .ctx("cuStreamWaitEvent")
+        wait_on(self.stream_raw(), ev).ctx("cuStreamWaitEvent")
     }
 
     /// Make the side stream wait (on the GPU, the host goes on) until `ev` completes.
     pub fn wait_event_side(&self, ev: &GpuEvent) -> Result<()> {
-        // SAFETY: `ev` is a live event of this context and the side stream is this backend's.
-        unsafe {
-            drv::stream::wait_event(
-                self.side.cu_stream(),
-                ev.ev,
-                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
-        }
-        .ctx("cuStreamWaitEvent(side)")
+        wait_on(self.side.cu_stream(), ev).ctx("cuStreamWaitEvent(side)")
     }
 
     /// Wait on the host until every side-stream copy is done.
@@ -828,6 +808,13 @@ impl CudaBackend {
         }
         .ctx("cuLaunchKernel")
     }
+}
+
+/// Make `stream` (a live stream of the backend's context: the callers pass its compute, side or
+/// copy streams) wait on the GPU until `ev` completes.
+fn wait_on(stream: sys::CUstream, ev: &GpuEvent) -> std::result::Result<(), drv::DriverError> {
+    // SAFETY: `ev` is a live event of the context `stream` belongs to (both outlive the call).
+    unsafe { drv::stream::wait_event(stream, ev.ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
 }
 
 /// FNV-1a 64: a stable hash for the cache key (std's hasher may change between Rust releases).
