@@ -204,11 +204,12 @@ pub fn run_bench(
     }
     engine.set_copy_logits(false); // the bench only needs the greedy tokens
     let prompt = sample_tokens(c.vocab, opts.n_prompt_tokens);
-    // Warm-up: first cuBLAS calls, page-ins of cold experts, pool threads.
-    let warm = &prompt[..prompt.len().min(32)];
-    let mut cache = engine.new_cache(warm.len() + 4)?;
-    let mut next = *engine.forward_last(warm, Phase::Warmup, &mut cache)?.argmax.last().expect("rows");
-    for _ in 0..4 {
+    // Warm-up with the whole prompt, as llama-bench does: a kernel's first launch at a new shape
+    // (cuBLAS picks and lazily loads one per shape) costs milliseconds that are not prefill speed,
+    // and the page-ins of cold experts and the pool threads' first wake-ups are not either.
+    let mut cache = engine.new_cache(context)?;
+    let mut next = *engine.forward_last(&prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("rows");
+    for _ in 0..opts.n_gen_tokens.min(4) {
         next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
     }
     engine.reset_profile();

@@ -13,7 +13,7 @@
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |
-//! | `MOE_LANES_HOT_DEQUANT_MIB` | VRAM for quantized hot slots dequantized to bf16 for the grouped prefill GEMMs (default 512; more: fewer chunks; 0: none, quantized slots go per expert through cuBLAS) |
+//! | `MOE_LANES_HOT_DEQUANT_MIB` | A/B: VRAM for quantized hot slots dequantized to bf16 before the grouped prefill GEMMs (default 0: the GEMMs decode quantized tiles themselves; more: fewer chunks) |
 //! | `MOE_LANES_HOT_DEQUANT_OVERLAP=1` | dequantize those chunks (two half-size ones) on the side stream beside the previous chunk's GEMMs |
 //! | `MOE_LANES_GPU_GRAPH=0` | launch every decode kernel one by one instead of replaying the captured decode graph (all-hot models) |
 //! | `MOE_LANES_GPU_FUSED_ROUTE=0` | decode routing as four launches (norm, router GEMV, top-k, worklist) instead of the fused one |
@@ -149,8 +149,8 @@ pub fn vram_limit_bytes() -> Result<Option<u64>, EnvError> {
         .transpose()
 }
 
-/// `MOE_LANES_HOT_DEQUANT_MIB`: VRAM for the bf16 chunks of quantized hot slots in grouped
-/// prefill (unset: [`crate::gpu::HOT_DEQUANT_SCRATCH_BYTES`]).
+/// `MOE_LANES_HOT_DEQUANT_MIB`: VRAM for bf16 chunks of quantized hot slots in grouped prefill
+/// (unset or 0: none, the grouped kernels decode quantized tiles themselves).
 pub fn hot_dequant_bytes() -> Result<Option<usize>, EnvError> {
     var("MOE_LANES_HOT_DEQUANT_MIB")
         .map(|v| {

@@ -232,7 +232,8 @@ fn a_long_prompt_takes_the_tensor_core_path_within_its_tolerance() {
 /// Quantized hot slots in chunks of two (a scratch of one chunk of two slots' bf16 gate, up
 /// and down, or two such chunks with overlap): every layer takes several dequantize-and-GEMM rounds, tiles remapped to
 /// chunk-local slots, dequantized beside the previous chunk's GEMMs or not, within the
-/// tensor-core tolerance of the reference.
+/// tensor-core tolerance of the reference; and the default engine (no scratch: the grouped
+/// kernels decode the quantized tiles themselves) gives those prefill logits bit for bit.
 #[test]
 fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
     if !common::gpu_usable() {
@@ -244,14 +245,27 @@ fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
     let c = model.config();
     assert!(c.n_experts > 2, "the test needs more slots than a chunk");
     let prompt: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
-    for overlap in [true, false] {
+    let all_hot = || {
         let mut opts = options(Some(EngineKind::Gpu));
         opts.hot = HotChoice::Budget(HotBudget::Fraction(1.0));
+        opts
+    };
+    let prefill_bits = |e: &mut dyn Engine| {
+        let mut cache = e.new_cache(64).unwrap();
+        let out = e.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
+        out.rows().iter().flatten().map(|v| v.to_bits()).collect::<Vec<u32>>()
+    };
+    let (mut fused, _) = build_engine(&model, all_hot()).unwrap();
+    let fused_bits = prefill_bits(fused.as_mut());
+    drop(fused);
+    for overlap in [true, false] {
+        let mut opts = all_hot();
         let chunks = if overlap { 2 } else { 1 };
         opts.gpu.hot_dequant_bytes = chunks * 2 * 3 * c.expert_ff * c.hidden * 2;
         opts.gpu.hot_dequant_overlap = overlap;
         let (mut gpu, _) = build_engine(&model, opts).unwrap();
         let what = format!("chunks of 2, overlap {overlap}");
+        assert!(prefill_bits(gpu.as_mut()) == fused_bits, "{what}: fused decoding differs from the scratch");
         let worst =
             check_steps(&what, reference.as_mut(), gpu.as_mut(), &prompt, 2, GPU_TENSOR_CORE_TOLERANCE);
         eprintln!("{what}: worst relative error {worst:e}");

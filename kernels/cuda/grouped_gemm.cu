@@ -101,12 +101,23 @@ __device__ __forceinline__ void gg_load_w(bf16 (*sw)[GG_LD], const bf16* __restr
     }
 }
 
-// One block's tile for NW matrices sharing the input (gate and up: NW = 2). acc[m][mi][ni][c] is
-// the thread's part of the m16n8 fragments: warp (wm, wn) owns rows wm*32 + mi*16 and columns
-// wn*32 + ni*8 of the tile. Returns false when the tile is refused (nothing computed).
-template <int NW>
-__device__ __forceinline__ bool gg_tile(const bf16* __restrict__ W0, const bf16* __restrict__ W1,
-                                        const float* __restrict__ x, const int* __restrict__ rows,
+// The weight tiles of bf16 caches [n_slots, N, K]: load(sw, m, slot, col0, k0) stages matrix m's
+// tile of that slot. gg_tile takes any loader with this `load` (quant.cu's GgTyped decodes
+// quantized blocks into the same bf16 tile).
+struct GgBf16 {
+    const bf16* W[2];
+    int N, K;
+    __device__ __forceinline__ void load(bf16 (*sw)[GG_LD], int m, int slot, int col0, int k0) const {
+        gg_load_w(sw, W[m] + (size_t)slot * N * K, N, K, col0, k0);
+    }
+};
+
+// One block's tile for NW matrices sharing the input (gate and up: NW = 2), their weight tiles
+// staged by `wl` (a loader as GgBf16). acc[m][mi][ni][c] is the thread's part of the m16n8
+// fragments: warp (wm, wn) owns rows wm*32 + mi*16 and columns wn*32 + ni*8 of the tile. Returns
+// false when the tile is refused (nothing computed).
+template <int NW, class L>
+__device__ __forceinline__ bool gg_tile(const L& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                         int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
                                         int N, int K, int split, float acc[NW][2][4][4], int* tile_out) {
     __shared__ __align__(16) bf16 sx[2][GG_BM][GG_LD];
@@ -115,7 +126,6 @@ __device__ __forceinline__ bool gg_tile(const bf16* __restrict__ W0, const bf16*
     int slot = tl[0], row0 = tl[1], nr = tl[2], col0 = blockIdx.y * GG_BN;
     if (slot < 0 || slot >= n_slots || row0 < 0 || nr <= 0 || nr > GG_BM || row0 > n_rows - nr) return false;
     tile_out[0] = row0, tile_out[1] = nr, tile_out[2] = col0;
-    const bf16* W[2] = {W0 + (size_t)slot * N * K, NW > 1 ? W1 + (size_t)slot * N * K : W0};
 #pragma unroll
     for (int m = 0; m < NW; m++)
 #pragma unroll
@@ -129,7 +139,7 @@ __device__ __forceinline__ bool gg_tile(const bf16* __restrict__ W0, const bf16*
     int parts = split ? 2 : 1;
     for (int k0 = 0; k0 < K; k0 += GG_BK) {
         gg_load_x(sx, x, rows, n_x_rows, row0, nr, K, k0, split);
-        for (int m = 0; m < NW; m++) gg_load_w(sw[m], W[m], N, K, col0, k0);
+        for (int m = 0; m < NW; m++) wl.load(sw[m], m, slot, col0, k0);
         __syncthreads();
         if (wm * 32 < nr) {
             for (int ks = 0; ks < GG_BK && k0 + ks < K; ks += 16) {
@@ -181,6 +191,35 @@ __device__ __forceinline__ void gg_for_output(int nr, int N, int col0, F f) {
             }
 }
 
+// Gate, up and the activation over one tile (weights staged by `wl`): h[r, :] = silu(G_s . x_r) *
+// (U_s . x_r) for the tile's rows r of slot s.
+template <class L>
+__device__ __forceinline__ void gg_gate_up(const L& wl, const float* __restrict__ x, const int* __restrict__ rows,
+                                           int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+                                           float* __restrict__ h, int N, int K, int split) {
+    float acc[2][2][4][4];
+    int tile[3];
+    if (!gg_tile<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
+    int row0 = tile[0], nr = tile[1], col0 = tile[2];
+    gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+        h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
+    });
+}
+
+// One projection over one tile (weights staged by `wl`): y[r, :] = W_s . x_r.
+template <class L>
+__device__ __forceinline__ void gg_gemm(const L& wl, const float* __restrict__ x, const int* __restrict__ rows,
+                                        int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+                                        float* __restrict__ y, int N, int K, int split) {
+    float acc[1][2][4][4];
+    int tile[3];
+    if (!gg_tile<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
+    int row0 = tile[0], nr = tile[1], col0 = tile[2];
+    gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+        y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
+    });
+}
+
 // Prefill hot lane, first half: for hot entry r (token rows[r] of x [n_x_rows, K]) in a tile of
 // slot s, h[r, :] = silu(G_s . x) * (U_s . x), G and U the caches [n_slots, N = ff, K = hidden].
 // grid (n_tiles, ceil(ff / GG_BN)), block GG_THREADS.
@@ -188,13 +227,7 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16(
     const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x, const int* __restrict__ rows,
     int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ h, int N, int K,
     int split) {
-    float acc[2][2][4][4];
-    int tile[3];
-    if (!gg_tile<2>(G, U, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
-    int row0 = tile[0], nr = tile[1], col0 = tile[2];
-    gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
-        h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
-    });
+    gg_gate_up(GgBf16{{G, U}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split);
 }
 
 // Prefill hot lane, second half (and any grouped projection): y[r, :] = W_s . x[r, :] for row r
@@ -203,11 +236,5 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16(
 extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16(
     const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
     const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split) {
-    float acc[1][2][4][4];
-    int tile[3];
-    if (!gg_tile<1>(W, W, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
-    int row0 = tile[0], nr = tile[1], col0 = tile[2];
-    gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
-        y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
-    });
+    gg_gemm(GgBf16{{W, W}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split);
 }

@@ -49,6 +49,16 @@ struct Q8_0 {
         }
         c0 = 8 * u, c1 = 8 * u + 4;
     }
+    // run8 (every type): values c .. c + 7 of the block (c a multiple of 8), the unit's operations.
+    static __device__ __forceinline__ void run8(const u8* b, int c, float* v) {
+        float d = q_half(b);
+        unsigned w0 = q_word2(b + 2 + c), w1 = q_word2(b + 6 + c);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(d, (float)(signed char)q_byte(w0, i));
+            v[4 + i] = __fmul_rn(d, (float)(signed char)q_byte(w1, i));
+        }
+    }
 };
 
 struct Q4_0 {
@@ -63,6 +73,16 @@ struct Q4_0 {
             v[4 + i] = __fmul_rn(d, (float)((int)(q_byte(w, i) >> 4) - 8));
         }
         c0 = 4 * u, c1 = 16 + 4 * u;
+    }
+    static __device__ __forceinline__ void run8(const u8* b, int c, float* v) {
+        float d = q_half(b);
+        int sh = c < 16 ? 0 : 4;
+        unsigned w0 = q_word2(b + 2 + (c & 15)), w1 = q_word2(b + 6 + (c & 15));
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(d, (float)((int)((q_byte(w0, i) >> sh) & 15) - 8));
+            v[4 + i] = __fmul_rn(d, (float)((int)((q_byte(w1, i) >> sh) & 15) - 8));
+        }
     }
 };
 
@@ -101,11 +121,31 @@ __device__ __forceinline__ void k_asym_unit(const u8* b, int u, float* v, int& c
     c0 = 64 * p + 4 * o, c1 = 64 * p + 32 + 4 * o;
 }
 
+// Values c .. c + 7 of a Q4_K/Q5_K block: sub-block j = c / 32 (pair p = j / 2, low nibbles for
+// even j), bytes l = c % 32 .. + 7 of the pair's 32; the same operations as k_asym_unit.
+template <bool FIFTH>
+__device__ __forceinline__ void k_asym_run8(const u8* b, int c, float* v) {
+    int j = c >> 5, p = j >> 1, l = c & 31, sh = 4 * (j & 1);
+    float d = q_half(b), dmin = q_half(b + 2), sc, m;
+    k_scale_min(j, b + 4, sc, m);
+    float s = __fmul_rn(d, sc), n = __fmul_rn(dmin, m);
+    const u8* qs = b + (FIFTH ? 48 : 16) + 32 * p + l;
+    unsigned q[2] = {q_word2(qs), q_word2(qs + 4)}, h[2] = {0u, 0u};
+    if (FIFTH) h[0] = q_word2(b + 16 + l), h[1] = q_word2(b + 20 + l);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        unsigned x = (q_byte(q[i >> 2], i & 3) >> sh) & 15;
+        x |= ((q_byte(h[i >> 2], i & 3) >> j) & 1) << 4;
+        v[i] = __fsub_rn(__fmul_rn(s, (float)x), n);
+    }
+}
+
 struct Q4_K {
     static constexpr int ELEMS = 256, BYTES = 144, LANES = 32;
     static __device__ __forceinline__ void unit(const u8* b, int u, float* v, int& c0, int& c1) {
         k_asym_unit<false>(b, u, v, c0, c1);
     }
+    static __device__ __forceinline__ void run8(const u8* b, int c, float* v) { k_asym_run8<false>(b, c, v); }
 };
 
 struct Q5_K {
@@ -113,6 +153,7 @@ struct Q5_K {
     static __device__ __forceinline__ void unit(const u8* b, int u, float* v, int& c0, int& c1) {
         k_asym_unit<true>(b, u, v, c0, c1);
     }
+    static __device__ __forceinline__ void run8(const u8* b, int c, float* v) { k_asym_run8<true>(b, c, v); }
 };
 
 // Q6_K: x = (d * sc) * (q - 32), one signed scale per 16 values. Value l (0..32) of quarter
@@ -138,6 +179,20 @@ struct Q6_K {
             v[4 + i] = __fmul_rn(s1, (float)(hi - 32));
         }
         c0 = 128 * h + 32 * qp + 4 * j, c1 = 128 * h + 32 * (qp + 2) + 4 * j;
+    }
+    // Values c .. c + 7: half h = c / 128, quarter qr = c / 32 % 4, l = c % 32 .. + 7.
+    static __device__ __forceinline__ void run8(const u8* b, int c, float* v) {
+        int h = c >> 7, qr = (c >> 5) & 3, l = c & 31;
+        float s = __fmul_rn(q_half(b + 208), (float)((const signed char*)(b + 192))[8 * h + 2 * qr + (l >> 4)]);
+        const u8* ql = b + 64 * h + 32 * (qr & 1) + l;
+        const u8* qh = b + 128 + 32 * h + l;
+        unsigned a[2] = {q_word2(ql), q_word2(ql + 4)}, z[2] = {q_word2(qh), q_word2(qh + 4)};
+        int sh = qr < 2 ? 0 : 4;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            unsigned lo = (q_byte(a[i >> 2], i & 3) >> sh) & 15, hb = (q_byte(z[i >> 2], i & 3) >> (2 * qr)) & 3;
+            v[i] = __fmul_rn(s, (float)((int)(lo | (hb << 4)) - 32));
+        }
     }
 };
 
@@ -770,4 +825,66 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
         for (int r = 0; r < QUANT_WIDE_ROWS; r++)
             if (n0 + r < N) y[n0 + r] = out[r];
     }
+}
+
+// ---- the prefill hot lane over typed caches: grouped_gemm.cu's tiles, weights decoded ----
+// (compiled after grouped_gemm.cu; Family::Quant's standalone source puts it first)
+
+// Values k .. k + 7 of a row of `type` (k a multiple of 8, inside the row) as eight bf16 in a
+// uint4, each the bf16 rounding of what dequant_q computes for it (Q::run8: the unit's operations).
+__device__ __forceinline__ uint4 q_row_run8_bf16(int type, const u8* row, int k) {
+    float v[8];
+    switch (type) {
+        case 0: Q8_0::run8(row + (k >> 5) * Q8_0::BYTES, k & 31, v); break;
+        case 1: Q4_0::run8(row + (k >> 5) * Q4_0::BYTES, k & 31, v); break;
+        case 2: Q4_K::run8(row + (k >> 8) * Q4_K::BYTES, k & 255, v); break;
+        case 3: Q5_K::run8(row + (k >> 8) * Q5_K::BYTES, k & 255, v); break;
+        case 4: Q6_K::run8(row + (k >> 8) * Q6_K::BYTES, k & 255, v); break;
+        default: {
+            const unsigned short* p = (const unsigned short*)row + k;
+            return make_uint4(p[0] | ((unsigned)p[1] << 16), p[2] | ((unsigned)p[3] << 16),
+                              p[4] | ((unsigned)p[5] << 16), p[6] | ((unsigned)p[7] << 16));
+        }
+    }
+    __nv_bfloat162 b[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) b[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    return *(const uint4*)b;
+}
+
+// Weight tiles of typed caches [n_slots, N, K] (row r of slot s at (s * N + r) * row_bytes) for
+// gg_tile: each thread decodes runs of 8 values straight into the bf16 tile (no bf16 copy of the
+// slot in VRAM). Columns past N and K are zero.
+struct GgTyped {
+    const u8* W[2];
+    int type[2], row_bytes[2];
+    int N, K;
+    __device__ __forceinline__ void load(bf16 (*sw)[GG_LD], int m, int slot, int col0, int k0) const {
+        const u8* base = W[m] + (size_t)slot * N * row_bytes[m];
+        for (int c = threadIdx.x; c < GG_BN * (GG_BK / 8); c += GG_THREADS) {
+            int n = c / (GG_BK / 8), k = k0 + (c % (GG_BK / 8)) * 8;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (col0 + n < N && k < K) v = q_row_run8_bf16(type[m], base + (size_t)(col0 + n) * row_bytes[m], k);
+            *(uint4*)&sw[n][k - k0] = v;
+        }
+    }
+};
+
+// grouped_gate_up_bf16 over typed caches (type codes as moe_gate_up_gemv_q): the same values
+// as dequantizing the slots to bf16 and running it. grid (n_tiles, ceil(N / GG_BN)), GG_THREADS.
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q(
+    const u8* __restrict__ G, const u8* __restrict__ U, int g_type, int u_type, int g_row_bytes, int u_row_bytes,
+    const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles,
+    int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split) {
+    GgTyped wl = {{G, U}, {g_type, u_type}, {g_row_bytes, u_row_bytes}, N, K};
+    gg_gate_up(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split);
+}
+
+// grouped_gemm_bf16 over a typed cache [n_slots, N, K].
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q(
+    const u8* __restrict__ W, int w_type, int row_bytes, const float* __restrict__ x, const int* __restrict__ rows,
+    int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K,
+    int split) {
+    GgTyped wl = {{W, W}, {w_type, w_type}, {row_bytes, row_bytes}, N, K};
+    gg_gemm(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split);
 }

@@ -366,3 +366,131 @@ fn gemv3_typed_matches_one_gemv_per_matrix_bit_for_bit() {
         }
     }
 }
+
+/// The grouped prefill GEMMs over typed caches (`grouped_gate_up_typed`, `grouped_gemm_typed`:
+/// weight tiles decoded in shared memory) give the bits of dequantizing the whole cache to bf16
+/// and running the bf16 kernels, for every type, a Q4_K_M-like mix, a bf16 gate, and shapes whose
+/// rows and columns are not multiples of the 64 x 64 tile; split activations on and off.
+#[test]
+fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
+    use moe_lanes_kernels::cuda::ops::grouped_tiles;
+    use WeightDType::{BF16, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x6A0D);
+    let mut cases: Vec<([WeightDType; 3], usize, usize)> =
+        WeightDType::QUANTIZED.iter().map(|&d| ([d; 3], 512, 256)).collect();
+    cases.extend([([Q4_K, Q5_K, Q6_K], 512, 256), ([BF16, Q4_K, Q6_K], 256, 256)]);
+    cases.extend([([Q8_0, Q8_0, Q4_0], 96, 224), ([Q4_0, Q4_0, Q8_0], 160, 96)]);
+    // expert-major runs: a run longer than a tile, a slot without rows (2), runs of 1
+    let slots: Vec<u32> =
+        [(3u32, 70usize), (0, 5), (4, 1), (1, 17), (5, 9)].iter().flat_map(|&(s, n)| vec![s; n]).collect();
+    let (n_slots, n_rows, t) = (6, slots.len(), 13);
+    let mut tiles = vec![0i32; 3 * n_rows];
+    let n_tiles = grouped_tiles(&slots, &mut tiles).unwrap();
+    let toks: Vec<i32> = (0..n_rows).map(|r| ((r * 5 + 2) % t) as i32).collect();
+    let (dtiles, dtok) = (be.upload(&tiles[..3 * n_tiles]).unwrap(), be.upload(&toks).unwrap());
+    for (types, hidden, ff) in cases {
+        let shapes = [(ff, hidden), (ff, hidden), (hidden, ff)];
+        let caches: Vec<Vec<u8>> = types
+            .iter()
+            .zip(shapes)
+            .map(|(&d, (rows, k))| random_cache(&mut rng, d, n_slots, rows, k).0)
+            .collect();
+        let dev: Vec<_> = caches.iter().map(|b| be.upload(b).unwrap()).collect();
+        let typed = |i: usize| TypedWeights { bytes: dev[i].ptr(), dtype: types[i] };
+        let bf: Vec<_> = (0..3)
+            .map(|i| {
+                let (rows, k) = shapes[i];
+                let out = be.alloc_zeros::<u16>(n_slots * rows * k).unwrap();
+                match typed(i).bf16() {
+                    Some(b) => be.copy(b, out.ptr()).unwrap(),
+                    None => {
+                        be.dequantize_bf16(types[i], dev[i].ptr(), 0, n_slots * rows, k, out.ptr()).unwrap()
+                    }
+                }
+                out
+            })
+            .collect();
+        let dx = be.upload(&rng.vec(t * hidden, 1.0)).unwrap();
+        for split in [true, false] {
+            let out = |n: usize| [be.alloc_zeros::<f32>(n).unwrap(), be.alloc_zeros::<f32>(n).unwrap()];
+            let (h, y) = (out(n_rows * ff), out(n_rows * hidden));
+            let (x, tok, tl) = (dx.ptr(), dtok.ptr(), dtiles.ptr());
+            be.grouped_gate_up(
+                bf[0].ptr(),
+                bf[1].ptr(),
+                n_slots,
+                x,
+                tok,
+                t,
+                tl,
+                n_tiles,
+                h[0].ptr(),
+                n_rows,
+                ff,
+                hidden,
+                split,
+            )
+            .unwrap();
+            be.grouped_gate_up_typed(
+                typed(0),
+                typed(1),
+                n_slots,
+                x,
+                tok,
+                t,
+                tl,
+                n_tiles,
+                h[1].ptr(),
+                n_rows,
+                ff,
+                hidden,
+                split,
+            )
+            .unwrap();
+            let hp = h[0].ptr();
+            be.grouped_gemm(
+                bf[2].ptr(),
+                n_slots,
+                hp,
+                None,
+                n_rows,
+                tl,
+                n_tiles,
+                y[0].ptr(),
+                n_rows,
+                hidden,
+                ff,
+                split,
+            )
+            .unwrap();
+            be.grouped_gemm_typed(
+                typed(2),
+                n_slots,
+                hp,
+                None,
+                n_rows,
+                tl,
+                n_tiles,
+                y[1].ptr(),
+                n_rows,
+                hidden,
+                ff,
+                split,
+            )
+            .unwrap();
+            let bits = |b: &moe_lanes_kernels::cuda::DeviceBuffer<f32>| {
+                be.read_vec(b.ptr()).unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>()
+            };
+            assert_eq!(bits(&h[0]), bits(&h[1]), "{types:?} ({hidden}, {ff}) split={split} gate/up");
+            assert_eq!(bits(&y[0]), bits(&y[1]), "{types:?} ({hidden}, {ff}) split={split} down");
+            assert!(bits(&y[1]).iter().any(|&b| b != 0), "{types:?}: the GEMMs wrote something");
+        }
+    }
+    // a cache too short for one slot of 256 x 256 Q4_K values is refused before any launch
+    let (raw, f) = (be.alloc_zeros::<u8>(64).unwrap(), be.alloc_zeros::<f32>(256).unwrap());
+    let short = TypedWeights { bytes: raw.ptr(), dtype: Q4_K };
+    let (tl, fp) = (dtiles.ptr(), f.ptr());
+    let err = shape_error(be.grouped_gemm_typed(short, 1, fp, None, 1, tl, 1, fp, 1, 256, 256, true));
+    assert!(err.contains("weight cache"), "{err}");
+}

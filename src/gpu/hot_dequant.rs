@@ -1,29 +1,23 @@
-//! Prefill's hot lane over quantized cache slots on the tensor cores: the slots the worklist
-//! uses are dequantized to bf16 into a bounded VRAM scratch, a chunk of consecutive slot indices
-//! at a time, and the grouped kernels (`grouped_gate_up`, `grouped_gemm`) run each chunk's tiles
-//! on that scratch. The host sorts the worklist's tiles by slot (the kernels write disjoint rows,
-//! so tile order changes nothing), cuts them into chunks of at most
-//! [`HotDequant::slots`] slot indices and rewrites each tile's slot to its chunk-local index.
-//! With `GpuOptions::hot_dequant_overlap` chunks alternate between two halves of the scratch and
-//! a chunk's dequantization runs on the side stream beside the previous chunk's GEMMs, ordered by
-//! events (off, the default: one chunk the size of the scratch, all on the compute stream; at
-//! equal VRAM the fewer, larger chunks measured faster). The values are the per-expert cuBLAS path's
-//! (`dequantize_bf16`, bf16-rounded).
+//! Prefill's hot lane over quantized cache slots through a bf16 scratch (the A/B baseline of the
+//! default, which decodes quantized tiles inside the grouped kernels: `grouped_*_typed`, the same
+//! bits without the scratch): the slots the worklist uses are dequantized to bf16 into a bounded
+//! VRAM scratch (`GpuOptions::hot_dequant_bytes`, allocated with the engine, so it comes out of
+//! the automatic hot-cache budget), a chunk of consecutive slot indices at a time, and the grouped
+//! kernels (`grouped_gate_up`, `grouped_gemm`) run each chunk's tiles on that scratch. The host
+//! sorts the worklist's tiles by slot (the kernels write disjoint rows, so tile order changes
+//! nothing), cuts them into chunks of at most [`HotDequant::slots`] slot indices and rewrites each
+//! tile's slot to its chunk-local index. With `GpuOptions::hot_dequant_overlap` chunks alternate
+//! between two halves of the scratch and a chunk's dequantization runs on the side stream beside
+//! the previous chunk's GEMMs, ordered by events (off: one chunk the size of the scratch, all on
+//! the compute stream). Measured before the fused kernels (H100, 512-token prefill, Q4_K_M
+//! Qwen3-30B-A3B, all 128 experts hot): hot lane 2.58 ms a layer at 3 chunks of 512 MiB, 2.18 ms
+//! at 1 chunk of 1.2 GiB, 3.24 ms at 5, 4.34 ms at 10 chunks with overlap; the dequantization
+//! itself about 0.7 ms a layer.
 
 use super::model::GpuModel;
 use super::GpuError;
 use crate::model::config::ModelConfig;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, GpuEvent, TypedWeights};
-
-/// VRAM for the bf16 copies of quantized hot slots (one chunk's gate, up and down; two half-size
-/// chunks with `GpuOptions::hot_dequant_overlap`): 512 MiB, allocated once with the engine,
-/// before the automatic hot-cache budget measures free memory, so it comes out of that budget
-/// (for Qwen3-30B-A3B in Q4_K_M, about 3% of its experts). For 768 x 2048 experts (9 MiB a slot
-/// in bf16) a chunk holds 56 slots and a layer of 128 cached experts takes 3 chunks. Fewer
-/// chunks are faster (H100, 512-token prefill, Q4_K_M, all 128 experts hot: hot lane 2.58 ms a
-/// layer at 3 chunks, 2.18 ms at 1 chunk of 1.2 GiB, 3.24 ms at 5, 4.34 ms at 10 chunks with
-/// overlap); the dequantization itself costs about 0.7 ms a layer.
-pub const HOT_DEQUANT_SCRATCH_BYTES: usize = 512 << 20;
 
 /// A contiguous range of the slot-sorted tiles whose slots lie in
 /// `first_slot..first_slot + n_slots`; its tiles carry chunk-local slot indices.
@@ -35,8 +29,8 @@ pub(crate) struct SlotChunk {
     pub n_slots: usize,
 }
 
-/// Slots per chunk: as many as fit `limit_bytes / halves` (normally
-/// [`HOT_DEQUANT_SCRATCH_BYTES`]) in bf16, at least one, at most every expert.
+/// Slots per chunk: as many as fit `limit_bytes / halves` in bf16, at least one, at most every
+/// expert.
 pub(crate) fn hot_dequant_slots(cfg: &ModelConfig, limit_bytes: usize, halves: usize) -> usize {
     let slot_bytes = 3 * cfg.expert_ff * cfg.hidden * std::mem::size_of::<u16>();
     (limit_bytes / halves / slot_bytes.max(1)).clamp(1, cfg.n_experts.max(1))

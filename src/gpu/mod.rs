@@ -28,7 +28,6 @@ mod weights;
 
 pub use cold::{ColdError, ColdExperts, ColdSlot, CpuColdExperts};
 pub use error::GpuError;
-pub use hot_dequant::HOT_DEQUANT_SCRATCH_BYTES;
 pub use kv::GpuKvCache;
 pub use model::{
     BadFault, GpuFaults, GpuModel, GpuOptions, HotGemm, LayerFaults, PrefillAttention, HOT_LANE_TIMEOUT,

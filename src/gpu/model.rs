@@ -6,7 +6,7 @@
 use super::cold::{ColdExperts, CpuColdExperts};
 use super::graph::DecodeGraph;
 use super::hot_cache::HotCache;
-use super::hot_dequant::{HotDequant, HOT_DEQUANT_SCRATCH_BYTES};
+use super::hot_dequant::HotDequant;
 use super::kv::GpuKvCache;
 use super::postfetch::plan::{PostFetchOptions, PostFetchTotals};
 use super::postfetch::PostFetch;
@@ -141,7 +141,8 @@ impl std::str::FromStr for GpuFaults {
 pub enum HotGemm {
     /// One tensor-core launch per projection for every cached expert of the layer (gate and up
     /// fused with the activation, then down), then the weighted scatter; quantized slots are
-    /// dequantized to bf16 chunk by chunk first (`hot_dequant`).
+    /// decoded to bf16 tile by tile in shared memory (or, with `hot_dequant_bytes`, dequantized
+    /// to a bf16 scratch chunk by chunk first: `hot_dequant`).
     #[default]
     Grouped,
     /// One cuBLAS GEMM per cached expert and projection (two with split activations).
@@ -169,9 +170,9 @@ pub struct GpuOptions {
     /// Prefill GEMMs take activations as bf16 hi + lo (two GEMMs, or two MMAs per step in the
     /// grouped hot lane; ~f32 accuracy); off: bf16 only.
     pub split_bf16_activations: bool,
-    /// VRAM for the bf16 chunks of quantized hot slots in grouped prefill
-    /// ([`HOT_DEQUANT_SCRATCH_BYTES`]; smaller: more chunks, at least one slot each; 0: no
-    /// scratch, quantized slots go per expert, as an engine built without hot experts does).
+    /// VRAM for bf16 chunks of quantized hot slots in grouped prefill (the A/B baseline of
+    /// `hot_dequant`: at least one slot a chunk); 0 (default): no scratch, the grouped kernels
+    /// decode the quantized tiles themselves.
     pub hot_dequant_bytes: usize,
     /// Dequantize the next chunk of quantized hot slots on the side stream while the current
     /// chunk's GEMMs run (two half-size chunks in the scratch); off (default): one chunk, both on
@@ -200,7 +201,7 @@ impl Default for GpuOptions {
             hot_gemm: HotGemm::Grouped,
             prefill_attention: PrefillAttention::Tiled,
             split_bf16_activations: true,
-            hot_dequant_bytes: HOT_DEQUANT_SCRATCH_BYTES,
+            hot_dequant_bytes: 0,
             hot_dequant_overlap: false,
             perf_mode: PerfMode::Full,
             profile: false,

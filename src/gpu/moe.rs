@@ -11,8 +11,9 @@
 //! - *host path* (prefill, warmup, and any layer named by a fault injection): the host builds
 //!   the worklist expert-major, checks it, uploads it, and the hot lane runs the grouped
 //!   tensor-core GEMMs over every cached expert's gathered token rows (one launch for gate, up
-//!   and the activation, one for down; quantized slots are dequantized to bf16 into a bounded
-//!   scratch first, a chunk of slots at a time, `hot_dequant`; `HotGemm::PerExpert`: one cuBLAS
+//!   and the activation, one for down; quantized slots are decoded tile by tile inside those
+//!   kernels, or, with a scratch (`GpuOptions::hot_dequant_bytes`), dequantized to bf16 a chunk
+//!   of slots at a time first, `hot_dequant`; `HotGemm::PerExpert`: one cuBLAS
 //!   GEMM per cached expert and projection, quantized slots dequantized to bf16 first); the join
 //!   waits for the hot lane's event with a timeout.
 //!
@@ -33,7 +34,7 @@ use crate::moe::phase::Phase;
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
 use moe_lanes_kernels::cuda::ops::grouped_tiles;
-use moe_lanes_kernels::cuda::{GpuEvent, TypedWeights};
+use moe_lanes_kernels::cuda::GpuEvent;
 use std::time::{Duration, Instant};
 
 /// How a layer's split ended when it did not end well.
@@ -361,10 +362,12 @@ impl GpuModel {
         if n_hot > 0 {
             let all_bf16 = self.hot.slots(l).expect("hot entries imply a cache").all_bf16();
             match self.opts.hot_gemm {
-                HotGemm::Grouped if all_bf16 => self.hot_lane_grouped(l, t)?,
-                // quantized slots: dequantized to bf16 chunk by chunk for the same kernels
-                HotGemm::Grouped if self.hot_dequant.is_some() => self.hot_lane_dequant_grouped(l, t)?,
-                _ => self.hot_lane_per_expert(l)?,
+                // quantized slots with a bf16 scratch: dequantized chunk by chunk for the bf16 kernels
+                HotGemm::Grouped if !all_bf16 && self.hot_dequant.is_some() => {
+                    self.hot_lane_dequant_grouped(l, t)?
+                }
+                HotGemm::Grouped => self.hot_lane_grouped(l, t)?,
+                HotGemm::PerExpert => self.hot_lane_per_expert(l)?,
             }
         }
         let n_all = n_hot + self.host.pf_slot.len();
@@ -381,35 +384,28 @@ impl GpuModel {
     }
 
     /// Grouped: one tensor-core launch for gate, up and the activation over every cached
-    /// expert (rows gathered from the normed tokens in the kernel), one for down.
+    /// expert (rows gathered from the normed tokens in the kernel), one for down. Quantized
+    /// slots are decoded tile by tile inside the kernels (`grouped_*_typed`).
     fn hot_lane_grouped(&self, l: usize, t: usize) -> Result<(), GpuError> {
         let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
         let s = self.scratch.as_ref().expect("reserved");
         let n_hot = self.host.worklist.hot[0].hot_count;
         let c = self.hot.slots(l).expect("hot entries imply a cache");
-        let n_slots = c.n_slots;
-        let bf16 = |m: TypedWeights| m.bf16().expect("grouped GEMM runs on bf16 caches");
-        let (gate, up, down) = (bf16(c.gate), bf16(c.up), bf16(c.down));
-        let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.split_bf16_activations);
-        let n_tiles = self.host.n_tiles;
-        let tiles = wi.sub(lay.tiles, 3 * n_tiles);
-        let toks = wi.sub(lay.tokens, n_hot);
-        let (x, hbuf) = (s.normed.ptr(), s.h.ptr());
-        self.be.grouped_gate_up(gate, up, n_slots, x, toks, t, tiles, n_tiles, hbuf, n_hot, ff, h, split)?;
-        self.be.grouped_gemm(
-            down,
-            n_slots,
-            hbuf,
-            None,
-            n_hot,
-            tiles,
-            n_tiles,
-            s.y.ptr(),
-            n_hot,
-            h,
-            ff,
-            split,
-        )?;
+        let (n, split, nt) = (c.n_slots, self.opts.split_bf16_activations, self.host.n_tiles);
+        let (lay, wi) = (s.layout, s.work_i.ptr());
+        let (tiles, toks) = (wi.sub(lay.tiles, 3 * nt), wi.sub(lay.tokens, n_hot));
+        let (x, hbuf, y) = (s.normed.ptr(), s.h.ptr(), s.y.ptr());
+        let be = &self.be;
+        match (c.gate.bf16(), c.up.bf16(), c.down.bf16()) {
+            (Some(gate), Some(up), Some(down)) => {
+                be.grouped_gate_up(gate, up, n, x, toks, t, tiles, nt, hbuf, n_hot, ff, h, split)?;
+                be.grouped_gemm(down, n, hbuf, None, n_hot, tiles, nt, y, n_hot, h, ff, split)?;
+            }
+            _ => {
+                be.grouped_gate_up_typed(c.gate, c.up, n, x, toks, t, tiles, nt, hbuf, n_hot, ff, h, split)?;
+                be.grouped_gemm_typed(c.down, n, hbuf, None, n_hot, tiles, nt, y, n_hot, h, ff, split)?;
+            }
+        }
         Ok(())
     }
 

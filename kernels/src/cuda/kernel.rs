@@ -103,10 +103,23 @@ impl Family {
         }
     }
 
-    /// This family alone as a program: the shared header, then the file (to check that each
-    /// family compiles by itself).
+    /// The families whose device code this one builds on (compiled before it: [`Family::ALL`]
+    /// lists them earlier): quant.cu's grouped GEMM over typed caches uses grouped_gemm.cu's tiles.
+    pub fn needs(self) -> &'static [Family] {
+        match self {
+            Family::Quant => &[Family::GroupedGemm],
+            _ => &[],
+        }
+    }
+
+    /// This family alone as a program: the shared header, the families it needs, then the file
+    /// (to check that each family compiles without the others).
     pub fn standalone_source(self) -> String {
-        format!("{COMMON_CUH}\n// ---- {} ----\n{}", self.file_name(), self.source())
+        let mut src = String::from(COMMON_CUH);
+        for f in self.needs().iter().chain([&self]) {
+            src.push_str(&format!("\n// ---- {} ----\n{}", f.file_name(), f.source()));
+        }
+        src
     }
 }
 
@@ -209,10 +222,12 @@ pub enum Kernel {
     Gemv1Q5K,
     Gemv1Q6K,
     Gemv3Typed,
+    GroupedGateUpQ,
+    GroupedGemmQ,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 48] = [
+    pub const ALL: [Kernel; 50] = [
         Kernel::GemvBf16,
         Kernel::Gemv3Bf16,
         Kernel::RmsnormF32,
@@ -261,6 +276,8 @@ impl Kernel {
         Kernel::Gemv1Q5K,
         Kernel::Gemv1Q6K,
         Kernel::Gemv3Typed,
+        Kernel::GroupedGateUpQ,
+        Kernel::GroupedGemmQ,
     ];
 
     /// The `extern "C"` symbol.
@@ -314,6 +331,8 @@ impl Kernel {
             Kernel::Gemv1Q5K => "gemv1_q5_k",
             Kernel::Gemv1Q6K => "gemv1_q6_k",
             Kernel::Gemv3Typed => "gemv3_typed",
+            Kernel::GroupedGateUpQ => "grouped_gate_up_q",
+            Kernel::GroupedGemmQ => "grouped_gemm_q",
         }
     }
 
@@ -368,6 +387,8 @@ impl Kernel {
             Kernel::Gemv1Q5K => Family::Quant,
             Kernel::Gemv1Q6K => Family::Quant,
             Kernel::Gemv3Typed => Family::Quant,
+            Kernel::GroupedGateUpQ => Family::Quant,
+            Kernel::GroupedGemmQ => Family::Quant,
         }
     }
 }
@@ -394,6 +415,15 @@ mod tests {
         }
         let all = kernel_source();
         assert_eq!(all.matches("__global__").count(), Kernel::ALL.len(), "no kernel without an id");
+    }
+
+    #[test]
+    fn families_need_only_earlier_ones() {
+        for (i, f) in Family::ALL.iter().enumerate() {
+            for n in f.needs() {
+                assert!(Family::ALL[..i].contains(n), "{f:?} needs {n:?}, compiled after it");
+            }
+        }
     }
 
     #[test]

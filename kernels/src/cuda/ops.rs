@@ -143,17 +143,17 @@ pub fn grouped_tiles(slot_of_row: &[u32], tiles: &mut [i32]) -> Result<usize> {
 
 /// One grouped GEMM's operands for the shape checks: the per-slot matrices, the f32 input
 /// (gathered by `rows` or taken row by row), the tiles and the output.
-struct GroupedShape {
-    n_slots: usize,
-    n_x_rows: usize,
-    n_rows: usize,
-    n_tiles: usize,
-    n: usize,
-    k: usize,
+pub(super) struct GroupedShape {
+    pub n_slots: usize,
+    pub n_x_rows: usize,
+    pub n_rows: usize,
+    pub n_tiles: usize,
+    pub n: usize,
+    pub k: usize,
 }
 
 impl GroupedShape {
-    fn check(
+    pub(super) fn check(
         &self,
         kernel: Kernel,
         ws: &[DPtr<u16>],
@@ -183,7 +183,7 @@ impl GroupedShape {
         need(kernel, "out", out, self.n_rows * self.n)
     }
 
-    fn grid(&self) -> (u32, u32, u32) {
+    pub(super) fn grid(&self) -> (u32, u32, u32) {
         (self.n_tiles as u32, blocks(self.n, GROUPED_TILE_COLS as u32), 1)
     }
 }

@@ -8,8 +8,10 @@
 
 #![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
 
-use super::kernel::{Kernel, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS};
-use super::ops::{args, blocks, i, need};
+use super::kernel::{
+    Kernel, GROUPED_THREADS, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+};
+use super::ops::{args, blocks, i, need, GroupedShape};
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::weights::WeightDType;
 
@@ -388,6 +390,100 @@ impl CudaBackend {
                 i(k)
             ],
         )
+    }
+
+    /// [`CudaBackend::grouped_gate_up`] over typed caches `[n_slots, ff, hidden]` (any stored type;
+    /// gate and up may differ): each weight tile is decoded into shared memory as bf16, so the
+    /// result equals dequantizing the slots with [`CudaBackend::dequantize_bf16`] and running the
+    /// bf16 kernel, without a bf16 copy in VRAM.
+    pub fn grouped_gate_up_typed(
+        &self,
+        gate_cache: TypedWeights,
+        up_cache: TypedWeights,
+        n_slots: usize,
+        x: DPtr<f32>,
+        rows: DPtr<i32>,
+        n_x_rows: usize,
+        tiles: DPtr<i32>,
+        n_tiles: usize,
+        h: DPtr<f32>,
+        n_rows: usize,
+        ff: usize,
+        hidden: usize,
+        split: bool,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::GroupedGateUpQ;
+        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n: ff, k: hidden };
+        shape.check(K, &[], x, Some(rows), tiles, h)?;
+        let (gt, grb) = check_typed(K, "gate cache", gate_cache, n_slots * ff, hidden)?;
+        let (ut, urb) = check_typed(K, "up cache", up_cache, n_slots * ff, hidden)?;
+        if n_tiles == 0 || ff == 0 {
+            return Ok(());
+        }
+        let (g, u) = (gate_cache.bytes.raw(), up_cache.bytes.raw());
+        let (xr, rr, tr, hr) = (x.raw(), rows.raw(), tiles.raw(), h.raw());
+        let args = args![
+            g,
+            u,
+            gt,
+            ut,
+            grb,
+            urb,
+            xr,
+            rr,
+            i(n_x_rows),
+            tr,
+            i(n_rows),
+            i(n_slots),
+            hr,
+            i(ff),
+            i(hidden),
+            i32::from(split)
+        ];
+        self.launch(K, shape.grid(), GROUPED_THREADS, 0, args)
+    }
+
+    /// [`CudaBackend::grouped_gemm`] over a typed cache `[n_slots, n, k]`, decoded tile by tile
+    /// as [`CudaBackend::grouped_gate_up_typed`].
+    pub fn grouped_gemm_typed(
+        &self,
+        w_cache: TypedWeights,
+        n_slots: usize,
+        x: DPtr<f32>,
+        rows: Option<DPtr<i32>>,
+        n_x_rows: usize,
+        tiles: DPtr<i32>,
+        n_tiles: usize,
+        y: DPtr<f32>,
+        n_rows: usize,
+        n: usize,
+        k: usize,
+        split: bool,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::GroupedGemmQ;
+        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n, k };
+        shape.check(K, &[], x, rows, tiles, y)?;
+        let (wt, rb) = check_typed(K, "weight cache", w_cache, n_slots * n, k)?;
+        if n_tiles == 0 || n == 0 {
+            return Ok(());
+        }
+        let (w, r) = (w_cache.bytes.raw(), rows.map_or(0, |p| p.raw()));
+        let args = args![
+            w,
+            wt,
+            rb,
+            x.raw(),
+            r,
+            i(n_x_rows),
+            tiles.raw(),
+            i(n_rows),
+            i(n_slots),
+            y.raw(),
+            i(n),
+            i(k),
+            i32::from(split)
+        ];
+        self.launch(K, shape.grid(), GROUPED_THREADS, 0, args)
     }
 
     /// `out[t] = table[tokens[t]]` widened to f32 for a table `[vocab, hidden]` in any stored

@@ -92,6 +92,34 @@ template <class W> int check_wide(const char* dir, const char* name, bool odd) {
     printf("%s wide: %zu blocks, %d mismatches\n", name, nb, bad);
     return bad != 0;
 }
+// The runs of 8 consecutive values (Q::run8, the grouped prefill GEMM's weight tiles) against the
+// same fixtures, blocks at a 16-byte aligned address and, for the 2-byte aligned types, at 2 mod 4.
+template <class Q> int check_run8(const char* dir, const char* name, bool odd) {
+    char pb[256], pd[256];
+    snprintf(pb, 256, "%s/%s.blocks", dir, name);
+    snprintf(pd, 256, "%s/%s.dequant.f32", dir, name);
+    auto blocks = slurp(pb); auto deq = slurp(pd);
+    size_t nb = blocks.size() / Q::BYTES; const float* want = (const float*)deq.data();
+    alignas(16) u8 buf[512];
+    int bad = 0;
+    for (int shift : {0, 2}) {
+        if (shift && !odd) continue;
+        for (size_t b = 0; b < nb; b++) {
+            u8* blk = buf + shift;
+            for (int i = 0; i < Q::BYTES; i++) blk[i] = (u8)blocks[b * Q::BYTES + i];
+            for (int c = 0; c < Q::ELEMS; c += 8) {
+                float v[8];
+                Q::run8(blk, c, v);
+                for (int i = 0; i < 8; i++) {
+                    float w = want[b * Q::ELEMS + c + i];
+                    if (memcmp(&w, &v[i], 4) != 0 && bad++ < 5) printf("%s run8 block %zu col %d: %g vs %g\n", name, b, c + i, v[i], w);
+                }
+            }
+        }
+    }
+    printf("%s run8: %zu blocks, %d mismatches\n", name, nb, bad);
+    return bad != 0;
+}
 int main(int argc, char** argv) {
     if (argc != 2) return 2;
     const char* d = argv[1];
@@ -99,5 +127,7 @@ int main(int argc, char** argv) {
             check<Q6_K>(d, "q6_k");
     f += check_wide<W8_0>(d, "q8_0", true) + check_wide<W4_0>(d, "q4_0", true) + check_wide<W4_K>(d, "q4_k", false) +
          check_wide<W5_K>(d, "q5_k", false) + check_wide<W6_K>(d, "q6_k", true);
+    f += check_run8<Q8_0>(d, "q8_0", true) + check_run8<Q4_0>(d, "q4_0", true) + check_run8<Q4_K>(d, "q4_k", false) +
+         check_run8<Q5_K>(d, "q5_k", false) + check_run8<Q6_K>(d, "q6_k", true);
     return f;
 }
