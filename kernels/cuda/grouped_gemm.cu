@@ -47,6 +47,45 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsi
 #endif
 }
 
+// The A fragment of m16n8k16 (rows rb..rb+15, columns ks..ks+15 of a [GG_BM][GG_LD] tile):
+// a[0] (row g, k 2t), a[1] (row g + 8), a[2] (k 2t + 8), a[3] (both), g = lane / 4, t = lane % 4.
+// One ldmatrix.x4 (lane i names row rb + i % 16, column ks + 8 (i / 16)); rows are 144 bytes,
+// 16-byte aligned, and the 8-element pad puts a matrix's rows in distinct banks.
+__device__ __forceinline__ void gg_frag_a(unsigned* a, const bf16 (*s)[GG_LD], int rb, int ks) {
+    int lane = threadIdx.x & 31;
+#if __CUDA_ARCH__ >= 750
+    unsigned addr = (unsigned)__cvta_generic_to_shared(&s[rb + (lane & 15)][ks + 8 * (lane >> 4)]);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(addr));
+#else
+    int g = lane >> 2, t = lane & 3;
+    a[0] = *(const unsigned*)&s[rb + g][ks + t * 2];
+    a[1] = *(const unsigned*)&s[rb + g + 8][ks + t * 2];
+    a[2] = *(const unsigned*)&s[rb + g][ks + t * 2 + 8];
+    a[3] = *(const unsigned*)&s[rb + g + 8][ks + t * 2 + 8];
+#endif
+}
+
+// The B fragments of two column groups cb..cb+7 and cb+8..cb+15 (W rows of a [GG_BN][GG_LD]
+// tile, columns ks..ks+15): b[0], b[1] of the first (k 2t and 2t + 8 of row cb + g), b[2], b[3]
+// of the second. One ldmatrix.x4 (lane i names row cb + i % 8 + 8 (i / 16), column ks + 8 (i / 8 % 2)).
+__device__ __forceinline__ void gg_frag_b(unsigned* b, const bf16 (*s)[GG_LD], int cb, int ks) {
+    int lane = threadIdx.x & 31;
+#if __CUDA_ARCH__ >= 750
+    unsigned addr = (unsigned)__cvta_generic_to_shared(&s[cb + (lane & 7) + 8 * (lane >> 4)][ks + 8 * ((lane >> 3) & 1)]);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                 : "r"(addr));
+#else
+    int g = lane >> 2, t = lane & 3;
+    for (int h = 0; h < 2; h++) {
+        b[2 * h] = *(const unsigned*)&s[cb + 8 * h + g][ks + t * 2];
+        b[2 * h + 1] = *(const unsigned*)&s[cb + 8 * h + g][ks + t * 2 + 8];
+    }
+#endif
+}
+
 // Load the X tile (rows of the tile, columns k0..k0+GG_BK) into hi (and lo) bf16 shared memory.
 // Rows past the tile, a source row out of range and columns past K are zero.
 __device__ __forceinline__ void gg_load_x(bf16 (*sx)[GG_BM][GG_LD], const float* __restrict__ x,
@@ -69,11 +108,14 @@ __device__ __forceinline__ void gg_load_x(bf16 (*sx)[GG_BM][GG_LD], const float*
                 }
             }
         }
-        for (int j = 0; j < 4; j++) {
-            bf16 h = __float2bfloat16_rn(v[j]);
-            sx[0][r][kq + j] = h;
-            if (split) sx[1][r][kq + j] = __float2bfloat16_rn(v[j] - __bfloat162float(h));
+        __nv_bfloat162 hi[2], lo[2];
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            hi[j] = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+            lo[j] = __floats2bfloat162_rn(v[2 * j] - __low2float(hi[j]), v[2 * j + 1] - __high2float(hi[j]));
         }
+        *(uint2*)&sx[0][r][kq] = *(const uint2*)hi;  // 8-byte aligned: kq % 4 == 0, rows 144 bytes
+        if (split) *(uint2*)&sx[1][r][kq] = *(const uint2*)lo;
     }
 }
 
@@ -134,8 +176,7 @@ __device__ __forceinline__ bool gg_tile(const L& wl, const float* __restrict__ x
             for (int ni = 0; ni < 4; ni++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) acc[m][mi][ni][c] = 0.f;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int wm = warp & 1, wn = warp >> 1;
+    int warp = threadIdx.x >> 5, wm = warp & 1, wn = warp >> 1;
     int parts = split ? 2 : 1;
     for (int k0 = 0; k0 < K; k0 += GG_BK) {
         gg_load_x(sx, x, rows, n_x_rows, row0, nr, K, k0, split);
@@ -143,27 +184,24 @@ __device__ __forceinline__ bool gg_tile(const L& wl, const float* __restrict__ x
         __syncthreads();
         if (wm * 32 < nr) {
             for (int ks = 0; ks < GG_BK && k0 + ks < K; ks += 16) {
+                // b[m][ni]: the B fragments of the warp's 4 column groups, loaded once for both parts
+                unsigned b[NW][4][2];
+#pragma unroll
+                for (int m = 0; m < NW; m++)
+#pragma unroll
+                    for (int np = 0; np < 2; np++) gg_frag_b(&b[m][2 * np][0], sw[m], wn * 32 + np * 16, ks);
                 for (int p = 0; p < parts; p++) {
                     unsigned a[2][4];
 #pragma unroll
-                    for (int mi = 0; mi < 2; mi++) {
-                        int rb = wm * 32 + mi * 16;
-                        a[mi][0] = *(const unsigned*)&sx[p][rb + g][ks + t * 2];
-                        a[mi][1] = *(const unsigned*)&sx[p][rb + g + 8][ks + t * 2];
-                        a[mi][2] = *(const unsigned*)&sx[p][rb + g][ks + t * 2 + 8];
-                        a[mi][3] = *(const unsigned*)&sx[p][rb + g + 8][ks + t * 2 + 8];
-                    }
+                    for (int mi = 0; mi < 2; mi++) gg_frag_a(a[mi], sx[p], wm * 32 + mi * 16, ks);
 #pragma unroll
                     for (int m = 0; m < NW; m++)
 #pragma unroll
                         for (int ni = 0; ni < 4; ni++) {
-                            int cb = wn * 32 + ni * 8;
-                            if (col0 + cb >= N) continue;
-                            unsigned b0 = *(const unsigned*)&sw[m][cb + g][ks + t * 2];
-                            unsigned b1 = *(const unsigned*)&sw[m][cb + g][ks + t * 2 + 8];
+                            if (col0 + wn * 32 + ni * 8 >= N) continue;
 #pragma unroll
                             for (int mi = 0; mi < 2; mi++)
-                                if (wm * 32 + mi * 16 < nr) mma_bf16_16816(acc[m][mi][ni], a[mi], b0, b1);
+                                if (wm * 32 + mi * 16 < nr) mma_bf16_16816(acc[m][mi][ni], a[mi], b[m][ni][0], b[m][ni][1]);
                         }
                 }
             }
