@@ -217,7 +217,7 @@ pub fn run_bench(
         return Err(BenchError::NothingRecorded);
     }
     let mut live =
-        LiveCache::new(engine, ModelFingerprint::of(model), model.expert_bytes() as u64, opts.update);
+        LiveCache::new(engine, ModelFingerprint::of(model), model.layer_expert_bytes(), opts.update);
     let (mut updates, mut exchanges) = (0u64, 0u64);
     let mut count = |o: Option<UpdateOutcome>| {
         if let Some(o) = o {

@@ -190,12 +190,8 @@ pub fn run_shift(
     for policy in ShiftPolicy::ALL {
         let start = if policy == ShiftPolicy::StaticSecond { &target_b } else { &target_a };
         let mode = if policy == ShiftPolicy::Online { UpdateMode::Auto } else { UpdateMode::Off };
-        let mut live = LiveCache::new(
-            engine,
-            fp.clone(),
-            model.expert_bytes() as u64,
-            UpdatePolicy { mode, ..o.update },
-        );
+        let mut live =
+            LiveCache::new(engine, fp.clone(), model.layer_expert_bytes(), UpdatePolicy { mode, ..o.update });
         live.request_manual(engine, start)?;
         for index in 0..2 * o.n_requests {
             let domain = if index < o.n_requests { a } else { b };

@@ -215,7 +215,7 @@ fn any_exchange_sequence_keeps_output_equal_to_the_reference() {
             let live = LiveCache::new(
                 engine.as_ref(),
                 ModelFingerprint::of(&model),
-                model.expert_bytes() as u64,
+                model.layer_expert_bytes(),
                 policy,
             );
             let hs = engine.hot_set().unwrap();

@@ -159,6 +159,27 @@ const GPU_TENSOR_CORE_TOLERANCE: f64 = 2e-2;
 /// engines; every row within `tolerance`, and the engine's greedy token equal to the
 /// reference's wherever the reference's top-2 gap exceeds 4x the tolerance times the row's
 /// scale. Returns the worst error.
+/// A Q4_K_M file whose layers differ in expert bytes (Q6_K down projections in the
+/// `use_more_bits` layers): a byte budget of all its experts (`Model::all_experts_bytes`) makes
+/// every expert hot, and one expert less leaves exactly one cold (the planner counts each layer's
+/// own bytes, not the largest layer's for every expert).
+#[test]
+fn a_budget_of_all_expert_bytes_caches_every_expert_of_a_mixed_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", QuantMix::Q4_K_M)).unwrap());
+    let (sizes, c) = (model.layer_expert_bytes(), model.config().clone());
+    assert!(sizes.iter().any(|&b| b != sizes[0]), "the test needs layers of different sizes: {sizes:?}");
+    let all = model.all_experts_bytes();
+    let smallest = *sizes.iter().min().unwrap();
+    for (budget, want) in [(all, c.n_layers * c.n_experts), (all - smallest, c.n_layers * c.n_experts - 1)] {
+        let mut opts = options(Some(EngineKind::Pipeline));
+        opts.hot = HotChoice::Budget(HotBudget::Bytes(budget));
+        let (engine, report) = build_engine(&model, opts).unwrap();
+        assert_eq!(report.n_hot_experts, want, "budget {budget} of {all}");
+        assert!(engine.hot_bytes() <= budget, "hot bytes within the budget");
+    }
+}
+
 fn check_steps(
     what: &str,
     reference: &mut dyn Engine,

@@ -919,7 +919,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
     let policy = opts.update;
     let (mut engine, _) = open_engine(&model, opts, args.engine.trace.as_deref())?;
     let mut live =
-        LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.expert_bytes() as u64, policy);
+        LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.layer_expert_bytes(), policy);
     let gen_opts =
         GenerationOptions { max_tokens: args.max_new_tokens, stop_ids: args.stop_ids.clone(), sampling };
     live.begin_request();
@@ -1181,7 +1181,7 @@ fn plan(args: PlanArgs) -> Result<()> {
         n_layers: c.n_layers,
         n_experts: c.n_experts,
         n_experts_used: c.n_experts_used,
-        expert_bytes: model.expert_bytes() as u64,
+        layer_expert_bytes: model.layer_expert_bytes(),
     };
     let report = what_if(&obs, &w, shape, budget_bytes, args.sweep)?;
     if args.json {

@@ -129,7 +129,7 @@ pub fn run(
     shared.snapshot.write().expect("snapshot lock").hot_budget_bytes = report.budget_bytes;
     engine.set_copy_logits(false);
     let mut live =
-        LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.expert_bytes() as u64, policy);
+        LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.layer_expert_bytes(), policy);
     // The first snapshot is there before the server listens (no request sees an empty one).
     publish(engine.as_ref(), &shared);
     let _ = built.send(Ok((report, engine.device())));

@@ -1,11 +1,12 @@
 //! The cache planner: which experts go into the VRAM hot cache, given typed observations (a
 //! learn file or live perf state, [`crate::cache::observe`]), a weighting
 //! ([`crate::cache::weighting`]: `flat`, `pressure`, `smooth_pressure`, `time`, `balanced`, and
-//! the layer curve), the exact bytes of one expert, and a byte budget: the ranking is packed in
-//! order until the budget is full.
+//! the layer curve), the exact bytes of one expert of each layer (a `_M` file's layers differ),
+//! and a byte budget: the ranking is packed in order, each expert taken while its layer's bytes
+//! still fit.
 //!
-//! Plans are exact: `n_slots * expert_bytes <= budget_bytes`, and a layer never holds more slots
-//! than it has experts.
+//! Plans are exact: the sum of the chosen experts' bytes is at most `budget_bytes`, and a layer
+//! never holds more slots than it has experts.
 
 use crate::cache::observe::Observations;
 pub use crate::cache::weighting::WeightMode;
@@ -21,13 +22,16 @@ pub enum PlanError {
     ExpertCount { layer_idx: usize, expected: usize, found: usize },
     #[error("expert size must be greater than zero")]
     ZeroExpertBytes,
+    #[error("expert sizes are given for {found} layers, the model has {expected}")]
+    ExpertBytesLayers { expected: usize, found: usize },
 }
 
 /// The experts chosen per layer, in the order they were picked (most valuable first).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct HotPlan {
     pub layers: Vec<Vec<usize>>,
-    pub expert_bytes: u64,
+    /// Bytes of one expert of each layer.
+    pub layer_expert_bytes: Vec<u64>,
     pub budget_bytes: u64,
 }
 
@@ -37,7 +41,7 @@ impl HotPlan {
     }
 
     pub fn used_bytes(&self) -> u64 {
-        self.n_slots() as u64 * self.expert_bytes
+        self.layers.iter().zip(&self.layer_expert_bytes).map(|(ids, b)| ids.len() as u64 * b).sum()
     }
 
     /// Share of `counts`' routed slots that this plan would serve from the cache.
@@ -53,8 +57,8 @@ impl HotPlan {
     }
 }
 
-/// Pack the most valuable experts (by `counts` alone, the mode's layer signal being absent)
-/// into `budget_bytes`.
+/// Pack the most valuable experts (by `counts` alone, the mode's layer signal being absent),
+/// `expert_bytes` each, into `budget_bytes`.
 pub fn plan_hot_set(
     counts: &[Vec<u64>],
     n_layers: usize,
@@ -65,16 +69,18 @@ pub fn plan_hot_set(
 ) -> Result<HotPlan, PlanError> {
     let obs = Observations::from_counts(counts, 1);
     let w = Weighting { mode, ..Weighting::default() };
-    plan_weighted(&obs, &w, n_layers, n_experts, expert_bytes, budget_bytes)
+    plan_weighted(&obs, &w, n_layers, n_experts, &vec![expert_bytes; n_layers], budget_bytes)
 }
 
-/// Pack the ranking of `obs` under `weighting` into `budget_bytes`.
+/// Pack the ranking of `obs` under `weighting` into `budget_bytes`, an expert of layer `l`
+/// costing `layer_expert_bytes[l]`: in ranking order, each expert whose bytes still fit (with one
+/// size for every layer, the first `budget / size` of the ranking).
 pub fn plan_weighted(
     obs: &Observations,
     weighting: &Weighting,
     n_layers: usize,
     n_experts: usize,
-    expert_bytes: u64,
+    layer_expert_bytes: &[u64],
     budget_bytes: u64,
 ) -> Result<HotPlan, PlanError> {
     if obs.layers.len() != n_layers {
@@ -83,16 +89,22 @@ pub fn plan_weighted(
     if let Some((layer_idx, l)) = obs.layers.iter().enumerate().find(|(_, l)| l.experts.len() != n_experts) {
         return Err(PlanError::ExpertCount { layer_idx, expected: n_experts, found: l.experts.len() });
     }
-    if expert_bytes == 0 {
+    if layer_expert_bytes.len() != n_layers {
+        let found = layer_expert_bytes.len();
+        return Err(PlanError::ExpertBytesLayers { expected: n_layers, found });
+    }
+    if layer_expert_bytes.contains(&0) {
         return Err(PlanError::ZeroExpertBytes);
     }
-    let ranking = rank(obs, weighting);
-    let n_slots = ((budget_bytes / expert_bytes) as usize).min(ranking.len());
-    let mut layers = vec![Vec::new(); n_layers];
-    for c in &ranking[..n_slots] {
-        layers[c.layer_idx].push(c.expert_idx);
+    let (mut layers, mut left) = (vec![Vec::new(); n_layers], budget_bytes);
+    for c in rank(obs, weighting) {
+        let bytes = layer_expert_bytes[c.layer_idx];
+        if bytes <= left {
+            left -= bytes;
+            layers[c.layer_idx].push(c.expert_idx);
+        }
     }
-    Ok(HotPlan { layers, expert_bytes, budget_bytes })
+    Ok(HotPlan { layers, layer_expert_bytes: layer_expert_bytes.to_vec(), budget_bytes })
 }
 
 /// Hot sets from a fraction of each layer's experts: the `fraction` most used per layer (by
@@ -152,6 +164,22 @@ mod tests {
         let all = plan_hot_set(&counts(), 3, 4, 100, 1200, WeightMode::Pressure).unwrap();
         assert_eq!(all.n_slots(), 12);
         assert!((all.expected_hit_rate(&counts()) - 1.0).abs() < 1e-12);
+    }
+
+    /// A `_M`-like model: layer 1's experts are larger. The whole budget of all experts takes
+    /// every expert, and a budget between sizes fills up with the smaller layers' experts.
+    #[test]
+    fn layers_of_different_sizes_pack_their_own_bytes() {
+        let obs = Observations::from_counts(&counts(), 1);
+        let w = Weighting { mode: WeightMode::Flat, ..Weighting::default() };
+        let sizes = [100, 140, 100];
+        let all = plan_weighted(&obs, &w, 3, 4, &sizes, 4 * 340).unwrap();
+        assert_eq!((all.n_slots(), all.used_bytes()), (12, 4 * 340));
+        let some = plan_weighted(&obs, &w, 3, 4, &sizes, 330).unwrap();
+        assert_eq!(some.layers, vec![vec![0], vec![1], vec![]], "100 + 140 + 100 > 330: layer 2 waits");
+        assert!(some.used_bytes() <= 330);
+        let err = plan_weighted(&obs, &w, 3, 4, &sizes[..2], 1).unwrap_err();
+        assert_eq!(err, PlanError::ExpertBytesLayers { expected: 3, found: 2 });
     }
 
     #[test]

@@ -128,6 +128,7 @@ pub struct PlanPoint {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct PlanReport {
     pub weighting: Weighting,
+    /// Bytes of the largest expert (layers of a `_M` file differ; the plan counts each layer's).
     pub expert_bytes: u64,
     pub all_experts_bytes: u64,
     pub plan: PlanPoint,
@@ -140,12 +141,13 @@ pub struct PlanReport {
 }
 
 /// The model dimensions a plan needs.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct PlanShape {
     pub n_layers: usize,
     pub n_experts: usize,
     pub n_experts_used: usize,
-    pub expert_bytes: u64,
+    /// Bytes of one expert of each layer.
+    pub layer_expert_bytes: Vec<u64>,
 }
 
 fn hit_rates(hot: &[Vec<usize>], counts: &[Vec<u64>]) -> Vec<f64> {
@@ -166,11 +168,12 @@ fn hit_rates(hot: &[Vec<usize>], counts: &[Vec<u64>]) -> Vec<f64> {
 fn point(
     obs: &Observations,
     w: &Weighting,
-    shape: PlanShape,
+    shape: &PlanShape,
     cost: &CostModel,
     budget_bytes: u64,
 ) -> Result<(HotPlan, Vec<f64>, PlanPoint), PlanError> {
-    let plan = plan_weighted(obs, w, shape.n_layers, shape.n_experts, shape.expert_bytes, budget_bytes)?;
+    let plan =
+        plan_weighted(obs, w, shape.n_layers, shape.n_experts, &shape.layer_expert_bytes, budget_bytes)?;
     let counts = obs.counts();
     let hits = hit_rates(&plan.layers, &counts);
     let p = PlanPoint {
@@ -193,7 +196,7 @@ pub fn what_if(
     sweep: bool,
 ) -> Result<PlanReport, PlanError> {
     let cost = CostModel::calibrate(&obs.phases);
-    let (plan, hits, totals) = point(obs, w, shape, &cost, budget_bytes)?;
+    let (plan, hits, totals) = point(obs, w, &shape, &cost, budget_bytes)?;
     let layers = plan
         .layers
         .iter()
@@ -201,22 +204,22 @@ pub fn what_if(
         .map(|(layer, ids)| PlanLayer {
             layer,
             experts: ids.clone(),
-            bytes: ids.len() as u64 * shape.expert_bytes,
+            bytes: ids.len() as u64 * shape.layer_expert_bytes[layer],
             hit_rate: hits[layer],
         })
         .collect();
-    let all_experts_bytes = shape.expert_bytes * (shape.n_layers * shape.n_experts) as u64;
+    let all_experts_bytes = shape.layer_expert_bytes.iter().sum::<u64>() * shape.n_experts as u64;
     let sweep = sweep
         .then(|| {
             SWEEP_PERCENTS
                 .iter()
-                .map(|pct| point(obs, w, shape, &cost, all_experts_bytes * pct / 100).map(|(_, _, p)| p))
+                .map(|pct| point(obs, w, &shape, &cost, all_experts_bytes * pct / 100).map(|(_, _, p)| p))
                 .collect::<Result<Vec<_>, _>>()
         })
         .transpose()?;
     Ok(PlanReport {
         weighting: *w,
-        expert_bytes: shape.expert_bytes,
+        expert_bytes: shape.layer_expert_bytes.iter().copied().max().unwrap_or(0),
         all_experts_bytes,
         plan: totals,
         layers,
@@ -389,7 +392,8 @@ mod tests {
     fn sweep_rises_with_the_budget() {
         let mut obs = Observations::from_counts(&[vec![8, 4, 2, 1], vec![1, 1, 6, 8]], 2);
         obs.phases = phases();
-        let shape = PlanShape { n_layers: 2, n_experts: 4, n_experts_used: 2, expert_bytes: 100 };
+        let shape =
+            PlanShape { n_layers: 2, n_experts: 4, n_experts_used: 2, layer_expert_bytes: vec![100; 2] };
         let w = Weighting { mode: WeightMode::Flat, layer_curve: 0.5 };
         let r = what_if(&obs, &w, shape, 250, true).unwrap();
         assert_eq!(r.layers[0].experts, vec![0]);

@@ -220,7 +220,7 @@ fn resolve_hot(
                 &opts.weighting,
                 n_layers,
                 n_experts,
-                model.expert_bytes() as u64,
+                &model.layer_expert_bytes(),
                 bytes,
             )?;
             Ok((plan.layers, Plan { source, counts: Some(obs.counts()), budget_bytes: Some(bytes) }))
@@ -245,7 +245,8 @@ fn report(
     model: &Model,
     (threads, activations): (ThreadReport, DecodeActivations),
 ) -> BuildReport {
-    let hot = HotPlan { layers: lists.to_vec(), expert_bytes: model.expert_bytes() as u64, budget_bytes: 0 };
+    let hot =
+        HotPlan { layers: lists.to_vec(), layer_expert_bytes: model.layer_expert_bytes(), budget_bytes: 0 };
     BuildReport {
         kind,
         gpu_unavailable: None,

@@ -102,8 +102,8 @@ impl Engine for Pipeline {
         Some(Pipeline::hot_set(self))
     }
     fn hot_bytes(&self) -> u64 {
-        let n_hot: usize = Pipeline::hot_set(self).layers.iter().map(|l| l.n_hot()).sum();
-        n_hot as u64 * self.model().expert_bytes() as u64
+        let sizes = self.model().layer_expert_bytes();
+        Pipeline::hot_set(self).layers.iter().zip(sizes).map(|(l, b)| l.n_hot() as u64 * b).sum()
     }
     fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError> {
         self.updater().request(exchange);

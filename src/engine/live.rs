@@ -51,7 +51,8 @@ pub struct UpdateOutcome {
 pub struct LiveCache {
     policy: UpdatePolicy,
     model: ModelFingerprint,
-    expert_bytes: u64,
+    /// Bytes of one expert of each layer (what an exchange copies).
+    layer_expert_bytes: Vec<u64>,
     window: PerfReport,
     tokens_in_window: usize,
     in_request: bool,
@@ -68,13 +69,13 @@ impl LiveCache {
     pub fn new(
         engine: &dyn Engine,
         model: ModelFingerprint,
-        expert_bytes: u64,
+        layer_expert_bytes: Vec<u64>,
         policy: UpdatePolicy,
     ) -> LiveCache {
         LiveCache {
             policy,
             model,
-            expert_bytes,
+            layer_expert_bytes,
             window: snapshot(engine),
             tokens_in_window: 0,
             in_request: false,
@@ -194,7 +195,8 @@ impl LiveCache {
         }
         let n = engine.apply_exchanges()?;
         let copy_time_us = start.elapsed().as_micros() as u64;
-        let bytes = self.expert_bytes;
+        // the engine applies the requested exchanges in order (`n` of them)
+        let bytes: u64 = exchanges.iter().take(n).map(|x| self.layer_expert_bytes[x.layer_idx]).sum();
         if let Some(p) = engine.perf_mut() {
             let s = p.cache_updates_mut();
             match kind {
@@ -202,7 +204,7 @@ impl LiveCache {
                 UpdateKind::Manual => s.manual_applies += 1,
             }
             s.exchanges += n as u64;
-            s.bytes_copied += n as u64 * bytes;
+            s.bytes_copied += bytes;
             s.copy_time_us += copy_time_us;
             if kind == UpdateKind::Auto && n > 0 {
                 s.last_hit_rate_before = hit_rate_before;

@@ -195,11 +195,17 @@ impl Model {
 
     /// Bytes of one expert's gate + up + down (the largest over layers when quantised types mix).
     pub fn expert_bytes(&self) -> usize {
-        (0..self.config.n_layers).map(|l| self.layer_expert_bytes(l)).max().unwrap_or(0)
+        (0..self.config.n_layers).map(|l| self.expert_bytes_of_layer(l)).max().unwrap_or(0)
+    }
+
+    /// Bytes of one expert of each layer (a `_M` file's layers differ: some keep their down
+    /// projections in Q6_K); what the planner packs into a byte budget.
+    pub fn layer_expert_bytes(&self) -> Vec<u64> {
+        (0..self.config.n_layers).map(|l| self.expert_bytes_of_layer(l) as u64).collect()
     }
 
     /// Bytes of one expert of layer `l` (the experts of a layer share their types).
-    fn layer_expert_bytes(&self, l: usize) -> usize {
+    fn expert_bytes_of_layer(&self, l: usize) -> usize {
         let e = self.expert(l, 0);
         e.gate.data.len() + e.up.data.len() + e.down.data.len()
     }
@@ -207,8 +213,7 @@ impl Model {
     /// Bytes of every expert of every layer (layers may differ in type: a `_M` file keeps some
     /// layers' down projections in Q6_K).
     pub fn all_experts_bytes(&self) -> u64 {
-        let per_layer = (0..self.config.n_layers).map(|l| self.layer_expert_bytes(l) as u64);
-        per_layer.sum::<u64>() * self.config.n_experts as u64
+        self.layer_expert_bytes().iter().sum::<u64>() * self.config.n_experts as u64
     }
 
     /// Every tensor name in the file with its dtype, shape and byte size.
