@@ -334,7 +334,11 @@ impl GpuModel {
         let slot_ready = &pf.slot_ready;
         pf.tracker.poll(|s| slot_ready[s].is_done());
         let limit = pf.slots.min(pf.tracker.room());
-        let n_chosen = assign(&mut hs.pf_loads, pf.expert_bytes(), &pf.costs, pf.opts.mode, limit);
+        // expert-major: the cached experts this layer runs are the runs of equal slots
+        let hot = &wl.hot[0].hot_id[..wl.hot[0].hot_count];
+        let hot_experts = hot.iter().enumerate().filter(|&(i, s)| i == 0 || hot[i - 1] != *s).count();
+        let n_chosen =
+            assign(&mut hs.pf_loads, pf.expert_bytes(), &pf.costs, pf.opts.mode, (limit, hot_experts));
         let plan = plan_issue(n_chosen, pf.slots, pf.tracker.room());
         pf.totals.layer_calls += 1;
         pf.totals.experts_chosen += n_chosen as u64;

@@ -118,7 +118,8 @@ pub const STAGE_BYTES_PER_S_PER_THREAD: f64 = 8e9;
 /// before the CPU lane; beyond this the copy is bound by DRAM, and each chunk of experts spawns
 /// them anew).
 pub const MAX_STAGE_THREADS: usize = 8;
-/// GPU time of one fetched expert's grouped GEMMs beyond its copy (small next to the copy).
+/// GPU time of one expert's grouped GEMMs in prefill (a fetched one's beyond its copy, and each
+/// cached expert the layer runs: the H100's hot lane took 12-15 us an expert at 512 tokens).
 pub const DEFAULT_GPU_EXPERT_S: f64 = 20e-6;
 /// PCIe rate assumed until measured (pinned host-to-device, PCIe 5 x16 in practice ~55 GB/s).
 pub const DEFAULT_PCIE_BYTES_PER_S: f64 = 25e9;
@@ -162,9 +163,9 @@ impl PostFetchCosts {
         bytes as f64 / self.cpu_bytes_per_s + tokens as f64 * self.cpu_token_s
     }
 
-    /// Copy-lane time of one expert (the copy and its GEMMs).
-    pub fn copy_s(&self, bytes: usize) -> f64 {
-        bytes as f64 / self.pcie_bytes_per_s + self.gpu_expert_s
+    /// Host-to-device time of one expert's bytes.
+    pub fn pcie_s(&self, bytes: usize) -> f64 {
+        bytes as f64 / self.pcie_bytes_per_s
     }
 
     /// Host time to stage one expert before its copy (delays the CPU lane).
@@ -182,15 +183,17 @@ pub struct ExpertLoad {
 
 /// Sort `loads` by tokens (most first, then expert id) and return how many of the first go to
 /// the GPU. `On`: all of them ([`plan_issue`] bounds them). `Auto`: greedily, while moving one
-/// more expert lowers the layer's finish time `stage + max(cpu lane, copy lane)` (the CPU lane
-/// and the copy lane run at once; staging runs before the CPU lane), at most `max_experts`.
-/// `Off` and `Cpu`: none.
+/// more expert lowers the layer's finish time `stage + max(cpu lane, GPU lane)`, at most
+/// `max_experts`. The CPU lane and the GPU lane run at once; staging runs before the CPU lane;
+/// the GPU lane is the layer's `hot_experts` cached experts' GEMMs beside the copies, then the
+/// fetched experts' GEMMs (`gpu_expert_s` each): while the hot lane is busy a cold expert is
+/// cheaper where it is. `Off` and `Cpu`: none.
 pub fn assign(
     loads: &mut [ExpertLoad],
     bytes: usize,
     costs: &PostFetchCosts,
     mode: PostFetchMode,
-    max_experts: usize,
+    (max_experts, hot_experts): (usize, usize),
 ) -> usize {
     loads.sort_unstable_by(|a, b| b.tokens.cmp(&a.tokens).then(a.expert.cmp(&b.expert)));
     match mode {
@@ -198,17 +201,17 @@ pub fn assign(
         PostFetchMode::On => return loads.len(),
         PostFetchMode::Auto => {}
     }
+    let hot_s = hot_experts as f64 * costs.gpu_expert_s;
+    let gpu = |n: usize| f64::max(hot_s, n as f64 * costs.pcie_s(bytes)) + n as f64 * costs.gpu_expert_s;
     let mut cpu: f64 = loads.iter().map(|x| costs.cpu_s(bytes, x.tokens)).sum();
-    let (mut stage, mut copy) = (0.0, 0.0);
-    let mut n = 0;
+    let (mut stage, mut n) = (0.0, 0);
     for x in loads.iter().take(max_experts) {
-        let now = stage + f64::max(cpu, copy);
-        let (s, c, p) =
-            (stage + costs.stage_s(bytes), cpu - costs.cpu_s(bytes, x.tokens), copy + costs.copy_s(bytes));
-        if s + f64::max(c, p) >= now {
+        let now = stage + f64::max(cpu, gpu(n));
+        let (s, c) = (stage + costs.stage_s(bytes), cpu - costs.cpu_s(bytes, x.tokens));
+        if s + f64::max(c, gpu(n + 1)) >= now {
             break;
         }
-        (stage, cpu, copy, n) = (s, c, p, n + 1);
+        (stage, cpu, n) = (s, c, n + 1);
     }
     n
 }
@@ -454,40 +457,53 @@ mod tests {
         // CPU costs 3, 2, 1.5, 1.1, 1.1 ms (sum 8.7); copies 1 ms each:
         // 1 -> max(5.7, 1); 2 -> max(3.7, 2); 3 -> max(2.2, 3) = 3 < 3.7; 4 -> max(1.1, 4) worse
         let mut l = loads(&[5, 20, 1, 10, 1]);
-        let n = assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, 64);
+        let n = assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, (64, 0));
         assert_eq!(n, 3);
         assert_eq!(experts(&l), [1, 3, 0, 2, 4]);
         // equal tokens: the lower expert id first, so the choice does not depend on input order
         let mut l = loads(&[7, 7, 9]);
-        assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, 64);
+        assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, (64, 0));
         assert_eq!(experts(&l), [2, 0, 1]);
     }
 
     #[test]
     fn auto_respects_the_expert_limit_and_staging() {
         let mut l = loads(&[5, 20, 1, 10, 1]);
-        assert_eq!(assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, 1), 1);
-        assert_eq!(assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, 0), 0);
+        assert_eq!(assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, (1, 0)), 1);
+        assert_eq!(assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, (0, 0)), 0);
         // staging at 1 GB/s puts 1 ms per expert on the host before the CPU lane:
         // 1 + max(5.7, 1) = 6.7; 2 + max(3.7, 2) = 5.7; 3 + max(2.2, 3) = 6 is worse
         let slow = PostFetchCosts { stage_bytes_per_s: 1e9, ..costs() };
-        assert_eq!(assign(&mut l, 1_000_000, &slow, PostFetchMode::Auto, 64), 2);
+        assert_eq!(assign(&mut l, 1_000_000, &slow, PostFetchMode::Auto, (64, 0)), 2);
         // a copy lane slower than the whole CPU lane: nothing moves
         let pcie = PostFetchCosts { pcie_bytes_per_s: 1e7, ..costs() };
-        assert_eq!(assign(&mut l, 1_000_000, &pcie, PostFetchMode::Auto, 64), 0);
+        assert_eq!(assign(&mut l, 1_000_000, &pcie, PostFetchMode::Auto, (64, 0)), 0);
         // GPU time per fetched expert counts on the copy lane: 1 ms more per expert stops at 2
         // (1 -> max(5.7, 2); 2 -> max(3.7, 4) = 4 < 5.7; 3 -> max(2.2, 6) worse)
         let gpu = PostFetchCosts { gpu_expert_s: 1e-3, ..costs() };
-        assert_eq!(assign(&mut l, 1_000_000, &gpu, PostFetchMode::Auto, 64), 2);
+        assert_eq!(assign(&mut l, 1_000_000, &gpu, PostFetchMode::Auto, (64, 0)), 2);
+    }
+
+    #[test]
+    fn a_busy_hot_lane_keeps_cold_experts_on_the_cpu() {
+        // CPU lane 8.7 ms as above; GPU lane: 10 hot experts at 0.5 ms = 5 ms beside the copies
+        let busy = PostFetchCosts { gpu_expert_s: 5e-4, ..costs() };
+        let mut l = loads(&[5, 20, 1, 10, 1]);
+        // 1 -> max(5.7, max(5, 1) + 0.5) = 5.7 < 8.7; 2 -> max(3.7, 6) = 6 worse
+        assert_eq!(assign(&mut l, 1_000_000, &busy, PostFetchMode::Auto, (64, 10)), 1);
+        // a hot lane longer than the whole CPU lane: nothing moves
+        assert_eq!(assign(&mut l, 1_000_000, &busy, PostFetchMode::Auto, (64, 20)), 0);
+        // no hot lane (budget 0): as without the term, 1 -> max(5.7, 1.5), 2 -> max(3.7, 3), 3 -> max(2.2, 4.5) worse
+        assert_eq!(assign(&mut l, 1_000_000, &busy, PostFetchMode::Auto, (64, 0)), 2);
     }
 
     #[test]
     fn on_takes_every_expert_and_off_and_cpu_none() {
         let mut l = loads(&[1, 1, 1]);
-        assert_eq!(assign(&mut l, 1 << 30, &costs(), PostFetchMode::On, 0), 3);
-        assert_eq!(assign(&mut l, 1, &costs(), PostFetchMode::Off, 64), 0);
-        assert_eq!(assign(&mut l, 1, &costs(), PostFetchMode::Cpu, 64), 0);
-        assert_eq!(assign(&mut [], 1, &costs(), PostFetchMode::Auto, 64), 0);
+        assert_eq!(assign(&mut l, 1 << 30, &costs(), PostFetchMode::On, (0, 0)), 3);
+        assert_eq!(assign(&mut l, 1, &costs(), PostFetchMode::Off, (64, 0)), 0);
+        assert_eq!(assign(&mut l, 1, &costs(), PostFetchMode::Cpu, (64, 0)), 0);
+        assert_eq!(assign(&mut [], 1, &costs(), PostFetchMode::Auto, (64, 0)), 0);
     }
 
     #[test]
@@ -508,11 +524,7 @@ mod tests {
         assert_eq!(sixteen.stage_bytes_per_s, max);
         assert_eq!((stage_threads(0), stage_threads(3), stage_threads(64)), (1, 3, MAX_STAGE_THREADS));
         assert!(one.cpu_s(1 << 20, 2) > one.cpu_s(1 << 20, 1));
-        assert!(
-            (one.copy_s(1 << 20) - ((1 << 20) as f64 / DEFAULT_PCIE_BYTES_PER_S + DEFAULT_GPU_EXPERT_S))
-                .abs()
-                < 1e-15
-        );
+        assert!((one.pcie_s(1 << 20) - (1 << 20) as f64 / DEFAULT_PCIE_BYTES_PER_S).abs() < 1e-15);
     }
 
     #[test]
