@@ -21,7 +21,7 @@
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
 //! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
-//! | `MOE_LANES_POSTFETCH` | Post-Fetch of cold experts in GPU prefill (bf16 files): `auto` (a cost model decides per expert), `on` (every cold expert that fits), `cpu` (scratchpad allocated, every expert on the CPU: A/B at equal VRAM), `off` (default: no scratchpad) |
+//! | `MOE_LANES_POSTFETCH` | Post-Fetch of cold experts in GPU prefill (bf16 and quantized files): `auto` (a cost model decides per expert), `on` (every cold expert that fits), `cpu` (scratchpad allocated, every expert on the CPU: A/B at equal VRAM), `off` (default: no scratchpad) |
 //! | `MOE_LANES_POSTFETCH_BLOCK_ON_MISS` | `1` (default): a fetched expert whose copy is still in flight when the CPU lane is done is waited for; `0`: the CPU computes it |
 //! | `MOE_LANES_POSTFETCH_MAX_TRANSFERS` | expert copies in flight at most; the layer's other chosen experts run on the CPU (default 256) |
 //! | `MOE_LANES_POSTFETCH_SCRATCH_MIB` | VRAM of the scratchpad (default 1024; decimals allowed; at least one expert; 0: off) |

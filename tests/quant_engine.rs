@@ -292,3 +292,37 @@ fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
         eprintln!("{what}: worst relative error {worst:e}");
     }
 }
+
+/// Post-Fetch of quantized experts (forced on; at budget 0 and with half the experts hot): the
+/// fetched experts are copied in their block types (the Q4_K_M file's layers differ: Q6_K down
+/// projections in some) and run through the typed grouped kernels, within the tensor-core
+/// tolerance of the reference; the copied bytes are each fetched expert's own layer size.
+#[test]
+fn quantized_experts_post_fetched_stay_within_the_tensor_core_tolerance() {
+    use moe_lanes::gpu::{PostFetchMode, PostFetchOptions};
+    if !common::gpu_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", QuantMix::Q4_K_M)).unwrap());
+    let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+    let prompt: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
+    let (smallest, largest) = {
+        let sizes = model.layer_expert_bytes();
+        (*sizes.iter().min().unwrap(), *sizes.iter().max().unwrap())
+    };
+    for hot in [HotBudget::Bytes(0), HotBudget::Fraction(0.5)] {
+        let mut opts = options(Some(EngineKind::Gpu));
+        opts.hot = HotChoice::Budget(hot);
+        opts.gpu.postfetch = PostFetchOptions { mode: PostFetchMode::On, ..Default::default() };
+        let (mut gpu, _) = build_engine(&model, opts).unwrap();
+        let what = format!("post-fetch on, {hot:?}");
+        let worst =
+            check_steps(&what, reference.as_mut(), gpu.as_mut(), &prompt, 2, GPU_TENSOR_CORE_TOLERANCE);
+        let p = gpu.perf().unwrap().report().postfetch.clone().expect("post-fetch reported");
+        assert!(p.experts_fetched > 0, "{what}: {p:?}");
+        let n = p.experts_fetched;
+        assert!((n * smallest..=n * largest).contains(&p.bytes_copied), "{what}: {p:?}");
+        eprintln!("{what}: worst relative error {worst:e}, {p:?}");
+    }
+}

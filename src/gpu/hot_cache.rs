@@ -15,14 +15,14 @@ use moe_lanes_kernels::WeightDType;
 
 /// Stored types and bytes of one expert's matrices in a layer (experts of a layer share them).
 #[derive(Clone, Copy)]
-struct SlotShape {
-    dtypes: [WeightDType; 3],
+pub(crate) struct SlotShape {
+    pub dtypes: [WeightDType; 3],
     /// Bytes of one expert's gate, up, down.
-    bytes: [usize; 3],
+    pub bytes: [usize; 3],
 }
 
 impl SlotShape {
-    fn of(model: &Model, l: usize) -> SlotShape {
+    pub fn of(model: &Model, l: usize) -> SlotShape {
         let (c, x) = (model.config(), model.expert(l, 0));
         let dtypes = [x.gate.dtype, x.up.dtype, x.down.dtype].map(stored_dtype);
         let bytes = [

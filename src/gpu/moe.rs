@@ -34,7 +34,7 @@ use crate::moe::phase::Phase;
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
 use moe_lanes_kernels::cuda::ops::grouped_tiles;
-use moe_lanes_kernels::cuda::GpuEvent;
+use moe_lanes_kernels::cuda::{DPtr, GpuEvent, TypedWeights};
 use std::time::{Duration, Instant};
 
 /// How a layer's split ended when it did not end well.
@@ -387,23 +387,41 @@ impl GpuModel {
     /// expert (rows gathered from the normed tokens in the kernel), one for down. Quantized
     /// slots are decoded tile by tile inside the kernels (`grouped_*_typed`).
     fn hot_lane_grouped(&self, l: usize, t: usize) -> Result<(), GpuError> {
-        let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
         let s = self.scratch.as_ref().expect("reserved");
         let n_hot = self.host.worklist.hot[0].hot_count;
         let c = self.hot.slots(l).expect("hot entries imply a cache");
-        let (n, split, nt) = (c.n_slots, self.opts.split_bf16_activations, self.host.n_tiles);
-        let (lay, wi) = (s.layout, s.work_i.ptr());
-        let (tiles, toks) = (wi.sub(lay.tiles, 3 * nt), wi.sub(lay.tokens, n_hot));
-        let (x, hbuf, y) = (s.normed.ptr(), s.h.ptr(), s.y.ptr());
-        let be = &self.be;
-        match (c.gate.bf16(), c.up.bf16(), c.down.bf16()) {
-            (Some(gate), Some(up), Some(down)) => {
-                be.grouped_gate_up(gate, up, n, x, toks, t, tiles, nt, hbuf, n_hot, ff, h, split)?;
-                be.grouped_gemm(down, n, hbuf, None, n_hot, tiles, nt, y, n_hot, h, ff, split)?;
+        let nt = self.host.n_tiles;
+        let tiles = s.work_i.ptr().sub(s.layout.tiles, 3 * nt);
+        self.grouped_ffn([c.gate, c.up, c.down], c.n_slots, (tiles, nt), n_hot, t)
+    }
+
+    /// The grouped GEMMs of expert stacks `w` (gate, up, down; `n_slots` experts each) over
+    /// `tiles` (`(slot, first row, rows)` triples, `n_tiles`) of the entry rows `0..n_rows`: the
+    /// normed token rows gathered by the worklist's tokens, `h = silu(gate x) * up x` in `h`,
+    /// `down h` in `y`. bf16 stacks take the bf16 kernels, others the typed ones (quantized tiles
+    /// decoded in the kernel).
+    pub(super) fn grouped_ffn(
+        &self,
+        w: [TypedWeights; 3],
+        n: usize,
+        (tiles, nt): (DPtr<i32>, usize),
+        n_rows: usize,
+        t: usize,
+    ) -> Result<(), GpuError> {
+        let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
+        let s = self.scratch.as_ref().expect("reserved");
+        let split = self.opts.split_bf16_activations;
+        let toks = s.work_i.ptr().sub(s.layout.tokens, n_rows);
+        let (x, hbuf, y, be) = (s.normed.ptr(), s.h.ptr(), s.y.ptr(), &self.be);
+        let [gate, up, down] = w;
+        match (gate.bf16(), up.bf16(), down.bf16()) {
+            (Some(g), Some(u), Some(d)) => {
+                be.grouped_gate_up(g, u, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split)?;
+                be.grouped_gemm(d, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split)?;
             }
             _ => {
-                be.grouped_gate_up_typed(c.gate, c.up, n, x, toks, t, tiles, nt, hbuf, n_hot, ff, h, split)?;
-                be.grouped_gemm_typed(c.down, n, hbuf, None, n_hot, tiles, nt, y, n_hot, h, ff, split)?;
+                be.grouped_gate_up_typed(gate, up, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split)?;
+                be.grouped_gemm_typed(down, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split)?;
             }
         }
         Ok(())

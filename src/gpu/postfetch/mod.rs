@@ -17,7 +17,8 @@
 //! queued after that query.
 //!
 //! The scratchpad has the hot cache's layout (gate/up `[slots, ff, hidden]`, down
-//! `[slots, hidden, ff]`, bf16), nothing kept across layers: each fetching layer writes it from
+//! `[slots, hidden, ff]`, in the file's block types: each matrix sized for the layer whose type
+//! takes the most bytes, a layer's slots packed at its own size), nothing kept across layers: each fetching layer writes it from
 //! slot 0, after the copy streams waited (on the GPU) for the `free` event the compute stream
 //! recorded behind the GEMMs that read it last, and for the previous layer's copies on every
 //! copy stream. One region, not two halves for alternate layers: a layer's routing reaches the
@@ -38,20 +39,22 @@
 //! cannot be tested without a GPU here: staging is sound with safe code, and its host time is in
 //! the cost model (`stage_bytes_per_s`).
 //!
-//! Only files whose experts are stored as bf16 are fetched (the bytes are copied as they are);
-//! quantized and f16/f32 files keep every cold expert on the CPU (no scratchpad is allocated).
+//! Files whose experts are stored as bf16 or in quantized blocks are fetched (the bytes are copied
+//! as they are; quantized experts run through the typed grouped kernels, which decode their tiles);
+//! f16/f32 files keep every cold expert on the CPU (no scratchpad is allocated).
 //! The PCIe rate is measured once at engine start (one pinned copy of [`PCIE_PROBE_BYTES`]); the
 //! CPU rates are configured ([`plan::DEFAULT_CPU_BYTES_PER_S`],
 //! [`plan::DEFAULT_CPU_FLOP_PER_S_PER_THREAD`] x cold threads).
 
 pub(crate) mod plan;
 
+use super::hot_cache::SlotShape;
 use super::model::{GpuModel, HotGemm};
 use super::GpuError;
 use crate::format::dtype::DType;
 use crate::model::Model;
 use crate::moe::phase::Phase;
-use moe_lanes_kernels::cuda::{CopyStream, CudaBackend, DPtr, DeviceBuffer, GpuEvent, PinnedBuffer};
+use moe_lanes_kernels::cuda::{CopyStream, CudaBackend, DeviceBuffer, GpuEvent, PinnedBuffer, TypedWeights};
 use plan::{assign, on_use, plan_issue, ExpertLoad, FetchState, OnUse, PostFetchCosts, PostFetchMiss};
 use plan::{PostFetchMode, PostFetchOptions, PostFetchTotals, TransferTracker};
 use std::time::Instant;
@@ -94,6 +97,8 @@ pub(crate) struct Current {
     pub issued: usize,
     /// `block_on_miss` off: the fetched GEMMs wait for the readiness query.
     pub deferred: bool,
+    /// The layer (its block types lay out the scratchpad).
+    pub layer: usize,
 }
 
 /// The scratchpad, its staging, streams and events, and the running totals.
@@ -102,9 +107,9 @@ pub(crate) struct PostFetch {
     pub costs: PostFetchCosts,
     /// Expert slots of the scratchpad.
     pub slots: usize,
-    /// Bytes of one expert's gate, up, down.
-    bytes: [usize; 3],
-    /// Gate, up, down: `slots` experts each.
+    /// Per layer: the stored types and bytes of one expert's gate, up, down.
+    layers: Vec<SlotShape>,
+    /// Gate, up, down: `slots` experts each, at the largest layer's bytes.
     bufs: [DeviceBuffer<u8>; 3],
     /// One pinned buffer per slot.
     staging: Vec<PinnedBuffer<u8>>,
@@ -121,20 +126,26 @@ pub(crate) struct PostFetch {
     paused: bool,
 }
 
-/// Whether every expert of `model` is stored as bf16 with the bytes its shape needs.
-fn bf16_experts(model: &Model) -> bool {
+/// Each layer's expert shape, when every expert of `model` is stored as bf16 or quantized
+/// blocks (bytes the device uses as they are) with the bytes its shape needs.
+fn fetchable_experts(model: &Model) -> Option<Vec<SlotShape>> {
     let c = model.config();
-    (0..c.n_layers).all(|l| {
+    let raw = |t: &crate::format::tensor::TensorRef<'_>| {
+        let kept = t.dtype == DType::BF16 || super::weights::stored_dtype(t.dtype).is_quantized();
+        kept && t.dtype.bytes_for(t.n_elems()) == Some(t.data.len())
+    };
+    let every = (0..c.n_layers).all(|l| {
         (0..c.n_experts).all(|e| {
             let x = model.expert(l, e);
-            [x.gate, x.up, x.down].iter().all(|t| t.dtype == DType::BF16 && t.data.len() == 2 * t.n_elems())
+            [x.gate, x.up, x.down].iter().all(raw)
         })
-    })
+    });
+    every.then(|| (0..c.n_layers).map(|l| SlotShape::of(model, l)).collect())
 }
 
 impl PostFetch {
     /// The scratchpad for `model`, or none when Post-Fetch is off, has no VRAM, the prefill hot
-    /// lane is not grouped, or the experts are not bf16. Measures the PCIe rate.
+    /// lane is not grouped, or the experts are f16/f32. Measures the PCIe rate.
     pub fn new(
         be: &CudaBackend,
         model: &Model,
@@ -142,13 +153,14 @@ impl PostFetch {
         hot_gemm: HotGemm,
     ) -> Result<Option<PostFetch>, GpuError> {
         let off = opts.mode == PostFetchMode::Off || opts.scratch_bytes == 0;
-        if off || hot_gemm != HotGemm::Grouped || !bf16_experts(model) {
+        if off || hot_gemm != HotGemm::Grouped {
             return Ok(None);
         }
+        let Some(layers) = fetchable_experts(model) else { return Ok(None) };
         let c = model.config();
         let (h, ff) = (c.hidden, c.expert_ff);
-        let bytes = [2 * ff * h, 2 * ff * h, 2 * h * ff];
-        let expert = bytes.iter().sum::<usize>();
+        let bytes = [0, 1, 2].map(|i| layers.iter().map(|s| s.bytes[i]).max().unwrap_or(0));
+        let expert = bytes.iter().sum::<usize>().max(1);
         let slots = (opts.scratch_bytes / expert).clamp(1, c.n_experts.max(1));
         let [g, u, d] = [0, 1, 2].map(|i| be.alloc_zeros::<u8>(slots * bytes[i]));
         let staging = (0..slots).map(|_| be.alloc_pinned::<u8>(expert)).collect::<Result<_, _>>()?;
@@ -168,7 +180,7 @@ impl PostFetch {
             opts,
             costs: PostFetchCosts { pcie_bytes_per_s: pcie, ..PostFetchCosts::configured(h, ff, 1) },
             slots,
-            bytes,
+            layers,
             bufs: [g?, u?, d?],
             staging,
             streams,
@@ -191,8 +203,9 @@ impl PostFetch {
         self.stage_threads = plan::stage_threads(n_threads);
     }
 
-    pub fn expert_bytes(&self) -> usize {
-        self.bytes.iter().sum()
+    /// Bytes of one expert of layer `l`.
+    pub fn expert_bytes(&self, l: usize) -> usize {
+        self.layers[l].bytes.iter().sum()
     }
 
     /// VRAM of the scratchpad.
@@ -200,9 +213,10 @@ impl PostFetch {
         self.bufs.iter().map(DeviceBuffer::bytes).sum()
     }
 
-    /// Gate, up and down (`slots` experts each, bf16).
-    fn views(&self) -> [DPtr<u16>; 3] {
-        [0, 1, 2].map(|i| self.bufs[i].ptr().as_u16())
+    /// Gate, up and down of layer `l` (`slots` experts each, in the layer's types).
+    fn views(&self, l: usize) -> [TypedWeights; 3] {
+        let s = self.layers[l];
+        [0, 1, 2].map(|i| TypedWeights { bytes: self.bufs[i].ptr(), dtype: s.dtypes[i] })
     }
 
     /// Fold the last fetching layer into the totals: copy time, and the part of it not hidden
@@ -338,7 +352,7 @@ impl GpuModel {
         let hot = &wl.hot[0].hot_id[..wl.hot[0].hot_count];
         let hot_experts = hot.iter().enumerate().filter(|&(i, s)| i == 0 || hot[i - 1] != *s).count();
         let n_chosen =
-            assign(&mut hs.pf_loads, pf.expert_bytes(), &pf.costs, pf.opts.mode, (limit, hot_experts));
+            assign(&mut hs.pf_loads, pf.expert_bytes(l), &pf.costs, pf.opts.mode, (limit, hot_experts));
         let plan = plan_issue(n_chosen, pf.slots, pf.tracker.room());
         pf.totals.layer_calls += 1;
         pf.totals.experts_chosen += n_chosen as u64;
@@ -350,7 +364,7 @@ impl GpuModel {
             self.postfetch_copies(l, plan.issue)?;
             let pf = self.postfetch.as_mut().expect("checked above");
             let deferred = !pf.opts.block_on_miss;
-            pf.current = Some(Current { issued: plan.issue, deferred });
+            pf.current = Some(Current { issued: plan.issue, deferred, layer: l });
             pf.events.pending = Some(Pending::default());
             for (i, x) in self.host.pf_loads[..plan.issue].iter().enumerate() {
                 self.host.pf_fetch[x.expert as usize] = i as i32;
@@ -378,14 +392,15 @@ impl GpuModel {
         let chunk = pf.stage_threads;
         for (c, group) in self.host.pf_loads[..n].chunks(chunk).enumerate() {
             let at = c * chunk;
-            stage(&self.model, &mut pf.staging[at..at + group.len()], pf.bytes, l, group, pf.stage_threads)?;
+            let bytes = pf.layers[l].bytes;
+            stage(&self.model, &mut pf.staging[at..at + group.len()], bytes, l, group, pf.stage_threads)?;
             if c == 0 {
                 self.be.record_on(&pf.streams[0], &pf.events.copy_start)?;
             }
             for slot in at..at + group.len() {
                 let cs = &pf.streams[slot % pf.streams.len()];
                 let mut from = 0;
-                for (dev, n) in pf.bufs.iter().zip(pf.bytes) {
+                for (dev, n) in pf.bufs.iter().zip(bytes) {
                     self.be.write_async_on(
                         cs,
                         &pf.staging[slot],
@@ -458,17 +473,10 @@ impl GpuModel {
         }
         self.be.record(&hf.post_wait)?;
         let gemms = || -> Result<(), GpuError> {
-            let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
             let s = self.scratch.as_ref().expect("reserved");
-            let [gate, up, down] = pf.views();
-            let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.split_bf16_activations);
-            let nt = self.host.pf_tiles;
-            let tiles = wi.sub(lay.tiles + self.host.pf_tile_at, 3 * nt);
-            let (x, toks, hbuf, y) = (s.normed.ptr(), wi.sub(lay.tokens, n_all), s.h.ptr(), s.y.ptr());
-            let n = pf.slots;
-            self.be.grouped_gate_up(gate, up, n, x, toks, t, tiles, nt, hbuf, n_all, ff, h, split)?;
-            self.be.grouped_gemm(down, n, hbuf, None, n_all, tiles, nt, y, n_all, h, ff, split)?;
-            Ok(())
+            let (nt, at) = (self.host.pf_tiles, s.layout.tiles + self.host.pf_tile_at);
+            let tiles = s.work_i.ptr().sub(at, 3 * nt);
+            self.grouped_ffn(pf.views(cur.layer), pf.slots, (tiles, nt), n_all, t)
         };
         let launched = gemms();
         self.be.record(&hf.free)?;
