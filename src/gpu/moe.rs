@@ -398,8 +398,8 @@ impl GpuModel {
     /// The grouped GEMMs of expert stacks `w` (gate, up, down; `n_slots` experts each) over
     /// `tiles` (`(slot, first row, rows)` triples, `n_tiles`) of the entry rows `0..n_rows`: the
     /// normed token rows gathered by the worklist's tokens, `h = silu(gate x) * up x` in `h`,
-    /// `down h` in `y`. bf16 stacks take the bf16 kernels, others the typed ones (quantized tiles
-    /// decoded in the kernel).
+    /// `down h` in `y` (the typed launchers: bf16 stacks take the bf16 kernels, quantized tiles
+    /// are decoded in the kernel).
     pub(super) fn grouped_ffn(
         &self,
         w: [TypedWeights; 3],
@@ -414,16 +414,8 @@ impl GpuModel {
         let toks = s.work_i.ptr().sub(s.layout.tokens, n_rows);
         let (x, hbuf, y, be) = (s.normed.ptr(), s.h.ptr(), s.y.ptr(), &self.be);
         let [gate, up, down] = w;
-        match (gate.bf16(), up.bf16(), down.bf16()) {
-            (Some(g), Some(u), Some(d)) => {
-                be.grouped_gate_up(g, u, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split)?;
-                be.grouped_gemm(d, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split)?;
-            }
-            _ => {
-                be.grouped_gate_up_typed(gate, up, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split)?;
-                be.grouped_gemm_typed(down, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split)?;
-            }
-        }
+        be.grouped_gate_up_typed(gate, up, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split)?;
+        be.grouped_gemm_typed(down, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split)?;
         Ok(())
     }
 

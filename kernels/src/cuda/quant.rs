@@ -395,7 +395,7 @@ impl CudaBackend {
     /// [`CudaBackend::grouped_gate_up`] over typed caches `[n_slots, ff, hidden]` (any stored type;
     /// gate and up may differ): each weight tile is decoded into shared memory as bf16, so the
     /// result equals dequantizing the slots with [`CudaBackend::dequantize_bf16`] and running the
-    /// bf16 kernel, without a bf16 copy in VRAM.
+    /// bf16 kernel, without a bf16 copy in VRAM. Two bf16 caches take the bf16 kernel itself.
     pub fn grouped_gate_up_typed(
         &self,
         gate_cache: TypedWeights,
@@ -412,6 +412,11 @@ impl CudaBackend {
         hidden: usize,
         split: bool,
     ) -> Result<()> {
+        if let (Some(g), Some(u)) = (gate_cache.bf16(), up_cache.bf16()) {
+            let (r, t) = (rows, tiles);
+            return self
+                .grouped_gate_up(g, u, n_slots, x, r, n_x_rows, t, n_tiles, h, n_rows, ff, hidden, split);
+        }
         const K: Kernel = Kernel::GroupedGateUpQ;
         let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n: ff, k: hidden };
         shape.check(K, &[], x, Some(rows), tiles, h)?;
@@ -444,7 +449,7 @@ impl CudaBackend {
     }
 
     /// [`CudaBackend::grouped_gemm`] over a typed cache `[n_slots, n, k]`, decoded tile by tile
-    /// as [`CudaBackend::grouped_gate_up_typed`].
+    /// as [`CudaBackend::grouped_gate_up_typed`] (a bf16 cache takes the bf16 kernel).
     pub fn grouped_gemm_typed(
         &self,
         w_cache: TypedWeights,
@@ -460,6 +465,9 @@ impl CudaBackend {
         k: usize,
         split: bool,
     ) -> Result<()> {
+        if let Some(w) = w_cache.bf16() {
+            return self.grouped_gemm(w, n_slots, x, rows, n_x_rows, tiles, n_tiles, y, n_rows, n, k, split);
+        }
         const K: Kernel = Kernel::GroupedGemmQ;
         let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n, k };
         shape.check(K, &[], x, rows, tiles, y)?;
