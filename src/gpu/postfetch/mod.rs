@@ -18,10 +18,10 @@
 //!
 //! The scratchpad has the hot cache's layout (gate/up `[slots, ff, hidden]`, down
 //! `[slots, hidden, ff]`, in the file's block types: each matrix sized for the layer whose type
-//! takes the most bytes, a layer's slots packed at its own size), nothing kept across layers: each fetching layer writes it from
-//! slot 0, after the copy streams waited (on the GPU) for the `free` event the compute stream
-//! recorded behind the GEMMs that read it last, and for the previous layer's copies on every
-//! copy stream. One region, not two halves for alternate layers: a layer's routing reaches the
+//! takes the most bytes, a layer's slots packed at its own size), nothing kept across layers:
+//! each fetching layer writes it from slot 0, after the copy streams waited (on the GPU) for the
+//! `free` event the compute stream recorded behind the GEMMs that read it last, and for the
+//! previous layer's copies on every copy stream. One region, not two halves for alternate layers: a layer's routing reaches the
 //! host only after the compute stream has run everything before it, the previous layer's
 //! fetched GEMMs included, so a second half could never be written while the first is read; it
 //! would only halve the experts a layer can fetch for the same VRAM. The fetched experts run
