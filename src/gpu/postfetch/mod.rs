@@ -560,4 +560,57 @@ mod tests {
         }
         stage_parallel(Vec::new(), 4);
     }
+
+    fn tiny(dir: &std::path::Path, dtype: DType, mix: Option<crate::quantize::QuantMix>) -> Model {
+        use crate::synth::{write_synthetic, write_synthetic_quantized, DimOverrides, Preset, Skew};
+        use crate::synth::{SynthFormat, SynthOptions};
+        let dims = DimOverrides {
+            hidden: Some(256),
+            head_dim: Some(64),
+            expert_ff: Some(256),
+            ..Default::default()
+        };
+        let opts = SynthOptions {
+            adapter: crate::model::adapter::by_name("qwen3_moe").unwrap(),
+            preset: Preset::Tiny,
+            dims,
+            dtype,
+            seed: 5,
+            skew: Skew::Skewed,
+            format: SynthFormat::Gguf,
+            out: dir.join(format!("{dtype:?}-{mix:?}.gguf")),
+            vocab_from: None,
+        };
+        match mix {
+            Some(m) => write_synthetic_quantized(&opts, m, &mut |_, _| {}).map(|_| ()),
+            None => write_synthetic(&opts, &mut |_, _| {}).map(|_| ()),
+        }
+        .unwrap();
+        Model::open(&opts.out).unwrap()
+    }
+
+    /// The scratchpad's per-layer shapes: a Q4_K_M file's layers in their own block types and
+    /// bytes (Q6_K down projections in some), bf16 as it is, and no Post-Fetch for f32 experts
+    /// (their bytes are not what the device stores).
+    #[test]
+    fn fetchable_experts_keep_each_layers_types_and_bytes() {
+        use crate::quantize::QuantMix;
+        use moe_lanes_kernels::WeightDType;
+        let dir = tempfile::tempdir().unwrap();
+        let q = tiny(dir.path(), DType::BF16, Some(QuantMix::Q4_K_M));
+        let shapes = fetchable_experts(&q).expect("quantized experts are fetched");
+        let bytes: Vec<u64> = shapes.iter().map(|s| s.bytes.iter().sum::<usize>() as u64).collect();
+        assert_eq!(bytes, q.layer_expert_bytes());
+        assert!(shapes.iter().all(|s| s.dtypes[0] == WeightDType::Q4_K && s.dtypes[1] == WeightDType::Q4_K));
+        let downs: Vec<WeightDType> = shapes.iter().map(|s| s.dtypes[2]).collect();
+        assert!(downs.contains(&WeightDType::Q6_K) && downs.contains(&WeightDType::Q4_K), "{downs:?}");
+        let bf = tiny(dir.path(), DType::BF16, None);
+        let shapes = fetchable_experts(&bf).expect("bf16 experts are fetched");
+        assert!(shapes.iter().all(|s| s.dtypes == [WeightDType::BF16; 3]));
+        assert_eq!(
+            shapes.iter().map(|s| s.bytes.iter().sum::<usize>() as u64).collect::<Vec<_>>(),
+            bf.layer_expert_bytes()
+        );
+        assert!(fetchable_experts(&tiny(dir.path(), DType::F32, None)).is_none());
+    }
 }
