@@ -102,8 +102,8 @@ impl Engine for Pipeline {
         Some(Pipeline::hot_set(self))
     }
     fn hot_bytes(&self) -> u64 {
-        let sizes = self.model().layer_expert_bytes();
-        Pipeline::hot_set(self).layers.iter().zip(sizes).map(|(l, b)| l.n_hot() as u64 * b).sum()
+        let layers = Pipeline::hot_set(self).layers.iter().enumerate();
+        layers.map(|(i, l)| (l.n_hot() * self.model().expert_bytes_of_layer(i)) as u64).sum()
     }
     fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError> {
         self.updater().request(exchange);

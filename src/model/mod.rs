@@ -205,7 +205,7 @@ impl Model {
     }
 
     /// Bytes of one expert of layer `l` (the experts of a layer share their types).
-    fn expert_bytes_of_layer(&self, l: usize) -> usize {
+    pub fn expert_bytes_of_layer(&self, l: usize) -> usize {
         let e = self.expert(l, 0);
         e.gate.data.len() + e.up.data.len() + e.down.data.len()
     }

@@ -491,7 +491,7 @@ impl Pipeline {
                 let _ = self.hot_set.apply_exchange(layer_idx, add, evict);
                 return Err(e.into());
             }
-            self.perf.record_exchange(self.model.layer_expert_bytes()[layer_idx]);
+            self.perf.record_exchange(self.model.expert_bytes_of_layer(layer_idx) as u64);
         }
         Ok(n)
     }

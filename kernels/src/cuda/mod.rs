@@ -607,17 +607,32 @@ impl CudaBackend {
         n: usize,
         dst: DPtr<T>,
     ) -> Result<()> {
-        assert!(n <= src.len && n <= dst.len);
-        if n == 0 {
+        self.htod_async(self.stream_raw(), src, 0..n, dst, "cuMemcpyHtoDAsync")
+    }
+
+    /// Queue a copy of `src[range]` (pinned) into `dst` on `stream`, then `src`'s fence: its host
+    /// accessors wait until the copy is done. The one body of the `write_async*` copies.
+    fn htod_async<T: Copy + Default>(
+        &self,
+        stream: sys::CUstream,
+        src: &PinnedBuffer<T>,
+        range: std::ops::Range<usize>,
+        dst: DPtr<T>,
+        what: &'static str,
+    ) -> Result<()> {
+        assert!(range.end <= src.len && range.len() <= dst.len);
+        if range.is_empty() {
             return Ok(());
         }
-        // SAFETY: as in `read_async`: `src` keeps `n` initialised elements alive and unchanged
-        // until its fence, recorded right after this copy, completes.
+        // SAFETY: `src.ptr + range.start` holds `range.len()` initialised elements owned by
+        // `src`, kept alive and unchanged until its fence, recorded right after on the same stream;
+        // `dst` is a live device range of at least `range.len()` elements (asserted above);
+        // `stream` is a live stream of this context (the caller's).
         unsafe {
-            let host = std::slice::from_raw_parts(src.ptr, n);
-            drv::memcpy_htod_async(dst.raw, host, self.stream_raw()).ctx("cuMemcpyHtoDAsync")?;
+            let host = std::slice::from_raw_parts(src.ptr.add(range.start), range.len());
+            drv::memcpy_htod_async(dst.raw, host, stream).ctx(what)?;
         }
-        src.fence_after(self.stream_raw())
+        src.fence_after(stream)
     }
 
     /// Queue a copy of `src[range]` (pinned) into `dst` on the side stream. Safe like
@@ -628,17 +643,7 @@ impl CudaBackend {
         range: std::ops::Range<usize>,
         dst: DPtr<T>,
     ) -> Result<()> {
-        assert!(range.end <= src.len && range.len() <= dst.len);
-        if range.is_empty() {
-            return Ok(());
-        }
-        // SAFETY: `src.ptr + range.start` holds `range.len()` initialised elements owned by
-        // `src`, kept alive and unchanged until its fence, recorded right after on the same stream.
-        unsafe {
-            let host = std::slice::from_raw_parts(src.ptr.add(range.start), range.len());
-            drv::memcpy_htod_async(dst.raw, host, self.side.cu_stream()).ctx("cuMemcpyHtoDAsync(side)")?;
-        }
-        src.fence_after(self.side.cu_stream())
+        self.htod_async(self.side.cu_stream(), src, range, dst, "cuMemcpyHtoDAsync(side)")
     }
 
     /// A dedicated host-to-device copy stream (Post-Fetch of cold experts), beside the compute
@@ -657,19 +662,7 @@ impl CudaBackend {
         range: std::ops::Range<usize>,
         dst: DPtr<T>,
     ) -> Result<()> {
-        assert!(range.end <= src.len && range.len() <= dst.len);
-        if range.is_empty() {
-            return Ok(());
-        }
-        let stream = cs.stream.cu_stream();
-        // SAFETY: `src.ptr + range.start` holds `range.len()` initialised elements owned by
-        // `src`, kept alive and unchanged until its fence, recorded right after on the same stream;
-        // `dst` is a live device range of at least `range.len()` elements (checked above).
-        unsafe {
-            let host = std::slice::from_raw_parts(src.ptr.add(range.start), range.len());
-            drv::memcpy_htod_async(dst.raw, host, stream).ctx("cuMemcpyHtoDAsync(copy)")?;
-        }
-        src.fence_after(stream)
+        self.htod_async(cs.stream.cu_stream(), src, range, dst, "cuMemcpyHtoDAsync(copy)")
     }
 
     /// Record `ev` on copy stream `cs`: it completes when every copy queued there so far has.

@@ -30,11 +30,16 @@ static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
 }
 // @QUANT_DECODE@
 static std::vector<char> slurp(const char* p) { std::ifstream f(p, std::ios::binary); return std::vector<char>(std::istreambuf_iterator<char>(f), {}); }
-template <class Q> int check(const char* dir, const char* name) {
+// A type's fixture: its blocks and gguf-py's values for them.
+static void load(const char* dir, const char* name, std::vector<char>& blocks, std::vector<char>& deq) {
     char pb[256], pd[256];
     snprintf(pb, 256, "%s/%s.blocks", dir, name);
     snprintf(pd, 256, "%s/%s.dequant.f32", dir, name);
-    auto blocks = slurp(pb); auto deq = slurp(pd);
+    blocks = slurp(pb), deq = slurp(pd);
+}
+template <class Q> int check(const char* dir, const char* name) {
+    std::vector<char> blocks, deq;
+    load(dir, name, blocks, deq);
     size_t nb = blocks.size() / Q::BYTES; const float* want = (const float*)deq.data();
     if (nb == 0 || deq.size() != nb * Q::ELEMS * 4) { printf("%s: size mismatch\n", name); return 1; }
     // copy each block to a 4-aligned buffer (the kernels' alignment)
@@ -61,10 +66,8 @@ template <class Q> int check(const char* dir, const char* name) {
 // The wide chunks (W::chunk, 32 values each) against the same fixtures, with the block at a
 // 16-byte aligned address and, for the types stored 2-byte aligned, at 2 mod 4 as well.
 template <class W> int check_wide(const char* dir, const char* name, bool odd) {
-    char pb[256], pd[256];
-    snprintf(pb, 256, "%s/%s.blocks", dir, name);
-    snprintf(pd, 256, "%s/%s.dequant.f32", dir, name);
-    auto blocks = slurp(pb); auto deq = slurp(pd);
+    std::vector<char> blocks, deq;
+    load(dir, name, blocks, deq);
     size_t nb = blocks.size() / W::BYTES; const float* want = (const float*)deq.data();
     alignas(16) u8 buf[512];
     int bad = 0;
@@ -95,10 +98,8 @@ template <class W> int check_wide(const char* dir, const char* name, bool odd) {
 // The runs of 8 consecutive values (Q::run8, the grouped prefill GEMM's weight tiles) against the
 // same fixtures, blocks at a 16-byte aligned address and, for the 2-byte aligned types, at 2 mod 4.
 template <class Q> int check_run8(const char* dir, const char* name, bool odd) {
-    char pb[256], pd[256];
-    snprintf(pb, 256, "%s/%s.blocks", dir, name);
-    snprintf(pd, 256, "%s/%s.dequant.f32", dir, name);
-    auto blocks = slurp(pb); auto deq = slurp(pd);
+    std::vector<char> blocks, deq;
+    load(dir, name, blocks, deq);
     size_t nb = blocks.size() / Q::BYTES; const float* want = (const float*)deq.data();
     alignas(16) u8 buf[512];
     int bad = 0;
