@@ -297,15 +297,29 @@ fn stage(
     experts: &[ExpertLoad],
     threads: usize,
 ) -> Result<(), GpuError> {
-    let mut jobs = Vec::with_capacity(3 * experts.len());
-    for (buf, x) in staging.iter_mut().zip(experts) {
-        let w = model.expert(l, x.expert as usize);
-        let (gate, rest) = buf.as_mut_slice()?.split_at_mut(bytes[0]);
-        let (up, down) = rest.split_at_mut(bytes[1]);
-        jobs.extend([(w.gate.data, gate), (w.up.data, up), (w.down.data, down)]);
-    }
-    stage_parallel(jobs, threads);
+    let bufs = staging.iter_mut().map(|b| b.as_mut_slice()).collect::<Result<Vec<_>, _>>()?;
+    stage_parallel(stage_jobs(model, bufs, bytes, l, experts), threads);
     Ok(())
+}
+
+/// The copies that stage `experts` of layer `l` into `bufs` (one each, in order): gate, up,
+/// down back to back from each buffer's start. A buffer holds the largest layer's expert, so
+/// this layer's may fill only its front.
+fn stage_jobs<'a>(
+    model: &'a Model,
+    bufs: Vec<&'a mut [u8]>,
+    bytes: [usize; 3],
+    l: usize,
+    experts: &[ExpertLoad],
+) -> Vec<(&'a [u8], &'a mut [u8])> {
+    let mut jobs = Vec::with_capacity(3 * experts.len());
+    for (buf, x) in bufs.into_iter().zip(experts) {
+        let w = model.expert(l, x.expert as usize);
+        let (gate, rest) = buf.split_at_mut(bytes[0]);
+        let (up, rest) = rest.split_at_mut(bytes[1]);
+        jobs.extend([(w.gate.data, gate), (w.up.data, up), (w.down.data, &mut rest[..bytes[2]])]);
+    }
+    jobs
 }
 
 impl GpuModel {
@@ -587,6 +601,29 @@ mod tests {
         }
         .unwrap();
         Model::open(&opts.out).unwrap()
+    }
+
+    /// Staging a mixed file: buffers sized for the largest layer's expert take every layer's
+    /// expert at its front, gate, up, down back to back, byte for byte.
+    #[test]
+    fn staging_a_smaller_layer_fills_the_front_of_the_largest_layers_buffer() {
+        let dir = tempfile::tempdir().unwrap();
+        let q = tiny(dir.path(), DType::BF16, Some(crate::quantize::QuantMix::Q4_K_M));
+        let shapes = fetchable_experts(&q).unwrap();
+        let largest = shapes.iter().map(|s| s.bytes.iter().sum::<usize>()).max().unwrap();
+        assert!(shapes.iter().any(|s| s.bytes.iter().sum::<usize>() < largest), "a mixed file");
+        let experts = [ExpertLoad { expert: 3, tokens: 1 }, ExpertLoad { expert: 0, tokens: 1 }];
+        for (l, shape) in shapes.iter().enumerate() {
+            let mut bufs = vec![vec![0xAAu8; largest]; experts.len()];
+            let slices = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+            stage_parallel(stage_jobs(&q, slices, shape.bytes, l, &experts), 2);
+            for (buf, x) in bufs.iter().zip(&experts) {
+                let w = q.expert(l, x.expert as usize);
+                let want = [w.gate.data, w.up.data, w.down.data].concat();
+                assert_eq!(&buf[..want.len()], &want[..], "layer {l} expert {}", x.expert);
+                assert!(buf[want.len()..].iter().all(|&b| b == 0xAA), "layer {l}: nothing past the expert");
+            }
+        }
     }
 
     /// The scratchpad's per-layer shapes: a Q4_K_M file's layers in their own block types and
