@@ -20,22 +20,38 @@ extern "C" __global__ void moe_gate_up_gemv(const bf16* __restrict__ G, const bf
 
 // Hot lane, decode: weighted down projections accumulated into token rows, deterministic (no
 // atomics): output row i is token tok_rows[i], whose entries are tok_off[i]..tok_off[i+1]
-// (token-major worklist). out[t, r] += sum_e weights[e] * (D_{slots[e]}[r] . h[e]).
-// D is the cache [n_slots, hidden, ff]. grid (ceil(hidden/8), n_rows), block 256.
+// (token-major worklist). out[t, r] += sum_e weights[e] * (D_{slots[e]}[r] . h[e]), summed in
+// entry order. D is the cache [n_slots, hidden, ff]. A block takes DOWN_ROWS output rows and the
+// token's entries ROWS_PER_BLOCK at a time, one per warp (its dot products over the rows into
+// shared memory), then thread r adds row r's products in entry order: the sum of one warp
+// walking the entries, with every entry's loads in flight at once.
+// grid (ceil(hidden/DOWN_ROWS), n_rows), block 32 * ROWS_PER_BLOCK.
 extern "C" __global__ void moe_down_accum(const bf16* __restrict__ D, const float* __restrict__ h,
                                           const int* __restrict__ slots, const float* __restrict__ weights,
                                           const int* __restrict__ tok_off, const int* __restrict__ tok_rows,
                                           float* __restrict__ out, int hidden, int ff) {
-    int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
-    int i = blockIdx.y;
-    if (r >= hidden) return;
-    float acc = 0.f;
-    for (int e = tok_off[i]; e < tok_off[i + 1]; e++) {
-        if (slots[e] < 0) continue;  // cold entry (device-built worklist)
-        float d = warp_dot_bf16(D + ((size_t)slots[e] * hidden + r) * ff, h + (size_t)e * ff, ff);
-        acc += weights[e] * d;
+    __shared__ float part[ROWS_PER_BLOCK][DOWN_ROWS];
+    int warp = threadIdx.x >> 5, r0 = blockIdx.x * DOWN_ROWS, i = blockIdx.y;
+    int e0 = tok_off[i], e1 = tok_off[i + 1];
+    float acc = 0.f;  // thread r < DOWN_ROWS: output row r0 + r
+    for (int c = e0; c < e1; c += ROWS_PER_BLOCK) {
+        int e = c + warp, s = e < e1 ? slots[e] : -1;  // -1: cold (device-built worklist) or past the end
+        if (s >= 0) {
+#pragma unroll
+            for (int r = 0; r < DOWN_ROWS; r++) {
+                float d = 0.f;
+                if (r0 + r < hidden) d = warp_dot_bf16(D + ((size_t)s * hidden + r0 + r) * ff, h + (size_t)e * ff, ff);
+                if ((threadIdx.x & 31) == 0) part[warp][r] = d;
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x < DOWN_ROWS)
+            for (int u = 0; u < ROWS_PER_BLOCK && c + u < e1; u++)
+                if (slots[c + u] >= 0) acc += weights[c + u] * part[u][threadIdx.x];
+        __syncthreads();
     }
-    if ((threadIdx.x & 31) == 0) out[(size_t)tok_rows[i] * hidden + r] += acc;
+    if (threadIdx.x < DOWN_ROWS && r0 + (int)threadIdx.x < hidden)
+        out[(size_t)tok_rows[i] * hidden + r0 + threadIdx.x] += acc;
 }
 
 // Hot lane, prefill: after the expert-major grouped GEMMs, y holds one row per entry. Output row i

@@ -4,13 +4,7 @@
 // One row of `dim` per block: y = x * rsqrt(mean(x^2) + eps) * w. In place allowed (x == y).
 // Per-head q/k norms: rows = T * heads, dim = head_dim. grid (rows), block 256.
 extern "C" __global__ void rmsnorm_f32(const float* x, const float* __restrict__ w, float* y, int dim, float eps) {
-    const float* xr = x + (size_t)blockIdx.x * dim;
-    float* yr = y + (size_t)blockIdx.x * dim;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = block_sum(ss);
-    float inv = 1.f / sqrtf(ss / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = xr[i] * inv * w[i];
+    norm_row_to(x + (size_t)blockIdx.x * dim, w, dim, eps, y + (size_t)blockIdx.x * dim);
 }
 
 // RoPE for token t (position pos0 + t), head h: rotate pairs (i, i + d/2) (half_split) or

@@ -753,40 +753,51 @@ extern "C" __global__ void embed_q(const u8* __restrict__ table, int type, int r
     }
 }
 
-// One-token GEMV, y[n] = (accumulate ? y[n] : 0) + W[n, :] . x: a warp takes QUANT_WIDE_ROWS rows
-// with the wide chunks (x 16-byte aligned; Q4_K / Q5_K matrices 16-byte aligned).
-// grid ceil(N / (ROWS_PER_BLOCK * QUANT_WIDE_ROWS)), block 32 * ROWS_PER_BLOCK.
-template <class W>
-__device__ __forceinline__ void gemv1_q(const u8* __restrict__ Wm, const float* __restrict__ x, float* __restrict__ y,
-                                        int N, int K, int accumulate) {
-    int n0 = (blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5)) * QUANT_WIDE_ROWS;
+// One-token GEMV, y[n] = (accumulate ? y[n] : 0) + W[n, :] . x: a warp takes R rows with the
+// wide chunks (x 16-byte aligned; Q4_K / Q5_K matrices 16-byte aligned). Each row's sum is the
+// same for any R (R only shares the loads of x).
+template <class W, int R>
+__device__ __forceinline__ void gemv1_rows(const u8* __restrict__ Wm, const float* __restrict__ x,
+                                           float* __restrict__ y, int N, int K, int accumulate) {
+    int n0 = (blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5)) * R;
     if (n0 >= N) return;
     size_t row_bytes = (size_t)(K / W::ELEMS) * W::BYTES;
-    const u8* rows[QUANT_WIDE_ROWS];
+    const u8* rows[R];
 #pragma unroll
-    for (int r = 0; r < QUANT_WIDE_ROWS; r++) rows[r] = Wm + (size_t)min(n0 + r, N - 1) * row_bytes;
-    float out[QUANT_WIDE_ROWS];
-    warp_dot_wide<W, QUANT_WIDE_ROWS>(rows, x, K, out);
+    for (int r = 0; r < R; r++) rows[r] = Wm + (size_t)min(n0 + r, N - 1) * row_bytes;
+    float out[R];
+    warp_dot_wide<W, R>(rows, x, K, out);
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
-        for (int r = 0; r < QUANT_WIDE_ROWS; r++)
+        for (int r = 0; r < R; r++)
             if (n0 + r < N) y[n0 + r] = accumulate ? y[n0 + r] + out[r] : out[r];
     }
 }
-extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q8_0(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
-    gemv1_q<W8_0>(W, x, y, N, K, accumulate);
+
+// gemv1_rows with R = 1 (wide == 1: small matrices, twice the warps) or QUANT_WIDE_ROWS.
+// grid ceil(N / (ROWS_PER_BLOCK * R)), block 32 * ROWS_PER_BLOCK.
+template <class W>
+__device__ __forceinline__ void gemv1_q(const u8* __restrict__ Wm, const float* __restrict__ x, float* __restrict__ y,
+                                        int N, int K, int accumulate, int wide) {
+    if (wide == 1)
+        gemv1_rows<W, 1>(Wm, x, y, N, K, accumulate);
+    else
+        gemv1_rows<W, QUANT_WIDE_ROWS>(Wm, x, y, N, K, accumulate);
 }
-extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q4_0(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
-    gemv1_q<W4_0>(W, x, y, N, K, accumulate);
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q8_0(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    gemv1_q<W8_0>(W, x, y, N, K, accumulate, wide);
 }
-extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q4_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
-    gemv1_q<W4_K>(W, x, y, N, K, accumulate);
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q4_0(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    gemv1_q<W4_0>(W, x, y, N, K, accumulate, wide);
 }
-extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q5_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
-    gemv1_q<W5_K>(W, x, y, N, K, accumulate);
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q4_k(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    gemv1_q<W4_K>(W, x, y, N, K, accumulate, wide);
 }
-extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q6_k(const u8* W, const float* x, float* y, int N, int K, int accumulate) {
-    gemv1_q<W6_K>(W, x, y, N, K, accumulate);
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q5_k(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    gemv1_q<W5_K>(W, x, y, N, K, accumulate, wide);
+}
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q6_k(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    gemv1_q<W6_K>(W, x, y, N, K, accumulate, wide);
 }
 
 // Decode q/k/v in one launch over matrices of any stored types (type codes as warp_dot_typed;

@@ -1,6 +1,33 @@
 // Router: top-k expert ids and weights from router logits (both routing variants).
 // Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
+// The weights of a row's top-k (weights[0..k) hold the k picked logits, largest first = mx),
+// one warp (every lane calls it; lane 0 writes). variant 0: softmax over all E logits l, then the
+// picked probabilities (renormalised when norm != 0); variant 1: softmax over the k.
+__device__ void topk_weights(const float* l, int E, int k, int variant, int norm, float mx,
+                             float* __restrict__ weights) {
+    int lane = threadIdx.x & 31;
+    if (variant == 0) {
+        float sum = 0.f;
+        for (int e = lane; e < E; e += WARP) sum += expf(l[e] - mx);
+        sum = warp_sum(sum);
+        if (lane == 0) {
+            float sel = 0.f;
+            for (int j = 0; j < k; j++) {
+                float p = expf(weights[j] - mx) / sum;
+                weights[j] = p;
+                sel += p;
+            }
+            if (norm)
+                for (int j = 0; j < k; j++) weights[j] /= sel;
+        }
+    } else if (lane == 0) {
+        float sum = 0.f;
+        for (int j = 0; j < k; j++) sum += expf(weights[j] - mx);
+        for (int j = 0; j < k; j++) weights[j] = expf(weights[j] - mx) / sum;
+    }
+}
+
 // The top-k of one logits row `l` by one warp (every lane calls it): each of the k rounds is a
 // warp argmax (larger value, then lower id) over the experts after the previous pick; lane 0
 // writes ids[0..k] and weights[0..k] (see route_topk for the variants).
@@ -32,25 +59,29 @@ __device__ void topk_row(const float* l, int E, int k, int variant, int norm, in
         pv = bv;
         pi = bi;
     }
-    if (variant == 0) {
-        float sum = 0.f;
-        for (int e = lane; e < E; e += WARP) sum += expf(l[e] - mx);
-        sum = warp_sum(sum);
-        if (lane == 0) {
-            float sel = 0.f;
-            for (int j = 0; j < k; j++) {
-                float p = expf(weights[j] - mx) / sum;
-                weights[j] = p;
-                sel += p;
-            }
-            if (norm)
-                for (int j = 0; j < k; j++) weights[j] /= sel;
-        }
-    } else if (lane == 0) {
-        float sum = 0.f;
-        for (int j = 0; j < k; j++) sum += expf(weights[j] - mx);
-        for (int j = 0; j < k; j++) weights[j] = expf(weights[j] - mx) / sum;
+    topk_weights(l, E, k, variant, norm, mx, weights);
+}
+
+// The top-k of a logits row `ls` (shared memory) by the whole block (every thread calls it): the
+// picks of topk_row (larger value first, ties to the lower id, NaN never picked, id -1 and
+// weight -inf past the last non-NaN logit) and its weights. Each thread ranks its experts against
+// all E at once instead of k warp argmax rounds one after another.
+__device__ void topk_block(const float* ls, int E, int k, int variant, int norm, int* __restrict__ ids,
+                           float* __restrict__ weights) {
+    for (int j = threadIdx.x; j < k; j += blockDim.x) ids[j] = -1, weights[j] = -INFINITY;
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float v = ls[e];
+        if (v != v) continue;  // NaN
+        int rank = 0;
+        for (int j = 0; j < E; j++) rank += (ls[j] > v) || (ls[j] == v && j < e);
+        if (rank < k) ids[rank] = e, weights[rank] = v;
     }
+    __syncthreads();  // the block's global writes are visible to the block after it
+    if (threadIdx.x >= WARP) return;
+    float mx = weights[0];  // the largest picked logit
+    __syncwarp();           // read by every lane before lane 0 rewrites weights
+    topk_weights(ls, E, k, variant, norm, mx, weights);
 }
 
 // Router: top-k expert ids and weights per token from logits [T, E]. Ties go to the lower id.
@@ -70,7 +101,7 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int T, i
 // the bits are the same; block 0 also writes it to `normed`), one warp per router row (bf16
 // weights, warp_dot_bf16 as gemv_bf16) into `logits`, and the block that finishes row t last
 // (a per-row counter, reset by that block, so a replayed graph finds it at zero) copies the row's
-// logits (past L1) and takes its top-k (topk_row) and, when `map` is given, the row's hot
+// logits (past L1) and takes its top-k (topk_block: topk_row's picks) and, when `map` is given, the row's hot
 // worklist entries (hot_worklist_tokens's layout). grid (ceil(E / ROWS_PER_BLOCK), T), block
 // 32 * ROWS_PER_BLOCK, dynamic shared (H + E) floats.
 extern "C" __global__ void route_decode(const float* __restrict__ x, const float* __restrict__ nw,
@@ -101,9 +132,9 @@ extern "C" __global__ void route_decode(const float* __restrict__ x, const float
     float* ls = xs + H;
     for (int i = threadIdx.x; i < E; i += blockDim.x) ls[i] = __ldcg(logits + (size_t)t * E + i);
     __syncthreads();
-    if (threadIdx.x >= 32) return;
     int* id = ids + (size_t)t * k;
-    topk_row(ls, E, k, variant, norm, id, weights + (size_t)t * k);
+    topk_block(ls, E, k, variant, norm, id, weights + (size_t)t * k);  // warp 0 returns from it last
+    if (threadIdx.x >= WARP) return;
     __syncwarp();
     if (threadIdx.x == 0) counter[t] = 0;
     if (!map) return;

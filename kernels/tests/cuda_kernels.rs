@@ -418,10 +418,22 @@ fn route_topk_matches_cpu() {
 fn route_decode_matches_unfused_bit_for_bit() {
     use moe_lanes_kernels::cuda::ops::{HotWorklist, NormRows};
     let Some(be) = backend() else { return };
-    for (t, h, e, k) in [(1usize, 2048usize, 128usize, 8usize), (3, 200, 10, 3), (2, 64, 60, 60)] {
+    // The last case's router rows are all one row but two (scaled by -1 and 2): most logits tie
+    // exactly, and ties go to the lower id in both.
+    for (t, h, e, k) in
+        [(1usize, 2048usize, 128usize, 8usize), (3, 200, 10, 3), (2, 64, 60, 60), (2, 256, 16, 5)]
+    {
         let x = rnd(t * h, 40);
         let nw: Vec<f32> = rnd(h, 41).iter().map(|v| 1.0 + 0.5 * v).collect();
-        let (rb, _) = to_bf16(&rnd(e * h, 42));
+        let mut router = rnd(e * h, 42);
+        if e == 16 {
+            let row: Vec<f32> = router[..h].to_vec();
+            for (j, r) in router.chunks_mut(h).enumerate() {
+                let scale = [(3, -1.0), (7, 2.0)].iter().find(|(i, _)| *i == j).map_or(1.0, |(_, s)| *s);
+                r.iter_mut().zip(&row).for_each(|(v, w)| *v = scale * w);
+            }
+        }
+        let (rb, _) = to_bf16(&router);
         let mut map = vec![-1i32; e];
         for (j, m) in map.iter_mut().enumerate().filter(|(j, _)| j % 3 != 1) {
             *m = (j / 2) as i32;
@@ -509,6 +521,53 @@ fn route_decode_matches_unfused_bit_for_bit() {
         }
     }
     assert!(!CudaBackend::route_decode_fits(12 * 1024, 128), "a row past shared memory is refused");
+}
+
+/// The decode down accumulation over more entries than a block has warps (two rounds), cold
+/// entries among them, an odd hidden size (the last block half full) and vector-width rows:
+/// against the scalar sum in entry order.
+#[test]
+fn hot_down_accum_takes_many_entries_and_odd_rows() {
+    let Some(be) = backend() else { return };
+    let (n_slots, ff, hidden) = (5usize, 64usize, 17usize);
+    let (db, d) = to_bf16(&rnd(n_slots * hidden * ff, 31));
+    let tok_off = vec![0i32, 11, 14];
+    let slots: Vec<i32> = (0..14).map(|e| if e % 4 == 3 { -1 } else { (e % n_slots) as i32 }).collect();
+    let weights: Vec<f32> = (0..14).map(|e| 0.1 + 0.05 * e as f32).collect();
+    let tok_rows = vec![1i32, 0];
+    let h = rnd(14 * ff, 32);
+    let mut want = vec![0.5f32; 2 * hidden];
+    for (i, w) in tok_off.windows(2).enumerate() {
+        for r in 0..hidden {
+            let mut acc = 0f32;
+            for e in w[0] as usize..w[1] as usize {
+                if slots[e] >= 0 {
+                    let row = &d[(slots[e] as usize * hidden + r) * ff..][..ff];
+                    acc += weights[e] * dot(row, &h[e * ff..][..ff]);
+                }
+            }
+            want[tok_rows[i] as usize * hidden + r] += acc;
+        }
+    }
+    let (dd, dh) = (be.upload(&db).unwrap(), be.upload(&h).unwrap());
+    let (ds, dw) = (be.upload(&slots).unwrap(), be.upload(&weights).unwrap());
+    let (doff, drows) = (be.upload(&tok_off).unwrap(), be.upload(&tok_rows).unwrap());
+    let out = be.upload(&vec![0.5f32; 2 * hidden]).unwrap();
+    be.moe_down_accum(
+        dd.ptr(),
+        dh.ptr(),
+        ds.ptr(),
+        dw.ptr(),
+        doff.ptr(),
+        drows.ptr(),
+        out.ptr(),
+        2,
+        hidden,
+        ff,
+    )
+    .unwrap();
+    let err = max_abs_diff(&be.read_vec(out.ptr()).unwrap(), &want);
+    assert!(err < 1e-4, "down accumulation over 11 entries: {err}");
 }
 
 /// Hot-lane kernels: gathered gate/up GEMV from a slot cache, then weighted down accumulation into

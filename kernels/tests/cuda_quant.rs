@@ -122,6 +122,33 @@ fn gemv_of_every_type_matches_the_cpu_dequantization() {
     }
 }
 
+/// The one-token GEMV takes one row a warp for small matrices and two (sharing the loads of x)
+/// for large ones: each row's sum is the same bits either way.
+#[test]
+fn rows_per_warp_leave_the_sums_unchanged() {
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x51DE_CA75);
+    let big =
+        2 * be.info().multiprocessors as usize * moe_lanes_kernels::cuda::quant::WIDE_MIN_WARPS_PER_SM + 3;
+    assert_eq!(be.wide_rows_per_warp(37), 1);
+    assert!(be.wide_rows_per_warp(big) > 1, "{big} rows take the shared-x form");
+    for dtype in WeightDType::QUANTIZED {
+        let k = 2 * dtype.block_elems();
+        let matrix = random_blocks(&mut rng, dtype, big + 1, k);
+        let x = rng.vec(k, 1.0);
+        let all = run_gemv(be, dtype, &matrix, &x, &vec![0.0; big], (1, big, k), (false, false));
+        let few = run_gemv(be, dtype, &matrix, &x, &[0.0; 37], (1, 37, k), (false, false));
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&all[..37]), bits(&few), "{dtype:?}");
+        let w = dequantize(dtype, &matrix[dtype.row_bytes(k)..]);
+        for (o, (got, (value, bound))) in
+            all.iter().zip(gemv_reference(&w, &x, &vec![0.0; big], big, k)).enumerate()
+        {
+            assert!((*got as f64 - value).abs() <= bound, "{dtype:?} row {o}: {got} vs {value}");
+        }
+    }
+}
+
 fn bf16_bits(values: &[f32]) -> Vec<u16> {
     values.iter().map(|v| bf16::from_f32(*v).to_bits()).collect()
 }

@@ -37,6 +37,10 @@ pub const GROUPED_TILE_ROWS: usize = 64;
 pub const GROUPED_TILE_COLS: usize = 64;
 /// Threads of a grouped expert GEMM block (`-DGG_THREADS`): 4 warps, 2 x 2 over the tile.
 pub const GROUPED_THREADS: u32 = 128;
+/// Output rows of one decode down-projection block (`-DDOWN_ROWS`): its warps take one entry
+/// each over these rows, so a hidden size of 2048 gives 8192 warps (every SM full) where one
+/// warp per row walking the entries in turn gave 2048.
+pub const HOT_DOWN_ROWS: u32 = 2;
 const _: () = assert!(ATTENTION_SPLIT_CHUNK.is_multiple_of(ATTENTION_SPLIT_WARPS as usize));
 const _: () = assert!(ATTENTION_MAX_HEAD_DIM.is_multiple_of(32));
 const _: () = assert!(ATTENTION_TILE_ROWS.is_multiple_of(4) && ATTENTION_TILE_KEYS == 32);
@@ -134,7 +138,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 14] = [
+pub const SHARED_DEFINE_NAMES: [&str; 15] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -149,6 +153,7 @@ pub const SHARED_DEFINE_NAMES: [&str; 14] = [
     "ATT_TILE_KEYS",
     "ATT_TILE_MAXC",
     "QUANT_WIDE_ROWS",
+    "DOWN_ROWS",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -168,6 +173,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DATT_TILE_KEYS={ATTENTION_TILE_KEYS}"),
         format!("-DATT_TILE_MAXC={}", ATTENTION_TILE_MAX_HEAD_DIM / 32),
         format!("-DQUANT_WIDE_ROWS={QUANT_WIDE_ROWS}"),
+        format!("-DDOWN_ROWS={HOT_DOWN_ROWS}"),
     ]
 }
 

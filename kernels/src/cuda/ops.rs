@@ -7,7 +7,7 @@
 use super::kernel::{
     Kernel, ARGMAX_BLOCK, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS, ATTENTION_TILE_MAX_HEAD_DIM,
     ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS,
-    ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
@@ -954,7 +954,7 @@ impl CudaBackend {
         need(K, "down_cache", down_cache, hidden * ff)?;
         self.launch(
             K,
-            (blocks(hidden, ROWS_PER_BLOCK), n_rows as u32, 1),
+            (blocks(hidden, HOT_DOWN_ROWS), n_rows as u32, 1),
             ROW_BLOCK_THREADS,
             0,
             args![

@@ -19,6 +19,9 @@ use crate::weights::WeightDType;
 const DEQUANT_BLOCK: u32 = 256;
 /// Error name of the GEMV launcher before a kernel is chosen.
 const GEMV_NAME: &str = "gemv_quant";
+/// Fewest warps an SM the one-token wide GEMV keeps before it takes one row a warp (two blocks
+/// of [`ROWS_PER_BLOCK`] warps).
+pub const WIDE_MIN_WARPS_PER_SM: usize = 2 * ROWS_PER_BLOCK as usize;
 /// Error name of the dequantization launcher before a kernel is chosen.
 const DEQUANT_NAME: &str = "dequantize_bf16";
 
@@ -200,7 +203,8 @@ impl CudaBackend {
     /// type, `k` a multiple of its block). Decode GEMV: each launch decodes every weight once and
     /// multiplies it with up to [`QUANT_MAX_TOKENS`] token rows (more tokens take more launches);
     /// one token with aligned views takes the wide kernel (`gemv1_*`: 32 values per lane and
-    /// load, [`QUANT_WIDE_ROWS`] rows per warp sharing the loads of x).
+    /// load, [`QUANT_WIDE_ROWS`] rows per warp sharing the loads of x, or one row per warp when
+    /// that leaves too few warps: [`CudaBackend::wide_rows_per_warp`]; the sums are the same).
     pub fn gemv_quant(
         &self,
         dtype: WeightDType,
@@ -218,8 +222,9 @@ impl CudaBackend {
             .filter(|_| n_tokens == 1 && x.raw().is_multiple_of(16))
             .filter(|_| w.raw().is_multiple_of(wide_alignment_bytes(dtype)));
         if let Some(wide) = wide {
-            let grid = (blocks(n, ROWS_PER_BLOCK * QUANT_WIDE_ROWS), 1, 1);
-            let args = args![w.raw(), x.raw(), y.raw(), i(n), i(k), acc];
+            let rows = self.wide_rows_per_warp(n);
+            let grid = (blocks(n, ROWS_PER_BLOCK * rows), 1, 1);
+            let args = args![w.raw(), x.raw(), y.raw(), i(n), i(k), acc, rows as i32];
             return self.launch(wide, grid, ROW_BLOCK_THREADS, 0, args);
         }
         let per = QUANT_MAX_TOKENS as usize;
@@ -235,6 +240,18 @@ impl CudaBackend {
             )?;
         }
         Ok(())
+    }
+
+    /// Rows per warp of the one-token wide GEMV over `n` rows: [`QUANT_WIDE_ROWS`], or 1 when
+    /// that would leave fewer than [`WIDE_MIN_WARPS_PER_SM`] warps an SM (a 2048-row output
+    /// projection had 8 warps an SM and ran latency-bound at 400 GB/s on the H100).
+    pub fn wide_rows_per_warp(&self, n: usize) -> u32 {
+        let sms = self.info().multiprocessors.max(1) as usize;
+        if n.div_ceil(QUANT_WIDE_ROWS as usize) < sms * WIDE_MIN_WARPS_PER_SM {
+            1
+        } else {
+            QUANT_WIDE_ROWS
+        }
     }
 
     /// `out[r - row0, :] = bf16(W[r, :])` for `row0 <= r < row0 + rows` (round to nearest even;
