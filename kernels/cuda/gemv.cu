@@ -15,6 +15,42 @@ extern "C" __global__ void gemv_bf16(const bf16* __restrict__ W, const float* __
     }
 }
 
+// One-token GEMV for matrices with too few rows to fill the GPU at one warp a row:
+// y[n] = (accumulate ? y[n] : 0) + W[n, :] . x with GEMV_SPLIT warps a row, each over one
+// contiguous range of the row's 8-value groups (summed as warp_dot_bf16 sums a row), the parts
+// added in range order by one thread. Needs K % 8 == 0 and W, x 16-byte aligned (the launcher
+// checks). grid ceil(N / (ROWS_PER_BLOCK / GEMV_SPLIT)), block 32 * ROWS_PER_BLOCK.
+extern "C" __global__ void gemv_bf16_split(const bf16* __restrict__ W, const float* __restrict__ x,
+                                           float* __restrict__ y, int N, int K, int accumulate) {
+    __shared__ float part[ROWS_PER_BLOCK];
+    const int rows = ROWS_PER_BLOCK / GEMV_SPLIT;
+    int warp = threadIdx.x >> 5, n = blockIdx.x * rows + warp / GEMV_SPLIT, q = warp % GEMV_SPLIT;
+    int n8 = K >> 3, len = (n8 + GEMV_SPLIT - 1) / GEMV_SPLIT, i1 = min(n8, (q + 1) * len);
+    float acc = 0.f;
+    if (n < N) {
+        const uint4* w8 = (const uint4*)(W + (size_t)n * K);
+        const float4* x4 = (const float4*)x;
+        for (int i = q * len + (threadIdx.x & 31); i < i1; i += WARP) {
+            uint4 p = w8[i];
+            float4 a = x4[2 * i], b = x4[2 * i + 1];
+            const __nv_bfloat162* h = (const __nv_bfloat162*)&p;
+            float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
+            float2 f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
+            acc += f0.x * a.x + f0.y * a.y + f1.x * a.z + f1.y * a.w;
+            acc += f2.x * b.x + f2.y * b.y + f3.x * b.z + f3.y * b.w;
+        }
+    }
+    acc = warp_sum(acc);
+    if ((threadIdx.x & 31) == 0) part[warp] = acc;
+    __syncthreads();
+    int r = blockIdx.x * rows + threadIdx.x;
+    if (threadIdx.x < rows && r < N) {
+        float d = 0.f;
+        for (int j = 0; j < GEMV_SPLIT; j++) d += part[threadIdx.x * GEMV_SPLIT + j];
+        y[r] = accumulate ? y[r] + d : d;
+    }
+}
+
 // Three GEMVs over one input in one launch (decode q/k/v): rows 0..N0 of the concatenation go to
 // y0 = W0 . x, the next N1 to y1, the last N2 to y2 (no accumulation). Output rows of token t are
 // at t * Ni. grid (ceil((N0 + N1 + N2) / 8), T), block 256: one warp per output row.

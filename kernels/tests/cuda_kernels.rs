@@ -523,6 +523,34 @@ fn route_decode_matches_unfused_bit_for_bit() {
     assert!(!CudaBackend::route_decode_fits(12 * 1024, 128), "a row past shared memory is refused");
 }
 
+/// The split one-token GEMV (several warps a row) against gemv_bf16, accumulating and not, an
+/// odd row count; misaligned views are refused; the choice takes short matrices only.
+#[test]
+fn split_gemv_matches_the_row_gemv() {
+    let Some(be) = backend() else { return };
+    let (n, k) = (37usize, 4096usize + 8);
+    let (wb, _) = to_bf16(&rnd(n * k, 61));
+    let x = rnd(k + 4, 62);
+    let (dw, dx) = (be.upload(&wb).unwrap(), be.upload(&x).unwrap());
+    for accumulate in [false, true] {
+        let y0 = rnd(n, 63);
+        let (ya, yb) = (be.upload(&y0).unwrap(), be.upload(&y0).unwrap());
+        be.gemv_bf16(dw.ptr(), dx.ptr(), ya.ptr(), 1, n, k, accumulate).unwrap();
+        be.gemv_bf16_split(dw.ptr(), dx.ptr(), yb.ptr(), n, k, accumulate).unwrap();
+        let (a, b) = (be.read_vec(ya.ptr()).unwrap(), be.read_vec(yb.ptr()).unwrap());
+        let err = max_abs_diff(&a, &b);
+        assert!(err < 1e-4, "split GEMV (accumulate {accumulate}): {err}");
+    }
+    assert!(be.gemv_bf16_split(dw.ptr(), dx.ptr().from(1), dx.ptr(), 1, k, false).is_err(), "x misaligned");
+    assert!(
+        be.gemv_bf16_split(dw.ptr(), dx.ptr(), dx.ptr(), 1, k - 4, false).is_err(),
+        "k not a multiple of 8"
+    );
+    assert!(be.split_gemv_pays(dw.ptr(), dx.ptr(), n, k));
+    assert!(!be.split_gemv_pays(dw.ptr(), dx.ptr(), 1 << 20, k), "tall matrices keep a warp a row");
+    assert!(!be.split_gemv_pays(dw.ptr(), dx.ptr(), n, 256), "short rows keep a warp a row");
+}
+
 /// The decode down accumulation over more entries than a block has warps (two rounds), cold
 /// entries among them, an odd hidden size (the last block half full) and vector-width rows:
 /// against the scalar sum in entry order.

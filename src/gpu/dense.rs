@@ -12,8 +12,9 @@ use moe_lanes_kernels::cuda::ops::{DevicePos, HotWorklist, KvAppend, NormRows, R
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, TypedWeights};
 
 impl GpuModel {
-    /// `y (+)= W x` for `t` rows: GEMV kernel in decode (and for a few rows of a quantized
-    /// matrix), cuBLAS otherwise (quantized rows dequantized to bf16 first).
+    /// `y (+)= W x` for `t` rows: GEMV kernel in decode (one token over a short bf16 matrix: the
+    /// split GEMV; and for a few rows of a quantized matrix), cuBLAS otherwise (quantized rows
+    /// dequantized to bf16 first).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn linear(
         &self,
@@ -27,6 +28,11 @@ impl GpuModel {
         accumulate: bool,
     ) -> Result<(), GpuError> {
         let few_rows = w.dtype.is_quantized() && t <= QUANT_MAX_TOKENS as usize;
+        if let Some(bf) =
+            w.bf16().filter(|bf| phase == Phase::Decode && t == 1 && self.be.split_gemv_pays(*bf, x, n, k))
+        {
+            return Ok(self.be.gemv_bf16_split(bf, x, y, n, k, accumulate)?);
+        }
         if phase == Phase::Decode || few_rows {
             return self.gemv(x, w, y, t, n, k, accumulate);
         }

@@ -41,6 +41,10 @@ pub const GROUPED_THREADS: u32 = 128;
 /// each over these rows, so a hidden size of 2048 gives 8192 warps (every SM full) where one
 /// warp per row walking the entries in turn gave 2048.
 pub const HOT_DOWN_ROWS: u32 = 2;
+/// Warps that share one row of the split one-token bf16 GEMV (`-DGEMV_SPLIT`), each over a
+/// contiguous range of the row: a 2048-row output projection gets 8192 warps instead of 2048.
+pub const GEMV_SPLIT_WARPS: u32 = 4;
+const _: () = assert!(ROWS_PER_BLOCK.is_multiple_of(GEMV_SPLIT_WARPS));
 const _: () = assert!(ATTENTION_SPLIT_CHUNK.is_multiple_of(ATTENTION_SPLIT_WARPS as usize));
 const _: () = assert!(ATTENTION_MAX_HEAD_DIM.is_multiple_of(32));
 const _: () = assert!(ATTENTION_TILE_ROWS.is_multiple_of(4) && ATTENTION_TILE_KEYS == 32);
@@ -138,7 +142,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 15] = [
+pub const SHARED_DEFINE_NAMES: [&str; 16] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -154,6 +158,7 @@ pub const SHARED_DEFINE_NAMES: [&str; 15] = [
     "ATT_TILE_MAXC",
     "QUANT_WIDE_ROWS",
     "DOWN_ROWS",
+    "GEMV_SPLIT",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -174,6 +179,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DATT_TILE_MAXC={}", ATTENTION_TILE_MAX_HEAD_DIM / 32),
         format!("-DQUANT_WIDE_ROWS={QUANT_WIDE_ROWS}"),
         format!("-DDOWN_ROWS={HOT_DOWN_ROWS}"),
+        format!("-DGEMV_SPLIT={GEMV_SPLIT_WARPS}"),
     ]
 }
 
@@ -181,6 +187,7 @@ pub fn shared_defines() -> Vec<String> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Kernel {
     GemvBf16,
+    GemvBf16Split,
     Gemv3Bf16,
     RmsnormF32,
     AddBiasRows,
@@ -233,8 +240,9 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 50] = [
+    pub const ALL: [Kernel; 51] = [
         Kernel::GemvBf16,
+        Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
         Kernel::RmsnormF32,
         Kernel::AddBiasRows,
@@ -290,6 +298,7 @@ impl Kernel {
     pub fn symbol(self) -> &'static str {
         match self {
             Kernel::GemvBf16 => "gemv_bf16",
+            Kernel::GemvBf16Split => "gemv_bf16_split",
             Kernel::Gemv3Bf16 => "gemv3_bf16",
             Kernel::RmsnormF32 => "rmsnorm_f32",
             Kernel::AddBiasRows => "add_bias_rows",
@@ -346,6 +355,7 @@ impl Kernel {
     pub fn family(self) -> Family {
         match self {
             Kernel::GemvBf16 => Family::Gemv,
+            Kernel::GemvBf16Split => Family::Gemv,
             Kernel::Gemv3Bf16 => Family::Gemv,
             Kernel::RmsnormF32 => Family::NormRope,
             Kernel::AddBiasRows => Family::Elementwise,

@@ -6,9 +6,10 @@
 
 use super::kernel::{
     Kernel, ARGMAX_BLOCK, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS, ATTENTION_TILE_MAX_HEAD_DIM,
-    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS,
-    HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, GEMV_SPLIT_WARPS, GROUPED_THREADS, GROUPED_TILE_COLS,
+    GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
+use super::quant::WIDE_MIN_WARPS_PER_SM;
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
 use std::ffi::c_void;
@@ -283,6 +284,48 @@ impl CudaBackend {
             0,
             args![w.raw(), x.raw(), y.raw(), i(n), i(k), acc],
         )
+    }
+
+    /// One-token `y (+)= W · x`, W `[n, k]` bf16, with [`GEMV_SPLIT_WARPS`] warps a row (each a
+    /// contiguous part of it, the parts added in order): for matrices whose rows alone leave the
+    /// GPU short of warps ([`CudaBackend::split_gemv_pays`]). Sums in another order than
+    /// [`Self::gemv_bf16`] (within f32 rounding of it). `k` a multiple of 8; W and x 16-byte
+    /// aligned.
+    pub fn gemv_bf16_split(
+        &self,
+        w: DPtr<u16>,
+        x: DPtr<f32>,
+        y: DPtr<f32>,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::GemvBf16Split;
+        if !k.is_multiple_of(8) || !w.raw().is_multiple_of(16) || !x.raw().is_multiple_of(16) {
+            return Err(CudaError::Shape {
+                kernel: K.symbol(),
+                reason: format!(
+                    "k = {k} (a multiple of 8), W at {:#x}, x at {:#x} (16-byte aligned)",
+                    w.raw(),
+                    x.raw()
+                ),
+            });
+        }
+        need(K, "W", w, n * k)?;
+        need(K, "x", x, k)?;
+        need(K, "y", y, n)?;
+        let grid = (blocks(n, ROWS_PER_BLOCK / GEMV_SPLIT_WARPS), 1, 1);
+        let args = args![w.raw(), x.raw(), y.raw(), i(n), i(k), accumulate as i32];
+        self.launch(K, grid, ROW_BLOCK_THREADS, 0, args)
+    }
+
+    /// Whether a one-token GEMV of `w` (`n` rows of `k`) over `x` takes
+    /// [`Self::gemv_bf16_split`]: one warp a row would leave fewer than [`WIDE_MIN_WARPS_PER_SM`]
+    /// warps an SM, every split warp still has an 8-value group a lane, and the views are aligned.
+    pub fn split_gemv_pays(&self, w: DPtr<u16>, x: DPtr<f32>, n: usize, k: usize) -> bool {
+        let sms = self.info().multiprocessors.max(1) as usize;
+        let aligned = w.raw().is_multiple_of(16) && x.raw().is_multiple_of(16) && k.is_multiple_of(8);
+        aligned && n < sms * WIDE_MIN_WARPS_PER_SM && k / 8 >= 32 * GEMV_SPLIT_WARPS as usize
     }
 
     /// Three GEMVs over one input in one launch: `y0 = W0 · x`, `y1 = W1 · x`, `y2 = W2 · x` for
