@@ -263,6 +263,7 @@ fn report(
 
 fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline, BuildReport), EngineError> {
     let c = model.config();
+    populate(model);
     // The learn pass runs with the cache off (no busy hot lane); the engine with its hot set.
     let inputs = |busy_cpu_hot_lanes| ThreadInputs {
         driver_in_pool: opts.pipeline.driver_cold,
@@ -376,11 +377,20 @@ fn build_gpu(
     gm.reserve_tokens(n_positions.min(MAX_BATCH_TOKENS))?;
     let mut src = GpuSource { gm: &mut gm, cold: &mut cold, opts, n_positions };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;
+    if lists.iter().any(|l| l.len() < c.n_experts) {
+        populate(model); // a cold lane reads experts from RAM
+    }
     gm.allocate_hot(&HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists))?;
     gm.perf_mut().set_model(ModelFingerprint::of(model));
     let threads = ThreadReport { cold: cold.n_threads(), dense: 0, chosen_by: opts.cold_threads.into() };
     let report = report(EngineKind::Gpu, &lists, plan, model, (threads, cold.activations()));
     Ok((GpuEngine::new(model.clone(), gm, cold)?, report))
+}
+
+/// Fault the model's mappings in before the engine runs ([`Model::populate`]). A failure only
+/// leaves the pages to fault on first use, as without it, so the build goes on.
+fn populate(model: &Model) {
+    let _ = model.populate();
 }
 
 fn device_limit(total: u64, limit: Option<u64>) -> u64 {

@@ -311,6 +311,12 @@ pub struct GgufFile {
 }
 
 impl GgufFile {
+    /// Fault the whole mapping into this process's page tables now (`MADV_POPULATE_READ`,
+    /// reading from disk what is not in the page cache): see [`crate::model::Model::populate`].
+    pub fn populate(&self) -> std::io::Result<()> {
+        populate_map(&self.mmap)
+    }
+
     /// Map and validate `path`: header, metadata, tensor infos, and that every tensor's bytes lie
     /// inside the file at an aligned offset.
     pub fn open(path: &Path) -> Result<GgufFile, GgufError> {
@@ -1191,5 +1197,22 @@ mod tests {
         let err = writer.write(&path, &mut |_, _| Ok(()), &mut |_| {}).unwrap_err();
         assert!(matches!(err, GgufError::InvalidMetadata { ref key, .. } if key == "k"), "{err}");
         assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none());
+    }
+}
+
+/// `MADV_POPULATE_READ` over a whole read-only map (Linux 5.14 and later; elsewhere, or on an
+/// older kernel, nothing happens and pages fault on first use as before).
+pub(crate) fn populate_map(map: &memmap2::Mmap) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        match map.advise(memmap2::Advice::PopulateRead) {
+            Err(e) if e.raw_os_error() == Some(22) => Ok(()), // EINVAL: a kernel without the advice
+            other => other,
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = map;
+        Ok(())
     }
 }
