@@ -106,6 +106,17 @@ __device__ __forceinline__ void norm_row(const float* __restrict__ x, const floa
     __syncthreads();
 }
 
+// acc + eight bf16 weights (p) . eight activations (a, b), in one fixed order: the bf16 GEMVs'
+// 8-value step.
+__device__ __forceinline__ float dot8_bf16(uint4 p, float4 a, float4 b, float acc) {
+    const __nv_bfloat162* h = (const __nv_bfloat162*)&p;
+    float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
+    float2 f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
+    acc += f0.x * a.x + f0.y * a.y + f1.x * a.z + f1.y * a.w;
+    acc += f2.x * b.x + f2.y * b.y + f3.x * b.z + f3.y * b.w;
+    return acc;
+}
+
 // Dot product of a bf16 row with an f32 vector, one warp, result in every lane.
 __device__ __forceinline__ float warp_dot_bf16(const bf16* __restrict__ w, const float* __restrict__ x, int k) {
     float acc = 0.f;
@@ -113,15 +124,7 @@ __device__ __forceinline__ float warp_dot_bf16(const bf16* __restrict__ w, const
         const uint4* w8 = (const uint4*)w;
         const float4* x4 = (const float4*)x;
         int n8 = k >> 3;
-        for (int i = threadIdx.x & 31; i < n8; i += WARP) {
-            uint4 p = w8[i];
-            float4 a = x4[2 * i], b = x4[2 * i + 1];
-            const __nv_bfloat162* h = (const __nv_bfloat162*)&p;
-            float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
-            float2 f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
-            acc += f0.x * a.x + f0.y * a.y + f1.x * a.z + f1.y * a.w;
-            acc += f2.x * b.x + f2.y * b.y + f3.x * b.z + f3.y * b.w;
-        }
+        for (int i = threadIdx.x & 31; i < n8; i += WARP) acc = dot8_bf16(w8[i], x4[2 * i], x4[2 * i + 1], acc);
     } else {
         for (int i = threadIdx.x & 31; i < k; i += WARP) acc += __bfloat162float(w[i]) * x[i];
     }

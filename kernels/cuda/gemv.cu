@@ -30,15 +30,7 @@ extern "C" __global__ void gemv_bf16_split(const bf16* __restrict__ W, const flo
     if (n < N) {
         const uint4* w8 = (const uint4*)(W + (size_t)n * K);
         const float4* x4 = (const float4*)x;
-        for (int i = q * len + (threadIdx.x & 31); i < i1; i += WARP) {
-            uint4 p = w8[i];
-            float4 a = x4[2 * i], b = x4[2 * i + 1];
-            const __nv_bfloat162* h = (const __nv_bfloat162*)&p;
-            float2 f0 = __bfloat1622float2(h[0]), f1 = __bfloat1622float2(h[1]);
-            float2 f2 = __bfloat1622float2(h[2]), f3 = __bfloat1622float2(h[3]);
-            acc += f0.x * a.x + f0.y * a.y + f1.x * a.z + f1.y * a.w;
-            acc += f2.x * b.x + f2.y * b.y + f3.x * b.z + f3.y * b.w;
-        }
+        for (int i = q * len + (threadIdx.x & 31); i < i1; i += WARP) acc = dot8_bf16(w8[i], x4[2 * i], x4[2 * i + 1], acc);
     }
     acc = warp_sum(acc);
     if ((threadIdx.x & 31) == 0) part[warp] = acc;
