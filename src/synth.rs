@@ -179,6 +179,28 @@ pub struct DimOverrides {
     pub tied_embeddings: Option<bool>,
 }
 
+/// A tiny `qwen3_moe` GGUF test model's options (the crate's unit tests share it).
+#[cfg(test)]
+pub(crate) fn tiny_test_options(
+    out: PathBuf,
+    dims: DimOverrides,
+    dtype: DType,
+    seed: u64,
+    skew: Skew,
+) -> SynthOptions {
+    SynthOptions {
+        adapter: crate::model::adapter::by_name("qwen3_moe").expect("a known adapter"),
+        preset: Preset::Tiny,
+        dims,
+        dtype,
+        seed,
+        skew,
+        format: SynthFormat::Gguf,
+        out,
+        vocab_from: None,
+    }
+}
+
 /// Everything `synth` needs.
 #[derive(Debug, Clone)]
 pub struct SynthOptions {

@@ -594,7 +594,7 @@ mod populate_tests {
     /// 29 for 6144 pages on the build machine).
     #[test]
     fn populate_takes_the_first_use_page_faults_out_of_expert_reads() {
-        use crate::synth::{write_synthetic, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+        use crate::synth::{tiny_test_options, write_synthetic, DimOverrides, Skew};
         let dir = tempfile::tempdir().unwrap();
         let dims = DimOverrides {
             hidden: Some(512),
@@ -602,17 +602,7 @@ mod populate_tests {
             expert_ff: Some(512),
             ..Default::default()
         };
-        let opts = SynthOptions {
-            adapter: adapter::by_name("qwen3_moe").unwrap(),
-            preset: Preset::Tiny,
-            dims,
-            dtype: DType::BF16,
-            seed: 9,
-            skew: Skew::Uniform,
-            format: SynthFormat::Gguf,
-            out: dir.path().join("m.gguf"),
-            vocab_from: None,
-        };
+        let opts = tiny_test_options(dir.path().join("m.gguf"), dims, DType::BF16, 9, Skew::Uniform);
         write_synthetic(&opts, &mut |_, _| {}).unwrap();
         let (plain, pages) = faults_touching_experts(&Model::open(&opts.out).unwrap());
         let populated_model = Model::open(&opts.out).unwrap();

@@ -5,22 +5,12 @@ use super::*;
 use crate::dtype::DType;
 use crate::engine::{build_engine, EngineKind, EngineOptions, FinishReason};
 use crate::model::Model;
-use crate::synth::{write_synthetic, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+use crate::synth::{tiny_test_options, write_synthetic, DimOverrides, Skew};
 use std::sync::Arc;
 
 fn model(dir: &std::path::Path) -> Arc<Model> {
     let out = dir.join("m.gguf");
-    let opts = SynthOptions {
-        adapter: crate::adapter::by_name("qwen3_moe").unwrap(),
-        preset: Preset::Tiny,
-        dims: DimOverrides::default(),
-        dtype: DType::F32,
-        seed: 11,
-        skew: Skew::Skewed,
-        format: SynthFormat::Gguf,
-        out: out.clone(),
-        vocab_from: None,
-    };
+    let opts = tiny_test_options(out.clone(), DimOverrides::default(), DType::F32, 11, Skew::Skewed);
     write_synthetic(&opts, &mut |_, _| {}).unwrap();
     Arc::new(Model::open(&out).unwrap())
 }

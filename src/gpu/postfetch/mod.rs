@@ -576,25 +576,17 @@ mod tests {
     }
 
     fn tiny(dir: &std::path::Path, dtype: DType, mix: Option<crate::quantize::QuantMix>) -> Model {
-        use crate::synth::{write_synthetic, write_synthetic_quantized, DimOverrides, Preset, Skew};
-        use crate::synth::{SynthFormat, SynthOptions};
+        use crate::synth::{
+            tiny_test_options, write_synthetic, write_synthetic_quantized, DimOverrides, Skew,
+        };
         let dims = DimOverrides {
             hidden: Some(256),
             head_dim: Some(64),
             expert_ff: Some(256),
             ..Default::default()
         };
-        let opts = SynthOptions {
-            adapter: crate::model::adapter::by_name("qwen3_moe").unwrap(),
-            preset: Preset::Tiny,
-            dims,
-            dtype,
-            seed: 5,
-            skew: Skew::Skewed,
-            format: SynthFormat::Gguf,
-            out: dir.join(format!("{dtype:?}-{mix:?}.gguf")),
-            vocab_from: None,
-        };
+        let opts =
+            tiny_test_options(dir.join(format!("{dtype:?}-{mix:?}.gguf")), dims, dtype, 5, Skew::Skewed);
         match mix {
             Some(m) => write_synthetic_quantized(&opts, m, &mut |_, _| {}).map(|_| ()),
             None => write_synthetic(&opts, &mut |_, _| {}).map(|_| ()),
