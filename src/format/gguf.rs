@@ -987,6 +987,23 @@ fn no_file_name_check(path: &Path) -> std::io::Result<()> {
     }
 }
 
+/// `MADV_POPULATE_READ` over a whole read-only map (Linux 5.14 and later; elsewhere, or on an
+/// older kernel, nothing happens and pages fault on first use as before).
+pub(crate) fn populate_map(map: &memmap2::Mmap) -> std::io::Result<()> {
+    #[cfg(target_os = "linux")]
+    {
+        match map.advise(memmap2::Advice::PopulateRead) {
+            Err(e) if e.raw_os_error() == Some(22) => Ok(()), // EINVAL: a kernel without the advice
+            other => other,
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        let _ = map;
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1197,22 +1214,5 @@ mod tests {
         let err = writer.write(&path, &mut |_, _| Ok(()), &mut |_| {}).unwrap_err();
         assert!(matches!(err, GgufError::InvalidMetadata { ref key, .. } if key == "k"), "{err}");
         assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none());
-    }
-}
-
-/// `MADV_POPULATE_READ` over a whole read-only map (Linux 5.14 and later; elsewhere, or on an
-/// older kernel, nothing happens and pages fault on first use as before).
-pub(crate) fn populate_map(map: &memmap2::Mmap) -> std::io::Result<()> {
-    #[cfg(target_os = "linux")]
-    {
-        match map.advise(memmap2::Advice::PopulateRead) {
-            Err(e) if e.raw_os_error() == Some(22) => Ok(()), // EINVAL: a kernel without the advice
-            other => other,
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = map;
-        Ok(())
     }
 }
