@@ -314,7 +314,7 @@ impl GgufFile {
     /// Fault the whole mapping into this process's page tables now (`MADV_POPULATE_READ`,
     /// reading from disk what is not in the page cache): see [`crate::model::Model::populate`].
     pub fn populate(&self) -> std::io::Result<()> {
-        populate_map(&self.mmap)
+        super::populate_map(&self.mmap)
     }
 
     /// Map and validate `path`: header, metadata, tensor infos, and that every tensor's bytes lie
@@ -984,23 +984,6 @@ fn no_file_name_check(path: &Path) -> std::io::Result<()> {
     match path.file_name() {
         Some(_) => Ok(()),
         None => Err(std::io::Error::new(std::io::ErrorKind::InvalidInput, "output path has no file name")),
-    }
-}
-
-/// `MADV_POPULATE_READ` over a whole read-only map (Linux 5.14 and later; elsewhere, or on an
-/// older kernel, nothing happens and pages fault on first use as before).
-pub(crate) fn populate_map(map: &memmap2::Mmap) -> std::io::Result<()> {
-    #[cfg(target_os = "linux")]
-    {
-        match map.advise(memmap2::Advice::PopulateRead) {
-            Err(e) if e.raw_os_error() == Some(22) => Ok(()), // EINVAL: a kernel without the advice
-            other => other,
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = map;
-        Ok(())
     }
 }
 

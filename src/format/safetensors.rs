@@ -523,7 +523,7 @@ impl SafetensorsModel {
     /// Fault every weight file's mapping into this process's page tables now (see
     /// [`crate::model::Model::populate`]).
     pub fn populate(&self) -> std::io::Result<()> {
-        self.files.iter().try_for_each(|f| super::gguf::populate_map(&f.mmap))
+        self.files.iter().try_for_each(|f| super::populate_map(&f.mmap))
     }
 
     /// Read `dir/config.json` and map and cross-check every weight file.

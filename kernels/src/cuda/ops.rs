@@ -9,7 +9,6 @@ use super::kernel::{
     ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, GEMV_SPLIT_WARPS, GROUPED_THREADS, GROUPED_TILE_COLS,
     GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
-use super::quant::WIDE_MIN_WARPS_PER_SM;
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
 use std::ffi::c_void;
@@ -109,6 +108,12 @@ pub(super) fn need<T>(kernel: impl KernelName, what: &str, p: DPtr<T>, n: usize)
 
 pub(super) fn i(v: usize) -> i32 {
     i32::try_from(v).expect("dimension fits in i32")
+}
+
+/// What [`CudaBackend::gemv_bf16_split`] reads with vector loads: `k` a multiple of 8, W and x
+/// 16-byte aligned.
+fn split_views_aligned(w: DPtr<u16>, x: DPtr<f32>, k: usize) -> bool {
+    k.is_multiple_of(8) && w.raw().is_multiple_of(16) && x.raw().is_multiple_of(16)
 }
 
 pub(super) fn blocks(n: usize, per: u32) -> u32 {
@@ -301,7 +306,7 @@ impl CudaBackend {
         accumulate: bool,
     ) -> Result<()> {
         const K: Kernel = Kernel::GemvBf16Split;
-        if !k.is_multiple_of(8) || !w.raw().is_multiple_of(16) || !x.raw().is_multiple_of(16) {
+        if !split_views_aligned(w, x, k) {
             return Err(CudaError::Shape {
                 kernel: K.symbol(),
                 reason: format!(
@@ -320,12 +325,11 @@ impl CudaBackend {
     }
 
     /// Whether a one-token GEMV of `w` (`n` rows of `k`) over `x` takes
-    /// [`Self::gemv_bf16_split`]: one warp a row would leave fewer than [`WIDE_MIN_WARPS_PER_SM`]
-    /// warps an SM, every split warp still has an 8-value group a lane, and the views are aligned.
+    /// [`Self::gemv_bf16_split`]: one warp a row would leave the GPU short of warps (the rule of
+    /// [`CudaBackend::wide_rows_per_warp`]), every split warp still has an 8-value group a lane,
+    /// and the views are aligned.
     pub fn split_gemv_pays(&self, w: DPtr<u16>, x: DPtr<f32>, n: usize, k: usize) -> bool {
-        let sms = self.info().multiprocessors.max(1) as usize;
-        let aligned = w.raw().is_multiple_of(16) && x.raw().is_multiple_of(16) && k.is_multiple_of(8);
-        aligned && n < sms * WIDE_MIN_WARPS_PER_SM && k / 8 >= 32 * GEMV_SPLIT_WARPS as usize
+        split_views_aligned(w, x, k) && self.short_of_warps(n) && k / 8 >= 32 * GEMV_SPLIT_WARPS as usize
     }
 
     /// Three GEMVs over one input in one launch: `y0 = W0 · x`, `y1 = W1 · x`, `y2 = W2 · x` for

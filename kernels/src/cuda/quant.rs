@@ -246,12 +246,17 @@ impl CudaBackend {
     /// that would leave fewer than [`WIDE_MIN_WARPS_PER_SM`] warps an SM (a 2048-row output
     /// projection had 8 warps an SM and ran latency-bound at 400 GB/s on the H100).
     pub fn wide_rows_per_warp(&self, n: usize) -> u32 {
-        let sms = self.info().multiprocessors.max(1) as usize;
-        if n.div_ceil(QUANT_WIDE_ROWS as usize) < sms * WIDE_MIN_WARPS_PER_SM {
+        if self.short_of_warps(n.div_ceil(QUANT_WIDE_ROWS as usize)) {
             1
         } else {
             QUANT_WIDE_ROWS
         }
+    }
+
+    /// Whether a launch of `warps` warps leaves fewer than [`WIDE_MIN_WARPS_PER_SM`] an SM (the
+    /// decode GEMVs then spread a row over more warps).
+    pub(crate) fn short_of_warps(&self, warps: usize) -> bool {
+        warps < self.info().multiprocessors.max(1) as usize * WIDE_MIN_WARPS_PER_SM
     }
 
     /// `out[r - row0, :] = bf16(W[r, :])` for `row0 <= r < row0 + rows` (round to nearest even;
