@@ -214,7 +214,7 @@ fn check_steps(
 
 /// Every mix and architecture through the GPU engine at hot caches none / half / all, each
 /// prompt prefilled then decoded; returns nothing, asserts `tolerance` on every row.
-fn gpu_runs(prompts: &[&[u32]], n_decode: usize, tolerance: f64) {
+fn gpu_runs(prompts: &[&[u32]], n_decode: usize, tolerance: f64, activations: DecodeActivations) {
     if !common::gpu_usable() {
         return;
     }
@@ -226,9 +226,10 @@ fn gpu_runs(prompts: &[&[u32]], n_decode: usize, tolerance: f64) {
             for fraction in [0.0, 0.5, 1.0] {
                 let mut opts = options(Some(EngineKind::Gpu));
                 opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
+                opts.activations = Some(activations);
                 let (mut gpu, report) = build_engine(&model, opts).unwrap();
                 assert_eq!(report.kind, EngineKind::Gpu);
-                let what = format!("{arch} {mix} hot {fraction}");
+                let what = format!("{arch} {mix} hot {fraction} activations {activations}");
                 let worst = prompts
                     .iter()
                     .map(|p| check_steps(&what, reference.as_mut(), gpu.as_mut(), p, n_decode, tolerance))
@@ -241,13 +242,27 @@ fn gpu_runs(prompts: &[&[u32]], n_decode: usize, tolerance: f64) {
 
 #[test]
 fn every_mix_runs_on_the_gpu_engine_at_every_cache_size_within_tolerance() {
-    gpu_runs(&PROMPTS, 4, GPU_EXACT_TOLERANCE);
+    gpu_runs(&PROMPTS, 4, GPU_EXACT_TOLERANCE, DecodeActivations::F32);
+}
+
+/// GPU logits with 8-bit activations (`GpuOptions::q8_activations`, the default): every
+/// one-token GEMV of a quantised matrix rounds its input to 8 bits per block of 32 (as
+/// llama.cpp's MMVQ does), the dense ones too (q/k/v, o, lm_head), not only the experts' as on
+/// the CPU: the lm_head's rounding alone moves the logits by about 1/254 of a block's max |x|
+/// per value, which random weights pass through at about 0.5% of the row's norm.
+const GPU_Q8_TOLERANCE: f64 = 3e-2;
+
+/// The same runs with the GPU's one-token GEMVs of quantised weights on 8-bit activations (and
+/// the cold pool's tiles, with VNNI), within [`GPU_Q8_TOLERANCE`]; greedy tokens as above.
+#[test]
+fn eight_bit_activations_on_the_gpu_engine_stay_within_their_tolerance() {
+    gpu_runs(&PROMPTS, 4, GPU_Q8_TOLERANCE, DecodeActivations::Q8);
 }
 
 #[test]
 fn a_long_prompt_takes_the_tensor_core_path_within_its_tolerance() {
     let prompt: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
-    gpu_runs(&[&prompt], 2, GPU_TENSOR_CORE_TOLERANCE);
+    gpu_runs(&[&prompt], 2, GPU_TENSOR_CORE_TOLERANCE, DecodeActivations::F32);
 }
 
 /// Quantized hot slots in chunks of two (a scratch of one chunk of two slots' bf16 gate, up

@@ -283,9 +283,10 @@ struct EngineArgs {
     /// Post-Fetch: a line per prefill layer with the decision on stderr.
     #[arg(long)]
     postfetch_debug: bool,
-    /// Activations of the cold pool's one-token tiles of quantised experts (AVX-512 VNNI): f32,
-    /// q8 (8-bit for every quantised type) or auto (8-bit except for Q8_0; the default with
-    /// VNNI, unless MOE_LANES_Q8_ACTIVATIONS says otherwise).
+    /// Activations of the one-token decode of quantised weights: f32, q8 (8-bit for every
+    /// quantised type) or auto. Cold pool (AVX-512 VNNI): auto is 8-bit except for Q8_0, the
+    /// default with VNNI. GPU engine: q8 and auto (the default) are 8-bit for every quantised
+    /// type; f32 keeps f32. MOE_LANES_Q8_ACTIVATIONS sets the default.
     #[arg(long)]
     activations: Option<String>,
     /// Context size in positions (prompt + generated tokens). Default: the model's trained

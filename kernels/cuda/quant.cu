@@ -646,16 +646,238 @@ extern "C" __global__ void dequant_q6_k_bf16(const u8* W, bf16* out, int n_block
     dequant_q<Q6_K>(W, out, n_blocks);
 }
 
+// ---- 8-bit activations: integer chunk dots (llama.cpp's MMVQ idea; kernels/src/q8.rs) ----
+// x quantized per block of 32 values as the CPU's Q8Activations does, bit for bit: d = max|x| /
+// 127, q = round-to-even(x * (127 / max|x|)). A chunk's dot then multiplies the raw weight
+// levels with q four bytes an instruction (dp4a, exact in int32) and applies the weight's scale
+// (and min) times d once per run of equal scales. Against the f32 chunk dots a lane loads 32
+// bytes of x per 32 values instead of 128 and issues about a quarter of the arithmetic. The
+// rounding of x is the only error beyond f32 order: kernels/src/q8.rs states its bound.
+
+// x [n_blocks * 32] in 8 bits, q like x and d per block, as the CPU's Q8Activations, bit for
+// bit: d = max|x| / 127, q = x * (127 / max|x|) rounded to nearest even. (Written by the
+// producers of a GEMV's input instead, this measured slower: their latency grew by more than the
+// launch saved.) grid ceil(n_blocks * 32 / 256), block 256: a warp a block, a value a lane.
+extern "C" __global__ void quantize_q8_f32(const float* __restrict__ x, signed char* __restrict__ q,
+                                           float* __restrict__ d, int n_blocks) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if ((i >> 5) >= n_blocks) return;  // whole warps
+    float v = x[i], amax = warp_max(fabsf(v));
+    float id = amax > 0.f ? 127.f / amax : 0.f;
+    q[i] = (signed char)__float2int_rn(__fmul_rn(v, id));
+    if ((threadIdx.x & 31) == 0) d[i >> 5] = amax > 0.f ? amax / 127.f : 0.f;
+}
+
+// A chunk's quantized x: 8 words of 4 values in W::cols order (runs of 8 at cols[0..4]) and the
+// d of each run's block of 32; xq / xd at the weight block's first column.
+template <class W>
+struct RunsOf16 {  // W::cols gives two runs of 16 columns (Q8_0, Q4_0, Q4_K, Q5_K)
+    static constexpr bool value = true;
+};
+template <>
+struct RunsOf16<W6_K> {
+    static constexpr bool value = false;
+};
+
+template <class W>
+__device__ __forceinline__ void chunk_xq(const signed char* __restrict__ xq, const float* __restrict__ xd, int j,
+                                         int* x, float* dx) {
+    int c[4];
+    W::cols(j, c);
+    if (RunsOf16<W>::value) {
+        int4 a = *(const int4*)(xq + c[0]), b = *(const int4*)(xq + c[2]);
+        x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+        dx[0] = dx[1] = xd[c[0] >> 5], dx[2] = dx[3] = xd[c[2] >> 5];
+    } else {  // four runs of 8
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            int2 a = *(const int2*)(xq + c[r]);
+            x[2 * r] = a.x, x[2 * r + 1] = a.y, dx[r] = xd[c[r] >> 5];
+        }
+    }
+}
+
+// Sums of 4 words of levels against 4 words of x, and of those x alone (the mins, offsets).
+__device__ __forceinline__ int dp4x4(const unsigned* w, const int* x) {
+    int s = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) s = __dp4a((int)w[k], x[k], s);
+    return s;
+}
+__device__ __forceinline__ int sum4x4(const int* x) {
+    int s = 0;
+#pragma unroll
+    for (int k = 0; k < 4; k++) s = __dp4a(0x01010101, x[k], s);
+    return s;
+}
+
+template <class W>
+__device__ __forceinline__ float chunk_dot_q8(const u8* b, int j, const int* x, const float* dx);
+
+template <>
+__device__ __forceinline__ float chunk_dot_q8<W8_0>(const u8* b, int, const int* x, const float* dx) {
+    unsigned w[8];
+    q_words<8>(b + 2, w);
+    return q_half(b) * dx[0] * (float)(dp4x4(w, x) + dp4x4(w + 4, x + 4));
+}
+
+template <>
+__device__ __forceinline__ float chunk_dot_q8<W4_0>(const u8* b, int, const int* x, const float* dx) {
+    unsigned w[4], lo[4], hi[4];
+    q_words<4>(b + 2, w);
+#pragma unroll
+    for (int k = 0; k < 4; k++) lo[k] = w[k] & 0x0F0F0F0Fu, hi[k] = (w[k] >> 4) & 0x0F0F0F0Fu;
+    int s = dp4x4(lo, x) + dp4x4(hi, x + 4) - 8 * (sum4x4(x) + sum4x4(x + 4));  // q - 8
+    return q_half(b) * dx[0] * (float)s;
+}
+
+// Q4_K / Q5_K chunk j as k_asym_dot reads it: x[0..4] are sub-block 2p's 16 columns, x[4..8]
+// sub-block 2p + 1's.
+template <bool FIFTH>
+__device__ __forceinline__ float k_asym_dot_q8(const u8* b, int j, const int* x, const float* dx) {
+    int p = j >> 1, h = j & 1;
+    uint4 head = *(const uint4*)b;
+    float d = __half2float(__ushort_as_half((unsigned short)(head.x & 0xffff)));
+    float dmin = __half2float(__ushort_as_half((unsigned short)(head.x >> 16)));
+    float sc0, m0, sc1, m1;
+    k_scale_min_words(2 * p, head.y, head.z, head.w, sc0, m0);
+    k_scale_min_words(2 * p + 1, head.y, head.z, head.w, sc1, m1);
+    uint4 q4 = *(const uint4*)(b + (FIFTH ? 48 : 16) + 32 * p + 16 * h);
+    uint4 h4 = FIFTH ? *(const uint4*)(b + 16 + 16 * h) : make_uint4(0, 0, 0, 0);
+    unsigned qw[4] = {q4.x, q4.y, q4.z, q4.w}, hwd[4] = {h4.x, h4.y, h4.z, h4.w}, lo[4], hi[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        lo[k] = qw[k] & 0x0F0F0F0Fu, hi[k] = (qw[k] >> 4) & 0x0F0F0F0Fu;
+        if (FIFTH) {
+            lo[k] |= ((hwd[k] >> (2 * p)) & 0x01010101u) << 4;
+            hi[k] |= ((hwd[k] >> (2 * p + 1)) & 0x01010101u) << 4;
+        }
+    }
+    float r0 = (d * sc0) * (float)dp4x4(lo, x) - (dmin * m0) * (float)sum4x4(x);
+    float r1 = (d * sc1) * (float)dp4x4(hi, x + 4) - (dmin * m1) * (float)sum4x4(x + 4);
+    return dx[0] * r0 + dx[2] * r1;
+}
+
+template <>
+__device__ __forceinline__ float chunk_dot_q8<W4_K>(const u8* b, int j, const int* x, const float* dx) {
+    return k_asym_dot_q8<false>(b, j, x, dx);
+}
+
+template <>
+__device__ __forceinline__ float chunk_dot_q8<W5_K>(const u8* b, int j, const int* x, const float* dx) {
+    return k_asym_dot_q8<true>(b, j, x, dx);
+}
+
+// Q6_K chunk j as chunk_dot<W6_K> reads it: run r (x[2r], x[2r + 1]) is quarter r's 8 values.
+template <>
+__device__ __forceinline__ float chunk_dot_q8<W6_K>(const u8* b, int j, const int* x, const float* dx) {
+    int hf = j >> 2, l0 = 8 * (j & 3);
+    unsigned a[2], bb[2], hh[2], sw[2];
+    q_load8(b + 64 * hf + l0, a[0], a[1]);
+    q_load8(b + 64 * hf + 32 + l0, bb[0], bb[1]);
+    q_load8(b + 128 + 32 * hf + l0, hh[0], hh[1]);
+    q_load8(b + 192 + 8 * hf, sw[0], sw[1]);
+    int acc[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        unsigned A = a[k], B = bb[k], Z = hh[k];
+        unsigned q[4] = {(A & 0x0F0F0F0Fu) | ((Z & 0x03030303u) << 4),
+                         (B & 0x0F0F0F0Fu) | (((Z >> 2) & 0x03030303u) << 4),
+                         ((A >> 4) & 0x0F0F0F0Fu) | (((Z >> 4) & 0x03030303u) << 4),
+                         ((B >> 4) & 0x0F0F0F0Fu) | (((Z >> 6) & 0x03030303u) << 4)};
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[r] = __dp4a((int)q[r], x[2 * r + k], acc[r]) - 32 * __dp4a(0x01010101, x[2 * r + k], 0);
+    }
+    float s = 0.f;
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        int at = 2 * r + (l0 >> 4);
+        s += (float)(signed char)q_byte(at < 4 ? sw[0] : sw[1], at & 3) * dx[r] * (float)acc[r];
+    }
+    return q_half(b + 208) * s;
+}
+
+// R rows of W blocks (K values each) . quantized x (xq 16-byte aligned, xd its block scales)
+// with one warp: out[r] in every lane; the chunks as warp_dot_wide takes them, x loaded once for
+// all rows.
+template <class W, int R>
+__device__ __forceinline__ void warp_dot_q8(const u8* const* rows, const signed char* __restrict__ xq,
+                                            const float* __restrict__ xd, int K, float* out) {
+    int lane = threadIdx.x & 31, nch = K / W::ELEMS * W::CHUNKS;
+    float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.f;
+    for (int g = lane; g < nch; g += WARP) {
+        int b = g / W::CHUNKS, j = g % W::CHUNKS, x[8];
+        float dx[4];
+        chunk_xq<W>(xq + (size_t)b * W::ELEMS, xd + (size_t)b * (W::ELEMS / 32), j, x, dx);
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[r] += chunk_dot_q8<W>(rows[r] + (size_t)b * W::BYTES, j, x, dx);
+    }
+#pragma unroll
+    for (int r = 0; r < R; r++) out[r] = warp_sum(acc[r]);
+}
+
+// warp_dot_q8 over a stored type chosen at run time (type codes as warp_dot_typed; quantized
+// types only: bf16 rows keep f32 x).
+template <int R>
+__device__ __forceinline__ void warp_dot_q8_typed(int type, const u8* const* rows, const signed char* __restrict__ xq,
+                                                  const float* __restrict__ xd, int K, float* out) {
+    switch (type) {
+        case 0: warp_dot_q8<W8_0, R>(rows, xq, xd, K, out); break;
+        case 1: warp_dot_q8<W4_0, R>(rows, xq, xd, K, out); break;
+        case 2: warp_dot_q8<W4_K, R>(rows, xq, xd, K, out); break;
+        case 3: warp_dot_q8<W5_K, R>(rows, xq, xd, K, out); break;
+        default: warp_dot_q8<W6_K, R>(rows, xq, xd, K, out); break;
+    }
+}
+
+// down_entries over the entries' 8-bit h rows (hq [entries, ff], hd their block scales).
+template <class W>
+__device__ __forceinline__ float down_entries_q8(const u8* __restrict__ D, int row_bytes,
+                                                 const signed char* __restrict__ hq, const float* __restrict__ hd,
+                                                 const int* __restrict__ slots, const float* __restrict__ weights,
+                                                 int e0, int e1, int r, int hidden, int ff) {
+    int nch = ff / W::ELEMS * W::CHUNKS, total = (e1 - e0) * nch;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int g = threadIdx.x & 31; g < total; g += WARP) {
+        int e = e0 + g / nch, gc = g % nch, b = gc / W::CHUNKS, j = gc % W::CHUNKS, slot = slots[e];
+        if (slot >= 0) {  // else a cold entry (device-built worklist)
+            const u8* row = D + ((size_t)slot * hidden + r) * row_bytes + (size_t)b * W::BYTES;
+            size_t c0 = (size_t)e * ff + (size_t)b * W::ELEMS;
+            int x[8];
+            float dx[4];
+            chunk_xq<W>(hq + c0, hd + c0 / 32, j, x, dx);
+            acc = fmaf(weights[e], chunk_dot_q8<W>(row, j, x, dx), acc);
+        }
+    }
+    return warp_sum(acc);
+}
+
 // ---- the hot lane over caches of any block type ----
 // Type codes (kernels/src/cuda/quant.rs, `type_code`): 0 Q8_0, 1 Q4_0, 2 Q4_K, 3 Q5_K, 4 Q6_K,
 // 5 bf16. A cache is [n_slots, rows, K] in its type: row r of slot s at (s * rows + r) * row_bytes.
 
 // R rows of one stored type (chosen at run time, uniform over the warp: no divergence) . x,
 // one warp, out[r] in every lane. Quantized rows take the wide chunks (x 16-byte aligned; Q4_K /
-// Q5_K rows 16-byte aligned: the launchers check both).
-template <int R>
-__device__ __forceinline__ void warp_dot_typed(int type, const u8* const* rows, const float* __restrict__ x, int K,
-                                               float* out) {
+// Q5_K rows 16-byte aligned: the launchers check both), over the 8-bit x (xq, xd) when Q8; bf16
+// rows always take the f32 x. The 8-bit kernels are entry points of their own (_q8), each
+// compiled for its path alone. (Capped at fewer registers for more warps an SM they spilled:
+// 6 blocks an SM made the Q4_K_M decode 30% slower.)
+template <int R, bool Q8>
+__device__ __forceinline__ void warp_dot_typed(int type, const u8* const* rows, const float* __restrict__ x,
+                                               const signed char* __restrict__ xq, const float* __restrict__ xd,
+                                               int K, float* out) {
+    if (Q8 && type != 5) {
+        warp_dot_q8_typed<R>(type, rows, xq, xd, K, out);
+        return;
+    }
+    if (Q8) {
+#pragma unroll
+        for (int r = 0; r < R; r++) out[r] = warp_dot_bf16((const bf16*)rows[r], x, K);
+        return;
+    }
     switch (type) {
         case 0: warp_dot_wide<W8_0, R>(rows, x, K, out); break;
         case 1: warp_dot_wide<W4_0, R>(rows, x, K, out); break;
@@ -669,35 +891,55 @@ __device__ __forceinline__ void warp_dot_typed(int type, const u8* const* rows, 
 }
 
 // Hot lane decode, first half, as moe_gate_up_gemv over typed caches [n_slots, ff, hidden]:
-// h[e, r] = silu(G_s[r] . x_t) * (U_s[r] . x_t), slot s = slots[e] (-1: cold, skipped), t = tokens[e].
-// grid (ceil(ff/ROWS_PER_BLOCK), n_entries), block 32 * ROWS_PER_BLOCK: one warp per ff row.
-extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_gate_up_gemv_q(const u8* __restrict__ G, const u8* __restrict__ U, int g_type,
+// h[e, r] = silu(G_s[r] . x_t) * (U_s[r] . x_t), slot s = slots[e] (-1: cold, skipped), t = tokens[e];
+// with Q8 the quantized rows read x's 8-bit rows (xq, xd).
+template <bool Q8>
+__device__ __forceinline__ void gate_up_typed(const u8* __restrict__ G, const u8* __restrict__ U, int g_type,
                                               int u_type, int g_row_bytes, int u_row_bytes,
-                                              const float* __restrict__ x, const int* __restrict__ slots,
+                                              const float* __restrict__ x, const signed char* __restrict__ xq,
+                                              const float* __restrict__ xd, const int* __restrict__ slots,
                                               const int* __restrict__ tokens, float* __restrict__ h, int ff,
                                               int hidden) {
     int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     int e = blockIdx.y;
     if (r >= ff || slots[e] < 0) return;
-    size_t row = (size_t)slots[e] * ff + r;
-    const float* xt = x + (size_t)tokens[e] * hidden;
+    size_t row = (size_t)slots[e] * ff + r, t = (size_t)tokens[e];
+    const float* xt = x + t * hidden;
+    const signed char* qt = Q8 ? xq + t * hidden : nullptr;
+    const float* dt = Q8 ? xd + t * (hidden / 32) : nullptr;
     const u8* rows[2] = {G + row * g_row_bytes, U + row * u_row_bytes};
     float gu[2];
     if (g_type == u_type) {
-        warp_dot_typed<2>(g_type, rows, xt, hidden, gu);  // gate and up share the loads of x
+        warp_dot_typed<2, Q8>(g_type, rows, xt, qt, dt, hidden, gu);  // gate and up share the loads of x
     } else {
-        warp_dot_typed<1>(g_type, rows, xt, hidden, gu);
-        warp_dot_typed<1>(u_type, rows + 1, xt, hidden, gu + 1);
+        warp_dot_typed<1, Q8>(g_type, rows, xt, qt, dt, hidden, gu);
+        warp_dot_typed<1, Q8>(u_type, rows + 1, xt, qt, dt, hidden, gu + 1);
     }
     if ((threadIdx.x & 31) == 0) h[(size_t)e * ff + r] = silu(gu[0]) * gu[1];
 }
 
+// gate_up_typed entry points (xq, xd unused without Q8). grid (ceil(ff/ROWS_PER_BLOCK),
+// n_entries), block 32 * ROWS_PER_BLOCK: one warp per ff row.
+#define GATE_UP_PARAMS                                                                                         \
+    const u8 *__restrict__ G, const u8 *__restrict__ U, int g_type, int u_type, int g_row_bytes, int u_row_bytes, \
+        const float *__restrict__ x, const signed char *__restrict__ xq, const float *__restrict__ xd,           \
+        const int *__restrict__ slots, const int *__restrict__ tokens, float *__restrict__ h, int ff, int hidden
+#define GATE_UP_ARGS G, U, g_type, u_type, g_row_bytes, u_row_bytes, x, xq, xd, slots, tokens, h, ff, hidden
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_gate_up_gemv_q(GATE_UP_PARAMS) {
+    gate_up_typed<false>(GATE_UP_ARGS);
+}
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_gate_up_gemv_q8(GATE_UP_PARAMS) {
+    gate_up_typed<true>(GATE_UP_ARGS);
+}
+
 // Hot lane decode, second half, as moe_down_accum over a typed cache [n_slots, hidden, ff]:
 // output row i (token tok_rows[i], entries tok_off[i]..tok_off[i+1]) adds
-// sum_e weights[e] * (D_{slots[e]}[r] . h[e]); deterministic (no atomics).
-// grid (ceil(hidden/ROWS_PER_BLOCK), n_rows), block 32 * ROWS_PER_BLOCK.
-extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_down_accum_q(const u8* __restrict__ D, int d_type, int d_row_bytes,
-                                            const float* __restrict__ h, const int* __restrict__ slots,
+// sum_e weights[e] * (D_{slots[e]}[r] . h[e]); deterministic (no atomics); with Q8 quantized
+// rows read h's 8-bit rows (hq, hd).
+template <bool Q8>
+__device__ __forceinline__ void down_typed(const u8* __restrict__ D, int d_type, int d_row_bytes,
+                                            const float* __restrict__ h, const signed char* __restrict__ hq,
+                                            const float* __restrict__ hd, const int* __restrict__ slots,
                                             const float* __restrict__ weights, const int* __restrict__ tok_off,
                                             const int* __restrict__ tok_rows, float* __restrict__ out, int hidden,
                                             int ff) {
@@ -706,12 +948,15 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
     if (r >= hidden) return;
     int e0 = tok_off[i], e1 = tok_off[i + 1];
     float acc = 0.f;
+#define DOWN_ENTRIES(W)                                                                    \
+    (Q8 ? down_entries_q8<W>(D, d_row_bytes, hq, hd, slots, weights, e0, e1, r, hidden, ff) \
+        : down_entries<W>(D, d_row_bytes, h, slots, weights, e0, e1, r, hidden, ff))
     switch (d_type) {
-        case 0: acc = down_entries<W8_0>(D, d_row_bytes, h, slots, weights, e0, e1, r, hidden, ff); break;
-        case 1: acc = down_entries<W4_0>(D, d_row_bytes, h, slots, weights, e0, e1, r, hidden, ff); break;
-        case 2: acc = down_entries<W4_K>(D, d_row_bytes, h, slots, weights, e0, e1, r, hidden, ff); break;
-        case 3: acc = down_entries<W5_K>(D, d_row_bytes, h, slots, weights, e0, e1, r, hidden, ff); break;
-        case 4: acc = down_entries<W6_K>(D, d_row_bytes, h, slots, weights, e0, e1, r, hidden, ff); break;
+        case 0: acc = DOWN_ENTRIES(W8_0); break;
+        case 1: acc = DOWN_ENTRIES(W4_0); break;
+        case 2: acc = DOWN_ENTRIES(W4_K); break;
+        case 3: acc = DOWN_ENTRIES(W5_K); break;
+        case 4: acc = DOWN_ENTRIES(W6_K); break;
         default:
             for (int e = e0; e < e1; e++) {
                 if (slots[e] < 0) continue;  // cold entry (device-built worklist)
@@ -719,7 +964,23 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
                 acc += weights[e] * warp_dot_bf16(row, h + (size_t)e * ff, ff);
             }
     }
+#undef DOWN_ENTRIES
     if ((threadIdx.x & 31) == 0) out[(size_t)tok_rows[i] * hidden + r] += acc;
+}
+
+// down_typed entry points (hq, hd unused without Q8). grid (ceil(hidden/ROWS_PER_BLOCK),
+// n_rows), block 32 * ROWS_PER_BLOCK.
+#define DOWN_PARAMS                                                                                             \
+    const u8 *__restrict__ D, int d_type, int d_row_bytes, const float *__restrict__ h,                           \
+        const signed char *__restrict__ hq, const float *__restrict__ hd, const int *__restrict__ slots,          \
+        const float *__restrict__ weights, const int *__restrict__ tok_off, const int *__restrict__ tok_rows,     \
+        float *__restrict__ out, int hidden, int ff
+#define DOWN_ARGS D, d_type, d_row_bytes, h, hq, hd, slots, weights, tok_off, tok_rows, out, hidden, ff
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_down_accum_q(DOWN_PARAMS) {
+    down_typed<false>(DOWN_ARGS);
+}
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_down_accum_q8(DOWN_PARAMS) {
+    down_typed<true>(DOWN_ARGS);
 }
 
 // One embedding row of Q blocks as f32 (the CPU's dequantized values exactly), block-wide.
@@ -800,15 +1061,42 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
     gemv1_q<W6_K>(W, x, y, N, K, accumulate, wide);
 }
 
+// gemv1_q over 8-bit x (xq 16-byte aligned, xd its block scales), the type chosen at run time
+// (codes as warp_dot_typed, quantized only). grid and block as gemv1_q.
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q8(
+    const u8* __restrict__ Wm, int type, int row_bytes, const signed char* __restrict__ xq,
+    const float* __restrict__ xd, float* __restrict__ y, int N, int K, int accumulate, int wide) {
+    int R = wide == 1 ? 1 : QUANT_WIDE_ROWS;
+    int n0 = (blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5)) * R;
+    if (n0 >= N) return;
+    const u8* rows[QUANT_WIDE_ROWS];
+#pragma unroll
+    for (int r = 0; r < QUANT_WIDE_ROWS; r++) rows[r] = Wm + (size_t)min(n0 + r, N - 1) * row_bytes;
+    float out[QUANT_WIDE_ROWS];
+    if (R == 1)
+        warp_dot_q8_typed<1>(type, rows, xq, xd, K, out);
+    else
+        warp_dot_q8_typed<QUANT_WIDE_ROWS>(type, rows, xq, xd, K, out);
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int r = 0; r < QUANT_WIDE_ROWS; r++)
+            if (r < R && n0 + r < N) y[n0 + r] = accumulate ? y[n0 + r] + out[r] : out[r];
+    }
+}
+
 // Decode q/k/v in one launch over matrices of any stored types (type codes as warp_dot_typed;
 // bf16 segments too): segment j's warps take QUANT_WIDE_ROWS rows of W_j each (row_bytes rb_j)
 // with warp_dot_typed, the dot products of gemv1_q (quantized) and gemv_bf16 (bf16), so the bits
 // are theirs; y_j = W_j . x for one token (x 16-byte aligned; Q4_K / Q5_K matrices 16-byte
-// aligned). grid ceil((w_0 + w_1 + w_2) / ROWS_PER_BLOCK), w_j = ceil(N_j / QUANT_WIDE_ROWS);
+// aligned); with Q8 (gemv3_typed_q8) the quantized matrices read x's 8-bit form xq / xd
+// (gemv1_q8's sums then).
+// grid ceil((w_0 + w_1 + w_2) / ROWS_PER_BLOCK), w_j = ceil(N_j / QUANT_WIDE_ROWS);
 // block 32 * ROWS_PER_BLOCK.
-extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv3_typed(
+template <bool Q8>
+__device__ __forceinline__ void gemv3_body(
     const u8* __restrict__ W0, const u8* __restrict__ W1, const u8* __restrict__ W2, int ty0, int ty1, int ty2,
-    int rb0, int rb1, int rb2, const float* __restrict__ x, float* __restrict__ y0, float* __restrict__ y1,
+    int rb0, int rb1, int rb2, const float* __restrict__ x, const signed char* __restrict__ xq,
+    const float* __restrict__ xd, float* __restrict__ y0, float* __restrict__ y1,
     float* __restrict__ y2, int N0, int N1, int N2, int K) {
     int w = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     int w0 = (N0 + QUANT_WIDE_ROWS - 1) / QUANT_WIDE_ROWS, w1 = (N1 + QUANT_WIDE_ROWS - 1) / QUANT_WIDE_ROWS;
@@ -830,12 +1118,24 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
 #pragma unroll
     for (int r = 0; r < QUANT_WIDE_ROWS; r++) rows[r] = W + (size_t)min(n0 + r, N - 1) * rb;
     float out[QUANT_WIDE_ROWS];
-    warp_dot_typed<QUANT_WIDE_ROWS>(ty, rows, x, K, out);
+    warp_dot_typed<QUANT_WIDE_ROWS, Q8>(ty, rows, x, xq, xd, K, out);
     if ((threadIdx.x & 31) == 0) {
 #pragma unroll
         for (int r = 0; r < QUANT_WIDE_ROWS; r++)
             if (n0 + r < N) y[n0 + r] = out[r];
     }
+}
+#define GEMV3_PARAMS                                                                                           \
+    const u8 *__restrict__ W0, const u8 *__restrict__ W1, const u8 *__restrict__ W2, int ty0, int ty1, int ty2, \
+        int rb0, int rb1, int rb2, const float *__restrict__ x, const signed char *__restrict__ xq,             \
+        const float *__restrict__ xd, float *__restrict__ y0, float *__restrict__ y1, float *__restrict__ y2,    \
+        int N0, int N1, int N2, int K
+#define GEMV3_ARGS W0, W1, W2, ty0, ty1, ty2, rb0, rb1, rb2, x, xq, xd, y0, y1, y2, N0, N1, N2, K
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv3_typed(GEMV3_PARAMS) {
+    gemv3_body<false>(GEMV3_ARGS);
+}
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv3_typed_q8(GEMV3_PARAMS) {
+    gemv3_body<true>(GEMV3_ARGS);
 }
 
 // ---- the prefill hot lane over typed caches: grouped_gemm.cu's tiles, weights decoded ----

@@ -2,15 +2,18 @@
 //! (`quant::dequantize_block`) for every type: the dequantizing GEMV within the f32 summation
 //! bound of an f64 product over the CPU-dequantized rows, the dequantization to bf16 bit-equal to
 //! the CPU values rounded to bf16, a prefill tile (dequantize, then the cuBLAS bf16 GEMM), and bad
-//! shapes refused. Every test skips without a CUDA device (and fails when MOE_LANES_REQUIRE_GPU
+//! shapes refused. The 8-bit activation path: `quantize_q8` bit-equal to the CPU's
+//! `Q8Activations`, and its integer GEMVs within the same f32 bound of an f64 product over the
+//! dequantized rows and the dequantized activations (so the only error beyond f32 order is the
+//! rounding of x, which `q8.rs` bounds). Every test skips without a CUDA device (and fails when MOE_LANES_REQUIRE_GPU
 //! is set).
 
 mod common;
 
-use common::cuda::backend;
+use common::cuda::{backend, DeviceQ8};
 use common::Rng;
 use half::bf16;
-use moe_lanes_kernels::cuda::{CudaBackend, CudaError, TypedWeights};
+use moe_lanes_kernels::cuda::{CudaBackend, CudaError, Q8Rows, TypedWeights};
 use moe_lanes_kernels::{quant, WeightDType};
 
 /// Random rows of `dtype` blocks: random bytes (every scale/min/nibble pattern), the f16 scales
@@ -145,6 +148,81 @@ fn rows_per_warp_leave_the_sums_unchanged() {
             all.iter().zip(gemv_reference(&w, &x, &vec![0.0; big], big, k)).enumerate()
         {
             assert!((*got as f64 - value).abs() <= bound, "{dtype:?} row {o}: {got} vs {value}");
+        }
+    }
+}
+
+/// `rows` rows of `k` values of x in 8 bits on the device (`quantize_q8` of an upload of `x`)
+/// and the values the integer dots see, `d * q` (checked bit-equal to the CPU's).
+struct QuantizedX {
+    dev: DeviceQ8,
+    values: Vec<f32>,
+}
+
+impl QuantizedX {
+    fn new(be: &CudaBackend, x: &[f32], rows: usize, k: usize) -> QuantizedX {
+        let dx = be.upload(x).unwrap();
+        let dev = DeviceQ8::zeroed(be, rows * k);
+        be.quantize_q8(dx.ptr(), rows, k, dev.rows()).unwrap();
+        let values = dev.seen(be, x, k, "quantize_q8");
+        QuantizedX { dev, values }
+    }
+
+    fn rows(&self) -> Q8Rows {
+        self.dev.rows()
+    }
+}
+
+/// The 8-bit one-token GEMV of every type (`gemv_quant_q8`, one row a warp and two) against an
+/// f64 product of the CPU-dequantized rows and the dequantized activations, within the f32 bound
+/// of the f32 GEMV; each row's sum the same bits at either rows per warp; a block of zeros in x
+/// (d = 0) and an accumulating call included.
+#[test]
+fn q8_gemv_of_every_type_matches_the_dequantized_activations() {
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x0008_B175);
+    let big =
+        2 * be.info().multiprocessors as usize * moe_lanes_kernels::cuda::quant::WIDE_MIN_WARPS_PER_SM + 3;
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for dtype in WeightDType::QUANTIZED {
+        for blocks_per_row in block_counts(dtype) {
+            let k = blocks_per_row * dtype.block_elems();
+            let mut x = rng.vec(k, 1.0);
+            x[32..64.min(k)].iter_mut().for_each(|v| *v = 0.0);
+            let xq = QuantizedX::new(be, &x, 1, k);
+            let mut sums = Vec::new();
+            for (n, accumulate) in [(37, true), (big, false)] {
+                let matrix = random_blocks(&mut rng, dtype, n, k);
+                let w = dequantize(dtype, &matrix);
+                let y0 = rng.vec(n, 1.0);
+                let (dw, dy) = (be.upload(&matrix).unwrap(), be.upload(&y0).unwrap());
+                be.gemv_quant_q8(dtype, dw.ptr(), xq.rows(), dy.ptr(), n, k, accumulate).unwrap();
+                let y = be.read_vec(dy.ptr()).unwrap();
+                let base = if accumulate { y0 } else { vec![0.0; n] };
+                for (o, (got, (value, bound))) in
+                    y.iter().zip(gemv_reference(&w, &xq.values, &base, n, k)).enumerate()
+                {
+                    assert!(
+                        (*got as f64 - value).abs() <= bound,
+                        "{dtype:?} n={n} k={k} row {o}: {got} vs {value}"
+                    );
+                }
+                // the same 37 rows again in the big matrix's first rows: one row a warp there too
+                if n == 37 {
+                    let dz = be.upload(&vec![0.0f32; n]).unwrap();
+                    be.gemv_quant_q8(dtype, dw.ptr(), xq.rows(), dz.ptr(), n, k, false).unwrap();
+                    sums.push((matrix, be.read_vec(dz.ptr()).unwrap()));
+                }
+            }
+            let (matrix, few) = sums.pop().unwrap();
+            let rows: Vec<u8> = [matrix, random_blocks(&mut rng, dtype, big - 37, k)].concat();
+            let (dw, dy) = (be.upload(&rows).unwrap(), be.alloc_zeros::<f32>(big).unwrap());
+            be.gemv_quant_q8(dtype, dw.ptr(), xq.rows(), dy.ptr(), big, k, false).unwrap();
+            assert_eq!(
+                bits(&be.read_vec(dy.ptr()).unwrap()[..37]),
+                bits(&few),
+                "{dtype:?} k={k}: rows per warp"
+            );
         }
     }
 }
@@ -295,7 +373,7 @@ fn typed_hot_lane_kernels_match_the_cpu_for_every_type_and_a_mix() {
         .collect();
     // Two tokens, two entries each; entry 1 is cold (slot -1) and skipped.
     let (n_slots, slots, tokens, tok_off) = (3, [2i32, -1, 0, 1], [0i32, 0, 1, 1], [0i32, 2, 4]);
-    for types in mixes {
+    for (types, q8) in mixes.iter().flat_map(|t| [(*t, false), (*t, true)]) {
         let (hidden, ff) = (2 * 256, 256);
         let caches: Vec<(Vec<u8>, Vec<f32>)> = types
             .iter()
@@ -307,28 +385,59 @@ fn typed_hot_lane_kernels_match_the_cpu_for_every_type_and_a_mix() {
         let typed = |i: usize| TypedWeights { bytes: dev[i].ptr(), dtype: types[i] };
         let (dx, ds, dt) = (be.upload(&x).unwrap(), be.upload(&slots).unwrap(), be.upload(&tokens).unwrap());
         let dh = be.alloc_zeros::<f32>(4 * ff).unwrap();
-        be.moe_gate_up_gemv_typed(typed(0), typed(1), dx.ptr(), ds.ptr(), dt.ptr(), dh.ptr(), 4, ff, hidden)
-            .unwrap();
+        // with q8 the quantized rows see x as d * q (bf16 rows the f32 x)
+        let xq = q8.then(|| QuantizedX::new(be, &x, 2, hidden));
+        let xr = xq.as_ref().map(QuantizedX::rows);
+        let x_of = |d: WeightDType| if d.is_quantized() { xq.as_ref().map_or(&x, |q| &q.values) } else { &x };
+        be.moe_gate_up_gemv_typed(
+            typed(0),
+            typed(1),
+            dx.ptr(),
+            xr,
+            ds.ptr(),
+            dt.ptr(),
+            dh.ptr(),
+            4,
+            ff,
+            hidden,
+        )
+        .unwrap();
         let h = be.read_vec(dh.ptr()).unwrap();
         let mut want_h = vec![(0.0, 0.0); 4 * ff];
         for e in (0..4).filter(|&e| slots[e] >= 0) {
-            let (s, xt) = (slots[e] as usize, &x[tokens[e] as usize * hidden..][..hidden]);
+            let (s, t) = (slots[e] as usize, tokens[e] as usize * hidden);
             for r in 0..ff {
-                let row = |c: &[f32]| dot64(&c[(s * ff + r) * hidden..][..hidden], xt);
-                let ((g, ga), (u, ua)) = (row(&caches[0].1), row(&caches[1].1));
+                let row = |i: usize| {
+                    dot64(&caches[i].1[(s * ff + r) * hidden..][..hidden], &x_of(types[i])[t..][..hidden])
+                };
+                let ((g, ga), (u, ua)) = (row(0), row(1));
                 let silu = g / (1.0 + (-g).exp());
                 want_h[e * ff + r] = (silu * u, ga * (u.abs() + 1.0) + ua * (g.abs() + 1.0));
             }
         }
-        let what = format!("{types:?}");
+        let what = format!("{types:?} q8 {q8}");
         assert_close(&format!("{what} gate/up"), &h, &want_h);
         let y0 = rng.vec(2 * hidden, 1.0);
         let (dw, doff, drows) =
             (be.upload(&weights).unwrap(), be.upload(&tok_off).unwrap(), be.upload(&[0i32, 1]).unwrap());
         let dy = be.upload(&y0).unwrap();
         let (hp, sp, op) = (dh.ptr(), ds.ptr(), dy.ptr());
-        be.moe_down_accum_typed(typed(2), hp, sp, dw.ptr(), doff.ptr(), drows.ptr(), op, 2, hidden, ff)
-            .unwrap();
+        let hq = (q8 && types[2].is_quantized()).then(|| QuantizedX::new(be, &h, 4, ff));
+        let h_seen = hq.as_ref().map_or(&h, |q| &q.values);
+        be.moe_down_accum_typed(
+            typed(2),
+            hp,
+            hq.as_ref().map(QuantizedX::rows),
+            sp,
+            dw.ptr(),
+            doff.ptr(),
+            drows.ptr(),
+            op,
+            2,
+            hidden,
+            ff,
+        )
+        .unwrap();
         let y = be.read_vec(dy.ptr()).unwrap();
         let want_y: Vec<(f64, f64)> = (0..2 * hidden)
             .map(|o| {
@@ -336,7 +445,7 @@ fn typed_hot_lane_kernels_match_the_cpu_for_every_type_and_a_mix() {
                 let entries = (tok_off[t] as usize..tok_off[t + 1] as usize).filter(|&e| slots[e] >= 0);
                 entries.fold((y0[o] as f64, (y0[o] as f64).abs()), |(s, a), e| {
                     let row = &caches[2].1[(slots[e] as usize * hidden + r) * ff..][..ff];
-                    let (d, da) = dot64(row, &h[e * ff..][..ff]);
+                    let (d, da) = dot64(row, &h_seen[e * ff..][..ff]);
                     (s + weights[e] as f64 * d, a + (weights[e] as f64).abs() * da)
                 })
             })
@@ -350,7 +459,7 @@ fn typed_hot_lane_kernels_match_the_cpu_for_every_type_and_a_mix() {
     );
     let bad = TypedWeights { bytes: raw.ptr(), dtype: WeightDType::F32 };
     let (z, zi) = (zf.ptr(), zi.ptr());
-    let err = shape_error(be.moe_gate_up_gemv_typed(bad, bad, z, zi, zi, z, 1, 1, 1));
+    let err = shape_error(be.moe_gate_up_gemv_typed(bad, bad, z, None, zi, zi, z, 1, 1, 1));
     assert!(err.contains("no hot-lane kernel for f32"), "{err}");
 }
 
@@ -363,7 +472,8 @@ fn gemv3_typed_matches_one_gemv_per_matrix_bit_for_bit() {
     let Some(be) = backend() else { return };
     let mut rng = Rng(0x5EED_0003);
     let k = 512;
-    for (types, n) in [([Q4_K, Q4_K, Q6_K], [64usize, 16, 16]), ([BF16, Q8_0, Q5_K], [33, 7, 9])] {
+    let cases = [([Q4_K, Q4_K, Q6_K], [64usize, 16, 16]), ([BF16, Q8_0, Q5_K], [33, 7, 9])];
+    for ((types, n), q8) in cases.iter().flat_map(|c| [(*c, false), (*c, true)]) {
         let mats: Vec<Vec<u8>> = types
             .iter()
             .zip(n)
@@ -375,21 +485,29 @@ fn gemv3_typed_matches_one_gemv_per_matrix_bit_for_bit() {
         let bufs: Vec<_> = mats.iter().map(|m| be.upload(m).unwrap()).collect();
         let w: [TypedWeights; 3] =
             std::array::from_fn(|j| TypedWeights { bytes: bufs[j].ptr(), dtype: types[j] });
-        let dx = be.upload(&rng.vec(k, 1.0)).unwrap();
+        let x = rng.vec(k, 1.0);
+        let dx = be.upload(&x).unwrap();
+        let xq = q8.then(|| QuantizedX::new(be, &x, 1, k));
+        let xr = xq.as_ref().map(QuantizedX::rows);
         let fused: Vec<_> = n.iter().map(|&rows| be.upload(&vec![7.0f32; rows]).unwrap()).collect();
         let apart: Vec<_> = n.iter().map(|&rows| be.upload(&vec![7.0f32; rows]).unwrap()).collect();
-        be.gemv3_typed(w, dx.ptr(), std::array::from_fn(|j| fused[j].ptr()), n, k).unwrap();
+        be.gemv3_typed(w, dx.ptr(), xr, std::array::from_fn(|j| fused[j].ptr()), n, k).unwrap();
         for j in 0..3 {
             match w[j].bf16() {
                 Some(bf) => be.gemv_bf16(bf, dx.ptr(), apart[j].ptr(), 1, n[j], k, false).unwrap(),
-                None => {
-                    be.gemv_quant(types[j], w[j].bytes, dx.ptr(), apart[j].ptr(), 1, n[j], k, false).unwrap()
-                }
+                None => match xr {
+                    Some(q) => {
+                        be.gemv_quant_q8(types[j], w[j].bytes, q, apart[j].ptr(), n[j], k, false).unwrap()
+                    }
+                    None => be
+                        .gemv_quant(types[j], w[j].bytes, dx.ptr(), apart[j].ptr(), 1, n[j], k, false)
+                        .unwrap(),
+                },
             }
             let bits = |b: &moe_lanes_kernels::cuda::DeviceBuffer<f32>| {
                 be.read_vec(b.ptr()).unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>()
             };
-            assert_eq!(bits(&fused[j]), bits(&apart[j]), "{types:?} matrix {j}");
+            assert_eq!(bits(&fused[j]), bits(&apart[j]), "{types:?} q8 {q8} matrix {j}");
         }
     }
 }

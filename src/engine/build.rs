@@ -367,8 +367,11 @@ fn build_gpu(
     // The driver is the pool's thread 0; a GPU lane with hot experts needs cores of its own.
     let gpu_lane = !matches!(opts.hot, HotChoice::None | HotChoice::Budget(HotBudget::Bytes(0)));
     // Without hot experts the prefill scratch for quantized slots would be VRAM never used.
-    let gpu_opts =
-        GpuOptions { hot_dequant_bytes: if gpu_lane { opts.gpu.hot_dequant_bytes } else { 0 }, ..opts.gpu };
+    let gpu_opts = GpuOptions {
+        hot_dequant_bytes: if gpu_lane { opts.gpu.hot_dequant_bytes } else { 0 },
+        q8_activations: opts.gpu.q8_activations && opts.activations != Some(DecodeActivations::F32),
+        ..opts.gpu
+    };
     let mut gm = GpuModel::new(model.clone(), be.clone(), gpu_opts)?;
     let n_cold = opts.cold_threads.resolve(&ThreadInputs { gpu_lane, ..ThreadInputs::this_machine() });
     let mut cold = PoolColdExperts::new(model.clone(), n_cold, opts.simd, opts.cold_schedule)?;

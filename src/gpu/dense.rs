@@ -4,12 +4,15 @@
 
 use super::kv::GpuKvCache;
 use super::model::{GpuModel, PrefillAttention};
+use super::scratch::Q8Buf;
 use super::GpuError;
 use crate::model::adapter::{QkNorm, RopeStyle, RoutingVariant};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
 use moe_lanes_kernels::cuda::ops::{DevicePos, HotWorklist, KvAppend, NormRows, RouteVariant};
-use moe_lanes_kernels::cuda::{CudaBackend, DPtr, TypedWeights};
+use moe_lanes_kernels::cuda::quant::wide_alignment_bytes;
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, Q8Rows, TypedWeights};
+use moe_lanes_kernels::q8::Q8_BLOCK;
 
 impl GpuModel {
     /// `y (+)= W x` for `t` rows: GEMV kernel in decode (one token over a short bf16 matrix: the
@@ -54,11 +57,34 @@ impl GpuModel {
         k: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        match w.bf16() {
-            Some(bf) => self.be.gemv_bf16(bf, x, y, t, n, k, accumulate)?,
+        if let Some(bf) = w.bf16() {
+            return Ok(self.be.gemv_bf16(bf, x, y, t, n, k, accumulate)?);
+        }
+        match self.dense_q8(w, t, k) {
+            Some(xq) => {
+                self.be.quantize_q8(x, 1, k, xq)?;
+                self.be.gemv_quant_q8(w.dtype, w.bytes, xq, y, n, k, accumulate)?
+            }
             None => self.be.gemv_quant(w.dtype, w.bytes, x, y, t, n, k, accumulate)?,
         }
         Ok(())
+    }
+
+    /// Where the one-token GEMV of `w` over `t` rows of `k` takes 8-bit activations
+    /// (`GpuOptions::q8_activations`; a quantized matrix aligned for the wide chunks; one row of
+    /// whole blocks of 32): the dense 8-bit rows, for [`CudaBackend::quantize_q8`] to write and
+    /// the GEMV to read; None: f32 activations.
+    pub(crate) fn dense_q8(&self, w: TypedWeights, t: usize, k: usize) -> Option<Q8Rows> {
+        let wide = w.dtype.is_quantized() && w.bytes.raw().is_multiple_of(wide_alignment_bytes(w.dtype));
+        self.q8_room(&self.scratch.as_ref()?.q8_dense, t, k).filter(|_| wide && t == 1)
+    }
+
+    /// `buf` for `rows` rows of `k` when the GEMVs take 8-bit activations and `k` is whole
+    /// blocks of 32.
+    pub(crate) fn q8_room(&self, buf: &Q8Buf, rows: usize, k: usize) -> Option<Q8Rows> {
+        let q8 = buf.rows();
+        let fits = k.is_multiple_of(Q8_BLOCK) && q8.q.len() >= rows * k;
+        (self.opts.q8_activations && fits).then_some(q8)
     }
 
     /// cuBLAS GEMM of a matrix in its stored type over bf16 activations (hi + optional lo): a
@@ -123,8 +149,13 @@ impl GpuModel {
         if let (Phase::Decode, [Some(q), Some(k), Some(v)]) = (phase, qkv.map(|m| m.bf16())) {
             self.be.gemv3_bf16([q, k, v], s.normed.ptr(), y, n, t, h)?;
         } else if phase == Phase::Decode && t == 1 {
-            // quantized (or mixed) q/k/v: one launch of the one-token kernels
-            self.be.gemv3_typed(qkv, s.normed.ptr(), y, n, h)?;
+            // quantized (or mixed) q/k/v: one launch of the one-token kernels, over the normed row
+            // in 8 bits when they take it
+            let nq = qkv.iter().find_map(|m| self.dense_q8(*m, t, h));
+            if let Some(nq) = nq {
+                self.be.quantize_q8(s.normed.ptr(), 1, h, nq)?;
+            }
+            self.be.gemv3_typed(qkv, s.normed.ptr(), nq, y, n, h)?;
         } else {
             self.linear(phase, s.normed.ptr(), w.q.view(), s.q.ptr(), t, qd, h, false)?;
             self.linear(phase, s.normed.ptr(), w.k.view(), k_new, t, kvd, h, false)?;

@@ -193,6 +193,11 @@ pub struct GpuOptions {
     pub fused_route: bool,
     /// Post-Fetch of cold experts in prefill (`postfetch` module).
     pub postfetch: PostFetchOptions,
+    /// One-token decode GEMVs of quantized weights (the dense matrices and the hot lane) take
+    /// their activations quantized to 8 bits per block of 32 on the device and dot them in
+    /// integers (llama.cpp's MMVQ; bound in `moe_lanes_kernels::q8`); off: f32 activations
+    /// (f32 rounding only). `--activations f32` at the CLI turns it off.
+    pub q8_activations: bool,
 }
 
 impl Default for GpuOptions {
@@ -211,6 +216,7 @@ impl Default for GpuOptions {
             decode_graph: true,
             fused_route: true,
             postfetch: PostFetchOptions::default(),
+            q8_activations: true,
         }
     }
 }
@@ -525,8 +531,8 @@ impl GpuModel {
             LogitRows::Last => (t - 1, 1, Phase::Decode),
         };
         let x = s.hidden.ptr().sub(first * c.hidden, n * c.hidden);
-        be.rmsnorm(x, self.w.final_norm.ptr(), s.normed.ptr(), n, c.hidden, c.rms_eps)?;
         let head = self.w.lm_head.as_ref().unwrap_or(&self.w.embed).view();
+        be.rmsnorm(x, self.w.final_norm.ptr(), s.normed.ptr(), n, c.hidden, c.rms_eps)?;
         self.linear(phase, s.normed.ptr(), head, s.logits.ptr(), n, c.vocab, c.hidden, false)?;
         self.mark_tail(1)?;
         if n <= 8 {

@@ -154,8 +154,18 @@ impl GpuModel {
                     self.be.moe_gate_up_gemv(g, u, x, p_slots, p_toks, hb, n_ent, ff, h)?;
                     self.be.moe_down_accum(d, hb, p_slots, wts, p_off, p_rows, out, t, h, ff)?;
                 } else {
-                    self.be.moe_gate_up_gemv_typed(c.gate, c.up, x, p_slots, p_toks, hb, n_ent, ff, h)?;
-                    self.be.moe_down_accum_typed(c.down, hb, p_slots, wts, p_off, p_rows, out, t, h, ff)?;
+                    // quantized slots read x and h in 8 bits when the GEMVs take them
+                    let xq = self.q8_room(&s.q8_moe, t, h);
+                    let hq = self.q8_room(&s.q8_h, n_ent, ff);
+                    if let Some(xq) = xq {
+                        self.be.quantize_q8(x, t, h, xq)?;
+                    }
+                    self.be.moe_gate_up_gemv_typed(c.gate, c.up, x, xq, p_slots, p_toks, hb, n_ent, ff, h)?;
+                    if let Some(hq) = hq {
+                        self.be.quantize_q8(hb, n_ent, ff, hq)?;
+                    }
+                    self.be
+                        .moe_down_accum_typed(c.down, hb, hq, p_slots, wts, p_off, p_rows, out, t, h, ff)?;
                 }
                 Ok(())
             };

@@ -7,7 +7,8 @@ use super::hot_dequant::SlotChunk;
 use super::GpuError;
 use crate::model::config::ModelConfig;
 use crate::moe::worklist::Worklist;
-use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, PinnedBuffer};
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, PinnedBuffer, Q8Rows};
+use moe_lanes_kernels::q8::Q8_BLOCK;
 
 /// Offsets of the sections of the integer worklist (one upload per layer):
 /// `slots`/`tokens` per hot entry, `tok_off`/`tok_rows` per token row with hot entries,
@@ -71,6 +72,12 @@ pub(crate) struct Scratch {
     pub shared_gl: DeviceBuffer<f32>,
     pub x_hi: DeviceBuffer<u16>,
     pub x_lo: DeviceBuffer<u16>,
+    /// 8-bit activations of the quantized decode GEMVs (`GpuOptions::q8_activations`): the
+    /// dense matrices' input (`q8_dense`: rows of the widest input), the hot lane's normed rows
+    /// (`q8_moe`) and its h rows (`q8_h`), each quantized just before its GEMV.
+    pub q8_dense: Q8Buf,
+    pub q8_moe: Q8Buf,
+    pub q8_h: Q8Buf,
     pub work_i: DeviceBuffer<i32>,
     pub work_f: DeviceBuffer<f32>,
     pub cold_in: DeviceBuffer<f32>,
@@ -120,6 +127,9 @@ impl Scratch {
             shared_gl: f(cap)?,
             x_hi: be.alloc_zeros::<u16>(cap * k.max(1) * widest)?,
             x_lo: be.alloc_zeros::<u16>(cap * k.max(1) * widest)?,
+            q8_dense: Q8Buf::new(be, cap * widest)?,
+            q8_moe: Q8Buf::new(be, cap * c.hidden)?,
+            q8_h: Q8Buf::new(be, cap * inner)?,
             work_i: be.alloc_zeros::<i32>(layout.len)?,
             work_f: f(cap * k)?,
             cold_in: f(cap * c.hidden)?,
@@ -143,6 +153,22 @@ impl Scratch {
     /// Every layer's routing ids (`tail_i` after the tokens).
     pub fn ids(&self) -> DPtr<i32> {
         self.tail_i.ptr().from(self.cap)
+    }
+}
+
+/// Device room for `n` activations in 8 bits (values and block scales).
+pub(crate) struct Q8Buf {
+    q: DeviceBuffer<i8>,
+    d: DeviceBuffer<f32>,
+}
+
+impl Q8Buf {
+    fn new(be: &CudaBackend, n: usize) -> Result<Q8Buf, GpuError> {
+        Ok(Q8Buf { q: be.alloc_zeros::<i8>(n)?, d: be.alloc_zeros::<f32>(n.div_ceil(Q8_BLOCK))? })
+    }
+
+    pub fn rows(&self) -> Q8Rows {
+        Q8Rows { q: self.q.ptr(), d: self.d.ptr() }
     }
 }
 

@@ -237,10 +237,15 @@ pub enum Kernel {
     Gemv3Typed,
     GroupedGateUpQ,
     GroupedGemmQ,
+    QuantizeQ8F32,
+    Gemv1Q8,
+    MoeGateUpGemvQ8,
+    MoeDownAccumQ8,
+    Gemv3TypedQ8,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 51] = [
+    pub const ALL: [Kernel; 56] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -292,6 +297,11 @@ impl Kernel {
         Kernel::Gemv3Typed,
         Kernel::GroupedGateUpQ,
         Kernel::GroupedGemmQ,
+        Kernel::QuantizeQ8F32,
+        Kernel::Gemv1Q8,
+        Kernel::MoeGateUpGemvQ8,
+        Kernel::MoeDownAccumQ8,
+        Kernel::Gemv3TypedQ8,
     ];
 
     /// The `extern "C"` symbol.
@@ -348,6 +358,11 @@ impl Kernel {
             Kernel::Gemv3Typed => "gemv3_typed",
             Kernel::GroupedGateUpQ => "grouped_gate_up_q",
             Kernel::GroupedGemmQ => "grouped_gemm_q",
+            Kernel::QuantizeQ8F32 => "quantize_q8_f32",
+            Kernel::Gemv1Q8 => "gemv1_q8",
+            Kernel::MoeGateUpGemvQ8 => "moe_gate_up_gemv_q8",
+            Kernel::MoeDownAccumQ8 => "moe_down_accum_q8",
+            Kernel::Gemv3TypedQ8 => "gemv3_typed_q8",
         }
     }
 
@@ -405,6 +420,11 @@ impl Kernel {
             Kernel::Gemv3Typed => Family::Quant,
             Kernel::GroupedGateUpQ => Family::Quant,
             Kernel::GroupedGemmQ => Family::Quant,
+            Kernel::QuantizeQ8F32 => Family::Quant,
+            Kernel::Gemv1Q8 => Family::Quant,
+            Kernel::MoeGateUpGemvQ8 => Family::Quant,
+            Kernel::MoeDownAccumQ8 => Family::Quant,
+            Kernel::Gemv3TypedQ8 => Family::Quant,
         }
     }
 }

@@ -22,7 +22,7 @@ pub mod ops;
 pub mod quant;
 
 pub use kernel::{kernel_source, Family, Kernel};
-pub use quant::TypedWeights;
+pub use quant::{Q8Rows, TypedWeights};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{

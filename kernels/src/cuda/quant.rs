@@ -13,6 +13,7 @@ use super::kernel::{
 };
 use super::ops::{args, blocks, i, need, GroupedShape};
 use super::{CudaBackend, CudaError, DPtr, Result};
+use crate::q8::Q8_BLOCK;
 use crate::weights::WeightDType;
 
 /// Threads per block of the dequantization kernels.
@@ -165,6 +166,33 @@ impl TypedWeights {
     }
 }
 
+/// Rows of 8-bit activations on the device, as [`crate::q8::Q8Activations`] holds them on the
+/// CPU (and bit for bit what it computes): `q` `[rows, k]` i8, `d` `[rows, k / 32]` block scales.
+/// Written by [`CudaBackend::quantize_q8`]; the one-token GEMVs of quantized weights dot them
+/// with dp4a (`quant.cu`, error bound in `kernels/src/q8.rs`).
+#[derive(Clone, Copy, Debug)]
+pub struct Q8Rows {
+    pub q: DPtr<i8>,
+    pub d: DPtr<f32>,
+}
+
+/// `xq` holds `rows` rows of `k` values (`k` whole blocks of 32) at a 16-byte aligned base.
+fn check_q8(kernel: Kernel, what: &str, xq: Q8Rows, rows: usize, k: usize) -> Result<()> {
+    if !k.is_multiple_of(Q8_BLOCK) {
+        return Err(shape(kernel.symbol(), format!("{what}: k = {k} is not whole blocks of {Q8_BLOCK}")));
+    }
+    if !xq.q.raw().is_multiple_of(16) {
+        return Err(shape(kernel.symbol(), format!("{what} at {:#x} is not 16-byte aligned", xq.q.raw())));
+    }
+    need(kernel, what, xq.q, rows * k)?;
+    need(kernel, what, xq.d, rows * k / Q8_BLOCK)
+}
+
+/// The kernel arguments of an optional [`Q8Rows`] (null pointers: f32 activations).
+fn q8_args(xq: Option<Q8Rows>) -> (u64, u64) {
+    xq.map_or((0, 0), |q| (q.q.raw(), q.d.raw()))
+}
+
 /// The hot-lane kernels' code for a type (`quant.cu`, `warp_dot_typed`); none for f32/f16,
 /// which the device never stores.
 fn type_code(dtype: WeightDType) -> Option<i32> {
@@ -259,6 +287,45 @@ impl CudaBackend {
         warps < self.info().multiprocessors.max(1) as usize * WIDE_MIN_WARPS_PER_SM
     }
 
+    /// `out = q8(x)` for `rows` rows of `k` values (`k` whole blocks of 32): each block of 32 as
+    /// [`crate::q8::Q8Activations::quantize_row`] computes it, bit for bit.
+    pub fn quantize_q8(&self, x: DPtr<f32>, rows: usize, k: usize, out: Q8Rows) -> Result<()> {
+        const K: Kernel = Kernel::QuantizeQ8F32;
+        check_q8(K, "out", out, rows, k)?;
+        need(K, "x", x, rows * k)?;
+        let n_blocks = rows * k / Q8_BLOCK;
+        if n_blocks == 0 {
+            return Ok(());
+        }
+        let grid = (blocks(rows * k, DEQUANT_BLOCK), 1, 1);
+        self.launch(K, grid, DEQUANT_BLOCK, 0, args![x.raw(), out.q.raw(), out.d.raw(), i(n_blocks)])
+    }
+
+    /// `y (+)= W · x` for one token with x in its 8-bit form ([`Self::quantize_q8`]): the wide
+    /// chunks of [`Self::gemv_quant`]'s one-token kernel (same rows per warp), each chunk's dot in
+    /// integers (dp4a) against the weight levels. W `[n, k]` in a quantized `dtype`.
+    pub fn gemv_quant_q8(
+        &self,
+        dtype: WeightDType,
+        w: DPtr<u8>,
+        xq: Q8Rows,
+        y: DPtr<f32>,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::Gemv1Q8;
+        check_matrix(K.symbol(), dtype, w, n, k)?;
+        let (code, row_bytes) = check_typed(K, "W", TypedWeights { bytes: w, dtype }, n, k)?;
+        check_q8(K, "xq", xq, 1, k)?;
+        need(K, "y", y, n)?;
+        let rows = self.wide_rows_per_warp(n);
+        let grid = (blocks(n, ROWS_PER_BLOCK * rows), 1, 1);
+        let (q, d) = (xq.q.raw(), xq.d.raw());
+        let args = args![w.raw(), code, row_bytes, q, d, y.raw(), i(n), i(k), accumulate as i32, rows as i32];
+        self.launch(K, grid, ROW_BLOCK_THREADS, 0, args)
+    }
+
     /// `out[r - row0, :] = bf16(W[r, :])` for `row0 <= r < row0 + rows` (round to nearest even;
     /// the values before rounding equal the CPU's `quant::dequantize_block`); W `[>= row0 + rows,
     /// k]` in `dtype` blocks, `out` `[rows, k]` bf16. Prefill: dequantized tiles for
@@ -329,6 +396,7 @@ impl CudaBackend {
         gate: TypedWeights,
         up: TypedWeights,
         x: DPtr<f32>,
+        xq: Option<Q8Rows>,
         slots: DPtr<i32>,
         tokens: DPtr<i32>,
         h: DPtr<f32>,
@@ -340,12 +408,18 @@ impl CudaBackend {
         let (g_type, g_row) = check_typed(K, "gate_cache", gate, ff, hidden)?;
         let (u_type, u_row) = check_typed(K, "up_cache", up, ff, hidden)?;
         check_x16(K, "x", x)?;
+        let x_rows = x.len() / hidden.max(1);
+        if let Some(q) = xq {
+            check_q8(K, "xq", q, x_rows, hidden)?;
+        }
+        let (qp, dp) = q8_args(xq);
         need(K, "slots", slots, n_entries)?;
         need(K, "tokens", tokens, n_entries)?;
         need(K, "h", h, n_entries * ff)?;
         let (g, u) = (gate.bytes.raw(), up.bytes.raw());
+        let kernel = if xq.is_some() { Kernel::MoeGateUpGemvQ8 } else { K };
         self.launch(
-            K,
+            kernel,
             (blocks(ff, ROWS_PER_BLOCK), n_entries as u32, 1),
             ROW_BLOCK_THREADS,
             0,
@@ -357,6 +431,8 @@ impl CudaBackend {
                 g_row,
                 u_row,
                 x.raw(),
+                qp,
+                dp,
                 slots.raw(),
                 tokens.raw(),
                 h.raw(),
@@ -373,6 +449,7 @@ impl CudaBackend {
         &self,
         w: [TypedWeights; 3],
         x: DPtr<f32>,
+        xq: Option<Q8Rows>,
         y: [DPtr<f32>; 3],
         n: [usize; 3],
         k: usize,
@@ -386,9 +463,14 @@ impl CudaBackend {
         }
         check_x16(K, "x", x)?;
         need(K, "x", x, k)?;
+        if let Some(q) = xq {
+            check_q8(K, "xq", q, 1, k)?;
+        }
+        let (qp, dp) = q8_args(xq);
         let warps: usize = n.iter().map(|nj| nj.div_ceil(QUANT_WIDE_ROWS as usize)).sum();
+        let kernel = if xq.is_some() { Kernel::Gemv3TypedQ8 } else { K };
         self.launch(
-            K,
+            kernel,
             (blocks(warps, ROWS_PER_BLOCK), 1, 1),
             ROW_BLOCK_THREADS,
             0,
@@ -403,6 +485,8 @@ impl CudaBackend {
                 rb[1],
                 rb[2],
                 x.raw(),
+                qp,
+                dp,
                 y[0].raw(),
                 y[1].raw(),
                 y[2].raw(),
@@ -544,6 +628,7 @@ impl CudaBackend {
         &self,
         down: TypedWeights,
         h: DPtr<f32>,
+        hq: Option<Q8Rows>,
         slots: DPtr<i32>,
         weights: DPtr<f32>,
         tok_off: DPtr<i32>,
@@ -556,11 +641,16 @@ impl CudaBackend {
         const K: Kernel = Kernel::MoeDownAccumQ;
         let (d_type, d_row) = check_typed(K, "down_cache", down, hidden, ff)?;
         check_x16(K, "h", h)?;
+        if let Some(q) = hq {
+            check_q8(K, "hq", q, h.len() / ff.max(1), ff)?;
+        }
+        let (qp, dp) = q8_args(hq);
         need(K, "tok_off", tok_off, n_rows + 1)?;
         need(K, "tok_rows", tok_rows, n_rows)?;
         let (p, o) = (down.bytes.raw(), out.raw());
+        let kernel = if hq.is_some() { Kernel::MoeDownAccumQ8 } else { K };
         self.launch(
-            K,
+            kernel,
             (blocks(hidden, ROWS_PER_BLOCK), n_rows as u32, 1),
             ROW_BLOCK_THREADS,
             0,
@@ -569,6 +659,8 @@ impl CudaBackend {
                 d_type,
                 d_row,
                 h.raw(),
+                qp,
+                dp,
                 slots.raw(),
                 weights.raw(),
                 tok_off.raw(),

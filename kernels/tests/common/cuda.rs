@@ -1,7 +1,8 @@
 //! The CUDA backend the GPU kernel tests share: created once, `None` (and `SKIP:` printed) when
 //! no device is usable, a panic instead when `MOE_LANES_REQUIRE_GPU` is set (the GPU machine).
 
-use moe_lanes_kernels::cuda::CudaBackend;
+use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, Q8Rows};
+use moe_lanes_kernels::q8::Q8Activations;
 use std::sync::OnceLock;
 
 /// The shared backend, bound to the calling thread, or `None` without a usable CUDA device.
@@ -29,6 +30,36 @@ pub fn backend() -> Option<&'static CudaBackend> {
             eprintln!("SKIP: no CUDA device");
             None
         }
+    }
+}
+
+/// Device room for rows of 8-bit activations ([`Q8Rows`]), and their check against the CPU.
+pub struct DeviceQ8 {
+    pub q: DeviceBuffer<i8>,
+    pub d: DeviceBuffer<f32>,
+}
+
+impl DeviceQ8 {
+    /// Zeroed room for `n` values.
+    pub fn zeroed(be: &CudaBackend, n: usize) -> DeviceQ8 {
+        DeviceQ8 { q: be.alloc_zeros::<i8>(n).unwrap(), d: be.alloc_zeros::<f32>(n / 32).unwrap() }
+    }
+
+    pub fn rows(&self) -> Q8Rows {
+        Q8Rows { q: self.q.ptr(), d: self.d.ptr() }
+    }
+
+    /// The values the integer dots see, `d * q`, asserted bit-equal to the CPU's
+    /// `Q8Activations` of `values` (rows of `k`): what the device quantized is `values`, exactly.
+    pub fn seen(&self, be: &CudaBackend, values: &[f32], k: usize, what: &str) -> Vec<f32> {
+        let (qs, ds) = (be.read_vec(self.q.ptr()).unwrap(), be.read_vec(self.d.ptr()).unwrap());
+        let seen: Vec<f32> = (0..values.len()).map(|i| ds[i / 32] * qs[i] as f32).collect();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for (row, got) in seen.chunks_exact(k).enumerate() {
+            let want = Q8Activations::quantize(&values[row * k..][..k]).unwrap().dequantized(0);
+            assert_eq!(bits(got), bits(&want), "{what} row {row}: 8-bit rows against the CPU");
+        }
+        seen
     }
 }
 
