@@ -415,8 +415,11 @@ __device__ __forceinline__ void k_scale_min_words(int j, unsigned w0, unsigned w
     }
 }
 
+// Chunk j of a Q4_K / Q5_K block as the chunk dots read it: the scales d * sc and mins dmin * m
+// of sub-blocks 2p (s[0], n[0]) and 2p + 1 (s[1], n[1]), and the levels as words of 4 bytes:
+// lo[k] sub-block 2p's, hi[k] sub-block 2p + 1's.
 template <bool FIFTH>
-__device__ __forceinline__ float k_asym_dot(const u8* b, int j, const float* xv, const float* xs) {
+__device__ __forceinline__ void k_asym_levels(const u8* b, int j, float* s, float* n, unsigned* lo, unsigned* hi) {
     int p = j >> 1, h = j & 1;
     uint4 head = *(const uint4*)b;  // d, dmin and the 12 packed scale bytes
     float d = __half2float(__ushort_as_half((unsigned short)(head.x & 0xffff)));
@@ -424,21 +427,32 @@ __device__ __forceinline__ float k_asym_dot(const u8* b, int j, const float* xv,
     float sc0, m0, sc1, m1;
     k_scale_min_words(2 * p, head.y, head.z, head.w, sc0, m0);
     k_scale_min_words(2 * p + 1, head.y, head.z, head.w, sc1, m1);
+    s[0] = d * sc0, n[0] = dmin * m0, s[1] = d * sc1, n[1] = dmin * m1;
     uint4 q4 = *(const uint4*)(b + (FIFTH ? 48 : 16) + 32 * p + 16 * h);
     uint4 h4 = FIFTH ? *(const uint4*)(b + 16 + 16 * h) : make_uint4(0, 0, 0, 0);
     unsigned qw[4] = {q4.x, q4.y, q4.z, q4.w}, hwd[4] = {h4.x, h4.y, h4.z, h4.w};
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        lo[k] = qw[k] & 0x0F0F0F0Fu, hi[k] = (qw[k] >> 4) & 0x0F0F0F0Fu;
+        if (FIFTH) {
+            lo[k] |= ((hwd[k] >> (2 * p)) & 0x01010101u) << 4;
+            hi[k] |= ((hwd[k] >> (2 * p + 1)) & 0x01010101u) << 4;
+        }
+    }
+}
+
+template <bool FIFTH>
+__device__ __forceinline__ float k_asym_dot(const u8* b, int j, const float* xv, const float* xs) {
+    float s[2], n[2];
+    unsigned lo[4], hi[4];
+    k_asym_levels<FIFTH>(b, j, s, n, lo, hi);
     float a0 = 0.f, a1 = 0.f;
 #pragma unroll
     for (int k = 0; k < 4; k++) {
-        unsigned lo = qw[k] & 0x0F0F0F0Fu, hi = (qw[k] >> 4) & 0x0F0F0F0Fu;
-        if (FIFTH) {
-            lo |= ((hwd[k] >> (2 * p)) & 0x01010101u) << 4;
-            hi |= ((hwd[k] >> (2 * p + 1)) & 0x01010101u) << 4;
-        }
-        a0 = q_dot4(lo, 8388608.f, xv + 4 * k, a0);
-        a1 = q_dot4(hi, 8388608.f, xv + 16 + 4 * k, a1);
+        a0 = q_dot4(lo[k], 8388608.f, xv + 4 * k, a0);
+        a1 = q_dot4(hi[k], 8388608.f, xv + 16 + 4 * k, a1);
     }
-    return (d * sc0) * a0 - (dmin * m0) * xs[0] + (d * sc1) * a1 - (dmin * m1) * xs[1];
+    return s[0] * a0 - n[0] * xs[0] + s[1] * a1 - n[1] * xs[1];
 }
 
 template <>
@@ -452,25 +466,35 @@ __device__ __forceinline__ float chunk_dot<W5_K>(const u8* b, int j, const float
 }
 
 // Q6_K chunk j: the four runs of 8 (one per quarter, each under one scale) as W6_K::chunk reads them.
-template <>
-__device__ __forceinline__ float chunk_dot<W6_K>(const u8* b, int j, const float* xv, const float*) {
+// Chunk j of a Q6_K block as the chunk dots read it: q[k][r] the levels (0..63) of quarter r's
+// values 4k .. 4k + 3 of the chunk's 8, and sw the half's 8 scale bytes as two words.
+__device__ __forceinline__ void q6_levels(const u8* b, int j, unsigned (*q)[4], unsigned* sw) {
     int hf = j >> 2, l0 = 8 * (j & 3);
-    unsigned a[2], bb[2], hh[2], sw[2];
+    unsigned a[2], bb[2], hh[2];
     q_load8(b + 64 * hf + l0, a[0], a[1]);
     q_load8(b + 64 * hf + 32 + l0, bb[0], bb[1]);
     q_load8(b + 128 + 32 * hf + l0, hh[0], hh[1]);
     q_load8(b + 192 + 8 * hf, sw[0], sw[1]);
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int k = 0; k < 2; k++) {
         unsigned A = a[k], B = bb[k], Z = hh[k];
-        unsigned q[4] = {(A & 0x0F0F0F0Fu) | ((Z & 0x03030303u) << 4),
-                         (B & 0x0F0F0F0Fu) | (((Z >> 2) & 0x03030303u) << 4),
-                         ((A >> 4) & 0x0F0F0F0Fu) | (((Z >> 4) & 0x03030303u) << 4),
-                         ((B >> 4) & 0x0F0F0F0Fu) | (((Z >> 6) & 0x03030303u) << 4)};
-#pragma unroll
-        for (int r = 0; r < 4; r++) acc[r] = q_dot4(q[r], 8388640.f, xv + 8 * r + 4 * k, acc[r]);  // q - 32
+        q[k][0] = (A & 0x0F0F0F0Fu) | ((Z & 0x03030303u) << 4);
+        q[k][1] = (B & 0x0F0F0F0Fu) | (((Z >> 2) & 0x03030303u) << 4);
+        q[k][2] = ((A >> 4) & 0x0F0F0F0Fu) | (((Z >> 4) & 0x03030303u) << 4);
+        q[k][3] = ((B >> 4) & 0x0F0F0F0Fu) | (((Z >> 6) & 0x03030303u) << 4);
     }
+}
+
+template <>
+__device__ __forceinline__ float chunk_dot<W6_K>(const u8* b, int j, const float* xv, const float*) {
+    int l0 = 8 * (j & 3);
+    unsigned q[2][4], sw[2];
+    q6_levels(b, j, q, sw);
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int k = 0; k < 2; k++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) acc[r] = q_dot4(q[k][r], 8388640.f, xv + 8 * r + 4 * k, acc[r]);  // q - 32
     float d = q_half(b + 208), s = 0.f;
 #pragma unroll
     for (int r = 0; r < 4; r++) {
@@ -735,26 +759,11 @@ __device__ __forceinline__ float chunk_dot_q8<W4_0>(const u8* b, int, const int*
 // sub-block 2p + 1's.
 template <bool FIFTH>
 __device__ __forceinline__ float k_asym_dot_q8(const u8* b, int j, const int* x, const float* dx) {
-    int p = j >> 1, h = j & 1;
-    uint4 head = *(const uint4*)b;
-    float d = __half2float(__ushort_as_half((unsigned short)(head.x & 0xffff)));
-    float dmin = __half2float(__ushort_as_half((unsigned short)(head.x >> 16)));
-    float sc0, m0, sc1, m1;
-    k_scale_min_words(2 * p, head.y, head.z, head.w, sc0, m0);
-    k_scale_min_words(2 * p + 1, head.y, head.z, head.w, sc1, m1);
-    uint4 q4 = *(const uint4*)(b + (FIFTH ? 48 : 16) + 32 * p + 16 * h);
-    uint4 h4 = FIFTH ? *(const uint4*)(b + 16 + 16 * h) : make_uint4(0, 0, 0, 0);
-    unsigned qw[4] = {q4.x, q4.y, q4.z, q4.w}, hwd[4] = {h4.x, h4.y, h4.z, h4.w}, lo[4], hi[4];
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        lo[k] = qw[k] & 0x0F0F0F0Fu, hi[k] = (qw[k] >> 4) & 0x0F0F0F0Fu;
-        if (FIFTH) {
-            lo[k] |= ((hwd[k] >> (2 * p)) & 0x01010101u) << 4;
-            hi[k] |= ((hwd[k] >> (2 * p + 1)) & 0x01010101u) << 4;
-        }
-    }
-    float r0 = (d * sc0) * (float)dp4x4(lo, x) - (dmin * m0) * (float)sum4x4(x);
-    float r1 = (d * sc1) * (float)dp4x4(hi, x + 4) - (dmin * m1) * (float)sum4x4(x + 4);
+    float s[2], n[2];
+    unsigned lo[4], hi[4];
+    k_asym_levels<FIFTH>(b, j, s, n, lo, hi);
+    float r0 = s[0] * (float)dp4x4(lo, x) - n[0] * (float)sum4x4(x);
+    float r1 = s[1] * (float)dp4x4(hi, x + 4) - n[1] * (float)sum4x4(x + 4);
     return dx[0] * r0 + dx[2] * r1;
 }
 
@@ -771,23 +780,15 @@ __device__ __forceinline__ float chunk_dot_q8<W5_K>(const u8* b, int j, const in
 // Q6_K chunk j as chunk_dot<W6_K> reads it: run r (x[2r], x[2r + 1]) is quarter r's 8 values.
 template <>
 __device__ __forceinline__ float chunk_dot_q8<W6_K>(const u8* b, int j, const int* x, const float* dx) {
-    int hf = j >> 2, l0 = 8 * (j & 3);
-    unsigned a[2], bb[2], hh[2], sw[2];
-    q_load8(b + 64 * hf + l0, a[0], a[1]);
-    q_load8(b + 64 * hf + 32 + l0, bb[0], bb[1]);
-    q_load8(b + 128 + 32 * hf + l0, hh[0], hh[1]);
-    q_load8(b + 192 + 8 * hf, sw[0], sw[1]);
+    int l0 = 8 * (j & 3);
+    unsigned q[2][4], sw[2];
+    q6_levels(b, j, q, sw);
     int acc[4] = {0, 0, 0, 0};
 #pragma unroll
-    for (int k = 0; k < 2; k++) {
-        unsigned A = a[k], B = bb[k], Z = hh[k];
-        unsigned q[4] = {(A & 0x0F0F0F0Fu) | ((Z & 0x03030303u) << 4),
-                         (B & 0x0F0F0F0Fu) | (((Z >> 2) & 0x03030303u) << 4),
-                         ((A >> 4) & 0x0F0F0F0Fu) | (((Z >> 4) & 0x03030303u) << 4),
-                         ((B >> 4) & 0x0F0F0F0Fu) | (((Z >> 6) & 0x03030303u) << 4)};
+    for (int k = 0; k < 2; k++)
 #pragma unroll
-        for (int r = 0; r < 4; r++) acc[r] = __dp4a((int)q[r], x[2 * r + k], acc[r]) - 32 * __dp4a(0x01010101, x[2 * r + k], 0);
-    }
+        for (int r = 0; r < 4; r++)
+            acc[r] = __dp4a((int)q[k][r], x[2 * r + k], acc[r]) - 32 * __dp4a(0x01010101, x[2 * r + k], 0);
     float s = 0.f;
 #pragma unroll
     for (int r = 0; r < 4; r++) {
