@@ -125,14 +125,18 @@ fn gemv_of_every_type_matches_the_cpu_dequantization() {
     }
 }
 
+/// Rows enough for the one-token GEMV to take two rows a warp (sharing the loads of x).
+fn shared_x_rows(be: &CudaBackend) -> usize {
+    2 * be.info().multiprocessors as usize * moe_lanes_kernels::cuda::quant::WIDE_MIN_WARPS_PER_SM + 3
+}
+
 /// The one-token GEMV takes one row a warp for small matrices and two (sharing the loads of x)
 /// for large ones: each row's sum is the same bits either way.
 #[test]
 fn rows_per_warp_leave_the_sums_unchanged() {
     let Some(be) = backend() else { return };
     let mut rng = Rng(0x51DE_CA75);
-    let big =
-        2 * be.info().multiprocessors as usize * moe_lanes_kernels::cuda::quant::WIDE_MIN_WARPS_PER_SM + 3;
+    let big = shared_x_rows(be);
     assert_eq!(be.wide_rows_per_warp(37), 1);
     assert!(be.wide_rows_per_warp(big) > 1, "{big} rows take the shared-x form");
     for dtype in WeightDType::QUANTIZED {
@@ -181,8 +185,7 @@ impl QuantizedX {
 fn q8_gemv_of_every_type_matches_the_dequantized_activations() {
     let Some(be) = backend() else { return };
     let mut rng = Rng(0x0008_B175);
-    let big =
-        2 * be.info().multiprocessors as usize * moe_lanes_kernels::cuda::quant::WIDE_MIN_WARPS_PER_SM + 3;
+    let big = shared_x_rows(be);
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     for dtype in WeightDType::QUANTIZED {
         for blocks_per_row in block_counts(dtype) {
