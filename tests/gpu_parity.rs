@@ -41,6 +41,8 @@ enum Hot {
     None,
     Half,
     All,
+    /// Layer 0 all hot, the others half: a decode call with split and all-hot layers.
+    Mixed,
 }
 
 fn hot_set(hot: Hot, n_layers: usize, n_experts: usize) -> HotSet {
@@ -50,6 +52,8 @@ fn hot_set(hot: Hot, n_layers: usize, n_experts: usize) -> HotSet {
             Hot::All => (0..n_experts).collect(),
             // A different half per layer, so both lanes see every expert somewhere.
             Hot::Half => (0..n_experts).filter(|e| (e + l) % 2 == 0).collect(),
+            Hot::Mixed if l == 0 => (0..n_experts).collect(),
+            Hot::Mixed => (0..n_experts).filter(|e| (e + l) % 2 == 0).collect(),
         })
         .collect();
     HotSet::from_lists(n_layers, n_experts, 1, &lists)
@@ -246,46 +250,53 @@ fn forward_last_is_the_last_row() {
     }
 }
 
-/// An all-hot GPU engine for `positions`, with the decode graph on or off.
-fn all_hot_engine(model: &Arc<Model>, positions: usize, graph: bool) -> Box<dyn Engine + '_> {
+/// A GPU engine for `positions` with the `hot` set, with the decode graph on or off.
+fn graph_engine(model: &Arc<Model>, positions: usize, hot: Hot, graph: bool) -> Box<dyn Engine + '_> {
     let c = model.config();
     let mut opts = EngineOptions::new(positions);
     opts.cuda = moe_lanes::env::cuda_config().unwrap();
     opts.kind = Some(EngineKind::Gpu);
-    opts.hot = HotChoice::Set(hot_set(Hot::All, c.n_layers, c.n_experts));
+    opts.hot = HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts));
     opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
     opts.gpu.decode_graph = graph;
     build_engine(model, opts).unwrap().0
 }
 
 /// The replayed decode graph gives the eager decode's logits bit for bit, across a change of
-/// attention bucket (256 positions: a new capture).
+/// attention bucket (256 positions: a new capture); so do the decode segments of a model with
+/// cold experts in some layers (their cold lanes run between the graphs), whose greedy tokens
+/// also follow the reference.
 #[test]
 fn decode_graph_matches_eager_bit_for_bit() {
     if !common::gpu_usable() {
         return;
     }
     for name in &common::fixture_names() {
-        let model = open(name);
-        let c = model.config().clone();
-        let n_steps = 300.min(c.max_positions - 8);
-        let prompt = prompt(model.path());
-        let prompt = &prompt[..prompt.len().min(8)];
-        let (mut eager, mut graph) = (
-            all_hot_engine(&model, prompt.len() + n_steps, false),
-            all_hot_engine(&model, prompt.len() + n_steps, true),
-        );
-        let (mut ce, mut cg) = (
-            eager.new_cache(prompt.len() + n_steps).unwrap(),
-            graph.new_cache(prompt.len() + n_steps).unwrap(),
-        );
-        let mut next = *eager.forward(prompt, Phase::Prefill, &mut ce).unwrap().argmax.last().unwrap();
-        graph.forward(prompt, Phase::Prefill, &mut cg).unwrap();
-        for step in 0..n_steps {
-            let want = eager.forward(&[next], Phase::Decode, &mut ce).unwrap();
-            let got = graph.forward(&[next], Phase::Decode, &mut cg).unwrap();
-            assert_eq!(got.row(0), want.row(0), "{name}: decode step {step} differs from the eager call");
-            next = want.argmax[0];
+        for hot in [Hot::All, Hot::Mixed] {
+            let model = open(name);
+            let c = model.config().clone();
+            let n_steps = 300.min(c.max_positions - 8);
+            let prompt = prompt(model.path());
+            let prompt = &prompt[..prompt.len().min(8)];
+            let n = prompt.len() + n_steps;
+            let (mut eager, mut graph) =
+                (graph_engine(&model, n, hot, false), graph_engine(&model, n, hot, true));
+            let (mut ce, mut cg) = (eager.new_cache(n).unwrap(), graph.new_cache(n).unwrap());
+            let mut next = *eager.forward(prompt, Phase::Prefill, &mut ce).unwrap().argmax.last().unwrap();
+            graph.forward(prompt, Phase::Prefill, &mut cg).unwrap();
+            let case = format!("{name} {hot:?}");
+            for step in 0..n_steps {
+                let want = eager.forward(&[next], Phase::Decode, &mut ce).unwrap();
+                let got = graph.forward(&[next], Phase::Decode, &mut cg).unwrap();
+                assert_eq!(got.row(0), want.row(0), "{case}: decode step {step} differs from the eager call");
+                next = want.argmax[0];
+            }
+            if let Hot::Mixed = hot {
+                let cold: u64 =
+                    graph.perf().unwrap().report().layers.iter().map(|l| l.cold_slots_total).sum();
+                assert!(cold > 0, "{case}: the split layers' cold lane ran");
+                check_against_reference(&format!("{case} segments"), &model, graph.as_mut());
+            }
         }
     }
 }

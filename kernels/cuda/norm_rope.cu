@@ -7,6 +7,14 @@ extern "C" __global__ void rmsnorm_f32(const float* x, const float* __restrict__
     norm_row_to(x + (size_t)blockIdx.x * dim, w, dim, eps, y + (size_t)blockIdx.x * dim);
 }
 
+// The rotation of pair i of a head of hd at position pos: angle pos * theta^(-2i/hd) in double,
+// as the reference computes it.
+__device__ __forceinline__ void rope_angle(int i, int hd, float theta, double pos, float* s, float* c) {
+    double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)hd);
+    double ang = pos * inv_freq;
+    *s = (float)sin(ang), *c = (float)cos(ang);
+}
+
 // RoPE for token t (position pos0 + t), head h: rotate pairs (i, i + d/2) (half_split) or
 // (2i, 2i + 1) (interleaved) by pos * theta^(-2i/d), angles in double as the reference does.
 // x rows are [T, row_stride]; heads at h * head_dim. grid (T, n_heads), block 64.
@@ -15,9 +23,8 @@ extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int 
     float* xh = x + (size_t)t * row_stride + (size_t)h * head_dim;
     double pos = (double)(pos0 + t);
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)head_dim);
-        double ang = pos * inv_freq;
-        float s = (float)sin(ang), c = (float)cos(ang);
+        float s, c;
+        rope_angle(i, head_dim, theta, pos, &s, &c);
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
         float x0 = xh[a], x1 = xh[b];
@@ -60,9 +67,8 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
     }
     double pos = (double)(pos0 + t);
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)hd);
-        double ang = pos * inv_freq;
-        float s = (float)sin(ang), c = (float)cos(ang);
+        float s, c;
+        rope_angle(i, hd, theta, pos, &s, &c);
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
         float x0 = xh[a], x1 = xh[b];

@@ -62,8 +62,14 @@ use crate::weights::{Activation, ExpertWeights};
 
 /// ff rows per phase-1 work unit: gate and up rows interleave into one 8-row tile block.
 const FF_ROWS_PER_UNIT: usize = ROW_BLOCK / 2;
-/// How long an idle worker spins before it sleeps.
-const IDLE_SPIN: Duration = Duration::from_micros(200);
+/// How long an idle worker spins before it sleeps. The GPU engine's partial-hit decode calls the
+/// pool only in the layers that route to a cold expert, often a few layers (hundreds of us)
+/// apart: a worker that went to sleep in between is woken through the condvar, and the call
+/// waits for the slowest waker. On the H100 machine (4-layer Q4_K_M file, half its experts hot,
+/// 93% hit) 200 us gave tg128 1426 / 1390 and a cold lane of 39-42 us a layer, 2 ms 1468 / 1466
+/// and 32 us, 20 ms no better (1472 / 1383). The cost: up to this long of spinning on the pool's
+/// own cores after the last call.
+const IDLE_SPIN: Duration = Duration::from_millis(2);
 /// Row blocks of one reduce group of the pipelined schedule (64 hidden rows).
 const REDUCE_GROUP_BLOCKS: usize = 8;
 /// Longest claim of the pipelined schedule, in units (64 gate/up units are 256 ff rows of gate

@@ -207,6 +207,7 @@ fn attention_causal_gqa_matches_cpu() {
         (32, 4, 128, 0, 70),
         (32, 4, 128, 45, 19),
         (6, 1, 16, 2, 33),
+        (4, 2, 64, 2100, 1),
     ] {
         let total = pos0 + t;
         let kv_dim = n_kv * hd;
@@ -420,9 +421,13 @@ fn route_decode_matches_unfused_bit_for_bit() {
     let Some(be) = backend() else { return };
     // The last case's router rows are all one row but two (scaled by -1 and 2): most logits tie
     // exactly, and ties go to the lower id in both.
-    for (t, h, e, k) in
-        [(1usize, 2048usize, 128usize, 8usize), (3, 200, 10, 3), (2, 64, 60, 60), (2, 256, 16, 5)]
-    {
+    for (t, h, e, k) in [
+        (1usize, 2048usize, 128usize, 8usize),
+        (3, 200, 10, 3),
+        (2, 64, 60, 60),
+        (2, 256, 16, 5),
+        (1, 4104, 24, 4),
+    ] {
         let x = rnd(t * h, 40);
         let nw: Vec<f32> = rnd(h, 41).iter().map(|v| 1.0 + 0.5 * v).collect();
         let mut router = rnd(e * h, 42);

@@ -35,6 +35,8 @@ pub enum GpuError {
     BadRoute { layer_idx: usize, expert_id: i32 },
     #[error(transparent)]
     PostFetch(#[from] super::postfetch::plan::BadTransition),
+    #[error("layer {layer_idx}: the hot lane's kernels could not be captured into the decode graph")]
+    HotLaneCapture { layer_idx: usize },
     #[error("injected fault: {what}")]
     Injected { what: &'static str },
 }

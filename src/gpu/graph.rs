@@ -148,6 +148,196 @@ impl GpuModel {
     }
 }
 
+/// A decode call over a model with cold experts in some layers ("split" layers), as graphs
+/// between its host steps: part i runs from the previous split layer's join (the add of its
+/// MoE output) through the next split layer's attention and routing (its copy to the host
+/// included), then that layer's hot lane is its own graph, launched before the host waits for
+/// the routing, so the hot GEMVs run while the host builds the worklist and the CPU computes
+/// the cold experts (queued on the stream eagerly, as without graphs). All-hot layers between
+/// split layers run inside the parts. One graph launch replaces a dozen kernel launches per
+/// layer, so the host's launches no longer pace the GPU after each join. Same kernels in the
+/// same order as the eager call: the same bits.
+pub(crate) struct DecodeSegments {
+    key: GraphKey,
+    /// The split layers, ascending; part i ends at split layer i, the last part at the logits.
+    split_layers: Vec<usize>,
+    parts: Vec<StreamGraph>,
+    /// The hot lane of split layer i.
+    hot: Vec<StreamGraph>,
+    /// The layer records the capture left (the all-hot layers' stay as they are).
+    records: Vec<LayerRecord>,
+}
+
+impl GpuModel {
+    fn split_layers(&self) -> Vec<usize> {
+        (0..self.cfg.n_layers).filter(|&l| !self.hot.all_hot(l)).collect()
+    }
+
+    /// Whether this call runs as decode segments: the decode graph's conditions, except that
+    /// some layers have cold experts.
+    pub(super) fn segments_eligible(&self, tokens: &[u32], phase: Phase) -> bool {
+        self.opts.decode_graph
+            && phase == Phase::Decode
+            && tokens.len() == 1
+            && self.opts.faults == GpuFaults::default()
+            && self.qk_fused()
+            && (0..self.cfg.n_layers).any(|l| !self.hot.all_hot(l))
+    }
+
+    /// The decode call through its segments (captured first when the key or the split layers
+    /// changed).
+    pub(super) fn forward_segments(
+        &mut self,
+        token: u32,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+        rows: LogitRows,
+        call_start: Instant,
+    ) -> Result<Logits, GpuError> {
+        let pos0 = cache.n_positions;
+        for l in 0..self.cfg.n_layers {
+            self.hot.order_after_exchanges(&self.be, l)?; // outside the graphs: it may wait
+        }
+        self.reserve_attention(1, cache)?;
+        let key = self.graph_key(cache, positions_bucket(pos0, cache.capacity));
+        let split = self.split_layers();
+        let s = self.scratch.as_ref().expect("reserved");
+        self.be.write(&[token as i32, pos0 as i32], s.step.ptr())?;
+        if self.segments.as_ref().is_none_or(|g| g.key != key || g.split_layers != split) {
+            self.segments = None;
+            self.segments = Some(self.capture_segments(key, pos0, cache, cold, rows, split)?);
+        }
+        let segs = self.segments.take().expect("captured above");
+        let run = self.run_segments(&segs, cold);
+        self.segments = Some(segs);
+        run?;
+        let copy_start = Instant::now();
+        let logits = self.head_copies(1, 1)?;
+        let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
+        cache.n_positions += 1;
+        self.finish_call(Phase::Decode, 1, call_start, copy_start, copy_us)?;
+        Ok(logits)
+    }
+
+    /// Launch the parts and hot lanes in turn, each split layer's cold lane on the host between.
+    fn run_segments(&mut self, segs: &DecodeSegments, cold: &mut dyn ColdExperts) -> Result<(), GpuError> {
+        self.records.clone_from(&segs.records);
+        let hot_at = Some(Instant::now());
+        self.records.iter_mut().for_each(|r| r.hot_at = hot_at);
+        for (i, part) in segs.parts.iter().enumerate() {
+            self.be.launch_graph(part)?;
+            let Some(&l) = segs.split_layers.get(i) else { break };
+            self.scratch.as_ref().expect("reserved").pin_route.fence_replayed();
+            self.be.launch_graph(&segs.hot[i])?;
+            let outcome = self.cold_lane_device(l, 1, cold);
+            // the next part adds the layer's MoE output (after a fallback, the all-cold one)
+            self.moe_settle(l, Phase::Decode, 1, cold, outcome)?;
+        }
+        Ok(())
+    }
+
+    /// Capture the parts and hot lanes of a decode call whose `split` layers have cold experts.
+    fn capture_segments(
+        &mut self,
+        key: GraphKey,
+        pos0: usize,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+        rows: LogitRows,
+        split: Vec<usize>,
+    ) -> Result<DecodeSegments, GpuError> {
+        self.step = Some(key.max_positions);
+        let mut graphs = Vec::with_capacity(2 * split.len() + 1);
+        let enqueued = self.enqueue_segments(pos0, cache, cold, rows, &split, &mut graphs);
+        self.step = None;
+        enqueued?;
+        let (mut parts, mut hot) = (Vec::new(), Vec::new());
+        for (i, g) in graphs.into_iter().enumerate() {
+            if i % 2 == 0 {
+                parts.push(g)
+            } else {
+                hot.push(g)
+            }
+        }
+        Ok(DecodeSegments { key, split_layers: split, parts, hot, records: self.records.clone() })
+    }
+
+    fn enqueue_segments(
+        &mut self,
+        pos0: usize,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+        rows: LogitRows,
+        split: &[usize],
+        graphs: &mut Vec<StreamGraph>,
+    ) -> Result<(), GpuError> {
+        let mut first = 0;
+        for &sl in split {
+            let mut plan = None;
+            self.captured(graphs, |m| {
+                m.part_start(first)?;
+                m.whole_layers(first..sl, pos0, cache, cold)?;
+                m.mark(sl, 0)?;
+                m.attention_block(sl, Phase::Decode, 1, pos0, cache)?;
+                plan = Some(m.moe_route(sl, Phase::Decode, 1)?);
+                Ok(())
+            })?;
+            let plan = plan.expect("routed above");
+            assert!(plan.device_path && !plan.direct, "a split decode layer takes the device path");
+            let fault = |_| GpuError::HotLaneCapture { layer_idx: sl };
+            self.captured(graphs, |m| m.hot_lane_device(sl, 1, plan).map_err(fault))?;
+            first = sl + 1;
+        }
+        self.captured(graphs, |m| {
+            m.part_start(first)?;
+            m.whole_layers(first..m.cfg.n_layers, pos0, cache, cold)?;
+            m.head_kernels(Phase::Decode, 1, rows).map(|_| ())
+        })
+    }
+
+    /// A part's first work: the embedding (the first part) or the previous layer's MoE output
+    /// added into the residual stream.
+    fn part_start(&mut self, first: usize) -> Result<(), GpuError> {
+        let s = self.scratch.as_ref().expect("reserved");
+        if first == 0 {
+            self.mark_tail(0)?;
+            return self.embed_rows(s.step.ptr().sub(0, 1));
+        }
+        self.be.add(s.hidden.ptr(), s.moe_out.ptr(), self.cfg.hidden)?;
+        self.mark(first - 1, 9)
+    }
+
+    fn whole_layers(
+        &mut self,
+        layers: std::ops::Range<usize>,
+        pos0: usize,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdExperts,
+    ) -> Result<(), GpuError> {
+        for l in layers {
+            self.mark(l, 0)?;
+            self.attention_block(l, Phase::Decode, 1, pos0, cache)?;
+            self.moe_block(l, Phase::Decode, 1, cold)?;
+        }
+        Ok(())
+    }
+
+    /// Run `f`'s enqueues as one captured graph, appended to `graphs`; the capture always ends,
+    /// so a failed enqueue leaves the stream usable.
+    fn captured(
+        &mut self,
+        graphs: &mut Vec<StreamGraph>,
+        f: impl FnOnce(&mut Self) -> Result<(), GpuError>,
+    ) -> Result<(), GpuError> {
+        self.be.begin_capture()?;
+        let enqueued = f(self);
+        let graph = self.be.end_capture();
+        enqueued?;
+        graphs.push(graph?);
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -4,7 +4,7 @@
 //! `stats`.
 
 use super::cold::{ColdExperts, CpuColdExperts};
-use super::graph::DecodeGraph;
+use super::graph::{DecodeGraph, DecodeSegments};
 use super::hot_cache::HotCache;
 use super::hot_dequant::HotDequant;
 use super::kv::GpuKvCache;
@@ -271,6 +271,8 @@ pub struct GpuModel {
     pub(super) call_idx: u64,
     /// The captured one-token decode call, replayed while its key holds.
     pub(super) graph: Option<DecodeGraph>,
+    /// The captured decode call of a model with cold experts in some layers.
+    pub(super) segments: Option<DecodeSegments>,
     /// While a decode graph is captured: the most positions its attention is sized for (the
     /// position itself is read from device memory, `Scratch::step`).
     pub(crate) step: Option<usize>,
@@ -313,6 +315,7 @@ impl GpuModel {
             postfetch,
             call_idx: 0,
             graph: None,
+            segments: None,
             step: None,
             lane_events,
             hot,
@@ -332,6 +335,7 @@ impl GpuModel {
     pub fn allocate_hot(&mut self, set: &HotSet) -> Result<(), GpuError> {
         self.be.bind_to_thread()?;
         self.graph = None; // its slot pointers go with the old cache
+        self.segments = None;
         self.hot.allocate(&self.be, &self.model, set)
     }
 
@@ -479,6 +483,9 @@ impl GpuModel {
         let pos0 = cache.n_positions;
         if self.graph_eligible(tokens, phase) {
             return self.forward_graph(tokens[0], cache, cold, rows, call_start);
+        }
+        if self.segments_eligible(tokens, phase) {
+            return self.forward_segments(tokens[0], cache, cold, rows, call_start);
         }
         self.embed(tokens)?;
         for l in 0..self.cfg.n_layers {

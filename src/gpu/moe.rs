@@ -37,6 +37,17 @@ use moe_lanes_kernels::cuda::ops::grouped_tiles;
 use moe_lanes_kernels::cuda::{DPtr, GpuEvent, TypedWeights};
 use std::time::{Duration, Instant};
 
+/// How layer's MoE block runs after its routing ([`GpuModel::moe_route`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MoePlan {
+    /// Decode GEMVs, worklist on the GPU ([`GpuModel::hot_lane_device`]); else the host path.
+    pub(crate) device_path: bool,
+    /// The hot lane accumulates straight into the residual stream.
+    pub(crate) direct: bool,
+    /// The fused routing wrote the device worklist.
+    pub(crate) worklist_built: bool,
+}
+
 /// How a layer's split ended when it did not end well.
 pub(crate) enum LayerFault {
     /// Recompute the layer all-cold; `plain`: the cold lane itself failed, use the plain one.
@@ -68,6 +79,18 @@ impl GpuModel {
         t: usize,
         cold: &mut dyn ColdExperts,
     ) -> Result<(), GpuError> {
+        let plan = self.moe_route(l, phase, t)?;
+        let outcome = if plan.device_path {
+            self.moe_device(l, t, cold, plan)
+        } else {
+            self.moe_host(l, phase, t, cold)
+        };
+        self.moe_finish(l, phase, t, cold, outcome, plan.direct)
+    }
+
+    /// The start of layer `l`'s MoE block: its record reset, the routing (to the host when a
+    /// lane there needs it) and the shared expert; how the rest runs.
+    pub(crate) fn moe_route(&mut self, l: usize, phase: Phase, t: usize) -> Result<MoePlan, GpuError> {
         self.records[l] = LayerRecord::default();
         self.postfetch_reset();
         self.hot.order_after_exchanges(&self.be, l)?;
@@ -88,11 +111,39 @@ impl GpuModel {
         self.route(l, t, !direct, to_host, device_path && to_host, fused)?;
         self.shared_expert(l, phase, t)?;
         self.mark(l, 5)?;
-        let outcome = if device_path {
-            self.moe_device(l, t, cold, direct, fused)
-        } else {
-            self.moe_host(l, phase, t, cold)
-        };
+        Ok(MoePlan { device_path, direct, worklist_built: fused })
+    }
+
+    /// The end of layer `l`'s MoE block: a lane's failure recomputed all-cold (counted), then
+    /// the layer's MoE output added into the residual stream unless the hot lane wrote there.
+    pub(crate) fn moe_finish(
+        &mut self,
+        l: usize,
+        phase: Phase,
+        t: usize,
+        cold: &mut dyn ColdExperts,
+        outcome: Result<(), LayerFault>,
+        direct: bool,
+    ) -> Result<(), GpuError> {
+        let fell_back = self.moe_settle(l, phase, t, cold, outcome)?;
+        if !direct || fell_back {
+            let s = self.scratch.as_ref().expect("reserved");
+            self.be.add(s.hidden.ptr(), s.moe_out.ptr(), t * self.cfg.hidden)?;
+        }
+        self.mark(l, 9)?;
+        Ok(())
+    }
+
+    /// A lane's failure recomputed all-cold into the layer's MoE output (counted); whether it
+    /// fell back. The layer's record is marked launched or not.
+    pub(crate) fn moe_settle(
+        &mut self,
+        l: usize,
+        phase: Phase,
+        t: usize,
+        cold: &mut dyn ColdExperts,
+        outcome: Result<(), LayerFault>,
+    ) -> Result<bool, GpuError> {
         let fell_back = match outcome {
             Ok(()) => false,
             Err(LayerFault::Fatal(e)) => return Err(e),
@@ -103,12 +154,7 @@ impl GpuModel {
         };
         self.records[l].launched = !fell_back;
         self.mark(l, 8)?;
-        if !direct || fell_back {
-            let s = self.scratch.as_ref().expect("reserved");
-            self.be.add(s.hidden.ptr(), s.moe_out.ptr(), t * self.cfg.hidden)?;
-        }
-        self.mark(l, 9)?;
-        Ok(())
+        Ok(fell_back)
     }
 
     /// Decode: worklist on the GPU, hot lane by GEMV kernels, cold lane on the host, join on
@@ -118,9 +164,19 @@ impl GpuModel {
         l: usize,
         t: usize,
         cold: &mut dyn ColdExperts,
-        direct: bool,
-        worklist_built: bool,
+        plan: MoePlan,
     ) -> Result<(), LayerFault> {
+        self.hot_lane_device(l, t, plan)?;
+        if self.hot.all_hot(l) {
+            self.records[l].hot_slots = t * self.cfg.n_experts_used;
+            return Ok(());
+        }
+        self.cold_lane_device(l, t, cold)
+    }
+
+    /// The device path's hot lane: the worklist from the routing ids (unless the fused routing
+    /// wrote it) and the GEMVs over the cached experts; entries of cold experts are skipped.
+    pub(crate) fn hot_lane_device(&mut self, l: usize, t: usize, plan: MoePlan) -> Result<(), LayerFault> {
         let (h, k, e_n) = (self.cfg.hidden, self.cfg.n_experts_used, self.cfg.n_experts);
         let n_ent = t * k;
         let s = self.scratch.as_ref().expect("reserved");
@@ -128,7 +184,7 @@ impl GpuModel {
         let ids = route_ids(s.ids(), k, l, t);
         let (p_slots, p_toks) = (wi.sub(lay.slots, n_ent), wi.sub(lay.tokens, n_ent));
         let (p_off, p_rows) = (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
-        if !worklist_built {
+        if !plan.worklist_built {
             self.be.hot_worklist_tokens(
                 self.hot.map_dev(l),
                 ids,
@@ -146,7 +202,7 @@ impl GpuModel {
         self.records[l].hot_at = Some(Instant::now());
         if let Some(c) = self.hot.slots(l) {
             let wts = route_ids(s.weights.ptr(), k, l, t);
-            let out = if direct { s.hidden.ptr() } else { s.moe_out.ptr() };
+            let out = if plan.direct { s.hidden.ptr() } else { s.moe_out.ptr() };
             // entries routed to cold experts have slot -1: the kernels skip them
             let hot = || -> Result<(), GpuError> {
                 let (ff, x, hb) = (self.cfg.expert_ff, s.normed.ptr(), s.h.ptr());
@@ -173,10 +229,17 @@ impl GpuModel {
         }
         self.be.record(&self.lane_events[l].end)?;
         self.mark(l, 7)?;
-        if self.hot.all_hot(l) {
-            self.records[l].hot_slots = n_ent;
-            return Ok(());
-        }
+        Ok(())
+    }
+
+    /// The device path's cold lane: once the routing is on the host, the host worklist, the
+    /// cold experts on the CPU, their rows joined on the stream.
+    pub(crate) fn cold_lane_device(
+        &mut self,
+        l: usize,
+        t: usize,
+        cold: &mut dyn ColdExperts,
+    ) -> Result<(), LayerFault> {
         let split_at = Instant::now();
         self.wait_routes()?;
         // The hot lane cannot start on the GPU before routing is done: place it now.

@@ -221,12 +221,28 @@ impl<T: Copy + Default> PinnedBuffer<T> {
         // SAFETY: as in `as_slice`; `&mut self` makes this the only view.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) })
     }
-    /// Mark a copy queued on `stream` as using the buffer until the fence recorded now.
-    fn fence_after(&self, stream: sys::CUstream) -> Result<()> {
-        // SAFETY: `fence` is a live event of this context; `stream` is the caller's live stream.
-        unsafe { drv::event::record(self.fence, stream) }.ctx("cuEventRecord")?;
+    /// Mark a copy queued on `stream` as using the buffer until the fence recorded now. While
+    /// the stream is captured (`captured`) the record is a node of the graph (an external
+    /// record), so every replay records the fence after its copies; see
+    /// [`PinnedBuffer::fence_replayed`].
+    fn fence_after(&self, stream: sys::CUstream, captured: bool) -> Result<()> {
+        if captured {
+            let flags = sys::CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL as u32;
+            // SAFETY: `fence` is a live event of this context; `stream` is the caller's live stream.
+            unsafe { sys::cuEventRecordWithFlags(self.fence, stream, flags) }
+                .result()
+                .ctx("cuEventRecordWithFlags")?;
+        } else {
+            // SAFETY: `fence` is a live event of this context; `stream` is the caller's live stream.
+            unsafe { drv::event::record(self.fence, stream) }.ctx("cuEventRecord")?;
+        }
         self.in_flight.set(true);
         Ok(())
+    }
+    /// A graph whose capture copied into or out of this buffer was launched: the host accessors
+    /// wait for the fence that launch records.
+    pub fn fence_replayed(&self) {
+        self.in_flight.set(true);
     }
 }
 
@@ -574,7 +590,7 @@ impl CudaBackend {
             let host = std::slice::from_raw_parts_mut(dst.ptr, n);
             drv::memcpy_dtoh_async(host, src.raw, self.stream_raw()).ctx("cuMemcpyDtoHAsync")?;
         }
-        dst.fence_after(self.stream_raw())
+        dst.fence_after(self.stream_raw(), self.is_capturing())
     }
 
     /// Queue several copies into ranges of one pinned buffer, `(src, dst_offset)` each copying all
@@ -596,7 +612,7 @@ impl CudaBackend {
                 drv::memcpy_dtoh_async(host, src.raw, self.stream_raw()).ctx("cuMemcpyDtoHAsync")?;
             }
         }
-        dst.fence_after(self.stream_raw())
+        dst.fence_after(self.stream_raw(), self.is_capturing())
     }
 
     /// Queue a copy of the first `n` elements of pinned `src` into `dst`. Safe: `src`'s host
@@ -632,7 +648,7 @@ impl CudaBackend {
             let host = std::slice::from_raw_parts(src.ptr.add(range.start), range.len());
             drv::memcpy_htod_async(dst.raw, host, stream).ctx(what)?;
         }
-        src.fence_after(stream)
+        src.fence_after(stream, stream == self.stream_raw() && self.is_capturing())
     }
 
     /// Queue a copy of `src[range]` (pinned) into `dst` on the side stream. Safe like
@@ -720,7 +736,7 @@ impl CudaBackend {
     /// stream is being captured ([`CudaBackend::begin_capture`]) the record becomes a node of the
     /// graph (an external record), so the event times every replay.
     pub fn record(&self, ev: &GpuEvent) -> Result<()> {
-        if self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+        if self.is_capturing() {
             let flags = sys::CUevent_record_flags_enum::CU_EVENT_RECORD_EXTERNAL as u32;
             // SAFETY: `ev` is a live event of this context and the stream is this backend's.
             return unsafe { sys::cuEventRecordWithFlags(ev.ev, self.stream_raw(), flags) }
@@ -729,6 +745,10 @@ impl CudaBackend {
         }
         // SAFETY: `ev` is a live event of this context and the stream is this backend's.
         unsafe { drv::event::record(ev.ev, self.stream_raw()) }.ctx("cuEventRecord")
+    }
+
+    fn is_capturing(&self) -> bool {
+        self.capturing.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Start capturing the compute stream's work into a graph instead of running it (this
