@@ -15,7 +15,7 @@
 //! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |
 //! | `MOE_LANES_HOT_DEQUANT_MIB` | A/B: VRAM for quantized hot slots dequantized to bf16 before the grouped prefill GEMMs (default 0: the GEMMs decode quantized tiles themselves; more: fewer chunks) |
 //! | `MOE_LANES_HOT_DEQUANT_OVERLAP=1` | dequantize those chunks (two half-size ones) on the side stream beside the previous chunk's GEMMs |
-//! | `MOE_LANES_GPU_GRAPH=0` | launch every decode kernel one by one instead of replaying the captured decode graph (all-hot models) |
+//! | `MOE_LANES_GPU_GRAPH=0` | launch every decode kernel one by one instead of replaying the captured decode graph (all-hot models) or decode segments (models with cold experts) |
 //! | `MOE_LANES_GPU_FUSED_ROUTE=0` | decode routing as four launches (norm, router GEMV, top-k, worklist) instead of the fused one |
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `tiled` (default, flash-style tiles of queries x keys) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |

@@ -56,12 +56,41 @@ impl GpuModel {
     /// Whether this call runs as the decode graph: one decode token, graphs on, no injected
     /// faults, every layer all hot (no cold lane, no host step), the fused q/k norm + RoPE.
     pub(super) fn graph_eligible(&self, tokens: &[u32], phase: Phase) -> bool {
+        self.graphs_apply(tokens, phase) && (0..self.cfg.n_layers).all(|l| self.hot.all_hot(l))
+    }
+
+    /// Graphs on, one decode token, no injected faults, the fused q/k norm + RoPE.
+    fn graphs_apply(&self, tokens: &[u32], phase: Phase) -> bool {
         self.opts.decode_graph
             && phase == Phase::Decode
             && tokens.len() == 1
             && self.opts.faults == GpuFaults::default()
             && self.qk_fused()
-            && (0..self.cfg.n_layers).all(|l| self.hot.all_hot(l))
+    }
+
+    /// Before a decode step's graphs: pending exchanges ordered (outside the graphs: it may
+    /// wait), the attention partials reserved, the token and its position on the device; the
+    /// key the step's graphs need.
+    fn graph_step_start(&mut self, token: u32, cache: &GpuKvCache) -> Result<GraphKey, GpuError> {
+        let pos0 = cache.n_positions;
+        for l in 0..self.cfg.n_layers {
+            self.hot.order_after_exchanges(&self.be, l)?;
+        }
+        self.reserve_attention(1, cache)?;
+        let key = self.graph_key(cache, positions_bucket(pos0, cache.capacity));
+        let s = self.scratch.as_ref().expect("reserved");
+        self.be.write(&[token as i32, pos0 as i32], s.step.ptr())?;
+        Ok(key)
+    }
+
+    /// After a decode step's graphs: the logits and greedy token back, the call's stats.
+    fn graph_step_end(&mut self, cache: &mut GpuKvCache, call_start: Instant) -> Result<Logits, GpuError> {
+        let copy_start = Instant::now();
+        let logits = self.head_copies(1, 1)?;
+        let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
+        cache.n_positions += 1;
+        self.finish_call(Phase::Decode, 1, call_start, copy_start, copy_us)?;
+        Ok(logits)
     }
 
     /// The decode call through the graph (captured first when its key changed).
@@ -74,13 +103,7 @@ impl GpuModel {
         call_start: Instant,
     ) -> Result<Logits, GpuError> {
         let pos0 = cache.n_positions;
-        for l in 0..self.cfg.n_layers {
-            self.hot.order_after_exchanges(&self.be, l)?; // outside the graph: it may wait
-        }
-        self.reserve_attention(1, cache)?;
-        let key = self.graph_key(cache, positions_bucket(pos0, cache.capacity));
-        let s = self.scratch.as_ref().expect("reserved");
-        self.be.write(&[token as i32, pos0 as i32], s.step.ptr())?;
+        let key = self.graph_step_start(token, cache)?;
         if self.graph.as_ref().is_none_or(|g| g.key != key) {
             self.graph = None;
             self.graph = Some(self.capture(key, pos0, cache, cold, rows)?);
@@ -90,12 +113,7 @@ impl GpuModel {
         let hot_at = Some(Instant::now());
         self.records.clone_from(&g.records);
         self.records.iter_mut().for_each(|r| r.hot_at = hot_at);
-        let copy_start = Instant::now();
-        let logits = self.head_copies(1, 1)?;
-        let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
-        cache.n_positions += 1;
-        self.finish_call(Phase::Decode, 1, call_start, copy_start, copy_us)?;
-        Ok(logits)
+        self.graph_step_end(cache, call_start)
     }
 
     fn graph_key(&self, cache: &GpuKvCache, max_positions: usize) -> GraphKey {
@@ -176,12 +194,7 @@ impl GpuModel {
     /// Whether this call runs as decode segments: the decode graph's conditions, except that
     /// some layers have cold experts.
     pub(super) fn segments_eligible(&self, tokens: &[u32], phase: Phase) -> bool {
-        self.opts.decode_graph
-            && phase == Phase::Decode
-            && tokens.len() == 1
-            && self.opts.faults == GpuFaults::default()
-            && self.qk_fused()
-            && (0..self.cfg.n_layers).any(|l| !self.hot.all_hot(l))
+        self.graphs_apply(tokens, phase) && (0..self.cfg.n_layers).any(|l| !self.hot.all_hot(l))
     }
 
     /// The decode call through its segments (captured first when the key or the split layers
@@ -195,14 +208,8 @@ impl GpuModel {
         call_start: Instant,
     ) -> Result<Logits, GpuError> {
         let pos0 = cache.n_positions;
-        for l in 0..self.cfg.n_layers {
-            self.hot.order_after_exchanges(&self.be, l)?; // outside the graphs: it may wait
-        }
-        self.reserve_attention(1, cache)?;
-        let key = self.graph_key(cache, positions_bucket(pos0, cache.capacity));
+        let key = self.graph_step_start(token, cache)?;
         let split = self.split_layers();
-        let s = self.scratch.as_ref().expect("reserved");
-        self.be.write(&[token as i32, pos0 as i32], s.step.ptr())?;
         if self.segments.as_ref().is_none_or(|g| g.key != key || g.split_layers != split) {
             self.segments = None;
             self.segments = Some(self.capture_segments(key, pos0, cache, cold, rows, split)?);
@@ -211,12 +218,7 @@ impl GpuModel {
         let run = self.run_segments(&segs, cold);
         self.segments = Some(segs);
         run?;
-        let copy_start = Instant::now();
-        let logits = self.head_copies(1, 1)?;
-        let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
-        cache.n_positions += 1;
-        self.finish_call(Phase::Decode, 1, call_start, copy_start, copy_us)?;
-        Ok(logits)
+        self.graph_step_end(cache, call_start)
     }
 
     /// Launch the parts and hot lanes in turn, each split layer's cold lane on the host between.

@@ -186,7 +186,8 @@ pub struct GpuOptions {
     pub hot_lane_timeout: Duration,
     pub faults: GpuFaults,
     /// One-token decode calls over a model whose layers are all hot replay a captured CUDA graph
-    /// (`graph`); off: every kernel is launched one by one (`MOE_LANES_GPU_GRAPH=0` at the CLI).
+    /// (`graph`), those over a model with cold experts its decode segments (graphs between the
+    /// host steps); off: every kernel is launched one by one (`MOE_LANES_GPU_GRAPH=0` at the CLI).
     pub decode_graph: bool,
     /// Decode routing (FFN norm, router, top-k, hot worklist) as one launch (`route_decode`);
     /// off: four (`MOE_LANES_GPU_FUSED_ROUTE=0` at the CLI).
