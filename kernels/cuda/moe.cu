@@ -26,6 +26,7 @@ extern "C" __global__ void moe_gate_up_gemv(const bf16* __restrict__ G, const bf
 // shared memory), then thread r adds row r's products in entry order: the sum of one warp
 // walking the entries, with every entry's loads in flight at once.
 // grid (ceil(hidden/DOWN_ROWS), n_rows), block 32 * ROWS_PER_BLOCK.
+static_assert(DOWN_ROWS % 2 == 0, "moe_down_accum takes its rows two at a time");
 extern "C" __global__ void moe_down_accum(const bf16* __restrict__ D, const float* __restrict__ h,
                                           const int* __restrict__ slots, const float* __restrict__ weights,
                                           const int* __restrict__ tok_off, const int* __restrict__ tok_rows,
@@ -37,11 +38,16 @@ extern "C" __global__ void moe_down_accum(const bf16* __restrict__ D, const floa
     for (int c = e0; c < e1; c += ROWS_PER_BLOCK) {
         int e = c + warp, s = e < e1 ? slots[e] : -1;  // -1: cold (device-built worklist) or past the end
         if (s >= 0) {
+            const float* he = h + (size_t)e * ff;
+            const bf16* Ds = D + (size_t)s * hidden * ff;
 #pragma unroll
-            for (int r = 0; r < DOWN_ROWS; r++) {
-                float d = 0.f;
-                if (r0 + r < hidden) d = warp_dot_bf16(D + ((size_t)s * hidden + r0 + r) * ff, h + (size_t)e * ff, ff);
-                if ((threadIdx.x & 31) == 0) part[warp][r] = d;
+            for (int r = 0; r < DOWN_ROWS; r += 2) {  // two rows a loop, their loads together
+                float d0 = 0.f, d1 = 0.f;
+                if (r0 + r + 1 < hidden)
+                    warp_dot2_bf16(Ds + (size_t)(r0 + r) * ff, Ds + (size_t)(r0 + r + 1) * ff, he, ff, &d0, &d1);
+                else if (r0 + r < hidden)
+                    d0 = warp_dot_bf16(Ds + (size_t)(r0 + r) * ff, he, ff);
+                if ((threadIdx.x & 31) == 0) part[warp][r] = d0, part[warp][r + 1] = d1;
             }
         }
         __syncthreads();
