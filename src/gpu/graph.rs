@@ -153,14 +153,8 @@ impl GpuModel {
         cold: &mut dyn ColdExperts,
         rows: LogitRows,
     ) -> Result<(), GpuError> {
-        let s = self.scratch.as_ref().expect("reserved");
-        self.mark_tail(0)?;
-        self.embed_rows(s.step.ptr().sub(0, 1))?;
-        for l in 0..self.cfg.n_layers {
-            self.mark(l, 0)?;
-            self.attention_block(l, Phase::Decode, 1, pos0, cache)?;
-            self.moe_block(l, Phase::Decode, 1, cold)?;
-        }
+        self.part_start(0)?;
+        self.whole_layers(0..self.cfg.n_layers, pos0, cache, cold)?;
         self.head_kernels(Phase::Decode, 1, rows)?;
         Ok(())
     }
@@ -187,8 +181,9 @@ pub(crate) struct DecodeSegments {
 }
 
 impl GpuModel {
-    fn split_layers(&self) -> Vec<usize> {
-        (0..self.cfg.n_layers).filter(|&l| !self.hot.all_hot(l)).collect()
+    /// The layers with cold experts, ascending.
+    fn split_layers(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.cfg.n_layers).filter(|&l| !self.hot.all_hot(l))
     }
 
     /// Whether this call runs as decode segments: the decode graph's conditions, except that
@@ -209,9 +204,11 @@ impl GpuModel {
     ) -> Result<Logits, GpuError> {
         let pos0 = cache.n_positions;
         let key = self.graph_step_start(token, cache)?;
-        let split = self.split_layers();
-        if self.segments.as_ref().is_none_or(|g| g.key != key || g.split_layers != split) {
+        let stale =
+            |g: &DecodeSegments| g.key != key || !g.split_layers.iter().copied().eq(self.split_layers());
+        if self.segments.as_ref().is_none_or(stale) {
             self.segments = None;
+            let split = self.split_layers().collect();
             self.segments = Some(self.capture_segments(key, pos0, cache, cold, rows, split)?);
         }
         let segs = self.segments.take().expect("captured above");
@@ -249,18 +246,10 @@ impl GpuModel {
         split: Vec<usize>,
     ) -> Result<DecodeSegments, GpuError> {
         self.step = Some(key.max_positions);
-        let mut graphs = Vec::with_capacity(2 * split.len() + 1);
-        let enqueued = self.enqueue_segments(pos0, cache, cold, rows, &split, &mut graphs);
+        let (mut parts, mut hot) = (Vec::with_capacity(split.len() + 1), Vec::with_capacity(split.len()));
+        let enqueued = self.enqueue_segments(pos0, cache, cold, rows, &split, (&mut parts, &mut hot));
         self.step = None;
         enqueued?;
-        let (mut parts, mut hot) = (Vec::new(), Vec::new());
-        for (i, g) in graphs.into_iter().enumerate() {
-            if i % 2 == 0 {
-                parts.push(g)
-            } else {
-                hot.push(g)
-            }
-        }
         Ok(DecodeSegments { key, split_layers: split, parts, hot, records: self.records.clone() })
     }
 
@@ -271,12 +260,12 @@ impl GpuModel {
         cold: &mut dyn ColdExperts,
         rows: LogitRows,
         split: &[usize],
-        graphs: &mut Vec<StreamGraph>,
+        (parts, hot): (&mut Vec<StreamGraph>, &mut Vec<StreamGraph>),
     ) -> Result<(), GpuError> {
         let mut first = 0;
         for &sl in split {
             let mut plan = None;
-            self.captured(graphs, |m| {
+            self.captured(parts, |m| {
                 m.part_start(first)?;
                 m.whole_layers(first..sl, pos0, cache, cold)?;
                 m.mark(sl, 0)?;
@@ -287,10 +276,10 @@ impl GpuModel {
             let plan = plan.expect("routed above");
             assert!(plan.device_path && !plan.direct, "a split decode layer takes the device path");
             let fault = |_| GpuError::HotLaneCapture { layer_idx: sl };
-            self.captured(graphs, |m| m.hot_lane_device(sl, 1, plan).map_err(fault))?;
+            self.captured(hot, |m| m.hot_lane_device(sl, 1, plan).map_err(fault))?;
             first = sl + 1;
         }
-        self.captured(graphs, |m| {
+        self.captured(parts, |m| {
             m.part_start(first)?;
             m.whole_layers(first..m.cfg.n_layers, pos0, cache, cold)?;
             m.head_kernels(Phase::Decode, 1, rows).map(|_| ())

@@ -37,7 +37,7 @@ use moe_lanes_kernels::cuda::ops::grouped_tiles;
 use moe_lanes_kernels::cuda::{DPtr, GpuEvent, TypedWeights};
 use std::time::{Duration, Instant};
 
-/// How layer's MoE block runs after its routing ([`GpuModel::moe_route`]).
+/// How a layer's MoE block runs after its routing ([`GpuModel::moe_route`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct MoePlan {
     /// Decode GEMVs, worklist on the GPU ([`GpuModel::hot_lane_device`]); else the host path.

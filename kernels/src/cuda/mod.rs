@@ -753,7 +753,9 @@ impl CudaBackend {
 
     /// Start capturing the compute stream's work into a graph instead of running it (this
     /// thread's calls only). Nothing captured may wait on the host: no synchronous copies, no
-    /// pinned-buffer fences, no allocations; [`CudaBackend::end_capture`] ends it either way.
+    /// host access to a pinned buffer, no allocations (asynchronous copies to or from pinned
+    /// buffers are captured with their fences: see [`PinnedBuffer::fence_replayed`]);
+    /// [`CudaBackend::end_capture`] ends it either way.
     pub fn begin_capture(&self) -> Result<()> {
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
         self.stream.begin_capture(mode).ctx("cuStreamBeginCapture")?;
