@@ -4,7 +4,7 @@
 //!
 //! | variable | effect |
 //! |---|---|
-//! | `MOE_LANES_SIMD` | force the cold lane's SIMD level (`scalar`, `avx2`, `avx512`, `avx512bf16`) |
+//! | `MOE_LANES_SIMD` | force the cold lane's SIMD level (`scalar`, `avx2`, `avx512`, `avx512bf16`, `amx`) |
 //! | `MOE_LANES_Q8_ACTIVATIONS` | the cold pool's one-token tiles of quantised experts (AVX-512 VNNI): `1` 8-bit activations for every quantised type, `0` f32, `auto` (the default with VNNI) 8-bit except for Q8_0 |
 //! | `MOE_LANES_COLD_SCHEDULE` | the GPU engine's cold-pool schedule (`auto`, `phased`, `pipelined`) |
 //! | `MOE_LANES_CUDA_DEVICE` | CUDA device ordinal (default 0) |
@@ -58,7 +58,8 @@ fn bad(var: &'static str, value: &str, expected: &'static str) -> EnvError {
 pub fn simd_override() -> Result<Option<SimdLevel>, EnvError> {
     var("MOE_LANES_SIMD")
         .map(|v| {
-            SimdLevel::parse(&v).map_err(|_| bad("MOE_LANES_SIMD", &v, "scalar, avx2, avx512 or avx512bf16"))
+            SimdLevel::parse(&v)
+                .map_err(|_| bad("MOE_LANES_SIMD", &v, "scalar, avx2, avx512, avx512bf16 or amx"))
         })
         .transpose()
 }

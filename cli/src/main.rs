@@ -303,7 +303,7 @@ struct BenchKernelsArgs {
     /// Cold-pool threads (default: every CPU this process may use).
     #[arg(long)]
     threads: Option<usize>,
-    /// Force a SIMD level: scalar, avx2, avx512 or avx512bf16 (default: MOE_LANES_SIMD or the best detected).
+    /// Force a SIMD level: scalar, avx2, avx512, avx512bf16 or amx (default: MOE_LANES_SIMD or the best detected).
     #[arg(long)]
     simd: Option<String>,
     /// Smaller buffers and fewer rounds (a smoke run).

@@ -270,7 +270,9 @@ fn row_times_matrix(level: SimdLevel, a: &[f32], m: &[f32], stride: usize, out: 
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller checked that the CPU supports the level's features.
-        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => unsafe { row_times_matrix_avx512(a, m, stride, out) },
+        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 | SimdLevel::Amx => unsafe {
+            row_times_matrix_avx512(a, m, stride, out)
+        },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         SimdLevel::Avx2 => unsafe { row_times_matrix_avx2(a, m, stride, out) },
@@ -442,7 +444,7 @@ fn exp_shifted(level: SimdLevel, x: &mut [f32], shift: f32) {
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller checked that the CPU supports the level's features.
-        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => unsafe { exp_shifted_avx512(x, shift) },
+        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 | SimdLevel::Amx => unsafe { exp_shifted_avx512(x, shift) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
         SimdLevel::Avx2 => unsafe { exp_shifted_avx2(x, shift) },

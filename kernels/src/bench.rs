@@ -233,7 +233,7 @@ fn sum_f32(level: SimdLevel, data: &[f32]) -> f32 {
     match level {
         // SAFETY: the level is supported (checked by the caller); the slice is readable.
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => unsafe {
+        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 | SimdLevel::Amx => unsafe {
             crate::x86_avx512::sum_f32(data.as_ptr(), data.len())
         },
         // SAFETY: as above.

@@ -5,8 +5,8 @@ use thiserror::Error;
 /// Everything that can go wrong when calling a kernel, the cold pool or the kernel bench.
 #[derive(Debug, Error, Clone, PartialEq, Eq)]
 pub enum KernelError {
-    /// `MOE_LANES_SIMD` (or a parsed name) is not one of `scalar|avx2|avx512|avx512bf16`.
-    #[error("unknown SIMD level name {name:?} (expected scalar, avx2, avx512 or avx512bf16)")]
+    /// `MOE_LANES_SIMD` (or a parsed name) is not one of `scalar|avx2|avx512|avx512bf16|amx`.
+    #[error("unknown SIMD level name {name:?} (expected scalar, avx2, avx512, avx512bf16 or amx)")]
     UnknownSimdLevel { name: String },
     /// A decode-activations name (`--activations`) is not `f32`, `q8` or `auto`.
     #[error("unknown activations {name:?} (expected f32, q8 or auto)")]

@@ -25,7 +25,7 @@ const MAX_TILE_TOKENS: usize = 6;
 fn rows_per_tile(level: SimdLevel, n_tokens: usize) -> usize {
     match level {
         #[cfg(target_arch = "x86_64")]
-        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => x86_avx512::rows_per_tile(n_tokens),
+        SimdLevel::Avx512 | SimdLevel::Avx512Bf16 | SimdLevel::Amx => x86_avx512::rows_per_tile(n_tokens),
         #[cfg(target_arch = "x86_64")]
         SimdLevel::Avx2 => x86_avx2::rows_per_tile(n_tokens),
         _ => {
@@ -75,7 +75,7 @@ unsafe fn run_tile(
                 #[cfg(target_arch = "x86_64")]
                 SimdLevel::Avx2 => x86_avx2::quant_tile(dtype, rows, prefetch_rows, xs, cols, out),
                 #[cfg(target_arch = "x86_64")]
-                SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => {
+                SimdLevel::Avx512 | SimdLevel::Avx512Bf16 | SimdLevel::Amx => {
                     x86_avx512::quant_tile(dtype, rows, prefetch_rows, xs, cols, out)
                 }
                 _ => {
@@ -98,7 +98,7 @@ unsafe fn run_tile(
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx2 => x86_avx2::tile(dtype, rows, prefetch_rows, xs, cols, out),
             #[cfg(target_arch = "x86_64")]
-            SimdLevel::Avx512 => x86_avx512::tile(dtype, rows, prefetch_rows, xs, cols, out),
+            SimdLevel::Avx512 | SimdLevel::Amx => x86_avx512::tile(dtype, rows, prefetch_rows, xs, cols, out),
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx512Bf16 => x86_avx512::tile_bf16dot(dtype, rows, prefetch_rows, xs, cols, out),
             _ => {
@@ -230,6 +230,28 @@ pub(crate) unsafe fn gate_up_unchecked(
             *slot = act.gated(*slot, value); // ... then up completes the activation.
         }
     };
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Amx && crate::x86_amx::usable(weights.dtype, n_tokens, weights.hidden) {
+        let mat = |base: *const u8| crate::x86_amx::Rows { base, row_bytes, n_rows: ff };
+        let sink = |row: usize, tokens: Range<usize>, [g, u]: [&[f32; 16]; 2]| {
+            for (j, t) in tokens.enumerate() {
+                // SAFETY: t < n_tokens and row is in `ff_rows`, which the caller owns.
+                unsafe { *h_base.add(t * ff + row) = act.gated(g[j], u[j]) };
+            }
+        };
+        // SAFETY: level Amx detected (caller), the call is usable, the matrices hold ff rows of
+        // hidden BF16 (validated), ff_rows.end <= ff, tokens as in the caller's contract.
+        return unsafe {
+            crate::x86_amx::rows_times_tokens(
+                [mat(gate), mat(up)],
+                ff_rows,
+                weights.hidden,
+                n_tokens,
+                token_ptr,
+                sink,
+            )
+        };
+    }
     let prefetchable = 2 * (ff - first);
     // SAFETY: forwarded contract.
     unsafe {
@@ -324,6 +346,28 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
             }
         };
     };
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Amx && crate::x86_amx::usable(weights.down_dtype, n_tokens, ff) {
+        let mat = crate::x86_amx::Rows { base: down, row_bytes, n_rows: weights.hidden };
+        let sink = |row: usize, tokens: Range<usize>, [values]: [&[f32; 16]; 1]| {
+            for (j, t) in tokens.enumerate() {
+                // SAFETY: the caller owns row `row` of token t's output row.
+                unsafe {
+                    let slot = out_row_ptr(t).add(row);
+                    if ACCUMULATE {
+                        *slot += token_weight[t] * values[j];
+                    } else {
+                        *slot = token_weight[t] * values[j];
+                    }
+                }
+            }
+        };
+        // SAFETY: level Amx detected (caller), the call is usable, the matrix holds hidden rows
+        // of ff BF16 (validated), hidden_rows.end <= hidden, h holds n_tokens rows of ff.
+        return unsafe {
+            crate::x86_amx::rows_times_tokens([mat], hidden_rows, ff, n_tokens, token_ptr, sink)
+        };
+    }
     let prefetchable = weights.hidden - first;
     // SAFETY: forwarded contract.
     unsafe {

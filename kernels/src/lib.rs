@@ -28,6 +28,8 @@ mod scalar;
 pub mod simd;
 pub mod weights;
 #[cfg(target_arch = "x86_64")]
+mod x86_amx;
+#[cfg(target_arch = "x86_64")]
 mod x86_avx2;
 #[cfg(target_arch = "x86_64")]
 mod x86_avx512;

@@ -21,12 +21,16 @@ pub enum SimdLevel {
     /// to BF16 before multiplying (a looser tolerance than the other levels); F16/F32 weights
     /// run the plain AVX-512F kernels.
     Avx512Bf16,
+    /// AVX-512 BF16 + AMX-BF16 tiles: BF16 expert weights of calls with many tokens (prefill)
+    /// run on the tiles with the activations split into two BF16 parts (about f32 accuracy,
+    /// `x86_amx`); everything else runs the AVX-512F kernels (f32 activations).
+    Amx,
 }
 
 impl SimdLevel {
     /// All levels, weakest first.
-    pub const ALL: [SimdLevel; 4] =
-        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512, SimdLevel::Avx512Bf16];
+    pub const ALL: [SimdLevel; 5] =
+        [SimdLevel::Scalar, SimdLevel::Avx2, SimdLevel::Avx512, SimdLevel::Avx512Bf16, SimdLevel::Amx];
 
     /// The lower-case name used by `MOE_LANES_SIMD` and in reports.
     pub fn name(self) -> &'static str {
@@ -35,6 +39,7 @@ impl SimdLevel {
             SimdLevel::Avx2 => "avx2",
             SimdLevel::Avx512 => "avx512",
             SimdLevel::Avx512Bf16 => "avx512bf16",
+            SimdLevel::Amx => "amx",
         }
     }
 
@@ -133,23 +138,25 @@ fn detect_vnni() -> bool {
 }
 
 /// Per-level support flags, indexed by `SimdLevel as usize`, detected once.
-fn supported_flags() -> [bool; 4] {
-    static FLAGS: OnceLock<[bool; 4]> = OnceLock::new();
+fn supported_flags() -> [bool; 5] {
+    static FLAGS: OnceLock<[bool; 5]> = OnceLock::new();
     *FLAGS.get_or_init(detect_flags)
 }
 
 #[cfg(target_arch = "x86_64")]
-fn detect_flags() -> [bool; 4] {
+fn detect_flags() -> [bool; 5] {
     let avx2 = is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c");
     // The AVX-512 kernels also use F16C (for F16 weights) and AVX2-era instructions for tails.
     let avx512 = avx2 && is_x86_feature_detected!("avx512f");
     let avx512_bf16 = avx512 && is_x86_feature_detected!("avx512bf16");
-    [true, avx2, avx512, avx512_bf16]
+    // AMX last: detecting it asks Linux for the tile state (once per process).
+    let amx = avx512_bf16 && crate::x86_amx::detect();
+    [true, avx2, avx512, avx512_bf16, amx]
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn detect_flags() -> [bool; 4] {
-    [true, false, false, false]
+fn detect_flags() -> [bool; 5] {
+    [true, false, false, false, false]
 }

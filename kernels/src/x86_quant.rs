@@ -435,7 +435,7 @@ mod tests {
                     SimdLevel::Avx2 => {
                         avx2::dequantize_blocks(dtype, blocks.as_ptr(), n_blocks, got.as_mut_ptr())
                     }
-                    SimdLevel::Avx512 | SimdLevel::Avx512Bf16 => {
+                    SimdLevel::Avx512 | SimdLevel::Avx512Bf16 | SimdLevel::Amx => {
                         avx512::dequantize_blocks(dtype, blocks.as_ptr(), n_blocks, got.as_mut_ptr())
                     }
                     SimdLevel::Scalar => continue,

@@ -86,7 +86,18 @@ fn expert_ffn_odd_shapes_match_scalar_for_every_level() {
 #[test]
 fn expert_ffn_2048x768_decode_and_prefill_match_scalar_for_every_level() {
     let mut rng = Rng(0xDEC0DE);
-    check_expert_ffn(&mut rng, 2048, 768, &[1, 9]);
+    check_expert_ffn(&mut rng, 2048, 768, &[1, 9, 33]);
+}
+
+#[test]
+fn expert_ffn_tile_shapes_match_scalar_for_every_level() {
+    // Shapes and token counts of the AMX tiles (columns a multiple of 32, 8 or more tokens):
+    // whole and partial 16-row blocks, 16-token tiles with and without padding, more than one
+    // pass of four token tiles (70 tokens); down over 40 columns stays on the AVX-512 kernels.
+    let mut rng = Rng(0xA3A);
+    for (hidden, ff) in [(64, 96), (96, 40)] {
+        check_expert_ffn(&mut rng, hidden, ff, &[8, 16, 17, 70]);
+    }
 }
 
 #[test]
@@ -135,9 +146,15 @@ fn gemv_and_matmul_row_ranges_match_scalar() {
 fn split_row_ranges_compose_to_the_whole_expert() {
     // gate/up over two ff ranges and down over two hidden ranges equal the whole-expert call.
     let mut rng = Rng(99);
-    let (hidden, ff, n_tokens) = (45, 29, 4);
+    // (64, 96, 9): the AMX tiles' shape, split inside a 16-row block.
+    for (hidden, ff, n_tokens) in [(45, 29, 4), (64, 96, 9)] {
+        split_ranges_compose(&mut rng, hidden, ff, n_tokens);
+    }
+}
+
+fn split_ranges_compose(rng: &mut Rng, hidden: usize, ff: usize, n_tokens: usize) {
     for dtype in WeightDType::FLOATS {
-        let expert = OwnedExpert::random(&mut rng, dtype, hidden, ff);
+        let expert = OwnedExpert::random(rng, dtype, hidden, ff);
         let weights = expert.view();
         let x = rng.vec(n_tokens * hidden, 1.0);
         let token_weight = rng.vec(n_tokens, 1.0);

@@ -1,0 +1,418 @@
+//! AMX-BF16 tiles for the cold lane's prefill ([`crate::SimdLevel::Amx`]: Sapphire Rapids and
+//! later): the gate/up and down projections of BF16 expert weights for many tokens at once.
+//!
+//! The weights are the A operand, read in place (a tile is 16 rows x 32 columns of a matrix, rows
+//! `row_bytes` apart: nothing is copied or transposed per row), the tokens the B operand: once per
+//! call they are split into a BF16 high part and a BF16 rest (`x - hi`, exact in f32, rounded
+//! again) and transposed into AMX's pair layout (B row kk holds, for each of 16 tokens, its columns
+//! 2kk and 2kk + 1). Both parts are multiplied (`tdpbf16ps` twice): the products are those of x to
+//! about 2^-17 relative, like the f32 kernels, not the 2^-9 of one BF16 rounding (the AVX-512 BF16
+//! level's); the GPU's prefill GEMMs split the same way. One pass takes four 16-row blocks and one
+//! 16-token tile: C tiles tmm0-3, the weights tmm4, the token parts tmm5-6.
+//!
+//! Which path a row takes depends only on the call's token count, the type and the level
+//! ([`usable`]), never on which rows a thread claimed: a 16-row block is always computed whole (a
+//! claim's rows outside it are computed and not written), so every schedule gives the same bits.
+
+use std::arch::asm;
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+use std::ops::Range;
+
+use crate::weights::WeightDType;
+
+/// Fewest tokens of one call that take the tiles: below it the AVX-512 tile kernels (f32 FMAs over
+/// up to 6 tokens) are already bound by memory, and a 16-token tile would be mostly padding.
+pub(crate) const AMX_MIN_TOKENS: usize = 8;
+/// Rows of a tile (weight rows of A, pair rows of B, weight rows of C) and its 32-bit columns.
+const TILE: usize = 16;
+/// BF16 columns of one A tile row (64 bytes): one k step.
+const K_STEP: usize = 32;
+/// 16-row weight blocks of one pass (C tiles tmm0..tmm3).
+const ROW_BLOCKS: usize = 4;
+/// 32-bit words of one tile (1 KiB).
+const TILE_WORDS: usize = TILE * TILE;
+/// k steps ahead that a pass prefetches its weight rows (64 rows x 64 bytes a step: the L2
+/// streamer tracks far fewer streams than a pass walks).
+const PREFETCH_STEPS: usize = 8;
+
+/// Whether a call of `n_tokens` tokens over `dtype` rows of `cols` columns runs on the tiles.
+pub(crate) fn usable(dtype: WeightDType, n_tokens: usize, cols: usize) -> bool {
+    dtype == WeightDType::BF16 && n_tokens >= AMX_MIN_TOKENS && cols.is_multiple_of(K_STEP)
+}
+
+/// Whether this CPU and OS run AMX-BF16: CPUID leaf 7 (AMX-TILE, AMX-BF16), the OS saving tile
+/// state (XCR0 bits 17-18), and Linux granting this process the tile data (`arch_prctl`).
+pub(crate) fn detect() -> bool {
+    if __cpuid(0).eax < 7 {
+        return false;
+    }
+    let edx = __cpuid_count(7, 0).edx;
+    let (amx_bf16, amx_tile) = (edx & (1 << 22) != 0, edx & (1 << 24) != 0);
+    let osxsave = __cpuid(1).ecx & (1 << 27) != 0;
+    if !(amx_bf16 && amx_tile && osxsave) {
+        return false;
+    }
+    // SAFETY: OSXSAVE is set, so XGETBV is enabled.
+    let xcr0 = unsafe { xcr0() };
+    if xcr0 & (0b11 << 17) != 0b11 << 17 {
+        return false;
+    }
+    request_tile_data()
+}
+
+/// XCR0 (XGETBV with ECX = 0).
+///
+/// # Safety
+/// CPUID.1:ECX.OSXSAVE must be set.
+unsafe fn xcr0() -> u64 {
+    let (lo, hi): (u32, u32);
+    // SAFETY: the caller checked OSXSAVE; XGETBV reads a register, touches no memory.
+    unsafe { asm!("xgetbv", in("ecx") 0u32, out("eax") lo, out("edx") hi, options(nomem, nostack)) };
+    (u64::from(hi) << 32) | u64::from(lo)
+}
+
+#[cfg(target_os = "linux")]
+fn request_tile_data() -> bool {
+    const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+    const XFEATURE_XTILEDATA: libc::c_long = 18;
+    // SAFETY: arch_prctl with these arguments only changes this process's permission to use the
+    // AMX tile state; it reads and writes no memory of ours.
+    unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn request_tile_data() -> bool {
+    false
+}
+
+/// The tile palette: tiles 0..7 all 16 rows of 64 bytes (A: 16 weight rows x 32 BF16, B: 16 pair
+/// rows x 16 tokens, C: 16 weight rows x 16 tokens of f32).
+#[repr(C, align(64))]
+struct TileConfig {
+    palette: u8,
+    start_row: u8,
+    reserved: [u8; 14],
+    colsb: [u16; 16],
+    rows: [u8; 16],
+}
+
+const CONFIG: TileConfig = TileConfig {
+    palette: 1,
+    start_row: 0,
+    reserved: [0; 14],
+    colsb: [64, 64, 64, 64, 64, 64, 64, 64, 0, 0, 0, 0, 0, 0, 0, 0],
+    rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
+};
+
+/// Per-thread buffers: the call's tokens as B tiles (high and rest parts), a zero-padded copy of
+/// a matrix's last partial row block, and the C tiles of one pass.
+#[derive(Default)]
+struct Scratch {
+    b: Vec<u32>,
+    tail: Vec<u16>,
+    c: Vec<f32>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Tokens `t < n_tokens` (`k` f32 each at `token_ptr(t)`) as B tiles in `b`: token tile `tt`, k
+/// step `s`, part `p` (0 high, 1 rest) at `((tt * steps + s) * 2 + p) * 256`, entry `kk * 16 + j`
+/// = token `16 tt + j`'s columns `32 s + 2kk` and `+ 1` as two BF16; padding tokens are zero.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512 BF16; `token_ptr(t)` addresses `k` f32 for every
+/// `t < n_tokens`; `k % 32 == 0`; `b` holds `n_tokens.div_ceil(16) * k / 32 * 512` words.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn pack_tokens(n_tokens: usize, k: usize, token_ptr: &impl Fn(usize) -> *const f32, b: &mut [u32]) {
+    let steps = k / K_STEP;
+    debug_assert!(b.len() >= n_tokens.div_ceil(TILE) * steps * 2 * TILE_WORDS);
+    for tt in 0..n_tokens.div_ceil(TILE) {
+        for s in 0..steps {
+            let (mut hi, mut lo) = ([_mm512_setzero_si512(); TILE], [_mm512_setzero_si512(); TILE]);
+            for j in 0..TILE.min(n_tokens - tt * TILE) {
+                // SAFETY: token 16 tt + j exists; columns 32 s .. 32 s + 32 are inside its row.
+                let x = unsafe { token_ptr(tt * TILE + j).add(s * K_STEP) };
+                // SAFETY: as above.
+                let (x0, x1) = unsafe { (_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(16))) };
+                let h = _mm512_cvtne2ps_pbh(x1, x0);
+                let (h0, h1) = widen_bf16(h);
+                let l = _mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
+                // SAFETY of the transmutes: __m512bh and __m512i are the same 64 bytes.
+                hi[j] = unsafe { std::mem::transmute::<__m512bh, __m512i>(h) };
+                lo[j] = unsafe { std::mem::transmute::<__m512bh, __m512i>(l) };
+            }
+            let at = (tt * steps + s) * 2 * TILE_WORDS;
+            for (p, part) in [transpose16(hi), transpose16(lo)].iter().enumerate() {
+                for (kk, v) in part.iter().enumerate() {
+                    // SAFETY: the tile at `at + p * 256` lies inside `b` (above).
+                    unsafe {
+                        _mm512_storeu_si512(b.as_mut_ptr().add(at + p * TILE_WORDS + kk * TILE) as *mut _, *v)
+                    };
+                }
+            }
+        }
+    }
+}
+
+/// The 32 BF16 values of `v` as f32: the low 16 and the high 16.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+fn widen_bf16(v: __m512bh) -> (__m512, __m512) {
+    // SAFETY of the transmute: __m512bh and __m512i are the same 64 bytes.
+    let bits: __m512i = unsafe { std::mem::transmute::<__m512bh, __m512i>(v) };
+    let lo16 = _mm512_castsi512_si256(bits);
+    let hi16 = _mm512_extracti64x4_epi64::<1>(bits);
+    let widen = |h: __m256i| _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)));
+    (widen(lo16), widen(hi16))
+}
+
+/// Transpose of a 16 x 16 matrix of 32-bit words (row i in `r[i]`): 32-bit then 64-bit
+/// interleaves within 128-bit lanes, then lane shuffles.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+    let mut t = [_mm512_setzero_si512(); 16];
+    for p in 0..8 {
+        t[2 * p] = _mm512_unpacklo_epi32(r[2 * p], r[2 * p + 1]);
+        t[2 * p + 1] = _mm512_unpackhi_epi32(r[2 * p], r[2 * p + 1]);
+    }
+    // u[4g + j]: rows 4g..4g+4 of column 4L + j in lane L.
+    let mut u = [_mm512_setzero_si512(); 16];
+    for g in 0..4 {
+        let (a, b, c, d) = (t[4 * g], t[4 * g + 1], t[4 * g + 2], t[4 * g + 3]);
+        u[4 * g] = _mm512_unpacklo_epi64(a, c);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(a, c);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(b, d);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(b, d);
+    }
+    let mut out = [_mm512_setzero_si512(); 16];
+    for j in 0..4 {
+        let v01 = _mm512_shuffle_i32x4::<0b01_00_01_00>(u[j], u[4 + j]);
+        let w01 = _mm512_shuffle_i32x4::<0b01_00_01_00>(u[8 + j], u[12 + j]);
+        let v23 = _mm512_shuffle_i32x4::<0b11_10_11_10>(u[j], u[4 + j]);
+        let w23 = _mm512_shuffle_i32x4::<0b11_10_11_10>(u[8 + j], u[12 + j]);
+        out[j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(v01, w01);
+        out[4 + j] = _mm512_shuffle_i32x4::<0b11_01_11_01>(v01, w01);
+        out[8 + j] = _mm512_shuffle_i32x4::<0b10_00_10_00>(v23, w23);
+        out[12 + j] = _mm512_shuffle_i32x4::<0b11_01_11_01>(v23, w23);
+    }
+    out
+}
+
+/// One tile instruction on C tile register `$t` (0..3), the rest of the text as given.
+macro_rules! on_c_tile {
+    ($t:expr, $fmt:literal, $($args:tt)*) => {
+        match $t {
+            0 => asm!(concat!($fmt, "tmm0"), $($args)*),
+            1 => asm!(concat!($fmt, "tmm1"), $($args)*),
+            2 => asm!(concat!($fmt, "tmm2"), $($args)*),
+            _ => asm!(concat!($fmt, "tmm3"), $($args)*),
+        }
+    };
+}
+
+/// 16 weight rows starting at `p`, `stride` bytes apart: the A operand of one pass block.
+#[derive(Clone, Copy)]
+struct BlockRows {
+    p: *const u8,
+    stride: usize,
+}
+
+/// C tiles `0..blocks.len()` = weight blocks `blocks` (A, k steps of 64 bytes) times token tile
+/// `tt`'s B tiles in `b`, stored to `c` (tile i at `c[i * 256..]`: 16 rows x 16 tokens).
+///
+/// # Safety
+/// The tile palette [`CONFIG`] is loaded on this thread; every block has 16 rows of `steps * 64`
+/// readable bytes; `b` holds token tile `tt`'s `2 * steps` tiles; `c` holds `blocks.len() * 256`
+/// f32; `blocks.len() <= 4`.
+unsafe fn pass(blocks: &[BlockRows], b: &[u32], tt: usize, steps: usize, c: &mut [f32]) {
+    for i in 0..blocks.len() {
+        // SAFETY: tile register i < 4 is a C tile of the loaded palette.
+        unsafe { on_c_tile!(i, "tilezero ", options(nostack, nomem)) };
+    }
+    for s in 0..steps {
+        let bt = b[(tt * steps + s) * 2 * TILE_WORDS..].as_ptr();
+        // SAFETY: the high and rest tiles of step s are inside `b`: 16 rows of 64 bytes each.
+        unsafe {
+            asm!("tileloadd tmm5, [{p} + {st}*1]", "tileloadd tmm6, [{q} + {st}*1]", p = in(reg) bt,
+                q = in(reg) bt.add(TILE_WORDS), st = in(reg) 64usize, options(nostack, readonly))
+        };
+        for (i, blk) in blocks.iter().enumerate() {
+            // SAFETY: the block's 16 rows have step s's 64 bytes (caller); the prefetch is a hint
+            // that never faults.
+            unsafe {
+                if s + PREFETCH_STEPS < steps {
+                    for r in 0..TILE {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            blk.p.add(r * blk.stride + (s + PREFETCH_STEPS) * 64) as *const i8
+                        );
+                    }
+                }
+                asm!("tileloadd tmm4, [{p} + {st}*1]", p = in(reg) blk.p.add(s * 64), st = in(reg) blk.stride,
+                    options(nostack, readonly));
+                match i {
+                    0 => asm!(
+                        "tdpbf16ps tmm0, tmm4, tmm5",
+                        "tdpbf16ps tmm0, tmm4, tmm6",
+                        options(nostack, nomem)
+                    ),
+                    1 => asm!(
+                        "tdpbf16ps tmm1, tmm4, tmm5",
+                        "tdpbf16ps tmm1, tmm4, tmm6",
+                        options(nostack, nomem)
+                    ),
+                    2 => asm!(
+                        "tdpbf16ps tmm2, tmm4, tmm5",
+                        "tdpbf16ps tmm2, tmm4, tmm6",
+                        options(nostack, nomem)
+                    ),
+                    _ => asm!(
+                        "tdpbf16ps tmm3, tmm4, tmm5",
+                        "tdpbf16ps tmm3, tmm4, tmm6",
+                        options(nostack, nomem)
+                    ),
+                }
+            }
+        }
+    }
+    for i in 0..blocks.len() {
+        let p = c[i * TILE_WORDS..].as_mut_ptr();
+        // SAFETY: c holds 256 f32 from p: 16 rows of 64 bytes.
+        unsafe {
+            on_c_tile!(i, "tilestored [{p} + {st}*1], ", p = in(reg) p, st = in(reg) 64usize, options(nostack))
+        };
+    }
+}
+
+/// A matrix of BF16 rows for [`rows_times_tokens`].
+#[derive(Clone, Copy)]
+pub(crate) struct Rows {
+    pub base: *const u8,
+    pub row_bytes: usize,
+    pub n_rows: usize,
+}
+
+/// For every row of `rows` (of each of the `M` matrices, same shape) and token tile `tt`:
+/// `sink(row, tokens, [[row of matrix m · x_t for the tile's 16 tokens]; M])`, `tokens` the tile's
+/// real tokens (lanes past them hold padding). The tokens are `token_ptr(t)`, `k` f32 each.
+///
+/// # Safety
+/// The CPU has AMX-BF16, AVX-512F and AVX-512 BF16 ([`crate::SimdLevel::Amx`] detected);
+/// [`usable`] holds for the call; every matrix has `n_rows` rows of at least `k` BF16 and
+/// `rows.end <= n_rows`; `token_ptr(t)` addresses `k` f32 for `t < n_tokens`.
+pub(crate) unsafe fn rows_times_tokens<const M: usize>(
+    mats: [Rows; M],
+    rows: Range<usize>,
+    k: usize,
+    n_tokens: usize,
+    token_ptr: impl Fn(usize) -> *const f32,
+    mut sink: impl FnMut(usize, Range<usize>, [&[f32; TILE]; M]),
+) {
+    SCRATCH.with_borrow_mut(|s| {
+        let (steps, n_tt) = (k / K_STEP, n_tokens.div_ceil(TILE));
+        s.b.resize(n_tt * steps * 2 * TILE_WORDS, 0);
+        s.c.resize(M * ROW_BLOCKS * TILE_WORDS, 0.0);
+        // SAFETY: the level has AVX-512 BF16; token rows and the buffer size as required.
+        unsafe { pack_tokens(n_tokens, k, &token_ptr, &mut s.b) };
+        // SAFETY: the CPU has AMX (caller); the config is a valid palette-1 layout.
+        unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
+        let mut group = rows.start / TILE * TILE;
+        while group < rows.end {
+            let group_end = (group + ROW_BLOCKS * TILE).min(rows.end.next_multiple_of(TILE));
+            for tt in 0..n_tt {
+                for (m, mat) in mats.iter().enumerate() {
+                    let blocks = block_rows(mat, group..group_end, k, &mut s.tail);
+                    let c = &mut s.c[m * ROW_BLOCKS * TILE_WORDS..(m + 1) * ROW_BLOCKS * TILE_WORDS];
+                    // SAFETY: the palette is loaded; the blocks hold 16 rows of k BF16 (whole
+                    // rows of the matrix or the padded tail); b holds every token tile.
+                    unsafe { pass(&blocks[..(group_end - group) / TILE], &s.b, tt, steps, c) };
+                }
+                let live = group.max(rows.start)..group_end.min(rows.end);
+                let tokens = tt * TILE..(tt * TILE + TILE).min(n_tokens);
+                for row in live {
+                    let at = (row - group) / TILE * TILE_WORDS + (row - group) % TILE * TILE;
+                    let lanes = |m: usize| -> &[f32; TILE] {
+                        let o = m * ROW_BLOCKS * TILE_WORDS + at;
+                        s.c[o..o + TILE].try_into().expect("16 lanes")
+                    };
+                    sink(row, tokens.clone(), std::array::from_fn(lanes));
+                }
+            }
+            group = group_end;
+        }
+        // SAFETY: releases this thread's tile state (no tile is live after this point).
+        unsafe { asm!("tilerelease", options(nostack, nomem)) };
+    });
+}
+
+/// The 16-row blocks of `group` (at most four, 16-aligned) of `mat`: rows in place, except a last
+/// block that runs past the matrix, copied zero-padded into `tail` (one matrix at a time).
+fn block_rows(mat: &Rows, group: Range<usize>, k: usize, tail: &mut Vec<u16>) -> [BlockRows; ROW_BLOCKS] {
+    let mut out = [BlockRows { p: mat.base, stride: mat.row_bytes }; ROW_BLOCKS];
+    for (i, b) in out.iter_mut().enumerate().take((group.end - group.start) / TILE) {
+        let row0 = group.start + i * TILE;
+        if row0 + TILE <= mat.n_rows {
+            // SAFETY (pointer arithmetic only): row0 < n_rows, inside the matrix.
+            b.p = unsafe { mat.base.add(row0 * mat.row_bytes) };
+        } else {
+            tail.clear();
+            tail.resize(TILE * k, 0);
+            for r in row0..mat.n_rows {
+                // SAFETY: row r < n_rows holds k BF16 (the caller's contract for the matrix).
+                let src = unsafe { std::slice::from_raw_parts(mat.base.add(r * mat.row_bytes), k * 2) };
+                for (j, v) in tail[(r - row0) * k..(r - row0 + 1) * k].iter_mut().enumerate() {
+                    *v = u16::from_le_bytes([src[2 * j], src[2 * j + 1]]);
+                }
+            }
+            *b = BlockRows { p: tail.as_ptr() as *const u8, stride: k * 2 };
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_tokens_hold_each_tokens_column_pairs_split_in_two_parts() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")) {
+            return;
+        }
+        let (n, k) = (19usize, 64usize);
+        let x: Vec<f32> = (0..n * k).map(|i| ((i as f32) * 0.37).sin() * 3.0 + 1e-3).collect();
+        let steps = k / K_STEP;
+        let mut b = vec![7u32; n.div_ceil(TILE) * steps * 2 * TILE_WORDS];
+        // SAFETY: features checked; token rows of k f32; b sized as pack_tokens needs.
+        unsafe { pack_tokens(n, k, &|t| x[t * k..].as_ptr(), &mut b) };
+        let f = |bits: u32| f32::from_bits(bits << 16);
+        for tt in 0..n.div_ceil(TILE) {
+            for s in 0..steps {
+                for kk in 0..TILE {
+                    for j in 0..TILE {
+                        let at = (tt * steps + s) * 2 * TILE_WORDS + kk * TILE + j;
+                        let (hi, lo) = (b[at], b[at + TILE_WORDS]);
+                        let t = tt * TILE + j;
+                        for half in 0..2 {
+                            let (h, l) = (f((hi >> (16 * half)) & 0xffff), f((lo >> (16 * half)) & 0xffff));
+                            if t >= n {
+                                assert_eq!((h, l), (0.0, 0.0), "padding token {t}");
+                                continue;
+                            }
+                            let v = x[t * k + s * K_STEP + 2 * kk + half];
+                            assert_eq!(
+                                h,
+                                half::bf16::from_f32(v).to_f32(),
+                                "hi of token {t} step {s} pair {kk}"
+                            );
+                            assert!(((h + l) - v).abs() <= v.abs() * 2f32.powi(-16), "hi + lo of token {t}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
