@@ -32,10 +32,6 @@ const K_STEP: usize = 32;
 const ROW_BLOCKS: usize = 4;
 /// 32-bit words of one tile (1 KiB).
 const TILE_WORDS: usize = TILE * TILE;
-/// k steps ahead that a pass prefetches its weight rows (64 rows x 64 bytes a step: the L2
-/// streamer tracks far fewer streams than a pass walks).
-const PREFETCH_STEPS: usize = 8;
-
 /// Whether a call of `n_tokens` tokens over `dtype` rows of `cols` columns runs on the tiles.
 pub(crate) fn usable(dtype: WeightDType, n_tokens: usize, cols: usize) -> bool {
     dtype == WeightDType::BF16 && n_tokens >= AMX_MIN_TOKENS && cols.is_multiple_of(K_STEP)
@@ -241,16 +237,8 @@ unsafe fn pass(blocks: &[BlockRows], b: &[u32], tt: usize, steps: usize, c: &mut
                 q = in(reg) bt.add(TILE_WORDS), st = in(reg) 64usize, options(nostack, readonly))
         };
         for (i, blk) in blocks.iter().enumerate() {
-            // SAFETY: the block's 16 rows have step s's 64 bytes (caller); the prefetch is a hint
-            // that never faults.
+            // SAFETY: the block's 16 rows have step s's 64 bytes (caller).
             unsafe {
-                if s + PREFETCH_STEPS < steps {
-                    for r in 0..TILE {
-                        _mm_prefetch::<_MM_HINT_T0>(
-                            blk.p.add(r * blk.stride + (s + PREFETCH_STEPS) * 64) as *const i8
-                        );
-                    }
-                }
                 asm!("tileloadd tmm4, [{p} + {st}*1]", p = in(reg) blk.p.add(s * 64), st = in(reg) blk.stride,
                     options(nostack, readonly));
                 match i {
