@@ -263,7 +263,8 @@ pub const GROUP_TOKENS_MAX: usize = 64;
 
 /// The cold lane's SIMD level: the forced one (checked against this CPU), else the best the CPU
 /// has except AVX-512 BF16, whose kernel rounds activations to BF16 (about 1e-3 relative,
-/// outside the engines' contract with the reference): that one only when named.
+/// outside the engines' contract with the reference): that one only when named. AMX, when
+/// detected, is kept: its tiles split the activations into two BF16 parts (about f32 accuracy).
 pub fn cold_simd_level(forced: Option<SimdLevel>) -> Result<SimdLevel, moe_lanes_kernels::KernelError> {
     let level = SimdLevel::resolve(forced)?;
     Ok(if level == SimdLevel::Avx512Bf16 && forced.is_none() { SimdLevel::Avx512 } else { level })
