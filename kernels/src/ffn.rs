@@ -270,12 +270,53 @@ pub(crate) unsafe fn gate_up_unchecked(
     };
 }
 
+/// Words of `n_tokens` rows of `cols` f32 packed for the AMX tiles, when a call over `dtype` rows
+/// of `cols` columns with that many tokens runs on them at `level` (else `None`): the pool packs
+/// an expert's `h` once ([`amx_pack`]) for all of its down calls.
+pub(crate) fn amx_packed_words(
+    level: SimdLevel,
+    dtype: WeightDType,
+    n_tokens: usize,
+    cols: usize,
+) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Amx && crate::x86_amx::usable(dtype, n_tokens, cols) {
+        return Some(crate::x86_amx::packed_words(n_tokens, cols));
+    }
+    let _ = (level, dtype, n_tokens, cols);
+    None
+}
+
+/// Packs `n_tokens` rows of `cols` f32 at `rows` (contiguous) for the AMX tiles into `out`.
+///
+/// # Safety
+/// [`amx_packed_words`] gave `Some(n)` for this level and shape, `out` holds `n` words, and
+/// `rows` addresses `n_tokens * cols` f32.
+pub(crate) unsafe fn amx_pack(
+    level: SimdLevel,
+    n_tokens: usize,
+    cols: usize,
+    rows: *const f32,
+    out: &mut [u32],
+) {
+    debug_assert_eq!(level, SimdLevel::Amx);
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the level is Amx (AVX-512 BF16 present), cols % 32 == 0 (usable), rows as the
+    // caller vouches.
+    unsafe {
+        crate::x86_amx::pack(n_tokens, cols, |t| rows.add(t * cols), out)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (level, n_tokens, cols, rows, out);
+}
+
 /// Down projection for hidden rows `hidden_rows`: `out(t)[row] += token_weight[t] * down_row·h_t`
 /// with `h_t` at `h_base + t*ff` and the output row of token t at `out_row_ptr(t)`.
 ///
 /// # Safety
 /// `level` supported; `weights` validated; `h_base` addresses `n_tokens * ff` f32;
-/// `out_row_ptr(t)` addresses `hidden` f32 whose `hidden_rows` nobody else touches meanwhile.
+/// `out_row_ptr(t)` addresses `hidden` f32 whose `hidden_rows` nobody else touches meanwhile;
+/// `amx_h`, if given, is the [`amx_pack`] of this `h`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn down_unchecked(
     level: SimdLevel,
@@ -284,11 +325,14 @@ pub(crate) unsafe fn down_unchecked(
     n_tokens: usize,
     h_base: *const f32,
     q8: Option<Q8Row>,
+    amx_h: Option<&[u32]>,
     token_weight: &[f32],
     out_row_ptr: impl Fn(usize) -> *mut f32,
 ) {
     // SAFETY: forwarded contract.
-    unsafe { down_rows::<true>(level, weights, hidden_rows, n_tokens, h_base, q8, token_weight, out_row_ptr) }
+    unsafe {
+        down_rows::<true>(level, weights, hidden_rows, n_tokens, h_base, q8, amx_h, token_weight, out_row_ptr)
+    }
 }
 
 /// As [`down_unchecked`], but stores `token_weight[t] * down_row·h_t` instead of adding it (the
@@ -304,12 +348,23 @@ pub(crate) unsafe fn down_store_unchecked(
     n_tokens: usize,
     h_base: *const f32,
     q8: Option<Q8Row>,
+    amx_h: Option<&[u32]>,
     token_weight: &[f32],
     out_row_ptr: impl Fn(usize) -> *mut f32,
 ) {
     // SAFETY: forwarded contract.
     unsafe {
-        down_rows::<false>(level, weights, hidden_rows, n_tokens, h_base, q8, token_weight, out_row_ptr)
+        down_rows::<false>(
+            level,
+            weights,
+            hidden_rows,
+            n_tokens,
+            h_base,
+            q8,
+            amx_h,
+            token_weight,
+            out_row_ptr,
+        )
     }
 }
 
@@ -326,9 +381,12 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
     n_tokens: usize,
     h_base: *const f32,
     q8: Option<Q8Row>,
+    amx_h: Option<&[u32]>,
     token_weight: &[f32],
     out_row_ptr: impl Fn(usize) -> *mut f32,
 ) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = amx_h;
     let row_bytes = weights.down_dtype.row_bytes(weights.ff);
     let (down, ff, first) = (weights.down.as_ptr(), weights.ff, hidden_rows.start);
     // SAFETY: first + r < hidden (dereferenced only below hidden_rows.end), inside the matrix.
@@ -363,9 +421,13 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
             }
         };
         // SAFETY: level Amx detected (caller), the call is usable, the matrix holds hidden rows
-        // of ff BF16 (validated), hidden_rows.end <= hidden, h holds n_tokens rows of ff.
+        // of ff BF16 (validated), hidden_rows.end <= hidden, h holds n_tokens rows of ff (and
+        // `amx_h` is its packing, the caller's contract).
         return unsafe {
-            crate::x86_amx::rows_times_tokens([mat], hidden_rows, ff, n_tokens, token_ptr, sink)
+            match amx_h {
+                Some(b) => crate::x86_amx::rows_times_packed([mat], hidden_rows, ff, n_tokens, b, sink),
+                None => crate::x86_amx::rows_times_tokens([mat], hidden_rows, ff, n_tokens, token_ptr, sink),
+            }
         };
     }
     let prefetchable = weights.hidden - first;
@@ -567,7 +629,7 @@ pub fn down_accumulate(
     let out_base = out.as_mut_ptr();
     // SAFETY: level checked, weights validated, h/out lengths checked, out exclusively borrowed.
     unsafe {
-        down_unchecked(level, weights, hidden_rows, n_tokens, h.as_ptr(), None, token_weight, |t| {
+        down_unchecked(level, weights, hidden_rows, n_tokens, h.as_ptr(), None, None, token_weight, |t| {
             out_base.add(t * hidden)
         })
     };

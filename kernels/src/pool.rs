@@ -54,7 +54,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::KernelError;
-use crate::ffn::{down_store_unchecked, down_unchecked, gate_up_unchecked, ROW_BLOCK};
+use crate::ffn::{
+    amx_pack, amx_packed_words, down_store_unchecked, down_unchecked, gate_up_unchecked, ROW_BLOCK,
+};
 use crate::q8::{quantize_raw, DecodeActivations, Q8Activations, Q8Row, Q8_BLOCK};
 use crate::scalar::dot_row;
 use crate::simd::SimdLevel;
@@ -83,6 +85,8 @@ pub const PIPELINED_MAX_PARTIAL: usize = 1 << 20;
 /// Phased phase 1: cost of one (expert, ff unit) is the expert's tokens plus this many tokens'
 /// worth for streaming the unit's weight rows (a thin tile is dominated by its weight loads).
 const UNIT_WEIGHT_COST: u64 = 4;
+/// `amx_h_start` of an expert whose down does not run on the AMX tiles.
+const NO_AMX: usize = usize::MAX;
 
 /// How [`ColdPool::run`] orders a job's work; see the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -246,11 +250,24 @@ impl ColdTask<'_> {
         Some(q8_row(q8.h, self.slot_start[a], self.job.ff))
     }
 
+    /// Active expert `a`'s packed `h` for the AMX tiles, if its down runs on them. Complete once
+    /// its gate/up is (phased: after the barrier; pipelined: after the readiness count).
+    fn amx_h(&self, a: usize) -> Option<&[u32]> {
+        let start = *self.amx_h_start.get(a).filter(|&&s| s != NO_AMX)?;
+        let expert = &self.job.experts[self.active[a]];
+        let words =
+            amx_packed_words(self.job.level, expert.weights.down_dtype, expert.token_idx.len(), self.job.ff)?;
+        // SAFETY: `prepare_amx_h` sized the buffer for every expert's words from its start; the
+        // words are only read once the completing thread has packed them (see above).
+        Some(unsafe { std::slice::from_raw_parts(self.amx_h.add(start), words) })
+    }
+
     /// Counts `n` completed gate/up units of active expert `a`; the thread that completes them
-    /// quantises its `h` (8-bit, one token) and, pipelined, adds one more to say `h` is ready.
+    /// quantises its `h` (8-bit, one token) or packs it for the AMX tiles and, pipelined, adds
+    /// one more to say `h` is ready.
     fn gate_up_done(&self, a: usize, n: usize) {
         let ff_units = self.job.ff.div_ceil(FF_ROWS_PER_UNIT);
-        if !self.pipelined && self.q8.is_none() {
+        if !self.pipelined && self.q8.is_none() && self.amx_h_start.iter().all(|&s| s == NO_AMX) {
             return;
         }
         // AcqRel: releases this thread's rows of h; the completing thread acquires all of them.
@@ -272,6 +289,19 @@ impl ColdTask<'_> {
                     row.sum as *mut f32,
                 )
             };
+        }
+        if let Some(&start) = self.amx_h_start.get(a).filter(|&&s| s != NO_AMX) {
+            let (ff, expert) = (self.job.ff, &self.job.experts[self.active[a]]);
+            let n_tokens = expert.token_idx.len();
+            let words = amx_packed_words(self.job.level, expert.weights.down_dtype, n_tokens, ff)
+                .expect("sized as AMX");
+            // SAFETY: as for the quantised h above (complete, acquired); the packed words of
+            // expert a lie at `start` in the buffer `prepare_amx_h` sized, written only by this
+            // thread; the level is AMX (the words were reserved for it).
+            unsafe {
+                let out = std::slice::from_raw_parts_mut(self.amx_h.add(start), words);
+                amx_pack(self.job.level, n_tokens, ff, self.h_scratch.add(self.slot_start[a] * ff), out);
+            }
         }
         if self.pipelined {
             // Release: publishes the quantised h to the down units of expert a.
@@ -300,7 +330,11 @@ struct ColdTask<'t> {
     gate_up_cost: &'t [u64],
     /// Pipelined: weighted down rows of every slot (`slots x hidden`).
     partial: *mut f32,
-    /// Gate/up units completed per active expert (pipelined; phased only when `q8`); pipelined,
+    /// Active expert `a`'s `h` packed for the AMX tiles at `amx_h + amx_h_start[a]` (written by the
+    /// thread that completes its gate/up, read by all its down calls), [`NO_AMX`] for none.
+    amx_h: *mut u32,
+    amx_h_start: &'t [usize],
+    /// Gate/up units completed per active expert (pipelined; phased only when `q8` or `amx_h`); pipelined,
     /// the thread that completes them adds one more once `h` is quantised (or right away).
     h_done: &'t [Padded<AtomicUsize>],
     /// 8-bit activations ([`ColdJob::activations`] Q8 on a VNNI level): the quantised rows of
@@ -390,6 +424,9 @@ pub struct ColdPool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     h_scratch: Vec<f32>,
+    /// Active experts' `h` packed for the AMX tiles (at `amx_h_start[a]`, [`NO_AMX`] for none).
+    amx_h: Vec<u32>,
+    amx_h_start: Vec<usize>,
     q8_x: Q8Activations,
     q8_h: Q8Activations,
     partial: Vec<f32>,
@@ -443,6 +480,8 @@ impl ColdPool {
             shared,
             workers,
             h_scratch: Vec::new(),
+            amx_h: Vec::new(),
+            amx_h_start: Vec::new(),
             q8_x: Q8Activations::new(),
             q8_h: Q8Activations::new(),
             partial: Vec::new(),
@@ -530,6 +569,7 @@ impl ColdPool {
             }
         }
         let q8 = self.prepare_q8(job, slots)?;
+        self.prepare_amx_h(job);
         let n_groups =
             if pipelined { job.hidden.div_ceil(ROW_BLOCK).div_ceil(REDUCE_GROUP_BLOCKS) } else { 0 };
         if pipelined && self.partial.len() < slots * job.hidden {
@@ -551,6 +591,8 @@ impl ColdPool {
             participants: participants.clamp(1, self.n_threads()),
             out: out.as_mut_ptr(),
             h_scratch: self.h_scratch.as_mut_ptr(),
+            amx_h: self.amx_h.as_mut_ptr(),
+            amx_h_start: &self.amx_h_start,
             active: &self.active,
             slot_start: &self.slot_start,
             gate_up_order: &self.gate_up_order,
@@ -563,6 +605,26 @@ impl ColdPool {
             next_down_unit: Padded(AtomicUsize::new(0)),
         });
         dispatch(&self.shared, &task)
+    }
+
+    /// Room for the packed `h` of every active expert whose down runs on the AMX tiles (the
+    /// level is AMX, the weights BF16, 8 or more tokens): packed once, read by all its down calls.
+    fn prepare_amx_h(&mut self, job: &ColdJob<'_>) {
+        self.amx_h_start.clear();
+        let mut words = 0;
+        for &e in &self.active {
+            let expert = &job.experts[e];
+            match amx_packed_words(job.level, expert.weights.down_dtype, expert.token_idx.len(), job.ff) {
+                Some(n) => {
+                    self.amx_h_start.push(words);
+                    words += n;
+                }
+                None => self.amx_h_start.push(NO_AMX),
+            }
+        }
+        if self.amx_h.len() < words {
+            self.amx_h.resize(words, 0);
+        }
     }
 
     /// For 8-bit activations ([`ColdJob::activations`] Q8 or Auto on a VNNI level, and an
@@ -848,6 +910,7 @@ fn down_phase(task: &ColdTask<'_>, n_threads: usize) {
                     token_idx.len(),
                     task.h_scratch.add(task.slot_start[a] * job.ff),
                     task.q8_h(a),
+                    task.amx_h(a),
                     expert.token_weight,
                     |t| out.add(token_idx[t] as usize * hidden),
                 )
@@ -917,6 +980,7 @@ fn down_units(task: &ColdTask<'_>, a: usize, blocks: Range<usize>) {
             expert.token_idx.len(),
             task.h_scratch.add(slot * job.ff),
             task.q8_h(a),
+            task.amx_h(a),
             expert.token_weight,
             |t| partial.add((slot + t) * hidden),
         )

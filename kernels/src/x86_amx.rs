@@ -283,6 +283,29 @@ pub(crate) struct Rows {
     pub n_rows: usize,
 }
 
+/// Words of `n_tokens` tokens of `k` columns packed as B tiles ([`pack`]).
+pub(crate) fn packed_words(n_tokens: usize, k: usize) -> usize {
+    n_tokens.div_ceil(TILE) * (k / K_STEP) * 2 * TILE_WORDS
+}
+
+/// Packs tokens `t < n_tokens` (`k` f32 each at `token_ptr(t)`) as B tiles into `out`
+/// ([`packed_words`] words), for [`rows_times_packed`]: done once for tokens that several calls
+/// multiply (the pool packs an expert's `h` once for all its down row ranges).
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512 BF16 ([`crate::SimdLevel::Amx`] detected); `k % 32 == 0`;
+/// `token_ptr(t)` addresses `k` f32 for `t < n_tokens`.
+pub(crate) unsafe fn pack(
+    n_tokens: usize,
+    k: usize,
+    token_ptr: impl Fn(usize) -> *const f32,
+    out: &mut [u32],
+) {
+    assert!(out.len() >= packed_words(n_tokens, k) && k.is_multiple_of(K_STEP), "packed tokens buffer");
+    // SAFETY: forwarded contract; the buffer size is checked above.
+    unsafe { pack_tokens(n_tokens, k, &token_ptr, out) };
+}
+
 /// For every row of `rows` (of each of the `M` matrices, same shape) and token tile `tt`:
 /// `sink(row, tokens, [[row of matrix m · x_t for the tile's 16 tokens]; M])`, `tokens` the tile's
 /// real tokens (lanes past them hold padding). The tokens are `token_ptr(t)`, `k` f32 each.
@@ -297,14 +320,33 @@ pub(crate) unsafe fn rows_times_tokens<const M: usize>(
     k: usize,
     n_tokens: usize,
     token_ptr: impl Fn(usize) -> *const f32,
+    sink: impl FnMut(usize, Range<usize>, [&[f32; TILE]; M]),
+) {
+    let mut b = SCRATCH.with_borrow_mut(|s| std::mem::take(&mut s.b));
+    b.resize(packed_words(n_tokens, k), 0);
+    // SAFETY: the level has AVX-512 BF16; token rows and the buffer size as required.
+    unsafe { pack_tokens(n_tokens, k, &token_ptr, &mut b) };
+    // SAFETY: forwarded contract; b holds the packed tokens.
+    unsafe { rows_times_packed(mats, rows, k, n_tokens, &b, sink) };
+    SCRATCH.with_borrow_mut(|s| s.b = b);
+}
+
+/// [`rows_times_tokens`] over tokens already packed by [`pack`].
+///
+/// # Safety
+/// As [`rows_times_tokens`], with `b` the [`pack`] of the `n_tokens` tokens (of `k` columns).
+pub(crate) unsafe fn rows_times_packed<const M: usize>(
+    mats: [Rows; M],
+    rows: Range<usize>,
+    k: usize,
+    n_tokens: usize,
+    b: &[u32],
     mut sink: impl FnMut(usize, Range<usize>, [&[f32; TILE]; M]),
 ) {
+    assert!(b.len() >= packed_words(n_tokens, k), "packed tokens");
     SCRATCH.with_borrow_mut(|s| {
         let (steps, n_tt) = (k / K_STEP, n_tokens.div_ceil(TILE));
-        s.b.resize(n_tt * steps * 2 * TILE_WORDS, 0);
         s.c.resize(M * ROW_BLOCKS * TILE_WORDS, 0.0);
-        // SAFETY: the level has AVX-512 BF16; token rows and the buffer size as required.
-        unsafe { pack_tokens(n_tokens, k, &token_ptr, &mut s.b) };
         // SAFETY: the CPU has AMX (caller); the config is a valid palette-1 layout.
         unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
         let mut group = rows.start / TILE * TILE;
@@ -316,7 +358,7 @@ pub(crate) unsafe fn rows_times_tokens<const M: usize>(
                     let c = &mut s.c[m * ROW_BLOCKS * TILE_WORDS..(m + 1) * ROW_BLOCKS * TILE_WORDS];
                     // SAFETY: the palette is loaded; the blocks hold 16 rows of k BF16 (whole
                     // rows of the matrix or the padded tail); b holds every token tile.
-                    unsafe { pass(&blocks[..(group_end - group) / TILE], &s.b, tt, steps, c) };
+                    unsafe { pass(&blocks[..(group_end - group) / TILE], b, tt, steps, c) };
                 }
                 let live = group.max(rows.start)..group_end.min(rows.end);
                 let tokens = tt * TILE..(tt * TILE + TILE).min(n_tokens);
