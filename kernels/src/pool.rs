@@ -85,8 +85,6 @@ pub const PIPELINED_MAX_PARTIAL: usize = 1 << 20;
 /// Phased phase 1: cost of one (expert, ff unit) is the expert's tokens plus this many tokens'
 /// worth for streaming the unit's weight rows (a thin tile is dominated by its weight loads).
 const UNIT_WEIGHT_COST: u64 = 4;
-/// `amx_h_start` of an expert whose down does not run on the AMX tiles.
-const NO_AMX: usize = usize::MAX;
 
 /// How [`ColdPool::run`] orders a job's work; see the module docs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -253,13 +251,10 @@ impl ColdTask<'_> {
     /// Active expert `a`'s packed `h` for the AMX tiles, if its down runs on them. Complete once
     /// its gate/up is (phased: after the barrier; pipelined: after the readiness count).
     fn amx_h(&self, a: usize) -> Option<&[u32]> {
-        let start = *self.amx_h_start.get(a).filter(|&&s| s != NO_AMX)?;
-        let expert = &self.job.experts[self.active[a]];
-        let words =
-            amx_packed_words(self.job.level, expert.weights.down_dtype, expert.token_idx.len(), self.job.ff)?;
-        // SAFETY: `prepare_amx_h` sized the buffer for every expert's words from its start; the
-        // words are only read once the completing thread has packed them (see above).
-        Some(unsafe { std::slice::from_raw_parts(self.amx_h.add(start), words) })
+        let words = self.amx_h_at[a].clone()?;
+        // SAFETY: `prepare_amx_h` sized the buffer for every expert's range; the words are only
+        // read once the completing thread has packed them (see above).
+        Some(unsafe { std::slice::from_raw_parts(self.amx_h.add(words.start), words.len()) })
     }
 
     /// Counts `n` completed gate/up units of active expert `a`; the thread that completes them
@@ -267,7 +262,7 @@ impl ColdTask<'_> {
     /// one more to say `h` is ready.
     fn gate_up_done(&self, a: usize, n: usize) {
         let ff_units = self.job.ff.div_ceil(FF_ROWS_PER_UNIT);
-        if !self.pipelined && self.q8.is_none() && self.amx_h_start.iter().all(|&s| s == NO_AMX) {
+        if !self.pipelined && self.q8.is_none() && !self.any_amx_h {
             return;
         }
         // AcqRel: releases this thread's rows of h; the completing thread acquires all of them.
@@ -290,16 +285,13 @@ impl ColdTask<'_> {
                 )
             };
         }
-        if let Some(&start) = self.amx_h_start.get(a).filter(|&&s| s != NO_AMX) {
-            let (ff, expert) = (self.job.ff, &self.job.experts[self.active[a]]);
-            let n_tokens = expert.token_idx.len();
-            let words = amx_packed_words(self.job.level, expert.weights.down_dtype, n_tokens, ff)
-                .expect("sized as AMX");
+        if let Some(words) = self.amx_h_at[a].clone() {
+            let (ff, n_tokens) = (self.job.ff, self.job.experts[self.active[a]].token_idx.len());
             // SAFETY: as for the quantised h above (complete, acquired); the packed words of
-            // expert a lie at `start` in the buffer `prepare_amx_h` sized, written only by this
-            // thread; the level is AMX (the words were reserved for it).
+            // expert a lie in the buffer `prepare_amx_h` sized, written only by this thread; the
+            // level is AMX (the words were reserved for it).
             unsafe {
-                let out = std::slice::from_raw_parts_mut(self.amx_h.add(start), words);
+                let out = std::slice::from_raw_parts_mut(self.amx_h.add(words.start), words.len());
                 amx_pack(self.job.level, n_tokens, ff, self.h_scratch.add(self.slot_start[a] * ff), out);
             }
         }
@@ -330,10 +322,13 @@ struct ColdTask<'t> {
     gate_up_cost: &'t [u64],
     /// Pipelined: weighted down rows of every slot (`slots x hidden`).
     partial: *mut f32,
-    /// Active expert `a`'s `h` packed for the AMX tiles at `amx_h + amx_h_start[a]` (written by the
-    /// thread that completes its gate/up, read by all its down calls), [`NO_AMX`] for none.
+    /// Active expert `a`'s `h` packed for the AMX tiles at the words `amx_h_at[a]` of `amx_h`
+    /// (written by the thread that completes its gate/up, read by all its down calls); `None`:
+    /// its down does not run on the tiles.
     amx_h: *mut u32,
-    amx_h_start: &'t [usize],
+    amx_h_at: &'t [Option<Range<usize>>],
+    /// Whether any active expert's `h` is packed (the phased gate/up then counts its units).
+    any_amx_h: bool,
     /// Gate/up units completed per active expert (pipelined; phased only when `q8` or `amx_h`); pipelined,
     /// the thread that completes them adds one more once `h` is quantised (or right away).
     h_done: &'t [Padded<AtomicUsize>],
@@ -424,9 +419,9 @@ pub struct ColdPool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     h_scratch: Vec<f32>,
-    /// Active experts' `h` packed for the AMX tiles (at `amx_h_start[a]`, [`NO_AMX`] for none).
+    /// Active experts' `h` packed for the AMX tiles (expert `a` at the words `amx_h_at[a]`).
     amx_h: Vec<u32>,
-    amx_h_start: Vec<usize>,
+    amx_h_at: Vec<Option<Range<usize>>>,
     q8_x: Q8Activations,
     q8_h: Q8Activations,
     partial: Vec<f32>,
@@ -481,7 +476,7 @@ impl ColdPool {
             workers,
             h_scratch: Vec::new(),
             amx_h: Vec::new(),
-            amx_h_start: Vec::new(),
+            amx_h_at: Vec::new(),
             q8_x: Q8Activations::new(),
             q8_h: Q8Activations::new(),
             partial: Vec::new(),
@@ -592,7 +587,8 @@ impl ColdPool {
             out: out.as_mut_ptr(),
             h_scratch: self.h_scratch.as_mut_ptr(),
             amx_h: self.amx_h.as_mut_ptr(),
-            amx_h_start: &self.amx_h_start,
+            amx_h_at: &self.amx_h_at,
+            any_amx_h: self.amx_h_at.iter().any(Option::is_some),
             active: &self.active,
             slot_start: &self.slot_start,
             gate_up_order: &self.gate_up_order,
@@ -610,17 +606,13 @@ impl ColdPool {
     /// Room for the packed `h` of every active expert whose down runs on the AMX tiles (the
     /// level is AMX, the weights BF16, 8 or more tokens): packed once, read by all its down calls.
     fn prepare_amx_h(&mut self, job: &ColdJob<'_>) {
-        self.amx_h_start.clear();
+        self.amx_h_at.clear();
         let mut words = 0;
         for &e in &self.active {
             let expert = &job.experts[e];
-            match amx_packed_words(job.level, expert.weights.down_dtype, expert.token_idx.len(), job.ff) {
-                Some(n) => {
-                    self.amx_h_start.push(words);
-                    words += n;
-                }
-                None => self.amx_h_start.push(NO_AMX),
-            }
+            let n = amx_packed_words(job.level, expert.weights.down_dtype, expert.token_idx.len(), job.ff);
+            self.amx_h_at.push(n.map(|n| words..words + n));
+            words += n.unwrap_or(0);
         }
         if self.amx_h.len() < words {
             self.amx_h.resize(words, 0);
