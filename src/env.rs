@@ -10,6 +10,7 @@
 //! | `MOE_LANES_CUDA_DEVICE` | CUDA device ordinal (default 0) |
 //! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |
 //! | `CUDA_HOME`, `CUDA_PATH`, `CUDA_ROOT` | where NVRTC finds the CUDA headers |
+//! | `MOE_LANES_PDL=0` | launch kernels without programmatic dependent launch (on by default where the GPU has it, sm_90+: a kernel's blocks are scheduled while the one before it finishes) |
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |
@@ -85,7 +86,8 @@ pub fn cold_schedule() -> Result<ColdSchedule, EnvError> {
     }
 }
 
-/// `MOE_LANES_CUDA_DEVICE`, `MOE_LANES_NVRTC_CACHE` (or the XDG / home cache), CUDA headers.
+/// `MOE_LANES_CUDA_DEVICE`, `MOE_LANES_NVRTC_CACHE` (or the XDG / home cache), CUDA headers,
+/// `MOE_LANES_PDL` (`0` or `1`; unset: on).
 pub fn cuda_config() -> Result<CudaConfig, EnvError> {
     let device_ordinal = match var("MOE_LANES_CUDA_DEVICE") {
         None => 0,
@@ -100,7 +102,12 @@ pub fn cuda_config() -> Result<CudaConfig, EnvError> {
         .filter_map(var)
         .map(|d| PathBuf::from(d).join("include"))
         .find(|p| p.join("cuda_bf16.h").exists());
-    Ok(CudaConfig { device_ordinal, nvrtc_cache_dir, cuda_include_dir })
+    let programmatic_launch = match var("MOE_LANES_PDL").as_deref().map(str::trim) {
+        None | Some("1") => true,
+        Some("0") => false,
+        Some(v) => return Err(bad("MOE_LANES_PDL", v, "0 or 1")),
+    };
+    Ok(CudaConfig { device_ordinal, nvrtc_cache_dir, cuda_include_dir, programmatic_launch })
 }
 
 /// `MOE_LANES_GPU_PROFILE` set to anything but `0`.

@@ -3,6 +3,7 @@
 
 // Index of the largest value per row (first on ties). grid (rows), block ARGMAX_BLOCK (a power of two).
 extern "C" __global__ void argmax_f32(const float* __restrict__ x, int n, int* __restrict__ out) {
+    pdl_enter();
     __shared__ float sv[ARGMAX_BLOCK];
     __shared__ int si[ARGMAX_BLOCK];
     const float* xr = x + (size_t)blockIdx.x * n;
@@ -60,6 +61,7 @@ __device__ void block_argmax(float& bv, int& bi) {
 }
 
 extern "C" __global__ void argmax_partial_f32(const float* __restrict__ x, int n, float* __restrict__ part) {
+    pdl_enter();
     int b = blockIdx.x, nb = gridDim.x, r = blockIdx.y;
     int chunk = (n + nb - 1) / nb;
     int lo = b * chunk, hi = min(n, lo + chunk);
@@ -79,6 +81,7 @@ extern "C" __global__ void argmax_partial_f32(const float* __restrict__ x, int n
 
 // Pass 2: out[r] from the nb partials of row r. grid (rows), block 32.
 extern "C" __global__ void argmax_final_f32(const float* __restrict__ part, int nb, int* __restrict__ out) {
+    pdl_enter();
     int r = blockIdx.x;
     float bv = -INFINITY;
     int bi = 0x7fffffff;

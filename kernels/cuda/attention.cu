@@ -10,6 +10,7 @@
 extern "C" __global__ void attention_f32(const float* __restrict__ q, const float* __restrict__ kc,
                                          const float* __restrict__ vc, float* __restrict__ out, int pos0,
                                          int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
     extern __shared__ float sc[];
     int t = blockIdx.x, h = blockIdx.y;
     int pos = pos0 + t;
@@ -104,6 +105,7 @@ extern "C" __global__ void attention_split_f32(const float* __restrict__ q, cons
                                                const float* __restrict__ vc, float* __restrict__ part, int pos0,
                                                int n_heads, int n_kv, int hd, int window, float scale, int splits,
                                                const int* __restrict__ pos_ptr) {
+    pdl_enter();
     __shared__ float sc[ATT_CHUNK];
     if (pos_ptr) pos0 = *pos_ptr;
     __shared__ float red[ATT_SPLIT_WARPS * ATT_MAX_HEAD_DIM];
@@ -195,6 +197,7 @@ extern "C" __global__ void attention_split_f32(const float* __restrict__ q, cons
 // M = max_s m_s. grid (n_heads, T), block 128.
 extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
                                                  int n_heads, int hd, int splits) {
+    pdl_enter();
     int h = blockIdx.x, t = blockIdx.y;
     const float* pr = part + (size_t)(t * n_heads + h) * splits * (hd + 2);
     float M = -INFINITY;
@@ -229,6 +232,7 @@ extern "C" __global__ void attention_tiled_f32(const float* __restrict__ q, cons
                                                const float* __restrict__ vc, float* __restrict__ out,
                                                int n_tokens, int pos0, int n_heads, int n_kv, int hd,
                                                int window, float scale) {
+    pdl_enter();
     extern __shared__ float4 sm4[];
     float* ks = (float*)sm4;                        // [ATT_TILE_KEYS][hd + 4]
     float* vs = ks + ATT_TILE_KEYS * (hd + 4);      // [ATT_TILE_KEYS][hd]

@@ -60,6 +60,27 @@ __device__ float block_max(float v) {
     return r;
 }
 
+// Programmatic dependent launch (sm_90+; the launcher sets the stream-serialization attribute
+// when the device has it and it is not switched off, kernels/src/cuda/mod.rs): a kernel so
+// launched may be scheduled while the kernel before it on the stream still runs. Every kernel
+// calls pdl_enter() first, before it reads or writes any memory: pdl_wait() blocks the thread
+// until the grids before it have completed and their writes are visible (a no-op without the
+// attribute), then pdl_trigger() lets the next kernel's blocks be scheduled once every block of
+// this one has triggered or exited. So results are the same with and without it, and at most one
+// kernel waits ahead of the running one (a test in kernels/src/cuda/kernel.rs checks that every
+// kernel begins so).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+#else
+__device__ __forceinline__ void pdl_wait() {}
+__device__ __forceinline__ void pdl_trigger() {}
+#endif
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_trigger();
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // Loads in flight per thread in norm_row_to: a thread issues this many loads before it uses the

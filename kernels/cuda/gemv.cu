@@ -5,6 +5,7 @@
 // grid (ceil(N / 8), T), block 256: one warp per output row, one grid row per token.
 extern "C" __global__ void gemv_bf16(const bf16* __restrict__ W, const float* __restrict__ x,
                                      float* __restrict__ y, int N, int K, int accumulate) {
+    pdl_enter();
     int n = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     int t = blockIdx.y;
     if (n >= N) return;
@@ -22,6 +23,7 @@ extern "C" __global__ void gemv_bf16(const bf16* __restrict__ W, const float* __
 // checks). grid ceil(N / (ROWS_PER_BLOCK / GEMV_SPLIT)), block 32 * ROWS_PER_BLOCK.
 extern "C" __global__ void gemv_bf16_split(const bf16* __restrict__ W, const float* __restrict__ x,
                                            float* __restrict__ y, int N, int K, int accumulate) {
+    pdl_enter();
     __shared__ float part[ROWS_PER_BLOCK];
     const int rows = ROWS_PER_BLOCK / GEMV_SPLIT;
     int warp = threadIdx.x >> 5, n = blockIdx.x * rows + warp / GEMV_SPLIT, q = warp % GEMV_SPLIT;
@@ -50,6 +52,7 @@ extern "C" __global__ void gemv3_bf16(const bf16* __restrict__ W0, const bf16* _
                                       const bf16* __restrict__ W2, const float* __restrict__ x,
                                       float* __restrict__ y0, float* __restrict__ y1, float* __restrict__ y2,
                                       int N0, int N1, int N2, int K) {
+    pdl_enter();
     int n = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     int t = blockIdx.y;
     const bf16* W;

@@ -265,6 +265,7 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16(
     const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x, const int* __restrict__ rows,
     int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ h, int N, int K,
     int split) {
+    pdl_enter();
     gg_gate_up(GgBf16{{G, U}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split);
 }
 
@@ -274,5 +275,6 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16(
 extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16(
     const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
     const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split) {
+    pdl_enter();
     gg_gemm(GgBf16{{W, W}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split);
 }

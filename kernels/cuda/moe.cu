@@ -8,6 +8,7 @@ extern "C" __global__ void moe_gate_up_gemv(const bf16* __restrict__ G, const bf
                                             const float* __restrict__ x, const int* __restrict__ slots,
                                             const int* __restrict__ tokens, float* __restrict__ h, int ff,
                                             int hidden) {
+    pdl_enter();
     int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     int e = blockIdx.y;
     if (r >= ff || slots[e] < 0) return;  // slot -1: a cold entry of a device-built worklist
@@ -31,6 +32,7 @@ extern "C" __global__ void moe_down_accum(const bf16* __restrict__ D, const floa
                                           const int* __restrict__ slots, const float* __restrict__ weights,
                                           const int* __restrict__ tok_off, const int* __restrict__ tok_rows,
                                           float* __restrict__ out, int hidden, int ff) {
+    pdl_enter();
     __shared__ float part[ROWS_PER_BLOCK][DOWN_ROWS];
     int warp = threadIdx.x >> 5, r0 = blockIdx.x * DOWN_ROWS, i = blockIdx.y;
     int e0 = tok_off[i], e1 = tok_off[i + 1];
@@ -66,6 +68,7 @@ extern "C" __global__ void moe_down_accum(const bf16* __restrict__ D, const floa
 extern "C" __global__ void moe_scatter_accum(const float* __restrict__ y, const int* __restrict__ entries,
                                              const float* __restrict__ weights, const int* __restrict__ tok_off,
                                              const int* __restrict__ tok_rows, float* __restrict__ out, int hidden) {
+    pdl_enter();
     int i = blockIdx.x;
     float* o = out + (size_t)tok_rows[i] * hidden;
     for (int d = threadIdx.x; d < hidden; d += blockDim.x) {
@@ -85,6 +88,7 @@ extern "C" __global__ void moe_scatter_accum(const float* __restrict__ y, const 
 extern "C" __global__ void hot_worklist_tokens(const int* __restrict__ map, const int* __restrict__ ids, int T,
                                                int k, int E, int* __restrict__ slots, int* __restrict__ tokens,
                                                int* __restrict__ tok_off, int* __restrict__ tok_rows) {
+    pdl_enter();
     int e = blockIdx.x * blockDim.x + threadIdx.x;
     if (e < T * k) {
         int id = ids[e];

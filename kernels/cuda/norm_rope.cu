@@ -4,6 +4,7 @@
 // One row of `dim` per block: y = x * rsqrt(mean(x^2) + eps) * w. In place allowed (x == y).
 // Per-head q/k norms: rows = T * heads, dim = head_dim. grid (rows), block 256.
 extern "C" __global__ void rmsnorm_f32(const float* x, const float* __restrict__ w, float* y, int dim, float eps) {
+    pdl_enter();
     norm_row_to(x + (size_t)blockIdx.x * dim, w, dim, eps, y + (size_t)blockIdx.x * dim);
 }
 
@@ -19,6 +20,7 @@ __device__ __forceinline__ void rope_angle(int i, int hd, float theta, double po
 // (2i, 2i + 1) (interleaved) by pos * theta^(-2i/d), angles in double as the reference does.
 // x rows are [T, row_stride]; heads at h * head_dim. grid (T, n_heads), block 64.
 extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int pos0, float theta, int interleaved) {
+    pdl_enter();
     int t = blockIdx.x, h = blockIdx.y, half = head_dim / 2;
     float* xh = x + (size_t)t * row_stride + (size_t)h * head_dim;
     double pos = (double)(pos0 + t);
@@ -45,6 +47,7 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
                                             int hd, int pos0, float theta, int interleaved, float eps,
                                             const int* __restrict__ pos_ptr, float* __restrict__ kc,
                                             float* __restrict__ vc, const float* __restrict__ v, int nkv) {
+    pdl_enter();
     int t = blockIdx.x, h = blockIdx.y, half = hd / 2;
     if (kc) pos0 = *pos_ptr;
     if (kc && h >= nh + nkv) {  // value head copy into the cache

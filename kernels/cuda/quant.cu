@@ -638,35 +638,45 @@ __device__ __forceinline__ void dequant_q(const u8* __restrict__ W, bf16* __rest
 
 // GEMV entry points: grid (ceil(N / ROWS_PER_BLOCK)), block 32 * ROWS_PER_BLOCK; W bytes of N rows.
 extern "C" __global__ void gemv_q8_0(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    pdl_enter();
     gemv_q<Q8_0>(W, x, y, N, K, T, accumulate);
 }
 extern "C" __global__ void gemv_q4_0(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    pdl_enter();
     gemv_q<Q4_0>(W, x, y, N, K, T, accumulate);
 }
 extern "C" __global__ void gemv_q4_k(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    pdl_enter();
     gemv_q<Q4_K>(W, x, y, N, K, T, accumulate);
 }
 extern "C" __global__ void gemv_q5_k(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    pdl_enter();
     gemv_q<Q5_K>(W, x, y, N, K, T, accumulate);
 }
 extern "C" __global__ void gemv_q6_k(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    pdl_enter();
     gemv_q<Q6_K>(W, x, y, N, K, T, accumulate);
 }
 
 // Dequantization entry points: grid (ceil(n_blocks * LANES / 256)), block 256.
 extern "C" __global__ void dequant_q8_0_bf16(const u8* W, bf16* out, int n_blocks) {
+    pdl_enter();
     dequant_q<Q8_0>(W, out, n_blocks);
 }
 extern "C" __global__ void dequant_q4_0_bf16(const u8* W, bf16* out, int n_blocks) {
+    pdl_enter();
     dequant_q<Q4_0>(W, out, n_blocks);
 }
 extern "C" __global__ void dequant_q4_k_bf16(const u8* W, bf16* out, int n_blocks) {
+    pdl_enter();
     dequant_q<Q4_K>(W, out, n_blocks);
 }
 extern "C" __global__ void dequant_q5_k_bf16(const u8* W, bf16* out, int n_blocks) {
+    pdl_enter();
     dequant_q<Q5_K>(W, out, n_blocks);
 }
 extern "C" __global__ void dequant_q6_k_bf16(const u8* W, bf16* out, int n_blocks) {
+    pdl_enter();
     dequant_q<Q6_K>(W, out, n_blocks);
 }
 
@@ -684,6 +694,7 @@ extern "C" __global__ void dequant_q6_k_bf16(const u8* W, bf16* out, int n_block
 // launch saved.) grid ceil(n_blocks * 32 / 256), block 256: a warp a block, a value a lane.
 extern "C" __global__ void quantize_q8_f32(const float* __restrict__ x, signed char* __restrict__ q,
                                            float* __restrict__ d, int n_blocks) {
+    pdl_enter();
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if ((i >> 5) >= n_blocks) return;  // whole warps
     float v = x[i], amax = warp_max(fabsf(v));
@@ -927,9 +938,11 @@ __device__ __forceinline__ void gate_up_typed(const u8* __restrict__ G, const u8
         const int *__restrict__ slots, const int *__restrict__ tokens, float *__restrict__ h, int ff, int hidden
 #define GATE_UP_ARGS G, U, g_type, u_type, g_row_bytes, u_row_bytes, x, xq, xd, slots, tokens, h, ff, hidden
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_gate_up_gemv_q(GATE_UP_PARAMS) {
+    pdl_enter();
     gate_up_typed<false>(GATE_UP_ARGS);
 }
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_gate_up_gemv_q8(GATE_UP_PARAMS) {
+    pdl_enter();
     gate_up_typed<true>(GATE_UP_ARGS);
 }
 
@@ -978,9 +991,11 @@ __device__ __forceinline__ void down_typed(const u8* __restrict__ D, int d_type,
         float *__restrict__ out, int hidden, int ff
 #define DOWN_ARGS D, d_type, d_row_bytes, h, hq, hd, slots, weights, tok_off, tok_rows, out, hidden, ff
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_down_accum_q(DOWN_PARAMS) {
+    pdl_enter();
     down_typed<false>(DOWN_ARGS);
 }
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_down_accum_q8(DOWN_PARAMS) {
+    pdl_enter();
     down_typed<true>(DOWN_ARGS);
 }
 
@@ -1002,6 +1017,7 @@ __device__ __forceinline__ void embed_row_q(const u8* __restrict__ row, float* _
 // to f32. Token ids must be checked by the caller. grid (n_tokens), block 256.
 extern "C" __global__ void embed_q(const u8* __restrict__ table, int type, int row_bytes,
                                    const int* __restrict__ tokens, float* __restrict__ out, int hidden) {
+    pdl_enter();
     const u8* row = table + (size_t)tokens[blockIdx.x] * row_bytes;
     float* o = out + (size_t)blockIdx.x * hidden;
     switch (type) {
@@ -1047,18 +1063,23 @@ __device__ __forceinline__ void gemv1_q(const u8* __restrict__ Wm, const float* 
         gemv1_rows<W, QUANT_WIDE_ROWS>(Wm, x, y, N, K, accumulate);
 }
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q8_0(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    pdl_enter();
     gemv1_q<W8_0>(W, x, y, N, K, accumulate, wide);
 }
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q4_0(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    pdl_enter();
     gemv1_q<W4_0>(W, x, y, N, K, accumulate, wide);
 }
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q4_k(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    pdl_enter();
     gemv1_q<W4_K>(W, x, y, N, K, accumulate, wide);
 }
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q5_k(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    pdl_enter();
     gemv1_q<W5_K>(W, x, y, N, K, accumulate, wide);
 }
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q6_k(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    pdl_enter();
     gemv1_q<W6_K>(W, x, y, N, K, accumulate, wide);
 }
 
@@ -1067,6 +1088,7 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q8(
     const u8* __restrict__ Wm, int type, int row_bytes, const signed char* __restrict__ xq,
     const float* __restrict__ xd, float* __restrict__ y, int N, int K, int accumulate, int wide) {
+    pdl_enter();
     int R = wide == 1 ? 1 : QUANT_WIDE_ROWS;
     int n0 = (blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5)) * R;
     if (n0 >= N) return;
@@ -1133,9 +1155,11 @@ __device__ __forceinline__ void gemv3_body(
         int N0, int N1, int N2, int K
 #define GEMV3_ARGS W0, W1, W2, ty0, ty1, ty2, rb0, rb1, rb2, x, xq, xd, y0, y1, y2, N0, N1, N2, K
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv3_typed(GEMV3_PARAMS) {
+    pdl_enter();
     gemv3_body<false>(GEMV3_ARGS);
 }
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv3_typed_q8(GEMV3_PARAMS) {
+    pdl_enter();
     gemv3_body<true>(GEMV3_ARGS);
 }
 
@@ -1188,6 +1212,7 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q(
     const u8* __restrict__ G, const u8* __restrict__ U, int g_type, int u_type, int g_row_bytes, int u_row_bytes,
     const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles,
     int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split) {
+    pdl_enter();
     GgTyped wl = {{G, U}, {g_type, u_type}, {g_row_bytes, u_row_bytes}, N, K};
     gg_gate_up(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split);
 }
@@ -1197,6 +1222,7 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q(
     const u8* __restrict__ W, int w_type, int row_bytes, const float* __restrict__ x, const int* __restrict__ rows,
     int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K,
     int split) {
+    pdl_enter();
     GgTyped wl = {{W, W}, {w_type, w_type}, {row_bytes, row_bytes}, N, K};
     gg_gemm(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split);
 }

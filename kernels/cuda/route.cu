@@ -91,6 +91,7 @@ __device__ void topk_block(const float* ls, int E, int k, int variant, int norm,
 // grid ceil(T/8), block 256.
 extern "C" __global__ void route_topk(const float* __restrict__ logits, int T, int E, int k, int variant,
                                       int norm, int* __restrict__ ids, float* __restrict__ weights) {
+    pdl_enter();
     int t = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     if (t >= T) return;  // whole warps
     topk_row(logits + (size_t)t * E, E, k, variant, norm, ids + (size_t)t * k, weights + (size_t)t * k);
@@ -111,6 +112,7 @@ extern "C" __global__ void route_decode(const float* __restrict__ x, const float
                                         unsigned* __restrict__ counter, const int* __restrict__ map,
                                         int* __restrict__ slots, int* __restrict__ tokens,
                                         int* __restrict__ tok_off, int* __restrict__ tok_rows) {
+    pdl_enter();
     extern __shared__ float4 route_sm4[];
     float* xs = (float*)route_sm4;  // [H] the normed row, then [E] the logits row
     __shared__ int last;

@@ -453,6 +453,25 @@ mod tests {
         assert_eq!(all.matches("__global__").count(), Kernel::ALL.len(), "no kernel without an id");
     }
 
+    /// Kernels are launched with programmatic stream serialization (they may start before the
+    /// kernel before them ends): each must wait for it before its first memory access.
+    #[test]
+    fn every_kernel_first_waits_for_the_one_before_it() {
+        for k in Kernel::ALL {
+            let src = k.family().source();
+            let at = src.find(&format!("void {}(", k.symbol())).expect("defined");
+            let body = &src[at + src[at..].find('{').expect("a body") + 1..];
+            let first = body.trim_start().split(';').next().unwrap_or("");
+            assert_eq!(
+                first,
+                "pdl_enter()",
+                "{} in {} does not begin with pdl_enter();",
+                k.symbol(),
+                k.family().file_name()
+            );
+        }
+    }
+
     #[test]
     fn families_need_only_earlier_ones() {
         for (i, f) in Family::ALL.iter().enumerate() {

@@ -336,6 +336,8 @@ pub struct CudaBackend {
     compile: CompileReport,
     /// The compute stream is being captured into a graph (event records become graph nodes).
     capturing: std::sync::atomic::AtomicBool,
+    /// Kernels are launched with programmatic stream serialization ([`CudaConfig`]).
+    programmatic: bool,
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -357,14 +359,29 @@ fn guard<T>(what: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
 }
 
 /// Where and how to open a device. The caller fills it (the library's `env` module reads
-/// `MOE_LANES_CUDA_DEVICE`, `MOE_LANES_NVRTC_CACHE` and `CUDA_HOME` at the edge).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// `MOE_LANES_CUDA_DEVICE`, `MOE_LANES_NVRTC_CACHE`, `MOE_LANES_PDL` and `CUDA_HOME` at the edge).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CudaConfig {
     pub device_ordinal: usize,
     /// Keep compiled cubins here (none: compile once per process).
     pub nvrtc_cache_dir: Option<PathBuf>,
     /// CUDA headers for NVRTC (default `/usr/local/cuda/include`).
     pub cuda_include_dir: Option<PathBuf>,
+    /// Launch kernels with programmatic stream serialization where the device has it (compute
+    /// capability 9.0 and later): a kernel's blocks may be scheduled while the kernel before it
+    /// finishes, and wait there (`pdl_enter` in common.cuh). Default on.
+    pub programmatic_launch: bool,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig {
+            device_ordinal: 0,
+            nvrtc_cache_dir: None,
+            cuda_include_dir: None,
+            programmatic_launch: true,
+        }
+    }
 }
 
 impl CudaBackend {
@@ -431,6 +448,7 @@ impl CudaBackend {
                     .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                     .ctx("cuDeviceGetAttribute(sm count)")?,
             };
+            let programmatic = config.programmatic_launch && info.compute_capability.0 >= 9;
             let (cubin, compile) = compile_for_arch(&info.arch(), config)?;
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).ctx("cuModuleLoadData")?;
             let functions = Kernel::ALL
@@ -448,6 +466,7 @@ impl CudaBackend {
                 info,
                 compile,
                 capturing: Default::default(),
+                programmatic,
             })
         })
     }
@@ -808,6 +827,9 @@ impl CudaBackend {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
+        if self.programmatic {
+            return self.launch_programmatic(stream, kernel, grid, block, shared_bytes, args);
+        }
         // SAFETY: the kernel was compiled from `kernels/cuda` with the argument list its launcher
         // built in `args` (one pointer per parameter, in order, checked by the typed launchers in
         // `ops.rs`), and every device pointer in it is a checked `DPtr` into a live buffer.
@@ -822,6 +844,43 @@ impl CudaBackend {
             )
         }
         .ctx("cuLaunchKernel")
+    }
+
+    /// [`Self::launch_on`] with programmatic stream serialization: the kernel may be scheduled
+    /// while the kernel before it on `stream` runs; it waits for that kernel (`pdl_enter` in
+    /// common.cuh) before it touches memory.
+    fn launch_programmatic(
+        &self,
+        stream: sys::CUstream,
+        kernel: Kernel,
+        grid: (u32, u32, u32),
+        block: u32,
+        shared_bytes: u32,
+        args: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: shared_bytes,
+            hStream: stream,
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let function = self.function(kernel).cu_function();
+        // SAFETY: as in `launch_on` for the function and `args`; `config` and the one attribute
+        // it points at live on this frame for the whole call.
+        unsafe { sys::cuLaunchKernelEx(&config, function, args.as_mut_ptr(), std::ptr::null_mut()) }
+            .result()
+            .ctx("cuLaunchKernelEx")
     }
 }
 
