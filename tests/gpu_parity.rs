@@ -24,10 +24,28 @@ use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use moe_lanes::reference::{NoObserver, Reference};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 const REL_TOL: f32 = 2e-3;
 const N_DECODE: usize = 3;
+
+/// Device memory held by the tests of this file: each holds it shared for its whole body, except
+/// the budget test, which needs the memory in use to stay as it measured it (it failed when
+/// other tests freed buffers in between).
+static GPU_MEMORY: RwLock<()> = RwLock::new(());
+
+/// `None` (the test skips) without a usable GPU; else the shared hold on [`GPU_MEMORY`], taken
+/// before the probe (which opens a device context) so the probe too waits for the budget test.
+fn gpu_shared() -> Option<RwLockReadGuard<'static, ()>> {
+    let hold = GPU_MEMORY.read().unwrap_or_else(|e| e.into_inner());
+    common::gpu_usable().then_some(hold)
+}
+
+/// As [`gpu_shared`], alone on the device.
+fn gpu_exclusive() -> Option<RwLockWriteGuard<'static, ()>> {
+    let hold = GPU_MEMORY.write().unwrap_or_else(|e| e.into_inner());
+    common::gpu_usable().then_some(hold)
+}
 
 fn prompt(dir: &Path) -> Vec<u32> {
     let path = dir.join("golden.json");
@@ -146,9 +164,7 @@ fn open(name: &str) -> Arc<Model> {
 }
 
 fn run_hot(hot: Hot, hot_gemm: HotGemm) {
-    if !common::gpu_usable() {
-        return;
-    }
+    let Some(_gpu) = gpu_shared() else { return };
     let mut worst = 0f32;
     for name in &common::fixture_names() {
         let model = open(name);
@@ -190,9 +206,7 @@ fn fixtures_hot_half_and_all_per_expert_gemm() {
 /// lm_head for the last row only) equal to the last row of a full forward.
 #[test]
 fn long_prompt_grouped_tiles_and_forward_last() {
-    if !common::gpu_usable() {
-        return;
-    }
+    let Some(_gpu) = gpu_shared() else { return };
     let name = "qwen3_moe_a";
     let model = open(name);
     let c = model.config().clone();
@@ -227,9 +241,7 @@ fn long_prompt_grouped_tiles_and_forward_last() {
 /// last row, and the decode after it continues from the same cache.
 #[test]
 fn forward_last_is_the_last_row() {
-    if !common::gpu_usable() {
-        return;
-    }
+    let Some(_gpu) = gpu_shared() else { return };
     for name in &common::fixture_names() {
         let model = open(name);
         let c = model.config().clone();
@@ -268,9 +280,7 @@ fn graph_engine(model: &Arc<Model>, positions: usize, hot: Hot, graph: bool) -> 
 /// also follow the reference.
 #[test]
 fn decode_graph_matches_eager_bit_for_bit() {
-    if !common::gpu_usable() {
-        return;
-    }
+    let Some(_gpu) = gpu_shared() else { return };
     for name in &common::fixture_names() {
         for hot in [Hot::All, Hot::Mixed] {
             let model = open(name);
@@ -303,9 +313,7 @@ fn decode_graph_matches_eager_bit_for_bit() {
 
 #[test]
 fn exchanges_keep_output_exact() {
-    if !common::gpu_usable() {
-        return;
-    }
+    let Some(_gpu) = gpu_shared() else { return };
     for name in &common::fixture_names() {
         let model = open(name);
         let c = model.config().clone();
@@ -336,9 +344,7 @@ fn exchanges_keep_output_exact() {
 }
 
 fn run_fault(faults: GpuFaults, reason: FallbackReason) {
-    if !common::gpu_usable() {
-        return;
-    }
+    let Some(_gpu) = gpu_shared() else { return };
     for name in &common::fixture_names() {
         let model = open(name);
         let c = model.config().clone();
@@ -357,9 +363,7 @@ fn run_fault(faults: GpuFaults, reason: FallbackReason) {
 fn seeded_fault_schedules_over_long_generations() {
     use moe_lanes::actors::LaneFaultSchedule;
     const DECODE_STEPS: usize = 40;
-    if !common::gpu_usable() {
-        return;
-    }
+    let Some(_gpu) = gpu_shared() else { return };
     for (i, name) in common::fixture_names().iter().enumerate().take(4) {
         let seed = 11 + i as u64;
         let model = open(name);
@@ -428,9 +432,7 @@ fn fault_gpu_lost_mid_session() {
 
 #[test]
 fn perf_json_of_a_gpu_run() {
-    if !common::gpu_usable() {
-        return;
-    }
+    let Some(_gpu) = gpu_shared() else { return };
     let model = open("qwen3_moe_a");
     let c = model.config().clone();
     let mut engine =
@@ -454,9 +456,8 @@ fn perf_json_of_a_gpu_run() {
 
 #[test]
 fn auto_budget_never_over_allocates_and_impossible_budget_is_refused() {
-    if !common::gpu_usable() {
-        return;
-    }
+    // alone on the device: it measures the memory in use, then builds against a limit made of it
+    let Some(_gpu) = gpu_exclusive() else { return };
     let model = open("qwen3_moe_a");
     let be = CudaBackend::try_new().unwrap();
     let (free, total) = be.mem_info().unwrap();
@@ -566,9 +567,7 @@ fn ok(cond: bool, what: &'static str) -> Result<(), &'static str> {
 /// each path ran.
 #[test]
 fn postfetch_modes_match_reference() {
-    if !common::gpu_usable() {
-        return;
-    }
+    let Some(_gpu) = gpu_shared() else { return };
     for name in &common::fixture_names() {
         let model = open(name);
         for hot in [Hot::None, Hot::Half] {
@@ -600,9 +599,7 @@ fn postfetch_modes_match_reference() {
 /// tiles, beside hot experts, blocking and deferred: every row equal to the reference.
 #[test]
 fn postfetch_long_prompt_matches_reference() {
-    if !common::gpu_usable() {
-        return;
-    }
+    let Some(_gpu) = gpu_shared() else { return };
     let model = open("qwen3_moe_a");
     let c = model.config().clone();
     let n = c.max_positions;
@@ -629,9 +626,7 @@ fn postfetch_long_prompt_matches_reference() {
 /// the planned hot set is the one learned without it.
 #[test]
 fn learn_pass_counts_every_slot_with_postfetch_on() {
-    if !common::gpu_usable() {
-        return;
-    }
+    let Some(_gpu) = gpu_shared() else { return };
     let model = open("qwen3_moe_a");
     let mut sets = Vec::new();
     for mode in [PostFetchMode::Off, PostFetchMode::On] {
