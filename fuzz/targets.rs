@@ -10,8 +10,11 @@ use moe_lanes::format::gguf::GgufFile;
 use moe_lanes::format::safetensors::{parse_index, SafetensorsFile};
 use std::path::Path;
 
+/// A fuzz target: one input, any bytes.
+pub type Target = fn(&[u8]);
+
 /// Every target, by the name of its corpus folder.
-pub const TARGETS: [(&str, fn(&[u8])); 6] = [
+pub const TARGETS: [(&str, Target); 6] = [
     ("gguf", gguf),
     ("safetensors_header", safetensors_header),
     ("safetensors_index", safetensors_index),

@@ -106,8 +106,11 @@ pub struct CompletionRequest {
 /// Most alternatives the completions API's `logprobs` may ask for (OpenAI's limit).
 pub const MAX_COMPLETION_LOGPROBS: u64 = 5;
 
+/// Whether a field's value is its default meaning.
+type IsNeutral = fn(&Value) -> bool;
+
 /// Fields accepted with only their default meaning (anything else there is refused, not ignored).
-const NEUTRAL: [(&str, fn(&Value) -> bool); 4] = [
+const NEUTRAL: [(&str, IsNeutral); 4] = [
     ("model", |v| v.is_string()),
     ("n", |v| v.as_u64() == Some(1)),
     ("echo", |v| v.as_bool() == Some(false)),

@@ -160,9 +160,12 @@ impl TextGenerator {
     fn submit(&self, prompt: Prompt, opts: TextOptions) -> TextEvents {
         let (tx, rx) = mpsc::channel(TEXT_EVENTS_BUFFER);
         let job = Job { prompt, opts, events: tx };
-        match self.jobs.as_ref().map(|jobs| jobs.send(job)) {
-            Some(Ok(())) => TextEvents { rx },
-            _ => failed(TextGenerationError::WorkerGone),
+        // the queue gives a refused job back in its error: nothing to do with it but report
+        let sent = self.jobs.as_ref().is_some_and(|jobs| jobs.send(job).is_ok());
+        if sent {
+            TextEvents { rx }
+        } else {
+            failed(TextGenerationError::WorkerGone)
         }
     }
 }
