@@ -827,37 +827,10 @@ impl CudaBackend {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        if self.programmatic {
-            return self.launch_programmatic(stream, kernel, grid, block, shared_bytes, args);
-        }
-        // SAFETY: the kernel was compiled from `kernels/cuda` with the argument list its launcher
-        // built in `args` (one pointer per parameter, in order, checked by the typed launchers in
-        // `ops.rs`), and every device pointer in it is a checked `DPtr` into a live buffer.
-        unsafe {
-            drv::launch_kernel(
-                self.function(kernel).cu_function(),
-                grid,
-                (block, 1, 1),
-                shared_bytes,
-                stream,
-                args,
-            )
-        }
-        .ctx("cuLaunchKernel")
-    }
-
-    /// [`Self::launch_on`] with programmatic stream serialization: the kernel may be scheduled
-    /// while the kernel before it on `stream` runs; it waits for that kernel (`pdl_enter` in
-    /// common.cuh) before it touches memory.
-    fn launch_programmatic(
-        &self,
-        stream: sys::CUstream,
-        kernel: Kernel,
-        grid: (u32, u32, u32),
-        block: u32,
-        shared_bytes: u32,
-        args: &mut [*mut std::ffi::c_void],
-    ) -> Result<()> {
+        // Programmatic stream serialization (`CudaConfig::programmatic_launch`): the kernel may be
+        // scheduled while the kernel before it on `stream` runs; it waits for that kernel
+        // (`pdl_enter` in common.cuh) before it touches memory. Without the attribute
+        // (`numAttrs` 0) this is a plain launch.
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
@@ -873,11 +846,13 @@ impl CudaBackend {
             sharedMemBytes: shared_bytes,
             hStream: stream,
             attrs: &mut attr,
-            numAttrs: 1,
+            numAttrs: self.programmatic as u32,
         };
         let function = self.function(kernel).cu_function();
-        // SAFETY: as in `launch_on` for the function and `args`; `config` and the one attribute
-        // it points at live on this frame for the whole call.
+        // SAFETY: the kernel was compiled from `kernels/cuda` with the argument list its launcher
+        // built in `args` (one pointer per parameter, in order, checked by the typed launchers in
+        // `ops.rs`), every device pointer in it is a checked `DPtr` into a live buffer, and
+        // `config` and the attribute it points at live on this frame for the whole call.
         unsafe { sys::cuLaunchKernelEx(&config, function, args.as_mut_ptr(), std::ptr::null_mut()) }
             .result()
             .ctx("cuLaunchKernelEx")
