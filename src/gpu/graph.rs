@@ -110,9 +110,8 @@ impl GpuModel {
         }
         let g = self.graph.as_ref().expect("captured above");
         self.be.launch_graph(&g.graph)?;
-        let hot_at = Some(Instant::now());
-        self.records.clone_from(&g.records);
-        self.records.iter_mut().for_each(|r| r.hot_at = hot_at);
+        let records = std::mem::take(&mut self.records);
+        self.records = replayed_records(records, &g.records);
         self.graph_step_end(cache, call_start)
     }
 
@@ -220,9 +219,8 @@ impl GpuModel {
 
     /// Launch the parts and hot lanes in turn, each split layer's cold lane on the host between.
     fn run_segments(&mut self, segs: &DecodeSegments, cold: &mut dyn ColdExperts) -> Result<(), GpuError> {
-        self.records.clone_from(&segs.records);
-        let hot_at = Some(Instant::now());
-        self.records.iter_mut().for_each(|r| r.hot_at = hot_at);
+        let records = std::mem::take(&mut self.records);
+        self.records = replayed_records(records, &segs.records);
         for (i, part) in segs.parts.iter().enumerate() {
             self.be.launch_graph(part)?;
             let Some(&l) = segs.split_layers.get(i) else { break };
@@ -327,6 +325,16 @@ impl GpuModel {
         graphs.push(graph?);
         Ok(())
     }
+}
+
+/// The layer records of a replay: the ones captured with the graphs (what each layer ran) in
+/// `into`'s storage, their hot lanes started now.
+fn replayed_records(mut into: Vec<LayerRecord>, captured: &[LayerRecord]) -> Vec<LayerRecord> {
+    into.clear();
+    into.extend_from_slice(captured);
+    let hot_at = Some(Instant::now());
+    into.iter_mut().for_each(|r| r.hot_at = hot_at);
+    into
 }
 
 #[cfg(test)]
