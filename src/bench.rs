@@ -415,7 +415,8 @@ fn postfetch_line(p: &crate::cache::perf::PostFetchPerf) -> String {
     let pct = |x: Option<f64>| x.map_or("n/a".to_string(), |v| format!("{:.1}%", v * 100.0));
     format!(
         "postfetch     {}: {} experts fetched ({:.1} MiB, copy {:.1} ms), overlap {} (target >= 70%), \
-         fallback {} (<= 5%), VRAM {:.1} MiB = {} of the hot cache (<= 10%), {} block waits, PCIe {:.1} GB/s\n",
+         fallback {} (<= 5%), VRAM {:.1} MiB = {} of the hot cache (<= 10%), {} block waits, PCIe {:.1} GB/s, \
+         copies {}{}\n",
         p.mode,
         p.experts_fetched,
         p.bytes_copied as f64 / (1 << 20) as f64,
@@ -425,7 +426,9 @@ fn postfetch_line(p: &crate::cache::perf::PostFetchPerf) -> String {
         p.scratch_bytes as f64 / (1 << 20) as f64,
         pct(p.vram_overhead),
         p.block_waits,
-        p.pcie_bytes_per_s / 1e9
+        p.pcie_bytes_per_s / 1e9,
+        p.copy_source,
+        p.register_error.as_ref().map_or(String::new(), |e| format!(" (registering the file failed: {e})")),
     )
 }
 
@@ -445,6 +448,8 @@ mod tests {
             scratch_bytes: 1 << 20,
             vram_overhead: Some(0.02),
             pcie_bytes_per_s: 5e10,
+            copy_source: "staged".into(),
+            register_error: Some("refused".into()),
             ..Default::default()
         };
         let line = postfetch_line(&p);
@@ -453,6 +458,7 @@ mod tests {
             "{line}"
         );
         assert!(line.contains("fallback n/a (<= 5%), VRAM 1.0 MiB = 2.0% of the hot cache"), "{line}");
+        assert!(line.ends_with("copies staged (registering the file failed: refused)\n"), "{line}");
     }
 
     #[test]

@@ -22,12 +22,13 @@
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
 //! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
-//! | `MOE_LANES_POSTFETCH` | Post-Fetch of cold experts in GPU prefill (bf16 and quantized files): `auto` (a cost model decides per expert), `on` (every cold expert that fits), `cpu` (scratchpad allocated, every expert on the CPU: A/B at equal VRAM), `off` (default: no scratchpad) |
+//! | `MOE_LANES_POSTFETCH` | Post-Fetch of cold experts in GPU prefill (bf16 and quantized files): `auto` (a cost model decides per expert), `on` (every cold expert that fits), `cpu` (scratchpad allocated, every expert on the CPU: A/B at equal VRAM), `off` (no scratchpad); default `auto` |
 //! | `MOE_LANES_POSTFETCH_BLOCK_ON_MISS` | `1` (default): a fetched expert whose copy is still in flight when the CPU lane is done is waited for; `0`: the CPU computes it |
 //! | `MOE_LANES_POSTFETCH_MAX_TRANSFERS` | expert copies in flight at most; the layer's other chosen experts run on the CPU (default 256) |
 //! | `MOE_LANES_POSTFETCH_SCRATCH_MIB` | VRAM of the scratchpad (default 1024; decimals allowed; at least one expert; 0: off) |
 //! | `MOE_LANES_POSTFETCH_STREAMS` | copy streams (default 1, at most 4) |
 //! | `MOE_LANES_POSTFETCH_DEBUG=1` | a line per prefill layer with the decision (stderr) |
+//! | `MOE_LANES_POSTFETCH_REGISTER` | `1` (default): copies read the model file's pages, registered with the device (read-only) once at engine start; `0`, or when the driver refuses: staged through pinned buffers |
 //! | `MOE_LANES_POOL_COLD` | `off`: the pipeline's cold lane on lane-actor worker threads instead of the dense stage's pool ([`pool_cold`]) |
 
 use crate::gpu::{GpuFaults, HotGemm, PostFetchOptions, PrefillAttention, POSTFETCH_MAX_STREAMS};
@@ -266,6 +267,9 @@ pub fn postfetch() -> Result<PostFetchOptions, EnvError> {
     }
     if let Some(v) = var("MOE_LANES_POSTFETCH_DEBUG") {
         o.debug = parse_flag(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_DEBUG", &v, "0 or 1"))?;
+    }
+    if let Some(v) = var("MOE_LANES_POSTFETCH_REGISTER") {
+        o.register = parse_flag(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_REGISTER", &v, "0 or 1"))?;
     }
     Ok(o)
 }

@@ -510,8 +510,16 @@ fn postfetch_cases() -> Vec<PostFetchCase> {
     let late = GpuFaults { postfetch_late_layer: Some(0), ..Default::default() };
     let none = GpuFaults::default();
     vec![
-        // every cold expert copied, waited for, run by the grouped GEMMs: nothing on the CPU
-        case("on", on, none, |p| ok(p.experts_fetched > 0 && p.fallbacks == 0, "fetched, no fallback")),
+        // every cold expert copied from the registered file, waited for, run by the grouped
+        // GEMMs: nothing on the CPU
+        case("on", on, none, |p| {
+            let direct = p.copy_source == "registered" && p.register_error.is_none();
+            ok(direct && p.experts_fetched > 0 && p.fallbacks == 0, "fetched from the registered file")
+        }),
+        // the same through pinned staging buffers
+        case("on, staged", PostFetchOptions { register: false, ..on }, none, |p| {
+            ok(p.copy_source == "staged" && p.experts_fetched > 0 && p.fallbacks == 0, "staged, no fallback")
+        }),
         // the readiness query before the fetched GEMMs; whether a copy is late is a race
         case("on deferred", deferred, none, |p| {
             ok(p.experts_fetched > 0 && p.fallback_reasons["scratch_full"] == 0, "fetched, scratch fits")
@@ -559,8 +567,8 @@ fn ok(cond: bool, what: &'static str) -> Result<(), &'static str> {
     }
 }
 
-/// Every golden fixture through the GPU engine with Post-Fetch forced on (waiting for late
-/// copies, or deferring the fetched GEMMs to the readiness query), with a tiny scratchpad and
+/// Every golden fixture through the GPU engine with Post-Fetch forced on (copies from the
+/// registered file or staged through pinned buffers; waiting for late copies, or deferring the fetched GEMMs to the readiness query), with a tiny scratchpad and
 /// with one transfer in flight (fallbacks to the CPU), with every copy of a layer late (waited
 /// for, or computed on the CPU), forced to the CPU, and off, at no and half hot caches: every
 /// prefill and decode row equal to the reference, no layer fallback, and the counters show that

@@ -258,10 +258,10 @@ struct EngineArgs {
     /// Cold-lane kernels of the CPU pipeline: simd (moe-lanes-kernels) or plain.
     #[arg(long, default_value = "simd")]
     cold_kernels: String,
-    /// Post-Fetch in GPU prefill (bf16 models): auto (a cost model copies a cold expert to a VRAM
+    /// Post-Fetch in GPU prefill (bf16 and quantized models): auto (a cost model copies a cold expert to a VRAM
     /// scratchpad and runs it on the GPU when that beats the CPU), on (every cold expert that
     /// fits), cpu (scratchpad allocated, every cold expert on the CPU), off (no scratchpad).
-    /// Default: MOE_LANES_POSTFETCH, else off (auto is measured slower at 50% skewed).
+    /// Default: MOE_LANES_POSTFETCH, else auto.
     #[arg(long)]
     postfetch: Option<String>,
     /// Post-Fetch: a fetched expert whose copy is still in flight when the CPU lane is done is

@@ -180,6 +180,11 @@ pub struct PostFetchPerf {
     pub vram_overhead: Option<f64>,
     /// Host-to-device rate the cost model uses (measured at engine start).
     pub pcie_bytes_per_s: f64,
+    /// `registered`: copies read the model file's pages (registered with the device);
+    /// `staged`: through pinned buffers.
+    pub copy_source: String,
+    /// The driver's refusal to register the file, when that is why copies are staged.
+    pub register_error: Option<String>,
 }
 
 /// The model a perf document was recorded on: architecture, layer and expert counts, and the

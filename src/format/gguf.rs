@@ -21,6 +21,7 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 const MAGIC: [u8; 4] = *b"GGUF";
 const WRITE_VERSION: u32 = 3;
@@ -301,7 +302,7 @@ pub enum GgufError {
 #[derive(Debug)]
 pub struct GgufFile {
     path: PathBuf,
-    mmap: memmap2::Mmap,
+    mmap: Arc<memmap2::Mmap>,
     version: u32,
     metadata: Vec<(String, MetaValue)>,
     tensors: Vec<GgufTensorInfo>,
@@ -317,6 +318,11 @@ impl GgufFile {
         super::populate_map(&self.mmap)
     }
 
+    /// The file's read-only map (every tensor's bytes borrow from it).
+    pub fn mapping(&self) -> &Arc<memmap2::Mmap> {
+        &self.mmap
+    }
+
     /// Map and validate `path`: header, metadata, tensor infos, and that every tensor's bytes lie
     /// inside the file at an aligned offset.
     pub fn open(path: &Path) -> Result<GgufFile, GgufError> {
@@ -326,6 +332,7 @@ impl GgufFile {
         // be modified while open; if another process truncates one, reads fault (as with any mmap).
         let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err)?;
         let header = Parser::new(path, &mmap).parse_header()?;
+        let mmap = Arc::new(mmap);
         let tensor_index = header.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Ok(GgufFile {
             path: path.to_path_buf(),

@@ -23,6 +23,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Headers larger than this are rejected as corrupt (real headers are a few MB at most).
 pub const MAX_HEADER_BYTES: u64 = 100_000_000;
@@ -162,7 +163,7 @@ pub struct StTensorInfo {
 #[derive(Debug)]
 pub struct SafetensorsFile {
     path: PathBuf,
-    mmap: Mmap,
+    mmap: Arc<Mmap>,
     metadata: BTreeMap<String, String>,
     /// Sorted by `begin` (file order).
     tensors: Vec<StTensorInfo>,
@@ -183,6 +184,7 @@ impl SafetensorsFile {
         // through `<path>.tmp` + rename), so the mapped bytes do not change while we hold them.
         let mmap = unsafe { Mmap::map(&file) }.map_err(io_err)?;
         let header = parse_header(path, &mmap)?;
+        let mmap = Arc::new(mmap);
         let mut index_of_name = HashMap::new();
         for (i, info) in header.tensors.iter().enumerate() {
             index_of_name.insert(info.name.clone(), i);
@@ -524,6 +526,11 @@ impl SafetensorsModel {
     /// [`crate::model::Model::populate`]).
     pub fn populate(&self) -> std::io::Result<()> {
         self.files.iter().try_for_each(|f| super::populate_map(&f.mmap))
+    }
+
+    /// Every weight file's read-only map (every tensor's bytes borrow from one of them).
+    pub fn mappings(&self) -> Vec<Arc<Mmap>> {
+        self.files.iter().map(|f| f.mmap.clone()).collect()
     }
 
     /// Read `dir/config.json` and map and cross-check every weight file.

@@ -312,6 +312,7 @@ impl GpuModel {
         self.postfetch_issue(l, phase)?;
         self.records[l].worklist_us = split_at.elapsed().as_secs_f64() * 1e6;
         let n_cold_rows = self.upload_worklist(l, t)?;
+        self.postfetch_start_copies()?;
         self.mark(l, 6)?;
         self.be.record(&self.lane_events[l].start)?;
         self.records[l].hot_at = Some(Instant::now());

@@ -153,6 +153,14 @@ impl Model {
         }
     }
 
+    /// The read-only maps every tensor of the model borrows from (one per file).
+    pub fn mappings(&self) -> Vec<std::sync::Arc<memmap2::Mmap>> {
+        match &self.source {
+            Source::Gguf(file) => vec![file.mapping().clone()],
+            Source::Safetensors(st) => st.mappings(),
+        }
+    }
+
     pub fn config(&self) -> &ModelConfig {
         &self.config
     }

@@ -20,9 +20,11 @@
 pub mod kernel;
 pub mod ops;
 pub mod quant;
+pub mod registered;
 
 pub use kernel::{kernel_source, Family, Kernel};
 pub use quant::{Q8Rows, TypedWeights};
+pub use registered::HostRegistration;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{

@@ -28,16 +28,19 @@
 //! through the same grouped GEMM kernels as the hot lane (their own tiles, rows after the hot
 //! entries); their rows join the layer output through the same weighted scatter.
 //!
-//! Staging: the expert bytes live in the memory-mapped model file. They are copied into pinned
-//! buffers (one per scratchpad slot, so staging a slot waits only for that slot's previous copy,
-//! [`PinnedBuffer`]'s fence) by up to [`plan::MAX_STAGE_THREADS`] scoped threads (the cold
-//! lane's, idle until the CPU lane starts), a chunk of experts at a time, each chunk's copies
-//! queued as soon as it is staged (so the copy of one chunk overlaps the staging of the next).
-//! Registering the mapped pages with `cuMemHostRegister` (read-only) would skip that host copy,
-//! but the format layer does not expose the mapping, experts of one stacked tensor share pages
-//! (overlapping registrations are refused), it pins the whole file for the engine's life, and it
-//! cannot be tested without a GPU here: staging is sound with safe code, and its host time is in
-//! the cost model (`stage_bytes_per_s`).
+//! Copy source: the expert bytes live in the memory-mapped model file. When the driver takes
+//! it (`PostFetchOptions::register`, the default), each map is registered read-only with the
+//! device once at engine start (`cuMemHostRegister`: about 0.5 s for 12 GiB on the H100
+//! machine) and the copies run as DMA straight from the file's pages: no host thread touches
+//! the bytes, so nothing delays the CPU lane (the cost model's staging time is zero). One
+//! registration per map, so experts of one stacked tensor sharing pages are no problem, and it
+//! lives as long as the scratchpad (the map stays mapped for the engine's life anyway). Where
+//! the driver refuses (no read-only registration, pages it cannot pin), the bytes are staged:
+//! copied into pinned buffers (one per scratchpad slot, so staging a slot waits only for that
+//! slot's previous copy, [`PinnedBuffer`]'s fence) by up to [`plan::MAX_STAGE_THREADS`] scoped
+//! threads (the cold lane's, idle until the CPU lane starts), a chunk of experts at a time, each
+//! chunk's copies queued as soon as it is staged; that host time is in the cost model
+//! (`stage_bytes_per_s`).
 //!
 //! Files whose experts are stored as bf16 or in quantized blocks are fetched (the bytes are copied
 //! as they are; quantized experts run through the typed grouped kernels, which decode their tiles);
@@ -54,7 +57,10 @@ use super::GpuError;
 use crate::format::dtype::DType;
 use crate::model::Model;
 use crate::moe::phase::Phase;
-use moe_lanes_kernels::cuda::{CopyStream, CudaBackend, DeviceBuffer, GpuEvent, PinnedBuffer, TypedWeights};
+use moe_lanes_kernels::cuda::TypedWeights;
+use moe_lanes_kernels::cuda::{
+    CopyStream, CudaBackend, DeviceBuffer, GpuEvent, HostRegistration, PinnedBuffer,
+};
 use plan::{assign, on_use, plan_issue, ExpertLoad, FetchState, OnUse, PostFetchCosts, PostFetchMiss};
 use plan::{PostFetchMode, PostFetchOptions, PostFetchTotals, TransferTracker};
 use std::time::Instant;
@@ -111,7 +117,12 @@ pub(crate) struct PostFetch {
     layers: Vec<SlotShape>,
     /// Gate, up, down: `slots` experts each, at the largest layer's bytes.
     bufs: [DeviceBuffer<u8>; 3],
-    /// One pinned buffer per slot.
+    /// The model's maps registered with the device: copies read the file's pages directly.
+    /// Empty when the driver refused (or `register` is off): then `staging` is used.
+    registered: Vec<HostRegistration>,
+    /// Why the maps are not registered although `register` is on (the driver's error).
+    register_error: Option<String>,
+    /// One pinned buffer per slot (none when `registered`).
     staging: Vec<PinnedBuffer<u8>>,
     streams: Vec<CopyStream>,
     /// Per slot, recorded after its copies.
@@ -163,7 +174,12 @@ impl PostFetch {
         let expert = bytes.iter().sum::<usize>().max(1);
         let slots = (opts.scratch_bytes / expert).clamp(1, c.n_experts.max(1));
         let [g, u, d] = [0, 1, 2].map(|i| be.alloc_zeros::<u8>(slots * bytes[i]));
-        let staging = (0..slots).map(|_| be.alloc_pinned::<u8>(expert)).collect::<Result<_, _>>()?;
+        let (registered, register_error) = match opts.register {
+            true => register_maps(be, model).map_or_else(|e| (Vec::new(), Some(e)), |r| (r, None)),
+            false => (Vec::new(), None),
+        };
+        let n_staged = if registered.is_empty() { slots } else { 0 };
+        let staging = (0..n_staged).map(|_| be.alloc_pinned::<u8>(expert)).collect::<Result<_, _>>()?;
         let n_streams = opts.streams.clamp(1, plan::MAX_STREAMS);
         let streams = (0..n_streams).map(|_| be.copy_stream()).collect::<Result<Vec<_>, _>>()?;
         let slot_ready = (0..slots).map(|_| be.event()).collect::<Result<_, _>>()?;
@@ -176,12 +192,14 @@ impl PostFetch {
             pending: None,
         };
         let pcie = measure_pcie(be, &streams[0])?;
-        Ok(Some(PostFetch {
+        let mut pf = PostFetch {
             opts,
-            costs: PostFetchCosts { pcie_bytes_per_s: pcie, ..PostFetchCosts::configured(h, ff, 1) },
+            costs: PostFetchCosts::configured(h, ff, 1),
             slots,
             layers,
             bufs: [g?, u?, d?],
+            registered,
+            register_error,
             staging,
             streams,
             slot_ready,
@@ -192,15 +210,29 @@ impl PostFetch {
             current: None,
             pcie_bytes_per_s: pcie,
             paused: false,
-        }))
+        };
+        pf.set_cold_threads(h, ff, 1);
+        Ok(Some(pf))
     }
 
     /// The CPU costs and the staging threads for a cold lane of `n_threads` (the measured PCIe
-    /// rate stays).
+    /// rate stays; no staging time when the copies read the registered maps).
     pub fn set_cold_threads(&mut self, hidden: usize, ff: usize, n_threads: usize) {
         let configured = PostFetchCosts::configured(hidden, ff, n_threads);
-        self.costs = PostFetchCosts { pcie_bytes_per_s: self.pcie_bytes_per_s, ..configured };
+        let stage_bytes_per_s = if self.direct() { f64::INFINITY } else { configured.stage_bytes_per_s };
+        self.costs =
+            PostFetchCosts { pcie_bytes_per_s: self.pcie_bytes_per_s, stage_bytes_per_s, ..configured };
         self.stage_threads = plan::stage_threads(n_threads);
+    }
+
+    /// Copies read the model's registered maps (no staging).
+    pub fn direct(&self) -> bool {
+        !self.registered.is_empty()
+    }
+
+    /// The registered map holding `bytes` and where in it.
+    fn source_of(&self, bytes: &[u8]) -> Option<(&HostRegistration, std::ops::Range<usize>)> {
+        self.registered.iter().find_map(|r| r.range_of(bytes).map(|at| (r, at)))
     }
 
     /// Bytes of one expert of layer `l`.
@@ -251,6 +283,12 @@ impl Drop for PostFetch {
             let _ = cs.synchronize();
         }
     }
+}
+
+/// Every map of `model` registered with the device, or the driver's refusal of one (the copies
+/// are staged then; the perf JSON says why).
+fn register_maps(be: &CudaBackend, model: &Model) -> Result<Vec<HostRegistration>, String> {
+    model.mappings().into_iter().map(|map| be.register_mapping(map).map_err(|e| e.to_string())).collect()
 }
 
 /// Time one pinned host-to-device copy of [`PCIE_PROBE_BYTES`] on `cs` (after a small warm-up
@@ -375,8 +413,6 @@ impl GpuModel {
         if plan.issue > 0 {
             pf.harvest()?;
             pf.tracker.release(0..pf.slots);
-            self.postfetch_copies(l, plan.issue)?;
-            let pf = self.postfetch.as_mut().expect("checked above");
             let deferred = !pf.opts.block_on_miss;
             pf.current = Some(Current { issued: plan.issue, deferred, layer: l });
             pf.events.pending = Some(Pending::default());
@@ -390,8 +426,17 @@ impl GpuModel {
         self.postfetch_debug(l, n_chosen, plan.issue)
     }
 
-    /// Queue the copies of the first `n` of `pf_loads`, slot `i` for the `i`-th, staged a chunk
-    /// of experts at a time.
+    /// Queue the copies [`GpuModel::postfetch_issue`] chose, once the layer's worklist is on
+    /// the compute stream: a host-to-device copy queued after them (the worklist upload) could
+    /// wait behind them for the copy engine, delaying the hot lane by the whole fetch.
+    pub(super) fn postfetch_start_copies(&mut self) -> Result<(), GpuError> {
+        match self.postfetch.as_ref().and_then(|p| p.current) {
+            Some(cur) => self.postfetch_copies(cur.layer, cur.issued),
+            None => Ok(()),
+        }
+    }
+
+    /// Queue the copies of the first `n` of `pf_loads`, slot `i` for the `i`-th.
     fn postfetch_copies(&mut self, l: usize, n: usize) -> Result<(), GpuError> {
         let pf = self.postfetch.as_mut().expect("called with post-fetch");
         let ev = &pf.events;
@@ -403,10 +448,48 @@ impl GpuModel {
                 self.be.wait_event_on(cs, end)?;
             }
         }
+        if pf.direct() {
+            self.copies_direct(l, n)?;
+        } else {
+            self.copies_staged(l, n)?;
+        }
+        let pf = self.postfetch.as_mut().expect("called with post-fetch");
+        for (cs, end) in pf.streams.iter().zip(&pf.events.copy_end) {
+            self.be.record_on(cs, end)?;
+        }
+        Ok(())
+    }
+
+    /// Slot `i`'s copies of the `i`-th of the first `n` of `pf_loads`, straight from the
+    /// registered maps.
+    fn copies_direct(&mut self, l: usize, n: usize) -> Result<(), GpuError> {
+        let pf = self.postfetch.as_mut().expect("called with post-fetch");
+        let bytes = pf.layers[l].bytes;
+        self.be.record_on(&pf.streams[0], &pf.events.copy_start)?;
+        for (slot, x) in self.host.pf_loads[..n].iter().enumerate() {
+            let cs = &pf.streams[slot % pf.streams.len()];
+            let w = self.model.expert(l, x.expert as usize);
+            for ((dev, n), src) in pf.bufs.iter().zip(bytes).zip([w.gate.data, w.up.data, w.down.data]) {
+                let (reg, at) = pf.source_of(src).expect("every tensor borrows from a registered map");
+                assert_eq!(at.len(), n, "layer {l}: the scratchpad's shape is the expert's");
+                self.be.write_registered_on(cs, reg, at, dev.ptr().sub(slot * n, n))?;
+            }
+            self.be.record_on(cs, &pf.slot_ready[slot])?;
+            pf.tracker.start(slot)?;
+            pf.totals.experts_fetched += 1;
+            pf.totals.bytes_copied += bytes.iter().sum::<usize>() as u64;
+        }
+        Ok(())
+    }
+
+    /// As [`GpuModel::copies_direct`], staged through the pinned buffers a chunk of experts at a
+    /// time (the copies of one chunk overlap the staging of the next).
+    fn copies_staged(&mut self, l: usize, n: usize) -> Result<(), GpuError> {
+        let pf = self.postfetch.as_mut().expect("called with post-fetch");
         let chunk = pf.stage_threads;
+        let bytes = pf.layers[l].bytes;
         for (c, group) in self.host.pf_loads[..n].chunks(chunk).enumerate() {
             let at = c * chunk;
-            let bytes = pf.layers[l].bytes;
             stage(&self.model, &mut pf.staging[at..at + group.len()], bytes, l, group, pf.stage_threads)?;
             if c == 0 {
                 self.be.record_on(&pf.streams[0], &pf.events.copy_start)?;
@@ -428,9 +511,6 @@ impl GpuModel {
                 pf.totals.experts_fetched += 1;
                 pf.totals.bytes_copied += from as u64;
             }
-        }
-        for (cs, end) in pf.streams.iter().zip(&pf.events.copy_end) {
-            self.be.record_on(cs, end)?;
         }
         Ok(())
     }
@@ -552,7 +632,9 @@ impl GpuModel {
         let hot_bytes = self.hot.bytes();
         let Some(pf) = self.postfetch.as_mut() else { return Ok(()) };
         pf.harvest()?;
-        let report = pf.totals.perf(pf.opts.mode, pf.scratch_bytes(), hot_bytes, pf.pcie_bytes_per_s);
+        let mut report = pf.totals.perf(pf.opts.mode, pf.scratch_bytes(), hot_bytes, pf.pcie_bytes_per_s);
+        report.copy_source = (if pf.direct() { "registered" } else { "staged" }).to_string();
+        report.register_error = pf.register_error.clone();
         self.perf.set_postfetch(report);
         Ok(())
     }

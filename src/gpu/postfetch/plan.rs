@@ -82,22 +82,27 @@ pub struct PostFetchOptions {
     pub streams: usize,
     /// A log line per layer with the decision (stderr).
     pub debug: bool,
+    /// Register the model's maps with the device and copy from the file's pages (no staging);
+    /// staged through pinned buffers when off or when the driver refuses.
+    pub register: bool,
 }
 
-/// Off by default: on the H100 machine's 16-layer BF16 file (one lease, 2026-11-24) `auto`
-/// halved the 50%-skewed prefill (pp512 6041 off vs 3842 auto; host staging of the fetched
-/// experts sits before the CPU lane) and moved budget-0 prefill within the noise (off 580 / 525,
-/// auto 725 / 466 t/s); on the 4-layer file it gained at budget 0 (skewed 2120 / 2212 -> 3131 /
-/// 3149). Opt in with `--postfetch auto` until staging leaves the critical path.
+/// `auto` by default: on the H100 machine (16-layer Qwen3-30B-A3B-shaped files, one lease,
+/// 2026-11-25), with the copies read from the registered file and queued after the layer's
+/// worklist upload, `auto` against `off`: BF16 budget 0 pp512 846 -> 2850 t/s, 50% skewed 7750
+/// -> 8364; Q4_K_M budget 0 291 -> 4779, 50% skewed 6426 -> 10362 (benches/RESULTS.md). Before
+/// that (host staging before the CPU lane, copies ahead of the worklist on the copy engine) it
+/// lost at 50% skewed and was off by default.
 impl Default for PostFetchOptions {
     fn default() -> Self {
         PostFetchOptions {
-            mode: PostFetchMode::Off,
+            mode: PostFetchMode::Auto,
             block_on_miss: true,
             max_transfers: DEFAULT_MAX_TRANSFERS,
             scratch_bytes: DEFAULT_SCRATCH_BYTES,
             streams: 1,
             debug: false,
+            register: true,
         }
     }
 }
@@ -425,6 +430,8 @@ impl PostFetchTotals {
             hot_cache_bytes: hot_bytes as u64,
             vram_overhead: (hot_bytes > 0).then(|| scratch_bytes as f64 / hot_bytes as f64),
             pcie_bytes_per_s: pcie,
+            copy_source: "staged".to_string(),
+            register_error: None,
         }
     }
 }

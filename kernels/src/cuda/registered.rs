@@ -1,0 +1,90 @@
+//! Host mappings the device reads in place: a read-only memory map (a model file) registered
+//! with the driver (`cuMemHostRegister`, read-only), so host-to-device copies from it run as DMA
+//! straight from the mapped pages, as from a pinned buffer, with no staging copy on the host.
+//!
+//! Soundness: [`HostRegistration`] owns an `Arc` of the map, so the registered pages stay mapped
+//! (and never move: a `memmap2::Mmap` is fixed for its life) while any copy may read them; its
+//! drop waits for every stream of the context before it unregisters, so no copy outlives it.
+
+use super::{CopyStream, CudaBackend, CudaError, DPtr, DrvCtx, Result};
+use cudarc::driver::{result as drv, sys, CudaContext};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// A read-only memory map registered with a CUDA context for the registration's life.
+pub struct HostRegistration {
+    map: Arc<memmap2::Mmap>,
+    ctx: Arc<CudaContext>,
+}
+
+impl HostRegistration {
+    /// Bytes registered (the whole map).
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Where `bytes` lie in the registered map (offsets from its start), when they lie in it.
+    pub fn range_of(&self, bytes: &[u8]) -> Option<Range<usize>> {
+        let (base, at) = (self.map.as_ptr() as usize, bytes.as_ptr() as usize);
+        let start = at.checked_sub(base)?;
+        (start + bytes.len() <= self.map.len()).then_some(start..start + bytes.len())
+    }
+}
+
+impl Drop for HostRegistration {
+    /// Waits for the context's work (a copy from the map may be in flight on any stream), then
+    /// unregisters; the map itself goes with the last `Arc`.
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the context is bound; `cuCtxSynchronize` takes no pointers. The pointer is the
+        // one registered in `register_mapping` and no copy from it runs once the context is idle.
+        unsafe {
+            let _ = sys::cuCtxSynchronize().result();
+            let _ = sys::cuMemHostUnregister(self.map.as_ptr() as *mut std::ffi::c_void).result();
+        }
+    }
+}
+
+impl CudaBackend {
+    /// Register the whole of `map` (read-only) for copies straight from its pages
+    /// ([`CudaBackend::write_registered_on`]). Fails where the driver refuses (no support for
+    /// read-only registration, or pages it cannot pin); callers stage through pinned buffers then.
+    pub fn register_mapping(&self, map: Arc<memmap2::Mmap>) -> Result<HostRegistration> {
+        if map.is_empty() {
+            let reason = "an empty map has nothing to register".to_string();
+            return Err(CudaError::Shape { kernel: "cuMemHostRegister", reason });
+        }
+        self.bind_to_thread()?;
+        let (ptr, len) = (map.as_ptr() as *mut std::ffi::c_void, map.len());
+        // SAFETY: `ptr..ptr + len` is the whole live map, kept mapped by the `Arc` the returned
+        // registration holds until its drop unregisters it; the read-only flag matches the map's
+        // protection, so the device never writes it.
+        unsafe { sys::cuMemHostRegister_v2(ptr, len, sys::CU_MEMHOSTREGISTER_READ_ONLY) }
+            .result()
+            .ctx("cuMemHostRegister")?;
+        Ok(HostRegistration { map, ctx: self.ctx.clone() })
+    }
+
+    /// Queue a copy of the registered bytes `range` into `dst` on copy stream `cs`.
+    pub fn write_registered_on(
+        &self,
+        cs: &CopyStream,
+        src: &HostRegistration,
+        range: Range<usize>,
+        dst: DPtr<u8>,
+    ) -> Result<()> {
+        assert!(range.end <= src.map.len() && range.len() <= dst.len, "registered copy out of range");
+        if range.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the bytes lie in the registered map, which `src` keeps mapped and registered
+        // until its drop, after the context's streams are idle; `dst` is a live device range of
+        // at least `range.len()` bytes (asserted above); `cs` is a live stream of this context.
+        unsafe { drv::memcpy_htod_async(dst.raw, &src.map[range], cs.stream.cu_stream()) }
+            .ctx("cuMemcpyHtoDAsync(registered)")
+    }
+}
