@@ -344,3 +344,36 @@ fn quantized_experts_post_fetched_stay_within_the_tensor_core_tolerance() {
         eprintln!("{what}: worst relative error {worst:e}, {p:?}");
     }
 }
+
+/// One GPU engine, several sessions, each prefilled with Post-Fetch moving cold experts (`on`,
+/// `auto`, with copies from the registered file or staged), then decoded: every row within the
+/// tensor-core tolerance of the reference. The decode graphs captured in one session replayed
+/// wrong logits (relative error 0.1-0.3) in the next session's decode after a fetching prefill
+/// until the engine captured them again after such a call.
+#[test]
+fn every_session_after_a_postfetch_prefill_decodes_like_the_reference() {
+    use moe_lanes::gpu::{PostFetchMode, PostFetchOptions};
+    if !common::gpu_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for mix in [QuantMix::Q8_0, QuantMix::Q4_K_M] {
+        let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", mix)).unwrap());
+        let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+        for (mode, register) in
+            [(PostFetchMode::Auto, true), (PostFetchMode::Auto, false), (PostFetchMode::On, true)]
+        {
+            let mut opts = options(Some(EngineKind::Gpu));
+            opts.hot = HotChoice::Budget(HotBudget::Fraction(0.0));
+            opts.gpu.postfetch = PostFetchOptions { mode, register, ..Default::default() };
+            let (mut gpu, _) = build_engine(&model, opts).unwrap();
+            let what = format!("{mix} post-fetch {mode:?} register {register}");
+            for prompt in PROMPTS {
+                check_steps(&what, reference.as_mut(), gpu.as_mut(), prompt, 4, GPU_TENSOR_CORE_TOLERANCE);
+            }
+            let p = gpu.perf().unwrap().report().postfetch.clone().expect("post-fetch reported");
+            assert!(p.experts_fetched > 0, "{what}: {p:?}");
+            assert_eq!(p.copy_source, if register { "registered" } else { "staged" }, "{what}");
+        }
+    }
+}

@@ -17,6 +17,7 @@
 //! event tracking is switched off. A `DPtr` must not outlive its buffer (a stale one faults on
 //! the device). [`PinnedBuffer`]s fence their own asynchronous copies, so those copies are safe.
 
+mod gate;
 pub mod kernel;
 pub mod ops;
 pub mod quant;
@@ -257,7 +258,7 @@ impl<T: Copy + Default> Drop for PinnedBuffer<T> {
         // neither is used after this.
         unsafe {
             let _ = drv::event::destroy(self.fence);
-            let _ = drv::free_host(self.ptr as *mut std::ffi::c_void);
+            gate::exclusive(|| drv::free_host(self.ptr as *mut std::ffi::c_void)).ok();
         }
     }
 }
@@ -303,7 +304,15 @@ impl Drop for GpuEvent {
 
 /// A captured and instantiated sequence of the compute stream's work (the decode graph).
 pub struct StreamGraph {
-    graph: cudarc::driver::CudaGraph,
+    graph: std::mem::ManuallyDrop<cudarc::driver::CudaGraph>,
+}
+
+impl Drop for StreamGraph {
+    /// Destroyed through the capture gate (not while another thread captures).
+    fn drop(&mut self) {
+        // SAFETY: `graph` is dropped once, here, and never used after.
+        gate::exclusive(|| unsafe { std::mem::ManuallyDrop::drop(&mut self.graph) });
+    }
 }
 
 // SAFETY: a graph and its executable are driver handles that any thread may use once the
@@ -584,7 +593,7 @@ impl CudaBackend {
         self.bind_to_thread()?;
         let bytes = len.max(1) * std::mem::size_of::<T>();
         // SAFETY: a plain allocation call; the result is checked before use.
-        let ptr = unsafe { drv::malloc_host(bytes, 0) }.ctx("cuMemHostAlloc")? as *mut T;
+        let ptr = gate::exclusive(|| unsafe { drv::malloc_host(bytes, 0) }).ctx("cuMemHostAlloc")? as *mut T;
         let fence = drv::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).ctx("cuEventCreate")?;
         // SAFETY: `ptr` is a fresh allocation of at least `len` elements; writing defaults
         // initialises every element before any slice of it is formed.
@@ -779,7 +788,11 @@ impl CudaBackend {
     /// [`CudaBackend::end_capture`] ends it either way.
     pub fn begin_capture(&self) -> Result<()> {
         let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
-        self.stream.begin_capture(mode).ctx("cuStreamBeginCapture")?;
+        gate::enter_capture();
+        if let Err(e) = self.stream.begin_capture(mode).ctx("cuStreamBeginCapture") {
+            gate::leave_capture();
+            return Err(e);
+        }
         self.capturing.store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
@@ -788,8 +801,10 @@ impl CudaBackend {
     pub fn end_capture(&self) -> Result<StreamGraph> {
         self.capturing.store(false, std::sync::atomic::Ordering::Relaxed);
         let flags = sys::CUgraphInstantiate_flags(0);
-        match self.stream.end_capture(flags).ctx("cuStreamEndCapture")? {
-            Some(graph) => Ok(StreamGraph { graph }),
+        let ended = self.stream.end_capture(flags).ctx("cuStreamEndCapture");
+        gate::leave_capture();
+        match ended? {
+            Some(graph) => Ok(StreamGraph { graph: std::mem::ManuallyDrop::new(graph) }),
             None => Err(CudaError::Shape { kernel: "graph", reason: "the capture holds no work".into() }),
         }
     }

@@ -3,18 +3,22 @@
 //! straight from the mapped pages, as from a pinned buffer, with no staging copy on the host.
 //!
 //! Soundness: [`HostRegistration`] owns an `Arc` of the map, so the registered pages stay mapped
-//! (and never move: a `memmap2::Mmap` is fixed for its life) while any copy may read them; its
-//! drop waits for every stream of the context before it unregisters, so no copy outlives it.
+//! (and never move: a `memmap2::Mmap` is fixed for its life) while any copy may read them; it
+//! remembers every stream a copy from it was queued on, and its drop waits for those streams
+//! before it unregisters, so no copy outlives it. (Not `cuCtxSynchronize`: a context-wide wait
+//! while another thread captures a CUDA graph on its own stream breaks that capture.)
 
 use super::{CopyStream, CudaBackend, CudaError, DPtr, DrvCtx, Result};
-use cudarc::driver::{result as drv, sys, CudaContext};
+use cudarc::driver::{result as drv, sys, CudaContext, CudaStream};
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// A read-only memory map registered with a CUDA context for the registration's life.
 pub struct HostRegistration {
     map: Arc<memmap2::Mmap>,
     ctx: Arc<CudaContext>,
+    /// Every stream a copy from the map was queued on (kept alive here; waited for in drop).
+    streams: Mutex<Vec<Arc<CudaStream>>>,
 }
 
 impl HostRegistration {
@@ -36,15 +40,19 @@ impl HostRegistration {
 }
 
 impl Drop for HostRegistration {
-    /// Waits for the context's work (a copy from the map may be in flight on any stream), then
-    /// unregisters; the map itself goes with the last `Arc`.
+    /// Waits for every stream a copy from the map was queued on, then unregisters; the map
+    /// itself goes with the last `Arc`.
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: the context is bound; `cuCtxSynchronize` takes no pointers. The pointer is the
-        // one registered in `register_mapping` and no copy from it runs once the context is idle.
+        let streams = self.streams.get_mut().map_or_else(|e| std::mem::take(e.into_inner()), std::mem::take);
+        for s in streams {
+            let _ = s.synchronize();
+        }
+        // SAFETY: the pointer is the one registered in `register_mapping`, and no copy from it
+        // is in flight: every stream one was queued on is idle (waited for above).
         unsafe {
-            let _ = sys::cuCtxSynchronize().result();
-            let _ = sys::cuMemHostUnregister(self.map.as_ptr() as *mut std::ffi::c_void).result();
+            let ptr = self.map.as_ptr() as *mut std::ffi::c_void;
+            let _ = super::gate::exclusive(|| sys::cuMemHostUnregister(ptr).result());
         }
     }
 }
@@ -63,10 +71,12 @@ impl CudaBackend {
         // SAFETY: `ptr..ptr + len` is the whole live map, kept mapped by the `Arc` the returned
         // registration holds until its drop unregisters it; the read-only flag matches the map's
         // protection, so the device never writes it.
-        unsafe { sys::cuMemHostRegister_v2(ptr, len, sys::CU_MEMHOSTREGISTER_READ_ONLY) }
-            .result()
-            .ctx("cuMemHostRegister")?;
-        Ok(HostRegistration { map, ctx: self.ctx.clone() })
+        super::gate::exclusive(|| unsafe {
+            sys::cuMemHostRegister_v2(ptr, len, sys::CU_MEMHOSTREGISTER_READ_ONLY)
+        })
+        .result()
+        .ctx("cuMemHostRegister")?;
+        Ok(HostRegistration { map, ctx: self.ctx.clone(), streams: Mutex::new(Vec::new()) })
     }
 
     /// Queue a copy of the registered bytes `range` into `dst` on copy stream `cs`.
@@ -81,8 +91,14 @@ impl CudaBackend {
         if range.is_empty() {
             return Ok(());
         }
+        {
+            let mut seen = src.streams.lock().unwrap_or_else(|e| e.into_inner());
+            if !seen.iter().any(|s| Arc::ptr_eq(s, &cs.stream)) {
+                seen.push(cs.stream.clone());
+            }
+        }
         // SAFETY: the bytes lie in the registered map, which `src` keeps mapped and registered
-        // until its drop, after the context's streams are idle; `dst` is a live device range of
+        // until its drop, after `cs` (remembered above) is idle; `dst` is a live device range of
         // at least `range.len()` bytes (asserted above); `cs` is a live stream of this context.
         unsafe { drv::memcpy_htod_async(dst.raw, &src.map[range], cs.stream.cu_stream()) }
             .ctx("cuMemcpyHtoDAsync(registered)")
