@@ -288,10 +288,24 @@ impl Drop for PostFetch {
     }
 }
 
-/// Every map of `model` registered with the device, or the driver's refusal of one (the copies
-/// are staged then; the perf JSON says why).
+/// Every map of `model` registered with the device, or why not (the driver's refusal of one, or
+/// an expert whose bytes lie outside them): the copies are staged then, and the perf JSON says
+/// why. Checked here once, so a copy always finds its registered source.
 fn register_maps(be: &CudaBackend, model: &Model) -> Result<Vec<HostRegistration>, String> {
-    model.mappings().into_iter().map(|map| be.register_mapping(map).map_err(|e| e.to_string())).collect()
+    let maps = model.mappings().into_iter().map(|m| be.register_mapping(m).map_err(|e| e.to_string()));
+    let registered = maps.collect::<Result<Vec<_>, _>>()?;
+    let c = model.config();
+    let inside = |b: &[u8]| registered.iter().any(|r| r.range_of(b).is_some());
+    let covered = (0..c.n_layers).all(|l| {
+        (0..c.n_experts).all(|e| {
+            let x = model.expert(l, e);
+            [x.gate.data, x.up.data, x.down.data].iter().all(|b| inside(b))
+        })
+    });
+    if !covered {
+        return Err("expert bytes outside the model's maps".to_string());
+    }
+    Ok(registered)
 }
 
 /// Time one pinned host-to-device copy of [`PCIE_PROBE_BYTES`] on `cs` (after a small warm-up
@@ -473,7 +487,7 @@ impl GpuModel {
             let cs = &pf.streams[slot % pf.streams.len()];
             let w = self.model.expert(l, x.expert as usize);
             for ((dev, n), src) in pf.bufs.iter().zip(bytes).zip([w.gate.data, w.up.data, w.down.data]) {
-                let (reg, at) = pf.source_of(src).expect("every tensor borrows from a registered map");
+                let (reg, at) = pf.source_of(src).expect("register_maps checked every expert");
                 assert_eq!(at.len(), n, "layer {l}: the scratchpad's shape is the expert's");
                 self.be.write_registered_on(cs, reg, at, dev.ptr().sub(slot * n, n))?;
             }
