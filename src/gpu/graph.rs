@@ -110,8 +110,7 @@ impl GpuModel {
         }
         let g = self.graph.as_ref().expect("captured above");
         self.be.launch_graph(&g.graph)?;
-        let records = std::mem::take(&mut self.records);
-        self.records = replayed_records(records, &g.records);
+        replay_records(&mut self.records, &g.records);
         self.graph_step_end(cache, call_start)
     }
 
@@ -219,8 +218,7 @@ impl GpuModel {
 
     /// Launch the parts and hot lanes in turn, each split layer's cold lane on the host between.
     fn run_segments(&mut self, segs: &DecodeSegments, cold: &mut dyn ColdExperts) -> Result<(), GpuError> {
-        let records = std::mem::take(&mut self.records);
-        self.records = replayed_records(records, &segs.records);
+        replay_records(&mut self.records, &segs.records);
         for (i, part) in segs.parts.iter().enumerate() {
             self.be.launch_graph(part)?;
             let Some(&l) = segs.split_layers.get(i) else { break };
@@ -327,14 +325,13 @@ impl GpuModel {
     }
 }
 
-/// The layer records of a replay: the ones captured with the graphs (what each layer ran) in
-/// `into`'s storage, their hot lanes started now.
-fn replayed_records(mut into: Vec<LayerRecord>, captured: &[LayerRecord]) -> Vec<LayerRecord> {
-    into.clear();
-    into.extend_from_slice(captured);
+/// The layer records of a replay: the ones captured with the graphs (what each layer ran),
+/// copied into `records`' storage, their hot lanes started now.
+fn replay_records(records: &mut Vec<LayerRecord>, captured: &[LayerRecord]) {
+    records.clear();
+    records.extend_from_slice(captured);
     let hot_at = Some(Instant::now());
-    into.iter_mut().for_each(|r| r.hot_at = hot_at);
-    into
+    records.iter_mut().for_each(|r| r.hot_at = hot_at);
 }
 
 #[cfg(test)]

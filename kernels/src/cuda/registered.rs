@@ -4,21 +4,21 @@
 //!
 //! Soundness: [`HostRegistration`] owns an `Arc` of the map, so the registered pages stay mapped
 //! (and never move: a `memmap2::Mmap` is fixed for its life) while any copy may read them; it
-//! remembers every stream a copy from it was queued on, and its drop waits for those streams
-//! before it unregisters, so no copy outlives it. (Not `cuCtxSynchronize`: a context-wide wait
+//! names the copy streams that may read it when it is made (a copy on any other stream is
+//! refused), and its drop waits for those streams before it unregisters, so no copy outlives it. (Not `cuCtxSynchronize`: a context-wide wait
 //! while another thread captures a CUDA graph on its own stream breaks that capture.)
 
 use super::{CopyStream, CudaBackend, CudaError, DPtr, DrvCtx, Result};
 use cudarc::driver::{result as drv, sys, CudaContext, CudaStream};
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// A read-only memory map registered with a CUDA context for the registration's life.
 pub struct HostRegistration {
     map: Arc<memmap2::Mmap>,
     ctx: Arc<CudaContext>,
-    /// Every stream a copy from the map was queued on (kept alive here; waited for in drop).
-    streams: Mutex<Vec<Arc<CudaStream>>>,
+    /// The streams copies from the map may be queued on (kept alive here; waited for in drop).
+    streams: Vec<Arc<CudaStream>>,
 }
 
 impl HostRegistration {
@@ -40,16 +40,15 @@ impl HostRegistration {
 }
 
 impl Drop for HostRegistration {
-    /// Waits for every stream a copy from the map was queued on, then unregisters; the map
+    /// Waits for the streams copies from the map may be queued on, then unregisters; the map
     /// itself goes with the last `Arc`.
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
-        let streams = self.streams.get_mut().map_or_else(|e| std::mem::take(e.into_inner()), std::mem::take);
-        for s in streams {
+        for s in &self.streams {
             let _ = s.synchronize();
         }
         // SAFETY: the pointer is the one registered in `register_mapping`, and no copy from it
-        // is in flight: every stream one was queued on is idle (waited for above).
+        // is in flight: every stream one may be queued on is idle (waited for above).
         unsafe {
             let ptr = self.map.as_ptr() as *mut std::ffi::c_void;
             let _ = super::gate::exclusive(|| sys::cuMemHostUnregister(ptr).result());
@@ -58,10 +57,15 @@ impl Drop for HostRegistration {
 }
 
 impl CudaBackend {
-    /// Register the whole of `map` (read-only) for copies straight from its pages
-    /// ([`CudaBackend::write_registered_on`]). Fails where the driver refuses (no support for
-    /// read-only registration, or pages it cannot pin); callers stage through pinned buffers then.
-    pub fn register_mapping(&self, map: Arc<memmap2::Mmap>) -> Result<HostRegistration> {
+    /// Register the whole of `map` (read-only) for copies straight from its pages on the copy
+    /// `streams` ([`CudaBackend::write_registered_on`]). Fails where the driver refuses (no
+    /// support for read-only registration, or pages it cannot pin); callers stage through pinned
+    /// buffers then.
+    pub fn register_mapping(
+        &self,
+        map: Arc<memmap2::Mmap>,
+        streams: &[CopyStream],
+    ) -> Result<HostRegistration> {
         if map.is_empty() {
             let reason = "an empty map has nothing to register".to_string();
             return Err(CudaError::Shape { kernel: "cuMemHostRegister", reason });
@@ -76,10 +80,12 @@ impl CudaBackend {
         })
         .result()
         .ctx("cuMemHostRegister")?;
-        Ok(HostRegistration { map, ctx: self.ctx.clone(), streams: Mutex::new(Vec::new()) })
+        let streams = streams.iter().map(|cs| cs.stream.clone()).collect();
+        Ok(HostRegistration { map, ctx: self.ctx.clone(), streams })
     }
 
-    /// Queue a copy of the registered bytes `range` into `dst` on copy stream `cs`.
+    /// Queue a copy of the registered bytes `range` into `dst` on copy stream `cs` (one the
+    /// registration was made for).
     pub fn write_registered_on(
         &self,
         cs: &CopyStream,
@@ -88,17 +94,15 @@ impl CudaBackend {
         dst: DPtr<u8>,
     ) -> Result<()> {
         assert!(range.end <= src.map.len() && range.len() <= dst.len, "registered copy out of range");
+        assert!(
+            src.streams.iter().any(|s| Arc::ptr_eq(s, &cs.stream)),
+            "a stream the registration was made for"
+        );
         if range.is_empty() {
             return Ok(());
         }
-        {
-            let mut seen = src.streams.lock().unwrap_or_else(|e| e.into_inner());
-            if !seen.iter().any(|s| Arc::ptr_eq(s, &cs.stream)) {
-                seen.push(cs.stream.clone());
-            }
-        }
         // SAFETY: the bytes lie in the registered map, which `src` keeps mapped and registered
-        // until its drop, after `cs` (remembered above) is idle; `dst` is a live device range of
+        // until its drop, after `cs` (one of its streams, asserted above) is idle; `dst` is a live device range of
         // at least `range.len()` bytes (asserted above); `cs` is a live stream of this context.
         unsafe { drv::memcpy_htod_async(dst.raw, &src.map[range], cs.stream.cu_stream()) }
             .ctx("cuMemcpyHtoDAsync(registered)")

@@ -176,14 +176,14 @@ impl PostFetch {
         let expert = bytes.iter().sum::<usize>().max(1);
         let slots = (opts.scratch_bytes / expert).clamp(1, c.n_experts.max(1));
         let [g, u, d] = [0, 1, 2].map(|i| be.alloc_zeros::<u8>(slots * bytes[i]));
+        let n_streams = opts.streams.clamp(1, plan::MAX_STREAMS);
+        let streams = (0..n_streams).map(|_| be.copy_stream()).collect::<Result<Vec<_>, _>>()?;
         let (registered, register_error) = match opts.register {
-            true => register_maps(be, model).map_or_else(|e| (Vec::new(), Some(e)), |r| (r, None)),
+            true => register_maps(be, model, &streams).map_or_else(|e| (Vec::new(), Some(e)), |r| (r, None)),
             false => (Vec::new(), None),
         };
         let n_staged = if registered.is_empty() { slots } else { 0 };
         let staging = (0..n_staged).map(|_| be.alloc_pinned::<u8>(expert)).collect::<Result<_, _>>()?;
-        let n_streams = opts.streams.clamp(1, plan::MAX_STREAMS);
-        let streams = (0..n_streams).map(|_| be.copy_stream()).collect::<Result<Vec<_>, _>>()?;
         let slot_ready = (0..slots).map(|_| be.event()).collect::<Result<_, _>>()?;
         let events = LayerEvents {
             copy_start: be.event()?,
@@ -226,6 +226,16 @@ impl PostFetch {
         self.costs =
             PostFetchCosts { pcie_bytes_per_s: self.pcie_bytes_per_s, stage_bytes_per_s, ..configured };
         self.stage_threads = plan::stage_threads(n_threads);
+    }
+
+    /// Slot `slot`'s copies (of an expert of `bytes`) are queued on its stream: its ready event,
+    /// its transfer state, the totals.
+    fn slot_queued(&mut self, be: &CudaBackend, slot: usize, bytes: [usize; 3]) -> Result<(), GpuError> {
+        be.record_on(&self.streams[slot % self.streams.len()], &self.slot_ready[slot])?;
+        self.tracker.start(slot)?;
+        self.totals.experts_fetched += 1;
+        self.totals.bytes_copied += bytes.iter().sum::<usize>() as u64;
+        Ok(())
     }
 
     /// Copies read the model's registered maps (no staging).
@@ -288,11 +298,16 @@ impl Drop for PostFetch {
     }
 }
 
-/// Every map of `model` registered with the device, or why not (the driver's refusal of one, or
+/// Every map of `model` registered with the device for copies on `streams`, or why not (the driver's refusal of one, or
 /// an expert whose bytes lie outside them): the copies are staged then, and the perf JSON says
 /// why. Checked here once, so a copy always finds its registered source.
-fn register_maps(be: &CudaBackend, model: &Model) -> Result<Vec<HostRegistration>, String> {
-    let maps = model.mappings().into_iter().map(|m| be.register_mapping(m).map_err(|e| e.to_string()));
+fn register_maps(
+    be: &CudaBackend,
+    model: &Model,
+    streams: &[CopyStream],
+) -> Result<Vec<HostRegistration>, String> {
+    let register = |m| be.register_mapping(m, streams).map_err(|e| e.to_string());
+    let maps = model.mappings().into_iter().map(register);
     let registered = maps.collect::<Result<Vec<_>, _>>()?;
     let c = model.config();
     let inside = |b: &[u8]| registered.iter().any(|r| r.range_of(b).is_some());
@@ -491,10 +506,7 @@ impl GpuModel {
                 assert_eq!(at.len(), n, "layer {l}: the scratchpad's shape is the expert's");
                 self.be.write_registered_on(cs, reg, at, dev.ptr().sub(slot * n, n))?;
             }
-            self.be.record_on(cs, &pf.slot_ready[slot])?;
-            pf.tracker.start(slot)?;
-            pf.totals.experts_fetched += 1;
-            pf.totals.bytes_copied += bytes.iter().sum::<usize>() as u64;
+            pf.slot_queued(&self.be, slot, bytes)?;
         }
         Ok(())
     }
@@ -523,10 +535,7 @@ impl GpuModel {
                     )?;
                     from += n;
                 }
-                self.be.record_on(cs, &pf.slot_ready[slot])?;
-                pf.tracker.start(slot)?;
-                pf.totals.experts_fetched += 1;
-                pf.totals.bytes_copied += from as u64;
+                pf.slot_queued(&self.be, slot, bytes)?;
             }
         }
         Ok(())
