@@ -7,8 +7,11 @@
 //! its position, one small upload per token): the embedding reads the id, the fused q/k norm +
 //! RoPE kernel reads the position and appends the new key/value rows to the cache there, and the
 //! split attention reads it too, over a grid sized for a bucket of positions (powers of two):
-//! crossing into the next bucket captures again. Every pointer the graph holds is part of its
-//! key (KV cache, scratch, attention partials; a new hot-cache allocation drops the graph);
+//! crossing into the next bucket captures again. Every allocation the graph points into is part
+//! of its key by serial number, not by address (KV cache, scratch, attention partials: the
+//! stream-ordered allocator gives a freed address to the next allocation that fits, so a grown
+//! scratch can start where the old one did while its other buffers moved; a new hot-cache
+//! allocation drops the graph);
 //! exchanges rewrite slots in place, so they only need ordering before the launch. The results
 //! are the eager call's, bit for bit (the same kernels in the same order; the extra attention
 //! splits are empty and add exact zeros).
@@ -27,7 +30,8 @@ use std::time::Instant;
 /// Smallest attention bucket: positions below it share one graph.
 const MIN_GRAPH_POSITIONS: usize = 256;
 
-/// Everything a captured decode graph points at; a change means capturing again.
+/// Everything a captured decode graph points at, as allocation serials
+/// (`DeviceBuffer::serial`); a change means capturing again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct GraphKey {
     kv_cache: u64,
@@ -117,9 +121,11 @@ impl GpuModel {
     fn graph_key(&self, cache: &GpuKvCache, max_positions: usize) -> GraphKey {
         let s = self.scratch.as_ref().expect("reserved");
         GraphKey {
-            kv_cache: cache.k[0].ptr().raw(),
-            scratch: s.hidden.ptr().raw(),
-            attn_part: self.attn_part.as_ref().map_or(0, |p| p.ptr().raw()),
+            // One buffer stands for each owner: a KV cache's and a scratch's buffers are
+            // allocated together and replaced together.
+            kv_cache: cache.k[0].serial(),
+            scratch: s.hidden.serial(),
+            attn_part: self.attn_part.as_ref().map_or(0, |p| p.serial()),
             max_positions,
             profile: self.profiler.is_some(),
         }

@@ -160,11 +160,21 @@ impl DPtr<u8> {
 pub struct DeviceBuffer<T> {
     _slice: CudaSlice<T>,
     ptr: DPtr<T>,
+    serial: u64,
 }
+
+/// Serial numbers of device allocations, never reused in a process.
+static NEXT_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl<T> DeviceBuffer<T> {
     pub fn ptr(&self) -> DPtr<T> {
         self.ptr
+    }
+    /// This allocation's serial number, unique for the process's life. An address is not: the
+    /// stream-ordered allocator hands a freed address to the next allocation that fits, so a
+    /// captured graph that remembered addresses must compare serials to know its buffers live.
+    pub fn serial(&self) -> u64 {
+        self.serial
     }
     pub fn len(&self) -> usize {
         self.ptr.len
@@ -519,7 +529,8 @@ impl CudaBackend {
             let (raw, _g) = slice.device_ptr(&self.stream);
             raw
         };
-        Ok(DeviceBuffer { ptr: DPtr { raw, len, _m: PhantomData }, _slice: slice })
+        let serial = NEXT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(DeviceBuffer { ptr: DPtr { raw, len, _m: PhantomData }, _slice: slice, serial })
     }
 
     /// A device buffer holding `data`.

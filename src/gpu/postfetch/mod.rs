@@ -132,8 +132,6 @@ pub(crate) struct PostFetch {
     stage_threads: usize,
     pub totals: PostFetchTotals,
     pub current: Option<Current>,
-    /// `totals.experts_fetched` at the end of the last call that fetched.
-    fetched_before_call: u64,
     pub pcie_bytes_per_s: f64,
     /// Learn passes count routed slots in the cold lane: nothing is fetched meanwhile.
     paused: bool,
@@ -210,7 +208,6 @@ impl PostFetch {
             stage_threads: plan::stage_threads(1),
             totals: PostFetchTotals::default(),
             current: None,
-            fetched_before_call: 0,
             pcie_bytes_per_s: pcie,
             paused: false,
         };
@@ -658,16 +655,6 @@ impl GpuModel {
         let hot_bytes = self.hot.bytes();
         let Some(pf) = self.postfetch.as_mut() else { return Ok(()) };
         pf.harvest()?;
-        // A call that fetched drops the decode graphs: graphs captured before it replayed wrong
-        // logits in the next session's decode (quant_engine's
-        // `every_session_after_a_postfetch_prefill_decodes_like_the_reference`, relative error
-        // 0.1-0.3; captured again, exact). Which state they shared was not found.
-        if pf.totals.experts_fetched != pf.fetched_before_call {
-            pf.fetched_before_call = pf.totals.experts_fetched;
-            self.graph = None;
-            self.segments = None;
-        }
-        let pf = self.postfetch.as_mut().expect("checked above");
         let mut report = pf.totals.perf(pf.opts.mode, pf.scratch_bytes(), hot_bytes, pf.pcie_bytes_per_s);
         report.copy_source = (if pf.direct() { "registered" } else { "staged" }).to_string();
         report.register_error = pf.register_error.clone();
