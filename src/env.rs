@@ -25,7 +25,7 @@
 //! | `MOE_LANES_POSTFETCH` | Post-Fetch of cold experts in GPU prefill (bf16 and quantized files): `auto` (a cost model decides per expert), `on` (every cold expert that fits), `cpu` (scratchpad allocated, every expert on the CPU: A/B at equal VRAM), `off` (no scratchpad); default `auto` |
 //! | `MOE_LANES_POSTFETCH_BLOCK_ON_MISS` | `1` (default): a fetched expert whose copy is still in flight when the CPU lane is done is waited for; `0`: the CPU computes it |
 //! | `MOE_LANES_POSTFETCH_MAX_TRANSFERS` | expert copies in flight at most; the layer's other chosen experts run on the CPU (default 256) |
-//! | `MOE_LANES_POSTFETCH_SCRATCH_MIB` | VRAM of the scratchpad (default 1024; decimals allowed; at least one expert; 0: off) |
+//! | `MOE_LANES_POSTFETCH_SCRATCH_MIB` | VRAM of the scratchpad (default 1024; decimals allowed; at least one expert, at most the cold experts of the layer with the most; 0: off) |
 //! | `MOE_LANES_POSTFETCH_STREAMS` | copy streams (default 1, at most 4) |
 //! | `MOE_LANES_POSTFETCH_DEBUG=1` | a line per prefill layer with the decision (stderr) |
 //! | `MOE_LANES_POSTFETCH_REGISTER` | `1` (default): copies read the model file's pages, registered with the device (read-only) once at engine start; `0`, or when the driver refuses: staged through pinned buffers |

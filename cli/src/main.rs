@@ -273,8 +273,8 @@ struct EngineArgs {
     /// CPU). Default: MOE_LANES_POSTFETCH_MAX_TRANSFERS, else 256.
     #[arg(long)]
     postfetch_max_transfers: Option<usize>,
-    /// Post-Fetch: VRAM of the scratchpad in MiB (at least one expert; 0:
-    /// off). Default: MOE_LANES_POSTFETCH_SCRATCH_MIB, else 1024.
+    /// Post-Fetch: VRAM of the scratchpad in MiB (at least one expert, at most the cold experts
+    /// of the layer with the most; 0: off). Default: MOE_LANES_POSTFETCH_SCRATCH_MIB, else 1024.
     #[arg(long)]
     postfetch_scratch_mib: Option<f64>,
     /// Post-Fetch: copy streams (1 to 4). Default: MOE_LANES_POSTFETCH_STREAMS, else 1.

@@ -1105,3 +1105,19 @@ fn grouped_gemm_gathers_rows_and_skips_bad_tiles() {
         .grouped_gemm(dw.ptr(), 3, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 4, dy.ptr(), 4, n, k, true)
         .is_err());
 }
+
+/// A freed address may come back for the next allocation (the stream-ordered allocator reuses
+/// it); its serial never does, which is what a captured graph's key relies on.
+#[test]
+fn allocation_serials_differ_where_addresses_repeat() {
+    let Some(be) = backend() else { return };
+    let mut seen_addresses = Vec::new();
+    let mut seen_serials = std::collections::HashSet::new();
+    for _ in 0..8 {
+        let b = be.alloc_zeros::<f32>(1 << 16).unwrap();
+        seen_addresses.push(b.ptr().raw());
+        assert!(seen_serials.insert(b.serial()), "serial {} handed out twice", b.serial());
+    }
+    let distinct: std::collections::HashSet<_> = seen_addresses.iter().collect();
+    eprintln!("8 allocations, freed in turn, took {} distinct addresses", distinct.len());
+}

@@ -337,7 +337,13 @@ impl GpuModel {
         self.be.bind_to_thread()?;
         self.graph = None; // its slot pointers go with the old cache
         self.segments = None;
-        self.hot.allocate(&self.be, &self.model, set)
+        self.hot.allocate(&self.be, &self.model, set)?;
+        if let Some(pf) = self.postfetch.as_mut() {
+            let n = self.cfg.n_experts;
+            let cold = set.layers.iter().map(|ls| n - ls.n_hot().min(n));
+            pf.fit_slots(&self.be, super::postfetch::plan::fitted_slots(pf.slots, cold))?;
+        }
+        Ok(())
     }
 
     /// Exchange one cache slot between calls: `add` takes the slot of `evict`.

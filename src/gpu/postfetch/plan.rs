@@ -129,6 +129,14 @@ pub const DEFAULT_GPU_EXPERT_S: f64 = 20e-6;
 /// PCIe rate assumed until measured (pinned host-to-device, PCIe 5 x16 in practice ~55 GB/s).
 pub const DEFAULT_PCIE_BYTES_PER_S: f64 = 25e9;
 
+/// Scratchpad slots once the hot cache is known: at most the most cold experts any layer has
+/// (`cold_per_layer`; a layer never fetches more than its cold experts), at least one, never
+/// more than `slots`.
+pub fn fitted_slots(slots: usize, cold_per_layer: impl IntoIterator<Item = usize>) -> usize {
+    let most_cold = cold_per_layer.into_iter().max().unwrap_or(slots);
+    slots.min(most_cold.max(1))
+}
+
 /// Threads that stage the copies beside a cold lane of `cold_threads`.
 pub fn stage_threads(cold_threads: usize) -> usize {
     cold_threads.clamp(1, MAX_STAGE_THREADS)
@@ -532,6 +540,14 @@ mod tests {
         assert_eq!((stage_threads(0), stage_threads(3), stage_threads(64)), (1, 3, MAX_STAGE_THREADS));
         assert!(one.cpu_s(1 << 20, 2) > one.cpu_s(1 << 20, 1));
         assert!((one.pcie_s(1 << 20) - (1 << 20) as f64 / DEFAULT_PCIE_BYTES_PER_S).abs() < 1e-15);
+    }
+
+    #[test]
+    fn the_scratchpad_fits_the_layer_with_the_most_cold_experts() {
+        assert_eq!(fitted_slots(113, [64, 70, 12]), 70);
+        assert_eq!(fitted_slots(40, [64, 70]), 40, "never more than configured");
+        assert_eq!(fitted_slots(113, [0, 0]), 1, "all hot: one slot");
+        assert_eq!(fitted_slots(113, []), 113, "no layers: as configured");
     }
 
     #[test]
