@@ -163,7 +163,7 @@ pub struct BenchReport {
     /// The engine's threads and how the cold count was chosen (`auto` or `fixed`).
     pub threads: crate::threads::ThreadReport,
     pub simd: String,
-    /// The cold lane's one-token tiles of quantised experts: `auto` (8-bit activations except
+    /// The cold lane's few-token tiles of quantised experts: `auto` (8-bit activations except
     /// for Q8_0, AVX-512 VNNI), `q8` (8-bit for every quantised type) or `f32` (the engine's
     /// build report; `--activations`, `MOE_LANES_Q8_ACTIVATIONS`).
     pub activations: moe_lanes_kernels::DecodeActivations,

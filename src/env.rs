@@ -5,7 +5,7 @@
 //! | variable | effect |
 //! |---|---|
 //! | `MOE_LANES_SIMD` | force the cold lane's SIMD level (`scalar`, `avx2`, `avx512`, `avx512bf16`, `amx`) |
-//! | `MOE_LANES_Q8_ACTIVATIONS` | the cold pool's one-token tiles of quantised experts (AVX-512 VNNI): `1` 8-bit activations for every quantised type, `0` f32, `auto` (the default with VNNI) 8-bit except for Q8_0 |
+//! | `MOE_LANES_Q8_ACTIVATIONS` | the cold pool's few-token tiles of quantised experts (AVX-512 VNNI): `1` 8-bit activations for every quantised type, `0` f32, `auto` (the default with VNNI) 8-bit except for Q8_0 |
 //! | `MOE_LANES_COLD_SCHEDULE` | the GPU engine's cold-pool schedule (`auto`, `phased`, `pipelined`) |
 //! | `MOE_LANES_CUDA_DEVICE` | CUDA device ordinal (default 0) |
 //! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |

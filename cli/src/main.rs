@@ -283,8 +283,8 @@ struct EngineArgs {
     /// Post-Fetch: a line per prefill layer with the decision on stderr.
     #[arg(long)]
     postfetch_debug: bool,
-    /// Activations of the one-token decode of quantised weights: f32, q8 (8-bit for every
-    /// quantised type) or auto. Cold pool (AVX-512 VNNI): auto is 8-bit except for Q8_0, the
+    /// Activations of the decode of quantised weights (CPU: experts of up to 4 tokens): f32,
+    /// q8 (8-bit for every quantised type) or auto. Cold pool (AVX-512 VNNI): auto is 8-bit except for Q8_0, the
     /// default with VNNI. GPU engine: q8 and auto (the default) are 8-bit for every quantised
     /// type; f32 keeps f32. MOE_LANES_Q8_ACTIVATIONS sets the default.
     #[arg(long)]
@@ -312,8 +312,8 @@ struct BenchKernelsArgs {
     /// Expert weight type: bf16 (default), f16, f32, q8_0, q4_0, q4_k, q5_k or q6_k.
     #[arg(long)]
     dtype: Option<String>,
-    /// Activations of the one-token tiles of quantised weights (AVX-512 VNNI): f32, q8 (8-bit
-    /// for every quantised type) or auto (8-bit except for Q8_0; the default with VNNI, unless
+    /// Activations of the tiles of quantised weights for experts of up to 4 tokens (AVX-512
+    /// VNNI): f32, q8 (8-bit for every quantised type) or auto (8-bit except for Q8_0; the default with VNNI, unless
     /// MOE_LANES_Q8_ACTIVATIONS says otherwise).
     #[arg(long)]
     activations: Option<String>,

@@ -10,7 +10,7 @@
 use std::ops::Range;
 
 use crate::error::KernelError;
-use crate::q8::{Q8Activations, Q8Row};
+use crate::q8::{Q8Activations, Q8Row, Q8Rows, Q8_MAX_TOKENS};
 use crate::quant;
 use crate::scalar;
 use crate::simd::SimdLevel;
@@ -109,20 +109,51 @@ unsafe fn run_tile(
     }
 }
 
+/// One row tile for a few tokens with 8-bit activations: the one-token tile per token (`q8.0`'s
+/// rows from token `q8.1` on), the row tile prefetched once; `out` as [`run_tile`] (row-major,
+/// `xs.len()` values a row).
+///
+/// # Safety
+/// As [`run_tile`]; `q8.0.row(q8.1 + t)` holds token `t`'s quantised activations.
+#[allow(clippy::too_many_arguments)]
+unsafe fn q8_tokens(
+    level: SimdLevel,
+    dtype: WeightDType,
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    xs: &[*const f32],
+    (q8, token0): (Q8Rows<'_>, usize),
+    cols: usize,
+    out: &mut [f32],
+) {
+    let mut one = [0.0f32; ROW_BLOCK];
+    let n = xs.len();
+    for t in 0..n {
+        let prefetch = if t == 0 { prefetch_rows } else { std::ptr::null() };
+        let one = &mut one[..rows.len()];
+        // SAFETY: forwarded contract, token t alone.
+        unsafe { run_tile(level, dtype, rows, prefetch, &xs[t..t + 1], Some(q8.row(token0 + t)), cols, one) };
+        for (r, v) in one.iter().enumerate() {
+            out[r * n + t] = *v;
+        }
+    }
+}
+
 /// Computes `dot(row r, x t)` for rows `0..n_rows` and tokens `0..n_tokens`, handing each
 /// value to `sink(r, t, value)`. For a fixed token, rows arrive in increasing order.
 ///
 /// Rows `n_rows..n_rows_prefetchable` exist in memory (the caller's range ends before the
 /// matrix does): they are only prefetched, so streaming runs on across range boundaries.
 ///
-/// `q8`: the one token's activations quantised to 8 bits ([`crate::q8`]); used (by the VNNI
-/// decode tile) only when `n_tokens == 1`, `dtype` is quantised and the level has VNNI.
+/// `q8`: the tokens' activations quantised to 8 bits ([`crate::q8`]); used only when
+/// `n_tokens <= Q8_MAX_TOKENS`, `dtype` is quantised and the level has VNNI: then every token
+/// runs the one-token VNNI tile over each row tile while the rows are in cache.
 ///
 /// # Safety
 /// `level` must be supported by this CPU; `row_ptr(r)` must address `cols` elements of
 /// `dtype` for every `r < n_rows`, and `token_ptr(t)` `cols` f32 for every `t < n_tokens`;
-/// `row_ptr(r)` must be computable (not dereferenced) for `r < n_rows_prefetchable`; a `q8` row
-/// must hold `cols` quantised values (of token 0's activations).
+/// `row_ptr(r)` must be computable (not dereferenced) for `r < n_rows_prefetchable`; each `q8`
+/// row (`q8.row(t)`, `t < n_tokens`) must hold `cols` quantised values of token t's activations.
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn dot_tiles(
     level: SimdLevel,
@@ -133,10 +164,10 @@ pub(crate) unsafe fn dot_tiles(
     row_ptr: impl Fn(usize) -> *const u8,
     n_tokens: usize,
     token_ptr: impl Fn(usize) -> *const f32,
-    q8: Option<Q8Row>,
+    q8: Option<Q8Rows<'_>>,
     mut sink: impl FnMut(usize, usize, f32),
 ) {
-    let q8 = q8.filter(|_| n_tokens == 1 && dtype.is_quantized() && level.has_q8_dot());
+    let q8 = q8.filter(|_| n_tokens <= Q8_MAX_TOKENS && dtype.is_quantized() && level.has_q8_dot());
     let mut rows = [std::ptr::null::<u8>(); ROW_BLOCK];
     let mut next_block_rows = [std::ptr::null::<u8>(); ROW_BLOCK];
     let mut xs = [std::ptr::null::<f32>(); MAX_TILE_TOKENS];
@@ -150,7 +181,9 @@ pub(crate) unsafe fn dot_tiles(
             for (i, x) in xs[..block_tokens].iter_mut().enumerate() {
                 *x = token_ptr(token0 + i);
             }
-            let tile_rows = if block_rows == ROW_BLOCK { rows_per_tile(level, block_tokens) } else { 1 };
+            // 8-bit tokens run the one-token tile one after another
+            let tile_tokens = if q8.is_some() { 1 } else { block_tokens };
+            let tile_rows = if block_rows == ROW_BLOCK { rows_per_tile(level, tile_tokens) } else { 1 };
             // While the first token block streams this row block, prefetch the next full row
             // block (same sub-tile position) into L2: one block ahead, whatever the row layout.
             let prefetch_next = token0 == 0 && row0 + 2 * ROW_BLOCK <= n_rows_prefetchable.max(n_rows);
@@ -168,20 +201,36 @@ pub(crate) unsafe fn dot_tiles(
                     std::ptr::null()
                 };
                 let out = &mut sums[..tile_rows * block_tokens];
-                // SAFETY: forwarded contract; the tile shape is one the level's kernel provides;
-                // prefetch pointers address rows < n_rows_prefetchable (and are only hints).
-                unsafe {
-                    run_tile(
-                        level,
-                        dtype,
-                        &rows[..tile_rows],
-                        prefetch_rows,
-                        &xs[..block_tokens],
-                        q8,
-                        cols,
-                        out,
-                    )
-                };
+                match q8 {
+                    // SAFETY: as below, one token at a time (its quantised row, the contract).
+                    Some(q) => unsafe {
+                        q8_tokens(
+                            level,
+                            dtype,
+                            &rows[..tile_rows],
+                            prefetch_rows,
+                            &xs[..block_tokens],
+                            (q, token0),
+                            cols,
+                            out,
+                        )
+                    },
+                    // SAFETY: forwarded contract; the tile shape is one the level's kernel
+                    // provides; prefetch pointers address rows < n_rows_prefetchable (and are
+                    // only hints).
+                    None => unsafe {
+                        run_tile(
+                            level,
+                            dtype,
+                            &rows[..tile_rows],
+                            prefetch_rows,
+                            &xs[..block_tokens],
+                            None,
+                            cols,
+                            out,
+                        )
+                    },
+                }
                 for r in 0..tile_rows {
                     for t in 0..block_tokens {
                         sink(row0 + sub + r, token0 + t, out[r * block_tokens + t]);
@@ -209,7 +258,7 @@ pub(crate) unsafe fn gate_up_unchecked(
     ff_rows: Range<usize>,
     n_tokens: usize,
     token_ptr: impl Fn(usize) -> *const f32,
-    q8: Option<Q8Row>,
+    q8: Option<Q8Rows<'_>>,
     h_base: *mut f32,
 ) {
     let row_bytes = weights.dtype.row_bytes(weights.hidden);
@@ -324,7 +373,7 @@ pub(crate) unsafe fn down_unchecked(
     hidden_rows: Range<usize>,
     n_tokens: usize,
     h_base: *const f32,
-    q8: Option<Q8Row>,
+    q8: Option<Q8Rows<'_>>,
     amx_h: Option<&[u32]>,
     token_weight: &[f32],
     out_row_ptr: impl Fn(usize) -> *mut f32,
@@ -347,7 +396,7 @@ pub(crate) unsafe fn down_store_unchecked(
     hidden_rows: Range<usize>,
     n_tokens: usize,
     h_base: *const f32,
-    q8: Option<Q8Row>,
+    q8: Option<Q8Rows<'_>>,
     amx_h: Option<&[u32]>,
     token_weight: &[f32],
     out_row_ptr: impl Fn(usize) -> *mut f32,
@@ -380,7 +429,7 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
     hidden_rows: Range<usize>,
     n_tokens: usize,
     h_base: *const f32,
-    q8: Option<Q8Row>,
+    q8: Option<Q8Rows<'_>>,
     amx_h: Option<&[u32]>,
     token_weight: &[f32],
     out_row_ptr: impl Fn(usize) -> *mut f32,
@@ -560,7 +609,7 @@ pub fn gemv_rows_q8(
             |r| base.add((first + r) * row_bytes),
             1,
             |_| x_f32.as_ptr(),
-            Some(x.row_ptr(0)),
+            Some(x.rows_from(0)),
             |r, _, value| y[r] = value,
         )
     };

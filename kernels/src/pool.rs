@@ -57,7 +57,7 @@ use crate::error::KernelError;
 use crate::ffn::{
     amx_pack, amx_packed_words, down_store_unchecked, down_unchecked, gate_up_unchecked, ROW_BLOCK,
 };
-use crate::q8::{quantize_raw, DecodeActivations, Q8Activations, Q8Row, Q8_BLOCK};
+use crate::q8::{quantize_raw, DecodeActivations, Q8Activations, Q8RowIds, Q8Rows, Q8_BLOCK, Q8_MAX_TOKENS};
 use crate::scalar::dot_row;
 use crate::simd::SimdLevel;
 use crate::weights::{Activation, ExpertWeights};
@@ -219,33 +219,33 @@ struct Q8Scratch {
     h: (*mut i8, *mut f32, *mut f32),
 }
 
-/// Whether `expert`'s gate/up and its down take 8-bit activations under `activations`: one
-/// token, and a type the setting takes 8-bit (the level's VNNI is checked per job).
+/// Whether `expert`'s gate/up and its down take 8-bit activations under `activations`: at most
+/// [`Q8_MAX_TOKENS`] tokens, and a type the setting takes 8-bit (the level's VNNI is checked per
+/// job).
 fn q8_expert(activations: DecodeActivations, expert: &ColdExpertWork<'_>) -> (bool, bool) {
-    let one = expert.token_idx.len() == 1;
-    (one && activations.q8_for(expert.weights.dtype), one && activations.q8_for(expert.weights.down_dtype))
+    let few = expert.token_idx.len() <= Q8_MAX_TOKENS;
+    (few && activations.q8_for(expert.weights.dtype), few && activations.q8_for(expert.weights.down_dtype))
 }
 
-/// Row `row` (of `cols` values) of a quantised buffer's base pointers.
-fn q8_row(base: (*mut i8, *mut f32, *mut f32), row: usize, cols: usize) -> Q8Row {
-    let b = row * cols / Q8_BLOCK;
-    Q8Row { qs: base.0.wrapping_add(row * cols), d: base.1.wrapping_add(b), sum: base.2.wrapping_add(b) }
+/// Rows of a quantised buffer (base pointers `base`, rows of `cols` values) that `ids` name.
+fn q8_rows(base: (*mut i8, *mut f32, *mut f32), cols: usize, ids: Q8RowIds<'_>) -> Q8Rows<'_> {
+    Q8Rows { base: (base.0.cast_const(), base.1.cast_const(), base.2.cast_const()), cols, ids }
 }
 
 impl ColdTask<'_> {
-    /// The quantised `x` row of active expert `a`'s token, if its gate/up run 8-bit (one token,
-    /// a type the setting takes 8-bit).
-    fn q8_x(&self, a: usize) -> Option<Q8Row> {
+    /// The quantised `x` rows of active expert `a`'s tokens (rows by token id), if its gate/up
+    /// run 8-bit (few tokens, a type the setting takes 8-bit).
+    fn q8_x(&self, a: usize) -> Option<Q8Rows<'_>> {
         let expert = &self.job.experts[self.active[a]];
         let q8 = self.q8.filter(|_| q8_expert(self.job.activations, expert).0)?;
-        Some(q8_row(q8.x, expert.token_idx[0] as usize, self.job.hidden))
+        Some(q8_rows(q8.x, self.job.hidden, Q8RowIds::Listed(expert.token_idx)))
     }
 
-    /// The quantised `h` row of active expert `a`'s slot, if its down runs 8-bit.
-    fn q8_h(&self, a: usize) -> Option<Q8Row> {
+    /// The quantised `h` rows of active expert `a`'s slots, if its down runs 8-bit.
+    fn q8_h(&self, a: usize) -> Option<Q8Rows<'_>> {
         let expert = &self.job.experts[self.active[a]];
         let q8 = self.q8.filter(|_| q8_expert(self.job.activations, expert).1)?;
-        Some(q8_row(q8.h, self.slot_start[a], self.job.ff))
+        Some(q8_rows(q8.h, self.job.ff, Q8RowIds::From(self.slot_start[a])))
     }
 
     /// Active expert `a`'s packed `h` for the AMX tiles, if its down runs on them. Complete once
@@ -269,21 +269,24 @@ impl ColdTask<'_> {
         if self.h_done[a].fetch_add(n, Ordering::AcqRel) + n != ff_units {
             return;
         }
-        if let Some(row) = self.q8_h(a) {
-            let ff = self.job.ff;
-            // SAFETY: all gate/up units of expert a are complete (acquired above), so its h slot
-            // (`ff` f32 in the scratch) is written and only read from now on; the quantised slot
-            // row lies in `q8_h` (reserved slots x ff in `prepare_q8`) and only this thread, the
-            // one that completed the expert, writes it.
-            unsafe {
-                quantize_raw(
-                    self.h_scratch.add(self.slot_start[a] * ff),
-                    ff,
-                    row.qs as *mut i8,
-                    row.d as *mut f32,
-                    row.sum as *mut f32,
-                )
-            };
+        if let Some(rows) = self.q8_h(a) {
+            let (ff, n_tokens) = (self.job.ff, self.job.experts[self.active[a]].token_idx.len());
+            for t in 0..n_tokens {
+                let row = rows.row(t);
+                // SAFETY: all gate/up units of expert a are complete (acquired above), so its h
+                // slots (`ff` f32 each in the scratch) are written and only read from now on; the
+                // quantised slot rows lie in `q8_h` (reserved slots x ff in `prepare_q8`) and only
+                // this thread, the one that completed the expert, writes them.
+                unsafe {
+                    quantize_raw(
+                        self.h_scratch.add((self.slot_start[a] + t) * ff),
+                        ff,
+                        row.qs as *mut i8,
+                        row.d as *mut f32,
+                        row.sum as *mut f32,
+                    )
+                };
+            }
         }
         if let Some(words) = self.amx_h_at[a].clone() {
             let (ff, n_tokens) = (self.job.ff, self.job.experts[self.active[a]].token_idx.len());
@@ -621,7 +624,7 @@ impl ColdPool {
 
     /// For 8-bit activations ([`ColdJob::activations`] Q8 or Auto on a VNNI level, and an
     /// expert that takes them): room for the quantised `x` and `h` rows, and the rows of `x`
-    /// that one-token experts read quantised (each once); `None` when nothing runs 8-bit.
+    /// that few-token experts read quantised (each once); `None` when nothing runs 8-bit.
     fn prepare_q8(&mut self, job: &ColdJob<'_>, slots: usize) -> Result<Option<Q8Scratch>, KernelError> {
         let activations = job.activations.at(job.level);
         let uses = |e: &ColdExpertWork<'_>| q8_expert(activations, e);
@@ -637,12 +640,14 @@ impl ColdPool {
         // A small cache of rows done (a row quantised twice gives the same bytes; decode has one).
         let mut done = [usize::MAX; 8];
         for expert in job.experts.iter().filter(|e| uses(e).0) {
-            let t = expert.token_idx[0] as usize;
-            if done.contains(&t) {
-                continue;
+            for &t in expert.token_idx {
+                let t = t as usize;
+                if done.contains(&t) {
+                    continue;
+                }
+                done[t % done.len()] = t;
+                self.q8_x.quantize_row(t, &job.x[t * job.hidden..][..job.hidden]);
             }
-            done[t % done.len()] = t;
-            self.q8_x.quantize_row(t, &job.x[t * job.hidden..][..job.hidden]);
         }
         let (x, h) = (self.q8_x.raw_mut(), self.q8_h.raw_mut());
         Ok(Some(Q8Scratch { x, h }))

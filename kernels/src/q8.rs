@@ -1,4 +1,5 @@
-//! 8-bit activations for the integer one-token decode tiles (as llama.cpp's `q8` activations).
+//! 8-bit activations for the integer decode tiles, one token at a time (as llama.cpp's `q8`
+//! activations), for experts of up to [`Q8_MAX_TOKENS`] tokens.
 //!
 //! [`Q8Activations`] holds rows of activations quantised per block of 32 values: `d = max|x| /
 //! 127`, `q = round_ties_even(x * 127 / max|x|)` (i8, |q| <= 127), and per block `d` and `sum =
@@ -21,7 +22,7 @@ use crate::weights::WeightDType;
 /// Values per activation block (the scale `d` and `sum` are per block).
 pub const Q8_BLOCK: usize = 32;
 
-/// How the one-token decode tiles of quantised weights take their activations.
+/// How the few-token decode tiles of quantised weights take their activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum DecodeActivations {
@@ -64,7 +65,7 @@ impl DecodeActivations {
         requested.unwrap_or(DecodeActivations::Auto).at(level)
     }
 
-    /// Which one-token tiles take 8-bit activations, in words (for reports).
+    /// Which few-token tiles take 8-bit activations, in words (for reports).
     pub fn describe(self) -> &'static str {
         match self {
             DecodeActivations::F32 => "f32 for every type",
@@ -82,7 +83,7 @@ impl DecodeActivations {
         }
     }
 
-    /// Whether the one-token tiles of `dtype` take 8-bit activations under this setting (the
+    /// Whether the few-token tiles of `dtype` take 8-bit activations under this setting (the
     /// level's VNNI is checked apart: [`DecodeActivations::at`]).
     pub fn q8_for(self, dtype: WeightDType) -> bool {
         match self {
@@ -112,6 +113,46 @@ pub(crate) struct Q8Row {
     pub qs: *const i8,
     pub d: *const f32,
     pub sum: *const f32,
+}
+
+/// Most tokens of an expert whose tiles take 8-bit activations: each token runs the one-token
+/// integer tile over a row block while it is in cache, which beats dequantising the rows to f32
+/// for a few tokens (`bench-kernels` "layer 25% hot", experts of 1-3 tokens); beyond this the
+/// f32 tiles share each dequantised block across their tokens.
+pub const Q8_MAX_TOKENS: usize = 4;
+
+/// The 8-bit rows of an expert's tokens: token `t` is row `ids[t]` (listed) or `first + t` of a
+/// buffer of `cols`-value rows with base pointers `base` (`qs`, `d`, `sum`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Q8Rows<'a> {
+    pub base: (*const i8, *const f32, *const f32),
+    pub cols: usize,
+    pub ids: Q8RowIds<'a>,
+}
+
+/// Which rows of a [`Q8Rows`] buffer an expert's tokens take.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Q8RowIds<'a> {
+    /// Token `t` is row `ids[t]` (rows by token id).
+    Listed(&'a [u32]),
+    /// Token `t` is row `first + t` (rows by routed slot).
+    From(usize),
+}
+
+impl Q8Rows<'_> {
+    /// Token `t`'s row (pointer arithmetic only; the caller's contract says the row is there).
+    pub(crate) fn row(&self, t: usize) -> Q8Row {
+        let r = match self.ids {
+            Q8RowIds::Listed(ids) => ids[t] as usize,
+            Q8RowIds::From(first) => first + t,
+        };
+        let b = r * self.cols / Q8_BLOCK;
+        Q8Row {
+            qs: self.base.0.wrapping_add(r * self.cols),
+            d: self.base.1.wrapping_add(b),
+            sum: self.base.2.wrapping_add(b),
+        }
+    }
 }
 
 /// Rows of 8-bit activations (see the module docs); the buffers only grow.
@@ -188,17 +229,13 @@ impl Q8Activations {
         qs.iter().enumerate().map(|(i, &q)| d[i / Q8_BLOCK] * q as f32).collect()
     }
 
-    /// Raw pointers of row `row` (for the tiles); row within the reserved room.
-    pub(crate) fn row_ptr(&self, row: usize) -> Q8Row {
-        assert!((row + 1) * self.cols <= self.qs.len(), "row {row} reserved");
-        let b0 = row * self.cols / Q8_BLOCK;
-        // SAFETY: offsets inside the buffers (asserted).
-        unsafe {
-            Q8Row {
-                qs: self.qs.as_ptr().add(row * self.cols),
-                d: self.d.as_ptr().add(b0),
-                sum: self.sum.as_ptr().add(b0),
-            }
+    /// Rows `first..` as a [`Q8Rows`] (token `t` is row `first + t`); row `first` reserved.
+    pub(crate) fn rows_from(&self, first: usize) -> Q8Rows<'_> {
+        assert!((first + 1) * self.cols <= self.qs.len(), "row {first} reserved");
+        Q8Rows {
+            base: (self.qs.as_ptr(), self.d.as_ptr(), self.sum.as_ptr()),
+            cols: self.cols,
+            ids: Q8RowIds::From(first),
         }
     }
 

@@ -78,7 +78,7 @@ pub struct EngineOptions {
     pub cuda: CudaConfig,
     /// A forced SIMD level for the cold lane (`None`: the best exact one for this CPU).
     pub simd: Option<SimdLevel>,
-    /// Activations of the cold pool's one-token decode tiles of quantised experts (`None`: Auto
+    /// Activations of the cold pool's few-token decode tiles of quantised experts (`None`: Auto
     /// where the level has AVX-512 VNNI, else F32; [`DecodeActivations::resolve`]).
     pub activations: Option<DecodeActivations>,
     /// The GPU engine's cold-pool schedule (changes speed, never results).
@@ -124,7 +124,7 @@ pub struct BuildReport {
     pub cold_threads: usize,
     /// The engine's threads and how they were chosen (also in the perf JSON).
     pub threads: ThreadReport,
-    /// What the cold lane's one-token tiles of quantised experts run with (Q8 / Auto: 8-bit
+    /// What the cold lane's few-token tiles of quantised experts run with (Q8 / Auto: 8-bit
     /// activations on AVX-512 VNNI; F32 on other levels, the plain kernels and the reference).
     pub activations: DecodeActivations,
     /// The budget planned for, in bytes (after `auto` was resolved).

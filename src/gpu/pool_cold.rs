@@ -66,13 +66,13 @@ impl PoolColdExperts {
         })
     }
 
-    /// Sets the activations of the one-token decode tiles (`None`: the default for the level,
+    /// Sets the activations of the few-token decode tiles (`None`: the default for the level,
     /// [`DecodeActivations::resolve`]); they change results within the 8-bit rounding.
     pub fn set_activations(&mut self, requested: Option<DecodeActivations>) {
         self.activations = DecodeActivations::resolve(requested, self.level);
     }
 
-    /// The activations the one-token tiles of quantised experts run with (Q8 or Auto only where
+    /// The activations the few-token tiles of quantised experts run with (Q8 or Auto only where
     /// the level has AVX-512 VNNI).
     pub fn activations(&self) -> DecodeActivations {
         self.activations.at(self.level)

@@ -24,7 +24,7 @@ pub struct ExpertGroups {
 /// What a grouped layer runs with: kernels level, activation, inputs `[rows, hidden]`.
 pub struct GroupRun<'a> {
     pub level: SimdLevel,
-    /// Activations of the one-token decode tiles of quantised experts (Q8: 8-bit, VNNI).
+    /// Activations of the few-token decode tiles of quantised experts (Q8: 8-bit, VNNI).
     pub activations: DecodeActivations,
     pub act: Activation,
     pub layer_idx: usize,

@@ -125,7 +125,7 @@ pub struct PipelineOptions {
     pub cold_kernels: ColdKernels,
     /// A forced SIMD level for the SIMD cold kernels (`None`: the best exact one).
     pub simd: Option<moe_lanes_kernels::SimdLevel>,
-    /// Activations of the pool cold lane's one-token decode tiles of quantised experts (`None`:
+    /// Activations of the pool cold lane's few-token decode tiles of quantised experts (`None`:
     /// [`moe_lanes_kernels::DecodeActivations::resolve`]'s default for the level). The
     /// lane-actor cold kernels (no pool lane) keep f32 activations.
     pub activations: Option<moe_lanes_kernels::DecodeActivations>,
@@ -412,7 +412,7 @@ impl Pipeline {
         self.cold_threads
     }
 
-    /// The activations of the cold lane's one-token tiles of quantised experts: the pool lane's
+    /// The activations of the cold lane's few-token tiles of quantised experts: the pool lane's
     /// setting, F32 without the pool lane (the lane-actor kernels keep f32).
     pub fn cold_activations(&self) -> DecodeActivations {
         self.pool_lane.as_ref().map_or(DecodeActivations::F32, PoolLane::activations)

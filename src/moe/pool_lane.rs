@@ -28,7 +28,7 @@ pub struct PoolLane {
 
 impl PoolLane {
     /// The pool's kernels read every expert dtype (floats and GGML blocks, per matrix).
-    /// `activations`: of the one-token decode tiles of quantised experts.
+    /// `activations`: of the few-token decode tiles of quantised experts.
     pub fn new(model: Arc<Model>, level: SimdLevel, activations: DecodeActivations) -> PoolLane {
         let act = match model.adapter().activation {
             FfnActivation::Silu => Activation::Silu,
@@ -39,7 +39,7 @@ impl PoolLane {
         PoolLane { model, level, activations, act, groups }
     }
 
-    /// The activations the one-token tiles of quantised experts run with here (Q8 or Auto only
+    /// The activations the few-token tiles of quantised experts run with here (Q8 or Auto only
     /// where the level has AVX-512 VNNI).
     pub fn activations(&self) -> DecodeActivations {
         self.activations.at(self.level)
