@@ -8,7 +8,7 @@ use common::{relative_error, tolerance, MisalignedBytes, QuantBytes, Rng, Q8_ACT
 use moe_lanes_kernels::pool::ColdSchedule;
 use moe_lanes_kernels::{
     available, Activation, ColdExpertWork, ColdJob, ColdPool, DecodeActivations, ExpertWeights, KernelError,
-    SimdLevel, WeightDType,
+    SimdLevel, WeightDType, Q8_MAX_TOKENS,
 };
 
 struct RandomJob {
@@ -304,6 +304,50 @@ fn pool_q8_activations_match_reference_within_the_rounding() {
                     pool.n_threads()
                 );
             }
+        }
+    }
+}
+
+/// An expert of up to `Q8_MAX_TOKENS` tokens takes the 8-bit tiles (its result moves off F32's
+/// by the rounding, within the tolerance), one of more tokens keeps F32's bits exactly.
+#[test]
+fn experts_of_a_few_tokens_take_8_bits_and_larger_ones_f32() {
+    let level = SimdLevel::detect();
+    if !level.has_q8_dot() {
+        eprintln!("skipped: no AVX-512 VNNI here");
+        return;
+    }
+    let mut rng = Rng(0x0008_F3A7);
+    let mut pool = ColdPool::new(2);
+    for n_tokens in [2, Q8_MAX_TOKENS, Q8_MAX_TOKENS + 1] {
+        let mut random =
+            RandomJob::quantized(&mut rng, (WeightDType::Q4_K, WeightDType::Q6_K), (512, 256), n_tokens, 2);
+        random.token_idx[1] = (0..n_tokens as u32).collect(); // expert 1 takes every token
+        random.token_weight[1] = rng.vec(n_tokens, 1.0);
+        let work = random.work();
+        let job = |activations| ColdJob {
+            level,
+            activations,
+            act: Activation::Silu,
+            hidden: 512,
+            ff: 256,
+            x: &random.x,
+            experts: &work,
+        };
+        let mut run = |activations| {
+            let mut out = vec![0.0f32; n_tokens * 512];
+            pool.run(&job(activations), &mut out).unwrap();
+            out
+        };
+        let (q8, f32) = (run(DecodeActivations::Q8), run(DecodeActivations::F32));
+        let mut reference = vec![0.0; n_tokens * 512];
+        ColdPool::run_reference(&job(DecodeActivations::F32), &mut reference).unwrap();
+        let error = relative_error(&q8, &reference);
+        assert!(error <= Q8_ACTIVATION_TOLERANCE, "{n_tokens} tokens: {error:e}");
+        if n_tokens <= Q8_MAX_TOKENS {
+            assert!(q8 != f32, "{n_tokens} tokens: 8-bit activations expected");
+        } else {
+            assert_eq!(q8, f32, "{n_tokens} tokens: f32 expected");
         }
     }
 }
