@@ -308,6 +308,32 @@ fn pool_q8_activations_match_reference_within_the_rounding() {
     }
 }
 
+/// `random` (hidden 512, ff 256, SiLU) run on `pool` at `level` with `activations`; `None`:
+/// the f32 oracle (`run_reference`).
+fn run_512(
+    pool: &mut ColdPool,
+    random: &RandomJob,
+    level: SimdLevel,
+    activations: Option<DecodeActivations>,
+) -> Vec<f32> {
+    let work = random.work();
+    let job = ColdJob {
+        level,
+        activations: activations.unwrap_or(DecodeActivations::F32),
+        act: Activation::Silu,
+        hidden: 512,
+        ff: 256,
+        x: &random.x,
+        experts: &work,
+    };
+    let mut out = vec![0.0f32; random.x.len()];
+    match activations {
+        Some(_) => pool.run(&job, &mut out).unwrap(),
+        None => ColdPool::run_reference(&job, &mut out).unwrap(),
+    }
+    out
+}
+
 /// An expert of up to `Q8_MAX_TOKENS` tokens takes the 8-bit tiles (its result moves off F32's
 /// by the rounding, within the tolerance), one of more tokens keeps F32's bits exactly.
 #[test]
@@ -324,25 +350,9 @@ fn experts_of_a_few_tokens_take_8_bits_and_larger_ones_f32() {
             RandomJob::quantized(&mut rng, (WeightDType::Q4_K, WeightDType::Q6_K), (512, 256), n_tokens, 2);
         random.token_idx[1] = (0..n_tokens as u32).collect(); // expert 1 takes every token
         random.token_weight[1] = rng.vec(n_tokens, 1.0);
-        let work = random.work();
-        let job = |activations| ColdJob {
-            level,
-            activations,
-            act: Activation::Silu,
-            hidden: 512,
-            ff: 256,
-            x: &random.x,
-            experts: &work,
-        };
-        let mut run = |activations| {
-            let mut out = vec![0.0f32; n_tokens * 512];
-            pool.run(&job(activations), &mut out).unwrap();
-            out
-        };
-        let (q8, f32) = (run(DecodeActivations::Q8), run(DecodeActivations::F32));
-        let mut reference = vec![0.0; n_tokens * 512];
-        ColdPool::run_reference(&job(DecodeActivations::F32), &mut reference).unwrap();
-        let error = relative_error(&q8, &reference);
+        let mut run = |a| run_512(&mut pool, &random, level, a);
+        let (q8, f32) = (run(Some(DecodeActivations::Q8)), run(Some(DecodeActivations::F32)));
+        let error = relative_error(&q8, &run(None));
         assert!(error <= Q8_ACTIVATION_TOLERANCE, "{n_tokens} tokens: {error:e}");
         if n_tokens <= Q8_MAX_TOKENS {
             assert!(q8 != f32, "{n_tokens} tokens: 8-bit activations expected");
@@ -363,26 +373,13 @@ fn auto_activations_take_8_bits_for_every_type_but_q8_0() {
     let level = SimdLevel::detect();
     for mix in [(Q8_0, Q8_0), (Q4_K, Q6_K), (Q8_0, Q4_K)] {
         let random = RandomJob::quantized(&mut rng, mix, (512, 256), 1, 3);
-        let work = random.work();
-        let job = |activations| ColdJob {
-            level,
-            activations,
-            act: Activation::Silu,
-            hidden: 512,
-            ff: 256,
-            x: &random.x,
-            experts: &work,
-        };
-        let mut run = |activations| {
-            let mut out = vec![0.0f32; 512];
-            pool.run(&job(activations), &mut out).unwrap();
-            out
-        };
-        let (auto, f32, q8) =
-            (run(DecodeActivations::Auto), run(DecodeActivations::F32), run(DecodeActivations::Q8));
-        let mut reference = vec![0.0; 512];
-        ColdPool::run_reference(&job(DecodeActivations::F32), &mut reference).unwrap();
-        let error = relative_error(&auto, &reference);
+        let mut run = |a| run_512(&mut pool, &random, level, a);
+        let (auto, f32, q8) = (
+            run(Some(DecodeActivations::Auto)),
+            run(Some(DecodeActivations::F32)),
+            run(Some(DecodeActivations::Q8)),
+        );
+        let error = relative_error(&auto, &run(None));
         assert!(error <= Q8_ACTIVATION_TOLERANCE, "{mix:?}: {error:e}");
         match mix {
             (Q8_0, Q8_0) => assert_eq!(auto, f32, "{mix:?}"),
