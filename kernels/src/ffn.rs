@@ -126,14 +126,21 @@ unsafe fn q8_tokens(
     cols: usize,
     out: &mut [f32],
 ) {
-    let mut one = [0.0f32; ROW_BLOCK];
     let n = xs.len();
+    if n == 1 {
+        // one token (every decode call): the tile writes `out` itself
+        // SAFETY: forwarded contract.
+        return unsafe { run_tile(level, dtype, rows, prefetch_rows, xs, Some(q8.row(token0)), cols, out) };
+    }
+    let mut token_sums = [0.0f32; ROW_BLOCK];
+    let token_sums = &mut token_sums[..rows.len()];
     for t in 0..n {
         let prefetch = if t == 0 { prefetch_rows } else { std::ptr::null() };
-        let one = &mut one[..rows.len()];
         // SAFETY: forwarded contract, token t alone.
-        unsafe { run_tile(level, dtype, rows, prefetch, &xs[t..t + 1], Some(q8.row(token0 + t)), cols, one) };
-        for (r, v) in one.iter().enumerate() {
+        unsafe {
+            run_tile(level, dtype, rows, prefetch, &xs[t..t + 1], Some(q8.row(token0 + t)), cols, token_sums)
+        };
+        for (r, v) in token_sums.iter().enumerate() {
             out[r * n + t] = *v;
         }
     }

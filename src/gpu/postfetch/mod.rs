@@ -521,10 +521,10 @@ impl GpuModel {
         for (slot, x) in self.host.pf_loads[..n].iter().enumerate() {
             let cs = &pf.streams[slot % pf.streams.len()];
             let w = self.model.expert(l, x.expert as usize);
-            for ((dev, n), src) in pf.bufs.iter().zip(bytes).zip([w.gate.data, w.up.data, w.down.data]) {
+            for ((dev, len), src) in pf.bufs.iter().zip(bytes).zip([w.gate.data, w.up.data, w.down.data]) {
                 let (reg, at) = pf.source_of(src).expect("register_maps checked every expert");
-                assert_eq!(at.len(), n, "layer {l}: the scratchpad's shape is the expert's");
-                self.be.write_registered_on(cs, reg, at, dev.ptr().sub(slot * n, n))?;
+                assert_eq!(at.len(), len, "layer {l}: the scratchpad's shape is the expert's");
+                self.be.write_registered_on(cs, reg, at, dev.ptr().sub(slot * len, len))?;
             }
             pf.slot_queued(&self.be, slot, bytes)?;
         }
