@@ -11,6 +11,7 @@
 //! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |
 //! | `CUDA_HOME`, `CUDA_PATH`, `CUDA_ROOT` | where NVRTC finds the CUDA headers |
 //! | `MOE_LANES_PDL=0` | launch kernels without programmatic dependent launch (on by default where the GPU has it, sm_90+: a kernel's blocks are scheduled while the one before it finishes) |
+//! | `MOE_LANES_GROUPED_PIPELINE=0` | the GPU prefill hot lane's grouped GEMMs over bf16 caches load their tiles synchronously instead of copying them stages ahead of the tensor cores (an A/B switch; same results) |
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |
@@ -18,6 +19,7 @@
 //! | `MOE_LANES_HOT_DEQUANT_OVERLAP=1` | dequantize those chunks (two half-size ones) on the side stream beside the previous chunk's GEMMs |
 //! | `MOE_LANES_GPU_GRAPH=0` | launch every decode kernel one by one instead of replaying the captured decode graph (all-hot models) or decode segments (models with cold experts) |
 //! | `MOE_LANES_GPU_FUSED_ROUTE=0` | decode routing as four launches (norm, router GEMV, top-k, worklist) instead of the fused one |
+//! | `MOE_LANES_PREFILL_ACTIVATIONS` | what the GPU prefill GEMMs feed the tensor cores: `auto` (default: bf16 hi + lo for float weights, one bf16 rounding for quantized ones), `split` (hi + lo for every type), `bf16` (one rounding for every type) |
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `tiled` (default, flash-style tiles of queries x keys) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
@@ -31,7 +33,9 @@
 //! | `MOE_LANES_POSTFETCH_REGISTER` | `1` (default): copies read the model file's pages, registered with the device (read-only) once at engine start; `0`, or when the driver refuses: staged through pinned buffers |
 //! | `MOE_LANES_POOL_COLD` | `off`: the pipeline's cold lane on lane-actor worker threads instead of the dense stage's pool ([`pool_cold`]) |
 
-use crate::gpu::{GpuFaults, HotGemm, PostFetchOptions, PrefillAttention, POSTFETCH_MAX_STREAMS};
+use crate::gpu::{
+    GpuFaults, HotGemm, PostFetchOptions, PrefillActivations, PrefillAttention, POSTFETCH_MAX_STREAMS,
+};
 use crate::moe::phase::{PolicySwitches, Switch};
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::CudaConfig;
@@ -108,7 +112,18 @@ pub fn cuda_config() -> Result<CudaConfig, EnvError> {
         Some("0") => false,
         Some(v) => return Err(bad("MOE_LANES_PDL", v, "0 or 1")),
     };
-    Ok(CudaConfig { device_ordinal, nvrtc_cache_dir, cuda_include_dir, programmatic_launch })
+    let grouped_pipeline = match var("MOE_LANES_GROUPED_PIPELINE").as_deref().map(str::trim) {
+        None | Some("1") => true,
+        Some("0") => false,
+        Some(v) => return Err(bad("MOE_LANES_GROUPED_PIPELINE", v, "0 or 1")),
+    };
+    Ok(CudaConfig {
+        device_ordinal,
+        nvrtc_cache_dir,
+        cuda_include_dir,
+        programmatic_launch,
+        grouped_pipeline,
+    })
 }
 
 /// `MOE_LANES_GPU_PROFILE` set to anything but `0`.
@@ -136,6 +151,16 @@ pub fn prefill_attention() -> Result<PrefillAttention, EnvError> {
         None | Some("tiled") => Ok(PrefillAttention::Tiled),
         Some("rows") => Ok(PrefillAttention::PerRow),
         Some(v) => Err(bad("MOE_LANES_GPU_ATTENTION", v, "tiled or rows")),
+    }
+}
+
+/// `MOE_LANES_PREFILL_ACTIVATIONS` (`auto`, `split` or `bf16`; unset is `auto`).
+pub fn prefill_activations() -> Result<PrefillActivations, EnvError> {
+    match var("MOE_LANES_PREFILL_ACTIVATIONS").as_deref() {
+        None | Some("auto") => Ok(PrefillActivations::Auto),
+        Some("split") => Ok(PrefillActivations::Split),
+        Some("bf16") => Ok(PrefillActivations::Bf16),
+        Some(v) => Err(bad("MOE_LANES_PREFILL_ACTIVATIONS", v, "auto, split or bf16")),
     }
 }
 

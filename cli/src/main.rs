@@ -286,7 +286,8 @@ struct EngineArgs {
     /// Activations of the decode of quantised weights (CPU: experts of up to 4 tokens): f32,
     /// q8 (8-bit for every quantised type) or auto. Cold pool (AVX-512 VNNI): auto is 8-bit except for Q8_0, the
     /// default with VNNI. GPU engine: q8 and auto (the default) are 8-bit for every quantised
-    /// type; f32 keeps f32. MOE_LANES_Q8_ACTIVATIONS sets the default.
+    /// type and its prefill GEMMs round them to bf16; f32 keeps f32 (prefill: bf16 hi + lo).
+    /// MOE_LANES_Q8_ACTIVATIONS sets the default.
     #[arg(long)]
     activations: Option<String>,
     /// Context size in positions (prompt + generated tokens). Default: the model's trained
@@ -616,6 +617,7 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
         opts.gpu.hot_dequant_bytes = b;
     }
     opts.gpu.prefill_attention = env::prefill_attention()?;
+    opts.gpu.prefill_activations = env::prefill_activations()?;
     opts.gpu.postfetch = env::postfetch()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
     opts.pipeline.switches = env::policy_switches()?;

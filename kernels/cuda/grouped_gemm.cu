@@ -278,3 +278,295 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16(
     pdl_enter();
     gg_gemm(GgBf16{{W, W}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split);
 }
+
+// ---- the same tiles, pipelined (sm_80+, K % 8 == 0, 16-byte aligned caches and x) ----
+// The synchronous kernels above load a k step's x and weight tiles, wait, multiply, and wait
+// again: ncu on the H100 showed their tensor pipes 13% busy and DRAM at 0.6 TB/s. Here the
+// loads are cp.async copies GG_STAGES - 1 k steps ahead of the MMAs, into a ring of GG_STAGES
+// shared-memory stages (dynamic shared memory: CudaBackend sets the limit), and x stays f32 in
+// shared memory (the gather by token row is the copy's source address); each warp rounds its own
+// A fragments to bf16 hi (and lo) as it multiplies. Every accumulator takes the same MMAs in the
+// same order as gg_tile (k ascending, hi before lo), so the results are gg_tile's bits.
+// Stage layout: x [GG_BM][GP_LDA] f32, then NW weight tiles [GG_BN][GP_LDW] bf16.
+
+#define GP_BK GG_PIPE_BK
+#define GP_LDA (GP_BK + 8)  // f32 stride: a half-warp's float2 fragment loads hit distinct banks
+#define GP_LDW (GP_BK + 8)  // bf16 stride (80 bytes): ldmatrix's 8 rows hit distinct banks
+
+#if GP_BK % 16 != 0 || GG_STAGES < 2
+#error "GG_PIPE_BK must be a multiple of 16 and GG_STAGES at least 2"
+#endif
+
+// 16 bytes from global `src` to shared `dst`, asynchronously; zeros when !valid (src not read).
+__device__ __forceinline__ void gp_copy16(void* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+#else
+    *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+
+__device__ __forceinline__ void gp_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+
+// Wait until at most GG_STAGES - 2 committed groups are still in flight.
+__device__ __forceinline__ void gp_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(GG_STAGES - 2));
+#endif
+}
+
+// A thread's fixed share of a stage's copies: x chunks c = tid + i * GG_THREADS (row c / (GP_BK
+// / 4), 4 floats at column (c % (GP_BK / 4)) * 4), weight chunks likewise (8 bf16 each).
+#define GP_X_CHUNKS (GG_BM * GP_BK / 4 / GG_THREADS)
+#define GP_W_CHUNKS (GG_BN * GP_BK / 8 / GG_THREADS)
+
+// The x rows of this thread's chunks: the tile's row r is token rows[row0 + r] (or row0 + r),
+// null past the tile's rows or out of range (a zero row).
+struct GpX {
+    const float* x[GP_X_CHUNKS];
+    const float* any;  // a valid global address for the zero-filling copies (not read)
+    __device__ __forceinline__ void init(const float* x0, const int* rows, int n_x_rows, int row0, int nr, int K) {
+        any = x0;
+#pragma unroll
+        for (int i = 0; i < GP_X_CHUNKS; i++) {
+            int r = (threadIdx.x + i * GG_THREADS) / (GP_BK / 4);
+            int src = r < nr ? (rows ? rows[row0 + r] : row0 + r) : -1;
+            x[i] = src >= 0 && src < n_x_rows ? x0 + (size_t)src * K : nullptr;
+        }
+    }
+    // Queue the copies of k step k0 into the stage's x tile (columns past K are zeros).
+    __device__ __forceinline__ void load(float* sa, int K, int k0) const {
+#pragma unroll
+        for (int i = 0; i < GP_X_CHUNKS; i++) {
+            int c = threadIdx.x + i * GG_THREADS, r = c / (GP_BK / 4), kq = (c % (GP_BK / 4)) * 4;
+            bool ok = x[i] != nullptr && k0 + kq < K;
+            gp_copy16(sa + r * GP_LDA + kq, ok ? (const void*)(x[i] + k0 + kq) : (const void*)any, ok);
+        }
+    }
+};
+
+// The weight rows of this thread's chunks in NW bf16 caches [n_slots, N, K] (null past N);
+// `load` queues 16-byte copies of them.
+template <int NW>
+struct GpBf16W {
+    const bf16* w[NW][GP_W_CHUNKS];
+    const bf16* any;
+    __device__ __forceinline__ void init(const bf16* const* Wc, int slot, int N, int K, int col0) {
+        any = Wc[0];
+#pragma unroll
+        for (int m = 0; m < NW; m++)
+#pragma unroll
+            for (int i = 0; i < GP_W_CHUNKS; i++) {
+                int n = (threadIdx.x + i * GG_THREADS) / (GP_BK / 8);
+                w[m][i] = col0 + n < N ? Wc[m] + ((size_t)slot * N + col0 + n) * K : nullptr;
+            }
+    }
+    __device__ __forceinline__ void load(bf16* sw, int K, int k0) const {
+#pragma unroll
+        for (int m = 0; m < NW; m++)
+#pragma unroll
+            for (int i = 0; i < GP_W_CHUNKS; i++) {
+                int c = threadIdx.x + i * GG_THREADS, n = c / (GP_BK / 8), kq = (c % (GP_BK / 8)) * 8;
+                bool ok = w[m][i] != nullptr && k0 + kq < K;
+                gp_copy16(sw + (m * GG_BN + n) * GP_LDW + kq, ok ? (const void*)(w[m][i] + k0 + kq) : (const void*)any, ok);
+            }
+    }
+};
+
+// gp_tile's loader over NW bf16 caches [n_slots, N, K].
+template <int NW>
+struct GpBf16Cache {
+    const bf16* W[NW];
+    int N, K;
+    GpBf16W<NW> rows;
+    __device__ __forceinline__ void init(int slot, int col0) { rows.init(W, slot, N, K, col0); }
+    __device__ __forceinline__ void load(bf16* sw, int K_, int k0) const { rows.load(sw, K_, k0); }
+};
+
+// The A fragment (hi, and lo = the remainder) of rows rb..rb+15, columns ks..ks+15 of the f32 x
+// stage, rounded as gg_load_x rounds (same bits).
+__device__ __forceinline__ void gp_frag_a(unsigned* hi, unsigned* lo, const float* sa, int rb, int ks) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const float* p = sa + (rb + g) * GP_LDA + ks + 2 * t;
+    float2 v[4] = {*(const float2*)p, *(const float2*)(p + 8 * GP_LDA), *(const float2*)(p + 8),
+                   *(const float2*)(p + 8 * GP_LDA + 8)};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        __nv_bfloat162 h = __floats2bfloat162_rn(v[j].x, v[j].y);
+        __nv_bfloat162 l = __floats2bfloat162_rn(v[j].x - __low2float(h), v[j].y - __high2float(h));
+        hi[j] = *(const unsigned*)&h;
+        lo[j] = *(const unsigned*)&l;
+    }
+}
+
+// gg_frag_b over a [GG_BN][GP_LDW] weight stage.
+__device__ __forceinline__ void gp_frag_b(unsigned* b, const bf16* sw, int cb, int ks) {
+    int lane = threadIdx.x & 31;
+    const bf16* p = sw + (cb + (lane & 7) + 8 * (lane >> 4)) * GP_LDW + ks + 8 * ((lane >> 3) & 1);
+#if __CUDA_ARCH__ >= 750
+    unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+                 : "r"(addr));
+#else
+    int g = lane >> 2, t = lane & 3;
+    for (int h = 0; h < 2; h++) {
+        b[2 * h] = *(const unsigned*)&sw[(cb + 8 * h + g) * GP_LDW + ks + t * 2];
+        b[2 * h + 1] = *(const unsigned*)&sw[(cb + 8 * h + g) * GP_LDW + ks + t * 2 + 8];
+    }
+#endif
+}
+
+// The MMAs of one stage (k columns k0..k0+GP_BK, of which `kvalid` before K) for warp w: all
+// the tile's rows (16-row groups mi from 0 while mi * 16 < nr) against columns w * 16..w * 16 + 15
+// (every warp busy whatever the tile's rows; gg_tile's 2 x 2 warps left two idle in a tile of 32
+// rows or fewer). PARTS 2: the hi and lo MMAs, in gg_tile's order for each accumulator.
+template <int NW, int PARTS>
+__device__ __forceinline__ void gp_multiply(const unsigned char* stage, int kvalid, int nr, int col0, int N,
+                                            float acc[NW][4][2][4]) {
+    const float* sa = (const float*)stage;
+    const bf16* sw = (const bf16*)(stage + GG_BM * GP_LDA * sizeof(float));
+    int wn = threadIdx.x >> 5;
+#pragma unroll
+    for (int ks = 0; ks < GP_BK; ks += 16) {
+        if (ks >= kvalid) break;
+        unsigned b[NW][4];  // [m]: b0, b1 of columns wn*16..+7, then of wn*16+8..+15
+#pragma unroll
+        for (int m = 0; m < NW; m++) gp_frag_b(b[m], sw + m * GG_BN * GP_LDW, wn * 16, ks);
+#pragma unroll
+        for (int mi = 0; mi < 4; mi++) {
+            if (mi * 16 >= nr) break;
+            unsigned a[2][4];  // hi, lo
+            gp_frag_a(a[0], a[1], sa, mi * 16, ks);
+#pragma unroll
+            for (int p = 0; p < PARTS; p++)
+#pragma unroll
+                for (int m = 0; m < NW; m++)
+#pragma unroll
+                    for (int ni = 0; ni < 2; ni++)
+                        if (col0 + wn * 16 + ni * 8 < N) mma_bf16_16816(acc[m][mi][ni], a[p], b[m][2 * ni], b[m][2 * ni + 1]);
+        }
+    }
+}
+
+// gg_tile, pipelined over NW weight matrices; the same refusals and sums.
+// The weights come from `wl` (a loader with init(slot, col0) and load(stage tiles, K, k0), as
+// GpBf16W: copies queued; quant.cu's typed loader decodes blocks into the stage instead).
+template <int NW, int PARTS, class WL>
+__device__ __forceinline__ bool gp_tile(WL& wl, const float* __restrict__ x, const int* __restrict__ rows,
+                                        int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, int N,
+                                        int K, float acc[NW][4][2][4], int* tile_out) {
+    extern __shared__ __align__(16) unsigned char gp_smem[];
+    const int stage_bytes = GG_BM * GP_LDA * sizeof(float) + NW * GG_BN * GP_LDW * sizeof(bf16);
+    const int* tl = tiles + 3 * (size_t)blockIdx.x;
+    int slot = tl[0], row0 = tl[1], nr = tl[2], col0 = blockIdx.y * GG_BN;
+    if (slot < 0 || slot >= n_slots || row0 < 0 || nr <= 0 || nr > GG_BM || row0 > n_rows - nr) return false;
+    tile_out[0] = row0, tile_out[1] = nr, tile_out[2] = col0;
+#pragma unroll
+    for (int m = 0; m < NW; m++)
+#pragma unroll
+        for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+            for (int ni = 0; ni < 2; ni++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) acc[m][mi][ni][c] = 0.f;
+    GpX xs;
+    xs.init(x, rows, n_x_rows, row0, nr, K);
+    wl.init(slot, col0);
+    auto load = [&](int stage, int k0) {
+        unsigned char* p = gp_smem + stage * stage_bytes;
+        xs.load((float*)p, K, k0);
+        wl.load((bf16*)(p + GG_BM * GP_LDA * sizeof(float)), K, k0);
+    };
+    int n_k = (K + GP_BK - 1) / GP_BK;
+#pragma unroll
+    for (int s = 0; s < GG_STAGES - 1; s++) {
+        if (s < n_k) load(s, s * GP_BK);
+        gp_commit();
+    }
+    for (int kt = 0; kt < n_k; kt++) {
+        gp_wait();
+        __syncthreads();  // stage kt landed for every thread; stage kt - 1 is free again
+        int next = kt + GG_STAGES - 1;
+        if (next < n_k) load(next % GG_STAGES, next * GP_BK);
+        gp_commit();
+        gp_multiply<NW, PARTS>(gp_smem + (kt % GG_STAGES) * stage_bytes, K - kt * GP_BK, nr, col0, N, acc);
+    }
+    return true;
+}
+
+// Calls f(row in the tile, output column, mi, ni, c) for each accumulator element of this thread
+// inside the tile (rows < nr, columns < N), in gp_multiply's warp layout.
+template <typename F>
+__device__ __forceinline__ void gp_for_output(int nr, int N, int col0, F f) {
+    int lane = threadIdx.x & 31, wn = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mi = 0; mi < 4; mi++)
+#pragma unroll
+        for (int ni = 0; ni < 2; ni++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) {
+                int row = mi * 16 + g + (c >= 2 ? 8 : 0), col = col0 + wn * 16 + ni * 8 + t * 2 + (c & 1);
+                if (row < nr && col < N) f(row, col, mi, ni, c);
+            }
+}
+
+// Gate, up and the activation over one tile, pipelined: h[r, :] = silu(G_s . x_r) * (U_s . x_r).
+template <int PARTS, class WL>
+__device__ __forceinline__ void gp_gate_up(WL& wl, const float* __restrict__ x, const int* __restrict__ rows,
+                                           int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+                                           float* __restrict__ h, int N, int K) {
+    float acc[2][4][2][4];
+    int tile[3];
+    if (!gp_tile<2, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
+    int row0 = tile[0], nr = tile[1], col0 = tile[2];
+    gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+        h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
+    });
+}
+
+// One projection over one tile, pipelined: y[r, :] = W_s . x_r.
+template <int PARTS, class WL>
+__device__ __forceinline__ void gp_gemm(WL& wl, const float* __restrict__ x, const int* __restrict__ rows,
+                                        int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+                                        float* __restrict__ y, int N, int K) {
+    float acc[1][4][2][4];
+    int tile[3];
+    if (!gp_tile<1, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
+    int row0 = tile[0], nr = tile[1], col0 = tile[2];
+    gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+        y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
+    });
+}
+
+// grouped_gate_up_bf16, pipelined (same arguments and results). Dynamic shared memory:
+// GG_STAGES stages of x and the gate and up tiles. grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS.
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_pipe(
+    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x, const int* __restrict__ rows,
+    int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ h, int N, int K,
+    int split) {
+    pdl_enter();
+    GpBf16Cache<2> wl = {{G, U}, N, K};
+    if (split)
+        gp_gate_up<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K);
+    else
+        gp_gate_up<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K);
+}
+
+// grouped_gemm_bf16, pipelined (same arguments and results). Dynamic shared memory: GG_STAGES
+// stages of x and the weight tile. grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS.
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_pipe(
+    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
+    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split) {
+    pdl_enter();
+    GpBf16Cache<1> wl = {{W}, N, K};
+    if (split)
+        gp_gemm<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K);
+    else
+        gp_gemm<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K);
+}

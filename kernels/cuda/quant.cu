@@ -1226,3 +1226,63 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q(
     GgTyped wl = {{W, W}, {w_type, w_type}, {row_bytes, row_bytes}, N, K};
     gg_gemm(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split);
 }
+
+// gp_tile's loader over typed caches (grouped_gemm.cu's pipelined tiles): each thread decodes
+// its chunks' runs of 8 values (q_row_run8_bf16, GgTyped's values) into the stage as it queues
+// the stage's x copies; the decode's loads are synchronous, the x copies stay asynchronous.
+// Columns past N and K are zeros.
+template <int NW>
+struct GpTyped {
+    const u8* W[NW];
+    int type[NW], row_bytes[NW];
+    int N, K;
+    const u8* row[NW][GP_W_CHUNKS];
+    __device__ __forceinline__ void init(int slot, int col0) {
+#pragma unroll
+        for (int m = 0; m < NW; m++)
+#pragma unroll
+            for (int i = 0; i < GP_W_CHUNKS; i++) {
+                int n = (threadIdx.x + i * GG_THREADS) / (GP_BK / 8);
+                row[m][i] = col0 + n < N ? W[m] + ((size_t)slot * N + col0 + n) * row_bytes[m] : nullptr;
+            }
+    }
+    __device__ __forceinline__ void load(bf16* sw, int K_, int k0) const {
+#pragma unroll
+        for (int m = 0; m < NW; m++)
+#pragma unroll
+            for (int i = 0; i < GP_W_CHUNKS; i++) {
+                int c = threadIdx.x + i * GG_THREADS, n = c / (GP_BK / 8), kq = (c % (GP_BK / 8)) * 8;
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (row[m][i] != nullptr && k0 + kq < K_) v = q_row_run8_bf16(type[m], row[m][i], k0 + kq);
+                *(uint4*)(sw + (m * GG_BN + n) * GP_LDW + kq) = v;
+            }
+    }
+};
+
+// grouped_gate_up_q, pipelined (same arguments and results). Dynamic shared memory as
+// grouped_gate_up_bf16_pipe. grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS.
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q_pipe(
+    const u8* __restrict__ G, const u8* __restrict__ U, int g_type, int u_type, int g_row_bytes, int u_row_bytes,
+    const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles,
+    int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split) {
+    pdl_enter();
+    GpTyped<2> wl = {{G, U}, {g_type, u_type}, {g_row_bytes, u_row_bytes}, N, K};
+    if (split)
+        gp_gate_up<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K);
+    else
+        gp_gate_up<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K);
+}
+
+// grouped_gemm_q, pipelined (same arguments and results). Dynamic shared memory as
+// grouped_gemm_bf16_pipe.
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q_pipe(
+    const u8* __restrict__ W, int w_type, int row_bytes, const float* __restrict__ x, const int* __restrict__ rows,
+    int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K,
+    int split) {
+    pdl_enter();
+    GpTyped<1> wl = {{W}, {w_type}, {row_bytes}, N, K};
+    if (split)
+        gp_gemm<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K);
+    else
+        gp_gemm<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K);
+}

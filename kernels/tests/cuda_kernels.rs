@@ -975,11 +975,14 @@ fn grouped_tiles_cut_runs_into_tiles_of_one_slot() {
 /// same bf16 weights and f32 inputs, with split (hi + lo) activations and with hi only.
 /// Tolerance per element, from the magnitude sum `A = sum |w_i x_i|`: split `A * 2^-15` (input
 /// carried to ~2^-17, f32 accumulation); hi only `A * 2^-7` (bf16 inputs, 2^-9 relative).
+/// Where the shapes allow the pipelined kernels (k a multiple of 8), they give the synchronous
+/// kernels' bits: the same MMAs in the same order.
 #[test]
 fn grouped_expert_gemms_match_cpu() {
     let Some(be) = backend() else { return };
     use moe_lanes_kernels::cuda::ops::grouped_tiles;
-    // (hidden, ff): not multiples of the tile or of 8 (scalar loads), then multiples of 8
+    // (hidden, ff): not multiples of the tile or of 8 (scalar loads), then multiples of 8 that
+    // are not multiples of the pipelined stage (a partial last stage), then the tile itself
     for &(hidden, ff, n_slots, t) in &[(100usize, 70usize, 6usize, 9usize), (136, 200, 6, 31), (64, 64, 6, 1)]
     {
         let slots = grouped_case_slots();
@@ -996,12 +999,13 @@ fn grouped_expert_gemms_match_cpu() {
             (be.upload(&x).unwrap(), be.upload(&toks).unwrap(), be.upload(&tiles).unwrap());
         let dh = be.alloc_zeros::<f32>(n_rows * ff).unwrap();
         let dy = be.alloc_zeros::<f32>(n_rows * hidden).unwrap();
-        for split in [true, false] {
-            let rel = if split { 2f64.powi(-15) } else { 2f64.powi(-7) };
-            let tp = dtiles.ptr().sub(0, 3 * n_tiles);
+        let tp = dtiles.ptr().sub(0, 3 * n_tiles);
+        // gate/up into h, then down over that h (rows in order): both results read back
+        let run = |split: bool| {
+            let (g, u, d) = (dg.ptr(), du.ptr(), dd.ptr());
             be.grouped_gate_up(
-                dg.ptr(),
-                du.ptr(),
+                g,
+                u,
                 n_slots,
                 dx.ptr(),
                 dtok.ptr(),
@@ -1015,7 +1019,36 @@ fn grouped_expert_gemms_match_cpu() {
                 split,
             )
             .unwrap();
-            let h = be.read_vec(dh.ptr()).unwrap();
+            be.grouped_gemm(
+                d,
+                n_slots,
+                dh.ptr(),
+                None,
+                n_rows,
+                tp,
+                n_tiles,
+                dy.ptr(),
+                n_rows,
+                hidden,
+                ff,
+                split,
+            )
+            .unwrap();
+            (be.read_vec(dh.ptr()).unwrap(), be.read_vec(dy.ptr()).unwrap())
+        };
+        for split in [true, false] {
+            let rel = if split { 2f64.powi(-15) } else { 2f64.powi(-7) };
+            be.set_grouped_pipeline(false);
+            let sync = run(split);
+            be.set_grouped_pipeline(true);
+            let (h, y) = run(split);
+            if hidden % 8 == 0 && ff % 8 == 0 && be.grouped_pipeline() {
+                let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(
+                    same(&h, &sync.0) && same(&y, &sync.1),
+                    "pipelined ({hidden},{ff}) split={split}: bits differ"
+                );
+            }
             let mut worst = 0f64;
             for r in 0..n_rows {
                 let (s, xt) = (slots[r] as usize, &x[toks[r] as usize * hidden..][..hidden]);
@@ -1033,23 +1066,6 @@ fn grouped_expert_gemms_match_cpu() {
                     worst = worst.max(err / tol);
                 }
             }
-            // down over the (f32) h just computed, rows taken in order
-            be.grouped_gemm(
-                dd.ptr(),
-                n_slots,
-                dh.ptr(),
-                None,
-                n_rows,
-                tp,
-                n_tiles,
-                dy.ptr(),
-                n_rows,
-                hidden,
-                ff,
-                split,
-            )
-            .unwrap();
-            let y = be.read_vec(dy.ptr()).unwrap();
             for r in 0..n_rows {
                 let s = slots[r] as usize;
                 for c in 0..hidden {

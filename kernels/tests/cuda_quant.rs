@@ -518,7 +518,8 @@ fn gemv3_typed_matches_one_gemv_per_matrix_bit_for_bit() {
 /// The grouped prefill GEMMs over typed caches (`grouped_gate_up_typed`, `grouped_gemm_typed`:
 /// weight tiles decoded in shared memory) give the bits of dequantizing the whole cache to bf16
 /// and running the bf16 kernels, for every type, a Q4_K_M-like mix, a bf16 gate, and shapes whose
-/// rows and columns are not multiples of the 64 x 64 tile; split activations on and off.
+/// rows and columns are not multiples of the 64 x 64 tile; split activations on and off; with the
+/// pipelined kernels and the synchronous ones (the same bits again).
 #[test]
 fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
     use moe_lanes_kernels::cuda::ops::grouped_tiles;
@@ -560,7 +561,9 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
             })
             .collect();
         let dx = be.upload(&rng.vec(t * hidden, 1.0)).unwrap();
-        for split in [true, false] {
+        let mut sync_bits = Vec::new();
+        for (pipe, split) in [(false, true), (false, false), (true, true), (true, false)] {
+            be.set_grouped_pipeline(pipe);
             let out = |n: usize| [be.alloc_zeros::<f32>(n).unwrap(), be.alloc_zeros::<f32>(n).unwrap()];
             let (h, y) = (out(n_rows * ff), out(n_rows * hidden));
             let (x, tok, tl) = (dx.ptr(), dtok.ptr(), dtiles.ptr());
@@ -633,7 +636,16 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
             assert_eq!(bits(&h[0]), bits(&h[1]), "{types:?} ({hidden}, {ff}) split={split} gate/up");
             assert_eq!(bits(&y[0]), bits(&y[1]), "{types:?} ({hidden}, {ff}) split={split} down");
             assert!(bits(&y[1]).iter().any(|&b| b != 0), "{types:?}: the GEMMs wrote something");
+            let got = (bits(&h[1]), bits(&y[1]));
+            match pipe {
+                false => sync_bits.push(got),
+                true => assert!(
+                    got == sync_bits[usize::from(!split)],
+                    "{types:?} ({hidden}, {ff}) split={split}: the pipelined kernels' bits differ"
+                ),
+            }
         }
+        be.set_grouped_pipeline(true);
     }
     // a cache too short for one slot of 256 x 256 Q4_K values is refused before any launch
     let (raw, f) = (be.alloc_zeros::<u8>(64).unwrap(), be.alloc_zeros::<f32>(256).unwrap());

@@ -13,7 +13,7 @@ use crate::cache::perf::PerfMode;
 use crate::cache::planner::{plan_fraction, plan_weighted, HotPlan};
 use crate::cache::update::UpdatePolicy;
 use crate::cache::weighting::Weighting;
-use crate::gpu::{CudaBackend, GpuKvCache, GpuModel, GpuOptions, PoolColdExperts};
+use crate::gpu::{CudaBackend, GpuKvCache, GpuModel, GpuOptions, PoolColdExperts, PrefillActivations};
 use crate::inspect::{sample_tokens, InspectReport};
 use crate::model::Model;
 use crate::moe::phase::Phase;
@@ -367,9 +367,15 @@ fn build_gpu(
     // The driver is the pool's thread 0; a GPU lane with hot experts needs cores of its own.
     let gpu_lane = !matches!(opts.hot, HotChoice::None | HotChoice::Budget(HotBudget::Bytes(0)));
     // Without hot experts the prefill scratch for quantized slots would be VRAM never used.
+    // f32 activations asked for: the prefill GEMMs of quantized weights split them too.
+    let f32_asked = opts.activations == Some(DecodeActivations::F32);
     let gpu_opts = GpuOptions {
         hot_dequant_bytes: if gpu_lane { opts.gpu.hot_dequant_bytes } else { 0 },
-        q8_activations: opts.gpu.q8_activations && opts.activations != Some(DecodeActivations::F32),
+        q8_activations: opts.gpu.q8_activations && !f32_asked,
+        prefill_activations: match opts.gpu.prefill_activations {
+            PrefillActivations::Auto if f32_asked => PrefillActivations::Split,
+            p => p,
+        },
         ..opts.gpu
     };
     let mut gm = GpuModel::new(model.clone(), be.clone(), gpu_opts)?;

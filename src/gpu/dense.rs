@@ -40,7 +40,7 @@ impl GpuModel {
             return self.gemv(x, w, y, t, n, k, accumulate);
         }
         let s = self.scratch.as_ref().expect("reserved");
-        let lo = self.opts.split_bf16_activations.then(|| s.x_lo.ptr());
+        let lo = self.opts.prefill_activations.split(w.dtype).then(|| s.x_lo.ptr());
         self.be.gather_split_bf16(x, None, s.x_hi.ptr(), lo, t, k)?;
         self.gemm(w, s.x_hi.ptr(), lo, y, t, n, k, accumulate)
     }

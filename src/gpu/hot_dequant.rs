@@ -104,7 +104,7 @@ impl GpuModel {
         let c = self.hot.slots(l).expect("hot entries imply a cache");
         let d = self.hot_dequant.as_ref().expect("allocated for quantized caches");
         let (per, side) = (d.slots * ff * h, d.overlap);
-        let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.split_bf16_activations);
+        let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.prefill_activations.split(c.gate.dtype));
         let (x, toks, hbuf, y) = (s.normed.ptr(), wi.sub(lay.tokens, n_hot), s.h.ptr(), s.y.ptr());
         for (i, ch) in self.host.chunks.iter().enumerate() {
             let (n, (b, [gate, up, down])) = (ch.n_slots, d.half(i, per));

@@ -30,7 +30,8 @@ pub use cold::{ColdError, ColdExperts, ColdSlot, CpuColdExperts};
 pub use error::GpuError;
 pub use kv::GpuKvCache;
 pub use model::{
-    BadFault, GpuFaults, GpuModel, GpuOptions, HotGemm, LayerFaults, PrefillAttention, HOT_LANE_TIMEOUT,
+    BadFault, GpuFaults, GpuModel, GpuOptions, HotGemm, LayerFaults, PrefillActivations, PrefillAttention,
+    HOT_LANE_TIMEOUT,
 };
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use pool_cold::{PoolColdError, PoolColdExperts};

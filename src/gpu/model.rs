@@ -25,6 +25,7 @@ use crate::moe::phase::Phase;
 use crate::moe::pipeline::LogitRows;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
+use moe_lanes_kernels::WeightDType;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -161,15 +162,40 @@ pub enum PrefillAttention {
     PerRow,
 }
 
+/// The activations prefill GEMMs feed the tensor cores (`MOE_LANES_PREFILL_ACTIVATIONS` at the
+/// CLI). The reference computes in f32; bf16 keeps 8 mantissa bits of each activation, split
+/// hi + lo about 16 (two GEMMs, or two MMAs per step in the grouped hot lane).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrefillActivations {
+    /// Split hi + lo for every weight type.
+    Split,
+    /// One bf16 rounding for every weight type.
+    Bf16,
+    /// Split for float weights; one bf16 rounding for quantized weights, whose own rounding is
+    /// far coarser (llama.cpp quantizes their activations to 8 bits).
+    #[default]
+    Auto,
+}
+
+impl PrefillActivations {
+    /// Whether a GEMM over weights of `dtype` takes split activations.
+    pub fn split(self, dtype: WeightDType) -> bool {
+        match self {
+            PrefillActivations::Split => true,
+            PrefillActivations::Bf16 => false,
+            PrefillActivations::Auto => !dtype.is_quantized(),
+        }
+    }
+}
+
 /// Engine switches.
 #[derive(Debug, Clone, Copy)]
 pub struct GpuOptions {
     /// The prefill hot lane's GEMMs: grouped (default) or per expert through cuBLAS.
     pub hot_gemm: HotGemm,
     pub prefill_attention: PrefillAttention,
-    /// Prefill GEMMs take activations as bf16 hi + lo (two GEMMs, or two MMAs per step in the
-    /// grouped hot lane; ~f32 accuracy); off: bf16 only.
-    pub split_bf16_activations: bool,
+    /// What prefill GEMMs take as activations, by weight type.
+    pub prefill_activations: PrefillActivations,
     /// VRAM for bf16 chunks of quantized hot slots in grouped prefill (the A/B baseline of
     /// `hot_dequant`: at least one slot a chunk); 0 (default): no scratch, the grouped kernels
     /// decode the quantized tiles themselves.
@@ -206,7 +232,7 @@ impl Default for GpuOptions {
         GpuOptions {
             hot_gemm: HotGemm::Grouped,
             prefill_attention: PrefillAttention::Tiled,
-            split_bf16_activations: true,
+            prefill_activations: PrefillActivations::default(),
             hot_dequant_bytes: 0,
             hot_dequant_overlap: false,
             perf_mode: PerfMode::Full,

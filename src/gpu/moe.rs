@@ -484,12 +484,12 @@ impl GpuModel {
     ) -> Result<(), GpuError> {
         let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
         let s = self.scratch.as_ref().expect("reserved");
-        let split = self.opts.split_bf16_activations;
         let toks = s.work_i.ptr().sub(s.layout.tokens, n_rows);
         let (x, hbuf, y, be) = (s.normed.ptr(), s.h.ptr(), s.y.ptr(), &self.be);
         let [gate, up, down] = w;
-        be.grouped_gate_up_typed(gate, up, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split)?;
-        be.grouped_gemm_typed(down, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split)?;
+        let split = |w: TypedWeights| self.opts.prefill_activations.split(w.dtype);
+        be.grouped_gate_up_typed(gate, up, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split(gate))?;
+        be.grouped_gemm_typed(down, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split(down))?;
         Ok(())
     }
 
@@ -502,7 +502,7 @@ impl GpuModel {
         let sec = &self.host.worklist.hot[0];
         let n_hot = sec.hot_count;
         let c = self.hot.slots(l).expect("hot entries imply a cache");
-        let lo = self.opts.split_bf16_activations.then(|| s.x_lo.ptr());
+        let lo = self.opts.prefill_activations.split(c.gate.dtype).then(|| s.x_lo.ptr());
         let (xhi, lay, wi) = (s.x_hi.ptr(), s.layout, s.work_i.ptr());
         self.be.gather_split_bf16(s.normed.ptr(), Some(wi.sub(lay.tokens, n_hot)), xhi, lo, n_hot, h)?;
         for_slot_groups(&sec.hot_id[..n_hot], |slot, start, n_s| {

@@ -37,6 +37,19 @@ pub const GROUPED_TILE_ROWS: usize = 64;
 pub const GROUPED_TILE_COLS: usize = 64;
 /// Threads of a grouped expert GEMM block (`-DGG_THREADS`): 4 warps, 2 x 2 over the tile.
 pub const GROUPED_THREADS: u32 = 128;
+/// k columns of one stage of the pipelined grouped GEMM (`-DGG_PIPE_BK`).
+pub const GROUPED_PIPE_BK: usize = 32;
+/// Shared-memory stages of the pipelined grouped GEMM (`-DGG_STAGES`): copies run this many
+/// less one k steps ahead of the MMAs. Cost: [`grouped_pipe_shared_bytes`] a block (gate and
+/// up: 60 KiB, three blocks an SM of the H100's 228 KiB).
+pub const GROUPED_PIPE_STAGES: usize = 3;
+
+/// Dynamic shared memory of a pipelined grouped GEMM block over `matrices` weight tiles (gate
+/// and up: 2): per stage the f32 x tile and the bf16 weight tiles, rows padded by 8 elements.
+pub const fn grouped_pipe_shared_bytes(matrices: usize) -> usize {
+    let pad = GROUPED_PIPE_BK + 8;
+    GROUPED_PIPE_STAGES * (GROUPED_TILE_ROWS * pad * 4 + matrices * GROUPED_TILE_COLS * pad * 2)
+}
 /// Output rows of one decode down-projection block (`-DDOWN_ROWS`): its warps take one entry
 /// each over these rows, so a hidden size of 2048 gives 8192 warps (every SM full) where one
 /// warp per row walking the entries in turn gave 2048.
@@ -45,6 +58,9 @@ pub const HOT_DOWN_ROWS: u32 = 2;
 /// contiguous range of the row: a 2048-row output projection gets 8192 warps instead of 2048.
 pub const GEMV_SPLIT_WARPS: u32 = 4;
 const _: () = assert!(ROWS_PER_BLOCK.is_multiple_of(GEMV_SPLIT_WARPS));
+const _: () = assert!(GROUPED_PIPE_BK.is_multiple_of(16) && GROUPED_PIPE_STAGES >= 2);
+const _: () = assert!((GROUPED_TILE_ROWS * GROUPED_PIPE_BK / 4).is_multiple_of(GROUPED_THREADS as usize));
+const _: () = assert!((GROUPED_TILE_COLS * GROUPED_PIPE_BK / 8).is_multiple_of(GROUPED_THREADS as usize));
 const _: () = assert!(ATTENTION_SPLIT_CHUNK.is_multiple_of(ATTENTION_SPLIT_WARPS as usize));
 const _: () = assert!(ATTENTION_MAX_HEAD_DIM.is_multiple_of(32));
 const _: () = assert!(ATTENTION_TILE_ROWS.is_multiple_of(4) && ATTENTION_TILE_KEYS == 32);
@@ -142,7 +158,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 16] = [
+pub const SHARED_DEFINE_NAMES: [&str; 18] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -159,6 +175,8 @@ pub const SHARED_DEFINE_NAMES: [&str; 16] = [
     "QUANT_WIDE_ROWS",
     "DOWN_ROWS",
     "GEMV_SPLIT",
+    "GG_PIPE_BK",
+    "GG_STAGES",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -180,6 +198,8 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DQUANT_WIDE_ROWS={QUANT_WIDE_ROWS}"),
         format!("-DDOWN_ROWS={HOT_DOWN_ROWS}"),
         format!("-DGEMV_SPLIT={GEMV_SPLIT_WARPS}"),
+        format!("-DGG_PIPE_BK={GROUPED_PIPE_BK}"),
+        format!("-DGG_STAGES={GROUPED_PIPE_STAGES}"),
     ]
 }
 
@@ -216,6 +236,8 @@ pub enum Kernel {
     HotWorklistTokens,
     GroupedGateUpBf16,
     GroupedGemmBf16,
+    GroupedGateUpBf16Pipe,
+    GroupedGemmBf16Pipe,
     GemvQ8_0,
     GemvQ4_0,
     GemvQ4K,
@@ -237,6 +259,8 @@ pub enum Kernel {
     Gemv3Typed,
     GroupedGateUpQ,
     GroupedGemmQ,
+    GroupedGateUpQPipe,
+    GroupedGemmQPipe,
     QuantizeQ8F32,
     Gemv1Q8,
     MoeGateUpGemvQ8,
@@ -245,7 +269,7 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 56] = [
+    pub const ALL: [Kernel; 60] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -276,6 +300,8 @@ impl Kernel {
         Kernel::HotWorklistTokens,
         Kernel::GroupedGateUpBf16,
         Kernel::GroupedGemmBf16,
+        Kernel::GroupedGateUpBf16Pipe,
+        Kernel::GroupedGemmBf16Pipe,
         Kernel::GemvQ8_0,
         Kernel::GemvQ4_0,
         Kernel::GemvQ4K,
@@ -297,6 +323,8 @@ impl Kernel {
         Kernel::Gemv3Typed,
         Kernel::GroupedGateUpQ,
         Kernel::GroupedGemmQ,
+        Kernel::GroupedGateUpQPipe,
+        Kernel::GroupedGemmQPipe,
         Kernel::QuantizeQ8F32,
         Kernel::Gemv1Q8,
         Kernel::MoeGateUpGemvQ8,
@@ -337,6 +365,8 @@ impl Kernel {
             Kernel::HotWorklistTokens => "hot_worklist_tokens",
             Kernel::GroupedGateUpBf16 => "grouped_gate_up_bf16",
             Kernel::GroupedGemmBf16 => "grouped_gemm_bf16",
+            Kernel::GroupedGateUpBf16Pipe => "grouped_gate_up_bf16_pipe",
+            Kernel::GroupedGemmBf16Pipe => "grouped_gemm_bf16_pipe",
             Kernel::GemvQ8_0 => "gemv_q8_0",
             Kernel::GemvQ4_0 => "gemv_q4_0",
             Kernel::GemvQ4K => "gemv_q4_k",
@@ -358,6 +388,8 @@ impl Kernel {
             Kernel::Gemv3Typed => "gemv3_typed",
             Kernel::GroupedGateUpQ => "grouped_gate_up_q",
             Kernel::GroupedGemmQ => "grouped_gemm_q",
+            Kernel::GroupedGateUpQPipe => "grouped_gate_up_q_pipe",
+            Kernel::GroupedGemmQPipe => "grouped_gemm_q_pipe",
             Kernel::QuantizeQ8F32 => "quantize_q8_f32",
             Kernel::Gemv1Q8 => "gemv1_q8",
             Kernel::MoeGateUpGemvQ8 => "moe_gate_up_gemv_q8",
@@ -399,6 +431,8 @@ impl Kernel {
             Kernel::HotWorklistTokens => Family::Moe,
             Kernel::GroupedGateUpBf16 => Family::GroupedGemm,
             Kernel::GroupedGemmBf16 => Family::GroupedGemm,
+            Kernel::GroupedGateUpBf16Pipe => Family::GroupedGemm,
+            Kernel::GroupedGemmBf16Pipe => Family::GroupedGemm,
             Kernel::GemvQ8_0 => Family::Quant,
             Kernel::GemvQ4_0 => Family::Quant,
             Kernel::GemvQ4K => Family::Quant,
@@ -420,6 +454,8 @@ impl Kernel {
             Kernel::Gemv3Typed => Family::Quant,
             Kernel::GroupedGateUpQ => Family::Quant,
             Kernel::GroupedGemmQ => Family::Quant,
+            Kernel::GroupedGateUpQPipe => Family::Quant,
+            Kernel::GroupedGemmQPipe => Family::Quant,
             Kernel::QuantizeQ8F32 => Family::Quant,
             Kernel::Gemv1Q8 => Family::Quant,
             Kernel::MoeGateUpGemvQ8 => Family::Quant,

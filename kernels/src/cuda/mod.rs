@@ -359,6 +359,9 @@ pub struct CudaBackend {
     capturing: std::sync::atomic::AtomicBool,
     /// Kernels are launched with programmatic stream serialization ([`CudaConfig`]).
     programmatic: bool,
+    /// The grouped expert GEMMs over bf16 caches take the pipelined kernels where the shapes
+    /// allow ([`CudaConfig::grouped_pipeline`]; sm_80 and later).
+    grouped_pipeline: std::sync::atomic::AtomicBool,
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -392,6 +395,10 @@ pub struct CudaConfig {
     /// capability 9.0 and later): a kernel's blocks may be scheduled while the kernel before it
     /// finishes, and wait there (`pdl_enter` in common.cuh). Default on.
     pub programmatic_launch: bool,
+    /// The prefill hot lane's grouped GEMMs over bf16 caches copy their tiles asynchronously,
+    /// stages ahead of the tensor cores (compute capability 8.0 and later; aligned shapes);
+    /// off: the synchronous tiles (an A/B switch; same results). Default on.
+    pub grouped_pipeline: bool,
 }
 
 impl Default for CudaConfig {
@@ -401,6 +408,7 @@ impl Default for CudaConfig {
             nvrtc_cache_dir: None,
             cuda_include_dir: None,
             programmatic_launch: true,
+            grouped_pipeline: true,
         }
     }
 }
@@ -476,6 +484,10 @@ impl CudaBackend {
                 .iter()
                 .map(|k| module.load_function(k.symbol()).ctx("cuModuleGetFunction"))
                 .collect::<Result<Vec<_>>>()?;
+            let pipelined = info.compute_capability.0 >= 8;
+            if pipelined {
+                allow_pipe_shared(&functions)?;
+            }
             let blas = CudaBlas::new(stream.clone())
                 .map_err(|source| CudaError::Cublas { what: "cublasCreate", source })?;
             Ok(CudaBackend {
@@ -488,6 +500,7 @@ impl CudaBackend {
                 compile,
                 capturing: Default::default(),
                 programmatic,
+                grouped_pipeline: (config.grouped_pipeline && pipelined).into(),
             })
         })
     }
@@ -885,6 +898,23 @@ impl CudaBackend {
             .result()
             .ctx("cuLaunchKernelEx")
     }
+}
+
+/// Let the pipelined grouped GEMMs take their dynamic shared memory (past the default 48 KiB).
+fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
+    let pipes = [
+        (Kernel::GroupedGateUpBf16Pipe, 2),
+        (Kernel::GroupedGemmBf16Pipe, 1),
+        (Kernel::GroupedGateUpQPipe, 2),
+        (Kernel::GroupedGemmQPipe, 1),
+    ];
+    for (k, matrices) in pipes {
+        let bytes = kernel::grouped_pipe_shared_bytes(matrices) as i32;
+        functions[k as usize]
+            .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
+            .ctx("cuFuncSetAttribute(max dynamic shared)")?;
+    }
+    Ok(())
 }
 
 /// Make `stream` (a live stream of the backend's context: the callers pass its compute, side or

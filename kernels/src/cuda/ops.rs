@@ -5,13 +5,14 @@
 #![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
 
 use super::kernel::{
-    Kernel, ARGMAX_BLOCK, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS, ATTENTION_TILE_MAX_HEAD_DIM,
-    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, GEMV_SPLIT_WARPS, GROUPED_THREADS, GROUPED_TILE_COLS,
-    GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS,
+    ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, GEMV_SPLIT_WARPS,
+    GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
 use std::ffi::c_void;
+use std::sync::atomic::Ordering;
 
 const BLOCK: u32 = 256;
 /// Shared memory of [`CudaBackend::route_decode`]: a normed row and a logits row (the default
@@ -1165,6 +1166,34 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Whether the grouped GEMMs over bf16 caches may take the pipelined kernels (on where the
+    /// device has `cp.async`, unless [`super::CudaConfig::grouped_pipeline`] turned it off).
+    pub fn grouped_pipeline(&self) -> bool {
+        self.grouped_pipeline.load(Ordering::Relaxed)
+    }
+
+    /// Switch the pipelined grouped GEMMs on or off (an A/B switch, and for tests comparing
+    /// the two); on takes effect only where the device has them. Same results either way.
+    pub fn set_grouped_pipeline(&self, on: bool) {
+        let able = self.info().compute_capability.0 >= 8;
+        self.grouped_pipeline.store(on && able, Ordering::Relaxed);
+    }
+
+    /// The grouped kernel for bf16 caches `ws` (gate and up, or one matrix) over `x` with `k`
+    /// columns, and its dynamic shared memory: the pipelined one where its 16-byte copies fit
+    /// (k a multiple of 8, caches and x 16-byte aligned), else the synchronous one.
+    fn grouped_kernel(&self, ws: &[DPtr<u16>], x: DPtr<f32>, k: usize) -> (Kernel, u32) {
+        let aligned = k.is_multiple_of(8)
+            && x.raw().is_multiple_of(16)
+            && ws.iter().all(|w| w.raw().is_multiple_of(16));
+        match (self.grouped_pipeline() && aligned, ws.len()) {
+            (true, 2) => (Kernel::GroupedGateUpBf16Pipe, grouped_pipe_shared_bytes(2) as u32),
+            (true, _) => (Kernel::GroupedGemmBf16Pipe, grouped_pipe_shared_bytes(1) as u32),
+            (false, 2) => (Kernel::GroupedGateUpBf16, 0),
+            (false, _) => (Kernel::GroupedGemmBf16, 0),
+        }
+    }
+
     /// Grouped expert GEMM, gate and up fused (the prefill hot lane's first half, one launch
     /// for every cached expert of a layer): for row `r` of a tile of slot `s` ([`grouped_tiles`]),
     /// `h[r] = silu(G_s · x[rows[r]]) * (U_s · x[rows[r]])`; caches `[n_slots, ff, hidden]` bf16,
@@ -1186,17 +1215,17 @@ impl CudaBackend {
         hidden: usize,
         split: bool,
     ) -> Result<()> {
-        const K: Kernel = Kernel::GroupedGateUpBf16;
         let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n: ff, k: hidden };
-        shape.check(K, &[gate_cache, up_cache], x, Some(rows), tiles, h)?;
+        shape.check(Kernel::GroupedGateUpBf16, &[gate_cache, up_cache], x, Some(rows), tiles, h)?;
         if n_tiles == 0 || ff == 0 {
             return Ok(());
         }
+        let (kernel, shared) = self.grouped_kernel(&[gate_cache, up_cache], x, hidden);
         self.launch(
-            K,
+            kernel,
             shape.grid(),
             GROUPED_THREADS,
-            0,
+            shared,
             args![
                 gate_cache.raw(),
                 up_cache.raw(),
@@ -1233,18 +1262,18 @@ impl CudaBackend {
         k: usize,
         split: bool,
     ) -> Result<()> {
-        const K: Kernel = Kernel::GroupedGemmBf16;
         let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n, k };
-        shape.check(K, &[w_cache], x, rows, tiles, y)?;
+        shape.check(Kernel::GroupedGemmBf16, &[w_cache], x, rows, tiles, y)?;
         if n_tiles == 0 || n == 0 {
             return Ok(());
         }
         let r = rows.map_or(0, |p| p.raw());
+        let (kernel, shared) = self.grouped_kernel(&[w_cache], x, k);
         self.launch(
-            K,
+            kernel,
             shape.grid(),
             GROUPED_THREADS,
-            0,
+            shared,
             args![
                 w_cache.raw(),
                 x.raw(),

@@ -9,7 +9,8 @@
 #![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
 
 use super::kernel::{
-    Kernel, GROUPED_THREADS, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    grouped_pipe_shared_bytes, Kernel, GROUPED_THREADS, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, ROWS_PER_BLOCK,
+    ROW_BLOCK_THREADS,
 };
 use super::ops::{args, blocks, i, need, GroupedShape};
 use super::{CudaBackend, CudaError, DPtr, Result};
@@ -551,7 +552,8 @@ impl CudaBackend {
             i(hidden),
             i32::from(split)
         ];
-        self.launch(K, shape.grid(), GROUPED_THREADS, 0, args)
+        let (kernel, shared) = self.grouped_typed_kernel(K, x, hidden);
+        self.launch(kernel, shape.grid(), GROUPED_THREADS, shared, args)
     }
 
     /// [`CudaBackend::grouped_gemm`] over a typed cache `[n_slots, n, k]`, decoded tile by tile
@@ -597,7 +599,22 @@ impl CudaBackend {
             i(k),
             i32::from(split)
         ];
-        self.launch(K, shape.grid(), GROUPED_THREADS, 0, args)
+        let (kernel, shared) = self.grouped_typed_kernel(K, x, k);
+        self.launch(kernel, shape.grid(), GROUPED_THREADS, shared, args)
+    }
+
+    /// The typed grouped kernel `sync` (gate/up or one matrix) or its pipelined form, which
+    /// takes the same arguments: pipelined where the x copies fit (k a multiple of 8, x 16-byte
+    /// aligned) and [`CudaBackend::grouped_pipeline`] is on. With its dynamic shared memory.
+    fn grouped_typed_kernel(&self, sync: Kernel, x: DPtr<f32>, k: usize) -> (Kernel, u32) {
+        let fits = self.grouped_pipeline() && k.is_multiple_of(8) && x.raw().is_multiple_of(16);
+        match (fits, sync) {
+            (true, Kernel::GroupedGateUpQ) => {
+                (Kernel::GroupedGateUpQPipe, grouped_pipe_shared_bytes(2) as u32)
+            }
+            (true, _) => (Kernel::GroupedGemmQPipe, grouped_pipe_shared_bytes(1) as u32),
+            (false, k) => (k, 0),
+        }
     }
 
     /// `out[t] = table[tokens[t]]` widened to f32 for a table `[vocab, hidden]` in any stored
