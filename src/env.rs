@@ -20,7 +20,7 @@
 //! | `MOE_LANES_GPU_GRAPH=0` | launch every decode kernel one by one instead of replaying the captured decode graph (all-hot models) or decode segments (models with cold experts) |
 //! | `MOE_LANES_GPU_FUSED_ROUTE=0` | decode routing as four launches (norm, router GEMV, top-k, worklist) instead of the fused one |
 //! | `MOE_LANES_PREFILL_ACTIVATIONS` | what the GPU prefill GEMMs feed the tensor cores: `auto` (default: bf16 hi + lo for float weights, one bf16 rounding for quantized ones), `split` (hi + lo for every type), `bf16` (one rounding for every type) |
-//! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `tiled` (default, flash-style tiles of queries x keys) or `rows` (one block per token and head) |
+//! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `mma` (default, flash-style tiles of queries x keys on the tensor cores, bf16 hi + lo operands; heads of a multiple of 16 up to 128 dims on sm_80+, else `tiled`), `tiled` (the same tiles in f32 on the CUDA cores) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
 //! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
@@ -145,12 +145,13 @@ pub fn hot_gemm() -> Result<HotGemm, EnvError> {
     }
 }
 
-/// `MOE_LANES_GPU_ATTENTION` (`tiled` or `rows`; unset is `tiled`).
+/// `MOE_LANES_GPU_ATTENTION` (`mma`, `tiled` or `rows`; unset is `mma`).
 pub fn prefill_attention() -> Result<PrefillAttention, EnvError> {
     match var("MOE_LANES_GPU_ATTENTION").as_deref() {
-        None | Some("tiled") => Ok(PrefillAttention::Tiled),
+        None | Some("mma") => Ok(PrefillAttention::Mma),
+        Some("tiled") => Ok(PrefillAttention::Tiled),
         Some("rows") => Ok(PrefillAttention::PerRow),
-        Some(v) => Err(bad("MOE_LANES_GPU_ATTENTION", v, "tiled or rows")),
+        Some(v) => Err(bad("MOE_LANES_GPU_ATTENTION", v, "mma, tiled or rows")),
     }
 }
 

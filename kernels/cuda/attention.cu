@@ -326,3 +326,260 @@ extern "C" __global__ void attention_tiled_f32(const float* __restrict__ q, cons
         }
     }
 }
+
+// ---- prefill attention on tensor cores ----
+// attention_tiled_f32's rows and blocks with both products on mma.sync (m16n8k16, bf16 in, f32
+// accumulate): block (b, kvh) owns rows b * AM_ROWS.. (16 a warp); the keys it sees are staged in
+// tiles of AM_KEYS positions as bf16 hi + lo (hi + lo = the f32 cache value to ~2^-17), the
+// queries sit in registers split the same way, and S = Q K^T and O += P V each take three MMAs a
+// fragment (hi.hi + hi.lo + lo.hi; lo.lo is below the f32 rounding of the sum): about f32
+// accuracy, like the CUDA-core kernels, in another summation order. Online softmax as
+// FlashAttention-2: per row a running max m, per thread partial sums l over its own columns
+// (summed over the row's quad at the end), O rescaled when m grows.
+// ATT_MMA_WARPS, ATT_MMA_KEYS, ATT_MMA_MAXD: -D defines (kernels/src/cuda/kernel.rs).
+// grid (ceil(T * group / AM_ROWS), n_kv), block 32 * ATT_MMA_WARPS, static shared
+// 4 * AM_KEYS * (ATT_MMA_MAXD + 8) bf16. hd % 16 == 0, hd <= ATT_MMA_MAXD.
+#define AM_ROWS (16 * ATT_MMA_WARPS)
+#define AM_KEYS ATT_MMA_KEYS
+#define AM_K16 (ATT_MMA_MAXD / 16)  // k steps of 16 dims (S), dim pairs of n8 tiles (O)
+#define AM_N8 (AM_KEYS / 8)         // key n8 tiles of S
+#if AM_KEYS % 16 != 0 || ATT_MMA_MAXD % 16 != 0
+#error "ATT_MMA_KEYS and ATT_MMA_MAXD must be multiples of 16"
+#endif
+
+// (x, y) as bf16 pairs hi and lo = bf16 of the remainder (low half: x).
+__device__ __forceinline__ void am_split2(float x, float y, unsigned& hi, unsigned& lo) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(x, y);
+    __nv_bfloat162 l = __floats2bfloat162_rn(x - __low2float(h), y - __high2float(h));
+    hi = *(const unsigned*)&h;
+    lo = *(const unsigned*)&l;
+}
+
+// Four 8 x 8 b16 matrices from shared memory, lane i naming row i % 8 of matrix i / 8 (`p`);
+// `trans`: each matrix transposed (ldmatrix .trans). Without ldmatrix (before sm_75) the lanes
+// read the rows the others name, through shuffles of the addresses.
+template <bool TRANS>
+__device__ __forceinline__ void am_ldsm4(unsigned* r, const bf16* p) {
+#if __CUDA_ARCH__ >= 750
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+#else
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    unsigned long long me = (unsigned long long)p;
+    for (int m = 0; m < 4; m++) {
+        if (TRANS) {
+            const bf16* r0 = (const bf16*)__shfl_sync(0xffffffffu, me, m * 8 + 2 * t);
+            const bf16* r1 = (const bf16*)__shfl_sync(0xffffffffu, me, m * 8 + 2 * t + 1);
+            __nv_bfloat162 v = __halves2bfloat162(r0[g], r1[g]);
+            r[m] = *(const unsigned*)&v;
+        } else {
+            const bf16* row = (const bf16*)__shfl_sync(0xffffffffu, me, m * 8 + g);
+            r[m] = *(const unsigned*)(row + 2 * t);
+        }
+    }
+#endif
+}
+
+// This thread's query fragments (hi, lo) of rows ra (a[0], a[2]) and ra + 8 (a[1], a[3]); rows
+// past n_rows are zeros. q row r is token r / g, head kvh * g + r % g.
+__device__ __forceinline__ void am_load_q(unsigned (*qh)[4], unsigned (*ql)[4], const float* __restrict__ q,
+                                          int ra, int n_rows, int g, int kvh, int q_dim, int hd) {
+    int t = threadIdx.x & 3;
+    const float* row[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int r = ra + 8 * h;
+        row[h] = r < n_rows ? q + (size_t)(r / g) * q_dim + (size_t)(kvh * g + r % g) * hd : nullptr;
+    }
+#pragma unroll
+    for (int kk = 0; kk < AM_K16; kk++) {
+        if (kk * 16 >= hd) break;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float* r = row[j & 1];
+            float2 v = r ? *(const float2*)(r + kk * 16 + 2 * t + 8 * (j >> 1)) : make_float2(0.f, 0.f);
+            am_split2(v.x, v.y, qh[kk][j], ql[kk][j]);
+        }
+    }
+}
+
+// Stage positions k0.. k0 + AM_KEYS - 1 of kv head kvh (zeros past key_hi) as bf16 hi / lo rows
+// of stride ld into kh, kl, vh, vl. Every thread of the block calls it.
+__device__ __forceinline__ void am_stage_kv(const float* __restrict__ kc, const float* __restrict__ vc, bf16* kh,
+                                            bf16* kl, bf16* vh, bf16* vl, int k0, int key_hi, int kv_dim, int kvh,
+                                            int hd, int ld) {
+    const int per_row = hd / 4;
+    for (int e = threadIdx.x; e < AM_KEYS * per_row; e += blockDim.x) {
+        int j = e / per_row, i = (e % per_row) * 4, p = k0 + j;
+        size_t src = (size_t)p * kv_dim + (size_t)kvh * hd + i;
+        float4 k = p <= key_hi ? *(const float4*)(kc + src) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 v = p <= key_hi ? *(const float4*)(vc + src) : make_float4(0.f, 0.f, 0.f, 0.f);
+        uint2 h, l;
+        am_split2(k.x, k.y, h.x, l.x);
+        am_split2(k.z, k.w, h.y, l.y);
+        *(uint2*)(kh + j * ld + i) = h;
+        *(uint2*)(kl + j * ld + i) = l;
+        am_split2(v.x, v.y, h.x, l.x);
+        am_split2(v.z, v.w, h.y, l.y);
+        *(uint2*)(vh + j * ld + i) = h;
+        *(uint2*)(vl + j * ld + i) = l;
+    }
+}
+
+// s[n] = the warp's 16 rows against keys 8n..8n+7 of the staged tile (unscaled).
+__device__ __forceinline__ void am_scores(float (*s)[4], const unsigned (*qh)[4], const unsigned (*ql)[4],
+                                          const bf16* kh, const bf16* kl, int ld, int hd) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int n = 0; n < AM_N8; n++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) s[n][c] = 0.f;
+    int off = ((lane & 7) + 8 * (lane >> 4)) * ld + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int kk = 0; kk < AM_K16; kk++) {
+        if (kk * 16 >= hd) break;
+#pragma unroll
+        for (int np = 0; np < AM_N8 / 2; np++) {
+            unsigned bh[4], bl[4];
+            am_ldsm4<false>(bh, kh + np * 16 * ld + kk * 16 + off);
+            am_ldsm4<false>(bl, kl + np * 16 * ld + kk * 16 + off);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float* d = s[2 * np + h];
+                mma_bf16_16816(d, qh[kk], bh[2 * h], bh[2 * h + 1]);
+                mma_bf16_16816(d, qh[kk], bl[2 * h], bl[2 * h + 1]);
+                mma_bf16_16816(d, ql[kk], bh[2 * h], bh[2 * h + 1]);
+            }
+        }
+    }
+}
+
+// The online softmax step of the tile at k0 for this thread's rows (rpos: position, -1 for a
+// padding row; rfirst: first visible position): s becomes p = exp(s * scale - m), zero where not
+// visible; m, l and o (rows' accumulators, c 0-1: row a, 2-3: row a + 8) rescaled.
+__device__ __forceinline__ void am_softmax(float (*s)[4], float (*o)[4], float* m, float* l, const int* rpos,
+                                           const int* rfirst, int k0, float scale, int hd) {
+    int t = threadIdx.x & 3;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < AM_N8; n++)
+#pragma unroll
+            for (int c = 2 * h; c < 2 * h + 2; c++) {
+                int p = k0 + 8 * n + 2 * t + (c & 1);
+                bool vis = p <= rpos[h] && p >= rfirst[h];
+                s[n][c] = vis ? s[n][c] * scale : -INFINITY;
+                mx = fmaxf(mx, s[n][c]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        float mn = fmaxf(m[h], mx);
+        float corr = mn == -INFINITY ? 1.f : expf(m[h] - mn);  // m = -inf: 0
+        l[h] *= corr;
+#pragma unroll
+        for (int n = 0; n < AM_N8; n++)
+#pragma unroll
+            for (int c = 2 * h; c < 2 * h + 2; c++) {
+                s[n][c] = mn == -INFINITY ? 0.f : expf(s[n][c] - mn);  // invisible: exp(-inf) = 0
+                l[h] += s[n][c];
+            }
+        m[h] = mn;
+#pragma unroll
+        for (int dn = 0; dn < 2 * AM_K16; dn++) {
+            if (dn * 8 >= hd) break;
+            o[dn][2 * h] *= corr;
+            o[dn][2 * h + 1] *= corr;
+        }
+    }
+}
+
+// o += p . V over the staged tile: p (s's layout) as A fragments hi + lo, V rows transposed.
+__device__ __forceinline__ void am_pv(float (*o)[4], const float (*p)[4], const bf16* vh, const bf16* vl, int ld,
+                                      int hd) {
+    int lane = threadIdx.x & 31;
+    int off = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ld + 8 * (lane >> 4);
+#pragma unroll
+    for (int kc = 0; kc < AM_KEYS / 16; kc++) {
+        unsigned ah[4], al[4];
+        am_split2(p[2 * kc][0], p[2 * kc][1], ah[0], al[0]);
+        am_split2(p[2 * kc][2], p[2 * kc][3], ah[1], al[1]);
+        am_split2(p[2 * kc + 1][0], p[2 * kc + 1][1], ah[2], al[2]);
+        am_split2(p[2 * kc + 1][2], p[2 * kc + 1][3], ah[3], al[3]);
+#pragma unroll
+        for (int dp = 0; dp < AM_K16; dp++) {
+            if (dp * 16 >= hd) break;
+            unsigned bh[4], bl[4];
+            am_ldsm4<true>(bh, vh + kc * 16 * ld + dp * 16 + off);
+            am_ldsm4<true>(bl, vl + kc * 16 * ld + dp * 16 + off);
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float* d = o[2 * dp + h];
+                mma_bf16_16816(d, ah, bh[2 * h], bh[2 * h + 1]);
+                mma_bf16_16816(d, ah, bl[2 * h], bl[2 * h + 1]);
+                mma_bf16_16816(d, al, bh[2 * h], bh[2 * h + 1]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f32(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, float* __restrict__ out,
+    int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    __shared__ __align__(16) bf16 am_kv[4 * AM_KEYS * (ATT_MMA_MAXD + 8)];
+    const int ld = hd + 8, g = n_heads / n_kv, kvh = blockIdx.y, row0 = blockIdx.x * AM_ROWS;
+    bf16 *kh = am_kv, *kl = kh + AM_KEYS * ld, *vh = kl + AM_KEYS * ld, *vl = vh + AM_KEYS * ld;
+    const int n_rows = n_tokens * g, kv_dim = n_kv * hd, q_dim = n_heads * hd;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, t = lane & 3;
+    const int ra = row0 + 16 * w + (lane >> 2);
+    unsigned qh[AM_K16][4], ql[AM_K16][4];
+    am_load_q(qh, ql, q, ra, n_rows, g, kvh, q_dim, hd);
+    int rpos[2], rfirst[2];
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AM_K16][4];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int r = ra + 8 * h;
+        rpos[h] = r < n_rows ? pos0 + r / g : -1;  // -1: padding row, sees nothing
+        rfirst[h] = window > 0 ? max(0, rpos[h] + 1 - window) : 0;
+    }
+#pragma unroll
+    for (int dn = 0; dn < 2 * AM_K16; dn++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) o[dn][c] = 0.f;
+    const int last_row = min(n_rows, row0 + AM_ROWS) - 1, w_last = min(n_rows - 1, row0 + 16 * w + 15);
+    const int key_hi = pos0 + last_row / g;  // inclusive
+    const int key_lo = window > 0 ? max(0, pos0 + row0 / g + 1 - window) : 0;
+    const int w_hi = pos0 + w_last / g, w_lo = window > 0 ? max(0, pos0 + (row0 + 16 * w) / g + 1 - window) : 0;
+    const bool w_rows = row0 + 16 * w < n_rows;
+    for (int k0 = key_lo; k0 <= key_hi; k0 += AM_KEYS) {
+        __syncthreads();  // the previous tile is consumed
+        am_stage_kv(kc, vc, kh, kl, vh, vl, k0, key_hi, kv_dim, kvh, hd, ld);
+        __syncthreads();
+        if (!w_rows || k0 > w_hi || k0 + AM_KEYS - 1 < w_lo) continue;  // nothing this warp sees
+        float s[AM_N8][4];
+        am_scores(s, qh, ql, kh, kl, ld, hd);
+        am_softmax(s, o, m, l, rpos, rfirst, k0, scale, hd);
+        am_pv(o, s, vh, vl, ld, hd);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        int r = ra + 8 * h;
+        if (rpos[h] < 0) continue;
+        float inv = 1.f / sum;
+        float* dst = out + (size_t)(r / g) * q_dim + (size_t)(kvh * g + r % g) * hd + 2 * t;
+#pragma unroll
+        for (int dn = 0; dn < 2 * AM_K16; dn++) {
+            if (dn * 8 >= hd) break;
+            *(float2*)(dst + dn * 8) = make_float2(o[dn][2 * h] * inv, o[dn][2 * h + 1] * inv);
+        }
+    }
+}

@@ -2,7 +2,7 @@
 // op-family file (gemv, norm_rope, elementwise, attention, argmax, route, moe, grouped_gemm, quant); the whole is
 // compiled at start-up with NVRTC for the device's own architecture (kernels/src/cuda/mod.rs).
 // Constants shared with the Rust launchers (ROWS_PER_BLOCK, ATT_CHUNK, ATT_MAXC, ATT_MAX_HEAD_DIM,
-// ATT_SPLIT_WARPS, ATT_TILE_*, ARGMAX_BLOCK, GG_BM, GG_BN, GG_THREADS, GG_PIPE_BK, GG_STAGES, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, DOWN_ROWS, GEMV_SPLIT) are passed as -D defines from kernels/src/cuda/kernel.rs,
+// ATT_SPLIT_WARPS, ATT_TILE_*, ARGMAX_BLOCK, GG_BM, GG_BN, GG_THREADS, GG_PIPE_BK, GG_STAGES, ATT_MMA_*, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, DOWN_ROWS, GEMV_SPLIT) are passed as -D defines from kernels/src/cuda/kernel.rs,
 // defined once there. Conventions: weights are bf16 row-major [out, in] (quant.cu: GGML blocks); activations,
 // norms, biases and the KV cache are f32; every kernel states its launch configuration.
 #include <cuda_bf16.h>
@@ -79,6 +79,37 @@ __device__ __forceinline__ void pdl_trigger() {}
 __device__ __forceinline__ void pdl_enter() {
     pdl_wait();
     pdl_trigger();
+}
+
+// d += a . b on the tensor cores: mma.sync m16n8k16, bf16 inputs, f32 accumulation (sm_80 and
+// later; the fallback computes the same fragment layout by FMAs). a: the A fragment (row g = lane / 4:
+// a[0] k 2t..2t+1, a[1] row g + 8, a[2] k + 8, a[3] both, t = lane % 4); b0, b1: B (k 2t.., 2t+8.., column g).
+// Used by attention.cu and grouped_gemm.cu.
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    // Same fragment layout by plain FMAs (pre-sm_80 devices; never the fast path).
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int c = 0; c < 4; c++) {
+        int row = g + (c >= 2 ? 8 : 0), col = t * 2 + (c & 1);
+        float acc = 0.f;
+        for (int kk = 0; kk < 16; kk++) {
+            int al = ((row & 7) << 2) | ((kk & 7) >> 1);
+            unsigned aw = __shfl_sync(0xffffffffu, a[((kk >> 3) << 1) | (row >> 3)], al);
+            int bl = (col << 2) | ((kk & 7) >> 1);
+            unsigned bw = __shfl_sync(0xffffffffu, kk < 8 ? b0 : b1, bl);
+            unsigned short ah = (kk & 1) ? (aw >> 16) : (aw & 0xffffu);
+            unsigned short bh = (kk & 1) ? (bw >> 16) : (bw & 0xffffu);
+            acc += __uint_as_float((unsigned)ah << 16) * __uint_as_float((unsigned)bh << 16);
+        }
+        d[c] += acc;
+    }
+#endif
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
@@ -184,6 +215,7 @@ __device__ __forceinline__ void warp_dot2_bf16(const bf16* __restrict__ w0, cons
 #error "compile with the -D options of shared_defines() (kernels/src/cuda/kernel.rs)"
 #endif
 #if !defined(QUANT_MAX_TOKENS) || !defined(ATT_TILE_ROWS) || !defined(ATT_TILE_KEYS) || !defined(ATT_TILE_MAXC) || \
-    !defined(QUANT_WIDE_ROWS) || !defined(DOWN_ROWS) || !defined(GEMV_SPLIT) || !defined(GG_PIPE_BK) || !defined(GG_STAGES)
+    !defined(QUANT_WIDE_ROWS) || !defined(DOWN_ROWS) || !defined(GEMV_SPLIT) || !defined(GG_PIPE_BK) || !defined(GG_STAGES) || \
+    !defined(ATT_MMA_WARPS) || !defined(ATT_MMA_KEYS) || !defined(ATT_MMA_MAXD)
 #error "compile with the -D options of shared_defines() (kernels/src/cuda/kernel.rs)"
 #endif

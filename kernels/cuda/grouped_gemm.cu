@@ -20,33 +20,6 @@
 #error "grouped_gemm.cu is written for 64 x 64 tiles and 128 threads"
 #endif
 
-__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
-#if __CUDA_ARCH__ >= 800
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-#else
-    // Same fragment layout by plain FMAs (pre-sm_80 devices; never the fast path).
-    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    for (int c = 0; c < 4; c++) {
-        int row = g + (c >= 2 ? 8 : 0), col = t * 2 + (c & 1);
-        float acc = 0.f;
-        for (int kk = 0; kk < 16; kk++) {
-            int al = ((row & 7) << 2) | ((kk & 7) >> 1);
-            unsigned aw = __shfl_sync(0xffffffffu, a[((kk >> 3) << 1) | (row >> 3)], al);
-            int bl = (col << 2) | ((kk & 7) >> 1);
-            unsigned bw = __shfl_sync(0xffffffffu, kk < 8 ? b0 : b1, bl);
-            unsigned short ah = (kk & 1) ? (aw >> 16) : (aw & 0xffffu);
-            unsigned short bh = (kk & 1) ? (bw >> 16) : (bw & 0xffffu);
-            acc += __uint_as_float((unsigned)ah << 16) * __uint_as_float((unsigned)bh << 16);
-        }
-        d[c] += acc;
-    }
-#endif
-}
-
 // The A fragment of m16n8k16 (rows rb..rb+15, columns ks..ks+15 of a [GG_BM][GG_LD] tile):
 // a[0] (row g, k 2t), a[1] (row g + 8), a[2] (k 2t + 8), a[3] (both), g = lane / 4, t = lane % 4.
 // One ldmatrix.x4 (lane i names row rb + i % 16, column ks + 8 (i / 16)); rows are 144 bytes,

@@ -206,6 +206,8 @@ fn attention_causal_gqa_matches_cpu() {
         (2, 1, 256, 3, 1),
         (32, 4, 128, 0, 70),
         (32, 4, 128, 45, 19),
+        (16, 2, 128, 0, 150),
+        (8, 8, 64, 30, 41),
         (6, 1, 16, 2, 33),
         (4, 2, 64, 2100, 1),
     ] {
@@ -258,6 +260,13 @@ fn attention_causal_gqa_matches_cpu() {
                 .unwrap();
                 be.read_vec(out3.ptr()).unwrap()
             });
+            // tensor-core prefill version (heads of a multiple of 16 up to 128 on sm_80+)
+            let got4 = be.attention_mma_fits(hd).then(|| {
+                let out4 = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+                be.attention_mma(dq.ptr(), dk.ptr(), dv.ptr(), out4.ptr(), t, pos0, n_heads, n_kv, hd, window)
+                    .unwrap();
+                be.read_vec(out4.ptr()).unwrap()
+            });
             let mut want = vec![0.0; t * n_heads * hd];
             for ti in 0..t {
                 let pos = pos0 + ti;
@@ -285,6 +294,10 @@ fn attention_causal_gqa_matches_cpu() {
             if let Some(got3) = got3 {
                 let err3 = max_abs_diff(&got3, &want);
                 assert!(err3 < 1e-5, "tiled: hd={hd} pos0={pos0} t={t} window={window}: {err3}");
+            }
+            if let Some(got4) = got4 {
+                let err4 = max_abs_diff(&got4, &want);
+                assert!(err4 < 1e-5, "mma: hd={hd} pos0={pos0} t={t} window={window}: {err4}");
             }
         }
     }

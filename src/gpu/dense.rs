@@ -264,7 +264,13 @@ impl GpuModel {
                     self.step.map(|max_positions| DevicePos { pos: s.step.ptr().sub(1, 1), max_positions });
                 self.be.attention_split(q, kc, vc, out, part.ptr(), t, pos0, nh, nkv, hd, window, at)?
             }
-            _ if self.opts.prefill_attention == PrefillAttention::Tiled
+            _ if self.opts.prefill_attention == PrefillAttention::Mma
+                && self.be.attention_mma_fits(hd)
+                && [q, kc, vc, out].iter().all(|b| b.raw().is_multiple_of(16)) =>
+            {
+                self.be.attention_mma(q, kc, vc, out, t, pos0, nh, nkv, hd, window)?
+            }
+            _ if self.opts.prefill_attention != PrefillAttention::PerRow
                 && CudaBackend::attention_tiled_fits(hd) =>
             {
                 self.be.attention_tiled(q, kc, vc, out, t, pos0, nh, nkv, hd, window)?

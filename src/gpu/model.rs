@@ -154,9 +154,13 @@ pub enum HotGemm {
 /// always splits positions over blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PrefillAttention {
-    /// Flash-style: a block per tile of query rows of one kv head's group, keys staged in
-    /// shared-memory tiles (heads up to 128 dims; wider heads run per row).
+    /// [`PrefillAttention::Tiled`]'s blocks with both products on the tensor cores (bf16 hi + lo
+    /// operands, about f32 accuracy; heads of a multiple of 16 up to 128 dims on sm_80 and later,
+    /// else the tiled kernel).
     #[default]
+    Mma,
+    /// Flash-style: a block per tile of query rows of one kv head's group, keys staged in
+    /// shared-memory tiles, f32 on the CUDA cores (heads up to 128 dims; wider heads run per row).
     Tiled,
     /// One block per (token, head), reading the cache once per row.
     PerRow,
@@ -231,7 +235,7 @@ impl Default for GpuOptions {
     fn default() -> Self {
         GpuOptions {
             hot_gemm: HotGemm::Grouped,
-            prefill_attention: PrefillAttention::Tiled,
+            prefill_attention: PrefillAttention::Mma,
             prefill_activations: PrefillActivations::default(),
             hot_dequant_bytes: 0,
             hot_dequant_overlap: false,

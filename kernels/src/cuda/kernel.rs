@@ -29,6 +29,16 @@ pub const ATTENTION_TILE_KEYS: usize = 32;
 pub const ATTENTION_TILE_MAX_HEAD_DIM: usize = 128;
 /// Threads of a tiled prefill attention block.
 pub const ATTENTION_TILE_THREADS: u32 = 32 * (ATTENTION_TILE_ROWS as u32 / 4);
+/// Warps of a tensor-core prefill attention block (`-DATT_MMA_WARPS`), 16 query rows each.
+pub const ATTENTION_MMA_WARPS: u32 = 4;
+/// Key positions of one tensor-core attention tile (`-DATT_MMA_KEYS`), staged as bf16 hi + lo.
+pub const ATTENTION_MMA_KEYS: usize = 32;
+/// Largest head dimension of the tensor-core attention (`-DATT_MMA_MAXD`). Cost: a thread holds
+/// 2 x this / 4 registers of query fragments and this / 2 accumulators (128: ~130 registers), and
+/// a block 4 x keys x (this + 8) bf16 of shared memory (34 KiB).
+pub const ATTENTION_MMA_MAX_HEAD_DIM: usize = 128;
+/// Threads of a tensor-core prefill attention block.
+pub const ATTENTION_MMA_THREADS: u32 = 32 * ATTENTION_MMA_WARPS;
 /// Threads of the split attention kernel.
 pub const ATTENTION_SPLIT_THREADS: u32 = 32 * ATTENTION_SPLIT_WARPS;
 /// Rows (hot entries of one cache slot) of a grouped expert GEMM tile (`-DGG_BM`).
@@ -65,6 +75,7 @@ const _: () = assert!(ATTENTION_SPLIT_CHUNK.is_multiple_of(ATTENTION_SPLIT_WARPS
 const _: () = assert!(ATTENTION_MAX_HEAD_DIM.is_multiple_of(32));
 const _: () = assert!(ATTENTION_TILE_ROWS.is_multiple_of(4) && ATTENTION_TILE_KEYS == 32);
 const _: () = assert!(ATTENTION_TILE_MAX_HEAD_DIM.is_multiple_of(32));
+const _: () = assert!(ATTENTION_MMA_KEYS.is_multiple_of(16) && ATTENTION_MMA_MAX_HEAD_DIM.is_multiple_of(16));
 
 /// Shared device helpers (types, warp and block reductions), prepended to the families.
 pub const COMMON_CUH: &str = include_str!("../../cuda/common.cuh");
@@ -158,7 +169,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 18] = [
+pub const SHARED_DEFINE_NAMES: [&str; 21] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -177,6 +188,9 @@ pub const SHARED_DEFINE_NAMES: [&str; 18] = [
     "GEMV_SPLIT",
     "GG_PIPE_BK",
     "GG_STAGES",
+    "ATT_MMA_WARPS",
+    "ATT_MMA_KEYS",
+    "ATT_MMA_MAXD",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -200,6 +214,9 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DGEMV_SPLIT={GEMV_SPLIT_WARPS}"),
         format!("-DGG_PIPE_BK={GROUPED_PIPE_BK}"),
         format!("-DGG_STAGES={GROUPED_PIPE_STAGES}"),
+        format!("-DATT_MMA_WARPS={ATTENTION_MMA_WARPS}"),
+        format!("-DATT_MMA_KEYS={ATTENTION_MMA_KEYS}"),
+        format!("-DATT_MMA_MAXD={ATTENTION_MMA_MAX_HEAD_DIM}"),
     ]
 }
 
@@ -219,6 +236,7 @@ pub enum Kernel {
     AttentionF32,
     AttentionSplitF32,
     AttentionTiledF32,
+    AttentionMmaF32,
     AttentionCombineF32,
     ArgmaxF32,
     ArgmaxPartialF32,
@@ -269,7 +287,7 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 60] = [
+    pub const ALL: [Kernel; 61] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -283,6 +301,7 @@ impl Kernel {
         Kernel::AttentionF32,
         Kernel::AttentionSplitF32,
         Kernel::AttentionTiledF32,
+        Kernel::AttentionMmaF32,
         Kernel::AttentionCombineF32,
         Kernel::ArgmaxF32,
         Kernel::ArgmaxPartialF32,
@@ -348,6 +367,7 @@ impl Kernel {
             Kernel::AttentionF32 => "attention_f32",
             Kernel::AttentionSplitF32 => "attention_split_f32",
             Kernel::AttentionTiledF32 => "attention_tiled_f32",
+            Kernel::AttentionMmaF32 => "attention_mma_f32",
             Kernel::AttentionCombineF32 => "attention_combine_f32",
             Kernel::ArgmaxF32 => "argmax_f32",
             Kernel::ArgmaxPartialF32 => "argmax_partial_f32",
@@ -414,6 +434,7 @@ impl Kernel {
             Kernel::AttentionF32 => Family::Attention,
             Kernel::AttentionSplitF32 => Family::Attention,
             Kernel::AttentionTiledF32 => Family::Attention,
+            Kernel::AttentionMmaF32 => Family::Attention,
             Kernel::AttentionCombineF32 => Family::Attention,
             Kernel::ArgmaxF32 => Family::Argmax,
             Kernel::ArgmaxPartialF32 => Family::Argmax,

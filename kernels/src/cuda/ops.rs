@@ -5,7 +5,8 @@
 #![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
 
 use super::kernel::{
-    grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS,
+    grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS,
+    ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS,
     ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, GEMV_SPLIT_WARPS,
     GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
@@ -629,6 +630,62 @@ impl CudaBackend {
                 i(head_dim),
                 i(window),
                 scale
+            ],
+        )
+    }
+
+    /// Whether [`Self::attention_mma`] takes heads of `head_dim` on this device (tensor-core
+    /// `mma.sync` of bf16: compute capability 8.0 and later).
+    pub fn attention_mma_fits(&self, head_dim: usize) -> bool {
+        let whole = head_dim > 0 && head_dim.is_multiple_of(16) && head_dim <= ATTENTION_MMA_MAX_HEAD_DIM;
+        whole && self.info().compute_capability.0 >= 8
+    }
+
+    /// [`Self::attention_tiled`]'s result (about f32 accuracy, another summation order) with
+    /// both products on the tensor cores: blocks of `16 x ATTENTION_MMA_WARPS` query rows, keys
+    /// in tiles of [`ATTENTION_MMA_KEYS`] staged as bf16 hi + lo, three MMAs a fragment.
+    /// `head_dim` must pass [`Self::attention_mma_fits`]; the four buffers 16-byte aligned.
+    pub fn attention_mma(
+        &self,
+        q: DPtr<f32>,
+        k_cache: DPtr<f32>,
+        v_cache: DPtr<f32>,
+        out: DPtr<f32>,
+        n_tokens: usize,
+        pos0: usize,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+        window: usize,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::AttentionMmaF32;
+        let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
+        let bufs = [q, k_cache, v_cache, out];
+        check_attention(K, bufs, heads, ATTENTION_MMA_MAX_HEAD_DIM)?;
+        let aligned = bufs.iter().all(|b| b.raw().is_multiple_of(16));
+        if !self.attention_mma_fits(head_dim) || !aligned {
+            let reason = format!("head_dim {head_dim} (a multiple of 16 on sm_80+) or buffers not 16-byte aligned");
+            return Err(CudaError::Shape { kernel: K.symbol(), reason });
+        }
+        let rows = n_tokens * (n_heads / n_kv);
+        let block_rows = 16 * ATTENTION_MMA_WARPS as usize;
+        self.launch(
+            K,
+            (rows.div_ceil(block_rows) as u32, n_kv as u32, 1),
+            ATTENTION_MMA_THREADS,
+            0,
+            args![
+                q.raw(),
+                k_cache.raw(),
+                v_cache.raw(),
+                out.raw(),
+                i(n_tokens),
+                i(pos0),
+                i(n_heads),
+                i(n_kv),
+                i(head_dim),
+                i(window),
+                1.0 / (head_dim as f32).sqrt()
             ],
         )
     }
