@@ -1,7 +1,8 @@
 //! Every CUDA source compiles through the backend's NVRTC path for a fixed architecture without a
 //! device: the whole program (through the on-disk cubin cache) and each op family by itself.
 //! Runs where libnvrtc loads (`LD_LIBRARY_PATH`) and the CUDA headers are found (`CUDA_HOME`,
-//! `CUDA_PATH`, `CUDA_ROOT` or `/usr/local/cuda`); prints `SKIP:` otherwise.
+//! `CUDA_PATH`, `CUDA_ROOT` or `/usr/local/cuda`); prints `SKIP:` otherwise, and fails instead
+//! when `MOE_LANES_REQUIRE_NVRTC=1` (`.ci/run` installs NVRTC and the headers from PyPI and sets it).
 
 use moe_lanes_kernels::cuda::{
     compile_cached, compile_for_arch, nvrtc_available, CudaConfig, Family, Kernel,
@@ -20,14 +21,19 @@ fn include_dir() -> Option<PathBuf> {
         .find(|d| d.join("cuda_bf16.h").exists())
 }
 
+/// Skip with `why`, or fail where NVRTC is required.
+fn skip(why: &str) -> Option<CudaConfig> {
+    assert!(std::env::var("MOE_LANES_REQUIRE_NVRTC").as_deref() != Ok("1"), "NVRTC required: {why}");
+    eprintln!("SKIP: {why}");
+    None
+}
+
 fn config() -> Option<CudaConfig> {
     if !nvrtc_available() {
-        eprintln!("SKIP: libnvrtc is not loadable (add its directory to LD_LIBRARY_PATH)");
-        return None;
+        return skip("libnvrtc is not loadable (add its directory to LD_LIBRARY_PATH)");
     }
     let Some(include) = include_dir() else {
-        eprintln!("SKIP: no cuda_bf16.h under $CUDA_HOME/include or /usr/local/cuda/include");
-        return None;
+        return skip("no cuda_bf16.h under $CUDA_HOME/include or /usr/local/cuda/include");
     };
     Some(CudaConfig { cuda_include_dir: Some(include), ..Default::default() })
 }
