@@ -385,6 +385,15 @@ __device__ __forceinline__ void am_ldsm4(unsigned* r, const bf16* p) {
 #endif
 }
 
+// d += (ah + al) . (bh + bl) without the lo.lo term (below the f32 rounding of the sum): three
+// MMAs, hi.hi then hi.lo then lo.hi; b* hold one n8 tile's b0, b1.
+__device__ __forceinline__ void am_mma3(float* d, const unsigned* ah, const unsigned* al, const unsigned* bh,
+                                        const unsigned* bl) {
+    mma_bf16_16816(d, ah, bh[0], bh[1]);
+    mma_bf16_16816(d, ah, bl[0], bl[1]);
+    mma_bf16_16816(d, al, bh[0], bh[1]);
+}
+
 // This thread's query fragments (hi, lo) of rows ra (a[0], a[2]) and ra + 8 (a[1], a[3]); rows
 // past n_rows are zeros. q row r is token r / g, head kvh * g + r % g.
 __device__ __forceinline__ void am_load_q(unsigned (*qh)[4], unsigned (*ql)[4], const float* __restrict__ q,
@@ -448,13 +457,8 @@ __device__ __forceinline__ void am_scores(float (*s)[4], const unsigned (*qh)[4]
             unsigned bh[4], bl[4];
             am_ldsm4<false>(bh, kh + np * 16 * ld + kk * 16 + off);
             am_ldsm4<false>(bl, kl + np * 16 * ld + kk * 16 + off);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                float* d = s[2 * np + h];
-                mma_bf16_16816(d, qh[kk], bh[2 * h], bh[2 * h + 1]);
-                mma_bf16_16816(d, qh[kk], bl[2 * h], bl[2 * h + 1]);
-                mma_bf16_16816(d, ql[kk], bh[2 * h], bh[2 * h + 1]);
-            }
+            am_mma3(s[2 * np], qh[kk], ql[kk], bh, bl);
+            am_mma3(s[2 * np + 1], qh[kk], ql[kk], bh + 2, bl + 2);
         }
     }
 }
@@ -517,13 +521,8 @@ __device__ __forceinline__ void am_pv(float (*o)[4], const float (*p)[4], const 
             unsigned bh[4], bl[4];
             am_ldsm4<true>(bh, vh + kc * 16 * ld + dp * 16 + off);
             am_ldsm4<true>(bl, vl + kc * 16 * ld + dp * 16 + off);
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                float* d = o[2 * dp + h];
-                mma_bf16_16816(d, ah, bh[2 * h], bh[2 * h + 1]);
-                mma_bf16_16816(d, ah, bl[2 * h], bl[2 * h + 1]);
-                mma_bf16_16816(d, al, bh[2 * h], bh[2 * h + 1]);
-            }
+            am_mma3(o[2 * dp], ah, al, bh, bl);
+            am_mma3(o[2 * dp + 1], ah, al, bh + 2, bl + 2);
         }
     }
 }
