@@ -263,8 +263,19 @@ fn attention_causal_gqa_matches_cpu() {
             // tensor-core prefill version (heads of a multiple of 16 up to 128 on sm_80+)
             let got4 = be.attention_mma_fits(hd).then(|| {
                 let out4 = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
-                be.attention_mma(dq.ptr(), dk.ptr(), dv.ptr(), out4.ptr(), t, pos0, n_heads, n_kv, hd, window)
-                    .unwrap();
+                be.attention_mma(
+                    dq.ptr(),
+                    dk.ptr(),
+                    dv.ptr(),
+                    out4.ptr(),
+                    t,
+                    pos0,
+                    n_heads,
+                    n_kv,
+                    hd,
+                    window,
+                )
+                .unwrap();
                 be.read_vec(out4.ptr()).unwrap()
             });
             let mut want = vec![0.0; t * n_heads * hd];

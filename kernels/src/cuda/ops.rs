@@ -6,9 +6,9 @@
 
 use super::kernel::{
     grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS,
-    ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS,
-    ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, GEMV_SPLIT_WARPS,
-    GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS, ATTENTION_TILE_MAX_HEAD_DIM,
+    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, GEMV_SPLIT_WARPS, GROUPED_THREADS, GROUPED_TILE_COLS,
+    GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
@@ -664,7 +664,8 @@ impl CudaBackend {
         check_attention(K, bufs, heads, ATTENTION_MMA_MAX_HEAD_DIM)?;
         let aligned = bufs.iter().all(|b| b.raw().is_multiple_of(16));
         if !self.attention_mma_fits(head_dim) || !aligned {
-            let reason = format!("head_dim {head_dim} (a multiple of 16 on sm_80+) or buffers not 16-byte aligned");
+            let reason =
+                format!("head_dim {head_dim} (a multiple of 16 on sm_80+) or buffers not 16-byte aligned");
             return Err(CudaError::Shape { kernel: K.symbol(), reason });
         }
         let rows = n_tokens * (n_heads / n_kv);
