@@ -11,7 +11,7 @@
 //! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |
 //! | `CUDA_HOME`, `CUDA_PATH`, `CUDA_ROOT` | where NVRTC finds the CUDA headers |
 //! | `MOE_LANES_PDL=0` | launch kernels without programmatic dependent launch (on by default where the GPU has it, sm_90+: a kernel's blocks are scheduled while the one before it finishes) |
-//! | `MOE_LANES_GROUPED_PIPELINE=0` | the GPU prefill hot lane's grouped GEMMs over bf16 caches load their tiles synchronously instead of copying them stages ahead of the tensor cores (an A/B switch; same results) |
+//! | `MOE_LANES_GROUPED_PIPELINE=0` | the GPU prefill hot lane's grouped GEMMs (bf16 and quantized caches) load their tiles synchronously instead of copying them stages ahead of the tensor cores (an A/B switch; same results) |
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |

@@ -323,42 +323,34 @@ struct GpX {
     }
 };
 
-// The weight rows of this thread's chunks in NW bf16 caches [n_slots, N, K] (null past N);
-// `load` queues 16-byte copies of them.
+// gp_tile's loader over NW bf16 caches [n_slots, N, K]: `init` finds the weight rows of this
+// thread's chunks (null past N), `load` queues 16-byte copies of them into a stage.
 template <int NW>
-struct GpBf16W {
+struct GpBf16Cache {
+    const bf16* W[NW];
+    int N, K;
     const bf16* w[NW][GP_W_CHUNKS];
-    const bf16* any;
-    __device__ __forceinline__ void init(const bf16* const* Wc, int slot, int N, int K, int col0) {
-        any = Wc[0];
+    __device__ __forceinline__ void init(int slot, int col0) {
 #pragma unroll
         for (int m = 0; m < NW; m++)
 #pragma unroll
             for (int i = 0; i < GP_W_CHUNKS; i++) {
                 int n = (threadIdx.x + i * GG_THREADS) / (GP_BK / 8);
-                w[m][i] = col0 + n < N ? Wc[m] + ((size_t)slot * N + col0 + n) * K : nullptr;
+                w[m][i] = col0 + n < N ? W[m] + ((size_t)slot * N + col0 + n) * K : nullptr;
             }
     }
-    __device__ __forceinline__ void load(bf16* sw, int K, int k0) const {
+    __device__ __forceinline__ void load(bf16* sw, int K_, int k0) const {
 #pragma unroll
         for (int m = 0; m < NW; m++)
 #pragma unroll
             for (int i = 0; i < GP_W_CHUNKS; i++) {
                 int c = threadIdx.x + i * GG_THREADS, n = c / (GP_BK / 8), kq = (c % (GP_BK / 8)) * 8;
-                bool ok = w[m][i] != nullptr && k0 + kq < K;
-                gp_copy16(sw + (m * GG_BN + n) * GP_LDW + kq, ok ? (const void*)(w[m][i] + k0 + kq) : (const void*)any, ok);
+                bool ok = w[m][i] != nullptr && k0 + kq < K_;
+                // a zero-filling copy reads nothing, but still names a valid global address
+                const void* src = ok ? (const void*)(w[m][i] + k0 + kq) : (const void*)W[0];
+                gp_copy16(sw + (m * GG_BN + n) * GP_LDW + kq, src, ok);
             }
     }
-};
-
-// gp_tile's loader over NW bf16 caches [n_slots, N, K].
-template <int NW>
-struct GpBf16Cache {
-    const bf16* W[NW];
-    int N, K;
-    GpBf16W<NW> rows;
-    __device__ __forceinline__ void init(int slot, int col0) { rows.init(W, slot, N, K, col0); }
-    __device__ __forceinline__ void load(bf16* sw, int K_, int k0) const { rows.load(sw, K_, k0); }
 };
 
 // The A fragment (hi, and lo = the remainder) of rows rb..rb+15, columns ks..ks+15 of the f32 x
@@ -429,7 +421,7 @@ __device__ __forceinline__ void gp_multiply(const unsigned char* stage, int kval
 
 // gg_tile, pipelined over NW weight matrices; the same refusals and sums.
 // The weights come from `wl` (a loader with init(slot, col0) and load(stage tiles, K, k0), as
-// GpBf16W: copies queued; quant.cu's typed loader decodes blocks into the stage instead).
+// GpBf16Cache: copies queued; quant.cu's typed loader decodes blocks into the stage instead).
 template <int NW, int PARTS, class WL>
 __device__ __forceinline__ bool gp_tile(WL& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                         int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, int N,

@@ -6,7 +6,7 @@ mod common;
 use common::cuda::backend;
 use half::bf16;
 use moe_lanes_kernels::cuda::ops::RouteVariant;
-use moe_lanes_kernels::cuda::CudaBackend;
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr};
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn rnd(n: usize, seed: u64) -> Vec<f32> {
@@ -242,41 +242,20 @@ fn attention_causal_gqa_matches_cpu() {
             )
             .unwrap();
             let got2 = be.read_vec(out2.ptr()).unwrap();
+            // a prefill kernel's output: launched into a fresh buffer, read back
+            let run = |launch: &dyn Fn(DPtr<f32>)| {
+                let o = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+                launch(o.ptr());
+                be.read_vec(o.ptr()).unwrap()
+            };
+            let (q_, k_, v_) = (dq.ptr(), dk.ptr(), dv.ptr());
             // tiled prefill version (heads up to 128 dims)
             let got3 = CudaBackend::attention_tiled_fits(hd).then(|| {
-                let out3 = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
-                be.attention_tiled(
-                    dq.ptr(),
-                    dk.ptr(),
-                    dv.ptr(),
-                    out3.ptr(),
-                    t,
-                    pos0,
-                    n_heads,
-                    n_kv,
-                    hd,
-                    window,
-                )
-                .unwrap();
-                be.read_vec(out3.ptr()).unwrap()
+                run(&|o| be.attention_tiled(q_, k_, v_, o, t, pos0, n_heads, n_kv, hd, window).unwrap())
             });
             // tensor-core prefill version (heads of a multiple of 16 up to 128 on sm_80+)
             let got4 = be.attention_mma_fits(hd).then(|| {
-                let out4 = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
-                be.attention_mma(
-                    dq.ptr(),
-                    dk.ptr(),
-                    dv.ptr(),
-                    out4.ptr(),
-                    t,
-                    pos0,
-                    n_heads,
-                    n_kv,
-                    hd,
-                    window,
-                )
-                .unwrap();
-                be.read_vec(out4.ptr()).unwrap()
+                run(&|o| be.attention_mma(q_, k_, v_, o, t, pos0, n_heads, n_kv, hd, window).unwrap())
             });
             let mut want = vec![0.0; t * n_heads * hd];
             for ti in 0..t {

@@ -265,8 +265,7 @@ impl GpuModel {
                 self.be.attention_split(q, kc, vc, out, part.ptr(), t, pos0, nh, nkv, hd, window, at)?
             }
             _ if self.opts.prefill_attention == PrefillAttention::Mma
-                && self.be.attention_mma_fits(hd)
-                && [q, kc, vc, out].iter().all(|b| b.raw().is_multiple_of(16)) =>
+                && self.be.attention_mma_takes(hd, [q, kc, vc, out]) =>
             {
                 self.be.attention_mma(q, kc, vc, out, t, pos0, nh, nkv, hd, window)?
             }

@@ -81,6 +81,12 @@ impl DeviceInfo {
     pub fn arch(&self) -> String {
         format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
     }
+
+    /// Compute capability 8.0 or later: bf16 `mma.sync` and `cp.async`, which the tensor-core
+    /// attention and the pipelined grouped GEMMs need.
+    pub fn has_sm80(&self) -> bool {
+        self.compute_capability.0 >= 8
+    }
 }
 
 /// How the kernels were obtained at start-up.
@@ -359,8 +365,8 @@ pub struct CudaBackend {
     capturing: std::sync::atomic::AtomicBool,
     /// Kernels are launched with programmatic stream serialization ([`CudaConfig`]).
     programmatic: bool,
-    /// The grouped expert GEMMs over bf16 caches take the pipelined kernels where the shapes
-    /// allow ([`CudaConfig::grouped_pipeline`]; sm_80 and later).
+    /// The grouped expert GEMMs (bf16 and quantized caches) take the pipelined kernels where the
+    /// shapes allow ([`CudaConfig::grouped_pipeline`]; sm_80 and later).
     grouped_pipeline: std::sync::atomic::AtomicBool,
 }
 
@@ -395,9 +401,10 @@ pub struct CudaConfig {
     /// capability 9.0 and later): a kernel's blocks may be scheduled while the kernel before it
     /// finishes, and wait there (`pdl_enter` in common.cuh). Default on.
     pub programmatic_launch: bool,
-    /// The prefill hot lane's grouped GEMMs over bf16 caches copy their tiles asynchronously,
-    /// stages ahead of the tensor cores (compute capability 8.0 and later; aligned shapes);
-    /// off: the synchronous tiles (an A/B switch; same results). Default on.
+    /// The prefill hot lane's grouped GEMMs copy their tiles asynchronously, stages ahead of the
+    /// tensor cores (bf16 caches: x and weight tiles; quantized caches: x tiles, the weights
+    /// decoded into the stage; compute capability 8.0 and later, aligned shapes); off: the
+    /// synchronous tiles (an A/B switch; same results). Default on.
     pub grouped_pipeline: bool,
 }
 
@@ -484,7 +491,7 @@ impl CudaBackend {
                 .iter()
                 .map(|k| module.load_function(k.symbol()).ctx("cuModuleGetFunction"))
                 .collect::<Result<Vec<_>>>()?;
-            let pipelined = info.compute_capability.0 >= 8;
+            let pipelined = info.has_sm80();
             if pipelined {
                 allow_pipe_shared(&functions)?;
             }

@@ -63,6 +63,13 @@ impl KernelName for &'static str {
     }
 }
 
+/// The blocks of a flash-style prefill attention launch: query rows and threads of one block.
+#[derive(Clone, Copy)]
+struct TileBlock {
+    rows: usize,
+    threads: u32,
+}
+
 /// Head layout of an attention launch: `n_tokens` queries against `total` cached positions.
 #[derive(Clone, Copy)]
 struct AttentionHeads {
@@ -95,6 +102,12 @@ fn check_attention(
     need(kernel, "k_cache", k, total * n_kv * head_dim)?;
     need(kernel, "v_cache", v, total * n_kv * head_dim)?;
     need(kernel, "out", out, n_tokens * n_heads * head_dim)
+}
+
+/// Every address a multiple of 16 bytes (what the 16-byte vector loads and `cp.async` copies of
+/// the tensor-core kernels need).
+pub(super) fn aligned16(addrs: &[u64]) -> bool {
+    addrs.iter().all(|a| a.is_multiple_of(16))
 }
 
 pub(super) fn need<T>(kernel: impl KernelName, what: &str, p: DPtr<T>, n: usize) -> Result<()> {
@@ -610,14 +623,31 @@ impl CudaBackend {
                 reason: format!("head_dim {head_dim} is not a multiple of 4 (float4 tiles)"),
             });
         }
-        let rows = n_tokens * (n_heads / n_kv);
         let shared_floats = ATTENTION_TILE_KEYS * (2 * head_dim + 4) + ATTENTION_TILE_ROWS * head_dim;
-        let scale = 1.0 / (head_dim as f32).sqrt();
+        let block = TileBlock { rows: ATTENTION_TILE_ROWS, threads: ATTENTION_TILE_THREADS };
+        let bufs = [q, k_cache, v_cache, out];
+        self.launch_attention_tiles(K, block, (shared_floats * 4) as u32, bufs, heads, pos0, window)
+    }
+
+    /// Launch a flash-style prefill kernel (tiled or mma; they take the same arguments): a
+    /// block per `block.rows` query rows ((token, head) pairs) of one kv head's group.
+    fn launch_attention_tiles(
+        &self,
+        kernel: Kernel,
+        block: TileBlock,
+        shared_bytes: u32,
+        [q, k_cache, v_cache, out]: [DPtr<f32>; 4],
+        h: AttentionHeads,
+        pos0: usize,
+        window: usize,
+    ) -> Result<()> {
+        let AttentionHeads { n_tokens, n_heads, n_kv, head_dim, .. } = h;
+        let rows = n_tokens * (n_heads / n_kv);
         self.launch(
-            K,
-            (rows.div_ceil(ATTENTION_TILE_ROWS) as u32, n_kv as u32, 1),
-            ATTENTION_TILE_THREADS,
-            (shared_floats * 4) as u32,
+            kernel,
+            (rows.div_ceil(block.rows) as u32, n_kv as u32, 1),
+            block.threads,
+            shared_bytes,
             args![
                 q.raw(),
                 k_cache.raw(),
@@ -629,7 +659,7 @@ impl CudaBackend {
                 i(n_kv),
                 i(head_dim),
                 i(window),
-                scale
+                1.0f32 / (head_dim as f32).sqrt()
             ],
         )
     }
@@ -638,7 +668,13 @@ impl CudaBackend {
     /// `mma.sync` of bf16: compute capability 8.0 and later).
     pub fn attention_mma_fits(&self, head_dim: usize) -> bool {
         let whole = head_dim > 0 && head_dim.is_multiple_of(16) && head_dim <= ATTENTION_MMA_MAX_HEAD_DIM;
-        whole && self.info().compute_capability.0 >= 8
+        whole && self.info().has_sm80()
+    }
+
+    /// Whether [`Self::attention_mma`] takes this call: heads that fit and the four buffers
+    /// (q, k cache, v cache, out) 16-byte aligned.
+    pub fn attention_mma_takes(&self, head_dim: usize, bufs: [DPtr<f32>; 4]) -> bool {
+        self.attention_mma_fits(head_dim) && aligned16(&bufs.map(|b| b.raw()))
     }
 
     /// [`Self::attention_tiled`]'s result (about f32 accuracy, another summation order) with
@@ -662,33 +698,13 @@ impl CudaBackend {
         let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
         let bufs = [q, k_cache, v_cache, out];
         check_attention(K, bufs, heads, ATTENTION_MMA_MAX_HEAD_DIM)?;
-        let aligned = bufs.iter().all(|b| b.raw().is_multiple_of(16));
-        if !self.attention_mma_fits(head_dim) || !aligned {
+        if !self.attention_mma_takes(head_dim, bufs) {
             let reason =
                 format!("head_dim {head_dim} (a multiple of 16 on sm_80+) or buffers not 16-byte aligned");
             return Err(CudaError::Shape { kernel: K.symbol(), reason });
         }
-        let rows = n_tokens * (n_heads / n_kv);
-        let block_rows = 16 * ATTENTION_MMA_WARPS as usize;
-        self.launch(
-            K,
-            (rows.div_ceil(block_rows) as u32, n_kv as u32, 1),
-            ATTENTION_MMA_THREADS,
-            0,
-            args![
-                q.raw(),
-                k_cache.raw(),
-                v_cache.raw(),
-                out.raw(),
-                i(n_tokens),
-                i(pos0),
-                i(n_heads),
-                i(n_kv),
-                i(head_dim),
-                i(window),
-                1.0 / (head_dim as f32).sqrt()
-            ],
-        )
+        let block = TileBlock { rows: 16 * ATTENTION_MMA_WARPS as usize, threads: ATTENTION_MMA_THREADS };
+        self.launch_attention_tiles(K, block, 0, bufs, heads, pos0, window)
     }
 
     /// Floats of the partials buffer [`Self::attention_split`] needs for `n_tokens` rows of
@@ -1224,8 +1240,8 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Whether the grouped GEMMs over bf16 caches may take the pipelined kernels (on where the
-    /// device has `cp.async`, unless [`super::CudaConfig::grouped_pipeline`] turned it off).
+    /// Whether the grouped GEMMs (bf16 and quantized caches) may take the pipelined kernels (on
+    /// where the device has `cp.async`, unless [`super::CudaConfig::grouped_pipeline`] turned it off).
     pub fn grouped_pipeline(&self) -> bool {
         self.grouped_pipeline.load(Ordering::Relaxed)
     }
@@ -1233,17 +1249,14 @@ impl CudaBackend {
     /// Switch the pipelined grouped GEMMs on or off (an A/B switch, and for tests comparing
     /// the two); on takes effect only where the device has them. Same results either way.
     pub fn set_grouped_pipeline(&self, on: bool) {
-        let able = self.info().compute_capability.0 >= 8;
-        self.grouped_pipeline.store(on && able, Ordering::Relaxed);
+        self.grouped_pipeline.store(on && self.info().has_sm80(), Ordering::Relaxed);
     }
 
     /// The grouped kernel for bf16 caches `ws` (gate and up, or one matrix) over `x` with `k`
     /// columns, and its dynamic shared memory: the pipelined one where its 16-byte copies fit
     /// (k a multiple of 8, caches and x 16-byte aligned), else the synchronous one.
-    fn grouped_kernel(&self, ws: &[DPtr<u16>], x: DPtr<f32>, k: usize) -> (Kernel, u32) {
-        let aligned = k.is_multiple_of(8)
-            && x.raw().is_multiple_of(16)
-            && ws.iter().all(|w| w.raw().is_multiple_of(16));
+    fn grouped_kernel<const N: usize>(&self, ws: [DPtr<u16>; N], x: DPtr<f32>, k: usize) -> (Kernel, u32) {
+        let aligned = k.is_multiple_of(8) && aligned16(&[x.raw()]) && aligned16(&ws.map(|w| w.raw()));
         match (self.grouped_pipeline() && aligned, ws.len()) {
             (true, 2) => (Kernel::GroupedGateUpBf16Pipe, grouped_pipe_shared_bytes(2) as u32),
             (true, _) => (Kernel::GroupedGemmBf16Pipe, grouped_pipe_shared_bytes(1) as u32),
@@ -1278,7 +1291,7 @@ impl CudaBackend {
         if n_tiles == 0 || ff == 0 {
             return Ok(());
         }
-        let (kernel, shared) = self.grouped_kernel(&[gate_cache, up_cache], x, hidden);
+        let (kernel, shared) = self.grouped_kernel([gate_cache, up_cache], x, hidden);
         self.launch(
             kernel,
             shape.grid(),
@@ -1326,7 +1339,7 @@ impl CudaBackend {
             return Ok(());
         }
         let r = rows.map_or(0, |p| p.raw());
-        let (kernel, shared) = self.grouped_kernel(&[w_cache], x, k);
+        let (kernel, shared) = self.grouped_kernel([w_cache], x, k);
         self.launch(
             kernel,
             shape.grid(),

@@ -12,7 +12,7 @@ use super::kernel::{
     grouped_pipe_shared_bytes, Kernel, GROUPED_THREADS, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, ROWS_PER_BLOCK,
     ROW_BLOCK_THREADS,
 };
-use super::ops::{args, blocks, i, need, GroupedShape};
+use super::ops::{aligned16, args, blocks, i, need, GroupedShape};
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::q8::Q8_BLOCK;
 use crate::weights::WeightDType;
@@ -607,7 +607,7 @@ impl CudaBackend {
     /// takes the same arguments: pipelined where the x copies fit (k a multiple of 8, x 16-byte
     /// aligned) and [`CudaBackend::grouped_pipeline`] is on. With its dynamic shared memory.
     fn grouped_typed_kernel(&self, sync: Kernel, x: DPtr<f32>, k: usize) -> (Kernel, u32) {
-        let fits = self.grouped_pipeline() && k.is_multiple_of(8) && x.raw().is_multiple_of(16);
+        let fits = self.grouped_pipeline() && k.is_multiple_of(8) && aligned16(&[x.raw()]);
         match (fits, sync) {
             (true, Kernel::GroupedGateUpQ) => {
                 (Kernel::GroupedGateUpQPipe, grouped_pipe_shared_bytes(2) as u32)
