@@ -2,6 +2,8 @@
 //! (PP) and token generation (TG) separately over several runs, and read the lane statistics of
 //! the same runs (hit rate, overlap, join wait, lane times, fallbacks) off the engine's perf
 //! state. Generation feeds random token ids by default (as llama-bench does), or the greedy token.
+//! Both start at a depth (llama-bench's `-d`): a fresh cache holding that many positions,
+//! prefilled untimed; 0 by default, so tg128 decodes positions 0..128 as llama-bench's tg test.
 
 use crate::cache::perf::{ModelFingerprint, PerfMode, PerfReport};
 use crate::cache::update::UpdatePolicy;
@@ -17,6 +19,10 @@ pub struct BenchOptions {
     pub n_prompt_tokens: usize,
     pub n_gen_tokens: usize,
     pub n_runs: usize,
+    /// Positions in the KV cache before each timed pp and tg (llama-bench's `-d`): a fresh
+    /// cache prefilled untimed with that many tokens. 0: pp on an empty cache and tg from
+    /// position 0, as llama-bench's pp and tg tests (tg no longer continues after the prompt).
+    pub depth: usize,
     /// The budget the engine was built with (reported as given).
     pub budget: Option<HotBudget>,
     /// The engine's threads (from its build report).
@@ -138,6 +144,8 @@ pub struct BenchReport {
     pub n_prompt_tokens: usize,
     pub n_gen_tokens: usize,
     pub n_runs: usize,
+    /// Positions in the cache before each timed pp and tg (`BenchOptions::depth`).
+    pub depth: usize,
     pub pp_tokens_per_s: f64,
     pub tg_tokens_per_s: f64,
     pub pp_tokens_per_s_spread: Spread,
@@ -198,18 +206,20 @@ pub fn run_bench(
         return Err(BenchError::ZeroCount);
     }
     let c = model.config().clone();
-    let context = opts.n_prompt_tokens + opts.n_gen_tokens;
+    let context = opts.depth + opts.n_prompt_tokens.max(opts.n_gen_tokens);
     if context > c.max_positions {
         return Err(BenchError::TooLong { positions: context, max_positions: c.max_positions });
     }
     engine.set_copy_logits(false); // the bench only needs the greedy tokens
     let prompt = sample_tokens(c.vocab, opts.n_prompt_tokens);
+    let depth = sample_tokens(c.vocab, opts.depth);
     // Warm-up with the whole prompt, as llama-bench does: a kernel's first launch at a new shape
     // (cuBLAS picks and lazily loads one per shape) costs milliseconds that are not prefill speed,
     // and the page-ins of cold experts and the pool threads' first wake-ups are not either.
-    let mut cache = engine.new_cache(context)?;
+    let warm_steps = opts.n_gen_tokens.min(4).min(c.max_positions - opts.n_prompt_tokens);
+    let mut cache = engine.new_cache(opts.n_prompt_tokens + warm_steps)?;
     let mut next = *engine.forward_last(&prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("rows");
-    for _ in 0..opts.n_gen_tokens.min(4) {
+    for _ in 0..warm_steps {
         next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
     }
     engine.reset_profile();
@@ -229,7 +239,7 @@ pub fn run_bench(
     let (mut pp, mut tg) = (LaneTotals::default(), LaneTotals::default());
     let total_ticks = 2 * opts.n_runs as u64;
     for run_idx in 0..opts.n_runs {
-        let mut cache = engine.new_cache(context)?;
+        let mut cache = cache_at_depth(engine, &depth, opts.n_prompt_tokens)?;
         live.begin_request();
         let before = snapshot(engine);
         let start = Instant::now();
@@ -243,14 +253,15 @@ pub fn run_bench(
         let feed = random_feed(c.vocab, opts.n_gen_tokens, run_idx);
         let off_first = opts.metrics_ab && run_idx % 2 == 1;
         if off_first {
-            tg_off_rates.push(timed_tg_off(engine, &prompt, &feed, opts, context)?);
+            tg_off_rates.push(timed_tg_off(engine, &depth, next, &feed, opts)?);
         }
-        let mid = if off_first { snapshot(engine) } else { mid };
+        let mut cache = cache_at_depth(engine, &depth, opts.n_gen_tokens)?;
+        let mid = snapshot(engine);
         let mut after = |e: &mut dyn Engine| live.after_tokens(e, 1).map(&mut count);
         tg_rates.push(timed_tg(engine, &mut cache, next, &feed, opts.greedy, &mut after)?);
         tg.add(LaneTotals::between(&mid, &snapshot(engine)));
         if opts.metrics_ab && !off_first {
-            tg_off_rates.push(timed_tg_off(engine, &prompt, &feed, opts, context)?);
+            tg_off_rates.push(timed_tg_off(engine, &depth, next, &feed, opts)?);
         }
         count(live.end_request(engine)?);
         progress(2 * run_idx as u64 + 2, total_ticks);
@@ -263,6 +274,7 @@ pub fn run_bench(
         n_prompt_tokens: opts.n_prompt_tokens,
         n_gen_tokens: opts.n_gen_tokens,
         n_runs: opts.n_runs,
+        depth: opts.depth,
         pp_tokens_per_s: pps.median,
         tg_tokens_per_s: tgs.median,
         pp_tokens_per_s_spread: pps,
@@ -312,18 +324,26 @@ fn timed_tg(
     Ok(feed.len() as f64 / start.elapsed().as_secs_f64())
 }
 
-/// The same generation with the perf state off (a fresh cache, prefilled untimed); the mode
+/// A fresh cache with room for `len` positions after `depth`, which are prefilled untimed.
+fn cache_at_depth(engine: &mut dyn Engine, depth: &[u32], len: usize) -> Result<KvCache, BenchError> {
+    let mut cache = engine.new_cache(depth.len() + len)?;
+    if !depth.is_empty() {
+        engine.forward_last(depth, Phase::Prefill, &mut cache)?;
+    }
+    Ok(cache)
+}
+
+/// The same generation with the perf state off (a fresh cache at the same depth); the mode
 /// is restored after.
 fn timed_tg_off(
     engine: &mut dyn Engine,
-    prompt: &[u32],
+    depth: &[u32],
+    first: u32,
     feed: &[u32],
     opts: &BenchOptions,
-    context: usize,
 ) -> Result<f64, BenchError> {
     let mode = engine.perf().map_or(PerfMode::Off, |p| p.mode());
-    let mut cache = engine.new_cache(context)?;
-    let first = *engine.forward(prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("rows");
+    let mut cache = cache_at_depth(engine, depth, feed.len())?;
     engine.set_perf_mode(PerfMode::Off);
     let rate = timed_tg(engine, &mut cache, first, feed, opts.greedy, &mut |_| Ok(()));
     engine.set_perf_mode(mode);
@@ -374,7 +394,10 @@ impl BenchReport {
         if let Some(p) = &self.postfetch {
             out += &postfetch_line(p);
         }
-        out += &format!("tg feeds      {} token ids\n", self.tg_feed);
+        out += &format!(
+            "tg feeds      {} token ids; pp and tg start at depth {} (llama-bench -d)\n",
+            self.tg_feed, self.depth
+        );
         if self.update.mode == crate::cache::update::UpdateMode::Auto {
             out += &format!(
                 "updates       {} ({} exchanges, rate {})\n",

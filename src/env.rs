@@ -18,6 +18,7 @@
 //! | `MOE_LANES_HOT_DEQUANT_MIB` | A/B: VRAM for quantized hot slots dequantized to bf16 before the grouped prefill GEMMs (default 0: the GEMMs decode quantized tiles themselves; more: fewer chunks) |
 //! | `MOE_LANES_HOT_DEQUANT_OVERLAP=1` | dequantize those chunks (two half-size ones) on the side stream beside the previous chunk's GEMMs |
 //! | `MOE_LANES_GPU_GRAPH=0` | launch every decode kernel one by one instead of replaying the captured decode graph (all-hot models) or decode segments (models with cold experts) |
+//! | `MOE_LANES_GRAPH_LANE_EVENTS=1` | the decode graphs record CUDA events around every all-hot layer's hot lane on every call (an A/B: the events stop programmatic dependent launch there); default: none in the graphs, one decode call in 64 runs eagerly and timed |
 //! | `MOE_LANES_GPU_FUSED_ROUTE=0` | decode routing as four launches (norm, router GEMV, top-k, worklist) instead of the fused one |
 //! | `MOE_LANES_PREFILL_ACTIVATIONS` | what the GPU prefill GEMMs feed the tensor cores: `auto` (default: bf16 hi + lo for float weights, one bf16 rounding for quantized ones), `split` (hi + lo for every type), `bf16` (one rounding for every type) |
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `mma` (default, flash-style tiles of queries x keys on the tensor cores, bf16 hi + lo operands; heads of a multiple of 16 up to 128 dims on sm_80+, else `tiled`), `tiled` (the same tiles in f32 on the CUDA cores) or `rows` (one block per token and head) |
@@ -200,6 +201,12 @@ pub fn hot_dequant_bytes() -> Result<Option<usize>, EnvError> {
 /// the previous chunk's GEMMs (two half-size chunks).
 pub fn hot_dequant_overlap() -> bool {
     var("MOE_LANES_HOT_DEQUANT_OVERLAP").is_some_and(|v| v != "0")
+}
+
+/// `MOE_LANES_GRAPH_LANE_EVENTS=1`: hot-lane events in the decode graphs' all-hot layers on
+/// every call; off by default.
+pub fn graph_lane_events() -> bool {
+    var("MOE_LANES_GRAPH_LANE_EVENTS").is_some_and(|v| v == "1")
 }
 
 /// `MOE_LANES_GPU_GRAPH=0`: no decode graph (every kernel launched one by one); on by default.

@@ -301,6 +301,18 @@ fn decode_graph_matches_eager_bit_for_bit() {
                 assert_eq!(got.row(0), want.row(0), "{case}: decode step {step} differs from the eager call");
                 next = want.argmax[0];
             }
+            // The graphs' all-hot layers run without events and report the last timed call's
+            // hot lane (one call in 64 runs eagerly, timed): every call has a time of at least
+            // 1 us (two kernels), where untimed calls that reported nothing would sum to far less.
+            for l in graph.perf().unwrap().report().layers.iter().filter(|l| l.cold_slots_total == 0) {
+                assert!(
+                    l.parallel_hot_time_us >= l.parallel_launches,
+                    "{case}: layer {} reports a hot lane time for each call: {} us over {} calls",
+                    l.layer,
+                    l.parallel_hot_time_us,
+                    l.parallel_launches
+                );
+            }
             if let Hot::Mixed = hot {
                 let cold: u64 =
                     graph.perf().unwrap().report().layers.iter().map(|l| l.cold_slots_total).sum();

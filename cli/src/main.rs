@@ -163,6 +163,10 @@ struct BenchArgs {
     /// Generated tokens (tg).
     #[arg(short = 'n', long, default_value_t = 128)]
     gen_tokens: usize,
+    /// Positions already in the KV cache before each timed pp and tg, prefilled untimed
+    /// (llama-bench's -d). 0: tg decodes from position 0, as llama-bench's tg test.
+    #[arg(short = 'd', long, default_value_t = 0)]
+    depth: usize,
     /// Timed runs (median and spread are reported).
     #[arg(long, default_value_t = 3)]
     runs: usize,
@@ -612,6 +616,7 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.gpu.hot_gemm = env::hot_gemm()?;
     opts.gpu.hot_dequant_overlap = env::hot_dequant_overlap();
     opts.gpu.decode_graph = env::decode_graph();
+    opts.gpu.graph_lane_events = env::graph_lane_events();
     opts.gpu.fused_route = env::fused_route();
     if let Some(b) = env::hot_dequant_bytes()? {
         opts.gpu.hot_dequant_bytes = b;
@@ -1124,6 +1129,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         n_prompt_tokens: args.prompt_tokens,
         n_gen_tokens: args.gen_tokens,
         n_runs: args.runs,
+        depth: args.depth,
         budget,
         threads: build.threads,
         simd: simd_name,

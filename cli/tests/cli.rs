@@ -197,6 +197,16 @@ fn bench_json_runs_without_a_gpu_with_the_same_keys() {
     greedy.push("--greedy");
     let g: serde_json::Value = serde_json::from_str(&ok_stdout(&greedy)).unwrap();
     assert_eq!(g["tg_feed"], "greedy");
+    // tg from position 0 by default (llama-bench's tg test); -d prefills that many positions
+    assert_eq!(v["depth"], 0);
+    let mut deep = args.clone();
+    deep.extend(["-d", "16"]);
+    let d: serde_json::Value = serde_json::from_str(&ok_stdout(&deep)).unwrap();
+    assert_eq!(d["depth"], 16);
+    assert!(d["tg_tokens_per_s"].as_f64().unwrap() > 0.0, "{d}");
+    let last = deep.len() - 1;
+    deep[last] = "1000000";
+    assert!(failure(&deep).contains("exceed the model's"), "a depth past the model's positions is refused");
     assert!(v.get("tg_metrics_off_tokens_per_s_spread").is_none(), "only with --metrics-ab");
     // Metrics on vs off in one call: both timed, every run.
     let mut ab = args.clone();

@@ -2,7 +2,7 @@
 // op-family file (gemv, norm_rope, elementwise, attention, argmax, route, moe, grouped_gemm, quant); the whole is
 // compiled at start-up with NVRTC for the device's own architecture (kernels/src/cuda/mod.rs).
 // Constants shared with the Rust launchers (ROWS_PER_BLOCK, ATT_CHUNK, ATT_MAXC, ATT_MAX_HEAD_DIM,
-// ATT_SPLIT_WARPS, ATT_TILE_*, ARGMAX_BLOCK, GG_BM, GG_BN, GG_THREADS, GG_PIPE_BK, GG_STAGES, ATT_MMA_*, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, DOWN_ROWS, GEMV_SPLIT) are passed as -D defines from kernels/src/cuda/kernel.rs,
+// ATT_SPLIT_WARPS, ATT_TILE_*, ARGMAX_BLOCK, GG_BM, GG_BN, GG_THREADS, GG_PIPE_BK, GG_STAGES, ATT_MMA_*, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, DOWN_ROWS, GEMV_SPLIT, TOPK_PER_LANE) are passed as -D defines from kernels/src/cuda/kernel.rs,
 // defined once there. Conventions: weights are bf16 row-major [out, in] (quant.cu: GGML blocks); activations,
 // norms, biases and the KV cache are f32; every kernel states its launch configuration.
 #include <cuda_bf16.h>
@@ -122,11 +122,31 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 #define LOADS_AHEAD 8
 
 // RMSNorm of one row x[0..K) with weight nw into y (block-wide; every thread of the block must
-// call it; y may be x): the sum of squares per thread in column order, then block_sum.
+// call it; y may be x): the sum of squares per thread in column order, then block_sum. A row of
+// at most LOADS_AHEAD values a thread is read once (x and nw loaded together, kept in registers
+// for the second pass: one round of memory latency fewer, the same arithmetic).
 // rmsnorm_f32 and norm_row share it, so their bits are the same for blocks of the same size.
 __device__ __forceinline__ void norm_row_to(const float* x, const float* __restrict__ nw, int K, float eps,
                                             float* y) {
     int step = blockDim.x;
+    if (K <= LOADS_AHEAD * step) {  // one batch: x and the weights stay in registers between passes
+        float v[LOADS_AHEAD], w[LOADS_AHEAD];
+#pragma unroll
+        for (int u = 0; u < LOADS_AHEAD; u++) {
+            int i = threadIdx.x + u * step;
+            v[u] = i < K ? x[i] : 0.f, w[u] = i < K ? nw[i] : 0.f;
+        }
+        float ss1 = 0.f;
+#pragma unroll
+        for (int u = 0; u < LOADS_AHEAD; u++)
+            if (threadIdx.x + u * step < K) ss1 += v[u] * v[u];
+        ss1 = block_sum(ss1);  // ends with a barrier: every read of x is done (y may be x)
+        float inv1 = 1.f / sqrtf(ss1 / (float)K + eps);
+#pragma unroll
+        for (int u = 0; u < LOADS_AHEAD; u++)
+            if (threadIdx.x + u * step < K) y[threadIdx.x + u * step] = v[u] * inv1 * w[u];
+        return;
+    }
     float ss = 0.f;
     for (int i0 = threadIdx.x; i0 < K; i0 += LOADS_AHEAD * step) {
         float v[LOADS_AHEAD];
@@ -216,6 +236,6 @@ __device__ __forceinline__ void warp_dot2_bf16(const bf16* __restrict__ w0, cons
 #endif
 #if !defined(QUANT_MAX_TOKENS) || !defined(ATT_TILE_ROWS) || !defined(ATT_TILE_KEYS) || !defined(ATT_TILE_MAXC) || \
     !defined(QUANT_WIDE_ROWS) || !defined(DOWN_ROWS) || !defined(GEMV_SPLIT) || !defined(GG_PIPE_BK) || !defined(GG_STAGES) || \
-    !defined(ATT_MMA_WARPS) || !defined(ATT_MMA_KEYS) || !defined(ATT_MMA_MAXD)
+    !defined(ATT_MMA_WARPS) || !defined(ATT_MMA_KEYS) || !defined(ATT_MMA_MAXD) || !defined(TOPK_PER_LANE)
 #error "compile with the -D options of shared_defines() (kernels/src/cuda/kernel.rs)"
 #endif

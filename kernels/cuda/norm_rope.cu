@@ -12,8 +12,9 @@ extern "C" __global__ void rmsnorm_f32(const float* x, const float* __restrict__
 // as the reference computes it.
 __device__ __forceinline__ void rope_angle(int i, int hd, float theta, double pos, float* s, float* c) {
     double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)hd);
-    double ang = pos * inv_freq;
-    *s = (float)sin(ang), *c = (float)cos(ang);
+    double ds, dc;
+    sincos(pos * inv_freq, &ds, &dc);  // one argument reduction for both
+    *s = (float)ds, *c = (float)dc;
 }
 
 // RoPE for token t (position pos0 + t), head h: rotate pairs (i, i + d/2) (half_split) or

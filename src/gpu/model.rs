@@ -219,6 +219,12 @@ pub struct GpuOptions {
     /// (`graph`), those over a model with cold experts its decode segments (graphs between the
     /// host steps); off: every kernel is launched one by one (`MOE_LANES_GPU_GRAPH=0` at the CLI).
     pub decode_graph: bool,
+    /// The decode graphs time each all-hot layer's hot lane by a pair of CUDA events on every
+    /// call (`MOE_LANES_GRAPH_LANE_EVENTS=1` at the CLI; an A/B). Off (default): no events in
+    /// the graphs' all-hot layers, which would stop programmatic dependent launch there (6% of
+    /// all-hot tg on the H100); one call in [`super::graph::HOT_TIMING_EVERY_CALLS`] runs eagerly
+    /// instead, timed, and the others report its times.
+    pub graph_lane_events: bool,
     /// Decode routing (FFN norm, router, top-k, hot worklist) as one launch (`route_decode`);
     /// off: four (`MOE_LANES_GPU_FUSED_ROUTE=0` at the CLI).
     pub fused_route: bool,
@@ -245,6 +251,7 @@ impl Default for GpuOptions {
             hot_lane_timeout: HOT_LANE_TIMEOUT,
             faults: GpuFaults::default(),
             decode_graph: true,
+            graph_lane_events: false,
             fused_route: true,
             postfetch: PostFetchOptions::default(),
             q8_activations: true,
@@ -300,6 +307,8 @@ pub struct GpuModel {
     /// Post-Fetch's scratchpad, streams and totals (none: off, or not a bf16 model).
     pub(crate) postfetch: Option<PostFetch>,
     pub(super) call_idx: u64,
+    /// Decode calls that could run as graphs (the timing sample's count).
+    pub(super) graph_calls: u64,
     /// The captured one-token decode call, replayed while its key holds.
     pub(super) graph: Option<DecodeGraph>,
     /// The captured decode call of a model with cold experts in some layers.
@@ -329,7 +338,7 @@ impl GpuModel {
         };
         let postfetch = PostFetch::new(&be, &model, opts.postfetch, opts.hot_gemm)?;
         let lane_events = (0..cfg.n_layers)
-            .map(|_| Ok(LaneEvents { start: be.event()?, end: be.event()? }))
+            .map(|_| Ok(LaneEvents::new(be.event()?, be.event()?)))
             .collect::<Result<Vec<_>, GpuError>>()?;
         let mut gm = GpuModel {
             adapter: model.adapter(),
@@ -345,6 +354,7 @@ impl GpuModel {
             hot_dequant,
             postfetch,
             call_idx: 0,
+            graph_calls: 0,
             graph: None,
             segments: None,
             step: None,
@@ -518,10 +528,11 @@ impl GpuModel {
         let t = tokens.len();
         self.reserve_tokens(t)?;
         let pos0 = cache.n_positions;
-        if self.graph_eligible(tokens, phase) {
+        let eager = self.timing_sample(tokens, phase);
+        if !eager && self.graph_eligible(tokens, phase) {
             return self.forward_graph(tokens[0], cache, cold, rows, call_start);
         }
-        if self.segments_eligible(tokens, phase) {
+        if !eager && self.segments_eligible(tokens, phase) {
             return self.forward_segments(tokens[0], cache, cold, rows, call_start);
         }
         self.embed(tokens)?;
@@ -628,9 +639,8 @@ impl GpuModel {
     ) -> Result<(), GpuError> {
         let mut layers = std::mem::take(&mut self.stats.layers);
         layers.clear();
-        for (r, ev) in self.records.iter().zip(&self.lane_events) {
-            let hot_us = if r.hot_at.is_some() { ev.hot_us()? } else { 0.0 };
-            layers.push(stats::lane_stats(r, hot_us));
+        for (r, ev) in self.records.iter().zip(&mut self.lane_events) {
+            layers.push(stats::lane_stats(r, ev.hot_us(r, phase == Phase::Decode)?));
         }
         if phase != Phase::Decode {
             self.postfetch_finish()?;

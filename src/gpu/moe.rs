@@ -198,8 +198,14 @@ impl GpuModel {
             )?;
         }
         self.mark(l, 6)?;
-        self.be.record(&self.lane_events[l].start)?;
-        self.records[l].hot_at = Some(Instant::now());
+        // an all-hot layer inside a decode graph may run untimed (GpuOptions::graph_lane_events)
+        let timed = self.step.is_none() || self.opts.graph_lane_events || !self.hot.all_hot(l);
+        if timed {
+            self.be.record(&self.lane_events[l].start)?;
+            self.records[l].hot_at = Some(Instant::now());
+        } else {
+            self.records[l].hot_untimed = true;
+        }
         if let Some(c) = self.hot.slots(l) {
             let wts = route_ids(s.weights.ptr(), k, l, t);
             let out = if plan.direct { s.hidden.ptr() } else { s.moe_out.ptr() };
@@ -227,7 +233,9 @@ impl GpuModel {
             };
             hot().map_err(|_| HOT_FAILED)?;
         }
-        self.be.record(&self.lane_events[l].end)?;
+        if timed {
+            self.be.record(&self.lane_events[l].end)?;
+        }
         self.mark(l, 7)?;
         Ok(())
     }

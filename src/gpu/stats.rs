@@ -17,8 +17,11 @@ pub(crate) struct LayerRecord {
     pub hot_slots: usize,
     pub cold_slots: usize,
     pub cold_rows: usize,
-    /// Host time the hot lane could start (routing done on the GPU).
+    /// Host time the hot lane could start (routing done on the GPU); set when CUDA events
+    /// timed the lane.
     pub hot_at: Option<Instant>,
+    /// The hot lane ran without events (an all-hot layer inside a decode graph).
+    pub hot_untimed: bool,
     /// Host clock window of the cold lane.
     pub cold: Option<(Instant, Instant)>,
     /// The join ran on the GPU stream (no host wait): its wait is the gap between lane ends.
@@ -126,15 +129,32 @@ pub(crate) fn record_call(
     }
 }
 
-/// Events around each layer's hot lane, reused every call.
+/// Events around each layer's hot lane, reused every call, and the lane's last decode time
+/// they measured (what a decode graph's untimed all-hot layer reports, see
+/// [`super::graph::HOT_TIMING_EVERY_CALLS`]).
 pub(crate) struct LaneEvents {
     pub start: GpuEvent,
     pub end: GpuEvent,
+    pub last_hot_us: f64,
 }
 
 impl LaneEvents {
-    pub fn hot_us(&self) -> Result<f64, GpuError> {
-        Ok(self.start.elapsed_ms(&self.end)? as f64 * 1e3)
+    pub fn new(start: GpuEvent, end: GpuEvent) -> LaneEvents {
+        LaneEvents { start, end, last_hot_us: 0.0 }
+    }
+
+    /// The hot lane's GPU time in a call: measured by the events when the lane was timed
+    /// (kept when the call is a decode call), else (an untimed all-hot layer of a decode graph)
+    /// the last decode call's measured time; 0 when no hot lane ran.
+    pub fn hot_us(&mut self, r: &LayerRecord, decode: bool) -> Result<f64, GpuError> {
+        if r.hot_at.is_some() {
+            let us = self.start.elapsed_ms(&self.end)? as f64 * 1e3;
+            if decode {
+                self.last_hot_us = us;
+            }
+            return Ok(us);
+        }
+        Ok(if r.hot_untimed { self.last_hot_us } else { 0.0 })
     }
 }
 

@@ -1,7 +1,7 @@
 //! The kernels by typed id, their op-family source files, and the constants shared by the
 //! Rust launchers and the CUDA code (passed to NVRTC as `-D` defines, defined only here).
 
-use super::ops::{ATTENTION_MAX_HEAD_DIM, ATTENTION_SPLIT_CHUNK};
+use super::ops::{ATTENTION_MAX_HEAD_DIM, ATTENTION_SPLIT_CHUNK, ROUTE_MAX_TOPK};
 
 /// Warps per block in the warp-per-row kernels (`-DROWS_PER_BLOCK`).
 pub const ROWS_PER_BLOCK: u32 = 8;
@@ -65,8 +65,10 @@ pub const fn grouped_pipe_shared_bytes(matrices: usize) -> usize {
 /// warp per row walking the entries in turn gave 2048.
 pub const HOT_DOWN_ROWS: u32 = 2;
 /// Warps that share one row of the split one-token bf16 GEMV (`-DGEMV_SPLIT`), each over a
-/// contiguous range of the row: a 2048-row output projection gets 8192 warps instead of 2048.
-pub const GEMV_SPLIT_WARPS: u32 = 4;
+/// contiguous range of the row: a 2048-row output projection gets 4096 warps instead of 2048,
+/// 512 blocks that the H100 holds at once (4: 8192 warps, 1.3 waves of blocks; all-hot tg128 of
+/// a 4-layer file 1927 -> 1944 t/s with 2, session 20).
+pub const GEMV_SPLIT_WARPS: u32 = 2;
 const _: () = assert!(ROWS_PER_BLOCK.is_multiple_of(GEMV_SPLIT_WARPS));
 const _: () = assert!(GROUPED_PIPE_BK.is_multiple_of(16) && GROUPED_PIPE_STAGES >= 2);
 const _: () = assert!((GROUPED_TILE_ROWS * GROUPED_PIPE_BK / 4).is_multiple_of(GROUPED_THREADS as usize));
@@ -169,7 +171,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 21] = [
+pub const SHARED_DEFINE_NAMES: [&str; 22] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -191,6 +193,7 @@ pub const SHARED_DEFINE_NAMES: [&str; 21] = [
     "ATT_MMA_WARPS",
     "ATT_MMA_KEYS",
     "ATT_MMA_MAXD",
+    "TOPK_PER_LANE",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -217,6 +220,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DATT_MMA_WARPS={ATTENTION_MMA_WARPS}"),
         format!("-DATT_MMA_KEYS={ATTENTION_MMA_KEYS}"),
         format!("-DATT_MMA_MAXD={ATTENTION_MMA_MAX_HEAD_DIM}"),
+        format!("-DTOPK_PER_LANE={}", ROUTE_MAX_TOPK / 32),
     ]
 }
 

@@ -27,6 +27,17 @@ pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
 /// Positions per block of the split attention kernel (`-DATT_CHUNK`; a multiple of
 /// [`super::kernel::ATTENTION_SPLIT_WARPS`]).
 pub const ATTENTION_SPLIT_CHUNK: usize = 32;
+/// Most experts a token's routing picks on the GPU: the lanes of one warp hold the picks and
+/// their weights in registers (`-DTOPK_PER_LANE` = this / 32 each). Cost: 8 registers a lane;
+/// models pick 1-8.
+pub const ROUTE_MAX_TOPK: usize = 128;
+const _: () = assert!(ROUTE_MAX_TOPK.is_multiple_of(32));
+
+/// Whether the GPU routing takes a top-`k` of `n_experts`.
+fn topk_fits(k: usize, n_experts: usize) -> bool {
+    (1..=n_experts.min(ROUTE_MAX_TOPK)).contains(&k)
+}
+
 /// Blocks per row of the split argmax.
 pub const ARGMAX_SPLIT_BLOCKS: usize = 128;
 /// Threads of the attention kernel (one warp per position in the score pass).
@@ -908,7 +919,8 @@ impl CudaBackend {
         self.launch(K, (n_tokens as u32, 1, 1), BLOCK, 0, args![out.raw(), x.raw(), gate_logit.raw(), i(dim)])
     }
 
-    /// Router: top-`k` ids and weights per token from logits `[n_tokens, n_experts]`.
+    /// Router: top-`k` ids and weights per token from logits `[n_tokens, n_experts]`
+    /// (`k` <= [`ROUTE_MAX_TOPK`]).
     pub fn route_topk(
         &self,
         logits: DPtr<f32>,
@@ -921,10 +933,10 @@ impl CudaBackend {
         weights: DPtr<f32>,
     ) -> Result<()> {
         const K: Kernel = Kernel::RouteTopk;
-        if k == 0 || k > n_experts {
+        if !topk_fits(k, n_experts) {
             return Err(CudaError::Shape {
                 kernel: K.symbol(),
-                reason: format!("top-{k} of {n_experts} experts"),
+                reason: format!("top-{k} of {n_experts} experts (at most {ROUTE_MAX_TOPK} picks)"),
             });
         }
         need(K, "logits", logits, n_tokens * n_experts)?;
@@ -963,10 +975,12 @@ impl CudaBackend {
     ) -> Result<()> {
         const K: Kernel = Kernel::RouteDecode;
         let (t, h) = (rows.n_rows, rows.dim);
-        if k == 0 || k > n_experts || !Self::route_decode_fits(h, n_experts) {
+        if !topk_fits(k, n_experts) || !Self::route_decode_fits(h, n_experts) {
             return Err(CudaError::Shape {
                 kernel: K.symbol(),
-                reason: format!("top-{k} of {n_experts} experts over rows of {h}"),
+                reason: format!(
+                    "top-{k} of {n_experts} experts over rows of {h} (at most {ROUTE_MAX_TOPK} picks)"
+                ),
             });
         }
         rows.check(K)?;
