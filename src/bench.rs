@@ -202,32 +202,70 @@ pub fn run_bench(
     opts: &BenchOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<BenchReport, BenchError> {
+    let c = model.config();
     if opts.n_prompt_tokens == 0 || opts.n_gen_tokens == 0 || opts.n_runs == 0 {
         return Err(BenchError::ZeroCount);
     }
-    let c = model.config().clone();
     let context = opts.depth + opts.n_prompt_tokens.max(opts.n_gen_tokens);
     if context > c.max_positions {
         return Err(BenchError::TooLong { positions: context, max_positions: c.max_positions });
     }
     engine.set_copy_logits(false); // the bench only needs the greedy tokens
     let prompt = sample_tokens(c.vocab, opts.n_prompt_tokens);
-    let depth = sample_tokens(c.vocab, opts.depth);
-    // Warm-up with the whole prompt, as llama-bench does: a kernel's first launch at a new shape
-    // (cuBLAS picks and lazily loads one per shape) costs milliseconds that are not prefill speed,
-    // and the page-ins of cold experts and the pool threads' first wake-ups are not either.
-    let warm_steps = opts.n_gen_tokens.min(4).min(c.max_positions - opts.n_prompt_tokens);
-    let mut cache = engine.new_cache(opts.n_prompt_tokens + warm_steps)?;
-    let mut next = *engine.forward_last(&prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("rows");
-    for _ in 0..warm_steps {
-        next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
-    }
-    engine.reset_profile();
+    warm_up(engine, &prompt, opts.n_gen_tokens, c.max_positions)?;
     if opts.metrics_ab && engine.perf().is_none_or(|p| p.mode() == PerfMode::Off) {
         return Err(BenchError::NothingRecorded);
     }
+    let timed = timed_runs(engine, model, opts, &prompt, progress)?;
+    Ok(BenchReport::new(engine, build, model, opts, timed))
+}
+
+/// Warm-up with the whole prompt, as llama-bench does: a kernel's first launch at a new shape
+/// (cuBLAS picks and lazily loads one per shape) costs milliseconds that are not prefill speed,
+/// and the page-ins of cold experts and the pool threads' first wake-ups are not either; then a
+/// few decode steps. The profile starts after it.
+fn warm_up(
+    engine: &mut dyn Engine,
+    prompt: &[u32],
+    n_gen: usize,
+    max_positions: usize,
+) -> Result<(), BenchError> {
+    let steps = n_gen.min(4).min(max_positions - prompt.len());
+    let mut cache = engine.new_cache(prompt.len() + steps)?;
+    let mut next = *engine.forward_last(prompt, Phase::Prefill, &mut cache)?.argmax.last().expect("rows");
+    for _ in 0..steps {
+        next = engine.forward(&[next], Phase::Decode, &mut cache)?.argmax[0];
+    }
+    engine.reset_profile();
+    Ok(())
+}
+
+/// What the timed runs measured.
+#[derive(Default)]
+struct TimedRuns {
+    pp_rates: Vec<f64>,
+    tg_rates: Vec<f64>,
+    tg_off_rates: Vec<f64>,
+    pp: LaneTotals,
+    tg: LaneTotals,
+    updates: u64,
+    exchanges: u64,
+}
+
+/// The timed runs: each a request of the live cache, pp on a fresh cache at the depth, then tg
+/// on another (and tg with the perf state off, alternating which goes first, for `metrics_ab`).
+fn timed_runs(
+    engine: &mut dyn Engine,
+    model: &Model,
+    opts: &BenchOptions,
+    prompt: &[u32],
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<TimedRuns, BenchError> {
+    let vocab = model.config().vocab;
+    let depth = sample_tokens(vocab, opts.depth);
     let mut live =
         LiveCache::new(engine, ModelFingerprint::of(model), model.layer_expert_bytes(), opts.update);
+    let mut t = TimedRuns::default();
     let (mut updates, mut exchanges) = (0u64, 0u64);
     let mut count = |o: Option<UpdateOutcome>| {
         if let Some(o) = o {
@@ -235,8 +273,6 @@ pub fn run_bench(
             exchanges += o.exchanges as u64;
         }
     };
-    let (mut pp_rates, mut tg_rates, mut tg_off_rates) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut pp, mut tg) = (LaneTotals::default(), LaneTotals::default());
     let total_ticks = 2 * opts.n_runs as u64;
     for run_idx in 0..opts.n_runs {
         let mut cache = cache_at_depth(engine, &depth, opts.n_prompt_tokens)?;
@@ -244,65 +280,29 @@ pub fn run_bench(
         let before = snapshot(engine);
         let start = Instant::now();
         // The lm_head of the last row only, as llama-bench's prompt processing.
-        let logits = engine.forward_last(&prompt, Phase::Prefill, &mut cache)?;
-        pp_rates.push(prompt.len() as f64 / start.elapsed().as_secs_f64());
-        let mid = snapshot(engine);
-        pp.add(LaneTotals::between(&before, &mid));
+        let logits = engine.forward_last(prompt, Phase::Prefill, &mut cache)?;
+        t.pp_rates.push(prompt.len() as f64 / start.elapsed().as_secs_f64());
+        t.pp.add(LaneTotals::between(&before, &snapshot(engine)));
         progress(2 * run_idx as u64 + 1, total_ticks);
         let next = *logits.argmax.last().expect("one row per prompt token");
-        let feed = random_feed(c.vocab, opts.n_gen_tokens, run_idx);
+        let feed = random_feed(vocab, opts.n_gen_tokens, run_idx);
         let off_first = opts.metrics_ab && run_idx % 2 == 1;
         if off_first {
-            tg_off_rates.push(timed_tg_off(engine, &depth, next, &feed, opts)?);
+            t.tg_off_rates.push(timed_tg_off(engine, &depth, next, &feed, opts)?);
         }
         let mut cache = cache_at_depth(engine, &depth, opts.n_gen_tokens)?;
         let mid = snapshot(engine);
         let mut after = |e: &mut dyn Engine| live.after_tokens(e, 1).map(&mut count);
-        tg_rates.push(timed_tg(engine, &mut cache, next, &feed, opts.greedy, &mut after)?);
-        tg.add(LaneTotals::between(&mid, &snapshot(engine)));
+        t.tg_rates.push(timed_tg(engine, &mut cache, next, &feed, opts.greedy, &mut after)?);
+        t.tg.add(LaneTotals::between(&mid, &snapshot(engine)));
         if opts.metrics_ab && !off_first {
-            tg_off_rates.push(timed_tg_off(engine, &depth, next, &feed, opts)?);
+            t.tg_off_rates.push(timed_tg_off(engine, &depth, next, &feed, opts)?);
         }
         count(live.end_request(engine)?);
         progress(2 * run_idx as u64 + 2, total_ticks);
     }
-    let (pps, tgs) = (Spread::of(&pp_rates), Spread::of(&tg_rates));
-    Ok(BenchReport {
-        device: engine.device(),
-        engine: engine.kind().name().to_string(),
-        model: model.path().display().to_string(),
-        n_prompt_tokens: opts.n_prompt_tokens,
-        n_gen_tokens: opts.n_gen_tokens,
-        n_runs: opts.n_runs,
-        depth: opts.depth,
-        pp_tokens_per_s: pps.median,
-        tg_tokens_per_s: tgs.median,
-        pp_tokens_per_s_spread: pps,
-        tg_tokens_per_s_spread: tgs,
-        hit_rate: tg.hit_rate(),
-        pp_hit_rate: pp.hit_rate(),
-        overlap_us: tg.per_call(tg.overlap_us),
-        join_wait_us: tg.per_call(tg.join_wait_us),
-        hot_lane_us: tg.per_call(tg.hot_us),
-        cold_lane_us: tg.per_call(tg.cold_us),
-        fallbacks: pp.fallbacks + tg.fallbacks,
-        hot_bytes: engine.hot_bytes(),
-        hot_experts: build.n_hot_experts,
-        all_experts_bytes: model.all_experts_bytes(),
-        budget: opts.budget,
-        planned_hit_rate: build.planned_hit_rate.unwrap_or(0.0),
-        learn_source: build.hot_source,
-        cold_threads: opts.threads.cold,
-        threads: opts.threads,
-        simd: opts.simd.clone(),
-        activations: build.activations,
-        tg_feed: if opts.greedy { "greedy" } else { "random" },
-        tg_metrics_off_tokens_per_s_spread: opts.metrics_ab.then(|| Spread::of(&tg_off_rates)),
-        update: opts.update,
-        cache_updates: updates,
-        cache_exchanges: exchanges,
-        postfetch: snapshot(engine).postfetch,
-    })
+    (t.updates, t.exchanges) = (updates, exchanges);
+    Ok(t)
 }
 
 /// Decode `feed.len()` tokens after `first` (feeding the greedy token or `feed`); tokens/s.
@@ -357,6 +357,52 @@ fn random_feed(vocab: usize, n: usize, run_idx: usize) -> Vec<u32> {
 }
 
 impl BenchReport {
+    /// The report of the timed runs `t`, with the engine's and the build's settings.
+    fn new(
+        engine: &dyn Engine,
+        build: &BuildReport,
+        model: &Model,
+        opts: &BenchOptions,
+        t: TimedRuns,
+    ) -> Self {
+        let (pps, tgs, pp, tg) = (Spread::of(&t.pp_rates), Spread::of(&t.tg_rates), t.pp, t.tg);
+        BenchReport {
+            device: engine.device(),
+            engine: engine.kind().name().to_string(),
+            model: model.path().display().to_string(),
+            n_prompt_tokens: opts.n_prompt_tokens,
+            n_gen_tokens: opts.n_gen_tokens,
+            n_runs: opts.n_runs,
+            depth: opts.depth,
+            pp_tokens_per_s: pps.median,
+            tg_tokens_per_s: tgs.median,
+            pp_tokens_per_s_spread: pps,
+            tg_tokens_per_s_spread: tgs,
+            hit_rate: tg.hit_rate(),
+            pp_hit_rate: pp.hit_rate(),
+            overlap_us: tg.per_call(tg.overlap_us),
+            join_wait_us: tg.per_call(tg.join_wait_us),
+            hot_lane_us: tg.per_call(tg.hot_us),
+            cold_lane_us: tg.per_call(tg.cold_us),
+            fallbacks: pp.fallbacks + tg.fallbacks,
+            hot_bytes: engine.hot_bytes(),
+            hot_experts: build.n_hot_experts,
+            all_experts_bytes: model.all_experts_bytes(),
+            budget: opts.budget,
+            planned_hit_rate: build.planned_hit_rate.unwrap_or(0.0),
+            learn_source: build.hot_source,
+            cold_threads: opts.threads.cold,
+            threads: opts.threads,
+            simd: opts.simd.clone(),
+            activations: build.activations,
+            tg_feed: if opts.greedy { "greedy" } else { "random" },
+            tg_metrics_off_tokens_per_s_spread: opts.metrics_ab.then(|| Spread::of(&t.tg_off_rates)),
+            update: opts.update,
+            cache_updates: t.updates,
+            cache_exchanges: t.exchanges,
+            postfetch: snapshot(engine).postfetch,
+        }
+    }
     pub fn to_text(&self) -> String {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         let mut out =
