@@ -266,11 +266,11 @@ fn timed_runs(
     let mut live =
         LiveCache::new(engine, ModelFingerprint::of(model), model.layer_expert_bytes(), opts.update);
     let mut t = TimedRuns::default();
-    let (mut updates, mut exchanges) = (0u64, 0u64);
+    let (updates, exchanges) = (&mut t.updates, &mut t.exchanges);
     let mut count = |o: Option<UpdateOutcome>| {
         if let Some(o) = o {
-            updates += 1;
-            exchanges += o.exchanges as u64;
+            *updates += 1;
+            *exchanges += o.exchanges as u64;
         }
     };
     let total_ticks = 2 * opts.n_runs as u64;
@@ -301,7 +301,6 @@ fn timed_runs(
         count(live.end_request(engine)?);
         progress(2 * run_idx as u64 + 2, total_ticks);
     }
-    (t.updates, t.exchanges) = (updates, exchanges);
     Ok(t)
 }
 
