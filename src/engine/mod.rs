@@ -91,9 +91,12 @@ impl Logits {
     }
 
     /// From one row per token (the CPU engines' form).
-    pub fn from_rows(rows: Vec<Vec<f32>>, vocab: usize) -> Logits {
+    /// One row (every decode step) is moved, not copied.
+    pub fn from_rows(mut rows: Vec<Vec<f32>>, vocab: usize) -> Logits {
         let argmax = rows.iter().map(|r| argmax(r)).collect();
-        Logits { n_rows: rows.len(), vocab, data: rows.concat(), argmax }
+        let n_rows = rows.len();
+        let data = if n_rows == 1 { rows.pop().expect("one row") } else { rows.concat() };
+        Logits { n_rows, vocab, data, argmax }
     }
 
     /// The last row alone (its logits, when copied, and its greedy token).
