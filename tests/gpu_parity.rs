@@ -615,6 +615,45 @@ fn postfetch_modes_match_reference() {
     }
 }
 
+/// One session, Post-Fetch on, with and without decode fetching: prefill, decode, a second
+/// prefill on the same cache (a chunk of more tokens), decode again. The second decode replays
+/// the decode graphs captured before the second prefill fetched experts: every row equal to the
+/// reference (a split layer must not keep the slots the prefill's last layer left, or its CPU
+/// lane would skip those experts), and decode fetching shows in the counters.
+#[test]
+fn postfetch_decode_after_a_second_prefill_matches_reference() {
+    let Some(_gpu) = gpu_shared() else { return };
+    let model = open("qwen3_moe_a");
+    let c = model.config().clone();
+    let reference = Reference::new(&model).unwrap();
+    let on = PostFetchOptions { mode: PostFetchMode::On, ..Default::default() };
+    let chunk: Vec<u32> = (0..6).map(|i| ((i * 11 + 5) % c.vocab) as u32).collect();
+    for decode in [true, false] {
+        for hot in [Hot::None, Hot::Half] {
+            let what = format!("{hot:?} decode fetch {decode}");
+            let mut engine = postfetch_engine(&model, hot, PostFetchOptions { decode, ..on }, GpuFaults::default(), 64);
+            let (mut rc, mut cache) = (reference.new_cache(), engine.new_cache(64).unwrap());
+            let mut step = |tokens: &[u32], phase: Phase, at: &str| {
+                let want = reference.forward(&mut rc, tokens, &mut NoObserver).unwrap();
+                let got = engine.forward(tokens, phase, &mut cache).unwrap();
+                for (i, w) in want.iter().enumerate() {
+                    compare_row(&format!("{what} {at} row {i}"), got.row(i), w);
+                }
+            };
+            step(&prompt(model.path()), Phase::Prefill, "prefill 1");
+            step(&[3], Phase::Decode, "decode 1a");
+            step(&[7], Phase::Decode, "decode 1b");
+            step(&chunk, Phase::Prefill, "prefill 2");
+            step(&[9], Phase::Decode, "decode 2a");
+            step(&[2], Phase::Decode, "decode 2b");
+            let p = engine.perf().unwrap().report().postfetch.clone().unwrap();
+            // two prefill calls of every layer, and with decode fetching four decode calls
+            let per_layer = if decode { 6 } else { 2 };
+            assert_eq!(p.layer_calls, per_layer * c.n_layers as u64, "{what}: {p:?}");
+        }
+    }
+}
+
 /// Post-Fetch on over a prompt long enough that fetched experts span several grouped-GEMM
 /// tiles, beside hot experts, blocking and deferred: every row equal to the reference.
 #[test]

@@ -642,7 +642,8 @@ impl GpuModel {
         for (r, ev) in self.records.iter().zip(&mut self.lane_events) {
             layers.push(stats::lane_stats(r, ev.hot_us(r, phase == Phase::Decode)?));
         }
-        if phase != Phase::Decode {
+        // decode calls fetch only with `PostFetchOptions::decode`
+        if phase != Phase::Decode || self.postfetch.as_ref().is_some_and(|p| p.opts.decode) {
             self.postfetch_finish()?;
         }
         let total_us = call_start.elapsed().as_secs_f64() * 1e6;

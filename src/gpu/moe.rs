@@ -177,7 +177,7 @@ impl GpuModel {
     /// The device path's hot lane: the worklist from the routing ids (unless the fused routing
     /// wrote it) and the GEMVs over the cached experts; entries of cold experts are skipped.
     pub(crate) fn hot_lane_device(&mut self, l: usize, t: usize, plan: MoePlan) -> Result<(), LayerFault> {
-        let (h, k, e_n) = (self.cfg.hidden, self.cfg.n_experts_used, self.cfg.n_experts);
+        let (k, e_n) = (self.cfg.n_experts_used, self.cfg.n_experts);
         let n_ent = t * k;
         let s = self.scratch.as_ref().expect("reserved");
         let (lay, wi) = (s.layout, s.work_i.ptr());
@@ -207,31 +207,9 @@ impl GpuModel {
             self.records[l].hot_untimed = true;
         }
         if let Some(c) = self.hot.slots(l) {
-            let wts = route_ids(s.weights.ptr(), k, l, t);
             let out = if plan.direct { s.hidden.ptr() } else { s.moe_out.ptr() };
             // entries routed to cold experts have slot -1: the kernels skip them
-            let hot = || -> Result<(), GpuError> {
-                let (ff, x, hb) = (self.cfg.expert_ff, s.normed.ptr(), s.h.ptr());
-                if let (Some(g), Some(u), Some(d)) = (c.gate.bf16(), c.up.bf16(), c.down.bf16()) {
-                    self.be.moe_gate_up_gemv(g, u, x, p_slots, p_toks, hb, n_ent, ff, h)?;
-                    self.be.moe_down_accum(d, hb, p_slots, wts, p_off, p_rows, out, t, h, ff)?;
-                } else {
-                    // quantized slots read x and h in 8 bits when the GEMVs take them
-                    let xq = self.q8_room(&s.q8_moe, t, h);
-                    let hq = self.q8_room(&s.q8_h, n_ent, ff);
-                    if let Some(xq) = xq {
-                        self.be.quantize_q8(x, t, h, xq)?;
-                    }
-                    self.be.moe_gate_up_gemv_typed(c.gate, c.up, x, xq, p_slots, p_toks, hb, n_ent, ff, h)?;
-                    if let Some(hq) = hq {
-                        self.be.quantize_q8(hb, n_ent, ff, hq)?;
-                    }
-                    self.be
-                        .moe_down_accum_typed(c.down, hb, hq, p_slots, wts, p_off, p_rows, out, t, h, ff)?;
-                }
-                Ok(())
-            };
-            hot().map_err(|_| HOT_FAILED)?;
+            self.expert_gemvs([c.gate, c.up, c.down], p_slots, l, t, out).map_err(|_| HOT_FAILED)?;
         }
         if timed {
             self.be.record(&self.lane_events[l].end)?;
@@ -240,8 +218,46 @@ impl GpuModel {
         Ok(())
     }
 
+    /// The decode GEMVs of `t` tokens' routed entries over the experts `w` (gate, up, down
+    /// stacks: the hot cache or Post-Fetch's scratchpad), entry `j`'s expert at `slots[j]` (-1:
+    /// skipped), the weighted down rows accumulated into `out`. The entries' tokens and the
+    /// token rows are the device worklist's (`hot_worklist_tokens` or the fused routing).
+    pub(crate) fn expert_gemvs(
+        &self,
+        [gate, up, down]: [TypedWeights; 3],
+        slots: DPtr<i32>,
+        l: usize,
+        t: usize,
+        out: DPtr<f32>,
+    ) -> Result<(), GpuError> {
+        let (h, k, ff) = (self.cfg.hidden, self.cfg.n_experts_used, self.cfg.expert_ff);
+        let n_ent = t * k;
+        let s = self.scratch.as_ref().expect("reserved");
+        let (lay, wi) = (s.layout, s.work_i.ptr());
+        let (toks, off, rows) = (wi.sub(lay.tokens, n_ent), wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
+        let (wts, x, hb) = (route_ids(s.weights.ptr(), k, l, t), s.normed.ptr(), s.h.ptr());
+        if let (Some(g), Some(u), Some(d)) = (gate.bf16(), up.bf16(), down.bf16()) {
+            self.be.moe_gate_up_gemv(g, u, x, slots, toks, hb, n_ent, ff, h)?;
+            self.be.moe_down_accum(d, hb, slots, wts, off, rows, out, t, h, ff)?;
+            return Ok(());
+        }
+        // quantized experts read x and h in 8 bits when the GEMVs take them
+        let xq = self.q8_room(&s.q8_moe, t, h);
+        let hq = self.q8_room(&s.q8_h, n_ent, ff);
+        if let Some(xq) = xq {
+            self.be.quantize_q8(x, t, h, xq)?;
+        }
+        self.be.moe_gate_up_gemv_typed(gate, up, x, xq, slots, toks, hb, n_ent, ff, h)?;
+        if let Some(hq) = hq {
+            self.be.quantize_q8(hb, n_ent, ff, hq)?;
+        }
+        self.be.moe_down_accum_typed(down, hb, hq, slots, wts, off, rows, out, t, h, ff)?;
+        Ok(())
+    }
+
     /// The device path's cold lane: once the routing is on the host, the host worklist, the
-    /// cold experts on the CPU, their rows joined on the stream.
+    /// experts Post-Fetch takes ([`GpuModel::postfetch_issue_decode`]) copied and run on the
+    /// GPU, the other cold experts on the CPU, their rows joined on the stream.
     pub(crate) fn cold_lane_device(
         &mut self,
         l: usize,
@@ -254,6 +270,8 @@ impl GpuModel {
         self.records[l].hot_at = Some(Instant::now());
         self.records[l].gpu_joined = true;
         self.host_worklist(l, t, WorklistOrder::TokenMajor)?;
+        self.postfetch_issue_decode(l, t)?;
+        self.fetched_lane_gemv(t).map_err(|_| HOT_FAILED)?;
         self.cold_lane_joined_on_stream(l, t, cold)?;
         self.records[l].wall_us = split_at.elapsed().as_secs_f64() * 1e6;
         self.records[l].split = true;

@@ -227,6 +227,8 @@ pub(crate) struct HostScratch {
     /// Post-Fetch: tiles of the fetched entries and where they start in the tiles section.
     pub pf_tiles: usize,
     pub pf_tile_at: usize,
+    /// Post-Fetch in decode: each routed entry's scratchpad slot, -1 for the CPU's.
+    pub pf_entry_slot: Vec<i32>,
 }
 
 impl HostScratch {
@@ -255,6 +257,7 @@ impl HostScratch {
             pf_weight: Vec::with_capacity(cap * k),
             pf_tiles: 0,
             pf_tile_at: 0,
+            pf_entry_slot: Vec::with_capacity(k),
         }
     }
 }

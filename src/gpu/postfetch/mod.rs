@@ -3,7 +3,7 @@
 //! and computed on the GPU, chosen by a cost model ([`plan::assign`]: CPU time = bytes / CPU
 //! read rate + tokens x CPU time per token; GPU = bytes / PCIe rate + a small GPU time; the CPU
 //! lane and the copy lane run at once, so the busiest experts move while that lowers the later
-//! lane's finish). Decode is untouched.
+//! lane's finish).
 //!
 //! Per layer, as soon as the routing is on the host (before the CPU lane starts): the chosen
 //! experts are staged into pinned buffers and queued on the copy stream(s), one CUDA event per
@@ -15,6 +15,9 @@
 //! copies' events, and the host's wait is the exposed copy time), otherwise the CPU computes it
 //! (counted as `not_ready`) and the GPU runs only the fetched experts whose copies are complete,
 //! queued after that query.
+//!
+//! Decode ([`decode`], `PostFetchOptions::decode`): a split layer's one token splits its cold
+//! experts the same way, the fetched ones run by the decode GEMVs over the scratchpad.
 //!
 //! The scratchpad has the hot cache's layout (gate/up `[slots, ff, hidden]`, down
 //! `[slots, hidden, ff]`, in the file's block types: each matrix sized for the layer whose type
@@ -49,6 +52,7 @@
 //! CPU rates are configured ([`plan::DEFAULT_CPU_BYTES_PER_S`],
 //! [`plan::DEFAULT_CPU_FLOP_PER_S_PER_THREAD`] x cold threads).
 
+mod decode;
 pub(crate) mod plan;
 
 use super::hot_cache::SlotShape;
@@ -117,6 +121,8 @@ pub(crate) struct PostFetch {
     layers: Vec<SlotShape>,
     /// Gate, up, down: `slots` experts each, at the largest layer's bytes.
     bufs: [DeviceBuffer<u8>; 3],
+    /// Decode: the scratchpad slot of each of a token's routed entries (-1: the CPU's).
+    decode_slots: DeviceBuffer<i32>,
     /// The model's maps registered with the device: copies read the file's pages directly.
     /// Empty when the driver refused (or `register` is off): then `staging` is used.
     registered: Vec<HostRegistration>,
@@ -174,6 +180,7 @@ impl PostFetch {
         let expert = bytes.iter().sum::<usize>().max(1);
         let slots = (opts.scratch_bytes / expert).clamp(1, c.n_experts.max(1));
         let [g, u, d] = [0, 1, 2].map(|i| be.alloc_zeros::<u8>(slots * bytes[i]));
+        let decode_slots = be.alloc_zeros::<i32>(c.n_experts_used.max(1))?;
         let n_streams = opts.streams.clamp(1, plan::MAX_STREAMS);
         let streams = (0..n_streams).map(|_| be.copy_stream()).collect::<Result<Vec<_>, _>>()?;
         let (registered, register_error) = match opts.register {
@@ -198,6 +205,7 @@ impl PostFetch {
             slots,
             layers,
             bufs: [g?, u?, d?],
+            decode_slots,
             registered,
             register_error,
             staging,

@@ -85,6 +85,10 @@ pub struct PostFetchOptions {
     /// Register the model's maps with the device and copy from the file's pages (no staging);
     /// staged through pinned buffers when off or when the driver refuses.
     pub register: bool,
+    /// Decode too: a split layer's cold experts are divided between the CPU lane and copies to
+    /// the scratchpad (run by the decode GEMVs) by the same cost model, with
+    /// [`DECODE_GPU_EXPERT_S`] for the GPU's part.
+    pub decode: bool,
 }
 
 /// `auto` by default: on the H100 machine (16-layer Qwen3-30B-A3B-shaped files, one lease,
@@ -103,6 +107,7 @@ impl Default for PostFetchOptions {
             streams: 1,
             debug: false,
             register: true,
+            decode: false,
         }
     }
 }
@@ -126,6 +131,9 @@ pub const MAX_STAGE_THREADS: usize = 8;
 /// GPU time of one expert's grouped GEMMs in prefill (a fetched one's beyond its copy, and each
 /// cached expert the layer runs: the H100's hot lane took 12-15 us an expert at 512 tokens).
 pub const DEFAULT_GPU_EXPERT_S: f64 = 20e-6;
+/// GPU time of one fetched expert's decode GEMVs beyond its copy (one token: gate/up and down of
+/// one expert read its 2.9-9.4 MB at HBM speed in a few microseconds).
+pub const DECODE_GPU_EXPERT_S: f64 = 3e-6;
 /// PCIe rate assumed until measured (pinned host-to-device, PCIe 5 x16 in practice ~55 GB/s).
 pub const DEFAULT_PCIE_BYTES_PER_S: f64 = 25e9;
 
