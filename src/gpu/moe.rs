@@ -234,7 +234,8 @@ impl GpuModel {
         let n_ent = t * k;
         let s = self.scratch.as_ref().expect("reserved");
         let (lay, wi) = (s.layout, s.work_i.ptr());
-        let (toks, off, rows) = (wi.sub(lay.tokens, n_ent), wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
+        let (toks, off, rows) =
+            (wi.sub(lay.tokens, n_ent), wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
         let (wts, x, hb) = (route_ids(s.weights.ptr(), k, l, t), s.normed.ptr(), s.h.ptr());
         if let (Some(g), Some(u), Some(d)) = (gate.bf16(), up.bf16(), down.bf16()) {
             self.be.moe_gate_up_gemv(g, u, x, slots, toks, hb, n_ent, ff, h)?;

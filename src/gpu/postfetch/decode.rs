@@ -14,8 +14,8 @@
 //! routing without the host code that reset it, so a layer must not see the slots an earlier
 //! call (a prefill) left behind.
 
-use super::plan::{assign, plan_issue, ExpertLoad, PostFetchCosts, PostFetchMiss, DECODE_GPU_EXPERT_S};
-use super::{Current, Pending};
+use super::plan::{assign, ExpertLoad, PostFetchCosts, DECODE_GPU_EXPERT_S};
+use super::Pending;
 use crate::gpu::model::GpuModel;
 use crate::gpu::scratch::RouteView;
 use crate::gpu::GpuError;
@@ -38,23 +38,16 @@ impl GpuModel {
         let limit = pf.slots.min(pf.tracker.room());
         let costs = PostFetchCosts { gpu_expert_s: DECODE_GPU_EXPERT_S, ..pf.costs };
         let n_chosen = assign(&mut hs.pf_loads, pf.expert_bytes(l), &costs, pf.opts.mode, (limit, 0));
-        let plan = plan_issue(n_chosen, pf.slots, pf.tracker.room());
-        pf.totals.layer_calls += 1;
-        pf.totals.experts_chosen += n_chosen as u64;
-        pf.totals.add_fallbacks(PostFetchMiss::ScratchFull, plan.scratch_full);
-        pf.totals.add_fallbacks(PostFetchMiss::TransfersBound, plan.transfers_bound);
-        if plan.issue > 0 {
-            pf.harvest()?;
-            pf.tracker.release(0..pf.slots);
-            pf.current = Some(Current { issued: plan.issue, deferred: false, layer: l });
-            // waited for on the GPU, never by the host
-            pf.events.pending = Some(Pending { launched: false, host_wait_us: Some(0.0) });
-            for (i, x) in hs.pf_loads[..plan.issue].iter().enumerate() {
-                hs.pf_fetch[x.expert as usize] = i as i32;
-            }
-            self.postfetch_copies(l, plan.issue)?;
+        // waited for on the GPU, never by the host
+        let waited = Pending { launched: false, host_wait_us: Some(0.0) };
+        let issued = pf.start_layer(l, n_chosen, false, waited)?;
+        for (i, x) in hs.pf_loads[..issued].iter().enumerate() {
+            hs.pf_fetch[x.expert as usize] = i as i32;
         }
-        self.postfetch_debug(l, n_chosen, plan.issue)
+        if issued > 0 {
+            self.postfetch_copies(l, issued)?;
+        }
+        self.postfetch_debug(l, n_chosen, issued)
     }
 
     /// The fetched experts of [`GpuModel::postfetch_issue_decode`] on the compute stream: the

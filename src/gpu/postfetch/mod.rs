@@ -292,6 +292,31 @@ impl PostFetch {
         [0, 1, 2].map(|i| TypedWeights { bytes: self.bufs[i].ptr(), dtype: s.dtypes[i] })
     }
 
+    /// Layer `l` chose its first `n_chosen` loads for the GPU: the issue plan against the free
+    /// slots and transfers, the totals, and when any is issued the previous fetching layer folded
+    /// in ([`PostFetch::harvest`]), the slots released and the layer made current (`pending`
+    /// its events' state). Returns how many are issued (the first ones).
+    fn start_layer(
+        &mut self,
+        l: usize,
+        n_chosen: usize,
+        deferred: bool,
+        pending: Pending,
+    ) -> Result<usize, GpuError> {
+        let plan = plan_issue(n_chosen, self.slots, self.tracker.room());
+        self.totals.layer_calls += 1;
+        self.totals.experts_chosen += n_chosen as u64;
+        self.totals.add_fallbacks(PostFetchMiss::ScratchFull, plan.scratch_full);
+        self.totals.add_fallbacks(PostFetchMiss::TransfersBound, plan.transfers_bound);
+        if plan.issue > 0 {
+            self.harvest()?;
+            self.tracker.release(0..self.slots);
+            self.current = Some(Current { issued: plan.issue, deferred, layer: l });
+            self.events.pending = Some(pending);
+        }
+        Ok(plan.issue)
+    }
+
     /// Fold the last fetching layer into the totals: copy time, and the part of it not hidden
     /// (the host's wait after its CPU lane, capped by the compute stream's stall when the
     /// fetched GEMMs were queued behind the copies). A layer that fell back before its
@@ -465,25 +490,15 @@ impl GpuModel {
         let hot_experts = hot.iter().enumerate().filter(|&(i, s)| i == 0 || hot[i - 1] != *s).count();
         let n_chosen =
             assign(&mut hs.pf_loads, pf.expert_bytes(l), &pf.costs, pf.opts.mode, (limit, hot_experts));
-        let plan = plan_issue(n_chosen, pf.slots, pf.tracker.room());
-        pf.totals.layer_calls += 1;
-        pf.totals.experts_chosen += n_chosen as u64;
-        pf.totals.add_fallbacks(PostFetchMiss::ScratchFull, plan.scratch_full);
-        pf.totals.add_fallbacks(PostFetchMiss::TransfersBound, plan.transfers_bound);
-        if plan.issue > 0 {
-            pf.harvest()?;
-            pf.tracker.release(0..pf.slots);
-            let deferred = !pf.opts.block_on_miss;
-            pf.current = Some(Current { issued: plan.issue, deferred, layer: l });
-            pf.events.pending = Some(Pending::default());
-            for (i, x) in self.host.pf_loads[..plan.issue].iter().enumerate() {
-                self.host.pf_fetch[x.expert as usize] = i as i32;
-            }
-            if !deferred {
-                self.postfetch_entries();
-            }
+        let deferred = !pf.opts.block_on_miss;
+        let issued = pf.start_layer(l, n_chosen, deferred, Pending::default())?;
+        for (i, x) in self.host.pf_loads[..issued].iter().enumerate() {
+            self.host.pf_fetch[x.expert as usize] = i as i32;
         }
-        self.postfetch_debug(l, n_chosen, plan.issue)
+        if issued > 0 && !deferred {
+            self.postfetch_entries();
+        }
+        self.postfetch_debug(l, n_chosen, issued)
     }
 
     /// Queue the copies [`GpuModel::postfetch_issue`] chose, once the layer's worklist is on
