@@ -287,6 +287,11 @@ struct EngineArgs {
     /// Post-Fetch: a line per prefill layer with the decision on stderr.
     #[arg(long)]
     postfetch_debug: bool,
+    /// Post-Fetch in GPU decode too: a token's cold experts split between the CPU lane and
+    /// copies to the scratchpad by the same cost model (measured slower on the H200 machine,
+    /// where both read the host's DRAM). Default: MOE_LANES_POSTFETCH_DECODE, else false.
+    #[arg(long)]
+    postfetch_decode: Option<bool>,
     /// Activations of the decode of quantised weights (CPU: experts of up to 4 tokens): f32,
     /// q8 (8-bit for every quantised type) or auto. Cold pool (AVX-512 VNNI): auto is 8-bit except for Q8_0, the
     /// default with VNNI. GPU engine: q8 and auto (the default) are 8-bit for every quantised
@@ -687,6 +692,9 @@ fn postfetch_flags(o: &mut moe_lanes::gpu::PostFetchOptions, args: &EngineArgs) 
         o.streams = n;
     }
     o.debug |= args.postfetch_debug;
+    if let Some(b) = args.postfetch_decode {
+        o.decode = b;
+    }
     Ok(())
 }
 
@@ -1232,4 +1240,29 @@ fn bench_shift(
         out_raw!("{}", report.to_text())?;
     }
     write_perf(engine, &args.engine.perf_json)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The engine flags of one `logits` command line.
+    fn engine_args(flags: &[&str]) -> EngineArgs {
+        let argv = ["moe-lanes", "logits", "--model", "m.gguf", "--tokens", "1"].iter().chain(flags);
+        match Cli::try_parse_from(argv).expect("parses").command {
+            Command::Logits(args) => args.engine,
+            _ => unreachable!("a logits command line"),
+        }
+    }
+
+    #[test]
+    fn postfetch_flags_override_the_environment_defaults() {
+        let mut o = moe_lanes::gpu::PostFetchOptions::default();
+        postfetch_flags(&mut o, &engine_args(&[])).unwrap();
+        assert!(!o.decode && o.block_on_miss, "defaults kept");
+        let args = engine_args(&["--postfetch-decode", "true", "--postfetch-block-on-miss", "false"]);
+        postfetch_flags(&mut o, &args).unwrap();
+        assert!(o.decode && !o.block_on_miss);
+        assert!(postfetch_flags(&mut o, &engine_args(&["--postfetch-streams", "9"])).is_err());
+    }
 }

@@ -490,6 +490,23 @@ mod tests {
     }
 
     #[test]
+    fn decode_splits_a_tokens_cold_experts_between_the_lanes() {
+        // one token on 8 Q4_K_M experts of Qwen3-30B-A3B (2.86 MB), the configured CPU rates of
+        // 16 threads (28.6 us of reading + 16.4 us of the prefill FLOP model an expert: 360 us
+        // for all 8), the H200 machine's PCIe (54 GB/s), registered copies; n on the GPU:
+        // max(CPU rest, n x 53 us + n x 3 us): 3 -> 225, 4 -> 224, 5 -> 280. The H200 run chose
+        // 3 or 4 a layer (a Q6_K down matrix makes an expert larger).
+        let costs = PostFetchCosts {
+            pcie_bytes_per_s: 54e9,
+            stage_bytes_per_s: f64::INFINITY,
+            gpu_expert_s: DECODE_GPU_EXPERT_S,
+            ..PostFetchCosts::configured(2048, 768, 16)
+        };
+        let mut l = loads(&[1; 8]);
+        assert_eq!(assign(&mut l, 2_860_000, &costs, PostFetchMode::Auto, (64, 0)), 4);
+    }
+
+    #[test]
     fn auto_respects_the_expert_limit_and_staging() {
         let mut l = loads(&[5, 20, 1, 10, 1]);
         assert_eq!(assign(&mut l, 1_000_000, &costs(), PostFetchMode::Auto, (1, 0)), 1);
