@@ -31,7 +31,7 @@
 //! | `MOE_LANES_POSTFETCH_SCRATCH_MIB` | VRAM of the scratchpad (default 1024; decimals allowed; at least one expert, at most the cold experts of the layer with the most; 0: off) |
 //! | `MOE_LANES_POSTFETCH_STREAMS` | copy streams (default 1, at most 4) |
 //! | `MOE_LANES_POSTFETCH_DEBUG=1` | a line per prefill layer with the decision (stderr) |
-//! | `MOE_LANES_POSTFETCH_DECODE` | `1` (default): decode splits a layer's cold experts between the CPU lane and copies to the scratchpad by the same cost model; `0`: decode keeps every cold expert on the CPU |
+//! | `MOE_LANES_POSTFETCH_DECODE` | `1`: decode splits a layer's cold experts between the CPU lane and copies to the scratchpad by the same cost model; `0` (default): decode keeps every cold expert on the CPU |
 //! | `MOE_LANES_POSTFETCH_REGISTER` | `1` (default): copies read the model file's pages, registered with the device (read-only) once at engine start; `0`, or when the driver refuses: staged through pinned buffers |
 //! | `MOE_LANES_POOL_COLD` | `off`: the pipeline's cold lane on lane-actor worker threads instead of the dense stage's pool ([`pool_cold`]) |
 

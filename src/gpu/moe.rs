@@ -271,6 +271,9 @@ impl GpuModel {
         self.records[l].hot_at = Some(Instant::now());
         self.records[l].gpu_joined = true;
         self.host_worklist(l, t, WorklistOrder::TokenMajor)?;
+        // decode graphs replay the routing without `moe_route`'s reset: the slots a prefill on
+        // this cache fetched must not reach this layer's CPU lane (see `postfetch::decode`)
+        self.postfetch_reset();
         self.postfetch_issue_decode(l, t)?;
         self.fetched_lane_gemv(t).map_err(|_| HOT_FAILED)?;
         self.cold_lane_joined_on_stream(l, t, cold)?;

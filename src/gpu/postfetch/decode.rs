@@ -21,11 +21,10 @@ use crate::gpu::scratch::RouteView;
 use crate::gpu::GpuError;
 
 impl GpuModel {
-    /// Decode, split layer `l`, `t` tokens, host worklist built: the Post-Fetch state reset,
-    /// then (one token, decode fetching on) the layer's cold experts chosen for the GPU, their
+    /// Decode, split layer `l`, `t` tokens, host worklist built, Post-Fetch state reset: with
+    /// one token and decode fetching on, the layer's cold experts chosen for the GPU, their
     /// copies queued and their `pf_fetch` slots set (the CPU lane skips them).
     pub(crate) fn postfetch_issue_decode(&mut self, l: usize, t: usize) -> Result<(), GpuError> {
-        self.postfetch_reset();
         let fetching = |p: &&mut super::PostFetch| !p.paused && p.opts.decode && t == 1;
         let Some(pf) = self.postfetch.as_mut().filter(fetching) else { return Ok(()) };
         let hs = &mut self.host;
