@@ -10,7 +10,7 @@ use super::faults::act_out;
 use super::messages::*;
 use crate::cache::hot_set::HotSet;
 use crate::format::dtype::DType;
-use crate::model::adapter::FfnActivation;
+use crate::model::arch::FfnActivation;
 use crate::model::Model;
 use crate::moe::expert_math::{ffn_plain, ColdCompute, ExpertBytes, FfnDims, FfnScratch};
 use crossbeam_channel::{Receiver, Sender};
@@ -81,7 +81,7 @@ impl CpuHotLane {
         let dims = FfnDims { hidden: c.hidden, ff: c.expert_ff };
         let mut lane = CpuHotLane {
             lane_idx: lane_idx as u8,
-            activation: model.adapter().activation,
+            activation: model.plan().expert_activation(),
             dims,
             slots: Vec::with_capacity(hot_set.layers.len()),
             scratch: FfnScratch::new(dims, GROUP_TOKENS_MAX),

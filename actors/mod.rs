@@ -21,6 +21,7 @@ pub mod join;
 pub mod lanes;
 pub mod messages;
 pub mod updater;
+pub use updater::UpdaterError;
 
 pub use faults::{LaneFault, LaneFaultSchedule};
 pub use join::{InjectedFault, LaneSet, LayerFailure};

@@ -3,7 +3,9 @@
 //! drains the queue between forward calls — never during one — applies each exchange to the hot
 //! lane (new slot contents) and to the hot set (rewritten maps), and counts it.
 //!
-//! Which exchanges to make (scoring live observations, `update_rate`) is planned in a later issue.
+//! Which exchanges to make is planned in `cache::update` (scored live observations,
+//! `update_rate`) and driven by `engine::live`. A request the queue cannot take is refused with an
+//! [`UpdaterError`], which the engines return and `engine::live` counts (never dropped silently).
 
 use kameo::message::{Context, Message};
 use kameo::Actor;
@@ -20,6 +22,15 @@ pub const UPDATER_MAILBOX_CAPACITY: usize = 64;
 
 /// An exchange is hot-set vocabulary (planned in `cache::update`); the actor queues them.
 pub use crate::cache::hot_set::Exchange;
+
+/// Why an exchange was not queued.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum UpdaterError {
+    #[error("the updater's queue is full ({capacity} exchanges wait for the next call); exchange refused")]
+    Full { capacity: usize },
+    #[error("the updater has stopped; exchange refused")]
+    Gone,
+}
 
 /// The actor's state.
 #[derive(Actor)]
@@ -86,9 +97,13 @@ impl UpdaterHandle {
         Ok(UpdaterHandle { runtime, actor, n_pending })
     }
 
-    /// Queue an exchange; false if the queue is full or the actor is gone.
-    pub fn request(&self, exchange: Exchange) -> bool {
-        self.runtime.block_on(self.actor.ask(RequestExchange(exchange)).send()).unwrap_or(false)
+    /// Queue an exchange, or say why it was not queued.
+    pub fn request(&self, exchange: Exchange) -> Result<(), UpdaterError> {
+        match self.runtime.block_on(self.actor.ask(RequestExchange(exchange)).send()) {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(UpdaterError::Full { capacity: MAX_PENDING_EXCHANGES }),
+            Err(_) => Err(UpdaterError::Gone),
+        }
     }
 
     pub fn n_pending(&self) -> usize {

@@ -16,7 +16,7 @@ use kameo::message::{Context, Message};
 use moe_lanes::actors::lanes::run_entries;
 use moe_lanes::actors::messages::{recv_spin, LaneBuffer, LayerInput, GROUP_TOKENS_MAX, LANE_SPIN};
 use moe_lanes::actors::{HotLane, LaneError, LaneSet};
-use moe_lanes::adapter::RoutingVariant;
+use moe_lanes::arch::RoutingVariant;
 use moe_lanes::expert_math::{ColdCompute, FfnDims, FfnScratch, NullCompute};
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::perf::LayerTiming;

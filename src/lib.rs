@@ -40,5 +40,5 @@ pub mod vocab;
 // The flat paths of earlier releases, kept so embedding code keeps compiling.
 pub use cache::{hot_set, perf, planner};
 pub use format::{dtype, gguf, safetensors, tensor};
-pub use model::{adapter, config, naming};
+pub use model::{arch, arch as adapter, config, naming};
 pub use moe::{expert_math, phase, pipeline, routing, worklist};

@@ -8,7 +8,9 @@
 //! such steps; decode continues from the same cache.
 
 use crate::format::tensor::{TensorError, TensorRef};
-use crate::model::adapter::{Adapter, QkNorm, RopeStyle, RoutingVariant};
+use crate::model::arch::{
+    AttentionSpec, Ffn, FfnActivation, Mixer, MoeSpec, QkNorm, RopeStyle, RoutingVariant,
+};
 use crate::model::config::ModelConfig;
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
@@ -109,6 +111,9 @@ impl KvCache {
 
 /// Non-expert weights of one layer, decoded to f32 once.
 struct LayerWeights {
+    /// What the layer is (from the model's plan).
+    mixer: Mixer,
+    ffn: Ffn,
     attn_norm: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
@@ -125,6 +130,7 @@ struct LayerWeights {
 }
 
 struct SharedExpert {
+    ff: usize,
     gate: Vec<f32>,
     up: Vec<f32>,
     down: Vec<f32>,
@@ -135,7 +141,6 @@ struct SharedExpert {
 pub struct Reference<'m> {
     model: &'m Model,
     config: ModelConfig,
-    adapter: &'static Adapter,
     embedding: Vec<f32>,
     final_norm: Vec<f32>,
     /// `None` when embeddings are tied (the embedding matrix is the lm_head).
@@ -154,7 +159,7 @@ impl<'m> Reference<'m> {
         let final_norm = decode(model.global(GlobalRole::OutputNorm).expect("validated"))?;
         let lm_head = model.global(GlobalRole::Output).map(decode).transpose()?;
         let layers = (0..config.n_layers).map(|l| load_layer(model, l)).collect::<Result<Vec<_>, _>>()?;
-        Ok(Reference { model, config, adapter: model.adapter(), embedding, final_norm, lm_head, layers })
+        Ok(Reference { model, config, embedding, final_norm, lm_head, layers })
     }
 
     pub fn new_cache(&self) -> KvCache {
@@ -244,11 +249,15 @@ impl<'m> Reference<'m> {
         let mut hidden = self.embedding[row..row + c.hidden].to_vec();
         for (layer_idx, layer) in self.layers.iter().enumerate() {
             let normed = rms_norm(&hidden, &layer.attn_norm, c.rms_eps);
-            let attn = self.attention(layer, layer_idx, cache, &normed, position);
-            add_into(&mut hidden, &attn);
+            let mixed = match &layer.mixer {
+                Mixer::Attention(spec) => self.attention(spec, layer, layer_idx, cache, &normed, position),
+            };
+            add_into(&mut hidden, &mixed);
             let normed = rms_norm(&hidden, &layer.ffn_norm, c.rms_eps);
-            let moe = self.moe(layer, layer_idx, &normed, position, observer)?;
-            add_into(&mut hidden, &moe);
+            let ffn = match &layer.ffn {
+                Ffn::Moe(spec) => self.moe(spec, layer, layer_idx, &normed, position, observer)?,
+            };
+            add_into(&mut hidden, &ffn);
         }
         cache.n_positions += 1;
         Ok(hidden)
@@ -262,6 +271,7 @@ impl<'m> Reference<'m> {
 
     fn attention(
         &self,
+        spec: &AttentionSpec,
         w: &LayerWeights,
         layer_idx: usize,
         cache: &mut KvCache,
@@ -278,7 +288,7 @@ impl<'m> Reference<'m> {
                 add_into(proj, b);
             }
         }
-        match self.adapter.qk_norm {
+        match spec.qk_norm {
             QkNorm::None => {}
             QkNorm::WholeProjection => {
                 q = rms_norm(&q, w.q_norm.as_ref().expect("validated"), c.rms_eps);
@@ -295,19 +305,19 @@ impl<'m> Reference<'m> {
                 }
             }
         }
-        if let Some(clip) = c.clip_qkv {
+        if let Some(clip) = spec.clip_qkv {
             for x in q.iter_mut().chain(k.iter_mut()).chain(v.iter_mut()) {
                 *x = x.clamp(-clip, clip);
             }
         }
         for head in q.chunks_mut(hd).chain(k.chunks_mut(hd)) {
-            apply_rope(head, position, c.rope_theta, c.rope_style);
+            apply_rope(head, position, spec.rope.theta, spec.rope.style);
         }
         cache.keys[layer_idx].extend_from_slice(&k);
         cache.values[layer_idx].extend_from_slice(&v);
         let keys = &cache.keys[layer_idx];
         let values = &cache.values[layer_idx];
-        let first_visible = match c.sliding_window {
+        let first_visible = match spec.window {
             Some(window) => (position + 1).saturating_sub(window),
             None => 0,
         };
@@ -334,6 +344,7 @@ impl<'m> Reference<'m> {
 
     fn moe(
         &self,
+        spec: &MoeSpec,
         w: &LayerWeights,
         layer_idx: usize,
         x: &[f32],
@@ -341,19 +352,21 @@ impl<'m> Reference<'m> {
         observer: &mut dyn RoutingObserver,
     ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
-        let logits = matvec(&w.router, x, c.n_experts);
-        let chosen = route(&logits, c.n_experts_used, self.adapter.routing, c.norm_topk_prob);
+        let r = &spec.router;
+        let logits = matvec(&w.router, x, r.n_experts);
+        let chosen = route(&logits, r.n_experts_used, r.variant, r.norm_topk_prob);
         observer.on_route(layer_idx, position, &chosen);
         let mut out = vec![0.0; c.hidden];
         for &(expert_idx, weight) in &chosen {
             let e = self.model.expert(layer_idx, expert_idx);
-            let y = ffn(&decode(e.gate)?, &decode(e.up)?, &decode(e.down)?, x, c.expert_ff, c.hidden);
+            let y =
+                ffn(&decode(e.gate)?, &decode(e.up)?, &decode(e.down)?, x, spec.expert_ff, spec.activation);
             for (o, v) in out.iter_mut().zip(&y) {
                 *o += weight * v;
             }
         }
         if let Some(shared) = &w.shared {
-            let y = ffn(&shared.gate, &shared.up, &shared.down, x, c.shared_expert_ff, c.hidden);
+            let y = ffn(&shared.gate, &shared.up, &shared.down, x, shared.ff, spec.activation);
             let gate = sigmoid(dot(&shared.gate_logit, x));
             for (o, v) in out.iter_mut().zip(&y) {
                 *o += gate * v;
@@ -366,17 +379,20 @@ impl<'m> Reference<'m> {
 fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorError> {
     let get = |role| model.layer(layer_idx, role).map(decode).transpose();
     let req = |role| decode(model.required(layer_idx, role));
-    let shared = if model.adapter().shared_expert {
-        Some(SharedExpert {
+    let spec = *model.layer_spec(layer_idx);
+    let shared = match spec.ffn {
+        Ffn::Moe(MoeSpec { shared: Some(s), .. }) => Some(SharedExpert {
+            ff: s.ff,
             gate: req(LayerRole::SharedGate)?,
             up: req(LayerRole::SharedUp)?,
             down: req(LayerRole::SharedDown)?,
             gate_logit: req(LayerRole::SharedExpertGate)?,
-        })
-    } else {
-        None
+        }),
+        Ffn::Moe(_) => None,
     };
     Ok(LayerWeights {
+        mixer: spec.mixer,
+        ffn: spec.ffn,
         attn_norm: req(LayerRole::AttnNorm)?,
         q: req(LayerRole::Q)?,
         k: req(LayerRole::K)?,
@@ -416,16 +432,46 @@ pub fn route(logits: &[f32], k: usize, variant: RoutingVariant, norm_topk_prob: 
     }
 }
 
-/// `down · (silu(gate · x) * (up · x))`
-fn ffn(gate: &[f32], up: &[f32], down: &[f32], x: &[f32], ff: usize, hidden: usize) -> Vec<f32> {
+/// `down · (act(gate · x) * (up · x))`
+fn ffn(gate: &[f32], up: &[f32], down: &[f32], x: &[f32], ff: usize, act: FfnActivation) -> Vec<f32> {
     let g = matvec(gate, x, ff);
     let u = matvec(up, x, ff);
-    let h: Vec<f32> = g.iter().zip(&u).map(|(g, u)| silu(*g) * u).collect();
-    matvec(down, &h, hidden)
+    let h: Vec<f32> = g.iter().zip(&u).map(|(g, u)| activate(act, *g) * u).collect();
+    matvec(down, &h, x.len())
 }
 
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+/// The oracle's own activations (f64 inside, as `transformers` is exact to f32 here).
+fn activate(act: FfnActivation, x: f32) -> f32 {
+    let v = x as f64;
+    let y = match act {
+        FfnActivation::Silu => return x / (1.0 + (-x).exp()),
+        FfnActivation::Gelu => 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2)),
+        FfnActivation::GeluTanh => {
+            0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh())
+        }
+    };
+    y as f32
+}
+
+/// erf by its Maclaurin series below 3 and the continued-fraction tail above (|error| < 1e-12).
+fn erf(x: f64) -> f64 {
+    let a = x.abs();
+    let y = if a < 3.0 {
+        let (mut sum, mut term) = (0.0, a);
+        for n in 0..80 {
+            sum += term / (2 * n + 1) as f64;
+            term *= -a * a / (n + 1) as f64;
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    } else {
+        // erfc(a) = exp(-a^2)/sqrt(pi) * 1/(a + 1/2/(a + 1/(a + 3/2/(a + ...)))).
+        let mut frac = a;
+        for k in (1..60).rev() {
+            frac = a + (k as f64 / 2.0) / frac;
+        }
+        1.0 - (-a * a).exp() / (std::f64::consts::PI.sqrt() * frac)
+    };
+    y.copysign(x)
 }
 
 fn sigmoid(x: f32) -> f32 {

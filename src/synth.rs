@@ -16,10 +16,10 @@ use crate::format::dtype::DType;
 use crate::format::gguf::{GgufError, GgufFile, GgufWriter, MetaValue};
 use crate::format::safetensors::{self, SafetensorsError, TensorSpec};
 use crate::format::tensor::encode_f32;
-use crate::model::adapter::{Adapter, Arch, RopeStyle};
+use crate::model::arch::{Adapter, Arch};
 use crate::model::config::ModelConfig;
 use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
-use crate::model::{expected_layer_shape, llama_cpp_default_norm_topk, required_layer_roles};
+use crate::model::{expected_layer_shape, required_layer_roles};
 use crate::quantize::{quantize_gguf, QuantMix, QuantizeError};
 use crate::text::{HfTokenizerFiles, Tokenizer, TokenizerError};
 use crate::vocab;
@@ -189,7 +189,7 @@ pub(crate) fn tiny_test_options(
     skew: Skew,
 ) -> SynthOptions {
     SynthOptions {
-        adapter: crate::model::adapter::by_name("qwen3_moe").expect("a known adapter"),
+        adapter: crate::model::arch::by_name("qwen3_moe").expect("a known adapter"),
         preset: Preset::Tiny,
         dims,
         dtype,
@@ -310,7 +310,7 @@ pub fn synth_config(
             rms_eps: 1e-6,
             rope_theta: adapter.default_rope_theta,
             rope_style: adapter.rope_style,
-            norm_topk_prob: llama_cpp_default_norm_topk(adapter.arch),
+            norm_topk_prob: adapter.gguf_default_norm_topk,
             tied_embeddings: false,
             max_positions: 4096,
             sliding_window: None,
@@ -331,7 +331,7 @@ pub fn synth_config(
             rms_eps: 1e-6,
             rope_theta: 1_000_000.0,
             rope_style: adapter.rope_style,
-            norm_topk_prob: llama_cpp_default_norm_topk(adapter.arch),
+            norm_topk_prob: adapter.gguf_default_norm_topk,
             tied_embeddings: false,
             max_positions: 40_960,
             sliding_window: None,
@@ -412,8 +412,8 @@ pub fn write_synthetic(
             n_bytes
         }
     };
-    if opts.format == SynthFormat::Gguf && opts.adapter.arch == Arch::Mixtral {
-        config.rope_style = RopeStyle::Interleaved;
+    if opts.format == SynthFormat::Gguf {
+        config.rope_style = opts.adapter.gguf_rope_style;
     }
     Ok(SynthReport { path: opts.out.clone(), format: opts.format, n_bytes, n_tensors: tensors.len(), config })
 }
@@ -859,10 +859,11 @@ fn global_parts(c: &ModelConfig, a: &Adapter) -> Vec<(GlobalRole, Canonical)> {
 }
 
 fn layer_parts(c: &ModelConfig, a: &Adapter, layer_idx: usize) -> Vec<(LayerRole, Canonical)> {
-    required_layer_roles(a)
+    let spec = (a.layer)(c, layer_idx);
+    required_layer_roles(&spec)
         .into_iter()
         .map(|role| {
-            let shape = expected_layer_shape(c, a, role);
+            let shape = expected_layer_shape(c, &spec, role);
             let key = naming::hf_layer(a.hf_naming, layer_idx, role);
             let shape2: Vec<usize> = if shape.len() == 2 && shape[0] == 1 { vec![shape[1]] } else { shape };
             (role, canonical_2d(key, &shape2, layer_init(c, role), layer_idx))
@@ -901,8 +902,9 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
         push(part, shape);
     }
     for layer_idx in 0..c.n_layers {
+        let spec = (a.layer)(c, layer_idx);
         for (role, part) in layer_parts(c, a, layer_idx) {
-            push(part, expected_layer_shape(c, a, role));
+            push(part, expected_layer_shape(c, &spec, role));
         }
         for expert_idx in 0..c.n_experts {
             for proj in ExpertProj::ALL {
@@ -917,7 +919,8 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
 
 fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
     let a = opts.adapter;
-    let permute = a.arch == Arch::Mixtral;
+    // llama.cpp's converter permutes q/k rows where its GGUF RoPE pairs differ from the HF ones.
+    let permute = a.gguf_rope_style != a.rope_style;
     let mut plan = Vec::new();
     for (role, part) in global_parts(c, a) {
         let dtype = if role == GlobalRole::OutputNorm { DType::F32 } else { opts.dtype };

@@ -308,3 +308,33 @@ fn online_policy_climbs_toward_the_best_static_cache_after_the_shift() {
     }
     assert_eq!(row["policy"], "static_first");
 }
+
+/// A manual apply longer than the updater's queue: what fits is applied in order, the rest is
+/// refused with an error, counted in the perf JSON and the metric, never dropped silently.
+#[test]
+fn a_full_updater_queue_is_counted_and_reported() {
+    use moe_lanes::actors::updater::MAX_PENDING_EXCHANGES;
+    use moe_lanes::actors::{Exchange, UpdaterError};
+    use moe_lanes::engine::EngineError;
+    let dir = tempfile::tempdir().unwrap();
+    let model = domains_model(dir.path(), 2);
+    let mut engine = engine(&model, EngineKind::Pipeline);
+    let policy = UpdatePolicy::default();
+    let mut live =
+        LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.layer_expert_bytes(), policy);
+    let layer = &engine.hot_set().unwrap().layers[0];
+    let hot = (0..16).find(|&e| layer.is_hot(e)).unwrap();
+    let cold = (0..16).find(|&e| !layer.is_hot(e)).unwrap();
+    // Swapping back and forth keeps every exchange valid in order; 3 too many for the queue.
+    let exchanges: Vec<Exchange> = (0..MAX_PENDING_EXCHANGES + 3)
+        .map(|i| if i % 2 == 0 { (hot, cold) } else { (cold, hot) })
+        .map(|(evict, add)| Exchange { layer_idx: 0, evict, add })
+        .collect();
+    let err = live.request_manual_exchanges(engine.as_mut(), exchanges).unwrap_err();
+    assert!(matches!(err, EngineError::Updater(UpdaterError::Full { .. })), "{err}");
+    let report = engine.perf().unwrap().report();
+    assert_eq!(report.cache_updates.exchanges_refused, 3);
+    assert_eq!(report.updates, MAX_PENDING_EXCHANGES as u64, "what was queued was applied");
+    // An even number of swaps leaves the layer as it was.
+    assert!(engine.hot_set().unwrap().layers[0].is_hot(hot));
+}

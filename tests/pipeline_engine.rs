@@ -158,7 +158,7 @@ fn updater_exchanges_apply_between_calls_and_keep_the_output() {
     let before = p.forward(&mut cache, &toks, Phase::Prefill).unwrap();
     for l in 0..2 {
         for (evict, add) in [(0, 7), (1, 6), (2, 5), (3, 4)] {
-            assert!(p.updater().request(Exchange { layer_idx: l, evict, add }));
+            p.updater().request(Exchange { layer_idx: l, evict, add }).unwrap();
         }
     }
     // Queued, not applied: nothing changes until the next call starts.
@@ -180,7 +180,7 @@ fn updater_exchanges_apply_between_calls_and_keep_the_output() {
     let hot_new: u64 = l0.hot_experts[4..].iter().sum();
     assert!(hot_new > 0);
     // A bad exchange is refused and changes nothing.
-    assert!(p.updater().request(Exchange { layer_idx: 0, evict: 0, add: 1 }));
+    p.updater().request(Exchange { layer_idx: 0, evict: 0, add: 1 }).unwrap();
     assert!(p.forward(&mut p.new_cache(), &toks, Phase::Prefill).is_err());
     assert!(p.hot_set().layers[0].is_hot(7));
 }

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use moe_lanes::adapter::{Arch, RopeStyle};
+use moe_lanes::arch::{Arch, RopeStyle};
 use moe_lanes::model::Model;
 use moe_lanes::naming::{GlobalRole, LayerRole};
 use moe_lanes::reference::{NoObserver, Reference};
@@ -52,7 +52,7 @@ fn same_seed_loads_to_identical_tensors_in_both_formats() {
         }
         let c = gguf.config().clone();
         for layer_idx in 0..c.n_layers {
-            for role in gguf.required_layer_roles() {
+            for role in gguf.required_layer_roles(layer_idx) {
                 let (a, b) = (values(gguf.required(layer_idx, role)), values(st.required(layer_idx, role)));
                 let permuted = arch == "mixtral" && matches!(role, LayerRole::Q | LayerRole::K);
                 if permuted {

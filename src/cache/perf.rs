@@ -316,6 +316,8 @@ pub struct CacheUpdateStats {
     pub auto_updates: u64,
     pub manual_applies: u64,
     pub exchanges: u64,
+    /// Exchanges the updater's full queue refused (none applied of them).
+    pub exchanges_refused: u64,
     pub bytes_copied: u64,
     /// Host time spent issuing the exchanges (on the GPU the copies themselves run on the side
     /// stream, overlapped with compute).
@@ -460,6 +462,7 @@ pub mod metric_names {
     pub const FALLBACKS: &str = "moe_lanes_fallbacks_total";
     pub const EXCHANGES: &str = "moe_lanes_cache_exchanges_total";
     pub const BYTES_COPIED: &str = "moe_lanes_cache_bytes_copied_total";
+    pub const EXCHANGES_REFUSED: &str = "moe_lanes_cache_exchanges_refused_total";
     pub const PERF_MODE: &str = "moe_lanes_perf_mode";
     pub const POSTFETCH_CHOSEN: &str = "moe_lanes_postfetch_experts_chosen_total";
     pub const POSTFETCH_FETCHED: &str = "moe_lanes_postfetch_experts_fetched_total";
@@ -498,6 +501,7 @@ pub fn describe_metrics() {
     describe_histogram!(m::LAYER_JOIN_WAIT, Unit::Seconds, "Time the join waited for the later lane.");
     describe_counter!(m::FALLBACKS, "Layer calls that ran all-cold, by layer and reason.");
     describe_counter!(m::EXCHANGES, "Hot-cache slot exchanges applied (one expert evicted, one loaded).");
+    describe_counter!(m::EXCHANGES_REFUSED, "Hot-cache slot exchanges the updater's full queue refused.");
     describe_counter!(m::BYTES_COPIED, Unit::Bytes, "Expert weight bytes copied into the hot cache.");
     describe_gauge!(m::PERF_MODE, "Perf mode (1 on the current mode's label, 0 on the others).");
     describe_counter!(
@@ -546,6 +550,7 @@ struct LayerMetrics {
 pub struct PerfMetrics {
     layers: Vec<LayerMetrics>,
     exchanges: Counter,
+    exchanges_refused: Counter,
     bytes_copied: Counter,
     /// In [`PerfMode::ALL`] order.
     mode: [Gauge; 3],
@@ -640,6 +645,7 @@ impl PerfMetrics {
         PerfMetrics {
             layers,
             exchanges: counter!(m::EXCHANGES),
+            exchanges_refused: counter!(m::EXCHANGES_REFUSED),
             bytes_copied: counter!(m::BYTES_COPIED),
             mode: PerfMode::ALL.map(|mode| gauge!(m::PERF_MODE, "mode" => mode.name())),
             postfetch: None,
@@ -846,6 +852,13 @@ impl PerfState {
         self.metrics.bytes_copied.increment(bytes_copied);
     }
 
+    /// One exchange the updater refused (its queue was full): counted in every mode, in the perf
+    /// JSON's `cache_updates.exchanges_refused` and the metric.
+    pub fn record_refused_exchange(&mut self) {
+        self.report.cache_updates.exchanges_refused += 1;
+        self.metrics.exchanges_refused.increment(1);
+    }
+
     /// Timings of `layer_idx` in the most recent call (`full` mode; zero otherwise).
     pub fn last_call(&self, layer_idx: usize) -> &LayerTiming {
         &self.last_call[layer_idx]
@@ -1001,8 +1014,9 @@ mod tests {
         // A snapshot reads and resets: counters are what moved since the last one.
         let take = || snapshot_map(&snapshotter);
         let snap = take();
-        // Registered at creation: 2 layers x (3 counters + 4 histograms + 5 reasons) + 2 + 3 modes.
-        assert_eq!(snap.len(), 2 * 12 + 2 + 3);
+        // Registered at creation: 2 layers x (3 counters + 4 histograms + 5 reasons) + 3 + 3 modes.
+        assert_eq!(snap.len(), 2 * 12 + 3 + 3);
+        assert_eq!(snap["moe_lanes_cache_exchanges_refused_total{}"], DebugValue::Counter(0));
         assert_eq!(snap["moe_lanes_perf_mode{mode=full}"], DebugValue::Gauge(1.0.into()));
         assert_eq!(snap["moe_lanes_perf_mode{mode=off}"], DebugValue::Gauge(0.0.into()));
         st.record_slot(1, 3, true);
@@ -1022,6 +1036,7 @@ mod tests {
         st.record_layer_call(1, &t, false);
         st.record_fallback(0, FallbackReason::Shape);
         st.record_exchange(4096);
+        st.record_refused_exchange();
         let snap = take();
         assert_eq!(snap["moe_lanes_layer_hot_slots_total{layer=1}"], DebugValue::Counter(2));
         assert_eq!(snap["moe_lanes_layer_cold_slots_total{layer=1}"], DebugValue::Counter(2));
@@ -1038,6 +1053,8 @@ mod tests {
         assert_eq!(snap["moe_lanes_fallbacks_total{layer=0,reason=worklist}"], DebugValue::Counter(0));
         assert_eq!(snap["moe_lanes_cache_exchanges_total{}"], DebugValue::Counter(1));
         assert_eq!(snap["moe_lanes_cache_bytes_copied_total{}"], DebugValue::Counter(4096));
+        assert_eq!(snap["moe_lanes_cache_exchanges_refused_total{}"], DebugValue::Counter(1));
+        assert_eq!(st.report().cache_updates.exchanges_refused, 1);
         // The JSON view holds the same totals.
         let l1 = &st.report().layers[1];
         assert_eq!(

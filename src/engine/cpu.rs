@@ -106,8 +106,7 @@ impl Engine for Pipeline {
         layers.map(|(i, l)| (l.n_hot() * self.model().expert_bytes_of_layer(i)) as u64).sum()
     }
     fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError> {
-        self.updater().request(exchange);
-        Ok(())
+        Ok(self.updater().request(exchange)?)
     }
     fn apply_exchanges(&mut self) -> Result<usize, EngineError> {
         Ok(self.apply_pending_exchanges()?)

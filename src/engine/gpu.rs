@@ -164,8 +164,7 @@ impl Engine for GpuEngine {
         self.cpu.is_none().then(|| self.gpu.backend().mem_info().ok()).flatten().map(|(free, _)| free as u64)
     }
     fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError> {
-        self.updater.request(exchange);
-        Ok(())
+        Ok(self.updater.request(exchange)?)
     }
     /// Each exchange rewrites one cache slot in place and both copies of `hot_id_map`; the
     /// capacity never changes. An invalid exchange is refused before anything changes.
@@ -176,10 +175,13 @@ impl Engine for GpuEngine {
         let slot_bytes = (self.gpu.hot_cache_bytes() / n_slots.max(1)) as u64;
         for (i, Exchange { layer_idx, evict, add }) in pending.iter().copied().enumerate() {
             if let Err(e) = self.gpu.exchange(layer_idx, evict, add) {
-                // Requeue what was not applied, so nothing is lost.
-                pending[i + 1..].iter().for_each(|&x| {
-                    self.updater.request(x);
-                });
+                // Requeue what was not applied, so nothing is lost (the queue was just drained,
+                // so it has room; a refusal is counted like any other).
+                for &x in &pending[i + 1..] {
+                    if self.updater.request(x).is_err() {
+                        self.gpu.perf_mut().record_refused_exchange();
+                    }
+                }
                 return Err(e.into());
             }
             self.gpu.perf_mut().record_exchange(slot_bytes);

@@ -190,10 +190,21 @@ impl LiveCache {
         hit_rate_before: f64,
     ) -> Result<UpdateOutcome, EngineError> {
         let start = Instant::now();
-        for &x in &exchanges {
-            engine.request_exchange(x)?;
+        let mut refused = None;
+        for (i, &x) in exchanges.iter().enumerate() {
+            if let Err(e) = engine.request_exchange(x) {
+                refused = Some((exchanges.len() - i, e));
+                break;
+            }
         }
         let n = engine.apply_exchanges()?;
+        if let Some((n_refused, e)) = refused {
+            // What was queued is applied; the rest is counted and the refusal reported.
+            if let Some(p) = engine.perf_mut() {
+                (0..n_refused).for_each(|_| p.record_refused_exchange());
+            }
+            return Err(e);
+        }
         let copy_time_us = start.elapsed().as_micros() as u64;
         // the engine applies the requested exchanges in order (`n` of them)
         let bytes: u64 = exchanges.iter().take(n).map(|x| self.layer_expert_bytes[x.layer_idx]).sum();

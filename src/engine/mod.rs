@@ -169,6 +169,8 @@ pub enum EngineError {
     #[error("no GPU: {reason}")]
     NoGpu { reason: String },
     #[error(transparent)]
+    Updater(#[from] crate::actors::UpdaterError),
+    #[error(transparent)]
     Trace(#[from] crate::cache::trace::TraceError),
 }
 

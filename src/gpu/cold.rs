@@ -68,10 +68,7 @@ fn row_dot(t: &TensorRef<'_>, row: usize, x: &[f32], buf: &mut [f32]) -> f32 {
 }
 
 fn activation(model: &Model, g: f32) -> f32 {
-    match model.adapter().activation {
-        crate::model::adapter::FfnActivation::Silu => g / (1.0 + (-g).exp()),
-        crate::model::adapter::FfnActivation::Gelu => crate::moe::expert_math::gelu(g),
-    }
+    model.plan().expert_activation().kernel().apply(g)
 }
 
 impl ColdExperts for CpuColdExperts {

@@ -6,7 +6,7 @@ use super::kv::GpuKvCache;
 use super::model::{GpuModel, PrefillAttention};
 use super::scratch::Q8Buf;
 use super::GpuError;
-use crate::model::adapter::{QkNorm, RopeStyle, RoutingVariant};
+use crate::model::arch::{QkNorm, RopeStyle, RoutingVariant};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
 use moe_lanes_kernels::cuda::ops::{DevicePos, HotWorklist, KvAppend, NormRows, RouteVariant};
@@ -180,8 +180,9 @@ impl GpuModel {
 
     /// Whether q/k norm and RoPE run as the one fused launch (no clamp between them and a norm
     /// the fused kernel does); the decode graph needs it (its KV append lives there).
-    pub(crate) fn qk_fused(&self) -> bool {
-        self.cfg.clip_qkv.is_none() && matches!(self.adapter.qk_norm, QkNorm::None | QkNorm::PerHead)
+    pub(crate) fn qk_fused(&self, l: usize) -> bool {
+        let a = self.plan.layer(l).attention();
+        a.clip_qkv.is_none() && matches!(a.qk_norm, QkNorm::None | QkNorm::PerHead)
     }
 
     /// Per-head q/k norm (or none) and RoPE, fused into one launch when no clamp sits between
@@ -197,19 +198,19 @@ impl GpuModel {
         v_new: DPtr<f32>,
         append: Option<KvAppend>,
     ) -> Result<(), GpuError> {
-        let (c, be, w) = (&self.cfg, &self.be, &self.w.layers[l]);
+        let (c, be, w, a) = (&self.cfg, &self.be, &self.w.layers[l], self.plan.layer(l).attention());
         let (qd, kvd, hd, nh, nkv) = (c.q_dim(), c.kv_dim(), c.head_dim, c.n_heads, c.n_kv_heads);
-        let interleaved = c.rope_style == RopeStyle::Interleaved;
+        let (interleaved, theta) = (a.rope.style == RopeStyle::Interleaved, a.rope.theta);
         let norms =
             || (w.q_norm.as_ref().expect("validated").ptr(), w.k_norm.as_ref().expect("validated").ptr());
-        if self.qk_fused() {
-            let norm = (self.adapter.qk_norm == QkNorm::PerHead).then(norms);
-            let (theta, eps) = (c.rope_theta, c.rms_eps);
+        if self.qk_fused(l) {
+            let norm = (a.qk_norm == QkNorm::PerHead).then(norms);
+            let eps = c.rms_eps;
             be.qk_norm_rope(q, k_new, norm, t, nh, nkv, qd, kvd, hd, pos0, theta, interleaved, eps, append)?;
             return Ok(());
         }
         assert!(append.is_none(), "the decode graph runs only with the fused q/k norm + RoPE");
-        match self.adapter.qk_norm {
+        match a.qk_norm {
             QkNorm::None => {}
             QkNorm::PerHead => {
                 be.rmsnorm(q, norms().0, q, t * nh, hd, c.rms_eps)?;
@@ -220,13 +221,13 @@ impl GpuModel {
                 be.rmsnorm(k_new, norms().1, k_new, t, kvd, c.rms_eps)?;
             }
         }
-        if let Some(clip) = c.clip_qkv {
+        if let Some(clip) = a.clip_qkv {
             be.clamp(q, t * qd, clip)?;
             be.clamp(k_new, t * kvd, clip)?;
             be.clamp(v_new, t * kvd, clip)?;
         }
-        be.rope(q, t, nh, qd, hd, pos0, c.rope_theta, interleaved)?;
-        be.rope(k_new, t, nkv, kvd, hd, pos0, c.rope_theta, interleaved)?;
+        be.rope(q, t, nh, qd, hd, pos0, theta, interleaved)?;
+        be.rope(k_new, t, nkv, kvd, hd, pos0, theta, interleaved)?;
         Ok(())
     }
 
@@ -252,7 +253,8 @@ impl GpuModel {
         cache: &GpuKvCache,
     ) -> Result<(), GpuError> {
         let c = &self.cfg;
-        let (nh, nkv, hd, window) = (c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window.unwrap_or(0));
+        let window = self.plan.layer(l).attention().window.unwrap_or(0);
+        let (nh, nkv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
         if phase == Phase::Decode {
             self.reserve_attention(t, cache)?;
         }
@@ -306,7 +308,9 @@ impl GpuModel {
     ) -> Result<(), GpuError> {
         let c = &self.cfg;
         let (h, e_n, k) = (c.hidden, c.n_experts, c.n_experts_used);
-        let variant = match self.adapter.routing {
+        let router_spec = self.plan.layer(l).moe().router;
+        let norm_topk = router_spec.norm_topk_prob;
+        let variant = match router_spec.variant {
             RoutingVariant::SoftmaxThenTopK => RouteVariant::SoftmaxThenTopK,
             RoutingVariant::TopKThenSoftmax => RouteVariant::TopKThenSoftmax,
         };
@@ -337,7 +341,6 @@ impl GpuModel {
                     eps: c.rms_eps,
                 };
                 let (logits, counter) = (s.router_logits.ptr(), s.route_counter.ptr());
-                let norm_topk = c.norm_topk_prob;
                 self.be.route_decode(
                     rows,
                     r,
@@ -355,7 +358,7 @@ impl GpuModel {
             None => {
                 self.be.rmsnorm(s.hidden.ptr(), norm_w, s.normed.ptr(), t, h, c.rms_eps)?;
                 self.gemv(s.normed.ptr(), router, s.router_logits.ptr(), t, e_n, h, false)?;
-                self.be.route_topk(s.router_logits.ptr(), t, e_n, k, variant, c.norm_topk_prob, ids, wts)?;
+                self.be.route_topk(s.router_logits.ptr(), t, e_n, k, variant, norm_topk, ids, wts)?;
             }
         }
         let s = self.scratch.as_mut().expect("reserved");

@@ -17,7 +17,7 @@ use super::GpuError;
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{PerfMode, PerfState};
 use crate::engine::Logits;
-use crate::model::adapter::Adapter;
+use crate::model::arch::LayerPlan;
 use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::faults::{FaultLane, LaneFault, LaneFaultSchedule};
@@ -284,7 +284,8 @@ pub struct GpuModel {
     pub(crate) be: Arc<CudaBackend>,
     pub(crate) model: Arc<Model>,
     pub(crate) cfg: ModelConfig,
-    pub(crate) adapter: &'static Adapter,
+    /// Every layer's kind (the engine walks it; each stage reads its layer's spec).
+    pub(crate) plan: LayerPlan,
     pub(crate) opts: GpuOptions,
     pub(crate) w: DenseWeights,
     pub(crate) hot: HotCache,
@@ -341,7 +342,7 @@ impl GpuModel {
             .map(|_| Ok(LaneEvents::new(be.event()?, be.event()?)))
             .collect::<Result<Vec<_>, GpuError>>()?;
         let mut gm = GpuModel {
-            adapter: model.adapter(),
+            plan: model.plan().clone(),
             perf: PerfState::new(opts.perf_mode, cfg.n_layers, cfg.n_experts, cfg.n_experts_used),
             fallback_cold: CpuColdExperts::new(model.clone()),
             host: HostScratch::new(&cfg, 8),

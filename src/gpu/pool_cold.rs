@@ -6,7 +6,6 @@
 //! The grouping and the job are [`ExpertGroups`], shared with the CPU pipeline's pool cold lane.
 
 use super::cold::{ColdError, ColdExperts, ColdSlot};
-use crate::model::adapter::FfnActivation;
 use crate::model::Model;
 use crate::moe::expert_groups::{ExpertGroups, GroupRun};
 use moe_lanes_kernels::pool::ColdSchedule;
@@ -44,10 +43,7 @@ impl PoolColdExperts {
         simd: Option<SimdLevel>,
         schedule: ColdSchedule,
     ) -> Result<PoolColdExperts, PoolColdError> {
-        let act = match model.adapter().activation {
-            FfnActivation::Silu => Activation::Silu,
-            FfnActivation::Gelu => Activation::Gelu,
-        };
+        let act = model.plan().expert_activation().kernel();
         let c = model.config().clone();
         let level = crate::moe::expert_math::cold_simd_level(simd)?;
         Ok(PoolColdExperts {

@@ -154,7 +154,7 @@ impl DenseWeights {
 
 fn upload_layer(model: &Model, l: usize, up: &mut Uploader<'_>) -> Result<LayerWeights, GpuError> {
     let req = |r| model.required(l, r);
-    let shared = if model.adapter().shared_expert {
+    let shared = if model.layer_spec(l).moe().shared.is_some() {
         Some(SharedWeights {
             gate: up.mat(req(LayerRole::SharedGate))?,
             up: up.mat(req(LayerRole::SharedUp))?,

@@ -1,8 +1,8 @@
 //! The numbers that describe one model (layer count, dims, expert counts, RoPE theta, ...),
 //! parsed from a Hugging Face `config.json` or from GGUF metadata, validated once, and written back
-//! out by `synth`. Architecture behaviour that is not a number lives in [`crate::model::adapter`].
+//! out by `synth`. Architecture behaviour that is not a number lives in [`crate::model::arch`].
 
-use crate::model::adapter::{self, Adapter, Arch, RopeStyle, UnsupportedArch};
+use crate::model::arch::{self, Adapter, Arch, RopeStyle, UnsupportedArch};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -51,7 +51,7 @@ pub enum ConfigError {
 }
 
 /// Reads typed fields out of a `config.json` object with errors that name the field.
-struct HfFields<'a> {
+pub struct HfFields<'a> {
     path: &'a Path,
     value: &'a Value,
 }
@@ -61,7 +61,7 @@ impl<'a> HfFields<'a> {
         self.value.get(field).filter(|v| !v.is_null())
     }
 
-    fn usize(&self, field: &str) -> Result<usize, ConfigError> {
+    pub(crate) fn usize(&self, field: &str) -> Result<usize, ConfigError> {
         self.opt_usize(field)?
             .ok_or_else(|| ConfigError::MissingField { path: self.path.into(), field: field.into() })
     }
@@ -111,7 +111,7 @@ impl<'a> HfFields<'a> {
     }
 
     /// `num_experts`, or `num_local_experts` (transformers 5 saves qwen3_moe that way).
-    fn expert_count(&self) -> Result<usize, ConfigError> {
+    pub(crate) fn expert_count(&self) -> Result<usize, ConfigError> {
         match self.opt_usize("num_experts")? {
             Some(n) => Ok(n),
             None => self.usize("num_local_experts").map_err(|_| ConfigError::MissingField {
@@ -169,7 +169,7 @@ impl ModelConfig {
         let model_type = f
             .opt_str("model_type")?
             .ok_or_else(|| ConfigError::MissingField { path: path.into(), field: "model_type".into() })?;
-        let adapter = adapter::for_hf_model_type(model_type)
+        let adapter = arch::for_hf_model_type(model_type)
             .map_err(|source| ConfigError::Arch { path: path.into(), source })?;
         if let Some(act) = f.opt_str("hidden_act")? {
             if act != "silu" {
@@ -189,13 +189,7 @@ impl ModelConfig {
             None if n_heads > 0 && hidden % n_heads == 0 => hidden / n_heads,
             None => return Err(f.invalid("num_attention_heads", "hidden_size is not a multiple of it")),
         };
-        let (n_experts, expert_ff) = match adapter.arch {
-            Arch::Mixtral => (f.usize("num_local_experts")?, f.usize("intermediate_size")?),
-            Arch::Olmoe => (f.expert_count()?, f.usize("intermediate_size")?),
-            Arch::Qwen3Moe | Arch::Qwen2Moe => (f.expert_count()?, f.usize("moe_intermediate_size")?),
-        };
-        let shared_expert_ff =
-            if adapter.shared_expert { f.usize("shared_expert_intermediate_size")? } else { 0 };
+        let dims = (adapter.hf_expert_dims)(&f)?;
         let sliding_window = match f.opt_bool("use_sliding_window")? {
             Some(false) => None,
             _ => f.opt_usize("sliding_window")?,
@@ -208,10 +202,10 @@ impl ModelConfig {
             n_kv_heads,
             head_dim,
             vocab: f.usize("vocab_size")?,
-            n_experts,
+            n_experts: dims.n_experts,
             n_experts_used: f.usize("num_experts_per_tok")?,
-            expert_ff,
-            shared_expert_ff,
+            expert_ff: dims.expert_ff,
+            shared_expert_ff: dims.shared_expert_ff,
             rms_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             rope_theta: f.rope_theta(adapter.default_rope_theta)?,
             rope_style: adapter.rope_style,
@@ -278,7 +272,7 @@ impl ModelConfig {
     pub fn to_hf_json(&self, adapter: &Adapter) -> Value {
         let mut v = json!({
             "model_type": adapter.hf_model_type,
-            "architectures": [hf_class_name(self.arch)],
+            "architectures": [adapter.hf_class],
             "num_hidden_layers": self.n_layers,
             "hidden_size": self.hidden,
             "num_attention_heads": self.n_heads,
@@ -292,35 +286,13 @@ impl ModelConfig {
             "tie_word_embeddings": self.tied_embeddings,
             "max_position_embeddings": self.max_positions,
             "hidden_act": "silu",
-            "attention_bias": adapter.qkv_bias,
+            "attention_bias": arch::LayerPlan::new(adapter, self).layers().iter().any(|l| l.attention().qkv_bias),
             "torch_dtype": "bfloat16",
             "bos_token_id": self.vocab - 1,
             "eos_token_id": self.vocab - 1,
         });
         let obj = v.as_object_mut().expect("json! object");
-        match self.arch {
-            Arch::Mixtral => {
-                obj.insert("num_local_experts".into(), json!(self.n_experts));
-                obj.insert("intermediate_size".into(), json!(self.expert_ff));
-                obj.insert("sliding_window".into(), json!(self.sliding_window));
-            }
-            Arch::Olmoe => {
-                obj.insert("num_experts".into(), json!(self.n_experts));
-                obj.insert("intermediate_size".into(), json!(self.expert_ff));
-                obj.insert("clip_qkv".into(), json!(self.clip_qkv));
-            }
-            Arch::Qwen3Moe | Arch::Qwen2Moe => {
-                obj.insert("num_experts".into(), json!(self.n_experts));
-                obj.insert("moe_intermediate_size".into(), json!(self.expert_ff));
-                obj.insert("intermediate_size".into(), json!(self.expert_ff * self.n_experts_used));
-                obj.insert("decoder_sparse_step".into(), json!(1));
-                obj.insert("mlp_only_layers".into(), json!([]));
-                obj.insert("use_sliding_window".into(), json!(false));
-            }
-        }
-        if self.arch == Arch::Qwen2Moe {
-            obj.insert("shared_expert_intermediate_size".into(), json!(self.shared_expert_ff));
-        }
+        (adapter.hf_extra_fields)(self, obj);
         v
     }
 }
@@ -342,15 +314,6 @@ fn refuse_dense_layers(f: &HfFields<'_>) -> Result<(), ConfigError> {
         }
     }
     Ok(())
-}
-
-fn hf_class_name(arch: Arch) -> &'static str {
-    match arch {
-        Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
-        Arch::Mixtral => "MixtralForCausalLM",
-        Arch::Olmoe => "OlmoeForCausalLM",
-        Arch::Qwen2Moe => "Qwen2MoeForCausalLM",
-    }
 }
 
 #[cfg(test)]

@@ -74,7 +74,7 @@ mod tests {
     use super::*;
 
     fn config() -> ModelConfig {
-        let adapter = crate::model::adapter::by_name("qwen3_moe").unwrap();
+        let adapter = crate::model::arch::by_name("qwen3_moe").unwrap();
         crate::synth::synth_config(adapter, crate::synth::Preset::Tiny, &Default::default()).unwrap()
     }
 

@@ -5,7 +5,7 @@
 //! Invariant: after `Model::open` succeeds, every role the adapter requires exists with the
 //! expected shape, so the accessors below cannot fail for required roles.
 
-pub mod adapter;
+pub mod arch;
 pub mod config;
 pub mod context;
 pub mod naming;
@@ -14,7 +14,7 @@ use crate::format::dtype::DType;
 use crate::format::gguf::{GgufError, GgufFile, MetaValue};
 use crate::format::safetensors::{SafetensorsError, SafetensorsModel};
 use crate::format::tensor::TensorRef;
-use crate::model::adapter::{Adapter, Arch, QkNorm, RopeStyle};
+use crate::model::arch::{Adapter, LayerPlan, LayerSpec, QkNorm};
 use crate::model::config::{ConfigError, ModelConfig};
 use crate::model::naming::{ExpertProj, GlobalRole, LayerRole};
 use serde::Serialize;
@@ -79,6 +79,8 @@ pub struct Model {
     source: Source,
     config: ModelConfig,
     adapter: &'static Adapter,
+    /// What each layer is, from the adapter's architecture file.
+    plan: LayerPlan,
     expert_dtype: DType,
     /// `[ff, hidden]`, borrowed by expert gate/up views of stacked GGUF tensors.
     gate_up_shape: [usize; 2],
@@ -107,9 +109,11 @@ impl Model {
             let (config, adapter) = config_from_gguf(&file)?;
             (Source::Gguf(file), config, adapter)
         };
+        let plan = LayerPlan::new(adapter, &config);
         let mut model = Model {
             path: path.into(),
             source,
+            plan,
             gate_up_shape: [config.expert_ff, config.hidden],
             down_shape: [config.hidden, config.expert_ff],
             config,
@@ -174,6 +178,16 @@ impl Model {
 
     pub fn adapter(&self) -> &'static Adapter {
         self.adapter
+    }
+
+    /// Every layer's kind: the plan each engine walks.
+    pub fn plan(&self) -> &LayerPlan {
+        &self.plan
+    }
+
+    /// The spec of layer `layer_idx`.
+    pub fn layer_spec(&self, layer_idx: usize) -> &LayerSpec {
+        self.plan.layer(layer_idx)
     }
 
     /// Element type of the expert weights: the one all float experts share, or for a quantised
@@ -306,14 +320,14 @@ impl Model {
         }
     }
 
-    /// The roles this model's adapter requires in every layer.
-    pub fn required_layer_roles(&self) -> Vec<LayerRole> {
-        required_layer_roles(self.adapter)
+    /// The roles layer `layer_idx` requires, as its spec says.
+    pub fn required_layer_roles(&self, layer_idx: usize) -> Vec<LayerRole> {
+        required_layer_roles(self.layer_spec(layer_idx))
     }
 
-    /// Expected row-major shape of a per-layer tensor.
-    pub fn expected_layer_shape(&self, role: LayerRole) -> Vec<usize> {
-        expected_layer_shape(&self.config, self.adapter, role)
+    /// Expected row-major shape of a per-layer tensor of layer `layer_idx`.
+    pub fn expected_layer_shape(&self, layer_idx: usize, role: LayerRole) -> Vec<usize> {
+        expected_layer_shape(&self.config, self.layer_spec(layer_idx), role)
     }
 
     fn validate(&mut self) -> Result<(), ModelError> {
@@ -325,8 +339,8 @@ impl Model {
             self.check_tensor(&output, &[c.vocab, c.hidden])?;
         }
         for layer_idx in 0..c.n_layers {
-            for role in self.required_layer_roles() {
-                let shape = self.expected_layer_shape(role);
+            for role in self.required_layer_roles(layer_idx) {
+                let shape = self.expected_layer_shape(layer_idx, role);
                 self.check_tensor(&self.layer_name(layer_idx, role), &shape)?;
             }
             self.validate_experts(layer_idx)?;
@@ -404,25 +418,28 @@ fn strip_leading_ones(shape: &[usize]) -> &[usize] {
     &shape[first..]
 }
 
-/// The per-layer roles an adapter requires.
-pub fn required_layer_roles(adapter: &Adapter) -> Vec<LayerRole> {
+/// The per-layer roles a layer of this kind requires.
+pub fn required_layer_roles(spec: &LayerSpec) -> Vec<LayerRole> {
     use LayerRole::*;
     let mut roles = vec![AttnNorm, Q, K, V, O, FfnNorm, Router];
-    if adapter.qkv_bias {
+    let (attention, moe) = (spec.attention(), spec.moe());
+    if attention.qkv_bias {
         roles.extend([QBias, KBias, VBias]);
     }
-    if adapter.qk_norm != QkNorm::None {
+    if attention.qk_norm != QkNorm::None {
         roles.extend([QNorm, KNorm]);
     }
-    if adapter.shared_expert {
+    if moe.shared.is_some() {
         roles.extend([SharedGate, SharedUp, SharedDown, SharedExpertGate]);
     }
     roles
 }
 
-/// Row-major shape of a per-layer tensor as the config implies.
-pub fn expected_layer_shape(c: &ModelConfig, adapter: &Adapter, role: LayerRole) -> Vec<usize> {
+/// Row-major shape of a per-layer tensor of a layer of kind `spec`, as the config implies.
+pub fn expected_layer_shape(c: &ModelConfig, spec: &LayerSpec, role: LayerRole) -> Vec<usize> {
     use LayerRole::*;
+    let per_head = spec.attention().qk_norm == QkNorm::PerHead;
+    let shared_ff = spec.moe().shared.map_or(0, |s| s.ff);
     match role {
         AttnNorm | FfnNorm => vec![c.hidden],
         Q => vec![c.q_dim(), c.hidden],
@@ -430,19 +447,18 @@ pub fn expected_layer_shape(c: &ModelConfig, adapter: &Adapter, role: LayerRole)
         O => vec![c.hidden, c.q_dim()],
         QBias => vec![c.q_dim()],
         KBias | VBias => vec![c.kv_dim()],
-        QNorm if adapter.qk_norm == QkNorm::PerHead => vec![c.head_dim],
-        KNorm if adapter.qk_norm == QkNorm::PerHead => vec![c.head_dim],
+        QNorm | KNorm if per_head => vec![c.head_dim],
         QNorm => vec![c.q_dim()],
         KNorm => vec![c.kv_dim()],
-        Router => vec![c.n_experts, c.hidden],
-        SharedGate | SharedUp => vec![c.shared_expert_ff, c.hidden],
-        SharedDown => vec![c.hidden, c.shared_expert_ff],
+        Router => vec![spec.moe().router.n_experts, c.hidden],
+        SharedGate | SharedUp => vec![shared_ff, c.hidden],
+        SharedDown => vec![c.hidden, shared_ff],
         SharedExpertGate => vec![1, c.hidden],
     }
 }
 
 /// Reads typed GGUF metadata with errors naming the key.
-struct GgufMeta<'a> {
+pub struct GgufMeta<'a> {
     file: &'a GgufFile,
     arch: &'a str,
 }
@@ -460,7 +476,7 @@ impl GgufMeta<'_> {
         }
     }
 
-    fn usize(&self, suffix: &str) -> Result<usize, ModelError> {
+    pub(crate) fn usize(&self, suffix: &str) -> Result<usize, ModelError> {
         self.opt_u64(suffix)?.map(|v| v as usize).ok_or_else(|| ModelError::MissingMetadata {
             path: self.file.path().into(),
             key: self.key(suffix),
@@ -502,7 +518,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
     })?;
     let meta = GgufMeta { file, arch };
     let n_experts = meta.opt_u64("expert_count")?.unwrap_or(0) as usize;
-    let adapter = adapter::for_gguf_arch(arch, n_experts)
+    let adapter = crate::model::arch::for_gguf_arch(arch, n_experts)
         .map_err(|source| ModelError::Config(ConfigError::Arch { path: path.into(), source }))?;
     let hidden = meta.usize("embedding_length")?;
     let n_heads = meta.usize("attention.head_count")?;
@@ -511,10 +527,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         None if n_heads > 0 => hidden / n_heads,
         None => 0,
     };
-    let expert_ff = match adapter.arch {
-        Arch::Qwen3Moe | Arch::Qwen2Moe => meta.usize("expert_feed_forward_length")?,
-        Arch::Mixtral | Arch::Olmoe => meta.usize("feed_forward_length")?,
-    };
+    let dims = (adapter.gguf_expert_dims)(&meta, n_experts)?;
     let vocab = file.tensor(naming::gguf_global(GlobalRole::TokenEmbedding)).map(|t| t.shape[0]);
     let vocab = match (vocab, meta.opt_u64("vocab_size")?) {
         (Some(v), _) => v,
@@ -531,20 +544,14 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         n_kv_heads: meta.opt_u64("attention.head_count_kv")?.map(|v| v as usize).unwrap_or(n_heads),
         head_dim,
         vocab,
-        n_experts,
+        n_experts: dims.n_experts,
         n_experts_used: meta.usize("expert_used_count")?,
-        expert_ff,
-        shared_expert_ff: if adapter.shared_expert {
-            meta.usize("expert_shared_feed_forward_length")?
-        } else {
-            0
-        },
+        expert_ff: dims.expert_ff,
+        shared_expert_ff: dims.shared_expert_ff,
         rms_eps: meta.opt_f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
         rope_theta: meta.opt_f32("rope.freq_base")?.unwrap_or(adapter.default_rope_theta),
-        rope_style: if adapter.arch == Arch::Mixtral { RopeStyle::Interleaved } else { adapter.rope_style },
-        norm_topk_prob: meta
-            .opt_bool("expert_weights_norm")?
-            .unwrap_or(llama_cpp_default_norm_topk(adapter.arch)),
+        rope_style: adapter.gguf_rope_style,
+        norm_topk_prob: meta.opt_bool("expert_weights_norm")?.unwrap_or(adapter.gguf_default_norm_topk),
         tied_embeddings: file.tensor(naming::gguf_global(GlobalRole::Output)).is_none(),
         max_positions: meta.opt_u64("context_length")?.map(|v| v as usize).unwrap_or(4096),
         sliding_window: None,
@@ -554,11 +561,6 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         ModelError::Config(ConfigError::Invalid { path: path.into(), field: field.into(), reason })
     })?;
     Ok((config, adapter))
-}
-
-/// What llama.cpp does when a file does not say: it renormalises top-k weights for Qwen3-MoE only.
-pub fn llama_cpp_default_norm_topk(arch: Arch) -> bool {
-    matches!(arch, Arch::Qwen3Moe | Arch::Mixtral)
 }
 
 /// Metadata value helpers used by writers.

@@ -2,7 +2,7 @@
 //! name each format gives it: GGUF (llama.cpp names, experts stacked per layer) and the Hugging
 //! Face layouts (per-expert tensors; Mixtral's `block_sparse_moe` family).
 
-use crate::model::adapter::HfNaming;
+use crate::model::arch::HfNaming;
 
 /// Tensors that exist once per model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -40,7 +40,7 @@ impl LayerVectors {
             q_norm: opt(LayerRole::QNorm)?,
             k_norm: opt(LayerRole::KNorm)?,
             ffn_norm: req(LayerRole::FfnNorm)?,
-            shared_gate_logit: if model.adapter().shared_expert {
+            shared_gate_logit: if model.layer_spec(l).moe().shared.is_some() {
                 Some(req(LayerRole::SharedExpertGate)?)
             } else {
                 None
@@ -76,7 +76,7 @@ pub(crate) struct LayerMatrices<'m> {
 impl<'m> LayerMatrices<'m> {
     pub fn resolve(model: &'m Model, l: usize) -> Result<LayerMatrices<'m>, TensorError> {
         let m = |role| in_place(model.required(l, role));
-        let shared = if model.adapter().shared_expert {
+        let shared = if model.layer_spec(l).moe().shared.is_some() {
             Some([m(LayerRole::SharedGate)?, m(LayerRole::SharedUp)?, m(LayerRole::SharedDown)?])
         } else {
             None

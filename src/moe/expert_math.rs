@@ -9,7 +9,7 @@
 use crate::format::dtype::DType;
 use crate::format::quant::dequantize;
 use crate::format::tensor::decode_f32;
-use crate::model::adapter::FfnActivation;
+use crate::model::arch::FfnActivation;
 use crate::model::Model;
 use crate::moe::math::dot;
 use moe_lanes_kernels::SimdLevel;
@@ -94,7 +94,7 @@ impl PlainCompute {
     pub fn new(model: Arc<Model>) -> PlainCompute {
         let c = model.config();
         let dims = FfnDims { hidden: c.hidden, ff: c.expert_ff };
-        let activation = model.adapter().activation;
+        let activation = model.plan().expert_activation();
         PlainCompute { model, dims, activation }
     }
 }
@@ -153,12 +153,6 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// tanh approximation of GELU.
-#[inline]
-pub fn gelu(x: f32) -> f32 {
-    0.5 * x * (1.0 + (0.797_884_6 * (x + 0.044_715 * x * x * x)).tanh())
-}
-
 /// The plain kernel: `scratch.ys[i] = down · (act(gate · xs[i]) * (up · xs[i]))` for i < n.
 pub fn ffn_plain(
     w: ExpertBytes<'_>,
@@ -189,13 +183,10 @@ pub fn ffn_plain(
             s.up[i * ff + r] = dot(row, &s.xs[i * hidden..(i + 1) * hidden]);
         }
     }
+    let act = activation.kernel();
     for i in 0..n {
         for (g, u) in s.gate[i * ff..(i + 1) * ff].iter_mut().zip(&s.up[i * ff..(i + 1) * ff]) {
-            let a = match activation {
-                FfnActivation::Silu => silu(*g),
-                FfnActivation::Gelu => gelu(*g),
-            };
-            *g = a * u;
+            *g = act.gated(*g, *u);
         }
     }
     let row = &mut s.row[..ff];
@@ -240,17 +231,12 @@ static UNIT_WEIGHTS: [f32; GROUP_TOKENS_MAX] = [1.0; GROUP_TOKENS_MAX];
 impl SimdCompute {
     /// `forced`: a SIMD level named by the caller; `None` picks [`cold_simd_level`]'s default.
     pub fn new(model: Arc<Model>, forced: Option<SimdLevel>) -> Result<SimdCompute, ComputeError> {
-        use moe_lanes_kernels::Activation;
         let level = cold_simd_level(forced).map_err(|_| ComputeError::Bad {
             layer_idx: 0,
             expert_idx: 0,
             reason: "the forced SIMD level is one this CPU lacks",
         })?;
-        let act = match model.adapter().activation {
-            FfnActivation::Silu => Activation::Silu,
-            // The plain kernel's GELU is the tanh form; keep the two kernels equal.
-            FfnActivation::Gelu => Activation::GeluTanh,
-        };
+        let act = model.plan().expert_activation().kernel();
         let c = model.config();
         let dims = FfnDims { hidden: c.hidden, ff: c.expert_ff };
         Ok(SimdCompute { model, dims, level, act })

@@ -9,7 +9,7 @@
 //! `MOE_LANES_COMPACT_COLD_REDUCE`) exist for A/B diagnosis only; they are read once when the
 //! engine is built ([`PolicySwitches::from_env`]), never per call.
 
-use crate::model::adapter::Profile;
+use crate::model::arch::Profile;
 use crate::moe::worklist::WorklistOrder;
 
 /// The phase of one forward call.
@@ -195,7 +195,7 @@ impl PpPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::adapter::DEFAULT_PROFILE;
+    use crate::model::arch::DEFAULT_PROFILE;
 
     fn policy(switches: PolicySwitches) -> PpPolicy {
         PpPolicy { profile: DEFAULT_PROFILE, switches }

@@ -21,22 +21,20 @@ use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneId, LaneSet, S
 use crate::cache::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
 use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
 use crate::format::tensor::TensorError;
-use crate::model::adapter::{Adapter, FfnActivation, QkNorm, RopeStyle};
+use crate::model::arch::{LayerPlan, QkNorm, RopeStyle};
 use crate::model::config::ModelConfig;
 use crate::model::naming::GlobalRole;
 use crate::model::Model;
 use crate::moe::dense::{
     check_matrices, decode_row, global_matrices, DenseStage, LayerMatrices, LayerVectors,
 };
-use crate::moe::expert_math::{
-    cold_simd_level, gelu, silu, ColdCompute, FfnScratch, PlainCompute, SimdCompute,
-};
+use crate::moe::expert_math::{cold_simd_level, ColdCompute, FfnScratch, PlainCompute, SimdCompute};
 pub use crate::moe::math::argmax;
 use crate::moe::math::{dot, sigmoid};
 use crate::moe::phase::{CacheState, ColdState, ExecPlan, Phase, PolicySwitches, PpPolicy};
 use crate::moe::pool_lane::PoolLane;
 use crate::moe::profile::{mark, CpuProfiler};
-use crate::moe::routing::{Router, RouterOptions};
+use crate::moe::routing::Router;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::{
     par_chunks_mut, AttentionInput, AttentionShape, DecodeActivations, DenseMatrix, KernelError, MatmulPart,
@@ -208,11 +206,13 @@ struct Activations {
 pub struct Pipeline {
     model: Arc<Model>,
     config: ModelConfig,
-    adapter: &'static Adapter,
+    /// Every layer's kind, walked by the layer loop.
+    plan: LayerPlan,
     final_norm: Vec<f32>,
     layers: Vec<LayerVectors>,
     dense: DenseStage,
-    router: Router,
+    /// One router per layer, built from its spec (buffers reused across calls).
+    routers: Vec<Router>,
     lanes: LaneSet,
     hot_set: HotSet,
     perf: PerfState,
@@ -352,15 +352,14 @@ impl Pipeline {
         if let Some(t) = options.fault.lane_timeout {
             lanes.set_timeout(t);
         }
-        let router = Router::new(
-            RouterOptions {
-                variant: adapter.routing,
-                n_experts: c.n_experts,
-                n_experts_used: c.n_experts_used,
-                norm_topk_prob: c.norm_topk_prob,
-            },
-            m,
-        );
+        let plan = model.plan().clone();
+        // One cos/sin table serves every layer (`ensure_rope`): per-layer RoPE bases need a table each.
+        if plan.layers().iter().any(|s| s.attention().rope.theta != c.rope_theta) {
+            return Err(PipelineError::Setup(
+                "layers with their own RoPE base are not supported by the CPU pipeline yet".into(),
+            ));
+        }
+        let routers = plan.layers().iter().map(|spec| Router::new(spec.moe().router, m)).collect();
         let act = Activations::new(&c, m);
         let updater = UpdaterHandle::start().map_err(|e| PipelineError::Setup(format!("updater: {e}")))?;
         let switches = options.switches;
@@ -372,7 +371,7 @@ impl Pipeline {
             pool_lane,
             cold_threads,
             profile: options.profile.then(CpuProfiler::default),
-            router,
+            routers,
             lanes,
             hot_set,
             updater,
@@ -385,7 +384,7 @@ impl Pipeline {
             final_norm,
             layers,
             dense,
-            adapter,
+            plan,
             config: c,
             model,
         })
@@ -683,7 +682,7 @@ impl Pipeline {
             keys,
             values,
             first_pos,
-            window: c.sliding_window,
+            window: self.plan.layer(l).attention().window,
         };
         self.dense.attention(&input, &mut a.attn[..n * qd])?;
         mark(&mut self.profile, |p| p.layer(2));
@@ -709,7 +708,8 @@ impl Pipeline {
                 }
             }
         }
-        let per_head = matches!(self.adapter.qk_norm, QkNorm::None | QkNorm::PerHead) && c.clip_qkv.is_none();
+        let spec = self.plan.layer(l).attention();
+        let per_head = matches!(spec.qk_norm, QkNorm::None | QkNorm::PerHead) && spec.clip_qkv.is_none();
         if per_head && n >= PAR_HEADS_MIN_TOKENS {
             return self.norm_rope_heads_on_pool(l, n, first_pos);
         }
@@ -721,9 +721,10 @@ impl Pipeline {
     /// the same per-head functions as the sequential path, so the same bits.
     fn norm_rope_heads_on_pool(&mut self, l: usize, n: usize, first_pos: usize) -> Result<(), PipelineError> {
         let c = &self.config;
-        let (hd, half, eps, style) = (c.head_dim, c.head_dim / 2, c.rms_eps, c.rope_style);
+        let style = self.plan.layer(l).attention().rope.style;
+        let (hd, half, eps) = (c.head_dim, c.head_dim / 2, c.rms_eps);
         let w = &self.layers[l];
-        let (qn, kn) = match self.adapter.qk_norm {
+        let (qn, kn) = match self.plan.layer(l).attention().qk_norm {
             QkNorm::PerHead => (w.q_norm.as_deref(), w.k_norm.as_deref()),
             _ => (None, None),
         };
@@ -748,7 +749,7 @@ impl Pipeline {
         let c = &self.config;
         let (w, a) = (&self.layers[l], &mut self.act);
         let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
-        match self.adapter.qk_norm {
+        match self.plan.layer(l).attention().qk_norm {
             QkNorm::None => {}
             QkNorm::WholeProjection => {
                 let (qn, kn) = (w.q_norm.as_ref().expect("validated"), w.k_norm.as_ref().expect("validated"));
@@ -769,7 +770,8 @@ impl Pipeline {
                 }
             }
         }
-        if let Some(clip) = c.clip_qkv {
+        let spec = self.plan.layer(l).attention();
+        if let Some(clip) = spec.clip_qkv {
             for x in
                 a.q[..n * qd].iter_mut().chain(a.k[..n * kvd].iter_mut()).chain(a.v[..n * kvd].iter_mut())
             {
@@ -780,10 +782,10 @@ impl Pipeline {
         for t in 0..n {
             let table = &self.rope[(first_pos + t) * half..(first_pos + t + 1) * half];
             for head in a.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
-                rope_head(head, table, c.rope_style);
+                rope_head(head, table, spec.rope.style);
             }
             for head in a.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(hd) {
-                rope_head(head, table, c.rope_style);
+                rope_head(head, table, spec.rope.style);
             }
         }
     }
@@ -878,8 +880,7 @@ impl Pipeline {
         }
         let y = &mut a.router_logits[..n * n_experts];
         self.dense.matmul(&a.normed[..n * h], &mut [MatmulPart { w: m.router, y }])?;
-        let routes = self
-            .router
+        let routes = self.routers[l]
             .route(&a.router_logits[..n * n_experts], n)
             .map_err(|e| PipelineError::Setup(e.to_string()))?;
         let hot_layer = &self.hot_set.layers[l];
@@ -898,13 +899,9 @@ impl Pipeline {
         let x = &a.normed[..n * h];
         let (g, u) = (&mut a.shared_g[..n * sff], &mut a.shared_u[..n * sff]);
         self.dense.matmul(x, &mut [MatmulPart { w: w[0], y: g }, MatmulPart { w: w[1], y: u }])?;
-        let activation = self.adapter.activation;
+        let act = self.plan.layer(l).moe().activation.kernel();
         for (gv, uv) in g.iter_mut().zip(u.iter()) {
-            let act = match activation {
-                FfnActivation::Silu => silu(*gv),
-                FfnActivation::Gelu => gelu(*gv),
-            };
-            *gv = act * uv;
+            *gv = act.gated(*gv, *uv);
         }
         self.dense
             .matmul(&a.shared_g[..n * sff], &mut [MatmulPart { w: w[2], y: &mut a.shared_y[..n * h] }])?;
@@ -920,7 +917,7 @@ impl Pipeline {
     fn dispatch(&mut self, l: usize, n: usize, plan: &ExecPlan) -> Option<FallbackReason> {
         let (h, k) = (self.config.hidden, self.config.n_experts_used);
         let hot_layer = &self.hot_set.layers[l];
-        let routes = self.router.routes();
+        let routes = self.routers[l].routes();
         let Some(input) = self.lanes.input_mut() else { return Some(FallbackReason::LaneUnavailable) };
         input.call_idx = self.call_idx;
         input.layer_idx = l;
@@ -940,7 +937,7 @@ impl Pipeline {
     /// every token into `act.moe`.
     fn all_cold(&mut self, l: usize, n: usize) -> Result<(), PipelineError> {
         let (h, k) = (self.config.hidden, self.config.n_experts_used);
-        let routes = self.router.routes();
+        let routes = self.routers[l].routes();
         let (a, scratch) = (&mut self.act, &mut self.fallback_scratch);
         for t in 0..n {
             let out = &mut a.moe[t * h..(t + 1) * h];

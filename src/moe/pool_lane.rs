@@ -9,7 +9,6 @@
 //! tokens in entry order), so the result is the same bits for any thread count. The grouping is
 //! [`ExpertGroups`], shared with the GPU engine's CPU cold lane.
 
-use crate::model::adapter::FfnActivation;
 use crate::model::Model;
 use crate::moe::expert_groups::{ExpertGroups, GroupRun};
 use crate::moe::worklist::Worklist;
@@ -30,11 +29,7 @@ impl PoolLane {
     /// The pool's kernels read every expert dtype (floats and GGML blocks, per matrix).
     /// `activations`: of the few-token decode tiles of quantised experts.
     pub fn new(model: Arc<Model>, level: SimdLevel, activations: DecodeActivations) -> PoolLane {
-        let act = match model.adapter().activation {
-            FfnActivation::Silu => Activation::Silu,
-            // The plain kernel's GELU is the tanh form; all cold kernels agree on it.
-            FfnActivation::Gelu => Activation::GeluTanh,
-        };
+        let act = model.plan().expert_activation().kernel();
         let groups = ExpertGroups::new(model.config().n_experts);
         PoolLane { model, level, activations, act, groups }
     }

@@ -4,24 +4,17 @@
 //! Both routing variants of [`RoutingVariant`] are implemented: softmax over all experts then the
 //! k largest (optionally renormalised, `norm_topk_prob`), and top-k on the logits then a softmax
 //! over those k. Ties go to the lower expert id. Per-architecture options beyond these (scaling,
-//! sigmoid gating, grouped top-k, bias correction) have no adapter that uses them yet; the
-//! [`RouterOptions`] struct is where they will go.
+//! sigmoid gating, grouped top-k, bias correction) have no architecture that uses them yet; the
+//! plan's [`RouterOptions`] (`arch::RouterSpec`) is where they will go.
 //!
 //! This is written independently of `reference::route` (the oracle); the tests compare them.
 
-use crate::model::adapter::RoutingVariant;
+use crate::model::arch::RoutingVariant;
 use crate::moe::math::softmax_in_place;
 
-/// Everything that decides how one layer's router logits become expert weights.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RouterOptions {
-    pub variant: RoutingVariant,
-    pub n_experts: usize,
-    /// Experts used per token (`k`).
-    pub n_experts_used: usize,
-    /// Renormalise the chosen softmax weights to sum to one (SoftmaxThenTopK only).
-    pub norm_topk_prob: bool,
-}
+/// Everything that decides how one layer's router logits become expert weights: the layer's
+/// router spec from the model's plan.
+pub use crate::model::arch::RouterSpec as RouterOptions;
 
 /// Routing results of one batch: slot `t * k + j` is the j-th choice of token t.
 #[derive(Debug, Clone, Default)]

@@ -2,7 +2,7 @@
 //! corruption tests, and fixture discovery.
 #![allow(dead_code)]
 
-use moe_lanes::adapter::{self, Adapter};
+use moe_lanes::arch::{self as adapter, Adapter};
 use moe_lanes::dtype::DType;
 use moe_lanes::gguf::{GgufFile, GgufWriter, MetaValue};
 use moe_lanes::synth::{write_synthetic, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};

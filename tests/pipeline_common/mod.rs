@@ -2,7 +2,7 @@
 //! against the reference oracle.
 #![allow(dead_code)]
 
-use moe_lanes::adapter::ADAPTERS;
+use moe_lanes::arch::ADAPTERS;
 use moe_lanes::dtype::DType;
 use moe_lanes::model::Model;
 use moe_lanes::reference::{NoObserver, Reference};

@@ -1,0 +1,535 @@
+//! Architectures as data: one file per architecture, each turning a validated
+//! [`ModelConfig`] into a per-layer [`LayerPlan`] that every engine walks.
+//!
+//! A [`LayerSpec`] names what a layer *is*: its token mixer ([`Mixer`]: today full attention with
+//! its options) and its feed-forward block ([`Ffn`]: today a routed MoE with its router and an
+//! optional shared expert). The engines (the oracle in `reference.rs`, the CPU pipeline, the GPU
+//! engine) read every per-layer choice from the plan and implement each kind once; none of them
+//! asks which architecture it runs. An architecture made of existing kinds is one new file here
+//! (its [`Adapter`] row: names, config readers, the plan) plus its entry in [`ADAPTERS`].
+//!
+//! The [`Adapter`] keeps what is not per layer: the names an architecture goes by in each format,
+//! how its config spells the expert sizes, the tensor-name family, defaults, and the pipeline
+//! [`Profile`].
+
+mod mixtral;
+mod olmoe;
+mod qwen2_moe;
+mod qwen3_moe;
+
+use crate::model::config::{ConfigError, HfFields, ModelConfig};
+use crate::model::{GgufMeta, ModelError};
+use serde::Serialize;
+
+/// The supported architectures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arch {
+    Qwen3Moe,
+    Mixtral,
+    Olmoe,
+    Qwen2Moe,
+}
+
+/// How router logits become the top-k expert ids and weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoutingVariant {
+    /// softmax over all experts, then take the k largest (optionally renormalised to sum to 1).
+    SoftmaxThenTopK,
+    /// take the k largest logits, then softmax over those k (always sums to 1).
+    TopKThenSoftmax,
+}
+
+/// FFN activation applied to the gate projection before multiplying by the up projection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FfnActivation {
+    /// `x * sigmoid(x)` (Hugging Face `silu`).
+    Silu,
+    /// The exact GELU, `x * Phi(x)` (Hugging Face `gelu`).
+    Gelu,
+    /// The tanh approximation of GELU (Hugging Face `gelu_pytorch_tanh`, `gelu_new`).
+    GeluTanh,
+}
+
+impl FfnActivation {
+    /// The kernels' activation for this one: the single mapping every lane uses.
+    pub fn kernel(self) -> moe_lanes_kernels::weights::Activation {
+        use moe_lanes_kernels::weights::Activation;
+        match self {
+            FfnActivation::Silu => Activation::Silu,
+            FfnActivation::Gelu => Activation::Gelu,
+            FfnActivation::GeluTanh => Activation::GeluTanh,
+        }
+    }
+
+    /// The Hugging Face `hidden_act` name.
+    pub fn hf_name(self) -> &'static str {
+        match self {
+            FfnActivation::Silu => "silu",
+            FfnActivation::Gelu => "gelu",
+            FfnActivation::GeluTanh => "gelu_pytorch_tanh",
+        }
+    }
+}
+
+/// Where q/k RMSNorms sit, if the architecture has them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QkNorm {
+    None,
+    /// One norm of `head_dim` applied to every head (Qwen3-MoE).
+    PerHead,
+    /// One norm over the whole q (or k) projection, before splitting heads (OLMoE).
+    WholeProjection,
+}
+
+/// How RoPE pairs up the values of a head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeStyle {
+    /// Pairs `(i, i + d/2)`: Hugging Face `rotate_half`, GGML "NEOX".
+    HalfSplit,
+    /// Pairs `(2i, 2i + 1)`: GGML "NORM". llama.cpp's converter permutes the q/k rows of
+    /// llama-family checkpoints so that this equals `HalfSplit` on the original weights.
+    Interleaved,
+}
+
+/// The tensor-name family on disk for the Hugging Face layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HfNaming {
+    /// `mlp.gate`, `mlp.experts.E.{gate,up,down}_proj`
+    Mlp,
+    /// `block_sparse_moe.gate`, `block_sparse_moe.experts.E.{w1,w3,w2}`
+    BlockSparseMoe,
+}
+
+/// RoPE of one attention layer.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RopeSpec {
+    /// Pairing of the q/k weights as stored in this file.
+    pub style: RopeStyle,
+    pub theta: f32,
+}
+
+/// Full (softmax) attention with its options.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct AttentionSpec {
+    pub qk_norm: QkNorm,
+    /// q/k/v projections carry biases.
+    pub qkv_bias: bool,
+    pub rope: RopeSpec,
+    /// Attend only to the last `window` positions.
+    pub window: Option<usize>,
+    /// Clamp q/k/v projections to `[-clip, clip]`.
+    pub clip_qkv: Option<f32>,
+}
+
+/// What mixes information across positions in one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mixer {
+    Attention(AttentionSpec),
+}
+
+/// How a MoE layer's router turns a token into expert ids and weights.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RouterSpec {
+    pub variant: RoutingVariant,
+    /// Renormalise the top-k weights to sum to one (softmax-then-top-k routers only).
+    pub norm_topk_prob: bool,
+    pub n_experts: usize,
+    pub n_experts_used: usize,
+}
+
+/// A dense expert every token runs beside the routed ones, scaled by `sigmoid(gate · x)`
+/// (Qwen2-MoE's `shared_expert_gate`). An ungated kind (DeepSeek-V3) adds a field here and its
+/// implementation in each engine.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SharedExpertSpec {
+    /// Intermediate size.
+    pub ff: usize,
+}
+
+/// A routed mixture of experts.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct MoeSpec {
+    pub router: RouterSpec,
+    pub activation: FfnActivation,
+    /// Intermediate size of one routed expert.
+    pub expert_ff: usize,
+    pub shared: Option<SharedExpertSpec>,
+}
+
+/// The feed-forward block of one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Ffn {
+    Moe(MoeSpec),
+}
+
+/// One layer: pre-norm mixer, residual, pre-norm FFN, residual.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LayerSpec {
+    pub mixer: Mixer,
+    pub ffn: Ffn,
+}
+
+impl LayerSpec {
+    /// The attention options of this layer (every mixer kind today is attention).
+    pub fn attention(&self) -> &AttentionSpec {
+        match &self.mixer {
+            Mixer::Attention(a) => a,
+        }
+    }
+
+    /// The MoE block of this layer (every FFN kind today is a MoE).
+    pub fn moe(&self) -> &MoeSpec {
+        match &self.ffn {
+            Ffn::Moe(m) => m,
+        }
+    }
+}
+
+/// Every layer's spec, in order.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayerPlan {
+    layers: Vec<LayerSpec>,
+}
+
+impl LayerPlan {
+    /// The plan `adapter` gives the model `config` describes.
+    pub fn new(adapter: &Adapter, config: &ModelConfig) -> LayerPlan {
+        let layers: Vec<LayerSpec> = (0..config.n_layers).map(|l| (adapter.layer)(config, l)).collect();
+        let first = layers[0].moe();
+        assert!(
+            layers
+                .iter()
+                .all(|l| l.moe().activation == first.activation && l.moe().expert_ff == first.expert_ff),
+            "{}: the lanes' kernels are built once for every layer's experts (one shape, one activation)",
+            adapter.hf_model_type
+        );
+        LayerPlan { layers }
+    }
+
+    /// The activation of the routed experts: every MoE layer of a model shares it and the
+    /// expert shape (checked in [`LayerPlan::new`]), so the lanes build their kernels once.
+    pub fn expert_activation(&self) -> FfnActivation {
+        self.layers[0].moe().activation
+    }
+
+    pub fn layer(&self, layer_idx: usize) -> &LayerSpec {
+        &self.layers[layer_idx]
+    }
+
+    pub fn layers(&self) -> &[LayerSpec] {
+        &self.layers
+    }
+
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    /// One line per run of equal layers: `"0-47: attention(per_head qk norm, half_split rope) +
+    /// moe(softmax_then_top_k 8/128, silu)"`, for `inspect`.
+    pub fn summary(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        for l in 1..=self.layers.len() {
+            if l == self.layers.len() || self.layers[l] != self.layers[start] {
+                let range = if l - 1 == start { format!("{start}") } else { format!("{start}-{}", l - 1) };
+                out.push(format!("{range}: {}", describe(&self.layers[start])));
+                start = l;
+            }
+        }
+        out
+    }
+}
+
+fn describe(spec: &LayerSpec) -> String {
+    let a = spec.attention();
+    let mut mixer = format!("attention({:?} qk norm, {:?} rope", a.qk_norm, a.rope.style);
+    if a.qkv_bias {
+        mixer.push_str(", qkv bias");
+    }
+    if let Some(w) = a.window {
+        mixer.push_str(&format!(", window {w}"));
+    }
+    let m = spec.moe();
+    let shared = m.shared.map(|s| format!(", shared expert {}", s.ff)).unwrap_or_default();
+    format!(
+        "{mixer}) + moe({:?} {}/{}, {}{shared})",
+        m.router.variant,
+        m.router.n_experts_used,
+        m.router.n_experts,
+        m.activation.hf_name()
+    )
+}
+
+/// Expert sizes as a config states them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertDims {
+    pub n_experts: usize,
+    pub expert_ff: usize,
+    /// 0 without a shared expert.
+    pub shared_expert_ff: usize,
+}
+
+/// Pipeline switches an architecture opts into (DESIGN.md "Phases and policies"), each read by
+/// `moe::phase::PpPolicy::plan`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Profile {
+    /// Route tiny decode batches on the CPU instead of launching router work on the GPU.
+    pub cpu_decode_routing: bool,
+    /// Largest batch (tokens) that `cpu_decode_routing` applies to.
+    pub cpu_decode_routing_max_tokens: usize,
+    /// One-token decode merges hot and cold rows directly, without a reduce pass.
+    pub decode_direct_merge: bool,
+    /// Prompt processing may run dense (all experts for all tokens) when cheaper.
+    pub pp_dense: bool,
+    /// Prompt processing reduces branch outputs before the merge.
+    pub pp_reduce_merge: bool,
+    /// The cold lane accumulates weighted expert outputs straight into token rows.
+    pub compact_cold_reduce: bool,
+}
+
+/// The profile every current adapter starts from: proven shortcuts on, dense PP off.
+pub const DEFAULT_PROFILE: Profile = Profile {
+    cpu_decode_routing: true,
+    cpu_decode_routing_max_tokens: 1,
+    decode_direct_merge: true,
+    pp_dense: false,
+    pp_reduce_merge: true,
+    compact_cold_reduce: true,
+};
+
+/// The allow-list entry for one architecture: its names, its config readers and its plan.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Adapter {
+    pub arch: Arch,
+    /// `model_type` in a Hugging Face `config.json`.
+    pub hf_model_type: &'static str,
+    /// The `architectures` class name `transformers` writes.
+    pub hf_class: &'static str,
+    /// `general.architecture` in GGUF (Mixtral is llama.cpp's `llama` with experts).
+    pub gguf_arch: &'static str,
+    /// RoPE pairing of the Hugging Face weights (GGUF files may store another, see `gguf_rope_style`).
+    pub rope_style: RopeStyle,
+    /// RoPE pairing of llama.cpp's GGUF weights.
+    pub gguf_rope_style: RopeStyle,
+    /// MoE layers carry a shared expert (its size is read from the config).
+    pub shared_expert: bool,
+    pub hf_naming: HfNaming,
+    pub default_rope_theta: f32,
+    /// What llama.cpp assumes for `expert_weights_norm` when a GGUF file does not say.
+    pub gguf_default_norm_topk: bool,
+    pub profile: Profile,
+    /// The expert sizes from a `config.json`.
+    #[serde(skip)]
+    pub hf_expert_dims: fn(&HfFields<'_>) -> Result<ExpertDims, ConfigError>,
+    /// The expert sizes from GGUF metadata.
+    #[serde(skip)]
+    pub gguf_expert_dims: fn(&GgufMeta<'_>, usize) -> Result<ExpertDims, ModelError>,
+    /// Architecture-specific `config.json` fields `transformers` needs (for `synth`).
+    #[serde(skip)]
+    pub hf_extra_fields: fn(&ModelConfig, &mut serde_json::Map<String, serde_json::Value>),
+    /// The spec of layer `l`.
+    #[serde(skip)]
+    pub layer: fn(&ModelConfig, usize) -> LayerSpec,
+}
+
+impl PartialEq for Adapter {
+    fn eq(&self, other: &Adapter) -> bool {
+        self.arch == other.arch
+    }
+}
+
+/// Every supported architecture.
+pub static ADAPTERS: [Adapter; 4] =
+    [qwen3_moe::ADAPTER, mixtral::ADAPTER, olmoe::ADAPTER, qwen2_moe::ADAPTER];
+
+/// The attention layer every current architecture builds from its config: `qk_norm` and
+/// `qkv_bias` are the architecture's, the rest is the config's.
+fn standard_attention(c: &ModelConfig, qk_norm: QkNorm, qkv_bias: bool) -> Mixer {
+    Mixer::Attention(AttentionSpec {
+        qk_norm,
+        qkv_bias,
+        rope: RopeSpec { style: c.rope_style, theta: c.rope_theta },
+        window: c.sliding_window,
+        clip_qkv: c.clip_qkv,
+    })
+}
+
+/// A routed MoE from the config's expert numbers.
+fn standard_moe(c: &ModelConfig, variant: RoutingVariant, shared: Option<SharedExpertSpec>) -> Ffn {
+    Ffn::Moe(MoeSpec {
+        router: RouterSpec {
+            variant,
+            norm_topk_prob: c.norm_topk_prob,
+            n_experts: c.n_experts,
+            n_experts_used: c.n_experts_used,
+        },
+        activation: FfnActivation::Silu,
+        expert_ff: c.expert_ff,
+        shared,
+    })
+}
+
+/// An architecture outside the allow-list.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("unsupported architecture '{found}' (from {source_kind}); supported: {supported}")]
+pub struct UnsupportedArch {
+    pub found: String,
+    pub source_kind: &'static str,
+    pub supported: String,
+}
+
+fn supported_list(names: impl Iterator<Item = &'static str>) -> String {
+    names.collect::<Vec<_>>().join(", ")
+}
+
+/// The adapter of `arch`.
+pub fn of(arch: Arch) -> &'static Adapter {
+    ADAPTERS.iter().find(|a| a.arch == arch).expect("every Arch has an adapter")
+}
+
+/// Look up an adapter by Hugging Face `model_type`.
+pub fn for_hf_model_type(model_type: &str) -> Result<&'static Adapter, UnsupportedArch> {
+    ADAPTERS.iter().find(|a| a.hf_model_type == model_type).ok_or_else(|| UnsupportedArch {
+        found: model_type.to_string(),
+        source_kind: "config.json model_type",
+        supported: supported_list(ADAPTERS.iter().map(|a| a.hf_model_type)),
+    })
+}
+
+/// Look up an adapter by GGUF `general.architecture`. `llama` is accepted only with experts
+/// (that is Mixtral); a dense llama is refused.
+pub fn for_gguf_arch(gguf_arch: &str, n_experts: usize) -> Result<&'static Adapter, UnsupportedArch> {
+    let found = ADAPTERS.iter().find(|a| a.gguf_arch == gguf_arch);
+    match found {
+        Some(adapter) if gguf_arch != "llama" || n_experts > 0 => Ok(adapter),
+        _ => Err(UnsupportedArch {
+            found: if gguf_arch == "llama" {
+                "llama (without experts)".to_string()
+            } else {
+                gguf_arch.to_string()
+            },
+            source_kind: "GGUF general.architecture",
+            supported: supported_list(ADAPTERS.iter().map(|a| a.gguf_arch))
+                + " (llama with experts = mixtral)",
+        }),
+    }
+}
+
+/// Look up an adapter by its user-facing name (`qwen3_moe`, `mixtral`, `olmoe`, `qwen2_moe`;
+/// GGUF names are accepted too).
+pub fn by_name(name: &str) -> Result<&'static Adapter, UnsupportedArch> {
+    let normalized = name.to_ascii_lowercase().replace('-', "_");
+    ADAPTERS
+        .iter()
+        .find(|a| a.hf_model_type == normalized || (a.gguf_arch == normalized && a.gguf_arch != "llama"))
+        .ok_or_else(|| UnsupportedArch {
+            found: name.to_string(),
+            source_kind: "--arch",
+            supported: supported_list(ADAPTERS.iter().map(|a| a.hf_model_type)),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_adapter_is_found_by_both_names() {
+        for a in &ADAPTERS {
+            assert_eq!(for_hf_model_type(a.hf_model_type).unwrap().arch, a.arch);
+            assert_eq!(for_gguf_arch(a.gguf_arch, 8).unwrap().arch, a.arch);
+            assert_eq!(by_name(a.hf_model_type).unwrap().arch, a.arch);
+            assert_eq!(of(a.arch).hf_model_type, a.hf_model_type);
+        }
+    }
+
+    #[test]
+    fn unsupported_arch_lists_the_supported_ones() {
+        let err = for_hf_model_type("deepseek_v3").unwrap_err().to_string();
+        assert!(err.contains("deepseek_v3"), "{err}");
+        for name in ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"] {
+            assert!(err.contains(name), "{err}");
+        }
+        let err = for_gguf_arch("llama", 0).unwrap_err().to_string();
+        assert!(err.contains("without experts"), "{err}");
+    }
+
+    #[test]
+    fn profiles_are_declared_per_adapter() {
+        for a in &ADAPTERS {
+            assert!(a.profile.cpu_decode_routing_max_tokens >= 1);
+        }
+    }
+
+    /// The plan of each architecture says what its file declares, for every layer.
+    #[test]
+    fn plans_follow_each_architecture() {
+        use crate::synth::{synth_config, DimOverrides, Preset};
+        for a in &ADAPTERS {
+            let c = synth_config(a, Preset::Tiny, &DimOverrides::default()).unwrap();
+            let plan = LayerPlan::new(a, &c);
+            assert_eq!(plan.len(), c.n_layers);
+            for spec in plan.layers() {
+                let (att, moe) = (spec.attention(), spec.moe());
+                assert_eq!(att.qkv_bias, a.arch == Arch::Qwen2Moe, "{:?}", a.arch);
+                assert_eq!(moe.shared.is_some(), a.shared_expert, "{:?}", a.arch);
+                let expected_norm = match a.arch {
+                    Arch::Qwen3Moe => QkNorm::PerHead,
+                    Arch::Olmoe => QkNorm::WholeProjection,
+                    Arch::Mixtral | Arch::Qwen2Moe => QkNorm::None,
+                };
+                assert_eq!(att.qk_norm, expected_norm);
+                assert_eq!((moe.router.n_experts, moe.expert_ff), (c.n_experts, c.expert_ff));
+            }
+            assert_eq!(plan.summary().len(), 1, "{:?}", plan.summary());
+        }
+    }
+
+    /// Every lane maps an activation through `FfnActivation::kernel`, so they cannot disagree
+    /// (the CPU pool lane once mapped `Gelu` to the tanh form and the GPU engine's pool lane to
+    /// the exact one); and each kernel activation is the function its Hugging Face name says.
+    #[test]
+    fn activations_map_to_the_function_their_name_says() {
+        let exact = |x: f64| 0.5 * x * (1.0 + erf(x / std::f64::consts::SQRT_2));
+        let tanh = |x: f64| {
+            0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
+        };
+        let silu = |x: f64| x / (1.0 + (-x).exp());
+        for x in [-3.0f32, -1.0, -0.3, 0.0, 0.5, 1.0, 2.5] {
+            let want = [
+                (FfnActivation::Silu, silu(x as f64)),
+                (FfnActivation::Gelu, exact(x as f64)),
+                (FfnActivation::GeluTanh, tanh(x as f64)),
+            ];
+            for (act, w) in want {
+                let got = act.kernel().apply(x) as f64;
+                assert!((got - w).abs() < 2e-5, "{act:?}({x}) = {got}, want {w}");
+            }
+        }
+        // The exact and tanh forms differ by more than the tolerance somewhere: the test can tell them apart.
+        assert!((exact(-1.5) - tanh(-1.5)).abs() > 1e-4);
+    }
+
+    /// Abramowitz-Stegun 7.1.26 is too coarse here; a series that converges for |x| <= 3.
+    fn erf(x: f64) -> f64 {
+        let mut sum = 0.0;
+        let mut term = x;
+        for n in 0..60 {
+            sum += term / (2 * n + 1) as f64;
+            term *= -x * x / (n + 1) as f64;
+        }
+        sum * 2.0 / std::f64::consts::PI.sqrt()
+    }
+}
