@@ -26,6 +26,8 @@ pub struct InspectReport {
     pub tied_embeddings: bool,
     pub norm_topk_prob: bool,
     pub rope_theta: f32,
+    /// What each layer is, one line per run of equal layers (`LayerPlan::summary`).
+    pub layer_kinds: Vec<String>,
     pub expert_dtype: String,
     /// Tensor count per dtype.
     pub dtypes: BTreeMap<String, usize>,
@@ -73,6 +75,7 @@ impl InspectReport {
             tied_embeddings: c.tied_embeddings,
             norm_topk_prob: c.norm_topk_prob,
             rope_theta: c.rope_theta,
+            layer_kinds: model.plan().summary(),
             expert_dtype: model.expert_dtype().name().to_string(),
             dtypes,
             n_tensors: tensors.len(),
@@ -100,6 +103,9 @@ impl InspectReport {
         line("format", format!("{:?}", self.format).to_lowercase());
         line("architecture", format!("{} (adapter {}, gguf arch {})", self.arch, self.arch, self.gguf_arch));
         line("layers", self.n_layers.to_string());
+        for kinds in &self.layer_kinds {
+            line("  layer kinds", kinds.clone());
+        }
         line("experts", format!("{} (top-{} used per token)", self.n_experts, self.n_experts_used));
         line("hidden", self.hidden.to_string());
         line(

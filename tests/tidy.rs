@@ -566,6 +566,17 @@ fn the_oracle_shares_no_arithmetic_with_the_fast_paths() {
     assert_none("the oracle imports a fast path (it keeps its own arithmetic)", found);
 }
 
+/// The model as data: the engines walk each layer's spec and never ask which architecture they
+/// run (`Arch`, the adapter table), so a new architecture made of existing kinds is one file in
+/// `src/model/arch/`.
+#[test]
+fn engines_never_ask_which_architecture_they_run() {
+    let mut files = sources(&["src/moe", "src/gpu", "src/engine", "src/cache", "actors"]);
+    files.push(Source::load(&root().join("src/reference.rs")));
+    let found = naming(&files, &["Arch", "ADAPTERS", "adapter"]);
+    assert_none("an engine names an architecture (read the layer's spec from Model::plan instead)", found);
+}
+
 /// `unsafe` items that predate the "directly above" rule and have no SAFETY comment or `# Safety`
 /// doc of their own: (file, start of the line). To document; kernels/ is edited on its own branch.
 const SAFETY_UNDOCUMENTED: [(&str, &str); 1] =

@@ -3,7 +3,7 @@
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use moe_lanes::arch;
+use moe_lanes::adapter;
 use moe_lanes::cache::trace::{read_learn_or_trace, ExpertTracer};
 use moe_lanes::cache::update::{UpdateMode, UpdatePolicy};
 use moe_lanes::cache::weighting::{WeightMode, Weighting};

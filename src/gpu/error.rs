@@ -17,6 +17,8 @@ pub enum GpuError {
     HotSet(#[from] HotSetError),
     #[error(transparent)]
     Cold(super::cold::ColdError),
+    #[error("the experts' activation is {activation:?}; the GPU kernels implement SiLU only")]
+    Activation { activation: crate::model::arch::FfnActivation },
     #[error("head_dim {head_dim} is odd; the GPU RoPE kernels need an even head_dim")]
     OddHeadDim { head_dim: usize },
     #[error("the hot set has {given} layers, the model has {expected}")]

@@ -328,6 +328,10 @@ impl GpuModel {
         if cfg.head_dim % 2 == 1 {
             return Err(GpuError::OddHeadDim { head_dim: cfg.head_dim });
         }
+        let activation = model.plan().expert_activation();
+        if activation != crate::model::arch::FfnActivation::Silu {
+            return Err(GpuError::Activation { activation });
+        }
         let w = DenseWeights::upload(&model, &be)?;
         let hot = HotCache::empty(&be, &model)?;
         let dequant = dequant_scratch(&be, &cfg, &w, &hot)?;

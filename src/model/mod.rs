@@ -180,6 +180,11 @@ impl Model {
         self.adapter
     }
 
+    /// The pipeline switches this architecture opts into.
+    pub fn profile(&self) -> crate::model::arch::Profile {
+        self.adapter.profile
+    }
+
     /// Every layer's kind: the plan each engine walks.
     pub fn plan(&self) -> &LayerPlan {
         &self.plan

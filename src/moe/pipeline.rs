@@ -297,7 +297,6 @@ impl Pipeline {
         hot_lanes: Vec<Box<dyn HotLane>>,
     ) -> Result<Pipeline, PipelineError> {
         let c = model.config().clone();
-        let adapter = model.adapter();
         let hot_set = options
             .hot_set
             .clone()
@@ -365,7 +364,7 @@ impl Pipeline {
         let switches = options.switches;
         Ok(Pipeline {
             perf: PerfState::new(options.perf_mode, c.n_layers, c.n_experts, c.n_experts_used),
-            policy: PpPolicy { profile: adapter.profile, switches },
+            policy: PpPolicy { profile: model.profile(), switches },
             fallback_scratch: FfnScratch::new(cold.dims(), 1),
             cold,
             pool_lane,

@@ -236,8 +236,8 @@ impl LayerPlan {
         self.layers.is_empty()
     }
 
-    /// One line per run of equal layers: `"0-47: attention(per_head qk norm, half_split rope) +
-    /// moe(softmax_then_top_k 8/128, silu)"`, for `inspect`.
+    /// One line per run of equal layers, for `inspect`: `"0-47: attention (neox rope, per-head q/k
+    /// norm) + moe (8 of 128 experts, softmax, top-k, renormalised, silu)"`.
     pub fn summary(&self) -> Vec<String> {
         let mut out = Vec::new();
         let mut start = 0;
@@ -254,22 +254,37 @@ impl LayerPlan {
 
 fn describe(spec: &LayerSpec) -> String {
     let a = spec.attention();
-    let mut mixer = format!("attention({:?} qk norm, {:?} rope", a.qk_norm, a.rope.style);
+    let mut mixer = vec![match a.rope.style {
+        RopeStyle::HalfSplit => "neox rope".to_string(),
+        RopeStyle::Interleaved => "interleaved rope".to_string(),
+    }];
+    match a.qk_norm {
+        QkNorm::None => {}
+        QkNorm::PerHead => mixer.push("per-head q/k norm".into()),
+        QkNorm::WholeProjection => mixer.push("q/k norm".into()),
+    }
     if a.qkv_bias {
-        mixer.push_str(", qkv bias");
+        mixer.push("qkv bias".into());
     }
     if let Some(w) = a.window {
-        mixer.push_str(&format!(", window {w}"));
+        mixer.push(format!("window {w}"));
+    }
+    if let Some(c) = a.clip_qkv {
+        mixer.push(format!("clip {c}"));
     }
     let m = spec.moe();
-    let shared = m.shared.map(|s| format!(", shared expert {}", s.ff)).unwrap_or_default();
-    format!(
-        "{mixer}) + moe({:?} {}/{}, {}{shared})",
-        m.router.variant,
-        m.router.n_experts_used,
-        m.router.n_experts,
-        m.activation.hf_name()
-    )
+    let routing = match m.router.variant {
+        RoutingVariant::SoftmaxThenTopK if m.router.norm_topk_prob => "softmax, top-k, renormalised",
+        RoutingVariant::SoftmaxThenTopK => "softmax, top-k",
+        RoutingVariant::TopKThenSoftmax => "top-k, softmax",
+    };
+    let mut ffn =
+        vec![format!("{} of {} experts", m.router.n_experts_used, m.router.n_experts), routing.into()];
+    ffn.push(m.activation.hf_name().into());
+    if let Some(s) = m.shared {
+        ffn.push(format!("gated shared expert {}", s.ff));
+    }
+    format!("attention ({}) + moe ({})", mixer.join(", "), ffn.join(", "))
 }
 
 /// Expert sizes as a config states them.
