@@ -14,12 +14,10 @@
 //! | `MOE_LANES_GROUPED_PIPELINE=0` | the GPU prefill hot lane's grouped GEMMs (bf16 and quantized caches) load their tiles synchronously instead of copying them stages ahead of the tensor cores (an A/B switch; same results) |
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
-//! | `MOE_LANES_HOT_GEMM` | the GPU prefill hot lane's GEMMs: `grouped` (default, one launch per projection) or `cublas` (per expert) |
 //! | `MOE_LANES_HOT_DEQUANT_MIB` | A/B: VRAM for quantized hot slots dequantized to bf16 before the grouped prefill GEMMs (default 0: the GEMMs decode quantized tiles themselves; more: fewer chunks) |
 //! | `MOE_LANES_HOT_DEQUANT_OVERLAP=1` | dequantize those chunks (two half-size ones) on the side stream beside the previous chunk's GEMMs |
 //! | `MOE_LANES_GPU_GRAPH=0` | launch every decode kernel one by one instead of replaying the captured decode graph (all-hot models) or decode segments (models with cold experts) |
 //! | `MOE_LANES_GRAPH_LANE_EVENTS=1` | the decode graphs record CUDA events around every all-hot layer's hot lane on every call (an A/B: the events stop programmatic dependent launch there); default: none in the graphs, one decode call in 64 runs eagerly and timed |
-//! | `MOE_LANES_GPU_FUSED_ROUTE=0` | decode routing as four launches (norm, router GEMV, top-k, worklist) instead of the fused one |
 //! | `MOE_LANES_PREFILL_ACTIVATIONS` | what the GPU prefill GEMMs feed the tensor cores: `auto` (default: bf16 hi + lo for float weights, one bf16 rounding for quantized ones), `split` (hi + lo for every type), `bf16` (one rounding for every type) |
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `mma` (default, flash-style tiles of queries x keys on the tensor cores, bf16 hi + lo operands; heads of a multiple of 16 up to 128 dims on sm_80+, else `tiled`), `tiled` (the same tiles in f32 on the CUDA cores) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
@@ -33,11 +31,8 @@
 //! | `MOE_LANES_POSTFETCH_DEBUG=1` | a line per prefill layer with the decision (stderr) |
 //! | `MOE_LANES_POSTFETCH_DECODE` | `1`: decode splits a layer's cold experts between the CPU lane and copies to the scratchpad by the same cost model; `0` (default): decode keeps every cold expert on the CPU |
 //! | `MOE_LANES_POSTFETCH_REGISTER` | `1` (default): copies read the model file's pages, registered with the device (read-only) once at engine start; `0`, or when the driver refuses: staged through pinned buffers |
-//! | `MOE_LANES_POOL_COLD` | `off`: the pipeline's cold lane on lane-actor worker threads instead of the dense stage's pool ([`pool_cold`]) |
 
-use crate::gpu::{
-    GpuFaults, HotGemm, PostFetchOptions, PrefillActivations, PrefillAttention, POSTFETCH_MAX_STREAMS,
-};
+use crate::gpu::{GpuFaults, PostFetchOptions, PrefillActivations, PrefillAttention, POSTFETCH_MAX_STREAMS};
 use crate::moe::phase::{PolicySwitches, Switch};
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::CudaConfig;
@@ -138,15 +133,6 @@ pub fn cpu_profile() -> bool {
     var("MOE_LANES_CPU_PROFILE").is_some_and(|v| v != "0")
 }
 
-/// `MOE_LANES_HOT_GEMM` (`grouped` or `cublas`; unset is `grouped`).
-pub fn hot_gemm() -> Result<HotGemm, EnvError> {
-    match var("MOE_LANES_HOT_GEMM").as_deref() {
-        None | Some("grouped") => Ok(HotGemm::Grouped),
-        Some("cublas") => Ok(HotGemm::PerExpert),
-        Some(v) => Err(bad("MOE_LANES_HOT_GEMM", v, "grouped or cublas")),
-    }
-}
-
 /// `MOE_LANES_GPU_ATTENTION` (`mma`, `tiled` or `rows`; unset is `mma`).
 pub fn prefill_attention() -> Result<PrefillAttention, EnvError> {
     match var("MOE_LANES_GPU_ATTENTION").as_deref() {
@@ -215,11 +201,6 @@ pub fn decode_graph() -> bool {
     var("MOE_LANES_GPU_GRAPH").is_none_or(|v| v != "0")
 }
 
-/// `MOE_LANES_GPU_FUSED_ROUTE=0`: decode routing as four launches; fused by default.
-pub fn fused_route() -> bool {
-    var("MOE_LANES_GPU_FUSED_ROUTE").is_none_or(|v| v != "0")
-}
-
 /// The pipeline's A/B switches (`MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE`:
 /// `off|on|auto`; `MOE_LANES_ORDER`: `token|expert`). A value outside those is an error.
 pub fn policy_switches() -> Result<PolicySwitches, EnvError> {
@@ -244,16 +225,6 @@ pub fn policy_switches() -> Result<PolicySwitches, EnvError> {
         order,
         dense_pp: None,
     })
-}
-
-/// `MOE_LANES_POOL_COLD` (`on` or `off`; unset is `on`): the pipeline's
-/// [`crate::pipeline::PipelineOptions::pool_cold`], an A/B switch.
-pub fn pool_cold() -> Result<bool, EnvError> {
-    match var("MOE_LANES_POOL_COLD").as_deref() {
-        None | Some("on") => Ok(true),
-        Some("off") => Ok(false),
-        Some(v) => Err(bad("MOE_LANES_POOL_COLD", v, "on or off")),
-    }
 }
 
 /// A size in MiB (decimals allowed) as bytes.

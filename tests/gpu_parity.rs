@@ -19,7 +19,7 @@ use moe_lanes::actors::Exchange;
 use moe_lanes::cache::hot_set::HotSet;
 use moe_lanes::cache::perf::{FallbackReason, PerfReport, PostFetchPerf};
 use moe_lanes::engine::{build_engine, Engine, EngineError, EngineKind, EngineOptions, HotBudget, HotChoice};
-use moe_lanes::gpu::{CudaBackend, GpuFaults, HotGemm, PostFetchMode, PostFetchOptions};
+use moe_lanes::gpu::{CudaBackend, GpuFaults, PostFetchMode, PostFetchOptions};
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use moe_lanes::reference::{NoObserver, Reference};
@@ -78,18 +78,16 @@ fn hot_set(hot: Hot, n_layers: usize, n_experts: usize) -> HotSet {
 }
 
 fn gpu_engine(model: &Arc<Model>, hot: HotChoice, faults: GpuFaults) -> Box<dyn Engine + '_> {
-    gpu_engine_with(model, hot, faults, HotGemm::default(), 64)
+    gpu_engine_with(model, hot, faults, 64)
 }
 
 fn gpu_engine_with(
     model: &Arc<Model>,
     hot: HotChoice,
     faults: GpuFaults,
-    hot_gemm: HotGemm,
     positions: usize,
 ) -> Box<dyn Engine + '_> {
     let mut opts = gpu_options(hot, positions);
-    opts.gpu.hot_gemm = hot_gemm;
     opts.gpu.faults = faults;
     build_gpu(model, opts)
 }
@@ -163,46 +161,39 @@ fn open(name: &str) -> Arc<Model> {
     Arc::new(Model::open(&common::fixtures_root().join(name)).unwrap())
 }
 
-fn run_hot(hot: Hot, hot_gemm: HotGemm) {
+fn run_hot(hot: Hot) {
     let Some(_gpu) = gpu_shared() else { return };
     let mut worst = 0f32;
     for name in &common::fixture_names() {
         let model = open(name);
         let c = model.config().clone();
         let set = HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts));
-        let mut engine = gpu_engine_with(&model, set, GpuFaults::default(), hot_gemm, 64);
+        let mut engine = gpu_engine_with(&model, set, GpuFaults::default(), 64);
         worst = worst.max(check_against_reference(&format!("{name} {hot:?}"), &model, engine.as_mut()));
         let perf = engine.perf().unwrap();
         let fallbacks: u64 = perf.report().layers.iter().map(|l| l.parallel_fallbacks).sum();
         assert_eq!(fallbacks, 0, "{name} {hot:?}: no fallback without a fault");
     }
-    eprintln!("hot {hot:?} {hot_gemm:?}: worst relative error {worst:e}");
+    eprintln!("hot {hot:?}: worst relative error {worst:e}");
 }
 
 #[test]
 fn fixtures_hot_none() {
-    run_hot(Hot::None, HotGemm::Grouped);
+    run_hot(Hot::None);
 }
 
 #[test]
 fn fixtures_hot_half() {
-    run_hot(Hot::Half, HotGemm::Grouped);
+    run_hot(Hot::Half);
 }
 
 #[test]
 fn fixtures_hot_all() {
-    run_hot(Hot::All, HotGemm::Grouped);
-}
-
-/// The A/B baseline (`MOE_LANES_HOT_GEMM=cublas`: one cuBLAS GEMM per cached expert) stays exact.
-#[test]
-fn fixtures_hot_half_and_all_per_expert_gemm() {
-    run_hot(Hot::Half, HotGemm::PerExpert);
-    run_hot(Hot::All, HotGemm::PerExpert);
+    run_hot(Hot::All);
 }
 
 /// A prompt long enough that experts get more rows than one grouped-GEMM tile (64): every
-/// prefill row of both hot-lane GEMM variants against the reference, and `forward_last` (the
+/// prefill row of the grouped hot-lane GEMMs against the reference, and `forward_last` (the
 /// lm_head for the last row only) equal to the last row of a full forward.
 #[test]
 fn long_prompt_grouped_tiles_and_forward_last() {
@@ -216,24 +207,21 @@ fn long_prompt_grouped_tiles_and_forward_last() {
     let prompt: Vec<u32> = (0..n).map(|i| ((i * 7 + 3) % c.vocab) as u32).collect();
     let reference = Reference::new(&model).unwrap();
     let want = reference.forward(&mut reference.new_cache(), &prompt, &mut NoObserver).unwrap();
-    for hot_gemm in [HotGemm::Grouped, HotGemm::PerExpert] {
-        for hot in [Hot::Half, Hot::All] {
-            let set = HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts));
-            let mut engine = gpu_engine_with(&model, set, GpuFaults::default(), hot_gemm, n);
-            let mut cache = engine.new_cache(n).unwrap();
-            let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
-            let mut worst = 0f32;
-            for (i, w) in want.iter().enumerate() {
-                worst =
-                    worst.max(compare_row(&format!("{name} {hot:?} {hot_gemm:?} row {i}"), got.row(i), w));
-            }
-            eprintln!("{name} {n} tokens {hot:?} {hot_gemm:?}: worst relative error {worst:e}");
-            let mut cache = engine.new_cache(n).unwrap();
-            let last = engine.forward_last(&prompt, Phase::Prefill, &mut cache).unwrap();
-            assert_eq!((last.n_rows, last.argmax[0]), (1, *got.argmax.last().unwrap()));
-            compare_row(&format!("{name} forward_last"), last.row(0), want.last().unwrap());
-            assert_eq!(cache.n_positions(), n, "forward_last keeps every position in the KV cache");
+    for hot in [Hot::Half, Hot::All] {
+        let set = HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts));
+        let mut engine = gpu_engine_with(&model, set, GpuFaults::default(), n);
+        let mut cache = engine.new_cache(n).unwrap();
+        let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
+        let mut worst = 0f32;
+        for (i, w) in want.iter().enumerate() {
+            worst = worst.max(compare_row(&format!("{name} {hot:?} row {i}"), got.row(i), w));
         }
+        eprintln!("{name} {n} tokens {hot:?}: worst relative error {worst:e}");
+        let mut cache = engine.new_cache(n).unwrap();
+        let last = engine.forward_last(&prompt, Phase::Prefill, &mut cache).unwrap();
+        assert_eq!((last.n_rows, last.argmax[0]), (1, *got.argmax.last().unwrap()));
+        compare_row(&format!("{name} forward_last"), last.row(0), want.last().unwrap());
+        assert_eq!(cache.n_positions(), n, "forward_last keeps every position in the KV cache");
     }
 }
 

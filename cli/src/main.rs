@@ -618,11 +618,9 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.cold_schedule = env::cold_schedule()?;
     opts.gpu.profile = env::gpu_profile();
     opts.gpu.faults = env::faults()?;
-    opts.gpu.hot_gemm = env::hot_gemm()?;
     opts.gpu.hot_dequant_overlap = env::hot_dequant_overlap();
     opts.gpu.decode_graph = env::decode_graph();
     opts.gpu.graph_lane_events = env::graph_lane_events();
-    opts.gpu.fused_route = env::fused_route();
     if let Some(b) = env::hot_dequant_bytes()? {
         opts.gpu.hot_dequant_bytes = b;
     }
@@ -631,7 +629,6 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.gpu.postfetch = env::postfetch()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
     opts.pipeline.switches = env::policy_switches()?;
-    opts.pipeline.pool_cold = env::pool_cold()?;
     opts.pipeline.profile = env::cpu_profile();
     Ok(opts)
 }

@@ -287,12 +287,11 @@ impl GpuModel {
     /// `rows_to_host` also queues the FFN-normed rows to pinned memory (decode on the device
     /// path with cold slots), ready at the same event.
     /// Whether layer `l`'s decode routing runs as the one fused launch (`route_decode`: norm,
-    /// router, top-k and the hot worklist): on unless switched off, for a bf16 router whose
-    /// rows fit the kernel's shared memory.
+    /// router, top-k and the hot worklist): for a bf16 router whose rows fit the kernel's shared
+    /// memory (else four launches).
     pub(crate) fn route_fusable(&self, l: usize) -> bool {
         let c = &self.cfg;
-        self.opts.fused_route
-            && self.w.layers[l].router.view().bf16().is_some()
+        self.w.layers[l].router.view().bf16().is_some()
             && CudaBackend::route_decode_fits(c.hidden, c.n_experts)
     }
 

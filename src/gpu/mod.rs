@@ -30,7 +30,7 @@ pub use cold::{ColdError, ColdExperts, ColdSlot, CpuColdExperts};
 pub use error::GpuError;
 pub use kv::GpuKvCache;
 pub use model::{
-    BadFault, GpuFaults, GpuModel, GpuOptions, HotGemm, LayerFaults, PrefillActivations, PrefillAttention,
+    BadFault, GpuFaults, GpuModel, GpuOptions, LayerFaults, PrefillActivations, PrefillAttention,
     HOT_LANE_TIMEOUT,
 };
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};

@@ -136,20 +136,6 @@ impl std::str::FromStr for GpuFaults {
     }
 }
 
-/// How the prefill hot lane runs its expert GEMMs (an A/B switch: `MOE_LANES_HOT_GEMM` at the
-/// CLI).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum HotGemm {
-    /// One tensor-core launch per projection for every cached expert of the layer (gate and up
-    /// fused with the activation, then down), then the weighted scatter; quantized slots are
-    /// decoded to bf16 tile by tile in shared memory (or, with `hot_dequant_bytes`, dequantized
-    /// to a bf16 scratch chunk by chunk first: `hot_dequant`).
-    #[default]
-    Grouped,
-    /// One cuBLAS GEMM per cached expert and projection (two with split activations).
-    PerExpert,
-}
-
 /// How prefill attention runs (an A/B switch: `MOE_LANES_GPU_ATTENTION` at the CLI). Decode
 /// always splits positions over blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -196,7 +182,6 @@ impl PrefillActivations {
 #[derive(Debug, Clone, Copy)]
 pub struct GpuOptions {
     /// The prefill hot lane's GEMMs: grouped (default) or per expert through cuBLAS.
-    pub hot_gemm: HotGemm,
     pub prefill_attention: PrefillAttention,
     /// What prefill GEMMs take as activations, by weight type.
     pub prefill_activations: PrefillActivations,
@@ -225,9 +210,6 @@ pub struct GpuOptions {
     /// all-hot tg on the H100); one call in [`super::graph::HOT_TIMING_EVERY_CALLS`] runs eagerly
     /// instead, timed, and the others report its times.
     pub graph_lane_events: bool,
-    /// Decode routing (FFN norm, router, top-k, hot worklist) as one launch (`route_decode`);
-    /// off: four (`MOE_LANES_GPU_FUSED_ROUTE=0` at the CLI).
-    pub fused_route: bool,
     /// Post-Fetch of cold experts in prefill (`postfetch` module).
     pub postfetch: PostFetchOptions,
     /// One-token decode GEMVs of quantized weights (the dense matrices and the hot lane) take
@@ -240,7 +222,6 @@ pub struct GpuOptions {
 impl Default for GpuOptions {
     fn default() -> Self {
         GpuOptions {
-            hot_gemm: HotGemm::Grouped,
             prefill_attention: PrefillAttention::Mma,
             prefill_activations: PrefillActivations::default(),
             hot_dequant_bytes: 0,
@@ -252,7 +233,6 @@ impl Default for GpuOptions {
             faults: GpuFaults::default(),
             decode_graph: true,
             graph_lane_events: false,
-            fused_route: true,
             postfetch: PostFetchOptions::default(),
             q8_activations: true,
         }
@@ -303,7 +283,7 @@ pub struct GpuModel {
     /// bf16 rows of quantized matrices for the prefill GEMMs (none for a float model).
     pub(crate) dequant: Option<DeviceBuffer<u16>>,
     /// bf16 gate, up and down of two chunks of quantized hot slots for the grouped prefill
-    /// GEMMs (none for a float model or `HotGemm::PerExpert`).
+    /// GEMMs (none for a float model).
     pub(crate) hot_dequant: Option<HotDequant>,
     /// Post-Fetch's scratchpad, streams and totals (none: off, or not a bf16 model).
     pub(crate) postfetch: Option<PostFetch>,
@@ -335,13 +315,13 @@ impl GpuModel {
         let w = DenseWeights::upload(&model, &be)?;
         let hot = HotCache::empty(&be, &model)?;
         let dequant = dequant_scratch(&be, &cfg, &w, &hot)?;
-        let wants_scratch = opts.hot_dequant_bytes > 0 && opts.hot_gemm == HotGemm::Grouped;
+        let wants_scratch = opts.hot_dequant_bytes > 0;
         let hot_dequant = if hot.any_quantized() && wants_scratch {
             Some(HotDequant::new(&be, &cfg, opts.hot_dequant_bytes, opts.hot_dequant_overlap)?)
         } else {
             None
         };
-        let postfetch = PostFetch::new(&be, &model, opts.postfetch, opts.hot_gemm)?;
+        let postfetch = PostFetch::new(&be, &model, opts.postfetch)?;
         let lane_events = (0..cfg.n_layers)
             .map(|_| Ok(LaneEvents::new(be.event()?, be.event()?)))
             .collect::<Result<Vec<_>, GpuError>>()?;

@@ -13,9 +13,8 @@
 //!   tensor-core GEMMs over every cached expert's gathered token rows (one launch for gate, up
 //!   and the activation, one for down; quantized slots are decoded tile by tile inside those
 //!   kernels, or, with a scratch (`GpuOptions::hot_dequant_bytes`), dequantized to bf16 a chunk
-//!   of slots at a time first, `hot_dequant`; `HotGemm::PerExpert`: one cuBLAS
-//!   GEMM per cached expert and projection, quantized slots dequantized to bf16 first); the join
-//!   waits for the hot lane's event with a timeout.
+//!   of slots at a time first, `hot_dequant`); the join waits for the hot lane's event with a
+//!   timeout.
 //!
 //! A fallback recomputes the layer's routed experts all-cold on the CPU from the RAM experts
 //! (the given cold lane, or the plain one when the cold lane itself failed), overwrites the
@@ -24,7 +23,7 @@
 use super::cold::{ColdError, ColdExperts, ColdSlot};
 use super::dense::route_ids;
 use super::hot_dequant::plan_chunks;
-use super::model::{GpuModel, HotGemm};
+use super::model::GpuModel;
 use super::postfetch::{PF_CPU, PF_LATE};
 use super::scratch::{HostScratch, RouteView, WorkLayout};
 use super::stats::LayerRecord;
@@ -431,7 +430,7 @@ impl GpuModel {
         let s = self.scratch.as_mut().expect("reserved");
         let (n_hot, n_all, _) = encode_hot(&mut self.host, &s.layout, t, true);
         self.host.n_tiles = 0;
-        if self.opts.hot_gemm == HotGemm::Grouped {
+        {
             let slots = &self.host.worklist.hot[0].hot_id[..n_hot];
             let tiles = &mut self.host.work_i[s.layout.tiles..][..3 * n_hot];
             self.host.n_tiles = grouped_tiles(slots, tiles)?;
@@ -465,13 +464,11 @@ impl GpuModel {
         let n_hot = self.host.worklist.hot[0].hot_count;
         if n_hot > 0 {
             let all_bf16 = self.hot.slots(l).expect("hot entries imply a cache").all_bf16();
-            match self.opts.hot_gemm {
+            if !all_bf16 && self.hot_dequant.is_some() {
                 // quantized slots with a bf16 scratch: dequantized chunk by chunk for the bf16 kernels
-                HotGemm::Grouped if !all_bf16 && self.hot_dequant.is_some() => {
-                    self.hot_lane_dequant_grouped(l, t)?
-                }
-                HotGemm::Grouped => self.hot_lane_grouped(l, t)?,
-                HotGemm::PerExpert => self.hot_lane_per_expert(l)?,
+                self.hot_lane_dequant_grouped(l, t)?
+            } else {
+                self.hot_lane_grouped(l, t)?
             }
         }
         let n_all = n_hot + self.host.pf_slot.len();
@@ -521,34 +518,6 @@ impl GpuModel {
         be.grouped_gate_up_typed(gate, up, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split(gate))?;
         be.grouped_gemm_typed(down, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split(down))?;
         Ok(())
-    }
-
-    /// Per expert (the A/B baseline): gate and up cuBLAS GEMMs per cached
-    /// expert over its gathered rows, activation, down GEMM per cached expert (a quantized
-    /// expert dequantized to bf16 first).
-    fn hot_lane_per_expert(&self, l: usize) -> Result<(), GpuError> {
-        let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
-        let s = self.scratch.as_ref().expect("reserved");
-        let sec = &self.host.worklist.hot[0];
-        let n_hot = sec.hot_count;
-        let c = self.hot.slots(l).expect("hot entries imply a cache");
-        let lo = self.opts.prefill_activations.split(c.gate.dtype).then(|| s.x_lo.ptr());
-        let (xhi, lay, wi) = (s.x_hi.ptr(), s.layout, s.work_i.ptr());
-        self.be.gather_split_bf16(s.normed.ptr(), Some(wi.sub(lay.tokens, n_hot)), xhi, lo, n_hot, h)?;
-        for_slot_groups(&sec.hot_id[..n_hot], |slot, start, n_s| {
-            let (xs, xl) = (xhi.sub(start * h, n_s * h), lo.map(|p| p.sub(start * h, n_s * h)));
-            let g = s.g.ptr().sub(start * ff, n_s * ff);
-            self.gemm(c.gate.matrix(slot, ff, h), xs, xl, g, n_s, ff, h, false)?;
-            let u = s.u.ptr().sub(start * ff, n_s * ff);
-            self.gemm(c.up.matrix(slot, ff, h), xs, xl, u, n_s, ff, h, false)
-        })?;
-        self.be.silu_mul(s.g.ptr(), s.u.ptr(), s.h.ptr(), n_hot * ff)?;
-        self.be.gather_split_bf16(s.h.ptr(), None, xhi, lo, n_hot, ff)?;
-        for_slot_groups(&sec.hot_id[..n_hot], |slot, start, n_s| {
-            let (xs, xl) = (xhi.sub(start * ff, n_s * ff), lo.map(|p| p.sub(start * ff, n_s * ff)));
-            let y = s.y.ptr().sub(start * h, n_s * h);
-            self.gemm(c.down.matrix(slot, h, ff), xs, xl, y, n_s, h, ff, false)
-        })
     }
 
     /// Host path: the cold lane on the CPU (`HostScratch::cold_slots` over the `n_rows` gathered
@@ -681,21 +650,6 @@ fn wait_event(ev: &GpuEvent, limit: Duration) -> bool {
         }
         std::hint::spin_loop();
     }
-}
-
-/// Call `f(slot, start, len)` for each run of equal cache slots in `slots`.
-fn for_slot_groups(
-    slots: &[u32],
-    mut f: impl FnMut(usize, usize, usize) -> Result<(), GpuError>,
-) -> Result<(), GpuError> {
-    let mut start = 0;
-    while start < slots.len() {
-        let slot = slots[start];
-        let n = slots[start..].iter().take_while(|&&x| x == slot).count();
-        f(slot as usize, start, n)?;
-        start += n;
-    }
-    Ok(())
 }
 
 /// The worklist's hot section, then Post-Fetch's fetched entries (`pf_*`: slots of the

@@ -56,7 +56,7 @@ mod decode;
 pub(crate) mod plan;
 
 use super::hot_cache::SlotShape;
-use super::model::{GpuModel, HotGemm};
+use super::model::GpuModel;
 use super::GpuError;
 use crate::format::dtype::DType;
 use crate::model::Model;
@@ -161,16 +161,15 @@ fn fetchable_experts(model: &Model) -> Option<Vec<SlotShape>> {
 }
 
 impl PostFetch {
-    /// The scratchpad for `model`, or none when Post-Fetch is off, has no VRAM, the prefill hot
-    /// lane is not grouped, or the experts are f16/f32. Measures the PCIe rate.
+    /// The scratchpad for `model`, or none when Post-Fetch is off, has no VRAM, or the experts
+    /// are f16/f32. Measures the PCIe rate.
     pub fn new(
         be: &CudaBackend,
         model: &Model,
         opts: PostFetchOptions,
-        hot_gemm: HotGemm,
     ) -> Result<Option<PostFetch>, GpuError> {
         let off = opts.mode == PostFetchMode::Off || opts.scratch_bytes == 0;
-        if off || hot_gemm != HotGemm::Grouped {
+        if off {
             return Ok(None);
         }
         let Some(layers) = fetchable_experts(model) else { return Ok(None) };
