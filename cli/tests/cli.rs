@@ -344,7 +344,9 @@ fn live_cache_commands_end_to_end() {
         err.contains("learn.json") && err.contains("another model") && err.contains("n_experts"),
         "{err}"
     );
-    ok_stdout(&["learn", "--model", p(&a), "--out", p(&learn), "--engine", "pipeline", "--n-tokens", "32"]);
+    // the learn file is replaced: --force (cli/tests/hardening48.rs checks the rule)
+    let relearn = ["learn", "--model", p(&a), "--out", p(&learn), "--force", "--engine", "pipeline"];
+    ok_stdout(&[&relearn[..], &["--n-tokens", "32"]].concat());
     let bad_weighting =
         ["plan", "--model", p(&a), "--learn", p(&learn), "--hot-budget-mib", "1", "--weighting", "hot"];
     let err = failure(&bad_weighting);
@@ -386,6 +388,7 @@ fn live_cache_commands_end_to_end() {
             "8",
             "--perf-json",
             p(&perf),
+            "--force",
         ]);
         assert_eq!(got, want, "weighting {w}: output equals the reference");
         let report: serde_json::Value =
