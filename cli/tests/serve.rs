@@ -14,6 +14,14 @@ fn tiny(dir: &std::path::Path) -> String {
     p(&path).to_string()
 }
 
+/// A hot-experts file with the lowest half of the tiny model's experts hot in both layers, a start
+/// the hot-cache tests' exchanges are counted from (`--hot-fraction` ranks by a learn pass).
+fn lowest_half(dir: &std::path::Path) -> String {
+    let path = dir.join("lowest-half.json");
+    std::fs::write(&path, r#"{"layers": {"0": [0, 1, 2, 3], "1": [0, 1, 2, 3]}}"#).unwrap();
+    p(&path).to_string()
+}
+
 fn generate(model: &str, tokens: &str, n: usize, hot: &[&str]) -> Vec<u64> {
     let mut args = vec!["generate", "--model", model, "--tokens", tokens, "--engine", "pipeline"];
     let n = n.to_string();
@@ -260,7 +268,7 @@ fn a_hot_cache_apply_changes_the_set_between_requests_and_the_output_stays_exact
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
     let want = generate(&model, "5,6,7", 8, &[]);
-    let server = Server::start(&model, &["--hot-fraction", "0.5"]);
+    let server = Server::start(&model, &["--hot-experts", &lowest_half(dir.path())]);
     let (status, v) =
         server.json("POST", "/moe-hot-cache", &json!({"layers": {"0": [4, 5, 6, 7], "1": [0, 2, 4, 6]}}));
     assert_eq!(status, 200, "{v}");
@@ -326,7 +334,8 @@ fn family_sum(samples: &std::collections::BTreeMap<String, f64>, name: &str) -> 
 fn metrics_name_every_family_and_admin_endpoints_need_the_token() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let server = Server::start(&model, &["--hot-fraction", "0.5", "--admin-token", "s3cret"]);
+    let server =
+        Server::start(&model, &["--hot-experts", &lowest_half(dir.path()), "--admin-token", "s3cret"]);
     let (_, before) = server.request("GET", "/metrics", b"", &[]);
     server.json("POST", "/v1/completions", &json!({"prompt": [1, 2], "max_tokens": 3}));
     let body = json!({"layers": {"0": [4, 5, 6, 7]}}).to_string();
@@ -511,8 +520,9 @@ fn live_page_shows_every_layer_in_headless_chromium() {
 fn a_manual_apply_during_a_running_request_waits_for_it() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let want = generate(&model, "1,2", 2000, &["--hot-fraction", "0.5"]);
-    let server = Server::start(&model, &["--hot-fraction", "0.5"]);
+    let hot = lowest_half(dir.path());
+    let want = generate(&model, "1,2", 2000, &["--hot-experts", &hot]);
+    let server = Server::start(&model, &["--hot-experts", &hot]);
     let addr = server.addr.clone();
     let req = std::thread::spawn(move || {
         json_request(
