@@ -36,7 +36,7 @@ RUNS := env_var_or_default("RUNS", "3")
 engine_flag := if ENGINE == "" { "" } else { "--engine " + ENGINE }
 hot_json := "models/bench-hot.json"
 off_json := "models/bench-off.json"
-learn_cmd := BIN + " learn --model " + quote(MODEL) + " " + engine_flag + " --n-tokens " + LEARN_TOKENS + " --out " + quote(LEARN)
+learn_cmd := BIN + " learn --model " + quote(MODEL) + " " + engine_flag + " --n-tokens " + LEARN_TOKENS + " --out " + quote(LEARN) + " --force"
 bench_cmd := BIN + " bench --model " + quote(MODEL) + " " + engine_flag + " --learn " + quote(LEARN) + " -p " + P + " -n " + N + " --runs " + RUNS + " --json"
 table_cmd := "python3 scripts/bench-table.py --skip-missing " + hot_json + " " + off_json
 
