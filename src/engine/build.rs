@@ -53,7 +53,8 @@ impl std::fmt::Display for HotBudget {
         match self {
             HotBudget::Bytes(b) => write!(f, "budget {:.1} MiB", *b as f64 / MIB as f64),
             HotBudget::Auto => write!(f, "budget auto (free VRAM)"),
-            HotBudget::Fraction(x) => write!(f, "{}% of each layer's experts", x * 100.0),
+            // Rounded to 0.01%: 0.333 is "33.3%", not "33.300000000000004%".
+            HotBudget::Fraction(x) => write!(f, "{}% of each layer's experts", (x * 10000.0).round() / 100.0),
         }
     }
 }
@@ -494,5 +495,12 @@ mod tests {
         // Already over the limit: nothing.
         assert_eq!(auto_budget_bytes(10 * g, 80 * g, Some(60 * g)), 0);
         assert_eq!(device_limit(80 * g, Some(8 * g)), 8 * g);
+    }
+
+    #[test]
+    fn budgets_read_as_words() {
+        assert_eq!(HotBudget::Fraction(0.333).to_string(), "33.3% of each layer's experts");
+        assert_eq!(HotBudget::Bytes(3 << 19).to_string(), "budget 1.5 MiB");
+        assert_eq!(HotBudget::Auto.to_string(), "budget auto (free VRAM)");
     }
 }
