@@ -36,7 +36,7 @@ RUNS := env_var_or_default("RUNS", "3")
 engine_flag := if ENGINE == "" { "" } else { "--engine " + ENGINE }
 hot_json := "models/bench-hot.json"
 off_json := "models/bench-off.json"
-learn_cmd := BIN + " learn --model " + quote(MODEL) + " " + engine_flag + " --n-tokens " + LEARN_TOKENS + " --out " + quote(LEARN)
+learn_cmd := BIN + " learn --model " + quote(MODEL) + " " + engine_flag + " --n-tokens " + LEARN_TOKENS + " --out " + quote(LEARN) + " --force"
 bench_cmd := BIN + " bench --model " + quote(MODEL) + " " + engine_flag + " --learn " + quote(LEARN) + " -p " + P + " -n " + N + " --runs " + RUNS + " --json"
 table_cmd := "python3 scripts/bench-table.py --skip-missing " + hot_json + " " + off_json
 
@@ -105,6 +105,8 @@ compare:
 SHIFT_MODEL := env_var_or_default("SHIFT_MODEL", "models/shift.gguf")
 SHIFT_SYNTH := env_var_or_default("SHIFT_SYNTH", "--preset qwen3-30b-a3b --layers 2 --skew domains:2 --format gguf")
 UPDATE_RATE := env_var_or_default("UPDATE_RATE", "0.25")
+
+# A moving workload: bench --scenario shift on a domains:2 model (static vs online cache updates).
 shift:
     mkdir -p models
     test -e {{ quote(SHIFT_MODEL) }} || {{ BIN }} synth {{ SHIFT_SYNTH }} --out {{ quote(SHIFT_MODEL) }}
@@ -137,9 +139,12 @@ alias gpu-compare := compare-binaries
 # llama-fetch` here (downloads llama-cpp-python's source distribution from PyPI into .llama/, git-ignored),
 # then `just compare-llama` builds llama-bench (CUDA when nvcc is present) and prints pp/tg and ratios
 # for budget 0 / 50 / 100% vs -ncmoe (with a GPU) or CPU-only (without). MODEL, CASES, P, N, REPS, THREADS.
+
+# Download llama.cpp's source (llama-cpp-python's sdist from PyPI) into .llama/ for compare-llama.
 llama-fetch:
     bash benches/compare-llama-cpp.sh fetch
 
+# Build llama-bench and print pp/tg side by side with moe-lanes at budgets 0 / 50 / 100%.
 compare-llama:
     cargo build --release --bin moe-lanes
     bash benches/compare-llama-cpp.sh run
@@ -147,6 +152,8 @@ compare-llama:
 # A GGUF file (e.g. from `moe-lanes quantize`) in llama.cpp: per-position argmax of llama.cpp's
 # `llama-argmax` (benches/llama-argmax, built with llama-bench by `compare-llama`) against
 # `moe-lanes logits` on the same file and token ids (scripts/argmax-agreement.py).
+
+# Per-position argmax agreement of llama.cpp and `moe-lanes logits` on one GGUF file.
 llama-argmax file tokens="1,17,256,4096,77,9000,31,5,1234,600,42,7,8191,300,12,99":
     .llama/build/bin/llama-argmax {{ quote(file) }} 0 {{ tokens }} > target/llama-argmax.json
     cargo run --release --bin moe-lanes -- logits --model {{ quote(file) }} --tokens {{ tokens }} > target/moe-logits.json
@@ -155,5 +162,7 @@ llama-argmax file tokens="1,17,256,4096,77,9000,31,5,1234,600,42,7,8191,300,12,9
 # Coverage-guided fuzzing (AFL++ through cargo-afl, stable toolchain) of the GGUF reader, the
 # safetensors header and index, the perf/learn JSON and the hot-experts JSON: 10M executions each
 # by default; crashes and hangs fail it. `just fuzz gguf 1000000` runs one target.
+
+# Fuzz the file and JSON readers with AFL++ (TARGET all or one; EXECS executions each).
 fuzz target="all" execs="10000000":
     scripts/fuzz.sh {{ target }} {{ execs }}

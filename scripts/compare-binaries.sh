@@ -60,7 +60,7 @@ budgets=(0 $((all_mib / 2)) "$all_mib")
 echo "budgets: ${budgets[*]} MiB (0/50/100% of all experts, $all_mib MiB)"
 
 learn=$LOGS/learn.json
-if "$NEW" learn --engine gpu --model "$MODEL" --n-tokens "$LEARN_TOKENS" --out "$learn" 2>"$LOGS/learn-new.err"; then
+if "$NEW" learn --engine gpu --model "$MODEL" --n-tokens "$LEARN_TOKENS" --out "$learn" --force 2>"$LOGS/learn-new.err"; then
     echo "learn file: new binary (learn --engine gpu, $LEARN_TOKENS tokens)"
 elif "$OLD" learn --model "$MODEL" --n-tokens "$LEARN_TOKENS" --out "$learn" 2>"$LOGS/learn-old.err"; then
     echo "learn file: old binary (learn on the pipeline, $LEARN_TOKENS tokens); new failed: $(tail -1 "$LOGS/learn-new.err")"

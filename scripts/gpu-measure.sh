@@ -119,7 +119,7 @@ part_plan() {
     local m learn="$LOGS/plan-calib.json"
     m=$(model skewed)
     bench_json "$LOGS/plan-calib-bench.json" "$m" --engine gpu --hot-budget-mib "$(share_mib 50)" \
-        --perf-json "$learn" || return 1
+        --perf-json "$learn" --force || return 1
     "$BIN" plan --model "$m" --learn "$learn" --hot-budget-mib "$(share_mib 50)" --sweep --json \
         > "$LOGS/plan-sweep.json" || return 1
     for pct in 0 25 50 75 100; do

@@ -164,8 +164,8 @@ pub struct BenchReport {
     pub hot_experts: usize,
     pub all_experts_bytes: u64,
     pub budget: Option<HotBudget>,
-    /// Hit rate the plan predicts from the learn counts.
-    pub planned_hit_rate: f64,
+    /// Hit rate the plan predicts from the learn counts (`None`: no counts, so unknown).
+    pub planned_hit_rate: Option<f64>,
     pub learn_source: &'static str,
     pub cold_threads: usize,
     /// The engine's threads and how the cold count was chosen (`auto` or `fixed`).
@@ -388,7 +388,7 @@ impl BenchReport {
             hot_experts: build.n_hot_experts,
             all_experts_bytes: model.all_experts_bytes(),
             budget: opts.budget,
-            planned_hit_rate: build.planned_hit_rate.unwrap_or(0.0),
+            planned_hit_rate: build.planned_hit_rate,
             learn_source: build.hot_source,
             cold_threads: opts.threads.cold,
             threads: opts.threads,
@@ -406,13 +406,19 @@ impl BenchReport {
         let mib = |b: u64| b as f64 / (1 << 20) as f64;
         let mut out =
             format!("device        {} (engine {})\nmodel         {}\n", self.device, self.engine, self.model);
+        let plan = match self.budget {
+            Some(b) => b.to_string(),
+            None => "no budget".to_string(),
+        };
+        let planned = match self.planned_hit_rate {
+            Some(r) => format!("planned hit rate {:.1}%", r * 100.0),
+            None => "planned hit rate unknown: no learn counts".to_string(),
+        };
         out += &format!(
-            "hot cache     {} experts, {:.1} MiB of {:.1} MiB ({:?}, planned hit rate {:.1}% from {})\n",
+            "hot cache     {} experts, {:.1} MiB of {:.1} MiB ({plan}, {planned}, experts from {})\n",
             self.hot_experts,
             mib(self.hot_bytes),
             mib(self.all_experts_bytes),
-            self.budget,
-            self.planned_hit_rate * 100.0,
             self.learn_source
         );
         let (p, g) = (&self.pp_tokens_per_s_spread, &self.tg_tokens_per_s_spread);

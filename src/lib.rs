@@ -28,6 +28,7 @@ pub mod gpu;
 pub mod inspect;
 pub mod model;
 pub mod moe;
+pub mod output;
 pub mod quantize;
 pub mod reference;
 pub mod sample;

@@ -24,6 +24,8 @@ pub enum ForwardError {
     ContextFull { max_positions: usize },
     #[error("{prompt_tokens} prompt tokens + {new_tokens} new tokens exceed the context of {max_positions} positions (ask for at most {} new tokens)", max_positions.saturating_sub(*prompt_tokens))]
     TooLong { prompt_tokens: usize, new_tokens: usize, max_positions: usize },
+    #[error("the prompt's {prompt_tokens} tokens leave no room for a new token in the context of {max_positions} positions: the prompt may be at most {} tokens", max_positions.saturating_sub(1))]
+    PromptTooLong { prompt_tokens: usize, max_positions: usize },
     #[error("no tokens given")]
     EmptyInput,
     #[error(transparent)]
@@ -42,6 +44,10 @@ pub fn check_generation_fits(
     }
     match prompt_tokens.checked_add(new_tokens) {
         Some(n) if n <= max_positions => Ok(()),
+        // Asking for fewer new tokens would not help: say how long the prompt may be.
+        _ if prompt_tokens >= max_positions => {
+            Err(ForwardError::PromptTooLong { prompt_tokens, max_positions })
+        }
         _ => Err(ForwardError::TooLong { prompt_tokens, new_tokens, max_positions }),
     }
 }

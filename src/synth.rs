@@ -20,6 +20,7 @@ use crate::model::arch::{Adapter, Arch};
 use crate::model::config::ModelConfig;
 use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
 use crate::model::{expected_layer_shape, required_layer_roles};
+use crate::output::{check_output, OutputKind};
 use crate::quantize::{quantize_gguf, QuantMix, QuantizeError};
 use crate::text::{HfTokenizerFiles, Tokenizer, TokenizerError};
 use crate::vocab;
@@ -224,8 +225,8 @@ pub enum SynthError {
     InvalidDims { field: String, reason: String },
     #[error("--dtype {0}: synth writes F32, F16 or BF16")]
     UnsupportedDType(DType),
-    #[error("{path}: {reason}")]
-    Output { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Output(#[from] crate::output::OutputError),
     #[error(transparent)]
     Gguf(#[from] GgufError),
     #[error(transparent)]
@@ -361,10 +362,81 @@ pub fn synth_config(
         c.tied_embeddings = tied;
     }
     c.validate().map_err(|(field, reason)| invalid(field, reason))?;
+    check_dim_limits(&c)?;
     if adapter.shared_expert && c.shared_expert_ff == 0 {
         return Err(invalid("shared_expert_ff", "must be greater than zero".into()));
     }
     Ok(c)
+}
+
+/// The largest value of any one dimension of a synthetic model (a row of this many f32 values is
+/// 64 MiB: generated rows stay small whatever is asked for).
+pub const MAX_SYNTH_DIM: usize = 1 << 24;
+/// The most layers times experts per layer (the writer plans one entry per expert tensor).
+pub const MAX_SYNTH_EXPERT_TENSORS: usize = 1 << 20;
+
+/// Every dimension within [`MAX_SYNTH_DIM`] and layers times experts within
+/// [`MAX_SYNTH_EXPERT_TENSORS`], checked before anything is planned or allocated.
+fn check_dim_limits(c: &ModelConfig) -> Result<(), SynthError> {
+    let dims = [
+        ("layers", c.n_layers),
+        ("hidden", c.hidden),
+        ("heads", c.n_heads),
+        ("kv_heads", c.n_kv_heads),
+        ("head_dim", c.head_dim),
+        ("vocab", c.vocab),
+        ("experts", c.n_experts),
+        ("expert_ff", c.expert_ff),
+        ("shared_expert_ff", c.shared_expert_ff),
+    ];
+    for (field, v) in dims {
+        if v > MAX_SYNTH_DIM {
+            return Err(invalid(field, format!("{v} is above the limit of {MAX_SYNTH_DIM}")));
+        }
+    }
+    let wide =
+        [("q_dim", c.n_heads.checked_mul(c.head_dim)), ("kv_dim", c.n_kv_heads.checked_mul(c.head_dim))];
+    for (field, v) in wide {
+        if v.is_none_or(|v| v > MAX_SYNTH_DIM) {
+            return Err(invalid(
+                field,
+                format!("heads times head_dim is above the limit of {MAX_SYNTH_DIM}"),
+            ));
+        }
+    }
+    if c.n_layers * c.n_experts > MAX_SYNTH_EXPERT_TENSORS {
+        let reason = format!(
+            "{} layers of {} experts: at most {MAX_SYNTH_EXPERT_TENSORS} experts in all",
+            c.n_layers, c.n_experts
+        );
+        return Err(invalid("experts", reason));
+    }
+    Ok(())
+}
+
+/// The checkpoint's bytes (checked arithmetic), refused when they do not fit the free space of
+/// the output's filesystem.
+fn check_disk_space(opts: &SynthOptions, tensors: &[PlannedTensor]) -> Result<u64, SynthError> {
+    let too_big = || invalid("size", "the checkpoint's size overflows 64 bits".into());
+    let mut total: u64 = 0;
+    for t in tensors {
+        let n = t.shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d)).ok_or_else(too_big)?;
+        let bytes = t.dtype.bytes_for(n).ok_or_else(too_big)?;
+        total = total.checked_add(bytes as u64).ok_or_else(too_big)?;
+    }
+    let dir = opts.out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if let Some(free) = crate::output::free_bytes(dir) {
+        if total > free {
+            let reason = format!(
+                "the checkpoint needs {} and {} has {} free",
+                crate::inspect::format_bytes(total),
+                dir.display(),
+                crate::inspect::format_bytes(free)
+            );
+            return Err(invalid("size", reason));
+        }
+    }
+    Ok(total)
 }
 
 fn invalid(field: &str, reason: String) -> SynthError {
@@ -403,6 +475,7 @@ pub fn write_synthetic(
         SynthFormat::Gguf => gguf_tensor_plan(&config, opts),
         SynthFormat::Safetensors => hf_tensor_plan(&config, opts),
     };
+    check_disk_space(opts, &tensors)?;
     let mut fill = |idx: usize, out: &mut dyn Write| generator.write_tensor(&tensors[idx], out);
     let n_bytes = match opts.format {
         SynthFormat::Gguf => write_gguf(&config, opts, copied.as_ref(), &tensors, &mut fill, progress)?,
@@ -959,35 +1032,17 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
     plan
 }
 
-/// Reject output paths that cannot be written before any work starts.
-pub fn check_output_path(path: &Path, force: bool) -> Result<(), SynthError> {
-    let parent = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    if !parent.is_dir() {
-        return Err(SynthError::Output {
-            path: path.into(),
-            reason: format!("directory {} does not exist", parent.display()),
-        });
-    }
-    refuse_special(path)?;
-    if path.exists() && !force {
-        return Err(SynthError::Output {
-            path: path.into(),
-            reason: "already exists (pass --force to replace it)".into(),
-        });
-    }
-    Ok(())
+/// Reject output paths that cannot be written before any work starts (the rule of
+/// [`crate::output`]; `--vocab-from` is an input).
+pub fn check_output_path(path: &Path, force: bool, inputs: &[&Path]) -> Result<(), SynthError> {
+    Ok(check_output(path, force, inputs, OutputKind::FileOrDir)?)
 }
 
 /// Never replace something that is not a regular file or a directory (a device node, a FIFO,
 /// a socket): the atomic rename would put a regular file in its place.
 fn refuse_special(path: &Path) -> Result<(), SynthError> {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if !m.is_file() && !m.is_dir() => Err(SynthError::Output {
-            path: path.into(),
-            reason: "exists and is not a regular file; refusing to replace it".into(),
-        }),
-        _ => Ok(()),
-    }
+    // `force`: whether to replace an existing file was decided by the caller's check.
+    Ok(check_output(path, true, &[], OutputKind::FileOrDir)?)
 }
 
 #[cfg(test)]

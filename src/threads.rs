@@ -6,6 +6,7 @@ use serde::Serialize;
 /// Most cold-lane threads a caller may ask for. Each costs a thread; in the CPU pipeline also a
 /// channel and one lane buffer of `ceil(max_tokens * k / n_workers) * hidden` floats.
 pub const MAX_COLD_THREADS: usize = 64;
+const _: () = assert!(MAX_COLD_THREADS <= moe_lanes_kernels::pool::MAX_POOL_THREADS);
 
 /// A `--cold-threads` value, parsed once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

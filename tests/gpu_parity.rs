@@ -685,3 +685,19 @@ fn learn_pass_counts_every_slot_with_postfetch_on() {
     }
     assert_eq!(sets[0], sets[1], "the learn pass saw the same slots");
 }
+
+/// Plain `cargo test` captures what tests print, so the skip must reach the terminal another
+/// way: this binary, run again on one GPU test without `--nocapture`, says "GPU tests skipped".
+#[test]
+fn a_skip_is_visible_without_nocapture() {
+    if CudaBackend::try_new().is_ok() || std::env::var_os("MOE_LANES_REQUIRE_GPU").is_some() {
+        return; // the GPU tests run here: nothing is skipped
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["fixtures_hot_none", "--exact", "--test-threads=1"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("GPU tests skipped (gpu_parity): no CUDA device"), "stderr: {stderr}");
+}

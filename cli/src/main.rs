@@ -9,11 +9,11 @@ use moe_lanes::cache::update::{UpdateMode, UpdatePolicy};
 use moe_lanes::cache::weighting::{WeightMode, Weighting};
 use moe_lanes::dtype::DType;
 use moe_lanes::engine::{
-    build_engine, BuildReport, Engine, EngineKind, EngineOptions, Generation, GenerationOptions, HotBudget,
-    HotChoice, LiveCache, TracedEngine,
+    build_engine, BuildReport, Engine, EngineError, EngineKind, EngineOptions, Generation, GenerationOptions,
+    HotBudget, HotChoice, LiveCache, TracedEngine,
 };
 use moe_lanes::env;
-use moe_lanes::hot_set::HotSet;
+use moe_lanes::hot_set::{HotSet, MAX_HOT_LANES};
 use moe_lanes::inspect::{format_bytes, InspectReport};
 use moe_lanes::model::Model;
 use moe_lanes::perf::{ModelFingerprint, PerfMode};
@@ -158,17 +158,17 @@ struct BenchArgs {
     #[arg(long)]
     model: PathBuf,
     /// Prompt tokens (pp).
-    #[arg(short = 'p', long, default_value_t = 512)]
+    #[arg(short = 'p', long, default_value_t = 512, allow_negative_numbers = true, value_parser = count(0))]
     prompt_tokens: usize,
     /// Generated tokens (tg).
-    #[arg(short = 'n', long, default_value_t = 128)]
+    #[arg(short = 'n', long, default_value_t = 128, allow_negative_numbers = true, value_parser = count(0))]
     gen_tokens: usize,
     /// Positions already in the KV cache before each timed pp and tg, prefilled untimed
     /// (llama-bench's -d). 0: tg decodes from position 0, as llama-bench's tg test.
-    #[arg(short = 'd', long, default_value_t = 0)]
+    #[arg(short = 'd', long, default_value_t = 0, allow_negative_numbers = true, value_parser = count(0))]
     depth: usize,
     /// Timed runs (median and spread are reported).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, allow_negative_numbers = true, value_parser = count(1))]
     runs: usize,
     #[arg(long)]
     json: bool,
@@ -201,13 +201,14 @@ struct BenchArgs {
 /// Engine selection, hot cache and perf settings shared by every command that runs a model.
 #[derive(Args)]
 struct EngineArgs {
-    /// Forward engine: gpu (dense path and hot experts on the GPU, cold experts on the CPU pool),
-    /// pipeline (CPU lanes) or reference (the oracle). Default: gpu when a usable GPU is present,
-    /// else pipeline (the choice is printed on stderr).
+    /// Forward engine: gpu (dense path and hot experts on the GPU, cold experts on the CPU pool;
+    /// an error without a usable GPU), pipeline (CPU lanes) or reference (the oracle). Default:
+    /// gpu when a usable GPU is present, else pipeline (the choice and why are printed on stderr).
     #[arg(long)]
     engine: Option<String>,
-    /// Per layer, this fraction of experts is hot (the most used of --learn, else the lowest ids).
-    #[arg(long, conflicts_with = "hot_budget_mib")]
+    /// Per layer, this fraction of experts is hot: the most used of --learn, else of a built-in
+    /// learn pass (--learn-tokens).
+    #[arg(long, conflicts_with = "hot_budget_mib", allow_negative_numbers = true)]
     hot_fraction: Option<f64>,
     /// Hot-cache budget in MiB, planned from --learn (or a built-in learn pass); -1 = free VRAM
     /// after weights, KV cache and scratch, minus 1024 MiB.
@@ -223,13 +224,13 @@ struct EngineArgs {
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Tokens routed by the built-in learn pass (budget without --learn).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, allow_negative_numbers = true, value_parser = count(1))]
     learn_tokens: usize,
     /// Explicit hot experts: JSON {"layers": {"0": [ids...], ...}}.
     #[arg(long, conflicts_with_all = ["hot_fraction", "hot_budget_mib"])]
     hot_experts: Option<PathBuf>,
     /// Hot lanes of the CPU pipeline (1..=3); hot experts are dealt round-robin over them.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true, value_parser = count_in(1, MAX_HOT_LANES))]
     hot_lanes: usize,
     /// Cold-lane threads: auto (every core the process may use, less one per busy CPU hot lane
     /// and two for an active GPU lane) or a number.
@@ -238,6 +239,10 @@ struct EngineArgs {
     /// Write the perf JSON here after the run.
     #[arg(long)]
     perf_json: Option<PathBuf>,
+    /// Replace existing --perf-json and --trace files (never the model or another input, never
+    /// a device or FIFO).
+    #[arg(long)]
+    force: bool,
     /// full, update or off.
     #[arg(long, default_value = "full")]
     perf_mode: String,
@@ -412,8 +417,9 @@ struct InspectArgs {
     path: PathBuf,
     #[arg(long)]
     json: bool,
-    /// Also measure routing coverage over this many tokens with the reference pass.
-    #[arg(long)]
+    /// Also measure routing coverage over this many tokens with the reference pass (1 to the
+    /// model's context).
+    #[arg(long, allow_negative_numbers = true, value_parser = count(1))]
     coverage_tokens: Option<usize>,
 }
 
@@ -550,11 +556,14 @@ struct LearnArgs {
     #[arg(long, value_delimiter = ',')]
     tokens: Vec<u32>,
     /// Tokens to sample when --tokens is not given.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, allow_negative_numbers = true, value_parser = count(1))]
     n_tokens: usize,
     /// Where to write the learn file.
     #[arg(long)]
     out: PathBuf,
+    /// Replace an existing --out file (never the model, a device or FIFO).
+    #[arg(long)]
+    force: bool,
     /// Forward engine (default: gpu when usable, else pipeline). The cache is off.
     #[arg(long)]
     engine: Option<String>,
@@ -562,6 +571,43 @@ struct LearnArgs {
     /// and two for an active GPU lane) or a number.
     #[arg(long, default_value = "auto")]
     cold_threads: String,
+}
+
+/// A clap parser for a count of at least `min`: a negative or malformed value gets a range
+/// error that names the range (not clap's "unexpected argument '-1'").
+fn count(min: usize) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
+    count_in(min, usize::MAX)
+}
+
+/// [`count`] with an upper bound too.
+fn count_in(
+    min: usize,
+    max: usize,
+) -> impl Fn(&str) -> Result<usize, String> + Clone + Send + Sync + 'static {
+    move |s: &str| {
+        let range = if max == usize::MAX {
+            format!("a whole number of at least {min}")
+        } else {
+            format!("{min} to {max}")
+        };
+        match s.trim().parse::<i128>() {
+            Ok(n) if n >= min as i128 && n <= max as i128 => Ok(n as usize),
+            Ok(_) => Err(format!("out of range: expected {range}")),
+            Err(_) => Err(format!("not a number: expected {range}")),
+        }
+    }
+}
+
+/// `--hot-budget-mib`: bytes (checked, never wrapped), or `None` for -1 (auto).
+fn budget_mib(mib: i64) -> Result<Option<u64>> {
+    match mib {
+        -1 => Ok(None),
+        mib if mib >= 0 => (mib as u64)
+            .checked_mul(1 << 20)
+            .map(Some)
+            .with_context(|| format!("--hot-budget-mib {mib}: too large (at most {} MiB)", u64::MAX >> 20)),
+        mib => bail!("--hot-budget-mib {mib}: expected a size in MiB or -1 for auto"),
+    }
 }
 
 fn main() -> Result<()> {
@@ -640,6 +686,7 @@ fn engine_options(
     n_positions: usize,
     default_hot: HotChoice,
 ) -> Result<EngineOptions> {
+    check_engine_outputs(model, args)?;
     let mut opts = base_options(n_positions)?;
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
     let fingerprint = ModelFingerprint::of(model);
@@ -700,10 +747,9 @@ fn hot_choice(model: &Model, args: &EngineArgs, default: HotChoice) -> Result<Ho
     if let Some(path) = &args.hot_experts {
         return Ok(HotChoice::Set(HotSet::from_experts_file(path, c.n_layers, c.n_experts, args.hot_lanes)?));
     }
-    Ok(match (args.hot_budget_mib, args.hot_fraction) {
-        (Some(-1), _) => HotChoice::Budget(HotBudget::Auto),
-        (Some(mib), _) if mib >= 0 => HotChoice::Budget(HotBudget::Bytes(mib as u64 * (1 << 20))),
-        (Some(mib), _) => bail!("--hot-budget-mib {mib}: expected a size in MiB or -1 for auto"),
+    Ok(match (args.hot_budget_mib.map(budget_mib).transpose()?, args.hot_fraction) {
+        (Some(None), _) => HotChoice::Budget(HotBudget::Auto),
+        (Some(Some(bytes)), _) => HotChoice::Budget(HotBudget::Bytes(bytes)),
         (None, Some(f)) if (0.0..=1.0).contains(&f) => HotChoice::Budget(HotBudget::Fraction(f)),
         (None, Some(f)) => bail!("--hot-fraction {f}: expected a value in 0..=1"),
         (None, None) if args.learn.is_some() && matches!(default, HotChoice::None) => {
@@ -721,7 +767,12 @@ fn open_engine<'m>(
     trace: Option<&Path>,
 ) -> Result<(Box<dyn Engine + 'm>, BuildReport)> {
     let wanted = opts.kind;
-    let (mut engine, report) = build_engine(model, opts)?;
+    let (mut engine, report) = build_engine(model, opts).map_err(|e| match e {
+        EngineError::NoGpu { .. } => anyhow::anyhow!(
+            "--engine gpu: {e} (--engine pipeline runs on the CPU; without --engine the GPU is used when usable)"
+        ),
+        e => e.into(),
+    })?;
     if let Some(path) = trace {
         if engine.perf().is_none() {
             bail!(
@@ -803,9 +854,31 @@ fn serve(args: ServeArgs) -> Result<()> {
     Ok(())
 }
 
+/// Every file the CLI writes follows one rule (`moe_lanes::output`), checked before any work.
+fn check_output(path: &Path, force: bool, inputs: &[&Path]) -> Result<()> {
+    use moe_lanes::output::OutputKind;
+    Ok(moe_lanes::output::check_output(path, force, inputs, OutputKind::File)?)
+}
+
+/// `--perf-json` and `--trace` against the rule; the model, `--learn` and `--hot-experts` are
+/// inputs.
+fn check_engine_outputs(model: &Model, args: &EngineArgs) -> Result<()> {
+    let mut inputs = vec![model.path()];
+    inputs.extend(args.learn.as_deref());
+    inputs.extend(args.hot_experts.as_deref());
+    if let (Some(perf), Some(trace)) = (&args.perf_json, &args.trace) {
+        let same = perf == trace || moe_lanes::output::same_file(perf, trace);
+        ensure!(!same, "--perf-json and --trace name the same file {}", perf.display());
+    }
+    for path in args.perf_json.iter().chain(&args.trace) {
+        check_output(path, args.force, &inputs)?;
+    }
+    Ok(())
+}
+
 fn write_perf(engine: &dyn Engine, path: &Option<PathBuf>) -> Result<()> {
     if let (Some(path), Some(perf)) = (path, engine.perf()) {
-        std::fs::write(path, perf.to_json()).with_context(|| format!("cannot write {}", path.display()))?;
+        moe_lanes::output::write_atomic(path, perf.to_json().as_bytes())?;
     }
     Ok(())
 }
@@ -839,7 +912,8 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
         out: args.out,
         vocab_from: args.vocab_from,
     };
-    synth::check_output_path(&opts.out, args.force)?;
+    let inputs: Vec<&Path> = opts.vocab_from.as_deref().into_iter().collect();
+    synth::check_output_path(&opts.out, args.force, &inputs)?;
     let mix = args.quant.as_deref().map(|name| quantize_cmd::parse_mix(name, "--quant")).transpose()?;
     let report = write_with_progress(&opts, mix)?;
     if args.json {
@@ -889,6 +963,11 @@ fn inspect(args: InspectArgs) -> Result<()> {
     let model = open_model(&args.path)?;
     let mut report = InspectReport::new(&model);
     if let Some(n_tokens) = args.coverage_tokens {
+        let max = model.config().max_positions;
+        ensure!(n_tokens <= max, "--coverage-tokens {n_tokens}: at most {max} (the model's context)");
+        if n_tokens > 1024 {
+            eprintln!("measuring routing coverage over {n_tokens} tokens with the reference pass (slow)...");
+        }
         report.measure_coverage(&model, n_tokens)?;
     }
     if args.json {
@@ -955,6 +1034,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
 }
 
 fn learn(args: LearnArgs) -> Result<()> {
+    check_output(&args.out, args.force, &[&args.model])?;
     let model = Arc::new(open_model(&args.model)?);
     let tokens = if args.tokens.is_empty() {
         moe_lanes::inspect::sample_tokens(model.config().vocab, args.n_tokens)
@@ -1094,6 +1174,10 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
         Some(name) => Some(name.parse().map_err(|e| anyhow::anyhow!("--activations {name}: {e}"))?),
         None => env::q8_activations()?,
     };
+    if let Some(n) = args.threads {
+        let max = moe_lanes_kernels::pool::MAX_POOL_THREADS;
+        ensure!((1..=max).contains(&n), "--threads {n}: expected 1 to {max}");
+    }
     let report = run_kernel_bench(KernelBenchOptions {
         threads: args.threads,
         simd,
@@ -1182,14 +1266,13 @@ fn plan(args: PlanArgs) -> Result<()> {
     let usage = args.learn.as_ref().or(args.trace.as_ref()).expect("clap requires --learn or --trace");
     let obs = read_learn_or_trace(usage, &ModelFingerprint::of(&model))?;
     let w = weighting(&args.weighting, args.layer_curve)?;
-    let budget_bytes = match args.hot_budget_mib {
-        -1 => {
+    let budget_bytes = match budget_mib(args.hot_budget_mib)? {
+        None => {
             let opts = base_options(c.max_positions)?;
             moe_lanes::engine::build::auto_budget_estimate(&model, c.max_positions, &opts)
                 .context("--hot-budget-mib -1")?
         }
-        mib if mib >= 0 => mib as u64 * (1 << 20),
-        mib => bail!("--hot-budget-mib {mib}: expected a size in MiB or -1 for auto"),
+        Some(bytes) => bytes,
     };
     let shape = PlanShape {
         n_layers: c.n_layers,

@@ -34,7 +34,7 @@ pub fn parse_mix(name: &str, flag: &str) -> Result<QuantMix> {
 
 pub fn quantize(args: QuantizeArgs) -> Result<()> {
     let mix = parse_mix(&args.mix, "--type")?;
-    moe_lanes::synth::check_output_path(&args.output, args.force)?;
+    crate::check_output(&args.output, args.force, &[&args.input])?;
     let bar = crate::byte_progress_bar("quantizing");
     let report = quantize_gguf(&args.input, &args.output, mix, &mut |done, total| {
         bar.set_length(total);

@@ -22,7 +22,7 @@ pub struct RunArgs {
     #[arg(long)]
     prompt_file: Option<PathBuf>,
     /// Most tokens to generate; the model's end-of-generation tokens end sooner.
-    #[arg(short = 'n', long, default_value_t = 128)]
+    #[arg(short = 'n', long, default_value_t = 128, allow_negative_numbers = true, value_parser = crate::count(0))]
     max_new_tokens: usize,
     /// Print control tokens (<|im_end|>, ...) too.
     #[arg(long)]

@@ -147,6 +147,7 @@ fn a_bad_trace_line_is_an_error_naming_the_file_and_line() {
         "reference",
         "--trace",
         p(&trace),
+        "--force",
     ]);
     assert!(err.contains("--trace") && err.contains("reference"), "{err}");
 }

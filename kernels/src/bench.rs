@@ -36,7 +36,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::error::KernelError;
-use crate::pool::{ColdExpertWork, ColdJob, ColdPool};
+use crate::pool::{ColdExpertWork, ColdJob, ColdPool, MAX_POOL_THREADS};
 use crate::q8::DecodeActivations;
 use crate::simd::SimdLevel;
 use crate::weights::{Activation, ExpertWeights, WeightDType};
@@ -368,11 +368,13 @@ fn top_half_share(counts: &[usize]) -> (f64, usize) {
     (top_half as f64 / (PREFILL_TOKENS * TOP_K) as f64, sorted[0])
 }
 
-/// Threads of the bench's pool: the given count, or every CPU this process may use.
+/// Threads of the bench's pool: the given count (1..=[`MAX_POOL_THREADS`]), or every CPU this
+/// process may use (at most that).
 fn pool_threads(threads: Option<usize>) -> Result<usize, KernelError> {
-    let n = threads.unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
-    if n == 0 {
-        return Err(KernelError::InvalidOption("threads must be at least 1".into()));
+    let all = || std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(MAX_POOL_THREADS);
+    let n = threads.unwrap_or_else(all);
+    if !(1..=MAX_POOL_THREADS).contains(&n) {
+        return Err(KernelError::InvalidOption(format!("threads {n}: expected 1 to {MAX_POOL_THREADS}")));
     }
     Ok(n)
 }
@@ -470,7 +472,7 @@ fn read_probe_buffer(pool: &mut ColdPool, bytes: usize) -> Result<Vec<u8>, Kerne
 pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, KernelError> {
     let level = SimdLevel::resolve(opts.simd)?;
     let activations = DecodeActivations::resolve(opts.activations, level);
-    let mut pool = ColdPool::new(pool_threads(opts.threads)?);
+    let mut pool = ColdPool::try_new(pool_threads(opts.threads)?)?;
     let read_simd = SimdLevel::detect();
     let BenchMemory { read_buffer, weight_pool, dtype, matrix_bytes, n_layers } =
         bench_memory(&mut pool, &opts)?;

@@ -29,4 +29,7 @@ pub enum KernelError {
     /// Invalid bench or pool option.
     #[error("invalid option: {0}")]
     InvalidOption(String),
+    /// The operating system refused a pool worker thread (a process or memory limit).
+    #[error("cannot start cold pool thread {index} of {n_threads}: {reason}")]
+    Spawn { index: usize, n_threads: usize, reason: String },
 }

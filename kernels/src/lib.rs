@@ -26,6 +26,7 @@ pub mod q8;
 pub mod quant;
 mod scalar;
 pub mod simd;
+pub mod sys;
 pub mod weights;
 #[cfg(target_arch = "x86_64")]
 mod x86_amx;

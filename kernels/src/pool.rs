@@ -438,11 +438,27 @@ pub struct ColdPool {
     pinned_cpus: Vec<Option<usize>>,
 }
 
+/// The most threads a pool may have (every thread count the CLI accepts is checked against it;
+/// `moe_lanes::threads::MAX_COLD_THREADS` is at most this).
+pub const MAX_POOL_THREADS: usize = 256;
+
 impl ColdPool {
     /// Spawns `n_threads - 1` workers (the caller is thread 0), pinned to distinct cores of the
-    /// process's CPU set where possible. `n_threads == 0` is treated as 1.
+    /// process's CPU set where possible. `n_threads == 0` is treated as 1. Panics where
+    /// [`ColdPool::try_new`] fails.
     pub fn new(n_threads: usize) -> ColdPool {
+        ColdPool::try_new(n_threads).expect("starting the cold pool")
+    }
+
+    /// [`ColdPool::new`], with more than [`MAX_POOL_THREADS`] threads or a thread the system
+    /// refuses as an error (the workers already started are stopped).
+    pub fn try_new(n_threads: usize) -> Result<ColdPool, KernelError> {
         let n_threads = n_threads.max(1);
+        if n_threads > MAX_POOL_THREADS {
+            return Err(KernelError::InvalidOption(format!(
+                "{n_threads} pool threads: at most {MAX_POOL_THREADS}"
+            )));
+        }
         let shared = Arc::new(Shared {
             epoch: Padded(AtomicU64::new(0)),
             task: AtomicPtr::new(std::ptr::null_mut()),
@@ -466,15 +482,20 @@ impl ColdPool {
             // Thread 0 (the caller) is left unpinned on the first CPU; workers take the next ones.
             let cpu = if cpus.is_empty() { None } else { Some(cpus[index % cpus.len()]) };
             pinned_cpus.push(cpu);
-            let shared = Arc::clone(&shared);
-            let handle = std::thread::Builder::new()
+            let worker_shared = Arc::clone(&shared);
+            let spawned = std::thread::Builder::new()
                 .name(format!("moe-cold-{index}"))
-                .spawn(move || worker_main(shared, index, cpu))
-                .expect("spawning a cold pool worker thread");
-            workers.push(handle);
+                .spawn(move || worker_main(worker_shared, index, cpu));
+            match spawned {
+                Ok(handle) => workers.push(handle),
+                Err(source) => {
+                    stop_workers(&shared, workers);
+                    return Err(KernelError::Spawn { index, n_threads, reason: source.to_string() });
+                }
+            }
         }
         let schedule = ColdSchedule::Auto;
-        ColdPool {
+        Ok(ColdPool {
             shared,
             workers,
             h_scratch: Vec::new(),
@@ -491,7 +512,7 @@ impl ColdPool {
             group_done: Vec::new(),
             schedule,
             pinned_cpus,
-        }
+        })
     }
 
     /// The schedule used by [`ColdPool::run`] (default `Auto`; the caller may set another).
@@ -719,13 +740,18 @@ fn dispatch(shared: &Shared, task: &Task<'_>) -> Result<(), KernelError> {
 
 impl Drop for ColdPool {
     fn drop(&mut self) {
-        self.shared.shutdown.store(true, Ordering::Release);
-        self.shared.epoch.fetch_add(1, Ordering::AcqRel);
-        drop(self.shared.sleep_lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
-        self.shared.wake.notify_all();
-        for worker in self.workers.drain(..) {
-            let _ = worker.join();
-        }
+        stop_workers(&self.shared, std::mem::take(&mut self.workers));
+    }
+}
+
+/// Wake every worker with the shutdown flag set and wait for them.
+fn stop_workers(shared: &Shared, workers: Vec<std::thread::JoinHandle<()>>) {
+    shared.shutdown.store(true, Ordering::Release);
+    shared.epoch.fetch_add(1, Ordering::AcqRel);
+    drop(shared.sleep_lock.lock().unwrap_or_else(|poisoned| poisoned.into_inner()));
+    shared.wake.notify_all();
+    for worker in workers {
+        let _ = worker.join();
     }
 }
 

@@ -4,7 +4,7 @@
 //! deltas (the first names the role) ending in `data: [DONE]`.
 
 use crate::api::{self, ApiError};
-use crate::routes::{collect, created, enqueue, rand_id, sse, AppState, Item};
+use crate::routes::{collect, created, enqueue, rand_id, refused, sse, AppState, Item};
 use crate::worker::TextOut;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -184,10 +184,10 @@ pub async fn chat_completions(
     State(s): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req = parse(&api::object(body)?, &s)?;
+    let req = api::object(body).and_then(|o| parse(&o, &s)).map_err(refused)?;
     let tok = req.tokenizer;
     let text = TextOut { tokenizer: tok.clone(), stops: req.stops };
-    let rx = enqueue(&s, req.prompt, req.generation, Some(text))?;
+    let rx = enqueue(&s, req.prompt, req.generation, Some(text)).map_err(refused)?;
     let (id, model, want_lp) = (format!("chatcmpl-{:x}", rand_id()), s.model_name.clone(), req.logprobs);
     let head = move |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created(), "model": model, "choices": choices});
     if req.stream {

@@ -61,8 +61,8 @@ pub enum ServeError {
     Runtime(std::io::Error),
     #[error("the engine thread stopped before it was ready")]
     WorkerGone,
-    #[error("cannot write the perf JSON to {path}: {source}")]
-    PerfJson { path: PathBuf, source: std::io::Error },
+    #[error("cannot write the perf JSON: {0}")]
+    PerfJson(#[from] moe_lanes::output::OutputError),
     #[error("queue capacity 0: at least one request must be able to wait")]
     NoQueue,
 }
@@ -155,11 +155,9 @@ async fn shutdown_signal() {
     tokio::select! { _ = ctrl_c => {}, _ = term => {} }
 }
 
-/// The perf JSON at shutdown, written to a temp name and renamed (never a partial file).
+/// The perf JSON at shutdown, written to a temp name and renamed (never a partial file; the
+/// path was checked by `moe_lanes::output::check_output` before the server started).
 fn write_perf(opts: &ServeOptions, perf: Option<String>) -> Result<(), ServeError> {
     let (Some(path), Some(json)) = (&opts.perf_json, perf) else { return Ok(()) };
-    let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
-    let err = |source| ServeError::PerfJson { path: path.clone(), source };
-    std::fs::write(&tmp, json).map_err(err)?;
-    std::fs::rename(&tmp, path).map_err(err)
+    Ok(moe_lanes::output::write_atomic(path, json.as_bytes())?)
 }

@@ -57,7 +57,10 @@ fn describe() {
     describe_histogram!("moe_lanes_request_seconds", Unit::Seconds, "Request latency once started.");
     describe_counter!("moe_lanes_prompt_tokens_total", "Prompt tokens processed.");
     describe_counter!("moe_lanes_generated_tokens_total", "Tokens generated.");
-    describe_counter!("moe_lanes_requests_total", "Requests by outcome.");
+    describe_counter!(
+        "moe_lanes_requests_total",
+        "Completion requests by outcome: ok, error, cancelled (after the queue took them), rejected (429, queue full) and invalid (4xx, refused before the queue)."
+    );
     describe_gauge!("moe_lanes_requests_running", "Requests being generated.");
     describe_gauge!("moe_lanes_requests_waiting", "Requests in the queue.");
     describe_counter!("moe_lanes_cache_updates_total", "Manual hot-cache applies (POST /moe-hot-cache).");
@@ -81,6 +84,8 @@ struct Handles {
     ok: Counter,
     failed: Counter,
     cancelled: Counter,
+    rejected: Counter,
+    invalid: Counter,
     running: Gauge,
     waiting: Gauge,
     cache_updates: Counter,
@@ -99,6 +104,8 @@ fn handles() -> &'static Handles {
         ok: counter!("moe_lanes_requests_total", "outcome" => "ok"),
         failed: counter!("moe_lanes_requests_total", "outcome" => "error"),
         cancelled: counter!("moe_lanes_requests_total", "outcome" => "cancelled"),
+        rejected: counter!("moe_lanes_requests_total", "outcome" => "rejected"),
+        invalid: counter!("moe_lanes_requests_total", "outcome" => "invalid"),
         running: gauge!("moe_lanes_requests_running"),
         waiting: gauge!("moe_lanes_requests_waiting"),
         cache_updates: counter!("moe_lanes_cache_updates_total"),
@@ -137,6 +144,17 @@ pub fn request_failed() {
 
 pub fn request_cancelled() {
     handles().cancelled.increment(1);
+}
+
+/// A completion request refused before the queue took it: `rejected` (429, the queue is full),
+/// `error` (5xx) or `invalid` (any other status: a malformed or unanswerable request).
+pub fn request_refused(status: axum::http::StatusCode) {
+    let h = handles();
+    match status {
+        axum::http::StatusCode::TOO_MANY_REQUESTS => h.rejected.increment(1),
+        s if s.is_server_error() => h.failed.increment(1),
+        _ => h.invalid.increment(1),
+    }
 }
 
 pub fn queue_depth(running: u64, waiting: u64) {

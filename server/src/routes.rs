@@ -254,18 +254,27 @@ async fn completions(
     State(s): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Response, ApiError> {
-    let req = api::completion(&api::object(body)?, s.vocab, s.tokenizer.as_deref())?;
-    api::check_fits("prompt", req.prompt.len(), req.generation.max_tokens, s.ctx_positions)?;
+    let req = api::object(body)
+        .and_then(|o| api::completion(&o, s.vocab, s.tokenizer.as_deref()))
+        .and_then(|req| {
+            api::check_fits("prompt", req.prompt.len(), req.generation.max_tokens, s.ctx_positions)
+                .map(|_| req)
+        })
+        .map_err(refused)?;
     let text = s.tokenizer.clone().map(|tokenizer| TextOut { tokenizer, stops: req.stops });
-    let rx = enqueue(&s, req.prompt, req.generation, text)?;
+    let rx = enqueue(&s, req.prompt, req.generation, text).map_err(refused)?;
     let id = format!("cmpl-{:x}", rand_id());
     let model = s.model_name.clone();
+    let tok = s.tokenizer.clone();
     if req.stream {
         let format = move |item: Item| {
+            let tok = tok.as_deref();
             let (choice, usage) = match item {
-                Item::Token { id, text, logprobs } => (completion_choice(&[id], text, logprobs, None), None),
+                Item::Token { id, text, logprobs } => {
+                    (completion_choice(&[id], text, logprobs, None, tok), None)
+                }
                 Item::Done { tail, finish, usage } => {
-                    (completion_choice(&[], tail, None, Some(finish)), Some(usage))
+                    (completion_choice(&[], tail, None, Some(finish), tok), Some(usage))
                 }
             };
             let mut v = json!({"id": id, "object": "text_completion", "created": created(), "model": model, "choices": [choice]});
@@ -279,7 +288,7 @@ async fn completions(
     let c = collect(rx).await?;
     let lp = (!c.logprobs.is_empty()).then(|| {
         let mut j = LogprobsJson::default();
-        c.logprobs.iter().for_each(|lp| j.push(lp));
+        c.logprobs.iter().for_each(|lp| j.push(lp, tok.as_deref()));
         j.to_json()
     });
     let choice =
@@ -289,6 +298,13 @@ async fn completions(
         "choices": [choice], "usage": c.usage,
     }))
     .into_response())
+}
+
+/// A completion request refused before the queue took it, counted in
+/// `moe_lanes_requests_total` by its outcome (the worker counts the requests it took).
+pub(crate) fn refused(e: ApiError) -> ApiError {
+    prom::request_refused(e.status);
+    e
 }
 
 /// Queue a job (429 when the queue is full); its events come on the returned channel.
@@ -323,18 +339,29 @@ pub(crate) fn created() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-fn completion_choice(ids: &[u32], text: &str, logprobs: Option<&Logprobs>, finish: Option<&str>) -> Value {
+fn completion_choice(
+    ids: &[u32],
+    text: &str,
+    logprobs: Option<&Logprobs>,
+    finish: Option<&str>,
+    tok: Option<&moe_lanes::text::Tokenizer>,
+) -> Value {
     let lp = logprobs.map_or(Value::Null, |lp| {
         let mut j = LogprobsJson::default();
-        j.push(lp);
+        j.push(lp, tok);
         j.to_json()
     });
     json!({"index": 0, "text": text, "token_ids": ids, "logprobs": lp, "finish_reason": finish})
 }
 
-/// A token's name in logprobs: `token_id:<id>` (vLLM's spelling).
-fn token_name(id: u32) -> String {
-    format!("token_id:{id}")
+/// A token's name in logprobs: its text, as OpenAI's API gives it (bytes that are not UTF-8 on
+/// their own, part of a character, come out as U+FFFD); `token_id:<id>` (vLLM's spelling) when
+/// the model is served without a tokenizer.
+fn token_name(id: u32, tok: Option<&moe_lanes::text::Tokenizer>) -> String {
+    match tok.and_then(|t| t.token_bytes(id).ok()) {
+        Some(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        None => format!("token_id:{id}"),
+    }
 }
 
 /// The completions API's `logprobs` object, built token by token.
@@ -346,10 +373,10 @@ struct LogprobsJson {
 }
 
 impl LogprobsJson {
-    fn push(&mut self, lp: &Logprobs) {
-        self.tokens.push(token_name(lp.chosen.id));
+    fn push(&mut self, lp: &Logprobs, tok: Option<&moe_lanes::text::Tokenizer>) {
+        self.tokens.push(token_name(lp.chosen.id, tok));
         self.token_logprobs.push(lp.chosen.logprob);
-        self.top_logprobs.push(lp.top.iter().map(|t| (token_name(t.id), json!(t.logprob))).collect());
+        self.top_logprobs.push(lp.top.iter().map(|t| (token_name(t.id, tok), json!(t.logprob))).collect());
     }
 
     fn to_json(&self) -> Value {

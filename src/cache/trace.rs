@@ -16,9 +16,9 @@
 use crate::cache::observe::{ExpertObservation, LayerObservation, Observations, ObserveError};
 use crate::cache::perf::{ModelFingerprint, PerfMode, PerfState};
 use crate::moe::phase::Phase;
+use crate::output::{AtomicFile, OutputError};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
@@ -65,7 +65,7 @@ pub enum TraceError {
 }
 
 /// Records the routed experts of every call into a trace file (or any writer).
-pub struct ExpertTracer<W: Write = BufWriter<File>> {
+pub struct ExpertTracer<W: Write = TraceFile> {
     out: W,
     path: PathBuf,
     /// Per layer and expert, the (hot, cold) counts before the current call.
@@ -75,11 +75,42 @@ pub struct ExpertTracer<W: Write = BufWriter<File>> {
     line: String,
 }
 
-impl ExpertTracer<BufWriter<File>> {
-    /// Create (truncate) `path` and write the header for `model`.
+impl ExpertTracer<TraceFile> {
+    /// Write `path` (under a temporary name, renamed into place when the tracer is dropped; check
+    /// it first with [`crate::output::check_output`]) and its header for `model`.
     pub fn create(path: &Path, model: &ModelFingerprint) -> Result<Self, TraceError> {
-        let file = File::create(path).map_err(|source| TraceError::Io { path: path.into(), source })?;
-        ExpertTracer::new(BufWriter::with_capacity(1 << 16, file), path, model)
+        let file = AtomicFile::create(path).map_err(|e| match e {
+            OutputError::Io { source, .. } => TraceError::Io { path: path.into(), source },
+            refused => {
+                TraceError::Io { path: path.into(), source: std::io::Error::other(refused.to_string()) }
+            }
+        })?;
+        let out = TraceFile { out: Some(BufWriter::with_capacity(1 << 16, file)) };
+        ExpertTracer::new(out, path, model)
+    }
+}
+
+/// A trace being written: every call's lines are flushed to a temporary file, which is renamed to
+/// the trace's path when the tracer is dropped (a failed run keeps the calls it completed).
+pub struct TraceFile {
+    out: Option<BufWriter<AtomicFile>>,
+}
+
+impl Write for TraceFile {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.out.as_mut().expect("open until dropped").write(buf)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.as_mut().expect("open until dropped").flush()
+    }
+}
+
+impl Drop for TraceFile {
+    fn drop(&mut self) {
+        // An error here has no caller to go to; the temporary file is removed either way.
+        if let Some(Ok(file)) = self.out.take().map(BufWriter::into_inner) {
+            let _ = file.commit();
+        }
     }
 }
 

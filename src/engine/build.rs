@@ -41,8 +41,22 @@ pub enum HotBudget {
     Bytes(u64),
     /// Free VRAM after weights, KV cache and scratch, minus [`AUTO_BUDGET_RESERVE_BYTES`].
     Auto,
-    /// This fraction of each layer's experts (the most used ones; the lowest ids without counts).
+    /// This fraction of each layer's experts (the most used ones, ranked by the learn file or
+    /// the built-in learn pass).
     Fraction(f64),
+}
+
+impl std::fmt::Display for HotBudget {
+    /// In words, for reports: `budget 512.0 MiB`, `budget auto (free VRAM)`, `50% of each layer's
+    /// experts`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HotBudget::Bytes(b) => write!(f, "budget {:.1} MiB", *b as f64 / MIB as f64),
+            HotBudget::Auto => write!(f, "budget auto (free VRAM)"),
+            // Rounded to 0.01%: 0.333 is "33.3%", not "33.300000000000004%".
+            HotBudget::Fraction(x) => write!(f, "{}% of each layer's experts", (x * 10000.0).round() / 100.0),
+        }
+    }
 }
 
 /// Which experts start hot.
@@ -154,6 +168,10 @@ pub fn build_engine<'m>(
                 engine.set_thread_report(report.threads);
                 return Ok((Box::new(engine), report));
             }
+            // Asked for by name, the GPU engine is not replaced by another: the caller said which.
+            Err(e) if opts.kind == Some(EngineKind::Gpu) => {
+                return Err(EngineError::NoGpu { reason: e.to_string() })
+            }
             Err(e) => gpu_unavailable = Some(e.to_string()),
         }
     }
@@ -203,8 +221,13 @@ fn resolve_hot(
         HotChoice::None => Ok((vec![Vec::new(); n_layers], given("none"))),
         HotChoice::Set(set) => Ok((hot_lists(set), given("explicit hot set"))),
         HotChoice::Budget(HotBudget::Fraction(f)) => {
-            let source = if learn_counts.is_some() { "learn file" } else { "lowest ids" };
-            Ok((plan_fraction(learn_counts.as_deref(), n_layers, n_experts, *f), given(source)))
+            // Without a learn file the built-in learn pass ranks the experts, as for a byte budget.
+            let (counts, source) = match learn_counts {
+                Some(c) => (c, "learn file"),
+                None => (src.learn()?, "built-in learn pass"),
+            };
+            let lists = plan_fraction(Some(&counts), n_layers, n_experts, *f);
+            Ok((lists, Plan { source, counts: Some(counts), budget_bytes: None }))
         }
         HotChoice::Budget(budget) => {
             let (obs, source) = match &opts.learn {
@@ -256,7 +279,12 @@ fn report(
         threads,
         activations,
         budget_bytes: plan.budget_bytes,
-        planned_hit_rate: plan.counts.as_ref().map(|c| hot.expected_hit_rate(c)),
+        // No routed slots counted (no learn counts, or an empty pass): unknown, not 0%.
+        planned_hit_rate: plan
+            .counts
+            .as_ref()
+            .filter(|c| c.iter().flatten().any(|&n| n > 0))
+            .map(|c| hot.expected_hit_rate(c)),
         learn_counts: plan.counts,
     }
 }
@@ -467,5 +495,12 @@ mod tests {
         // Already over the limit: nothing.
         assert_eq!(auto_budget_bytes(10 * g, 80 * g, Some(60 * g)), 0);
         assert_eq!(device_limit(80 * g, Some(8 * g)), 8 * g);
+    }
+
+    #[test]
+    fn budgets_read_as_words() {
+        assert_eq!(HotBudget::Fraction(0.333).to_string(), "33.3% of each layer's experts");
+        assert_eq!(HotBudget::Bytes(3 << 19).to_string(), "budget 1.5 MiB");
+        assert_eq!(HotBudget::Auto.to_string(), "budget auto (free VRAM)");
     }
 }

@@ -166,7 +166,7 @@ pub enum EngineError {
     CacheKind { engine: EngineKind, cache: EngineKind },
     #[error("the {engine} engine has no hot cache to exchange experts in")]
     NoHotCache { engine: EngineKind },
-    #[error("no GPU: {reason}")]
+    #[error("the GPU engine cannot run: {reason}")]
     NoGpu { reason: String },
     #[error(transparent)]
     Updater(#[from] crate::actors::UpdaterError),

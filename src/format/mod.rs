@@ -6,7 +6,7 @@ pub mod gguf;
 pub mod quant;
 pub mod safetensors;
 pub mod tensor;
-mod write_util;
+pub(crate) mod write_util;
 
 pub use write_util::remove_partial_files;
 
