@@ -35,7 +35,7 @@ fn synthetic_models_tokenize_with_their_own_vocabulary() {
 #[test]
 fn vocab_from_copies_the_tokenizer_and_the_vocabulary_size() {
     let dir = tempfile::tempdir().unwrap();
-    let vocab = common::shared_tokenizers().join("ggml-vocab-qwen2.gguf");
+    let vocab = common::tokenizers().join("ggml-vocab-qwen2.gguf");
     let model = Model::open(&synth_gguf(dir.path(), Some(vocab.clone()))).unwrap();
     let real = Tokenizer::from_gguf_path(&vocab).unwrap();
     let copied = Tokenizer::from_model(&model).unwrap();
@@ -56,7 +56,7 @@ fn vocab_from_copies_the_tokenizer_and_the_vocabulary_size() {
 #[test]
 fn vocab_from_into_safetensors_writes_a_tokenizer_json_that_tokenizes_the_same() {
     let dir = tempfile::tempdir().unwrap();
-    let vocab = common::shared_tokenizers().join("ggml-vocab-qwen2.gguf");
+    let vocab = common::tokenizers().join("ggml-vocab-qwen2.gguf");
     let mut opts = synth_options("olmoe", SynthFormat::Safetensors, dir.path().join("st"), 1);
     opts.vocab_from = Some(vocab.clone());
     write_synthetic(&opts, &mut |_, _| {}).unwrap();
@@ -84,14 +84,14 @@ fn vocab_from_into_safetensors_writes_a_tokenizer_json_that_tokenizes_the_same()
 #[test]
 fn vocab_from_refuses_what_it_cannot_copy() {
     let dir = tempfile::tempdir().unwrap();
-    let spm = common::shared_tokenizers().join("ggml-vocab-llama-spm.gguf");
+    let spm = common::tokenizers().join("ggml-vocab-llama-spm.gguf");
     let mut opts = synth_options("mixtral", SynthFormat::Safetensors, dir.path().join("st"), 1);
     opts.vocab_from = Some(spm);
     let err = write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
     assert!(err.contains("cannot write a SentencePiece (llama) tokenizer as tokenizer.json"), "{err}");
     assert!(!opts.out.exists(), "nothing written");
     let mut opts = synth_options("olmoe", SynthFormat::Gguf, dir.path().join("v.gguf"), 1);
-    opts.vocab_from = Some(common::shared_tokenizers().join("ggml-vocab-qwen2.gguf"));
+    opts.vocab_from = Some(common::tokenizers().join("ggml-vocab-qwen2.gguf"));
     opts.dims.vocab = Some(1000);
     let err = write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
     assert!(err.contains("vocab: 1000 conflicts with the 151936 tokens"), "{err}");

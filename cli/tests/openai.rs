@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 /// A synthetic model with Qwen2's tokenizer and chat template.
 fn qwen(dir: &std::path::Path) -> String {
-    let vocab = common::shared_tokenizers().join("ggml-vocab-qwen2.gguf");
+    let vocab = common::tokenizers().join("ggml-vocab-qwen2.gguf");
     let path = dir.join("qwen-synth.gguf");
     ok_stdout(&["synth", "--out", p(&path), "--vocab-from", p(&vocab)]);
     p(&path).to_string()
