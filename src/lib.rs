@@ -1,9 +1,9 @@
 //! moe-lanes: run large Mixture-of-Experts language models on one machine with a small GPU.
 //!
 //! This crate is the library a service embeds. Its folders show the layers, lowest first:
-//! - [`format`](crate::format): element types, tensor views, GGUF and safetensors files;
+//! - [`format`](mod@format): element types, tensor views, GGUF and safetensors files;
 //! - [`model`]: the model view by role, architecture adapters, configs, tensor names;
-//! - [`reference`](crate::reference): the plain f32 oracle (shares no arithmetic with the fast
+//! - [`reference`](mod@reference): the plain f32 oracle (shares no arithmetic with the fast
 //!   paths);
 //! - [`moe`]: routing, worklist, phases and policy, cold-lane expert math, the CPU lane pipeline;
 //! - [`cache`]: hot set, planner, perf state;
