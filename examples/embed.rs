@@ -9,7 +9,7 @@
 
 use moe_lanes::adapter;
 use moe_lanes::dtype::DType;
-use moe_lanes::engine::{build_engine, Engine, EngineOptions};
+use moe_lanes::engine::{build_engine, EngineOptions};
 use moe_lanes::model::Model;
 use moe_lanes::synth::{write_synthetic, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
 use moe_lanes::text::{ChatMessage, ChatTemplate, RenderOptions, Tokenizer};

@@ -24,7 +24,7 @@
 //! (`cargo run -p moe-lanes --example embed`), with a chat prompt.
 //!
 //! ```
-//! use moe_lanes::engine::{build_engine, Engine, EngineKind, EngineOptions};
+//! use moe_lanes::engine::{build_engine, EngineKind, EngineOptions};
 //! use moe_lanes::model::Model;
 //! use moe_lanes::synth::{write_synthetic, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
 //! use moe_lanes::text::Tokenizer;
