@@ -279,13 +279,25 @@ fn synth_and_demo_models_chat_out_of_the_box() {
     let tok = moe_lanes::text::Tokenizer::from_gguf_path(&q).unwrap();
     assert_eq!(tok.decode(&ids, false).unwrap(), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
     let home = tempfile::tempdir().unwrap();
-    let demo = bin::command()
-        .args(["demo", "--max-new-tokens", "2"])
-        .env("MOE_LANES_HOME", home.path())
-        .output()
-        .unwrap();
-    assert!(demo.status.success(), "{}", String::from_utf8_lossy(&demo.stderr));
-    readme_chat(p(&home.path().join("default-qwen3moe-small.gguf")));
+    let demo = || {
+        let out = bin::command()
+            .args(["demo", "--max-new-tokens", "2"])
+            .env("MOE_LANES_HOME", home.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    demo();
+    let cached = home.path().join("default-qwen3moe-small.gguf");
+    readme_chat(p(&cached));
+    // A demo model cached by an earlier version (no template) is written again, with it.
+    let old = home.path().join("old.gguf");
+    let keep = |k: &str, v: &moe_lanes::gguf::MetaValue| (k != "tokenizer.chat_template").then(|| v.clone());
+    common::rewrite_gguf(&cached, &old, keep, |_| common::TensorEdit::Keep);
+    std::fs::rename(&old, &cached).unwrap();
+    assert!(demo().contains("has no chat template; writing it again"));
+    readme_chat(p(&cached));
 }
 
 /// `serve --chat-template` with a file that cannot be read or does not parse stops with an error
