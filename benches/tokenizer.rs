@@ -25,8 +25,7 @@ fn text_100kb() -> String {
 
 fn vocab(name: &str) -> Tokenizer {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers").join(name);
-    Tokenizer::from_gguf_path(&path)
-        .unwrap_or_else(|e| panic!("{e}"))
+    Tokenizer::from_gguf_path(&path).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn bench_tokenizer(c: &mut Criterion) {

@@ -93,7 +93,12 @@ fn chatml_vocabularies_get_the_chatml_template() {
     assert_eq!(own.chat_template(), Some(CHATML_TEMPLATE));
     let qwen2 = common::tokenizers().join("ggml-vocab-qwen2.gguf");
     let bare = dir.path().join("qwen2-no-template.gguf");
-    rewrite_gguf(&qwen2, &bare, |k, v| (k != "tokenizer.chat_template").then(|| v.clone()), |_| TensorEdit::Keep);
+    rewrite_gguf(
+        &qwen2,
+        &bare,
+        |k, v| (k != "tokenizer.chat_template").then(|| v.clone()),
+        |_| TensorEdit::Keep,
+    );
     assert_eq!(Tokenizer::from_gguf_path(&bare).unwrap().chat_template(), None);
     for (format, out) in [(SynthFormat::Gguf, "c.gguf"), (SynthFormat::Safetensors, "c-st")] {
         let mut opts = synth_options("qwen3_moe", format, dir.path().join(out), 1);

@@ -1071,7 +1071,10 @@ fn default_model() -> Result<Model> {
             // Written before synth gave its vocabulary the ChatML template: the same weights again,
             // with the template, so `serve` on it has a chat API.
             Ok(model) if !has_chat_template(&model) => {
-                eprintln!("the cached default model {} has no chat template; writing it again", path.display())
+                eprintln!(
+                    "the cached default model {} has no chat template; writing it again",
+                    path.display()
+                )
             }
             Ok(model) => return Ok(model),
             Err(e) => {

@@ -309,7 +309,9 @@ fn serve_refuses_a_chat_template_it_cannot_use() {
     ok_stdout(&["synth", "--out", p(&model)]);
     let broken = dir.path().join("broken.jinja");
     std::fs::write(&broken, "{% for message in messages %}{{ message['content'] }").unwrap();
-    for (template, want) in [("/nonexistent/t.jinja", "cannot read the chat template"), (p(&broken), "syntax error")] {
+    for (template, want) in
+        [("/nonexistent/t.jinja", "cannot read the chat template"), (p(&broken), "syntax error")]
+    {
         let args = ["serve", "--model", p(&model), "--listen", "127.0.0.1:0", "--engine", "pipeline"];
         let mut child = bin::command()
             .args(args)
@@ -327,7 +329,8 @@ fn serve_refuses_a_chat_template_it_cannot_use() {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        let stderr = bin::failure_of(child.wait_with_output().unwrap(), &format!("--chat-template {template}"));
+        let stderr =
+            bin::failure_of(child.wait_with_output().unwrap(), &format!("--chat-template {template}"));
         assert!(stderr.contains("--chat-template") && stderr.contains(want), "{stderr}");
         assert!(stderr.contains(template), "the error names the file: {stderr}");
     }

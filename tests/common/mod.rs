@@ -151,7 +151,11 @@ pub fn repo_root() -> PathBuf {
 /// its licence, inside this repository so a clone on its own passes its tests.
 pub fn tokenizers() -> PathBuf {
     let dir = repo_root().join("tests/fixtures/tokenizers");
-    assert!(dir.join("ggml-vocab-qwen2.gguf").is_file(), "{}: the tokenizer fixtures are missing", dir.display());
+    assert!(
+        dir.join("ggml-vocab-qwen2.gguf").is_file(),
+        "{}: the tokenizer fixtures are missing",
+        dir.display()
+    );
     dir
 }
 
