@@ -214,9 +214,9 @@ pub struct SynthOptions {
     pub out: PathBuf,
     /// Copy the tokenizer of this GGUF file (every `tokenizer.*` key, chat template included;
     /// the ChatML template when the vocabulary has `<|im_start|>`/`<|im_end|>` but no template)
-    /// instead of writing the small synthetic one (which has the ChatML template, GGUF output
-    /// only); the vocabulary size follows it. Safetensors
-    /// output gets it as `tokenizer.json` + `tokenizer_config.json` (byte-level BPE only).
+    /// instead of writing the small synthetic one (which has the ChatML template; GGUF output
+    /// only); the vocabulary size follows it. Safetensors output gets it as `tokenizer.json` +
+    /// `tokenizer_config.json` (byte-level BPE only).
     pub vocab_from: Option<PathBuf>,
 }
 
