@@ -1,6 +1,6 @@
 //! Criterion bench of the tokenizer: encode and decode 100 KB of mixed text (English, code,
 //! several scripts, emoji, whitespace runs) with the qwen2 byte-level BPE and the Llama
-//! SentencePiece vocabularies of ../shared/tokenizers.
+//! SentencePiece vocabularies of tests/fixtures/tokenizers.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use moe_lanes::text::Tokenizer;
@@ -24,9 +24,8 @@ fn text_100kb() -> String {
 }
 
 fn vocab(name: &str) -> Tokenizer {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/tokenizers").join(name);
-    Tokenizer::from_gguf_path(&path)
-        .unwrap_or_else(|e| panic!("{e} (the design repository belongs beside this one)"))
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers").join(name);
+    Tokenizer::from_gguf_path(&path).unwrap_or_else(|e| panic!("{e}"))
 }
 
 fn bench_tokenizer(c: &mut Criterion) {

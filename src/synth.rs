@@ -22,7 +22,7 @@ use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
 use crate::model::{expected_layer_shape, required_layer_roles};
 use crate::output::{check_output, OutputKind};
 use crate::quantize::{quantize_gguf, QuantMix, QuantizeError};
-use crate::text::{HfTokenizerFiles, Tokenizer, TokenizerError};
+use crate::text::{is_chatml_capable, HfTokenizerFiles, Tokenizer, TokenizerError, CHATML_TEMPLATE};
 use crate::vocab;
 use half::{bf16, f16};
 use serde::Serialize;
@@ -213,9 +213,11 @@ pub struct SynthOptions {
     pub skew: Skew,
     pub format: SynthFormat,
     pub out: PathBuf,
-    /// Copy the tokenizer of this GGUF file (every `tokenizer.*` key, chat template included)
-    /// instead of writing the small synthetic one; the vocabulary size follows it. Safetensors
-    /// output gets it as `tokenizer.json` + `tokenizer_config.json` (byte-level BPE only).
+    /// Copy the tokenizer of this GGUF file (every `tokenizer.*` key, chat template included;
+    /// the ChatML template when the vocabulary has `<|im_start|>`/`<|im_end|>` but no template)
+    /// instead of writing the small synthetic one (which has the ChatML template; GGUF output
+    /// only); the vocabulary size follows it. Safetensors output gets it as `tokenizer.json` +
+    /// `tokenizer_config.json` (byte-level BPE only).
     pub vocab_from: Option<PathBuf>,
 }
 
@@ -251,14 +253,20 @@ struct CopiedTokenizer {
 
 impl CopiedTokenizer {
     /// Read and validate (by loading it) the tokenizer of a GGUF file.
+    /// A vocabulary with ChatML's markers but no template gets [`CHATML_TEMPLATE`].
     fn read(path: &Path, format: SynthFormat) -> Result<CopiedTokenizer, SynthError> {
         let file = GgufFile::open(path)?;
         let tokenizer = Tokenizer::from_gguf(&file)?;
+        let add_chatml = tokenizer.chat_template().is_none() && is_chatml_capable(&tokenizer);
         let hf_files = match format {
             SynthFormat::Gguf => None,
-            SynthFormat::Safetensors => Some(tokenizer.to_hf_files()?),
+            SynthFormat::Safetensors => Some(with_chatml(tokenizer.to_hf_files()?, add_chatml)),
         };
-        let metadata = file.metadata().iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned().collect();
+        let mut metadata: Vec<(String, MetaValue)> =
+            file.metadata().iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned().collect();
+        if add_chatml {
+            metadata.push((CHAT_TEMPLATE_KEY.into(), MetaValue::String(CHATML_TEMPLATE.into())));
+        }
         Ok(CopiedTokenizer { metadata, n_vocab: tokenizer.n_vocab(), hf_files })
     }
 
@@ -277,6 +285,20 @@ impl CopiedTokenizer {
         }
         Ok(())
     }
+}
+
+/// GGUF's key of the Jinja chat template.
+const CHAT_TEMPLATE_KEY: &str = "tokenizer.chat_template";
+
+/// `tokenizer_config.json` with [`CHATML_TEMPLATE`] as its `chat_template` when `add` is set.
+fn with_chatml(mut files: HfTokenizerFiles, add: bool) -> HfTokenizerFiles {
+    if add {
+        let mut config: serde_json::Value =
+            serde_json::from_str(&files.tokenizer_config_json).expect("the exporter writes valid JSON");
+        config["chat_template"] = CHATML_TEMPLATE.into();
+        files.tokenizer_config_json = serde_json::to_string_pretty(&config).expect("JSON values serialize");
+    }
+    files
 }
 
 /// What was written.
@@ -612,7 +634,7 @@ fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
     w.add_metadata(k("vocab_size"), u32v(c.vocab));
 }
 
-/// The small synthetic byte-level BPE tokenizer (src/vocab.rs).
+/// The small synthetic byte-level BPE tokenizer (src/vocab.rs) with the ChatML chat template.
 fn add_synthetic_vocab(w: &mut GgufWriter, c: &ModelConfig) {
     let v = vocab::synthetic_vocab(c.vocab).expect("vocab size checked by the caller");
     w.add_metadata("tokenizer.ggml.model", MetaValue::String("gpt2".into()));
@@ -624,6 +646,8 @@ fn add_synthetic_vocab(w: &mut GgufWriter, c: &ModelConfig) {
     w.add_metadata("tokenizer.ggml.eos_token_id", MetaValue::U32(v.eos_id));
     w.add_metadata("tokenizer.ggml.padding_token_id", MetaValue::U32(v.eos_id));
     w.add_metadata("tokenizer.ggml.add_bos_token", MetaValue::Bool(false));
+    // Its specials are ChatML's markers, so chat works out of the box (the demo model's too).
+    w.add_metadata(CHAT_TEMPLATE_KEY, MetaValue::String(CHATML_TEMPLATE.into()));
 }
 
 /// llama.cpp's `general.file_type` (LLAMA_FTYPE_*) for an all-float file.

@@ -34,14 +34,14 @@ fn fixture(name: &str) -> Fixture {
 
 /// The template as the library loads it: from the file, or the GGUF's own.
 fn load(fx: &Fixture) -> ChatTemplate {
-    let shared = common::shared_tokenizers();
-    let tok = Tokenizer::from_gguf_path(&shared.join(&fx.gguf)).unwrap();
+    let dir = common::tokenizers();
+    let tok = Tokenizer::from_gguf_path(&dir.join(&fx.gguf)).unwrap();
     let bos = tok.bos().and_then(|id| tok.token_text(id)).map(str::to_owned);
     let eos = tok.eos().and_then(|id| tok.token_text(id)).map(str::to_owned);
     assert_eq!((bos, eos), (fx.bos_token.clone(), fx.eos_token.clone()), "special tokens of {}", fx.gguf);
     match fx.template.strip_prefix("gguf:") {
-        Some(file) => ChatTemplate::from_tokenizer(&tok, &shared.join(file)).unwrap(),
-        None => ChatTemplate::from_file(&shared.join(&fx.template), &tok).unwrap(),
+        Some(file) => ChatTemplate::from_tokenizer(&tok, &dir.join(file)).unwrap(),
+        None => ChatTemplate::from_file(&dir.join(&fx.template), &tok).unwrap(),
     }
 }
 
@@ -89,7 +89,7 @@ fn the_template_inside_the_qwen2_gguf_renders_as_transformers() {
 
 #[test]
 fn a_model_without_a_template_is_a_clear_error() {
-    let spm = common::shared_tokenizers().join("ggml-vocab-llama-spm.gguf");
+    let spm = common::tokenizers().join("ggml-vocab-llama-spm.gguf");
     let tok = Tokenizer::from_gguf_path(&spm).unwrap();
     let err = ChatTemplate::from_tokenizer(&tok, &spm).unwrap_err();
     assert!(matches!(err, ChatTemplateError::NoTemplate { .. }));
@@ -101,7 +101,7 @@ fn a_model_without_a_template_is_a_clear_error() {
 
 #[test]
 fn encode_tokenizes_the_rendered_prompt_with_control_tokens() {
-    let qwen2 = common::shared_tokenizers().join("ggml-vocab-qwen2.gguf");
+    let qwen2 = common::tokenizers().join("ggml-vocab-qwen2.gguf");
     let tok = Tokenizer::from_gguf_path(&qwen2).unwrap();
     let template = ChatTemplate::from_tokenizer(&tok, &qwen2).unwrap();
     let msgs = [ChatMessage::user("Hi")];

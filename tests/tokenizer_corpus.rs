@@ -10,7 +10,7 @@ use serde_json::Value;
 const VOCABS: [&str; 2] = ["ggml-vocab-qwen2", "ggml-vocab-llama-spm"];
 
 fn tokenizer(name: &str) -> Tokenizer {
-    Tokenizer::from_gguf_path(&common::shared_tokenizers().join(format!("{name}.gguf"))).unwrap()
+    Tokenizer::from_gguf_path(&common::tokenizers().join(format!("{name}.gguf"))).unwrap()
 }
 
 /// (text, transformers' ids, the text after transformers' normalizer where that changed it).

@@ -35,7 +35,7 @@ fn synthetic_models_tokenize_with_their_own_vocabulary() {
 #[test]
 fn vocab_from_copies_the_tokenizer_and_the_vocabulary_size() {
     let dir = tempfile::tempdir().unwrap();
-    let vocab = common::shared_tokenizers().join("ggml-vocab-qwen2.gguf");
+    let vocab = common::tokenizers().join("ggml-vocab-qwen2.gguf");
     let model = Model::open(&synth_gguf(dir.path(), Some(vocab.clone()))).unwrap();
     let real = Tokenizer::from_gguf_path(&vocab).unwrap();
     let copied = Tokenizer::from_model(&model).unwrap();
@@ -56,7 +56,7 @@ fn vocab_from_copies_the_tokenizer_and_the_vocabulary_size() {
 #[test]
 fn vocab_from_into_safetensors_writes_a_tokenizer_json_that_tokenizes_the_same() {
     let dir = tempfile::tempdir().unwrap();
-    let vocab = common::shared_tokenizers().join("ggml-vocab-qwen2.gguf");
+    let vocab = common::tokenizers().join("ggml-vocab-qwen2.gguf");
     let mut opts = synth_options("olmoe", SynthFormat::Safetensors, dir.path().join("st"), 1);
     opts.vocab_from = Some(vocab.clone());
     write_synthetic(&opts, &mut |_, _| {}).unwrap();
@@ -81,17 +81,52 @@ fn vocab_from_into_safetensors_writes_a_tokenizer_json_that_tokenizes_the_same()
     assert!(hf.is_special(im_end) && hf.decode(&[im_end], true).unwrap().is_empty());
 }
 
+/// Chat out of the box: the synthetic vocabulary (ChatML's markers) carries the ChatML template,
+/// and so does a copied vocabulary with the markers but no template, in GGUF metadata and in
+/// safetensors' `tokenizer_config.json`; a copied template is kept, and a vocabulary without the
+/// markers gets none.
+#[test]
+fn chatml_vocabularies_get_the_chatml_template() {
+    use moe_lanes::text::CHATML_TEMPLATE;
+    let dir = tempfile::tempdir().unwrap();
+    let own = Tokenizer::from_model(&Model::open(&synth_gguf(dir.path(), None)).unwrap()).unwrap();
+    assert_eq!(own.chat_template(), Some(CHATML_TEMPLATE));
+    let qwen2 = common::tokenizers().join("ggml-vocab-qwen2.gguf");
+    let bare = dir.path().join("qwen2-no-template.gguf");
+    rewrite_gguf(
+        &qwen2,
+        &bare,
+        |k, v| (k != "tokenizer.chat_template").then(|| v.clone()),
+        |_| TensorEdit::Keep,
+    );
+    assert_eq!(Tokenizer::from_gguf_path(&bare).unwrap().chat_template(), None);
+    for (format, out) in [(SynthFormat::Gguf, "c.gguf"), (SynthFormat::Safetensors, "c-st")] {
+        let mut opts = synth_options("qwen3_moe", format, dir.path().join(out), 1);
+        opts.vocab_from = Some(bare.clone());
+        write_synthetic(&opts, &mut |_, _| {}).unwrap();
+        let tok = Tokenizer::from_model(&Model::open(&opts.out).unwrap()).unwrap();
+        assert_eq!(tok.chat_template(), Some(CHATML_TEMPLATE), "{format:?}");
+    }
+    let sub = tempfile::tempdir().unwrap();
+    let kept = Tokenizer::from_model(&Model::open(&synth_gguf(sub.path(), Some(qwen2))).unwrap()).unwrap();
+    assert_ne!(kept.chat_template(), Some(CHATML_TEMPLATE));
+    let mut opts = synth_options("mixtral", SynthFormat::Gguf, dir.path().join("spm.gguf"), 1);
+    opts.vocab_from = Some(common::tokenizers().join("ggml-vocab-llama-spm.gguf"));
+    write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    assert_eq!(Tokenizer::from_model(&Model::open(&opts.out).unwrap()).unwrap().chat_template(), None);
+}
+
 #[test]
 fn vocab_from_refuses_what_it_cannot_copy() {
     let dir = tempfile::tempdir().unwrap();
-    let spm = common::shared_tokenizers().join("ggml-vocab-llama-spm.gguf");
+    let spm = common::tokenizers().join("ggml-vocab-llama-spm.gguf");
     let mut opts = synth_options("mixtral", SynthFormat::Safetensors, dir.path().join("st"), 1);
     opts.vocab_from = Some(spm);
     let err = write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
     assert!(err.contains("cannot write a SentencePiece (llama) tokenizer as tokenizer.json"), "{err}");
     assert!(!opts.out.exists(), "nothing written");
     let mut opts = synth_options("olmoe", SynthFormat::Gguf, dir.path().join("v.gguf"), 1);
-    opts.vocab_from = Some(common::shared_tokenizers().join("ggml-vocab-qwen2.gguf"));
+    opts.vocab_from = Some(common::tokenizers().join("ggml-vocab-qwen2.gguf"));
     opts.dims.vocab = Some(1000);
     let err = write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
     assert!(err.contains("vocab: 1000 conflicts with the 151936 tokens"), "{err}");

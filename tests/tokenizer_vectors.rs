@@ -1,4 +1,4 @@
-//! llama.cpp's own tokenizer test vectors (../shared/tokenizers/*.gguf.inp/.out): every input
+//! llama.cpp's own tokenizer test vectors (tests/fixtures/tokenizers/*.gguf.inp/.out): every input
 //! must give exactly the expected ids (no BOS, special tokens not parsed), and decode back.
 
 mod common;
@@ -6,7 +6,7 @@ mod common;
 use moe_lanes::text::Tokenizer;
 
 fn check_vectors(name: &str) {
-    let tok = Tokenizer::from_gguf_path(&common::shared_tokenizers().join(format!("{name}.gguf"))).unwrap();
+    let tok = Tokenizer::from_gguf_path(&common::tokenizers().join(format!("{name}.gguf"))).unwrap();
     let mut failures = Vec::new();
     let vectors = common::vocab_test_vectors(name);
     for (text, expected) in &vectors {

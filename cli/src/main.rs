@@ -825,11 +825,15 @@ fn serve(args: ServeArgs) -> Result<()> {
                 .map_err(|e| e.to_string())
         }
     };
-    if let (Err(why), Some(_)) = (&chat_template, &tokenizer) {
-        eprintln!("chat API off: {why}");
-    }
     if let (Some(path), None) = (&args.chat_template, &tokenizer) {
         anyhow::bail!("--chat-template {}: the model has no tokenizer to render it with", path.display());
+    }
+    // A template asked for that cannot be read or parsed stops serve; the model's own, missing or
+    // broken, only turns the chat API off.
+    match (&chat_template, &args.chat_template, &tokenizer) {
+        (Err(why), Some(_), _) => anyhow::bail!("--chat-template: {why}"),
+        (Err(why), None, Some(_)) => eprintln!("chat API off: {why}"),
+        _ => {}
     }
     let serve_opts = moe_lanes_server::ServeOptions {
         tokenizer,
@@ -1141,6 +1145,14 @@ fn default_model() -> Result<Model> {
     let path = default_model_path();
     if path.exists() {
         match Model::open(&path) {
+            // Written before synth gave its vocabulary the ChatML template: the same weights again,
+            // with the template, so `serve` on it has a chat API.
+            Ok(model) if !has_chat_template(&model) => {
+                eprintln!(
+                    "the cached default model {} has no chat template; writing it again",
+                    path.display()
+                )
+            }
             Ok(model) => return Ok(model),
             Err(e) => {
                 eprintln!("the cached default model {} is unreadable ({e}); writing it again", path.display())
@@ -1153,6 +1165,10 @@ fn default_model() -> Result<Model> {
     }
     write_with_progress(&default_model_options(path.clone())?, None)?;
     open_model(&path)
+}
+
+fn has_chat_template(model: &Model) -> bool {
+    moe_lanes::text::Tokenizer::from_model(model).is_ok_and(|t| t.chat_template().is_some())
 }
 
 fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {

@@ -264,7 +264,7 @@ fn generate_samples_with_flags_reproducibly_and_refuses_bad_ones() {
 fn run_streams_the_text_of_the_greedy_tokens_and_a_summary() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("q.gguf");
-    let vocab = common::repo_root().join("../shared/tokenizers/ggml-vocab-qwen2.gguf");
+    let vocab = common::tokenizers().join("ggml-vocab-qwen2.gguf");
     ok_stdout(&["synth", "--out", p(&model), "--vocab-from", p(&vocab)]);
     let prompt = "Hello, wörld! 🦀";
     let base = ["--model", p(&model), "--engine", "pipeline"];

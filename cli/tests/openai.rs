@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 /// A synthetic model with Qwen2's tokenizer and chat template.
 fn qwen(dir: &std::path::Path) -> String {
-    let vocab = common::shared_tokenizers().join("ggml-vocab-qwen2.gguf");
+    let vocab = common::tokenizers().join("ggml-vocab-qwen2.gguf");
     let path = dir.join("qwen-synth.gguf");
     ok_stdout(&["synth", "--out", p(&path), "--vocab-from", p(&vocab)]);
     p(&path).to_string()
@@ -239,15 +239,101 @@ fn bad_chat_requests_are_openai_shaped_errors() {
             json!({"messages": user(json!("hi")), "top_logprobs": 2})
         )
     );
-    // A model without a chat template: 400 naming messages and the missing template.
+    // A model without a chat template (a SentencePiece vocabulary without ChatML's markers): 400
+    // naming messages and the missing template.
     let tiny = dir.path().join("tiny.gguf");
-    ok_stdout(&["synth", "--out", p(&tiny)]);
+    let spm = common::tokenizers().join("ggml-vocab-llama-spm.gguf");
+    ok_stdout(&["synth", "--out", p(&tiny), "--vocab-from", p(&spm)]);
     let plain = Server::start(p(&tiny), &[]);
     let (status, v) = post(&plain, "/v1/chat/completions", json!({"messages": user(json!("hi"))}));
     assert_eq!(status, 400, "{v}");
     assert_eq!(v["error"]["param"], "messages");
     let message = v["error"]["message"].as_str().unwrap();
     assert!(message.contains("no chat template") && message.contains("--chat-template"), "{message}");
+}
+
+/// One chat answer of `model` served as is (no `--chat-template`), as the README's OpenAI example
+/// asks for it.
+fn readme_chat(model: &str) -> Value {
+    let server = Server::start(model, &[]);
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 16});
+    let (status, v) = post(&server, "/v1/chat/completions", body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    v
+}
+
+/// Chat out of the box: `synth` (its own vocabulary has ChatML's markers, so it carries the ChatML
+/// template) and the demo model answer `/v1/chat/completions` without `--chat-template`, with the
+/// prompt rendered as ChatML; nothing outside the repository is needed (the README's example).
+#[test]
+fn synth_and_demo_models_chat_out_of_the_box() {
+    let dir = tempfile::tempdir().unwrap();
+    let q = dir.path().join("q.gguf");
+    ok_stdout(&["synth", "--out", p(&q)]);
+    let v = readme_chat(p(&q));
+    let (ids, _) = chat_prompt_ids(p(&q), &[("user", "Hi")]);
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64().unwrap() as usize, ids.len());
+    let tok = moe_lanes::text::Tokenizer::from_gguf_path(&q).unwrap();
+    assert_eq!(tok.decode(&ids, false).unwrap(), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    let home = tempfile::tempdir().unwrap();
+    let demo = || {
+        let out = bin::command()
+            .args(["demo", "--max-new-tokens", "2"])
+            .env("MOE_LANES_HOME", home.path())
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    demo();
+    let cached = home.path().join("default-qwen3moe-small.gguf");
+    readme_chat(p(&cached));
+    // A demo model cached by an earlier version (no template) is written again, with it.
+    let old = home.path().join("old.gguf");
+    let keep = |k: &str, v: &moe_lanes::gguf::MetaValue| (k != "tokenizer.chat_template").then(|| v.clone());
+    common::rewrite_gguf(&cached, &old, keep, |_| common::TensorEdit::Keep);
+    std::fs::rename(&old, &cached).unwrap();
+    assert!(demo().contains("has no chat template; writing it again"));
+    readme_chat(p(&cached));
+}
+
+/// `serve --chat-template` with a file that cannot be read or does not parse stops with an error
+/// naming it (exit 1) instead of serving without a chat API.
+#[test]
+fn serve_refuses_a_chat_template_it_cannot_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    ok_stdout(&["synth", "--out", p(&model)]);
+    let broken = dir.path().join("broken.jinja");
+    std::fs::write(&broken, "{% for message in messages %}{{ message['content'] }").unwrap();
+    for (template, want) in
+        [("/nonexistent/t.jinja", "cannot read the chat template"), (p(&broken), "syntax error")]
+    {
+        let args = ["serve", "--model", p(&model), "--listen", "127.0.0.1:0", "--engine", "pipeline"];
+        let mut child = bin::command()
+            .args(args)
+            .args(["--chat-template", template])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if start.elapsed() > Duration::from_secs(60) {
+                bin::server::sigterm(child.id());
+                let out = child.wait_with_output().unwrap();
+                panic!("--chat-template {template}: still serving: {}", String::from_utf8_lossy(&out.stderr));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let stderr =
+            bin::failure_of(child.wait_with_output().unwrap(), &format!("--chat-template {template}"));
+        assert!(stderr.contains("--chat-template") && stderr.contains(want), "{stderr}");
+        assert!(stderr.contains(template), "the error names the file: {stderr}");
+    }
 }
 
 /// The error body without its message's volatile parts (none today) as pretty JSON.

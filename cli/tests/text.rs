@@ -11,7 +11,7 @@ use std::io::Write;
 use std::process::Stdio;
 
 fn qwen2() -> String {
-    p(&common::shared_tokenizers().join("ggml-vocab-qwen2.gguf")).to_string()
+    p(&common::tokenizers().join("ggml-vocab-qwen2.gguf")).to_string()
 }
 
 fn ids_of(stdout: &str) -> Vec<u32> {
@@ -60,7 +60,7 @@ fn tokenize_json_and_special() {
     let vocab = qwen2();
     let out = ok_stdout(&["tokenize", "--model", &vocab, "--text", "Hello world 🦀", "--json"]);
     insta::assert_snapshot!("tokenize_json", out);
-    let spm = p(&common::shared_tokenizers().join("ggml-vocab-llama-spm.gguf")).to_string();
+    let spm = p(&common::tokenizers().join("ggml-vocab-llama-spm.gguf")).to_string();
     let without = ids_of(&ok_stdout(&["tokenize", "--model", &spm, "--text", "Hi"]));
     let with = ids_of(&ok_stdout(&["tokenize", "--model", &spm, "--text", "Hi", "--special"]));
     assert_eq!(with[0], 1, "--special adds the BOS the metadata asks for");

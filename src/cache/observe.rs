@@ -1,5 +1,5 @@
 //! Typed observations: the one reading of perf JSON shared by learn files, live perf snapshots
-//! (the engine's own [`PerfState`]), manual applies (a learn file posted to `/moe-hot-cache`)
+//! (the engine's own [`PerfState`](crate::cache::perf::PerfState)), manual applies (a learn file posted to `/moe-hot-cache`)
 //! and automatic updates (the difference of two snapshots). Seed 003 calls it
 //! `parse_observations`.
 //!

@@ -104,6 +104,17 @@ pub struct EngineOptions {
 }
 
 impl EngineOptions {
+    /// The defaults for sessions of up to `context_length` positions (prompt plus generated
+    /// tokens; it sizes the KV cache that the automatic hot-cache budget leaves room for): the
+    /// GPU when usable, else the pipeline; no hot cache; `auto` cold threads; full perf state.
+    /// `EngineOptions::with_context(4096)` reads as what it is; [`EngineOptions::new`] is the
+    /// same call.
+    pub fn with_context(context_length: usize) -> EngineOptions {
+        EngineOptions::new(context_length)
+    }
+
+    /// The same as [`EngineOptions::with_context`]: `n_positions` is the context length the
+    /// caller's sessions need (prompt plus generated tokens), not a token count to generate.
     pub fn new(n_positions: usize) -> EngineOptions {
         EngineOptions {
             kind: None,

@@ -207,7 +207,7 @@ pub struct GpuOptions {
     /// The decode graphs time each all-hot layer's hot lane by a pair of CUDA events on every
     /// call (`MOE_LANES_GRAPH_LANE_EVENTS=1` at the CLI; an A/B). Off (default): no events in
     /// the graphs' all-hot layers, which would stop programmatic dependent launch there (6% of
-    /// all-hot tg on the H100); one call in [`super::graph::HOT_TIMING_EVERY_CALLS`] runs eagerly
+    /// all-hot tg on the H100); one call in `graph::HOT_TIMING_EVERY_CALLS` runs eagerly
     /// instead, timed, and the others report its times.
     pub graph_lane_events: bool,
     /// Post-Fetch of cold experts in prefill (`postfetch` module).

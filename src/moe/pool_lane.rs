@@ -1,7 +1,8 @@
 //! The CPU pipeline's cold lane on its shared pool: a layer's cold section grouped by expert
-//! (each expert's weights read once per layer) and run as one [`ColdJob`] on the pinned pool the
-//! dense stage uses, the driver as thread 0. Every participant streams rows of every expert (the
-//! pool splits experts by rows), so one decode token's 8 cold experts keep all cores reading,
+//! (each expert's weights read once per layer) and run as one
+//! [`ColdJob`](moe_lanes_kernels::pool::ColdJob) on the pinned pool the dense stage uses, the
+//! driver as thread 0. Every participant streams rows of every expert (the pool splits experts by
+//! rows), so one decode token's 8 cold experts keep all cores reading,
 //! where one expert per lane thread would keep only 8 busy; and no thread changes pools between
 //! the dense stage and the lanes, so nobody parks and wakes per layer.
 //!

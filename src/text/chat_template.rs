@@ -15,6 +15,19 @@ use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
 use std::path::{Path, PathBuf};
 
+/// The ChatML template (`<|im_start|>role\ncontent<|im_end|>\n` per message, then
+/// `<|im_start|>assistant\n` for the generation prompt), as Qwen and many other models use it.
+/// `synth` writes it into models whose vocabulary has `<|im_start|>` and `<|im_end|>` but no
+/// template (every synthetic vocabulary, the demo model's included), so their chat API works.
+pub const CHATML_TEMPLATE: &str = "{% for message in messages %}\
+{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}\
+{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+/// Whether a tokenizer can use [`CHATML_TEMPLATE`]: it has both of its markers as tokens.
+pub fn is_chatml_capable(tokenizer: &Tokenizer) -> bool {
+    tokenizer.token_id("<|im_start|>").is_some() && tokenizer.token_id("<|im_end|>").is_some()
+}
+
 /// One message of a conversation.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {

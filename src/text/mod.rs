@@ -68,7 +68,9 @@ mod stream;
 mod tokenizer;
 mod vocab;
 
-pub use chat_template::{ChatMessage, ChatTemplate, ChatTemplateError, RenderOptions};
+pub use chat_template::{
+    is_chatml_capable, ChatMessage, ChatTemplate, ChatTemplateError, RenderOptions, CHATML_TEMPLATE,
+};
 pub use generate::{generate_text, TextFinish, TextGenerationError, TextOptions, TextOutcome, TextStream};
 pub use hf_export::HfTokenizerFiles;
 pub use pretokenize::PreTokenizer;

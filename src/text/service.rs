@@ -2,23 +2,7 @@
 //! thread; requests queue to it and their text comes back as a stream of pieces, so nothing
 //! blocks the runtime. Dropping a [`TextEvents`] cancels its generation.
 //!
-//! ```no_run
-//! use moe_lanes::engine::EngineOptions;
-//! use moe_lanes::model::Model;
-//! use moe_lanes::text::{TextEvent, TextGenerator, TextOptions};
-//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! let model = std::sync::Arc::new(Model::open("model.gguf".as_ref())?);
-//! let generator = TextGenerator::start(model, EngineOptions::new(4096)).await?;
-//! let mut events = generator.generate("Once upon a time", generator.options(64));
-//! while let Some(event) = events.next().await {
-//!     match event {
-//!         TextEvent::Text(piece) => print!("{piece}"),
-//!         TextEvent::Done(outcome) => println!("\n[{}]", outcome.finish.openai()),
-//!         TextEvent::Error(e) => return Err(e.into()),
-//!     }
-//! }
-//! # Ok(()) }
-//! ```
+//! The example is on [`TextGenerator`] (this module is private; its types are `text`'s).
 
 use super::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
 use super::generate::{generate_text, TextGenerationError, TextOptions, TextOutcome};
@@ -77,6 +61,24 @@ struct Job {
 }
 
 /// A model's engine on a dedicated thread, taking text requests one at a time.
+///
+/// ```no_run
+/// use moe_lanes::engine::EngineOptions;
+/// use moe_lanes::model::Model;
+/// use moe_lanes::text::{TextEvent, TextGenerator, TextOptions};
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let model = std::sync::Arc::new(Model::open("model.gguf".as_ref())?);
+/// let generator = TextGenerator::start(model, EngineOptions::with_context(4096)).await?;
+/// let mut events = generator.generate("Once upon a time", generator.options(64));
+/// while let Some(event) = events.next().await {
+///     match event {
+///         TextEvent::Text(piece) => print!("{piece}"),
+///         TextEvent::Done(outcome) => println!("\n[{}]", outcome.finish.openai()),
+///         TextEvent::Error(e) => return Err(e.into()),
+///     }
+/// }
+/// # Ok(()) }
+/// ```
 pub struct TextGenerator {
     jobs: Option<crossbeam_channel::Sender<Job>>,
     tokenizer: Arc<Tokenizer>,

@@ -146,13 +146,14 @@ pub fn repo_root() -> PathBuf {
     }
 }
 
-/// The real tokenizer data of the design repository: `../shared/tokenizers` beside the clone
-/// (as CI has it). Panics naming the path when it is missing, so no test passes without it.
-pub fn shared_tokenizers() -> PathBuf {
-    let dir = repo_root().join("../shared/tokenizers");
+/// The real tokenizer data the tests use (vocabulary GGUFs, llama.cpp's test vectors, chat
+/// templates): `tests/fixtures/tokenizers`, a copy of the design repository's `tokenizers/` with
+/// its licence, inside this repository so a clone on its own passes its tests.
+pub fn tokenizers() -> PathBuf {
+    let dir = repo_root().join("tests/fixtures/tokenizers");
     assert!(
         dir.join("ggml-vocab-qwen2.gguf").is_file(),
-        "{}: the design repository's tokenizers are missing (clone it beside this repository as ../shared)",
+        "{}: the tokenizer fixtures are missing",
         dir.display()
     );
     dir
@@ -160,7 +161,7 @@ pub fn shared_tokenizers() -> PathBuf {
 
 /// llama.cpp's tokenizer test vectors for `<name>.gguf`: (input text, expected ids) pairs.
 pub fn vocab_test_vectors(name: &str) -> Vec<(String, Vec<u32>)> {
-    let dir = shared_tokenizers();
+    let dir = tokenizers();
     let inp = std::fs::read_to_string(dir.join(format!("{name}.gguf.inp"))).unwrap();
     let out = std::fs::read_to_string(dir.join(format!("{name}.gguf.out"))).unwrap();
     let mut inputs: Vec<&str> = inp.split("\n__ggml_vocab_test__\n").collect();

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 /// Whether prefill fetches cold experts to the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum PostFetchMode {
-    /// The cost model decides per expert ([`assign`]).
+    /// The cost model decides per expert (`assign`).
     #[default]
     Auto,
     /// Fetch every cold expert that fits (the rest fall back to the CPU, counted): tests, A/B.
@@ -87,7 +87,7 @@ pub struct PostFetchOptions {
     pub register: bool,
     /// Decode too: a split layer's cold experts are divided between the CPU lane and copies to
     /// the scratchpad (run by the decode GEMVs) by the same cost model, with
-    /// [`DECODE_GPU_EXPERT_S`] for the GPU's part.
+    /// `DECODE_GPU_EXPERT_S` for the GPU's part.
     pub decode: bool,
 }
 
@@ -167,7 +167,7 @@ pub struct PostFetchCosts {
 
 impl PostFetchCosts {
     /// Configured CPU rates for `cold_threads` threads and experts of `hidden x ff`;
-    /// [`stage_threads`]`(cold_threads)` threads stage the copies.
+    /// `stage_threads(cold_threads)` threads stage the copies.
     pub fn configured(hidden: usize, ff: usize, cold_threads: usize) -> Self {
         let flop_per_token = 6.0 * hidden as f64 * ff as f64;
         PostFetchCosts {

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# A clone on its own passes its tests (run by .ci/run after the normal test run): copies the
+# repository's files (tracked, and untracked ones git does not ignore) into a fresh temporary
+# directory with no ../shared beside it and runs `cargo test --workspace` there (or the cargo
+# test arguments given, e.g. `scripts/clone-check.sh -p moe-lanes --test chat_templates`), with
+# this checkout's target/ as CARGO_TARGET_DIR so only the workspace's own crates are rebuilt.
+# A test that reads the design repository (../shared) fails there. Removes the copy at the end.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo="$PWD"
+tmp="$(mktemp -d "${TMPDIR:-/tmp}/moe-lanes-clone.XXXXXX")"
+trap 'rm -rf "$tmp"' EXIT
+copy="$tmp/moe-lanes"
+mkdir "$copy"
+git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
+  # Deleted but not yet committed files are still listed as cached.
+  if [ -e "$f" ]; then printf '%s\0' "$f"; fi
+done | tar -C "$repo" --null -T - -cf - | tar -C "$copy" -xf -
+if [ -e "$tmp/shared" ]; then
+  echo "clone-check: $tmp/shared exists; the copy must have no ../shared" >&2
+  exit 1
+fi
+echo "clone-check: cargo test in $copy (no ../shared beside it)" >&2
+[ "$#" -gt 0 ] || set -- --workspace
+cd "$copy"
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target}" cargo test "$@"
