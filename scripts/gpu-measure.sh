@@ -10,9 +10,6 @@
 #   plan     plan --sweep from a 50%-budget perf file, then measured bench at 0/25/50/75/100% (issue 10)
 #   compare  llama.cpp and moe-lanes alternately on the same files: CPU only, budget 0 / 50% / 100%
 #            on the uniform model, 50% on the skewed one (issues 14, 16)
-#   ab       A/B switches in one call: the prefill hot lane's grouped GEMM vs per-expert cuBLAS
-#            (MOE_LANES_HOT_GEMM) at 100% and 50%; the CPU engine's pool cold lane vs the lane
-#            workers (MOE_LANES_POOL_COLD), with the CPU stage profile (issues 14, 16)
 #   quant    a 2-layer model quantized by `moe-lanes quantize` (q4_k_m, q8_0) loads and runs in
 #            llama.cpp with per-position argmax agreement (llama-argmax); the pipeline engine's
 #            pp/tg on the same files (issue 12)
@@ -149,26 +146,6 @@ print("%-28s pp %8.1f  tg %7.1f  hit %.3f  cold_lane_us %6.0f  threads %s" % (sy
       r["tg_tokens_per_s"], r["hit_rate"], r["cold_lane_us"], r["threads"]))' "$1" "${2:-$1}"
 }
 
-part_ab() {
-    # Shorter runs than the tables (bench_json reads P, N and RUNS; bash scoping makes these its).
-    local m g v b N=32 RUNS=2
-    m=$(model skewed)
-    for b in -1 "$(share_mib 50)"; do
-        for g in cublas grouped cublas grouped; do
-            MOE_LANES_HOT_GEMM=$g bench_json "$LOGS/ab-$g-$b.json" "$m" --engine gpu --hot-budget-mib "$b" \
-                && rates "$LOGS/ab-$g-$b.json" "hot gemm $g, budget $b"
-        done
-    done
-    m=$(model uniform)
-    local P=128
-    for v in off on off on; do
-        MOE_LANES_POOL_COLD=$v bench_json "$LOGS/ab-pool-$v.json" "$m" --engine pipeline --hot-budget-mib 0 \
-            && rates "$LOGS/ab-pool-$v.json" "cpu only, pool cold $v"
-    done
-    RUNS=1 MOE_LANES_CPU_PROFILE=1 bench_json "$LOGS/ab-pool-prof.json" "$m" --engine pipeline \
-        --hot-budget-mib 0 && grep -A30 -i "profile" "$LOGS/ab-pool-prof.json.log" | head -40
-}
-
 # Token ids of the argmax check (any ids below the synthetic vocabulary's size).
 ARGMAX_TOKENS="${ARGMAX_TOKENS:-1,17,256,4096,77,9000,31,5,1234,600,42,7,8191,300,12,99,2048,3,65,1000,5000,11,250,16000,8,640,72,13,4444,2,150,909}"
 
@@ -279,8 +256,8 @@ for part in "$@"; do
     echo "== $part ($(date -u +%H:%M:%S)) =="
     [ "$part" = models ] || [ "$part" = quantprep ] || wait_llama_build
     case "$part" in
-        models | metrics | shift | plan | compare | ab | quant | quantprep | quantcmp | prefillab) "part_$part" || status=1 ;;
-        *) echo "unknown part $part (models metrics shift plan compare ab quant quantprep quantcmp prefillab)"; exit 2 ;;
+        models | metrics | shift | plan | compare | quant | quantprep | quantcmp | prefillab) "part_$part" || status=1 ;;
+        *) echo "unknown part $part (models metrics shift plan compare quant quantprep quantcmp prefillab)"; exit 2 ;;
     esac
 done
 exit $status
