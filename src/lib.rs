@@ -67,6 +67,7 @@ pub mod cache;
 pub mod engine;
 pub mod env;
 pub mod format;
+pub mod forward;
 pub mod gpu;
 pub mod inspect;
 pub mod model;

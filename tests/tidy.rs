@@ -577,6 +577,17 @@ fn engines_never_ask_which_architecture_they_run() {
     assert_none("an engine names an architecture (read the layer's spec from Model::plan instead)", found);
 }
 
+/// The GPU engine is a backend below `engine/`: it imports the forward-call vocabulary from
+/// `crate::forward`, never from the engine layer above it.
+#[test]
+fn the_gpu_backend_does_not_import_the_engine_layer() {
+    let mut found = Vec::new();
+    for s in &sources(&["src/gpu"]) {
+        found.extend(crate_modules(s).into_iter().filter(|(_, m)| m == "engine").map(|(i, _)| s.at(i)));
+    }
+    assert_none("src/gpu imports crate::engine (take the type from crate::forward)", found);
+}
+
 /// `unsafe` items that predate the "directly above" rule and have no SAFETY comment or `# Safety`
 /// doc of their own: (file, start of the line). To document; kernels/ is edited on its own branch.
 const SAFETY_UNDOCUMENTED: [(&str, &str); 1] =

@@ -22,9 +22,9 @@ use super::model::{GpuFaults, GpuModel};
 use super::stats::LayerRecord;
 use super::GpuError;
 use crate::cache::perf::PerfMode;
-use crate::engine::Logits;
+use crate::forward::LogitRows;
+use crate::forward::Logits;
 use crate::moe::phase::Phase;
-use crate::moe::pipeline::LogitRows;
 use moe_lanes_kernels::cuda::StreamGraph;
 use std::time::Instant;
 

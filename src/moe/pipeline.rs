@@ -21,6 +21,7 @@ use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneId, LaneSet, S
 use crate::cache::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
 use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
 use crate::format::tensor::TensorError;
+pub use crate::forward::LogitRows;
 use crate::model::arch::{LayerPlan, QkNorm, RopeStyle};
 use crate::model::config::ModelConfig;
 use crate::model::naming::GlobalRole;
@@ -264,15 +265,6 @@ fn load_dense(model: &Model) -> Result<(Vec<f32>, Vec<LayerVectors>), TensorErro
     let layers =
         (0..model.config().n_layers).map(|l| LayerVectors::load(model, l)).collect::<Result<_, _>>()?;
     Ok((final_norm, layers))
-}
-
-/// Which logits rows a forward call computes (the lm_head runs only for those).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogitRows {
-    /// One row per token (the `logits` command).
-    All,
-    /// The last token's row only (generation: prefill and decode).
-    Last,
 }
 
 impl Pipeline {
