@@ -168,6 +168,11 @@ pub enum EngineError {
     NoHotCache { engine: EngineKind },
     #[error("no GPU: {reason}")]
     NoGpu { reason: String },
+    #[error(
+        "the {engine} engine keeps its KV cache in f32; a {asked} KV cache is supported by the gpu engine only \
+         (pass --cache-type-k/--cache-type-v f32, or leave them out)"
+    )]
+    KvType { engine: EngineKind, asked: crate::model::context::KvType },
     #[error(transparent)]
     Trace(#[from] crate::cache::trace::TraceError),
 }
