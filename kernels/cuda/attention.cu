@@ -278,6 +278,160 @@ extern "C" __global__ void attention_split_f16(const float* __restrict__ q, cons
     attention_split_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
 }
 
+// Pass 1 for kv heads of a group of ATT_GQA_HEADS (8) query heads or a multiple (g % 8 == 0,
+// hd % 4 == 0, hd <= 128): block (b, s, t) takes query heads 8b..8b+7, which share one kv head,
+// over span s (att_split_span), so each key and value row is read once for the 8 heads (the
+// per-head kernel above reads it once per head). Per chunk of ATT_CHUNK positions: each warp
+// scores its positions for the 8 heads (lane owns dims 4 lane..+3; the 8 partial dots are
+// reduced over the warp by a transposing butterfly, 9 shuffles, after which lanes 4h'.. hold
+// head h' = (lane >> 2) & 7), warp w then runs head w's online softmax over the chunk, and every
+// warp adds p * v of its positions for the 8 heads. Partials as the per-head kernel writes them
+// (same layout, same combine). grid (n_heads / 8, max_splits, T), block 32 * ATT_SPLIT_WARPS.
+// ATT_GQA_HEADS (8: att_reduce8), ATT_GQA_MAXD: -D defines (kernels/src/cuda/kernel.rs).
+static_assert(ATT_GQA_HEADS == 8, "att_reduce8 reduces 8 heads");
+static_assert(ATT_GQA_MAXD == 128, "one float4 a lane covers the head");
+static_assert(ATT_SPLIT_WARPS == ATT_GQA_HEADS, "warp w runs head w's softmax");
+
+// Sum of d[h] over the warp for the 8 heads; lane returns head (lane >> 2) & 7's sum.
+__device__ __forceinline__ float att_reduce8(const float* d) {
+    int lane = threadIdx.x & 31;
+    bool b4 = (lane >> 4) & 1, b3 = (lane >> 3) & 1, b2 = (lane >> 2) & 1;
+    float k4[4], k2[2];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float send = b4 ? d[k] : d[k + 4];
+        k4[k] = (b4 ? d[k + 4] : d[k]) + __shfl_xor_sync(0xffffffffu, send, 16);
+    }
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        float send = b3 ? k4[k] : k4[k + 2];
+        k2[k] = (b3 ? k4[k + 2] : k4[k]) + __shfl_xor_sync(0xffffffffu, send, 8);
+    }
+    float send = b2 ? k2[0] : k2[1];
+    float r = (b2 ? k2[1] : k2[0]) + __shfl_xor_sync(0xffffffffu, send, 4);
+    r += __shfl_xor_sync(0xffffffffu, r, 2);
+    r += __shfl_xor_sync(0xffffffffu, r, 1);
+    return r;
+}
+
+template <typename KV>
+__device__ __forceinline__ float4 kv_lane4(const KV* __restrict__ row, int hd) {
+    int i = 4 * (threadIdx.x & 31);
+    return i < hd ? kv_ld4(row + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+template <typename KV>
+__device__ __forceinline__ void attention_split_gqa_span(const float* __restrict__ q, const KV* __restrict__ kc,
+                                                         const KV* __restrict__ vc, float* __restrict__ part,
+                                                         int pos0, int n_heads, int n_kv, int hd, int window,
+                                                         float scale, int max_splits,
+                                                         const int* __restrict__ pos_ptr) {
+    __shared__ float sc[ATT_GQA_HEADS][ATT_CHUNK];
+    __shared__ float corr_s[ATT_GQA_HEADS];
+    __shared__ __align__(16) float red[ATT_SPLIT_WARPS][ATT_GQA_HEADS][ATT_GQA_MAXD];
+    if (pos_ptr) pos0 = *pos_ptr;
+    int b = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
+    int first, n;
+    att_row_range(pos0, t, window, &first, &n);
+    int per = att_split_span(n, max_splits);
+    int j0 = s * per, jend = min(n, j0 + per);
+    if (j0 >= jend) return;
+    int h0 = b * ATT_GQA_HEADS, kvh = h0 / (n_heads / n_kv);
+    int kv_dim = n_kv * hd, q_dim = n_heads * hd;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, i4 = 4 * lane;
+    float qr[ATT_GQA_HEADS][4], acc[ATT_GQA_HEADS][4];
+#pragma unroll
+    for (int hh = 0; hh < ATT_GQA_HEADS; hh++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            qr[hh][e] = i4 < hd ? q[(size_t)t * q_dim + (size_t)(h0 + hh) * hd + i4 + e] * scale : 0.f;
+            acc[hh][e] = 0.f;
+        }
+    const KV* kb = kc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    const KV* vb = vc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    float m = -INFINITY, l = 0.f;  // head wid's, the same in every lane of the warp
+    for (int c0 = j0; c0 < jend; c0 += ATT_CHUNK) {
+        int cnt = min(ATT_CHUNK, jend - c0);
+        float4 kr[ATT_SPLIT_PER_WARP];
+#pragma unroll
+        for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+            int j = wid + ATT_SPLIT_WARPS * u;
+            kr[u] = j < cnt ? kv_lane4(kb + (size_t)(c0 + j) * kv_dim, hd) : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+            int j = wid + ATT_SPLIT_WARPS * u;
+            float d[ATT_GQA_HEADS];
+#pragma unroll
+            for (int hh = 0; hh < ATT_GQA_HEADS; hh++)
+                d[hh] = qr[hh][0] * kr[u].x + qr[hh][1] * kr[u].y + qr[hh][2] * kr[u].z + qr[hh][3] * kr[u].w;
+            float r = att_reduce8(d);
+            if (j < cnt && (lane & 3) == 0) sc[(lane >> 2) & 7][j] = r;
+        }
+        __syncthreads();
+        {
+            float v = lane < cnt ? sc[wid][lane] : -INFINITY;
+            float mn = fmaxf(m, warp_max(v));
+            float p = lane < cnt ? expf(v - mn) : 0.f;
+            float corr = expf(m - mn);  // m = -inf (first chunk): 0
+            l = l * corr + warp_sum(p);
+            m = mn;
+            sc[wid][lane] = p;
+            if (lane == 0) corr_s[wid] = corr;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int hh = 0; hh < ATT_GQA_HEADS; hh++) {
+            float cr = corr_s[hh];
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[hh][e] *= cr;
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+            int j = wid + ATT_SPLIT_WARPS * u;
+            if (j < cnt) {
+                float4 v = kv_lane4(vb + (size_t)(c0 + j) * kv_dim, hd);
+#pragma unroll
+                for (int hh = 0; hh < ATT_GQA_HEADS; hh++) {
+                    float p = sc[hh][j];
+                    acc[hh][0] += p * v.x, acc[hh][1] += p * v.y, acc[hh][2] += p * v.z, acc[hh][3] += p * v.w;
+                }
+            }
+        }
+        __syncthreads();  // every warp read sc and corr_s before the next chunk
+    }
+    if (i4 < hd) {
+#pragma unroll
+        for (int hh = 0; hh < ATT_GQA_HEADS; hh++)
+            *(float4*)&red[wid][hh][i4] = make_float4(acc[hh][0], acc[hh][1], acc[hh][2], acc[hh][3]);
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < ATT_GQA_HEADS * hd; idx += blockDim.x) {
+        int hh = idx / hd, i = idx % hd;
+        float a = 0.f;
+        for (int w = 0; w < ATT_SPLIT_WARPS; w++) a += red[w][hh][i];
+        part[((size_t)(t * n_heads + h0 + hh) * max_splits + s) * (hd + 2) + i] = a;
+    }
+    if (lane == 0) {
+        float* pr = part + ((size_t)(t * n_heads + h0 + wid) * max_splits + s) * (hd + 2);
+        pr[hd] = m;
+        pr[hd + 1] = l;
+    }
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f32(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, float* __restrict__ part,
+    int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_gqa_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f16(
+    const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc,
+    float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits,
+    const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_gqa_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+
 // Split attention, pass 2: out[t, h, :] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with
 // M = max_s m_s over the `used` spans of row t (computed as pass 1 does, from pos_ptr when
 // non-null). grid (n_heads, T), block 128.

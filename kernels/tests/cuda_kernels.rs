@@ -1359,3 +1359,70 @@ fn allocation_serials_differ_where_addresses_repeat() {
     let distinct: std::collections::HashSet<_> = seen_addresses.iter().collect();
     eprintln!("8 allocations, freed in turn, took {} distinct addresses", distinct.len());
 }
+
+/// Timing, not a check (`--ignored`): one decode token's split attention over a Qwen3-30B-A3B
+/// layer (32 query heads, 4 kv heads of 128) at depths 8192 and 32768, f32 and f16 caches, the
+/// grouped kernel and the per-head one (the GQA shape forced through a 4-head group), the mean
+/// of 50 launches after 5 warm-ups.
+#[test]
+#[ignore]
+fn attention_split_decode_timing() {
+    use moe_lanes_kernels::cuda::ops::KvPtr;
+    let Some(be) = backend() else { return };
+    let (hd, n_kv) = (128usize, 4usize);
+    for depth in [8192usize, 32768] {
+        let kv_dim = n_kv * hd;
+        for half in [false, true] {
+            let k32 = be.alloc_zeros::<f32>((depth + 1) * kv_dim).unwrap();
+            let v32 = be.alloc_zeros::<f32>((depth + 1) * kv_dim).unwrap();
+            let k16 = be.alloc_zeros::<u16>((depth + 1) * kv_dim).unwrap();
+            let v16 = be.alloc_zeros::<u16>((depth + 1) * kv_dim).unwrap();
+            let (kc, vc) = if half {
+                (KvPtr::F16(k16.ptr()), KvPtr::F16(v16.ptr()))
+            } else {
+                (KvPtr::F32(k32.ptr()), KvPtr::F32(v32.ptr()))
+            };
+            // 32 heads over 4 kv heads: grouped; 16 heads over 4: the per-head kernel (x2 for 32)
+            for n_heads in [32usize, 16] {
+                let q = be.upload(&rnd(n_heads * hd, 41)).unwrap();
+                let out = be.alloc_zeros::<f32>(n_heads * hd).unwrap();
+                let part = be
+                    .alloc_zeros::<f32>(CudaBackend::attention_split_scratch(1, n_heads, hd, depth + 1))
+                    .unwrap();
+                let launch = || {
+                    be.attention_split(
+                        q.ptr(),
+                        kc,
+                        vc,
+                        out.ptr(),
+                        part.ptr(),
+                        1,
+                        depth,
+                        n_heads,
+                        n_kv,
+                        hd,
+                        0,
+                        None,
+                    )
+                    .unwrap()
+                };
+                for _ in 0..5 {
+                    launch();
+                }
+                be.synchronize().unwrap();
+                let start = std::time::Instant::now();
+                for _ in 0..50 {
+                    launch();
+                }
+                be.synchronize().unwrap();
+                let us = start.elapsed().as_secs_f64() * 1e6 / 50.0;
+                let grouped = CudaBackend::attention_split_grouped(n_heads, n_kv, hd);
+                eprintln!(
+                    "TIMING split attention depth {depth} {} heads {n_heads}/{n_kv} {}: {us:.1} us",
+                    if half { "f16" } else { "f32" },
+                    if grouped { "grouped" } else { "per-head" }
+                );
+            }
+        }
+    }
+}

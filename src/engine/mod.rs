@@ -169,7 +169,7 @@ pub enum EngineError {
     #[error("no GPU: {reason}")]
     NoGpu { reason: String },
     #[error(
-        "the {engine} engine keeps its KV cache in f32; a {asked} KV cache is supported by the gpu engine only \
+        "the {engine} engine keeps its KV cache in f32; {asked} KV caches are supported by the gpu engine only \
          (pass --cache-type-k/--cache-type-v f32, or leave them out)"
     )]
     KvType { engine: EngineKind, asked: crate::model::context::KvType },

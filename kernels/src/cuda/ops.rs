@@ -27,6 +27,13 @@ pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
 /// Positions per block of the split attention kernel (`-DATT_CHUNK`; a multiple of
 /// [`super::kernel::ATTENTION_SPLIT_WARPS`]).
 pub const ATTENTION_SPLIT_CHUNK: usize = 32;
+/// Query heads of one block of the grouped split attention kernel (`ATT_GQA_HEADS` in the
+/// source), all of one kv head.
+pub const ATTENTION_GQA_HEADS: usize = 8;
+/// Largest head dimension of the grouped split attention kernel (`ATT_GQA_MAXD` in the source).
+pub const ATTENTION_GQA_MAX_HEAD_DIM: usize = 128;
+/// Blocks a grouped split attention launch aims at (each reads its rows once for 8 heads).
+pub const ATTENTION_GQA_TARGET_BLOCKS: usize = 512;
 /// Blocks a split attention launch aims at (the H100 / H200 hold 132 x 8 of its 256-thread
 /// blocks at once): the cap on its spans per row and head.
 pub const ATTENTION_SPLIT_TARGET_BLOCKS: usize = 1024;
@@ -841,6 +848,25 @@ impl CudaBackend {
         positions.div_ceil(ATTENTION_SPLIT_CHUNK).clamp(1, cap)
     }
 
+    /// Whether [`Self::attention_split`] runs the grouped kernel, which reads each key and value
+    /// row once for [`ATTENTION_GQA_HEADS`] query heads: groups of a multiple of that many query
+    /// heads per kv head, heads of a multiple of 4 dims up to [`ATTENTION_GQA_MAX_HEAD_DIM`].
+    pub fn attention_split_grouped(n_heads: usize, n_kv: usize, head_dim: usize) -> bool {
+        let g = n_heads / n_kv.max(1);
+        g.is_multiple_of(ATTENTION_GQA_HEADS)
+            && head_dim.is_multiple_of(4)
+            && head_dim <= ATTENTION_GQA_MAX_HEAD_DIM
+            && g * n_kv == n_heads
+    }
+
+    /// Spans of the grouped kernel: as [`Self::attention_split_max_splits`] over blocks of
+    /// [`ATTENTION_GQA_HEADS`] heads, aiming at [`ATTENTION_GQA_TARGET_BLOCKS`] blocks.
+    fn attention_split_gqa_max_splits(n_tokens: usize, n_heads: usize, positions: usize) -> usize {
+        let blocks_per_split = (n_tokens * n_heads).div_ceil(ATTENTION_GQA_HEADS).max(1);
+        let cap = (ATTENTION_GQA_TARGET_BLOCKS / blocks_per_split).max(1);
+        positions.div_ceil(ATTENTION_SPLIT_CHUNK).clamp(1, cap)
+    }
+
     /// Floats of the partials buffer [`Self::attention_split`] needs for `n_tokens` rows of
     /// `n_heads` heads over at most `positions` visible positions.
     pub fn attention_split_scratch(
@@ -849,7 +875,9 @@ impl CudaBackend {
         head_dim: usize,
         positions: usize,
     ) -> usize {
-        n_tokens * n_heads * Self::attention_split_max_splits(n_tokens, n_heads, positions) * (head_dim + 2)
+        let splits = Self::attention_split_max_splits(n_tokens, n_heads, positions)
+            .max(Self::attention_split_gqa_max_splits(n_tokens, n_heads, positions));
+        n_tokens * n_heads * splits * (head_dim + 2)
     }
 
     /// Same as [`Self::attention`] ("flash decoding"): each row's visible positions are cut
@@ -875,7 +903,11 @@ impl CudaBackend {
         at: Option<DevicePos>,
     ) -> Result<()> {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
-        let kn = kv_kernel(Kernel::AttentionSplitF32, Kernel::AttentionSplitF16, k_cache);
+        let grouped = Self::attention_split_grouped(n_heads, n_kv, head_dim);
+        let kn = match grouped {
+            true => kv_kernel(Kernel::AttentionSplitGqaF32, Kernel::AttentionSplitGqaF16, k_cache),
+            false => kv_kernel(Kernel::AttentionSplitF32, Kernel::AttentionSplitF16, k_cache),
+        };
         // From device memory the position is unknown here: check (and size the grid) for the
         // most positions the call may see.
         let total = at.map_or(pos0, |a| a.max_positions) + n_tokens;
@@ -885,13 +917,19 @@ impl CudaBackend {
             need(kn, "pos", a.pos, 1)?;
         }
         let visible = if window > 0 { window.min(total) } else { total };
-        let splits = Self::attention_split_max_splits(n_tokens, n_heads, visible);
+        let (splits, grid_heads) = match grouped {
+            true => (
+                Self::attention_split_gqa_max_splits(n_tokens, n_heads, visible),
+                n_heads / ATTENTION_GQA_HEADS,
+            ),
+            false => (Self::attention_split_max_splits(n_tokens, n_heads, visible), n_heads),
+        };
         need(kn, "part", part, Self::attention_split_scratch(n_tokens, n_heads, head_dim, visible))?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let pos_ptr = at.map_or(0, |a| a.pos.raw());
         self.launch(
             kn,
-            (n_heads as u32, splits as u32, n_tokens as u32),
+            (grid_heads as u32, splits as u32, n_tokens as u32),
             ATTENTION_SPLIT_THREADS,
             0,
             args![
