@@ -352,11 +352,15 @@ __device__ __forceinline__ void attention_split_gqa_span(const float* __restrict
     float m = -INFINITY, l = 0.f;  // head wid's, the same in every lane of the warp
     for (int c0 = j0; c0 < jend; c0 += ATT_CHUNK) {
         int cnt = min(ATT_CHUNK, jend - c0);
-        float4 kr[ATT_SPLIT_PER_WARP];
+        // keys and values of the warp's positions all in flight at once (the values do not
+        // wait for the softmax: one memory round trip a chunk)
+        float4 kr[ATT_SPLIT_PER_WARP], vr[ATT_SPLIT_PER_WARP];
 #pragma unroll
         for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
             int j = wid + ATT_SPLIT_WARPS * u;
-            kr[u] = j < cnt ? kv_lane4(kb + (size_t)(c0 + j) * kv_dim, hd) : make_float4(0.f, 0.f, 0.f, 0.f);
+            float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+            kr[u] = j < cnt ? kv_lane4(kb + (size_t)(c0 + j) * kv_dim, hd) : z;
+            vr[u] = j < cnt ? kv_lane4(vb + (size_t)(c0 + j) * kv_dim, hd) : z;
         }
 #pragma unroll
         for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
@@ -390,7 +394,7 @@ __device__ __forceinline__ void attention_split_gqa_span(const float* __restrict
         for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
             int j = wid + ATT_SPLIT_WARPS * u;
             if (j < cnt) {
-                float4 v = kv_lane4(vb + (size_t)(c0 + j) * kv_dim, hd);
+                float4 v = vr[u];
 #pragma unroll
                 for (int hh = 0; hh < ATT_GQA_HEADS; hh++) {
                     float p = sc[hh][j];
