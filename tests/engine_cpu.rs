@@ -110,3 +110,22 @@ fn typed_options_parse_or_name_what_is_wrong() {
     assert!(bad.to_string().contains("'hot_error:x'"), "{bad}");
     assert!("meteor:1".parse::<GpuFaults>().is_err());
 }
+
+/// The CPU engines keep f32 KV caches: f32 asked for builds, f16 is refused with a message that
+/// names the engine and the flags (never silently ignored).
+#[test]
+fn cpu_engines_take_only_an_f32_kv_cache() {
+    use moe_lanes::model::context::KvType;
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(dir.path());
+    for kind in [EngineKind::Pipeline, EngineKind::Reference] {
+        let mut opts = options(kind, HotChoice::None);
+        opts.kv_type = Some(KvType::F32);
+        assert_eq!(build_engine(&model, opts).unwrap().1.kind, kind);
+        let mut opts = options(kind, HotChoice::None);
+        opts.kv_type = Some(KvType::F16);
+        let err = build_engine(&model, opts).err().expect("f16 refused");
+        assert!(matches!(err, EngineError::KvType { engine, asked: KvType::F16 } if engine == kind), "{err}");
+        assert!(err.to_string().contains("--cache-type-k"), "{err}");
+    }
+}

@@ -8,7 +8,9 @@
 //! Tolerance: max |gpu - ref| <= 2e-3 * max |ref logit| per row, and greedy tokens identical
 //! wherever the reference's top-1/top-2 gap exceeds twice that. The GPU keeps bf16 weights (the
 //! fixtures are bf16, so exact) and f32 activations; prefill GEMMs split activations into bf16
-//! hi + lo (~16 mantissa bits), so errors are ~1e-5 in practice (printed).
+//! hi + lo (~16 mantissa bits), so errors are ~1e-5 in practice (printed). The KV cache is f16 by
+//! default (11 significant bits a value); `fixtures_f32_kv_cache` runs an f32 cache at the same
+//! tolerance.
 //!
 //! Every test prints "SKIP: no CUDA device: ..." and passes when CUDA is not usable (CI), unless
 //! MOE_LANES_REQUIRE_GPU is set (the GPU machine), where that is a failure.
@@ -20,6 +22,7 @@ use moe_lanes::cache::hot_set::HotSet;
 use moe_lanes::cache::perf::{FallbackReason, PerfReport, PostFetchPerf};
 use moe_lanes::engine::{build_engine, Engine, EngineError, EngineKind, EngineOptions, HotBudget, HotChoice};
 use moe_lanes::gpu::{CudaBackend, GpuFaults, PostFetchMode, PostFetchOptions};
+use moe_lanes::model::context::KvType;
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use moe_lanes::reference::{NoObserver, Reference};
@@ -190,6 +193,29 @@ fn fixtures_hot_half() {
 #[test]
 fn fixtures_hot_all() {
     run_hot(Hot::All);
+}
+
+/// An f32 KV cache (`--cache-type-k f32`; the default is f16) at the same tolerance, prefill and
+/// decode (graphs) over every fixture, hot none and all.
+#[test]
+fn fixtures_f32_kv_cache() {
+    let Some(_gpu) = gpu_shared() else { return };
+    for hot in [Hot::None, Hot::All] {
+        let mut worst = 0f32;
+        for name in &common::fixture_names() {
+            let model = open(name);
+            let c = model.config().clone();
+            let mut opts = gpu_options(HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts)), 64);
+            opts.kv_type = Some(KvType::F32);
+            let mut engine = build_gpu(&model, opts);
+            worst = worst.max(check_against_reference(
+                &format!("{name} {hot:?} f32 KV"),
+                &model,
+                engine.as_mut(),
+            ));
+        }
+        eprintln!("hot {hot:?} f32 KV: worst relative error {worst:e}");
+    }
 }
 
 /// A prompt long enough that experts get more rows than one grouped-GEMM tile (64): every

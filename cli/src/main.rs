@@ -15,6 +15,7 @@ use moe_lanes::engine::{
 use moe_lanes::env;
 use moe_lanes::hot_set::{HotSet, MAX_HOT_LANES};
 use moe_lanes::inspect::{format_bytes, InspectReport};
+use moe_lanes::model::context::KvType;
 use moe_lanes::model::Model;
 use moe_lanes::perf::{ModelFingerprint, PerfMode};
 use moe_lanes::phase::Phase;
@@ -308,6 +309,13 @@ struct EngineArgs {
     /// context, lowered to what the KV cache can take of the available memory.
     #[arg(long)]
     ctx_size: Option<usize>,
+    /// KV cache type of the keys: f32 or f16 (llama.cpp's flag; q8_0 is not implemented).
+    /// Default: f16 on the gpu engine; the CPU engines keep f32 and refuse f16.
+    #[arg(long)]
+    cache_type_k: Option<String>,
+    /// KV cache type of the values: f32 or f16; keys and values share one type.
+    #[arg(long)]
+    cache_type_v: Option<String>,
 }
 
 #[derive(Args)]
@@ -711,7 +719,23 @@ fn engine_options(
     }
     opts.gpu.perf_mode = opts.perf_mode;
     postfetch_flags(&mut opts.gpu.postfetch, args)?;
+    opts.kv_type = kv_type_flags(args)?;
     Ok(opts)
+}
+
+/// `--cache-type-k` / `--cache-type-v`: one type for keys and values, or `None` for the
+/// engine's default.
+fn kv_type_flags(args: &EngineArgs) -> Result<Option<KvType>> {
+    let parse = |flag: &str, v: &Option<String>| {
+        v.as_deref()
+            .map(|name| name.parse::<KvType>().map_err(|e| anyhow::anyhow!("{flag} {name}: {e}")))
+            .transpose()
+    };
+    let (k, v) = (parse("--cache-type-k", &args.cache_type_k)?, parse("--cache-type-v", &args.cache_type_v)?);
+    if let (Some(k), Some(v)) = (k, v) {
+        ensure!(k == v, "--cache-type-k {k} and --cache-type-v {v}: keys and values share one type");
+    }
+    Ok(k.or(v))
 }
 
 /// The `--postfetch*` flags over what the environment set.

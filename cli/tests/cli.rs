@@ -84,6 +84,26 @@ fn bad_inputs_fail_with_messages_naming_the_problem() {
     assert!(err.contains("/nonexistent-dir"), "{err}");
 }
 
+/// `--cache-type-k/v`: q8_0 (and any other name) refused with the supported types, different
+/// key and value types refused, f16 refused by the CPU pipeline, f32 runs there.
+#[test]
+fn kv_cache_type_flags_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    ok_stdout(&["synth", "--out", p(&model)]);
+    let base = ["logits", "--model", p(&model), "--tokens", "1,2", "--engine", "pipeline"];
+    let with =
+        |extra: &[&'static str]| base.iter().copied().chain(extra.iter().copied()).collect::<Vec<&str>>();
+    let fail = |extra: &[&'static str]| failure(&with(extra));
+    let err = fail(&["--cache-type-k", "q8_0"]);
+    assert!(err.contains("--cache-type-k q8_0") && err.contains("f32 and f16"), "{err}");
+    let err = fail(&["--cache-type-k", "f16", "--cache-type-v", "f32"]);
+    assert!(err.contains("share one type"), "{err}");
+    let err = fail(&["--cache-type-v", "f16"]);
+    assert!(err.contains("pipeline engine keeps its KV cache in f32"), "{err}");
+    ok_stdout(&with(&["--cache-type-k", "f32", "--cache-type-v", "f32"]));
+}
+
 #[test]
 fn gpu_engine_generates_golden_tokens_or_refuses_and_the_default_falls_back() {
     for dir in common::fixture_dirs() {

@@ -1,16 +1,28 @@
 // Attention over the KV cache: one block per (token, head), and the split-position decode form.
 // Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
+// KV cache elements: the attention kernels are templates over the cache's element type (f32 or
+// f16, `KV`), each instantiated by an extern "C" entry point per type (`*_f32` / `*_f16`); they
+// read the cache through these and compute in f32.
+__device__ __forceinline__ float kv_f(float x) { return x; }
+__device__ __forceinline__ float kv_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float4 kv_ld4(const float* p) { return *(const float4*)p; }
+__device__ __forceinline__ float4 kv_ld4(const __half* p) {
+    uint2 u = *(const uint2*)p;
+    float2 a = __half22float2(*(const __half2*)&u.x), b = __half22float2(*(const __half2*)&u.y);
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
 // Causal GQA attention of T query rows (positions pos0..pos0+T-1) against the layer's KV cache,
 // which already holds positions 0..pos0+T-1 ([positions, kv_dim] f32). Decode is T = 1.
 // window > 0 limits each query to its last `window` positions. head_dim <= 256.
 // Scores: one warp per position (coalesced K rows, 4 positions in flight per warp); values: each
 // warp accumulates its positions for all dims, then the warps' partials are summed.
 // grid (T, n_heads), block 256, dynamic shared memory: max(visible positions, 8 * hd) * 4 bytes.
-extern "C" __global__ void attention_f32(const float* __restrict__ q, const float* __restrict__ kc,
-                                         const float* __restrict__ vc, float* __restrict__ out, int pos0,
-                                         int n_heads, int n_kv, int hd, int window, float scale) {
-    pdl_enter();
+template <typename KV>
+__device__ __forceinline__ void attention_rows(const float* __restrict__ q, const KV* __restrict__ kc,
+                                               const KV* __restrict__ vc, float* __restrict__ out, int pos0,
+                                               int n_heads, int n_kv, int hd, int window, float scale) {
     extern __shared__ float sc[];
     int t = blockIdx.x, h = blockIdx.y;
     int pos = pos0 + t;
@@ -18,8 +30,8 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
     int kv_dim = n_kv * hd, q_dim = n_heads * hd;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const float* qh = q + (size_t)t * q_dim + (size_t)h * hd;
-    const float* kb = kc + (size_t)kvh * hd;
-    const float* vb = vc + (size_t)kvh * hd;
+    const KV* kb = kc + (size_t)kvh * hd;
+    const KV* vb = vc + (size_t)kvh * hd;
     int first = window > 0 ? max(0, pos + 1 - window) : 0;
     int n = pos + 1 - first;
     float qr[ATT_MAXC];
@@ -36,11 +48,11 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
             int j = j0 + u * nw;
             d[u] = 0.f;
             if (j < n) {
-                const float* kr = kb + (size_t)(first + j) * kv_dim;
+                const KV* kr = kb + (size_t)(first + j) * kv_dim;
 #pragma unroll
                 for (int c = 0; c < ATT_MAXC; c++) {
                     int i = lane + 32 * c;
-                    if (i < hd) d[u] += qr[c] * kr[i];
+                    if (i < hd) d[u] += qr[c] * kv_f(kr[i]);
                 }
             }
         }
@@ -68,11 +80,11 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
 #pragma unroll 4
     for (int j = wid; j < n; j += nw) {
         float p = sc[j];
-        const float* vr = vb + (size_t)(first + j) * kv_dim;
+        const KV* vr = vb + (size_t)(first + j) * kv_dim;
 #pragma unroll
         for (int c = 0; c < ATT_MAXC; c++) {
             int i = lane + 32 * c;
-            if (i < hd) acc[c] += p * vr[i];
+            if (i < hd) acc[c] += p * kv_f(vr[i]);
         }
     }
     __syncthreads();  // every warp is done with the scores: reuse sc for the partials
@@ -89,96 +101,157 @@ extern "C" __global__ void attention_f32(const float* __restrict__ q, const floa
         out[(size_t)t * q_dim + (size_t)h * hd + i] = a * inv;
     }
 }
+extern "C" __global__ void attention_f32(const float* __restrict__ q, const float* __restrict__ kc,
+                                         const float* __restrict__ vc, float* __restrict__ out, int pos0,
+                                         int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_rows(q, kc, vc, out, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+                                         const __half* __restrict__ vc, float* __restrict__ out, int pos0,
+                                         int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_rows(q, kc, vc, out, pos0, n_heads, n_kv, hd, window, scale);
+}
 
-// Split-position ("flash-decoding") attention, pass 1: block (s, h, t) scores the ATT_CHUNK
-// positions s*ATT_CHUNK.. of query row t / head h (one per warp-slot, all loads in flight at once)
-// and writes a partial (max m, sum l of exp(score - m), acc[hd] = sum exp(score - m) * v) to
-// part[((t * n_heads + h) * splits + s) * (hd + 2)]: acc, then m, then l. An empty chunk writes
-// m = -inf, l = 0, acc = 0. grid (splits, n_heads, T), block 32 * ATT_SPLIT_WARPS (each warp scores
-// ATT_CHUNK / ATT_SPLIT_WARPS positions). pos_ptr non-null (the decode graph): the first query's
-// position comes from device memory, and the grid may hold more splits than the keys need (the
-// extra chunks are empty).
+// Split-position ("flash-decoding") attention, pass 1. Row t (position pos0 + t) of head h sees
+// n positions; they are cut into `used` spans of `per` positions (a multiple of ATT_CHUNK), where
+// per is the smallest such span that needs at most `max_splits` spans (att_split_span): short
+// contexts get one ATT_CHUNK per block, long ones max_splits blocks of many chunks each. Block
+// (h, s, t) walks span s in chunks of ATT_CHUNK positions (one per warp-slot, all loads of a chunk
+// in flight at once) with an online softmax and writes its partial (max m, sum l of
+// exp(score - m), acc[hd] = sum exp(score - m) * v) to part[((t * n_heads + h) * max_splits + s) *
+// (hd + 2)]: acc, then m, then l. Blocks past `used` write nothing (the combine reads `used`
+// partials). The head is the fastest grid index, so the heads of one kv head's group, which read
+// the same keys and values, run side by side and share them through L2.
+// grid (n_heads, max_splits, T), block 32 * ATT_SPLIT_WARPS. pos_ptr non-null (the decode graph):
+// the first query's position comes from device memory, so the span and `used` are computed here
+// for every replay while the grid stays the one captured. Lane owns dims 4 lane + 128 c .. + 3
+// (float4 / 4-half loads when hd % 4 == 0, else one value at a time).
 #define ATT_SPLIT_PER_WARP (ATT_CHUNK / ATT_SPLIT_WARPS)
+#define ATT_SPLIT_C4 (ATT_MAX_HEAD_DIM / 128)
+static_assert(ATT_CHUNK == 32, "a chunk is one score per lane");
 static_assert(ATT_CHUNK % ATT_SPLIT_WARPS == 0, "every warp scores the same number of positions");
 static_assert(ATT_MAXC * 32 == ATT_MAX_HEAD_DIM, "ATT_MAXC values per lane cover the largest head");
-extern "C" __global__ void attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
-                                               const float* __restrict__ vc, float* __restrict__ part, int pos0,
-                                               int n_heads, int n_kv, int hd, int window, float scale, int splits,
-                                               const int* __restrict__ pos_ptr) {
-    pdl_enter();
-    __shared__ float sc[ATT_CHUNK];
-    if (pos_ptr) pos0 = *pos_ptr;
-    __shared__ float red[ATT_SPLIT_WARPS * ATT_MAX_HEAD_DIM];
-    int s = blockIdx.x, h = blockIdx.y, t = blockIdx.z;
+static_assert(ATT_MAX_HEAD_DIM % 128 == 0, "four values per lane in steps of 128");
+
+// Positions per span of a row that sees n positions, at most max_splits spans.
+__device__ __forceinline__ int att_split_span(int n, int max_splits) {
+    int chunks = (n + ATT_CHUNK - 1) / ATT_CHUNK;
+    return ATT_CHUNK * ((chunks + max_splits - 1) / max_splits);
+}
+
+// The visible range of row t: first position and count.
+__device__ __forceinline__ void att_row_range(int pos0, int t, int window, int* first, int* n) {
     int pos = pos0 + t;
+    *first = window > 0 ? max(0, pos + 1 - window) : 0;
+    *n = pos + 1 - *first;
+}
+
+// This lane's dims (4 lane + 128 c + e) of a cache row r.
+template <typename KV>
+__device__ __forceinline__ void kv_lane_row(const KV* __restrict__ r, int hd, bool vec, float (*x)[4]) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int c = 0; c < ATT_SPLIT_C4; c++) {
+        int i = 4 * lane + 128 * c;
+        if (vec && i < hd) {
+            float4 v = kv_ld4(r + i);
+            x[c][0] = v.x, x[c][1] = v.y, x[c][2] = v.z, x[c][3] = v.w;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; e++) x[c][e] = i + e < hd ? kv_f(r[i + e]) : 0.f;
+        }
+    }
+}
+
+template <typename KV>
+__device__ __forceinline__ void attention_split_span(const float* __restrict__ q, const KV* __restrict__ kc,
+                                                     const KV* __restrict__ vc, float* __restrict__ part,
+                                                     int pos0, int n_heads, int n_kv, int hd, int window,
+                                                     float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    __shared__ float sc[ATT_CHUNK];
+    __shared__ float red[ATT_SPLIT_WARPS * ATT_MAX_HEAD_DIM];
+    if (pos_ptr) pos0 = *pos_ptr;
+    int h = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
+    int first, n;
+    att_row_range(pos0, t, window, &first, &n);
+    int per = att_split_span(n, max_splits);
+    int j0 = s * per, jend = min(n, j0 + per);
+    if (j0 >= jend) return;
     int kvh = h / (n_heads / n_kv);
     int kv_dim = n_kv * hd, q_dim = n_heads * hd;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
-    int first = window > 0 ? max(0, pos + 1 - window) : 0;
-    int n = pos + 1 - first;
-    int j0 = s * ATT_CHUNK, cnt = min(ATT_CHUNK, n - j0);
-    float* pr = part + ((size_t)(t * n_heads + h) * splits + s) * (hd + 2);
-    if (cnt <= 0) {
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) pr[i] = 0.f;
-        if (threadIdx.x == 0) {
-            pr[hd] = -INFINITY;
-            pr[hd + 1] = 0.f;
-        }
-        return;
-    }
+    bool vec = (hd & 3) == 0;
+    float* pr = part + ((size_t)(t * n_heads + h) * max_splits + s) * (hd + 2);
     const float* qh = q + (size_t)t * q_dim + (size_t)h * hd;
-    const float* kb = kc + (size_t)kvh * hd + (size_t)(first + j0) * kv_dim;
-    const float* vb = vc + (size_t)kvh * hd + (size_t)(first + j0) * kv_dim;
-    float qr[ATT_MAXC];
+    const KV* kb = kc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    const KV* vb = vc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    float qr[ATT_SPLIT_C4][4], acc[ATT_SPLIT_C4][4];
 #pragma unroll
-    for (int c = 0; c < ATT_MAXC; c++) {
-        int i = lane + 32 * c;
-        qr[c] = i < hd ? qh[i] : 0.f;
-    }
-    float d[ATT_SPLIT_PER_WARP];
+    for (int c = 0; c < ATT_SPLIT_C4; c++)
 #pragma unroll
-    for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
-        int j = wid + ATT_SPLIT_WARPS * u;
-        d[u] = 0.f;
-        if (j < cnt) {
-            const float* kr = kb + (size_t)j * kv_dim;
+        for (int e = 0; e < 4; e++) {
+            int i = 4 * lane + 128 * c + e;
+            qr[c][e] = i < hd ? qh[i] * scale : 0.f;
+            acc[c][e] = 0.f;
+        }
+    float m = -INFINITY, l = 0.f;  // the same in every thread
+    for (int c0 = j0; c0 < jend; c0 += ATT_CHUNK) {
+        int cnt = min(ATT_CHUNK, jend - c0);
+        float d[ATT_SPLIT_PER_WARP];
 #pragma unroll
-            for (int c = 0; c < ATT_MAXC; c++) {
-                int i = lane + 32 * c;
-                if (i < hd) d[u] += qr[c] * kr[i];
+        for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+            int j = wid + ATT_SPLIT_WARPS * u;
+            d[u] = 0.f;
+            if (j < cnt) {
+                float kr[ATT_SPLIT_C4][4];
+                kv_lane_row(kb + (size_t)(c0 + j) * kv_dim, hd, vec, kr);
+#pragma unroll
+                for (int c = 0; c < ATT_SPLIT_C4; c++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) d[u] += qr[c][e] * kr[c][e];
             }
         }
-    }
 #pragma unroll
-    for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
-        int j = wid + ATT_SPLIT_WARPS * u;
-        float v = warp_sum(d[u]) * scale;
-        if (lane == 0 && j < cnt) sc[j] = v;
-    }
-    __syncthreads();
-    float m = -INFINITY;
-    for (int j = 0; j < cnt; j++) m = fmaxf(m, sc[j]);
-    float acc[ATT_MAXC];
+        for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+            int j = wid + ATT_SPLIT_WARPS * u;
+            float v = warp_sum(d[u]);
+            if (lane == 0 && j < cnt) sc[j] = v;
+        }
+        __syncthreads();
+        float v = lane < cnt ? sc[lane] : -INFINITY;
+        float mn = fmaxf(m, warp_max(v));
+        float p = lane < cnt ? expf(v - mn) : 0.f;
+        float corr = expf(m - mn);  // m = -inf (first chunk): 0
+        l = l * corr + warp_sum(p);
+        m = mn;
 #pragma unroll
-    for (int c = 0; c < ATT_MAXC; c++) acc[c] = 0.f;
+        for (int c = 0; c < ATT_SPLIT_C4; c++)
 #pragma unroll
-    for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
-        int j = wid + ATT_SPLIT_WARPS * u;
-        if (j < cnt) {
-            float p = expf(sc[j] - m);
-            const float* vr = vb + (size_t)j * kv_dim;
+            for (int e = 0; e < 4; e++) acc[c][e] *= corr;
 #pragma unroll
-            for (int c = 0; c < ATT_MAXC; c++) {
-                int i = lane + 32 * c;
-                if (i < hd) acc[c] += p * vr[i];
+        for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+            int j = wid + ATT_SPLIT_WARPS * u;
+            float pj = __shfl_sync(0xffffffffu, p, j);
+            if (j < cnt) {
+                float vr[ATT_SPLIT_C4][4];
+                kv_lane_row(vb + (size_t)(c0 + j) * kv_dim, hd, vec, vr);
+#pragma unroll
+                for (int c = 0; c < ATT_SPLIT_C4; c++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) acc[c][e] += pj * vr[c][e];
             }
         }
+        __syncthreads();  // every warp read sc before the next chunk's scores
     }
 #pragma unroll
-    for (int c = 0; c < ATT_MAXC; c++) {
-        int i = lane + 32 * c;
-        if (i < hd) red[wid * hd + i] = acc[c];
-    }
+    for (int c = 0; c < ATT_SPLIT_C4; c++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int i = 4 * lane + 128 * c + e;
+            if (i < hd) red[wid * hd + i] = acc[c][e];
+        }
     __syncthreads();
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float a = 0.f;
@@ -186,31 +259,208 @@ extern "C" __global__ void attention_split_f32(const float* __restrict__ q, cons
         pr[i] = a;
     }
     if (threadIdx.x == 0) {
-        float l = 0.f;
-        for (int j = 0; j < cnt; j++) l += expf(sc[j] - m);
         pr[hd] = m;
         pr[hd + 1] = l;
     }
 }
+extern "C" __global__ void attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
+                                               const float* __restrict__ vc, float* __restrict__ part, int pos0,
+                                               int n_heads, int n_kv, int hd, int window, float scale,
+                                               int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ void attention_split_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+                                               const __half* __restrict__ vc, float* __restrict__ part, int pos0,
+                                               int n_heads, int n_kv, int hd, int window, float scale,
+                                               int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+
+// Pass 1 for kv heads of a group of ATT_GQA_HEADS (8) query heads or a multiple (g % 8 == 0,
+// hd % 4 == 0, hd <= 128): block (b, s, t) takes query heads 8b..8b+7, which share one kv head,
+// over span s (att_split_span), so each key and value row is read once for the 8 heads (the
+// per-head kernel above reads it once per head). Per chunk of ATT_CHUNK positions: each warp
+// scores its positions for the 8 heads (lane owns dims 4 lane..+3; the 8 partial dots are
+// reduced over the warp by a transposing butterfly, 9 shuffles, after which lanes 4h'.. hold
+// head h' = (lane >> 2) & 7), warp w then runs head w's online softmax over the chunk, and every
+// warp adds p * v of its positions for the 8 heads. Partials as the per-head kernel writes them
+// (same layout, same combine). grid (n_heads / 8, max_splits, T), block 32 * ATT_SPLIT_WARPS.
+// ATT_GQA_HEADS (8: att_reduce8), ATT_GQA_MAXD: -D defines (kernels/src/cuda/kernel.rs).
+static_assert(ATT_GQA_HEADS == 8, "att_reduce8 reduces 8 heads");
+static_assert(ATT_GQA_MAXD == 128, "one float4 a lane covers the head");
+static_assert(ATT_SPLIT_WARPS == ATT_GQA_HEADS, "warp w runs head w's softmax");
+
+// Sum of d[h] over the warp for the 8 heads; lane returns head (lane >> 2) & 7's sum.
+__device__ __forceinline__ float att_reduce8(const float* d) {
+    int lane = threadIdx.x & 31;
+    bool b4 = (lane >> 4) & 1, b3 = (lane >> 3) & 1, b2 = (lane >> 2) & 1;
+    float k4[4], k2[2];
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        float send = b4 ? d[k] : d[k + 4];
+        k4[k] = (b4 ? d[k + 4] : d[k]) + __shfl_xor_sync(0xffffffffu, send, 16);
+    }
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        float send = b3 ? k4[k] : k4[k + 2];
+        k2[k] = (b3 ? k4[k + 2] : k4[k]) + __shfl_xor_sync(0xffffffffu, send, 8);
+    }
+    float send = b2 ? k2[0] : k2[1];
+    float r = (b2 ? k2[1] : k2[0]) + __shfl_xor_sync(0xffffffffu, send, 4);
+    r += __shfl_xor_sync(0xffffffffu, r, 2);
+    r += __shfl_xor_sync(0xffffffffu, r, 1);
+    return r;
+}
+
+template <typename KV>
+__device__ __forceinline__ float4 kv_lane4(const KV* __restrict__ row, int hd) {
+    int i = 4 * (threadIdx.x & 31);
+    return i < hd ? kv_ld4(row + i) : make_float4(0.f, 0.f, 0.f, 0.f);
+}
+
+template <typename KV>
+__device__ __forceinline__ void attention_split_gqa_span(const float* __restrict__ q, const KV* __restrict__ kc,
+                                                         const KV* __restrict__ vc, float* __restrict__ part,
+                                                         int pos0, int n_heads, int n_kv, int hd, int window,
+                                                         float scale, int max_splits,
+                                                         const int* __restrict__ pos_ptr) {
+    __shared__ float sc[ATT_GQA_HEADS][ATT_CHUNK];
+    __shared__ float corr_s[ATT_GQA_HEADS];
+    __shared__ __align__(16) float red[ATT_SPLIT_WARPS][ATT_GQA_HEADS][ATT_GQA_MAXD];
+    if (pos_ptr) pos0 = *pos_ptr;
+    int b = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
+    int first, n;
+    att_row_range(pos0, t, window, &first, &n);
+    int per = att_split_span(n, max_splits);
+    int j0 = s * per, jend = min(n, j0 + per);
+    if (j0 >= jend) return;
+    int h0 = b * ATT_GQA_HEADS, kvh = h0 / (n_heads / n_kv);
+    int kv_dim = n_kv * hd, q_dim = n_heads * hd;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, i4 = 4 * lane;
+    float qr[ATT_GQA_HEADS][4], acc[ATT_GQA_HEADS][4];
+#pragma unroll
+    for (int hh = 0; hh < ATT_GQA_HEADS; hh++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            qr[hh][e] = i4 < hd ? q[(size_t)t * q_dim + (size_t)(h0 + hh) * hd + i4 + e] * scale : 0.f;
+            acc[hh][e] = 0.f;
+        }
+    const KV* kb = kc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    const KV* vb = vc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    float m = -INFINITY, l = 0.f;  // head wid's, the same in every lane of the warp
+    for (int c0 = j0; c0 < jend; c0 += ATT_CHUNK) {
+        int cnt = min(ATT_CHUNK, jend - c0);
+        // keys and values of the warp's positions all in flight at once (the values do not
+        // wait for the softmax: one memory round trip a chunk)
+        float4 kr[ATT_SPLIT_PER_WARP], vr[ATT_SPLIT_PER_WARP];
+#pragma unroll
+        for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+            int j = wid + ATT_SPLIT_WARPS * u;
+            float4 z = make_float4(0.f, 0.f, 0.f, 0.f);
+            kr[u] = j < cnt ? kv_lane4(kb + (size_t)(c0 + j) * kv_dim, hd) : z;
+            vr[u] = j < cnt ? kv_lane4(vb + (size_t)(c0 + j) * kv_dim, hd) : z;
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+            int j = wid + ATT_SPLIT_WARPS * u;
+            float d[ATT_GQA_HEADS];
+#pragma unroll
+            for (int hh = 0; hh < ATT_GQA_HEADS; hh++)
+                d[hh] = qr[hh][0] * kr[u].x + qr[hh][1] * kr[u].y + qr[hh][2] * kr[u].z + qr[hh][3] * kr[u].w;
+            float r = att_reduce8(d);
+            if (j < cnt && (lane & 3) == 0) sc[(lane >> 2) & 7][j] = r;
+        }
+        __syncthreads();
+        {
+            float v = lane < cnt ? sc[wid][lane] : -INFINITY;
+            float mn = fmaxf(m, warp_max(v));
+            float p = lane < cnt ? expf(v - mn) : 0.f;
+            float corr = expf(m - mn);  // m = -inf (first chunk): 0
+            l = l * corr + warp_sum(p);
+            m = mn;
+            sc[wid][lane] = p;
+            if (lane == 0) corr_s[wid] = corr;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int hh = 0; hh < ATT_GQA_HEADS; hh++) {
+            float cr = corr_s[hh];
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[hh][e] *= cr;
+        }
+#pragma unroll
+        for (int u = 0; u < ATT_SPLIT_PER_WARP; u++) {
+            int j = wid + ATT_SPLIT_WARPS * u;
+            if (j < cnt) {
+                float4 v = vr[u];
+#pragma unroll
+                for (int hh = 0; hh < ATT_GQA_HEADS; hh++) {
+                    float p = sc[hh][j];
+                    acc[hh][0] += p * v.x, acc[hh][1] += p * v.y, acc[hh][2] += p * v.z, acc[hh][3] += p * v.w;
+                }
+            }
+        }
+        __syncthreads();  // every warp read sc and corr_s before the next chunk
+    }
+    if (i4 < hd) {
+#pragma unroll
+        for (int hh = 0; hh < ATT_GQA_HEADS; hh++)
+            *(float4*)&red[wid][hh][i4] = make_float4(acc[hh][0], acc[hh][1], acc[hh][2], acc[hh][3]);
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < ATT_GQA_HEADS * hd; idx += blockDim.x) {
+        int hh = idx / hd, i = idx % hd;
+        float a = 0.f;
+        for (int w = 0; w < ATT_SPLIT_WARPS; w++) a += red[w][hh][i];
+        part[((size_t)(t * n_heads + h0 + hh) * max_splits + s) * (hd + 2) + i] = a;
+    }
+    if (lane == 0) {
+        float* pr = part + ((size_t)(t * n_heads + h0 + wid) * max_splits + s) * (hd + 2);
+        pr[hd] = m;
+        pr[hd + 1] = l;
+    }
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f32(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, float* __restrict__ part,
+    int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_gqa_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f16(
+    const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc,
+    float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits,
+    const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_gqa_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
 
 // Split attention, pass 2: out[t, h, :] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with
-// M = max_s m_s. grid (n_heads, T), block 128.
+// M = max_s m_s over the `used` spans of row t (computed as pass 1 does, from pos_ptr when
+// non-null). grid (n_heads, T), block 128.
 extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
-                                                 int n_heads, int hd, int splits) {
+                                                 int n_heads, int hd, int max_splits, int pos0, int window,
+                                                 const int* __restrict__ pos_ptr) {
     pdl_enter();
+    if (pos_ptr) pos0 = *pos_ptr;
     int h = blockIdx.x, t = blockIdx.y;
-    const float* pr = part + (size_t)(t * n_heads + h) * splits * (hd + 2);
+    int first, n;
+    att_row_range(pos0, t, window, &first, &n);
+    int per = att_split_span(n, max_splits);
+    int used = (n + per - 1) / per;
+    const float* pr = part + (size_t)(t * n_heads + h) * max_splits * (hd + 2);
     float M = -INFINITY;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, pr[(size_t)s * (hd + 2) + hd]);
+    for (int s = 0; s < used; s++) M = fmaxf(M, pr[(size_t)s * (hd + 2) + hd]);
     float L = 0.f;
-    for (int s = 0; s < splits; s++) {
+    for (int s = 0; s < used; s++) {
         const float* ps = pr + (size_t)s * (hd + 2);
         L += ps[hd + 1] * expf(ps[hd] - M);
     }
     float inv = 1.f / L;
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float a = 0.f;
-        for (int s = 0; s < splits; s++) {
+        for (int s = 0; s < used; s++) {
             const float* ps = pr + (size_t)s * (hd + 2);
             a += ps[i] * expf(ps[hd] - M);
         }
@@ -228,11 +478,10 @@ extern "C" __global__ void attention_combine_f32(const float* __restrict__ part,
 // acc[row][lane + 32c] += p * v. Same math as attention_f32 in another summation order.
 // grid (ceil(T * group / ATT_TILE_ROWS), n_kv), block 32 * ATT_TILE_ROWS / 4, dynamic shared
 // (ATT_TILE_KEYS * (2 hd + 4) + ATT_TILE_ROWS * hd) * 4 bytes. hd % 4 == 0, hd <= 32 * ATT_TILE_MAXC.
-extern "C" __global__ void attention_tiled_f32(const float* __restrict__ q, const float* __restrict__ kc,
-                                               const float* __restrict__ vc, float* __restrict__ out,
-                                               int n_tokens, int pos0, int n_heads, int n_kv, int hd,
-                                               int window, float scale) {
-    pdl_enter();
+template <typename KV>
+__device__ __forceinline__ void attention_tiles(const float* __restrict__ q, const KV* __restrict__ kc,
+                                                const KV* __restrict__ vc, float* __restrict__ out, int n_tokens,
+                                                int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
     extern __shared__ float4 sm4[];
     float* ks = (float*)sm4;                        // [ATT_TILE_KEYS][hd + 4]
     float* vs = ks + ATT_TILE_KEYS * (hd + 4);      // [ATT_TILE_KEYS][hd]
@@ -264,8 +513,8 @@ extern "C" __global__ void attention_tiled_f32(const float* __restrict__ q, cons
         for (int e = threadIdx.x; e < ATT_TILE_KEYS * hd; e += blockDim.x) {
             int j = e / hd, i = e % hd, p = k0 + j;
             size_t src = (size_t)p * kv_dim + (size_t)kvh * hd + i;
-            ks[j * ks_stride + i] = p <= key_hi ? kc[src] : 0.f;
-            vs[j * hd + i] = p <= key_hi ? vc[src] : 0.f;
+            ks[j * ks_stride + i] = p <= key_hi ? kv_f(kc[src]) : 0.f;
+            vs[j * hd + i] = p <= key_hi ? kv_f(vc[src]) : 0.f;
         }
         __syncthreads();
         float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -325,6 +574,21 @@ extern "C" __global__ void attention_tiled_f32(const float* __restrict__ q, cons
             if (i < hd) o[i] = acc[r][c] * inv;
         }
     }
+}
+
+extern "C" __global__ void attention_tiled_f32(const float* __restrict__ q, const float* __restrict__ kc,
+                                               const float* __restrict__ vc, float* __restrict__ out,
+                                               int n_tokens, int pos0, int n_heads, int n_kv, int hd,
+                                               int window, float scale) {
+    pdl_enter();
+    attention_tiles(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_tiled_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+                                               const __half* __restrict__ vc, float* __restrict__ out,
+                                               int n_tokens, int pos0, int n_heads, int n_kv, int hd,
+                                               int window, float scale) {
+    pdl_enter();
+    attention_tiles(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
 }
 
 // ---- prefill attention on tensor cores ----
@@ -419,15 +683,16 @@ __device__ __forceinline__ void am_load_q(unsigned (*qh)[4], unsigned (*ql)[4], 
 
 // Stage positions k0.. k0 + AM_KEYS - 1 of kv head kvh (zeros past key_hi) as bf16 hi / lo rows
 // of stride ld into kh, kl, vh, vl. Every thread of the block calls it.
-__device__ __forceinline__ void am_stage_kv(const float* __restrict__ kc, const float* __restrict__ vc, bf16* kh,
+template <typename KV>
+__device__ __forceinline__ void am_stage_kv(const KV* __restrict__ kc, const KV* __restrict__ vc, bf16* kh,
                                             bf16* kl, bf16* vh, bf16* vl, int k0, int key_hi, int kv_dim, int kvh,
                                             int hd, int ld) {
     const int per_row = hd / 4;
     for (int e = threadIdx.x; e < AM_KEYS * per_row; e += blockDim.x) {
         int j = e / per_row, i = (e % per_row) * 4, p = k0 + j;
         size_t src = (size_t)p * kv_dim + (size_t)kvh * hd + i;
-        float4 k = p <= key_hi ? *(const float4*)(kc + src) : make_float4(0.f, 0.f, 0.f, 0.f);
-        float4 v = p <= key_hi ? *(const float4*)(vc + src) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 k = p <= key_hi ? kv_ld4(kc + src) : make_float4(0.f, 0.f, 0.f, 0.f);
+        float4 v = p <= key_hi ? kv_ld4(vc + src) : make_float4(0.f, 0.f, 0.f, 0.f);
         uint2 h, l;
         am_split2(k.x, k.y, h.x, l.x);
         am_split2(k.z, k.w, h.y, l.y);
@@ -527,10 +792,10 @@ __device__ __forceinline__ void am_pv(float (*o)[4], const float (*p)[4], const 
     }
 }
 
-extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f32(
-    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, float* __restrict__ out,
-    int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
-    pdl_enter();
+template <typename KV>
+__device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q, const KV* __restrict__ kc,
+                                                    const KV* __restrict__ vc, float* __restrict__ out, int n_tokens,
+                                                    int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
     __shared__ __align__(16) bf16 am_kv[4 * AM_KEYS * (ATT_MMA_MAXD + 8)];
     const int ld = hd + 8, g = n_heads / n_kv, kvh = blockIdx.y, row0 = blockIdx.x * AM_ROWS;
     bf16 *kh = am_kv, *kl = kh + AM_KEYS * ld, *vh = kl + AM_KEYS * ld, *vl = vh + AM_KEYS * ld;
@@ -581,4 +846,18 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f
             *(float2*)(dst + dn * 8) = make_float2(o[dn][2 * h] * inv, o[dn][2 * h + 1] * inv);
         }
     }
+}
+// f16 caches: each f16 value is exactly bf16 hi + lo (11 significant bits, the bf16 exponent
+// range), so the f16 instance computes what the f32 one does on the widened values.
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f32(
+    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, float* __restrict__ out,
+    int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_mma_tiles(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f16(
+    const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc, float* __restrict__ out,
+    int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_mma_tiles(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
 }

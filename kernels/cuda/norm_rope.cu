@@ -36,31 +36,42 @@ extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int 
     }
 }
 
+// One value into a KV cache row of f32 (kv_half 0) or f16 (kv_half 1).
+__device__ __forceinline__ void kv_store(void* cache, size_t i, float x, int kv_half) {
+    if (kv_half)
+        ((__half*)cache)[i] = __float2half_rn(x);
+    else
+        ((float*)cache)[i] = x;
+}
+
 // Fused decode/prefill q/k post-processing: optional per-head RMSNorm (qw / kw, null for none),
 // then RoPE, for the nh query heads and nkv key heads of token t (position pos0 + t). Same math and
 // summation order as rmsnorm_f32 (block 256) followed by rope_f32. grid (T, nh + nkv), block 256.
-// Appending (kc non-null, the decode graph): the position comes from device memory (*pos_ptr,
-// so a captured graph replays for every token), the roped key heads go to the key cache row
-// pos + t instead of back into k, and nkv more blocks (grid (T, nh + 2 nkv)) copy the value heads
-// of v into the value cache row pos + t (rows of kv_dim = k_stride).
+// Appending (kc non-null: the decode graph, and prefill into an f16 cache): the roped key heads
+// go to the key cache row pos0 + t instead of back into k, and nkv more blocks (grid (T, nh + 2
+// nkv)) copy the value heads of v into the value cache row pos0 + t (rows of kv_dim = k_stride),
+// both converted to the cache's type (kv_half: f16, else f32). pos_ptr non-null (the decode
+// graph): the position comes from device memory, so a captured graph replays for every token.
 extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __restrict__ qw,
                                             const float* __restrict__ kw, int q_stride, int k_stride, int nh,
                                             int hd, int pos0, float theta, int interleaved, float eps,
-                                            const int* __restrict__ pos_ptr, float* __restrict__ kc,
-                                            float* __restrict__ vc, const float* __restrict__ v, int nkv) {
+                                            const int* __restrict__ pos_ptr, void* __restrict__ kc,
+                                            void* __restrict__ vc, const float* __restrict__ v, int nkv,
+                                            int kv_half) {
     pdl_enter();
     int t = blockIdx.x, h = blockIdx.y, half = hd / 2;
-    if (kc) pos0 = *pos_ptr;
+    if (pos_ptr) pos0 = *pos_ptr;
     if (kc && h >= nh + nkv) {  // value head copy into the cache
         size_t off = (size_t)(h - nh - nkv) * hd;
         const float* src = v + (size_t)t * k_stride + off;
-        float* dst = vc + (size_t)(pos0 + t) * k_stride + off;
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = src[i];
+        size_t dst = (size_t)(pos0 + t) * k_stride + off;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) kv_store(vc, dst + i, src[i], kv_half);
         return;
     }
     bool is_q = h < nh;
     float* xh = is_q ? q + (size_t)t * q_stride + (size_t)h * hd : k + (size_t)t * k_stride + (size_t)(h - nh) * hd;
-    float* yh = (!is_q && kc) ? kc + (size_t)(pos0 + t) * k_stride + (size_t)(h - nh) * hd : xh;
+    bool to_cache = !is_q && kc;
+    size_t yc = (size_t)(pos0 + t) * k_stride + (size_t)(h - nh) * hd;
     const float* w = is_q ? qw : kw;
     float inv = 1.f;
     if (w) {
@@ -80,7 +91,26 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
             x0 = x0 * inv * w[a];
             x1 = x1 * inv * w[b];
         }
-        yh[a] = x0 * c - x1 * s;
-        yh[b] = x1 * c + x0 * s;
+        float ya = x0 * c - x1 * s, yb = x1 * c + x0 * s;
+        if (to_cache) {
+            kv_store(kc, yc + a, ya, kv_half);
+            kv_store(kc, yc + b, yb, kv_half);
+        } else {
+            xh[a] = ya;
+            xh[b] = yb;
+        }
     }
+}
+
+// T rows of new keys and values (f32, rows of kv_dim) into the caches' rows pos0.. converted to
+// the cache's type (kv_half: f16, else f32): the unfused q/k path's append. grid (T, 2), block 256.
+extern "C" __global__ void kv_store_rows(const float* __restrict__ k, const float* __restrict__ v,
+                                         void* __restrict__ kc, void* __restrict__ vc, int pos0, int kv_dim,
+                                         int kv_half) {
+    pdl_enter();
+    int t = blockIdx.x;
+    const float* src = (blockIdx.y == 0 ? k : v) + (size_t)t * kv_dim;
+    void* dst = blockIdx.y == 0 ? kc : vc;
+    size_t row = (size_t)(pos0 + t) * kv_dim;
+    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) kv_store(dst, row + i, src[i], kv_half);
 }

@@ -293,6 +293,225 @@ fn attention_causal_gqa_matches_cpu() {
     }
 }
 
+/// Causal GQA attention on the CPU in f64 (the kernels' oracle): `t` query rows at `pos0..`.
+#[allow(clippy::too_many_arguments)]
+fn attention_cpu(
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    t: usize,
+    pos0: usize,
+    n_heads: usize,
+    n_kv: usize,
+    hd: usize,
+    window: usize,
+) -> Vec<f32> {
+    let kv_dim = n_kv * hd;
+    let mut want = vec![0.0; t * n_heads * hd];
+    for ti in 0..t {
+        let pos = pos0 + ti;
+        let first = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+        for h in 0..n_heads {
+            let kvh = h / (n_heads / n_kv);
+            let qh = &q[(ti * n_heads + h) * hd..][..hd];
+            let scores: Vec<f64> = (first..=pos)
+                .map(|p| {
+                    let kr = &kc[p * kv_dim + kvh * hd..][..hd];
+                    qh.iter().zip(kr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() / (hd as f64).sqrt()
+                })
+                .collect();
+            let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for i in 0..hd {
+                let a: f64 =
+                    (first..=pos).zip(&e).map(|(p, w)| w * vc[p * kv_dim + kvh * hd + i] as f64).sum();
+                want[(ti * n_heads + h) * hd + i] = (a / sum) as f32;
+            }
+        }
+    }
+    want
+}
+
+/// Every attention kernel over an f16 KV cache: against the CPU over the same f16 values
+/// (1e-5: the kernels widen each value to f32 exactly, so only the f32 summation differs), and
+/// against the f32 cache's result within f16's rounding (2e-3 absolute on outputs of size ~1:
+/// each key and value rounded to 11 significant bits, relative 2^-12 = 2.4e-4; the measured
+/// worst case is printed). Long decode contexts take the split kernel's multi-chunk spans, also
+/// with the position read from the device under a grid sized for more positions (the decode
+/// graph's fixed grid).
+#[test]
+fn attention_f16_cache_matches_cpu() {
+    use half::f16;
+    use moe_lanes_kernels::cuda::ops::{DevicePos, KvPtr};
+    let Some(be) = backend() else { return };
+    let mut worst_vs_f32 = 0f32;
+    for (n_heads, n_kv, hd, pos0, t) in [
+        (4, 2, 20, 6, 3),
+        (8, 2, 128, 700, 1),
+        (2, 1, 256, 3, 1),
+        (32, 4, 128, 45, 19),
+        (16, 2, 128, 0, 150),
+        (32, 4, 128, 9000, 1),
+        (8, 2, 128, 33000, 1),
+        (4, 2, 64, 2100, 2),
+    ] {
+        let total = pos0 + t;
+        let kv_dim = n_kv * hd;
+        let q = rnd(t * n_heads * hd, 21);
+        let (kc, vc) = (rnd(total * kv_dim, 22), rnd(total * kv_dim, 23));
+        let half_bits = |x: &[f32]| x.iter().map(|v| f16::from_f32(*v).to_bits()).collect::<Vec<u16>>();
+        let widened = |x: &[f32]| x.iter().map(|v| f16::from_f32(*v).to_f32()).collect::<Vec<f32>>();
+        let (kh, vh) = (widened(&kc), widened(&vc));
+        let dq = be.upload(&q).unwrap();
+        let (dk, dv) = (be.upload(&half_bits(&kc)).unwrap(), be.upload(&half_bits(&vc)).unwrap());
+        let (k16, v16) = (KvPtr::F16(dk.ptr()), KvPtr::F16(dv.ptr()));
+        for window in [0usize, 100] {
+            let want = attention_cpu(&q, &kh, &vh, t, pos0, n_heads, n_kv, hd, window);
+            let want32 = attention_cpu(&q, &kc, &vc, t, pos0, n_heads, n_kv, hd, window);
+            let run = |launch: &dyn Fn(DPtr<f32>)| {
+                let o = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+                launch(o.ptr());
+                be.read_vec(o.ptr()).unwrap()
+            };
+            let what = format!("hd={hd} heads={n_heads}/{n_kv} pos0={pos0} t={t} window={window}");
+            let mut outs = Vec::new();
+            let visible = if window > 0 { window.min(total) } else { total };
+            if visible <= moe_lanes_kernels::cuda::ops::ATTENTION_MAX_POSITIONS {
+                let o = run(&|o| {
+                    be.attention(dq.ptr(), k16, v16, o, t, pos0, n_heads, n_kv, hd, window).unwrap()
+                });
+                outs.push(("per-row", o));
+            }
+            let part =
+                be.alloc_zeros::<f32>(CudaBackend::attention_split_scratch(t, n_heads, hd, total)).unwrap();
+            let o = run(&|o| {
+                be.attention_split(
+                    dq.ptr(),
+                    k16,
+                    v16,
+                    o,
+                    part.ptr(),
+                    t,
+                    pos0,
+                    n_heads,
+                    n_kv,
+                    hd,
+                    window,
+                    None,
+                )
+                .unwrap()
+            });
+            outs.push(("split", o));
+            // the decode graph's form: position from the device, grid for 5000 more positions
+            let max_positions = pos0 + 5000;
+            let dpos = be.upload(&[pos0 as i32]).unwrap();
+            let at = Some(DevicePos { pos: dpos.ptr(), max_positions });
+            let part2 = be
+                .alloc_zeros::<f32>(CudaBackend::attention_split_scratch(t, n_heads, hd, max_positions + t))
+                .unwrap();
+            let big = be.alloc_zeros::<u16>((max_positions + t) * kv_dim).unwrap();
+            let bigv = be.alloc_zeros::<u16>((max_positions + t) * kv_dim).unwrap();
+            be.copy(dk.ptr(), big.ptr().sub(0, total * kv_dim)).unwrap();
+            be.copy(dv.ptr(), bigv.ptr().sub(0, total * kv_dim)).unwrap();
+            let (kb, vb) = (KvPtr::F16(big.ptr()), KvPtr::F16(bigv.ptr()));
+            let o = run(&|o| {
+                be.attention_split(dq.ptr(), kb, vb, o, part2.ptr(), t, 0, n_heads, n_kv, hd, window, at)
+                    .unwrap()
+            });
+            outs.push(("split, device position", o));
+            if CudaBackend::attention_tiled_fits(hd) {
+                let o = run(&|o| {
+                    be.attention_tiled(dq.ptr(), k16, v16, o, t, pos0, n_heads, n_kv, hd, window).unwrap()
+                });
+                outs.push(("tiled", o));
+            }
+            if be.attention_mma_fits(hd) {
+                let o = run(&|o| {
+                    be.attention_mma(dq.ptr(), k16, v16, o, t, pos0, n_heads, n_kv, hd, window).unwrap()
+                });
+                outs.push(("mma", o));
+            }
+            for (kernel, got) in &outs {
+                let err = max_abs_diff(got, &want);
+                assert!(err < 1e-5, "{kernel} f16: {what}: {err} against the CPU over the f16 values");
+                let err32 = max_abs_diff(got, &want32);
+                assert!(err32 < 2e-3, "{kernel} f16: {what}: {err32} against the f32 cache's result");
+                worst_vs_f32 = worst_vs_f32.max(err32);
+            }
+        }
+    }
+    eprintln!("f16 KV cache: worst |f16 - f32 cache| over the attention kernels {worst_vs_f32:e}");
+}
+
+/// `kv_store_rows` and the fused q/k norm + RoPE append write keys and values converted to the
+/// cache's type (f16: round to nearest, as `half` does), at the call's position.
+#[test]
+fn kv_appends_convert_to_the_cache_type() {
+    use half::f16;
+    use moe_lanes_kernels::cuda::ops::{KvAppend, KvPtr};
+    let Some(be) = backend() else { return };
+    let (t, nh, nkv, hd, pos0) = (3, 4, 2, 64, 5);
+    let kvd = nkv * hd;
+    let (k, v) = (rnd(t * kvd, 31), rnd(t * kvd, 32));
+    let (dk, dv) = (be.upload(&k).unwrap(), be.upload(&v).unwrap());
+    let (kc, vc) =
+        (be.alloc_zeros::<u16>((pos0 + t) * kvd).unwrap(), be.alloc_zeros::<u16>((pos0 + t) * kvd).unwrap());
+    be.kv_store_rows(dk.ptr(), dv.ptr(), KvPtr::F16(kc.ptr()), KvPtr::F16(vc.ptr()), t, pos0, kvd).unwrap();
+    let bits = |x: &[f32]| x.iter().map(|v| f16::from_f32(*v).to_bits()).collect::<Vec<u16>>();
+    let (gk, gv) = (be.read_vec(kc.ptr()).unwrap(), be.read_vec(vc.ptr()).unwrap());
+    assert!(gk[..pos0 * kvd].iter().all(|b| *b == 0), "rows before pos0 untouched");
+    assert_eq!(gk[pos0 * kvd..], bits(&k)[..], "keys");
+    assert_eq!(gv[pos0 * kvd..], bits(&v)[..], "values");
+    // the fused append: roped keys into an f16 cache equal the f32 cache's keys, rounded
+    let q = rnd(t * nh * hd, 33);
+    let mut caches = Vec::new();
+    for half in [false, true] {
+        let (dq, dk) = (be.upload(&q).unwrap(), be.upload(&k).unwrap());
+        let (k32, v32) = (
+            be.alloc_zeros::<f32>((pos0 + t) * kvd).unwrap(),
+            be.alloc_zeros::<f32>((pos0 + t) * kvd).unwrap(),
+        );
+        let (k16, v16) = (
+            be.alloc_zeros::<u16>((pos0 + t) * kvd).unwrap(),
+            be.alloc_zeros::<u16>((pos0 + t) * kvd).unwrap(),
+        );
+        let (k_cache, v_cache) = if half {
+            (KvPtr::F16(k16.ptr()), KvPtr::F16(v16.ptr()))
+        } else {
+            (KvPtr::F32(k32.ptr()), KvPtr::F32(v32.ptr()))
+        };
+        let append = KvAppend { pos: None, v: dv.ptr(), k_cache, v_cache };
+        be.qk_norm_rope(
+            dq.ptr(),
+            dk.ptr(),
+            None,
+            t,
+            nh,
+            nkv,
+            nh * hd,
+            kvd,
+            hd,
+            pos0,
+            1e6,
+            false,
+            1e-6,
+            Some(append),
+        )
+        .unwrap();
+        if half {
+            let widen = |b: Vec<u16>| b.into_iter().map(|x| f16::from_bits(x).to_f32()).collect::<Vec<f32>>();
+            caches.push((widen(be.read_vec(k16.ptr()).unwrap()), widen(be.read_vec(v16.ptr()).unwrap())));
+        } else {
+            caches.push((be.read_vec(k32.ptr()).unwrap(), be.read_vec(v32.ptr()).unwrap()));
+        }
+    }
+    let round = |x: &[f32]| x.iter().map(|v| f16::from_f32(*v).to_f32()).collect::<Vec<f32>>();
+    assert_eq!(caches[1].0, round(&caches[0].0), "roped keys, rounded to f16");
+    assert_eq!(caches[1].1, round(&caches[0].1), "values, rounded to f16");
+    assert!(caches[0].0[pos0 * kvd..].iter().any(|x| *x != 0.0), "keys written at pos0");
+}
+
 #[test]
 fn argmax_and_embed_match_cpu() {
     let Some(be) = backend() else { return };
@@ -1139,4 +1358,71 @@ fn allocation_serials_differ_where_addresses_repeat() {
     }
     let distinct: std::collections::HashSet<_> = seen_addresses.iter().collect();
     eprintln!("8 allocations, freed in turn, took {} distinct addresses", distinct.len());
+}
+
+/// Timing, not a check (`--ignored`): one decode token's split attention over a Qwen3-30B-A3B
+/// layer (32 query heads, 4 kv heads of 128) at depths 8192 and 32768, f32 and f16 caches, the
+/// grouped kernel and the per-head one (the GQA shape forced through a 4-head group), the mean
+/// of 50 launches after 5 warm-ups.
+#[test]
+#[ignore]
+fn attention_split_decode_timing() {
+    use moe_lanes_kernels::cuda::ops::KvPtr;
+    let Some(be) = backend() else { return };
+    let (hd, n_kv) = (128usize, 4usize);
+    for depth in [8192usize, 32768] {
+        let kv_dim = n_kv * hd;
+        for half in [false, true] {
+            let k32 = be.alloc_zeros::<f32>((depth + 1) * kv_dim).unwrap();
+            let v32 = be.alloc_zeros::<f32>((depth + 1) * kv_dim).unwrap();
+            let k16 = be.alloc_zeros::<u16>((depth + 1) * kv_dim).unwrap();
+            let v16 = be.alloc_zeros::<u16>((depth + 1) * kv_dim).unwrap();
+            let (kc, vc) = if half {
+                (KvPtr::F16(k16.ptr()), KvPtr::F16(v16.ptr()))
+            } else {
+                (KvPtr::F32(k32.ptr()), KvPtr::F32(v32.ptr()))
+            };
+            // 32 heads over 4 kv heads: grouped; 16 heads over 4: the per-head kernel (x2 for 32)
+            for n_heads in [32usize, 16] {
+                let q = be.upload(&rnd(n_heads * hd, 41)).unwrap();
+                let out = be.alloc_zeros::<f32>(n_heads * hd).unwrap();
+                let part = be
+                    .alloc_zeros::<f32>(CudaBackend::attention_split_scratch(1, n_heads, hd, depth + 1))
+                    .unwrap();
+                let launch = || {
+                    be.attention_split(
+                        q.ptr(),
+                        kc,
+                        vc,
+                        out.ptr(),
+                        part.ptr(),
+                        1,
+                        depth,
+                        n_heads,
+                        n_kv,
+                        hd,
+                        0,
+                        None,
+                    )
+                    .unwrap()
+                };
+                for _ in 0..5 {
+                    launch();
+                }
+                be.synchronize().unwrap();
+                let start = std::time::Instant::now();
+                for _ in 0..50 {
+                    launch();
+                }
+                be.synchronize().unwrap();
+                let us = start.elapsed().as_secs_f64() * 1e6 / 50.0;
+                let grouped = CudaBackend::attention_split_grouped(n_heads, n_kv, hd);
+                eprintln!(
+                    "TIMING split attention depth {depth} {} heads {n_heads}/{n_kv} {}: {us:.1} us",
+                    if half { "f16" } else { "f32" },
+                    if grouped { "grouped" } else { "per-head" }
+                );
+            }
+        }
+    }
 }

@@ -15,6 +15,7 @@ use crate::cache::update::UpdatePolicy;
 use crate::cache::weighting::Weighting;
 use crate::gpu::{CudaBackend, GpuKvCache, GpuModel, GpuOptions, PoolColdExperts, PrefillActivations};
 use crate::inspect::{sample_tokens, InspectReport};
+use crate::model::context::{kv_bytes_per_position_of, KvType};
 use crate::model::Model;
 use crate::moe::phase::Phase;
 use crate::moe::pipeline::{Pipeline, PipelineOptions, MAX_BATCH_TOKENS};
@@ -101,6 +102,9 @@ pub struct EngineOptions {
     pub vram_limit_bytes: Option<u64>,
     /// Pipeline settings (its hot set comes from `hot`).
     pub pipeline: PipelineOptions,
+    /// The KV cache's element type asked for (`--cache-type-k/v`); `None`: the engine's own
+    /// (`gpu.kv_type`, f16, on the GPU; f32 on the CPU engines, which refuse anything else).
+    pub kv_type: Option<KvType>,
 }
 
 impl EngineOptions {
@@ -133,7 +137,13 @@ impl EngineOptions {
             cold_schedule: ColdSchedule::Auto,
             vram_limit_bytes: None,
             pipeline: PipelineOptions::default(),
+            kv_type: None,
         }
+    }
+
+    /// The GPU engine's KV cache type: the one asked for, else `gpu.kv_type`.
+    pub fn gpu_kv_type(&self) -> KvType {
+        self.kv_type.unwrap_or(self.gpu.kv_type)
     }
 }
 
@@ -185,6 +195,11 @@ pub fn build_engine<'m>(
             }
             Err(e) => gpu_unavailable = Some(e.to_string()),
         }
+    }
+    // The CPU engines keep f32 KV caches: a GPU-only type asked for is refused, not ignored.
+    if let Some(asked) = opts.kv_type.filter(|t| *t != KvType::F32) {
+        let engine = opts.kind.filter(|k| *k == EngineKind::Reference).unwrap_or(EngineKind::Pipeline);
+        return Err(EngineError::KvType { engine, asked });
     }
     if opts.kind == Some(EngineKind::Reference) {
         let engine = ReferenceEngine::new(Reference::new(model)?, model.config().clone());
@@ -401,7 +416,7 @@ fn build_gpu(
     let n_positions = opts.n_positions.clamp(1, c.max_positions);
     let device_bytes = device_limit(be.info().total_mem_bytes as u64, opts.vram_limit_bytes);
     if let HotChoice::Budget(HotBudget::Bytes(b)) = opts.hot {
-        check_budget(model, n_positions, device_bytes, b)?;
+        check_budget(model, n_positions, opts.gpu_kv_type(), device_bytes, b)?;
     }
     // The driver is the pool's thread 0; a GPU lane with hot experts needs cores of its own.
     let gpu_lane = !matches!(opts.hot, HotChoice::None | HotChoice::Budget(HotBudget::Bytes(0)));
@@ -411,6 +426,7 @@ fn build_gpu(
     let gpu_opts = GpuOptions {
         hot_dequant_bytes: if gpu_lane { opts.gpu.hot_dequant_bytes } else { 0 },
         q8_activations: opts.gpu.q8_activations && !f32_asked,
+        kv_type: opts.gpu_kv_type(),
         prefill_activations: match opts.gpu.prefill_activations {
             PrefillActivations::Auto if f32_asked => PrefillActivations::Split,
             p => p,
@@ -466,7 +482,7 @@ pub fn auto_budget_estimate(
     let c = model.config();
     let device_bytes = device_limit(be.info().total_mem_bytes as u64, opts.vram_limit_bytes);
     let weights = InspectReport::new(model).other_bytes;
-    let kv = (2 * c.n_layers * n_positions * c.kv_dim() * std::mem::size_of::<f32>()) as u64;
+    let kv = kv_bytes_per_position_of(c, opts.gpu_kv_type()) * n_positions as u64;
     Ok(device_bytes.saturating_sub(weights + kv + AUTO_BUDGET_RESERVE_BYTES))
 }
 
@@ -474,12 +490,13 @@ pub fn auto_budget_estimate(
 fn check_budget(
     model: &Model,
     n_positions: usize,
+    kv_type: KvType,
     device_bytes: u64,
     budget: u64,
 ) -> Result<(), BudgetError> {
     let c = model.config();
     let weights = InspectReport::new(model).other_bytes;
-    let kv = (2 * c.n_layers * n_positions * c.kv_dim() * std::mem::size_of::<f32>()) as u64;
+    let kv = kv_bytes_per_position_of(c, kv_type) * n_positions as u64;
     let available = device_bytes.saturating_sub(weights + kv);
     if budget > available {
         return Err(BudgetError::TooLarge {

@@ -9,7 +9,7 @@ use super::GpuError;
 use crate::model::arch::{QkNorm, RopeStyle, RoutingVariant};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
-use moe_lanes_kernels::cuda::ops::{DevicePos, HotWorklist, KvAppend, NormRows, RouteVariant};
+use moe_lanes_kernels::cuda::ops::{DevicePos, HotWorklist, KvAppend, KvPtr, NormRows, RouteVariant};
 use moe_lanes_kernels::cuda::quant::wide_alignment_bytes;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, Q8Rows, TypedWeights};
 use moe_lanes_kernels::q8::Q8_BLOCK;
@@ -132,16 +132,18 @@ impl GpuModel {
         let s = self.scratch.as_ref().expect("reserved");
         let w = &self.w.layers[l];
         self.be.rmsnorm(s.hidden.ptr(), w.attn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
-        // The decode graph writes the new key/value rows to scratch; the q/k norm + RoPE kernel
-        // appends them at the position it reads from the device.
-        let (k_new, v_new, append) = match self.step {
-            Some(_) => {
-                let (k, v) = (s.kv_step.ptr().sub(0, kvd), s.kv_step.ptr().sub(kvd, kvd));
-                let (kc, vc) = (cache.k[l].ptr(), cache.v[l].ptr());
-                (k, v, Some(KvAppend { pos: s.step.ptr().sub(1, 1), v, k_cache: kc, v_cache: vc }))
+        // The decode graph and an f16 cache take the new key/value rows in scratch; the q/k norm
+        // + RoPE kernel appends them (converted) at the position it reads from the device (the
+        // graph) or the call's; an f32 cache outside the graph takes them in place.
+        let (kc, vc) = (cache.k(l), cache.v(l));
+        let (k_new, v_new, append) = match (self.step, kc, vc) {
+            (None, KvPtr::F32(kc), KvPtr::F32(vc)) => {
+                (kc.sub(pos0 * kvd, t * kvd), vc.sub(pos0 * kvd, t * kvd), None)
             }
-            None => {
-                (cache.k[l].ptr().sub(pos0 * kvd, t * kvd), cache.v[l].ptr().sub(pos0 * kvd, t * kvd), None)
+            (step, _, _) => {
+                let (k, v) = (s.kv_step.ptr().sub(0, t * kvd), s.kv_step.ptr().sub(t * kvd, t * kvd));
+                let pos = step.map(|_| s.step.ptr().sub(1, 1));
+                (k, v, Some(KvAppend { pos, v, k_cache: kc, v_cache: vc }))
             }
         };
         let qkv = [w.q.view(), w.k.view(), w.v.view()];
@@ -209,7 +211,10 @@ impl GpuModel {
             be.qk_norm_rope(q, k_new, norm, t, nh, nkv, qd, kvd, hd, pos0, theta, interleaved, eps, append)?;
             return Ok(());
         }
-        assert!(append.is_none(), "the decode graph runs only with the fused q/k norm + RoPE");
+        assert!(
+            append.as_ref().is_none_or(|a| a.pos.is_none()),
+            "the decode graph runs only with the fused q/k norm + RoPE"
+        );
         match a.qk_norm {
             QkNorm::None => {}
             QkNorm::PerHead => {
@@ -228,6 +233,9 @@ impl GpuModel {
         }
         be.rope(q, t, nh, qd, hd, pos0, theta, interleaved)?;
         be.rope(k_new, t, nkv, kvd, hd, pos0, theta, interleaved)?;
+        if let Some(a) = append {
+            be.kv_store_rows(k_new, v_new, a.k_cache, a.v_cache, t, pos0, kvd)?;
+        }
         Ok(())
     }
 
@@ -259,7 +267,7 @@ impl GpuModel {
             self.reserve_attention(t, cache)?;
         }
         let s = self.scratch.as_ref().expect("reserved");
-        let (q, kc, vc, out) = (s.q.ptr(), cache.k[l].ptr(), cache.v[l].ptr(), s.attn.ptr());
+        let (q, kc, vc, out) = (s.q.ptr(), cache.k(l), cache.v(l), s.attn.ptr());
         match (&self.attn_part, phase) {
             (Some(part), Phase::Decode) => {
                 let at =
@@ -267,7 +275,7 @@ impl GpuModel {
                 self.be.attention_split(q, kc, vc, out, part.ptr(), t, pos0, nh, nkv, hd, window, at)?
             }
             _ if self.opts.prefill_attention == PrefillAttention::Mma
-                && self.be.attention_mma_takes(hd, [q, kc, vc, out]) =>
+                && self.be.attention_mma_takes(hd, (q, kc, vc, out)) =>
             {
                 self.be.attention_mma(q, kc, vc, out, t, pos0, nh, nkv, hd, window)?
             }

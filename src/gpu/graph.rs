@@ -144,7 +144,7 @@ impl GpuModel {
         GraphKey {
             // One buffer stands for each owner: a KV cache's and a scratch's buffers are
             // allocated together and replaced together.
-            kv_cache: cache.k[0].serial(),
+            kv_cache: cache.serial(),
             scratch: s.hidden.serial(),
             attn_part: self.attn_part.as_ref().map_or(0, |p| p.serial()),
             max_positions,

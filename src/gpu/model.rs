@@ -20,6 +20,7 @@ use crate::forward::LogitRows;
 use crate::forward::Logits;
 use crate::model::arch::LayerPlan;
 use crate::model::config::ModelConfig;
+use crate::model::context::KvType;
 use crate::model::Model;
 use crate::moe::faults::{FaultLane, LaneFault, LaneFaultSchedule};
 use crate::moe::phase::Phase;
@@ -217,6 +218,8 @@ pub struct GpuOptions {
     /// integers (llama.cpp's MMVQ; bound in `moe_lanes_kernels::q8`); off: f32 activations
     /// (f32 rounding only). `--activations f32` at the CLI turns it off.
     pub q8_activations: bool,
+    /// The KV cache's element type (`--cache-type-k/v` at the CLI): f16 (default) or f32.
+    pub kv_type: KvType,
 }
 
 impl Default for GpuOptions {
@@ -235,6 +238,7 @@ impl Default for GpuOptions {
             graph_lane_events: false,
             postfetch: PostFetchOptions::default(),
             q8_activations: true,
+            kv_type: KvType::F16,
         }
     }
 }
@@ -442,7 +446,7 @@ impl GpuModel {
         if capacity == 0 || capacity > self.cfg.max_positions {
             return Err(GpuError::CacheCapacity { capacity, max_positions: self.cfg.max_positions });
         }
-        GpuKvCache::new(&self.be, self.cfg.n_layers, self.cfg.kv_dim(), capacity)
+        GpuKvCache::new(&self.be, self.cfg.n_layers, self.cfg.kv_dim(), capacity, self.opts.kv_type)
     }
 
     /// Device scratch (and its host twin) for calls of up to `t` tokens; grows, never shrinks.
@@ -466,9 +470,9 @@ impl GpuModel {
         if let Some((i, &token)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= c.vocab) {
             return Err(ForwardError::TokenOutOfRange { token, position: pos0 + i, vocab: c.vocab }.into());
         }
-        if cache.k.len() != c.n_layers || cache.kv_dim != c.kv_dim() {
+        if cache.n_layers() != c.n_layers || cache.kv_dim != c.kv_dim() {
             return Err(GpuError::CacheModel {
-                cache_layers: cache.k.len(),
+                cache_layers: cache.n_layers(),
                 cache_kv_dim: cache.kv_dim,
                 model_layers: c.n_layers,
                 model_kv_dim: c.kv_dim(),

@@ -47,8 +47,10 @@ pub(crate) struct Scratch {
     pub tokens: DeviceBuffer<i32>,
     /// The decode graph's per-token input: the token and its position (one upload per token).
     pub step: DeviceBuffer<i32>,
-    /// The decode graph's new key row then value row (`2 * kv_dim`): the graph's q/k/v GEMVs
-    /// write here and the fused q/k norm + RoPE appends them to the cache at the device position.
+    /// New key rows then value rows of a call (`2 * cap * kv_dim`; a call of `t` tokens uses `t`
+    /// key rows then `t` value rows): the q/k/v projections write here when the cache does not
+    /// take them in place (the decode graph, an f16 cache), and the q/k norm + RoPE appends them
+    /// (converted) at the device position or the call's (or `kv_store_rows` does, unfused).
     pub kv_step: DeviceBuffer<f32>,
     pub hidden: DeviceBuffer<f32>,
     pub normed: DeviceBuffer<f32>,
@@ -109,7 +111,7 @@ impl Scratch {
             layout,
             tokens: be.alloc_zeros::<i32>(cap)?,
             step: be.alloc_zeros::<i32>(2)?,
-            kv_step: f(2 * c.kv_dim())?,
+            kv_step: f(2 * cap * c.kv_dim())?,
             hidden: f(cap * c.hidden)?,
             normed: f(cap * c.hidden)?,
             moe_out: f(cap * c.hidden)?,

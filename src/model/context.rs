@@ -5,9 +5,68 @@
 
 use crate::model::config::ModelConfig;
 
-/// Bytes of KV cache per position on the CPU engines: K and V, f32, every layer.
+/// The element type of a KV cache (`--cache-type-k` / `--cache-type-v` at the CLI, as
+/// llama.cpp). The GPU engine stores f16 by default (half the bytes of f32; its attention kernels
+/// read either and compute in f32); the CPU engines keep f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvType {
+    F32,
+    F16,
+}
+
+/// A KV cache type name that is not supported.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvTypeError {
+    #[error(
+        "KV cache type {0:?} is not supported: the supported types are f32 and f16 (q8_0 is not implemented)"
+    )]
+    Unsupported(String),
+}
+
+impl KvType {
+    /// Bytes of one cached value.
+    pub fn bytes(self) -> u64 {
+        match self {
+            KvType::F32 => 4,
+            KvType::F16 => 2,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            KvType::F32 => "f32",
+            KvType::F16 => "f16",
+        }
+    }
+}
+
+impl std::str::FromStr for KvType {
+    type Err = KvTypeError;
+    fn from_str(s: &str) -> Result<KvType, KvTypeError> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(KvType::F32),
+            "f16" => Ok(KvType::F16),
+            _ => Err(KvTypeError::Unsupported(s.to_string())),
+        }
+    }
+}
+
+impl std::fmt::Display for KvType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Bytes of KV cache per position on the CPU engines: K and V, f32, every layer. The session
+/// context is checked against host memory with it even for the GPU engine, whose sessions
+/// replay into a CPU pipeline's f32 cache when the device is lost.
 pub fn kv_bytes_per_position(c: &ModelConfig) -> u64 {
-    2 * c.n_layers as u64 * c.kv_dim() as u64 * 4
+    kv_bytes_per_position_of(c, KvType::F32)
+}
+
+/// Bytes of KV cache per position in a cache of `kv`: K and V, every layer.
+pub fn kv_bytes_per_position_of(c: &ModelConfig, kv: KvType) -> u64 {
+    2 * c.n_layers as u64 * c.kv_dim() as u64 * kv.bytes()
 }
 
 /// Why a context size cannot be used.
@@ -72,6 +131,18 @@ fn parse_mem_available(meminfo: &str) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kv_types_parse_and_count_their_bytes() {
+        assert_eq!("f16".parse::<KvType>(), Ok(KvType::F16));
+        assert_eq!("F32".parse::<KvType>(), Ok(KvType::F32));
+        let err = "q8_0".parse::<KvType>().unwrap_err().to_string();
+        assert!(err.contains("f32 and f16"), "{err}");
+        let t: KvType = serde_json::from_str("\"f16\"").unwrap();
+        assert_eq!(t, KvType::F16);
+        let c = config();
+        assert_eq!(2 * kv_bytes_per_position_of(&c, KvType::F16), kv_bytes_per_position(&c));
+    }
 
     fn config() -> ModelConfig {
         let adapter = crate::model::arch::by_name("qwen3_moe").unwrap();

@@ -1,7 +1,10 @@
 //! The kernels by typed id, their op-family source files, and the constants shared by the
 //! Rust launchers and the CUDA code (passed to NVRTC as `-D` defines, defined only here).
 
-use super::ops::{ATTENTION_MAX_HEAD_DIM, ATTENTION_SPLIT_CHUNK, ROUTE_MAX_TOPK};
+use super::ops::{
+    ATTENTION_GQA_HEADS, ATTENTION_GQA_MAX_HEAD_DIM, ATTENTION_MAX_HEAD_DIM, ATTENTION_SPLIT_CHUNK,
+    ROUTE_MAX_TOPK,
+};
 
 /// Warps per block in the warp-per-row kernels (`-DROWS_PER_BLOCK`).
 pub const ROWS_PER_BLOCK: u32 = 8;
@@ -171,7 +174,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 22] = [
+pub const SHARED_DEFINE_NAMES: [&str; 24] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -194,6 +197,8 @@ pub const SHARED_DEFINE_NAMES: [&str; 22] = [
     "ATT_MMA_KEYS",
     "ATT_MMA_MAXD",
     "TOPK_PER_LANE",
+    "ATT_GQA_HEADS",
+    "ATT_GQA_MAXD",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -221,6 +226,8 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DATT_MMA_KEYS={ATTENTION_MMA_KEYS}"),
         format!("-DATT_MMA_MAXD={ATTENTION_MMA_MAX_HEAD_DIM}"),
         format!("-DTOPK_PER_LANE={}", ROUTE_MAX_TOPK / 32),
+        format!("-DATT_GQA_HEADS={ATTENTION_GQA_HEADS}"),
+        format!("-DATT_GQA_MAXD={ATTENTION_GQA_MAX_HEAD_DIM}"),
     ]
 }
 
@@ -242,6 +249,13 @@ pub enum Kernel {
     AttentionTiledF32,
     AttentionMmaF32,
     AttentionCombineF32,
+    AttentionF16,
+    AttentionSplitF16,
+    AttentionTiledF16,
+    AttentionMmaF16,
+    KvStoreRows,
+    AttentionSplitGqaF32,
+    AttentionSplitGqaF16,
     ArgmaxF32,
     ArgmaxPartialF32,
     ArgmaxFinalF32,
@@ -291,7 +305,7 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 61] = [
+    pub const ALL: [Kernel; 68] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -307,6 +321,13 @@ impl Kernel {
         Kernel::AttentionTiledF32,
         Kernel::AttentionMmaF32,
         Kernel::AttentionCombineF32,
+        Kernel::AttentionF16,
+        Kernel::AttentionSplitF16,
+        Kernel::AttentionTiledF16,
+        Kernel::AttentionMmaF16,
+        Kernel::KvStoreRows,
+        Kernel::AttentionSplitGqaF32,
+        Kernel::AttentionSplitGqaF16,
         Kernel::ArgmaxF32,
         Kernel::ArgmaxPartialF32,
         Kernel::ArgmaxFinalF32,
@@ -373,6 +394,13 @@ impl Kernel {
             Kernel::AttentionTiledF32 => "attention_tiled_f32",
             Kernel::AttentionMmaF32 => "attention_mma_f32",
             Kernel::AttentionCombineF32 => "attention_combine_f32",
+            Kernel::AttentionF16 => "attention_f16",
+            Kernel::AttentionSplitF16 => "attention_split_f16",
+            Kernel::AttentionTiledF16 => "attention_tiled_f16",
+            Kernel::AttentionMmaF16 => "attention_mma_f16",
+            Kernel::KvStoreRows => "kv_store_rows",
+            Kernel::AttentionSplitGqaF32 => "attention_split_gqa_f32",
+            Kernel::AttentionSplitGqaF16 => "attention_split_gqa_f16",
             Kernel::ArgmaxF32 => "argmax_f32",
             Kernel::ArgmaxPartialF32 => "argmax_partial_f32",
             Kernel::ArgmaxFinalF32 => "argmax_final_f32",
@@ -440,6 +468,13 @@ impl Kernel {
             Kernel::AttentionTiledF32 => Family::Attention,
             Kernel::AttentionMmaF32 => Family::Attention,
             Kernel::AttentionCombineF32 => Family::Attention,
+            Kernel::AttentionF16 => Family::Attention,
+            Kernel::AttentionSplitF16 => Family::Attention,
+            Kernel::AttentionTiledF16 => Family::Attention,
+            Kernel::AttentionMmaF16 => Family::Attention,
+            Kernel::KvStoreRows => Family::NormRope,
+            Kernel::AttentionSplitGqaF32 => Family::Attention,
+            Kernel::AttentionSplitGqaF16 => Family::Attention,
             Kernel::ArgmaxF32 => Family::Argmax,
             Kernel::ArgmaxPartialF32 => Family::Argmax,
             Kernel::ArgmaxFinalF32 => Family::Argmax,

@@ -27,6 +27,16 @@ pub const ATTENTION_MAX_HEAD_DIM: usize = 256;
 /// Positions per block of the split attention kernel (`-DATT_CHUNK`; a multiple of
 /// [`super::kernel::ATTENTION_SPLIT_WARPS`]).
 pub const ATTENTION_SPLIT_CHUNK: usize = 32;
+/// Query heads of one block of the grouped split attention kernel (`ATT_GQA_HEADS` in the
+/// source), all of one kv head.
+pub const ATTENTION_GQA_HEADS: usize = 8;
+/// Largest head dimension of the grouped split attention kernel (`ATT_GQA_MAXD` in the source).
+pub const ATTENTION_GQA_MAX_HEAD_DIM: usize = 128;
+/// Blocks a grouped split attention launch aims at (each reads its rows once for 8 heads).
+pub const ATTENTION_GQA_TARGET_BLOCKS: usize = 512;
+/// Blocks a split attention launch aims at (the H100 / H200 hold 132 x 8 of its 256-thread
+/// blocks at once): the cap on its spans per row and head.
+pub const ATTENTION_SPLIT_TARGET_BLOCKS: usize = 1024;
 /// Most experts a token's routing picks on the GPU: the lanes of one warp hold the picks and
 /// their weights in registers (`-DTOPK_PER_LANE` = this / 32 each). Cost: 8 registers a lane;
 /// models pick 1-8.
@@ -91,15 +101,82 @@ struct AttentionHeads {
     head_dim: usize,
 }
 
+/// A KV cache (or rows of one) on the device, in its element type: f32, or f16 as `u16` bit
+/// patterns. Every attention launcher reads either; `DPtr<f32>` converts into the f32 form.
+#[derive(Debug, Clone, Copy)]
+pub enum KvPtr {
+    F32(DPtr<f32>),
+    F16(DPtr<u16>),
+}
+
+impl From<DPtr<f32>> for KvPtr {
+    fn from(p: DPtr<f32>) -> KvPtr {
+        KvPtr::F32(p)
+    }
+}
+
+impl KvPtr {
+    pub fn raw(&self) -> u64 {
+        match self {
+            KvPtr::F32(p) => p.raw(),
+            KvPtr::F16(p) => p.raw(),
+        }
+    }
+    /// Elements (values, whatever their type).
+    pub fn len(&self) -> usize {
+        match self {
+            KvPtr::F32(p) => p.len(),
+            KvPtr::F16(p) => p.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn is_f16(&self) -> bool {
+        matches!(self, KvPtr::F16(_))
+    }
+    /// Elements `[offset, offset + len)`; panics when out of range (a programming error).
+    pub fn sub(&self, offset: usize, len: usize) -> KvPtr {
+        match self {
+            KvPtr::F32(p) => KvPtr::F32(p.sub(offset, len)),
+            KvPtr::F16(p) => KvPtr::F16(p.sub(offset, len)),
+        }
+    }
+    /// The kernel argument that says the type (`kv_half`: 1 for f16).
+    fn half_flag(&self) -> i32 {
+        self.is_f16() as i32
+    }
+}
+
+fn need_kv(kernel: impl KernelName, what: &str, p: KvPtr, n: usize) -> Result<()> {
+    match p {
+        KvPtr::F32(d) => need(kernel, what, d, n),
+        KvPtr::F16(d) => need(kernel, what, d, n),
+    }
+}
+
+/// The f32 or f16 instance of an attention kernel, for caches of `k`'s type.
+fn kv_kernel(f32: Kernel, f16: Kernel, k: KvPtr) -> Kernel {
+    if k.is_f16() {
+        f16
+    } else {
+        f32
+    }
+}
+
 /// The checks every attention launcher makes: the heads group over the kv heads, the head
-/// dimension is within the kernel's `max_head_dim`, and q, the two caches and out hold what the
-/// shapes say.
+/// dimension is within the kernel's `max_head_dim`, the two caches have one type, and q, the two
+/// caches and out hold what the shapes say.
 fn check_attention(
     kernel: Kernel,
-    [q, k, v, out]: [DPtr<f32>; 4],
+    (q, k, v, out): (DPtr<f32>, KvPtr, KvPtr, DPtr<f32>),
     h: AttentionHeads,
     max_head_dim: usize,
 ) -> Result<()> {
+    if k.is_f16() != v.is_f16() {
+        let reason = "the key and value caches differ in type".to_string();
+        return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
+    }
     let AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim } = h;
     if n_kv == 0 || n_heads / n_kv * n_kv != n_heads {
         let reason = format!("{n_heads} heads do not group over {n_kv} kv heads");
@@ -110,8 +187,8 @@ fn check_attention(
         return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
     }
     need(kernel, "q", q, n_tokens * n_heads * head_dim)?;
-    need(kernel, "k_cache", k, total * n_kv * head_dim)?;
-    need(kernel, "v_cache", v, total * n_kv * head_dim)?;
+    need_kv(kernel, "k_cache", k, total * n_kv * head_dim)?;
+    need_kv(kernel, "v_cache", v, total * n_kv * head_dim)?;
     need(kernel, "out", out, n_tokens * n_heads * head_dim)
 }
 
@@ -268,18 +345,28 @@ impl HotWorklist {
 /// writes a position below `capacity - n_tokens + 1` (the kernel cannot check it).
 #[derive(Debug, Clone, Copy)]
 pub struct KvAppend {
-    pub pos: DPtr<i32>,
+    /// Device memory holding the first token's position (the decode graph); `None`: the
+    /// launcher's `pos0` (prefill into an f16 cache).
+    pub pos: Option<DPtr<i32>>,
     pub v: DPtr<f32>,
-    pub k_cache: DPtr<f32>,
-    pub v_cache: DPtr<f32>,
+    pub k_cache: KvPtr,
+    pub v_cache: KvPtr,
 }
 
 impl KvAppend {
-    fn check(&self, kernel: Kernel, n_tokens: usize, kv_dim: usize) -> Result<()> {
-        need(kernel, "pos", self.pos, 1)?;
+    fn check(&self, kernel: Kernel, n_tokens: usize, kv_dim: usize, pos0: usize) -> Result<()> {
+        if let Some(p) = self.pos {
+            need(kernel, "pos", p, 1)?;
+        }
+        if self.k_cache.is_f16() != self.v_cache.is_f16() {
+            let reason = "the key and value caches differ in type".to_string();
+            return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
+        }
+        // From device memory the position is unknown here: the rows fit from position 0.
+        let rows = if self.pos.is_some() { n_tokens } else { pos0 + n_tokens };
         need(kernel, "v", self.v, n_tokens * kv_dim)?;
-        need(kernel, "k cache", self.k_cache, n_tokens * kv_dim)?;
-        need(kernel, "v cache", self.v_cache, self.k_cache.len())
+        need_kv(kernel, "k cache", self.k_cache, rows * kv_dim)?;
+        need_kv(kernel, "v cache", self.v_cache, self.k_cache.len())
     }
 }
 
@@ -518,12 +605,13 @@ impl CudaBackend {
             None => (0, 0),
         };
         let il = interleaved as i32;
-        let (pos, kc, vc, v, heads) = match append {
+        let (pos, kc, vc, v, heads, half) = match append {
             Some(a) => {
-                a.check(K, n_tokens, k_stride)?;
-                (a.pos.raw(), a.k_cache.raw(), a.v_cache.raw(), a.v.raw(), n_heads + 2 * n_kv)
+                a.check(K, n_tokens, k_stride, pos0)?;
+                let pos = a.pos.map_or(0, |p| p.raw());
+                (pos, a.k_cache.raw(), a.v_cache.raw(), a.v.raw(), n_heads + 2 * n_kv, a.k_cache.half_flag())
             }
-            None => (0, 0, 0, 0, n_heads + n_kv),
+            None => (0, 0, 0, 0, n_heads + n_kv, 0),
         };
         self.launch(
             K,
@@ -547,8 +635,34 @@ impl CudaBackend {
                 kc,
                 vc,
                 v,
-                i(n_kv)
+                i(n_kv),
+                half
             ],
+        )
+    }
+
+    /// `n_tokens` rows of new keys `k` and values `v` (f32, rows of `kv_dim`) into the caches'
+    /// rows `pos0..`, converted to the caches' type (the append of the unfused q/k path).
+    pub fn kv_store_rows(
+        &self,
+        k: DPtr<f32>,
+        v: DPtr<f32>,
+        k_cache: KvPtr,
+        v_cache: KvPtr,
+        n_tokens: usize,
+        pos0: usize,
+        kv_dim: usize,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::KvStoreRows;
+        let append = KvAppend { pos: None, v, k_cache, v_cache };
+        append.check(K, n_tokens, kv_dim, pos0)?;
+        need(K, "k", k, n_tokens * kv_dim)?;
+        self.launch(
+            K,
+            (n_tokens as u32, 2, 1),
+            BLOCK,
+            0,
+            args![k.raw(), v.raw(), k_cache.raw(), v_cache.raw(), i(pos0), i(kv_dim), k_cache.half_flag()],
         )
     }
 
@@ -558,8 +672,8 @@ impl CudaBackend {
     pub fn attention(
         &self,
         q: DPtr<f32>,
-        k_cache: DPtr<f32>,
-        v_cache: DPtr<f32>,
+        k_cache: impl Into<KvPtr>,
+        v_cache: impl Into<KvPtr>,
         out: DPtr<f32>,
         n_tokens: usize,
         pos0: usize,
@@ -568,14 +682,15 @@ impl CudaBackend {
         head_dim: usize,
         window: usize,
     ) -> Result<()> {
-        const K: Kernel = Kernel::AttentionF32;
+        let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
+        let kn = kv_kernel(Kernel::AttentionF32, Kernel::AttentionF16, k_cache);
         let total = pos0 + n_tokens;
         let heads = AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim };
-        check_attention(K, [q, k_cache, v_cache, out], heads, ATTENTION_MAX_HEAD_DIM)?;
+        check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_MAX_HEAD_DIM)?;
         let visible = if window > 0 { window.min(total) } else { total };
         if visible > ATTENTION_MAX_POSITIONS {
             return Err(CudaError::Shape {
-                kernel: K.symbol(),
+                kernel: kn.symbol(),
                 reason: format!(
                     "{visible} visible positions > {ATTENTION_MAX_POSITIONS} (shared-memory score buffer)"
                 ),
@@ -583,7 +698,7 @@ impl CudaBackend {
         }
         let scale = 1.0 / (head_dim as f32).sqrt();
         self.launch(
-            K,
+            kn,
             (n_tokens as u32, n_heads as u32, 1),
             ATTENTION_BLOCK,
             (visible.max((ATTENTION_BLOCK / 32) as usize * head_dim) * 4) as u32,
@@ -615,8 +730,8 @@ impl CudaBackend {
     pub fn attention_tiled(
         &self,
         q: DPtr<f32>,
-        k_cache: DPtr<f32>,
-        v_cache: DPtr<f32>,
+        k_cache: impl Into<KvPtr>,
+        v_cache: impl Into<KvPtr>,
         out: DPtr<f32>,
         n_tokens: usize,
         pos0: usize,
@@ -625,19 +740,20 @@ impl CudaBackend {
         head_dim: usize,
         window: usize,
     ) -> Result<()> {
-        const K: Kernel = Kernel::AttentionTiledF32;
+        let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
+        let kn = kv_kernel(Kernel::AttentionTiledF32, Kernel::AttentionTiledF16, k_cache);
         let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
-        check_attention(K, [q, k_cache, v_cache, out], heads, ATTENTION_TILE_MAX_HEAD_DIM)?;
+        check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_TILE_MAX_HEAD_DIM)?;
         if !head_dim.is_multiple_of(4) {
             return Err(CudaError::Shape {
-                kernel: K.symbol(),
+                kernel: kn.symbol(),
                 reason: format!("head_dim {head_dim} is not a multiple of 4 (float4 tiles)"),
             });
         }
         let shared_floats = ATTENTION_TILE_KEYS * (2 * head_dim + 4) + ATTENTION_TILE_ROWS * head_dim;
         let block = TileBlock { rows: ATTENTION_TILE_ROWS, threads: ATTENTION_TILE_THREADS };
-        let bufs = [q, k_cache, v_cache, out];
-        self.launch_attention_tiles(K, block, (shared_floats * 4) as u32, bufs, heads, pos0, window)
+        let bufs = (q, k_cache, v_cache, out);
+        self.launch_attention_tiles(kn, block, (shared_floats * 4) as u32, bufs, heads, pos0, window)
     }
 
     /// Launch a flash-style prefill kernel (tiled or mma; they take the same arguments): a
@@ -647,7 +763,7 @@ impl CudaBackend {
         kernel: Kernel,
         block: TileBlock,
         shared_bytes: u32,
-        [q, k_cache, v_cache, out]: [DPtr<f32>; 4],
+        (q, k_cache, v_cache, out): (DPtr<f32>, KvPtr, KvPtr, DPtr<f32>),
         h: AttentionHeads,
         pos0: usize,
         window: usize,
@@ -684,8 +800,12 @@ impl CudaBackend {
 
     /// Whether [`Self::attention_mma`] takes this call: heads that fit and the four buffers
     /// (q, k cache, v cache, out) 16-byte aligned.
-    pub fn attention_mma_takes(&self, head_dim: usize, bufs: [DPtr<f32>; 4]) -> bool {
-        self.attention_mma_fits(head_dim) && aligned16(&bufs.map(|b| b.raw()))
+    pub fn attention_mma_takes(
+        &self,
+        head_dim: usize,
+        (q, k, v, out): (DPtr<f32>, KvPtr, KvPtr, DPtr<f32>),
+    ) -> bool {
+        self.attention_mma_fits(head_dim) && aligned16(&[q.raw(), k.raw(), v.raw(), out.raw()])
     }
 
     /// [`Self::attention_tiled`]'s result (about f32 accuracy, another summation order) with
@@ -695,8 +815,8 @@ impl CudaBackend {
     pub fn attention_mma(
         &self,
         q: DPtr<f32>,
-        k_cache: DPtr<f32>,
-        v_cache: DPtr<f32>,
+        k_cache: impl Into<KvPtr>,
+        v_cache: impl Into<KvPtr>,
         out: DPtr<f32>,
         n_tokens: usize,
         pos0: usize,
@@ -705,17 +825,46 @@ impl CudaBackend {
         head_dim: usize,
         window: usize,
     ) -> Result<()> {
-        const K: Kernel = Kernel::AttentionMmaF32;
+        let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
+        let kn = kv_kernel(Kernel::AttentionMmaF32, Kernel::AttentionMmaF16, k_cache);
         let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
-        let bufs = [q, k_cache, v_cache, out];
-        check_attention(K, bufs, heads, ATTENTION_MMA_MAX_HEAD_DIM)?;
+        let bufs = (q, k_cache, v_cache, out);
+        check_attention(kn, bufs, heads, ATTENTION_MMA_MAX_HEAD_DIM)?;
         if !self.attention_mma_takes(head_dim, bufs) {
             let reason =
                 format!("head_dim {head_dim} (a multiple of 16 on sm_80+) or buffers not 16-byte aligned");
-            return Err(CudaError::Shape { kernel: K.symbol(), reason });
+            return Err(CudaError::Shape { kernel: kn.symbol(), reason });
         }
         let block = TileBlock { rows: 16 * ATTENTION_MMA_WARPS as usize, threads: ATTENTION_MMA_THREADS };
-        self.launch_attention_tiles(K, block, 0, bufs, heads, pos0, window)
+        self.launch_attention_tiles(kn, block, 0, bufs, heads, pos0, window)
+    }
+
+    /// Most spans (blocks per query row and head) of [`Self::attention_split`] for `n_tokens`
+    /// rows of `n_heads` heads over at most `positions` visible positions: one per
+    /// [`ATTENTION_SPLIT_CHUNK`] positions, capped so the launch holds about
+    /// [`ATTENTION_SPLIT_TARGET_BLOCKS`] blocks (longer contexts give each block more chunks).
+    pub fn attention_split_max_splits(n_tokens: usize, n_heads: usize, positions: usize) -> usize {
+        let cap = (ATTENTION_SPLIT_TARGET_BLOCKS / (n_tokens * n_heads).max(1)).max(1);
+        positions.div_ceil(ATTENTION_SPLIT_CHUNK).clamp(1, cap)
+    }
+
+    /// Whether [`Self::attention_split`] runs the grouped kernel, which reads each key and value
+    /// row once for [`ATTENTION_GQA_HEADS`] query heads: groups of a multiple of that many query
+    /// heads per kv head, heads of a multiple of 4 dims up to [`ATTENTION_GQA_MAX_HEAD_DIM`].
+    pub fn attention_split_grouped(n_heads: usize, n_kv: usize, head_dim: usize) -> bool {
+        let g = n_heads / n_kv.max(1);
+        g.is_multiple_of(ATTENTION_GQA_HEADS)
+            && head_dim.is_multiple_of(4)
+            && head_dim <= ATTENTION_GQA_MAX_HEAD_DIM
+            && g * n_kv == n_heads
+    }
+
+    /// Spans of the grouped kernel: as [`Self::attention_split_max_splits`] over blocks of
+    /// [`ATTENTION_GQA_HEADS`] heads, aiming at [`ATTENTION_GQA_TARGET_BLOCKS`] blocks.
+    fn attention_split_gqa_max_splits(n_tokens: usize, n_heads: usize, positions: usize) -> usize {
+        let blocks_per_split = (n_tokens * n_heads).div_ceil(ATTENTION_GQA_HEADS).max(1);
+        let cap = (ATTENTION_GQA_TARGET_BLOCKS / blocks_per_split).max(1);
+        positions.div_ceil(ATTENTION_SPLIT_CHUNK).clamp(1, cap)
     }
 
     /// Floats of the partials buffer [`Self::attention_split`] needs for `n_tokens` rows of
@@ -726,17 +875,23 @@ impl CudaBackend {
         head_dim: usize,
         positions: usize,
     ) -> usize {
-        n_tokens * n_heads * positions.div_ceil(ATTENTION_SPLIT_CHUNK).max(1) * (head_dim + 2)
+        let splits = Self::attention_split_max_splits(n_tokens, n_heads, positions)
+            .max(Self::attention_split_gqa_max_splits(n_tokens, n_heads, positions));
+        n_tokens * n_heads * splits * (head_dim + 2)
     }
 
-    /// Same as [`Self::attention`], with the visible positions split into chunks of
-    /// [`ATTENTION_SPLIT_CHUNK`] scored by separate blocks (many more blocks in flight in decode),
-    /// then combined: two launches. `part` holds [`Self::attention_split_scratch`] floats.
+    /// Same as [`Self::attention`] ("flash decoding"): each row's visible positions are cut
+    /// into spans of whole [`ATTENTION_SPLIT_CHUNK`]s, at most
+    /// [`Self::attention_split_max_splits`] of them, each scored by its own block with an online
+    /// softmax, then combined: two launches. The span length is computed on the device from the
+    /// row's position (from `at` in the decode graph), so one captured grid serves every length
+    /// (blocks past the used spans exit at once). `part` holds [`Self::attention_split_scratch`]
+    /// floats.
     pub fn attention_split(
         &self,
         q: DPtr<f32>,
-        k_cache: DPtr<f32>,
-        v_cache: DPtr<f32>,
+        k_cache: impl Into<KvPtr>,
+        v_cache: impl Into<KvPtr>,
         out: DPtr<f32>,
         part: DPtr<f32>,
         n_tokens: usize,
@@ -747,22 +902,34 @@ impl CudaBackend {
         window: usize,
         at: Option<DevicePos>,
     ) -> Result<()> {
-        const K: Kernel = Kernel::AttentionSplitF32;
+        let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
+        let grouped = Self::attention_split_grouped(n_heads, n_kv, head_dim);
+        let kn = match grouped {
+            true => kv_kernel(Kernel::AttentionSplitGqaF32, Kernel::AttentionSplitGqaF16, k_cache),
+            false => kv_kernel(Kernel::AttentionSplitF32, Kernel::AttentionSplitF16, k_cache),
+        };
         // From device memory the position is unknown here: check (and size the grid) for the
         // most positions the call may see.
         let total = at.map_or(pos0, |a| a.max_positions) + n_tokens;
         let heads = AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim };
-        check_attention(K, [q, k_cache, v_cache, out], heads, ATTENTION_MAX_HEAD_DIM)?;
+        check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_MAX_HEAD_DIM)?;
         if let Some(a) = at {
-            need(K, "pos", a.pos, 1)?;
+            need(kn, "pos", a.pos, 1)?;
         }
         let visible = if window > 0 { window.min(total) } else { total };
-        let splits = visible.div_ceil(ATTENTION_SPLIT_CHUNK).max(1);
-        need(K, "part", part, Self::attention_split_scratch(n_tokens, n_heads, head_dim, visible))?;
+        let (splits, grid_heads) = match grouped {
+            true => (
+                Self::attention_split_gqa_max_splits(n_tokens, n_heads, visible),
+                n_heads / ATTENTION_GQA_HEADS,
+            ),
+            false => (Self::attention_split_max_splits(n_tokens, n_heads, visible), n_heads),
+        };
+        need(kn, "part", part, Self::attention_split_scratch(n_tokens, n_heads, head_dim, visible))?;
         let scale = 1.0 / (head_dim as f32).sqrt();
+        let pos_ptr = at.map_or(0, |a| a.pos.raw());
         self.launch(
-            K,
-            (splits as u32, n_heads as u32, n_tokens as u32),
+            kn,
+            (grid_heads as u32, splits as u32, n_tokens as u32),
             ATTENTION_SPLIT_THREADS,
             0,
             args![
@@ -777,7 +944,7 @@ impl CudaBackend {
                 i(window),
                 scale,
                 i(splits),
-                at.map_or(0, |a| a.pos.raw())
+                pos_ptr
             ],
         )?;
         self.launch(
@@ -785,7 +952,7 @@ impl CudaBackend {
             (n_heads as u32, n_tokens as u32, 1),
             128,
             0,
-            args![part.raw(), out.raw(), i(n_heads), i(head_dim), i(splits)],
+            args![part.raw(), out.raw(), i(n_heads), i(head_dim), i(splits), i(pos0), i(window), pos_ptr],
         )
     }
 
