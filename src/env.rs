@@ -1,5 +1,6 @@
 //! The environment variables moe-lanes honours, read in this one module. The library's engines
-//! take typed options; the CLI (the edge) calls these once and passes the values down, and
+//! take typed options (the GPU engine's tuning also from a file: [`crate::engine::tuning`], which
+//! these variables override); the CLI (the edge) calls these once and passes the values down, and
 //! `kernels/` reads no environment at all. An embedding service may call them too, or not.
 //!
 //! | variable | effect |
@@ -32,6 +33,7 @@
 //! | `MOE_LANES_POSTFETCH_DECODE` | `1`: decode splits a layer's cold experts between the CPU lane and copies to the scratchpad by the same cost model; `0` (default): decode keeps every cold expert on the CPU |
 //! | `MOE_LANES_POSTFETCH_REGISTER` | `1` (default): copies read the model file's pages, registered with the device (read-only) once at engine start; `0`, or when the driver refuses: staged through pinned buffers |
 
+use crate::engine::tuning::GpuTuning;
 use crate::gpu::{GpuFaults, PostFetchOptions, PrefillActivations, PrefillAttention, POSTFETCH_MAX_STREAMS};
 use crate::moe::phase::{PolicySwitches, Switch};
 use crate::moe::worklist::WorklistOrder;
@@ -133,26 +135,6 @@ pub fn cpu_profile() -> bool {
     var("MOE_LANES_CPU_PROFILE").is_some_and(|v| v != "0")
 }
 
-/// `MOE_LANES_GPU_ATTENTION` (`mma`, `tiled` or `rows`; unset is `mma`).
-pub fn prefill_attention() -> Result<PrefillAttention, EnvError> {
-    match var("MOE_LANES_GPU_ATTENTION").as_deref() {
-        None | Some("mma") => Ok(PrefillAttention::Mma),
-        Some("tiled") => Ok(PrefillAttention::Tiled),
-        Some("rows") => Ok(PrefillAttention::PerRow),
-        Some(v) => Err(bad("MOE_LANES_GPU_ATTENTION", v, "mma, tiled or rows")),
-    }
-}
-
-/// `MOE_LANES_PREFILL_ACTIVATIONS` (`auto`, `split` or `bf16`; unset is `auto`).
-pub fn prefill_activations() -> Result<PrefillActivations, EnvError> {
-    match var("MOE_LANES_PREFILL_ACTIVATIONS").as_deref() {
-        None | Some("auto") => Ok(PrefillActivations::Auto),
-        Some("split") => Ok(PrefillActivations::Split),
-        Some("bf16") => Ok(PrefillActivations::Bf16),
-        Some(v) => Err(bad("MOE_LANES_PREFILL_ACTIVATIONS", v, "auto, split or bf16")),
-    }
-}
-
 /// `MOE_LANES_FAULT`.
 pub fn faults() -> Result<GpuFaults, EnvError> {
     match var("MOE_LANES_FAULT") {
@@ -172,33 +154,37 @@ pub fn vram_limit_bytes() -> Result<Option<u64>, EnvError> {
         .transpose()
 }
 
-/// `MOE_LANES_HOT_DEQUANT_MIB`: VRAM for bf16 chunks of quantized hot slots in grouped prefill
-/// (unset or 0: none, the grouped kernels decode quantized tiles themselves).
-pub fn hot_dequant_bytes() -> Result<Option<usize>, EnvError> {
-    var("MOE_LANES_HOT_DEQUANT_MIB")
-        .map(|v| {
-            v.parse::<usize>()
-                .map(|mib| mib << 20)
-                .map_err(|_| bad("MOE_LANES_HOT_DEQUANT_MIB", &v, "a size in MiB"))
-        })
-        .transpose()
-}
-
-/// `MOE_LANES_HOT_DEQUANT_OVERLAP=1`: dequantize quantized hot slots on the side stream beside
-/// the previous chunk's GEMMs (two half-size chunks).
-pub fn hot_dequant_overlap() -> bool {
-    var("MOE_LANES_HOT_DEQUANT_OVERLAP").is_some_and(|v| v != "0")
-}
-
-/// `MOE_LANES_GRAPH_LANE_EVENTS=1`: hot-lane events in the decode graphs' all-hot layers on
-/// every call; off by default.
-pub fn graph_lane_events() -> bool {
-    var("MOE_LANES_GRAPH_LANE_EVENTS").is_some_and(|v| v == "1")
-}
-
-/// `MOE_LANES_GPU_GRAPH=0`: no decode graph (every kernel launched one by one); on by default.
-pub fn decode_graph() -> bool {
-    var("MOE_LANES_GPU_GRAPH").is_none_or(|v| v != "0")
+/// The GPU engine's tuning from the environment, each variable an override of a tuning file's
+/// value (unset: `None`): `MOE_LANES_GPU_ATTENTION` (`mma`, `tiled`, `rows`),
+/// `MOE_LANES_PREFILL_ACTIVATIONS` (`auto`, `split`, `bf16`), `MOE_LANES_GPU_GRAPH` (`0` off),
+/// `MOE_LANES_GRAPH_LANE_EVENTS` (`1` on), `MOE_LANES_HOT_DEQUANT_MIB` (MiB),
+/// `MOE_LANES_HOT_DEQUANT_OVERLAP` (anything but `0` on).
+pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
+    let prefill_attention = match var("MOE_LANES_GPU_ATTENTION").as_deref() {
+        None => None,
+        Some("mma") => Some(PrefillAttention::Mma),
+        Some("tiled") => Some(PrefillAttention::Tiled),
+        Some("rows") => Some(PrefillAttention::PerRow),
+        Some(v) => return Err(bad("MOE_LANES_GPU_ATTENTION", v, "mma, tiled or rows")),
+    };
+    let prefill_activations = match var("MOE_LANES_PREFILL_ACTIVATIONS").as_deref() {
+        None => None,
+        Some("auto") => Some(PrefillActivations::Auto),
+        Some("split") => Some(PrefillActivations::Split),
+        Some("bf16") => Some(PrefillActivations::Bf16),
+        Some(v) => return Err(bad("MOE_LANES_PREFILL_ACTIVATIONS", v, "auto, split or bf16")),
+    };
+    let hot_dequant_mib = var("MOE_LANES_HOT_DEQUANT_MIB")
+        .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_HOT_DEQUANT_MIB", &v, "a size in MiB")))
+        .transpose()?;
+    Ok(GpuTuning {
+        prefill_attention,
+        prefill_activations,
+        decode_graph: var("MOE_LANES_GPU_GRAPH").map(|v| v != "0"),
+        graph_lane_events: var("MOE_LANES_GRAPH_LANE_EVENTS").map(|v| v == "1"),
+        hot_dequant_mib,
+        hot_dequant_overlap: var("MOE_LANES_HOT_DEQUANT_OVERLAP").map(|v| v != "0"),
+    })
 }
 
 /// The pipeline's A/B switches (`MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE`:

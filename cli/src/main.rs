@@ -237,6 +237,11 @@ struct EngineArgs {
     /// and two for an active GPU lane) or a number.
     #[arg(long, default_value = "auto")]
     cold_threads: String,
+    /// GPU engine tuning as JSON, e.g. {"gpu": {"prefill_attention": "tiled", "decode_graph":
+    /// false}} (fields: prefill_attention, prefill_activations, decode_graph, graph_lane_events,
+    /// hot_dequant_mib, hot_dequant_overlap); the MOE_LANES_* variables override it.
+    #[arg(long)]
+    engine_config: Option<PathBuf>,
     /// Write the perf JSON here after the run.
     #[arg(long)]
     perf_json: Option<PathBuf>,
@@ -672,14 +677,7 @@ fn base_options(n_positions: usize) -> Result<EngineOptions> {
     opts.cold_schedule = env::cold_schedule()?;
     opts.gpu.profile = env::gpu_profile();
     opts.gpu.faults = env::faults()?;
-    opts.gpu.hot_dequant_overlap = env::hot_dequant_overlap();
-    opts.gpu.decode_graph = env::decode_graph();
-    opts.gpu.graph_lane_events = env::graph_lane_events();
-    if let Some(b) = env::hot_dequant_bytes()? {
-        opts.gpu.hot_dequant_bytes = b;
-    }
-    opts.gpu.prefill_attention = env::prefill_attention()?;
-    opts.gpu.prefill_activations = env::prefill_activations()?;
+    env::gpu_tuning()?.apply(&mut opts.gpu);
     opts.gpu.postfetch = env::postfetch()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
     opts.pipeline.switches = env::policy_switches()?;
@@ -696,6 +694,11 @@ fn engine_options(
 ) -> Result<EngineOptions> {
     check_engine_outputs(model, args)?;
     let mut opts = base_options(n_positions)?;
+    if let Some(path) = &args.engine_config {
+        // The file's settings, then the environment's over them (as base_options set it).
+        let file = moe_lanes::engine::tuning::EngineTuning::read(path)?;
+        file.gpu.overridden_by(env::gpu_tuning()?).apply(&mut opts.gpu);
+    }
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
     let fingerprint = ModelFingerprint::of(model);
     opts.learn = args.learn.as_deref().map(|p| read_learn_or_trace(p, &fingerprint)).transpose()?;

@@ -252,3 +252,49 @@ fn tokens_file_gives_the_same_answer_as_tokens_and_names_a_bad_entry() {
     let err = failure(&a.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(err.contains("prompt.txt: token 2 is 'x7'"), "{err}");
 }
+
+/// `--engine-config FILE`: the GPU tuning as JSON; a file that cannot be read or names an unknown
+/// field or value stops the command with an error naming the file and what is wrong; a good one
+/// runs (the pipeline engine ignores GPU tuning).
+#[test]
+fn engine_config_files_are_checked_and_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    let run = |cfg: &Path| -> Vec<String> {
+        let base = [
+            "generate",
+            "--model",
+            &model,
+            "--tokens",
+            "1,2",
+            "--max-new-tokens",
+            "2",
+            "--engine",
+            "pipeline",
+        ];
+        let mut args: Vec<String> = base.iter().map(|s| s.to_string()).collect();
+        args.extend(["--engine-config".to_string(), p(cfg).to_string()]);
+        args
+    };
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let bad_field = write("field.json", r#"{"gpu": {"decode_graphs": false}}"#);
+    let args = run(&bad_field);
+    let err = failure(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(err.contains("field.json") && err.contains("decode_graphs"), "{err}");
+    let bad_value = write("value.json", r#"{"gpu": {"prefill_attention": "fast"}}"#);
+    let args = run(&bad_value);
+    let err = failure(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(err.contains("value.json") && err.contains("fast"), "{err}");
+    let missing = dir.path().join("missing.json");
+    let args = run(&missing);
+    let err = failure(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(err.contains("missing.json"), "{err}");
+    let good = write("good.json", r#"{"gpu": {"prefill_attention": "tiled", "decode_graph": false}}"#);
+    let args = run(&good);
+    let out = ok_stdout(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(out.contains("\"tokens\""), "{out}");
+}

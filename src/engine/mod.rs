@@ -10,6 +10,7 @@ pub mod generation;
 mod gpu;
 pub mod live;
 mod traced;
+pub mod tuning;
 
 use crate::actors::Exchange;
 use crate::cache::hot_set::{HotSet, HotSetError};

@@ -139,7 +139,8 @@ impl std::str::FromStr for GpuFaults {
 
 /// How prefill attention runs (an A/B switch: `MOE_LANES_GPU_ATTENTION` at the CLI). Decode
 /// always splits positions over blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PrefillAttention {
     /// [`PrefillAttention::Tiled`]'s blocks with both products on the tensor cores (bf16 hi + lo
     /// operands, about f32 accuracy; heads of a multiple of 16 up to 128 dims on sm_80 and later,
@@ -150,13 +151,15 @@ pub enum PrefillAttention {
     /// shared-memory tiles, f32 on the CUDA cores (heads up to 128 dims; wider heads run per row).
     Tiled,
     /// One block per (token, head), reading the cache once per row.
+    #[serde(rename = "rows")]
     PerRow,
 }
 
 /// The activations prefill GEMMs feed the tensor cores (`MOE_LANES_PREFILL_ACTIVATIONS` at the
 /// CLI). The reference computes in f32; bf16 keeps 8 mantissa bits of each activation, split
 /// hi + lo about 16 (two GEMMs, or two MMAs per step in the grouped hot lane).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PrefillActivations {
     /// Split hi + lo for every weight type.
     Split,
