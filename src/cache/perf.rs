@@ -852,11 +852,11 @@ impl PerfState {
         self.metrics.bytes_copied.increment(bytes_copied);
     }
 
-    /// One exchange the updater refused (its queue was full): counted in every mode, in the perf
+    /// `n` exchanges the updater refused (its queue was full): counted in every mode, in the perf
     /// JSON's `cache_updates.exchanges_refused` and the metric.
-    pub fn record_refused_exchange(&mut self) {
-        self.report.cache_updates.exchanges_refused += 1;
-        self.metrics.exchanges_refused.increment(1);
+    pub fn record_refused_exchanges(&mut self, n: u64) {
+        self.report.cache_updates.exchanges_refused += n;
+        self.metrics.exchanges_refused.increment(n);
     }
 
     /// Timings of `layer_idx` in the most recent call (`full` mode; zero otherwise).
@@ -1036,7 +1036,7 @@ mod tests {
         st.record_layer_call(1, &t, false);
         st.record_fallback(0, FallbackReason::Shape);
         st.record_exchange(4096);
-        st.record_refused_exchange();
+        st.record_refused_exchanges(1);
         let snap = take();
         assert_eq!(snap["moe_lanes_layer_hot_slots_total{layer=1}"], DebugValue::Counter(2));
         assert_eq!(snap["moe_lanes_layer_cold_slots_total{layer=1}"], DebugValue::Counter(2));

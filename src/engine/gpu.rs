@@ -179,7 +179,7 @@ impl Engine for GpuEngine {
                 // so it has room; a refusal is counted like any other).
                 for &x in &pending[i + 1..] {
                     if self.updater.request(x).is_err() {
-                        self.gpu.perf_mut().record_refused_exchange();
+                        self.gpu.perf_mut().record_refused_exchanges(1);
                     }
                 }
                 return Err(e.into());

@@ -201,7 +201,7 @@ impl LiveCache {
         if let Some((n_refused, e)) = refused {
             // What was queued is applied; the rest is counted and the refusal reported.
             if let Some(p) = engine.perf_mut() {
-                (0..n_refused).for_each(|_| p.record_refused_exchange());
+                p.record_refused_exchanges(n_refused as u64);
             }
             return Err(e);
         }

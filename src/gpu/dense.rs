@@ -6,7 +6,7 @@ use super::kv::GpuKvCache;
 use super::model::{GpuModel, PrefillAttention};
 use super::scratch::Q8Buf;
 use super::GpuError;
-use crate::model::arch::{QkNorm, RopeStyle, RoutingVariant};
+use crate::model::arch::{AttentionSpec, QkNorm, RopeStyle, RoutingVariant};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
 use moe_lanes_kernels::cuda::ops::{DevicePos, HotWorklist, KvAppend, KvPtr, NormRows, RouteVariant};
@@ -183,8 +183,7 @@ impl GpuModel {
     /// Whether q/k norm and RoPE run as the one fused launch (no clamp between them and a norm
     /// the fused kernel does); the decode graph needs it (its KV append lives there).
     pub(crate) fn qk_fused(&self, l: usize) -> bool {
-        let a = self.plan.layer(l).attention();
-        a.clip_qkv.is_none() && matches!(a.qk_norm, QkNorm::None | QkNorm::PerHead)
+        qk_fusable(self.plan.layer(l).attention())
     }
 
     /// Per-head q/k norm (or none) and RoPE, fused into one launch when no clamp sits between
@@ -398,4 +397,10 @@ impl GpuModel {
 /// tokens (so the perf state copies exactly the call's ids, every layer at once).
 pub(crate) fn route_ids<T>(all: DPtr<T>, k: usize, l: usize, t: usize) -> DPtr<T> {
     all.sub(l * t * k, t * k)
+}
+
+/// Whether an attention layer of this kind takes the one fused q/k norm + RoPE launch: no clamp
+/// between them and a norm the fused kernel does.
+pub(crate) fn qk_fusable(a: &AttentionSpec) -> bool {
+    a.clip_qkv.is_none() && matches!(a.qk_norm, QkNorm::None | QkNorm::PerHead)
 }

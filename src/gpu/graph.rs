@@ -90,7 +90,7 @@ impl GpuModel {
             && phase == Phase::Decode
             && tokens.len() == 1
             && self.opts.faults == GpuFaults::default()
-            && (0..self.cfg.n_layers).all(|l| self.qk_fused(l))
+            && self.qk_fused_all
     }
 
     /// Before a decode step's graphs: pending exchanges ordered (outside the graphs: it may

@@ -273,6 +273,9 @@ pub struct GpuModel {
     pub(crate) cfg: ModelConfig,
     /// Every layer's kind (the engine walks it; each stage reads its layer's spec).
     pub(crate) plan: LayerPlan,
+    /// Every layer's q/k norm + RoPE is the fused launch (`qk_fused`), which the decode graphs
+    /// need; fixed by the plan, so decided once here.
+    pub(crate) qk_fused_all: bool,
     pub(crate) opts: GpuOptions,
     pub(crate) w: DenseWeights,
     pub(crate) hot: HotCache,
@@ -334,6 +337,7 @@ impl GpuModel {
             .collect::<Result<Vec<_>, GpuError>>()?;
         let mut gm = GpuModel {
             plan: model.plan().clone(),
+            qk_fused_all: model.plan().layers().iter().all(|s| super::dense::qk_fusable(s.attention())),
             perf: PerfState::new(opts.perf_mode, cfg.n_layers, cfg.n_experts, cfg.n_experts_used),
             fallback_cold: CpuColdExperts::new(model.clone()),
             host: HostScratch::new(&cfg, 8),

@@ -270,6 +270,8 @@ impl ModelConfig {
 
     /// A `config.json` that `transformers` loads for this architecture.
     pub fn to_hf_json(&self, adapter: &Adapter) -> Value {
+        // The config has one flag for these, so every layer of the architecture shares them.
+        let first_layer = (adapter.layer)(self, 0);
         let mut v = json!({
             "model_type": adapter.hf_model_type,
             "architectures": [adapter.hf_class],
@@ -285,8 +287,8 @@ impl ModelConfig {
             "norm_topk_prob": self.norm_topk_prob,
             "tie_word_embeddings": self.tied_embeddings,
             "max_position_embeddings": self.max_positions,
-            "hidden_act": "silu",
-            "attention_bias": arch::LayerPlan::new(adapter, self).layers().iter().any(|l| l.attention().qkv_bias),
+            "hidden_act": first_layer.moe().activation.hf_name(),
+            "attention_bias": first_layer.attention().qkv_bias,
             "torch_dtype": "bfloat16",
             "bos_token_id": self.vocab - 1,
             "eos_token_id": self.vocab - 1,
