@@ -9,7 +9,8 @@
 
 use crate::format::tensor::{TensorError, TensorRef};
 use crate::model::arch::{
-    AttentionSpec, Ffn, FfnActivation, Mixer, MoeSpec, QkNorm, RopeStyle, RoutingVariant,
+    AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, FfnActivation, Mixer, MoeSpec, QkNorm, RopeStyle,
+    RoutingVariant,
 };
 use crate::model::config::ModelConfig;
 use crate::model::naming::{GlobalRole, LayerRole};
@@ -102,11 +103,19 @@ impl ExpertCounts {
     }
 }
 
-/// The KV cache: per layer, keys and values of every position so far (`kv_dim` floats each).
+/// A session's state: per layer, what its mixer carries from one position to the next.
 pub struct KvCache {
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    layers: Vec<LayerState>,
     n_positions: usize,
+}
+
+/// One layer's part of a session.
+enum LayerState {
+    /// Keys and values of every position so far (`kv_dim` floats each).
+    Attention { keys: Vec<f32>, values: Vec<f32> },
+    /// A Gated DeltaNet layer's fixed-size state: the conv's last `kernel - 1` inputs (oldest
+    /// first, `conv_dim` each) and the `[v_heads, k_head_dim, v_head_dim]` matrix state.
+    DeltaNet { conv: Vec<f32>, matrix: Vec<f32> },
 }
 
 impl KvCache {
@@ -121,6 +130,18 @@ struct LayerWeights {
     mixer: Mixer,
     ffn: Ffn,
     attn_norm: Vec<f32>,
+    mixer_weights: MixerWeights,
+    ffn_norm: Vec<f32>,
+    router: Vec<f32>,
+    shared: Option<SharedExpert>,
+}
+
+enum MixerWeights {
+    Attention(AttentionWeights),
+    DeltaNet(DeltaNetWeights),
+}
+
+struct AttentionWeights {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -130,9 +151,18 @@ struct LayerWeights {
     v_bias: Option<Vec<f32>>,
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
-    ffn_norm: Vec<f32>,
-    router: Vec<f32>,
-    shared: Option<SharedExpert>,
+}
+
+/// A DeltaNet layer's weights; the input projections as stored (see [`DeltaNetProjections`]).
+struct DeltaNetWeights {
+    /// Grouped: `qkvz` and `ba`; split: `qkv`, `z`, `b`, `a`.
+    inputs: Vec<Vec<f32>>,
+    /// `[conv_dim, kernel]`
+    conv: Vec<f32>,
+    dt_bias: Vec<f32>,
+    a_log: Vec<f32>,
+    norm: Vec<f32>,
+    out: Vec<f32>,
 }
 
 struct SharedExpert {
@@ -162,18 +192,25 @@ impl<'m> Reference<'m> {
     pub fn new(model: &'m Model) -> Result<Reference<'m>, ForwardError> {
         let config = model.config().clone();
         let embedding = decode(model.global(GlobalRole::TokenEmbedding).expect("validated"))?;
-        let final_norm = decode(model.global(GlobalRole::OutputNorm).expect("validated"))?;
+        let final_norm = model.output_norm_weight()?;
         let lm_head = model.global(GlobalRole::Output).map(decode).transpose()?;
         let layers = (0..config.n_layers).map(|l| load_layer(model, l)).collect::<Result<Vec<_>, _>>()?;
         Ok(Reference { model, config, embedding, final_norm, lm_head, layers })
     }
 
     pub fn new_cache(&self) -> KvCache {
-        KvCache {
-            keys: vec![Vec::new(); self.config.n_layers],
-            values: vec![Vec::new(); self.config.n_layers],
-            n_positions: 0,
-        }
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Attention(_) => LayerState::Attention { keys: Vec::new(), values: Vec::new() },
+                Mixer::GatedDeltaNet(d) => LayerState::DeltaNet {
+                    conv: vec![0.0; d.conv_state_len()],
+                    matrix: vec![0.0; d.matrix_state_len()],
+                },
+            })
+            .collect();
+        KvCache { layers, n_positions: 0 }
     }
 
     /// Run `tokens` through the model after whatever `cache` holds; returns one logits row per token.
@@ -255,8 +292,15 @@ impl<'m> Reference<'m> {
         let mut hidden = self.embedding[row..row + c.hidden].to_vec();
         for (layer_idx, layer) in self.layers.iter().enumerate() {
             let normed = rms_norm(&hidden, &layer.attn_norm, c.rms_eps);
-            let mixed = match &layer.mixer {
-                Mixer::Attention(spec) => self.attention(spec, layer, layer_idx, cache, &normed, position),
+            let state = &mut cache.layers[layer_idx];
+            let mixed = match (&layer.mixer, &layer.mixer_weights, state) {
+                (Mixer::Attention(spec), MixerWeights::Attention(w), LayerState::Attention { keys, values }) => {
+                    self.attention(spec, w, keys, values, &normed, position)
+                }
+                (Mixer::GatedDeltaNet(spec), MixerWeights::DeltaNet(w), LayerState::DeltaNet { conv, matrix }) => {
+                    delta_net(spec, w, conv, matrix, &normed, c.rms_eps)
+                }
+                _ => unreachable!("weights and state are built from the same plan"),
             };
             add_into(&mut hidden, &mixed);
             let normed = rms_norm(&hidden, &layer.ffn_norm, c.rms_eps);
@@ -278,15 +322,16 @@ impl<'m> Reference<'m> {
     fn attention(
         &self,
         spec: &AttentionSpec,
-        w: &LayerWeights,
-        layer_idx: usize,
-        cache: &mut KvCache,
+        w: &AttentionWeights,
+        keys: &mut Vec<f32>,
+        values: &mut Vec<f32>,
         x: &[f32],
         position: usize,
     ) -> Vec<f32> {
         let c = &self.config;
-        let (hd, n_heads, n_kv) = (c.head_dim, c.n_heads, c.n_kv_heads);
-        let mut q = matvec(&w.q, x, c.q_dim());
+        let (hd, n_heads, n_kv) = (spec.head_dim, c.n_heads, c.n_kv_heads);
+        let q_rows = if spec.output_gate { 2 * c.q_dim() } else { c.q_dim() };
+        let mut q = matvec(&w.q, x, q_rows);
         let mut k = matvec(&w.k, x, c.kv_dim());
         let mut v = matvec(&w.v, x, c.kv_dim());
         for (proj, bias) in [(&mut q, &w.q_bias), (&mut k, &w.k_bias), (&mut v, &w.v_bias)] {
@@ -294,6 +339,13 @@ impl<'m> Reference<'m> {
                 add_into(proj, b);
             }
         }
+        // A gated q projection holds `[query | gate]` for each head.
+        let gate: Option<Vec<f32>> = spec.output_gate.then(|| {
+            let (query, gate): (Vec<&[f32]>, Vec<&[f32]>) = q.chunks(2 * hd).map(|h| h.split_at(hd)).unzip();
+            let gate = gate.concat();
+            q = query.concat();
+            gate
+        });
         match spec.qk_norm {
             QkNorm::None => {}
             QkNorm::WholeProjection => {
@@ -317,12 +369,10 @@ impl<'m> Reference<'m> {
             }
         }
         for head in q.chunks_mut(hd).chain(k.chunks_mut(hd)) {
-            apply_rope(head, position, spec.rope.theta, spec.rope.style);
+            apply_rope(&mut head[..spec.rope.dims], position, spec.rope.theta, spec.rope.style);
         }
-        cache.keys[layer_idx].extend_from_slice(&k);
-        cache.values[layer_idx].extend_from_slice(&v);
-        let keys = &cache.keys[layer_idx];
-        let values = &cache.values[layer_idx];
+        keys.extend_from_slice(&k);
+        values.extend_from_slice(&v);
         let first_visible = match spec.window {
             Some(window) => (position + 1).saturating_sub(window),
             None => 0,
@@ -343,6 +393,11 @@ impl<'m> Reference<'m> {
                 for (o, val) in oh.iter_mut().zip(vh) {
                     *o += prob * val;
                 }
+            }
+        }
+        if let Some(gate) = gate {
+            for (o, g) in out.iter_mut().zip(&gate) {
+                *o *= sigmoid(*g);
             }
         }
         matvec(&w.o, &out, c.hidden)
@@ -383,8 +438,8 @@ impl<'m> Reference<'m> {
 }
 
 fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorError> {
-    let get = |role| model.layer(layer_idx, role).map(decode).transpose();
     let req = |role| decode(model.required(layer_idx, role));
+    let norm = |role| model.norm_weight(layer_idx, role);
     let spec = *model.layer_spec(layer_idx);
     let shared = match spec.ffn {
         Ffn::Moe(MoeSpec { shared: Some(s), .. }) => Some(SharedExpert {
@@ -396,23 +451,170 @@ fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorErr
         }),
         Ffn::Moe(_) => None,
     };
+    let mixer_weights = match &spec.mixer {
+        Mixer::Attention(_) => {
+            let get = |role| model.layer(layer_idx, role).map(decode).transpose();
+            MixerWeights::Attention(AttentionWeights {
+                q: req(LayerRole::Q)?,
+                k: req(LayerRole::K)?,
+                v: req(LayerRole::V)?,
+                o: req(LayerRole::O)?,
+                q_bias: get(LayerRole::QBias)?,
+                k_bias: get(LayerRole::KBias)?,
+                v_bias: get(LayerRole::VBias)?,
+                q_norm: norm(LayerRole::QNorm)?,
+                k_norm: norm(LayerRole::KNorm)?,
+            })
+        }
+        Mixer::GatedDeltaNet(d) => {
+            use LayerRole::*;
+            let inputs: &[LayerRole] = match d.projections {
+                DeltaNetProjections::Grouped => &[DeltaQkvz, DeltaBa],
+                DeltaNetProjections::Split => &[DeltaQkv, DeltaZ, DeltaB, DeltaA],
+            };
+            MixerWeights::DeltaNet(DeltaNetWeights {
+                inputs: inputs.iter().map(|&r| req(r)).collect::<Result<_, _>>()?,
+                conv: req(DeltaConv)?,
+                dt_bias: req(DeltaDtBias)?,
+                a_log: req(DeltaALog)?,
+                norm: req(DeltaNorm)?,
+                out: req(DeltaOut)?,
+            })
+        }
+    };
     Ok(LayerWeights {
         mixer: spec.mixer,
         ffn: spec.ffn,
-        attn_norm: req(LayerRole::AttnNorm)?,
-        q: req(LayerRole::Q)?,
-        k: req(LayerRole::K)?,
-        v: req(LayerRole::V)?,
-        o: req(LayerRole::O)?,
-        q_bias: get(LayerRole::QBias)?,
-        k_bias: get(LayerRole::KBias)?,
-        v_bias: get(LayerRole::VBias)?,
-        q_norm: get(LayerRole::QNorm)?,
-        k_norm: get(LayerRole::KNorm)?,
-        ffn_norm: req(LayerRole::FfnNorm)?,
+        attn_norm: norm(LayerRole::AttnNorm)?.expect("validated"),
+        mixer_weights,
+        ffn_norm: norm(LayerRole::FfnNorm)?.expect("validated"),
         router: req(LayerRole::Router)?,
         shared,
     })
+}
+
+/// One token through a Gated DeltaNet layer, the recurrent form: the conv over the last
+/// `kernel` inputs, then per value head `S <- S * exp(g); S += k (x) beta (v - S^T k); o = S^T q`.
+fn delta_net(
+    d: &DeltaNetSpec,
+    w: &DeltaNetWeights,
+    conv_state: &mut [f32],
+    matrix: &mut [f32],
+    x: &[f32],
+    eps: f32,
+) -> Vec<f32> {
+    let (qkv, z, b, a) = delta_net_inputs(d, w, x);
+    let mixed = causal_conv_step(&qkv, conv_state, &w.conv, d.conv_kernel);
+    let (kd, dk, dv) = (d.key_dim(), d.k_head_dim, d.v_head_dim);
+    let (q, rest) = mixed.split_at(kd);
+    let (k, v) = rest.split_at(kd);
+    let per_key_head = d.n_v_heads / d.n_k_heads;
+    let mut out = vec![0.0; d.value_dim()];
+    for j in 0..d.n_v_heads {
+        let kh = j / per_key_head;
+        let mut qh = l2_normalized(&q[kh * dk..][..dk]);
+        qh.iter_mut().for_each(|x| *x /= (dk as f32).sqrt());
+        let kh = l2_normalized(&k[kh * dk..][..dk]);
+        let vh = &v[j * dv..][..dv];
+        let beta = sigmoid(b[j]);
+        let g = -(w.a_log[j] as f64).exp() * softplus(a[j] as f64 + w.dt_bias[j] as f64);
+        let s = &mut matrix[j * dk * dv..][..dk * dv];
+        let decay = g.exp() as f32;
+        s.iter_mut().for_each(|x| *x *= decay);
+        // kv_mem = S^T k, then delta = beta (v - kv_mem)
+        let mut delta: Vec<f32> = vh.to_vec();
+        for (i, row) in s.chunks(dv).enumerate() {
+            for (dl, r) in delta.iter_mut().zip(row) {
+                *dl -= kh[i] * r;
+            }
+        }
+        delta.iter_mut().for_each(|x| *x *= beta);
+        for (i, row) in s.chunks_mut(dv).enumerate() {
+            for (r, dl) in row.iter_mut().zip(&delta) {
+                *r += kh[i] * dl;
+            }
+        }
+        let oh = &mut out[j * dv..][..dv];
+        for (i, row) in s.chunks(dv).enumerate() {
+            for (o, r) in oh.iter_mut().zip(row) {
+                *o += qh[i] * r;
+            }
+        }
+        let normed = rms_norm(oh, &w.norm, eps);
+        for ((o, n), zv) in oh.iter_mut().zip(normed).zip(&z[j * dv..][..dv]) {
+            *o = n * activate(FfnActivation::Silu, *zv);
+        }
+    }
+    matvec(&w.out, &out, x.len())
+}
+
+/// The layer's input projections as `(qkv, z, b, a)`: q of every key head, then k, then v of
+/// every value head; a grouped projection (per key head: `q, k, v.., z..` and `b.., a..`) is
+/// regrouped into that order.
+fn delta_net_inputs(d: &DeltaNetSpec, w: &DeltaNetWeights, x: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (kd, vd, nv) = (d.key_dim(), d.value_dim(), d.n_v_heads);
+    match d.projections {
+        DeltaNetProjections::Split => (
+            matvec(&w.inputs[0], x, d.conv_dim()),
+            matvec(&w.inputs[1], x, vd),
+            matvec(&w.inputs[2], x, nv),
+            matvec(&w.inputs[3], x, nv),
+        ),
+        DeltaNetProjections::Grouped => {
+            let qkvz = matvec(&w.inputs[0], x, d.conv_dim() + vd);
+            let ba = matvec(&w.inputs[1], x, 2 * nv);
+            let (dk, r) = (d.k_head_dim, nv / d.n_k_heads);
+            let vw = r * d.v_head_dim;
+            let (mut q, mut k, mut v, mut z) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for group in qkvz.chunks(2 * dk + 2 * vw) {
+                q.extend_from_slice(&group[..dk]);
+                k.extend_from_slice(&group[dk..2 * dk]);
+                v.extend_from_slice(&group[2 * dk..2 * dk + vw]);
+                z.extend_from_slice(&group[2 * dk + vw..]);
+            }
+            let (mut b, mut a) = (Vec::new(), Vec::new());
+            for group in ba.chunks(2 * r) {
+                b.extend_from_slice(&group[..r]);
+                a.extend_from_slice(&group[r..]);
+            }
+            debug_assert_eq!(q.len() + k.len(), 2 * kd);
+            q.extend(k);
+            q.extend(v);
+            (q, z, b, a)
+        }
+    }
+}
+
+/// The depthwise causal conv for one new input, then SiLU: channel `c` is
+/// `sum_j weight[c][j] * input[t - (kernel - 1) + j]`; `state` holds the `kernel - 1` inputs
+/// before this one, oldest first, and moves on by one.
+fn causal_conv_step(input: &[f32], state: &mut [f32], weight: &[f32], kernel: usize) -> Vec<f32> {
+    let channels = input.len();
+    let out = (0..channels)
+        .map(|ch| {
+            let w = &weight[ch * kernel..][..kernel];
+            let past: f32 = (0..kernel - 1).map(|j| w[j] * state[j * channels + ch]).sum();
+            activate(FfnActivation::Silu, past + w[kernel - 1] * input[ch])
+        })
+        .collect();
+    state.copy_within(channels.., 0);
+    let last = state.len() - channels;
+    state[last..].copy_from_slice(input);
+    out
+}
+
+fn l2_normalized(x: &[f32]) -> Vec<f32> {
+    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+    x.iter().map(|v| v * inv).collect()
+}
+
+/// `ln(1 + e^x)`, linear above 20 as torch's.
+fn softplus(x: f64) -> f64 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
 }
 
 /// The router: expert ids and weights for one token. Ties go to the lower expert id.

@@ -338,6 +338,9 @@ pub fn synth_config(
             max_positions: 4096,
             sliding_window: None,
             clip_qkv: None,
+            rotary_dims: 0,
+            hybrid: None,
+            zero_centred_norms: false,
         },
         Preset::Qwen3_30bA3b => ModelConfig {
             arch: adapter.arch,
@@ -359,6 +362,9 @@ pub fn synth_config(
             max_positions: 40_960,
             sliding_window: None,
             clip_qkv: None,
+            rotary_dims: 0,
+            hybrid: None,
+            zero_centred_norms: false,
         },
     };
     let set = |slot: &mut usize, v: Option<usize>| {
@@ -382,6 +388,10 @@ pub fn synth_config(
     }
     if let Some(tied) = dims.tied_embeddings {
         c.tied_embeddings = tied;
+    }
+    c.rotary_dims = ((c.head_dim as f64 * adapter.default_partial_rotary) as usize).max(2) & !1;
+    if adapter.delta_net.is_some() {
+        return Err(invalid("arch", format!("synth does not write {} models yet", adapter.hf_model_type)));
     }
     c.validate().map_err(|(field, reason)| invalid(field, reason))?;
     check_dim_limits(&c)?;
@@ -911,6 +921,20 @@ fn layer_init(c: &ModelConfig, role: LayerRole) -> Init {
         LayerRole::SharedGate | LayerRole::SharedUp => Init::Uniform(inv_sqrt(c.hidden)),
         LayerRole::SharedDown => Init::ResidualWriter(0.5 * inv_sqrt(c.shared_expert_ff)),
         LayerRole::SharedExpertGate => Init::Uniform(inv_sqrt(c.hidden)),
+        LayerRole::DeltaQkvz
+        | LayerRole::DeltaBa
+        | LayerRole::DeltaQkv
+        | LayerRole::DeltaZ
+        | LayerRole::DeltaB
+        | LayerRole::DeltaA => Init::Uniform(inv_sqrt(c.hidden)),
+        LayerRole::DeltaConv => Init::Uniform(0.5),
+        // dt_bias and A_log around zero: decays exp(-exp(A_log) * softplus(a + dt_bias)) near 1/2.
+        LayerRole::DeltaDtBias | LayerRole::DeltaALog => Init::Uniform(0.5),
+        LayerRole::DeltaNorm => Init::NormWeight,
+        LayerRole::DeltaOut => {
+            let value_dim = c.hybrid.as_ref().map_or(c.hidden, |h| h.n_v_heads * h.v_head_dim);
+            Init::ResidualWriter(0.5 * inv_sqrt(value_dim))
+        }
     }
 }
 

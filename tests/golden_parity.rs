@@ -14,6 +14,11 @@ struct Golden {
     prompt: Vec<u32>,
     logits: Vec<Vec<f32>>,
     greedy_new_tokens: Vec<u32>,
+    /// Hybrid fixtures (make_hybrid.py): a second chunk run on the prompt's cache.
+    #[serde(default)]
+    second_chunk: Vec<u32>,
+    #[serde(default)]
+    second_chunk_logits: Vec<Vec<f32>>,
 }
 
 fn golden(dir: &std::path::Path) -> Golden {
@@ -46,6 +51,29 @@ fn greedy_continuations_are_identical_on_every_fixture() {
         let tokens = Reference::new(&model).unwrap().generate(&g.prompt, g.greedy_new_tokens.len()).unwrap();
         assert_eq!(tokens, g.greedy_new_tokens, "{}", dir.display());
     }
+}
+
+/// A second prompt chunk on the same session: transformers runs it as a chunked delta rule
+/// starting from the carried recurrent and conv state (and the KV of the attention layers).
+#[test]
+fn a_second_chunk_continues_the_session_as_transformers_does() {
+    let mut hybrids = 0;
+    for dir in fixture_dirs() {
+        let g = golden(&dir);
+        if g.second_chunk.is_empty() {
+            continue;
+        }
+        hybrids += 1;
+        let model = Model::open(&dir).unwrap();
+        let reference = Reference::new(&model).unwrap();
+        let mut cache = reference.new_cache();
+        reference.forward(&mut cache, &g.prompt, &mut NoObserver).unwrap();
+        let logits = reference.forward(&mut cache, &g.second_chunk, &mut NoObserver).unwrap();
+        let err = max_rel_err(&logits, &g.second_chunk_logits);
+        println!("{}: second chunk max relative error {err:.2e}", dir.display());
+        assert!(err < LOGITS_TOLERANCE, "{}: {err}", dir.display());
+    }
+    assert!(hybrids >= 2, "the qwen3_next and qwen3_5_moe fixtures carry a second chunk");
 }
 
 #[test]

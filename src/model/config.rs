@@ -35,6 +35,38 @@ pub struct ModelConfig {
     pub sliding_window: Option<usize>,
     /// Clamp q/k/v projections to `[-clip, clip]` (OLMoE option).
     pub clip_qkv: Option<f32>,
+    /// Leading values of each attention head that RoPE rotates (`head_dim`, or
+    /// `partial_rotary_factor * head_dim`).
+    pub rotary_dims: usize,
+    /// Gated DeltaNet layers beside the attention layers (Qwen3-Next, Qwen3.5).
+    pub hybrid: Option<HybridConfig>,
+    /// RMSNorm weights are stored zero-centred (the scale is `1 + w`; transformers' Qwen3-Next
+    /// and Qwen3.5 checkpoints), except the DeltaNet's gated norm.
+    pub zero_centred_norms: bool,
+}
+
+/// The linear-attention side of a hybrid model.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HybridConfig {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+    pub conv_kernel: usize,
+    /// The layers with full attention; every other layer is Gated DeltaNet.
+    pub full_attention_layers: Vec<usize>,
+}
+
+impl HybridConfig {
+    pub fn is_full_attention(&self, layer_idx: usize) -> bool {
+        self.full_attention_layers.contains(&layer_idx)
+    }
+
+    /// Every `interval`-th layer full attention (`(l + 1) % interval == 0`), as transformers and
+    /// llama.cpp derive it from `full_attention_interval`.
+    pub fn every_nth_full(interval: usize, n_layers: usize) -> Vec<usize> {
+        (0..n_layers).filter(|l| (l + 1) % interval.max(1) == 0).collect()
+    }
 }
 
 /// A config that cannot be used, naming the file and the field.
@@ -142,6 +174,70 @@ impl<'a> HfFields<'a> {
         Ok(default)
     }
 
+    /// `partial_rotary_factor` (in `rope_parameters` or at the top level) times `head_dim`.
+    fn rotary_dims(&self, head_dim: usize, default_factor: f64) -> Result<usize, ConfigError> {
+        let nested = self.raw("rope_parameters").map(|value| HfFields { path: self.path, value });
+        let factor = match nested.as_ref().map(|n| n.opt_f64("partial_rotary_factor")).transpose()?.flatten() {
+            Some(f) => f,
+            None => self.opt_f64("partial_rotary_factor")?.unwrap_or(default_factor),
+        };
+        let dims = (head_dim as f64 * factor) as usize;
+        if !(factor > 0.0 && factor <= 1.0) || dims == 0 || !dims.is_multiple_of(2) {
+            return Err(self.invalid(
+                "partial_rotary_factor",
+                format!("{factor} of head_dim {head_dim} must give an even, positive number of rotated dims"),
+            ));
+        }
+        Ok(dims)
+    }
+
+    /// The DeltaNet sizes and which layers are full attention (`layer_types`, else
+    /// `full_attention_interval`, default 4).
+    fn hybrid(&self, n_layers: usize) -> Result<HybridConfig, ConfigError> {
+        let full_attention_layers = match self.raw("layer_types") {
+            Some(types) => self.full_layers_from_types(types, n_layers)?,
+            None => {
+                let interval = self.opt_usize("full_attention_interval")?.unwrap_or(4);
+                if interval == 0 {
+                    return Err(self.invalid("full_attention_interval", "must be greater than zero"));
+                }
+                HybridConfig::every_nth_full(interval, n_layers)
+            }
+        };
+        Ok(HybridConfig {
+            n_k_heads: self.usize("linear_num_key_heads")?,
+            n_v_heads: self.usize("linear_num_value_heads")?,
+            k_head_dim: self.usize("linear_key_head_dim")?,
+            v_head_dim: self.usize("linear_value_head_dim")?,
+            conv_kernel: self.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
+            full_attention_layers,
+        })
+    }
+
+    fn full_layers_from_types(&self, types: &Value, n_layers: usize) -> Result<Vec<usize>, ConfigError> {
+        let list = types.as_array().ok_or_else(|| self.wrong("layer_types", "a list of strings", types))?;
+        if list.len() != n_layers {
+            return Err(self.invalid(
+                "layer_types",
+                format!("{} entries for {n_layers} layers", list.len()),
+            ));
+        }
+        let mut full = Vec::new();
+        for (l, t) in list.iter().enumerate() {
+            match t.as_str() {
+                Some("full_attention") => full.push(l),
+                Some("linear_attention") => {}
+                _ => {
+                    return Err(self.invalid(
+                        "layer_types",
+                        format!("entry {l} is {t}: expected \"full_attention\" or \"linear_attention\""),
+                    ))
+                }
+            }
+        }
+        Ok(full)
+    }
+
     fn refuse_rope_scaling(&self) -> Result<(), ConfigError> {
         let Some(scaling) = self.raw("rope_scaling") else { return Ok(()) };
         let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str);
@@ -171,6 +267,18 @@ impl ModelConfig {
             .ok_or_else(|| ConfigError::MissingField { path: path.into(), field: "model_type".into() })?;
         let adapter = arch::for_hf_model_type(model_type)
             .map_err(|source| ConfigError::Arch { path: path.into(), source })?;
+        // A multimodal checkpoint nests the language model's config (Qwen3.5's `text_config`).
+        let nested = adapter.hf_text_model_type.is_some() && model_type == adapter.hf_model_type;
+        let text;
+        let f = if nested {
+            text = f.raw("text_config").ok_or_else(|| ConfigError::MissingField {
+                path: path.into(),
+                field: "text_config".into(),
+            })?;
+            HfFields { path, value: text }
+        } else {
+            f
+        };
         if let Some(act) = f.opt_str("hidden_act")? {
             if act != "silu" {
                 return Err(f.invalid(
@@ -194,9 +302,12 @@ impl ModelConfig {
             Some(false) => None,
             _ => f.opt_usize("sliding_window")?,
         };
+        let rotary_dims = f.rotary_dims(head_dim, adapter.default_partial_rotary)?;
+        let n_layers = f.usize("num_hidden_layers")?;
+        let hybrid = if adapter.delta_net.is_some() { Some(f.hybrid(n_layers)?) } else { None };
         let config = ModelConfig {
             arch: adapter.arch,
-            n_layers: f.usize("num_hidden_layers")?,
+            n_layers,
             hidden,
             n_heads,
             n_kv_heads,
@@ -209,11 +320,14 @@ impl ModelConfig {
             rms_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             rope_theta: f.rope_theta(adapter.default_rope_theta)?,
             rope_style: adapter.rope_style,
-            norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(false),
+            norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(adapter.hf_default_norm_topk),
             tied_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             max_positions: f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             sliding_window,
             clip_qkv: f.opt_f64("clip_qkv")?.map(|c| c as f32),
+            rotary_dims,
+            hybrid,
+            zero_centred_norms: adapter.hf_zero_centred_norms,
         };
         config.validate().map_err(|(field, reason)| f.invalid(field, reason))?;
         Ok((config, adapter))
@@ -257,11 +371,25 @@ impl ModelConfig {
         if !positive(self.rms_eps) || !positive(self.rope_theta) {
             return Err(("rms_norm_eps/rope_theta", "must be positive".into()));
         }
-        Ok(())
+        if self.rotary_dims == 0 || self.rotary_dims > self.head_dim || !self.rotary_dims.is_multiple_of(2) {
+            return Err((
+                "partial_rotary_factor",
+                format!("{} rotated dims of head_dim {}: must be even and 2..=head_dim", self.rotary_dims, self.head_dim),
+            ));
+        }
+        match &self.hybrid {
+            Some(h) => h.validate(self.n_layers),
+            None => Ok(()),
+        }
     }
 
     pub fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim
+    }
+
+    /// The layers that hold a KV cache (every layer but a hybrid's DeltaNet layers).
+    pub fn n_attention_layers(&self) -> usize {
+        self.hybrid.as_ref().map_or(self.n_layers, |h| h.full_attention_layers.len())
     }
 
     pub fn kv_dim(&self) -> usize {
@@ -272,6 +400,9 @@ impl ModelConfig {
     pub fn to_hf_json(&self, adapter: &Adapter) -> Value {
         // The config has one flag for these, so every layer of the architecture shares them.
         let first_layer = (adapter.layer)(self, 0);
+        let attention_bias = (0..self.n_layers)
+            .find_map(|l| (adapter.layer)(self, l).as_attention().map(|a| a.qkv_bias))
+            .unwrap_or(false);
         let mut v = json!({
             "model_type": adapter.hf_model_type,
             "architectures": [adapter.hf_class],
@@ -288,14 +419,70 @@ impl ModelConfig {
             "tie_word_embeddings": self.tied_embeddings,
             "max_position_embeddings": self.max_positions,
             "hidden_act": first_layer.moe().activation.hf_name(),
-            "attention_bias": first_layer.attention().qkv_bias,
+            "attention_bias": attention_bias,
             "torch_dtype": "bfloat16",
             "bos_token_id": self.vocab - 1,
             "eos_token_id": self.vocab - 1,
         });
         let obj = v.as_object_mut().expect("json! object");
+        if self.rotary_dims != self.head_dim {
+            obj.insert("partial_rotary_factor".into(), json!(self.rotary_dims as f64 / self.head_dim as f64));
+        }
+        if let Some(h) = &self.hybrid {
+            obj.insert("linear_num_key_heads".into(), json!(h.n_k_heads));
+            obj.insert("linear_num_value_heads".into(), json!(h.n_v_heads));
+            obj.insert("linear_key_head_dim".into(), json!(h.k_head_dim));
+            obj.insert("linear_value_head_dim".into(), json!(h.v_head_dim));
+            obj.insert("linear_conv_kernel_dim".into(), json!(h.conv_kernel));
+            let types: Vec<&str> = (0..self.n_layers)
+                .map(|l| if h.is_full_attention(l) { "full_attention" } else { "linear_attention" })
+                .collect();
+            obj.insert("layer_types".into(), json!(types));
+        }
         (adapter.hf_extra_fields)(self, obj);
-        v
+        match adapter.hf_text_model_type {
+            // The published multimodal form: the language model's config nested.
+            Some(text_type) => {
+                obj.insert("model_type".into(), json!(text_type));
+                obj.remove("architectures");
+                json!({
+                    "model_type": adapter.hf_model_type,
+                    "architectures": [adapter.hf_class],
+                    "tie_word_embeddings": self.tied_embeddings,
+                    "text_config": v,
+                })
+            }
+            None => v,
+        }
+    }
+}
+
+impl HybridConfig {
+    fn validate(&self, n_layers: usize) -> Result<(), (&'static str, String)> {
+        let positive = [
+            ("linear_num_key_heads", self.n_k_heads),
+            ("linear_num_value_heads", self.n_v_heads),
+            ("linear_key_head_dim", self.k_head_dim),
+            ("linear_value_head_dim", self.v_head_dim),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                return Err((field, "must be greater than zero".into()));
+            }
+        }
+        if self.conv_kernel < 2 {
+            return Err(("linear_conv_kernel_dim", format!("{}: the conv needs a width of at least 2", self.conv_kernel)));
+        }
+        if !self.n_v_heads.is_multiple_of(self.n_k_heads) {
+            return Err((
+                "linear_num_value_heads",
+                format!("{} is not a multiple of {} key heads", self.n_v_heads, self.n_k_heads),
+            ));
+        }
+        if let Some(&l) = self.full_attention_layers.iter().find(|&&l| l >= n_layers) {
+            return Err(("layer_types", format!("full-attention layer {l} is past the {n_layers} layers")));
+        }
+        Ok(())
     }
 }
 

@@ -14,7 +14,10 @@ use crate::format::dtype::DType;
 use crate::format::gguf::{GgufError, GgufFile, MetaValue};
 use crate::format::safetensors::{SafetensorsError, SafetensorsModel};
 use crate::format::tensor::TensorRef;
-use crate::model::arch::{Adapter, LayerPlan, LayerSpec, QkNorm};
+use crate::format::tensor::TensorError;
+use crate::model::arch::{
+    Adapter, AttentionSpec, DeltaNetProjections, DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm,
+};
 use crate::model::config::{ConfigError, ModelConfig};
 use crate::model::naming::{ExpertProj, GlobalRole, LayerRole};
 use serde::Serialize;
@@ -53,6 +56,12 @@ pub enum ModelError {
     MissingTensor { path: PathBuf, tensor: String },
     #[error("{path}: tensor '{tensor}' has shape {found:?}, but the config implies {expected:?}")]
     ShapeMismatch { path: PathBuf, tensor: String, expected: Vec<usize>, found: Vec<usize> },
+    #[error(
+        "{path}: GGUF files of the hybrid architecture '{arch}' are not supported yet (its DeltaNet \
+         tensors are laid out differently from the Hugging Face checkpoint); open the safetensors \
+         checkpoint directory instead"
+    )]
+    GgufHybrid { path: PathBuf, arch: String },
     #[error("{path}: tensor '{tensor}' has dtype {dtype}; {allowed} expected")]
     DTypeMismatch { path: PathBuf, tensor: String, dtype: DType, allowed: &'static str },
 }
@@ -86,6 +95,41 @@ pub struct Model {
     gate_up_shape: [usize; 2],
     /// `[hidden, ff]`, borrowed by expert down views.
     down_shape: [usize; 2],
+    /// Where a safetensors checkpoint keeps its tensors (found at open).
+    hf_layout: HfLayout,
+}
+
+/// How a Hugging Face checkpoint lays its language model out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct HfLayout {
+    /// `model.` or, in a multimodal checkpoint, `model.language_model.`.
+    prefix: &'static str,
+    /// Each layer's experts in transformers' two stacked tensors instead of one per projection.
+    fused_experts: bool,
+}
+
+impl HfLayout {
+    const PLAIN: HfLayout = HfLayout { prefix: "model.", fused_experts: false };
+
+    /// The layout a checkpoint's tensor names show.
+    fn detect(st: &SafetensorsModel) -> HfLayout {
+        let prefix = if st.tensor("model.language_model.embed_tokens.weight").is_some() {
+            "model.language_model."
+        } else {
+            "model."
+        };
+        let layout = HfLayout { prefix, fused_experts: false };
+        let fused = st.tensor(&layout.name(naming::hf_fused_experts(0, false))).is_some();
+        HfLayout { fused_experts: fused, ..layout }
+    }
+
+    /// A name as [`naming`] spells it (`model.…`), moved under this layout's prefix.
+    fn name(&self, name: String) -> String {
+        match name.strip_prefix("model.") {
+            Some(rest) if self.prefix != "model." => format!("{}{rest}", self.prefix),
+            _ => name,
+        }
+    }
 }
 
 impl Model {
@@ -100,14 +144,15 @@ impl Model {
             let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).into();
             return Err(ModelError::SafetensorsFile { path: path.into(), dir });
         }
-        let (source, config, adapter) = if path.is_dir() {
+        let (source, config, adapter, hf_layout) = if path.is_dir() {
             let st = SafetensorsModel::open(path)?;
             let (config, adapter) = ModelConfig::from_hf_json(st.config(), &st.config_path())?;
-            (Source::Safetensors(st), config, adapter)
+            let layout = HfLayout::detect(&st);
+            (Source::Safetensors(st), config, adapter, layout)
         } else {
             let file = GgufFile::open(path)?;
             let (config, adapter) = config_from_gguf(&file)?;
-            (Source::Gguf(file), config, adapter)
+            (Source::Gguf(file), config, adapter, HfLayout::PLAIN)
         };
         let plan = LayerPlan::new(adapter, &config);
         let mut model = Model {
@@ -119,6 +164,7 @@ impl Model {
             config,
             adapter,
             expert_dtype: DType::F32,
+            hf_layout,
         };
         model.validate()?;
         Ok(model)
@@ -218,6 +264,20 @@ impl Model {
         self.raw(&self.layer_name(layer_idx, role))
     }
 
+    /// An RMSNorm weight of layer `layer_idx` (`None` for a role the layer lacks) as the scale
+    /// every engine multiplies by: zero-centred checkpoints store `w` for `1 + w`, and this adds
+    /// the one, so no engine needs to know.
+    pub fn norm_weight(&self, layer_idx: usize, role: LayerRole) -> Result<Option<Vec<f32>>, TensorError> {
+        let centred = self.config.zero_centred_norms && role.is_centred_norm();
+        self.layer(layer_idx, role).map(|t| scale_of(t, centred)).transpose()
+    }
+
+    /// The final RMSNorm's scale (see [`Model::norm_weight`]).
+    pub fn output_norm_weight(&self) -> Result<Vec<f32>, TensorError> {
+        let t = self.global(GlobalRole::OutputNorm).expect("validated at open");
+        scale_of(t, self.config.zero_centred_norms)
+    }
+
     /// Same as [`Model::layer`] for roles the adapter requires (validated at open).
     pub fn required(&self, layer_idx: usize, role: LayerRole) -> TensorRef<'_> {
         self.layer(layer_idx, role).expect("validated at open: required layer tensor exists")
@@ -293,36 +353,49 @@ impl Model {
     fn global_name(&self, role: GlobalRole) -> String {
         match self.source {
             Source::Gguf(_) => naming::gguf_global(role).to_string(),
-            Source::Safetensors(_) => naming::hf_global(role).to_string(),
+            Source::Safetensors(_) => self.hf_layout.name(naming::hf_global(role).to_string()),
         }
     }
 
     fn layer_name(&self, layer_idx: usize, role: LayerRole) -> String {
         match self.source {
             Source::Gguf(_) => naming::gguf_layer(layer_idx, role),
-            Source::Safetensors(_) => naming::hf_layer(self.adapter.hf_naming, layer_idx, role),
+            Source::Safetensors(_) => {
+                self.hf_layout.name(naming::hf_layer(self.adapter.hf_naming, layer_idx, role))
+            }
+        }
+    }
+
+    /// The tensor holding the weights of `proj` for layer `layer_idx`'s experts: per expert, or
+    /// stacked (GGUF, transformers' fused form), with the stacked tensor's rows of this
+    /// projection (`gate_up_proj` holds gate then up).
+    fn expert_tensor_name(&self, layer_idx: usize, expert_idx: usize, proj: ExpertProj) -> String {
+        match self.source {
+            Source::Gguf(_) => naming::gguf_experts(layer_idx, proj),
+            Source::Safetensors(_) if self.hf_layout.fused_experts => {
+                self.hf_layout.name(naming::hf_fused_experts(layer_idx, proj == ExpertProj::Down))
+            }
+            Source::Safetensors(_) => {
+                self.hf_layout.name(naming::hf_expert(self.adapter.hf_naming, layer_idx, expert_idx, proj))
+            }
         }
     }
 
     fn expert_proj(&self, layer_idx: usize, expert_idx: usize, proj: ExpertProj) -> TensorRef<'_> {
         let shape: &[usize] = if proj == ExpertProj::Down { &self.down_shape } else { &self.gate_up_shape };
-        match &self.source {
-            Source::Safetensors(s) => {
-                let name = naming::hf_expert(self.adapter.hf_naming, layer_idx, expert_idx, proj);
-                s.tensor(&name).expect("validated at open: expert tensor exists")
-            }
-            Source::Gguf(f) => {
-                let stacked = f.tensor(&naming::gguf_experts(layer_idx, proj)).expect("validated at open");
-                let n_bytes = stacked.data.len() / self.config.n_experts;
-                let begin = expert_idx * n_bytes;
-                TensorRef {
-                    name: stacked.name,
-                    dtype: stacked.dtype,
-                    shape,
-                    data: &stacked.data[begin..begin + n_bytes],
-                }
-            }
+        let t = self.raw(&self.expert_tensor_name(layer_idx, expert_idx, proj)).expect("validated at open");
+        let stacked = matches!(self.source, Source::Gguf(_)) || self.hf_layout.fused_experts;
+        if !stacked {
+            return t;
         }
+        let n_bytes = t.data.len() / self.config.n_experts;
+        let mut begin = expert_idx * n_bytes;
+        let mut len = n_bytes;
+        if self.hf_layout.fused_experts && proj != ExpertProj::Down {
+            len = n_bytes / 2;
+            begin += if proj == ExpertProj::Up { len } else { 0 };
+        }
+        TensorRef { name: t.name, dtype: t.dtype, shape, data: &t.data[begin..begin + len] }
     }
 
     /// The roles layer `layer_idx` requires, as its spec says.
@@ -363,10 +436,18 @@ impl Model {
                     let name = naming::gguf_experts(layer_idx, proj);
                     self.check_tensor(&name, &[c.n_experts, per_expert[0], per_expert[1]])?
                 }
+                Source::Safetensors(_) if self.hf_layout.fused_experts => {
+                    if proj == ExpertProj::Up {
+                        continue; // the gate's tensor holds it
+                    }
+                    let rows = if proj == ExpertProj::Down { per_expert[0] } else { 2 * per_expert[0] };
+                    let name = self.expert_tensor_name(layer_idx, 0, proj);
+                    self.check_tensor(&name, &[c.n_experts, rows, per_expert[1]])?
+                }
                 Source::Safetensors(_) => {
                     let mut dtype = DType::F32;
                     for expert_idx in 0..c.n_experts {
-                        let name = naming::hf_expert(self.adapter.hf_naming, layer_idx, expert_idx, proj);
+                        let name = self.expert_tensor_name(layer_idx, expert_idx, proj);
                         dtype = self.check_tensor(&name, &per_expert)?;
                     }
                     dtype
@@ -395,7 +476,7 @@ impl Model {
         let t = self
             .raw(name)
             .ok_or_else(|| ModelError::MissingTensor { path: self.file_of(name), tensor: name.into() })?;
-        if strip_leading_ones(t.shape) != strip_leading_ones(expected) {
+        if without_ones(t.shape) != without_ones(expected) {
             return Err(ModelError::ShapeMismatch {
                 path: self.file_of(name),
                 tensor: name.into(),
@@ -405,7 +486,7 @@ impl Model {
         }
         // Vectors (norms, biases, the shared expert's gate) are read as floats; matrices may be
         // stored in any element type, GGML quantised blocks included.
-        let vector = strip_leading_ones(expected).len() <= 1;
+        let vector = without_ones(expected).len() <= 1;
         if vector && !t.dtype.is_float() {
             return Err(ModelError::DTypeMismatch {
                 path: self.file_of(name),
@@ -418,23 +499,44 @@ impl Model {
     }
 }
 
-fn strip_leading_ones(shape: &[usize]) -> &[usize] {
-    let first = shape.iter().position(|&d| d != 1).unwrap_or(shape.len());
-    &shape[first..]
+/// A shape without its unit dims: `[1, hidden]` is `[hidden]`, a conv's `[channels, 1, width]`
+/// is `[channels, width]` (the bytes are the same either way).
+fn without_ones(shape: &[usize]) -> Vec<usize> {
+    shape.iter().copied().filter(|&d| d != 1).collect()
+}
+
+/// A norm weight as f32, plus one when stored zero-centred.
+fn scale_of(t: TensorRef<'_>, centred: bool) -> Result<Vec<f32>, TensorError> {
+    let mut w = t.to_f32_vec()?;
+    if centred {
+        w.iter_mut().for_each(|v| *v += 1.0);
+    }
+    Ok(w)
 }
 
 /// The per-layer roles a layer of this kind requires.
 pub fn required_layer_roles(spec: &LayerSpec) -> Vec<LayerRole> {
     use LayerRole::*;
-    let mut roles = vec![AttnNorm, Q, K, V, O, FfnNorm, Router];
-    let (attention, moe) = (spec.attention(), spec.moe());
-    if attention.qkv_bias {
-        roles.extend([QBias, KBias, VBias]);
+    let mut roles = vec![AttnNorm, FfnNorm, Router];
+    match &spec.mixer {
+        Mixer::Attention(attention) => {
+            roles.extend([Q, K, V, O]);
+            if attention.qkv_bias {
+                roles.extend([QBias, KBias, VBias]);
+            }
+            if attention.qk_norm != QkNorm::None {
+                roles.extend([QNorm, KNorm]);
+            }
+        }
+        Mixer::GatedDeltaNet(d) => {
+            roles.extend(match d.projections {
+                DeltaNetProjections::Grouped => &[DeltaQkvz, DeltaBa][..],
+                DeltaNetProjections::Split => &[DeltaQkv, DeltaZ, DeltaB, DeltaA][..],
+            });
+            roles.extend([DeltaConv, DeltaDtBias, DeltaALog, DeltaNorm, DeltaOut]);
+        }
     }
-    if attention.qk_norm != QkNorm::None {
-        roles.extend([QNorm, KNorm]);
-    }
-    if moe.shared.is_some() {
+    if spec.moe().shared.is_some() {
         roles.extend([SharedGate, SharedUp, SharedDown, SharedExpertGate]);
     }
     roles
@@ -443,22 +545,47 @@ pub fn required_layer_roles(spec: &LayerSpec) -> Vec<LayerRole> {
 /// Row-major shape of a per-layer tensor of a layer of kind `spec`, as the config implies.
 pub fn expected_layer_shape(c: &ModelConfig, spec: &LayerSpec, role: LayerRole) -> Vec<usize> {
     use LayerRole::*;
-    let per_head = spec.attention().qk_norm == QkNorm::PerHead;
     let shared_ff = spec.moe().shared.map_or(0, |s| s.ff);
+    match (role, &spec.mixer) {
+        (AttnNorm | FfnNorm, _) => vec![c.hidden],
+        (Router, _) => vec![spec.moe().router.n_experts, c.hidden],
+        (SharedGate | SharedUp, _) => vec![shared_ff, c.hidden],
+        (SharedDown, _) => vec![c.hidden, shared_ff],
+        (SharedExpertGate, _) => vec![1, c.hidden],
+        (_, Mixer::Attention(a)) => attention_shape(c, a, role),
+        (_, Mixer::GatedDeltaNet(d)) => delta_net_shape(c, d, role),
+    }
+}
+
+fn attention_shape(c: &ModelConfig, a: &AttentionSpec, role: LayerRole) -> Vec<usize> {
+    use LayerRole::*;
+    let q_rows = if a.output_gate { 2 * c.q_dim() } else { c.q_dim() };
     match role {
-        AttnNorm | FfnNorm => vec![c.hidden],
-        Q => vec![c.q_dim(), c.hidden],
+        Q => vec![q_rows, c.hidden],
         K | V => vec![c.kv_dim(), c.hidden],
         O => vec![c.hidden, c.q_dim()],
-        QBias => vec![c.q_dim()],
+        QBias => vec![q_rows],
         KBias | VBias => vec![c.kv_dim()],
-        QNorm | KNorm if per_head => vec![c.head_dim],
+        QNorm | KNorm if a.qk_norm == QkNorm::PerHead => vec![a.head_dim],
         QNorm => vec![c.q_dim()],
         KNorm => vec![c.kv_dim()],
-        Router => vec![spec.moe().router.n_experts, c.hidden],
-        SharedGate | SharedUp => vec![shared_ff, c.hidden],
-        SharedDown => vec![c.hidden, shared_ff],
-        SharedExpertGate => vec![1, c.hidden],
+        _ => unreachable!("{role:?} is not an attention tensor"),
+    }
+}
+
+fn delta_net_shape(c: &ModelConfig, d: &DeltaNetSpec, role: LayerRole) -> Vec<usize> {
+    use LayerRole::*;
+    match role {
+        DeltaQkvz => vec![d.conv_dim() + d.value_dim(), c.hidden],
+        DeltaBa => vec![2 * d.n_v_heads, c.hidden],
+        DeltaQkv => vec![d.conv_dim(), c.hidden],
+        DeltaZ => vec![d.value_dim(), c.hidden],
+        DeltaB | DeltaA => vec![d.n_v_heads, c.hidden],
+        DeltaConv => vec![d.conv_dim(), d.conv_kernel],
+        DeltaDtBias | DeltaALog => vec![d.n_v_heads],
+        DeltaNorm => vec![d.v_head_dim],
+        DeltaOut => vec![c.hidden, d.value_dim()],
+        _ => unreachable!("{role:?} is not a DeltaNet tensor"),
     }
 }
 
@@ -525,6 +652,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
     let n_experts = meta.opt_u64("expert_count")?.unwrap_or(0) as usize;
     let adapter = crate::model::arch::for_gguf_arch(arch, n_experts)
         .map_err(|source| ModelError::Config(ConfigError::Arch { path: path.into(), source }))?;
+    if adapter.delta_net.is_some() {
+        return Err(ModelError::GgufHybrid { path: path.into(), arch: arch.to_string() });
+    }
     let hidden = meta.usize("embedding_length")?;
     let n_heads = meta.usize("attention.head_count")?;
     let head_dim = match meta.opt_u64("attention.key_length")? {
@@ -561,6 +691,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         max_positions: meta.opt_u64("context_length")?.map(|v| v as usize).unwrap_or(4096),
         sliding_window: None,
         clip_qkv: meta.opt_f32("attention.clamp_kqv")?,
+        rotary_dims: meta.opt_u64("rope.dimension_count")?.map_or(head_dim, |d| d as usize),
+        hybrid: None,
+        zero_centred_norms: false,
     };
     config.validate().map_err(|(field, reason)| {
         ModelError::Config(ConfigError::Invalid { path: path.into(), field: field.into(), reason })

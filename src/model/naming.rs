@@ -33,6 +33,36 @@ pub enum LayerRole {
     SharedDown,
     /// The shared expert's scalar sigmoid gate, `[1, hidden]` (Qwen2-MoE).
     SharedExpertGate,
+    /// Gated DeltaNet (`DeltaNetProjections::Grouped`): q, k, v, z in one projection, grouped
+    /// per key head.
+    DeltaQkvz,
+    /// Gated DeltaNet (grouped): b and a in one projection, grouped per key head.
+    DeltaBa,
+    /// Gated DeltaNet (`DeltaNetProjections::Split`): q, k, v in one projection.
+    DeltaQkv,
+    /// Gated DeltaNet (split): the output gate z, `[value_dim, hidden]`.
+    DeltaZ,
+    /// Gated DeltaNet (split): beta logits, `[v_heads, hidden]`.
+    DeltaB,
+    /// Gated DeltaNet (split): decay input a, `[v_heads, hidden]`.
+    DeltaA,
+    /// The depthwise causal conv, `[conv_dim, 1, kernel]`.
+    DeltaConv,
+    /// `dt_bias`, `[v_heads]`.
+    DeltaDtBias,
+    /// `A_log`, `[v_heads]` (the decay rate is `-exp(A_log)`).
+    DeltaALog,
+    /// The gated RMSNorm of each value head, `[v_head_dim]` (plain weights, not zero-centred).
+    DeltaNorm,
+    /// The output projection, `[hidden, value_dim]`.
+    DeltaOut,
+}
+
+impl LayerRole {
+    /// RMSNorm weights that zero-centred checkpoints store as `w` for a scale of `1 + w`.
+    pub fn is_centred_norm(self) -> bool {
+        matches!(self, LayerRole::AttnNorm | LayerRole::FfnNorm | LayerRole::QNorm | LayerRole::KNorm)
+    }
 }
 
 /// The three projections of one expert.
@@ -85,6 +115,17 @@ pub fn hf_layer(naming: HfNaming, layer: usize, role: LayerRole) -> String {
         LayerRole::SharedUp => "mlp.shared_expert.up_proj.weight".to_string(),
         LayerRole::SharedDown => "mlp.shared_expert.down_proj.weight".to_string(),
         LayerRole::SharedExpertGate => "mlp.shared_expert_gate.weight".to_string(),
+        LayerRole::DeltaQkvz => "linear_attn.in_proj_qkvz.weight".to_string(),
+        LayerRole::DeltaBa => "linear_attn.in_proj_ba.weight".to_string(),
+        LayerRole::DeltaQkv => "linear_attn.in_proj_qkv.weight".to_string(),
+        LayerRole::DeltaZ => "linear_attn.in_proj_z.weight".to_string(),
+        LayerRole::DeltaB => "linear_attn.in_proj_b.weight".to_string(),
+        LayerRole::DeltaA => "linear_attn.in_proj_a.weight".to_string(),
+        LayerRole::DeltaConv => "linear_attn.conv1d.weight".to_string(),
+        LayerRole::DeltaDtBias => "linear_attn.dt_bias".to_string(),
+        LayerRole::DeltaALog => "linear_attn.A_log".to_string(),
+        LayerRole::DeltaNorm => "linear_attn.norm.weight".to_string(),
+        LayerRole::DeltaOut => "linear_attn.out_proj.weight".to_string(),
     };
     format!("model.layers.{layer}.{suffix}")
 }
@@ -107,6 +148,19 @@ pub fn gguf_layer(layer: usize, role: LayerRole) -> String {
         LayerRole::SharedUp => "ffn_up_shexp.weight",
         LayerRole::SharedDown => "ffn_down_shexp.weight",
         LayerRole::SharedExpertGate => "ffn_gate_inp_shexp.weight",
+        // llama.cpp's names for the DeltaNet tensors (GGUF files of the hybrid architectures
+        // are refused at open for now: their layouts differ, see `config_from_gguf`).
+        LayerRole::DeltaQkvz => "ssm_in.weight",
+        LayerRole::DeltaBa => "ssm_ba.weight",
+        LayerRole::DeltaQkv => "attn_qkv.weight",
+        LayerRole::DeltaZ => "attn_gate.weight",
+        LayerRole::DeltaB => "ssm_beta.weight",
+        LayerRole::DeltaA => "ssm_alpha.weight",
+        LayerRole::DeltaConv => "ssm_conv1d.weight",
+        LayerRole::DeltaDtBias => "ssm_dt.bias",
+        LayerRole::DeltaALog => "ssm_a",
+        LayerRole::DeltaNorm => "ssm_norm.weight",
+        LayerRole::DeltaOut => "ssm_out.weight",
     };
     format!("blk.{layer}.{suffix}")
 }
@@ -130,6 +184,14 @@ pub fn hf_expert(naming: HfNaming, layer: usize, expert_idx: usize, proj: Expert
             format!("model.layers.{layer}.block_sparse_moe.experts.{expert_idx}.{w}.weight")
         }
     }
+}
+
+/// The stacked tensors of a layer's experts in transformers' fused form (published Qwen3.5
+/// checkpoints): `gate_up_proj` `[experts, 2 * ff, hidden]` (gate rows first) and `down_proj`
+/// `[experts, hidden, ff]`.
+pub fn hf_fused_experts(layer: usize, down: bool) -> String {
+    let p = if down { "down_proj" } else { "gate_up_proj" };
+    format!("model.layers.{layer}.mlp.experts.{p}")
 }
 
 /// The stacked tensor holding one projection of every expert of a layer.

@@ -15,7 +15,9 @@
 mod mixtral;
 mod olmoe;
 mod qwen2_moe;
+mod qwen35_moe;
 mod qwen3_moe;
+mod qwen3_next;
 
 use crate::model::config::{ConfigError, HfFields, ModelConfig};
 use crate::model::{GgufMeta, ModelError};
@@ -29,6 +31,8 @@ pub enum Arch {
     Mixtral,
     Olmoe,
     Qwen2Moe,
+    Qwen3Next,
+    Qwen35Moe,
 }
 
 /// How router logits become the top-k expert ids and weights.
@@ -112,11 +116,16 @@ pub struct RopeSpec {
     /// Pairing of the q/k weights as stored in this file.
     pub style: RopeStyle,
     pub theta: f32,
+    /// How many leading values of each head rotate (the head dim, or less for partial RoPE:
+    /// Qwen3-Next rotates 64 of 256); the rest pass through.
+    pub dims: usize,
 }
 
 /// Full (softmax) attention with its options.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct AttentionSpec {
+    /// Values per query/key/value head.
+    pub head_dim: usize,
     pub qk_norm: QkNorm,
     /// q/k/v projections carry biases.
     pub qkv_bias: bool,
@@ -125,6 +134,56 @@ pub struct AttentionSpec {
     pub window: Option<usize>,
     /// Clamp q/k/v projections to `[-clip, clip]`.
     pub clip_qkv: Option<f32>,
+    /// The q projection yields a gate beside each head's query (`[query | gate]` per head, twice
+    /// the width), and the attention output is multiplied by `sigmoid(gate)` before `o`
+    /// (Qwen3-Next, Qwen3.5).
+    pub output_gate: bool,
+}
+
+/// How a Gated DeltaNet layer's input projections are stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeltaNetProjections {
+    /// Qwen3-Next: one `qkvz` projection grouped per key head (`[q | k | v.. | z..]` for each
+    /// key head, its value heads inside) and one `ba` projection grouped the same way.
+    Grouped,
+    /// Qwen3.5: `qkv` (all q heads, all k heads, all v heads), `z`, `b` and `a` apart.
+    Split,
+}
+
+/// Gated DeltaNet linear attention: a causal depthwise conv over q, k, v; L2-normalised q/k; the
+/// gated delta rule over a `[v_heads, k_head_dim, v_head_dim]` f32 state; an RMSNorm of each
+/// value head gated by `silu(z)`; the output projection.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DeltaNetSpec {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+    /// The causal conv's kernel width; its rolling state keeps `conv_kernel - 1` inputs.
+    pub conv_kernel: usize,
+    pub projections: DeltaNetProjections,
+}
+
+impl DeltaNetSpec {
+    pub fn key_dim(&self) -> usize {
+        self.n_k_heads * self.k_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.n_v_heads * self.v_head_dim
+    }
+    /// Channels of the conv: q, k and v side by side.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// f32 values of the conv's rolling state.
+    pub fn conv_state_len(&self) -> usize {
+        self.conv_dim() * (self.conv_kernel - 1)
+    }
+    /// f32 values of the recurrent matrix state.
+    pub fn matrix_state_len(&self) -> usize {
+        self.n_v_heads * self.k_head_dim * self.v_head_dim
+    }
 }
 
 /// What mixes information across positions in one layer.
@@ -132,6 +191,7 @@ pub struct AttentionSpec {
 #[serde(rename_all = "snake_case")]
 pub enum Mixer {
     Attention(AttentionSpec),
+    GatedDeltaNet(DeltaNetSpec),
 }
 
 /// How a MoE layer's router turns a token into expert ids and weights.
@@ -178,11 +238,19 @@ pub struct LayerSpec {
 }
 
 impl LayerSpec {
-    /// The attention options of this layer (every mixer kind today is attention).
-    pub fn attention(&self) -> &AttentionSpec {
+    /// The attention options of this layer, `None` for another mixer kind.
+    pub fn as_attention(&self) -> Option<&AttentionSpec> {
         match &self.mixer {
-            Mixer::Attention(a) => a,
+            Mixer::Attention(a) => Some(a),
+            Mixer::GatedDeltaNet(_) => None,
         }
+    }
+
+    /// The attention options of this layer, for engines that run attention layers only: they
+    /// refuse a plan with another mixer kind when they are built ([`LayerPlan::first_unsupported`]),
+    /// so this never sees one.
+    pub fn attention(&self) -> &AttentionSpec {
+        self.as_attention().expect("engines built over attention-only plans")
     }
 
     /// The MoE block of this layer (every FFN kind today is a MoE).
@@ -224,6 +292,12 @@ impl LayerPlan {
         &self.layers[layer_idx]
     }
 
+    /// The first layer whose mixer an engine without `supported(mixer)` cannot run, with the
+    /// kind's name, so the engine refuses the model by name at build time.
+    pub fn first_unsupported(&self, supported: impl Fn(&Mixer) -> bool) -> Option<(usize, &'static str)> {
+        self.layers.iter().position(|l| !supported(&l.mixer)).map(|l| (l, self.layers[l].mixer.name()))
+    }
+
     pub fn layers(&self) -> &[LayerSpec] {
         &self.layers
     }
@@ -252,12 +326,35 @@ impl LayerPlan {
     }
 }
 
+impl Mixer {
+    /// The kind's name in errors and `inspect`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Mixer::Attention(_) => "attention",
+            Mixer::GatedDeltaNet(_) => "gated deltanet",
+        }
+    }
+}
+
 fn describe(spec: &LayerSpec) -> String {
-    let a = spec.attention();
+    let mixer = match &spec.mixer {
+        Mixer::Attention(a) => format!("attention ({})", describe_attention(a)),
+        Mixer::GatedDeltaNet(d) => format!(
+            "gated deltanet ({} k / {} v heads, k {} v {}, conv {})",
+            d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim, d.conv_kernel
+        ),
+    };
+    format!("{mixer} + moe ({})", describe_moe(spec.moe()))
+}
+
+fn describe_attention(a: &AttentionSpec) -> String {
     let mut mixer = vec![match a.rope.style {
         RopeStyle::HalfSplit => "neox rope".to_string(),
         RopeStyle::Interleaved => "interleaved rope".to_string(),
     }];
+    if a.rope.dims < a.head_dim {
+        mixer.push(format!("partial rope {}", a.rope.dims));
+    }
     match a.qk_norm {
         QkNorm::None => {}
         QkNorm::PerHead => mixer.push("per-head q/k norm".into()),
@@ -272,7 +369,13 @@ fn describe(spec: &LayerSpec) -> String {
     if let Some(c) = a.clip_qkv {
         mixer.push(format!("clip {c}"));
     }
-    let m = spec.moe();
+    if a.output_gate {
+        mixer.push("output gate".into());
+    }
+    mixer.join(", ")
+}
+
+fn describe_moe(m: &MoeSpec) -> String {
     let routing = match m.router.variant {
         RoutingVariant::SoftmaxThenTopK if m.router.norm_topk_prob => "softmax, top-k, renormalised",
         RoutingVariant::SoftmaxThenTopK => "softmax, top-k",
@@ -284,7 +387,7 @@ fn describe(spec: &LayerSpec) -> String {
     if let Some(s) = m.shared {
         ffn.push(format!("gated shared expert {}", s.ff));
     }
-    format!("attention ({}) + moe ({})", mixer.join(", "), ffn.join(", "))
+    ffn.join(", ")
 }
 
 /// Expert sizes as a config states them.
@@ -344,6 +447,17 @@ pub struct Adapter {
     pub default_rope_theta: f32,
     /// What llama.cpp assumes for `expert_weights_norm` when a GGUF file does not say.
     pub gguf_default_norm_topk: bool,
+    /// What `norm_topk_prob` is when a `config.json` does not say (transformers' default).
+    pub hf_default_norm_topk: bool,
+    /// The text-only `model_type` of an architecture published as a multimodal checkpoint
+    /// (`qwen3_5_moe_text` for `qwen3_5_moe`, whose `config.json` nests it in `text_config`).
+    pub hf_text_model_type: Option<&'static str>,
+    /// Hugging Face checkpoints store RMSNorm weights zero-centred (scale `1 + w`).
+    pub hf_zero_centred_norms: bool,
+    /// `partial_rotary_factor` when a `config.json` does not say.
+    pub default_partial_rotary: f64,
+    /// The architecture mixes Gated DeltaNet layers in, their projections stored this way.
+    pub delta_net: Option<DeltaNetProjections>,
     pub profile: Profile,
     /// The expert sizes from a `config.json`.
     #[serde(skip)]
@@ -366,18 +480,27 @@ impl PartialEq for Adapter {
 }
 
 /// Every supported architecture.
-pub static ADAPTERS: [Adapter; 4] =
-    [qwen3_moe::ADAPTER, mixtral::ADAPTER, olmoe::ADAPTER, qwen2_moe::ADAPTER];
+pub static ADAPTERS: [Adapter; 6] = [
+    qwen3_moe::ADAPTER,
+    mixtral::ADAPTER,
+    olmoe::ADAPTER,
+    qwen2_moe::ADAPTER,
+    qwen3_next::ADAPTER,
+    qwen35_moe::ADAPTER,
+];
+
 
 /// The attention layer every current architecture builds from its config: `qk_norm` and
 /// `qkv_bias` are the architecture's, the rest is the config's.
 fn standard_attention(c: &ModelConfig, qk_norm: QkNorm, qkv_bias: bool) -> Mixer {
     Mixer::Attention(AttentionSpec {
+        head_dim: c.head_dim,
         qk_norm,
         qkv_bias,
-        rope: RopeSpec { style: c.rope_style, theta: c.rope_theta },
+        rope: RopeSpec { style: c.rope_style, theta: c.rope_theta, dims: c.rotary_dims },
         window: c.sliding_window,
         clip_qkv: c.clip_qkv,
+        output_gate: false,
     })
 }
 
@@ -416,7 +539,8 @@ pub fn of(arch: Arch) -> &'static Adapter {
 
 /// Look up an adapter by Hugging Face `model_type`.
 pub fn for_hf_model_type(model_type: &str) -> Result<&'static Adapter, UnsupportedArch> {
-    ADAPTERS.iter().find(|a| a.hf_model_type == model_type).ok_or_else(|| UnsupportedArch {
+    let named = |a: &&Adapter| a.hf_model_type == model_type || a.hf_text_model_type == Some(model_type);
+    ADAPTERS.iter().find(named).ok_or_else(|| UnsupportedArch {
         found: model_type.to_string(),
         source_kind: "config.json model_type",
         supported: supported_list(ADAPTERS.iter().map(|a| a.hf_model_type)),

@@ -17,6 +17,11 @@ pub(super) const ADAPTER: Adapter = Adapter {
     hf_naming: HfNaming::Mlp,
     default_rope_theta: 1_000_000.0,
     gguf_default_norm_topk: false,
+    hf_default_norm_topk: false,
+    hf_text_model_type: None,
+    hf_zero_centred_norms: false,
+    default_partial_rotary: 1.0,
+    delta_net: None,
     profile: DEFAULT_PROFILE,
     hf_expert_dims,
     gguf_expert_dims,
@@ -32,7 +37,7 @@ fn layer(c: &ModelConfig, _layer_idx: usize) -> LayerSpec {
     }
 }
 
-fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {
+pub(super) fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {
     Ok(ExpertDims {
         n_experts: f.expert_count()?,
         expert_ff: f.usize("moe_intermediate_size")?,
@@ -40,7 +45,7 @@ fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {
     })
 }
 
-fn gguf_expert_dims(meta: &GgufMeta<'_>, n_experts: usize) -> Result<ExpertDims, ModelError> {
+pub(super) fn gguf_expert_dims(meta: &GgufMeta<'_>, n_experts: usize) -> Result<ExpertDims, ModelError> {
     Ok(ExpertDims {
         n_experts,
         expert_ff: meta.usize("expert_feed_forward_length")?,
@@ -48,7 +53,7 @@ fn gguf_expert_dims(meta: &GgufMeta<'_>, n_experts: usize) -> Result<ExpertDims,
     })
 }
 
-fn hf_extra_fields(c: &ModelConfig, obj: &mut Map<String, Value>) {
+pub(super) fn hf_extra_fields(c: &ModelConfig, obj: &mut Map<String, Value>) {
     super::qwen3_moe::hf_extra_fields(c, obj);
     obj.insert("shared_expert_intermediate_size".into(), json!(c.shared_expert_ff));
 }
