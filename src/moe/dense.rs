@@ -7,6 +7,7 @@
 //! once at load. Every matrix is checked at load, so a call cannot meet a bad one.
 
 use crate::format::tensor::{TensorError, TensorRef};
+use crate::model::arch::{DeltaNetProjections, Mixer};
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
 use crate::moe::expert_math::kernel_dtype;
@@ -26,20 +27,44 @@ pub(crate) struct LayerVectors {
     pub ffn_norm: Vec<f32>,
     /// The shared expert's sigmoid gate `[1, hidden]`, when the model has a shared expert.
     pub shared_gate_logit: Option<Vec<f32>>,
+    /// A Gated DeltaNet layer's small tensors.
+    pub delta_net: Option<DeltaNetVectors>,
+}
+
+/// A Gated DeltaNet layer's vectors, as f32.
+pub(crate) struct DeltaNetVectors {
+    /// `[conv_dim, kernel]`
+    pub conv: Vec<f32>,
+    pub dt_bias: Vec<f32>,
+    /// `-exp(A_log)` per value head: the decay rate.
+    pub neg_a: Vec<f32>,
+    /// The gated RMSNorm of a value head, `[v_head_dim]`.
+    pub norm: Vec<f32>,
 }
 
 impl LayerVectors {
     pub fn load(model: &Model, l: usize) -> Result<LayerVectors, TensorError> {
         let req = |role| model.required(l, role).to_f32_vec();
         let opt = |role| model.layer(l, role).map(|t| t.to_f32_vec()).transpose();
+        let norm = |role| model.norm_weight(l, role);
+        let delta_net = match model.layer_spec(l).mixer {
+            Mixer::GatedDeltaNet(_) => Some(DeltaNetVectors {
+                conv: req(LayerRole::DeltaConv)?,
+                dt_bias: req(LayerRole::DeltaDtBias)?,
+                neg_a: req(LayerRole::DeltaALog)?.iter().map(|a| -a.exp()).collect(),
+                norm: req(LayerRole::DeltaNorm)?,
+            }),
+            Mixer::Attention(_) => None,
+        };
         Ok(LayerVectors {
-            attn_norm: req(LayerRole::AttnNorm)?,
+            attn_norm: norm(LayerRole::AttnNorm)?.expect("validated at open"),
             q_bias: opt(LayerRole::QBias)?,
             k_bias: opt(LayerRole::KBias)?,
             v_bias: opt(LayerRole::VBias)?,
-            q_norm: opt(LayerRole::QNorm)?,
-            k_norm: opt(LayerRole::KNorm)?,
-            ffn_norm: req(LayerRole::FfnNorm)?,
+            q_norm: norm(LayerRole::QNorm)?,
+            k_norm: norm(LayerRole::KNorm)?,
+            ffn_norm: norm(LayerRole::FfnNorm)?.expect("validated at open"),
+            delta_net,
             shared_gate_logit: if model.layer_spec(l).moe().shared.is_some() {
                 Some(req(LayerRole::SharedExpertGate)?)
             } else {
@@ -51,7 +76,9 @@ impl LayerVectors {
     /// Bytes of f32 this layer holds (what the engine copies out of the file).
     pub fn f32_bytes(&self) -> usize {
         let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
-        4 * (self.attn_norm.len()
+        let delta = self.delta_net.as_ref().map_or(0, |d| d.conv.len() + d.dt_bias.len() + d.neg_a.len() + d.norm.len());
+        4 * (delta
+            + self.attn_norm.len()
             + self.ffn_norm.len()
             + opt(&self.q_bias)
             + opt(&self.k_bias)
@@ -64,10 +91,7 @@ impl LayerVectors {
 
 /// The matrices of one layer, in place in the mapped file.
 pub(crate) struct LayerMatrices<'m> {
-    pub q: DenseMatrix<'m>,
-    pub k: DenseMatrix<'m>,
-    pub v: DenseMatrix<'m>,
-    pub o: DenseMatrix<'m>,
+    pub mixer: MixerMatrices<'m>,
     pub router: DenseMatrix<'m>,
     /// Shared expert gate, up (`[ff, hidden]`) and down (`[hidden, ff]`).
     pub shared: Option<[DenseMatrix<'m>; 3]>,
@@ -81,15 +105,33 @@ impl<'m> LayerMatrices<'m> {
         } else {
             None
         };
-        Ok(LayerMatrices {
-            q: m(LayerRole::Q)?,
-            k: m(LayerRole::K)?,
-            v: m(LayerRole::V)?,
-            o: m(LayerRole::O)?,
-            router: m(LayerRole::Router)?,
-            shared,
-        })
+        let mixer = match model.layer_spec(l).mixer {
+            Mixer::Attention(_) => MixerMatrices::Attention {
+                q: m(LayerRole::Q)?,
+                k: m(LayerRole::K)?,
+                v: m(LayerRole::V)?,
+                o: m(LayerRole::O)?,
+            },
+            Mixer::GatedDeltaNet(d) => {
+                use LayerRole::*;
+                let roles: &[LayerRole] = match d.projections {
+                    DeltaNetProjections::Grouped => &[DeltaQkvz, DeltaBa],
+                    DeltaNetProjections::Split => &[DeltaQkv, DeltaZ, DeltaB, DeltaA],
+                };
+                let inputs = roles.iter().map(|&r| m(r)).collect::<Result<_, _>>()?;
+                MixerMatrices::DeltaNet { inputs, out: m(DeltaOut)? }
+            }
+        };
+        Ok(LayerMatrices { mixer, router: m(LayerRole::Router)?, shared })
     }
+}
+
+/// The token mixer's matrices.
+pub(crate) enum MixerMatrices<'m> {
+    Attention { q: DenseMatrix<'m>, k: DenseMatrix<'m>, v: DenseMatrix<'m>, o: DenseMatrix<'m> },
+    /// The input projections as stored (grouped: `qkvz`, `ba`; split: `qkv`, `z`, `b`, `a`) and
+    /// the output projection.
+    DeltaNet { inputs: Vec<DenseMatrix<'m>>, out: DenseMatrix<'m> },
 }
 
 /// The token embedding and the lm_head (the embedding again when tied), in place.

@@ -22,12 +22,12 @@ use crate::cache::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
 use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
 use crate::format::tensor::TensorError;
 pub use crate::forward::LogitRows;
-use crate::model::arch::{LayerPlan, QkNorm, RopeStyle};
+use crate::model::arch::{DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm, RopeStyle};
 use crate::model::config::ModelConfig;
-use crate::model::naming::GlobalRole;
 use crate::model::Model;
+use crate::moe::delta_net::{conv_step, recurrent_step, DeltaNetState, TokenInputs};
 use crate::moe::dense::{
-    check_matrices, decode_row, global_matrices, DenseStage, LayerMatrices, LayerVectors,
+    check_matrices, decode_row, global_matrices, DenseStage, LayerMatrices, LayerVectors, MixerMatrices,
 };
 use crate::moe::expert_math::{cold_simd_level, ColdCompute, FfnScratch, PlainCompute, SimdCompute};
 pub use crate::moe::math::argmax;
@@ -177,6 +177,9 @@ pub enum PipelineError {
 pub struct PipelineCache {
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
+    /// Per layer, the fixed-size state of a Gated DeltaNet layer (`None` for attention layers,
+    /// whose entries in `keys` / `values` are the ones used).
+    recurrent: Vec<Option<DeltaNetState>>,
     n_positions: usize,
 }
 
@@ -190,6 +193,14 @@ impl PipelineCache {
 struct Activations {
     hidden: Vec<f32>,
     normed: Vec<f32>,
+    /// A gated q projection's output, `[query | gate]` per head, before the split.
+    q_gated: Vec<f32>,
+    /// The sigmoid output gate's logits, `q_dim` per token.
+    gate: Vec<f32>,
+    /// A DeltaNet layer's input projections, one buffer per stored projection.
+    delta_in: [Vec<f32>; 4],
+    /// A DeltaNet layer's per-head outputs, `value_dim` per token, before `out_proj`.
+    delta_out: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -237,11 +248,33 @@ pub struct Pipeline {
 }
 
 impl Activations {
-    fn new(c: &ModelConfig, m: usize) -> Activations {
+    fn new(c: &ModelConfig, plan: &LayerPlan, m: usize) -> Activations {
         let sff = c.shared_expert_ff;
+        let gated = plan.layers().iter().any(|l| l.as_attention().is_some_and(|a| a.output_gate));
+        let widest = |f: &dyn Fn(&DeltaNetSpec) -> usize| {
+            plan.layers()
+                .iter()
+                .filter_map(|l| match &l.mixer {
+                    Mixer::GatedDeltaNet(d) => Some(f(d)),
+                    Mixer::Attention(_) => None,
+                })
+                .max()
+                .unwrap_or(0)
+        };
+        // Grouped: [qkvz, ba]; split: [qkv, z, b, a]; each buffer sized for the widest use.
+        let delta_in = [
+            m * widest(&|d| d.conv_dim() + d.value_dim()),
+            m * widest(&|d| d.value_dim().max(2 * d.n_v_heads)),
+            m * widest(&|d| d.n_v_heads),
+            m * widest(&|d| d.n_v_heads),
+        ];
         Activations {
             hidden: vec![0.0; m * c.hidden],
             normed: vec![0.0; m * c.hidden],
+            q_gated: vec![0.0; if gated { 2 * m * c.q_dim() } else { 0 }],
+            gate: vec![0.0; if gated { m * c.q_dim() } else { 0 }],
+            delta_in: delta_in.map(|n| vec![0.0; n]),
+            delta_out: vec![0.0; m * widest(&|d| d.value_dim())],
             q: vec![0.0; m * c.q_dim()],
             k: vec![0.0; m * c.kv_dim()],
             v: vec![0.0; m * c.kv_dim()],
@@ -261,7 +294,7 @@ impl Activations {
 /// here and read in place later.
 fn load_dense(model: &Model) -> Result<(Vec<f32>, Vec<LayerVectors>), TensorError> {
     check_matrices(model)?;
-    let final_norm = model.global(GlobalRole::OutputNorm).expect("validated at open").to_f32_vec()?;
+    let final_norm = model.output_norm_weight()?;
     let layers =
         (0..model.config().n_layers).map(|l| LayerVectors::load(model, l)).collect::<Result<_, _>>()?;
     Ok((final_norm, layers))
@@ -345,13 +378,15 @@ impl Pipeline {
         }
         let plan = model.plan().clone();
         // One cos/sin table serves every layer (`ensure_rope`): per-layer RoPE bases need a table each.
-        if plan.layers().iter().any(|s| s.attention().rope.theta != c.rope_theta) {
+        let own_rope =
+            |s: &LayerSpec| s.as_attention().is_some_and(|a| a.rope.theta != c.rope_theta || a.rope.dims != c.rotary_dims);
+        if plan.layers().iter().any(own_rope) {
             return Err(PipelineError::Setup(
                 "layers with their own RoPE base are not supported by the CPU pipeline yet".into(),
             ));
         }
         let routers = plan.layers().iter().map(|spec| Router::new(spec.moe().router, m)).collect();
-        let act = Activations::new(&c, m);
+        let act = Activations::new(&c, &plan, m);
         let updater = UpdaterHandle::start().map_err(|e| PipelineError::Setup(format!("updater: {e}")))?;
         let switches = options.switches;
         Ok(Pipeline {
@@ -463,9 +498,19 @@ impl Pipeline {
     }
 
     pub fn new_cache(&self) -> PipelineCache {
+        let recurrent = self
+            .plan
+            .layers()
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::GatedDeltaNet(d) => Some(DeltaNetState::new(d)),
+                Mixer::Attention(_) => None,
+            })
+            .collect();
         PipelineCache {
             keys: vec![Vec::new(); self.config.n_layers * self.config.n_kv_heads],
             values: vec![Vec::new(); self.config.n_layers * self.config.n_kv_heads],
+            recurrent,
             n_positions: 0,
         }
     }
@@ -587,7 +632,15 @@ impl Pipeline {
         mark(&mut self.profile, |p| p.tail(0));
         for l in 0..self.config.n_layers {
             let m = LayerMatrices::resolve(&model, l)?;
-            self.attention_block(cache, l, &m, n, first_pos)?;
+            match &m.mixer {
+                MixerMatrices::Attention { q, k, v, o } => {
+                    self.attention_block(cache, l, [q, k, v, o], n, first_pos)?
+                }
+                MixerMatrices::DeltaNet { inputs, out } => {
+                    let state = cache.recurrent[l].as_mut().expect("the cache follows the plan");
+                    self.delta_net_block(state, l, inputs, out, n)?
+                }
+            }
             self.moe_block(l, &m, n, plan)?;
         }
         cache.n_positions += n;
@@ -612,7 +665,7 @@ impl Pipeline {
     }
 
     fn ensure_rope(&mut self, n_positions: usize) {
-        let hd = self.config.head_dim;
+        let hd = self.config.rotary_dims;
         let half = hd / 2;
         let have = self.rope.len().checked_div(half).unwrap_or(n_positions);
         let theta = self.config.rope_theta as f64;
@@ -629,25 +682,35 @@ impl Pipeline {
         &mut self,
         cache: &mut PipelineCache,
         l: usize,
-        m: &LayerMatrices<'_>,
+        [wq, wk, wv, wo]: [&DenseMatrix<'_>; 4],
         n: usize,
         first_pos: usize,
     ) -> Result<(), PipelineError> {
         let c = &self.config;
         let (w, a) = (&self.layers[l], &mut self.act);
         let (h, qd, kvd, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
+        let output_gate = self.plan.layer(l).attention().output_gate;
         for t in 0..n {
             let x = &a.hidden[t * h..(t + 1) * h];
             rms_norm_row(x, &w.attn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
         }
+        let q_out = if output_gate { &mut a.q_gated[..2 * n * qd] } else { &mut a.q[..n * qd] };
         self.dense.matmul(
             &a.normed[..n * h],
             &mut [
-                MatmulPart { w: m.q, y: &mut a.q[..n * qd] },
-                MatmulPart { w: m.k, y: &mut a.k[..n * kvd] },
-                MatmulPart { w: m.v, y: &mut a.v[..n * kvd] },
+                MatmulPart { w: *wq, y: q_out },
+                MatmulPart { w: *wk, y: &mut a.k[..n * kvd] },
+                MatmulPart { w: *wv, y: &mut a.v[..n * kvd] },
             ],
         )?;
+        if output_gate {
+            // `[query | gate]` per head: the query to `q`, the gate to `gate`.
+            let pairs = a.q_gated[..2 * n * qd].chunks_exact(2 * hd);
+            for ((pair, q), g) in pairs.zip(a.q.chunks_exact_mut(hd)).zip(a.gate.chunks_exact_mut(hd)) {
+                q.copy_from_slice(&pair[..hd]);
+                g.copy_from_slice(&pair[hd..]);
+            }
+        }
         mark(&mut self.profile, |p| p.layer(0));
         self.qkv_post(l, n, first_pos)?;
         let (c, a) = (&self.config, &mut self.act);
@@ -676,8 +739,13 @@ impl Pipeline {
             window: self.plan.layer(l).attention().window,
         };
         self.dense.attention(&input, &mut a.attn[..n * qd])?;
+        if output_gate {
+            for (x, g) in a.attn[..n * qd].iter_mut().zip(&a.gate[..n * qd]) {
+                *x *= sigmoid(*g);
+            }
+        }
         mark(&mut self.profile, |p| p.layer(2));
-        self.dense.matmul(&a.attn[..n * qd], &mut [MatmulPart { w: m.o, y: &mut a.proj[..n * h] }])?;
+        self.dense.matmul(&a.attn[..n * qd], &mut [MatmulPart { w: *wo, y: &mut a.proj[..n * h] }])?;
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
             *x += y;
         }
@@ -713,7 +781,7 @@ impl Pipeline {
     fn norm_rope_heads_on_pool(&mut self, l: usize, n: usize, first_pos: usize) -> Result<(), PipelineError> {
         let c = &self.config;
         let style = self.plan.layer(l).attention().rope.style;
-        let (hd, half, eps) = (c.head_dim, c.head_dim / 2, c.rms_eps);
+        let (hd, half, eps) = (c.head_dim, c.rotary_dims / 2, c.rms_eps);
         let w = &self.layers[l];
         let (qn, kn) = match self.plan.layer(l).attention().qk_norm {
             QkNorm::PerHead => (w.q_norm.as_deref(), w.k_norm.as_deref()),
@@ -729,7 +797,7 @@ impl Pipeline {
                     rms_norm_in_place(head, weight, eps);
                 }
                 let t = first_pos + i / heads_per_token;
-                rope_head(head, &rope[t * half..(t + 1) * half], style);
+                rope_head(&mut head[..2 * half], &rope[t * half..(t + 1) * half], style);
             })?;
         }
         Ok(())
@@ -769,16 +837,57 @@ impl Pipeline {
                 *x = x.clamp(-clip, clip);
             }
         }
-        let half = hd / 2;
+        let half = c.rotary_dims / 2;
         for t in 0..n {
             let table = &self.rope[(first_pos + t) * half..(first_pos + t + 1) * half];
             for head in a.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
-                rope_head(head, table, spec.rope.style);
+                rope_head(&mut head[..2 * half], table, spec.rope.style);
             }
             for head in a.k[t * kvd..(t + 1) * kvd].chunks_exact_mut(hd) {
-                rope_head(head, table, spec.rope.style);
+                rope_head(&mut head[..2 * half], table, spec.rope.style);
             }
         }
+    }
+
+    /// A Gated DeltaNet layer over `n` tokens: the input projections as one batched matmul, the
+    /// conv and delta rule token by token on the session's state, the output projection batched.
+    fn delta_net_block(
+        &mut self,
+        state: &mut DeltaNetState,
+        l: usize,
+        inputs: &[DenseMatrix<'_>],
+        out: &DenseMatrix<'_>,
+        n: usize,
+    ) -> Result<(), PipelineError> {
+        let c = &self.config;
+        let Mixer::GatedDeltaNet(d) = self.plan.layer(l).mixer else { unreachable!("a DeltaNet layer") };
+        let (w, a) = (&self.layers[l], &mut self.act);
+        let h = c.hidden;
+        for t in 0..n {
+            let x = &a.hidden[t * h..(t + 1) * h];
+            rms_norm_row(x, &w.attn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
+        }
+        let mut parts: Vec<MatmulPart<'_, '_>> = inputs
+            .iter()
+            .zip(a.delta_in.iter_mut())
+            .map(|(m, buf)| MatmulPart { w: *m, y: &mut buf[..n * m.rows] })
+            .collect();
+        self.dense.matmul(&a.normed[..n * h], &mut parts)?;
+        drop(parts);
+        let vectors = w.delta_net.as_ref().expect("loaded for DeltaNet layers");
+        let outputs: Vec<&[f32]> = a.delta_in.iter().map(Vec::as_slice).collect();
+        let mut token = TokenInputs::new(&d);
+        let vd = d.value_dim();
+        for t in 0..n {
+            token.gather(&d, &outputs, t);
+            conv_step(&d, &vectors.conv, state, &mut token.qkv);
+            recurrent_step(&d, vectors, state, &token, c.rms_eps, &mut a.delta_out[t * vd..(t + 1) * vd]);
+        }
+        self.dense.matmul(&a.delta_out[..n * vd], &mut [MatmulPart { w: *out, y: &mut a.proj[..n * h] }])?;
+        for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
+            *x += y;
+        }
+        Ok(())
     }
 
     fn moe_block(
