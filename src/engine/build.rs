@@ -13,7 +13,9 @@ use crate::cache::perf::PerfMode;
 use crate::cache::planner::{plan_fraction, plan_weighted, HotPlan};
 use crate::cache::update::UpdatePolicy;
 use crate::cache::weighting::Weighting;
-use crate::gpu::{CudaBackend, GpuKvCache, GpuModel, GpuOptions, PoolColdExperts, PrefillActivations};
+use crate::gpu::{
+    CudaBackend, GpuError, GpuKvCache, GpuModel, GpuOptions, PoolColdExperts, PrefillActivations,
+};
 use crate::inspect::{sample_tokens, InspectReport};
 use crate::model::context::{kv_bytes_per_position_of, KvType};
 use crate::model::Model;
@@ -184,11 +186,17 @@ pub fn build_engine<'m>(
     let mut gpu_unavailable = None;
     if matches!(opts.kind, None | Some(EngineKind::Gpu)) {
         match CudaBackend::with_config(&opts.cuda) {
-            Ok(be) => {
-                let (mut engine, report) = build_gpu(model, &opts, Arc::new(be))?;
-                engine.set_thread_report(report.threads);
-                return Ok((Box::new(engine), report));
-            }
+            Ok(be) => match build_gpu(model, &opts, Arc::new(be)) {
+                Ok((mut engine, report)) => {
+                    engine.set_thread_report(report.threads);
+                    return Ok((Box::new(engine), report));
+                }
+                // A layer kind the GPU engine does not run: the default engine is the pipeline.
+                Err(EngineError::Gpu(e @ GpuError::Mixer { .. })) if opts.kind.is_none() => {
+                    gpu_unavailable = Some(e.to_string())
+                }
+                Err(e) => return Err(e),
+            },
             // Asked for by name, the GPU engine is not replaced by another: the caller said which.
             Err(e) if opts.kind == Some(EngineKind::Gpu) => {
                 return Err(EngineError::NoGpu { reason: e.to_string() })

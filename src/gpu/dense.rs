@@ -404,3 +404,11 @@ pub(crate) fn route_ids<T>(all: DPtr<T>, k: usize, l: usize, t: usize) -> DPtr<T
 pub(crate) fn qk_fusable(a: &AttentionSpec) -> bool {
     a.clip_qkv.is_none() && matches!(a.qk_norm, QkNorm::None | QkNorm::PerHead)
 }
+
+/// The mixer kinds the GPU engine runs: attention with full RoPE and no output gate.
+pub(crate) fn runs_mixer(m: &crate::model::arch::Mixer) -> bool {
+    match m {
+        crate::model::arch::Mixer::Attention(a) => !a.output_gate && a.rope.dims == a.head_dim,
+        crate::model::arch::Mixer::GatedDeltaNet(_) => false,
+    }
+}

@@ -19,6 +19,8 @@ pub enum GpuError {
     Cold(super::cold::ColdError),
     #[error("the experts' activation is {activation:?}; the GPU kernels implement SiLU only")]
     Activation { activation: crate::model::arch::FfnActivation },
+    #[error("layer {layer_idx} is a {kind} layer, which the GPU engine does not run yet (use --engine pipeline)")]
+    Mixer { layer_idx: usize, kind: &'static str },
     #[error("head_dim {head_dim} is odd; the GPU RoPE kernels need an even head_dim")]
     OddHeadDim { head_dim: usize },
     #[error("the hot set has {given} layers, the model has {expected}")]

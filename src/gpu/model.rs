@@ -318,6 +318,9 @@ impl GpuModel {
         if cfg.head_dim % 2 == 1 {
             return Err(GpuError::OddHeadDim { head_dim: cfg.head_dim });
         }
+        if let Some((layer_idx, kind)) = model.plan().first_unsupported(super::dense::runs_mixer) {
+            return Err(GpuError::Mixer { layer_idx, kind });
+        }
         let activation = model.plan().expert_activation();
         if activation != crate::model::arch::FfnActivation::Silu {
             return Err(GpuError::Activation { activation });
