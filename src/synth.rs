@@ -19,6 +19,7 @@ use crate::format::tensor::encode_f32;
 use crate::model::arch::{Adapter, Arch};
 use crate::model::config::ModelConfig;
 use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
+use crate::model::config::HybridConfig;
 use crate::model::{expected_layer_shape, required_layer_roles};
 use crate::output::{check_output, OutputKind};
 use crate::quantize::{quantize_gguf, QuantMix, QuantizeError};
@@ -36,6 +37,18 @@ pub enum Preset {
     Tiny,
     /// Qwen3-30B-A3B's shapes (48 layers unless `--layers`).
     Qwen3_30bA3b,
+    /// Qwen3.6-35B-A3B's shapes (`--arch qwen3_5_moe`): 40 layers, 3 Gated DeltaNet to 1 gated
+    /// attention, 256 experts (top-8) and a shared expert, vocab 248,320.
+    Qwen36_35bA3b,
+    /// Qwen3-Next-80B-A3B's shapes (`--arch qwen3_next`): 48 layers, 512 experts (top-10).
+    Qwen3Next80bA3b,
+}
+
+impl Preset {
+    /// A preset of a hybrid (DeltaNet) model.
+    fn is_hybrid(self) -> bool {
+        matches!(self, Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b)
+    }
 }
 
 impl std::str::FromStr for Preset {
@@ -44,7 +57,11 @@ impl std::str::FromStr for Preset {
         match s {
             "tiny" => Ok(Preset::Tiny),
             "qwen3-30b-a3b" => Ok(Preset::Qwen3_30bA3b),
-            other => Err(format!("unknown preset '{other}' (expected tiny or qwen3-30b-a3b)")),
+            "qwen3.6-35b-a3b" => Ok(Preset::Qwen36_35bA3b),
+            "qwen3-next-80b-a3b" => Ok(Preset::Qwen3Next80bA3b),
+            other => Err(format!(
+                "unknown preset '{other}' (expected tiny, qwen3-30b-a3b, qwen3.6-35b-a3b or qwen3-next-80b-a3b)"
+            )),
         }
     }
 }
@@ -366,7 +383,48 @@ pub fn synth_config(
             hybrid: None,
             zero_centred_norms: false,
         },
+        Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b => {
+            let next = preset == Preset::Qwen3Next80bA3b;
+            ModelConfig {
+                arch: adapter.arch,
+                n_layers: if next { 48 } else { 40 },
+                hidden: 2048,
+                n_heads: 16,
+                n_kv_heads: 2,
+                head_dim: 256,
+                vocab: if next { 151_936 } else { 248_320 },
+                n_experts: if next { 512 } else { 256 },
+                n_experts_used: if next { 10 } else { 8 },
+                expert_ff: 512,
+                shared_expert_ff: 512,
+                rms_eps: 1e-6,
+                rope_theta: 10_000_000.0,
+                rope_style: adapter.rope_style,
+                norm_topk_prob: true,
+                tied_embeddings: false,
+                max_positions: 262_144,
+                sliding_window: None,
+                clip_qkv: None,
+                rotary_dims: 0,
+                hybrid: Some(HybridConfig {
+                    n_k_heads: 16,
+                    n_v_heads: 32,
+                    k_head_dim: 128,
+                    v_head_dim: 128,
+                    conv_kernel: 4,
+                    full_attention_layers: Vec::new(),
+                }),
+                zero_centred_norms: false,
+            }
+        }
     };
+    if adapter.delta_net.is_some() != (preset.is_hybrid() || preset == Preset::Tiny) {
+        let want = if preset.is_hybrid() { "qwen3_next or qwen3_5_moe" } else { "an attention-only architecture" };
+        return Err(invalid("preset", format!("this preset is for {want}, not {}", adapter.hf_model_type)));
+    }
+    if adapter.delta_net.is_some() {
+        tiny_hybrid(&mut c, preset, dims);
+    }
     let set = |slot: &mut usize, v: Option<usize>| {
         if let Some(v) = v {
             *slot = v
@@ -390,8 +448,9 @@ pub fn synth_config(
         c.tied_embeddings = tied;
     }
     c.rotary_dims = ((c.head_dim as f64 * adapter.default_partial_rotary) as usize).max(2) & !1;
-    if adapter.delta_net.is_some() {
-        return Err(invalid("arch", format!("synth does not write {} models yet", adapter.hf_model_type)));
+    c.zero_centred_norms = adapter.hf_zero_centred_norms;
+    if let Some(h) = &mut c.hybrid {
+        h.full_attention_layers = HybridConfig::every_nth_full(QWEN_HYBRID_INTERVAL, c.n_layers);
     }
     c.validate().map_err(|(field, reason)| invalid(field, reason))?;
     check_dim_limits(&c)?;
@@ -399,6 +458,28 @@ pub fn synth_config(
         return Err(invalid("shared_expert_ff", "must be greater than zero".into()));
     }
     Ok(c)
+}
+
+/// One layer in this many is full attention in the Qwen hybrids (`full_attention_interval`).
+const QWEN_HYBRID_INTERVAL: usize = 4;
+
+/// The tiny preset of a hybrid architecture: four layers (three DeltaNet, one attention) and small
+/// DeltaNet heads, unless overridden.
+fn tiny_hybrid(c: &mut ModelConfig, preset: Preset, dims: &DimOverrides) {
+    if preset != Preset::Tiny {
+        return;
+    }
+    if dims.n_layers.is_none() {
+        c.n_layers = QWEN_HYBRID_INTERVAL;
+    }
+    c.hybrid = Some(HybridConfig {
+        n_k_heads: 2,
+        n_v_heads: 4,
+        k_head_dim: 16,
+        v_head_dim: 16,
+        conv_kernel: 4,
+        full_attention_layers: Vec::new(),
+    });
 }
 
 /// The largest value of any one dimension of a synthetic model (a row of this many f32 values is
@@ -503,6 +584,12 @@ pub fn write_synthetic(
         ));
     }
     let generator = WeightGenerator::new(&config, opts);
+    if opts.format == SynthFormat::Gguf && opts.adapter.delta_net.is_some() {
+        return Err(invalid(
+            "format",
+            format!("GGUF files of {} are not supported yet: write safetensors", opts.adapter.hf_model_type),
+        ));
+    }
     let tensors = match opts.format {
         SynthFormat::Gguf => gguf_tensor_plan(&config, opts),
         SynthFormat::Safetensors => hf_tensor_plan(&config, opts),
@@ -703,6 +790,8 @@ enum Init {
     Uniform(f32),
     /// `1 + uniform(±0.1)`: RMSNorm weights.
     NormWeight,
+    /// `uniform(±0.1)`: RMSNorm weights of a zero-centred checkpoint (applied as `1 + w`).
+    CentredNormWeight,
     /// Token embeddings: std 1, channel 0 set to the bias channel when skewed.
     Embedding,
     /// Output projections (attention o, expert/shared down): row 0 zero when skewed.
@@ -787,6 +876,7 @@ impl WeightGenerator {
         let skewed = self.skew_exponent.is_some();
         match part.init {
             Init::NormWeight => values.extend((0..part.n_cols).map(|_| 1.0 + 0.1 * rng.uniform_pm1())),
+            Init::CentredNormWeight => values.extend((0..part.n_cols).map(|_| 0.1 * rng.uniform_pm1())),
             Init::Uniform(std) | Init::ResidualWriter(std) | Init::Router(std) => {
                 let a = std * 3f32.sqrt();
                 values.extend((0..part.n_cols).map(|_| a * rng.uniform_pm1()))
@@ -911,7 +1001,7 @@ fn hash_str(s: &str) -> u64 {
 fn layer_init(c: &ModelConfig, role: LayerRole) -> Init {
     let inv_sqrt = |n: usize| 1.0 / (n as f32).sqrt();
     match role {
-        LayerRole::AttnNorm | LayerRole::FfnNorm | LayerRole::QNorm | LayerRole::KNorm => Init::NormWeight,
+        LayerRole::AttnNorm | LayerRole::FfnNorm | LayerRole::QNorm | LayerRole::KNorm => norm_init(c),
         LayerRole::Q | LayerRole::K | LayerRole::V => Init::Uniform(inv_sqrt(c.hidden)),
         LayerRole::QBias | LayerRole::KBias | LayerRole::VBias => Init::Uniform(0.1),
         LayerRole::O => Init::ResidualWriter(0.5 * inv_sqrt(c.q_dim())),
@@ -935,6 +1025,15 @@ fn layer_init(c: &ModelConfig, role: LayerRole) -> Init {
             let value_dim = c.hybrid.as_ref().map_or(c.hidden, |h| h.n_v_heads * h.v_head_dim);
             Init::ResidualWriter(0.5 * inv_sqrt(value_dim))
         }
+    }
+}
+
+/// RMSNorm weights as the checkpoint stores them (zero-centred or not).
+fn norm_init(c: &ModelConfig) -> Init {
+    if c.zero_centred_norms {
+        Init::CentredNormWeight
+    } else {
+        Init::NormWeight
     }
 }
 
@@ -966,7 +1065,7 @@ fn global_parts(c: &ModelConfig, a: &Adapter) -> Vec<(GlobalRole, Canonical)> {
     )];
     parts.push((
         GlobalRole::OutputNorm,
-        canonical_2d(naming::hf_global(GlobalRole::OutputNorm).into(), &[c.hidden], Init::NormWeight, 0),
+        canonical_2d(naming::hf_global(GlobalRole::OutputNorm).into(), &[c.hidden], norm_init(c), 0),
     ));
     if !c.tied_embeddings {
         let init = Init::Uniform(1.0 / (c.hidden as f32).sqrt());
@@ -1010,9 +1109,18 @@ fn expert_part(
 
 fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
     let a = opts.adapter;
+    // A published multimodal checkpoint (Qwen3.5) keeps the language model under
+    // `model.language_model.` and its experts fused, as transformers reads it.
+    let nested = a.hf_text_model_type.is_some();
+    let name = |key: &str| match key.strip_prefix("model.") {
+        Some(rest) if nested => format!("model.language_model.{rest}"),
+        _ => key.to_string(),
+    };
     let mut plan = Vec::new();
-    let mut push = |part: Canonical, shape: Vec<usize>| {
-        plan.push(PlannedTensor { name: part.key.clone(), dtype: opts.dtype, shape, parts: vec![part] });
+    // The parts keep their per-expert keys (they seed the values), so a fused file holds the
+    // same experts as a per-expert one.
+    let mut push = |key: &str, parts: Vec<Canonical>, shape: Vec<usize>| {
+        plan.push(PlannedTensor { name: name(key), dtype: opts.dtype, shape, parts });
     };
     for (_, part) in global_parts(c, a) {
         let shape = if part.n_rows == 1 && part.key.ends_with("norm.weight") {
@@ -1020,18 +1128,31 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
         } else {
             vec![part.n_rows, part.n_cols]
         };
-        push(part, shape);
+        push(&part.key.clone(), vec![part], shape);
     }
     for layer_idx in 0..c.n_layers {
         let spec = (a.layer)(c, layer_idx);
         for (role, part) in layer_parts(c, a, layer_idx) {
-            push(part, expected_layer_shape(c, &spec, role));
+            let mut shape = expected_layer_shape(c, &spec, role);
+            if role == LayerRole::DeltaConv {
+                shape.insert(1, 1); // transformers' Conv1d weight: [channels, 1, width]
+            }
+            push(&part.key.clone(), vec![part], shape);
+        }
+        if nested {
+            let gate_up = (0..c.n_experts)
+                .flat_map(|e| [ExpertProj::Gate, ExpertProj::Up].map(|p| expert_part(c, a, layer_idx, e, p)))
+                .collect();
+            push(&naming::hf_fused_experts(layer_idx, false), gate_up, vec![c.n_experts, 2 * c.expert_ff, c.hidden]);
+            let down = (0..c.n_experts).map(|e| expert_part(c, a, layer_idx, e, ExpertProj::Down)).collect();
+            push(&naming::hf_fused_experts(layer_idx, true), down, vec![c.n_experts, c.hidden, c.expert_ff]);
+            continue;
         }
         for expert_idx in 0..c.n_experts {
             for proj in ExpertProj::ALL {
                 let part = expert_part(c, a, layer_idx, expert_idx, proj);
                 let shape = vec![part.n_rows, part.n_cols];
-                push(part, shape);
+                push(&part.key.clone(), vec![part], shape);
             }
         }
     }

@@ -31,6 +31,8 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 const REL_TOL: f32 = 2e-3;
 const N_DECODE: usize = 3;
+/// Session positions of the engines here: the hybrid fixtures' 70-token prompts and their decode steps fit.
+const POSITIONS: usize = 96;
 
 /// Device memory held by the tests of this file: each holds it shared for its whole body, except
 /// the budget test, which needs the memory in use to stay as it measured it (it failed when
@@ -81,7 +83,7 @@ fn hot_set(hot: Hot, n_layers: usize, n_experts: usize) -> HotSet {
 }
 
 fn gpu_engine(model: &Arc<Model>, hot: HotChoice, faults: GpuFaults) -> Box<dyn Engine + '_> {
-    gpu_engine_with(model, hot, faults, 64)
+    gpu_engine_with(model, hot, faults, POSITIONS)
 }
 
 fn gpu_engine_with(
@@ -171,7 +173,7 @@ fn run_hot(hot: Hot) {
         let model = open(name);
         let c = model.config().clone();
         let set = HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts));
-        let mut engine = gpu_engine_with(&model, set, GpuFaults::default(), 64);
+        let mut engine = gpu_engine_with(&model, set, GpuFaults::default(), POSITIONS);
         worst = worst.max(check_against_reference(&format!("{name} {hot:?}"), &model, engine.as_mut()));
         let perf = engine.perf().unwrap();
         let fallbacks: u64 = perf.report().layers.iter().map(|l| l.parallel_fallbacks).sum();
@@ -205,7 +207,7 @@ fn fixtures_f32_kv_cache() {
         for name in &common::fixture_names() {
             let model = open(name);
             let c = model.config().clone();
-            let mut opts = gpu_options(HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts)), 64);
+            let mut opts = gpu_options(HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts)), POSITIONS);
             opts.kv_type = Some(KvType::F32);
             let mut engine = build_gpu(&model, opts);
             worst = worst.max(check_against_reference(
@@ -607,7 +609,7 @@ fn postfetch_modes_match_reference() {
         for hot in [Hot::None, Hot::Half] {
             for case in postfetch_cases() {
                 let what = format!("{name} {hot:?} {}", case.what);
-                let mut engine = postfetch_engine(&model, hot, case.pf, case.faults, 64);
+                let mut engine = postfetch_engine(&model, hot, case.pf, case.faults, POSITIONS);
                 let worst = check_against_reference(&what, &model, engine.as_mut());
                 let perf = engine.perf().unwrap().report();
                 let fallbacks: u64 = perf.layers.iter().map(|l| l.parallel_fallbacks).sum();
@@ -646,7 +648,7 @@ fn postfetch_decode_after_a_second_prefill_matches_reference() {
         for hot in [Hot::None, Hot::Half] {
             let what = format!("{hot:?} decode fetch {decode}");
             let mut engine =
-                postfetch_engine(&model, hot, PostFetchOptions { decode, ..on }, GpuFaults::default(), 64);
+                postfetch_engine(&model, hot, PostFetchOptions { decode, ..on }, GpuFaults::default(), POSITIONS);
             let (mut rc, mut cache) = (reference.new_cache(), engine.new_cache(64).unwrap());
             let mut step = |tokens: &[u32], phase: Phase, at: &str| {
                 let want = reference.forward(&mut rc, tokens, &mut NoObserver).unwrap();

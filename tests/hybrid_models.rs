@@ -6,6 +6,7 @@
 mod common;
 
 use common::*;
+use moe_lanes::engine::{build_engine, Engine, EngineKind, EngineOptions, HotChoice};
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
@@ -78,6 +79,55 @@ fn pipeline_greedy_continuations_are_identical() {
         for hot in [0.0, 1.0] {
             let got = pipeline(&model, hot, 512).generate(&g.prompt, g.greedy_new_tokens.len()).unwrap();
             assert_eq!(got, g.greedy_new_tokens, "{name} hot {hot}");
+        }
+    }
+}
+
+/// The bound for the GPU engine (bf16 activations in its prefill GEMMs).
+const GPU_TOLERANCE: f32 = 2e-3;
+
+fn gpu_engine(model: &Arc<Model>, hot_fraction: f64) -> Box<dyn Engine + '_> {
+    let c = model.config();
+    let lists: Vec<Vec<usize>> = (0..c.n_layers)
+        .map(|l| (0..c.n_experts).filter(|e| ((e + l) % c.n_experts) < (hot_fraction * c.n_experts as f64) as usize).collect())
+        .collect();
+    let mut opts = EngineOptions::new(128);
+    opts.cuda = moe_lanes::env::cuda_config().unwrap();
+    opts.kind = Some(EngineKind::Gpu);
+    opts.hot = HotChoice::Set(HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists));
+    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
+    let (engine, report) = build_engine(model, opts).unwrap();
+    assert_eq!(report.kind, EngineKind::Gpu);
+    engine
+}
+
+/// Prefill, a second chunk, decode steps and greedy tokens on the GPU engine against
+/// transformers, at hot fractions 0, 0.5 and 1 (the decode steps run as CUDA graphs).
+#[test]
+fn gpu_engine_matches_transformers_on_the_hybrids() {
+    if !gpu_usable() {
+        return;
+    }
+    for name in HYBRIDS {
+        let (model, g) = open(name);
+        for hot in [0.0, 0.5, 1.0] {
+            let mut engine = gpu_engine(&model, hot);
+            let mut cache = engine.new_cache(128).unwrap();
+            let prefill = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().rows();
+            let second = engine.forward(&g.second_chunk, Phase::Prefill, &mut cache).unwrap().rows();
+            let (e1, e2) = (max_rel_err(&prefill, &g.logits), max_rel_err(&second, &g.second_chunk_logits));
+            println!("{name} gpu hot {hot}: prefill {e1:.2e}, second chunk {e2:.2e}");
+            assert!(e1 < GPU_TOLERANCE && e2 < GPU_TOLERANCE, "{name} hot {hot}: {e1} {e2}");
+            // Greedy decode of the prompt alone, one token a call.
+            let mut cache = engine.new_cache(128).unwrap();
+            let logits = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap();
+            let mut next = *logits.argmax.last().unwrap();
+            let mut got = Vec::new();
+            for _ in 0..g.greedy_new_tokens.len() {
+                got.push(next);
+                next = engine.forward(&[next], Phase::Decode, &mut cache).unwrap().argmax[0];
+            }
+            assert_eq!(got, g.greedy_new_tokens, "{name} gpu hot {hot}");
         }
     }
 }

@@ -29,6 +29,13 @@ extern "C" __global__ void silu_mul_f32(const float* g, const float* u, float* o
     if (i < n) out[i] = silu(g[i]) * u[i];
 }
 
+// x[i] *= sigmoid(gate[i]) on the first n elements (gated attention's output). grid (ceil(n/256)), block 256.
+extern "C" __global__ void mul_sigmoid_f32(float* x, const float* __restrict__ gate, int n) {
+    pdl_enter();
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] *= 1.f / (1.f + expf(-gate[i]));
+}
+
 // out[t, :] = table[tokens[t], :] as f32. grid (T), block 256.
 extern "C" __global__ void embed_bf16(const bf16* __restrict__ table, const int* __restrict__ tokens,
                                       float* __restrict__ out, int hidden) {

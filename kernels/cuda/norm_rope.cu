@@ -17,17 +17,19 @@ __device__ __forceinline__ void rope_angle(int i, int hd, float theta, double po
     *s = (float)ds, *c = (float)dc;
 }
 
-// RoPE for token t (position pos0 + t), head h: rotate pairs (i, i + d/2) (half_split) or
-// (2i, 2i + 1) (interleaved) by pos * theta^(-2i/d), angles in double as the reference does.
+// RoPE for token t (position pos0 + t), head h: rotate pairs (i, i + rot/2) (half_split) or
+// (2i, 2i + 1) (interleaved) of the first rot values (rot <= head_dim; partial RoPE leaves the rest)
+// by pos * theta^(-2i/rot), angles in double as the reference does.
 // x rows are [T, row_stride]; heads at h * head_dim. grid (T, n_heads), block 64.
-extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int pos0, float theta, int interleaved) {
+extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int rot, int pos0, float theta,
+                                    int interleaved) {
     pdl_enter();
-    int t = blockIdx.x, h = blockIdx.y, half = head_dim / 2;
+    int t = blockIdx.x, h = blockIdx.y, half = rot / 2;
     float* xh = x + (size_t)t * row_stride + (size_t)h * head_dim;
     double pos = (double)(pos0 + t);
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
-        rope_angle(i, head_dim, theta, pos, &s, &c);
+        rope_angle(i, rot, theta, pos, &s, &c);
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
         float x0 = xh[a], x1 = xh[b];
@@ -45,7 +47,8 @@ __device__ __forceinline__ void kv_store(void* cache, size_t i, float x, int kv_
 }
 
 // Fused decode/prefill q/k post-processing: optional per-head RMSNorm (qw / kw, null for none),
-// then RoPE, for the nh query heads and nkv key heads of token t (position pos0 + t). Same math and
+// then RoPE of the first rot values of each head (rot < hd: partial RoPE, the rest normed only), for
+// the nh query heads and nkv key heads of token t (position pos0 + t). Same math and
 // summation order as rmsnorm_f32 (block 256) followed by rope_f32. grid (T, nh + nkv), block 256.
 // Appending (kc non-null: the decode graph, and prefill into an f16 cache): the roped key heads
 // go to the key cache row pos0 + t instead of back into k, and nkv more blocks (grid (T, nh + 2
@@ -54,12 +57,12 @@ __device__ __forceinline__ void kv_store(void* cache, size_t i, float x, int kv_
 // graph): the position comes from device memory, so a captured graph replays for every token.
 extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __restrict__ qw,
                                             const float* __restrict__ kw, int q_stride, int k_stride, int nh,
-                                            int hd, int pos0, float theta, int interleaved, float eps,
+                                            int hd, int rot, int pos0, float theta, int interleaved, float eps,
                                             const int* __restrict__ pos_ptr, void* __restrict__ kc,
                                             void* __restrict__ vc, const float* __restrict__ v, int nkv,
                                             int kv_half) {
     pdl_enter();
-    int t = blockIdx.x, h = blockIdx.y, half = hd / 2;
+    int t = blockIdx.x, h = blockIdx.y, half = rot / 2;
     if (pos_ptr) pos0 = *pos_ptr;
     if (kc && h >= nh + nkv) {  // value head copy into the cache
         size_t off = (size_t)(h - nh - nkv) * hd;
@@ -81,9 +84,16 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
         inv = 1.f / sqrtf(ss / (float)hd + eps);
     }
     double pos = (double)(pos0 + t);
+    for (int i = rot + threadIdx.x; i < hd; i += blockDim.x) {  // past the rotated part: norm only
+        float y = w ? xh[i] * inv * w[i] : xh[i];
+        if (to_cache)
+            kv_store(kc, yc + i, y, kv_half);
+        else
+            xh[i] = y;
+    }
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
-        rope_angle(i, hd, theta, pos, &s, &c);
+        rope_angle(i, rot, theta, pos, &s, &c);
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
         float x0 = xh[a], x1 = xh[b];

@@ -183,7 +183,7 @@ fn rope_both_styles_match_cpu() {
     for interleaved in [false, true] {
         let x = rnd(t * heads * hd, 11);
         let dx = be.upload(&x).unwrap();
-        be.rope(dx.ptr(), t, heads, heads * hd, hd, pos0, 10000.0, interleaved).unwrap();
+        be.rope(dx.ptr(), t, heads, heads * hd, hd, hd, pos0, 10000.0, interleaved).unwrap();
         let got = be.read_vec(dx.ptr()).unwrap();
         let mut want = x.clone();
         for (r, row) in want.chunks_mut(heads * hd).enumerate() {
@@ -491,6 +491,7 @@ fn kv_appends_convert_to_the_cache_type() {
             nkv,
             nh * hd,
             kvd,
+            hd,
             hd,
             pos0,
             1e6,
@@ -1106,6 +1107,7 @@ fn qk_norm_rope_matches_norm_then_rope() {
                 qs,
                 ks,
                 hd,
+                hd,
                 pos0,
                 1e6,
                 interleaved,
@@ -1138,8 +1140,8 @@ fn qk_norm_rope_matches_norm_then_rope() {
                     .unwrap();
                 }
             }
-            be.rope(rq.ptr(), t, nh, qs, hd, pos0, 1e6, interleaved).unwrap();
-            be.rope(rk.ptr(), t, nkv, ks, hd, pos0, 1e6, interleaved).unwrap();
+            be.rope(rq.ptr(), t, nh, qs, hd, hd, pos0, 1e6, interleaved).unwrap();
+            be.rope(rk.ptr(), t, nkv, ks, hd, hd, pos0, 1e6, interleaved).unwrap();
             assert_eq!(gq, be.read_vec(rq.ptr()).unwrap(), "q il={interleaved} norm={with_norm}");
             assert_eq!(gk, be.read_vec(rk.ptr()).unwrap(), "k il={interleaved} norm={with_norm}");
             // and the CPU

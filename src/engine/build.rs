@@ -17,7 +17,7 @@ use crate::gpu::{
     CudaBackend, GpuError, GpuKvCache, GpuModel, GpuOptions, PoolColdExperts, PrefillActivations,
 };
 use crate::inspect::{sample_tokens, InspectReport};
-use crate::model::context::{kv_bytes_per_position_of, KvType};
+use crate::model::context::{session_bytes, KvType};
 use crate::model::Model;
 use crate::moe::phase::Phase;
 use crate::moe::pipeline::{Pipeline, PipelineOptions, MAX_BATCH_TOKENS};
@@ -490,7 +490,7 @@ pub fn auto_budget_estimate(
     let c = model.config();
     let device_bytes = device_limit(be.info().total_mem_bytes as u64, opts.vram_limit_bytes);
     let weights = InspectReport::new(model).other_bytes;
-    let kv = kv_bytes_per_position_of(c, opts.gpu_kv_type()) * n_positions as u64;
+    let kv = session_bytes(c, opts.gpu_kv_type(), n_positions);
     Ok(device_bytes.saturating_sub(weights + kv + AUTO_BUDGET_RESERVE_BYTES))
 }
 
@@ -504,7 +504,7 @@ fn check_budget(
 ) -> Result<(), BudgetError> {
     let c = model.config();
     let weights = InspectReport::new(model).other_bytes;
-    let kv = kv_bytes_per_position_of(c, kv_type) * n_positions as u64;
+    let kv = session_bytes(c, kv_type, n_positions);
     let available = device_bytes.saturating_sub(weights + kv);
     if budget > available {
         return Err(BudgetError::TooLarge {

@@ -6,10 +6,12 @@ use super::kv::GpuKvCache;
 use super::model::{GpuModel, PrefillAttention};
 use super::scratch::Q8Buf;
 use super::GpuError;
-use crate::model::arch::{AttentionSpec, QkNorm, RopeStyle, RoutingVariant};
+use super::weights::MixerWeights;
+use crate::model::arch::{AttentionSpec, DeltaNetSpec, Mixer, QkNorm, RopeStyle, RoutingVariant};
+use moe_lanes_kernels::cuda::kernel::{DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
-use moe_lanes_kernels::cuda::ops::{DevicePos, HotWorklist, KvAppend, KvPtr, NormRows, RouteVariant};
+use moe_lanes_kernels::cuda::ops::{DeltaShape, DevicePos, HotWorklist, KvAppend, KvPtr, NormRows, RouteVariant};
 use moe_lanes_kernels::cuda::quant::wide_alignment_bytes;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, Q8Rows, TypedWeights};
 use moe_lanes_kernels::q8::Q8_BLOCK;
@@ -130,8 +132,9 @@ impl GpuModel {
         let c = &self.cfg;
         let (h, qd, kvd) = (c.hidden, c.q_dim(), c.kv_dim());
         let s = self.scratch.as_ref().expect("reserved");
-        let w = &self.w.layers[l];
-        self.be.rmsnorm(s.hidden.ptr(), w.attn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
+        let lw = &self.w.layers[l];
+        let w = lw.attention();
+        self.be.rmsnorm(s.hidden.ptr(), lw.attn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
         // The decode graph and an f16 cache take the new key/value rows in scratch; the q/k norm
         // + RoPE kernel appends them (converted) at the position it reads from the device (the
         // graph) or the call's; an f32 cache outside the graph takes them in place.
@@ -163,6 +166,9 @@ impl GpuModel {
             self.linear(phase, s.normed.ptr(), w.k.view(), k_new, t, kvd, h, false)?;
             self.linear(phase, s.normed.ptr(), w.v.view(), v_new, t, kvd, h, false)?;
         }
+        if let Some(gate) = &w.q_gate {
+            self.linear(phase, s.normed.ptr(), gate.view(), s.gate.ptr(), t, qd, h, false)?;
+        }
         for (dst, bias, dim) in [(s.q.ptr(), &w.q_bias, qd), (k_new, &w.k_bias, kvd), (v_new, &w.v_bias, kvd)]
         {
             if let Some(b) = bias {
@@ -172,10 +178,61 @@ impl GpuModel {
         self.qk_norm_rope(l, t, pos0, s.q.ptr(), k_new, v_new, append)?;
         self.mark(l, 1)?;
         self.attention(l, phase, t, pos0, cache)?;
+        let s = self.scratch.as_ref().expect("reserved");
+        let w = self.w.layers[l].attention();
+        if w.q_gate.is_some() {
+            self.be.mul_sigmoid(s.attn.ptr(), s.gate.ptr(), t * qd)?;
+        }
         self.mark(l, 2)?;
         // o projection accumulates straight into the residual stream.
-        let s = self.scratch.as_ref().expect("reserved");
-        self.linear(phase, s.attn.ptr(), self.w.layers[l].o.view(), s.hidden.ptr(), t, h, qd, true)?;
+        self.linear(phase, s.attn.ptr(), w.o.view(), s.hidden.ptr(), t, h, qd, true)?;
+        self.mark(l, 3)?;
+        Ok(())
+    }
+
+    /// Layer `l`'s token mixer, as the plan says: attention over the KV cache, or a Gated
+    /// DeltaNet over the session's recurrent state.
+    pub(crate) fn mixer_block(
+        &mut self,
+        l: usize,
+        phase: Phase,
+        t: usize,
+        pos0: usize,
+        cache: &GpuKvCache,
+    ) -> Result<(), GpuError> {
+        match self.plan.layer(l).mixer {
+            Mixer::Attention(_) => self.attention_block(l, phase, t, pos0, cache),
+            Mixer::GatedDeltaNet(d) => self.delta_net_block(l, &d, phase, t, cache),
+        }
+    }
+
+    /// A Gated DeltaNet layer: norm, the `[q|k|v|z]` and `[b|a]` projections, the causal conv
+    /// and the delta rule over the session's state (two launches, token by token inside), the
+    /// output projection accumulated into the residual stream.
+    fn delta_net_block(
+        &mut self,
+        l: usize,
+        d: &DeltaNetSpec,
+        phase: Phase,
+        t: usize,
+        cache: &GpuKvCache,
+    ) -> Result<(), GpuError> {
+        let (c, s) = (&self.cfg, self.scratch.as_ref().expect("reserved"));
+        let lw = &self.w.layers[l];
+        let MixerWeights::DeltaNet(w) = &lw.mixer else { unreachable!("the plan says DeltaNet") };
+        let shape = delta_shape(d);
+        let (h, vd) = (c.hidden, d.value_dim());
+        let (p, ba, out) = (s.delta_p.ptr(), s.delta_ba.ptr(), s.delta_out.ptr());
+        self.be.rmsnorm(s.hidden.ptr(), lw.attn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
+        self.linear(phase, s.normed.ptr(), w.qkvz.view(), p, t, shape.p_stride(), h, false)?;
+        self.linear(phase, s.normed.ptr(), w.ba.view(), ba, t, 2 * d.n_v_heads, h, false)?;
+        self.mark(l, 1)?;
+        let state = cache.delta_state(l);
+        self.be.delta_conv(shape, p, state.conv, w.conv.ptr(), t)?;
+        let vectors = [w.dt_bias.ptr(), w.neg_a.ptr(), w.norm.ptr()];
+        self.be.delta_rule(shape, p, ba, state.matrix, vectors, out, t, c.rms_eps)?;
+        self.mark(l, 2)?;
+        self.linear(phase, out, w.out.view(), s.hidden.ptr(), t, h, vd, true)?;
         self.mark(l, 3)?;
         Ok(())
     }
@@ -199,15 +256,16 @@ impl GpuModel {
         v_new: DPtr<f32>,
         append: Option<KvAppend>,
     ) -> Result<(), GpuError> {
-        let (c, be, w, a) = (&self.cfg, &self.be, &self.w.layers[l], self.plan.layer(l).attention());
+        let (c, be, w, a) = (&self.cfg, &self.be, self.w.layers[l].attention(), self.plan.layer(l).attention());
         let (qd, kvd, hd, nh, nkv) = (c.q_dim(), c.kv_dim(), c.head_dim, c.n_heads, c.n_kv_heads);
+        let rot = a.rope.dims;
         let (interleaved, theta) = (a.rope.style == RopeStyle::Interleaved, a.rope.theta);
         let norms =
             || (w.q_norm.as_ref().expect("validated").ptr(), w.k_norm.as_ref().expect("validated").ptr());
         if self.qk_fused(l) {
             let norm = (a.qk_norm == QkNorm::PerHead).then(norms);
             let eps = c.rms_eps;
-            be.qk_norm_rope(q, k_new, norm, t, nh, nkv, qd, kvd, hd, pos0, theta, interleaved, eps, append)?;
+            be.qk_norm_rope(q, k_new, norm, t, nh, nkv, qd, kvd, hd, rot, pos0, theta, interleaved, eps, append)?;
             return Ok(());
         }
         assert!(
@@ -230,8 +288,8 @@ impl GpuModel {
             be.clamp(k_new, t * kvd, clip)?;
             be.clamp(v_new, t * kvd, clip)?;
         }
-        be.rope(q, t, nh, qd, hd, pos0, theta, interleaved)?;
-        be.rope(k_new, t, nkv, kvd, hd, pos0, theta, interleaved)?;
+        be.rope(q, t, nh, qd, hd, rot, pos0, theta, interleaved)?;
+        be.rope(k_new, t, nkv, kvd, hd, rot, pos0, theta, interleaved)?;
         if let Some(a) = append {
             be.kv_store_rows(k_new, v_new, a.k_cache, a.v_cache, t, pos0, kvd)?;
         }
@@ -405,10 +463,24 @@ pub(crate) fn qk_fusable(a: &AttentionSpec) -> bool {
     a.clip_qkv.is_none() && matches!(a.qk_norm, QkNorm::None | QkNorm::PerHead)
 }
 
-/// The mixer kinds the GPU engine runs: attention with full RoPE and no output gate.
-pub(crate) fn runs_mixer(m: &crate::model::arch::Mixer) -> bool {
+/// The mixer kinds the GPU engine runs: every attention layer, and Gated DeltaNet layers whose
+/// key heads fit the kernel's registers.
+pub(crate) fn runs_mixer(m: &Mixer) -> bool {
     match m {
-        crate::model::arch::Mixer::Attention(a) => !a.output_gate && a.rope.dims == a.head_dim,
-        crate::model::arch::Mixer::GatedDeltaNet(_) => false,
+        Mixer::Attention(_) => true,
+        Mixer::GatedDeltaNet(d) => {
+            d.k_head_dim <= DELTA_MAX_KEY_DIM && d.v_head_dim <= 1024 && d.conv_kernel <= DELTA_MAX_CONV_KERNEL
+        }
+    }
+}
+
+/// A DeltaNet layer's sizes as the kernels take them.
+pub(crate) fn delta_shape(d: &DeltaNetSpec) -> DeltaShape {
+    DeltaShape {
+        n_k_heads: d.n_k_heads,
+        n_v_heads: d.n_v_heads,
+        k_head_dim: d.k_head_dim,
+        v_head_dim: d.v_head_dim,
+        conv_kernel: d.conv_kernel,
     }
 }

@@ -292,7 +292,7 @@ impl GpuModel {
                 m.part_start(first)?;
                 m.whole_layers(first..sl, pos0, cache, cold)?;
                 m.mark(sl, 0)?;
-                m.attention_block(sl, Phase::Decode, 1, pos0, cache)?;
+                m.mixer_block(sl, Phase::Decode, 1, pos0, cache)?;
                 plan = Some(m.moe_route(sl, Phase::Decode, 1)?);
                 Ok(())
             })?;
@@ -330,7 +330,7 @@ impl GpuModel {
     ) -> Result<(), GpuError> {
         for l in layers {
             self.mark(l, 0)?;
-            self.attention_block(l, Phase::Decode, 1, pos0, cache)?;
+            self.mixer_block(l, Phase::Decode, 1, pos0, cache)?;
             self.moe_block(l, Phase::Decode, 1, cold)?;
         }
         Ok(())

@@ -3,9 +3,10 @@
 //! RoPE) and every attention kernel reads either type.
 
 use moe_lanes_kernels::cuda::ops::KvPtr;
-use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer};
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
 
 use super::GpuError;
+use crate::model::arch::{LayerPlan, Mixer};
 use crate::model::context::KvType;
 
 /// One layer's keys or values per layer, in the cache's type.
@@ -15,14 +16,11 @@ pub(crate) enum KvBufs {
 }
 
 impl KvBufs {
-    fn new(be: &CudaBackend, kv: KvType, n_layers: usize, elems: usize) -> Result<KvBufs, GpuError> {
+    /// One buffer per layer of `elems[l]` values.
+    fn new(be: &CudaBackend, kv: KvType, elems: &[usize]) -> Result<KvBufs, GpuError> {
         Ok(match kv {
-            KvType::F32 => {
-                KvBufs::F32((0..n_layers).map(|_| be.alloc_zeros::<f32>(elems)).collect::<Result<_, _>>()?)
-            }
-            KvType::F16 => {
-                KvBufs::F16((0..n_layers).map(|_| be.alloc_zeros::<u16>(elems)).collect::<Result<_, _>>()?)
-            }
+            KvType::F32 => KvBufs::F32(elems.iter().map(|&n| be.alloc_zeros::<f32>(n)).collect::<Result<_, _>>()?),
+            KvType::F16 => KvBufs::F16(elems.iter().map(|&n| be.alloc_zeros::<u16>(n)).collect::<Result<_, _>>()?),
         })
     }
     fn layer(&self, l: usize) -> KvPtr {
@@ -51,9 +49,25 @@ impl KvBufs {
     }
 }
 
+/// A Gated DeltaNet layer's state on the device: the conv's last inputs and the matrix state
+/// (f32, fixed size whatever the context).
+pub(crate) struct DeltaStateBufs {
+    conv: DeviceBuffer<f32>,
+    matrix: DeviceBuffer<f32>,
+}
+
+/// A DeltaNet layer's state pointers, for the kernels.
+pub(crate) struct DeltaStatePtrs {
+    pub conv: DPtr<f32>,
+    pub matrix: DPtr<f32>,
+}
+
+/// A session on the device: K and V for the attention layers (a DeltaNet layer's entries hold one
+/// value), the recurrent state of the DeltaNet layers.
 pub struct GpuKvCache {
     k: KvBufs,
     v: KvBufs,
+    delta: Vec<Option<DeltaStateBufs>>,
     kv_type: KvType,
     pub(crate) capacity: usize,
     pub(crate) kv_dim: usize,
@@ -63,14 +77,45 @@ pub struct GpuKvCache {
 impl GpuKvCache {
     pub(crate) fn new(
         be: &CudaBackend,
-        n_layers: usize,
+        plan: &LayerPlan,
         kv_dim: usize,
         capacity: usize,
         kv_type: KvType,
     ) -> Result<Self, GpuError> {
-        let k = KvBufs::new(be, kv_type, n_layers, capacity * kv_dim)?;
-        let v = KvBufs::new(be, kv_type, n_layers, capacity * kv_dim)?;
-        Ok(GpuKvCache { k, v, kv_type, capacity, kv_dim, n_positions: 0 })
+        let elems: Vec<usize> = plan
+            .layers()
+            .iter()
+            .map(|l| if l.as_attention().is_some() { capacity * kv_dim } else { 1 })
+            .collect();
+        let k = KvBufs::new(be, kv_type, &elems)?;
+        let v = KvBufs::new(be, kv_type, &elems)?;
+        let delta = plan
+            .layers()
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::GatedDeltaNet(d) => Ok(Some(DeltaStateBufs {
+                    conv: be.alloc_zeros::<f32>(d.conv_state_len())?,
+                    matrix: be.alloc_zeros::<f32>(d.matrix_state_len())?,
+                })),
+                Mixer::Attention(_) => Ok(None),
+            })
+            .collect::<Result<_, GpuError>>()?;
+        Ok(GpuKvCache { k, v, delta, kv_type, capacity, kv_dim, n_positions: 0 })
+    }
+
+    /// DeltaNet layer `l`'s state.
+    pub(crate) fn delta_state(&self, l: usize) -> DeltaStatePtrs {
+        let d = self.delta[l].as_ref().expect("a DeltaNet layer of the plan the cache was made for");
+        DeltaStatePtrs { conv: d.conv.ptr(), matrix: d.matrix.ptr() }
+    }
+
+    /// Zero every recurrent state (a session starting at position 0); queued on the stream.
+    pub(crate) fn reset_recurrent(&self, be: &CudaBackend) -> Result<(), GpuError> {
+        for d in self.delta.iter().flatten() {
+            be.zero(d.conv.ptr())?;
+            be.zero(d.matrix.ptr())?;
+        }
+        Ok(())
     }
     /// Layer `l`'s keys, `[capacity, kv_dim]`.
     pub(crate) fn k(&self, l: usize) -> KvPtr {
@@ -101,6 +146,7 @@ impl GpuKvCache {
         self.n_positions = 0;
     }
     pub fn bytes(&self) -> usize {
-        self.k.bytes() + self.v.bytes()
+        let delta: usize = self.delta.iter().flatten().map(|d| d.conv.bytes() + d.matrix.bytes()).sum();
+        self.k.bytes() + self.v.bytes() + delta
     }
 }

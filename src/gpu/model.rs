@@ -340,7 +340,7 @@ impl GpuModel {
             .collect::<Result<Vec<_>, GpuError>>()?;
         let mut gm = GpuModel {
             plan: model.plan().clone(),
-            qk_fused_all: model.plan().layers().iter().all(|s| super::dense::qk_fusable(s.attention())),
+            qk_fused_all: model.plan().layers().iter().all(|s| s.as_attention().is_none_or(super::dense::qk_fusable)),
             perf: PerfState::new(opts.perf_mode, cfg.n_layers, cfg.n_experts, cfg.n_experts_used),
             fallback_cold: CpuColdExperts::new(model.clone()),
             host: HostScratch::new(&cfg, 8),
@@ -456,7 +456,7 @@ impl GpuModel {
         if capacity == 0 || capacity > self.cfg.max_positions {
             return Err(GpuError::CacheCapacity { capacity, max_positions: self.cfg.max_positions });
         }
-        GpuKvCache::new(&self.be, self.cfg.n_layers, self.cfg.kv_dim(), capacity, self.opts.kv_type)
+        GpuKvCache::new(&self.be, &self.plan, self.cfg.kv_dim(), capacity, self.opts.kv_type)
     }
 
     /// Device scratch (and its host twin) for calls of up to `t` tokens; grows, never shrinks.
@@ -527,6 +527,10 @@ impl GpuModel {
         let t = tokens.len();
         self.reserve_tokens(t)?;
         let pos0 = cache.n_positions;
+        if pos0 == 0 {
+            // A new (or cleared) session: recurrent layers start from zero state.
+            cache.reset_recurrent(&self.be)?;
+        }
         let eager = self.timing_sample(tokens, phase);
         if !eager && self.graph_eligible(tokens, phase) {
             return self.forward_graph(tokens[0], cache, cold, rows, call_start);
@@ -537,7 +541,7 @@ impl GpuModel {
         self.embed(tokens)?;
         for l in 0..self.cfg.n_layers {
             self.mark(l, 0)?;
-            self.attention_block(l, phase, t, pos0, cache)?;
+            self.mixer_block(l, phase, t, pos0, cache)?;
             self.moe_block(l, phase, t, cold)?;
         }
         let copy_start = Instant::now();

@@ -56,6 +56,13 @@ pub(crate) struct Scratch {
     pub normed: DeviceBuffer<f32>,
     pub moe_out: DeviceBuffer<f32>,
     pub q: DeviceBuffer<f32>,
+    /// A gated attention layer's output gate logits (`q_dim` a row).
+    pub gate: DeviceBuffer<f32>,
+    /// A DeltaNet layer's `[q|k|v|z]` projections (the conv runs in place over them), its
+    /// `[b|a]` projections and its per-head outputs.
+    pub delta_p: DeviceBuffer<f32>,
+    pub delta_ba: DeviceBuffer<f32>,
+    pub delta_out: DeviceBuffer<f32>,
     pub attn: DeviceBuffer<f32>,
     pub router_logits: DeviceBuffer<f32>,
     /// Per token row: blocks of the fused decode routing done (zero between launches).
@@ -103,8 +110,13 @@ impl Scratch {
         let cap = t.next_power_of_two().max(8);
         let k = c.n_experts_used;
         let inner = (k * c.expert_ff).max(c.shared_expert_ff);
-        let widest = c.hidden.max(c.q_dim()).max(c.expert_ff).max(c.shared_expert_ff);
-        let f = |n: usize| be.alloc_zeros::<f32>(n);
+        // A DeltaNet layer's row widths (0 without one).
+        let (p_stride, ba, vd) = c.hybrid.as_ref().map_or((0, 0, 0), |h| {
+            let vd = h.n_v_heads * h.v_head_dim;
+            (2 * h.n_k_heads * h.k_head_dim + 2 * vd, 2 * h.n_v_heads, vd)
+        });
+        let widest = c.hidden.max(c.q_dim()).max(c.expert_ff).max(c.shared_expert_ff).max(vd);
+        let f = |n: usize| be.alloc_zeros::<f32>(n.max(1));
         let layout = WorkLayout::new(cap, k);
         Ok(Scratch {
             cap,
@@ -116,6 +128,10 @@ impl Scratch {
             normed: f(cap * c.hidden)?,
             moe_out: f(cap * c.hidden)?,
             q: f(cap * c.q_dim())?,
+            gate: f(cap * c.q_dim())?,
+            delta_p: f(cap * p_stride)?,
+            delta_ba: f(cap * ba)?,
+            delta_out: f(cap * vd)?,
             attn: f(cap * c.q_dim())?,
             router_logits: f(cap * c.n_experts)?,
             route_counter: be.alloc_zeros::<u32>(cap)?,

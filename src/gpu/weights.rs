@@ -8,6 +8,7 @@
 use super::GpuError;
 use crate::format::dtype::DType;
 use crate::format::tensor::{TensorError, TensorRef};
+use crate::model::arch::{AttentionSpec, DeltaNetProjections, DeltaNetSpec, Mixer};
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
 use crate::moe::expert_math::kernel_dtype;
@@ -36,7 +37,32 @@ pub(crate) struct SharedWeights {
 
 pub(crate) struct LayerWeights {
     pub attn_norm: DeviceBuffer<f32>,
+    pub mixer: MixerWeights,
+    pub ffn_norm: DeviceBuffer<f32>,
+    pub router: DevMatrix,
+    pub shared: Option<SharedWeights>,
+}
+
+impl LayerWeights {
+    /// An attention layer's weights (the caller walks the plan: this is an attention layer).
+    pub fn attention(&self) -> &AttentionWeights {
+        match &self.mixer {
+            MixerWeights::Attention(a) => a,
+            MixerWeights::DeltaNet(_) => unreachable!("the plan says attention"),
+        }
+    }
+}
+
+pub(crate) enum MixerWeights {
+    Attention(AttentionWeights),
+    DeltaNet(DeltaNetWeights),
+}
+
+pub(crate) struct AttentionWeights {
+    /// The query rows (a gated checkpoint's `[query | gate]` per head, split at upload).
     pub q: DevMatrix,
+    /// The output gate's rows of a gated attention layer.
+    pub q_gate: Option<DevMatrix>,
     pub k: DevMatrix,
     pub v: DevMatrix,
     pub o: DevMatrix,
@@ -45,9 +71,22 @@ pub(crate) struct LayerWeights {
     pub v_bias: Option<DeviceBuffer<f32>>,
     pub q_norm: Option<DeviceBuffer<f32>>,
     pub k_norm: Option<DeviceBuffer<f32>>,
-    pub ffn_norm: DeviceBuffer<f32>,
-    pub router: DevMatrix,
-    pub shared: Option<SharedWeights>,
+}
+
+/// A Gated DeltaNet layer: its input projections put in the kernels' order at upload, whatever
+/// the checkpoint's (grouped per key head, or split).
+pub(crate) struct DeltaNetWeights {
+    /// `[q | k | v | z]` rows: `[conv_dim + value_dim, hidden]`.
+    pub qkvz: DevMatrix,
+    /// `[b | a]` rows: `[2 v_heads, hidden]`.
+    pub ba: DevMatrix,
+    /// `[conv_dim, kernel]`
+    pub conv: DeviceBuffer<f32>,
+    pub dt_bias: DeviceBuffer<f32>,
+    /// `-exp(A_log)`
+    pub neg_a: DeviceBuffer<f32>,
+    pub norm: DeviceBuffer<f32>,
+    pub out: DevMatrix,
 }
 
 pub(crate) struct DenseWeights {
@@ -136,13 +175,38 @@ impl Uploader<'_> {
     fn vec(&self, t: TensorRef<'_>) -> Result<DeviceBuffer<f32>, GpuError> {
         Ok(self.be.upload(&t.to_f32_vec()?)?)
     }
+
+    /// One matrix of the given rows of `parts` in order (`(tensor, rows)`): in the tensors'
+    /// stored type when they share it, else all as bf16.
+    fn rows(&mut self, parts: &[(TensorRef<'_>, Vec<usize>)]) -> Result<DevMatrix, GpuError> {
+        let first = stored_dtype(parts[0].0.dtype);
+        let same = parts.iter().all(|(t, _)| stored_dtype(t.dtype) == first);
+        let dtype = if same { first } else { WeightDType::BF16 };
+        let mut bytes = Vec::new();
+        for (t, rows) in parts {
+            let stored = if same {
+                stored_bytes(*t)?
+            } else {
+                std::borrow::Cow::Owned(bytemuck::cast_slice(&bf16_bits(*t)?).to_vec())
+            };
+            let row_bytes = stored.len() / t.shape[0];
+            for &r in rows {
+                bytes.extend_from_slice(&stored[r * row_bytes..(r + 1) * row_bytes]);
+            }
+        }
+        if dtype.is_quantized() {
+            let elems = parts.iter().map(|(t, rows)| rows.len() * t.shape[1..].iter().product::<usize>());
+            self.max_quantized_elems = self.max_quantized_elems.max(elems.sum());
+        }
+        self.upload(&bytes, dtype)
+    }
 }
 
 impl DenseWeights {
     pub fn upload(model: &Model, be: &CudaBackend) -> Result<DenseWeights, GpuError> {
         let mut up = Uploader { be, matrix_bytes: 0, max_quantized_elems: 0 };
         let embed = up.mat(model.global(GlobalRole::TokenEmbedding).expect("validated at open"))?;
-        let final_norm = up.vec(model.global(GlobalRole::OutputNorm).expect("validated at open"))?;
+        let final_norm = be.upload(&model.output_norm_weight()?)?;
         let lm_head = model.global(GlobalRole::Output).map(|t| up.mat(t)).transpose()?;
         let layers = (0..model.config().n_layers)
             .map(|l| upload_layer(model, l, &mut up))
@@ -164,20 +228,93 @@ fn upload_layer(model: &Model, l: usize, up: &mut Uploader<'_>) -> Result<LayerW
     } else {
         None
     };
-    let opt_vec = |up: &Uploader<'_>, r| model.layer(l, r).map(|t| up.vec(t)).transpose();
+    let norm = |up: &Uploader<'_>, r| -> Result<Option<DeviceBuffer<f32>>, GpuError> {
+        model.norm_weight(l, r)?.map(|w| Ok(up.be.upload(&w)?)).transpose()
+    };
+    let mixer = match model.layer_spec(l).mixer {
+        Mixer::Attention(a) => MixerWeights::Attention(upload_attention(model, l, &a, up)?),
+        Mixer::GatedDeltaNet(d) => MixerWeights::DeltaNet(upload_delta_net(model, l, &d, up)?),
+    };
     Ok(LayerWeights {
-        attn_norm: up.vec(req(LayerRole::AttnNorm))?,
-        q: up.mat(req(LayerRole::Q))?,
+        attn_norm: norm(up, LayerRole::AttnNorm)?.expect("validated at open"),
+        mixer,
+        ffn_norm: norm(up, LayerRole::FfnNorm)?.expect("validated at open"),
+        router: up.mat(req(LayerRole::Router))?,
+        shared,
+    })
+}
+
+fn upload_attention(
+    model: &Model,
+    l: usize,
+    a: &AttentionSpec,
+    up: &mut Uploader<'_>,
+) -> Result<AttentionWeights, GpuError> {
+    let req = |r| model.required(l, r);
+    let opt_vec = |up: &Uploader<'_>, r| model.layer(l, r).map(|t| up.vec(t)).transpose();
+    let norm = |up: &Uploader<'_>, r| -> Result<Option<DeviceBuffer<f32>>, GpuError> {
+        model.norm_weight(l, r)?.map(|w| Ok(up.be.upload(&w)?)).transpose()
+    };
+    let (q, q_gate) = if a.output_gate {
+        // `[query | gate]` per head: the query rows, then the gate rows, apart.
+        let hd = a.head_dim;
+        let heads = req(LayerRole::Q).shape[0] / (2 * hd);
+        let rows = |off: usize| (0..heads).flat_map(|h| (0..hd).map(move |i| 2 * h * hd + off + i)).collect();
+        (up.rows(&[(req(LayerRole::Q), rows(0))])?, Some(up.rows(&[(req(LayerRole::Q), rows(hd))])?))
+    } else {
+        (up.mat(req(LayerRole::Q))?, None)
+    };
+    Ok(AttentionWeights {
+        q,
+        q_gate,
         k: up.mat(req(LayerRole::K))?,
         v: up.mat(req(LayerRole::V))?,
         o: up.mat(req(LayerRole::O))?,
         q_bias: opt_vec(up, LayerRole::QBias)?,
         k_bias: opt_vec(up, LayerRole::KBias)?,
         v_bias: opt_vec(up, LayerRole::VBias)?,
-        q_norm: opt_vec(up, LayerRole::QNorm)?,
-        k_norm: opt_vec(up, LayerRole::KNorm)?,
-        ffn_norm: up.vec(req(LayerRole::FfnNorm))?,
-        router: up.mat(req(LayerRole::Router))?,
-        shared,
+        q_norm: norm(up, LayerRole::QNorm)?,
+        k_norm: norm(up, LayerRole::KNorm)?,
+    })
+}
+
+fn upload_delta_net(
+    model: &Model,
+    l: usize,
+    d: &DeltaNetSpec,
+    up: &mut Uploader<'_>,
+) -> Result<DeltaNetWeights, GpuError> {
+    let req = |r| model.required(l, r);
+    let all = |n: usize| (0..n).collect::<Vec<_>>();
+    let (qkvz, ba) = match d.projections {
+        DeltaNetProjections::Split => (
+            up.rows(&[(req(LayerRole::DeltaQkv), all(d.conv_dim())), (req(LayerRole::DeltaZ), all(d.value_dim()))])?,
+            up.rows(&[(req(LayerRole::DeltaB), all(d.n_v_heads)), (req(LayerRole::DeltaA), all(d.n_v_heads))])?,
+        ),
+        DeltaNetProjections::Grouped => {
+            // Per key head: q (dk), k (dk), v (r dv), z (r dv) rows; b (r), a (r) rows.
+            let (dk, r) = (d.k_head_dim, d.n_v_heads / d.n_k_heads);
+            let vw = r * d.v_head_dim;
+            let group = 2 * dk + 2 * vw;
+            let pick = |start: usize, width: usize, stride: usize| -> Vec<usize> {
+                (0..d.n_k_heads).flat_map(|h| (0..width).map(move |i| h * stride + start + i)).collect()
+            };
+            let order = [pick(0, dk, group), pick(dk, dk, group), pick(2 * dk, vw, group), pick(2 * dk + vw, vw, group)];
+            let ba_order = [pick(0, r, 2 * r), pick(r, r, 2 * r)];
+            (
+                up.rows(&[(req(LayerRole::DeltaQkvz), order.concat())])?,
+                up.rows(&[(req(LayerRole::DeltaBa), ba_order.concat())])?,
+            )
+        }
+    };
+    let neg_a: Vec<f32> = req(LayerRole::DeltaALog).to_f32_vec()?.iter().map(|a| -a.exp()).collect();
+    Ok(DeltaNetWeights {
+        qkvz,
+        ba,
+        conv: up.vec(req(LayerRole::DeltaConv))?,
+        dt_bias: up.vec(req(LayerRole::DeltaDtBias))?,
+        neg_a: up.be.upload(&neg_a)?,
+        norm: up.vec(req(LayerRole::DeltaNorm))?,
+        out: up.mat(req(LayerRole::DeltaOut))?,
     })
 }

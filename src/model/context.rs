@@ -64,9 +64,27 @@ pub fn kv_bytes_per_position(c: &ModelConfig) -> u64 {
     kv_bytes_per_position_of(c, KvType::F32)
 }
 
-/// Bytes of KV cache per position in a cache of `kv`: K and V, every layer.
+/// Bytes of KV cache per position in a cache of `kv`: K and V of every attention layer (a
+/// hybrid's DeltaNet layers keep a fixed-size state instead, [`recurrent_state_bytes`]).
 pub fn kv_bytes_per_position_of(c: &ModelConfig, kv: KvType) -> u64 {
-    2 * c.n_layers as u64 * c.kv_dim() as u64 * kv.bytes()
+    2 * c.n_attention_layers() as u64 * c.kv_dim() as u64 * kv.bytes()
+}
+
+/// Bytes of a session's fixed-size recurrent state (f32): per Gated DeltaNet layer the conv's
+/// last inputs and the `[v_heads, k_head_dim, v_head_dim]` matrix; 0 without such layers.
+pub fn recurrent_state_bytes(c: &ModelConfig) -> u64 {
+    let Some(h) = &c.hybrid else { return 0 };
+    let key_dim = h.n_k_heads * h.k_head_dim;
+    let value_dim = h.n_v_heads * h.v_head_dim;
+    let conv = (2 * key_dim + value_dim) * (h.conv_kernel - 1);
+    let matrix = h.n_v_heads * h.k_head_dim * h.v_head_dim;
+    let layers = c.n_layers - h.full_attention_layers.len();
+    4 * (layers * (conv + matrix)) as u64
+}
+
+/// Bytes of one session of `n_positions` in a cache of `kv`: its KV and its recurrent state.
+pub fn session_bytes(c: &ModelConfig, kv: KvType, n_positions: usize) -> u64 {
+    kv_bytes_per_position_of(c, kv) * n_positions as u64 + recurrent_state_bytes(c)
 }
 
 /// Why a context size cannot be used.
@@ -95,6 +113,7 @@ pub fn resolve_context(
 ) -> Result<usize, ContextError> {
     let trained = c.max_positions;
     let per_position = kv_bytes_per_position(c).max(1);
+    let available_bytes = available_bytes.map(|b| b.saturating_sub(recurrent_state_bytes(c)));
     let fits = available_bytes.map(|b| usize::try_from(b / per_position).unwrap_or(usize::MAX));
     let Some(asked) = asked else {
         return Ok(fits.map_or(trained, |f| trained.min(f).max(1)));
@@ -179,6 +198,22 @@ mod tests {
                 fits_positions: 10
             }
         );
+    }
+
+    /// A hybrid's context costs KV only for its full-attention layers (one in four for
+    /// Qwen3-Next), plus a fixed recurrent state.
+    #[test]
+    fn a_hybrid_pays_kv_for_its_attention_layers_only() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/qwen3_next_a");
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let (c, _) = ModelConfig::from_hf_json(&serde_json::from_str(&text).unwrap(), &dir).unwrap();
+        assert_eq!(c.n_attention_layers(), 1);
+        assert_eq!(kv_bytes_per_position(&c), 2 * c.kv_dim() as u64 * 4);
+        // 3 DeltaNet layers: conv (2*32 + 48) x 3 and matrix 4 x 16 x 12, f32.
+        assert_eq!(recurrent_state_bytes(&c), 4 * 3 * (112 * 3 + 4 * 16 * 12));
+        assert_eq!(session_bytes(&c, KvType::F32, 10), 10 * kv_bytes_per_position(&c) + recurrent_state_bytes(&c));
+        let room = recurrent_state_bytes(&c) + 5 * kv_bytes_per_position(&c);
+        assert_eq!(resolve_context(&c, None, Some(room)), Ok(5));
     }
 
     #[test]

@@ -57,6 +57,13 @@ pub const GROUPED_PIPE_BK: usize = 32;
 /// up: 60 KiB, three blocks an SM of the H100's 228 KiB).
 pub const GROUPED_PIPE_STAGES: usize = 3;
 
+/// Largest key head dim of the Gated DeltaNet kernel (`-DDELTA_MAX_DK`): each thread keeps its
+/// column of a head's `[dk, dv]` state in this many registers (Qwen3-Next and Qwen3.5: 128).
+pub const DELTA_MAX_KEY_DIM: usize = 128;
+/// Widest causal conv of the Gated DeltaNet kernel (`-DDELTA_MAX_KERNEL`; the models use 4): the
+/// history a thread keeps in registers.
+pub const DELTA_MAX_CONV_KERNEL: usize = 8;
+
 /// Dynamic shared memory of a pipelined grouped GEMM block over `matrices` weight tiles (gate
 /// and up: 2): per stage the f32 x tile and the bf16 weight tiles, rows padded by 8 elements.
 pub const fn grouped_pipe_shared_bytes(matrices: usize) -> usize {
@@ -97,11 +104,12 @@ pub enum Family {
     Moe,
     GroupedGemm,
     Quant,
+    DeltaNet,
 }
 
 impl Family {
     /// Every family, in compile order.
-    pub const ALL: [Family; 9] = [
+    pub const ALL: [Family; 10] = [
         Family::Gemv,
         Family::NormRope,
         Family::Elementwise,
@@ -111,6 +119,7 @@ impl Family {
         Family::Moe,
         Family::GroupedGemm,
         Family::Quant,
+        Family::DeltaNet,
     ];
 
     /// The file under `kernels/cuda/`.
@@ -125,6 +134,7 @@ impl Family {
             Family::Moe => "moe.cu",
             Family::GroupedGemm => "grouped_gemm.cu",
             Family::Quant => "quant.cu",
+            Family::DeltaNet => "delta_net.cu",
         }
     }
 
@@ -140,6 +150,7 @@ impl Family {
             Family::Moe => include_str!("../../cuda/moe.cu"),
             Family::GroupedGemm => include_str!("../../cuda/grouped_gemm.cu"),
             Family::Quant => include_str!("../../cuda/quant.cu"),
+            Family::DeltaNet => include_str!("../../cuda/delta_net.cu"),
         }
     }
 
@@ -174,7 +185,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 24] = [
+pub const SHARED_DEFINE_NAMES: [&str; 26] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -199,6 +210,8 @@ pub const SHARED_DEFINE_NAMES: [&str; 24] = [
     "TOPK_PER_LANE",
     "ATT_GQA_HEADS",
     "ATT_GQA_MAXD",
+    "DELTA_MAX_DK",
+    "DELTA_MAX_KERNEL",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -228,6 +241,8 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DTOPK_PER_LANE={}", ROUTE_MAX_TOPK / 32),
         format!("-DATT_GQA_HEADS={ATTENTION_GQA_HEADS}"),
         format!("-DATT_GQA_MAXD={ATTENTION_GQA_MAX_HEAD_DIM}"),
+        format!("-DDELTA_MAX_DK={DELTA_MAX_KEY_DIM}"),
+        format!("-DDELTA_MAX_KERNEL={DELTA_MAX_CONV_KERNEL}"),
     ]
 }
 
@@ -302,10 +317,13 @@ pub enum Kernel {
     MoeGateUpGemvQ8,
     MoeDownAccumQ8,
     Gemv3TypedQ8,
+    MulSigmoidF32,
+    DeltaConvF32,
+    DeltaRuleF32,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 68] = [
+    pub const ALL: [Kernel; 71] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -374,6 +392,9 @@ impl Kernel {
         Kernel::MoeGateUpGemvQ8,
         Kernel::MoeDownAccumQ8,
         Kernel::Gemv3TypedQ8,
+        Kernel::MulSigmoidF32,
+        Kernel::DeltaConvF32,
+        Kernel::DeltaRuleF32,
     ];
 
     /// The `extern "C"` symbol.
@@ -447,6 +468,9 @@ impl Kernel {
             Kernel::MoeGateUpGemvQ8 => "moe_gate_up_gemv_q8",
             Kernel::MoeDownAccumQ8 => "moe_down_accum_q8",
             Kernel::Gemv3TypedQ8 => "gemv3_typed_q8",
+            Kernel::MulSigmoidF32 => "mul_sigmoid_f32",
+            Kernel::DeltaConvF32 => "delta_conv_f32",
+            Kernel::DeltaRuleF32 => "delta_rule_f32",
         }
     }
 
@@ -521,6 +545,9 @@ impl Kernel {
             Kernel::MoeGateUpGemvQ8 => Family::Quant,
             Kernel::MoeDownAccumQ8 => Family::Quant,
             Kernel::Gemv3TypedQ8 => Family::Quant,
+            Kernel::MulSigmoidF32 => Family::Elementwise,
+            Kernel::DeltaConvF32 => Family::DeltaNet,
+            Kernel::DeltaRuleF32 => Family::DeltaNet,
         }
     }
 }

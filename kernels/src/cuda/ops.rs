@@ -7,8 +7,8 @@
 use super::kernel::{
     grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS,
     ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS, ATTENTION_TILE_MAX_HEAD_DIM,
-    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, GEMV_SPLIT_WARPS, GROUPED_THREADS, GROUPED_TILE_COLS,
-    GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS,
+    GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
@@ -196,6 +196,54 @@ fn check_attention(
 /// the tensor-core kernels need).
 pub(super) fn aligned16(addrs: &[u64]) -> bool {
     addrs.iter().all(|a| a.is_multiple_of(16))
+}
+
+/// RoPE over the first `rot_dims` of a head: an even number, at most `head_dim`.
+fn check_rope(kernel: Kernel, head_dim: usize, rot_dims: usize) -> Result<()> {
+    if head_dim & 1 == 1 || rot_dims & 1 == 1 || rot_dims == 0 || rot_dims > head_dim {
+        return Err(CudaError::Shape {
+            kernel: kernel.symbol(),
+            reason: format!("RoPE over {rot_dims} of head_dim {head_dim}: both even, 2..=head_dim"),
+        });
+    }
+    Ok(())
+}
+
+/// A Gated DeltaNet layer's sizes, as its kernels take them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeltaShape {
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub k_head_dim: usize,
+    pub v_head_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl DeltaShape {
+    /// q, k and v channels: what the conv runs over.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.n_k_heads * self.k_head_dim + self.n_v_heads * self.v_head_dim
+    }
+    /// A row of the projections: `[q | k | v | z]`.
+    pub fn p_stride(&self) -> usize {
+        self.conv_dim() + self.n_v_heads * self.v_head_dim
+    }
+    fn check(&self, kernel: Kernel) -> Result<()> {
+        let ok = self.n_k_heads > 0
+            && self.n_v_heads.is_multiple_of(self.n_k_heads)
+            && (1..=DELTA_MAX_KEY_DIM).contains(&self.k_head_dim)
+            && (1..=1024).contains(&self.v_head_dim)
+            && (2..=DELTA_MAX_CONV_KERNEL).contains(&self.conv_kernel);
+        if ok {
+            return Ok(());
+        }
+        Err(CudaError::Shape {
+            kernel: kernel.symbol(),
+            reason: format!(
+                "{self:?}: key head dim up to {DELTA_MAX_KEY_DIM}, value head dim up to 1024, conv 2..={DELTA_MAX_CONV_KERNEL}, v heads a multiple of k heads"
+            ),
+        })
+    }
 }
 
 pub(super) fn need<T>(kernel: impl KernelName, what: &str, p: DPtr<T>, n: usize) -> Result<()> {
@@ -523,6 +571,80 @@ impl CudaBackend {
         self.launch(K, (blocks(n, BLOCK), 1, 1), BLOCK, 0, args![acc.raw(), x.raw(), i(n)])
     }
 
+    /// `x *= sigmoid(gate)` on the first `n` elements (gated attention's output).
+    pub fn mul_sigmoid(&self, x: DPtr<f32>, gate: DPtr<f32>, n: usize) -> Result<()> {
+        const K: Kernel = Kernel::MulSigmoidF32;
+        need(K, "x", x, n)?;
+        need(K, "gate", gate, n)?;
+        self.launch(K, (blocks(n, BLOCK), 1, 1), BLOCK, 0, args![x.raw(), gate.raw(), i(n)])
+    }
+
+    /// A Gated DeltaNet layer's causal conv + SiLU over the first `d.conv_dim()` channels of
+    /// `n_tokens` rows of `p` (row stride [`DeltaShape::p_stride`]), in place, moving `conv_state`
+    /// (`[kernel - 1, conv_dim]`) on.
+    pub fn delta_conv(
+        &self,
+        d: DeltaShape,
+        p: DPtr<f32>,
+        conv_state: DPtr<f32>,
+        weight: DPtr<f32>,
+        n_tokens: usize,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::DeltaConvF32;
+        d.check(K)?;
+        let conv_dim = d.conv_dim();
+        need(K, "p", p, n_tokens * d.p_stride())?;
+        need(K, "conv state", conv_state, (d.conv_kernel - 1) * conv_dim)?;
+        need(K, "conv weight", weight, d.conv_kernel * conv_dim)?;
+        let args = args![p.raw(), i(d.p_stride()), conv_state.raw(), weight.raw(), i(conv_dim), i(d.conv_kernel), i(n_tokens)];
+        self.launch(K, (blocks(conv_dim, BLOCK), 1, 1), BLOCK, 0, args)
+    }
+
+    /// The gated delta rule and gated RMSNorm of a DeltaNet layer over `n_tokens` rows of `p`
+    /// (after [`CudaBackend::delta_conv`]) and `ba` (`[b | a]`, `2 * n_v_heads` a row), moving
+    /// `state` (`[n_v_heads, k_head_dim, v_head_dim]`) on; `out` gets `value_dim` a row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta_rule(
+        &self,
+        d: DeltaShape,
+        p: DPtr<f32>,
+        ba: DPtr<f32>,
+        state: DPtr<f32>,
+        [dt_bias, neg_a, norm]: [DPtr<f32>; 3],
+        out: DPtr<f32>,
+        n_tokens: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::DeltaRuleF32;
+        d.check(K)?;
+        need(K, "p", p, n_tokens * d.p_stride())?;
+        need(K, "ba", ba, n_tokens * 2 * d.n_v_heads)?;
+        need(K, "state", state, d.n_v_heads * d.k_head_dim * d.v_head_dim)?;
+        need(K, "dt_bias", dt_bias, d.n_v_heads)?;
+        need(K, "neg_a", neg_a, d.n_v_heads)?;
+        need(K, "norm", norm, d.v_head_dim)?;
+        need(K, "out", out, n_tokens * d.n_v_heads * d.v_head_dim)?;
+        let threads = d.v_head_dim.div_ceil(32) as u32 * 32;
+        let (nk, nv, dk, dv) = (d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim);
+        let args = args![
+            p.raw(),
+            i(d.p_stride()),
+            ba.raw(),
+            state.raw(),
+            dt_bias.raw(),
+            neg_a.raw(),
+            norm.raw(),
+            out.raw(),
+            i(nk),
+            i(nv),
+            i(dk),
+            i(dv),
+            eps,
+            i(n_tokens)
+        ];
+        self.launch(K, (nv as u32, 1, 1), threads, 0, args)
+    }
+
     /// `out = silu(g) * u` on the first `n` elements.
     pub fn silu_mul(&self, g: DPtr<f32>, u: DPtr<f32>, out: DPtr<f32>, n: usize) -> Result<()> {
         const K: Kernel = Kernel::SiluMulF32;
@@ -533,7 +655,8 @@ impl CudaBackend {
     }
 
     /// RoPE on `n_heads` heads of `head_dim` in each of `n_tokens` rows of `row_stride`; token `t`
-    /// is at position `pos0 + t`. `interleaved`: pairs (2i, 2i+1), else (i, i + d/2).
+    /// is at position `pos0 + t`. The first `rot_dims` values of a head rotate (`head_dim`, or
+    /// fewer for partial RoPE). `interleaved`: pairs (2i, 2i+1), else (i, i + rot_dims/2).
     pub fn rope(
         &self,
         x: DPtr<f32>,
@@ -541,12 +664,14 @@ impl CudaBackend {
         n_heads: usize,
         row_stride: usize,
         head_dim: usize,
+        rot_dims: usize,
         pos0: usize,
         theta: f32,
         interleaved: bool,
     ) -> Result<()> {
         const K: Kernel = Kernel::RopeF32;
-        if head_dim & 1 == 1 || n_heads * head_dim > row_stride {
+        check_rope(K, head_dim, rot_dims)?;
+        if n_heads * head_dim > row_stride {
             return Err(CudaError::Shape {
                 kernel: K.symbol(),
                 reason: format!("head_dim {head_dim} x {n_heads} heads in rows of {row_stride}"),
@@ -559,7 +684,7 @@ impl CudaBackend {
             (n_tokens as u32, n_heads as u32, 1),
             64,
             0,
-            args![x.raw(), i(row_stride), i(head_dim), i(pos0), theta, il],
+            args![x.raw(), i(row_stride), i(head_dim), i(rot_dims), i(pos0), theta, il],
         )
     }
 
@@ -579,6 +704,7 @@ impl CudaBackend {
         q_stride: usize,
         k_stride: usize,
         head_dim: usize,
+        rot_dims: usize,
         pos0: usize,
         theta: f32,
         interleaved: bool,
@@ -586,7 +712,8 @@ impl CudaBackend {
         append: Option<KvAppend>,
     ) -> Result<()> {
         const K: Kernel = Kernel::QkNormRopeF32;
-        if head_dim & 1 == 1 || n_heads * head_dim > q_stride || n_kv * head_dim > k_stride {
+        check_rope(K, head_dim, rot_dims)?;
+        if n_heads * head_dim > q_stride || n_kv * head_dim > k_stride {
             return Err(CudaError::Shape {
                 kernel: K.symbol(),
                 reason: format!(
@@ -627,6 +754,7 @@ impl CudaBackend {
                 i(k_stride),
                 i(n_heads),
                 i(head_dim),
+                i(rot_dims),
                 i(pos0),
                 theta,
                 il,
