@@ -334,7 +334,53 @@ pub fn synth_config(
     preset: Preset,
     dims: &DimOverrides,
 ) -> Result<ModelConfig, SynthError> {
-    let mut c = match preset {
+    let mut c = preset_config(adapter, preset);
+    let hybrid = adapter.delta_net.is_some();
+    if preset != Preset::Tiny && hybrid != preset.is_hybrid() {
+        let want = if preset.is_hybrid() { "qwen3_next or qwen3_5_moe" } else { "an attention-only architecture" };
+        return Err(invalid("preset", format!("this preset is for {want}, not {}", adapter.hf_model_type)));
+    }
+    if hybrid {
+        tiny_hybrid(&mut c, preset, dims);
+    }
+    let set = |slot: &mut usize, v: Option<usize>| {
+        if let Some(v) = v {
+            *slot = v
+        }
+    };
+    set(&mut c.n_layers, dims.n_layers);
+    set(&mut c.hidden, dims.hidden);
+    set(&mut c.n_heads, dims.n_heads);
+    set(&mut c.n_kv_heads, dims.n_kv_heads);
+    set(&mut c.head_dim, dims.head_dim);
+    set(&mut c.vocab, dims.vocab);
+    set(&mut c.n_experts, dims.n_experts);
+    set(&mut c.n_experts_used, dims.n_experts_used);
+    set(&mut c.expert_ff, dims.expert_ff);
+    if adapter.shared_expert {
+        set(&mut c.shared_expert_ff, dims.shared_expert_ff);
+    } else if dims.shared_expert_ff.is_some() {
+        return Err(invalid("shared_expert_ff", format!("{} has no shared expert", adapter.hf_model_type)));
+    }
+    if let Some(tied) = dims.tied_embeddings {
+        c.tied_embeddings = tied;
+    }
+    c.rotary_dims = ((c.head_dim as f64 * adapter.default_partial_rotary) as usize).max(2) & !1;
+    c.zero_centred_norms = adapter.hf_zero_centred_norms;
+    if let Some(h) = &mut c.hybrid {
+        h.full_attention_layers = HybridConfig::every_nth_full(QWEN_HYBRID_INTERVAL, c.n_layers);
+    }
+    c.validate().map_err(|(field, reason)| invalid(field, reason))?;
+    check_dim_limits(&c)?;
+    if adapter.shared_expert && c.shared_expert_ff == 0 {
+        return Err(invalid("shared_expert_ff", "must be greater than zero".into()));
+    }
+    Ok(c)
+}
+
+/// The dimensions a preset names, before overrides.
+fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
+    match preset {
         Preset::Tiny => ModelConfig {
             arch: adapter.arch,
             n_layers: 2,
@@ -417,47 +463,7 @@ pub fn synth_config(
                 zero_centred_norms: false,
             }
         }
-    };
-    if adapter.delta_net.is_some() != (preset.is_hybrid() || preset == Preset::Tiny) {
-        let want = if preset.is_hybrid() { "qwen3_next or qwen3_5_moe" } else { "an attention-only architecture" };
-        return Err(invalid("preset", format!("this preset is for {want}, not {}", adapter.hf_model_type)));
     }
-    if adapter.delta_net.is_some() {
-        tiny_hybrid(&mut c, preset, dims);
-    }
-    let set = |slot: &mut usize, v: Option<usize>| {
-        if let Some(v) = v {
-            *slot = v
-        }
-    };
-    set(&mut c.n_layers, dims.n_layers);
-    set(&mut c.hidden, dims.hidden);
-    set(&mut c.n_heads, dims.n_heads);
-    set(&mut c.n_kv_heads, dims.n_kv_heads);
-    set(&mut c.head_dim, dims.head_dim);
-    set(&mut c.vocab, dims.vocab);
-    set(&mut c.n_experts, dims.n_experts);
-    set(&mut c.n_experts_used, dims.n_experts_used);
-    set(&mut c.expert_ff, dims.expert_ff);
-    if adapter.shared_expert {
-        set(&mut c.shared_expert_ff, dims.shared_expert_ff);
-    } else if dims.shared_expert_ff.is_some() {
-        return Err(invalid("shared_expert_ff", format!("{} has no shared expert", adapter.hf_model_type)));
-    }
-    if let Some(tied) = dims.tied_embeddings {
-        c.tied_embeddings = tied;
-    }
-    c.rotary_dims = ((c.head_dim as f64 * adapter.default_partial_rotary) as usize).max(2) & !1;
-    c.zero_centred_norms = adapter.hf_zero_centred_norms;
-    if let Some(h) = &mut c.hybrid {
-        h.full_attention_layers = HybridConfig::every_nth_full(QWEN_HYBRID_INTERVAL, c.n_layers);
-    }
-    c.validate().map_err(|(field, reason)| invalid(field, reason))?;
-    check_dim_limits(&c)?;
-    if adapter.shared_expert && c.shared_expert_ff == 0 {
-        return Err(invalid("shared_expert_ff", "must be greater than zero".into()));
-    }
-    Ok(c)
 }
 
 /// One layer in this many is full attention in the Qwen hybrids (`full_attention_interval`).

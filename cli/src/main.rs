@@ -362,10 +362,12 @@ struct DemoArgs {
 
 #[derive(Args)]
 struct SynthArgs {
-    /// Architecture: qwen3_moe, mixtral, olmoe or qwen2_moe.
+    /// Architecture: qwen3_moe, mixtral, olmoe, qwen2_moe, or the hybrids qwen3_next and qwen3_5_moe
+    /// (Gated DeltaNet + gated attention; safetensors only for now).
     #[arg(long, default_value = "qwen3_moe")]
     arch: String,
-    /// Dimension preset: tiny or qwen3-30b-a3b.
+    /// Dimension preset: tiny, qwen3-30b-a3b, or for the hybrids qwen3.6-35b-a3b (--arch
+    /// qwen3_5_moe) and qwen3-next-80b-a3b (--arch qwen3_next); --layers N shrinks any.
     #[arg(long, default_value = "tiny")]
     preset: String,
     /// gguf or safetensors (a directory).

@@ -620,19 +620,29 @@ mod tests {
             let c = synth_config(a, Preset::Tiny, &DimOverrides::default()).unwrap();
             let plan = LayerPlan::new(a, &c);
             assert_eq!(plan.len(), c.n_layers);
-            for spec in plan.layers() {
-                let (att, moe) = (spec.attention(), spec.moe());
-                assert_eq!(att.qkv_bias, a.arch == Arch::Qwen2Moe, "{:?}", a.arch);
+            let hybrid = a.delta_net.is_some();
+            for (l, spec) in plan.layers().iter().enumerate() {
+                let moe = spec.moe();
                 assert_eq!(moe.shared.is_some(), a.shared_expert, "{:?}", a.arch);
+                assert_eq!((moe.router.n_experts, moe.expert_ff), (c.n_experts, c.expert_ff));
+                // The Qwen hybrids: every fourth layer gated attention, the others DeltaNet.
+                let full = !hybrid || (l + 1) % 4 == 0;
+                let Some(att) = spec.as_attention() else {
+                    assert!(!full, "{:?} layer {l}", a.arch);
+                    continue;
+                };
+                assert!(full, "{:?} layer {l}", a.arch);
+                assert_eq!(att.qkv_bias, a.arch == Arch::Qwen2Moe, "{:?}", a.arch);
+                assert_eq!(att.output_gate, hybrid, "{:?}", a.arch);
+                assert_eq!(att.rope.dims < att.head_dim, hybrid, "{:?}: partial RoPE", a.arch);
                 let expected_norm = match a.arch {
-                    Arch::Qwen3Moe => QkNorm::PerHead,
+                    Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe => QkNorm::PerHead,
                     Arch::Olmoe => QkNorm::WholeProjection,
                     Arch::Mixtral | Arch::Qwen2Moe => QkNorm::None,
                 };
                 assert_eq!(att.qk_norm, expected_norm);
-                assert_eq!((moe.router.n_experts, moe.expert_ff), (c.n_experts, c.expert_ff));
             }
-            assert_eq!(plan.summary().len(), 1, "{:?}", plan.summary());
+            assert_eq!(plan.summary().len(), if hybrid { 2 } else { 1 }, "{:?}", plan.summary());
         }
     }
 
