@@ -7,10 +7,11 @@
 //! bit-identical to it), then adds the token rows of every lane that reduced.
 
 use super::faults::{LaneFault, LaneFaultSchedule};
-use super::lanes::{cold_worker_loop, hot_lane_loop, HotLane, SectionCold};
+use super::lanes::{cold_worker_loop, hot_lane_loop, HotLane};
 use super::messages::*;
 use crate::cache::hot_set::MAX_HOT_LANES;
 use crate::cache::perf::{FallbackReason, LayerTiming};
+use crate::moe::cold::{ColdLane, ColdSlot};
 use crate::moe::expert_math::ColdCompute;
 use crate::moe::phase::MergeKind;
 use crate::moe::worklist::Worklist;
@@ -68,6 +69,8 @@ pub struct LaneSet {
     injected: Vec<InjectedFault>,
     /// Layers refused because a lane that timed out still held the layer input.
     busy_refusals: u64,
+    /// The cold section handed to a driver-side [`ColdLane`], as its slots (reused).
+    section_slots: Vec<ColdSlot>,
 }
 
 /// One fault the join injected into a lane task.
@@ -177,6 +180,7 @@ impl LaneSet {
             faults: None,
             injected: Vec::new(),
             busy_refusals: 0,
+            section_slots: Vec::with_capacity(capacity),
         }
     }
 
@@ -267,10 +271,11 @@ impl LaneSet {
         self.run_layer_with(merge, compact_cold_reduce, out, timing, overlap_work, None)
     }
 
-    /// [`LaneSet::run_layer`] where `section`, when given, computes the driver's cold share (the
-    /// whole cold section when the set has no cold worker threads) reduced into token rows, in
-    /// place of the per-expert [`crate::moe::expert_math::ColdCompute`] kernels; faults drawn
-    /// for cold participant 0 apply to it as to the driver's share.
+    /// [`LaneSet::run_layer`] where `section`, when given, is the cold lane that computes the
+    /// driver's cold share (the whole cold section when the set has no cold worker threads)
+    /// reduced into token rows, in place of the per-expert
+    /// [`crate::moe::expert_math::ColdCompute`] kernels; faults drawn for cold participant 0
+    /// apply to it as to the driver's share.
     pub fn run_layer_with(
         &mut self,
         merge: MergeKind,
@@ -278,7 +283,7 @@ impl LaneSet {
         out: &mut [f32],
         timing: &mut LayerTiming,
         overlap_work: impl FnOnce(),
-        section: Option<&mut dyn SectionCold>,
+        section: Option<&mut dyn ColdLane>,
     ) -> Result<(), LayerFailure> {
         let sent_at = Instant::now();
         let hot_reduce = merge == MergeKind::ReduceMerge;
@@ -402,7 +407,7 @@ impl LaneSet {
         &mut self,
         range: std::ops::Range<usize>,
         reduce: bool,
-        section: Option<&mut dyn SectionCold>,
+        section: Option<&mut dyn ColdLane>,
         failure: &mut Option<LayerFailure>,
     ) -> Option<(Instant, Instant)> {
         if range.is_empty() {
@@ -416,15 +421,18 @@ impl LaneSet {
             .buf
             .take()
             .unwrap_or_else(|| fresh_buffer(range.len(), self.max_tokens, self.hidden));
-        let (id, input) = (LaneId::Cold(0), &self.input);
+        let (id, input, slots) = (LaneId::Cold(0), &self.input, &mut self.section_slots);
         // A panic in the driver's share is a lane failure like any other, not the caller's.
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             super::faults::act_out(fault, id)?;
             match section {
                 Some(section) => {
-                    let rows = &mut out.token_rows[..input.n_tokens * input.hidden];
+                    let n = input.n_tokens * input.hidden;
+                    let rows = &mut out.token_rows[..n];
                     rows.iter_mut().for_each(|v| *v = 0.0);
-                    section.run(input, range, rows)
+                    section_slots(input, range, slots);
+                    let result = section.compute(input.layer_idx, &input.x[..n], slots, rows);
+                    result.map_err(|e| LaneError::Failed { lane: id, reason: e.to_string() })
                 }
                 None => super::lanes::run_cold_task(&**compute, id, input, range, reduce, &mut out, scratch),
             }
@@ -539,6 +547,17 @@ impl LaneSet {
             }
         }
     }
+}
+
+/// The cold entries `range` of the layer's worklist as cold-lane slots (row: the token).
+fn section_slots(input: &LayerInput, range: std::ops::Range<usize>, slots: &mut Vec<ColdSlot>) {
+    let wl = &input.worklist;
+    slots.clear();
+    slots.extend(range.map(|i| ColdSlot {
+        row_idx: wl.cold_token_id[i] as usize,
+        expert_idx: wl.cold_id[i] as usize,
+        weight: wl.cold_weight[i],
+    }));
 }
 
 fn buffer_idx(lane: LaneId) -> usize {

@@ -39,20 +39,6 @@ pub trait HotLane: Send {
     fn load_slot(&mut self, layer_idx: usize, slot_idx: u32, expert_idx: usize) -> Result<(), LaneError>;
 }
 
-/// A cold lane that computes a whole cold section from the driver thread, typically on a
-/// thread pool whose thread 0 is the driver (the CPU pipeline's shared pool): for the cold
-/// entries `range` of `input.worklist`, `token_rows[t] += weight * FFN_e(x_t)` (`token_rows` is
-/// `[n_tokens, hidden]`, zeroed by the caller). Its order of additions must not depend on how
-/// many threads run it.
-pub trait SectionCold {
-    fn run(
-        &mut self,
-        input: &LayerInput,
-        range: Range<usize>,
-        token_rows: &mut [f32],
-    ) -> Result<(), LaneError>;
-}
-
 /// One cached expert copy (raw bytes, same dtype as the file).
 struct CachedExpert {
     dtype: DType,

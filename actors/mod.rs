@@ -25,6 +25,6 @@ pub use updater::UpdaterError;
 
 pub use faults::{LaneFault, LaneFaultSchedule};
 pub use join::{InjectedFault, LaneSet, LayerFailure};
-pub use lanes::{CpuHotLane, HotLane, SectionCold};
+pub use lanes::{CpuHotLane, HotLane};
 pub use messages::{LaneError, LaneId};
 pub use updater::{Exchange, Updater, UpdaterHandle};

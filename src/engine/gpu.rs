@@ -7,17 +7,18 @@ use super::{wrong_cache, Engine, EngineError, EngineKind, GpuSessionCache, KvCac
 use crate::actors::{Exchange, UpdaterHandle};
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{FallbackReason, PerfState};
-use crate::gpu::{GpuModel, PoolColdExperts};
+use crate::gpu::GpuModel;
 use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::phase::Phase;
 use crate::moe::pipeline::{LogitRows, Pipeline, PipelineError, PipelineOptions};
+use crate::moe::pool_lane::PoolColdLane;
 use std::sync::Arc;
 
 pub struct GpuEngine {
     model: Arc<Model>,
     gpu: GpuModel,
-    cold: PoolColdExperts,
+    cold: PoolColdLane,
     updater: UpdaterHandle,
     /// Set once the device failed: every call runs here from then on.
     cpu: Option<Pipeline>,
@@ -25,7 +26,7 @@ pub struct GpuEngine {
 }
 
 impl GpuEngine {
-    pub fn new(model: Arc<Model>, gpu: GpuModel, cold: PoolColdExperts) -> Result<GpuEngine, EngineError> {
+    pub fn new(model: Arc<Model>, gpu: GpuModel, cold: PoolColdLane) -> Result<GpuEngine, EngineError> {
         let updater = UpdaterHandle::start().map_err(|e| PipelineError::Setup(format!("updater: {e}")))?;
         let cold_threads = cold.n_threads();
         Ok(GpuEngine { model, gpu, cold, updater, cpu: None, cold_threads })
@@ -39,7 +40,7 @@ impl GpuEngine {
         &mut self.gpu
     }
 
-    pub fn cold(&self) -> &PoolColdExperts {
+    pub fn cold(&self) -> &PoolColdLane {
         &self.cold
     }
 
@@ -51,7 +52,7 @@ impl GpuEngine {
     fn lose_device(&mut self) -> Result<(), EngineError> {
         let opts = PipelineOptions {
             n_cold_workers: self.cold_threads,
-            activations: Some(self.cold.activations()),
+            activations: Some(self.cold.lane.activations()),
             ..PipelineOptions::default()
         };
         self.cpu = Some(Pipeline::new(self.model.clone(), opts)?);

@@ -16,7 +16,7 @@ pub enum GpuError {
     #[error(transparent)]
     HotSet(#[from] HotSetError),
     #[error(transparent)]
-    Cold(super::cold::ColdError),
+    Cold(crate::moe::cold::ColdError),
     #[error("the experts' activation is {activation:?}; the GPU kernels implement SiLU only")]
     Activation { activation: crate::model::arch::FfnActivation },
     #[error("head_dim {head_dim} is odd; the GPU RoPE kernels need an even head_dim")]

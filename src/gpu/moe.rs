@@ -1,5 +1,5 @@
 //! The MoE block of one layer on the GPU engine: split the routed slots into the hot lane (GPU,
-//! from the VRAM cache) and the cold lane (CPU, [`ColdExperts`]), run both at once, join, and
+//! from the VRAM cache) and the cold lane (CPU, [`ColdLane`]), run both at once, join, and
 //! fall back to all-cold when a lane fails.
 //!
 //! Two paths build the same [`Worklist`](crate::moe::worklist::Worklist):
@@ -20,7 +20,6 @@
 //! (the given cold lane, or the plain one when the cold lane itself failed), overwrites the
 //! layer's MoE output, adds the shared expert again, and is counted by reason.
 
-use super::cold::{ColdError, ColdExperts, ColdSlot};
 use super::dense::route_ids;
 use super::hot_dequant::plan_chunks;
 use super::model::GpuModel;
@@ -29,6 +28,7 @@ use super::scratch::{HostScratch, RouteView, WorkLayout};
 use super::stats::LayerRecord;
 use super::GpuError;
 use crate::cache::perf::FallbackReason;
+use crate::moe::cold::{ColdError, ColdLane, ColdSlot};
 use crate::moe::phase::Phase;
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
@@ -76,7 +76,7 @@ impl GpuModel {
         l: usize,
         phase: Phase,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), GpuError> {
         let plan = self.moe_route(l, phase, t)?;
         let outcome = if plan.device_path {
@@ -120,7 +120,7 @@ impl GpuModel {
         l: usize,
         phase: Phase,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         outcome: Result<(), LayerFault>,
         direct: bool,
     ) -> Result<(), GpuError> {
@@ -140,7 +140,7 @@ impl GpuModel {
         l: usize,
         phase: Phase,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         outcome: Result<(), LayerFault>,
     ) -> Result<bool, GpuError> {
         let fell_back = match outcome {
@@ -162,7 +162,7 @@ impl GpuModel {
         &mut self,
         l: usize,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         plan: MoePlan,
     ) -> Result<(), LayerFault> {
         self.hot_lane_device(l, t, plan)?;
@@ -262,7 +262,7 @@ impl GpuModel {
         &mut self,
         l: usize,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
         let split_at = Instant::now();
         self.wait_routes()?;
@@ -286,7 +286,7 @@ impl GpuModel {
         &mut self,
         l: usize,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
         let h = self.cfg.hidden;
         let n_rows = collect_cold(&mut self.host, t, false);
@@ -333,7 +333,7 @@ impl GpuModel {
         l: usize,
         phase: Phase,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
         self.wait_routes()?;
         let split_at = Instant::now();
@@ -384,7 +384,7 @@ impl GpuModel {
         l: usize,
         t: usize,
         n_cold_rows: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
         let late = self.opts.faults.at(self.call_idx, l).postfetch_late;
         if !self.postfetch_ready(late)? {
@@ -527,7 +527,7 @@ impl GpuModel {
         &mut self,
         l: usize,
         n_rows: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
         let h = self.cfg.hidden;
         let s = self.scratch.as_mut().expect("reserved");
@@ -583,7 +583,7 @@ impl GpuModel {
         phase: Phase,
         t: usize,
         reason: FallbackReason,
-        cold: Option<&mut dyn ColdExperts>,
+        cold: Option<&mut dyn ColdLane>,
     ) -> Result<(), GpuError> {
         self.perf.record_fallback(l, reason);
         let (h, k) = (self.cfg.hidden, self.cfg.n_experts_used);
@@ -606,7 +606,7 @@ impl GpuModel {
         }
         hs.cold_out.clear();
         hs.cold_out.resize(t * h, 0.0);
-        let lane: &mut dyn ColdExperts = match cold {
+        let lane: &mut dyn ColdLane = match cold {
             Some(c) => c,
             None => &mut self.fallback_cold,
         };
@@ -618,7 +618,7 @@ impl GpuModel {
 
 /// Run the cold lane (with the injected faults of this layer); a panic is caught and reported.
 fn call_cold(
-    cold: &mut dyn ColdExperts,
+    cold: &mut dyn ColdLane,
     faults: super::LayerFaults,
     l: usize,
     input: &[f32],

@@ -2,6 +2,7 @@
 //! the cold lane's expert math, the CPU lane pipeline, and the small numeric helpers they share
 //! (the oracle in `crate::reference` keeps its own arithmetic on purpose).
 
+pub mod cold;
 pub mod dense;
 pub mod expert_groups;
 pub mod expert_math;

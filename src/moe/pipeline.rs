@@ -15,9 +15,8 @@
 //! are computed all-cold on the driver thread from the RAM experts, and the fallback is counted
 //! with its reason. The result is the same.
 
-use crate::actors::messages::LayerInput;
 use crate::actors::messages::LANE_SPIN;
-use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneId, LaneSet, SectionCold, UpdaterHandle};
+use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneSet, UpdaterHandle};
 use crate::cache::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
 use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
 use crate::format::tensor::TensorError;
@@ -26,6 +25,7 @@ use crate::model::arch::{LayerPlan, QkNorm, RopeStyle};
 use crate::model::config::ModelConfig;
 use crate::model::naming::GlobalRole;
 use crate::model::Model;
+use crate::moe::cold::ColdLane;
 use crate::moe::dense::{
     check_matrices, decode_row, global_matrices, DenseStage, LayerMatrices, LayerVectors,
 };
@@ -314,12 +314,9 @@ impl Pipeline {
                     .map_err(|e| PipelineError::Setup(format!("cold kernels: {e}")))?,
             ),
         };
-        let pool_lane = (options.pool_cold
-            && options.driver_cold
-            && options.cold_kernels == ColdKernels::Simd)
-            .then(|| {
-                PoolLane::new(model.clone(), level, DecodeActivations::resolve(options.activations, level))
-            });
+        let pool_lane =
+            (options.pool_cold && options.driver_cold && options.cold_kernels == ColdKernels::Simd)
+                .then(|| PoolLane::new(model.clone(), level, options.activations));
         // With the pool lane the driver alone is the lane set's cold participant.
         let (lane_workers, cold_threads) = match pool_lane {
             Some(_) => (1, options.n_cold_workers.clamp(1, dense.n_threads())),
@@ -807,9 +804,7 @@ impl Pipeline {
         let h = self.config.hidden;
         let mut section = match &mut self.pool_lane {
             // One pool for both stages: its threads go on to the cold section without parking.
-            Some(lane) => {
-                Some(PoolSection { lane, pool: self.dense.pool_mut(), participants: self.cold_threads })
-            }
+            Some(lane) => Some(lane.on(self.dense.pool_mut(), self.cold_threads)),
             None => {
                 self.dense.park();
                 None
@@ -825,7 +820,7 @@ impl Pipeline {
                 &mut a.moe[..n * h],
                 &mut timing,
                 shared_work,
-                section.as_mut().map(|s| s as &mut dyn SectionCold),
+                section.as_mut().map(|s| s as &mut dyn ColdLane),
             ) {
                 Ok(()) => launched = true,
                 Err(f) => failure = Some(f.reason),
@@ -980,27 +975,5 @@ fn rope_head(head: &mut [f32], table: &[(f32, f32)], style: RopeStyle) {
         let (x0, x1) = (head[a], head[b]);
         head[a] = x0 * cos - x1 * sin;
         head[b] = x1 * cos + x0 * sin;
-    }
-}
-
-/// [`PoolLane`] bound to the dense stage's pool for one layer: the join's [`SectionCold`].
-struct PoolSection<'a> {
-    lane: &'a mut PoolLane,
-    pool: &'a mut moe_lanes_kernels::ColdPool,
-    participants: usize,
-}
-
-impl SectionCold for PoolSection<'_> {
-    fn run(
-        &mut self,
-        input: &LayerInput,
-        range: std::ops::Range<usize>,
-        token_rows: &mut [f32],
-    ) -> Result<(), LaneError> {
-        let x = &input.x[..input.n_tokens * input.hidden];
-        let (l, wl) = (input.layer_idx, &input.worklist);
-        self.lane
-            .run(self.pool, self.participants, l, x, wl, range, token_rows)
-            .map_err(|e| LaneError::Failed { lane: LaneId::Cold(0), reason: e.to_string() })
     }
 }

@@ -1,6 +1,8 @@
-//! The cold-lane boundary the GPU engine calls for experts that are not in the VRAM hot cache,
-//! and a plain CPU implementation (f32 math straight from the model's expert bytes) that serves
-//! as the test oracle and as the fallback when the fast cold lane fails.
+//! The cold lane: the one boundary both engines call for the routed experts that are not hot
+//! (the CPU pipeline's join for its cold section, the GPU engine for the experts not in the VRAM
+//! cache), the one all-cold fallback, and a plain CPU implementation (f32 math straight from the
+//! model's expert bytes) that serves as the test oracle and as the last resort when the fast cold
+//! lane itself fails. The fast implementation is [`crate::moe::pool_lane::PoolLane`].
 
 use crate::format::tensor::TensorRef;
 use crate::model::Model;
@@ -10,7 +12,7 @@ use std::sync::Arc;
 /// One cold routed slot: add `weight * expert(hidden_rows[row_idx])` into `out_rows[row_idx]`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ColdSlot {
-    /// Row in the compact `hidden_rows` / `out_rows` handed to [`ColdExperts::compute`].
+    /// Row in the `hidden_rows` / `out_rows` handed to [`ColdLane::compute`].
     pub row_idx: usize,
     /// Original expert id in the layer.
     pub expert_idx: usize,
@@ -18,9 +20,12 @@ pub struct ColdSlot {
     pub weight: f32,
 }
 
-/// Why a cold lane could not compute its slots. The engine falls back (counted by reason).
+/// Why a cold lane could not be built or could not compute its slots. At run time the engine
+/// falls back (counted by reason).
 #[derive(Debug, thiserror::Error)]
 pub enum ColdError {
+    #[error("cold lane: {source}")]
+    Setup { source: KernelError },
     #[error("cold lane, layer {layer_idx}: {source}")]
     Kernel { layer_idx: usize, source: KernelError },
     #[error("cold lane, layer {layer_idx}: injected fault")]
@@ -29,11 +34,12 @@ pub enum ColdError {
     Panicked { layer_idx: usize },
 }
 
-/// Computes the cold slots of one MoE layer on the CPU while the GPU computes the hot ones.
-pub trait ColdExperts {
+/// Computes the cold slots of one MoE layer on the CPU while the hot lane(s) compute the hot ones.
+pub trait ColdLane {
     /// `hidden_rows` is `[n_rows, hidden]` (the FFN-normed rows of the tokens that have cold
-    /// slots, compacted); `out_rows` is the same shape, zero on entry. For every slot, add
+    /// slots, compacted or not); `out_rows` is the same shape, zero on entry. For every slot, add
     /// `weight * down(act(gate(x)) * up(x))` of the slot's row into the same row of `out_rows`.
+    /// The order of additions must not depend on how many threads run it.
     fn compute(
         &mut self,
         layer_idx: usize,
@@ -45,7 +51,7 @@ pub trait ColdExperts {
 
 /// A simple, obviously-right CPU cold lane: decodes weight rows to f32 as it goes (no caching,
 /// no SIMD, single-threaded). For tests and as the fallback, not for speed.
-pub struct CpuColdExperts {
+pub struct PlainColdLane {
     model: Arc<Model>,
     row: Vec<f32>,
     h: Vec<f32>,
@@ -53,11 +59,11 @@ pub struct CpuColdExperts {
     pub slots_computed: u64,
 }
 
-impl CpuColdExperts {
-    pub fn new(model: Arc<Model>) -> CpuColdExperts {
+impl PlainColdLane {
+    pub fn new(model: Arc<Model>) -> PlainColdLane {
         let c = model.config();
         let (row, h) = (vec![0.0; c.hidden.max(c.expert_ff)], vec![0.0; c.expert_ff]);
-        CpuColdExperts { model, row, h, slots_computed: 0 }
+        PlainColdLane { model, row, h, slots_computed: 0 }
     }
 }
 
@@ -71,7 +77,7 @@ fn activation(model: &Model, g: f32) -> f32 {
     model.plan().expert_activation().kernel().apply(g)
 }
 
-impl ColdExperts for CpuColdExperts {
+impl ColdLane for PlainColdLane {
     fn compute(
         &mut self,
         layer_idx: usize,
