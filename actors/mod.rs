@@ -27,4 +27,4 @@ pub use faults::{LaneFault, LaneFaultSchedule};
 pub use join::{InjectedFault, LaneSet, LayerFailure};
 pub use lanes::{CpuHotLane, HotLane};
 pub use messages::{LaneError, LaneId};
-pub use updater::{Exchange, Updater, UpdaterHandle};
+pub use updater::{apply_exchanges, Exchange, Updater, UpdaterHandle};

@@ -4,7 +4,7 @@
 //! the pipeline and every later call runs there, counted as `gpu_lost` fallbacks.
 
 use super::{wrong_cache, Engine, EngineError, EngineKind, GpuSessionCache, KvCache, Logits};
-use crate::actors::{Exchange, UpdaterHandle};
+use crate::actors::{apply_exchanges, Exchange, UpdaterHandle};
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{FallbackReason, PerfState};
 use crate::gpu::GpuModel;
@@ -170,24 +170,17 @@ impl Engine for GpuEngine {
     /// Each exchange rewrites one cache slot in place and both copies of `hot_id_map`; the
     /// capacity never changes. An invalid exchange is refused before anything changes.
     fn apply_exchanges(&mut self) -> Result<usize, EngineError> {
-        let pending = self.updater.take_pending();
         // Every slot holds one expert: an exchange rewrites one slot's bytes.
         let n_slots: usize = self.gpu.hot_set().layers.iter().map(|l| l.n_hot()).sum();
         let slot_bytes = (self.gpu.hot_cache_bytes() / n_slots.max(1)) as u64;
-        for (i, Exchange { layer_idx, evict, add }) in pending.iter().copied().enumerate() {
-            if let Err(e) = self.gpu.exchange(layer_idx, evict, add) {
-                // Requeue what was not applied, so nothing is lost (the queue was just drained,
-                // so it has room; a refusal is counted like any other).
-                for &x in &pending[i + 1..] {
-                    if self.updater.request(x).is_err() {
-                        self.gpu.perf_mut().record_refused_exchanges(1);
-                    }
-                }
-                return Err(e.into());
-            }
-            self.gpu.perf_mut().record_exchange(slot_bytes);
-        }
-        Ok(pending.len())
+        apply_exchanges(
+            self,
+            |e| &e.updater,
+            |e| e.gpu.perf_mut(),
+            |e, x| {
+                e.gpu.exchange(x.layer_idx, x.evict, x.add).map(|()| slot_bytes).map_err(EngineError::from)
+            },
+        )
     }
     fn set_copy_logits(&mut self, on: bool) {
         self.gpu.set_copy_logits(on);

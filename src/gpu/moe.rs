@@ -28,7 +28,7 @@ use super::scratch::{HostScratch, RouteView, WorkLayout};
 use super::stats::LayerRecord;
 use super::GpuError;
 use crate::cache::perf::FallbackReason;
-use crate::moe::cold::{ColdError, ColdLane, ColdSlot};
+use crate::moe::cold::{all_cold, ColdError, ColdLane, ColdSlot};
 use crate::moe::phase::Phase;
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
@@ -597,20 +597,17 @@ impl GpuModel {
         self.be.read(route_ids(s.ids(), k, l, t), &mut hs.route_ids[..t * k])?;
         hs.work_f.resize(hs.work_f.len().max(t * k), 0.0);
         self.be.read(route_ids(s.weights.ptr(), k, l, t), &mut hs.work_f[..t * k])?;
-        hs.cold_slots.clear();
-        for (i, (&e, &w)) in hs.route_ids[..t * k].iter().zip(&hs.work_f[..t * k]).enumerate() {
-            if e < 0 || e as usize >= self.cfg.n_experts {
-                return Err(GpuError::BadRoute { layer_idx: l, expert_id: e });
-            }
-            hs.cold_slots.push(ColdSlot { row_idx: i / k, expert_idx: e as usize, weight: w });
+        if let Some(&e) = hs.route_ids[..t * k].iter().find(|&&e| e < 0 || e as usize >= self.cfg.n_experts) {
+            return Err(GpuError::BadRoute { layer_idx: l, expert_id: e });
         }
-        hs.cold_out.clear();
         hs.cold_out.resize(t * h, 0.0);
         let lane: &mut dyn ColdLane = match cold {
             Some(c) => c,
             None => &mut self.fallback_cold,
         };
-        lane.compute(l, &hs.cold_in, &hs.cold_slots, &mut hs.cold_out).map_err(GpuError::Cold)?;
+        let routes = hs.route_ids[..t * k].iter().zip(&hs.work_f[..t * k]).map(|(&e, &w)| (e as usize, w));
+        all_cold(lane, l, &hs.cold_in, routes, k, &mut hs.cold_slots, &mut hs.cold_out)
+            .map_err(GpuError::Cold)?;
         self.be.write(&hs.cold_out, s.moe_out.ptr().sub(0, t * h))?;
         self.shared_expert(l, phase, t)
     }

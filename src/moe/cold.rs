@@ -32,6 +32,8 @@ pub enum ColdError {
     Injected { layer_idx: usize },
     #[error("cold lane, layer {layer_idx}: panicked")]
     Panicked { layer_idx: usize },
+    #[error("cold lane, layer {layer_idx}: {source}")]
+    Compute { layer_idx: usize, source: crate::moe::expert_math::ComputeError },
 }
 
 /// Computes the cold slots of one MoE layer on the CPU while the hot lane(s) compute the hot ones.
@@ -47,6 +49,26 @@ pub trait ColdLane {
         slots: &[ColdSlot],
         out_rows: &mut [f32],
     ) -> Result<(), ColdError>;
+}
+
+/// The one all-cold fallback of both engines: every routed slot of layer `layer_idx` computed by
+/// `lane` into `out` (`[n_rows, hidden]`, overwritten), from `rows` (`[n_rows, hidden]`);
+/// `routes` yields each row's `k` (expert, weight) pairs, row after row. Each row's slots are
+/// added in routing order. `slots` is the caller's reused list.
+pub fn all_cold(
+    lane: &mut dyn ColdLane,
+    layer_idx: usize,
+    rows: &[f32],
+    routes: impl IntoIterator<Item = (usize, f32)>,
+    k: usize,
+    slots: &mut Vec<ColdSlot>,
+    out: &mut [f32],
+) -> Result<(), ColdError> {
+    slots.clear();
+    let with_rows = routes.into_iter().enumerate();
+    slots.extend(with_rows.map(|(i, (expert_idx, weight))| ColdSlot { row_idx: i / k, expert_idx, weight }));
+    out.fill(0.0);
+    lane.compute(layer_idx, rows, slots, out)
 }
 
 /// A simple, obviously-right CPU cold lane: decodes weight rows to f32 as it goes (no caching,

@@ -11,6 +11,7 @@ use crate::format::quant::dequantize;
 use crate::format::tensor::decode_f32;
 use crate::model::arch::FfnActivation;
 use crate::model::Model;
+use crate::moe::cold::{ColdError, ColdLane, ColdSlot};
 use crate::moe::math::dot;
 use moe_lanes_kernels::SimdLevel;
 use std::sync::Arc;
@@ -120,6 +121,36 @@ impl ColdCompute for PlainCompute {
             down: e.down.data,
         };
         ffn_plain(w, self.dims, self.activation, n, scratch)
+    }
+}
+
+/// Per-expert kernels as a [`ColdLane`], one slot at a time (the CPU pipeline's all-cold
+/// fallback runs on it): for each slot in order, `out[row] += weight * FFN_e(x[row])`.
+pub struct KernelLane<'a> {
+    pub compute: &'a dyn ColdCompute,
+    /// Sized for one token at least.
+    pub scratch: &'a mut FfnScratch,
+}
+
+impl ColdLane for KernelLane<'_> {
+    fn compute(
+        &mut self,
+        layer_idx: usize,
+        hidden_rows: &[f32],
+        slots: &[ColdSlot],
+        out_rows: &mut [f32],
+    ) -> Result<(), ColdError> {
+        let h = self.compute.dims().hidden;
+        for slot in slots {
+            self.scratch.xs[..h].copy_from_slice(&hidden_rows[slot.row_idx * h..][..h]);
+            let result = self.compute.expert_ffn(layer_idx, slot.expert_idx, 1, self.scratch);
+            result.map_err(|source| ColdError::Compute { layer_idx, source })?;
+            let out = &mut out_rows[slot.row_idx * h..][..h];
+            for (o, y) in out.iter_mut().zip(&self.scratch.ys[..h]) {
+                *o += slot.weight * y;
+            }
+        }
+        Ok(())
     }
 }
 

@@ -16,7 +16,7 @@
 //! with its reason. The result is the same.
 
 use crate::actors::messages::LANE_SPIN;
-use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneSet, UpdaterHandle};
+use crate::actors::{apply_exchanges, CpuHotLane, HotLane, LaneError, LaneSet, UpdaterHandle};
 use crate::cache::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
 use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
 use crate::format::tensor::TensorError;
@@ -25,11 +25,13 @@ use crate::model::arch::{LayerPlan, QkNorm, RopeStyle};
 use crate::model::config::ModelConfig;
 use crate::model::naming::GlobalRole;
 use crate::model::Model;
-use crate::moe::cold::ColdLane;
+use crate::moe::cold::{all_cold, ColdError, ColdLane, ColdSlot};
 use crate::moe::dense::{
     check_matrices, decode_row, global_matrices, DenseStage, LayerMatrices, LayerVectors,
 };
-use crate::moe::expert_math::{cold_simd_level, ColdCompute, FfnScratch, PlainCompute, SimdCompute};
+use crate::moe::expert_math::{
+    cold_simd_level, ColdCompute, FfnScratch, KernelLane, PlainCompute, SimdCompute,
+};
 pub use crate::moe::math::argmax;
 use crate::moe::math::{dot, sigmoid};
 use crate::moe::phase::{CacheState, ColdState, ExecPlan, Phase, PolicySwitches, PpPolicy};
@@ -166,6 +168,8 @@ pub enum PipelineError {
     Lane(#[from] LaneError),
     #[error("dense stage: {0}")]
     Kernel(#[from] KernelError),
+    #[error("all-cold fallback failed: {0}")]
+    Cold(#[from] ColdError),
     #[error("pipeline: {0}")]
     Setup(String),
 }
@@ -227,6 +231,8 @@ pub struct Pipeline {
     /// The per-stage profile, when asked for.
     profile: Option<CpuProfiler>,
     fallback_scratch: FfnScratch,
+    /// The all-cold fallback's slots (reused).
+    fallback_slots: Vec<ColdSlot>,
     act: Activations,
     /// `rope[pos * half + i] = (cos, sin)`, grown as positions are reached.
     rope: Vec<(f32, f32)>,
@@ -355,6 +361,7 @@ impl Pipeline {
             perf: PerfState::new(options.perf_mode, c.n_layers, c.n_experts, c.n_experts_used),
             policy: PpPolicy { profile: model.profile(), switches },
             fallback_scratch: FfnScratch::new(cold.dims(), 1),
+            fallback_slots: Vec::with_capacity(m * c.n_experts_used),
             cold,
             pool_lane,
             cold_threads,
@@ -467,20 +474,23 @@ impl Pipeline {
         }
     }
 
-    /// Apply every queued exchange (between calls). Returns how many were applied.
+    /// Apply every queued exchange (between calls; [`apply_exchanges`]: at a failure the rest
+    /// are queued again). Returns how many were taken from the queue.
     pub fn apply_pending_exchanges(&mut self) -> Result<usize, PipelineError> {
-        let pending = self.updater.take_pending();
-        let n = pending.len();
-        for Exchange { layer_idx, evict, add } in pending {
-            let slot = self.hot_set.apply_exchange(layer_idx, evict, add)?;
-            if let Err(e) = self.lanes.load_slot(slot.lane_idx as usize, layer_idx, slot.slot_idx, add) {
-                // Keep the maps true to the lane's contents: undo, and report.
-                let _ = self.hot_set.apply_exchange(layer_idx, add, evict);
-                return Err(e.into());
-            }
-            self.perf.record_exchange(self.model.expert_bytes_of_layer(layer_idx) as u64);
-        }
-        Ok(n)
+        apply_exchanges(
+            self,
+            |p| &p.updater,
+            |p| &mut p.perf,
+            |p, x| {
+                let slot = p.hot_set.apply_exchange(x.layer_idx, x.evict, x.add)?;
+                if let Err(e) = p.lanes.load_slot(slot.lane_idx as usize, x.layer_idx, slot.slot_idx, x.add) {
+                    // Keep the maps true to the lane's contents: undo, and report.
+                    let _ = p.hot_set.apply_exchange(x.layer_idx, x.add, x.evict);
+                    return Err(e.into());
+                }
+                Ok(p.model.expert_bytes_of_layer(x.layer_idx) as u64)
+            },
+        )
     }
 
     /// Run `tokens` after whatever `cache` holds, in `phase`; returns one logits row per token.
@@ -920,25 +930,23 @@ impl Pipeline {
     }
 
     /// All-cold fallback on this thread, from the RAM experts: layer `l`'s routed experts of
-    /// every token into `act.moe`.
+    /// every token into `act.moe` (the cold kernels one slot at a time).
     fn all_cold(&mut self, l: usize, n: usize) -> Result<(), PipelineError> {
         let (h, k) = (self.config.hidden, self.config.n_experts_used);
         let routes = self.routers[l].routes();
-        let (a, scratch) = (&mut self.act, &mut self.fallback_scratch);
-        for t in 0..n {
-            let out = &mut a.moe[t * h..(t + 1) * h];
-            out.iter_mut().for_each(|v| *v = 0.0);
-            for j in 0..k {
-                let (e, wt) = (routes.expert_ids[t * k + j] as usize, routes.weights[t * k + j]);
-                scratch.xs[..h].copy_from_slice(&a.normed[t * h..(t + 1) * h]);
-                self.cold
-                    .expert_ffn(l, e, 1, scratch)
-                    .map_err(|e| PipelineError::Setup(format!("all-cold fallback failed: {e}")))?;
-                for (o, y) in out.iter_mut().zip(&scratch.ys[..h]) {
-                    *o += wt * y;
-                }
-            }
-        }
+        let pairs = routes.expert_ids[..n * k].iter().zip(&routes.weights[..n * k]);
+        let a = &mut self.act;
+        let mut lane = KernelLane { compute: &*self.cold, scratch: &mut self.fallback_scratch };
+        let (rows, out) = (&a.normed[..n * h], &mut a.moe[..n * h]);
+        all_cold(
+            &mut lane,
+            l,
+            rows,
+            pairs.map(|(&e, &w)| (e as usize, w)),
+            k,
+            &mut self.fallback_slots,
+            out,
+        )?;
         Ok(())
     }
 }
