@@ -5,9 +5,8 @@
 //! made by merges (each merge joins an existing token with one lowercase letter), then the special
 //! tokens at the end.
 
-/// GGUF `tokenizer.ggml.token_type` values.
-pub const TOKEN_TYPE_NORMAL: i32 = 1;
-pub const TOKEN_TYPE_CONTROL: i32 = 3;
+use crate::text::bpe::byte_to_unicode;
+use crate::text::TokenType;
 
 /// Special tokens placed at the end of every synthetic vocabulary; the first is BOS/EOS.
 pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -22,20 +21,6 @@ pub struct SyntheticVocab {
     pub token_types: Vec<i32>,
     pub merges: Vec<String>,
     pub eos_id: u32,
-}
-
-/// GPT-2's reversible mapping from bytes to printable unicode characters.
-pub fn byte_to_unicode(byte: u8) -> char {
-    let b = byte as u32;
-    let printable = (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
-    if printable {
-        return char::from_u32(b).expect("printable byte is a char");
-    }
-    // Non-printable bytes map, in byte order, to 256, 257, ...
-    let rank = (0..byte as u32)
-        .filter(|c| !((0x21..=0x7e).contains(c) || (0xa1..=0xac).contains(c) || (0xae..=0xff).contains(c)))
-        .count() as u32;
-    char::from_u32(256 + rank).expect("valid code point")
 }
 
 /// Build a vocabulary of exactly `vocab_size` tokens. Fails when it cannot hold the byte tokens
@@ -66,11 +51,11 @@ pub fn synthetic_vocab(vocab_size: usize) -> Result<SyntheticVocab, String> {
         }
         parent_idx += 1;
     }
-    let mut token_types = vec![TOKEN_TYPE_NORMAL; tokens.len()];
+    let mut token_types = vec![TokenType::Normal.gguf_value(); tokens.len()];
     let eos_id = tokens.len() as u32;
     for special in SPECIAL_TOKENS {
         tokens.push(special.to_string());
-        token_types.push(TOKEN_TYPE_CONTROL);
+        token_types.push(TokenType::Control.gguf_value());
     }
     debug_assert_eq!(tokens.len(), vocab_size);
     Ok(SyntheticVocab { tokens, token_types, merges, eos_id })

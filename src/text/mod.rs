@@ -52,7 +52,7 @@
 //! and the chat template come from `tokenizer_config.json` beside it.
 //! [`Tokenizer::to_hf_files`] writes a GGUF byte-level BPE tokenizer as those two files.
 
-mod bpe;
+pub(crate) mod bpe;
 mod chat_template;
 mod generate;
 mod gguf_tok;

@@ -7,19 +7,25 @@ use crate::format::gguf::{GgufFile, MetaValue};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-/// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
+/// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`), read here and
+/// written by the synthetic vocabulary ([`crate::vocab`]): the one definition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TokenType {
-    Undefined,
-    Normal,
-    Unknown,
-    Control,
-    UserDefined,
-    Unused,
-    Byte,
+    Undefined = 0,
+    Normal = 1,
+    Unknown = 2,
+    Control = 3,
+    UserDefined = 4,
+    Unused = 5,
+    Byte = 6,
 }
 
 impl TokenType {
+    /// The value a GGUF file stores for this type.
+    pub fn gguf_value(self) -> i32 {
+        self as i32
+    }
+
     fn from_i64(v: i64) -> Option<TokenType> {
         Some(match v {
             0 => TokenType::Undefined,
