@@ -5,8 +5,7 @@
 //! made by merges (each merge joins an existing token with one lowercase letter), then the special
 //! tokens at the end.
 
-use crate::text::bpe::byte_to_unicode;
-use crate::text::TokenType;
+use crate::format::gguf::TokenType;
 
 /// Special tokens placed at the end of every synthetic vocabulary; the first is BOS/EOS.
 pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -21,6 +20,20 @@ pub struct SyntheticVocab {
     pub token_types: Vec<i32>,
     pub merges: Vec<String>,
     pub eos_id: u32,
+}
+
+/// GPT-2's reversible mapping from bytes to printable unicode characters.
+pub fn byte_to_unicode(byte: u8) -> char {
+    let b = byte as u32;
+    let printable = (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
+    if printable {
+        return char::from_u32(b).expect("printable byte is a char");
+    }
+    // Non-printable bytes map, in byte order, to 256, 257, ...
+    let rank = (0..byte as u32)
+        .filter(|c| !((0x21..=0x7e).contains(c) || (0xa1..=0xac).contains(c) || (0xae..=0xff).contains(c)))
+        .count() as u32;
+    char::from_u32(256 + rank).expect("valid code point")
 }
 
 /// Build a vocabulary of exactly `vocab_size` tokens. Fails when it cannot hold the byte tokens

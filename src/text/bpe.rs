@@ -5,6 +5,7 @@
 //! built per step.
 
 use super::vocab::GgufVocab;
+use crate::vocab::byte_to_unicode;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -105,18 +106,4 @@ pub fn encode_word(vocab: &GgufVocab, bytes: &ByteLevel, word: &[u8], out: &mut 
         push(&mut heap, &symbols, left);
     }
     out.extend(symbols.iter().filter(|s| s.alive).map(|s| s.id));
-}
-
-/// GPT-2's reversible mapping from bytes to printable unicode characters.
-pub fn byte_to_unicode(byte: u8) -> char {
-    let b = byte as u32;
-    let printable = (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b);
-    if printable {
-        return char::from_u32(b).expect("printable byte is a char");
-    }
-    // Non-printable bytes map, in byte order, to 256, 257, ...
-    let rank = (0..byte as u32)
-        .filter(|c| !((0x21..=0x7e).contains(c) || (0xa1..=0xac).contains(c) || (0xae..=0xff).contains(c)))
-        .count() as u32;
-    char::from_u32(256 + rank).expect("valid code point")
 }
