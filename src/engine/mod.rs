@@ -11,6 +11,7 @@ mod gpu;
 pub mod live;
 mod traced;
 pub mod tuning;
+pub mod worker;
 
 use crate::actors::Exchange;
 use crate::cache::hot_set::{HotSet, HotSetError};
