@@ -13,19 +13,13 @@ use crate::cache::hot_set::MAX_HOT_LANES;
 use crate::cache::perf::{FallbackReason, LayerTiming};
 use crate::moe::cold::{ColdLane, ColdSlot};
 use crate::moe::expert_math::ColdCompute;
+use crate::moe::faults::LayerFailure;
 use crate::moe::phase::MergeKind;
 use crate::moe::worklist::Worklist;
 use crossbeam_channel::{bounded, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
-
-/// Why a layer could not be computed split; the engine falls back to all-cold.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LayerFailure {
-    pub reason: FallbackReason,
-    pub detail: String,
-}
 
 struct Lane<M> {
     /// `None`: this cold share runs inline on the driver (cold participant 0).
@@ -340,10 +334,10 @@ impl LaneSet {
                     if let HotMsg::Task(t) = e.into_inner() {
                         lane.buf = Some(t.out);
                     }
-                    failure.get_or_insert(LayerFailure {
-                        reason: FallbackReason::LaneUnavailable,
-                        detail: format!("hot lane {lane_idx} does not accept tasks"),
-                    });
+                    failure.get_or_insert(LayerFailure::new(
+                        FallbackReason::LaneUnavailable,
+                        format!("hot lane {lane_idx} does not accept tasks"),
+                    ));
                 }
             }
         }
@@ -392,10 +386,10 @@ impl LaneSet {
                     if let ColdMsg::Task(t) = e.into_inner() {
                         lane.buf = Some(t.out);
                     }
-                    failure.get_or_insert(LayerFailure {
-                        reason: FallbackReason::LaneUnavailable,
-                        detail: format!("cold worker {w} does not accept tasks"),
-                    });
+                    failure.get_or_insert(LayerFailure::of_cold_lane(
+                        FallbackReason::LaneUnavailable,
+                        format!("cold worker {w} does not accept tasks"),
+                    ));
                 }
             }
         }
@@ -442,7 +436,7 @@ impl LaneSet {
         self.reduced[MAX_HOT_LANES] = reduce;
         self.returned[MAX_HOT_LANES] = Some(out);
         if let Err(e) = result {
-            failure.get_or_insert(LayerFailure { reason: FallbackReason::LaneFailed, detail: e.to_string() });
+            failure.get_or_insert(LayerFailure::of_cold_lane(FallbackReason::LaneFailed, e.to_string()));
         }
         Some(window)
     }
@@ -454,10 +448,10 @@ impl LaneSet {
         let mut n_done = 0;
         while n_done < n_sent {
             let Ok(done) = recv_spin(&self.done_rx, self.spin, Some(self.timeout)) else {
-                failure.get_or_insert(LayerFailure {
-                    reason: FallbackReason::LaneUnavailable,
-                    detail: format!("{} lane(s) did not answer within {:?}", n_sent - n_done, self.timeout),
-                });
+                failure.get_or_insert(LayerFailure::new(
+                    FallbackReason::LaneUnavailable,
+                    format!("{} lane(s) did not answer within {:?}", n_sent - n_done, self.timeout),
+                ));
                 break;
             };
             if done.call_idx != call_idx || done.layer_idx != layer_idx {
@@ -470,6 +464,7 @@ impl LaneSet {
             if let Err(e) = &done.result {
                 failure.get_or_insert(LayerFailure {
                     reason: FallbackReason::LaneFailed,
+                    cold_lane_failed: matches!(done.lane, LaneId::Cold(_)),
                     detail: e.to_string(),
                 });
             }

@@ -24,7 +24,7 @@ pub mod updater;
 pub use updater::UpdaterError;
 
 pub use faults::{LaneFault, LaneFaultSchedule};
-pub use join::{InjectedFault, LaneSet, LayerFailure};
+pub use join::{InjectedFault, LaneSet};
 pub use lanes::{CpuHotLane, HotLane};
 pub use messages::{LaneError, LaneId};
 pub use updater::{apply_exchanges, Exchange, Updater, UpdaterHandle};

@@ -32,6 +32,7 @@ use crate::moe::dense::{
 use crate::moe::expert_math::{
     cold_simd_level, ColdCompute, FfnScratch, KernelLane, PlainCompute, SimdCompute,
 };
+use crate::moe::faults::LayerFailure;
 pub use crate::moe::math::argmax;
 use crate::moe::math::{dot, sigmoid};
 use crate::moe::phase::{CacheState, ColdState, ExecPlan, Phase, PolicySwitches, PpPolicy};
@@ -833,13 +834,13 @@ impl Pipeline {
                 section.as_mut().map(|s| s as &mut dyn ColdLane),
             ) {
                 Ok(()) => launched = true,
-                Err(f) => failure = Some(f.reason),
+                Err(f) => failure = Some(f),
             }
         } else {
             shared_work();
         }
-        if let Some(reason) = failure {
-            self.perf.record_fallback(l, reason);
+        if let Some(f) = failure {
+            self.perf.record_fallback(l, f.reason);
             self.all_cold(l, n)?;
             launched = false;
         }
@@ -910,23 +911,27 @@ impl Pipeline {
 
     /// Build and check layer `l`'s worklist in the lanes' shared input (the Dispatcher).
     /// Returns why the layer cannot be split, if it cannot.
-    fn dispatch(&mut self, l: usize, n: usize, plan: &ExecPlan) -> Option<FallbackReason> {
+    fn dispatch(&mut self, l: usize, n: usize, plan: &ExecPlan) -> Option<LayerFailure> {
         let (h, k) = (self.config.hidden, self.config.n_experts_used);
         let hot_layer = &self.hot_set.layers[l];
         let routes = self.routers[l].routes();
-        let Some(input) = self.lanes.input_mut() else { return Some(FallbackReason::LaneUnavailable) };
+        let Some(input) = self.lanes.input_mut() else {
+            let detail = "a lane that timed out still holds the layer input";
+            return Some(LayerFailure::new(FallbackReason::LaneUnavailable, detail));
+        };
         input.call_idx = self.call_idx;
         input.layer_idx = l;
         input.n_tokens = n;
         input.x[..n * h].copy_from_slice(&self.act.normed[..n * h]);
         let wl = &mut input.worklist;
-        if wl.build(&routes.expert_ids, &routes.weights, n, k, Some(hot_layer), plan.order).is_err() {
-            return Some(FallbackReason::Shape);
+        if let Err(e) = wl.build(&routes.expert_ids, &routes.weights, n, k, Some(hot_layer), plan.order) {
+            return Some(LayerFailure::new(FallbackReason::Shape, e.to_string()));
         }
         if self.fault.corrupt_worklist_layer == Some(l) {
             wl.inject_corruption();
         }
-        wl.check_consistency(Some(hot_layer)).err().map(|_| FallbackReason::Worklist)
+        let checked = wl.check_consistency(Some(hot_layer)).err();
+        checked.map(|e| LayerFailure::new(FallbackReason::Worklist, e.to_string()))
     }
 
     /// All-cold fallback on this thread, from the RAM experts: layer `l`'s routed experts of
