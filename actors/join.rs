@@ -12,7 +12,7 @@ use super::messages::*;
 use crate::cache::hot_set::MAX_HOT_LANES;
 use crate::cache::perf::{FallbackReason, LayerTiming};
 use crate::moe::cold::{ColdLane, ColdSlot};
-use crate::moe::expert_math::ColdCompute;
+use crate::moe::expert_math::ExpertKernel;
 use crate::moe::faults::LayerFailure;
 use crate::moe::phase::MergeKind;
 use crate::moe::worklist::Worklist;
@@ -51,7 +51,7 @@ pub struct LaneSet {
     /// Poll window of the join before parking.
     spin: std::time::Duration,
     /// The driver's own cold share (participant 0), when it takes one: compute and scratch.
-    driver_cold: Option<(Arc<dyn ColdCompute>, crate::moe::expert_math::FfnScratch)>,
+    driver_cold: Option<(Arc<dyn ExpertKernel>, crate::moe::expert_math::FfnScratch)>,
     /// Buffer index -> reduced this layer (hot lanes first, then cold workers).
     reduced: Vec<bool>,
     /// Where each buffer's rows came back this layer (indexes into `returned`).
@@ -81,7 +81,7 @@ impl LaneSet {
     /// only when the machine has a core for every lane thread and the driver (see [`LANE_SPIN`]).
     pub fn start(
         hot_lanes: Vec<Box<dyn HotLane>>,
-        cold: Arc<dyn ColdCompute>,
+        cold: Arc<dyn ExpertKernel>,
         n_cold_workers: usize,
         max_tokens: usize,
         k: usize,
@@ -101,7 +101,7 @@ impl LaneSet {
     #[allow(clippy::too_many_arguments)]
     pub fn start_with(
         hot_lanes: Vec<Box<dyn HotLane>>,
-        cold: Arc<dyn ColdCompute>,
+        cold: Arc<dyn ExpertKernel>,
         n_cold_workers: usize,
         max_tokens: usize,
         k: usize,
@@ -268,7 +268,7 @@ impl LaneSet {
     /// [`LaneSet::run_layer`] where `section`, when given, is the cold lane that computes the
     /// driver's cold share (the whole cold section when the set has no cold worker threads)
     /// reduced into token rows, in place of the per-expert
-    /// [`crate::moe::expert_math::ColdCompute`] kernels; faults drawn for cold participant 0
+    /// [`crate::moe::expert_math::ExpertKernel`] kernels; faults drawn for cold participant 0
     /// apply to it as to the driver's share.
     pub fn run_layer_with(
         &mut self,

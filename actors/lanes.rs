@@ -12,7 +12,7 @@ use crate::cache::hot_set::HotSet;
 use crate::format::dtype::DType;
 use crate::model::arch::FfnActivation;
 use crate::model::Model;
-use crate::moe::expert_math::{ffn_plain, ColdCompute, ExpertBytes, FfnDims, FfnScratch};
+use crate::moe::expert_math::{ffn_plain, ExpertBytes, ExpertKernel, FfnDims, FfnScratch};
 use crossbeam_channel::{Receiver, Sender};
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -204,7 +204,7 @@ pub fn run_entries(
 
 /// Run one cold-lane task with `compute` (the cold lane's plain kernels or a drop-in).
 pub fn run_cold_task(
-    compute: &dyn ColdCompute,
+    compute: &dyn ExpertKernel,
     lane: LaneId,
     input: &LayerInput,
     range: Range<usize>,
@@ -282,7 +282,7 @@ pub fn hot_lane_loop(
 /// A cold-pool worker thread.
 pub fn cold_worker_loop(
     worker_idx: usize,
-    compute: Arc<dyn ColdCompute>,
+    compute: Arc<dyn ExpertKernel>,
     rx: Receiver<ColdMsg>,
     done: Sender<LaneDone>,
     spin: std::time::Duration,

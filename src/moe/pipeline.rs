@@ -30,7 +30,7 @@ use crate::moe::dense::{
     check_matrices, decode_row, global_matrices, DenseStage, LayerMatrices, LayerVectors,
 };
 use crate::moe::expert_math::{
-    cold_simd_level, ColdCompute, FfnScratch, KernelLane, PlainCompute, SimdCompute,
+    cold_simd_level, ExpertKernel, FfnScratch, KernelLane, PlainKernel, SimdKernel,
 };
 use crate::moe::faults::LayerFailure;
 pub use crate::moe::math::argmax;
@@ -224,7 +224,7 @@ pub struct Pipeline {
     perf: PerfState,
     policy: PpPolicy,
     updater: UpdaterHandle,
-    cold: Arc<dyn ColdCompute>,
+    cold: Arc<dyn ExpertKernel>,
     /// The cold lane on the dense stage's pool (see [`PipelineOptions::pool_cold`]).
     pool_lane: Option<PoolLane>,
     /// Cold-lane participants, the driver included.
@@ -314,10 +314,10 @@ impl Pipeline {
         let level = cold_simd_level(options.simd)?;
         let dense = DenseStage::new(options.n_dense_threads, level);
         let m = options.max_batch_tokens;
-        let cold: Arc<dyn ColdCompute> = match options.cold_kernels {
-            ColdKernels::Plain => Arc::new(PlainCompute::new(model.clone())),
+        let cold: Arc<dyn ExpertKernel> = match options.cold_kernels {
+            ColdKernels::Plain => Arc::new(PlainKernel::new(model.clone())),
             ColdKernels::Simd => Arc::new(
-                SimdCompute::new(model.clone(), options.simd)
+                SimdKernel::new(model.clone(), options.simd)
                     .map_err(|e| PipelineError::Setup(format!("cold kernels: {e}")))?,
             ),
         };
