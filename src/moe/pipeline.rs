@@ -20,6 +20,7 @@ use crate::actors::{apply_exchanges, CpuHotLane, HotLane, LaneError, LaneSet, Up
 use crate::cache::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
 use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
 use crate::format::tensor::TensorError;
+pub use crate::forward::argmax;
 pub use crate::forward::LogitRows;
 use crate::model::arch::{LayerPlan, QkNorm, RopeStyle};
 use crate::model::config::ModelConfig;
@@ -33,7 +34,6 @@ use crate::moe::expert_math::{
     cold_simd_level, ExpertKernel, FfnScratch, KernelLane, PlainKernel, SimdKernel,
 };
 use crate::moe::faults::LayerFailure;
-pub use crate::moe::math::argmax;
 use crate::moe::math::{dot, sigmoid};
 use crate::moe::phase::{CacheState, ColdState, ExecPlan, Phase, PolicySwitches, PpPolicy};
 use crate::moe::pool_lane::PoolLane;
