@@ -7,24 +7,19 @@
 //! bit-identical to it), then adds the token rows of every lane that reduced.
 
 use super::faults::{LaneFault, LaneFaultSchedule};
-use super::lanes::{cold_worker_loop, hot_lane_loop, HotLane, SectionCold};
+use super::lanes::{cold_worker_loop, hot_lane_loop, HotLane};
 use super::messages::*;
 use crate::cache::hot_set::MAX_HOT_LANES;
 use crate::cache::perf::{FallbackReason, LayerTiming};
-use crate::moe::expert_math::ColdCompute;
+use crate::moe::cold::{ColdLane, ColdSlot};
+use crate::moe::expert_math::ExpertKernel;
+use crate::moe::faults::LayerFailure;
 use crate::moe::phase::MergeKind;
 use crate::moe::worklist::Worklist;
 use crossbeam_channel::{bounded, Receiver, Sender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
-
-/// Why a layer could not be computed split; the engine falls back to all-cold.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LayerFailure {
-    pub reason: FallbackReason,
-    pub detail: String,
-}
 
 struct Lane<M> {
     /// `None`: this cold share runs inline on the driver (cold participant 0).
@@ -56,7 +51,7 @@ pub struct LaneSet {
     /// Poll window of the join before parking.
     spin: std::time::Duration,
     /// The driver's own cold share (participant 0), when it takes one: compute and scratch.
-    driver_cold: Option<(Arc<dyn ColdCompute>, crate::moe::expert_math::FfnScratch)>,
+    driver_cold: Option<(Arc<dyn ExpertKernel>, crate::moe::expert_math::FfnScratch)>,
     /// Buffer index -> reduced this layer (hot lanes first, then cold workers).
     reduced: Vec<bool>,
     /// Where each buffer's rows came back this layer (indexes into `returned`).
@@ -68,6 +63,8 @@ pub struct LaneSet {
     injected: Vec<InjectedFault>,
     /// Layers refused because a lane that timed out still held the layer input.
     busy_refusals: u64,
+    /// The cold section handed to a driver-side [`ColdLane`], as its slots (reused).
+    section_slots: Vec<ColdSlot>,
 }
 
 /// One fault the join injected into a lane task.
@@ -84,7 +81,7 @@ impl LaneSet {
     /// only when the machine has a core for every lane thread and the driver (see [`LANE_SPIN`]).
     pub fn start(
         hot_lanes: Vec<Box<dyn HotLane>>,
-        cold: Arc<dyn ColdCompute>,
+        cold: Arc<dyn ExpertKernel>,
         n_cold_workers: usize,
         max_tokens: usize,
         k: usize,
@@ -104,7 +101,7 @@ impl LaneSet {
     #[allow(clippy::too_many_arguments)]
     pub fn start_with(
         hot_lanes: Vec<Box<dyn HotLane>>,
-        cold: Arc<dyn ColdCompute>,
+        cold: Arc<dyn ExpertKernel>,
         n_cold_workers: usize,
         max_tokens: usize,
         k: usize,
@@ -177,6 +174,7 @@ impl LaneSet {
             faults: None,
             injected: Vec::new(),
             busy_refusals: 0,
+            section_slots: Vec::with_capacity(capacity),
         }
     }
 
@@ -267,10 +265,11 @@ impl LaneSet {
         self.run_layer_with(merge, compact_cold_reduce, out, timing, overlap_work, None)
     }
 
-    /// [`LaneSet::run_layer`] where `section`, when given, computes the driver's cold share (the
-    /// whole cold section when the set has no cold worker threads) reduced into token rows, in
-    /// place of the per-expert [`crate::moe::expert_math::ColdCompute`] kernels; faults drawn
-    /// for cold participant 0 apply to it as to the driver's share.
+    /// [`LaneSet::run_layer`] where `section`, when given, is the cold lane that computes the
+    /// driver's cold share (the whole cold section when the set has no cold worker threads)
+    /// reduced into token rows, in place of the per-expert
+    /// [`crate::moe::expert_math::ExpertKernel`] kernels; faults drawn for cold participant 0
+    /// apply to it as to the driver's share.
     pub fn run_layer_with(
         &mut self,
         merge: MergeKind,
@@ -278,7 +277,7 @@ impl LaneSet {
         out: &mut [f32],
         timing: &mut LayerTiming,
         overlap_work: impl FnOnce(),
-        section: Option<&mut dyn SectionCold>,
+        section: Option<&mut dyn ColdLane>,
     ) -> Result<(), LayerFailure> {
         let sent_at = Instant::now();
         let hot_reduce = merge == MergeKind::ReduceMerge;
@@ -335,10 +334,10 @@ impl LaneSet {
                     if let HotMsg::Task(t) = e.into_inner() {
                         lane.buf = Some(t.out);
                     }
-                    failure.get_or_insert(LayerFailure {
-                        reason: FallbackReason::LaneUnavailable,
-                        detail: format!("hot lane {lane_idx} does not accept tasks"),
-                    });
+                    failure.get_or_insert(LayerFailure::new(
+                        FallbackReason::LaneUnavailable,
+                        format!("hot lane {lane_idx} does not accept tasks"),
+                    ));
                 }
             }
         }
@@ -387,10 +386,10 @@ impl LaneSet {
                     if let ColdMsg::Task(t) = e.into_inner() {
                         lane.buf = Some(t.out);
                     }
-                    failure.get_or_insert(LayerFailure {
-                        reason: FallbackReason::LaneUnavailable,
-                        detail: format!("cold worker {w} does not accept tasks"),
-                    });
+                    failure.get_or_insert(LayerFailure::of_cold_lane(
+                        FallbackReason::LaneUnavailable,
+                        format!("cold worker {w} does not accept tasks"),
+                    ));
                 }
             }
         }
@@ -402,7 +401,7 @@ impl LaneSet {
         &mut self,
         range: std::ops::Range<usize>,
         reduce: bool,
-        section: Option<&mut dyn SectionCold>,
+        section: Option<&mut dyn ColdLane>,
         failure: &mut Option<LayerFailure>,
     ) -> Option<(Instant, Instant)> {
         if range.is_empty() {
@@ -416,15 +415,18 @@ impl LaneSet {
             .buf
             .take()
             .unwrap_or_else(|| fresh_buffer(range.len(), self.max_tokens, self.hidden));
-        let (id, input) = (LaneId::Cold(0), &self.input);
+        let (id, input, slots) = (LaneId::Cold(0), &self.input, &mut self.section_slots);
         // A panic in the driver's share is a lane failure like any other, not the caller's.
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             super::faults::act_out(fault, id)?;
             match section {
                 Some(section) => {
-                    let rows = &mut out.token_rows[..input.n_tokens * input.hidden];
+                    let n = input.n_tokens * input.hidden;
+                    let rows = &mut out.token_rows[..n];
                     rows.iter_mut().for_each(|v| *v = 0.0);
-                    section.run(input, range, rows)
+                    section_slots(input, range, slots);
+                    let result = section.compute(input.layer_idx, &input.x[..n], slots, rows);
+                    result.map_err(|e| LaneError::Failed { lane: id, reason: e.to_string() })
                 }
                 None => super::lanes::run_cold_task(&**compute, id, input, range, reduce, &mut out, scratch),
             }
@@ -434,7 +436,7 @@ impl LaneSet {
         self.reduced[MAX_HOT_LANES] = reduce;
         self.returned[MAX_HOT_LANES] = Some(out);
         if let Err(e) = result {
-            failure.get_or_insert(LayerFailure { reason: FallbackReason::LaneFailed, detail: e.to_string() });
+            failure.get_or_insert(LayerFailure::of_cold_lane(FallbackReason::LaneFailed, e.to_string()));
         }
         Some(window)
     }
@@ -446,10 +448,10 @@ impl LaneSet {
         let mut n_done = 0;
         while n_done < n_sent {
             let Ok(done) = recv_spin(&self.done_rx, self.spin, Some(self.timeout)) else {
-                failure.get_or_insert(LayerFailure {
-                    reason: FallbackReason::LaneUnavailable,
-                    detail: format!("{} lane(s) did not answer within {:?}", n_sent - n_done, self.timeout),
-                });
+                failure.get_or_insert(LayerFailure::new(
+                    FallbackReason::LaneUnavailable,
+                    format!("{} lane(s) did not answer within {:?}", n_sent - n_done, self.timeout),
+                ));
                 break;
             };
             if done.call_idx != call_idx || done.layer_idx != layer_idx {
@@ -462,6 +464,7 @@ impl LaneSet {
             if let Err(e) = &done.result {
                 failure.get_or_insert(LayerFailure {
                     reason: FallbackReason::LaneFailed,
+                    cold_lane_failed: matches!(done.lane, LaneId::Cold(_)),
                     detail: e.to_string(),
                 });
             }
@@ -539,6 +542,17 @@ impl LaneSet {
             }
         }
     }
+}
+
+/// The cold entries `range` of the layer's worklist as cold-lane slots (row: the token).
+fn section_slots(input: &LayerInput, range: std::ops::Range<usize>, slots: &mut Vec<ColdSlot>) {
+    let wl = &input.worklist;
+    slots.clear();
+    slots.extend(range.map(|i| ColdSlot {
+        row_idx: wl.cold_token_id[i] as usize,
+        expert_idx: wl.cold_id[i] as usize,
+        weight: wl.cold_weight[i],
+    }));
 }
 
 fn buffer_idx(lane: LaneId) -> usize {

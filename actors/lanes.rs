@@ -12,7 +12,7 @@ use crate::cache::hot_set::HotSet;
 use crate::format::dtype::DType;
 use crate::model::arch::FfnActivation;
 use crate::model::Model;
-use crate::moe::expert_math::{ffn_plain, ColdCompute, ExpertBytes, FfnDims, FfnScratch};
+use crate::moe::expert_math::{ffn_plain, ExpertBytes, ExpertKernel, FfnDims, FfnScratch};
 use crossbeam_channel::{Receiver, Sender};
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -37,20 +37,6 @@ pub trait HotLane: Send {
     /// Load expert `expert_idx` of layer `layer_idx` into cache slot `slot_idx` (replacing
     /// whatever it held). Called between forward calls only.
     fn load_slot(&mut self, layer_idx: usize, slot_idx: u32, expert_idx: usize) -> Result<(), LaneError>;
-}
-
-/// A cold lane that computes a whole cold section from the driver thread, typically on a
-/// thread pool whose thread 0 is the driver (the CPU pipeline's shared pool): for the cold
-/// entries `range` of `input.worklist`, `token_rows[t] += weight * FFN_e(x_t)` (`token_rows` is
-/// `[n_tokens, hidden]`, zeroed by the caller). Its order of additions must not depend on how
-/// many threads run it.
-pub trait SectionCold {
-    fn run(
-        &mut self,
-        input: &LayerInput,
-        range: Range<usize>,
-        token_rows: &mut [f32],
-    ) -> Result<(), LaneError>;
 }
 
 /// One cached expert copy (raw bytes, same dtype as the file).
@@ -218,7 +204,7 @@ pub fn run_entries(
 
 /// Run one cold-lane task with `compute` (the cold lane's plain kernels or a drop-in).
 pub fn run_cold_task(
-    compute: &dyn ColdCompute,
+    compute: &dyn ExpertKernel,
     lane: LaneId,
     input: &LayerInput,
     range: Range<usize>,
@@ -296,7 +282,7 @@ pub fn hot_lane_loop(
 /// A cold-pool worker thread.
 pub fn cold_worker_loop(
     worker_idx: usize,
-    compute: Arc<dyn ColdCompute>,
+    compute: Arc<dyn ExpertKernel>,
     rx: Receiver<ColdMsg>,
     done: Sender<LaneDone>,
     spin: std::time::Duration,

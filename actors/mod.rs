@@ -1,7 +1,8 @@
 //! The per-layer pipeline as actors: Router, Dispatcher, HotLane, ColdPool, Join, Updater.
 //!
-//! This directory is compiled as part of the `moe_lanes` library crate (`#[path]` in
-//! `src/lib.rs`), not as a crate of its own: the CLI in the library package needs both the
+//! This directory is compiled as part of the `moe_lanes` library crate, as the module
+//! `moe::actors` of the lanes' home (`#[path]` in `src/moe/mod.rs`; the crate root re-exports it
+//! as `crate::actors`), not as a crate of its own: the CLI in the library package needs both the
 //! library and the actors, and the actors need the library, so a separate crate would have to
 //! be depended on by the package that it depends on.
 //!
@@ -24,7 +25,7 @@ pub mod updater;
 pub use updater::UpdaterError;
 
 pub use faults::{LaneFault, LaneFaultSchedule};
-pub use join::{InjectedFault, LaneSet, LayerFailure};
-pub use lanes::{CpuHotLane, HotLane, SectionCold};
+pub use join::{InjectedFault, LaneSet};
+pub use lanes::{CpuHotLane, HotLane};
 pub use messages::{LaneError, LaneId};
-pub use updater::{Exchange, Updater, UpdaterHandle};
+pub use updater::{apply_exchanges, Exchange, Updater, UpdaterHandle};

@@ -7,6 +7,7 @@
 //! `update_rate`) and driven by `engine::live`. A request the queue cannot take is refused with an
 //! [`UpdaterError`], which the engines return and `engine::live` counts (never dropped silently).
 
+use crate::cache::perf::PerfState;
 use kameo::message::{Context, Message};
 use kameo::Actor;
 use std::collections::VecDeque;
@@ -123,4 +124,31 @@ impl Drop for UpdaterHandle {
     fn drop(&mut self) {
         self.actor.kill();
     }
+}
+
+/// The one exchange-apply path of both engines, between calls: every queued exchange applied in
+/// order by `apply` (which returns the bytes it copied, recorded in `perf` with the exchange). At
+/// the first failure the exchanges not yet applied are queued again (each the queue refuses is
+/// counted) and the error is returned. Returns how many were taken from the queue.
+pub fn apply_exchanges<T, E>(
+    target: &mut T,
+    updater: fn(&T) -> &UpdaterHandle,
+    perf: fn(&mut T) -> &mut PerfState,
+    mut apply: impl FnMut(&mut T, Exchange) -> Result<u64, E>,
+) -> Result<usize, E> {
+    let pending = updater(target).take_pending();
+    for (i, &exchange) in pending.iter().enumerate() {
+        match apply(target, exchange) {
+            Ok(bytes) => perf(target).record_exchange(bytes),
+            Err(e) => {
+                let rest = &pending[i + 1..];
+                let refused = rest.iter().filter(|&&x| updater(target).request(x).is_err()).count();
+                if refused > 0 {
+                    perf(target).record_refused_exchanges(refused as u64);
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(pending.len())
 }

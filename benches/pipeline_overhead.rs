@@ -17,7 +17,7 @@ use moe_lanes::actors::lanes::run_entries;
 use moe_lanes::actors::messages::{recv_spin, LaneBuffer, LayerInput, GROUP_TOKENS_MAX, LANE_SPIN};
 use moe_lanes::actors::{HotLane, LaneError, LaneSet};
 use moe_lanes::arch::RoutingVariant;
-use moe_lanes::expert_math::{ColdCompute, FfnDims, FfnScratch, NullCompute};
+use moe_lanes::expert_math::{ExpertKernel, FfnDims, FfnScratch, NullKernel};
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::perf::LayerTiming;
 use moe_lanes::phase::MergeKind;
@@ -109,7 +109,7 @@ impl CrossbeamLayer {
     fn new(n_cold_workers: usize, spin: Option<Duration>, driver_cold: bool) -> CrossbeamLayer {
         let hot_lane: Box<dyn HotLane> =
             Box::new(NullHotLane { scratch: FfnScratch::new(DIMS, GROUP_TOKENS_MAX) });
-        let cold: Arc<dyn ColdCompute> = Arc::new(NullCompute(DIMS));
+        let cold: Arc<dyn ExpertKernel> = Arc::new(NullKernel(DIMS));
         CrossbeamLayer {
             router: router(),
             lanes: match spin {

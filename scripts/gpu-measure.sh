@@ -18,10 +18,10 @@
 #            quantize and, once llama.cpp is built, by llama-quantize; quantcmp waits for it
 #   quantcmp the skewed model quantized (QTYPES q4_k_m q8_0) by llama-quantize and by moe-lanes,
 #            both systems at budget 0 / 50% / 100% on each file (issue 12)
-#   prefillab  all experts on the GPU, pp512: the grouped GEMMs synchronous vs pipelined
-#            (MOE_LANES_GROUPED_PIPELINE) on the skewed BF16 file, and on its Q4_K_M file (written
-#            by quantprep) also split vs one-rounding bf16 activations (MOE_LANES_PREFILL_ACTIVATIONS),
-#            alternating in one call (issues 12, 14)
+#   prefillab  all experts on the GPU, pp512 on the skewed BF16 file and its Q4_K_M file (written
+#            by quantprep): split vs one-rounding bf16 activations (MOE_LANES_PREFILL_ACTIVATIONS),
+#            alternating in one call (issues 12, 14; the grouped GEMMs' synchronous vs pipelined
+#            A/B of issue 12 is settled and its switch removed)
 #
 # Usage on the GPU machine, from the repository root, after scripts/gpu-build.sh here:
 #   bash scripts/gpu-measure.sh models      (then, chained: metrics shift plan, and compare)
@@ -233,19 +233,17 @@ part_quantcmp() {
 }
 
 part_prefillab() {
-    local m pipe act r N=32 RUNS=2
+    local m act r N=32 RUNS=2
     wait_quantprep
     for m in "$(model skewed)" "$(quant_file moe q4_k_m)"; do
         [ -f "$m" ] || { echo "no $m"; continue; }
         for r in 1 2; do
-            for pipe in 0 1; do
-                for act in split auto; do
-                    # BF16 weights take split activations either way
-                    case "$m" in *q4_k_m*) ;; *) [ "$act" = auto ] && continue ;; esac
-                    MOE_LANES_GROUPED_PIPELINE=$pipe MOE_LANES_PREFILL_ACTIVATIONS=$act bench_json \
-                        "$LOGS/pab-$(basename "$m" .gguf)-$r-$pipe-$act.json" "$m" --engine gpu --hot-budget-mib -1 &&
-                        rates "$LOGS/pab-$(basename "$m" .gguf)-$r-$pipe-$act.json" "$(basename "$m") pipe $pipe $act"
-                done
+            for act in split auto; do
+                # BF16 weights take split activations either way
+                case "$m" in *q4_k_m*) ;; *) [ "$act" = auto ] && continue ;; esac
+                MOE_LANES_PREFILL_ACTIVATIONS=$act bench_json \
+                    "$LOGS/pab-$(basename "$m" .gguf)-$r-$act.json" "$m" --engine gpu --hot-budget-mib -1 &&
+                    rates "$LOGS/pab-$(basename "$m" .gguf)-$r-$act.json" "$(basename "$m") $act"
             done
         done
     done

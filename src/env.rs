@@ -12,7 +12,6 @@
 //! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |
 //! | `CUDA_HOME`, `CUDA_PATH`, `CUDA_ROOT` | where NVRTC finds the CUDA headers |
 //! | `MOE_LANES_PDL=0` | launch kernels without programmatic dependent launch (on by default where the GPU has it, sm_90+: a kernel's blocks are scheduled while the one before it finishes) |
-//! | `MOE_LANES_GROUPED_PIPELINE=0` | the GPU prefill hot lane's grouped GEMMs (bf16 and quantized caches) load their tiles synchronously instead of copying them stages ahead of the tensor cores (an A/B switch; same results) |
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_HOT_DEQUANT_MIB` | A/B: VRAM for quantized hot slots dequantized to bf16 before the grouped prefill GEMMs (default 0: the GEMMs decode quantized tiles themselves; more: fewer chunks) |
@@ -111,18 +110,7 @@ pub fn cuda_config() -> Result<CudaConfig, EnvError> {
         Some("0") => false,
         Some(v) => return Err(bad("MOE_LANES_PDL", v, "0 or 1")),
     };
-    let grouped_pipeline = match var("MOE_LANES_GROUPED_PIPELINE").as_deref().map(str::trim) {
-        None | Some("1") => true,
-        Some("0") => false,
-        Some(v) => return Err(bad("MOE_LANES_GROUPED_PIPELINE", v, "0 or 1")),
-    };
-    Ok(CudaConfig {
-        device_ordinal,
-        nvrtc_cache_dir,
-        cuda_include_dir,
-        programmatic_launch,
-        grouped_pipeline,
-    })
+    Ok(CudaConfig { device_ordinal, nvrtc_cache_dir, cuda_include_dir, programmatic_launch })
 }
 
 /// `MOE_LANES_GPU_PROFILE` set to anything but `0`.

@@ -1,12 +1,32 @@
-//! The vocabulary of one forward call that every engine speaks: which logits rows to compute
-//! ([`LogitRows`]) and what comes back ([`Logits`]); the phase ([`Phase`]) and the refusals
-//! ([`ForwardError`]) are re-exported here so an engine imports them from one place. It sits below
-//! the engines: `gpu/`, `moe/` and `engine/` all import it, and it imports none of them but the
-//! phase and the oracle's error type.
+//! The vocabulary of one forward call that every engine speaks: its phase ([`Phase`]), which
+//! logits rows to compute ([`LogitRows`]) and what comes back ([`Logits`], with each row's greedy
+//! token by [`argmax`]); the refusals ([`ForwardError`]) are re-exported here so an engine imports
+//! them from one place. It sits below the engines: `gpu/`, `moe/`, `engine/`, `cache/` and
+//! `sample/` import it, and it imports none of them, only the oracle's error type.
 
-use crate::moe::math::argmax;
-pub use crate::moe::phase::Phase;
 pub use crate::reference::ForwardError;
+
+/// The phase of one forward call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Phase {
+    /// First calls after start-up: conservative plan.
+    Warmup,
+    /// Prompt processing (PP).
+    Prefill,
+    /// Token generation (TG), including multi-token verify batches.
+    Decode,
+}
+
+impl Phase {
+    /// The name used in the perf JSON's `phases` section.
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Warmup => "warmup",
+            Phase::Prefill => "prefill",
+            Phase::Decode => "decode",
+        }
+    }
+}
 
 /// Which logits rows a forward call computes (the lm_head runs only for those).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,4 +71,32 @@ impl Logits {
     pub fn rows(&self) -> Vec<Vec<f32>> {
         self.data.chunks_exact(self.vocab.max(1)).map(<[f32]>::to_vec).collect()
     }
+}
+
+/// Index of the largest value (the first one on ties), as a scan keeping the first `v >
+/// best` gives: NaNs never win over a number, and a NaN at index 0 makes the answer 0.
+///
+/// Two vectorised passes over 16-value chunks, so a vocabulary row (152k logits on Qwen3) is
+/// read at memory speed, not one compare-and-branch per value: lane-wise maxima (`v > lane ?
+/// v : lane` is one `maxps`), then the first chunk holding the maximum.
+pub fn argmax(values: &[f32]) -> u32 {
+    const LANES: usize = 16;
+    let Some(&first) = values.first() else { return 0 };
+    if first.is_nan() {
+        return 0;
+    }
+    let mut lanes = [first; LANES];
+    for chunk in values.chunks_exact(LANES) {
+        for (lane, &v) in lanes.iter_mut().zip(chunk) {
+            *lane = if v > *lane { v } else { *lane };
+        }
+    }
+    let rest = values.chunks_exact(LANES).remainder();
+    let max = lanes.iter().chain(rest).fold(first, |m, &v| if v > m { v } else { m });
+    // `max` is a number (never NaN), and it occurs: the first chunk with an equal value holds
+    // the answer (== treats -0.0 and 0.0 alike, as `>` does in the scan).
+    let hit = |chunk: &[f32]| chunk.iter().fold(false, |any, &v| any | (v == max));
+    let chunk = values.chunks(LANES).position(hit).unwrap_or(0);
+    let at = values[chunk * LANES..].iter().position(|&v| v == max).unwrap_or(0);
+    (chunk * LANES + at) as u32
 }

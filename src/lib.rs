@@ -57,11 +57,6 @@
 //! # Ok(()) }
 //! ```
 
-// The actors live in the top-level `actors/` directory (DESIGN.md layout) but are compiled as
-// part of this crate: they need the library's types and the library's engines need them.
-#[path = "../actors/mod.rs"]
-pub mod actors;
-
 pub mod bench;
 pub mod cache;
 pub mod engine;
@@ -86,4 +81,4 @@ pub mod vocab;
 pub use cache::{hot_set, perf, planner};
 pub use format::{dtype, gguf, safetensors, tensor};
 pub use model::{arch, arch as adapter, config, naming};
-pub use moe::{expert_math, phase, pipeline, routing, worklist};
+pub use moe::{actors, expert_math, phase, pipeline, routing, worklist};

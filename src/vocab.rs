@@ -5,9 +5,7 @@
 //! made by merges (each merge joins an existing token with one lowercase letter), then the special
 //! tokens at the end.
 
-/// GGUF `tokenizer.ggml.token_type` values.
-pub const TOKEN_TYPE_NORMAL: i32 = 1;
-pub const TOKEN_TYPE_CONTROL: i32 = 3;
+use crate::format::gguf::TokenType;
 
 /// Special tokens placed at the end of every synthetic vocabulary; the first is BOS/EOS.
 pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -66,11 +64,11 @@ pub fn synthetic_vocab(vocab_size: usize) -> Result<SyntheticVocab, String> {
         }
         parent_idx += 1;
     }
-    let mut token_types = vec![TOKEN_TYPE_NORMAL; tokens.len()];
+    let mut token_types = vec![TokenType::Normal.gguf_value(); tokens.len()];
     let eos_id = tokens.len() as u32;
     for special in SPECIAL_TOKENS {
         tokens.push(special.to_string());
-        token_types.push(TOKEN_TYPE_CONTROL);
+        token_types.push(TokenType::Control.gguf_value());
     }
     debug_assert_eq!(tokens.len(), vocab_size);
     Ok(SyntheticVocab { tokens, token_types, merges, eos_id })

@@ -1,11 +1,13 @@
-//! The SIMD pool cold lane the GPU engine uses equals the plain CPU cold lane on random slots
-//! (expert ids repeated across rows, rows with several experts, empty calls), for every adapter.
+//! The SIMD pool cold lane (the one both engines use) equals the plain CPU cold lane on random
+//! slots (expert ids repeated across rows, rows with several experts, empty calls), for every
+//! adapter.
 
 mod common;
 
 use common::*;
-use moe_lanes::gpu::{ColdExperts, ColdSlot, CpuColdExperts, PoolColdExperts};
 use moe_lanes::model::Model;
+use moe_lanes::moe::cold::{ColdLane, ColdSlot, PlainColdLane};
+use moe_lanes::moe::pool_lane::PoolColdLane;
 use moe_lanes::synth::SynthFormat;
 
 fn random_slots(seed: u64, n_rows: usize, n_experts: usize, k: usize) -> Vec<ColdSlot> {
@@ -34,10 +36,9 @@ fn pool_cold_lane_equals_plain_cold_lane() {
         let model =
             std::sync::Arc::new(Model::open(&synth_tiny(dir.path(), arch, SynthFormat::Gguf, 4)).unwrap());
         let c = model.config().clone();
-        let mut plain = CpuColdExperts::new(model.clone());
+        let mut plain = PlainColdLane::new(model.clone());
         let mut pool =
-            PoolColdExperts::new(model.clone(), 3, None, moe_lanes_kernels::pool::ColdSchedule::Auto)
-                .unwrap();
+            PoolColdLane::new(model.clone(), 3, None, moe_lanes_kernels::pool::ColdSchedule::Auto).unwrap();
         for (call_idx, n_rows) in [1usize, 5, 17, 1, 0].into_iter().enumerate() {
             let hidden: Vec<f32> =
                 (0..n_rows * c.hidden).map(|i| ((i * 7919 + call_idx) % 97) as f32 / 48.0 - 1.0).collect();
@@ -52,8 +53,8 @@ fn pool_cold_lane_equals_plain_cold_lane() {
                 assert!(err < 1e-2, "{arch} call {call_idx}: {err}");
             }
         }
-        assert!(pool.slots_computed > 0);
-        let counted: u64 = pool.expert_counts.iter().flatten().sum();
-        assert_eq!(counted, pool.slots_computed, "every slot is counted for learn passes");
+        assert!(pool.lane.slots_computed > 0);
+        let counted: u64 = pool.lane.expert_counts.iter().flatten().sum();
+        assert_eq!(counted, pool.lane.slots_computed, "every slot is counted for learn passes");
     }
 }

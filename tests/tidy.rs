@@ -4,6 +4,7 @@
 //! - the library knows nothing of the CLI or HTTP (no clap, anyhow, indicatif, axum, hyper in
 //!   `src/` or `actors/`, none in the library's dependencies, checked with `cargo tree` too);
 //! - only the engines use the actors;
+//! - no import cycles among the top-level modules of `src/` (test code left out);
 //! - the oracle shares no arithmetic with the fast paths (`src/reference.rs` imports none);
 //! - `unsafe` lives in `kernels/` (FFI, SIMD) and at the two mmap calls, each with a `SAFETY:`
 //!   comment just above;
@@ -13,6 +14,7 @@
 //! first ([`code_lines`]), so a message that says "unsafe" or a `"{"` never counts; names match
 //! whole identifiers, so `moe_lanes_kernels` is not `moe_lanes`.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 fn root() -> PathBuf {
@@ -643,6 +645,160 @@ fn functions_are_short_enough_to_see_whole() {
         long.extend(over.map(|(i, n)| format!("{} ({n} lines)", s.at(i))));
     }
     assert_none(&format!("functions over {MAX_FN_LINES} lines (split them into named steps)"), long);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Layering: no import cycles among the library's top-level modules.
+
+/// The top-level module a library source belongs to: `src/x.rs` and `src/x/...` are `x`; the
+/// actors (`actors/`, compiled as `moe::actors`) are `moe`. `None` for the crate root.
+fn own_module(rel: &str) -> Option<String> {
+    if rel.starts_with("actors/") {
+        return Some("moe".into());
+    }
+    let rest = rel.strip_prefix("src/")?;
+    let first = rest.split('/').next()?;
+    (first != "lib.rs").then(|| first.strip_suffix(".rs").unwrap_or(first).to_string())
+}
+
+/// The crate root's re-exports (`pub use moe::{actors, pipeline};`, `arch as adapter`): each
+/// name a `crate::` path may start with, and the top-level module it stands for.
+fn root_reexports() -> Vec<(String, String)> {
+    let lib = Source::load(&root().join("src/lib.rs"));
+    let mut out = Vec::new();
+    for stmt in lib.code.join("\n").split(';') {
+        let Some((module, items)) = stmt.trim().strip_prefix("pub use ").and_then(|r| r.split_once("::"))
+        else {
+            continue;
+        };
+        let items = items.trim().trim_start_matches('{').trim_end_matches('}');
+        for name in items.split(',').filter_map(|i| i.split(" as ").last()).map(str::trim) {
+            if !name.is_empty() {
+                out.push((name.to_string(), module.trim().to_string()));
+            }
+        }
+    }
+    out
+}
+
+/// `s` with its test-only code blanked: items under `#[cfg(test)]` or `#[cfg(all(test, ..))]`
+/// (a test may reach any module for its fixtures).
+fn without_tests(s: &Source) -> Source {
+    let mut code = s.code.clone();
+    let mut i = 0;
+    while i < code.len() {
+        let line = code[i].trim_start();
+        if !(line.starts_with("#[cfg(test") || line.starts_with("#[cfg(all(test")) {
+            i += 1;
+            continue;
+        }
+        let (mut end, mut depth, mut opened) = (i + 1, 0i32, false);
+        while end < code.len() {
+            depth += code[end].matches('{').count() as i32 - code[end].matches('}').count() as i32;
+            opened |= code[end].contains('{');
+            end += 1;
+            let item_ends = if opened { depth <= 0 } else { code[end - 1].trim_end().ends_with(';') };
+            if item_ends {
+                break;
+            }
+        }
+        code[i..end].iter_mut().for_each(String::clear);
+        i = end;
+    }
+    Source { rel: s.rel.clone(), raw: s.raw.clone(), code }
+}
+
+/// The library's import graph between top-level modules, test code left out: module -> modules
+/// it imports, each edge with the first place it is made.
+fn module_graph() -> BTreeMap<String, BTreeMap<String, String>> {
+    let aliases = root_reexports();
+    let files = sources(&["src", "actors"]);
+    let modules: BTreeSet<String> = files.iter().filter_map(|s| own_module(&s.rel)).collect();
+    let mut graph: BTreeMap<String, BTreeMap<String, String>> = BTreeMap::new();
+    for s in files.iter().filter(|s| s.file_name() != "tests.rs") {
+        let Some(from) = own_module(&s.rel) else { continue };
+        let s = without_tests(s);
+        for (i, name) in crate_modules(&s) {
+            let to = aliases.iter().find(|(a, _)| *a == name).map_or(name, |(_, m)| m.clone());
+            if to != from && modules.contains(&to) {
+                let edges = graph.entry(from.clone()).or_default();
+                edges.entry(to).or_insert_with(|| s.at(i));
+            }
+        }
+    }
+    graph
+}
+
+/// The strongly connected components of more than one module (Tarjan's algorithm).
+fn cycles(graph: &BTreeMap<String, BTreeMap<String, String>>) -> Vec<Vec<String>> {
+    struct Walk<'g> {
+        graph: &'g BTreeMap<String, BTreeMap<String, String>>,
+        index: BTreeMap<&'g str, (usize, usize)>,
+        stack: Vec<&'g str>,
+        out: Vec<Vec<String>>,
+    }
+    fn visit<'g>(w: &mut Walk<'g>, v: &'g str) {
+        let n = w.index.len();
+        w.index.insert(v, (n, n));
+        w.stack.push(v);
+        for to in w.graph.get(v).into_iter().flat_map(|e| e.keys()) {
+            let low = match w.index.get(to.as_str()) {
+                None => {
+                    visit(w, to);
+                    w.index[to.as_str()].1
+                }
+                Some(&(idx, _)) if w.stack.contains(&to.as_str()) => idx,
+                Some(_) => continue,
+            };
+            let entry = w.index.get_mut(v).expect("visited");
+            entry.1 = entry.1.min(low);
+        }
+        if w.index[v].0 == w.index[v].1 {
+            let at = w.stack.iter().position(|&m| m == v).expect("on the stack");
+            let component: Vec<String> = w.stack.drain(at..).map(str::to_string).collect();
+            if component.len() > 1 {
+                w.out.push(component);
+            }
+        }
+    }
+    let mut w = Walk { graph, index: BTreeMap::new(), stack: Vec::new(), out: Vec::new() };
+    for v in graph.keys() {
+        if !w.index.contains_key(v.as_str()) {
+            visit(&mut w, v);
+        }
+    }
+    w.out
+}
+
+/// The top-level modules of `src/` form layers: no module imports, directly or through others,
+/// a module that imports it (test code may reach any module). The layers, lowest first, are in
+/// ARCHITECTURE.md.
+#[test]
+fn no_import_cycles_among_the_top_level_modules() {
+    let graph = module_graph();
+    assert!(graph.get("engine").is_some_and(|e| e.contains_key("moe")), "the graph reads the imports");
+    let mut found = Vec::new();
+    for component in cycles(&graph) {
+        for from in &component {
+            let edges = graph[from].iter().filter(|(to, _)| component.contains(to));
+            found.extend(edges.map(|(to, at)| format!("{from} -> {to}: {at}")));
+        }
+    }
+    assert_none("an import cycle among the top-level modules of src/ (cut one of these edges)", found);
+}
+
+#[test]
+fn the_cycle_check_finds_a_cycle_and_skips_test_code() {
+    let edge = |a: &str, b: &str| (a.to_string(), BTreeMap::from([(b.to_string(), String::new())]));
+    let graph = BTreeMap::from([edge("a", "b"), edge("b", "c"), edge("c", "a"), edge("d", "a")]);
+    assert_eq!(cycles(&graph), vec![vec!["a".to_string(), "b".into(), "c".into()]]);
+    let text = "use crate::a::X;\n#[cfg(test)]\nmod tests {\n    use crate::b::Y;\n}\n#[cfg(all(test, unix))]\nuse crate::c::Z;\n";
+    let s = Source { rel: "src/d.rs".into(), raw: split_lines(text), code: code_lines(text) };
+    let reached: Vec<String> = crate_modules(&without_tests(&s)).into_iter().map(|(_, m)| m).collect();
+    assert_eq!(reached, ["a"]);
+    assert_eq!(own_module("actors/join.rs").as_deref(), Some("moe"));
+    assert_eq!(own_module("src/moe/pipeline.rs").as_deref(), Some("moe"));
+    assert_eq!(own_module("src/lib.rs"), None);
 }
 
 // ---------------------------------------------------------------------------------------------

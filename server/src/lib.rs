@@ -90,10 +90,7 @@ pub fn run(
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(opts.queue_capacity);
     let (built_tx, built_rx) = std::sync::mpsc::channel();
     let (m, sh) = (model.clone(), shared.clone());
-    let thread = std::thread::Builder::new()
-        .name("moe-engine".into())
-        .spawn(move || worker::run(m, engine, jobs_rx, sh, built_tx))
-        .map_err(ServeError::Runtime)?;
+    let thread = worker::spawn(m, engine, jobs_rx, sh, built_tx).map_err(ServeError::Runtime)?;
     let (report, device) = built_rx.recv().map_err(|_| ServeError::WorkerGone)??;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -118,7 +115,7 @@ pub fn run(
     };
     rt.block_on(serve(state, &opts, report, device, on_start))?;
     drop(rt);
-    let perf = thread.join().unwrap_or(None);
+    let perf = thread.join().ok().flatten().flatten();
     write_perf(&opts, perf)
 }
 

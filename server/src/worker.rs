@@ -1,13 +1,14 @@
-//! The engine thread: owns the engine (engines are `&mut` and need not be `Send`), takes
+//! The server's service on the library's engine thread ([`moe_lanes::engine::worker`]): takes
 //! completion jobs from a bounded queue one at a time, applies manual hot-cache changes only
 //! between requests, switches the perf mode between tokens, and publishes a snapshot (perf JSON,
 //! hot set, counters) after every request for the HTTP side to read without waiting.
 
 use crate::prom;
-use crossbeam_channel::{Receiver, RecvTimeoutError};
+use crossbeam_channel::Receiver;
 use moe_lanes::actors::Exchange;
+use moe_lanes::engine::worker::{spawn_engine_thread, Built, EngineService};
 use moe_lanes::engine::{
-    build_engine, BuildReport, Engine, EngineError, EngineOptions, FinishReason, Generation, GenerationError,
+    BuildReport, Engine, EngineError, EngineOptions, FinishReason, Generation, GenerationError,
     GenerationOptions, LiveCache,
 };
 use moe_lanes::hot_set::HotSet;
@@ -110,47 +111,63 @@ impl Shared {
     }
 }
 
-/// Build the engine on this thread, report how it went, then serve jobs until the queue closes.
-pub fn run(
+/// Start the engine thread (named `moe-engine`): build the engine there, report how it went
+/// through `built`, then serve jobs until the queue closes. The thread returns the perf JSON
+/// (`None` inside when the engine keeps none; `None` outside when the build failed).
+pub fn spawn(
     model: Arc<Model>,
     opts: EngineOptions,
     jobs: Receiver<CompletionJob>,
     shared: Arc<Shared>,
-    built: std::sync::mpsc::Sender<Result<(BuildReport, String), EngineError>>,
-) -> Option<String> {
+    built: std::sync::mpsc::Sender<Built>,
+) -> std::io::Result<std::thread::JoinHandle<Option<Option<String>>>> {
     let policy = opts.update;
-    let (mut engine, report) = match build_engine(&model, opts) {
-        Ok(v) => v,
-        Err(e) => {
-            let _ = built.send(Err(e));
-            return None;
-        }
+    let m = model.clone();
+    let make = move |engine: &mut dyn Engine, report: &BuildReport| {
+        shared.snapshot.write().expect("snapshot lock").hot_budget_bytes = report.budget_bytes;
+        engine.set_copy_logits(false);
+        let live = LiveCache::new(&*engine, ModelFingerprint::of(&m), m.layer_expert_bytes(), policy);
+        // The first snapshot is there before the server listens (no request sees an empty one).
+        publish(&*engine, &shared);
+        Service { live, shared }
     };
-    shared.snapshot.write().expect("snapshot lock").hot_budget_bytes = report.budget_bytes;
-    engine.set_copy_logits(false);
-    let mut live =
-        LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.layer_expert_bytes(), policy);
-    // The first snapshot is there before the server listens (no request sees an empty one).
-    publish(engine.as_ref(), &shared);
-    let _ = built.send(Ok((report, engine.device())));
-    loop {
-        between_requests(engine.as_mut(), &mut live, &shared);
-        match jobs.recv_timeout(IDLE_POLL) {
-            Ok(job) => {
-                shared.waiting.fetch_sub(1, Ordering::Relaxed);
-                if job.events.is_closed() {
-                    // Its client left while it waited: nothing to compute.
-                    prom::request_cancelled();
-                    continue;
-                }
-                shared.running.fetch_add(1, Ordering::Relaxed);
-                complete(engine.as_mut(), &mut live, job, &shared);
-            }
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => break,
-        }
+    spawn_engine_thread("moe-engine", model, opts, jobs, make, move |b| {
+        let _ = built.send(b);
+    })
+}
+
+/// The server's jobs on the engine thread, with the live cache they update.
+struct Service {
+    live: LiveCache,
+    shared: Arc<Shared>,
+}
+
+impl EngineService for Service {
+    type Job = CompletionJob;
+    type Output = Option<String>;
+
+    fn idle_poll(&self) -> Option<Duration> {
+        Some(IDLE_POLL)
     }
-    engine.perf().map(|p| p.to_json())
+
+    fn between_jobs(&mut self, engine: &mut dyn Engine) {
+        between_requests(engine, &mut self.live, &self.shared);
+    }
+
+    fn serve(&mut self, engine: &mut dyn Engine, job: CompletionJob) {
+        self.shared.waiting.fetch_sub(1, Ordering::Relaxed);
+        if job.events.is_closed() {
+            // Its client left while it waited: nothing to compute.
+            prom::request_cancelled();
+            return;
+        }
+        self.shared.running.fetch_add(1, Ordering::Relaxed);
+        complete(engine, &mut self.live, job, &self.shared);
+    }
+
+    fn finish(self, engine: &mut dyn Engine) -> Option<String> {
+        engine.perf().map(|p| p.to_json())
+    }
 }
 
 /// A pending apply (no request runs now; applied through the live cache, rate 1.0) and a

@@ -15,7 +15,7 @@
 
 use crate::cache::observe::{ExpertObservation, LayerObservation, Observations, ObserveError};
 use crate::cache::perf::{ModelFingerprint, PerfMode, PerfState};
-use crate::moe::phase::Phase;
+use crate::forward::Phase;
 use crate::output::{AtomicFile, OutputError};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;

@@ -13,14 +13,13 @@ use crate::cache::perf::PerfMode;
 use crate::cache::planner::{plan_fraction, plan_weighted, HotPlan};
 use crate::cache::update::UpdatePolicy;
 use crate::cache::weighting::Weighting;
-use crate::gpu::{
-    CudaBackend, GpuError, GpuKvCache, GpuModel, GpuOptions, PoolColdExperts, PrefillActivations,
-};
+use crate::gpu::{CudaBackend, GpuError, GpuKvCache, GpuModel, GpuOptions, PrefillActivations};
 use crate::inspect::{sample_tokens, InspectReport};
 use crate::model::context::{session_bytes, KvType};
 use crate::model::Model;
 use crate::moe::phase::Phase;
 use crate::moe::pipeline::{Pipeline, PipelineOptions, MAX_BATCH_TOKENS};
+use crate::moe::pool_lane::PoolColdLane;
 use crate::reference::Reference;
 use crate::threads::{ColdThreads, ThreadInputs, ThreadReport};
 use moe_lanes_kernels::cuda::CudaConfig;
@@ -382,7 +381,7 @@ impl BudgetSource for CpuSource<'_> {
 
 struct GpuSource<'a> {
     gm: &'a mut GpuModel,
-    cold: &'a mut PoolColdExperts,
+    cold: &'a mut PoolColdLane,
     opts: &'a EngineOptions,
     n_positions: usize,
 }
@@ -392,7 +391,7 @@ impl BudgetSource for GpuSource<'_> {
         let c = self.gm.config().clone();
         let n = self.opts.learn_tokens.clamp(1, c.max_positions);
         let mut kv = self.gm.new_kv_cache(n)?;
-        self.cold.expert_counts.iter_mut().for_each(|l| l.fill(0));
+        self.cold.lane.expert_counts.iter_mut().for_each(|l| l.fill(0));
         self.gm.perf_mut().detach_metrics(); // the learn pass is not served traffic
                                              // the counts are the cold lane's: every routed slot must reach it
         self.gm.pause_postfetch(true);
@@ -400,7 +399,7 @@ impl BudgetSource for GpuSource<'_> {
         self.gm.pause_postfetch(false);
         learned?;
         self.gm.reset_perf();
-        Ok(self.cold.expert_counts.clone())
+        Ok(self.cold.lane.expert_counts.clone())
     }
     /// Measured with the session's KV cache allocated (then freed for the session to take).
     fn auto_bytes(&mut self) -> Result<u64, EngineError> {
@@ -443,9 +442,9 @@ fn build_gpu(
     };
     let mut gm = GpuModel::new(model.clone(), be.clone(), gpu_opts)?;
     let n_cold = opts.cold_threads.resolve(&ThreadInputs { gpu_lane, ..ThreadInputs::this_machine() });
-    let mut cold = PoolColdExperts::new(model.clone(), n_cold, opts.simd, opts.cold_schedule)?;
+    let mut cold = PoolColdLane::new(model.clone(), n_cold, opts.simd, opts.cold_schedule)?;
     gm.set_cold_threads(cold.n_threads());
-    cold.set_activations(opts.activations);
+    cold.lane.set_activations(opts.activations);
     gm.reserve_tokens(n_positions.min(MAX_BATCH_TOKENS))?;
     let mut src = GpuSource { gm: &mut gm, cold: &mut cold, opts, n_positions };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;
@@ -455,7 +454,7 @@ fn build_gpu(
     gm.allocate_hot(&HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists))?;
     gm.perf_mut().set_model(ModelFingerprint::of(model));
     let threads = ThreadReport { cold: cold.n_threads(), dense: 0, chosen_by: opts.cold_threads.into() };
-    let report = report(EngineKind::Gpu, &lists, plan, model, (threads, cold.activations()));
+    let report = report(EngineKind::Gpu, &lists, plan, model, (threads, cold.lane.activations()));
     Ok((GpuEngine::new(model.clone(), gm, cold)?, report))
 }
 

@@ -4,20 +4,21 @@
 //! the pipeline and every later call runs there, counted as `gpu_lost` fallbacks.
 
 use super::{wrong_cache, Engine, EngineError, EngineKind, GpuSessionCache, KvCache, Logits};
-use crate::actors::{Exchange, UpdaterHandle};
+use crate::actors::{apply_exchanges, Exchange, UpdaterHandle};
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{FallbackReason, PerfState};
-use crate::gpu::{GpuModel, PoolColdExperts};
+use crate::gpu::GpuModel;
 use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::phase::Phase;
 use crate::moe::pipeline::{LogitRows, Pipeline, PipelineError, PipelineOptions};
+use crate::moe::pool_lane::PoolColdLane;
 use std::sync::Arc;
 
 pub struct GpuEngine {
     model: Arc<Model>,
     gpu: GpuModel,
-    cold: PoolColdExperts,
+    cold: PoolColdLane,
     updater: UpdaterHandle,
     /// Set once the device failed: every call runs here from then on.
     cpu: Option<Pipeline>,
@@ -25,7 +26,7 @@ pub struct GpuEngine {
 }
 
 impl GpuEngine {
-    pub fn new(model: Arc<Model>, gpu: GpuModel, cold: PoolColdExperts) -> Result<GpuEngine, EngineError> {
+    pub fn new(model: Arc<Model>, gpu: GpuModel, cold: PoolColdLane) -> Result<GpuEngine, EngineError> {
         let updater = UpdaterHandle::start().map_err(|e| PipelineError::Setup(format!("updater: {e}")))?;
         let cold_threads = cold.n_threads();
         Ok(GpuEngine { model, gpu, cold, updater, cpu: None, cold_threads })
@@ -39,7 +40,7 @@ impl GpuEngine {
         &mut self.gpu
     }
 
-    pub fn cold(&self) -> &PoolColdExperts {
+    pub fn cold(&self) -> &PoolColdLane {
         &self.cold
     }
 
@@ -51,7 +52,7 @@ impl GpuEngine {
     fn lose_device(&mut self) -> Result<(), EngineError> {
         let opts = PipelineOptions {
             n_cold_workers: self.cold_threads,
-            activations: Some(self.cold.activations()),
+            activations: Some(self.cold.lane.activations()),
             ..PipelineOptions::default()
         };
         self.cpu = Some(Pipeline::new(self.model.clone(), opts)?);
@@ -169,24 +170,17 @@ impl Engine for GpuEngine {
     /// Each exchange rewrites one cache slot in place and both copies of `hot_id_map`; the
     /// capacity never changes. An invalid exchange is refused before anything changes.
     fn apply_exchanges(&mut self) -> Result<usize, EngineError> {
-        let pending = self.updater.take_pending();
         // Every slot holds one expert: an exchange rewrites one slot's bytes.
         let n_slots: usize = self.gpu.hot_set().layers.iter().map(|l| l.n_hot()).sum();
         let slot_bytes = (self.gpu.hot_cache_bytes() / n_slots.max(1)) as u64;
-        for (i, Exchange { layer_idx, evict, add }) in pending.iter().copied().enumerate() {
-            if let Err(e) = self.gpu.exchange(layer_idx, evict, add) {
-                // Requeue what was not applied, so nothing is lost (the queue was just drained,
-                // so it has room; a refusal is counted like any other).
-                for &x in &pending[i + 1..] {
-                    if self.updater.request(x).is_err() {
-                        self.gpu.perf_mut().record_refused_exchanges(1);
-                    }
-                }
-                return Err(e.into());
-            }
-            self.gpu.perf_mut().record_exchange(slot_bytes);
-        }
-        Ok(pending.len())
+        apply_exchanges(
+            self,
+            |e| &e.updater,
+            |e| e.gpu.perf_mut(),
+            |e, x| {
+                e.gpu.exchange(x.layer_idx, x.evict, x.add).map(|()| slot_bytes).map_err(EngineError::from)
+            },
+        )
     }
     fn set_copy_logits(&mut self, on: bool) {
         self.gpu.set_copy_logits(on);

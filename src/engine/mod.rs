@@ -11,14 +11,16 @@ mod gpu;
 pub mod live;
 mod traced;
 pub mod tuning;
+pub mod worker;
 
 use crate::actors::Exchange;
 use crate::cache::hot_set::{HotSet, HotSetError};
 use crate::cache::perf::PerfState;
 use crate::cache::planner::PlanError;
 pub use crate::forward::Logits;
-use crate::gpu::{GpuError, GpuKvCache, PoolColdError};
+use crate::gpu::{GpuError, GpuKvCache};
 use crate::model::config::ModelConfig;
+use crate::moe::cold::ColdError;
 use crate::moe::phase::Phase;
 use crate::moe::pipeline::{PipelineCache, PipelineError};
 use crate::reference::ForwardError;
@@ -122,7 +124,7 @@ pub enum EngineError {
     #[error(transparent)]
     Plan(#[from] PlanError),
     #[error(transparent)]
-    Cold(#[from] PoolColdError),
+    Cold(#[from] ColdError),
     #[error(transparent)]
     Budget(#[from] build::BudgetError),
     #[error(transparent)]

@@ -93,6 +93,47 @@ impl GgufValueType {
 }
 
 /// One metadata value.
+/// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`): the one definition,
+/// read by the GGUF tokenizer (`crate::text`) and written by the synthetic vocabulary
+/// ([`crate::vocab`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenType {
+    Undefined = 0,
+    Normal = 1,
+    Unknown = 2,
+    Control = 3,
+    UserDefined = 4,
+    Unused = 5,
+    Byte = 6,
+}
+
+impl TokenType {
+    /// The value a GGUF file stores for this type.
+    pub fn gguf_value(self) -> i32 {
+        self as i32
+    }
+
+    /// The type a GGUF file's value names, if any.
+    pub fn from_i64(v: i64) -> Option<TokenType> {
+        Some(match v {
+            0 => TokenType::Undefined,
+            1 => TokenType::Normal,
+            2 => TokenType::Unknown,
+            3 => TokenType::Control,
+            4 => TokenType::UserDefined,
+            5 => TokenType::Unused,
+            6 => TokenType::Byte,
+            _ => return None,
+        })
+    }
+
+    /// Control and unknown tokens: matched in text only with `parse_special`, dropped by
+    /// `decode(.., skip_special = true)`.
+    pub fn is_special(self) -> bool {
+        matches!(self, TokenType::Control | TokenType::Unknown)
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum MetaValue {
     U8(u8),

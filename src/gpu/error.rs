@@ -16,7 +16,7 @@ pub enum GpuError {
     #[error(transparent)]
     HotSet(#[from] HotSetError),
     #[error(transparent)]
-    Cold(super::cold::ColdError),
+    Cold(crate::moe::cold::ColdError),
     #[error("the experts' activation is {activation:?}; the GPU kernels implement SiLU only")]
     Activation { activation: crate::model::arch::FfnActivation },
     #[error("layer {layer_idx} is a {kind} layer, which the GPU engine does not run yet (use --engine pipeline)")]

@@ -16,7 +16,6 @@
 //! are the eager call's, bit for bit (the same kernels in the same order; the extra attention
 //! splits are empty and add exact zeros).
 
-use super::cold::ColdExperts;
 use super::kv::GpuKvCache;
 use super::model::{GpuFaults, GpuModel};
 use super::stats::LayerRecord;
@@ -24,6 +23,7 @@ use super::GpuError;
 use crate::cache::perf::PerfMode;
 use crate::forward::LogitRows;
 use crate::forward::Logits;
+use crate::moe::cold::ColdLane;
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::StreamGraph;
 use std::time::Instant;
@@ -123,7 +123,7 @@ impl GpuModel {
         &mut self,
         token: u32,
         cache: &mut GpuKvCache,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         rows: LogitRows,
         call_start: Instant,
     ) -> Result<Logits, GpuError> {
@@ -159,7 +159,7 @@ impl GpuModel {
         key: GraphKey,
         pos0: usize,
         cache: &mut GpuKvCache,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         rows: LogitRows,
     ) -> Result<DecodeGraph, GpuError> {
         self.be.begin_capture()?;
@@ -175,7 +175,7 @@ impl GpuModel {
         &mut self,
         pos0: usize,
         cache: &mut GpuKvCache,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         rows: LogitRows,
     ) -> Result<(), GpuError> {
         self.part_start(0)?;
@@ -223,7 +223,7 @@ impl GpuModel {
         &mut self,
         token: u32,
         cache: &mut GpuKvCache,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         rows: LogitRows,
         call_start: Instant,
     ) -> Result<Logits, GpuError> {
@@ -244,7 +244,7 @@ impl GpuModel {
     }
 
     /// Launch the parts and hot lanes in turn, each split layer's cold lane on the host between.
-    fn run_segments(&mut self, segs: &DecodeSegments, cold: &mut dyn ColdExperts) -> Result<(), GpuError> {
+    fn run_segments(&mut self, segs: &DecodeSegments, cold: &mut dyn ColdLane) -> Result<(), GpuError> {
         replay_records(&mut self.records, &segs.records);
         for (i, part) in segs.parts.iter().enumerate() {
             self.be.launch_graph(part)?;
@@ -264,7 +264,7 @@ impl GpuModel {
         key: GraphKey,
         pos0: usize,
         cache: &mut GpuKvCache,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         rows: LogitRows,
         split: Vec<usize>,
     ) -> Result<DecodeSegments, GpuError> {
@@ -280,7 +280,7 @@ impl GpuModel {
         &mut self,
         pos0: usize,
         cache: &mut GpuKvCache,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         rows: LogitRows,
         split: &[usize],
         (parts, hot): (&mut Vec<StreamGraph>, &mut Vec<StreamGraph>),
@@ -326,7 +326,7 @@ impl GpuModel {
         layers: std::ops::Range<usize>,
         pos0: usize,
         cache: &mut GpuKvCache,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), GpuError> {
         for l in layers {
             self.mark(l, 0)?;

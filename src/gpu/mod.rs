@@ -1,6 +1,6 @@
 //! The GPU side of moe-lanes: a model resident on one CUDA device (non-expert weights and a VRAM
 //! hot cache of experts) whose MoE layers split routed slots into a hot lane on the GPU and a cold
-//! lane on the CPU ([`ColdExperts`]), overlapped and joined per layer.
+//! lane on the CPU ([`crate::moe::cold::ColdLane`]), overlapped and joined per layer.
 //!
 //! Files by stage: `weights` (upload), `hot_cache` (slots, maps, exchanges),
 //! `hot_dequant` (prefill's quantized slots as bf16 chunks for the grouped GEMMs), `kv` (KV cache),
@@ -11,7 +11,6 @@
 //! Without a CUDA driver nothing here can run: [`CudaBackend::try_new`] returns an error that
 //! callers report before falling back to the CPU path.
 
-pub mod cold;
 mod dense;
 mod error;
 mod graph;
@@ -20,13 +19,11 @@ mod hot_dequant;
 mod kv;
 mod model;
 mod moe;
-pub mod pool_cold;
 mod postfetch;
 mod scratch;
 mod stats;
 mod weights;
 
-pub use cold::{ColdError, ColdExperts, ColdSlot, CpuColdExperts};
 pub use error::GpuError;
 pub use kv::GpuKvCache;
 pub use model::{
@@ -34,7 +31,6 @@ pub use model::{
     HOT_LANE_TIMEOUT,
 };
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
-pub use pool_cold::{PoolColdError, PoolColdExperts};
 pub use postfetch::plan::{
     BadPostFetchMode, PostFetchCosts, PostFetchMode, PostFetchOptions, DEFAULT_MAX_TRANSFERS,
     DEFAULT_SCRATCH_BYTES as POSTFETCH_DEFAULT_SCRATCH_BYTES, MAX_STREAMS as POSTFETCH_MAX_STREAMS,

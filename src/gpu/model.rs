@@ -3,7 +3,6 @@
 //! expert) and `moe` (the hot/cold split, the lanes, the join and the fallback); statistics in
 //! `stats`.
 
-use super::cold::{ColdExperts, CpuColdExperts};
 use super::graph::{DecodeGraph, DecodeSegments};
 use super::hot_cache::HotCache;
 use super::hot_dequant::HotDequant;
@@ -22,6 +21,7 @@ use crate::model::arch::LayerPlan;
 use crate::model::config::ModelConfig;
 use crate::model::context::KvType;
 use crate::model::Model;
+use crate::moe::cold::{ColdLane, PlainColdLane};
 use crate::moe::faults::{FaultLane, LaneFault, LaneFaultSchedule};
 use crate::moe::phase::Phase;
 use crate::reference::ForwardError;
@@ -286,7 +286,7 @@ pub struct GpuModel {
     pub(crate) stats: ForwardStats,
     pub(crate) perf: PerfState,
     /// The plain CPU cold lane: computes a layer when the given cold lane failed.
-    pub(crate) fallback_cold: CpuColdExperts,
+    pub(crate) fallback_cold: PlainColdLane,
     pub(crate) profiler: Option<Profiler>,
     /// Partials of the split decode attention (grown to the cache's capacity on demand).
     pub(crate) attn_part: Option<DeviceBuffer<f32>>,
@@ -342,7 +342,7 @@ impl GpuModel {
             plan: model.plan().clone(),
             qk_fused_all: model.plan().layers().iter().all(|s| s.as_attention().is_none_or(super::dense::qk_fusable)),
             perf: PerfState::new(opts.perf_mode, cfg.n_layers, cfg.n_experts, cfg.n_experts_used),
-            fallback_cold: CpuColdExperts::new(model.clone()),
+            fallback_cold: PlainColdLane::new(model.clone()),
             host: HostScratch::new(&cfg, 8),
             records: vec![LayerRecord::default(); cfg.n_layers],
             stats: ForwardStats::default(),
@@ -502,7 +502,7 @@ impl GpuModel {
         tokens: &[u32],
         phase: Phase,
         cache: &mut GpuKvCache,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<Logits, GpuError> {
         self.forward_rows(tokens, phase, cache, cold, LogitRows::All)
     }
@@ -514,7 +514,7 @@ impl GpuModel {
         tokens: &[u32],
         phase: Phase,
         cache: &mut GpuKvCache,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         rows: LogitRows,
     ) -> Result<Logits, GpuError> {
         let call_start = Instant::now();

@@ -1,5 +1,5 @@
 //! The MoE block of one layer on the GPU engine: split the routed slots into the hot lane (GPU,
-//! from the VRAM cache) and the cold lane (CPU, [`ColdExperts`]), run both at once, join, and
+//! from the VRAM cache) and the cold lane (CPU, [`ColdLane`]), run both at once, join, and
 //! fall back to all-cold when a lane fails.
 //!
 //! Two paths build the same [`Worklist`](crate::moe::worklist::Worklist):
@@ -20,7 +20,6 @@
 //! (the given cold lane, or the plain one when the cold lane itself failed), overwrites the
 //! layer's MoE output, adds the shared expert again, and is counted by reason.
 
-use super::cold::{ColdError, ColdExperts, ColdSlot};
 use super::dense::route_ids;
 use super::hot_dequant::plan_chunks;
 use super::model::GpuModel;
@@ -29,8 +28,10 @@ use super::scratch::{HostScratch, RouteView, WorkLayout};
 use super::stats::LayerRecord;
 use super::GpuError;
 use crate::cache::perf::FallbackReason;
+use crate::moe::cold::{all_cold, ColdError, ColdLane, ColdSlot};
+use crate::moe::faults::LayerFailure;
 use crate::moe::phase::Phase;
-use crate::moe::worklist::WorklistOrder;
+use crate::moe::worklist::{WorklistError, WorklistOrder};
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
 use moe_lanes_kernels::cuda::ops::grouped_tiles;
 use moe_lanes_kernels::cuda::{DPtr, GpuEvent, TypedWeights};
@@ -49,8 +50,8 @@ pub(crate) struct MoePlan {
 
 /// How a layer's split ended when it did not end well.
 pub(crate) enum LayerFault {
-    /// Recompute the layer all-cold; `plain`: the cold lane itself failed, use the plain one.
-    Fallback { reason: FallbackReason, plain: bool },
+    /// Recompute the layer all-cold (with the plain lane when the cold lane itself failed).
+    Fallback(LayerFailure),
     /// The device failed: the call cannot go on here.
     Fatal(GpuError),
 }
@@ -67,8 +68,19 @@ impl From<moe_lanes_kernels::cuda::CudaError> for LayerFault {
     }
 }
 
-const HOT_FAILED: LayerFault = LayerFault::Fallback { reason: FallbackReason::LaneFailed, plain: false };
-const COLD_FAILED: LayerFault = LayerFault::Fallback { reason: FallbackReason::LaneFailed, plain: true };
+impl From<LayerFailure> for LayerFault {
+    fn from(f: LayerFailure) -> LayerFault {
+        LayerFault::Fallback(f)
+    }
+}
+
+fn hot_failed(e: impl std::fmt::Display) -> LayerFault {
+    LayerFailure::new(FallbackReason::LaneFailed, format!("hot lane: {e}")).into()
+}
+
+fn cold_failed(e: ColdError) -> LayerFault {
+    LayerFailure::of_cold_lane(FallbackReason::LaneFailed, e.to_string()).into()
+}
 
 impl GpuModel {
     pub(crate) fn moe_block(
@@ -76,7 +88,7 @@ impl GpuModel {
         l: usize,
         phase: Phase,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), GpuError> {
         let plan = self.moe_route(l, phase, t)?;
         let outcome = if plan.device_path {
@@ -120,7 +132,7 @@ impl GpuModel {
         l: usize,
         phase: Phase,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         outcome: Result<(), LayerFault>,
         direct: bool,
     ) -> Result<(), GpuError> {
@@ -140,14 +152,14 @@ impl GpuModel {
         l: usize,
         phase: Phase,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         outcome: Result<(), LayerFault>,
     ) -> Result<bool, GpuError> {
         let fell_back = match outcome {
             Ok(()) => false,
             Err(LayerFault::Fatal(e)) => return Err(e),
-            Err(LayerFault::Fallback { reason, plain }) => {
-                self.all_cold(l, phase, t, reason, if plain { None } else { Some(cold) })?;
+            Err(LayerFault::Fallback(f)) => {
+                self.all_cold(l, phase, t, f.reason, if f.cold_lane_failed { None } else { Some(cold) })?;
                 true
             }
         };
@@ -162,7 +174,7 @@ impl GpuModel {
         &mut self,
         l: usize,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
         plan: MoePlan,
     ) -> Result<(), LayerFault> {
         self.hot_lane_device(l, t, plan)?;
@@ -208,7 +220,7 @@ impl GpuModel {
         if let Some(c) = self.hot.slots(l) {
             let out = if plan.direct { s.hidden.ptr() } else { s.moe_out.ptr() };
             // entries routed to cold experts have slot -1: the kernels skip them
-            self.expert_gemvs([c.gate, c.up, c.down], p_slots, l, t, out).map_err(|_| HOT_FAILED)?;
+            self.expert_gemvs([c.gate, c.up, c.down], p_slots, l, t, out).map_err(hot_failed)?;
         }
         if timed {
             self.be.record(&self.lane_events[l].end)?;
@@ -262,7 +274,7 @@ impl GpuModel {
         &mut self,
         l: usize,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
         let split_at = Instant::now();
         self.wait_routes()?;
@@ -274,7 +286,7 @@ impl GpuModel {
         // this cache fetched must not reach this layer's CPU lane (see `postfetch::decode`)
         self.postfetch_reset();
         self.postfetch_issue_decode(l, t)?;
-        self.fetched_lane_gemv(t).map_err(|_| HOT_FAILED)?;
+        self.fetched_lane_gemv(t).map_err(hot_failed)?;
         self.cold_lane_joined_on_stream(l, t, cold)?;
         self.records[l].wall_us = split_at.elapsed().as_secs_f64() * 1e6;
         self.records[l].split = true;
@@ -286,7 +298,7 @@ impl GpuModel {
         &mut self,
         l: usize,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
         let h = self.cfg.hidden;
         let n_rows = collect_cold(&mut self.host, t, false);
@@ -305,7 +317,7 @@ impl GpuModel {
         let out = &mut s.pin_cold_out.as_mut_slice()?[..t * h];
         out.fill(0.0);
         if n_rows == t {
-            call_cold(cold, faults, l, normed, &hs.cold_slots, out).map_err(|_| COLD_FAILED)?;
+            call_cold(cold, faults, l, normed, &hs.cold_slots, out).map_err(cold_failed)?;
         } else {
             hs.cold_in.clear();
             for &ti in &hs.cold_row_tok {
@@ -313,8 +325,7 @@ impl GpuModel {
             }
             hs.cold_out.clear();
             hs.cold_out.resize(n_rows * h, 0.0);
-            call_cold(cold, faults, l, &hs.cold_in, &hs.cold_slots, &mut hs.cold_out)
-                .map_err(|_| COLD_FAILED)?;
+            call_cold(cold, faults, l, &hs.cold_in, &hs.cold_slots, &mut hs.cold_out).map_err(cold_failed)?;
             for (r, &ti) in hs.cold_row_tok.iter().enumerate() {
                 out[ti * h..][..h].copy_from_slice(&hs.cold_out[r * h..][..h]);
             }
@@ -333,7 +344,7 @@ impl GpuModel {
         l: usize,
         phase: Phase,
         t: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
         self.wait_routes()?;
         let split_at = Instant::now();
@@ -347,10 +358,10 @@ impl GpuModel {
         self.records[l].hot_at = Some(Instant::now());
         let faults = self.opts.faults.at(self.call_idx, l);
         if faults.hot_error {
-            return Err(HOT_FAILED);
+            return Err(hot_failed("injected error"));
         }
         if self.records[l].hot_slots + self.host.pf_slot.len() > 0 {
-            self.hot_lane_gemm(l, t).map_err(|_| HOT_FAILED)?;
+            self.hot_lane_gemm(l, t).map_err(hot_failed)?;
             if !self.host.pf_slot.is_empty() {
                 self.postfetch_launched();
             }
@@ -366,7 +377,8 @@ impl GpuModel {
             let wait_start = Instant::now();
             let limit = if timed_out { Duration::ZERO } else { self.opts.hot_lane_timeout };
             if timed_out || !wait_event(&self.lane_events[l].end, limit) {
-                return Err(LayerFault::Fallback { reason: FallbackReason::LaneUnavailable, plain: false });
+                let detail = format!("hot lane did not finish within {limit:?}");
+                return Err(LayerFailure::new(FallbackReason::LaneUnavailable, detail).into());
             }
             self.records[l].join_wait_us = wait_start.elapsed().as_secs_f64() * 1e6;
         }
@@ -384,7 +396,7 @@ impl GpuModel {
         l: usize,
         t: usize,
         n_cold_rows: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
         let late = self.opts.faults.at(self.call_idx, l).postfetch_late;
         if !self.postfetch_ready(late)? {
@@ -396,7 +408,7 @@ impl GpuModel {
         }
         self.postfetch_entries();
         if !self.host.pf_slot.is_empty() {
-            self.fetched_lane_gemm(t).map_err(|_| HOT_FAILED)?;
+            self.fetched_lane_gemm(t).map_err(hot_failed)?;
             self.postfetch_launched();
         }
         Ok(())
@@ -527,7 +539,7 @@ impl GpuModel {
         &mut self,
         l: usize,
         n_rows: usize,
-        cold: &mut dyn ColdExperts,
+        cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
         let h = self.cfg.hidden;
         let s = self.scratch.as_mut().expect("reserved");
@@ -536,7 +548,7 @@ impl GpuModel {
         let out = &mut s.pin_cold_out.as_mut_slice()?[..n_rows * h];
         out.fill(0.0);
         call_cold(cold, self.opts.faults.at(self.call_idx, l), l, input, &self.host.cold_slots, out)
-            .map_err(|_| COLD_FAILED)?;
+            .map_err(cold_failed)?;
         let started = self.records[l].cold.map_or(cold_start, |(start, _)| start);
         self.records[l].cold = Some((started, Instant::now()));
         self.be.write_async(&s.pin_cold_out, n_rows * h, s.cold_out.ptr())?;
@@ -566,13 +578,15 @@ impl GpuModel {
         }
         let layer = self.hot.layer(l);
         let wts = route.weights;
-        let shape = LayerFault::Fallback { reason: FallbackReason::Shape, plain: false };
-        hs.worklist.build(&hs.expert_ids, wts, t, k, Some(layer), order).map_err(|_| shape)?;
+        let shape =
+            |e: WorklistError| LayerFault::from(LayerFailure::new(FallbackReason::Shape, e.to_string()));
+        hs.worklist.build(&hs.expert_ids, wts, t, k, Some(layer), order).map_err(shape)?;
         if self.opts.faults.at(self.call_idx, l).worklist {
             hs.worklist.inject_corruption();
         }
-        let bad = LayerFault::Fallback { reason: FallbackReason::Worklist, plain: false };
-        hs.worklist.check_consistency(Some(layer)).map_err(|_| bad)
+        let bad =
+            |e: WorklistError| LayerFault::from(LayerFailure::new(FallbackReason::Worklist, e.to_string()));
+        hs.worklist.check_consistency(Some(layer)).map_err(bad)
     }
 
     /// Recompute layer `l`'s routed experts all-cold on the CPU (`cold`, or the plain lane when
@@ -583,7 +597,7 @@ impl GpuModel {
         phase: Phase,
         t: usize,
         reason: FallbackReason,
-        cold: Option<&mut dyn ColdExperts>,
+        cold: Option<&mut dyn ColdLane>,
     ) -> Result<(), GpuError> {
         self.perf.record_fallback(l, reason);
         let (h, k) = (self.cfg.hidden, self.cfg.n_experts_used);
@@ -597,20 +611,17 @@ impl GpuModel {
         self.be.read(route_ids(s.ids(), k, l, t), &mut hs.route_ids[..t * k])?;
         hs.work_f.resize(hs.work_f.len().max(t * k), 0.0);
         self.be.read(route_ids(s.weights.ptr(), k, l, t), &mut hs.work_f[..t * k])?;
-        hs.cold_slots.clear();
-        for (i, (&e, &w)) in hs.route_ids[..t * k].iter().zip(&hs.work_f[..t * k]).enumerate() {
-            if e < 0 || e as usize >= self.cfg.n_experts {
-                return Err(GpuError::BadRoute { layer_idx: l, expert_id: e });
-            }
-            hs.cold_slots.push(ColdSlot { row_idx: i / k, expert_idx: e as usize, weight: w });
+        if let Some(&e) = hs.route_ids[..t * k].iter().find(|&&e| e < 0 || e as usize >= self.cfg.n_experts) {
+            return Err(GpuError::BadRoute { layer_idx: l, expert_id: e });
         }
-        hs.cold_out.clear();
         hs.cold_out.resize(t * h, 0.0);
-        let lane: &mut dyn ColdExperts = match cold {
+        let lane: &mut dyn ColdLane = match cold {
             Some(c) => c,
             None => &mut self.fallback_cold,
         };
-        lane.compute(l, &hs.cold_in, &hs.cold_slots, &mut hs.cold_out).map_err(GpuError::Cold)?;
+        let routes = hs.route_ids[..t * k].iter().zip(&hs.work_f[..t * k]).map(|(&e, &w)| (e as usize, w));
+        all_cold(lane, l, &hs.cold_in, routes, k, &mut hs.cold_slots, &mut hs.cold_out)
+            .map_err(GpuError::Cold)?;
         self.be.write(&hs.cold_out, s.moe_out.ptr().sub(0, t * h))?;
         self.shared_expert(l, phase, t)
     }
@@ -618,7 +629,7 @@ impl GpuModel {
 
 /// Run the cold lane (with the injected faults of this layer); a panic is caught and reported.
 fn call_cold(
-    cold: &mut dyn ColdExperts,
+    cold: &mut dyn ColdLane,
     faults: super::LayerFaults,
     l: usize,
     input: &[f32],

@@ -2,10 +2,10 @@
 //! activations, the integer worklist upload, pinned staging for the cold lane, and the host-side
 //! worklist and cold-slot lists. A steady-state call allocates nothing here.
 
-use super::cold::ColdSlot;
 use super::hot_dequant::SlotChunk;
 use super::GpuError;
 use crate::model::config::ModelConfig;
+use crate::moe::cold::ColdSlot;
 use crate::moe::worklist::Worklist;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, PinnedBuffer, Q8Rows};
 use moe_lanes_kernels::q8::Q8_BLOCK;

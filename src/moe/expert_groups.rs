@@ -1,7 +1,6 @@
 //! A layer's cold entries grouped by expert (expert-major, so each expert's weights are read
 //! once per layer) and run as one [`ColdJob`] on a [`ColdPool`], straight from the memory-mapped
-//! expert bytes. Shared by the CPU pipeline's pool cold lane ([`crate::moe::pool_lane`]) and the
-//! GPU engine's CPU cold lane (`gpu::pool_cold`).
+//! expert bytes: the work of the pool cold lane ([`crate::moe::pool_lane`]) that both engines use.
 //!
 //! Steady state allocates nothing: the per-expert token lists are reused between layers, and the
 //! job's expert list is recycled through an in-place `collect` (same layout, new lifetime).

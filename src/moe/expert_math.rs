@@ -1,16 +1,19 @@
 //! Expert FFN math for the lanes: `y = down · (act(gate · x) * (up · x))` for a group of tokens
 //! that share one expert, decoding raw bf16/f16/f32 weight bytes on the fly ("plain kernels").
 //!
-//! [`ColdCompute`] is the boundary the fast SIMD kernels of `kernels/` will be dropped in behind:
-//! the cold lane only ever calls [`ColdCompute::expert_ffn`]. [`PlainCompute`] is the plain
+//! [`ExpertKernel`] is the math of one expert for a group of tokens, below the lanes (the lanes'
+//! one cold-lane trait is [`crate::moe::cold::ColdLane`]): the lane actors' cold workers and the
+//! CPU pipeline's all-cold fallback ([`KernelLane`]) call it. [`PlainKernel`] is the plain
 //! implementation: each weight row is decoded once per group and dotted with every token of the
-//! group (so expert-major worklists read each expert's weights once per layer).
+//! group (so expert-major worklists read each expert's weights once per layer); [`SimdKernel`]
+//! runs the SIMD kernels of `moe-lanes-kernels`.
 
 use crate::format::dtype::DType;
 use crate::format::quant::dequantize;
 use crate::format::tensor::decode_f32;
 use crate::model::arch::FfnActivation;
 use crate::model::Model;
+use crate::moe::cold::{ColdError, ColdLane, ColdSlot};
 use crate::moe::math::dot;
 use moe_lanes_kernels::SimdLevel;
 use std::sync::Arc;
@@ -70,8 +73,8 @@ pub enum ComputeError {
     Bad { layer_idx: usize, expert_idx: usize, reason: &'static str },
 }
 
-/// The cold lane's compute boundary (the fast kernels implement this later).
-pub trait ColdCompute: Send + Sync {
+/// One expert's FFN over a group of tokens (plain, SIMD, or none for benchmarks).
+pub trait ExpertKernel: Send + Sync {
     fn dims(&self) -> FfnDims;
     /// For `n` tokens (`xs[..n * hidden]`), write `ys[..n * hidden]` = the expert's FFN output.
     fn expert_ffn(
@@ -84,22 +87,22 @@ pub trait ColdCompute: Send + Sync {
 }
 
 /// Plain kernels over the model's RAM experts.
-pub struct PlainCompute {
+pub struct PlainKernel {
     model: Arc<Model>,
     dims: FfnDims,
     activation: FfnActivation,
 }
 
-impl PlainCompute {
-    pub fn new(model: Arc<Model>) -> PlainCompute {
+impl PlainKernel {
+    pub fn new(model: Arc<Model>) -> PlainKernel {
         let c = model.config();
         let dims = FfnDims { hidden: c.hidden, ff: c.expert_ff };
         let activation = model.plan().expert_activation();
-        PlainCompute { model, dims, activation }
+        PlainKernel { model, dims, activation }
     }
 }
 
-impl ColdCompute for PlainCompute {
+impl ExpertKernel for PlainKernel {
     fn dims(&self) -> FfnDims {
         self.dims
     }
@@ -123,11 +126,41 @@ impl ColdCompute for PlainCompute {
     }
 }
 
+/// Per-expert kernels as a [`ColdLane`], one slot at a time (the CPU pipeline's all-cold
+/// fallback runs on it): for each slot in order, `out[row] += weight * FFN_e(x[row])`.
+pub struct KernelLane<'a> {
+    pub compute: &'a dyn ExpertKernel,
+    /// Sized for one token at least.
+    pub scratch: &'a mut FfnScratch,
+}
+
+impl ColdLane for KernelLane<'_> {
+    fn compute(
+        &mut self,
+        layer_idx: usize,
+        hidden_rows: &[f32],
+        slots: &[ColdSlot],
+        out_rows: &mut [f32],
+    ) -> Result<(), ColdError> {
+        let h = self.compute.dims().hidden;
+        for slot in slots {
+            self.scratch.xs[..h].copy_from_slice(&hidden_rows[slot.row_idx * h..][..h]);
+            let result = self.compute.expert_ffn(layer_idx, slot.expert_idx, 1, self.scratch);
+            result.map_err(|source| ColdError::Compute { layer_idx, source })?;
+            let out = &mut out_rows[slot.row_idx * h..][..h];
+            for (o, y) in out.iter_mut().zip(&self.scratch.ys[..h]) {
+                *o += slot.weight * y;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A compute that does no math (outputs zeros): the data-plane benchmark uses it to measure
 /// everything but the expert math.
-pub struct NullCompute(pub FfnDims);
+pub struct NullKernel(pub FfnDims);
 
-impl ColdCompute for NullCompute {
+impl ExpertKernel for NullKernel {
     fn dims(&self) -> FfnDims {
         self.0
     }
@@ -201,9 +234,9 @@ pub fn ffn_plain(
 
 /// The fast cold-lane kernels of `moe-lanes-kernels` (runtime-dispatched SIMD, level from
 /// `MOE_LANES_SIMD` or the best exact level the CPU has: AVX-512 BF16 only when named) behind
-/// the same [`ColdCompute`] boundary. Same math as [`PlainCompute`], different summation order
+/// the same [`ExpertKernel`] boundary. Same math as [`PlainKernel`], different summation order
 /// (equal within rounding).
-pub struct SimdCompute {
+pub struct SimdKernel {
     model: Arc<Model>,
     dims: FfnDims,
     level: moe_lanes_kernels::SimdLevel,
@@ -225,12 +258,12 @@ pub fn kernel_dtype(dtype: DType) -> moe_lanes_kernels::WeightDType {
     }
 }
 
-/// Unit token weights for [`SimdCompute`]'s down projection (which accumulates `w * y`).
+/// Unit token weights for [`SimdKernel`]'s down projection (which accumulates `w * y`).
 static UNIT_WEIGHTS: [f32; GROUP_TOKENS_MAX] = [1.0; GROUP_TOKENS_MAX];
 
-impl SimdCompute {
+impl SimdKernel {
     /// `forced`: a SIMD level named by the caller; `None` picks [`cold_simd_level`]'s default.
-    pub fn new(model: Arc<Model>, forced: Option<SimdLevel>) -> Result<SimdCompute, ComputeError> {
+    pub fn new(model: Arc<Model>, forced: Option<SimdLevel>) -> Result<SimdKernel, ComputeError> {
         let level = cold_simd_level(forced).map_err(|_| ComputeError::Bad {
             layer_idx: 0,
             expert_idx: 0,
@@ -239,7 +272,7 @@ impl SimdCompute {
         let act = model.plan().expert_activation().kernel();
         let c = model.config();
         let dims = FfnDims { hidden: c.hidden, ff: c.expert_ff };
-        Ok(SimdCompute { model, dims, level, act })
+        Ok(SimdKernel { model, dims, level, act })
     }
 }
 
@@ -256,7 +289,7 @@ pub fn cold_simd_level(forced: Option<SimdLevel>) -> Result<SimdLevel, moe_lanes
     Ok(if level == SimdLevel::Avx512Bf16 && forced.is_none() { SimdLevel::Avx512 } else { level })
 }
 
-impl ColdCompute for SimdCompute {
+impl ExpertKernel for SimdKernel {
     fn dims(&self) -> FfnDims {
         self.dims
     }

@@ -5,7 +5,31 @@
 //! whatever the thread timing. The engine's answer must stay exact (the layer falls back to
 //! all-cold) and every fault must be counted with its reason.
 
+use crate::cache::perf::FallbackReason;
 use std::time::Duration;
+
+/// Why a layer could not be computed split, in either engine: the layer is recomputed all-cold
+/// ([`crate::moe::cold::all_cold`]) and the fallback counted by `reason`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerFailure {
+    pub reason: FallbackReason,
+    /// The cold lane itself failed: the fallback must not run on it (the GPU engine takes the
+    /// plain lane then; the CPU pipeline's fallback never runs on a lane's threads).
+    pub cold_lane_failed: bool,
+    pub detail: String,
+}
+
+impl LayerFailure {
+    /// A failure that leaves the cold lane usable.
+    pub fn new(reason: FallbackReason, detail: impl Into<String>) -> LayerFailure {
+        LayerFailure { reason, cold_lane_failed: false, detail: detail.into() }
+    }
+
+    /// The cold lane failed (`reason`: failed, or did not take its task).
+    pub fn of_cold_lane(reason: FallbackReason, detail: impl Into<String>) -> LayerFailure {
+        LayerFailure { reason, cold_lane_failed: true, detail: detail.into() }
+    }
+}
 
 /// Which lane a task goes to, as the schedule sees it (the actors' `LaneId`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -28,37 +28,10 @@ pub fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
-/// Index of the largest value (the first one on ties), as a scan keeping the first `v >
-/// best` gives: NaNs never win over a number, and a NaN at index 0 makes the answer 0.
-///
-/// Two vectorised passes over 16-value chunks, so a vocabulary row (152k logits on Qwen3) is
-/// read at memory speed, not one compare-and-branch per value: lane-wise maxima (`v > lane ?
-/// v : lane` is one `maxps`), then the first chunk holding the maximum.
-pub fn argmax(values: &[f32]) -> u32 {
-    const LANES: usize = 16;
-    let Some(&first) = values.first() else { return 0 };
-    if first.is_nan() {
-        return 0;
-    }
-    let mut lanes = [first; LANES];
-    for chunk in values.chunks_exact(LANES) {
-        for (lane, &v) in lanes.iter_mut().zip(chunk) {
-            *lane = if v > *lane { v } else { *lane };
-        }
-    }
-    let rest = values.chunks_exact(LANES).remainder();
-    let max = lanes.iter().chain(rest).fold(first, |m, &v| if v > m { v } else { m });
-    // `max` is a number (never NaN), and it occurs: the first chunk with an equal value holds
-    // the answer (== treats -0.0 and 0.0 alike, as `>` does in the scan).
-    let hit = |chunk: &[f32]| chunk.iter().fold(false, |any, &v| any | (v == max));
-    let chunk = values.chunks(LANES).position(hit).unwrap_or(0);
-    let at = values[chunk * LANES..].iter().position(|&v| v == max).unwrap_or(0);
-    (chunk * LANES + at) as u32
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::forward::argmax;
 
     #[test]
     fn argmax_takes_first_of_ties_and_softmax_sums_to_one() {

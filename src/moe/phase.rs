@@ -12,27 +12,7 @@
 use crate::model::arch::Profile;
 use crate::moe::worklist::WorklistOrder;
 
-/// The phase of one forward call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Phase {
-    /// First calls after start-up: conservative plan.
-    Warmup,
-    /// Prompt processing (PP).
-    Prefill,
-    /// Token generation (TG), including multi-token verify batches.
-    Decode,
-}
-
-impl Phase {
-    /// The name used in the perf JSON's `phases` section.
-    pub fn name(self) -> &'static str {
-        match self {
-            Phase::Warmup => "warmup",
-            Phase::Prefill => "prefill",
-            Phase::Decode => "decode",
-        }
-    }
-}
+pub use crate::forward::Phase;
 
 /// Off / on / decided by the policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

@@ -15,22 +15,25 @@
 //! are computed all-cold on the driver thread from the RAM experts, and the fallback is counted
 //! with its reason. The result is the same.
 
-use crate::actors::messages::LayerInput;
 use crate::actors::messages::LANE_SPIN;
-use crate::actors::{CpuHotLane, Exchange, HotLane, LaneError, LaneId, LaneSet, SectionCold, UpdaterHandle};
+use crate::actors::{apply_exchanges, CpuHotLane, HotLane, LaneError, LaneSet, UpdaterHandle};
 use crate::cache::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
 use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
 use crate::format::tensor::TensorError;
+pub use crate::forward::argmax;
 pub use crate::forward::LogitRows;
 use crate::model::arch::{DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm, RopeStyle};
 use crate::model::config::ModelConfig;
 use crate::model::Model;
+use crate::moe::cold::{all_cold, ColdError, ColdLane, ColdSlot};
 use crate::moe::delta_net::{conv_step, recurrent_step, DeltaNetState, TokenInputs};
 use crate::moe::dense::{
     check_matrices, decode_row, global_matrices, DenseStage, LayerMatrices, LayerVectors, MixerMatrices,
 };
-use crate::moe::expert_math::{cold_simd_level, ColdCompute, FfnScratch, PlainCompute, SimdCompute};
-pub use crate::moe::math::argmax;
+use crate::moe::expert_math::{
+    cold_simd_level, ExpertKernel, FfnScratch, KernelLane, PlainKernel, SimdKernel,
+};
+use crate::moe::faults::LayerFailure;
 use crate::moe::math::{dot, sigmoid};
 use crate::moe::phase::{CacheState, ColdState, ExecPlan, Phase, PolicySwitches, PpPolicy};
 use crate::moe::pool_lane::PoolLane;
@@ -166,6 +169,8 @@ pub enum PipelineError {
     Lane(#[from] LaneError),
     #[error("dense stage: {0}")]
     Kernel(#[from] KernelError),
+    #[error("all-cold fallback failed: {0}")]
+    Cold(#[from] ColdError),
     #[error("pipeline: {0}")]
     Setup(String),
 }
@@ -230,7 +235,7 @@ pub struct Pipeline {
     perf: PerfState,
     policy: PpPolicy,
     updater: UpdaterHandle,
-    cold: Arc<dyn ColdCompute>,
+    cold: Arc<dyn ExpertKernel>,
     /// The cold lane on the dense stage's pool (see [`PipelineOptions::pool_cold`]).
     pool_lane: Option<PoolLane>,
     /// Cold-lane participants, the driver included.
@@ -238,6 +243,8 @@ pub struct Pipeline {
     /// The per-stage profile, when asked for.
     profile: Option<CpuProfiler>,
     fallback_scratch: FfnScratch,
+    /// The all-cold fallback's slots (reused).
+    fallback_slots: Vec<ColdSlot>,
     act: Activations,
     /// `rope[pos * half + i] = (cos, sin)`, grown as positions are reached.
     rope: Vec<(f32, f32)>,
@@ -340,19 +347,16 @@ impl Pipeline {
         let level = cold_simd_level(options.simd)?;
         let dense = DenseStage::new(options.n_dense_threads, level);
         let m = options.max_batch_tokens;
-        let cold: Arc<dyn ColdCompute> = match options.cold_kernels {
-            ColdKernels::Plain => Arc::new(PlainCompute::new(model.clone())),
+        let cold: Arc<dyn ExpertKernel> = match options.cold_kernels {
+            ColdKernels::Plain => Arc::new(PlainKernel::new(model.clone())),
             ColdKernels::Simd => Arc::new(
-                SimdCompute::new(model.clone(), options.simd)
+                SimdKernel::new(model.clone(), options.simd)
                     .map_err(|e| PipelineError::Setup(format!("cold kernels: {e}")))?,
             ),
         };
-        let pool_lane = (options.pool_cold
-            && options.driver_cold
-            && options.cold_kernels == ColdKernels::Simd)
-            .then(|| {
-                PoolLane::new(model.clone(), level, DecodeActivations::resolve(options.activations, level))
-            });
+        let pool_lane =
+            (options.pool_cold && options.driver_cold && options.cold_kernels == ColdKernels::Simd)
+                .then(|| PoolLane::new(model.clone(), level, options.activations));
         // With the pool lane the driver alone is the lane set's cold participant.
         let (lane_workers, cold_threads) = match pool_lane {
             Some(_) => (1, options.n_cold_workers.clamp(1, dense.n_threads())),
@@ -393,6 +397,7 @@ impl Pipeline {
             perf: PerfState::new(options.perf_mode, c.n_layers, c.n_experts, c.n_experts_used),
             policy: PpPolicy { profile: model.profile(), switches },
             fallback_scratch: FfnScratch::new(cold.dims(), 1),
+            fallback_slots: Vec::with_capacity(m * c.n_experts_used),
             cold,
             pool_lane,
             cold_threads,
@@ -515,20 +520,23 @@ impl Pipeline {
         }
     }
 
-    /// Apply every queued exchange (between calls). Returns how many were applied.
+    /// Apply every queued exchange (between calls; [`apply_exchanges`]: at a failure the rest
+    /// are queued again). Returns how many were taken from the queue.
     pub fn apply_pending_exchanges(&mut self) -> Result<usize, PipelineError> {
-        let pending = self.updater.take_pending();
-        let n = pending.len();
-        for Exchange { layer_idx, evict, add } in pending {
-            let slot = self.hot_set.apply_exchange(layer_idx, evict, add)?;
-            if let Err(e) = self.lanes.load_slot(slot.lane_idx as usize, layer_idx, slot.slot_idx, add) {
-                // Keep the maps true to the lane's contents: undo, and report.
-                let _ = self.hot_set.apply_exchange(layer_idx, add, evict);
-                return Err(e.into());
-            }
-            self.perf.record_exchange(self.model.expert_bytes_of_layer(layer_idx) as u64);
-        }
-        Ok(n)
+        apply_exchanges(
+            self,
+            |p| &p.updater,
+            |p| &mut p.perf,
+            |p, x| {
+                let slot = p.hot_set.apply_exchange(x.layer_idx, x.evict, x.add)?;
+                if let Err(e) = p.lanes.load_slot(slot.lane_idx as usize, x.layer_idx, slot.slot_idx, x.add) {
+                    // Keep the maps true to the lane's contents: undo, and report.
+                    let _ = p.hot_set.apply_exchange(x.layer_idx, x.add, x.evict);
+                    return Err(e.into());
+                }
+                Ok(p.model.expert_bytes_of_layer(x.layer_idx) as u64)
+            },
+        )
     }
 
     /// Run `tokens` after whatever `cache` holds, in `phase`; returns one logits row per token.
@@ -916,9 +924,7 @@ impl Pipeline {
         let h = self.config.hidden;
         let mut section = match &mut self.pool_lane {
             // One pool for both stages: its threads go on to the cold section without parking.
-            Some(lane) => {
-                Some(PoolSection { lane, pool: self.dense.pool_mut(), participants: self.cold_threads })
-            }
+            Some(lane) => Some(lane.on(self.dense.pool_mut(), self.cold_threads)),
             None => {
                 self.dense.park();
                 None
@@ -934,16 +940,16 @@ impl Pipeline {
                 &mut a.moe[..n * h],
                 &mut timing,
                 shared_work,
-                section.as_mut().map(|s| s as &mut dyn SectionCold),
+                section.as_mut().map(|s| s as &mut dyn ColdLane),
             ) {
                 Ok(()) => launched = true,
-                Err(f) => failure = Some(f.reason),
+                Err(f) => failure = Some(f),
             }
         } else {
             shared_work();
         }
-        if let Some(reason) = failure {
-            self.perf.record_fallback(l, reason);
+        if let Some(f) = failure {
+            self.perf.record_fallback(l, f.reason);
             self.all_cold(l, n)?;
             launched = false;
         }
@@ -1014,45 +1020,47 @@ impl Pipeline {
 
     /// Build and check layer `l`'s worklist in the lanes' shared input (the Dispatcher).
     /// Returns why the layer cannot be split, if it cannot.
-    fn dispatch(&mut self, l: usize, n: usize, plan: &ExecPlan) -> Option<FallbackReason> {
+    fn dispatch(&mut self, l: usize, n: usize, plan: &ExecPlan) -> Option<LayerFailure> {
         let (h, k) = (self.config.hidden, self.config.n_experts_used);
         let hot_layer = &self.hot_set.layers[l];
         let routes = self.routers[l].routes();
-        let Some(input) = self.lanes.input_mut() else { return Some(FallbackReason::LaneUnavailable) };
+        let Some(input) = self.lanes.input_mut() else {
+            let detail = "a lane that timed out still holds the layer input";
+            return Some(LayerFailure::new(FallbackReason::LaneUnavailable, detail));
+        };
         input.call_idx = self.call_idx;
         input.layer_idx = l;
         input.n_tokens = n;
         input.x[..n * h].copy_from_slice(&self.act.normed[..n * h]);
         let wl = &mut input.worklist;
-        if wl.build(&routes.expert_ids, &routes.weights, n, k, Some(hot_layer), plan.order).is_err() {
-            return Some(FallbackReason::Shape);
+        if let Err(e) = wl.build(&routes.expert_ids, &routes.weights, n, k, Some(hot_layer), plan.order) {
+            return Some(LayerFailure::new(FallbackReason::Shape, e.to_string()));
         }
         if self.fault.corrupt_worklist_layer == Some(l) {
             wl.inject_corruption();
         }
-        wl.check_consistency(Some(hot_layer)).err().map(|_| FallbackReason::Worklist)
+        let checked = wl.check_consistency(Some(hot_layer)).err();
+        checked.map(|e| LayerFailure::new(FallbackReason::Worklist, e.to_string()))
     }
 
     /// All-cold fallback on this thread, from the RAM experts: layer `l`'s routed experts of
-    /// every token into `act.moe`.
+    /// every token into `act.moe` (the cold kernels one slot at a time).
     fn all_cold(&mut self, l: usize, n: usize) -> Result<(), PipelineError> {
         let (h, k) = (self.config.hidden, self.config.n_experts_used);
         let routes = self.routers[l].routes();
-        let (a, scratch) = (&mut self.act, &mut self.fallback_scratch);
-        for t in 0..n {
-            let out = &mut a.moe[t * h..(t + 1) * h];
-            out.iter_mut().for_each(|v| *v = 0.0);
-            for j in 0..k {
-                let (e, wt) = (routes.expert_ids[t * k + j] as usize, routes.weights[t * k + j]);
-                scratch.xs[..h].copy_from_slice(&a.normed[t * h..(t + 1) * h]);
-                self.cold
-                    .expert_ffn(l, e, 1, scratch)
-                    .map_err(|e| PipelineError::Setup(format!("all-cold fallback failed: {e}")))?;
-                for (o, y) in out.iter_mut().zip(&scratch.ys[..h]) {
-                    *o += wt * y;
-                }
-            }
-        }
+        let pairs = routes.expert_ids[..n * k].iter().zip(&routes.weights[..n * k]);
+        let a = &mut self.act;
+        let mut lane = KernelLane { compute: &*self.cold, scratch: &mut self.fallback_scratch };
+        let (rows, out) = (&a.normed[..n * h], &mut a.moe[..n * h]);
+        all_cold(
+            &mut lane,
+            l,
+            rows,
+            pairs.map(|(&e, &w)| (e as usize, w)),
+            k,
+            &mut self.fallback_slots,
+            out,
+        )?;
         Ok(())
     }
 }
@@ -1089,27 +1097,5 @@ fn rope_head(head: &mut [f32], table: &[(f32, f32)], style: RopeStyle) {
         let (x0, x1) = (head[a], head[b]);
         head[a] = x0 * cos - x1 * sin;
         head[b] = x1 * cos + x0 * sin;
-    }
-}
-
-/// [`PoolLane`] bound to the dense stage's pool for one layer: the join's [`SectionCold`].
-struct PoolSection<'a> {
-    lane: &'a mut PoolLane,
-    pool: &'a mut moe_lanes_kernels::ColdPool,
-    participants: usize,
-}
-
-impl SectionCold for PoolSection<'_> {
-    fn run(
-        &mut self,
-        input: &LayerInput,
-        range: std::ops::Range<usize>,
-        token_rows: &mut [f32],
-    ) -> Result<(), LaneError> {
-        let x = &input.x[..input.n_tokens * input.hidden];
-        let (l, wl) = (input.layer_idx, &input.worklist);
-        self.lane
-            .run(self.pool, self.participants, l, x, wl, range, token_rows)
-            .map_err(|e| LaneError::Failed { lane: LaneId::Cold(0), reason: e.to_string() })
     }
 }

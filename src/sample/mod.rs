@@ -15,7 +15,7 @@ mod rng;
 
 pub use rng::SplitMix64;
 
-use crate::moe::math::argmax;
+use crate::forward::argmax;
 use std::collections::HashMap;
 
 /// Most alternatives `top_logprobs` may ask for (OpenAI's chat limit).

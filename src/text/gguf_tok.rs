@@ -4,7 +4,8 @@
 use super::bpe::{self, ByteLevel};
 use super::special::{self, Fragment};
 use super::spm;
-use super::vocab::{GgufVocab, TokenType, VocabKind};
+use super::vocab::{GgufVocab, VocabKind};
+use crate::format::gguf::TokenType;
 
 /// A GGUF tokenizer, ready to encode and decode.
 #[derive(Debug)]

@@ -7,8 +7,8 @@
 
 use super::bpe::ByteLevel;
 use super::spm;
-use super::vocab::TokenType;
 use super::TokenizerError;
+use crate::format::gguf::TokenType;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -4,7 +4,8 @@
 //! as isolating `Split`s before a regex-free `ByteLevel`; no normalizer (llama.cpp has none);
 //! BOS/EOS as a `TemplateProcessing` post-processor when the metadata adds them.
 
-use super::vocab::{GgufVocab, TokenType, VocabKind};
+use super::vocab::{GgufVocab, VocabKind};
+use crate::format::gguf::TokenType;
 use serde_json::{json, Map, Value};
 
 /// The two files' contents.

@@ -68,6 +68,7 @@ mod stream;
 mod tokenizer;
 mod vocab;
 
+pub use crate::format::gguf::TokenType;
 pub use chat_template::{
     is_chatml_capable, ChatMessage, ChatTemplate, ChatTemplateError, RenderOptions, CHATML_TEMPLATE,
 };
@@ -78,7 +79,6 @@ pub use service::{TextEvent, TextEvents, TextGenerator, TEXT_EVENTS_BUFFER};
 pub use stop::{StopPush, StopStringError, StopStrings, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
 pub use stream::StreamDecoder;
 pub use tokenizer::Tokenizer;
-pub use vocab::TokenType;
 
 use crate::format::gguf::GgufError;
 use std::path::PathBuf;

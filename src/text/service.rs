@@ -1,5 +1,5 @@
 //! [`TextGenerator`]: text generation for async (tokio) programs. One engine lives on its own
-//! thread; requests queue to it and their text comes back as a stream of pieces, so nothing
+//! thread ([`crate::engine::worker`]); requests queue to it and their text comes back as a stream of pieces, so nothing
 //! blocks the runtime. Dropping a [`TextEvents`] cancels its generation.
 //!
 //! The example is on [`TextGenerator`] (this module is private; its types are `text`'s).
@@ -7,7 +7,8 @@
 use super::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
 use super::generate::{generate_text, TextGenerationError, TextOptions, TextOutcome};
 use super::Tokenizer;
-use crate::engine::{build_engine, BuildReport, EngineOptions, GenerationOptions};
+use crate::engine::worker::{spawn_engine_thread, EngineService};
+use crate::engine::{BuildReport, Engine, EngineOptions, GenerationOptions};
 use crate::model::Model;
 use std::ops::ControlFlow;
 use std::sync::Arc;
@@ -84,7 +85,7 @@ pub struct TextGenerator {
     tokenizer: Arc<Tokenizer>,
     model: Arc<Model>,
     report: BuildReport,
-    worker: Option<std::thread::JoinHandle<()>>,
+    worker: Option<std::thread::JoinHandle<Option<()>>>,
 }
 
 impl TextGenerator {
@@ -94,20 +95,12 @@ impl TextGenerator {
         let tokenizer = Arc::new(Tokenizer::from_model(&model)?);
         let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded::<Job>();
         let (built_tx, built_rx) = oneshot::channel();
-        let (m, tok) = (Arc::clone(&model), Arc::clone(&tokenizer));
-        let worker = std::thread::Builder::new()
-            .name("moe-lanes-text".into())
-            .spawn(move || match build_engine(&m, opts) {
-                Err(e) => {
-                    let _ = built_tx.send(Err(e));
-                }
-                Ok((mut engine, report)) => {
-                    let _ = built_tx.send(Ok(report));
-                    for job in jobs_rx {
-                        run_job(engine.as_mut(), &tok, job);
-                    }
-                }
-            })
+        let tok = Arc::clone(&tokenizer);
+        let make = move |_: &mut dyn Engine, _: &BuildReport| TextService { tokenizer: tok };
+        let built = move |b: crate::engine::worker::Built| {
+            let _ = built_tx.send(b.map(|(report, _device)| report));
+        };
+        let worker = spawn_engine_thread("moe-lanes-text", Arc::clone(&model), opts, jobs_rx, make, built)
             .expect("spawn the engine thread");
         let report = built_rx.await.map_err(|_| TextGenerationError::WorkerGone)??;
         Ok(TextGenerator { jobs: Some(jobs_tx), tokenizer, model, report, worker: Some(worker) })
@@ -192,8 +185,24 @@ fn failed(error: TextGenerationError) -> TextEvents {
     TextEvents { rx }
 }
 
+/// The text requests' service on the engine thread.
+struct TextService {
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl EngineService for TextService {
+    type Job = Job;
+    type Output = ();
+
+    fn serve(&mut self, engine: &mut dyn Engine, job: Job) {
+        run_job(engine, &self.tokenizer, job);
+    }
+
+    fn finish(self, _: &mut dyn Engine) {}
+}
+
 /// Run one request on the engine thread; a reader that went away cancels it.
-fn run_job(engine: &mut dyn crate::engine::Engine, tokenizer: &Tokenizer, job: Job) {
+fn run_job(engine: &mut dyn Engine, tokenizer: &Tokenizer, job: Job) {
     let events = job.events;
     let ids = match job.prompt {
         Prompt::Ids(ids) => Ok(ids),

@@ -4,7 +4,8 @@
 //! user-defined tokens are always matched; control and unknown tokens only with
 //! `parse_special`.
 
-use super::vocab::{GgufVocab, TokenType};
+use super::vocab::GgufVocab;
+use crate::format::gguf::TokenType;
 use std::ops::Range;
 
 /// A piece of the input: text still to tokenize, or a token found in it.

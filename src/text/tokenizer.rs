@@ -3,9 +3,10 @@
 use super::gguf_tok::GgufTokenizer;
 #[cfg(feature = "hf-tokenizer")]
 use super::hf::HfTokenizer;
-use super::vocab::{GgufVocab, TokenType, VocabKind};
+use super::vocab::{GgufVocab, VocabKind};
 use super::{hf_export, HfTokenizerFiles, StreamDecoder, TokenizerError};
 use crate::format::gguf::GgufFile;
+use crate::format::gguf::TokenType;
 use crate::model::{Model, ModelFormat};
 use std::path::Path;
 

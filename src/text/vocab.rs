@@ -3,42 +3,9 @@
 
 use super::pretokenize::PreTokenizer;
 use super::TokenizerError;
-use crate::format::gguf::{GgufFile, MetaValue};
+use crate::format::gguf::{GgufFile, MetaValue, TokenType};
 use std::collections::HashMap;
 use std::path::PathBuf;
-
-/// GGUF `tokenizer.ggml.token_type` values (llama.cpp's `llama_token_type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TokenType {
-    Undefined,
-    Normal,
-    Unknown,
-    Control,
-    UserDefined,
-    Unused,
-    Byte,
-}
-
-impl TokenType {
-    fn from_i64(v: i64) -> Option<TokenType> {
-        Some(match v {
-            0 => TokenType::Undefined,
-            1 => TokenType::Normal,
-            2 => TokenType::Unknown,
-            3 => TokenType::Control,
-            4 => TokenType::UserDefined,
-            5 => TokenType::Unused,
-            6 => TokenType::Byte,
-            _ => return None,
-        })
-    }
-
-    /// Control and unknown tokens: matched in text only with `parse_special`, dropped by
-    /// `decode(.., skip_special = true)`.
-    pub fn is_special(self) -> bool {
-        matches!(self, TokenType::Control | TokenType::Unknown)
-    }
-}
 
 /// BPE merges: (left id, right id) -> (rank, merged id).
 pub type MergeMap = HashMap<(u32, u32), (u32, u32)>;

@@ -366,7 +366,9 @@ pub struct CudaBackend {
     /// Kernels are launched with programmatic stream serialization ([`CudaConfig`]).
     programmatic: bool,
     /// The grouped expert GEMMs (bf16 and quantized caches) take the pipelined kernels where the
-    /// shapes allow ([`CudaConfig::grouped_pipeline`]; sm_80 and later).
+    /// shapes allow (sm_80 and later; [`CudaBackend::set_grouped_pipeline`] turns them off for
+    /// the tests that compare them with the synchronous ones, which unaligned shapes and older
+    /// devices take anyway).
     grouped_pipeline: std::sync::atomic::AtomicBool,
 }
 
@@ -401,11 +403,6 @@ pub struct CudaConfig {
     /// capability 9.0 and later): a kernel's blocks may be scheduled while the kernel before it
     /// finishes, and wait there (`pdl_enter` in common.cuh). Default on.
     pub programmatic_launch: bool,
-    /// The prefill hot lane's grouped GEMMs copy their tiles asynchronously, stages ahead of the
-    /// tensor cores (bf16 caches: x and weight tiles; quantized caches: x tiles, the weights
-    /// decoded into the stage; compute capability 8.0 and later, aligned shapes); off: the
-    /// synchronous tiles (an A/B switch; same results). Default on.
-    pub grouped_pipeline: bool,
 }
 
 impl Default for CudaConfig {
@@ -415,7 +412,6 @@ impl Default for CudaConfig {
             nvrtc_cache_dir: None,
             cuda_include_dir: None,
             programmatic_launch: true,
-            grouped_pipeline: true,
         }
     }
 }
@@ -507,7 +503,7 @@ impl CudaBackend {
                 compile,
                 capturing: Default::default(),
                 programmatic,
-                grouped_pipeline: (config.grouped_pipeline && pipelined).into(),
+                grouped_pipeline: pipelined.into(),
             })
         })
     }

@@ -1550,13 +1550,13 @@ impl CudaBackend {
     }
 
     /// Whether the grouped GEMMs (bf16 and quantized caches) may take the pipelined kernels (on
-    /// where the device has `cp.async`, unless [`super::CudaConfig::grouped_pipeline`] turned it off).
+    /// where the device has `cp.async`, unless [`CudaBackend::set_grouped_pipeline`] turned it off).
     pub fn grouped_pipeline(&self) -> bool {
         self.grouped_pipeline.load(Ordering::Relaxed)
     }
 
-    /// Switch the pipelined grouped GEMMs on or off (an A/B switch, and for tests comparing
-    /// the two); on takes effect only where the device has them. Same results either way.
+    /// Switch the pipelined grouped GEMMs on or off (for the tests that compare the two bit for
+    /// bit); on takes effect only where the device has them. Same results either way.
     pub fn set_grouped_pipeline(&self, on: bool) {
         self.grouped_pipeline.store(on && self.info().has_sm80(), Ordering::Relaxed);
     }
