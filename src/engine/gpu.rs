@@ -184,7 +184,7 @@ impl Engine for GpuEngine {
                 }
                 return Err(e.into());
             }
-            self.gpu.perf_mut().record_exchange(slot_bytes);
+            self.gpu.perf_mut().record_exchange(layer_idx, slot_bytes);
         }
         Ok(pending.len())
     }

@@ -481,7 +481,7 @@ impl Pipeline {
                 let _ = self.hot_set.apply_exchange(layer_idx, add, evict);
                 return Err(e.into());
             }
-            self.perf.record_exchange(self.model.expert_bytes_of_layer(layer_idx) as u64);
+            self.perf.record_exchange(layer_idx, self.model.expert_bytes_of_layer(layer_idx) as u64);
         }
         Ok(n)
     }
