@@ -292,7 +292,9 @@ fn timed_runs(
         progress(2 * run_idx as u64 + 1, total_ticks);
         let next = *logits.argmax.last().expect("one row per prompt token");
         let feed = match opts.locality {
-            Some(l) => crate::locality::LocalityProcess::new(l, run_idx as u64 + 1).tokens(vocab, opts.n_gen_tokens),
+            Some(l) => {
+                crate::locality::LocalityProcess::new(l, run_idx as u64 + 1).tokens(vocab, opts.n_gen_tokens)
+            }
             None => random_feed(vocab, opts.n_gen_tokens, run_idx),
         };
         let off_first = opts.metrics_ab && run_idx % 2 == 1;

@@ -58,8 +58,14 @@ impl std::str::FromStr for LocalityParams {
             let count = |v: &str| v.parse::<usize>().ok().filter(|&x| x >= 1);
             match key {
                 "p" => p = Some(fraction(value).ok_or_else(|| bad("p", "a probability in 0..=1"))?),
-                "drift" => drift = Some(fraction(value).ok_or_else(|| bad("drift", "a probability in 0..=1"))?),
-                "topics" => out.topics = count(value).filter(|&g| g >= 2).ok_or_else(|| bad("topics", "a whole number >= 2"))?,
+                "drift" => {
+                    drift = Some(fraction(value).ok_or_else(|| bad("drift", "a probability in 0..=1"))?)
+                }
+                "topics" => {
+                    out.topics = count(value)
+                        .filter(|&g| g >= 2)
+                        .ok_or_else(|| bad("topics", "a whole number >= 2"))?
+                }
                 "window" => out.window = count(value).ok_or_else(|| bad("window", "a whole number >= 1"))?,
                 other => return Err(bad(other, "unknown parameter")),
             }
@@ -261,7 +267,10 @@ mod tests {
                 popular = now.to_vec();
             }
             let (measured, expected) = (in_window as f64 / (n - 1) as f64, expected / (n - 1) as f64);
-            assert!((measured - expected).abs() < 0.015, "p {p}: measured {measured:.3}, expected {expected:.3}");
+            assert!(
+                (measured - expected).abs() < 0.015,
+                "p {p}: measured {measured:.3}, expected {expected:.3}"
+            );
             let rate = turnover as f64 / n as f64;
             assert!((rate - drift).abs() < 0.01 + 0.1 * drift, "drift {drift}: measured {rate:.4}");
             let repicks = proc.repicks as f64 / n as f64;

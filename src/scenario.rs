@@ -208,7 +208,11 @@ pub fn run_shift(
         n_hot_experts: target_a.layers.iter().map(|l| l.n_hot()).sum(),
         domains: [a, b],
         n_domains: o.n_domains,
-        update: UpdatePolicy { mode: UpdateMode::Auto, cache: PolicyConfig::of(PolicyKind::Planned), ..o.update },
+        update: UpdatePolicy {
+            mode: UpdateMode::Auto,
+            cache: PolicyConfig::of(PolicyKind::Planned),
+            ..o.update
+        },
         requests,
     })
 }

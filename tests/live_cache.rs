@@ -256,7 +256,11 @@ fn any_exchange_sequence_keeps_output_equal_to_the_reference() {
             let (auto, manual, admitted) = updates.get();
             let layers = &rig.engine.perf().unwrap().report().layers;
             let policy_admissions = if kind_idx > 0 { layers.iter().map(|l| l.admissions).sum() } else { 0 };
-            updates.set((auto + stats.auto_updates, manual + stats.manual_applies, admitted + policy_admissions));
+            updates.set((
+                auto + stats.auto_updates,
+                manual + stats.manual_applies,
+                admitted + policy_admissions,
+            ));
             Ok(())
         })
         .unwrap();

@@ -742,7 +742,10 @@ fn engine_options(
         cache_policy.kind = moe_lanes::cache::policy::PolicyKind::Planned;
     }
     if mode == UpdateMode::Auto && cache_policy.kind != moe_lanes::cache::policy::PolicyKind::Planned {
-        bail!("--update auto runs the planned policy's updater; --cache-policy {} moves the cache itself", cache_policy.kind.name());
+        bail!(
+            "--update auto runs the planned policy's updater; --cache-policy {} moves the cache itself",
+            cache_policy.kind.name()
+        );
     }
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
     let fingerprint = ModelFingerprint::of(model);
@@ -1301,9 +1304,10 @@ fn bench(args: BenchArgs) -> Result<()> {
     let locality = match args.scenario.as_deref() {
         None => None,
         Some("shift") => return bench_shift(&args, engine.as_mut(), &model, update_policy),
-        Some(spec) if spec.starts_with("locality:") => {
-            Some(spec.parse::<moe_lanes::locality::LocalityParams>().map_err(|e| anyhow::anyhow!("--scenario: {e}"))?)
-        }
+        Some(spec) if spec.starts_with("locality:") => Some(
+            spec.parse::<moe_lanes::locality::LocalityParams>()
+                .map_err(|e| anyhow::anyhow!("--scenario: {e}"))?,
+        ),
         Some(other) => bail!("--scenario {other}: expected shift or locality:p=P,drift=R"),
     };
     let bench_opts = BenchOptions {

@@ -513,7 +513,10 @@ fn live_page_shows_every_layer_in_headless_chromium() {
     }
     assert!(!dom.contains("data-layer=\"5\""));
     assert!(dom.contains("data-hit-rate=\"\">") && dom.contains("%</td>"), "hit rates shown:\n{dom}");
-    assert!(dom.contains("data-admissions=\"\">") && dom.contains("data-evictions=\"\">"), "admissions shown:\n{dom}");
+    assert!(
+        dom.contains("data-admissions=\"\">") && dom.contains("data-evictions=\"\">"),
+        "admissions shown:\n{dom}"
+    );
     assert!(dom.contains("hot-cache policy adaptive"), "the policy shows:\n{dom}");
     let running =
         dom.split("data-card=\"running\"><div class=\"v\">").nth(1).and_then(|r| r.split('<').next());

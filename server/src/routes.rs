@@ -212,7 +212,10 @@ fn target_set(s: &AppState, current: &HotSet, text: &str) -> Result<(HotSet, Vec
             .enumerate()
             .map(|(l, c)| top_experts(c, current.layers[l].n_hot()))
             .collect::<Vec<_>>();
-        return Ok((HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists), vec![true; s.n_layers]));
+        return Ok((
+            HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists),
+            vec![true; s.n_layers],
+        ));
     }
     let asked = HotSet::from_experts_json(path, text, s.n_layers, s.n_experts, current.n_lanes)
         .map_err(|e| ApiError::bad("layers", e.to_string()))?;

@@ -508,8 +508,14 @@ pub fn describe_metrics() {
     describe_counter!(m::FALLBACKS, "Layer calls that ran all-cold, by layer and reason.");
     describe_counter!(m::EXCHANGES, "Hot-cache slot exchanges applied (one expert evicted, one loaded).");
     describe_counter!(m::EXCHANGES_REFUSED, "Hot-cache slot exchanges the updater's full queue refused.");
-    describe_counter!(m::ADMISSIONS, "Experts copied into the layer's hot cache (by the policy or a manual apply).");
-    describe_counter!(m::EVICTIONS, "Experts evicted from the layer's hot cache (by the policy or a manual apply).");
+    describe_counter!(
+        m::ADMISSIONS,
+        "Experts copied into the layer's hot cache (by the policy or a manual apply)."
+    );
+    describe_counter!(
+        m::EVICTIONS,
+        "Experts evicted from the layer's hot cache (by the policy or a manual apply)."
+    );
     describe_counter!(m::BYTES_COPIED, Unit::Bytes, "Expert weight bytes copied into the hot cache.");
     describe_gauge!(m::PERF_MODE, "Perf mode (1 on the current mode's label, 0 on the others).");
     describe_counter!(

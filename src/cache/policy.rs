@@ -162,7 +162,8 @@ pub enum PolicyKind {
 
 impl PolicyKind {
     /// The per-token policies, in report order.
-    pub const ONLINE: [PolicyKind; 4] = [PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::TinyLfu, PolicyKind::Adaptive];
+    pub const ONLINE: [PolicyKind; 4] =
+        [PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::TinyLfu, PolicyKind::Adaptive];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -256,6 +257,7 @@ pub struct LayerPolicy {
     /// Scratch (no allocation per step after the first).
     misses: Vec<usize>,
     victims: Vec<usize>,
+    pairs: Vec<(usize, usize)>,
 }
 
 /// Which cache a step of [`LayerPolicy`] moves, and by what rule.
@@ -273,8 +275,11 @@ impl LayerPolicy {
     /// A layer of `n_experts` with `resident` hot (the cache's capacity is its length) and
     /// `ranking` the learned order (most used first) the pinned core is taken from.
     pub fn new(config: PolicyConfig, n_experts: usize, resident: &[usize], ranking: &[usize]) -> LayerPolicy {
-        let halves =
-            if config.kind == PolicyKind::Adaptive { ADAPTIVE_HALF_LIVES.to_vec() } else { vec![config.half_life] };
+        let halves = if config.kind == PolicyKind::Adaptive {
+            ADAPTIVE_HALF_LIVES.to_vec()
+        } else {
+            vec![config.half_life]
+        };
         let mut p = LayerPolicy {
             config,
             resident: vec![false; n_experts],
@@ -290,6 +295,7 @@ impl LayerPolicy {
             shadow_score: Vec::new(),
             misses: Vec::new(),
             victims: Vec::new(),
+            pairs: Vec::new(),
         };
         resident.iter().for_each(|&e| p.resident[e] = true);
         if config.kind == PolicyKind::TinyLfu {
@@ -356,7 +362,13 @@ impl LayerPolicy {
 
     /// Admissions of one step into `cache` under `rule` (misses strongest first, each against
     /// the next victim: not pinned, not in the step); the exchanges go to `out` when given.
-    fn admit(&mut self, shadow: Option<usize>, rule: Rule, experts: &[usize], out: &mut Vec<(usize, usize)>) -> usize {
+    fn admit(
+        &mut self,
+        shadow: Option<usize>,
+        rule: Rule,
+        experts: &[usize],
+        out: &mut Vec<(usize, usize)>,
+    ) -> usize {
         let cache = match shadow {
             Some(i) => &self.shadows[i],
             None => &self.resident,
@@ -367,16 +379,26 @@ impl LayerPolicy {
         };
         self.misses.clear();
         self.misses.extend(experts.iter().copied().filter(|&e| !cache[e]));
+        if self.misses.is_empty() {
+            return 0;
+        }
         self.misses.sort_by(|&a, &b| count(b).total_cmp(&count(a)).then(a.cmp(&b)));
         let pinned = |e: usize| shadow.is_none() && self.pinned[e];
         self.victims.clear();
         self.victims.extend((0..cache.len()).filter(|&e| cache[e] && !pinned(e) && !self.in_step[e]));
-        match rule {
-            Rule::Lrfu(_) => self.victims.sort_by(|&a, &b| count(a).total_cmp(&count(b)).then(a.cmp(&b))),
-            _ => self.victims.sort_by_key(|&e| (self.last_use[e], e)),
+        // Only the first `misses` victims can be used: select them, then order them.
+        let order = |a: &usize, b: &usize| match rule {
+            Rule::Lrfu(_) => count(*a).total_cmp(&count(*b)).then(a.cmp(b)),
+            _ => (self.last_use[*a], *a).cmp(&(self.last_use[*b], *b)),
+        };
+        let m = self.misses.len();
+        if self.victims.len() > m {
+            self.victims.select_nth_unstable_by(m - 1, order);
+            self.victims.truncate(m);
         }
-        let (mut n, mut next) = (0, 0);
-        let mut pairs = Vec::new();
+        self.victims.sort_by(order);
+        let mut next = 0;
+        self.pairs.clear();
         for &e in &self.misses {
             let Some(&v) = self.victims.get(next) else { break };
             let admits = match rule {
@@ -385,31 +407,35 @@ impl LayerPolicy {
                 Rule::TinyLfu => count(e) > count(v) && self.config.copy_cost.pays(self.expected_uses(e)),
             };
             if admits {
-                pairs.push((v, e));
+                self.pairs.push((v, e));
                 next += 1;
-                n += 1;
             }
         }
         let cache = match shadow {
             Some(i) => &mut self.shadows[i],
             None => &mut self.resident,
         };
-        for &(v, e) in &pairs {
+        for &(v, e) in &self.pairs {
             (cache[v], cache[e]) = (false, true);
         }
         if shadow.is_none() {
-            out.extend(pairs);
+            out.extend_from_slice(&self.pairs);
         }
-        n
+        self.pairs.len()
     }
 
     /// One step: count the hits of `experts` (distinct) against the cache before it, update
     /// recency and frequency, then admit the misses the policy takes (strongest first).
     pub fn step(&mut self, experts: &[usize]) -> StepOutcome {
-        let mut out = StepOutcome { hits: experts.iter().filter(|&&e| self.resident[e]).count(), exchanges: Vec::new() };
-        let gains: Vec<usize> =
-            self.shadows.iter().map(|c| experts.iter().filter(|&&e| c[e]).count()).collect();
+        let mut out = StepOutcome {
+            hits: experts.iter().filter(|&&e| self.resident[e]).count(),
+            exchanges: Vec::new(),
+        };
         let best = self.best_shadow();
+        let keep = 0.5f64.powf(1.0 / ADAPTIVE_SCORE_HALF_LIFE);
+        for (score, c) in self.shadow_score.iter_mut().zip(&self.shadows) {
+            *score = *score * keep + experts.iter().filter(|&&e| c[e]).count() as f64;
+        }
         self.touch_all(experts);
         experts.iter().for_each(|&e| self.in_step[e] = true);
         let rule = match self.config.kind {
@@ -423,11 +449,10 @@ impl LayerPolicy {
         if let Some(rule) = rule {
             self.admit(None, rule, experts, &mut exchanges);
         }
-        let keep = 0.5f64.powf(1.0 / ADAPTIVE_SCORE_HALF_LIFE);
         let cost = self.config.copy_cost.break_even_uses();
-        for (i, gain) in gains.into_iter().enumerate() {
-            let copies = self.admit(Some(i), Rule::Lrfu(i), experts, &mut Vec::new());
-            self.shadow_score[i] = self.shadow_score[i] * keep + gain as f64 - cost * copies as f64;
+        for i in 0..self.shadows.len() {
+            let copies = self.admit(Some(i), Rule::Lrfu(i), experts, &mut exchanges);
+            self.shadow_score[i] -= cost * copies as f64;
         }
         experts.iter().for_each(|&e| self.in_step[e] = false);
         self.admit_rate = self.admit_rate * self.decays[0] + exchanges.len() as f64;
@@ -518,7 +543,8 @@ mod tests {
         // capacity 2, cache {0, 1}: 2 2 2 0 -> evict 1 (never used): 2 hits on 2, 1 on 0
         assert_eq!(belady_hits(&steps(&[&[2], &[2], &[2], &[0]]), &[0, 1]), 3);
         // the classic: capacity 3 on 1 2 3 4 1 2 5 1 2 3 4 5 from {1,2,3}
-        let classic: Vec<Vec<usize>> = [1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5].iter().map(|&e| vec![e]).collect();
+        let classic: Vec<Vec<usize>> =
+            [1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5].iter().map(|&e| vec![e]).collect();
         // hits 1 2 3; 4 is used again later than every resident: bypassed; 1 2 hit; 5 bypassed
         // likewise; 1 2 3 hit; 4 and 5 never again: bypassed. 3 + 2 + 3 = 8
         assert_eq!(belady_hits(&classic, &[1, 2, 3]), 8);

@@ -24,7 +24,9 @@
 use crate::cache::hot_set::HotSet;
 use crate::cache::policy::{belady_hits, LayerPolicy, PolicyConfig, PolicyKind};
 use crate::cache::trace::TraceRecord;
-use crate::cache::update::{plan_exchanges, DEFAULT_HYSTERESIS_MARGIN, DEFAULT_UPDATE_RATE, MIN_WINDOW_SLOTS};
+use crate::cache::update::{
+    plan_exchanges, DEFAULT_HYSTERESIS_MARGIN, DEFAULT_UPDATE_RATE, MIN_WINDOW_SLOTS,
+};
 use crate::cache::whatif::CostModel;
 use serde::Serialize;
 
@@ -123,7 +125,14 @@ fn ranking(steps: &[Vec<usize>], n_experts: usize) -> Vec<usize> {
     order
 }
 
-fn run_policy(kind: PolicyKind, config: PolicyConfig, learn: &[Vec<usize>], scored: &[Vec<usize>], n: usize, cap: usize) -> LayerRun {
+fn run_policy(
+    kind: PolicyKind,
+    config: PolicyConfig,
+    learn: &[Vec<usize>],
+    scored: &[Vec<usize>],
+    n: usize,
+    cap: usize,
+) -> LayerRun {
     let order = ranking(learn, n);
     let mut p = LayerPolicy::new(PolicyConfig { kind, ..config }, n, &order[..cap], &order);
     learn.iter().for_each(|s| p.observe(s));
@@ -199,12 +208,14 @@ pub fn replay(
         let runs = parts.iter().map(|(learn, scored)| run_policy(kind, opts.policy, learn, scored, n, cap));
         per_policy.push((kind.name().into(), runs.collect()));
     }
-    let belady = parts.iter().map(|(learn, scored)| {
-        LayerRun { hits: belady_hits(scored, &ranking(learn, n)[..cap]), admissions: 0 }
+    let belady = parts.iter().map(|(learn, scored)| LayerRun {
+        hits: belady_hits(scored, &ranking(learn, n)[..cap]),
+        admissions: 0,
     });
     per_policy.push(("belady".into(), belady.collect()));
     let belady_hits_total: u64 = per_policy.last().map_or(0, |(_, r)| r.iter().map(|x| x.hits).sum());
-    let decode_steps = steps.decode.iter().map(|d| d[learn.min(d.len())..].iter().filter(|&&x| x).count()).max();
+    let decode_steps =
+        steps.decode.iter().map(|d| d[learn.min(d.len())..].iter().filter(|&&x| x).count()).max();
     let rows = per_policy
         .into_iter()
         .map(|(policy, runs)| {
@@ -213,7 +224,11 @@ pub fn replay(
             let rate = |h: u64, a: u64| if a == 0 { 1.0 } else { h as f64 / a as f64 };
             let per_layer: Vec<f64> = runs.iter().zip(&accesses_l).map(|(r, &a)| rate(r.hits, a)).collect();
             let tg = calibration.and_then(|(cost, bytes, k)| {
-                let copies: f64 = runs.iter().zip(bytes).map(|(r, &b)| r.admissions as f64 * opts.policy.copy_cost.copy_s(b)).sum();
+                let copies: f64 = runs
+                    .iter()
+                    .zip(bytes)
+                    .map(|(r, &b)| r.admissions as f64 * opts.policy.copy_cost.copy_s(b))
+                    .sum();
                 predicted_tg(cost, &per_layer, k, copies / decode_steps.unwrap_or(0).max(1) as f64)
             });
             PolicyRow {
@@ -227,7 +242,14 @@ pub fn replay(
             }
         })
         .collect();
-    ReplayReport { fraction: opts.fraction, capacity: cap, learn_steps: learn, scored_steps: n_steps - learn, accesses, rows }
+    ReplayReport {
+        fraction: opts.fraction,
+        capacity: cap,
+        learn_steps: learn,
+        scored_steps: n_steps - learn,
+        accesses,
+        rows,
+    }
 }
 
 /// Decode tokens per second at per-layer hit rates, plus `copy_s_per_token` of copies.

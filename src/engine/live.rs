@@ -84,7 +84,9 @@ impl OnlineState {
     /// From the cache now; each layer's pinned core ranked by the counts so far (then slot order).
     fn new(policy: &UpdatePolicy, hot: &HotSet, report: &PerfReport) -> OnlineState {
         let counts = |l: usize, e: usize| {
-            report.layers.get(l).map_or(0, |x| x.hot_experts.get(e).copied().unwrap_or(0) + x.cold_experts.get(e).copied().unwrap_or(0))
+            report.layers.get(l).map_or(0, |x| {
+                x.hot_experts.get(e).copied().unwrap_or(0) + x.cold_experts.get(e).copied().unwrap_or(0)
+            })
         };
         let layers = hot
             .layers
@@ -96,7 +98,8 @@ impl OnlineState {
                 LayerPolicy::new(policy.cache, hot.n_experts, &resident, &resident)
             })
             .collect();
-        let seen = (0..hot.layers.len()).map(|l| (0..hot.n_experts).map(|e| counts(l, e)).collect()).collect();
+        let seen =
+            (0..hot.layers.len()).map(|l| (0..hot.n_experts).map(|e| counts(l, e)).collect()).collect();
         OnlineState { layers, seen }
     }
 }
@@ -225,7 +228,8 @@ impl LiveCache {
         for (l, (layer, policy)) in report.layers.iter().zip(&mut state.layers).enumerate() {
             step.clear();
             for (e, seen) in state.seen[l].iter_mut().enumerate() {
-                let now = layer.hot_experts.get(e).copied().unwrap_or(0) + layer.cold_experts.get(e).copied().unwrap_or(0);
+                let now = layer.hot_experts.get(e).copied().unwrap_or(0)
+                    + layer.cold_experts.get(e).copied().unwrap_or(0);
                 if now > *seen {
                     step.push(e);
                 }
@@ -236,7 +240,11 @@ impl LiveCache {
             }
             policy.sync_resident(&hot.layers[l].hot_mask());
             let out = policy.step(&step);
-            exchanges.extend(out.exchanges.into_iter().map(|(evict, add)| Exchange { layer_idx: l, evict, add }));
+            exchanges.extend(out.exchanges.into_iter().map(|(evict, add)| Exchange {
+                layer_idx: l,
+                evict,
+                add,
+            }));
         }
         if exchanges.is_empty() {
             return Ok(None);
@@ -245,7 +253,11 @@ impl LiveCache {
     }
 
     /// Apply the online policy's exchanges (no window snapshot: the policy keeps its own counts).
-    fn apply_policy(&mut self, engine: &mut dyn Engine, exchanges: Vec<Exchange>) -> Result<UpdateOutcome, EngineError> {
+    fn apply_policy(
+        &mut self,
+        engine: &mut dyn Engine,
+        exchanges: Vec<Exchange>,
+    ) -> Result<UpdateOutcome, EngineError> {
         let start = Instant::now();
         let mut refused = None;
         for (i, &x) in exchanges.iter().enumerate() {
