@@ -111,6 +111,9 @@ pub struct ReplayReport {
     pub rows: Vec<PolicyRow>,
 }
 
+/// One layer's steps: the learn prefix and the scored rest.
+type Split<'a> = (&'a [Vec<usize>], &'a [Vec<usize>]);
+
 /// Per layer: hits and admissions per scored step.
 struct LayerRun {
     hits: u64,
@@ -161,7 +164,7 @@ fn run_online(steps: &Steps, learn: usize, cap: usize, opts: &ReplayOptions) -> 
             }
         }
         let total: u64 = window.iter().flatten().sum();
-        if (i + 1 - learn) % opts.update_every.max(1) != 0 || total < MIN_WINDOW_SLOTS {
+        if !(i + 1 - learn).is_multiple_of(opts.update_every.max(1)) || total < MIN_WINDOW_SLOTS {
             continue;
         }
         let scores: Vec<Vec<f64>> = window
@@ -192,8 +195,8 @@ pub fn replay(
     let cap = ((opts.fraction.clamp(0.0, 1.0) * n as f64).round() as usize).min(n);
     let n_steps = steps.n_steps();
     let learn = ((opts.learn_fraction.clamp(0.0, 1.0) * n_steps as f64).round() as usize).min(n_steps);
-    let split = |l: &Vec<Vec<usize>>| (l[..learn.min(l.len())].to_vec(), l[learn.min(l.len())..].to_vec());
-    let parts: Vec<(Vec<Vec<usize>>, Vec<Vec<usize>>)> = steps.layers.iter().map(split).collect();
+    // per layer: (learn steps, scored steps)
+    let parts: Vec<Split> = steps.layers.iter().map(|l| l.split_at(learn.min(l.len()))).collect();
     let accesses_l: Vec<u64> = parts.iter().map(|(_, s)| s.iter().map(|x| x.len() as u64).sum()).collect();
     let accesses: u64 = accesses_l.iter().sum();
     let mut per_policy: Vec<(String, Vec<LayerRun>)> = Vec::new();

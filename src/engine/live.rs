@@ -125,7 +125,11 @@ impl LiveCache {
             in_request: false,
             pending_manual: None,
             after_pending: false,
-            online: None,
+            // Made now, so the first call's experts are its first step.
+            online: match (policy.cache.kind, engine.hot_set(), engine.perf()) {
+                (PolicyKind::Planned, _, _) | (_, None, _) | (_, _, None) => None,
+                (_, Some(hot), Some(perf)) => Some(OnlineState::new(&policy, hot, perf.report())),
+            },
         }
     }
 
