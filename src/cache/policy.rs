@@ -254,6 +254,9 @@ pub struct LayerPolicy {
     /// break-even uses per copy), in uses.
     shadows: Vec<Vec<bool>>,
     shadow_score: Vec<f64>,
+    /// The residents of the real cache (`lists[0]`) and of each shadow (`lists[1 + i]`), in no
+    /// order: victims are chosen among these, not among every expert.
+    lists: Vec<Vec<usize>>,
     /// Scratch (no allocation per step after the first).
     misses: Vec<usize>,
     victims: Vec<usize>,
@@ -293,6 +296,7 @@ impl LayerPolicy {
             in_step: vec![false; n_experts],
             shadows: Vec::new(),
             shadow_score: Vec::new(),
+            lists: Vec::new(),
             misses: Vec::new(),
             victims: Vec::new(),
             pairs: Vec::new(),
@@ -307,6 +311,8 @@ impl LayerPolicy {
             p.shadows = vec![p.resident.clone(); p.halves.len()];
             p.shadow_score = vec![0.0; p.halves.len()];
         }
+        let listed = |r: &[bool]| (0..r.len()).filter(|&e| r[e]).collect::<Vec<usize>>();
+        p.lists = std::iter::once(&p.resident).chain(&p.shadows).map(|r| listed(r)).collect();
         p
     }
 
@@ -327,6 +333,9 @@ impl LayerPolicy {
 
     /// Set residency to what the engine's cache holds (after a manual apply, say).
     pub fn sync_resident(&mut self, resident: &[bool]) {
+        if self.resident.as_slice() != resident {
+            self.lists[0] = (0..resident.len()).filter(|&e| resident[e]).collect();
+        }
         self.resident.copy_from_slice(resident);
         for (p, &r) in self.pinned.iter_mut().zip(resident) {
             *p &= r;
@@ -385,7 +394,8 @@ impl LayerPolicy {
         self.misses.sort_by(|&a, &b| count(b).total_cmp(&count(a)).then(a.cmp(&b)));
         let pinned = |e: usize| shadow.is_none() && self.pinned[e];
         self.victims.clear();
-        self.victims.extend((0..cache.len()).filter(|&e| cache[e] && !pinned(e) && !self.in_step[e]));
+        let list = &self.lists[shadow.map_or(0, |i| 1 + i)];
+        self.victims.extend(list.iter().copied().filter(|&e| !pinned(e) && !self.in_step[e]));
         // Only the first `misses` victims can be used: select them, then order them.
         let order = |a: &usize, b: &usize| match rule {
             Rule::Lrfu(_) => count(*a).total_cmp(&count(*b)).then(a.cmp(b)),
@@ -415,8 +425,12 @@ impl LayerPolicy {
             Some(i) => &mut self.shadows[i],
             None => &mut self.resident,
         };
+        let list = &mut self.lists[shadow.map_or(0, |i| 1 + i)];
         for &(v, e) in &self.pairs {
             (cache[v], cache[e]) = (false, true);
+            if let Some(slot) = list.iter_mut().find(|x| **x == v) {
+                *slot = e;
+            }
         }
         if shadow.is_none() {
             out.extend_from_slice(&self.pairs);
