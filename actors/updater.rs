@@ -139,7 +139,7 @@ pub fn apply_exchanges<T, E>(
     let pending = updater(target).take_pending();
     for (i, &exchange) in pending.iter().enumerate() {
         match apply(target, exchange) {
-            Ok(bytes) => perf(target).record_exchange(bytes),
+            Ok(bytes) => perf(target).record_exchange(exchange.layer_idx, bytes),
             Err(e) => {
                 let rest = &pending[i + 1..];
                 let refused = rest.iter().filter(|&&x| updater(target).request(x).is_err()).count();

@@ -36,6 +36,9 @@ pub struct BenchOptions {
     /// (nothing recorded, in either view), alternating which goes first, so the cost of
     /// recording is measured under the same conditions.
     pub metrics_ab: bool,
+    /// Feed a locality workload (`bench --scenario locality:...`, [`crate::locality`]) as the
+    /// prompt and the generated-token feed instead of random ids (seeded per run).
+    pub locality: Option<crate::locality::LocalityParams>,
     /// The online updater: each timed run is one request, updated after it (and every
     /// `every_tokens` tokens inside it).
     pub update: UpdatePolicy,
@@ -211,7 +214,10 @@ pub fn run_bench(
         return Err(BenchError::TooLong { positions: context, max_positions: c.max_positions });
     }
     engine.set_copy_logits(false); // the bench only needs the greedy tokens
-    let prompt = sample_tokens(c.vocab, opts.n_prompt_tokens);
+    let prompt = match opts.locality {
+        Some(l) => crate::locality::LocalityProcess::new(l, 0).tokens(c.vocab, opts.n_prompt_tokens),
+        None => sample_tokens(c.vocab, opts.n_prompt_tokens),
+    };
     warm_up(engine, &prompt, opts.n_gen_tokens, c.max_positions)?;
     if opts.metrics_ab && engine.perf().is_none_or(|p| p.mode() == PerfMode::Off) {
         return Err(BenchError::NothingRecorded);
@@ -285,7 +291,12 @@ fn timed_runs(
         t.pp.add(LaneTotals::between(&before, &snapshot(engine)));
         progress(2 * run_idx as u64 + 1, total_ticks);
         let next = *logits.argmax.last().expect("one row per prompt token");
-        let feed = random_feed(vocab, opts.n_gen_tokens, run_idx);
+        let feed = match opts.locality {
+            Some(l) => {
+                crate::locality::LocalityProcess::new(l, run_idx as u64 + 1).tokens(vocab, opts.n_gen_tokens)
+            }
+            None => random_feed(vocab, opts.n_gen_tokens, run_idx),
+        };
         let off_first = opts.metrics_ab && run_idx % 2 == 1;
         if off_first {
             t.tg_off_rates.push(timed_tg_off(engine, &depth, next, &feed, opts)?);
@@ -394,7 +405,11 @@ impl BenchReport {
             threads: opts.threads,
             simd: opts.simd.clone(),
             activations: build.activations,
-            tg_feed: if opts.greedy { "greedy" } else { "random" },
+            tg_feed: match (opts.greedy, opts.locality) {
+                (true, _) => "greedy",
+                (false, Some(_)) => "locality",
+                (false, None) => "random",
+            },
             tg_metrics_off_tokens_per_s_spread: opts.metrics_ab.then(|| Spread::of(&t.tg_off_rates)),
             update: opts.update,
             cache_updates: t.updates,

@@ -65,6 +65,7 @@ pub mod format;
 pub mod forward;
 pub mod gpu;
 pub mod inspect;
+pub mod locality;
 pub mod model;
 pub mod moe;
 pub mod output;

@@ -5,7 +5,8 @@
 //! request sequence on one engine, each starting from its own cache contents (a manual apply,
 //! so every policy has the engine's per-layer slot counts):
 //! - `static_first`: the cache learnt on the first domain, never updated (the stale cache);
-//! - `online`: the same start, with the automatic updater on (`update_rate`, weighting);
+//! - `online`: the same start, with the automatic updater on (`update_rate`, weighting; the
+//!   planned updater: the scenario sets no per-token policy, `cache::policy`);
 //! - `static_second`: the cache learnt on the second domain, never updated (the best static
 //!   choice after the shift).
 //!
@@ -17,6 +18,7 @@
 use crate::cache::hot_set::HotSet;
 use crate::cache::observe::Observations;
 use crate::cache::perf::{ModelFingerprint, PerfMode, PerfReport};
+use crate::cache::policy::{PolicyConfig, PolicyKind};
 use crate::cache::update::{UpdateMode, UpdatePolicy};
 use crate::engine::{Engine, EngineError, LiveCache};
 use crate::inspect::sample_tokens;
@@ -190,8 +192,9 @@ pub fn run_shift(
     for policy in ShiftPolicy::ALL {
         let start = if policy == ShiftPolicy::StaticSecond { &target_b } else { &target_a };
         let mode = if policy == ShiftPolicy::Online { UpdateMode::Auto } else { UpdateMode::Off };
-        let mut live =
-            LiveCache::new(engine, fp.clone(), model.layer_expert_bytes(), UpdatePolicy { mode, ..o.update });
+        // The scenario compares the planned updater with static caches: no per-token policy.
+        let update = UpdatePolicy { mode, cache: PolicyConfig::of(PolicyKind::Planned), ..o.update };
+        let mut live = LiveCache::new(engine, fp.clone(), model.layer_expert_bytes(), update);
         live.request_manual(engine, start)?;
         for index in 0..2 * o.n_requests {
             let domain = if index < o.n_requests { a } else { b };
@@ -205,7 +208,11 @@ pub fn run_shift(
         n_hot_experts: target_a.layers.iter().map(|l| l.n_hot()).sum(),
         domains: [a, b],
         n_domains: o.n_domains,
-        update: UpdatePolicy { mode: UpdateMode::Auto, ..o.update },
+        update: UpdatePolicy {
+            mode: UpdateMode::Auto,
+            cache: PolicyConfig::of(PolicyKind::Planned),
+            ..o.update
+        },
         requests,
     })
 }

@@ -81,6 +81,12 @@ pub enum Skew {
     /// its own popular experts (its own ranking per layer, skewed as `Skewed`), so routing
     /// depends on the input. For bench scenarios where the workload moves.
     Domains(usize),
+    /// `locality:p=P,drift=R[,topics=G][,window=W]`: `G` topics as `domains:G`, each with sharply
+    /// ranked experts ([`crate::locality::LOCALITY_EXPONENT`]), so a token's experts follow its
+    /// topic; `bench --scenario` with the same spec feeds the routing process with short-term
+    /// memory ([`crate::locality`]: re-pick a recent token's topic with probability `p`, a
+    /// popular set drifting at `drift` per token).
+    Locality(crate::locality::LocalityParams),
 }
 
 /// The top-half coverage `Skew::Skewed` aims for (Qwen3-30B-A3B on real text shows 85-95%).
@@ -127,6 +133,7 @@ impl std::str::FromStr for Skew {
         match s {
             "uniform" => Ok(Skew::Uniform),
             "skewed" => Ok(Skew::Skewed),
+            _ if s.starts_with("locality:") => s.parse().map(Skew::Locality).map_err(|e| format!("{e}")),
             _ if s.starts_with("domains:") => match s["domains:".len()..].parse::<usize>() {
                 Ok(d) if d >= 1 => Ok(Skew::Domains(d)),
                 _ => Err(format!("skew '{s}': domains:D needs a whole number D >= 1")),
@@ -134,7 +141,7 @@ impl std::str::FromStr for Skew {
             _ => match s.strip_prefix("zipf:").map(str::parse::<f32>) {
                 Some(Ok(v)) if v.is_finite() && v >= 0.0 => Ok(Skew::Zipf(v)),
                 _ => Err(format!(
-                    "unknown skew '{s}' (expected uniform, skewed, zipf:S with S >= 0 or domains:D with D >= 1)"
+                    "unknown skew '{s}' (expected uniform, skewed, zipf:S with S >= 0, domains:D with D >= 1 or locality:p=P,drift=R)"
                 )),
             },
         }
@@ -148,6 +155,7 @@ impl Skew {
             Skew::Uniform => None,
             Skew::Skewed | Skew::Domains(_) => Some(calibrate_exponent(n_experts, k, SKEWED_TARGET_COVERAGE)),
             Skew::Zipf(s) => Some(s),
+            Skew::Locality(_) => Some(crate::locality::LOCALITY_EXPONENT),
         }
     }
 
@@ -155,6 +163,7 @@ impl Skew {
     pub fn n_domains(self) -> usize {
         match self {
             Skew::Domains(d) => d,
+            Skew::Locality(l) => l.topics,
             _ => 1,
         }
     }
@@ -829,7 +838,7 @@ impl WeightGenerator {
             })
             .collect();
         let domain_bias = match (opts.skew, skew_exponent) {
-            (Skew::Domains(d), Some(s)) => (0..d)
+            (Skew::Domains(_) | Skew::Locality(_), Some(s)) => (0..opts.skew.n_domains())
                 .map(|domain| {
                     (0..config.n_layers)
                         .map(|layer_idx| {

@@ -1,5 +1,6 @@
 //! The live hot cache end to end on the CPU pipeline: `synth --skew domains:D` routes by
-//! domain; any sequence of automatic updates and manual applies, interleaved with requests,
+//! domain; any sequence of automatic updates, online-policy admissions and evictions and manual
+//! applies, interleaved with requests,
 //! keeps the output equal to the reference, never grows the cache, and never applies a manual
 //! change during a request; the shift scenario's online policy climbs toward the best static one.
 
@@ -7,6 +8,7 @@ mod common;
 
 use common::synth_options;
 use moe_lanes::cache::observe::Observations;
+use moe_lanes::cache::policy::{PolicyConfig, PolicyKind};
 use moe_lanes::cache::update::{UpdateMode, UpdatePolicy};
 use moe_lanes::cache::weighting::{WeightMode, Weighting};
 use moe_lanes::engine::{
@@ -193,16 +195,16 @@ impl Rig<'_> {
 fn any_exchange_sequence_keeps_output_equal_to_the_reference() {
     let dir = tempfile::tempdir().unwrap();
     let model = domains_model(dir.path(), 2);
-    let ops = (proptest::collection::vec(op(), 1..8), 0..3usize, 0..2usize, 0..5usize);
+    let ops = (proptest::collection::vec(op(), 1..8), 0..3usize, 0..2usize, 0..5usize, 0..4usize);
     let config = ProptestConfig {
-        cases: 12,
+        cases: 16,
         rng_seed: RngSeed::Fixed(0x11fe_cace),
         failure_persistence: None,
         ..ProptestConfig::default()
     };
-    let updates = std::cell::Cell::new((0u64, 0u64));
+    let updates = std::cell::Cell::new((0u64, 0u64, 0u64));
     TestRunner::new(config)
-        .run(&ops, |(ops, rate_idx, every, mode_idx)| {
+        .run(&ops, |(ops, rate_idx, every, mode_idx, kind_idx)| {
             let engine = engine(&model, EngineKind::Pipeline);
             let reference = engine_ref(&model);
             let policy = UpdatePolicy {
@@ -211,6 +213,9 @@ fn any_exchange_sequence_keeps_output_equal_to_the_reference() {
                 margin: 0.0,
                 every_tokens: every * 3,
                 weighting: Weighting { mode: WeightMode::ALL[mode_idx], layer_curve: 0.5 },
+                cache: PolicyConfig::of(
+                    [PolicyKind::Planned, PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::TinyLfu][kind_idx],
+                ),
             };
             let live = LiveCache::new(
                 engine.as_ref(),
@@ -248,13 +253,23 @@ fn any_exchange_sequence_keeps_output_equal_to_the_reference() {
             }
             let stats = rig.engine.perf().unwrap().report().cache_updates;
             prop_assert!(stats.bytes_copied == stats.exchanges * model.expert_bytes() as u64);
-            let (auto, manual) = updates.get();
-            updates.set((auto + stats.auto_updates, manual + stats.manual_applies));
+            let (auto, manual, admitted) = updates.get();
+            let layers = &rig.engine.perf().unwrap().report().layers;
+            let policy_admissions = if kind_idx > 0 { layers.iter().map(|l| l.admissions).sum() } else { 0 };
+            updates.set((
+                auto + stats.auto_updates,
+                manual + stats.manual_applies,
+                admitted + policy_admissions,
+            ));
             Ok(())
         })
         .unwrap();
-    let (auto, manual) = updates.get();
-    assert!(auto > 5 && manual > 5, "the cases must exercise both kinds: {auto} automatic, {manual} manual");
+    let (auto, manual, admitted) = updates.get();
+    assert!(
+        auto > 3 && manual > 5 && admitted > 20,
+        "the cases must exercise every kind: {auto} automatic updates, {manual} manual applies, \
+         {admitted} admissions under online policies"
+    );
 }
 
 fn engine_ref(model: &Arc<Model>) -> Box<dyn Engine + '_> {

@@ -115,8 +115,21 @@ struct PlanArgs {
     trace: Option<PathBuf>,
     /// Hot-cache budget in MiB; -1 = the device's free memory after the weights and the KV
     /// cache of the model's context, minus 1024 MiB (needs a GPU).
-    #[arg(long, allow_negative_numbers = true)]
-    hot_budget_mib: i64,
+    #[arg(long, allow_negative_numbers = true, required_unless_present = "policy_fractions")]
+    hot_budget_mib: Option<i64>,
+    /// Replay the --trace under every hot-cache policy (static, online updater, lru, lfu,
+    /// tinylfu, adaptive) and Belady's optimum at the same capacity (per layer the budget's share of its
+    /// experts, or each of --policy-fractions): hit rates, copies, predicted tg with
+    /// --calibration.
+    #[arg(long, requires = "trace")]
+    policies: bool,
+    /// --policies at these shares of each layer's experts instead of the budget's, e.g. 0.25,0.5.
+    #[arg(long, value_delimiter = ',', requires = "policies")]
+    policy_fractions: Vec<f64>,
+    /// --policies: a perf JSON with a decode phase (generate or bench --perf-json) whose
+    /// per-slot costs predict tg.
+    #[arg(long, requires = "policies")]
+    calibration: Option<PathBuf>,
     /// flat, pressure, smooth_pressure, time or balanced.
     #[arg(long, default_value = "flat")]
     weighting: String,
@@ -183,7 +196,12 @@ struct BenchArgs {
     metrics_ab: bool,
     /// A scenario instead of the plain pp/tg runs: shift (requests from one domain of a
     /// `synth --skew domains:D` model, then from another; policies static_first, online,
-    /// static_second; -p/-n are each request's prompt and generated tokens).
+    /// static_second; -p/-n are each request's prompt and generated tokens), or
+    /// locality:p=P,drift=R[,topics=G][,window=W] (the plain pp/tg runs fed by the routing
+    /// process with short-term memory of a `synth --skew` model with the same spec: each token
+    /// re-picks the topic, so the experts, of one of the previous W tokens with probability P,
+    /// else draws from a Zipf popular set of the G topics that changes by one topic with
+    /// probability R per token; defaults G 16, W 8).
     #[arg(long)]
     scenario: Option<String>,
     /// shift: the model's number of domains (its `--skew domains:D`).
@@ -237,9 +255,11 @@ struct EngineArgs {
     /// and two for an active GPU lane) or a number.
     #[arg(long, default_value = "auto")]
     cold_threads: String,
-    /// GPU engine tuning as JSON, e.g. {"gpu": {"prefill_attention": "tiled", "decode_graph":
-    /// false}} (fields: prefill_attention, prefill_activations, decode_graph, graph_lane_events,
-    /// hot_dequant_mib, hot_dequant_overlap); the MOE_LANES_* variables override it.
+    /// Engine tuning as JSON, e.g. {"gpu": {"prefill_attention": "tiled", "decode_graph":
+    /// false}} (gpu fields: prefill_attention, prefill_activations, decode_graph,
+    /// graph_lane_events, hot_dequant_mib, hot_dequant_overlap; the MOE_LANES_* variables
+    /// override them), and {"cache_policy": {"kind": "adaptive", "half_life": 32, "pin_fraction":
+    /// 0.25, "copy_cost": {...}}} (--cache-policy overrides its kind).
     #[arg(long)]
     engine_config: Option<PathBuf>,
     /// Write the perf JSON here after the run.
@@ -260,8 +280,17 @@ struct EngineArgs {
     /// Exponent of the layer weight (0: usage alone; larger: lean harder on the layer signal).
     #[arg(long, default_value_t = moe_lanes::cache::weighting::DEFAULT_LAYER_CURVE)]
     layer_curve: f64,
-    /// Online updater: off (the cache changes only by manual applies) or auto (after each
-    /// request the cache follows the workload).
+    /// Hot-cache policy, applied after every call: adaptive (decayed-count eviction and
+    /// admission at the half-life whose shadow cache saves the most net of its copies' PCIe and
+    /// host DRAM cost), lru, lfu (decayed counts), tinylfu (frequency admission, LRU eviction, a
+    /// quarter of the slots pinned to the learned ranking, a copy-cost gate), or planned (learn +
+    /// plan, moved only by --update). Default: the --engine-config file's cache_policy, else
+    /// planned with --update auto, else adaptive.
+    #[arg(long)]
+    cache_policy: Option<String>,
+    /// The planned policy's online updater: off (the cache changes only by manual applies) or
+    /// auto (after each request the cache follows the workload; selects the planned policy
+    /// unless --cache-policy names another, which is an error).
     #[arg(long, default_value = "off")]
     update: String,
     /// Fraction of hot slots one automatic update may exchange.
@@ -378,8 +407,12 @@ struct SynthArgs {
     out: PathBuf,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// uniform, skewed (top half of experts gets ~90% of slots), zipf:S, or domains:D (D token
-    /// ranges, each routing to its own popular experts).
+    /// uniform, skewed (top half of experts gets ~90% of slots), zipf:S, domains:D (D token
+    /// ranges, each routing to its own popular experts), or
+    /// locality:p=P,drift=R[,topics=G][,window=W] (G token ranges, each routing sharply to its
+    /// own experts; bench --scenario
+    /// with the same spec feeds tokens that re-pick a recent token's topic with probability P,
+    /// from a popular set drifting by one topic with probability R per token).
     #[arg(long, default_value = "skewed")]
     skew: String,
     /// bf16, f16 or f32.
@@ -696,23 +729,39 @@ fn engine_options(
 ) -> Result<EngineOptions> {
     check_engine_outputs(model, args)?;
     let mut opts = base_options(n_positions)?;
+    let mut cache_policy = moe_lanes::cache::policy::PolicyConfig::default();
     if let Some(path) = &args.engine_config {
         // The file's settings, then the environment's over them (as base_options set it).
         let file = moe_lanes::engine::tuning::EngineTuning::read(path)?;
         file.gpu.overridden_by(env::gpu_tuning()?).apply(&mut opts.gpu);
+        cache_policy = file.cache_policy.unwrap_or(cache_policy);
+    }
+    let mode = args.update.parse::<UpdateMode>().map_err(|e| anyhow::anyhow!("--update: {e}"))?;
+    if let Some(kind) = &args.cache_policy {
+        cache_policy.kind = kind.parse().map_err(|e| anyhow::anyhow!("--cache-policy: {e}"))?;
+    } else if mode == UpdateMode::Auto {
+        // --update auto is the planned policy's updater: it asks for that policy.
+        cache_policy.kind = moe_lanes::cache::policy::PolicyKind::Planned;
+    }
+    if mode == UpdateMode::Auto && cache_policy.kind != moe_lanes::cache::policy::PolicyKind::Planned {
+        bail!(
+            "--update auto runs the planned policy's updater; --cache-policy {} moves the cache itself",
+            cache_policy.kind.name()
+        );
     }
     opts.kind = args.engine.as_deref().map(str::parse::<EngineKind>).transpose()?;
     let fingerprint = ModelFingerprint::of(model);
     opts.learn = args.learn.as_deref().map(|p| read_learn_or_trace(p, &fingerprint)).transpose()?;
     opts.weighting = weighting(&args.weighting, args.layer_curve)?;
     opts.update = UpdatePolicy {
-        mode: args.update.parse::<UpdateMode>().map_err(|e| anyhow::anyhow!("--update: {e}"))?,
+        mode,
         rate: args.update_rate,
         every_tokens: args.update_every_tokens,
         weighting: opts.weighting,
+        cache: cache_policy,
         ..UpdatePolicy::default()
     };
-    opts.update.check().context("--update-rate")?;
+    opts.update.check().context("--update-rate, --engine-config cache_policy")?;
     opts.learn_tokens = args.learn_tokens;
     opts.hot = hot_choice(model, args, default_hot)?;
     opts.cold_threads = cold_threads(&args.cold_threads)?;
@@ -1254,11 +1303,15 @@ fn bench(args: BenchArgs) -> Result<()> {
     let simd_name = moe_lanes::expert_math::cold_simd_level(opts.simd)?.name().to_string();
     let update_policy = opts.update;
     let (mut engine, build) = open_engine(&model, opts, args.engine.trace.as_deref())?;
-    match args.scenario.as_deref() {
-        None => {}
+    let locality = match args.scenario.as_deref() {
+        None => None,
         Some("shift") => return bench_shift(&args, engine.as_mut(), &model, update_policy),
-        Some(other) => bail!("--scenario {other}: expected shift"),
-    }
+        Some(spec) if spec.starts_with("locality:") => Some(
+            spec.parse::<moe_lanes::locality::LocalityParams>()
+                .map_err(|e| anyhow::anyhow!("--scenario: {e}"))?,
+        ),
+        Some(other) => bail!("--scenario {other}: expected shift or locality:p=P,drift=R"),
+    };
     let bench_opts = BenchOptions {
         n_prompt_tokens: args.prompt_tokens,
         n_gen_tokens: args.gen_tokens,
@@ -1269,6 +1322,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         simd: simd_name,
         greedy: args.greedy,
         metrics_ab: args.metrics_ab,
+        locality,
         update: update_policy,
     };
     let bar = indicatif::ProgressBar::new(0);
@@ -1308,17 +1362,13 @@ fn plan(args: PlanArgs) -> Result<()> {
     use moe_lanes::cache::whatif::{what_if, PlanShape};
     let model = open_model_ctx(&args.model, args.ctx_size)?;
     let c = model.config();
+    if args.policies {
+        return plan_policies(&args, &model);
+    }
     let usage = args.learn.as_ref().or(args.trace.as_ref()).expect("clap requires --learn or --trace");
     let obs = read_learn_or_trace(usage, &ModelFingerprint::of(&model))?;
     let w = weighting(&args.weighting, args.layer_curve)?;
-    let budget_bytes = match budget_mib(args.hot_budget_mib)? {
-        None => {
-            let opts = base_options(c.max_positions)?;
-            moe_lanes::engine::build::auto_budget_estimate(&model, c.max_positions, &opts)
-                .context("--hot-budget-mib -1")?
-        }
-        Some(bytes) => bytes,
-    };
+    let budget_bytes = plan_budget(&args, &model)?;
     let shape = PlanShape {
         n_layers: c.n_layers,
         n_experts: c.n_experts,
@@ -1330,6 +1380,59 @@ fn plan(args: PlanArgs) -> Result<()> {
         out!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
         out_raw!("{}", report.to_text())?;
+    }
+    Ok(())
+}
+
+/// `plan`'s budget in bytes (`--hot-budget-mib`, -1: the device's free memory estimate).
+fn plan_budget(args: &PlanArgs, model: &Model) -> Result<u64> {
+    let c = model.config();
+    let mib = args.hot_budget_mib.context("--hot-budget-mib is required")?;
+    Ok(match budget_mib(mib)? {
+        None => {
+            let opts = base_options(c.max_positions)?;
+            moe_lanes::engine::build::auto_budget_estimate(model, c.max_positions, &opts)
+                .context("--hot-budget-mib -1")?
+        }
+        Some(bytes) => bytes,
+    })
+}
+
+/// `plan --trace FILE --policies`: the trace replayed under every policy and Belady's optimum.
+fn plan_policies(args: &PlanArgs, model: &Model) -> Result<()> {
+    use moe_lanes::cache::replay::{replay, ReplayOptions, Steps};
+    use moe_lanes::cache::whatif::CostModel;
+    let c = model.config();
+    let fingerprint = ModelFingerprint::of(model);
+    let path = args.trace.as_ref().expect("clap requires --trace with --policies");
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?;
+    let (_, records) = moe_lanes::cache::trace::trace_records(path, &text, &fingerprint)?;
+    let steps = Steps::from_records(&records, c.n_layers, c.n_experts);
+    let fractions = if args.policy_fractions.is_empty() {
+        let all: u64 = model.layer_expert_bytes().iter().map(|b| b * c.n_experts as u64).sum();
+        vec![plan_budget(args, model)? as f64 / all.max(1) as f64]
+    } else {
+        args.policy_fractions.clone()
+    };
+    if let Some(f) = fractions.iter().find(|f| !(0.0..=1.0).contains(*f)) {
+        bail!("--policy-fractions: {f} is not a share in 0..=1");
+    }
+    let cost = match &args.calibration {
+        Some(p) => Some(CostModel::calibrate(&read_learn_or_trace(p, &fingerprint)?.phases)),
+        None => None,
+    };
+    let bytes = model.layer_expert_bytes();
+    let calibration = cost.as_ref().map(|cm| (cm, bytes.as_slice(), c.n_experts_used));
+    let reports: Vec<_> = fractions
+        .iter()
+        .map(|&fraction| replay(&steps, &ReplayOptions { fraction, ..ReplayOptions::default() }, calibration))
+        .collect();
+    if args.json {
+        out!("{}", serde_json::to_string_pretty(&reports)?)?;
+    } else {
+        for r in &reports {
+            out_raw!("{}\n", r.to_text())?;
+        }
     }
     Ok(())
 }

@@ -4,10 +4,10 @@
 use crate::{emit, engine_options, open_engine, open_model_ctx, write_perf, EngineArgs, SamplingArgs};
 use anyhow::{Context, Result};
 use clap::Args;
-use moe_lanes::engine::{Engine, GeneratedToken, Generation, GenerationOptions, HotChoice};
+use moe_lanes::engine::{Engine, GeneratedToken, Generation, GenerationOptions, HotChoice, LiveCache};
+use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::text::Tokenizer;
 use std::io::Read;
-use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 #[derive(Args)]
@@ -46,26 +46,23 @@ pub fn run(args: RunArgs) -> Result<()> {
         model.config().max_positions,
     )?;
     let opts = engine_options(&model, &args.engine, prompt.len() + args.max_new_tokens, HotChoice::None)?;
+    let policy = opts.update;
     let (mut engine, _) = open_engine(&model, opts, args.engine.trace.as_deref())?;
+    // The hot-cache policy (or the planned policy's updater) runs between tokens and after.
+    let mut live =
+        LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.layer_expert_bytes(), policy);
     let gen_opts =
         GenerationOptions { max_tokens: args.max_new_tokens, stop_ids: tok.eog_ids().to_vec(), sampling };
+    live.begin_request();
     let mut session = Generation::new(engine.as_mut(), &prompt, gen_opts)?;
     let mut decoder = tok.stream(!args.show_special);
     let mut tokens: Vec<GeneratedToken> = Vec::new();
-    let mut failed = None;
-    session.run(|t| {
+    while let Some(t) = session.next_token()? {
         tokens.push(t.clone());
-        match decoder.push(t.id).map_err(anyhow::Error::from).and_then(|s| emit(&s)) {
-            Ok(()) => ControlFlow::Continue(()),
-            Err(e) => {
-                failed = Some(e);
-                ControlFlow::Break(())
-            }
-        }
-    })?;
-    if let Some(e) = failed {
-        return Err(e);
+        decoder.push(t.id).map_err(anyhow::Error::from).and_then(|s| emit(&s))?;
+        live.after_tokens(session.engine_mut(), 1)?;
     }
+    live.end_request(session.engine_mut())?;
     drop(session);
     emit(&format!("{}\n", decoder.finish()))?;
     eprintln!("{}", summary(prompt.len(), &tokens, engine.as_ref()));

@@ -375,6 +375,8 @@ fn metrics_name_every_family_and_admin_endpoints_need_the_token() {
         "moe_lanes_cache_updates_total",
         "moe_lanes_cache_exchanges_total",
         "moe_lanes_cache_bytes_copied_total",
+        "moe_lanes_cache_admissions_total",
+        "moe_lanes_cache_evictions_total",
     ] {
         assert!(moved(name), "{name} did not move:\n{text}");
     }
@@ -389,6 +391,10 @@ fn metrics_name_every_family_and_admin_endpoints_need_the_token() {
         ] {
             let key = format!("moe_lanes_layer_{family}{{layer=\"{layer}\"}}");
             assert_eq!(now[&key], l[field].as_f64().unwrap(), "{key}");
+        }
+        for family in ["admissions", "evictions"] {
+            let key = format!("moe_lanes_cache_{family}_total{{layer=\"{layer}\"}}");
+            assert_eq!(now[&key], l[family].as_f64().unwrap(), "{key}");
         }
     }
     assert_eq!(now["moe_lanes_cache_exchanges_total"], perf["updates"].as_f64().unwrap());
@@ -507,6 +513,11 @@ fn live_page_shows_every_layer_in_headless_chromium() {
     }
     assert!(!dom.contains("data-layer=\"5\""));
     assert!(dom.contains("data-hit-rate=\"\">") && dom.contains("%</td>"), "hit rates shown:\n{dom}");
+    assert!(
+        dom.contains("data-admissions=\"\">") && dom.contains("data-evictions=\"\">"),
+        "admissions shown:\n{dom}"
+    );
+    assert!(dom.contains("hot-cache policy adaptive"), "the policy shows:\n{dom}");
     let running =
         dom.split("data-card=\"running\"><div class=\"v\">").nth(1).and_then(|r| r.split('<').next());
     assert_eq!(running, Some("1"), "the running request shows:\n{dom}");
@@ -522,7 +533,8 @@ fn a_manual_apply_during_a_running_request_waits_for_it() {
     let model = tiny(dir.path());
     let hot = lowest_half(dir.path());
     let want = generate(&model, "1,2", 2000, &["--hot-experts", &hot]);
-    let server = Server::start(&model, &["--hot-experts", &hot]);
+    // The planned policy: the cache moves only by the apply (an online policy would move it too).
+    let server = Server::start(&model, &["--hot-experts", &hot, "--cache-policy", "planned"]);
     let addr = server.addr.clone();
     let req = std::thread::spawn(move || {
         json_request(

@@ -164,3 +164,72 @@ fn trace_text_snapshot() {
     ok_stdout(&[&run[..], &["--hot-fraction", "0.5", "--trace", p(&trace)][..]].concat());
     insta::assert_snapshot!("trace_logits", std::fs::read_to_string(&trace).unwrap());
 }
+
+/// `bench --scenario locality:...` on a `synth --skew locality:...` model, traced, then
+/// `plan --trace --policies`: every policy's replayed hit rate at 25% and 50% of the experts,
+/// none above Belady's, the online policies above the static cache (the workload re-picks).
+#[test]
+fn policies_replay_a_locality_trace_against_belady() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("loc.gguf");
+    let spec = "locality:p=0.9,drift=0.01,topics=8";
+    ok_stdout(&[
+        "synth",
+        "--out",
+        p(&model),
+        "--layers",
+        "2",
+        "--experts",
+        "16",
+        "--top-k",
+        "2",
+        "--skew",
+        spec,
+    ]);
+    let trace = dir.path().join("t.jsonl");
+    let bench =
+        ["bench", "--model", p(&model), "--engine", "pipeline", "-p", "8", "-n", "300", "--runs", "1"];
+    let out = ok_stdout(
+        &[&bench[..], &["--scenario", spec, "--hot-fraction", "0.25", "--trace", p(&trace), "--json"][..]]
+            .concat(),
+    );
+    let report: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["tg_feed"], "locality");
+    assert!(report["cache_exchanges"].as_u64().unwrap() > 0, "the default policy moved the cache: {report}");
+    let plan = ok_stdout(&[
+        "plan",
+        "--model",
+        p(&model),
+        "--trace",
+        p(&trace),
+        "--policies",
+        "--policy-fractions",
+        "0.25,0.5",
+        "--json",
+    ]);
+    let reports: Vec<Value> = serde_json::from_str(&plan).unwrap();
+    assert_eq!(reports.len(), 2);
+    for r in &reports {
+        let rate = |name: &str| {
+            let row = r["rows"].as_array().unwrap().iter().find(|x| x["policy"] == name).unwrap();
+            row["hit_rate"].as_f64().unwrap()
+        };
+        let belady = rate("belady");
+        for name in ["static", "online", "lru", "lfu", "tinylfu", "adaptive"] {
+            assert!(rate(name) <= belady + 1e-12, "{name} above Belady in {r}");
+        }
+        assert!(rate("adaptive") > rate("static"), "{r}");
+        assert!(rate("lru") > rate("static"), "{r}");
+    }
+    let err = failure(&[
+        "plan",
+        "--model",
+        p(&model),
+        "--trace",
+        p(&trace),
+        "--policies",
+        "--policy-fractions",
+        "1.5",
+    ]);
+    assert!(err.contains("--policy-fractions") && err.contains("1.5"), "{err}");
+}

@@ -1,7 +1,8 @@
 //! `GET /`: the live page, one self-contained HTML file (no external assets) whose script polls
 //! `/health`, `/moe-hot-cache`, `/moe-layer-perf` and `/metrics` every second and shows, per
-//! layer, hot experts, hot and cold slots, hit rate, lane times, overlap, join wait and
-//! fallbacks, an expert-use heatmap with the hot experts outlined, and the serving figures.
+//! layer, hot experts, hot and cold slots, hit rate, the hot-cache policy's admissions and
+//! evictions, lane times, overlap, join wait and fallbacks, an expert-use heatmap with the hot
+//! experts outlined, and the serving figures.
 
 use axum::http::header;
 use axum::response::{IntoResponse, Response};

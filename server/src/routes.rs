@@ -148,6 +148,7 @@ async fn hot_cache(State(s): State<AppState>) -> Json<Value> {
     let layers = snap.hot_set.as_ref().map(|h| h.to_experts_json()["layers"].clone());
     Json(json!({
         "layers": layers,
+        "policy": snap.cache_policy,
         "hot_bytes": snap.hot_bytes,
         "hot_budget_bytes": snap.hot_budget_bytes,
         "device_free_bytes": snap.device_free_bytes,
@@ -175,7 +176,7 @@ async fn apply_hot_cache(
     let current = current.ok_or_else(|| {
         ApiError::status(StatusCode::CONFLICT, "invalid_request_error", "this engine has no hot cache")
     })?;
-    let target = target_set(&s, &current, &text)?;
+    let (target, layers) = target_set(&s, &current, &text)?;
     let exchanges = exchanges_between(&current, &target)?;
     if s.shared.apply_pending.swap(true, Ordering::AcqRel) {
         return Err(ApiError::status(
@@ -186,7 +187,7 @@ async fn apply_hot_cache(
     }
     let (reply, rx) = tokio::sync::oneshot::channel();
     let n = exchanges.len();
-    *s.shared.apply.lock().expect("apply lock") = Some(ApplyJob { exchanges, reply });
+    *s.shared.apply.lock().expect("apply lock") = Some(ApplyJob { target, layers, reply });
     match rx.await {
         Ok(Ok(applied)) => Ok(Json(json!({"exchanges": n, "applied": applied}))),
         Ok(Err(e)) => Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e)),
@@ -196,7 +197,8 @@ async fn apply_hot_cache(
     }
 }
 
-fn target_set(s: &AppState, current: &HotSet, text: &str) -> Result<HotSet, ApiError> {
+/// The hot set a body asks for, and which layers it sets.
+fn target_set(s: &AppState, current: &HotSet, text: &str) -> Result<(HotSet, Vec<bool>), ApiError> {
     let value: Value =
         serde_json::from_str(text).map_err(|e| ApiError::bad("(body)", format!("body is not JSON: {e}")))?;
     let path = std::path::Path::new("request body");
@@ -210,7 +212,10 @@ fn target_set(s: &AppState, current: &HotSet, text: &str) -> Result<HotSet, ApiE
             .enumerate()
             .map(|(l, c)| top_experts(c, current.layers[l].n_hot()))
             .collect::<Vec<_>>();
-        return Ok(HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists));
+        return Ok((
+            HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists),
+            vec![true; s.n_layers],
+        ));
     }
     let asked = HotSet::from_experts_json(path, text, s.n_layers, s.n_experts, current.n_lanes)
         .map_err(|e| ApiError::bad("layers", e.to_string()))?;
@@ -220,7 +225,8 @@ fn target_set(s: &AppState, current: &HotSet, text: &str) -> Result<HotSet, ApiE
         |set: &HotSet, l: usize| (0..s.n_experts).filter(|&e| set.layers[l].is_hot(e)).collect::<Vec<_>>();
     let lists: Vec<Vec<usize>> =
         (0..s.n_layers).map(|l| if named(l) { hot_ids(&asked, l) } else { hot_ids(current, l) }).collect();
-    Ok(HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists))
+    let layers = (0..s.n_layers).map(named).collect();
+    Ok((HotSet::from_lists(s.n_layers, s.n_experts, current.n_lanes, &lists), layers))
 }
 
 /// The `n` most counted experts (lowest id first among equals).

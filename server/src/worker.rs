@@ -67,13 +67,19 @@ pub enum Event {
 
 /// A manual hot-cache apply: the exchanges that turn the current set into the asked one.
 pub struct ApplyJob {
-    pub exchanges: Vec<Exchange>,
+    /// The hot set asked for, validated against the snapshot; `layers[l]`: whether layer `l`
+    /// is set by it (the others keep what the engine holds when the apply runs: an online
+    /// policy may have moved them since the snapshot).
+    pub target: HotSet,
+    pub layers: Vec<bool>,
     pub reply: tokio::sync::oneshot::Sender<Result<usize, String>>,
 }
 
 /// What the HTTP side reads (never blocks on the engine).
 #[derive(Default)]
 pub struct Snapshot {
+    /// The hot-cache policy (`planned`, `lru`, `lfu`, `tinylfu`).
+    pub cache_policy: &'static str,
     pub perf_json: Option<String>,
     pub hot_set: Option<HotSet>,
     pub hot_bytes: u64,
@@ -124,7 +130,11 @@ pub fn spawn(
     let policy = opts.update;
     let m = model.clone();
     let make = move |engine: &mut dyn Engine, report: &BuildReport| {
-        shared.snapshot.write().expect("snapshot lock").hot_budget_bytes = report.budget_bytes;
+        {
+            let mut snap = shared.snapshot.write().expect("snapshot lock");
+            snap.hot_budget_bytes = report.budget_bytes;
+            snap.cache_policy = policy.cache.kind.name();
+        }
         engine.set_copy_logits(false);
         let live = LiveCache::new(&*engine, ModelFingerprint::of(&m), m.layer_expert_bytes(), policy);
         // The first snapshot is there before the server listens (no request sees an empty one).
@@ -176,8 +186,8 @@ fn between_requests(engine: &mut dyn Engine, live: &mut LiveCache, shared: &Shar
     switch_mode(engine, shared);
     let job = shared.apply.lock().expect("apply lock").take();
     if let Some(job) = job {
-        let result = live
-            .request_manual_exchanges(engine, job.exchanges)
+        let result = manual_exchanges(engine, &job)
+            .and_then(|x| live.request_manual_exchanges(engine, x))
             .map(|o| o.map_or(0, |o| o.exchanges))
             .map_err(|e| e.to_string());
         if let Ok(n) = &result {
@@ -189,6 +199,17 @@ fn between_requests(engine: &mut dyn Engine, live: &mut LiveCache, shared: &Shar
         shared.apply_pending.store(false, Ordering::Release);
         let _ = job.reply.send(result);
     }
+}
+
+/// The exchanges from the engine's hot set now to the job's target in the layers it names.
+fn manual_exchanges(engine: &dyn Engine, job: &ApplyJob) -> Result<Vec<Exchange>, EngineError> {
+    let current = engine.hot_set().ok_or(EngineError::NoHotCache { engine: engine.kind() })?;
+    let hot_ids = |set: &HotSet, l: usize| (0..set.n_experts).filter(|&e| set.layers[l].is_hot(e)).collect();
+    let lists: Vec<Vec<usize>> = (0..current.layers.len())
+        .map(|l| if job.layers[l] { hot_ids(&job.target, l) } else { hot_ids(current, l) })
+        .collect();
+    let target = HotSet::from_lists(current.layers.len(), current.n_experts, current.n_lanes, &lists);
+    Ok(moe_lanes::cache::update::exchanges_to(current, &target)?)
 }
 
 fn switch_mode(engine: &mut dyn Engine, shared: &Shared) {

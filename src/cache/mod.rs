@@ -10,6 +10,8 @@ pub mod hot_set;
 pub mod observe;
 pub mod perf;
 pub mod planner;
+pub mod policy;
+pub mod replay;
 pub mod trace;
 pub mod update;
 pub mod weighting;

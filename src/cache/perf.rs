@@ -117,6 +117,10 @@ pub struct LayerPerf {
     pub experts: Vec<u64>,
     pub hot_experts: Vec<u64>,
     pub cold_experts: Vec<u64>,
+    /// Experts copied into this layer's hot cache, and experts it evicted (one of each per
+    /// applied exchange, by any policy or a manual apply).
+    pub admissions: u64,
+    pub evictions: u64,
 }
 
 /// The perf JSON document (also the learn file).
@@ -463,6 +467,8 @@ pub mod metric_names {
     pub const EXCHANGES: &str = "moe_lanes_cache_exchanges_total";
     pub const BYTES_COPIED: &str = "moe_lanes_cache_bytes_copied_total";
     pub const EXCHANGES_REFUSED: &str = "moe_lanes_cache_exchanges_refused_total";
+    pub const ADMISSIONS: &str = "moe_lanes_cache_admissions_total";
+    pub const EVICTIONS: &str = "moe_lanes_cache_evictions_total";
     pub const PERF_MODE: &str = "moe_lanes_perf_mode";
     pub const POSTFETCH_CHOSEN: &str = "moe_lanes_postfetch_experts_chosen_total";
     pub const POSTFETCH_FETCHED: &str = "moe_lanes_postfetch_experts_fetched_total";
@@ -502,6 +508,14 @@ pub fn describe_metrics() {
     describe_counter!(m::FALLBACKS, "Layer calls that ran all-cold, by layer and reason.");
     describe_counter!(m::EXCHANGES, "Hot-cache slot exchanges applied (one expert evicted, one loaded).");
     describe_counter!(m::EXCHANGES_REFUSED, "Hot-cache slot exchanges the updater's full queue refused.");
+    describe_counter!(
+        m::ADMISSIONS,
+        "Experts copied into the layer's hot cache (by the policy or a manual apply)."
+    );
+    describe_counter!(
+        m::EVICTIONS,
+        "Experts evicted from the layer's hot cache (by the policy or a manual apply)."
+    );
     describe_counter!(m::BYTES_COPIED, Unit::Bytes, "Expert weight bytes copied into the hot cache.");
     describe_gauge!(m::PERF_MODE, "Perf mode (1 on the current mode's label, 0 on the others).");
     describe_counter!(
@@ -539,6 +553,8 @@ struct LayerMetrics {
     join_wait: Histogram,
     /// In [`FallbackReason::ALL`] order.
     fallbacks: [Counter; 5],
+    admissions: Counter,
+    evictions: Counter,
     /// Slot totals already added to the counters (the counters move once per layer call).
     pushed_hot: u64,
     pushed_cold: u64,
@@ -637,6 +653,8 @@ impl PerfMetrics {
                     overlap: histogram!(m::LAYER_OVERLAP, "layer" => layer.clone()),
                     join_wait: histogram!(m::LAYER_JOIN_WAIT, "layer" => layer.clone()),
                     fallbacks: FallbackReason::ALL.map(fallback),
+                    admissions: counter!(m::ADMISSIONS, "layer" => layer.clone()),
+                    evictions: counter!(m::EVICTIONS, "layer" => layer.clone()),
                     pushed_hot: 0,
                     pushed_cold: 0,
                 }
@@ -841,12 +859,21 @@ impl PerfState {
         self.metrics.layers[layer_idx].fallbacks[i].increment(1);
     }
 
-    /// One hot-cache slot exchange was applied, copying `bytes_copied` bytes of expert weights.
-    /// Counted in every mode (rare, and a cache that churns must never be silent); the perf
-    /// JSON's `updates` counts them unless the mode is `off`.
-    pub fn record_exchange(&mut self, bytes_copied: u64) {
+    /// One hot-cache slot exchange was applied in `layer_idx` (one expert admitted, one
+    /// evicted), copying `bytes_copied` bytes of expert weights. Counted in every mode (rare
+    /// next to slots, and a cache that churns must never be silent); the perf JSON's `updates`
+    /// and the layer's `admissions` and `evictions` count them unless the mode is `off`.
+    pub fn record_exchange(&mut self, layer_idx: usize, bytes_copied: u64) {
         if self.mode != PerfMode::Off {
             self.report.updates += 1;
+            if let Some(layer) = self.report.layers.get_mut(layer_idx) {
+                layer.admissions += 1;
+                layer.evictions += 1;
+            }
+        }
+        if let Some(m) = self.metrics.layers.get(layer_idx) {
+            m.admissions.increment(1);
+            m.evictions.increment(1);
         }
         self.metrics.exchanges.increment(1);
         self.metrics.bytes_copied.increment(bytes_copied);
@@ -1014,8 +1041,9 @@ mod tests {
         // A snapshot reads and resets: counters are what moved since the last one.
         let take = || snapshot_map(&snapshotter);
         let snap = take();
-        // Registered at creation: 2 layers x (3 counters + 4 histograms + 5 reasons) + 3 + 3 modes.
-        assert_eq!(snap.len(), 2 * 12 + 3 + 3);
+        // Registered at creation: 2 layers x (3 counters + admissions + evictions + 4 histograms
+        // + 5 reasons) + 3 + 3 modes.
+        assert_eq!(snap.len(), 2 * 14 + 3 + 3);
         assert_eq!(snap["moe_lanes_cache_exchanges_refused_total{}"], DebugValue::Counter(0));
         assert_eq!(snap["moe_lanes_perf_mode{mode=full}"], DebugValue::Gauge(1.0.into()));
         assert_eq!(snap["moe_lanes_perf_mode{mode=off}"], DebugValue::Gauge(0.0.into()));
@@ -1035,7 +1063,7 @@ mod tests {
         st.record_slot(1, 3, true);
         st.record_layer_call(1, &t, false);
         st.record_fallback(0, FallbackReason::Shape);
-        st.record_exchange(4096);
+        st.record_exchange(1, 4096);
         st.record_refused_exchanges(1);
         let snap = take();
         assert_eq!(snap["moe_lanes_layer_hot_slots_total{layer=1}"], DebugValue::Counter(2));
@@ -1054,6 +1082,10 @@ mod tests {
         assert_eq!(snap["moe_lanes_cache_exchanges_total{}"], DebugValue::Counter(1));
         assert_eq!(snap["moe_lanes_cache_bytes_copied_total{}"], DebugValue::Counter(4096));
         assert_eq!(snap["moe_lanes_cache_exchanges_refused_total{}"], DebugValue::Counter(1));
+        assert_eq!(snap["moe_lanes_cache_admissions_total{layer=1}"], DebugValue::Counter(1));
+        assert_eq!(snap["moe_lanes_cache_evictions_total{layer=1}"], DebugValue::Counter(1));
+        assert_eq!(snap["moe_lanes_cache_admissions_total{layer=0}"], DebugValue::Counter(0));
+        assert_eq!((st.report().layers[1].admissions, st.report().layers[1].evictions), (1, 1));
         assert_eq!(st.report().cache_updates.exchanges_refused, 1);
         // The JSON view holds the same totals.
         let l1 = &st.report().layers[1];
@@ -1066,7 +1098,7 @@ mod tests {
         let before = st.report().layers.clone();
         st.record_slot(1, 3, true);
         st.record_layer_call(1, &t, true);
-        st.record_exchange(10);
+        st.record_exchange(1, 10);
         let snap = take();
         assert_eq!(snap["moe_lanes_perf_mode{mode=off}"], DebugValue::Gauge(1.0.into()));
         assert_eq!(snap["moe_lanes_layer_calls_total{layer=1}"], DebugValue::Counter(0));

@@ -184,18 +184,21 @@ pub fn is_trace(text: &str) -> bool {
     serde_json::from_str::<serde_json::Value>(first).is_ok_and(|v| v.get("trace").is_some())
 }
 
-/// A trace's counts as learn counts for `model`: per layer and expert the hot and cold slots
-/// summed over every call (branch counts, no timings). `source` names the trace in errors; a
-/// bad line is an error naming it by number (1-based).
-pub fn parse_trace(source: &Path, text: &str, model: &ModelFingerprint) -> Result<Observations, TraceError> {
+/// A trace's records in file order, each checked against `model` (layer and expert ids in range;
+/// the header's fingerprint `model`'s), with the header's fingerprint. `source` names the trace
+/// in errors; a bad line is an error naming it by number (1-based).
+pub fn trace_records(
+    source: &Path,
+    text: &str,
+    model: &ModelFingerprint,
+) -> Result<(ModelFingerprint, Vec<TraceRecord>), TraceError> {
     let mut lines = text.lines().enumerate();
     let header = lines.next().and_then(|(_, l)| serde_json::from_str::<TraceHeader>(l).ok());
     let header = header.filter(|h| h.trace == TRACE_KIND && h.version == TRACE_VERSION);
     let header = header.ok_or_else(|| TraceError::Header { path: source.into() })?;
     crate::cache::observe::check_fingerprint(source, model, &header.model)?;
     let (n_layers, n_experts) = (model.n_layers, model.n_experts);
-    let mut counts = vec![vec![[0u64; 2]; n_experts]; n_layers];
-    let mut calls = vec![0u64; n_layers];
+    let mut records = Vec::new();
     for (i, text) in lines.filter(|(_, l)| !l.trim().is_empty()) {
         let line = i + 1;
         let rec: TraceRecord = serde_json::from_str(text).map_err(|source_err| TraceError::Line {
@@ -210,13 +213,29 @@ pub fn parse_trace(source: &Path, text: &str, model: &ModelFingerprint) -> Resul
             value,
             limit,
         };
-        let layer = counts.get_mut(rec.layer).ok_or_else(|| range("layer", rec.layer as u64, n_layers))?;
+        if rec.layer >= n_layers {
+            return Err(range("layer", rec.layer as u64, n_layers));
+        }
+        if let Some(&[e, _, _]) = rec.experts.iter().find(|x| x[0] >= n_experts as u64) {
+            return Err(range("expert", e, n_experts));
+        }
+        records.push(rec);
+    }
+    Ok((header.model, records))
+}
+
+/// A trace's counts as learn counts for `model`: per layer and expert the hot and cold slots
+/// summed over every call (branch counts, no timings). `source` names the trace in errors; a
+/// bad line is an error naming it by number (1-based).
+pub fn parse_trace(source: &Path, text: &str, model: &ModelFingerprint) -> Result<Observations, TraceError> {
+    let (header, records) = trace_records(source, text, model)?;
+    let (n_layers, n_experts) = (model.n_layers, model.n_experts);
+    let mut counts = vec![vec![[0u64; 2]; n_experts]; n_layers];
+    let mut calls = vec![0u64; n_layers];
+    for rec in &records {
         calls[rec.layer] += 1;
         for &[e, hot, cold] in &rec.experts {
-            let c = usize::try_from(e)
-                .ok()
-                .and_then(|e| layer.get_mut(e))
-                .ok_or_else(|| range("expert", e, n_experts))?;
+            let c = &mut counts[rec.layer][e as usize];
             (c[0], c[1]) = (c[0] + hot, c[1] + cold);
         }
     }
@@ -236,7 +255,7 @@ pub fn parse_trace(source: &Path, text: &str, model: &ModelFingerprint) -> Resul
         })
         .collect();
     Ok(Observations {
-        model: Some(header.model),
+        model: Some(header),
         n_experts,
         n_experts_used: model.n_experts_used,
         layers,

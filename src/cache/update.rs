@@ -18,6 +18,7 @@
 //! `update_rate`; a manual apply uses rate 1.0 (every slot may change).
 
 use crate::cache::hot_set::{Exchange, HotSet, HotSetError};
+use crate::cache::policy::{PolicyConfig, PolicyError};
 use crate::cache::weighting::Weighting;
 use serde::Serialize;
 
@@ -65,6 +66,9 @@ pub struct UpdatePolicy {
     /// Also update every this many generated tokens inside a request (0: only after requests).
     pub every_tokens: usize,
     pub weighting: Weighting,
+    /// Which policy keeps the cache: `planned` (the updater above, per `mode`) or a per-token
+    /// online policy (`cache::policy`; then `mode` and `every_tokens` are not used).
+    pub cache: PolicyConfig,
 }
 
 impl Default for UpdatePolicy {
@@ -75,6 +79,7 @@ impl Default for UpdatePolicy {
             margin: DEFAULT_HYSTERESIS_MARGIN,
             every_tokens: 0,
             weighting: Weighting::default(),
+            cache: PolicyConfig::default(),
         }
     }
 }
@@ -86,6 +91,8 @@ pub enum UpdateError {
     BadRate(f64),
     #[error("hysteresis margin {0}: expected a finite number >= 0")]
     BadMargin(f64),
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
 }
 
 impl UpdatePolicy {
@@ -96,7 +103,7 @@ impl UpdatePolicy {
         if !self.margin.is_finite() || self.margin < 0.0 {
             return Err(UpdateError::BadMargin(self.margin));
         }
-        Ok(())
+        Ok(self.cache.check()?)
     }
 }
 

@@ -13,13 +13,21 @@
 //! - Statistics (updates, exchanges, bytes copied, copy time, hit rate of the window before the
 //!   last update and of the one after it) go into the perf state's `cache_updates`.
 //!
-//! The automatic updater needs the perf counts: with perf mode `off` no window ever fills.
+//! - With an online policy (`UpdatePolicy::cache`: `lru`, `lfu` or `tinylfu`, the default) the
+//!   planned updater does not run; instead, after every call ([`LiveCache::after_tokens`] per
+//!   generated token, and at the request's end) the experts each layer routed since the last
+//!   step (read off the perf counts) are one step of that layer's [`LayerPolicy`]
+//!   (`cache::policy`), and the exchanges it decides are applied before the next call.
+//!
+//! The automatic updater and the online policies need the perf counts: with perf mode `off`
+//! no window ever fills and no step is seen.
 
 use super::{Engine, EngineError};
 use crate::actors::Exchange;
 use crate::cache::hot_set::HotSet;
 use crate::cache::observe::Observations;
 use crate::cache::perf::{ModelFingerprint, PerfReport};
+use crate::cache::policy::{LayerPolicy, PolicyKind};
 use crate::cache::update::{exchanges_to, plan_exchanges, UpdateMode, UpdatePolicy, MIN_WINDOW_SLOTS};
 use crate::cache::weighting::score_observations;
 use crate::moe::phase::Phase;
@@ -32,6 +40,8 @@ use std::time::Instant;
 pub enum UpdateKind {
     Auto,
     Manual,
+    /// Exchanges of the online policy after one call.
+    Policy,
 }
 
 /// One applied update.
@@ -58,6 +68,40 @@ pub struct LiveCache {
     in_request: bool,
     pending_manual: Option<Vec<Exchange>>,
     after_pending: bool,
+    /// The online policy's per-layer state (made at its first step).
+    online: Option<OnlineState>,
+}
+
+/// Per layer, the online policy and the routed counts it has seen.
+#[derive(Debug)]
+struct OnlineState {
+    layers: Vec<LayerPolicy>,
+    /// `seen[l][e]`: hot + cold slots of expert `e` in layer `l` at the last step.
+    seen: Vec<Vec<u64>>,
+}
+
+impl OnlineState {
+    /// From the cache now; each layer's pinned core ranked by the counts so far (then slot order).
+    fn new(policy: &UpdatePolicy, hot: &HotSet, report: &PerfReport) -> OnlineState {
+        let counts = |l: usize, e: usize| {
+            report.layers.get(l).map_or(0, |x| {
+                x.hot_experts.get(e).copied().unwrap_or(0) + x.cold_experts.get(e).copied().unwrap_or(0)
+            })
+        };
+        let layers = hot
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, layer)| {
+                let mut resident: Vec<usize> = layer.slots.iter().flatten().map(|&e| e as usize).collect();
+                resident.sort_by_key(|&e| std::cmp::Reverse(counts(l, e)));
+                LayerPolicy::new(policy.cache, hot.n_experts, &resident, &resident)
+            })
+            .collect();
+        let seen =
+            (0..hot.layers.len()).map(|l| (0..hot.n_experts).map(|e| counts(l, e)).collect()).collect();
+        OnlineState { layers, seen }
+    }
 }
 
 fn snapshot(engine: &dyn Engine) -> PerfReport {
@@ -81,6 +125,11 @@ impl LiveCache {
             in_request: false,
             pending_manual: None,
             after_pending: false,
+            // Made now, so the first call's experts are its first step.
+            online: match (policy.cache.kind, engine.hot_set(), engine.perf()) {
+                (PolicyKind::Planned, _, _) | (_, None, _) | (_, _, None) => None,
+                (_, Some(hot), Some(perf)) => Some(OnlineState::new(&policy, hot, perf.report())),
+            },
         }
     }
 
@@ -89,7 +138,14 @@ impl LiveCache {
     }
 
     pub fn set_policy(&mut self, policy: UpdatePolicy) {
+        if policy.cache != self.policy.cache {
+            self.online = None;
+        }
         self.policy = policy;
+    }
+
+    fn online_policy(&self) -> bool {
+        self.policy.cache.kind != PolicyKind::Planned
     }
 
     pub fn in_request(&self) -> bool {
@@ -110,6 +166,9 @@ impl LiveCache {
         if let Some(exchanges) = self.pending_manual.take() {
             return self.apply(engine, exchanges, UpdateKind::Manual, 0.0).map(Some);
         }
+        if self.online_policy() {
+            return self.policy_step(engine);
+        }
         self.auto_update(engine)
     }
 
@@ -125,6 +184,9 @@ impl LiveCache {
         n: usize,
     ) -> Result<Option<UpdateOutcome>, EngineError> {
         self.tokens_in_window += n;
+        if self.online_policy() {
+            return self.policy_step(engine);
+        }
         if self.policy.every_tokens == 0 || self.tokens_in_window < self.policy.every_tokens {
             return Ok(None);
         }
@@ -154,6 +216,82 @@ impl LiveCache {
         let counts = window.counts();
         let exchanges = plan_exchanges(&scores, Some(&counts), &hot, self.policy.rate, self.policy.margin);
         self.apply(engine, exchanges, UpdateKind::Auto, hit_rate).map(Some)
+    }
+
+    /// One step of the online policy: the experts each layer routed since the last step, then
+    /// the exchanges the policy decides, applied now (nothing while a manual apply waits).
+    pub fn policy_step(&mut self, engine: &mut dyn Engine) -> Result<Option<UpdateOutcome>, EngineError> {
+        if !self.online_policy() || self.pending_manual.is_some() {
+            return Ok(None);
+        }
+        let (Some(hot), Some(perf)) = (engine.hot_set(), engine.perf()) else { return Ok(None) };
+        let report = perf.report();
+        let state = self.online.get_or_insert_with(|| OnlineState::new(&self.policy, hot, report));
+        let mut exchanges = Vec::new();
+        let mut step = Vec::new();
+        for (l, (layer, policy)) in report.layers.iter().zip(&mut state.layers).enumerate() {
+            step.clear();
+            for (e, seen) in state.seen[l].iter_mut().enumerate() {
+                let now = layer.hot_experts.get(e).copied().unwrap_or(0)
+                    + layer.cold_experts.get(e).copied().unwrap_or(0);
+                if now > *seen {
+                    step.push(e);
+                }
+                *seen = now;
+            }
+            if step.is_empty() {
+                continue;
+            }
+            policy.sync_resident(&hot.layers[l].hot_mask());
+            let out = policy.step(&step);
+            exchanges.extend(out.exchanges.into_iter().map(|(evict, add)| Exchange {
+                layer_idx: l,
+                evict,
+                add,
+            }));
+        }
+        if exchanges.is_empty() {
+            return Ok(None);
+        }
+        self.apply_policy(engine, exchanges).map(Some)
+    }
+
+    /// Apply the online policy's exchanges (no window snapshot: the policy keeps its own counts).
+    fn apply_policy(
+        &mut self,
+        engine: &mut dyn Engine,
+        exchanges: Vec<Exchange>,
+    ) -> Result<UpdateOutcome, EngineError> {
+        let start = Instant::now();
+        let mut refused = None;
+        for (i, &x) in exchanges.iter().enumerate() {
+            if let Err(e) = engine.request_exchange(x) {
+                refused = Some((exchanges.len() - i, e));
+                break;
+            }
+        }
+        let n = engine.apply_exchanges()?;
+        let copy_time_us = start.elapsed().as_micros() as u64;
+        let bytes: u64 = exchanges.iter().take(n).map(|x| self.layer_expert_bytes[x.layer_idx]).sum();
+        if let Some(p) = engine.perf_mut() {
+            if let Some((n_refused, _)) = &refused {
+                p.record_refused_exchanges(*n_refused as u64);
+            }
+            let s = p.cache_updates_mut();
+            s.exchanges += n as u64;
+            s.bytes_copied += bytes;
+            s.copy_time_us += copy_time_us;
+        }
+        if let Some((_, e)) = refused {
+            return Err(e);
+        }
+        Ok(UpdateOutcome {
+            kind: UpdateKind::Policy,
+            exchanges: n,
+            hit_rate_before: 0.0,
+            copy_time_us,
+            during_request: self.in_request,
+        })
     }
 
     /// Turn the cache into `target` (rate 1.0). Validated now, so a bad target changes nothing;
@@ -213,6 +351,7 @@ impl LiveCache {
             match kind {
                 UpdateKind::Auto => s.auto_updates += 1,
                 UpdateKind::Manual => s.manual_applies += 1,
+                UpdateKind::Policy => {}
             }
             s.exchanges += n as u64;
             s.bytes_copied += bytes;

@@ -59,11 +59,14 @@ impl GpuTuning {
     }
 }
 
-/// Every engine's tuning section (only the GPU engine has one today).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// Every engine's tuning section: the GPU engine's, and the hot-cache policy of every engine
+/// with a hot cache (`{"cache_policy": {"kind": "lru", "half_life": 16}}`, fields of
+/// [`crate::cache::policy::PolicyConfig`]; `--cache-policy` overrides its kind).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineTuning {
     pub gpu: GpuTuning,
+    pub cache_policy: Option<crate::cache::policy::PolicyConfig>,
 }
 
 /// A tuning file that cannot be used, naming the file (and, from serde, the field and line).
@@ -113,5 +116,9 @@ mod tests {
             serde_json::from_str::<EngineTuning>(r#"{"gpu": {"prefill_attention": "fast"}}"#).unwrap_err();
         assert!(err.to_string().contains("fast") && err.to_string().contains("mma"), "{err}");
         assert_eq!(serde_json::from_str::<EngineTuning>("{}").unwrap(), EngineTuning::default());
+        let t: EngineTuning = serde_json::from_str(r#"{"cache_policy": {"kind": "lfu"}}"#).unwrap();
+        assert_eq!(t.cache_policy.unwrap().kind, crate::cache::policy::PolicyKind::Lfu);
+        let err = serde_json::from_str::<EngineTuning>(r#"{"cache_policy": {"kind": "arc"}}"#).unwrap_err();
+        assert!(err.to_string().contains("arc") && err.to_string().contains("tinylfu"), "{err}");
     }
 }

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# tg of every hot-cache policy on a locality workload, in one invocation on one machine and one
+# model (the GPU machine; needs only the prebuilt release binary and python3).
+#
+# Usage: scripts/policy-compare.sh BIN
+#
+# Writes (once; kept for later calls) a 16-layer Qwen3-30B-A3B-shaped synthetic file whose routing
+# follows a locality workload: `BIN synth --preset qwen3-30b-a3b --layers 16 --skew $SPEC` into
+# $MODEL_DIR (default ${TMPDIR:-/tmp}/policy-compare); or uses $MODEL when set (it must have been
+# written with the same --skew $SPEC). Then per hot fraction F of FRACTIONS (default "0.25 0.5")
+# and per policy: `BIN bench --model M --scenario $SPEC -p P -n N --runs RUNS --hot-fraction F
+# --json` with
+#   static   --cache-policy planned                    (today's static cache)
+#   online   --cache-policy planned --update auto --update-every-tokens 32   (today's updater)
+#   lru | lfu | tinylfu | adaptive   --cache-policy NAME   (per-token online policies)
+# each bounded by BENCH_TIMEOUT seconds; a run that would start after BUDGET_S seconds of the
+# script (the model's synthesis included) is skipped (NA), so the whole call stays under
+# BUDGET_S + BENCH_TIMEOUT seconds (defaults 390 + 60: 7.5 minutes; the first call spends one to
+# two of them writing the 20 GiB model, so a later call, with the file kept, runs every bench).
+# Every policy runs at the first fraction before any at the next. Prints a markdown table (tg median and spread, decode hit rate,
+# copies) and logs everything under $OUT/policy-compare when OUT is set, else a new directory
+# under ${TMPDIR:-/tmp}.
+# Env: SPEC (locality:p=0.8,drift=0.01), FRACTIONS, P (64), N (256), RUNS (3), POLICIES
+# ("static online lru lfu tinylfu adaptive"), MODEL, MODEL_DIR, BENCH_TIMEOUT (60), BUDGET_S (390),
+# EXTRA_ARGS (more bench flags, e.g. --engine pipeline off the GPU machine), SYNTH_ARGS (default
+# "--preset qwen3-30b-a3b --layers 16"), CUDA_LIB (/usr/local/cuda/lib64).
+set -uo pipefail
+die() { echo "policy-compare: $*" >&2; exit 2; }
+[ $# -eq 1 ] || die "usage: $0 BIN"
+BIN=$1
+[ -x "$BIN" ] || die "$BIN: not an executable file"
+SPEC=${SPEC:-locality:p=0.8,drift=0.01} FRACTIONS=${FRACTIONS:-0.25 0.5}
+P=${P:-64} N=${N:-256} RUNS=${RUNS:-3} BUDGET_S=${BUDGET_S:-390} BENCH_TIMEOUT=${BENCH_TIMEOUT:-60}
+POLICIES=${POLICIES:-static online lru lfu tinylfu adaptive}
+SYNTH_ARGS=${SYNTH_ARGS:---preset qwen3-30b-a3b --layers 16}
+export LD_LIBRARY_PATH="${CUDA_LIB:-/usr/local/cuda/lib64}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+if [ -n "${OUT:-}" ]; then LOGS=$OUT/policy-compare; mkdir -p "$LOGS" || die "cannot create $LOGS"
+else LOGS=$(mktemp -d "${TMPDIR:-/tmp}/policy-compare.XXXXXX") || die "cannot create a log directory"; fi
+START=$SECONDS
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOGS/setup.txt"
+if [ -z "${MODEL:-}" ]; then
+    MODEL_DIR=${MODEL_DIR:-${TMPDIR:-/tmp}/policy-compare}
+    mkdir -p "$MODEL_DIR" || die "cannot create $MODEL_DIR"
+    MODEL=$MODEL_DIR/q16-$(echo "$SPEC" | tr ':,=' '___').gguf
+    if [ ! -f "$MODEL" ]; then
+        read -r -a sa <<<"$SYNTH_ARGS"
+        "$BIN" synth "${sa[@]}" --skew "$SPEC" --format gguf --out "$MODEL" >"$LOGS/synth.log" 2>&1 \
+            || die "synth failed (see $LOGS/synth.log)"
+        echo "synth $SPEC: $((SECONDS - START)) s ($MODEL)"
+    fi
+fi
+[ -e "$MODEL" ] || die "$MODEL: no such model"
+flags() {
+    case "$1" in
+        static) echo "--cache-policy planned" ;;
+        online) echo "--cache-policy planned --update auto --update-every-tokens 32" ;;
+        *) echo "--cache-policy $1" ;;
+    esac
+}
+: >"$LOGS/runs.tsv"
+read -r -a extra <<<"${EXTRA_ARGS:-}"
+for f in $FRACTIONS; do
+    for pol in $POLICIES; do
+        out="$LOGS/$pol-$f.json"
+        if [ $((SECONDS - START)) -ge "$BUDGET_S" ]; then
+            printf '%s\t%s\tNA\tNA\tNA\tNA\t# skipped: past BUDGET_S\n' "$pol" "$f" >>"$LOGS/runs.tsv"
+            continue
+        fi
+        read -r -a pf <<<"$(flags "$pol")"
+        timeout "$BENCH_TIMEOUT" "$BIN" bench --model "$MODEL" --scenario "$SPEC" -p "$P" -n "$N" --runs "$RUNS" \
+            --hot-fraction "$f" --json "${pf[@]}" "${extra[@]}" >"$out" 2>"$out.err"
+        rc=$?
+        python3 - "$out" "$pol" "$f" "$rc" >>"$LOGS/runs.tsv" <<'PY'
+import json, sys
+f, pol, frac, rc = sys.argv[1:]
+try:
+    r = json.load(open(f))
+    s = r["tg_tokens_per_s_spread"]
+    print(f"{pol}\t{frac}\t{r['tg_tokens_per_s']:.1f}\t[{s['min']:.1f}-{s['max']:.1f}]\t{100 * r['hit_rate']:.1f}%\t{r['cache_exchanges']}")
+except Exception as e:
+    print(f"{pol}\t{frac}\tNA\tNA\tNA\tNA\t# rc {rc}: {e}")
+PY
+        tail -1 "$LOGS/runs.tsv"
+    done
+done
+echo "total: $((SECONDS - START)) s"
+python3 - "$LOGS/runs.tsv" "$SPEC" <<'PY' | tee "$LOGS/compare.md"
+import sys
+rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
+print(f"workload {sys.argv[2]}; tg median [min-max] t/s, decode hit rate, exchanges over the timed runs")
+print("| hot fraction | policy | tg t/s | spread | hit rate | exchanges |")
+print("|---|---|---|---|---|---|")
+for r in rows:
+    print(f"| {r[1]} | {r[0]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} |")
+PY
