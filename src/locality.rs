@@ -194,7 +194,7 @@ impl LocalityProcess {
     /// The next token id of a `vocab`-token model (uniform within its topic's range).
     pub fn next_token(&mut self, vocab: usize) -> u32 {
         let topic = self.next_topic();
-        let range = crate::synth::domain_tokens(vocab, self.params.topics, topic);
+        let range = domain_tokens(vocab, self.params.topics, topic);
         range.start + self.rng.below((range.end - range.start) as usize) as u32
     }
 
@@ -202,6 +202,19 @@ impl LocalityProcess {
     pub fn tokens(&mut self, vocab: usize, n: usize) -> Vec<u32> {
         (0..n).map(|_| self.next_token(vocab)).collect()
     }
+}
+
+/// The domain of `token` when the vocabulary splits into `n_domains` equal ranges.
+pub fn domain_of_token(token: u32, vocab: usize, n_domains: usize) -> usize {
+    ((token as usize * n_domains.max(1)) / vocab.max(1)).min(n_domains.max(1) - 1)
+}
+
+/// The token range of `domain`.
+pub fn domain_tokens(vocab: usize, n_domains: usize, domain: usize) -> std::ops::Range<u32> {
+    let d = n_domains.max(1);
+    let first = (0..vocab).find(|&t| domain_of_token(t as u32, vocab, d) == domain).unwrap_or(vocab);
+    let end = (first..vocab).find(|&t| domain_of_token(t as u32, vocab, d) != domain).unwrap_or(vocab);
+    first as u32..end as u32
 }
 
 #[cfg(test)]
@@ -237,7 +250,7 @@ mod tests {
         let c = LocalityProcess::new(params(0.7, 0.05), 10).tokens(4096, 500);
         assert_eq!(a, b);
         assert_ne!(a, c);
-        let topic = |t: u32| crate::synth::domain_of_token(t, 4096, 32);
+        let topic = |t: u32| domain_of_token(t, 4096, 32);
         assert!(a.iter().all(|&t| (t as usize) < 4096) && topic(a[0]) < 32);
     }
 

@@ -169,18 +169,9 @@ impl Skew {
     }
 }
 
-/// The domain of `token` when the vocabulary splits into `n_domains` equal ranges.
-pub fn domain_of_token(token: u32, vocab: usize, n_domains: usize) -> usize {
-    ((token as usize * n_domains.max(1)) / vocab.max(1)).min(n_domains.max(1) - 1)
-}
-
-/// The token range of `domain`.
-pub fn domain_tokens(vocab: usize, n_domains: usize, domain: usize) -> std::ops::Range<u32> {
-    let d = n_domains.max(1);
-    let first = (0..vocab).find(|&t| domain_of_token(t as u32, vocab, d) == domain).unwrap_or(vocab);
-    let end = (first..vocab).find(|&t| domain_of_token(t as u32, vocab, d) != domain).unwrap_or(vocab);
-    first as u32..end as u32
-}
+// The vocabulary's split into domains is the locality workload's too (its topics): defined there,
+// so the dependency runs one way (synth -> locality).
+pub use crate::locality::{domain_of_token, domain_tokens};
 
 /// Output file format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

@@ -280,12 +280,12 @@ struct EngineArgs {
     /// Exponent of the layer weight (0: usage alone; larger: lean harder on the layer signal).
     #[arg(long, default_value_t = moe_lanes::cache::weighting::DEFAULT_LAYER_CURVE)]
     layer_curve: f64,
-    /// Hot-cache policy, applied after every call: adaptive (decayed-count eviction and
-    /// admission at the half-life whose shadow cache saves the most net of its copies' PCIe and
-    /// host DRAM cost), lru, lfu (decayed counts), tinylfu (frequency admission, LRU eviction, a
-    /// quarter of the slots pinned to the learned ranking, a copy-cost gate), or planned (learn +
-    /// plan, moved only by --update). Default: the --engine-config file's cache_policy, else
-    /// planned with --update auto, else adaptive.
+    /// Hot-cache policy: planned (learn + plan, moved only by --update; the default), or one
+    /// applied after every call: adaptive (decayed-count eviction and admission at the half-life
+    /// whose shadow cache saves the most net of its copies' PCIe and host DRAM cost), lru, lfu
+    /// (decayed counts), tinylfu (frequency admission, LRU eviction, a quarter of the slots
+    /// pinned to the learned ranking, a copy-cost gate). Default: the --engine-config file's
+    /// cache_policy, else planned.
     #[arg(long)]
     cache_policy: Option<String>,
     /// The planned policy's online updater: off (the cache changes only by manual applies) or

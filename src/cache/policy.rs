@@ -22,7 +22,7 @@
 //!   per step (`freq * ln 2 / half_life`), the residence is the unpinned slots over the recent
 //!   admission rate. The pinned core is the top [`DEFAULT_PIN_FRACTION`] of the learned plan's
 //!   ranking: never evicted.
-//! - [`PolicyKind::Adaptive`] (the default): LRFU, decayed counts for eviction and admission (a
+//! - [`PolicyKind::Adaptive`]: LRFU, decayed counts for eviction and admission (a
 //!   miss replaces the resident with the lowest count when its own count is higher), at the
 //!   half-life that pays best now. One shadow cache per half-life of [`ADAPTIVE_HALF_LIVES`]
 //!   (2 steps: about LRU; 32: about LFU) replays the same steps; each shadow's score is its
@@ -32,8 +32,11 @@
 //!   gets recency, a stable popular set gets frequency, and a half-life that copies more than
 //!   its hits repay loses to a calmer one.
 //!
-//! Why adaptive is the default (benches/RESULTS.md, "Hot-cache policies against Belady", replayed
-//! traces at 25% and 50% budgets): LRU follows locality but loses the popular set to one-off
+//! Why adaptive is the best online policy on replayed traces (benches/RESULTS.md, "Hot-cache
+//! policies against Belady", 25% and 50% budgets), and still not the default: on the GPU machine
+//! (H200, 16-layer Qwen3-30B-A3B-shaped BF16 `skewed` file, 50% budget, tg128) it decoded at 26 t/s
+//! against the planned cache's 502, so [`PolicyKind::Planned`] stays the default until a GPU
+//! measurement shows an online policy ahead. On the traces: LRU follows locality but loses the popular set to one-off
 //! experts on `skewed` and `domains:2` routing and copies the most; LFU (half-life 32) is slow on
 //! locality; TinyLFU's pinned core goes stale when the popular set drifts and its gate admits too
 //! little on bursty workloads; any one fixed half-life is best on some workloads and worst on
@@ -147,7 +150,8 @@ pub enum PolicyError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum PolicyKind {
-    /// Learn + plan, moved only by the updater (`--update`, `cache::update`).
+    /// Learn + plan, moved only by the updater (`--update`, `cache::update`): the default.
+    #[default]
     Planned,
     Lru,
     Lfu,
@@ -156,7 +160,6 @@ pub enum PolicyKind {
     TinyLfu,
     /// Decayed-count eviction and admission at the half-life whose shadow cache saved the most
     /// time net of its copies (module docs).
-    #[default]
     Adaptive,
 }
 
