@@ -190,12 +190,16 @@ fn policies_replay_a_locality_trace_against_belady() {
     let bench =
         ["bench", "--model", p(&model), "--engine", "pipeline", "-p", "8", "-n", "300", "--runs", "1"];
     let out = ok_stdout(
-        &[&bench[..], &["--scenario", spec, "--hot-fraction", "0.25", "--trace", p(&trace), "--json"][..]]
-            .concat(),
+        &[
+            &bench[..],
+            &["--scenario", spec, "--hot-fraction", "0.25", "--cache-policy", "adaptive"],
+            &["--trace", p(&trace), "--json"],
+        ]
+        .concat(),
     );
     let report: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(report["tg_feed"], "locality");
-    assert!(report["cache_exchanges"].as_u64().unwrap() > 0, "the default policy moved the cache: {report}");
+    assert!(report["cache_exchanges"].as_u64().unwrap() > 0, "the adaptive policy moved the cache: {report}");
     let plan = ok_stdout(&[
         "plan",
         "--model",
