@@ -294,12 +294,16 @@ impl<'m> Reference<'m> {
             let normed = rms_norm(&hidden, &layer.attn_norm, c.rms_eps);
             let state = &mut cache.layers[layer_idx];
             let mixed = match (&layer.mixer, &layer.mixer_weights, state) {
-                (Mixer::Attention(spec), MixerWeights::Attention(w), LayerState::Attention { keys, values }) => {
-                    self.attention(spec, w, keys, values, &normed, position)
-                }
-                (Mixer::GatedDeltaNet(spec), MixerWeights::DeltaNet(w), LayerState::DeltaNet { conv, matrix }) => {
-                    delta_net(spec, w, conv, matrix, &normed, c.rms_eps)
-                }
+                (
+                    Mixer::Attention(spec),
+                    MixerWeights::Attention(w),
+                    LayerState::Attention { keys, values },
+                ) => self.attention(spec, w, keys, values, &normed, position),
+                (
+                    Mixer::GatedDeltaNet(spec),
+                    MixerWeights::DeltaNet(w),
+                    LayerState::DeltaNet { conv, matrix },
+                ) => delta_net(spec, w, conv, matrix, &normed, c.rms_eps),
                 _ => unreachable!("weights and state are built from the same plan"),
             };
             add_into(&mut hidden, &mixed);
@@ -551,7 +555,11 @@ fn delta_net(
 /// The layer's input projections as `(qkv, z, b, a)`: q of every key head, then k, then v of
 /// every value head; a grouped projection (per key head: `q, k, v.., z..` and `b.., a..`) is
 /// regrouped into that order.
-fn delta_net_inputs(d: &DeltaNetSpec, w: &DeltaNetWeights, x: &[f32]) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+fn delta_net_inputs(
+    d: &DeltaNetSpec,
+    w: &DeltaNetWeights,
+    x: &[f32],
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
     let (kd, vd, nv) = (d.key_dim(), d.value_dim(), d.n_v_heads);
     match d.projections {
         DeltaNetProjections::Split => (

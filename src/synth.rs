@@ -17,9 +17,9 @@ use crate::format::gguf::{GgufError, GgufFile, GgufWriter, MetaValue};
 use crate::format::safetensors::{self, SafetensorsError, TensorSpec};
 use crate::format::tensor::encode_f32;
 use crate::model::arch::{Adapter, Arch};
+use crate::model::config::HybridConfig;
 use crate::model::config::ModelConfig;
 use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
-use crate::model::config::HybridConfig;
 use crate::model::{expected_layer_shape, required_layer_roles};
 use crate::output::{check_output, OutputKind};
 use crate::quantize::{quantize_gguf, QuantMix, QuantizeError};
@@ -337,7 +337,8 @@ pub fn synth_config(
     let mut c = preset_config(adapter, preset);
     let hybrid = adapter.delta_net.is_some();
     if preset != Preset::Tiny && hybrid != preset.is_hybrid() {
-        let want = if preset.is_hybrid() { "qwen3_next or qwen3_5_moe" } else { "an attention-only architecture" };
+        let want =
+            if preset.is_hybrid() { "qwen3_next or qwen3_5_moe" } else { "an attention-only architecture" };
         return Err(invalid("preset", format!("this preset is for {want}, not {}", adapter.hf_model_type)));
     }
     if hybrid {
@@ -1149,7 +1150,11 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
             let gate_up = (0..c.n_experts)
                 .flat_map(|e| [ExpertProj::Gate, ExpertProj::Up].map(|p| expert_part(c, a, layer_idx, e, p)))
                 .collect();
-            push(&naming::hf_fused_experts(layer_idx, false), gate_up, vec![c.n_experts, 2 * c.expert_ff, c.hidden]);
+            push(
+                &naming::hf_fused_experts(layer_idx, false),
+                gate_up,
+                vec![c.n_experts, 2 * c.expert_ff, c.hidden],
+            );
             let down = (0..c.n_experts).map(|e| expert_part(c, a, layer_idx, e, ExpertProj::Down)).collect();
             push(&naming::hf_fused_experts(layer_idx, true), down, vec![c.n_experts, c.hidden, c.expert_ff]);
             continue;

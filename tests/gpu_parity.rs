@@ -647,8 +647,13 @@ fn postfetch_decode_after_a_second_prefill_matches_reference() {
     for decode in [true, false] {
         for hot in [Hot::None, Hot::Half] {
             let what = format!("{hot:?} decode fetch {decode}");
-            let mut engine =
-                postfetch_engine(&model, hot, PostFetchOptions { decode, ..on }, GpuFaults::default(), POSITIONS);
+            let mut engine = postfetch_engine(
+                &model,
+                hot,
+                PostFetchOptions { decode, ..on },
+                GpuFaults::default(),
+                POSITIONS,
+            );
             let (mut rc, mut cache) = (reference.new_cache(), engine.new_cache(64).unwrap());
             let mut step = |tokens: &[u32], phase: Phase, at: &str| {
                 let want = reference.forward(&mut rc, tokens, &mut NoObserver).unwrap();

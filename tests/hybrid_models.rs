@@ -89,7 +89,11 @@ const GPU_TOLERANCE: f32 = 2e-3;
 fn gpu_engine(model: &Arc<Model>, hot_fraction: f64) -> Box<dyn Engine + '_> {
     let c = model.config();
     let lists: Vec<Vec<usize>> = (0..c.n_layers)
-        .map(|l| (0..c.n_experts).filter(|e| ((e + l) % c.n_experts) < (hot_fraction * c.n_experts as f64) as usize).collect())
+        .map(|l| {
+            (0..c.n_experts)
+                .filter(|e| ((e + l) % c.n_experts) < (hot_fraction * c.n_experts as f64) as usize)
+                .collect()
+        })
         .collect();
     let mut opts = EngineOptions::new(128);
     opts.cuda = moe_lanes::env::cuda_config().unwrap();

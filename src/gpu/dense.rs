@@ -5,13 +5,15 @@
 use super::kv::GpuKvCache;
 use super::model::{GpuModel, PrefillAttention};
 use super::scratch::Q8Buf;
-use super::GpuError;
 use super::weights::MixerWeights;
+use super::GpuError;
 use crate::model::arch::{AttentionSpec, DeltaNetSpec, Mixer, QkNorm, RopeStyle, RoutingVariant};
-use moe_lanes_kernels::cuda::kernel::{DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
-use moe_lanes_kernels::cuda::ops::{DeltaShape, DevicePos, HotWorklist, KvAppend, KvPtr, NormRows, RouteVariant};
+use moe_lanes_kernels::cuda::kernel::{DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM};
+use moe_lanes_kernels::cuda::ops::{
+    DeltaShape, DevicePos, HotWorklist, KvAppend, KvPtr, NormRows, RouteVariant,
+};
 use moe_lanes_kernels::cuda::quant::wide_alignment_bytes;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, Q8Rows, TypedWeights};
 use moe_lanes_kernels::q8::Q8_BLOCK;
@@ -256,7 +258,8 @@ impl GpuModel {
         v_new: DPtr<f32>,
         append: Option<KvAppend>,
     ) -> Result<(), GpuError> {
-        let (c, be, w, a) = (&self.cfg, &self.be, self.w.layers[l].attention(), self.plan.layer(l).attention());
+        let (c, be, w, a) =
+            (&self.cfg, &self.be, self.w.layers[l].attention(), self.plan.layer(l).attention());
         let (qd, kvd, hd, nh, nkv) = (c.q_dim(), c.kv_dim(), c.head_dim, c.n_heads, c.n_kv_heads);
         let rot = a.rope.dims;
         let (interleaved, theta) = (a.rope.style == RopeStyle::Interleaved, a.rope.theta);
@@ -265,7 +268,23 @@ impl GpuModel {
         if self.qk_fused(l) {
             let norm = (a.qk_norm == QkNorm::PerHead).then(norms);
             let eps = c.rms_eps;
-            be.qk_norm_rope(q, k_new, norm, t, nh, nkv, qd, kvd, hd, rot, pos0, theta, interleaved, eps, append)?;
+            be.qk_norm_rope(
+                q,
+                k_new,
+                norm,
+                t,
+                nh,
+                nkv,
+                qd,
+                kvd,
+                hd,
+                rot,
+                pos0,
+                theta,
+                interleaved,
+                eps,
+                append,
+            )?;
             return Ok(());
         }
         assert!(
@@ -469,7 +488,9 @@ pub(crate) fn runs_mixer(m: &Mixer) -> bool {
     match m {
         Mixer::Attention(_) => true,
         Mixer::GatedDeltaNet(d) => {
-            d.k_head_dim <= DELTA_MAX_KEY_DIM && d.v_head_dim <= 1024 && d.conv_kernel <= DELTA_MAX_CONV_KERNEL
+            d.k_head_dim <= DELTA_MAX_KEY_DIM
+                && d.v_head_dim <= 1024
+                && d.conv_kernel <= DELTA_MAX_CONV_KERNEL
         }
     }
 }

@@ -19,7 +19,9 @@ pub enum GpuError {
     Cold(crate::moe::cold::ColdError),
     #[error("the experts' activation is {activation:?}; the GPU kernels implement SiLU only")]
     Activation { activation: crate::model::arch::FfnActivation },
-    #[error("layer {layer_idx} is a {kind} layer, which the GPU engine does not run yet (use --engine pipeline)")]
+    #[error(
+        "layer {layer_idx} is a {kind} layer, which the GPU engine does not run yet (use --engine pipeline)"
+    )]
     Mixer { layer_idx: usize, kind: &'static str },
     #[error("head_dim {head_dim} is odd; the GPU RoPE kernels need an even head_dim")]
     OddHeadDim { head_dim: usize },

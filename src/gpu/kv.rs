@@ -19,8 +19,12 @@ impl KvBufs {
     /// One buffer per layer of `elems[l]` values.
     fn new(be: &CudaBackend, kv: KvType, elems: &[usize]) -> Result<KvBufs, GpuError> {
         Ok(match kv {
-            KvType::F32 => KvBufs::F32(elems.iter().map(|&n| be.alloc_zeros::<f32>(n)).collect::<Result<_, _>>()?),
-            KvType::F16 => KvBufs::F16(elems.iter().map(|&n| be.alloc_zeros::<u16>(n)).collect::<Result<_, _>>()?),
+            KvType::F32 => {
+                KvBufs::F32(elems.iter().map(|&n| be.alloc_zeros::<f32>(n)).collect::<Result<_, _>>()?)
+            }
+            KvType::F16 => {
+                KvBufs::F16(elems.iter().map(|&n| be.alloc_zeros::<u16>(n)).collect::<Result<_, _>>()?)
+            }
         })
     }
     fn layer(&self, l: usize) -> KvPtr {

@@ -340,7 +340,11 @@ impl GpuModel {
             .collect::<Result<Vec<_>, GpuError>>()?;
         let mut gm = GpuModel {
             plan: model.plan().clone(),
-            qk_fused_all: model.plan().layers().iter().all(|s| s.as_attention().is_none_or(super::dense::qk_fusable)),
+            qk_fused_all: model
+                .plan()
+                .layers()
+                .iter()
+                .all(|s| s.as_attention().is_none_or(super::dense::qk_fusable)),
             perf: PerfState::new(opts.perf_mode, cfg.n_layers, cfg.n_experts, cfg.n_experts_used),
             fallback_cold: PlainColdLane::new(model.clone()),
             host: HostScratch::new(&cfg, 8),

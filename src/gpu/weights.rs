@@ -54,8 +54,10 @@ impl LayerWeights {
 }
 
 pub(crate) enum MixerWeights {
-    Attention(AttentionWeights),
-    DeltaNet(DeltaNetWeights),
+    // Boxed: an attention layer's weights are several hundred bytes of handles, a DeltaNet
+    // layer's fewer; one box per layer, read through a reference every call.
+    Attention(Box<AttentionWeights>),
+    DeltaNet(Box<DeltaNetWeights>),
 }
 
 pub(crate) struct AttentionWeights {
@@ -232,8 +234,8 @@ fn upload_layer(model: &Model, l: usize, up: &mut Uploader<'_>) -> Result<LayerW
         model.norm_weight(l, r)?.map(|w| Ok(up.be.upload(&w)?)).transpose()
     };
     let mixer = match model.layer_spec(l).mixer {
-        Mixer::Attention(a) => MixerWeights::Attention(upload_attention(model, l, &a, up)?),
-        Mixer::GatedDeltaNet(d) => MixerWeights::DeltaNet(upload_delta_net(model, l, &d, up)?),
+        Mixer::Attention(a) => MixerWeights::Attention(Box::new(upload_attention(model, l, &a, up)?)),
+        Mixer::GatedDeltaNet(d) => MixerWeights::DeltaNet(Box::new(upload_delta_net(model, l, &d, up)?)),
     };
     Ok(LayerWeights {
         attn_norm: norm(up, LayerRole::AttnNorm)?.expect("validated at open"),
@@ -288,8 +290,14 @@ fn upload_delta_net(
     let all = |n: usize| (0..n).collect::<Vec<_>>();
     let (qkvz, ba) = match d.projections {
         DeltaNetProjections::Split => (
-            up.rows(&[(req(LayerRole::DeltaQkv), all(d.conv_dim())), (req(LayerRole::DeltaZ), all(d.value_dim()))])?,
-            up.rows(&[(req(LayerRole::DeltaB), all(d.n_v_heads)), (req(LayerRole::DeltaA), all(d.n_v_heads))])?,
+            up.rows(&[
+                (req(LayerRole::DeltaQkv), all(d.conv_dim())),
+                (req(LayerRole::DeltaZ), all(d.value_dim())),
+            ])?,
+            up.rows(&[
+                (req(LayerRole::DeltaB), all(d.n_v_heads)),
+                (req(LayerRole::DeltaA), all(d.n_v_heads)),
+            ])?,
         ),
         DeltaNetProjections::Grouped => {
             // Per key head: q (dk), k (dk), v (r dv), z (r dv) rows; b (r), a (r) rows.
@@ -299,7 +307,12 @@ fn upload_delta_net(
             let pick = |start: usize, width: usize, stride: usize| -> Vec<usize> {
                 (0..d.n_k_heads).flat_map(|h| (0..width).map(move |i| h * stride + start + i)).collect()
             };
-            let order = [pick(0, dk, group), pick(dk, dk, group), pick(2 * dk, vw, group), pick(2 * dk + vw, vw, group)];
+            let order = [
+                pick(0, dk, group),
+                pick(dk, dk, group),
+                pick(2 * dk, vw, group),
+                pick(2 * dk + vw, vw, group),
+            ];
             let ba_order = [pick(0, r, 2 * r), pick(r, r, 2 * r)];
             (
                 up.rows(&[(req(LayerRole::DeltaQkvz), order.concat())])?,

@@ -177,7 +177,8 @@ impl<'a> HfFields<'a> {
     /// `partial_rotary_factor` (in `rope_parameters` or at the top level) times `head_dim`.
     fn rotary_dims(&self, head_dim: usize, default_factor: f64) -> Result<usize, ConfigError> {
         let nested = self.raw("rope_parameters").map(|value| HfFields { path: self.path, value });
-        let factor = match nested.as_ref().map(|n| n.opt_f64("partial_rotary_factor")).transpose()?.flatten() {
+        let factor = match nested.as_ref().map(|n| n.opt_f64("partial_rotary_factor")).transpose()?.flatten()
+        {
             Some(f) => f,
             None => self.opt_f64("partial_rotary_factor")?.unwrap_or(default_factor),
         };
@@ -217,10 +218,7 @@ impl<'a> HfFields<'a> {
     fn full_layers_from_types(&self, types: &Value, n_layers: usize) -> Result<Vec<usize>, ConfigError> {
         let list = types.as_array().ok_or_else(|| self.wrong("layer_types", "a list of strings", types))?;
         if list.len() != n_layers {
-            return Err(self.invalid(
-                "layer_types",
-                format!("{} entries for {n_layers} layers", list.len()),
-            ));
+            return Err(self.invalid("layer_types", format!("{} entries for {n_layers} layers", list.len())));
         }
         let mut full = Vec::new();
         for (l, t) in list.iter().enumerate() {
@@ -374,7 +372,10 @@ impl ModelConfig {
         if self.rotary_dims == 0 || self.rotary_dims > self.head_dim || !self.rotary_dims.is_multiple_of(2) {
             return Err((
                 "partial_rotary_factor",
-                format!("{} rotated dims of head_dim {}: must be even and 2..=head_dim", self.rotary_dims, self.head_dim),
+                format!(
+                    "{} rotated dims of head_dim {}: must be even and 2..=head_dim",
+                    self.rotary_dims, self.head_dim
+                ),
             ));
         }
         match &self.hybrid {
@@ -471,7 +472,10 @@ impl HybridConfig {
             }
         }
         if self.conv_kernel < 2 {
-            return Err(("linear_conv_kernel_dim", format!("{}: the conv needs a width of at least 2", self.conv_kernel)));
+            return Err((
+                "linear_conv_kernel_dim",
+                format!("{}: the conv needs a width of at least 2", self.conv_kernel),
+            ));
         }
         if !self.n_v_heads.is_multiple_of(self.n_k_heads) {
             return Err((

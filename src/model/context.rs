@@ -211,7 +211,10 @@ mod tests {
         assert_eq!(kv_bytes_per_position(&c), 2 * c.kv_dim() as u64 * 4);
         // 3 DeltaNet layers: conv (2*32 + 48) x 3 and matrix 4 x 16 x 12, f32.
         assert_eq!(recurrent_state_bytes(&c), 4 * 3 * (112 * 3 + 4 * 16 * 12));
-        assert_eq!(session_bytes(&c, KvType::F32, 10), 10 * kv_bytes_per_position(&c) + recurrent_state_bytes(&c));
+        assert_eq!(
+            session_bytes(&c, KvType::F32, 10),
+            10 * kv_bytes_per_position(&c) + recurrent_state_bytes(&c)
+        );
         let room = recurrent_state_bytes(&c) + 5 * kv_bytes_per_position(&c);
         assert_eq!(resolve_context(&c, None, Some(room)), Ok(5));
     }

@@ -13,8 +13,8 @@ pub mod naming;
 use crate::format::dtype::DType;
 use crate::format::gguf::{GgufError, GgufFile, MetaValue};
 use crate::format::safetensors::{SafetensorsError, SafetensorsModel};
-use crate::format::tensor::TensorRef;
 use crate::format::tensor::TensorError;
+use crate::format::tensor::TensorRef;
 use crate::model::arch::{
     Adapter, AttentionSpec, DeltaNetProjections, DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm,
 };

@@ -76,7 +76,10 @@ impl LayerVectors {
     /// Bytes of f32 this layer holds (what the engine copies out of the file).
     pub fn f32_bytes(&self) -> usize {
         let opt = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, Vec::len);
-        let delta = self.delta_net.as_ref().map_or(0, |d| d.conv.len() + d.dt_bias.len() + d.neg_a.len() + d.norm.len());
+        let delta = self
+            .delta_net
+            .as_ref()
+            .map_or(0, |d| d.conv.len() + d.dt_bias.len() + d.neg_a.len() + d.norm.len());
         4 * (delta
             + self.attn_norm.len()
             + self.ffn_norm.len()
@@ -128,10 +131,18 @@ impl<'m> LayerMatrices<'m> {
 
 /// The token mixer's matrices.
 pub(crate) enum MixerMatrices<'m> {
-    Attention { q: DenseMatrix<'m>, k: DenseMatrix<'m>, v: DenseMatrix<'m>, o: DenseMatrix<'m> },
+    Attention {
+        q: DenseMatrix<'m>,
+        k: DenseMatrix<'m>,
+        v: DenseMatrix<'m>,
+        o: DenseMatrix<'m>,
+    },
     /// The input projections as stored (grouped: `qkvz`, `ba`; split: `qkv`, `z`, `b`, `a`) and
     /// the output projection.
-    DeltaNet { inputs: Vec<DenseMatrix<'m>>, out: DenseMatrix<'m> },
+    DeltaNet {
+        inputs: Vec<DenseMatrix<'m>>,
+        out: DenseMatrix<'m>,
+    },
 }
 
 /// The token embedding and the lm_head (the embedding again when tied), in place.

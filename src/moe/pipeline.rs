@@ -382,8 +382,9 @@ impl Pipeline {
         }
         let plan = model.plan().clone();
         // One cos/sin table serves every layer (`ensure_rope`): per-layer RoPE bases need a table each.
-        let own_rope =
-            |s: &LayerSpec| s.as_attention().is_some_and(|a| a.rope.theta != c.rope_theta || a.rope.dims != c.rotary_dims);
+        let own_rope = |s: &LayerSpec| {
+            s.as_attention().is_some_and(|a| a.rope.theta != c.rope_theta || a.rope.dims != c.rotary_dims)
+        };
         if plan.layers().iter().any(own_rope) {
             return Err(PipelineError::Setup(
                 "layers with their own RoPE base are not supported by the CPU pipeline yet".into(),

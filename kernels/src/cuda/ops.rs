@@ -596,7 +596,15 @@ impl CudaBackend {
         need(K, "p", p, n_tokens * d.p_stride())?;
         need(K, "conv state", conv_state, (d.conv_kernel - 1) * conv_dim)?;
         need(K, "conv weight", weight, d.conv_kernel * conv_dim)?;
-        let args = args![p.raw(), i(d.p_stride()), conv_state.raw(), weight.raw(), i(conv_dim), i(d.conv_kernel), i(n_tokens)];
+        let args = args![
+            p.raw(),
+            i(d.p_stride()),
+            conv_state.raw(),
+            weight.raw(),
+            i(conv_dim),
+            i(d.conv_kernel),
+            i(n_tokens)
+        ];
         self.launch(K, (blocks(conv_dim, BLOCK), 1, 1), BLOCK, 0, args)
     }
 

@@ -489,7 +489,6 @@ pub static ADAPTERS: [Adapter; 6] = [
     qwen35_moe::ADAPTER,
 ];
 
-
 /// The attention layer every current architecture builds from its config: `qk_norm` and
 /// `qkv_bias` are the architecture's, the rest is the config's.
 fn standard_attention(c: &ModelConfig, qk_norm: QkNorm, qkv_bias: bool) -> Mixer {

@@ -41,7 +41,13 @@ fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
 
 fn hf_extra_fields(c: &ModelConfig, obj: &mut Map<String, Value>) {
     super::qwen2_moe::hf_extra_fields(c, obj);
-    for field in ["use_sliding_window", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "intermediate_size"] {
+    for field in [
+        "use_sliding_window",
+        "norm_topk_prob",
+        "decoder_sparse_step",
+        "mlp_only_layers",
+        "intermediate_size",
+    ] {
         obj.remove(field);
     }
 }

@@ -70,4 +70,3 @@ fn hf_extra_fields(c: &ModelConfig, obj: &mut Map<String, Value>) {
     super::qwen2_moe::hf_extra_fields(c, obj);
     obj.remove("use_sliding_window");
 }
-
