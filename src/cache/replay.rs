@@ -19,7 +19,7 @@
 //! Hit rate is hits over accesses (routed experts per call and layer). With a calibration (a
 //! perf JSON with a decode phase) the predicted tg is the per-slot model of `plan`
 //! (`other + sum_l max(k h_l hot, k (1-h_l) cold)` per token) plus each layer's copies per
-//! token times [`CopyCost::copy_s`] of its expert bytes.
+//! token times [`CopyCost::copy_s`](crate::cache::policy::CopyCost::copy_s) of its expert bytes.
 
 use crate::cache::hot_set::HotSet;
 use crate::cache::policy::{belady_hits, LayerPolicy, PolicyConfig, PolicyKind};
