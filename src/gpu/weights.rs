@@ -178,6 +178,12 @@ impl Uploader<'_> {
         Ok(self.be.upload(&t.to_f32_vec()?)?)
     }
 
+    /// Layer `l`'s RMSNorm weight `role` as the scale the kernels multiply by
+    /// ([`Model::norm_weight`]); `None` for a role the layer lacks.
+    fn norm(&self, model: &Model, l: usize, role: LayerRole) -> Result<Option<DeviceBuffer<f32>>, GpuError> {
+        model.norm_weight(l, role)?.map(|w| Ok(self.be.upload(&w)?)).transpose()
+    }
+
     /// One matrix of the given rows of `parts` in order (`(tensor, rows)`): in the tensors'
     /// stored type when they share it, else all as bf16.
     fn rows(&mut self, parts: &[(TensorRef<'_>, Vec<usize>)]) -> Result<DevMatrix, GpuError> {
@@ -230,9 +236,7 @@ fn upload_layer(model: &Model, l: usize, up: &mut Uploader<'_>) -> Result<LayerW
     } else {
         None
     };
-    let norm = |up: &Uploader<'_>, r| -> Result<Option<DeviceBuffer<f32>>, GpuError> {
-        model.norm_weight(l, r)?.map(|w| Ok(up.be.upload(&w)?)).transpose()
-    };
+    let norm = |up: &Uploader<'_>, r| up.norm(model, l, r);
     let mixer = match model.layer_spec(l).mixer {
         Mixer::Attention(a) => MixerWeights::Attention(Box::new(upload_attention(model, l, &a, up)?)),
         Mixer::GatedDeltaNet(d) => MixerWeights::DeltaNet(Box::new(upload_delta_net(model, l, &d, up)?)),
@@ -254,9 +258,7 @@ fn upload_attention(
 ) -> Result<AttentionWeights, GpuError> {
     let req = |r| model.required(l, r);
     let opt_vec = |up: &Uploader<'_>, r| model.layer(l, r).map(|t| up.vec(t)).transpose();
-    let norm = |up: &Uploader<'_>, r| -> Result<Option<DeviceBuffer<f32>>, GpuError> {
-        model.norm_weight(l, r)?.map(|w| Ok(up.be.upload(&w)?)).transpose()
-    };
+    let norm = |up: &Uploader<'_>, r| up.norm(model, l, r);
     let (q, q_gate) = if a.output_gate {
         // `[query | gate]` per head: the query rows, then the gate rows, apart.
         let hd = a.head_dim;
