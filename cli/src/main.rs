@@ -1409,8 +1409,9 @@ fn plan_policies(args: &PlanArgs, model: &Model) -> Result<()> {
     let (_, records) = moe_lanes::cache::trace::trace_records(path, &text, &fingerprint)?;
     let steps = Steps::from_records(&records, c.n_layers, c.n_experts);
     let fractions = if args.policy_fractions.is_empty() {
+        // A budget past every expert's bytes holds them all.
         let all: u64 = model.layer_expert_bytes().iter().map(|b| b * c.n_experts as u64).sum();
-        vec![plan_budget(args, model)? as f64 / all.max(1) as f64]
+        vec![(plan_budget(args, model)? as f64 / all.max(1) as f64).min(1.0)]
     } else {
         args.policy_fractions.clone()
     };
