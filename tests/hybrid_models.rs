@@ -174,3 +174,57 @@ fn synthetic_hybrids_run_on_the_pipeline_as_on_the_oracle() {
         assert!(err < 1e-4, "{arch}: {err}");
     }
 }
+
+/// Real DeltaNet sizes (Qwen3.6's 32 value heads of 128 x 128) make the pipeline run the heads
+/// on the dense stage's pool: the same bits as on one thread, and the oracle's logits.
+#[test]
+fn deltanet_heads_on_the_pool_change_no_bit() {
+    use moe_lanes::reference::{NoObserver, Reference};
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("q36");
+    let dims = DimOverrides {
+        n_layers: Some(4),
+        hidden: Some(64),
+        head_dim: Some(32),
+        vocab: Some(300),
+        n_experts: Some(8),
+        n_experts_used: Some(2),
+        expert_ff: Some(32),
+        shared_expert_ff: Some(32),
+        ..Default::default()
+    };
+    let opts = SynthOptions {
+        adapter: moe_lanes::arch::by_name("qwen3_5_moe").unwrap(),
+        preset: Preset::Qwen36_35bA3b,
+        dims,
+        dtype: moe_lanes::dtype::DType::BF16,
+        seed: 5,
+        skew: Skew::Skewed,
+        format: SynthFormat::Safetensors,
+        out: out.clone(),
+        vocab_from: None,
+    };
+    synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    let model = Arc::new(Model::open(&out).unwrap());
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 53 % 300) as u32).collect();
+    let run = |threads: usize| {
+        let c = model.config();
+        let hot_set = HotSet::from_fraction(c.n_layers, c.n_experts, 1, 0.5, None).unwrap();
+        let opts = PipelineOptions { hot_set: Some(hot_set), n_dense_threads: threads, ..Default::default() };
+        let mut p = Pipeline::new(model.clone(), opts).unwrap();
+        let mut cache = p.new_cache();
+        let mut rows = p.forward(&mut cache, &tokens[..8], Phase::Prefill).unwrap();
+        for &t in &tokens[8..] {
+            rows.extend(p.forward(&mut cache, &[t], Phase::Decode).unwrap());
+        }
+        rows
+    };
+    let (one, pooled) = (run(1), run(3));
+    assert_eq!(one, pooled, "the pool changes no bit");
+    let reference = Reference::new(&model).unwrap();
+    let mut rc = reference.new_cache();
+    let want = reference.forward(&mut rc, &tokens, &mut NoObserver).unwrap();
+    let err = max_rel_err(&pooled, &want);
+    assert!(err < 1e-4, "{err}");
+}

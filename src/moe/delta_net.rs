@@ -19,26 +19,35 @@
 //! size does not grow with the context.
 
 use crate::model::arch::{DeltaNetProjections, DeltaNetSpec};
-use crate::moe::dense::DeltaNetVectors;
+use crate::moe::dense::{DeltaNetVectors, PAR_MIN_MACS};
+use moe_lanes_kernels::{par_chunks_mut, ColdPool, KernelError};
 
 /// One DeltaNet layer's part of a session: fixed size, whatever the context.
 #[derive(Debug, Clone)]
 pub struct DeltaNetState {
     /// The conv's last `kernel - 1` inputs, oldest first, `conv_dim` each.
     conv: Vec<f32>,
-    /// `[v_heads, d_k, d_v]`
-    matrix: Vec<f32>,
+    /// Per value head its `[d_k, d_v]` state followed by `d_v` values of the head's output for
+    /// the current token (so one chunk per head holds all a head's step writes: the heads run in
+    /// parallel on the pool, [`recurrent_step`]).
+    heads: Vec<f32>,
 }
 
 impl DeltaNetState {
     pub fn new(d: &DeltaNetSpec) -> DeltaNetState {
-        DeltaNetState { conv: vec![0.0; d.conv_state_len()], matrix: vec![0.0; d.matrix_state_len()] }
+        let heads = vec![0.0; d.n_v_heads * head_stride(d)];
+        DeltaNetState { conv: vec![0.0; d.conv_state_len()], heads }
     }
 
     /// Bytes this state holds.
     pub fn bytes(&self) -> usize {
-        4 * (self.conv.len() + self.matrix.len())
+        4 * (self.conv.len() + self.heads.len())
     }
+}
+
+/// One head's chunk of [`DeltaNetState::heads`]: its state and its output.
+fn head_stride(d: &DeltaNetSpec) -> usize {
+    d.k_head_dim * d.v_head_dim + d.v_head_dim
 }
 
 /// One token's inputs in conv order, taken from the projections' rows.
@@ -47,6 +56,9 @@ pub(crate) struct TokenInputs {
     pub z: Vec<f32>,
     pub b: Vec<f32>,
     pub a: Vec<f32>,
+    /// Every key head's L2-normalised q (also scaled by `1/sqrt(d_k)`) and k, after the conv.
+    qn: Vec<f32>,
+    kn: Vec<f32>,
 }
 
 impl TokenInputs {
@@ -56,6 +68,8 @@ impl TokenInputs {
             z: vec![0.0; d.value_dim()],
             b: vec![0.0; d.n_v_heads],
             a: vec![0.0; d.n_v_heads],
+            qn: vec![0.0; d.key_dim()],
+            kn: vec![0.0; d.key_dim()],
         }
     }
 
@@ -113,33 +127,48 @@ pub(crate) fn conv_step(d: &DeltaNetSpec, weight: &[f32], state: &mut DeltaNetSt
 }
 
 /// The delta-rule step of every value head for one token, then the gated norm: writes
-/// `value_dim` values to `out`. `inputs.qkv` holds the conv's output.
+/// `value_dim` values to `out`. `inputs.qkv` holds the conv's output. The heads are independent:
+/// on the dense stage's pool when a step is worth waking it ([`PAR_MIN_MACS`]); the same
+/// arithmetic per head either way, so the same bits.
 pub(crate) fn recurrent_step(
     d: &DeltaNetSpec,
     vectors: &DeltaNetVectors,
     state: &mut DeltaNetState,
-    inputs: &TokenInputs,
+    inputs: &mut TokenInputs,
     eps: f32,
+    pool: &mut ColdPool,
     out: &mut [f32],
-) {
+) -> Result<(), KernelError> {
     let (dk, dv, kd) = (d.k_head_dim, d.v_head_dim, d.key_dim());
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    for h in 0..d.n_k_heads {
+        l2_normalize(&inputs.qkv[h * dk..][..dk], &mut inputs.qn[h * dk..][..dk]);
+        inputs.qn[h * dk..][..dk].iter_mut().for_each(|x| *x *= q_scale);
+        l2_normalize(&inputs.qkv[kd + h * dk..][..dk], &mut inputs.kn[h * dk..][..dk]);
+    }
     let per_k = d.n_v_heads / d.n_k_heads;
-    let mut q = vec![0.0f32; dk];
-    let mut k = vec![0.0f32; dk];
-    for j in 0..d.n_v_heads {
+    let inputs = &*inputs;
+    let head = |j: usize, chunk: &mut [f32]| {
         let kh = j / per_k;
-        l2_normalize(&inputs.qkv[kh * dk..][..dk], &mut q);
-        let q_scale = 1.0 / (dk as f32).sqrt();
-        q.iter_mut().for_each(|x| *x *= q_scale);
-        l2_normalize(&inputs.qkv[kd + kh * dk..][..dk], &mut k);
+        let (s, o) = chunk.split_at_mut(dk * dv);
         let v = &inputs.qkv[2 * kd + j * dv..][..dv];
         let beta = sigmoid(inputs.b[j]);
         let g = vectors.neg_a[j] * softplus(inputs.a[j] + vectors.dt_bias[j]);
-        let s = &mut state.matrix[j * dk * dv..][..dk * dv];
-        let o = &mut out[j * dv..][..dv];
-        head_step(s, &q, &k, v, g.exp(), beta, o);
+        head_step(s, &inputs.qn[kh * dk..][..dk], &inputs.kn[kh * dk..][..dk], v, g.exp(), beta, o);
         gated_norm(o, &vectors.norm, &inputs.z[j * dv..][..dv], eps);
+    };
+    let stride = head_stride(d);
+    // Each state value: decay, the k dot, the update and the q dot.
+    let macs = 4 * d.n_v_heads * dk * dv;
+    if pool.n_threads() > 1 && macs >= PAR_MIN_MACS {
+        par_chunks_mut(pool, &mut state.heads, stride, &head)?;
+    } else {
+        state.heads.chunks_exact_mut(stride).enumerate().for_each(|(j, chunk)| head(j, chunk));
     }
+    for (o, chunk) in out.chunks_exact_mut(dv).zip(state.heads.chunks_exact(stride)) {
+        o.copy_from_slice(&chunk[dk * dv..]);
+    }
+    Ok(())
 }
 
 /// One head: decay, delta update and read-out over its `[d_k, d_v]` state.

@@ -887,10 +887,12 @@ impl Pipeline {
         let outputs: Vec<&[f32]> = a.delta_in.iter().map(Vec::as_slice).collect();
         let mut token = TokenInputs::new(&d);
         let vd = d.value_dim();
+        let pool = self.dense.pool_mut();
         for t in 0..n {
             token.gather(&d, &outputs, t);
             conv_step(&d, &vectors.conv, state, &mut token.qkv);
-            recurrent_step(&d, vectors, state, &token, c.rms_eps, &mut a.delta_out[t * vd..(t + 1) * vd]);
+            let out = &mut a.delta_out[t * vd..(t + 1) * vd];
+            recurrent_step(&d, vectors, state, &mut token, c.rms_eps, pool, out)?;
         }
         self.dense.matmul(&a.delta_out[..n * vd], &mut [MatmulPart { w: *out, y: &mut a.proj[..n * h] }])?;
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
