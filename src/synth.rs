@@ -335,7 +335,7 @@ pub fn synth_config(
     dims: &DimOverrides,
 ) -> Result<ModelConfig, SynthError> {
     let mut c = preset_config(adapter, preset);
-    let hybrid = adapter.delta_net.is_some();
+    let hybrid = adapter.hybrid.delta_net.is_some();
     if preset != Preset::Tiny && hybrid != preset.is_hybrid() {
         let want =
             if preset.is_hybrid() { "qwen3_next or qwen3_5_moe" } else { "an attention-only architecture" };
@@ -366,8 +366,8 @@ pub fn synth_config(
     if let Some(tied) = dims.tied_embeddings {
         c.tied_embeddings = tied;
     }
-    c.rotary_dims = ((c.head_dim as f64 * adapter.default_partial_rotary) as usize).max(2) & !1;
-    c.zero_centred_norms = adapter.hf_zero_centred_norms;
+    c.rotary_dims = ((c.head_dim as f64 * adapter.hybrid.default_partial_rotary) as usize).max(2) & !1;
+    c.zero_centred_norms = adapter.hybrid.hf_zero_centred_norms;
     if let Some(h) = &mut c.hybrid {
         h.full_attention_layers = HybridConfig::every_nth_full(QWEN_HYBRID_INTERVAL, c.n_layers);
     }
@@ -591,7 +591,7 @@ pub fn write_synthetic(
         ));
     }
     let generator = WeightGenerator::new(&config, opts);
-    if opts.format == SynthFormat::Gguf && opts.adapter.delta_net.is_some() {
+    if opts.format == SynthFormat::Gguf && opts.adapter.hybrid.delta_net.is_some() {
         return Err(invalid(
             "format",
             format!("GGUF files of {} are not supported yet: write safetensors", opts.adapter.hf_model_type),
@@ -1118,7 +1118,7 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
     let a = opts.adapter;
     // A published multimodal checkpoint (Qwen3.5) keeps the language model under
     // `model.language_model.` and its experts fused, as transformers reads it.
-    let nested = a.hf_text_model_type.is_some();
+    let nested = a.hybrid.hf_text_model_type.is_some();
     let name = |key: &str| match key.strip_prefix("model.") {
         Some(rest) if nested => format!("model.language_model.{rest}"),
         _ => key.to_string(),

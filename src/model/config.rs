@@ -266,7 +266,7 @@ impl ModelConfig {
         let adapter = arch::for_hf_model_type(model_type)
             .map_err(|source| ConfigError::Arch { path: path.into(), source })?;
         // A multimodal checkpoint nests the language model's config (Qwen3.5's `text_config`).
-        let nested = adapter.hf_text_model_type.is_some() && model_type == adapter.hf_model_type;
+        let nested = adapter.hybrid.hf_text_model_type.is_some() && model_type == adapter.hf_model_type;
         let text;
         let f = if nested {
             text = f.raw("text_config").ok_or_else(|| ConfigError::MissingField {
@@ -300,9 +300,9 @@ impl ModelConfig {
             Some(false) => None,
             _ => f.opt_usize("sliding_window")?,
         };
-        let rotary_dims = f.rotary_dims(head_dim, adapter.default_partial_rotary)?;
+        let rotary_dims = f.rotary_dims(head_dim, adapter.hybrid.default_partial_rotary)?;
         let n_layers = f.usize("num_hidden_layers")?;
-        let hybrid = if adapter.delta_net.is_some() { Some(f.hybrid(n_layers)?) } else { None };
+        let hybrid = if adapter.hybrid.delta_net.is_some() { Some(f.hybrid(n_layers)?) } else { None };
         let config = ModelConfig {
             arch: adapter.arch,
             n_layers,
@@ -325,7 +325,7 @@ impl ModelConfig {
             clip_qkv: f.opt_f64("clip_qkv")?.map(|c| c as f32),
             rotary_dims,
             hybrid,
-            zero_centred_norms: adapter.hf_zero_centred_norms,
+            zero_centred_norms: adapter.hybrid.hf_zero_centred_norms,
         };
         config.validate().map_err(|(field, reason)| f.invalid(field, reason))?;
         Ok((config, adapter))
@@ -441,7 +441,7 @@ impl ModelConfig {
             obj.insert("layer_types".into(), json!(types));
         }
         (adapter.hf_extra_fields)(self, obj);
-        match adapter.hf_text_model_type {
+        match adapter.hybrid.hf_text_model_type {
             // The published multimodal form: the language model's config nested.
             Some(text_type) => {
                 obj.insert("model_type".into(), json!(text_type));

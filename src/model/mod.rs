@@ -652,7 +652,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
     let n_experts = meta.opt_u64("expert_count")?.unwrap_or(0) as usize;
     let adapter = crate::model::arch::for_gguf_arch(arch, n_experts)
         .map_err(|source| ModelError::Config(ConfigError::Arch { path: path.into(), source }))?;
-    if adapter.delta_net.is_some() {
+    if adapter.hybrid.delta_net.is_some() {
         return Err(ModelError::GgufHybrid { path: path.into(), arch: arch.to_string() });
     }
     let hidden = meta.usize("embedding_length")?;

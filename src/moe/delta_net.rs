@@ -28,8 +28,9 @@ pub struct DeltaNetState {
     /// The conv's last `kernel - 1` inputs, oldest first, `conv_dim` each.
     conv: Vec<f32>,
     /// Per value head its `[d_k, d_v]` state followed by `d_v` values of the head's output for
-    /// the current token (so one chunk per head holds all a head's step writes: the heads run in
-    /// parallel on the pool, [`recurrent_step`]).
+    /// the current token and `d_v` of its delta scratch (so one chunk per head holds all a
+    /// head's step writes: the heads run in parallel on the pool, [`recurrent_step`], and a step
+    /// allocates nothing).
     heads: Vec<f32>,
 }
 
@@ -45,9 +46,9 @@ impl DeltaNetState {
     }
 }
 
-/// One head's chunk of [`DeltaNetState::heads`]: its state and its output.
+/// One head's chunk of [`DeltaNetState::heads`]: its state, its output and its delta scratch.
 fn head_stride(d: &DeltaNetSpec) -> usize {
-    d.k_head_dim * d.v_head_dim + d.v_head_dim
+    d.k_head_dim * d.v_head_dim + 2 * d.v_head_dim
 }
 
 /// One token's inputs in conv order, taken from the projections' rows.
@@ -75,7 +76,7 @@ impl TokenInputs {
 
     /// Fill from token `t`'s rows of the projections' outputs (`outputs[i]` holds every token's
     /// row of input projection `i`, in the order [`DeltaNetProjections`] lists them).
-    pub fn gather(&mut self, d: &DeltaNetSpec, outputs: &[&[f32]], t: usize) {
+    pub fn gather(&mut self, d: &DeltaNetSpec, outputs: &[Vec<f32>], t: usize) {
         let (vd, nv) = (d.value_dim(), d.n_v_heads);
         let row = |i: usize, width: usize| &outputs[i][t * width..(t + 1) * width];
         match d.projections {
@@ -150,11 +151,13 @@ pub(crate) fn recurrent_step(
     let inputs = &*inputs;
     let head = |j: usize, chunk: &mut [f32]| {
         let kh = j / per_k;
-        let (s, o) = chunk.split_at_mut(dk * dv);
+        let (s, rest) = chunk.split_at_mut(dk * dv);
+        let (o, delta) = rest.split_at_mut(dv);
         let v = &inputs.qkv[2 * kd + j * dv..][..dv];
         let beta = sigmoid(inputs.b[j]);
         let g = vectors.neg_a[j] * softplus(inputs.a[j] + vectors.dt_bias[j]);
-        head_step(s, &inputs.qn[kh * dk..][..dk], &inputs.kn[kh * dk..][..dk], v, g.exp(), beta, o);
+        let (q, k) = (&inputs.qn[kh * dk..][..dk], &inputs.kn[kh * dk..][..dk]);
+        head_step(s, q, k, v, (g.exp(), beta), delta, o);
         gated_norm(o, &vectors.norm, &inputs.z[j * dv..][..dv], eps);
     };
     let stride = head_stride(d);
@@ -166,15 +169,24 @@ pub(crate) fn recurrent_step(
         state.heads.chunks_exact_mut(stride).enumerate().for_each(|(j, chunk)| head(j, chunk));
     }
     for (o, chunk) in out.chunks_exact_mut(dv).zip(state.heads.chunks_exact(stride)) {
-        o.copy_from_slice(&chunk[dk * dv..]);
+        o.copy_from_slice(&chunk[dk * dv..][..dv]);
     }
     Ok(())
 }
 
-/// One head: decay, delta update and read-out over its `[d_k, d_v]` state.
-fn head_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: f32, beta: f32, o: &mut [f32]) {
+/// One head: decay, delta update and read-out over its `[d_k, d_v]` state (`delta`: `d_v` of
+/// scratch).
+fn head_step(
+    s: &mut [f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    (decay, beta): (f32, f32),
+    delta: &mut [f32],
+    o: &mut [f32],
+) {
     let dv = v.len();
-    let mut delta = v.to_vec();
+    delta.copy_from_slice(v);
     for (row, ki) in s.chunks_exact_mut(dv).zip(k) {
         for (r, dl) in row.iter_mut().zip(delta.iter_mut()) {
             *r *= decay;
@@ -184,7 +196,7 @@ fn head_step(s: &mut [f32], q: &[f32], k: &[f32], v: &[f32], decay: f32, beta: f
     delta.iter_mut().for_each(|x| *x *= beta);
     o.fill(0.0);
     for ((row, ki), qi) in s.chunks_exact_mut(dv).zip(k).zip(q) {
-        for ((r, dl), oi) in row.iter_mut().zip(&delta).zip(o.iter_mut()) {
+        for ((r, dl), oi) in row.iter_mut().zip(&*delta).zip(o.iter_mut()) {
             *r += ki * dl;
             *oi += qi * *r;
         }

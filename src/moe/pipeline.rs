@@ -206,6 +206,8 @@ struct Activations {
     delta_in: [Vec<f32>; 4],
     /// A DeltaNet layer's per-head outputs, `value_dim` per token, before `out_proj`.
     delta_out: Vec<f32>,
+    /// Per layer, a DeltaNet layer's one-token inputs (reused every token).
+    delta_token: Vec<Option<TokenInputs>>,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -282,6 +284,14 @@ impl Activations {
             gate: vec![0.0; if gated { m * c.q_dim() } else { 0 }],
             delta_in: delta_in.map(|n| vec![0.0; n]),
             delta_out: vec![0.0; m * widest(&|d| d.value_dim())],
+            delta_token: plan
+                .layers()
+                .iter()
+                .map(|l| match &l.mixer {
+                    Mixer::GatedDeltaNet(d) => Some(TokenInputs::new(d)),
+                    Mixer::Attention(_) => None,
+                })
+                .collect(),
             q: vec![0.0; m * c.q_dim()],
             k: vec![0.0; m * c.kv_dim()],
             v: vec![0.0; m * c.kv_dim()],
@@ -876,23 +886,29 @@ impl Pipeline {
             let x = &a.hidden[t * h..(t + 1) * h];
             rms_norm_row(x, &w.attn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
         }
-        let mut parts: Vec<MatmulPart<'_, '_>> = inputs
-            .iter()
-            .zip(a.delta_in.iter_mut())
-            .map(|(m, buf)| MatmulPart { w: *m, y: &mut buf[..n * m.rows] })
-            .collect();
-        self.dense.matmul(&a.normed[..n * h], &mut parts)?;
-        drop(parts);
+        // Grouped checkpoints store two input projections, split ones four (`MixerMatrices`).
+        fn part<'a, 'y>(m: &DenseMatrix<'a>, buf: &'y mut [f32], n: usize) -> MatmulPart<'a, 'y> {
+            MatmulPart { w: *m, y: &mut buf[..n * m.rows] }
+        }
+        let [b0, b1, b2, b3] = &mut a.delta_in;
+        let x = &a.normed[..n * h];
+        match inputs {
+            [m0, m1] => self.dense.matmul(x, &mut [part(m0, b0, n), part(m1, b1, n)])?,
+            [m0, m1, m2, m3] => {
+                let mut parts = [part(m0, b0, n), part(m1, b1, n), part(m2, b2, n), part(m3, b3, n)];
+                self.dense.matmul(x, &mut parts)?
+            }
+            _ => unreachable!("a DeltaNet layer has two or four input projections"),
+        }
         let vectors = w.delta_net.as_ref().expect("loaded for DeltaNet layers");
-        let outputs: Vec<&[f32]> = a.delta_in.iter().map(Vec::as_slice).collect();
-        let mut token = TokenInputs::new(&d);
+        let token = a.delta_token[l].as_mut().expect("made for DeltaNet layers");
         let vd = d.value_dim();
         let pool = self.dense.pool_mut();
         for t in 0..n {
-            token.gather(&d, &outputs, t);
+            token.gather(&d, &a.delta_in, t);
             conv_step(&d, &vectors.conv, state, &mut token.qkv);
             let out = &mut a.delta_out[t * vd..(t + 1) * vd];
-            recurrent_step(&d, vectors, state, &mut token, c.rms_eps, pool, out)?;
+            recurrent_step(&d, vectors, state, token, c.rms_eps, pool, out)?;
         }
         self.dense.matmul(&a.delta_out[..n * vd], &mut [MatmulPart { w: *out, y: &mut a.proj[..n * h] }])?;
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {

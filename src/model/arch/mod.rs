@@ -449,15 +449,8 @@ pub struct Adapter {
     pub gguf_default_norm_topk: bool,
     /// What `norm_topk_prob` is when a `config.json` does not say (transformers' default).
     pub hf_default_norm_topk: bool,
-    /// The text-only `model_type` of an architecture published as a multimodal checkpoint
-    /// (`qwen3_5_moe_text` for `qwen3_5_moe`, whose `config.json` nests it in `text_config`).
-    pub hf_text_model_type: Option<&'static str>,
-    /// Hugging Face checkpoints store RMSNorm weights zero-centred (scale `1 + w`).
-    pub hf_zero_centred_norms: bool,
-    /// `partial_rotary_factor` when a `config.json` does not say.
-    pub default_partial_rotary: f64,
-    /// The architecture mixes Gated DeltaNet layers in, their projections stored this way.
-    pub delta_net: Option<DeltaNetProjections>,
+    /// What sets the Qwen hybrids apart ([`HybridTraits::NONE`] for the attention-only ones).
+    pub hybrid: HybridTraits,
     pub profile: Profile,
     /// The expert sizes from a `config.json`.
     #[serde(skip)]
@@ -471,6 +464,31 @@ pub struct Adapter {
     /// The spec of layer `l`.
     #[serde(skip)]
     pub layer: fn(&ModelConfig, usize) -> LayerSpec,
+}
+
+/// The traits of an architecture that only the Gated DeltaNet hybrids have today: their layer
+/// kind, their checkpoints' conventions and config defaults.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct HybridTraits {
+    /// The architecture mixes Gated DeltaNet layers in, their projections stored this way.
+    pub delta_net: Option<DeltaNetProjections>,
+    /// The text-only `model_type` of an architecture published as a multimodal checkpoint
+    /// (`qwen3_5_moe_text` for `qwen3_5_moe`, whose `config.json` nests it in `text_config`).
+    pub hf_text_model_type: Option<&'static str>,
+    /// Hugging Face checkpoints store RMSNorm weights zero-centred (scale `1 + w`).
+    pub hf_zero_centred_norms: bool,
+    /// `partial_rotary_factor` when a `config.json` does not say.
+    pub default_partial_rotary: f64,
+}
+
+impl HybridTraits {
+    /// An attention-only architecture: none of the above.
+    pub const NONE: HybridTraits = HybridTraits {
+        delta_net: None,
+        hf_text_model_type: None,
+        hf_zero_centred_norms: false,
+        default_partial_rotary: 1.0,
+    };
 }
 
 impl PartialEq for Adapter {
@@ -538,7 +556,8 @@ pub fn of(arch: Arch) -> &'static Adapter {
 
 /// Look up an adapter by Hugging Face `model_type`.
 pub fn for_hf_model_type(model_type: &str) -> Result<&'static Adapter, UnsupportedArch> {
-    let named = |a: &&Adapter| a.hf_model_type == model_type || a.hf_text_model_type == Some(model_type);
+    let named =
+        |a: &&Adapter| a.hf_model_type == model_type || a.hybrid.hf_text_model_type == Some(model_type);
     ADAPTERS.iter().find(named).ok_or_else(|| UnsupportedArch {
         found: model_type.to_string(),
         source_kind: "config.json model_type",
@@ -619,7 +638,7 @@ mod tests {
             let c = synth_config(a, Preset::Tiny, &DimOverrides::default()).unwrap();
             let plan = LayerPlan::new(a, &c);
             assert_eq!(plan.len(), c.n_layers);
-            let hybrid = a.delta_net.is_some();
+            let hybrid = a.hybrid.delta_net.is_some();
             for (l, spec) in plan.layers().iter().enumerate() {
                 let moe = spec.moe();
                 assert_eq!(moe.shared.is_some(), a.shared_expert, "{:?}", a.arch);
