@@ -469,7 +469,8 @@ impl GpuModel {
             return Ok(());
         }
         self.scratch = None; // free first
-        let s = Scratch::new(&self.be, &self.cfg, t)?;
+        let gated = self.plan.layers().iter().any(|l| l.as_attention().is_some_and(|a| a.output_gate));
+        let s = Scratch::new(&self.be, &self.cfg, t, gated)?;
         self.host = HostScratch::new(&self.cfg, s.cap);
         self.scratch = Some(s);
         Ok(())

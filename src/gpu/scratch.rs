@@ -106,7 +106,8 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    pub fn new(be: &CudaBackend, c: &ModelConfig, t: usize) -> Result<Scratch, GpuError> {
+    /// `gated`: some attention layer has an output gate (its logits need a buffer).
+    pub fn new(be: &CudaBackend, c: &ModelConfig, t: usize, gated: bool) -> Result<Scratch, GpuError> {
         let cap = t.next_power_of_two().max(8);
         let k = c.n_experts_used;
         let inner = (k * c.expert_ff).max(c.shared_expert_ff);
@@ -128,7 +129,7 @@ impl Scratch {
             normed: f(cap * c.hidden)?,
             moe_out: f(cap * c.hidden)?,
             q: f(cap * c.q_dim())?,
-            gate: f(cap * c.q_dim())?,
+            gate: f(if gated { cap * c.q_dim() } else { 0 })?,
             delta_p: f(cap * p_stride)?,
             delta_ba: f(cap * ba)?,
             delta_out: f(cap * vd)?,
