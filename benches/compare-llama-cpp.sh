@@ -5,7 +5,7 @@
 #                                                #   pruned to the llama.cpp sources into $LLAMA_DIR/src
 #   bash benches/compare-llama-cpp.sh build      # cmake build of llama-bench, llama-quantize and our
 #                                                #   llama-argmax (benches/llama-argmax) into $LLAMA_DIR/build
-#                                                #   (CUDA when nvcc is present, else CPU)
+#                                                #   (CUDA when nvcc is present and LLAMA_CUDA is not 0, else CPU)
 #   bash benches/compare-llama-cpp.sh run        # build (if missing, in the background while the model is
 #                                                #   written), then llama.cpp and moe-lanes alternately
 #
@@ -51,7 +51,7 @@ fetch() {
 build() {
     local s="$LLAMA_DIR/src" b="$LLAMA_DIR/build" cuda=OFF
     [ -d "$s" ] || { echo "no llama.cpp sources in $s: run '$0 fetch' on a machine with network" >&2; exit 2; }
-    if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+    if [ "${LLAMA_CUDA:-auto}" != 0 ] && { command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; }; then
         cuda=ON
         export PATH="/usr/local/cuda/bin:$PATH"
     fi

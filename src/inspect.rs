@@ -28,6 +28,9 @@ pub struct InspectReport {
     pub rope_theta: f32,
     /// What each layer is, one line per run of equal layers (`LayerPlan::summary`).
     pub layer_kinds: Vec<String>,
+    /// Multi-token-prediction layers after the last layer: loaded, not run.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub mtp_layers: usize,
     pub expert_dtype: String,
     /// Tensor count per dtype.
     pub dtypes: BTreeMap<String, usize>,
@@ -76,6 +79,7 @@ impl InspectReport {
             norm_topk_prob: c.norm_topk_prob,
             rope_theta: c.rope_theta,
             layer_kinds: model.plan().summary(),
+            mtp_layers: c.mtp_layers,
             expert_dtype: model.expert_dtype().name().to_string(),
             dtypes,
             n_tensors: tensors.len(),
@@ -105,6 +109,9 @@ impl InspectReport {
         line("layers", self.n_layers.to_string());
         for kinds in &self.layer_kinds {
             line("  layer kinds", kinds.clone());
+        }
+        if self.mtp_layers > 0 {
+            line("  mtp layers", format!("{} (multi-token prediction: loaded, not run)", self.mtp_layers));
         }
         line("experts", format!("{} (top-{} used per token)", self.n_experts, self.n_experts_used));
         line("hidden", self.hidden.to_string());
@@ -180,4 +187,8 @@ pub fn format_bytes(n_bytes: u64) -> String {
     } else {
         format!("{value:.2} {unit} ({n_bytes} bytes)")
     }
+}
+
+fn is_zero(n: &usize) -> bool {
+    *n == 0
 }

@@ -146,7 +146,9 @@ fn layer_of(name: &str) -> Option<usize> {
 /// The element type `name` (row-major `shape`, stored as `source`) gets in `mix`.
 pub fn tensor_type(mix: QuantMix, name: &str, shape: &[usize], source: DType, facts: ModelFacts) -> DType {
     let matrix_dims = shape.iter().filter(|&&d| d != 1).count();
-    if matrix_dims < 2 || name.contains("ffn_gate_inp") || !name.ends_with(".weight") {
+    // Routers and DeltaNet convs (a few values per channel) stay as they are, as llama.cpp keeps them.
+    let kept = name.contains("ffn_gate_inp") || name.contains("ssm_conv1d");
+    if matrix_dims < 2 || kept || !name.ends_with(".weight") {
         return source;
     }
     let layer = layer_of(name).unwrap_or(0);
@@ -164,6 +166,12 @@ pub fn tensor_type(mix: QuantMix, name: &str, shape: &[usize], source: DType, fa
         if eight_experts {
             t = DType::Q8_0;
         }
+    } else if name.contains("attn_qkv.weight") {
+        t = match mix {
+            QuantMix::Q4_K_M => DType::Q5_K,
+            QuantMix::Q5_K_M => DType::Q6_K,
+            _ => t,
+        };
     } else if name.contains("attn_k.weight") {
         if eight_experts {
             t = DType::Q8_0;

@@ -472,15 +472,12 @@ fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorErr
         }
         Mixer::GatedDeltaNet(d) => {
             use LayerRole::*;
-            let inputs: &[LayerRole] = match d.projections {
-                DeltaNetProjections::Grouped => &[DeltaQkvz, DeltaBa],
-                DeltaNetProjections::Split => &[DeltaQkv, DeltaZ, DeltaB, DeltaA],
-            };
+            let inputs = crate::model::naming::delta_input_roles(d.projections);
             MixerWeights::DeltaNet(DeltaNetWeights {
                 inputs: inputs.iter().map(|&r| req(r)).collect::<Result<_, _>>()?,
                 conv: req(DeltaConv)?,
                 dt_bias: req(DeltaDtBias)?,
-                a_log: req(DeltaALog)?,
+                a_log: model.delta_a_log(layer_idx)?,
                 norm: req(DeltaNorm)?,
                 out: req(DeltaOut)?,
             })
@@ -512,10 +509,9 @@ fn delta_net(
     let (kd, dk, dv) = (d.key_dim(), d.k_head_dim, d.v_head_dim);
     let (q, rest) = mixed.split_at(kd);
     let (k, v) = rest.split_at(kd);
-    let per_key_head = d.n_v_heads / d.n_k_heads;
     let mut out = vec![0.0; d.value_dim()];
     for j in 0..d.n_v_heads {
-        let kh = j / per_key_head;
+        let kh = d.k_head_of(j);
         let mut qh = l2_normalized(&q[kh * dk..][..dk]);
         qh.iter_mut().for_each(|x| *x /= (dk as f32).sqrt());
         let kh = l2_normalized(&k[kh * dk..][..dk]);
@@ -560,19 +556,15 @@ fn delta_net_inputs(
     w: &DeltaNetWeights,
     x: &[f32],
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
-    let (kd, vd, nv) = (d.key_dim(), d.value_dim(), d.n_v_heads);
-    match d.projections {
-        DeltaNetProjections::Split => (
-            matvec(&w.inputs[0], x, d.conv_dim()),
-            matvec(&w.inputs[1], x, vd),
-            matvec(&w.inputs[2], x, nv),
-            matvec(&w.inputs[3], x, nv),
-        ),
+    let (vd, nv) = (d.value_dim(), d.n_v_heads);
+    let r = nv / d.n_k_heads;
+    let (qkv, z) = match d.projections {
+        DeltaNetProjections::Split | DeltaNetProjections::SplitGroupedBa => {
+            (matvec(&w.inputs[0], x, d.conv_dim()), matvec(&w.inputs[1], x, vd))
+        }
         DeltaNetProjections::Grouped => {
             let qkvz = matvec(&w.inputs[0], x, d.conv_dim() + vd);
-            let ba = matvec(&w.inputs[1], x, 2 * nv);
-            let (dk, r) = (d.k_head_dim, nv / d.n_k_heads);
-            let vw = r * d.v_head_dim;
+            let (dk, vw) = (d.k_head_dim, r * d.v_head_dim);
             let (mut q, mut k, mut v, mut z) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for group in qkvz.chunks(2 * dk + 2 * vw) {
                 q.extend_from_slice(&group[..dk]);
@@ -580,17 +572,24 @@ fn delta_net_inputs(
                 v.extend_from_slice(&group[2 * dk..2 * dk + vw]);
                 z.extend_from_slice(&group[2 * dk + vw..]);
             }
+            q.extend(k);
+            q.extend(v);
+            (q, z)
+        }
+    };
+    let (b, a) = match d.projections {
+        DeltaNetProjections::Split => (matvec(&w.inputs[2], x, nv), matvec(&w.inputs[3], x, nv)),
+        DeltaNetProjections::Grouped | DeltaNetProjections::SplitGroupedBa => {
+            let ba = matvec(w.inputs.last().expect("a ba projection"), x, 2 * nv);
             let (mut b, mut a) = (Vec::new(), Vec::new());
             for group in ba.chunks(2 * r) {
                 b.extend_from_slice(&group[..r]);
                 a.extend_from_slice(&group[r..]);
             }
-            debug_assert_eq!(q.len() + k.len(), 2 * kd);
-            q.extend(k);
-            q.extend(v);
-            (q, z, b, a)
+            (b, a)
         }
-    }
+    };
+    (qkv, z, b, a)
 }
 
 /// The depthwise causal conv for one new input, then SiLU: channel `c` is

@@ -13,10 +13,10 @@
 //! permutation, `bias(rank) = -s * ln(1 + rank)` in units of the router logits' noise.
 
 use crate::format::dtype::DType;
-use crate::format::gguf::{GgufError, GgufFile, GgufWriter, MetaValue};
+use crate::format::gguf::{GgufError, GgufFile, GgufValueType, GgufWriter, MetaArray, MetaValue};
 use crate::format::safetensors::{self, SafetensorsError, TensorSpec};
 use crate::format::tensor::encode_f32;
-use crate::model::arch::{Adapter, Arch};
+use crate::model::arch::{Adapter, Arch, DeltaNetProjections, VHeadOrder};
 use crate::model::config::HybridConfig;
 use crate::model::config::ModelConfig;
 use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
@@ -28,6 +28,9 @@ use crate::vocab;
 use half::{bf16, f16};
 use serde::Serialize;
 use std::io::Write;
+use std::sync::Arc;
+
+mod gguf_hybrid;
 use std::path::{Path, PathBuf};
 
 /// Dimension presets.
@@ -370,6 +373,10 @@ pub fn synth_config(
     c.zero_centred_norms = adapter.hybrid.hf_zero_centred_norms;
     if let Some(h) = &mut c.hybrid {
         h.full_attention_layers = HybridConfig::every_nth_full(QWEN_HYBRID_INTERVAL, c.n_layers);
+        // The canonical model is the Hugging Face checkpoint; a GGUF file is written from it in
+        // llama.cpp's layout (`gguf_tensor_plan`).
+        h.projections = adapter.hybrid.delta_net.expect("a hybrid config belongs to a hybrid architecture");
+        h.v_heads = VHeadOrder::Grouped;
     }
     c.validate().map_err(|(field, reason)| invalid(field, reason))?;
     check_dim_limits(&c)?;
@@ -405,6 +412,7 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             rotary_dims: 0,
             hybrid: None,
             zero_centred_norms: false,
+            mtp_layers: 0,
         },
         Preset::Qwen3_30bA3b => ModelConfig {
             arch: adapter.arch,
@@ -429,6 +437,7 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             rotary_dims: 0,
             hybrid: None,
             zero_centred_norms: false,
+            mtp_layers: 0,
         },
         Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b => {
             let next = preset == Preset::Qwen3Next80bA3b;
@@ -460,8 +469,11 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                     v_head_dim: 128,
                     conv_kernel: 4,
                     full_attention_layers: Vec::new(),
+                    projections: adapter.hybrid.delta_net.unwrap_or(DeltaNetProjections::Split),
+                    v_heads: VHeadOrder::Grouped,
                 }),
                 zero_centred_norms: false,
+            mtp_layers: 0,
             }
         }
     }
@@ -486,6 +498,8 @@ fn tiny_hybrid(c: &mut ModelConfig, preset: Preset, dims: &DimOverrides) {
         v_head_dim: 16,
         conv_kernel: 4,
         full_attention_layers: Vec::new(),
+        projections: DeltaNetProjections::Split,
+        v_heads: VHeadOrder::Grouped,
     });
 }
 
@@ -591,12 +605,6 @@ pub fn write_synthetic(
         ));
     }
     let generator = WeightGenerator::new(&config, opts);
-    if opts.format == SynthFormat::Gguf && opts.adapter.hybrid.delta_net.is_some() {
-        return Err(invalid(
-            "format",
-            format!("GGUF files of {} are not supported yet: write safetensors", opts.adapter.hf_model_type),
-        ));
-    }
     let tensors = match opts.format {
         SynthFormat::Gguf => gguf_tensor_plan(&config, opts),
         SynthFormat::Safetensors => hf_tensor_plan(&config, opts),
@@ -612,7 +620,12 @@ pub fn write_synthetic(
         }
     };
     if opts.format == SynthFormat::Gguf {
+        // What a reader of the file sees.
         config.rope_style = opts.adapter.gguf_rope_style;
+        config.zero_centred_norms = false;
+        if let (Some(h), Some((projections, v_heads))) = (&mut config.hybrid, opts.adapter.hybrid.gguf_delta_net) {
+            (h.projections, h.v_heads) = (projections, v_heads);
+        }
     }
     Ok(SynthReport { path: opts.out.clone(), format: opts.format, n_bytes, n_tensors: tensors.len(), config })
 }
@@ -731,11 +744,37 @@ fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
     w.add_metadata(k("attention.value_length"), u32v(c.head_dim));
     w.add_metadata(k("attention.layer_norm_rms_epsilon"), MetaValue::F32(c.rms_eps));
     w.add_metadata(k("rope.freq_base"), MetaValue::F32(c.rope_theta));
-    w.add_metadata(k("rope.dimension_count"), u32v(c.head_dim));
+    w.add_metadata(k("rope.dimension_count"), u32v(c.rotary_dims));
     w.add_metadata(k("expert_count"), u32v(c.n_experts));
     w.add_metadata(k("expert_used_count"), u32v(c.n_experts_used));
     w.add_metadata(k("expert_weights_norm"), MetaValue::Bool(c.norm_topk_prob));
     w.add_metadata(k("vocab_size"), u32v(c.vocab));
+    if let Some(h) = &c.hybrid {
+        add_hybrid_metadata(w, c, h, arch);
+    }
+}
+
+/// The DeltaNet keys llama.cpp's converter writes for the Qwen hybrids.
+fn add_hybrid_metadata(w: &mut GgufWriter, c: &ModelConfig, h: &HybridConfig, arch: &str) {
+    let k = |suffix: &str| format!("{arch}.{suffix}");
+    let u32v = |v: usize| MetaValue::U32(v as u32);
+    w.add_metadata(k("ssm.conv_kernel"), u32v(h.conv_kernel));
+    w.add_metadata(k("ssm.state_size"), u32v(h.k_head_dim));
+    w.add_metadata(k("ssm.group_count"), u32v(h.n_k_heads));
+    w.add_metadata(k("ssm.time_step_rank"), u32v(h.n_v_heads));
+    w.add_metadata(k("ssm.inner_size"), u32v(h.n_v_heads * h.v_head_dim));
+    let recurrent = (0..c.n_layers).map(|l| MetaValue::Bool(!h.is_full_attention(l))).collect();
+    let array = MetaArray { elem_type: GgufValueType::Bool, values: recurrent };
+    w.add_metadata(k("attention.recurrent_layers"), MetaValue::Array(array));
+    w.add_metadata(k("full_attention_interval"), u32v(QWEN_HYBRID_INTERVAL));
+    if c.arch == Arch::Qwen35Moe {
+        // Qwen3.5's MRoPE sections (11, 11, 10 of 32 rotated pairs), scaled to this model's
+        // rotary dims; text positions give every section the same position.
+        let pairs = c.rotary_dims / 2;
+        let first = pairs * 11 / 32;
+        let sections = [first, first, pairs - 2 * first, 0].map(|s| s as i32).to_vec();
+        w.add_metadata(k("rope.dimension_sections"), MetaValue::i32_array(sections));
+    }
 }
 
 /// The small synthetic byte-level BPE tokenizer (src/vocab.rs) with the ChatML chat template.
@@ -783,12 +822,50 @@ impl PlannedTensor {
 struct Canonical {
     /// Hugging Face name; seeds the generator.
     key: String,
+    /// The canonical (Hugging Face) tensor's rows and columns.
     n_rows: usize,
     n_cols: usize,
     init: Init,
-    /// Write rows in llama.cpp's permuted order for interleaved RoPE (`head_dim` of the heads).
-    permute_rope_rows: Option<usize>,
+    /// Which canonical row each row on disk holds.
+    rows: RowMap,
+    /// Which canonical column each column on disk holds (`None`: all, in order).
+    cols: Option<Arc<[usize]>>,
+    /// How a canonical value is stored.
+    value: ValueMap,
     layer_idx: usize,
+}
+
+/// The rows a tensor on disk takes from its canonical tensor.
+#[derive(Clone)]
+enum RowMap {
+    Same,
+    /// llama.cpp's permuted order for interleaved RoPE (`head_dim` of the heads).
+    RopeInterleaved(usize),
+    /// Disk row `i` is canonical row `rows[i]` (llama.cpp's DeltaNet layouts).
+    Pick(Arc<[usize]>),
+}
+
+/// How a canonical value (already rounded to the model dtype) is stored.
+#[derive(Clone, Copy, PartialEq)]
+enum ValueMap {
+    Same,
+    /// `1 + w`: a zero-centred RMSNorm weight in a file that stores the scale (GGUF).
+    PlusOne,
+    /// `-exp(w)`: llama.cpp's `ssm_a` for a DeltaNet's `A_log`.
+    NegExp,
+}
+
+impl Canonical {
+    fn disk_rows(&self) -> usize {
+        match &self.rows {
+            RowMap::Pick(rows) => rows.len(),
+            _ => self.n_rows,
+        }
+    }
+
+    fn disk_cols(&self) -> usize {
+        self.cols.as_ref().map_or(self.n_cols, |c| c.len())
+    }
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -857,14 +934,17 @@ impl WeightGenerator {
         // Rows per chunk: bounded so one chunk stays near 4 MiB of f32 whatever the row length.
         let mut values = Vec::new();
         let mut bytes = Vec::new();
+        let mut row_values = Vec::new();
         for part in &t.parts {
             let chunk_rows = (1 << 20) / part.n_cols.max(1) + 1;
             let mut row_begin = 0;
-            while row_begin < part.n_rows {
-                let row_end = (row_begin + chunk_rows).min(part.n_rows);
+            while row_begin < part.disk_rows() {
+                let row_end = (row_begin + chunk_rows).min(part.disk_rows());
                 values.clear();
                 for row in row_begin..row_end {
-                    self.push_row(part, disk_row_to_canonical(part, row), &mut values);
+                    row_values.clear();
+                    self.push_row(part, disk_row_to_canonical(part, row), &mut row_values);
+                    stored_row(part, &row_values, &mut values);
                 }
                 bytes.clear();
                 encode_f32(t.dtype, &values, &mut bytes);
@@ -934,15 +1014,30 @@ impl WeightGenerator {
 
 /// Map an on-disk row to the canonical row (identity unless the rows are RoPE-permuted).
 fn disk_row_to_canonical(part: &Canonical, disk_row: usize) -> usize {
-    match part.permute_rope_rows {
-        None => disk_row,
-        Some(head_dim) => {
+    match &part.rows {
+        RowMap::Same => disk_row,
+        RowMap::Pick(rows) => rows[disk_row],
+        &RowMap::RopeInterleaved(head_dim) => {
             let head = disk_row / head_dim;
             let local = disk_row % head_dim;
             let half = head_dim / 2;
             let canonical_local = if local.is_multiple_of(2) { local / 2 } else { half + local / 2 };
             head * head_dim + canonical_local
         }
+    }
+}
+
+/// Append the disk form of one canonical row: its columns as the disk keeps them, each value
+/// mapped.
+fn stored_row(part: &Canonical, canonical: &[f32], out: &mut Vec<f32>) {
+    let map = |v: f32| match part.value {
+        ValueMap::Same => v,
+        ValueMap::PlusOne => 1.0 + v,
+        ValueMap::NegExp => -v.exp(),
+    };
+    match &part.cols {
+        None => out.extend(canonical.iter().map(|&v| map(v))),
+        Some(cols) => out.extend(cols.iter().map(|&c| map(canonical[c]))),
     }
 }
 
@@ -1057,7 +1152,7 @@ fn canonical_2d(key: String, shape: &[usize], init: Init, layer_idx: usize) -> C
         [r, c] => (*r, *c),
         _ => unreachable!("canonical tensors are 1-D or 2-D"),
     };
-    Canonical { key, n_rows, n_cols, init, permute_rope_rows: None, layer_idx }
+    Canonical { key, n_rows, n_cols, init, rows: RowMap::Same, cols: None, value: ValueMap::Same, layer_idx }
 }
 
 fn global_parts(c: &ModelConfig, a: &Adapter) -> Vec<(GlobalRole, Canonical)> {
@@ -1172,30 +1267,44 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
 
 fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
     let a = opts.adapter;
-    // llama.cpp's converter permutes q/k rows where its GGUF RoPE pairs differ from the HF ones.
+    // llama.cpp's converter permutes q/k rows where its GGUF RoPE pairs differ from the HF ones,
+    // and stores zero-centred norms as the scale `1 + w`.
     let permute = a.gguf_rope_style != a.rope_style;
+    let plus_one = |part: &mut Canonical, centred: bool| {
+        if c.zero_centred_norms && centred {
+            part.value = ValueMap::PlusOne;
+        }
+    };
     let mut plan = Vec::new();
-    for (role, part) in global_parts(c, a) {
+    for (role, mut part) in global_parts(c, a) {
+        plus_one(&mut part, role == GlobalRole::OutputNorm);
         let dtype = if role == GlobalRole::OutputNorm { DType::F32 } else { opts.dtype };
         let shape =
             if role == GlobalRole::OutputNorm { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
         plan.push(PlannedTensor { name: naming::gguf_global(role).into(), dtype, shape, parts: vec![part] });
     }
     for layer_idx in 0..c.n_layers {
+        let delta = gguf_hybrid::delta_parts(c, a, layer_idx);
+        let mut tensors: Vec<(LayerRole, Vec<Canonical>)> = Vec::new();
         for (role, mut part) in layer_parts(c, a, layer_idx) {
-            if permute && matches!(role, LayerRole::Q | LayerRole::K) {
-                part.permute_rope_rows = Some(c.head_dim);
+            if delta.is_some() && role.is_delta_net() {
+                continue;
             }
-            let one_d = part.n_rows == 1;
-            let f32_role = one_d || role == LayerRole::Router;
+            if permute && matches!(role, LayerRole::Q | LayerRole::K) {
+                part.rows = RowMap::RopeInterleaved(c.head_dim);
+            }
+            plus_one(&mut part, role.is_centred_norm());
+            tensors.push((role, vec![part]));
+        }
+        tensors.extend(delta.into_iter().flatten());
+        for (role, parts) in tensors {
+            let one_d = parts[0].n_rows == 1;
+            // Routers and DeltaNet convs stay f32, as llama.cpp's converter keeps them.
+            let f32_role = one_d || matches!(role, LayerRole::Router | LayerRole::DeltaConv);
             let dtype = if f32_role { DType::F32 } else { opts.dtype };
-            let shape = if one_d { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
-            plan.push(PlannedTensor {
-                name: naming::gguf_layer(layer_idx, role),
-                dtype,
-                shape,
-                parts: vec![part],
-            });
+            let rows = parts.iter().map(Canonical::disk_rows).sum();
+            let shape = if one_d { vec![parts[0].disk_cols()] } else { vec![rows, parts[0].disk_cols()] };
+            plan.push(PlannedTensor { name: naming::gguf_layer(a, layer_idx, role), dtype, shape, parts });
         }
         for proj in ExpertProj::ALL {
             let parts: Vec<Canonical> =
@@ -1244,7 +1353,9 @@ mod tests {
             n_rows: 16,
             n_cols: 1,
             init: Init::NormWeight,
-            permute_rope_rows: Some(8),
+            rows: RowMap::RopeInterleaved(8),
+            cols: None,
+            value: ValueMap::Same,
             layer_idx: 0,
         };
         let mapped: Vec<usize> = (0..16).map(|r| disk_row_to_canonical(&part, r)).collect();

@@ -228,3 +228,67 @@ fn deltanet_heads_on_the_pool_change_no_bit() {
     let err = max_rel_err(&pooled, &want);
     assert!(err < 1e-4, "{err}");
 }
+
+/// A synthetic hybrid of one seed as a GGUF file (llama.cpp's layout: Qwen3-Next's split `qkv`
+/// and `z` beside its grouped `ba`, Qwen3.5's value heads in tiled order, `ssm_a = -exp(A_log)`,
+/// norms stored as scales, `post_attention_norm`) and as a safetensors directory is one model:
+/// the oracle gives the same logits on both, and the pipeline (and the GPU engine where there is
+/// one) on the GGUF file gives the oracle's.
+#[test]
+fn gguf_hybrids_are_the_safetensors_model_in_llama_cpp_layout() {
+    use moe_lanes::arch::{DeltaNetProjections, Mixer, VHeadOrder};
+    use moe_lanes::reference::{NoObserver, Reference};
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: Vec<u32> = (0..24).map(|i| (i * 41 % 500) as u32).collect();
+    for (arch, layout) in [
+        ("qwen3_next", (DeltaNetProjections::SplitGroupedBa, VHeadOrder::Grouped)),
+        ("qwen3_5_moe", (DeltaNetProjections::Split, VHeadOrder::Tiled)),
+    ] {
+        let mut logits = Vec::new();
+        let mut models = Vec::new();
+        for format in [SynthFormat::Gguf, SynthFormat::Safetensors] {
+            let out = dir.path().join(format!("{arch}-{format:?}"));
+            let opts = SynthOptions {
+                adapter: moe_lanes::arch::by_name(arch).unwrap(),
+                preset: Preset::Tiny,
+                dims: DimOverrides { n_layers: Some(5), ..Default::default() },
+                dtype: moe_lanes::dtype::DType::BF16,
+                seed: 9,
+                skew: Skew::Skewed,
+                format,
+                out: out.clone(),
+                vocab_from: None,
+            };
+            synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+            let model = Arc::new(Model::open(&out).unwrap());
+            let reference = Reference::new(&model).unwrap();
+            let mut rc = reference.new_cache();
+            logits.push(reference.forward(&mut rc, &tokens, &mut NoObserver).unwrap());
+            models.push(model);
+        }
+        let gguf = &models[0];
+        let Mixer::GatedDeltaNet(d) = gguf.layer_spec(0).mixer else { panic!("{arch}: layer 0 is DeltaNet") };
+        assert_eq!((d.projections, d.v_heads), layout, "{arch}");
+        assert!(d.n_v_heads > d.n_k_heads, "{arch}: the head order matters");
+        assert_eq!(gguf.config().n_attention_layers(), 1, "{arch}: layer 3 of 5");
+        let err = max_rel_err(&logits[0], &logits[1]);
+        assert!(err < 1e-5, "{arch}: oracle on GGUF vs safetensors: {err}");
+        let mut p = pipeline(gguf, 0.5, 16);
+        let mut cache = p.new_cache();
+        let mut got = p.forward(&mut cache, &tokens[..20], Phase::Prefill).unwrap();
+        for &t in &tokens[20..] {
+            got.extend(p.forward(&mut cache, &[t], Phase::Decode).unwrap());
+        }
+        let err = max_rel_err(&got, &logits[1]);
+        assert!(err < 1e-4, "{arch}: pipeline on GGUF vs oracle: {err}");
+        if gpu_usable() {
+            let mut engine = gpu_engine(gguf, 0.5);
+            let mut cache = engine.new_cache(64).unwrap();
+            let got = engine.forward(&tokens, Phase::Prefill, &mut cache).unwrap().rows();
+            let err = max_rel_err(&got, &logits[1]);
+            println!("{arch} gguf gpu: {err:.2e}");
+            assert!(err < GPU_TOLERANCE, "{arch}: GPU on GGUF vs oracle: {err}");
+        }
+    }
+}

@@ -1,5 +1,6 @@
-// llama-argmax MODEL NGL TOKENS
-//   MODEL   a GGUF file; NGL  layers on the GPU (0 = CPU only); TOKENS  comma-separated ids.
+// llama-argmax MODEL NGL TOKENS [LOGITS_OUT]
+//   MODEL   a GGUF file; NGL  layers on the GPU (0 = CPU only); TOKENS  comma-separated ids;
+//   LOGITS_OUT  where to write every position's logits (little-endian f32, a row per position).
 // Decodes the tokens in one batch with logits for every position and prints one JSON object:
 // {"argmax": [...], "gap": [...]} (per position: the top logit's id and its lead over the second).
 #include "llama.h"
@@ -31,8 +32,8 @@ static void top2(const float * row, int n, int & best, float & gap) {
 }
 
 int main(int argc, char ** argv) {
-    if (argc != 4) {
-        fprintf(stderr, "usage: %s MODEL NGL TOKENS\n", argv[0]);
+    if (argc != 4 && argc != 5) {
+        fprintf(stderr, "usage: %s MODEL NGL TOKENS [LOGITS_OUT]\n", argv[0]);
         return 2;
     }
     std::vector<llama_token> tokens = parse_tokens(argv[3]);
@@ -65,6 +66,14 @@ int main(int argc, char ** argv) {
         gaps += (i ? "," : "") + std::to_string(gap);
     }
     printf("{\"argmax\": %s], \"gap\": %s]}\n", ids.c_str(), gaps.c_str());
+    if (argc == 5) {
+        FILE * f = fopen(argv[4], "wb");
+        if (!f) { fprintf(stderr, "cannot write %s\n", argv[4]); return 1; }
+        for (size_t i = 0; i < tokens.size(); i++) {
+            fwrite(llama_get_logits_ith(ctx, (int32_t) i), sizeof(float), (size_t) n_vocab, f);
+        }
+        if (fclose(f) != 0) { fprintf(stderr, "cannot write %s\n", argv[4]); return 1; }
+    }
     llama_batch_free(batch);
     llama_free(ctx);
     llama_model_free(model);

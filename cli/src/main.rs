@@ -392,7 +392,7 @@ struct DemoArgs {
 #[derive(Args)]
 struct SynthArgs {
     /// Architecture: qwen3_moe, mixtral, olmoe, qwen2_moe, or the hybrids qwen3_next and qwen3_5_moe
-    /// (Gated DeltaNet + gated attention; safetensors only for now).
+    /// (Gated DeltaNet + gated attention; GGUF in llama.cpp's layout or safetensors).
     #[arg(long, default_value = "qwen3_moe")]
     arch: String,
     /// Dimension preset: tiny, qwen3-30b-a3b, or for the hybrids qwen3.6-35b-a3b (--arch

@@ -39,7 +39,7 @@ extern "C" __global__ void delta_conv_f32(float* p, int p_stride, float* state, 
 }
 
 // The gated delta rule and the gated RMSNorm, token by token. One block per value head (its key
-// head: head / (nv / nk)), one thread per value channel j < dv (blockDim: dv rounded up to a
+// head: head / (nv / nk), or head % nk when `tiled`), one thread per value channel j < dv (blockDim: dv rounded up to a
 // warp), each holding column j of the head's [dk, dv] state in registers (dk <= DELTA_MAX_DK):
 //   q, k = l2norm(q), l2norm(k) (q also / sqrt(dk)); beta = sigmoid(b); g = neg_a * softplus(a + dt_bias)
 //   S *= exp(g); S[:, j] += k * beta * (v_j - S[:, j] . k); o_j = S[:, j] . q
@@ -49,12 +49,12 @@ extern "C" __global__ void delta_rule_f32(const float* __restrict__ p, int p_str
                                           float* state, const float* __restrict__ dt_bias,
                                           const float* __restrict__ neg_a, const float* __restrict__ norm_w,
                                           float* __restrict__ out, int nk, int nv, int dk, int dv, float eps,
-                                          int n_tokens) {
+                                          int n_tokens, int tiled) {
     pdl_enter();
     __shared__ float qs[DELTA_MAX_DK], ks[DELTA_MAX_DK];
     int head = blockIdx.x, j = threadIdx.x;
     bool mine = j < dv;
-    int kh = head / (nv / nk), kd = nk * dk, vd = nv * dv;
+    int kh = tiled ? head % nk : head / (nv / nk), kd = nk * dk, vd = nv * dv;
     float* st = state + (size_t)head * dk * dv;
     float s[DELTA_MAX_DK];
 #pragma unroll

@@ -7,7 +7,7 @@ use super::model::{GpuModel, PrefillAttention};
 use super::scratch::Q8Buf;
 use super::weights::MixerWeights;
 use super::GpuError;
-use crate::model::arch::{AttentionSpec, DeltaNetSpec, Mixer, QkNorm, RopeStyle, RoutingVariant};
+use crate::model::arch::{AttentionSpec, DeltaNetSpec, Mixer, QkNorm, RopeStyle, RoutingVariant, VHeadOrder};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
 use moe_lanes_kernels::cuda::kernel::{DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM};
@@ -503,5 +503,6 @@ pub(crate) fn delta_shape(d: &DeltaNetSpec) -> DeltaShape {
         k_head_dim: d.k_head_dim,
         v_head_dim: d.v_head_dim,
         conv_kernel: d.conv_kernel,
+        tiled_v_heads: d.v_heads == VHeadOrder::Tiled,
     }
 }

@@ -290,39 +290,36 @@ fn upload_delta_net(
 ) -> Result<DeltaNetWeights, GpuError> {
     let req = |r| model.required(l, r);
     let all = |n: usize| (0..n).collect::<Vec<_>>();
-    let (qkvz, ba) = match d.projections {
-        DeltaNetProjections::Split => (
-            up.rows(&[
-                (req(LayerRole::DeltaQkv), all(d.conv_dim())),
-                (req(LayerRole::DeltaZ), all(d.value_dim())),
-            ])?,
-            up.rows(&[
-                (req(LayerRole::DeltaB), all(d.n_v_heads)),
-                (req(LayerRole::DeltaA), all(d.n_v_heads)),
-            ])?,
-        ),
+    // The kernels take `[q | k | v | z]` and `[b | a]` rows, each part over every head.
+    let (dk, r) = (d.k_head_dim, d.n_v_heads / d.n_k_heads);
+    let pick = |start: usize, width: usize, stride: usize| -> Vec<usize> {
+        (0..d.n_k_heads).flat_map(|h| (0..width).map(move |i| h * stride + start + i)).collect()
+    };
+    let qkvz = match d.projections {
+        DeltaNetProjections::Split | DeltaNetProjections::SplitGroupedBa => up.rows(&[
+            (req(LayerRole::DeltaQkv), all(d.conv_dim())),
+            (req(LayerRole::DeltaZ), all(d.value_dim())),
+        ])?,
         DeltaNetProjections::Grouped => {
-            // Per key head: q (dk), k (dk), v (r dv), z (r dv) rows; b (r), a (r) rows.
-            let (dk, r) = (d.k_head_dim, d.n_v_heads / d.n_k_heads);
+            // Per key head: q (dk), k (dk), v (r dv), z (r dv) rows.
             let vw = r * d.v_head_dim;
             let group = 2 * dk + 2 * vw;
-            let pick = |start: usize, width: usize, stride: usize| -> Vec<usize> {
-                (0..d.n_k_heads).flat_map(|h| (0..width).map(move |i| h * stride + start + i)).collect()
-            };
-            let order = [
-                pick(0, dk, group),
-                pick(dk, dk, group),
-                pick(2 * dk, vw, group),
-                pick(2 * dk + vw, vw, group),
-            ];
-            let ba_order = [pick(0, r, 2 * r), pick(r, r, 2 * r)];
-            (
-                up.rows(&[(req(LayerRole::DeltaQkvz), order.concat())])?,
-                up.rows(&[(req(LayerRole::DeltaBa), ba_order.concat())])?,
-            )
+            let order =
+                [pick(0, dk, group), pick(dk, dk, group), pick(2 * dk, vw, group), pick(2 * dk + vw, vw, group)];
+            up.rows(&[(req(LayerRole::DeltaQkvz), order.concat())])?
         }
     };
-    let neg_a: Vec<f32> = req(LayerRole::DeltaALog).to_f32_vec()?.iter().map(|a| -a.exp()).collect();
+    let ba = match d.projections {
+        DeltaNetProjections::Split => up.rows(&[
+            (req(LayerRole::DeltaB), all(d.n_v_heads)),
+            (req(LayerRole::DeltaA), all(d.n_v_heads)),
+        ])?,
+        // Per key head: b (r), a (r) rows.
+        DeltaNetProjections::Grouped | DeltaNetProjections::SplitGroupedBa => {
+            up.rows(&[(req(LayerRole::DeltaBa), [pick(0, r, 2 * r), pick(r, r, 2 * r)].concat())])?
+        }
+    };
+    let neg_a: Vec<f32> = model.delta_a_log(l)?.iter().map(|a| -a.exp()).collect();
     Ok(DeltaNetWeights {
         qkvz,
         ba,

@@ -2,7 +2,7 @@
 //! parsed from a Hugging Face `config.json` or from GGUF metadata, validated once, and written back
 //! out by `synth`. Architecture behaviour that is not a number lives in [`crate::model::arch`].
 
-use crate::model::arch::{self, Adapter, Arch, RopeStyle, UnsupportedArch};
+use crate::model::arch::{self, Adapter, Arch, DeltaNetProjections, RopeStyle, UnsupportedArch, VHeadOrder};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -43,6 +43,9 @@ pub struct ModelConfig {
     /// RMSNorm weights are stored zero-centred (the scale is `1 + w`; transformers' Qwen3-Next
     /// and Qwen3.5 checkpoints), except the DeltaNet's gated norm.
     pub zero_centred_norms: bool,
+    /// Multi-token-prediction (NextN) layers the file carries after the last layer: loaded,
+    /// not run by a forward pass (`mtp_num_hidden_layers`, GGUF `nextn_predict_layers`).
+    pub mtp_layers: usize,
 }
 
 /// The linear-attention side of a hybrid model.
@@ -55,6 +58,10 @@ pub struct HybridConfig {
     pub conv_kernel: usize,
     /// The layers with full attention; every other layer is Gated DeltaNet.
     pub full_attention_layers: Vec<usize>,
+    /// How the file stores the DeltaNet input projections and orders the value heads (the
+    /// architecture's Hugging Face or GGUF layout).
+    pub projections: DeltaNetProjections,
+    pub v_heads: VHeadOrder,
 }
 
 impl HybridConfig {
@@ -194,7 +201,7 @@ impl<'a> HfFields<'a> {
 
     /// The DeltaNet sizes and which layers are full attention (`layer_types`, else
     /// `full_attention_interval`, default 4).
-    fn hybrid(&self, n_layers: usize) -> Result<HybridConfig, ConfigError> {
+    fn hybrid(&self, n_layers: usize, projections: DeltaNetProjections) -> Result<HybridConfig, ConfigError> {
         let full_attention_layers = match self.raw("layer_types") {
             Some(types) => self.full_layers_from_types(types, n_layers)?,
             None => {
@@ -212,6 +219,8 @@ impl<'a> HfFields<'a> {
             v_head_dim: self.usize("linear_value_head_dim")?,
             conv_kernel: self.opt_usize("linear_conv_kernel_dim")?.unwrap_or(4),
             full_attention_layers,
+            projections,
+            v_heads: VHeadOrder::Grouped,
         })
     }
 
@@ -302,7 +311,7 @@ impl ModelConfig {
         };
         let rotary_dims = f.rotary_dims(head_dim, adapter.hybrid.default_partial_rotary)?;
         let n_layers = f.usize("num_hidden_layers")?;
-        let hybrid = if adapter.hybrid.delta_net.is_some() { Some(f.hybrid(n_layers)?) } else { None };
+        let hybrid = adapter.hybrid.delta_net.map(|p| f.hybrid(n_layers, p)).transpose()?;
         let config = ModelConfig {
             arch: adapter.arch,
             n_layers,
@@ -326,6 +335,7 @@ impl ModelConfig {
             rotary_dims,
             hybrid,
             zero_centred_norms: adapter.hybrid.hf_zero_centred_norms,
+            mtp_layers: f.opt_usize("mtp_num_hidden_layers")?.unwrap_or(0),
         };
         config.validate().map_err(|(field, reason)| f.invalid(field, reason))?;
         Ok((config, adapter))

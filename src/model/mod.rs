@@ -16,9 +16,9 @@ use crate::format::safetensors::{SafetensorsError, SafetensorsModel};
 use crate::format::tensor::TensorError;
 use crate::format::tensor::TensorRef;
 use crate::model::arch::{
-    Adapter, AttentionSpec, DeltaNetProjections, DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm,
+    Adapter, AttentionSpec, DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm,
 };
-use crate::model::config::{ConfigError, ModelConfig};
+use crate::model::config::{ConfigError, HybridConfig, ModelConfig};
 use crate::model::naming::{ExpertProj, GlobalRole, LayerRole};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -56,12 +56,8 @@ pub enum ModelError {
     MissingTensor { path: PathBuf, tensor: String },
     #[error("{path}: tensor '{tensor}' has shape {found:?}, but the config implies {expected:?}")]
     ShapeMismatch { path: PathBuf, tensor: String, expected: Vec<usize>, found: Vec<usize> },
-    #[error(
-        "{path}: GGUF files of the hybrid architecture '{arch}' are not supported yet (its DeltaNet \
-         tensors are laid out differently from the Hugging Face checkpoint); open the safetensors \
-         checkpoint directory instead"
-    )]
-    GgufHybrid { path: PathBuf, arch: String },
+    #[error("{path}: tensor '{tensor}' {reason}")]
+    BadValues { path: PathBuf, tensor: String, reason: String },
     #[error("{path}: tensor '{tensor}' has dtype {dtype}; {allowed} expected")]
     DTypeMismatch { path: PathBuf, tensor: String, dtype: DType, allowed: &'static str },
 }
@@ -278,6 +274,17 @@ impl Model {
         scale_of(t, self.config.zero_centred_norms)
     }
 
+    /// A DeltaNet layer's `A_log` (`[v_heads]`, the log of its decay rate): llama.cpp's converter
+    /// stores `-exp(A_log)` instead (`ssm_a`, checked negative at open), and this takes the log
+    /// back, so no engine needs to know.
+    pub fn delta_a_log(&self, layer_idx: usize) -> Result<Vec<f32>, TensorError> {
+        let stored = self.required(layer_idx, LayerRole::DeltaALog).to_f32_vec()?;
+        Ok(match self.source {
+            Source::Gguf(_) => stored.iter().map(|a| (-a).ln()).collect(),
+            Source::Safetensors(_) => stored,
+        })
+    }
+
     /// Same as [`Model::layer`] for roles the adapter requires (validated at open).
     pub fn required(&self, layer_idx: usize, role: LayerRole) -> TensorRef<'_> {
         self.layer(layer_idx, role).expect("validated at open: required layer tensor exists")
@@ -359,7 +366,7 @@ impl Model {
 
     fn layer_name(&self, layer_idx: usize, role: LayerRole) -> String {
         match self.source {
-            Source::Gguf(_) => naming::gguf_layer(layer_idx, role),
+            Source::Gguf(_) => naming::gguf_layer(self.adapter, layer_idx, role),
             Source::Safetensors(_) => {
                 self.hf_layout.name(naming::hf_layer(self.adapter.hf_naming, layer_idx, role))
             }
@@ -422,8 +429,28 @@ impl Model {
                 self.check_tensor(&self.layer_name(layer_idx, role), &shape)?;
             }
             self.validate_experts(layer_idx)?;
+            self.validate_decay(layer_idx)?;
         }
         Ok(())
+    }
+
+    /// A GGUF DeltaNet layer stores `-exp(A_log)`, which [`Model::delta_a_log`] takes the log of:
+    /// every value must be negative and finite.
+    fn validate_decay(&self, layer_idx: usize) -> Result<(), ModelError> {
+        let gguf = matches!(self.source, Source::Gguf(_));
+        if !gguf || !matches!(self.plan.layer(layer_idx).mixer, Mixer::GatedDeltaNet(_)) {
+            return Ok(());
+        }
+        let name = self.layer_name(layer_idx, LayerRole::DeltaALog);
+        let bad = |reason: String| ModelError::BadValues { path: self.file_of(&name), tensor: name.clone(), reason };
+        let values = self.required(layer_idx, LayerRole::DeltaALog).to_f32_vec().map_err(|e| bad(e.to_string()))?;
+        match values.iter().position(|a| !(a.is_finite() && *a < 0.0)) {
+            Some(i) => Err(bad(format!(
+                "holds {} at {i}: llama.cpp's ssm_a is -exp(A_log), negative and finite",
+                values[i]
+            ))),
+            None => Ok(()),
+        }
     }
 
     fn validate_experts(&mut self, layer_idx: usize) -> Result<(), ModelError> {
@@ -529,10 +556,7 @@ pub fn required_layer_roles(spec: &LayerSpec) -> Vec<LayerRole> {
             }
         }
         Mixer::GatedDeltaNet(d) => {
-            roles.extend(match d.projections {
-                DeltaNetProjections::Grouped => &[DeltaQkvz, DeltaBa][..],
-                DeltaNetProjections::Split => &[DeltaQkv, DeltaZ, DeltaB, DeltaA][..],
-            });
+            roles.extend(naming::delta_input_roles(d.projections));
             roles.extend([DeltaConv, DeltaDtBias, DeltaALog, DeltaNorm, DeltaOut]);
         }
     }
@@ -631,6 +655,52 @@ impl GgufMeta<'_> {
         }
     }
 
+    /// The layers a forward pass runs, and the multi-token-prediction (NextN) layers llama.cpp's
+    /// converter appends after them (`block_count` counts both; those are loaded and not run).
+    fn layer_counts(&self) -> Result<(usize, usize), ModelError> {
+        let all = self.usize("block_count")?;
+        let mtp = self.opt_u64("nextn_predict_layers")?.unwrap_or(0) as usize;
+        if mtp >= all {
+            return Err(self.bad(self.key("nextn_predict_layers"), "fewer than block_count"));
+        }
+        Ok((all - mtp, mtp))
+    }
+
+    /// A hybrid architecture's DeltaNet sizes (llama.cpp's `ssm.*` keys) and which layers are
+    /// full attention (`attention.recurrent_layers`, else `full_attention_interval`, default 4).
+    fn hybrid(&self, adapter: &Adapter, n_layers: usize) -> Result<Option<HybridConfig>, ModelError> {
+        let Some((projections, v_heads)) = adapter.hybrid.gguf_delta_net else { return Ok(None) };
+        let n_v_heads = self.usize("ssm.time_step_rank")?;
+        let full_attention_layers = match self.file.get(&self.key("attention.recurrent_layers")) {
+            Some(v) => {
+                let flags: Option<Vec<bool>> =
+                    v.as_array().and_then(|a| a.values.iter().map(|x| x.as_bool()).collect());
+                let key = self.key("attention.recurrent_layers");
+                let flags = flags.filter(|f| f.len() >= n_layers).ok_or_else(|| {
+                    self.bad(key, "an array of bools with one entry per layer")
+                })?;
+                (0..n_layers).filter(|&l| !flags[l]).collect()
+            }
+            None => {
+                let interval = self.opt_u64("full_attention_interval")?.unwrap_or(4) as usize;
+                if interval == 0 {
+                    return Err(self.bad(self.key("full_attention_interval"), "greater than zero"));
+                }
+                HybridConfig::every_nth_full(interval, n_layers)
+            }
+        };
+        Ok(Some(HybridConfig {
+            n_k_heads: self.usize("ssm.group_count")?,
+            n_v_heads,
+            k_head_dim: self.usize("ssm.state_size")?,
+            v_head_dim: self.usize("ssm.inner_size")? / n_v_heads.max(1),
+            conv_kernel: self.usize("ssm.conv_kernel")?,
+            full_attention_layers,
+            projections,
+            v_heads,
+        }))
+    }
+
     fn bad(&self, key: String, expected: &'static str) -> ModelError {
         ModelError::BadMetadata { path: self.file.path().into(), key, expected }
     }
@@ -652,9 +722,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
     let n_experts = meta.opt_u64("expert_count")?.unwrap_or(0) as usize;
     let adapter = crate::model::arch::for_gguf_arch(arch, n_experts)
         .map_err(|source| ModelError::Config(ConfigError::Arch { path: path.into(), source }))?;
-    if adapter.hybrid.delta_net.is_some() {
-        return Err(ModelError::GgufHybrid { path: path.into(), arch: arch.to_string() });
-    }
+    let (n_layers, mtp_layers) = meta.layer_counts()?;
     let hidden = meta.usize("embedding_length")?;
     let n_heads = meta.usize("attention.head_count")?;
     let head_dim = match meta.opt_u64("attention.key_length")? {
@@ -673,7 +741,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
     };
     let config = ModelConfig {
         arch: adapter.arch,
-        n_layers: meta.usize("block_count")?,
+        n_layers,
         hidden,
         n_heads,
         n_kv_heads: meta.opt_u64("attention.head_count_kv")?.map(|v| v as usize).unwrap_or(n_heads),
@@ -692,8 +760,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         sliding_window: None,
         clip_qkv: meta.opt_f32("attention.clamp_kqv")?,
         rotary_dims: meta.opt_u64("rope.dimension_count")?.map_or(head_dim, |d| d as usize),
-        hybrid: None,
+        hybrid: meta.hybrid(adapter, n_layers)?,
         zero_centred_norms: false,
+        mtp_layers,
     };
     config.validate().map_err(|(field, reason)| {
         ModelError::Config(ConfigError::Invalid { path: path.into(), field: field.into(), reason })

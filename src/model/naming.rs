@@ -2,7 +2,7 @@
 //! name each format gives it: GGUF (llama.cpp names, experts stacked per layer) and the Hugging
 //! Face layouts (per-expert tensors; Mixtral's `block_sparse_moe` family).
 
-use crate::model::arch::HfNaming;
+use crate::model::arch::{Adapter, DeltaNetProjections, HfNaming};
 
 /// Tensors that exist once per model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,6 +62,26 @@ impl LayerRole {
     /// RMSNorm weights that zero-centred checkpoints store as `w` for a scale of `1 + w`.
     pub fn is_centred_norm(self) -> bool {
         matches!(self, LayerRole::AttnNorm | LayerRole::FfnNorm | LayerRole::QNorm | LayerRole::KNorm)
+    }
+
+    /// A tensor of a Gated DeltaNet mixer.
+    pub fn is_delta_net(self) -> bool {
+        use LayerRole::*;
+        matches!(
+            self,
+            DeltaQkvz | DeltaBa | DeltaQkv | DeltaZ | DeltaB | DeltaA | DeltaConv | DeltaDtBias | DeltaALog | DeltaNorm | DeltaOut
+        )
+    }
+}
+
+/// The input projections of a Gated DeltaNet layer stored as `p`, in the order every engine
+/// reads them.
+pub fn delta_input_roles(p: DeltaNetProjections) -> &'static [LayerRole] {
+    use LayerRole::*;
+    match p {
+        DeltaNetProjections::Grouped => &[DeltaQkvz, DeltaBa],
+        DeltaNetProjections::Split => &[DeltaQkv, DeltaZ, DeltaB, DeltaA],
+        DeltaNetProjections::SplitGroupedBa => &[DeltaQkv, DeltaZ, DeltaBa],
     }
 }
 
@@ -130,7 +150,11 @@ pub fn hf_layer(naming: HfNaming, layer: usize, role: LayerRole) -> String {
     format!("model.layers.{layer}.{suffix}")
 }
 
-pub fn gguf_layer(layer: usize, role: LayerRole) -> String {
+/// llama.cpp's name of a per-layer tensor of `adapter`'s architecture.
+pub fn gguf_layer(adapter: &Adapter, layer: usize, role: LayerRole) -> String {
+    if role == LayerRole::FfnNorm {
+        return format!("blk.{layer}.{}.weight", adapter.gguf_ffn_norm);
+    }
     let suffix = match role {
         LayerRole::AttnNorm => "attn_norm.weight",
         LayerRole::Q => "attn_q.weight",
@@ -142,14 +166,14 @@ pub fn gguf_layer(layer: usize, role: LayerRole) -> String {
         LayerRole::VBias => "attn_v.bias",
         LayerRole::QNorm => "attn_q_norm.weight",
         LayerRole::KNorm => "attn_k_norm.weight",
-        LayerRole::FfnNorm => "ffn_norm.weight",
+        LayerRole::FfnNorm => unreachable!("named above"),
         LayerRole::Router => "ffn_gate_inp.weight",
         LayerRole::SharedGate => "ffn_gate_shexp.weight",
         LayerRole::SharedUp => "ffn_up_shexp.weight",
         LayerRole::SharedDown => "ffn_down_shexp.weight",
         LayerRole::SharedExpertGate => "ffn_gate_inp_shexp.weight",
-        // llama.cpp's names for the DeltaNet tensors (GGUF files of the hybrid architectures
-        // are refused at open for now: their layouts differ, see `config_from_gguf`).
+        // llama.cpp's names for the DeltaNet tensors (`ssm_in` is Qwen3-Next's fused qkvz,
+        // which llama.cpp reads but its converter no longer writes).
         LayerRole::DeltaQkvz => "ssm_in.weight",
         LayerRole::DeltaBa => "ssm_ba.weight",
         LayerRole::DeltaQkv => "attn_qkv.weight",
@@ -223,6 +247,10 @@ mod tests {
             "model.layers.2.block_sparse_moe.gate.weight"
         );
         assert_eq!(gguf_experts(7, ExpertProj::Gate), "blk.7.ffn_gate_exps.weight");
-        assert_eq!(gguf_layer(1, LayerRole::SharedExpertGate), "blk.1.ffn_gate_inp_shexp.weight");
+        let qwen3 = crate::model::arch::of(crate::model::arch::Arch::Qwen3Moe);
+        let next = crate::model::arch::of(crate::model::arch::Arch::Qwen3Next);
+        assert_eq!(gguf_layer(qwen3, 1, LayerRole::SharedExpertGate), "blk.1.ffn_gate_inp_shexp.weight");
+        assert_eq!(gguf_layer(qwen3, 2, LayerRole::FfnNorm), "blk.2.ffn_norm.weight");
+        assert_eq!(gguf_layer(next, 2, LayerRole::FfnNorm), "blk.2.post_attention_norm.weight");
     }
 }

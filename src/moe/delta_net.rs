@@ -79,15 +79,14 @@ impl TokenInputs {
     pub fn gather(&mut self, d: &DeltaNetSpec, outputs: &[Vec<f32>], t: usize) {
         let (vd, nv) = (d.value_dim(), d.n_v_heads);
         let row = |i: usize, width: usize| &outputs[i][t * width..(t + 1) * width];
+        let per_k = nv / d.n_k_heads;
         match d.projections {
-            DeltaNetProjections::Split => {
+            DeltaNetProjections::Split | DeltaNetProjections::SplitGroupedBa => {
                 self.qkv.copy_from_slice(row(0, d.conv_dim()));
                 self.z.copy_from_slice(row(1, vd));
-                self.b.copy_from_slice(row(2, nv));
-                self.a.copy_from_slice(row(3, nv));
             }
             DeltaNetProjections::Grouped => {
-                let (dk, per_k) = (d.k_head_dim, nv / d.n_k_heads);
+                let dk = d.k_head_dim;
                 let vw = per_k * d.v_head_dim;
                 let kd = d.key_dim();
                 let qkvz = row(0, d.conv_dim() + vd);
@@ -97,7 +96,16 @@ impl TokenInputs {
                     self.qkv[2 * kd + h * vw..][..vw].copy_from_slice(&group[2 * dk..2 * dk + vw]);
                     self.z[h * vw..][..vw].copy_from_slice(&group[2 * dk + vw..]);
                 }
-                for (h, group) in row(1, 2 * nv).chunks_exact(2 * per_k).enumerate() {
+            }
+        }
+        match d.projections {
+            DeltaNetProjections::Split => {
+                self.b.copy_from_slice(row(2, nv));
+                self.a.copy_from_slice(row(3, nv));
+            }
+            DeltaNetProjections::Grouped | DeltaNetProjections::SplitGroupedBa => {
+                let ba_at = crate::model::naming::delta_input_roles(d.projections).len() - 1;
+                for (h, group) in row(ba_at, 2 * nv).chunks_exact(2 * per_k).enumerate() {
                     self.b[h * per_k..][..per_k].copy_from_slice(&group[..per_k]);
                     self.a[h * per_k..][..per_k].copy_from_slice(&group[per_k..]);
                 }
@@ -147,10 +155,9 @@ pub(crate) fn recurrent_step(
         inputs.qn[h * dk..][..dk].iter_mut().for_each(|x| *x *= q_scale);
         l2_normalize(&inputs.qkv[kd + h * dk..][..dk], &mut inputs.kn[h * dk..][..dk]);
     }
-    let per_k = d.n_v_heads / d.n_k_heads;
     let inputs = &*inputs;
     let head = |j: usize, chunk: &mut [f32]| {
-        let kh = j / per_k;
+        let kh = d.k_head_of(j);
         let (s, rest) = chunk.split_at_mut(dk * dv);
         let (o, delta) = rest.split_at_mut(dv);
         let v = &inputs.qkv[2 * kd + j * dv..][..dv];

@@ -7,7 +7,7 @@
 //! once at load. Every matrix is checked at load, so a call cannot meet a bad one.
 
 use crate::format::tensor::{TensorError, TensorRef};
-use crate::model::arch::{DeltaNetProjections, Mixer};
+use crate::model::arch::Mixer;
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
 use crate::moe::expert_math::kernel_dtype;
@@ -51,7 +51,7 @@ impl LayerVectors {
             Mixer::GatedDeltaNet(_) => Some(DeltaNetVectors {
                 conv: req(LayerRole::DeltaConv)?,
                 dt_bias: req(LayerRole::DeltaDtBias)?,
-                neg_a: req(LayerRole::DeltaALog)?.iter().map(|a| -a.exp()).collect(),
+                neg_a: model.delta_a_log(l)?.iter().map(|a| -a.exp()).collect(),
                 norm: req(LayerRole::DeltaNorm)?,
             }),
             Mixer::Attention(_) => None,
@@ -117,10 +117,7 @@ impl<'m> LayerMatrices<'m> {
             },
             Mixer::GatedDeltaNet(d) => {
                 use LayerRole::*;
-                let roles: &[LayerRole] = match d.projections {
-                    DeltaNetProjections::Grouped => &[DeltaQkvz, DeltaBa],
-                    DeltaNetProjections::Split => &[DeltaQkv, DeltaZ, DeltaB, DeltaA],
-                };
+                let roles = crate::model::naming::delta_input_roles(d.projections);
                 let inputs = roles.iter().map(|&r| m(r)).collect::<Result<_, _>>()?;
                 MixerMatrices::DeltaNet { inputs, out: m(DeltaOut)? }
             }

@@ -270,11 +270,12 @@ impl Activations {
                 .max()
                 .unwrap_or(0)
         };
-        // Grouped: [qkvz, ba]; split: [qkv, z, b, a]; each buffer sized for the widest use.
+        // Grouped: [qkvz, ba]; split: [qkv, z, b, a]; split with grouped ba: [qkv, z, ba]; each
+        // buffer sized for the widest use.
         let delta_in = [
             m * widest(&|d| d.conv_dim() + d.value_dim()),
             m * widest(&|d| d.value_dim().max(2 * d.n_v_heads)),
-            m * widest(&|d| d.n_v_heads),
+            m * widest(&|d| 2 * d.n_v_heads),
             m * widest(&|d| d.n_v_heads),
         ];
         Activations {
@@ -886,7 +887,7 @@ impl Pipeline {
             let x = &a.hidden[t * h..(t + 1) * h];
             rms_norm_row(x, &w.attn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
         }
-        // Grouped checkpoints store two input projections, split ones four (`MixerMatrices`).
+        // Two, three or four input projections, as the file stores them (`MixerMatrices`).
         fn part<'a, 'y>(m: &DenseMatrix<'a>, buf: &'y mut [f32], n: usize) -> MatmulPart<'a, 'y> {
             MatmulPart { w: *m, y: &mut buf[..n * m.rows] }
         }
@@ -894,11 +895,14 @@ impl Pipeline {
         let x = &a.normed[..n * h];
         match inputs {
             [m0, m1] => self.dense.matmul(x, &mut [part(m0, b0, n), part(m1, b1, n)])?,
+            [m0, m1, m2] => {
+                self.dense.matmul(x, &mut [part(m0, b0, n), part(m1, b1, n), part(m2, b2, n)])?
+            }
             [m0, m1, m2, m3] => {
                 let mut parts = [part(m0, b0, n), part(m1, b1, n), part(m2, b2, n), part(m3, b3, n)];
                 self.dense.matmul(x, &mut parts)?
             }
-            _ => unreachable!("a DeltaNet layer has two or four input projections"),
+            _ => unreachable!("a DeltaNet layer has two to four input projections"),
         }
         let vectors = w.delta_net.as_ref().expect("loaded for DeltaNet layers");
         let token = a.delta_token[l].as_mut().expect("made for DeltaNet layers");

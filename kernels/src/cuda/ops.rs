@@ -217,6 +217,9 @@ pub struct DeltaShape {
     pub k_head_dim: usize,
     pub v_head_dim: usize,
     pub conv_kernel: usize,
+    /// Value head `j` reads key head `j % n_k_heads` (llama.cpp's Qwen3.5 order), else
+    /// `j / (n_v_heads / n_k_heads)` (transformers').
+    pub tiled_v_heads: bool,
 }
 
 impl DeltaShape {
@@ -648,7 +651,8 @@ impl CudaBackend {
             i(dk),
             i(dv),
             eps,
-            i(n_tokens)
+            i(n_tokens),
+            i(d.tiled_v_heads as usize)
         ];
         self.launch(K, (nv as u32, 1, 1), threads, 0, args)
     }

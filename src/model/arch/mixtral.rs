@@ -13,6 +13,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
     gguf_arch: "llama",
     rope_style: RopeStyle::HalfSplit,
     gguf_rope_style: RopeStyle::Interleaved,
+    gguf_ffn_norm: "ffn_norm",
     shared_expert: false,
     hf_naming: HfNaming::BlockSparseMoe,
     default_rope_theta: 1_000_000.0,

@@ -149,6 +149,23 @@ pub enum DeltaNetProjections {
     Grouped,
     /// Qwen3.5: `qkv` (all q heads, all k heads, all v heads), `z`, `b` and `a` apart.
     Split,
+    /// llama.cpp's Qwen3-Next files: `qkv` and `z` apart as in [`DeltaNetProjections::Split`]
+    /// (its converter splits the fused projection), `b` and `a` fused per key head as in
+    /// [`DeltaNetProjections::Grouped`].
+    SplitGroupedBa,
+}
+
+/// The order of a DeltaNet layer's value heads, the same in every tensor with a part per value
+/// head (v, z, b, a, dt bias, decay, conv channels of v, the output projection's columns).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VHeadOrder {
+    /// The `r = v_heads / k_heads` value heads of key head `g` are `g r .. g r + r`
+    /// (transformers, llama.cpp's Qwen3-Next).
+    Grouped,
+    /// Value head `j` belongs to key head `j % k_heads` (llama.cpp's Qwen3.5 converter reorders
+    /// them so that ggml broadcasts q and k over the value heads).
+    Tiled,
 }
 
 /// Gated DeltaNet linear attention: a causal depthwise conv over q, k, v; L2-normalised q/k; the
@@ -163,9 +180,17 @@ pub struct DeltaNetSpec {
     /// The causal conv's kernel width; its rolling state keeps `conv_kernel - 1` inputs.
     pub conv_kernel: usize,
     pub projections: DeltaNetProjections,
+    pub v_heads: VHeadOrder,
 }
 
 impl DeltaNetSpec {
+    /// The key head (q and k) that value head `v_head` reads.
+    pub fn k_head_of(&self, v_head: usize) -> usize {
+        match self.v_heads {
+            VHeadOrder::Grouped => v_head / (self.n_v_heads / self.n_k_heads),
+            VHeadOrder::Tiled => v_head % self.n_k_heads,
+        }
+    }
     pub fn key_dim(&self) -> usize {
         self.n_k_heads * self.k_head_dim
     }
@@ -441,6 +466,9 @@ pub struct Adapter {
     pub rope_style: RopeStyle,
     /// RoPE pairing of llama.cpp's GGUF weights.
     pub gguf_rope_style: RopeStyle,
+    /// llama.cpp's name for the norm before the FFN: `ffn_norm`, or `post_attention_norm`
+    /// where its converter keeps transformers' name (the Qwen hybrids).
+    pub gguf_ffn_norm: &'static str,
     /// MoE layers carry a shared expert (its size is read from the config).
     pub shared_expert: bool,
     pub hf_naming: HfNaming,
@@ -470,8 +498,11 @@ pub struct Adapter {
 /// kind, their checkpoints' conventions and config defaults.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct HybridTraits {
-    /// The architecture mixes Gated DeltaNet layers in, their projections stored this way.
+    /// The architecture mixes Gated DeltaNet layers in, their projections stored this way in
+    /// Hugging Face checkpoints (value heads grouped).
     pub delta_net: Option<DeltaNetProjections>,
+    /// How llama.cpp's converter stores them in GGUF files.
+    pub gguf_delta_net: Option<(DeltaNetProjections, VHeadOrder)>,
     /// The text-only `model_type` of an architecture published as a multimodal checkpoint
     /// (`qwen3_5_moe_text` for `qwen3_5_moe`, whose `config.json` nests it in `text_config`).
     pub hf_text_model_type: Option<&'static str>,
@@ -485,6 +516,7 @@ impl HybridTraits {
     /// An attention-only architecture: none of the above.
     pub const NONE: HybridTraits = HybridTraits {
         delta_net: None,
+        gguf_delta_net: None,
         hf_text_model_type: None,
         hf_zero_centred_norms: false,
         default_partial_rotary: 1.0,

@@ -13,6 +13,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
     gguf_arch: "olmoe",
     rope_style: RopeStyle::HalfSplit,
     gguf_rope_style: RopeStyle::HalfSplit,
+    gguf_ffn_norm: "ffn_norm",
     shared_expert: false,
     hf_naming: HfNaming::Mlp,
     default_rope_theta: 10_000.0,

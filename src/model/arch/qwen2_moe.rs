@@ -13,6 +13,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
     gguf_arch: "qwen2moe",
     rope_style: RopeStyle::HalfSplit,
     gguf_rope_style: RopeStyle::HalfSplit,
+    gguf_ffn_norm: "ffn_norm",
     shared_expert: true,
     hf_naming: HfNaming::Mlp,
     default_rope_theta: 1_000_000.0,

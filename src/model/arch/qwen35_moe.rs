@@ -18,6 +18,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
     gguf_arch: "qwen35moe",
     rope_style: RopeStyle::HalfSplit,
     gguf_rope_style: RopeStyle::HalfSplit,
+    gguf_ffn_norm: "post_attention_norm",
     shared_expert: true,
     hf_naming: HfNaming::Mlp,
     default_rope_theta: 10_000_000.0,
@@ -25,6 +26,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
     hf_default_norm_topk: true,
     hybrid: HybridTraits {
         delta_net: Some(DeltaNetProjections::Split),
+        gguf_delta_net: Some((DeltaNetProjections::Split, VHeadOrder::Tiled)),
         hf_text_model_type: Some("qwen3_5_moe_text"),
         hf_zero_centred_norms: true,
         default_partial_rotary: 0.25,
@@ -38,7 +40,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
 
 fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
     // transformers' Qwen3.5 router has no `norm_topk_prob`: it always renormalises.
-    hybrid_layer(c, layer_idx, DeltaNetProjections::Split, true)
+    hybrid_layer(c, layer_idx, true)
 }
 
 fn hf_extra_fields(c: &ModelConfig, obj: &mut Map<String, Value>) {

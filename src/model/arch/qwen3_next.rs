@@ -15,6 +15,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
     gguf_arch: "qwen3next",
     rope_style: RopeStyle::HalfSplit,
     gguf_rope_style: RopeStyle::HalfSplit,
+    gguf_ffn_norm: "post_attention_norm",
     shared_expert: true,
     hf_naming: HfNaming::Mlp,
     default_rope_theta: 10_000_000.0,
@@ -22,6 +23,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
     hf_default_norm_topk: true,
     hybrid: HybridTraits {
         delta_net: Some(DeltaNetProjections::Grouped),
+        gguf_delta_net: Some((DeltaNetProjections::SplitGroupedBa, VHeadOrder::Grouped)),
         hf_text_model_type: None,
         hf_zero_centred_norms: true,
         default_partial_rotary: 0.25,
@@ -34,17 +36,13 @@ pub(super) const ADAPTER: Adapter = Adapter {
 };
 
 fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
-    hybrid_layer(c, layer_idx, DeltaNetProjections::Grouped, c.norm_topk_prob)
+    hybrid_layer(c, layer_idx, c.norm_topk_prob)
 }
 
 /// The layer of a Qwen hybrid: DeltaNet or gated attention by the config's layer types, then a
-/// routed MoE with a gated shared expert (shared with Qwen3.5).
-pub(super) fn hybrid_layer(
-    c: &ModelConfig,
-    layer_idx: usize,
-    projections: DeltaNetProjections,
-    norm_topk_prob: bool,
-) -> LayerSpec {
+/// routed MoE with a gated shared expert (shared with Qwen3.5). The DeltaNet's tensor layout is
+/// the file's (`HybridConfig::projections`, `v_heads`).
+pub(super) fn hybrid_layer(c: &ModelConfig, layer_idx: usize, norm_topk_prob: bool) -> LayerSpec {
     let h = c.hybrid.as_ref().expect("hybrid architectures read their DeltaNet config");
     let mixer = if h.is_full_attention(layer_idx) {
         let Mixer::Attention(mut a) = standard_attention(c, QkNorm::PerHead, false) else {
@@ -59,7 +57,8 @@ pub(super) fn hybrid_layer(
             k_head_dim: h.k_head_dim,
             v_head_dim: h.v_head_dim,
             conv_kernel: h.conv_kernel,
-            projections,
+            projections: h.projections,
+            v_heads: h.v_heads,
         })
     };
     let shared = SharedExpertSpec { ff: c.shared_expert_ff };
