@@ -2,7 +2,9 @@
 """Logits of llama.cpp (llama-argmax's LOGITS_OUT: little-endian f32, a row per position) against
 moe-lanes (`moe-lanes logits` JSON, or another LOGITS_OUT file) on the same file and token ids.
 
-  logits-agreement.py THEIRS OURS LABEL [--max-err E] [--json]
+  logits-agreement.py THEIRS OURS LABEL [--max-err E] [--vocab N] [--json]
+
+(--vocab: the row length when both files are raw f32.)
 
 Prints one line: the largest |ours - theirs| of a row divided by that row's largest |theirs|
 (the `max_rel_err` of the Rust tests), the mean of that per-row ratio, argmax agreement, and
@@ -30,8 +32,13 @@ def argmax(row):
 def main(argv):
     theirs_path, ours_path, label = argv[:3]
     max_err = float(argv[argv.index("--max-err") + 1]) if "--max-err" in argv else None
-    ours = read_rows(ours_path)
-    theirs = read_rows(theirs_path, len(ours[0]))
+    vocab = int(argv[argv.index("--vocab") + 1]) if "--vocab" in argv else None
+    if ours_path.endswith(".json"):
+        ours = read_rows(ours_path)
+        theirs = read_rows(theirs_path, len(ours[0]))
+    else:
+        theirs = read_rows(theirs_path, vocab)
+        ours = read_rows(ours_path, len(theirs[0]))
     if len(ours) != len(theirs):
         print(f"{label}: position count differs: theirs {len(theirs)}, ours {len(ours)}")
         return 1
