@@ -401,6 +401,8 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             tied_embeddings: false,
             max_positions: 4096,
             sliding_window: None,
+            sliding_window_layers: None,
+            yarn: None,
             clip_qkv: None,
             rotary_dims: 0,
             hybrid: None,
@@ -425,6 +427,8 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             tied_embeddings: false,
             max_positions: 40_960,
             sliding_window: None,
+            sliding_window_layers: None,
+            yarn: None,
             clip_qkv: None,
             rotary_dims: 0,
             hybrid: None,
@@ -451,6 +455,8 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                 tied_embeddings: false,
                 max_positions: 262_144,
                 sliding_window: None,
+                sliding_window_layers: None,
+                yarn: None,
                 clip_qkv: None,
                 rotary_dims: 0,
                 hybrid: Some(HybridConfig {
@@ -1010,7 +1016,9 @@ fn layer_init(c: &ModelConfig, role: LayerRole) -> Init {
     match role {
         LayerRole::AttnNorm | LayerRole::FfnNorm | LayerRole::QNorm | LayerRole::KNorm => norm_init(c),
         LayerRole::Q | LayerRole::K | LayerRole::V => Init::Uniform(inv_sqrt(c.hidden)),
-        LayerRole::QBias | LayerRole::KBias | LayerRole::VBias => Init::Uniform(0.1),
+        LayerRole::QBias | LayerRole::KBias | LayerRole::VBias | LayerRole::OBias => Init::Uniform(0.1),
+        LayerRole::RouterBias => Init::Uniform(0.1),
+        LayerRole::Sinks => Init::Uniform(0.5),
         LayerRole::O => Init::ResidualWriter(0.5 * inv_sqrt(c.q_dim())),
         // Router logits with unit noise: rows of std sqrt(2 / hidden) against normed hidden states
         // whose non-bias channels hold about half the energy.

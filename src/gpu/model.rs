@@ -325,6 +325,11 @@ impl GpuModel {
         if activation != crate::model::arch::FfnActivation::Silu {
             return Err(GpuError::Activation { activation });
         }
+        // Router and expert biases (GPT-OSS) have no kernels here yet.
+        let biased = |l: &crate::model::arch::LayerSpec| l.moe().router.bias || l.moe().expert_bias;
+        if let Some(layer_idx) = model.plan().layers().iter().position(biased) {
+            return Err(GpuError::Ffn { layer_idx, kind: "mixture of experts with router or expert biases" });
+        }
         let w = DenseWeights::upload(&model, &be)?;
         let hot = HotCache::empty(&be, &model)?;
         let dequant = dequant_scratch(&be, &cfg, &w, &hot)?;
