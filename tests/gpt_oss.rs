@@ -170,3 +170,71 @@ fn gpu_engine_by_name_refuses_what_it_lacks() {
         Err(e) => assert!(e.contains("sinks") || e.contains("bias") || e.contains("activation"), "{e}"),
     }
 }
+
+/// `synth --arch gpt_oss` in both formats: GGUF (llama.cpp's names: `attn_sinks`,
+/// `post_attention_norm`, `ffn_*_exps.bias`, the window and YaRN keys) and safetensors
+/// (transformers' fused input-major experts) hold the same weights, open to the same plan and
+/// give the same logits; the pipeline agrees with the oracle on them past the window (16 in the
+/// tiny preset), prefill then decode.
+#[test]
+fn synthetic_gpt_oss_in_both_formats_runs_on_the_pipeline_as_on_the_oracle() {
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 37 % 500) as u32).collect();
+    let mut per_format = Vec::new();
+    for format in [SynthFormat::Gguf, SynthFormat::Safetensors] {
+        let out = dir.path().join(if format == SynthFormat::Gguf { "m.gguf" } else { "m" });
+        let opts = SynthOptions {
+            adapter: moe_lanes::arch::by_name("gpt_oss").unwrap(),
+            preset: Preset::Tiny,
+            dims: DimOverrides { n_layers: Some(4), ..Default::default() },
+            dtype: moe_lanes::dtype::DType::BF16,
+            seed: 11,
+            skew: Skew::Skewed,
+            format,
+            out: out.clone(),
+            vocab_from: None,
+        };
+        synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+        let model = Arc::new(Model::open(&out).unwrap());
+        let spec = model.layer_spec(0);
+        assert_eq!(spec.attention().window, Some(16), "{format:?}");
+        assert!(model.layer_spec(1).attention().window.is_none(), "{format:?}");
+        assert!(spec.attention().sinks && spec.moe().expert_bias && spec.moe().router.bias);
+        let reference = Reference::new(&model).unwrap();
+        let mut rc = reference.new_cache();
+        let want = reference.forward(&mut rc, &tokens, &mut NoObserver).unwrap();
+        let mut p = pipeline(&model, 0.5, 16);
+        let mut cache = p.new_cache();
+        let mut got = p.forward(&mut cache, &tokens[..30], Phase::Prefill).unwrap();
+        for &t in &tokens[30..] {
+            got.extend(p.forward(&mut cache, &[t], Phase::Decode).unwrap());
+        }
+        let err = max_rel_err(&got, &want);
+        assert!(err < 1e-4, "{format:?}: {err}");
+        per_format.push(want);
+    }
+    let err = max_rel_err(&per_format[0], &per_format[1]);
+    assert!(err < 1e-5, "GGUF and safetensors of one seed: {err}");
+}
+
+/// The published shapes: `--preset gpt-oss-20b|gpt-oss-120b` with `--layers N`, only with
+/// `--arch gpt_oss`.
+#[test]
+fn gpt_oss_presets_have_the_published_shapes() {
+    use moe_lanes::synth::{synth_config, DimOverrides, Preset};
+    let a = moe_lanes::arch::by_name("gpt_oss").unwrap();
+    let dims = DimOverrides { n_layers: Some(3), ..Default::default() };
+    for (preset, experts) in [(Preset::GptOss20b, 32), (Preset::GptOss120b, 128)] {
+        let c = synth_config(a, preset, &dims).unwrap();
+        assert_eq!((c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim), (3, 2880, 64, 8, 64));
+        assert_eq!((c.n_experts, c.n_experts_used, c.expert_ff, c.vocab), (experts, 4, 2880, 201_088));
+        assert_eq!((c.sliding_window, c.sliding_window_layers.clone()), (Some(128), Some(vec![0, 2])));
+        let y = c.yarn.unwrap();
+        assert_eq!((y.factor, y.original_context), (32.0, 4096));
+        assert_eq!(synth_config(a, Preset::GptOss120b, &DimOverrides::default()).unwrap().n_layers, 36);
+    }
+    let qwen = moe_lanes::arch::by_name("qwen3_moe").unwrap();
+    assert!(synth_config(qwen, Preset::GptOss20b, &dims).is_err());
+    assert!(synth_config(a, Preset::Qwen3_30bA3b, &dims).is_err());
+}
