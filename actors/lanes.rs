@@ -122,10 +122,8 @@ impl HotLane for CpuHotLane {
                     gate: &c.gate,
                     up: &c.up,
                     down: &c.down,
-                    bias: c.bias.as_ref().map(|[gate, up, down]| crate::model::expert_extras::ExpertBiasRef {
-                        gate,
-                        up,
-                        down,
+                    bias: c.bias.as_ref().map(|[gate, up, down]| {
+                        crate::model::expert_extras::ExpertBiasRef { gate, up, down }
                     }),
                 };
                 ffn_plain(w, dims, activation, n, scratch)

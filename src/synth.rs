@@ -1321,7 +1321,12 @@ fn gpt_oss_hf_experts(c: &ModelConfig, a: &Adapter, l: usize, dtype: DType, plan
     let mut push = |name: String, shape: Vec<usize>, parts, layout| {
         plan.push(PlannedTensor { name, dtype, shape, parts, layout });
     };
-    push(naming::hf_fused_experts(l, false), vec![e_n, h, 2 * ff], pairs(&weight), Layout::InterleavedColumns);
+    push(
+        naming::hf_fused_experts(l, false),
+        vec![e_n, h, 2 * ff],
+        pairs(&weight),
+        Layout::InterleavedColumns,
+    );
     push(naming::hf_fused_expert_bias(l, false), vec![e_n, 2 * ff], pairs(&bias), Layout::InterleavedColumns);
     push(naming::hf_fused_experts(l, true), vec![e_n, ff, h], downs(&weight), Layout::Columns);
     push(naming::hf_fused_expert_bias(l, true), vec![e_n, h], downs(&bias), Layout::Columns);
@@ -1337,7 +1342,13 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
         let shape =
             if role == GlobalRole::OutputNorm { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
         let layout = Layout::Rows;
-        plan.push(PlannedTensor { name: naming::gguf_global(role).into(), dtype, shape, parts: vec![part], layout });
+        plan.push(PlannedTensor {
+            name: naming::gguf_global(role).into(),
+            dtype,
+            shape,
+            parts: vec![part],
+            layout,
+        });
     }
     for layer_idx in 0..c.n_layers {
         for (role, mut part) in layer_parts(c, a, layer_idx) {

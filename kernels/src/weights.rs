@@ -206,9 +206,11 @@ impl<'a> ExpertWeights<'a> {
         whole(self.dtype, self.hidden, "gate/up row (whole blocks)")?;
         whole(self.down_dtype, self.ff, "down row (whole blocks)")?;
         if let Some(b) = &self.bias {
-            for (what, len, expected) in
-                [("gate bias", b.gate.len(), self.ff), ("up bias", b.up.len(), self.ff), ("down bias", b.down.len(), self.hidden)]
-            {
+            for (what, len, expected) in [
+                ("gate bias", b.gate.len(), self.ff),
+                ("up bias", b.up.len(), self.ff),
+                ("down bias", b.down.len(), self.hidden),
+            ] {
                 if len != expected {
                     return Err(KernelError::ShapeMismatch { what, expected, actual: len });
                 }

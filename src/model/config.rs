@@ -291,7 +291,11 @@ impl<'a> HfFields<'a> {
 
     /// The layers `layer_types` marks `sliding_attention` (an attention-only model's); `None`
     /// without `layer_types`, or `default` when the architecture has its own pattern.
-    fn sliding_layers(&self, n_layers: usize, default: Option<Vec<usize>>) -> Result<Option<Vec<usize>>, ConfigError> {
+    fn sliding_layers(
+        &self,
+        n_layers: usize,
+        default: Option<Vec<usize>>,
+    ) -> Result<Option<Vec<usize>>, ConfigError> {
         let Some(types) = self.raw("layer_types") else { return Ok(default) };
         let list = types.as_array().ok_or_else(|| self.wrong("layer_types", "a list of strings", types))?;
         if list.len() != n_layers {

@@ -323,17 +323,24 @@ impl Model {
         for l in 0..c.n_layers {
             let find = |name: String| {
                 let name = self.hf_layout.name(name);
-                self.raw(&name).ok_or_else(|| ModelError::MissingTensor { path: self.file_of(&name), tensor: name })
+                self.raw(&name)
+                    .ok_or_else(|| ModelError::MissingTensor { path: self.file_of(&name), tensor: name })
             };
             if fused_oss {
                 let path = self.file_of(&naming::hf_fused_experts(l, false));
                 let gate_up = find(naming::hf_fused_experts(l, false))?;
-                let (layer, dtype) = x::rewrite_gpt_oss_layer(&path, gate_up, find(naming::hf_fused_experts(l, true))?, &d)?;
+                let (layer, dtype) =
+                    x::rewrite_gpt_oss_layer(&path, gate_up, find(naming::hf_fused_experts(l, true))?, &d)?;
                 owned.push(layer);
                 expert_dtype = Some(dtype);
                 if biased {
                     let gu = find(naming::hf_fused_expert_bias(l, false))?;
-                    biases.push(x::gpt_oss_biases(&path, gu, find(naming::hf_fused_expert_bias(l, true))?, &d)?);
+                    biases.push(x::gpt_oss_biases(
+                        &path,
+                        gu,
+                        find(naming::hf_fused_expert_bias(l, true))?,
+                        &d,
+                    )?);
                 }
             } else if biased {
                 let path = self.path.clone();

@@ -346,7 +346,9 @@ pub(crate) fn kernel_bias(
     layer_idx: usize,
     expert_idx: usize,
 ) -> Option<moe_lanes_kernels::ExpertBias<'_>> {
-    model
-        .expert_bias(layer_idx, expert_idx)
-        .map(|b| moe_lanes_kernels::ExpertBias { gate: b.gate, up: b.up, down: b.down })
+    model.expert_bias(layer_idx, expert_idx).map(|b| moe_lanes_kernels::ExpertBias {
+        gate: b.gate,
+        up: b.up,
+        down: b.down,
+    })
 }

@@ -348,11 +348,9 @@ impl LayerPlan {
         let layers: Vec<LayerSpec> = (0..config.n_layers).map(|l| (adapter.layer)(config, l)).collect();
         let first = layers[0].moe();
         assert!(
-            layers
-                .iter()
-                .all(|l| l.moe().activation == first.activation
-                    && l.moe().expert_ff == first.expert_ff
-                    && l.moe().expert_bias == first.expert_bias),
+            layers.iter().all(|l| l.moe().activation == first.activation
+                && l.moe().expert_ff == first.expert_ff
+                && l.moe().expert_bias == first.expert_bias),
             "{}: the lanes' kernels are built once for every layer's experts (one shape, one activation)",
             adapter.hf_model_type
         );
