@@ -266,7 +266,7 @@ impl<'a> HfFields<'a> {
         };
         let factor = f.opt_f64("factor")?.ok_or_else(|| self.invalid(field, "yarn needs 'factor'"))? as f32;
         let original_context = f.usize("original_max_position_embeddings").map_err(named)?;
-        if !(factor >= 1.0) || original_context == 0 {
+        if factor.partial_cmp(&1.0).is_none_or(|o| o.is_lt()) || original_context == 0 {
             return Err(self.invalid(
                 field,
                 format!("yarn factor {factor} must be >= 1 and original_max_position_embeddings > 0"),
