@@ -46,6 +46,8 @@ struct CachedExpert {
     gate: Vec<u8>,
     up: Vec<u8>,
     down: Vec<u8>,
+    /// gate, up and down biases (GPT-OSS).
+    bias: Option<[Vec<f32>; 3]>,
 }
 
 /// The CPU hot lane: per layer and slot, an owned copy of the expert's bytes (the "VRAM cache"
@@ -120,6 +122,9 @@ impl HotLane for CpuHotLane {
                     gate: &c.gate,
                     up: &c.up,
                     down: &c.down,
+                    bias: c.bias.as_ref().map(|[gate, up, down]| {
+                        crate::model::expert_extras::ExpertBiasRef { gate, up, down }
+                    }),
                 };
                 ffn_plain(w, dims, activation, n, scratch)
                     .map_err(|e| LaneError::Failed { lane: id, reason: e.to_string() })
@@ -135,6 +140,10 @@ impl HotLane for CpuHotLane {
             gate: e.gate.data.to_vec(),
             up: e.up.data.to_vec(),
             down: e.down.data.to_vec(),
+            bias: self
+                .model
+                .expert_bias(layer_idx, expert_idx)
+                .map(|b| [b.gate.to_vec(), b.up.to_vec(), b.down.to_vec()]),
         };
         let id = self.id();
         let layer = &mut self.slots[layer_idx];

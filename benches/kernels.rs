@@ -58,6 +58,7 @@ fn bench_pool_decode(c: &mut Criterion) {
                 down_dtype: WeightDType::BF16,
                 hidden: HIDDEN,
                 ff: FF,
+                bias: None,
             },
             token_idx: &token_idx,
             token_weight: &token_weight,

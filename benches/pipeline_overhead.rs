@@ -85,6 +85,7 @@ fn router() -> Router {
             n_experts: N_EXPERTS,
             n_experts_used: K,
             norm_topk_prob: true,
+            bias: false,
         },
         1,
     )

@@ -9,8 +9,8 @@
 
 use crate::format::tensor::{TensorError, TensorRef};
 use crate::model::arch::{
-    AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, FfnActivation, Mixer, MoeSpec, QkNorm, RopeStyle,
-    RoutingVariant,
+    AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, FfnActivation, Mixer, MoeSpec, QkNorm, RopeSpec,
+    RopeStyle, RoutingVariant,
 };
 use crate::model::config::ModelConfig;
 use crate::model::naming::{GlobalRole, LayerRole};
@@ -133,6 +133,7 @@ struct LayerWeights {
     mixer_weights: MixerWeights,
     ffn_norm: Vec<f32>,
     router: Vec<f32>,
+    router_bias: Option<Vec<f32>>,
     shared: Option<SharedExpert>,
 }
 
@@ -151,6 +152,9 @@ struct AttentionWeights {
     v_bias: Option<Vec<f32>>,
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
+    o_bias: Option<Vec<f32>>,
+    /// One sink logit per query head.
+    sinks: Option<Vec<f32>>,
 }
 
 /// A DeltaNet layer's weights; the input projections as stored (see [`DeltaNetProjections`]).
@@ -373,7 +377,7 @@ impl<'m> Reference<'m> {
             }
         }
         for head in q.chunks_mut(hd).chain(k.chunks_mut(hd)) {
-            apply_rope(&mut head[..spec.rope.dims], position, spec.rope.theta, spec.rope.style);
+            apply_rope(&mut head[..spec.rope.dims], position, &spec.rope);
         }
         keys.extend_from_slice(&k);
         values.extend_from_slice(&v);
@@ -387,9 +391,13 @@ impl<'m> Reference<'m> {
         for head in 0..n_heads {
             let kv_head = head / group;
             let qh = &q[head * hd..(head + 1) * hd];
-            let scores: Vec<f32> = (first_visible..=position)
+            let mut scores: Vec<f32> = (first_visible..=position)
                 .map(|p| dot(qh, &keys[p * c.kv_dim() + kv_head * hd..][..hd]) * scale)
                 .collect();
+            // A sink logit joins the softmax and is dropped: it takes probability, attends nothing.
+            if let Some(sinks) = &w.sinks {
+                scores.push(sinks[head]);
+            }
             let probs = softmax(&scores);
             let oh = &mut out[head * hd..(head + 1) * hd];
             for (p, prob) in (first_visible..=position).zip(probs) {
@@ -404,7 +412,11 @@ impl<'m> Reference<'m> {
                 *o *= sigmoid(*g);
             }
         }
-        matvec(&w.o, &out, c.hidden)
+        let mut y = matvec(&w.o, &out, c.hidden);
+        if let Some(b) = &w.o_bias {
+            add_into(&mut y, b);
+        }
+        y
     }
 
     fn moe(
@@ -418,14 +430,20 @@ impl<'m> Reference<'m> {
     ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let r = &spec.router;
-        let logits = matvec(&w.router, x, r.n_experts);
+        let mut logits = matvec(&w.router, x, r.n_experts);
+        if let Some(b) = &w.router_bias {
+            add_into(&mut logits, b);
+        }
         let chosen = route(&logits, r.n_experts_used, r.variant, r.norm_topk_prob);
         observer.on_route(layer_idx, position, &chosen);
         let mut out = vec![0.0; c.hidden];
         for &(expert_idx, weight) in &chosen {
             let e = self.model.expert(layer_idx, expert_idx);
-            let y =
-                ffn(&decode(e.gate)?, &decode(e.up)?, &decode(e.down)?, x, spec.expert_ff, spec.activation);
+            let (gate, up, down) = (decode(e.gate)?, decode(e.up)?, decode(e.down)?);
+            let y = match self.model.expert_bias(layer_idx, expert_idx) {
+                None => ffn(&gate, &up, &down, x, spec.expert_ff, spec.activation),
+                Some(b) => biased_ffn([&gate, &up, &down], [b.gate, b.up, b.down], x, spec.activation),
+            };
             for (o, v) in out.iter_mut().zip(&y) {
                 *o += weight * v;
             }
@@ -468,6 +486,8 @@ fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorErr
                 v_bias: get(LayerRole::VBias)?,
                 q_norm: norm(LayerRole::QNorm)?,
                 k_norm: norm(LayerRole::KNorm)?,
+                o_bias: get(LayerRole::OBias)?,
+                sinks: get(LayerRole::Sinks)?,
             })
         }
         Mixer::GatedDeltaNet(d) => {
@@ -490,6 +510,7 @@ fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorErr
         mixer_weights,
         ffn_norm: norm(LayerRole::FfnNorm)?.expect("validated"),
         router: req(LayerRole::Router)?,
+        router_bias: model.layer(layer_idx, LayerRole::RouterBias).map(decode).transpose()?,
         shared,
     })
 }
@@ -651,8 +672,34 @@ pub fn route(logits: &[f32], k: usize, variant: RoutingVariant, norm_topk_prob: 
 fn ffn(gate: &[f32], up: &[f32], down: &[f32], x: &[f32], ff: usize, act: FfnActivation) -> Vec<f32> {
     let g = matvec(gate, x, ff);
     let u = matvec(up, x, ff);
-    let h: Vec<f32> = g.iter().zip(&u).map(|(g, u)| activate(act, *g) * u).collect();
+    let h: Vec<f32> = g.iter().zip(&u).map(|(g, u)| glu(act, *g, *u)).collect();
     matvec(down, &h, x.len())
+}
+
+/// `down · glu(gate · x + b_gate, up · x + b_up) + b_down` for an expert with biases.
+fn biased_ffn(w: [&[f32]; 3], b: [&[f32]; 3], x: &[f32], act: FfnActivation) -> Vec<f32> {
+    let ff = b[0].len();
+    let mut g = matvec(w[0], x, ff);
+    let mut u = matvec(w[1], x, ff);
+    add_into(&mut g, b[0]);
+    add_into(&mut u, b[1]);
+    let h: Vec<f32> = g.iter().zip(&u).map(|(g, u)| glu(act, *g, *u)).collect();
+    let mut y = matvec(w[2], &h, x.len());
+    add_into(&mut y, b[2]);
+    y
+}
+
+/// The gated product of one intermediate value: `act(gate) * up`, or GPT-OSS's clamped form.
+fn glu(act: FfnActivation, gate: f32, up: f32) -> f32 {
+    match act {
+        FfnActivation::SwigluOai => {
+            let (alpha, limit) = (1.702f32, 7.0f32);
+            let g = gate.min(limit);
+            let u = up.clamp(-limit, limit);
+            (u + 1.0) * (g * sigmoid(alpha * g))
+        }
+        _ => activate(act, gate) * up,
+    }
 }
 
 /// The oracle's own activations (f64 inside, as `transformers` is exact to f32 here).
@@ -660,6 +707,7 @@ fn activate(act: FfnActivation, x: f32) -> f32 {
     let v = x as f64;
     let y = match act {
         FfnActivation::Silu => return x / (1.0 + (-x).exp()),
+        FfnActivation::SwigluOai => unreachable!("the clamped SwiGLU takes gate and up (glu)"),
         FfnActivation::Gelu => 0.5 * v * (1.0 + erf(v / std::f64::consts::SQRT_2)),
         FfnActivation::GeluTanh => {
             0.5 * v * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (v + 0.044715 * v * v * v)).tanh())
@@ -723,15 +771,19 @@ fn softmax(x: &[f32]) -> Vec<f32> {
     exps.iter().map(|e| e / sum).collect()
 }
 
-/// Rotate one head in place. Frequencies as Hugging Face computes them: `theta^(-2i/d)`.
-fn apply_rope(head: &mut [f32], position: usize, theta: f32, style: RopeStyle) {
+/// Rotate one head in place. Frequencies as Hugging Face computes them: `theta^(-2i/d)`, or
+/// YaRN's blend with cos/sin scaled by its attention factor.
+fn apply_rope(head: &mut [f32], position: usize, rope: &RopeSpec) {
     let d = head.len();
     let half = d / 2;
     for i in 0..half {
-        let inv_freq = 1.0 / (theta as f64).powf(2.0 * i as f64 / d as f64);
+        let (inv_freq, scale) = match &rope.yarn {
+            None => (1.0 / (rope.theta as f64).powf(2.0 * i as f64 / d as f64), 1.0),
+            Some(y) => (y.inv_freq(i, d, rope.theta), y.attention_factor as f64),
+        };
         let angle = position as f64 * inv_freq;
-        let (sin, cos) = (angle.sin() as f32, angle.cos() as f32);
-        let (a, b) = match style {
+        let (sin, cos) = ((angle.sin() * scale) as f32, (angle.cos() * scale) as f32);
+        let (a, b) = match rope.style {
             RopeStyle::HalfSplit => (i, i + half),
             RopeStyle::Interleaved => (2 * i, 2 * i + 1),
         };
@@ -779,10 +831,11 @@ mod tests {
     fn rope_styles_agree_on_permuted_input() {
         let canonical: Vec<f32> = (0..8).map(|i| i as f32 * 0.37 - 1.0).collect();
         let mut half = canonical.clone();
-        apply_rope(&mut half, 5, 10000.0, RopeStyle::HalfSplit);
+        let rope = |style| RopeSpec { style, theta: 10000.0, dims: 8, yarn: None };
+        apply_rope(&mut half, 5, &rope(RopeStyle::HalfSplit));
         let mut inter: Vec<f32> =
             (0..8).map(|r| canonical[if r % 2 == 0 { r / 2 } else { 4 + r / 2 }]).collect();
-        apply_rope(&mut inter, 5, 10000.0, RopeStyle::Interleaved);
+        apply_rope(&mut inter, 5, &rope(RopeStyle::Interleaved));
         for (r, value) in inter.iter().enumerate() {
             let c = if r % 2 == 0 { r / 2 } else { 4 + r / 2 };
             assert!((value - half[c]).abs() < 1e-6);

@@ -16,7 +16,7 @@ use crate::format::dtype::DType;
 use crate::format::gguf::{GgufError, GgufFile, GgufValueType, GgufWriter, MetaArray, MetaValue};
 use crate::format::safetensors::{self, SafetensorsError, TensorSpec};
 use crate::format::tensor::encode_f32;
-use crate::model::arch::{Adapter, Arch, DeltaNetProjections, VHeadOrder};
+use crate::model::arch::{Adapter, Arch, DeltaNetProjections, HfNaming, VHeadOrder};
 use crate::model::config::HybridConfig;
 use crate::model::config::ModelConfig;
 use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
@@ -45,6 +45,11 @@ pub enum Preset {
     Qwen36_35bA3b,
     /// Qwen3-Next-80B-A3B's shapes (`--arch qwen3_next`): 48 layers, 512 experts (top-10).
     Qwen3Next80bA3b,
+    /// GPT-OSS-20B's shapes (`--arch gpt_oss`): 24 layers, 32 experts (top-4) of 2880, hidden
+    /// 2880, 64 q / 8 kv heads of 64, sliding window 128 on even layers, YaRN x32 of 4096.
+    GptOss20b,
+    /// GPT-OSS-120B's shapes (`--arch gpt_oss`): as 20B with 36 layers and 128 experts.
+    GptOss120b,
 }
 
 impl Preset {
@@ -62,8 +67,10 @@ impl std::str::FromStr for Preset {
             "qwen3-30b-a3b" => Ok(Preset::Qwen3_30bA3b),
             "qwen3.6-35b-a3b" => Ok(Preset::Qwen36_35bA3b),
             "qwen3-next-80b-a3b" => Ok(Preset::Qwen3Next80bA3b),
+            "gpt-oss-20b" => Ok(Preset::GptOss20b),
+            "gpt-oss-120b" => Ok(Preset::GptOss120b),
             other => Err(format!(
-                "unknown preset '{other}' (expected tiny, qwen3-30b-a3b, qwen3.6-35b-a3b or qwen3-next-80b-a3b)"
+                "unknown preset '{other}' (expected tiny, qwen3-30b-a3b, qwen3.6-35b-a3b, qwen3-next-80b-a3b, gpt-oss-20b or gpt-oss-120b)"
             )),
         }
     }
@@ -344,6 +351,11 @@ pub fn synth_config(
             if preset.is_hybrid() { "qwen3_next or qwen3_5_moe" } else { "an attention-only architecture" };
         return Err(invalid("preset", format!("this preset is for {want}, not {}", adapter.hf_model_type)));
     }
+    let oss_preset = matches!(preset, Preset::GptOss20b | Preset::GptOss120b);
+    if oss_preset != (adapter.arch == Arch::GptOss) && preset != Preset::Tiny {
+        let want = if oss_preset { "gpt_oss" } else { "another architecture" };
+        return Err(invalid("preset", format!("this preset is for {want}, not {}", adapter.hf_model_type)));
+    }
     if hybrid {
         tiny_hybrid(&mut c, preset, dims);
     }
@@ -378,6 +390,9 @@ pub fn synth_config(
         h.projections = adapter.hybrid.delta_net.expect("a hybrid config belongs to a hybrid architecture");
         h.v_heads = VHeadOrder::Grouped;
     }
+    if adapter.arch == Arch::GptOss {
+        gpt_oss_traits(&mut c, preset);
+    }
     c.validate().map_err(|(field, reason)| invalid(field, reason))?;
     check_dim_limits(&c)?;
     if adapter.shared_expert && c.shared_expert_ff == 0 {
@@ -408,6 +423,8 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             tied_embeddings: false,
             max_positions: 4096,
             sliding_window: None,
+            sliding_window_layers: None,
+            yarn: None,
             clip_qkv: None,
             rotary_dims: 0,
             hybrid: None,
@@ -433,6 +450,8 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             tied_embeddings: false,
             max_positions: 40_960,
             sliding_window: None,
+            sliding_window_layers: None,
+            yarn: None,
             clip_qkv: None,
             rotary_dims: 0,
             hybrid: None,
@@ -460,6 +479,8 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                 tied_embeddings: false,
                 max_positions: 262_144,
                 sliding_window: None,
+                sliding_window_layers: None,
+                yarn: None,
                 clip_qkv: None,
                 rotary_dims: 0,
                 hybrid: Some(HybridConfig {
@@ -476,7 +497,41 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             mtp_layers: 0,
             }
         }
+        Preset::GptOss20b | Preset::GptOss120b => {
+            let big = preset == Preset::GptOss120b;
+            ModelConfig {
+                n_layers: if big { 36 } else { 24 },
+                hidden: 2880,
+                n_heads: 64,
+                n_kv_heads: 8,
+                head_dim: 64,
+                vocab: 201_088,
+                n_experts: if big { 128 } else { 32 },
+                n_experts_used: 4,
+                expert_ff: 2880,
+                max_positions: 131_072,
+                ..preset_config(adapter, Preset::Tiny)
+            }
+        }
     }
+}
+
+/// GPT-OSS's attention and RoPE: a 128-token window (16 in the tiny preset, so short prompts
+/// cross it) on the even layers, YaRN x32 of 4096 as published (transformers' form: beta 32/1,
+/// no truncation).
+fn gpt_oss_traits(c: &mut ModelConfig, preset: Preset) {
+    c.sliding_window = Some(if preset == Preset::Tiny { 16 } else { 128 });
+    c.sliding_window_layers = Some(crate::model::config::every_other_layer(c.n_layers));
+    c.yarn = Some(crate::model::arch::YarnSpec {
+        factor: 32.0,
+        original_context: 4096,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: false,
+        attention_factor: crate::model::arch::yarn_default_attention_factor(32.0),
+    });
+    c.rms_eps = 1e-5;
+    c.norm_topk_prob = false;
 }
 
 /// One layer in this many is full attention in the Qwen hybrids (`full_attention_interval`).
@@ -749,6 +804,16 @@ fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
     w.add_metadata(k("expert_used_count"), u32v(c.n_experts_used));
     w.add_metadata(k("expert_weights_norm"), MetaValue::Bool(c.norm_topk_prob));
     w.add_metadata(k("vocab_size"), u32v(c.vocab));
+    if let Some(window) = c.sliding_window {
+        w.add_metadata(k("attention.sliding_window"), u32v(window));
+    }
+    if let Some(y) = c.yarn {
+        w.add_metadata(k("rope.scaling.type"), MetaValue::String("yarn".into()));
+        w.add_metadata(k("rope.scaling.factor"), MetaValue::F32(y.factor));
+        w.add_metadata(k("rope.scaling.original_context_length"), u32v(y.original_context));
+        w.add_metadata(k("rope.scaling.yarn_beta_fast"), MetaValue::F32(y.beta_fast));
+        w.add_metadata(k("rope.scaling.yarn_beta_slow"), MetaValue::F32(y.beta_slow));
+    }
     if let Some(h) = &c.hybrid {
         add_hybrid_metadata(w, c, h, arch);
     }
@@ -809,6 +874,20 @@ struct PlannedTensor {
     dtype: DType,
     shape: Vec<usize>,
     parts: Vec<Canonical>,
+    layout: Layout,
+}
+
+/// How a planned tensor's canonical parts are laid out on disk.
+#[derive(Clone, Copy, PartialEq)]
+enum Layout {
+    /// Each part's rows in turn.
+    Rows,
+    /// Each part transposed (GPT-OSS's input-major `down_proj`: `[ff, hidden]` of a
+    /// `[hidden, ff]` part).
+    Columns,
+    /// Parts in pairs (gate, up) of `[r, c]`, each pair written as `[c, 2r]` with the gate's
+    /// row `i` in column `2i` and the up's in `2i + 1` (GPT-OSS's `gate_up_proj`).
+    InterleavedColumns,
 }
 
 impl PlannedTensor {
@@ -931,6 +1010,9 @@ impl WeightGenerator {
     }
 
     fn write_tensor(&self, t: &PlannedTensor, out: &mut dyn Write) -> std::io::Result<()> {
+        if t.layout != Layout::Rows {
+            return self.write_transposed(t, out);
+        }
         // Rows per chunk: bounded so one chunk stays near 4 MiB of f32 whatever the row length.
         let mut values = Vec::new();
         let mut bytes = Vec::new();
@@ -950,6 +1032,34 @@ impl WeightGenerator {
                 encode_f32(t.dtype, &values, &mut bytes);
                 out.write_all(&bytes)?;
                 row_begin = row_end;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Layout::Columns`] and [`Layout::InterleavedColumns`]: each part (or gate/up pair)
+    /// generated whole, then written column by column.
+    fn write_transposed(&self, t: &PlannedTensor, out: &mut dyn Write) -> std::io::Result<()> {
+        let group = if t.layout == Layout::InterleavedColumns { 2 } else { 1 };
+        let (mut bytes, mut cols) = (Vec::new(), Vec::new());
+        for parts in t.parts.chunks(group) {
+            let whole: Vec<Vec<f32>> = parts
+                .iter()
+                .map(|p| {
+                    let mut v = Vec::with_capacity(p.n_rows * p.n_cols);
+                    (0..p.n_rows).for_each(|r| self.push_row(p, r, &mut v));
+                    v
+                })
+                .collect();
+            let (rows, n_cols) = (parts[0].n_rows, parts[0].n_cols);
+            for c in 0..n_cols {
+                cols.clear();
+                for r in 0..rows {
+                    cols.extend(whole.iter().map(|m| m[r * n_cols + c]));
+                }
+                bytes.clear();
+                encode_f32(t.dtype, &cols, &mut bytes);
+                out.write_all(&bytes)?;
             }
         }
         Ok(())
@@ -1106,6 +1216,10 @@ fn layer_init(c: &ModelConfig, role: LayerRole) -> Init {
         LayerRole::AttnNorm | LayerRole::FfnNorm | LayerRole::QNorm | LayerRole::KNorm => norm_init(c),
         LayerRole::Q | LayerRole::K | LayerRole::V => Init::Uniform(inv_sqrt(c.hidden)),
         LayerRole::QBias | LayerRole::KBias | LayerRole::VBias => Init::Uniform(0.1),
+        // A column ([hidden, 1], see `layer_parts`): its row 0 is the skew's bias channel.
+        LayerRole::OBias => Init::ResidualWriter(0.1),
+        LayerRole::RouterBias => Init::Uniform(0.1),
+        LayerRole::Sinks => Init::Uniform(0.5),
         LayerRole::O => Init::ResidualWriter(0.5 * inv_sqrt(c.q_dim())),
         // Router logits with unit noise: rows of std sqrt(2 / hidden) against normed hidden states
         // whose non-bias channels hold about half the energy.
@@ -1187,7 +1301,12 @@ fn layer_parts(c: &ModelConfig, a: &Adapter, layer_idx: usize) -> Vec<(LayerRole
         .map(|role| {
             let shape = expected_layer_shape(c, &spec, role);
             let key = naming::hf_layer(a.hf_naming, layer_idx, role);
-            let shape2: Vec<usize> = if shape.len() == 2 && shape[0] == 1 { vec![shape[1]] } else { shape };
+            let shape2: Vec<usize> = match shape[..] {
+                [1, n] => vec![n],
+                // The o bias writes the residual like o: a column, so a skew's channels stay clear.
+                [n] if role == LayerRole::OBias => vec![n, 1],
+                _ => shape,
+            };
             (role, canonical_2d(key, &shape2, layer_init(c, role), layer_idx))
         })
         .collect()
@@ -1219,10 +1338,11 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
         _ => key.to_string(),
     };
     let mut plan = Vec::new();
+    let mut fused = Vec::new();
     // The parts keep their per-expert keys (they seed the values), so a fused file holds the
     // same experts as a per-expert one.
     let mut push = |key: &str, parts: Vec<Canonical>, shape: Vec<usize>| {
-        plan.push(PlannedTensor { name: name(key), dtype: opts.dtype, shape, parts });
+        plan.push(PlannedTensor { name: name(key), dtype: opts.dtype, shape, parts, layout: Layout::Rows });
     };
     for (_, part) in global_parts(c, a) {
         let shape = if part.n_rows == 1 && part.key.ends_with("norm.weight") {
@@ -1240,6 +1360,10 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
                 shape.insert(1, 1); // transformers' Conv1d weight: [channels, 1, width]
             }
             push(&part.key.clone(), vec![part], shape);
+        }
+        if a.hf_naming == HfNaming::GptOss {
+            gpt_oss_hf_experts(c, a, layer_idx, opts.dtype, &mut fused);
+            continue;
         }
         if nested {
             let gate_up = (0..c.n_experts)
@@ -1262,7 +1386,45 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
             }
         }
     }
+    plan.extend(fused);
     plan
+}
+
+/// One expert bias as a canonical column (`[rows, 1]`, so a skew's channel rows stay clear in
+/// the down bias as in the down projection).
+fn expert_bias_part(c: &ModelConfig, a: &Adapter, layer_idx: usize, e: usize, proj: ExpertProj) -> Canonical {
+    let key = naming::hf_expert(a.hf_naming, layer_idx, e, proj).replace(".weight", ".bias");
+    let (rows, init) = match proj {
+        ExpertProj::Down => (c.hidden, Init::ResidualWriter(0.1)),
+        ExpertProj::Gate | ExpertProj::Up => (c.expert_ff, Init::Uniform(0.1)),
+    };
+    canonical_2d(key, &[rows, 1], init, layer_idx)
+}
+
+/// GPT-OSS's fused, input-major experts as transformers saves them: `gate_up_proj`
+/// `[E, hidden, 2 ff]` (gate and up interleaved), `down_proj` `[E, ff, hidden]`, and their biases.
+fn gpt_oss_hf_experts(c: &ModelConfig, a: &Adapter, l: usize, dtype: DType, plan: &mut Vec<PlannedTensor>) {
+    let (e_n, h, ff) = (c.n_experts, c.hidden, c.expert_ff);
+    let pairs = |f: &dyn Fn(usize, ExpertProj) -> Canonical| -> Vec<Canonical> {
+        (0..e_n).flat_map(|e| [f(e, ExpertProj::Gate), f(e, ExpertProj::Up)]).collect()
+    };
+    let downs = |f: &dyn Fn(usize, ExpertProj) -> Canonical| -> Vec<Canonical> {
+        (0..e_n).map(|e| f(e, ExpertProj::Down)).collect()
+    };
+    let weight = |e, p| expert_part(c, a, l, e, p);
+    let bias = |e, p| expert_bias_part(c, a, l, e, p);
+    let mut push = |name: String, shape: Vec<usize>, parts, layout| {
+        plan.push(PlannedTensor { name, dtype, shape, parts, layout });
+    };
+    push(
+        naming::hf_fused_experts(l, false),
+        vec![e_n, h, 2 * ff],
+        pairs(&weight),
+        Layout::InterleavedColumns,
+    );
+    push(naming::hf_fused_expert_bias(l, false), vec![e_n, 2 * ff], pairs(&bias), Layout::InterleavedColumns);
+    push(naming::hf_fused_experts(l, true), vec![e_n, ff, h], downs(&weight), Layout::Columns);
+    push(naming::hf_fused_expert_bias(l, true), vec![e_n, h], downs(&bias), Layout::Columns);
 }
 
 fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
@@ -1281,7 +1443,14 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
         let dtype = if role == GlobalRole::OutputNorm { DType::F32 } else { opts.dtype };
         let shape =
             if role == GlobalRole::OutputNorm { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
-        plan.push(PlannedTensor { name: naming::gguf_global(role).into(), dtype, shape, parts: vec![part] });
+        let layout = Layout::Rows;
+        plan.push(PlannedTensor {
+            name: naming::gguf_global(role).into(),
+            dtype,
+            shape,
+            parts: vec![part],
+            layout,
+        });
     }
     for layer_idx in 0..c.n_layers {
         let delta = gguf_hybrid::delta_parts(c, a, layer_idx);
@@ -1298,13 +1467,14 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
         }
         tensors.extend(delta.into_iter().flatten());
         for (role, parts) in tensors {
-            let one_d = parts[0].n_rows == 1;
+            let (rows, cols) = (parts.iter().map(Canonical::disk_rows).sum::<usize>(), parts[0].disk_cols());
+            let one_d = rows == 1 || cols == 1;
             // Routers and DeltaNet convs stay f32, as llama.cpp's converter keeps them.
             let f32_role = one_d || matches!(role, LayerRole::Router | LayerRole::DeltaConv);
             let dtype = if f32_role { DType::F32 } else { opts.dtype };
-            let rows = parts.iter().map(Canonical::disk_rows).sum();
-            let shape = if one_d { vec![parts[0].disk_cols()] } else { vec![rows, parts[0].disk_cols()] };
-            plan.push(PlannedTensor { name: naming::gguf_layer(a, layer_idx, role), dtype, shape, parts });
+            let shape = if one_d { vec![rows * cols] } else { vec![rows, cols] };
+            let name = naming::gguf_layer(a, layer_idx, role);
+            plan.push(PlannedTensor { name, dtype, shape, parts, layout: Layout::Rows });
         }
         for proj in ExpertProj::ALL {
             let parts: Vec<Canonical> =
@@ -1315,7 +1485,17 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
                 dtype: opts.dtype,
                 shape,
                 parts,
+                layout: Layout::Rows,
             });
+        }
+        if (a.layer)(c, layer_idx).moe().expert_bias {
+            for proj in ExpertProj::ALL {
+                let parts: Vec<Canonical> =
+                    (0..c.n_experts).map(|e| expert_bias_part(c, a, layer_idx, e, proj)).collect();
+                let shape = vec![c.n_experts, parts[0].n_rows];
+                let name = naming::gguf_expert_bias(layer_idx, proj);
+                plan.push(PlannedTensor { name, dtype: DType::F32, shape, parts, layout: Layout::Rows });
+            }
         }
     }
     plan

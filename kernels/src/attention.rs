@@ -36,6 +36,9 @@ pub struct AttentionInput<'a> {
     pub first_pos: usize,
     /// Sliding window: a token at `pos` sees `pos + 1 - window ..= pos`.
     pub window: Option<usize>,
+    /// One sink logit per query head (GPT-OSS): it joins each softmax's denominator and
+    /// attends to nothing.
+    pub sinks: Option<&'a [f32]>,
 }
 
 impl AttentionInput<'_> {
@@ -61,6 +64,11 @@ impl AttentionInput<'_> {
         for buf in self.keys.iter().chain(self.values) {
             if buf.len() < need {
                 return bad("kv cache (positions x head_dim)", need, buf.len());
+            }
+        }
+        if let Some(s) = self.sinks {
+            if s.len() != n_heads {
+                return bad("sinks (one per query head)", n_heads, s.len());
             }
         }
         if self.window == Some(0) {
@@ -158,14 +166,16 @@ pub fn attention_reference(input: &AttentionInput<'_>, out: &mut [f32]) -> Resul
                     q.iter().zip(k).map(|(a, b)| a * b).fold(0.0f32, |s, v| s + v) * scale
                 })
                 .collect();
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sink = input.sinks.map(|s| s[head]);
+            let max = scores.iter().copied().chain(sink).fold(f32::NEG_INFINITY, f32::max);
             let sum: f32 = scores
                 .iter_mut()
                 .map(|s| {
                     *s = (*s - max).exp();
                     *s
                 })
-                .sum();
+                .sum::<f32>()
+                + sink.map_or(0.0, |s| (s - max).exp());
             let o = &mut out[(t * n_heads + head) * hd..(t * n_heads + head + 1) * hd];
             o.iter_mut().for_each(|v| *v = 0.0);
             for (p, s) in (first..=pos).zip(&scores) {

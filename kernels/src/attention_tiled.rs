@@ -155,7 +155,7 @@ impl TiledCall<'_> {
                 // SAFETY: this unit alone writes the (token, head) row q_row(r); validate checked
                 // that `out` holds n_tokens * n_heads rows of hd.
                 let out = unsafe { std::slice::from_raw_parts_mut(self.out.add(q_row(r) * hd), hd) };
-                tile.finish_row(r, out);
+                tile.finish_row(r, self.input.sinks.map(|s| s[kv * g + r % g]), out);
             } else {
                 let at = (unit * max_rows(shape) + r) * (hd + 2);
                 // SAFETY: this unit alone writes its partial rows; the buffer holds
@@ -188,7 +188,8 @@ impl TiledCall<'_> {
             for r in 0..rows {
                 let row = (t0 + r / g) * shape.n_heads + kv * g + r % g;
                 let parts = (0..self.splits).map(|s| &units[s * per_unit + r * (hd + 2)..][..hd + 2]);
-                combine_row(parts, &mut out[row * hd..(row + 1) * hd]);
+                let sink = self.input.sinks.map(|s| s[kv * g + r % g]);
+                combine_row(parts, sink, &mut out[row * hd..(row + 1) * hd]);
             }
         }
     }
@@ -345,12 +346,13 @@ struct Chunk {
     rows: usize,
 }
 
-/// One row's output from partials `[acc (hd), max, sum]` of disjoint key ranges.
-fn combine_row<'p>(parts: impl Iterator<Item = &'p [f32]> + Clone, out: &mut [f32]) {
+/// One row's output from partials `[acc (hd), max, sum]` of disjoint key ranges (and a sink
+/// logit, a partial of sum 1 that attends nothing).
+fn combine_row<'p>(parts: impl Iterator<Item = &'p [f32]> + Clone, sink: Option<f32>, out: &mut [f32]) {
     let hd = out.len();
-    let max = parts.clone().map(|p| p[hd]).fold(f32::NEG_INFINITY, f32::max);
+    let max = parts.clone().map(|p| p[hd]).chain(sink).fold(f32::NEG_INFINITY, f32::max);
     out.fill(0.0);
-    let mut sum = 0.0f32;
+    let mut sum = sink.map_or(0.0f32, |s| (s - max).exp());
     for p in parts {
         if p[hd] == f32::NEG_INFINITY {
             continue; // a range this row sees nothing of
@@ -430,8 +432,17 @@ impl<'s> UnitTile<'s> {
         part[self.hd + 1] = self.sum[r];
     }
 
-    fn finish_row(&self, r: usize, out: &mut [f32]) {
-        let inv = 1.0 / self.sum[r];
+    /// Row `r`'s output; a sink logit joins the denominator (`acc e^(m-M) / (sum e^(m-M) +
+    /// e^(sink-M))`, `M` the larger of the row's max and the sink).
+    fn finish_row(&self, r: usize, sink: Option<f32>, out: &mut [f32]) {
+        let inv = match sink {
+            None => 1.0 / self.sum[r],
+            Some(s) => {
+                let m = self.max[r].max(s);
+                let w = (self.max[r] - m).exp();
+                w / (self.sum[r] * w + (s - m).exp())
+            }
+        };
         for (o, a) in out.iter_mut().zip(&self.acc[r * self.hd..(r + 1) * self.hd]) {
             *o = a * inv;
         }

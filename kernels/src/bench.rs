@@ -318,6 +318,7 @@ fn expert_views(
                 down_dtype: dtype,
                 hidden: HIDDEN,
                 ff: FF,
+                bias: None,
             }
         })
         .collect()

@@ -277,13 +277,17 @@ pub(crate) unsafe fn gate_up_unchecked(
         // validated matrix.
         unsafe { matrix.add((first + virtual_row / 2) * row_bytes) }
     };
+    let bias = weights.bias;
     let sink = |virtual_row: usize, token: usize, value: f32| {
+        let row = first + virtual_row / 2;
         // SAFETY: token < n_tokens and the ff row is in `ff_rows`, which the caller owns.
-        let slot = unsafe { &mut *h_base.add(token * ff + first + virtual_row / 2) };
+        let slot = unsafe { &mut *h_base.add(token * ff + row) };
         if virtual_row.is_multiple_of(2) {
-            *slot = value; // gate first (rows arrive in increasing order per token) ...
+            // gate first (rows arrive in increasing order per token) ...
+            *slot = bias.map_or(value, |b| value + b.gate[row]);
         } else {
-            *slot = act.gated(*slot, value); // ... then up completes the activation.
+            // ... then up completes the activation.
+            *slot = act.gated(*slot, bias.map_or(value, |b| value + b.up[row]));
         }
     };
     #[cfg(target_arch = "x86_64")]
@@ -292,7 +296,8 @@ pub(crate) unsafe fn gate_up_unchecked(
         let sink = |row: usize, tokens: Range<usize>, [g, u]: [&[f32; 16]; 2]| {
             for (j, t) in tokens.enumerate() {
                 // SAFETY: t < n_tokens and row is in `ff_rows`, which the caller owns.
-                unsafe { *h_base.add(t * ff + row) = act.gated(g[j], u[j]) };
+                let (g, u) = bias.map_or((g[j], u[j]), |b| (g[j] + b.gate[row], u[j] + b.up[row]));
+                unsafe { *h_base.add(t * ff + row) = act.gated(g, u) };
             }
         };
         // SAFETY: level Amx detected (caller), the call is usable, the matrices hold ff rows of
@@ -449,7 +454,9 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
     let row_ptr = |r: usize| unsafe { down.add((first + r) * row_bytes) };
     // SAFETY: t < n_tokens, h has n_tokens * ff values.
     let token_ptr = |t: usize| unsafe { h_base.add(t * ff) };
+    let bias = weights.bias;
     let sink = |r: usize, t: usize, value: f32| {
+        let value = bias.map_or(value, |b| value + b.down[first + r]);
         // SAFETY: the caller owns row first + r of token t's output row.
         unsafe {
             let slot = out_row_ptr(t).add(first + r);
@@ -465,13 +472,14 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
         let mat = crate::x86_amx::Rows { base: down, row_bytes, n_rows: weights.hidden };
         let sink = |row: usize, tokens: Range<usize>, [values]: [&[f32; 16]; 1]| {
             for (j, t) in tokens.enumerate() {
+                let value = bias.map_or(values[j], |b| values[j] + b.down[row]);
                 // SAFETY: the caller owns row `row` of token t's output row.
                 unsafe {
                     let slot = out_row_ptr(t).add(row);
                     if ACCUMULATE {
-                        *slot += token_weight[t] * values[j];
+                        *slot += token_weight[t] * value;
                     } else {
-                        *slot = token_weight[t] * values[j];
+                        *slot = token_weight[t] * value;
                     }
                 }
             }

@@ -53,4 +53,4 @@ pub use pool::{ColdExpertWork, ColdJob, ColdPool};
 pub use q8::{DecodeActivations, Q8Activations, Q8_MAX_TOKENS};
 pub use scalar::dot_row;
 pub use simd::{available, has_avx512_vnni, SimdLevel};
-pub use weights::{Activation, ExpertWeights, WeightDType};
+pub use weights::{Activation, ExpertBias, ExpertWeights, WeightDType};

@@ -697,15 +697,17 @@ impl ColdPool {
             let (gate_row_bytes, down_row_bytes) = (w.dtype.row_bytes(hidden), w.down_dtype.row_bytes(ff));
             for (&token, &token_weight) in expert.token_idx.iter().zip(expert.token_weight) {
                 let x = &job.x[token as usize * hidden..][..hidden];
+                let bias = w.bias;
                 for (k, hk) in h.iter_mut().enumerate() {
                     let gate = dot_row(w.dtype, &w.gate[k * gate_row_bytes..][..gate_row_bytes], x);
                     let up = dot_row(w.dtype, &w.up[k * gate_row_bytes..][..gate_row_bytes], x);
+                    let (gate, up) = bias.map_or((gate, up), |b| (gate + b.gate[k], up + b.up[k]));
                     *hk = job.act.gated(gate, up);
                 }
                 let out_row = &mut out[token as usize * hidden..][..hidden];
                 for (row, o) in out_row.iter_mut().enumerate() {
-                    *o += token_weight
-                        * dot_row(w.down_dtype, &w.down[row * down_row_bytes..][..down_row_bytes], &h);
+                    let y = dot_row(w.down_dtype, &w.down[row * down_row_bytes..][..down_row_bytes], &h);
+                    *o += token_weight * bias.map_or(y, |b| y + b.down[row]);
                 }
             }
         }
@@ -1159,6 +1161,7 @@ mod tests {
                             down_dtype: dtype,
                             hidden,
                             ff,
+                            bias: None,
                         },
                         token_idx: &token_idx[e],
                         token_weight: &token_weight[e],

@@ -164,6 +164,17 @@ pub struct ExpertWeights<'a> {
     pub down_dtype: WeightDType,
     pub hidden: usize,
     pub ff: usize,
+    /// Biases added to gate/up before the activation and to down's output (GPT-OSS); `None`
+    /// for bias-free experts.
+    pub bias: Option<ExpertBias<'a>>,
+}
+
+/// One expert's biases, f32: `gate` and `up` `[ff]`, `down` `[hidden]`.
+#[derive(Debug, Clone, Copy)]
+pub struct ExpertBias<'a> {
+    pub gate: &'a [f32],
+    pub up: &'a [f32],
+    pub down: &'a [f32],
 }
 
 impl<'a> ExpertWeights<'a> {
@@ -194,6 +205,17 @@ impl<'a> ExpertWeights<'a> {
         };
         whole(self.dtype, self.hidden, "gate/up row (whole blocks)")?;
         whole(self.down_dtype, self.ff, "down row (whole blocks)")?;
+        if let Some(b) = &self.bias {
+            for (what, len, expected) in [
+                ("gate bias", b.gate.len(), self.ff),
+                ("up bias", b.up.len(), self.ff),
+                ("down bias", b.down.len(), self.hidden),
+            ] {
+                if len != expected {
+                    return Err(KernelError::ShapeMismatch { what, expected, actual: len });
+                }
+            }
+        }
         let gate_up = self.gate_up_bytes();
         for (what, slice, expected) in
             [("gate", self.gate, gate_up), ("up", self.up, gate_up), ("down", self.down, self.down_bytes())]
@@ -215,14 +237,27 @@ pub enum Activation {
     Gelu,
     /// PyTorch `gelu(approximate="tanh")`.
     GeluTanh,
+    /// GPT-OSS's clamped SwiGLU: `g = min(gate, 7)`, `u = clamp(up, -7, 7)`,
+    /// `(u + 1) * g * sigmoid(1.702 g)` (see [`Activation::gated`]).
+    SwigluOai,
 }
 
+/// GPT-OSS's SwiGLU gain (`swiglu_alpha`).
+pub const SWIGLU_OAI_ALPHA: f32 = 1.702;
+/// GPT-OSS's SwiGLU clamp (`swiglu_limit`).
+pub const SWIGLU_OAI_LIMIT: f32 = 7.0;
+
 impl Activation {
-    /// Applies the activation to a gate value.
+    /// Applies the activation to a gate value (for [`Activation::SwigluOai`], the clamped gate's
+    /// `g * sigmoid(1.702 g)`, without the up factor).
     #[inline]
     pub fn apply(self, gate: f32) -> f32 {
         match self {
             Activation::Silu => gate / (1.0 + (-gate).exp()),
+            Activation::SwigluOai => {
+                let g = gate.min(SWIGLU_OAI_LIMIT);
+                g / (1.0 + (-SWIGLU_OAI_ALPHA * g).exp())
+            }
             Activation::Gelu => {
                 let g = gate as f64;
                 (0.5 * g * (1.0 + erf(g * std::f64::consts::FRAC_1_SQRT_2))) as f32
@@ -238,7 +273,10 @@ impl Activation {
     /// The gated product `act(gate) * up` stored into `h`.
     #[inline]
     pub fn gated(self, gate: f32, up: f32) -> f32 {
-        self.apply(gate) * up
+        match self {
+            Activation::SwigluOai => (up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT) + 1.0) * self.apply(gate),
+            _ => self.apply(gate) * up,
+        }
     }
 }
 

@@ -126,8 +126,15 @@ fn par_attention_matches_scalar_for_every_level_and_thread_count() {
         {
             let kv = random_kv(&mut rng, shape.n_kv_heads, first_pos + n_tokens, shape.head_dim);
             let q = rng.vec(n_tokens * shape.n_heads * shape.head_dim, 1.0);
-            let input =
-                AttentionInput { shape, q: &q, keys: &kv.keys, values: &kv.values, first_pos, window };
+            let input = AttentionInput {
+                shape,
+                q: &q,
+                keys: &kv.keys,
+                values: &kv.values,
+                first_pos,
+                window,
+                sinks: None,
+            };
             let mut expected = vec![0.0; q.len()];
             attention_reference(&input, &mut expected).unwrap();
             for level in available() {
@@ -160,7 +167,8 @@ fn attention_of_no_tokens_is_empty() {
     let mut pool = ColdPool::new(2);
     let shape = AttentionShape { n_heads: 4, n_kv_heads: 2, head_dim: 8 };
     let kv: Vec<Vec<f32>> = vec![vec![0.5; 3 * 8]; 2];
-    let input = AttentionInput { shape, q: &[], keys: &kv, values: &kv, first_pos: 3, window: None };
+    let input =
+        AttentionInput { shape, q: &[], keys: &kv, values: &kv, first_pos: 3, window: None, sinks: None };
     let mut scratch = AttentionScratch::default();
     par_attention(&mut pool, SimdLevel::Scalar, &input, &mut scratch, &mut []).unwrap();
     attention(SimdLevel::Scalar, &input, &mut scratch, &mut []).unwrap();
@@ -172,7 +180,15 @@ fn par_attention_rejects_a_short_cache() {
     let shape = AttentionShape { n_heads: 2, n_kv_heads: 1, head_dim: 4 };
     let (keys, values) = (vec![vec![0.0; 8]], vec![vec![0.0; 8]]);
     let q = vec![1.0; 8];
-    let input = AttentionInput { shape, q: &q, keys: &keys, values: &values, first_pos: 2, window: None };
+    let input = AttentionInput {
+        shape,
+        q: &q,
+        keys: &keys,
+        values: &values,
+        first_pos: 2,
+        window: None,
+        sinks: None,
+    };
     let mut out = vec![0.0; 8];
     let err = par_attention(&mut pool, SimdLevel::Scalar, &input, &mut AttentionScratch::default(), &mut out);
     assert!(err.is_err(), "position 2 of a 2-position cache holds no room for the call's token");

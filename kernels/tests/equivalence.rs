@@ -41,6 +41,7 @@ impl OwnedExpert {
             down_dtype: self.dtype,
             hidden: self.hidden,
             ff: self.ff,
+            bias: None,
         }
     }
 }
@@ -186,6 +187,7 @@ fn shape_errors_are_reported() {
         down_dtype: WeightDType::F32,
         hidden: 10,
         ff: 2,
+        bias: None,
     };
     assert!(weights.validate().is_err());
 }

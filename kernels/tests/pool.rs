@@ -92,6 +92,7 @@ impl RandomJob {
                     down_dtype: self.down_dtype,
                     hidden: self.hidden,
                     ff: self.ff,
+                    bias: None,
                 },
                 token_idx: &self.token_idx[e],
                 token_weight: &self.token_weight[e],

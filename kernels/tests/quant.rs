@@ -105,6 +105,7 @@ fn expert_ffn_over_mixed_quantized_types_matches_scalar_for_every_level() {
             down_dtype,
             hidden,
             ff,
+            bias: None,
         };
         for n_tokens in [1, 2, 7] {
             let x = rng.vec(n_tokens * hidden, 1.0);
@@ -147,6 +148,7 @@ fn quantized_rows_that_are_not_whole_blocks_are_refused() {
         down_dtype: WeightDType::Q8_0,
         hidden: 64,
         ff: 1,
+        bias: None,
     };
     assert!(weights.validate().is_err(), "down rows of 1 value are not whole Q8_0 blocks");
 }

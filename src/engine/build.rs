@@ -191,9 +191,9 @@ pub fn build_engine<'m>(
                     return Ok((Box::new(engine), report));
                 }
                 // A layer kind the GPU engine does not run: the default engine is the pipeline.
-                Err(EngineError::Gpu(e @ GpuError::Mixer { .. })) if opts.kind.is_none() => {
-                    gpu_unavailable = Some(e.to_string())
-                }
+                Err(EngineError::Gpu(
+                    e @ (GpuError::Mixer { .. } | GpuError::Ffn { .. } | GpuError::Activation { .. }),
+                )) if opts.kind.is_none() => gpu_unavailable = Some(e.to_string()),
                 Err(e) => return Err(e),
             },
             // Asked for by name, the GPU engine is not replaced by another: the caller said which.

@@ -482,11 +482,12 @@ pub(crate) fn qk_fusable(a: &AttentionSpec) -> bool {
     a.clip_qkv.is_none() && matches!(a.qk_norm, QkNorm::None | QkNorm::PerHead)
 }
 
-/// The mixer kinds the GPU engine runs: every attention layer, and Gated DeltaNet layers whose
-/// key heads fit the kernel's registers.
+/// The mixer kinds the GPU engine runs: attention layers without sinks, o bias or YaRN, and Gated
+/// DeltaNet layers whose key heads fit the kernel's registers.
 pub(crate) fn runs_mixer(m: &Mixer) -> bool {
     match m {
-        Mixer::Attention(_) => true,
+        // Attention sinks, an o bias and YaRN RoPE (GPT-OSS) have no kernels here yet.
+        Mixer::Attention(a) => !a.sinks && !a.o_bias && a.rope.yarn.is_none(),
         Mixer::GatedDeltaNet(d) => {
             d.k_head_dim <= DELTA_MAX_KEY_DIM
                 && d.v_head_dim <= 1024

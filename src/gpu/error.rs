@@ -23,6 +23,10 @@ pub enum GpuError {
         "layer {layer_idx} is a {kind} layer, which the GPU engine does not run yet (use --engine pipeline)"
     )]
     Mixer { layer_idx: usize, kind: &'static str },
+    #[error(
+        "layer {layer_idx}'s FFN is a {kind}, which the GPU engine does not run yet (use --engine pipeline)"
+    )]
+    Ffn { layer_idx: usize, kind: &'static str },
     #[error("head_dim {head_dim} is odd; the GPU RoPE kernels need an even head_dim")]
     OddHeadDim { head_dim: usize },
     #[error("the hot set has {given} layers, the model has {expected}")]

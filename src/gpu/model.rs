@@ -310,11 +310,10 @@ pub struct GpuModel {
 }
 
 impl GpuModel {
-    /// Upload every non-expert weight; the hot cache starts empty (every expert cold) until
-    /// [`GpuModel::allocate_hot`].
-    pub fn new(model: Arc<Model>, be: Arc<CudaBackend>, opts: GpuOptions) -> Result<GpuModel, GpuError> {
-        be.bind_to_thread()?;
-        let cfg = model.config().clone();
+    /// Whether the GPU engine runs every layer kind of `model`'s plan; the first it lacks, by
+    /// name, otherwise (checked before anything touches the device).
+    pub fn supports(model: &Model) -> Result<(), GpuError> {
+        let cfg = model.config();
         if cfg.head_dim % 2 == 1 {
             return Err(GpuError::OddHeadDim { head_dim: cfg.head_dim });
         }
@@ -325,6 +324,20 @@ impl GpuModel {
         if activation != crate::model::arch::FfnActivation::Silu {
             return Err(GpuError::Activation { activation });
         }
+        // Router and expert biases (GPT-OSS) have no kernels here yet.
+        let biased = |l: &crate::model::arch::LayerSpec| l.moe().router.bias || l.moe().expert_bias;
+        if let Some(layer_idx) = model.plan().layers().iter().position(biased) {
+            return Err(GpuError::Ffn { layer_idx, kind: "mixture of experts with router or expert biases" });
+        }
+        Ok(())
+    }
+
+    /// Upload every non-expert weight; the hot cache starts empty (every expert cold) until
+    /// [`GpuModel::allocate_hot`].
+    pub fn new(model: Arc<Model>, be: Arc<CudaBackend>, opts: GpuOptions) -> Result<GpuModel, GpuError> {
+        be.bind_to_thread()?;
+        let cfg = model.config().clone();
+        GpuModel::supports(&model)?;
         let w = DenseWeights::upload(&model, &be)?;
         let hot = HotCache::empty(&be, &model)?;
         let dequant = dequant_scratch(&be, &cfg, &w, &hot)?;

@@ -2,7 +2,9 @@
 //! parsed from a Hugging Face `config.json` or from GGUF metadata, validated once, and written back
 //! out by `synth`. Architecture behaviour that is not a number lives in [`crate::model::arch`].
 
-use crate::model::arch::{self, Adapter, Arch, DeltaNetProjections, RopeStyle, UnsupportedArch, VHeadOrder};
+use crate::model::arch::{
+    self, Adapter, Arch, DeltaNetProjections, RopeStyle, UnsupportedArch, VHeadOrder, YarnSpec,
+};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -33,6 +35,11 @@ pub struct ModelConfig {
     pub max_positions: usize,
     /// Attend only to the last `sliding_window` positions (Mixtral may set it).
     pub sliding_window: Option<usize>,
+    /// The layers that use `sliding_window` (`layer_types`' `sliding_attention` entries; GPT-OSS:
+    /// the even layers); `None`: every layer does.
+    pub sliding_window_layers: Option<Vec<usize>>,
+    /// YaRN RoPE scaling (`rope_parameters.rope_type` "yarn"; GGUF `rope.scaling.type`).
+    pub yarn: Option<YarnSpec>,
     /// Clamp q/k/v projections to `[-clip, clip]` (OLMoE option).
     pub clip_qkv: Option<f32>,
     /// Leading values of each attention head that RoPE rotates (`head_dim`, or
@@ -168,7 +175,7 @@ impl<'a> HfFields<'a> {
         if let Some(params) = self.raw("rope_parameters") {
             let nested = HfFields { path: self.path, value: params };
             if let Some(kind) = nested.opt_str("rope_type")? {
-                if kind != "default" {
+                if kind != "default" && kind != "yarn" {
                     return Err(
                         self.invalid("rope_parameters.rope_type", format!("'{kind}' is not supported"))
                     );
@@ -245,15 +252,92 @@ impl<'a> HfFields<'a> {
         Ok(full)
     }
 
-    fn refuse_rope_scaling(&self) -> Result<(), ConfigError> {
-        let Some(scaling) = self.raw("rope_scaling") else { return Ok(()) };
+    /// YaRN scaling from `rope_parameters` (transformers 5) or `rope_scaling`; other scaling
+    /// kinds are refused by name.
+    fn yarn(&self) -> Result<Option<YarnSpec>, ConfigError> {
+        let (field, scaling) = match (self.raw("rope_parameters"), self.raw("rope_scaling")) {
+            (_, Some(s)) => ("rope_scaling", s),
+            (Some(p), None) => ("rope_parameters", p),
+            (None, None) => return Ok(None),
+        };
         let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str);
         match kind {
-            None | Some("default") => Ok(()),
+            None | Some("default") => return Ok(None),
+            Some("yarn") => {}
             Some(other) => {
-                Err(self.invalid("rope_scaling", format!("'{other}' RoPE scaling is not supported")))
+                return Err(self.invalid(field, format!("'{other}' RoPE scaling is not supported")))
             }
         }
+        let f = HfFields { path: self.path, value: scaling };
+        let named = |e: ConfigError| match e {
+            ConfigError::MissingField { path, field: inner } => {
+                ConfigError::MissingField { path, field: format!("{field}.{inner}") }
+            }
+            other => other,
+        };
+        let factor = f.opt_f64("factor")?.ok_or_else(|| self.invalid(field, "yarn needs 'factor'"))? as f32;
+        let original_context = f.usize("original_max_position_embeddings").map_err(named)?;
+        if factor.partial_cmp(&1.0).is_none_or(|o| o.is_lt()) || original_context == 0 {
+            return Err(self.invalid(
+                field,
+                format!("yarn factor {factor} must be >= 1 and original_max_position_embeddings > 0"),
+            ));
+        }
+        if f.opt_f64("mscale")?.is_some() || f.opt_f64("mscale_all_dim")?.is_some() {
+            return Err(self.invalid(field, "yarn 'mscale' / 'mscale_all_dim' are not supported"));
+        }
+        let attention_factor = match f.opt_f64("attention_factor")? {
+            Some(a) => a as f32,
+            None => arch::yarn_default_attention_factor(factor),
+        };
+        Ok(Some(YarnSpec {
+            factor,
+            original_context,
+            beta_fast: f.opt_f64("beta_fast")?.unwrap_or(32.0) as f32,
+            beta_slow: f.opt_f64("beta_slow")?.unwrap_or(1.0) as f32,
+            truncate: f.opt_bool("truncate")?.unwrap_or(true),
+            attention_factor,
+        }))
+    }
+
+    /// The layers `layer_types` marks `sliding_attention` (an attention-only model's); `None`
+    /// without `layer_types`, or `default` when the architecture has its own pattern.
+    fn sliding_layers(
+        &self,
+        n_layers: usize,
+        default: Option<Vec<usize>>,
+    ) -> Result<Option<Vec<usize>>, ConfigError> {
+        let Some(types) = self.raw("layer_types") else { return Ok(default) };
+        let list = types.as_array().ok_or_else(|| self.wrong("layer_types", "a list of strings", types))?;
+        if list.len() != n_layers {
+            return Err(self.invalid("layer_types", format!("{} entries for {n_layers} layers", list.len())));
+        }
+        let mut sliding = Vec::new();
+        for (l, t) in list.iter().enumerate() {
+            match t.as_str() {
+                Some("sliding_attention") => sliding.push(l),
+                Some("full_attention") => {}
+                _ => {
+                    return Err(self.invalid(
+                        "layer_types",
+                        format!("entry {l} is {t}: expected \"full_attention\" or \"sliding_attention\""),
+                    ))
+                }
+            }
+        }
+        Ok(Some(sliding))
+    }
+
+    /// GPT-OSS's clamped SwiGLU constants: the kernels implement 1.702 and 7 only.
+    fn check_swiglu(&self) -> Result<(), ConfigError> {
+        for (field, want) in [("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)] {
+            if let Some(v) = self.opt_f64(field)? {
+                if (v - want).abs() > 1e-6 {
+                    return Err(self.invalid(field, format!("{v}: only {want} is supported")));
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -294,7 +378,7 @@ impl ModelConfig {
                 ));
             }
         }
-        f.refuse_rope_scaling()?;
+        let yarn = f.yarn()?;
         refuse_dense_layers(&f)?;
         let hidden = f.usize("hidden_size")?;
         let n_heads = f.usize("num_attention_heads")?;
@@ -312,6 +396,16 @@ impl ModelConfig {
         let rotary_dims = f.rotary_dims(head_dim, adapter.hybrid.default_partial_rotary)?;
         let n_layers = f.usize("num_hidden_layers")?;
         let hybrid = adapter.hybrid.delta_net.map(|p| f.hybrid(n_layers, p)).transpose()?;
+        let sliding_window_layers = if hybrid.is_some() {
+            None
+        } else {
+            let oss = adapter.arch == Arch::GptOss;
+            let default = oss.then(|| every_other_layer(n_layers));
+            f.sliding_layers(n_layers, default)?
+        };
+        if adapter.arch == Arch::GptOss {
+            f.check_swiglu()?;
+        }
         let config = ModelConfig {
             arch: adapter.arch,
             n_layers,
@@ -331,6 +425,8 @@ impl ModelConfig {
             tied_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             max_positions: f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
             sliding_window,
+            sliding_window_layers,
+            yarn,
             clip_qkv: f.opt_f64("clip_qkv")?.map(|c| c as f32),
             rotary_dims,
             hybrid,
@@ -396,6 +492,14 @@ impl ModelConfig {
 
     pub fn q_dim(&self) -> usize {
         self.n_heads * self.head_dim
+    }
+
+    /// The sliding window of layer `layer_idx`, `None` for full attention.
+    pub fn window_of(&self, layer_idx: usize) -> Option<usize> {
+        match &self.sliding_window_layers {
+            Some(layers) if !layers.contains(&layer_idx) => None,
+            _ => self.sliding_window,
+        }
     }
 
     /// The layers that hold a KV cache (every layer but a hybrid's DeltaNet layers).
@@ -498,6 +602,12 @@ impl HybridConfig {
         }
         Ok(())
     }
+}
+
+/// Layers 0, 2, 4, ...: GPT-OSS's sliding layers (transformers' default `layer_types`, llama.cpp's
+/// SWA pattern 2).
+pub fn every_other_layer(n_layers: usize) -> Vec<usize> {
+    (0..n_layers).step_by(2).collect()
 }
 
 /// Layers with a dense MLP instead of experts (`mlp_only_layers`, `decoder_sparse_step` > 1) are

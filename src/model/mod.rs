@@ -8,6 +8,7 @@
 pub mod arch;
 pub mod config;
 pub mod context;
+pub mod expert_extras;
 pub mod naming;
 
 use crate::format::dtype::DType;
@@ -19,6 +20,7 @@ use crate::model::arch::{
     Adapter, AttentionSpec, DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm,
 };
 use crate::model::config::{ConfigError, HybridConfig, ModelConfig};
+use crate::model::expert_extras::{ExpertBiasRef, LayerExpertBiases, OwnedLayerExperts};
 use crate::model::naming::{ExpertProj, GlobalRole, LayerRole};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -60,6 +62,8 @@ pub enum ModelError {
     BadValues { path: PathBuf, tensor: String, reason: String },
     #[error("{path}: tensor '{tensor}' has dtype {dtype}; {allowed} expected")]
     DTypeMismatch { path: PathBuf, tensor: String, dtype: DType, allowed: &'static str },
+    #[error("{path}: {reason}")]
+    BadTensor { path: PathBuf, reason: String },
 }
 
 enum Source {
@@ -93,6 +97,11 @@ pub struct Model {
     down_shape: [usize; 2],
     /// Where a safetensors checkpoint keeps its tensors (found at open).
     hf_layout: HfLayout,
+    /// Per layer, experts rewritten at open from a layout the engines cannot read in place
+    /// (GPT-OSS's input-major fused checkpoints); empty otherwise.
+    owned_experts: Vec<OwnedLayerExperts>,
+    /// Per layer, the experts' biases (a plan with `expert_bias`); empty otherwise.
+    expert_biases: Vec<LayerExpertBiases>,
 }
 
 /// How a Hugging Face checkpoint lays its language model out.
@@ -161,7 +170,10 @@ impl Model {
             adapter,
             expert_dtype: DType::F32,
             hf_layout,
+            owned_experts: Vec::new(),
+            expert_biases: Vec::new(),
         };
+        model.load_expert_extras()?;
         model.validate()?;
         Ok(model)
     }
@@ -300,6 +312,56 @@ impl Model {
         ExpertRef { gate: proj(ExpertProj::Gate), up: proj(ExpertProj::Up), down: proj(ExpertProj::Down) }
     }
 
+    /// The biases of expert `expert_idx` of layer `layer_idx`, when the plan gives experts biases.
+    pub fn expert_bias(&self, layer_idx: usize, expert_idx: usize) -> Option<ExpertBiasRef<'_>> {
+        let c = &self.config;
+        self.expert_biases.get(layer_idx).map(|b| b.expert(expert_idx, c.expert_ff, c.hidden))
+    }
+
+    /// Rewrite GPT-OSS's fused safetensors experts and decode every expert bias, once.
+    fn load_expert_extras(&mut self) -> Result<(), ModelError> {
+        use crate::model::expert_extras as x;
+        let c = &self.config;
+        let d = x::Dims { n_experts: c.n_experts, hidden: c.hidden, ff: c.expert_ff };
+        let fused_oss = self.adapter.hf_naming == crate::model::arch::HfNaming::GptOss
+            && matches!(self.source, Source::Safetensors(_));
+        let biased = self.plan.layers().iter().any(|l| l.moe().expert_bias);
+        let (mut owned, mut biases, mut expert_dtype) = (Vec::new(), Vec::new(), None);
+        for l in 0..c.n_layers {
+            let find = |name: String| {
+                let name = self.hf_layout.name(name);
+                self.raw(&name)
+                    .ok_or_else(|| ModelError::MissingTensor { path: self.file_of(&name), tensor: name })
+            };
+            if fused_oss {
+                let path = self.file_of(&naming::hf_fused_experts(l, false));
+                let gate_up = find(naming::hf_fused_experts(l, false))?;
+                let (layer, dtype) =
+                    x::rewrite_gpt_oss_layer(&path, gate_up, find(naming::hf_fused_experts(l, true))?, &d)?;
+                owned.push(layer);
+                expert_dtype = Some(dtype);
+                if biased {
+                    let gu = find(naming::hf_fused_expert_bias(l, false))?;
+                    biases.push(x::gpt_oss_biases(
+                        &path,
+                        gu,
+                        find(naming::hf_fused_expert_bias(l, true))?,
+                        &d,
+                    )?);
+                }
+            } else if biased {
+                let path = self.path.clone();
+                biases.push(x::gguf_biases(&path, l, |n| self.raw(n), &d)?);
+            }
+        }
+        self.owned_experts = owned;
+        self.expert_biases = biases;
+        if let Some(dtype) = expert_dtype {
+            self.expert_dtype = dtype;
+        }
+        Ok(())
+    }
+
     /// Bytes of one expert's gate + up + down (the largest over layers when quantised types mix).
     pub fn expert_bytes(&self) -> usize {
         (0..self.config.n_layers).map(|l| self.expert_bytes_of_layer(l)).max().unwrap_or(0)
@@ -390,6 +452,12 @@ impl Model {
 
     fn expert_proj(&self, layer_idx: usize, expert_idx: usize, proj: ExpertProj) -> TensorRef<'_> {
         let shape: &[usize] = if proj == ExpertProj::Down { &self.down_shape } else { &self.gate_up_shape };
+        if let Some(layer) = self.owned_experts.get(layer_idx) {
+            let all = layer.of(proj);
+            let n = all.len() / self.config.n_experts;
+            let name = if proj == ExpertProj::Down { "down_proj" } else { "gate_up_proj" };
+            return TensorRef { name, dtype: self.expert_dtype, shape, data: &all[expert_idx * n..][..n] };
+        }
         let t = self.raw(&self.expert_tensor_name(layer_idx, expert_idx, proj)).expect("validated at open");
         let stacked = matches!(self.source, Source::Gguf(_)) || self.hf_layout.fused_experts;
         if !stacked {
@@ -454,6 +522,9 @@ impl Model {
     }
 
     fn validate_experts(&mut self, layer_idx: usize) -> Result<(), ModelError> {
+        if !self.owned_experts.is_empty() {
+            return Ok(()); // checked when they were rewritten
+        }
         let c = &self.config;
         for proj in ExpertProj::ALL {
             let per_expert =
@@ -554,6 +625,12 @@ pub fn required_layer_roles(spec: &LayerSpec) -> Vec<LayerRole> {
             if attention.qk_norm != QkNorm::None {
                 roles.extend([QNorm, KNorm]);
             }
+            if attention.o_bias {
+                roles.push(OBias);
+            }
+            if attention.sinks {
+                roles.push(Sinks);
+            }
         }
         Mixer::GatedDeltaNet(d) => {
             roles.extend(naming::delta_input_roles(d.projections));
@@ -562,6 +639,9 @@ pub fn required_layer_roles(spec: &LayerSpec) -> Vec<LayerRole> {
     }
     if spec.moe().shared.is_some() {
         roles.extend([SharedGate, SharedUp, SharedDown, SharedExpertGate]);
+    }
+    if spec.moe().router.bias {
+        roles.push(RouterBias);
     }
     roles
 }
@@ -573,6 +653,7 @@ pub fn expected_layer_shape(c: &ModelConfig, spec: &LayerSpec, role: LayerRole) 
     match (role, &spec.mixer) {
         (AttnNorm | FfnNorm, _) => vec![c.hidden],
         (Router, _) => vec![spec.moe().router.n_experts, c.hidden],
+        (RouterBias, _) => vec![spec.moe().router.n_experts],
         (SharedGate | SharedUp, _) => vec![shared_ff, c.hidden],
         (SharedDown, _) => vec![c.hidden, shared_ff],
         (SharedExpertGate, _) => vec![1, c.hidden],
@@ -589,6 +670,8 @@ fn attention_shape(c: &ModelConfig, a: &AttentionSpec, role: LayerRole) -> Vec<u
         K | V => vec![c.kv_dim(), c.hidden],
         O => vec![c.hidden, c.q_dim()],
         QBias => vec![q_rows],
+        OBias => vec![c.hidden],
+        Sinks => vec![c.n_heads],
         KBias | VBias => vec![c.kv_dim()],
         QNorm | KNorm if a.qk_norm == QkNorm::PerHead => vec![a.head_dim],
         QNorm => vec![c.q_dim()],
@@ -757,7 +840,12 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         norm_topk_prob: meta.opt_bool("expert_weights_norm")?.unwrap_or(adapter.gguf_default_norm_topk),
         tied_embeddings: file.tensor(naming::gguf_global(GlobalRole::Output)).is_none(),
         max_positions: meta.opt_u64("context_length")?.map(|v| v as usize).unwrap_or(4096),
-        sliding_window: None,
+        sliding_window: meta.opt_u64("attention.sliding_window")?.map(|w| w as usize),
+        // llama.cpp's SWA pattern for the one architecture here that has a window key: layers
+        // 0, 2, 4, ... (`load_swa_pattern(ml, 2)`).
+        sliding_window_layers: (meta.file.get(&meta.key("attention.sliding_window")).is_some())
+            .then(|| crate::model::config::every_other_layer(meta.usize("block_count").unwrap_or(0))),
+        yarn: gguf_yarn(&meta)?,
         clip_qkv: meta.opt_f32("attention.clamp_kqv")?,
         rotary_dims: meta.opt_u64("rope.dimension_count")?.map_or(head_dim, |d| d as usize),
         hybrid: meta.hybrid(adapter, n_layers)?,
@@ -768,6 +856,32 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         ModelError::Config(ConfigError::Invalid { path: path.into(), field: field.into(), reason })
     })?;
     Ok((config, adapter))
+}
+
+/// YaRN from `rope.scaling.*` (llama.cpp's keys; the attention factor as transformers derives it
+/// unless `rope.scaling.attn_factor` says).
+fn gguf_yarn(meta: &GgufMeta<'_>) -> Result<Option<crate::model::arch::YarnSpec>, ModelError> {
+    let key = meta.key("rope.scaling.type");
+    let kind = match meta.file.get(&key) {
+        None => return Ok(None),
+        Some(v) => v.as_str().ok_or_else(|| meta.bad(key.clone(), "a string"))?,
+    };
+    match kind {
+        "none" => return Ok(None),
+        "yarn" => {}
+        _ => return Err(meta.bad(key, "'yarn' or 'none' (other RoPE scaling is not supported)")),
+    }
+    let factor = meta.opt_f32("rope.scaling.factor")?.unwrap_or(1.0);
+    Ok(Some(crate::model::arch::YarnSpec {
+        factor,
+        original_context: meta.usize("rope.scaling.original_context_length")?,
+        beta_fast: meta.opt_f32("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
+        beta_slow: meta.opt_f32("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
+        truncate: false,
+        attention_factor: meta
+            .opt_f32("rope.scaling.attn_factor")?
+            .unwrap_or_else(|| crate::model::arch::yarn_default_attention_factor(factor)),
+    }))
 }
 
 /// Metadata value helpers used by writers.

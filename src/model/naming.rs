@@ -56,6 +56,12 @@ pub enum LayerRole {
     DeltaNorm,
     /// The output projection, `[hidden, value_dim]`.
     DeltaOut,
+    /// The o projection's bias, `[hidden]` (GPT-OSS).
+    OBias,
+    /// One learned sink logit per query head, `[n_heads]` (GPT-OSS).
+    Sinks,
+    /// The router's bias, `[n_experts]` (GPT-OSS).
+    RouterBias,
 }
 
 impl LayerRole {
@@ -114,10 +120,12 @@ pub fn gguf_global(role: GlobalRole) -> &'static str {
 }
 
 pub fn hf_layer(naming: HfNaming, layer: usize, role: LayerRole) -> String {
-    let moe = match naming {
-        HfNaming::Mlp => "mlp",
-        HfNaming::BlockSparseMoe => "block_sparse_moe",
+    let (moe, router) = match naming {
+        HfNaming::Mlp => ("mlp", "mlp.gate"),
+        HfNaming::BlockSparseMoe => ("block_sparse_moe", "block_sparse_moe.gate"),
+        HfNaming::GptOss => ("mlp", "mlp.router"),
     };
+    let _ = moe;
     let suffix = match role {
         LayerRole::AttnNorm => "input_layernorm.weight".to_string(),
         LayerRole::Q => "self_attn.q_proj.weight".to_string(),
@@ -130,7 +138,10 @@ pub fn hf_layer(naming: HfNaming, layer: usize, role: LayerRole) -> String {
         LayerRole::QNorm => "self_attn.q_norm.weight".to_string(),
         LayerRole::KNorm => "self_attn.k_norm.weight".to_string(),
         LayerRole::FfnNorm => "post_attention_layernorm.weight".to_string(),
-        LayerRole::Router => format!("{moe}.gate.weight"),
+        LayerRole::Router => format!("{router}.weight"),
+        LayerRole::RouterBias => format!("{router}.bias"),
+        LayerRole::OBias => "self_attn.o_proj.bias".to_string(),
+        LayerRole::Sinks => "self_attn.sinks".to_string(),
         LayerRole::SharedGate => "mlp.shared_expert.gate_proj.weight".to_string(),
         LayerRole::SharedUp => "mlp.shared_expert.up_proj.weight".to_string(),
         LayerRole::SharedDown => "mlp.shared_expert.down_proj.weight".to_string(),
@@ -185,13 +196,29 @@ pub fn gguf_layer(adapter: &Adapter, layer: usize, role: LayerRole) -> String {
         LayerRole::DeltaALog => "ssm_a",
         LayerRole::DeltaNorm => "ssm_norm.weight",
         LayerRole::DeltaOut => "ssm_out.weight",
+        LayerRole::OBias => "attn_output.bias",
+        LayerRole::Sinks => "attn_sinks.weight",
+        LayerRole::RouterBias => "ffn_gate_inp.bias",
     };
     format!("blk.{layer}.{suffix}")
 }
 
+/// The stacked bias of one projection of a layer's experts in GGUF (`[experts, rows]`).
+pub fn gguf_expert_bias(layer: usize, proj: ExpertProj) -> String {
+    gguf_experts(layer, proj).replace(".weight", ".bias")
+}
+
+/// GPT-OSS's fused expert biases: `gate_up_proj_bias` `[experts, 2 ff]` (gate and up
+/// interleaved) or `down_proj_bias` `[experts, hidden]`.
+pub fn hf_fused_expert_bias(layer: usize, down: bool) -> String {
+    format!("{}_bias", hf_fused_experts(layer, down))
+}
+
+/// One expert's projection as a per-expert checkpoint names it (GPT-OSS's checkpoints fuse them,
+/// [`hf_fused_experts`]; its per-expert name is the synthetic generator's key).
 pub fn hf_expert(naming: HfNaming, layer: usize, expert_idx: usize, proj: ExpertProj) -> String {
     match naming {
-        HfNaming::Mlp => {
+        HfNaming::Mlp | HfNaming::GptOss => {
             let p = match proj {
                 ExpertProj::Gate => "gate_proj",
                 ExpertProj::Up => "up_proj",

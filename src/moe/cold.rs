@@ -95,8 +95,8 @@ fn row_dot(t: &TensorRef<'_>, row: usize, x: &[f32], buf: &mut [f32]) -> f32 {
     buf.iter().zip(x).map(|(a, b)| a * b).sum()
 }
 
-fn activation(model: &Model, g: f32) -> f32 {
-    model.plan().expert_activation().kernel().apply(g)
+fn gated(model: &Model, g: f32, u: f32) -> f32 {
+    model.plan().expert_activation().kernel().gated(g, u)
 }
 
 impl ColdLane for PlainColdLane {
@@ -112,14 +112,17 @@ impl ColdLane for PlainColdLane {
         for slot in slots {
             let e = self.model.expert(layer_idx, slot.expert_idx);
             let x = &hidden_rows[slot.row_idx * hidden..][..hidden];
+            let bias = self.model.expert_bias(layer_idx, slot.expert_idx);
             for r in 0..ff {
                 let g = row_dot(&e.gate, r, x, &mut self.row);
                 let u = row_dot(&e.up, r, x, &mut self.row);
-                self.h[r] = activation(&self.model, g) * u;
+                let (g, u) = bias.map_or((g, u), |b| (g + b.gate[r], u + b.up[r]));
+                self.h[r] = gated(&self.model, g, u);
             }
             let out = &mut out_rows[slot.row_idx * hidden..][..hidden];
             for (d, o) in out.iter_mut().enumerate() {
-                *o += slot.weight * row_dot(&e.down, d, &self.h, &mut self.row);
+                let y = row_dot(&e.down, d, &self.h, &mut self.row);
+                *o += slot.weight * bias.map_or(y, |b| y + b.down[d]);
             }
             self.slots_computed += 1;
         }

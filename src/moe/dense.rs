@@ -25,6 +25,10 @@ pub(crate) struct LayerVectors {
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
+    pub o_bias: Option<Vec<f32>>,
+    /// One attention sink logit per query head.
+    pub sinks: Option<Vec<f32>>,
+    pub router_bias: Option<Vec<f32>>,
     /// The shared expert's sigmoid gate `[1, hidden]`, when the model has a shared expert.
     pub shared_gate_logit: Option<Vec<f32>>,
     /// A Gated DeltaNet layer's small tensors.
@@ -64,6 +68,9 @@ impl LayerVectors {
             q_norm: norm(LayerRole::QNorm)?,
             k_norm: norm(LayerRole::KNorm)?,
             ffn_norm: norm(LayerRole::FfnNorm)?.expect("validated at open"),
+            o_bias: opt(LayerRole::OBias)?,
+            sinks: opt(LayerRole::Sinks)?,
+            router_bias: opt(LayerRole::RouterBias)?,
             delta_net,
             shared_gate_logit: if model.layer_spec(l).moe().shared.is_some() {
                 Some(req(LayerRole::SharedExpertGate)?)
@@ -88,6 +95,9 @@ impl LayerVectors {
             + opt(&self.v_bias)
             + opt(&self.q_norm)
             + opt(&self.k_norm)
+            + opt(&self.o_bias)
+            + opt(&self.sinks)
+            + opt(&self.router_bias)
             + opt(&self.shared_gate_logit))
     }
 }

@@ -83,6 +83,7 @@ impl ExpertGroups {
                     down_dtype: kernel_dtype(w.down.dtype),
                     hidden,
                     ff,
+                    bias: crate::moe::expert_math::kernel_bias(model, run.layer_idx, e),
                 },
                 token_idx: &self.token_idx[e],
                 token_weight: &self.token_weight[e],

@@ -31,6 +31,8 @@ pub struct ExpertBytes<'a> {
     pub up: &'a [u8],
     /// `[hidden, ff]`
     pub down: &'a [u8],
+    /// The expert's biases (GPT-OSS), `None` for bias-free experts.
+    pub bias: Option<crate::model::expert_extras::ExpertBiasRef<'a>>,
 }
 
 /// Shape of one expert FFN.
@@ -121,6 +123,7 @@ impl ExpertKernel for PlainKernel {
             gate: e.gate.data,
             up: e.up.data,
             down: e.down.data,
+            bias: self.model.expert_bias(layer_idx, expert_idx),
         };
         ffn_plain(w, self.dims, self.activation, n, scratch)
     }
@@ -218,15 +221,21 @@ pub fn ffn_plain(
     }
     let act = activation.kernel();
     for i in 0..n {
-        for (g, u) in s.gate[i * ff..(i + 1) * ff].iter_mut().zip(&s.up[i * ff..(i + 1) * ff]) {
-            *g = act.gated(*g, *u);
+        let (gates, ups) = (&mut s.gate[i * ff..(i + 1) * ff], &s.up[i * ff..(i + 1) * ff]);
+        for (r, (g, u)) in gates.iter_mut().zip(ups).enumerate() {
+            *g = match w.bias {
+                Some(b) => act.gated(*g + b.gate[r], u + b.up[r]),
+                None => act.gated(*g, *u),
+            };
         }
     }
     let row = &mut s.row[..ff];
     for r in 0..hidden {
         decode_row(w.down_dtype, &w.down[r * down_row..(r + 1) * down_row], row)?;
+        let b = w.bias.map_or(0.0, |b| b.down[r]);
         for i in 0..n {
-            s.ys[i * hidden + r] = dot(row, &s.gate[i * ff..(i + 1) * ff]);
+            let y = dot(row, &s.gate[i * ff..(i + 1) * ff]);
+            s.ys[i * hidden + r] = if w.bias.is_some() { y + b } else { y };
         }
     }
     Ok(())
@@ -311,6 +320,7 @@ impl ExpertKernel for SimdKernel {
             down_dtype: kernel_dtype(e.down.dtype),
             hidden,
             ff,
+            bias: kernel_bias(&self.model, layer_idx, expert_idx),
         };
         let bad = |_| ComputeError::Bad { layer_idx, expert_idx, reason: "kernel rejected the shapes" };
         let h = &mut s.gate[..n * ff];
@@ -328,4 +338,17 @@ impl ExpertKernel for SimdKernel {
         )
         .map_err(bad)
     }
+}
+
+/// The kernels' view of an expert's biases (GPT-OSS), `None` for bias-free experts.
+pub(crate) fn kernel_bias(
+    model: &Model,
+    layer_idx: usize,
+    expert_idx: usize,
+) -> Option<moe_lanes_kernels::ExpertBias<'_>> {
+    model.expert_bias(layer_idx, expert_idx).map(|b| moe_lanes_kernels::ExpertBias {
+        gate: b.gate,
+        up: b.up,
+        down: b.down,
+    })
 }

@@ -394,7 +394,9 @@ impl Pipeline {
         let plan = model.plan().clone();
         // One cos/sin table serves every layer (`ensure_rope`): per-layer RoPE bases need a table each.
         let own_rope = |s: &LayerSpec| {
-            s.as_attention().is_some_and(|a| a.rope.theta != c.rope_theta || a.rope.dims != c.rotary_dims)
+            s.as_attention().is_some_and(|a| {
+                a.rope.theta != c.rope_theta || a.rope.dims != c.rotary_dims || a.rope.yarn != c.yarn
+            })
         };
         if plan.layers().iter().any(own_rope) {
             return Err(PipelineError::Setup(
@@ -689,11 +691,17 @@ impl Pipeline {
         let half = hd / 2;
         let have = self.rope.len().checked_div(half).unwrap_or(n_positions);
         let theta = self.config.rope_theta as f64;
+        // YaRN (every layer's, checked at setup): its own frequencies, cos/sin scaled.
+        let yarn = self.config.yarn;
+        let scale = yarn.map_or(1.0, |y| y.attention_factor as f64);
         for pos in have..n_positions {
             for i in 0..half {
-                let inv_freq = 1.0 / theta.powf(2.0 * i as f64 / hd as f64);
+                let inv_freq = match &yarn {
+                    None => 1.0 / theta.powf(2.0 * i as f64 / hd as f64),
+                    Some(y) => y.inv_freq(i, hd, self.config.rope_theta),
+                };
                 let angle = pos as f64 * inv_freq;
-                self.rope.push((angle.cos() as f32, angle.sin() as f32));
+                self.rope.push(((angle.cos() * scale) as f32, (angle.sin() * scale) as f32));
             }
         }
     }
@@ -757,6 +765,7 @@ impl Pipeline {
             values,
             first_pos,
             window: self.plan.layer(l).attention().window,
+            sinks: self.layers[l].sinks.as_deref(),
         };
         self.dense.attention(&input, &mut a.attn[..n * qd])?;
         if output_gate {
@@ -766,6 +775,11 @@ impl Pipeline {
         }
         mark(&mut self.profile, |p| p.layer(2));
         self.dense.matmul(&a.attn[..n * qd], &mut [MatmulPart { w: *wo, y: &mut a.proj[..n * h] }])?;
+        if let Some(b) = &self.layers[l].o_bias {
+            for row in a.proj[..n * h].chunks_exact_mut(h) {
+                row.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+            }
+        }
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
             *x += y;
         }
@@ -1009,6 +1023,11 @@ impl Pipeline {
         }
         let y = &mut a.router_logits[..n * n_experts];
         self.dense.matmul(&a.normed[..n * h], &mut [MatmulPart { w: m.router, y }])?;
+        if let Some(b) = &self.layers[l].router_bias {
+            for row in y.chunks_exact_mut(n_experts) {
+                row.iter_mut().zip(b).for_each(|(x, v)| *x += v);
+            }
+        }
         let routes = self.routers[l]
             .route(&a.router_logits[..n * n_experts], n)
             .map_err(|e| PipelineError::Setup(e.to_string()))?;

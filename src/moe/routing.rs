@@ -189,7 +189,13 @@ mod tests {
                 for (n_experts, k) in [(8, 2), (6, 3), (16, 8), (4, 4)] {
                     let n_tokens = 5;
                     let logits = lcg_logits((n_experts * 31 + k) as u64, n_tokens * n_experts);
-                    let opts = RouterOptions { variant, n_experts, n_experts_used: k, norm_topk_prob: norm };
+                    let opts = RouterOptions {
+                        variant,
+                        n_experts,
+                        n_experts_used: k,
+                        norm_topk_prob: norm,
+                        bias: false,
+                    };
                     let mut router = Router::new(opts, 8);
                     let routes = router.route(&logits, n_tokens).unwrap().clone();
                     for t in 0..n_tokens {
@@ -211,6 +217,7 @@ mod tests {
             n_experts: 4,
             n_experts_used: 2,
             norm_topk_prob: false,
+            bias: false,
         };
         let mut router = Router::new(opts, 2);
         let ptr = router.routes().expert_ids.as_ptr();

@@ -12,6 +12,7 @@
 //! how its config spells the expert sizes, the tensor-name family, defaults, and the pipeline
 //! [`Profile`].
 
+mod gpt_oss;
 mod mixtral;
 mod olmoe;
 mod qwen2_moe;
@@ -33,6 +34,7 @@ pub enum Arch {
     Qwen2Moe,
     Qwen3Next,
     Qwen35Moe,
+    GptOss,
 }
 
 /// How router logits become the top-k expert ids and weights.
@@ -55,6 +57,10 @@ pub enum FfnActivation {
     Gelu,
     /// The tanh approximation of GELU (Hugging Face `gelu_pytorch_tanh`, `gelu_new`).
     GeluTanh,
+    /// GPT-OSS's clamped SwiGLU: `g = min(gate, 7)`, `u = clamp(up, -7, 7)`,
+    /// `(u + 1) * g * sigmoid(1.702 g)` (`swiglu_alpha` 1.702 and `swiglu_limit` 7, the only
+    /// values accepted from a config).
+    SwigluOai,
 }
 
 impl FfnActivation {
@@ -65,6 +71,7 @@ impl FfnActivation {
             FfnActivation::Silu => Activation::Silu,
             FfnActivation::Gelu => Activation::Gelu,
             FfnActivation::GeluTanh => Activation::GeluTanh,
+            FfnActivation::SwigluOai => Activation::SwigluOai,
         }
     }
 
@@ -74,6 +81,8 @@ impl FfnActivation {
             FfnActivation::Silu => "silu",
             FfnActivation::Gelu => "gelu",
             FfnActivation::GeluTanh => "gelu_pytorch_tanh",
+            // transformers' GPT-OSS config says `silu` and applies its own clamped form.
+            FfnActivation::SwigluOai => "silu",
         }
     }
 }
@@ -108,6 +117,11 @@ pub enum HfNaming {
     Mlp,
     /// `block_sparse_moe.gate`, `block_sparse_moe.experts.E.{w1,w3,w2}`
     BlockSparseMoe,
+    /// GPT-OSS: `mlp.router` (weight and bias), experts fused and stored input-major
+    /// (`mlp.experts.gate_up_proj` `[E, hidden, 2 ff]` with gate and up in alternate columns,
+    /// `down_proj` `[E, ff, hidden]`, each with a bias), `self_attn.sinks`; in GGUF the FFN norm
+    /// is `post_attention_norm`.
+    GptOss,
 }
 
 /// RoPE of one attention layer.
@@ -119,6 +133,58 @@ pub struct RopeSpec {
     /// How many leading values of each head rotate (the head dim, or less for partial RoPE:
     /// Qwen3-Next rotates 64 of 256); the rest pass through.
     pub dims: usize,
+    /// YaRN frequency scaling (GPT-OSS), `None` for plain RoPE.
+    pub yarn: Option<YarnSpec>,
+}
+
+/// YaRN RoPE scaling as transformers computes it (`_compute_yarn_parameters`): each frequency
+/// blends its interpolated (`/ factor`) and extrapolated value by a linear ramp between the
+/// correction dims of `beta_fast` and `beta_slow` rotations over `original_context`, and cos/sin
+/// are multiplied by `attention_factor` (`0.1 ln(factor) + 1` unless the config says).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct YarnSpec {
+    pub factor: f32,
+    pub original_context: usize,
+    pub beta_fast: f32,
+    pub beta_slow: f32,
+    /// Round the correction range to whole dims (transformers' `truncate`, default true; GPT-OSS
+    /// false).
+    pub truncate: bool,
+    pub attention_factor: f32,
+}
+
+impl YarnSpec {
+    /// The inverse frequency of pair `i` of a `dims`-wide rotation at base `theta` (the one
+    /// formula every engine's table reads; each applies it with its own arithmetic).
+    pub fn inv_freq(&self, i: usize, dims: usize, theta: f32) -> f64 {
+        let (base, d) = (theta as f64, dims as f64);
+        let correction = |rotations: f64| {
+            d * (self.original_context as f64 / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                / (2.0 * base.ln())
+        };
+        let (mut low, mut high) = (correction(self.beta_fast as f64), correction(self.beta_slow as f64));
+        if self.truncate {
+            (low, high) = (low.floor(), high.ceil());
+        }
+        let (low, mut high) = (low.max(0.0), high.min(d - 1.0));
+        if low == high {
+            high += 0.001;
+        }
+        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+        let extrapolation_factor = 1.0 - ramp;
+        let pos_freq = base.powf(2.0 * i as f64 / d);
+        let (extrapolated, interpolated) = (1.0 / pos_freq, 1.0 / (self.factor as f64 * pos_freq));
+        interpolated * (1.0 - extrapolation_factor) + extrapolated * extrapolation_factor
+    }
+}
+
+/// The attention factor transformers derives from a YaRN factor when the config gives none.
+pub fn yarn_default_attention_factor(factor: f32) -> f32 {
+    if factor <= 1.0 {
+        1.0
+    } else {
+        0.1 * factor.ln() + 1.0
+    }
 }
 
 /// Full (softmax) attention with its options.
@@ -138,6 +204,11 @@ pub struct AttentionSpec {
     /// the width), and the attention output is multiplied by `sigmoid(gate)` before `o`
     /// (Qwen3-Next, Qwen3.5).
     pub output_gate: bool,
+    /// The o projection carries a bias (GPT-OSS).
+    pub o_bias: bool,
+    /// Each query head has a learned sink logit that joins its softmax's denominator and
+    /// attends to nothing (GPT-OSS `sinks`, llama.cpp `attn_sinks`).
+    pub sinks: bool,
 }
 
 /// How a Gated DeltaNet layer's input projections are stored.
@@ -227,6 +298,8 @@ pub struct RouterSpec {
     pub norm_topk_prob: bool,
     pub n_experts: usize,
     pub n_experts_used: usize,
+    /// The router's linear layer carries a bias added to every logit (GPT-OSS).
+    pub bias: bool,
 }
 
 /// A dense expert every token runs beside the routed ones, scaled by `sigmoid(gate · x)`
@@ -245,6 +318,8 @@ pub struct MoeSpec {
     pub activation: FfnActivation,
     /// Intermediate size of one routed expert.
     pub expert_ff: usize,
+    /// Each routed expert's gate, up and down projections carry biases (GPT-OSS).
+    pub expert_bias: bool,
     pub shared: Option<SharedExpertSpec>,
 }
 
@@ -298,9 +373,9 @@ impl LayerPlan {
         let layers: Vec<LayerSpec> = (0..config.n_layers).map(|l| (adapter.layer)(config, l)).collect();
         let first = layers[0].moe();
         assert!(
-            layers
-                .iter()
-                .all(|l| l.moe().activation == first.activation && l.moe().expert_ff == first.expert_ff),
+            layers.iter().all(|l| l.moe().activation == first.activation
+                && l.moe().expert_ff == first.expert_ff
+                && l.moe().expert_bias == first.expert_bias),
             "{}: the lanes' kernels are built once for every layer's experts (one shape, one activation)",
             adapter.hf_model_type
         );
@@ -355,6 +430,7 @@ impl Mixer {
     /// The kind's name in errors and `inspect`.
     pub fn name(&self) -> &'static str {
         match self {
+            Mixer::Attention(a) if a.sinks => "attention with sinks",
             Mixer::Attention(_) => "attention",
             Mixer::GatedDeltaNet(_) => "gated deltanet",
         }
@@ -397,6 +473,15 @@ fn describe_attention(a: &AttentionSpec) -> String {
     if a.output_gate {
         mixer.push("output gate".into());
     }
+    if a.o_bias {
+        mixer.push("o bias".into());
+    }
+    if a.sinks {
+        mixer.push("sinks".into());
+    }
+    if let Some(y) = a.rope.yarn {
+        mixer.push(format!("yarn x{} of {}", y.factor, y.original_context));
+    }
     mixer.join(", ")
 }
 
@@ -408,7 +493,16 @@ fn describe_moe(m: &MoeSpec) -> String {
     };
     let mut ffn =
         vec![format!("{} of {} experts", m.router.n_experts_used, m.router.n_experts), routing.into()];
-    ffn.push(m.activation.hf_name().into());
+    if m.router.bias {
+        ffn.push("router bias".into());
+    }
+    ffn.push(match m.activation {
+        FfnActivation::SwigluOai => "clamped swiglu".into(),
+        other => other.hf_name().into(),
+    });
+    if m.expert_bias {
+        ffn.push("expert biases".into());
+    }
     if let Some(s) = m.shared {
         ffn.push(format!("gated shared expert {}", s.ff));
     }
@@ -530,13 +624,14 @@ impl PartialEq for Adapter {
 }
 
 /// Every supported architecture.
-pub static ADAPTERS: [Adapter; 6] = [
+pub static ADAPTERS: [Adapter; 7] = [
     qwen3_moe::ADAPTER,
     mixtral::ADAPTER,
     olmoe::ADAPTER,
     qwen2_moe::ADAPTER,
     qwen3_next::ADAPTER,
     qwen35_moe::ADAPTER,
+    gpt_oss::ADAPTER,
 ];
 
 /// The attention layer every current architecture builds from its config: `qk_norm` and
@@ -546,10 +641,12 @@ fn standard_attention(c: &ModelConfig, qk_norm: QkNorm, qkv_bias: bool) -> Mixer
         head_dim: c.head_dim,
         qk_norm,
         qkv_bias,
-        rope: RopeSpec { style: c.rope_style, theta: c.rope_theta, dims: c.rotary_dims },
+        rope: RopeSpec { style: c.rope_style, theta: c.rope_theta, dims: c.rotary_dims, yarn: c.yarn },
         window: c.sliding_window,
         clip_qkv: c.clip_qkv,
         output_gate: false,
+        o_bias: false,
+        sinks: false,
     })
 }
 
@@ -561,9 +658,11 @@ fn standard_moe(c: &ModelConfig, variant: RoutingVariant, shared: Option<SharedE
             norm_topk_prob: c.norm_topk_prob,
             n_experts: c.n_experts,
             n_experts_used: c.n_experts_used,
+            bias: false,
         },
         activation: FfnActivation::Silu,
         expert_ff: c.expert_ff,
+        expert_bias: false,
         shared,
     })
 }
@@ -682,17 +781,22 @@ mod tests {
                     continue;
                 };
                 assert!(full, "{:?} layer {l}", a.arch);
-                assert_eq!(att.qkv_bias, a.arch == Arch::Qwen2Moe, "{:?}", a.arch);
+                assert_eq!(att.qkv_bias, matches!(a.arch, Arch::Qwen2Moe | Arch::GptOss), "{:?}", a.arch);
+                let oss = a.arch == Arch::GptOss;
+                assert_eq!((att.sinks, att.o_bias, att.rope.yarn.is_some()), (oss, oss, oss), "{:?}", a.arch);
+                assert_eq!(att.window.is_some(), oss && l % 2 == 0, "{:?} layer {l}", a.arch);
+                assert_eq!((moe.router.bias, moe.expert_bias), (oss, oss), "{:?}", a.arch);
                 assert_eq!(att.output_gate, hybrid, "{:?}", a.arch);
                 assert_eq!(att.rope.dims < att.head_dim, hybrid, "{:?}: partial RoPE", a.arch);
                 let expected_norm = match a.arch {
                     Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe => QkNorm::PerHead,
                     Arch::Olmoe => QkNorm::WholeProjection,
-                    Arch::Mixtral | Arch::Qwen2Moe => QkNorm::None,
+                    Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss => QkNorm::None,
                 };
                 assert_eq!(att.qk_norm, expected_norm);
             }
-            assert_eq!(plan.summary().len(), if hybrid { 2 } else { 1 }, "{:?}", plan.summary());
+            let runs = if hybrid || a.arch == Arch::GptOss { 2 } else { 1 };
+            assert_eq!(plan.summary().len().min(2), runs, "{:?}", plan.summary());
         }
     }
 
