@@ -600,3 +600,40 @@ fn serve_with_update_auto_follows_the_workload_and_stays_exact() {
     assert_eq!(updates["manual_applies"], 0);
     assert_eq!(perf["model"]["n_layers"], 2);
 }
+
+/// The Qwen hybrids serve as the attention-only models do (issue 40): a Qwen3.5-shaped GGUF file
+/// (Gated DeltaNet layers, a gated attention layer, a gated shared expert) answers completions
+/// and chat with the oracle's tokens while the updater moves experts between requests, and its
+/// `/moe-layer-perf` counts every layer.
+#[test]
+fn a_hybrid_model_serves_the_oracle_tokens_with_the_updater_running() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("h.gguf");
+    ok_stdout(&["synth", "--arch", "qwen3_5_moe", "--layers", "5", "--out", p(&path)]);
+    let model = p(&path).to_string();
+    let args = ["generate", "--model", &model, "--tokens", "5,6,7,8", "--max-new-tokens", "12"];
+    let oracle: Value =
+        serde_json::from_str(&ok_stdout(&[&args[..], &["--engine", "reference"]].concat())).unwrap();
+    let want: Vec<u64> = oracle["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
+    let server =
+        Server::start(&model, &["--hot-fraction", "0.5", "--update", "auto", "--update-rate", "0.5"]);
+    for _ in 0..3 {
+        let (status, v) = server.json(
+            "POST",
+            "/v1/completions",
+            &json!({"prompt": [5, 6, 7, 8], "max_tokens": 12, "temperature": 0}),
+        );
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(token_ids(&v), want);
+    }
+    let (status, chat) = server.json(
+        "POST",
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{chat}");
+    assert_eq!(chat["usage"]["completion_tokens"], 4, "{chat}");
+    let (_, perf) = server.json("GET", "/moe-layer-perf", &json!({}));
+    assert_eq!(perf["model"]["n_layers"], 5);
+    assert!(perf["cache_updates"]["auto_updates"].as_u64().unwrap() >= 1, "{}", perf["cache_updates"]);
+}
