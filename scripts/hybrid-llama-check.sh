@@ -53,7 +53,8 @@ check() {  # FILE LABEL
 for spec in "qwen3_5_moe qwen3.6-35b-a3b" "qwen3_next qwen3-next-80b-a3b"; do
     set -- $spec
     arch=$1 preset=$2
-    dims=(--preset "$preset" --layers "$LAYERS" --hidden 512 --experts 16 --top-k 4 --expert-ff 256
+    mtp=(); [ "$arch" = qwen3_5_moe ] && mtp=(--mtp-layers 1)  # as llama.cpp's converter writes Qwen3.5
+    dims=("${mtp[@]}" --preset "$preset" --layers "$LAYERS" --hidden 512 --experts 16 --top-k 4 --expert-ff 256
           --shared-expert-ff 256 --vocab 4096 --skew uniform --seed 5)
     for dtype in f32 bf16; do
         f="$MODELS/$arch-$dtype.gguf"

@@ -205,6 +205,9 @@ pub struct DimOverrides {
     pub expert_ff: Option<usize>,
     pub shared_expert_ff: Option<usize>,
     pub tied_embeddings: Option<bool>,
+    /// Multi-token-prediction (NextN) layers after the last layer, as llama.cpp's converter
+    /// writes Qwen3.5's (hybrids, GGUF only): loaded, not run.
+    pub mtp_layers: Option<usize>,
 }
 
 /// A tiny `qwen3_moe` GGUF test model's options (the crate's unit tests share it).
@@ -380,6 +383,12 @@ pub fn synth_config(
     }
     if let Some(tied) = dims.tied_embeddings {
         c.tied_embeddings = tied;
+    }
+    if let Some(mtp) = dims.mtp_layers.filter(|&m| m > 0) {
+        if !hybrid {
+            return Err(invalid("mtp_layers", format!("{} has no MTP layers here", adapter.hf_model_type)));
+        }
+        c.mtp_layers = mtp;
     }
     c.rotary_dims = ((c.head_dim as f64 * adapter.hybrid.default_partial_rotary) as usize).max(2) & !1;
     c.zero_centred_norms = adapter.hybrid.hf_zero_centred_norms;
@@ -659,6 +668,9 @@ pub fn write_synthetic(
             ),
         ));
     }
+    if opts.format == SynthFormat::Safetensors && config.mtp_layers > 0 {
+        return Err(invalid("mtp_layers", "MTP layers are written to GGUF files only".into()));
+    }
     let generator = WeightGenerator::new(&config, opts);
     let tensors = match opts.format {
         SynthFormat::Gguf => gguf_tensor_plan(&config, opts),
@@ -784,7 +796,10 @@ fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
     w.add_metadata("general.quantization_version", MetaValue::U32(2));
     w.add_metadata(k("context_length"), u32v(c.max_positions));
     w.add_metadata(k("embedding_length"), u32v(c.hidden));
-    w.add_metadata(k("block_count"), u32v(c.n_layers));
+    w.add_metadata(k("block_count"), u32v(c.n_layers + c.mtp_layers));
+    if c.mtp_layers > 0 {
+        w.add_metadata(k("nextn_predict_layers"), u32v(c.mtp_layers));
+    }
     let dense_ff = if matches!(c.arch, Arch::Qwen3Moe | Arch::Qwen2Moe) {
         c.expert_ff * c.n_experts_used
     } else {
@@ -1500,6 +1515,7 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
             }
         }
     }
+    plan.extend(gguf_hybrid::mtp_tensors(c, opts));
     plan
 }
 

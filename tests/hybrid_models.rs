@@ -292,3 +292,39 @@ fn gguf_hybrids_are_the_safetensors_model_in_llama_cpp_layout() {
         }
     }
 }
+
+/// A GGUF file with the multi-token-prediction layer llama.cpp's converter appends after the last
+/// layer (`nextn_predict_layers`, `blk.N.nextn.*`): it opens with the layers a forward pass runs,
+/// says it carries the MTP layer, and gives the logits of the same file without it.
+#[test]
+fn mtp_layers_are_loaded_and_not_run() {
+    use moe_lanes::reference::{NoObserver, Reference};
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: Vec<u32> = (0..12).map(|i| (i * 29 % 500) as u32).collect();
+    let mut runs = Vec::new();
+    for mtp in [Some(1), None] {
+        let out = dir.path().join(format!("mtp-{mtp:?}.gguf"));
+        let opts = SynthOptions {
+            adapter: moe_lanes::arch::by_name("qwen3_5_moe").unwrap(),
+            preset: Preset::Tiny,
+            dims: DimOverrides { n_layers: Some(5), mtp_layers: mtp, ..Default::default() },
+            dtype: moe_lanes::dtype::DType::BF16,
+            seed: 4,
+            skew: Skew::Skewed,
+            format: SynthFormat::Gguf,
+            out: out.clone(),
+            vocab_from: None,
+        };
+        synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+        let model = Arc::new(Model::open(&out).unwrap());
+        assert_eq!(model.config().n_layers, 5);
+        assert_eq!(model.config().mtp_layers, mtp.unwrap_or(0));
+        let tensors = model.tensor_list().len();
+        let reference = Reference::new(&model).unwrap();
+        let mut rc = reference.new_cache();
+        runs.push((reference.forward(&mut rc, &tokens, &mut NoObserver).unwrap(), tensors));
+    }
+    assert!(runs[0].1 > runs[1].1, "the MTP layer's tensors are in the file: {} vs {}", runs[0].1, runs[1].1);
+    assert_eq!(runs[0].0, runs[1].0, "the MTP layer changes no logit");
+}

@@ -446,6 +446,10 @@ struct SynthArgs {
     /// Tie the lm_head to the token embedding.
     #[arg(long)]
     tied: bool,
+    /// Multi-token-prediction layers after the last layer, as llama.cpp's converter writes a
+    /// Qwen3.5 checkpoint's (hybrids, GGUF only): loaded and not run; `inspect` lists them.
+    #[arg(long)]
+    mtp_layers: Option<usize>,
     /// Quantize the checkpoint (GGUF only): q8_0, q4_0, q4_k_m, q5_k_m or q6_k, tensor types
     /// chosen as `quantize` does. K-quants need rows of 256 values (e.g. --hidden 256
     /// --expert-ff 256 --head-dim 64); shorter rows fall back to q8_0.
@@ -981,6 +985,7 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
             expert_ff: args.expert_ff,
             shared_expert_ff: args.shared_expert_ff,
             tied_embeddings: args.tied.then_some(true),
+            mtp_layers: args.mtp_layers,
         },
         dtype: DType::parse_float(&args.dtype)
             .with_context(|| format!("--dtype {}: expected bf16, f16 or f32", args.dtype))?,

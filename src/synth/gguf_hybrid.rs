@@ -4,11 +4,15 @@
 //! `attn_qkv` and `attn_gate`, keeps its `ba` fused per key head, reorders Qwen3.5's value heads
 //! from grouped to tiled order, and stores `-exp(A_log)` as `ssm_a`.
 
-use super::{canonical_2d, layer_init, Canonical, RowMap, ValueMap};
+use super::{
+    canonical_2d, expert_part, layer_init, Canonical, Init, Layout, PlannedTensor, RowMap, SynthOptions,
+    ValueMap,
+};
+use crate::format::dtype::DType;
 use crate::model::arch::{Adapter, DeltaNetProjections, DeltaNetSpec, Mixer, VHeadOrder};
 use crate::model::config::ModelConfig;
-use crate::model::expected_layer_shape;
-use crate::model::naming::{self, LayerRole};
+use crate::model::naming::{self, ExpertProj, LayerRole};
+use crate::model::{expected_layer_shape, required_layer_roles};
 use std::sync::Arc;
 
 /// Where one value of a DeltaNet projection lives in the canonical checkpoint.
@@ -163,4 +167,49 @@ fn picked_parts(rows: &[(LayerRole, usize)], part: &dyn Fn(LayerRole) -> Canonic
         }
     }
     parts
+}
+
+/// The multi-token-prediction layers llama.cpp's converter appends after the last layer
+/// (`blk.{n_layers + m}`): a gated-attention layer with its MoE, plus the NextN projection of
+/// `[embedding | hidden]` and its three norms. A forward pass loads and skips them.
+pub(super) fn mtp_tensors(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
+    let a = opts.adapter;
+    let Some(full) = c.hybrid.as_ref().and_then(|h| h.full_attention_layers.first().copied()) else {
+        return Vec::new();
+    };
+    let spec = (a.layer)(c, full);
+    let mut plan = Vec::new();
+    let push = |plan: &mut Vec<PlannedTensor>, name: String, part: Canonical, dtype: DType| {
+        let shape = if part.n_rows == 1 { vec![part.n_cols] } else { vec![part.n_rows, part.n_cols] };
+        let dtype =
+            if part.n_rows == 1 || name.ends_with("ffn_gate_inp.weight") { DType::F32 } else { dtype };
+        plan.push(PlannedTensor { name, dtype, shape, parts: vec![part], layout: Layout::Rows });
+    };
+    for m in 0..c.mtp_layers {
+        let l = c.n_layers + m;
+        for role in required_layer_roles(&spec) {
+            // Seeded by this layer's own names; the router draws its skew from layer `full`.
+            let key = naming::hf_layer(a.hf_naming, l, role);
+            let mut part =
+                canonical_2d(key, &expected_layer_shape(c, &spec, role), layer_init(c, role), full);
+            if c.zero_centred_norms && role.is_centred_norm() {
+                part.value = ValueMap::PlusOne;
+            }
+            push(&mut plan, naming::gguf_layer(a, l, role), part, opts.dtype);
+        }
+        for proj in ExpertProj::ALL {
+            let parts: Vec<Canonical> = (0..c.n_experts).map(|e| expert_part(c, a, l, e, proj)).collect();
+            let shape = vec![c.n_experts, parts[0].n_rows, parts[0].n_cols];
+            let name = naming::gguf_experts(l, proj);
+            plan.push(PlannedTensor { name, dtype: opts.dtype, shape, parts, layout: Layout::Rows });
+        }
+        let nextn = |what: &str| format!("blk.{l}.nextn.{what}.weight");
+        let eh = canonical_2d(nextn("eh_proj"), &[c.hidden, 2 * c.hidden], layer_init(c, LayerRole::Q), full);
+        push(&mut plan, nextn("eh_proj"), eh, opts.dtype);
+        for norm in ["enorm", "hnorm", "shared_head_norm"] {
+            let part = canonical_2d(nextn(norm), &[c.hidden], Init::NormWeight, full);
+            push(&mut plan, nextn(norm), part, DType::F32);
+        }
+    }
+    plan
 }
