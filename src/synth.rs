@@ -22,7 +22,7 @@ use crate::model::config::ModelConfig;
 use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
 use crate::model::{expected_layer_shape, required_layer_roles};
 use crate::output::{check_output, OutputKind};
-use crate::quantize::{quantize_gguf, QuantMix, QuantizeError};
+use crate::quantize::{tensor_type, ModelFacts, QuantMix, QuantizeError};
 use crate::text::{is_chatml_capable, HfTokenizerFiles, Tokenizer, TokenizerError, CHATML_TEMPLATE};
 use crate::vocab;
 use half::{bf16, f16};
@@ -646,6 +646,16 @@ pub fn write_synthetic(
     opts: &SynthOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<SynthReport, SynthError> {
+    write_synthetic_as(opts, None, progress)
+}
+
+/// [`write_synthetic`], each GGUF tensor stored as `quantize --type quant` would store the float
+/// file's (no float file is written).
+fn write_synthetic_as(
+    opts: &SynthOptions,
+    quant: Option<QuantMix>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<SynthReport, SynthError> {
     if !opts.dtype.is_float() {
         return Err(SynthError::UnsupportedDType(opts.dtype));
     }
@@ -672,14 +682,27 @@ pub fn write_synthetic(
         return Err(invalid("mtp_layers", "MTP layers are written to GGUF files only".into()));
     }
     let generator = WeightGenerator::new(&config, opts);
-    let tensors = match opts.format {
+    let mut tensors = match opts.format {
         SynthFormat::Gguf => gguf_tensor_plan(&config, opts),
         SynthFormat::Safetensors => hf_tensor_plan(&config, opts),
     };
+    if let Some(mix) = quant {
+        let facts = ModelFacts {
+            n_layers: config.n_layers + config.mtp_layers,
+            n_experts: config.n_experts,
+            tied_embeddings: config.tied_embeddings,
+        };
+        for t in &mut tensors {
+            t.dtype = tensor_type(mix, &t.name, &t.shape, t.dtype, facts);
+        }
+    }
     check_disk_space(opts, &tensors)?;
     let mut fill = |idx: usize, out: &mut dyn Write| generator.write_tensor(&tensors[idx], out);
     let n_bytes = match opts.format {
-        SynthFormat::Gguf => write_gguf(&config, opts, copied.as_ref(), &tensors, &mut fill, progress)?,
+        SynthFormat::Gguf => {
+            let file_type = quant.map(QuantMix::file_type);
+            write_gguf(&config, opts, copied.as_ref(), &tensors, file_type, &mut fill, progress)?
+        }
         SynthFormat::Safetensors => {
             let n_bytes = write_hf(&config, opts, &tensors, &mut fill, progress)?;
             copied.as_ref().map(|c| c.write_hf_files(&opts.out)).transpose()?;
@@ -699,8 +722,9 @@ pub fn write_synthetic(
     Ok(SynthReport { path: opts.out.clone(), format: opts.format, n_bytes, n_tensors: tensors.len(), config })
 }
 
-/// `synth --quant`: the float checkpoint is written to `<out>.float.tmp`, quantised into `out`
-/// (tmp + rename) and removed. `progress` sees the float file's bytes, then the output's.
+/// `synth --quant`: each tensor is generated as the float checkpoint's and stored as
+/// `quantize --type mix` would store it, straight into `out` (no float file: a 40-layer
+/// Qwen3.6-shaped checkpoint is 70 GB in BF16 and 20 GB in Q4_K_M).
 pub fn write_synthetic_quantized(
     opts: &SynthOptions,
     mix: QuantMix,
@@ -709,16 +733,7 @@ pub fn write_synthetic_quantized(
     if opts.format != SynthFormat::Gguf {
         return Err(SynthError::QuantFormat { mix });
     }
-    let mut float_opts = opts.clone();
-    let mut float_name = opts.out.file_name().unwrap_or_default().to_os_string();
-    float_name.push(".float.tmp");
-    float_opts.out = opts.out.with_file_name(float_name);
-    let report = write_synthetic(&float_opts, progress);
-    let quantized = report.as_ref().ok().map(|_| quantize_gguf(&float_opts.out, &opts.out, mix, progress));
-    // Best effort: the float file is scratch either way.
-    let _ = std::fs::remove_file(&float_opts.out);
-    let (report, quantized) = (report?, quantized.expect("set when the float file was written")?);
-    Ok(SynthReport { path: opts.out.clone(), n_bytes: quantized.output_bytes, ..report })
+    write_synthetic_as(opts, Some(mix), progress)
 }
 
 /// `--vocab-from`: read the tokenizer and make the vocabulary size follow it.
@@ -742,11 +757,15 @@ fn write_gguf(
     opts: &SynthOptions,
     copied: Option<&CopiedTokenizer>,
     tensors: &[PlannedTensor],
+    quantized_file_type: Option<u32>,
     fill: &mut dyn FnMut(usize, &mut dyn Write) -> std::io::Result<()>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<u64, SynthError> {
     let mut w = GgufWriter::new();
     add_gguf_metadata(&mut w, config, opts);
+    if let Some(file_type) = quantized_file_type {
+        w.add_metadata("general.file_type", MetaValue::U32(file_type));
+    }
     match copied {
         Some(tok) => tok.metadata.iter().for_each(|(k, v)| w.add_metadata(k.clone(), v.clone())),
         None => add_synthetic_vocab(&mut w, config),
@@ -980,6 +999,9 @@ enum Init {
     Router(f32),
 }
 
+/// Below this many values a batch of rows is encoded on the calling thread (spawning costs more).
+const PARALLEL_MIN_VALUES: usize = 1 << 18;
+
 /// Generates canonical tensors deterministically.
 struct WeightGenerator {
     seed: u64,
@@ -1030,28 +1052,63 @@ impl WeightGenerator {
         if t.layout != Layout::Rows {
             return self.write_transposed(t, out);
         }
-        // Rows per chunk: bounded so one chunk stays near 4 MiB of f32 whatever the row length.
-        let mut values = Vec::new();
-        let mut bytes = Vec::new();
-        let mut row_values = Vec::new();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut buffers = vec![Vec::new(); threads];
         for part in &t.parts {
-            let chunk_rows = (1 << 20) / part.n_cols.max(1) + 1;
-            let mut row_begin = 0;
-            while row_begin < part.disk_rows() {
-                let row_end = (row_begin + chunk_rows).min(part.disk_rows());
-                values.clear();
-                for row in row_begin..row_end {
-                    row_values.clear();
-                    self.push_row(part, disk_row_to_canonical(part, row), &mut row_values);
-                    stored_row(part, &row_values, &mut values);
+            // Rows per thread and batch: about 1 Mi values, whatever the row length.
+            let batch = ((1 << 20) / part.n_cols.max(1) + 1) * threads;
+            for first in (0..part.disk_rows()).step_by(batch) {
+                let last = (first + batch).min(part.disk_rows());
+                self.encode_rows(part, t.dtype, first..last, &mut buffers)?;
+                for b in &buffers {
+                    out.write_all(b)?;
                 }
-                bytes.clear();
-                encode_f32(t.dtype, &values, &mut bytes);
-                out.write_all(&bytes)?;
-                row_begin = row_end;
             }
         }
         Ok(())
+    }
+
+    /// Disk rows `rows` of `part` stored as `dtype` into `buffers`, one contiguous share of the
+    /// rows per buffer, each share on its own thread when there is enough work.
+    fn encode_rows(
+        &self,
+        part: &Canonical,
+        dtype: DType,
+        rows: std::ops::Range<usize>,
+        buffers: &mut [Vec<u8>],
+    ) -> std::io::Result<()> {
+        let encode = |lo: usize, hi: usize, bytes: &mut Vec<u8>| -> std::io::Result<()> {
+            let (mut values, mut row_values) = (Vec::new(), Vec::new());
+            for row in lo..hi {
+                row_values.clear();
+                self.push_row(part, disk_row_to_canonical(part, row), &mut row_values);
+                stored_row(part, &row_values, &mut values);
+            }
+            bytes.clear();
+            if dtype.is_float() {
+                encode_f32(dtype, &values, bytes);
+            } else {
+                crate::format::quant::quantize(dtype, &values, bytes).map_err(std::io::Error::other)?;
+            }
+            Ok(())
+        };
+        let share = rows.len().div_ceil(buffers.len());
+        if rows.len() * part.n_cols < PARALLEL_MIN_VALUES {
+            buffers.iter_mut().for_each(Vec::clear);
+            return encode(rows.start, rows.end, &mut buffers[0]);
+        }
+        std::thread::scope(|s| {
+            let handles: Vec<_> = buffers
+                .iter_mut()
+                .enumerate()
+                .map(|(i, b)| {
+                    let lo = (rows.start + i * share).min(rows.end);
+                    let hi = (lo + share).min(rows.end);
+                    s.spawn(move || encode(lo, hi, b))
+                })
+                .collect();
+            handles.into_iter().try_for_each(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+        })
     }
 
     /// [`Layout::Columns`] and [`Layout::InterleavedColumns`]: each part (or gate/up pair)

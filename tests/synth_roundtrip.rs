@@ -147,3 +147,35 @@ fn impossible_dimensions_are_refused_before_writing() {
     assert!(err.contains("vocab"), "{err}");
     assert!(!out.exists());
 }
+
+/// `synth --quant` stores every tensor as `quantize` stores the float checkpoint's, without
+/// writing the float file: the same types and the same bytes, hybrids (with an MTP layer)
+/// included.
+#[test]
+fn synth_quant_writes_what_quantize_writes_from_the_float_file() {
+    use moe_lanes::gguf::GgufFile;
+    use moe_lanes::quantize::{quantize_gguf, QuantMix};
+    use moe_lanes::synth::{write_synthetic, write_synthetic_quantized};
+    let dir = tempfile::tempdir().unwrap();
+    for (arch, mtp) in [("qwen3_moe", None), ("qwen3_5_moe", Some(1))] {
+        let mut opts = synth_options(arch, SynthFormat::Gguf, dir.path().join(format!("{arch}.gguf")), 3);
+        opts.dims = DimOverrides { hidden: Some(256), expert_ff: Some(256), mtp_layers: mtp, ..opts.dims };
+        write_synthetic(&opts, &mut |_, _| {}).unwrap();
+        let via_float = dir.path().join(format!("{arch}-q.gguf"));
+        quantize_gguf(&opts.out, &via_float, QuantMix::Q4_K_M, &mut |_, _| {}).unwrap();
+        let mut direct = opts.clone();
+        direct.out = dir.path().join(format!("{arch}-direct.gguf"));
+        write_synthetic_quantized(&direct, QuantMix::Q4_K_M, &mut |_, _| {}).unwrap();
+        let (a, b) = (GgufFile::open(&via_float).unwrap(), GgufFile::open(&direct.out).unwrap());
+        assert_eq!(a.tensor_infos().len(), b.tensor_infos().len(), "{arch}");
+        let mut quantized = 0;
+        for info in a.tensor_infos() {
+            let (x, y) = (a.tensor(&info.name).unwrap(), b.tensor(&info.name).unwrap());
+            assert_eq!((x.dtype, x.shape), (y.dtype, y.shape), "{arch} {}", info.name);
+            assert!(x.data == y.data, "{arch} {}: different bytes", info.name);
+            quantized += usize::from(!x.dtype.is_float());
+        }
+        assert!(quantized > 10, "{arch}: {quantized} quantized tensors");
+        assert_eq!(a.get("general.file_type"), b.get("general.file_type"));
+    }
+}
