@@ -18,7 +18,8 @@
 # Settings (environment): LLAMA_DIR (.llama), LLAMA_VERSION (0.3.36), BIN (target/release/moe-lanes),
 # MODEL (written with SYNTH_ARGS when missing), SYNTH_ARGS (--preset qwen3-30b-a3b --layers 16 --skew
 # uniform --format gguf), CASES ("0 50 100" with a GPU, "cpu" without), P (512), N (128), REPS (3),
-# THREADS (all cores), OUT_JSON (a file for the table as JSON lines; optional).
+# THREADS (all cores), D (context depth before the pp and tg tests, llama-bench -d; 0),
+# OUT_JSON (a file for the table as JSON lines; optional).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +30,7 @@ THREADS="${THREADS:-$(nproc)}"
 P="${P:-512}"
 N="${N:-128}"
 REPS="${REPS:-3}"
+D="${D:-0}"
 have_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; }
 
 fetch() {
@@ -88,12 +90,12 @@ run_case() {
         lflags=(-ngl 99 -ncmoe $(( layers - layers * case / 100 )))
         mflags=(--hot-budget-mib $(( all_mib * case / 100 )))
     fi
-    "$LLAMA_DIR/build/bin/llama-bench" -m "$MODEL" -p "$P" -n "$N" -r "$REPS" -t "$THREADS" "${lflags[@]}" \
-        -o json > "$logs/llama-$case.json" 2> "$logs/llama-$case.log"
-    "$BIN" bench --model "$MODEL" -p "$P" -n "$N" --runs "$REPS" --json "${mflags[@]}" \
-        > "$logs/moe-$case.json" 2> "$logs/moe-$case.log"
-    read -r lpp ltg < <(llama_rates "$logs/llama-$case.json")
-    read -r mpp mtg hit threads < <(moe_rates "$logs/moe-$case.json")
+    "$LLAMA_DIR/build/bin/llama-bench" -m "$MODEL" -p "$P" -n "$N" -d "$D" -r "$REPS" -t "$THREADS" \
+        "${lflags[@]}" -o json > "$logs/llama-$case-d$D.json" 2> "$logs/llama-$case-d$D.log"
+    "$BIN" bench --model "$MODEL" -p "$P" -n "$N" -d "$D" --runs "$REPS" --json "${mflags[@]}" \
+        > "$logs/moe-$case-d$D.json" 2> "$logs/moe-$case-d$D.log"
+    read -r lpp ltg < <(llama_rates "$logs/llama-$case-d$D.json")
+    read -r mpp mtg hit threads < <(moe_rates "$logs/moe-$case-d$D.json")
     python3 -c 'import sys
 c, lf, lpp, ltg, mpp, mtg, hit, th = sys.argv[1:9]
 lpp, ltg, mpp, mtg, hit = map(float, (lpp, ltg, mpp, mtg, hit))
@@ -120,7 +122,7 @@ run() {
     local layers all_mib
     read -r layers all_mib < <("$BIN" inspect "$MODEL" --json | python3 -c 'import json,sys
 r = json.load(sys.stdin); print(r["n_layers"], r["all_experts_bytes"] // (1 << 20))')
-    echo "model $MODEL: $layers layers, $all_mib MiB of experts; pp$P / tg$N, $REPS reps, $THREADS threads"
+    echo "model $MODEL: $layers layers, $all_mib MiB of experts; pp$P / tg$N at depth $D, $REPS reps, $THREADS threads"
     echo "| case | llama.cpp flags | llama.cpp pp / tg | moe-lanes pp / tg | ratio pp / tg | hit | cold threads |"
     echo "|---|---|---|---|---|---|---|"
     local cases
