@@ -124,18 +124,19 @@ __device__ __forceinline__ size_t delta_chunk_record_floats(int dk, int dv) {
     return (size_t)DC * (3 * dk + dv + DC) + 4;
 }
 
-// grid (nv, n_chunks), block 128. dk <= DELTA_MAX_DK. Reads p after delta_conv_f32 (layout above) and ba.
+// grid (nv, n_chunks), block 128. dk <= DELTA_MAX_DK. Reads p after delta_conv_f32 (layout above) and ba;
+// value head `head` reads key head head / (nv / nk), or head % nk when `tiled` (as delta_rule_f32).
 extern "C" __global__ void delta_chunk_prep_f32(const float* __restrict__ p, int p_stride,
                                                 const float* __restrict__ ba, const float* __restrict__ dt_bias,
                                                 const float* __restrict__ neg_a, float* __restrict__ work, int nk,
-                                                int nv, int dk, int dv, int n_tokens) {
+                                                int nv, int dk, int dv, int n_tokens, int tiled) {
     pdl_enter();
     __shared__ float ks[DC * (DELTA_MAX_DK + 1)], qs[DC * (DELTA_MAX_DK + 1)];
     __shared__ float am[DC][DC + 1], tm[DC][DC + 1];
     __shared__ float gs[DC], bs[DC], bg[DC];
     int head = blockIdx.x, chunk = blockIdx.y, t0 = chunk * DC;
     int len = min(DC, n_tokens - t0);
-    int kh = head / (nv / nk), kd = nk * dk, ld = dk + 1;
+    int kh = tiled ? head % nk : head / (nv / nk), kd = nk * dk, ld = dk + 1;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     float q_dim_scale = rsqrtf((float)dk);
     // Normalised q and k rows, the gates.

@@ -1431,16 +1431,16 @@ fn attention_split_decode_timing() {
 
 /// The chunked DeltaNet prefill kernels equal the recurrent kernel on the same input: lengths
 /// below one chunk, a multiple of it and with a tail, a nonzero state coming in, shapes with
-/// value heads narrower and wider than a 32-column block (the prep reads p after the conv, so the
-/// conv is left out here; both paths read the same rows).
+/// value heads narrower and wider than a 32-column block, both value-head orders (the prep reads p
+/// after the conv, so the conv is left out here; both paths read the same rows).
 #[test]
 fn delta_rule_chunked_equals_the_recurrent_kernel() {
     use moe_lanes_kernels::cuda::kernel::DELTA_CHUNK;
     use moe_lanes_kernels::cuda::ops::DeltaShape;
     let Some(be) = backend() else { return };
-    let shapes = [(2, 4, 16, 12), (1, 3, 8, 10), (2, 4, 128, 128), (1, 2, 64, 48)];
-    for (seed, &(nk, nv, dk, dv)) in shapes.iter().enumerate() {
-        let d = DeltaShape { n_k_heads: nk, n_v_heads: nv, k_head_dim: dk, v_head_dim: dv, conv_kernel: 4 };
+    let shapes = [(2, 4, 16, 12, false), (1, 3, 8, 10, false), (2, 4, 128, 128, true), (1, 2, 64, 48, false)];
+    for (seed, &(nk, nv, dk, dv, tiled_v_heads)) in shapes.iter().enumerate() {
+        let d = DeltaShape { n_k_heads: nk, n_v_heads: nv, k_head_dim: dk, v_head_dim: dv, conv_kernel: 4, tiled_v_heads };
         for t in [3, DELTA_CHUNK - 1, 2 * DELTA_CHUNK, 2 * DELTA_CHUNK + 7, 70] {
             let seed = 100 * seed as u64 + t as u64;
             let p = rnd(t * d.p_stride(), seed);

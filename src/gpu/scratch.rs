@@ -4,6 +4,7 @@
 
 use super::hot_dequant::SlotChunk;
 use super::GpuError;
+use crate::model::arch::VHeadOrder;
 use crate::model::config::ModelConfig;
 use crate::moe::cold::ColdSlot;
 use crate::moe::worklist::Worklist;
@@ -123,6 +124,7 @@ impl Scratch {
                 k_head_dim: h.k_head_dim,
                 v_head_dim: h.v_head_dim,
                 conv_kernel: h.conv_kernel,
+                tiled_v_heads: h.v_heads == VHeadOrder::Tiled,
             };
             (2 * h.n_k_heads * h.k_head_dim + 2 * vd, 2 * h.n_v_heads, vd, shape.chunk_work_floats(cap))
         });

@@ -243,7 +243,9 @@ impl<'a> ProjectionRows<'a> {
         let d = self.d;
         let (kd, dk, vd) = (d.key_dim(), d.k_head_dim, d.value_dim());
         let at = match d.projections {
-            DeltaNetProjections::Split => return &self.row(0, d.conv_dim(), t)[ch0..ch0 + len],
+            DeltaNetProjections::Split | DeltaNetProjections::SplitGroupedBa => {
+                return &self.row(0, d.conv_dim(), t)[ch0..ch0 + len]
+            }
             DeltaNetProjections::Grouped => {
                 let (per_k, group) = self.groups();
                 let vw = per_k * d.v_head_dim;
@@ -264,7 +266,9 @@ impl<'a> ProjectionRows<'a> {
         let d = self.d;
         let dv = d.v_head_dim;
         match d.projections {
-            DeltaNetProjections::Split => &self.row(1, d.value_dim(), t)[j * dv..(j + 1) * dv],
+            DeltaNetProjections::Split | DeltaNetProjections::SplitGroupedBa => {
+                &self.row(1, d.value_dim(), t)[j * dv..(j + 1) * dv]
+            }
             DeltaNetProjections::Grouped => {
                 let (per_k, group) = self.groups();
                 let at = (j / per_k) * group + 2 * d.k_head_dim + per_k * dv + (j % per_k) * dv;
@@ -278,9 +282,10 @@ impl<'a> ProjectionRows<'a> {
         let nv = self.d.n_v_heads;
         match self.d.projections {
             DeltaNetProjections::Split => (self.row(2, nv, t)[j], self.row(3, nv, t)[j]),
-            DeltaNetProjections::Grouped => {
+            DeltaNetProjections::Grouped | DeltaNetProjections::SplitGroupedBa => {
                 let per_k = self.groups().0;
-                let row = self.row(1, 2 * nv, t);
+                let ba_at = crate::model::naming::delta_input_roles(self.d.projections).len() - 1;
+                let row = self.row(ba_at, 2 * nv, t);
                 let at = (j / per_k) * 2 * per_k + j % per_k;
                 (row[at], row[at + per_k])
             }
@@ -410,7 +415,7 @@ impl HeadPrefill<'_> {
     fn run(&self, j: usize, head: &mut [f32], w: &mut [f32]) {
         let d = self.rows.d;
         let (dk, dv, kd, c) = (d.k_head_dim, d.v_head_dim, d.key_dim(), self.chunk);
-        let kh = j / (d.n_v_heads / d.n_k_heads);
+        let kh = d.k_head_of(j);
         let shape = head_shape(d, c);
         let (q, w) = w.split_at_mut(c * dk);
         let (k, w) = w.split_at_mut(c * dk);
@@ -506,4 +511,113 @@ fn softplus(x: f32) -> f32 {
     } else {
         x.exp().ln_1p()
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::arch::VHeadOrder;
+    use crate::model::naming::delta_input_roles;
+
+    fn noise(seed: u64, n: usize) -> Vec<f32> {
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn spec(projections: DeltaNetProjections, v_heads: VHeadOrder, dk: usize, dv: usize) -> DeltaNetSpec {
+        DeltaNetSpec { n_k_heads: 2, n_v_heads: 4, k_head_dim: dk, v_head_dim: dv, conv_kernel: 4, projections, v_heads }
+    }
+
+    /// Every token's rows of the input projections, as the dense stage leaves them.
+    fn rows_of(d: &DeltaNetSpec, n: usize, seed: u64) -> Vec<Vec<f32>> {
+        let (cd, vd, nv) = (d.conv_dim(), d.value_dim(), d.n_v_heads);
+        let widths: Vec<usize> = match d.projections {
+            DeltaNetProjections::Grouped => vec![cd + vd, 2 * nv],
+            DeltaNetProjections::Split => vec![cd, vd, nv, nv],
+            DeltaNetProjections::SplitGroupedBa => vec![cd, vd, 2 * nv],
+        };
+        assert_eq!(widths.len(), delta_input_roles(d.projections).len());
+        widths.iter().enumerate().map(|(i, w)| noise(seed + i as u64, n * w).iter().map(|x| 2.0 * x).collect()).collect()
+    }
+
+    fn vectors(d: &DeltaNetSpec) -> DeltaNetVectors {
+        let conv: Vec<f32> = noise(90, d.conv_dim() * d.conv_kernel).iter().map(|x| 0.6 * x).collect();
+        let channels = d.conv_dim();
+        let conv_taps = (0..conv.len()).map(|i| conv[(i % channels) * d.conv_kernel + i / channels]).collect();
+        DeltaNetVectors {
+            conv,
+            conv_taps,
+            dt_bias: noise(91, d.n_v_heads),
+            neg_a: noise(92, d.n_v_heads).iter().map(|a| -(a + 0.2).exp()).collect(),
+            norm: noise(93, d.v_head_dim).iter().map(|x| 1.0 + 0.3 * x).collect(),
+        }
+    }
+
+    /// The recurrent path over `n` tokens, as decode runs it.
+    fn stepped(d: &DeltaNetSpec, v: &DeltaNetVectors, state: &mut DeltaNetState, outputs: &[Vec<f32>], n: usize) -> Vec<f32> {
+        let (mut pool, mut token, vd) = (ColdPool::new(1), TokenInputs::new(d), d.value_dim());
+        let mut out = vec![0.0; n * vd];
+        for t in 0..n {
+            token.gather(d, outputs, t);
+            conv_step(d, &v.conv, state, &mut token.qkv);
+            recurrent_step(d, v, state, &mut token, 1e-6, &mut pool, &mut out[t * vd..(t + 1) * vd]).unwrap();
+        }
+        out
+    }
+
+    fn max_err(a: &[f32], b: &[f32]) -> f32 {
+        let scale = b.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+        a.iter().zip(b).fold(0.0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+    }
+
+    /// The chunked prefill and the token-by-token steps agree on outputs, the matrix state and
+    /// the conv state, for every projection layout and value-head order, calls shorter than the
+    /// conv window and than a chunk, a chunk's multiple and with a tail, starting from the state an
+    /// earlier call left (a second prompt chunk), on one thread and on a pool.
+    #[test]
+    fn chunked_prefill_equals_the_recurrent_steps() {
+        let layouts = [
+            (DeltaNetProjections::Grouped, VHeadOrder::Grouped, 16, 12),
+            (DeltaNetProjections::Split, VHeadOrder::Grouped, 8, 10),
+            (DeltaNetProjections::SplitGroupedBa, VHeadOrder::Tiled, 32, 40),
+        ];
+        let level = SimdLevel::detect();
+        let c = delta_chunk_len(level);
+        for (projections, order, dk, dv) in layouts {
+            let d = spec(projections, order, dk, dv);
+            let v = vectors(&d);
+            for threads in [1, 3] {
+                let mut pool = ColdPool::new(threads);
+                let mut work = PrefillWork::new([d].iter(), level, 4 * c);
+                for (first, second) in [(2, 3), (c - 1, c), (2 * c, 2 * c + 5), (5, 3 * c + 1)] {
+                    let (a, b) = (rows_of(&d, first, 1), rows_of(&d, second, 7));
+                    let (mut s1, mut s2) = (DeltaNetState::new(&d), DeltaNetState::new(&d));
+                    let want = [stepped(&d, &v, &mut s1, &a, first), stepped(&d, &v, &mut s1, &b, second)];
+                    let mut got = Vec::new();
+                    for (outputs, n) in [(&a, first), (&b, second)] {
+                        let mut out = vec![0.0; n * d.value_dim()];
+                        prefill(&d, &v, &mut s2, outputs, n, 1e-6, &mut work, &mut pool, &mut out).unwrap();
+                        got.push(out);
+                    }
+                    let what = format!("{projections:?} {order:?} {first}+{second} tokens, {threads} threads");
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!(max_err(g, w) < 1e-4, "{what}: out {}", max_err(g, w));
+                    }
+                    assert_eq!(s2.conv, s1.conv, "{what}: conv state");
+                    let matrix = |s: &DeltaNetState| -> Vec<f32> {
+                        s.heads.chunks_exact(head_stride(&d)).flat_map(|h| h[..dk * dv].to_vec()).collect()
+                    };
+                    assert!(max_err(&matrix(&s2), &matrix(&s1)) < 1e-4, "{what}: state");
+                }
+            }
+        }
+    }
+
 }

@@ -693,7 +693,9 @@ impl CudaBackend {
         need(PREP, "out", out, n_tokens * d.n_v_heads * d.v_head_dim)?;
         let (nk, nv, dk, dv) = (i(d.n_k_heads), i(d.n_v_heads), i(d.k_head_dim), i(d.v_head_dim));
         let chunks = n_tokens.div_ceil(DELTA_CHUNK) as u32;
-        let args = args![p.raw(), i(d.p_stride()), ba.raw(), dt_bias.raw(), neg_a.raw(), work.raw(), nk, nv, dk, dv, i(n_tokens)];
+        let tiled = i(d.tiled_v_heads as usize);
+        let args =
+            args![p.raw(), i(d.p_stride()), ba.raw(), dt_bias.raw(), neg_a.raw(), work.raw(), nk, nv, dk, dv, i(n_tokens), tiled];
         self.launch(PREP, (d.n_v_heads as u32, chunks, 1), 128, 0, args)?;
         let col_blocks = d.v_head_dim.div_ceil(32) as u32;
         let args = args![work.raw(), state.raw(), out.raw(), nv, dk, dv, i(n_tokens)];
