@@ -473,7 +473,7 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                     v_heads: VHeadOrder::Grouped,
                 }),
                 zero_centred_norms: false,
-            mtp_layers: 0,
+                mtp_layers: 0,
             }
         }
     }
@@ -623,7 +623,9 @@ pub fn write_synthetic(
         // What a reader of the file sees.
         config.rope_style = opts.adapter.gguf_rope_style;
         config.zero_centred_norms = false;
-        if let (Some(h), Some((projections, v_heads))) = (&mut config.hybrid, opts.adapter.hybrid.gguf_delta_net) {
+        if let (Some(h), Some((projections, v_heads))) =
+            (&mut config.hybrid, opts.adapter.hybrid.gguf_delta_net)
+        {
             (h.projections, h.v_heads) = (projections, v_heads);
         }
     }

@@ -97,14 +97,26 @@ pub fn delta_rule_chunked(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 // SAFETY (callers): the CPU has these features; the body is safe code, compiled for them.
-unsafe fn chunked_avx512(s: DeltaHeadShape, x: DeltaHeadInputs<'_>, st: &mut [f32], sc: &mut [f32], o: &mut [f32]) {
+unsafe fn chunked_avx512(
+    s: DeltaHeadShape,
+    x: DeltaHeadInputs<'_>,
+    st: &mut [f32],
+    sc: &mut [f32],
+    o: &mut [f32],
+) {
     chunked::<true, 32>(s, x, st, sc, o)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 // SAFETY (callers): the CPU has these features; the body is safe code, compiled for them.
-unsafe fn chunked_avx2(s: DeltaHeadShape, x: DeltaHeadInputs<'_>, st: &mut [f32], sc: &mut [f32], o: &mut [f32]) {
+unsafe fn chunked_avx2(
+    s: DeltaHeadShape,
+    x: DeltaHeadInputs<'_>,
+    st: &mut [f32],
+    sc: &mut [f32],
+    o: &mut [f32],
+) {
     chunked::<true, 16>(s, x, st, sc, o)
 }
 
@@ -173,7 +185,9 @@ fn chunked<const F: bool, const NC: usize>(
             let eg = exp_nonpositive(gc[r]);
             let (done, row) = u.split_at_mut(r * dv);
             let row = &mut row[..dv];
-            for ((ur, &vr), &kr) in row.iter_mut().zip(&v[r * dv..(r + 1) * dv]).zip(&ks[r * dv..(r + 1) * dv]) {
+            for ((ur, &vr), &kr) in
+                row.iter_mut().zip(&v[r * dv..(r + 1) * dv]).zip(&ks[r * dv..(r + 1) * dv])
+            {
                 *ur = beta[r] * (vr - eg * kr);
             }
             gemm_acc::<F, NC>(Mat(&kk[r * c..r * c + r], r), Mat(done, dv), row, dv, 1, r);
@@ -219,7 +233,14 @@ fn fmadd<const F: bool>(a: f32, b: f32, acc: f32) -> f32 {
 
 /// `out[m x n] += a[m x k] @ b[k x n]` (`out`'s row stride `ldo`), rows four at a time.
 #[inline(always)]
-fn gemm_acc<const F: bool, const NC: usize>(a: Mat<'_>, b: Mat<'_>, out: &mut [f32], ldo: usize, m: usize, k: usize) {
+fn gemm_acc<const F: bool, const NC: usize>(
+    a: Mat<'_>,
+    b: Mat<'_>,
+    out: &mut [f32],
+    ldo: usize,
+    m: usize,
+    k: usize,
+) {
     let mut r = 0;
     while r + 4 <= m {
         rows::<F, NC, 4>(a, b, &mut out[r * ldo..], ldo, r, k);
@@ -276,7 +297,12 @@ fn rows<const F: bool, const NC: usize, const R: usize>(
 
 /// The recurrence itself, token by token in plain f32: the oracle the chunked form is tested
 /// against (it allocates one `d_v` row per call).
-pub fn delta_rule_recurrent(shape: DeltaHeadShape, inputs: DeltaHeadInputs<'_>, state: &mut [f32], out: &mut [f32]) {
+pub fn delta_rule_recurrent(
+    shape: DeltaHeadShape,
+    inputs: DeltaHeadInputs<'_>,
+    state: &mut [f32],
+    out: &mut [f32],
+) {
     let (dk, dv) = (shape.k_dim, shape.v_dim);
     let mut delta = vec![0.0f32; dv];
     for t in 0..inputs.g.len() {

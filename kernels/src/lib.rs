@@ -18,8 +18,8 @@ pub mod attention;
 pub mod attention_tiled;
 pub mod bench;
 pub mod cuda;
-pub mod dense;
 pub mod delta_rule;
+pub mod dense;
 pub mod error;
 pub mod ffn;
 pub mod par;
@@ -45,7 +45,9 @@ pub use attention::{
     attention, attention_reference, par_attention, AttentionInput, AttentionScratch, AttentionShape,
 };
 pub use bench::{run_kernel_bench, KernelBenchOptions, KernelBenchReport};
-pub use delta_rule::{delta_chunk_len, delta_rule_chunked, delta_rule_recurrent, DeltaHeadInputs, DeltaHeadShape};
+pub use delta_rule::{
+    delta_chunk_len, delta_rule_chunked, delta_rule_recurrent, DeltaHeadInputs, DeltaHeadShape,
+};
 pub use dense::{matmul, par_matmul, DenseMatrix, MatmulPart, MAX_MATMUL_PARTS};
 pub use error::KernelError;
 pub use ffn::{

@@ -58,7 +58,10 @@ pub fn par_chunk_pairs_mut(
 ) -> Result<(), KernelError> {
     assert!(a_len > 0 && b_len > 0, "par_chunk_pairs_mut: chunk length 0");
     let n_chunks = a.len() / a_len;
-    assert!(a.len() == n_chunks * a_len && b.len() == n_chunks * b_len, "par_chunk_pairs_mut: uneven buffers");
+    assert!(
+        a.len() == n_chunks * a_len && b.len() == n_chunks * b_len,
+        "par_chunk_pairs_mut: uneven buffers"
+    );
     let (next, base_a, base_b) = (AtomicUsize::new(0), Base(a.as_mut_ptr()), Base(b.as_mut_ptr()));
     pool.broadcast(&|_, _| loop {
         let i = next.fetch_add(1, Ordering::Relaxed);

@@ -1440,7 +1440,14 @@ fn delta_rule_chunked_equals_the_recurrent_kernel() {
     let Some(be) = backend() else { return };
     let shapes = [(2, 4, 16, 12, false), (1, 3, 8, 10, false), (2, 4, 128, 128, true), (1, 2, 64, 48, false)];
     for (seed, &(nk, nv, dk, dv, tiled_v_heads)) in shapes.iter().enumerate() {
-        let d = DeltaShape { n_k_heads: nk, n_v_heads: nv, k_head_dim: dk, v_head_dim: dv, conv_kernel: 4, tiled_v_heads };
+        let d = DeltaShape {
+            n_k_heads: nk,
+            n_v_heads: nv,
+            k_head_dim: dk,
+            v_head_dim: dv,
+            conv_kernel: 4,
+            tiled_v_heads,
+        };
         for t in [3, DELTA_CHUNK - 1, 2 * DELTA_CHUNK, 2 * DELTA_CHUNK + 7, 70] {
             let seed = 100 * seed as u64 + t as u64;
             let p = rnd(t * d.p_stride(), seed);

@@ -15,9 +15,7 @@ use crate::format::gguf::{GgufError, GgufFile, MetaValue};
 use crate::format::safetensors::{SafetensorsError, SafetensorsModel};
 use crate::format::tensor::TensorError;
 use crate::format::tensor::TensorRef;
-use crate::model::arch::{
-    Adapter, AttentionSpec, DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm,
-};
+use crate::model::arch::{Adapter, AttentionSpec, DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm};
 use crate::model::config::{ConfigError, HybridConfig, ModelConfig};
 use crate::model::naming::{ExpertProj, GlobalRole, LayerRole};
 use serde::Serialize;
@@ -442,8 +440,13 @@ impl Model {
             return Ok(());
         }
         let name = self.layer_name(layer_idx, LayerRole::DeltaALog);
-        let bad = |reason: String| ModelError::BadValues { path: self.file_of(&name), tensor: name.clone(), reason };
-        let values = self.required(layer_idx, LayerRole::DeltaALog).to_f32_vec().map_err(|e| bad(e.to_string()))?;
+        let bad = |reason: String| ModelError::BadValues {
+            path: self.file_of(&name),
+            tensor: name.clone(),
+            reason,
+        };
+        let values =
+            self.required(layer_idx, LayerRole::DeltaALog).to_f32_vec().map_err(|e| bad(e.to_string()))?;
         match values.iter().position(|a| !(a.is_finite() && *a < 0.0)) {
             Some(i) => Err(bad(format!(
                 "holds {} at {i}: llama.cpp's ssm_a is -exp(A_log), negative and finite",
@@ -676,9 +679,9 @@ impl GgufMeta<'_> {
                 let flags: Option<Vec<bool>> =
                     v.as_array().and_then(|a| a.values.iter().map(|x| x.as_bool()).collect());
                 let key = self.key("attention.recurrent_layers");
-                let flags = flags.filter(|f| f.len() >= n_layers).ok_or_else(|| {
-                    self.bad(key, "an array of bools with one entry per layer")
-                })?;
+                let flags = flags
+                    .filter(|f| f.len() >= n_layers)
+                    .ok_or_else(|| self.bad(key, "an array of bools with one entry per layer"))?;
                 (0..n_layers).filter(|&l| !flags[l]).collect()
             }
             None => {

@@ -305,7 +305,11 @@ pub(crate) struct PrefillWork {
 }
 
 impl PrefillWork {
-    pub fn new<'s>(specs: impl Iterator<Item = &'s DeltaNetSpec> + Clone, level: SimdLevel, max_tokens: usize) -> Self {
+    pub fn new<'s>(
+        specs: impl Iterator<Item = &'s DeltaNetSpec> + Clone,
+        level: SimdLevel,
+        max_tokens: usize,
+    ) -> Self {
         let chunk = delta_chunk_len(level);
         let heads = specs.clone().map(|d| d.n_v_heads * work_stride(d, chunk, max_tokens)).max().unwrap_or(0);
         let conv_prev = specs.map(|d| d.conv_state_len()).max().unwrap_or(0);
@@ -532,7 +536,15 @@ mod tests {
     }
 
     fn spec(projections: DeltaNetProjections, v_heads: VHeadOrder, dk: usize, dv: usize) -> DeltaNetSpec {
-        DeltaNetSpec { n_k_heads: 2, n_v_heads: 4, k_head_dim: dk, v_head_dim: dv, conv_kernel: 4, projections, v_heads }
+        DeltaNetSpec {
+            n_k_heads: 2,
+            n_v_heads: 4,
+            k_head_dim: dk,
+            v_head_dim: dv,
+            conv_kernel: 4,
+            projections,
+            v_heads,
+        }
     }
 
     /// Every token's rows of the input projections, as the dense stage leaves them.
@@ -544,13 +556,18 @@ mod tests {
             DeltaNetProjections::SplitGroupedBa => vec![cd, vd, 2 * nv],
         };
         assert_eq!(widths.len(), delta_input_roles(d.projections).len());
-        widths.iter().enumerate().map(|(i, w)| noise(seed + i as u64, n * w).iter().map(|x| 2.0 * x).collect()).collect()
+        widths
+            .iter()
+            .enumerate()
+            .map(|(i, w)| noise(seed + i as u64, n * w).iter().map(|x| 2.0 * x).collect())
+            .collect()
     }
 
     fn vectors(d: &DeltaNetSpec) -> DeltaNetVectors {
         let conv: Vec<f32> = noise(90, d.conv_dim() * d.conv_kernel).iter().map(|x| 0.6 * x).collect();
         let channels = d.conv_dim();
-        let conv_taps = (0..conv.len()).map(|i| conv[(i % channels) * d.conv_kernel + i / channels]).collect();
+        let conv_taps =
+            (0..conv.len()).map(|i| conv[(i % channels) * d.conv_kernel + i / channels]).collect();
         DeltaNetVectors {
             conv,
             conv_taps,
@@ -561,7 +578,13 @@ mod tests {
     }
 
     /// The recurrent path over `n` tokens, as decode runs it.
-    fn stepped(d: &DeltaNetSpec, v: &DeltaNetVectors, state: &mut DeltaNetState, outputs: &[Vec<f32>], n: usize) -> Vec<f32> {
+    fn stepped(
+        d: &DeltaNetSpec,
+        v: &DeltaNetVectors,
+        state: &mut DeltaNetState,
+        outputs: &[Vec<f32>],
+        n: usize,
+    ) -> Vec<f32> {
         let (mut pool, mut token, vd) = (ColdPool::new(1), TokenInputs::new(d), d.value_dim());
         let mut out = vec![0.0; n * vd];
         for t in 0..n {
@@ -606,7 +629,8 @@ mod tests {
                         prefill(&d, &v, &mut s2, outputs, n, 1e-6, &mut work, &mut pool, &mut out).unwrap();
                         got.push(out);
                     }
-                    let what = format!("{projections:?} {order:?} {first}+{second} tokens, {threads} threads");
+                    let what =
+                        format!("{projections:?} {order:?} {first}+{second} tokens, {threads} threads");
                     for (g, w) in got.iter().zip(&want) {
                         assert!(max_err(g, w) < 1e-4, "{what}: out {}", max_err(g, w));
                     }
@@ -619,5 +643,4 @@ mod tests {
             }
         }
     }
-
 }

@@ -907,9 +907,7 @@ impl Pipeline {
         let x = &a.normed[..n * h];
         match inputs {
             [m0, m1] => self.dense.matmul(x, &mut [part(m0, b0, n), part(m1, b1, n)])?,
-            [m0, m1, m2] => {
-                self.dense.matmul(x, &mut [part(m0, b0, n), part(m1, b1, n), part(m2, b2, n)])?
-            }
+            [m0, m1, m2] => self.dense.matmul(x, &mut [part(m0, b0, n), part(m1, b1, n), part(m2, b2, n)])?,
             [m0, m1, m2, m3] => {
                 let mut parts = [part(m0, b0, n), part(m1, b1, n), part(m2, b2, n), part(m3, b3, n)];
                 self.dense.matmul(x, &mut parts)?

@@ -7,8 +7,9 @@
 use super::kernel::{
     grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS,
     ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS, ATTENTION_TILE_MAX_HEAD_DIM,
-    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS,
-    GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM,
+    GEMV_SPLIT_WARPS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK,
+    ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
@@ -694,8 +695,20 @@ impl CudaBackend {
         let (nk, nv, dk, dv) = (i(d.n_k_heads), i(d.n_v_heads), i(d.k_head_dim), i(d.v_head_dim));
         let chunks = n_tokens.div_ceil(DELTA_CHUNK) as u32;
         let tiled = i(d.tiled_v_heads as usize);
-        let args =
-            args![p.raw(), i(d.p_stride()), ba.raw(), dt_bias.raw(), neg_a.raw(), work.raw(), nk, nv, dk, dv, i(n_tokens), tiled];
+        let args = args![
+            p.raw(),
+            i(d.p_stride()),
+            ba.raw(),
+            dt_bias.raw(),
+            neg_a.raw(),
+            work.raw(),
+            nk,
+            nv,
+            dk,
+            dv,
+            i(n_tokens),
+            tiled
+        ];
         self.launch(PREP, (d.n_v_heads as u32, chunks, 1), 128, 0, args)?;
         let col_blocks = d.v_head_dim.div_ceil(32) as u32;
         let args = args![work.raw(), state.raw(), out.raw(), nv, dk, dv, i(n_tokens)];
