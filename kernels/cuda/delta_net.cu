@@ -38,6 +38,51 @@ extern "C" __global__ void delta_conv_f32(float* p, int p_stride, float* state, 
         if (j < past) state[(size_t)j * conv_dim + ch] = hist[j];
 }
 
+// The causal conv of a run of tokens, every (token, channel) at once, three launches: the call's raw
+// conv inputs copied out of p (delta_conv_gather_f32), each output written in place in p from them and
+// the state (delta_conv_rows_f32: the same sum, in the same order, as delta_conv_f32), the state moved
+// on (delta_conv_advance_f32). raw: [n_tokens][conv_dim]. grid (ceil(conv_dim / 256), tokens), block 256
+// for the first two (token t0 + blockIdx.y: the launcher cuts long calls into grids of at most 65535
+// rows); the last: grid (ceil(conv_dim / 256)), block 256.
+extern "C" __global__ void delta_conv_gather_f32(const float* __restrict__ p, int p_stride, float* __restrict__ raw,
+                                                 int conv_dim, int t0) {
+    pdl_enter();
+    int ch = blockIdx.x * blockDim.x + threadIdx.x, t = t0 + blockIdx.y;
+    if (ch < conv_dim) raw[(size_t)t * conv_dim + ch] = p[(size_t)t * p_stride + ch];
+}
+
+extern "C" __global__ void delta_conv_rows_f32(float* __restrict__ p, int p_stride, const float* __restrict__ raw,
+                                               const float* __restrict__ state, const float* __restrict__ w,
+                                               int conv_dim, int kernel, int t0) {
+    pdl_enter();
+    int ch = blockIdx.x * blockDim.x + threadIdx.x, t = t0 + blockIdx.y;
+    if (ch >= conv_dim) return;
+    int past = kernel - 1;
+    const float* wc = w + (size_t)ch * kernel;
+    float acc = wc[past] * raw[(size_t)t * conv_dim + ch];
+    for (int j = 0; j < past; ++j) {
+        int u = t - past + j;  // input u: from the call's rows, or the history before it
+        float x = u >= 0 ? raw[(size_t)u * conv_dim + ch] : state[(size_t)(past + u) * conv_dim + ch];
+        acc += wc[j] * x;
+    }
+    p[(size_t)t * p_stride + ch] = silu(acc);
+}
+
+extern "C" __global__ void delta_conv_advance_f32(const float* __restrict__ raw, float* state, int conv_dim,
+                                                  int kernel, int n_tokens) {
+    pdl_enter();
+    int ch = blockIdx.x * blockDim.x + threadIdx.x;
+    if (ch >= conv_dim) return;
+    int past = kernel - 1;
+    // Row j of the new history is input n_tokens + j of (old history, the call's inputs); rows move
+    // forward only, so increasing j reads no row already rewritten.
+    for (int j = 0; j < past; ++j) {
+        int at = n_tokens + j;
+        state[(size_t)j * conv_dim + ch] =
+            at < past ? state[(size_t)at * conv_dim + ch] : raw[(size_t)(at - past) * conv_dim + ch];
+    }
+}
+
 // The gated delta rule and the gated RMSNorm, token by token. One block per value head (its key
 // head: head / (nv / nk), or head % nk when `tiled`), one thread per value channel j < dv (blockDim: dv rounded up to a
 // warp), each holding column j of the head's [dk, dv] state in registers (dk <= DELTA_MAX_DK):
@@ -234,93 +279,73 @@ extern "C" __global__ void delta_chunk_prep_f32(const float* __restrict__ p, int
 
 // grid (nv, ceil(dv / 32)), block 128 (four warps): warp w keeps rows [w R, w R + R) (R = ceil(dk / 4))
 // of column blockIdx.y * 32 + lane of the head's state in registers, chunk after chunk of the prep's
-// records; out gets each token's read-out (value_dim a row, before the norm); state moves on.
+// records; out gets each token's read-out (value_dim a row, before the norm); state moves on. The
+// records' rows are read straight from global memory (every lane of a warp reads the same address),
+// one row of a chunk at a time, so only the state and two sums are live across a row.
 extern "C" __global__ void delta_chunk_scan_f32(const float* __restrict__ work, float* state, float* __restrict__ out,
                                                 int nv, int dk, int dv, int n_tokens) {
     pdl_enter();
-    __shared__ float sa[DC * DELTA_MAX_DK], sb[DC * DELTA_MAX_DK];  // W and QG, the partial sums, then KG
+    __shared__ float red_u[4][DC][32], red_q[4][DC][32];  // each warp's part of W S0 and QG S0
     __shared__ float us[DC][33], qss[DC][33];
     int head = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int col = blockIdx.y * 32 + lane;
     bool mine = col < dv;
     int rows = (dk + 3) / 4, row0 = warp * rows;
+    int mine_rows = max(0, min(rows, dk - row0));
     int n_chunks = (n_tokens + DC - 1) / DC, vd = nv * dv;
     float* st = state + (size_t)head * dk * dv;
     float s_reg[DELTA_MAX_DK / 4];
 #pragma unroll
-    for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii) {
-        int i = row0 + ii;
-        s_reg[ii] = (ii < rows && i < dk && mine) ? st[(size_t)i * dv + col] : 0.f;
-    }
+    for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
+        s_reg[ii] = (ii < mine_rows && mine) ? st[(size_t)(row0 + ii) * dv + col] : 0.f;
     size_t stride = delta_chunk_record_floats(dk, dv);
     for (int ch = 0; ch < n_chunks; ++ch) {
         const float* rec = work + ((size_t)head * n_chunks + ch) * stride;
         const float *w = rec, *u0 = rec + DC * dk, *qg = u0 + DC * dv, *kg = qg + DC * dk, *qk = kg + DC * dk;
         float decay = qk[DC * DC];
-        for (int e = threadIdx.x; e < DC * dk; e += blockDim.x) {
-            sa[e] = w[e];
-            sb[e] = qg[e];
-        }
-        __syncthreads();
         // This warp's rows of W S0 and QG S0.
-        float pu[DC], pq[DC];
-#pragma unroll
-        for (int r = 0; r < DC; ++r) pu[r] = pq[r] = 0.f;
-#pragma unroll
-        for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii) {
-            int i = row0 + ii;
-            if (ii < rows && i < dk) {
-                float s = s_reg[ii];
-#pragma unroll
-                for (int r = 0; r < DC; ++r) {
-                    pu[r] += sa[r * dk + i] * s;
-                    pq[r] += sb[r * dk + i] * s;
-                }
-            }
-        }
-        __syncthreads();
-#pragma unroll
+#pragma unroll 1
         for (int r = 0; r < DC; ++r) {
-            sa[(warp * DC + r) * 32 + lane] = pu[r];
-            sb[(warp * DC + r) * 32 + lane] = pq[r];
+            const float *wr = w + (size_t)r * dk + row0, *qr = qg + (size_t)r * dk + row0;
+            float au = 0.f, aq = 0.f;
+#pragma unroll
+            for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
+                if (ii < mine_rows) {
+                    au += wr[ii] * s_reg[ii];
+                    aq += qr[ii] * s_reg[ii];
+                }
+            red_u[warp][r][lane] = au;
+            red_q[warp][r][lane] = aq;
         }
         __syncthreads();
         for (int k = 0; k < DC / 4; ++k) {
             int r = warp * (DC / 4) + k;
-            float su = 0.f, sq = 0.f;
-            for (int w2 = 0; w2 < 4; ++w2) {
-                su += sa[(w2 * DC + r) * 32 + lane];
-                sq += sb[(w2 * DC + r) * 32 + lane];
-            }
+            float su = red_u[0][r][lane] + red_u[1][r][lane] + red_u[2][r][lane] + red_u[3][r][lane];
             us[r][lane] = mine ? u0[r * dv + col] - su : 0.f;
-            qss[r][lane] = sq;
+            qss[r][lane] = red_q[0][r][lane] + red_q[1][r][lane] + red_q[2][r][lane] + red_q[3][r][lane];
         }
         __syncthreads();
-        for (int e = threadIdx.x; e < DC * dk; e += blockDim.x) sa[e] = kg[e];
         for (int k = 0; k < DC / 4; ++k) {
             int r = warp * (DC / 4) + k, t = ch * DC + r;
             float o = qss[r][lane];
             for (int s = 0; s <= r; ++s) o += qk[r * DC + s] * us[s][lane];
             if (mine && t < n_tokens) out[(size_t)t * vd + (size_t)head * dv + col] = o;
         }
-        __syncthreads();
 #pragma unroll
-        for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii) {
-            int i = row0 + ii;
-            if (ii < rows && i < dk) {
-                float s = s_reg[ii] * decay;
+        for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii) s_reg[ii] *= decay;
+#pragma unroll 1
+        for (int r = 0; r < DC; ++r) {
+            const float* kr = kg + (size_t)r * dk + row0;
+            float u = us[r][lane];
 #pragma unroll
-                for (int r = 0; r < DC; ++r) s += sa[r * dk + i] * us[r][lane];
-                s_reg[ii] = s;
-            }
+            for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
+                if (ii < mine_rows) s_reg[ii] += kr[ii] * u;
         }
-        __syncthreads();  // sa and us are the next chunk's
+        __syncthreads();  // red_*, us and qss are the next chunk's
     }
 #pragma unroll
-    for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii) {
-        int i = row0 + ii;
-        if (ii < rows && i < dk && mine) st[(size_t)i * dv + col] = s_reg[ii];
-    }
+    for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
+        if (ii < mine_rows && mine) st[(size_t)(row0 + ii) * dv + col] = s_reg[ii];
 }
 
 // The gated RMSNorm of the chunked prefill's read-outs, in place: out_j = o_j * rsqrt(mean(o^2) + eps)

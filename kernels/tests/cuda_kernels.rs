@@ -1474,3 +1474,34 @@ fn delta_rule_chunked_equals_the_recurrent_kernel() {
         }
     }
 }
+
+/// The prefill conv over every (token, channel) at once equals the token-by-token conv: outputs
+/// and the state it leaves, calls shorter than the conv's history and longer, from a nonzero state.
+#[test]
+fn delta_conv_rows_equals_the_sequential_conv() {
+    use moe_lanes_kernels::cuda::ops::DeltaShape;
+    let Some(be) = backend() else { return };
+    let d = DeltaShape {
+        n_k_heads: 2,
+        n_v_heads: 4,
+        k_head_dim: 16,
+        v_head_dim: 12,
+        conv_kernel: 4,
+        tiled_v_heads: false,
+    };
+    let (cd, past) = (d.conv_dim(), d.conv_kernel - 1);
+    for t in [1, 2, 3, 5, 70] {
+        let p = rnd(t * d.p_stride(), 40 + t as u64);
+        let (state, w) = (rnd(past * cd, 41), rnd(d.conv_kernel * cd, 42));
+        let up = |v: &[f32]| be.upload(v).unwrap();
+        let (p1, p2, s1, s2, dw) = (up(&p), up(&p), up(&state), up(&state), up(&w));
+        let raw = be.alloc_zeros::<f32>(d.prefill_work_floats(t)).unwrap();
+        be.delta_conv(d, p1.ptr(), s1.ptr(), dw.ptr(), t).unwrap();
+        be.delta_conv_rows(d, p2.ptr(), s2.ptr(), dw.ptr(), raw.ptr(), t).unwrap();
+        let (want, got) = (be.read_vec(p1.ptr()).unwrap(), be.read_vec(p2.ptr()).unwrap());
+        let (want_s, got_s) = (be.read_vec(s1.ptr()).unwrap(), be.read_vec(s2.ptr()).unwrap());
+        let (e, es) = (max_abs_diff(&got, &want), max_abs_diff(&got_s, &want_s));
+        eprintln!("delta conv rows t={t}: out {e:e}, state {es:e}");
+        assert!(e < 1e-6 && es == 0.0, "t={t}: out {e:e} state {es:e}");
+    }
+}

@@ -65,7 +65,8 @@ pub(crate) struct Scratch {
     pub delta_p: DeviceBuffer<f32>,
     pub delta_ba: DeviceBuffer<f32>,
     pub delta_out: DeviceBuffer<f32>,
-    /// The chunked DeltaNet prefill's per-(head, chunk) records (`DeltaShape::chunk_work_floats`).
+    /// The DeltaNet prefill's work: the conv's raw inputs, then the chunked delta rule's
+    /// per-(head, chunk) records (`DeltaShape::prefill_work_floats`).
     pub delta_work: DeviceBuffer<f32>,
     pub attn: DeviceBuffer<f32>,
     pub router_logits: DeviceBuffer<f32>,
@@ -126,7 +127,7 @@ impl Scratch {
                 conv_kernel: h.conv_kernel,
                 tiled_v_heads: h.v_heads == VHeadOrder::Tiled,
             };
-            (2 * h.n_k_heads * h.k_head_dim + 2 * vd, 2 * h.n_v_heads, vd, shape.chunk_work_floats(cap))
+            (2 * h.n_k_heads * h.k_head_dim + 2 * vd, 2 * h.n_v_heads, vd, shape.prefill_work_floats(cap))
         });
         let widest = c.hidden.max(c.q_dim()).max(c.expert_ff).max(c.shared_expert_ff).max(vd);
         let f = |n: usize| be.alloc_zeros::<f32>(n.max(1));

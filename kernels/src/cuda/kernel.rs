@@ -329,10 +329,13 @@ pub enum Kernel {
     DeltaChunkPrepF32,
     DeltaChunkScanF32,
     DeltaGatedNormF32,
+    DeltaConvGatherF32,
+    DeltaConvRowsF32,
+    DeltaConvAdvanceF32,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 74] = [
+    pub const ALL: [Kernel; 77] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -407,6 +410,9 @@ impl Kernel {
         Kernel::DeltaChunkPrepF32,
         Kernel::DeltaChunkScanF32,
         Kernel::DeltaGatedNormF32,
+        Kernel::DeltaConvGatherF32,
+        Kernel::DeltaConvRowsF32,
+        Kernel::DeltaConvAdvanceF32,
     ];
 
     /// The `extern "C"` symbol.
@@ -486,6 +492,9 @@ impl Kernel {
             Kernel::DeltaChunkPrepF32 => "delta_chunk_prep_f32",
             Kernel::DeltaChunkScanF32 => "delta_chunk_scan_f32",
             Kernel::DeltaGatedNormF32 => "delta_gated_norm_f32",
+            Kernel::DeltaConvGatherF32 => "delta_conv_gather_f32",
+            Kernel::DeltaConvRowsF32 => "delta_conv_rows_f32",
+            Kernel::DeltaConvAdvanceF32 => "delta_conv_advance_f32",
         }
     }
 
@@ -565,7 +574,10 @@ impl Kernel {
             Kernel::DeltaRuleF32
             | Kernel::DeltaChunkPrepF32
             | Kernel::DeltaChunkScanF32
-            | Kernel::DeltaGatedNormF32 => Family::DeltaNet,
+            | Kernel::DeltaGatedNormF32
+            | Kernel::DeltaConvGatherF32
+            | Kernel::DeltaConvRowsF32
+            | Kernel::DeltaConvAdvanceF32 => Family::DeltaNet,
         }
     }
 }

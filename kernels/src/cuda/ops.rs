@@ -238,6 +238,12 @@ impl DeltaShape {
         let (dk, dv, c) = (self.k_head_dim, self.v_head_dim, DELTA_CHUNK);
         self.n_v_heads * n_tokens.div_ceil(c) * (c * (3 * dk + dv + c) + 4)
     }
+    /// Floats of the work buffer a prefill of `n_tokens` needs: the conv's raw inputs
+    /// ([`CudaBackend::delta_conv_rows`]), then the chunk records (one after the other, so one
+    /// buffer serves both).
+    pub fn prefill_work_floats(&self, n_tokens: usize) -> usize {
+        self.chunk_work_floats(n_tokens).max(n_tokens * self.conv_dim())
+    }
     fn check(&self, kernel: Kernel) -> Result<()> {
         let ok = self.n_k_heads > 0
             && self.n_v_heads.is_multiple_of(self.n_k_heads)
@@ -616,6 +622,49 @@ impl CudaBackend {
             i(n_tokens)
         ];
         self.launch(K, (blocks(conv_dim, BLOCK), 1, 1), BLOCK, 0, args)
+    }
+
+    /// The same as [`CudaBackend::delta_conv`] with every (token, channel) in parallel (a run of
+    /// tokens): the call's raw inputs copied to `raw` (at least `n_tokens * conv_dim`), the outputs
+    /// written in place from them and the old state, then the state moved on; three launches.
+    pub fn delta_conv_rows(
+        &self,
+        d: DeltaShape,
+        p: DPtr<f32>,
+        conv_state: DPtr<f32>,
+        weight: DPtr<f32>,
+        raw: DPtr<f32>,
+        n_tokens: usize,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::DeltaConvRowsF32;
+        d.check(K)?;
+        let conv_dim = d.conv_dim();
+        need(K, "p", p, n_tokens * d.p_stride())?;
+        need(K, "conv state", conv_state, (d.conv_kernel - 1) * conv_dim)?;
+        need(K, "conv weight", weight, d.conv_kernel * conv_dim)?;
+        need(K, "raw", raw, n_tokens * conv_dim)?;
+        // Grids of at most 65535 rows (CUDA's limit on grid y).
+        let pieces = || (0..n_tokens).step_by(65535).map(move |t0| (t0, (n_tokens - t0).min(65535) as u32));
+        let cols = blocks(conv_dim, BLOCK);
+        for (t0, rows) in pieces() {
+            let args = args![p.raw(), i(d.p_stride()), raw.raw(), i(conv_dim), i(t0)];
+            self.launch(Kernel::DeltaConvGatherF32, (cols, rows, 1), BLOCK, 0, args)?;
+        }
+        for (t0, rows) in pieces() {
+            let args = args![
+                p.raw(),
+                i(d.p_stride()),
+                raw.raw(),
+                conv_state.raw(),
+                weight.raw(),
+                i(conv_dim),
+                i(d.conv_kernel),
+                i(t0)
+            ];
+            self.launch(K, (cols, rows, 1), BLOCK, 0, args)?;
+        }
+        let args = args![raw.raw(), conv_state.raw(), i(conv_dim), i(d.conv_kernel), i(n_tokens)];
+        self.launch(Kernel::DeltaConvAdvanceF32, (cols, 1, 1), BLOCK, 0, args)
     }
 
     /// The gated delta rule and gated RMSNorm of a DeltaNet layer over `n_tokens` rows of `p`
