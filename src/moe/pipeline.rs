@@ -914,6 +914,9 @@ impl Pipeline {
             }
             _ => unreachable!("a DeltaNet layer has two to four input projections"),
         }
+        mark(&mut self.profile, |p| p.layer(0));
+        mark(&mut self.profile, |p| p.layer(1));
+        let (w, a) = (&self.layers[l], &mut self.act);
         let vectors = w.delta_net.as_ref().expect("loaded for DeltaNet layers");
         let token = a.delta_token[l].as_mut().expect("made for DeltaNet layers");
         let vd = d.value_dim();
@@ -926,10 +929,12 @@ impl Pipeline {
             conv_step(&d, &vectors.conv, state, &mut token.qkv);
             recurrent_step(&d, vectors, state, token, c.rms_eps, pool, &mut a.delta_out[..vd])?;
         }
+        mark(&mut self.profile, |p| p.layer(2));
         self.dense.matmul(&a.delta_out[..n * vd], &mut [MatmulPart { w: *out, y: &mut a.proj[..n * h] }])?;
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
             *x += y;
         }
+        mark(&mut self.profile, |p| p.layer(3));
         Ok(())
     }
 
