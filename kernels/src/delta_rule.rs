@@ -253,8 +253,10 @@ fn gemm_acc<const F: bool, const NC: usize>(
 }
 
 /// `R` rows of the product from row `r0` of `a`: blocks of `NC` columns kept in registers over
-/// all of `k`, the tail columns one at a time. `n` is `out`'s row width (`ldo`).
+/// all of `k`, the tail columns one at a time. `n` is `out`'s row width (`ldo`). Indexed loops on
+/// purpose: fixed trip counts over fixed-size arrays are what keeps the block in registers.
 #[inline(always)]
+#[allow(clippy::needless_range_loop)]
 fn rows<const F: bool, const NC: usize, const R: usize>(
     a: Mat<'_>,
     b: Mat<'_>,

@@ -47,6 +47,9 @@ pub fn par_chunks_mut(
     })
 }
 
+/// Work on chunk `i` of two buffers: `(i, a_i, b_i)`.
+pub type PairChunkFn<'a> = dyn Fn(usize, &mut [f32], &mut [f32]) + Sync + 'a;
+
 /// Calls `f(i, a_i, b_i)` for every chunk `i` of two buffers cut in the same number of chunks
 /// (`a` in `a_len`-long chunks, `b` in `b_len`-long ones, both exact), on the pool's threads:
 /// per-item work that owns a piece of each (a head's state and its scratch, say).
@@ -54,7 +57,7 @@ pub fn par_chunk_pairs_mut(
     pool: &mut ColdPool,
     (a, a_len): (&mut [f32], usize),
     (b, b_len): (&mut [f32], usize),
-    f: &(dyn Fn(usize, &mut [f32], &mut [f32]) + Sync),
+    f: &PairChunkFn<'_>,
 ) -> Result<(), KernelError> {
     assert!(a_len > 0 && b_len > 0, "par_chunk_pairs_mut: chunk length 0");
     let n_chunks = a.len() / a_len;
