@@ -9,6 +9,7 @@
 //!   in decode (one token) and prefill (many tokens per expert, register-blocked) form.
 //! - [`pool`]: the cold pool of pinned threads running whole cold-lane jobs.
 //! - [`dense`]: row-split GEMV/GEMM of dense weight matrices read in place, on the pool's threads.
+//! - [`delta_rule`]: the chunked gated delta rule of one Gated DeltaNet value head (prefill).
 //! - [`attention`]: causal GQA attention over a head-major KV cache, on the pool's threads.
 //! - [`cuda`]: the CUDA backend (dynamically loaded): NVRTC-compiled kernels, cuBLAS, streams, events.
 //! - [`bench`]: read bandwidth vs. cold-lane effective weight bandwidth.
@@ -17,6 +18,7 @@ pub mod attention;
 pub mod attention_tiled;
 pub mod bench;
 pub mod cuda;
+pub mod delta_rule;
 pub mod dense;
 pub mod error;
 pub mod ffn;
@@ -43,12 +45,15 @@ pub use attention::{
     attention, attention_reference, par_attention, AttentionInput, AttentionScratch, AttentionShape,
 };
 pub use bench::{run_kernel_bench, KernelBenchOptions, KernelBenchReport};
+pub use delta_rule::{
+    delta_chunk_len, delta_rule_chunked, delta_rule_recurrent, DeltaHeadInputs, DeltaHeadShape,
+};
 pub use dense::{matmul, par_matmul, DenseMatrix, MatmulPart, MAX_MATMUL_PARTS};
 pub use error::KernelError;
 pub use ffn::{
     down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, gemv_rows_q8, matmul_rows,
 };
-pub use par::par_chunks_mut;
+pub use par::{par_chunk_pairs_mut, par_chunks_mut};
 pub use pool::{ColdExpertWork, ColdJob, ColdPool};
 pub use q8::{DecodeActivations, Q8Activations, Q8_MAX_TOKENS};
 pub use scalar::dot_row;

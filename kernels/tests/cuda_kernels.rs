@@ -1428,3 +1428,80 @@ fn attention_split_decode_timing() {
         }
     }
 }
+
+/// The chunked DeltaNet prefill kernels equal the recurrent kernel on the same input: lengths
+/// below one chunk, a multiple of it and with a tail, a nonzero state coming in, shapes with
+/// value heads narrower and wider than a 32-column block, both value-head orders (the prep reads p
+/// after the conv, so the conv is left out here; both paths read the same rows).
+#[test]
+fn delta_rule_chunked_equals_the_recurrent_kernel() {
+    use moe_lanes_kernels::cuda::kernel::DELTA_CHUNK;
+    use moe_lanes_kernels::cuda::ops::DeltaShape;
+    let Some(be) = backend() else { return };
+    let shapes = [(2, 4, 16, 12, false), (1, 3, 8, 10, false), (2, 4, 128, 128, true), (1, 2, 64, 48, false)];
+    for (seed, &(nk, nv, dk, dv, tiled_v_heads)) in shapes.iter().enumerate() {
+        let d = DeltaShape {
+            n_k_heads: nk,
+            n_v_heads: nv,
+            k_head_dim: dk,
+            v_head_dim: dv,
+            conv_kernel: 4,
+            tiled_v_heads,
+        };
+        for t in [3, DELTA_CHUNK - 1, 2 * DELTA_CHUNK, 2 * DELTA_CHUNK + 7, 70] {
+            let seed = 100 * seed as u64 + t as u64;
+            let p = rnd(t * d.p_stride(), seed);
+            let ba: Vec<f32> = rnd(t * 2 * nv, seed + 1).iter().map(|x| 3.0 * x).collect();
+            let state: Vec<f32> = rnd(nv * dk * dv, seed + 2).iter().map(|x| 0.5 * x).collect();
+            let (dt_bias, a_log, norm) = (rnd(nv, seed + 3), rnd(nv, seed + 4), rnd(dv, seed + 5));
+            let neg_a: Vec<f32> = a_log.iter().map(|a| -a.exp()).collect();
+            let up = |v: &[f32]| be.upload(v).unwrap();
+            let (dp, dba, dt, na, nw) = (up(&p), up(&ba), up(&dt_bias), up(&neg_a), up(&norm));
+            let vectors = [dt.ptr(), na.ptr(), nw.ptr()];
+            let (s1, s2) = (up(&state), up(&state));
+            let (o1, o2) = (up(&vec![0.0; t * nv * dv]), up(&vec![0.0; t * nv * dv]));
+            let work = be.alloc_zeros::<f32>(d.chunk_work_floats(t)).unwrap();
+            be.delta_rule(d, dp.ptr(), dba.ptr(), s1.ptr(), vectors, o1.ptr(), t, 1e-6).unwrap();
+            be.delta_rule_chunked(d, dp.ptr(), dba.ptr(), s2.ptr(), vectors, work.ptr(), o2.ptr(), t, 1e-6)
+                .unwrap();
+            let (want_o, got_o) = (be.read_vec(o1.ptr()).unwrap(), be.read_vec(o2.ptr()).unwrap());
+            let (want_s, got_s) = (be.read_vec(s1.ptr()).unwrap(), be.read_vec(s2.ptr()).unwrap());
+            let scale = |v: &[f32]| v.iter().fold(1e-6f32, |m, x| m.max(x.abs()));
+            let eo = max_abs_diff(&got_o, &want_o) / scale(&want_o);
+            let es = max_abs_diff(&got_s, &want_s) / scale(&want_s);
+            eprintln!("delta chunked {d:?} t={t}: out {eo:e}, state {es:e}");
+            assert!(eo < 1e-4 && es < 1e-4, "{d:?} t={t}: out {eo:e} state {es:e}");
+        }
+    }
+}
+
+/// The prefill conv over every (token, channel) at once equals the token-by-token conv: outputs
+/// and the state it leaves, calls shorter than the conv's history and longer, from a nonzero state.
+#[test]
+fn delta_conv_rows_equals_the_sequential_conv() {
+    use moe_lanes_kernels::cuda::ops::DeltaShape;
+    let Some(be) = backend() else { return };
+    let d = DeltaShape {
+        n_k_heads: 2,
+        n_v_heads: 4,
+        k_head_dim: 16,
+        v_head_dim: 12,
+        conv_kernel: 4,
+        tiled_v_heads: false,
+    };
+    let (cd, past) = (d.conv_dim(), d.conv_kernel - 1);
+    for t in [1, 2, 3, 5, 70] {
+        let p = rnd(t * d.p_stride(), 40 + t as u64);
+        let (state, w) = (rnd(past * cd, 41), rnd(d.conv_kernel * cd, 42));
+        let up = |v: &[f32]| be.upload(v).unwrap();
+        let (p1, p2, s1, s2, dw) = (up(&p), up(&p), up(&state), up(&state), up(&w));
+        let raw = be.alloc_zeros::<f32>(d.prefill_work_floats(t)).unwrap();
+        be.delta_conv(d, p1.ptr(), s1.ptr(), dw.ptr(), t).unwrap();
+        be.delta_conv_rows(d, p2.ptr(), s2.ptr(), dw.ptr(), raw.ptr(), t).unwrap();
+        let (want, got) = (be.read_vec(p1.ptr()).unwrap(), be.read_vec(p2.ptr()).unwrap());
+        let (want_s, got_s) = (be.read_vec(s1.ptr()).unwrap(), be.read_vec(s2.ptr()).unwrap());
+        let (e, es) = (max_abs_diff(&got, &want), max_abs_diff(&got_s, &want_s));
+        eprintln!("delta conv rows t={t}: out {e:e}, state {es:e}");
+        assert!(e < 1e-6 && es == 0.0, "t={t}: out {e:e} state {es:e}");
+    }
+}

@@ -209,8 +209,9 @@ impl GpuModel {
     }
 
     /// A Gated DeltaNet layer: norm, the `[q|k|v|z]` and `[b|a]` projections, the causal conv
-    /// and the delta rule over the session's state (two launches, token by token inside), the
-    /// output projection accumulated into the residual stream.
+    /// and the delta rule over the session's state (the recurrent kernel, token by token, for
+    /// fewer than [`DELTA_CHUNKED_MIN_TOKENS`] tokens; else the chunked prefill), the output
+    /// projection accumulated into the residual stream.
     fn delta_net_block(
         &mut self,
         l: usize,
@@ -230,9 +231,15 @@ impl GpuModel {
         self.linear(phase, s.normed.ptr(), w.ba.view(), ba, t, 2 * d.n_v_heads, h, false)?;
         self.mark(l, 1)?;
         let state = cache.delta_state(l);
-        self.be.delta_conv(shape, p, state.conv, w.conv.ptr(), t)?;
         let vectors = [w.dt_bias.ptr(), w.neg_a.ptr(), w.norm.ptr()];
-        self.be.delta_rule(shape, p, ba, state.matrix, vectors, out, t, c.rms_eps)?;
+        if t >= DELTA_CHUNKED_MIN_TOKENS {
+            let work = s.delta_work.ptr();
+            self.be.delta_conv_rows(shape, p, state.conv, w.conv.ptr(), work, t)?;
+            self.be.delta_rule_chunked(shape, p, ba, state.matrix, vectors, work, out, t, c.rms_eps)?;
+        } else {
+            self.be.delta_conv(shape, p, state.conv, w.conv.ptr(), t)?;
+            self.be.delta_rule(shape, p, ba, state.matrix, vectors, out, t, c.rms_eps)?;
+        }
         self.mark(l, 2)?;
         self.linear(phase, out, w.out.view(), s.hidden.ptr(), t, h, vd, true)?;
         self.mark(l, 3)?;
@@ -495,6 +502,12 @@ pub(crate) fn runs_mixer(m: &Mixer) -> bool {
         }
     }
 }
+
+/// Calls of at least this many tokens run a DeltaNet layer's conv over every (token, channel) at
+/// once and its delta rule chunked (every chunk's intra-chunk part in parallel, six launches in
+/// all); shorter ones token by token in two launches, whose per-token steps cost less than the
+/// chunked form's fixed launches and `chunk x chunk` work.
+pub(crate) const DELTA_CHUNKED_MIN_TOKENS: usize = 16;
 
 /// A DeltaNet layer's sizes as the kernels take them.
 pub(crate) fn delta_shape(d: &DeltaNetSpec) -> DeltaShape {

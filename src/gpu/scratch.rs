@@ -4,9 +4,11 @@
 
 use super::hot_dequant::SlotChunk;
 use super::GpuError;
+use crate::model::arch::VHeadOrder;
 use crate::model::config::ModelConfig;
 use crate::moe::cold::ColdSlot;
 use crate::moe::worklist::Worklist;
+use moe_lanes_kernels::cuda::ops::DeltaShape;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, PinnedBuffer, Q8Rows};
 use moe_lanes_kernels::q8::Q8_BLOCK;
 
@@ -63,6 +65,9 @@ pub(crate) struct Scratch {
     pub delta_p: DeviceBuffer<f32>,
     pub delta_ba: DeviceBuffer<f32>,
     pub delta_out: DeviceBuffer<f32>,
+    /// The DeltaNet prefill's work: the conv's raw inputs, then the chunked delta rule's
+    /// per-(head, chunk) records (`DeltaShape::prefill_work_floats`).
+    pub delta_work: DeviceBuffer<f32>,
     pub attn: DeviceBuffer<f32>,
     pub router_logits: DeviceBuffer<f32>,
     /// Per token row: blocks of the fused decode routing done (zero between launches).
@@ -112,9 +117,17 @@ impl Scratch {
         let k = c.n_experts_used;
         let inner = (k * c.expert_ff).max(c.shared_expert_ff);
         // A DeltaNet layer's row widths (0 without one).
-        let (p_stride, ba, vd) = c.hybrid.as_ref().map_or((0, 0, 0), |h| {
+        let (p_stride, ba, vd, work) = c.hybrid.as_ref().map_or((0, 0, 0, 0), |h| {
             let vd = h.n_v_heads * h.v_head_dim;
-            (2 * h.n_k_heads * h.k_head_dim + 2 * vd, 2 * h.n_v_heads, vd)
+            let shape = DeltaShape {
+                n_k_heads: h.n_k_heads,
+                n_v_heads: h.n_v_heads,
+                k_head_dim: h.k_head_dim,
+                v_head_dim: h.v_head_dim,
+                conv_kernel: h.conv_kernel,
+                tiled_v_heads: h.v_heads == VHeadOrder::Tiled,
+            };
+            (2 * h.n_k_heads * h.k_head_dim + 2 * vd, 2 * h.n_v_heads, vd, shape.prefill_work_floats(cap))
         });
         let widest = c.hidden.max(c.q_dim()).max(c.expert_ff).max(c.shared_expert_ff).max(vd);
         let f = |n: usize| be.alloc_zeros::<f32>(n.max(1));
@@ -133,6 +146,7 @@ impl Scratch {
             delta_p: f(cap * p_stride)?,
             delta_ba: f(cap * ba)?,
             delta_out: f(cap * vd)?,
+            delta_work: f(work)?,
             attn: f(cap * c.q_dim())?,
             router_logits: f(cap * c.n_experts)?,
             route_counter: be.alloc_zeros::<u32>(cap)?,

@@ -39,11 +39,19 @@ pub(crate) struct LayerVectors {
 pub(crate) struct DeltaNetVectors {
     /// `[conv_dim, kernel]`
     pub conv: Vec<f32>,
+    /// The same, tap-major (`[kernel, conv_dim]`): the chunked prefill's conv runs along channels.
+    pub conv_taps: Vec<f32>,
     pub dt_bias: Vec<f32>,
     /// `-exp(A_log)` per value head: the decay rate.
     pub neg_a: Vec<f32>,
     /// The gated RMSNorm of a value head, `[v_head_dim]`.
     pub norm: Vec<f32>,
+}
+
+/// `[channels, kernel]` to `[kernel, channels]`.
+fn taps(conv: &[f32], kernel: usize) -> Vec<f32> {
+    let channels = conv.len() / kernel;
+    (0..kernel * channels).map(|i| conv[(i % channels) * kernel + i / channels]).collect()
 }
 
 impl LayerVectors {
@@ -52,7 +60,8 @@ impl LayerVectors {
         let opt = |role| model.layer(l, role).map(|t| t.to_f32_vec()).transpose();
         let norm = |role| model.norm_weight(l, role);
         let delta_net = match model.layer_spec(l).mixer {
-            Mixer::GatedDeltaNet(_) => Some(DeltaNetVectors {
+            Mixer::GatedDeltaNet(d) => Some(DeltaNetVectors {
+                conv_taps: taps(&req(LayerRole::DeltaConv)?, d.conv_kernel),
                 conv: req(LayerRole::DeltaConv)?,
                 dt_bias: req(LayerRole::DeltaDtBias)?,
                 neg_a: model.delta_a_log(l)?.iter().map(|a| -a.exp()).collect(),
@@ -86,7 +95,7 @@ impl LayerVectors {
         let delta = self
             .delta_net
             .as_ref()
-            .map_or(0, |d| d.conv.len() + d.dt_bias.len() + d.neg_a.len() + d.norm.len());
+            .map_or(0, |d| 2 * d.conv.len() + d.dt_bias.len() + d.neg_a.len() + d.norm.len());
         4 * (delta
             + self.attn_norm.len()
             + self.ffn_norm.len()

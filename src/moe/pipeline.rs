@@ -26,7 +26,7 @@ use crate::model::arch::{DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm, Rope
 use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::cold::{all_cold, ColdError, ColdLane, ColdSlot};
-use crate::moe::delta_net::{conv_step, recurrent_step, DeltaNetState, TokenInputs};
+use crate::moe::delta_net::{conv_step, prefill, recurrent_step, DeltaNetState, PrefillWork, TokenInputs};
 use crate::moe::dense::{
     check_matrices, decode_row, global_matrices, DenseStage, LayerMatrices, LayerVectors, MixerMatrices,
 };
@@ -42,6 +42,7 @@ use crate::moe::routing::Router;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::{
     par_chunks_mut, AttentionInput, AttentionShape, DecodeActivations, DenseMatrix, KernelError, MatmulPart,
+    SimdLevel,
 };
 use std::sync::Arc;
 use std::time::Instant;
@@ -208,6 +209,8 @@ struct Activations {
     delta_out: Vec<f32>,
     /// Per layer, a DeltaNet layer's one-token inputs (reused every token).
     delta_token: Vec<Option<TokenInputs>>,
+    /// The chunked DeltaNet prefill's workspace (calls of several tokens).
+    delta_prefill: PrefillWork,
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
@@ -257,7 +260,7 @@ pub struct Pipeline {
 }
 
 impl Activations {
-    fn new(c: &ModelConfig, plan: &LayerPlan, m: usize) -> Activations {
+    fn new(c: &ModelConfig, plan: &LayerPlan, m: usize, level: SimdLevel) -> Activations {
         let sff = c.shared_expert_ff;
         let gated = plan.layers().iter().any(|l| l.as_attention().is_some_and(|a| a.output_gate));
         let widest = |f: &dyn Fn(&DeltaNetSpec) -> usize| {
@@ -293,6 +296,14 @@ impl Activations {
                     Mixer::Attention(_) => None,
                 })
                 .collect(),
+            delta_prefill: PrefillWork::new(
+                plan.layers().iter().filter_map(|l| match &l.mixer {
+                    Mixer::GatedDeltaNet(d) => Some(d),
+                    Mixer::Attention(_) => None,
+                }),
+                level,
+                m,
+            ),
             q: vec![0.0; m * c.q_dim()],
             k: vec![0.0; m * c.kv_dim()],
             v: vec![0.0; m * c.kv_dim()],
@@ -404,7 +415,7 @@ impl Pipeline {
             ));
         }
         let routers = plan.layers().iter().map(|spec| Router::new(spec.moe().router, m)).collect();
-        let act = Activations::new(&c, &plan, m);
+        let act = Activations::new(&c, &plan, m, level);
         let updater = UpdaterHandle::start().map_err(|e| PipelineError::Setup(format!("updater: {e}")))?;
         let switches = options.switches;
         Ok(Pipeline {
@@ -884,7 +895,8 @@ impl Pipeline {
     }
 
     /// A Gated DeltaNet layer over `n` tokens: the input projections as one batched matmul, the
-    /// conv and delta rule token by token on the session's state, the output projection batched.
+    /// conv and delta rule on the session's state (one token: the recurrent step; more: the
+    /// chunked prefill, every head on the pool at once), the output projection batched.
     fn delta_net_block(
         &mut self,
         state: &mut DeltaNetState,
@@ -916,20 +928,27 @@ impl Pipeline {
             }
             _ => unreachable!("a DeltaNet layer has two to four input projections"),
         }
+        mark(&mut self.profile, |p| p.layer(0));
+        mark(&mut self.profile, |p| p.layer(1));
+        let (w, a) = (&self.layers[l], &mut self.act);
         let vectors = w.delta_net.as_ref().expect("loaded for DeltaNet layers");
         let token = a.delta_token[l].as_mut().expect("made for DeltaNet layers");
         let vd = d.value_dim();
         let pool = self.dense.pool_mut();
-        for t in 0..n {
-            token.gather(&d, &a.delta_in, t);
+        if n > 1 {
+            let out = &mut a.delta_out[..n * vd];
+            prefill(&d, vectors, state, &a.delta_in, n, c.rms_eps, &mut a.delta_prefill, pool, out)?;
+        } else {
+            token.gather(&d, &a.delta_in, 0);
             conv_step(&d, &vectors.conv, state, &mut token.qkv);
-            let out = &mut a.delta_out[t * vd..(t + 1) * vd];
-            recurrent_step(&d, vectors, state, token, c.rms_eps, pool, out)?;
+            recurrent_step(&d, vectors, state, token, c.rms_eps, pool, &mut a.delta_out[..vd])?;
         }
+        mark(&mut self.profile, |p| p.layer(2));
         self.dense.matmul(&a.delta_out[..n * vd], &mut [MatmulPart { w: *out, y: &mut a.proj[..n * h] }])?;
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
             *x += y;
         }
+        mark(&mut self.profile, |p| p.layer(3));
         Ok(())
     }
 

@@ -4,7 +4,9 @@
 
 use std::time::Instant;
 
-/// Stages of one layer, in the order the driver runs them.
+/// Stages of one layer, in the order the driver runs them. A Gated DeltaNet layer marks the same
+/// ones: its norm and input projections as the q/k/v GEMV, its conv, delta rule and gated norm as
+/// attention (the stage between them empty), its output projection as the o proj.
 pub const CPU_LAYER_STAGES: [&str; 9] = [
     "attn norm + q/k/v GEMV",
     "q/k norm, RoPE, KV append",

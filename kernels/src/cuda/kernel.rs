@@ -63,6 +63,10 @@ pub const DELTA_MAX_KEY_DIM: usize = 128;
 /// Widest causal conv of the Gated DeltaNet kernel (`-DDELTA_MAX_KERNEL`; the models use 4): the
 /// history a thread keeps in registers.
 pub const DELTA_MAX_CONV_KERNEL: usize = 8;
+/// Tokens per chunk of the chunked DeltaNet prefill kernels (`-DDELTA_CHUNK`): a prep block keeps a
+/// chunk's normalised q and k (`[chunk, dk + 1]` each) and its `chunk x chunk` system in static
+/// shared memory, a scan thread its `chunk` partial sums in registers.
+pub const DELTA_CHUNK: usize = 32;
 
 /// Dynamic shared memory of a pipelined grouped GEMM block over `matrices` weight tiles (gate
 /// and up: 2): per stage the f32 x tile and the bf16 weight tiles, rows padded by 8 elements.
@@ -185,7 +189,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 26] = [
+pub const SHARED_DEFINE_NAMES: [&str; 27] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -212,6 +216,7 @@ pub const SHARED_DEFINE_NAMES: [&str; 26] = [
     "ATT_GQA_MAXD",
     "DELTA_MAX_DK",
     "DELTA_MAX_KERNEL",
+    "DELTA_CHUNK",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -243,6 +248,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DATT_GQA_MAXD={ATTENTION_GQA_MAX_HEAD_DIM}"),
         format!("-DDELTA_MAX_DK={DELTA_MAX_KEY_DIM}"),
         format!("-DDELTA_MAX_KERNEL={DELTA_MAX_CONV_KERNEL}"),
+        format!("-DDELTA_CHUNK={DELTA_CHUNK}"),
     ]
 }
 
@@ -320,10 +326,16 @@ pub enum Kernel {
     MulSigmoidF32,
     DeltaConvF32,
     DeltaRuleF32,
+    DeltaChunkPrepF32,
+    DeltaChunkScanF32,
+    DeltaGatedNormF32,
+    DeltaConvGatherF32,
+    DeltaConvRowsF32,
+    DeltaConvAdvanceF32,
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 71] = [
+    pub const ALL: [Kernel; 77] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -395,6 +407,12 @@ impl Kernel {
         Kernel::MulSigmoidF32,
         Kernel::DeltaConvF32,
         Kernel::DeltaRuleF32,
+        Kernel::DeltaChunkPrepF32,
+        Kernel::DeltaChunkScanF32,
+        Kernel::DeltaGatedNormF32,
+        Kernel::DeltaConvGatherF32,
+        Kernel::DeltaConvRowsF32,
+        Kernel::DeltaConvAdvanceF32,
     ];
 
     /// The `extern "C"` symbol.
@@ -471,6 +489,12 @@ impl Kernel {
             Kernel::MulSigmoidF32 => "mul_sigmoid_f32",
             Kernel::DeltaConvF32 => "delta_conv_f32",
             Kernel::DeltaRuleF32 => "delta_rule_f32",
+            Kernel::DeltaChunkPrepF32 => "delta_chunk_prep_f32",
+            Kernel::DeltaChunkScanF32 => "delta_chunk_scan_f32",
+            Kernel::DeltaGatedNormF32 => "delta_gated_norm_f32",
+            Kernel::DeltaConvGatherF32 => "delta_conv_gather_f32",
+            Kernel::DeltaConvRowsF32 => "delta_conv_rows_f32",
+            Kernel::DeltaConvAdvanceF32 => "delta_conv_advance_f32",
         }
     }
 
@@ -547,7 +571,13 @@ impl Kernel {
             Kernel::Gemv3TypedQ8 => Family::Quant,
             Kernel::MulSigmoidF32 => Family::Elementwise,
             Kernel::DeltaConvF32 => Family::DeltaNet,
-            Kernel::DeltaRuleF32 => Family::DeltaNet,
+            Kernel::DeltaRuleF32
+            | Kernel::DeltaChunkPrepF32
+            | Kernel::DeltaChunkScanF32
+            | Kernel::DeltaGatedNormF32
+            | Kernel::DeltaConvGatherF32
+            | Kernel::DeltaConvRowsF32
+            | Kernel::DeltaConvAdvanceF32 => Family::DeltaNet,
         }
     }
 }

@@ -7,8 +7,9 @@
 use super::kernel::{
     grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS,
     ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS, ATTENTION_TILE_MAX_HEAD_DIM,
-    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS,
-    GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM,
+    GEMV_SPLIT_WARPS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK,
+    ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
@@ -230,6 +231,18 @@ impl DeltaShape {
     /// A row of the projections: `[q | k | v | z]`.
     pub fn p_stride(&self) -> usize {
         self.conv_dim() + self.n_v_heads * self.v_head_dim
+    }
+    /// Floats of the chunked prefill's work buffer for `n_tokens` ([`CudaBackend::delta_rule_chunked`]):
+    /// one record per value head and chunk of [`DELTA_CHUNK`] tokens (`kernels/cuda/delta_net.cu`).
+    pub fn chunk_work_floats(&self, n_tokens: usize) -> usize {
+        let (dk, dv, c) = (self.k_head_dim, self.v_head_dim, DELTA_CHUNK);
+        self.n_v_heads * n_tokens.div_ceil(c) * (c * (3 * dk + dv + c) + 4)
+    }
+    /// Floats of the work buffer a prefill of `n_tokens` needs: the conv's raw inputs
+    /// ([`CudaBackend::delta_conv_rows`]), then the chunk records (one after the other, so one
+    /// buffer serves both).
+    pub fn prefill_work_floats(&self, n_tokens: usize) -> usize {
+        self.chunk_work_floats(n_tokens).max(n_tokens * self.conv_dim())
     }
     fn check(&self, kernel: Kernel) -> Result<()> {
         let ok = self.n_k_heads > 0
@@ -611,6 +624,49 @@ impl CudaBackend {
         self.launch(K, (blocks(conv_dim, BLOCK), 1, 1), BLOCK, 0, args)
     }
 
+    /// The same as [`CudaBackend::delta_conv`] with every (token, channel) in parallel (a run of
+    /// tokens): the call's raw inputs copied to `raw` (at least `n_tokens * conv_dim`), the outputs
+    /// written in place from them and the old state, then the state moved on; three launches.
+    pub fn delta_conv_rows(
+        &self,
+        d: DeltaShape,
+        p: DPtr<f32>,
+        conv_state: DPtr<f32>,
+        weight: DPtr<f32>,
+        raw: DPtr<f32>,
+        n_tokens: usize,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::DeltaConvRowsF32;
+        d.check(K)?;
+        let conv_dim = d.conv_dim();
+        need(K, "p", p, n_tokens * d.p_stride())?;
+        need(K, "conv state", conv_state, (d.conv_kernel - 1) * conv_dim)?;
+        need(K, "conv weight", weight, d.conv_kernel * conv_dim)?;
+        need(K, "raw", raw, n_tokens * conv_dim)?;
+        // Grids of at most 65535 rows (CUDA's limit on grid y).
+        let pieces = || (0..n_tokens).step_by(65535).map(move |t0| (t0, (n_tokens - t0).min(65535) as u32));
+        let cols = blocks(conv_dim, BLOCK);
+        for (t0, rows) in pieces() {
+            let args = args![p.raw(), i(d.p_stride()), raw.raw(), i(conv_dim), i(t0)];
+            self.launch(Kernel::DeltaConvGatherF32, (cols, rows, 1), BLOCK, 0, args)?;
+        }
+        for (t0, rows) in pieces() {
+            let args = args![
+                p.raw(),
+                i(d.p_stride()),
+                raw.raw(),
+                conv_state.raw(),
+                weight.raw(),
+                i(conv_dim),
+                i(d.conv_kernel),
+                i(t0)
+            ];
+            self.launch(K, (cols, rows, 1), BLOCK, 0, args)?;
+        }
+        let args = args![raw.raw(), conv_state.raw(), i(conv_dim), i(d.conv_kernel), i(n_tokens)];
+        self.launch(Kernel::DeltaConvAdvanceF32, (cols, 1, 1), BLOCK, 0, args)
+    }
+
     /// The gated delta rule and gated RMSNorm of a DeltaNet layer over `n_tokens` rows of `p`
     /// (after [`CudaBackend::delta_conv`]) and `ba` (`[b | a]`, `2 * n_v_heads` a row), moving
     /// `state` (`[n_v_heads, k_head_dim, v_head_dim]`) on; `out` gets `value_dim` a row.
@@ -655,6 +711,60 @@ impl CudaBackend {
             i(d.tiled_v_heads as usize)
         ];
         self.launch(K, (nv as u32, 1, 1), threads, 0, args)
+    }
+
+    /// The same as [`CudaBackend::delta_rule`] over a run of tokens in its chunked form, three
+    /// launches: every chunk's intra-chunk part at once (`delta_chunk_prep_f32`, into `work`, at
+    /// least [`DeltaShape::chunk_work_floats`]), the chunks one after another over the state
+    /// (`delta_chunk_scan_f32`, value columns in blocks of 32 per head), then the gated RMSNorm
+    /// (`delta_gated_norm_f32`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta_rule_chunked(
+        &self,
+        d: DeltaShape,
+        p: DPtr<f32>,
+        ba: DPtr<f32>,
+        state: DPtr<f32>,
+        [dt_bias, neg_a, norm]: [DPtr<f32>; 3],
+        work: DPtr<f32>,
+        out: DPtr<f32>,
+        n_tokens: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const PREP: Kernel = Kernel::DeltaChunkPrepF32;
+        d.check(PREP)?;
+        need(PREP, "p", p, n_tokens * d.p_stride())?;
+        need(PREP, "ba", ba, n_tokens * 2 * d.n_v_heads)?;
+        need(PREP, "state", state, d.n_v_heads * d.k_head_dim * d.v_head_dim)?;
+        need(PREP, "dt_bias", dt_bias, d.n_v_heads)?;
+        need(PREP, "neg_a", neg_a, d.n_v_heads)?;
+        need(PREP, "norm", norm, d.v_head_dim)?;
+        need(PREP, "work", work, d.chunk_work_floats(n_tokens))?;
+        need(PREP, "out", out, n_tokens * d.n_v_heads * d.v_head_dim)?;
+        let (nk, nv, dk, dv) = (i(d.n_k_heads), i(d.n_v_heads), i(d.k_head_dim), i(d.v_head_dim));
+        let chunks = n_tokens.div_ceil(DELTA_CHUNK) as u32;
+        let tiled = i(d.tiled_v_heads as usize);
+        let args = args![
+            p.raw(),
+            i(d.p_stride()),
+            ba.raw(),
+            dt_bias.raw(),
+            neg_a.raw(),
+            work.raw(),
+            nk,
+            nv,
+            dk,
+            dv,
+            i(n_tokens),
+            tiled
+        ];
+        self.launch(PREP, (d.n_v_heads as u32, chunks, 1), 128, 0, args)?;
+        let col_blocks = d.v_head_dim.div_ceil(32) as u32;
+        let args = args![work.raw(), state.raw(), out.raw(), nv, dk, dv, i(n_tokens)];
+        self.launch(Kernel::DeltaChunkScanF32, (d.n_v_heads as u32, col_blocks, 1), 128, 0, args)?;
+        let threads = d.v_head_dim.div_ceil(32) as u32 * 32;
+        let args = args![p.raw(), i(d.p_stride()), norm.raw(), out.raw(), nk, nv, dk, dv, eps];
+        self.launch(Kernel::DeltaGatedNormF32, (n_tokens as u32, d.n_v_heads as u32, 1), threads, 0, args)
     }
 
     /// `out = silu(g) * u` on the first `n` elements.
