@@ -430,6 +430,9 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             hybrid: None,
             zero_centred_norms: false,
             mtp_layers: 0,
+            mla: None,
+            dense_layers: None,
+            sigmoid_routing: None,
         },
         Preset::Qwen3_30bA3b => ModelConfig {
             arch: adapter.arch,
@@ -457,6 +460,9 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             hybrid: None,
             zero_centred_norms: false,
             mtp_layers: 0,
+            mla: None,
+            dense_layers: None,
+            sigmoid_routing: None,
         },
         Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b => {
             let next = preset == Preset::Qwen3Next80bA3b;
@@ -495,6 +501,9 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                 }),
                 zero_centred_norms: false,
             mtp_layers: 0,
+            mla: None,
+            dense_layers: None,
+            sigmoid_routing: None,
             }
         }
         Preset::GptOss20b | Preset::GptOss120b => {
@@ -1227,6 +1236,15 @@ fn layer_init(c: &ModelConfig, role: LayerRole) -> Init {
         LayerRole::SharedGate | LayerRole::SharedUp => Init::Uniform(inv_sqrt(c.hidden)),
         LayerRole::SharedDown => Init::ResidualWriter(0.5 * inv_sqrt(c.shared_expert_ff)),
         LayerRole::SharedExpertGate => Init::Uniform(inv_sqrt(c.hidden)),
+        LayerRole::RouterSelectionBias => Init::Uniform(0.1),
+        LayerRole::MlaQANorm | LayerRole::MlaKvANorm => norm_init(c),
+        LayerRole::MlaQA | LayerRole::MlaKvA => Init::Uniform(inv_sqrt(c.hidden)),
+        LayerRole::MlaQB => Init::Uniform(inv_sqrt(c.mla.and_then(|m| m.q_lora_rank).unwrap_or(c.hidden))),
+        LayerRole::MlaKvB | LayerRole::MlaKB | LayerRole::MlaVB => {
+            Init::Uniform(inv_sqrt(c.mla.map_or(c.hidden, |m| m.kv_lora_rank)))
+        }
+        LayerRole::DenseGate | LayerRole::DenseUp => Init::Uniform(inv_sqrt(c.hidden)),
+        LayerRole::DenseDown => Init::ResidualWriter(0.5 * inv_sqrt(c.dense_layers.map_or(c.expert_ff, |d| d.ff))),
         LayerRole::DeltaQkvz
         | LayerRole::DeltaBa
         | LayerRole::DeltaQkv
@@ -1488,7 +1506,7 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
                 layout: Layout::Rows,
             });
         }
-        if (a.layer)(c, layer_idx).moe().expert_bias {
+        if (a.layer)(c, layer_idx).as_moe().is_some_and(|m| m.expert_bias) {
             for proj in ExpertProj::ALL {
                 let parts: Vec<Canonical> =
                     (0..c.n_experts).map(|e| expert_bias_part(c, a, layer_idx, e, proj)).collect();
