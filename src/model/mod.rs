@@ -601,7 +601,8 @@ impl Model {
             // Quantised files mix block types per tensor (a `_M` mix puts Q6_K on some
             // down projections); float experts share one dtype.
             let mixed_quant = !dtype.is_float() && !self.expert_dtype.is_float();
-            if layer_idx == 0 && proj == ExpertProj::Gate {
+            let first_moe = self.plan.layers().iter().position(LayerSpec::has_experts) == Some(layer_idx);
+            if first_moe && proj == ExpertProj::Gate {
                 self.expert_dtype = dtype;
             } else if dtype != self.expert_dtype && !mixed_quant {
                 let name = naming::gguf_experts(layer_idx, proj);
