@@ -170,3 +170,50 @@ fn gpu_refuses_by_name_and_the_default_engine_falls_back() {
     let err = max_rel_err(&prefill, &g.logits);
     assert!(err < TOLERANCE, "{err}");
 }
+
+/// `synth --arch deepseek_v3` (tiny: a dense first layer, 4 groups of 2 experts): both formats
+/// open with the same plan and give the same logits, and the pipeline matches the oracle on
+/// each (the GGUF file stores `attn_kv_b`, split at open as transformers' `kv_b_proj` is).
+#[test]
+fn synthetic_deepseek_in_both_formats_gives_the_same_logits() {
+    use moe_lanes::synth::SynthFormat;
+    let dir = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 500).collect();
+    let mut per_format = Vec::new();
+    for format in [SynthFormat::Safetensors, SynthFormat::Gguf] {
+        let mut opts = synth_options("deepseek_v3", format, dir.path().join(format!("m-{format:?}")), 42);
+        opts.dims.n_layers = Some(3);
+        if format == SynthFormat::Gguf {
+            opts.out.set_extension("gguf");
+        }
+        moe_lanes::synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+        let model = Arc::new(Model::open(&opts.out).unwrap());
+        assert_eq!(model.plan().expert_layers(), vec![false, true, true], "{format:?}");
+        let r = Reference::new(&model).unwrap();
+        let want = r.forward(&mut r.new_cache(), &prompt, &mut NoObserver).unwrap();
+        let mut p = pipeline(&model, 0.5, 512);
+        let got = p.forward(&mut p.new_cache(), &prompt, Phase::Prefill).unwrap();
+        let err = max_rel_err(&got, &want);
+        assert!(err < TOLERANCE, "{format:?}: pipeline vs oracle {err}");
+        per_format.push(want);
+    }
+    let err = max_rel_err(&per_format[1], &per_format[0]);
+    println!("synthetic deepseek_v3: gguf vs safetensors {err:.2e}");
+    assert!(err < 1e-5, "the formats differ by {err}");
+}
+
+/// The presets: DeepSeek-V3's and Kimi K2's shapes, shrunk with `--layers`.
+#[test]
+fn deepseek_presets_have_their_shapes() {
+    use moe_lanes::synth::{synth_config, DimOverrides, Preset};
+    let a = adapter("deepseek_v3");
+    let dims = DimOverrides { n_layers: Some(4), ..Default::default() };
+    let ds = synth_config(a, "deepseek-v3".parse::<Preset>().unwrap(), &dims).unwrap();
+    let m = ds.mla.unwrap();
+    assert_eq!((m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank), (512, 64, Some(1536)));
+    assert_eq!(ds.dense_layers.unwrap().count, 3);
+    assert_eq!((ds.n_experts, ds.sigmoid_routing.unwrap().n_group), (256, 8));
+    let kimi = synth_config(a, "kimi-k2".parse::<Preset>().unwrap(), &dims).unwrap();
+    assert_eq!((kimi.n_experts, kimi.n_heads, kimi.dense_layers.unwrap().count), (384, 64, 1));
+    assert!(synth_config(adapter("qwen3_moe"), "deepseek-v3".parse().unwrap(), &dims).is_err());
+}

@@ -982,6 +982,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         if meta.opt_f32("rope.scaling.attn_factor")?.is_none() {
             y.attention_factor = 1.0;
         }
+        // transformers' default for DeepSeek (`truncate`), which llama.cpp's correction dims
+        // (floor / ceil) follow.
+        y.truncate = true;
     }
     let config = ModelConfig {
         arch: adapter.arch,
