@@ -253,6 +253,10 @@ mod tests {
                         n_experts_used: k,
                         norm_topk_prob: norm,
                         bias: false,
+                        selection_bias: false,
+                        n_group: 1,
+                        topk_group: 1,
+                        scale: 1.0,
                     };
                     let mut router = Router::new(opts, 8);
                     let routes = router.route(&logits, n_tokens).unwrap().clone();
@@ -276,6 +280,10 @@ mod tests {
             n_experts_used: 2,
             norm_topk_prob: false,
             bias: false,
+            selection_bias: false,
+            n_group: 1,
+            topk_group: 1,
+            scale: 1.0,
         };
         let mut router = Router::new(opts, 2);
         let ptr = router.routes().expert_ids.as_ptr();
@@ -283,5 +291,37 @@ mod tests {
         assert_eq!(routes.expert_ids, vec![1, 2, 0, 1]);
         assert_eq!(router.routes().expert_ids.as_ptr(), ptr);
         assert!(matches!(router.route(&[0.0; 12], 3), Err(RouterError::TooManyTokens { .. })));
+    }
+
+    /// Sigmoid routing with a selection bias, groups and a scale against the oracle's.
+    #[test]
+    fn sigmoid_grouped_routing_matches_the_oracle() {
+        for (n_experts, k, n_group, topk_group) in [(8, 3, 4, 2), (16, 4, 4, 1), (12, 2, 1, 1), (256, 8, 8, 4)] {
+            for norm in [false, true] {
+                let n_tokens = 6;
+                let logits = lcg_logits((n_experts * 7 + k) as u64, n_tokens * n_experts);
+                let bias: Vec<f32> = lcg_logits(99, n_experts).iter().map(|b| 0.05 * b).collect();
+                let opts = RouterOptions {
+                    variant: RoutingVariant::Sigmoid,
+                    n_experts,
+                    n_experts_used: k,
+                    norm_topk_prob: norm,
+                    bias: false,
+                    selection_bias: true,
+                    n_group,
+                    topk_group,
+                    scale: 2.5,
+                };
+                let mut router = Router::new(opts, 8).with_selection_bias(bias.clone());
+                let routes = router.route(&logits, n_tokens).unwrap().clone();
+                for t in 0..n_tokens {
+                    let want = reference::route_sigmoid(&logits[t * n_experts..][..n_experts], Some(&bias), &opts);
+                    for (j, (e, w)) in want.iter().enumerate() {
+                        assert_eq!(routes.expert_ids[t * k + j] as usize, *e, "token {t} slot {j}");
+                        assert!((routes.weights[t * k + j] - w).abs() < 1e-5, "token {t} slot {j}");
+                    }
+                }
+            }
+        }
     }
 }

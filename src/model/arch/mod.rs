@@ -916,9 +916,22 @@ mod tests {
             let plan = LayerPlan::new(a, &c);
             assert_eq!(plan.len(), c.n_layers);
             let hybrid = a.hybrid.delta_net.is_some();
+            let deepseek = a.arch == Arch::DeepseekV3;
             for (l, spec) in plan.layers().iter().enumerate() {
-                let moe = spec.moe();
+                // DeepSeek-V3: a dense first layer, then sigmoid-routed MoE with an ungated
+                // shared expert; latent attention everywhere.
+                let Some(moe) = spec.as_moe() else {
+                    assert!(deepseek && l == 0, "{:?} layer {l}", a.arch);
+                    continue;
+                };
                 assert_eq!(moe.shared.is_some(), a.shared_expert, "{:?}", a.arch);
+                if let Mixer::LatentAttention(m) = spec.mixer {
+                    assert!(deepseek, "{:?}", a.arch);
+                    assert_eq!((moe.router.variant, moe.router.selection_bias), (RoutingVariant::Sigmoid, true));
+                    assert!(moe.shared.is_some_and(|s| !s.gated) && m.rope.dims == m.rope_dim);
+                    continue;
+                }
+                assert!(!deepseek, "{:?} layer {l}", a.arch);
                 assert_eq!((moe.router.n_experts, moe.expert_ff), (c.n_experts, c.expert_ff));
                 // The Qwen hybrids: every fourth layer gated attention, the others DeltaNet.
                 let full = !hybrid || (l + 1) % 4 == 0;
@@ -938,10 +951,11 @@ mod tests {
                     Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe => QkNorm::PerHead,
                     Arch::Olmoe => QkNorm::WholeProjection,
                     Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss => QkNorm::None,
+                    Arch::DeepseekV3 => unreachable!("latent attention, checked above"),
                 };
                 assert_eq!(att.qk_norm, expected_norm);
             }
-            let runs = if hybrid || a.arch == Arch::GptOss { 2 } else { 1 };
+            let runs = if hybrid || a.arch == Arch::GptOss || deepseek { 2 } else { 1 };
             assert_eq!(plan.summary().len().min(2), runs, "{:?}", plan.summary());
         }
     }
