@@ -9,8 +9,8 @@
 
 use crate::format::tensor::{TensorError, TensorRef};
 use crate::model::arch::{
-    AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, FfnActivation, LatentAttentionSpec, Mixer, MoeSpec,
-    QkNorm, RopeSpec, RopeStyle, RouterSpec, RoutingVariant,
+    AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, FfnActivation, LatentAttentionSpec, Mixer,
+    MoeSpec, QkNorm, RopeSpec, RopeStyle, RouterSpec, RoutingVariant,
 };
 use crate::model::config::ModelConfig;
 use crate::model::naming::{GlobalRole, LayerRole};
@@ -507,7 +507,9 @@ fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorErr
         Ffn::Moe(_) | Ffn::Dense(_) => None,
     };
     let dense = match spec.ffn {
-        Ffn::Dense(_) => Some([req(LayerRole::DenseGate)?, req(LayerRole::DenseUp)?, req(LayerRole::DenseDown)?]),
+        Ffn::Dense(_) => {
+            Some([req(LayerRole::DenseGate)?, req(LayerRole::DenseUp)?, req(LayerRole::DenseDown)?])
+        }
         Ffn::Moe(_) => None,
     };
     let mixer_weights = match &spec.mixer {

@@ -517,30 +517,13 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                     v_heads: VHeadOrder::Grouped,
                 }),
                 zero_centred_norms: false,
-            mtp_layers: 0,
-            mla: None,
-            dense_layers: None,
-            sigmoid_routing: None,
+                mtp_layers: 0,
+                mla: None,
+                dense_layers: None,
+                sigmoid_routing: None,
             }
         }
-        Preset::DeepseekV3 | Preset::KimiK2 => {
-            let kimi = preset == Preset::KimiK2;
-            ModelConfig {
-                n_layers: 61,
-                hidden: 7168,
-                n_heads: if kimi { 64 } else { 128 },
-                n_kv_heads: if kimi { 64 } else { 128 },
-                head_dim: 64,
-                vocab: if kimi { 163_840 } else { 129_280 },
-                n_experts: if kimi { 384 } else { 256 },
-                n_experts_used: 8,
-                expert_ff: 2048,
-                shared_expert_ff: 2048,
-                rope_theta: if kimi { 50_000.0 } else { 10_000.0 },
-                max_positions: if kimi { 131_072 } else { 163_840 },
-                ..preset_config(adapter, Preset::Tiny)
-            }
-        }
+        Preset::DeepseekV3 | Preset::KimiK2 => deepseek_preset(adapter, preset),
         Preset::GptOss20b | Preset::GptOss120b => {
             let big = preset == Preset::GptOss120b;
             ModelConfig {
@@ -563,6 +546,26 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
 /// GPT-OSS's attention and RoPE: a 128-token window (16 in the tiny preset, so short prompts
 /// cross it) on the even layers, YaRN x32 of 4096 as published (transformers' form: beta 32/1,
 /// no truncation).
+/// DeepSeek-V3's and Kimi K2's dimensions (the MLA, dense layers and router in `deepseek_traits`).
+fn deepseek_preset(adapter: &Adapter, preset: Preset) -> ModelConfig {
+    let kimi = preset == Preset::KimiK2;
+    ModelConfig {
+        n_layers: 61,
+        hidden: 7168,
+        n_heads: if kimi { 64 } else { 128 },
+        n_kv_heads: if kimi { 64 } else { 128 },
+        head_dim: 64,
+        vocab: if kimi { 163_840 } else { 129_280 },
+        n_experts: if kimi { 384 } else { 256 },
+        n_experts_used: 8,
+        expert_ff: 2048,
+        shared_expert_ff: 2048,
+        rope_theta: if kimi { 50_000.0 } else { 10_000.0 },
+        max_positions: if kimi { 131_072 } else { 163_840 },
+        ..preset_config(adapter, Preset::Tiny)
+    }
+}
+
 /// DeepSeek-V3's latent attention, leading dense layers and grouped sigmoid router (tiny: a
 /// 32-wide latent, RoPE on 8 of each head (`head_dim`), one dense layer of 48, 4 groups of which
 /// 2 are kept, scale 2.5). Every head is its own key/value head (MLA).
@@ -598,7 +601,13 @@ fn deepseek_traits(c: &mut ModelConfig, preset: Preset) {
     let scale = if kimi { 2.827 } else { 2.5 };
     c.sigmoid_routing =
         Some(crate::model::config::SigmoidRouting { n_group, topk_group, routed_scaling_factor: scale });
-    let (factor, original) = if tiny { (4.0, 64) } else if kimi { (32.0, 4096) } else { (40.0, 4096) };
+    let (factor, original) = if tiny {
+        (4.0, 64)
+    } else if kimi {
+        (32.0, 4096)
+    } else {
+        (40.0, 4096)
+    };
     c.yarn = Some(YarnSpec {
         factor,
         original_context: original,
@@ -768,7 +777,9 @@ pub fn write_synthetic(
         // What a reader of the file sees.
         config.rope_style = opts.adapter.gguf_rope_style;
         config.zero_centred_norms = false;
-        if let (Some(h), Some((projections, v_heads))) = (&mut config.hybrid, opts.adapter.hybrid.gguf_delta_net) {
+        if let (Some(h), Some((projections, v_heads))) =
+            (&mut config.hybrid, opts.adapter.hybrid.gguf_delta_net)
+        {
             (h.projections, h.v_heads) = (projections, v_heads);
         }
     }
@@ -1359,7 +1370,9 @@ fn layer_init(c: &ModelConfig, role: LayerRole) -> Init {
             Init::Uniform(inv_sqrt(c.mla.map_or(c.hidden, |m| m.kv_lora_rank)))
         }
         LayerRole::DenseGate | LayerRole::DenseUp => Init::Uniform(inv_sqrt(c.hidden)),
-        LayerRole::DenseDown => Init::ResidualWriter(0.5 * inv_sqrt(c.dense_layers.map_or(c.expert_ff, |d| d.ff))),
+        LayerRole::DenseDown => {
+            Init::ResidualWriter(0.5 * inv_sqrt(c.dense_layers.map_or(c.expert_ff, |d| d.ff)))
+        }
         LayerRole::DeltaQkvz
         | LayerRole::DeltaBa
         | LayerRole::DeltaQkv

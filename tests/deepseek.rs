@@ -52,7 +52,11 @@ fn hot_set(model: &Model, fraction: f64) -> HotSet {
 }
 
 fn pipeline(model: &Arc<Model>, hot_fraction: f64, max_batch_tokens: usize) -> Pipeline {
-    let opts = PipelineOptions { hot_set: Some(hot_set(model, hot_fraction)), max_batch_tokens, ..Default::default() };
+    let opts = PipelineOptions {
+        hot_set: Some(hot_set(model, hot_fraction)),
+        max_batch_tokens,
+        ..Default::default()
+    };
     Pipeline::new(model.clone(), opts).unwrap()
 }
 
@@ -62,7 +66,10 @@ fn the_plan_says_what_deepseek_v3_is() {
     let plan = model.plan();
     for (l, spec) in plan.layers().iter().enumerate() {
         let Mixer::LatentAttention(m) = spec.mixer else { panic!("layer {l}: {:?}", spec.mixer) };
-        assert_eq!((m.q_lora_rank, m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_dim), (Some(24), 32, 16, 8, 12));
+        assert_eq!(
+            (m.q_lora_rank, m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_dim),
+            (Some(24), 32, 16, 8, 12)
+        );
         assert!(m.rope.yarn.is_some());
         match (l, &spec.ffn) {
             (0, Ffn::Dense(d)) => assert_eq!(d.ff, 48),

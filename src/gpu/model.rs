@@ -328,7 +328,8 @@ impl GpuModel {
         // kernels here yet.
         if let Some((layer_idx, kind)) = model.plan().first_unsupported_ffn(|f| match f {
             crate::model::arch::Ffn::Moe(m) => {
-                m.router.variant != crate::model::arch::RoutingVariant::Sigmoid && m.shared.is_none_or(|s| s.gated)
+                m.router.variant != crate::model::arch::RoutingVariant::Sigmoid
+                    && m.shared.is_none_or(|s| s.gated)
             }
             crate::model::arch::Ffn::Dense(_) => false,
         }) {

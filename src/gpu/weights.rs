@@ -305,8 +305,12 @@ fn upload_delta_net(
             // Per key head: q (dk), k (dk), v (r dv), z (r dv) rows.
             let vw = r * d.v_head_dim;
             let group = 2 * dk + 2 * vw;
-            let order =
-                [pick(0, dk, group), pick(dk, dk, group), pick(2 * dk, vw, group), pick(2 * dk + vw, vw, group)];
+            let order = [
+                pick(0, dk, group),
+                pick(dk, dk, group),
+                pick(2 * dk, vw, group),
+                pick(2 * dk + vw, vw, group),
+            ];
             up.rows(&[(req(LayerRole::DeltaQkvz), order.concat())])?
         }
     };

@@ -343,11 +343,12 @@ impl<'a> HfFields<'a> {
         // (transformers' `_compute_yarn_parameters`); `mscale_all_dim` also scales the softmax
         // of a latent attention (`MlaConfig::softmax_scale`).
         let mscale = |v: f64| if factor <= 1.0 { 1.0 } else { 0.1 * v * (factor as f64).ln() + 1.0 };
-        let attention_factor = match (f.opt_f64("attention_factor")?, f.opt_f64("mscale")?, f.opt_f64("mscale_all_dim")?) {
-            (Some(a), _, _) => a as f32,
-            (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => (mscale(m) / mscale(all)) as f32,
-            (None, _, _) => arch::yarn_default_attention_factor(factor),
-        };
+        let attention_factor =
+            match (f.opt_f64("attention_factor")?, f.opt_f64("mscale")?, f.opt_f64("mscale_all_dim")?) {
+                (Some(a), _, _) => a as f32,
+                (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => (mscale(m) / mscale(all)) as f32,
+                (None, _, _) => arch::yarn_default_attention_factor(factor),
+            };
         Ok(Some(YarnSpec {
             factor,
             original_context,
@@ -632,10 +633,14 @@ impl ModelConfig {
             if r.n_group == 0 || !self.n_experts.is_multiple_of(r.n_group) || per_group < 2 {
                 return Err((
                     "n_group",
-                    format!("{} groups of {} experts: groups must divide them, two or more each", r.n_group, self.n_experts),
+                    format!(
+                        "{} groups of {} experts: groups must divide them, two or more each",
+                        r.n_group, self.n_experts
+                    ),
                 ));
             }
-            if r.topk_group == 0 || r.topk_group > r.n_group || r.topk_group * per_group < self.n_experts_used {
+            if r.topk_group == 0 || r.topk_group > r.n_group || r.topk_group * per_group < self.n_experts_used
+            {
                 return Err((
                     "topk_group",
                     format!(
@@ -645,7 +650,10 @@ impl ModelConfig {
                 ));
             }
             if !(r.routed_scaling_factor.is_finite() && r.routed_scaling_factor > 0.0) {
-                return Err(("routed_scaling_factor", format!("{}: must be positive", r.routed_scaling_factor)));
+                return Err((
+                    "routed_scaling_factor",
+                    format!("{}: must be positive", r.routed_scaling_factor),
+                ));
             }
         }
         Ok(())

@@ -22,8 +22,18 @@ pub struct OwnedKvB {
 
 impl OwnedKvB {
     pub fn views(&self) -> (TensorRef<'_>, TensorRef<'_>) {
-        let k = TensorRef { name: "k_b (from kv_b_proj)", dtype: self.dtype, shape: &self.k_shape, data: &self.k_b };
-        let v = TensorRef { name: "v_b (from kv_b_proj)", dtype: self.dtype, shape: &self.v_shape, data: &self.v_b };
+        let k = TensorRef {
+            name: "k_b (from kv_b_proj)",
+            dtype: self.dtype,
+            shape: &self.k_shape,
+            data: &self.k_b,
+        };
+        let v = TensorRef {
+            name: "v_b (from kv_b_proj)",
+            dtype: self.dtype,
+            shape: &self.v_shape,
+            data: &self.v_b,
+        };
         (k, v)
     }
 }
@@ -47,7 +57,8 @@ pub fn split_kv_b(path: &Path, kv_b: TensorRef<'_>, m: &LatentAttentionSpec) -> 
     let es = kv_b.dtype.bytes_for(1).expect("float types have an element size");
     let (rank, nope, v) = (m.kv_lora_rank, m.nope_dim, m.v_dim);
     let row = rank * es;
-    let (mut k_b, mut v_b) = (vec![0u8; m.n_heads * rank * nope * es], Vec::with_capacity(m.n_heads * v * row));
+    let (mut k_b, mut v_b) =
+        (vec![0u8; m.n_heads * rank * nope * es], Vec::with_capacity(m.n_heads * v * row));
     for h in 0..m.n_heads {
         let head = &kv_b.data[h * (nope + v) * row..(h + 1) * (nope + v) * row];
         for i in 0..nope {

@@ -400,8 +400,11 @@ impl Model {
                 continue;
             };
             let (k_shape, v_shape) = mla::split_shapes(&m);
-            let (k_name, v_name) = (self.layer_name(l, LayerRole::MlaKB), self.layer_name(l, LayerRole::MlaVB));
-            if self.raw(&k_name).is_some() || self.raw(&v_name).is_none() && self.raw(&self.layer_name(l, LayerRole::MlaKvB)).is_none() {
+            let (k_name, v_name) =
+                (self.layer_name(l, LayerRole::MlaKB), self.layer_name(l, LayerRole::MlaVB));
+            if self.raw(&k_name).is_some()
+                || self.raw(&v_name).is_none() && self.raw(&self.layer_name(l, LayerRole::MlaKvB)).is_none()
+            {
                 self.check_tensor(&k_name, &k_shape)?;
                 self.check_tensor(&v_name, &v_shape)?;
                 owned.push(None);
@@ -557,8 +560,13 @@ impl Model {
             return Ok(());
         }
         let name = self.layer_name(layer_idx, LayerRole::DeltaALog);
-        let bad = |reason: String| ModelError::BadValues { path: self.file_of(&name), tensor: name.clone(), reason };
-        let values = self.required(layer_idx, LayerRole::DeltaALog).to_f32_vec().map_err(|e| bad(e.to_string()))?;
+        let bad = |reason: String| ModelError::BadValues {
+            path: self.file_of(&name),
+            tensor: name.clone(),
+            reason,
+        };
+        let values =
+            self.required(layer_idx, LayerRole::DeltaALog).to_f32_vec().map_err(|e| bad(e.to_string()))?;
         match values.iter().position(|a| !(a.is_finite() && *a < 0.0)) {
             Some(i) => Err(bad(format!(
                 "holds {} at {i}: llama.cpp's ssm_a is -exp(A_log), negative and finite",
@@ -859,9 +867,9 @@ impl GgufMeta<'_> {
                 let flags: Option<Vec<bool>> =
                     v.as_array().and_then(|a| a.values.iter().map(|x| x.as_bool()).collect());
                 let key = self.key("attention.recurrent_layers");
-                let flags = flags.filter(|f| f.len() >= n_layers).ok_or_else(|| {
-                    self.bad(key, "an array of bools with one entry per layer")
-                })?;
+                let flags = flags
+                    .filter(|f| f.len() >= n_layers)
+                    .ok_or_else(|| self.bad(key, "an array of bools with one entry per layer"))?;
                 (0..n_layers).filter(|&l| !flags[l]).collect()
             }
             None => {
@@ -908,7 +916,9 @@ impl GgufMeta<'_> {
     fn dense_layers(&self) -> Result<Option<crate::model::config::DenseLayers>, ModelError> {
         match self.opt_count("leading_dense_block_count")? {
             None | Some(0) => Ok(None),
-            Some(count) => Ok(Some(crate::model::config::DenseLayers { count, ff: self.usize("feed_forward_length")? })),
+            Some(count) => {
+                Ok(Some(crate::model::config::DenseLayers { count, ff: self.usize("feed_forward_length")? }))
+            }
         }
     }
 
@@ -921,7 +931,10 @@ impl GgufMeta<'_> {
         }
         if let Some(g) = gating.filter(|&g| g != 2) {
             let _ = g;
-            return Err(self.bad(self.key("expert_gating_func"), "2 (sigmoid): softmax gating of deepseek2 is not supported"));
+            return Err(self.bad(
+                self.key("expert_gating_func"),
+                "2 (sigmoid): softmax gating of deepseek2 is not supported",
+            ));
         }
         Ok(Some(crate::model::config::SigmoidRouting {
             n_group: self.opt_count("expert_group_count")?.filter(|&n| n > 0).unwrap_or(1),

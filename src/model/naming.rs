@@ -102,7 +102,17 @@ impl LayerRole {
         use LayerRole::*;
         matches!(
             self,
-            DeltaQkvz | DeltaBa | DeltaQkv | DeltaZ | DeltaB | DeltaA | DeltaConv | DeltaDtBias | DeltaALog | DeltaNorm | DeltaOut
+            DeltaQkvz
+                | DeltaBa
+                | DeltaQkv
+                | DeltaZ
+                | DeltaB
+                | DeltaA
+                | DeltaConv
+                | DeltaDtBias
+                | DeltaALog
+                | DeltaNorm
+                | DeltaOut
         )
     }
 }

@@ -65,10 +65,9 @@ impl LayerVectors {
             Mixer::Attention(_) | Mixer::LatentAttention(_) => None,
         };
         let latent_norms = match model.layer_spec(l).mixer {
-            Mixer::LatentAttention(_) => Some((
-                norm(LayerRole::MlaQANorm)?,
-                norm(LayerRole::MlaKvANorm)?.expect("validated at open"),
-            )),
+            Mixer::LatentAttention(_) => {
+                Some((norm(LayerRole::MlaQANorm)?, norm(LayerRole::MlaKvANorm)?.expect("validated at open")))
+            }
             _ => None,
         };
         Ok(LayerVectors {

@@ -738,7 +738,9 @@ impl Pipeline {
                     let state = cache.recurrent[l].as_mut().expect("the cache follows the plan");
                     self.delta_net_block(state, l, inputs, out, n)?
                 }
-                MixerMatrices::Latent { .. } => self.latent_block(&mut cache.latent[l], l, &m.mixer, n, first_pos)?,
+                MixerMatrices::Latent { .. } => {
+                    self.latent_block(&mut cache.latent[l], l, &m.mixer, n, first_pos)?
+                }
             }
             match &m.dense_ffn {
                 Some(ffn) => self.dense_ffn_block(l, ffn, n)?,
@@ -976,11 +978,14 @@ impl Pipeline {
         n: usize,
         first_pos: usize,
     ) -> Result<(), PipelineError> {
-        let MixerMatrices::Latent { q_a, q, kv_a, k_b, v_b, o } = mixer else { unreachable!("a latent layer") };
+        let MixerMatrices::Latent { q_a, q, kv_a, k_b, v_b, o } = mixer else {
+            unreachable!("a latent layer")
+        };
         let Mixer::LatentAttention(spec) = self.plan.layer(l).mixer else { unreachable!("a latent layer") };
         self.latent_project(cache, l, &spec, [q_a.as_ref(), Some(q), Some(kv_a)], n, first_pos)?;
         let (c, a) = (&self.config, &mut self.act);
-        let (h, heads, rank, nope, rope) = (c.hidden, spec.n_heads, spec.kv_lora_rank, spec.nope_dim, spec.rope_dim);
+        let (h, heads, rank, nope, rope) =
+            (c.hidden, spec.n_heads, spec.kv_lora_rank, spec.nope_dim, spec.rope_dim);
         let (width, qw, vd) = (spec.cache_width(), nope + rope, spec.v_dim);
         let b = &mut a.mla;
         // The kernel scales scores by 1/sqrt(width): the absorbed q carries the rest.
@@ -990,7 +995,8 @@ impl Pipeline {
                 b.head_in[t * nope..(t + 1) * nope].copy_from_slice(&b.q[t * heads * qw + hd * qw..][..nope]);
             }
             let w = head_rows(k_b, hd, rank);
-            self.dense.matmul(&b.head_in[..n * nope], &mut [MatmulPart { w, y: &mut b.head_out[..n * rank] }])?;
+            self.dense
+                .matmul(&b.head_in[..n * nope], &mut [MatmulPart { w, y: &mut b.head_out[..n * rank] }])?;
             for t in 0..n {
                 let dst = &mut b.q_abs[(t * heads + hd) * width..][..width];
                 dst[..rank].copy_from_slice(&b.head_out[t * rank..(t + 1) * rank]);
@@ -1011,15 +1017,18 @@ impl Pipeline {
         self.dense.attention(&input, &mut b.out[..n * heads * width])?;
         for hd in 0..heads {
             for t in 0..n {
-                b.head_in[t * rank..(t + 1) * rank].copy_from_slice(&b.out[(t * heads + hd) * width..][..rank]);
+                b.head_in[t * rank..(t + 1) * rank]
+                    .copy_from_slice(&b.out[(t * heads + hd) * width..][..rank]);
             }
             let w = head_rows(v_b, hd, vd);
-            self.dense.matmul(&b.head_in[..n * rank], &mut [MatmulPart { w, y: &mut b.head_out[..n * vd] }])?;
+            self.dense
+                .matmul(&b.head_in[..n * rank], &mut [MatmulPart { w, y: &mut b.head_out[..n * vd] }])?;
             for t in 0..n {
                 b.values[(t * heads + hd) * vd..][..vd].copy_from_slice(&b.head_out[t * vd..(t + 1) * vd]);
             }
         }
-        self.dense.matmul(&b.values[..n * heads * vd], &mut [MatmulPart { w: *o, y: &mut a.proj[..n * h] }])?;
+        self.dense
+            .matmul(&b.values[..n * heads * vd], &mut [MatmulPart { w: *o, y: &mut a.proj[..n * h] }])?;
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
             *x += y;
         }
@@ -1054,7 +1063,10 @@ impl Pipeline {
                 let r = q_a.rows;
                 self.dense.matmul(
                     x,
-                    &mut [MatmulPart { w: *q_a, y: &mut b.qa[..n * r] }, MatmulPart { w: *kv_a, y: &mut b.kv[..n * width] }],
+                    &mut [
+                        MatmulPart { w: *q_a, y: &mut b.qa[..n * r] },
+                        MatmulPart { w: *kv_a, y: &mut b.kv[..n * width] },
+                    ],
                 )?;
                 let norm = q_norm.as_ref().expect("a low-rank q has its norm");
                 for row in b.qa[..n * r].chunks_exact_mut(r) {
@@ -1064,7 +1076,10 @@ impl Pipeline {
             }
             None => self.dense.matmul(
                 x,
-                &mut [MatmulPart { w: *q, y: &mut b.q[..n * qd] }, MatmulPart { w: *kv_a, y: &mut b.kv[..n * width] }],
+                &mut [
+                    MatmulPart { w: *q, y: &mut b.q[..n * qd] },
+                    MatmulPart { w: *kv_a, y: &mut b.kv[..n * width] },
+                ],
             )?,
         }
         let (rank, nope, rope) = (spec.kv_lora_rank, spec.nope_dim, spec.rope_dim);
@@ -1109,9 +1124,7 @@ impl Pipeline {
         let x = &a.normed[..n * h];
         match inputs {
             [m0, m1] => self.dense.matmul(x, &mut [part(m0, b0, n), part(m1, b1, n)])?,
-            [m0, m1, m2] => {
-                self.dense.matmul(x, &mut [part(m0, b0, n), part(m1, b1, n), part(m2, b2, n)])?
-            }
+            [m0, m1, m2] => self.dense.matmul(x, &mut [part(m0, b0, n), part(m1, b1, n), part(m2, b2, n)])?,
             [m0, m1, m2, m3] => {
                 let mut parts = [part(m0, b0, n), part(m1, b1, n), part(m2, b2, n), part(m3, b3, n)];
                 self.dense.matmul(x, &mut parts)?
@@ -1275,13 +1288,17 @@ impl Pipeline {
             rms_norm_row(x, &self.layers[l].ffn_norm, eps, &mut a.normed[t * h..(t + 1) * h]);
         }
         let (g, u) = (&mut a.shared_g[..n * ff], &mut a.shared_u[..n * ff]);
-        self.dense.matmul(&a.normed[..n * h], &mut [MatmulPart { w: w[0], y: g }, MatmulPart { w: w[1], y: u }])?;
-        let crate::model::arch::Ffn::Dense(spec) = self.plan.layer(l).ffn else { unreachable!("a dense layer") };
+        self.dense
+            .matmul(&a.normed[..n * h], &mut [MatmulPart { w: w[0], y: g }, MatmulPart { w: w[1], y: u }])?;
+        let crate::model::arch::Ffn::Dense(spec) = self.plan.layer(l).ffn else {
+            unreachable!("a dense layer")
+        };
         let act = spec.activation.kernel();
         for (gv, uv) in g.iter_mut().zip(u.iter()) {
             *gv = act.gated(*gv, *uv);
         }
-        self.dense.matmul(&a.shared_g[..n * ff], &mut [MatmulPart { w: w[2], y: &mut a.shared_y[..n * h] }])?;
+        self.dense
+            .matmul(&a.shared_g[..n * ff], &mut [MatmulPart { w: w[2], y: &mut a.shared_y[..n * h] }])?;
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.shared_y[..n * h]) {
             *x += y;
         }
@@ -1350,7 +1367,12 @@ fn check_no_hot_dense_layers(model: &Model, hot_set: &HotSet) -> Result<(), Pipe
 /// Rows `head * rows .. (head + 1) * rows` of a stacked per-head matrix.
 fn head_rows<'m>(m: &DenseMatrix<'m>, head: usize, rows: usize) -> DenseMatrix<'m> {
     let rb = m.row_bytes();
-    DenseMatrix { bytes: &m.bytes[head * rows * rb..(head + 1) * rows * rb], dtype: m.dtype, rows, cols: m.cols }
+    DenseMatrix {
+        bytes: &m.bytes[head * rows * rb..(head + 1) * rows * rb],
+        dtype: m.dtype,
+        rows,
+        cols: m.cols,
+    }
 }
 
 fn rms_norm_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {

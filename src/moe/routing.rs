@@ -296,7 +296,9 @@ mod tests {
     /// Sigmoid routing with a selection bias, groups and a scale against the oracle's.
     #[test]
     fn sigmoid_grouped_routing_matches_the_oracle() {
-        for (n_experts, k, n_group, topk_group) in [(8, 3, 4, 2), (16, 4, 4, 1), (12, 2, 1, 1), (256, 8, 8, 4)] {
+        for (n_experts, k, n_group, topk_group) in
+            [(8, 3, 4, 2), (16, 4, 4, 1), (12, 2, 1, 1), (256, 8, 8, 4)]
+        {
             for norm in [false, true] {
                 let n_tokens = 6;
                 let logits = lcg_logits((n_experts * 7 + k) as u64, n_tokens * n_experts);
@@ -315,7 +317,8 @@ mod tests {
                 let mut router = Router::new(opts, 8).with_selection_bias(bias.clone());
                 let routes = router.route(&logits, n_tokens).unwrap().clone();
                 for t in 0..n_tokens {
-                    let want = reference::route_sigmoid(&logits[t * n_experts..][..n_experts], Some(&bias), &opts);
+                    let want =
+                        reference::route_sigmoid(&logits[t * n_experts..][..n_experts], Some(&bias), &opts);
                     for (j, (e, w)) in want.iter().enumerate() {
                         assert_eq!(routes.expert_ids[t * k + j] as usize, *e, "token {t} slot {j}");
                         assert!((routes.weights[t * k + j] - w).abs() < 1e-5, "token {t} slot {j}");

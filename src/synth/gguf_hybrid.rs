@@ -83,7 +83,9 @@ fn disk_rows(canon: &CanonicalLayout, g: &DeltaNetSpec, role: LayerRole) -> Vec<
     match role {
         LayerRole::DeltaQkv => {
             for key in [false, true] {
-                rows.extend((0..nk).flat_map(|h| (0..dk).map(move |i| (h, i))).map(|(h, i)| canon.qk_row(key, h, i)));
+                rows.extend(
+                    (0..nk).flat_map(|h| (0..dk).map(move |i| (h, i))).map(|(h, i)| canon.qk_row(key, h, i)),
+                );
             }
             rows.extend(heads(dv).map(|(jd, i)| canon.vz_row(false, vh(jd), i)));
         }

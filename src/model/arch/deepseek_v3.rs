@@ -47,9 +47,13 @@ fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
         scale: m.softmax_scale(c.yarn.as_ref()),
     });
     if let Some(d) = c.dense_layers.filter(|d| layer_idx < d.count) {
-        return LayerSpec { mixer, ffn: Ffn::Dense(DenseFfnSpec { ff: d.ff, activation: FfnActivation::Silu }) };
+        return LayerSpec {
+            mixer,
+            ffn: Ffn::Dense(DenseFfnSpec { ff: d.ff, activation: FfnActivation::Silu }),
+        };
     }
-    let shared = (c.shared_expert_ff > 0).then_some(SharedExpertSpec { ff: c.shared_expert_ff, gated: false });
+    let shared =
+        (c.shared_expert_ff > 0).then_some(SharedExpertSpec { ff: c.shared_expert_ff, gated: false });
     let Ffn::Moe(mut moe) = standard_moe(c, RoutingVariant::Sigmoid, shared) else {
         unreachable!("standard_moe builds a MoE")
     };
@@ -68,7 +72,11 @@ fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
 fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {
     let expert_ff = f.usize("moe_intermediate_size")?;
     let n_shared = f.opt_count("n_shared_experts")?.unwrap_or(0);
-    Ok(ExpertDims { n_experts: f.usize("n_routed_experts")?, expert_ff, shared_expert_ff: expert_ff * n_shared })
+    Ok(ExpertDims {
+        n_experts: f.usize("n_routed_experts")?,
+        expert_ff,
+        shared_expert_ff: expert_ff * n_shared,
+    })
 }
 
 fn gguf_expert_dims(meta: &GgufMeta<'_>, n_experts: usize) -> Result<ExpertDims, ModelError> {
