@@ -421,36 +421,7 @@ pub fn synth_config(
 /// The dimensions a preset names, before overrides.
 fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
     match preset {
-        Preset::Tiny => ModelConfig {
-            arch: adapter.arch,
-            n_layers: 2,
-            hidden: 64,
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 16,
-            vocab: 512,
-            n_experts: 8,
-            n_experts_used: 2,
-            expert_ff: 32,
-            shared_expert_ff: if adapter.shared_expert { 48 } else { 0 },
-            rms_eps: 1e-6,
-            rope_theta: adapter.default_rope_theta,
-            rope_style: adapter.rope_style,
-            norm_topk_prob: adapter.gguf_default_norm_topk,
-            tied_embeddings: false,
-            max_positions: 4096,
-            sliding_window: None,
-            sliding_window_layers: None,
-            yarn: None,
-            clip_qkv: None,
-            rotary_dims: 0,
-            hybrid: None,
-            zero_centred_norms: false,
-            mtp_layers: 0,
-            mla: None,
-            dense_layers: None,
-            sigmoid_routing: None,
-        },
+        Preset::Tiny => tiny_config(adapter),
         Preset::Qwen3_30bA3b => ModelConfig {
             arch: adapter.arch,
             n_layers: 48,
@@ -546,6 +517,40 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
 /// GPT-OSS's attention and RoPE: a 128-token window (16 in the tiny preset, so short prompts
 /// cross it) on the even layers, YaRN x32 of 4096 as published (transformers' form: beta 32/1,
 /// no truncation).
+/// The tiny preset's dimensions (every architecture's base).
+fn tiny_config(adapter: &Adapter) -> ModelConfig {
+    ModelConfig {
+        arch: adapter.arch,
+        n_layers: 2,
+        hidden: 64,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        vocab: 512,
+        n_experts: 8,
+        n_experts_used: 2,
+        expert_ff: 32,
+        shared_expert_ff: if adapter.shared_expert { 48 } else { 0 },
+        rms_eps: 1e-6,
+        rope_theta: adapter.default_rope_theta,
+        rope_style: adapter.rope_style,
+        norm_topk_prob: adapter.gguf_default_norm_topk,
+        tied_embeddings: false,
+        max_positions: 4096,
+        sliding_window: None,
+        sliding_window_layers: None,
+        yarn: None,
+        clip_qkv: None,
+        rotary_dims: 0,
+        hybrid: None,
+        zero_centred_norms: false,
+        mtp_layers: 0,
+        mla: None,
+        dense_layers: None,
+        sigmoid_routing: None,
+    }
+}
+
 /// DeepSeek-V3's and Kimi K2's dimensions (the MLA, dense layers and router in `deepseek_traits`).
 fn deepseek_preset(adapter: &Adapter, preset: Preset) -> ModelConfig {
     let kimi = preset == Preset::KimiK2;
