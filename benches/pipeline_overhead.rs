@@ -86,6 +86,10 @@ fn router() -> Router {
             n_experts_used: K,
             norm_topk_prob: true,
             bias: false,
+            selection_bias: false,
+            n_group: 1,
+            topk_group: 1,
+            scale: 1.0,
         },
         1,
     )

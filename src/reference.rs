@@ -9,8 +9,8 @@
 
 use crate::format::tensor::{TensorError, TensorRef};
 use crate::model::arch::{
-    AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, FfnActivation, Mixer, MoeSpec, QkNorm, RopeSpec,
-    RopeStyle, RoutingVariant,
+    AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, FfnActivation, LatentAttentionSpec, Mixer,
+    MoeSpec, QkNorm, RopeSpec, RopeStyle, RouterSpec, RoutingVariant,
 };
 use crate::model::config::ModelConfig;
 use crate::model::naming::{GlobalRole, LayerRole};
@@ -116,6 +116,9 @@ enum LayerState {
     /// A Gated DeltaNet layer's fixed-size state: the conv's last `kernel - 1` inputs (oldest
     /// first, `conv_dim` each) and the `[v_heads, k_head_dim, v_head_dim]` matrix state.
     DeltaNet { conv: Vec<f32>, matrix: Vec<f32> },
+    /// A latent attention layer: per position its normalised latent and rotated key part
+    /// (`kv_lora_rank + rope_dim` floats).
+    Latent { latents: Vec<f32> },
 }
 
 impl KvCache {
@@ -132,14 +135,34 @@ struct LayerWeights {
     attn_norm: Vec<f32>,
     mixer_weights: MixerWeights,
     ffn_norm: Vec<f32>,
+    /// Empty for a dense FFN layer.
     router: Vec<f32>,
     router_bias: Option<Vec<f32>>,
+    selection_bias: Option<Vec<f32>>,
     shared: Option<SharedExpert>,
+    /// A dense FFN layer's gate, up and down.
+    dense: Option<[Vec<f32>; 3]>,
 }
 
 enum MixerWeights {
     Attention(AttentionWeights),
     DeltaNet(DeltaNetWeights),
+    Latent(LatentWeights),
+}
+
+/// A latent attention layer's weights.
+struct LatentWeights {
+    /// `q_a` and its norm, when q is low-rank.
+    q_a: Option<(Vec<f32>, Vec<f32>)>,
+    /// `q_b` (low rank) or `q`.
+    q: Vec<f32>,
+    kv_a: Vec<f32>,
+    kv_a_norm: Vec<f32>,
+    /// `[heads, kv_lora_rank, nope]`
+    k_b: Vec<f32>,
+    /// `[heads, v, kv_lora_rank]`
+    v_b: Vec<f32>,
+    o: Vec<f32>,
 }
 
 struct AttentionWeights {
@@ -174,7 +197,8 @@ struct SharedExpert {
     gate: Vec<f32>,
     up: Vec<f32>,
     down: Vec<f32>,
-    gate_logit: Vec<f32>,
+    /// `None`: ungated (DeepSeek-V3).
+    gate_logit: Option<Vec<f32>>,
 }
 
 /// The reference engine over an opened model.
@@ -212,6 +236,7 @@ impl<'m> Reference<'m> {
                     conv: vec![0.0; d.conv_state_len()],
                     matrix: vec![0.0; d.matrix_state_len()],
                 },
+                Mixer::LatentAttention(_) => LayerState::Latent { latents: Vec::new() },
             })
             .collect();
         KvCache { layers, n_positions: 0 }
@@ -308,12 +333,17 @@ impl<'m> Reference<'m> {
                     MixerWeights::DeltaNet(w),
                     LayerState::DeltaNet { conv, matrix },
                 ) => delta_net(spec, w, conv, matrix, &normed, c.rms_eps),
+                (Mixer::LatentAttention(spec), MixerWeights::Latent(w), LayerState::Latent { latents }) => {
+                    latent_attention(spec, w, latents, &normed, position, c.rms_eps)
+                }
                 _ => unreachable!("weights and state are built from the same plan"),
             };
             add_into(&mut hidden, &mixed);
             let normed = rms_norm(&hidden, &layer.ffn_norm, c.rms_eps);
-            let ffn = match &layer.ffn {
-                Ffn::Moe(spec) => self.moe(spec, layer, layer_idx, &normed, position, observer)?,
+            let ffn = match (&layer.ffn, &layer.dense) {
+                (Ffn::Moe(spec), _) => self.moe(spec, layer, layer_idx, &normed, position, observer)?,
+                (Ffn::Dense(d), Some([gate, up, down])) => ffn(gate, up, down, &normed, d.ff, d.activation),
+                (Ffn::Dense(_), None) => unreachable!("dense weights are loaded for dense layers"),
             };
             add_into(&mut hidden, &ffn);
         }
@@ -434,7 +464,10 @@ impl<'m> Reference<'m> {
         if let Some(b) = &w.router_bias {
             add_into(&mut logits, b);
         }
-        let chosen = route(&logits, r.n_experts_used, r.variant, r.norm_topk_prob);
+        let chosen = match r.variant {
+            RoutingVariant::Sigmoid => route_sigmoid(&logits, w.selection_bias.as_deref(), r),
+            _ => route(&logits, r.n_experts_used, r.variant, r.norm_topk_prob),
+        };
         observer.on_route(layer_idx, position, &chosen);
         let mut out = vec![0.0; c.hidden];
         for &(expert_idx, weight) in &chosen {
@@ -450,7 +483,7 @@ impl<'m> Reference<'m> {
         }
         if let Some(shared) = &w.shared {
             let y = ffn(&shared.gate, &shared.up, &shared.down, x, shared.ff, spec.activation);
-            let gate = sigmoid(dot(&shared.gate_logit, x));
+            let gate = shared.gate_logit.as_ref().map_or(1.0, |g| sigmoid(dot(g, x)));
             for (o, v) in out.iter_mut().zip(&y) {
                 *o += gate * v;
             }
@@ -469,8 +502,14 @@ fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorErr
             gate: req(LayerRole::SharedGate)?,
             up: req(LayerRole::SharedUp)?,
             down: req(LayerRole::SharedDown)?,
-            gate_logit: req(LayerRole::SharedExpertGate)?,
+            gate_logit: if s.gated { Some(req(LayerRole::SharedExpertGate)?) } else { None },
         }),
+        Ffn::Moe(_) | Ffn::Dense(_) => None,
+    };
+    let dense = match spec.ffn {
+        Ffn::Dense(_) => {
+            Some([req(LayerRole::DenseGate)?, req(LayerRole::DenseUp)?, req(LayerRole::DenseDown)?])
+        }
         Ffn::Moe(_) => None,
     };
     let mixer_weights = match &spec.mixer {
@@ -502,6 +541,23 @@ fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorErr
                 out: req(DeltaOut)?,
             })
         }
+        Mixer::LatentAttention(m) => {
+            use LayerRole::*;
+            let q_a = match m.q_lora_rank {
+                Some(_) => Some((req(MlaQA)?, norm(MlaQANorm)?.expect("validated"))),
+                None => None,
+            };
+            let (k_b, v_b) = model.mla_kv_b(layer_idx);
+            MixerWeights::Latent(LatentWeights {
+                q: req(if q_a.is_some() { MlaQB } else { Q })?,
+                q_a,
+                kv_a: req(MlaKvA)?,
+                kv_a_norm: norm(MlaKvANorm)?.expect("validated"),
+                k_b: decode(k_b)?,
+                v_b: decode(v_b)?,
+                o: req(O)?,
+            })
+        }
     };
     Ok(LayerWeights {
         mixer: spec.mixer,
@@ -509,10 +565,98 @@ fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorErr
         attn_norm: norm(LayerRole::AttnNorm)?.expect("validated"),
         mixer_weights,
         ffn_norm: norm(LayerRole::FfnNorm)?.expect("validated"),
-        router: req(LayerRole::Router)?,
+        router: if spec.has_experts() { req(LayerRole::Router)? } else { Vec::new() },
         router_bias: model.layer(layer_idx, LayerRole::RouterBias).map(decode).transpose()?,
+        selection_bias: match spec.as_moe() {
+            Some(m) if m.router.selection_bias => Some(req(LayerRole::RouterSelectionBias)?),
+            _ => None,
+        },
         shared,
+        dense,
     })
+}
+
+/// One token through a latent attention layer, the plain (unabsorbed) form: every cached
+/// latent is expanded into each head's key and value, as transformers computes them.
+fn latent_attention(
+    m: &LatentAttentionSpec,
+    w: &LatentWeights,
+    latents: &mut Vec<f32>,
+    x: &[f32],
+    position: usize,
+    eps: f32,
+) -> Vec<f32> {
+    let (rank, nope, rope, vd) = (m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_dim);
+    let q_in = match &w.q_a {
+        Some((q_a, norm)) => rms_norm(&matvec(q_a, x, norm.len()), norm, eps),
+        None => x.to_vec(),
+    };
+    let mut q = matvec(&w.q, &q_in, m.q_dim());
+    let kv = matvec(&w.kv_a, x, rank + rope);
+    let mut entry = rms_norm(&kv[..rank], &w.kv_a_norm, eps);
+    let mut k_rope = kv[rank..].to_vec();
+    apply_rope(&mut k_rope, position, &m.rope);
+    entry.extend_from_slice(&k_rope);
+    latents.extend_from_slice(&entry);
+    let width = rank + rope;
+    let n_pos = latents.len() / width;
+    let mut out = vec![0.0; m.n_heads * vd];
+    for h in 0..m.n_heads {
+        let qh = &mut q[h * (nope + rope)..(h + 1) * (nope + rope)];
+        apply_rope(&mut qh[nope..], position, &m.rope);
+        let k_b = &w.k_b[h * rank * nope..(h + 1) * rank * nope];
+        let v_b = &w.v_b[h * vd * rank..(h + 1) * vd * rank];
+        let mut scores = Vec::with_capacity(n_pos);
+        let mut values = Vec::with_capacity(n_pos);
+        for p in 0..n_pos {
+            let (latent, kr) = latents[p * width..(p + 1) * width].split_at(rank);
+            // k_nope[i] = sum_c k_b[c][i] * latent[c]
+            let mut k_nope = vec![0.0f32; nope];
+            for (c, l) in latent.iter().enumerate() {
+                for (k, b) in k_nope.iter_mut().zip(&k_b[c * nope..(c + 1) * nope]) {
+                    *k += b * l;
+                }
+            }
+            scores.push((dot(&qh[..nope], &k_nope) + dot(&qh[nope..], kr)) * m.scale);
+            values.push(matvec(v_b, latent, vd));
+        }
+        let probs = softmax(&scores);
+        let oh = &mut out[h * vd..(h + 1) * vd];
+        for (prob, v) in probs.iter().zip(&values) {
+            for (o, val) in oh.iter_mut().zip(v) {
+                *o += prob * val;
+            }
+        }
+    }
+    matvec(&w.o, &out, x.len())
+}
+
+/// DeepSeek-V3's router: sigmoid scores; the choice adds the selection bias and keeps the best
+/// `topk_group` groups (a group's score: the sum of its two best); the weights are the chosen
+/// scores (renormalised, plus 1e-20 as transformers) times the scale. Ties go to the lower id.
+pub fn route_sigmoid(logits: &[f32], selection_bias: Option<&[f32]>, r: &RouterSpec) -> Vec<(usize, f32)> {
+    let scores: Vec<f32> = logits.iter().map(|&l| sigmoid(l)).collect();
+    let choice: Vec<f32> =
+        scores.iter().enumerate().map(|(e, s)| s + selection_bias.map_or(0.0, |b| b[e])).collect();
+    let per = logits.len() / r.n_group;
+    let group_score = |g: usize| {
+        let mut v: Vec<f32> = choice[g * per..(g + 1) * per].to_vec();
+        v.sort_by(|a, b| b.total_cmp(a));
+        v[0] + v.get(1).copied().unwrap_or(0.0)
+    };
+    let mut groups: Vec<usize> = (0..r.n_group).collect();
+    let gs: Vec<f32> = groups.iter().map(|&g| group_score(g)).collect();
+    groups.sort_by(|&a, &b| gs[b].total_cmp(&gs[a]).then(a.cmp(&b)));
+    let kept = &groups[..r.topk_group];
+    let mut order: Vec<usize> = (0..logits.len()).filter(|e| kept.contains(&(e / per))).collect();
+    order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+    let mut chosen: Vec<(usize, f32)> = order[..r.n_experts_used].iter().map(|&e| (e, scores[e])).collect();
+    if r.norm_topk_prob {
+        let sum: f32 = chosen.iter().map(|(_, w)| w).sum::<f32>() + 1e-20;
+        chosen.iter_mut().for_each(|(_, w)| *w /= sum);
+    }
+    chosen.iter_mut().for_each(|(_, w)| *w *= r.scale);
+    chosen
 }
 
 /// One token through a Gated DeltaNet layer, the recurrent form: the conv over the last
@@ -664,6 +808,21 @@ pub fn route(logits: &[f32], k: usize, variant: RoutingVariant, norm_topk_prob: 
         RoutingVariant::TopKThenSoftmax => {
             let top_logits: Vec<f32> = top.iter().map(|&e| logits[e]).collect();
             top.iter().copied().zip(softmax(&top_logits)).collect()
+        }
+        // Sigmoid routing needs its spec (groups, scale, selection bias): `route_sigmoid`.
+        RoutingVariant::Sigmoid => {
+            let spec = RouterSpec {
+                variant,
+                norm_topk_prob,
+                n_experts: logits.len(),
+                n_experts_used: k,
+                bias: false,
+                selection_bias: false,
+                n_group: 1,
+                topk_group: 1,
+                scale: 1.0,
+            };
+            route_sigmoid(logits, None, &spec)
         }
     }
 }

@@ -16,7 +16,7 @@ use crate::format::dtype::DType;
 use crate::format::gguf::{GgufError, GgufFile, GgufValueType, GgufWriter, MetaArray, MetaValue};
 use crate::format::safetensors::{self, SafetensorsError, TensorSpec};
 use crate::format::tensor::encode_f32;
-use crate::model::arch::{Adapter, Arch, DeltaNetProjections, HfNaming, VHeadOrder};
+use crate::model::arch::{Adapter, Arch, DeltaNetProjections, HfNaming, RopeStyle, VHeadOrder, YarnSpec};
 use crate::model::config::HybridConfig;
 use crate::model::config::ModelConfig;
 use crate::model::naming::{self, ExpertProj, GlobalRole, LayerRole};
@@ -50,6 +50,13 @@ pub enum Preset {
     GptOss20b,
     /// GPT-OSS-120B's shapes (`--arch gpt_oss`): as 20B with 36 layers and 128 experts.
     GptOss120b,
+    /// DeepSeek-V3's shapes (`--arch deepseek_v3`): 61 layers (3 dense of 18432), hidden 7168,
+    /// 128 heads of MLA (q rank 1536, kv rank 512, nope 128, rope 64, v 128), 256 experts of
+    /// 2048 (top-8 in 4 of 8 groups, scale 2.5) and a shared one, YaRN x40 of 4096.
+    DeepseekV3,
+    /// Kimi K2's shapes (`--arch deepseek_v3`): as DeepSeek-V3 with 64 heads, 384 experts in one
+    /// group, one dense layer, scale 2.827, vocab 163840, YaRN x32 of 4096, theta 50000.
+    KimiK2,
 }
 
 impl Preset {
@@ -69,8 +76,10 @@ impl std::str::FromStr for Preset {
             "qwen3-next-80b-a3b" => Ok(Preset::Qwen3Next80bA3b),
             "gpt-oss-20b" => Ok(Preset::GptOss20b),
             "gpt-oss-120b" => Ok(Preset::GptOss120b),
+            "deepseek-v3" => Ok(Preset::DeepseekV3),
+            "kimi-k2" => Ok(Preset::KimiK2),
             other => Err(format!(
-                "unknown preset '{other}' (expected tiny, qwen3-30b-a3b, qwen3.6-35b-a3b, qwen3-next-80b-a3b, gpt-oss-20b or gpt-oss-120b)"
+                "unknown preset '{other}' (expected tiny, qwen3-30b-a3b, qwen3.6-35b-a3b, qwen3-next-80b-a3b, gpt-oss-20b, gpt-oss-120b, deepseek-v3 or kimi-k2)"
             )),
         }
     }
@@ -359,6 +368,11 @@ pub fn synth_config(
         let want = if oss_preset { "gpt_oss" } else { "another architecture" };
         return Err(invalid("preset", format!("this preset is for {want}, not {}", adapter.hf_model_type)));
     }
+    let ds_preset = matches!(preset, Preset::DeepseekV3 | Preset::KimiK2);
+    if ds_preset != (adapter.arch == Arch::DeepseekV3) && preset != Preset::Tiny {
+        let want = if ds_preset { "deepseek_v3" } else { "another architecture" };
+        return Err(invalid("preset", format!("this preset is for {want}, not {}", adapter.hf_model_type)));
+    }
     if hybrid {
         tiny_hybrid(&mut c, preset, dims);
     }
@@ -402,6 +416,9 @@ pub fn synth_config(
     if adapter.arch == Arch::GptOss {
         gpt_oss_traits(&mut c, preset);
     }
+    if adapter.arch == Arch::DeepseekV3 {
+        deepseek_traits(&mut c, preset);
+    }
     c.validate().map_err(|(field, reason)| invalid(field, reason))?;
     check_dim_limits(&c)?;
     if adapter.shared_expert && c.shared_expert_ff == 0 {
@@ -413,33 +430,7 @@ pub fn synth_config(
 /// The dimensions a preset names, before overrides.
 fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
     match preset {
-        Preset::Tiny => ModelConfig {
-            arch: adapter.arch,
-            n_layers: 2,
-            hidden: 64,
-            n_heads: 4,
-            n_kv_heads: 2,
-            head_dim: 16,
-            vocab: 512,
-            n_experts: 8,
-            n_experts_used: 2,
-            expert_ff: 32,
-            shared_expert_ff: if adapter.shared_expert { 48 } else { 0 },
-            rms_eps: 1e-6,
-            rope_theta: adapter.default_rope_theta,
-            rope_style: adapter.rope_style,
-            norm_topk_prob: adapter.gguf_default_norm_topk,
-            tied_embeddings: false,
-            max_positions: 4096,
-            sliding_window: None,
-            sliding_window_layers: None,
-            yarn: None,
-            clip_qkv: None,
-            rotary_dims: 0,
-            hybrid: None,
-            zero_centred_norms: false,
-            mtp_layers: 0,
-        },
+        Preset::Tiny => tiny_config(adapter),
         Preset::Qwen3_30bA3b => ModelConfig {
             arch: adapter.arch,
             n_layers: 48,
@@ -466,6 +457,9 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             hybrid: None,
             zero_centred_norms: false,
             mtp_layers: 0,
+            mla: None,
+            dense_layers: None,
+            sigmoid_routing: None,
         },
         Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b => {
             let next = preset == Preset::Qwen3Next80bA3b;
@@ -504,8 +498,12 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                 }),
                 zero_centred_norms: false,
                 mtp_layers: 0,
+                mla: None,
+                dense_layers: None,
+                sigmoid_routing: None,
             }
         }
+        Preset::DeepseekV3 | Preset::KimiK2 => deepseek_preset(adapter, preset),
         Preset::GptOss20b | Preset::GptOss120b => {
             let big = preset == Preset::GptOss120b;
             ModelConfig {
@@ -528,6 +526,112 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
 /// GPT-OSS's attention and RoPE: a 128-token window (16 in the tiny preset, so short prompts
 /// cross it) on the even layers, YaRN x32 of 4096 as published (transformers' form: beta 32/1,
 /// no truncation).
+/// The tiny preset's dimensions (every architecture's base).
+fn tiny_config(adapter: &Adapter) -> ModelConfig {
+    ModelConfig {
+        arch: adapter.arch,
+        n_layers: 2,
+        hidden: 64,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        vocab: 512,
+        n_experts: 8,
+        n_experts_used: 2,
+        expert_ff: 32,
+        shared_expert_ff: if adapter.shared_expert { 48 } else { 0 },
+        rms_eps: 1e-6,
+        rope_theta: adapter.default_rope_theta,
+        rope_style: adapter.rope_style,
+        norm_topk_prob: adapter.gguf_default_norm_topk,
+        tied_embeddings: false,
+        max_positions: 4096,
+        sliding_window: None,
+        sliding_window_layers: None,
+        yarn: None,
+        clip_qkv: None,
+        rotary_dims: 0,
+        hybrid: None,
+        zero_centred_norms: false,
+        mtp_layers: 0,
+        mla: None,
+        dense_layers: None,
+        sigmoid_routing: None,
+    }
+}
+
+/// DeepSeek-V3's and Kimi K2's dimensions (the MLA, dense layers and router in `deepseek_traits`).
+fn deepseek_preset(adapter: &Adapter, preset: Preset) -> ModelConfig {
+    let kimi = preset == Preset::KimiK2;
+    ModelConfig {
+        n_layers: 61,
+        hidden: 7168,
+        n_heads: if kimi { 64 } else { 128 },
+        n_kv_heads: if kimi { 64 } else { 128 },
+        head_dim: 64,
+        vocab: if kimi { 163_840 } else { 129_280 },
+        n_experts: if kimi { 384 } else { 256 },
+        n_experts_used: 8,
+        expert_ff: 2048,
+        shared_expert_ff: 2048,
+        rope_theta: if kimi { 50_000.0 } else { 10_000.0 },
+        max_positions: if kimi { 131_072 } else { 163_840 },
+        ..preset_config(adapter, Preset::Tiny)
+    }
+}
+
+/// DeepSeek-V3's latent attention, leading dense layers and grouped sigmoid router (tiny: a
+/// 32-wide latent, RoPE on 8 of each head (`head_dim`), one dense layer of 48, 4 groups of which
+/// 2 are kept, scale 2.5). Every head is its own key/value head (MLA).
+fn deepseek_traits(c: &mut ModelConfig, preset: Preset) {
+    let tiny = preset == Preset::Tiny;
+    let (q_rank, kv_rank, nope, v) = if tiny { (32, 32, 16, 16) } else { (1536, 512, 128, 128) };
+    c.n_kv_heads = c.n_heads;
+    // Whole shared experts of the routed size (`n_shared_experts`).
+    c.shared_expert_ff = c.expert_ff * (c.shared_expert_ff / c.expert_ff.max(1)).max(1);
+    c.rope_style = RopeStyle::Interleaved;
+    c.norm_topk_prob = true;
+    c.mla = Some(crate::model::config::MlaConfig {
+        q_lora_rank: Some(q_rank),
+        kv_lora_rank: kv_rank,
+        qk_nope_head_dim: nope,
+        qk_rope_head_dim: c.head_dim,
+        v_head_dim: v,
+        mscale_all_dim: 1.0,
+    });
+    let kimi = preset == Preset::KimiK2;
+    let dense = match preset {
+        Preset::Tiny => 1,
+        Preset::KimiK2 => 1,
+        _ => 3,
+    };
+    let ff = if tiny { 48 } else { 18432 };
+    c.dense_layers = (c.n_layers > dense).then_some(crate::model::config::DenseLayers { count: dense, ff });
+    let (n_group, topk_group) = match preset {
+        Preset::Tiny => (4.min(c.n_experts / 2).max(1), 2.min(c.n_experts / 2).max(1)),
+        _ if kimi => (1, 1),
+        _ => (8, 4),
+    };
+    let scale = if kimi { 2.827 } else { 2.5 };
+    c.sigmoid_routing =
+        Some(crate::model::config::SigmoidRouting { n_group, topk_group, routed_scaling_factor: scale });
+    let (factor, original) = if tiny {
+        (4.0, 64)
+    } else if kimi {
+        (32.0, 4096)
+    } else {
+        (40.0, 4096)
+    };
+    c.yarn = Some(YarnSpec {
+        factor,
+        original_context: original,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: 1.0,
+    });
+}
+
 fn gpt_oss_traits(c: &mut ModelConfig, preset: Preset) {
     c.sliding_window = Some(if preset == Preset::Tiny { 16 } else { 128 });
     c.sliding_window_layers = Some(crate::model::config::every_other_layer(c.n_layers));
@@ -801,6 +905,33 @@ fn write_hf(
     Ok(total)
 }
 
+/// llama.cpp's deepseek2 keys: the latent attention's sizes (MQA over the latent: one KV head
+/// of `kv_lora_rank + rope`), the leading dense layers, sigmoid gating with its groups and scale.
+/// Written after the generic keys' values, which these replace where both name one.
+fn add_deepseek_metadata(w: &mut GgufWriter, c: &ModelConfig, arch: &str) {
+    let k = |suffix: &str| format!("{arch}.{suffix}");
+    let u32v = |v: usize| MetaValue::U32(v as u32);
+    if let Some(m) = &c.mla {
+        if let Some(q) = m.q_lora_rank {
+            w.add_metadata(k("attention.q_lora_rank"), u32v(q));
+        }
+        w.add_metadata(k("attention.kv_lora_rank"), u32v(m.kv_lora_rank));
+        w.add_metadata(k("attention.key_length_mla"), u32v(m.qk_nope_head_dim + m.qk_rope_head_dim));
+        w.add_metadata(k("attention.value_length_mla"), u32v(m.v_head_dim));
+        w.add_metadata(k("rope.scaling.yarn_log_multiplier"), MetaValue::F32(0.1 * m.mscale_all_dim));
+        w.add_metadata(k("expert_shared_count"), u32v(c.shared_expert_ff / c.expert_ff.max(1)));
+    }
+    if let Some(d) = &c.dense_layers {
+        w.add_metadata(k("leading_dense_block_count"), u32v(d.count));
+    }
+    if let Some(r) = &c.sigmoid_routing {
+        w.add_metadata(k("expert_gating_func"), MetaValue::U32(2));
+        w.add_metadata(k("expert_weights_scale"), MetaValue::F32(r.routed_scaling_factor));
+        w.add_metadata(k("expert_group_count"), u32v(r.n_group));
+        w.add_metadata(k("expert_group_used_count"), u32v(r.topk_group));
+    }
+}
+
 /// llama.cpp's metadata keys for the architecture.
 fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
     let arch = opts.adapter.gguf_arch;
@@ -824,15 +955,22 @@ fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
     } else {
         c.expert_ff
     };
+    let dense_ff = c.dense_layers.map_or(dense_ff, |d| d.ff);
     w.add_metadata(k("feed_forward_length"), u32v(dense_ff));
+    add_deepseek_metadata(w, c, arch);
     w.add_metadata(k("expert_feed_forward_length"), u32v(c.expert_ff));
     if c.shared_expert_ff > 0 {
         w.add_metadata(k("expert_shared_feed_forward_length"), u32v(c.shared_expert_ff));
     }
     w.add_metadata(k("attention.head_count"), u32v(c.n_heads));
-    w.add_metadata(k("attention.head_count_kv"), u32v(c.n_kv_heads));
-    w.add_metadata(k("attention.key_length"), u32v(c.head_dim));
-    w.add_metadata(k("attention.value_length"), u32v(c.head_dim));
+    // MLA is MQA over the latent in llama.cpp's deepseek2: one KV head of the latent + rope.
+    let (kv_heads, key, value) = match &c.mla {
+        Some(m) => (1, m.kv_lora_rank + m.qk_rope_head_dim, m.kv_lora_rank),
+        None => (c.n_kv_heads, c.head_dim, c.head_dim),
+    };
+    w.add_metadata(k("attention.head_count_kv"), u32v(kv_heads));
+    w.add_metadata(k("attention.key_length"), u32v(key));
+    w.add_metadata(k("attention.value_length"), u32v(value));
     w.add_metadata(k("attention.layer_norm_rms_epsilon"), MetaValue::F32(c.rms_eps));
     w.add_metadata(k("rope.freq_base"), MetaValue::F32(c.rope_theta));
     w.add_metadata(k("rope.dimension_count"), u32v(c.rotary_dims));
@@ -1301,6 +1439,17 @@ fn layer_init(c: &ModelConfig, role: LayerRole) -> Init {
         LayerRole::SharedGate | LayerRole::SharedUp => Init::Uniform(inv_sqrt(c.hidden)),
         LayerRole::SharedDown => Init::ResidualWriter(0.5 * inv_sqrt(c.shared_expert_ff)),
         LayerRole::SharedExpertGate => Init::Uniform(inv_sqrt(c.hidden)),
+        LayerRole::RouterSelectionBias => Init::Uniform(0.1),
+        LayerRole::MlaQANorm | LayerRole::MlaKvANorm => norm_init(c),
+        LayerRole::MlaQA | LayerRole::MlaKvA => Init::Uniform(inv_sqrt(c.hidden)),
+        LayerRole::MlaQB => Init::Uniform(inv_sqrt(c.mla.and_then(|m| m.q_lora_rank).unwrap_or(c.hidden))),
+        LayerRole::MlaKvB | LayerRole::MlaKB | LayerRole::MlaVB => {
+            Init::Uniform(inv_sqrt(c.mla.map_or(c.hidden, |m| m.kv_lora_rank)))
+        }
+        LayerRole::DenseGate | LayerRole::DenseUp => Init::Uniform(inv_sqrt(c.hidden)),
+        LayerRole::DenseDown => {
+            Init::ResidualWriter(0.5 * inv_sqrt(c.dense_layers.map_or(c.expert_ff, |d| d.ff)))
+        }
         LayerRole::DeltaQkvz
         | LayerRole::DeltaBa
         | LayerRole::DeltaQkv
@@ -1370,7 +1519,12 @@ fn global_parts(c: &ModelConfig, a: &Adapter) -> Vec<(GlobalRole, Canonical)> {
 
 fn layer_parts(c: &ModelConfig, a: &Adapter, layer_idx: usize) -> Vec<(LayerRole, Canonical)> {
     let spec = (a.layer)(c, layer_idx);
-    required_layer_roles(&spec)
+    let mut roles = required_layer_roles(&spec);
+    // A latent layer's fused `kv_b` as transformers stores it (GGUF: `attn_kv_b`, split at open).
+    if matches!(spec.mixer, crate::model::arch::Mixer::LatentAttention(_)) {
+        roles.push(LayerRole::MlaKvB);
+    }
+    roles
         .into_iter()
         .map(|role| {
             let shape = expected_layer_shape(c, &spec, role);
@@ -1434,6 +1588,9 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
                 shape.insert(1, 1); // transformers' Conv1d weight: [channels, 1, width]
             }
             push(&part.key.clone(), vec![part], shape);
+        }
+        if !spec.has_experts() {
+            continue;
         }
         if a.hf_naming == HfNaming::GptOss {
             gpt_oss_hf_experts(c, a, layer_idx, opts.dtype, &mut fused);
@@ -1540,6 +1697,7 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
             tensors.push((role, vec![part]));
         }
         tensors.extend(delta.into_iter().flatten());
+        let has_experts = (a.layer)(c, layer_idx).has_experts();
         for (role, parts) in tensors {
             let (rows, cols) = (parts.iter().map(Canonical::disk_rows).sum::<usize>(), parts[0].disk_cols());
             let one_d = rows == 1 || cols == 1;
@@ -1550,7 +1708,7 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
             let name = naming::gguf_layer(a, layer_idx, role);
             plan.push(PlannedTensor { name, dtype, shape, parts, layout: Layout::Rows });
         }
-        for proj in ExpertProj::ALL {
+        for proj in ExpertProj::ALL.into_iter().filter(|_| has_experts) {
             let parts: Vec<Canonical> =
                 (0..c.n_experts).map(|e| expert_part(c, a, layer_idx, e, proj)).collect();
             let shape = vec![c.n_experts, parts[0].n_rows, parts[0].n_cols];
@@ -1562,7 +1720,7 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
                 layout: Layout::Rows,
             });
         }
-        if (a.layer)(c, layer_idx).moe().expert_bias {
+        if (a.layer)(c, layer_idx).as_moe().is_some_and(|m| m.expert_bias) {
             for proj in ExpertProj::ALL {
                 let parts: Vec<Canonical> =
                     (0..c.n_experts).map(|e| expert_bias_part(c, a, layer_idx, e, proj)).collect();

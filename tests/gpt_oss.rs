@@ -54,7 +54,7 @@ fn the_plan_says_what_gpt_oss_is() {
         let a = spec.attention();
         assert_eq!(a.window, (l % 2 == 0).then_some(g.sliding_window), "layer {l}");
         assert!(a.sinks && a.o_bias && a.qkv_bias && a.rope.yarn.is_some(), "layer {l}");
-        let m = spec.moe();
+        let m = spec.as_moe().unwrap();
         assert!(m.router.bias && m.expert_bias, "layer {l}");
     }
     let summary = plan.summary().join("\n");
@@ -200,7 +200,7 @@ fn synthetic_gpt_oss_in_both_formats_runs_on_the_pipeline_as_on_the_oracle() {
         let spec = model.layer_spec(0);
         assert_eq!(spec.attention().window, Some(16), "{format:?}");
         assert!(model.layer_spec(1).attention().window.is_none(), "{format:?}");
-        assert!(spec.attention().sinks && spec.moe().expert_bias && spec.moe().router.bias);
+        assert!(spec.attention().sinks && spec.as_moe().is_some_and(|m| m.expert_bias && m.router.bias));
         let reference = Reference::new(&model).unwrap();
         let mut rc = reference.new_cache();
         let want = reference.forward(&mut rc, &tokens, &mut NoObserver).unwrap();

@@ -396,7 +396,8 @@ struct SynthArgs {
     #[arg(long, default_value = "qwen3_moe")]
     arch: String,
     /// Dimension preset: tiny, qwen3-30b-a3b, or for the hybrids qwen3.6-35b-a3b (--arch
-    /// qwen3_5_moe) and qwen3-next-80b-a3b (--arch qwen3_next); --layers N shrinks any.
+    /// qwen3_5_moe) and qwen3-next-80b-a3b (--arch qwen3_next), gpt-oss-20b / gpt-oss-120b
+    /// (--arch gpt_oss), deepseek-v3 / kimi-k2 (--arch deepseek_v3); --layers N shrinks any.
     #[arg(long, default_value = "tiny")]
     preset: String,
     /// gguf or safetensors (a directory).

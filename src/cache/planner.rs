@@ -93,13 +93,14 @@ pub fn plan_weighted(
         let found = layer_expert_bytes.len();
         return Err(PlanError::ExpertBytesLayers { expected: n_layers, found });
     }
-    if layer_expert_bytes.contains(&0) {
+    // A layer of 0 bytes has no experts (a dense FFN layer) and is never filled.
+    if layer_expert_bytes.iter().all(|&b| b == 0) {
         return Err(PlanError::ZeroExpertBytes);
     }
     let (mut layers, mut left) = (vec![Vec::new(); n_layers], budget_bytes);
     for c in rank(obs, weighting) {
         let bytes = layer_expert_bytes[c.layer_idx];
-        if bytes <= left {
+        if bytes > 0 && bytes <= left {
             left -= bytes;
             layers[c.layer_idx].push(c.expert_idx);
         }

@@ -241,6 +241,17 @@ trait BudgetSource {
     fn auto_bytes(&mut self) -> Result<u64, EngineError>;
 }
 
+/// Layers without experts (dense FFN layers) hold no hot experts, whatever a plan or a
+/// fraction gave them.
+fn without_dense_layers(model: &Model, mut lists: Vec<Vec<usize>>) -> Vec<Vec<usize>> {
+    for (list, has) in lists.iter_mut().zip(model.plan().expert_layers()) {
+        if !has {
+            list.clear();
+        }
+    }
+    lists
+}
+
 fn resolve_hot(
     model: &Model,
     opts: &EngineOptions,
@@ -341,6 +352,7 @@ fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline,
     };
     let mut src = CpuSource { model, opts, base: &base };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;
+    let lists = without_dense_layers(model, lists);
     let set = HotSet::from_lists(c.n_layers, c.n_experts, base.n_hot_lanes, &lists);
     let busy = (0..set.n_lanes).filter(|&lane| set.layers.iter().any(|l| !l.slots[lane].is_empty())).count();
     let n_cold_workers = opts.cold_threads.resolve(&inputs(busy));
@@ -448,6 +460,7 @@ fn build_gpu(
     gm.reserve_tokens(n_positions.min(MAX_BATCH_TOKENS))?;
     let mut src = GpuSource { gm: &mut gm, cold: &mut cold, opts, n_positions };
     let (lists, plan) = resolve_hot(model, opts, &mut src)?;
+    let lists = without_dense_layers(model, lists);
     if lists.iter().any(|l| l.len() < c.n_experts) {
         populate(model); // a cold lane reads experts from RAM
     }

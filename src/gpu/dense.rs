@@ -205,6 +205,7 @@ impl GpuModel {
         match self.plan.layer(l).mixer {
             Mixer::Attention(_) => self.attention_block(l, phase, t, pos0, cache),
             Mixer::GatedDeltaNet(d) => self.delta_net_block(l, &d, phase, t, cache),
+            Mixer::LatentAttention(_) => unreachable!("refused by GpuModel::supports"),
         }
     }
 
@@ -398,11 +399,12 @@ impl GpuModel {
     ) -> Result<(), GpuError> {
         let c = &self.cfg;
         let (h, e_n, k) = (c.hidden, c.n_experts, c.n_experts_used);
-        let router_spec = self.plan.layer(l).moe().router;
+        let router_spec = self.plan.layer(l).as_moe().expect("MoE layers only (GpuModel::supports)").router;
         let norm_topk = router_spec.norm_topk_prob;
         let variant = match router_spec.variant {
             RoutingVariant::SoftmaxThenTopK => RouteVariant::SoftmaxThenTopK,
             RoutingVariant::TopKThenSoftmax => RouteVariant::TopKThenSoftmax,
+            RoutingVariant::Sigmoid => unreachable!("refused by GpuModel::supports"),
         };
         let s = self.scratch.as_ref().expect("reserved");
         let (ids, wts) = (route_ids(s.ids(), k, l, t), route_ids(s.weights.ptr(), k, l, t));
@@ -495,6 +497,8 @@ pub(crate) fn runs_mixer(m: &Mixer) -> bool {
     match m {
         // Attention sinks, an o bias and YaRN RoPE (GPT-OSS) have no kernels here yet.
         Mixer::Attention(a) => !a.sinks && !a.o_bias && a.rope.yarn.is_none(),
+        // Latent attention (DeepSeek-V3) has no kernels here yet.
+        Mixer::LatentAttention(_) => false,
         Mixer::GatedDeltaNet(d) => {
             d.k_head_dim <= DELTA_MAX_KEY_DIM
                 && d.v_head_dim <= 1024

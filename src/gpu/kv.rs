@@ -101,7 +101,7 @@ impl GpuKvCache {
                     conv: be.alloc_zeros::<f32>(d.conv_state_len())?,
                     matrix: be.alloc_zeros::<f32>(d.matrix_state_len())?,
                 })),
-                Mixer::Attention(_) => Ok(None),
+                Mixer::Attention(_) | Mixer::LatentAttention(_) => Ok(None),
             })
             .collect::<Result<_, GpuError>>()?;
         Ok(GpuKvCache { k, v, delta, kv_type, capacity, kv_dim, n_positions: 0 })

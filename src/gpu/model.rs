@@ -324,8 +324,20 @@ impl GpuModel {
         if activation != crate::model::arch::FfnActivation::Silu {
             return Err(GpuError::Activation { activation });
         }
+        // Dense FFN layers, sigmoid routing and ungated shared experts (DeepSeek-V3) have no
+        // kernels here yet.
+        if let Some((layer_idx, kind)) = model.plan().first_unsupported_ffn(|f| match f {
+            crate::model::arch::Ffn::Moe(m) => {
+                m.router.variant != crate::model::arch::RoutingVariant::Sigmoid
+                    && m.shared.is_none_or(|s| s.gated)
+            }
+            crate::model::arch::Ffn::Dense(_) => false,
+        }) {
+            return Err(GpuError::Ffn { layer_idx, kind });
+        }
         // Router and expert biases (GPT-OSS) have no kernels here yet.
-        let biased = |l: &crate::model::arch::LayerSpec| l.moe().router.bias || l.moe().expert_bias;
+        let biased =
+            |l: &crate::model::arch::LayerSpec| l.as_moe().is_some_and(|m| m.router.bias || m.expert_bias);
         if let Some(layer_idx) = model.plan().layers().iter().position(biased) {
             return Err(GpuError::Ffn { layer_idx, kind: "mixture of experts with router or expert biases" });
         }

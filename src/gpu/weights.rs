@@ -226,7 +226,7 @@ impl DenseWeights {
 
 fn upload_layer(model: &Model, l: usize, up: &mut Uploader<'_>) -> Result<LayerWeights, GpuError> {
     let req = |r| model.required(l, r);
-    let shared = if model.layer_spec(l).moe().shared.is_some() {
+    let shared = if model.layer_spec(l).shared_expert().is_some() {
         Some(SharedWeights {
             gate: up.mat(req(LayerRole::SharedGate))?,
             up: up.mat(req(LayerRole::SharedUp))?,
@@ -240,6 +240,7 @@ fn upload_layer(model: &Model, l: usize, up: &mut Uploader<'_>) -> Result<LayerW
     let mixer = match model.layer_spec(l).mixer {
         Mixer::Attention(a) => MixerWeights::Attention(Box::new(upload_attention(model, l, &a, up)?)),
         Mixer::GatedDeltaNet(d) => MixerWeights::DeltaNet(Box::new(upload_delta_net(model, l, &d, up)?)),
+        Mixer::LatentAttention(_) => unreachable!("refused by GpuModel::supports"),
     };
     Ok(LayerWeights {
         attn_norm: norm(up, LayerRole::AttnNorm)?.expect("validated at open"),

@@ -53,6 +53,57 @@ pub struct ModelConfig {
     /// Multi-token-prediction (NextN) layers the file carries after the last layer: loaded,
     /// not run by a forward pass (`mtp_num_hidden_layers`, GGUF `nextn_predict_layers`).
     pub mtp_layers: usize,
+    /// Multi-head latent attention in every layer (DeepSeek-V3, Kimi K2: `kv_lora_rank`).
+    pub mla: Option<MlaConfig>,
+    /// The first `count` layers have a dense FFN of `ff` instead of experts
+    /// (`first_k_dense_replace` / `intermediate_size`; GGUF `leading_dense_block_count` /
+    /// `feed_forward_length`).
+    pub dense_layers: Option<DenseLayers>,
+    /// Sigmoid routing with a selection bias, group-limited top-k and a weight scale
+    /// (DeepSeek-V3: `n_group`, `topk_group`, `routed_scaling_factor`).
+    pub sigmoid_routing: Option<SigmoidRouting>,
+}
+
+/// The latent attention's sizes (transformers' names).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct MlaConfig {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// YaRN's `mscale_all_dim` (0: none): the softmax scale is multiplied by
+    /// `(0.1 mscale_all_dim ln(factor) + 1)^2` when RoPE is YaRN-scaled.
+    pub mscale_all_dim: f32,
+}
+
+impl MlaConfig {
+    /// The softmax scale of the latent attention, as transformers' `yarn_apply_mscale`.
+    pub fn softmax_scale(&self, yarn: Option<&YarnSpec>) -> f32 {
+        let base = 1.0 / ((self.qk_nope_head_dim + self.qk_rope_head_dim) as f64).sqrt();
+        let m = match yarn {
+            Some(y) if self.mscale_all_dim != 0.0 && y.factor > 1.0 => {
+                0.1 * self.mscale_all_dim as f64 * (y.factor as f64).ln() + 1.0
+            }
+            _ => 1.0,
+        };
+        (base * m * m) as f32
+    }
+}
+
+/// Leading dense FFN layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct DenseLayers {
+    pub count: usize,
+    pub ff: usize,
+}
+
+/// DeepSeek-V3's router numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct SigmoidRouting {
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub routed_scaling_factor: f32,
 }
 
 /// The linear-attention side of a hybrid model.
@@ -110,6 +161,11 @@ impl<'a> HfFields<'a> {
     pub(crate) fn usize(&self, field: &str) -> Result<usize, ConfigError> {
         self.opt_usize(field)?
             .ok_or_else(|| ConfigError::MissingField { path: self.path.into(), field: field.into() })
+    }
+
+    /// An optional count (`n_shared_experts`).
+    pub(crate) fn opt_count(&self, field: &str) -> Result<Option<usize>, ConfigError> {
+        self.opt_usize(field)
     }
 
     fn opt_usize(&self, field: &str) -> Result<Option<usize>, ConfigError> {
@@ -283,13 +339,16 @@ impl<'a> HfFields<'a> {
                 format!("yarn factor {factor} must be >= 1 and original_max_position_embeddings > 0"),
             ));
         }
-        if f.opt_f64("mscale")?.is_some() || f.opt_f64("mscale_all_dim")?.is_some() {
-            return Err(self.invalid(field, "yarn 'mscale' / 'mscale_all_dim' are not supported"));
-        }
-        let attention_factor = match f.opt_f64("attention_factor")? {
-            Some(a) => a as f32,
-            None => arch::yarn_default_attention_factor(factor),
-        };
+        // DeepSeek's `mscale` / `mscale_all_dim`: the attention factor is their ratio
+        // (transformers' `_compute_yarn_parameters`); `mscale_all_dim` also scales the softmax
+        // of a latent attention (`MlaConfig::softmax_scale`).
+        let mscale = |v: f64| if factor <= 1.0 { 1.0 } else { 0.1 * v * (factor as f64).ln() + 1.0 };
+        let attention_factor =
+            match (f.opt_f64("attention_factor")?, f.opt_f64("mscale")?, f.opt_f64("mscale_all_dim")?) {
+                (Some(a), _, _) => a as f32,
+                (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => (mscale(m) / mscale(all)) as f32,
+                (None, _, _) => arch::yarn_default_attention_factor(factor),
+            };
         Ok(Some(YarnSpec {
             factor,
             original_context,
@@ -326,6 +385,50 @@ impl<'a> HfFields<'a> {
             }
         }
         Ok(Some(sliding))
+    }
+
+    /// The latent attention's sizes, when the config has `kv_lora_rank`.
+    fn mla(&self) -> Result<Option<MlaConfig>, ConfigError> {
+        let Some(kv_lora_rank) = self.opt_usize("kv_lora_rank")? else { return Ok(None) };
+        let scaling = self.raw("rope_scaling").or_else(|| self.raw("rope_parameters"));
+        let mscale_all_dim = match scaling {
+            Some(value) => HfFields { path: self.path, value }.opt_f64("mscale_all_dim")?.unwrap_or(0.0),
+            None => 0.0,
+        };
+        Ok(Some(MlaConfig {
+            q_lora_rank: self.opt_usize("q_lora_rank")?,
+            kv_lora_rank,
+            qk_nope_head_dim: self.usize("qk_nope_head_dim")?,
+            qk_rope_head_dim: self.usize("qk_rope_head_dim")?,
+            v_head_dim: self.usize("v_head_dim")?,
+            mscale_all_dim: mscale_all_dim as f32,
+        }))
+    }
+
+    /// `first_k_dense_replace` leading dense layers of `intermediate_size`.
+    fn dense_layers(&self, n_layers: usize) -> Result<Option<DenseLayers>, ConfigError> {
+        match self.opt_usize("first_k_dense_replace")? {
+            None | Some(0) => Ok(None),
+            Some(count) if count >= n_layers => Err(self.invalid(
+                "first_k_dense_replace",
+                format!("{count} dense layers of {n_layers}: at least one layer must have experts"),
+            )),
+            Some(count) => Ok(Some(DenseLayers { count, ff: self.usize("intermediate_size")? })),
+        }
+    }
+
+    /// DeepSeek-V3's router numbers (`n_group`, `topk_group`, `routed_scaling_factor`).
+    fn sigmoid_routing(&self) -> Result<Option<SigmoidRouting>, ConfigError> {
+        let scale = self.opt_f64("routed_scaling_factor")?;
+        let n_group = self.opt_usize("n_group")?;
+        if scale.is_none() && n_group.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(SigmoidRouting {
+            n_group: n_group.unwrap_or(1),
+            topk_group: self.opt_usize("topk_group")?.unwrap_or(1),
+            routed_scaling_factor: scale.unwrap_or(1.0) as f32,
+        }))
     }
 
     /// GPT-OSS's clamped SwiGLU constants: the kernels implement 1.702 and 7 only.
@@ -393,8 +496,17 @@ impl ModelConfig {
             Some(false) => None,
             _ => f.opt_usize("sliding_window")?,
         };
+        let mla = f.mla()?;
+        // A latent attention's RoPE part is its `head_dim` (as transformers sets it).
+        let head_dim = mla.map_or(head_dim, |m| m.qk_rope_head_dim);
+        let rope_style = match f.opt_bool("rope_interleave")? {
+            Some(false) if mla.is_some() => RopeStyle::HalfSplit,
+            _ => adapter.rope_style,
+        };
         let rotary_dims = f.rotary_dims(head_dim, adapter.hybrid.default_partial_rotary)?;
         let n_layers = f.usize("num_hidden_layers")?;
+        let dense_layers = f.dense_layers(n_layers)?;
+        let sigmoid_routing = f.sigmoid_routing()?;
         let hybrid = adapter.hybrid.delta_net.map(|p| f.hybrid(n_layers, p)).transpose()?;
         let sliding_window_layers = if hybrid.is_some() {
             None
@@ -420,7 +532,7 @@ impl ModelConfig {
             shared_expert_ff: dims.shared_expert_ff,
             rms_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
             rope_theta: f.rope_theta(adapter.default_rope_theta)?,
-            rope_style: adapter.rope_style,
+            rope_style,
             norm_topk_prob: f.opt_bool("norm_topk_prob")?.unwrap_or(adapter.hf_default_norm_topk),
             tied_embeddings: f.opt_bool("tie_word_embeddings")?.unwrap_or(false),
             max_positions: f.opt_usize("max_position_embeddings")?.unwrap_or(4096),
@@ -431,7 +543,13 @@ impl ModelConfig {
             rotary_dims,
             hybrid,
             zero_centred_norms: adapter.hybrid.hf_zero_centred_norms,
-            mtp_layers: f.opt_usize("mtp_num_hidden_layers")?.unwrap_or(0),
+            mtp_layers: match f.opt_usize("mtp_num_hidden_layers")? {
+                Some(n) => n,
+                None => f.opt_usize("num_nextn_predict_layers")?.unwrap_or(0),
+            },
+            mla,
+            dense_layers,
+            sigmoid_routing,
         };
         config.validate().map_err(|(field, reason)| f.invalid(field, reason))?;
         Ok((config, adapter))
@@ -484,10 +602,61 @@ impl ModelConfig {
                 ),
             ));
         }
+        self.validate_deepseek()?;
         match &self.hybrid {
             Some(h) => h.validate(self.n_layers),
             None => Ok(()),
         }
+    }
+
+    /// The latent attention's and the grouped router's sizes.
+    fn validate_deepseek(&self) -> Result<(), (&'static str, String)> {
+        if let Some(m) = &self.mla {
+            let sizes = [
+                ("kv_lora_rank", m.kv_lora_rank),
+                ("qk_nope_head_dim", m.qk_nope_head_dim),
+                ("qk_rope_head_dim", m.qk_rope_head_dim),
+                ("v_head_dim", m.v_head_dim),
+                ("q_lora_rank", m.q_lora_rank.unwrap_or(1)),
+            ];
+            if let Some((field, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+                return Err((field, "must be greater than zero".into()));
+            }
+        }
+        if let Some(d) = &self.dense_layers {
+            if d.ff == 0 {
+                return Err(("intermediate_size", "must be greater than zero".into()));
+            }
+        }
+        if let Some(r) = &self.sigmoid_routing {
+            let per_group = self.n_experts / r.n_group.max(1);
+            if r.n_group == 0 || !self.n_experts.is_multiple_of(r.n_group) || per_group < 2 {
+                return Err((
+                    "n_group",
+                    format!(
+                        "{} groups of {} experts: groups must divide them, two or more each",
+                        r.n_group, self.n_experts
+                    ),
+                ));
+            }
+            if r.topk_group == 0 || r.topk_group > r.n_group || r.topk_group * per_group < self.n_experts_used
+            {
+                return Err((
+                    "topk_group",
+                    format!(
+                        "{} of {} groups of {per_group} cannot hold the {} experts each token takes",
+                        r.topk_group, r.n_group, self.n_experts_used
+                    ),
+                ));
+            }
+            if !(r.routed_scaling_factor.is_finite() && r.routed_scaling_factor > 0.0) {
+                return Err((
+                    "routed_scaling_factor",
+                    format!("{}: must be positive", r.routed_scaling_factor),
+                ));
+            }
+        }
+        Ok(())
     }
 
     pub fn q_dim(&self) -> usize {
@@ -514,7 +683,9 @@ impl ModelConfig {
     /// A `config.json` that `transformers` loads for this architecture.
     pub fn to_hf_json(&self, adapter: &Adapter) -> Value {
         // The config has one flag for these, so every layer of the architecture shares them.
-        let first_layer = (adapter.layer)(self, 0);
+        let activation = (0..self.n_layers)
+            .find_map(|l| (adapter.layer)(self, l).as_moe().map(|m| m.activation))
+            .unwrap_or(arch::FfnActivation::Silu);
         let attention_bias = (0..self.n_layers)
             .find_map(|l| (adapter.layer)(self, l).as_attention().map(|a| a.qkv_bias))
             .unwrap_or(false);
@@ -533,7 +704,7 @@ impl ModelConfig {
             "norm_topk_prob": self.norm_topk_prob,
             "tie_word_embeddings": self.tied_embeddings,
             "max_position_embeddings": self.max_positions,
-            "hidden_act": first_layer.moe().activation.hf_name(),
+            "hidden_act": activation.hf_name(),
             "attention_bias": attention_bias,
             "torch_dtype": "bfloat16",
             "bos_token_id": self.vocab - 1,

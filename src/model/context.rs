@@ -67,6 +67,10 @@ pub fn kv_bytes_per_position(c: &ModelConfig) -> u64 {
 /// Bytes of KV cache per position in a cache of `kv`: K and V of every attention layer (a
 /// hybrid's DeltaNet layers keep a fixed-size state instead, [`recurrent_state_bytes`]).
 pub fn kv_bytes_per_position_of(c: &ModelConfig, kv: KvType) -> u64 {
+    // A latent attention layer keeps one latent and key part per position, no K and V.
+    if let Some(m) = &c.mla {
+        return c.n_layers as u64 * (m.kv_lora_rank + m.qk_rope_head_dim) as u64 * kv.bytes();
+    }
     2 * c.n_attention_layers() as u64 * c.kv_dim() as u64 * kv.bytes()
 }
 

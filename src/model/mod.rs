@@ -9,6 +9,7 @@ pub mod arch;
 pub mod config;
 pub mod context;
 pub mod expert_extras;
+pub mod mla;
 pub mod naming;
 
 use crate::format::dtype::DType;
@@ -16,7 +17,9 @@ use crate::format::gguf::{GgufError, GgufFile, MetaValue};
 use crate::format::safetensors::{SafetensorsError, SafetensorsModel};
 use crate::format::tensor::TensorError;
 use crate::format::tensor::TensorRef;
-use crate::model::arch::{Adapter, AttentionSpec, DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm};
+use crate::model::arch::{
+    Adapter, AttentionSpec, DeltaNetSpec, Ffn, LatentAttentionSpec, LayerPlan, LayerSpec, Mixer, QkNorm,
+};
 use crate::model::config::{ConfigError, HybridConfig, ModelConfig};
 use crate::model::expert_extras::{ExpertBiasRef, LayerExpertBiases, OwnedLayerExperts};
 use crate::model::naming::{ExpertProj, GlobalRole, LayerRole};
@@ -100,6 +103,9 @@ pub struct Model {
     owned_experts: Vec<OwnedLayerExperts>,
     /// Per layer, the experts' biases (a plan with `expert_bias`); empty otherwise.
     expert_biases: Vec<LayerExpertBiases>,
+    /// Per layer, a latent attention's `k_b` / `v_b` split at open from a fused `kv_b`
+    /// (`None`: read in place, or not a latent attention layer).
+    owned_kv_b: Vec<Option<mla::OwnedKvB>>,
 }
 
 /// How a Hugging Face checkpoint lays its language model out.
@@ -114,15 +120,16 @@ struct HfLayout {
 impl HfLayout {
     const PLAIN: HfLayout = HfLayout { prefix: "model.", fused_experts: false };
 
-    /// The layout a checkpoint's tensor names show.
-    fn detect(st: &SafetensorsModel) -> HfLayout {
+    /// The layout a checkpoint's tensor names show (fused experts looked for in layer
+    /// `moe_layer`, the first with experts).
+    fn detect(st: &SafetensorsModel, moe_layer: usize) -> HfLayout {
         let prefix = if st.tensor("model.language_model.embed_tokens.weight").is_some() {
             "model.language_model."
         } else {
             "model."
         };
         let layout = HfLayout { prefix, fused_experts: false };
-        let fused = st.tensor(&layout.name(naming::hf_fused_experts(0, false))).is_some();
+        let fused = st.tensor(&layout.name(naming::hf_fused_experts(moe_layer, false))).is_some();
         HfLayout { fused_experts: fused, ..layout }
     }
 
@@ -147,17 +154,19 @@ impl Model {
             let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")).into();
             return Err(ModelError::SafetensorsFile { path: path.into(), dir });
         }
-        let (source, config, adapter, hf_layout) = if path.is_dir() {
+        let (source, config, adapter, hf_layout, plan) = if path.is_dir() {
             let st = SafetensorsModel::open(path)?;
             let (config, adapter) = ModelConfig::from_hf_json(st.config(), &st.config_path())?;
-            let layout = HfLayout::detect(&st);
-            (Source::Safetensors(st), config, adapter, layout)
+            let plan = LayerPlan::new(adapter, &config);
+            let moe_layer = plan.layers().iter().position(LayerSpec::has_experts).unwrap_or(0);
+            let layout = HfLayout::detect(&st, moe_layer);
+            (Source::Safetensors(st), config, adapter, layout, plan)
         } else {
             let file = GgufFile::open(path)?;
             let (config, adapter) = config_from_gguf(&file)?;
-            (Source::Gguf(file), config, adapter, HfLayout::PLAIN)
+            let plan = LayerPlan::new(adapter, &config);
+            (Source::Gguf(file), config, adapter, HfLayout::PLAIN, plan)
         };
-        let plan = LayerPlan::new(adapter, &config);
         let mut model = Model {
             path: path.into(),
             source,
@@ -170,8 +179,10 @@ impl Model {
             hf_layout,
             owned_experts: Vec::new(),
             expert_biases: Vec::new(),
+            owned_kv_b: Vec::new(),
         };
         model.load_expert_extras()?;
+        model.load_kv_b()?;
         model.validate()?;
         Ok(model)
     }
@@ -323,7 +334,7 @@ impl Model {
         let d = x::Dims { n_experts: c.n_experts, hidden: c.hidden, ff: c.expert_ff };
         let fused_oss = self.adapter.hf_naming == crate::model::arch::HfNaming::GptOss
             && matches!(self.source, Source::Safetensors(_));
-        let biased = self.plan.layers().iter().any(|l| l.moe().expert_bias);
+        let biased = self.plan.layers().iter().any(|l| l.as_moe().is_some_and(|m| m.expert_bias));
         let (mut owned, mut biases, mut expert_dtype) = (Vec::new(), Vec::new(), None);
         for l in 0..c.n_layers {
             let find = |name: String| {
@@ -371,8 +382,49 @@ impl Model {
         (0..self.config.n_layers).map(|l| self.expert_bytes_of_layer(l) as u64).collect()
     }
 
-    /// Bytes of one expert of layer `l` (the experts of a layer share their types).
+    /// A latent attention layer's `k_b` and `v_b` ([`mla`]: split at open from a fused `kv_b`,
+    /// or in place).
+    pub fn mla_kv_b(&self, layer_idx: usize) -> (TensorRef<'_>, TensorRef<'_>) {
+        match self.owned_kv_b.get(layer_idx).and_then(Option::as_ref) {
+            Some(owned) => owned.views(),
+            None => (self.required(layer_idx, LayerRole::MlaKB), self.required(layer_idx, LayerRole::MlaVB)),
+        }
+    }
+
+    /// Every latent attention layer's `k_b` / `v_b`: checked in place, or split from `kv_b`.
+    fn load_kv_b(&mut self) -> Result<(), ModelError> {
+        let mut owned = Vec::with_capacity(self.config.n_layers);
+        for l in 0..self.config.n_layers {
+            let Mixer::LatentAttention(m) = self.plan.layer(l).mixer else {
+                owned.push(None);
+                continue;
+            };
+            let (k_shape, v_shape) = mla::split_shapes(&m);
+            let (k_name, v_name) =
+                (self.layer_name(l, LayerRole::MlaKB), self.layer_name(l, LayerRole::MlaVB));
+            if self.raw(&k_name).is_some()
+                || self.raw(&v_name).is_none() && self.raw(&self.layer_name(l, LayerRole::MlaKvB)).is_none()
+            {
+                self.check_tensor(&k_name, &k_shape)?;
+                self.check_tensor(&v_name, &v_shape)?;
+                owned.push(None);
+                continue;
+            }
+            let kv_name = self.layer_name(l, LayerRole::MlaKvB);
+            self.check_tensor(&kv_name, &[m.n_heads * (m.nope_dim + m.v_dim), m.kv_lora_rank])?;
+            let kv_b = self.raw(&kv_name).expect("checked above");
+            owned.push(Some(mla::split_kv_b(&self.file_of(&kv_name), kv_b, &m)?));
+        }
+        self.owned_kv_b = owned;
+        Ok(())
+    }
+
+    /// Bytes of one expert of layer `l` (the experts of a layer share their types); 0 for a
+    /// layer without experts (a dense FFN layer), which the planners never fill.
     pub fn expert_bytes_of_layer(&self, l: usize) -> usize {
+        if !self.plan.layer(l).has_experts() {
+            return 0;
+        }
         let e = self.expert(l, 0);
         e.gate.data.len() + e.up.data.len() + e.down.data.len()
     }
@@ -525,7 +577,7 @@ impl Model {
     }
 
     fn validate_experts(&mut self, layer_idx: usize) -> Result<(), ModelError> {
-        if !self.owned_experts.is_empty() {
+        if !self.owned_experts.is_empty() || !self.plan.layer(layer_idx).has_experts() {
             return Ok(()); // checked when they were rewritten
         }
         let c = &self.config;
@@ -557,7 +609,8 @@ impl Model {
             // Quantised files mix block types per tensor (a `_M` mix puts Q6_K on some
             // down projections); float experts share one dtype.
             let mixed_quant = !dtype.is_float() && !self.expert_dtype.is_float();
-            if layer_idx == 0 && proj == ExpertProj::Gate {
+            let first_moe = self.plan.layers().iter().position(LayerSpec::has_experts) == Some(layer_idx);
+            if first_moe && proj == ExpertProj::Gate {
                 self.expert_dtype = dtype;
             } else if dtype != self.expert_dtype && !mixed_quant {
                 let name = naming::gguf_experts(layer_idx, proj);
@@ -618,7 +671,7 @@ fn scale_of(t: TensorRef<'_>, centred: bool) -> Result<Vec<f32>, TensorError> {
 /// The per-layer roles a layer of this kind requires.
 pub fn required_layer_roles(spec: &LayerSpec) -> Vec<LayerRole> {
     use LayerRole::*;
-    let mut roles = vec![AttnNorm, FfnNorm, Router];
+    let mut roles = vec![AttnNorm, FfnNorm];
     match &spec.mixer {
         Mixer::Attention(attention) => {
             roles.extend([Q, K, V, O]);
@@ -639,12 +692,33 @@ pub fn required_layer_roles(spec: &LayerSpec) -> Vec<LayerRole> {
             roles.extend(naming::delta_input_roles(d.projections));
             roles.extend([DeltaConv, DeltaDtBias, DeltaALog, DeltaNorm, DeltaOut]);
         }
+        // `k_b` / `v_b` (or a fused `kv_b`) are checked by `Model::load_kv_b`.
+        Mixer::LatentAttention(m) => {
+            if m.q_lora_rank.is_some() {
+                roles.extend([MlaQA, MlaQANorm, MlaQB]);
+            } else {
+                roles.push(Q);
+            }
+            roles.extend([MlaKvA, MlaKvANorm, O]);
+        }
     }
-    if spec.moe().shared.is_some() {
-        roles.extend([SharedGate, SharedUp, SharedDown, SharedExpertGate]);
-    }
-    if spec.moe().router.bias {
-        roles.push(RouterBias);
+    match &spec.ffn {
+        Ffn::Moe(moe) => {
+            roles.push(Router);
+            if let Some(shared) = moe.shared {
+                roles.extend([SharedGate, SharedUp, SharedDown]);
+                if shared.gated {
+                    roles.push(SharedExpertGate);
+                }
+            }
+            if moe.router.bias {
+                roles.push(RouterBias);
+            }
+            if moe.router.selection_bias {
+                roles.push(RouterSelectionBias);
+            }
+        }
+        Ffn::Dense(_) => roles.extend([DenseGate, DenseUp, DenseDown]),
     }
     roles
 }
@@ -652,16 +726,42 @@ pub fn required_layer_roles(spec: &LayerSpec) -> Vec<LayerRole> {
 /// Row-major shape of a per-layer tensor of a layer of kind `spec`, as the config implies.
 pub fn expected_layer_shape(c: &ModelConfig, spec: &LayerSpec, role: LayerRole) -> Vec<usize> {
     use LayerRole::*;
-    let shared_ff = spec.moe().shared.map_or(0, |s| s.ff);
+    let shared_ff = spec.shared_expert().map_or(0, |s| s.ff);
+    let n_experts = spec.as_moe().map_or(0, |m| m.router.n_experts);
+    let dense_ff = match spec.ffn {
+        Ffn::Dense(d) => d.ff,
+        Ffn::Moe(_) => 0,
+    };
     match (role, &spec.mixer) {
         (AttnNorm | FfnNorm, _) => vec![c.hidden],
-        (Router, _) => vec![spec.moe().router.n_experts, c.hidden],
-        (RouterBias, _) => vec![spec.moe().router.n_experts],
+        (Router, _) => vec![n_experts, c.hidden],
+        (RouterBias | RouterSelectionBias, _) => vec![n_experts],
         (SharedGate | SharedUp, _) => vec![shared_ff, c.hidden],
         (SharedDown, _) => vec![c.hidden, shared_ff],
         (SharedExpertGate, _) => vec![1, c.hidden],
+        (DenseGate | DenseUp, _) => vec![dense_ff, c.hidden],
+        (DenseDown, _) => vec![c.hidden, dense_ff],
         (_, Mixer::Attention(a)) => attention_shape(c, a, role),
         (_, Mixer::GatedDeltaNet(d)) => delta_net_shape(c, d, role),
+        (_, Mixer::LatentAttention(m)) => latent_attention_shape(c, m, role),
+    }
+}
+
+fn latent_attention_shape(c: &ModelConfig, m: &LatentAttentionSpec, role: LayerRole) -> Vec<usize> {
+    use LayerRole::*;
+    let q_rank = m.q_lora_rank.unwrap_or(0);
+    match role {
+        MlaQA => vec![q_rank, c.hidden],
+        MlaQANorm => vec![q_rank],
+        MlaQB => vec![m.q_dim(), q_rank],
+        Q => vec![m.q_dim(), c.hidden],
+        MlaKvA => vec![m.kv_lora_rank + m.rope_dim, c.hidden],
+        MlaKvANorm => vec![m.kv_lora_rank],
+        MlaKvB => vec![m.n_heads * (m.nope_dim + m.v_dim), m.kv_lora_rank],
+        MlaKB => mla::split_shapes(m).0.to_vec(),
+        MlaVB => mla::split_shapes(m).1.to_vec(),
+        O => vec![c.hidden, m.n_heads * m.v_dim],
+        _ => unreachable!("{role:?} is not a latent attention tensor"),
     }
 }
 
@@ -708,6 +808,11 @@ pub struct GgufMeta<'a> {
 impl GgufMeta<'_> {
     fn key(&self, suffix: &str) -> String {
         format!("{}.{suffix}", self.arch)
+    }
+
+    /// An optional count (`expert_shared_count`).
+    pub(crate) fn opt_count(&self, suffix: &str) -> Result<Option<usize>, ModelError> {
+        Ok(self.opt_u64(suffix)?.map(|v| v as usize))
     }
 
     fn opt_u64(&self, suffix: &str) -> Result<Option<u64>, ModelError> {
@@ -787,6 +892,57 @@ impl GgufMeta<'_> {
         }))
     }
 
+    /// llama.cpp's deepseek2 latent attention keys (`attention.kv_lora_rank`, ...).
+    fn mla(&self) -> Result<Option<crate::model::config::MlaConfig>, ModelError> {
+        let Some(kv_lora_rank) = self.opt_count("attention.kv_lora_rank")? else { return Ok(None) };
+        let rope = self.usize("rope.dimension_count")?;
+        let key = self.usize("attention.key_length_mla")?;
+        if key <= rope {
+            return Err(self.bad(self.key("attention.key_length_mla"), "greater than rope.dimension_count"));
+        }
+        // The converter writes 0.1 * mscale_all_dim (llama.cpp's TAG_DEEPSEEK2_YARN_LOG_MUL_FIX).
+        let log_mul = self.opt_f32("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0);
+        Ok(Some(crate::model::config::MlaConfig {
+            q_lora_rank: self.opt_count("attention.q_lora_rank")?,
+            kv_lora_rank,
+            qk_nope_head_dim: key - rope,
+            qk_rope_head_dim: rope,
+            v_head_dim: self.usize("attention.value_length_mla")?,
+            mscale_all_dim: log_mul / 0.1,
+        }))
+    }
+
+    /// `leading_dense_block_count` dense layers of `feed_forward_length`.
+    fn dense_layers(&self) -> Result<Option<crate::model::config::DenseLayers>, ModelError> {
+        match self.opt_count("leading_dense_block_count")? {
+            None | Some(0) => Ok(None),
+            Some(count) => {
+                Ok(Some(crate::model::config::DenseLayers { count, ff: self.usize("feed_forward_length")? }))
+            }
+        }
+    }
+
+    /// Sigmoid gating (`expert_gating_func` 2), its groups and weight scale.
+    fn sigmoid_routing(&self) -> Result<Option<crate::model::config::SigmoidRouting>, ModelError> {
+        let gating = self.opt_u64("expert_gating_func")?;
+        let scale = self.opt_f32("expert_weights_scale")?;
+        if gating != Some(2) && scale.is_none() {
+            return Ok(None);
+        }
+        if let Some(g) = gating.filter(|&g| g != 2) {
+            let _ = g;
+            return Err(self.bad(
+                self.key("expert_gating_func"),
+                "2 (sigmoid): softmax gating of deepseek2 is not supported",
+            ));
+        }
+        Ok(Some(crate::model::config::SigmoidRouting {
+            n_group: self.opt_count("expert_group_count")?.filter(|&n| n > 0).unwrap_or(1),
+            topk_group: self.opt_count("expert_group_used_count")?.filter(|&n| n > 0).unwrap_or(1),
+            routed_scaling_factor: scale.unwrap_or(1.0),
+        }))
+    }
+
     fn bad(&self, key: String, expected: &'static str) -> ModelError {
         ModelError::BadMetadata { path: self.file.path().into(), key, expected }
     }
@@ -825,12 +981,30 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
             return Err(ModelError::MissingTensor { path: path.into(), tensor: "token_embd.weight".into() })
         }
     };
+    let mla = meta.mla()?;
+    // llama.cpp's deepseek2 is MQA over the latent (`head_count_kv` 1, `key_length` 576); the
+    // plan's latent attention reads the sizes from `mla`, and `head_dim` is the RoPE part's.
+    let (head_dim, n_kv_heads) = match &mla {
+        Some(m) => (m.qk_rope_head_dim, n_heads),
+        None => (head_dim, meta.opt_u64("attention.head_count_kv")?.map(|v| v as usize).unwrap_or(n_heads)),
+    };
+    let mut yarn = gguf_yarn(&meta)?;
+    if let (Some(y), Some(_)) = (yarn.as_mut(), &mla) {
+        // DeepSeek-V3 and Kimi K2 have `mscale` = `mscale_all_dim`: transformers' attention
+        // factor is their ratio, 1 (llama.cpp's converter writes no `attn_factor` for them).
+        if meta.opt_f32("rope.scaling.attn_factor")?.is_none() {
+            y.attention_factor = 1.0;
+        }
+        // transformers' default for DeepSeek (`truncate`), which llama.cpp's correction dims
+        // (floor / ceil) follow.
+        y.truncate = true;
+    }
     let config = ModelConfig {
         arch: adapter.arch,
         n_layers,
         hidden,
         n_heads,
-        n_kv_heads: meta.opt_u64("attention.head_count_kv")?.map(|v| v as usize).unwrap_or(n_heads),
+        n_kv_heads,
         head_dim,
         vocab,
         n_experts: dims.n_experts,
@@ -848,12 +1022,15 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         // 0, 2, 4, ... (`load_swa_pattern(ml, 2)`).
         sliding_window_layers: (meta.file.get(&meta.key("attention.sliding_window")).is_some())
             .then(|| crate::model::config::every_other_layer(meta.usize("block_count").unwrap_or(0))),
-        yarn: gguf_yarn(&meta)?,
+        yarn,
         clip_qkv: meta.opt_f32("attention.clamp_kqv")?,
         rotary_dims: meta.opt_u64("rope.dimension_count")?.map_or(head_dim, |d| d as usize),
         hybrid: meta.hybrid(adapter, n_layers)?,
         zero_centred_norms: false,
         mtp_layers,
+        mla,
+        dense_layers: meta.dense_layers()?,
+        sigmoid_routing: meta.sigmoid_routing()?,
     };
     config.validate().map_err(|(field, reason)| {
         ModelError::Config(ConfigError::Invalid { path: path.into(), field: field.into(), reason })

@@ -62,12 +62,39 @@ pub enum LayerRole {
     Sinks,
     /// The router's bias, `[n_experts]` (GPT-OSS).
     RouterBias,
+    /// The selection bias added to the router's scores for the choice only, `[n_experts]`
+    /// (DeepSeek-V3's `e_score_correction_bias`, llama.cpp's `exp_probs_b`).
+    RouterSelectionBias,
+    /// MLA: the low-rank q projection, `[q_lora_rank, hidden]`.
+    MlaQA,
+    /// MLA: its RMSNorm, `[q_lora_rank]`.
+    MlaQANorm,
+    /// MLA: q from the low rank, `[heads * (nope + rope), q_lora_rank]` (without a low rank,
+    /// [`LayerRole::Q`] is `[heads * (nope + rope), hidden]`).
+    MlaQB,
+    /// MLA: the latent and the shared RoPE key part, `[kv_lora_rank + rope, hidden]`.
+    MlaKvA,
+    /// MLA: the latent's RMSNorm, `[kv_lora_rank]`.
+    MlaKvANorm,
+    /// MLA: per head the no-RoPE key rows then the value rows, `[heads * (nope + v),
+    /// kv_lora_rank]` (transformers; rewritten at open into [`LayerRole::MlaKB`] and
+    /// [`LayerRole::MlaVB`]).
+    MlaKvB,
+    /// MLA: per head the key part transposed, `[heads, kv_lora_rank, nope]` (llama.cpp's split).
+    MlaKB,
+    /// MLA: per head the value part, `[heads, v, kv_lora_rank]`.
+    MlaVB,
+    /// A dense FFN layer's gate, up (`[ff, hidden]`) and down (`[hidden, ff]`).
+    DenseGate,
+    DenseUp,
+    DenseDown,
 }
 
 impl LayerRole {
     /// RMSNorm weights that zero-centred checkpoints store as `w` for a scale of `1 + w`.
     pub fn is_centred_norm(self) -> bool {
-        matches!(self, LayerRole::AttnNorm | LayerRole::FfnNorm | LayerRole::QNorm | LayerRole::KNorm)
+        use LayerRole::*;
+        matches!(self, AttnNorm | FfnNorm | QNorm | KNorm | MlaQANorm | MlaKvANorm)
     }
 
     /// A tensor of a Gated DeltaNet mixer.
@@ -134,8 +161,10 @@ pub fn hf_layer(naming: HfNaming, layer: usize, role: LayerRole) -> String {
         HfNaming::Mlp => ("mlp", "mlp.gate"),
         HfNaming::BlockSparseMoe => ("block_sparse_moe", "block_sparse_moe.gate"),
         HfNaming::GptOss => ("mlp", "mlp.router"),
+        HfNaming::SharedExperts => ("mlp", "mlp.gate"),
     };
     let _ = moe;
+    let shared = if naming == HfNaming::SharedExperts { "mlp.shared_experts" } else { "mlp.shared_expert" };
     let suffix = match role {
         LayerRole::AttnNorm => "input_layernorm.weight".to_string(),
         LayerRole::Q => "self_attn.q_proj.weight".to_string(),
@@ -152,9 +181,22 @@ pub fn hf_layer(naming: HfNaming, layer: usize, role: LayerRole) -> String {
         LayerRole::RouterBias => format!("{router}.bias"),
         LayerRole::OBias => "self_attn.o_proj.bias".to_string(),
         LayerRole::Sinks => "self_attn.sinks".to_string(),
-        LayerRole::SharedGate => "mlp.shared_expert.gate_proj.weight".to_string(),
-        LayerRole::SharedUp => "mlp.shared_expert.up_proj.weight".to_string(),
-        LayerRole::SharedDown => "mlp.shared_expert.down_proj.weight".to_string(),
+        LayerRole::SharedGate => format!("{shared}.gate_proj.weight"),
+        LayerRole::SharedUp => format!("{shared}.up_proj.weight"),
+        LayerRole::SharedDown => format!("{shared}.down_proj.weight"),
+        LayerRole::RouterSelectionBias => format!("{router}.e_score_correction_bias"),
+        LayerRole::MlaQA => "self_attn.q_a_proj.weight".to_string(),
+        LayerRole::MlaQANorm => "self_attn.q_a_layernorm.weight".to_string(),
+        LayerRole::MlaQB => "self_attn.q_b_proj.weight".to_string(),
+        LayerRole::MlaKvA => "self_attn.kv_a_proj_with_mqa.weight".to_string(),
+        LayerRole::MlaKvANorm => "self_attn.kv_a_layernorm.weight".to_string(),
+        LayerRole::MlaKvB => "self_attn.kv_b_proj.weight".to_string(),
+        // Not in transformers' checkpoints: the split form is made at open (`Model::mla_kv_b`).
+        LayerRole::MlaKB => "self_attn.k_b_proj.weight".to_string(),
+        LayerRole::MlaVB => "self_attn.v_b_proj.weight".to_string(),
+        LayerRole::DenseGate => "mlp.gate_proj.weight".to_string(),
+        LayerRole::DenseUp => "mlp.up_proj.weight".to_string(),
+        LayerRole::DenseDown => "mlp.down_proj.weight".to_string(),
         LayerRole::SharedExpertGate => "mlp.shared_expert_gate.weight".to_string(),
         LayerRole::DeltaQkvz => "linear_attn.in_proj_qkvz.weight".to_string(),
         LayerRole::DeltaBa => "linear_attn.in_proj_ba.weight".to_string(),
@@ -209,6 +251,18 @@ pub fn gguf_layer(adapter: &Adapter, layer: usize, role: LayerRole) -> String {
         LayerRole::OBias => "attn_output.bias",
         LayerRole::Sinks => "attn_sinks.weight",
         LayerRole::RouterBias => "ffn_gate_inp.bias",
+        LayerRole::RouterSelectionBias => "exp_probs_b.bias",
+        LayerRole::MlaQA => "attn_q_a.weight",
+        LayerRole::MlaQANorm => "attn_q_a_norm.weight",
+        LayerRole::MlaQB => "attn_q_b.weight",
+        LayerRole::MlaKvA => "attn_kv_a_mqa.weight",
+        LayerRole::MlaKvANorm => "attn_kv_a_norm.weight",
+        LayerRole::MlaKvB => "attn_kv_b.weight",
+        LayerRole::MlaKB => "attn_k_b.weight",
+        LayerRole::MlaVB => "attn_v_b.weight",
+        LayerRole::DenseGate => "ffn_gate.weight",
+        LayerRole::DenseUp => "ffn_up.weight",
+        LayerRole::DenseDown => "ffn_down.weight",
     };
     format!("blk.{layer}.{suffix}")
 }
@@ -228,7 +282,7 @@ pub fn hf_fused_expert_bias(layer: usize, down: bool) -> String {
 /// [`hf_fused_experts`]; its per-expert name is the synthetic generator's key).
 pub fn hf_expert(naming: HfNaming, layer: usize, expert_idx: usize, proj: ExpertProj) -> String {
     match naming {
-        HfNaming::Mlp | HfNaming::GptOss => {
+        HfNaming::Mlp | HfNaming::GptOss | HfNaming::SharedExperts => {
             let p = match proj {
                 ExpertProj::Gate => "gate_proj",
                 ExpertProj::Up => "up_proj",

@@ -29,7 +29,11 @@ pub(crate) struct LayerVectors {
     /// One attention sink logit per query head.
     pub sinks: Option<Vec<f32>>,
     pub router_bias: Option<Vec<f32>>,
-    /// The shared expert's sigmoid gate `[1, hidden]`, when the model has a shared expert.
+    /// The selection bias of a sigmoid router (`[n_experts]`).
+    pub selection_bias: Option<Vec<f32>>,
+    /// A latent attention layer's norms: `q_a`'s (low-rank q) and the latent's.
+    pub latent_norms: Option<(Option<Vec<f32>>, Vec<f32>)>,
+    /// The shared expert's sigmoid gate `[1, hidden]`, when the model has a gated shared expert.
     pub shared_gate_logit: Option<Vec<f32>>,
     /// A Gated DeltaNet layer's small tensors.
     pub delta_net: Option<DeltaNetVectors>,
@@ -67,9 +71,17 @@ impl LayerVectors {
                 neg_a: model.delta_a_log(l)?.iter().map(|a| -a.exp()).collect(),
                 norm: req(LayerRole::DeltaNorm)?,
             }),
-            Mixer::Attention(_) => None,
+            Mixer::Attention(_) | Mixer::LatentAttention(_) => None,
+        };
+        let latent_norms = match model.layer_spec(l).mixer {
+            Mixer::LatentAttention(_) => {
+                Some((norm(LayerRole::MlaQANorm)?, norm(LayerRole::MlaKvANorm)?.expect("validated at open")))
+            }
+            _ => None,
         };
         Ok(LayerVectors {
+            selection_bias: opt(LayerRole::RouterSelectionBias)?,
+            latent_norms,
             attn_norm: norm(LayerRole::AttnNorm)?.expect("validated at open"),
             q_bias: opt(LayerRole::QBias)?,
             k_bias: opt(LayerRole::KBias)?,
@@ -81,7 +93,7 @@ impl LayerVectors {
             sinks: opt(LayerRole::Sinks)?,
             router_bias: opt(LayerRole::RouterBias)?,
             delta_net,
-            shared_gate_logit: if model.layer_spec(l).moe().shared.is_some() {
+            shared_gate_logit: if model.layer_spec(l).shared_expert().is_some_and(|s| s.gated) {
                 Some(req(LayerRole::SharedExpertGate)?)
             } else {
                 None
@@ -107,6 +119,8 @@ impl LayerVectors {
             + opt(&self.o_bias)
             + opt(&self.sinks)
             + opt(&self.router_bias)
+            + opt(&self.selection_bias)
+            + self.latent_norms.as_ref().map_or(0, |(q, kv)| opt(q) + kv.len())
             + opt(&self.shared_gate_logit))
     }
 }
@@ -114,19 +128,29 @@ impl LayerVectors {
 /// The matrices of one layer, in place in the mapped file.
 pub(crate) struct LayerMatrices<'m> {
     pub mixer: MixerMatrices<'m>,
-    pub router: DenseMatrix<'m>,
+    /// A MoE layer's router (`None` for a dense FFN layer).
+    pub router: Option<DenseMatrix<'m>>,
     /// Shared expert gate, up (`[ff, hidden]`) and down (`[hidden, ff]`).
     pub shared: Option<[DenseMatrix<'m>; 3]>,
+    /// A dense FFN layer's gate, up and down.
+    pub dense_ffn: Option<[DenseMatrix<'m>; 3]>,
 }
 
 impl<'m> LayerMatrices<'m> {
     pub fn resolve(model: &'m Model, l: usize) -> Result<LayerMatrices<'m>, TensorError> {
         let m = |role| in_place(model.required(l, role));
-        let shared = if model.layer_spec(l).moe().shared.is_some() {
+        let spec = model.layer_spec(l);
+        let shared = if spec.shared_expert().is_some() {
             Some([m(LayerRole::SharedGate)?, m(LayerRole::SharedUp)?, m(LayerRole::SharedDown)?])
         } else {
             None
         };
+        let dense_ffn = if spec.has_experts() {
+            None
+        } else {
+            Some([m(LayerRole::DenseGate)?, m(LayerRole::DenseUp)?, m(LayerRole::DenseDown)?])
+        };
+        let router = if spec.has_experts() { Some(m(LayerRole::Router)?) } else { None };
         let mixer = match model.layer_spec(l).mixer {
             Mixer::Attention(_) => MixerMatrices::Attention {
                 q: m(LayerRole::Q)?,
@@ -140,8 +164,20 @@ impl<'m> LayerMatrices<'m> {
                 let inputs = roles.iter().map(|&r| m(r)).collect::<Result<_, _>>()?;
                 MixerMatrices::DeltaNet { inputs, out: m(DeltaOut)? }
             }
+            Mixer::LatentAttention(a) => {
+                use LayerRole::*;
+                let (k_b, v_b) = model.mla_kv_b(l);
+                MixerMatrices::Latent {
+                    q_a: a.q_lora_rank.map(|_| m(MlaQA)).transpose()?,
+                    q: m(if a.q_lora_rank.is_some() { MlaQB } else { Q })?,
+                    kv_a: m(MlaKvA)?,
+                    k_b: stacked(k_b, a.n_heads * a.kv_lora_rank, a.nope_dim)?,
+                    v_b: stacked(v_b, a.n_heads * a.v_dim, a.kv_lora_rank)?,
+                    o: m(O)?,
+                }
+            }
         };
-        Ok(LayerMatrices { mixer, router: m(LayerRole::Router)?, shared })
+        Ok(LayerMatrices { mixer, router, shared, dense_ffn })
     }
 }
 
@@ -159,6 +195,27 @@ pub(crate) enum MixerMatrices<'m> {
         inputs: Vec<DenseMatrix<'m>>,
         out: DenseMatrix<'m>,
     },
+    /// Latent attention: `q_a` (low-rank q), `q_b` or `q`, `kv_a`, the per-head `k_b`
+    /// (`heads * kv_lora_rank` rows of `nope`) and `v_b` (`heads * v` rows of `kv_lora_rank`),
+    /// `o`.
+    Latent {
+        q_a: Option<DenseMatrix<'m>>,
+        q: DenseMatrix<'m>,
+        kv_a: DenseMatrix<'m>,
+        k_b: DenseMatrix<'m>,
+        v_b: DenseMatrix<'m>,
+        o: DenseMatrix<'m>,
+    },
+}
+
+/// A 3-D tensor of stacked per-head matrices as one kernel matrix of `rows x cols`.
+fn stacked(t: TensorRef<'_>, rows: usize, cols: usize) -> Result<DenseMatrix<'_>, TensorError> {
+    DenseMatrix::new(t.data, kernel_dtype(t.dtype), rows, cols).map_err(|_| TensorError::SizeMismatch {
+        name: t.name.to_string(),
+        dtype: t.dtype,
+        shape: t.shape.to_vec(),
+        n_bytes: t.data.len(),
+    })
 }
 
 /// The token embedding and the lm_head (the embedding again when tied), in place.

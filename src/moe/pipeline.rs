@@ -22,7 +22,7 @@ use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
 use crate::format::tensor::TensorError;
 pub use crate::forward::argmax;
 pub use crate::forward::LogitRows;
-use crate::model::arch::{DeltaNetSpec, LayerPlan, LayerSpec, Mixer, QkNorm, RopeStyle};
+use crate::model::arch::{DeltaNetSpec, LatentAttentionSpec, LayerPlan, LayerSpec, Mixer, QkNorm, RopeStyle};
 use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::cold::{all_cold, ColdError, ColdLane, ColdSlot};
@@ -186,6 +186,10 @@ pub struct PipelineCache {
     /// Per layer, the fixed-size state of a Gated DeltaNet layer (`None` for attention layers,
     /// whose entries in `keys` / `values` are the ones used).
     recurrent: Vec<Option<DeltaNetState>>,
+    /// Per layer, a latent attention layer's cache: per position the normalised latent and the
+    /// rotated key part (`kv_lora_rank + rope_dim` floats; empty for other layers). It is the
+    /// absorbed attention's one key/value head: keys and values are the same buffer.
+    latent: Vec<Vec<f32>>,
     n_positions: usize,
 }
 
@@ -222,6 +226,55 @@ struct Activations {
     shared_u: Vec<f32>,
     shared_y: Vec<f32>,
     shared_gate: Vec<f32>,
+    /// Latent attention buffers (empty without latent layers).
+    mla: MlaBuffers,
+}
+
+/// A latent attention layer's per-call buffers, sized for the plan's widest latent layer.
+#[derive(Default)]
+struct MlaBuffers {
+    /// `q_a`'s output (`q_lora_rank` per token).
+    qa: Vec<f32>,
+    /// `kv_a`'s output (`kv_lora_rank + rope` per token).
+    kv: Vec<f32>,
+    /// q (`heads * (nope + rope)` per token).
+    q: Vec<f32>,
+    /// The absorbed q, `[latent | rope]` per head and token, and the attention's output
+    /// (the same width; its first `kv_lora_rank` values per head are used).
+    q_abs: Vec<f32>,
+    out: Vec<f32>,
+    /// One head's gathered inputs and outputs of `k_b` / `v_b` (`max(nope, rank)` and
+    /// `max(rank, v)` per token).
+    head_in: Vec<f32>,
+    head_out: Vec<f32>,
+    /// The heads' values (`heads * v` per token), `o`'s input.
+    values: Vec<f32>,
+}
+
+impl MlaBuffers {
+    fn new(plan: &LayerPlan, m: usize) -> MlaBuffers {
+        let widest = |f: &dyn Fn(&LatentAttentionSpec) -> usize| {
+            plan.layers()
+                .iter()
+                .filter_map(|l| match &l.mixer {
+                    Mixer::LatentAttention(a) => Some(f(a)),
+                    _ => None,
+                })
+                .max()
+                .unwrap_or(0)
+        };
+        let per_head = |a: &LatentAttentionSpec| a.n_heads * a.cache_width();
+        MlaBuffers {
+            qa: vec![0.0; m * widest(&|a| a.q_lora_rank.unwrap_or(0))],
+            kv: vec![0.0; m * widest(&|a| a.cache_width())],
+            q: vec![0.0; m * widest(&|a| a.q_dim())],
+            q_abs: vec![0.0; m * widest(&per_head)],
+            out: vec![0.0; m * widest(&per_head)],
+            head_in: vec![0.0; m * widest(&|a| a.nope_dim.max(a.kv_lora_rank))],
+            head_out: vec![0.0; m * widest(&|a| a.kv_lora_rank.max(a.v_dim))],
+            values: vec![0.0; m * widest(&|a| a.n_heads * a.v_dim)],
+        }
+    }
 }
 
 /// The pipeline engine over one model.
@@ -233,8 +286,9 @@ pub struct Pipeline {
     final_norm: Vec<f32>,
     layers: Vec<LayerVectors>,
     dense: DenseStage,
-    /// One router per layer, built from its spec (buffers reused across calls).
-    routers: Vec<Router>,
+    /// One router per MoE layer, built from its spec (buffers reused across calls); `None` for
+    /// a dense FFN layer.
+    routers: Vec<Option<Router>>,
     lanes: LaneSet,
     hot_set: HotSet,
     perf: PerfState,
@@ -261,14 +315,23 @@ pub struct Pipeline {
 
 impl Activations {
     fn new(c: &ModelConfig, plan: &LayerPlan, m: usize, level: SimdLevel) -> Activations {
-        let sff = c.shared_expert_ff;
+        // The shared expert's buffers serve the dense FFN layers too.
+        let sff = plan
+            .layers()
+            .iter()
+            .map(|l| match l.ffn {
+                crate::model::arch::Ffn::Dense(d) => d.ff,
+                crate::model::arch::Ffn::Moe(_) => c.shared_expert_ff,
+            })
+            .max()
+            .unwrap_or(0);
         let gated = plan.layers().iter().any(|l| l.as_attention().is_some_and(|a| a.output_gate));
         let widest = |f: &dyn Fn(&DeltaNetSpec) -> usize| {
             plan.layers()
                 .iter()
                 .filter_map(|l| match &l.mixer {
                     Mixer::GatedDeltaNet(d) => Some(f(d)),
-                    Mixer::Attention(_) => None,
+                    Mixer::Attention(_) | Mixer::LatentAttention(_) => None,
                 })
                 .max()
                 .unwrap_or(0)
@@ -293,17 +356,18 @@ impl Activations {
                 .iter()
                 .map(|l| match &l.mixer {
                     Mixer::GatedDeltaNet(d) => Some(TokenInputs::new(d)),
-                    Mixer::Attention(_) => None,
+                    Mixer::Attention(_) | Mixer::LatentAttention(_) => None,
                 })
                 .collect(),
             delta_prefill: PrefillWork::new(
                 plan.layers().iter().filter_map(|l| match &l.mixer {
                     Mixer::GatedDeltaNet(d) => Some(d),
-                    Mixer::Attention(_) => None,
+                    _ => None,
                 }),
                 level,
                 m,
             ),
+            mla: MlaBuffers::new(plan, m),
             q: vec![0.0; m * c.q_dim()],
             k: vec![0.0; m * c.kv_dim()],
             v: vec![0.0; m * c.kv_dim()],
@@ -337,6 +401,7 @@ impl Pipeline {
             .hot_set
             .clone()
             .unwrap_or_else(|| HotSet::empty(c.n_layers, c.n_experts, options.n_hot_lanes));
+        check_no_hot_dense_layers(&model, &hot_set)?;
         let lanes = (0..hot_set.n_lanes)
             .map(|i| CpuHotLane::new(model.clone(), &hot_set, i).map(|l| Box::new(l) as Box<dyn HotLane>))
             .collect::<Result<Vec<_>, _>>()?;
@@ -414,7 +479,17 @@ impl Pipeline {
                 "layers with their own RoPE base are not supported by the CPU pipeline yet".into(),
             ));
         }
-        let routers = plan.layers().iter().map(|spec| Router::new(spec.moe().router, m)).collect();
+        let routers = plan
+            .layers()
+            .iter()
+            .zip(&layers)
+            .map(|(spec, v)| {
+                spec.as_moe().map(|moe| match &v.selection_bias {
+                    Some(b) => Router::new(moe.router, m).with_selection_bias(b.clone()),
+                    None => Router::new(moe.router, m),
+                })
+            })
+            .collect();
         let act = Activations::new(&c, &plan, m, level);
         let updater = UpdaterHandle::start().map_err(|e| PipelineError::Setup(format!("updater: {e}")))?;
         let switches = options.switches;
@@ -534,10 +609,11 @@ impl Pipeline {
             .iter()
             .map(|l| match &l.mixer {
                 Mixer::GatedDeltaNet(d) => Some(DeltaNetState::new(d)),
-                Mixer::Attention(_) => None,
+                Mixer::Attention(_) | Mixer::LatentAttention(_) => None,
             })
             .collect();
         PipelineCache {
+            latent: vec![Vec::new(); self.config.n_layers],
             keys: vec![Vec::new(); self.config.n_layers * self.config.n_kv_heads],
             values: vec![Vec::new(); self.config.n_layers * self.config.n_kv_heads],
             recurrent,
@@ -673,8 +749,14 @@ impl Pipeline {
                     let state = cache.recurrent[l].as_mut().expect("the cache follows the plan");
                     self.delta_net_block(state, l, inputs, out, n)?
                 }
+                MixerMatrices::Latent { .. } => {
+                    self.latent_block(&mut cache.latent[l], l, &m.mixer, n, first_pos)?
+                }
             }
-            self.moe_block(l, &m, n, plan)?;
+            match &m.dense_ffn {
+                Some(ffn) => self.dense_ffn_block(l, ffn, n)?,
+                None => self.moe_block(l, &m, n, plan)?,
+            }
         }
         cache.n_positions += n;
         if rows.is_empty() {
@@ -894,6 +976,139 @@ impl Pipeline {
         }
     }
 
+    /// A latent attention layer over `n` tokens, in the absorbed form for prefill and decode
+    /// alike: each head's no-RoPE query goes through its `k_b` into the latent space, so the
+    /// attention runs over the cache as it is (one key/value head of `kv_lora_rank + rope`
+    /// values per position, keys and values the same buffer), and each head's output latent
+    /// goes through its `v_b` before `o`. The cache never holds per-head keys or values.
+    fn latent_block(
+        &mut self,
+        cache: &mut Vec<f32>,
+        l: usize,
+        mixer: &MixerMatrices<'_>,
+        n: usize,
+        first_pos: usize,
+    ) -> Result<(), PipelineError> {
+        let MixerMatrices::Latent { q_a, q, kv_a, k_b, v_b, o } = mixer else {
+            unreachable!("a latent layer")
+        };
+        let Mixer::LatentAttention(spec) = self.plan.layer(l).mixer else { unreachable!("a latent layer") };
+        self.latent_project(cache, l, &spec, [q_a.as_ref(), Some(q), Some(kv_a)], n, first_pos)?;
+        let (c, a) = (&self.config, &mut self.act);
+        let (h, heads, rank, nope, rope) =
+            (c.hidden, spec.n_heads, spec.kv_lora_rank, spec.nope_dim, spec.rope_dim);
+        let (width, qw, vd) = (spec.cache_width(), nope + rope, spec.v_dim);
+        let b = &mut a.mla;
+        // The kernel scales scores by 1/sqrt(width): the absorbed q carries the rest.
+        let q_scale = spec.scale * (width as f32).sqrt();
+        for hd in 0..heads {
+            for t in 0..n {
+                b.head_in[t * nope..(t + 1) * nope].copy_from_slice(&b.q[t * heads * qw + hd * qw..][..nope]);
+            }
+            let w = head_rows(k_b, hd, rank);
+            self.dense
+                .matmul(&b.head_in[..n * nope], &mut [MatmulPart { w, y: &mut b.head_out[..n * rank] }])?;
+            for t in 0..n {
+                let dst = &mut b.q_abs[(t * heads + hd) * width..][..width];
+                dst[..rank].copy_from_slice(&b.head_out[t * rank..(t + 1) * rank]);
+                dst[rank..].copy_from_slice(&b.q[t * heads * qw + hd * qw + nope..][..rope]);
+                dst.iter_mut().for_each(|x| *x *= q_scale);
+            }
+        }
+        let kv = std::slice::from_ref(&*cache);
+        let input = AttentionInput {
+            shape: AttentionShape { n_heads: heads, n_kv_heads: 1, head_dim: width },
+            q: &b.q_abs[..n * heads * width],
+            keys: kv,
+            values: kv,
+            first_pos,
+            window: None,
+            sinks: None,
+        };
+        self.dense.attention(&input, &mut b.out[..n * heads * width])?;
+        for hd in 0..heads {
+            for t in 0..n {
+                b.head_in[t * rank..(t + 1) * rank]
+                    .copy_from_slice(&b.out[(t * heads + hd) * width..][..rank]);
+            }
+            let w = head_rows(v_b, hd, vd);
+            self.dense
+                .matmul(&b.head_in[..n * rank], &mut [MatmulPart { w, y: &mut b.head_out[..n * vd] }])?;
+            for t in 0..n {
+                b.values[(t * heads + hd) * vd..][..vd].copy_from_slice(&b.head_out[t * vd..(t + 1) * vd]);
+            }
+        }
+        self.dense
+            .matmul(&b.values[..n * heads * vd], &mut [MatmulPart { w: *o, y: &mut a.proj[..n * h] }])?;
+        for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
+            *x += y;
+        }
+        Ok(())
+    }
+
+    /// A latent layer's projections: its norm, q (low-rank with its norm, or plain) and the
+    /// latent with the shared key part; the latent's norm; RoPE on every rope part; the call's
+    /// positions appended to `cache`.
+    fn latent_project(
+        &mut self,
+        cache: &mut Vec<f32>,
+        l: usize,
+        spec: &LatentAttentionSpec,
+        [q_a, q, kv_a]: [Option<&DenseMatrix<'_>>; 3],
+        n: usize,
+        first_pos: usize,
+    ) -> Result<(), PipelineError> {
+        let (c, a) = (&self.config, &mut self.act);
+        let (h, eps) = (c.hidden, c.rms_eps);
+        let w = &self.layers[l];
+        for t in 0..n {
+            rms_norm_row(&a.hidden[t * h..(t + 1) * h], &w.attn_norm, eps, &mut a.normed[t * h..(t + 1) * h]);
+        }
+        let (q, kv_a) = (q.expect("q"), kv_a.expect("kv_a"));
+        let (width, qd) = (spec.cache_width(), spec.q_dim());
+        let b = &mut a.mla;
+        let x = &a.normed[..n * h];
+        let (q_norm, kv_norm) = w.latent_norms.as_ref().expect("loaded for latent layers");
+        match q_a {
+            Some(q_a) => {
+                let r = q_a.rows;
+                self.dense.matmul(
+                    x,
+                    &mut [
+                        MatmulPart { w: *q_a, y: &mut b.qa[..n * r] },
+                        MatmulPart { w: *kv_a, y: &mut b.kv[..n * width] },
+                    ],
+                )?;
+                let norm = q_norm.as_ref().expect("a low-rank q has its norm");
+                for row in b.qa[..n * r].chunks_exact_mut(r) {
+                    rms_norm_in_place(row, norm, eps);
+                }
+                self.dense.matmul(&b.qa[..n * r], &mut [MatmulPart { w: *q, y: &mut b.q[..n * qd] }])?;
+            }
+            None => self.dense.matmul(
+                x,
+                &mut [
+                    MatmulPart { w: *q, y: &mut b.q[..n * qd] },
+                    MatmulPart { w: *kv_a, y: &mut b.kv[..n * width] },
+                ],
+            )?,
+        }
+        let (rank, nope, rope) = (spec.kv_lora_rank, spec.nope_dim, spec.rope_dim);
+        let half = rope / 2;
+        cache.reserve(n * width);
+        for t in 0..n {
+            let table = &self.rope[(first_pos + t) * half..(first_pos + t + 1) * half];
+            let row = &mut b.kv[t * width..(t + 1) * width];
+            rms_norm_in_place(&mut row[..rank], kv_norm, eps);
+            rope_head(&mut row[rank..], table, spec.rope.style);
+            cache.extend_from_slice(row);
+            for head in b.q[t * qd..(t + 1) * qd].chunks_exact_mut(nope + rope) {
+                rope_head(&mut head[nope..], table, spec.rope.style);
+            }
+        }
+        Ok(())
+    }
+
     /// A Gated DeltaNet layer over `n` tokens: the input projections as one batched matmul, the
     /// conv and delta rule on the session's state (one token: the recurrent step; more: the
     /// chunked prefill, every head on the pool at once), the output projection batched.
@@ -1039,13 +1254,16 @@ impl Pipeline {
             );
         }
         let y = &mut a.router_logits[..n * n_experts];
-        self.dense.matmul(&a.normed[..n * h], &mut [MatmulPart { w: m.router, y }])?;
+        let router = m.router.expect("MoE layers have a router");
+        self.dense.matmul(&a.normed[..n * h], &mut [MatmulPart { w: router, y }])?;
         if let Some(b) = &self.layers[l].router_bias {
             for row in y.chunks_exact_mut(n_experts) {
                 row.iter_mut().zip(b).for_each(|(x, v)| *x += v);
             }
         }
         let routes = self.routers[l]
+            .as_mut()
+            .expect("MoE layers have a router")
             .route(&a.router_logits[..n * n_experts], n)
             .map_err(|e| PipelineError::Setup(e.to_string()))?;
         let hot_layer = &self.hot_set.layers[l];
@@ -1064,15 +1282,44 @@ impl Pipeline {
         let x = &a.normed[..n * h];
         let (g, u) = (&mut a.shared_g[..n * sff], &mut a.shared_u[..n * sff]);
         self.dense.matmul(x, &mut [MatmulPart { w: w[0], y: g }, MatmulPart { w: w[1], y: u }])?;
-        let act = self.plan.layer(l).moe().activation.kernel();
+        let act = self.plan.layer(l).as_moe().expect("a MoE layer").activation.kernel();
         for (gv, uv) in g.iter_mut().zip(u.iter()) {
             *gv = act.gated(*gv, *uv);
         }
         self.dense
             .matmul(&a.shared_g[..n * sff], &mut [MatmulPart { w: w[2], y: &mut a.shared_y[..n * h] }])?;
-        let gate_logit = self.layers[l].shared_gate_logit.as_ref().expect("loaded with the shared expert");
+        // An ungated shared expert (DeepSeek-V3) is added as it is.
         for t in 0..n {
-            a.shared_gate[t] = sigmoid(dot(gate_logit, &a.normed[t * h..(t + 1) * h]));
+            a.shared_gate[t] = match &self.layers[l].shared_gate_logit {
+                Some(g) => sigmoid(dot(g, &a.normed[t * h..(t + 1) * h])),
+                None => 1.0,
+            };
+        }
+        Ok(())
+    }
+
+    /// A dense FFN layer (no experts): its norm, `down · act(gate · x) * (up · x)`, the residual.
+    fn dense_ffn_block(&mut self, l: usize, w: &[DenseMatrix<'_>; 3], n: usize) -> Result<(), PipelineError> {
+        let (h, ff, eps) = (self.config.hidden, w[0].rows, self.config.rms_eps);
+        let a = &mut self.act;
+        for t in 0..n {
+            let x = &a.hidden[t * h..(t + 1) * h];
+            rms_norm_row(x, &self.layers[l].ffn_norm, eps, &mut a.normed[t * h..(t + 1) * h]);
+        }
+        let (g, u) = (&mut a.shared_g[..n * ff], &mut a.shared_u[..n * ff]);
+        self.dense
+            .matmul(&a.normed[..n * h], &mut [MatmulPart { w: w[0], y: g }, MatmulPart { w: w[1], y: u }])?;
+        let crate::model::arch::Ffn::Dense(spec) = self.plan.layer(l).ffn else {
+            unreachable!("a dense layer")
+        };
+        let act = spec.activation.kernel();
+        for (gv, uv) in g.iter_mut().zip(u.iter()) {
+            *gv = act.gated(*gv, *uv);
+        }
+        self.dense
+            .matmul(&a.shared_g[..n * ff], &mut [MatmulPart { w: w[2], y: &mut a.shared_y[..n * h] }])?;
+        for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.shared_y[..n * h]) {
+            *x += y;
         }
         Ok(())
     }
@@ -1082,7 +1329,7 @@ impl Pipeline {
     fn dispatch(&mut self, l: usize, n: usize, plan: &ExecPlan) -> Option<LayerFailure> {
         let (h, k) = (self.config.hidden, self.config.n_experts_used);
         let hot_layer = &self.hot_set.layers[l];
-        let routes = self.routers[l].routes();
+        let routes = self.routers[l].as_ref().expect("MoE layers have a router").routes();
         let Some(input) = self.lanes.input_mut() else {
             let detail = "a lane that timed out still holds the layer input";
             return Some(LayerFailure::new(FallbackReason::LaneUnavailable, detail));
@@ -1106,7 +1353,7 @@ impl Pipeline {
     /// every token into `act.moe` (the cold kernels one slot at a time).
     fn all_cold(&mut self, l: usize, n: usize) -> Result<(), PipelineError> {
         let (h, k) = (self.config.hidden, self.config.n_experts_used);
-        let routes = self.routers[l].routes();
+        let routes = self.routers[l].as_ref().expect("MoE layers have a router").routes();
         let pairs = routes.expert_ids[..n * k].iter().zip(&routes.weights[..n * k]);
         let a = &mut self.act;
         let mut lane = KernelLane { compute: &*self.cold, scratch: &mut self.fallback_scratch };
@@ -1121,6 +1368,29 @@ impl Pipeline {
             out,
         )?;
         Ok(())
+    }
+}
+
+/// A hot set naming experts of a layer that has none (a dense FFN layer) is refused by name.
+fn check_no_hot_dense_layers(model: &Model, hot_set: &HotSet) -> Result<(), PipelineError> {
+    let plan = model.plan();
+    match hot_set.layers.iter().enumerate().find(|(l, hl)| !plan.layer(*l).has_experts() && hl.n_hot() > 0) {
+        Some((l, hl)) => Err(PipelineError::Setup(format!(
+            "layer {l} is a dense FFN layer without experts, but the hot set names {} of its experts",
+            hl.n_hot()
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Rows `head * rows .. (head + 1) * rows` of a stacked per-head matrix.
+fn head_rows<'m>(m: &DenseMatrix<'m>, head: usize, rows: usize) -> DenseMatrix<'m> {
+    let rb = m.row_bytes();
+    DenseMatrix {
+        bytes: &m.bytes[head * rows * rb..(head + 1) * rows * rb],
+        dtype: m.dtype,
+        rows,
+        cols: m.cols,
     }
 }
 

@@ -3,14 +3,13 @@
 //!
 //! Both routing variants of [`RoutingVariant`] are implemented: softmax over all experts then the
 //! k largest (optionally renormalised, `norm_topk_prob`), and top-k on the logits then a softmax
-//! over those k. Ties go to the lower expert id. Per-architecture options beyond these (scaling,
-//! sigmoid gating, grouped top-k, bias correction) have no architecture that uses them yet; the
-//! plan's [`RouterOptions`] (`arch::RouterSpec`) is where they will go.
+//! over those k; and DeepSeek-V3's sigmoid scores with a selection bias for the choice,
+//! group-limited top-k, renormalisation and a weight scale. Ties go to the lower expert id.
 //!
 //! This is written independently of `reference::route` (the oracle); the tests compare them.
 
 use crate::model::arch::RoutingVariant;
-use crate::moe::math::softmax_in_place;
+use crate::moe::math::{sigmoid, softmax_in_place};
 
 /// Everything that decides how one layer's router logits become expert weights: the layer's
 /// router spec from the model's plan.
@@ -44,6 +43,12 @@ pub struct Router {
     chosen: Vec<u32>,
     /// The k logits of one token (TopKThenSoftmax).
     top_logits: Vec<f32>,
+    /// Sigmoid routing: the selection bias (empty without), one token's choice scores, its
+    /// group scores and the kept groups.
+    selection_bias: Vec<f32>,
+    choice: Vec<f32>,
+    group_scores: Vec<f32>,
+    kept_groups: Vec<u32>,
     routes: Routes,
 }
 
@@ -68,6 +73,10 @@ impl Router {
             probs: vec![0.0; options.n_experts],
             chosen: Vec::with_capacity(options.n_experts_used),
             top_logits: vec![0.0; options.n_experts_used],
+            selection_bias: Vec::new(),
+            choice: vec![0.0; options.n_experts],
+            group_scores: vec![0.0; options.n_group.max(1)],
+            kept_groups: Vec::with_capacity(options.n_group.max(1)),
             routes: Routes {
                 n_tokens: 0,
                 n_experts_used: options.n_experts_used,
@@ -75,6 +84,13 @@ impl Router {
                 weights: Vec::with_capacity(cap),
             },
         }
+    }
+
+    /// The selection bias (`[n_experts]`) a sigmoid router adds to its scores for the choice.
+    pub fn with_selection_bias(mut self, bias: Vec<f32>) -> Router {
+        assert_eq!(bias.len(), self.options.n_experts, "one selection bias per expert");
+        self.selection_bias = bias;
+        self
     }
 
     pub fn options(&self) -> &RouterOptions {
@@ -104,6 +120,10 @@ impl Router {
         self.routes.expert_ids.clear();
         self.routes.weights.clear();
         for token_logits in logits.chunks_exact(n_experts) {
+            if self.options.variant == RoutingVariant::Sigmoid {
+                self.route_sigmoid(token_logits);
+                continue;
+            }
             select_top_k(token_logits, k, &mut self.chosen);
             match self.options.variant {
                 RoutingVariant::SoftmaxThenTopK => {
@@ -128,9 +148,47 @@ impl Router {
                         self.routes.weights.push(w);
                     }
                 }
+                RoutingVariant::Sigmoid => unreachable!("routed above"),
             }
         }
         Ok(&self.routes)
+    }
+
+    /// One token of sigmoid routing: scores in `probs`, the choice (score + selection bias) in
+    /// `choice` with the experts of every group outside the best `topk_group` masked out.
+    fn route_sigmoid(&mut self, logits: &[f32]) {
+        let o = self.options;
+        for (e, &l) in logits.iter().enumerate() {
+            self.probs[e] = sigmoid(l);
+            self.choice[e] = self.probs[e] + self.selection_bias.get(e).copied().unwrap_or(0.0);
+        }
+        if o.n_group > 1 {
+            let per = o.n_experts / o.n_group;
+            for (g, score) in self.group_scores.iter_mut().enumerate() {
+                let (mut best, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+                for &v in &self.choice[g * per..(g + 1) * per] {
+                    if v > best {
+                        (best, second) = (v, best);
+                    } else if v > second {
+                        second = v;
+                    }
+                }
+                *score = best + second;
+            }
+            select_top_k(&self.group_scores, o.topk_group, &mut self.kept_groups);
+            for g in 0..o.n_group {
+                if !self.kept_groups.contains(&(g as u32)) {
+                    self.choice[g * per..(g + 1) * per].fill(f32::NEG_INFINITY);
+                }
+            }
+        }
+        select_top_k(&self.choice, o.n_experts_used, &mut self.chosen);
+        let sum: f32 = self.chosen.iter().map(|&e| self.probs[e as usize]).sum();
+        let norm = if o.norm_topk_prob { 1.0 / (sum + 1e-20) } else { 1.0 };
+        for &e in &self.chosen {
+            self.routes.expert_ids.push(e);
+            self.routes.weights.push(self.probs[e as usize] * norm * o.scale);
+        }
     }
 }
 
@@ -195,6 +253,10 @@ mod tests {
                         n_experts_used: k,
                         norm_topk_prob: norm,
                         bias: false,
+                        selection_bias: false,
+                        n_group: 1,
+                        topk_group: 1,
+                        scale: 1.0,
                     };
                     let mut router = Router::new(opts, 8);
                     let routes = router.route(&logits, n_tokens).unwrap().clone();
@@ -218,6 +280,10 @@ mod tests {
             n_experts_used: 2,
             norm_topk_prob: false,
             bias: false,
+            selection_bias: false,
+            n_group: 1,
+            topk_group: 1,
+            scale: 1.0,
         };
         let mut router = Router::new(opts, 2);
         let ptr = router.routes().expert_ids.as_ptr();
@@ -225,5 +291,40 @@ mod tests {
         assert_eq!(routes.expert_ids, vec![1, 2, 0, 1]);
         assert_eq!(router.routes().expert_ids.as_ptr(), ptr);
         assert!(matches!(router.route(&[0.0; 12], 3), Err(RouterError::TooManyTokens { .. })));
+    }
+
+    /// Sigmoid routing with a selection bias, groups and a scale against the oracle's.
+    #[test]
+    fn sigmoid_grouped_routing_matches_the_oracle() {
+        for (n_experts, k, n_group, topk_group) in
+            [(8, 3, 4, 2), (16, 4, 4, 1), (12, 2, 1, 1), (256, 8, 8, 4)]
+        {
+            for norm in [false, true] {
+                let n_tokens = 6;
+                let logits = lcg_logits((n_experts * 7 + k) as u64, n_tokens * n_experts);
+                let bias: Vec<f32> = lcg_logits(99, n_experts).iter().map(|b| 0.05 * b).collect();
+                let opts = RouterOptions {
+                    variant: RoutingVariant::Sigmoid,
+                    n_experts,
+                    n_experts_used: k,
+                    norm_topk_prob: norm,
+                    bias: false,
+                    selection_bias: true,
+                    n_group,
+                    topk_group,
+                    scale: 2.5,
+                };
+                let mut router = Router::new(opts, 8).with_selection_bias(bias.clone());
+                let routes = router.route(&logits, n_tokens).unwrap().clone();
+                for t in 0..n_tokens {
+                    let want =
+                        reference::route_sigmoid(&logits[t * n_experts..][..n_experts], Some(&bias), &opts);
+                    for (j, (e, w)) in want.iter().enumerate() {
+                        assert_eq!(routes.expert_ids[t * k + j] as usize, *e, "token {t} slot {j}");
+                        assert!((routes.weights[t * k + j] - w).abs() < 1e-5, "token {t} slot {j}");
+                    }
+                }
+            }
+        }
     }
 }

@@ -67,6 +67,7 @@ pub fn write_tiny(dir: &Path, spec: &TinySpec) -> Arc<Model> {
             expert_ff: Some(spec.expert_ff),
             shared_expert_ff: if adapter.shared_expert { Some(24) } else { None },
             tied_embeddings: Some(spec.tied),
+            mtp_layers: None,
         },
         dtype: spec.dtype,
         seed: spec.seed,

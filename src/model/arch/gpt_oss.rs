@@ -36,7 +36,9 @@ fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
     attention.o_bias = true;
     attention.sinks = true;
     attention.window = c.window_of(layer_idx);
-    let Ffn::Moe(mut moe) = standard_moe(c, RoutingVariant::TopKThenSoftmax, None);
+    let Ffn::Moe(mut moe) = standard_moe(c, RoutingVariant::TopKThenSoftmax, None) else {
+        unreachable!("standard_moe builds a MoE")
+    };
     moe.router.bias = true;
     moe.expert_bias = true;
     moe.activation = FfnActivation::SwigluOai;

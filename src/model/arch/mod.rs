@@ -12,6 +12,7 @@
 //! how its config spells the expert sizes, the tensor-name family, defaults, and the pipeline
 //! [`Profile`].
 
+mod deepseek_v3;
 mod gpt_oss;
 mod mixtral;
 mod olmoe;
@@ -35,6 +36,7 @@ pub enum Arch {
     Qwen3Next,
     Qwen35Moe,
     GptOss,
+    DeepseekV3,
 }
 
 /// How router logits become the top-k expert ids and weights.
@@ -45,6 +47,11 @@ pub enum RoutingVariant {
     SoftmaxThenTopK,
     /// take the k largest logits, then softmax over those k (always sums to 1).
     TopKThenSoftmax,
+    /// DeepSeek-V3: `sigmoid(logit)` per expert; the choice adds the selection bias and keeps
+    /// the best `topk_group` of `n_group` groups (a group's score is the sum of its two best);
+    /// the weights are the chosen sigmoid scores (renormalised with `norm_topk_prob`) times
+    /// the router's `scale`.
+    Sigmoid,
 }
 
 /// FFN activation applied to the gate projection before multiplying by the up projection.
@@ -122,6 +129,9 @@ pub enum HfNaming {
     /// `down_proj` `[E, ff, hidden]`, each with a bias), `self_attn.sinks`; in GGUF the FFN norm
     /// is `post_attention_norm`.
     GptOss,
+    /// DeepSeek-V3: `mlp.gate` with `e_score_correction_bias`, `mlp.shared_experts.*`, the
+    /// dense layers' `mlp.{gate,up,down}_proj`, the MLA projections (`q_a_proj`, `kv_b_proj`, ...).
+    SharedExperts,
 }
 
 /// RoPE of one attention layer.
@@ -288,6 +298,41 @@ impl DeltaNetSpec {
 pub enum Mixer {
     Attention(AttentionSpec),
     GatedDeltaNet(DeltaNetSpec),
+    LatentAttention(LatentAttentionSpec),
+}
+
+/// Multi-head latent attention (DeepSeek-V2/V3, Kimi K2): q from a low-rank projection
+/// (`q_a` -> RMSNorm -> `q_b`) or a plain one; keys and values from one latent per position
+/// (`kv_a` -> `kv_lora_rank` latent, RMSNorm, plus a `rope_dim` key part shared by every head);
+/// each head's key is `[nope | rope]`, its no-RoPE part and its value the latent through that
+/// head's rows of `kv_b` (stored split as llama.cpp does: `k_b` `[heads, kv_lora_rank, nope]`,
+/// `v_b` `[heads, v_dim, kv_lora_rank]`). Only the `rope_dim` parts rotate. A session keeps the
+/// normalised latent and the rotated key part: `kv_lora_rank + rope_dim` values per position.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LatentAttentionSpec {
+    pub n_heads: usize,
+    /// `None`: a plain `q` projection (DeepSeek-V2-Lite).
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    /// Per head: the key part without RoPE, the rotated part, the value.
+    pub nope_dim: usize,
+    pub rope_dim: usize,
+    pub v_dim: usize,
+    /// RoPE of the `rope_dim` parts (`dims` = `rope_dim`).
+    pub rope: RopeSpec,
+    /// The softmax scale: `1 / sqrt(nope_dim + rope_dim)`, times YaRN's `mscale^2`.
+    pub scale: f32,
+}
+
+impl LatentAttentionSpec {
+    /// Values per position in a session's cache: the latent and the rotated key part.
+    pub fn cache_width(&self) -> usize {
+        self.kv_lora_rank + self.rope_dim
+    }
+    /// Rows of the q projection: every head's `[nope | rope]`.
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * (self.nope_dim + self.rope_dim)
+    }
 }
 
 /// How a MoE layer's router turns a token into expert ids and weights.
@@ -300,15 +345,33 @@ pub struct RouterSpec {
     pub n_experts_used: usize,
     /// The router's linear layer carries a bias added to every logit (GPT-OSS).
     pub bias: bool,
+    /// A per-expert bias added to the scores for the choice only (DeepSeek-V3's
+    /// `e_score_correction_bias`, llama.cpp's `exp_probs_b`), [`RoutingVariant::Sigmoid`].
+    pub selection_bias: bool,
+    /// Group-limited choice: the experts in `n_group` equal groups, only the best `topk_group`
+    /// groups eligible (1 and 1: no groups).
+    pub n_group: usize,
+    pub topk_group: usize,
+    /// Routed weights are multiplied by this (`routed_scaling_factor`; 1 elsewhere).
+    pub scale: f32,
 }
 
 /// A dense expert every token runs beside the routed ones, scaled by `sigmoid(gate · x)`
-/// (Qwen2-MoE's `shared_expert_gate`). An ungated kind (DeepSeek-V3) adds a field here and its
-/// implementation in each engine.
+/// (Qwen2-MoE's `shared_expert_gate`) when `gated`, added as it is otherwise (DeepSeek-V3's
+/// `shared_experts`).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct SharedExpertSpec {
     /// Intermediate size.
     pub ff: usize,
+    pub gated: bool,
+}
+
+/// A plain gated FFN (`down · act(gate · x) * (up · x)`): DeepSeek-V3's first
+/// `first_k_dense_replace` layers. A layer of this kind has no experts.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DenseFfnSpec {
+    pub ff: usize,
+    pub activation: FfnActivation,
 }
 
 /// A routed mixture of experts.
@@ -328,6 +391,7 @@ pub struct MoeSpec {
 #[serde(rename_all = "snake_case")]
 pub enum Ffn {
     Moe(MoeSpec),
+    Dense(DenseFfnSpec),
 }
 
 /// One layer: pre-norm mixer, residual, pre-norm FFN, residual.
@@ -342,7 +406,7 @@ impl LayerSpec {
     pub fn as_attention(&self) -> Option<&AttentionSpec> {
         match &self.mixer {
             Mixer::Attention(a) => Some(a),
-            Mixer::GatedDeltaNet(_) => None,
+            Mixer::GatedDeltaNet(_) | Mixer::LatentAttention(_) => None,
         }
     }
 
@@ -353,11 +417,22 @@ impl LayerSpec {
         self.as_attention().expect("engines built over attention-only plans")
     }
 
-    /// The MoE block of this layer (every FFN kind today is a MoE).
-    pub fn moe(&self) -> &MoeSpec {
+    /// The MoE block of this layer, `None` for a dense FFN layer (no experts).
+    pub fn as_moe(&self) -> Option<&MoeSpec> {
         match &self.ffn {
-            Ffn::Moe(m) => m,
+            Ffn::Moe(m) => Some(m),
+            Ffn::Dense(_) => None,
         }
+    }
+
+    /// The layer routes to experts.
+    pub fn has_experts(&self) -> bool {
+        self.as_moe().is_some()
+    }
+
+    /// The shared expert of a MoE layer.
+    pub fn shared_expert(&self) -> Option<SharedExpertSpec> {
+        self.as_moe().and_then(|m| m.shared)
     }
 }
 
@@ -371,11 +446,12 @@ impl LayerPlan {
     /// The plan `adapter` gives the model `config` describes.
     pub fn new(adapter: &Adapter, config: &ModelConfig) -> LayerPlan {
         let layers: Vec<LayerSpec> = (0..config.n_layers).map(|l| (adapter.layer)(config, l)).collect();
-        let first = layers[0].moe();
+        let moes: Vec<&MoeSpec> = layers.iter().filter_map(LayerSpec::as_moe).collect();
+        let first = moes.first().expect("every architecture has MoE layers (checked at open)");
         assert!(
-            layers.iter().all(|l| l.moe().activation == first.activation
-                && l.moe().expert_ff == first.expert_ff
-                && l.moe().expert_bias == first.expert_bias),
+            moes.iter().all(|m| m.activation == first.activation
+                && m.expert_ff == first.expert_ff
+                && m.expert_bias == first.expert_bias),
             "{}: the lanes' kernels are built once for every layer's experts (one shape, one activation)",
             adapter.hf_model_type
         );
@@ -385,7 +461,23 @@ impl LayerPlan {
     /// The activation of the routed experts: every MoE layer of a model shares it and the
     /// expert shape (checked in [`LayerPlan::new`]), so the lanes build their kernels once.
     pub fn expert_activation(&self) -> FfnActivation {
-        self.layers[0].moe().activation
+        self.first_moe().activation
+    }
+
+    /// The first MoE layer's block (every plan has one: `LayerPlan::new`).
+    pub fn first_moe(&self) -> &MoeSpec {
+        self.layers.iter().find_map(LayerSpec::as_moe).expect("a plan has MoE layers")
+    }
+
+    /// Per layer, whether it routes to experts (a dense FFN layer has none).
+    pub fn expert_layers(&self) -> Vec<bool> {
+        self.layers.iter().map(LayerSpec::has_experts).collect()
+    }
+
+    /// The first layer whose FFN an engine without `supported(ffn)` cannot run, with the kind's
+    /// name.
+    pub fn first_unsupported_ffn(&self, supported: impl Fn(&Ffn) -> bool) -> Option<(usize, &'static str)> {
+        self.layers.iter().position(|l| !supported(&l.ffn)).map(|l| (l, self.layers[l].ffn.name()))
     }
 
     pub fn layer(&self, layer_idx: usize) -> &LayerSpec {
@@ -433,6 +525,23 @@ impl Mixer {
             Mixer::Attention(a) if a.sinks => "attention with sinks",
             Mixer::Attention(_) => "attention",
             Mixer::GatedDeltaNet(_) => "gated deltanet",
+            Mixer::LatentAttention(_) => "latent attention (MLA)",
+        }
+    }
+}
+
+impl Ffn {
+    /// The kind's name in errors and `inspect`.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Ffn::Moe(m) if m.router.variant == RoutingVariant::Sigmoid => {
+                "mixture of experts with sigmoid routing"
+            }
+            Ffn::Moe(m) if m.shared.is_some_and(|s| !s.gated) => {
+                "mixture of experts with an ungated shared expert"
+            }
+            Ffn::Moe(_) => "mixture of experts",
+            Ffn::Dense(_) => "dense FFN",
         }
     }
 }
@@ -444,8 +553,32 @@ fn describe(spec: &LayerSpec) -> String {
             "gated deltanet ({} k / {} v heads, k {} v {}, conv {})",
             d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim, d.conv_kernel
         ),
+        Mixer::LatentAttention(m) => format!(
+            "latent attention ({} heads, q rank {}, kv rank {}, nope {} rope {} v {}, {})",
+            m.n_heads,
+            m.q_lora_rank.map_or("none".into(), |r| r.to_string()),
+            m.kv_lora_rank,
+            m.nope_dim,
+            m.rope_dim,
+            m.v_dim,
+            describe_attention_rope(&m.rope)
+        ),
     };
-    format!("{mixer} + moe ({})", describe_moe(spec.moe()))
+    match &spec.ffn {
+        Ffn::Moe(m) => format!("{mixer} + moe ({})", describe_moe(m)),
+        Ffn::Dense(d) => format!("{mixer} + dense ffn ({}, {})", d.ff, d.activation.hf_name()),
+    }
+}
+
+fn describe_attention_rope(r: &RopeSpec) -> String {
+    let style = match r.style {
+        RopeStyle::HalfSplit => "neox rope",
+        RopeStyle::Interleaved => "interleaved rope",
+    };
+    match r.yarn {
+        Some(y) => format!("{style}, yarn x{} of {}", y.factor, y.original_context),
+        None => style.to_string(),
+    }
 }
 
 fn describe_attention(a: &AttentionSpec) -> String {
@@ -490,11 +623,22 @@ fn describe_moe(m: &MoeSpec) -> String {
         RoutingVariant::SoftmaxThenTopK if m.router.norm_topk_prob => "softmax, top-k, renormalised",
         RoutingVariant::SoftmaxThenTopK => "softmax, top-k",
         RoutingVariant::TopKThenSoftmax => "top-k, softmax",
+        RoutingVariant::Sigmoid if m.router.norm_topk_prob => "sigmoid, top-k, renormalised",
+        RoutingVariant::Sigmoid => "sigmoid, top-k",
     };
     let mut ffn =
         vec![format!("{} of {} experts", m.router.n_experts_used, m.router.n_experts), routing.into()];
     if m.router.bias {
         ffn.push("router bias".into());
+    }
+    if m.router.selection_bias {
+        ffn.push("selection bias".into());
+    }
+    if m.router.n_group > 1 {
+        ffn.push(format!("{} of {} groups", m.router.topk_group, m.router.n_group));
+    }
+    if m.router.scale != 1.0 {
+        ffn.push(format!("scaled x{}", m.router.scale));
     }
     ffn.push(match m.activation {
         FfnActivation::SwigluOai => "clamped swiglu".into(),
@@ -504,7 +648,8 @@ fn describe_moe(m: &MoeSpec) -> String {
         ffn.push("expert biases".into());
     }
     if let Some(s) = m.shared {
-        ffn.push(format!("gated shared expert {}", s.ff));
+        let kind = if s.gated { "gated" } else { "ungated" };
+        ffn.push(format!("{kind} shared expert {}", s.ff));
     }
     ffn.join(", ")
 }
@@ -624,7 +769,7 @@ impl PartialEq for Adapter {
 }
 
 /// Every supported architecture.
-pub static ADAPTERS: [Adapter; 7] = [
+pub static ADAPTERS: [Adapter; 8] = [
     qwen3_moe::ADAPTER,
     mixtral::ADAPTER,
     olmoe::ADAPTER,
@@ -632,6 +777,7 @@ pub static ADAPTERS: [Adapter; 7] = [
     qwen3_next::ADAPTER,
     qwen35_moe::ADAPTER,
     gpt_oss::ADAPTER,
+    deepseek_v3::ADAPTER,
 ];
 
 /// The attention layer every current architecture builds from its config: `qk_norm` and
@@ -659,6 +805,10 @@ fn standard_moe(c: &ModelConfig, variant: RoutingVariant, shared: Option<SharedE
             n_experts: c.n_experts,
             n_experts_used: c.n_experts_used,
             bias: false,
+            selection_bias: false,
+            n_group: 1,
+            topk_group: 1,
+            scale: 1.0,
         },
         activation: FfnActivation::Silu,
         expert_ff: c.expert_ff,
@@ -745,8 +895,8 @@ mod tests {
 
     #[test]
     fn unsupported_arch_lists_the_supported_ones() {
-        let err = for_hf_model_type("deepseek_v3").unwrap_err().to_string();
-        assert!(err.contains("deepseek_v3"), "{err}");
+        let err = for_hf_model_type("glm4_moe").unwrap_err().to_string();
+        assert!(err.contains("glm4_moe"), "{err}");
         for name in ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"] {
             assert!(err.contains(name), "{err}");
         }
@@ -770,9 +920,25 @@ mod tests {
             let plan = LayerPlan::new(a, &c);
             assert_eq!(plan.len(), c.n_layers);
             let hybrid = a.hybrid.delta_net.is_some();
+            let deepseek = a.arch == Arch::DeepseekV3;
             for (l, spec) in plan.layers().iter().enumerate() {
-                let moe = spec.moe();
+                // DeepSeek-V3: a dense first layer, then sigmoid-routed MoE with an ungated
+                // shared expert; latent attention everywhere.
+                let Some(moe) = spec.as_moe() else {
+                    assert!(deepseek && l == 0, "{:?} layer {l}", a.arch);
+                    continue;
+                };
                 assert_eq!(moe.shared.is_some(), a.shared_expert, "{:?}", a.arch);
+                if let Mixer::LatentAttention(m) = spec.mixer {
+                    assert!(deepseek, "{:?}", a.arch);
+                    assert_eq!(
+                        (moe.router.variant, moe.router.selection_bias),
+                        (RoutingVariant::Sigmoid, true)
+                    );
+                    assert!(moe.shared.is_some_and(|s| !s.gated) && m.rope.dims == m.rope_dim);
+                    continue;
+                }
+                assert!(!deepseek, "{:?} layer {l}", a.arch);
                 assert_eq!((moe.router.n_experts, moe.expert_ff), (c.n_experts, c.expert_ff));
                 // The Qwen hybrids: every fourth layer gated attention, the others DeltaNet.
                 let full = !hybrid || (l + 1) % 4 == 0;
@@ -792,10 +958,11 @@ mod tests {
                     Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe => QkNorm::PerHead,
                     Arch::Olmoe => QkNorm::WholeProjection,
                     Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss => QkNorm::None,
+                    Arch::DeepseekV3 => unreachable!("latent attention, checked above"),
                 };
                 assert_eq!(att.qk_norm, expected_norm);
             }
-            let runs = if hybrid || a.arch == Arch::GptOss { 2 } else { 1 };
+            let runs = if hybrid || a.arch == Arch::GptOss || deepseek { 2 } else { 1 };
             assert_eq!(plan.summary().len().min(2), runs, "{:?}", plan.summary());
         }
     }

@@ -28,7 +28,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
 };
 
 fn layer(c: &ModelConfig, _layer_idx: usize) -> LayerSpec {
-    let shared = SharedExpertSpec { ff: c.shared_expert_ff };
+    let shared = SharedExpertSpec { ff: c.shared_expert_ff, gated: true };
     LayerSpec {
         mixer: standard_attention(c, QkNorm::None, true),
         ffn: standard_moe(c, RoutingVariant::SoftmaxThenTopK, Some(shared)),

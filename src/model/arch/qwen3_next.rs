@@ -61,8 +61,10 @@ pub(super) fn hybrid_layer(c: &ModelConfig, layer_idx: usize, norm_topk_prob: bo
             v_heads: h.v_heads,
         })
     };
-    let shared = SharedExpertSpec { ff: c.shared_expert_ff };
-    let Ffn::Moe(mut moe) = standard_moe(c, RoutingVariant::SoftmaxThenTopK, Some(shared));
+    let shared = SharedExpertSpec { ff: c.shared_expert_ff, gated: true };
+    let Ffn::Moe(mut moe) = standard_moe(c, RoutingVariant::SoftmaxThenTopK, Some(shared)) else {
+        unreachable!("standard_moe builds a MoE")
+    };
     moe.router.norm_topk_prob = norm_topk_prob;
     LayerSpec { mixer, ffn: Ffn::Moe(moe) }
 }

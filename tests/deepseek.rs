@@ -1,0 +1,226 @@
+//! DeepSeek-V3 (issue 42, first part) against the `transformers` fixture of
+//! tests/fixtures/make_deepseek.py: latent attention (low-rank q, a 32-wide latent, RoPE on the
+//! 8-wide parts, interleaved, YaRN with `mscale_all_dim`), a dense first layer, sigmoid routing
+//! with a selection bias over 4 groups of which 2 are kept, `routed_scaling_factor` 2.5, an
+//! ungated shared expert. The oracle and the CPU pipeline at hot fractions 0, 0.5 and 1: prefill,
+//! a second chunk on the same session, decode token by token, greedy tokens; the GPU engine
+//! refuses the new kinds by name and the default engine falls back to the pipeline.
+
+mod common;
+
+use common::*;
+use moe_lanes::arch::{Ffn, Mixer, RoutingVariant};
+use moe_lanes::engine::{build_engine, EngineKind, EngineOptions, HotChoice};
+use moe_lanes::hot_set::HotSet;
+use moe_lanes::model::Model;
+use moe_lanes::phase::Phase;
+use moe_lanes::pipeline::{Pipeline, PipelineOptions};
+use moe_lanes::reference::{NoObserver, Reference};
+use serde::Deserialize;
+use std::sync::Arc;
+
+#[derive(Deserialize)]
+struct Golden {
+    prompt: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+    greedy_new_tokens: Vec<u32>,
+    second_chunk: Vec<u32>,
+    second_chunk_logits: Vec<Vec<f32>>,
+}
+
+const NAME: &str = "deepseek_v3_a";
+/// The issue's bound for the reference and the pipeline.
+const TOLERANCE: f32 = 1e-3;
+
+fn open() -> (Arc<Model>, Golden) {
+    let dir = fixtures_root().join(NAME);
+    let golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    (Arc::new(Model::open(&dir).unwrap()), golden)
+}
+
+/// The hot set of `fraction` of each MoE layer's experts (the dense layer has none).
+fn hot_set(model: &Model, fraction: f64) -> HotSet {
+    let c = model.config();
+    let all = HotSet::from_fraction(c.n_layers, c.n_experts, 1, fraction, None).unwrap();
+    let lists: Vec<Vec<usize>> = (0..c.n_layers)
+        .map(|l| match model.plan().layer(l).has_experts() {
+            true => (0..c.n_experts).filter(|&e| all.layers[l].is_hot(e)).collect(),
+            false => Vec::new(),
+        })
+        .collect();
+    HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists)
+}
+
+fn pipeline(model: &Arc<Model>, hot_fraction: f64, max_batch_tokens: usize) -> Pipeline {
+    let opts = PipelineOptions {
+        hot_set: Some(hot_set(model, hot_fraction)),
+        max_batch_tokens,
+        ..Default::default()
+    };
+    Pipeline::new(model.clone(), opts).unwrap()
+}
+
+#[test]
+fn the_plan_says_what_deepseek_v3_is() {
+    let (model, _) = open();
+    let plan = model.plan();
+    for (l, spec) in plan.layers().iter().enumerate() {
+        let Mixer::LatentAttention(m) = spec.mixer else { panic!("layer {l}: {:?}", spec.mixer) };
+        assert_eq!(
+            (m.q_lora_rank, m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_dim),
+            (Some(24), 32, 16, 8, 12)
+        );
+        assert!(m.rope.yarn.is_some());
+        match (l, &spec.ffn) {
+            (0, Ffn::Dense(d)) => assert_eq!(d.ff, 48),
+            (0, other) => panic!("layer 0 is dense: {other:?}"),
+            (_, Ffn::Moe(moe)) => {
+                let r = moe.router;
+                assert_eq!(r.variant, RoutingVariant::Sigmoid);
+                assert!(r.selection_bias && r.norm_topk_prob);
+                assert_eq!((r.n_group, r.topk_group, r.scale), (4, 2, 2.5));
+                assert!(moe.shared.is_some_and(|s| !s.gated));
+            }
+            (_, other) => panic!("layer {l} routes: {other:?}"),
+        }
+    }
+    let summary = plan.summary().join("\n");
+    assert!(summary.contains("latent attention") && summary.contains("dense ffn"), "{summary}");
+    assert!(summary.contains("2 of 4 groups") && summary.contains("ungated shared expert"), "{summary}");
+    assert_eq!(plan.expert_layers(), vec![false, true, true, true]);
+    assert_eq!(model.expert_bytes_of_layer(0), 0);
+}
+
+#[test]
+fn reference_matches_transformers_prefill_second_chunk_and_greedy() {
+    let (model, g) = open();
+    let r = Reference::new(&model).unwrap();
+    let mut cache = r.new_cache();
+    let prefill = r.forward(&mut cache, &g.prompt, &mut NoObserver).unwrap();
+    let second = r.forward(&mut cache, &g.second_chunk, &mut NoObserver).unwrap();
+    let (e1, e2) = (max_rel_err(&prefill, &g.logits), max_rel_err(&second, &g.second_chunk_logits));
+    println!("reference: prefill {e1:.2e}, second chunk {e2:.2e}");
+    assert!(e1 < TOLERANCE && e2 < TOLERANCE, "{e1} {e2}");
+    assert_eq!(r.generate(&g.prompt, g.greedy_new_tokens.len()).unwrap(), g.greedy_new_tokens);
+}
+
+#[test]
+fn pipeline_prefill_and_a_second_chunk_match_transformers_at_every_hot_fraction() {
+    let (model, g) = open();
+    for hot in [0.0, 0.5, 1.0] {
+        // 8-token sub-batches: the prompt crosses sub-batch boundaries.
+        for batch in [8, 512] {
+            let mut p = pipeline(&model, hot, batch);
+            let mut cache = p.new_cache();
+            let prefill = p.forward(&mut cache, &g.prompt, Phase::Prefill).unwrap();
+            let second = p.forward(&mut cache, &g.second_chunk, Phase::Prefill).unwrap();
+            let (e1, e2) = (max_rel_err(&prefill, &g.logits), max_rel_err(&second, &g.second_chunk_logits));
+            println!("pipeline hot {hot} batch {batch}: prefill {e1:.2e}, second chunk {e2:.2e}");
+            assert!(e1 < TOLERANCE && e2 < TOLERANCE, "hot {hot} batch {batch}: {e1} {e2}");
+        }
+    }
+}
+
+#[test]
+fn pipeline_decode_token_by_token_equals_transformers() {
+    let (model, g) = open();
+    for hot in [0.0, 0.5, 1.0] {
+        let mut p = pipeline(&model, hot, 512);
+        let mut cache = p.new_cache();
+        let mut stepped = Vec::new();
+        for &t in &g.prompt {
+            stepped.extend(p.forward(&mut cache, &[t], Phase::Decode).unwrap());
+        }
+        let err = max_rel_err(&stepped, &g.logits);
+        println!("pipeline hot {hot}: decode {err:.2e}");
+        assert!(err < TOLERANCE, "hot {hot}: {err}");
+    }
+}
+
+#[test]
+fn pipeline_greedy_continuations_are_identical() {
+    let (model, g) = open();
+    for hot in [0.0, 0.5, 1.0] {
+        let got = pipeline(&model, hot, 512).generate(&g.prompt, g.greedy_new_tokens.len()).unwrap();
+        assert_eq!(got, g.greedy_new_tokens, "hot {hot}");
+    }
+}
+
+/// A hot set that names experts of the dense layer is refused by name.
+#[test]
+fn a_hot_set_in_the_dense_layer_is_refused() {
+    let (model, _) = open();
+    let c = model.config();
+    let all = HotSet::from_fraction(c.n_layers, c.n_experts, 1, 0.5, None).unwrap();
+    let opts = PipelineOptions { hot_set: Some(all), ..Default::default() };
+    let err = Pipeline::new(model.clone(), opts).err().expect("refused").to_string();
+    assert!(err.contains("layer 0") && err.contains("dense"), "{err}");
+}
+
+/// The GPU engine refuses latent attention by name before it touches a device; the default
+/// engine falls back to the pipeline (with a byte budget, the dense layer gets no experts).
+#[test]
+fn gpu_refuses_by_name_and_the_default_engine_falls_back() {
+    let (model, g) = open();
+    let err = moe_lanes::gpu::GpuModel::supports(&model).unwrap_err().to_string();
+    assert!(err.contains("latent attention"), "{err}");
+    let mut opts = EngineOptions::new(128);
+    opts.hot = HotChoice::Budget(moe_lanes::engine::HotBudget::Fraction(0.5));
+    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
+    if gpu_usable() {
+        opts.cuda = moe_lanes::env::cuda_config().unwrap();
+    }
+    let (mut engine, report) = build_engine(&model, opts).unwrap();
+    assert_eq!(report.kind, EngineKind::Pipeline);
+    let mut cache = engine.new_cache(128).unwrap();
+    let prefill = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().rows();
+    let err = max_rel_err(&prefill, &g.logits);
+    assert!(err < TOLERANCE, "{err}");
+}
+
+/// `synth --arch deepseek_v3` (tiny: a dense first layer, 4 groups of 2 experts): both formats
+/// open with the same plan and give the same logits, and the pipeline matches the oracle on
+/// each (the GGUF file stores `attn_kv_b`, split at open as transformers' `kv_b_proj` is).
+#[test]
+fn synthetic_deepseek_in_both_formats_gives_the_same_logits() {
+    use moe_lanes::synth::SynthFormat;
+    let dir = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 500).collect();
+    let mut per_format = Vec::new();
+    for format in [SynthFormat::Safetensors, SynthFormat::Gguf] {
+        let mut opts = synth_options("deepseek_v3", format, dir.path().join(format!("m-{format:?}")), 42);
+        opts.dims.n_layers = Some(3);
+        if format == SynthFormat::Gguf {
+            opts.out.set_extension("gguf");
+        }
+        moe_lanes::synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+        let model = Arc::new(Model::open(&opts.out).unwrap());
+        assert_eq!(model.plan().expert_layers(), vec![false, true, true], "{format:?}");
+        let r = Reference::new(&model).unwrap();
+        let want = r.forward(&mut r.new_cache(), &prompt, &mut NoObserver).unwrap();
+        let mut p = pipeline(&model, 0.5, 512);
+        let got = p.forward(&mut p.new_cache(), &prompt, Phase::Prefill).unwrap();
+        let err = max_rel_err(&got, &want);
+        assert!(err < TOLERANCE, "{format:?}: pipeline vs oracle {err}");
+        per_format.push(want);
+    }
+    let err = max_rel_err(&per_format[1], &per_format[0]);
+    println!("synthetic deepseek_v3: gguf vs safetensors {err:.2e}");
+    assert!(err < 1e-5, "the formats differ by {err}");
+}
+
+/// The presets: DeepSeek-V3's and Kimi K2's shapes, shrunk with `--layers`.
+#[test]
+fn deepseek_presets_have_their_shapes() {
+    use moe_lanes::synth::{synth_config, DimOverrides, Preset};
+    let a = adapter("deepseek_v3");
+    let dims = DimOverrides { n_layers: Some(4), ..Default::default() };
+    let ds = synth_config(a, "deepseek-v3".parse::<Preset>().unwrap(), &dims).unwrap();
+    let m = ds.mla.unwrap();
+    assert_eq!((m.kv_lora_rank, m.qk_rope_head_dim, m.q_lora_rank), (512, 64, Some(1536)));
+    assert_eq!(ds.dense_layers.unwrap().count, 3);
+    assert_eq!((ds.n_experts, ds.sigmoid_routing.unwrap().n_group), (256, 8));
+    let kimi = synth_config(a, "kimi-k2".parse::<Preset>().unwrap(), &dims).unwrap();
+    assert_eq!((kimi.n_experts, kimi.n_heads, kimi.dense_layers.unwrap().count), (384, 64, 1));
+    assert!(synth_config(adapter("qwen3_moe"), "deepseek-v3".parse().unwrap(), &dims).is_err());
+}
