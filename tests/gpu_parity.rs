@@ -407,7 +407,7 @@ fn seeded_fault_schedules_over_long_generations() {
     use moe_lanes::actors::LaneFaultSchedule;
     const DECODE_STEPS: usize = 40;
     let Some(_gpu) = gpu_shared() else { return };
-    for (i, name) in common::fixture_names().iter().enumerate().take(4) {
+    for (i, name) in gpu_fixture_names().iter().enumerate().take(4) {
         let seed = 11 + i as u64;
         let model = open(name);
         let c = model.config().clone();
