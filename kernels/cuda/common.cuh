@@ -238,6 +238,7 @@ __device__ __forceinline__ void warp_dot2_bf16(const bf16* __restrict__ w0, cons
 #if !defined(QUANT_MAX_TOKENS) || !defined(ATT_TILE_ROWS) || !defined(ATT_TILE_KEYS) || !defined(ATT_TILE_MAXC) || \
     !defined(QUANT_WIDE_ROWS) || !defined(DOWN_ROWS) || !defined(GEMV_SPLIT) || !defined(GG_PIPE_BK) || !defined(GG_STAGES) || \
     !defined(ATT_MMA_WARPS) || !defined(ATT_MMA_KEYS) || !defined(ATT_MMA_MAXD) || !defined(TOPK_PER_LANE) || \
-    !defined(ATT_GQA_HEADS) || !defined(ATT_GQA_MAXD) || !defined(DELTA_MAX_DK) || !defined(DELTA_MAX_KERNEL)
+    !defined(ATT_GQA_HEADS) || !defined(ATT_GQA_MAXD) || !defined(DELTA_MAX_DK) || !defined(DELTA_MAX_KERNEL) || \
+    !defined(DELTA_CHUNK)
 #error "compile with the -D options of shared_defines() (kernels/src/cuda/kernel.rs)"
 #endif
