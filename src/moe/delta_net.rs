@@ -18,8 +18,8 @@
 //! (`[v_heads, d_k, d_v]` f32 and the conv's last `kernel - 1` inputs) is the session's and its
 //! size does not grow with the context.
 //!
-//! A decode step runs that recurrence ([`conv_step`], [`recurrent_step`]). A run of several
-//! tokens (prefill) runs [`prefill`]: every value head on the pool at once, each over the call's
+//! A decode step runs that recurrence (`conv_step`, `recurrent_step`). A run of several
+//! tokens (prefill) runs `prefill`: every value head on the pool at once, each over the call's
 //! tokens in chunks (the conv and norms of a chunk's tokens, then the chunked delta rule of
 //! `moe_lanes_kernels::delta_rule`, then the gated norm), one pool dispatch per layer.
 
