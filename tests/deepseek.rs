@@ -7,8 +7,10 @@
 //! refuses the new kinds by name and the default engine falls back to the pipeline.
 
 mod common;
+mod fixture_checks;
 
 use common::*;
+use fixture_checks::{Golden, HOT_FRACTIONS, TOLERANCE};
 use moe_lanes::arch::{Ffn, Mixer, RoutingVariant};
 use moe_lanes::engine::{build_engine, EngineKind, EngineOptions, HotChoice};
 use moe_lanes::hot_set::HotSet;
@@ -16,48 +18,16 @@ use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use moe_lanes::pipeline::{Pipeline, PipelineOptions};
 use moe_lanes::reference::{NoObserver, Reference};
-use serde::Deserialize;
 use std::sync::Arc;
 
-#[derive(Deserialize)]
-struct Golden {
-    prompt: Vec<u32>,
-    logits: Vec<Vec<f32>>,
-    greedy_new_tokens: Vec<u32>,
-    second_chunk: Vec<u32>,
-    second_chunk_logits: Vec<Vec<f32>>,
-}
-
 const NAME: &str = "deepseek_v3_a";
-/// The bound for the reference and the pipeline.
-const TOLERANCE: f32 = 1e-3;
 
 fn open() -> (Arc<Model>, Golden) {
-    let dir = fixtures_root().join(NAME);
-    let golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-    (Arc::new(Model::open(&dir).unwrap()), golden)
-}
-
-/// The hot set of `fraction` of each MoE layer's experts (the dense layer has none).
-fn hot_set(model: &Model, fraction: f64) -> HotSet {
-    let c = model.config();
-    let all = HotSet::from_fraction(c.n_layers, c.n_experts, 1, fraction, None).unwrap();
-    let lists: Vec<Vec<usize>> = (0..c.n_layers)
-        .map(|l| match model.plan().layer(l).has_experts() {
-            true => (0..c.n_experts).filter(|&e| all.layers[l].is_hot(e)).collect(),
-            false => Vec::new(),
-        })
-        .collect();
-    HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists)
+    fixture_checks::open(NAME)
 }
 
 fn pipeline(model: &Arc<Model>, hot_fraction: f64, max_batch_tokens: usize) -> Pipeline {
-    let opts = PipelineOptions {
-        hot_set: Some(hot_set(model, hot_fraction)),
-        max_batch_tokens,
-        ..Default::default()
-    };
-    Pipeline::new(model.clone(), opts).unwrap()
+    fixture_checks::pipeline(model, hot_fraction, max_batch_tokens)
 }
 
 #[test]
@@ -93,57 +63,22 @@ fn the_plan_says_what_deepseek_v3_is() {
 
 #[test]
 fn reference_matches_transformers_prefill_second_chunk_and_greedy() {
-    let (model, g) = open();
-    let r = Reference::new(&model).unwrap();
-    let mut cache = r.new_cache();
-    let prefill = r.forward(&mut cache, &g.prompt, &mut NoObserver).unwrap();
-    let second = r.forward(&mut cache, &g.second_chunk, &mut NoObserver).unwrap();
-    let (e1, e2) = (max_rel_err(&prefill, &g.logits), max_rel_err(&second, &g.second_chunk_logits));
-    println!("reference: prefill {e1:.2e}, second chunk {e2:.2e}");
-    assert!(e1 < TOLERANCE && e2 < TOLERANCE, "{e1} {e2}");
-    assert_eq!(r.generate(&g.prompt, g.greedy_new_tokens.len()).unwrap(), g.greedy_new_tokens);
+    fixture_checks::check_reference(NAME);
 }
 
 #[test]
 fn pipeline_prefill_and_a_second_chunk_match_transformers_at_every_hot_fraction() {
-    let (model, g) = open();
-    for hot in [0.0, 0.5, 1.0] {
-        // 8-token sub-batches: the prompt crosses sub-batch boundaries.
-        for batch in [8, 512] {
-            let mut p = pipeline(&model, hot, batch);
-            let mut cache = p.new_cache();
-            let prefill = p.forward(&mut cache, &g.prompt, Phase::Prefill).unwrap();
-            let second = p.forward(&mut cache, &g.second_chunk, Phase::Prefill).unwrap();
-            let (e1, e2) = (max_rel_err(&prefill, &g.logits), max_rel_err(&second, &g.second_chunk_logits));
-            println!("pipeline hot {hot} batch {batch}: prefill {e1:.2e}, second chunk {e2:.2e}");
-            assert!(e1 < TOLERANCE && e2 < TOLERANCE, "hot {hot} batch {batch}: {e1} {e2}");
-        }
-    }
+    fixture_checks::check_pipeline_prefill(NAME, &[8, 512]);
 }
 
 #[test]
 fn pipeline_decode_token_by_token_equals_transformers() {
-    let (model, g) = open();
-    for hot in [0.0, 0.5, 1.0] {
-        let mut p = pipeline(&model, hot, 512);
-        let mut cache = p.new_cache();
-        let mut stepped = Vec::new();
-        for &t in &g.prompt {
-            stepped.extend(p.forward(&mut cache, &[t], Phase::Decode).unwrap());
-        }
-        let err = max_rel_err(&stepped, &g.logits);
-        println!("pipeline hot {hot}: decode {err:.2e}");
-        assert!(err < TOLERANCE, "hot {hot}: {err}");
-    }
+    fixture_checks::check_pipeline_decode(NAME, &HOT_FRACTIONS, usize::MAX);
 }
 
 #[test]
 fn pipeline_greedy_continuations_are_identical() {
-    let (model, g) = open();
-    for hot in [0.0, 0.5, 1.0] {
-        let got = pipeline(&model, hot, 512).generate(&g.prompt, g.greedy_new_tokens.len()).unwrap();
-        assert_eq!(got, g.greedy_new_tokens, "hot {hot}");
-    }
+    fixture_checks::check_pipeline_greedy(NAME, &HOT_FRACTIONS);
 }
 
 /// A hot set that names experts of the dense layer is refused by name.

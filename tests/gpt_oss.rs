@@ -7,52 +7,36 @@
 //! falls back to the pipeline, saying why.
 
 mod common;
+mod fixture_checks;
 
 use common::*;
+use fixture_checks::{Golden, GPU_TOLERANCE, HOT_FRACTIONS, TOLERANCE};
 use moe_lanes::engine::{build_engine, EngineKind, EngineOptions, HotChoice};
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
-use moe_lanes::pipeline::{Pipeline, PipelineOptions};
+use moe_lanes::pipeline::Pipeline;
 use moe_lanes::reference::{NoObserver, Reference};
-use serde::Deserialize;
 use std::sync::Arc;
 
-#[derive(Deserialize)]
-struct Golden {
-    prompt: Vec<u32>,
-    logits: Vec<Vec<f32>>,
-    greedy_new_tokens: Vec<u32>,
-    second_chunk: Vec<u32>,
-    second_chunk_logits: Vec<Vec<f32>>,
-    sliding_window: usize,
-}
-
 const NAME: &str = "gpt_oss_a";
-/// The bound for the reference and the pipeline.
-const TOLERANCE: f32 = 1e-3;
 
 fn open() -> (Arc<Model>, Golden) {
-    let dir = fixtures_root().join(NAME);
-    let golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-    (Arc::new(Model::open(&dir).unwrap()), golden)
+    fixture_checks::open(NAME)
 }
 
 fn pipeline(model: &Arc<Model>, hot_fraction: f64, max_batch_tokens: usize) -> Pipeline {
-    let c = model.config();
-    let hot_set = HotSet::from_fraction(c.n_layers, c.n_experts, 1, hot_fraction, None).unwrap();
-    let opts = PipelineOptions { hot_set: Some(hot_set), max_batch_tokens, ..Default::default() };
-    Pipeline::new(model.clone(), opts).unwrap()
+    fixture_checks::pipeline(model, hot_fraction, max_batch_tokens)
 }
 
 #[test]
 fn the_plan_says_what_gpt_oss_is() {
     let (model, g) = open();
-    assert!(g.prompt.len() > g.sliding_window, "the prompt crosses the window");
+    assert!(g.prompt.len() > g.sliding_window.unwrap(), "the prompt crosses the window");
     let plan = model.plan();
     for (l, spec) in plan.layers().iter().enumerate() {
         let a = spec.attention();
-        assert_eq!(a.window, (l % 2 == 0).then_some(g.sliding_window), "layer {l}");
+        assert_eq!(a.window, (l % 2 == 0).then_some(g.sliding_window.unwrap()), "layer {l}");
         assert!(a.sinks && a.o_bias && a.qkv_bias && a.rope.yarn.is_some(), "layer {l}");
         let m = spec.as_moe().unwrap();
         assert!(m.router.bias && m.expert_bias, "layer {l}");
@@ -63,60 +47,24 @@ fn the_plan_says_what_gpt_oss_is() {
 
 #[test]
 fn reference_matches_transformers_prefill_second_chunk_and_greedy() {
-    let (model, g) = open();
-    let r = Reference::new(&model).unwrap();
-    let mut cache = r.new_cache();
-    let prefill = r.forward(&mut cache, &g.prompt, &mut NoObserver).unwrap();
-    let second = r.forward(&mut cache, &g.second_chunk, &mut NoObserver).unwrap();
-    let (e1, e2) = (max_rel_err(&prefill, &g.logits), max_rel_err(&second, &g.second_chunk_logits));
-    println!("reference: prefill {e1:.2e}, second chunk {e2:.2e}");
-    assert!(e1 < TOLERANCE && e2 < TOLERANCE, "{e1} {e2}");
-    assert_eq!(r.generate(&g.prompt, g.greedy_new_tokens.len()).unwrap(), g.greedy_new_tokens);
+    fixture_checks::check_reference(NAME);
 }
 
+/// 8-token sub-batches: the prompt crosses sub-batch boundaries and the window.
 #[test]
 fn pipeline_prefill_and_a_second_chunk_match_transformers_at_every_hot_fraction() {
-    let (model, g) = open();
-    for hot in [0.0, 0.5, 1.0] {
-        // 8-token sub-batches: the prompt crosses sub-batch boundaries and the window.
-        for batch in [8, 512] {
-            let mut p = pipeline(&model, hot, batch);
-            let mut cache = p.new_cache();
-            let prefill = p.forward(&mut cache, &g.prompt, Phase::Prefill).unwrap();
-            let second = p.forward(&mut cache, &g.second_chunk, Phase::Prefill).unwrap();
-            let (e1, e2) = (max_rel_err(&prefill, &g.logits), max_rel_err(&second, &g.second_chunk_logits));
-            println!("pipeline hot {hot} batch {batch}: prefill {e1:.2e}, second chunk {e2:.2e}");
-            assert!(e1 < TOLERANCE && e2 < TOLERANCE, "hot {hot} batch {batch}: {e1} {e2}");
-        }
-    }
+    fixture_checks::check_pipeline_prefill(NAME, &[8, 512]);
 }
 
 #[test]
 fn pipeline_decode_token_by_token_past_the_window_equals_transformers() {
-    let (model, g) = open();
-    for hot in [0.0, 0.5, 1.0] {
-        let mut p = pipeline(&model, hot, 512);
-        let mut cache = p.new_cache();
-        let mut stepped = Vec::new();
-        for &t in &g.prompt {
-            stepped.extend(p.forward(&mut cache, &[t], Phase::Decode).unwrap());
-        }
-        let err = max_rel_err(&stepped, &g.logits);
-        assert!(err < TOLERANCE, "hot {hot}: {err}");
-    }
+    fixture_checks::check_pipeline_decode(NAME, &HOT_FRACTIONS, usize::MAX);
 }
 
 #[test]
 fn pipeline_greedy_continuations_are_identical() {
-    let (model, g) = open();
-    for hot in [0.0, 0.5, 1.0] {
-        let got = pipeline(&model, hot, 512).generate(&g.prompt, g.greedy_new_tokens.len()).unwrap();
-        assert_eq!(got, g.greedy_new_tokens, "hot {hot}");
-    }
+    fixture_checks::check_pipeline_greedy(NAME, &HOT_FRACTIONS);
 }
-
-/// The bound for the GPU engine.
-const GPU_TOLERANCE: f32 = 2e-3;
 
 /// On a GPU: the GPU engine within 2e-3 of transformers where it runs GPT-OSS, or, where it
 /// refuses a kind by name, the default engine is the pipeline, which matches.

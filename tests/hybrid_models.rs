@@ -4,87 +4,48 @@
 //! continuations, at hot fractions 0, 0.5 and 1.
 
 mod common;
+mod fixture_checks;
 
 use common::*;
+use fixture_checks::GPU_TOLERANCE;
 use moe_lanes::engine::{build_engine, Engine, EngineKind, EngineOptions, HotChoice};
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use moe_lanes::pipeline::{Pipeline, PipelineOptions};
-use serde::Deserialize;
 use std::sync::Arc;
 
-#[derive(Deserialize)]
-struct Golden {
-    prompt: Vec<u32>,
-    logits: Vec<Vec<f32>>,
-    greedy_new_tokens: Vec<u32>,
-    second_chunk: Vec<u32>,
-    second_chunk_logits: Vec<Vec<f32>>,
-}
-
 const HYBRIDS: [&str; 2] = ["qwen3_next_a", "qwen3_5_moe_a"];
-/// The bound for the reference and the pipeline.
-const TOLERANCE: f32 = 1e-3;
 
-fn open(name: &str) -> (Arc<Model>, Golden) {
-    let dir = fixtures_root().join(name);
-    let golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
-    (Arc::new(Model::open(&dir).unwrap()), golden)
+fn open(name: &str) -> (Arc<Model>, fixture_checks::Golden) {
+    fixture_checks::open(name)
 }
 
 fn pipeline(model: &Arc<Model>, hot_fraction: f64, max_batch_tokens: usize) -> Pipeline {
-    let c = model.config();
-    let hot_set = HotSet::from_fraction(c.n_layers, c.n_experts, 1, hot_fraction, None).unwrap();
-    let opts = PipelineOptions { hot_set: Some(hot_set), max_batch_tokens, ..Default::default() };
-    Pipeline::new(model.clone(), opts).unwrap()
+    fixture_checks::pipeline(model, hot_fraction, max_batch_tokens)
 }
 
+/// 32-token sub-batches: the 70-token prompt crosses sub-batch boundaries and DeltaNet chunks.
 #[test]
 fn pipeline_prefill_and_a_second_chunk_match_transformers_at_every_hot_fraction() {
     for name in HYBRIDS {
-        let (model, g) = open(name);
-        for hot in [0.0, 0.5, 1.0] {
-            // 32-token sub-batches: the 70-token prompt crosses sub-batch boundaries too.
-            let mut p = pipeline(&model, hot, 32);
-            let mut cache = p.new_cache();
-            let prefill = p.forward(&mut cache, &g.prompt, Phase::Prefill).unwrap();
-            let second = p.forward(&mut cache, &g.second_chunk, Phase::Prefill).unwrap();
-            let (e1, e2) = (max_rel_err(&prefill, &g.logits), max_rel_err(&second, &g.second_chunk_logits));
-            println!("{name} hot {hot}: prefill {e1:.2e}, second chunk {e2:.2e}");
-            assert!(e1 < TOLERANCE && e2 < TOLERANCE, "{name} hot {hot}: {e1} {e2}");
-        }
+        fixture_checks::check_pipeline_prefill(name, &[32]);
     }
 }
 
 #[test]
 fn pipeline_decode_token_by_token_equals_its_prefill() {
     for name in HYBRIDS {
-        let (model, g) = open(name);
-        let mut p = pipeline(&model, 0.5, 512);
-        let mut cache = p.new_cache();
-        let mut stepped = Vec::new();
-        for &t in &g.prompt[..20] {
-            stepped.extend(p.forward(&mut cache, &[t], Phase::Decode).unwrap());
-        }
-        let err = max_rel_err(&stepped, &g.logits[..20]);
-        assert!(err < TOLERANCE, "{name}: {err}");
+        fixture_checks::check_pipeline_decode(name, &[0.5], 20);
     }
 }
 
 #[test]
 fn pipeline_greedy_continuations_are_identical() {
     for name in HYBRIDS {
-        let (model, g) = open(name);
-        for hot in [0.0, 1.0] {
-            let got = pipeline(&model, hot, 512).generate(&g.prompt, g.greedy_new_tokens.len()).unwrap();
-            assert_eq!(got, g.greedy_new_tokens, "{name} hot {hot}");
-        }
+        fixture_checks::check_pipeline_greedy(name, &[0.0, 1.0]);
     }
 }
-
-/// The bound for the GPU engine (bf16 activations in its prefill GEMMs).
-const GPU_TOLERANCE: f32 = 2e-3;
 
 fn gpu_engine(model: &Arc<Model>, hot_fraction: f64) -> Box<dyn Engine + '_> {
     let c = model.config();
