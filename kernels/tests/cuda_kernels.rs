@@ -210,6 +210,9 @@ fn attention_causal_gqa_matches_cpu() {
         (8, 8, 64, 30, 41),
         (6, 1, 16, 2, 33),
         (4, 2, 64, 2100, 1),
+        // Qwen3.5/3.6 gated attention: 256-dim heads through the tiled prefill kernel
+        (16, 2, 256, 0, 40),
+        (8, 1, 256, 300, 33),
     ] {
         let total = pos0 + t;
         let kv_dim = n_kv * hd;
@@ -249,7 +252,7 @@ fn attention_causal_gqa_matches_cpu() {
                 be.read_vec(o.ptr()).unwrap()
             };
             let (q_, k_, v_) = (dq.ptr(), dk.ptr(), dv.ptr());
-            // tiled prefill version (heads up to 128 dims)
+            // tiled prefill version (heads up to 256 dims)
             let got3 = CudaBackend::attention_tiled_fits(hd).then(|| {
                 run(&|o| be.attention_tiled(q_, k_, v_, o, t, pos0, n_heads, n_kv, hd, window).unwrap())
             });

@@ -28,8 +28,16 @@ pub const ATTENTION_TILE_ROWS: usize = 16;
 /// one per lane.
 pub const ATTENTION_TILE_KEYS: usize = 32;
 /// Largest head dimension of the tiled prefill attention (`-DATT_TILE_MAXC` = this / 32 values
-/// per lane and row): K, V and query tiles of 128-dim heads take 41.5 KiB of shared memory.
-pub const ATTENTION_TILE_MAX_HEAD_DIM: usize = 128;
+/// per lane and row; Qwen3.5/3.6 and Qwen3-Next heads are 256): K, V and query tiles take
+/// [`attention_tile_shared_bytes`], 41.5 KiB for 128-dim heads and 80.5 KiB for 256 (past the
+/// default 48 KiB: the kernels opt in to more), and a thread holds 4 x this / 32 accumulators.
+pub const ATTENTION_TILE_MAX_HEAD_DIM: usize = 256;
+
+/// Dynamic shared memory of a tiled prefill attention block over `head_dim`-value heads: K rows
+/// padded to `head_dim + 4` floats, V rows, and the block's query rows.
+pub const fn attention_tile_shared_bytes(head_dim: usize) -> usize {
+    4 * (ATTENTION_TILE_KEYS * (2 * head_dim + 4) + ATTENTION_TILE_ROWS * head_dim)
+}
 /// Threads of a tiled prefill attention block.
 pub const ATTENTION_TILE_THREADS: u32 = 32 * (ATTENTION_TILE_ROWS as u32 / 4);
 /// Warps of a tensor-core prefill attention block (`-DATT_MMA_WARPS`), 16 query rows each.

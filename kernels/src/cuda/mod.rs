@@ -903,16 +903,20 @@ impl CudaBackend {
     }
 }
 
-/// Let the pipelined grouped GEMMs take their dynamic shared memory (past the default 48 KiB).
+/// Let the pipelined grouped GEMMs and the tiled prefill attention over the widest heads take
+/// their dynamic shared memory (past the default 48 KiB).
 fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
-    let pipes = [
-        (Kernel::GroupedGateUpBf16Pipe, 2),
-        (Kernel::GroupedGemmBf16Pipe, 1),
-        (Kernel::GroupedGateUpQPipe, 2),
-        (Kernel::GroupedGemmQPipe, 1),
+    let tiles = kernel::attention_tile_shared_bytes(kernel::ATTENTION_TILE_MAX_HEAD_DIM);
+    let large = [
+        (Kernel::GroupedGateUpBf16Pipe, kernel::grouped_pipe_shared_bytes(2)),
+        (Kernel::GroupedGemmBf16Pipe, kernel::grouped_pipe_shared_bytes(1)),
+        (Kernel::GroupedGateUpQPipe, kernel::grouped_pipe_shared_bytes(2)),
+        (Kernel::GroupedGemmQPipe, kernel::grouped_pipe_shared_bytes(1)),
+        (Kernel::AttentionTiledF32, tiles),
+        (Kernel::AttentionTiledF16, tiles),
     ];
-    for (k, matrices) in pipes {
-        let bytes = kernel::grouped_pipe_shared_bytes(matrices) as i32;
+    for (k, bytes) in large {
+        let bytes = bytes as i32;
         functions[k as usize]
             .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes)
             .ctx("cuFuncSetAttribute(max dynamic shared)")?;

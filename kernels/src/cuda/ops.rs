@@ -6,10 +6,9 @@
 
 use super::kernel::{
     grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS,
-    ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_KEYS, ATTENTION_TILE_MAX_HEAD_DIM,
-    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM,
-    GEMV_SPLIT_WARPS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK,
-    ROW_BLOCK_THREADS,
+    ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS,
+    ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS,
+    GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use cudarc::cublas::{result as br, sys as bs};
@@ -974,7 +973,7 @@ impl CudaBackend {
 
     /// Same result as [`Self::attention`] (another summation order) for prefill: each block
     /// stages [`ATTENTION_TILE_ROWS`] query rows of one kv head's group and walks their keys in
-    /// shared-memory tiles of [`ATTENTION_TILE_KEYS`] positions with an online softmax, so the
+    /// shared-memory tiles of [`ATTENTION_TILE_KEYS`](super::kernel::ATTENTION_TILE_KEYS) positions with an online softmax, so the
     /// cache is read once per tile of rows instead of once per row; no limit on the positions.
     /// `head_dim` must pass [`Self::attention_tiled_fits`].
     pub fn attention_tiled(
@@ -1000,10 +999,10 @@ impl CudaBackend {
                 reason: format!("head_dim {head_dim} is not a multiple of 4 (float4 tiles)"),
             });
         }
-        let shared_floats = ATTENTION_TILE_KEYS * (2 * head_dim + 4) + ATTENTION_TILE_ROWS * head_dim;
+        let shared_bytes = super::kernel::attention_tile_shared_bytes(head_dim) as u32;
         let block = TileBlock { rows: ATTENTION_TILE_ROWS, threads: ATTENTION_TILE_THREADS };
         let bufs = (q, k_cache, v_cache, out);
-        self.launch_attention_tiles(kn, block, (shared_floats * 4) as u32, bufs, heads, pos0, window)
+        self.launch_attention_tiles(kn, block, shared_bytes, bufs, heads, pos0, window)
     }
 
     /// Launch a flash-style prefill kernel (tiled or mma; they take the same arguments): a
