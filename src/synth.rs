@@ -57,6 +57,10 @@ pub enum Preset {
     /// Kimi K2's shapes (`--arch deepseek_v3`): as DeepSeek-V3 with 64 heads, 384 experts in one
     /// group, one dense layer, scale 2.827, vocab 163840, YaRN x32 of 4096, theta 50000.
     KimiK2,
+    /// GLM-4.5-Air's shapes (`--arch glm4_moe`): 46 layers (the first dense of 10944), hidden
+    /// 4096, 96 q / 8 kv heads of 128 with q/k/v biases and RoPE on half of each head, 128
+    /// experts of 1408 (top-8, sigmoid with the selection bias) and a shared one, vocab 151,552.
+    Glm45Air,
 }
 
 impl Preset {
@@ -78,8 +82,9 @@ impl std::str::FromStr for Preset {
             "gpt-oss-120b" => Ok(Preset::GptOss120b),
             "deepseek-v3" => Ok(Preset::DeepseekV3),
             "kimi-k2" => Ok(Preset::KimiK2),
+            "glm-4.5-air" => Ok(Preset::Glm45Air),
             other => Err(format!(
-                "unknown preset '{other}' (expected tiny, qwen3-30b-a3b, qwen3.6-35b-a3b, qwen3-next-80b-a3b, gpt-oss-20b, gpt-oss-120b, deepseek-v3 or kimi-k2)"
+                "unknown preset '{other}' (expected tiny, qwen3-30b-a3b, qwen3.6-35b-a3b, qwen3-next-80b-a3b, gpt-oss-20b, gpt-oss-120b, deepseek-v3, kimi-k2 or glm-4.5-air)"
             )),
         }
     }
@@ -373,6 +378,11 @@ pub fn synth_config(
         let want = if ds_preset { "deepseek_v3" } else { "another architecture" };
         return Err(invalid("preset", format!("this preset is for {want}, not {}", adapter.hf_model_type)));
     }
+    let glm_preset = preset == Preset::Glm45Air;
+    if glm_preset != (adapter.arch == Arch::Glm4Moe) && preset != Preset::Tiny {
+        let want = if glm_preset { "glm4_moe" } else { "another architecture" };
+        return Err(invalid("preset", format!("this preset is for {want}, not {}", adapter.hf_model_type)));
+    }
     if hybrid {
         tiny_hybrid(&mut c, preset, dims);
     }
@@ -419,6 +429,9 @@ pub fn synth_config(
     if adapter.arch == Arch::DeepseekV3 {
         deepseek_traits(&mut c, preset);
     }
+    if adapter.arch == Arch::Glm4Moe {
+        glm_traits(&mut c, preset);
+    }
     c.validate().map_err(|(field, reason)| invalid(field, reason))?;
     check_dim_limits(&c)?;
     if adapter.shared_expert && c.shared_expert_ff == 0 {
@@ -460,6 +473,7 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             mla: None,
             dense_layers: None,
             sigmoid_routing: None,
+            qk_norm: false,
         },
         Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b => {
             let next = preset == Preset::Qwen3Next80bA3b;
@@ -501,9 +515,26 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                 mla: None,
                 dense_layers: None,
                 sigmoid_routing: None,
+                qk_norm: false,
             }
         }
         Preset::DeepseekV3 | Preset::KimiK2 => deepseek_preset(adapter, preset),
+        Preset::Glm45Air => ModelConfig {
+            n_layers: 46,
+            hidden: 4096,
+            n_heads: 96,
+            n_kv_heads: 8,
+            head_dim: 128,
+            vocab: 151_552,
+            n_experts: 128,
+            n_experts_used: 8,
+            expert_ff: 1408,
+            shared_expert_ff: 1408,
+            rms_eps: 1e-5,
+            rope_theta: 1_000_000.0,
+            max_positions: 131_072,
+            ..preset_config(adapter, Preset::Tiny)
+        },
         Preset::GptOss20b | Preset::GptOss120b => {
             let big = preset == Preset::GptOss120b;
             ModelConfig {
@@ -557,6 +588,7 @@ fn tiny_config(adapter: &Adapter) -> ModelConfig {
         mla: None,
         dense_layers: None,
         sigmoid_routing: None,
+        qk_norm: false,
     }
 }
 
@@ -630,6 +662,24 @@ fn deepseek_traits(c: &mut ModelConfig, preset: Preset) {
         truncate: true,
         attention_factor: 1.0,
     });
+}
+
+/// GLM-4.5's leading dense layer, grouped sigmoid router and per-head q/k norm (tiny: one dense
+/// layer of 48, 2 groups of which 1 is kept, scale 2.5, q/k norm on; GLM-4.5-Air: one dense
+/// layer of 10944, one group, scale 1, no q/k norm). RoPE on half of each head comes from the
+/// adapter's default.
+fn glm_traits(c: &mut ModelConfig, preset: Preset) {
+    let tiny = preset == Preset::Tiny;
+    // Whole shared experts of the routed size (`n_shared_experts`).
+    c.shared_expert_ff = c.expert_ff * (c.shared_expert_ff / c.expert_ff.max(1)).max(1);
+    c.norm_topk_prob = true;
+    c.qk_norm = tiny;
+    let ff = if tiny { 48 } else { 10944 };
+    c.dense_layers = (c.n_layers > 1).then_some(crate::model::config::DenseLayers { count: 1, ff });
+    let (n_group, topk_group, scale) =
+        if tiny { (2.min(c.n_experts / 2).max(1), 1, 2.5) } else { (1, 1, 1.0) };
+    c.sigmoid_routing =
+        Some(crate::model::config::SigmoidRouting { n_group, topk_group, routed_scaling_factor: scale });
 }
 
 fn gpt_oss_traits(c: &mut ModelConfig, preset: Preset) {
@@ -919,6 +969,8 @@ fn add_deepseek_metadata(w: &mut GgufWriter, c: &ModelConfig, arch: &str) {
         w.add_metadata(k("attention.key_length_mla"), u32v(m.qk_nope_head_dim + m.qk_rope_head_dim));
         w.add_metadata(k("attention.value_length_mla"), u32v(m.v_head_dim));
         w.add_metadata(k("rope.scaling.yarn_log_multiplier"), MetaValue::F32(0.1 * m.mscale_all_dim));
+    }
+    if c.mla.is_some() || c.arch == Arch::Glm4Moe {
         w.add_metadata(k("expert_shared_count"), u32v(c.shared_expert_ff / c.expert_ff.max(1)));
     }
     if let Some(d) = &c.dense_layers {

@@ -397,7 +397,8 @@ struct SynthArgs {
     arch: String,
     /// Dimension preset: tiny, qwen3-30b-a3b, or for the hybrids qwen3.6-35b-a3b (--arch
     /// qwen3_5_moe) and qwen3-next-80b-a3b (--arch qwen3_next), gpt-oss-20b / gpt-oss-120b
-    /// (--arch gpt_oss), deepseek-v3 / kimi-k2 (--arch deepseek_v3); --layers N shrinks any.
+    /// (--arch gpt_oss), deepseek-v3 / kimi-k2 (--arch deepseek_v3), glm-4.5-air (--arch glm4_moe);
+    /// --layers N shrinks any.
     #[arg(long, default_value = "tiny")]
     preset: String,
     /// gguf or safetensors (a directory).

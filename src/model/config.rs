@@ -62,6 +62,10 @@ pub struct ModelConfig {
     /// Sigmoid routing with a selection bias, group-limited top-k and a weight scale
     /// (DeepSeek-V3: `n_group`, `topk_group`, `routed_scaling_factor`).
     pub sigmoid_routing: Option<SigmoidRouting>,
+    /// Per-head RMSNorm of q and k where the architecture makes it optional (GLM-4.5's
+    /// `use_qk_norm`; GGUF: `attn_q_norm` tensors present). Architectures whose q/k norm is fixed
+    /// ignore it.
+    pub qk_norm: bool,
 }
 
 /// The latent attention's sizes (transformers' names).
@@ -550,6 +554,7 @@ impl ModelConfig {
             mla,
             dense_layers,
             sigmoid_routing,
+            qk_norm: f.opt_bool("use_qk_norm")?.unwrap_or(false),
         };
         config.validate().map_err(|(field, reason)| f.invalid(field, reason))?;
         Ok((config, adapter))

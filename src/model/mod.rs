@@ -999,7 +999,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         // (floor / ceil) follow.
         y.truncate = true;
     }
-    let config = ModelConfig {
+    let mut config = ModelConfig {
         arch: adapter.arch,
         n_layers,
         hidden,
@@ -1031,10 +1031,18 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         mla,
         dense_layers: meta.dense_layers()?,
         sigmoid_routing: meta.sigmoid_routing()?,
+        qk_norm: false,
     };
     config.validate().map_err(|(field, reason)| {
         ModelError::Config(ConfigError::Invalid { path: path.into(), field: field.into(), reason })
     })?;
+    // Where the architecture leaves the q/k norm to the config (GLM-4.5's `use_qk_norm`), the
+    // file says it by carrying the norms, as llama.cpp reads it; where the architecture fixes
+    // it, the flag stays unset as in a `config.json`.
+    let fixed = (0..config.n_layers)
+        .find_map(|l| (adapter.layer)(&config, l).as_attention().map(|a| a.qk_norm != QkNorm::None))
+        .unwrap_or(true);
+    config.qk_norm = !fixed && file.tensor("blk.0.attn_q_norm.weight").is_some();
     Ok((config, adapter))
 }
 

@@ -13,6 +13,7 @@
 //! [`Profile`].
 
 mod deepseek_v3;
+mod glm4_moe;
 mod gpt_oss;
 mod mixtral;
 mod olmoe;
@@ -37,6 +38,7 @@ pub enum Arch {
     Qwen35Moe,
     GptOss,
     DeepseekV3,
+    Glm4Moe,
 }
 
 /// How router logits become the top-k expert ids and weights.
@@ -769,7 +771,7 @@ impl PartialEq for Adapter {
 }
 
 /// Every supported architecture.
-pub static ADAPTERS: [Adapter; 8] = [
+pub static ADAPTERS: [Adapter; 9] = [
     qwen3_moe::ADAPTER,
     mixtral::ADAPTER,
     olmoe::ADAPTER,
@@ -778,6 +780,7 @@ pub static ADAPTERS: [Adapter; 8] = [
     qwen35_moe::ADAPTER,
     gpt_oss::ADAPTER,
     deepseek_v3::ADAPTER,
+    glm4_moe::ADAPTER,
 ];
 
 /// The attention layer every current architecture builds from its config: `qk_norm` and
@@ -895,8 +898,8 @@ mod tests {
 
     #[test]
     fn unsupported_arch_lists_the_supported_ones() {
-        let err = for_hf_model_type("glm4_moe").unwrap_err().to_string();
-        assert!(err.contains("glm4_moe"), "{err}");
+        let err = for_hf_model_type("glm4").unwrap_err().to_string();
+        assert!(err.contains("glm4"), "{err}");
         for name in ["qwen3_moe", "mixtral", "olmoe", "qwen2_moe"] {
             assert!(err.contains(name), "{err}");
         }
@@ -921,11 +924,12 @@ mod tests {
             assert_eq!(plan.len(), c.n_layers);
             let hybrid = a.hybrid.delta_net.is_some();
             let deepseek = a.arch == Arch::DeepseekV3;
+            let glm = a.arch == Arch::Glm4Moe;
             for (l, spec) in plan.layers().iter().enumerate() {
                 // DeepSeek-V3: a dense first layer, then sigmoid-routed MoE with an ungated
                 // shared expert; latent attention everywhere.
                 let Some(moe) = spec.as_moe() else {
-                    assert!(deepseek && l == 0, "{:?} layer {l}", a.arch);
+                    assert!((deepseek || glm) && l == 0, "{:?} layer {l}", a.arch);
                     continue;
                 };
                 assert_eq!(moe.shared.is_some(), a.shared_expert, "{:?}", a.arch);
@@ -939,6 +943,11 @@ mod tests {
                     continue;
                 }
                 assert!(!deepseek, "{:?} layer {l}", a.arch);
+                // GLM-4.5: DeepSeek-V3's router and shared expert over grouped-query attention.
+                let sigmoid =
+                    (moe.router.variant, moe.router.selection_bias) == (RoutingVariant::Sigmoid, true);
+                assert_eq!(sigmoid, glm, "{:?}", a.arch);
+                assert!(!glm || moe.shared.is_some_and(|s| !s.gated), "{:?}", a.arch);
                 assert_eq!((moe.router.n_experts, moe.expert_ff), (c.n_experts, c.expert_ff));
                 // The Qwen hybrids: every fourth layer gated attention, the others DeltaNet.
                 let full = !hybrid || (l + 1) % 4 == 0;
@@ -947,22 +956,27 @@ mod tests {
                     continue;
                 };
                 assert!(full, "{:?} layer {l}", a.arch);
-                assert_eq!(att.qkv_bias, matches!(a.arch, Arch::Qwen2Moe | Arch::GptOss), "{:?}", a.arch);
+                assert_eq!(
+                    att.qkv_bias,
+                    matches!(a.arch, Arch::Qwen2Moe | Arch::GptOss | Arch::Glm4Moe),
+                    "{:?}",
+                    a.arch
+                );
                 let oss = a.arch == Arch::GptOss;
                 assert_eq!((att.sinks, att.o_bias, att.rope.yarn.is_some()), (oss, oss, oss), "{:?}", a.arch);
                 assert_eq!(att.window.is_some(), oss && l % 2 == 0, "{:?} layer {l}", a.arch);
                 assert_eq!((moe.router.bias, moe.expert_bias), (oss, oss), "{:?}", a.arch);
                 assert_eq!(att.output_gate, hybrid, "{:?}", a.arch);
-                assert_eq!(att.rope.dims < att.head_dim, hybrid, "{:?}: partial RoPE", a.arch);
+                assert_eq!(att.rope.dims < att.head_dim, hybrid || glm, "{:?}: partial RoPE", a.arch);
                 let expected_norm = match a.arch {
-                    Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe => QkNorm::PerHead,
+                    Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe | Arch::Glm4Moe => QkNorm::PerHead,
                     Arch::Olmoe => QkNorm::WholeProjection,
                     Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss => QkNorm::None,
                     Arch::DeepseekV3 => unreachable!("latent attention, checked above"),
                 };
                 assert_eq!(att.qk_norm, expected_norm);
             }
-            let runs = if hybrid || a.arch == Arch::GptOss || deepseek { 2 } else { 1 };
+            let runs = if hybrid || a.arch == Arch::GptOss || deepseek || glm { 2 } else { 1 };
             assert_eq!(plan.summary().len().min(2), runs, "{:?}", plan.summary());
         }
     }
