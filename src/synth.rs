@@ -676,8 +676,11 @@ fn glm_traits(c: &mut ModelConfig, preset: Preset) {
     c.qk_norm = tiny;
     let ff = if tiny { 48 } else { 10944 };
     c.dense_layers = (c.n_layers > 1).then_some(crate::model::config::DenseLayers { count: 1, ff });
-    let (n_group, topk_group, scale) =
-        if tiny { (2.min(c.n_experts / 2).max(1), 1, 2.5) } else { (1, 1, 1.0) };
+    // Tiny: two groups where the experts split evenly, the second kept too only when one group
+    // cannot hold the experts a token takes (an `--experts` / `--experts-used` override).
+    let n_group = if tiny && c.n_experts >= 4 && c.n_experts.is_multiple_of(2) { 2 } else { 1 };
+    let topk_group = if c.n_experts_used * n_group > c.n_experts { n_group } else { 1 };
+    let scale = if tiny { 2.5 } else { 1.0 };
     c.sigmoid_routing =
         Some(crate::model::config::SigmoidRouting { n_group, topk_group, routed_scaling_factor: scale });
 }
