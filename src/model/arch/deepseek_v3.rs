@@ -46,11 +46,15 @@ fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
         rope: RopeSpec { style: c.rope_style, theta: c.rope_theta, dims: m.qk_rope_head_dim, yarn: c.yarn },
         scale: m.softmax_scale(c.yarn.as_ref()),
     });
+    LayerSpec { mixer, ffn: sigmoid_ffn(c, layer_idx) }
+}
+
+/// The FFN of DeepSeek-V3's layers (and GLM-4.5's): the leading `first_k_dense_replace` layers
+/// dense, the rest a MoE with ungated shared experts and the sigmoid router (selection bias,
+/// groups, scale).
+pub(super) fn sigmoid_ffn(c: &ModelConfig, layer_idx: usize) -> Ffn {
     if let Some(d) = c.dense_layers.filter(|d| layer_idx < d.count) {
-        return LayerSpec {
-            mixer,
-            ffn: Ffn::Dense(DenseFfnSpec { ff: d.ff, activation: FfnActivation::Silu }),
-        };
+        return Ffn::Dense(DenseFfnSpec { ff: d.ff, activation: FfnActivation::Silu });
     }
     let shared =
         (c.shared_expert_ff > 0).then_some(SharedExpertSpec { ff: c.shared_expert_ff, gated: false });
@@ -66,7 +70,7 @@ fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
     moe.router.n_group = r.n_group;
     moe.router.topk_group = r.topk_group;
     moe.router.scale = r.routed_scaling_factor;
-    LayerSpec { mixer, ffn: Ffn::Moe(moe) }
+    Ffn::Moe(moe)
 }
 
 fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {
@@ -79,7 +83,8 @@ fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {
     })
 }
 
-fn gguf_expert_dims(meta: &GgufMeta<'_>, n_experts: usize) -> Result<ExpertDims, ModelError> {
+/// llama.cpp's expert keys of `deepseek2` and `glm4moe`: shared experts counted, each of the routed size.
+pub(super) fn gguf_expert_dims(meta: &GgufMeta<'_>, n_experts: usize) -> Result<ExpertDims, ModelError> {
     let expert_ff = meta.usize("expert_feed_forward_length")?;
     let n_shared = meta.opt_count("expert_shared_count")?.unwrap_or(0);
     Ok(ExpertDims { n_experts, expert_ff, shared_expert_ff: expert_ff * n_shared })

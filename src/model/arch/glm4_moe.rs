@@ -8,7 +8,6 @@
 
 use super::*;
 use crate::model::config::{ConfigError, DenseLayers, HfFields, ModelConfig, SigmoidRouting};
-use crate::model::{GgufMeta, ModelError};
 use serde_json::{json, Map, Value};
 
 pub(super) const ADAPTER: Adapter = Adapter {
@@ -29,7 +28,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
     hybrid: HybridTraits { default_partial_rotary: 0.5, ..HybridTraits::NONE },
     profile: DEFAULT_PROFILE,
     hf_expert_dims,
-    gguf_expert_dims,
+    gguf_expert_dims: super::deepseek_v3::gguf_expert_dims,
     hf_extra_fields,
     layer,
 };
@@ -37,24 +36,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
 fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
     let qk_norm = if c.qk_norm { QkNorm::PerHead } else { QkNorm::None };
     let mixer = standard_attention(c, qk_norm, true);
-    if let Some(d) = c.dense_layers.filter(|d| layer_idx < d.count) {
-        return LayerSpec {
-            mixer,
-            ffn: Ffn::Dense(DenseFfnSpec { ff: d.ff, activation: FfnActivation::Silu }),
-        };
-    }
-    let shared =
-        (c.shared_expert_ff > 0).then_some(SharedExpertSpec { ff: c.shared_expert_ff, gated: false });
-    let Ffn::Moe(mut moe) = standard_moe(c, RoutingVariant::Sigmoid, shared) else {
-        unreachable!("standard_moe builds a MoE")
-    };
-    let r =
-        c.sigmoid_routing.unwrap_or(SigmoidRouting { n_group: 1, topk_group: 1, routed_scaling_factor: 1.0 });
-    moe.router.selection_bias = true;
-    moe.router.n_group = r.n_group;
-    moe.router.topk_group = r.topk_group;
-    moe.router.scale = r.routed_scaling_factor;
-    LayerSpec { mixer, ffn: Ffn::Moe(moe) }
+    LayerSpec { mixer, ffn: super::deepseek_v3::sigmoid_ffn(c, layer_idx) }
 }
 
 fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {
@@ -66,12 +48,6 @@ fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {
         expert_ff,
         shared_expert_ff: expert_ff * n_shared,
     })
-}
-
-fn gguf_expert_dims(meta: &GgufMeta<'_>, n_experts: usize) -> Result<ExpertDims, ModelError> {
-    let expert_ff = meta.usize("expert_feed_forward_length")?;
-    let n_shared = meta.opt_count("expert_shared_count")?.unwrap_or(0);
-    Ok(ExpertDims { n_experts, expert_ff, shared_expert_ff: expert_ff * n_shared })
 }
 
 fn hf_extra_fields(c: &ModelConfig, obj: &mut Map<String, Value>) {
