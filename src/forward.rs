@@ -61,6 +61,18 @@ impl Logits {
         Logits { n_rows, vocab, data, argmax }
     }
 
+    /// No rows yet (a batched call's result, filled by [`Logits::append`]).
+    pub fn empty(vocab: usize) -> Logits {
+        Logits { n_rows: 0, vocab, data: Vec::new(), argmax: Vec::new() }
+    }
+
+    /// `other`'s rows after these.
+    pub fn append(&mut self, mut other: Logits) {
+        self.n_rows += other.n_rows;
+        self.data.append(&mut other.data);
+        self.argmax.append(&mut other.argmax);
+    }
+
     /// The last row alone (its logits, when copied, and its greedy token).
     pub fn last_row(self) -> Logits {
         let last = self.n_rows.checked_sub(1).expect("one row per token");
@@ -99,4 +111,72 @@ pub fn argmax(values: &[f32]) -> u32 {
     let chunk = values.chunks(LANES).position(hit).unwrap_or(0);
     let at = values[chunk * LANES..].iter().position(|&v| v == max).unwrap_or(0);
     (chunk * LANES + at) as u32
+}
+
+/// One piece of a sub-batch: `tokens` of sequence `seq` of a batched call (a range of that
+/// sequence's tokens; a long sequence is cut over several sub-batches, in order).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchPiece {
+    pub seq: usize,
+    pub tokens: std::ops::Range<usize>,
+}
+
+/// A batched call's sequences (their token counts, in order) packed into sub-batches of at most
+/// `max_tokens` tokens: sequences fill a sub-batch in order, a sequence that does not fit is cut
+/// and continues in the next. Every sub-batch holds a sequence at most once, so each sequence's
+/// cache sees its tokens in order.
+pub fn pack_batch(lens: &[usize], max_tokens: usize) -> Vec<Vec<BatchPiece>> {
+    assert!(max_tokens > 0, "a sub-batch holds at least one token");
+    let mut batches = Vec::new();
+    let mut current: Vec<BatchPiece> = Vec::new();
+    let mut room = max_tokens;
+    for (seq, &len) in lens.iter().enumerate() {
+        let mut at = 0;
+        while at < len {
+            let take = room.min(len - at);
+            current.push(BatchPiece { seq, tokens: at..at + take });
+            at += take;
+            room -= take;
+            if room == 0 {
+                batches.push(std::mem::take(&mut current));
+                room = max_tokens;
+            }
+        }
+    }
+    if !current.is_empty() {
+        batches.push(current);
+    }
+    batches
+}
+
+#[cfg(test)]
+mod batch_tests {
+    use super::*;
+
+    #[test]
+    fn packing_keeps_every_token_in_order_and_each_batch_under_the_limit() {
+        for max in 1..9 {
+            let lens = [3, 0, 7, 1, 1, 12, 2];
+            let batches = pack_batch(&lens, max);
+            let mut next = [0usize; 7];
+            for b in &batches {
+                assert!(b.iter().map(|p| p.tokens.len()).sum::<usize>() <= max);
+                let mut seen = std::collections::HashSet::new();
+                for p in b {
+                    assert!(seen.insert(p.seq), "sequence {} twice in one sub-batch", p.seq);
+                    assert_eq!(p.tokens.start, next[p.seq]);
+                    assert!(!p.tokens.is_empty());
+                    next[p.seq] = p.tokens.end;
+                }
+            }
+            assert_eq!(next, lens);
+        }
+    }
+
+    #[test]
+    fn sequences_that_fit_share_one_sub_batch() {
+        let b = pack_batch(&[1, 1, 1, 1], 512);
+        assert_eq!(b.len(), 1);
+        assert_eq!(b[0].len(), 4);
+    }
 }

@@ -1,12 +1,12 @@
 //! The two CPU engines behind [`Engine`]: the reference oracle and the lane pipeline.
 
-use super::{wrong_cache, Engine, EngineError, EngineKind, KvCache, Logits};
+use super::{check_batch, wrong_cache, BatchSeq, Engine, EngineError, EngineKind, KvCache, Logits};
 use crate::actors::Exchange;
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::PerfState;
 use crate::model::config::ModelConfig;
 use crate::moe::phase::Phase;
-use crate::moe::pipeline::{LogitRows, Pipeline};
+use crate::moe::pipeline::{LogitRows, Pipeline, SeqInput};
 use crate::reference::{NoObserver, Reference};
 
 /// The oracle as an engine: every phase is one token at a time; no hot cache, no perf state.
@@ -85,6 +85,22 @@ impl Engine for Pipeline {
         cache: &mut KvCache,
     ) -> Result<Logits, EngineError> {
         timed_forward(self, tokens, phase, cache, LogitRows::Last)
+    }
+    fn forward_batch(&mut self, seqs: &mut [BatchSeq<'_>], phase: Phase) -> Result<Logits, EngineError> {
+        check_batch(Pipeline::config(self), seqs)?;
+        let kind = self.kind();
+        let mut inputs = Vec::with_capacity(seqs.len());
+        for s in seqs.iter_mut() {
+            let KvCache::Pipeline(c) = &mut *s.cache else { return Err(wrong_cache(kind, s.cache)) };
+            inputs.push(SeqInput { cache: c, tokens: s.tokens });
+        }
+        let n_tokens = inputs.iter().map(|s| s.tokens.len()).sum();
+        let before = Pipeline::perf(self).lane_snapshot();
+        let start = std::time::Instant::now();
+        let rows = self.forward_many(&mut inputs, phase, LogitRows::Last)?;
+        let wall_us = start.elapsed().as_micros() as u64;
+        self.perf_mut().record_call(phase.name(), n_tokens, wall_us, &before);
+        Ok(Logits::from_rows(rows, Pipeline::config(self).vocab))
     }
     fn perf(&self) -> Option<&PerfState> {
         Some(Pipeline::perf(self))

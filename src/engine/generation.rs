@@ -70,70 +70,102 @@ pub enum GenerationError {
     NoLogits { engine: super::EngineKind },
 }
 
-/// A running generation over one engine and one KV cache.
-pub struct Generation<'e, E: Engine + ?Sized> {
-    engine: &'e mut E,
-    cache: KvCache,
+/// One sequence's generation state, apart from the engine that runs it: its cache, sampler,
+/// context and progress. [`Generation`] drives one over an engine; the batcher
+/// ([`super::batch::Batcher`]) drives many through one engine call per step.
+pub(super) struct Sequence {
+    pub(super) cache: KvCache,
     sampler: Sampler,
-    opts: GenerationOptions,
+    pub(super) opts: GenerationOptions,
     /// Prompt and generated tokens (the penalties' window).
     context: Vec<u32>,
     n_prompt: usize,
+    /// Prompt tokens fed to the engine so far (chunked prefill).
+    prefilled: usize,
     /// The last chosen token, not yet fed to the engine.
     pending: Option<u32>,
     n_generated: usize,
-    finish: Option<FinishReason>,
+    pub(super) finish: Option<FinishReason>,
     started: Instant,
     last: Instant,
-    restore_copy_logits: Option<bool>,
 }
 
-impl<'e, E: Engine + ?Sized> Generation<'e, E> {
-    /// Check the options and that prompt + `max_tokens` fits; nothing runs until the first
-    /// [`next_token`](Self::next_token).
-    pub fn new(engine: &'e mut E, prompt: &[u32], opts: GenerationOptions) -> Result<Self, GenerationError> {
+impl Sequence {
+    /// Check the options and that prompt + `max_tokens` fits; a cache for it from `engine`.
+    pub(super) fn new<E: Engine + ?Sized>(
+        engine: &E,
+        prompt: &[u32],
+        opts: GenerationOptions,
+    ) -> Result<Sequence, GenerationError> {
         let vocab = engine.config().vocab;
         if let Some(&id) = opts.stop_ids.iter().find(|&&id| id as usize >= vocab) {
             return Err(GenerationError::StopId { id, vocab });
+        }
+        if prompt.is_empty() {
+            return Err(EngineError::from(crate::forward::ForwardError::EmptyInput).into());
         }
         let sampler = Sampler::new(opts.sampling.clone())?;
         crate::reference::check_generation_fits(prompt.len(), opts.max_tokens, engine.config().max_positions)
             .map_err(EngineError::from)?;
         let cache = engine.new_cache(prompt.len() + opts.max_tokens)?;
-        let needs = opts.sampling.needs_logits();
-        let restore_copy_logits = (engine.copies_logits() != needs).then(|| engine.copies_logits());
-        engine.set_copy_logits(needs);
         let now = Instant::now();
-        Ok(Generation {
-            engine,
+        Ok(Sequence {
             cache,
             sampler,
             context: prompt.to_vec(),
             n_prompt: prompt.len(),
+            prefilled: 0,
             pending: None,
             n_generated: 0,
             finish: if opts.max_tokens == 0 { Some(FinishReason::Length) } else { None },
             opts,
             started: now,
             last: now,
-            restore_copy_logits,
         })
     }
 
-    /// The next token, or `None` once finished (see [`finish_reason`](Self::finish_reason)).
-    pub fn next_token(&mut self) -> Result<Option<GeneratedToken>, GenerationError> {
+    /// Whether its prompt is still going in (not finished, no token chosen yet).
+    pub(super) fn is_prefilling(&self) -> bool {
+        self.finish.is_none() && self.pending.is_none()
+    }
+
+    /// Whether this sequence's logits rows must come back (sampling, logprobs).
+    pub(super) fn needs_logits(&self) -> bool {
+        self.opts.sampling.needs_logits()
+    }
+
+    /// The tokens of its next engine call, at most `budget` of the prompt (decode: the one
+    /// pending token), and whether they are prompt tokens; `None` once finished.
+    pub(super) fn next_input(&self, budget: usize) -> Option<(&[u32], Phase)> {
         if self.finish.is_some() {
-            return Ok(None);
+            return None;
         }
-        let logits = match self.pending.take() {
+        match self.pending {
+            Some(_) => Some((&self.context[self.context.len() - 1..], Phase::Decode)),
             None => {
-                self.started = Instant::now();
-                let prompt = self.context.clone();
-                self.engine.forward_last(&prompt, Phase::Prefill, &mut self.cache)?
+                let end = self.n_prompt.min(self.prefilled + budget.max(1));
+                Some((&self.context[self.prefilled..end], Phase::Prefill))
             }
-            Some(t) => self.engine.forward(&[t], Phase::Decode, &mut self.cache)?,
-        };
-        let (id, logprobs) = self.choose(&logits)?;
+        }
+    }
+
+    /// The engine ran `fed` tokens of [`Sequence::next_input`]; `logits` holds their last row
+    /// at `row`. Returns the chosen token once the prompt is done (`None` after a prompt chunk
+    /// that is not the last, or when the chosen token is a stop id).
+    pub(super) fn accept(
+        &mut self,
+        fed: usize,
+        logits: &Logits,
+        row: usize,
+        engine: super::EngineKind,
+    ) -> Result<Option<GeneratedToken>, GenerationError> {
+        if self.pending.take().is_none() {
+            self.prefilled += fed;
+            if self.prefilled < self.n_prompt {
+                return Ok(None);
+            }
+        }
+        let (id, logprobs) = self.choose(logits, row, engine)?;
         let now = Instant::now();
         let token = GeneratedToken {
             id,
@@ -156,17 +188,81 @@ impl<'e, E: Engine + ?Sized> Generation<'e, E> {
         Ok(Some(token))
     }
 
-    fn choose(&mut self, logits: &Logits) -> Result<(u32, Option<Logprobs>), GenerationError> {
-        let last = logits.n_rows.checked_sub(1).expect("one row per token");
+    /// Start the clock of the first token now, when the first prompt tokens go to the engine
+    /// (no-op after that).
+    pub(super) fn start_clock(&mut self) {
+        if self.prefilled == 0 && self.pending.is_none() {
+            self.started = Instant::now();
+        }
+    }
+
+    fn choose(
+        &mut self,
+        logits: &Logits,
+        row: usize,
+        engine: super::EngineKind,
+    ) -> Result<(u32, Option<Logprobs>), GenerationError> {
         if !self.opts.sampling.needs_logits() {
-            return Ok((logits.argmax[last], None));
+            return Ok((logits.argmax[row], None));
         }
         if logits.data.len() < logits.n_rows * logits.vocab {
-            return Err(GenerationError::NoLogits { engine: self.engine.kind() });
+            return Err(GenerationError::NoLogits { engine });
         }
-        let row = logits.row(last);
-        let id = self.sampler.sample(row, &self.context);
-        Ok((id, self.sampler.logprobs(row, id)))
+        let r = logits.row(row);
+        let id = self.sampler.sample(r, &self.context);
+        Ok((id, self.sampler.logprobs(r, id)))
+    }
+
+    /// Stop now.
+    pub(super) fn cancel(&mut self) {
+        if self.finish.is_none() {
+            self.finish = Some(FinishReason::Cancelled);
+        }
+    }
+
+    pub(super) fn prompt_tokens(&self) -> usize {
+        self.n_prompt
+    }
+
+    pub(super) fn generated_tokens(&self) -> usize {
+        self.n_generated
+    }
+
+    pub(super) fn generated(&self) -> &[u32] {
+        &self.context[self.n_prompt..]
+    }
+}
+
+/// A running generation over one engine and one KV cache.
+pub struct Generation<'e, E: Engine + ?Sized> {
+    engine: &'e mut E,
+    seq: Sequence,
+    restore_copy_logits: Option<bool>,
+}
+
+impl<'e, E: Engine + ?Sized> Generation<'e, E> {
+    /// Check the options and that prompt + `max_tokens` fits; nothing runs until the first
+    /// [`next_token`](Self::next_token).
+    pub fn new(engine: &'e mut E, prompt: &[u32], opts: GenerationOptions) -> Result<Self, GenerationError> {
+        let seq = Sequence::new(&*engine, prompt, opts)?;
+        let needs = seq.needs_logits();
+        let restore_copy_logits = (engine.copies_logits() != needs).then(|| engine.copies_logits());
+        engine.set_copy_logits(needs);
+        Ok(Generation { engine, seq, restore_copy_logits })
+    }
+
+    /// The next token, or `None` once finished (see [`finish_reason`](Self::finish_reason)).
+    pub fn next_token(&mut self) -> Result<Option<GeneratedToken>, GenerationError> {
+        let Some((input, phase)) = self.seq.next_input(usize::MAX) else { return Ok(None) };
+        let input = input.to_vec();
+        self.seq.start_clock();
+        let logits = match phase {
+            Phase::Decode => self.engine.forward(&input, phase, &mut self.seq.cache)?,
+            _ => self.engine.forward_last(&input, phase, &mut self.seq.cache)?,
+        };
+        let last = logits.n_rows.checked_sub(1).expect("one row per token");
+        let kind = self.engine.kind();
+        self.seq.accept(input.len(), &logits, last, kind)
     }
 
     /// Generate until the end, handing each token to `on_token`; `Break` cancels.
@@ -179,32 +275,30 @@ impl<'e, E: Engine + ?Sized> Generation<'e, E> {
                 self.cancel();
             }
         }
-        Ok(self.finish.expect("set when next_token returns None"))
+        Ok(self.seq.finish.expect("set when next_token returns None"))
     }
 
     /// Stop now; later calls return `None`.
     pub fn cancel(&mut self) {
-        if self.finish.is_none() {
-            self.finish = Some(FinishReason::Cancelled);
-        }
+        self.seq.cancel();
     }
 
     /// `None` while running.
     pub fn finish_reason(&self) -> Option<FinishReason> {
-        self.finish
+        self.seq.finish
     }
 
     pub fn prompt_tokens(&self) -> usize {
-        self.n_prompt
+        self.seq.prompt_tokens()
     }
 
     pub fn generated_tokens(&self) -> usize {
-        self.n_generated
+        self.seq.generated_tokens()
     }
 
     /// The generated ids so far.
     pub fn generated(&self) -> &[u32] {
-        &self.context[self.n_prompt..]
+        self.seq.generated()
     }
 
     /// The engine, between tokens (to switch its perf mode, say). Exchanges and forward calls
@@ -215,7 +309,7 @@ impl<'e, E: Engine + ?Sized> Generation<'e, E> {
 
     /// The session's cache (prompt and generated tokens except the last, which was not fed).
     pub fn cache(&self) -> &KvCache {
-        &self.cache
+        &self.seq.cache
     }
 }
 

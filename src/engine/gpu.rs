@@ -3,11 +3,11 @@
 //! pipeline standing by: when the device fails mid-session the session's tokens are replayed on
 //! the pipeline and every later call runs there, counted as `gpu_lost` fallbacks.
 
-use super::{wrong_cache, Engine, EngineError, EngineKind, GpuSessionCache, KvCache, Logits};
+use super::{check_batch, wrong_cache, BatchSeq, Engine, EngineError, EngineKind, GpuSessionCache, KvCache, Logits};
 use crate::actors::{apply_exchanges, Exchange, UpdaterHandle};
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{FallbackReason, PerfState};
-use crate::gpu::GpuModel;
+use crate::gpu::{GpuModel, GpuSeqInput};
 use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::phase::Phase;
@@ -138,6 +138,44 @@ impl Engine for GpuEngine {
         cache: &mut KvCache,
     ) -> Result<Logits, EngineError> {
         self.forward_rows(tokens, phase, cache, LogitRows::Last)
+    }
+    /// One GPU call over every sequence; once the device is lost (or a session already moved
+    /// to the CPU), one call per sequence, each on the pipeline.
+    fn forward_batch(&mut self, seqs: &mut [BatchSeq<'_>], phase: Phase) -> Result<Logits, EngineError> {
+        check_batch(self.config(), seqs)?;
+        let kind = self.kind();
+        let mut on_cpu = self.cpu.is_some();
+        let mut inputs = Vec::with_capacity(seqs.len());
+        for s in seqs.iter_mut() {
+            let KvCache::Gpu(c) = &mut *s.cache else { return Err(wrong_cache(kind, s.cache)) };
+            on_cpu |= c.cpu.is_some();
+            inputs.push(GpuSeqInput { tokens: s.tokens, cache: &mut c.kv });
+        }
+        if !on_cpu {
+            self.apply_exchanges()?;
+            let before = self.gpu.perf().lane_snapshot();
+            let start = std::time::Instant::now();
+            match self.gpu.forward_batch(&mut inputs, phase, &mut self.cold) {
+                Ok(logits) => {
+                    let wall_us = start.elapsed().as_micros() as u64;
+                    let n_tokens = seqs.iter().map(|s| s.tokens.len()).sum();
+                    self.gpu.perf_mut().record_call(phase.name(), n_tokens, wall_us, &before);
+                    for s in seqs.iter_mut() {
+                        let KvCache::Gpu(c) = &mut *s.cache else { unreachable!("checked above") };
+                        c.tokens.extend_from_slice(s.tokens);
+                    }
+                    return Ok(logits);
+                }
+                Err(e) if e.is_device_loss() => self.lose_device()?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        drop(inputs);
+        let mut out = Logits::empty(self.config().vocab);
+        for s in seqs.iter_mut() {
+            out.append(self.forward_rows(s.tokens, phase, s.cache, LogitRows::Last)?);
+        }
+        Ok(out)
     }
     fn perf(&self) -> Option<&PerfState> {
         Some(self.gpu.perf())

@@ -4,6 +4,7 @@
 //! `Box<dyn Engine>`. [`build::build_engine`] turns typed options (engine, hot-cache budget or
 //! fraction, learn counts, perf mode, faults) into an engine.
 
+pub mod batch;
 pub mod build;
 mod cpu;
 pub mod generation;
@@ -25,6 +26,7 @@ use crate::moe::phase::Phase;
 use crate::moe::pipeline::{PipelineCache, PipelineError};
 use crate::reference::ForwardError;
 
+pub use batch::{BatchOptions, Batcher, SeqEvent, SeqId, StepReport};
 pub use build::{build_engine, BuildReport, EngineOptions, HotBudget, HotChoice, AUTO_BUDGET_RESERVE_BYTES};
 pub use generation::{FinishReason, GeneratedToken, Generation, GenerationError, GenerationOptions};
 pub use gpu::GpuEngine;
@@ -144,6 +146,9 @@ pub enum EngineError {
     Updater(#[from] crate::actors::UpdaterError),
     #[error(transparent)]
     Trace(#[from] crate::cache::trace::TraceError),
+    /// A batched step failed; each of its sequences hears why.
+    #[error("the batched step failed: {message}")]
+    Step { message: String },
 }
 
 /// What every engine does. Calls on one engine are sequential (`&mut self`); exchanges queued
@@ -166,6 +171,19 @@ pub trait Engine {
         cache: &mut KvCache,
     ) -> Result<Logits, EngineError> {
         Ok(self.forward(tokens, phase, cache)?.last_row())
+    }
+    /// One call over several sequences (continuous batching): each sequence's tokens run after
+    /// what its cache holds, in `phase`; returns each sequence's last logits row, in order. Every
+    /// sequence is checked before any cache changes. Engines that batch (the pipeline, the GPU)
+    /// run the row-wise stages over all of the call's tokens at once, so a cold expert is
+    /// computed once for every token routed to it; the default runs one call per sequence.
+    fn forward_batch(&mut self, seqs: &mut [BatchSeq<'_>], phase: Phase) -> Result<Logits, EngineError> {
+        check_batch(self.config(), seqs)?;
+        let mut out = Logits::empty(self.config().vocab);
+        for s in seqs.iter_mut() {
+            out.append(self.forward_last(s.tokens, phase, s.cache)?);
+        }
+        Ok(out)
     }
     /// Perf state (counts, lane timings, fallbacks); `None` for the oracle.
     fn perf(&self) -> Option<&PerfState>;
@@ -232,6 +250,30 @@ pub trait Engine {
         }
         Ok(out)
     }
+}
+
+/// One sequence of a batched forward call ([`Engine::forward_batch`]).
+pub struct BatchSeq<'a> {
+    pub tokens: &'a [u32],
+    pub cache: &'a mut KvCache,
+}
+
+/// What every engine checks of a batched call before it runs: each sequence has tokens, in
+/// the vocabulary, with room in the model's context.
+pub fn check_batch(config: &ModelConfig, seqs: &[BatchSeq<'_>]) -> Result<(), EngineError> {
+    for s in seqs {
+        let at = s.cache.n_positions();
+        if s.tokens.is_empty() {
+            return Err(ForwardError::EmptyInput.into());
+        }
+        if let Some((i, &token)) = s.tokens.iter().enumerate().find(|(_, &t)| t as usize >= config.vocab) {
+            return Err(ForwardError::TokenOutOfRange { token, position: at + i, vocab: config.vocab }.into());
+        }
+        if at + s.tokens.len() > config.max_positions {
+            return Err(ForwardError::ContextFull { max_positions: config.max_positions }.into());
+        }
+    }
+    Ok(())
 }
 
 fn wrong_cache(engine: EngineKind, cache: &KvCache) -> EngineError {

@@ -3,7 +3,7 @@
 //! expert. Decode uses GEMV kernels; prefill and warmup use cuBLAS GEMMs.
 
 use super::kv::GpuKvCache;
-use super::model::{GpuModel, PrefillAttention};
+use super::model::{GpuModel, GpuSeg, PrefillAttention};
 use super::scratch::Q8Buf;
 use super::weights::MixerWeights;
 use super::GpuError;
@@ -122,14 +122,14 @@ impl GpuModel {
     }
 
     /// Attention block of layer `l`: norm, q/k/v (+bias), q/k norm, RoPE, attention over the
-    /// cache, o projection accumulated into the residual stream.
+    /// cache, o projection accumulated into the residual stream. The row-wise stages run over
+    /// all `t` rows; RoPE, the KV append and the attention per sequence (`segs`).
     pub(crate) fn attention_block(
         &mut self,
         l: usize,
         phase: Phase,
         t: usize,
-        pos0: usize,
-        cache: &GpuKvCache,
+        segs: &[GpuSeg<'_>],
     ) -> Result<(), GpuError> {
         let c = &self.cfg;
         let (h, qd, kvd) = (c.hidden, c.q_dim(), c.kv_dim());
@@ -137,20 +137,18 @@ impl GpuModel {
         let lw = &self.w.layers[l];
         let w = lw.attention();
         self.be.rmsnorm(s.hidden.ptr(), lw.attn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
-        // The decode graph and an f16 cache take the new key/value rows in scratch; the q/k norm
-        // + RoPE kernel appends them (converted) at the position it reads from the device (the
-        // graph) or the call's; an f32 cache outside the graph takes them in place.
-        let (kc, vc) = (cache.k(l), cache.v(l));
-        let (k_new, v_new, append) = match (self.step, kc, vc) {
-            (None, KvPtr::F32(kc), KvPtr::F32(vc)) => {
-                (kc.sub(pos0 * kvd, t * kvd), vc.sub(pos0 * kvd, t * kvd), None)
-            }
-            (step, _, _) => {
-                let (k, v) = (s.kv_step.ptr().sub(0, t * kvd), s.kv_step.ptr().sub(t * kvd, t * kvd));
-                let pos = step.map(|_| s.step.ptr().sub(1, 1));
-                (k, v, Some(KvAppend { pos, v, k_cache: kc, v_cache: vc }))
-            }
+        // One sequence outside the decode graph with an f32 cache takes the new key/value rows
+        // in place; otherwise they go to scratch and the q/k norm + RoPE kernel appends them
+        // (converted) at the position it reads from the device (the graph) or the sequence's.
+        let in_place = match (self.step, segs) {
+            (None, [seg]) => match (seg.cache.k(l), seg.cache.v(l)) {
+                (KvPtr::F32(kc), KvPtr::F32(vc)) => Some((kc.sub(seg.pos0 * kvd, t * kvd), vc.sub(seg.pos0 * kvd, t * kvd))),
+                _ => None,
+            },
+            _ => None,
         };
+        let (k_new, v_new) = in_place
+            .unwrap_or_else(|| (s.kv_step.ptr().sub(0, t * kvd), s.kv_step.ptr().sub(t * kvd, t * kvd)));
         let qkv = [w.q.view(), w.k.view(), w.v.view()];
         let (y, n) = ([s.q.ptr(), k_new, v_new], [qd, kvd, kvd]);
         if let (Phase::Decode, [Some(q), Some(k), Some(v)]) = (phase, qkv.map(|m| m.bf16())) {
@@ -177,9 +175,21 @@ impl GpuModel {
                 self.be.add_bias_rows(dst, b.ptr(), t, dim)?;
             }
         }
-        self.qk_norm_rope(l, t, pos0, s.q.ptr(), k_new, v_new, append)?;
+        let (q, pos) = (s.q.ptr(), self.step.map(|_| s.step.ptr().sub(1, 1)));
+        for seg in segs {
+            let (rq, rkv) = (q.sub(seg.row0 * qd, seg.n * qd), |p: DPtr<f32>| p.sub(seg.row0 * kvd, seg.n * kvd));
+            let append = in_place.is_none().then(|| KvAppend {
+                pos,
+                v: rkv(v_new),
+                k_cache: seg.cache.k(l),
+                v_cache: seg.cache.v(l),
+            });
+            self.qk_norm_rope(l, seg.n, seg.pos0, rq, rkv(k_new), rkv(v_new), append)?;
+        }
         self.mark(l, 1)?;
-        self.attention(l, phase, t, pos0, cache)?;
+        for seg in segs {
+            self.attention(l, phase, seg)?;
+        }
         let s = self.scratch.as_ref().expect("reserved");
         let w = self.w.layers[l].attention();
         if w.q_gate.is_some() {
@@ -199,12 +209,11 @@ impl GpuModel {
         l: usize,
         phase: Phase,
         t: usize,
-        pos0: usize,
-        cache: &GpuKvCache,
+        segs: &[GpuSeg<'_>],
     ) -> Result<(), GpuError> {
         match self.plan.layer(l).mixer {
-            Mixer::Attention(_) => self.attention_block(l, phase, t, pos0, cache),
-            Mixer::GatedDeltaNet(d) => self.delta_net_block(l, &d, phase, t, cache),
+            Mixer::Attention(_) => self.attention_block(l, phase, t, segs),
+            Mixer::GatedDeltaNet(d) => self.delta_net_block(l, &d, phase, t, segs),
             Mixer::LatentAttention(_) => unreachable!("refused by GpuModel::supports"),
         }
     }
@@ -219,7 +228,7 @@ impl GpuModel {
         d: &DeltaNetSpec,
         phase: Phase,
         t: usize,
-        cache: &GpuKvCache,
+        segs: &[GpuSeg<'_>],
     ) -> Result<(), GpuError> {
         let (c, s) = (&self.cfg, self.scratch.as_ref().expect("reserved"));
         let lw = &self.w.layers[l];
@@ -231,15 +240,20 @@ impl GpuModel {
         self.linear(phase, s.normed.ptr(), w.qkvz.view(), p, t, shape.p_stride(), h, false)?;
         self.linear(phase, s.normed.ptr(), w.ba.view(), ba, t, 2 * d.n_v_heads, h, false)?;
         self.mark(l, 1)?;
-        let state = cache.delta_state(l);
         let vectors = [w.dt_bias.ptr(), w.neg_a.ptr(), w.norm.ptr()];
-        if t >= DELTA_CHUNKED_MIN_TOKENS {
-            let work = s.delta_work.ptr();
-            self.be.delta_conv_rows(shape, p, state.conv, w.conv.ptr(), work, t)?;
-            self.be.delta_rule_chunked(shape, p, ba, state.matrix, vectors, work, out, t, c.rms_eps)?;
-        } else {
-            self.be.delta_conv(shape, p, state.conv, w.conv.ptr(), t)?;
-            self.be.delta_rule(shape, p, ba, state.matrix, vectors, out, t, c.rms_eps)?;
+        let (ps, bas) = (shape.p_stride(), 2 * d.n_v_heads);
+        for seg in segs {
+            let state = seg.cache.delta_state(l);
+            let (r0, n) = (seg.row0, seg.n);
+            let (p, ba, out) = (p.sub(r0 * ps, n * ps), ba.sub(r0 * bas, n * bas), out.sub(r0 * vd, n * vd));
+            if n >= DELTA_CHUNKED_MIN_TOKENS {
+                let work = s.delta_work.ptr();
+                self.be.delta_conv_rows(shape, p, state.conv, w.conv.ptr(), work, n)?;
+                self.be.delta_rule_chunked(shape, p, ba, state.matrix, vectors, work, out, n, c.rms_eps)?;
+            } else {
+                self.be.delta_conv(shape, p, state.conv, w.conv.ptr(), n)?;
+                self.be.delta_rule(shape, p, ba, state.matrix, vectors, out, n, c.rms_eps)?;
+            }
         }
         self.mark(l, 2)?;
         self.linear(phase, out, w.out.view(), s.hidden.ptr(), t, h, vd, true)?;
@@ -335,23 +349,19 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Decode: positions split over many blocks, partials combined by a second kernel.
-    fn attention(
-        &mut self,
-        l: usize,
-        phase: Phase,
-        t: usize,
-        pos0: usize,
-        cache: &GpuKvCache,
-    ) -> Result<(), GpuError> {
+    /// One sequence's attention over its cache, its rows of the queries into its rows of the
+    /// output. Decode: positions split over many blocks, partials combined by a second kernel.
+    fn attention(&mut self, l: usize, phase: Phase, seg: &GpuSeg<'_>) -> Result<(), GpuError> {
         let c = &self.cfg;
         let window = self.plan.layer(l).attention().window.unwrap_or(0);
-        let (nh, nkv, hd) = (c.n_heads, c.n_kv_heads, c.head_dim);
+        let (nh, nkv, hd, qd) = (c.n_heads, c.n_kv_heads, c.head_dim, c.q_dim());
+        let (t, pos0, cache) = (seg.n, seg.pos0, seg.cache);
         if phase == Phase::Decode {
             self.reserve_attention(t, cache)?;
         }
         let s = self.scratch.as_ref().expect("reserved");
-        let (q, kc, vc, out) = (s.q.ptr(), cache.k(l), cache.v(l), s.attn.ptr());
+        let rows = |p: DPtr<f32>| p.sub(seg.row0 * qd, t * qd);
+        let (q, kc, vc, out) = (rows(s.q.ptr()), cache.k(l), cache.v(l), rows(s.attn.ptr()));
         match (&self.attn_part, phase) {
             (Some(part), Phase::Decode) => {
                 let at =

@@ -17,7 +17,7 @@
 //! splits are empty and add exact zeros).
 
 use super::kv::GpuKvCache;
-use super::model::{GpuFaults, GpuModel};
+use super::model::{GpuFaults, GpuModel, GpuSeg};
 use super::stats::LayerRecord;
 use super::GpuError;
 use crate::cache::perf::PerfMode;
@@ -292,7 +292,7 @@ impl GpuModel {
                 m.part_start(first)?;
                 m.whole_layers(first..sl, pos0, cache, cold)?;
                 m.mark(sl, 0)?;
-                m.mixer_block(sl, Phase::Decode, 1, pos0, cache)?;
+                m.mixer_block(sl, Phase::Decode, 1, &[GpuSeg { row0: 0, n: 1, pos0, cache }])?;
                 plan = Some(m.moe_route(sl, Phase::Decode, 1)?);
                 Ok(())
             })?;
@@ -330,7 +330,7 @@ impl GpuModel {
     ) -> Result<(), GpuError> {
         for l in layers {
             self.mark(l, 0)?;
-            self.mixer_block(l, Phase::Decode, 1, pos0, cache)?;
+            self.mixer_block(l, Phase::Decode, 1, &[GpuSeg { row0: 0, n: 1, pos0, cache }])?;
             self.moe_block(l, Phase::Decode, 1, cold)?;
         }
         Ok(())

@@ -6,11 +6,13 @@
 //! `hot_dequant` (prefill's quantized slots as bf16 chunks for the grouped GEMMs), `kv` (KV cache),
 //! `scratch` (per-call buffers), `dense` (attention, router, shared expert), `moe` (hot/cold
 //! split, lanes, join, fallback), `postfetch` (prefill's cold experts copied to a VRAM
-//! scratchpad and computed on the GPU when a cost model says so), `stats` (lane statistics, profile), `model` (the forward call).
+//! scratchpad and computed on the GPU when a cost model says so), `stats` (lane statistics, profile), `model` (the forward call), `batch` (one call over
+//! several sequences).
 //!
 //! Without a CUDA driver nothing here can run: [`CudaBackend::try_new`] returns an error that
 //! callers report before falling back to the CPU path.
 
+mod batch;
 mod dense;
 mod error;
 mod graph;
@@ -24,6 +26,7 @@ mod scratch;
 mod stats;
 mod weights;
 
+pub use batch::GpuSeqInput;
 pub use error::GpuError;
 pub use kv::GpuKvCache;
 pub use model::{

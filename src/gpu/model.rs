@@ -30,6 +30,23 @@ use moe_lanes_kernels::WeightDType;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// One sequence's rows in a forward call: `n` rows from `row0`, the first at position `pos0`
+/// of `cache`.
+#[derive(Clone, Copy)]
+pub(crate) struct GpuSeg<'c> {
+    pub row0: usize,
+    pub n: usize,
+    pub pos0: usize,
+    pub cache: &'c GpuKvCache,
+}
+
+impl<'c> GpuSeg<'c> {
+    /// A call's only sequence: its `n` rows from row 0, after what `cache` holds.
+    pub fn whole(cache: &'c GpuKvCache, n: usize) -> GpuSeg<'c> {
+        GpuSeg { row0: 0, n, pos0: cache.n_positions, cache }
+    }
+}
+
 /// How long the join waits for the hot lane before the layer falls back to all-cold.
 /// Generous: a long prefill on a busy device can take seconds per layer.
 pub const HOT_LANE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -501,7 +518,7 @@ impl GpuModel {
         Ok(())
     }
 
-    fn check_call(&self, tokens: &[u32], cache: &GpuKvCache) -> Result<(), GpuError> {
+    pub(super) fn check_call(&self, tokens: &[u32], cache: &GpuKvCache) -> Result<(), GpuError> {
         let c = &self.cfg;
         if tokens.is_empty() {
             return Err(ForwardError::EmptyInput.into());
@@ -569,9 +586,10 @@ impl GpuModel {
             return self.forward_segments(tokens[0], cache, cold, rows, call_start);
         }
         self.embed(tokens)?;
+        let segs = [GpuSeg::whole(cache, t)];
         for l in 0..self.cfg.n_layers {
             self.mark(l, 0)?;
-            self.mixer_block(l, phase, t, pos0, cache)?;
+            self.mixer_block(l, phase, t, &segs)?;
             self.moe_block(l, phase, t, cold)?;
         }
         let copy_start = Instant::now();
@@ -582,7 +600,7 @@ impl GpuModel {
         Ok(logits)
     }
 
-    fn embed(&mut self, tokens: &[u32]) -> Result<(), GpuError> {
+    pub(super) fn embed(&mut self, tokens: &[u32]) -> Result<(), GpuError> {
         let s = self.scratch.as_ref().expect("reserved");
         self.host.tokens_i32.clear();
         self.host.tokens_i32.extend(tokens.iter().map(|&x| x as i32));

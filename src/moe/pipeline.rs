@@ -21,6 +21,7 @@ use crate::cache::hot_set::{HotSet, HotSetError, MAX_HOT_LANES};
 use crate::cache::perf::{FallbackReason, LayerTiming, PerfMode, PerfState};
 use crate::format::tensor::TensorError;
 pub use crate::forward::argmax;
+use crate::forward::BatchPiece;
 pub use crate::forward::LogitRows;
 use crate::model::arch::{DeltaNetSpec, LatentAttentionSpec, LayerPlan, LayerSpec, Mixer, QkNorm, RopeStyle};
 use crate::model::config::ModelConfig;
@@ -311,6 +312,25 @@ pub struct Pipeline {
     plans: Vec<ExecPlan>,
     fault: FaultInjection,
     max_batch_tokens: usize,
+    /// The sub-batch being run: each sequence's rows, and per row its position and sequence.
+    segments: Vec<Segment>,
+    positions: Vec<usize>,
+    row_seq: Vec<usize>,
+}
+
+/// One sequence of a batched call ([`Pipeline::forward_many`]): its cache and its tokens.
+pub struct SeqInput<'a> {
+    pub cache: &'a mut PipelineCache,
+    pub tokens: &'a [u32],
+}
+
+/// A sequence's rows in a sub-batch: `n` rows from `row0`, at positions from `first_pos`.
+#[derive(Debug, Clone, Copy)]
+struct Segment {
+    seq: usize,
+    row0: usize,
+    n: usize,
+    first_pos: usize,
 }
 
 impl Activations {
@@ -512,6 +532,9 @@ impl Pipeline {
             plans: Vec::new(),
             fault: options.fault,
             max_batch_tokens: m,
+            segments: Vec::new(),
+            positions: Vec::with_capacity(m),
+            row_seq: Vec::with_capacity(m),
             final_norm,
             layers,
             dense,
@@ -660,33 +683,32 @@ impl Pipeline {
         phase: Phase,
         rows: LogitRows,
     ) -> Result<Vec<Vec<f32>>, PipelineError> {
-        let c = &self.config;
-        if tokens.is_empty() {
-            return Err(ForwardError::EmptyInput.into());
-        }
-        for (i, &token) in tokens.iter().enumerate() {
-            if token as usize >= c.vocab {
-                return Err(ForwardError::TokenOutOfRange {
-                    token,
-                    position: cache.n_positions + i,
-                    vocab: c.vocab,
-                }
-                .into());
-            }
-        }
-        if cache.n_positions + tokens.len() > c.max_positions {
-            return Err(ForwardError::ContextFull { max_positions: c.max_positions }.into());
+        self.forward_many(&mut [SeqInput { cache, tokens }], phase, rows)
+    }
+
+    /// One call over several sequences (continuous batching): each sequence's tokens run after
+    /// what its cache holds, every row-wise stage (projections, router, lanes, lm_head) over all
+    /// of the call's tokens at once, attention and recurrent state per sequence. Returns the
+    /// `rows` asked for of each sequence in order ([`LogitRows::Last`]: one row per sequence).
+    /// Every sequence is checked before any cache changes.
+    pub fn forward_many(
+        &mut self,
+        seqs: &mut [SeqInput<'_>],
+        phase: Phase,
+        rows: LogitRows,
+    ) -> Result<Vec<Vec<f32>>, PipelineError> {
+        for s in seqs.iter() {
+            self.check_sequence(s.cache, s.tokens)?;
         }
         self.apply_pending_exchanges()?;
         self.plans.clear();
-        let mut logits = Vec::with_capacity(tokens.len());
-        let n_batches = tokens.len().div_ceil(self.max_batch_tokens);
-        for (i, batch) in tokens.chunks(self.max_batch_tokens).enumerate() {
-            let batch_rows = match rows {
-                LogitRows::All => 0..batch.len(),
-                LogitRows::Last if i + 1 == n_batches => batch.len() - 1..batch.len(),
-                LogitRows::Last => 0..0,
-            };
+        let lens: Vec<usize> = seqs.iter().map(|s| s.tokens.len()).collect();
+        let mut logits = Vec::with_capacity(match rows {
+            LogitRows::All => lens.iter().sum(),
+            LogitRows::Last => seqs.len(),
+        });
+        for pieces in crate::forward::pack_batch(&lens, self.max_batch_tokens) {
+            let n: usize = pieces.iter().map(|p| p.tokens.len()).sum();
             self.call_idx += 1;
             let cache_state = CacheState {
                 n_hot_slots: self.hot_set.layers.iter().map(|l| l.n_hot()).sum(),
@@ -694,14 +716,30 @@ impl Pipeline {
             };
             let cold_state = ColdState { n_workers: self.cold_threads, healthy: true };
             // The phase is the call's, whatever the sub-batch's size.
-            let plan = self.policy.plan(phase, batch.len(), cache_state, cold_state);
+            let plan = self.policy.plan(phase, n, cache_state, cold_state);
             self.plans.push(plan);
             let start = Instant::now();
-            mark(&mut self.profile, |p| p.begin(phase == Phase::Decode, batch.len()));
-            self.forward_batch(cache, batch, &plan, batch_rows, &mut logits)?;
+            mark(&mut self.profile, |p| p.begin(phase == Phase::Decode, n));
+            self.forward_batch(seqs, &pieces, &plan, rows, &mut logits)?;
             mark(&mut self.profile, |p| p.add_total_us(start.elapsed().as_secs_f64() * 1e6));
         }
         Ok(logits)
+    }
+
+    /// A sequence of a call: tokens present and in the vocabulary, room in the context.
+    fn check_sequence(&self, cache: &PipelineCache, tokens: &[u32]) -> Result<(), PipelineError> {
+        let c = &self.config;
+        if tokens.is_empty() {
+            return Err(ForwardError::EmptyInput.into());
+        }
+        if let Some((i, &token)) = tokens.iter().enumerate().find(|(_, &t)| t as usize >= c.vocab) {
+            let position = cache.n_positions + i;
+            return Err(ForwardError::TokenOutOfRange { token, position, vocab: c.vocab }.into());
+        }
+        if cache.n_positions + tokens.len() > c.max_positions {
+            return Err(ForwardError::ContextFull { max_positions: c.max_positions }.into());
+        }
+        Ok(())
     }
 
     /// Greedy generation: prefill `prompt` (Prefill), then decode `n_new` tokens (Decode).
@@ -721,54 +759,71 @@ impl Pipeline {
         Ok(out)
     }
 
+    /// One sub-batch: the `pieces` of `seqs` it holds, as one block of rows.
     fn forward_batch(
         &mut self,
-        cache: &mut PipelineCache,
-        tokens: &[u32],
+        seqs: &mut [SeqInput<'_>],
+        pieces: &[BatchPiece],
         plan: &ExecPlan,
-        rows: std::ops::Range<usize>,
+        rows: LogitRows,
         logits_out: &mut Vec<Vec<f32>>,
     ) -> Result<(), PipelineError> {
-        let n = tokens.len();
         let h = self.config.hidden;
-        let first_pos = cache.n_positions;
-        self.ensure_rope(first_pos + n);
+        self.segments.clear();
+        self.positions.clear();
+        self.row_seq.clear();
+        let mut head_rows = Vec::new();
+        for p in pieces {
+            let (row0, n) = (self.positions.len(), p.tokens.len());
+            let first_pos = seqs[p.seq].cache.n_positions;
+            self.segments.push(Segment { seq: p.seq, row0, n, first_pos });
+            self.positions.extend(first_pos..first_pos + n);
+            self.row_seq.extend(std::iter::repeat_n(p.seq, n));
+            match rows {
+                LogitRows::All => head_rows.extend(row0..row0 + n),
+                LogitRows::Last if p.tokens.end == seqs[p.seq].tokens.len() => head_rows.push(row0 + n - 1),
+                LogitRows::Last => {}
+            }
+        }
+        let n = self.positions.len();
+        self.ensure_rope(self.positions.iter().max().map_or(0, |p| p + 1));
         let model = Arc::clone(&self.model);
         let (embedding, head) = global_matrices(&model)?;
-        for (t, &token) in tokens.iter().enumerate() {
+        let tokens = pieces.iter().flat_map(|p| &seqs[p.seq].tokens[p.tokens.clone()]);
+        for (t, &token) in tokens.enumerate() {
             decode_row(&embedding, token as usize, &mut self.act.hidden[t * h..(t + 1) * h]);
         }
         mark(&mut self.profile, |p| p.tail(0));
         for l in 0..self.config.n_layers {
             let m = LayerMatrices::resolve(&model, l)?;
             match &m.mixer {
-                MixerMatrices::Attention { q, k, v, o } => {
-                    self.attention_block(cache, l, [q, k, v, o], n, first_pos)?
-                }
-                MixerMatrices::DeltaNet { inputs, out } => {
-                    let state = cache.recurrent[l].as_mut().expect("the cache follows the plan");
-                    self.delta_net_block(state, l, inputs, out, n)?
-                }
-                MixerMatrices::Latent { .. } => {
-                    self.latent_block(&mut cache.latent[l], l, &m.mixer, n, first_pos)?
-                }
+                MixerMatrices::Attention { q, k, v, o } => self.attention_block(seqs, l, [q, k, v, o], n)?,
+                MixerMatrices::DeltaNet { inputs, out } => self.delta_net_block(seqs, l, inputs, out, n)?,
+                MixerMatrices::Latent { .. } => self.latent_block(seqs, l, &m.mixer, n)?,
             }
             match &m.dense_ffn {
                 Some(ffn) => self.dense_ffn_block(l, ffn, n)?,
                 None => self.moe_block(l, &m, n, plan)?,
             }
         }
-        cache.n_positions += n;
+        for s in &self.segments {
+            seqs[s.seq].cache.n_positions += s.n;
+        }
+        self.head(&head, &head_rows, logits_out)
+    }
+
+    /// Final norm and lm_head of the sub-batch's `rows` (row indices), one logits row each.
+    fn head(&mut self, head: &DenseMatrix<'_>, rows: &[usize], logits_out: &mut Vec<Vec<f32>>) -> Result<(), PipelineError> {
         if rows.is_empty() {
             return Ok(());
         }
-        let (vocab, eps, k) = (self.config.vocab, self.config.rms_eps, rows.len());
-        for (i, t) in rows.enumerate() {
+        let (h, vocab, eps, k) = (self.config.hidden, self.config.vocab, self.config.rms_eps, rows.len());
+        for (i, &t) in rows.iter().enumerate() {
             let x = &self.act.hidden[t * h..(t + 1) * h];
             rms_norm_row(x, &self.final_norm, eps, &mut self.act.normed[i * h..(i + 1) * h]);
         }
         let mut out = vec![0.0; k * vocab];
-        self.dense.matmul(&self.act.normed[..k * h], &mut [MatmulPart { w: head, y: &mut out }])?;
+        self.dense.matmul(&self.act.normed[..k * h], &mut [MatmulPart { w: *head, y: &mut out }])?;
         if k == 1 {
             // Decode: the row is the buffer, no second copy of a vocab-sized row.
             logits_out.push(out);
@@ -801,11 +856,10 @@ impl Pipeline {
 
     fn attention_block(
         &mut self,
-        cache: &mut PipelineCache,
+        seqs: &mut [SeqInput<'_>],
         l: usize,
         [wq, wk, wv, wo]: [&DenseMatrix<'_>; 4],
         n: usize,
-        first_pos: usize,
     ) -> Result<(), PipelineError> {
         let c = &self.config;
         let (w, a) = (&self.layers[l], &mut self.act);
@@ -833,34 +887,13 @@ impl Pipeline {
             }
         }
         mark(&mut self.profile, |p| p.layer(0));
-        self.qkv_post(l, n, first_pos)?;
+        self.qkv_post(l, n)?;
+        for i in 0..self.segments.len() {
+            let seg = self.segments[i];
+            self.attend_segment(seqs[seg.seq].cache, l, seg)?;
+        }
         let (c, a) = (&self.config, &mut self.act);
-        let nkv = c.n_kv_heads;
-        let (keys, values) =
-            (&mut cache.keys[l * nkv..(l + 1) * nkv], &mut cache.values[l * nkv..(l + 1) * nkv]);
-        for kvh in 0..nkv {
-            // One (amortised) growth per call, not one per token.
-            keys[kvh].reserve(n * hd);
-            values[kvh].reserve(n * hd);
-        }
-        for t in 0..n {
-            for kvh in 0..nkv {
-                let at = t * kvd + kvh * hd;
-                keys[kvh].extend_from_slice(&a.k[at..at + hd]);
-                values[kvh].extend_from_slice(&a.v[at..at + hd]);
-            }
-        }
-        mark(&mut self.profile, |p| p.layer(1));
-        let input = AttentionInput {
-            shape: AttentionShape { n_heads: c.n_heads, n_kv_heads: nkv, head_dim: hd },
-            q: &a.q[..n * qd],
-            keys,
-            values,
-            first_pos,
-            window: self.plan.layer(l).attention().window,
-            sinks: self.layers[l].sinks.as_deref(),
-        };
-        self.dense.attention(&input, &mut a.attn[..n * qd])?;
+        let (h, qd) = (c.hidden, c.q_dim());
         if output_gate {
             for (x, g) in a.attn[..n * qd].iter_mut().zip(&a.gate[..n * qd]) {
                 *x *= sigmoid(*g);
@@ -880,8 +913,42 @@ impl Pipeline {
         Ok(())
     }
 
+    /// One sequence's part of an attention layer: its new keys and values appended to its
+    /// cache, its queries attended over the cache.
+    fn attend_segment(&mut self, cache: &mut PipelineCache, l: usize, seg: Segment) -> Result<(), PipelineError> {
+        let (c, a) = (&self.config, &mut self.act);
+        let (qd, kvd, hd, nkv) = (c.q_dim(), c.kv_dim(), c.head_dim, c.n_kv_heads);
+        let (keys, values) =
+            (&mut cache.keys[l * nkv..(l + 1) * nkv], &mut cache.values[l * nkv..(l + 1) * nkv]);
+        let rows = seg.row0..seg.row0 + seg.n;
+        for kvh in 0..nkv {
+            // One (amortised) growth per call, not one per token.
+            keys[kvh].reserve(seg.n * hd);
+            values[kvh].reserve(seg.n * hd);
+        }
+        for t in rows.clone() {
+            for kvh in 0..nkv {
+                let at = t * kvd + kvh * hd;
+                keys[kvh].extend_from_slice(&a.k[at..at + hd]);
+                values[kvh].extend_from_slice(&a.v[at..at + hd]);
+            }
+        }
+        mark(&mut self.profile, |p| p.layer(1));
+        let input = AttentionInput {
+            shape: AttentionShape { n_heads: c.n_heads, n_kv_heads: nkv, head_dim: hd },
+            q: &a.q[rows.start * qd..rows.end * qd],
+            keys,
+            values,
+            first_pos: seg.first_pos,
+            window: self.plan.layer(l).attention().window,
+            sinks: self.layers[l].sinks.as_deref(),
+        };
+        self.dense.attention(&input, &mut a.attn[rows.start * qd..rows.end * qd])?;
+        Ok(())
+    }
+
     /// After the q/k/v projections: biases, q/k norms, clipping, RoPE.
-    fn qkv_post(&mut self, l: usize, n: usize, first_pos: usize) -> Result<(), PipelineError> {
+    fn qkv_post(&mut self, l: usize, n: usize) -> Result<(), PipelineError> {
         let c = &self.config;
         let (w, a) = (&self.layers[l], &mut self.act);
         let (qd, kvd) = (c.q_dim(), c.kv_dim());
@@ -897,15 +964,15 @@ impl Pipeline {
         let spec = self.plan.layer(l).attention();
         let per_head = matches!(spec.qk_norm, QkNorm::None | QkNorm::PerHead) && spec.clip_qkv.is_none();
         if per_head && n >= PAR_HEADS_MIN_TOKENS {
-            return self.norm_rope_heads_on_pool(l, n, first_pos);
+            return self.norm_rope_heads_on_pool(l, n);
         }
-        self.norm_rope_sequential(l, n, first_pos);
+        self.norm_rope_sequential(l, n);
         Ok(())
     }
 
     /// Per-head q/k norm (if any) and RoPE of each head on the dense pool's threads (prefill):
     /// the same per-head functions as the sequential path, so the same bits.
-    fn norm_rope_heads_on_pool(&mut self, l: usize, n: usize, first_pos: usize) -> Result<(), PipelineError> {
+    fn norm_rope_heads_on_pool(&mut self, l: usize, n: usize) -> Result<(), PipelineError> {
         let c = &self.config;
         let style = self.plan.layer(l).attention().rope.style;
         let (hd, half, eps) = (c.head_dim, c.rotary_dims / 2, c.rms_eps);
@@ -914,7 +981,7 @@ impl Pipeline {
             QkNorm::PerHead => (w.q_norm.as_deref(), w.k_norm.as_deref()),
             _ => (None, None),
         };
-        let (a, rope, pool) = (&mut self.act, &self.rope, self.dense.pool_mut());
+        let (a, rope, positions, pool) = (&mut self.act, &self.rope, &self.positions, self.dense.pool_mut());
         for (buf, dim, norm) in
             [(&mut a.q[..n * c.q_dim()], c.q_dim(), qn), (&mut a.k[..n * c.kv_dim()], c.kv_dim(), kn)]
         {
@@ -923,7 +990,7 @@ impl Pipeline {
                 if let Some(weight) = norm {
                     rms_norm_in_place(head, weight, eps);
                 }
-                let t = first_pos + i / heads_per_token;
+                let t = positions[i / heads_per_token];
                 rope_head(&mut head[..2 * half], &rope[t * half..(t + 1) * half], style);
             })?;
         }
@@ -931,7 +998,7 @@ impl Pipeline {
     }
 
     /// Biases done: q/k norms (per head or over the projection), clipping, RoPE on this thread.
-    fn norm_rope_sequential(&mut self, l: usize, n: usize, first_pos: usize) {
+    fn norm_rope_sequential(&mut self, l: usize, n: usize) {
         let c = &self.config;
         let (w, a) = (&self.layers[l], &mut self.act);
         let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
@@ -966,7 +1033,8 @@ impl Pipeline {
         }
         let half = c.rotary_dims / 2;
         for t in 0..n {
-            let table = &self.rope[(first_pos + t) * half..(first_pos + t + 1) * half];
+            let pos = self.positions[t];
+            let table = &self.rope[pos * half..(pos + 1) * half];
             for head in a.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
                 rope_head(&mut head[..2 * half], table, spec.rope.style);
             }
@@ -983,17 +1051,16 @@ impl Pipeline {
     /// goes through its `v_b` before `o`. The cache never holds per-head keys or values.
     fn latent_block(
         &mut self,
-        cache: &mut Vec<f32>,
+        seqs: &mut [SeqInput<'_>],
         l: usize,
         mixer: &MixerMatrices<'_>,
         n: usize,
-        first_pos: usize,
     ) -> Result<(), PipelineError> {
         let MixerMatrices::Latent { q_a, q, kv_a, k_b, v_b, o } = mixer else {
             unreachable!("a latent layer")
         };
         let Mixer::LatentAttention(spec) = self.plan.layer(l).mixer else { unreachable!("a latent layer") };
-        self.latent_project(cache, l, &spec, [q_a.as_ref(), Some(q), Some(kv_a)], n, first_pos)?;
+        self.latent_project(seqs, l, &spec, [q_a.as_ref(), Some(q), Some(kv_a)], n)?;
         let (c, a) = (&self.config, &mut self.act);
         let (h, heads, rank, nope, rope) =
             (c.hidden, spec.n_heads, spec.kv_lora_rank, spec.nope_dim, spec.rope_dim);
@@ -1015,17 +1082,20 @@ impl Pipeline {
                 dst.iter_mut().for_each(|x| *x *= q_scale);
             }
         }
-        let kv = std::slice::from_ref(&*cache);
-        let input = AttentionInput {
-            shape: AttentionShape { n_heads: heads, n_kv_heads: 1, head_dim: width },
-            q: &b.q_abs[..n * heads * width],
-            keys: kv,
-            values: kv,
-            first_pos,
-            window: None,
-            sinks: None,
-        };
-        self.dense.attention(&input, &mut b.out[..n * heads * width])?;
+        for seg in &self.segments {
+            let kv = std::slice::from_ref(&seqs[seg.seq].cache.latent[l]);
+            let rows = seg.row0 * heads * width..(seg.row0 + seg.n) * heads * width;
+            let input = AttentionInput {
+                shape: AttentionShape { n_heads: heads, n_kv_heads: 1, head_dim: width },
+                q: &b.q_abs[rows.clone()],
+                keys: kv,
+                values: kv,
+                first_pos: seg.first_pos,
+                window: None,
+                sinks: None,
+            };
+            self.dense.attention(&input, &mut b.out[rows])?;
+        }
         for hd in 0..heads {
             for t in 0..n {
                 b.head_in[t * rank..(t + 1) * rank]
@@ -1051,12 +1121,11 @@ impl Pipeline {
     /// positions appended to `cache`.
     fn latent_project(
         &mut self,
-        cache: &mut Vec<f32>,
+        seqs: &mut [SeqInput<'_>],
         l: usize,
         spec: &LatentAttentionSpec,
         [q_a, q, kv_a]: [Option<&DenseMatrix<'_>>; 3],
         n: usize,
-        first_pos: usize,
     ) -> Result<(), PipelineError> {
         let (c, a) = (&self.config, &mut self.act);
         let (h, eps) = (c.hidden, c.rms_eps);
@@ -1095,13 +1164,16 @@ impl Pipeline {
         }
         let (rank, nope, rope) = (spec.kv_lora_rank, spec.nope_dim, spec.rope_dim);
         let half = rope / 2;
-        cache.reserve(n * width);
-        for t in 0..n {
-            let table = &self.rope[(first_pos + t) * half..(first_pos + t + 1) * half];
+        for seg in &self.segments {
+            seqs[seg.seq].cache.latent[l].reserve(seg.n * width);
+        }
+        for (t, &seq) in self.row_seq[..n].iter().enumerate() {
+            let pos = self.positions[t];
+            let table = &self.rope[pos * half..(pos + 1) * half];
             let row = &mut b.kv[t * width..(t + 1) * width];
             rms_norm_in_place(&mut row[..rank], kv_norm, eps);
             rope_head(&mut row[rank..], table, spec.rope.style);
-            cache.extend_from_slice(row);
+            seqs[seq].cache.latent[l].extend_from_slice(row);
             for head in b.q[t * qd..(t + 1) * qd].chunks_exact_mut(nope + rope) {
                 rope_head(&mut head[nope..], table, spec.rope.style);
             }
@@ -1114,7 +1186,7 @@ impl Pipeline {
     /// chunked prefill, every head on the pool at once), the output projection batched.
     fn delta_net_block(
         &mut self,
-        state: &mut DeltaNetState,
+        seqs: &mut [SeqInput<'_>],
         l: usize,
         inputs: &[DenseMatrix<'_>],
         out: &DenseMatrix<'_>,
@@ -1145,25 +1217,51 @@ impl Pipeline {
         }
         mark(&mut self.profile, |p| p.layer(0));
         mark(&mut self.profile, |p| p.layer(1));
-        let (w, a) = (&self.layers[l], &mut self.act);
-        let vectors = w.delta_net.as_ref().expect("loaded for DeltaNet layers");
-        let token = a.delta_token[l].as_mut().expect("made for DeltaNet layers");
-        let vd = d.value_dim();
-        let pool = self.dense.pool_mut();
-        if n > 1 {
-            let out = &mut a.delta_out[..n * vd];
-            prefill(&d, vectors, state, &a.delta_in, n, c.rms_eps, &mut a.delta_prefill, pool, out)?;
-        } else {
-            token.gather(&d, &a.delta_in, 0);
-            conv_step(&d, &vectors.conv, state, &mut token.qkv);
-            recurrent_step(&d, vectors, state, token, c.rms_eps, pool, &mut a.delta_out[..vd])?;
+        let widths: Vec<usize> = inputs.iter().map(|m| m.rows).collect();
+        for i in 0..self.segments.len() {
+            let seg = self.segments[i];
+            let state = seqs[seg.seq].cache.recurrent[l].as_mut().expect("the cache follows the plan");
+            self.delta_segment(state, l, &d, &widths, seg)?;
         }
         mark(&mut self.profile, |p| p.layer(2));
+        let (vd, h, a) = (d.value_dim(), self.config.hidden, &mut self.act);
         self.dense.matmul(&a.delta_out[..n * vd], &mut [MatmulPart { w: *out, y: &mut a.proj[..n * h] }])?;
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
             *x += y;
         }
         mark(&mut self.profile, |p| p.layer(3));
+        Ok(())
+    }
+
+    /// One sequence's part of a DeltaNet layer over its state: the recurrent step for one
+    /// token, else the chunked prefill (its input rows moved to the front first: the sequences
+    /// before it are done with theirs).
+    fn delta_segment(
+        &mut self,
+        state: &mut DeltaNetState,
+        l: usize,
+        d: &DeltaNetSpec,
+        widths: &[usize],
+        seg: Segment,
+    ) -> Result<(), PipelineError> {
+        let (w, a, eps) = (&self.layers[l], &mut self.act, self.config.rms_eps);
+        let vectors = w.delta_net.as_ref().expect("loaded for DeltaNet layers");
+        let vd = d.value_dim();
+        let out = &mut a.delta_out[seg.row0 * vd..(seg.row0 + seg.n) * vd];
+        let pool = self.dense.pool_mut();
+        if seg.n == 1 {
+            let token = a.delta_token[l].as_mut().expect("made for DeltaNet layers");
+            token.gather(d, &a.delta_in, seg.row0);
+            conv_step(d, &vectors.conv, state, &mut token.qkv);
+            recurrent_step(d, vectors, state, token, eps, pool, out)?;
+            return Ok(());
+        }
+        if seg.row0 > 0 {
+            for (buf, &width) in a.delta_in.iter_mut().zip(widths) {
+                buf.copy_within(seg.row0 * width..(seg.row0 + seg.n) * width, 0);
+            }
+        }
+        prefill(d, vectors, state, &a.delta_in, seg.n, eps, &mut a.delta_prefill, pool, out)?;
         Ok(())
     }
 

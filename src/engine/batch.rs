@@ -1,0 +1,257 @@
+//! Continuous batching: many generations over one engine, one engine call per step. Every step
+//! feeds each decoding sequence its pending token and fills the rest of the step's token budget
+//! with prompt chunks of the sequences still prefilling (in arrival order), all in one
+//! [`Engine::forward_batch`]; sequences join and leave between steps. A sequence's tokens are the
+//! ones it would get alone (each sequence keeps its own cache, sampler and context; the
+//! engines batch only their row-wise stages).
+
+use super::generation::Sequence;
+use super::{BatchSeq, Engine, EngineError, FinishReason, GeneratedToken, GenerationError, GenerationOptions};
+use crate::forward::Phase;
+use std::time::Instant;
+
+/// The default token budget of one step: prompt chunks fill it after the decode tokens.
+pub const DEFAULT_STEP_TOKENS: usize = 512;
+
+/// How a [`Batcher`] fills its steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BatchOptions {
+    /// Most sequences running at once (the rest wait with their caller).
+    pub max_sequences: usize,
+    /// Most tokens in one step: one per decoding sequence, the rest prompt chunks (at least one
+    /// prompt token per step while any sequence is prefilling, so prompts always progress).
+    pub step_tokens: usize,
+}
+
+impl Default for BatchOptions {
+    fn default() -> Self {
+        BatchOptions { max_sequences: 16, step_tokens: DEFAULT_STEP_TOKENS }
+    }
+}
+
+/// A sequence's handle in its [`Batcher`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SeqId(pub u64);
+
+/// What a step did for one sequence.
+#[derive(Debug)]
+pub enum SeqEvent {
+    /// Its next token.
+    Token(SeqId, GeneratedToken),
+    /// It ended (and left the batcher): `generated` tokens, and why.
+    Finished { id: SeqId, finish: FinishReason, prompt_tokens: usize, generated: Vec<u32> },
+    /// Its step failed (it left the batcher).
+    Failed(SeqId, GenerationError),
+}
+
+/// What one step ran: its sequences, tokens and time (for step-time and batch-size metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepReport {
+    pub sequences: usize,
+    pub tokens: usize,
+    pub prefill_tokens: usize,
+    pub wall_us: u64,
+}
+
+/// Too many sequences for the batcher's `max_sequences`.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("the batcher runs at most {max_sequences} sequences at once")]
+pub struct BatchFull {
+    pub max_sequences: usize,
+}
+
+/// Many generations over one engine, stepped together.
+pub struct Batcher {
+    opts: BatchOptions,
+    running: Vec<(SeqId, Sequence)>,
+    next_id: u64,
+    last: StepReport,
+}
+
+impl Batcher {
+    pub fn new(opts: BatchOptions) -> Batcher {
+        let opts = BatchOptions { max_sequences: opts.max_sequences.max(1), step_tokens: opts.step_tokens.max(1) };
+        Batcher { opts, running: Vec::new(), next_id: 0, last: StepReport::default() }
+    }
+
+    pub fn options(&self) -> BatchOptions {
+        self.opts
+    }
+
+    /// Sequences running now.
+    pub fn len(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.running.is_empty()
+    }
+
+    /// Whether another sequence may join.
+    pub fn has_room(&self) -> bool {
+        self.running.len() < self.opts.max_sequences
+    }
+
+    /// What the last step ran.
+    pub fn last_step(&self) -> StepReport {
+        self.last
+    }
+
+    /// Positions held by the running sequences' caches (KV-cache use).
+    pub fn positions(&self) -> usize {
+        self.running.iter().map(|(_, s)| s.cache.n_positions()).sum()
+    }
+
+    /// A new sequence: options and room in the context checked, its cache made; it runs from
+    /// the next step. The outer error: no room (`max_sequences` running).
+    pub fn add<E: Engine + ?Sized>(
+        &mut self,
+        engine: &E,
+        prompt: &[u32],
+        opts: GenerationOptions,
+    ) -> Result<Result<SeqId, GenerationError>, BatchFull> {
+        if !self.has_room() {
+            return Err(BatchFull { max_sequences: self.opts.max_sequences });
+        }
+        Ok(Sequence::new(engine, prompt, opts).map(|seq| {
+            let id = SeqId(self.next_id);
+            self.next_id += 1;
+            self.running.push((id, seq));
+            id
+        }))
+    }
+
+    /// Stop a sequence now (its caller went away): it leaves without a further event. Returns
+    /// whether it was running.
+    pub fn cancel(&mut self, id: SeqId) -> bool {
+        let before = self.running.len();
+        self.running.retain(|(i, _)| *i != id);
+        self.running.len() != before
+    }
+
+    /// One engine call over every running sequence: decode tokens first, then prompt chunks
+    /// within the step's token budget. Returns each sequence's token (if it chose one) and the
+    /// sequences that ended. An engine error fails every sequence of the step.
+    pub fn step<E: Engine + ?Sized>(&mut self, engine: &mut E) -> Vec<SeqEvent> {
+        let mut events = Vec::new();
+        self.finish_done(&mut events);
+        if self.running.is_empty() {
+            return events;
+        }
+        let picks = self.pick();
+        let needs = picks.iter().any(|&(i, _)| self.running[i].1.needs_logits());
+        if engine.copies_logits() != needs {
+            engine.set_copy_logits(needs);
+        }
+        let start = Instant::now();
+        let result = self.run(engine, &picks);
+        let fed: Vec<usize> = picks.iter().map(|&(_, n)| n).collect();
+        let prefill_tokens = picks.iter().filter(|&&(i, _)| self.running[i].1.is_prefilling()).map(|p| p.1).sum();
+        self.last = StepReport {
+            sequences: picks.len(),
+            tokens: fed.iter().sum(),
+            prefill_tokens,
+            wall_us: start.elapsed().as_micros() as u64,
+        };
+        match result {
+            Ok(logits) => {
+                let kind = engine.kind();
+                for (row, &(i, n)) in picks.iter().enumerate() {
+                    let (id, seq) = &mut self.running[i];
+                    match seq.accept(n, &logits, row, kind) {
+                        Ok(Some(t)) => events.push(SeqEvent::Token(*id, t)),
+                        Ok(None) => {}
+                        Err(e) => {
+                            seq.cancel();
+                            events.push(SeqEvent::Failed(*id, e));
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                for &(i, _) in &picks {
+                    let (id, seq) = &mut self.running[i];
+                    seq.cancel();
+                    let err = EngineError::Step { message: msg.clone() };
+                    events.push(SeqEvent::Failed(*id, err.into()));
+                }
+            }
+        }
+        self.finish_done(&mut events);
+        events
+    }
+
+    /// Which sequences run this step and how many tokens each: every decoding one (one token),
+    /// then prompt chunks in arrival order while the budget lasts (at least one token).
+    fn pick(&self) -> Vec<(usize, usize)> {
+        let mut picks: Vec<(usize, usize)> = Vec::new();
+        for (i, (_, seq)) in self.running.iter().enumerate() {
+            if let Some((_, Phase::Decode)) = seq.next_input(1) {
+                picks.push((i, 1));
+            }
+        }
+        let mut budget = self.opts.step_tokens.saturating_sub(picks.len()).max(1);
+        for (i, (_, seq)) in self.running.iter().enumerate() {
+            if budget == 0 {
+                break;
+            }
+            if seq.is_prefilling() {
+                let (chunk, _) = seq.next_input(budget).expect("prefilling");
+                budget -= chunk.len();
+                picks.push((i, chunk.len()));
+            }
+        }
+        picks
+    }
+
+    /// The engine call of a step's picks, in pick order; the phase is prefill when any prompt
+    /// chunk is in it.
+    fn run<E: Engine + ?Sized>(
+        &mut self,
+        engine: &mut E,
+        picks: &[(usize, usize)],
+    ) -> Result<crate::forward::Logits, EngineError> {
+        let phase =
+            if picks.iter().any(|&(i, _)| self.running[i].1.is_prefilling()) { Phase::Prefill } else { Phase::Decode };
+        let mut inputs: Vec<(Vec<u32>, usize)> = Vec::with_capacity(picks.len());
+        for &(i, n) in picks {
+            let seq = &mut self.running[i].1;
+            seq.start_clock();
+            let (tokens, _) = seq.next_input(n).expect("running");
+            inputs.push((tokens.to_vec(), i));
+        }
+        // Each pick is a distinct sequence: hand out one `&mut` cache per pick, in pick order.
+        let mut caches: Vec<Option<&mut super::KvCache>> =
+            self.running.iter_mut().map(|(_, s)| Some(&mut s.cache)).collect();
+        let mut seqs: Vec<BatchSeq<'_>> = inputs
+            .iter()
+            .map(|(tokens, i)| BatchSeq { tokens, cache: caches[*i].take().expect("one pick per sequence") })
+            .collect();
+        engine.forward_batch(&mut seqs, phase)
+    }
+
+    /// Sequences that finished leave, with their `Finished` event.
+    fn finish_done(&mut self, events: &mut Vec<SeqEvent>) {
+        let mut i = 0;
+        while i < self.running.len() {
+            match self.running[i].1.finish {
+                Some(finish) => {
+                    let (id, seq) = self.running.remove(i);
+                    if finish != FinishReason::Cancelled {
+                        events.push(SeqEvent::Finished {
+                            id,
+                            finish,
+                            prompt_tokens: seq.prompt_tokens(),
+                            generated: seq.generated().to_vec(),
+                        });
+                    }
+                }
+                None => i += 1,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
