@@ -145,6 +145,11 @@ struct PlanArgs {
     ctx_size: Option<usize>,
 }
 
+/// `serve --parallel`'s default, as llama-server's: four requests at once, at the cost of the KV
+/// cache of four contexts against the `-1` hot budget (raise it for many users, with
+/// `--ctx-size` to keep experts in VRAM).
+const DEFAULT_PARALLEL: u16 = 4;
+
 #[derive(Args)]
 struct ServeArgs {
     #[arg(long)]
@@ -159,6 +164,13 @@ struct ServeArgs {
     /// Requests that may wait for the engine; more get 429.
     #[arg(long, default_value_t = 64)]
     queue: usize,
+    /// Requests generated together (continuous batching: one engine call per step over every
+    /// running request); the `-1` hot budget leaves room for the KV cache of this many contexts.
+    #[arg(long, default_value_t = DEFAULT_PARALLEL, value_parser = clap::value_parser!(u16).range(1..=256))]
+    parallel: u16,
+    /// Most tokens in one batched step: one per decoding request, the rest prompt chunks.
+    #[arg(long, default_value_t = moe_lanes::engine::batch::DEFAULT_STEP_TOKENS, value_parser = count(1))]
+    batch_tokens: usize,
     /// Jinja chat template for /v1/chat/completions (default: the model's own,
     /// tokenizer.chat_template).
     #[arg(long)]
@@ -890,7 +902,8 @@ fn serve(args: ServeArgs) -> Result<()> {
     if let Some(path) = &args.engine.trace {
         bail!("--trace {}: serve does not trace (trace with run, generate, logits or bench)", path.display());
     }
-    let opts = engine_options(&model, &args.engine, positions, HotChoice::None)?;
+    let mut opts = engine_options(&model, &args.engine, positions, HotChoice::None)?;
+    opts.sequences = args.parallel as usize;
     let name =
         args.model.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
     // Text in and out need the tokenizer; a model without one (or with one this build cannot
@@ -926,6 +939,10 @@ fn serve(args: ServeArgs) -> Result<()> {
         listen: args.listen,
         admin_token: args.admin_token,
         queue_capacity: args.queue,
+        batch: moe_lanes::engine::BatchOptions {
+            max_sequences: args.parallel as usize,
+            step_tokens: args.batch_tokens,
+        },
         model_name: name,
         perf_json: args.engine.perf_json.clone(),
     };

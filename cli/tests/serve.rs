@@ -417,7 +417,8 @@ fn metrics_name_every_family_and_admin_endpoints_need_the_token() {
 fn running_and_waiting_gauges_move_and_the_budget_is_exported() {
     let dir = tempfile::tempdir().unwrap();
     let model = tiny(dir.path());
-    let server = std::sync::Arc::new(Server::start(&model, &["--hot-budget-mib", "1"]));
+    // One request at a time, so the second waits.
+    let server = std::sync::Arc::new(Server::start(&model, &["--hot-budget-mib", "1", "--parallel", "1"]));
     let (_, text) = server.request("GET", "/metrics", b"", &[]);
     let start = samples(&text);
     assert_eq!(start["moe_lanes_hot_budget_bytes"], 1048576.0);

@@ -3,8 +3,9 @@
 //! /moe-hot-cache` (hot set; manual apply between requests), and the OpenAI-compatible `GET
 //! /v1/models`, `POST /v1/completions` (text or token-id prompts) and `POST
 //! /v1/chat/completions` (messages through the chat template), streaming as server-sent events.
-//! One engine thread serves a bounded queue; 429 when it is full; a client that hangs up
-//! cancels its generation.
+//! One engine thread serves a bounded queue, running up to `--parallel` requests together
+//! (continuous batching); 429 when the queue is full; a client that hangs up cancels its
+//! generation.
 
 pub mod api;
 mod chat;
@@ -37,6 +38,8 @@ pub struct ServeOptions {
     pub admin_token: Option<String>,
     /// Requests that may wait for the engine before new ones get 429.
     pub queue_capacity: usize,
+    /// How requests run together: at most `max_sequences` at once, `step_tokens` a step.
+    pub batch: moe_lanes::engine::BatchOptions,
     /// The name `/v1/models` reports.
     pub model_name: String,
     /// Write the perf JSON here at shutdown.
@@ -90,7 +93,7 @@ pub fn run(
     let (jobs_tx, jobs_rx) = crossbeam_channel::bounded(opts.queue_capacity);
     let (built_tx, built_rx) = std::sync::mpsc::channel();
     let (m, sh) = (model.clone(), shared.clone());
-    let thread = worker::spawn(m, engine, jobs_rx, sh, built_tx).map_err(ServeError::Runtime)?;
+    let thread = worker::spawn(m, engine, opts.batch, jobs_rx, sh, built_tx).map_err(ServeError::Runtime)?;
     let (report, device) = built_rx.recv().map_err(|_| ServeError::WorkerGone)??;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -18,6 +18,9 @@ use std::time::Duration;
 const LATENCY_BUCKETS_S: [f64; 16] =
     [5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
 
+/// Buckets for the requests of one batched step.
+const BATCH_SIZE_BUCKETS: [f64; 9] = [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+
 /// How often histogram samples are folded into their buckets between scrapes (bounds the
 /// memory samples hold when nobody scrapes).
 const UPKEEP_EVERY: Duration = Duration::from_secs(2);
@@ -32,6 +35,8 @@ pub fn install() -> PrometheusHandle {
                 .set_buckets_for_metric(Matcher::Prefix(metric_names::LAYER_PREFIX.into()), &LAYER_BUCKETS_S)
                 .expect("non-empty buckets")
                 .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &LATENCY_BUCKETS_S)
+                .expect("non-empty buckets")
+                .set_buckets_for_metric(Matcher::Full("moe_lanes_batch_size".into()), &BATCH_SIZE_BUCKETS)
                 .expect("non-empty buckets")
                 .build_recorder();
             let handle = recorder.handle();
@@ -71,6 +76,12 @@ fn describe() {
         "Hot-cache budget the engine was planned for."
     );
     describe_gauge!("moe_lanes_device_free_bytes", Unit::Bytes, "Free device memory (GPU engine only).");
+    describe_histogram!("moe_lanes_batch_size", "Requests in one batched engine step.");
+    describe_histogram!("moe_lanes_step_seconds", Unit::Seconds, "Time of one batched engine step.");
+    describe_gauge!(
+        "moe_lanes_kv_cache_usage_ratio",
+        "KV-cache positions the running requests reserve over what --parallel requests of the full context may hold (0 to 1)."
+    );
 }
 
 /// The handles used per token or per request, made once.
@@ -90,6 +101,9 @@ struct Handles {
     waiting: Gauge,
     cache_updates: Counter,
     hot_bytes: Gauge,
+    batch_size: Histogram,
+    step: Histogram,
+    kv_usage: Gauge,
 }
 
 fn handles() -> &'static Handles {
@@ -110,6 +124,9 @@ fn handles() -> &'static Handles {
         waiting: gauge!("moe_lanes_requests_waiting"),
         cache_updates: counter!("moe_lanes_cache_updates_total"),
         hot_bytes: gauge!("moe_lanes_hot_bytes"),
+        batch_size: histogram!("moe_lanes_batch_size"),
+        step: histogram!("moe_lanes_step_seconds"),
+        kv_usage: gauge!("moe_lanes_kv_cache_usage_ratio"),
     })
 }
 
@@ -160,6 +177,17 @@ pub fn request_refused(status: axum::http::StatusCode) {
 pub fn queue_depth(running: u64, waiting: u64) {
     handles().running.set(running as f64);
     handles().waiting.set(waiting as f64);
+}
+
+/// One batched engine step: how many requests it ran and how long it took.
+pub fn batch_step(sequences: usize, took: Duration) {
+    handles().batch_size.record(sequences as f64);
+    handles().step.record(took.as_secs_f64());
+}
+
+/// The share of the KV-cache positions the running requests reserve.
+pub fn kv_cache_usage(ratio: f64) {
+    handles().kv_usage.set(ratio);
 }
 
 /// A manual hot-cache apply went through.

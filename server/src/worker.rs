@@ -1,15 +1,18 @@
 //! The server's service on the library's engine thread ([`moe_lanes::engine::worker`]): takes
-//! completion jobs from a bounded queue one at a time, applies manual hot-cache changes only
-//! between requests, switches the perf mode between tokens, and publishes a snapshot (perf JSON,
-//! hot set, counters) after every request for the HTTP side to read without waiting.
+//! completion jobs from a bounded queue into a [`Batcher`] (continuous batching: up to
+//! `--parallel` requests run together, one batched engine call per step, each joining and leaving
+//! between steps), streams each request's tokens to its client, drops a request whose client hung
+//! up, applies manual hot-cache changes only when no request runs (new requests wait while one is
+//! pending), switches the perf mode between steps, and publishes a snapshot (perf JSON, hot set,
+//! counters) after every request for the HTTP side to read without waiting.
 
 use crate::prom;
 use crossbeam_channel::Receiver;
 use moe_lanes::actors::Exchange;
 use moe_lanes::engine::worker::{spawn_engine_thread, Built, EngineService};
 use moe_lanes::engine::{
-    BuildReport, Engine, EngineError, EngineOptions, FinishReason, Generation, GenerationError,
-    GenerationOptions, LiveCache,
+    BatchOptions, Batcher, BuildReport, Engine, EngineError, EngineOptions, FinishReason, GeneratedToken,
+    GenerationOptions, LiveCache, SeqEvent, SeqId,
 };
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::model::Model;
@@ -17,6 +20,7 @@ use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::perf::PerfMode;
 use moe_lanes::sample::Logprobs;
 use moe_lanes::text::{StopPush, StopStrings, TextStream, Tokenizer};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -118,17 +122,21 @@ impl Shared {
 }
 
 /// Start the engine thread (named `moe-engine`): build the engine there, report how it went
-/// through `built`, then serve jobs until the queue closes. The thread returns the perf JSON
-/// (`None` inside when the engine keeps none; `None` outside when the build failed).
+/// through `built`, then serve jobs until the queue closes, up to `batch.max_sequences` at once
+/// in one batched engine call per step. The thread returns the perf JSON (`None` inside when the
+/// engine keeps none; `None` outside when the build failed).
 pub fn spawn(
     model: Arc<Model>,
     opts: EngineOptions,
+    batch: BatchOptions,
     jobs: Receiver<CompletionJob>,
     shared: Arc<Shared>,
     built: std::sync::mpsc::Sender<Built>,
 ) -> std::io::Result<std::thread::JoinHandle<Option<Option<String>>>> {
     let policy = opts.update;
     let m = model.clone();
+    // KV-cache use is the positions the running requests reserve over what the batch may hold.
+    let kv_capacity = (batch.max_sequences * opts.n_positions).max(1);
     let make = move |engine: &mut dyn Engine, report: &BuildReport| {
         {
             let mut snap = shared.snapshot.write().expect("snapshot lock");
@@ -139,17 +147,38 @@ pub fn spawn(
         let live = LiveCache::new(&*engine, ModelFingerprint::of(&m), m.layer_expert_bytes(), policy);
         // The first snapshot is there before the server listens (no request sees an empty one).
         publish(&*engine, &shared);
-        Service { live, shared }
+        Service {
+            live,
+            shared,
+            batcher: Batcher::new(batch),
+            running: HashMap::new(),
+            published: Instant::now(),
+            kv_capacity,
+        }
     };
     spawn_engine_thread("moe-engine", model, opts, jobs, make, move |b| {
         let _ = built.send(b);
     })
 }
 
-/// The server's jobs on the engine thread, with the live cache they update.
+/// A request the batcher runs: its job, its text stream, and what its end needs.
+struct Running {
+    job: CompletionJob,
+    text: Option<TextStream<'static>>,
+    started: Instant,
+    generated: usize,
+}
+
+/// The server's jobs on the engine thread: the batcher that runs them together, with the live
+/// cache they update.
 struct Service {
     live: LiveCache,
     shared: Arc<Shared>,
+    batcher: Batcher,
+    running: HashMap<SeqId, Running>,
+    published: Instant,
+    /// Positions the batch may hold (sequences x context), for the KV-cache use gauge.
+    kv_capacity: usize,
 }
 
 impl EngineService for Service {
@@ -161,7 +190,10 @@ impl EngineService for Service {
     }
 
     fn between_jobs(&mut self, engine: &mut dyn Engine) {
-        between_requests(engine, &mut self.live, &self.shared);
+        switch_mode(engine, &self.shared);
+        if self.batcher.is_empty() {
+            between_requests(engine, &mut self.live, &self.shared);
+        }
     }
 
     fn serve(&mut self, engine: &mut dyn Engine, job: CompletionJob) {
@@ -171,8 +203,38 @@ impl EngineService for Service {
             prom::request_cancelled();
             return;
         }
-        self.shared.running.fetch_add(1, Ordering::Relaxed);
-        complete(engine, &mut self.live, job, &self.shared);
+        self.admit(engine, job);
+    }
+
+    fn busy(&self) -> bool {
+        !self.batcher.is_empty()
+    }
+
+    /// No new request joins while a manual apply waits: the running ones finish, then it applies.
+    fn has_room(&self) -> bool {
+        self.batcher.has_room() && !self.shared.apply_pending.load(Ordering::Acquire)
+    }
+
+    fn work(&mut self, engine: &mut dyn Engine) {
+        self.drop_gone_clients();
+        let events = self.batcher.step(engine);
+        let step = self.batcher.last_step();
+        prom::batch_step(step.sequences, Duration::from_micros(step.wall_us));
+        let mut generated = 0;
+        for event in events {
+            generated += usize::from(matches!(event, SeqEvent::Token(..)));
+            self.on_event(engine, event);
+        }
+        if !self.shared.apply_pending.load(Ordering::Acquire) && generated > 0 {
+            if let Err(e) = self.live.after_tokens(engine, generated) {
+                self.fail_all(&e.to_string());
+            }
+        }
+        if self.batcher.is_empty() {
+            self.end_busy_period(engine);
+        } else if self.published.elapsed() >= PUBLISH_EVERY {
+            self.publish(engine);
+        }
     }
 
     fn finish(self, engine: &mut dyn Engine) -> Option<String> {
@@ -180,10 +242,147 @@ impl EngineService for Service {
     }
 }
 
-/// A pending apply (no request runs now; applied through the live cache, rate 1.0) and a
-/// pending perf-mode switch.
+impl Service {
+    /// A request joins the batch (its first step is the next); refused requests hear why.
+    fn admit(&mut self, engine: &mut dyn Engine, job: CompletionJob) {
+        let started = Instant::now();
+        prom::request_started(started - job.enqueued_at, job.prompt.len());
+        if self.batcher.is_empty() {
+            self.live.begin_request();
+        }
+        let added = self.batcher.add(engine, &job.prompt, job.generation.clone());
+        match added {
+            Ok(Ok(id)) => {
+                self.shared.running.fetch_add(1, Ordering::Relaxed);
+                // Control tokens (`<|im_end|>`, ...) are not in the text, as `run` shows it by default.
+                let text = job.text.as_ref().map(|t| TextStream::shared(t.tokenizer.clone(), true, t.stops.clone()));
+                self.running.insert(id, Running { job, text, started, generated: 0 });
+            }
+            Ok(Err(e)) => {
+                prom::request_failed();
+                let _ = job.events.blocking_send(Event::Failed(e.to_string()));
+            }
+            Err(full) => {
+                prom::request_failed();
+                let _ = job.events.blocking_send(Event::Failed(full.to_string()));
+            }
+        }
+        if self.batcher.is_empty() {
+            self.live.end_request_without_update();
+        }
+        self.gauges();
+    }
+
+    /// Requests whose client hung up leave the batch before the step.
+    fn drop_gone_clients(&mut self) {
+        let gone: Vec<SeqId> = self.running.iter().filter(|(_, r)| r.job.events.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            self.batcher.cancel(id);
+            self.running.remove(&id);
+            self.shared.running.fetch_sub(1, Ordering::Relaxed);
+            prom::request_cancelled();
+        }
+    }
+
+    fn on_event(&mut self, engine: &mut dyn Engine, event: SeqEvent) {
+        match event {
+            SeqEvent::Token(id, t) => self.on_token(engine, id, t),
+            SeqEvent::Finished { id, finish, generated, .. } => {
+                self.end(engine, id, Ok((finish, generated.last().copied())));
+            }
+            SeqEvent::Failed(id, e) => self.end(engine, id, Err(e.to_string())),
+        }
+    }
+
+    /// A token: its text streamed to the client; a completed stop string ends the request.
+    fn on_token(&mut self, engine: &mut dyn Engine, id: SeqId, t: GeneratedToken) {
+        let Some(r) = self.running.get_mut(&id) else { return };
+        if r.generated == 0 {
+            prom::first_token(r.started.elapsed());
+        } else {
+            prom::inter_token(Duration::from_micros(t.step_us));
+        }
+        r.generated += 1;
+        let piece = match r.text.as_mut().map(|s| s.push(t.id)) {
+            Some(Ok(p)) => p,
+            Some(Err(e)) => return self.end(engine, id, Err(format!("cannot decode the generated text: {e}"))),
+            None => StopPush::default(),
+        };
+        let stopped = piece.stopped.is_some();
+        let sent = r.job.events.blocking_send(Event::Token { id: t.id, text: piece.text, logprobs: t.logprobs });
+        if sent.is_err() {
+            // The client went away: its generation stops.
+            self.batcher.cancel(id);
+            self.running.remove(&id);
+            self.shared.running.fetch_sub(1, Ordering::Relaxed);
+            prom::request_cancelled();
+        } else if stopped {
+            self.batcher.cancel(id);
+            self.end(engine, id, Ok((FinishReason::Stop { token: t.id }, Some(t.id))));
+        }
+    }
+
+    /// A request's end: the held-back text (a stop string its last bytes complete still cuts
+    /// it), then `Done` or `Failed`; counters and the snapshot are current before the client
+    /// hears it.
+    fn end(&mut self, engine: &mut dyn Engine, id: SeqId, outcome: Result<(FinishReason, Option<u32>), String>) {
+        let Some(r) = self.running.remove(&id) else { return };
+        self.shared.running.fetch_sub(1, Ordering::Relaxed);
+        self.publish(engine);
+        let event = match outcome {
+            Ok((finish, last)) => {
+                let end = r.text.map(TextStream::finish).unwrap_or_default();
+                let finish = match (finish, end.stopped.and(last)) {
+                    (FinishReason::Stop { token }, _) => FinishReason::Stop { token },
+                    (_, Some(token)) => FinishReason::Stop { token },
+                    (finish, None) => finish,
+                };
+                prom::request_finished(r.started.elapsed());
+                Event::Done { prompt_tokens: r.job.prompt.len(), completion_tokens: r.generated, finish, tail: end.text }
+            }
+            Err(message) => {
+                prom::request_failed();
+                Event::Failed(message)
+            }
+        };
+        let _ = r.job.events.blocking_send(event);
+    }
+
+    /// An update failed mid-batch: every running request fails with it.
+    fn fail_all(&mut self, message: &str) {
+        for (id, r) in std::mem::take(&mut self.running) {
+            self.batcher.cancel(id);
+            self.shared.running.fetch_sub(1, Ordering::Relaxed);
+            prom::request_failed();
+            let _ = r.job.events.blocking_send(Event::Failed(message.to_string()));
+        }
+    }
+
+    /// The batch drained: the automatic update of the busy period (suspended while a manual
+    /// apply waits: it runs next, between requests).
+    fn end_busy_period(&mut self, engine: &mut dyn Engine) {
+        if self.shared.apply_pending.load(Ordering::Acquire) {
+            self.live.end_request_without_update();
+        } else if let Err(e) = self.live.end_request(engine) {
+            eprintln!("moe-lanes serve: the automatic hot-cache update after the batch failed: {e}");
+        }
+        self.publish(engine);
+    }
+
+    fn publish(&mut self, engine: &dyn Engine) {
+        publish(engine, &self.shared);
+        self.gauges();
+        self.published = Instant::now();
+    }
+
+    fn gauges(&self) {
+        let reserved = self.batcher.reserved_positions();
+        prom::kv_cache_usage(reserved as f64 / self.kv_capacity as f64);
+    }
+}
+
+/// A pending apply (no request runs now; applied through the live cache, rate 1.0).
 fn between_requests(engine: &mut dyn Engine, live: &mut LiveCache, shared: &Shared) {
-    switch_mode(engine, shared);
     let job = shared.apply.lock().expect("apply lock").take();
     if let Some(job) = job {
         let result = manual_exchanges(engine, &job)
@@ -218,114 +417,6 @@ fn switch_mode(engine: &mut dyn Engine, shared: &Shared) {
         engine.set_perf_mode(mode);
         publish(engine, shared);
     }
-}
-
-/// Prefill, then decode greedily, streaming each token; stops early when the client is gone.
-fn complete(engine: &mut dyn Engine, live: &mut LiveCache, job: CompletionJob, shared: &Shared) {
-    let started = Instant::now();
-    prom::request_started(started - job.enqueued_at, job.prompt.len());
-    live.begin_request();
-    let mut result = generate(engine, live, &job, shared, started);
-    // The automatic update after the request; suspended while a manual apply waits (it runs
-    // next, between requests).
-    let ended = if shared.apply_pending.load(Ordering::Acquire) {
-        live.end_request_without_update();
-        Ok(None)
-    } else {
-        live.end_request(engine)
-    };
-    if let (Ok(_), Err(e)) = (&result, ended) {
-        result = Err(e.into());
-    }
-    // Counters and the snapshot are current before the client hears the end.
-    shared.running.fetch_sub(1, Ordering::Relaxed);
-    publish(engine, shared);
-    let event = match result {
-        Ok(Some((n, finish, tail))) => {
-            prom::request_finished(started.elapsed());
-            Event::Done { prompt_tokens: job.prompt.len(), completion_tokens: n, finish, tail }
-        }
-        Ok(None) => {
-            prom::request_cancelled();
-            return;
-        }
-        Err(e) => {
-            prom::request_failed();
-            Event::Failed(e.to_string())
-        }
-    };
-    let _ = job.events.blocking_send(event);
-}
-
-/// How a generation ended: tokens generated, why, and the text held back to the end.
-type Ended = (usize, FinishReason, String);
-
-/// Why a job failed (its client hears the message).
-#[derive(Debug, thiserror::Error)]
-enum JobError {
-    #[error(transparent)]
-    Generation(#[from] GenerationError),
-    #[error(transparent)]
-    Engine(#[from] EngineError),
-    #[error("cannot decode the generated text: {0}")]
-    Text(#[from] moe_lanes::text::TokenizerError),
-}
-
-/// Generate with the job's sampler, streaming each token (and its text); `Ok(None)`: the client
-/// went away (its generation stopped). A completed stop string ends it with `Stop`.
-fn generate(
-    engine: &mut dyn Engine,
-    live: &mut LiveCache,
-    job: &CompletionJob,
-    shared: &Shared,
-    started: Instant,
-) -> Result<Option<Ended>, JobError> {
-    let mut session = Generation::new(engine, &job.prompt, job.generation.clone())?;
-    // Control tokens (`<|im_end|>`, ...) are not in the text, as `run` shows it by default.
-    let mut text = job.text.as_ref().map(|t| TextStream::new(&t.tokenizer, true, t.stops.clone()));
-    let mut stopped_on = None;
-    let mut first = true;
-    let mut published = Instant::now();
-    while let Some(t) = session.next_token()? {
-        if first {
-            prom::first_token(started.elapsed());
-            first = false;
-        } else {
-            prom::inter_token(std::time::Duration::from_micros(t.step_us));
-        }
-        let piece = match text.as_mut() {
-            Some(s) => s.push(t.id)?,
-            None => StopPush::default(),
-        };
-        if job
-            .events
-            .blocking_send(Event::Token { id: t.id, text: piece.text, logprobs: t.logprobs })
-            .is_err()
-        {
-            return Ok(None);
-        }
-        if piece.stopped.is_some() {
-            stopped_on = Some(t.id);
-            session.cancel();
-        }
-        switch_mode(session.engine_mut(), shared);
-        if published.elapsed() >= PUBLISH_EVERY {
-            publish(session.engine_mut(), shared);
-            published = Instant::now();
-        }
-        if !shared.apply_pending.load(Ordering::Acquire) {
-            live.after_tokens(session.engine_mut(), 1)?;
-        }
-    }
-    let n = session.generated_tokens();
-    // The held-back text; a stop string its last bytes complete still cuts it.
-    let end = text.map(TextStream::finish).unwrap_or_default();
-    let last = session.generated().last().copied();
-    let finish = match (stopped_on.or(end.stopped.and(last)), session.finish_reason()) {
-        (Some(token), _) => FinishReason::Stop { token },
-        (None, finish) => finish.expect("finished"),
-    };
-    Ok(Some((n, finish, end.text)))
 }
 
 fn publish(engine: &dyn Engine, shared: &Shared) {

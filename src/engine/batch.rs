@@ -97,9 +97,15 @@ impl Batcher {
         self.last
     }
 
-    /// Positions held by the running sequences' caches (KV-cache use).
+    /// Positions held by the running sequences' caches now.
     pub fn positions(&self) -> usize {
         self.running.iter().map(|(_, s)| s.cache.n_positions()).sum()
+    }
+
+    /// Positions the running sequences reserve (prompt + `max_tokens` each: their caches are
+    /// allocated for it when they join and freed when they leave).
+    pub fn reserved_positions(&self) -> usize {
+        self.running.iter().map(|(_, s)| s.prompt_tokens() + s.opts.max_tokens).sum()
     }
 
     /// A new sequence: options and room in the context checked, its cache made; it runs from

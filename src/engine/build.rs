@@ -88,6 +88,9 @@ pub struct EngineOptions {
     pub cold_threads: ColdThreads,
     /// Positions the caller's sessions need (sizes the KV cache the auto budget leaves room for).
     pub n_positions: usize,
+    /// Sessions that run at once (a batching server's `--parallel`): the auto budget and the
+    /// budget check leave room for the KV cache of `n_positions` for each.
+    pub sequences: usize,
     pub perf_mode: PerfMode,
     pub gpu: GpuOptions,
     /// Which device, and where NVRTC keeps its cubins.
@@ -130,6 +133,7 @@ impl EngineOptions {
             update: UpdatePolicy::default(),
             cold_threads: ColdThreads::Auto,
             n_positions,
+            sequences: 1,
             perf_mode: PerfMode::Full,
             gpu: GpuOptions::default(),
             cuda: CudaConfig::default(),
@@ -413,12 +417,15 @@ impl BudgetSource for GpuSource<'_> {
         self.gm.reset_perf();
         Ok(self.cold.lane.expert_counts.clone())
     }
-    /// Measured with the session's KV cache allocated (then freed for the session to take).
+    /// Measured with one session's KV cache allocated (then freed for the session to take),
+    /// less the KV caches of the other sessions that run at once.
     fn auto_bytes(&mut self) -> Result<u64, EngineError> {
         let probe: GpuKvCache = self.gm.new_kv_cache(self.n_positions)?;
         let (free, total) = self.gm.backend().mem_info().map_err(crate::gpu::GpuError::from)?;
         drop(probe);
-        Ok(auto_budget_bytes(free as u64, total as u64, self.opts.vram_limit_bytes))
+        let c = self.gm.config();
+        let others = session_bytes(c, self.opts.gpu_kv_type(), self.n_positions) * (self.opts.sequences.max(1) - 1) as u64;
+        Ok(auto_budget_bytes(free as u64, total as u64, self.opts.vram_limit_bytes).saturating_sub(others))
     }
 }
 
@@ -435,7 +442,7 @@ fn build_gpu(
     let n_positions = opts.n_positions.clamp(1, c.max_positions);
     let device_bytes = device_limit(be.info().total_mem_bytes as u64, opts.vram_limit_bytes);
     if let HotChoice::Budget(HotBudget::Bytes(b)) = opts.hot {
-        check_budget(model, n_positions, opts.gpu_kv_type(), device_bytes, b)?;
+        check_budget(model, (n_positions, opts.sequences), opts.gpu_kv_type(), device_bytes, b)?;
     }
     // The driver is the pool's thread 0; a GPU lane with hot experts needs cores of its own.
     let gpu_lane = !matches!(opts.hot, HotChoice::None | HotChoice::Budget(HotBudget::Bytes(0)));
@@ -502,21 +509,21 @@ pub fn auto_budget_estimate(
     let c = model.config();
     let device_bytes = device_limit(be.info().total_mem_bytes as u64, opts.vram_limit_bytes);
     let weights = InspectReport::new(model).other_bytes;
-    let kv = session_bytes(c, opts.gpu_kv_type(), n_positions);
+    let kv = session_bytes(c, opts.gpu_kv_type(), n_positions) * opts.sequences.max(1) as u64;
     Ok(device_bytes.saturating_sub(weights + kv + AUTO_BUDGET_RESERVE_BYTES))
 }
 
 /// Refuse a byte budget that cannot fit beside the weights and the KV cache.
 fn check_budget(
     model: &Model,
-    n_positions: usize,
+    (n_positions, sequences): (usize, usize),
     kv_type: KvType,
     device_bytes: u64,
     budget: u64,
 ) -> Result<(), BudgetError> {
     let c = model.config();
     let weights = InspectReport::new(model).other_bytes;
-    let kv = session_bytes(c, kv_type, n_positions);
+    let kv = session_bytes(c, kv_type, n_positions) * sequences.max(1) as u64;
     let available = device_bytes.saturating_sub(weights + kv);
     if budget > available {
         return Err(BudgetError::TooLarge {

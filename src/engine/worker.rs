@@ -1,6 +1,7 @@
 //! The one engine worker thread of the library and the server: it owns the engine (engines are
 //! `&mut` and need not be `Send`), builds it on itself, reports the build, then takes jobs from a
-//! queue one at a time until the queue closes. What a job is, and what happens between jobs, is
+//! queue until the queue closes: one at a time, or (a batching service: the server's) admitted
+//! while earlier ones run, one engine step per turn of the loop. What a job is, and what happens between jobs, is
 //! the [`EngineService`] of the caller: [`crate::text::TextGenerator`]'s text requests, the
 //! server's completions with live hot-cache updates.
 
@@ -26,7 +27,22 @@ pub trait EngineService {
     /// Before each wait for a job, and every [`EngineService::idle_poll`] while none comes.
     fn between_jobs(&mut self, _engine: &mut dyn Engine) {}
 
+    /// Take a job: run it to its end, or (a batching service) admit it and return.
     fn serve(&mut self, engine: &mut dyn Engine, job: Self::Job);
+
+    /// Whether admitted jobs are in progress: the thread then takes new jobs without waiting
+    /// (while [`EngineService::has_room`]) and calls [`EngineService::work`] in a loop.
+    fn busy(&self) -> bool {
+        false
+    }
+
+    /// Whether another job may be admitted now (a batching service's free sequences).
+    fn has_room(&self) -> bool {
+        true
+    }
+
+    /// One step of the jobs in progress (a batching service's engine call).
+    fn work(&mut self, _engine: &mut dyn Engine) {}
 
     /// The queue closed: the thread's result.
     fn finish(self, engine: &mut dyn Engine) -> Self::Output;
@@ -67,8 +83,23 @@ where
 }
 
 fn serve_jobs<S: EngineService>(engine: &mut dyn Engine, service: &mut S, jobs: &Receiver<S::Job>) {
+    let mut closed = false;
     loop {
         service.between_jobs(engine);
+        if service.busy() {
+            while !closed && service.has_room() {
+                match jobs.try_recv() {
+                    Ok(job) => service.serve(engine, job),
+                    Err(crossbeam_channel::TryRecvError::Empty) => break,
+                    Err(crossbeam_channel::TryRecvError::Disconnected) => closed = true,
+                }
+            }
+            service.work(engine);
+            continue;
+        }
+        if closed {
+            return;
+        }
         let job = match service.idle_poll() {
             None => jobs.recv().ok(),
             Some(poll) => match jobs.recv_timeout(poll) {

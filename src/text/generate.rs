@@ -19,6 +19,12 @@ impl<'t> TextStream<'t> {
         TextStream { decoder: tokenizer.stream(skip_special), stops }
     }
 
+    /// A stream over a shared tokenizer, owing no borrow (kept across a batcher's steps).
+    pub fn shared(tokenizer: std::sync::Arc<Tokenizer>, skip_special: bool, stops: StopStrings) -> TextStream<'static> {
+        let decoder = StreamDecoder::over(super::stream::TokenizerRef::Shared(tokenizer), skip_special);
+        TextStream { decoder, stops }
+    }
+
     /// Add one id: the text that can be shown now, and the stop string that ended it, if any.
     pub fn push(&mut self, id: u32) -> Result<super::StopPush, TokenizerError> {
         let text = self.decoder.push(id)?;

@@ -77,7 +77,7 @@ pub use hf_export::HfTokenizerFiles;
 pub use pretokenize::PreTokenizer;
 pub use service::{TextEvent, TextEvents, TextGenerator, TEXT_EVENTS_BUFFER};
 pub use stop::{StopPush, StopStringError, StopStrings, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
-pub use stream::StreamDecoder;
+pub use stream::{StreamDecoder, TokenizerRef};
 pub use tokenizer::Tokenizer;
 
 use crate::format::gguf::GgufError;

@@ -9,7 +9,7 @@ use super::{Tokenizer, TokenizerError};
 /// The concatenated output equals [`Tokenizer::decode`] of the same ids.
 #[derive(Debug)]
 pub struct StreamDecoder<'t> {
-    tokenizer: &'t Tokenizer,
+    tokenizer: TokenizerRef<'t>,
     skip_special: bool,
     /// Bytes not yet emitted: the start of an incomplete UTF-8 sequence.
     pending: Vec<u8>,
@@ -17,8 +17,31 @@ pub struct StreamDecoder<'t> {
     strip_space: bool,
 }
 
+/// The tokenizer a decoder reads: borrowed, or shared (a decoder that outlives any borrow: a
+/// server's streams, one per running request, kept between batched steps).
+#[derive(Debug, Clone)]
+pub enum TokenizerRef<'t> {
+    Borrowed(&'t Tokenizer),
+    Shared(std::sync::Arc<Tokenizer>),
+}
+
+impl std::ops::Deref for TokenizerRef<'_> {
+    type Target = Tokenizer;
+    fn deref(&self) -> &Tokenizer {
+        match self {
+            TokenizerRef::Borrowed(t) => t,
+            TokenizerRef::Shared(t) => t,
+        }
+    }
+}
+
 impl<'t> StreamDecoder<'t> {
     pub fn new(tokenizer: &'t Tokenizer, skip_special: bool) -> StreamDecoder<'t> {
+        StreamDecoder::over(TokenizerRef::Borrowed(tokenizer), skip_special)
+    }
+
+    /// A decoder over a borrowed or shared tokenizer.
+    pub fn over(tokenizer: TokenizerRef<'t>, skip_special: bool) -> StreamDecoder<'t> {
         let strip_space = tokenizer.strips_leading_space();
         StreamDecoder { tokenizer, skip_special, pending: Vec::new(), strip_space }
     }
