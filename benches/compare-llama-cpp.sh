@@ -8,6 +8,8 @@
 #                                                #   (CUDA when nvcc is present and LLAMA_CUDA is not 0, else CPU)
 #   bash benches/compare-llama-cpp.sh run        # build (if missing, in the background while the model is
 #                                                #   written), then llama.cpp and moe-lanes alternately
+#   bash benches/compare-llama-cpp.sh batched    # the same, batched throughput: llama-batched-bench
+#                                                #   against `moe-lanes bench --parallel` for B in PL
 #
 # `run` prints one table: pp$P / tg$N of llama.cpp and moe-lanes and their ratios, for each case of
 # CASES. A case is `cpu` (no GPU at all: llama.cpp -ngl 0 with op offload off, moe-lanes --engine
@@ -19,7 +21,8 @@
 # MODEL (written with SYNTH_ARGS when missing), SYNTH_ARGS (--preset qwen3-30b-a3b --layers 16 --skew
 # uniform --format gguf), CASES ("0 50 100" with a GPU, "cpu" without), P (512), N (128), REPS (3),
 # THREADS (all cores), D (context depth before the pp and tg tests, llama-bench -d; 0),
-# OUT_JSON (a file for the table as JSON lines; optional).
+# OUT_JSON (a file for the table as JSON lines; optional), PL (batch sizes of `batched`, "1,4,16": B
+# sequences of P prompt tokens each, then N decode steps of B tokens).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -63,7 +66,7 @@ build() {
         -DGGML_NATIVE=ON -DGGML_CUDA="$cuda" -DCMAKE_CUDA_ARCHITECTURES=native -DBUILD_SHARED_LIBS=OFF \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
         -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON >&2
-    cmake --build "$b" --target llama-bench llama-quantize llama-argmax -j "${BUILD_JOBS:-$(nproc)}" >&2
+    cmake --build "$b" --target llama-bench llama-batched-bench llama-quantize llama-argmax -j "${BUILD_JOBS:-$(nproc)}" >&2
     echo "built $b/bin/llama-bench (CUDA $cuda)"
 }
 
@@ -83,13 +86,7 @@ moe_rates() {
 # One case: llama.cpp then moe-lanes on MODEL; prints one table row.
 run_case() {
     local case="$1" layers="$2" all_mib="$3" logs="$4" lflags mflags
-    if [ "$case" = cpu ]; then
-        lflags=(-ngl 0 -nopo 1)
-        mflags=(--engine pipeline --hot-budget-mib 0)
-    else
-        lflags=(-ngl 99 -ncmoe $(( layers - layers * case / 100 )))
-        mflags=(--hot-budget-mib $(( all_mib * case / 100 )))
-    fi
+    case_flags "$case" "$layers" "$all_mib"
     "$LLAMA_DIR/build/bin/llama-bench" -m "$MODEL" -p "$P" -n "$N" -d "$D" -r "$REPS" -t "$THREADS" \
         "${lflags[@]}" -o json > "$logs/llama-$case-d$D.json" 2> "$logs/llama-$case-d$D.log"
     "$BIN" bench --model "$MODEL" -p "$P" -n "$N" -d "$D" --runs "$REPS" --json "${mflags[@]}" \
@@ -104,14 +101,14 @@ print("| %s | %s | %.1f / %.1f | %.1f / %.1f | %s / %s | %.0f%% | %s |" % (c, lf
         "$case" "${lflags[*]}" "$lpp" "$ltg" "$mpp" "$mtg" "$hit" "$threads"
 }
 
-run() {
-    local logs="${OUT:-$LLAMA_DIR/logs}" build_pid=""
-    mkdir -p "$logs"
-    if [ ! -x "$LLAMA_DIR/build/bin/llama-bench" ]; then
+# Build llama.cpp (when missing, in the background while the model is written), write the model
+# when missing; prints "LAYERS ALL_EXPERT_MIB".
+prepare() {
+    local logs="$1" build_pid=""
+    if [ ! -x "$LLAMA_DIR/build/bin/llama-bench" ] || [ ! -x "$LLAMA_DIR/build/bin/llama-batched-bench" ]; then
         build > "$logs/build.log" 2>&1 &
         build_pid=$!
     fi
-    MODEL="${MODEL:-$LLAMA_DIR/model.gguf}"
     if [ ! -f "$MODEL" ]; then
         # shellcheck disable=SC2086
         "$BIN" synth ${SYNTH_ARGS:---preset qwen3-30b-a3b --layers 16 --skew uniform --format gguf} --out "$MODEL" >&2
@@ -119,9 +116,28 @@ run() {
     if [ -n "$build_pid" ]; then
         wait "$build_pid" || { tail -20 "$logs/build.log" >&2; exit 1; }
     fi
+    "$BIN" inspect "$MODEL" --json | python3 -c 'import json,sys
+r = json.load(sys.stdin); print(r["n_layers"], r["all_experts_bytes"] // (1 << 20))'
+}
+
+# The llama.cpp and moe-lanes flags of a case (see the header): sets lflags and mflags.
+case_flags() {
+    local case="$1" layers="$2" all_mib="$3"
+    if [ "$case" = cpu ]; then
+        lflags=(-ngl 0 -nopo 1)
+        mflags=(--engine pipeline --hot-budget-mib 0)
+    else
+        lflags=(-ngl 99 -ncmoe $(( layers - layers * case / 100 )))
+        mflags=(--hot-budget-mib $(( all_mib * case / 100 )))
+    fi
+}
+
+run() {
+    local logs="${OUT:-$LLAMA_DIR/logs}"
+    mkdir -p "$logs"
+    MODEL="${MODEL:-$LLAMA_DIR/model.gguf}"
     local layers all_mib
-    read -r layers all_mib < <("$BIN" inspect "$MODEL" --json | python3 -c 'import json,sys
-r = json.load(sys.stdin); print(r["n_layers"], r["all_experts_bytes"] // (1 << 20))')
+    read -r layers all_mib < <(prepare "$logs")
     echo "model $MODEL: $layers layers, $all_mib MiB of experts; pp$P / tg$N at depth $D, $REPS reps, $THREADS threads"
     echo "| case | llama.cpp flags | llama.cpp pp / tg | moe-lanes pp / tg | ratio pp / tg | hit | cold threads |"
     echo "|---|---|---|---|---|---|---|"
@@ -132,9 +148,58 @@ r = json.load(sys.stdin); print(r["n_layers"], r["all_experts_bytes"] // (1 << 2
     done
 }
 
+# One batched case: llama-batched-bench then `moe-lanes bench --parallel`; one table row per B.
+batched_case() {
+    local case="$1" layers="$2" all_mib="$3" logs="$4" lflags mflags max_b ctx
+    case_flags "$case" "$layers" "$all_mib"
+    max_b=$(echo "$PL" | tr ',' '\n' | sort -n | tail -1)
+    ctx=$(( max_b * (P + N) ))
+    "$LLAMA_DIR/build/bin/llama-batched-bench" -m "$MODEL" -c "$ctx" -b 2048 -ub 512 -npp "$P" -ntg "$N" \
+        -npl "$PL" -t "$THREADS" -fa on "${lflags[@]}" --output-format jsonl \
+        > "$logs/llama-batched-$case.jsonl" 2> "$logs/llama-batched-$case.log"
+    "$BIN" bench --model "$MODEL" -p "$P" -n "$N" --parallel "$PL" --runs "$REPS" --json "${mflags[@]}" \
+        > "$logs/moe-batched-$case.json" 2> "$logs/moe-batched-$case.log"
+    python3 - "$case" "$logs/llama-batched-$case.jsonl" "$logs/moe-batched-$case.json" <<'PY'
+import json, sys
+case, lpath, mpath = sys.argv[1:4]
+llama = {}
+for line in open(lpath):
+    line = line.strip()
+    if line.startswith("{") and '"speed_tg"' in line:
+        r = json.loads(line)
+        llama[r["pl"]] = r
+ours = {r["parallel"]: r for r in json.load(open(mpath))["rows"]}
+ratio = lambda a, b: "%.2fx" % (a / b) if b else "-"
+for b in sorted(ours):
+    o, l = ours[b], llama.get(b, {})
+    lpp, ltg = l.get("speed_pp", 0.0), l.get("speed_tg", 0.0)
+    print("| %s | %d | %.1f / %.1f | %.1f / %.1f | %s / %s | %.1f / %.1f |" % (
+        case, b, lpp, ltg, o["pp_tokens_per_s"], o["tg_tokens_per_s"],
+        ratio(o["pp_tokens_per_s"], lpp), ratio(o["tg_tokens_per_s"], ltg), o["step_ms_p50"], o["step_ms_p99"]))
+PY
+}
+
+batched() {
+    local logs="${OUT:-$LLAMA_DIR/logs}"
+    mkdir -p "$logs"
+    MODEL="${MODEL:-$LLAMA_DIR/model.gguf}"
+    PL="${PL:-1,4,16}"
+    local layers all_mib
+    read -r layers all_mib < <(prepare "$logs")
+    echo "model $MODEL: $layers layers, $all_mib MiB of experts; B in $PL, pp$P / tg$N per sequence, $REPS reps, $THREADS threads"
+    echo "| case | B | llama.cpp S_PP / S_TG | moe-lanes S_PP / S_TG | ratio pp / tg | moe-lanes step p50 / p99 ms |"
+    echo "|---|---|---|---|---|---|"
+    local cases
+    if have_gpu; then cases="${CASES:-0 50 100}"; else cases="${CASES:-cpu}"; fi
+    for c in $cases; do
+        batched_case "$c" "$layers" "$all_mib" "$logs"
+    done
+}
+
 case "${1:-run}" in
     fetch) fetch ;;
     build) build ;;
     run) run ;;
-    *) echo "usage: $0 fetch|build|run" >&2; exit 2 ;;
+    batched) batched ;;
+    *) echo "usage: $0 fetch|build|run|batched" >&2; exit 2 ;;
 esac

@@ -165,6 +165,9 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
     let hot_dequant_mib = var("MOE_LANES_HOT_DEQUANT_MIB")
         .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_HOT_DEQUANT_MIB", &v, "a size in MiB")))
         .transpose()?;
+    let batch_gemm_min_tokens = var("MOE_LANES_BATCH_GEMM_MIN_TOKENS")
+        .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_BATCH_GEMM_MIN_TOKENS", &v, "a token count")))
+        .transpose()?;
     Ok(GpuTuning {
         prefill_attention,
         prefill_activations,
@@ -172,6 +175,7 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
         graph_lane_events: var("MOE_LANES_GRAPH_LANE_EVENTS").map(|v| v == "1"),
         hot_dequant_mib,
         hot_dequant_overlap: var("MOE_LANES_HOT_DEQUANT_OVERLAP").map(|v| v != "0"),
+        batch_gemm_min_tokens,
     })
 }
 

@@ -58,6 +58,7 @@
 //! ```
 
 pub mod bench;
+pub mod bench_batched;
 pub mod cache;
 pub mod engine;
 pub mod env;

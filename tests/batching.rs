@@ -46,7 +46,12 @@ fn hot_set(model: &Model, fraction: f64) -> HotSet {
     HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists)
 }
 
-fn engine(model: &Arc<Model>, kind: EngineKind, fraction: f64, max_batch_tokens: usize) -> Box<dyn Engine + '_> {
+fn engine(
+    model: &Arc<Model>,
+    kind: EngineKind,
+    fraction: f64,
+    max_batch_tokens: usize,
+) -> Box<dyn Engine + '_> {
     let mut opts = EngineOptions::new(POSITIONS);
     opts.kind = Some(kind);
     opts.hot = HotChoice::Set(hot_set(model, fraction));
@@ -106,7 +111,10 @@ fn batched(engine: &mut dyn Engine, prompts: &[Vec<u32>], steps: usize) -> Vec<V
     let vocab = engine.config().vocab;
     let mut caches: Vec<_> = prompts.iter().map(|_| engine.new_cache(POSITIONS).unwrap()).collect();
     let mut rows: Vec<Vec<Vec<f32>>> = vec![Vec::new(); prompts.len()];
-    let mut call = |engine: &mut dyn Engine, inputs: Vec<Vec<u32>>, phase: Phase, rows: &mut Vec<Vec<Vec<f32>>>| {
+    let mut call = |engine: &mut dyn Engine,
+                    inputs: Vec<Vec<u32>>,
+                    phase: Phase,
+                    rows: &mut Vec<Vec<Vec<f32>>>| {
         let mut seqs: Vec<BatchSeq<'_>> =
             inputs.iter().zip(caches.iter_mut()).map(|(t, cache)| BatchSeq { tokens: t, cache }).collect();
         let logits = engine.forward_batch(&mut seqs, phase).unwrap();

@@ -225,6 +225,11 @@ struct BenchArgs {
     /// shift: requests per domain.
     #[arg(long, default_value_t = 8)]
     requests: usize,
+    /// Batched throughput instead (llama-batched-bench): for each batch size B, B sequences of
+    /// -p prompt tokens prefilled together, then -n decode steps of one token for each of them;
+    /// aggregate pp/tg/total t/s and the decode step's p50/p99.
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["scenario", "metrics_ab", "greedy"])]
+    parallel: Option<Vec<usize>>,
     #[command(flatten)]
     engine: EngineArgs,
 }
@@ -1312,6 +1317,26 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
     Ok(())
 }
 
+/// `bench --parallel`: the batched throughput table (or JSON).
+fn bench_parallel(args: &BenchArgs, engine: &mut dyn Engine, parallel: &[usize]) -> Result<()> {
+    use moe_lanes::bench_batched::{run_batched_bench, to_text, BatchedBenchOptions};
+    let opts = BatchedBenchOptions {
+        n_prompt_tokens: args.prompt_tokens,
+        n_gen_tokens: args.gen_tokens,
+        parallel: parallel.to_vec(),
+        n_runs: args.runs,
+    };
+    let rows = run_batched_bench(engine, &opts)?;
+    if args.json {
+        let json =
+            serde_json::json!({"engine": engine.kind().name(), "device": engine.device(), "rows": rows});
+        out!("{json}")?;
+    } else {
+        out_raw!("engine {} on {}\n{}", engine.kind(), engine.device(), to_text(&rows))?;
+    }
+    Ok(())
+}
+
 fn bench(args: BenchArgs) -> Result<()> {
     use moe_lanes::bench::{run_bench, BenchOptions};
     if args.metrics_ab {
@@ -1320,7 +1345,12 @@ fn bench(args: BenchArgs) -> Result<()> {
     }
     let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
     let n_positions = args.prompt_tokens.saturating_add(args.gen_tokens);
-    let opts = engine_options(&model, &args.engine, n_positions, HotChoice::Budget(HotBudget::Auto))?;
+    let mut opts = engine_options(&model, &args.engine, n_positions, HotChoice::Budget(HotBudget::Auto))?;
+    if let Some(parallel) = &args.parallel {
+        opts.sequences = parallel.iter().copied().max().unwrap_or(1);
+        let (mut engine, _) = open_engine(&model, opts, args.engine.trace.as_deref())?;
+        return bench_parallel(&args, engine.as_mut(), parallel);
+    }
     let budget = match opts.hot {
         HotChoice::Budget(b) => Some(b),
         _ => None,

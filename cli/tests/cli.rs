@@ -6,7 +6,7 @@ mod common;
 
 mod bin;
 
-use bin::{failure, moe_lanes, ok_stdout, p};
+use bin::{failure, failure_of, moe_lanes, ok_stdout, p};
 
 #[test]
 fn synth_inspect_logits_generate_end_to_end_in_both_formats() {
@@ -147,6 +147,34 @@ fn demo_creates_the_default_model_on_first_use_and_matches_the_reference() {
         assert_eq!(stderr.contains("first use"), run == 0, "the model is written once: {stderr}");
     }
     assert!(home.path().join("default-qwen3moe-small.gguf").exists());
+}
+
+/// `bench --parallel` measures batched throughput per batch size (llama-batched-bench's
+/// figures); a batch size of 0 is refused.
+#[test]
+fn bench_parallel_reports_every_batch_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("b.gguf");
+    ok_stdout(&["synth", "--out", p(&model)]);
+    let args = ["bench", "--model", p(&model), "-p", "8", "-n", "4", "--runs", "1", "--engine", "pipeline"];
+    let mut json = args.to_vec();
+    json.extend(["--parallel", "1,3", "--json"]);
+    let v: serde_json::Value = serde_json::from_str(&ok_stdout(&json)).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.iter().map(|r| r["parallel"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 3]);
+    for r in rows {
+        for key in ["pp_tokens_per_s", "tg_tokens_per_s", "total_tokens_per_s", "step_ms_p50", "step_ms_p99"]
+        {
+            assert!(r[key].as_f64().unwrap() > 0.0, "{key}: {r}");
+        }
+    }
+    let mut table = args.to_vec();
+    table.extend(["--parallel", "2"]);
+    assert!(ok_stdout(&table).contains("S_TG t/s"));
+    let mut zero = args.to_vec();
+    zero.extend(["--parallel", "0"]);
+    let err = failure_of(moe_lanes(&zero), "bench --parallel 0");
+    assert!(err.contains("batch sizes must be at least 1"), "{err}");
 }
 
 /// `bench --json` runs on whatever engine is usable (the CPU pipeline without a GPU) and reports

@@ -255,7 +255,8 @@ impl Service {
             Ok(Ok(id)) => {
                 self.shared.running.fetch_add(1, Ordering::Relaxed);
                 // Control tokens (`<|im_end|>`, ...) are not in the text, as `run` shows it by default.
-                let text = job.text.as_ref().map(|t| TextStream::shared(t.tokenizer.clone(), true, t.stops.clone()));
+                let text =
+                    job.text.as_ref().map(|t| TextStream::shared(t.tokenizer.clone(), true, t.stops.clone()));
                 self.running.insert(id, Running { job, text, started, generated: 0 });
             }
             Ok(Err(e)) => {
@@ -275,7 +276,8 @@ impl Service {
 
     /// Requests whose client hung up leave the batch before the step.
     fn drop_gone_clients(&mut self) {
-        let gone: Vec<SeqId> = self.running.iter().filter(|(_, r)| r.job.events.is_closed()).map(|(id, _)| *id).collect();
+        let gone: Vec<SeqId> =
+            self.running.iter().filter(|(_, r)| r.job.events.is_closed()).map(|(id, _)| *id).collect();
         for id in gone {
             self.batcher.cancel(id);
             self.running.remove(&id);
@@ -305,11 +307,14 @@ impl Service {
         r.generated += 1;
         let piece = match r.text.as_mut().map(|s| s.push(t.id)) {
             Some(Ok(p)) => p,
-            Some(Err(e)) => return self.end(engine, id, Err(format!("cannot decode the generated text: {e}"))),
+            Some(Err(e)) => {
+                return self.end(engine, id, Err(format!("cannot decode the generated text: {e}")))
+            }
             None => StopPush::default(),
         };
         let stopped = piece.stopped.is_some();
-        let sent = r.job.events.blocking_send(Event::Token { id: t.id, text: piece.text, logprobs: t.logprobs });
+        let sent =
+            r.job.events.blocking_send(Event::Token { id: t.id, text: piece.text, logprobs: t.logprobs });
         if sent.is_err() {
             // The client went away: its generation stops.
             self.batcher.cancel(id);
@@ -325,7 +330,12 @@ impl Service {
     /// A request's end: the held-back text (a stop string its last bytes complete still cuts
     /// it), then `Done` or `Failed`; counters and the snapshot are current before the client
     /// hears it.
-    fn end(&mut self, engine: &mut dyn Engine, id: SeqId, outcome: Result<(FinishReason, Option<u32>), String>) {
+    fn end(
+        &mut self,
+        engine: &mut dyn Engine,
+        id: SeqId,
+        outcome: Result<(FinishReason, Option<u32>), String>,
+    ) {
         let Some(r) = self.running.remove(&id) else { return };
         self.shared.running.fetch_sub(1, Ordering::Relaxed);
         self.publish(engine);
@@ -338,7 +348,12 @@ impl Service {
                     (finish, None) => finish,
                 };
                 prom::request_finished(r.started.elapsed());
-                Event::Done { prompt_tokens: r.job.prompt.len(), completion_tokens: r.generated, finish, tail: end.text }
+                Event::Done {
+                    prompt_tokens: r.job.prompt.len(),
+                    completion_tokens: r.generated,
+                    finish,
+                    tail: end.text,
+                }
             }
             Err(message) => {
                 prom::request_failed();

@@ -6,7 +6,9 @@
 //! engines batch only their row-wise stages).
 
 use super::generation::Sequence;
-use super::{BatchSeq, Engine, EngineError, FinishReason, GeneratedToken, GenerationError, GenerationOptions};
+use super::{
+    BatchSeq, Engine, EngineError, FinishReason, GeneratedToken, GenerationError, GenerationOptions,
+};
 use crate::forward::Phase;
 use std::time::Instant;
 
@@ -70,7 +72,8 @@ pub struct Batcher {
 
 impl Batcher {
     pub fn new(opts: BatchOptions) -> Batcher {
-        let opts = BatchOptions { max_sequences: opts.max_sequences.max(1), step_tokens: opts.step_tokens.max(1) };
+        let opts =
+            BatchOptions { max_sequences: opts.max_sequences.max(1), step_tokens: opts.step_tokens.max(1) };
         Batcher { opts, running: Vec::new(), next_id: 0, last: StepReport::default() }
     }
 
@@ -152,7 +155,8 @@ impl Batcher {
         let start = Instant::now();
         let result = self.run(engine, &picks);
         let fed: Vec<usize> = picks.iter().map(|&(_, n)| n).collect();
-        let prefill_tokens = picks.iter().filter(|&&(i, _)| self.running[i].1.is_prefilling()).map(|p| p.1).sum();
+        let prefill_tokens =
+            picks.iter().filter(|&&(i, _)| self.running[i].1.is_prefilling()).map(|p| p.1).sum();
         self.last = StepReport {
             sequences: picks.len(),
             tokens: fed.iter().sum(),
@@ -218,8 +222,11 @@ impl Batcher {
         engine: &mut E,
         picks: &[(usize, usize)],
     ) -> Result<crate::forward::Logits, EngineError> {
-        let phase =
-            if picks.iter().any(|&(i, _)| self.running[i].1.is_prefilling()) { Phase::Prefill } else { Phase::Decode };
+        let phase = if picks.iter().any(|&(i, _)| self.running[i].1.is_prefilling()) {
+            Phase::Prefill
+        } else {
+            Phase::Decode
+        };
         let mut inputs: Vec<(Vec<u32>, usize)> = Vec::with_capacity(picks.len());
         for &(i, n) in picks {
             let seq = &mut self.running[i].1;

@@ -424,7 +424,8 @@ impl BudgetSource for GpuSource<'_> {
         let (free, total) = self.gm.backend().mem_info().map_err(crate::gpu::GpuError::from)?;
         drop(probe);
         let c = self.gm.config();
-        let others = session_bytes(c, self.opts.gpu_kv_type(), self.n_positions) * (self.opts.sequences.max(1) - 1) as u64;
+        let others = session_bytes(c, self.opts.gpu_kv_type(), self.n_positions)
+            * (self.opts.sequences.max(1) - 1) as u64;
         Ok(auto_budget_bytes(free as u64, total as u64, self.opts.vram_limit_bytes).saturating_sub(others))
     }
 }

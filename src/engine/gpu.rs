@@ -3,7 +3,9 @@
 //! pipeline standing by: when the device fails mid-session the session's tokens are replayed on
 //! the pipeline and every later call runs there, counted as `gpu_lost` fallbacks.
 
-use super::{check_batch, wrong_cache, BatchSeq, Engine, EngineError, EngineKind, GpuSessionCache, KvCache, Logits};
+use super::{
+    check_batch, wrong_cache, BatchSeq, Engine, EngineError, EngineKind, GpuSessionCache, KvCache, Logits,
+};
 use crate::actors::{apply_exchanges, Exchange, UpdaterHandle};
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{FallbackReason, PerfState};

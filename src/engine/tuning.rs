@@ -30,6 +30,10 @@ pub struct GpuTuning {
     pub hot_dequant_mib: Option<usize>,
     /// Dequantize those chunks on the side stream (default false; `MOE_LANES_HOT_DEQUANT_OVERLAP`).
     pub hot_dequant_overlap: Option<bool>,
+    /// A batched decode call of at least this many tokens runs its projections and experts as
+    /// GEMMs (each weight read once for all rows) instead of per-row GEMVs
+    /// (`MOE_LANES_BATCH_GEMM_MIN_TOKENS`; default [`crate::gpu::BATCH_GEMM_MIN_TOKENS`]).
+    pub batch_gemm_min_tokens: Option<usize>,
 }
 
 impl GpuTuning {
@@ -42,6 +46,7 @@ impl GpuTuning {
             graph_lane_events: over.graph_lane_events.or(self.graph_lane_events),
             hot_dequant_mib: over.hot_dequant_mib.or(self.hot_dequant_mib),
             hot_dequant_overlap: over.hot_dequant_overlap.or(self.hot_dequant_overlap),
+            batch_gemm_min_tokens: over.batch_gemm_min_tokens.or(self.batch_gemm_min_tokens),
         }
     }
 
@@ -56,6 +61,7 @@ impl GpuTuning {
         if let Some(mib) = self.hot_dequant_mib {
             gpu.hot_dequant_bytes = mib << 20;
         }
+        gpu.batch_gemm_min_tokens = self.batch_gemm_min_tokens.unwrap_or(gpu.batch_gemm_min_tokens);
     }
 }
 

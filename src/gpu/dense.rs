@@ -142,7 +142,9 @@ impl GpuModel {
         // (converted) at the position it reads from the device (the graph) or the sequence's.
         let in_place = match (self.step, segs) {
             (None, [seg]) => match (seg.cache.k(l), seg.cache.v(l)) {
-                (KvPtr::F32(kc), KvPtr::F32(vc)) => Some((kc.sub(seg.pos0 * kvd, t * kvd), vc.sub(seg.pos0 * kvd, t * kvd))),
+                (KvPtr::F32(kc), KvPtr::F32(vc)) => {
+                    Some((kc.sub(seg.pos0 * kvd, t * kvd), vc.sub(seg.pos0 * kvd, t * kvd)))
+                }
                 _ => None,
             },
             _ => None,
@@ -177,7 +179,8 @@ impl GpuModel {
         }
         let (q, pos) = (s.q.ptr(), self.step.map(|_| s.step.ptr().sub(1, 1)));
         for seg in segs {
-            let (rq, rkv) = (q.sub(seg.row0 * qd, seg.n * qd), |p: DPtr<f32>| p.sub(seg.row0 * kvd, seg.n * kvd));
+            let (rq, rkv) =
+                (q.sub(seg.row0 * qd, seg.n * qd), |p: DPtr<f32>| p.sub(seg.row0 * kvd, seg.n * kvd));
             let append = in_place.is_none().then(|| KvAppend {
                 pos,
                 v: rkv(v_new),
@@ -356,14 +359,16 @@ impl GpuModel {
         let window = self.plan.layer(l).attention().window.unwrap_or(0);
         let (nh, nkv, hd, qd) = (c.n_heads, c.n_kv_heads, c.head_dim, c.q_dim());
         let (t, pos0, cache) = (seg.n, seg.pos0, seg.cache);
-        if phase == Phase::Decode {
+        // A one-token sequence of a batched call takes the decode kernel whatever the call's phase.
+        let decode = phase == Phase::Decode || (t == 1 && pos0 > 0);
+        if decode {
             self.reserve_attention(t, cache)?;
         }
         let s = self.scratch.as_ref().expect("reserved");
         let rows = |p: DPtr<f32>| p.sub(seg.row0 * qd, t * qd);
         let (q, kc, vc, out) = (rows(s.q.ptr()), cache.k(l), cache.v(l), rows(s.attn.ptr()));
-        match (&self.attn_part, phase) {
-            (Some(part), Phase::Decode) => {
+        match (&self.attn_part, decode) {
+            (Some(part), true) => {
                 let at =
                     self.step.map(|max_positions| DevicePos { pos: s.step.ptr().sub(1, 1), max_positions });
                 self.be.attention_split(q, kc, vc, out, part.ptr(), t, pos0, nh, nkv, hd, window, at)?

@@ -31,7 +31,7 @@ pub use error::GpuError;
 pub use kv::GpuKvCache;
 pub use model::{
     BadFault, GpuFaults, GpuModel, GpuOptions, LayerFaults, PrefillActivations, PrefillAttention,
-    HOT_LANE_TIMEOUT,
+    BATCH_GEMM_MIN_TOKENS, HOT_LANE_TIMEOUT,
 };
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use postfetch::plan::{

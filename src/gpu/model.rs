@@ -240,7 +240,14 @@ pub struct GpuOptions {
     pub q8_activations: bool,
     /// The KV cache's element type (`--cache-type-k/v` at the CLI): f16 (default) or f32.
     pub kv_type: KvType,
+    /// A batched decode call of at least this many tokens runs as prefill does (GEMMs, grouped
+    /// expert GEMMs: each weight read once for every row) instead of per-row GEMVs; its
+    /// one-token sequences keep the split decode attention.
+    pub batch_gemm_min_tokens: usize,
 }
+
+/// [`GpuOptions::batch_gemm_min_tokens`]'s default.
+pub const BATCH_GEMM_MIN_TOKENS: usize = 8;
 
 impl Default for GpuOptions {
     fn default() -> Self {
@@ -259,6 +266,7 @@ impl Default for GpuOptions {
             postfetch: PostFetchOptions::default(),
             q8_activations: true,
             kv_type: KvType::F16,
+            batch_gemm_min_tokens: BATCH_GEMM_MIN_TOKENS,
         }
     }
 }

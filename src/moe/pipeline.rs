@@ -813,7 +813,12 @@ impl Pipeline {
     }
 
     /// Final norm and lm_head of the sub-batch's `rows` (row indices), one logits row each.
-    fn head(&mut self, head: &DenseMatrix<'_>, rows: &[usize], logits_out: &mut Vec<Vec<f32>>) -> Result<(), PipelineError> {
+    fn head(
+        &mut self,
+        head: &DenseMatrix<'_>,
+        rows: &[usize],
+        logits_out: &mut Vec<Vec<f32>>,
+    ) -> Result<(), PipelineError> {
         if rows.is_empty() {
             return Ok(());
         }
@@ -915,7 +920,12 @@ impl Pipeline {
 
     /// One sequence's part of an attention layer: its new keys and values appended to its
     /// cache, its queries attended over the cache.
-    fn attend_segment(&mut self, cache: &mut PipelineCache, l: usize, seg: Segment) -> Result<(), PipelineError> {
+    fn attend_segment(
+        &mut self,
+        cache: &mut PipelineCache,
+        l: usize,
+        seg: Segment,
+    ) -> Result<(), PipelineError> {
         let (c, a) = (&self.config, &mut self.act);
         let (qd, kvd, hd, nkv) = (c.q_dim(), c.kv_dim(), c.head_dim, c.n_kv_heads);
         let (keys, values) =

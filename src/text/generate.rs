@@ -20,7 +20,11 @@ impl<'t> TextStream<'t> {
     }
 
     /// A stream over a shared tokenizer, owing no borrow (kept across a batcher's steps).
-    pub fn shared(tokenizer: std::sync::Arc<Tokenizer>, skip_special: bool, stops: StopStrings) -> TextStream<'static> {
+    pub fn shared(
+        tokenizer: std::sync::Arc<Tokenizer>,
+        skip_special: bool,
+        stops: StopStrings,
+    ) -> TextStream<'static> {
         let decoder = StreamDecoder::over(super::stream::TokenizerRef::Shared(tokenizer), skip_special);
         TextStream { decoder, stops }
     }
