@@ -1327,6 +1327,9 @@ fn bench_parallel(args: &BenchArgs, engine: &mut dyn Engine, parallel: &[usize])
         n_runs: args.runs,
     };
     let rows = run_batched_bench(engine, &opts)?;
+    if let Some(text) = engine_profile(engine) {
+        eprintln!("== stage profile (MOE_LANES_GPU_PROFILE, every call of every batch size) ==\n{text}");
+    }
     if args.json {
         let json =
             serde_json::json!({"engine": engine.kind().name(), "device": engine.device(), "rows": rows});

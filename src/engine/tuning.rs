@@ -30,8 +30,8 @@ pub struct GpuTuning {
     pub hot_dequant_mib: Option<usize>,
     /// Dequantize those chunks on the side stream (default false; `MOE_LANES_HOT_DEQUANT_OVERLAP`).
     pub hot_dequant_overlap: Option<bool>,
-    /// A batched decode call of at least this many tokens runs its projections and experts as
-    /// GEMMs (each weight read once for all rows) instead of per-row GEMVs
+    /// A decode call (a batched step) of at least this many tokens runs its dense projections
+    /// and lm_head as GEMMs (each weight read once for all rows) instead of per-row GEMVs
     /// (`MOE_LANES_BATCH_GEMM_MIN_TOKENS`; default [`crate::gpu::BATCH_GEMM_MIN_TOKENS`]).
     pub batch_gemm_min_tokens: Option<usize>,
 }

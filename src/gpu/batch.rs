@@ -51,11 +51,6 @@ impl GpuModel {
             }
         }
         self.embed(&tokens)?;
-        // Enough decode rows: weights read once for all of them (GEMMs), as in prefill.
-        let phase = match phase {
-            Phase::Decode if t >= self.opts.batch_gemm_min_tokens => Phase::Prefill,
-            p => p,
-        };
         self.batch_layers(seqs, phase, t, cold)?;
         let n = seqs.len();
         self.gather_last_rows(seqs)?;

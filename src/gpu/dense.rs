@@ -40,13 +40,20 @@ impl GpuModel {
         {
             return Ok(self.be.gemv_bf16_split(bf, x, y, n, k, accumulate)?);
         }
-        if phase == Phase::Decode || few_rows {
+        if (phase == Phase::Decode && !self.gemm_pays(t)) || few_rows {
             return self.gemv(x, w, y, t, n, k, accumulate);
         }
         let s = self.scratch.as_ref().expect("reserved");
         let lo = self.opts.prefill_activations.split(w.dtype).then(|| s.x_lo.ptr());
         self.be.gather_split_bf16(x, None, s.x_hi.ptr(), lo, t, k)?;
         self.gemm(w, s.x_hi.ptr(), lo, y, t, n, k, accumulate)
+    }
+
+    /// Whether `t` rows of a decode call (a batched step) run their projections as GEMMs, each
+    /// weight read once for all rows, instead of GEMVs that read it once a row
+    /// ([`super::GpuOptions::batch_gemm_min_tokens`]).
+    pub(crate) fn gemm_pays(&self, t: usize) -> bool {
+        t >= self.opts.batch_gemm_min_tokens
     }
 
     /// The decode GEMV of a matrix in its stored type.
@@ -153,7 +160,9 @@ impl GpuModel {
             .unwrap_or_else(|| (s.kv_step.ptr().sub(0, t * kvd), s.kv_step.ptr().sub(t * kvd, t * kvd)));
         let qkv = [w.q.view(), w.k.view(), w.v.view()];
         let (y, n) = ([s.q.ptr(), k_new, v_new], [qd, kvd, kvd]);
-        if let (Phase::Decode, [Some(q), Some(k), Some(v)]) = (phase, qkv.map(|m| m.bf16())) {
+        if let (Phase::Decode, false, [Some(q), Some(k), Some(v)]) =
+            (phase, self.gemm_pays(t), qkv.map(|m| m.bf16()))
+        {
             self.be.gemv3_bf16([q, k, v], s.normed.ptr(), y, n, t, h)?;
         } else if phase == Phase::Decode && t == 1 {
             // quantized (or mixed) q/k/v: one launch of the one-token kernels, over the normed row

@@ -240,9 +240,9 @@ pub struct GpuOptions {
     pub q8_activations: bool,
     /// The KV cache's element type (`--cache-type-k/v` at the CLI): f16 (default) or f32.
     pub kv_type: KvType,
-    /// A batched decode call of at least this many tokens runs as prefill does (GEMMs, grouped
-    /// expert GEMMs: each weight read once for every row) instead of per-row GEMVs; its
-    /// one-token sequences keep the split decode attention.
+    /// A decode call (a batched step) of at least this many tokens runs its dense projections
+    /// and the lm_head as GEMMs (each weight read once for every row) instead of per-row GEMVs;
+    /// its MoE keeps the decode path (worklist on the device, no host sync when all hot).
     pub batch_gemm_min_tokens: usize,
 }
 

@@ -1,16 +1,20 @@
 //! [`TextGenerator`]: text generation for async (tokio) programs. One engine lives on its own
-//! thread ([`crate::engine::worker`]); requests queue to it and their text comes back as a stream of pieces, so nothing
-//! blocks the runtime. Dropping a [`TextEvents`] cancels its generation.
+//! thread ([`crate::engine::worker`]); requests queue to it, run together (continuous batching,
+//! [`crate::engine::batch`]) and their text comes back as a stream of pieces, so nothing blocks
+//! the runtime. Dropping a [`TextEvents`] cancels its generation.
 //!
 //! The example is on [`TextGenerator`] (this module is private; its types are `text`'s).
 
 use super::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
-use super::generate::{generate_text, TextGenerationError, TextOptions, TextOutcome};
-use super::Tokenizer;
+use super::generate::{TextFinish, TextGenerationError, TextOptions, TextOutcome, TextStream};
+use super::{StopStrings, Tokenizer};
 use crate::engine::worker::{spawn_engine_thread, EngineService};
-use crate::engine::{BuildReport, Engine, EngineOptions, GenerationOptions};
+use crate::engine::{
+    BatchOptions, Batcher, BuildReport, Engine, EngineOptions, FinishReason, GeneratedToken,
+    GenerationOptions, SeqEvent, SeqId,
+};
 use crate::model::Model;
-use std::ops::ControlFlow;
+use std::collections::HashMap;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 
@@ -61,7 +65,8 @@ struct Job {
     events: mpsc::Sender<TextEvent>,
 }
 
-/// A model's engine on a dedicated thread, taking text requests one at a time.
+/// A model's engine on a dedicated thread, running text requests together (one batched engine
+/// call per step).
 ///
 /// ```no_run
 /// use moe_lanes::engine::EngineOptions;
@@ -90,13 +95,27 @@ pub struct TextGenerator {
 
 impl TextGenerator {
     /// Load the model's tokenizer and build its engine (on the engine thread, awaited without
-    /// blocking the runtime).
+    /// blocking the runtime); requests run together as [`BatchOptions::default`] allows.
     pub async fn start(model: Arc<Model>, opts: EngineOptions) -> Result<TextGenerator, TextGenerationError> {
+        Self::start_batched(model, opts, BatchOptions::default()).await
+    }
+
+    /// As [`TextGenerator::start`], with `batch` saying how many requests run at once and how
+    /// many tokens one step takes (continuous batching: one engine call per step).
+    pub async fn start_batched(
+        model: Arc<Model>,
+        opts: EngineOptions,
+        batch: BatchOptions,
+    ) -> Result<TextGenerator, TextGenerationError> {
         let tokenizer = Arc::new(Tokenizer::from_model(&model)?);
         let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded::<Job>();
         let (built_tx, built_rx) = oneshot::channel();
         let tok = Arc::clone(&tokenizer);
-        let make = move |_: &mut dyn Engine, _: &BuildReport| TextService { tokenizer: tok };
+        let make = move |_: &mut dyn Engine, _: &BuildReport| TextService {
+            tokenizer: tok,
+            batcher: Batcher::new(batch),
+            running: HashMap::new(),
+        };
         let built = move |b: crate::engine::worker::Built| {
             let _ = built_tx.send(b.map(|(report, _device)| report));
         };
@@ -185,9 +204,21 @@ fn failed(error: TextGenerationError) -> TextEvents {
     TextEvents { rx }
 }
 
-/// The text requests' service on the engine thread.
+/// The text requests' service on the engine thread: requests run together in a [`Batcher`]
+/// (one batched engine call per step), each streaming its own text.
 struct TextService {
     tokenizer: Arc<Tokenizer>,
+    batcher: Batcher,
+    running: HashMap<SeqId, TextRun>,
+}
+
+/// A running request: where its text goes and what its outcome collects.
+struct TextRun {
+    events: mpsc::Sender<TextEvent>,
+    stream: TextStream<'static>,
+    text: String,
+    tokens: Vec<GeneratedToken>,
+    prompt_tokens: usize,
 }
 
 impl EngineService for TextService {
@@ -195,29 +226,116 @@ impl EngineService for TextService {
     type Output = ();
 
     fn serve(&mut self, engine: &mut dyn Engine, job: Job) {
-        run_job(engine, &self.tokenizer, job);
+        let events = job.events.clone();
+        if let Err(e) = self.admit(engine, job) {
+            let _ = events.blocking_send(TextEvent::Error(e));
+        }
+    }
+
+    fn busy(&self) -> bool {
+        !self.batcher.is_empty()
+    }
+
+    fn has_room(&self) -> bool {
+        self.batcher.has_room()
+    }
+
+    /// One step: readers that went away cancel their requests first.
+    fn work(&mut self, engine: &mut dyn Engine) {
+        let gone: Vec<SeqId> =
+            self.running.iter().filter(|(_, r)| r.events.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            self.batcher.cancel(id);
+            self.running.remove(&id);
+        }
+        for event in self.batcher.step(engine) {
+            match event {
+                SeqEvent::Token(id, t) => self.on_token(id, t),
+                SeqEvent::Finished { id, finish, .. } => self.end(id, finish),
+                SeqEvent::Failed(id, e) => {
+                    if let Some(r) = self.running.remove(&id) {
+                        let _ = r.events.blocking_send(TextEvent::Error(e.into()));
+                    }
+                }
+            }
+        }
     }
 
     fn finish(self, _: &mut dyn Engine) {}
 }
 
-/// Run one request on the engine thread; a reader that went away cancels it.
-fn run_job(engine: &mut dyn Engine, tokenizer: &Tokenizer, job: Job) {
-    let events = job.events;
-    let ids = match job.prompt {
-        Prompt::Ids(ids) => Ok(ids),
-        Prompt::Text(text) => tokenizer.encode(&text, true, true),
-    };
-    let result = ids.map_err(TextGenerationError::from).and_then(|ids| {
-        generate_text(engine, tokenizer, &ids, job.opts, |piece| {
-            match events.blocking_send(TextEvent::Text(piece.to_string())) {
-                Ok(()) => ControlFlow::Continue(()),
-                Err(_) => ControlFlow::Break(()),
+impl TextService {
+    /// A request joins the batch: its prompt encoded, its options checked.
+    fn admit(&mut self, engine: &mut dyn Engine, job: Job) -> Result<(), TextGenerationError> {
+        let ids = match job.prompt {
+            Prompt::Ids(ids) => ids,
+            Prompt::Text(text) => self.tokenizer.encode(&text, true, true)?,
+        };
+        let stops = StopStrings::new(job.opts.stop_strings)?;
+        let stream = TextStream::shared(Arc::clone(&self.tokenizer), !job.opts.show_special, stops);
+        let id = match self.batcher.add(&*engine, &ids, job.opts.generation) {
+            Ok(added) => added?,
+            Err(full) => return Err(crate::engine::EngineError::Step { message: full.to_string() }.into()),
+        };
+        let run = TextRun {
+            events: job.events,
+            stream,
+            text: String::new(),
+            tokens: Vec::new(),
+            prompt_tokens: ids.len(),
+        };
+        self.running.insert(id, run);
+        Ok(())
+    }
+
+    /// A token's text to its reader; a completed stop string ends the request.
+    fn on_token(&mut self, id: SeqId, t: GeneratedToken) {
+        let Some(r) = self.running.get_mut(&id) else { return };
+        let push = match r.stream.push(t.id) {
+            Ok(push) => push,
+            Err(e) => {
+                let r = self.running.remove(&id).expect("running");
+                self.batcher.cancel(id);
+                let _ = r.events.blocking_send(TextEvent::Error(e.into()));
+                return;
             }
-        })
-    });
-    let _ = events.blocking_send(match result {
-        Ok(outcome) => TextEvent::Done(outcome),
-        Err(e) => TextEvent::Error(e),
-    });
+        };
+        r.tokens.push(t);
+        r.text.push_str(&push.text);
+        let sent = push.text.is_empty() || r.events.blocking_send(TextEvent::Text(push.text)).is_ok();
+        if !sent {
+            self.batcher.cancel(id);
+            self.running.remove(&id);
+        } else if let Some(index) = push.stopped {
+            self.batcher.cancel(id);
+            self.done(id, TextFinish::StopString { index });
+        }
+    }
+
+    /// The generation ended (length or a stop id): the held-back text, then `Done`.
+    fn end(&mut self, id: SeqId, finish: FinishReason) {
+        let Some(r) = self.running.get_mut(&id) else { return };
+        let stream = std::mem::replace(
+            &mut r.stream,
+            TextStream::shared(Arc::clone(&self.tokenizer), true, StopStrings::default()),
+        );
+        let push = stream.finish();
+        if !push.text.is_empty() {
+            r.text.push_str(&push.text);
+            let _ = r.events.blocking_send(TextEvent::Text(push.text));
+        }
+        let finish = match (push.stopped, finish) {
+            (Some(index), _) => TextFinish::StopString { index },
+            (None, FinishReason::Stop { token }) => TextFinish::StopId { token },
+            (None, FinishReason::Cancelled) => TextFinish::Cancelled,
+            (None, FinishReason::Length) => TextFinish::Length,
+        };
+        self.done(id, finish);
+    }
+
+    fn done(&mut self, id: SeqId, finish: TextFinish) {
+        let Some(r) = self.running.remove(&id) else { return };
+        let outcome = TextOutcome { text: r.text, finish, prompt_tokens: r.prompt_tokens, tokens: r.tokens };
+        let _ = r.events.blocking_send(TextEvent::Done(outcome));
+    }
 }
