@@ -125,6 +125,32 @@ impl KvCache {
     pub fn n_positions(&self) -> usize {
         self.n_positions
     }
+
+    /// Keep the first `n` positions (a cached prefix reused); false, changing nothing, where a
+    /// recurrent layer's state cannot go back (any `n` below what it holds) or `n` is more.
+    pub fn truncate(&mut self, n: usize) -> bool {
+        let recurrent = self.layers.iter().any(|l| matches!(l, LayerState::DeltaNet { .. }));
+        if n > self.n_positions || (recurrent && n != self.n_positions) {
+            return false;
+        }
+        let old = self.n_positions;
+        for layer in &mut self.layers {
+            match layer {
+                LayerState::Attention { keys, values } => {
+                    let width = keys.len() / old.max(1);
+                    keys.truncate(n * width);
+                    values.truncate(n * width);
+                }
+                LayerState::Latent { latents } => {
+                    let width = latents.len() / old.max(1);
+                    latents.truncate(n * width);
+                }
+                LayerState::DeltaNet { .. } => {}
+            }
+        }
+        self.n_positions = n;
+        true
+    }
 }
 
 /// Non-expert weights of one layer, decoded to f32 once.

@@ -171,6 +171,10 @@ struct ServeArgs {
     /// Most tokens in one batched step: one per decoding request, the rest prompt chunks.
     #[arg(long, default_value_t = moe_lanes::engine::batch::DEFAULT_STEP_TOKENS, value_parser = count(1))]
     batch_tokens: usize,
+    /// Finished requests' KV caches kept for prefix reuse (0: none): a prompt that starts with
+    /// one's tokens (a chat's earlier turns) skips that part of its prefill.
+    #[arg(long, default_value_t = moe_lanes::engine::batch::DEFAULT_PREFIX_CACHE, value_parser = count(0))]
+    prefix_cache: usize,
     /// Jinja chat template for /v1/chat/completions (default: the model's own,
     /// tokenizer.chat_template).
     #[arg(long)]
@@ -947,6 +951,7 @@ fn serve(args: ServeArgs) -> Result<()> {
         batch: moe_lanes::engine::BatchOptions {
             max_sequences: args.parallel as usize,
             step_tokens: args.batch_tokens,
+            prefix_cache: args.prefix_cache,
         },
         model_name: name,
         perf_json: args.engine.perf_json.clone(),

@@ -77,6 +77,12 @@ fn describe() {
     );
     describe_gauge!("moe_lanes_device_free_bytes", Unit::Bytes, "Free device memory (GPU engine only).");
     describe_histogram!("moe_lanes_batch_size", "Requests in one batched engine step.");
+    describe_counter!("moe_lanes_prefix_cache_lookups_total", "Requests that looked for a kept prefix.");
+    describe_counter!("moe_lanes_prefix_cache_hits_total", "Requests that reused a kept prefix's KV cache.");
+    describe_counter!(
+        "moe_lanes_prefix_cache_reused_tokens_total",
+        "Prompt tokens whose prefill a kept prefix saved."
+    );
     describe_histogram!("moe_lanes_step_seconds", Unit::Seconds, "Time of one batched engine step.");
     describe_gauge!(
         "moe_lanes_kv_cache_usage_ratio",
@@ -104,6 +110,9 @@ struct Handles {
     batch_size: Histogram,
     step: Histogram,
     kv_usage: Gauge,
+    prefix_lookups: Counter,
+    prefix_hits: Counter,
+    prefix_tokens: Counter,
 }
 
 fn handles() -> &'static Handles {
@@ -127,6 +136,9 @@ fn handles() -> &'static Handles {
         batch_size: histogram!("moe_lanes_batch_size"),
         step: histogram!("moe_lanes_step_seconds"),
         kv_usage: gauge!("moe_lanes_kv_cache_usage_ratio"),
+        prefix_lookups: counter!("moe_lanes_prefix_cache_lookups_total"),
+        prefix_hits: counter!("moe_lanes_prefix_cache_hits_total"),
+        prefix_tokens: counter!("moe_lanes_prefix_cache_reused_tokens_total"),
     })
 }
 
@@ -183,6 +195,14 @@ pub fn queue_depth(running: u64, waiting: u64) {
 pub fn batch_step(sequences: usize, took: Duration) {
     handles().batch_size.record(sequences as f64);
     handles().step.record(took.as_secs_f64());
+}
+
+/// Prefix reuse since the last call: lookups, hits and prompt tokens saved.
+pub fn prefix_reuse(lookups: u64, hits: u64, tokens: u64) {
+    let h = handles();
+    h.prefix_lookups.increment(lookups);
+    h.prefix_hits.increment(hits);
+    h.prefix_tokens.increment(tokens);
 }
 
 /// The share of the KV-cache positions the running requests reserve.

@@ -9,6 +9,7 @@
 use crate::prom;
 use crossbeam_channel::Receiver;
 use moe_lanes::actors::Exchange;
+use moe_lanes::engine::batch::PrefixStats;
 use moe_lanes::engine::worker::{spawn_engine_thread, Built, EngineService};
 use moe_lanes::engine::{
     BatchOptions, Batcher, BuildReport, Engine, EngineError, EngineOptions, FinishReason, GeneratedToken,
@@ -154,6 +155,7 @@ pub fn spawn(
             running: HashMap::new(),
             published: Instant::now(),
             kv_capacity,
+            prefix_seen: PrefixStats::default(),
         }
     };
     spawn_engine_thread("moe-engine", model, opts, jobs, make, move |b| {
@@ -179,6 +181,8 @@ struct Service {
     published: Instant,
     /// Positions the batch may hold (sequences x context), for the KV-cache use gauge.
     kv_capacity: usize,
+    /// The batcher's prefix-reuse counts already exported.
+    prefix_seen: PrefixStats,
 }
 
 impl EngineService for Service {
@@ -251,6 +255,13 @@ impl Service {
             self.live.begin_request();
         }
         let added = self.batcher.add(engine, &job.prompt, job.generation.clone());
+        let (now, seen) = (self.batcher.prefix_stats(), self.prefix_seen);
+        prom::prefix_reuse(
+            now.lookups - seen.lookups,
+            now.hits - seen.hits,
+            now.reused_tokens - seen.reused_tokens,
+        );
+        self.prefix_seen = now;
         match added {
             Ok(Ok(id)) => {
                 self.shared.running.fetch_add(1, Ordering::Relaxed);

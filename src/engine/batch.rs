@@ -6,10 +6,13 @@
 //! engines batch only their row-wise stages).
 
 use super::generation::Sequence;
+use super::KvCache;
 use super::{
     BatchSeq, Engine, EngineError, FinishReason, GeneratedToken, GenerationError, GenerationOptions,
 };
 use crate::forward::Phase;
+use serde::Serialize;
+use std::collections::VecDeque;
 use std::time::Instant;
 
 /// The default token budget of one step: prompt chunks fill it after the decode tokens.
@@ -23,12 +26,35 @@ pub struct BatchOptions {
     /// Most tokens in one step: one per decoding sequence, the rest prompt chunks (at least one
     /// prompt token per step while any sequence is prefilling, so prompts always progress).
     pub step_tokens: usize,
+    /// Finished sequences' caches kept for prefix reuse (0: none): a new prompt that starts
+    /// with one's tokens (a chat's earlier turns, a shared system prompt) takes that cache and
+    /// skips the shared part of its prefill. Each kept cache holds its memory (VRAM on the GPU).
+    /// Caches with recurrent (DeltaNet) state are reused only when the prompt continues all of
+    /// their tokens.
+    #[serde(default)]
+    pub prefix_cache: usize,
 }
+
+/// [`BatchOptions::prefix_cache`]'s default.
+pub const DEFAULT_PREFIX_CACHE: usize = 4;
 
 impl Default for BatchOptions {
     fn default() -> Self {
-        BatchOptions { max_sequences: 16, step_tokens: DEFAULT_STEP_TOKENS }
+        BatchOptions {
+            max_sequences: 16,
+            step_tokens: DEFAULT_STEP_TOKENS,
+            prefix_cache: DEFAULT_PREFIX_CACHE,
+        }
     }
+}
+
+/// Prefix reuse so far: lookups (sequences added while caches were kept), hits, and prompt
+/// tokens whose prefill was skipped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct PrefixStats {
+    pub lookups: u64,
+    pub hits: u64,
+    pub reused_tokens: u64,
 }
 
 /// A sequence's handle in its [`Batcher`].
@@ -68,13 +94,21 @@ pub struct Batcher {
     running: Vec<(SeqId, Sequence)>,
     next_id: u64,
     last: StepReport,
+    /// Finished sequences' tokens and caches, newest first (prefix reuse).
+    prefixes: VecDeque<(Vec<u32>, KvCache)>,
+    prefix_stats: PrefixStats,
 }
 
 impl Batcher {
     pub fn new(opts: BatchOptions) -> Batcher {
-        let opts =
-            BatchOptions { max_sequences: opts.max_sequences.max(1), step_tokens: opts.step_tokens.max(1) };
-        Batcher { opts, running: Vec::new(), next_id: 0, last: StepReport::default() }
+        let opts = BatchOptions {
+            max_sequences: opts.max_sequences.max(1),
+            step_tokens: opts.step_tokens.max(1),
+            prefix_cache: opts.prefix_cache,
+        };
+        let prefixes = VecDeque::with_capacity(opts.prefix_cache);
+        let prefix_stats = PrefixStats::default();
+        Batcher { opts, running: Vec::new(), next_id: 0, last: StepReport::default(), prefixes, prefix_stats }
     }
 
     pub fn options(&self) -> BatchOptions {
@@ -122,12 +156,48 @@ impl Batcher {
         if !self.has_room() {
             return Err(BatchFull { max_sequences: self.opts.max_sequences });
         }
-        Ok(Sequence::new(engine, prompt, opts).map(|seq| {
+        let seq = match self.reuse_prefix(prompt, &opts) {
+            Some(cache) => Sequence::with_cache(engine, prompt, opts, cache),
+            None => Sequence::new(engine, prompt, opts),
+        };
+        Ok(seq.map(|seq| {
             let id = SeqId(self.next_id);
             self.next_id += 1;
             self.running.push((id, seq));
             id
         }))
+    }
+
+    /// Prefix reuse so far.
+    pub fn prefix_stats(&self) -> PrefixStats {
+        self.prefix_stats
+    }
+
+    /// The kept cache sharing the longest prefix with `prompt` (at most all but its last
+    /// token, which must be fed for its logits) that can be cut there and has room for the
+    /// request, cut to that prefix and taken out of the store.
+    fn reuse_prefix(&mut self, prompt: &[u32], opts: &GenerationOptions) -> Option<KvCache> {
+        if self.prefixes.is_empty() {
+            return None;
+        }
+        self.prefix_stats.lookups += 1;
+        let need = prompt.len().saturating_add(opts.max_tokens);
+        let shared = |tokens: &[u32]| tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let mut best: Option<(usize, usize)> = None;
+        for (i, (tokens, cache)) in self.prefixes.iter().enumerate() {
+            let n = shared(tokens).min(prompt.len() - 1);
+            if n > 0 && cache.capacity() >= need && best.is_none_or(|(_, b)| n > b) {
+                best = Some((i, n));
+            }
+        }
+        let (i, n) = best?;
+        if !self.prefixes[i].1.truncate(n) {
+            return None;
+        }
+        let (_, cache) = self.prefixes.remove(i)?;
+        self.prefix_stats.hits += 1;
+        self.prefix_stats.reused_tokens += n as u64;
+        Some(cache)
     }
 
     /// Stop a sequence now (its caller went away): it leaves without a further event. Returns
@@ -244,6 +314,19 @@ impl Batcher {
         engine.forward_batch(&mut seqs, phase)
     }
 
+    /// A finished sequence's cache kept for reuse (the oldest kept one dropped past the limit).
+    fn keep_prefix(&mut self, seq: Sequence) {
+        if self.opts.prefix_cache == 0 {
+            return;
+        }
+        let (tokens, cache) = seq.into_prefix();
+        if tokens.is_empty() {
+            return;
+        }
+        self.prefixes.push_front((tokens, cache));
+        self.prefixes.truncate(self.opts.prefix_cache);
+    }
+
     /// Sequences that finished leave, with their `Finished` event.
     fn finish_done(&mut self, events: &mut Vec<SeqEvent>) {
         let mut i = 0;
@@ -258,6 +341,7 @@ impl Batcher {
                             prompt_tokens: seq.prompt_tokens(),
                             generated: seq.generated().to_vec(),
                         });
+                        self.keep_prefix(seq);
                     }
                 }
                 None => i += 1,

@@ -91,12 +91,12 @@ pub(super) struct Sequence {
 }
 
 impl Sequence {
-    /// Check the options and that prompt + `max_tokens` fits; a cache for it from `engine`.
-    pub(super) fn new<E: Engine + ?Sized>(
+    /// The options and that prompt + `max_tokens` fits, checked; the sampler they ask for.
+    pub(super) fn check<E: Engine + ?Sized>(
         engine: &E,
         prompt: &[u32],
-        opts: GenerationOptions,
-    ) -> Result<Sequence, GenerationError> {
+        opts: &GenerationOptions,
+    ) -> Result<Sampler, GenerationError> {
         let vocab = engine.config().vocab;
         if let Some(&id) = opts.stop_ids.iter().find(|&&id| id as usize >= vocab) {
             return Err(GenerationError::StopId { id, vocab });
@@ -107,14 +107,40 @@ impl Sequence {
         let sampler = Sampler::new(opts.sampling.clone())?;
         crate::reference::check_generation_fits(prompt.len(), opts.max_tokens, engine.config().max_positions)
             .map_err(EngineError::from)?;
+        Ok(sampler)
+    }
+
+    /// Check the options and that prompt + `max_tokens` fits; a cache for it from `engine`.
+    pub(super) fn new<E: Engine + ?Sized>(
+        engine: &E,
+        prompt: &[u32],
+        opts: GenerationOptions,
+    ) -> Result<Sequence, GenerationError> {
+        Sequence::check(engine, prompt, &opts)?;
         let cache = engine.new_cache(prompt.len() + opts.max_tokens)?;
+        Sequence::with_cache(engine, prompt, opts, cache)
+    }
+
+    /// As [`Sequence::new`], over `cache`, which holds the first `cache.n_positions()` prompt
+    /// tokens already (a reused prefix: at most all but the last prompt token) and has room for
+    /// the rest and `max_tokens`.
+    pub(super) fn with_cache<E: Engine + ?Sized>(
+        engine: &E,
+        prompt: &[u32],
+        opts: GenerationOptions,
+        cache: KvCache,
+    ) -> Result<Sequence, GenerationError> {
+        let sampler = Sequence::check(engine, prompt, &opts)?;
+        let reused = cache.n_positions();
+        assert!(reused < prompt.len(), "a reused prefix leaves the last prompt token to feed");
+        assert!(cache.capacity() >= prompt.len() + opts.max_tokens, "the cache has room");
         let now = Instant::now();
         Ok(Sequence {
             cache,
             sampler,
             context: prompt.to_vec(),
             n_prompt: prompt.len(),
-            prefilled: 0,
+            prefilled: reused,
             pending: None,
             n_generated: 0,
             finish: if opts.max_tokens == 0 { Some(FinishReason::Length) } else { None },
@@ -230,6 +256,14 @@ impl Sequence {
 
     pub(super) fn generated(&self) -> &[u32] {
         &self.context[self.n_prompt..]
+    }
+
+    /// Its cache and the tokens the cache holds (the context but the last chosen token, which
+    /// was not fed), for reuse as a prefix.
+    pub(super) fn into_prefix(self) -> (Vec<u32>, KvCache) {
+        let mut tokens = self.context;
+        tokens.truncate(self.cache.n_positions());
+        (tokens, self.cache)
     }
 }
 

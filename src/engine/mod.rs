@@ -104,6 +104,37 @@ impl KvCache {
         }
     }
 
+    /// Most positions it can hold (the GPU's is allocated for a session; the CPU caches grow).
+    pub fn capacity(&self) -> usize {
+        match self {
+            KvCache::Gpu(c) => c.kv.capacity(),
+            KvCache::Reference(_) | KvCache::Pipeline(_) => usize::MAX,
+        }
+    }
+
+    /// Keep the first `n` positions: a cached prefix reused by a new request. False, changing
+    /// nothing, when it cannot: `n` above what it holds, or recurrent (DeltaNet) state, which
+    /// can only be kept whole.
+    pub fn truncate(&mut self, n: usize) -> bool {
+        match self {
+            KvCache::Reference(c) => c.truncate(n),
+            KvCache::Pipeline(c) => c.truncate(n),
+            KvCache::Gpu(c) => {
+                if n > c.tokens.len() || (c.kv.has_recurrent() && n != c.tokens.len()) {
+                    return false;
+                }
+                // After a device loss the CPU copy serves; the device cache stays where it was.
+                let on_device = c.kv.truncate(n);
+                if let Some(p) = c.cpu.as_mut() {
+                    p.truncate(n);
+                }
+                debug_assert!(on_device || c.cpu.is_some());
+                c.tokens.truncate(n);
+                true
+            }
+        }
+    }
+
     pub fn kind(&self) -> EngineKind {
         match self {
             KvCache::Reference(_) => EngineKind::Reference,

@@ -149,6 +149,21 @@ impl GpuKvCache {
     pub fn clear(&mut self) {
         self.n_positions = 0;
     }
+
+    /// Whether it holds recurrent (DeltaNet) state, which a truncation cannot take back.
+    pub fn has_recurrent(&self) -> bool {
+        self.delta.iter().any(Option::is_some)
+    }
+
+    /// Keep the first `n` positions (later ones are overwritten as new tokens come); false,
+    /// changing nothing, where a recurrent layer's state cannot go back or `n` is more.
+    pub fn truncate(&mut self, n: usize) -> bool {
+        if n > self.n_positions || (self.has_recurrent() && n != self.n_positions) {
+            return false;
+        }
+        self.n_positions = n;
+        true
+    }
     pub fn bytes(&self) -> usize {
         let delta: usize = self.delta.iter().flatten().map(|d| d.conv.bytes() + d.matrix.bytes()).sum();
         self.k.bytes() + self.v.bytes() + delta

@@ -198,6 +198,22 @@ impl PipelineCache {
     pub fn n_positions(&self) -> usize {
         self.n_positions
     }
+
+    /// Keep the first `n` positions (a cached prefix reused); false, changing nothing, where a
+    /// recurrent layer's state cannot go back (any `n` below what it holds) or `n` is more.
+    pub fn truncate(&mut self, n: usize) -> bool {
+        let recurrent = self.recurrent.iter().any(Option::is_some);
+        if n > self.n_positions || (recurrent && n != self.n_positions) {
+            return false;
+        }
+        let old = self.n_positions.max(1);
+        for buf in self.keys.iter_mut().chain(self.values.iter_mut()).chain(self.latent.iter_mut()) {
+            let width = buf.len() / old;
+            buf.truncate(n * width);
+        }
+        self.n_positions = n;
+        true
+    }
 }
 
 /// Per-call activations, sized once for `max_batch_tokens`.
