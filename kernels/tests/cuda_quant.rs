@@ -24,8 +24,13 @@ fn random_blocks(rng: &mut Rng, dtype: WeightDType, rows: usize, cols: usize) ->
         WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
         WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
         WeightDType::Q6_K => &[208],
+        WeightDType::Mxfp4 => &[],
         float => panic!("{float:?} is not quantized"),
     };
+    if dtype == WeightDType::Mxfp4 {
+        // E8M0 scales putting the largest values within about [-0.05, 0.05].
+        bytes.chunks_exact_mut(dtype.block_bytes()).for_each(|b| b[0] = common::mxfp4_scale_byte(rng, 0.05));
+    }
     for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
         for &at in scale_at {
             let d = half::f16::from_f32(rng.symmetric(0.05)).to_bits().to_le_bytes();

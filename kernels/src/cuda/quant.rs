@@ -739,7 +739,12 @@ mod tests {
                 "not a multiple"
             ));
             assert!(is_shape(check_gemv(dtype, w.sub(0, w.len() - 1), x, y, t, n, k), "W bytes"));
-            assert!(is_shape(check_gemv(dtype, view(0x1001, w.len()), x, y, t, n, k), "aligned"));
+            let odd = check_gemv(dtype, view(0x1001, w.len()), x, y, t, n, k);
+            if dtype == WeightDType::Mxfp4 {
+                assert!(odd.is_ok(), "MXFP4's 17-byte blocks are read byte by byte, at any address");
+            } else {
+                assert!(is_shape(odd, "aligned"));
+            }
             assert!(is_shape(check_gemv(dtype, w, x.sub(0, t * k - 1), y, t, n, k), "x holds"));
             assert!(is_shape(check_gemv(dtype, w, x, y.sub(0, t * n - 1), t, n, k), "y holds"));
         }
