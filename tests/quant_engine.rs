@@ -279,7 +279,14 @@ fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", QuantMix::Q4_K_M)).unwrap());
+    for mix in [QuantMix::Q4_K_M, QuantMix::MXFP4_MOE] {
+        small_chunks_mix(dir.path(), mix);
+    }
+}
+
+/// [`quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance`] on one mix.
+fn small_chunks_mix(dir: &Path, mix: QuantMix) {
+    let model = Arc::new(Model::open(&quantized_tiny(dir, "qwen3_moe", mix)).unwrap());
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
     let c = model.config();
     assert!(c.n_experts > 2, "the test needs more slots than a chunk");
@@ -303,7 +310,7 @@ fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
         opts.gpu.hot_dequant_bytes = chunks * 2 * 3 * c.expert_ff * c.hidden * 2;
         opts.gpu.hot_dequant_overlap = overlap;
         let (mut gpu, _) = build_engine(&model, opts).unwrap();
-        let what = format!("chunks of 2, overlap {overlap}");
+        let what = format!("{mix}: chunks of 2, overlap {overlap}");
         assert!(prefill_bits(gpu.as_mut()) == fused_bits, "{what}: fused decoding differs from the scratch");
         let worst =
             check_steps(&what, reference.as_mut(), gpu.as_mut(), &prompt, 2, GPU_TENSOR_CORE_TOLERANCE);
@@ -313,16 +320,24 @@ fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
 
 /// Post-Fetch of quantized experts (forced on; at budget 0 and with half the experts hot): the
 /// fetched experts are copied in their block types (the Q4_K_M file's layers differ: Q6_K down
-/// projections in some) and run through the typed grouped kernels, within the tensor-core
+/// projections in some; the MXFP4_MOE file's 17-byte blocks land at odd offsets) and run through
+/// the typed grouped kernels, within the tensor-core
 /// tolerance of the reference; the copied bytes are each fetched expert's own layer size.
 #[test]
 fn quantized_experts_post_fetched_stay_within_the_tensor_core_tolerance() {
-    use moe_lanes::gpu::{PostFetchMode, PostFetchOptions};
     if !common::gpu_usable() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", QuantMix::Q4_K_M)).unwrap());
+    for mix in [QuantMix::Q4_K_M, QuantMix::MXFP4_MOE] {
+        post_fetched_mix(dir.path(), mix);
+    }
+}
+
+/// [`quantized_experts_post_fetched_stay_within_the_tensor_core_tolerance`] on one mix.
+fn post_fetched_mix(dir: &Path, mix: QuantMix) {
+    use moe_lanes::gpu::{PostFetchMode, PostFetchOptions};
+    let model = Arc::new(Model::open(&quantized_tiny(dir, "qwen3_moe", mix)).unwrap());
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
     let prompt: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
     let (smallest, largest) = {
@@ -334,7 +349,7 @@ fn quantized_experts_post_fetched_stay_within_the_tensor_core_tolerance() {
         opts.hot = HotChoice::Budget(hot);
         opts.gpu.postfetch = PostFetchOptions { mode: PostFetchMode::On, ..Default::default() };
         let (mut gpu, _) = build_engine(&model, opts).unwrap();
-        let what = format!("post-fetch on, {hot:?}");
+        let what = format!("{mix}: post-fetch on, {hot:?}");
         let worst =
             check_steps(&what, reference.as_mut(), gpu.as_mut(), &prompt, 2, GPU_TENSOR_CORE_TOLERANCE);
         let p = gpu.perf().unwrap().report().postfetch.clone().expect("post-fetch reported");
