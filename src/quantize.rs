@@ -413,6 +413,39 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// An MXFP4 source tensor with a block scale of 0xFF (NaN in the MX spec) is refused, naming
+    /// the tensor, row and block, as llama.cpp's row validation refuses it; no output is left.
+    #[test]
+    fn an_mxfp4_source_with_a_nan_scale_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (experts, rows, cols) = (2, 3, 64);
+        let values: Vec<f32> = (0..experts * rows * cols).map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0).collect();
+        let mut bytes = Vec::new();
+        quantize(DType::MXFP4, &values, &mut bytes).unwrap();
+        let write = |bytes: &[u8], path: &Path| {
+            let mut w = GgufWriter::new();
+            w.add_metadata("general.architecture", MetaValue::String("qwen3moe".into()));
+            w.add_tensor("blk.0.ffn_up_exps.weight", DType::MXFP4, &[experts, rows, cols]);
+            let mut fill = |_: usize, out: &mut dyn Write| out.write_all(bytes);
+            w.write(path, &mut fill, &mut |_| {}).unwrap();
+        };
+        let (good, bad, out) = (dir.path().join("good.gguf"), dir.path().join("bad.gguf"), dir.path().join("o.gguf"));
+        write(&bytes, &good);
+        quantize_gguf(&good, &out, QuantMix::Q8_0, &mut |_, _| {}).unwrap();
+        std::fs::remove_file(&out).unwrap();
+        let mut corrupt = bytes.clone();
+        corrupt[4 * 17] = 0xFF; // row 2's first block (2 blocks a row)
+        write(&corrupt, &bad);
+        let err = quantize_gguf(&bad, &out, QuantMix::Q8_0, &mut |_, _| {}).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(err, QuantizeError::Quant { source: QuantError::NanScale { block: 0, .. }, .. }),
+            "{text}"
+        );
+        assert!(text.contains("blk.0.ffn_up_exps.weight row 2") && text.contains("0xFF"), "{text}");
+        assert!(!out.exists());
+    }
+
     #[test]
     fn q4_k_m_follows_llama_cpp_rules() {
         let m = QuantMix::Q4_K_M;

@@ -452,6 +452,74 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// MXFP4 round trips, for any block of finite values: the scale is llama.cpp's
+        /// (`max|x|` in `[4, 8)` times `2^(e - 127)`, or `e = 0` for a zero block), every value
+        /// is the nearest table entry under that scale (no other entry closer), quantising the
+        /// dequantised block gives the same bytes, and the error is at most a quarter of
+        /// `max|x|` (the gap from 6 to 8 units at the top of the scale).
+        #[test]
+        fn mxfp4_round_trip_properties(
+            values in proptest::collection::vec(-1.0e3f32..1.0e3, 32),
+            exponent in -30i32..30,
+        ) {
+            let x: Vec<f32> = values.iter().map(|v| v * 2f32.powi(exponent)).collect();
+            let mut bytes = Vec::new();
+            quantize(DType::MXFP4, &x, &mut bytes).unwrap();
+            let mut y = vec![0.0f32; 32];
+            dequantize(DType::MXFP4, &bytes, &mut y).unwrap();
+            let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let e = bytes[0];
+            if amax > 0.0 {
+                let unit = 2f64.powi(e as i32 - 127);
+                let ratio = amax as f64 / unit;
+                // f32 log2 rounds up just below a power of two (as llama.cpp's log2f does): a
+                // ratio a hair under 4 is llama.cpp's choice too.
+                proptest::prop_assert!((4.0 * (1.0 - 1e-6)..8.0).contains(&ratio), "amax {amax} e {e}");
+            } else {
+                proptest::prop_assert_eq!(e, 0);
+            }
+            let d = e8m0_half(e);
+            for (&v, &q) in x.iter().zip(&y) {
+                let err = (q - v).abs();
+                for k in MXFP4_VALUES {
+                    proptest::prop_assert!(err <= (k as f32 * d - v).abs(), "{v}: {q} while {k} is closer");
+                }
+                proptest::prop_assert!(err <= 0.25 * amax, "{v}: {q}");
+            }
+            let mut again = Vec::new();
+            quantize(DType::MXFP4, &y, &mut again).unwrap();
+            proptest::prop_assert_eq!(again, bytes);
+        }
+
+        /// Negating a block flips the sign bit of every nonzero level and keeps the scale.
+        #[test]
+        fn mxfp4_is_sign_symmetric(values in proptest::collection::vec(-10.0f32..10.0, 32)) {
+            let neg: Vec<f32> = values.iter().map(|v| -v).collect();
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            quantize(DType::MXFP4, &values, &mut a).unwrap();
+            quantize(DType::MXFP4, &neg, &mut b).unwrap();
+            proptest::prop_assert_eq!(a[0], b[0]);
+            for (&p, &n) in a[1..].iter().zip(&b[1..]) {
+                for shift in [0, 4] {
+                    let (p, n) = ((p >> shift) & 15, (n >> shift) & 15);
+                    let flipped = if p == 0 { 0 } else { p ^ 8 };
+                    proptest::prop_assert_eq!(n, flipped);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn mxfp4_refuses_non_finite_values() {
+        let mut x = vec![0.5f32; 64];
+        x[40] = f32::NAN;
+        let err = quantize(DType::MXFP4, &x, &mut Vec::new()).unwrap_err();
+        assert!(matches!(err, QuantError::NonFinite { index: 40, .. }), "{err}");
+        x[40] = f32::INFINITY;
+        assert!(quantize(DType::MXFP4, &x, &mut Vec::new()).is_err());
+    }
+
     #[test]
     fn bad_lengths_are_errors() {
         let mut out = Vec::new();
