@@ -129,6 +129,24 @@ fn every_mix_runs_on_the_pipeline_within_tolerance_of_the_reference() {
     }
 }
 
+/// GPT-OSS, whose published GGUF keeps its experts in MXFP4: an `mxfp4_moe` file (experts
+/// MXFP4, with their biases; everything else Q8_0) runs on the pipeline within the f32 tolerance
+/// of the reference, and with 8-bit activations within theirs; greedy generation identical.
+#[test]
+fn gpt_oss_in_mxfp4_moe_runs_on_the_pipeline_like_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "gpt_oss", QuantMix::MXFP4_MOE)).unwrap());
+    let experts: Vec<DType> =
+        model.tensor_list().iter().filter(|t| t.0.contains("_exps.weight")).map(|t| t.1).collect();
+    assert!(!experts.is_empty() && experts.iter().all(|&t| t == DType::MXFP4), "{experts:?}");
+    let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+    let (f32_error, _) =
+        pipeline_against_reference(&model, reference.as_mut(), Some(DecodeActivations::F32), LOGITS_TOLERANCE);
+    let (q8_error, _) =
+        pipeline_against_reference(&model, reference.as_mut(), Some(DecodeActivations::Q8), Q8_LOGITS_TOLERANCE);
+    println!("gpt_oss mxfp4_moe: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e}");
+}
+
 #[test]
 fn a_q4_k_m_file_mixes_block_types_like_llama_cpp() {
     let dir = tempfile::tempdir().unwrap();
