@@ -266,6 +266,25 @@ fn dequantize_to_bf16_equals_the_cpu_values_rounded() {
     }
 }
 
+/// MXFP4's gguf-py fixture (scales 0, 1, 2, 254 and 0xFF among them, the last read as 2^127 by
+/// llama.cpp's CPU code and moe-lanes everywhere) dequantized on the device, from a buffer one
+/// byte in (17-byte blocks at odd addresses): the CPU's values rounded to bf16, bit for bit (an
+/// infinity stays one; the device never makes a NaN scale of 0xFF).
+#[test]
+fn mxfp4_fixture_blocks_dequantize_on_the_device_like_the_cpu() {
+    let Some(be) = backend() else { return };
+    let dtype = WeightDType::Mxfp4;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/quant/mxfp4.blocks");
+    let blocks = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let k = 32;
+    let rows = blocks.len() / dtype.block_bytes();
+    let want = bf16_bits(&dequantize(dtype, &blocks));
+    let dw = be.upload(&[vec![0u8], blocks.clone()].concat()).unwrap();
+    let out = be.upload(&vec![0xFFFFu16; rows * k]).unwrap();
+    be.dequantize_bf16(dtype, dw.ptr().from(1), 0, rows, k, out.ptr()).unwrap();
+    assert_eq!(be.read_vec(out.ptr()).unwrap(), want);
+}
+
 #[test]
 fn dequantized_tile_through_gemm_bf16_matches_the_cpu() {
     let Some(be) = backend() else { return };
