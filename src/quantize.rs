@@ -419,7 +419,8 @@ mod tests {
     fn an_mxfp4_source_with_a_nan_scale_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let (experts, rows, cols) = (2, 3, 64);
-        let values: Vec<f32> = (0..experts * rows * cols).map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0).collect();
+        let values: Vec<f32> =
+            (0..experts * rows * cols).map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0).collect();
         let mut bytes = Vec::new();
         quantize(DType::MXFP4, &values, &mut bytes).unwrap();
         let write = |bytes: &[u8], path: &Path| {
@@ -429,7 +430,8 @@ mod tests {
             let mut fill = |_: usize, out: &mut dyn Write| out.write_all(bytes);
             w.write(path, &mut fill, &mut |_| {}).unwrap();
         };
-        let (good, bad, out) = (dir.path().join("good.gguf"), dir.path().join("bad.gguf"), dir.path().join("o.gguf"));
+        let (good, bad, out) =
+            (dir.path().join("good.gguf"), dir.path().join("bad.gguf"), dir.path().join("o.gguf"));
         write(&bytes, &good);
         quantize_gguf(&good, &out, QuantMix::Q8_0, &mut |_, _| {}).unwrap();
         std::fs::remove_file(&out).unwrap();
@@ -481,14 +483,17 @@ mod tests {
 
     #[test]
     fn mxfp4_moe_puts_expert_stacks_in_mxfp4_and_the_rest_in_q8_0_like_llama_cpp() {
-        let t = |name: &str, shape: &[usize]| tensor_type(QuantMix::MXFP4_MOE, name, shape, DType::BF16, FACTS);
+        let t =
+            |name: &str, shape: &[usize]| tensor_type(QuantMix::MXFP4_MOE, name, shape, DType::BF16, FACTS);
         for name in ["blk.4.ffn_up_exps.weight", "blk.4.ffn_gate_exps.weight", "blk.4.ffn_down_exps.weight"] {
             assert_eq!(t(name, &[128, 768, 256]), DType::MXFP4, "{name}");
         }
         // DeepSeek's 3-D MLA projections too (llama.cpp matches ne[2] > 1, not the name).
         assert_eq!(t("blk.4.attn_k_b.weight", &[16, 512, 128]), DType::MXFP4);
         assert_eq!(t("blk.4.ffn_up_exps.weight", &[1, 768, 256]), DType::Q8_0);
-        for name in ["output.weight", "token_embd.weight", "blk.4.attn_v.weight", "blk.0.ffn_down_shexp.weight"] {
+        for name in
+            ["output.weight", "token_embd.weight", "blk.4.attn_v.weight", "blk.0.ffn_down_shexp.weight"]
+        {
             assert_eq!(t(name, &[512, 256]), DType::Q8_0, "{name}");
         }
         assert_eq!(t("blk.3.ffn_gate_inp.weight", &[128, 256]), DType::BF16);

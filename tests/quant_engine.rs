@@ -140,10 +140,18 @@ fn gpt_oss_in_mxfp4_moe_runs_on_the_pipeline_like_the_reference() {
         model.tensor_list().iter().filter(|t| t.0.contains("_exps.weight")).map(|t| t.1).collect();
     assert!(!experts.is_empty() && experts.iter().all(|&t| t == DType::MXFP4), "{experts:?}");
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
-    let (f32_error, _) =
-        pipeline_against_reference(&model, reference.as_mut(), Some(DecodeActivations::F32), LOGITS_TOLERANCE);
-    let (q8_error, _) =
-        pipeline_against_reference(&model, reference.as_mut(), Some(DecodeActivations::Q8), Q8_LOGITS_TOLERANCE);
+    let (f32_error, _) = pipeline_against_reference(
+        &model,
+        reference.as_mut(),
+        Some(DecodeActivations::F32),
+        LOGITS_TOLERANCE,
+    );
+    let (q8_error, _) = pipeline_against_reference(
+        &model,
+        reference.as_mut(),
+        Some(DecodeActivations::Q8),
+        Q8_LOGITS_TOLERANCE,
+    );
     println!("gpt_oss mxfp4_moe: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e}");
 }
 

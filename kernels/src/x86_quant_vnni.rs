@@ -199,13 +199,14 @@ unsafe fn q6_k(b: *const u8, x: &XBlock, acc: &mut Acc) {
 unsafe fn small_block<const Q: u8>(b: *const u8, x: &XBlock, acc: &mut Acc) {
     // SAFETY: the caller vouches for one 17-, 18- or 34-byte block at `b`.
     unsafe {
-        let nibbles = |q: __m128i| _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), _mm256_set1_epi8(15));
+        let nibbles =
+            |q: __m128i| _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), _mm256_set1_epi8(15));
         let w = match Q {
             Q4_0 => nibbles(_mm_loadu_si128(b.add(2) as *const __m128i)),
             MXFP4 => {
                 let table = _mm256_setr_epi8(
-                    12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20, 24, 12,
-                    11, 10, 9, 8, 6, 4, 0,
+                    12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20,
+                    24, 12, 11, 10, 9, 8, 6, 4, 0,
                 );
                 _mm256_shuffle_epi8(table, nibbles(_mm_loadu_si128(b.add(1) as *const __m128i)))
             }
