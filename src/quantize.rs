@@ -14,6 +14,11 @@
 //!   Q4_K_M / Q5_K_M;
 //! - everything else `D`.
 //!
+//! `mxfp4_moe` (llama.cpp's `LLAMA_FTYPE_MOSTLY_MXFP4_MOE`) has rules of its own: every 3-D
+//! tensor with more than one matrix (`ne[2] > 1`: the expert stacks, and as in llama.cpp also
+//! DeepSeek's 3-D `attn_k_b`/`attn_v_b`) MXFP4, every other quantised matrix (the output and the
+//! embedding included) Q8_0; no `use_more_bits` or 8-expert bumps.
+//!
 //! A row whose length is not a whole number of the chosen type's blocks falls back to Q8_0 (rows
 //! of 32s; llama.cpp would pick Q5_0/Q5_1 there, which moe-lanes does not compute) or F16.
 //! The quantisation itself is `format::quant` (its own scale/min search, not llama.cpp's
@@ -21,7 +26,7 @@
 
 use crate::format::dtype::DType;
 use crate::format::gguf::{GgufError, GgufFile, GgufWriter, MetaValue};
-use crate::format::quant::{quantize, QuantError};
+use crate::format::quant::{check_mxfp4_scales, quantize, QuantError};
 use crate::format::tensor::{encode_f32, TensorError, TensorRef};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -42,11 +47,19 @@ pub enum QuantMix {
     Q5_K_M,
     #[serde(rename = "q6_k")]
     Q6_K,
+    #[serde(rename = "mxfp4_moe")]
+    MXFP4_MOE,
 }
 
 impl QuantMix {
-    pub const ALL: [QuantMix; 5] =
-        [QuantMix::Q8_0, QuantMix::Q4_0, QuantMix::Q4_K_M, QuantMix::Q5_K_M, QuantMix::Q6_K];
+    pub const ALL: [QuantMix; 6] = [
+        QuantMix::Q8_0,
+        QuantMix::Q4_0,
+        QuantMix::Q4_K_M,
+        QuantMix::Q5_K_M,
+        QuantMix::Q6_K,
+        QuantMix::MXFP4_MOE,
+    ];
 
     /// The name `--type` takes (lower case).
     pub fn name(self) -> &'static str {
@@ -56,6 +69,7 @@ impl QuantMix {
             QuantMix::Q4_K_M => "q4_k_m",
             QuantMix::Q5_K_M => "q5_k_m",
             QuantMix::Q6_K => "q6_k",
+            QuantMix::MXFP4_MOE => "mxfp4_moe",
         }
     }
 
@@ -73,6 +87,7 @@ impl QuantMix {
             QuantMix::Q4_K_M => DType::Q4_K,
             QuantMix::Q5_K_M => DType::Q5_K,
             QuantMix::Q6_K => DType::Q6_K,
+            QuantMix::MXFP4_MOE => DType::MXFP4,
         }
     }
 
@@ -84,6 +99,7 @@ impl QuantMix {
             QuantMix::Q4_K_M => 15,
             QuantMix::Q5_K_M => 17,
             QuantMix::Q6_K => 18,
+            QuantMix::MXFP4_MOE => 38,
         }
     }
 
@@ -151,6 +167,10 @@ pub fn tensor_type(mix: QuantMix, name: &str, shape: &[usize], source: DType, fa
     if matrix_dims < 2 || kept || !name.ends_with(".weight") {
         return source;
     }
+    if mix == QuantMix::MXFP4_MOE {
+        let stacked = shape.len() == 3 && shape[0] > 1;
+        return fit_blocks(if stacked { DType::MXFP4 } else { DType::Q8_0 }, shape);
+    }
     let layer = layer_of(name).unwrap_or(0);
     let more_bits = mix.is_k_mix() && use_more_bits(layer, facts.n_layers);
     let eight_experts = facts.n_experts == 8;
@@ -183,11 +203,19 @@ pub fn tensor_type(mix: QuantMix, name: &str, shape: &[usize], source: DType, fa
     } else if name.contains("ffn_down") && more_bits {
         t = DType::Q6_K;
     }
+    fit_blocks(t, shape)
+}
+
+/// `t`, or where a row is not whole blocks of it, Q8_0 (rows of 32s) or F16.
+fn fit_blocks(t: DType, shape: &[usize]) -> DType {
     let cols = *shape.last().expect("a matrix has dims");
-    if !cols.is_multiple_of(t.block_elems()) {
-        t = if cols.is_multiple_of(DType::Q8_0.block_elems()) { DType::Q8_0 } else { DType::F16 };
+    if cols.is_multiple_of(t.block_elems()) {
+        t
+    } else if cols.is_multiple_of(DType::Q8_0.block_elems()) {
+        DType::Q8_0
+    } else {
+        DType::F16
     }
-    t
 }
 
 fn model_facts(file: &GgufFile) -> ModelFacts {
@@ -324,7 +352,16 @@ impl RowJob<'_> {
     fn convert_rows(&self, lo: usize, hi: usize, bytes: &mut Vec<u8>) -> Result<(), QuantizeError> {
         let mut row = vec![0.0f32; self.cols];
         bytes.clear();
+        let row_bytes = self.t.dtype.bytes_for(self.cols).unwrap_or(0);
         for r in lo..hi {
+            // An MXFP4 source is validated as llama.cpp validates row data: a NaN scale is refused.
+            if let Some(bytes) = self.t.data.get(r * row_bytes..(r + 1) * row_bytes) {
+                check_mxfp4_scales(self.t.dtype, bytes).map_err(|source| QuantizeError::Quant {
+                    path: self.path.into(),
+                    tensor: format!("{} row {r}", self.tensor),
+                    source,
+                })?;
+            }
             self.t.read_f32_into(r * self.cols, &mut row).map_err(|source| QuantizeError::Tensor {
                 path: self.path.into(),
                 tensor: self.tensor.into(),
@@ -376,6 +413,41 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// An MXFP4 source tensor with a block scale of 0xFF (NaN in the MX spec) is refused, naming
+    /// the tensor, row and block, as llama.cpp's row validation refuses it; no output is left.
+    #[test]
+    fn an_mxfp4_source_with_a_nan_scale_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (experts, rows, cols) = (2, 3, 64);
+        let values: Vec<f32> =
+            (0..experts * rows * cols).map(|i| ((i * 37) % 101) as f32 / 50.0 - 1.0).collect();
+        let mut bytes = Vec::new();
+        quantize(DType::MXFP4, &values, &mut bytes).unwrap();
+        let write = |bytes: &[u8], path: &Path| {
+            let mut w = GgufWriter::new();
+            w.add_metadata("general.architecture", MetaValue::String("qwen3moe".into()));
+            w.add_tensor("blk.0.ffn_up_exps.weight", DType::MXFP4, &[experts, rows, cols]);
+            let mut fill = |_: usize, out: &mut dyn Write| out.write_all(bytes);
+            w.write(path, &mut fill, &mut |_| {}).unwrap();
+        };
+        let (good, bad, out) =
+            (dir.path().join("good.gguf"), dir.path().join("bad.gguf"), dir.path().join("o.gguf"));
+        write(&bytes, &good);
+        quantize_gguf(&good, &out, QuantMix::Q8_0, &mut |_, _| {}).unwrap();
+        std::fs::remove_file(&out).unwrap();
+        let mut corrupt = bytes.clone();
+        corrupt[4 * 17] = 0xFF; // row 2's first block (2 blocks a row)
+        write(&corrupt, &bad);
+        let err = quantize_gguf(&bad, &out, QuantMix::Q8_0, &mut |_, _| {}).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            matches!(err, QuantizeError::Quant { source: QuantError::NanScale { block: 0, .. }, .. }),
+            "{text}"
+        );
+        assert!(text.contains("blk.0.ffn_up_exps.weight row 2") && text.contains("0xFF"), "{text}");
+        assert!(!out.exists());
+    }
+
     #[test]
     fn q4_k_m_follows_llama_cpp_rules() {
         let m = QuantMix::Q4_K_M;
@@ -407,6 +479,28 @@ mod tests {
         assert_eq!(t(QuantMix::Q5_K_M, "blk.5.attn_output.weight"), DType::Q5_K);
         assert_eq!(t(QuantMix::Q8_0, "output.weight"), DType::Q8_0);
         assert_eq!(t(QuantMix::Q4_0, "output.weight"), DType::Q6_K);
+    }
+
+    #[test]
+    fn mxfp4_moe_puts_expert_stacks_in_mxfp4_and_the_rest_in_q8_0_like_llama_cpp() {
+        let t =
+            |name: &str, shape: &[usize]| tensor_type(QuantMix::MXFP4_MOE, name, shape, DType::BF16, FACTS);
+        for name in ["blk.4.ffn_up_exps.weight", "blk.4.ffn_gate_exps.weight", "blk.4.ffn_down_exps.weight"] {
+            assert_eq!(t(name, &[128, 768, 256]), DType::MXFP4, "{name}");
+        }
+        // DeepSeek's 3-D MLA projections too (llama.cpp matches ne[2] > 1, not the name).
+        assert_eq!(t("blk.4.attn_k_b.weight", &[16, 512, 128]), DType::MXFP4);
+        assert_eq!(t("blk.4.ffn_up_exps.weight", &[1, 768, 256]), DType::Q8_0);
+        for name in
+            ["output.weight", "token_embd.weight", "blk.4.attn_v.weight", "blk.0.ffn_down_shexp.weight"]
+        {
+            assert_eq!(t(name, &[512, 256]), DType::Q8_0, "{name}");
+        }
+        assert_eq!(t("blk.3.ffn_gate_inp.weight", &[128, 256]), DType::BF16);
+        assert_eq!(t("blk.0.attn_norm.weight", &[256]), DType::BF16);
+        // Rows that are not whole blocks of 32: F16, as llama.cpp falls back.
+        assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 20]), DType::F16);
+        assert_eq!(QuantMix::MXFP4_MOE.file_type(), 38);
     }
 
     #[test]

@@ -129,6 +129,32 @@ fn every_mix_runs_on_the_pipeline_within_tolerance_of_the_reference() {
     }
 }
 
+/// GPT-OSS, whose published GGUF keeps its experts in MXFP4: an `mxfp4_moe` file (experts
+/// MXFP4, with their biases; everything else Q8_0) runs on the pipeline within the f32 tolerance
+/// of the reference, and with 8-bit activations within theirs; greedy generation identical.
+#[test]
+fn gpt_oss_in_mxfp4_moe_runs_on_the_pipeline_like_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "gpt_oss", QuantMix::MXFP4_MOE)).unwrap());
+    let experts: Vec<DType> =
+        model.tensor_list().iter().filter(|t| t.0.contains("_exps.weight")).map(|t| t.1).collect();
+    assert!(!experts.is_empty() && experts.iter().all(|&t| t == DType::MXFP4), "{experts:?}");
+    let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+    let (f32_error, _) = pipeline_against_reference(
+        &model,
+        reference.as_mut(),
+        Some(DecodeActivations::F32),
+        LOGITS_TOLERANCE,
+    );
+    let (q8_error, _) = pipeline_against_reference(
+        &model,
+        reference.as_mut(),
+        Some(DecodeActivations::Q8),
+        Q8_LOGITS_TOLERANCE,
+    );
+    println!("gpt_oss mxfp4_moe: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e}");
+}
+
 #[test]
 fn a_q4_k_m_file_mixes_block_types_like_llama_cpp() {
     let dir = tempfile::tempdir().unwrap();
@@ -279,7 +305,14 @@ fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", QuantMix::Q4_K_M)).unwrap());
+    for mix in [QuantMix::Q4_K_M, QuantMix::MXFP4_MOE] {
+        small_chunks_mix(dir.path(), mix);
+    }
+}
+
+/// [`quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance`] on one mix.
+fn small_chunks_mix(dir: &Path, mix: QuantMix) {
+    let model = Arc::new(Model::open(&quantized_tiny(dir, "qwen3_moe", mix)).unwrap());
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
     let c = model.config();
     assert!(c.n_experts > 2, "the test needs more slots than a chunk");
@@ -303,7 +336,7 @@ fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
         opts.gpu.hot_dequant_bytes = chunks * 2 * 3 * c.expert_ff * c.hidden * 2;
         opts.gpu.hot_dequant_overlap = overlap;
         let (mut gpu, _) = build_engine(&model, opts).unwrap();
-        let what = format!("chunks of 2, overlap {overlap}");
+        let what = format!("{mix}: chunks of 2, overlap {overlap}");
         assert!(prefill_bits(gpu.as_mut()) == fused_bits, "{what}: fused decoding differs from the scratch");
         let worst =
             check_steps(&what, reference.as_mut(), gpu.as_mut(), &prompt, 2, GPU_TENSOR_CORE_TOLERANCE);
@@ -313,16 +346,24 @@ fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
 
 /// Post-Fetch of quantized experts (forced on; at budget 0 and with half the experts hot): the
 /// fetched experts are copied in their block types (the Q4_K_M file's layers differ: Q6_K down
-/// projections in some) and run through the typed grouped kernels, within the tensor-core
+/// projections in some; the MXFP4_MOE file's 17-byte blocks land at odd offsets) and run through
+/// the typed grouped kernels, within the tensor-core
 /// tolerance of the reference; the copied bytes are each fetched expert's own layer size.
 #[test]
 fn quantized_experts_post_fetched_stay_within_the_tensor_core_tolerance() {
-    use moe_lanes::gpu::{PostFetchMode, PostFetchOptions};
     if !common::gpu_usable() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", QuantMix::Q4_K_M)).unwrap());
+    for mix in [QuantMix::Q4_K_M, QuantMix::MXFP4_MOE] {
+        post_fetched_mix(dir.path(), mix);
+    }
+}
+
+/// [`quantized_experts_post_fetched_stay_within_the_tensor_core_tolerance`] on one mix.
+fn post_fetched_mix(dir: &Path, mix: QuantMix) {
+    use moe_lanes::gpu::{PostFetchMode, PostFetchOptions};
+    let model = Arc::new(Model::open(&quantized_tiny(dir, "qwen3_moe", mix)).unwrap());
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
     let prompt: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
     let (smallest, largest) = {
@@ -334,7 +375,7 @@ fn quantized_experts_post_fetched_stay_within_the_tensor_core_tolerance() {
         opts.hot = HotChoice::Budget(hot);
         opts.gpu.postfetch = PostFetchOptions { mode: PostFetchMode::On, ..Default::default() };
         let (mut gpu, _) = build_engine(&model, opts).unwrap();
-        let what = format!("post-fetch on, {hot:?}");
+        let what = format!("{mix}: post-fetch on, {hot:?}");
         let worst =
             check_steps(&what, reference.as_mut(), gpu.as_mut(), &prompt, 2, GPU_TENSOR_CORE_TOLERANCE);
         let p = gpu.perf().unwrap().report().postfetch.clone().expect("post-fetch reported");

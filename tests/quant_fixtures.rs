@@ -1,18 +1,21 @@
 //! The oracle's dequantisation (`format::quant`) against gguf-py's on committed fixtures
 //! (tests/fixtures/make_quant.py): equal bit for bit, block by block, for every block type; and
 //! the quantiser's output, as `moe-lanes quantize` wrote it and gguf-py read it back, equal to
-//! what moe-lanes computes from the same input.
+//! what moe-lanes computes from the same input; and the MXFP4 quantiser equal, byte for byte, to
+//! llama.cpp's `quantize_row_mxfp4_ref` as gguf-py implements it, on edge cases (zeros, ties
+//! between levels, powers of two, tiny and large blocks).
 
 use moe_lanes::format::dtype::DType;
 use moe_lanes::format::quant::{dequantize, quantize};
 use std::path::PathBuf;
 
-const TYPES: [(&str, DType); 5] = [
+const TYPES: [(&str, DType); 6] = [
     ("q8_0", DType::Q8_0),
     ("q4_0", DType::Q4_0),
     ("q4_k", DType::Q4_K),
     ("q5_k", DType::Q5_K),
     ("q6_k", DType::Q6_K),
+    ("mxfp4", DType::MXFP4),
 ];
 
 fn fixture(name: &str) -> Vec<u8> {
@@ -54,4 +57,35 @@ fn quantizer_output_dequantizes_in_gguf_py_to_what_moe_lanes_computes() {
         let same = ours.iter().zip(&gguf_py).all(|(a, b)| a.to_bits() == b.to_bits());
         assert!(same, "{name}: gguf-py reads the quantized file differently");
     }
+}
+
+#[test]
+fn mxfp4_quantizer_writes_gguf_py_reference_blocks_byte_for_byte() {
+    let input = floats(&fixture("mxfp4.quant_input.f32"));
+    let reference = fixture("mxfp4.quant_ref.blocks");
+    let mut ours = Vec::new();
+    quantize(DType::MXFP4, &input, &mut ours).unwrap();
+    assert_eq!(ours.len(), reference.len());
+    for (i, (a, b)) in ours.chunks_exact(17).zip(reference.chunks_exact(17)).enumerate() {
+        assert_eq!(a, b, "block {i}: {:?}", &input[32 * i..32 * i + 32]);
+    }
+}
+
+/// The fixture's blocks with scale 0xFF (NaN in the MX spec) decode as llama.cpp's CPU code and
+/// gguf-py decode them (`2^127` times the level: infinities beyond level 1), and `check_mxfp4_scales`
+/// refuses them as llama.cpp's row validation does.
+#[test]
+fn mxfp4_nan_scale_decodes_like_gguf_py_and_is_refused_by_validation() {
+    use moe_lanes::format::quant::{check_mxfp4_scales, QuantError};
+    let blocks = fixture("mxfp4.blocks");
+    let block = &blocks[4 * 17..5 * 17];
+    assert_eq!(block[0], 0xFF, "the fixture's fifth block has the NaN scale");
+    let mut got = [0.0f32; 32];
+    dequantize(DType::MXFP4, block, &mut got).unwrap();
+    assert!(got.iter().all(|v| !v.is_nan()), "{got:?}");
+    assert_eq!(
+        check_mxfp4_scales(DType::MXFP4, &blocks),
+        Err(QuantError::NanScale { dtype: DType::MXFP4, block: 4 })
+    );
+    assert_eq!(check_mxfp4_scales(DType::MXFP4, &blocks[5 * 17..]), Ok(()));
 }

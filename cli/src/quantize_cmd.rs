@@ -13,7 +13,8 @@ pub struct QuantizeArgs {
     input: PathBuf,
     /// The GGUF file to write (as OUT.tmp, renamed when complete).
     output: PathBuf,
-    /// The mix: q8_0, q4_0, q4_k_m, q5_k_m or q6_k (tensor types chosen per tensor as llama.cpp does).
+    /// The mix: q8_0, q4_0, q4_k_m, q5_k_m, q6_k or mxfp4_moe (tensor types chosen per tensor as
+    /// llama.cpp does; mxfp4_moe: expert stacks MXFP4, other matrices Q8_0).
     #[arg(long = "type", value_name = "TYPE")]
     mix: String,
     /// Replace an existing output file (never a device or FIFO).

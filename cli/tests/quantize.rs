@@ -40,7 +40,7 @@ fn quantize_then_run_on_the_pipeline_like_the_reference() {
     let mut args = vec!["synth", "--out", p(&float), "--seed", "3"];
     args.extend(WIDE);
     ok_stdout(&args);
-    for mix in ["q4_k_m", "q8_0"] {
+    for mix in ["q4_k_m", "q8_0", "mxfp4_moe"] {
         let out = dir.path().join(format!("{mix}.gguf"));
         let report: serde_json::Value =
             serde_json::from_str(&ok_stdout(&["quantize", p(&float), p(&out), "--type", mix, "--json"]))
@@ -48,7 +48,12 @@ fn quantize_then_run_on_the_pipeline_like_the_reference() {
         assert_eq!(report["mix"], mix);
         assert!(report["output_bytes"].as_u64().unwrap() < report["input_bytes"].as_u64().unwrap());
         let text = ok_stdout(&["inspect", p(&out)]);
-        assert!(text.contains(if mix == "q8_0" { "Q8_0" } else { "Q4_K" }), "{text}");
+        let block_type = match mix {
+            "q8_0" => "Q8_0",
+            "mxfp4_moe" => "MXFP4",
+            _ => "Q4_K",
+        };
+        assert!(text.contains(block_type), "{text}");
         // expert bytes summed per layer (a _M mix keeps some layers' down projections in Q6_K)
         let sizes: serde_json::Value =
             serde_json::from_str(&ok_stdout(&["inspect", p(&out), "--json"])).unwrap();

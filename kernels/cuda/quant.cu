@@ -1,4 +1,4 @@
-// Quantized GGML blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K): a dequantizing GEMV for decode and a
+// Quantized GGML blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4): a dequantizing GEMV for decode and a
 // dequantization to bf16 for prefill (tiles for the cuBLAS bf16 GEMM).
 // Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 //
@@ -8,9 +8,11 @@
 //   Q4_K  d, dmin, 12 bytes of 6-bit scales/mins, 128 nibble bytes   144 bytes / 256 values
 //   Q5_K  as Q4_K with 32 bytes of fifth bits before the nibbles     176 bytes / 256 values
 //   Q6_K  128 low-nibble bytes, 64 bytes of 2-bit pairs, 16 i8 scales, d   210 bytes / 256 values
+//   MXFP4 E8M0 byte e, 16 bytes: value j low nibble, j + 16 high, each nibble a doubled E2M1
+//         value (kvalues_mxfp4) times 2^(e - 128)                    17 bytes / 32 values
 // A matrix row of K values is K / ELEMS consecutive blocks; rows follow each other. Blocks are
 // 2-byte aligned (4-byte for Q4_K/Q5_K, whose sizes are multiples of 16) when the matrix is:
-// the launchers check it. Each block is cut into LANES units of 8 values, two runs of 4
+// the launchers check it. MXFP4's 17-byte blocks lie at any address: they are read byte by byte. Each block is cut into LANES units of 8 values, two runs of 4
 // consecutive columns; Q::unit decodes one unit exactly as the CPU decodes those values (the
 // products and differences through __fmul_rn/__fsub_rn, which --fmad never fuses, so the values
 // are bit-equal to the CPU's).
@@ -82,6 +84,57 @@ struct Q4_0 {
         for (int i = 0; i < 4; i++) {
             v[i] = __fmul_rn(d, (float)((int)((q_byte(w0, i) >> sh) & 15) - 8));
             v[4 + i] = __fmul_rn(d, (float)((int)((q_byte(w1, i) >> sh) & 15) - 8));
+        }
+    }
+};
+
+// MXFP4's scale: 2^(e - 128), half the E8M0 value, as the CPU (and llama.cpp's CPU code,
+// ggml_e8m0_to_fp32_half) computes it: subnormal bit patterns for e < 2, and e = 0xFF (NaN in the
+// MX spec) read as 2^127, so device and CPU values agree for every byte.
+__device__ __forceinline__ float mx_scale(unsigned e) {
+    return __uint_as_float(e < 2 ? 0x00200000u << e : (e - 1) << 23);
+}
+
+// Four bytes at any address, little-endian (MXFP4 blocks are 17 bytes: no aligned words).
+__device__ __forceinline__ unsigned mx_word(const u8* p) {
+    return (unsigned)p[0] | ((unsigned)p[1] << 8) | ((unsigned)p[2] << 16) | ((unsigned)p[3] << 24);
+}
+
+// The doubled E2M1 values (signed bytes: 0 1 2 3 4 6 8 12, and their negatives for nibbles 8..15,
+// with +0 for nibble 8) of the four nibbles in the low halves of q's bytes: the magnitudes by two
+// byte permutes (selector nibbles from the low three bits), the sign from bit 3.
+__device__ __forceinline__ unsigned mx_levels4(unsigned q) {
+    unsigned t = q & 0x07070707u, u = t | (t >> 4);
+    unsigned sel = (u & 0xFFu) | ((u >> 8) & 0xFF00u);
+    unsigned pos = __byte_perm(0x03020100u, 0x0C080604u, sel);
+    unsigned neg = __byte_perm(0xFDFEFF00u, 0xF4F8FAFCu, sel);
+    unsigned m = ((q >> 3) & 0x01010101u) * 0xFFu;
+    return (pos & ~m) | (neg & m);
+}
+
+struct QMX {
+    static constexpr int ELEMS = 32, BYTES = 17, LANES = 4;
+    // unit u: nibble bytes 4u .. 4u + 3, values 4u .. (low nibbles) and 16 + 4u .. (high nibbles)
+    static __device__ __forceinline__ void unit(const u8* b, int u, float* v, int& c0, int& c1) {
+        float d = mx_scale(b[0]);
+        unsigned w = mx_word(b + 1 + 4 * u);
+        unsigned lo = mx_levels4(w & 0x0F0F0F0Fu), hi = mx_levels4((w >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn((float)(signed char)q_byte(lo, i), d);
+            v[4 + i] = __fmul_rn((float)(signed char)q_byte(hi, i), d);
+        }
+        c0 = 4 * u, c1 = 16 + 4 * u;
+    }
+    static __device__ __forceinline__ void run8(const u8* b, int c, float* v) {
+        float d = mx_scale(b[0]);
+        int sh = c < 16 ? 0 : 4;
+        unsigned w0 = mx_word(b + 1 + (c & 15)), w1 = mx_word(b + 5 + (c & 15));
+        unsigned l0 = mx_levels4((w0 >> sh) & 0x0F0F0F0Fu), l1 = mx_levels4((w1 >> sh) & 0x0F0F0F0Fu);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn((float)(signed char)q_byte(l0, i), d);
+            v[4 + i] = __fmul_rn((float)(signed char)q_byte(l1, i), d);
         }
     }
 };
@@ -261,6 +314,30 @@ struct W4_0 : Q4_0 {
     }
 };
 
+// MXFP4's one chunk: the 16 nibble bytes as four words (byte loads), low nibbles columns 0..15,
+// high ones 16..31.
+struct WMX : QMX {
+    static constexpr int CHUNKS = 1;
+    static __device__ __forceinline__ void cols(int, int* c) { c[0] = 0, c[1] = 8, c[2] = 16, c[3] = 24; }
+    static __device__ __forceinline__ void levels(const u8* b, unsigned* lo, unsigned* hi) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            unsigned w = mx_word(b + 1 + 4 * k);
+            lo[k] = mx_levels4(w & 0x0F0F0F0Fu), hi[k] = mx_levels4((w >> 4) & 0x0F0F0F0Fu);
+        }
+    }
+    static __device__ __forceinline__ void chunk(const u8* b, int, float* v) {
+        float d = mx_scale(b[0]);
+        unsigned lo[4], hi[4];
+        levels(b, lo, hi);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            v[i] = __fmul_rn((float)(signed char)q_byte(lo[i >> 2], i & 3), d);
+            v[16 + i] = __fmul_rn((float)(signed char)q_byte(hi[i >> 2], i & 3), d);
+        }
+    }
+};
+
 // Q4_K/Q5_K chunk j: pair p = j / 2 of sub-blocks, bytes 16 (j % 2) .. + 15 of the pair's 32:
 // low nibbles are sub-block 2p (columns 64p + 16h ..), high ones 2p + 1 (columns 64p + 32 + 16h ..).
 template <bool FIFTH>
@@ -400,6 +477,20 @@ __device__ __forceinline__ float chunk_dot<W4_0>(const u8* b, int, const float* 
         s = q_dot4((w[k] >> 4) & 0x0F0F0F0Fu, 8388616.f, xv + 16 + 4 * k, s);
     }
     return q_half(b) * s;
+}
+
+// MXFP4: the levels are signed bytes (+128 under the 2^23 trick, as Q8_0's), the scale once.
+template <>
+__device__ __forceinline__ float chunk_dot<WMX>(const u8* b, int, const float* xv, const float*) {
+    unsigned lo[4], hi[4];
+    WMX::levels(b, lo, hi);
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        s = q_dot4(lo[k] ^ 0x80808080u, 8388736.f, xv + 4 * k, s);
+        s = q_dot4(hi[k] ^ 0x80808080u, 8388736.f, xv + 16 + 4 * k, s);
+    }
+    return mx_scale(b[0]) * s;
 }
 
 // k_scale_min of sub-block j from the packed bytes as three little-endian words (w0 = bytes
@@ -657,6 +748,10 @@ extern "C" __global__ void gemv_q6_k(const u8* W, const float* x, float* y, int 
     pdl_enter();
     gemv_q<Q6_K>(W, x, y, N, K, T, accumulate);
 }
+extern "C" __global__ void gemv_mxfp4(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    pdl_enter();
+    gemv_q<QMX>(W, x, y, N, K, T, accumulate);
+}
 
 // Dequantization entry points: grid (ceil(n_blocks * LANES / 256)), block 256.
 extern "C" __global__ void dequant_q8_0_bf16(const u8* W, bf16* out, int n_blocks) {
@@ -678,6 +773,10 @@ extern "C" __global__ void dequant_q5_k_bf16(const u8* W, bf16* out, int n_block
 extern "C" __global__ void dequant_q6_k_bf16(const u8* W, bf16* out, int n_blocks) {
     pdl_enter();
     dequant_q<Q6_K>(W, out, n_blocks);
+}
+extern "C" __global__ void dequant_mxfp4_bf16(const u8* W, bf16* out, int n_blocks) {
+    pdl_enter();
+    dequant_q<QMX>(W, out, n_blocks);
 }
 
 // ---- 8-bit activations: integer chunk dots (llama.cpp's MMVQ idea; kernels/src/q8.rs) ----
@@ -706,7 +805,7 @@ extern "C" __global__ void quantize_q8_f32(const float* __restrict__ x, signed c
 // A chunk's quantized x: 8 words of 4 values in W::cols order (runs of 8 at cols[0..4]) and the
 // d of each run's block of 32; xq / xd at the weight block's first column.
 template <class W>
-struct RunsOf16 {  // W::cols gives two runs of 16 columns (Q8_0, Q4_0, Q4_K, Q5_K)
+struct RunsOf16 {  // W::cols gives two runs of 16 columns (Q8_0, Q4_0, Q4_K, Q5_K, MXFP4)
     static constexpr bool value = true;
 };
 template <>
@@ -764,6 +863,14 @@ __device__ __forceinline__ float chunk_dot_q8<W4_0>(const u8* b, int, const int*
     for (int k = 0; k < 4; k++) lo[k] = w[k] & 0x0F0F0F0Fu, hi[k] = (w[k] >> 4) & 0x0F0F0F0Fu;
     int s = dp4x4(lo, x) + dp4x4(hi, x + 4) - 8 * (sum4x4(x) + sum4x4(x + 4));  // q - 8
     return q_half(b) * dx[0] * (float)s;
+}
+
+// MXFP4: signed levels against signed x (dp4a), one scale a block.
+template <>
+__device__ __forceinline__ float chunk_dot_q8<WMX>(const u8* b, int, const int* x, const float* dx) {
+    unsigned lo[4], hi[4];
+    WMX::levels(b, lo, hi);
+    return mx_scale(b[0]) * dx[0] * (float)(dp4x4(lo, x) + dp4x4(hi, x + 4));
 }
 
 // Q4_K / Q5_K chunk j as k_asym_dot reads it: x[0..4] are sub-block 2p's 16 columns, x[4..8]
@@ -840,6 +947,7 @@ __device__ __forceinline__ void warp_dot_q8_typed(int type, const u8* const* row
         case 1: warp_dot_q8<W4_0, R>(rows, xq, xd, K, out); break;
         case 2: warp_dot_q8<W4_K, R>(rows, xq, xd, K, out); break;
         case 3: warp_dot_q8<W5_K, R>(rows, xq, xd, K, out); break;
+        case 6: warp_dot_q8<WMX, R>(rows, xq, xd, K, out); break;
         default: warp_dot_q8<W6_K, R>(rows, xq, xd, K, out); break;
     }
 }
@@ -869,7 +977,7 @@ __device__ __forceinline__ float down_entries_q8(const u8* __restrict__ D, int r
 
 // ---- the hot lane over caches of any block type ----
 // Type codes (kernels/src/cuda/quant.rs, `type_code`): 0 Q8_0, 1 Q4_0, 2 Q4_K, 3 Q5_K, 4 Q6_K,
-// 5 bf16. A cache is [n_slots, rows, K] in its type: row r of slot s at (s * rows + r) * row_bytes.
+// 5 bf16, 6 MXFP4. A cache is [n_slots, rows, K] in its type: row r of slot s at (s * rows + r) * row_bytes.
 
 // R rows of one stored type (chosen at run time, uniform over the warp: no divergence) . x,
 // one warp, out[r] in every lane. Quantized rows take the wide chunks (x 16-byte aligned; Q4_K /
@@ -896,6 +1004,7 @@ __device__ __forceinline__ void warp_dot_typed(int type, const u8* const* rows, 
         case 2: warp_dot_wide<W4_K, R>(rows, x, K, out); break;
         case 3: warp_dot_wide<W5_K, R>(rows, x, K, out); break;
         case 4: warp_dot_wide<W6_K, R>(rows, x, K, out); break;
+        case 6: warp_dot_wide<WMX, R>(rows, x, K, out); break;
         default:
 #pragma unroll
             for (int r = 0; r < R; r++) out[r] = warp_dot_bf16((const bf16*)rows[r], x, K);
@@ -971,6 +1080,7 @@ __device__ __forceinline__ void down_typed(const u8* __restrict__ D, int d_type,
         case 2: acc = DOWN_ENTRIES(W4_K); break;
         case 3: acc = DOWN_ENTRIES(W5_K); break;
         case 4: acc = DOWN_ENTRIES(W6_K); break;
+        case 6: acc = DOWN_ENTRIES(WMX); break;
         default:
             for (int e = e0; e < e1; e++) {
                 if (slots[e] < 0) continue;  // cold entry (device-built worklist)
@@ -1026,6 +1136,7 @@ extern "C" __global__ void embed_q(const u8* __restrict__ table, int type, int r
         case 2: embed_row_q<Q4_K>(row, o, hidden); break;
         case 3: embed_row_q<Q5_K>(row, o, hidden); break;
         case 4: embed_row_q<Q6_K>(row, o, hidden); break;
+        case 6: embed_row_q<QMX>(row, o, hidden); break;
         default:
             for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = __bfloat162float(((const bf16*)row)[i]);
     }
@@ -1081,6 +1192,10 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q6_k(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
     pdl_enter();
     gemv1_q<W6_K>(W, x, y, N, K, accumulate, wide);
+}
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_mxfp4(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    pdl_enter();
+    gemv1_q<WMX>(W, x, y, N, K, accumulate, wide);
 }
 
 // gemv1_q over 8-bit x (xq 16-byte aligned, xd its block scales), the type chosen at run time
@@ -1176,6 +1291,7 @@ __device__ __forceinline__ uint4 q_row_run8_bf16(int type, const u8* row, int k)
         case 2: Q4_K::run8(row + (k >> 8) * Q4_K::BYTES, k & 255, v); break;
         case 3: Q5_K::run8(row + (k >> 8) * Q5_K::BYTES, k & 255, v); break;
         case 4: Q6_K::run8(row + (k >> 8) * Q6_K::BYTES, k & 255, v); break;
+        case 6: QMX::run8(row + (k >> 5) * QMX::BYTES, k & 31, v); break;
         default: {
             const unsigned short* p = (const unsigned short*)row + k;
             return make_uint4(p[0] | ((unsigned)p[1] << 16), p[2] | ((unsigned)p[3] << 16),

@@ -288,8 +288,12 @@ fn bench_weight_pool(pool: &mut ColdPool, bytes: usize, dtype: WeightDType) -> R
         WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
         WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
         WeightDType::Q6_K => &[208],
-        WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => &[],
+        WeightDType::Mxfp4 | WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => &[],
     };
+    if dtype == WeightDType::Mxfp4 {
+        // The E8M0 scale byte: 2^(120 - 128) per doubled level, values up to about 0.05.
+        weight_pool.chunks_exact_mut(dtype.block_bytes()).for_each(|block| block[0] = 120);
+    }
     let scale = half::f16::from_f32(0.01).to_bits().to_le_bytes();
     if !scale_at.is_empty() {
         for block in weight_pool.chunks_exact_mut(dtype.block_bytes()) {

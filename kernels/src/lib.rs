@@ -4,7 +4,7 @@
 //! - [`simd`]: SIMD level detection and the forced level the caller passes in (parsed with `FromStr`).
 //! - [`weights`]: expert weight views (raw, possibly unaligned bytes), dtypes and activations.
 //! - [`q8`]: 8-bit activations for the integer (VNNI) decode tiles, [`DecodeActivations`].
-//! - [`quant`]: GGML block dequantisation (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) and the quantised tile.
+//! - [`quant`]: GGML block dequantisation (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4) and the quantised tile.
 //! - [`ffn`]: row-range GEMV/GEMM, fused gate/up + activation, down + weighted accumulation,
 //!   in decode (one token) and prefill (many tokens per expert, register-blocked) form.
 //! - [`pool`]: the cold pool of pinned threads running whole cold-lane jobs.

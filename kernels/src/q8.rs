@@ -33,7 +33,7 @@ pub enum DecodeActivations {
     /// quantised type: faster for most, with the rounding bound of the module docs. Levels
     /// without VNNI run F32.
     Q8,
-    /// 8-bit activations for the types they measured faster on (Q4_0, Q4_K, Q5_K, Q6_K), f32
+    /// 8-bit activations for the types they measured faster on (Q4_0, Q4_K, Q5_K, Q6_K, MXFP4), f32
     /// for Q8_0, whose f32 tile runs as fast (near the read bandwidth; benches/RESULTS.md). The
     /// default where the level has VNNI.
     Auto,
@@ -70,7 +70,7 @@ impl DecodeActivations {
         match self {
             DecodeActivations::F32 => "f32 for every type",
             DecodeActivations::Q8 => "8-bit for every quantised type",
-            DecodeActivations::Auto => "8-bit for Q4_0, Q4_K, Q5_K, Q6_K; f32 for Q8_0",
+            DecodeActivations::Auto => "8-bit for Q4_0, Q4_K, Q5_K, Q6_K, MXFP4; f32 for Q8_0",
         }
     }
 

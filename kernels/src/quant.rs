@@ -4,7 +4,9 @@
 //! Q4_0 `d` + 16 nibble bytes, value j low / j+16 high, minus 8 (18 / 32); Q4_K `d`, `dmin`,
 //! 12 bytes of 6-bit scales/mins, 128 nibble bytes (144 / 256); Q5_K as Q4_K with 32 bytes of
 //! fifth bits before the nibbles (176 / 256); Q6_K 128 low-nibble bytes, 64 bytes of 2-bit
-//! pairs, 16 i8 scales, `d` (210 / 256).
+//! pairs, 16 i8 scales, `d` (210 / 256); MXFP4 one E8M0 scale byte `e` + 16 nibble bytes, value
+//! j low / j+16 high, each nibble an E2M1 value looked up doubled in [`MXFP4_VALUES`] and scaled by
+//! [`e8m0_half`]`(e)` (17 / 32).
 //!
 //! The quantised tile dequantises up to 256 columns of each row of the tile into an f32 buffer
 //! on the stack (L1) with the level's decoder (the AVX2/AVX-512 ones in `x86_quant.rs` are
@@ -45,6 +47,23 @@ pub(crate) fn half_at(b: &[u8], at: usize) -> f32 {
     }
 }
 
+/// The E2M1 values of MXFP4's nibbles, doubled (so they are integers), as llama.cpp's
+/// `kvalues_mxfp4`: a block's value is `MXFP4_VALUES[nibble] * e8m0_half(e)`.
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the E8M0 scale `2^(e - 127)`, i.e. `2^(e - 128)`, as llama.cpp's `ggml_e8m0_to_fp32_half`
+/// (and gguf-py) compute it: subnormal bit patterns for `e < 2`, and no NaN for `e = 0xFF` (which
+/// the MX spec reserves for NaN; llama.cpp's CPU code reads it as `2^127`, and so does moe-lanes
+/// everywhere, so every engine agrees with llama.cpp and gguf-py on such a block).
+#[inline(always)]
+pub fn e8m0_half(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000 << e)
+    } else {
+        f32::from_bits(((e as u32) - 1) << 23)
+    }
+}
+
 /// Dequantises one block of `dtype` (`block.len() == dtype.block_bytes()`) into `out`
 /// (`dtype.block_elems()` values).
 ///
@@ -72,6 +91,14 @@ pub fn dequantize_block(dtype: WeightDType, block: &[u8], out: &mut [f32]) {
         WeightDType::Q4_K => k_asym(block, &block[16..144], None, out),
         WeightDType::Q5_K => k_asym(block, &block[48..176], Some(&block[16..48]), out),
         WeightDType::Q6_K => q6_k(block, out),
+        WeightDType::Mxfp4 => {
+            let d = e8m0_half(block[0]);
+            let (lo, hi) = out.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&block[1..17]) {
+                *l = MXFP4_VALUES[(q & 15) as usize] as f32 * d;
+                *h = MXFP4_VALUES[(q >> 4) as usize] as f32 * d;
+            }
+        }
         float => panic!("dequantize_block called with float type {}", float.name()),
     }
 }
@@ -259,6 +286,26 @@ mod tests {
         let mut out = [0.0f32; 32];
         dequantize_block(WeightDType::Q8_0, &block, &mut out);
         assert_eq!(&out[..3], &[-1.5, 2.0, 0.0]);
+    }
+
+    #[test]
+    fn e8m0_half_is_two_to_the_e_minus_128() {
+        for e in 0..=254u8 {
+            assert_eq!(e8m0_half(e) as f64, 2f64.powi(e as i32 - 128), "{e}");
+        }
+        assert_eq!(e8m0_half(255), 2f32.powi(127), "0xFF reads as llama.cpp's CPU code reads it");
+    }
+
+    #[test]
+    fn mxfp4_block_splits_nibbles_low_first() {
+        let mut block = [0u8; 17];
+        block[0] = 128; // half scale 1
+        block[1] = 0xF7; // value 0: 12, value 16: -12
+        block[2] = 0x98; // value 1: +0 (not -0), value 17: -1
+        let mut out = [f32::NAN; 32];
+        dequantize_block(WeightDType::Mxfp4, &block, &mut out);
+        assert_eq!((out[0], out[16], out[17]), (12.0, -12.0, -1.0));
+        assert_eq!(out[1].to_bits(), 0, "nibble 8 is +0");
     }
 
     #[test]

@@ -20,14 +20,22 @@ pub enum WeightDType {
     Q4_K,
     Q5_K,
     Q6_K,
+    /// GGML's MXFP4 (type 39): 32 E2M1 values under one E8M0 scale byte.
+    Mxfp4,
 }
 
 impl WeightDType {
     /// The float element types.
     pub const FLOATS: [WeightDType; 3] = [WeightDType::F32, WeightDType::F16, WeightDType::BF16];
     /// The quantised block types.
-    pub const QUANTIZED: [WeightDType; 5] =
-        [WeightDType::Q8_0, WeightDType::Q4_0, WeightDType::Q4_K, WeightDType::Q5_K, WeightDType::Q6_K];
+    pub const QUANTIZED: [WeightDType; 6] = [
+        WeightDType::Q8_0,
+        WeightDType::Q4_0,
+        WeightDType::Q4_K,
+        WeightDType::Q5_K,
+        WeightDType::Q6_K,
+        WeightDType::Mxfp4,
+    ];
 
     /// Whether values are stored in quantised blocks.
     pub fn is_quantized(self) -> bool {
@@ -38,7 +46,7 @@ impl WeightDType {
     pub fn block_elems(self) -> usize {
         match self {
             WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => 1,
-            WeightDType::Q8_0 | WeightDType::Q4_0 => 32,
+            WeightDType::Q8_0 | WeightDType::Q4_0 | WeightDType::Mxfp4 => 32,
             WeightDType::Q4_K | WeightDType::Q5_K | WeightDType::Q6_K => 256,
         }
     }
@@ -53,6 +61,7 @@ impl WeightDType {
             WeightDType::Q4_K => 144,
             WeightDType::Q5_K => 176,
             WeightDType::Q6_K => 210,
+            WeightDType::Mxfp4 => 17,
         }
     }
 
@@ -72,6 +81,7 @@ impl WeightDType {
             WeightDType::Q4_K => "q4_k",
             WeightDType::Q5_K => "q5_k",
             WeightDType::Q6_K => "q6_k",
+            WeightDType::Mxfp4 => "mxfp4",
         }
     }
 

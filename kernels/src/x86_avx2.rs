@@ -255,7 +255,8 @@ pub(crate) unsafe fn tile(
             | WeightDType::Q4_0
             | WeightDType::Q4_K
             | WeightDType::Q5_K
-            | WeightDType::Q6_K) => {
+            | WeightDType::Q6_K
+            | WeightDType::Mxfp4) => {
                 unreachable!("{} rows go through quant_tile", quantized.name())
             }
             WeightDType::F32 => tile_dtype::<DT_F32>(rows, prefetch_rows, xs, cols, out),

@@ -52,6 +52,27 @@ pub(crate) unsafe fn k_scales_mins_vec(p: *const u8) -> std::arch::x86_64::__m12
     )
 }
 
+/// The 32 doubled E2M1 values (i8, [`crate::quant::MXFP4_VALUES`]) of the MXFP4 nibble bytes at
+/// `qs` (16 bytes: values 0..16 from the low nibbles, 16..32 from the high ones) into `out`: one
+/// `pshufb` table lookup per half.
+///
+/// # Safety
+/// The CPU must support AVX2 (SSSE3's `pshufb`); `qs` must address 16 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn mxfp4_levels(qs: *const u8) -> (std::arch::x86_64::__m128i, std::arch::x86_64::__m128i) {
+    use std::arch::x86_64::*;
+    // SAFETY: the table is 16 bytes; the caller vouches for 16 readable bytes at `qs`.
+    unsafe {
+        let table = _mm_loadu_si128(crate::quant::MXFP4_VALUES.as_ptr() as *const __m128i);
+        let q = _mm_loadu_si128(qs as *const __m128i);
+        let low4 = _mm_set1_epi8(15);
+        let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, low4));
+        let hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(q), low4));
+        (lo, hi)
+    }
+}
+
 /// The level-independent dequantisation bodies, written against the lane helpers of the module
 /// that expands them: `LANES`, `F`, `I`, `half_splat(p)`, `splat(f32)`, `load_u8(p)`, `load_i8(p)`,
 /// `and_i(I, i32)`, `srl_i(I, u32)`, `sll_i`, `or_i`, `sub_i32(I, i32)`, `to_f32(I)`, `mul`, `sub`,
@@ -87,6 +108,26 @@ macro_rules! dequant_bodies {
                     let q = load_u8(b.add(2 + i));
                     store(out.add(i), mul(d, to_f32(sub_i32(and_i(q, 15), 8))));
                     store(out.add(16 + i), mul(d, to_f32(sub_i32(srl_i(q, 4), 8))));
+                }
+            }
+        }
+
+        /// MXFP4 block at `b` into 32 f32 at `out`: the doubled E2M1 values (a table lookup)
+        /// times `e8m0_half(e)`, the scalar decoder's one product per value.
+        // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+        // level) and the pointers cover the block, lanes or rows this function reads and writes.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn mxfp4(b: *const u8, out: *mut f32) {
+            // SAFETY: the caller vouches for one 17-byte block at `b` and 32 f32 at `out`.
+            unsafe {
+                let d = splat(crate::quant::e8m0_half(*b));
+                let (lo, hi) = crate::x86_quant::mxfp4_levels(b.add(1));
+                let mut levels = [0i8; 32];
+                std::arch::x86_64::_mm_storeu_si128(levels.as_mut_ptr() as *mut _, lo);
+                std::arch::x86_64::_mm_storeu_si128(levels.as_mut_ptr().add(16) as *mut _, hi);
+                for i in (0..32).step_by(LANES) {
+                    store(out.add(i), mul(to_f32(load_i8(levels.as_ptr().add(i) as *const u8)), d));
                 }
             }
         }
@@ -184,6 +225,7 @@ macro_rules! dequant_bodies {
                         WeightDType::Q4_K => k_asym::<false>(block, y),
                         WeightDType::Q5_K => k_asym::<true>(block, y),
                         WeightDType::Q6_K => q6_k(block, y),
+                        WeightDType::Mxfp4 => mxfp4(block, y),
                         float => unreachable!("dequantize_blocks called with float type {}", float.name()),
                     }
                 }

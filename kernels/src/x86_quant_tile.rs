@@ -2,14 +2,15 @@
 //! registers and multiplied into the accumulators straight away, with no store and reload of
 //! dequantised values through an L1 buffer.
 //!
-//! AVX-512: Q4_0 looks its values up in a per-block table of the 16 dequantised values
-//! (`vpermps`, exactly the scalar values); the K-quants dot the raw levels (constant tables
+//! AVX-512: Q4_0 and MXFP4 look their values up in a per-block table of the 16 dequantised
+//! values (`vpermps`, exactly the scalar values); the K-quants dot the raw levels (constant tables
 //! 0..16 / 0..32 for Q4_K / Q5_K; Q6_K's 64 six-bit levels per step assembled with one
 //! `vpternlogd` against activations put into the levels' byte order once per block), scale each
 //! sub-block's dot once, and take the mins (Q4_K/Q5_K) or the offset 32 (Q6_K) as one 16-lane term
 //! against sums of x per 16 columns shared by the tile's rows. AVX2: the 4- and 5-bit types look
 //! their values up in a per-(sub-)block table (`scale * q - min` in one FMA); Q8_0 and Q6_K convert
-//! the integers and apply the (sub-)block scale once per 32 or 16 values. Results differ from the
+//! the integers and apply the (sub-)block scale once per 32 or 16 values, MXFP4 its doubled E2M1
+//! integers (a `pshufb` lookup) and its scale once per 32. Results differ from the
 //! scalar kernel by f32 rounding only (summation order, the fused table entries, the factored
 //! scales).
 //!
@@ -28,6 +29,7 @@ const Q4_0: u8 = 1;
 const Q4_K: u8 = 2;
 const Q5_K: u8 = 3;
 const Q6_K: u8 = 4;
+const MXFP4: u8 = 5;
 
 /// Prefetches (into L2) every cache line of each of `next` rows below byte `upto`, from
 /// `*prefetched` on, so the next row block streams while this one is decoded.
@@ -65,6 +67,7 @@ macro_rules! dispatch_decode_tile {
             WeightDType::Q4_K => by_rows!(Q4_K),
             WeightDType::Q5_K => by_rows!(Q5_K),
             WeightDType::Q6_K => by_rows!(Q6_K),
+            WeightDType::Mxfp4 => by_rows!(MXFP4),
             _ => return false,
         }
         true
@@ -81,7 +84,7 @@ pub(crate) mod avx512 {
 
     use crate::weights::WeightDType;
 
-    use super::{prefetch_rows_through, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
+    use super::{prefetch_rows_through, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
 
     /// Two accumulators per row: halves of a block alternate between them, so the FMA chain of
     /// one row is half as long.
@@ -149,6 +152,27 @@ pub(crate) mod avx512 {
         unsafe {
             let table = _mm512_mul_ps(half_splat(b), _mm512_sub_ps(iota(), _mm512_set1_ps(8.0)));
             let q = load_u8(b.add(2));
+            let lo = _mm512_permutexvar_ps(q, table);
+            let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table);
+            acc[0] = _mm512_fmadd_ps(lo, load_x(x), acc[0]);
+            acc[1] = _mm512_fmadd_ps(hi, load_x(x.add(16)), acc[1]);
+        }
+    }
+
+    /// MXFP4 block at `b` against 32 f32 at `x`, values looked up in the table
+    /// `kvalues[i] * e8m0_half(e)` (exact products: the scalar values).
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn mxfp4(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 17-byte block at `b` and 32 f32 at `x`.
+        unsafe {
+            let levels = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                crate::quant::MXFP4_VALUES.as_ptr() as *const __m128i,
+            )));
+            let table = _mm512_mul_ps(levels, _mm512_set1_ps(crate::quant::e8m0_half(*b)));
+            let q = load_u8(b.add(1));
             let lo = _mm512_permutexvar_ps(q, table);
             let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table);
             acc[0] = _mm512_fmadd_ps(lo, load_x(x), acc[0]);
@@ -426,6 +450,7 @@ pub(crate) mod avx512 {
             match Q {
                 Q8_0 => q8_0(b, x, acc),
                 Q4_0 => q4_0(b, x, acc),
+                MXFP4 => mxfp4(b, x, acc),
                 Q4_K => q4_k(b, x, xsum16, acc),
                 Q5_K => q5_k(b, x, xsum16, acc),
                 _ => q6_k(b, x, xsum16, acc),
@@ -457,7 +482,8 @@ pub(crate) mod avx512 {
         for blk in 0..cols / be {
             // K-quants: the block's activations summed per 16, shared by the R rows.
             // SAFETY: block `blk`'s `be` (256) activations lie inside `x`.
-            let xs = if Q >= Q4_K { unsafe { xsum16(x.add(blk * be)) } } else { _mm512_setzero_ps() };
+            let k_quant = matches!(Q, Q4_K | Q5_K | Q6_K);
+            let xs = if k_quant { unsafe { xsum16(x.add(blk * be)) } } else { _mm512_setzero_ps() };
             let xb = if Q == Q6_K {
                 // SAFETY: as above; Q6_K reads its activations reordered (see `q6_x_order`).
                 unsafe { q6_x_order(x.add(blk * be), &mut x_order) };
@@ -508,7 +534,7 @@ pub(crate) mod avx2 {
 
     use crate::weights::WeightDType;
 
-    use super::{prefetch_rows_through, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
+    use super::{prefetch_rows_through, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
 
     /// Two accumulators per row (see the AVX-512 tile).
     type Acc = [__m256; 2];
@@ -588,6 +614,25 @@ pub(crate) mod avx2 {
                 dot = _mm256_fmadd_ps(hi, load_x(x.add(16 + 8 * h)), dot);
             }
             acc[0] = _mm256_fmadd_ps(half_splat(b), dot, acc[0]);
+        }
+    }
+
+    /// MXFP4 block at `b` against 32 f32 at `x`: `acc += e8m0_half(e) * (kvalues[q] · x)`, the
+    /// doubled E2M1 integers looked up with `pshufb`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn mxfp4(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 17-byte block at `b` and 32 f32 at `x`.
+        unsafe {
+            let (lo, hi) = crate::x86_quant::mxfp4_levels(b.add(1));
+            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+            let mut dot = _mm256_mul_ps(f(lo), load_x(x));
+            dot = _mm256_fmadd_ps(f(_mm_srli_si128::<8>(lo)), load_x(x.add(8)), dot);
+            dot = _mm256_fmadd_ps(f(hi), load_x(x.add(16)), dot);
+            dot = _mm256_fmadd_ps(f(_mm_srli_si128::<8>(hi)), load_x(x.add(24)), dot);
+            acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(crate::quant::e8m0_half(*b)), dot, acc[0]);
         }
     }
 
@@ -716,6 +761,7 @@ pub(crate) mod avx2 {
             match Q {
                 Q8_0 => q8_0(b, x, acc),
                 Q4_0 => q4_0(b, x, acc),
+                MXFP4 => mxfp4(b, x, acc),
                 Q4_K => k_asym::<false>(b, x, acc),
                 Q5_K => k_asym::<true>(b, x, acc),
                 _ => q6_k(b, x, acc),

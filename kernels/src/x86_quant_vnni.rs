@@ -3,7 +3,8 @@
 //! activations with `vpdpbusd` (u8 x i8 -> i32, four products per lane), the weight and
 //! activation scales applied once per (sub-)block in f32.
 //!
-//! Offsets are folded into the integer accumulator's start: Q6_K's 32, Q4_0's 8 and Q8_0's 128
+//! MXFP4's signed doubled E2M1 levels (-12..=12) become u8 by a `pshufb` table of the levels plus
+//! 12. Offsets are folded into the integer accumulator's start: Q6_K's 32, Q4_0's 8, MXFP4's 12 and Q8_0's 128
 //! times the activations' sums per four values (one `vpdpbusd` per block, shared by the rows).
 //! The K-quant mins go as one 16-lane product `[d sc_j | dmin m_j] * [d_x,j | sum_x,j]`, the
 //! min lanes subtracted. Per block the activations are prepared once for the tile's rows
@@ -19,7 +20,7 @@ use crate::q8::Q8Row;
 use crate::weights::WeightDType;
 
 use super::avx512::{half_splat, k_coefficients, q6_levels};
-use super::{prefetch_rows_through, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
+use super::{prefetch_rows_through, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
 
 /// Two accumulators per row (halves of a block alternate between them).
 type Acc = [__m512; 2];
@@ -94,7 +95,14 @@ unsafe fn prepare<const Q: u8>(x: Q8Row, blk: usize) -> XBlock {
             }
             _ => {
                 let v = _mm512_castsi256_si512(_mm256_loadu_si256(x.qs.add(32 * blk) as *const __m256i));
-                let off = neg_offset(if Q == Q4_0 { 8 } else { -128 }, v);
+                let off = neg_offset(
+                    match Q {
+                        Q4_0 => 8,
+                        MXFP4 => 12,
+                        _ => -128,
+                    },
+                    v,
+                );
                 XBlock {
                     v: [v, zero, zero, zero],
                     off: [off, zero, zero, zero],
@@ -182,23 +190,31 @@ unsafe fn q6_k(b: *const u8, x: &XBlock, acc: &mut Acc) {
     }
 }
 
-/// Q4_0 (levels: the nibbles, offset 8) or Q8_0 (levels: i8 + 128) block at `b`: one 256-bit
-/// `vpdpbusd`, scaled by `d d_x`.
+/// Q4_0 (levels: the nibbles, offset 8), MXFP4 (levels: the doubled E2M1 values + 12, offset 12)
+/// or Q8_0 (levels: i8 + 128) block at `b`: one 256-bit `vpdpbusd`, scaled by `d d_x`.
 // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
 // level) and the pointers cover the block, lanes or rows this function reads and writes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn small_block<const Q: u8>(b: *const u8, x: &XBlock, acc: &mut Acc) {
-    // SAFETY: the caller vouches for one 18- or 34-byte block at `b`.
+    // SAFETY: the caller vouches for one 17-, 18- or 34-byte block at `b`.
     unsafe {
-        let w = if Q == Q4_0 {
-            let q = _mm_loadu_si128(b.add(2) as *const __m128i);
-            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), _mm256_set1_epi8(15))
-        } else {
-            _mm256_xor_si256(_mm256_loadu_si256(b.add(2) as *const __m256i), _mm256_set1_epi8(-128))
+        let nibbles =
+            |q: __m128i| _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), _mm256_set1_epi8(15));
+        let w = match Q {
+            Q4_0 => nibbles(_mm_loadu_si128(b.add(2) as *const __m128i)),
+            MXFP4 => {
+                let table = _mm256_setr_epi8(
+                    12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0, 12, 13, 14, 15, 16, 18, 20,
+                    24, 12, 11, 10, 9, 8, 6, 4, 0,
+                );
+                _mm256_shuffle_epi8(table, nibbles(_mm_loadu_si128(b.add(1) as *const __m128i)))
+            }
+            _ => _mm256_xor_si256(_mm256_loadu_si256(b.add(2) as *const __m256i), _mm256_set1_epi8(-128)),
         };
         let dot = _mm256_dpbusd_epi32(_mm512_castsi512_si256(x.off[0]), w, _mm512_castsi512_si256(x.v[0]));
-        let s = _mm512_mul_ps(half_splat(b), x.f);
+        let d = if Q == MXFP4 { _mm512_set1_ps(crate::quant::e8m0_half(*b)) } else { half_splat(b) };
+        let s = _mm512_mul_ps(d, x.f);
         acc[0] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(dot)), s, acc[0]);
     }
 }

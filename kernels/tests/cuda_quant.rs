@@ -24,8 +24,13 @@ fn random_blocks(rng: &mut Rng, dtype: WeightDType, rows: usize, cols: usize) ->
         WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
         WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
         WeightDType::Q6_K => &[208],
+        WeightDType::Mxfp4 => &[],
         float => panic!("{float:?} is not quantized"),
     };
+    if dtype == WeightDType::Mxfp4 {
+        // E8M0 scales putting the largest values within about [-0.05, 0.05].
+        bytes.chunks_exact_mut(dtype.block_bytes()).for_each(|b| b[0] = common::mxfp4_scale_byte(rng, 0.05));
+    }
     for block in bytes.chunks_exact_mut(dtype.block_bytes()) {
         for &at in scale_at {
             let d = half::f16::from_f32(rng.symmetric(0.05)).to_bits().to_le_bytes();
@@ -259,6 +264,25 @@ fn dequantize_to_bf16_equals_the_cpu_values_rounded() {
             }
         }
     }
+}
+
+/// MXFP4's gguf-py fixture (scales 0, 1, 2, 254 and 0xFF among them, the last read as 2^127 by
+/// llama.cpp's CPU code and moe-lanes everywhere) dequantized on the device, from a buffer one
+/// byte in (17-byte blocks at odd addresses): the CPU's values rounded to bf16, bit for bit (an
+/// infinity stays one; the device never makes a NaN scale of 0xFF).
+#[test]
+fn mxfp4_fixture_blocks_dequantize_on_the_device_like_the_cpu() {
+    let Some(be) = backend() else { return };
+    let dtype = WeightDType::Mxfp4;
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/quant/mxfp4.blocks");
+    let blocks = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let k = 32;
+    let rows = blocks.len() / dtype.block_bytes();
+    let want = bf16_bits(&dequantize(dtype, &blocks));
+    let dw = be.upload(&[vec![0u8], blocks.clone()].concat()).unwrap();
+    let out = be.upload(&vec![0xFFFFu16; rows * k]).unwrap();
+    be.dequantize_bf16(dtype, dw.ptr().from(1), 0, rows, k, out.ptr()).unwrap();
+    assert_eq!(be.read_vec(out.ptr()).unwrap(), want);
 }
 
 #[test]

@@ -15,11 +15,13 @@ pub enum DType {
     Q4_K,
     Q5_K,
     Q6_K,
+    /// GGML's MXFP4: 32 E2M1 values (4 bits) under one E8M0 scale byte.
+    MXFP4,
 }
 
 impl DType {
     /// Every type, in GGML id order; used by tests and by `inspect`.
-    pub const ALL: [DType; 8] = [
+    pub const ALL: [DType; 9] = [
         DType::F32,
         DType::F16,
         DType::Q4_0,
@@ -28,6 +30,7 @@ impl DType {
         DType::Q5_K,
         DType::Q6_K,
         DType::BF16,
+        DType::MXFP4,
     ];
 
     /// The `ggml_type` id used in GGUF tensor infos.
@@ -41,6 +44,7 @@ impl DType {
             DType::Q5_K => 13,
             DType::Q6_K => 14,
             DType::BF16 => 30,
+            DType::MXFP4 => 39,
         }
     }
 
@@ -52,14 +56,14 @@ impl DType {
     pub fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q4_0 | DType::Q8_0 => 32,
+            DType::Q4_0 | DType::Q8_0 | DType::MXFP4 => 32,
             DType::Q4_K | DType::Q5_K | DType::Q6_K => 256,
         }
     }
 
     /// Bytes per block. Q4_0: f16 scale + 16 nibble bytes; Q8_0: f16 scale + 32 bytes;
     /// Q4_K: 2 f16 + 12 scale bytes + 128; Q5_K: 2 f16 + 12 + 32 high bits + 128;
-    /// Q6_K: 128 low + 64 high + 16 scales + f16.
+    /// Q6_K: 128 low + 64 high + 16 scales + f16; MXFP4: E8M0 scale byte + 16 nibble bytes.
     pub fn block_bytes(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -69,6 +73,7 @@ impl DType {
             DType::Q4_K => 144,
             DType::Q5_K => 176,
             DType::Q6_K => 210,
+            DType::MXFP4 => 17,
         }
     }
 
@@ -96,6 +101,7 @@ impl DType {
             DType::Q4_K => "Q4_K",
             DType::Q5_K => "Q5_K",
             DType::Q6_K => "Q6_K",
+            DType::MXFP4 => "MXFP4",
         }
     }
 
@@ -145,6 +151,8 @@ mod tests {
         assert_eq!(DType::Q6_K.bytes_for(256), Some(210));
         assert_eq!(DType::Q5_K.bytes_for(256), Some(176));
         assert_eq!(DType::Q4_0.bytes_for(31), None);
+        assert_eq!(DType::MXFP4.bytes_for(64), Some(34));
+        assert_eq!(DType::from_ggml_type_id(39), Some(DType::MXFP4));
         assert_eq!(DType::BF16.bytes_for(3), Some(6));
     }
 }

@@ -12,6 +12,11 @@
 //!   `2i` / `2i + 1` of `qh[l]` is the fifth bit of value `l` / `l + 32` of the `i`-th 64.
 //! - Q6_K, 256 values: 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 × i8 scales (one
 //!   per 16 values), `d`; `x = (d * sc) * (q - 32)`.
+//! - MXFP4, 32 values: one E8M0 byte `e`, 16 bytes; byte `j` holds value `j` (low nibble) and
+//!   `j + 16` (high); `x = kvalues[q] * 2^(e - 128)` with llama.cpp's doubled E2M1 table
+//!   `kvalues` (0, 1, 2, 3, 4, 6, 8, 12 and their negatives). `e = 0xFF` (NaN in the MX spec) is
+//!   read as llama.cpp's CPU code and gguf-py read it, `2^127` (see [`e8m0_half`]); the quantiser
+//!   never writes it, and `moe-lanes quantize` refuses to read it ([`check_mxfp4_scales`]).
 //!
 //! The dequantisation is written for clarity and follows ggml's formulas operation by operation
 //! in f32, so it equals gguf-py's `gguf.quants.dequantize` bit for bit (tests/quant_fixtures.rs).
@@ -35,6 +40,35 @@ pub enum QuantError {
     PartialBlock { dtype: DType, n_values: usize, block_elems: usize },
     #[error("{n_bytes} bytes do not hold {n_values} values of {dtype}")]
     ByteCount { dtype: DType, n_values: usize, n_bytes: usize },
+    #[error("value {index} is {value}: {dtype} blocks hold finite values only")]
+    NonFinite { dtype: DType, index: usize, value: f32 },
+    #[error("{dtype} block {block} has the E8M0 scale 0xFF (NaN in the MX spec; llama.cpp's ggml_validate_row_data refuses it)")]
+    NanScale { dtype: DType, block: usize },
+}
+
+/// llama.cpp's doubled E2M1 values (`kvalues_mxfp4`), indexed by an MXFP4 nibble.
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// `2^(e - 128)`, half the E8M0 scale, as llama.cpp's `ggml_e8m0_to_fp32_half` computes it (bit
+/// patterns; `e = 0xFF` gives `2^127`, not NaN).
+pub fn e8m0_half(e: u8) -> f32 {
+    if e < 2 {
+        f32::from_bits(0x0020_0000 << e)
+    } else {
+        f32::from_bits(((e as u32) - 1) << 23)
+    }
+}
+
+/// Refuses MXFP4 bytes with a block whose scale is `0xFF`, as llama.cpp's `ggml_validate_row_data`
+/// does (`bytes` whole blocks; other types pass).
+pub fn check_mxfp4_scales(dtype: DType, bytes: &[u8]) -> Result<(), QuantError> {
+    if dtype != DType::MXFP4 {
+        return Ok(());
+    }
+    match bytes.chunks_exact(dtype.block_bytes()).position(|b| b[0] == 0xFF) {
+        Some(block) => Err(QuantError::NanScale { dtype, block }),
+        None => Ok(()),
+    }
 }
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
@@ -65,10 +99,20 @@ pub fn dequantize(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(), Qua
             DType::Q4_K => dequant_q4_k(block, y),
             DType::Q5_K => dequant_q5_k(block, y),
             DType::Q6_K => dequant_q6_k(block, y),
+            DType::MXFP4 => dequant_mxfp4(block, y),
             DType::F32 | DType::F16 | DType::BF16 => unreachable!("checked above"),
         }
     }
     Ok(())
+}
+
+fn dequant_mxfp4(b: &[u8], y: &mut [f32]) {
+    let d = e8m0_half(b[0]);
+    for j in 0..QK / 2 {
+        let byte = b[1 + j];
+        y[j] = MXFP4_VALUES[(byte & 0x0F) as usize] as f32 * d;
+        y[j + QK / 2] = MXFP4_VALUES[(byte >> 4) as usize] as f32 * d;
+    }
 }
 
 fn dequant_q8_0(b: &[u8], y: &mut [f32]) {
@@ -152,6 +196,11 @@ pub fn quantize(dtype: DType, values: &[f32], out: &mut Vec<u8>) -> Result<usize
         let (n_values, block_elems) = (values.len(), dtype.block_elems());
         return Err(QuantError::PartialBlock { dtype, n_values, block_elems });
     }
+    if dtype == DType::MXFP4 {
+        if let Some(index) = values.iter().position(|v| !v.is_finite()) {
+            return Err(QuantError::NonFinite { dtype, index, value: values[index] });
+        }
+    }
     let before = out.len();
     for block in values.chunks_exact(dtype.block_elems()) {
         match dtype {
@@ -160,6 +209,7 @@ pub fn quantize(dtype: DType, values: &[f32], out: &mut Vec<u8>) -> Result<usize
             DType::Q4_K => quant_k_asym(block, 15, out),
             DType::Q5_K => quant_k_asym(block, 31, out),
             DType::Q6_K => quant_q6_k(block, out),
+            DType::MXFP4 => quant_mxfp4(block, out),
             DType::F32 | DType::F16 | DType::BF16 => unreachable!("checked above"),
         }
     }
@@ -303,6 +353,28 @@ fn quant_k_asym(x: &[f32], nmax: i32, out: &mut Vec<u8>) {
     }
 }
 
+/// MXFP4 as llama.cpp's `quantize_row_mxfp4_ref`: `e = floor(log2(max|x|)) - 2 + 127` (so the
+/// largest value lands near the table's 6 = 12 / 2; 0 for an all-zero block, and 0 where a tiny
+/// block would give a negative exponent, which C leaves undefined), then each value the nearest
+/// table entry `kvalues[i] * 2^(e - 128)`, the first on ties (index 0, +0, before 8, -0).
+fn quant_mxfp4(x: &[f32], out: &mut Vec<u8>) {
+    let amax = x.iter().fold(0.0f32, |a, v| if a < v.abs() { v.abs() } else { a });
+    let e = if amax > 0.0 { (amax.log2().floor() - 2.0 + 127.0).max(0.0) as u8 } else { 0 };
+    let d = e8m0_half(e);
+    let best = |v: f32| -> u8 {
+        let mut best = (0u8, (MXFP4_VALUES[0] as f32 * d - v).abs());
+        for (i, &k) in MXFP4_VALUES.iter().enumerate().skip(1) {
+            let err = (k as f32 * d - v).abs();
+            if err < best.1 {
+                best = (i as u8, err);
+            }
+        }
+        best.0
+    };
+    out.push(e);
+    out.extend((0..QK / 2).map(|j| best(x[j]) | (best(x[j + QK / 2]) << 4)));
+}
+
 /// Q6_K: 16 sub-blocks of 16 with signed 8-bit scales under one f16 `d`, values in -32..=31.
 fn quant_q6_k(x: &[f32], out: &mut Vec<u8>) {
     // Per sub-block the value of largest magnitude maps to -32, as Q4_0 does with -8.
@@ -366,6 +438,7 @@ mod tests {
             (DType::Q4_K, 0.13, 0.05),
             (DType::Q5_K, 0.065, 0.025),
             (DType::Q6_K, 0.035, 0.012),
+            (DType::MXFP4, 0.17, 0.07),
         ] {
             let mut bytes = Vec::new();
             assert_eq!(quantize(dtype, &x, &mut bytes).unwrap(), dtype.bytes_for(x.len()).unwrap());
@@ -377,6 +450,74 @@ mod tests {
             eprintln!("{dtype}: worst {worst:.4} rms {rms:.4} (of amax)");
             assert!(worst <= worst_bound && rms <= rms_bound, "{dtype}: worst {worst} rms {rms}");
         }
+    }
+
+    proptest::proptest! {
+        /// MXFP4 round trips, for any block of finite values: the scale is llama.cpp's
+        /// (`max|x|` in `[4, 8)` times `2^(e - 127)`, or `e = 0` for a zero block), every value
+        /// is the nearest table entry under that scale (no other entry closer), quantising the
+        /// dequantised block gives the same bytes, and the error is at most a quarter of
+        /// `max|x|` (the gap from 6 to 8 units at the top of the scale).
+        #[test]
+        fn mxfp4_round_trip_properties(
+            values in proptest::collection::vec(-1.0e3f32..1.0e3, 32),
+            exponent in -30i32..30,
+        ) {
+            let x: Vec<f32> = values.iter().map(|v| v * 2f32.powi(exponent)).collect();
+            let mut bytes = Vec::new();
+            quantize(DType::MXFP4, &x, &mut bytes).unwrap();
+            let mut y = vec![0.0f32; 32];
+            dequantize(DType::MXFP4, &bytes, &mut y).unwrap();
+            let amax = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+            let e = bytes[0];
+            if amax > 0.0 {
+                let unit = 2f64.powi(e as i32 - 127);
+                let ratio = amax as f64 / unit;
+                // f32 log2 rounds up just below a power of two (as llama.cpp's log2f does): a
+                // ratio a hair under 4 is llama.cpp's choice too.
+                proptest::prop_assert!((4.0 * (1.0 - 1e-6)..8.0).contains(&ratio), "amax {amax} e {e}");
+            } else {
+                proptest::prop_assert_eq!(e, 0);
+            }
+            let d = e8m0_half(e);
+            for (&v, &q) in x.iter().zip(&y) {
+                let err = (q - v).abs();
+                for k in MXFP4_VALUES {
+                    proptest::prop_assert!(err <= (k as f32 * d - v).abs(), "{v}: {q} while {k} is closer");
+                }
+                proptest::prop_assert!(err <= 0.25 * amax, "{v}: {q}");
+            }
+            let mut again = Vec::new();
+            quantize(DType::MXFP4, &y, &mut again).unwrap();
+            proptest::prop_assert_eq!(again, bytes);
+        }
+
+        /// Negating a block flips the sign bit of every nonzero level and keeps the scale.
+        #[test]
+        fn mxfp4_is_sign_symmetric(values in proptest::collection::vec(-10.0f32..10.0, 32)) {
+            let neg: Vec<f32> = values.iter().map(|v| -v).collect();
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            quantize(DType::MXFP4, &values, &mut a).unwrap();
+            quantize(DType::MXFP4, &neg, &mut b).unwrap();
+            proptest::prop_assert_eq!(a[0], b[0]);
+            for (&p, &n) in a[1..].iter().zip(&b[1..]) {
+                for shift in [0, 4] {
+                    let (p, n) = ((p >> shift) & 15, (n >> shift) & 15);
+                    let flipped = if p == 0 { 0 } else { p ^ 8 };
+                    proptest::prop_assert_eq!(n, flipped);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn mxfp4_refuses_non_finite_values() {
+        let mut x = vec![0.5f32; 64];
+        x[40] = f32::NAN;
+        let err = quantize(DType::MXFP4, &x, &mut Vec::new()).unwrap_err();
+        assert!(matches!(err, QuantError::NonFinite { index: 40, .. }), "{err}");
+        x[40] = f32::INFINITY;
+        assert!(quantize(DType::MXFP4, &x, &mut Vec::new()).is_err());
     }
 
     #[test]

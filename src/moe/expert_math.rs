@@ -264,6 +264,7 @@ pub fn kernel_dtype(dtype: DType) -> moe_lanes_kernels::WeightDType {
         DType::Q4_K => WeightDType::Q4_K,
         DType::Q5_K => WeightDType::Q5_K,
         DType::Q6_K => WeightDType::Q6_K,
+        DType::MXFP4 => WeightDType::Mxfp4,
     }
 }
 

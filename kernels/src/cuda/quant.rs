@@ -35,6 +35,7 @@ pub fn quant_kernels(dtype: WeightDType) -> Option<(Kernel, Kernel)> {
         WeightDType::Q4_K => Some((Kernel::GemvQ4K, Kernel::DequantQ4KBf16)),
         WeightDType::Q5_K => Some((Kernel::GemvQ5K, Kernel::DequantQ5KBf16)),
         WeightDType::Q6_K => Some((Kernel::GemvQ6K, Kernel::DequantQ6KBf16)),
+        WeightDType::Mxfp4 => Some((Kernel::GemvMxfp4, Kernel::DequantMxfp4Bf16)),
         WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => None,
     }
 }
@@ -47,15 +48,18 @@ fn wide_gemv_kernel(dtype: WeightDType) -> Option<Kernel> {
         WeightDType::Q4_K => Some(Kernel::Gemv1Q4K),
         WeightDType::Q5_K => Some(Kernel::Gemv1Q5K),
         WeightDType::Q6_K => Some(Kernel::Gemv1Q6K),
+        WeightDType::Mxfp4 => Some(Kernel::Gemv1Mxfp4),
         WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => None,
     }
 }
 
 /// Byte alignment of the wide chunks' loads: 16 for Q4_K/Q5_K (uint4 loads; their blocks are
-/// multiples of 16 bytes), 2 for the others (aligned words and shifts).
+/// multiples of 16 bytes), 1 for MXFP4 (17-byte blocks: byte loads), 2 for the others (aligned
+/// words and shifts).
 pub fn wide_alignment_bytes(dtype: WeightDType) -> u64 {
     match dtype {
         WeightDType::Q4_K | WeightDType::Q5_K => 16,
+        WeightDType::Mxfp4 => 1,
         _ => 2,
     }
 }
@@ -66,10 +70,12 @@ fn units_per_block(dtype: WeightDType) -> usize {
 }
 
 /// Byte alignment the kernels need for the blocks: word loads, 4 bytes for Q4_K/Q5_K (block
-/// sizes multiples of 16), 2 for the others (block sizes only even).
+/// sizes multiples of 16), none for MXFP4 (odd 17-byte blocks, read byte by byte), 2 for the
+/// others (block sizes only even).
 pub fn quant_alignment_bytes(dtype: WeightDType) -> u64 {
     match dtype {
         WeightDType::Q4_K | WeightDType::Q5_K => 4,
+        WeightDType::Mxfp4 => 1,
         _ => 2,
     }
 }
@@ -204,6 +210,7 @@ fn type_code(dtype: WeightDType) -> Option<i32> {
         WeightDType::Q5_K => Some(3),
         WeightDType::Q6_K => Some(4),
         WeightDType::BF16 => Some(5),
+        WeightDType::Mxfp4 => Some(6),
         WeightDType::F32 | WeightDType::F16 => None,
     }
 }
@@ -732,7 +739,12 @@ mod tests {
                 "not a multiple"
             ));
             assert!(is_shape(check_gemv(dtype, w.sub(0, w.len() - 1), x, y, t, n, k), "W bytes"));
-            assert!(is_shape(check_gemv(dtype, view(0x1001, w.len()), x, y, t, n, k), "aligned"));
+            let odd = check_gemv(dtype, view(0x1001, w.len()), x, y, t, n, k);
+            if dtype == WeightDType::Mxfp4 {
+                assert!(odd.is_ok(), "MXFP4's 17-byte blocks are read byte by byte, at any address");
+            } else {
+                assert!(is_shape(odd, "aligned"));
+            }
             assert!(is_shape(check_gemv(dtype, w, x.sub(0, t * k - 1), y, t, n, k), "x holds"));
             assert!(is_shape(check_gemv(dtype, w, x, y.sub(0, t * n - 1), t, n, k), "y holds"));
         }

@@ -84,8 +84,14 @@ impl QuantBytes {
         let scale_at: &[usize] = match dtype {
             WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
             WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
+            WeightDType::Mxfp4 => &[],
             _ => &[208],
         };
+        if dtype == WeightDType::Mxfp4 {
+            for block in bytes[1..].chunks_exact_mut(dtype.block_bytes()) {
+                block[0] = mxfp4_scale_byte(rng, scale);
+            }
+        }
         for block in bytes[1..].chunks_exact_mut(dtype.block_bytes()) {
             for &at in scale_at {
                 let d = half::f16::from_f32(rng.symmetric(scale)).to_bits().to_le_bytes();
@@ -97,6 +103,13 @@ impl QuantBytes {
     pub fn bytes(&self) -> &[u8] {
         &self.0[1..]
     }
+}
+
+/// A random MXFP4 E8M0 scale byte whose largest values (12 doubled levels) are about `scale`
+/// or a few times smaller.
+pub fn mxfp4_scale_byte(rng: &mut Rng, scale: f32) -> u8 {
+    let top = (128.0 + (scale / 12.0).log2()).floor() as i64;
+    (top - (rng.next_u64() % 3) as i64).clamp(0, 254) as u8
 }
 
 /// The 8-bit activation rounding bound of `moe_lanes_kernels::q8` for one output: per block of

@@ -28,6 +28,19 @@ static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) {
 static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
     return (unsigned)((((uint64_t)hi << 32) | lo) >> (sh & 31));
 }
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+// CUDA's byte permute: result byte i is byte (selector nibble i & 7) of {y, x}; nibble bit 3
+// replicates that byte's sign bit.
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    uint64_t v = ((uint64_t)y << 32) | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; i++) {
+        unsigned n = (s >> (4 * i)) & 15, b = (unsigned)(v >> (8 * (n & 7))) & 255;
+        if (n & 8) b = (b & 128) ? 255 : 0;
+        r |= b << (8 * i);
+    }
+    return r;
+}
 // @QUANT_DECODE@
 static std::vector<char> slurp(const char* p) { std::ifstream f(p, std::ios::binary); return std::vector<char>(std::istreambuf_iterator<char>(f), {}); }
 // A type's fixture: its blocks and gguf-py's values for them.
@@ -63,16 +76,19 @@ template <class Q> int check(const char* dir, const char* name) {
     printf("%s: %zu blocks, %d mismatches\n", name, nb, bad);
     return bad != 0;
 }
+// Block offsets from a 16-byte aligned address a check takes: 0, and 2 for the types stored
+// 2-byte aligned (odd), every offset 0..3 for MXFP4's 17-byte blocks (any).
+static bool take_shift(int shift, bool odd, bool any) { return shift == 0 || any || (odd && shift == 2); }
 // The wide chunks (W::chunk, 32 values each) against the same fixtures, with the block at a
 // 16-byte aligned address and, for the types stored 2-byte aligned, at 2 mod 4 as well.
-template <class W> int check_wide(const char* dir, const char* name, bool odd) {
+template <class W> int check_wide(const char* dir, const char* name, bool odd, bool any = false) {
     std::vector<char> blocks, deq;
     load(dir, name, blocks, deq);
     size_t nb = blocks.size() / W::BYTES; const float* want = (const float*)deq.data();
     alignas(16) u8 buf[512];
     int bad = 0;
-    for (int shift : {0, 2}) {
-        if (shift && !odd) continue;
+    for (int shift : {0, 1, 2, 3}) {
+        if (!take_shift(shift, odd, any)) continue;
         for (size_t b = 0; b < nb; b++) {
             std::vector<int> seen(W::ELEMS, 0);
             u8* blk = buf + shift;
@@ -97,14 +113,14 @@ template <class W> int check_wide(const char* dir, const char* name, bool odd) {
 }
 // The runs of 8 consecutive values (Q::run8, the grouped prefill GEMM's weight tiles) against the
 // same fixtures, blocks at a 16-byte aligned address and, for the 2-byte aligned types, at 2 mod 4.
-template <class Q> int check_run8(const char* dir, const char* name, bool odd) {
+template <class Q> int check_run8(const char* dir, const char* name, bool odd, bool any = false) {
     std::vector<char> blocks, deq;
     load(dir, name, blocks, deq);
     size_t nb = blocks.size() / Q::BYTES; const float* want = (const float*)deq.data();
     alignas(16) u8 buf[512];
     int bad = 0;
-    for (int shift : {0, 2}) {
-        if (shift && !odd) continue;
+    for (int shift : {0, 1, 2, 3}) {
+        if (!take_shift(shift, odd, any)) continue;
         for (size_t b = 0; b < nb; b++) {
             u8* blk = buf + shift;
             for (int i = 0; i < Q::BYTES; i++) blk[i] = (u8)blocks[b * Q::BYTES + i];
@@ -125,10 +141,10 @@ int main(int argc, char** argv) {
     if (argc != 2) return 2;
     const char* d = argv[1];
     int f = check<Q8_0>(d, "q8_0") + check<Q4_0>(d, "q4_0") + check<Q4_K>(d, "q4_k") + check<Q5_K>(d, "q5_k") +
-            check<Q6_K>(d, "q6_k");
+            check<Q6_K>(d, "q6_k") + check<QMX>(d, "mxfp4");
     f += check_wide<W8_0>(d, "q8_0", true) + check_wide<W4_0>(d, "q4_0", true) + check_wide<W4_K>(d, "q4_k", false) +
-         check_wide<W5_K>(d, "q5_k", false) + check_wide<W6_K>(d, "q6_k", true);
+         check_wide<W5_K>(d, "q5_k", false) + check_wide<W6_K>(d, "q6_k", true) + check_wide<WMX>(d, "mxfp4", true, true);
     f += check_run8<Q8_0>(d, "q8_0", true) + check_run8<Q4_0>(d, "q4_0", true) + check_run8<Q4_K>(d, "q4_k", false) +
-         check_run8<Q5_K>(d, "q5_k", false) + check_run8<Q6_K>(d, "q6_k", true);
+         check_run8<Q5_K>(d, "q5_k", false) + check_run8<Q6_K>(d, "q6_k", true) + check_run8<QMX>(d, "mxfp4", true, true);
     return f;
 }

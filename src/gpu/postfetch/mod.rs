@@ -768,6 +768,26 @@ mod tests {
         }
     }
 
+    /// An `mxfp4_moe` file's experts are fetched in MXFP4 at their file size (17 bytes a 32
+    /// values) and staged byte for byte: what the hot cache and the scratchpad hold.
+    #[test]
+    fn mxfp4_experts_are_fetched_and_staged_at_their_file_size() {
+        use moe_lanes_kernels::WeightDType;
+        let dir = tempfile::tempdir().unwrap();
+        let q = tiny(dir.path(), DType::BF16, Some(crate::quantize::QuantMix::MXFP4_MOE));
+        let shapes = fetchable_experts(&q).expect("MXFP4 experts are fetched");
+        let file_bytes = 3 * 256 * 256 / 32 * 17;
+        for (l, shape) in shapes.iter().enumerate() {
+            assert_eq!(shape.dtypes, [WeightDType::Mxfp4; 3], "layer {l}");
+            assert_eq!(shape.bytes.iter().sum::<usize>(), file_bytes, "layer {l}");
+            let experts = [ExpertLoad { expert: 2, tokens: 1 }];
+            let mut buf = vec![0u8; file_bytes];
+            stage_parallel(stage_jobs(&q, vec![buf.as_mut_slice()], shape.bytes, l, &experts), 2);
+            let w = q.expert(l, 2);
+            assert_eq!(buf, [w.gate.data, w.up.data, w.down.data].concat(), "layer {l}");
+        }
+    }
+
     /// The scratchpad's per-layer shapes: a Q4_K_M file's layers in their own block types and
     /// bytes (Q6_K down projections in some), bf16 as it is, and no Post-Fetch for f32 experts
     /// (their bytes are not what the device stores).
