@@ -66,6 +66,10 @@ pub struct ModelConfig {
     /// `use_qk_norm`; GGUF: `attn_q_norm` tensors present). Architectures whose q/k norm is fixed
     /// ignore it.
     pub qk_norm: bool,
+    /// q/k/v biases where the architecture makes them optional (GLM-4.5's `attention_bias`,
+    /// true in GLM-4.5/4.6 and false in some derivatives; GGUF: `attn_q.bias` tensors present).
+    /// Architectures whose biases are fixed ignore it.
+    pub attention_bias: bool,
 }
 
 /// The latent attention's sizes (transformers' names).
@@ -555,6 +559,7 @@ impl ModelConfig {
             dense_layers,
             sigmoid_routing,
             qk_norm: f.opt_bool("use_qk_norm")?.unwrap_or(false),
+            attention_bias: f.opt_bool("attention_bias")?.unwrap_or(false),
         };
         config.validate().map_err(|(field, reason)| f.invalid(field, reason))?;
         Ok((config, adapter))
