@@ -999,15 +999,22 @@ fn add_deepseek_metadata(w: &mut GgufWriter, c: &ModelConfig, arch: &str) {
 
 /// llama.cpp's metadata keys for the architecture.
 fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
-    let arch = opts.adapter.gguf_arch;
+    gguf_metadata(w, c, opts.adapter, opts.dtype);
+}
+
+/// The model metadata llama.cpp's converter writes for `c` (its keys for `adapter`'s GGUF
+/// architecture; no tokenizer), for a file of `dtype` weights. Public so that a checkpoint can be
+/// rewritten in llama.cpp's layout by other writers (the tests' fixture conversion).
+pub fn gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, adapter: &Adapter, dtype: DType) {
+    let arch = adapter.gguf_arch;
     let k = |suffix: &str| format!("{arch}.{suffix}");
     let u32v = |v: usize| MetaValue::U32(v as u32);
     w.add_metadata("general.architecture", MetaValue::String(arch.into()));
     w.add_metadata(
         "general.name",
-        MetaValue::String(format!("moe-lanes synthetic {}", opts.adapter.hf_model_type)),
+        MetaValue::String(format!("moe-lanes synthetic {}", adapter.hf_model_type)),
     );
-    w.add_metadata("general.file_type", MetaValue::U32(gguf_file_type(opts.dtype)));
+    w.add_metadata("general.file_type", MetaValue::U32(gguf_file_type(dtype)));
     w.add_metadata("general.quantization_version", MetaValue::U32(2));
     w.add_metadata(k("context_length"), u32v(c.max_positions));
     w.add_metadata(k("embedding_length"), u32v(c.hidden));
