@@ -1059,6 +1059,17 @@ pub fn gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, adapter: &Adapter, dty
         w.add_metadata(k("rope.scaling.original_context_length"), u32v(y.original_context));
         w.add_metadata(k("rope.scaling.yarn_beta_fast"), MetaValue::F32(y.beta_fast));
         w.add_metadata(k("rope.scaling.yarn_beta_slow"), MetaValue::F32(y.beta_slow));
+        // Said only where it differs from what a reader takes without it (`config_from_gguf`:
+        // 1 for a latent attention, whose `mscale` and `mscale_all_dim` DeepSeek-V3 and Kimi K2
+        // set equal; else YaRN's default): a DeepSeek config with `mscale` != `mscale_all_dim`.
+        let default = if c.mla.is_some() {
+            1.0
+        } else {
+            crate::model::arch::yarn_default_attention_factor(y.factor)
+        };
+        if (y.attention_factor - default).abs() > 1e-6 {
+            w.add_metadata(k("rope.scaling.attn_factor"), MetaValue::F32(y.attention_factor));
+        }
     }
     if let Some(h) = &c.hybrid {
         add_hybrid_metadata(w, c, h, arch);

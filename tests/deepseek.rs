@@ -238,3 +238,68 @@ fn synthetic_deepseek_gguf_is_llama_cpp_layout_in_bf16_and_q4_k_m() {
     // The pipeline's 8-bit activations against the oracle's f32 on quantized weights.
     assert!(err < 2e-2, "q4_k_m: pipeline vs oracle {err}");
 }
+
+/// The second fixture, `deepseek_v3_b`: YaRN as DeepSeek-V3 configures it with `mscale` (0.707)
+/// unlike `mscale_all_dim` (1), so the cos/sin scale is their ratio and the softmax scale takes
+/// `mscale_all_dim`'s square; no low-rank q (`attn_q`); one group, two shared experts.
+mod rope_scaling {
+    use super::*;
+
+    const NAME_B: &str = "deepseek_v3_b";
+
+    #[test]
+    fn the_plan_reads_yarn_and_the_plain_q() {
+        let (model, _) = fixture_checks::open(NAME_B);
+        let c = model.config();
+        let (m, y) = (c.mla.unwrap(), c.yarn.unwrap());
+        assert_eq!((m.q_lora_rank, m.mscale_all_dim), (None, 1.0));
+        assert_eq!((y.factor, y.original_context, y.beta_fast, y.beta_slow), (8.0, 16, 24.0, 2.0));
+        let mscale = |v: f32| 0.1 * v * 8f32.ln() + 1.0;
+        assert!((y.attention_factor - mscale(0.707) / mscale(1.0)).abs() < 1e-6, "{}", y.attention_factor);
+        let Mixer::LatentAttention(a) = model.layer_spec(1).mixer else { panic!("MLA") };
+        let want_scale = mscale(1.0) * mscale(1.0) / 24f32.sqrt();
+        assert!((a.scale - want_scale).abs() < 1e-6, "{} vs {want_scale}", a.scale);
+        assert!(model.layer(1, moe_lanes::naming::LayerRole::Q).is_some());
+        assert_eq!(c.shared_expert_ff, 2 * c.expert_ff);
+    }
+
+    #[test]
+    fn reference_matches_transformers_prefill_second_chunk_and_greedy() {
+        fixture_checks::check_reference(NAME_B);
+    }
+
+    #[test]
+    fn pipeline_matches_transformers_at_every_hot_fraction() {
+        fixture_checks::check_pipeline_prefill(NAME_B, &[8, 512]);
+        fixture_checks::check_pipeline_decode(NAME_B, &HOT_FRACTIONS, usize::MAX);
+        fixture_checks::check_pipeline_greedy(NAME_B, &HOT_FRACTIONS);
+    }
+
+    /// In llama.cpp's layout by our writer (`attn_q` without `q_lora_rank`, `rope.scaling.*` with
+    /// `attn_factor` for the mscale ratio and `yarn_log_multiplier` for `mscale_all_dim`), the
+    /// file gives the fixture's logits. gguf-py's check names the one thing llama.cpp's loader
+    /// would refuse: no `q_lora_rank` outside its "lite" layer counts (26, 27).
+    #[test]
+    fn in_llama_cpp_layout_it_gives_its_logits() {
+        use common::llama_layout::{gguf_py_layout_check, write_llama_layout, KvB};
+        let (hf, g) = fixture_checks::open(NAME_B);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.gguf");
+        write_llama_layout(&hf, &path, KvB::Split);
+        if let Some((ok, text)) = gguf_py_layout_check(&path) {
+            assert!(!ok && text.contains("no attention.q_lora_rank"), "{text}");
+            assert_eq!(text.lines().count(), 2, "one problem and the summary: {text}");
+        }
+        let model = Arc::new(Model::open(&path).unwrap());
+        let (c, want) = (model.config(), hf.config());
+        assert_eq!((c.mla, c.yarn), (want.mla, want.yarn));
+        let r = Reference::new(&model).unwrap();
+        let got = r.forward(&mut r.new_cache(), &g.prompt, &mut NoObserver).unwrap();
+        let err = max_rel_err(&got, &g.logits);
+        assert!(err < TOLERANCE, "oracle vs transformers {err}");
+        let mut p = pipeline(&model, 0.5, 512);
+        let got = p.forward(&mut p.new_cache(), &g.prompt, Phase::Prefill).unwrap();
+        let err = max_rel_err(&got, &g.logits);
+        assert!(err < TOLERANCE, "pipeline vs transformers {err}");
+    }
+}
