@@ -481,7 +481,7 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             dense_layers: None,
             sigmoid_routing: None,
             qk_norm: false,
-        attention_bias: false,
+            attention_bias: false,
         },
         Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b => {
             let next = preset == Preset::Qwen3Next80bA3b;
@@ -524,7 +524,7 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                 dense_layers: None,
                 sigmoid_routing: None,
                 qk_norm: false,
-        attention_bias: false,
+                attention_bias: false,
             }
         }
         Preset::DeepseekV3 | Preset::KimiK2 => deepseek_preset(adapter, preset),
@@ -1062,11 +1062,8 @@ pub fn gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, adapter: &Adapter, dty
         // Said only where it differs from what a reader takes without it (`config_from_gguf`:
         // 1 for a latent attention, whose `mscale` and `mscale_all_dim` DeepSeek-V3 and Kimi K2
         // set equal; else YaRN's default): a DeepSeek config with `mscale` != `mscale_all_dim`.
-        let default = if c.mla.is_some() {
-            1.0
-        } else {
-            crate::model::arch::yarn_default_attention_factor(y.factor)
-        };
+        let default =
+            if c.mla.is_some() { 1.0 } else { crate::model::arch::yarn_default_attention_factor(y.factor) };
         if (y.attention_factor - default).abs() > 1e-6 {
             w.add_metadata(k("rope.scaling.attn_factor"), MetaValue::F32(y.attention_factor));
         }
@@ -1830,7 +1827,13 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
 /// A latent attention layer's `kv_b_proj` as llama.cpp's converter writes it: `attn_k_b`
 /// `[heads, kv_lora_rank, nope]` (each head's key rows transposed) and `attn_v_b` `[heads, v,
 /// kv_lora_rank]` (each head's value rows), both drawn from the canonical `kv_b` rows.
-fn mla_split(c: &ModelConfig, a: &Adapter, layer_idx: usize, kv_b: &Canonical, dtype: DType) -> [PlannedTensor; 2] {
+fn mla_split(
+    c: &ModelConfig,
+    a: &Adapter,
+    layer_idx: usize,
+    kv_b: &Canonical,
+    dtype: DType,
+) -> [PlannedTensor; 2] {
     let crate::model::arch::Mixer::LatentAttention(m) = (a.layer)(c, layer_idx).mixer else {
         unreachable!("kv_b belongs to a latent attention layer")
     };

@@ -178,11 +178,20 @@ fn the_fixture_in_llama_cpp_layout_gives_its_logits() {
         }
         let file = moe_lanes::gguf::GgufFile::open(&path).unwrap();
         let split = file.tensor("blk.0.attn_k_b.weight").is_some();
-        assert_eq!((split, file.tensor("blk.0.attn_kv_b.weight").is_some()), (kv_b == KvB::Split, kv_b == KvB::Legacy));
+        assert_eq!(
+            (split, file.tensor("blk.0.attn_kv_b.weight").is_some()),
+            (kv_b == KvB::Split, kv_b == KvB::Legacy)
+        );
         let model = Arc::new(Model::open(&path).unwrap());
         let (c, want) = (model.config(), hf.config());
-        assert_eq!((c.mla, c.dense_layers, c.sigmoid_routing), (want.mla, want.dense_layers, want.sigmoid_routing));
-        assert_eq!((c.yarn, c.norm_topk_prob, c.n_kv_heads), (want.yarn, want.norm_topk_prob, want.n_kv_heads));
+        assert_eq!(
+            (c.mla, c.dense_layers, c.sigmoid_routing),
+            (want.mla, want.dense_layers, want.sigmoid_routing)
+        );
+        assert_eq!(
+            (c.yarn, c.norm_topk_prob, c.n_kv_heads),
+            (want.yarn, want.norm_topk_prob, want.n_kv_heads)
+        );
         let r = Reference::new(&model).unwrap();
         let got = r.forward(&mut r.new_cache(), &g.prompt, &mut NoObserver).unwrap();
         let err = max_rel_err(&got, &g.logits);

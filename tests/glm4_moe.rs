@@ -180,7 +180,10 @@ fn the_fixture_in_llama_cpp_layout_gives_its_logits() {
     }
     let model = Arc::new(Model::open(&path).unwrap());
     let (c, want) = (model.config(), hf.config());
-    assert_eq!((c.qk_norm, c.attention_bias, c.rotary_dims), (want.qk_norm, want.attention_bias, want.rotary_dims));
+    assert_eq!(
+        (c.qk_norm, c.attention_bias, c.rotary_dims),
+        (want.qk_norm, want.attention_bias, want.rotary_dims)
+    );
     assert_eq!((c.dense_layers, c.sigmoid_routing), (want.dense_layers, want.sigmoid_routing));
     let r = Reference::new(&model).unwrap();
     let got = r.forward(&mut r.new_cache(), &g.prompt, &mut NoObserver).unwrap();
@@ -202,7 +205,8 @@ fn a_glm_config_without_attention_bias_needs_no_bias_tensors() {
     opts.dims.attention_bias = Some(false);
     moe_lanes::synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
     let config_path = opts.out.join("config.json");
-    let mut config: serde_json::Value = serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
     assert_eq!(config["attention_bias"], serde_json::json!(false));
     config.as_object_mut().unwrap().remove("attention_bias");
     std::fs::write(&config_path, serde_json::to_vec(&config).unwrap()).unwrap();

@@ -1054,11 +1054,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         .unwrap_or(true);
     config.qk_norm = !fixed && file.tensor("blk.0.attn_q_norm.weight").is_some();
     // The same for the q/k/v biases (GLM-4.5's `attention_bias`; llama.cpp loads them when present).
-    let qkv_bias = |flag: bool| {
-        let c = ModelConfig { attention_bias: flag, ..config.clone() };
-        (0..c.n_layers).find_map(|l| (adapter.layer)(&c, l).as_attention().map(|a| a.qkv_bias))
-    };
-    if qkv_bias(true) != qkv_bias(false) {
+    if config.attention_bias_is_optional(adapter) {
         config.attention_bias = file.tensor(&naming::gguf_layer(adapter, 0, LayerRole::QBias)).is_some();
     }
     Ok((config, adapter))

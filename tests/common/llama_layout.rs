@@ -58,7 +58,12 @@ pub fn write_llama_layout(model: &Model, out: &Path, kv_b: KvB) {
         if let Mixer::LatentAttention(m) = spec.mixer {
             if kv_b == KvB::Legacy {
                 let t = model.layer(l, LayerRole::MlaKvB).expect("transformers' fused kv_b_proj");
-                blobs.push(add(&mut w, naming::gguf_layer(adapter, l, LayerRole::MlaKvB), t, &t.shape.to_vec()));
+                blobs.push(add(
+                    &mut w,
+                    naming::gguf_layer(adapter, l, LayerRole::MlaKvB),
+                    t,
+                    &t.shape.to_vec(),
+                ));
             } else {
                 let (k, v) = model.mla_kv_b(l);
                 let (k_shape, v_shape) = mla::split_shapes(&m);
