@@ -46,24 +46,19 @@ pub fn write_llama_layout(model: &Model, out: &Path, kv_b: KvB) {
     };
     for role in [GlobalRole::TokenEmbedding, GlobalRole::OutputNorm, GlobalRole::Output] {
         if let Some(t) = model.global(role) {
-            blobs.push(add(&mut w, naming::gguf_global(role).into(), t, &t.shape.to_vec()));
+            blobs.push(add(&mut w, naming::gguf_global(role).into(), t, t.shape));
         }
     }
     for l in 0..config.n_layers {
         let spec = model.layer_spec(l);
         for role in required_layer_roles(spec) {
             let t = model.required(l, role);
-            blobs.push(add(&mut w, naming::gguf_layer(adapter, l, role), t, &t.shape.to_vec()));
+            blobs.push(add(&mut w, naming::gguf_layer(adapter, l, role), t, t.shape));
         }
         if let Mixer::LatentAttention(m) = spec.mixer {
             if kv_b == KvB::Legacy {
                 let t = model.layer(l, LayerRole::MlaKvB).expect("transformers' fused kv_b_proj");
-                blobs.push(add(
-                    &mut w,
-                    naming::gguf_layer(adapter, l, LayerRole::MlaKvB),
-                    t,
-                    &t.shape.to_vec(),
-                ));
+                blobs.push(add(&mut w, naming::gguf_layer(adapter, l, LayerRole::MlaKvB), t, t.shape));
             } else {
                 let (k, v) = model.mla_kv_b(l);
                 let (k_shape, v_shape) = mla::split_shapes(&m);
