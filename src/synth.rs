@@ -220,8 +220,11 @@ pub struct DimOverrides {
     pub shared_expert_ff: Option<usize>,
     pub tied_embeddings: Option<bool>,
     /// Multi-token-prediction (NextN) layers after the last layer, as llama.cpp's converter
-    /// writes Qwen3.5's (hybrids, GGUF only): loaded, not run.
+    /// writes Qwen3.5's and GLM-4.5's (hybrids and glm4_moe, GGUF only): loaded, not run.
     pub mtp_layers: Option<usize>,
+    /// q/k/v biases where the architecture leaves them to the config (glm4_moe's
+    /// `attention_bias`, on by default as in GLM-4.5).
+    pub attention_bias: Option<bool>,
 }
 
 /// A tiny `qwen3_moe` GGUF test model's options (the crate's unit tests share it).
@@ -409,7 +412,7 @@ pub fn synth_config(
         c.tied_embeddings = tied;
     }
     if let Some(mtp) = dims.mtp_layers.filter(|&m| m > 0) {
-        if !hybrid {
+        if !hybrid && adapter.arch != Arch::Glm4Moe {
             return Err(invalid("mtp_layers", format!("{} has no MTP layers here", adapter.hf_model_type)));
         }
         c.mtp_layers = mtp;
@@ -431,6 +434,10 @@ pub fn synth_config(
     }
     if adapter.arch == Arch::Glm4Moe {
         glm_traits(&mut c, preset);
+        c.attention_bias = dims.attention_bias.unwrap_or(true);
+    } else if dims.attention_bias.is_some() {
+        let reason = format!("{} fixes its attention biases", adapter.hf_model_type);
+        return Err(invalid("attention_bias", reason));
     }
     c.validate().map_err(|(field, reason)| invalid(field, reason))?;
     check_dim_limits(&c)?;
@@ -474,6 +481,7 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             dense_layers: None,
             sigmoid_routing: None,
             qk_norm: false,
+            attention_bias: false,
         },
         Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b => {
             let next = preset == Preset::Qwen3Next80bA3b;
@@ -516,6 +524,7 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                 dense_layers: None,
                 sigmoid_routing: None,
                 qk_norm: false,
+                attention_bias: false,
             }
         }
         Preset::DeepseekV3 | Preset::KimiK2 => deepseek_preset(adapter, preset),
@@ -589,6 +598,7 @@ fn tiny_config(adapter: &Adapter) -> ModelConfig {
         dense_layers: None,
         sigmoid_routing: None,
         qk_norm: false,
+        attention_bias: false,
     }
 }
 
@@ -989,15 +999,22 @@ fn add_deepseek_metadata(w: &mut GgufWriter, c: &ModelConfig, arch: &str) {
 
 /// llama.cpp's metadata keys for the architecture.
 fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
-    let arch = opts.adapter.gguf_arch;
+    gguf_metadata(w, c, opts.adapter, opts.dtype);
+}
+
+/// The model metadata llama.cpp's converter writes for `c` (its keys for `adapter`'s GGUF
+/// architecture; no tokenizer), for a file of `dtype` weights. Public so that a checkpoint can be
+/// rewritten in llama.cpp's layout by other writers (the tests' fixture conversion).
+pub fn gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, adapter: &Adapter, dtype: DType) {
+    let arch = adapter.gguf_arch;
     let k = |suffix: &str| format!("{arch}.{suffix}");
     let u32v = |v: usize| MetaValue::U32(v as u32);
     w.add_metadata("general.architecture", MetaValue::String(arch.into()));
     w.add_metadata(
         "general.name",
-        MetaValue::String(format!("moe-lanes synthetic {}", opts.adapter.hf_model_type)),
+        MetaValue::String(format!("moe-lanes synthetic {}", adapter.hf_model_type)),
     );
-    w.add_metadata("general.file_type", MetaValue::U32(gguf_file_type(opts.dtype)));
+    w.add_metadata("general.file_type", MetaValue::U32(gguf_file_type(dtype)));
     w.add_metadata("general.quantization_version", MetaValue::U32(2));
     w.add_metadata(k("context_length"), u32v(c.max_positions));
     w.add_metadata(k("embedding_length"), u32v(c.hidden));
@@ -1042,6 +1059,14 @@ fn add_gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, opts: &SynthOptions) {
         w.add_metadata(k("rope.scaling.original_context_length"), u32v(y.original_context));
         w.add_metadata(k("rope.scaling.yarn_beta_fast"), MetaValue::F32(y.beta_fast));
         w.add_metadata(k("rope.scaling.yarn_beta_slow"), MetaValue::F32(y.beta_slow));
+        // Said only where it differs from what a reader takes without it (`config_from_gguf`:
+        // 1 for a latent attention, whose `mscale` and `mscale_all_dim` DeepSeek-V3 and Kimi K2
+        // set equal; else YaRN's default): a DeepSeek config with `mscale` != `mscale_all_dim`.
+        let default =
+            if c.mla.is_some() { 1.0 } else { crate::model::arch::yarn_default_attention_factor(y.factor) };
+        if (y.attention_factor - default).abs() > 1e-6 {
+            w.add_metadata(k("rope.scaling.attn_factor"), MetaValue::F32(y.attention_factor));
+        }
     }
     if let Some(h) = &c.hybrid {
         add_hybrid_metadata(w, c, h, arch);
@@ -1305,7 +1330,9 @@ impl WeightGenerator {
     }
 
     /// [`Layout::Columns`] and [`Layout::InterleavedColumns`]: each part (or gate/up pair)
-    /// generated whole, then written column by column.
+    /// generated whole (its disk rows: a [`RowMap::Pick`] of the canonical rows, as a latent
+    /// attention's `k_b` takes one head's key rows of `kv_b_proj`), then written column by column;
+    /// a quantized type encodes the transposed part whole (its rows, the part's disk rows long).
     fn write_transposed(&self, t: &PlannedTensor, out: &mut dyn Write) -> std::io::Result<()> {
         let group = if t.layout == Layout::InterleavedColumns { 2 } else { 1 };
         let (mut bytes, mut cols) = (Vec::new(), Vec::new());
@@ -1313,21 +1340,25 @@ impl WeightGenerator {
             let whole: Vec<Vec<f32>> = parts
                 .iter()
                 .map(|p| {
-                    let mut v = Vec::with_capacity(p.n_rows * p.n_cols);
-                    (0..p.n_rows).for_each(|r| self.push_row(p, r, &mut v));
+                    let mut v = Vec::with_capacity(p.disk_rows() * p.n_cols);
+                    (0..p.disk_rows()).for_each(|r| self.push_row(p, disk_row_to_canonical(p, r), &mut v));
                     v
                 })
                 .collect();
-            let (rows, n_cols) = (parts[0].n_rows, parts[0].n_cols);
+            let (rows, n_cols) = (parts[0].disk_rows(), parts[0].n_cols);
+            cols.clear();
             for c in 0..n_cols {
-                cols.clear();
                 for r in 0..rows {
                     cols.extend(whole.iter().map(|m| m[r * n_cols + c]));
                 }
-                bytes.clear();
-                encode_f32(t.dtype, &cols, &mut bytes);
-                out.write_all(&bytes)?;
             }
+            bytes.clear();
+            if t.dtype.is_float() {
+                encode_f32(t.dtype, &cols, &mut bytes);
+            } else {
+                crate::format::quant::quantize(t.dtype, &cols, &mut bytes).map_err(std::io::Error::other)?;
+            }
+            out.write_all(&bytes)?;
         }
         Ok(())
     }
@@ -1745,6 +1776,10 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
             if delta.is_some() && role.is_delta_net() {
                 continue;
             }
+            if role == LayerRole::MlaKvB {
+                plan.extend(mla_split(c, a, layer_idx, &part, opts.dtype));
+                continue;
+            }
             if permute && matches!(role, LayerRole::Q | LayerRole::K) {
                 part.rows = RowMap::RopeInterleaved(c.head_dim);
             }
@@ -1787,6 +1822,45 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
     }
     plan.extend(gguf_hybrid::mtp_tensors(c, opts));
     plan
+}
+
+/// A latent attention layer's `kv_b_proj` as llama.cpp's converter writes it: `attn_k_b`
+/// `[heads, kv_lora_rank, nope]` (each head's key rows transposed) and `attn_v_b` `[heads, v,
+/// kv_lora_rank]` (each head's value rows), both drawn from the canonical `kv_b` rows.
+fn mla_split(
+    c: &ModelConfig,
+    a: &Adapter,
+    layer_idx: usize,
+    kv_b: &Canonical,
+    dtype: DType,
+) -> [PlannedTensor; 2] {
+    let crate::model::arch::Mixer::LatentAttention(m) = (a.layer)(c, layer_idx).mixer else {
+        unreachable!("kv_b belongs to a latent attention layer")
+    };
+    let (k_shape, v_shape) = crate::model::mla::split_shapes(&m);
+    let head_rows = |h: usize, key: bool| -> Arc<[usize]> {
+        let first = h * (m.nope_dim + m.v_dim) + if key { 0 } else { m.nope_dim };
+        (first..first + if key { m.nope_dim } else { m.v_dim }).collect()
+    };
+    let pick = |rows: Arc<[usize]>| Canonical { rows: RowMap::Pick(rows), ..kv_b.clone() };
+    let k_parts = (0..m.n_heads).map(|h| pick(head_rows(h, true))).collect();
+    let v_rows: Vec<usize> = (0..m.n_heads).flat_map(|h| head_rows(h, false).to_vec()).collect();
+    [
+        PlannedTensor {
+            name: naming::gguf_layer(a, layer_idx, LayerRole::MlaKB),
+            dtype,
+            shape: k_shape.to_vec(),
+            parts: k_parts,
+            layout: Layout::Columns,
+        },
+        PlannedTensor {
+            name: naming::gguf_layer(a, layer_idx, LayerRole::MlaVB),
+            dtype,
+            shape: v_shape.to_vec(),
+            parts: vec![pick(v_rows.into())],
+            layout: Layout::Rows,
+        },
+    ]
 }
 
 /// Reject output paths that cannot be written before any work starts (the rule of

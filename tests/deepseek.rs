@@ -159,3 +159,156 @@ fn deepseek_presets_have_their_shapes() {
     assert_eq!((kimi.n_experts, kimi.n_heads, kimi.dense_layers.unwrap().count), (384, 64, 1));
     assert!(synth_config(adapter("qwen3_moe"), "deepseek-v3".parse().unwrap(), &dims).is_err());
 }
+
+/// The fixture rewritten in llama.cpp's layout by our own writer (`common::llama_layout`): split
+/// `attn_k_b` / `attn_v_b` as llama.cpp's converter writes them today, and the older fused
+/// `attn_kv_b` without `key_length_mla` that its loader still reads. gguf-py reads both and finds
+/// the tensors llama.cpp's loader asks for; the oracle and the pipeline on each give the
+/// fixture's transformers logits.
+#[test]
+fn the_fixture_in_llama_cpp_layout_gives_its_logits() {
+    use common::llama_layout::{gguf_py_layout_check, write_llama_layout, KvB};
+    let (hf, g) = open();
+    let dir = tempfile::tempdir().unwrap();
+    for kv_b in [KvB::Split, KvB::Legacy] {
+        let path = dir.path().join(format!("{kv_b:?}.gguf"));
+        write_llama_layout(&hf, &path, kv_b);
+        if let Some((ok, text)) = gguf_py_layout_check(&path) {
+            assert!(ok, "{kv_b:?}: {text}");
+        }
+        let file = moe_lanes::gguf::GgufFile::open(&path).unwrap();
+        let split = file.tensor("blk.0.attn_k_b.weight").is_some();
+        assert_eq!(
+            (split, file.tensor("blk.0.attn_kv_b.weight").is_some()),
+            (kv_b == KvB::Split, kv_b == KvB::Legacy)
+        );
+        let model = Arc::new(Model::open(&path).unwrap());
+        let (c, want) = (model.config(), hf.config());
+        assert_eq!(
+            (c.mla, c.dense_layers, c.sigmoid_routing),
+            (want.mla, want.dense_layers, want.sigmoid_routing)
+        );
+        assert_eq!(
+            (c.yarn, c.norm_topk_prob, c.n_kv_heads),
+            (want.yarn, want.norm_topk_prob, want.n_kv_heads)
+        );
+        let r = Reference::new(&model).unwrap();
+        let got = r.forward(&mut r.new_cache(), &g.prompt, &mut NoObserver).unwrap();
+        let err = max_rel_err(&got, &g.logits);
+        assert!(err < TOLERANCE, "{kv_b:?}: oracle vs transformers {err}");
+        let mut p = pipeline(&model, 0.5, 512);
+        let got = p.forward(&mut p.new_cache(), &g.prompt, Phase::Prefill).unwrap();
+        let err = max_rel_err(&got, &g.logits);
+        assert!(err < TOLERANCE, "{kv_b:?}: pipeline vs transformers {err}");
+    }
+}
+
+/// `synth --arch deepseek_v3` as GGUF is in llama.cpp's layout (gguf-py's check), in BF16 and as
+/// `synth --quant q4_k_m` writes it (the preset's shapes, shrunk): `attn_k_b` of 128-wide rows
+/// falls back to Q8_0 where llama.cpp's Q4_K needs 256, `attn_v_b` is Q4_K, and the pipeline on
+/// the quantized file follows the oracle on it.
+#[test]
+fn synthetic_deepseek_gguf_is_llama_cpp_layout_in_bf16_and_q4_k_m() {
+    use moe_lanes::synth::{write_synthetic_quantized, Preset, SynthFormat};
+    let dir = tempfile::tempdir().unwrap();
+    let bf16 = synth_options("deepseek_v3", SynthFormat::Gguf, dir.path().join("bf16.gguf"), 3);
+    moe_lanes::synth::write_synthetic(&bf16, &mut |_, _| {}).unwrap();
+    let mut q = synth_options("deepseek_v3", SynthFormat::Gguf, dir.path().join("q4.gguf"), 3);
+    q.preset = "deepseek-v3".parse::<Preset>().unwrap();
+    q.dims = moe_lanes::synth::DimOverrides {
+        n_layers: Some(4),
+        hidden: Some(256),
+        n_heads: Some(2),
+        n_experts: Some(16),
+        n_experts_used: Some(4),
+        expert_ff: Some(256),
+        shared_expert_ff: Some(256),
+        vocab: Some(1024),
+        ..Default::default()
+    };
+    let mix = moe_lanes::quantize::QuantMix::Q4_K_M;
+    write_synthetic_quantized(&q, mix, &mut |_, _| {}).unwrap();
+    for path in [&bf16.out, &q.out] {
+        if let Some((ok, text)) = common::llama_layout::gguf_py_layout_check(path) {
+            assert!(ok, "{text}");
+        }
+    }
+    let file = moe_lanes::gguf::GgufFile::open(&q.out).unwrap();
+    let dtype = |name: &str| file.tensor(name).unwrap().dtype;
+    use moe_lanes::dtype::DType;
+    assert_eq!((dtype("blk.3.attn_k_b.weight"), dtype("blk.3.attn_v_b.weight")), (DType::Q8_0, DType::Q4_K));
+    let model = Arc::new(Model::open(&q.out).unwrap());
+    let prompt: Vec<u32> = (0..10).map(|i| (i * 53 + 7) % 1000).collect();
+    let r = Reference::new(&model).unwrap();
+    let want = r.forward(&mut r.new_cache(), &prompt, &mut NoObserver).unwrap();
+    let mut p = pipeline(&model, 0.5, 512);
+    let got = p.forward(&mut p.new_cache(), &prompt, Phase::Prefill).unwrap();
+    let err = max_rel_err(&got, &want);
+    // The pipeline's 8-bit activations against the oracle's f32 on quantized weights.
+    assert!(err < 2e-2, "q4_k_m: pipeline vs oracle {err}");
+}
+
+/// The second fixture, `deepseek_v3_b`: YaRN as DeepSeek-V3 configures it with `mscale` (0.707)
+/// unlike `mscale_all_dim` (1), so the cos/sin scale is their ratio and the softmax scale takes
+/// `mscale_all_dim`'s square; no low-rank q (`attn_q`); one group, two shared experts.
+mod rope_scaling {
+    use super::*;
+
+    const NAME_B: &str = "deepseek_v3_b";
+
+    #[test]
+    fn the_plan_reads_yarn_and_the_plain_q() {
+        let (model, _) = fixture_checks::open(NAME_B);
+        let c = model.config();
+        let (m, y) = (c.mla.unwrap(), c.yarn.unwrap());
+        assert_eq!((m.q_lora_rank, m.mscale_all_dim), (None, 1.0));
+        assert_eq!((y.factor, y.original_context, y.beta_fast, y.beta_slow), (8.0, 16, 24.0, 2.0));
+        let mscale = |v: f32| 0.1 * v * 8f32.ln() + 1.0;
+        assert!((y.attention_factor - mscale(0.707) / mscale(1.0)).abs() < 1e-6, "{}", y.attention_factor);
+        let Mixer::LatentAttention(a) = model.layer_spec(1).mixer else { panic!("MLA") };
+        let want_scale = mscale(1.0) * mscale(1.0) / 24f32.sqrt();
+        assert!((a.scale - want_scale).abs() < 1e-6, "{} vs {want_scale}", a.scale);
+        assert!(model.layer(1, moe_lanes::naming::LayerRole::Q).is_some());
+        assert_eq!(c.shared_expert_ff, 2 * c.expert_ff);
+    }
+
+    #[test]
+    fn reference_matches_transformers_prefill_second_chunk_and_greedy() {
+        fixture_checks::check_reference(NAME_B);
+    }
+
+    #[test]
+    fn pipeline_matches_transformers_at_every_hot_fraction() {
+        fixture_checks::check_pipeline_prefill(NAME_B, &[8, 512]);
+        fixture_checks::check_pipeline_decode(NAME_B, &HOT_FRACTIONS, usize::MAX);
+        fixture_checks::check_pipeline_greedy(NAME_B, &HOT_FRACTIONS);
+    }
+
+    /// In llama.cpp's layout by our writer (`attn_q` without `q_lora_rank`, `rope.scaling.*` with
+    /// `attn_factor` for the mscale ratio and `yarn_log_multiplier` for `mscale_all_dim`), the
+    /// file gives the fixture's logits. gguf-py's check names the one thing llama.cpp's loader
+    /// would refuse: no `q_lora_rank` outside its "lite" layer counts (26, 27).
+    #[test]
+    fn in_llama_cpp_layout_it_gives_its_logits() {
+        use common::llama_layout::{gguf_py_layout_check, write_llama_layout, KvB};
+        let (hf, g) = fixture_checks::open(NAME_B);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("b.gguf");
+        write_llama_layout(&hf, &path, KvB::Split);
+        if let Some((ok, text)) = gguf_py_layout_check(&path) {
+            assert!(!ok && text.contains("no attention.q_lora_rank"), "{text}");
+            assert_eq!(text.lines().count(), 2, "one problem and the summary: {text}");
+        }
+        let model = Arc::new(Model::open(&path).unwrap());
+        let (c, want) = (model.config(), hf.config());
+        assert_eq!((c.mla, c.yarn), (want.mla, want.yarn));
+        let r = Reference::new(&model).unwrap();
+        let got = r.forward(&mut r.new_cache(), &g.prompt, &mut NoObserver).unwrap();
+        let err = max_rel_err(&got, &g.logits);
+        assert!(err < TOLERANCE, "oracle vs transformers {err}");
+        let mut p = pipeline(&model, 0.5, 512);
+        let got = p.forward(&mut p.new_cache(), &g.prompt, Phase::Prefill).unwrap();
+        let err = max_rel_err(&got, &g.logits);
+        assert!(err < TOLERANCE, "pipeline vs transformers {err}");
+    }
+}

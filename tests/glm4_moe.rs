@@ -113,36 +113,117 @@ fn the_default_engine_matches_transformers() {
 }
 
 /// `synth --arch glm4_moe` (tiny: a dense first layer, 2 groups of 4 experts, q/k norm, half
-/// RoPE): both formats open with the same plan and give the same logits, and the pipeline
-/// matches the oracle on each.
+/// RoPE), with q/k/v biases (GLM-4.5) and without (`--no-attention-bias`, as some derivatives):
+/// both formats open with the same plan and give the same logits on both CPU engines, and the
+/// pipeline matches the oracle on each. The GGUF file carries an MTP layer (`--mtp-layers 1`, as
+/// llama.cpp's converter writes GLM-4.5), loaded and not run, and passes gguf-py's check of
+/// llama.cpp's glm4moe layout.
 #[test]
 fn synthetic_glm4_moe_in_both_formats_gives_the_same_logits() {
     use moe_lanes::synth::SynthFormat;
     let dir = tempfile::tempdir().unwrap();
     let prompt: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % 500).collect();
-    let mut per_format = Vec::new();
-    for format in [SynthFormat::Safetensors, SynthFormat::Gguf] {
-        let mut opts = synth_options("glm4_moe", format, dir.path().join(format!("m-{format:?}")), 42);
-        opts.dims.n_layers = Some(3);
-        if format == SynthFormat::Gguf {
-            opts.out.set_extension("gguf");
+    for bias in [true, false] {
+        let (mut oracle, mut pipe) = (Vec::new(), Vec::new());
+        for format in [SynthFormat::Safetensors, SynthFormat::Gguf] {
+            let out = dir.path().join(format!("m-{bias}-{format:?}"));
+            let mut opts = synth_options("glm4_moe", format, out, 42);
+            opts.dims.n_layers = Some(3);
+            opts.dims.attention_bias = (!bias).then_some(false);
+            if format == SynthFormat::Gguf {
+                opts.out.set_extension("gguf");
+                opts.dims.mtp_layers = Some(1);
+            }
+            moe_lanes::synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+            let model = Arc::new(Model::open(&opts.out).unwrap());
+            assert_eq!(model.plan().expert_layers(), vec![false, true, true], "{format:?}");
+            let c = model.config();
+            assert!(c.qk_norm && c.rotary_dims * 2 == c.head_dim, "{format:?}");
+            assert_eq!(c.attention_bias, bias, "{format:?}");
+            assert_eq!(model.layer(1, moe_lanes::naming::LayerRole::QBias).is_some(), bias, "{format:?}");
+            if format == SynthFormat::Gguf {
+                assert_eq!((c.n_layers, c.mtp_layers), (3, 1));
+                assert!(model.tensor_list().iter().any(|t| t.0 == "blk.3.nextn.eh_proj.weight"));
+                if let Some((ok, text)) = common::llama_layout::gguf_py_layout_check(&opts.out) {
+                    assert!(ok, "{text}");
+                }
+            }
+            let r = Reference::new(&model).unwrap();
+            let want = r.forward(&mut r.new_cache(), &prompt, &mut NoObserver).unwrap();
+            let mut p = pipeline(&model, 0.5, 512);
+            let got = p.forward(&mut p.new_cache(), &prompt, Phase::Prefill).unwrap();
+            let err = max_rel_err(&got, &want);
+            assert!(err < TOLERANCE, "{format:?}: pipeline vs oracle {err}");
+            oracle.push(want);
+            pipe.push(got);
         }
-        moe_lanes::synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
-        let model = Arc::new(Model::open(&opts.out).unwrap());
-        assert_eq!(model.plan().expert_layers(), vec![false, true, true], "{format:?}");
-        let c = model.config();
-        assert!(c.qk_norm && c.rotary_dims * 2 == c.head_dim, "{format:?}");
-        let r = Reference::new(&model).unwrap();
-        let want = r.forward(&mut r.new_cache(), &prompt, &mut NoObserver).unwrap();
-        let mut p = pipeline(&model, 0.5, 512);
-        let got = p.forward(&mut p.new_cache(), &prompt, Phase::Prefill).unwrap();
-        let err = max_rel_err(&got, &want);
-        assert!(err < TOLERANCE, "{format:?}: pipeline vs oracle {err}");
-        per_format.push(want);
+        for (engine, runs) in [("oracle", &oracle), ("pipeline", &pipe)] {
+            let err = max_rel_err(&runs[1], &runs[0]);
+            println!("synthetic glm4_moe (bias {bias}) {engine}: gguf vs safetensors {err:.2e}");
+            assert!(err < 1e-5, "bias {bias}, {engine}: the formats differ by {err}");
+        }
     }
-    let err = max_rel_err(&per_format[1], &per_format[0]);
-    println!("synthetic glm4_moe: gguf vs safetensors {err:.2e}");
-    assert!(err < 1e-5, "the formats differ by {err}");
+}
+
+/// The fixture rewritten in llama.cpp's glm4moe layout by our own writer
+/// (`common::llama_layout`): gguf-py finds what llama.cpp's loader asks for, and the oracle and
+/// the pipeline on it give the fixture's transformers logits.
+#[test]
+fn the_fixture_in_llama_cpp_layout_gives_its_logits() {
+    use common::llama_layout::{gguf_py_layout_check, write_llama_layout, KvB};
+    let (hf, g) = open();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("glm.gguf");
+    write_llama_layout(&hf, &path, KvB::Split);
+    if let Some((ok, text)) = gguf_py_layout_check(&path) {
+        assert!(ok, "{text}");
+    }
+    let model = Arc::new(Model::open(&path).unwrap());
+    let (c, want) = (model.config(), hf.config());
+    assert_eq!(
+        (c.qk_norm, c.attention_bias, c.rotary_dims),
+        (want.qk_norm, want.attention_bias, want.rotary_dims)
+    );
+    assert_eq!((c.dense_layers, c.sigmoid_routing), (want.dense_layers, want.sigmoid_routing));
+    let r = Reference::new(&model).unwrap();
+    let got = r.forward(&mut r.new_cache(), &g.prompt, &mut NoObserver).unwrap();
+    let err = max_rel_err(&got, &g.logits);
+    assert!(err < TOLERANCE, "oracle vs transformers {err}");
+    let mut p = pipeline(&model, 0.5, 512);
+    let got = p.forward(&mut p.new_cache(), &g.prompt, Phase::Prefill).unwrap();
+    let err = max_rel_err(&got, &g.logits);
+    assert!(err < TOLERANCE, "pipeline vs transformers {err}");
+}
+
+/// A GLM config with `attention_bias: false` on a checkpoint without q/k/v biases opens and runs
+/// (no bias tensor required); `attention_bias` left out is transformers' default, false.
+#[test]
+fn a_glm_config_without_attention_bias_needs_no_bias_tensors() {
+    use moe_lanes::synth::SynthFormat;
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = synth_options("glm4_moe", SynthFormat::Safetensors, dir.path().join("nb"), 7);
+    opts.dims.attention_bias = Some(false);
+    moe_lanes::synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    let config_path = opts.out.join("config.json");
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
+    assert_eq!(config["attention_bias"], serde_json::json!(false));
+    config.as_object_mut().unwrap().remove("attention_bias");
+    std::fs::write(&config_path, serde_json::to_vec(&config).unwrap()).unwrap();
+    let model = Model::open(&opts.out).unwrap();
+    assert!(!model.config().attention_bias);
+    let Mixer::Attention(a) = model.layer_spec(0).mixer else { panic!("GQA") };
+    assert!(!a.qkv_bias);
+    // The other way round, a config that says true on this checkpoint names the missing bias.
+    config["attention_bias"] = serde_json::json!(true);
+    std::fs::write(&config_path, serde_json::to_vec(&config).unwrap()).unwrap();
+    let err = Model::open(&opts.out).err().expect("refused").to_string();
+    assert!(err.contains("q_proj.bias"), "{err}");
+    // Other architectures fix their biases: the override is refused by name.
+    let mut other = synth_options("qwen3_moe", SynthFormat::Gguf, dir.path().join("q.gguf"), 7);
+    other.dims.attention_bias = Some(false);
+    let err = moe_lanes::synth::write_synthetic(&other, &mut |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("attention_bias"), "{err}");
 }
 
 /// The preset: GLM-4.5-Air's shapes, shrunk with `--layers`.

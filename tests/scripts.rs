@@ -59,3 +59,20 @@ fn argmax_agreement_counts_clear_positions() {
         !short.status.success() && String::from_utf8_lossy(&short.stdout).contains("position count differs")
     );
 }
+
+/// `scripts/gguf-layout-check.py --self-test`: a deepseek2 file in the mixed form this
+/// repository's writer once made (`key_length_mla` beside a fused `attn_kv_b`, no
+/// `q_lora_rank`, an unknown tensor) fails, each problem named. Skips where gguf-py is missing.
+#[test]
+fn gguf_layout_check_names_what_llama_cpp_would_refuse() {
+    let Some(_) = python() else { return };
+    let probe = Command::new("python3").args(["-c", "import gguf, numpy"]).output().unwrap();
+    if !probe.status.success() {
+        eprintln!("SKIP: gguf-py (pip install gguf) not found");
+        return;
+    }
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/gguf-layout-check.py");
+    let out = Command::new("python3").args([script, "--self-test"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("self-test: ok"), "{text}");
+}

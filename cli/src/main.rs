@@ -471,9 +471,14 @@ struct SynthArgs {
     #[arg(long)]
     tied: bool,
     /// Multi-token-prediction layers after the last layer, as llama.cpp's converter writes a
-    /// Qwen3.5 checkpoint's (hybrids, GGUF only): loaded and not run; `inspect` lists them.
+    /// Qwen3.5 or GLM-4.5 checkpoint's (hybrids and glm4_moe, GGUF only): loaded and not run;
+    /// `inspect` lists them.
     #[arg(long)]
     mtp_layers: Option<usize>,
+    /// No q/k/v biases (glm4_moe's `attention_bias: false`, as some GLM-4.5 derivatives have;
+    /// GLM-4.5 itself has them).
+    #[arg(long)]
+    no_attention_bias: bool,
     /// Quantize the checkpoint (GGUF only): q8_0, q4_0, q4_k_m, q5_k_m, q6_k or mxfp4_moe, tensor types
     /// chosen as `quantize` does. K-quants need rows of 256 values (e.g. --hidden 256
     /// --expert-ff 256 --head-dim 64); shorter rows fall back to q8_0.
@@ -1016,6 +1021,7 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
             shared_expert_ff: args.shared_expert_ff,
             tied_embeddings: args.tied.then_some(true),
             mtp_layers: args.mtp_layers,
+            attention_bias: args.no_attention_bias.then_some(false),
         },
         dtype: DType::parse_float(&args.dtype)
             .with_context(|| format!("--dtype {}: expected bf16, f16 or f32", args.dtype))?,

@@ -66,6 +66,10 @@ pub struct ModelConfig {
     /// `use_qk_norm`; GGUF: `attn_q_norm` tensors present). Architectures whose q/k norm is fixed
     /// ignore it.
     pub qk_norm: bool,
+    /// q/k/v biases where the architecture makes them optional (GLM-4.5's `attention_bias`,
+    /// true in GLM-4.5/4.6 and false in some derivatives; GGUF: `attn_q.bias` tensors present).
+    /// Architectures whose biases are fixed ignore it.
+    pub attention_bias: bool,
 }
 
 /// The latent attention's sizes (transformers' names).
@@ -522,7 +526,7 @@ impl ModelConfig {
         if adapter.arch == Arch::GptOss {
             f.check_swiglu()?;
         }
-        let config = ModelConfig {
+        let mut config = ModelConfig {
             arch: adapter.arch,
             n_layers,
             hidden,
@@ -555,9 +559,25 @@ impl ModelConfig {
             dense_layers,
             sigmoid_routing,
             qk_norm: f.opt_bool("use_qk_norm")?.unwrap_or(false),
+            attention_bias: false,
         };
         config.validate().map_err(|(field, reason)| f.invalid(field, reason))?;
+        // Read only where the architecture leaves the biases to the config (GLM-4.5), so a
+        // config's flag never disagrees with an architecture that fixes them.
+        if config.attention_bias_is_optional(adapter) {
+            config.attention_bias = f.opt_bool("attention_bias")?.unwrap_or(false);
+        }
         Ok((config, adapter))
+    }
+
+    /// Whether `adapter`'s layers take their q/k/v biases from [`ModelConfig::attention_bias`]
+    /// (GLM-4.5) rather than fixing them.
+    pub fn attention_bias_is_optional(&self, adapter: &Adapter) -> bool {
+        let qkv_bias = |flag: bool| {
+            let c = ModelConfig { attention_bias: flag, ..self.clone() };
+            (0..c.n_layers).find_map(|l| (adapter.layer)(&c, l).as_attention().map(|a| a.qkv_bias))
+        };
+        qkv_bias(true) != qkv_bias(false)
     }
 
     /// Check the relations between fields; returns the offending field and why.

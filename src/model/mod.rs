@@ -892,13 +892,22 @@ impl GgufMeta<'_> {
         }))
     }
 
-    /// llama.cpp's deepseek2 latent attention keys (`attention.kv_lora_rank`, ...).
+    /// llama.cpp's deepseek2 latent attention keys (`attention.kv_lora_rank`, ...). Files from
+    /// before llama.cpp split `attn_kv_b` have no `attention.key_length_mla` /
+    /// `value_length_mla`: their `key_length` / `value_length` are the per-head sizes (llama.cpp's
+    /// `is_mla()` false), and the fused `attn_kv_b` is split at open.
     fn mla(&self) -> Result<Option<crate::model::config::MlaConfig>, ModelError> {
         let Some(kv_lora_rank) = self.opt_count("attention.kv_lora_rank")? else { return Ok(None) };
         let rope = self.usize("rope.dimension_count")?;
-        let key = self.usize("attention.key_length_mla")?;
+        let split = self.opt_count("attention.key_length_mla")?.is_some();
+        let (key_suffix, value_suffix) = if split {
+            ("attention.key_length_mla", "attention.value_length_mla")
+        } else {
+            ("attention.key_length", "attention.value_length")
+        };
+        let key = self.usize(key_suffix)?;
         if key <= rope {
-            return Err(self.bad(self.key("attention.key_length_mla"), "greater than rope.dimension_count"));
+            return Err(self.bad(self.key(key_suffix), "greater than rope.dimension_count"));
         }
         // The converter writes 0.1 * mscale_all_dim (llama.cpp's TAG_DEEPSEEK2_YARN_LOG_MUL_FIX).
         let log_mul = self.opt_f32("rope.scaling.yarn_log_multiplier")?.unwrap_or(0.0);
@@ -907,7 +916,7 @@ impl GgufMeta<'_> {
             kv_lora_rank,
             qk_nope_head_dim: key - rope,
             qk_rope_head_dim: rope,
-            v_head_dim: self.usize("attention.value_length_mla")?,
+            v_head_dim: self.usize(value_suffix)?,
             mscale_all_dim: log_mul / 0.1,
         }))
     }
@@ -1032,6 +1041,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         dense_layers: meta.dense_layers()?,
         sigmoid_routing: meta.sigmoid_routing()?,
         qk_norm: false,
+        attention_bias: false,
     };
     config.validate().map_err(|(field, reason)| {
         ModelError::Config(ConfigError::Invalid { path: path.into(), field: field.into(), reason })
@@ -1043,6 +1053,10 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         .find_map(|l| (adapter.layer)(&config, l).as_attention().map(|a| a.qk_norm != QkNorm::None))
         .unwrap_or(true);
     config.qk_norm = !fixed && file.tensor("blk.0.attn_q_norm.weight").is_some();
+    // The same for the q/k/v biases (GLM-4.5's `attention_bias`; llama.cpp loads them when present).
+    if config.attention_bias_is_optional(adapter) {
+        config.attention_bias = file.tensor(&naming::gguf_layer(adapter, 0, LayerRole::QBias)).is_some();
+    }
     Ok((config, adapter))
 }
 

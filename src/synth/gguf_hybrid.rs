@@ -2,7 +2,8 @@
 //! (Hugging Face) tensors, so a GGUF file and a safetensors directory of one seed hold the same
 //! model. llama.cpp's converter (`conversion/qwen.py`) splits Qwen3-Next's fused `qkvz` into
 //! `attn_qkv` and `attn_gate`, keeps its `ba` fused per key head, reorders Qwen3.5's value heads
-//! from grouped to tiled order, and stores `-exp(A_log)` as `ssm_a`.
+//! from grouped to tiled order, and stores `-exp(A_log)` as `ssm_a`. Also the NextN/MTP layers
+//! its converter appends (Qwen3.5's and GLM-4.5's, `mtp_tensors`).
 
 use super::{
     canonical_2d, expert_part, layer_init, Canonical, Init, Layout, PlannedTensor, RowMap, SynthOptions,
@@ -170,11 +171,19 @@ fn picked_parts(rows: &[(LayerRole, usize)], part: &dyn Fn(LayerRole) -> Canonic
 }
 
 /// The multi-token-prediction layers llama.cpp's converter appends after the last layer
-/// (`blk.{n_layers + m}`): a gated-attention layer with its MoE, plus the NextN projection of
-/// `[embedding | hidden]` and its three norms. A forward pass loads and skips them.
+/// (`blk.{n_layers + m}`): a layer of the model's attention with its MoE (a hybrid's gated
+/// attention, GLM-4.5's biased GQA with its sigmoid-routed experts and shared expert), plus the
+/// NextN projection of `[embedding | hidden]` and its three norms. A forward pass loads and
+/// skips them.
 pub(super) fn mtp_tensors(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
     let a = opts.adapter;
-    let Some(full) = c.hybrid.as_ref().and_then(|h| h.full_attention_layers.first().copied()) else {
+    // The layer the MTP block copies the kinds of: a hybrid's first full-attention layer, else
+    // the last layer (a MoE layer: dense layers lead).
+    let full = match &c.hybrid {
+        Some(h) => h.full_attention_layers.first().copied(),
+        None => c.n_layers.checked_sub(1),
+    };
+    let Some(full) = full.filter(|_| c.mtp_layers > 0) else {
         return Vec::new();
     };
     let spec = (a.layer)(c, full);

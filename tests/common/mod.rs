@@ -2,6 +2,8 @@
 //! corruption tests, and fixture discovery.
 #![allow(dead_code)]
 
+pub mod llama_layout;
+
 use moe_lanes::arch::{self as adapter, Adapter};
 use moe_lanes::dtype::DType;
 use moe_lanes::gguf::{GgufFile, GgufWriter, MetaValue};

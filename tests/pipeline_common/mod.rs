@@ -68,6 +68,7 @@ pub fn write_tiny(dir: &Path, spec: &TinySpec) -> Arc<Model> {
             shared_expert_ff: if adapter.shared_expert { Some(24) } else { None },
             tied_embeddings: Some(spec.tied),
             mtp_layers: None,
+            attention_bias: None,
         },
         dtype: spec.dtype,
         seed: spec.seed,

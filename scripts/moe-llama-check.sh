@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# llama.cpp as a second oracle for DeepSeek-V3 / Kimi K2 (GGUF deepseek2) and GLM-4.5 (glm4moe),
+# issue 42: synthetic GGUF files in llama.cpp's layout (split attn_k_b / attn_v_b, exp_probs_b,
+# shared experts, leading dense layers, YaRN with yarn_log_multiplier; GLM's NextN/MTP layer,
+# q/k/v biases or none), each checked against llama.cpp's layout by gguf-py
+# (scripts/gguf-layout-check.py), then the logits of every position from llama.cpp (llama-argmax,
+# CPU) and from moe-lanes (reference and pipeline at half the experts hot; the GPU engine refuses
+# these kinds and is not asked), compared by scripts/logits-agreement.py. Files: F32, BF16, BF16
+# quantized to Q4_K_M by llama.cpp's llama-quantize, and our own `synth --quant q4_k_m`.
+#
+#   BIN=path/to/moe-lanes OUT=dir bash scripts/moe-llama-check.sh
+#
+# Needs llama.cpp built into .llama/build (benches/compare-llama-cpp.sh build; LLAMA_TAR, a
+# tarball of .llama/src, is unpacked and built CPU-only when there is no build). Settings:
+# BIN (target/release/moe-lanes), OUT (a temp dir), MODELS (/dev/shm/moe-llama), LAYERS (6: the
+# DeepSeek-V3 preset keeps 3 dense layers, so 3 MoE layers), SPECS (all of the list below).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN="${BIN:-target/release/moe-lanes}"
+OUT="${OUT:-$(mktemp -d)}"
+MODELS="${MODELS:-/dev/shm/moe-llama}"
+LAYERS="${LAYERS:-6}"
+mkdir -p "$OUT" "$MODELS"
+LLAMA=.llama/build/bin
+
+if [ ! -x "$LLAMA/llama-argmax" ]; then
+    if [ ! -d .llama/src ] && [ -n "${LLAMA_TAR:-}" ]; then
+        mkdir -p .llama && tar xJf "$LLAMA_TAR" -C .llama
+    fi
+    LLAMA_CUDA="${LLAMA_CUDA:-0}" bash benches/compare-llama-cpp.sh build > "$OUT/llama-build.log" 2>&1 \
+        || { tail -20 "$OUT/llama-build.log"; exit 1; }
+fi
+HAVE_GGUF_PY=0
+python3 -c 'import gguf' 2>/dev/null && HAVE_GGUF_PY=1
+
+# 80 positions: past YaRN's original context of the tiny preset (64), several prefill tiles.
+TOKENS=$(python3 -c 'print(",".join(str((i * 7919 + 13) % 4000 + 5) for i in range(80)))')
+
+check() {  # FILE LABEL
+    local file=$1 label=$2
+    if [ "$HAVE_GGUF_PY" = 1 ]; then
+        python3 scripts/gguf-layout-check.py "$file" > "$OUT/$label.layout.txt" 2>&1 \
+            || { echo "$label: NOT llama.cpp's layout"; cat "$OUT/$label.layout.txt"; }
+    fi
+    "$LLAMA/llama-argmax" "$file" 0 "$TOKENS" "$OUT/$label.llama.f32" > "$OUT/$label.llama.json" \
+        2> "$OUT/$label.llama.log" || { echo "$label: llama.cpp FAILED"; tail -5 "$OUT/$label.llama.log"; return; }
+    for engine in reference pipeline; do
+        local hot=()
+        [ "$engine" = reference ] || hot=(--hot-fraction 0.5)
+        "$BIN" logits --model "$file" --tokens "$TOKENS" --engine "$engine" "${hot[@]}" \
+            > "$OUT/$label.$engine.json" 2> "$OUT/$label.$engine.log" \
+            || { echo "$label $engine: moe-lanes FAILED"; tail -3 "$OUT/$label.$engine.log"; continue; }
+        local args=("$OUT/$label.llama.f32" "$OUT/$label.$engine.json" "$label $engine vs llama.cpp")
+        python3 scripts/logits-agreement.py "${args[@]}" || true
+        python3 scripts/logits-agreement.py "${args[@]}" --json >> "$OUT/agreement.jsonl" || true
+    done
+}
+
+# label arch preset extra-flags...: the presets' routing and attention (DeepSeek-V3: 8 groups keep
+# 4, scale 2.5, q_lora 1536, latent 512 + 64, YaRN x40; Kimi K2: one group, 64 heads, scale
+# 2.827, YaRN x32; GLM-4.5-Air: GQA with biases, no q/k norm, one group; GLM tiny: q/k norm, 2
+# groups keep 1, scale 2.5, with and without q/k/v biases), shrunk to a CPU-sized model.
+DEFAULT_SPECS="deepseek-v3:deepseek_v3:deepseek-v3 kimi-k2:deepseek_v3:kimi-k2 glm-4.5-air:glm4_moe:glm-4.5-air
+glm-tiny:glm4_moe:tiny glm-tiny-nobias:glm4_moe:tiny:--no-attention-bias"
+for spec in ${SPECS:-$DEFAULT_SPECS}; do
+    IFS=: read -r name arch preset extra <<< "$spec"
+    dims=(--preset "$preset" --layers "$LAYERS" --hidden 512 --experts 16 --top-k 4 --expert-ff 256
+          --shared-expert-ff 256 --vocab 4096 --skew uniform --seed 5)
+    case $arch in
+        deepseek_v3) dims+=(--heads 8) ;;
+        # GLM: head 64 (RoPE on 32 of it), 2 KV heads; one NextN/MTP layer, as llama.cpp's
+        # converter writes GLM-4.5 (llama.cpp loads it and does not run it either).
+        glm4_moe) dims+=(--heads 8 --kv-heads 2 --head-dim 64 --mtp-layers 1) ;;
+    esac
+    [ -n "$extra" ] && dims+=("$extra")
+    for dtype in f32 bf16; do
+        f="$MODELS/$name-$dtype.gguf"
+        [ -f "$f" ] || "$BIN" synth --arch "$arch" "${dims[@]}" --dtype "$dtype" --out "$f" > /dev/null
+        check "$f" "$name-$dtype"
+    done
+    ours="$MODELS/$name-ours-q4_k_m.gguf"
+    [ -f "$ours" ] || "$BIN" synth --arch "$arch" "${dims[@]}" --quant q4_k_m --out "$ours" > /dev/null
+    check "$ours" "$name-ours-q4_k_m"
+    q="$MODELS/$name-q4_k_m.gguf"
+    [ -f "$q" ] || "$LLAMA/llama-quantize" "$MODELS/$name-bf16.gguf" "$q" Q4_K_M > "$OUT/$name-quantize.log" 2>&1 \
+        || { echo "$name: llama-quantize FAILED"; tail -5 "$OUT/$name-quantize.log"; continue; }
+    check "$q" "$name-q4_k_m"
+    # llama.cpp's own activation rounding: its BF16 / Q4_K_M runs against the same weights upcast
+    # to F32 (llama-quantize) bound what our agreement above can be.
+    for t in bf16 q4_k_m; do
+        src="$MODELS/$name-$t.gguf" up="$MODELS/$name-$t-as-f32.gguf"
+        [ -f "$up" ] || "$LLAMA/llama-quantize" --allow-requantize "$src" "$up" F32 > "$OUT/$name-$t-up.log" 2>&1 \
+            || { echo "$name $t: upcast FAILED"; tail -3 "$OUT/$name-$t-up.log"; continue; }
+        "$LLAMA/llama-argmax" "$up" 0 "$TOKENS" "$OUT/$name-$t-up.llama.f32" > /dev/null 2>&1
+        python3 scripts/logits-agreement.py "$OUT/$name-$t-up.llama.f32" "$OUT/$name-$t.llama.f32" \
+            "$name-$t llama.cpp vs llama.cpp on its F32 upcast" --vocab 4096 || true
+        python3 scripts/logits-agreement.py "$OUT/$name-$t-up.llama.f32" "$OUT/$name-$t.reference.json" \
+            "$name-$t reference vs llama.cpp on its F32 upcast" || true
+    done
+done
+"$BIN" inspect "$MODELS/glm-4.5-air-q4_k_m.gguf" > "$OUT/inspect-glm-q4.txt" 2>&1 || true
+echo "results in $OUT/agreement.jsonl"
