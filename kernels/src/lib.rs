@@ -22,6 +22,7 @@ pub mod delta_rule;
 pub mod dense;
 pub mod error;
 pub mod ffn;
+pub mod kv;
 pub mod par;
 pub mod pool;
 pub mod q8;
@@ -50,6 +51,7 @@ pub use delta_rule::{
 };
 pub use dense::{matmul, par_matmul, DenseMatrix, MatmulPart, MAX_MATMUL_PARTS};
 pub use error::KernelError;
+pub use kv::{KvRows, KvType, KvTypeError};
 pub use ffn::{
     down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, gemv_rows_q8, matmul_rows,
 };

@@ -41,8 +41,8 @@ use crate::moe::profile::{mark, CpuProfiler};
 use crate::moe::routing::Router;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::{
-    par_chunks_mut, AttentionInput, AttentionShape, DecodeActivations, DenseMatrix, KernelError, MatmulPart,
-    SimdLevel,
+    par_chunks_mut, AttentionInput, AttentionShape, DecodeActivations, DenseMatrix, KernelError, KvRows, KvType,
+    MatmulPart, SimdLevel,
 };
 use std::sync::Arc;
 use std::time::Instant;
@@ -135,7 +135,13 @@ pub struct PipelineOptions {
     pub switches: PolicySwitches,
     pub max_batch_tokens: usize,
     pub fault: FaultInjection,
+    /// The KV cache's element type (keys, values and latent attention's latents), converted on
+    /// append; attention reads it a chunk at a time as f32 ([`PIPELINE_KV_TYPE`] by default).
+    pub kv_type: KvType,
 }
+
+/// The pipeline's default KV cache type.
+pub const PIPELINE_KV_TYPE: KvType = KvType::F32;
 
 impl Default for PipelineOptions {
     fn default() -> Self {
@@ -154,6 +160,7 @@ impl Default for PipelineOptions {
             switches: PolicySwitches::default(),
             max_batch_tokens: MAX_BATCH_TOKENS,
             fault: FaultInjection::default(),
+            kv_type: PIPELINE_KV_TYPE,
         }
     }
 }
@@ -174,6 +181,11 @@ pub enum PipelineError {
     Cold(#[from] ColdError),
     #[error("pipeline: {0}")]
     Setup(String),
+    #[error(
+        "KV cache type {kv_type} stores blocks of {block} values, but layer {layer}'s cached rows are {width} wide \
+         (not a multiple of {block}): choose another type"
+    )]
+    KvBlocks { kv_type: KvType, block: usize, layer: usize, width: usize },
 }
 
 /// The engine's KV cache, head-major: per layer and KV head (`l * n_kv_heads + kv_head`), the
@@ -181,22 +193,48 @@ pub enum PipelineError {
 /// so attention streams a head's keys sequentially.
 #[derive(Debug, Clone)]
 pub struct PipelineCache {
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    keys: Vec<KvRows>,
+    values: Vec<KvRows>,
     /// Per layer, the fixed-size state of a Gated DeltaNet layer (`None` for attention layers,
     /// whose entries in `keys` / `values` are the ones used).
     recurrent: Vec<Option<DeltaNetState>>,
     /// Per layer, a latent attention layer's cache: per position the normalised latent and the
     /// rotated key part (`kv_lora_rank + rope_dim` floats; empty for other layers). It is the
     /// absorbed attention's one key/value head: keys and values are the same buffer.
-    latent: Vec<Vec<f32>>,
+    latent: Vec<KvRows>,
     n_positions: usize,
+    kv_type: KvType,
 }
 
 impl PipelineCache {
     pub fn n_positions(&self) -> usize {
         self.n_positions
     }
+    /// The element type of its keys, values and latents.
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
+    }
+    /// Bytes of cached keys, values and latents (the recurrent state not counted).
+    pub fn kv_bytes(&self) -> usize {
+        self.keys.iter().chain(&self.values).chain(&self.latent).map(KvRows::bytes).sum()
+    }
+}
+
+/// Refuses a block type (q8_0) where a layer's cached rows (an attention head, a latent row) are
+/// not whole blocks.
+fn check_kv_type(plan: &LayerPlan, head_dim: usize, kv_type: KvType) -> Result<(), PipelineError> {
+    let block = kv_type.block_len();
+    for (layer, spec) in plan.layers().iter().enumerate() {
+        let width = match &spec.mixer {
+            Mixer::Attention(_) => head_dim,
+            Mixer::LatentAttention(a) => a.cache_width(),
+            Mixer::GatedDeltaNet(_) => continue,
+        };
+        if !width.is_multiple_of(block) {
+            return Err(PipelineError::KvBlocks { kv_type, block, layer, width });
+        }
+    }
+    Ok(())
 }
 
 /// Per-call activations, sized once for `max_batch_tokens`.
@@ -311,6 +349,7 @@ pub struct Pipeline {
     plans: Vec<ExecPlan>,
     fault: FaultInjection,
     max_batch_tokens: usize,
+    kv_type: KvType,
 }
 
 impl Activations {
@@ -468,6 +507,7 @@ impl Pipeline {
             lanes.set_timeout(t);
         }
         let plan = model.plan().clone();
+        check_kv_type(&plan, c.head_dim, options.kv_type)?;
         // One cos/sin table serves every layer (`ensure_rope`): per-layer RoPE bases need a table each.
         let own_rope = |s: &LayerSpec| {
             s.as_attention().is_some_and(|a| {
@@ -512,6 +552,7 @@ impl Pipeline {
             plans: Vec::new(),
             fault: options.fault,
             max_batch_tokens: m,
+            kv_type: options.kv_type,
             final_norm,
             layers,
             dense,
@@ -612,12 +653,14 @@ impl Pipeline {
                 Mixer::Attention(_) | Mixer::LatentAttention(_) => None,
             })
             .collect();
+        let rows = |n| vec![KvRows::new(self.kv_type); n];
         PipelineCache {
-            latent: vec![Vec::new(); self.config.n_layers],
-            keys: vec![Vec::new(); self.config.n_layers * self.config.n_kv_heads],
-            values: vec![Vec::new(); self.config.n_layers * self.config.n_kv_heads],
+            latent: rows(self.config.n_layers),
+            keys: rows(self.config.n_layers * self.config.n_kv_heads),
+            values: rows(self.config.n_layers * self.config.n_kv_heads),
             recurrent,
             n_positions: 0,
+            kv_type: self.kv_type,
         }
     }
 
@@ -846,8 +889,8 @@ impl Pipeline {
         for t in 0..n {
             for kvh in 0..nkv {
                 let at = t * kvd + kvh * hd;
-                keys[kvh].extend_from_slice(&a.k[at..at + hd]);
-                values[kvh].extend_from_slice(&a.v[at..at + hd]);
+                keys[kvh].push(&a.k[at..at + hd])?;
+                values[kvh].push(&a.v[at..at + hd])?;
             }
         }
         mark(&mut self.profile, |p| p.layer(1));
@@ -983,7 +1026,7 @@ impl Pipeline {
     /// goes through its `v_b` before `o`. The cache never holds per-head keys or values.
     fn latent_block(
         &mut self,
-        cache: &mut Vec<f32>,
+        cache: &mut KvRows,
         l: usize,
         mixer: &MixerMatrices<'_>,
         n: usize,
@@ -1051,7 +1094,7 @@ impl Pipeline {
     /// positions appended to `cache`.
     fn latent_project(
         &mut self,
-        cache: &mut Vec<f32>,
+        cache: &mut KvRows,
         l: usize,
         spec: &LatentAttentionSpec,
         [q_a, q, kv_a]: [Option<&DenseMatrix<'_>>; 3],
@@ -1101,7 +1144,7 @@ impl Pipeline {
             let row = &mut b.kv[t * width..(t + 1) * width];
             rms_norm_in_place(&mut row[..rank], kv_norm, eps);
             rope_head(&mut row[rank..], table, spec.rope.style);
-            cache.extend_from_slice(row);
+            cache.push(row)?;
             for head in b.q[t * qd..(t + 1) * qd].chunks_exact_mut(nope + rope) {
                 rope_head(&mut head[nope..], table, spec.rope.style);
             }
