@@ -344,7 +344,7 @@ struct EngineArgs {
     #[arg(long)]
     ctx_size: Option<usize>,
     /// KV cache type of the keys: f32, f16, bf16 or q8_0 (llama.cpp's flag and q8_0 layout:
-    /// blocks of 32, heads of a multiple of 32). Default: f16 on the gpu engine, PIPELINE on the
+    /// blocks of 32, heads of a multiple of 32). Default: f16 on the gpu engine, f32 on the
     /// pipeline; the reference engine keeps f32 and refuses the others.
     #[arg(long)]
     cache_type_k: Option<String>,
