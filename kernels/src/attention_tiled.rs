@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::attention::{AttentionInput, AttentionShape};
 use crate::ffn::dot_tiles;
-use crate::kv::KvRows;
+use crate::kv::{KvRows, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 use crate::simd::SimdLevel;
 use crate::weights::WeightDType;
 
@@ -241,20 +241,27 @@ impl TiledCall<'_> {
         let Chunk { kv, k0, n, rows } = chunk;
         let hd = self.input.shape.head_dim;
         let scale = 1.0 / (hd as f32).sqrt();
-        let key_base = chunk_rows(&self.input.keys[kv], k0, n, hd, tile.keys).as_ptr() as *const u8;
+        let (keys, dtype, row_bytes) = raw_rows(&self.input.keys[kv], k0, n, hd);
+        // The bf16 levels' tiles round the query to bf16 (`vdpbf16ps`): bf16 keys take the plain
+        // AVX-512 tile, which widens them exactly.
+        let level = match (dtype, self.level) {
+            (WeightDType::BF16, SimdLevel::Avx512Bf16 | SimdLevel::Amx) => SimdLevel::Avx512,
+            (_, level) => level,
+        };
+        let key_base = keys.as_ptr();
         let q = self.input.q.as_ptr();
         let scores = &mut *tile.scores;
-        // SAFETY: key_base holds the chunk's n key rows of hd f32 (chunk_rows; validate checked
-        // positions up to the call's last token); query rows q_row(r) < n_tokens * n_heads hold
-        // hd f32 each; the level was checked by the caller.
+        // SAFETY: key_base holds the chunk's n key rows of row_bytes each in dtype (raw_rows;
+        // validate checked positions up to the call's last token); query rows q_row(r) <
+        // n_tokens * n_heads hold hd f32 each; the level was checked by the caller.
         unsafe {
             dot_tiles(
-                self.level,
-                WeightDType::F32,
+                level,
+                dtype,
                 hd,
                 n,
                 n,
-                |j| key_base.add(j * hd * 4),
+                |j| key_base.add(j * row_bytes),
                 rows,
                 |r| q.add(q_row(r) * hd),
                 None,
@@ -272,6 +279,21 @@ impl TiledCall<'_> {
         for r in 0..rows {
             let p = &tile.scores[r * KEY_CHUNK..r * KEY_CHUNK + n];
             row_times_matrix(self.level, p, values, hd, &mut tile.acc[r * hd..(r + 1) * hd]);
+        }
+    }
+}
+
+/// Rows `k0..k0 + n` of a head's cache as they are stored, for the dot-product tiles, which read
+/// f32, f16 (F16C), bf16 and q8_0 rows themselves (the expert weights' kernels): the bytes, their
+/// type and the bytes of one row.
+fn raw_rows(cache: &KvRows, k0: usize, n: usize, hd: usize) -> (&[u8], WeightDType, usize) {
+    match cache {
+        KvRows::F32(v) => (bytemuck::cast_slice(&v[k0 * hd..(k0 + n) * hd]), WeightDType::F32, hd * 4),
+        KvRows::F16(v) => (bytemuck::cast_slice(&v[k0 * hd..(k0 + n) * hd]), WeightDType::F16, hd * 2),
+        KvRows::Bf16(v) => (bytemuck::cast_slice(&v[k0 * hd..(k0 + n) * hd]), WeightDType::BF16, hd * 2),
+        KvRows::Q8_0(b) => {
+            let row = hd / Q8_0_BLOCK * Q8_0_BLOCK_BYTES;
+            (&b[k0 * row..(k0 + n) * row], WeightDType::Q8_0, row)
         }
     }
 }
