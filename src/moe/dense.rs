@@ -265,9 +265,12 @@ pub const PAR_MIN_MACS: usize = 1 << 18;
 
 /// Visible positions from which a decode call's attention (fewer than `SPLIT_BELOW_TOKENS`
 /// tokens) runs split over the pool (flash-decoding: each thread a partial softmax over its key
-/// ranges, one combine) instead of on the driver alone. Measured on the 2-core development
-/// machine with `cargo bench --bench kernels -- attention_decode` (32 query / 4 KV heads of 128,
-/// benches/RESULTS.md): CROSSOVER_NOTE.
+/// ranges, one combine) instead of on the driver alone. `cargo bench --bench kernels --
+/// attention_decode` (32 query / 4 KV heads of 128) on the shared 2-core development machine
+/// (load 4-8) found no crossover: the 2-thread pool was 1.1x to 4x slower than one thread at
+/// every length up to 8192 (its second pinned thread competes with other processes; numbers in
+/// benches/RESULTS.md). 256 positions is about 100 us of one thread's work at f32, tens of an
+/// idle pool's wake-up; re-measure on an idle many-core host.
 pub const ATTENTION_PAR_MIN_POSITIONS: usize = 256;
 
 /// The pool and kernel level of the dense stage, and its reused attention scratch.
