@@ -8,8 +8,8 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use moe_lanes_kernels::{
-    attention, available, gemv_rows, par_attention, Activation, AttentionInput, AttentionScratch, AttentionShape,
-    ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KvRows, KvType, SimdLevel, WeightDType,
+    attention, available, gemv_rows, par_attention, Activation, AttentionInput, AttentionScratch,
+    AttentionShape, ColdExpertWork, ColdJob, ColdPool, ExpertWeights, KvRows, KvType, SimdLevel, WeightDType,
 };
 
 const HIDDEN: usize = 2048;
@@ -101,11 +101,19 @@ fn bench_attention_decode(c: &mut Criterion) {
         group.warm_up_time(std::time::Duration::from_millis(300));
         group.measurement_time(std::time::Duration::from_millis(800));
         for n in [16, 32, 64, 128, 256, 512, 1024, 8192] {
-            let head = |seed| KvRows::converted(kv_type, &pseudo_random_f32(n * shape.head_dim, seed)).unwrap();
+            let head =
+                |seed| KvRows::converted(kv_type, &pseudo_random_f32(n * shape.head_dim, seed)).unwrap();
             let keys: Vec<KvRows> = (0..shape.n_kv_heads).map(|h| head(100 + h as u32)).collect();
             let values: Vec<KvRows> = (0..shape.n_kv_heads).map(|h| head(200 + h as u32)).collect();
-            let input =
-                AttentionInput { shape, q: &q, keys: &keys, values: &values, first_pos: n - 1, window: None, sinks: None };
+            let input = AttentionInput {
+                shape,
+                q: &q,
+                keys: &keys,
+                values: &values,
+                first_pos: n - 1,
+                window: None,
+                sinks: None,
+            };
             group.bench_function(format!("{n}pos_1thread"), |b| {
                 b.iter(|| attention(level, &input, &mut scratch, &mut out).unwrap())
             });

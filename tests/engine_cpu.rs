@@ -126,7 +126,10 @@ fn the_oracle_takes_only_an_f32_kv_cache_and_the_pipeline_every_type() {
     };
     assert_eq!(with(EngineKind::Reference, KvType::F32).unwrap().1.kind, EngineKind::Reference);
     let err = with(EngineKind::Reference, KvType::F16).err().expect("f16 refused");
-    assert!(matches!(err, EngineError::KvType { engine: EngineKind::Reference, asked: KvType::F16 }), "{err}");
+    assert!(
+        matches!(err, EngineError::KvType { engine: EngineKind::Reference, asked: KvType::F16 }),
+        "{err}"
+    );
     assert!(err.to_string().contains("--cache-type-k"), "{err}");
     let head_dim = model.config().head_dim;
     for t in KvType::ALL {

@@ -263,7 +263,9 @@ fn fixtures_bf16_and_q8_0_kv_caches() {
                 sorted.sort_by(f32::total_cmp);
                 let typical = sorted[(sorted.len() - 1) * 9 / 10];
                 let worst = *sorted.last().unwrap();
-                eprintln!("{name} {hot:?} {kv_type} KV: 90th percentile row {typical:e}, worst row {worst:e}");
+                eprintln!(
+                    "{name} {hot:?} {kv_type} KV: 90th percentile row {typical:e}, worst row {worst:e}"
+                );
                 assert!(typical < 2e-2 && worst < 1.0, "{name} {hot:?} {kv_type}: {typical} {worst}");
             }
         }

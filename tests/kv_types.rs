@@ -117,7 +117,8 @@ fn every_kv_type_matches_the_f32_oracle() {
 fn f16_greedy_tokens_are_transformers() {
     for name in FIXTURES {
         let (model, g) = open(name);
-        let got = pipeline(&model, KvType::F16).unwrap().generate(&g.prompt, g.greedy_new_tokens.len()).unwrap();
+        let got =
+            pipeline(&model, KvType::F16).unwrap().generate(&g.prompt, g.greedy_new_tokens.len()).unwrap();
         assert_eq!(got, g.greedy_new_tokens, "{name} f16");
     }
 }
@@ -162,8 +163,11 @@ fn f16_greedy_at_depth_matches_the_oracle() {
 /// more than the rounding (seen: 1 to 3 rows in 30 at bf16, up to 0.6 relative; none at f16
 /// past 2.6e-3); the worst row is printed and checked to be no garbage.
 fn row_errors(got: &[Vec<f32>], want: &[Vec<f32>]) -> (f32, f32) {
-    let mut rows: Vec<f32> =
-        got.iter().zip(want).map(|(a, b)| max_rel_err(std::slice::from_ref(a), std::slice::from_ref(b))).collect();
+    let mut rows: Vec<f32> = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| max_rel_err(std::slice::from_ref(a), std::slice::from_ref(b)))
+        .collect();
     rows.sort_by(f32::total_cmp);
     (rows[(rows.len() - 1) * 9 / 10], *rows.last().unwrap())
 }
@@ -211,5 +215,8 @@ fn kv_types_are_refused_where_they_cannot_run() {
     let (engine, _) = build_engine(&model, options(EngineKind::Pipeline, KvType::Bf16)).unwrap();
     assert_eq!(engine.kind(), EngineKind::Pipeline);
     let err = build_engine(&model, options(EngineKind::Reference, KvType::F16)).err().expect("refused");
-    assert!(matches!(err, EngineError::KvType { engine: EngineKind::Reference, asked: KvType::F16 }), "{err}");
+    assert!(
+        matches!(err, EngineError::KvType { engine: EngineKind::Reference, asked: KvType::F16 }),
+        "{err}"
+    );
 }

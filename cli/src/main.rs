@@ -724,7 +724,13 @@ fn ctx_kv_type(engine: Option<&str>, asked: Option<KvType>) -> KvType {
         Some(Ok(EngineKind::Reference)) => KvType::F32,
         Some(Ok(EngineKind::Gpu)) => gpu,
         Some(Ok(EngineKind::Pipeline)) => cpu,
-        _ => if gpu.bytes_of(32) >= cpu.bytes_of(32) { gpu } else { cpu },
+        _ => {
+            if gpu.bytes_of(32) >= cpu.bytes_of(32) {
+                gpu
+            } else {
+                cpu
+            }
+        }
     })
 }
 

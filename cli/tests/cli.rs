@@ -105,7 +105,8 @@ fn kv_cache_type_flags_are_checked() {
     ok_stdout(&with(&["--cache-type-k", "f32", "--cache-type-v", "f32"]));
     ok_stdout(&with(&["--cache-type-k", "f16", "--cache-type-v", "f16"]));
     ok_stdout(&with(&["--cache-type-k", "bf16"]));
-    let reference = ["logits", "--model", p(&model), "--tokens", "1,2", "--engine", "reference", "--cache-type-k", "f16"];
+    let reference =
+        ["logits", "--model", p(&model), "--tokens", "1,2", "--engine", "reference", "--cache-type-k", "f16"];
     let err = failure(&reference);
     assert!(err.contains("reference engine keeps its KV cache in f32"), "{err}");
 }

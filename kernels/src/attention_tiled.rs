@@ -36,7 +36,11 @@ pub const DECODE_SPLIT_KEYS: usize = 128;
 /// sum per row, and a chunk's keys and values decoded to f32 (caches of other types).
 pub(crate) fn thread_scratch_floats(shape: AttentionShape) -> usize {
     let rows = max_rows(shape);
-    rows * KEY_CHUNK + shape.head_dim * KEY_CHUNK + rows * shape.head_dim + 2 * rows + 2 * decoded_floats(shape)
+    rows * KEY_CHUNK
+        + shape.head_dim * KEY_CHUNK
+        + rows * shape.head_dim
+        + 2 * rows
+        + 2 * decoded_floats(shape)
 }
 
 /// Floats of one chunk's keys (or values) decoded to f32.

@@ -7,7 +7,6 @@
 
 use half::{bf16, f16};
 
-
 use crate::error::KernelError;
 
 /// Values per q8_0 block.
@@ -69,7 +68,10 @@ impl std::str::FromStr for KvType {
     type Err = KvTypeError;
     fn from_str(s: &str) -> Result<KvType, KvTypeError> {
         let lower = s.to_ascii_lowercase();
-        KvType::ALL.into_iter().find(|t| t.name() == lower).ok_or_else(|| KvTypeError::Unsupported(s.to_string()))
+        KvType::ALL
+            .into_iter()
+            .find(|t| t.name() == lower)
+            .ok_or_else(|| KvTypeError::Unsupported(s.to_string()))
     }
 }
 
@@ -181,7 +183,9 @@ impl KvRows {
                 }
                 let at = b.len();
                 b.resize(at + values.len() / Q8_0_BLOCK * Q8_0_BLOCK_BYTES, 0);
-                for (x, out) in values.chunks_exact(Q8_0_BLOCK).zip(b[at..].chunks_exact_mut(Q8_0_BLOCK_BYTES)) {
+                for (x, out) in
+                    values.chunks_exact(Q8_0_BLOCK).zip(b[at..].chunks_exact_mut(Q8_0_BLOCK_BYTES))
+                {
                     quantize_q8_0_block(x, out);
                 }
             }
@@ -225,7 +229,8 @@ impl KvRows {
                     "q8_0 rows are read in whole blocks"
                 );
                 let blocks = &b[start / Q8_0_BLOCK * Q8_0_BLOCK_BYTES..][..n / Q8_0_BLOCK * Q8_0_BLOCK_BYTES];
-                for (block, o) in blocks.chunks_exact(Q8_0_BLOCK_BYTES).zip(out.chunks_exact_mut(Q8_0_BLOCK)) {
+                for (block, o) in blocks.chunks_exact(Q8_0_BLOCK_BYTES).zip(out.chunks_exact_mut(Q8_0_BLOCK))
+                {
                     dequantize_q8_0_block(block, o);
                 }
             }

@@ -51,10 +51,10 @@ pub use delta_rule::{
 };
 pub use dense::{matmul, par_matmul, DenseMatrix, MatmulPart, MAX_MATMUL_PARTS};
 pub use error::KernelError;
-pub use kv::{KvRows, KvType, KvTypeError};
 pub use ffn::{
     down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, gemv_rows_q8, matmul_rows,
 };
+pub use kv::{KvRows, KvType, KvTypeError};
 pub use par::{par_chunk_pairs_mut, par_chunks_mut};
 pub use pool::{ColdExpertWork, ColdJob, ColdPool};
 pub use q8::{DecodeActivations, Q8Activations, Q8_MAX_TOKENS};

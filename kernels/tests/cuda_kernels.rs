@@ -554,16 +554,20 @@ fn typed_ptr(t: moe_lanes_kernels::KvType, d: &moe_lanes_kernels::cuda::DeviceBu
 fn attention_bf16_and_q8_0_caches_match_cpu() {
     use moe_lanes_kernels::KvType;
     let Some(be) = backend() else { return };
-    for (n_heads, n_kv, hd, pos0, t) in
-        [(8, 2, 128, 700, 1), (16, 2, 128, 3000, 1), (32, 4, 128, 45, 19), (16, 2, 64, 0, 150), (4, 2, 256, 3, 2)]
-    {
+    for (n_heads, n_kv, hd, pos0, t) in [
+        (8, 2, 128, 700, 1),
+        (16, 2, 128, 3000, 1),
+        (32, 4, 128, 45, 19),
+        (16, 2, 64, 0, 150),
+        (4, 2, 256, 3, 2),
+    ] {
         let total = pos0 + t;
         let kv_dim = n_kv * hd;
         let q = rnd(t * n_heads * hd, 41);
         let (kc, vc) = (rnd(total * kv_dim, 42), rnd(total * kv_dim, 43));
         let dq = be.upload(&q).unwrap();
         for (kv_type, bound) in [(KvType::Bf16, 1e-2f32), (KvType::Q8_0, 2e-2)] {
-            let ((dk, kh), (dv, vh)) = (typed_cache(&be, kv_type, &kc), typed_cache(&be, kv_type, &vc));
+            let ((dk, kh), (dv, vh)) = (typed_cache(be, kv_type, &kc), typed_cache(be, kv_type, &vc));
             let (kp, vp) = (typed_ptr(kv_type, &dk), typed_ptr(kv_type, &dv));
             let mut worst = 0f32;
             for window in [0usize, 100] {
@@ -577,14 +581,30 @@ fn attention_bf16_and_q8_0_caches_match_cpu() {
                 let mut outs = Vec::new();
                 let visible = if window > 0 { window.min(total) } else { total };
                 if visible <= moe_lanes_kernels::cuda::ops::ATTENTION_MAX_POSITIONS {
-                    let o = run(&|o| be.attention(dq.ptr(), kp, vp, o, t, pos0, n_heads, n_kv, hd, window).unwrap());
+                    let o = run(&|o| {
+                        be.attention(dq.ptr(), kp, vp, o, t, pos0, n_heads, n_kv, hd, window).unwrap()
+                    });
                     outs.push(("per-row", o));
                 }
-                let part =
-                    be.alloc_zeros::<f32>(CudaBackend::attention_split_scratch(t, n_heads, hd, total)).unwrap();
+                let part = be
+                    .alloc_zeros::<f32>(CudaBackend::attention_split_scratch(t, n_heads, hd, total))
+                    .unwrap();
                 let o = run(&|o| {
-                    be.attention_split(dq.ptr(), kp, vp, o, part.ptr(), t, pos0, n_heads, n_kv, hd, window, None)
-                        .unwrap()
+                    be.attention_split(
+                        dq.ptr(),
+                        kp,
+                        vp,
+                        o,
+                        part.ptr(),
+                        t,
+                        pos0,
+                        n_heads,
+                        n_kv,
+                        hd,
+                        window,
+                        None,
+                    )
+                    .unwrap()
                 });
                 outs.push(("split", o));
                 if CudaBackend::attention_tiled_fits(hd) {
@@ -605,9 +625,15 @@ fn attention_bf16_and_q8_0_caches_match_cpu() {
                     // 16 of its up to 18 significant bits there.
                     let exact = if *kernel == "mma" && kv_type == KvType::Q8_0 { 1e-4 } else { 1e-5 };
                     let err = max_abs_diff(got, &want);
-                    assert!(err < exact, "{kernel} {kv_type}: {what}: {err} against the CPU over the cache's values");
+                    assert!(
+                        err < exact,
+                        "{kernel} {kv_type}: {what}: {err} against the CPU over the cache's values"
+                    );
                     let err32 = max_abs_diff(got, &want32);
-                    assert!(err32 < bound, "{kernel} {kv_type}: {what}: {err32} against the f32 cache's result");
+                    assert!(
+                        err32 < bound,
+                        "{kernel} {kv_type}: {what}: {err32} against the f32 cache's result"
+                    );
                     worst = worst.max(err32);
                 }
             }
@@ -633,8 +659,24 @@ fn kv_appends_quantize_to_bf16_and_q8_0() {
     let fused = |k_cache: KvPtr, v_cache: KvPtr| {
         let (dq, dk, dv) = (be.upload(&q).unwrap(), be.upload(&k).unwrap(), be.upload(&v).unwrap());
         let append = KvAppend { pos: None, v: dv.ptr(), k_cache, v_cache };
-        be.qk_norm_rope(dq.ptr(), dk.ptr(), None, t, nh, nkv, nh * hd, kvd, hd, hd, pos0, 1e6, false, 1e-6, Some(append))
-            .unwrap();
+        be.qk_norm_rope(
+            dq.ptr(),
+            dk.ptr(),
+            None,
+            t,
+            nh,
+            nkv,
+            nh * hd,
+            kvd,
+            hd,
+            hd,
+            pos0,
+            1e6,
+            false,
+            1e-6,
+            Some(append),
+        )
+        .unwrap();
     };
     let (k32, v32) =
         (be.alloc_zeros::<f32>((pos0 + t) * kvd).unwrap(), be.alloc_zeros::<f32>((pos0 + t) * kvd).unwrap());
@@ -647,7 +689,8 @@ fn kv_appends_quantize_to_bf16_and_q8_0() {
             all.extend_from_slice(rows);
             KvRows::converted(kv_type, &all).unwrap()
         };
-        let read = |d: &moe_lanes_kernels::cuda::DeviceBuffer<u8>| -> Vec<u8> { be.read_vec(d.ptr()).unwrap() };
+        let read =
+            |d: &moe_lanes_kernels::cuda::DeviceBuffer<u8>| -> Vec<u8> { be.read_vec(d.ptr()).unwrap() };
         let as_bytes = |r: KvRows| -> Vec<u8> {
             match r {
                 KvRows::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
@@ -657,7 +700,8 @@ fn kv_appends_quantize_to_bf16_and_q8_0() {
         };
         let (kc, vc) = (be.alloc_zeros::<u8>(bytes).unwrap(), be.alloc_zeros::<u8>(bytes).unwrap());
         let (dk, dv) = (be.upload(&k).unwrap(), be.upload(&v).unwrap());
-        be.kv_store_rows(dk.ptr(), dv.ptr(), typed_ptr(kv_type, &kc), typed_ptr(kv_type, &vc), t, pos0, kvd).unwrap();
+        be.kv_store_rows(dk.ptr(), dv.ptr(), typed_ptr(kv_type, &kc), typed_ptr(kv_type, &vc), t, pos0, kvd)
+            .unwrap();
         assert_eq!(read(&kc), as_bytes(expect(&k)), "{kv_type}: kv_store_rows keys");
         assert_eq!(read(&vc), as_bytes(expect(&v)), "{kv_type}: kv_store_rows values");
         let (kc, vc) = (be.alloc_zeros::<u8>(bytes).unwrap(), be.alloc_zeros::<u8>(bytes).unwrap());
@@ -678,7 +722,8 @@ fn q8_0_caches_need_whole_blocks() {
     let (kp, vp) = (KvPtr::Q8_0(c.ptr()), KvPtr::Q8_0(c.ptr()));
     let err = be.attention(q.ptr(), kp, vp, o.ptr(), t, 0, n_heads, n_kv, hd, 0).unwrap_err().to_string();
     assert!(err.contains("blocks of 32"), "{err}");
-    let err = be.attention(q.ptr(), kp, KvPtr::F32(o.ptr()), o.ptr(), t, 0, n_heads, n_kv, 32, 0).unwrap_err();
+    let err =
+        be.attention(q.ptr(), kp, KvPtr::F32(o.ptr()), o.ptr(), t, 0, n_heads, n_kv, 32, 0).unwrap_err();
     assert!(err.to_string().contains("differ in type"), "{err}");
 }
 

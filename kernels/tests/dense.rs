@@ -5,9 +5,9 @@ mod common;
 
 use common::{relative_error, tolerance, MisalignedBytes, Rng};
 use moe_lanes_kernels::{
-    KvRows, KvType,
     attention, attention_reference, available, dot_row, matmul, par_attention, par_matmul, AttentionInput,
-    AttentionScratch, AttentionShape, ColdPool, DenseMatrix, MatmulPart, SimdLevel, WeightDType,
+    AttentionScratch, AttentionShape, ColdPool, DenseMatrix, KvRows, KvType, MatmulPart, SimdLevel,
+    WeightDType,
 };
 
 /// `y[t * rows + r] = Σ_c w[r, c] x[t, c]`, sequential.
@@ -118,17 +118,32 @@ fn par_attention_reads_every_kv_type() {
     let mut pools: Vec<ColdPool> = (1..=3).map(ColdPool::new).collect();
     let mut scratch = AttentionScratch::default();
     let shape = AttentionShape { n_heads: 8, n_kv_heads: 2, head_dim: 64 };
-    for (first_pos, n_tokens, window) in [(0, 1, None), (300, 1, None), (300, 1, Some(100)), (260, 20, None)] {
+    for (first_pos, n_tokens, window) in [(0, 1, None), (300, 1, None), (300, 1, Some(100)), (260, 20, None)]
+    {
         let f32_kv = random_kv(&mut rng, shape.n_kv_heads, first_pos + n_tokens, shape.head_dim);
         let q = rng.vec(n_tokens * shape.n_heads * shape.head_dim, 1.0);
-        let f32_input =
-            AttentionInput { shape, q: &q, keys: &f32_kv.keys, values: &f32_kv.values, first_pos, window, sinks: None };
+        let f32_input = AttentionInput {
+            shape,
+            q: &q,
+            keys: &f32_kv.keys,
+            values: &f32_kv.values,
+            first_pos,
+            window,
+            sinks: None,
+        };
         let mut exact = vec![0.0; q.len()];
         attention_reference(&f32_input, &mut exact).unwrap();
         for t in KvType::ALL {
             let kv = f32_kv.converted(t);
-            let input =
-                AttentionInput { shape, q: &q, keys: &kv.keys, values: &kv.values, first_pos, window, sinks: None };
+            let input = AttentionInput {
+                shape,
+                q: &q,
+                keys: &kv.keys,
+                values: &kv.values,
+                first_pos,
+                window,
+                sinks: None,
+            };
             let mut expected = vec![0.0; q.len()];
             attention_reference(&input, &mut expected).unwrap();
             // Against the f32 cache: the type's rounding of keys and values (values ~U(-1, 1)).
@@ -139,7 +154,10 @@ fn par_attention_reads_every_kv_type() {
                 let mut single = vec![f32::NAN; q.len()];
                 attention(level, &input, &mut scratch, &mut single).unwrap();
                 let error = relative_error(&single, &expected);
-                assert!(error <= tolerance(level, WeightDType::F32), "{t} {level} pos={first_pos}: {error:e}");
+                assert!(
+                    error <= tolerance(level, WeightDType::F32),
+                    "{t} {level} pos={first_pos}: {error:e}"
+                );
                 for pool in pools.iter_mut() {
                     let mut out = vec![f32::NAN; q.len()];
                     par_attention(pool, level, &input, &mut scratch, &mut out).unwrap();
@@ -166,8 +184,10 @@ fn attention_refuses_q8_0_heads_that_split_blocks() {
     let shape = AttentionShape { n_heads: 2, n_kv_heads: 1, head_dim: 48 };
     let kv = vec![KvRows::converted(KvType::Q8_0, &[0.5; 96]).unwrap()];
     let q = vec![1.0; 96];
-    let input = AttentionInput { shape, q: &q, keys: &kv, values: &kv, first_pos: 1, window: None, sinks: None };
-    let err = attention(SimdLevel::Scalar, &input, &mut AttentionScratch::default(), &mut [0.0; 96]).unwrap_err();
+    let input =
+        AttentionInput { shape, q: &q, keys: &kv, values: &kv, first_pos: 1, window: None, sinks: None };
+    let err =
+        attention(SimdLevel::Scalar, &input, &mut AttentionScratch::default(), &mut [0.0; 96]).unwrap_err();
     assert!(err.to_string().contains("head_dim (a multiple of the KV type's block)"), "{err}");
 }
 

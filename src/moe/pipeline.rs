@@ -41,8 +41,8 @@ use crate::moe::profile::{mark, CpuProfiler};
 use crate::moe::routing::Router;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::{
-    par_chunks_mut, AttentionInput, AttentionShape, DecodeActivations, DenseMatrix, KernelError, KvRows, KvType,
-    MatmulPart, SimdLevel,
+    par_chunks_mut, AttentionInput, AttentionShape, DecodeActivations, DenseMatrix, KernelError, KvRows,
+    KvType, MatmulPart, SimdLevel,
 };
 use std::sync::Arc;
 use std::time::Instant;

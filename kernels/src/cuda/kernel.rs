@@ -356,12 +356,24 @@ impl Kernel {
     // Each attention kernel's instances per KV cache type: f32, f16, bf16, q8_0 (`KvPtr`).
     pub const ATTENTION: [Kernel; 4] =
         [Kernel::AttentionF32, Kernel::AttentionF16, Kernel::AttentionBf16, Kernel::AttentionQ8_0];
-    pub const ATTENTION_SPLIT: [Kernel; 4] =
-        [Kernel::AttentionSplitF32, Kernel::AttentionSplitF16, Kernel::AttentionSplitBf16, Kernel::AttentionSplitQ8_0];
-    pub const ATTENTION_TILED: [Kernel; 4] =
-        [Kernel::AttentionTiledF32, Kernel::AttentionTiledF16, Kernel::AttentionTiledBf16, Kernel::AttentionTiledQ8_0];
-    pub const ATTENTION_MMA: [Kernel; 4] =
-        [Kernel::AttentionMmaF32, Kernel::AttentionMmaF16, Kernel::AttentionMmaBf16, Kernel::AttentionMmaQ8_0];
+    pub const ATTENTION_SPLIT: [Kernel; 4] = [
+        Kernel::AttentionSplitF32,
+        Kernel::AttentionSplitF16,
+        Kernel::AttentionSplitBf16,
+        Kernel::AttentionSplitQ8_0,
+    ];
+    pub const ATTENTION_TILED: [Kernel; 4] = [
+        Kernel::AttentionTiledF32,
+        Kernel::AttentionTiledF16,
+        Kernel::AttentionTiledBf16,
+        Kernel::AttentionTiledQ8_0,
+    ];
+    pub const ATTENTION_MMA: [Kernel; 4] = [
+        Kernel::AttentionMmaF32,
+        Kernel::AttentionMmaF16,
+        Kernel::AttentionMmaBf16,
+        Kernel::AttentionMmaQ8_0,
+    ];
     pub const ATTENTION_SPLIT_GQA: [Kernel; 4] = [
         Kernel::AttentionSplitGqaF32,
         Kernel::AttentionSplitGqaF16,

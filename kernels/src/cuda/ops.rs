@@ -162,7 +162,10 @@ impl KvPtr {
             KvPtr::F16(p) => KvPtr::F16(p.sub(offset, len)),
             KvPtr::Bf16(p) => KvPtr::Bf16(p.sub(offset, len)),
             KvPtr::Q8_0(p) => {
-                assert!(offset % Q8_0_VALUES == 0 && len % Q8_0_VALUES == 0, "q8_0 rows are whole blocks");
+                assert!(
+                    offset.is_multiple_of(Q8_0_VALUES) && len.is_multiple_of(Q8_0_VALUES),
+                    "q8_0 rows are whole blocks"
+                );
                 KvPtr::Q8_0(p.sub(offset / Q8_0_VALUES * Q8_0_BYTES, len / Q8_0_VALUES * Q8_0_BYTES))
             }
         }
@@ -205,7 +208,8 @@ fn check_kv_pair(kernel: Kernel, k: KvPtr, v: KvPtr, widths: &[usize]) -> Result
     }
     let block = k.kv_type().block_len();
     if let Some(w) = widths.iter().find(|w| !w.is_multiple_of(block)) {
-        let reason = format!("{} caches store blocks of {block} values; a row or head of {w} splits one", k.kv_type());
+        let reason =
+            format!("{} caches store blocks of {block} values; a row or head of {w} splits one", k.kv_type());
         return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
     }
     Ok(())
@@ -899,7 +903,8 @@ impl CudaBackend {
                 a.check(K, n_tokens, k_stride, pos0)?;
                 check_kv_pair(K, a.k_cache, a.v_cache, &[head_dim])?;
                 if a.k_cache.kv_type() == KvType::Q8_0 && head_dim > QK_STAGE_MAX_HEAD_DIM {
-                    let reason = format!("q8_0 appends stage heads of up to {QK_STAGE_MAX_HEAD_DIM}, not {head_dim}");
+                    let reason =
+                        format!("q8_0 appends stage heads of up to {QK_STAGE_MAX_HEAD_DIM}, not {head_dim}");
                     return Err(CudaError::Shape { kernel: K.symbol(), reason });
                 }
                 let pos = a.pos.map_or(0, |p| p.raw());
