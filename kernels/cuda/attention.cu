@@ -5,8 +5,8 @@
 // the cache's values as f32 (`kv_at`: value i; `kv_ld4`: four values at an offset of a multiple of
 // 4; `+`: advance by values): `const float*`, `const __half*`, `const bf16*`, or `kv_q8_ptr` over
 // llama.cpp's q8_0 blocks (32 values: an f16 scale d, then 32 int8 q; value d * q). Each kernel is
-// one code path, instantiated by an extern "C" entry point per type (`*_f32`, `*_f16`, `*_bf16`,
-// `*_q8_0`, written by the ATT_KV_ENTRIES macro), and computes in f32. Reads go through the
+// one code path, instantiated by a thin extern "C" entry point per type (`*_f32`, `*_f16`,
+// `*_bf16`, `*_q8_0`), and computes in f32. Reads go through the
 // read-only cache (__ldg).
 __device__ __forceinline__ float kv_at(const float* p, size_t i) { return __ldg(p + i); }
 __device__ __forceinline__ float kv_at(const __half* p, size_t i) {
@@ -57,27 +57,13 @@ __device__ __forceinline__ float4 kv_ld4(kv_q8_ptr p) {
                        d * (float)(signed char)(hi & 0xff), d * (float)(signed char)(hi >> 8));
 }
 
-// The entry points of one attention kernel, one per cache type: ATT_KV_ENTRIES(name, launch
-// bounds, parameters before the caches, parameters after, the call with `kc` / `vc`); each entry
-// takes its caches as `const T*` and calls the template with them (q8_0: as kv_q8_ptr).
-#define ATT_KV_ENTRY(name, sfx, bounds, T, wrap, pre, post, call)                                          \
-    extern "C" __global__ bounds void name##_##sfx(pre, const T* __restrict__ kc_raw,                      \
-                                                  const T* __restrict__ vc_raw, post) {                    \
-        pdl_enter();                                                                                       \
-        auto kc = wrap(kc_raw);                                                                            \
-        auto vc = wrap(vc_raw);                                                                            \
-        call;                                                                                              \
-    }
+// Each attention kernel's entry points, one per cache type (`*_f32`, `*_f16`, `*_bf16`, `*_q8_0`),
+// take the caches as `const T*` and call the kernel's one template with them through kv_wrap
+// (q8_0: as kv_q8_ptr).
 __device__ __forceinline__ const float* kv_wrap(const float* p) { return p; }
 __device__ __forceinline__ const __half* kv_wrap(const __half* p) { return p; }
 __device__ __forceinline__ const bf16* kv_wrap(const bf16* p) { return p; }
 __device__ __forceinline__ kv_q8_ptr kv_wrap(const unsigned char* p) { return kv_q8_ptr{p, 0}; }
-#define ATT_KV_ENTRIES(name, bounds, pre, post, call)                                                      \
-    ATT_KV_ENTRY(name, f32, bounds, float, kv_wrap, ATT_ARGS pre, ATT_ARGS post, call)                     \
-    ATT_KV_ENTRY(name, f16, bounds, __half, kv_wrap, ATT_ARGS pre, ATT_ARGS post, call)                    \
-    ATT_KV_ENTRY(name, bf16, bounds, bf16, kv_wrap, ATT_ARGS pre, ATT_ARGS post, call)                     \
-    ATT_KV_ENTRY(name, q8_0, bounds, unsigned char, kv_wrap, ATT_ARGS pre, ATT_ARGS post, call)
-#define ATT_ARGS(...) __VA_ARGS__
 
 // Causal GQA attention of T query rows (positions pos0..pos0+T-1) against the layer's KV cache,
 // which already holds positions 0..pos0+T-1 ([positions, kv_dim] f32). Decode is T = 1.
@@ -167,9 +153,26 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, KV k
         out[(size_t)t * q_dim + (size_t)h * hd + i] = a * inv;
     }
 }
-ATT_KV_ENTRIES(attention, , (const float* __restrict__ q),
-               (float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale),
-               attention_rows(q, kc, vc, out, pos0, n_heads, n_kv, hd, window, scale))
+extern "C" __global__ void attention_f32(const float* __restrict__ q, const float* __restrict__ kc,
+    const float* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
+}
 
 // Split-position ("flash-decoding") attention, pass 1. Row t (position pos0 + t) of head h sees
 // n positions; they are cut into `used` spans of `per` positions (a multiple of ATT_CHUNK), where
@@ -320,10 +323,26 @@ __device__ __forceinline__ void attention_split_span(const float* __restrict__ q
         pr[hd + 1] = l;
     }
 }
-ATT_KV_ENTRIES(attention_split, , (const float* __restrict__ q),
-               (float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
-                int max_splits, const int* __restrict__ pos_ptr),
-               attention_split_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr))
+extern "C" __global__ void attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
+    const float* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ void attention_split_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ void attention_split_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ void attention_split_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
 
 // Pass 1 for kv heads of a group of ATT_GQA_HEADS (8) query heads or a multiple (g % 8 == 0,
 // hd % 4 == 0, hd <= 128): block (b, s, t) takes query heads 8b..8b+7, which share one kv head,
@@ -469,11 +488,26 @@ __device__ __forceinline__ void attention_split_gqa_span(const float* __restrict
         pr[hd + 1] = l;
     }
 }
-ATT_KV_ENTRIES(attention_split_gqa, __launch_bounds__(32 * ATT_SPLIT_WARPS), (const float* __restrict__ q),
-               (float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
-                int max_splits, const int* __restrict__ pos_ptr),
-               attention_split_gqa_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits,
-                                        pos_ptr))
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f32(const float* __restrict__ q, const float* __restrict__ kc,
+    const float* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
 
 // Split attention, pass 2: out[t, h, :] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with
 // M = max_s m_s over the `used` spans of row t (computed as pass 1 does, from pos_ptr when
@@ -615,10 +649,26 @@ __device__ __forceinline__ void attention_tiles(const float* __restrict__ q, KV 
     }
 }
 
-ATT_KV_ENTRIES(attention_tiled, , (const float* __restrict__ q),
-               (float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window,
-                float scale),
-               attention_tiles(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale))
+extern "C" __global__ void attention_tiled_f32(const float* __restrict__ q, const float* __restrict__ kc,
+    const float* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_tiled_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_tiled_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_tiled_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
 
 // ---- prefill attention on tensor cores ----
 // attention_tiled_f32's rows and blocks with both products on mma.sync (m16n8k16, bf16 in, f32
@@ -878,7 +928,23 @@ __device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q,
 }
 // f16 caches: each f16 value is exactly bf16 hi + lo (11 significant bits, the bf16 exponent
 // range), so the f16 instance computes what the f32 one does on the widened values.
-ATT_KV_ENTRIES(attention_mma, __launch_bounds__(32 * ATT_MMA_WARPS), (const float* __restrict__ q),
-               (float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window,
-                float scale),
-               attention_mma_tiles(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale))
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f32(const float* __restrict__ q, const float* __restrict__ kc,
+    const float* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}

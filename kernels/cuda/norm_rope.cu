@@ -97,8 +97,8 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
                                             const int* __restrict__ pos_ptr, void* __restrict__ kc,
                                             void* __restrict__ vc, const float* __restrict__ v, int nkv,
                                             int kv_type) {
-    __shared__ float stage[KV_STAGE_MAX];
     pdl_enter();
+    __shared__ float stage[KV_STAGE_MAX];
     int t = blockIdx.x, h = blockIdx.y, half = rot / 2;
     if (pos_ptr) pos0 = *pos_ptr;
     if (kc && h >= nh + nkv) {  // value head copy into the cache
