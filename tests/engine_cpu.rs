@@ -111,21 +111,31 @@ fn typed_options_parse_or_name_what_is_wrong() {
     assert!("meteor:1".parse::<GpuFaults>().is_err());
 }
 
-/// The CPU engines keep f32 KV caches: f32 asked for builds, f16 is refused with a message that
-/// names the engine and the flags (never silently ignored).
+/// The oracle keeps f32 KV caches: f32 asked for builds, another type is refused with a message
+/// that names the engine and the flags (never silently ignored); the pipeline builds with every
+/// type whose blocks its heads hold.
 #[test]
-fn cpu_engines_take_only_an_f32_kv_cache() {
+fn the_oracle_takes_only_an_f32_kv_cache_and_the_pipeline_every_type() {
     use moe_lanes::model::context::KvType;
     let dir = tempfile::tempdir().unwrap();
     let model = model(dir.path());
-    for kind in [EngineKind::Pipeline, EngineKind::Reference] {
+    let with = |kind, t| {
         let mut opts = options(kind, HotChoice::None);
-        opts.kv_type = Some(KvType::F32);
-        assert_eq!(build_engine(&model, opts).unwrap().1.kind, kind);
-        let mut opts = options(kind, HotChoice::None);
-        opts.kv_type = Some(KvType::F16);
-        let err = build_engine(&model, opts).err().expect("f16 refused");
-        assert!(matches!(err, EngineError::KvType { engine, asked: KvType::F16 } if engine == kind), "{err}");
-        assert!(err.to_string().contains("--cache-type-k"), "{err}");
+        opts.kv_type = Some(t);
+        build_engine(&model, opts)
+    };
+    assert_eq!(with(EngineKind::Reference, KvType::F32).unwrap().1.kind, EngineKind::Reference);
+    let err = with(EngineKind::Reference, KvType::F16).err().expect("f16 refused");
+    assert!(
+        matches!(err, EngineError::KvType { engine: EngineKind::Reference, asked: KvType::F16 }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("--cache-type-k"), "{err}");
+    let head_dim = model.config().head_dim;
+    for t in KvType::ALL {
+        match with(EngineKind::Pipeline, t) {
+            Ok((_, report)) => assert_eq!(report.kind, EngineKind::Pipeline),
+            Err(e) => assert!(!head_dim.is_multiple_of(t.block_len()), "{t}: {e}"),
+        }
     }
 }

@@ -364,11 +364,12 @@ struct EngineArgs {
     /// context, lowered to what the KV cache can take of the available memory.
     #[arg(long)]
     ctx_size: Option<usize>,
-    /// KV cache type of the keys: f32 or f16 (llama.cpp's flag; q8_0 is not implemented).
-    /// Default: f16 on the gpu engine; the CPU engines keep f32 and refuse f16.
+    /// KV cache type of the keys: f32, f16, bf16 or q8_0 (llama.cpp's flag and q8_0 layout:
+    /// blocks of 32, heads of a multiple of 32). Default: f16 on the gpu engine, f32 on the
+    /// pipeline; the reference engine keeps f32 and refuses the others.
     #[arg(long)]
     cache_type_k: Option<String>,
-    /// KV cache type of the values: f32 or f16; keys and values share one type.
+    /// KV cache type of the values: f32, f16, bf16 or q8_0; keys and values share one type.
     #[arg(long)]
     cache_type_v: Option<String>,
 }
@@ -724,14 +725,39 @@ fn open_model(path: &Path) -> Result<Model> {
 }
 
 /// The model with its session context set from `--ctx-size` (checked against the trained
-/// context and the memory the KV cache would take).
-fn open_model_ctx(path: &Path, ctx_size: Option<usize>) -> Result<Arc<Model>> {
+/// context and the host memory a KV cache of the engine's type would take, [`ctx_kv_type`]).
+fn open_model_ctx(path: &Path, args: &EngineArgs) -> Result<Arc<Model>> {
+    let kv = ctx_kv_type(args.engine.as_deref(), kv_type_flags(args)?);
+    open_model_with_context(path, args.ctx_size, kv)
+}
+
+fn open_model_with_context(path: &Path, ctx_size: Option<usize>, kv: KvType) -> Result<Arc<Model>> {
     use moe_lanes::model::context::{available_memory_bytes, resolve_context};
     let mut model = open_model(path)?;
-    let positions = resolve_context(model.config(), ctx_size, available_memory_bytes())
+    let positions = resolve_context(model.config(), ctx_size, available_memory_bytes(), kv)
         .with_context(|| format!("--ctx-size for {}", path.display()))?;
     model.set_context(positions);
     Ok(Arc::new(model))
+}
+
+/// The KV type the host-memory check of `--ctx-size` counts: the one asked for, else the
+/// default of the engine named (the oracle's f32; the GPU engine's, which the pipeline it replays
+/// into when the device is lost keeps; the pipeline's), else the larger of the GPU's and the
+/// pipeline's defaults (the engine is chosen later).
+fn ctx_kv_type(engine: Option<&str>, asked: Option<KvType>) -> KvType {
+    let (gpu, cpu) = (moe_lanes::gpu::GpuOptions::default().kv_type, moe_lanes::pipeline::PIPELINE_KV_TYPE);
+    asked.unwrap_or(match engine.map(str::parse::<EngineKind>) {
+        Some(Ok(EngineKind::Reference)) => KvType::F32,
+        Some(Ok(EngineKind::Gpu)) => gpu,
+        Some(Ok(EngineKind::Pipeline)) => cpu,
+        _ => {
+            if gpu.bytes_of(32) >= cpu.bytes_of(32) {
+                gpu
+            } else {
+                cpu
+            }
+        }
+    })
 }
 
 /// Engine options with the environment applied (read here, at the edge; `moe_lanes::env` lists
@@ -911,7 +937,7 @@ fn open_engine<'m>(
 }
 
 fn serve(args: ServeArgs) -> Result<()> {
-    let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
+    let model = open_model_ctx(&args.model, &args.engine)?;
     let positions = model.config().max_positions;
     if let Some(path) = &args.engine.trace {
         bail!("--trace {}: serve does not trace (trace with run, generate, logits or bench)", path.display());
@@ -1103,7 +1129,7 @@ fn inspect(args: InspectArgs) -> Result<()> {
 
 fn logits(args: LogitsArgs) -> Result<()> {
     let prompt = args.prompt.ids()?;
-    let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
+    let model = open_model_ctx(&args.model, &args.engine)?;
     if prompt.len() > model.config().max_positions {
         bail!(
             "{} prompt tokens exceed the context of {} positions",
@@ -1123,7 +1149,7 @@ fn logits(args: LogitsArgs) -> Result<()> {
 fn generate(args: GenerateArgs) -> Result<()> {
     let prompt = args.prompt.ids()?;
     let sampling = args.sampling.params()?;
-    let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
+    let model = open_model_ctx(&args.model, &args.engine)?;
     // Before any work: prompt + new tokens must fit the context.
     moe_lanes::reference::check_generation_fits(
         prompt.len(),
@@ -1357,7 +1383,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         // Before the engine is built: its perf state registers its handles with the recorder.
         moe_lanes_server::install_metrics();
     }
-    let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
+    let model = open_model_ctx(&args.model, &args.engine)?;
     let n_positions = args.prompt_tokens.saturating_add(args.gen_tokens);
     let mut opts = engine_options(&model, &args.engine, n_positions, HotChoice::Budget(HotBudget::Auto))?;
     if let Some(parallel) = &args.parallel {
@@ -1429,7 +1455,7 @@ fn weighting(mode: &str, layer_curve: f64) -> Result<Weighting> {
 
 fn plan(args: PlanArgs) -> Result<()> {
     use moe_lanes::cache::whatif::{what_if, PlanShape};
-    let model = open_model_ctx(&args.model, args.ctx_size)?;
+    let model = open_model_with_context(&args.model, args.ctx_size, ctx_kv_type(None, None))?;
     let c = model.config();
     if args.policies {
         return plan_policies(&args, &model);

@@ -36,7 +36,7 @@ pub struct RunArgs {
 pub fn run(args: RunArgs) -> Result<()> {
     let sampling = args.sampling.params()?;
     let text = read_text(args.prompt.as_deref(), args.prompt_file.as_deref())?;
-    let model = open_model_ctx(&args.model, args.engine.ctx_size)?;
+    let model = open_model_ctx(&args.model, &args.engine)?;
     let tok =
         Tokenizer::from_model(&model).with_context(|| format!("{}: tokenizer", args.model.display()))?;
     let prompt = tok.encode(&text, true, true)?;

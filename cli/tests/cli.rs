@@ -84,8 +84,9 @@ fn bad_inputs_fail_with_messages_naming_the_problem() {
     assert!(err.contains("/nonexistent-dir"), "{err}");
 }
 
-/// `--cache-type-k/v`: q8_0 (and any other name) refused with the supported types, different
-/// key and value types refused, f16 refused by the CPU pipeline, f32 runs there.
+/// `--cache-type-k/v`: an unknown name refused with the supported types, different key and value
+/// types refused, every type on the CPU pipeline (q8_0 refused by name where the tiny model's
+/// heads of 16 split its 32-value blocks), the reference engine f32 only.
 #[test]
 fn kv_cache_type_flags_are_checked() {
     let dir = tempfile::tempdir().unwrap();
@@ -95,13 +96,19 @@ fn kv_cache_type_flags_are_checked() {
     let with =
         |extra: &[&'static str]| base.iter().copied().chain(extra.iter().copied()).collect::<Vec<&str>>();
     let fail = |extra: &[&'static str]| failure(&with(extra));
-    let err = fail(&["--cache-type-k", "q8_0"]);
-    assert!(err.contains("--cache-type-k q8_0") && err.contains("f32 and f16"), "{err}");
+    let err = fail(&["--cache-type-k", "q4_0"]);
+    assert!(err.contains("--cache-type-k q4_0") && err.contains("f32, f16, bf16 and q8_0"), "{err}");
     let err = fail(&["--cache-type-k", "f16", "--cache-type-v", "f32"]);
     assert!(err.contains("share one type"), "{err}");
-    let err = fail(&["--cache-type-v", "f16"]);
-    assert!(err.contains("pipeline engine keeps its KV cache in f32"), "{err}");
+    let err = fail(&["--cache-type-v", "q8_0"]);
+    assert!(err.contains("q8_0 stores blocks of 32 values") && err.contains("16 wide"), "{err}");
     ok_stdout(&with(&["--cache-type-k", "f32", "--cache-type-v", "f32"]));
+    ok_stdout(&with(&["--cache-type-k", "f16", "--cache-type-v", "f16"]));
+    ok_stdout(&with(&["--cache-type-k", "bf16"]));
+    let reference =
+        ["logits", "--model", p(&model), "--tokens", "1,2", "--engine", "reference", "--cache-type-k", "f16"];
+    let err = failure(&reference);
+    assert!(err.contains("reference engine keeps its KV cache in f32"), "{err}");
 }
 
 #[test]

@@ -1,17 +1,69 @@
 // Attention over the KV cache: one block per (token, head), and the split-position decode form.
 // Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
-// KV cache elements: the attention kernels are templates over the cache's element type (f32 or
-// f16, `KV`), each instantiated by an extern "C" entry point per type (`*_f32` / `*_f16`); they
-// read the cache through these and compute in f32.
-__device__ __forceinline__ float kv_f(float x) { return x; }
-__device__ __forceinline__ float kv_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float4 kv_ld4(const float* p) { return *(const float4*)p; }
+// KV cache elements: the attention kernels are templates over a pointer-like type `KV` that reads
+// the cache's values as f32 (`kv_at`: value i; `kv_ld4`: four values at an offset of a multiple of
+// 4; `+`: advance by values): `const float*`, `const __half*`, `const bf16*`, or `kv_q8_ptr` over
+// llama.cpp's q8_0 blocks (32 values: an f16 scale d, then 32 int8 q; value d * q). Each kernel is
+// one code path, instantiated by a thin extern "C" entry point per type (`*_f32`, `*_f16`,
+// `*_bf16`, `*_q8_0`), and computes in f32. Reads go through the
+// read-only cache (__ldg).
+__device__ __forceinline__ float kv_at(const float* p, size_t i) { return __ldg(p + i); }
+__device__ __forceinline__ float kv_at(const __half* p, size_t i) {
+    return __half2float(__ushort_as_half(__ldg((const unsigned short*)(p + i))));
+}
+__device__ __forceinline__ float kv_at(const bf16* p, size_t i) {
+    return __uint_as_float((unsigned)__ldg((const unsigned short*)(p + i)) << 16);
+}
+__device__ __forceinline__ float4 kv_ld4(const float* p) { return __ldg((const float4*)p); }
 __device__ __forceinline__ float4 kv_ld4(const __half* p) {
-    uint2 u = *(const uint2*)p;
+    uint2 u = __ldg((const uint2*)p);
     float2 a = __half22float2(*(const __half2*)&u.x), b = __half22float2(*(const __half2*)&u.y);
     return make_float4(a.x, a.y, b.x, b.y);
 }
+__device__ __forceinline__ float4 kv_ld4(const bf16* p) {
+    uint2 u = __ldg((const uint2*)p);
+    return make_float4(__uint_as_float(u.x << 16), __uint_as_float(u.x & 0xffff0000u), __uint_as_float(u.y << 16),
+                       __uint_as_float(u.y & 0xffff0000u));
+}
+
+#define KV_Q8_0_BLOCK 32
+#define KV_Q8_0_BYTES 34
+// A q8_0 cache as a pointer over its values: `off` values past block 0 at `base`.
+struct kv_q8_ptr {
+    const unsigned char* base;
+    size_t off;
+    __device__ __forceinline__ kv_q8_ptr operator+(size_t n) const { return kv_q8_ptr{base, off + n}; }
+};
+__device__ __forceinline__ const unsigned char* kv_q8_block(kv_q8_ptr p, size_t v, float* d) {
+    const unsigned char* b = p.base + (v / KV_Q8_0_BLOCK) * KV_Q8_0_BYTES;
+    *d = __half2float(__ushort_as_half(__ldg((const unsigned short*)b)));  // blocks of 34: 2-byte aligned
+    return b + 2;
+}
+__device__ __forceinline__ float kv_at(kv_q8_ptr p, size_t i) {
+    size_t v = p.off + i;
+    float d;
+    const unsigned char* q = kv_q8_block(p, v, &d);
+    return d * (float)(signed char)__ldg((const char*)q + v % KV_Q8_0_BLOCK);
+}
+// Four values of one block (the offset a multiple of 4): two 2-byte loads (a block's int8 start
+// at 2 mod 4).
+__device__ __forceinline__ float4 kv_ld4(kv_q8_ptr p) {
+    float d;
+    const unsigned char* q = kv_q8_block(p, p.off, &d);
+    const unsigned short* u = (const unsigned short*)(q + p.off % KV_Q8_0_BLOCK);
+    unsigned short lo = __ldg(u), hi = __ldg(u + 1);
+    return make_float4(d * (float)(signed char)(lo & 0xff), d * (float)(signed char)(lo >> 8),
+                       d * (float)(signed char)(hi & 0xff), d * (float)(signed char)(hi >> 8));
+}
+
+// Each attention kernel's entry points, one per cache type (`*_f32`, `*_f16`, `*_bf16`, `*_q8_0`),
+// take the caches as `const T*` and call the kernel's one template with them through kv_wrap
+// (q8_0: as kv_q8_ptr).
+__device__ __forceinline__ const float* kv_wrap(const float* p) { return p; }
+__device__ __forceinline__ const __half* kv_wrap(const __half* p) { return p; }
+__device__ __forceinline__ const bf16* kv_wrap(const bf16* p) { return p; }
+__device__ __forceinline__ kv_q8_ptr kv_wrap(const unsigned char* p) { return kv_q8_ptr{p, 0}; }
 
 // Causal GQA attention of T query rows (positions pos0..pos0+T-1) against the layer's KV cache,
 // which already holds positions 0..pos0+T-1 ([positions, kv_dim] f32). Decode is T = 1.
@@ -20,8 +72,8 @@ __device__ __forceinline__ float4 kv_ld4(const __half* p) {
 // warp accumulates its positions for all dims, then the warps' partials are summed.
 // grid (T, n_heads), block 256, dynamic shared memory: max(visible positions, 8 * hd) * 4 bytes.
 template <typename KV>
-__device__ __forceinline__ void attention_rows(const float* __restrict__ q, const KV* __restrict__ kc,
-                                               const KV* __restrict__ vc, float* __restrict__ out, int pos0,
+__device__ __forceinline__ void attention_rows(const float* __restrict__ q, KV kc,
+                                               KV vc, float* __restrict__ out, int pos0,
                                                int n_heads, int n_kv, int hd, int window, float scale) {
     extern __shared__ float sc[];
     int t = blockIdx.x, h = blockIdx.y;
@@ -30,8 +82,8 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, cons
     int kv_dim = n_kv * hd, q_dim = n_heads * hd;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
     const float* qh = q + (size_t)t * q_dim + (size_t)h * hd;
-    const KV* kb = kc + (size_t)kvh * hd;
-    const KV* vb = vc + (size_t)kvh * hd;
+    KV kb = kc + (size_t)kvh * hd;
+    KV vb = vc + (size_t)kvh * hd;
     int first = window > 0 ? max(0, pos + 1 - window) : 0;
     int n = pos + 1 - first;
     float qr[ATT_MAXC];
@@ -48,11 +100,11 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, cons
             int j = j0 + u * nw;
             d[u] = 0.f;
             if (j < n) {
-                const KV* kr = kb + (size_t)(first + j) * kv_dim;
+                KV kr = kb + (size_t)(first + j) * kv_dim;
 #pragma unroll
                 for (int c = 0; c < ATT_MAXC; c++) {
                     int i = lane + 32 * c;
-                    if (i < hd) d[u] += qr[c] * kv_f(kr[i]);
+                    if (i < hd) d[u] += qr[c] * kv_at(kr, i);
                 }
             }
         }
@@ -80,11 +132,11 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, cons
 #pragma unroll 4
     for (int j = wid; j < n; j += nw) {
         float p = sc[j];
-        const KV* vr = vb + (size_t)(first + j) * kv_dim;
+        KV vr = vb + (size_t)(first + j) * kv_dim;
 #pragma unroll
         for (int c = 0; c < ATT_MAXC; c++) {
             int i = lane + 32 * c;
-            if (i < hd) acc[c] += p * kv_f(vr[i]);
+            if (i < hd) acc[c] += p * kv_at(vr, i);
         }
     }
     __syncthreads();  // every warp is done with the scores: reuse sc for the partials
@@ -102,16 +154,24 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, cons
     }
 }
 extern "C" __global__ void attention_f32(const float* __restrict__ q, const float* __restrict__ kc,
-                                         const float* __restrict__ vc, float* __restrict__ out, int pos0,
-                                         int n_heads, int n_kv, int hd, int window, float scale) {
+    const float* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
     pdl_enter();
-    attention_rows(q, kc, vc, out, pos0, n_heads, n_kv, hd, window, scale);
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
 }
 extern "C" __global__ void attention_f16(const float* __restrict__ q, const __half* __restrict__ kc,
-                                         const __half* __restrict__ vc, float* __restrict__ out, int pos0,
-                                         int n_heads, int n_kv, int hd, int window, float scale) {
+    const __half* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
     pdl_enter();
-    attention_rows(q, kc, vc, out, pos0, n_heads, n_kv, hd, window, scale);
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
 }
 
 // Split-position ("flash-decoding") attention, pass 1. Row t (position pos0 + t) of head h sees
@@ -150,7 +210,7 @@ __device__ __forceinline__ void att_row_range(int pos0, int t, int window, int* 
 
 // This lane's dims (4 lane + 128 c + e) of a cache row r.
 template <typename KV>
-__device__ __forceinline__ void kv_lane_row(const KV* __restrict__ r, int hd, bool vec, float (*x)[4]) {
+__device__ __forceinline__ void kv_lane_row(KV r, int hd, bool vec, float (*x)[4]) {
     int lane = threadIdx.x & 31;
 #pragma unroll
     for (int c = 0; c < ATT_SPLIT_C4; c++) {
@@ -160,14 +220,14 @@ __device__ __forceinline__ void kv_lane_row(const KV* __restrict__ r, int hd, bo
             x[c][0] = v.x, x[c][1] = v.y, x[c][2] = v.z, x[c][3] = v.w;
         } else {
 #pragma unroll
-            for (int e = 0; e < 4; e++) x[c][e] = i + e < hd ? kv_f(r[i + e]) : 0.f;
+            for (int e = 0; e < 4; e++) x[c][e] = i + e < hd ? kv_at(r, i + e) : 0.f;
         }
     }
 }
 
 template <typename KV>
-__device__ __forceinline__ void attention_split_span(const float* __restrict__ q, const KV* __restrict__ kc,
-                                                     const KV* __restrict__ vc, float* __restrict__ part,
+__device__ __forceinline__ void attention_split_span(const float* __restrict__ q, KV kc,
+                                                     KV vc, float* __restrict__ part,
                                                      int pos0, int n_heads, int n_kv, int hd, int window,
                                                      float scale, int max_splits, const int* __restrict__ pos_ptr) {
     __shared__ float sc[ATT_CHUNK];
@@ -185,8 +245,8 @@ __device__ __forceinline__ void attention_split_span(const float* __restrict__ q
     bool vec = (hd & 3) == 0;
     float* pr = part + ((size_t)(t * n_heads + h) * max_splits + s) * (hd + 2);
     const float* qh = q + (size_t)t * q_dim + (size_t)h * hd;
-    const KV* kb = kc + (size_t)kvh * hd + (size_t)first * kv_dim;
-    const KV* vb = vc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    KV kb = kc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    KV vb = vc + (size_t)kvh * hd + (size_t)first * kv_dim;
     float qr[ATT_SPLIT_C4][4], acc[ATT_SPLIT_C4][4];
 #pragma unroll
     for (int c = 0; c < ATT_SPLIT_C4; c++)
@@ -264,18 +324,24 @@ __device__ __forceinline__ void attention_split_span(const float* __restrict__ q
     }
 }
 extern "C" __global__ void attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
-                                               const float* __restrict__ vc, float* __restrict__ part, int pos0,
-                                               int n_heads, int n_kv, int hd, int window, float scale,
-                                               int max_splits, const int* __restrict__ pos_ptr) {
+    const float* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
 }
 extern "C" __global__ void attention_split_f16(const float* __restrict__ q, const __half* __restrict__ kc,
-                                               const __half* __restrict__ vc, float* __restrict__ part, int pos0,
-                                               int n_heads, int n_kv, int hd, int window, float scale,
-                                               int max_splits, const int* __restrict__ pos_ptr) {
+    const __half* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ void attention_split_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ void attention_split_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
 }
 
 // Pass 1 for kv heads of a group of ATT_GQA_HEADS (8) query heads or a multiple (g % 8 == 0,
@@ -315,14 +381,14 @@ __device__ __forceinline__ float att_reduce8(const float* d) {
 }
 
 template <typename KV>
-__device__ __forceinline__ float4 kv_lane4(const KV* __restrict__ row, int hd) {
+__device__ __forceinline__ float4 kv_lane4(KV row, int hd) {
     int i = 4 * (threadIdx.x & 31);
     return i < hd ? kv_ld4(row + i) : make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
 template <typename KV>
-__device__ __forceinline__ void attention_split_gqa_span(const float* __restrict__ q, const KV* __restrict__ kc,
-                                                         const KV* __restrict__ vc, float* __restrict__ part,
+__device__ __forceinline__ void attention_split_gqa_span(const float* __restrict__ q, KV kc,
+                                                         KV vc, float* __restrict__ part,
                                                          int pos0, int n_heads, int n_kv, int hd, int window,
                                                          float scale, int max_splits,
                                                          const int* __restrict__ pos_ptr) {
@@ -347,8 +413,8 @@ __device__ __forceinline__ void attention_split_gqa_span(const float* __restrict
             qr[hh][e] = i4 < hd ? q[(size_t)t * q_dim + (size_t)(h0 + hh) * hd + i4 + e] * scale : 0.f;
             acc[hh][e] = 0.f;
         }
-    const KV* kb = kc + (size_t)kvh * hd + (size_t)first * kv_dim;
-    const KV* vb = vc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    KV kb = kc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    KV vb = vc + (size_t)kvh * hd + (size_t)first * kv_dim;
     float m = -INFINITY, l = 0.f;  // head wid's, the same in every lane of the warp
     for (int c0 = j0; c0 < jend; c0 += ATT_CHUNK) {
         int cnt = min(ATT_CHUNK, jend - c0);
@@ -422,18 +488,25 @@ __device__ __forceinline__ void attention_split_gqa_span(const float* __restrict
         pr[hd + 1] = l;
     }
 }
-extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f32(
-    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, float* __restrict__ part,
-    int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f32(const float* __restrict__ q, const float* __restrict__ kc,
+    const float* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_gqa_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
 }
-extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f16(
-    const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc,
-    float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits,
-    const int* __restrict__ pos_ptr) {
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_gqa_span(q, kc, vc, part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
 }
 
 // Split attention, pass 2: out[t, h, :] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with
@@ -479,8 +552,8 @@ extern "C" __global__ void attention_combine_f32(const float* __restrict__ part,
 // grid (ceil(T * group / ATT_TILE_ROWS), n_kv), block 32 * ATT_TILE_ROWS / 4, dynamic shared
 // (ATT_TILE_KEYS * (2 hd + 4) + ATT_TILE_ROWS * hd) * 4 bytes. hd % 4 == 0, hd <= 32 * ATT_TILE_MAXC.
 template <typename KV>
-__device__ __forceinline__ void attention_tiles(const float* __restrict__ q, const KV* __restrict__ kc,
-                                                const KV* __restrict__ vc, float* __restrict__ out, int n_tokens,
+__device__ __forceinline__ void attention_tiles(const float* __restrict__ q, KV kc,
+                                                KV vc, float* __restrict__ out, int n_tokens,
                                                 int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
     extern __shared__ float4 sm4[];
     float* ks = (float*)sm4;                        // [ATT_TILE_KEYS][hd + 4]
@@ -513,8 +586,8 @@ __device__ __forceinline__ void attention_tiles(const float* __restrict__ q, con
         for (int e = threadIdx.x; e < ATT_TILE_KEYS * hd; e += blockDim.x) {
             int j = e / hd, i = e % hd, p = k0 + j;
             size_t src = (size_t)p * kv_dim + (size_t)kvh * hd + i;
-            ks[j * ks_stride + i] = p <= key_hi ? kv_f(kc[src]) : 0.f;
-            vs[j * hd + i] = p <= key_hi ? kv_f(vc[src]) : 0.f;
+            ks[j * ks_stride + i] = p <= key_hi ? kv_at(kc, src) : 0.f;
+            vs[j * hd + i] = p <= key_hi ? kv_at(vc, src) : 0.f;
         }
         __syncthreads();
         float s[4] = {0.f, 0.f, 0.f, 0.f};
@@ -577,18 +650,24 @@ __device__ __forceinline__ void attention_tiles(const float* __restrict__ q, con
 }
 
 extern "C" __global__ void attention_tiled_f32(const float* __restrict__ q, const float* __restrict__ kc,
-                                               const float* __restrict__ vc, float* __restrict__ out,
-                                               int n_tokens, int pos0, int n_heads, int n_kv, int hd,
-                                               int window, float scale) {
+    const float* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
     pdl_enter();
-    attention_tiles(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
 }
 extern "C" __global__ void attention_tiled_f16(const float* __restrict__ q, const __half* __restrict__ kc,
-                                               const __half* __restrict__ vc, float* __restrict__ out,
-                                               int n_tokens, int pos0, int n_heads, int n_kv, int hd,
-                                               int window, float scale) {
+    const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
     pdl_enter();
-    attention_tiles(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_tiled_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ void attention_tiled_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
 }
 
 // ---- prefill attention on tensor cores ----
@@ -684,7 +763,7 @@ __device__ __forceinline__ void am_load_q(unsigned (*qh)[4], unsigned (*ql)[4], 
 // Stage positions k0.. k0 + AM_KEYS - 1 of kv head kvh (zeros past key_hi) as bf16 hi / lo rows
 // of stride ld into kh, kl, vh, vl. Every thread of the block calls it.
 template <typename KV>
-__device__ __forceinline__ void am_stage_kv(const KV* __restrict__ kc, const KV* __restrict__ vc, bf16* kh,
+__device__ __forceinline__ void am_stage_kv(KV kc, KV vc, bf16* kh,
                                             bf16* kl, bf16* vh, bf16* vl, int k0, int key_hi, int kv_dim, int kvh,
                                             int hd, int ld) {
     const int per_row = hd / 4;
@@ -793,8 +872,8 @@ __device__ __forceinline__ void am_pv(float (*o)[4], const float (*p)[4], const 
 }
 
 template <typename KV>
-__device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q, const KV* __restrict__ kc,
-                                                    const KV* __restrict__ vc, float* __restrict__ out, int n_tokens,
+__device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q, KV kc,
+                                                    KV vc, float* __restrict__ out, int n_tokens,
                                                     int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
     __shared__ __align__(16) bf16 am_kv[4 * AM_KEYS * (ATT_MMA_MAXD + 8)];
     const int ld = hd + 8, g = n_heads / n_kv, kvh = blockIdx.y, row0 = blockIdx.x * AM_ROWS;
@@ -849,15 +928,23 @@ __device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q,
 }
 // f16 caches: each f16 value is exactly bf16 hi + lo (11 significant bits, the bf16 exponent
 // range), so the f16 instance computes what the f32 one does on the widened values.
-extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f32(
-    const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc, float* __restrict__ out,
-    int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f32(const float* __restrict__ q, const float* __restrict__ kc,
+    const float* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
     pdl_enter();
-    attention_mma_tiles(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
 }
-extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f16(
-    const float* __restrict__ q, const __half* __restrict__ kc, const __half* __restrict__ vc, float* __restrict__ out,
-    int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
     pdl_enter();
-    attention_mma_tiles(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
+    const unsigned char* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    pdl_enter();
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
 }

@@ -38,12 +38,47 @@ extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int 
     }
 }
 
-// One value into a KV cache row of f32 (kv_half 0) or f16 (kv_half 1).
-__device__ __forceinline__ void kv_store(void* cache, size_t i, float x, int kv_half) {
-    if (kv_half)
+// KV cache types (kv_type, as the launchers' KvPtr::type_code): f32, f16, bf16 (both rounded to
+// nearest even), q8_0 (llama.cpp's blocks of 32: f16 d = max|x| / 127, then 32 int8 round(x / d)).
+#define KV_F32 0
+#define KV_F16 1
+#define KV_BF16 2
+#define KV_Q8_0 3
+// The most values of one q8_0 head row staged in shared memory (the launchers check hd).
+#define KV_STAGE_MAX 512
+
+// One value into a KV cache of f32, f16 or bf16 (value index i).
+__device__ __forceinline__ void kv_store(void* cache, size_t i, float x, int kv_type) {
+    if (kv_type == KV_F16)
         ((__half*)cache)[i] = __float2half_rn(x);
+    else if (kv_type == KV_BF16)
+        ((bf16*)cache)[i] = __float2bfloat16_rn(x);
     else
         ((float*)cache)[i] = x;
+}
+
+// n values of src (n % 32 == 0) into a q8_0 cache from value index i (i % 32 == 0): each warp of
+// the block quantizes whole blocks (lane = value), as llama.cpp's quantize_row_q8_0_ref.
+__device__ __forceinline__ void kv_store_q8_0(void* cache, size_t i, const float* src, int n) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    unsigned char* base = (unsigned char*)cache + (i / 32) * 34;
+    for (int b = wid; b < n / 32; b += nw) {
+        float x = src[32 * b + lane];
+        float d = warp_max(fabsf(x)) / 127.f;
+        float id = d != 0.f ? 1.f / d : 0.f;
+        unsigned char* blk = base + (size_t)b * 34;
+        blk[2 + lane] = (unsigned char)(signed char)roundf(x * id);
+        if (lane == 0) *(__half*)blk = __float2half_rn(d);
+    }
+}
+
+// n values of src into the cache row from value index i, every thread of the block taking part.
+__device__ __forceinline__ void kv_store_row(void* cache, size_t i, const float* src, int n, int kv_type) {
+    if (kv_type == KV_Q8_0) {
+        kv_store_q8_0(cache, i, src, n);
+        return;
+    }
+    for (int j = threadIdx.x; j < n; j += blockDim.x) kv_store(cache, i + j, src[j], kv_type);
 }
 
 // Fused decode/prefill q/k post-processing: optional per-head RMSNorm (qw / kw, null for none),
@@ -53,27 +88,30 @@ __device__ __forceinline__ void kv_store(void* cache, size_t i, float x, int kv_
 // Appending (kc non-null: the decode graph, and prefill into an f16 cache): the roped key heads
 // go to the key cache row pos0 + t instead of back into k, and nkv more blocks (grid (T, nh + 2
 // nkv)) copy the value heads of v into the value cache row pos0 + t (rows of kv_dim = k_stride),
-// both converted to the cache's type (kv_half: f16, else f32). pos_ptr non-null (the decode
-// graph): the position comes from device memory, so a captured graph replays for every token.
+// both converted to the cache's type (kv_type; q8_0: the roped key head is staged in shared
+// memory, then quantized block by block). pos_ptr non-null (the decode graph): the position comes
+// from device memory, so a captured graph replays for every token.
 extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __restrict__ qw,
                                             const float* __restrict__ kw, int q_stride, int k_stride, int nh,
                                             int hd, int rot, int pos0, float theta, int interleaved, float eps,
                                             const int* __restrict__ pos_ptr, void* __restrict__ kc,
                                             void* __restrict__ vc, const float* __restrict__ v, int nkv,
-                                            int kv_half) {
+                                            int kv_type) {
     pdl_enter();
+    __shared__ float stage[KV_STAGE_MAX];
     int t = blockIdx.x, h = blockIdx.y, half = rot / 2;
     if (pos_ptr) pos0 = *pos_ptr;
     if (kc && h >= nh + nkv) {  // value head copy into the cache
         size_t off = (size_t)(h - nh - nkv) * hd;
         const float* src = v + (size_t)t * k_stride + off;
         size_t dst = (size_t)(pos0 + t) * k_stride + off;
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) kv_store(vc, dst + i, src[i], kv_half);
+        kv_store_row(vc, dst, src, hd, kv_type);
         return;
     }
     bool is_q = h < nh;
     float* xh = is_q ? q + (size_t)t * q_stride + (size_t)h * hd : k + (size_t)t * k_stride + (size_t)(h - nh) * hd;
     bool to_cache = !is_q && kc;
+    bool staged = to_cache && kv_type == KV_Q8_0;  // whole blocks: through `stage`
     size_t yc = (size_t)(pos0 + t) * k_stride + (size_t)(h - nh) * hd;
     const float* w = is_q ? qw : kw;
     float inv = 1.f;
@@ -86,8 +124,10 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
     double pos = (double)(pos0 + t);
     for (int i = rot + threadIdx.x; i < hd; i += blockDim.x) {  // past the rotated part: norm only
         float y = w ? xh[i] * inv * w[i] : xh[i];
-        if (to_cache)
-            kv_store(kc, yc + i, y, kv_half);
+        if (staged)
+            stage[i] = y;
+        else if (to_cache)
+            kv_store(kc, yc + i, y, kv_type);
         else
             xh[i] = y;
     }
@@ -102,25 +142,32 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
             x1 = x1 * inv * w[b];
         }
         float ya = x0 * c - x1 * s, yb = x1 * c + x0 * s;
-        if (to_cache) {
-            kv_store(kc, yc + a, ya, kv_half);
-            kv_store(kc, yc + b, yb, kv_half);
+        if (staged) {
+            stage[a] = ya;
+            stage[b] = yb;
+        } else if (to_cache) {
+            kv_store(kc, yc + a, ya, kv_type);
+            kv_store(kc, yc + b, yb, kv_type);
         } else {
             xh[a] = ya;
             xh[b] = yb;
         }
     }
+    if (staged) {
+        __syncthreads();  // the head is staged
+        kv_store_row(kc, yc, stage, hd, kv_type);
+    }
 }
 
 // T rows of new keys and values (f32, rows of kv_dim) into the caches' rows pos0.. converted to
-// the cache's type (kv_half: f16, else f32): the unfused q/k path's append. grid (T, 2), block 256.
+// the cache's type (kv_type): the unfused q/k path's append. grid (T, 2), block 256.
 extern "C" __global__ void kv_store_rows(const float* __restrict__ k, const float* __restrict__ v,
                                          void* __restrict__ kc, void* __restrict__ vc, int pos0, int kv_dim,
-                                         int kv_half) {
+                                         int kv_type) {
     pdl_enter();
     int t = blockIdx.x;
     const float* src = (blockIdx.y == 0 ? k : v) + (size_t)t * kv_dim;
     void* dst = blockIdx.y == 0 ? kc : vc;
     size_t row = (size_t)(pos0 + t) * kv_dim;
-    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) kv_store(dst, row + i, src[i], kv_half);
+    kv_store_row(dst, row, src, kv_dim, kv_type);
 }

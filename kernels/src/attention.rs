@@ -1,8 +1,9 @@
 //! Causal multi-head attention (grouped-query, optional sliding window) over a head-major KV
 //! cache, on the pool's threads.
 //!
-//! The cache holds one contiguous `[positions, head_dim]` f32 buffer per KV head, so the keys a
-//! head scans are one sequential stream. The work is done in units of one KV head's query rows
+//! The cache holds one contiguous `[positions, head_dim]` buffer per KV head ([`KvRows`]: f32,
+//! f16, bf16 or q8_0, read a chunk at a time as f32), so the keys a head scans are one
+//! sequential stream. The work is done in units of one KV head's query rows
 //! ([`crate::attention_tiled`]: prefill in token blocks, decode in key ranges combined after);
 //! a unit's result does not depend on which thread ran it. `attention_reference` is the plain
 //! oracle.
@@ -11,6 +12,7 @@ use std::sync::atomic::AtomicUsize;
 
 use crate::attention_tiled::{partial_floats, split_count, thread_scratch_floats, TiledCall};
 use crate::error::KernelError;
+use crate::kv::KvRows;
 use crate::pool::ColdPool;
 use crate::simd::SimdLevel;
 
@@ -29,9 +31,9 @@ pub struct AttentionInput<'a> {
     /// `tokens x (n_heads * head_dim)`, RoPE applied.
     pub q: &'a [f32],
     /// Per KV head, `positions x head_dim` keys (RoPE applied), the call's tokens included.
-    pub keys: &'a [Vec<f32>],
+    pub keys: &'a [KvRows],
     /// Per KV head, `positions x head_dim` values.
-    pub values: &'a [Vec<f32>],
+    pub values: &'a [KvRows],
     /// Position of the call's first token.
     pub first_pos: usize,
     /// Sliding window: a token at `pos` sees `pos + 1 - window ..= pos`.
@@ -62,8 +64,12 @@ impl AttentionInput<'_> {
         }
         let need = (self.first_pos + n_tokens) * head_dim;
         for buf in self.keys.iter().chain(self.values) {
-            if buf.len() < need {
-                return bad("kv cache (positions x head_dim)", need, buf.len());
+            if buf.n_values() < need {
+                return bad("kv cache (positions x head_dim)", need, buf.n_values());
+            }
+            let block = buf.kv_type().block_len();
+            if !head_dim.is_multiple_of(block) {
+                return bad("head_dim (a multiple of the KV type's block)", block, head_dim);
             }
         }
         if let Some(s) = self.sinks {
@@ -154,6 +160,8 @@ pub fn attention_reference(input: &AttentionInput<'_>, out: &mut [f32]) -> Resul
     let n_tokens = input.validate(out.len())?;
     let AttentionShape { n_heads, n_kv_heads, head_dim: hd } = input.shape;
     let scale = 1.0 / (hd as f32).sqrt();
+    let keys: Vec<Vec<f32>> = input.keys.iter().map(KvRows::to_f32_vec).collect();
+    let values: Vec<Vec<f32>> = input.values.iter().map(KvRows::to_f32_vec).collect();
     for t in 0..n_tokens {
         let pos = input.first_pos + t;
         let first = input.window.map_or(0, |w| (pos + 1).saturating_sub(w));
@@ -162,7 +170,7 @@ pub fn attention_reference(input: &AttentionInput<'_>, out: &mut [f32]) -> Resul
             let q = &input.q[(t * n_heads + head) * hd..(t * n_heads + head + 1) * hd];
             let mut scores: Vec<f32> = (first..=pos)
                 .map(|p| {
-                    let k = &input.keys[kv][p * hd..(p + 1) * hd];
+                    let k = &keys[kv][p * hd..(p + 1) * hd];
                     q.iter().zip(k).map(|(a, b)| a * b).fold(0.0f32, |s, v| s + v) * scale
                 })
                 .collect();
@@ -179,7 +187,7 @@ pub fn attention_reference(input: &AttentionInput<'_>, out: &mut [f32]) -> Resul
             let o = &mut out[(t * n_heads + head) * hd..(t * n_heads + head + 1) * hd];
             o.iter_mut().for_each(|v| *v = 0.0);
             for (p, s) in (first..=pos).zip(&scores) {
-                for (ov, vv) in o.iter_mut().zip(&input.values[kv][p * hd..(p + 1) * hd]) {
+                for (ov, vv) in o.iter_mut().zip(&values[kv][p * hd..(p + 1) * hd]) {
                     *ov += s / sum * vv;
                 }
             }

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::attention::{AttentionInput, AttentionShape};
 use crate::ffn::dot_tiles;
+use crate::kv::{KvRows, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 use crate::simd::SimdLevel;
 use crate::weights::WeightDType;
 
@@ -32,10 +33,33 @@ pub const TRANSPOSE_MIN_ROWS: usize = 16;
 pub const DECODE_SPLIT_KEYS: usize = 128;
 
 /// Floats of one thread's scratch for `shape`: scores, transposed values, accumulators, max and
-/// sum per row.
+/// sum per row, and a chunk's keys and values decoded to f32 (caches of other types).
 pub(crate) fn thread_scratch_floats(shape: AttentionShape) -> usize {
     let rows = max_rows(shape);
-    rows * KEY_CHUNK + shape.head_dim * KEY_CHUNK + rows * shape.head_dim + 2 * rows
+    rows * KEY_CHUNK
+        + shape.head_dim * KEY_CHUNK
+        + rows * shape.head_dim
+        + 2 * rows
+        + 2 * decoded_floats(shape)
+}
+
+/// Floats of one chunk's keys (or values) decoded to f32.
+fn decoded_floats(shape: AttentionShape) -> usize {
+    KEY_CHUNK * shape.head_dim
+}
+
+/// Positions `k0..k0 + n` of a head's cache as f32 rows of `hd`: the cache itself when it is
+/// f32, else decoded into `scratch` (F16C / the bf16 shift / q8_0 blocks, [`KvRows::decode`]),
+/// one chunk at a time, so the SIMD loops below read f32 whatever the cache holds.
+fn chunk_rows<'s>(cache: &'s KvRows, k0: usize, n: usize, hd: usize, scratch: &'s mut [f32]) -> &'s [f32] {
+    match cache.as_f32() {
+        Some(values) => &values[k0 * hd..(k0 + n) * hd],
+        None => {
+            let out = &mut scratch[..n * hd];
+            cache.decode(k0 * hd, out);
+            out
+        }
+    }
 }
 
 fn group(shape: AttentionShape) -> usize {
@@ -202,7 +226,8 @@ impl TiledCall<'_> {
         if rows < TRANSPOSE_MIN_ROWS {
             return self.scores_by_dots(tile, chunk, q_row);
         }
-        transpose_chunk(&self.input.keys[kv][k0 * hd..(k0 + n) * hd], hd, tile.trans);
+        let keys = chunk_rows(&self.input.keys[kv], k0, n, hd, tile.keys);
+        transpose_chunk(keys, hd, tile.trans);
         let scale = 1.0 / (hd as f32).sqrt();
         for r in 0..rows {
             let q = &self.input.q[q_row(r) * hd..(q_row(r) + 1) * hd];
@@ -220,20 +245,27 @@ impl TiledCall<'_> {
         let Chunk { kv, k0, n, rows } = chunk;
         let hd = self.input.shape.head_dim;
         let scale = 1.0 / (hd as f32).sqrt();
-        let key_base = self.input.keys[kv][k0 * hd..].as_ptr() as *const u8;
+        let (keys, dtype, row_bytes) = raw_rows(&self.input.keys[kv], k0, n, hd);
+        // The bf16 levels' tiles round the query to bf16 (`vdpbf16ps`): bf16 keys take the plain
+        // AVX-512 tile, which widens them exactly.
+        let level = match (dtype, self.level) {
+            (WeightDType::BF16, SimdLevel::Avx512Bf16 | SimdLevel::Amx) => SimdLevel::Avx512,
+            (_, level) => level,
+        };
+        let key_base = keys.as_ptr();
         let q = self.input.q.as_ptr();
         let scores = &mut *tile.scores;
-        // SAFETY: key rows k0..k0 + n of the cache exist (validate checked positions up to the
-        // call's last token); query rows q_row(r) < n_tokens * n_heads hold hd f32 each; the
-        // level was checked by the caller.
+        // SAFETY: key_base holds the chunk's n key rows of row_bytes each in dtype (raw_rows;
+        // validate checked positions up to the call's last token); query rows q_row(r) <
+        // n_tokens * n_heads hold hd f32 each; the level was checked by the caller.
         unsafe {
             dot_tiles(
-                self.level,
-                WeightDType::F32,
+                level,
+                dtype,
                 hd,
                 n,
                 n,
-                |j| key_base.add(j * hd * 4),
+                |j| key_base.add(j * row_bytes),
                 rows,
                 |r| q.add(q_row(r) * hd),
                 None,
@@ -247,10 +279,25 @@ impl TiledCall<'_> {
     fn weigh_values(&self, tile: &mut UnitTile<'_>, chunk: Chunk) {
         let Chunk { kv, k0, n, rows } = chunk;
         let hd = self.input.shape.head_dim;
-        let values = &self.input.values[kv][k0 * hd..(k0 + n) * hd];
+        let values = chunk_rows(&self.input.values[kv], k0, n, hd, tile.values);
         for r in 0..rows {
             let p = &tile.scores[r * KEY_CHUNK..r * KEY_CHUNK + n];
             row_times_matrix(self.level, p, values, hd, &mut tile.acc[r * hd..(r + 1) * hd]);
+        }
+    }
+}
+
+/// Rows `k0..k0 + n` of a head's cache as they are stored, for the dot-product tiles, which read
+/// f32, f16 (F16C), bf16 and q8_0 rows themselves (the expert weights' kernels): the bytes, their
+/// type and the bytes of one row.
+fn raw_rows(cache: &KvRows, k0: usize, n: usize, hd: usize) -> (&[u8], WeightDType, usize) {
+    match cache {
+        KvRows::F32(v) => (bytemuck::cast_slice(&v[k0 * hd..(k0 + n) * hd]), WeightDType::F32, hd * 4),
+        KvRows::F16(v) => (bytemuck::cast_slice(&v[k0 * hd..(k0 + n) * hd]), WeightDType::F16, hd * 2),
+        KvRows::Bf16(v) => (bytemuck::cast_slice(&v[k0 * hd..(k0 + n) * hd]), WeightDType::BF16, hd * 2),
+        KvRows::Q8_0(b) => {
+            let row = hd / Q8_0_BLOCK * Q8_0_BLOCK_BYTES;
+            (&b[k0 * row..(k0 + n) * row], WeightDType::Q8_0, row)
         }
     }
 }
@@ -375,6 +422,9 @@ struct UnitTile<'s> {
     acc: &'s mut [f32],
     max: &'s mut [f32],
     sum: &'s mut [f32],
+    /// KEY_CHUNK x head_dim each: the chunk's keys and values decoded to f32 (non-f32 caches).
+    keys: &'s mut [f32],
+    values: &'s mut [f32],
     hd: usize,
     level: SimdLevel,
 }
@@ -390,11 +440,13 @@ impl<'s> UnitTile<'s> {
         let (scores, rest) = scratch.split_at_mut(max_rows * KEY_CHUNK);
         let (trans, rest) = rest.split_at_mut(hd * KEY_CHUNK);
         let (acc, rest) = rest.split_at_mut(max_rows * hd);
-        let (max, sum) = rest.split_at_mut(max_rows);
+        let (max, rest) = rest.split_at_mut(max_rows);
+        let (sum, rest) = rest.split_at_mut(max_rows);
+        let (keys, values) = rest.split_at_mut(KEY_CHUNK * hd);
         acc[..rows * hd].fill(0.0);
         max[..rows].fill(f32::NEG_INFINITY);
         sum[..rows].fill(0.0);
-        UnitTile { scores, trans, acc, max, sum, hd, level }
+        UnitTile { scores, trans, acc, max, sum, keys, values, hd, level }
     }
 
     /// Masks row `r`'s scores of keys `k0..k0 + n` to `first..=last`, turns them into

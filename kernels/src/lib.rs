@@ -22,6 +22,7 @@ pub mod delta_rule;
 pub mod dense;
 pub mod error;
 pub mod ffn;
+pub mod kv;
 pub mod par;
 pub mod pool;
 pub mod q8;
@@ -53,6 +54,7 @@ pub use error::KernelError;
 pub use ffn::{
     down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, gemv_rows_q8, matmul_rows,
 };
+pub use kv::{KvRows, KvType, KvTypeError};
 pub use par::{par_chunk_pairs_mut, par_chunks_mut};
 pub use pool::{ColdExpertWork, ColdJob, ColdPool};
 pub use q8::{DecodeActivations, Q8Activations, Q8_MAX_TOKENS};

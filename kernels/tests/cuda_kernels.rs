@@ -5,7 +5,7 @@ mod common;
 
 use common::cuda::backend;
 use half::bf16;
-use moe_lanes_kernels::cuda::ops::RouteVariant;
+use moe_lanes_kernels::cuda::ops::{KvPtr, RouteVariant};
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr};
 
 /// Deterministic pseudo-random values in [-1, 1).
@@ -346,7 +346,7 @@ fn attention_cpu(
 #[test]
 fn attention_f16_cache_matches_cpu() {
     use half::f16;
-    use moe_lanes_kernels::cuda::ops::{DevicePos, KvPtr};
+    use moe_lanes_kernels::cuda::ops::DevicePos;
     let Some(be) = backend() else { return };
     let mut worst_vs_f32 = 0f32;
     for (n_heads, n_kv, hd, pos0, t) in [
@@ -452,7 +452,7 @@ fn attention_f16_cache_matches_cpu() {
 #[test]
 fn kv_appends_convert_to_the_cache_type() {
     use half::f16;
-    use moe_lanes_kernels::cuda::ops::{KvAppend, KvPtr};
+    use moe_lanes_kernels::cuda::ops::KvAppend;
     let Some(be) = backend() else { return };
     let (t, nh, nkv, hd, pos0) = (3, 4, 2, 64, 5);
     let kvd = nkv * hd;
@@ -514,6 +514,217 @@ fn kv_appends_convert_to_the_cache_type() {
     assert_eq!(caches[1].0, round(&caches[0].0), "roped keys, rounded to f16");
     assert_eq!(caches[1].1, round(&caches[0].1), "values, rounded to f16");
     assert!(caches[0].0[pos0 * kvd..].iter().any(|x| *x != 0.0), "keys written at pos0");
+}
+
+/// A cache of `t` on the device (its bytes as `KvRows` holds them), and the values it holds.
+fn typed_cache(
+    be: &CudaBackend,
+    t: moe_lanes_kernels::KvType,
+    values: &[f32],
+) -> (moe_lanes_kernels::cuda::DeviceBuffer<u8>, Vec<f32>) {
+    use moe_lanes_kernels::KvRows;
+    let rows = KvRows::converted(t, values).unwrap();
+    let bytes: Vec<u8> = match &rows {
+        KvRows::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        KvRows::F16(v) | KvRows::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        KvRows::Q8_0(b) => b.clone(),
+    };
+    (be.upload(&bytes).unwrap(), rows.to_f32_vec())
+}
+
+/// The device pointer of a typed cache's bytes.
+fn typed_ptr(t: moe_lanes_kernels::KvType, d: &moe_lanes_kernels::cuda::DeviceBuffer<u8>) -> KvPtr {
+    use moe_lanes_kernels::KvType;
+    let p = d.ptr();
+    match t {
+        KvType::F16 => KvPtr::F16(p.as_u16()),
+        KvType::Bf16 => KvPtr::Bf16(p.as_u16()),
+        KvType::Q8_0 => KvPtr::Q8_0(p),
+        KvType::F32 => unreachable!("the f32 tests upload f32 buffers"),
+    }
+}
+
+/// Every attention kernel over bf16 and q8_0 caches (the one code path per kernel, its load
+/// templated on the type): against the CPU over the values the cache holds (1e-5: each value is
+/// widened to f32 exactly, only the summation differs), and against the f32 cache's result
+/// within the type's rounding (bf16: 8 significant bits, 1e-2 absolute on outputs of size ~1;
+/// q8_0: a block's step is max|x| / 127, 2e-2). Decode contexts long enough for multi-chunk
+/// spans, the grouped decode kernel (8 heads per kv head, hd 128), prefill tiles and mma.
+#[test]
+fn attention_bf16_and_q8_0_caches_match_cpu() {
+    use moe_lanes_kernels::KvType;
+    let Some(be) = backend() else { return };
+    for (n_heads, n_kv, hd, pos0, t) in [
+        (8, 2, 128, 700, 1),
+        (16, 2, 128, 3000, 1),
+        (32, 4, 128, 45, 19),
+        (16, 2, 64, 0, 150),
+        (4, 2, 256, 3, 2),
+    ] {
+        let total = pos0 + t;
+        let kv_dim = n_kv * hd;
+        let q = rnd(t * n_heads * hd, 41);
+        let (kc, vc) = (rnd(total * kv_dim, 42), rnd(total * kv_dim, 43));
+        let dq = be.upload(&q).unwrap();
+        for (kv_type, bound) in [(KvType::Bf16, 1e-2f32), (KvType::Q8_0, 2e-2)] {
+            let ((dk, kh), (dv, vh)) = (typed_cache(be, kv_type, &kc), typed_cache(be, kv_type, &vc));
+            let (kp, vp) = (typed_ptr(kv_type, &dk), typed_ptr(kv_type, &dv));
+            let mut worst = 0f32;
+            for window in [0usize, 100] {
+                let want = attention_cpu(&q, &kh, &vh, t, pos0, n_heads, n_kv, hd, window);
+                let want32 = attention_cpu(&q, &kc, &vc, t, pos0, n_heads, n_kv, hd, window);
+                let run = |launch: &dyn Fn(DPtr<f32>)| {
+                    let o = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+                    launch(o.ptr());
+                    be.read_vec(o.ptr()).unwrap()
+                };
+                let mut outs = Vec::new();
+                let visible = if window > 0 { window.min(total) } else { total };
+                if visible <= moe_lanes_kernels::cuda::ops::ATTENTION_MAX_POSITIONS {
+                    let o = run(&|o| {
+                        be.attention(dq.ptr(), kp, vp, o, t, pos0, n_heads, n_kv, hd, window).unwrap()
+                    });
+                    outs.push(("per-row", o));
+                }
+                let part = be
+                    .alloc_zeros::<f32>(CudaBackend::attention_split_scratch(t, n_heads, hd, total))
+                    .unwrap();
+                let o = run(&|o| {
+                    be.attention_split(
+                        dq.ptr(),
+                        kp,
+                        vp,
+                        o,
+                        part.ptr(),
+                        t,
+                        pos0,
+                        n_heads,
+                        n_kv,
+                        hd,
+                        window,
+                        None,
+                    )
+                    .unwrap()
+                });
+                outs.push(("split", o));
+                if CudaBackend::attention_tiled_fits(hd) {
+                    let o = run(&|o| {
+                        be.attention_tiled(dq.ptr(), kp, vp, o, t, pos0, n_heads, n_kv, hd, window).unwrap()
+                    });
+                    outs.push(("tiled", o));
+                }
+                if be.attention_mma_fits(hd) {
+                    let o = run(&|o| {
+                        be.attention_mma(dq.ptr(), kp, vp, o, t, pos0, n_heads, n_kv, hd, window).unwrap()
+                    });
+                    outs.push(("mma", o));
+                }
+                let what = format!("hd={hd} heads={n_heads}/{n_kv} pos0={pos0} t={t} window={window}");
+                for (kernel, got) in &outs {
+                    // mma stages each value as bf16 hi + lo: a q8_0 value (f16 scale x int8) keeps
+                    // 16 of its up to 18 significant bits there.
+                    let exact = if *kernel == "mma" && kv_type == KvType::Q8_0 { 1e-4 } else { 1e-5 };
+                    let err = max_abs_diff(got, &want);
+                    assert!(
+                        err < exact,
+                        "{kernel} {kv_type}: {what}: {err} against the CPU over the cache's values"
+                    );
+                    let err32 = max_abs_diff(got, &want32);
+                    assert!(
+                        err32 < bound,
+                        "{kernel} {kv_type}: {what}: {err32} against the f32 cache's result"
+                    );
+                    worst = worst.max(err32);
+                }
+            }
+            eprintln!("{kv_type} KV cache, {n_heads}/{n_kv} heads of {hd}, pos0 {pos0}: worst |typed - f32 cache| {worst:e}");
+        }
+    }
+}
+
+/// `kv_store_rows` and the fused q/k norm + RoPE append into bf16 and q8_0 caches: the bytes
+/// `KvRows` writes for the same rows (bf16: round to nearest even; q8_0: llama.cpp's block
+/// quantization, the scale d = max|x| / 127 as f16), at the call's position; the fused append's
+/// rows are the f32 path's rows so converted.
+#[test]
+fn kv_appends_quantize_to_bf16_and_q8_0() {
+    use moe_lanes_kernels::cuda::ops::KvAppend;
+    use moe_lanes_kernels::{KvRows, KvType};
+    let Some(be) = backend() else { return };
+    let (t, nh, nkv, hd, pos0) = (3, 4, 2, 64, 5);
+    let kvd = nkv * hd;
+    let (k, v) = (rnd(t * kvd, 51), rnd(t * kvd, 52));
+    let q = rnd(t * nh * hd, 53);
+    // The f32 path's roped keys and values, the reference rows.
+    let fused = |k_cache: KvPtr, v_cache: KvPtr| {
+        let (dq, dk, dv) = (be.upload(&q).unwrap(), be.upload(&k).unwrap(), be.upload(&v).unwrap());
+        let append = KvAppend { pos: None, v: dv.ptr(), k_cache, v_cache };
+        be.qk_norm_rope(
+            dq.ptr(),
+            dk.ptr(),
+            None,
+            t,
+            nh,
+            nkv,
+            nh * hd,
+            kvd,
+            hd,
+            hd,
+            pos0,
+            1e6,
+            false,
+            1e-6,
+            Some(append),
+        )
+        .unwrap();
+    };
+    let (k32, v32) =
+        (be.alloc_zeros::<f32>((pos0 + t) * kvd).unwrap(), be.alloc_zeros::<f32>((pos0 + t) * kvd).unwrap());
+    fused(KvPtr::F32(k32.ptr()), KvPtr::F32(v32.ptr()));
+    let (rk, rv) = (be.read_vec(k32.ptr()).unwrap(), be.read_vec(v32.ptr()).unwrap());
+    for kv_type in [KvType::Bf16, KvType::Q8_0] {
+        let bytes = kv_type.bytes_of(((pos0 + t) * kvd) as u64) as usize;
+        let expect = |rows: &[f32]| {
+            let mut all = vec![0.0f32; pos0 * kvd];
+            all.extend_from_slice(rows);
+            KvRows::converted(kv_type, &all).unwrap()
+        };
+        let read =
+            |d: &moe_lanes_kernels::cuda::DeviceBuffer<u8>| -> Vec<u8> { be.read_vec(d.ptr()).unwrap() };
+        let as_bytes = |r: KvRows| -> Vec<u8> {
+            match r {
+                KvRows::Bf16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                KvRows::Q8_0(b) => b,
+                _ => unreachable!(),
+            }
+        };
+        let (kc, vc) = (be.alloc_zeros::<u8>(bytes).unwrap(), be.alloc_zeros::<u8>(bytes).unwrap());
+        let (dk, dv) = (be.upload(&k).unwrap(), be.upload(&v).unwrap());
+        be.kv_store_rows(dk.ptr(), dv.ptr(), typed_ptr(kv_type, &kc), typed_ptr(kv_type, &vc), t, pos0, kvd)
+            .unwrap();
+        assert_eq!(read(&kc), as_bytes(expect(&k)), "{kv_type}: kv_store_rows keys");
+        assert_eq!(read(&vc), as_bytes(expect(&v)), "{kv_type}: kv_store_rows values");
+        let (kc, vc) = (be.alloc_zeros::<u8>(bytes).unwrap(), be.alloc_zeros::<u8>(bytes).unwrap());
+        fused(typed_ptr(kv_type, &kc), typed_ptr(kv_type, &vc));
+        assert_eq!(read(&kc), as_bytes(expect(&rk[pos0 * kvd..])), "{kv_type}: fused append, roped keys");
+        assert_eq!(read(&vc), as_bytes(expect(&rv[pos0 * kvd..])), "{kv_type}: fused append, values");
+    }
+}
+
+/// A q8_0 cache whose heads split blocks is refused by the launchers, not misread.
+#[test]
+fn q8_0_caches_need_whole_blocks() {
+    let Some(be) = backend() else { return };
+    let (n_heads, n_kv, hd, t) = (2, 1, 48, 1);
+    let q = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+    let c = be.alloc_zeros::<u8>(34 * 8).unwrap();
+    let o = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+    let (kp, vp) = (KvPtr::Q8_0(c.ptr()), KvPtr::Q8_0(c.ptr()));
+    let err = be.attention(q.ptr(), kp, vp, o.ptr(), t, 0, n_heads, n_kv, hd, 0).unwrap_err().to_string();
+    assert!(err.contains("blocks of 32"), "{err}");
+    let err =
+        be.attention(q.ptr(), kp, KvPtr::F32(o.ptr()), o.ptr(), t, 0, n_heads, n_kv, 32, 0).unwrap_err();
+    assert!(err.to_string().contains("differ in type"), "{err}");
 }
 
 #[test]

@@ -6,7 +6,8 @@ mod common;
 use common::{relative_error, tolerance, MisalignedBytes, Rng};
 use moe_lanes_kernels::{
     attention, attention_reference, available, dot_row, matmul, par_attention, par_matmul, AttentionInput,
-    AttentionScratch, AttentionShape, ColdPool, DenseMatrix, MatmulPart, SimdLevel, WeightDType,
+    AttentionScratch, AttentionShape, ColdPool, DenseMatrix, KvRows, KvType, MatmulPart, SimdLevel,
+    WeightDType,
 };
 
 /// `y[t * rows + r] = Σ_c w[r, c] x[t, c]`, sequential.
@@ -89,15 +90,105 @@ fn par_matmul_rejects_bad_shapes_and_changes_nothing() {
 }
 
 struct Kv {
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    keys: Vec<KvRows>,
+    values: Vec<KvRows>,
 }
 
 fn random_kv(rng: &mut Rng, n_kv_heads: usize, positions: usize, head_dim: usize) -> Kv {
-    Kv {
-        keys: (0..n_kv_heads).map(|_| rng.vec(positions * head_dim, 1.0)).collect(),
-        values: (0..n_kv_heads).map(|_| rng.vec(positions * head_dim, 1.0)).collect(),
+    let mut head = || KvRows::from_f32(rng.vec(positions * head_dim, 1.0));
+    Kv { keys: (0..n_kv_heads).map(|_| head()).collect(), values: (0..n_kv_heads).map(|_| head()).collect() }
+}
+
+impl Kv {
+    /// The same values in a cache of `t`.
+    fn converted(&self, t: KvType) -> Kv {
+        let conv = |rows: &Vec<KvRows>| {
+            rows.iter().map(|r| KvRows::converted(t, r.as_f32().unwrap()).unwrap()).collect()
+        };
+        Kv { keys: conv(&self.keys), values: conv(&self.values) }
     }
+}
+
+/// Every KV type: the fast kernels read the typed cache as the oracle reads its decoded values
+/// (the same tolerance as f32: the reading is exact, only the summation order differs), on every
+/// thread count with the same bits; decode's key-range splits and prefill's tiles both.
+#[test]
+fn par_attention_reads_every_kv_type() {
+    let mut rng = Rng(0xa77e_0002);
+    let mut pools: Vec<ColdPool> = (1..=3).map(ColdPool::new).collect();
+    let mut scratch = AttentionScratch::default();
+    let shape = AttentionShape { n_heads: 8, n_kv_heads: 2, head_dim: 64 };
+    for (first_pos, n_tokens, window) in [(0, 1, None), (300, 1, None), (300, 1, Some(100)), (260, 20, None)]
+    {
+        let f32_kv = random_kv(&mut rng, shape.n_kv_heads, first_pos + n_tokens, shape.head_dim);
+        let q = rng.vec(n_tokens * shape.n_heads * shape.head_dim, 1.0);
+        let f32_input = AttentionInput {
+            shape,
+            q: &q,
+            keys: &f32_kv.keys,
+            values: &f32_kv.values,
+            first_pos,
+            window,
+            sinks: None,
+        };
+        let mut exact = vec![0.0; q.len()];
+        attention_reference(&f32_input, &mut exact).unwrap();
+        for t in KvType::ALL {
+            let kv = f32_kv.converted(t);
+            let input = AttentionInput {
+                shape,
+                q: &q,
+                keys: &kv.keys,
+                values: &kv.values,
+                first_pos,
+                window,
+                sinks: None,
+            };
+            let mut expected = vec![0.0; q.len()];
+            attention_reference(&input, &mut expected).unwrap();
+            // Against the f32 cache: the type's rounding of keys and values (values ~U(-1, 1)).
+            let rounding = exact.iter().zip(&expected).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            println!("{t} pos={first_pos} n={n_tokens} window={window:?}: |typed - f32| {rounding:.1e}");
+            assert!(rounding <= kv_bound(t), "{t}: {rounding} against the f32 cache");
+            for level in available() {
+                let mut single = vec![f32::NAN; q.len()];
+                attention(level, &input, &mut scratch, &mut single).unwrap();
+                let error = relative_error(&single, &expected);
+                assert!(
+                    error <= tolerance(level, WeightDType::F32),
+                    "{t} {level} pos={first_pos}: {error:e}"
+                );
+                for pool in pools.iter_mut() {
+                    let mut out = vec![f32::NAN; q.len()];
+                    par_attention(pool, level, &input, &mut scratch, &mut out).unwrap();
+                    assert_eq!(out, single, "{t} {level}: thread count changed the bits");
+                }
+            }
+        }
+    }
+}
+
+/// The most a cache of `t` moves attention outputs of size ~1 from the f32 cache's (measured
+/// worst: f16 2.4e-4, bf16 1.9e-3, q8_0 3.9e-3, at one position; printed by the test).
+fn kv_bound(t: KvType) -> f32 {
+    match t {
+        KvType::F32 => 0.0,
+        KvType::F16 => 1e-3,
+        KvType::Bf16 | KvType::Q8_0 => 8e-3,
+    }
+}
+
+/// A q8_0 cache needs heads of whole 32-value blocks: refused by name, not misread.
+#[test]
+fn attention_refuses_q8_0_heads_that_split_blocks() {
+    let shape = AttentionShape { n_heads: 2, n_kv_heads: 1, head_dim: 48 };
+    let kv = vec![KvRows::converted(KvType::Q8_0, &[0.5; 96]).unwrap()];
+    let q = vec![1.0; 96];
+    let input =
+        AttentionInput { shape, q: &q, keys: &kv, values: &kv, first_pos: 1, window: None, sinks: None };
+    let err =
+        attention(SimdLevel::Scalar, &input, &mut AttentionScratch::default(), &mut [0.0; 96]).unwrap_err();
+    assert!(err.to_string().contains("head_dim (a multiple of the KV type's block)"), "{err}");
 }
 
 /// GQA shapes, decode and prefill after a prefix, with and without a sliding window.
@@ -166,7 +257,7 @@ fn par_attention_matches_scalar_for_every_level_and_thread_count() {
 fn attention_of_no_tokens_is_empty() {
     let mut pool = ColdPool::new(2);
     let shape = AttentionShape { n_heads: 4, n_kv_heads: 2, head_dim: 8 };
-    let kv: Vec<Vec<f32>> = vec![vec![0.5; 3 * 8]; 2];
+    let kv: Vec<KvRows> = vec![KvRows::from_f32(vec![0.5; 3 * 8]); 2];
     let input =
         AttentionInput { shape, q: &[], keys: &kv, values: &kv, first_pos: 3, window: None, sinks: None };
     let mut scratch = AttentionScratch::default();
@@ -178,7 +269,7 @@ fn attention_of_no_tokens_is_empty() {
 fn par_attention_rejects_a_short_cache() {
     let mut pool = ColdPool::new(2);
     let shape = AttentionShape { n_heads: 2, n_kv_heads: 1, head_dim: 4 };
-    let (keys, values) = (vec![vec![0.0; 8]], vec![vec![0.0; 8]]);
+    let (keys, values) = (vec![KvRows::from_f32(vec![0.0; 8])], vec![KvRows::from_f32(vec![0.0; 8])]);
     let q = vec![1.0; 8];
     let input = AttentionInput {
         shape,

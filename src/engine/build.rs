@@ -107,7 +107,8 @@ pub struct EngineOptions {
     /// Pipeline settings (its hot set comes from `hot`).
     pub pipeline: PipelineOptions,
     /// The KV cache's element type asked for (`--cache-type-k/v`); `None`: the engine's own
-    /// (`gpu.kv_type`, f16, on the GPU; f32 on the CPU engines, which refuse anything else).
+    /// (`gpu.kv_type` on the GPU, `pipeline.kv_type` on the pipeline; the reference oracle
+    /// keeps f32 and refuses any other).
     pub kv_type: Option<KvType>,
 }
 
@@ -149,6 +150,11 @@ impl EngineOptions {
     /// The GPU engine's KV cache type: the one asked for, else `gpu.kv_type`.
     pub fn gpu_kv_type(&self) -> KvType {
         self.kv_type.unwrap_or(self.gpu.kv_type)
+    }
+
+    /// The CPU pipeline's KV cache type: the one asked for, else `pipeline.kv_type`.
+    pub fn pipeline_kv_type(&self) -> KvType {
+        self.kv_type.unwrap_or(self.pipeline.kv_type)
     }
 }
 
@@ -207,12 +213,11 @@ pub fn build_engine<'m>(
             Err(e) => gpu_unavailable = Some(e.to_string()),
         }
     }
-    // The CPU engines keep f32 KV caches: a GPU-only type asked for is refused, not ignored.
-    if let Some(asked) = opts.kv_type.filter(|t| *t != KvType::F32) {
-        let engine = opts.kind.filter(|k| *k == EngineKind::Reference).unwrap_or(EngineKind::Pipeline);
-        return Err(EngineError::KvType { engine, asked });
-    }
     if opts.kind == Some(EngineKind::Reference) {
+        // The oracle keeps f32: another type asked for is refused, not ignored.
+        if let Some(asked) = opts.kv_type.filter(|t| *t != KvType::F32) {
+            return Err(EngineError::KvType { engine: EngineKind::Reference, asked });
+        }
         let engine = ReferenceEngine::new(Reference::new(model)?, model.config().clone());
         let report = BuildReport {
             kind: EngineKind::Reference,
@@ -352,6 +357,7 @@ fn build_pipeline(model: &Arc<Model>, opts: &EngineOptions) -> Result<(Pipeline,
         n_cold_workers,
         simd: opts.simd,
         activations: opts.activations,
+        kv_type: opts.pipeline_kv_type(),
         ..opts.pipeline.clone()
     };
     let mut src = CpuSource { model, opts, base: &base };

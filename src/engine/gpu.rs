@@ -55,6 +55,8 @@ impl GpuEngine {
         let opts = PipelineOptions {
             n_cold_workers: self.cold_threads,
             activations: Some(self.cold.lane.activations()),
+            // The GPU cache's type: the replayed session keeps its bytes (and its rounding).
+            kv_type: self.gpu.opts.kv_type,
             ..PipelineOptions::default()
         };
         self.cpu = Some(Pipeline::new(self.model.clone(), opts)?);

@@ -169,8 +169,8 @@ pub enum EngineError {
     #[error("the GPU engine cannot run: {reason}")]
     NoGpu { reason: String },
     #[error(
-        "the {engine} engine keeps its KV cache in f32; {asked} KV caches are supported by the gpu engine only \
-         (pass --cache-type-k/--cache-type-v f32, or leave them out)"
+        "the {engine} engine keeps its KV cache in f32 (it is the oracle); {asked} KV caches are supported by \
+         the gpu and pipeline engines (pass --cache-type-k/--cache-type-v f32, or leave them out)"
     )]
     KvType { engine: EngineKind, asked: crate::model::context::KvType },
     #[error(transparent)]

@@ -49,6 +49,11 @@ pub enum GpuError {
     HotLaneCapture { layer_idx: usize },
     #[error("injected fault: {what}")]
     Injected { what: &'static str },
+    #[error(
+        "KV cache type {kv_type} stores blocks of {block} values, but head_dim is {head_dim} (not a multiple of \
+         {block}): choose another type"
+    )]
+    KvBlocks { kv_type: crate::model::context::KvType, block: usize, head_dim: usize },
 }
 
 impl GpuError {

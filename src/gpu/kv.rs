@@ -1,6 +1,7 @@
 //! The GPU KV cache: per layer, K and V as `[capacity, kv_dim]` in the cache's [`KvType`] (f16
-//! by default, f32 selectable), allocated once. Keys and values are written converted (after
-//! RoPE) and every attention kernel reads either type.
+//! by default; f32, bf16 and q8_0 selectable, q8_0 as llama.cpp's blocks of 32 values, each
+//! `[capacity, kv_dim]` row whole blocks), allocated once. Keys and values are written converted
+//! (after RoPE) and every attention kernel reads each type.
 
 use moe_lanes_kernels::cuda::ops::KvPtr;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
@@ -13,42 +14,56 @@ use crate::model::context::KvType;
 pub(crate) enum KvBufs {
     F32(Vec<DeviceBuffer<f32>>),
     F16(Vec<DeviceBuffer<u16>>),
+    Bf16(Vec<DeviceBuffer<u16>>),
+    /// q8_0 blocks (34 bytes per 32 values).
+    Q8_0(Vec<DeviceBuffer<u8>>),
 }
 
 impl KvBufs {
     /// One buffer per layer of `elems[l]` values.
     fn new(be: &CudaBackend, kv: KvType, elems: &[usize]) -> Result<KvBufs, GpuError> {
+        let u16s = || elems.iter().map(|&n| be.alloc_zeros::<u16>(n)).collect::<Result<Vec<_>, _>>();
         Ok(match kv {
             KvType::F32 => {
                 KvBufs::F32(elems.iter().map(|&n| be.alloc_zeros::<f32>(n)).collect::<Result<_, _>>()?)
             }
-            KvType::F16 => {
-                KvBufs::F16(elems.iter().map(|&n| be.alloc_zeros::<u16>(n)).collect::<Result<_, _>>()?)
-            }
+            KvType::F16 => KvBufs::F16(u16s()?),
+            KvType::Bf16 => KvBufs::Bf16(u16s()?),
+            KvType::Q8_0 => KvBufs::Q8_0(
+                elems
+                    .iter()
+                    .map(|&n| be.alloc_zeros::<u8>(kv.bytes_of(n as u64) as usize))
+                    .collect::<Result<_, _>>()?,
+            ),
         })
     }
     fn layer(&self, l: usize) -> KvPtr {
         match self {
             KvBufs::F32(b) => KvPtr::F32(b[l].ptr()),
             KvBufs::F16(b) => KvPtr::F16(b[l].ptr()),
+            KvBufs::Bf16(b) => KvPtr::Bf16(b[l].ptr()),
+            KvBufs::Q8_0(b) => KvPtr::Q8_0(b[l].ptr()),
         }
     }
     fn bytes(&self) -> usize {
         match self {
             KvBufs::F32(b) => b.iter().map(DeviceBuffer::bytes).sum(),
-            KvBufs::F16(b) => b.iter().map(DeviceBuffer::bytes).sum(),
+            KvBufs::F16(b) | KvBufs::Bf16(b) => b.iter().map(DeviceBuffer::bytes).sum(),
+            KvBufs::Q8_0(b) => b.iter().map(DeviceBuffer::bytes).sum(),
         }
     }
     fn n_layers(&self) -> usize {
         match self {
             KvBufs::F32(b) => b.len(),
-            KvBufs::F16(b) => b.len(),
+            KvBufs::F16(b) | KvBufs::Bf16(b) => b.len(),
+            KvBufs::Q8_0(b) => b.len(),
         }
     }
     fn serial(&self) -> u64 {
         match self {
             KvBufs::F32(b) => b[0].serial(),
-            KvBufs::F16(b) => b[0].serial(),
+            KvBufs::F16(b) | KvBufs::Bf16(b) => b[0].serial(),
+            KvBufs::Q8_0(b) => b[0].serial(),
         }
     }
 }
@@ -86,10 +101,15 @@ impl GpuKvCache {
         capacity: usize,
         kv_type: KvType,
     ) -> Result<Self, GpuError> {
+        let block = kv_type.block_len();
+        let head_dim = plan.layers().iter().find_map(|l| l.as_attention().map(|a| a.head_dim));
+        if let Some(head_dim) = head_dim.filter(|d| !d.is_multiple_of(block)) {
+            return Err(GpuError::KvBlocks { kv_type, block, head_dim });
+        }
         let elems: Vec<usize> = plan
             .layers()
             .iter()
-            .map(|l| if l.as_attention().is_some() { capacity * kv_dim } else { 1 })
+            .map(|l| if l.as_attention().is_some() { capacity * kv_dim } else { block })
             .collect();
         let k = KvBufs::new(be, kv_type, &elems)?;
         let v = KvBufs::new(be, kv_type, &elems)?;

@@ -6,60 +6,13 @@
 use crate::model::config::ModelConfig;
 
 /// The element type of a KV cache (`--cache-type-k` / `--cache-type-v` at the CLI, as
-/// llama.cpp). The GPU engine stores f16 by default (half the bytes of f32; its attention kernels
-/// read either and compute in f32); the CPU engines keep f32.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum KvType {
-    F32,
-    F16,
-}
+/// llama.cpp): f32, f16, bf16 or q8_0 (blocks of 32 values, one f16 scale and 32 int8). The GPU
+/// engine and the CPU pipeline read every type (computing in f32); the reference oracle keeps
+/// f32. Defined with the kernels that read it ([`moe_lanes_kernels::kv`]).
+pub use moe_lanes_kernels::kv::{KvType, KvTypeError};
 
-/// A KV cache type name that is not supported.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KvTypeError {
-    #[error(
-        "KV cache type {0:?} is not supported: the supported types are f32 and f16 (q8_0 is not implemented)"
-    )]
-    Unsupported(String),
-}
-
-impl KvType {
-    /// Bytes of one cached value.
-    pub fn bytes(self) -> u64 {
-        match self {
-            KvType::F32 => 4,
-            KvType::F16 => 2,
-        }
-    }
-    pub fn name(self) -> &'static str {
-        match self {
-            KvType::F32 => "f32",
-            KvType::F16 => "f16",
-        }
-    }
-}
-
-impl std::str::FromStr for KvType {
-    type Err = KvTypeError;
-    fn from_str(s: &str) -> Result<KvType, KvTypeError> {
-        match s.to_ascii_lowercase().as_str() {
-            "f32" => Ok(KvType::F32),
-            "f16" => Ok(KvType::F16),
-            _ => Err(KvTypeError::Unsupported(s.to_string())),
-        }
-    }
-}
-
-impl std::fmt::Display for KvType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-/// Bytes of KV cache per position on the CPU engines: K and V, f32, every layer. The session
-/// context is checked against host memory with it even for the GPU engine, whose sessions
-/// replay into a CPU pipeline's f32 cache when the device is lost.
+/// Bytes of an f32 KV cache per position (the reference oracle's; [`kv_bytes_per_position_of`]
+/// for the other types).
 pub fn kv_bytes_per_position(c: &ModelConfig) -> u64 {
     kv_bytes_per_position_of(c, KvType::F32)
 }
@@ -69,9 +22,9 @@ pub fn kv_bytes_per_position(c: &ModelConfig) -> u64 {
 pub fn kv_bytes_per_position_of(c: &ModelConfig, kv: KvType) -> u64 {
     // A latent attention layer keeps one latent and key part per position, no K and V.
     if let Some(m) = &c.mla {
-        return c.n_layers as u64 * (m.kv_lora_rank + m.qk_rope_head_dim) as u64 * kv.bytes();
+        return c.n_layers as u64 * kv.bytes_of((m.kv_lora_rank + m.qk_rope_head_dim) as u64);
     }
-    2 * c.n_attention_layers() as u64 * c.kv_dim() as u64 * kv.bytes()
+    2 * c.n_attention_layers() as u64 * kv.bytes_of(c.kv_dim() as u64)
 }
 
 /// Bytes of a session's fixed-size recurrent state (f32): per Gated DeltaNet layer the conv's
@@ -108,15 +61,17 @@ pub enum ContextError {
 }
 
 /// The context a session gets: `asked` (or the trained context when `None`), checked against the
-/// trained context and against `available_bytes` of memory for the KV cache (`None`: unknown, not
-/// checked). A default is lowered to what fits; an explicit size that does not fit is an error.
+/// trained context and against `available_bytes` of memory for a KV cache of `kv` (`None`:
+/// unknown, not checked). A default is lowered to what fits; an explicit size that does not fit
+/// is an error.
 pub fn resolve_context(
     c: &ModelConfig,
     asked: Option<usize>,
     available_bytes: Option<u64>,
+    kv: KvType,
 ) -> Result<usize, ContextError> {
     let trained = c.max_positions;
-    let per_position = kv_bytes_per_position(c).max(1);
+    let per_position = kv_bytes_per_position_of(c, kv).max(1);
     let available_bytes = available_bytes.map(|b| b.saturating_sub(recurrent_state_bytes(c)));
     let fits = available_bytes.map(|b| usize::try_from(b / per_position).unwrap_or(usize::MAX));
     let Some(asked) = asked else {
@@ -159,12 +114,20 @@ mod tests {
     fn kv_types_parse_and_count_their_bytes() {
         assert_eq!("f16".parse::<KvType>(), Ok(KvType::F16));
         assert_eq!("F32".parse::<KvType>(), Ok(KvType::F32));
-        let err = "q8_0".parse::<KvType>().unwrap_err().to_string();
-        assert!(err.contains("f32 and f16"), "{err}");
-        let t: KvType = serde_json::from_str("\"f16\"").unwrap();
-        assert_eq!(t, KvType::F16);
+        assert_eq!("q8_0".parse::<KvType>(), Ok(KvType::Q8_0));
+        let err = "q4_0".parse::<KvType>().unwrap_err().to_string();
+        assert!(err.contains("f32, f16, bf16 and q8_0"), "{err}");
+        let t: KvType = serde_json::from_str("\"bf16\"").unwrap();
+        assert_eq!(t, KvType::Bf16);
         let c = config();
-        assert_eq!(2 * kv_bytes_per_position_of(&c, KvType::F16), kv_bytes_per_position(&c));
+        let f32_bytes = kv_bytes_per_position(&c);
+        assert_eq!(2 * kv_bytes_per_position_of(&c, KvType::F16), f32_bytes);
+        assert_eq!(2 * kv_bytes_per_position_of(&c, KvType::Bf16), f32_bytes);
+        // q8_0: 34 bytes per 32 values.
+        assert_eq!(kv_bytes_per_position_of(&c, KvType::Q8_0) * 128, f32_bytes * 34);
+        let room = 10 * kv_bytes_per_position_of(&c, KvType::Q8_0);
+        assert_eq!(resolve_context(&c, None, Some(room), KvType::Q8_0), Ok(10));
+        assert_eq!(resolve_context(&c, None, Some(room), KvType::F32), Ok(10 * 34 / 128));
     }
 
     fn config() -> ModelConfig {
@@ -175,24 +138,24 @@ mod tests {
     #[test]
     fn default_is_trained_context_lowered_to_memory() {
         let c = config();
-        assert_eq!(resolve_context(&c, None, None), Ok(c.max_positions));
+        assert_eq!(resolve_context(&c, None, None, KvType::F32), Ok(c.max_positions));
         let per = kv_bytes_per_position(&c);
-        assert_eq!(resolve_context(&c, None, Some(per * 10 + 1)), Ok(10));
-        assert_eq!(resolve_context(&c, None, Some(0)), Ok(1));
+        assert_eq!(resolve_context(&c, None, Some(per * 10 + 1), KvType::F32), Ok(10));
+        assert_eq!(resolve_context(&c, None, Some(0), KvType::F32), Ok(1));
     }
 
     #[test]
     fn explicit_sizes_are_checked() {
         let c = config();
         let per = kv_bytes_per_position(&c);
-        assert_eq!(resolve_context(&c, Some(0), None), Err(ContextError::Zero));
-        assert_eq!(resolve_context(&c, Some(64), None), Ok(64));
+        assert_eq!(resolve_context(&c, Some(0), None, KvType::F32), Err(ContextError::Zero));
+        assert_eq!(resolve_context(&c, Some(64), None, KvType::F32), Ok(64));
         let past = c.max_positions + 1;
         assert_eq!(
-            resolve_context(&c, Some(past), None),
+            resolve_context(&c, Some(past), None, KvType::F32),
             Err(ContextError::PastTrained { asked_positions: past, trained_positions: c.max_positions })
         );
-        let err = resolve_context(&c, Some(20), Some(per * 10)).unwrap_err();
+        let err = resolve_context(&c, Some(20), Some(per * 10), KvType::F32).unwrap_err();
         assert_eq!(
             err,
             ContextError::NoMemory {
@@ -220,7 +183,7 @@ mod tests {
             10 * kv_bytes_per_position(&c) + recurrent_state_bytes(&c)
         );
         let room = recurrent_state_bytes(&c) + 5 * kv_bytes_per_position(&c);
-        assert_eq!(resolve_context(&c, None, Some(room)), Ok(5));
+        assert_eq!(resolve_context(&c, None, Some(room), KvType::F32), Ok(5));
     }
 
     #[test]

@@ -11,6 +11,7 @@ use crate::model::arch::Mixer;
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
 use crate::moe::expert_math::kernel_dtype;
+use moe_lanes_kernels::attention_tiled::SPLIT_BELOW_TOKENS;
 use moe_lanes_kernels::{
     attention, matmul, par_attention, par_matmul, AttentionInput, AttentionScratch, ColdPool, DenseMatrix,
     KernelError, MatmulPart, SimdLevel,
@@ -262,6 +263,16 @@ pub(crate) fn decode_row(m: &DenseMatrix<'_>, r: usize, out: &mut [f32]) {
 /// any number of threads.
 pub const PAR_MIN_MACS: usize = 1 << 18;
 
+/// Visible positions from which a decode call's attention (fewer than `SPLIT_BELOW_TOKENS`
+/// tokens) runs split over the pool (flash-decoding: each thread a partial softmax over its key
+/// ranges, one combine) instead of on the driver alone. `cargo bench --bench kernels --
+/// attention_decode` (32 query / 4 KV heads of 128) on the shared 2-core development machine
+/// (load 4-8) found no crossover: the 2-thread pool was 1.1x to 4x slower than one thread at
+/// every length up to 8192 (its second pinned thread competes with other processes; numbers in
+/// benches/RESULTS.md). 256 positions is about 100 us of one thread's work at f32, tens of an
+/// idle pool's wake-up; re-measure on an idle many-core host.
+pub const ATTENTION_PAR_MIN_POSITIONS: usize = 256;
+
 /// The pool and kernel level of the dense stage, and its reused attention scratch.
 pub(crate) struct DenseStage {
     pool: ColdPool,
@@ -289,13 +300,19 @@ impl DenseStage {
         }
     }
 
-    /// Causal attention of one layer over the pool (units of token x head).
+    /// Causal attention of one layer over the pool (units of token x head; a decode token's keys
+    /// split into ranges over the threads from [`ATTENTION_PAR_MIN_POSITIONS`] visible positions).
     pub fn attention(&mut self, input: &AttentionInput<'_>, out: &mut [f32]) -> Result<(), KernelError> {
         let s = input.shape;
-        let positions = input.first_pos + input.q.len() / (s.n_heads * s.head_dim).max(1);
+        let n_tokens = input.q.len() / (s.n_heads * s.head_dim).max(1);
+        let positions = input.first_pos + n_tokens;
         // Scores and the weighted sum: 2 * head_dim multiply-adds per (token, head, position).
         let macs = input.q.len() * positions * 2;
-        if self.pool.n_threads() == 1 || macs < PAR_MIN_MACS {
+        let small = match n_tokens < SPLIT_BELOW_TOKENS {
+            true => input.window.map_or(positions, |w| w.min(positions)) < ATTENTION_PAR_MIN_POSITIONS,
+            false => macs < PAR_MIN_MACS,
+        };
+        if self.pool.n_threads() == 1 || small {
             attention(self.level, input, &mut self.scratch, out)
         } else {
             par_attention(&mut self.pool, self.level, input, &mut self.scratch, out)

@@ -42,8 +42,8 @@ use crate::moe::profile::{mark, CpuProfiler};
 use crate::moe::routing::Router;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::{
-    par_chunks_mut, AttentionInput, AttentionShape, DecodeActivations, DenseMatrix, KernelError, MatmulPart,
-    SimdLevel,
+    par_chunks_mut, AttentionInput, AttentionShape, DecodeActivations, DenseMatrix, KernelError, KvRows,
+    KvType, MatmulPart, SimdLevel,
 };
 use std::sync::Arc;
 use std::time::Instant;
@@ -136,7 +136,13 @@ pub struct PipelineOptions {
     pub switches: PolicySwitches,
     pub max_batch_tokens: usize,
     pub fault: FaultInjection,
+    /// The KV cache's element type (keys, values and latent attention's latents), converted on
+    /// append; attention reads it a chunk at a time as f32 ([`PIPELINE_KV_TYPE`] by default).
+    pub kv_type: KvType,
 }
+
+/// The pipeline's default KV cache type.
+pub const PIPELINE_KV_TYPE: KvType = KvType::F32;
 
 impl Default for PipelineOptions {
     fn default() -> Self {
@@ -155,6 +161,7 @@ impl Default for PipelineOptions {
             switches: PolicySwitches::default(),
             max_batch_tokens: MAX_BATCH_TOKENS,
             fault: FaultInjection::default(),
+            kv_type: PIPELINE_KV_TYPE,
         }
     }
 }
@@ -175,6 +182,11 @@ pub enum PipelineError {
     Cold(#[from] ColdError),
     #[error("pipeline: {0}")]
     Setup(String),
+    #[error(
+        "KV cache type {kv_type} stores blocks of {block} values, but layer {layer}'s cached rows are {width} wide \
+         (not a multiple of {block}): choose another type"
+    )]
+    KvBlocks { kv_type: KvType, block: usize, layer: usize, width: usize },
 }
 
 /// The engine's KV cache, head-major: per layer and KV head (`l * n_kv_heads + kv_head`), the
@@ -182,16 +194,17 @@ pub enum PipelineError {
 /// so attention streams a head's keys sequentially.
 #[derive(Debug, Clone)]
 pub struct PipelineCache {
-    keys: Vec<Vec<f32>>,
-    values: Vec<Vec<f32>>,
+    keys: Vec<KvRows>,
+    values: Vec<KvRows>,
     /// Per layer, the fixed-size state of a Gated DeltaNet layer (`None` for attention layers,
     /// whose entries in `keys` / `values` are the ones used).
     recurrent: Vec<Option<DeltaNetState>>,
     /// Per layer, a latent attention layer's cache: per position the normalised latent and the
     /// rotated key part (`kv_lora_rank + rope_dim` floats; empty for other layers). It is the
     /// absorbed attention's one key/value head: keys and values are the same buffer.
-    latent: Vec<Vec<f32>>,
+    latent: Vec<KvRows>,
     n_positions: usize,
+    kv_type: KvType,
 }
 
 impl PipelineCache {
@@ -208,12 +221,37 @@ impl PipelineCache {
         }
         let old = self.n_positions.max(1);
         for buf in self.keys.iter_mut().chain(self.values.iter_mut()).chain(self.latent.iter_mut()) {
-            let width = buf.len() / old;
+            let width = buf.n_values() / old;
             buf.truncate(n * width);
         }
         self.n_positions = n;
         true
     }
+    /// The element type of its keys, values and latents.
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
+    }
+    /// Bytes of cached keys, values and latents (the recurrent state not counted).
+    pub fn kv_bytes(&self) -> usize {
+        self.keys.iter().chain(&self.values).chain(&self.latent).map(KvRows::bytes).sum()
+    }
+}
+
+/// Refuses a block type (q8_0) where a layer's cached rows (an attention head, a latent row) are
+/// not whole blocks.
+fn check_kv_type(plan: &LayerPlan, head_dim: usize, kv_type: KvType) -> Result<(), PipelineError> {
+    let block = kv_type.block_len();
+    for (layer, spec) in plan.layers().iter().enumerate() {
+        let width = match &spec.mixer {
+            Mixer::Attention(_) => head_dim,
+            Mixer::LatentAttention(a) => a.cache_width(),
+            Mixer::GatedDeltaNet(_) => continue,
+        };
+        if !width.is_multiple_of(block) {
+            return Err(PipelineError::KvBlocks { kv_type, block, layer, width });
+        }
+    }
+    Ok(())
 }
 
 /// Per-call activations, sized once for `max_batch_tokens`.
@@ -328,6 +366,7 @@ pub struct Pipeline {
     plans: Vec<ExecPlan>,
     fault: FaultInjection,
     max_batch_tokens: usize,
+    kv_type: KvType,
     /// The sub-batch being run: each sequence's rows, and per row its position and sequence.
     segments: Vec<Segment>,
     positions: Vec<usize>,
@@ -504,6 +543,7 @@ impl Pipeline {
             lanes.set_timeout(t);
         }
         let plan = model.plan().clone();
+        check_kv_type(&plan, c.head_dim, options.kv_type)?;
         // One cos/sin table serves every layer (`ensure_rope`): per-layer RoPE bases need a table each.
         let own_rope = |s: &LayerSpec| {
             s.as_attention().is_some_and(|a| {
@@ -551,6 +591,7 @@ impl Pipeline {
             segments: Vec::new(),
             positions: Vec::with_capacity(m),
             row_seq: Vec::with_capacity(m),
+            kv_type: options.kv_type,
             final_norm,
             layers,
             dense,
@@ -651,12 +692,14 @@ impl Pipeline {
                 Mixer::Attention(_) | Mixer::LatentAttention(_) => None,
             })
             .collect();
+        let rows = |n| vec![KvRows::new(self.kv_type); n];
         PipelineCache {
-            latent: vec![Vec::new(); self.config.n_layers],
-            keys: vec![Vec::new(); self.config.n_layers * self.config.n_kv_heads],
-            values: vec![Vec::new(); self.config.n_layers * self.config.n_kv_heads],
+            latent: rows(self.config.n_layers),
+            keys: rows(self.config.n_layers * self.config.n_kv_heads),
+            values: rows(self.config.n_layers * self.config.n_kv_heads),
             recurrent,
             n_positions: 0,
+            kv_type: self.kv_type,
         }
     }
 
@@ -955,8 +998,8 @@ impl Pipeline {
         for t in rows.clone() {
             for kvh in 0..nkv {
                 let at = t * kvd + kvh * hd;
-                keys[kvh].extend_from_slice(&a.k[at..at + hd]);
-                values[kvh].extend_from_slice(&a.v[at..at + hd]);
+                keys[kvh].push(&a.k[at..at + hd])?;
+                values[kvh].push(&a.v[at..at + hd])?;
             }
         }
         mark(&mut self.profile, |p| p.layer(1));
@@ -1199,7 +1242,7 @@ impl Pipeline {
             let row = &mut b.kv[t * width..(t + 1) * width];
             rms_norm_in_place(&mut row[..rank], kv_norm, eps);
             rope_head(&mut row[rank..], table, spec.rope.style);
-            seqs[seq].cache.latent[l].extend_from_slice(row);
+            seqs[seq].cache.latent[l].push(row)?;
             for head in b.q[t * qd..(t + 1) * qd].chunks_exact_mut(nope + rope) {
                 rope_head(&mut head[nope..], table, spec.rope.style);
             }

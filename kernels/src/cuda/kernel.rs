@@ -285,6 +285,16 @@ pub enum Kernel {
     KvStoreRows,
     AttentionSplitGqaF32,
     AttentionSplitGqaF16,
+    AttentionBf16,
+    AttentionQ8_0,
+    AttentionSplitBf16,
+    AttentionSplitQ8_0,
+    AttentionTiledBf16,
+    AttentionTiledQ8_0,
+    AttentionMmaBf16,
+    AttentionMmaQ8_0,
+    AttentionSplitGqaBf16,
+    AttentionSplitGqaQ8_0,
     ArgmaxF32,
     ArgmaxPartialF32,
     ArgmaxFinalF32,
@@ -346,7 +356,34 @@ pub enum Kernel {
 }
 
 impl Kernel {
-    pub const ALL: [Kernel; 80] = [
+    // Each attention kernel's instances per KV cache type: f32, f16, bf16, q8_0 (`KvPtr`).
+    pub const ATTENTION: [Kernel; 4] =
+        [Kernel::AttentionF32, Kernel::AttentionF16, Kernel::AttentionBf16, Kernel::AttentionQ8_0];
+    pub const ATTENTION_SPLIT: [Kernel; 4] = [
+        Kernel::AttentionSplitF32,
+        Kernel::AttentionSplitF16,
+        Kernel::AttentionSplitBf16,
+        Kernel::AttentionSplitQ8_0,
+    ];
+    pub const ATTENTION_TILED: [Kernel; 4] = [
+        Kernel::AttentionTiledF32,
+        Kernel::AttentionTiledF16,
+        Kernel::AttentionTiledBf16,
+        Kernel::AttentionTiledQ8_0,
+    ];
+    pub const ATTENTION_MMA: [Kernel; 4] = [
+        Kernel::AttentionMmaF32,
+        Kernel::AttentionMmaF16,
+        Kernel::AttentionMmaBf16,
+        Kernel::AttentionMmaQ8_0,
+    ];
+    pub const ATTENTION_SPLIT_GQA: [Kernel; 4] = [
+        Kernel::AttentionSplitGqaF32,
+        Kernel::AttentionSplitGqaF16,
+        Kernel::AttentionSplitGqaBf16,
+        Kernel::AttentionSplitGqaQ8_0,
+    ];
+    pub const ALL: [Kernel; 90] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -369,6 +406,16 @@ impl Kernel {
         Kernel::KvStoreRows,
         Kernel::AttentionSplitGqaF32,
         Kernel::AttentionSplitGqaF16,
+        Kernel::AttentionBf16,
+        Kernel::AttentionQ8_0,
+        Kernel::AttentionSplitBf16,
+        Kernel::AttentionSplitQ8_0,
+        Kernel::AttentionTiledBf16,
+        Kernel::AttentionTiledQ8_0,
+        Kernel::AttentionMmaBf16,
+        Kernel::AttentionMmaQ8_0,
+        Kernel::AttentionSplitGqaBf16,
+        Kernel::AttentionSplitGqaQ8_0,
         Kernel::ArgmaxF32,
         Kernel::ArgmaxPartialF32,
         Kernel::ArgmaxFinalF32,
@@ -454,6 +501,16 @@ impl Kernel {
             Kernel::KvStoreRows => "kv_store_rows",
             Kernel::AttentionSplitGqaF32 => "attention_split_gqa_f32",
             Kernel::AttentionSplitGqaF16 => "attention_split_gqa_f16",
+            Kernel::AttentionBf16 => "attention_bf16",
+            Kernel::AttentionQ8_0 => "attention_q8_0",
+            Kernel::AttentionSplitBf16 => "attention_split_bf16",
+            Kernel::AttentionSplitQ8_0 => "attention_split_q8_0",
+            Kernel::AttentionTiledBf16 => "attention_tiled_bf16",
+            Kernel::AttentionTiledQ8_0 => "attention_tiled_q8_0",
+            Kernel::AttentionMmaBf16 => "attention_mma_bf16",
+            Kernel::AttentionMmaQ8_0 => "attention_mma_q8_0",
+            Kernel::AttentionSplitGqaBf16 => "attention_split_gqa_bf16",
+            Kernel::AttentionSplitGqaQ8_0 => "attention_split_gqa_q8_0",
             Kernel::ArgmaxF32 => "argmax_f32",
             Kernel::ArgmaxPartialF32 => "argmax_partial_f32",
             Kernel::ArgmaxFinalF32 => "argmax_final_f32",
@@ -540,6 +597,16 @@ impl Kernel {
             Kernel::KvStoreRows => Family::NormRope,
             Kernel::AttentionSplitGqaF32 => Family::Attention,
             Kernel::AttentionSplitGqaF16 => Family::Attention,
+            Kernel::AttentionBf16 => Family::Attention,
+            Kernel::AttentionQ8_0 => Family::Attention,
+            Kernel::AttentionSplitBf16 => Family::Attention,
+            Kernel::AttentionSplitQ8_0 => Family::Attention,
+            Kernel::AttentionTiledBf16 => Family::Attention,
+            Kernel::AttentionTiledQ8_0 => Family::Attention,
+            Kernel::AttentionMmaBf16 => Family::Attention,
+            Kernel::AttentionMmaQ8_0 => Family::Attention,
+            Kernel::AttentionSplitGqaBf16 => Family::Attention,
+            Kernel::AttentionSplitGqaQ8_0 => Family::Attention,
             Kernel::ArgmaxF32 => Family::Argmax,
             Kernel::ArgmaxPartialF32 => Family::Argmax,
             Kernel::ArgmaxFinalF32 => Family::Argmax,

@@ -11,6 +11,7 @@ use super::kernel::{
     GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
+use crate::kv::KvType;
 use cudarc::cublas::{result as br, sys as bs};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -101,12 +102,16 @@ struct AttentionHeads {
     head_dim: usize,
 }
 
-/// A KV cache (or rows of one) on the device, in its element type: f32, or f16 as `u16` bit
-/// patterns. Every attention launcher reads either; `DPtr<f32>` converts into the f32 form.
+/// A KV cache (or rows of one) on the device, in its element type: f32, f16 or bf16 (as `u16`
+/// bit patterns), or q8_0 (llama.cpp's blocks of 32 values, 34 bytes: an f16 scale, 32 int8).
+/// Every attention launcher reads each; `DPtr<f32>` converts into the f32 form. Offsets and
+/// lengths count values (q8_0: whole blocks).
 #[derive(Debug, Clone, Copy)]
 pub enum KvPtr {
     F32(DPtr<f32>),
     F16(DPtr<u16>),
+    Bf16(DPtr<u16>),
+    Q8_0(DPtr<u8>),
 }
 
 impl From<DPtr<f32>> for KvPtr {
@@ -115,53 +120,99 @@ impl From<DPtr<f32>> for KvPtr {
     }
 }
 
+/// Values per q8_0 block, and its bytes.
+const Q8_0_VALUES: usize = crate::kv::Q8_0_BLOCK;
+const Q8_0_BYTES: usize = crate::kv::Q8_0_BLOCK_BYTES;
+
 impl KvPtr {
     pub fn raw(&self) -> u64 {
         match self {
             KvPtr::F32(p) => p.raw(),
-            KvPtr::F16(p) => p.raw(),
+            KvPtr::F16(p) | KvPtr::Bf16(p) => p.raw(),
+            KvPtr::Q8_0(p) => p.raw(),
         }
     }
-    /// Elements (values, whatever their type).
+    /// Values (whatever their type).
     pub fn len(&self) -> usize {
         match self {
             KvPtr::F32(p) => p.len(),
-            KvPtr::F16(p) => p.len(),
+            KvPtr::F16(p) | KvPtr::Bf16(p) => p.len(),
+            KvPtr::Q8_0(p) => p.len() / Q8_0_BYTES * Q8_0_VALUES,
         }
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    pub fn kv_type(&self) -> KvType {
+        match self {
+            KvPtr::F32(_) => KvType::F32,
+            KvPtr::F16(_) => KvType::F16,
+            KvPtr::Bf16(_) => KvType::Bf16,
+            KvPtr::Q8_0(_) => KvType::Q8_0,
+        }
+    }
     pub fn is_f16(&self) -> bool {
         matches!(self, KvPtr::F16(_))
     }
-    /// Elements `[offset, offset + len)`; panics when out of range (a programming error).
+    /// Values `[offset, offset + len)`; panics when out of range or, for q8_0, not whole blocks
+    /// (a programming error).
     pub fn sub(&self, offset: usize, len: usize) -> KvPtr {
         match self {
             KvPtr::F32(p) => KvPtr::F32(p.sub(offset, len)),
             KvPtr::F16(p) => KvPtr::F16(p.sub(offset, len)),
+            KvPtr::Bf16(p) => KvPtr::Bf16(p.sub(offset, len)),
+            KvPtr::Q8_0(p) => {
+                assert!(
+                    offset.is_multiple_of(Q8_0_VALUES) && len.is_multiple_of(Q8_0_VALUES),
+                    "q8_0 rows are whole blocks"
+                );
+                KvPtr::Q8_0(p.sub(offset / Q8_0_VALUES * Q8_0_BYTES, len / Q8_0_VALUES * Q8_0_BYTES))
+            }
         }
     }
-    /// The kernel argument that says the type (`kv_half`: 1 for f16).
-    fn half_flag(&self) -> i32 {
-        self.is_f16() as i32
+    /// The kernel argument that says the type (`kv_type` of norm_rope.cu: 0 f32, 1 f16, 2 bf16,
+    /// 3 q8_0).
+    fn type_code(&self) -> i32 {
+        match self {
+            KvPtr::F32(_) => 0,
+            KvPtr::F16(_) => 1,
+            KvPtr::Bf16(_) => 2,
+            KvPtr::Q8_0(_) => 3,
+        }
     }
 }
+
+/// The longest head the fused q/k norm + RoPE stages for a q8_0 append (`KV_STAGE_MAX` of
+/// norm_rope.cu).
+const QK_STAGE_MAX_HEAD_DIM: usize = 512;
 
 fn need_kv(kernel: impl KernelName, what: &str, p: KvPtr, n: usize) -> Result<()> {
     match p {
         KvPtr::F32(d) => need(kernel, what, d, n),
-        KvPtr::F16(d) => need(kernel, what, d, n),
+        KvPtr::F16(d) | KvPtr::Bf16(d) => need(kernel, what, d, n),
+        KvPtr::Q8_0(d) => need(kernel, what, d, n.div_ceil(Q8_0_VALUES) * Q8_0_BYTES),
     }
 }
 
-/// The f32 or f16 instance of an attention kernel, for caches of `k`'s type.
-fn kv_kernel(f32: Kernel, f16: Kernel, k: KvPtr) -> Kernel {
-    if k.is_f16() {
-        f16
-    } else {
-        f32
+/// The instance of an attention kernel for caches of `k`'s type: `[f32, f16, bf16, q8_0]`.
+fn kv_kernel(instances: [Kernel; 4], k: KvPtr) -> Kernel {
+    instances[k.type_code() as usize]
+}
+
+/// Both caches of one type, and (q8_0) rows of whole blocks: every `width` (a head, a row)
+/// a multiple of 32.
+fn check_kv_pair(kernel: Kernel, k: KvPtr, v: KvPtr, widths: &[usize]) -> Result<()> {
+    if k.kv_type() != v.kv_type() {
+        let reason = format!("the key ({}) and value ({}) caches differ in type", k.kv_type(), v.kv_type());
+        return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
     }
+    let block = k.kv_type().block_len();
+    if let Some(w) = widths.iter().find(|w| !w.is_multiple_of(block)) {
+        let reason =
+            format!("{} caches store blocks of {block} values; a row or head of {w} splits one", k.kv_type());
+        return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
+    }
+    Ok(())
 }
 
 /// The checks every attention launcher makes: the heads group over the kv heads, the head
@@ -173,11 +224,8 @@ fn check_attention(
     h: AttentionHeads,
     max_head_dim: usize,
 ) -> Result<()> {
-    if k.is_f16() != v.is_f16() {
-        let reason = "the key and value caches differ in type".to_string();
-        return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
-    }
     let AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim } = h;
+    check_kv_pair(kernel, k, v, &[head_dim])?;
     if n_kv == 0 || n_heads / n_kv * n_kv != n_heads {
         let reason = format!("{n_heads} heads do not group over {n_kv} kv heads");
         return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
@@ -421,10 +469,7 @@ impl KvAppend {
         if let Some(p) = self.pos {
             need(kernel, "pos", p, 1)?;
         }
-        if self.k_cache.is_f16() != self.v_cache.is_f16() {
-            let reason = "the key and value caches differ in type".to_string();
-            return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
-        }
+        check_kv_pair(kernel, self.k_cache, self.v_cache, &[kv_dim])?;
         // From device memory the position is unknown here: the rows fit from position 0.
         let rows = if self.pos.is_some() { n_tokens } else { pos0 + n_tokens };
         need(kernel, "v", self.v, n_tokens * kv_dim)?;
@@ -856,8 +901,14 @@ impl CudaBackend {
         let (pos, kc, vc, v, heads, half) = match append {
             Some(a) => {
                 a.check(K, n_tokens, k_stride, pos0)?;
+                check_kv_pair(K, a.k_cache, a.v_cache, &[head_dim])?;
+                if a.k_cache.kv_type() == KvType::Q8_0 && head_dim > QK_STAGE_MAX_HEAD_DIM {
+                    let reason =
+                        format!("q8_0 appends stage heads of up to {QK_STAGE_MAX_HEAD_DIM}, not {head_dim}");
+                    return Err(CudaError::Shape { kernel: K.symbol(), reason });
+                }
                 let pos = a.pos.map_or(0, |p| p.raw());
-                (pos, a.k_cache.raw(), a.v_cache.raw(), a.v.raw(), n_heads + 2 * n_kv, a.k_cache.half_flag())
+                (pos, a.k_cache.raw(), a.v_cache.raw(), a.v.raw(), n_heads + 2 * n_kv, a.k_cache.type_code())
             }
             None => (0, 0, 0, 0, n_heads + n_kv, 0),
         };
@@ -911,7 +962,7 @@ impl CudaBackend {
             (n_tokens as u32, 2, 1),
             BLOCK,
             0,
-            args![k.raw(), v.raw(), k_cache.raw(), v_cache.raw(), i(pos0), i(kv_dim), k_cache.half_flag()],
+            args![k.raw(), v.raw(), k_cache.raw(), v_cache.raw(), i(pos0), i(kv_dim), k_cache.type_code()],
         )
     }
 
@@ -932,7 +983,7 @@ impl CudaBackend {
         window: usize,
     ) -> Result<()> {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
-        let kn = kv_kernel(Kernel::AttentionF32, Kernel::AttentionF16, k_cache);
+        let kn = kv_kernel(Kernel::ATTENTION, k_cache);
         let total = pos0 + n_tokens;
         let heads = AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim };
         check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_MAX_HEAD_DIM)?;
@@ -990,7 +1041,7 @@ impl CudaBackend {
         window: usize,
     ) -> Result<()> {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
-        let kn = kv_kernel(Kernel::AttentionTiledF32, Kernel::AttentionTiledF16, k_cache);
+        let kn = kv_kernel(Kernel::ATTENTION_TILED, k_cache);
         let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
         check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_TILE_MAX_HEAD_DIM)?;
         if !head_dim.is_multiple_of(4) {
@@ -1075,7 +1126,7 @@ impl CudaBackend {
         window: usize,
     ) -> Result<()> {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
-        let kn = kv_kernel(Kernel::AttentionMmaF32, Kernel::AttentionMmaF16, k_cache);
+        let kn = kv_kernel(Kernel::ATTENTION_MMA, k_cache);
         let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
         let bufs = (q, k_cache, v_cache, out);
         check_attention(kn, bufs, heads, ATTENTION_MMA_MAX_HEAD_DIM)?;
@@ -1154,8 +1205,8 @@ impl CudaBackend {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
         let grouped = Self::attention_split_grouped(n_heads, n_kv, head_dim);
         let kn = match grouped {
-            true => kv_kernel(Kernel::AttentionSplitGqaF32, Kernel::AttentionSplitGqaF16, k_cache),
-            false => kv_kernel(Kernel::AttentionSplitF32, Kernel::AttentionSplitF16, k_cache),
+            true => kv_kernel(Kernel::ATTENTION_SPLIT_GQA, k_cache),
+            false => kv_kernel(Kernel::ATTENTION_SPLIT, k_cache),
         };
         // From device memory the position is unknown here: check (and size the grid) for the
         // most positions the call may see.
