@@ -93,6 +93,17 @@ pub struct GpuKvCache {
     pub(crate) n_positions: usize,
 }
 
+/// A block type (q8_0) needs every attention head to be whole blocks: refused by name otherwise
+/// (at engine build, before anything is uploaded, and again for each cache).
+pub(crate) fn check_kv_blocks(plan: &LayerPlan, kv_type: KvType) -> Result<(), GpuError> {
+    let block = kv_type.block_len();
+    let head_dim = plan.layers().iter().find_map(|l| l.as_attention().map(|a| a.head_dim));
+    match head_dim.filter(|d| !d.is_multiple_of(block)) {
+        Some(head_dim) => Err(GpuError::KvBlocks { kv_type, block, head_dim }),
+        None => Ok(()),
+    }
+}
+
 impl GpuKvCache {
     pub(crate) fn new(
         be: &CudaBackend,
@@ -101,11 +112,8 @@ impl GpuKvCache {
         capacity: usize,
         kv_type: KvType,
     ) -> Result<Self, GpuError> {
+        check_kv_blocks(plan, kv_type)?;
         let block = kv_type.block_len();
-        let head_dim = plan.layers().iter().find_map(|l| l.as_attention().map(|a| a.head_dim));
-        if let Some(head_dim) = head_dim.filter(|d| !d.is_multiple_of(block)) {
-            return Err(GpuError::KvBlocks { kv_type, block, head_dim });
-        }
         let elems: Vec<usize> = plan
             .layers()
             .iter()

@@ -375,6 +375,7 @@ impl GpuModel {
         be.bind_to_thread()?;
         let cfg = model.config().clone();
         GpuModel::supports(&model)?;
+        super::kv::check_kv_blocks(model.plan(), opts.kv_type)?;
         let w = DenseWeights::upload(&model, &be)?;
         let hot = HotCache::empty(&be, &model)?;
         let dequant = dequant_scratch(&be, &cfg, &w, &hot)?;

@@ -907,14 +907,14 @@ impl CudaBackend {
 /// their dynamic shared memory (past the default 48 KiB).
 fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
     let tiles = kernel::attention_tile_shared_bytes(kernel::ATTENTION_TILE_MAX_HEAD_DIM);
-    let large = [
+    let pipes = [
         (Kernel::GroupedGateUpBf16Pipe, kernel::grouped_pipe_shared_bytes(2)),
         (Kernel::GroupedGemmBf16Pipe, kernel::grouped_pipe_shared_bytes(1)),
         (Kernel::GroupedGateUpQPipe, kernel::grouped_pipe_shared_bytes(2)),
         (Kernel::GroupedGemmQPipe, kernel::grouped_pipe_shared_bytes(1)),
-        (Kernel::AttentionTiledF32, tiles),
-        (Kernel::AttentionTiledF16, tiles),
     ];
+    // Every KV cache type's instance of the tiled attention.
+    let large = pipes.into_iter().chain(Kernel::ATTENTION_TILED.map(|k| (k, tiles)));
     for (k, bytes) in large {
         let bytes = bytes as i32;
         functions[k as usize]
