@@ -62,7 +62,7 @@ fn engine(
     }
     let (engine, report) = build_engine(model, opts).unwrap();
     assert_eq!(report.kind, kind);
-    engine.into()
+    engine
 }
 
 /// Three prompts of different lengths from the fixture's prompt.
