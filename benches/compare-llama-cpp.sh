@@ -132,20 +132,25 @@ case_flags() {
     fi
 }
 
-run() {
-    local logs="${OUT:-$LLAMA_DIR/logs}"
+# Prepare (build, model), print the header lines ($1: what is measured, $2: the table head), then
+# run case function $3 for every case of CASES.
+each_case() {
+    local what="$1" head="$2" fn="$3" logs="${OUT:-$LLAMA_DIR/logs}" layers all_mib cases
     mkdir -p "$logs"
     MODEL="${MODEL:-$LLAMA_DIR/model.gguf}"
-    local layers all_mib
     read -r layers all_mib < <(prepare "$logs")
-    echo "model $MODEL: $layers layers, $all_mib MiB of experts; pp$P / tg$N at depth $D, $REPS reps, $THREADS threads"
-    echo "| case | llama.cpp flags | llama.cpp pp / tg | moe-lanes pp / tg | ratio pp / tg | hit | cold threads |"
-    echo "|---|---|---|---|---|---|---|"
-    local cases
+    echo "model $MODEL: $layers layers, $all_mib MiB of experts; $what, $REPS reps, $THREADS threads"
+    echo "$head"
+    echo "$head" | sed 's/[^|]\+/---/g'
     if have_gpu; then cases="${CASES:-0 50 100}"; else cases="${CASES:-cpu}"; fi
     for c in $cases; do
-        run_case "$c" "$layers" "$all_mib" "$logs"
+        "$fn" "$c" "$layers" "$all_mib" "$logs"
     done
+}
+
+run() {
+    each_case "pp$P / tg$N at depth $D" \
+        "| case | llama.cpp flags | llama.cpp pp / tg | moe-lanes pp / tg | ratio pp / tg | hit | cold threads |" run_case
 }
 
 # One batched case: llama-batched-bench then `moe-lanes bench --parallel`; one table row per B.
@@ -180,20 +185,10 @@ PY
 }
 
 batched() {
-    local logs="${OUT:-$LLAMA_DIR/logs}"
-    mkdir -p "$logs"
-    MODEL="${MODEL:-$LLAMA_DIR/model.gguf}"
     PL="${PL:-1,4,16}"
-    local layers all_mib
-    read -r layers all_mib < <(prepare "$logs")
-    echo "model $MODEL: $layers layers, $all_mib MiB of experts; B in $PL, pp$P / tg$N per sequence, $REPS reps, $THREADS threads"
-    echo "| case | B | llama.cpp S_PP / S_TG | moe-lanes S_PP / S_TG | ratio pp / tg | moe-lanes step p50 / p99 ms |"
-    echo "|---|---|---|---|---|---|"
-    local cases
-    if have_gpu; then cases="${CASES:-0 50 100}"; else cases="${CASES:-cpu}"; fi
-    for c in $cases; do
-        batched_case "$c" "$layers" "$all_mib" "$logs"
-    done
+    each_case "B in $PL, pp$P / tg$N per sequence" \
+        "| case | B | llama.cpp S_PP / S_TG | moe-lanes S_PP / S_TG | ratio pp / tg | moe-lanes step p50 / p99 ms |" \
+        batched_case
 }
 
 case "${1:-run}" in
