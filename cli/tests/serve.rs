@@ -70,6 +70,38 @@ fn completions_equal_generate_plain_and_streamed() {
     assert_eq!(models["data"][0]["id"], "t");
 }
 
+/// A second turn whose prompt continues the first request's prompt and answer reuses its KV
+/// cache (the prefix-cache counters move) and answers what `generate` answers from scratch;
+/// with `--prefix-cache 0` nothing is kept.
+#[test]
+fn a_follow_up_turn_reuses_the_first_turns_cache_and_answers_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny(dir.path());
+    for (keep, hits) in [("4", 1.0), ("0", 0.0)] {
+        let server = Server::start(&model, &["--hot-fraction", "0.5", "--prefix-cache", keep]);
+        let ask = |prompt: &[u64], n: usize| -> Vec<u64> {
+            let (status, v) = server.json(
+                "POST",
+                "/v1/completions",
+                &json!({"prompt": prompt, "max_tokens": n, "temperature": 0}),
+            );
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["token_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect()
+        };
+        let first_prompt = [5u64, 17, 200, 9, 31];
+        let first = ask(&first_prompt, 4);
+        let follow: Vec<u64> = first_prompt.iter().chain(&first).chain(&[44, 45, 46]).copied().collect();
+        let ids = follow.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+        let want = generate(&model, &ids, 5, &["--hot-fraction", "0.5"]);
+        assert_eq!(ask(&follow, 5), want, "--prefix-cache {keep}");
+        let (_, text) = server.request("GET", "/metrics", b"", &[]);
+        let m = samples(&text);
+        assert_eq!(m["moe_lanes_prefix_cache_hits_total"], hits, "--prefix-cache {keep}");
+        let reused = if hits > 0.0 { (first_prompt.len() + first.len() - 1) as f64 } else { 0.0 };
+        assert_eq!(m["moe_lanes_prefix_cache_reused_tokens_total"], reused);
+    }
+}
+
 #[test]
 fn bad_requests_get_json_errors_naming_the_field_and_change_nothing() {
     let dir = tempfile::tempdir().unwrap();
