@@ -192,14 +192,7 @@ fn the_fixture_in_llama_cpp_layout_gives_its_logits() {
             (c.yarn, c.norm_topk_prob, c.n_kv_heads),
             (want.yarn, want.norm_topk_prob, want.n_kv_heads)
         );
-        let r = Reference::new(&model).unwrap();
-        let got = r.forward(&mut r.new_cache(), &g.prompt, &mut NoObserver).unwrap();
-        let err = max_rel_err(&got, &g.logits);
-        assert!(err < TOLERANCE, "{kv_b:?}: oracle vs transformers {err}");
-        let mut p = pipeline(&model, 0.5, 512);
-        let got = p.forward(&mut p.new_cache(), &g.prompt, Phase::Prefill).unwrap();
-        let err = max_rel_err(&got, &g.logits);
-        assert!(err < TOLERANCE, "{kv_b:?}: pipeline vs transformers {err}");
+        fixture_checks::check_prompt_logits(&model, &g, &format!("{kv_b:?}: "));
     }
 }
 
@@ -302,13 +295,6 @@ mod rope_scaling {
         let model = Arc::new(Model::open(&path).unwrap());
         let (c, want) = (model.config(), hf.config());
         assert_eq!((c.mla, c.yarn), (want.mla, want.yarn));
-        let r = Reference::new(&model).unwrap();
-        let got = r.forward(&mut r.new_cache(), &g.prompt, &mut NoObserver).unwrap();
-        let err = max_rel_err(&got, &g.logits);
-        assert!(err < TOLERANCE, "oracle vs transformers {err}");
-        let mut p = pipeline(&model, 0.5, 512);
-        let got = p.forward(&mut p.new_cache(), &g.prompt, Phase::Prefill).unwrap();
-        let err = max_rel_err(&got, &g.logits);
-        assert!(err < TOLERANCE, "pipeline vs transformers {err}");
+        fixture_checks::check_prompt_logits(&model, &g, "");
     }
 }

@@ -185,14 +185,7 @@ fn the_fixture_in_llama_cpp_layout_gives_its_logits() {
         (want.qk_norm, want.attention_bias, want.rotary_dims)
     );
     assert_eq!((c.dense_layers, c.sigmoid_routing), (want.dense_layers, want.sigmoid_routing));
-    let r = Reference::new(&model).unwrap();
-    let got = r.forward(&mut r.new_cache(), &g.prompt, &mut NoObserver).unwrap();
-    let err = max_rel_err(&got, &g.logits);
-    assert!(err < TOLERANCE, "oracle vs transformers {err}");
-    let mut p = pipeline(&model, 0.5, 512);
-    let got = p.forward(&mut p.new_cache(), &g.prompt, Phase::Prefill).unwrap();
-    let err = max_rel_err(&got, &g.logits);
-    assert!(err < TOLERANCE, "pipeline vs transformers {err}");
+    fixture_checks::check_prompt_logits(&model, &g, "");
 }
 
 /// A GLM config with `attention_bias: false` on a checkpoint without q/k/v biases opens and runs

@@ -116,9 +116,9 @@ impl Sequence {
         prompt: &[u32],
         opts: GenerationOptions,
     ) -> Result<Sequence, GenerationError> {
-        Sequence::check(engine, prompt, &opts)?;
+        let sampler = Sequence::check(engine, prompt, &opts)?;
         let cache = engine.new_cache(prompt.len() + opts.max_tokens)?;
-        Sequence::with_cache(engine, prompt, opts, cache)
+        Ok(Sequence::start(sampler, prompt, opts, cache))
     }
 
     /// As [`Sequence::new`], over `cache`, which holds the first `cache.n_positions()` prompt
@@ -131,11 +131,16 @@ impl Sequence {
         cache: KvCache,
     ) -> Result<Sequence, GenerationError> {
         let sampler = Sequence::check(engine, prompt, &opts)?;
-        let reused = cache.n_positions();
-        assert!(reused < prompt.len(), "a reused prefix leaves the last prompt token to feed");
+        assert!(cache.n_positions() < prompt.len(), "a reused prefix leaves the last prompt token to feed");
         assert!(cache.capacity() >= prompt.len() + opts.max_tokens, "the cache has room");
+        Ok(Sequence::start(sampler, prompt, opts, cache))
+    }
+
+    /// A checked sequence over `cache` (empty, or holding a reused prefix of the prompt).
+    fn start(sampler: Sampler, prompt: &[u32], opts: GenerationOptions, cache: KvCache) -> Sequence {
+        let reused = cache.n_positions();
         let now = Instant::now();
-        Ok(Sequence {
+        Sequence {
             cache,
             sampler,
             context: prompt.to_vec(),
@@ -147,7 +152,7 @@ impl Sequence {
             opts,
             started: now,
             last: now,
-        })
+        }
     }
 
     /// Whether its prompt is still going in (not finished, no token chosen yet).

@@ -1286,11 +1286,10 @@ impl Pipeline {
         }
         mark(&mut self.profile, |p| p.layer(0));
         mark(&mut self.profile, |p| p.layer(1));
-        let widths: Vec<usize> = inputs.iter().map(|m| m.rows).collect();
         for i in 0..self.segments.len() {
             let seg = self.segments[i];
             let state = seqs[seg.seq].cache.recurrent[l].as_mut().expect("the cache follows the plan");
-            self.delta_segment(state, l, &d, &widths, seg)?;
+            self.delta_segment(state, l, &d, inputs, seg)?;
         }
         mark(&mut self.profile, |p| p.layer(2));
         let (vd, h, a) = (d.value_dim(), self.config.hidden, &mut self.act);
@@ -1310,7 +1309,7 @@ impl Pipeline {
         state: &mut DeltaNetState,
         l: usize,
         d: &DeltaNetSpec,
-        widths: &[usize],
+        inputs: &[DenseMatrix<'_>],
         seg: Segment,
     ) -> Result<(), PipelineError> {
         let (w, a, eps) = (&self.layers[l], &mut self.act, self.config.rms_eps);
@@ -1326,8 +1325,8 @@ impl Pipeline {
             return Ok(());
         }
         if seg.row0 > 0 {
-            for (buf, &width) in a.delta_in.iter_mut().zip(widths) {
-                buf.copy_within(seg.row0 * width..(seg.row0 + seg.n) * width, 0);
+            for (buf, m) in a.delta_in.iter_mut().zip(inputs) {
+                buf.copy_within(seg.row0 * m.rows..(seg.row0 + seg.n) * m.rows, 0);
             }
         }
         prefill(d, vectors, state, &a.delta_in, seg.n, eps, &mut a.delta_prefill, pool, out)?;

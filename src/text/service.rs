@@ -215,7 +215,8 @@ struct TextService {
 /// A running request: where its text goes and what its outcome collects.
 struct TextRun {
     events: mpsc::Sender<TextEvent>,
-    stream: TextStream<'static>,
+    /// `None` once flushed at the end.
+    stream: Option<TextStream<'static>>,
     text: String,
     tokens: Vec<GeneratedToken>,
     prompt_tokens: usize,
@@ -279,7 +280,7 @@ impl TextService {
         };
         let run = TextRun {
             events: job.events,
-            stream,
+            stream: Some(stream),
             text: String::new(),
             tokens: Vec::new(),
             prompt_tokens: ids.len(),
@@ -291,7 +292,7 @@ impl TextService {
     /// A token's text to its reader; a completed stop string ends the request.
     fn on_token(&mut self, id: SeqId, t: GeneratedToken) {
         let Some(r) = self.running.get_mut(&id) else { return };
-        let push = match r.stream.push(t.id) {
+        let push = match r.stream.as_mut().expect("flushed only at the end").push(t.id) {
             Ok(push) => push,
             Err(e) => {
                 let r = self.running.remove(&id).expect("running");
@@ -315,11 +316,7 @@ impl TextService {
     /// The generation ended (length or a stop id): the held-back text, then `Done`.
     fn end(&mut self, id: SeqId, finish: FinishReason) {
         let Some(r) = self.running.get_mut(&id) else { return };
-        let stream = std::mem::replace(
-            &mut r.stream,
-            TextStream::shared(Arc::clone(&self.tokenizer), true, StopStrings::default()),
-        );
-        let push = stream.finish();
+        let push = r.stream.take().map(TextStream::finish).unwrap_or_default();
         if !push.text.is_empty() {
             r.text.push_str(&push.text);
             let _ = r.events.blocking_send(TextEvent::Text(push.text));

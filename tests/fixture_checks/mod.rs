@@ -60,6 +60,20 @@ pub fn pipeline(model: &Arc<Model>, hot_fraction: f64, max_batch_tokens: usize) 
     Pipeline::new(model.clone(), opts).unwrap()
 }
 
+/// `model` (the fixture, or the fixture rewritten into another layout) on the oracle and the
+/// pipeline at hot 0.5: the prompt's logits within [`TOLERANCE`] of the fixture's; `what` names
+/// the case in the messages.
+pub fn check_prompt_logits(model: &Arc<Model>, g: &Golden, what: &str) {
+    let r = Reference::new(model).unwrap();
+    let got = r.forward(&mut r.new_cache(), &g.prompt, &mut NoObserver).unwrap();
+    let err = max_rel_err(&got, &g.logits);
+    assert!(err < TOLERANCE, "{what}oracle vs transformers {err}");
+    let mut p = pipeline(model, 0.5, 512);
+    let got = p.forward(&mut p.new_cache(), &g.prompt, Phase::Prefill).unwrap();
+    let err = max_rel_err(&got, &g.logits);
+    assert!(err < TOLERANCE, "{what}pipeline vs transformers {err}");
+}
+
 /// The oracle: prefill, then the second chunk on the same session, then greedy tokens.
 pub fn check_reference(name: &str) {
     let (model, g) = open(name);
