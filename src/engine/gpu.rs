@@ -56,7 +56,7 @@ impl GpuEngine {
             n_cold_workers: self.cold_threads,
             activations: Some(self.cold.lane.activations()),
             // The GPU cache's type: the replayed session keeps its bytes (and its rounding).
-            kv_type: self.gpu.opts.kv_type,
+            kv_type: self.gpu.kv_type(),
             ..PipelineOptions::default()
         };
         self.cpu = Some(Pipeline::new(self.model.clone(), opts)?);

@@ -5,6 +5,7 @@
 //! attention and the recurrent state run per sequence ([`GpuSeg`]). A one-sequence call takes
 //! [`GpuModel::forward_rows`] (and so the decode graphs).
 
+use super::head::head_kernels;
 use super::kv::GpuKvCache;
 use super::model::{GpuModel, GpuSeg};
 use super::GpuError;
@@ -33,29 +34,18 @@ impl GpuModel {
             return self.forward_rows(one.tokens, phase, one.cache, cold, LogitRows::Last);
         }
         let call_start = Instant::now();
-        for s in seqs.iter() {
-            self.check_call(s.tokens, s.cache)?;
-        }
-        self.call_idx += 1;
-        if self.opts.faults.gpu_lost_at_call == Some(self.call_idx) {
-            return Err(GpuError::Injected { what: "gpu lost" });
-        }
-        self.be.bind_to_thread()?;
+        let mut calls: Vec<(&[u32], &mut GpuKvCache)> =
+            seqs.iter_mut().map(|s| (s.tokens, &mut *s.cache)).collect();
+        self.start_call(&mut calls)?;
+        drop(calls);
         let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let t = tokens.len();
-        self.reserve_tokens(t)?;
-        for s in seqs.iter() {
-            if s.cache.n_positions == 0 {
-                // A new (or cleared) session: recurrent layers start from zero state.
-                s.cache.reset_recurrent(&self.be)?;
-            }
-        }
         self.embed(&tokens)?;
         self.batch_layers(seqs, phase, t, cold)?;
         let n = seqs.len();
         self.gather_last_rows(seqs)?;
         let copy_start = Instant::now();
-        self.head_kernels(phase, n, LogitRows::All)?;
+        head_kernels(self.dev(), phase, n, LogitRows::All)?;
         let logits = self.head_copies(t, n)?;
         let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
         for s in seqs.iter_mut() {
@@ -82,25 +72,21 @@ impl GpuModel {
                 seg
             })
             .collect();
-        for l in 0..self.cfg.n_layers {
-            self.mark(l, 0)?;
-            self.mixer_block(l, phase, t, &segs)?;
-            self.moe_block(l, phase, t, cold)?;
-        }
-        Ok(())
+        self.layers(0..self.dev().cfg.n_layers, phase, t, &segs, cold)
     }
 
     /// Each sequence's last hidden row moved to row `i` (its index), so the head runs over one
     /// row per sequence. Row `i` is never a later sequence's last row (that is at least its
     /// index), so the moves do not collide.
     fn gather_last_rows(&self, seqs: &[GpuSeqInput<'_>]) -> Result<(), GpuError> {
-        let (h, s) = (self.cfg.hidden, self.scratch.as_ref().expect("reserved"));
+        let dev = self.dev();
+        let (h, s) = (dev.cfg.hidden, dev.s());
         let mut end = 0;
         for (i, seq) in seqs.iter().enumerate() {
             end += seq.tokens.len();
             if end - 1 != i {
                 let hidden = s.hidden.ptr();
-                self.be.copy(hidden.sub((end - 1) * h, h), hidden.sub(i * h, h))?;
+                dev.be.copy(hidden.sub((end - 1) * h, h), hidden.sub(i * h, h))?;
             }
         }
         Ok(())

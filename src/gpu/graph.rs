@@ -16,8 +16,10 @@
 //! are the eager call's, bit for bit (the same kernels in the same order; the extra attention
 //! splits are empty and add exact zeros).
 
+use super::head::{embed_rows, head_kernels};
 use super::kv::GpuKvCache;
-use super::model::{GpuFaults, GpuModel, GpuSeg};
+use super::model::{GpuModel, GpuSeg};
+use super::options::GpuFaults;
 use super::stats::LayerRecord;
 use super::GpuError;
 use crate::cache::perf::PerfMode;
@@ -50,6 +52,17 @@ pub(crate) struct GraphKey {
     profile: bool,
 }
 
+/// The decode graphs of the last calls that could replay them.
+#[derive(Default)]
+pub(crate) struct Graphs {
+    /// Decode calls that could run as graphs (the timing sample's count).
+    calls: u64,
+    /// The captured one-token decode call, replayed while its key holds.
+    graph: Option<DecodeGraph>,
+    /// The captured decode call of a model with cold experts in some layers.
+    segments: Option<DecodeSegments>,
+}
+
 pub(crate) struct DecodeGraph {
     graph: StreamGraph,
     key: GraphKey,
@@ -68,29 +81,30 @@ impl GpuModel {
     /// Whether this call runs as the decode graph: one decode token, graphs on, no injected
     /// faults, every layer all hot (no cold lane, no host step), the fused q/k norm + RoPE.
     pub(super) fn graph_eligible(&self, tokens: &[u32], phase: Phase) -> bool {
-        self.graphs_apply(tokens, phase) && (0..self.cfg.n_layers).all(|l| self.hot.all_hot(l))
+        self.graphs_apply(tokens, phase) && (0..self.dev().cfg.n_layers).all(|l| self.moe.hot.all_hot(l))
     }
 
     /// Whether this decode call, which graphs could run, runs eagerly to time the hot lanes
     /// ([`HOT_TIMING_EVERY_CALLS`]; the first such call is one); counts the calls.
     pub(super) fn timing_sample(&mut self, tokens: &[u32], phase: Phase) -> bool {
-        if self.opts.graph_lane_events
+        if self.dev().opts.graph_lane_events
             || self.perf.mode() == PerfMode::Off
             || !self.graphs_apply(tokens, phase)
         {
             return false;
         }
-        self.graph_calls += 1;
-        self.graph_calls % HOT_TIMING_EVERY_CALLS == 1
+        self.graphs.calls += 1;
+        self.graphs.calls % HOT_TIMING_EVERY_CALLS == 1
     }
 
     /// Graphs on, one decode token, no injected faults, the fused q/k norm + RoPE.
     fn graphs_apply(&self, tokens: &[u32], phase: Phase) -> bool {
-        self.opts.decode_graph
+        let opts = &self.dev().opts;
+        opts.decode_graph
             && phase == Phase::Decode
             && tokens.len() == 1
-            && self.opts.faults == GpuFaults::default()
-            && self.qk_fused_all
+            && opts.faults == GpuFaults::default()
+            && self.mixer().qk_fused_all
     }
 
     /// Before a decode step's graphs: pending exchanges ordered (outside the graphs: it may
@@ -98,13 +112,14 @@ impl GpuModel {
     /// key the step's graphs need.
     fn graph_step_start(&mut self, token: u32, cache: &GpuKvCache) -> Result<GraphKey, GpuError> {
         let pos0 = cache.n_positions;
-        for l in 0..self.cfg.n_layers {
-            self.hot.order_after_exchanges(&self.be, l)?;
+        let (dev, mixer, moe) = self.stages_mut();
+        for l in 0..dev.cfg.n_layers {
+            moe.hot.order_after_exchanges(&dev.be, l)?;
         }
-        self.reserve_attention(1, cache)?;
+        mixer.reserve_attention(dev, 1, cache)?;
         let key = self.graph_key(cache, positions_bucket(pos0, cache.capacity));
-        let s = self.scratch.as_ref().expect("reserved");
-        self.be.write(&[token as i32, pos0 as i32], s.step.ptr())?;
+        let dev = self.dev();
+        dev.be.write(&[token as i32, pos0 as i32], dev.s().step.ptr())?;
         Ok(key)
     }
 
@@ -129,26 +144,26 @@ impl GpuModel {
     ) -> Result<Logits, GpuError> {
         let pos0 = cache.n_positions;
         let key = self.graph_step_start(token, cache)?;
-        if self.graph.as_ref().is_none_or(|g| g.key != key) {
-            self.graph = None;
-            self.graph = Some(self.capture(key, pos0, cache, cold, rows)?);
+        if self.graphs.graph.as_ref().is_none_or(|g| g.key != key) {
+            self.graphs.graph = None;
+            self.graphs.graph = Some(self.capture(key, pos0, cache, cold, rows)?);
         }
-        let g = self.graph.as_ref().expect("captured above");
-        self.be.launch_graph(&g.graph)?;
-        replay_records(&mut self.records, &g.records);
+        let g = self.graphs.graph.as_ref().expect("captured above");
+        self.dev().be.launch_graph(&g.graph)?;
+        replay_records(&mut self.moe.records, &g.records);
         self.graph_step_end(cache, call_start)
     }
 
     fn graph_key(&self, cache: &GpuKvCache, max_positions: usize) -> GraphKey {
-        let s = self.scratch.as_ref().expect("reserved");
         GraphKey {
             // One buffer stands for each owner: a KV cache's and a scratch's buffers are
-            // allocated together and replaced together.
+            // allocated together and replaced together (the stages' pinned buffers with the
+            // scratch).
             kv_cache: cache.serial(),
-            scratch: s.hidden.serial(),
-            attn_part: self.attn_part.as_ref().map_or(0, |p| p.serial()),
+            scratch: self.dev().s().hidden.serial(),
+            attn_part: self.mixer().part_serial(),
             max_positions,
-            profile: self.profiler.is_some(),
+            profile: self.dev().profiler.is_some(),
         }
     }
 
@@ -162,13 +177,13 @@ impl GpuModel {
         cold: &mut dyn ColdLane,
         rows: LogitRows,
     ) -> Result<DecodeGraph, GpuError> {
-        self.be.begin_capture()?;
-        self.step = Some(key.max_positions);
+        self.dev().be.begin_capture()?;
+        self.dev_mut().step = Some(key.max_positions);
         let enqueued = self.enqueue_decode(pos0, cache, cold, rows);
-        self.step = None;
-        let graph = self.be.end_capture();
+        self.dev_mut().step = None;
+        let graph = self.dev().be.end_capture();
         enqueued?;
-        Ok(DecodeGraph { graph: graph?, key, records: self.records.clone() })
+        Ok(DecodeGraph { graph: graph?, key, records: self.moe.records.clone() })
     }
 
     fn enqueue_decode(
@@ -179,8 +194,8 @@ impl GpuModel {
         rows: LogitRows,
     ) -> Result<(), GpuError> {
         self.part_start(0)?;
-        self.whole_layers(0..self.cfg.n_layers, pos0, cache, cold)?;
-        self.head_kernels(Phase::Decode, 1, rows)?;
+        self.whole_layers(0..self.dev().cfg.n_layers, pos0, cache, cold)?;
+        head_kernels(self.dev(), Phase::Decode, 1, rows)?;
         Ok(())
     }
 }
@@ -208,13 +223,13 @@ pub(crate) struct DecodeSegments {
 impl GpuModel {
     /// The layers with cold experts, ascending.
     fn split_layers(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.cfg.n_layers).filter(|&l| !self.hot.all_hot(l))
+        (0..self.dev().cfg.n_layers).filter(|&l| !self.moe.hot.all_hot(l))
     }
 
     /// Whether this call runs as decode segments: the decode graph's conditions, except that
     /// some layers have cold experts.
     pub(super) fn segments_eligible(&self, tokens: &[u32], phase: Phase) -> bool {
-        self.graphs_apply(tokens, phase) && (0..self.cfg.n_layers).any(|l| !self.hot.all_hot(l))
+        self.graphs_apply(tokens, phase) && (0..self.dev().cfg.n_layers).any(|l| !self.moe.hot.all_hot(l))
     }
 
     /// The decode call through its segments (captured first when the key or the split layers
@@ -231,29 +246,27 @@ impl GpuModel {
         let key = self.graph_step_start(token, cache)?;
         let stale =
             |g: &DecodeSegments| g.key != key || !g.split_layers.iter().copied().eq(self.split_layers());
-        if self.segments.as_ref().is_none_or(stale) {
-            self.segments = None;
+        if self.graphs.segments.as_ref().is_none_or(stale) {
+            self.graphs.segments = None;
             let split = self.split_layers().collect();
-            self.segments = Some(self.capture_segments(key, pos0, cache, cold, rows, split)?);
+            self.graphs.segments = Some(self.capture_segments(key, pos0, cache, cold, rows, split)?);
         }
-        let segs = self.segments.take().expect("captured above");
+        let segs = self.graphs.segments.take().expect("captured above");
         let run = self.run_segments(&segs, cold);
-        self.segments = Some(segs);
+        self.graphs.segments = Some(segs);
         run?;
         self.graph_step_end(cache, call_start)
     }
 
     /// Launch the parts and hot lanes in turn, each split layer's cold lane on the host between.
     fn run_segments(&mut self, segs: &DecodeSegments, cold: &mut dyn ColdLane) -> Result<(), GpuError> {
-        replay_records(&mut self.records, &segs.records);
+        replay_records(&mut self.moe.records, &segs.records);
         for (i, part) in segs.parts.iter().enumerate() {
-            self.be.launch_graph(part)?;
+            self.dev().be.launch_graph(part)?;
             let Some(&l) = segs.split_layers.get(i) else { break };
-            self.scratch.as_ref().expect("reserved").pin_route.fence_replayed();
-            self.be.launch_graph(&segs.hot[i])?;
-            let outcome = self.cold_lane_device(l, 1, cold);
-            // the next part adds the layer's MoE output (after a fallback, the all-cold one)
-            self.moe_settle(l, Phase::Decode, 1, cold, outcome)?;
+            self.moe.pin.route.fence_replayed();
+            self.dev().be.launch_graph(&segs.hot[i])?;
+            self.split_layer_cold(l, cold)?;
         }
         Ok(())
     }
@@ -268,12 +281,12 @@ impl GpuModel {
         rows: LogitRows,
         split: Vec<usize>,
     ) -> Result<DecodeSegments, GpuError> {
-        self.step = Some(key.max_positions);
+        self.dev_mut().step = Some(key.max_positions);
         let (mut parts, mut hot) = (Vec::with_capacity(split.len() + 1), Vec::with_capacity(split.len()));
         let enqueued = self.enqueue_segments(pos0, cache, cold, rows, &split, (&mut parts, &mut hot));
-        self.step = None;
+        self.dev_mut().step = None;
         enqueued?;
-        Ok(DecodeSegments { key, split_layers: split, parts, hot, records: self.records.clone() })
+        Ok(DecodeSegments { key, split_layers: split, parts, hot, records: self.moe.records.clone() })
     }
 
     fn enqueue_segments(
@@ -291,34 +304,33 @@ impl GpuModel {
             self.captured(parts, |m| {
                 m.part_start(first)?;
                 m.whole_layers(first..sl, pos0, cache, cold)?;
-                m.mark(sl, 0)?;
-                m.mixer_block(sl, Phase::Decode, 1, &[GpuSeg { row0: 0, n: 1, pos0, cache }])?;
-                plan = Some(m.moe_route(sl, Phase::Decode, 1)?);
+                plan = Some(m.split_layer_start(sl, GpuSeg { row0: 0, n: 1, pos0, cache })?);
                 Ok(())
             })?;
             let plan = plan.expect("routed above");
             assert!(plan.device_path && !plan.direct, "a split decode layer takes the device path");
             let fault = |_| GpuError::HotLaneCapture { layer_idx: sl };
-            self.captured(hot, |m| m.hot_lane_device(sl, 1, plan).map_err(fault))?;
+            self.captured(hot, |m| m.split_layer_hot(sl, plan).map_err(fault))?;
             first = sl + 1;
         }
         self.captured(parts, |m| {
             m.part_start(first)?;
-            m.whole_layers(first..m.cfg.n_layers, pos0, cache, cold)?;
-            m.head_kernels(Phase::Decode, 1, rows).map(|_| ())
+            m.whole_layers(first..m.dev().cfg.n_layers, pos0, cache, cold)?;
+            head_kernels(m.dev(), Phase::Decode, 1, rows).map(|_| ())
         })
     }
 
     /// A part's first work: the embedding (the first part) or the previous layer's MoE output
     /// added into the residual stream.
     fn part_start(&mut self, first: usize) -> Result<(), GpuError> {
-        let s = self.scratch.as_ref().expect("reserved");
+        let dev = self.dev();
+        let s = dev.s();
         if first == 0 {
-            self.mark_tail(0)?;
-            return self.embed_rows(s.step.ptr().sub(0, 1));
+            dev.mark_tail(0)?;
+            return embed_rows(dev, s.step.ptr().sub(0, 1));
         }
-        self.be.add(s.hidden.ptr(), s.moe_out.ptr(), self.cfg.hidden)?;
-        self.mark(first - 1, 9)
+        dev.be.add(s.hidden.ptr(), s.moe_out.ptr(), dev.cfg.hidden)?;
+        dev.mark(first - 1, 9)
     }
 
     fn whole_layers(
@@ -328,12 +340,7 @@ impl GpuModel {
         cache: &mut GpuKvCache,
         cold: &mut dyn ColdLane,
     ) -> Result<(), GpuError> {
-        for l in layers {
-            self.mark(l, 0)?;
-            self.mixer_block(l, Phase::Decode, 1, &[GpuSeg { row0: 0, n: 1, pos0, cache }])?;
-            self.moe_block(l, Phase::Decode, 1, cold)?;
-        }
-        Ok(())
+        self.layers(layers, Phase::Decode, 1, &[GpuSeg { row0: 0, n: 1, pos0, cache }], cold)
     }
 
     /// Run `f`'s enqueues as one captured graph, appended to `graphs`; the capture always ends,
@@ -343,9 +350,9 @@ impl GpuModel {
         graphs: &mut Vec<StreamGraph>,
         f: impl FnOnce(&mut Self) -> Result<(), GpuError>,
     ) -> Result<(), GpuError> {
-        self.be.begin_capture()?;
+        self.dev().be.begin_capture()?;
         let enqueued = f(self);
-        let graph = self.be.end_capture();
+        let graph = self.dev().be.end_capture();
         enqueued?;
         graphs.push(graph?);
         Ok(())

@@ -14,7 +14,8 @@
 //! at 1 chunk of 1.2 GiB, 3.24 ms at 5, 4.34 ms at 10 chunks with overlap; the dequantization
 //! itself about 0.7 ms a layer.
 
-use super::model::GpuModel;
+use super::device::Device;
+use super::moe::MoeStage;
 use super::GpuError;
 use crate::model::config::ModelConfig;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, GpuEvent, TypedWeights};
@@ -92,65 +93,65 @@ pub(crate) fn plan_chunks(tiles: &mut [i32], max_slots: usize, chunks: &mut Vec<
     }
 }
 
-impl GpuModel {
+impl MoeStage {
     /// Grouped hot lane over a layer with quantized slots: per chunk of slots, dequantize the
     /// chunk's gate, up and down to bf16 (with overlap into the half the chunk before last used,
     /// on the side stream, so it runs beside the previous chunk's GEMMs), then one launch
     /// for gate, up and the activation and one for down over the chunk's tiles.
-    pub(super) fn hot_lane_dequant_grouped(&self, l: usize, t: usize) -> Result<(), GpuError> {
-        let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
-        let s = self.scratch.as_ref().expect("reserved");
+    pub(super) fn hot_lane_dequant_grouped(&self, dev: &Device, l: usize, t: usize) -> Result<(), GpuError> {
+        let (h, ff) = (dev.cfg.hidden, dev.cfg.expert_ff);
+        let s = dev.s();
         let n_hot = self.host.worklist.hot[0].hot_count;
         let c = self.hot.slots(l).expect("hot entries imply a cache");
         let d = self.hot_dequant.as_ref().expect("allocated for quantized caches");
         let (per, side) = (d.slots * ff * h, d.overlap);
-        let (lay, wi, split) = (s.layout, s.work_i.ptr(), self.opts.prefill_activations.split(c.gate.dtype));
+        let (lay, wi, split) = (s.layout, s.work_i.ptr(), dev.opts.prefill_activations.split(c.gate.dtype));
         let (x, toks, hbuf, y) = (s.normed.ptr(), wi.sub(lay.tokens, n_hot), s.h.ptr(), s.y.ptr());
         for (i, ch) in self.host.chunks.iter().enumerate() {
             let (n, (b, [gate, up, down])) = (ch.n_slots, d.half(i, per));
             if side {
-                self.be.wait_event_side(&d.free[b])?;
+                dev.be.wait_event_side(&d.free[b])?;
             }
-            self.stage_bf16(c.gate, ch.first_slot, n, ff, h, gate, side)?;
-            self.stage_bf16(c.up, ch.first_slot, n, ff, h, up, side)?;
-            self.stage_bf16(c.down, ch.first_slot, n, h, ff, down, side)?;
+            stage_bf16(&dev.be, c.gate, ch.first_slot, n, ff, h, gate, side)?;
+            stage_bf16(&dev.be, c.up, ch.first_slot, n, ff, h, up, side)?;
+            stage_bf16(&dev.be, c.down, ch.first_slot, n, h, ff, down, side)?;
             if side {
-                self.be.record_side(&d.ready[b])?;
-                self.be.wait_event(&d.ready[b])?;
+                dev.be.record_side(&d.ready[b])?;
+                dev.be.wait_event(&d.ready[b])?;
             }
             let tiles = wi.sub(lay.tiles + 3 * ch.first_tile, 3 * ch.n_tiles);
             let nt = ch.n_tiles;
-            self.be.grouped_gate_up(gate, up, n, x, toks, t, tiles, nt, hbuf, n_hot, ff, h, split)?;
-            self.be.grouped_gemm(down, n, hbuf, None, n_hot, tiles, nt, y, n_hot, h, ff, split)?;
+            dev.be.grouped_gate_up(gate, up, n, x, toks, t, tiles, nt, hbuf, n_hot, ff, h, split)?;
+            dev.be.grouped_gemm(down, n, hbuf, None, n_hot, tiles, nt, y, n_hot, h, ff, split)?;
             if side {
-                self.be.record(&d.free[b])?;
+                dev.be.record(&d.free[b])?;
             }
         }
         Ok(())
     }
+}
 
-    /// Matrices `first..first + n` of a stack of `[rows, k]` matrices as bf16 into `dst`:
-    /// dequantized (a quantized type; on the side stream with `side`) or copied (bf16, on the
-    /// compute stream: after the GEMMs that last read `dst`, before the ones that read it next).
-    #[allow(clippy::too_many_arguments)]
-    fn stage_bf16(
-        &self,
-        m: TypedWeights,
-        first: usize,
-        n: usize,
-        rows: usize,
-        k: usize,
-        dst: DPtr<u16>,
-        side: bool,
-    ) -> Result<(), GpuError> {
-        let (r0, r) = (first * rows, n * rows);
-        match m.bf16() {
-            Some(bf) => self.be.copy(bf.sub(r0 * k, r * k), dst.sub(0, r * k))?,
-            None if side => self.be.dequantize_bf16_side(m.dtype, m.bytes, r0, r, k, dst)?,
-            None => self.be.dequantize_bf16(m.dtype, m.bytes, r0, r, k, dst)?,
-        }
-        Ok(())
+/// Matrices `first..first + n` of a stack of `[rows, k]` matrices as bf16 into `dst`:
+/// dequantized (a quantized type; on the side stream with `side`) or copied (bf16, on the
+/// compute stream: after the GEMMs that last read `dst`, before the ones that read it next).
+#[allow(clippy::too_many_arguments)]
+fn stage_bf16(
+    be: &CudaBackend,
+    m: TypedWeights,
+    first: usize,
+    n: usize,
+    rows: usize,
+    k: usize,
+    dst: DPtr<u16>,
+    side: bool,
+) -> Result<(), GpuError> {
+    let (r0, r) = (first * rows, n * rows);
+    match m.bf16() {
+        Some(bf) => be.copy(bf.sub(r0 * k, r * k), dst.sub(0, r * k))?,
+        None if side => be.dequantize_bf16_side(m.dtype, m.bytes, r0, r, k, dst)?,
+        None => be.dequantize_bf16(m.dtype, m.bytes, r0, r, k, dst)?,
     }
+    Ok(())
 }
 
 #[cfg(test)]

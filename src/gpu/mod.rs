@@ -2,26 +2,34 @@
 //! hot cache of experts) whose MoE layers split routed slots into a hot lane on the GPU and a cold
 //! lane on the CPU ([`crate::moe::cold::ColdLane`]), overlapped and joined per layer.
 //!
-//! Files by stage: `weights` (upload), `hot_cache` (slots, maps, exchanges),
-//! `hot_dequant` (prefill's quantized slots as bf16 chunks for the grouped GEMMs), `kv` (KV cache),
-//! `scratch` (per-call buffers), `dense` (attention, router, shared expert), `moe` (hot/cold
-//! split, lanes, join, fallback), `postfetch` (prefill's cold experts copied to a VRAM
-//! scratchpad and computed on the GPU when a cost model says so), `stats` (lane statistics, profile), `model` (the forward call), `batch` (one call over
-//! several sequences).
+//! `GpuModel` (`model`) is a loop over the plan's layers through owned stages that share one
+//! read-only `device::Device` per layer (`device`: backend, plan, options, weights, scratch;
+//! the matrix products): `mixer` (attention or DeltaNet), `moe` with `route` (router, shared
+//! expert, hot/cold split, lanes, join, fallback), `head` (embedding, lm_head, copies back),
+//! `graph` (decode graphs over those stages). Beside them: `options` (switches, injected
+//! faults), `weights` (upload), `hot_cache` (slots, maps, exchanges), `hot_dequant` (prefill's
+//! quantized slots as bf16 chunks for the grouped GEMMs), `kv` (KV cache), `scratch` (per-call
+//! buffers), `postfetch` (cold experts copied to a VRAM scratchpad and computed on the GPU when
+//! a cost model says so), `stats` (lane statistics, profile), `batch` (one call over several
+//! sequences).
 //!
 //! Without a CUDA driver nothing here can run: [`CudaBackend::try_new`] returns an error that
 //! callers report before falling back to the CPU path.
 
 mod batch;
-mod dense;
+mod device;
 mod error;
 mod graph;
+mod head;
 mod hot_cache;
 mod hot_dequant;
 mod kv;
+mod mixer;
 mod model;
 mod moe;
+mod options;
 mod postfetch;
+mod route;
 mod scratch;
 mod stats;
 mod weights;
@@ -29,11 +37,12 @@ mod weights;
 pub use batch::GpuSeqInput;
 pub use error::GpuError;
 pub use kv::GpuKvCache;
-pub use model::{
-    BadFault, GpuFaults, GpuModel, GpuOptions, LayerFaults, PrefillActivations, PrefillAttention,
+pub use model::GpuModel;
+pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
+pub use options::{
+    BadFault, GpuFaults, GpuOptions, LayerFaults, PrefillActivations, PrefillAttention,
     BATCH_GEMM_MIN_TOKENS, HOT_LANE_TIMEOUT,
 };
-pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use postfetch::plan::{
     BadPostFetchMode, PostFetchCosts, PostFetchMode, PostFetchOptions, DEFAULT_MAX_TRANSFERS,
     DEFAULT_SCRATCH_BYTES as POSTFETCH_DEFAULT_SCRATCH_BYTES, MAX_STREAMS as POSTFETCH_MAX_STREAMS,

@@ -20,27 +20,82 @@
 //! (the given cold lane, or the plain one when the cold lane itself failed), overwrites the
 //! layer's MoE output, adds the shared expert again, and is counted by reason.
 
-use super::dense::route_ids;
-use super::hot_dequant::plan_chunks;
-use super::model::GpuModel;
-use super::postfetch::{PF_CPU, PF_LATE};
-use super::scratch::{HostScratch, RouteView, WorkLayout};
-use super::stats::LayerRecord;
+use super::device::{Device, LayerCtx};
+use super::hot_cache::HotCache;
+use super::hot_dequant::{plan_chunks, HotDequant};
+use super::postfetch::{PostFetch, PF_CPU, PF_LATE};
+use super::route::{route_fusable, route_ids, shared_expert};
+use super::scratch::{HostScratch, MoePinned, RouteView, WorkLayout};
+use super::stats::{LaneEvents, LayerRecord};
 use super::GpuError;
-use crate::cache::perf::FallbackReason;
-use crate::moe::cold::{all_cold, ColdError, ColdLane, ColdSlot};
+use crate::cache::perf::{FallbackReason, PerfState};
+use crate::model::config::ModelConfig;
+use crate::moe::cold::{all_cold, ColdError, ColdLane, ColdSlot, PlainColdLane};
 use crate::moe::faults::LayerFailure;
 use crate::moe::phase::Phase;
 use crate::moe::worklist::{WorklistError, WorklistOrder};
 use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
 use moe_lanes_kernels::cuda::ops::grouped_tiles;
-use moe_lanes_kernels::cuda::{DPtr, GpuEvent, TypedWeights};
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, GpuEvent, TypedWeights};
 use std::time::{Duration, Instant};
 
-/// How a layer's MoE block runs after its routing ([`GpuModel::moe_route`]).
+/// The MoE layers' stage: what it owns and changes between and during calls.
+pub(crate) struct MoeStage {
+    /// The VRAM hot cache: every layer's cached experts and their maps.
+    pub hot: HotCache,
+    /// bf16 gate, up and down of two chunks of quantized hot slots for the grouped prefill
+    /// GEMMs (none: no scratch asked for, or a float model).
+    pub hot_dequant: Option<HotDequant>,
+    /// Post-Fetch's scratchpad, streams and totals (none: off, or not a fetchable model).
+    pub postfetch: Option<PostFetch>,
+    /// Host buffers of one call (worklist, cold rows, Post-Fetch's lists).
+    pub host: HostScratch,
+    /// Pinned buffers of one call: the routing and the cold rows.
+    pub pin: MoePinned,
+    /// Per layer, the hot lane's CUDA events.
+    pub lane_events: Vec<LaneEvents>,
+    /// Per layer, what its lanes did in the last call.
+    pub records: Vec<LayerRecord>,
+    /// The plain CPU cold lane: computes a layer when the given cold lane failed.
+    fallback_cold: PlainColdLane,
+}
+
+impl MoeStage {
+    pub fn new(
+        be: &CudaBackend,
+        dev_cfg: &ModelConfig,
+        hot: HotCache,
+        (hot_dequant, postfetch): (Option<HotDequant>, Option<PostFetch>),
+        fallback_cold: PlainColdLane,
+    ) -> Result<MoeStage, GpuError> {
+        let n_layers = dev_cfg.n_layers;
+        let lane_events = (0..n_layers)
+            .map(|_| Ok(LaneEvents::new(be.event()?, be.event()?)))
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        Ok(MoeStage {
+            hot,
+            hot_dequant,
+            postfetch,
+            host: HostScratch::new(dev_cfg, 8),
+            pin: MoePinned::new(be, dev_cfg, 8)?,
+            lane_events,
+            records: vec![LayerRecord::default(); n_layers],
+            fallback_cold,
+        })
+    }
+
+    /// Host and pinned buffers for calls of up to `cap` tokens (the device scratch's capacity).
+    pub fn reserve(&mut self, be: &CudaBackend, cfg: &ModelConfig, cap: usize) -> Result<(), GpuError> {
+        self.host = HostScratch::new(cfg, cap);
+        self.pin = MoePinned::new(be, cfg, cap)?;
+        Ok(())
+    }
+}
+
+/// How a layer's MoE block runs after its routing ([`MoeStage::route_layer`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct MoePlan {
-    /// Decode GEMVs, worklist on the GPU ([`GpuModel::hot_lane_device`]); else the host path.
+    /// Decode GEMVs, worklist on the GPU ([`MoeStage::hot_lane_device`]); else the host path.
     pub(crate) device_path: bool,
     /// The hot lane accumulates straight into the residual stream.
     pub(crate) direct: bool,
@@ -82,76 +137,74 @@ fn cold_failed(e: ColdError) -> LayerFault {
     LayerFailure::of_cold_lane(FallbackReason::LaneFailed, e.to_string()).into()
 }
 
-impl GpuModel {
-    pub(crate) fn moe_block(
+impl MoeStage {
+    /// Layer `cx.l`'s MoE block: routing, the hot and cold lanes, the join, a fallback when a
+    /// lane fails (counted in `perf`), the output added into the residual stream.
+    pub fn run(
         &mut self,
-        l: usize,
-        phase: Phase,
-        t: usize,
+        cx: &LayerCtx<'_>,
+        perf: &mut PerfState,
         cold: &mut dyn ColdLane,
     ) -> Result<(), GpuError> {
-        let plan = self.moe_route(l, phase, t)?;
-        let outcome = if plan.device_path {
-            self.moe_device(l, t, cold, plan)
-        } else {
-            self.moe_host(l, phase, t, cold)
-        };
-        self.moe_finish(l, phase, t, cold, outcome, plan.direct)
+        let plan = self.route_layer(cx)?;
+        let outcome =
+            if plan.device_path { self.moe_device(cx, cold, plan) } else { self.moe_host(cx, cold) };
+        self.finish(cx, perf, cold, outcome, plan.direct)
     }
 
     /// The start of layer `l`'s MoE block: its record reset, the routing (to the host when a
     /// lane there needs it) and the shared expert; how the rest runs.
-    pub(crate) fn moe_route(&mut self, l: usize, phase: Phase, t: usize) -> Result<MoePlan, GpuError> {
+    pub fn route_layer(&mut self, cx: &LayerCtx<'_>) -> Result<MoePlan, GpuError> {
+        let (dev, l, phase, t) = (cx.dev, cx.l, cx.phase, cx.t);
         self.records[l] = LayerRecord::default();
         self.postfetch_reset();
-        self.hot.order_after_exchanges(&self.be, l)?;
+        self.hot.order_after_exchanges(&dev.be, l)?;
         // A few prefill rows over quantized slots take the decode kernels too: they read each
         // weight once per row (as cheap as dequantizing the slots for tensor cores) and keep the
         // dequantized values exact (f32, as the CPU) instead of rounding them to bf16.
         let few_quantized =
             t <= QUANT_MAX_TOKENS as usize && self.hot.slots(l).is_some_and(|c| !c.all_bf16());
         let by_gemv = phase == Phase::Decode || few_quantized;
-        let device_path = by_gemv && !self.opts.faults.at(self.call_idx, l).any();
+        let device_path = by_gemv && !cx.faults.any();
         let all_hot = self.hot.all_hot(l);
         // All-hot decode without a shared expert: the hot lane accumulates straight into the
         // residual stream (no zero fill, no add).
-        let direct = device_path && all_hot && self.w.layers[l].shared.is_none();
+        let direct = device_path && all_hot && dev.w.layers[l].shared.is_none();
         let to_host = !(device_path && all_hot);
         // the fused routing also writes the device path's hot worklist
-        let fused = device_path && self.route_fusable(l);
-        self.route(l, t, !direct, to_host, device_path && to_host, fused)?;
-        self.shared_expert(l, phase, t)?;
-        self.mark(l, 5)?;
+        let fused = device_path && route_fusable(dev, l);
+        self.route(cx, !direct, to_host, device_path && to_host, fused)?;
+        shared_expert(cx)?;
+        dev.mark(l, 5)?;
         Ok(MoePlan { device_path, direct, worklist_built: fused })
     }
 
     /// The end of layer `l`'s MoE block: a lane's failure recomputed all-cold (counted), then
     /// the layer's MoE output added into the residual stream unless the hot lane wrote there.
-    pub(crate) fn moe_finish(
+    fn finish(
         &mut self,
-        l: usize,
-        phase: Phase,
-        t: usize,
+        cx: &LayerCtx<'_>,
+        perf: &mut PerfState,
         cold: &mut dyn ColdLane,
         outcome: Result<(), LayerFault>,
         direct: bool,
     ) -> Result<(), GpuError> {
-        let fell_back = self.moe_settle(l, phase, t, cold, outcome)?;
+        let (dev, l, t) = (cx.dev, cx.l, cx.t);
+        let fell_back = self.settle(cx, perf, cold, outcome)?;
         if !direct || fell_back {
-            let s = self.scratch.as_ref().expect("reserved");
-            self.be.add(s.hidden.ptr(), s.moe_out.ptr(), t * self.cfg.hidden)?;
+            let s = dev.s();
+            dev.be.add(s.hidden.ptr(), s.moe_out.ptr(), t * dev.cfg.hidden)?;
         }
-        self.mark(l, 9)?;
+        dev.mark(l, 9)?;
         Ok(())
     }
 
     /// A lane's failure recomputed all-cold into the layer's MoE output (counted); whether it
     /// fell back. The layer's record is marked launched or not.
-    pub(crate) fn moe_settle(
+    pub fn settle(
         &mut self,
-        l: usize,
-        phase: Phase,
-        t: usize,
+        cx: &LayerCtx<'_>,
+        perf: &mut PerfState,
         cold: &mut dyn ColdLane,
         outcome: Result<(), LayerFault>,
     ) -> Result<bool, GpuError> {
@@ -159,12 +212,13 @@ impl GpuModel {
             Ok(()) => false,
             Err(LayerFault::Fatal(e)) => return Err(e),
             Err(LayerFault::Fallback(f)) => {
-                self.all_cold(l, phase, t, f.reason, if f.cold_lane_failed { None } else { Some(cold) })?;
+                perf.record_fallback(cx.l, f.reason);
+                self.all_cold(cx, if f.cold_lane_failed { None } else { Some(cold) })?;
                 true
             }
         };
-        self.records[l].launched = !fell_back;
-        self.mark(l, 8)?;
+        self.records[cx.l].launched = !fell_back;
+        cx.mark(8)?;
         Ok(fell_back)
     }
 
@@ -172,31 +226,31 @@ impl GpuModel {
     /// the stream.
     fn moe_device(
         &mut self,
-        l: usize,
-        t: usize,
+        cx: &LayerCtx<'_>,
         cold: &mut dyn ColdLane,
         plan: MoePlan,
     ) -> Result<(), LayerFault> {
-        self.hot_lane_device(l, t, plan)?;
-        if self.hot.all_hot(l) {
-            self.records[l].hot_slots = t * self.cfg.n_experts_used;
+        self.hot_lane_device(cx, plan)?;
+        if self.hot.all_hot(cx.l) {
+            self.records[cx.l].hot_slots = cx.t * cx.dev.cfg.n_experts_used;
             return Ok(());
         }
-        self.cold_lane_device(l, t, cold)
+        self.cold_lane_device(cx, cold)
     }
 
     /// The device path's hot lane: the worklist from the routing ids (unless the fused routing
     /// wrote it) and the GEMVs over the cached experts; entries of cold experts are skipped.
-    pub(crate) fn hot_lane_device(&mut self, l: usize, t: usize, plan: MoePlan) -> Result<(), LayerFault> {
-        let (k, e_n) = (self.cfg.n_experts_used, self.cfg.n_experts);
+    pub fn hot_lane_device(&mut self, cx: &LayerCtx<'_>, plan: MoePlan) -> Result<(), LayerFault> {
+        let (dev, l, t) = (cx.dev, cx.l, cx.t);
+        let (k, e_n) = (dev.cfg.n_experts_used, dev.cfg.n_experts);
         let n_ent = t * k;
-        let s = self.scratch.as_ref().expect("reserved");
+        let s = dev.s();
         let (lay, wi) = (s.layout, s.work_i.ptr());
         let ids = route_ids(s.ids(), k, l, t);
         let (p_slots, p_toks) = (wi.sub(lay.slots, n_ent), wi.sub(lay.tokens, n_ent));
         let (p_off, p_rows) = (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
         if !plan.worklist_built {
-            self.be.hot_worklist_tokens(
+            dev.be.hot_worklist_tokens(
                 self.hot.map_dev(l),
                 ids,
                 t,
@@ -208,11 +262,11 @@ impl GpuModel {
                 p_rows,
             )?;
         }
-        self.mark(l, 6)?;
+        dev.mark(l, 6)?;
         // an all-hot layer inside a decode graph may run untimed (GpuOptions::graph_lane_events)
-        let timed = self.step.is_none() || self.opts.graph_lane_events || !self.hot.all_hot(l);
+        let timed = dev.step.is_none() || dev.opts.graph_lane_events || !self.hot.all_hot(l);
         if timed {
-            self.be.record(&self.lane_events[l].start)?;
+            dev.be.record(&self.lane_events[l].start)?;
             self.records[l].hot_at = Some(Instant::now());
         } else {
             self.records[l].hot_untimed = true;
@@ -220,74 +274,32 @@ impl GpuModel {
         if let Some(c) = self.hot.slots(l) {
             let out = if plan.direct { s.hidden.ptr() } else { s.moe_out.ptr() };
             // entries routed to cold experts have slot -1: the kernels skip them
-            self.expert_gemvs([c.gate, c.up, c.down], p_slots, l, t, out).map_err(hot_failed)?;
+            expert_gemvs(dev, [c.gate, c.up, c.down], p_slots, l, t, out).map_err(hot_failed)?;
         }
         if timed {
-            self.be.record(&self.lane_events[l].end)?;
+            dev.be.record(&self.lane_events[l].end)?;
         }
-        self.mark(l, 7)?;
-        Ok(())
-    }
-
-    /// The decode GEMVs of `t` tokens' routed entries over the experts `w` (gate, up, down
-    /// stacks: the hot cache or Post-Fetch's scratchpad), entry `j`'s expert at `slots[j]` (-1:
-    /// skipped), the weighted down rows accumulated into `out`. The entries' tokens and the
-    /// token rows are the device worklist's (`hot_worklist_tokens` or the fused routing).
-    pub(crate) fn expert_gemvs(
-        &self,
-        [gate, up, down]: [TypedWeights; 3],
-        slots: DPtr<i32>,
-        l: usize,
-        t: usize,
-        out: DPtr<f32>,
-    ) -> Result<(), GpuError> {
-        let (h, k, ff) = (self.cfg.hidden, self.cfg.n_experts_used, self.cfg.expert_ff);
-        let n_ent = t * k;
-        let s = self.scratch.as_ref().expect("reserved");
-        let (lay, wi) = (s.layout, s.work_i.ptr());
-        let (toks, off, rows) =
-            (wi.sub(lay.tokens, n_ent), wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
-        let (wts, x, hb) = (route_ids(s.weights.ptr(), k, l, t), s.normed.ptr(), s.h.ptr());
-        if let (Some(g), Some(u), Some(d)) = (gate.bf16(), up.bf16(), down.bf16()) {
-            self.be.moe_gate_up_gemv(g, u, x, slots, toks, hb, n_ent, ff, h)?;
-            self.be.moe_down_accum(d, hb, slots, wts, off, rows, out, t, h, ff)?;
-            return Ok(());
-        }
-        // quantized experts read x and h in 8 bits when the GEMVs take them
-        let xq = self.q8_room(&s.q8_moe, t, h);
-        let hq = self.q8_room(&s.q8_h, n_ent, ff);
-        if let Some(xq) = xq {
-            self.be.quantize_q8(x, t, h, xq)?;
-        }
-        self.be.moe_gate_up_gemv_typed(gate, up, x, xq, slots, toks, hb, n_ent, ff, h)?;
-        if let Some(hq) = hq {
-            self.be.quantize_q8(hb, n_ent, ff, hq)?;
-        }
-        self.be.moe_down_accum_typed(down, hb, hq, slots, wts, off, rows, out, t, h, ff)?;
+        dev.mark(l, 7)?;
         Ok(())
     }
 
     /// The device path's cold lane: once the routing is on the host, the host worklist, the
-    /// experts Post-Fetch takes ([`GpuModel::postfetch_issue_decode`]) copied and run on the
+    /// experts Post-Fetch takes ([`MoeStage::postfetch_issue_decode`]) copied and run on the
     /// GPU, the other cold experts on the CPU, their rows joined on the stream.
-    pub(crate) fn cold_lane_device(
-        &mut self,
-        l: usize,
-        t: usize,
-        cold: &mut dyn ColdLane,
-    ) -> Result<(), LayerFault> {
+    pub fn cold_lane_device(&mut self, cx: &LayerCtx<'_>, cold: &mut dyn ColdLane) -> Result<(), LayerFault> {
+        let (l, t) = (cx.l, cx.t);
         let split_at = Instant::now();
         self.wait_routes()?;
         // The hot lane cannot start on the GPU before routing is done: place it now.
         self.records[l].hot_at = Some(Instant::now());
         self.records[l].gpu_joined = true;
-        self.host_worklist(l, t, WorklistOrder::TokenMajor)?;
+        self.host_worklist(cx, WorklistOrder::TokenMajor)?;
         // decode graphs replay the routing without `moe_route`'s reset: the slots a prefill on
         // this cache fetched must not reach this layer's CPU lane (see `postfetch::decode`)
         self.postfetch_reset();
-        self.postfetch_issue_decode(l, t)?;
-        self.fetched_lane_gemv(t).map_err(hot_failed)?;
-        self.cold_lane_joined_on_stream(l, t, cold)?;
+        self.postfetch_issue_decode(cx.dev, l, t)?;
+        self.fetched_lane_gemv(cx.dev, t).map_err(hot_failed)?;
+        self.cold_lane_joined_on_stream(cx, cold)?;
         self.records[l].wall_us = split_at.elapsed().as_secs_f64() * 1e6;
         self.records[l].split = true;
         Ok(())
@@ -296,11 +308,11 @@ impl GpuModel {
     /// Device path: the cold rows of the host worklist on the CPU, added on the GPU stream.
     fn cold_lane_joined_on_stream(
         &mut self,
-        l: usize,
-        t: usize,
+        cx: &LayerCtx<'_>,
         cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
-        let h = self.cfg.hidden;
+        let (dev, l, t) = (cx.dev, cx.l, cx.t);
+        let h = dev.cfg.hidden;
         let n_rows = collect_cold(&mut self.host, t, false);
         let rec = &mut self.records[l];
         (rec.hot_slots, rec.cold_slots, rec.cold_rows) =
@@ -308,13 +320,13 @@ impl GpuModel {
         if n_rows == 0 {
             return Ok(());
         }
-        let s = self.scratch.as_mut().expect("reserved");
-        let faults = self.opts.faults.at(self.call_idx, l);
+        let s = dev.s();
+        let faults = cx.faults;
         let cold_start = Instant::now();
         let hs = &mut self.host;
-        let (cap, k) = (s.cap, self.cfg.n_experts_used);
-        let normed = RouteView::of(s.pin_route.as_slice()?, cap, k, t, h).rows;
-        let out = &mut s.pin_cold_out.as_mut_slice()?[..t * h];
+        let (cap, k) = (s.cap, dev.cfg.n_experts_used);
+        let normed = RouteView::of(self.pin.route.as_slice()?, cap, k, t, h).rows;
+        let out = &mut self.pin.cold_out.as_mut_slice()?[..t * h];
         out.fill(0.0);
         if n_rows == t {
             call_cold(cold, faults, l, normed, &hs.cold_slots, out).map_err(cold_failed)?;
@@ -331,51 +343,46 @@ impl GpuModel {
             }
         }
         self.records[l].cold = Some((cold_start, Instant::now()));
-        self.be.write_async(&s.pin_cold_out, t * h, s.cold_out.ptr())?;
-        self.be.add(s.moe_out.ptr(), s.cold_out.ptr(), t * h)?;
+        dev.be.write_async(&self.pin.cold_out, t * h, s.cold_out.ptr())?;
+        dev.be.add(s.moe_out.ptr(), s.cold_out.ptr(), t * h)?;
         Ok(())
     }
 
     /// Host path: worklist built and checked on the host, Post-Fetch's copies queued (prefill),
     /// hot lane (and, with `block_on_miss`, the fetched experts) by grouped GEMMs, cold lane on
     /// the CPU meanwhile, Post-Fetch's readiness query, join on the host with a timeout.
-    fn moe_host(
-        &mut self,
-        l: usize,
-        phase: Phase,
-        t: usize,
-        cold: &mut dyn ColdLane,
-    ) -> Result<(), LayerFault> {
+    fn moe_host(&mut self, cx: &LayerCtx<'_>, cold: &mut dyn ColdLane) -> Result<(), LayerFault> {
+        let (dev, l, t) = (cx.dev, cx.l, cx.t);
         self.wait_routes()?;
         let split_at = Instant::now();
-        self.host_worklist(l, t, WorklistOrder::ExpertMajor)?;
-        self.postfetch_issue(l, phase)?;
+        self.host_worklist(cx, WorklistOrder::ExpertMajor)?;
+        self.postfetch_issue(l, cx.phase)?;
         self.records[l].worklist_us = split_at.elapsed().as_secs_f64() * 1e6;
-        let n_cold_rows = self.upload_worklist(l, t)?;
-        self.postfetch_start_copies()?;
-        self.mark(l, 6)?;
-        self.be.record(&self.lane_events[l].start)?;
+        let n_cold_rows = self.upload_worklist(dev, l, t)?;
+        self.postfetch_start_copies(dev)?;
+        dev.mark(l, 6)?;
+        dev.be.record(&self.lane_events[l].start)?;
         self.records[l].hot_at = Some(Instant::now());
-        let faults = self.opts.faults.at(self.call_idx, l);
+        let faults = cx.faults;
         if faults.hot_error {
             return Err(hot_failed("injected error"));
         }
         if self.records[l].hot_slots + self.host.pf_slot.len() > 0 {
-            self.hot_lane_gemm(l, t).map_err(hot_failed)?;
+            self.hot_lane_gemm(dev, l, t).map_err(hot_failed)?;
             if !self.host.pf_slot.is_empty() {
                 self.postfetch_launched();
             }
         }
-        self.be.record(&self.lane_events[l].end)?;
-        self.mark(l, 7)?;
+        dev.be.record(&self.lane_events[l].end)?;
+        dev.mark(l, 7)?;
         if !self.host.cold_slots.is_empty() {
-            self.cold_lane_host_join(l, n_cold_rows, cold)?;
+            self.cold_lane_host_join(cx, n_cold_rows, cold)?;
         }
-        self.postfetch_join(l, t, n_cold_rows, cold)?;
+        self.postfetch_join(cx, n_cold_rows, cold)?;
         let timed_out = faults.hot_timeout;
         if n_cold_rows > 0 || timed_out {
             let wait_start = Instant::now();
-            let limit = if timed_out { Duration::ZERO } else { self.opts.hot_lane_timeout };
+            let limit = if timed_out { Duration::ZERO } else { dev.opts.hot_lane_timeout };
             if timed_out || !wait_event(&self.lane_events[l].end, limit) {
                 let detail = format!("hot lane did not finish within {limit:?}");
                 return Err(LayerFailure::new(FallbackReason::LaneUnavailable, detail).into());
@@ -393,22 +400,22 @@ impl GpuModel {
     /// copies are complete.
     fn postfetch_join(
         &mut self,
-        l: usize,
-        t: usize,
+        cx: &LayerCtx<'_>,
         n_cold_rows: usize,
         cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
-        let late = self.opts.faults.at(self.call_idx, l).postfetch_late;
+        let (l, t) = (cx.l, cx.t);
+        let late = cx.faults.postfetch_late;
         if !self.postfetch_ready(late)? {
             return Ok(());
         }
         if late_cold_slots(&mut self.host, t) > 0 {
             self.records[l].cold_slots += self.host.cold_slots.len();
-            self.cold_lane_host_join(l, n_cold_rows, cold)?;
+            self.cold_lane_host_join(cx, n_cold_rows, cold)?;
         }
         self.postfetch_entries();
         if !self.host.pf_slot.is_empty() {
-            self.fetched_lane_gemm(t).map_err(hot_failed)?;
+            self.fetched_lane_gemm(cx.dev, t).map_err(hot_failed)?;
             self.postfetch_launched();
         }
         Ok(())
@@ -416,19 +423,19 @@ impl GpuModel {
 
     /// The fetched experts after the readiness query: their entries (after the hot ones, which
     /// the hot lane's scatter already added) uploaded, their GEMMs, their scatter.
-    fn fetched_lane_gemm(&mut self, t: usize) -> Result<(), GpuError> {
-        let s = self.scratch.as_ref().expect("reserved");
+    fn fetched_lane_gemm(&mut self, dev: &Device, t: usize) -> Result<(), GpuError> {
+        let s = dev.s();
         let lay = s.layout;
         let (n_hot, n_all, n_rows) = encode_hot(&mut self.host, &lay, t, false);
         encode_fetched_tiles(&mut self.host, &lay, n_hot)?;
         // stream-ordered after the hot lane's launches, which read the same sections
-        self.be.write(&self.host.work_i, s.work_i.ptr())?;
-        self.be.write(&self.host.work_f[..n_all], s.work_f.ptr())?;
-        self.postfetch_gemm(t, n_all)?;
-        let (wi, h, n_ent) = (s.work_i.ptr(), self.cfg.hidden, n_all - n_hot);
+        dev.be.write(&self.host.work_i, s.work_i.ptr())?;
+        dev.be.write(&self.host.work_f[..n_all], s.work_f.ptr())?;
+        self.postfetch_gemm(dev, t, n_all)?;
+        let (wi, h, n_ent) = (s.work_i.ptr(), dev.cfg.hidden, n_all - n_hot);
         let (ent, off, rows) =
             (wi.sub(lay.entries, n_ent), wi.sub(lay.tok_off, n_rows + 1), wi.sub(lay.tok_rows, n_rows));
-        self.be.moe_scatter_accum(s.y.ptr(), ent, s.work_f.ptr(), off, rows, s.moe_out.ptr(), n_rows, h)?;
+        dev.be.moe_scatter_accum(s.y.ptr(), ent, s.work_f.ptr(), off, rows, s.moe_out.ptr(), n_rows, h)?;
         Ok(())
     }
 
@@ -436,10 +443,10 @@ impl GpuModel {
     /// queues the cold rows' gather and copy to pinned memory. Returns the cold row count
     /// (tokens of the CPU lane's entries, and of the fetched experts' while their readiness
     /// query is deferred: a late one runs on the CPU).
-    fn upload_worklist(&mut self, l: usize, t: usize) -> Result<usize, GpuError> {
-        let h = self.cfg.hidden;
+    fn upload_worklist(&mut self, dev: &Device, l: usize, t: usize) -> Result<usize, GpuError> {
+        let h = dev.cfg.hidden;
         let deferred = self.postfetch.as_ref().and_then(|p| p.current).is_some_and(|c| c.deferred);
-        let s = self.scratch.as_mut().expect("reserved");
+        let s = dev.s();
         let (n_hot, n_all, _) = encode_hot(&mut self.host, &s.layout, t, true);
         self.host.n_tiles = 0;
         {
@@ -459,12 +466,12 @@ impl GpuModel {
         }
         let rec = &mut self.records[l];
         (rec.hot_slots, rec.cold_slots, rec.cold_rows) = (n_hot, self.host.cold_slots.len(), n_cold_rows);
-        self.be.write(&self.host.work_i, s.work_i.ptr())?;
-        self.be.write(&self.host.work_f[..n_all.max(1)], s.work_f.ptr())?;
+        dev.be.write(&self.host.work_i, s.work_i.ptr())?;
+        dev.be.write(&self.host.work_f[..n_all.max(1)], s.work_f.ptr())?;
         if n_cold_rows > 0 {
             let rows = s.work_i.ptr().sub(s.layout.cold_rows, n_cold_rows);
-            self.be.gather_rows(s.normed.ptr(), rows, s.cold_in.ptr(), n_cold_rows, h)?;
-            self.be.read_async(s.cold_in.ptr(), &mut s.pin_cold_in, n_cold_rows * h)?;
+            dev.be.gather_rows(s.normed.ptr(), rows, s.cold_in.ptr(), n_cold_rows, h)?;
+            dev.be.read_async(s.cold_in.ptr(), &mut self.pin.cold_in, n_cold_rows * h)?;
         }
         Ok(n_cold_rows)
     }
@@ -472,64 +479,40 @@ impl GpuModel {
     /// The hot lane over the host worklist (expert-major): the cached experts' GEMMs over their
     /// gathered rows, one entry row each in `y`, then Post-Fetch's fetched experts' GEMMs (entry
     /// rows after the hot ones), then one weighted scatter of both into the token rows.
-    fn hot_lane_gemm(&self, l: usize, t: usize) -> Result<(), GpuError> {
+    fn hot_lane_gemm(&self, dev: &Device, l: usize, t: usize) -> Result<(), GpuError> {
         let n_hot = self.host.worklist.hot[0].hot_count;
         if n_hot > 0 {
             let all_bf16 = self.hot.slots(l).expect("hot entries imply a cache").all_bf16();
             if !all_bf16 && self.hot_dequant.is_some() {
                 // quantized slots with a bf16 scratch: dequantized chunk by chunk for the bf16 kernels
-                self.hot_lane_dequant_grouped(l, t)?
+                self.hot_lane_dequant_grouped(dev, l, t)?
             } else {
-                self.hot_lane_grouped(l, t)?
+                self.hot_lane_grouped(dev, l, t)?
             }
         }
         let n_all = n_hot + self.host.pf_slot.len();
         if n_all > n_hot {
-            self.postfetch_gemm(t, n_all)?;
+            self.postfetch_gemm(dev, t, n_all)?;
         }
-        let (h, n_hot) = (self.cfg.hidden, n_all);
-        let s = self.scratch.as_ref().expect("reserved");
+        let (h, n_hot) = (dev.cfg.hidden, n_all);
+        let s = dev.s();
         let (lay, wi, n_rows) = (s.layout, s.work_i.ptr(), self.host.tok_rows);
         let (ent, off, rows) =
             (wi.sub(lay.entries, n_hot), wi.sub(lay.tok_off, n_rows + 1), wi.sub(lay.tok_rows, n_rows));
-        self.be.moe_scatter_accum(s.y.ptr(), ent, s.work_f.ptr(), off, rows, s.moe_out.ptr(), n_rows, h)?;
+        dev.be.moe_scatter_accum(s.y.ptr(), ent, s.work_f.ptr(), off, rows, s.moe_out.ptr(), n_rows, h)?;
         Ok(())
     }
 
     /// Grouped: one tensor-core launch for gate, up and the activation over every cached
     /// expert (rows gathered from the normed tokens in the kernel), one for down. Quantized
     /// slots are decoded tile by tile inside the kernels (`grouped_*_typed`).
-    fn hot_lane_grouped(&self, l: usize, t: usize) -> Result<(), GpuError> {
-        let s = self.scratch.as_ref().expect("reserved");
+    fn hot_lane_grouped(&self, dev: &Device, l: usize, t: usize) -> Result<(), GpuError> {
+        let s = dev.s();
         let n_hot = self.host.worklist.hot[0].hot_count;
         let c = self.hot.slots(l).expect("hot entries imply a cache");
         let nt = self.host.n_tiles;
         let tiles = s.work_i.ptr().sub(s.layout.tiles, 3 * nt);
-        self.grouped_ffn([c.gate, c.up, c.down], c.n_slots, (tiles, nt), n_hot, t)
-    }
-
-    /// The grouped GEMMs of expert stacks `w` (gate, up, down; `n_slots` experts each) over
-    /// `tiles` (`(slot, first row, rows)` triples, `n_tiles`) of the entry rows `0..n_rows`: the
-    /// normed token rows gathered by the worklist's tokens, `h = silu(gate x) * up x` in `h`,
-    /// `down h` in `y` (the typed launchers: bf16 stacks take the bf16 kernels, quantized tiles
-    /// are decoded in the kernel).
-    pub(super) fn grouped_ffn(
-        &self,
-        w: [TypedWeights; 3],
-        n: usize,
-        (tiles, nt): (DPtr<i32>, usize),
-        n_rows: usize,
-        t: usize,
-    ) -> Result<(), GpuError> {
-        let (h, ff) = (self.cfg.hidden, self.cfg.expert_ff);
-        let s = self.scratch.as_ref().expect("reserved");
-        let toks = s.work_i.ptr().sub(s.layout.tokens, n_rows);
-        let (x, hbuf, y, be) = (s.normed.ptr(), s.h.ptr(), s.y.ptr(), &self.be);
-        let [gate, up, down] = w;
-        let split = |w: TypedWeights| self.opts.prefill_activations.split(w.dtype);
-        be.grouped_gate_up_typed(gate, up, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split(gate))?;
-        be.grouped_gemm_typed(down, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split(down))?;
-        Ok(())
+        grouped_ffn(dev, [c.gate, c.up, c.down], c.n_slots, (tiles, nt), n_hot, t)
     }
 
     /// Host path: the cold lane on the CPU (`HostScratch::cold_slots` over the `n_rows` gathered
@@ -537,39 +520,40 @@ impl GpuModel {
     /// A second call in the layer (Post-Fetch's late experts) extends the lane's time.
     fn cold_lane_host_join(
         &mut self,
-        l: usize,
+        cx: &LayerCtx<'_>,
         n_rows: usize,
         cold: &mut dyn ColdLane,
     ) -> Result<(), LayerFault> {
-        let h = self.cfg.hidden;
-        let s = self.scratch.as_mut().expect("reserved");
-        let input = &s.pin_cold_in.as_slice()?[..n_rows * h];
+        let (dev, l) = (cx.dev, cx.l);
+        let h = dev.cfg.hidden;
+        let s = dev.s();
+        let input = &self.pin.cold_in.as_slice()?[..n_rows * h];
         let cold_start = Instant::now();
-        let out = &mut s.pin_cold_out.as_mut_slice()?[..n_rows * h];
+        let out = &mut self.pin.cold_out.as_mut_slice()?[..n_rows * h];
         out.fill(0.0);
-        call_cold(cold, self.opts.faults.at(self.call_idx, l), l, input, &self.host.cold_slots, out)
-            .map_err(cold_failed)?;
+        call_cold(cold, cx.faults, l, input, &self.host.cold_slots, out).map_err(cold_failed)?;
         let started = self.records[l].cold.map_or(cold_start, |(start, _)| start);
         self.records[l].cold = Some((started, Instant::now()));
-        self.be.write_async(&s.pin_cold_out, n_rows * h, s.cold_out.ptr())?;
+        dev.be.write_async(&self.pin.cold_out, n_rows * h, s.cold_out.ptr())?;
         let rows = s.work_i.ptr().sub(s.layout.cold_rows, n_rows);
-        self.be.scatter_add_rows(s.cold_out.ptr(), rows, s.moe_out.ptr(), n_rows, h)?;
+        dev.be.scatter_add_rows(s.cold_out.ptr(), rows, s.moe_out.ptr(), n_rows, h)?;
         Ok(())
     }
 
     /// Wait until the layer's routing is on the host (its copy is the last before the split).
     fn wait_routes(&self) -> Result<(), GpuError> {
-        self.scratch.as_ref().expect("reserved").pin_route.as_slice()?;
+        self.pin.route.as_slice()?;
         Ok(())
     }
 
     /// Build (and check) layer `l`'s worklist on the host from the pinned routing.
-    fn host_worklist(&mut self, l: usize, t: usize, order: WorklistOrder) -> Result<(), LayerFault> {
-        let (k, e_n) = (self.cfg.n_experts_used, self.cfg.n_experts);
-        let s = self.scratch.as_ref().expect("reserved");
+    fn host_worklist(&mut self, cx: &LayerCtx<'_>, order: WorklistOrder) -> Result<(), LayerFault> {
+        let (dev, l, t) = (cx.dev, cx.l, cx.t);
+        let (k, e_n) = (dev.cfg.n_experts_used, dev.cfg.n_experts);
+        let s = dev.s();
         let hs = &mut self.host;
         hs.expert_ids.clear();
-        let route = RouteView::of(s.pin_route.as_slice()?, s.cap, k, t, 0);
+        let route = RouteView::of(self.pin.route.as_slice()?, s.cap, k, t, 0);
         for &e in route.ids {
             if e < 0 || e as usize >= e_n {
                 return Err(GpuError::BadRoute { layer_idx: l, expert_id: e }.into());
@@ -581,7 +565,7 @@ impl GpuModel {
         let shape =
             |e: WorklistError| LayerFault::from(LayerFailure::new(FallbackReason::Shape, e.to_string()));
         hs.worklist.build(&hs.expert_ids, wts, t, k, Some(layer), order).map_err(shape)?;
-        if self.opts.faults.at(self.call_idx, l).worklist {
+        if cx.faults.worklist {
             hs.worklist.inject_corruption();
         }
         let bad =
@@ -591,27 +575,20 @@ impl GpuModel {
 
     /// Recompute layer `l`'s routed experts all-cold on the CPU (`cold`, or the plain lane when
     /// `None`), overwrite the layer's output with them and add the shared expert again.
-    fn all_cold(
-        &mut self,
-        l: usize,
-        phase: Phase,
-        t: usize,
-        reason: FallbackReason,
-        cold: Option<&mut dyn ColdLane>,
-    ) -> Result<(), GpuError> {
-        self.perf.record_fallback(l, reason);
-        let (h, k) = (self.cfg.hidden, self.cfg.n_experts_used);
+    fn all_cold(&mut self, cx: &LayerCtx<'_>, cold: Option<&mut dyn ColdLane>) -> Result<(), GpuError> {
+        let (dev, l, t) = (cx.dev, cx.l, cx.t);
+        let (h, k) = (dev.cfg.hidden, dev.cfg.n_experts_used);
         self.records[l] = LayerRecord { cold_slots: t * k, cold_rows: t, ..LayerRecord::default() };
-        self.be.synchronize()?;
-        let s = self.scratch.as_ref().expect("reserved");
+        dev.be.synchronize()?;
+        let s = dev.s();
         let hs = &mut self.host;
         hs.cold_in.resize(t * h, 0.0);
-        self.be.read(s.normed.ptr().sub(0, t * h), &mut hs.cold_in)?;
+        dev.be.read(s.normed.ptr().sub(0, t * h), &mut hs.cold_in)?;
         hs.route_ids.resize(t * k, 0);
-        self.be.read(route_ids(s.ids(), k, l, t), &mut hs.route_ids[..t * k])?;
+        dev.be.read(route_ids(s.ids(), k, l, t), &mut hs.route_ids[..t * k])?;
         hs.work_f.resize(hs.work_f.len().max(t * k), 0.0);
-        self.be.read(route_ids(s.weights.ptr(), k, l, t), &mut hs.work_f[..t * k])?;
-        if let Some(&e) = hs.route_ids[..t * k].iter().find(|&&e| e < 0 || e as usize >= self.cfg.n_experts) {
+        dev.be.read(route_ids(s.weights.ptr(), k, l, t), &mut hs.work_f[..t * k])?;
+        if let Some(&e) = hs.route_ids[..t * k].iter().find(|&&e| e < 0 || e as usize >= dev.cfg.n_experts) {
             return Err(GpuError::BadRoute { layer_idx: l, expert_id: e });
         }
         hs.cold_out.resize(t * h, 0.0);
@@ -622,9 +599,70 @@ impl GpuModel {
         let routes = hs.route_ids[..t * k].iter().zip(&hs.work_f[..t * k]).map(|(&e, &w)| (e as usize, w));
         all_cold(lane, l, &hs.cold_in, routes, k, &mut hs.cold_slots, &mut hs.cold_out)
             .map_err(GpuError::Cold)?;
-        self.be.write(&hs.cold_out, s.moe_out.ptr().sub(0, t * h))?;
-        self.shared_expert(l, phase, t)
+        dev.be.write(&hs.cold_out, s.moe_out.ptr().sub(0, t * h))?;
+        shared_expert(cx)
     }
+}
+
+/// The decode GEMVs of `t` tokens' routed entries over the experts `w` (gate, up, down
+/// stacks: the hot cache or Post-Fetch's scratchpad), entry `j`'s expert at `slots[j]` (-1:
+/// skipped), the weighted down rows accumulated into `out`. The entries' tokens and the
+/// token rows are the device worklist's (`hot_worklist_tokens` or the fused routing).
+pub(crate) fn expert_gemvs(
+    dev: &Device,
+    [gate, up, down]: [TypedWeights; 3],
+    slots: DPtr<i32>,
+    l: usize,
+    t: usize,
+    out: DPtr<f32>,
+) -> Result<(), GpuError> {
+    let (h, k, ff) = (dev.cfg.hidden, dev.cfg.n_experts_used, dev.cfg.expert_ff);
+    let n_ent = t * k;
+    let s = dev.s();
+    let (lay, wi) = (s.layout, s.work_i.ptr());
+    let (toks, off, rows) = (wi.sub(lay.tokens, n_ent), wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
+    let (wts, x, hb) = (route_ids(s.weights.ptr(), k, l, t), s.normed.ptr(), s.h.ptr());
+    if let (Some(g), Some(u), Some(d)) = (gate.bf16(), up.bf16(), down.bf16()) {
+        dev.be.moe_gate_up_gemv(g, u, x, slots, toks, hb, n_ent, ff, h)?;
+        dev.be.moe_down_accum(d, hb, slots, wts, off, rows, out, t, h, ff)?;
+        return Ok(());
+    }
+    // quantized experts read x and h in 8 bits when the GEMVs take them
+    let xq = dev.q8_room(&s.q8_moe, t, h);
+    let hq = dev.q8_room(&s.q8_h, n_ent, ff);
+    if let Some(xq) = xq {
+        dev.be.quantize_q8(x, t, h, xq)?;
+    }
+    dev.be.moe_gate_up_gemv_typed(gate, up, x, xq, slots, toks, hb, n_ent, ff, h)?;
+    if let Some(hq) = hq {
+        dev.be.quantize_q8(hb, n_ent, ff, hq)?;
+    }
+    dev.be.moe_down_accum_typed(down, hb, hq, slots, wts, off, rows, out, t, h, ff)?;
+    Ok(())
+}
+
+/// The grouped GEMMs of expert stacks `w` (gate, up, down; `n_slots` experts each) over
+/// `tiles` (`(slot, first row, rows)` triples, `n_tiles`) of the entry rows `0..n_rows`: the
+/// normed token rows gathered by the worklist's tokens, `h = silu(gate x) * up x` in `h`,
+/// `down h` in `y` (the typed launchers: bf16 stacks take the bf16 kernels, quantized tiles
+/// are decoded in the kernel).
+pub(super) fn grouped_ffn(
+    dev: &Device,
+    w: [TypedWeights; 3],
+    n: usize,
+    (tiles, nt): (DPtr<i32>, usize),
+    n_rows: usize,
+    t: usize,
+) -> Result<(), GpuError> {
+    let (h, ff) = (dev.cfg.hidden, dev.cfg.expert_ff);
+    let s = dev.s();
+    let toks = s.work_i.ptr().sub(s.layout.tokens, n_rows);
+    let (x, hbuf, y, be) = (s.normed.ptr(), s.h.ptr(), s.y.ptr(), &dev.be);
+    let [gate, up, down] = w;
+    let split = |w: TypedWeights| dev.opts.prefill_activations.split(w.dtype);
+    be.grouped_gate_up_typed(gate, up, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split(gate))?;
+    be.grouped_gemm_typed(down, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split(down))?;
+    Ok(())
 }
 
 /// Run the cold lane (with the injected faults of this layer); a panic is caught and reported.

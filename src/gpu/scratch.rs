@@ -1,6 +1,6 @@
 //! Per-call buffers of the GPU engine, sized once for a token capacity and reused: device
-//! activations, the integer worklist upload, pinned staging for the cold lane, and the host-side
-//! worklist and cold-slot lists. A steady-state call allocates nothing here.
+//! activations, the integer worklist upload, pinned staging for the cold lane ([`MoePinned`]), and
+//! the host-side worklist and cold-slot lists. A steady-state call allocates nothing here.
 
 use super::hot_dequant::SlotChunk;
 use super::GpuError;
@@ -98,16 +98,6 @@ pub(crate) struct Scratch {
     pub cold_out: DeviceBuffer<f32>,
     pub logits: DeviceBuffer<f32>,
     pub argmax_part: DeviceBuffer<f32>,
-    /// The layer's routing on the host, one copy batch and one fence: ids (i32 bits) at 0,
-    /// weights (f32 bits) at `cap * k`, and in decode with cold slots the normed rows (f32 bits)
-    /// at `2 * cap * k`. See [`RouteView`].
-    pub pin_route: PinnedBuffer<u32>,
-    /// Host copy of `tail_i` (tokens, then ids), filled by the call's final copy when the perf
-    /// state records.
-    pub pin_tail: PinnedBuffer<i32>,
-    /// Gathered cold rows (host path).
-    pub pin_cold_in: PinnedBuffer<f32>,
-    pub pin_cold_out: PinnedBuffer<f32>,
 }
 
 impl Scratch {
@@ -169,10 +159,6 @@ impl Scratch {
             cold_out: f(cap * c.hidden)?,
             logits: f(cap * c.vocab)?,
             argmax_part: f(CudaBackend::argmax_split_scratch(cap))?,
-            pin_route: be.alloc_pinned::<u32>(2 * cap * k + cap * c.hidden)?,
-            pin_tail: be.alloc_pinned::<i32>(cap + c.n_layers * cap * k)?,
-            pin_cold_in: be.alloc_pinned::<f32>(cap * c.hidden)?,
-            pin_cold_out: be.alloc_pinned::<f32>(cap * c.hidden)?,
         })
     }
 }
@@ -186,6 +172,28 @@ impl Scratch {
     /// Every layer's routing ids (`tail_i` after the tokens).
     pub fn ids(&self) -> DPtr<i32> {
         self.tail_i.ptr().from(self.cap)
+    }
+}
+
+/// The MoE stage's pinned host buffers for calls of up to `cap` tokens.
+pub(crate) struct MoePinned {
+    /// The layer's routing on the host, one copy batch and one fence: ids (i32 bits) at 0,
+    /// weights (f32 bits) at `cap * k`, and in decode with cold slots the normed rows (f32 bits)
+    /// at `2 * cap * k`. See [`RouteView`].
+    pub route: PinnedBuffer<u32>,
+    /// Gathered cold rows (host path).
+    pub cold_in: PinnedBuffer<f32>,
+    pub cold_out: PinnedBuffer<f32>,
+}
+
+impl MoePinned {
+    pub fn new(be: &CudaBackend, c: &ModelConfig, cap: usize) -> Result<MoePinned, GpuError> {
+        let k = c.n_experts_used;
+        Ok(MoePinned {
+            route: be.alloc_pinned::<u32>(2 * cap * k + cap * c.hidden)?,
+            cold_in: be.alloc_pinned::<f32>(cap * c.hidden)?,
+            cold_out: be.alloc_pinned::<f32>(cap * c.hidden)?,
+        })
     }
 }
 
@@ -205,7 +213,7 @@ impl Q8Buf {
     }
 }
 
-/// Typed views of [`Scratch::pin_route`] for a call of `t` tokens.
+/// Typed views of [`MoePinned::route`] for a call of `t` tokens.
 pub(crate) struct RouteView<'a> {
     pub ids: &'a [i32],
     pub weights: &'a [f32],
@@ -243,7 +251,6 @@ pub(crate) struct HostScratch {
     pub cold_row_tok: Vec<usize>,
     pub cold_in: Vec<f32>,
     pub cold_out: Vec<f32>,
-    pub tokens_i32: Vec<i32>,
     /// The routing ids of every layer after the call (perf counting).
     pub route_ids: Vec<i32>,
     /// Post-Fetch, per expert: its slot in the scratchpad, or `PF_CPU` / `PF_LATE` (the CPU).
@@ -280,7 +287,6 @@ impl HostScratch {
             cold_row_tok: Vec::with_capacity(cap),
             cold_in: Vec::with_capacity(cap * c.hidden),
             cold_out: Vec::with_capacity(cap * c.hidden),
-            tokens_i32: Vec::with_capacity(cap),
             route_ids: Vec::with_capacity(c.n_layers * cap * k),
             pf_fetch: vec![-1; c.n_experts],
             pf_count: vec![0; c.n_experts],

@@ -16,15 +16,21 @@
 
 use super::plan::{assign, ExpertLoad, PostFetchCosts, DECODE_GPU_EXPERT_S};
 use super::Pending;
-use crate::gpu::model::GpuModel;
+use crate::gpu::device::Device;
+use crate::gpu::moe::MoeStage;
 use crate::gpu::scratch::RouteView;
 use crate::gpu::GpuError;
 
-impl GpuModel {
+impl MoeStage {
     /// Decode, split layer `l`, `t` tokens, host worklist built, Post-Fetch state reset: with
     /// one token and decode fetching on, the layer's cold experts chosen for the GPU, their
     /// copies queued and their `pf_fetch` slots set (the CPU lane skips them).
-    pub(crate) fn postfetch_issue_decode(&mut self, l: usize, t: usize) -> Result<(), GpuError> {
+    pub(crate) fn postfetch_issue_decode(
+        &mut self,
+        dev: &Device,
+        l: usize,
+        t: usize,
+    ) -> Result<(), GpuError> {
         let fetching = |p: &&mut super::PostFetch| !p.paused && p.opts.decode && t == 1;
         let Some(pf) = self.postfetch.as_mut().filter(fetching) else { return Ok(()) };
         let hs = &mut self.host;
@@ -44,34 +50,34 @@ impl GpuModel {
             hs.pf_fetch[x.expert as usize] = i as i32;
         }
         if issued > 0 {
-            self.postfetch_copies(l, issued)?;
+            self.postfetch_copies(dev, l, issued)?;
         }
         self.postfetch_debug(l, n_chosen, issued)
     }
 
-    /// The fetched experts of [`GpuModel::postfetch_issue_decode`] on the compute stream: the
+    /// The fetched experts of [`MoeStage::postfetch_issue_decode`] on the compute stream: the
     /// entries' slots uploaded, a wait for the layer's copies, the decode GEMVs over the
     /// scratchpad into the MoE output, `free` recorded behind them (even when a launch fails).
-    pub(crate) fn fetched_lane_gemv(&mut self, t: usize) -> Result<(), GpuError> {
+    pub(crate) fn fetched_lane_gemv(&mut self, dev: &Device, t: usize) -> Result<(), GpuError> {
         let Some(cur) = self.postfetch.as_ref().and_then(|p| p.current) else { return Ok(()) };
-        let k = self.cfg.n_experts_used;
-        let s = self.scratch.as_ref().expect("reserved");
-        let route = RouteView::of(s.pin_route.as_slice()?, s.cap, k, t, self.cfg.hidden);
+        let k = dev.cfg.n_experts_used;
+        let s = dev.s();
+        let route = RouteView::of(self.pin.route.as_slice()?, s.cap, k, t, dev.cfg.hidden);
         let hs = &mut self.host;
         hs.pf_entry_slot.clear();
         hs.pf_entry_slot.extend(route.ids.iter().map(|&e| hs.pf_fetch[e as usize].max(-1)));
         let pf = self.postfetch.as_ref().expect("a current fetch implies post-fetch");
         let slots = pf.decode_slots.ptr().sub(0, t * k);
-        self.be.write(&self.host.pf_entry_slot, slots)?;
+        dev.be.write(&self.host.pf_entry_slot, slots)?;
         let ev = &pf.events;
-        self.be.record(&ev.pre_wait)?;
+        dev.be.record(&ev.pre_wait)?;
         for end in &ev.copy_end {
-            self.be.wait_event(end)?;
+            dev.be.wait_event(end)?;
         }
-        self.be.record(&ev.post_wait)?;
+        dev.be.record(&ev.post_wait)?;
         let out = s.moe_out.ptr();
-        let gemvs = self.expert_gemvs(pf.views(cur.layer), slots, cur.layer, t, out);
-        self.be.record(&ev.free)?;
+        let gemvs = crate::gpu::moe::expert_gemvs(dev, pf.views(cur.layer), slots, cur.layer, t, out);
+        dev.be.record(&ev.free)?;
         gemvs?;
         self.postfetch_launched();
         Ok(())

@@ -55,9 +55,11 @@
 mod decode;
 pub(crate) mod plan;
 
+use super::device::Device;
 use super::hot_cache::SlotShape;
-use super::model::GpuModel;
+use super::moe::MoeStage;
 use super::GpuError;
+use crate::cache::perf::PerfState;
 use crate::format::dtype::DType;
 use crate::model::Model;
 use crate::moe::phase::Phase;
@@ -444,9 +446,9 @@ fn stage_jobs<'a>(
     jobs
 }
 
-impl GpuModel {
+impl MoeStage {
     /// Forget the previous layer's fetch (before each MoE block).
-    pub(super) fn postfetch_reset(&mut self) {
+    pub(crate) fn postfetch_reset(&mut self) {
         let hs = &mut self.host;
         hs.pf_fetch.fill(PF_CPU);
         hs.pf_slot.clear();
@@ -467,7 +469,7 @@ impl GpuModel {
     /// Prefill, host path, worklist built: choose layer `l`'s experts for the GPU and queue
     /// their copies (`HostScratch::pf_fetch`: the cold lane skips them). With `block_on_miss`
     /// their worklist entries are listed at once (`pf_*`), else after the readiness query.
-    pub(super) fn postfetch_issue(&mut self, l: usize, phase: Phase) -> Result<(), GpuError> {
+    pub(crate) fn postfetch_issue(&mut self, l: usize, phase: Phase) -> Result<(), GpuError> {
         let Some(pf) = self.postfetch.as_mut().filter(|p| !p.paused) else { return Ok(()) };
         if phase != Phase::Prefill {
             return Ok(());
@@ -500,84 +502,84 @@ impl GpuModel {
         self.postfetch_debug(l, n_chosen, issued)
     }
 
-    /// Queue the copies [`GpuModel::postfetch_issue`] chose, once the layer's worklist is on
+    /// Queue the copies [`MoeStage::postfetch_issue`] chose, once the layer's worklist is on
     /// the compute stream: a host-to-device copy queued after them (the worklist upload) could
     /// wait behind them for the copy engine, delaying the hot lane by the whole fetch.
-    pub(super) fn postfetch_start_copies(&mut self) -> Result<(), GpuError> {
+    pub(crate) fn postfetch_start_copies(&mut self, dev: &Device) -> Result<(), GpuError> {
         match self.postfetch.as_ref().and_then(|p| p.current) {
-            Some(cur) => self.postfetch_copies(cur.layer, cur.issued),
+            Some(cur) => self.postfetch_copies(dev, cur.layer, cur.issued),
             None => Ok(()),
         }
     }
 
     /// Queue the copies of the first `n` of `pf_loads`, slot `i` for the `i`-th.
-    fn postfetch_copies(&mut self, l: usize, n: usize) -> Result<(), GpuError> {
+    fn postfetch_copies(&mut self, dev: &Device, l: usize, n: usize) -> Result<(), GpuError> {
         let pf = self.postfetch.as_mut().expect("called with post-fetch");
         let ev = &pf.events;
         // The scratchpad is read by the previous fetching layer's GEMMs (`free`) and may still
         // be written by that layer's copies on any stream (late ones, or a layer that fell back).
         for cs in &pf.streams {
-            self.be.wait_event_on(cs, &ev.free)?;
+            dev.be.wait_event_on(cs, &ev.free)?;
             for end in &ev.copy_end {
-                self.be.wait_event_on(cs, end)?;
+                dev.be.wait_event_on(cs, end)?;
             }
         }
         if pf.direct() {
-            self.copies_direct(l, n)?;
+            self.copies_direct(dev, l, n)?;
         } else {
-            self.copies_staged(l, n)?;
+            self.copies_staged(dev, l, n)?;
         }
         let pf = self.postfetch.as_mut().expect("called with post-fetch");
         for (cs, end) in pf.streams.iter().zip(&pf.events.copy_end) {
-            self.be.record_on(cs, end)?;
+            dev.be.record_on(cs, end)?;
         }
         Ok(())
     }
 
     /// Slot `i`'s copies of the `i`-th of the first `n` of `pf_loads`, straight from the
     /// registered maps.
-    fn copies_direct(&mut self, l: usize, n: usize) -> Result<(), GpuError> {
+    fn copies_direct(&mut self, dev: &Device, l: usize, n: usize) -> Result<(), GpuError> {
         let pf = self.postfetch.as_mut().expect("called with post-fetch");
         let bytes = pf.layers[l].bytes;
-        self.be.record_on(&pf.streams[0], &pf.events.copy_start)?;
+        dev.be.record_on(&pf.streams[0], &pf.events.copy_start)?;
         for (slot, x) in self.host.pf_loads[..n].iter().enumerate() {
             let cs = &pf.streams[slot % pf.streams.len()];
-            let w = self.model.expert(l, x.expert as usize);
-            for ((dev, len), src) in pf.bufs.iter().zip(bytes).zip([w.gate.data, w.up.data, w.down.data]) {
+            let w = dev.model.expert(l, x.expert as usize);
+            for ((buf, len), src) in pf.bufs.iter().zip(bytes).zip([w.gate.data, w.up.data, w.down.data]) {
                 let (reg, at) = pf.source_of(src).expect("register_maps checked every expert");
                 assert_eq!(at.len(), len, "layer {l}: the scratchpad's shape is the expert's");
-                self.be.write_registered_on(cs, reg, at, dev.ptr().sub(slot * len, len))?;
+                dev.be.write_registered_on(cs, reg, at, buf.ptr().sub(slot * len, len))?;
             }
-            pf.slot_queued(&self.be, slot, bytes)?;
+            pf.slot_queued(&dev.be, slot, bytes)?;
         }
         Ok(())
     }
 
-    /// As [`GpuModel::copies_direct`], staged through the pinned buffers a chunk of experts at a
+    /// As [`MoeStage::copies_direct`], staged through the pinned buffers a chunk of experts at a
     /// time (the copies of one chunk overlap the staging of the next).
-    fn copies_staged(&mut self, l: usize, n: usize) -> Result<(), GpuError> {
+    fn copies_staged(&mut self, dev: &Device, l: usize, n: usize) -> Result<(), GpuError> {
         let pf = self.postfetch.as_mut().expect("called with post-fetch");
         let chunk = pf.stage_threads;
         let bytes = pf.layers[l].bytes;
         for (c, group) in self.host.pf_loads[..n].chunks(chunk).enumerate() {
             let at = c * chunk;
-            stage(&self.model, &mut pf.staging[at..at + group.len()], bytes, l, group, pf.stage_threads)?;
+            stage(&dev.model, &mut pf.staging[at..at + group.len()], bytes, l, group, pf.stage_threads)?;
             if c == 0 {
-                self.be.record_on(&pf.streams[0], &pf.events.copy_start)?;
+                dev.be.record_on(&pf.streams[0], &pf.events.copy_start)?;
             }
             for slot in at..at + group.len() {
                 let cs = &pf.streams[slot % pf.streams.len()];
                 let mut from = 0;
-                for (dev, n) in pf.bufs.iter().zip(bytes) {
-                    self.be.write_async_on(
+                for (buf, n) in pf.bufs.iter().zip(bytes) {
+                    dev.be.write_async_on(
                         cs,
                         &pf.staging[slot],
                         from..from + n,
-                        dev.ptr().sub(slot * n, n),
+                        buf.ptr().sub(slot * n, n),
                     )?;
                     from += n;
                 }
-                pf.slot_queued(&self.be, slot, bytes)?;
+                pf.slot_queued(&dev.be, slot, bytes)?;
             }
         }
         Ok(())
@@ -585,7 +587,7 @@ impl GpuModel {
 
     /// The worklist entries of the experts the GPU computes from the scratchpad (`pf_fetch` a
     /// slot), in worklist order: slot, token, weight.
-    pub(super) fn postfetch_entries(&mut self) {
+    pub(crate) fn postfetch_entries(&mut self) {
         let hs = &mut self.host;
         let wl = &hs.worklist;
         for i in 0..wl.cold_count {
@@ -616,37 +618,37 @@ impl GpuModel {
     /// ones after the hot ones), once the compute stream has waited for their copies: every
     /// copy of the layer (`block_on_miss`), or those of the experts it runs (after the
     /// readiness query). `free` is recorded behind them even when a launch fails.
-    pub(super) fn postfetch_gemm(&self, t: usize, n_all: usize) -> Result<(), GpuError> {
+    pub(crate) fn postfetch_gemm(&self, dev: &Device, t: usize, n_all: usize) -> Result<(), GpuError> {
         let Some((pf, cur)) = self.postfetch.as_ref().and_then(|p| p.current.map(|c| (p, c))) else {
             return Ok(());
         };
         let hf = &pf.events;
-        self.be.record(&hf.pre_wait)?;
+        dev.be.record(&hf.pre_wait)?;
         if cur.deferred {
             for (i, x) in self.host.pf_loads[..cur.issued].iter().enumerate() {
                 if self.host.pf_fetch[x.expert as usize] >= 0 {
-                    self.be.wait_event(&pf.slot_ready[i])?;
+                    dev.be.wait_event(&pf.slot_ready[i])?;
                 }
             }
         } else {
             for end in &hf.copy_end {
-                self.be.wait_event(end)?;
+                dev.be.wait_event(end)?;
             }
         }
-        self.be.record(&hf.post_wait)?;
+        dev.be.record(&hf.post_wait)?;
         let gemms = || -> Result<(), GpuError> {
-            let s = self.scratch.as_ref().expect("reserved");
+            let s = dev.s();
             let (nt, at) = (self.host.pf_tiles, s.layout.tiles + self.host.pf_tile_at);
             let tiles = s.work_i.ptr().sub(at, 3 * nt);
-            self.grouped_ffn(pf.views(cur.layer), pf.slots, (tiles, nt), n_all, t)
+            super::moe::grouped_ffn(dev, pf.views(cur.layer), pf.slots, (tiles, nt), n_all, t)
         };
         let launched = gemms();
-        self.be.record(&hf.free)?;
+        dev.be.record(&hf.free)?;
         launched
     }
 
     /// The layer's fetched GEMMs were queued.
-    pub(super) fn postfetch_launched(&mut self) {
+    pub(crate) fn postfetch_launched(&mut self) {
         if let Some(pf) = self.postfetch.as_mut() {
             if let Some(p) = pf.current.and(pf.events.pending.as_mut()) {
                 p.launched = true;
@@ -660,7 +662,7 @@ impl GpuModel {
     /// the exposed copy time). Otherwise the late ones become [`PF_LATE`] (counted `not_ready`)
     /// and the rest keep their slots. Returns whether the caller runs the deferred part: the
     /// late experts on the CPU, then the fetched GEMMs.
-    pub(super) fn postfetch_ready(&mut self, late: bool) -> Result<bool, GpuError> {
+    pub(crate) fn postfetch_ready(&mut self, late: bool) -> Result<bool, GpuError> {
         let Some(pf) = self.postfetch.as_mut() else { return Ok(false) };
         let Some(cur) = pf.current else { return Ok(false) };
         let slot_ready = &pf.slot_ready;
@@ -696,14 +698,14 @@ impl GpuModel {
     }
 
     /// After a call: fold the pending layers into the totals and the perf JSON.
-    pub(super) fn postfetch_finish(&mut self) -> Result<(), GpuError> {
+    pub(crate) fn postfetch_finish(&mut self, perf: &mut PerfState) -> Result<(), GpuError> {
         let hot_bytes = self.hot.bytes();
         let Some(pf) = self.postfetch.as_mut() else { return Ok(()) };
         pf.harvest()?;
         let mut report = pf.totals.perf(pf.opts.mode, pf.scratch_bytes(), hot_bytes, pf.pcie_bytes_per_s);
         report.copy_source = (if pf.direct() { "registered" } else { "staged" }).to_string();
         report.register_error = pf.register_error.clone();
-        self.perf.set_postfetch(report);
+        perf.set_postfetch(report);
         Ok(())
     }
 }

@@ -1,0 +1,198 @@
+//! What every stage of the GPU engine reads: the device, the model's shapes and per-layer plan,
+//! the engine's options, the non-expert weights, the per-call device scratch and the profiler
+//! ([`Device`]); the layer context a stage takes ([`LayerCtx`]); and the matrix products every
+//! stage runs ([`Device::linear`], [`Device::gemv`], [`Device::gemm`]).
+//!
+//! Invariant: nothing here changes during a layer. The stages own what they change (the mixer
+//! its attention partials, the MoE stage its hot cache, host scratch, Post-Fetch and lane
+//! records, the head its pinned tail), so a layer runs as `mixer.run(&cx)` then
+//! `moe.run(&cx)` over one shared `&Device`.
+
+use super::options::{GpuOptions, LayerFaults};
+use super::scratch::{Q8Buf, Scratch};
+use super::stats::Profiler;
+use super::weights::DenseWeights;
+use super::GpuError;
+use crate::model::arch::LayerPlan;
+use crate::model::config::ModelConfig;
+use crate::model::Model;
+use crate::moe::phase::Phase;
+use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
+use moe_lanes_kernels::cuda::quant::wide_alignment_bytes;
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, Q8Rows, TypedWeights};
+use moe_lanes_kernels::q8::Q8_BLOCK;
+use std::sync::Arc;
+
+/// The engine's shared, read-only-per-layer state.
+pub(crate) struct Device {
+    pub be: Arc<CudaBackend>,
+    pub model: Arc<Model>,
+    pub cfg: ModelConfig,
+    /// Every layer's kind (the engine walks it; each stage reads its layer's spec).
+    pub plan: LayerPlan,
+    pub opts: GpuOptions,
+    pub w: DenseWeights,
+    pub scratch: Option<Scratch>,
+    /// bf16 rows of quantized matrices for the prefill GEMMs (none for a float model).
+    pub dequant: Option<DeviceBuffer<u16>>,
+    pub profiler: Option<Profiler>,
+    /// While a decode graph is captured: the most positions its attention is sized for (the
+    /// position itself is read from device memory, `Scratch::step`).
+    pub step: Option<usize>,
+}
+
+/// One layer of one forward call, as a stage sees it.
+#[derive(Clone, Copy)]
+pub(crate) struct LayerCtx<'a> {
+    pub dev: &'a Device,
+    pub l: usize,
+    pub phase: Phase,
+    /// The call's token rows.
+    pub t: usize,
+    /// The faults injected into this layer of this call.
+    pub faults: LayerFaults,
+}
+
+impl LayerCtx<'_> {
+    /// Layer `l` of forward call `call_idx` (counted from 1) over `t` rows.
+    pub fn of(dev: &Device, call_idx: u64, l: usize, phase: Phase, t: usize) -> LayerCtx<'_> {
+        LayerCtx { dev, l, phase, t, faults: dev.opts.faults.at(call_idx, l) }
+    }
+
+    /// Profile mark `m` of this layer.
+    pub fn mark(&self, m: usize) -> Result<(), GpuError> {
+        self.dev.mark(self.l, m)
+    }
+}
+
+impl Device {
+    /// The per-call scratch (reserved before any stage runs).
+    pub fn s(&self) -> &Scratch {
+        self.scratch.as_ref().expect("reserved")
+    }
+
+    /// `y (+)= W x` for `t` rows: GEMV kernel in decode (one token over a short bf16 matrix: the
+    /// split GEMV; and for a few rows of a quantized matrix), cuBLAS otherwise (quantized rows
+    /// dequantized to bf16 first).
+    #[allow(clippy::too_many_arguments)]
+    pub fn linear(
+        &self,
+        phase: Phase,
+        x: DPtr<f32>,
+        w: TypedWeights,
+        y: DPtr<f32>,
+        t: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        let few_rows = w.dtype.is_quantized() && t <= QUANT_MAX_TOKENS as usize;
+        if let Some(bf) =
+            w.bf16().filter(|bf| phase == Phase::Decode && t == 1 && self.be.split_gemv_pays(*bf, x, n, k))
+        {
+            return Ok(self.be.gemv_bf16_split(bf, x, y, n, k, accumulate)?);
+        }
+        if (phase == Phase::Decode && !self.gemm_pays(t)) || few_rows {
+            return self.gemv(x, w, y, t, n, k, accumulate);
+        }
+        let s = self.s();
+        let lo = self.opts.prefill_activations.split(w.dtype).then(|| s.x_lo.ptr());
+        self.be.gather_split_bf16(x, None, s.x_hi.ptr(), lo, t, k)?;
+        self.gemm(w, s.x_hi.ptr(), lo, y, t, n, k, accumulate)
+    }
+
+    /// Whether `t` rows of a decode call (a batched step) run their projections as GEMMs, each
+    /// weight read once for all rows, instead of GEMVs that read it once a row
+    /// ([`GpuOptions::batch_gemm_min_tokens`]).
+    pub fn gemm_pays(&self, t: usize) -> bool {
+        t >= self.opts.batch_gemm_min_tokens
+    }
+
+    /// The decode GEMV of a matrix in its stored type.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv(
+        &self,
+        x: DPtr<f32>,
+        w: TypedWeights,
+        y: DPtr<f32>,
+        t: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        if let Some(bf) = w.bf16() {
+            return Ok(self.be.gemv_bf16(bf, x, y, t, n, k, accumulate)?);
+        }
+        match self.dense_q8(w, t, k) {
+            Some(xq) => {
+                self.be.quantize_q8(x, 1, k, xq)?;
+                self.be.gemv_quant_q8(w.dtype, w.bytes, xq, y, n, k, accumulate)?
+            }
+            None => self.be.gemv_quant(w.dtype, w.bytes, x, y, t, n, k, accumulate)?,
+        }
+        Ok(())
+    }
+
+    /// Where the one-token GEMV of `w` over `t` rows of `k` takes 8-bit activations
+    /// (`GpuOptions::q8_activations`; a quantized matrix aligned for the wide chunks; one row of
+    /// whole blocks of 32): the dense 8-bit rows, for [`CudaBackend::quantize_q8`] to write and
+    /// the GEMV to read; None: f32 activations.
+    pub fn dense_q8(&self, w: TypedWeights, t: usize, k: usize) -> Option<Q8Rows> {
+        let wide = w.dtype.is_quantized() && w.bytes.raw().is_multiple_of(wide_alignment_bytes(w.dtype));
+        self.q8_room(&self.scratch.as_ref()?.q8_dense, t, k).filter(|_| wide && t == 1)
+    }
+
+    /// `buf` for `rows` rows of `k` when the GEMVs take 8-bit activations and `k` is whole
+    /// blocks of 32.
+    pub fn q8_room(&self, buf: &Q8Buf, rows: usize, k: usize) -> Option<Q8Rows> {
+        let q8 = buf.rows();
+        let fits = k.is_multiple_of(Q8_BLOCK) && q8.q.len() >= rows * k;
+        (self.opts.q8_activations && fits).then_some(q8)
+    }
+
+    /// cuBLAS GEMM of a matrix in its stored type over bf16 activations (hi + optional lo): a
+    /// quantized matrix is dequantized to bf16 in row ranges that fit the dequantization scratch,
+    /// each GEMM writing its column range of `y`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        w: TypedWeights,
+        x_hi: DPtr<u16>,
+        x_lo: Option<DPtr<u16>>,
+        y: DPtr<f32>,
+        t: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<(), GpuError> {
+        if let Some(bf) = w.bf16() {
+            self.be.gemm_bf16(bf, x_hi, x_lo, y, t, n, k, accumulate)?;
+            return Ok(());
+        }
+        let buf = self.dequant.as_ref().expect("reserved for a model with quantized matrices").ptr();
+        assert!(buf.len() >= k, "the dequantization scratch holds at least one row");
+        let rows_per = (buf.len() / k).min(n);
+        for r0 in (0..n).step_by(rows_per) {
+            let r = rows_per.min(n - r0);
+            self.be.dequantize_bf16(w.dtype, w.bytes, r0, r, k, buf)?;
+            self.be.gemm_bf16_strided(buf.sub(0, r * k), x_hi, x_lo, y.from(r0), t, r, k, n, accumulate)?;
+        }
+        Ok(())
+    }
+
+    /// Profile mark `m` of layer `l` (a CUDA event, when profiling).
+    pub fn mark(&self, l: usize, m: usize) -> Result<(), GpuError> {
+        if let Some(p) = &self.profiler {
+            self.be.record(&p.layer_marks[l][m])?;
+        }
+        Ok(())
+    }
+
+    /// Profile mark `m` of the call's head and tail.
+    pub fn mark_tail(&self, m: usize) -> Result<(), GpuError> {
+        if let Some(p) = &self.profiler {
+            self.be.record(&p.tail_marks[m])?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,233 @@
+//! The GPU engine's options: its switches ([`GpuOptions`]), how prefill attention and
+//! activations run, and the faults injected on purpose to prove each fallback path.
+
+use super::postfetch::plan::PostFetchOptions;
+use crate::cache::perf::PerfMode;
+use crate::model::context::KvType;
+use crate::moe::faults::{FaultLane, LaneFault, LaneFaultSchedule};
+use moe_lanes_kernels::WeightDType;
+use std::time::Duration;
+
+/// How long the join waits for the hot lane before the layer falls back to all-cold.
+/// Generous: a long prefill on a busy device can take seconds per layer.
+pub const HOT_LANE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Faults injected on purpose (tests and `MOE_LANES_FAULT`), to prove each fallback path.
+/// A layer named here always takes the host path (worklist built on the host).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GpuFaults {
+    /// The hot lane's launch fails in this layer.
+    pub hot_error_layer: Option<usize>,
+    /// The hot lane "does not finish" in time in this layer.
+    pub hot_timeout_layer: Option<usize>,
+    /// The cold lane returns an error in this layer.
+    pub cold_error_layer: Option<usize>,
+    /// The cold lane panics in this layer.
+    pub cold_panic_layer: Option<usize>,
+    /// The host worklist of this layer is corrupted after it is built.
+    pub corrupt_worklist_layer: Option<usize>,
+    /// The device is "lost" at the start of this forward call (counted from 1).
+    pub gpu_lost_at_call: Option<u64>,
+    /// Post-Fetch's readiness query in this layer finds every copy still in flight (waited for
+    /// with `block_on_miss`, else computed on the CPU).
+    pub postfetch_late_layer: Option<usize>,
+    /// Seeded faults per (call, layer): the hot lane's error or panic is a failed launch, its
+    /// stall a time-out; the cold lane errors or panics (it cannot stall: the join runs it).
+    pub schedule: Option<LaneFaultSchedule>,
+}
+
+/// The faults of one layer in one forward call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerFaults {
+    pub hot_error: bool,
+    pub hot_timeout: bool,
+    pub cold_error: bool,
+    pub cold_panic: bool,
+    pub worklist: bool,
+    /// Prefill only (Post-Fetch), so not in [`LayerFaults::any`], which sends decode layers to
+    /// the host path.
+    pub postfetch_late: bool,
+}
+
+impl LayerFaults {
+    pub fn any(&self) -> bool {
+        self.hot_error || self.hot_timeout || self.cold_error || self.cold_panic || self.worklist
+    }
+}
+
+impl GpuFaults {
+    /// What goes wrong in layer `l` of forward call `call_idx` (counted from 1).
+    pub fn at(&self, call_idx: u64, l: usize) -> LayerFaults {
+        let mut f = LayerFaults {
+            hot_error: self.hot_error_layer == Some(l),
+            hot_timeout: self.hot_timeout_layer == Some(l),
+            cold_error: self.cold_error_layer == Some(l),
+            cold_panic: self.cold_panic_layer == Some(l),
+            worklist: self.corrupt_worklist_layer == Some(l),
+            postfetch_late: self.postfetch_late_layer == Some(l),
+        };
+        if let Some(s) = &self.schedule {
+            match s.fault(call_idx, l, FaultLane::Hot(0), true) {
+                Some(LaneFault::Error | LaneFault::Panic) => f.hot_error = true,
+                Some(LaneFault::Stall) => f.hot_timeout = true,
+                None => {}
+            }
+            match s.fault(call_idx, l, FaultLane::Cold(0), false) {
+                Some(LaneFault::Panic) => f.cold_panic = true,
+                Some(_) => f.cold_error = true,
+                None => {}
+            }
+        }
+        f
+    }
+}
+
+/// A `MOE_LANES_FAULT` entry that is not `NAME:NUMBER` with a known name.
+#[derive(Debug, thiserror::Error, PartialEq)]
+#[error("fault '{entry}': expected NAME:N with NAME one of hot_error, hot_timeout, cold_error, cold_panic, worklist, postfetch_late, gpu_lost, seed")]
+pub struct BadFault {
+    pub entry: String,
+}
+
+impl std::str::FromStr for GpuFaults {
+    type Err = BadFault;
+    /// `hot_error:1,cold_panic:0,gpu_lost:3` (layers, and the call number for `gpu_lost`);
+    /// `seed:S` adds a seeded schedule faulting about one lane task in ten.
+    fn from_str(s: &str) -> Result<GpuFaults, BadFault> {
+        let mut f = GpuFaults::default();
+        for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let bad = || BadFault { entry: entry.to_string() };
+            let (name, n) = entry.split_once(':').ok_or_else(bad)?;
+            let n: usize = n.parse().map_err(|_| bad())?;
+            match name {
+                "hot_error" => f.hot_error_layer = Some(n),
+                "hot_timeout" => f.hot_timeout_layer = Some(n),
+                "cold_error" => f.cold_error_layer = Some(n),
+                "cold_panic" => f.cold_panic_layer = Some(n),
+                "worklist" => f.corrupt_worklist_layer = Some(n),
+                "postfetch_late" => f.postfetch_late_layer = Some(n),
+                "gpu_lost" => f.gpu_lost_at_call = Some(n as u64),
+                "seed" => f.schedule = Some(LaneFaultSchedule::seeded(n as u64)),
+                _ => return Err(bad()),
+            }
+        }
+        Ok(f)
+    }
+}
+
+/// How prefill attention runs (an A/B switch: `MOE_LANES_GPU_ATTENTION` at the CLI). Decode
+/// always splits positions over blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillAttention {
+    /// [`PrefillAttention::Tiled`]'s blocks with both products on the tensor cores (bf16 hi + lo
+    /// operands, about f32 accuracy; heads of a multiple of 16 up to 128 dims on sm_80 and later,
+    /// else the tiled kernel).
+    #[default]
+    Mma,
+    /// Flash-style: a block per tile of query rows of one kv head's group, keys staged in
+    /// shared-memory tiles, f32 on the CUDA cores (heads up to 128 dims; wider heads run per row).
+    Tiled,
+    /// One block per (token, head), reading the cache once per row.
+    #[serde(rename = "rows")]
+    PerRow,
+}
+
+/// The activations prefill GEMMs feed the tensor cores (`MOE_LANES_PREFILL_ACTIVATIONS` at the
+/// CLI). The reference computes in f32; bf16 keeps 8 mantissa bits of each activation, split
+/// hi + lo about 16 (two GEMMs, or two MMAs per step in the grouped hot lane).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillActivations {
+    /// Split hi + lo for every weight type.
+    Split,
+    /// One bf16 rounding for every weight type.
+    Bf16,
+    /// Split for float weights; one bf16 rounding for quantized weights, whose own rounding is
+    /// far coarser (llama.cpp quantizes their activations to 8 bits).
+    #[default]
+    Auto,
+}
+
+impl PrefillActivations {
+    /// Whether a GEMM over weights of `dtype` takes split activations.
+    pub fn split(self, dtype: WeightDType) -> bool {
+        match self {
+            PrefillActivations::Split => true,
+            PrefillActivations::Bf16 => false,
+            PrefillActivations::Auto => !dtype.is_quantized(),
+        }
+    }
+}
+
+/// Engine switches.
+#[derive(Debug, Clone, Copy)]
+pub struct GpuOptions {
+    /// The prefill hot lane's GEMMs: grouped (default) or per expert through cuBLAS.
+    pub prefill_attention: PrefillAttention,
+    /// What prefill GEMMs take as activations, by weight type.
+    pub prefill_activations: PrefillActivations,
+    /// VRAM for bf16 chunks of quantized hot slots in grouped prefill (the A/B baseline of
+    /// `hot_dequant`: at least one slot a chunk); 0 (default): no scratch, the grouped kernels
+    /// decode the quantized tiles themselves.
+    pub hot_dequant_bytes: usize,
+    /// Dequantize the next chunk of quantized hot slots on the side stream while the current
+    /// chunk's GEMMs run (two half-size chunks in the scratch); off (default): one chunk, both on
+    /// the compute stream.
+    pub hot_dequant_overlap: bool,
+    pub perf_mode: PerfMode,
+    /// Record CUDA events per stage (`MOE_LANES_GPU_PROFILE=1` at the CLI).
+    pub profile: bool,
+    /// Copy every logits row to the host; off: only the greedy tokens come back.
+    pub copy_logits: bool,
+    pub hot_lane_timeout: Duration,
+    pub faults: GpuFaults,
+    /// One-token decode calls over a model whose layers are all hot replay a captured CUDA graph
+    /// (`graph`), those over a model with cold experts its decode segments (graphs between the
+    /// host steps); off: every kernel is launched one by one (`MOE_LANES_GPU_GRAPH=0` at the CLI).
+    pub decode_graph: bool,
+    /// The decode graphs time each all-hot layer's hot lane by a pair of CUDA events on every
+    /// call (`MOE_LANES_GRAPH_LANE_EVENTS=1` at the CLI; an A/B). Off (default): no events in
+    /// the graphs' all-hot layers, which would stop programmatic dependent launch there (6% of
+    /// all-hot tg on the H100); one call in `graph::HOT_TIMING_EVERY_CALLS` runs eagerly
+    /// instead, timed, and the others report its times.
+    pub graph_lane_events: bool,
+    /// Post-Fetch of cold experts in prefill (`postfetch` module).
+    pub postfetch: PostFetchOptions,
+    /// One-token decode GEMVs of quantized weights (the dense matrices and the hot lane) take
+    /// their activations quantized to 8 bits per block of 32 on the device and dot them in
+    /// integers (llama.cpp's MMVQ; bound in `moe_lanes_kernels::q8`); off: f32 activations
+    /// (f32 rounding only). `--activations f32` at the CLI turns it off.
+    pub q8_activations: bool,
+    /// The KV cache's element type (`--cache-type-k/v` at the CLI): f16 (default) or f32.
+    pub kv_type: KvType,
+    /// A decode call (a batched step) of at least this many tokens runs its dense projections
+    /// and the lm_head as GEMMs (each weight read once for every row) instead of per-row GEMVs;
+    /// its MoE keeps the decode path (worklist on the device, no host sync when all hot).
+    pub batch_gemm_min_tokens: usize,
+}
+
+/// [`GpuOptions::batch_gemm_min_tokens`]'s default.
+pub const BATCH_GEMM_MIN_TOKENS: usize = 8;
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            prefill_attention: PrefillAttention::Mma,
+            prefill_activations: PrefillActivations::default(),
+            hot_dequant_bytes: 0,
+            hot_dequant_overlap: false,
+            perf_mode: PerfMode::Full,
+            profile: false,
+            copy_logits: true,
+            hot_lane_timeout: HOT_LANE_TIMEOUT,
+            faults: GpuFaults::default(),
+            decode_graph: true,
+            graph_lane_events: false,
+            postfetch: PostFetchOptions::default(),
+            q8_activations: true,
+            kv_type: KvType::F16,
+            batch_gemm_min_tokens: BATCH_GEMM_MIN_TOKENS,
+        }
+    }
+}
