@@ -22,7 +22,7 @@
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `mma` (default, flash-style tiles of queries x keys on the tensor cores, bf16 hi + lo operands; heads of a multiple of 16 up to 128 dims on sm_80+, else `tiled`), `tiled` (the same tiles in f32 on the CUDA cores) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
-//! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`policy_switches`]) |
+//! | `MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE` | pipeline A/B switches ([`cpu_tuning`]) |
 //! | `MOE_LANES_POSTFETCH` | Post-Fetch of cold experts in GPU prefill (bf16 and quantized files): `auto` (a cost model decides per expert), `on` (every cold expert that fits), `cpu` (scratchpad allocated, every expert on the CPU: A/B at equal VRAM), `off` (no scratchpad); default `auto` |
 //! | `MOE_LANES_POSTFETCH_BLOCK_ON_MISS` | `1` (default): a fetched expert whose copy is still in flight when the CPU lane is done is waited for; `0`: the CPU computes it |
 //! | `MOE_LANES_POSTFETCH_MAX_TRANSFERS` | expert copies in flight at most; the layer's other chosen experts run on the CPU (default 256) |
@@ -32,9 +32,9 @@
 //! | `MOE_LANES_POSTFETCH_DECODE` | `1`: decode splits a layer's cold experts between the CPU lane and copies to the scratchpad by the same cost model; `0` (default): decode keeps every cold expert on the CPU |
 //! | `MOE_LANES_POSTFETCH_REGISTER` | `1` (default): copies read the model file's pages, registered with the device (read-only) once at engine start; `0`, or when the driver refuses: staged through pinned buffers |
 
-use crate::engine::tuning::GpuTuning;
-use crate::gpu::{GpuFaults, PostFetchOptions, PrefillActivations, PrefillAttention, POSTFETCH_MAX_STREAMS};
-use crate::moe::phase::{PolicySwitches, Switch};
+use crate::engine::tuning::{CpuTuning, EngineTuning, GpuTuning, PostFetchTuning};
+use crate::gpu::{GpuFaults, PrefillActivations, PrefillAttention, POSTFETCH_MAX_STREAMS};
+use crate::moe::phase::Switch;
 use crate::moe::worklist::WorklistOrder;
 use moe_lanes_kernels::cuda::CudaConfig;
 use moe_lanes_kernels::pool::ColdSchedule;
@@ -80,13 +80,14 @@ pub fn q8_activations() -> Result<Option<DecodeActivations>, EnvError> {
         .transpose()
 }
 
-/// `MOE_LANES_COLD_SCHEDULE` (an unknown value is an error; unset is `auto`).
-pub fn cold_schedule() -> Result<ColdSchedule, EnvError> {
-    match var("MOE_LANES_COLD_SCHEDULE") {
-        None => Ok(ColdSchedule::Auto),
-        Some(v) => ColdSchedule::parse(&v)
-            .ok_or_else(|| bad("MOE_LANES_COLD_SCHEDULE", &v, "auto, phased or pipelined")),
-    }
+/// `MOE_LANES_COLD_SCHEDULE` (an unknown value is an error; unset `None`: `auto`).
+pub fn cold_schedule() -> Result<Option<ColdSchedule>, EnvError> {
+    var("MOE_LANES_COLD_SCHEDULE")
+        .map(|v| {
+            ColdSchedule::parse(&v)
+                .ok_or_else(|| bad("MOE_LANES_COLD_SCHEDULE", &v, "auto, phased or pipelined"))
+        })
+        .transpose()
 }
 
 /// `MOE_LANES_CUDA_DEVICE`, `MOE_LANES_NVRTC_CACHE` (or the XDG / home cache), CUDA headers,
@@ -179,9 +180,22 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
     })
 }
 
-/// The pipeline's A/B switches (`MOE_LANES_REDUCE_MERGE`, `MOE_LANES_COMPACT_COLD_REDUCE`:
-/// `off|on|auto`; `MOE_LANES_ORDER`: `token|expert`). A value outside those is an error.
-pub fn policy_switches() -> Result<PolicySwitches, EnvError> {
+/// Every engine's tuning from the environment, each variable an override of a tuning file's
+/// value (unset: `None`): [`gpu_tuning`], [`cpu_tuning`], [`postfetch_tuning`].
+pub fn engine_tuning() -> Result<EngineTuning, EnvError> {
+    Ok(EngineTuning {
+        gpu: gpu_tuning()?,
+        cpu: cpu_tuning()?,
+        postfetch: postfetch_tuning()?,
+        cache_policy: None,
+    })
+}
+
+/// The CPU engines' tuning: `MOE_LANES_SIMD`, `MOE_LANES_Q8_ACTIVATIONS`,
+/// `MOE_LANES_COLD_SCHEDULE`, and the pipeline's A/B switches (`MOE_LANES_REDUCE_MERGE`,
+/// `MOE_LANES_COMPACT_COLD_REDUCE`: `off|on|auto`; `MOE_LANES_ORDER`: `token|expert`). A value
+/// outside those is an error.
+pub fn cpu_tuning() -> Result<CpuTuning, EnvError> {
     let switch = |name: &'static str| -> Result<Option<Switch>, EnvError> {
         var(name).map(|v| v.parse::<Switch>().map_err(|_| bad(name, &v, "off, on or auto"))).transpose()
     };
@@ -193,15 +207,13 @@ pub fn policy_switches() -> Result<PolicySwitches, EnvError> {
             _ => return Err(bad("MOE_LANES_ORDER", &v, "token or expert")),
         }),
     };
-    Ok(PolicySwitches {
-        reduce_merge: switch("MOE_LANES_REDUCE_MERGE")?.unwrap_or_default(),
-        compact_cold_reduce: switch("MOE_LANES_COMPACT_COLD_REDUCE")?.and_then(|s| match s {
-            Switch::On => Some(true),
-            Switch::Off => Some(false),
-            Switch::Auto => None,
-        }),
+    Ok(CpuTuning {
+        simd: simd_override()?,
+        activations: q8_activations()?,
+        cold_schedule: cold_schedule()?,
         order,
-        dense_pp: None,
+        reduce_merge: switch("MOE_LANES_REDUCE_MERGE")?,
+        compact_cold_reduce: switch("MOE_LANES_COMPACT_COLD_REDUCE")?,
     })
 }
 
@@ -226,38 +238,42 @@ pub fn parse_flag(v: &str) -> Option<bool> {
 // the message of `MOE_LANES_POSTFETCH_STREAMS` names the bound
 const _: () = assert!(POSTFETCH_MAX_STREAMS == 4);
 
-/// `MOE_LANES_POSTFETCH*` over the defaults of [`PostFetchOptions`].
-pub fn postfetch() -> Result<PostFetchOptions, EnvError> {
-    let mut o = PostFetchOptions::default();
-    if let Some(v) = var("MOE_LANES_POSTFETCH") {
-        o.mode = v.parse().map_err(|_| bad("MOE_LANES_POSTFETCH", &v, "auto, on, off or cpu"))?;
-    }
-    if let Some(v) = var("MOE_LANES_POSTFETCH_BLOCK_ON_MISS") {
-        o.block_on_miss =
-            parse_flag(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_BLOCK_ON_MISS", &v, "0 or 1"))?;
-    }
-    if let Some(v) = var("MOE_LANES_POSTFETCH_MAX_TRANSFERS") {
-        let n = v.parse::<usize>().ok().filter(|&n| n > 0);
-        o.max_transfers = n.ok_or_else(|| bad("MOE_LANES_POSTFETCH_MAX_TRANSFERS", &v, "a count > 0"))?;
-    }
-    if let Some(v) = var("MOE_LANES_POSTFETCH_SCRATCH_MIB") {
-        o.scratch_bytes =
-            parse_mib(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_SCRATCH_MIB", &v, "a size in MiB"))?;
-    }
-    if let Some(v) = var("MOE_LANES_POSTFETCH_STREAMS") {
-        let n = v.parse::<usize>().ok().filter(|n| (1..=POSTFETCH_MAX_STREAMS).contains(n));
-        o.streams = n.ok_or_else(|| bad("MOE_LANES_POSTFETCH_STREAMS", &v, "1 to 4"))?;
-    }
-    if let Some(v) = var("MOE_LANES_POSTFETCH_DEBUG") {
-        o.debug = parse_flag(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_DEBUG", &v, "0 or 1"))?;
-    }
-    if let Some(v) = var("MOE_LANES_POSTFETCH_REGISTER") {
-        o.register = parse_flag(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_REGISTER", &v, "0 or 1"))?;
-    }
-    if let Some(v) = var("MOE_LANES_POSTFETCH_DECODE") {
-        o.decode = parse_flag(&v).ok_or_else(|| bad("MOE_LANES_POSTFETCH_DECODE", &v, "0 or 1"))?;
-    }
-    Ok(o)
+/// `MOE_LANES_POSTFETCH*`, each an override (unset: `None`).
+pub fn postfetch_tuning() -> Result<PostFetchTuning, EnvError> {
+    let flag = |name: &'static str| -> Result<Option<bool>, EnvError> {
+        var(name).map(|v| parse_flag(&v).ok_or_else(|| bad(name, &v, "0 or 1"))).transpose()
+    };
+    let mode = var("MOE_LANES_POSTFETCH")
+        .map(|v| v.parse().map_err(|_| bad("MOE_LANES_POSTFETCH", &v, "auto, on, off or cpu")))
+        .transpose()?;
+    let max_transfers = var("MOE_LANES_POSTFETCH_MAX_TRANSFERS")
+        .map(|v| {
+            let n = v.parse::<usize>().ok().filter(|&n| n > 0);
+            n.ok_or_else(|| bad("MOE_LANES_POSTFETCH_MAX_TRANSFERS", &v, "a count > 0"))
+        })
+        .transpose()?;
+    let scratch_mib = var("MOE_LANES_POSTFETCH_SCRATCH_MIB")
+        .map(|v| {
+            let mib = v.trim().parse::<f64>().ok().filter(|m| m.is_finite() && *m >= 0.0);
+            mib.ok_or_else(|| bad("MOE_LANES_POSTFETCH_SCRATCH_MIB", &v, "a size in MiB"))
+        })
+        .transpose()?;
+    let streams = var("MOE_LANES_POSTFETCH_STREAMS")
+        .map(|v| {
+            let n = v.parse::<usize>().ok().filter(|n| (1..=POSTFETCH_MAX_STREAMS).contains(n));
+            n.ok_or_else(|| bad("MOE_LANES_POSTFETCH_STREAMS", &v, "1 to 4"))
+        })
+        .transpose()?;
+    Ok(PostFetchTuning {
+        mode,
+        block_on_miss: flag("MOE_LANES_POSTFETCH_BLOCK_ON_MISS")?,
+        max_transfers,
+        scratch_mib,
+        streams,
+        decode: flag("MOE_LANES_POSTFETCH_DECODE")?,
+        register: flag("MOE_LANES_POSTFETCH_REGISTER")?,
+        debug: flag("MOE_LANES_POSTFETCH_DEBUG")?,
+    })
 }
 
 #[cfg(test)]

@@ -761,21 +761,31 @@ fn ctx_kv_type(engine: Option<&str>, asked: Option<KvType>) -> KvType {
 }
 
 /// Engine options with the environment applied (read here, at the edge; `moe_lanes::env` lists
-/// the variables): device and cubin cache, SIMD level, cold schedule, GPU profile, fault
-/// injection, a simulated VRAM limit, and the A/B switches (pipeline; GPU hot-lane GEMM).
+/// the variables): device and cubin cache, GPU profile, fault injection, a simulated VRAM limit,
+/// and the engine tuning ([`tuning`]).
 fn base_options(n_positions: usize) -> Result<EngineOptions> {
+    options_tuned(n_positions, &tuning(None)?)
+}
+
+/// The engine tuning: `--engine-config FILE`'s settings (none: the defaults), the environment's
+/// over them.
+fn tuning(file: Option<&std::path::Path>) -> Result<moe_lanes::engine::tuning::EngineTuning> {
+    let file = file.map(moe_lanes::engine::tuning::EngineTuning::read).transpose()?.unwrap_or_default();
+    Ok(file.overridden_by(env::engine_tuning()?))
+}
+
+/// [`base_options`] with `tuning` applied.
+fn options_tuned(
+    n_positions: usize,
+    tuning: &moe_lanes::engine::tuning::EngineTuning,
+) -> Result<EngineOptions> {
     let mut opts = EngineOptions::new(n_positions);
     opts.cuda = env::cuda_config()?;
-    opts.simd = env::simd_override()?;
-    opts.activations = env::q8_activations()?;
-    opts.cold_schedule = env::cold_schedule()?;
     opts.gpu.profile = env::gpu_profile();
     opts.gpu.faults = env::faults()?;
-    env::gpu_tuning()?.apply(&mut opts.gpu);
-    opts.gpu.postfetch = env::postfetch()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
-    opts.pipeline.switches = env::policy_switches()?;
     opts.pipeline.profile = env::cpu_profile();
+    tuning.apply(&mut opts).context("engine tuning (--engine-config, MOE_LANES_*)")?;
     Ok(opts)
 }
 
@@ -787,14 +797,9 @@ fn engine_options(
     default_hot: HotChoice,
 ) -> Result<EngineOptions> {
     check_engine_outputs(model, args)?;
-    let mut opts = base_options(n_positions)?;
-    let mut cache_policy = moe_lanes::cache::policy::PolicyConfig::default();
-    if let Some(path) = &args.engine_config {
-        // The file's settings, then the environment's over them (as base_options set it).
-        let file = moe_lanes::engine::tuning::EngineTuning::read(path)?;
-        file.gpu.overridden_by(env::gpu_tuning()?).apply(&mut opts.gpu);
-        cache_policy = file.cache_policy.unwrap_or(cache_policy);
-    }
+    let tuning = tuning(args.engine_config.as_deref())?;
+    let mut opts = options_tuned(n_positions, &tuning)?;
+    let mut cache_policy = tuning.cache_policy.unwrap_or_default();
     let mode = args.update.parse::<UpdateMode>().map_err(|e| anyhow::anyhow!("--update: {e}"))?;
     if let Some(kind) = &args.cache_policy {
         cache_policy.kind = kind.parse().map_err(|e| anyhow::anyhow!("--cache-policy: {e}"))?;
@@ -851,7 +856,7 @@ fn kv_type_flags(args: &EngineArgs) -> Result<Option<KvType>> {
     Ok(k.or(v))
 }
 
-/// The `--postfetch*` flags over what the environment set.
+/// The `--postfetch*` flags over what the tuning file and the environment set.
 fn postfetch_flags(o: &mut moe_lanes::gpu::PostFetchOptions, args: &EngineArgs) -> Result<()> {
     if let Some(m) = &args.postfetch {
         o.mode = m.parse().map_err(|e| anyhow::anyhow!("--postfetch {m}: {e}"))?;

@@ -297,4 +297,26 @@ fn engine_config_files_are_checked_and_used() {
     let args = run(&good);
     let out = ok_stdout(&args.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(out.contains("\"tokens\""), "{out}");
+    let range = write("range.json", r#"{"postfetch": {"streams": 9}}"#);
+    let args = run(&range);
+    let err = failure(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(err.contains("postfetch.streams") && err.contains("1 to 4"), "{err}");
+    // the cpu section reaches the engine: bench reports the SIMD level the file asked for
+    let scalar = write("scalar.json", r#"{"cpu": {"simd": "scalar", "cold_schedule": "phased"}}"#);
+    let out = ok_stdout(&[
+        "bench",
+        "--model",
+        &model,
+        "--engine",
+        "pipeline",
+        "-p",
+        "4",
+        "-n",
+        "2",
+        "--json",
+        "--engine-config",
+        p(&scalar),
+    ]);
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(report["simd"], "scalar", "{out}");
 }

@@ -87,7 +87,8 @@ pub const PIPELINED_MAX_PARTIAL: usize = 1 << 20;
 const UNIT_WEIGHT_COST: u64 = 4;
 
 /// How [`ColdPool::run`] orders a job's work; see the module docs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ColdSchedule {
     /// Pipelined when the partial outputs fit in [`PIPELINED_MAX_PARTIAL`], else phased.
     Auto,

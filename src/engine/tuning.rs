@@ -1,13 +1,27 @@
 //! The engine's tuning as configuration: a typed, serde-deserialisable section that the CLI reads
 //! from `--engine-config FILE` (JSON) and that embedding code may build or deserialise itself.
 //! Every field is optional: unset keeps the engine's default. The environment variables of
-//! [`crate::env::gpu_tuning`] are overrides of a file's values, read in that one place.
+//! [`crate::env::engine_tuning`] are overrides of a file's values, read in that one place; the
+//! CLI's flags (`--postfetch*`, `--activations`, `--cache-policy`) override both.
 //!
 //! ```json
-//! {"gpu": {"prefill_attention": "tiled", "decode_graph": false, "hot_dequant_mib": 512}}
+//! {"gpu": {"prefill_attention": "tiled", "decode_graph": false, "hot_dequant_mib": 512},
+//!  "cpu": {"cold_schedule": "phased", "reduce_merge": "off"},
+//!  "postfetch": {"mode": "on", "scratch_mib": 2048, "decode": true}}
 //! ```
+//!
+//! Every field is a choice whose question is still open or that depends on the machine: the
+//! GPU's prefill kernels and decode graphs (benches/RESULTS.md has the A/B tables), the CPU's SIMD
+//! level and cold-pool schedule (per host), the pipeline's merge and cold-reduce policies (equal
+//! within rounding; the policy picks per call, the switch forces one for A/B), Post-Fetch's cost
+//! model inputs (per machine: PCIe, host bandwidth).
 
-use crate::gpu::{GpuOptions, PrefillActivations, PrefillAttention};
+use super::build::EngineOptions;
+use crate::gpu::{GpuOptions, PostFetchMode, PostFetchOptions, PrefillActivations, PrefillAttention};
+use crate::moe::phase::Switch;
+use crate::moe::worklist::WorklistOrder;
+use moe_lanes_kernels::pool::ColdSchedule;
+use moe_lanes_kernels::{DecodeActivations, SimdLevel};
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 
@@ -65,14 +79,163 @@ impl GpuTuning {
     }
 }
 
-/// Every engine's tuning section: the GPU engine's, and the hot-cache policy of every engine
-/// with a hot cache (`{"cache_policy": {"kind": "lru", "half_life": 16}}`, fields of
-/// [`crate::cache::policy::PolicyConfig`]; `--cache-policy` overrides its kind).
+/// The CPU engines' tuning: the cold lane's kernels and pool, and the pipeline's A/B switches.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CpuTuning {
+    /// The cold lane's SIMD level: `scalar`, `avx2`, `avx512`, `avx512bf16`, `amx` (default: the
+    /// best this CPU has; `MOE_LANES_SIMD`).
+    pub simd: Option<SimdLevel>,
+    /// The few-token tiles of quantised experts: `q8`, `f32` or `auto` (`MOE_LANES_Q8_ACTIVATIONS`).
+    pub activations: Option<DecodeActivations>,
+    /// The GPU engine's cold-pool schedule: `auto` (default), `phased`, `pipelined`
+    /// (`MOE_LANES_COLD_SCHEDULE`).
+    pub cold_schedule: Option<ColdSchedule>,
+    /// The pipeline's worklist order: `token` or `expert` (default: by phase; `MOE_LANES_ORDER`).
+    pub order: Option<WorklistOrder>,
+    /// The pipeline's reduce-merge of slot rows: `off`, `on`, `auto` (`MOE_LANES_REDUCE_MERGE`).
+    pub reduce_merge: Option<Switch>,
+    /// The pipeline's compact cold reduce: `off`, `on`, `auto` (`MOE_LANES_COMPACT_COLD_REDUCE`).
+    pub compact_cold_reduce: Option<Switch>,
+}
+
+impl CpuTuning {
+    /// These settings with `over`'s wherever `over` has one.
+    pub fn overridden_by(self, over: CpuTuning) -> CpuTuning {
+        CpuTuning {
+            simd: over.simd.or(self.simd),
+            activations: over.activations.or(self.activations),
+            cold_schedule: over.cold_schedule.or(self.cold_schedule),
+            order: over.order.or(self.order),
+            reduce_merge: over.reduce_merge.or(self.reduce_merge),
+            compact_cold_reduce: over.compact_cold_reduce.or(self.compact_cold_reduce),
+        }
+    }
+
+    /// Set the options these settings name; the others keep their values.
+    pub fn apply(&self, opts: &mut EngineOptions) {
+        opts.simd = self.simd.or(opts.simd);
+        opts.activations = self.activations.or(opts.activations);
+        opts.cold_schedule = self.cold_schedule.unwrap_or(opts.cold_schedule);
+        let sw = &mut opts.pipeline.switches;
+        sw.order = self.order.or(sw.order);
+        sw.reduce_merge = self.reduce_merge.unwrap_or(sw.reduce_merge);
+        if let Some(c) = self.compact_cold_reduce {
+            sw.compact_cold_reduce = match c {
+                Switch::On => Some(true),
+                Switch::Off => Some(false),
+                Switch::Auto => None,
+            };
+        }
+    }
+}
+
+/// Post-Fetch's settings (`gpu::postfetch`): what the cost model may fetch and how.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PostFetchTuning {
+    /// `auto` (default: the cost model decides), `on`, `off`, `cpu` (`MOE_LANES_POSTFETCH`).
+    pub mode: Option<PostFetchMode>,
+    /// Wait for a fetched expert whose copy is late (default true).
+    pub block_on_miss: Option<bool>,
+    /// Expert copies in flight at most (> 0).
+    pub max_transfers: Option<usize>,
+    /// VRAM of the scratchpad, MiB (decimals allowed; 0: off).
+    pub scratch_mib: Option<f64>,
+    /// Copy streams (1 to [`crate::gpu::POSTFETCH_MAX_STREAMS`]).
+    pub streams: Option<usize>,
+    /// Decode splits a layer's cold experts by the same cost model (default false).
+    pub decode: Option<bool>,
+    /// Copies read the registered model file's pages (default true; else staged).
+    pub register: Option<bool>,
+    /// A line per prefill layer with the decision, on stderr.
+    pub debug: Option<bool>,
+}
+
+impl PostFetchTuning {
+    /// These settings with `over`'s wherever `over` has one.
+    pub fn overridden_by(self, over: PostFetchTuning) -> PostFetchTuning {
+        PostFetchTuning {
+            mode: over.mode.or(self.mode),
+            block_on_miss: over.block_on_miss.or(self.block_on_miss),
+            max_transfers: over.max_transfers.or(self.max_transfers),
+            scratch_mib: over.scratch_mib.or(self.scratch_mib),
+            streams: over.streams.or(self.streams),
+            decode: over.decode.or(self.decode),
+            register: over.register.or(self.register),
+            debug: over.debug.or(self.debug),
+        }
+    }
+
+    /// Set the options these settings name (each checked against its range first: a bad one
+    /// changes nothing); the others keep their values.
+    pub fn apply(&self, o: &mut PostFetchOptions) -> Result<(), TuningError> {
+        let max = crate::gpu::POSTFETCH_MAX_STREAMS;
+        let range = |field: &'static str, value: String, expected: &'static str| TuningError::Range {
+            field,
+            value,
+            expected,
+        };
+        if let Some(n) = self.max_transfers.filter(|&n| n == 0) {
+            return Err(range("postfetch.max_transfers", n.to_string(), "a count > 0"));
+        }
+        if let Some(n) = self.streams.filter(|n| !(1..=max).contains(n)) {
+            return Err(range("postfetch.streams", n.to_string(), "1 to 4"));
+        }
+        if let Some(m) = self.scratch_mib.filter(|m| !m.is_finite() || *m < 0.0) {
+            return Err(range("postfetch.scratch_mib", m.to_string(), "a size in MiB >= 0"));
+        }
+        o.mode = self.mode.unwrap_or(o.mode);
+        o.block_on_miss = self.block_on_miss.unwrap_or(o.block_on_miss);
+        o.max_transfers = self.max_transfers.unwrap_or(o.max_transfers);
+        if let Some(mib) = self.scratch_mib {
+            o.scratch_bytes = (mib * (1 << 20) as f64) as usize;
+        }
+        o.streams = self.streams.unwrap_or(o.streams);
+        o.decode = self.decode.unwrap_or(o.decode);
+        o.register = self.register.unwrap_or(o.register);
+        o.debug = self.debug.unwrap_or(o.debug);
+        Ok(())
+    }
+}
+
+// `PostFetchTuning::apply`'s message names the bound.
+const _: () = assert!(crate::gpu::POSTFETCH_MAX_STREAMS == 4);
+
+/// Every engine's tuning section: the GPU engine's, the CPU engines', Post-Fetch's, and the
+/// hot-cache policy of every engine with a hot cache (`{"cache_policy": {"kind": "lru",
+/// "half_life": 16}}`, fields of [`crate::cache::policy::PolicyConfig`]; `--cache-policy`
+/// overrides its kind).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineTuning {
     pub gpu: GpuTuning,
+    pub cpu: CpuTuning,
+    pub postfetch: PostFetchTuning,
     pub cache_policy: Option<crate::cache::policy::PolicyConfig>,
+}
+
+impl EngineTuning {
+    /// These settings with `over`'s wherever `over` has one (the environment over a file).
+    pub fn overridden_by(self, over: EngineTuning) -> EngineTuning {
+        EngineTuning {
+            gpu: self.gpu.overridden_by(over.gpu),
+            cpu: self.cpu.overridden_by(over.cpu),
+            postfetch: self.postfetch.overridden_by(over.postfetch),
+            cache_policy: over.cache_policy.or(self.cache_policy),
+        }
+    }
+
+    /// Set the engine options these settings name (the cache policy is the updater's: see
+    /// [`EngineTuning::cache_policy`]); a setting out of range is an error and changes nothing.
+    pub fn apply(&self, opts: &mut EngineOptions) -> Result<(), TuningError> {
+        let mut postfetch = opts.gpu.postfetch;
+        self.postfetch.apply(&mut postfetch)?;
+        self.gpu.apply(&mut opts.gpu);
+        opts.gpu.postfetch = postfetch;
+        self.cpu.apply(opts);
+        Ok(())
+    }
 }
 
 /// A tuning file that cannot be used, naming the file (and, from serde, the field and line).
@@ -82,6 +245,8 @@ pub enum TuningError {
     Read { path: PathBuf, source: std::io::Error },
     #[error("{path}: {source}")]
     Parse { path: PathBuf, source: serde_json::Error },
+    #[error("{field} = {value}: expected {expected}")]
+    Range { field: &'static str, value: String, expected: &'static str },
 }
 
 impl EngineTuning {
@@ -126,5 +291,49 @@ mod tests {
         assert_eq!(t.cache_policy.unwrap().kind, crate::cache::policy::PolicyKind::Lfu);
         let err = serde_json::from_str::<EngineTuning>(r#"{"cache_policy": {"kind": "arc"}}"#).unwrap_err();
         assert!(err.to_string().contains("arc") && err.to_string().contains("tinylfu"), "{err}");
+        let err = serde_json::from_str::<EngineTuning>(r#"{"cpu": {"simd": "neon"}}"#).unwrap_err();
+        assert!(err.to_string().contains("neon") && err.to_string().contains("avx512"), "{err}");
+        let err = serde_json::from_str::<EngineTuning>(r#"{"postfetch": {"scratch": 1}}"#).unwrap_err();
+        assert!(err.to_string().contains("scratch") && err.to_string().contains("scratch_mib"), "{err}");
+    }
+
+    #[test]
+    fn cpu_and_postfetch_sections_set_the_engine_options_under_the_environment() {
+        let file: EngineTuning = serde_json::from_str(
+            r#"{"cpu": {"simd": "avx2", "cold_schedule": "phased", "order": "expert", "reduce_merge": "off",
+                        "compact_cold_reduce": "on"},
+                "postfetch": {"mode": "on", "scratch_mib": 0.5, "streams": 2, "decode": true}}"#,
+        )
+        .unwrap();
+        let env: EngineTuning = serde_json::from_str(r#"{"postfetch": {"mode": "cpu"}}"#).unwrap();
+        let mut opts = EngineOptions::new(64);
+        file.overridden_by(env).apply(&mut opts).unwrap();
+        assert_eq!(opts.simd, Some(SimdLevel::Avx2));
+        assert_eq!(opts.cold_schedule, ColdSchedule::Phased);
+        let sw = opts.pipeline.switches;
+        assert_eq!(
+            (sw.order, sw.reduce_merge, sw.compact_cold_reduce),
+            (Some(WorklistOrder::ExpertMajor), Switch::Off, Some(true))
+        );
+        let pf = opts.gpu.postfetch;
+        assert_eq!(pf.mode, PostFetchMode::Cpu, "the environment wins");
+        assert_eq!((pf.scratch_bytes, pf.streams, pf.decode), (1 << 19, 2, true));
+        assert_eq!(pf.block_on_miss, PostFetchOptions::default().block_on_miss, "unset keeps the default");
+    }
+
+    #[test]
+    fn settings_out_of_range_are_refused_and_change_nothing() {
+        for (json, field) in [
+            (r#"{"postfetch": {"streams": 9}}"#, "postfetch.streams"),
+            (r#"{"postfetch": {"max_transfers": 0}}"#, "postfetch.max_transfers"),
+            (r#"{"postfetch": {"scratch_mib": -1}, "cpu": {"simd": "scalar"}}"#, "postfetch.scratch_mib"),
+        ] {
+            let t: EngineTuning = serde_json::from_str(json).unwrap();
+            let mut opts = EngineOptions::new(64);
+            let before = (opts.gpu.postfetch, opts.simd);
+            let err = t.apply(&mut opts).unwrap_err();
+            assert!(err.to_string().contains(field), "{err}");
+            assert_eq!((opts.gpu.postfetch, opts.simd), before, "{json}: nothing changed");
+        }
     }
 }

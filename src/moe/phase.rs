@@ -15,7 +15,8 @@ use crate::moe::worklist::WorklistOrder;
 pub use crate::forward::Phase;
 
 /// Off / on / decided by the policy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Switch {
     Off,
     On,

@@ -13,11 +13,13 @@
 use crate::cache::hot_set::{LayerHotSet, MAX_HOT_LANES};
 
 /// Entry order inside every section.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum WorklistOrder {
     /// Slot order: token by token (decode, warmup).
+    #[serde(rename = "token")]
     TokenMajor,
     /// Grouped by expert id (prompt processing).
+    #[serde(rename = "expert")]
     ExpertMajor,
 }
 

@@ -8,7 +8,8 @@ use crate::cache::perf::PostFetchPerf;
 use std::collections::BTreeMap;
 
 /// Whether prefill fetches cold experts to the GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum PostFetchMode {
     /// The cost model decides per expert (`assign`).
     #[default]
