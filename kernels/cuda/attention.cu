@@ -65,6 +65,15 @@ __device__ __forceinline__ const __half* kv_wrap(const __half* p) { return p; }
 __device__ __forceinline__ const bf16* kv_wrap(const bf16* p) { return p; }
 __device__ __forceinline__ kv_q8_ptr kv_wrap(const unsigned char* p) { return kv_q8_ptr{p, 0}; }
 
+// The factor that turns a row's accumulated values (max score m, sum l of exp(score - m)) into
+// its output. sinks non-null (GPT-OSS): head h's learned sink logit joins the softmax and takes
+// its share of the probability while attending nothing. Without sinks: 1 / l, as before.
+__device__ __forceinline__ float att_finish(const float* __restrict__ sinks, int h, float m, float l) {
+    if (!sinks) return 1.f / l;
+    float sk = sinks[h], mn = fmaxf(m, sk), corr = expf(m - mn);
+    return corr / (l * corr + expf(sk - mn));
+}
+
 // Causal GQA attention of T query rows (positions pos0..pos0+T-1) against the layer's KV cache,
 // which already holds positions 0..pos0+T-1 ([positions, kv_dim] f32). Decode is T = 1.
 // window > 0 limits each query to its last `window` positions. head_dim <= 256.
@@ -74,7 +83,8 @@ __device__ __forceinline__ kv_q8_ptr kv_wrap(const unsigned char* p) { return kv
 template <typename KV>
 __device__ __forceinline__ void attention_rows(const float* __restrict__ q, KV kc,
                                                KV vc, float* __restrict__ out, int pos0,
-                                               int n_heads, int n_kv, int hd, int window, float scale) {
+                                               int n_heads, int n_kv, int hd, int window, float scale,
+                                               const float* __restrict__ sinks) {
     extern __shared__ float sc[];
     int t = blockIdx.x, h = blockIdx.y;
     int pos = pos0 + t;
@@ -146,7 +156,7 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, KV k
         if (i < hd) sc[wid * hd + i] = acc[c];
     }
     __syncthreads();
-    float inv = 1.f / s;
+    float inv = att_finish(sinks, h, mx, s);
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float a = 0.f;
         for (int w = 0; w < nw; w++) a += sc[w * hd + i];
@@ -154,24 +164,28 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, KV k
     }
 }
 extern "C" __global__ void attention_f32(const float* __restrict__ q, const float* __restrict__ kc,
-    const float* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const float* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 extern "C" __global__ void attention_f16(const float* __restrict__ q, const __half* __restrict__ kc,
-    const __half* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const __half* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 extern "C" __global__ void attention_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
-    const bf16* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const bf16* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 extern "C" __global__ void attention_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
-    const unsigned char* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const unsigned char* __restrict__ vc, float* __restrict__ out, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale);
+    attention_rows(q, kv_wrap(kc), kv_wrap(vc), out, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 
 // Split-position ("flash-decoding") attention, pass 1. Row t (position pos0 + t) of head h sees
@@ -511,10 +525,11 @@ extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_spl
 
 // Split attention, pass 2: out[t, h, :] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with
 // M = max_s m_s over the `used` spans of row t (computed as pass 1 does, from pos_ptr when
-// non-null). grid (n_heads, T), block 128.
+// non-null), the head's sink logit joining the sum when sinks is non-null (att_finish).
+// grid (n_heads, T), block 128.
 extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
                                                  int n_heads, int hd, int max_splits, int pos0, int window,
-                                                 const int* __restrict__ pos_ptr) {
+                                                 const int* __restrict__ pos_ptr, const float* __restrict__ sinks) {
     pdl_enter();
     if (pos_ptr) pos0 = *pos_ptr;
     int h = blockIdx.x, t = blockIdx.y;
@@ -530,7 +545,7 @@ extern "C" __global__ void attention_combine_f32(const float* __restrict__ part,
         const float* ps = pr + (size_t)s * (hd + 2);
         L += ps[hd + 1] * expf(ps[hd] - M);
     }
-    float inv = 1.f / L;
+    float inv = att_finish(sinks, h, M, L);
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
         float a = 0.f;
         for (int s = 0; s < used; s++) {
@@ -554,7 +569,8 @@ extern "C" __global__ void attention_combine_f32(const float* __restrict__ part,
 template <typename KV>
 __device__ __forceinline__ void attention_tiles(const float* __restrict__ q, KV kc,
                                                 KV vc, float* __restrict__ out, int n_tokens,
-                                                int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+                                                int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+                                                const float* __restrict__ sinks) {
     extern __shared__ float4 sm4[];
     float* ks = (float*)sm4;                        // [ATT_TILE_KEYS][hd + 4]
     float* vs = ks + ATT_TILE_KEYS * (hd + 4);      // [ATT_TILE_KEYS][hd]
@@ -639,7 +655,7 @@ __device__ __forceinline__ void attention_tiles(const float* __restrict__ q, KV 
     for (int r = 0; r < 4; r++) {
         int rg = row0 + 4 * w + r;
         if (rg >= n_rows) continue;
-        float inv = 1.f / l[r];
+        float inv = att_finish(sinks, kvh * g + rg % g, m[r], l[r]);
         float* o = out + (size_t)(rg / g) * q_dim + (size_t)(kvh * g + rg % g) * hd;
 #pragma unroll
         for (int c = 0; c < ATT_TILE_MAXC; c++) {
@@ -650,24 +666,28 @@ __device__ __forceinline__ void attention_tiles(const float* __restrict__ q, KV 
 }
 
 extern "C" __global__ void attention_tiled_f32(const float* __restrict__ q, const float* __restrict__ kc,
-    const float* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const float* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 extern "C" __global__ void attention_tiled_f16(const float* __restrict__ q, const __half* __restrict__ kc,
-    const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 extern "C" __global__ void attention_tiled_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
-    const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 extern "C" __global__ void attention_tiled_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
-    const unsigned char* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const unsigned char* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 
 // ---- prefill attention on tensor cores ----
@@ -874,7 +894,8 @@ __device__ __forceinline__ void am_pv(float (*o)[4], const float (*p)[4], const 
 template <typename KV>
 __device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q, KV kc,
                                                     KV vc, float* __restrict__ out, int n_tokens,
-                                                    int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+                                                    int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+                                                    const float* __restrict__ sinks) {
     __shared__ __align__(16) bf16 am_kv[4 * AM_KEYS * (ATT_MMA_MAXD + 8)];
     const int ld = hd + 8, g = n_heads / n_kv, kvh = blockIdx.y, row0 = blockIdx.x * AM_ROWS;
     bf16 *kh = am_kv, *kl = kh + AM_KEYS * ld, *vh = kl + AM_KEYS * ld, *vl = vh + AM_KEYS * ld;
@@ -917,7 +938,7 @@ __device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q,
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         int r = ra + 8 * h;
         if (rpos[h] < 0) continue;
-        float inv = 1.f / sum;
+        float inv = att_finish(sinks, kvh * g + r % g, m[h], sum);
         float* dst = out + (size_t)(r / g) * q_dim + (size_t)(kvh * g + r % g) * hd + 2 * t;
 #pragma unroll
         for (int dn = 0; dn < 2 * AM_K16; dn++) {
@@ -929,22 +950,26 @@ __device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q,
 // f16 caches: each f16 value is exactly bf16 hi + lo (11 significant bits, the bf16 exponent
 // range), so the f16 instance computes what the f32 one does on the widened values.
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f32(const float* __restrict__ q, const float* __restrict__ kc,
-    const float* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const float* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f16(const float* __restrict__ q, const __half* __restrict__ kc,
-    const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
-    const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
-    const unsigned char* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale) {
+    const unsigned char* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
     pdl_enter();
-    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale);
+    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }

@@ -9,12 +9,15 @@ extern "C" __global__ void rmsnorm_f32(const float* x, const float* __restrict__
 }
 
 // The rotation of pair i of a head of hd at position pos: angle pos * theta^(-2i/hd) in double,
-// as the reference computes it.
-__device__ __forceinline__ void rope_angle(int i, int hd, float theta, double pos, float* s, float* c) {
-    double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)hd);
+// as the reference computes it; with a frequency table (freqs non-null: YaRN, computed on the
+// host as the reference does) pos * freqs[i], and sin/cos scaled by `scale` (YaRN's attention
+// factor; 1 otherwise, which leaves the values as they were).
+__device__ __forceinline__ void rope_angle(int i, int hd, float theta, double pos, float* s, float* c,
+                                           const double* __restrict__ freqs, float scale) {
+    double inv_freq = freqs ? freqs[i] : 1.0 / pow((double)theta, 2.0 * (double)i / (double)hd);
     double ds, dc;
     sincos(pos * inv_freq, &ds, &dc);  // one argument reduction for both
-    *s = (float)ds, *c = (float)dc;
+    *s = (float)(ds * (double)scale), *c = (float)(dc * (double)scale);
 }
 
 // RoPE for token t (position pos0 + t), head h: rotate pairs (i, i + rot/2) (half_split) or
@@ -22,14 +25,14 @@ __device__ __forceinline__ void rope_angle(int i, int hd, float theta, double po
 // by pos * theta^(-2i/rot), angles in double as the reference does.
 // x rows are [T, row_stride]; heads at h * head_dim. grid (T, n_heads), block 64.
 extern "C" __global__ void rope_f32(float* x, int row_stride, int head_dim, int rot, int pos0, float theta,
-                                    int interleaved) {
+                                    int interleaved, const double* __restrict__ freqs, float scale) {
     pdl_enter();
     int t = blockIdx.x, h = blockIdx.y, half = rot / 2;
     float* xh = x + (size_t)t * row_stride + (size_t)h * head_dim;
     double pos = (double)(pos0 + t);
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
-        rope_angle(i, rot, theta, pos, &s, &c);
+        rope_angle(i, rot, theta, pos, &s, &c, freqs, scale);
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
         float x0 = xh[a], x1 = xh[b];
@@ -96,7 +99,7 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
                                             int hd, int rot, int pos0, float theta, int interleaved, float eps,
                                             const int* __restrict__ pos_ptr, void* __restrict__ kc,
                                             void* __restrict__ vc, const float* __restrict__ v, int nkv,
-                                            int kv_type) {
+                                            int kv_type, const double* __restrict__ freqs, float scale) {
     pdl_enter();
     __shared__ float stage[KV_STAGE_MAX];
     int t = blockIdx.x, h = blockIdx.y, half = rot / 2;
@@ -133,7 +136,7 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
     }
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
-        rope_angle(i, rot, theta, pos, &s, &c);
+        rope_angle(i, rot, theta, pos, &s, &c, freqs, scale);
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
         float x0 = xh[a], x1 = xh[b];

@@ -183,7 +183,7 @@ fn rope_both_styles_match_cpu() {
     for interleaved in [false, true] {
         let x = rnd(t * heads * hd, 11);
         let dx = be.upload(&x).unwrap();
-        be.rope(dx.ptr(), t, heads, heads * hd, hd, hd, pos0, 10000.0, interleaved).unwrap();
+        be.rope(dx.ptr(), t, heads, heads * hd, hd, hd, pos0, 10000.0, interleaved, None).unwrap();
         let got = be.read_vec(dx.ptr()).unwrap();
         let mut want = x.clone();
         for (r, row) in want.chunks_mut(heads * hd).enumerate() {
@@ -501,6 +501,7 @@ fn kv_appends_convert_to_the_cache_type() {
             false,
             1e-6,
             Some(append),
+            None,
         )
         .unwrap();
         if half {
@@ -675,6 +676,7 @@ fn kv_appends_quantize_to_bf16_and_q8_0() {
             false,
             1e-6,
             Some(append),
+            None,
         )
         .unwrap();
     };
@@ -1327,6 +1329,7 @@ fn qk_norm_rope_matches_norm_then_rope() {
                 interleaved,
                 1e-6,
                 None,
+                None,
             )
             .unwrap();
             let (gq, gk) = (be.read_vec(dq.ptr()).unwrap(), be.read_vec(dk.ptr()).unwrap());
@@ -1354,8 +1357,8 @@ fn qk_norm_rope_matches_norm_then_rope() {
                     .unwrap();
                 }
             }
-            be.rope(rq.ptr(), t, nh, qs, hd, hd, pos0, 1e6, interleaved).unwrap();
-            be.rope(rk.ptr(), t, nkv, ks, hd, hd, pos0, 1e6, interleaved).unwrap();
+            be.rope(rq.ptr(), t, nh, qs, hd, hd, pos0, 1e6, interleaved, None).unwrap();
+            be.rope(rk.ptr(), t, nkv, ks, hd, hd, pos0, 1e6, interleaved, None).unwrap();
             assert_eq!(gq, be.read_vec(rq.ptr()).unwrap(), "q il={interleaved} norm={with_norm}");
             assert_eq!(gk, be.read_vec(rk.ptr()).unwrap(), "k il={interleaved} norm={with_norm}");
             // and the CPU
@@ -1717,5 +1720,166 @@ fn delta_conv_rows_equals_the_sequential_conv() {
         let (e, es) = (max_abs_diff(&got, &want), max_abs_diff(&got_s, &want_s));
         eprintln!("delta conv rows t={t}: out {e:e}, state {es:e}");
         assert!(e < 1e-6 && es == 0.0, "t={t}: out {e:e} state {es:e}");
+    }
+}
+
+/// Causal GQA attention on the CPU with one sink logit per head joining each row's softmax
+/// (GPT-OSS): the sink takes probability and attends nothing.
+#[allow(clippy::too_many_arguments)]
+fn attention_sinks_cpu(
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    sinks: &[f32],
+    (t, pos0, n_heads, n_kv, hd, window): (usize, usize, usize, usize, usize, usize),
+) -> Vec<f32> {
+    let kv_dim = n_kv * hd;
+    let mut want = vec![0.0; t * n_heads * hd];
+    for ti in 0..t {
+        let pos = pos0 + ti;
+        let first = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+        for h in 0..n_heads {
+            let kvh = h / (n_heads / n_kv);
+            let qh = &q[(ti * n_heads + h) * hd..][..hd];
+            let scores: Vec<f32> = (first..=pos)
+                .map(|p| dot(qh, &kc[p * kv_dim + kvh * hd..][..hd]) / (hd as f32).sqrt())
+                .collect();
+            let m = scores.iter().copied().fold(sinks[h], f32::max);
+            let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
+            let sum: f32 = e.iter().sum::<f32>() + (sinks[h] - m).exp();
+            for (j, p) in (first..=pos).enumerate() {
+                for i in 0..hd {
+                    want[(ti * n_heads + h) * hd + i] += e[j] / sum * vc[p * kv_dim + kvh * hd + i];
+                }
+            }
+        }
+    }
+    want
+}
+
+#[test]
+fn attention_sinks_match_cpu_on_every_kernel() {
+    use moe_lanes_kernels::cuda::ops::AttentionMask;
+    let Some(be) = backend() else { return };
+    // GPT-OSS-like (64-dim heads, 8 query heads per kv head), decode and prefill, with windows
+    for (n_heads, n_kv, hd, pos0, t) in
+        [(8, 1, 64, 0, 40), (16, 2, 64, 300, 1), (8, 2, 32, 20, 9), (4, 2, 20, 6, 3)]
+    {
+        let total = pos0 + t;
+        let (q, kc, vc) = (rnd(t * n_heads * hd, 31), rnd(total * n_kv * hd, 32), rnd(total * n_kv * hd, 33));
+        // sinks from far below the scores to far above them: each side of the row's max
+        let sinks: Vec<f32> = (0..n_heads).map(|h| -6.0 + 12.0 * h as f32 / (n_heads - 1) as f32).collect();
+        let (dq, dk, dv, ds) = (
+            be.upload(&q).unwrap(),
+            be.upload(&kc).unwrap(),
+            be.upload(&vc).unwrap(),
+            be.upload(&sinks).unwrap(),
+        );
+        let (q_, k_, v_) = (dq.ptr(), dk.ptr(), dv.ptr());
+        for window in [0usize, 8] {
+            let want = attention_sinks_cpu(&q, &kc, &vc, &sinks, (t, pos0, n_heads, n_kv, hd, window));
+            let mask = AttentionMask { window, sinks: Some(ds.ptr()) };
+            let run = |launch: &dyn Fn(DPtr<f32>)| {
+                let o = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+                launch(o.ptr());
+                be.read_vec(o.ptr()).unwrap()
+            };
+            let mut outs = vec![(
+                "per-row",
+                run(&|o| be.attention(q_, k_, v_, o, t, pos0, n_heads, n_kv, hd, mask).unwrap()),
+            )];
+            let part =
+                be.alloc_zeros::<f32>(CudaBackend::attention_split_scratch(t, n_heads, hd, total)).unwrap();
+            let split = |o| {
+                be.attention_split(q_, k_, v_, o, part.ptr(), t, pos0, n_heads, n_kv, hd, mask, None).unwrap()
+            };
+            outs.push(("split", run(&split)));
+            if CudaBackend::attention_tiled_fits(hd) {
+                outs.push((
+                    "tiled",
+                    run(&|o| be.attention_tiled(q_, k_, v_, o, t, pos0, n_heads, n_kv, hd, mask).unwrap()),
+                ));
+            }
+            if be.attention_mma_fits(hd) {
+                outs.push((
+                    "mma",
+                    run(&|o| be.attention_mma(q_, k_, v_, o, t, pos0, n_heads, n_kv, hd, mask).unwrap()),
+                ));
+            }
+            for (name, got) in outs {
+                let err = max_abs_diff(&got, &want);
+                assert!(err < 1e-5, "{name}: hd={hd} pos0={pos0} t={t} window={window}: {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn rope_with_a_frequency_table_and_scale_matches_cpu() {
+    use moe_lanes_kernels::cuda::ops::RopeScaling;
+    let Some(be) = backend() else { return };
+    let (t, nh, nkv, hd, pos0, scale) = (5, 4, 2, 16, 37, 1.3465736f32);
+    // a YaRN-like table: interpolated low frequencies, extrapolated high ones
+    let freqs: Vec<f64> = (0..hd / 2)
+        .map(|i| {
+            let f = 150000f64.powf(-2.0 * i as f64 / hd as f64);
+            if i < 3 {
+                f
+            } else {
+                f / 32.0
+            }
+        })
+        .collect();
+    let dfreqs = be.upload(&freqs).unwrap();
+    let scaling = Some(RopeScaling { freqs: dfreqs.ptr(), scale });
+    let rope_cpu_table = |head: &mut [f32], pos: usize, interleaved: bool| {
+        let half = head.len() / 2;
+        for (i, f) in freqs.iter().enumerate() {
+            let ang = pos as f64 * f;
+            let (s, c) = ((ang.sin() * scale as f64) as f32, (ang.cos() * scale as f64) as f32);
+            let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * c - x1 * s;
+            head[b] = x1 * c + x0 * s;
+        }
+    };
+    for interleaved in [false, true] {
+        let (q, k) = (rnd(t * nh * hd, 41), rnd(t * nkv * hd, 42));
+        let (dq, dk) = (be.upload(&q).unwrap(), be.upload(&k).unwrap());
+        be.qk_norm_rope(
+            dq.ptr(),
+            dk.ptr(),
+            None,
+            t,
+            nh,
+            nkv,
+            nh * hd,
+            nkv * hd,
+            hd,
+            hd,
+            pos0,
+            150000.0,
+            interleaved,
+            1e-6,
+            None,
+            scaling,
+        )
+        .unwrap();
+        let dq2 = be.upload(&q).unwrap();
+        be.rope(dq2.ptr(), t, nh, nh * hd, hd, hd, pos0, 150000.0, interleaved, scaling).unwrap();
+        let (mut wq, mut wk) = (q.clone(), k.clone());
+        for (r, row) in wq.chunks_mut(nh * hd).enumerate() {
+            row.chunks_mut(hd).for_each(|h| rope_cpu_table(h, pos0 + r, interleaved));
+        }
+        for (r, row) in wk.chunks_mut(nkv * hd).enumerate() {
+            row.chunks_mut(hd).for_each(|h| rope_cpu_table(h, pos0 + r, interleaved));
+        }
+        let got =
+            [be.read_vec(dq.ptr()).unwrap(), be.read_vec(dk.ptr()).unwrap(), be.read_vec(dq2.ptr()).unwrap()];
+        for (name, got, want) in
+            [("fused q", &got[0], &wq), ("fused k", &got[1], &wk), ("rope q", &got[2], &wq)]
+        {
+            assert!(max_abs_diff(got, want) < 1e-5, "{name}, interleaved={interleaved}");
+        }
     }
 }

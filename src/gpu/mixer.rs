@@ -12,7 +12,7 @@ use super::GpuError;
 use crate::model::arch::{AttentionSpec, DeltaNetSpec, LayerPlan, Mixer, QkNorm, RopeStyle, VHeadOrder};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::{DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM};
-use moe_lanes_kernels::cuda::ops::{DeltaShape, DevicePos, KvAppend, KvPtr};
+use moe_lanes_kernels::cuda::ops::{AttentionMask, DeltaShape, DevicePos, KvAppend, KvPtr, RopeScaling};
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
 
 /// The token mixers of every layer; owns the split decode attention's partials.
@@ -91,8 +91,11 @@ impl MixerStage {
             be.mul_sigmoid(s.attn.ptr(), s.gate.ptr(), t * qd)?;
         }
         cx.mark(2)?;
-        // o projection accumulates straight into the residual stream.
+        // o projection accumulates straight into the residual stream (its bias after it).
         dev.linear(phase, s.attn.ptr(), w.o.view(), s.hidden.ptr(), t, h, qd, true)?;
+        if let Some(b) = &w.o_bias {
+            be.add_bias_rows(s.hidden.ptr(), b.ptr(), t, h)?;
+        }
         cx.mark(3)
     }
 
@@ -114,6 +117,8 @@ impl MixerStage {
         let (dev, l) = (cx.dev, cx.l);
         let (c, be) = (&dev.cfg, &dev.be);
         let window = dev.plan.layer(l).attention().window.unwrap_or(0);
+        let sinks = dev.w.layers[l].attention().sinks.as_ref().map(|b| b.ptr());
+        let mask = AttentionMask { window, sinks };
         let (nh, nkv, hd, qd) = (c.n_heads, c.n_kv_heads, c.head_dim, c.q_dim());
         let (t, pos0, cache) = (seg.n, seg.pos0, seg.cache);
         // A one-token sequence of a batched call takes the decode kernel whatever the call's phase.
@@ -128,19 +133,19 @@ impl MixerStage {
             (Some(part), true) => {
                 let at =
                     dev.step.map(|max_positions| DevicePos { pos: s.step.ptr().sub(1, 1), max_positions });
-                be.attention_split(q, kc, vc, out, part.ptr(), t, pos0, nh, nkv, hd, window, at)?
+                be.attention_split(q, kc, vc, out, part.ptr(), t, pos0, nh, nkv, hd, mask, at)?
             }
             _ if dev.opts.prefill_attention == PrefillAttention::Mma
                 && be.attention_mma_takes(hd, (q, kc, vc, out)) =>
             {
-                be.attention_mma(q, kc, vc, out, t, pos0, nh, nkv, hd, window)?
+                be.attention_mma(q, kc, vc, out, t, pos0, nh, nkv, hd, mask)?
             }
             _ if dev.opts.prefill_attention != PrefillAttention::PerRow
                 && CudaBackend::attention_tiled_fits(hd) =>
             {
-                be.attention_tiled(q, kc, vc, out, t, pos0, nh, nkv, hd, window)?
+                be.attention_tiled(q, kc, vc, out, t, pos0, nh, nkv, hd, mask)?
             }
-            _ => be.attention(q, kc, vc, out, t, pos0, nh, nkv, hd, window)?,
+            _ => be.attention(q, kc, vc, out, t, pos0, nh, nkv, hd, mask)?,
         }
         Ok(())
     }
@@ -236,11 +241,29 @@ fn qk_norm_rope(
     let (qd, kvd, hd, nh, nkv) = (c.q_dim(), c.kv_dim(), c.head_dim, c.n_heads, c.n_kv_heads);
     let rot = a.rope.dims;
     let (interleaved, theta) = (a.rope.style == RopeStyle::Interleaved, a.rope.theta);
+    let scaling = w.rope_freqs.as_ref().map(|(f, scale)| RopeScaling { freqs: f.ptr(), scale: *scale });
     let norms = || (w.q_norm.as_ref().expect("validated").ptr(), w.k_norm.as_ref().expect("validated").ptr());
     if qk_fusable(a) {
         let norm = (a.qk_norm == QkNorm::PerHead).then(norms);
         let eps = c.rms_eps;
-        be.qk_norm_rope(q, k_new, norm, t, nh, nkv, qd, kvd, hd, rot, pos0, theta, interleaved, eps, append)?;
+        be.qk_norm_rope(
+            q,
+            k_new,
+            norm,
+            t,
+            nh,
+            nkv,
+            qd,
+            kvd,
+            hd,
+            rot,
+            pos0,
+            theta,
+            interleaved,
+            eps,
+            append,
+            scaling,
+        )?;
         return Ok(());
     }
     assert!(
@@ -263,8 +286,8 @@ fn qk_norm_rope(
         be.clamp(k_new, t * kvd, clip)?;
         be.clamp(v_new, t * kvd, clip)?;
     }
-    be.rope(q, t, nh, qd, hd, rot, pos0, theta, interleaved)?;
-    be.rope(k_new, t, nkv, kvd, hd, rot, pos0, theta, interleaved)?;
+    be.rope(q, t, nh, qd, hd, rot, pos0, theta, interleaved, scaling)?;
+    be.rope(k_new, t, nkv, kvd, hd, rot, pos0, theta, interleaved, scaling)?;
     if let Some(a) = append {
         be.kv_store_rows(k_new, v_new, a.k_cache, a.v_cache, t, pos0, kvd)?;
     }
@@ -277,12 +300,11 @@ pub(crate) fn qk_fusable(a: &AttentionSpec) -> bool {
     a.clip_qkv.is_none() && matches!(a.qk_norm, QkNorm::None | QkNorm::PerHead)
 }
 
-/// The mixer kinds the GPU engine runs: attention layers without sinks, o bias or YaRN, and Gated
-/// DeltaNet layers whose key heads fit the kernel's registers.
+/// The mixer kinds the GPU engine runs: attention layers (with sinks, an o bias and YaRN RoPE
+/// too), and Gated DeltaNet layers whose key heads fit the kernel's registers.
 pub(crate) fn runs_mixer(m: &Mixer) -> bool {
     match m {
-        // Attention sinks, an o bias and YaRN RoPE (GPT-OSS) have no kernels here yet.
-        Mixer::Attention(a) => !a.sinks && !a.o_bias && a.rope.yarn.is_none(),
+        Mixer::Attention(_) => true,
         // Latent attention (DeepSeek-V3) has no kernels here yet.
         Mixer::LatentAttention(_) => false,
         Mixer::GatedDeltaNet(d) => {

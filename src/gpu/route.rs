@@ -38,6 +38,9 @@ impl MoeStage {
             let (variant, norm_topk) = route_variant(dev, l);
             be.rmsnorm(s.hidden.ptr(), norm_w, s.normed.ptr(), t, h, c.rms_eps)?;
             dev.gemv(s.normed.ptr(), router, s.router_logits.ptr(), t, c.n_experts, h, false)?;
+            if let Some(b) = &dev.w.layers[l].router_bias {
+                be.add_bias_rows(s.router_logits.ptr(), b.ptr(), t, c.n_experts)?;
+            }
             be.route_topk(s.router_logits.ptr(), t, c.n_experts, k, variant, norm_topk, ids, wts)?;
         }
         if to_host {
@@ -103,11 +106,13 @@ fn route_variant(dev: &Device, l: usize) -> (RouteVariant, bool) {
 }
 
 /// Whether layer `l`'s decode routing runs as the one fused launch (`route_decode`: norm,
-/// router, top-k and the hot worklist): for a bf16 router whose rows fit the kernel's shared
-/// memory (else four launches).
+/// router, top-k and the hot worklist): for a bf16 router without a bias whose rows fit the
+/// kernel's shared memory (else four or five launches).
 pub(crate) fn route_fusable(dev: &Device, l: usize) -> bool {
-    let c = &dev.cfg;
-    dev.w.layers[l].router.view().bf16().is_some() && CudaBackend::route_decode_fits(c.hidden, c.n_experts)
+    let (c, lw) = (&dev.cfg, &dev.w.layers[l]);
+    lw.router.view().bf16().is_some()
+        && lw.router_bias.is_none()
+        && CudaBackend::route_decode_fits(c.hidden, c.n_experts)
 }
 
 /// The shared expert (sigmoid-gated), added into the layer's MoE output.

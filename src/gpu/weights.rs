@@ -8,7 +8,7 @@
 use super::GpuError;
 use crate::format::dtype::DType;
 use crate::format::tensor::{TensorError, TensorRef};
-use crate::model::arch::{AttentionSpec, DeltaNetProjections, DeltaNetSpec, Mixer};
+use crate::model::arch::{AttentionSpec, DeltaNetProjections, DeltaNetSpec, Mixer, YarnSpec};
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
 use crate::moe::expert_math::kernel_dtype;
@@ -40,6 +40,8 @@ pub(crate) struct LayerWeights {
     pub mixer: MixerWeights,
     pub ffn_norm: DeviceBuffer<f32>,
     pub router: DevMatrix,
+    /// Added to the router's logits before the top-k (GPT-OSS).
+    pub router_bias: Option<DeviceBuffer<f32>>,
     pub shared: Option<SharedWeights>,
 }
 
@@ -73,6 +75,13 @@ pub(crate) struct AttentionWeights {
     pub v_bias: Option<DeviceBuffer<f32>>,
     pub q_norm: Option<DeviceBuffer<f32>>,
     pub k_norm: Option<DeviceBuffer<f32>>,
+    /// Added to the o projection's output (GPT-OSS).
+    pub o_bias: Option<DeviceBuffer<f32>>,
+    /// One learned logit per query head joining each row's softmax (GPT-OSS).
+    pub sinks: Option<DeviceBuffer<f32>>,
+    /// YaRN's inverse frequency per rotated pair (f64, the reference's values) and its factor
+    /// on sin and cos; none for plain `theta^(-2i/rot)` RoPE.
+    pub rope_freqs: Option<(DeviceBuffer<f64>, f32)>,
 }
 
 /// A Gated DeltaNet layer: its input projections put in the kernels' order at upload, whatever
@@ -254,6 +263,7 @@ fn upload_layer(model: &Model, l: usize, up: &mut Uploader<'_>) -> Result<LayerW
         mixer,
         ffn_norm: norm(up, LayerRole::FfnNorm)?.expect("validated at open"),
         router: up.mat(req(LayerRole::Router))?,
+        router_bias: model.layer(l, LayerRole::RouterBias).map(|t| up.vec(t)).transpose()?,
         shared,
     })
 }
@@ -287,7 +297,22 @@ fn upload_attention(
         v_bias: opt_vec(up, LayerRole::VBias)?,
         q_norm: norm(up, LayerRole::QNorm)?,
         k_norm: norm(up, LayerRole::KNorm)?,
+        o_bias: opt_vec(up, LayerRole::OBias)?,
+        sinks: opt_vec(up, LayerRole::Sinks)?,
+        rope_freqs: a.rope.yarn.map(|y| yarn_table(up.be, &y, a.rope.dims, a.rope.theta)).transpose()?,
     })
+}
+
+/// YaRN's inverse frequencies for a `dims`-wide rotation (the formula every engine reads,
+/// [`YarnSpec::inv_freq`]) on the device, with its attention factor.
+fn yarn_table(
+    be: &CudaBackend,
+    y: &YarnSpec,
+    dims: usize,
+    theta: f32,
+) -> Result<(DeviceBuffer<f64>, f32), GpuError> {
+    let freqs: Vec<f64> = (0..dims / 2).map(|i| y.inv_freq(i, dims, theta)).collect();
+    Ok((be.upload(&freqs)?, y.attention_factor))
 }
 
 fn upload_delta_net(

@@ -450,6 +450,54 @@ impl HotWorklist {
     }
 }
 
+/// Which positions a query row attends and what joins its softmax: the last `window` positions
+/// (0: all), and per query head a learned sink logit (`sinks`, `[n_heads]` f32: GPT-OSS) that
+/// takes probability and attends nothing. A bare window converts into a mask without sinks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AttentionMask {
+    pub window: usize,
+    pub sinks: Option<DPtr<f32>>,
+}
+
+impl From<usize> for AttentionMask {
+    fn from(window: usize) -> AttentionMask {
+        AttentionMask { window, sinks: None }
+    }
+}
+
+impl AttentionMask {
+    /// The window, and the sinks' raw address (0: none) checked for `n_heads` values.
+    fn parts(self, kernel: Kernel, n_heads: usize) -> Result<(usize, u64)> {
+        match self.sinks {
+            Some(s) => {
+                need(kernel, "sinks", s, n_heads)?;
+                Ok((self.window, s.raw()))
+            }
+            None => Ok((self.window, 0)),
+        }
+    }
+}
+
+/// RoPE frequencies other than `theta^(-2i/rot)`: a table of one inverse frequency per rotated
+/// pair (f64, computed on the host as the reference does: YaRN) and a factor on sin and cos.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeScaling {
+    pub freqs: DPtr<f64>,
+    pub scale: f32,
+}
+
+/// A [`RopeScaling`]'s kernel arguments (null table and scale 1 without one), its table checked
+/// for `rot / 2` pairs.
+fn rope_scaling_args(kernel: Kernel, scaling: Option<RopeScaling>, rot: usize) -> Result<(u64, f32)> {
+    match scaling {
+        Some(r) => {
+            need(kernel, "rope freqs", r.freqs, rot / 2)?;
+            Ok((r.freqs.raw(), r.scale))
+        }
+        None => Ok((0, 1.0)),
+    }
+}
+
 /// The decode graph's key/value append ([`CudaBackend::qk_norm_rope`]): the call's first position
 /// is read from `pos` on the device, the new key rows (roped in the kernel) and value rows `v`
 /// (`[n_tokens, kv_dim]`) go to rows `pos..` of the caches (`[capacity, kv_dim]`). The host
@@ -834,9 +882,11 @@ impl CudaBackend {
         pos0: usize,
         theta: f32,
         interleaved: bool,
+        scaling: Option<RopeScaling>,
     ) -> Result<()> {
         const K: Kernel = Kernel::RopeF32;
         check_rope(K, head_dim, rot_dims)?;
+        let (freqs, scale) = rope_scaling_args(K, scaling, rot_dims)?;
         if n_heads * head_dim > row_stride {
             return Err(CudaError::Shape {
                 kernel: K.symbol(),
@@ -850,7 +900,7 @@ impl CudaBackend {
             (n_tokens as u32, n_heads as u32, 1),
             64,
             0,
-            args![x.raw(), i(row_stride), i(head_dim), i(rot_dims), i(pos0), theta, il],
+            args![x.raw(), i(row_stride), i(head_dim), i(rot_dims), i(pos0), theta, il, freqs, scale],
         )
     }
 
@@ -876,9 +926,11 @@ impl CudaBackend {
         interleaved: bool,
         eps: f32,
         append: Option<KvAppend>,
+        scaling: Option<RopeScaling>,
     ) -> Result<()> {
         const K: Kernel = Kernel::QkNormRopeF32;
         check_rope(K, head_dim, rot_dims)?;
+        let (freqs, scale) = rope_scaling_args(K, scaling, rot_dims)?;
         if n_heads * head_dim > q_stride || n_kv * head_dim > k_stride {
             return Err(CudaError::Shape {
                 kernel: K.symbol(),
@@ -936,7 +988,9 @@ impl CudaBackend {
                 vc,
                 v,
                 i(n_kv),
-                half
+                half,
+                freqs,
+                scale
             ],
         )
     }
@@ -980,10 +1034,11 @@ impl CudaBackend {
         n_heads: usize,
         n_kv: usize,
         head_dim: usize,
-        window: usize,
+        mask: impl Into<AttentionMask>,
     ) -> Result<()> {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
         let kn = kv_kernel(Kernel::ATTENTION, k_cache);
+        let (window, sinks) = mask.into().parts(kn, n_heads)?;
         let total = pos0 + n_tokens;
         let heads = AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim };
         check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_MAX_HEAD_DIM)?;
@@ -1012,7 +1067,8 @@ impl CudaBackend {
                 i(n_kv),
                 i(head_dim),
                 i(window),
-                scale
+                scale,
+                sinks
             ],
         )
     }
@@ -1038,10 +1094,11 @@ impl CudaBackend {
         n_heads: usize,
         n_kv: usize,
         head_dim: usize,
-        window: usize,
+        mask: impl Into<AttentionMask>,
     ) -> Result<()> {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
         let kn = kv_kernel(Kernel::ATTENTION_TILED, k_cache);
+        let mask = mask.into();
         let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
         check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_TILE_MAX_HEAD_DIM)?;
         if !head_dim.is_multiple_of(4) {
@@ -1053,7 +1110,7 @@ impl CudaBackend {
         let shared_bytes = super::kernel::attention_tile_shared_bytes(head_dim) as u32;
         let block = TileBlock { rows: ATTENTION_TILE_ROWS, threads: ATTENTION_TILE_THREADS };
         let bufs = (q, k_cache, v_cache, out);
-        self.launch_attention_tiles(kn, block, shared_bytes, bufs, heads, pos0, window)
+        self.launch_attention_tiles(kn, block, shared_bytes, bufs, heads, pos0, mask)
     }
 
     /// Launch a flash-style prefill kernel (tiled or mma; they take the same arguments): a
@@ -1066,9 +1123,10 @@ impl CudaBackend {
         (q, k_cache, v_cache, out): (DPtr<f32>, KvPtr, KvPtr, DPtr<f32>),
         h: AttentionHeads,
         pos0: usize,
-        window: usize,
+        mask: AttentionMask,
     ) -> Result<()> {
         let AttentionHeads { n_tokens, n_heads, n_kv, head_dim, .. } = h;
+        let (window, sinks) = mask.parts(kernel, n_heads)?;
         let rows = n_tokens * (n_heads / n_kv);
         self.launch(
             kernel,
@@ -1086,7 +1144,8 @@ impl CudaBackend {
                 i(n_kv),
                 i(head_dim),
                 i(window),
-                1.0f32 / (head_dim as f32).sqrt()
+                1.0f32 / (head_dim as f32).sqrt(),
+                sinks
             ],
         )
     }
@@ -1123,10 +1182,11 @@ impl CudaBackend {
         n_heads: usize,
         n_kv: usize,
         head_dim: usize,
-        window: usize,
+        mask: impl Into<AttentionMask>,
     ) -> Result<()> {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
         let kn = kv_kernel(Kernel::ATTENTION_MMA, k_cache);
+        let mask = mask.into();
         let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
         let bufs = (q, k_cache, v_cache, out);
         check_attention(kn, bufs, heads, ATTENTION_MMA_MAX_HEAD_DIM)?;
@@ -1136,7 +1196,7 @@ impl CudaBackend {
             return Err(CudaError::Shape { kernel: kn.symbol(), reason });
         }
         let block = TileBlock { rows: 16 * ATTENTION_MMA_WARPS as usize, threads: ATTENTION_MMA_THREADS };
-        self.launch_attention_tiles(kn, block, 0, bufs, heads, pos0, window)
+        self.launch_attention_tiles(kn, block, 0, bufs, heads, pos0, mask)
     }
 
     /// Most spans (blocks per query row and head) of [`Self::attention_split`] for `n_tokens`
@@ -1199,10 +1259,11 @@ impl CudaBackend {
         n_heads: usize,
         n_kv: usize,
         head_dim: usize,
-        window: usize,
+        mask: impl Into<AttentionMask>,
         at: Option<DevicePos>,
     ) -> Result<()> {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
+        let (window, sinks) = mask.into().parts(Kernel::AttentionCombineF32, n_heads)?;
         let grouped = Self::attention_split_grouped(n_heads, n_kv, head_dim);
         let kn = match grouped {
             true => kv_kernel(Kernel::ATTENTION_SPLIT_GQA, k_cache),
@@ -1252,7 +1313,17 @@ impl CudaBackend {
             (n_heads as u32, n_tokens as u32, 1),
             128,
             0,
-            args![part.raw(), out.raw(), i(n_heads), i(head_dim), i(splits), i(pos0), i(window), pos_ptr],
+            args![
+                part.raw(),
+                out.raw(),
+                i(n_heads),
+                i(head_dim),
+                i(splits),
+                i(pos0),
+                i(window),
+                pos_ptr,
+                sinks
+            ],
         )
     }
 
