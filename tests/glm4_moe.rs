@@ -81,6 +81,13 @@ fn pipeline_greedy_continuations_are_identical() {
     fixture_checks::check_pipeline_greedy(NAME, &HOT_FRACTIONS);
 }
 
+/// The GPU engine (the dense first layer, sigmoid routing with the selection bias, the ungated
+/// shared expert on the device) against transformers at hot fractions 0, 0.5 and 1.
+#[test]
+fn gpu_engine_matches_transformers() {
+    fixture_checks::check_gpu(NAME, &HOT_FRACTIONS);
+}
+
 /// A hot set that names experts of the dense layer is refused by name.
 #[test]
 fn a_hot_set_in_the_dense_layer_is_refused() {

@@ -1,4 +1,4 @@
-// Router: top-k expert ids and weights from router logits (both routing variants).
+// Router: top-k expert ids and weights from router logits (softmax variants; sigmoid routing).
 // Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
 // TOPK_PER_LANE (-D, kernels/src/cuda/kernel.rs): picks of a row's top-k one lane holds at most,
@@ -133,6 +133,69 @@ extern "C" __global__ void route_topk(const float* __restrict__ logits, int T, i
         topk_row<1>(l, E, k, variant, norm, ids + (size_t)t * k, weights + (size_t)t * k);
     else
         topk_row<TOPK_PER_LANE>(l, E, k, variant, norm, ids + (size_t)t * k, weights + (size_t)t * k);
+}
+
+// Sigmoid routing (DeepSeek-V3, Kimi K2, GLM-4.5), one block per token row, the CPU router's
+// arithmetic (src/moe/routing.rs): scores p = 1 / (1 + e^-logit), choices c = p + the selection
+// bias (bias null: none); with n_group > 1 the E experts fall in n_group equal groups, a group
+// scores the sum of its two largest choices, and only the best topk_group groups (ties to the
+// lower group) stay eligible; the k largest eligible choices (ties to the lower id) are picked,
+// largest first, each weighted by its score p, times 1 / (sum of the picks' scores + 1e-20) when
+// norm, times scale. Each thread ranks its experts (and groups) against all at once.
+// grid (T), block ROUTE_SIGMOID_THREADS; E <= ROUTE_SIG_MAXE, n_group <= ROUTE_SIG_MAXG,
+// k <= WARP * TOPK_PER_LANE.
+extern "C" __global__ void route_sigmoid(const float* __restrict__ logits, int T, int E, int k,
+                                         const float* __restrict__ bias, int n_group, int topk_group, int norm,
+                                         float scale, int* __restrict__ ids, float* __restrict__ weights) {
+    pdl_enter();
+    __shared__ float p[ROUTE_SIG_MAXE], c[ROUTE_SIG_MAXE], gs[ROUTE_SIG_MAXG];
+    __shared__ int keep[ROUTE_SIG_MAXG], pick[WARP * TOPK_PER_LANE];
+    int t = blockIdx.x;
+    const float* l = logits + (size_t)t * E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float s = 1.f / (1.f + expf(-l[e]));
+        p[e] = s;
+        c[e] = bias ? s + bias[e] : s;
+    }
+    __syncthreads();
+    if (n_group > 1) {
+        int per = E / n_group;
+        for (int g = threadIdx.x; g < n_group; g += blockDim.x) {
+            float best = -INFINITY, second = -INFINITY;
+            for (int e = g * per; e < (g + 1) * per; e++) {
+                float v = c[e];
+                if (v > best) second = best, best = v;
+                else if (v > second) second = v;
+            }
+            gs[g] = best + second;
+        }
+        __syncthreads();
+        for (int g = threadIdx.x; g < n_group; g += blockDim.x) {
+            int rank = 0;
+            for (int j = 0; j < n_group; j++) rank += (gs[j] > gs[g]) || (gs[j] == gs[g] && j < g);
+            keep[g] = rank < topk_group;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < E; e += blockDim.x)
+            if (!keep[e / per]) c[e] = -INFINITY;
+        __syncthreads();
+    }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float v = c[e];
+        int rank = 0;
+        for (int j = 0; j < E; j++) rank += (c[j] > v) || (c[j] == v && j < e);
+        if (rank < k) pick[rank] = e;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float sum = 0.f;
+        for (int j = 0; j < k; j++) sum += p[pick[j]];
+        float f = norm ? 1.f / (sum + 1e-20f) : 1.f;
+        for (int j = 0; j < k; j++) {
+            ids[(size_t)t * k + j] = pick[j];
+            weights[(size_t)t * k + j] = p[pick[j]] * f * scale;
+        }
+    }
 }
 
 // One warp's router row, its first ROUTE_PRELOAD 8-value groups a lane loaded before the block's

@@ -1883,3 +1883,80 @@ fn rope_with_a_frequency_table_and_scale_matches_cpu() {
         }
     }
 }
+
+/// The CPU router's sigmoid routing (src/moe/routing.rs), for one token.
+fn route_sigmoid_cpu(
+    logits: &[f32],
+    bias: &[f32],
+    (k, n_group, topk_group, norm, scale): (usize, usize, usize, bool, f32),
+) -> (Vec<i32>, Vec<f32>) {
+    let n = logits.len();
+    let top = |v: &[f32], k: usize| -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+        idx.truncate(k);
+        idx
+    };
+    let p: Vec<f32> = logits.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect();
+    let mut c: Vec<f32> =
+        p.iter().zip(bias.iter().chain(std::iter::repeat(&0.0))).map(|(p, b)| p + b).collect();
+    if n_group > 1 {
+        let per = n / n_group;
+        let gs: Vec<f32> = (0..n_group)
+            .map(|g| {
+                let mut v = c[g * per..(g + 1) * per].to_vec();
+                v.sort_by(|a, b| b.total_cmp(a));
+                v[0] + v[1]
+            })
+            .collect();
+        let kept = top(&gs, topk_group);
+        for (g, chunk) in c.chunks_mut(per).enumerate() {
+            if !kept.contains(&g) {
+                chunk.fill(f32::NEG_INFINITY);
+            }
+        }
+    }
+    let chosen = top(&c, k);
+    let sum: f32 = chosen.iter().map(|&e| p[e]).sum();
+    let f = if norm { 1.0 / (sum + 1e-20) } else { 1.0 };
+    (chosen.iter().map(|&e| e as i32).collect(), chosen.iter().map(|&e| p[e] * f * scale).collect())
+}
+
+#[test]
+fn sigmoid_routing_matches_the_cpu_router() {
+    use moe_lanes_kernels::cuda::ops::SigmoidRoute;
+    let Some(be) = backend() else { return };
+    // DeepSeek-V3 (256 experts, 8 groups keep 4, top-8, scale 2.5), Kimi K2 (384, no groups),
+    // GLM-4.5-Air (128, no groups, top-8), a small odd case without bias or renormalisation
+    for (n, k, n_group, topk_group, with_bias, norm, scale) in [
+        (256, 8, 8, 4, true, true, 2.5f32),
+        (384, 8, 1, 1, true, true, 2.827),
+        (128, 8, 1, 1, true, true, 1.0),
+        (12, 3, 4, 2, false, false, 1.0),
+    ] {
+        let t = 5;
+        let logits: Vec<f32> = rnd(t * n, 51).iter().map(|x| x * 4.0).collect();
+        let bias: Vec<f32> =
+            if with_bias { rnd(n, 52).iter().map(|x| x * 0.5).collect() } else { Vec::new() };
+        let dl = be.upload(&logits).unwrap();
+        let db = be.upload(&bias).unwrap();
+        let ids = be.alloc_zeros::<i32>(t * k).unwrap();
+        let wts = be.alloc_zeros::<f32>(t * k).unwrap();
+        let r =
+            SigmoidRoute { selection_bias: with_bias.then(|| db.ptr()), n_group, topk_group, norm, scale };
+        be.route_sigmoid(dl.ptr(), t, n, k, r, ids.ptr(), wts.ptr()).unwrap();
+        let (got_ids, got_w) = (be.read_vec(ids.ptr()).unwrap(), be.read_vec(wts.ptr()).unwrap());
+        for ti in 0..t {
+            let (want_ids, want_w) =
+                route_sigmoid_cpu(&logits[ti * n..][..n], &bias, (k, n_group, topk_group, norm, scale));
+            assert_eq!(&got_ids[ti * k..][..k], &want_ids[..], "n={n} token {ti}");
+            assert!(max_abs_diff(&got_w[ti * k..][..k], &want_w) < 1e-6, "n={n} token {ti}");
+        }
+    }
+    // groups that do not divide the experts are refused by name
+    let dl = be.upload(&vec![0f32; 10]).unwrap();
+    let (ids, wts) = (be.alloc_zeros::<i32>(2).unwrap(), be.alloc_zeros::<f32>(2).unwrap());
+    let r = SigmoidRoute { selection_bias: None, n_group: 3, topk_group: 1, norm: true, scale: 1.0 };
+    let err = be.route_sigmoid(dl.ptr(), 1, 10, 2, r, ids.ptr(), wts.ptr()).unwrap_err();
+    assert!(err.to_string().contains("route_sigmoid"), "{err}");
+}

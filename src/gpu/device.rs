@@ -30,6 +30,8 @@ pub(crate) struct Device {
     pub cfg: ModelConfig,
     /// Every layer's kind (the engine walks it; each stage reads its layer's spec).
     pub plan: LayerPlan,
+    /// Per layer: it routes to experts (a dense FFN layer does not).
+    pub expert_layers: Vec<bool>,
     pub opts: GpuOptions,
     pub w: DenseWeights,
     pub scratch: Option<Scratch>,

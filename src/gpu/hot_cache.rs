@@ -22,7 +22,11 @@ pub(crate) struct SlotShape {
 }
 
 impl SlotShape {
+    /// Layer `l`'s slot shape; none (0 bytes) for a layer without experts.
     pub fn of(model: &Model, l: usize) -> SlotShape {
+        if !model.layer_spec(l).has_experts() {
+            return SlotShape { dtypes: [WeightDType::BF16; 3], bytes: [0; 3] };
+        }
         let (c, x) = (model.config(), model.expert(l, 0));
         let dtypes = [x.gate.dtype, x.up.dtype, x.down.dtype].map(stored_dtype);
         let bytes = [
@@ -76,6 +80,8 @@ pub(crate) struct HotCache {
     exchanged: Vec<GpuEvent>,
     /// Per layer: an exchange is queued that the compute stream has not waited for yet.
     pending: Vec<bool>,
+    /// Per layer: it routes to experts (a dense FFN layer does not).
+    has_experts: Vec<bool>,
 }
 
 /// Staging buffers for exchanges (each holds one expert's three matrices).
@@ -97,6 +103,7 @@ impl HotCache {
             next_staging: 0,
             exchanged: (0..n_layers).map(|_| be.event()).collect::<Result<_, _>>()?,
             pending: vec![false; n_layers],
+            has_experts: model.plan().expert_layers(),
         })
     }
 
@@ -211,8 +218,10 @@ impl HotCache {
         self.set.layers[l].n_hot()
     }
 
+    /// Every expert of layer `l` is cached, or the layer has none (a dense FFN layer needs no
+    /// cold lane either).
     pub fn all_hot(&self, l: usize) -> bool {
-        self.n_hot(l) == self.n_experts
+        self.n_hot(l) == self.n_experts || !self.has_experts[l]
     }
 
     pub fn map_dev(&self, l: usize) -> DPtr<i32> {

@@ -101,14 +101,10 @@ impl GpuModel {
         if activation != crate::model::arch::FfnActivation::Silu {
             return Err(GpuError::Activation { activation });
         }
-        // Dense FFN layers, sigmoid routing and ungated shared experts (DeepSeek-V3) have no
-        // kernels here yet.
+        // Dense FFN layers run SiLU-gated (the only activation of the architectures with them).
         if let Some((layer_idx, kind)) = model.plan().first_unsupported_ffn(|f| match f {
-            crate::model::arch::Ffn::Moe(m) => {
-                m.router.variant != crate::model::arch::RoutingVariant::Sigmoid
-                    && m.shared.is_none_or(|s| s.gated)
-            }
-            crate::model::arch::Ffn::Dense(_) => false,
+            crate::model::arch::Ffn::Moe(_) => true,
+            crate::model::arch::Ffn::Dense(d) => d.activation == crate::model::arch::FfnActivation::Silu,
         }) {
             return Err(GpuError::Ffn { layer_idx, kind });
         }
@@ -148,6 +144,7 @@ impl GpuModel {
             call_idx: 0,
             dev: Device {
                 plan: model.plan().clone(),
+                expert_layers: model.plan().expert_layers(),
                 w,
                 scratch: None,
                 dequant,
@@ -273,7 +270,11 @@ impl GpuModel {
         }
         dev.scratch = None; // free first
         let gated = dev.plan.layers().iter().any(|l| l.as_attention().is_some_and(|a| a.output_gate));
-        let s = Scratch::new(&dev.be, &dev.cfg, t, gated)?;
+        let dense_ff = dev.plan.layers().iter().filter_map(|l| match l.ffn {
+            crate::model::arch::Ffn::Dense(d) => Some(d.ff),
+            crate::model::arch::Ffn::Moe(_) => None,
+        });
+        let s = Scratch::new(&dev.be, &dev.cfg, t, gated, dense_ff.max().unwrap_or(0))?;
         self.moe.reserve(&dev.be, &dev.cfg, s.cap)?;
         self.head = HeadStage::new(&dev.be, &dev.cfg, s.cap)?;
         dev.scratch = Some(s);
@@ -440,7 +441,8 @@ impl GpuModel {
             let stride = t * c.n_experts_used;
             // Brought back with the greedy tokens by `HeadStage::copies`.
             let ids = &self.head.pin_tail.as_slice()?[cap..][..c.n_layers * stride];
-            stats::record_call(&mut self.perf, &self.stats, ids, stride, stride, self.moe.hot.set());
+            let (hot, experts) = (self.moe.hot.set(), &self.dev.expert_layers);
+            stats::record_call(&mut self.perf, &self.stats, (ids, stride, stride), hot, experts);
         }
         if let Some(p) = &mut self.dev.profiler {
             let enqueue_us = (copy_start - call_start).as_secs_f64() * 1e6;

@@ -24,7 +24,7 @@ use super::device::{Device, LayerCtx};
 use super::hot_cache::HotCache;
 use super::hot_dequant::{plan_chunks, HotDequant};
 use super::postfetch::{PostFetch, PF_CPU, PF_LATE};
-use super::route::{route_fusable, route_ids, shared_expert};
+use super::route::{dense_ffn, route_fusable, route_ids, shared_expert};
 use super::scratch::{HostScratch, MoePinned, RouteView, WorkLayout};
 use super::stats::{LaneEvents, LayerRecord};
 use super::GpuError;
@@ -146,6 +146,12 @@ impl MoeStage {
         perf: &mut PerfState,
         cold: &mut dyn ColdLane,
     ) -> Result<(), GpuError> {
+        if !cx.dev.plan.layer(cx.l).has_experts() {
+            // a dense FFN layer: no routing, no lanes (its profile stages after the FFN are empty)
+            self.records[cx.l] = LayerRecord::default();
+            dense_ffn(cx)?;
+            return (5..=9).try_for_each(|m| cx.mark(m));
+        }
         let plan = self.route_layer(cx)?;
         let outcome =
             if plan.device_path { self.moe_device(cx, cold, plan) } else { self.moe_host(cx, cold) };

@@ -5,9 +5,10 @@
 
 use super::device::{Device, LayerCtx};
 use super::moe::MoeStage;
+use super::weights::SharedWeights;
 use super::GpuError;
-use crate::model::arch::RoutingVariant;
-use moe_lanes_kernels::cuda::ops::{HotWorklist, NormRows, RouteVariant};
+use crate::model::arch::{Ffn, RoutingVariant};
+use moe_lanes_kernels::cuda::ops::{HotWorklist, NormRows, RouteVariant, SigmoidRoute};
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr};
 
 impl MoeStage {
@@ -34,14 +35,13 @@ impl MoeStage {
         if fused {
             self.route_fused(cx, ids, wts)?;
         } else {
-            let (norm_w, router) = (dev.w.layers[l].ffn_norm.ptr(), dev.w.layers[l].router.view());
-            let (variant, norm_topk) = route_variant(dev, l);
-            be.rmsnorm(s.hidden.ptr(), norm_w, s.normed.ptr(), t, h, c.rms_eps)?;
-            dev.gemv(s.normed.ptr(), router, s.router_logits.ptr(), t, c.n_experts, h, false)?;
-            if let Some(b) = &dev.w.layers[l].router_bias {
+            let lw = &dev.w.layers[l];
+            be.rmsnorm(s.hidden.ptr(), lw.ffn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
+            dev.gemv(s.normed.ptr(), lw.router(), s.router_logits.ptr(), t, c.n_experts, h, false)?;
+            if let Some(b) = &lw.router_bias {
                 be.add_bias_rows(s.router_logits.ptr(), b.ptr(), t, c.n_experts)?;
             }
-            be.route_topk(s.router_logits.ptr(), t, c.n_experts, k, variant, norm_topk, ids, wts)?;
+            top_k(dev, l, t, ids, wts)?;
         }
         if to_host {
             let rows = s.normed.ptr().sub(0, if rows_to_host { t * h } else { 0 });
@@ -57,8 +57,8 @@ impl MoeStage {
     fn route_fused(&self, cx: &LayerCtx<'_>, ids: DPtr<i32>, wts: DPtr<f32>) -> Result<(), GpuError> {
         let (dev, l, t) = (cx.dev, cx.l, cx.t);
         let (c, s) = (&dev.cfg, dev.s());
-        let router = dev.w.layers[l].router.view().bf16().expect("route_fusable: a bf16 router");
-        let (variant, norm_topk) = route_variant(dev, l);
+        let router = dev.w.layers[l].router().bf16().expect("route_fusable: a bf16 router");
+        let (variant, norm_topk) = softmax_variant(dev, l);
         let (lay, wi, n_ent) = (s.layout, s.work_i.ptr(), t * c.n_experts_used);
         let worklist = HotWorklist {
             map: self.hot.map_dev(l),
@@ -94,13 +94,33 @@ impl MoeStage {
     }
 }
 
-/// Layer `l`'s routing as the kernels take it, and whether the top-k weights are renormalised.
-fn route_variant(dev: &Device, l: usize) -> (RouteVariant, bool) {
-    let spec = dev.plan.layer(l).as_moe().expect("MoE layers only (GpuModel::supports)").router;
+/// Layer `l`'s top-k over the router logits of `t` rows into `ids` and `wts`, by its routing
+/// variant (softmax before or after the top-k, or sigmoid scores with the selection bias).
+fn top_k(dev: &Device, l: usize, t: usize, ids: DPtr<i32>, wts: DPtr<f32>) -> Result<(), GpuError> {
+    let (c, logits) = (&dev.cfg, dev.s().router_logits.ptr());
+    let spec = dev.plan.layer(l).as_moe().expect("MoE layers only").router;
+    if spec.variant == RoutingVariant::Sigmoid {
+        let r = SigmoidRoute {
+            selection_bias: dev.w.layers[l].selection_bias.as_ref().map(|b| b.ptr()),
+            n_group: spec.n_group,
+            topk_group: spec.topk_group,
+            norm: spec.norm_topk_prob,
+            scale: spec.scale,
+        };
+        return Ok(dev.be.route_sigmoid(logits, t, c.n_experts, c.n_experts_used, r, ids, wts)?);
+    }
+    let (variant, norm_topk) = softmax_variant(dev, l);
+    Ok(dev.be.route_topk(logits, t, c.n_experts, c.n_experts_used, variant, norm_topk, ids, wts)?)
+}
+
+/// Layer `l`'s softmax routing as the kernels take it, and whether the top-k weights are
+/// renormalised.
+fn softmax_variant(dev: &Device, l: usize) -> (RouteVariant, bool) {
+    let spec = dev.plan.layer(l).as_moe().expect("MoE layers only").router;
     let variant = match spec.variant {
         RoutingVariant::SoftmaxThenTopK => RouteVariant::SoftmaxThenTopK,
         RoutingVariant::TopKThenSoftmax => RouteVariant::TopKThenSoftmax,
-        RoutingVariant::Sigmoid => unreachable!("refused by GpuModel::supports"),
+        RoutingVariant::Sigmoid => unreachable!("sigmoid routers take route_sigmoid"),
     };
     (variant, spec.norm_topk_prob)
 }
@@ -110,23 +130,57 @@ fn route_variant(dev: &Device, l: usize) -> (RouteVariant, bool) {
 /// kernel's shared memory (else four or five launches).
 pub(crate) fn route_fusable(dev: &Device, l: usize) -> bool {
     let (c, lw) = (&dev.cfg, &dev.w.layers[l]);
-    lw.router.view().bf16().is_some()
+    let softmax = dev.plan.layer(l).as_moe().is_some_and(|m| m.router.variant != RoutingVariant::Sigmoid);
+    softmax
+        && lw.router().bf16().is_some()
         && lw.router_bias.is_none()
         && CudaBackend::route_decode_fits(c.hidden, c.n_experts)
 }
 
-/// The shared expert (sigmoid-gated), added into the layer's MoE output.
+/// The shared expert, added into the layer's MoE output (scaled by its sigmoid gate when it
+/// has one).
 pub(crate) fn shared_expert(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
-    let (dev, phase, t) = (cx.dev, cx.phase, cx.t);
+    let (dev, t) = (cx.dev, cx.t);
     let Some(sw) = &dev.w.layers[cx.l].shared else { return Ok(()) };
-    let (h, sff, be, s) = (dev.cfg.hidden, dev.cfg.shared_expert_ff, &dev.be, dev.s());
-    dev.linear(phase, s.normed.ptr(), sw.gate.view(), s.g.ptr(), t, sff, h, false)?;
-    dev.linear(phase, s.normed.ptr(), sw.up.view(), s.u.ptr(), t, sff, h, false)?;
-    be.silu_mul(s.g.ptr(), s.u.ptr(), s.h.ptr(), t * sff)?;
-    dev.linear(phase, s.h.ptr(), sw.down.view(), s.shared_out.ptr(), t, h, sff, false)?;
-    dev.gemv(s.normed.ptr(), sw.gate_logit.view(), s.shared_gl.ptr(), t, 1, h, false)?;
-    be.add_sigmoid_scaled_rows(s.moe_out.ptr(), s.shared_out.ptr(), s.shared_gl.ptr(), t, h)?;
+    let (h, be, s) = (dev.cfg.hidden, &dev.be, dev.s());
+    gated_ffn(cx, sw, dev.cfg.shared_expert_ff, s.shared_out.ptr(), false)?;
+    match &sw.gate_logit {
+        Some(gl) => {
+            dev.gemv(s.normed.ptr(), gl.view(), s.shared_gl.ptr(), t, 1, h, false)?;
+            be.add_sigmoid_scaled_rows(s.moe_out.ptr(), s.shared_out.ptr(), s.shared_gl.ptr(), t, h)?;
+        }
+        None => be.add(s.moe_out.ptr(), s.shared_out.ptr(), t * h)?,
+    }
     Ok(())
+}
+
+/// A dense FFN layer (no experts): FFN norm, then `down · silu(gate · x) * (up · x)` added
+/// straight into the residual stream.
+pub(crate) fn dense_ffn(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
+    let (dev, l, t) = (cx.dev, cx.l, cx.t);
+    let (c, s) = (&dev.cfg, dev.s());
+    let lw = &dev.w.layers[l];
+    let w = lw.dense.as_ref().expect("the plan says a dense FFN");
+    let Ffn::Dense(d) = dev.plan.layer(l).ffn else { unreachable!("the plan says a dense FFN") };
+    dev.be.rmsnorm(s.hidden.ptr(), lw.ffn_norm.ptr(), s.normed.ptr(), t, c.hidden, c.rms_eps)?;
+    cx.mark(4)?;
+    gated_ffn(cx, w, d.ff, s.hidden.ptr(), true)
+}
+
+/// `out (+)= down · silu(gate · x) * (up · x)` over the FFN-normed rows, `ff` wide.
+fn gated_ffn(
+    cx: &LayerCtx<'_>,
+    w: &SharedWeights,
+    ff: usize,
+    out: DPtr<f32>,
+    accumulate: bool,
+) -> Result<(), GpuError> {
+    let (dev, phase, t) = (cx.dev, cx.phase, cx.t);
+    let (h, s) = (dev.cfg.hidden, dev.s());
+    dev.linear(phase, s.normed.ptr(), w.gate.view(), s.g.ptr(), t, ff, h, false)?;
+    dev.linear(phase, s.normed.ptr(), w.up.view(), s.u.ptr(), t, ff, h, false)?;
+    dev.be.silu_mul(s.g.ptr(), s.u.ptr(), s.h.ptr(), t * ff)?;
+    dev.linear(phase, s.h.ptr(), w.down.view(), out, t, h, ff, accumulate)
 }
 
 /// Layer `l`'s section of a routing buffer laid out `[n_layers, t * k]` for a call of `t`

@@ -101,11 +101,18 @@ pub(crate) struct Scratch {
 }
 
 impl Scratch {
-    /// `gated`: some attention layer has an output gate (its logits need a buffer).
-    pub fn new(be: &CudaBackend, c: &ModelConfig, t: usize, gated: bool) -> Result<Scratch, GpuError> {
+    /// `gated`: some attention layer has an output gate (its logits need a buffer); `dense_ff`:
+    /// the widest dense FFN layer's intermediate size (0: none).
+    pub fn new(
+        be: &CudaBackend,
+        c: &ModelConfig,
+        t: usize,
+        gated: bool,
+        dense_ff: usize,
+    ) -> Result<Scratch, GpuError> {
         let cap = t.next_power_of_two().max(8);
         let k = c.n_experts_used;
-        let inner = (k * c.expert_ff).max(c.shared_expert_ff);
+        let inner = (k * c.expert_ff).max(c.shared_expert_ff).max(dense_ff);
         // A DeltaNet layer's row widths (0 without one).
         let (p_stride, ba, vd, work) = c.hybrid.as_ref().map_or((0, 0, 0, 0), |h| {
             let vd = h.n_v_heads * h.v_head_dim;
@@ -119,7 +126,7 @@ impl Scratch {
             };
             (2 * h.n_k_heads * h.k_head_dim + 2 * vd, 2 * h.n_v_heads, vd, shape.prefill_work_floats(cap))
         });
-        let widest = c.hidden.max(c.q_dim()).max(c.expert_ff).max(c.shared_expert_ff).max(vd);
+        let widest = c.hidden.max(c.q_dim()).max(c.expert_ff).max(c.shared_expert_ff).max(vd).max(dense_ff);
         let f = |n: usize| be.alloc_zeros::<f32>(n.max(1));
         let layout = WorkLayout::new(cap, k);
         Ok(Scratch {

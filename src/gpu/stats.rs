@@ -97,21 +97,22 @@ pub(crate) fn lane_stats(r: &LayerRecord, hot_us: f64) -> LayerLaneStats {
 }
 
 /// Record the call into the perf state: per-layer timings, and per-slot counts from the
-/// routing ids of every layer (`ids[l * stride ..][.. n_slots]`), hot by the call's map.
+/// routing ids of every layer with experts (`ids[l * stride ..][.. n_slots]`; `expert_layers`),
+/// hot by the call's map.
 pub(crate) fn record_call(
     perf: &mut PerfState,
     stats: &ForwardStats,
-    ids: &[i32],
-    stride: usize,
-    n_slots: usize,
+    (ids, stride, n_slots): (&[i32], usize, usize),
     hot: &HotSet,
+    expert_layers: &[bool],
 ) {
     if perf.mode() == PerfMode::Off {
         return;
     }
     for (l, s) in stats.layers.iter().enumerate() {
         let map = &hot.layers[l];
-        for &e in &ids[l * stride..][..n_slots] {
+        let routed = if expert_layers[l] { &ids[l * stride..][..n_slots] } else { &[] };
+        for &e in routed {
             perf.record_slot(l, e as usize, map.is_hot(e as usize));
         }
         let timing = LayerTiming {

@@ -8,7 +8,7 @@
 use super::GpuError;
 use crate::format::dtype::DType;
 use crate::format::tensor::{TensorError, TensorRef};
-use crate::model::arch::{AttentionSpec, DeltaNetProjections, DeltaNetSpec, Mixer, YarnSpec};
+use crate::model::arch::{AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, Mixer, YarnSpec};
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
 use crate::moe::expert_math::kernel_dtype;
@@ -28,21 +28,36 @@ impl DevMatrix {
     }
 }
 
+/// A gated FFN: a MoE layer's shared expert (scaled by `sigmoid(gate_logit · x)` when it has
+/// that gate, Qwen2-MoE; added as it is otherwise, DeepSeek-V3 / GLM-4.5), or a dense layer's FFN
+/// (`gate_logit` none).
 pub(crate) struct SharedWeights {
     pub gate: DevMatrix,
     pub up: DevMatrix,
     pub down: DevMatrix,
-    pub gate_logit: DevMatrix,
+    pub gate_logit: Option<DevMatrix>,
 }
 
 pub(crate) struct LayerWeights {
     pub attn_norm: DeviceBuffer<f32>,
     pub mixer: MixerWeights,
     pub ffn_norm: DeviceBuffer<f32>,
-    pub router: DevMatrix,
+    /// A MoE layer's router (none for a dense FFN layer).
+    pub router: Option<DevMatrix>,
     /// Added to the router's logits before the top-k (GPT-OSS).
     pub router_bias: Option<DeviceBuffer<f32>>,
+    /// Added to a sigmoid router's scores for the choice only (DeepSeek-V3, GLM-4.5).
+    pub selection_bias: Option<DeviceBuffer<f32>>,
     pub shared: Option<SharedWeights>,
+    /// A dense FFN layer's gate, up and down (DeepSeek-V3's and GLM-4.5's leading layers).
+    pub dense: Option<SharedWeights>,
+}
+
+impl LayerWeights {
+    /// A MoE layer's router (the caller walks the plan: this is a MoE layer).
+    pub fn router(&self) -> TypedWeights {
+        self.router.as_ref().expect("the plan says MoE").view()
+    }
 }
 
 impl LayerWeights {
@@ -242,16 +257,26 @@ impl DenseWeights {
 
 fn upload_layer(model: &Model, l: usize, up: &mut Uploader<'_>) -> Result<LayerWeights, GpuError> {
     let req = |r| model.required(l, r);
-    let shared = if model.layer_spec(l).shared_expert().is_some() {
-        Some(SharedWeights {
+    let spec = model.layer_spec(l);
+    let shared = match spec.shared_expert() {
+        Some(s) => Some(SharedWeights {
             gate: up.mat(req(LayerRole::SharedGate))?,
             up: up.mat(req(LayerRole::SharedUp))?,
             down: up.mat(req(LayerRole::SharedDown))?,
-            gate_logit: up.mat(req(LayerRole::SharedExpertGate))?,
-        })
-    } else {
-        None
+            gate_logit: if s.gated { Some(up.mat(req(LayerRole::SharedExpertGate))?) } else { None },
+        }),
+        None => None,
     };
+    let dense = match spec.ffn {
+        Ffn::Dense(_) => Some(SharedWeights {
+            gate: up.mat(req(LayerRole::DenseGate))?,
+            up: up.mat(req(LayerRole::DenseUp))?,
+            down: up.mat(req(LayerRole::DenseDown))?,
+            gate_logit: None,
+        }),
+        Ffn::Moe(_) => None,
+    };
+    let opt_vec = |up: &Uploader<'_>, r| model.layer(l, r).map(|t| up.vec(t)).transpose();
     let norm = |up: &Uploader<'_>, r| up.norm(model, l, r);
     let mixer = match model.layer_spec(l).mixer {
         Mixer::Attention(a) => MixerWeights::Attention(Box::new(upload_attention(model, l, &a, up)?)),
@@ -262,9 +287,11 @@ fn upload_layer(model: &Model, l: usize, up: &mut Uploader<'_>) -> Result<LayerW
         attn_norm: norm(up, LayerRole::AttnNorm)?.expect("validated at open"),
         mixer,
         ffn_norm: norm(up, LayerRole::FfnNorm)?.expect("validated at open"),
-        router: up.mat(req(LayerRole::Router))?,
-        router_bias: model.layer(l, LayerRole::RouterBias).map(|t| up.vec(t)).transpose()?,
+        router: if dense.is_none() { Some(up.mat(req(LayerRole::Router))?) } else { None },
+        router_bias: opt_vec(up, LayerRole::RouterBias)?,
+        selection_bias: opt_vec(up, LayerRole::RouterSelectionBias)?,
         shared,
+        dense,
     })
 }
 

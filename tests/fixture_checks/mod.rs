@@ -129,3 +129,43 @@ pub fn check_pipeline_greedy(name: &str, hot_fractions: &[f64]) {
         assert_eq!(got, g.greedy_new_tokens, "{name} hot {hot}");
     }
 }
+
+/// The GPU engine on `model` with `hot_fraction` of each MoE layer's experts cached.
+pub fn gpu_engine(model: &Arc<Model>, hot_fraction: f64) -> Box<dyn moe_lanes::engine::Engine + '_> {
+    use moe_lanes::engine::{build_engine, EngineKind, EngineOptions, HotChoice};
+    let mut opts = EngineOptions::new(128);
+    opts.cuda = moe_lanes::env::cuda_config().unwrap();
+    opts.kind = Some(EngineKind::Gpu);
+    opts.hot = HotChoice::Set(hot_set(model, hot_fraction));
+    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
+    let (engine, report) = build_engine(model, opts).unwrap();
+    assert_eq!(report.kind, EngineKind::Gpu);
+    engine
+}
+
+/// The GPU engine against transformers at each hot fraction: the prompt's and the second
+/// chunk's logits within [`GPU_TOLERANCE`], then the prompt's greedy continuation one decode
+/// call a token (the decode graphs), identical. Skipped without a usable GPU.
+pub fn check_gpu(name: &str, hot_fractions: &[f64]) {
+    if !crate::common::gpu_usable() {
+        return;
+    }
+    let (model, g) = open(name);
+    for &hot in hot_fractions {
+        let mut engine = gpu_engine(&model, hot);
+        let mut cache = engine.new_cache(128).unwrap();
+        let prefill = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().rows();
+        let second = engine.forward(&g.second_chunk, Phase::Prefill, &mut cache).unwrap().rows();
+        let (e1, e2) = (max_rel_err(&prefill, &g.logits), max_rel_err(&second, &g.second_chunk_logits));
+        println!("{name} gpu hot {hot}: prefill {e1:.2e}, second chunk {e2:.2e}");
+        assert!(e1 < GPU_TOLERANCE && e2 < GPU_TOLERANCE, "{name} hot {hot}: {e1} {e2}");
+        let mut cache = engine.new_cache(128).unwrap();
+        let mut next = *engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().argmax.last().unwrap();
+        let mut got = Vec::new();
+        for _ in 0..g.greedy_new_tokens.len() {
+            got.push(next);
+            next = engine.forward(&[next], Phase::Decode, &mut cache).unwrap().argmax[0];
+        }
+        assert_eq!(got, g.greedy_new_tokens, "{name} gpu hot {hot}");
+    }
+}

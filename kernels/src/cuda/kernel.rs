@@ -6,6 +6,15 @@ use super::ops::{
     ROUTE_MAX_TOPK,
 };
 
+/// Most experts of a sigmoid router row (`-DROUTE_SIG_MAXE`): the block keeps every expert's
+/// score and choice in shared memory (8 KiB). DeepSeek-V3 and GLM-4.5 have 256 or 128, Kimi K2
+/// 384.
+pub const ROUTE_SIGMOID_MAX_EXPERTS: usize = 1024;
+/// Most expert groups of a sigmoid router (`-DROUTE_SIG_MAXG`; DeepSeek-V3 has 8).
+pub const ROUTE_SIGMOID_MAX_GROUPS: usize = 64;
+/// Threads of the one-block-per-row sigmoid router.
+pub const ROUTE_SIGMOID_THREADS: u32 = 256;
+
 /// Warps per block in the warp-per-row kernels (`-DROWS_PER_BLOCK`).
 pub const ROWS_PER_BLOCK: u32 = 8;
 /// Threads of a warp-per-row block: one warp per output row.
@@ -197,7 +206,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 27] = [
+pub const SHARED_DEFINE_NAMES: [&str; 29] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -225,6 +234,8 @@ pub const SHARED_DEFINE_NAMES: [&str; 27] = [
     "DELTA_MAX_DK",
     "DELTA_MAX_KERNEL",
     "DELTA_CHUNK",
+    "ROUTE_SIG_MAXE",
+    "ROUTE_SIG_MAXG",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -257,6 +268,8 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DDELTA_MAX_DK={DELTA_MAX_KEY_DIM}"),
         format!("-DDELTA_MAX_KERNEL={DELTA_MAX_CONV_KERNEL}"),
         format!("-DDELTA_CHUNK={DELTA_CHUNK}"),
+        format!("-DROUTE_SIG_MAXE={ROUTE_SIGMOID_MAX_EXPERTS}"),
+        format!("-DROUTE_SIG_MAXG={ROUTE_SIGMOID_MAX_GROUPS}"),
     ]
 }
 
@@ -304,6 +317,7 @@ pub enum Kernel {
     ScatterAddRowsF32,
     AddSigmoidScaledRows,
     RouteTopk,
+    RouteSigmoid,
     RouteDecode,
     MoeGateUpGemv,
     MoeDownAccum,
@@ -383,7 +397,7 @@ impl Kernel {
         Kernel::AttentionSplitGqaBf16,
         Kernel::AttentionSplitGqaQ8_0,
     ];
-    pub const ALL: [Kernel; 90] = [
+    pub const ALL: [Kernel; 91] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -425,6 +439,7 @@ impl Kernel {
         Kernel::ScatterAddRowsF32,
         Kernel::AddSigmoidScaledRows,
         Kernel::RouteTopk,
+        Kernel::RouteSigmoid,
         Kernel::RouteDecode,
         Kernel::MoeGateUpGemv,
         Kernel::MoeDownAccum,
@@ -520,6 +535,7 @@ impl Kernel {
             Kernel::ScatterAddRowsF32 => "scatter_add_rows_f32",
             Kernel::AddSigmoidScaledRows => "add_sigmoid_scaled_rows",
             Kernel::RouteTopk => "route_topk",
+            Kernel::RouteSigmoid => "route_sigmoid",
             Kernel::RouteDecode => "route_decode",
             Kernel::MoeGateUpGemv => "moe_gate_up_gemv",
             Kernel::MoeDownAccum => "moe_down_accum",
@@ -616,6 +632,7 @@ impl Kernel {
             Kernel::ScatterAddRowsF32 => Family::Elementwise,
             Kernel::AddSigmoidScaledRows => Family::Elementwise,
             Kernel::RouteTopk => Family::Route,
+            Kernel::RouteSigmoid => Family::Route,
             Kernel::RouteDecode => Family::Route,
             Kernel::MoeGateUpGemv => Family::Moe,
             Kernel::MoeDownAccum => Family::Moe,

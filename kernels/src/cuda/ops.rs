@@ -61,6 +61,18 @@ pub enum RouteVariant {
     TopKThenSoftmax = 1,
 }
 
+/// The options of [`CudaBackend::route_sigmoid`]: a per-expert bias added to the scores for the
+/// choice only, `n_group` groups of which the best `topk_group` stay eligible (1 and 1: no
+/// groups), renormalisation of the picks' scores, and a factor on the weights.
+#[derive(Debug, Clone, Copy)]
+pub struct SigmoidRoute {
+    pub selection_bias: Option<DPtr<f32>>,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub norm: bool,
+    pub scale: f32,
+}
+
 macro_rules! args {
     ($($a:expr),* $(,)?) => {
         &mut [$( &$a as *const _ as *mut std::ffi::c_void ),*]
@@ -1487,6 +1499,67 @@ impl CudaBackend {
             ROW_BLOCK_THREADS,
             0,
             args![logits.raw(), i(n_tokens), i(n_experts), i(k), v, nm, ids.raw(), weights.raw()],
+        )
+    }
+
+    /// Sigmoid routing (`route_sigmoid` in route.cu; DeepSeek-V3, Kimi K2, GLM-4.5): per token,
+    /// scores `sigmoid(logit)`, the choice `score + selection bias`, group-limited when
+    /// `r.n_group > 1`, the top `k` choices weighted by their scores (renormalised with
+    /// `r.norm`, times `r.scale`). The CPU router's arithmetic.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_sigmoid(
+        &self,
+        logits: DPtr<f32>,
+        n_tokens: usize,
+        n_experts: usize,
+        k: usize,
+        r: SigmoidRoute,
+        ids: DPtr<i32>,
+        weights: DPtr<f32>,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::RouteSigmoid;
+        let (max_e, max_g) =
+            (super::kernel::ROUTE_SIGMOID_MAX_EXPERTS, super::kernel::ROUTE_SIGMOID_MAX_GROUPS);
+        let groups_ok = (1..=max_g).contains(&r.n_group)
+            && n_experts.is_multiple_of(r.n_group)
+            && (1..=r.n_group).contains(&r.topk_group);
+        if !topk_fits(k, n_experts) || n_experts > max_e || !groups_ok {
+            let reason = format!(
+                "top-{k} of {n_experts} experts in {} groups keeping {} (at most {max_e} experts, {max_g} \
+                 groups, {ROUTE_MAX_TOPK} picks)",
+                r.n_group, r.topk_group
+            );
+            return Err(CudaError::Shape { kernel: K.symbol(), reason });
+        }
+        need(K, "logits", logits, n_tokens * n_experts)?;
+        need(K, "ids", ids, n_tokens * k)?;
+        need(K, "weights", weights, n_tokens * k)?;
+        let bias = match r.selection_bias {
+            Some(b) => {
+                need(K, "selection bias", b, n_experts)?;
+                b.raw()
+            }
+            None => 0,
+        };
+        let (ng, tg, nm) = (i(r.n_group), i(r.topk_group), r.norm as i32);
+        self.launch(
+            K,
+            (n_tokens as u32, 1, 1),
+            super::kernel::ROUTE_SIGMOID_THREADS,
+            0,
+            args![
+                logits.raw(),
+                i(n_tokens),
+                i(n_experts),
+                i(k),
+                bias,
+                ng,
+                tg,
+                nm,
+                r.scale,
+                ids.raw(),
+                weights.raw()
+            ],
         )
     }
 

@@ -153,7 +153,8 @@ fn fetchable_experts(model: &Model) -> Option<Vec<SlotShape>> {
         let kept = t.dtype == DType::BF16 || super::weights::stored_dtype(t.dtype).is_quantized();
         kept && t.dtype.bytes_for(t.n_elems()) == Some(t.data.len())
     };
-    let every = (0..c.n_layers).all(|l| {
+    let expert_layers = model.plan().expert_layers();
+    let every = (0..c.n_layers).filter(|&l| expert_layers[l]).all(|l| {
         (0..c.n_experts).all(|e| {
             let x = model.expert(l, e);
             [x.gate, x.up, x.down].iter().all(raw)
