@@ -1954,7 +1954,7 @@ fn sigmoid_routing_matches_the_cpu_router() {
         }
     }
     // groups that do not divide the experts are refused by name
-    let dl = be.upload(&vec![0f32; 10]).unwrap();
+    let dl = be.upload(&[0f32; 10]).unwrap();
     let (ids, wts) = (be.alloc_zeros::<i32>(2).unwrap(), be.alloc_zeros::<f32>(2).unwrap());
     let r = SigmoidRoute { selection_bias: None, n_group: 3, topk_group: 1, norm: true, scale: 1.0 };
     let err = be.route_sigmoid(dl.ptr(), 1, 10, 2, r, ids.ptr(), wts.ptr()).unwrap_err();
