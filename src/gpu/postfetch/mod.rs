@@ -366,7 +366,8 @@ fn register_maps(
     let registered = maps.collect::<Result<Vec<_>, _>>()?;
     let c = model.config();
     let inside = |b: &[u8]| registered.iter().any(|r| r.range_of(b).is_some());
-    let covered = (0..c.n_layers).all(|l| {
+    let expert_layers = model.plan().expert_layers();
+    let covered = (0..c.n_layers).filter(|&l| expert_layers[l]).all(|l| {
         (0..c.n_experts).all(|e| {
             let x = model.expert(l, e);
             [x.gate.data, x.up.data, x.down.data].iter().all(|b| inside(b))
