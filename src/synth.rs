@@ -482,6 +482,9 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             sigmoid_routing: None,
             qk_norm: false,
             attention_bias: false,
+            global_attention: None,
+            embedding_scale: None,
+            final_logit_softcap: None,
         },
         Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b => {
             let next = preset == Preset::Qwen3Next80bA3b;
@@ -525,6 +528,9 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                 sigmoid_routing: None,
                 qk_norm: false,
                 attention_bias: false,
+                global_attention: None,
+                embedding_scale: None,
+                final_logit_softcap: None,
             }
         }
         Preset::DeepseekV3 | Preset::KimiK2 => deepseek_preset(adapter, preset),
@@ -599,6 +605,9 @@ fn tiny_config(adapter: &Adapter) -> ModelConfig {
         sigmoid_routing: None,
         qk_norm: false,
         attention_bias: false,
+        global_attention: None,
+        embedding_scale: None,
+        final_logit_softcap: None,
     }
 }
 
@@ -1546,6 +1555,14 @@ fn layer_init(c: &ModelConfig, role: LayerRole) -> Init {
         // dt_bias and A_log around zero: decays exp(-exp(A_log) * softplus(a + dt_bias)) near 1/2.
         LayerRole::DeltaDtBias | LayerRole::DeltaALog => Init::Uniform(0.5),
         LayerRole::DeltaNorm => Init::NormWeight,
+        LayerRole::PostAttnNorm
+        | LayerRole::PostFfnNorm
+        | LayerRole::SharedPostNorm
+        | LayerRole::ExpertsNorm
+        | LayerRole::ExpertsPostNorm
+        | LayerRole::RouterInputScale
+        | LayerRole::RouterExpertScale
+        | LayerRole::LayerScalar => norm_init(c),
         LayerRole::DeltaOut => {
             let value_dim = c.hybrid.as_ref().map_or(c.hidden, |h| h.n_v_heads * h.v_head_dim);
             Init::ResidualWriter(0.5 * inv_sqrt(value_dim))
