@@ -681,9 +681,6 @@ fn describe_attention(a: &AttentionSpec) -> String {
     if let Some(n) = a.rope.turning_pairs {
         mixer.push(format!("proportional rope {n} of {} pairs, theta {}", a.rope.dims / 2, a.rope.theta));
     }
-    if a.head_dim != 0 {
-        mixer.push(format!("head dim {}, {} kv heads", a.head_dim, a.n_kv_heads));
-    }
     if a.values_from_keys {
         mixer.push("keys as values".into());
     }
