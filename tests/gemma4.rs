@@ -71,3 +71,71 @@ fn pipeline_decode_token_by_token_equals_transformers() {
 fn pipeline_greedy_continuations_are_identical() {
     fixture_checks::check_pipeline_greedy(NAME, &HOT_FRACTIONS);
 }
+
+/// The GPU engine refuses Gemma 4 by name before any device is touched, so the default engine
+/// falls back to the CPU pipeline; the default engine (whatever the machine has) matches
+/// transformers.
+#[test]
+fn the_gpu_engine_refuses_gemma4_by_name_and_the_default_engine_falls_back() {
+    use moe_lanes::engine::{build_engine, EngineOptions, HotBudget, HotChoice};
+    use moe_lanes::phase::Phase;
+    let (model, g) = open();
+    let err = moe_lanes::gpu::GpuModel::supports(&model).expect_err("refused").to_string();
+    assert!(err.contains("layer 0") || err.contains("layer 1"), "{err}");
+    let mut opts = EngineOptions::new(128);
+    opts.hot = HotChoice::Budget(HotBudget::Fraction(0.5));
+    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
+    if common::gpu_usable() {
+        opts.cuda = moe_lanes::env::cuda_config().unwrap();
+    }
+    let (mut engine, report) = build_engine(&model, opts).unwrap();
+    println!("gemma4: engine {:?}", report.kind);
+    let mut cache = engine.new_cache(128).unwrap();
+    let prefill = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().rows();
+    let err = common::max_rel_err(&prefill, &g.logits);
+    assert!(err < fixture_checks::TOLERANCE, "{err}");
+}
+
+/// `synth --arch gemma4` (tiny, the published nested form under `model.language_model.`):
+/// the checkpoint opens with both layer kinds, and the CPU pipeline (prefill past the window in
+/// sub-batches of 16, then decode) matches the oracle at every hot fraction; GGUF is refused by
+/// name.
+#[test]
+fn synth_gemma4_opens_and_the_pipeline_matches_the_oracle() {
+    use moe_lanes::phase::Phase;
+    use moe_lanes::reference::{NoObserver, Reference};
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let opts = |format, out| SynthOptions {
+        adapter: moe_lanes::arch::by_name("gemma4").unwrap(),
+        preset: Preset::Tiny,
+        dims: DimOverrides { n_layers: Some(4), ..Default::default() },
+        dtype: moe_lanes::dtype::DType::BF16,
+        seed: 11,
+        skew: Skew::Skewed,
+        format,
+        out,
+        vocab_from: None,
+    };
+    let out = dir.path().join("g");
+    synth::write_synthetic(&opts(SynthFormat::Safetensors, out.clone()), &mut |_, _| {}).unwrap();
+    let model = Arc::new(Model::open(&out).unwrap());
+    let plan = model.plan();
+    assert!(plan.layer(0).attention().window.is_some() && plan.layer(3).attention().values_from_keys);
+    let r = Reference::new(&model).unwrap();
+    let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7 + 3) % model.config().vocab as u32).collect();
+    let want = r.forward(&mut r.new_cache(), &tokens, &mut NoObserver).unwrap();
+    for hot in HOT_FRACTIONS {
+        let mut p = fixture_checks::pipeline(&model, hot, 16);
+        let mut cache = p.new_cache();
+        let mut got = p.forward(&mut cache, &tokens[..30], Phase::Prefill).unwrap();
+        for &t in &tokens[30..] {
+            got.extend(p.forward(&mut cache, &[t], Phase::Decode).unwrap());
+        }
+        let err = common::max_rel_err(&got, &want);
+        assert!(err < 1e-4, "hot {hot}: {err}");
+    }
+    let gguf = opts(SynthFormat::Gguf, dir.path().join("g.gguf"));
+    let err = synth::write_synthetic(&gguf, &mut |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("safetensors only"), "{err}");
+}

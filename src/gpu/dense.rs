@@ -519,8 +519,17 @@ pub(crate) fn qk_fusable(a: &AttentionSpec) -> bool {
 /// DeltaNet layers whose key heads fit the kernel's registers.
 pub(crate) fn runs_mixer(m: &Mixer) -> bool {
     match m {
-        // Attention sinks, an o bias and YaRN RoPE (GPT-OSS) have no kernels here yet.
-        Mixer::Attention(a) => !a.sinks && !a.o_bias && a.rope.yarn.is_none(),
+        // Attention sinks, an o bias and YaRN RoPE (GPT-OSS) have no kernels here yet, nor
+        // Gemma 4's proportional RoPE, keys as values, v norm and score scale.
+        Mixer::Attention(a) => {
+            !a.sinks
+                && !a.o_bias
+                && a.rope.yarn.is_none()
+                && a.rope.turning_pairs.is_none()
+                && !a.values_from_keys
+                && !a.v_norm
+                && a.scale.is_none()
+        }
         // Latent attention (DeepSeek-V3) has no kernels here yet.
         Mixer::LatentAttention(_) => false,
         Mixer::GatedDeltaNet(d) => {

@@ -606,6 +606,9 @@ impl Mixer {
     pub fn name(&self) -> &'static str {
         match self {
             Mixer::Attention(a) if a.sinks => "attention with sinks",
+            Mixer::Attention(a) if a.v_norm || a.values_from_keys || a.rope.turning_pairs.is_some() => {
+                "attention with a v norm, keys as values or proportional RoPE"
+            }
             Mixer::Attention(_) => "attention",
             Mixer::GatedDeltaNet(_) => "gated deltanet",
             Mixer::LatentAttention(_) => "latent attention (MLA)",
