@@ -384,7 +384,9 @@ impl<'m> Reference<'m> {
             add_into(&mut hidden, &post(mixed, 0));
             let normed = rms_norm(&hidden, &layer.ffn_norm, c.rms_eps);
             let ffn = match (&layer.ffn, &layer.dense) {
-                (Ffn::Moe(spec), _) => self.moe(spec, layer, layer_idx, &hidden, &normed, position, observer)?,
+                (Ffn::Moe(spec), _) => {
+                    self.moe(spec, layer, layer_idx, &hidden, &normed, position, observer)?
+                }
                 (Ffn::Dense(d), Some([gate, up, down])) => ffn(gate, up, down, &normed, d.ff, d.activation),
                 (Ffn::Dense(_), None) => unreachable!("dense weights are loaded for dense layers"),
             };
@@ -667,7 +669,10 @@ fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorErr
         shared,
         dense,
         post_norms: match spec.post_norms {
-            true => Some([norm(LayerRole::PostAttnNorm)?.expect("validated"), norm(LayerRole::PostFfnNorm)?.expect("validated")]),
+            true => Some([
+                norm(LayerRole::PostAttnNorm)?.expect("validated"),
+                norm(LayerRole::PostFfnNorm)?.expect("validated"),
+            ]),
             false => None,
         },
         output_scale: match spec.output_scale {
@@ -1110,7 +1115,7 @@ mod tests {
     fn rope_styles_agree_on_permuted_input() {
         let canonical: Vec<f32> = (0..8).map(|i| i as f32 * 0.37 - 1.0).collect();
         let mut half = canonical.clone();
-        let rope = |style| RopeSpec { style, theta: 10000.0, dims: 8, yarn: None };
+        let rope = |style| RopeSpec { style, theta: 10000.0, dims: 8, yarn: None, turning_pairs: None };
         apply_rope(&mut half, 5, &rope(RopeStyle::HalfSplit));
         let mut inter: Vec<f32> =
             (0..8).map(|r| canonical[if r % 2 == 0 { r / 2 } else { 4 + r / 2 }]).collect();

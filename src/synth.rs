@@ -880,7 +880,10 @@ fn write_synthetic_as(
         return Err(invalid("mtp_layers", "MTP layers are written to GGUF files only".into()));
     }
     if opts.format == SynthFormat::Gguf && config.global_attention.is_some() {
-        return Err(invalid("format", format!("{} is written as safetensors only", opts.adapter.hf_model_type)));
+        return Err(invalid(
+            "format",
+            format!("{} is written as safetensors only", opts.adapter.hf_model_type),
+        ));
     }
     let generator = WeightGenerator::new(&config, opts);
     let mut tensors = match opts.format {

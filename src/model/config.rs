@@ -527,7 +527,9 @@ impl<'a> HfFields<'a> {
         let sliding_theta = match &sliding {
             Some(s) => {
                 if let Some(t) = s.opt_str("rope_type")?.filter(|t| *t != "default") {
-                    return Err(self.invalid(&field("sliding_attention"), format!("'{t}' RoPE is not supported")));
+                    return Err(
+                        self.invalid(&field("sliding_attention"), format!("'{t}' RoPE is not supported"))
+                    );
                 }
                 s.opt_f64("rope_theta")?.unwrap_or(10_000.0) as f32
             }
@@ -539,14 +541,19 @@ impl<'a> HfFields<'a> {
                     Some("proportional") => g.opt_f64("partial_rotary_factor")?.unwrap_or(1.0),
                     None | Some("default") => 1.0,
                     Some(t) => {
-                        return Err(self.invalid(&field("full_attention"), format!("'{t}' RoPE is not supported")))
+                        return Err(
+                            self.invalid(&field("full_attention"), format!("'{t}' RoPE is not supported"))
+                        )
                     }
                 };
                 if g.opt_f64("factor")?.is_some_and(|f| f != 1.0) {
-                    return Err(self.invalid(&field("full_attention"), "a RoPE 'factor' other than 1 is not supported"));
+                    return Err(self
+                        .invalid(&field("full_attention"), "a RoPE 'factor' other than 1 is not supported"));
                 }
                 if !(factor > 0.0 && factor <= 1.0) {
-                    return Err(self.invalid(&field("full_attention"), format!("partial_rotary_factor {factor}")));
+                    return Err(
+                        self.invalid(&field("full_attention"), format!("partial_rotary_factor {factor}"))
+                    );
                 }
                 (g.opt_f64("rope_theta")?.unwrap_or(1_000_000.0) as f32, factor)
             }
@@ -567,23 +574,38 @@ impl<'a> HfFields<'a> {
             };
             return Ok((head_dim, kv.unwrap_or(c.n_kv_heads)));
         };
-        let map = per_layer.as_object().ok_or_else(|| self.wrong("per_layer_config", "an object", per_layer))?;
+        let map =
+            per_layer.as_object().ok_or_else(|| self.wrong("per_layer_config", "an object", per_layer))?;
         let mut sizes = None;
         for l in (0..c.n_layers).filter(|l| !sliding.contains(l)) {
             let entry = map.get(&l.to_string()).filter(|v| !v.is_null());
             let e = entry.map(|value| HfFields { path: self.path, value });
-            let head_dim = e.as_ref().map(|e| e.opt_usize("head_dim")).transpose()?.flatten().unwrap_or(c.head_dim);
+            let head_dim =
+                e.as_ref().map(|e| e.opt_usize("head_dim")).transpose()?.flatten().unwrap_or(c.head_dim);
             let kv = e.as_ref().map(|e| e.opt_usize("num_key_value_heads")).transpose()?.flatten();
             let this = (head_dim, kv.unwrap_or(c.n_kv_heads));
             if sizes.is_some_and(|s| s != this) {
-                return Err(self.invalid("per_layer_config", format!("layer {l}: every global layer must have the same sizes")));
+                return Err(self.invalid(
+                    "per_layer_config",
+                    format!("layer {l}: every global layer must have the same sizes"),
+                ));
             }
             sizes = Some(this);
         }
         if let Some(l) = sliding.iter().find(|l| map.contains_key(&l.to_string())) {
-            return Err(self.invalid("per_layer_config", format!("sliding layer {l}: overrides are not supported")));
+            return Err(
+                self.invalid("per_layer_config", format!("sliding layer {l}: overrides are not supported"))
+            );
         }
         Ok(sizes.unwrap_or((c.head_dim, c.n_kv_heads)))
+    }
+
+    /// `num_experts_per_tok`, or Gemma 4's `top_k_experts`.
+    fn experts_per_token(&self) -> Result<usize, ConfigError> {
+        match self.opt_usize("top_k_experts")? {
+            Some(k) => Ok(k),
+            None => self.usize("num_experts_per_tok"),
+        }
     }
 
     /// GPT-OSS's clamped SwiGLU constants: the kernels implement 1.702 and 7 only.
@@ -682,11 +704,7 @@ impl ModelConfig {
             head_dim,
             vocab: f.usize("vocab_size")?,
             n_experts: dims.n_experts,
-            // Gemma 4 says `top_k_experts`.
-            n_experts_used: match f.opt_usize("top_k_experts")? {
-                Some(k) => k,
-                None => f.usize("num_experts_per_tok")?,
-            },
+            n_experts_used: f.experts_per_token()?,
             expert_ff: dims.expert_ff,
             shared_expert_ff: dims.shared_expert_ff,
             rms_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
@@ -715,9 +733,7 @@ impl ModelConfig {
             embedding_scale: None,
             final_logit_softcap: None,
         };
-        if adapter.arch == Arch::Gemma4 {
-            f.gemma4(&mut config)?;
-        }
+        (adapter.arch == Arch::Gemma4).then(|| f.gemma4(&mut config)).transpose()?;
         config.validate().map_err(|(field, reason)| f.invalid(field, reason))?;
         // Read only where the architecture leaves the biases to the config (GLM-4.5), so a
         // config's flag never disagrees with an architecture that fixes them.
@@ -787,7 +803,10 @@ impl ModelConfig {
         self.validate_deepseek()?;
         if let Some(g) = &self.global_attention {
             if g.head_dim == 0 || !g.head_dim.is_multiple_of(2) || g.turning_pairs > g.head_dim / 2 {
-                return Err(("per_layer_config.head_dim", format!("global head dim {}: must be even and positive", g.head_dim)));
+                return Err((
+                    "per_layer_config.head_dim",
+                    format!("global head dim {}: must be even and positive", g.head_dim),
+                ));
             }
             if g.n_kv_heads == 0 || !self.n_heads.is_multiple_of(g.n_kv_heads) {
                 return Err((
@@ -1079,5 +1098,38 @@ mod tests {
         v["mlp_only_layers"] = json!([0]);
         let err = ModelConfig::from_hf_json(&v, Path::new("c.json")).unwrap_err().to_string();
         assert!(err.contains("mlp_only_layers"), "{err}");
+    }
+
+    /// The published nested `gemma4` form reads its `text_config`; what the plan cannot run is
+    /// refused by field.
+    #[test]
+    fn gemma4_nested_config_and_its_refusals() {
+        let text = json!({
+            "model_type": "gemma4_text", "num_hidden_layers": 4, "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 311,
+            "num_experts": 8, "top_k_experts": 3, "moe_intermediate_size": 16, "intermediate_size": 48,
+            "enable_moe_block": true, "sliding_window": 8, "global_head_dim": 32,
+            "num_global_key_value_heads": 1, "attention_k_eq_v": true,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"
+        });
+        let v = json!({"model_type": "gemma4", "text_config": text.clone(), "vision_config": {}});
+        let (c, a) = ModelConfig::from_hf_json(&v, Path::new("c.json")).unwrap();
+        assert_eq!(a.arch, Arch::Gemma4);
+        let g = c.global_attention.unwrap();
+        assert_eq!((g.head_dim, g.n_kv_heads, g.turning_pairs, g.values_from_keys), (32, 1, 4, true));
+        assert_eq!((c.window_of(0), c.window_of(1), c.n_experts_used), (Some(8), None, 3));
+        assert_eq!((c.layer_kv_dim(0), c.layer_kv_dim(1), c.shared_expert_ff), (32, 32, 48));
+        for (field, value) in [
+            ("hidden_size_per_layer_input", json!(256)),
+            ("num_kv_shared_layers", json!(2)),
+            ("enable_moe_block", json!(false)),
+            ("hidden_activation", json!("silu")),
+        ] {
+            let mut t = text.clone();
+            t[field] = value;
+            let err = ModelConfig::from_hf_json(&t, Path::new("c.json")).unwrap_err().to_string();
+            assert!(err.contains(field), "{field}: {err}");
+        }
     }
 }

@@ -17,12 +17,12 @@ use crate::format::gguf::{GgufError, GgufFile, MetaValue};
 use crate::format::safetensors::{SafetensorsError, SafetensorsModel};
 use crate::format::tensor::TensorError;
 use crate::format::tensor::TensorRef;
+use crate::model::arch::HfNaming;
 use crate::model::arch::{
     Adapter, AttentionSpec, DeltaNetSpec, Ffn, LatentAttentionSpec, LayerPlan, LayerSpec, Mixer, QkNorm,
 };
 use crate::model::config::{ConfigError, HybridConfig, ModelConfig};
 use crate::model::expert_extras::{ExpertBiasRef, LayerExpertBiases, OwnedLayerExperts};
-use crate::model::arch::HfNaming;
 use crate::model::naming::{ExpertProj, GlobalRole, LayerRole};
 use serde::Serialize;
 use std::path::{Path, PathBuf};

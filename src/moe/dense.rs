@@ -94,7 +94,10 @@ impl LayerVectors {
         let moe = spec.as_moe();
         let root = (model.config().hidden as f32).powf(-0.5);
         let post_norms = match spec.post_norms {
-            true => Some([req_norm(model, l, LayerRole::PostAttnNorm)?, req_norm(model, l, LayerRole::PostFfnNorm)?]),
+            true => Some([
+                req_norm(model, l, LayerRole::PostAttnNorm)?,
+                req_norm(model, l, LayerRole::PostFfnNorm)?,
+            ]),
             false => None,
         };
         let branch_norms = match moe.is_some_and(|m| m.branch_norms) {
@@ -238,10 +241,7 @@ pub(crate) enum MixerMatrices<'m> {
     },
     /// The input projections as stored (grouped: `qkvz`, `ba`; split: `qkv`, `z`, `b`, `a`) and
     /// the output projection.
-    DeltaNet {
-        inputs: Vec<DenseMatrix<'m>>,
-        out: DenseMatrix<'m>,
-    },
+    DeltaNet { inputs: Vec<DenseMatrix<'m>>, out: DenseMatrix<'m> },
     /// Latent attention: `q_a` (low-rank q), `q_b` or `q`, `kv_a`, the per-head `k_b`
     /// (`heads * kv_lora_rank` rows of `nope`) and `v_b` (`heads * v` rows of `kv_lora_rank`),
     /// `o`.

@@ -933,8 +933,7 @@ impl Pipeline {
             rms_norm_row(x, &w.attn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
         }
         let q_out = if output_gate { &mut a.q_gated[..2 * n * qd] } else { &mut a.q[..n * qd] };
-        let mut parts =
-            vec![MatmulPart { w: *wq, y: q_out }, MatmulPart { w: *wk, y: &mut a.k[..n * kvd] }];
+        let mut parts = vec![MatmulPart { w: *wq, y: q_out }, MatmulPart { w: *wk, y: &mut a.k[..n * kvd] }];
         if let Some(wv) = wv {
             parts.push(MatmulPart { w: *wv, y: &mut a.v[..n * kvd] });
         }
@@ -1071,7 +1070,8 @@ impl Pipeline {
             QkNorm::PerHead => (w.q_norm.as_deref(), w.k_norm.as_deref()),
             _ => (None, None),
         };
-        let (a, rope, positions, pool) = (&mut self.act, &table.table, &self.positions, self.dense.pool_mut());
+        let (a, rope, positions, pool) =
+            (&mut self.act, &table.table, &self.positions, self.dense.pool_mut());
         for (buf, dim, norm) in [(&mut a.q[..n * qd], qd, qn), (&mut a.k[..n * kvd], kvd, kn)] {
             let heads_per_token = dim / hd;
             par_chunks_mut(pool, buf, hd, &|i, head| {

@@ -273,6 +273,8 @@ mod tests {
                         n_group: 1,
                         topk_group: 1,
                         scale: 1.0,
+                        scaled_input: false,
+                        per_expert_scale: false,
                     };
                     let mut router = Router::new(opts, 8);
                     let routes = router.route(&logits, n_tokens).unwrap().clone();
@@ -300,6 +302,8 @@ mod tests {
             n_group: 1,
             topk_group: 1,
             scale: 1.0,
+            scaled_input: false,
+            per_expert_scale: false,
         };
         let mut router = Router::new(opts, 2);
         let ptr = router.routes().expert_ids.as_ptr();
@@ -329,6 +333,8 @@ mod tests {
                     n_group,
                     topk_group,
                     scale: 2.5,
+                    scaled_input: false,
+                    per_expert_scale: false,
                 };
                 let mut router = Router::new(opts, 8).with_selection_bias(bias.clone());
                 let routes = router.route(&logits, n_tokens).unwrap().clone();

@@ -43,7 +43,10 @@ fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
         nope_dim: m.qk_nope_head_dim,
         rope_dim: m.qk_rope_head_dim,
         v_dim: m.v_head_dim,
-        rope: RopeSpec { style: c.rope_style, theta: c.rope_theta, dims: m.qk_rope_head_dim,
+        rope: RopeSpec {
+            style: c.rope_style,
+            theta: c.rope_theta,
+            dims: m.qk_rope_head_dim,
             yarn: c.yarn,
             turning_pairs: None,
         },

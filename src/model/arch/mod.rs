@@ -1050,6 +1050,7 @@ mod tests {
             let hybrid = a.hybrid.delta_net.is_some();
             let deepseek = a.arch == Arch::DeepseekV3;
             let glm = a.arch == Arch::Glm4Moe;
+            let gemma = a.arch == Arch::Gemma4;
             for (l, spec) in plan.layers().iter().enumerate() {
                 // DeepSeek-V3: a dense first layer, then sigmoid-routed MoE with an ungated
                 // shared expert; latent attention everywhere.
@@ -1089,19 +1090,28 @@ mod tests {
                 );
                 let oss = a.arch == Arch::GptOss;
                 assert_eq!((att.sinks, att.o_bias, att.rope.yarn.is_some()), (oss, oss, oss), "{:?}", a.arch);
-                assert_eq!(att.window.is_some(), oss && l % 2 == 0, "{:?} layer {l}", a.arch);
+                let sliding = (oss || gemma) && l % 2 == 0 && !(gemma && l + 1 == c.n_layers);
+                assert_eq!(att.window.is_some(), sliding, "{:?} layer {l}", a.arch);
+                // Gemma 4: its global layers have their own head dim, keys as values and
+                // proportional RoPE; every layer its norms, scalar, scaled router, branch norms.
+                assert_eq!(att.values_from_keys, gemma && !sliding, "{:?} layer {l}", a.arch);
+                assert_eq!(att.rope.turning_pairs.is_some(), gemma && !sliding, "{:?} layer {l}", a.arch);
+                assert_eq!((spec.post_norms, spec.output_scale, att.v_norm), (gemma, gemma, gemma));
+                assert_eq!((moe.branch_norms, moe.router.scaled_input), (gemma, gemma), "{:?}", a.arch);
                 assert_eq!((moe.router.bias, moe.expert_bias), (oss, oss), "{:?}", a.arch);
                 assert_eq!(att.output_gate, hybrid, "{:?}", a.arch);
                 assert_eq!(att.rope.dims < att.head_dim, hybrid || glm, "{:?}: partial RoPE", a.arch);
                 let expected_norm = match a.arch {
-                    Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe | Arch::Glm4Moe => QkNorm::PerHead,
+                    Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe | Arch::Glm4Moe | Arch::Gemma4 => {
+                        QkNorm::PerHead
+                    }
                     Arch::Olmoe => QkNorm::WholeProjection,
                     Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss => QkNorm::None,
                     Arch::DeepseekV3 => unreachable!("latent attention, checked above"),
                 };
                 assert_eq!(att.qk_norm, expected_norm);
             }
-            let runs = if hybrid || a.arch == Arch::GptOss || deepseek || glm { 2 } else { 1 };
+            let runs = if hybrid || a.arch == Arch::GptOss || deepseek || glm || gemma { 2 } else { 1 };
             assert_eq!(plan.summary().len().min(2), runs, "{:?}", plan.summary());
         }
     }
