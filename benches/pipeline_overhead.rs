@@ -90,6 +90,8 @@ fn router() -> Router {
             n_group: 1,
             topk_group: 1,
             scale: 1.0,
+            scaled_input: false,
+            per_expert_scale: false,
         },
         1,
     )

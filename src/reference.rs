@@ -168,6 +168,15 @@ struct LayerWeights {
     shared: Option<SharedExpert>,
     /// A dense FFN layer's gate, up and down.
     dense: Option<[Vec<f32>; 3]>,
+    /// The sandwich norms of the mixer's and the FFN's outputs (`LayerSpec::post_norms`).
+    post_norms: Option<[Vec<f32>; 2]>,
+    /// The layer's output scalar (`LayerSpec::output_scale`).
+    output_scale: Option<f32>,
+    /// The router's input scale and per-expert scale, when it has them.
+    router_input_scale: Option<Vec<f32>>,
+    router_expert_scale: Option<Vec<f32>>,
+    /// `MoeSpec::branch_norms`: the shared branch's post norm, the experts' pre and post norms.
+    branch_norms: Option<[Vec<f32>; 3]>,
 }
 
 enum MixerWeights {
@@ -194,7 +203,8 @@ struct LatentWeights {
 struct AttentionWeights {
     q: Vec<f32>,
     k: Vec<f32>,
-    v: Vec<f32>,
+    /// `None`: the values are the k projection's output (`AttentionSpec::values_from_keys`).
+    v: Option<Vec<f32>>,
     o: Vec<f32>,
     q_bias: Option<Vec<f32>>,
     k_bias: Option<Vec<f32>>,
@@ -345,6 +355,9 @@ impl<'m> Reference<'m> {
         let position = cache.n_positions;
         let row = token as usize * c.hidden;
         let mut hidden = self.embedding[row..row + c.hidden].to_vec();
+        if let Some(scale) = c.embedding_scale {
+            hidden.iter_mut().for_each(|x| *x *= scale);
+        }
         for (layer_idx, layer) in self.layers.iter().enumerate() {
             let normed = rms_norm(&hidden, &layer.attn_norm, c.rms_eps);
             let state = &mut cache.layers[layer_idx];
@@ -364,14 +377,23 @@ impl<'m> Reference<'m> {
                 }
                 _ => unreachable!("weights and state are built from the same plan"),
             };
-            add_into(&mut hidden, &mixed);
+            let post = |x: Vec<f32>, i: usize| match &layer.post_norms {
+                Some(norms) => rms_norm(&x, &norms[i], c.rms_eps),
+                None => x,
+            };
+            add_into(&mut hidden, &post(mixed, 0));
             let normed = rms_norm(&hidden, &layer.ffn_norm, c.rms_eps);
             let ffn = match (&layer.ffn, &layer.dense) {
-                (Ffn::Moe(spec), _) => self.moe(spec, layer, layer_idx, &normed, position, observer)?,
+                (Ffn::Moe(spec), _) => {
+                    self.moe(spec, layer, layer_idx, &hidden, &normed, position, observer)?
+                }
                 (Ffn::Dense(d), Some([gate, up, down])) => ffn(gate, up, down, &normed, d.ff, d.activation),
                 (Ffn::Dense(_), None) => unreachable!("dense weights are loaded for dense layers"),
             };
-            add_into(&mut hidden, &ffn);
+            add_into(&mut hidden, &post(ffn, 1));
+            if let Some(scale) = layer.output_scale {
+                hidden.iter_mut().for_each(|x| *x *= scale);
+            }
         }
         cache.n_positions += 1;
         Ok(hidden)
@@ -380,7 +402,11 @@ impl<'m> Reference<'m> {
     fn logits(&self, hidden: &[f32]) -> Vec<f32> {
         let normed = rms_norm(hidden, &self.final_norm, self.config.rms_eps);
         let head = self.lm_head.as_deref().unwrap_or(&self.embedding);
-        matvec(head, &normed, self.config.vocab)
+        let mut logits = matvec(head, &normed, self.config.vocab);
+        if let Some(cap) = self.config.final_logit_softcap {
+            logits.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+        }
+        logits
     }
 
     fn attention(
@@ -393,11 +419,22 @@ impl<'m> Reference<'m> {
         position: usize,
     ) -> Vec<f32> {
         let c = &self.config;
-        let (hd, n_heads, n_kv) = (spec.head_dim, c.n_heads, c.n_kv_heads);
-        let q_rows = if spec.output_gate { 2 * c.q_dim() } else { c.q_dim() };
+        let (hd, n_heads, n_kv) = (spec.head_dim, c.n_heads, spec.n_kv_heads);
+        let (q_dim, kv_dim) = (spec.q_dim(n_heads), spec.kv_dim());
+        let q_rows = if spec.output_gate { 2 * q_dim } else { q_dim };
         let mut q = matvec(&w.q, x, q_rows);
-        let mut k = matvec(&w.k, x, c.kv_dim());
-        let mut v = matvec(&w.v, x, c.kv_dim());
+        let mut k = matvec(&w.k, x, kv_dim);
+        let mut v = match &w.v {
+            Some(wv) => matvec(wv, x, kv_dim),
+            None => k.clone(),
+        };
+        if spec.v_norm {
+            let ones = vec![1.0; hd];
+            for head in v.chunks_mut(hd) {
+                let normed = rms_norm(head, &ones, c.rms_eps);
+                head.copy_from_slice(&normed);
+            }
+        }
         for (proj, bias) in [(&mut q, &w.q_bias), (&mut k, &w.k_bias), (&mut v, &w.v_bias)] {
             if let Some(b) = bias {
                 add_into(proj, b);
@@ -441,14 +478,14 @@ impl<'m> Reference<'m> {
             Some(window) => (position + 1).saturating_sub(window),
             None => 0,
         };
-        let scale = 1.0 / (hd as f32).sqrt();
+        let scale = spec.softmax_scale();
         let group = n_heads / n_kv;
-        let mut out = vec![0.0; c.q_dim()];
+        let mut out = vec![0.0; q_dim];
         for head in 0..n_heads {
             let kv_head = head / group;
             let qh = &q[head * hd..(head + 1) * hd];
             let mut scores: Vec<f32> = (first_visible..=position)
-                .map(|p| dot(qh, &keys[p * c.kv_dim() + kv_head * hd..][..hd]) * scale)
+                .map(|p| dot(qh, &keys[p * kv_dim + kv_head * hd..][..hd]) * scale)
                 .collect();
             // A sink logit joins the softmax and is dropped: it takes probability, attends nothing.
             if let Some(sinks) = &w.sinks {
@@ -457,7 +494,7 @@ impl<'m> Reference<'m> {
             let probs = softmax(&scores);
             let oh = &mut out[head * hd..(head + 1) * hd];
             for (p, prob) in (first_visible..=position).zip(probs) {
-                let vh = &values[p * c.kv_dim() + kv_head * hd..][..hd];
+                let vh = &values[p * kv_dim + kv_head * hd..][..hd];
                 for (o, val) in oh.iter_mut().zip(vh) {
                     *o += prob * val;
                 }
@@ -475,24 +512,48 @@ impl<'m> Reference<'m> {
         y
     }
 
+    /// The MoE block over `normed` (the FFN norm's output of `residual`, the layer's input).
+    #[allow(clippy::too_many_arguments)]
     fn moe(
         &self,
         spec: &MoeSpec,
         w: &LayerWeights,
         layer_idx: usize,
-        x: &[f32],
+        residual: &[f32],
+        normed: &[f32],
         position: usize,
         observer: &mut dyn RoutingObserver,
     ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let r = &spec.router;
-        let mut logits = matvec(&w.router, x, r.n_experts);
+        // The router's input: the FFN norm's output, or (Gemma 4) the residual through a
+        // weightless RMSNorm times the learned scale and `hidden^-0.5`.
+        let router_in = match &w.router_input_scale {
+            Some(scale) => {
+                let root = (c.hidden as f32).powf(-0.5);
+                let ones = vec![1.0; c.hidden];
+                let n = rms_norm(residual, &ones, c.rms_eps);
+                n.iter().zip(scale).map(|(v, s)| v * s * root).collect()
+            }
+            None => normed.to_vec(),
+        };
+        // The experts' input: their own norm of the residual (branch norms) or the FFN norm's.
+        let x = match &w.branch_norms {
+            Some([_, pre, _]) => rms_norm(residual, pre, c.rms_eps),
+            None => normed.to_vec(),
+        };
+        let x = x.as_slice();
+        let mut logits = matvec(&w.router, &router_in, r.n_experts);
         if let Some(b) = &w.router_bias {
             add_into(&mut logits, b);
         }
         let chosen = match r.variant {
             RoutingVariant::Sigmoid => route_sigmoid(&logits, w.selection_bias.as_deref(), r),
             _ => route(&logits, r.n_experts_used, r.variant, r.norm_topk_prob),
+        };
+        let chosen: Vec<(usize, f32)> = match &w.router_expert_scale {
+            Some(s) => chosen.iter().map(|&(e, wt)| (e, wt * s[e])).collect(),
+            None => chosen,
         };
         observer.on_route(layer_idx, position, &chosen);
         let mut out = vec![0.0; c.hidden];
@@ -506,6 +567,14 @@ impl<'m> Reference<'m> {
             for (o, v) in out.iter_mut().zip(&y) {
                 *o += weight * v;
             }
+        }
+        if let Some([shared_post, _, experts_post]) = &w.branch_norms {
+            // Each branch normalised, then added: the shared (dense) one reads the FFN norm's output.
+            let shared = w.shared.as_ref().expect("branch norms come with the dense branch");
+            let y = ffn(&shared.gate, &shared.up, &shared.down, normed, shared.ff, spec.activation);
+            let mut out = rms_norm(&out, experts_post, c.rms_eps);
+            add_into(&mut out, &rms_norm(&y, shared_post, c.rms_eps));
+            return Ok(out);
         }
         if let Some(shared) = &w.shared {
             let y = ffn(&shared.gate, &shared.up, &shared.down, x, shared.ff, spec.activation);
@@ -544,7 +613,7 @@ fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorErr
             MixerWeights::Attention(AttentionWeights {
                 q: req(LayerRole::Q)?,
                 k: req(LayerRole::K)?,
-                v: req(LayerRole::V)?,
+                v: get(LayerRole::V)?,
                 o: req(LayerRole::O)?,
                 q_bias: get(LayerRole::QBias)?,
                 k_bias: get(LayerRole::KBias)?,
@@ -599,6 +668,33 @@ fn load_layer(model: &Model, layer_idx: usize) -> Result<LayerWeights, TensorErr
         },
         shared,
         dense,
+        post_norms: match spec.post_norms {
+            true => Some([
+                norm(LayerRole::PostAttnNorm)?.expect("validated"),
+                norm(LayerRole::PostFfnNorm)?.expect("validated"),
+            ]),
+            false => None,
+        },
+        output_scale: match spec.output_scale {
+            true => Some(req(LayerRole::LayerScalar)?[0]),
+            false => None,
+        },
+        router_input_scale: match spec.as_moe() {
+            Some(m) if m.router.scaled_input => Some(req(LayerRole::RouterInputScale)?),
+            _ => None,
+        },
+        router_expert_scale: match spec.as_moe() {
+            Some(m) if m.router.per_expert_scale => Some(req(LayerRole::RouterExpertScale)?),
+            _ => None,
+        },
+        branch_norms: match spec.as_moe() {
+            Some(m) if m.branch_norms => Some([
+                norm(LayerRole::SharedPostNorm)?.expect("validated"),
+                norm(LayerRole::ExpertsNorm)?.expect("validated"),
+                norm(LayerRole::ExpertsPostNorm)?.expect("validated"),
+            ]),
+            _ => None,
+        },
     })
 }
 
@@ -847,6 +943,8 @@ pub fn route(logits: &[f32], k: usize, variant: RoutingVariant, norm_topk_prob: 
                 n_group: 1,
                 topk_group: 1,
                 scale: 1.0,
+                scaled_input: false,
+                per_expert_scale: false,
             };
             route_sigmoid(logits, None, &spec)
         }
@@ -961,7 +1059,8 @@ fn softmax(x: &[f32]) -> Vec<f32> {
 fn apply_rope(head: &mut [f32], position: usize, rope: &RopeSpec) {
     let d = head.len();
     let half = d / 2;
-    for i in 0..half {
+    // A proportional RoPE's pairs past its turning ones have frequency 0: they stay.
+    for i in 0..rope.turning_pairs.map_or(half, |n| n.min(half)) {
         let (inv_freq, scale) = match &rope.yarn {
             None => (1.0 / (rope.theta as f64).powf(2.0 * i as f64 / d as f64), 1.0),
             Some(y) => (y.inv_freq(i, d, rope.theta), y.attention_factor as f64),
@@ -1016,7 +1115,7 @@ mod tests {
     fn rope_styles_agree_on_permuted_input() {
         let canonical: Vec<f32> = (0..8).map(|i| i as f32 * 0.37 - 1.0).collect();
         let mut half = canonical.clone();
-        let rope = |style| RopeSpec { style, theta: 10000.0, dims: 8, yarn: None };
+        let rope = |style| RopeSpec { style, theta: 10000.0, dims: 8, yarn: None, turning_pairs: None };
         apply_rope(&mut half, 5, &rope(RopeStyle::HalfSplit));
         let mut inter: Vec<f32> =
             (0..8).map(|r| canonical[if r % 2 == 0 { r / 2 } else { 4 + r / 2 }]).collect();

@@ -432,6 +432,9 @@ pub fn synth_config(
     if adapter.arch == Arch::DeepseekV3 {
         deepseek_traits(&mut c, preset);
     }
+    if adapter.arch == Arch::Gemma4 {
+        gemma4_traits(&mut c);
+    }
     if adapter.arch == Arch::Glm4Moe {
         glm_traits(&mut c, preset);
         c.attention_bias = dims.attention_bias.unwrap_or(true);
@@ -482,6 +485,9 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             sigmoid_routing: None,
             qk_norm: false,
             attention_bias: false,
+            global_attention: None,
+            embedding_scale: None,
+            final_logit_softcap: None,
         },
         Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b => {
             let next = preset == Preset::Qwen3Next80bA3b;
@@ -525,6 +531,9 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                 sigmoid_routing: None,
                 qk_norm: false,
                 attention_bias: false,
+                global_attention: None,
+                embedding_scale: None,
+                final_logit_softcap: None,
             }
         }
         Preset::DeepseekV3 | Preset::KimiK2 => deepseek_preset(adapter, preset),
@@ -599,6 +608,9 @@ fn tiny_config(adapter: &Adapter) -> ModelConfig {
         sigmoid_routing: None,
         qk_norm: false,
         attention_bias: false,
+        global_attention: None,
+        embedding_scale: None,
+        final_logit_softcap: None,
     }
 }
 
@@ -708,6 +720,25 @@ fn gpt_oss_traits(c: &mut ModelConfig, preset: Preset) {
     });
     c.rms_eps = 1e-5;
     c.norm_topk_prob = false;
+}
+
+/// Gemma 4's traits over the chosen dims: even layers sliding (window 16), the others (the last
+/// always) global with twice the head dim, one KV head, keys as values and proportional RoPE
+/// on a quarter of each head; embeddings times `sqrt(hidden)`, logits capped at 30.
+fn gemma4_traits(c: &mut ModelConfig) {
+    c.sliding_window = Some(16);
+    c.sliding_window_layers = Some((0..c.n_layers).filter(|l| l % 2 == 0 && l + 1 != c.n_layers).collect());
+    c.rotary_dims = c.head_dim;
+    c.global_attention = Some(crate::model::config::GlobalAttention {
+        head_dim: 2 * c.head_dim,
+        n_kv_heads: 1,
+        rope_theta: 1_000_000.0,
+        turning_pairs: (2 * c.head_dim) / 8,
+        values_from_keys: true,
+    });
+    c.embedding_scale = Some((c.hidden as f64).sqrt() as f32);
+    c.final_logit_softcap = Some(30.0);
+    c.norm_topk_prob = true;
 }
 
 /// One layer in this many is full attention in the Qwen hybrids (`full_attention_interval`).
@@ -847,6 +878,12 @@ fn write_synthetic_as(
     }
     if opts.format == SynthFormat::Safetensors && config.mtp_layers > 0 {
         return Err(invalid("mtp_layers", "MTP layers are written to GGUF files only".into()));
+    }
+    if opts.format == SynthFormat::Gguf && config.global_attention.is_some() {
+        return Err(invalid(
+            "format",
+            format!("{} is written as safetensors only", opts.adapter.hf_model_type),
+        ));
     }
     let generator = WeightGenerator::new(&config, opts);
     let mut tensors = match opts.format {
@@ -1546,6 +1583,14 @@ fn layer_init(c: &ModelConfig, role: LayerRole) -> Init {
         // dt_bias and A_log around zero: decays exp(-exp(A_log) * softplus(a + dt_bias)) near 1/2.
         LayerRole::DeltaDtBias | LayerRole::DeltaALog => Init::Uniform(0.5),
         LayerRole::DeltaNorm => Init::NormWeight,
+        LayerRole::PostAttnNorm
+        | LayerRole::PostFfnNorm
+        | LayerRole::SharedPostNorm
+        | LayerRole::ExpertsNorm
+        | LayerRole::ExpertsPostNorm
+        | LayerRole::RouterInputScale
+        | LayerRole::RouterExpertScale
+        | LayerRole::LayerScalar => norm_init(c),
         LayerRole::DeltaOut => {
             let value_dim = c.hybrid.as_ref().map_or(c.hidden, |h| h.n_v_heads * h.v_head_dim);
             Init::ResidualWriter(0.5 * inv_sqrt(value_dim))
@@ -1687,12 +1732,13 @@ fn hf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> {
                 .flat_map(|e| [ExpertProj::Gate, ExpertProj::Up].map(|p| expert_part(c, a, layer_idx, e, p)))
                 .collect();
             push(
-                &naming::hf_fused_experts(layer_idx, false),
+                &naming::hf_fused_experts_of(a.hf_naming, layer_idx, false),
                 gate_up,
                 vec![c.n_experts, 2 * c.expert_ff, c.hidden],
             );
             let down = (0..c.n_experts).map(|e| expert_part(c, a, layer_idx, e, ExpertProj::Down)).collect();
-            push(&naming::hf_fused_experts(layer_idx, true), down, vec![c.n_experts, c.hidden, c.expert_ff]);
+            let down_name = naming::hf_fused_experts_of(a.hf_naming, layer_idx, true);
+            push(&down_name, down, vec![c.n_experts, c.hidden, c.expert_ff]);
             continue;
         }
         for expert_idx in 0..c.n_experts {

@@ -304,7 +304,11 @@ pub(crate) fn qk_fusable(a: &AttentionSpec) -> bool {
 /// too), and Gated DeltaNet layers whose key heads fit the kernel's registers.
 pub(crate) fn runs_mixer(m: &Mixer) -> bool {
     match m {
-        Mixer::Attention(_) => true,
+        // Gemma 4's proportional RoPE, keys as values, v norm and score scale have no kernels
+        // here yet.
+        Mixer::Attention(a) => {
+            a.rope.turning_pairs.is_none() && !a.values_from_keys && !a.v_norm && a.scale.is_none()
+        }
         // Latent attention (DeepSeek-V3) has no kernels here yet.
         Mixer::LatentAttention(_) => false,
         Mixer::GatedDeltaNet(d) => {

@@ -97,6 +97,21 @@ impl GpuModel {
         if let Some((layer_idx, kind)) = model.plan().first_unsupported(super::mixer::runs_mixer) {
             return Err(GpuError::Mixer { layer_idx, kind });
         }
+        // Layers with their own head dim or KV heads (Gemma 4's global layers), sandwich norms and
+        // output scalars have no kernels here yet; nor embedding scales or soft-capped logits.
+        let own_sizes = |l: &crate::model::arch::LayerSpec| {
+            l.as_attention().is_some_and(|a| a.head_dim != cfg.head_dim || a.n_kv_heads != cfg.n_kv_heads)
+        };
+        if let Some(layer_idx) = model.plan().layers().iter().position(own_sizes) {
+            return Err(GpuError::Mixer { layer_idx, kind: "attention with its own head dim or KV heads" });
+        }
+        let sandwich = |l: &crate::model::arch::LayerSpec| l.post_norms || l.output_scale;
+        if let Some(layer_idx) = model.plan().layers().iter().position(sandwich) {
+            return Err(GpuError::Mixer { layer_idx, kind: "a layer with post norms or an output scalar" });
+        }
+        if cfg.embedding_scale.is_some() || cfg.final_logit_softcap.is_some() {
+            return Err(GpuError::Mixer { layer_idx: 0, kind: "scaled embeddings or soft-capped logits" });
+        }
         let activation = model.plan().expert_activation();
         if activation != crate::model::arch::FfnActivation::Silu {
             return Err(GpuError::Activation { activation });
@@ -112,6 +127,16 @@ impl GpuModel {
         let biased = |l: &crate::model::arch::LayerSpec| l.as_moe().is_some_and(|m| m.expert_bias);
         if let Some(layer_idx) = model.plan().layers().iter().position(biased) {
             return Err(GpuError::Ffn { layer_idx, kind: "mixture of experts with expert biases" });
+        }
+        // Gemma 4's scaled router, per-expert scales and per-branch norms have no kernels here yet.
+        let gemma = |l: &crate::model::arch::LayerSpec| {
+            l.as_moe().is_some_and(|m| m.router.scaled_input || m.router.per_expert_scale || m.branch_norms)
+        };
+        if let Some(layer_idx) = model.plan().layers().iter().position(gemma) {
+            return Err(GpuError::Ffn {
+                layer_idx,
+                kind: "mixture of experts with a scaled router, per-expert scales or branch norms",
+            });
         }
         Ok(())
     }

@@ -70,6 +70,27 @@ pub struct ModelConfig {
     /// true in GLM-4.5/4.6 and false in some derivatives; GGUF: `attn_q.bias` tensors present).
     /// Architectures whose biases are fixed ignore it.
     pub attention_bias: bool,
+    /// The global (full-attention) layers' own sizes beside the sliding ones' (Gemma 4);
+    /// `None`: every layer has the sizes above.
+    pub global_attention: Option<GlobalAttention>,
+    /// Token embeddings are multiplied by this before the first layer (Gemma: `sqrt(hidden)`).
+    pub embedding_scale: Option<f32>,
+    /// Final logits are soft-capped, `cap * tanh(logits / cap)` (`final_logit_softcapping`).
+    pub final_logit_softcap: Option<f32>,
+}
+
+/// Gemma 4's global layers: their head dim, KV heads, proportional RoPE and k-as-v
+/// (`per_layer_config` / `global_head_dim`, `num_global_key_value_heads`, `attention_k_eq_v`,
+/// `rope_parameters.full_attention`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct GlobalAttention {
+    pub head_dim: usize,
+    pub n_kv_heads: usize,
+    pub rope_theta: f32,
+    /// The proportional RoPE's turning pairs: `partial_rotary_factor * head_dim / 2`.
+    pub turning_pairs: usize,
+    /// No v projection: the values are the k projection's output.
+    pub values_from_keys: bool,
 }
 
 /// The latent attention's sizes (transformers' names).
@@ -439,6 +460,154 @@ impl<'a> HfFields<'a> {
         }))
     }
 
+    /// Gemma 4's fields (`config` parsed by the common path first): refuses what the plan does
+    /// not run (per-layer input embeddings, shared KV layers, bidirectional attention, a dense
+    /// model), reads the layer types, both RoPEs, the global layers' sizes, the soft-cap.
+    fn gemma4(&self, config: &mut ModelConfig) -> Result<(), ConfigError> {
+        let act = match self.opt_str("hidden_activation")? {
+            Some(a) => Some(("hidden_activation", a)),
+            None => self.opt_str("hidden_act")?.map(|a| ("hidden_act", a)),
+        };
+        if let Some((field, a)) = act.filter(|(_, a)| !matches!(*a, "gelu_pytorch_tanh" | "gelu_new")) {
+            return Err(self.invalid(field, format!("'{}' is not supported (expected gelu_pytorch_tanh)", a)));
+        }
+        if self.opt_bool("enable_moe_block")? != Some(true) {
+            return Err(self.invalid("enable_moe_block", "only the MoE Gemma 4 (true) is supported"));
+        }
+        let refused = [
+            ("hidden_size_per_layer_input", "per-layer input embeddings are not supported"),
+            ("num_kv_shared_layers", "layers sharing another layer's KV are not supported"),
+        ];
+        for (field, reason) in refused {
+            if self.opt_usize(field)?.unwrap_or(0) != 0 {
+                return Err(self.invalid(field, reason));
+            }
+        }
+        if let Some(mode) = self.opt_str("use_bidirectional_attention")?.filter(|m| *m == "all") {
+            return Err(self.invalid("use_bidirectional_attention", format!("'{mode}' is not supported")));
+        }
+        if self.opt_bool("attention_bias")? == Some(true) {
+            return Err(self.invalid("attention_bias", "q/k/v/o biases are not supported for gemma4"));
+        }
+        let n = config.n_layers;
+        let sliding = match self.raw("layer_types") {
+            Some(_) => self.sliding_layers(n, None)?.unwrap_or_default(),
+            // transformers' default: five sliding layers, then a global one; the last global.
+            None => (0..n).filter(|l| (l + 1) % 6 != 0 && l + 1 != n).collect(),
+        };
+        let window = self.usize("sliding_window")?;
+        let (sliding_theta, full_rope) = self.gemma4_ropes()?;
+        config.sliding_window = Some(window);
+        config.sliding_window_layers = Some(sliding.clone());
+        config.rope_theta = sliding_theta;
+        config.rotary_dims = config.head_dim;
+        let (head_dim, n_kv_heads) = self.gemma4_global_sizes(config, &sliding)?;
+        let (theta, factor) = full_rope;
+        config.global_attention = Some(GlobalAttention {
+            head_dim,
+            n_kv_heads,
+            rope_theta: theta,
+            turning_pairs: (factor * head_dim as f64 / 2.0).floor() as usize,
+            values_from_keys: self.opt_bool("attention_k_eq_v")?.unwrap_or(false),
+        });
+        config.embedding_scale = Some((config.hidden as f64).sqrt() as f32);
+        config.final_logit_softcap = self.opt_f64("final_logit_softcapping")?.map(|c| c as f32);
+        Ok(())
+    }
+
+    /// `rope_parameters.sliding_attention` (plain RoPE: its theta) and `.full_attention`
+    /// (proportional RoPE: theta and `partial_rotary_factor`); transformers' defaults without them.
+    fn gemma4_ropes(&self) -> Result<(f32, (f32, f64)), ConfigError> {
+        let Some(params) = self.raw("rope_parameters") else { return Ok((10_000.0, (1_000_000.0, 0.25))) };
+        let of = |kind: &str| -> Result<Option<HfFields<'a>>, ConfigError> {
+            Ok(params.get(kind).filter(|v| !v.is_null()).map(|value| HfFields { path: self.path, value }))
+        };
+        let field = |kind: &str| format!("rope_parameters.{kind}");
+        let sliding = of("sliding_attention")?;
+        let sliding_theta = match &sliding {
+            Some(s) => {
+                if let Some(t) = s.opt_str("rope_type")?.filter(|t| *t != "default") {
+                    return Err(
+                        self.invalid(&field("sliding_attention"), format!("'{t}' RoPE is not supported"))
+                    );
+                }
+                s.opt_f64("rope_theta")?.unwrap_or(10_000.0) as f32
+            }
+            None => 10_000.0,
+        };
+        let full = match of("full_attention")? {
+            Some(g) => {
+                let factor = match g.opt_str("rope_type")? {
+                    Some("proportional") => g.opt_f64("partial_rotary_factor")?.unwrap_or(1.0),
+                    None | Some("default") => 1.0,
+                    Some(t) => {
+                        return Err(
+                            self.invalid(&field("full_attention"), format!("'{t}' RoPE is not supported"))
+                        )
+                    }
+                };
+                if g.opt_f64("factor")?.is_some_and(|f| f != 1.0) {
+                    return Err(self
+                        .invalid(&field("full_attention"), "a RoPE 'factor' other than 1 is not supported"));
+                }
+                if !(factor > 0.0 && factor <= 1.0) {
+                    return Err(
+                        self.invalid(&field("full_attention"), format!("partial_rotary_factor {factor}"))
+                    );
+                }
+                (g.opt_f64("rope_theta")?.unwrap_or(1_000_000.0) as f32, factor)
+            }
+            None => (1_000_000.0, 0.25),
+        };
+        Ok((sliding_theta, full))
+    }
+
+    /// The global layers' head dim and KV heads: `per_layer_config` (what transformers saves; every
+    /// global layer the same, no sliding layer overridden), else `global_head_dim` (default 512)
+    /// and `num_global_key_value_heads` (read where `attention_k_eq_v`, as transformers does).
+    fn gemma4_global_sizes(&self, c: &ModelConfig, sliding: &[usize]) -> Result<(usize, usize), ConfigError> {
+        let Some(per_layer) = self.raw("per_layer_config") else {
+            let head_dim = self.opt_usize("global_head_dim")?.unwrap_or(512);
+            let kv = match self.opt_bool("attention_k_eq_v")?.unwrap_or(false) {
+                true => self.opt_usize("num_global_key_value_heads")?,
+                false => None,
+            };
+            return Ok((head_dim, kv.unwrap_or(c.n_kv_heads)));
+        };
+        let map =
+            per_layer.as_object().ok_or_else(|| self.wrong("per_layer_config", "an object", per_layer))?;
+        let mut sizes = None;
+        for l in (0..c.n_layers).filter(|l| !sliding.contains(l)) {
+            let entry = map.get(&l.to_string()).filter(|v| !v.is_null());
+            let e = entry.map(|value| HfFields { path: self.path, value });
+            let head_dim =
+                e.as_ref().map(|e| e.opt_usize("head_dim")).transpose()?.flatten().unwrap_or(c.head_dim);
+            let kv = e.as_ref().map(|e| e.opt_usize("num_key_value_heads")).transpose()?.flatten();
+            let this = (head_dim, kv.unwrap_or(c.n_kv_heads));
+            if sizes.is_some_and(|s| s != this) {
+                return Err(self.invalid(
+                    "per_layer_config",
+                    format!("layer {l}: every global layer must have the same sizes"),
+                ));
+            }
+            sizes = Some(this);
+        }
+        if let Some(l) = sliding.iter().find(|l| map.contains_key(&l.to_string())) {
+            return Err(
+                self.invalid("per_layer_config", format!("sliding layer {l}: overrides are not supported"))
+            );
+        }
+        Ok(sizes.unwrap_or((c.head_dim, c.n_kv_heads)))
+    }
+
+    /// `num_experts_per_tok`, or Gemma 4's `top_k_experts`.
+    fn experts_per_token(&self) -> Result<usize, ConfigError> {
+        match self.opt_usize("top_k_experts")? {
+            Some(k) => Ok(k),
+            None => self.usize("num_experts_per_tok"),
+        }
+    }
+
     /// GPT-OSS's clamped SwiGLU constants: the kernels implement 1.702 and 7 only.
     fn check_swiglu(&self) -> Result<(), ConfigError> {
         for (field, want) in [("swiglu_alpha", 1.702), ("swiglu_limit", 7.0)] {
@@ -535,7 +704,7 @@ impl ModelConfig {
             head_dim,
             vocab: f.usize("vocab_size")?,
             n_experts: dims.n_experts,
-            n_experts_used: f.usize("num_experts_per_tok")?,
+            n_experts_used: f.experts_per_token()?,
             expert_ff: dims.expert_ff,
             shared_expert_ff: dims.shared_expert_ff,
             rms_eps: f.opt_f64("rms_norm_eps")?.unwrap_or(1e-6) as f32,
@@ -560,7 +729,11 @@ impl ModelConfig {
             sigmoid_routing,
             qk_norm: f.opt_bool("use_qk_norm")?.unwrap_or(false),
             attention_bias: false,
+            global_attention: None,
+            embedding_scale: None,
+            final_logit_softcap: None,
         };
+        (adapter.arch == Arch::Gemma4).then(|| f.gemma4(&mut config)).transpose()?;
         config.validate().map_err(|(field, reason)| f.invalid(field, reason))?;
         // Read only where the architecture leaves the biases to the config (GLM-4.5), so a
         // config's flag never disagrees with an architecture that fixes them.
@@ -628,6 +801,20 @@ impl ModelConfig {
             ));
         }
         self.validate_deepseek()?;
+        if let Some(g) = &self.global_attention {
+            if g.head_dim == 0 || !g.head_dim.is_multiple_of(2) || g.turning_pairs > g.head_dim / 2 {
+                return Err((
+                    "per_layer_config.head_dim",
+                    format!("global head dim {}: must be even and positive", g.head_dim),
+                ));
+            }
+            if g.n_kv_heads == 0 || !self.n_heads.is_multiple_of(g.n_kv_heads) {
+                return Err((
+                    "num_global_key_value_heads",
+                    format!("{} does not divide {} heads", g.n_kv_heads, self.n_heads),
+                ));
+            }
+        }
         match &self.hybrid {
             Some(h) => h.validate(self.n_layers),
             None => Ok(()),
@@ -703,6 +890,37 @@ impl ModelConfig {
 
     pub fn kv_dim(&self) -> usize {
         self.n_kv_heads * self.head_dim
+    }
+
+    /// The global attention sizes of layer `layer_idx`, `None` where it has the config's own
+    /// (a sliding layer, or every layer without [`ModelConfig::global_attention`]).
+    pub fn global_of(&self, layer_idx: usize) -> Option<&GlobalAttention> {
+        self.global_attention.as_ref().filter(|_| self.window_of(layer_idx).is_none())
+    }
+
+    /// Keys (or values) per position of layer `layer_idx`, an attention layer.
+    pub fn layer_kv_dim(&self, layer_idx: usize) -> usize {
+        self.global_of(layer_idx).map_or(self.kv_dim(), |g| g.n_kv_heads * g.head_dim)
+    }
+
+    /// The widest head of any layer.
+    pub fn max_head_dim(&self) -> usize {
+        self.global_attention.map_or(self.head_dim, |g| g.head_dim.max(self.head_dim))
+    }
+
+    /// The most KV heads of any layer.
+    pub fn max_kv_heads(&self) -> usize {
+        self.global_attention.map_or(self.n_kv_heads, |g| g.n_kv_heads.max(self.n_kv_heads))
+    }
+
+    /// The widest q (every head, no gate) of any layer.
+    pub fn max_q_dim(&self) -> usize {
+        self.n_heads * self.max_head_dim()
+    }
+
+    /// The widest k (or v) of any layer.
+    pub fn max_kv_dim(&self) -> usize {
+        (0..self.n_layers).map(|l| self.layer_kv_dim(l)).max().unwrap_or(0)
     }
 
     /// A `config.json` that `transformers` loads for this architecture.
@@ -880,5 +1098,38 @@ mod tests {
         v["mlp_only_layers"] = json!([0]);
         let err = ModelConfig::from_hf_json(&v, Path::new("c.json")).unwrap_err().to_string();
         assert!(err.contains("mlp_only_layers"), "{err}");
+    }
+
+    /// The published nested `gemma4` form reads its `text_config`; what the plan cannot run is
+    /// refused by field.
+    #[test]
+    fn gemma4_nested_config_and_its_refusals() {
+        let text = json!({
+            "model_type": "gemma4_text", "num_hidden_layers": 4, "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 311,
+            "num_experts": 8, "top_k_experts": 3, "moe_intermediate_size": 16, "intermediate_size": 48,
+            "enable_moe_block": true, "sliding_window": 8, "global_head_dim": 32,
+            "num_global_key_value_heads": 1, "attention_k_eq_v": true,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            "final_logit_softcapping": 30.0, "hidden_activation": "gelu_pytorch_tanh"
+        });
+        let v = json!({"model_type": "gemma4", "text_config": text.clone(), "vision_config": {}});
+        let (c, a) = ModelConfig::from_hf_json(&v, Path::new("c.json")).unwrap();
+        assert_eq!(a.arch, Arch::Gemma4);
+        let g = c.global_attention.unwrap();
+        assert_eq!((g.head_dim, g.n_kv_heads, g.turning_pairs, g.values_from_keys), (32, 1, 4, true));
+        assert_eq!((c.window_of(0), c.window_of(1), c.n_experts_used), (Some(8), None, 3));
+        assert_eq!((c.layer_kv_dim(0), c.layer_kv_dim(1), c.shared_expert_ff), (32, 32, 48));
+        for (field, value) in [
+            ("hidden_size_per_layer_input", json!(256)),
+            ("num_kv_shared_layers", json!(2)),
+            ("enable_moe_block", json!(false)),
+            ("hidden_activation", json!("silu")),
+        ] {
+            let mut t = text.clone();
+            t[field] = value;
+            let err = ModelConfig::from_hf_json(&t, Path::new("c.json")).unwrap_err().to_string();
+            assert!(err.contains(field), "{field}: {err}");
+        }
     }
 }

@@ -17,6 +17,7 @@ use crate::format::gguf::{GgufError, GgufFile, MetaValue};
 use crate::format::safetensors::{SafetensorsError, SafetensorsModel};
 use crate::format::tensor::TensorError;
 use crate::format::tensor::TensorRef;
+use crate::model::arch::HfNaming;
 use crate::model::arch::{
     Adapter, AttentionSpec, DeltaNetSpec, Ffn, LatentAttentionSpec, LayerPlan, LayerSpec, Mixer, QkNorm,
 };
@@ -122,14 +123,14 @@ impl HfLayout {
 
     /// The layout a checkpoint's tensor names show (fused experts looked for in layer
     /// `moe_layer`, the first with experts).
-    fn detect(st: &SafetensorsModel, moe_layer: usize) -> HfLayout {
+    fn detect(st: &SafetensorsModel, moe_layer: usize, naming: HfNaming) -> HfLayout {
         let prefix = if st.tensor("model.language_model.embed_tokens.weight").is_some() {
             "model.language_model."
         } else {
             "model."
         };
         let layout = HfLayout { prefix, fused_experts: false };
-        let fused = st.tensor(&layout.name(naming::hf_fused_experts(moe_layer, false))).is_some();
+        let fused = st.tensor(&layout.name(naming::hf_fused_experts_of(naming, moe_layer, false))).is_some();
         HfLayout { fused_experts: fused, ..layout }
     }
 
@@ -159,7 +160,7 @@ impl Model {
             let (config, adapter) = ModelConfig::from_hf_json(st.config(), &st.config_path())?;
             let plan = LayerPlan::new(adapter, &config);
             let moe_layer = plan.layers().iter().position(LayerSpec::has_experts).unwrap_or(0);
-            let layout = HfLayout::detect(&st, moe_layer);
+            let layout = HfLayout::detect(&st, moe_layer, adapter.hf_naming);
             (Source::Safetensors(st), config, adapter, layout, plan)
         } else {
             let file = GgufFile::open(path)?;
@@ -491,9 +492,9 @@ impl Model {
     fn expert_tensor_name(&self, layer_idx: usize, expert_idx: usize, proj: ExpertProj) -> String {
         match self.source {
             Source::Gguf(_) => naming::gguf_experts(layer_idx, proj),
-            Source::Safetensors(_) if self.hf_layout.fused_experts => {
-                self.hf_layout.name(naming::hf_fused_experts(layer_idx, proj == ExpertProj::Down))
-            }
+            Source::Safetensors(_) if self.hf_layout.fused_experts => self.hf_layout.name(
+                naming::hf_fused_experts_of(self.adapter.hf_naming, layer_idx, proj == ExpertProj::Down),
+            ),
             Source::Safetensors(_) => {
                 self.hf_layout.name(naming::hf_expert(self.adapter.hf_naming, layer_idx, expert_idx, proj))
             }
@@ -672,9 +673,18 @@ fn scale_of(t: TensorRef<'_>, centred: bool) -> Result<Vec<f32>, TensorError> {
 pub fn required_layer_roles(spec: &LayerSpec) -> Vec<LayerRole> {
     use LayerRole::*;
     let mut roles = vec![AttnNorm, FfnNorm];
+    if spec.post_norms {
+        roles.extend([PostAttnNorm, PostFfnNorm]);
+    }
+    if spec.output_scale {
+        roles.push(LayerScalar);
+    }
     match &spec.mixer {
         Mixer::Attention(attention) => {
-            roles.extend([Q, K, V, O]);
+            roles.extend([Q, K, O]);
+            if !attention.values_from_keys {
+                roles.push(V);
+            }
             if attention.qkv_bias {
                 roles.extend([QBias, KBias, VBias]);
             }
@@ -717,6 +727,15 @@ pub fn required_layer_roles(spec: &LayerSpec) -> Vec<LayerRole> {
             if moe.router.selection_bias {
                 roles.push(RouterSelectionBias);
             }
+            if moe.router.scaled_input {
+                roles.push(RouterInputScale);
+            }
+            if moe.router.per_expert_scale {
+                roles.push(RouterExpertScale);
+            }
+            if moe.branch_norms {
+                roles.extend([SharedPostNorm, ExpertsNorm, ExpertsPostNorm]);
+            }
         }
         Ffn::Dense(_) => roles.extend([DenseGate, DenseUp, DenseDown]),
     }
@@ -734,8 +753,11 @@ pub fn expected_layer_shape(c: &ModelConfig, spec: &LayerSpec, role: LayerRole) 
     };
     match (role, &spec.mixer) {
         (AttnNorm | FfnNorm, _) => vec![c.hidden],
+        (PostAttnNorm | PostFfnNorm | SharedPostNorm | ExpertsNorm | ExpertsPostNorm, _) => vec![c.hidden],
+        (RouterInputScale, _) => vec![c.hidden],
+        (LayerScalar, _) => vec![1],
         (Router, _) => vec![n_experts, c.hidden],
-        (RouterBias | RouterSelectionBias, _) => vec![n_experts],
+        (RouterBias | RouterSelectionBias | RouterExpertScale, _) => vec![n_experts],
         (SharedGate | SharedUp, _) => vec![shared_ff, c.hidden],
         (SharedDown, _) => vec![c.hidden, shared_ff],
         (SharedExpertGate, _) => vec![1, c.hidden],
@@ -767,18 +789,19 @@ fn latent_attention_shape(c: &ModelConfig, m: &LatentAttentionSpec, role: LayerR
 
 fn attention_shape(c: &ModelConfig, a: &AttentionSpec, role: LayerRole) -> Vec<usize> {
     use LayerRole::*;
-    let q_rows = if a.output_gate { 2 * c.q_dim() } else { c.q_dim() };
+    let (q_dim, kv_dim) = (a.q_dim(c.n_heads), a.kv_dim());
+    let q_rows = if a.output_gate { 2 * q_dim } else { q_dim };
     match role {
         Q => vec![q_rows, c.hidden],
-        K | V => vec![c.kv_dim(), c.hidden],
-        O => vec![c.hidden, c.q_dim()],
+        K | V => vec![kv_dim, c.hidden],
+        O => vec![c.hidden, q_dim],
         QBias => vec![q_rows],
         OBias => vec![c.hidden],
         Sinks => vec![c.n_heads],
-        KBias | VBias => vec![c.kv_dim()],
+        KBias | VBias => vec![kv_dim],
         QNorm | KNorm if a.qk_norm == QkNorm::PerHead => vec![a.head_dim],
-        QNorm => vec![c.q_dim()],
-        KNorm => vec![c.kv_dim()],
+        QNorm => vec![q_dim],
+        KNorm => vec![kv_dim],
         _ => unreachable!("{role:?} is not an attention tensor"),
     }
 }
@@ -973,6 +996,15 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
     let n_experts = meta.opt_u64("expert_count")?.unwrap_or(0) as usize;
     let adapter = crate::model::arch::for_gguf_arch(arch, n_experts)
         .map_err(|source| ModelError::Config(ConfigError::Arch { path: path.into(), source }))?;
+    if adapter.arch == crate::model::arch::Arch::Gemma4 {
+        // Its sliding/global sizes, both RoPEs and soft-cap are read from config.json only.
+        let source = crate::model::arch::UnsupportedArch {
+            found: "gemma4 in GGUF (not read yet: open its safetensors checkpoint)".into(),
+            source_kind: "GGUF general.architecture",
+            supported: "gemma4 as safetensors".into(),
+        };
+        return Err(ModelError::Config(ConfigError::Arch { path: path.into(), source }));
+    }
     let (n_layers, mtp_layers) = meta.layer_counts()?;
     let hidden = meta.usize("embedding_length")?;
     let n_heads = meta.usize("attention.head_count")?;
@@ -1042,6 +1074,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         sigmoid_routing: meta.sigmoid_routing()?,
         qk_norm: false,
         attention_bias: false,
+        global_attention: None,
+        embedding_scale: None,
+        final_logit_softcap: None,
     };
     config.validate().map_err(|(field, reason)| {
         ModelError::Config(ConfigError::Invalid { path: path.into(), field: field.into(), reason })

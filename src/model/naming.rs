@@ -88,6 +88,25 @@ pub enum LayerRole {
     DenseGate,
     DenseUp,
     DenseDown,
+    /// The mixer's output norm before the residual, `[hidden]` (Gemma 4's
+    /// `post_attention_layernorm`; `LayerSpec::post_norms`).
+    PostAttnNorm,
+    /// The FFN's output norm before the residual, `[hidden]` (`post_feedforward_layernorm`).
+    PostFfnNorm,
+    /// The shared (dense) branch's output norm, `[hidden]` (`post_feedforward_layernorm_1`;
+    /// `MoeSpec::branch_norms`).
+    SharedPostNorm,
+    /// The routed branch's input norm, `[hidden]` (`pre_feedforward_layernorm_2`).
+    ExpertsNorm,
+    /// The routed branch's output norm, `[hidden]` (`post_feedforward_layernorm_2`).
+    ExpertsPostNorm,
+    /// The router's per-channel input scale, `[hidden]` (`router.scale`;
+    /// `RouterSpec::scaled_input`).
+    RouterInputScale,
+    /// The router's per-expert weight scale, `[n_experts]` (`router.per_expert_scale`).
+    RouterExpertScale,
+    /// The layer's output scalar, `[1]` (`layer_scalar`; `LayerSpec::output_scale`).
+    LayerScalar,
 }
 
 impl LayerRole {
@@ -162,6 +181,7 @@ pub fn hf_layer(naming: HfNaming, layer: usize, role: LayerRole) -> String {
         HfNaming::BlockSparseMoe => ("block_sparse_moe", "block_sparse_moe.gate"),
         HfNaming::GptOss => ("mlp", "mlp.router"),
         HfNaming::SharedExperts => ("mlp", "mlp.gate"),
+        HfNaming::Gemma4 => return format!("model.layers.{layer}.{}", gemma4_layer(role)),
     };
     let _ = moe;
     let shared = if naming == HfNaming::SharedExperts { "mlp.shared_experts" } else { "mlp.shared_expert" };
@@ -209,8 +229,45 @@ pub fn hf_layer(naming: HfNaming, layer: usize, role: LayerRole) -> String {
         LayerRole::DeltaALog => "linear_attn.A_log".to_string(),
         LayerRole::DeltaNorm => "linear_attn.norm.weight".to_string(),
         LayerRole::DeltaOut => "linear_attn.out_proj.weight".to_string(),
+        LayerRole::PostAttnNorm
+        | LayerRole::PostFfnNorm
+        | LayerRole::SharedPostNorm
+        | LayerRole::ExpertsNorm
+        | LayerRole::ExpertsPostNorm
+        | LayerRole::RouterInputScale
+        | LayerRole::RouterExpertScale
+        | LayerRole::LayerScalar => gemma4_layer(role).to_string(),
     };
     format!("model.layers.{layer}.{suffix}")
+}
+
+/// Gemma 4's transformers names (the sandwich norms: its pre-FFN norm is
+/// `pre_feedforward_layernorm`, its `post_attention_layernorm` the mixer's output norm).
+fn gemma4_layer(role: LayerRole) -> &'static str {
+    match role {
+        LayerRole::FfnNorm => "pre_feedforward_layernorm.weight",
+        LayerRole::PostAttnNorm => "post_attention_layernorm.weight",
+        LayerRole::PostFfnNorm => "post_feedforward_layernorm.weight",
+        LayerRole::SharedPostNorm => "post_feedforward_layernorm_1.weight",
+        LayerRole::ExpertsNorm => "pre_feedforward_layernorm_2.weight",
+        LayerRole::ExpertsPostNorm => "post_feedforward_layernorm_2.weight",
+        LayerRole::Router => "router.proj.weight",
+        LayerRole::RouterInputScale => "router.scale",
+        LayerRole::RouterExpertScale => "router.per_expert_scale",
+        LayerRole::LayerScalar => "layer_scalar",
+        LayerRole::SharedGate => "mlp.gate_proj.weight",
+        LayerRole::SharedUp => "mlp.up_proj.weight",
+        LayerRole::SharedDown => "mlp.down_proj.weight",
+        LayerRole::AttnNorm => "input_layernorm.weight",
+        LayerRole::Q => "self_attn.q_proj.weight",
+        LayerRole::K => "self_attn.k_proj.weight",
+        LayerRole::V => "self_attn.v_proj.weight",
+        LayerRole::O => "self_attn.o_proj.weight",
+        LayerRole::QNorm => "self_attn.q_norm.weight",
+        LayerRole::KNorm => "self_attn.k_norm.weight",
+        // Roles a Gemma 4 layer never requires: a name no checkpoint has.
+        _ => "unused",
+    }
 }
 
 /// llama.cpp's name of a per-layer tensor of `adapter`'s architecture.
@@ -263,6 +320,15 @@ pub fn gguf_layer(adapter: &Adapter, layer: usize, role: LayerRole) -> String {
         LayerRole::DenseGate => "ffn_gate.weight",
         LayerRole::DenseUp => "ffn_up.weight",
         LayerRole::DenseDown => "ffn_down.weight",
+        // llama.cpp's Gemma 4 names.
+        LayerRole::PostAttnNorm => "post_attention_norm.weight",
+        LayerRole::PostFfnNorm => "post_ffw_norm.weight",
+        LayerRole::SharedPostNorm => "post_ffw_norm_1.weight",
+        LayerRole::ExpertsNorm => "pre_ffw_norm_2.weight",
+        LayerRole::ExpertsPostNorm => "post_ffw_norm_2.weight",
+        LayerRole::RouterInputScale => "ffn_gate_inp.scale",
+        LayerRole::RouterExpertScale => "ffn_down_exps.scale",
+        LayerRole::LayerScalar => "layer_output_scale.weight",
     };
     format!("blk.{layer}.{suffix}")
 }
@@ -282,7 +348,7 @@ pub fn hf_fused_expert_bias(layer: usize, down: bool) -> String {
 /// [`hf_fused_experts`]; its per-expert name is the synthetic generator's key).
 pub fn hf_expert(naming: HfNaming, layer: usize, expert_idx: usize, proj: ExpertProj) -> String {
     match naming {
-        HfNaming::Mlp | HfNaming::GptOss | HfNaming::SharedExperts => {
+        HfNaming::Mlp | HfNaming::GptOss | HfNaming::SharedExperts | HfNaming::Gemma4 => {
             let p = match proj {
                 ExpertProj::Gate => "gate_proj",
                 ExpertProj::Up => "up_proj",
@@ -307,6 +373,14 @@ pub fn hf_expert(naming: HfNaming, layer: usize, expert_idx: usize, proj: Expert
 pub fn hf_fused_experts(layer: usize, down: bool) -> String {
     let p = if down { "down_proj" } else { "gate_up_proj" };
     format!("model.layers.{layer}.mlp.experts.{p}")
+}
+
+/// [`hf_fused_experts`] as `naming` places them (Gemma 4: `experts.*` beside `mlp`, not in it).
+pub fn hf_fused_experts_of(naming: HfNaming, layer: usize, down: bool) -> String {
+    match naming {
+        HfNaming::Gemma4 => hf_fused_experts(layer, down).replace(".mlp.experts.", ".experts."),
+        _ => hf_fused_experts(layer, down),
+    }
 }
 
 /// The stacked tensor holding one projection of every expert of a layer.

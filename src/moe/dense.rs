@@ -38,6 +38,16 @@ pub(crate) struct LayerVectors {
     pub shared_gate_logit: Option<Vec<f32>>,
     /// A Gated DeltaNet layer's small tensors.
     pub delta_net: Option<DeltaNetVectors>,
+    /// The sandwich norms of the mixer's and the FFN's outputs (`LayerSpec::post_norms`).
+    pub post_norms: Option<[Vec<f32>; 2]>,
+    /// The layer's output scalar (`LayerSpec::output_scale`).
+    pub output_scale: Option<f32>,
+    /// The router's per-channel input scale, times `hidden^-0.5` (`RouterSpec::scaled_input`).
+    pub router_input_scale: Option<Vec<f32>>,
+    /// The router's per-expert scale (`RouterSpec::per_expert_scale`).
+    pub router_expert_scale: Option<Vec<f32>>,
+    /// `MoeSpec::branch_norms`: the shared branch's post norm, the experts' pre and post norms.
+    pub branch_norms: Option<[Vec<f32>; 3]>,
 }
 
 /// A Gated DeltaNet layer's vectors, as f32.
@@ -80,7 +90,36 @@ impl LayerVectors {
             }
             _ => None,
         };
+        let spec = model.layer_spec(l);
+        let moe = spec.as_moe();
+        let root = (model.config().hidden as f32).powf(-0.5);
+        let post_norms = match spec.post_norms {
+            true => Some([
+                req_norm(model, l, LayerRole::PostAttnNorm)?,
+                req_norm(model, l, LayerRole::PostFfnNorm)?,
+            ]),
+            false => None,
+        };
+        let branch_norms = match moe.is_some_and(|m| m.branch_norms) {
+            true => Some([
+                req_norm(model, l, LayerRole::SharedPostNorm)?,
+                req_norm(model, l, LayerRole::ExpertsNorm)?,
+                req_norm(model, l, LayerRole::ExpertsPostNorm)?,
+            ]),
+            false => None,
+        };
         Ok(LayerVectors {
+            post_norms,
+            branch_norms,
+            output_scale: if spec.output_scale { Some(req(LayerRole::LayerScalar)?[0]) } else { None },
+            router_input_scale: match moe.is_some_and(|m| m.router.scaled_input) {
+                true => Some(req(LayerRole::RouterInputScale)?.iter().map(|s| s * root).collect()),
+                false => None,
+            },
+            router_expert_scale: match moe.is_some_and(|m| m.router.per_expert_scale) {
+                true => Some(req(LayerRole::RouterExpertScale)?),
+                false => None,
+            },
             selection_bias: opt(LayerRole::RouterSelectionBias)?,
             latent_norms,
             attn_norm: norm(LayerRole::AttnNorm)?.expect("validated at open"),
@@ -122,8 +161,17 @@ impl LayerVectors {
             + opt(&self.router_bias)
             + opt(&self.selection_bias)
             + self.latent_norms.as_ref().map_or(0, |(q, kv)| opt(q) + kv.len())
-            + opt(&self.shared_gate_logit))
+            + opt(&self.shared_gate_logit)
+            + self.post_norms.as_ref().map_or(0, |n| n.iter().map(Vec::len).sum())
+            + self.branch_norms.as_ref().map_or(0, |n| n.iter().map(Vec::len).sum())
+            + opt(&self.router_input_scale)
+            + opt(&self.router_expert_scale))
     }
+}
+
+/// A norm weight the layer's spec requires (checked at open).
+fn req_norm(model: &Model, l: usize, role: LayerRole) -> Result<Vec<f32>, TensorError> {
+    Ok(model.norm_weight(l, role)?.expect("validated at open"))
 }
 
 /// The matrices of one layer, in place in the mapped file.
@@ -153,10 +201,10 @@ impl<'m> LayerMatrices<'m> {
         };
         let router = if spec.has_experts() { Some(m(LayerRole::Router)?) } else { None };
         let mixer = match model.layer_spec(l).mixer {
-            Mixer::Attention(_) => MixerMatrices::Attention {
+            Mixer::Attention(a) => MixerMatrices::Attention {
                 q: m(LayerRole::Q)?,
                 k: m(LayerRole::K)?,
-                v: m(LayerRole::V)?,
+                v: if a.values_from_keys { None } else { Some(m(LayerRole::V)?) },
                 o: m(LayerRole::O)?,
             },
             Mixer::GatedDeltaNet(d) => {
@@ -187,15 +235,13 @@ pub(crate) enum MixerMatrices<'m> {
     Attention {
         q: DenseMatrix<'m>,
         k: DenseMatrix<'m>,
-        v: DenseMatrix<'m>,
+        /// `None`: the values are the keys' projection (`AttentionSpec::values_from_keys`).
+        v: Option<DenseMatrix<'m>>,
         o: DenseMatrix<'m>,
     },
     /// The input projections as stored (grouped: `qkvz`, `ba`; split: `qkv`, `z`, `b`, `a`) and
     /// the output projection.
-    DeltaNet {
-        inputs: Vec<DenseMatrix<'m>>,
-        out: DenseMatrix<'m>,
-    },
+    DeltaNet { inputs: Vec<DenseMatrix<'m>>, out: DenseMatrix<'m> },
     /// Latent attention: `q_a` (low-rank q), `q_b` or `q`, `kv_a`, the per-head `k_b`
     /// (`heads * kv_lora_rank` rows of `nope`) and `v_b` (`heads * v` rows of `kv_lora_rank`),
     /// `o`.

@@ -23,7 +23,7 @@ use crate::format::tensor::TensorError;
 pub use crate::forward::argmax;
 use crate::forward::BatchPiece;
 pub use crate::forward::LogitRows;
-use crate::model::arch::{DeltaNetSpec, LatentAttentionSpec, LayerPlan, LayerSpec, Mixer, QkNorm, RopeStyle};
+use crate::model::arch::{DeltaNetSpec, LatentAttentionSpec, LayerPlan, Mixer, QkNorm, RopeSpec, RopeStyle};
 use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::cold::{all_cold, ColdError, ColdLane, ColdSlot};
@@ -189,7 +189,8 @@ pub enum PipelineError {
     KvBlocks { kv_type: KvType, block: usize, layer: usize, width: usize },
 }
 
-/// The engine's KV cache, head-major: per layer and KV head (`l * n_kv_heads + kv_head`), the
+/// The engine's KV cache, head-major: per layer and KV head (`l * max_kv_heads + kv_head`; a
+/// layer with fewer KV heads leaves the rest of its entries empty), the
 /// keys and values of every position so far as one contiguous `positions x head_dim` buffer,
 /// so attention streams a head's keys sequentially.
 #[derive(Debug, Clone)]
@@ -239,11 +240,11 @@ impl PipelineCache {
 
 /// Refuses a block type (q8_0) where a layer's cached rows (an attention head, a latent row) are
 /// not whole blocks.
-fn check_kv_type(plan: &LayerPlan, head_dim: usize, kv_type: KvType) -> Result<(), PipelineError> {
+fn check_kv_type(plan: &LayerPlan, kv_type: KvType) -> Result<(), PipelineError> {
     let block = kv_type.block_len();
     for (layer, spec) in plan.layers().iter().enumerate() {
         let width = match &spec.mixer {
-            Mixer::Attention(_) => head_dim,
+            Mixer::Attention(a) => a.head_dim,
             Mixer::LatentAttention(a) => a.cache_width(),
             Mixer::GatedDeltaNet(_) => continue,
         };
@@ -360,8 +361,10 @@ pub struct Pipeline {
     /// The all-cold fallback's slots (reused).
     fallback_slots: Vec<ColdSlot>,
     act: Activations,
-    /// `rope[pos * half + i] = (cos, sin)`, grown as positions are reached.
-    rope: Vec<(f32, f32)>,
+    /// One cos/sin table per distinct RoPE of the plan (a Gemma 4 has two), grown as positions
+    /// are reached; `rope_of[l]`: layer `l`'s table (0 for a layer without RoPE).
+    ropes: Vec<RopeTable>,
+    rope_of: Vec<usize>,
     call_idx: u64,
     plans: Vec<ExecPlan>,
     fault: FaultInjection,
@@ -422,8 +425,8 @@ impl Activations {
         Activations {
             hidden: vec![0.0; m * c.hidden],
             normed: vec![0.0; m * c.hidden],
-            q_gated: vec![0.0; if gated { 2 * m * c.q_dim() } else { 0 }],
-            gate: vec![0.0; if gated { m * c.q_dim() } else { 0 }],
+            q_gated: vec![0.0; if gated { 2 * m * c.max_q_dim() } else { 0 }],
+            gate: vec![0.0; if gated { m * c.max_q_dim() } else { 0 }],
             delta_in: delta_in.map(|n| vec![0.0; n]),
             delta_out: vec![0.0; m * widest(&|d| d.value_dim())],
             delta_token: plan
@@ -443,10 +446,10 @@ impl Activations {
                 m,
             ),
             mla: MlaBuffers::new(plan, m),
-            q: vec![0.0; m * c.q_dim()],
-            k: vec![0.0; m * c.kv_dim()],
-            v: vec![0.0; m * c.kv_dim()],
-            attn: vec![0.0; m * c.q_dim()],
+            q: vec![0.0; m * c.max_q_dim()],
+            k: vec![0.0; m * c.max_kv_dim()],
+            v: vec![0.0; m * c.max_kv_dim()],
+            attn: vec![0.0; m * c.max_q_dim()],
             proj: vec![0.0; m * c.hidden],
             router_logits: vec![0.0; m * c.n_experts],
             moe: vec![0.0; m * c.hidden],
@@ -543,26 +546,22 @@ impl Pipeline {
             lanes.set_timeout(t);
         }
         let plan = model.plan().clone();
-        check_kv_type(&plan, c.head_dim, options.kv_type)?;
-        // One cos/sin table serves every layer (`ensure_rope`): per-layer RoPE bases need a table each.
-        let own_rope = |s: &LayerSpec| {
-            s.as_attention().is_some_and(|a| {
-                a.rope.theta != c.rope_theta || a.rope.dims != c.rotary_dims || a.rope.yarn != c.yarn
-            })
-        };
-        if plan.layers().iter().any(own_rope) {
-            return Err(PipelineError::Setup(
-                "layers with their own RoPE base are not supported by the CPU pipeline yet".into(),
-            ));
-        }
+        check_kv_type(&plan, options.kv_type)?;
+        let (ropes, rope_of) = RopeTable::per_layer(&plan);
         let routers = plan
             .layers()
             .iter()
             .zip(&layers)
             .map(|(spec, v)| {
-                spec.as_moe().map(|moe| match &v.selection_bias {
-                    Some(b) => Router::new(moe.router, m).with_selection_bias(b.clone()),
-                    None => Router::new(moe.router, m),
+                spec.as_moe().map(|moe| {
+                    let router = match &v.selection_bias {
+                        Some(b) => Router::new(moe.router, m).with_selection_bias(b.clone()),
+                        None => Router::new(moe.router, m),
+                    };
+                    match &v.router_expert_scale {
+                        Some(s) => router.with_expert_scale(s.clone()),
+                        None => router,
+                    }
                 })
             })
             .collect();
@@ -583,7 +582,8 @@ impl Pipeline {
             hot_set,
             updater,
             act,
-            rope: Vec::new(),
+            ropes,
+            rope_of,
             call_idx: 0,
             plans: Vec::new(),
             fault: options.fault,
@@ -695,8 +695,8 @@ impl Pipeline {
         let rows = |n| vec![KvRows::new(self.kv_type); n];
         PipelineCache {
             latent: rows(self.config.n_layers),
-            keys: rows(self.config.n_layers * self.config.n_kv_heads),
-            values: rows(self.config.n_layers * self.config.n_kv_heads),
+            keys: rows(self.config.n_layers * self.config.max_kv_heads()),
+            values: rows(self.config.n_layers * self.config.max_kv_heads()),
             recurrent,
             n_positions: 0,
             kv_type: self.kv_type,
@@ -852,17 +852,25 @@ impl Pipeline {
         for (t, &token) in tokens.enumerate() {
             decode_row(&embedding, token as usize, &mut self.act.hidden[t * h..(t + 1) * h]);
         }
+        if let Some(scale) = self.config.embedding_scale {
+            self.act.hidden[..n * h].iter_mut().for_each(|x| *x *= scale);
+        }
         mark(&mut self.profile, |p| p.tail(0));
         for l in 0..self.config.n_layers {
             let m = LayerMatrices::resolve(&model, l)?;
             match &m.mixer {
-                MixerMatrices::Attention { q, k, v, o } => self.attention_block(seqs, l, [q, k, v, o], n)?,
+                MixerMatrices::Attention { q, k, v, o } => {
+                    self.attention_block(seqs, l, [q, k, o], v.as_ref(), n)?
+                }
                 MixerMatrices::DeltaNet { inputs, out } => self.delta_net_block(seqs, l, inputs, out, n)?,
                 MixerMatrices::Latent { .. } => self.latent_block(seqs, l, &m.mixer, n)?,
             }
             match &m.dense_ffn {
                 Some(ffn) => self.dense_ffn_block(l, ffn, n)?,
                 None => self.moe_block(l, &m, n, plan)?,
+            }
+            if let Some(scale) = self.layers[l].output_scale {
+                self.act.hidden[..n * h].iter_mut().for_each(|x| *x *= scale);
             }
         }
         for s in &self.segments {
@@ -888,6 +896,9 @@ impl Pipeline {
         }
         let mut out = vec![0.0; k * vocab];
         self.dense.matmul(&self.act.normed[..k * h], &mut [MatmulPart { w: *head, y: &mut out }])?;
+        if let Some(cap) = self.config.final_logit_softcap {
+            out.iter_mut().for_each(|x| *x = cap * (*x / cap).tanh());
+        }
         if k == 1 {
             // Decode: the row is the buffer, no second copy of a vocab-sized row.
             logits_out.push(out);
@@ -899,22 +910,8 @@ impl Pipeline {
     }
 
     fn ensure_rope(&mut self, n_positions: usize) {
-        let hd = self.config.rotary_dims;
-        let half = hd / 2;
-        let have = self.rope.len().checked_div(half).unwrap_or(n_positions);
-        let theta = self.config.rope_theta as f64;
-        // YaRN (every layer's, checked at setup): its own frequencies, cos/sin scaled.
-        let yarn = self.config.yarn;
-        let scale = yarn.map_or(1.0, |y| y.attention_factor as f64);
-        for pos in have..n_positions {
-            for i in 0..half {
-                let inv_freq = match &yarn {
-                    None => 1.0 / theta.powf(2.0 * i as f64 / hd as f64),
-                    Some(y) => y.inv_freq(i, hd, self.config.rope_theta),
-                };
-                let angle = pos as f64 * inv_freq;
-                self.rope.push(((angle.cos() * scale) as f32, (angle.sin() * scale) as f32));
-            }
+        for table in &mut self.ropes {
+            table.grow(n_positions);
         }
     }
 
@@ -922,26 +919,29 @@ impl Pipeline {
         &mut self,
         seqs: &mut [SeqInput<'_>],
         l: usize,
-        [wq, wk, wv, wo]: [&DenseMatrix<'_>; 4],
+        [wq, wk, wo]: [&DenseMatrix<'_>; 3],
+        wv: Option<&DenseMatrix<'_>>,
         n: usize,
     ) -> Result<(), PipelineError> {
         let c = &self.config;
         let (w, a) = (&self.layers[l], &mut self.act);
-        let (h, qd, kvd, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
-        let output_gate = self.plan.layer(l).attention().output_gate;
+        let spec = *self.plan.layer(l).attention();
+        let (h, qd, kvd, hd) = (c.hidden, spec.q_dim(c.n_heads), spec.kv_dim(), spec.head_dim);
+        let output_gate = spec.output_gate;
         for t in 0..n {
             let x = &a.hidden[t * h..(t + 1) * h];
             rms_norm_row(x, &w.attn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
         }
         let q_out = if output_gate { &mut a.q_gated[..2 * n * qd] } else { &mut a.q[..n * qd] };
-        self.dense.matmul(
-            &a.normed[..n * h],
-            &mut [
-                MatmulPart { w: *wq, y: q_out },
-                MatmulPart { w: *wk, y: &mut a.k[..n * kvd] },
-                MatmulPart { w: *wv, y: &mut a.v[..n * kvd] },
-            ],
-        )?;
+        let mut parts = vec![MatmulPart { w: *wq, y: q_out }, MatmulPart { w: *wk, y: &mut a.k[..n * kvd] }];
+        if let Some(wv) = wv {
+            parts.push(MatmulPart { w: *wv, y: &mut a.v[..n * kvd] });
+        }
+        self.dense.matmul(&a.normed[..n * h], &mut parts)?;
+        if wv.is_none() {
+            // Keys as values: the k projection's output, before its norm and RoPE.
+            a.v[..n * kvd].copy_from_slice(&a.k[..n * kvd]);
+        }
         if output_gate {
             // `[query | gate]` per head: the query to `q`, the gate to `gate`.
             let pairs = a.q_gated[..2 * n * qd].chunks_exact(2 * hd);
@@ -957,7 +957,7 @@ impl Pipeline {
             self.attend_segment(seqs[seg.seq].cache, l, seg)?;
         }
         let (c, a) = (&self.config, &mut self.act);
-        let (h, qd) = (c.hidden, c.q_dim());
+        let h = c.hidden;
         if output_gate {
             for (x, g) in a.attn[..n * qd].iter_mut().zip(&a.gate[..n * qd]) {
                 *x *= sigmoid(*g);
@@ -968,6 +968,11 @@ impl Pipeline {
         if let Some(b) = &self.layers[l].o_bias {
             for row in a.proj[..n * h].chunks_exact_mut(h) {
                 row.iter_mut().zip(b).for_each(|(x, y)| *x += y);
+            }
+        }
+        if let Some([post, _]) = &self.layers[l].post_norms {
+            for row in a.proj[..n * h].chunks_exact_mut(h) {
+                rms_norm_in_place(row, post, c.rms_eps);
             }
         }
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.proj[..n * h]) {
@@ -986,9 +991,10 @@ impl Pipeline {
         seg: Segment,
     ) -> Result<(), PipelineError> {
         let (c, a) = (&self.config, &mut self.act);
-        let (qd, kvd, hd, nkv) = (c.q_dim(), c.kv_dim(), c.head_dim, c.n_kv_heads);
-        let (keys, values) =
-            (&mut cache.keys[l * nkv..(l + 1) * nkv], &mut cache.values[l * nkv..(l + 1) * nkv]);
+        let spec = self.plan.layer(l).attention();
+        let (qd, kvd, hd, nkv) = (spec.q_dim(c.n_heads), spec.kv_dim(), spec.head_dim, spec.n_kv_heads);
+        let at = l * c.max_kv_heads();
+        let (keys, values) = (&mut cache.keys[at..at + nkv], &mut cache.values[at..at + nkv]);
         let rows = seg.row0..seg.row0 + seg.n;
         for kvh in 0..nkv {
             // One (amortised) growth per call, not one per token.
@@ -1009,7 +1015,7 @@ impl Pipeline {
             keys,
             values,
             first_pos: seg.first_pos,
-            window: self.plan.layer(l).attention().window,
+            window: spec.window,
             sinks: self.layers[l].sinks.as_deref(),
         };
         self.dense.attention(&input, &mut a.attn[rows.start * qd..rows.end * qd])?;
@@ -1020,7 +1026,8 @@ impl Pipeline {
     fn qkv_post(&mut self, l: usize, n: usize) -> Result<(), PipelineError> {
         let c = &self.config;
         let (w, a) = (&self.layers[l], &mut self.act);
-        let (qd, kvd) = (c.q_dim(), c.kv_dim());
+        let spec = *self.plan.layer(l).attention();
+        let (qd, kvd, hd) = (spec.q_dim(c.n_heads), spec.kv_dim(), spec.head_dim);
         for (buf, bias, dim) in
             [(&mut a.q, &w.q_bias, qd), (&mut a.k, &w.k_bias, kvd), (&mut a.v, &w.v_bias, kvd)]
         {
@@ -1030,12 +1037,22 @@ impl Pipeline {
                 }
             }
         }
-        let spec = self.plan.layer(l).attention();
+        if spec.v_norm {
+            for head in a.v[..n * kvd].chunks_exact_mut(hd) {
+                rms_norm_unweighted(head, c.rms_eps);
+            }
+        }
         let per_head = matches!(spec.qk_norm, QkNorm::None | QkNorm::PerHead) && spec.clip_qkv.is_none();
         if per_head && n >= PAR_HEADS_MIN_TOKENS {
-            return self.norm_rope_heads_on_pool(l, n);
+            self.norm_rope_heads_on_pool(l, n)?;
+        } else {
+            self.norm_rope_sequential(l, n);
         }
-        self.norm_rope_sequential(l, n);
+        // The attention kernels scale scores by `1 / sqrt(head_dim)`: another scale goes into q.
+        if let Some(scale) = spec.scale {
+            let factor = scale * (hd as f32).sqrt();
+            self.act.q[..n * qd].iter_mut().for_each(|x| *x *= factor);
+        }
         Ok(())
     }
 
@@ -1043,17 +1060,19 @@ impl Pipeline {
     /// the same per-head functions as the sequential path, so the same bits.
     fn norm_rope_heads_on_pool(&mut self, l: usize, n: usize) -> Result<(), PipelineError> {
         let c = &self.config;
-        let style = self.plan.layer(l).attention().rope.style;
-        let (hd, half, eps) = (c.head_dim, c.rotary_dims / 2, c.rms_eps);
+        let spec = self.plan.layer(l).attention();
+        let style = spec.rope.style;
+        let table = &self.ropes[self.rope_of[l]];
+        let (hd, half, eps) = (spec.head_dim, table.half, c.rms_eps);
+        let (qd, kvd) = (spec.q_dim(c.n_heads), spec.kv_dim());
         let w = &self.layers[l];
-        let (qn, kn) = match self.plan.layer(l).attention().qk_norm {
+        let (qn, kn) = match spec.qk_norm {
             QkNorm::PerHead => (w.q_norm.as_deref(), w.k_norm.as_deref()),
             _ => (None, None),
         };
-        let (a, rope, positions, pool) = (&mut self.act, &self.rope, &self.positions, self.dense.pool_mut());
-        for (buf, dim, norm) in
-            [(&mut a.q[..n * c.q_dim()], c.q_dim(), qn), (&mut a.k[..n * c.kv_dim()], c.kv_dim(), kn)]
-        {
+        let (a, rope, positions, pool) =
+            (&mut self.act, &table.table, &self.positions, self.dense.pool_mut());
+        for (buf, dim, norm) in [(&mut a.q[..n * qd], qd, qn), (&mut a.k[..n * kvd], kvd, kn)] {
             let heads_per_token = dim / hd;
             par_chunks_mut(pool, buf, hd, &|i, head| {
                 if let Some(weight) = norm {
@@ -1070,8 +1089,9 @@ impl Pipeline {
     fn norm_rope_sequential(&mut self, l: usize, n: usize) {
         let c = &self.config;
         let (w, a) = (&self.layers[l], &mut self.act);
-        let (qd, kvd, hd) = (c.q_dim(), c.kv_dim(), c.head_dim);
-        match self.plan.layer(l).attention().qk_norm {
+        let spec = self.plan.layer(l).attention();
+        let (qd, kvd, hd) = (spec.q_dim(c.n_heads), spec.kv_dim(), spec.head_dim);
+        match spec.qk_norm {
             QkNorm::None => {}
             QkNorm::WholeProjection => {
                 let (qn, kn) = (w.q_norm.as_ref().expect("validated"), w.k_norm.as_ref().expect("validated"));
@@ -1100,10 +1120,11 @@ impl Pipeline {
                 *x = x.clamp(-clip, clip);
             }
         }
-        let half = c.rotary_dims / 2;
+        let rope = &self.ropes[self.rope_of[l]];
+        let half = rope.half;
         for t in 0..n {
             let pos = self.positions[t];
-            let table = &self.rope[pos * half..(pos + 1) * half];
+            let table = &rope.table[pos * half..(pos + 1) * half];
             for head in a.q[t * qd..(t + 1) * qd].chunks_exact_mut(hd) {
                 rope_head(&mut head[..2 * half], table, spec.rope.style);
             }
@@ -1238,7 +1259,7 @@ impl Pipeline {
         }
         for (t, &seq) in self.row_seq[..n].iter().enumerate() {
             let pos = self.positions[t];
-            let table = &self.rope[pos * half..(pos + 1) * half];
+            let table = &self.ropes[self.rope_of[l]].table[pos * half..(pos + 1) * half];
             let row = &mut b.kv[t * width..(t + 1) * width];
             rms_norm_in_place(&mut row[..rank], kv_norm, eps);
             rope_head(&mut row[rank..], table, spec.rope.style);
@@ -1343,6 +1364,13 @@ impl Pipeline {
         let mut timing = LayerTiming::default();
         let t0 = Instant::now();
         self.route_layer(l, m, n)?;
+        let branch = self.layers[l].branch_norms.is_some();
+        if branch {
+            // The dense branch reads the FFN norm's output; the experts their own norm's.
+            let shared = m.shared.as_ref().expect("branch norms come with the dense branch");
+            self.shared_expert(l, shared, n)?;
+            self.experts_norm(l, n);
+        }
         mark(&mut self.profile, |p| p.layer(4));
         let t1 = Instant::now();
         // Dispatcher stage: the worklist, in the lanes' shared layer input.
@@ -1351,8 +1379,9 @@ impl Pipeline {
         let t2 = Instant::now();
         timing.routing_us = (t1 - t0).as_micros() as u64;
         timing.worklist_us = (t2 - t1).as_micros() as u64;
-        // The shared expert on the dense pool, then the lanes get the cores.
-        if let Some(shared) = &m.shared {
+        // The shared expert on the dense pool, then the lanes get the cores (with branch norms it
+        // ran before the dispatch, on the FFN norm's output).
+        if let (Some(shared), false) = (&m.shared, branch) {
             self.shared_expert(l, shared, n)?;
         }
         mark(&mut self.profile, |p| p.layer(6));
@@ -1390,12 +1419,24 @@ impl Pipeline {
         }
         mark(&mut self.profile, |p| p.layer(7));
         let a = &mut self.act;
-        if m.shared.is_some() {
+        let (eps, w) = (self.config.rms_eps, &self.layers[l]);
+        if let Some([shared_post, _, experts_post]) = &w.branch_norms {
+            for (o, y) in a.moe[..n * h].chunks_exact_mut(h).zip(a.shared_y[..n * h].chunks_exact_mut(h)) {
+                rms_norm_in_place(o, experts_post, eps);
+                rms_norm_in_place(y, shared_post, eps);
+                o.iter_mut().zip(y.iter()).for_each(|(o, y)| *o += y);
+            }
+        } else if m.shared.is_some() {
             for t in 0..n {
                 let g = a.shared_gate[t];
                 for (o, y) in a.moe[t * h..(t + 1) * h].iter_mut().zip(&a.shared_y[t * h..(t + 1) * h]) {
                     *o += g * y;
                 }
+            }
+        }
+        if let Some([_, post]) = &w.post_norms {
+            for row in a.moe[..n * h].chunks_exact_mut(h) {
+                rms_norm_in_place(row, post, eps);
             }
         }
         for (x, y) in a.hidden[..n * h].iter_mut().zip(&a.moe[..n * h]) {
@@ -1421,7 +1462,18 @@ impl Pipeline {
         }
         let y = &mut a.router_logits[..n * n_experts];
         let router = m.router.expect("MoE layers have a router");
-        self.dense.matmul(&a.normed[..n * h], &mut [MatmulPart { w: router, y }])?;
+        let input = match &w.router_input_scale {
+            // The residual through a weightless RMSNorm, times the scale (`hidden^-0.5` folded in).
+            Some(scale) => {
+                for t in 0..n {
+                    let x = &a.hidden[t * h..(t + 1) * h];
+                    rms_norm_row(x, scale, c.rms_eps, &mut a.proj[t * h..(t + 1) * h]);
+                }
+                &a.proj[..n * h]
+            }
+            None => &a.normed[..n * h],
+        };
+        self.dense.matmul(input, &mut [MatmulPart { w: router, y }])?;
         if let Some(b) = &self.layers[l].router_bias {
             for row in y.chunks_exact_mut(n_experts) {
                 row.iter_mut().zip(b).for_each(|(x, v)| *x += v);
@@ -1439,6 +1491,16 @@ impl Pipeline {
             }
         }
         Ok(())
+    }
+
+    /// The experts' own norm of the layer input into `normed` (`MoeSpec::branch_norms`).
+    fn experts_norm(&mut self, l: usize, n: usize) {
+        let (h, eps) = (self.config.hidden, self.config.rms_eps);
+        let (w, a) = (&self.layers[l], &mut self.act);
+        let [_, pre, _] = w.branch_norms.as_ref().expect("a layer with branch norms");
+        for t in 0..n {
+            rms_norm_row(&a.hidden[t * h..(t + 1) * h], pre, eps, &mut a.normed[t * h..(t + 1) * h]);
+        }
     }
 
     /// The shared expert of layer `l` on the dense pool: `shared_y` and its sigmoid gate.
@@ -1579,6 +1641,55 @@ fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
     let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
     for (v, w) in x.iter_mut().zip(weight) {
         *v = *v * inv * w;
+    }
+}
+
+/// RMSNorm without a weight (a Gemma 4 value head).
+fn rms_norm_unweighted(x: &mut [f32], eps: f32) {
+    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let inv = 1.0 / (ss / x.len() as f32 + eps).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// The cos/sin of one RoPE: `table[pos * half + i]` for pair `i` at position `pos`.
+struct RopeTable {
+    spec: RopeSpec,
+    half: usize,
+    table: Vec<(f32, f32)>,
+}
+
+impl RopeTable {
+    /// One table per distinct RoPE of `plan`'s layers, and each layer's table.
+    fn per_layer(plan: &LayerPlan) -> (Vec<RopeTable>, Vec<usize>) {
+        let mut tables: Vec<RopeTable> = Vec::new();
+        let mut of = Vec::with_capacity(plan.len());
+        for spec in plan.layers() {
+            let rope = match &spec.mixer {
+                Mixer::Attention(a) => a.rope,
+                Mixer::LatentAttention(m) => m.rope,
+                Mixer::GatedDeltaNet(_) => {
+                    of.push(0);
+                    continue;
+                }
+            };
+            let idx = tables.iter().position(|t| t.spec == rope).unwrap_or_else(|| {
+                tables.push(RopeTable { spec: rope, half: rope.dims / 2, table: Vec::new() });
+                tables.len() - 1
+            });
+            of.push(idx);
+        }
+        (tables, of)
+    }
+
+    fn grow(&mut self, n_positions: usize) {
+        let have = self.table.len().checked_div(self.half).unwrap_or(n_positions);
+        let scale = self.spec.attention_factor();
+        for pos in have..n_positions {
+            for i in 0..self.half {
+                let angle = pos as f64 * self.spec.inv_freq(i);
+                self.table.push(((angle.cos() * scale) as f32, (angle.sin() * scale) as f32));
+            }
+        }
     }
 }
 

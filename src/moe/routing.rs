@@ -49,6 +49,8 @@ pub struct Router {
     choice: Vec<f32>,
     group_scores: Vec<f32>,
     kept_groups: Vec<u32>,
+    /// Each chosen weight times its expert's scale (empty without: Gemma 4's per-expert scale).
+    expert_scale: Vec<f32>,
     routes: Routes,
 }
 
@@ -77,6 +79,7 @@ impl Router {
             choice: vec![0.0; options.n_experts],
             group_scores: vec![0.0; options.n_group.max(1)],
             kept_groups: Vec::with_capacity(options.n_group.max(1)),
+            expert_scale: Vec::new(),
             routes: Routes {
                 n_tokens: 0,
                 n_experts_used: options.n_experts_used,
@@ -90,6 +93,14 @@ impl Router {
     pub fn with_selection_bias(mut self, bias: Vec<f32>) -> Router {
         assert_eq!(bias.len(), self.options.n_experts, "one selection bias per expert");
         self.selection_bias = bias;
+        self
+    }
+
+    /// A learned scale per expert (`[n_experts]`) each chosen weight is multiplied by, after
+    /// renormalisation (`RouterSpec::per_expert_scale`).
+    pub fn with_expert_scale(mut self, scale: Vec<f32>) -> Router {
+        assert_eq!(scale.len(), self.options.n_experts, "one scale per expert");
+        self.expert_scale = scale;
         self
     }
 
@@ -149,6 +160,11 @@ impl Router {
                     }
                 }
                 RoutingVariant::Sigmoid => unreachable!("routed above"),
+            }
+        }
+        if !self.expert_scale.is_empty() {
+            for (w, &e) in self.routes.weights.iter_mut().zip(&self.routes.expert_ids) {
+                *w *= self.expert_scale[e as usize];
             }
         }
         Ok(&self.routes)
@@ -257,6 +273,8 @@ mod tests {
                         n_group: 1,
                         topk_group: 1,
                         scale: 1.0,
+                        scaled_input: false,
+                        per_expert_scale: false,
                     };
                     let mut router = Router::new(opts, 8);
                     let routes = router.route(&logits, n_tokens).unwrap().clone();
@@ -284,6 +302,8 @@ mod tests {
             n_group: 1,
             topk_group: 1,
             scale: 1.0,
+            scaled_input: false,
+            per_expert_scale: false,
         };
         let mut router = Router::new(opts, 2);
         let ptr = router.routes().expert_ids.as_ptr();
@@ -313,6 +333,8 @@ mod tests {
                     n_group,
                     topk_group,
                     scale: 2.5,
+                    scaled_input: false,
+                    per_expert_scale: false,
                 };
                 let mut router = Router::new(opts, 8).with_selection_bias(bias.clone());
                 let routes = router.route(&logits, n_tokens).unwrap().clone();

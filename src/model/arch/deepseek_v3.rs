@@ -43,10 +43,16 @@ fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
         nope_dim: m.qk_nope_head_dim,
         rope_dim: m.qk_rope_head_dim,
         v_dim: m.v_head_dim,
-        rope: RopeSpec { style: c.rope_style, theta: c.rope_theta, dims: m.qk_rope_head_dim, yarn: c.yarn },
+        rope: RopeSpec {
+            style: c.rope_style,
+            theta: c.rope_theta,
+            dims: m.qk_rope_head_dim,
+            yarn: c.yarn,
+            turning_pairs: None,
+        },
         scale: m.softmax_scale(c.yarn.as_ref()),
     });
-    LayerSpec { mixer, ffn: sigmoid_ffn(c, layer_idx) }
+    LayerSpec::new(mixer, sigmoid_ffn(c, layer_idx))
 }
 
 /// The FFN of DeepSeek-V3's layers (and GLM-4.5's): the leading `first_k_dense_replace` layers

@@ -36,7 +36,7 @@ pub(super) const ADAPTER: Adapter = Adapter {
 fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
     let qk_norm = if c.qk_norm { QkNorm::PerHead } else { QkNorm::None };
     let mixer = standard_attention(c, qk_norm, c.attention_bias);
-    LayerSpec { mixer, ffn: super::deepseek_v3::sigmoid_ffn(c, layer_idx) }
+    LayerSpec::new(mixer, super::deepseek_v3::sigmoid_ffn(c, layer_idx))
 }
 
 fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {

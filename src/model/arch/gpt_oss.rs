@@ -42,7 +42,7 @@ fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
     moe.router.bias = true;
     moe.expert_bias = true;
     moe.activation = FfnActivation::SwigluOai;
-    LayerSpec { mixer: Mixer::Attention(attention), ffn: Ffn::Moe(moe) }
+    LayerSpec::new(Mixer::Attention(attention), Ffn::Moe(moe))
 }
 
 fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {

@@ -13,6 +13,7 @@
 //! [`Profile`].
 
 mod deepseek_v3;
+mod gemma4;
 mod glm4_moe;
 mod gpt_oss;
 mod mixtral;
@@ -39,6 +40,7 @@ pub enum Arch {
     GptOss,
     DeepseekV3,
     Glm4Moe,
+    Gemma4,
 }
 
 /// How router logits become the top-k expert ids and weights.
@@ -134,6 +136,12 @@ pub enum HfNaming {
     /// DeepSeek-V3: `mlp.gate` with `e_score_correction_bias`, `mlp.shared_experts.*`, the
     /// dense layers' `mlp.{gate,up,down}_proj`, the MLA projections (`q_a_proj`, `kv_b_proj`, ...).
     SharedExperts,
+    /// Gemma 4: the dense MLP `mlp.{gate,up,down}_proj` (the plan's shared expert), `router.proj`
+    /// with `router.scale` and `router.per_expert_scale`, fused `experts.gate_up_proj` /
+    /// `experts.down_proj` outside `mlp`, the sandwich norms (`pre_feedforward_layernorm` before
+    /// the FFN, `post_attention_layernorm` after the attention, `*_1` / `*_2` per branch) and
+    /// `layer_scalar`.
+    Gemma4,
 }
 
 /// RoPE of one attention layer.
@@ -147,6 +155,29 @@ pub struct RopeSpec {
     pub dims: usize,
     /// YaRN frequency scaling (GPT-OSS), `None` for plain RoPE.
     pub yarn: Option<YarnSpec>,
+    /// Proportional RoPE (Gemma 4's global layers): `dims` is the whole head, and only its first
+    /// `n` pairs turn, pair `i` at `theta^(-2i/dims)` as in plain RoPE; the other pairs have
+    /// frequency 0 (they pass through). `None`: every pair of `dims` turns.
+    pub turning_pairs: Option<usize>,
+}
+
+impl RopeSpec {
+    /// The inverse frequency of pair `i` (of `dims / 2`), YaRN's or plain, zero past the
+    /// turning pairs of a proportional RoPE: the one formula every engine's table reads.
+    pub fn inv_freq(&self, i: usize) -> f64 {
+        if self.turning_pairs.is_some_and(|n| i >= n) {
+            return 0.0;
+        }
+        match &self.yarn {
+            Some(y) => y.inv_freq(i, self.dims, self.theta),
+            None => 1.0 / (self.theta as f64).powf(2.0 * i as f64 / self.dims as f64),
+        }
+    }
+
+    /// cos/sin are multiplied by this (YaRN's attention factor; 1 otherwise).
+    pub fn attention_factor(&self) -> f64 {
+        self.yarn.map_or(1.0, |y| y.attention_factor as f64)
+    }
 }
 
 /// YaRN RoPE scaling as transformers computes it (`_compute_yarn_parameters`): each frequency
@@ -204,6 +235,8 @@ pub fn yarn_default_attention_factor(factor: f32) -> f32 {
 pub struct AttentionSpec {
     /// Values per query/key/value head.
     pub head_dim: usize,
+    /// Key/value heads of this layer (Gemma 4's global layers have fewer than its sliding ones).
+    pub n_kv_heads: usize,
     pub qk_norm: QkNorm,
     /// q/k/v projections carry biases.
     pub qkv_bias: bool,
@@ -221,6 +254,28 @@ pub struct AttentionSpec {
     /// Each query head has a learned sink logit that joins its softmax's denominator and
     /// attends to nothing (GPT-OSS `sinks`, llama.cpp `attn_sinks`).
     pub sinks: bool,
+    /// The values are the k projection's output as it leaves the projection (before the k norm
+    /// and RoPE): the layer has no v projection (Gemma 4's global layers, `attention_k_eq_v`).
+    pub values_from_keys: bool,
+    /// Each value head is RMS-normalised without a weight before it is cached (Gemma 4).
+    pub v_norm: bool,
+    /// The scores' scale; `None`: `1 / sqrt(head_dim)` (Gemma 4: 1, its q/k norms set the scale).
+    pub scale: Option<f32>,
+}
+
+impl AttentionSpec {
+    /// Rows of q (every query head, without a gate).
+    pub fn q_dim(&self, n_heads: usize) -> usize {
+        n_heads * self.head_dim
+    }
+    /// Rows of k (and v): every KV head.
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+    /// The factor of every `q . k` score.
+    pub fn softmax_scale(&self) -> f32 {
+        self.scale.unwrap_or(1.0 / (self.head_dim as f32).sqrt())
+    }
 }
 
 /// How a Gated DeltaNet layer's input projections are stored.
@@ -356,6 +411,13 @@ pub struct RouterSpec {
     pub topk_group: usize,
     /// Routed weights are multiplied by this (`routed_scaling_factor`; 1 elsewhere).
     pub scale: f32,
+    /// The router reads the layer's input before the FFN norm, RMS-normalised without a weight
+    /// and multiplied by a learned per-channel scale and `hidden^-0.5` (Gemma 4's
+    /// `router.scale`); otherwise it reads the FFN norm's output.
+    pub scaled_input: bool,
+    /// Each chosen weight (after renormalisation) is multiplied by its expert's learned scale
+    /// (Gemma 4's `router.per_expert_scale`).
+    pub per_expert_scale: bool,
 }
 
 /// A dense expert every token runs beside the routed ones, scaled by `sigmoid(gate · x)`
@@ -386,6 +448,12 @@ pub struct MoeSpec {
     /// Each routed expert's gate, up and down projections carry biases (GPT-OSS).
     pub expert_bias: bool,
     pub shared: Option<SharedExpertSpec>,
+    /// The shared (dense) branch and the routed branch each have their own norms (Gemma 4): the
+    /// shared branch reads the FFN norm's output and its output is RMS-normalised
+    /// (`SharedPostNorm`); the experts read the layer's input through their own norm
+    /// (`ExpertsNorm`) and their weighted sum is RMS-normalised (`ExpertsPostNorm`); the two are
+    /// added. Otherwise both read the FFN norm's output and add up unnormalised.
+    pub branch_norms: bool,
 }
 
 /// The feed-forward block of one layer.
@@ -401,6 +469,19 @@ pub enum Ffn {
 pub struct LayerSpec {
     pub mixer: Mixer,
     pub ffn: Ffn,
+    /// Sandwich norms (Gemma 4): the mixer's output and the FFN's output are each RMS-normalised
+    /// (`PostAttnNorm`, `PostFfnNorm`) before they join the residual.
+    pub post_norms: bool,
+    /// The layer's output, residual included, is multiplied by a learned scalar (Gemma 4's
+    /// `layer_scalar`, `LayerScalar`).
+    pub output_scale: bool,
+}
+
+impl LayerSpec {
+    /// A plain pre-norm layer: no post norms, no output scale.
+    pub fn new(mixer: Mixer, ffn: Ffn) -> LayerSpec {
+        LayerSpec { mixer, ffn, post_norms: false, output_scale: false }
+    }
 }
 
 impl LayerSpec {
@@ -525,6 +606,9 @@ impl Mixer {
     pub fn name(&self) -> &'static str {
         match self {
             Mixer::Attention(a) if a.sinks => "attention with sinks",
+            Mixer::Attention(a) if a.v_norm || a.values_from_keys || a.rope.turning_pairs.is_some() => {
+                "attention with a v norm, keys as values or proportional RoPE"
+            }
             Mixer::Attention(_) => "attention",
             Mixer::GatedDeltaNet(_) => "gated deltanet",
             Mixer::LatentAttention(_) => "latent attention (MLA)",
@@ -566,9 +650,15 @@ fn describe(spec: &LayerSpec) -> String {
             describe_attention_rope(&m.rope)
         ),
     };
-    match &spec.ffn {
+    let ffn = match &spec.ffn {
         Ffn::Moe(m) => format!("{mixer} + moe ({})", describe_moe(m)),
         Ffn::Dense(d) => format!("{mixer} + dense ffn ({}, {})", d.ff, d.activation.hf_name()),
+    };
+    match (spec.post_norms, spec.output_scale) {
+        (false, false) => ffn,
+        (true, false) => format!("{ffn}, post norms"),
+        (false, true) => format!("{ffn}, output scalar"),
+        (true, true) => format!("{ffn}, post norms, output scalar"),
     }
 }
 
@@ -590,6 +680,18 @@ fn describe_attention(a: &AttentionSpec) -> String {
     }];
     if a.rope.dims < a.head_dim {
         mixer.push(format!("partial rope {}", a.rope.dims));
+    }
+    if let Some(n) = a.rope.turning_pairs {
+        mixer.push(format!("proportional rope {n} of {} pairs, theta {}", a.rope.dims / 2, a.rope.theta));
+    }
+    if a.values_from_keys {
+        mixer.push("keys as values".into());
+    }
+    if a.v_norm {
+        mixer.push("v norm".into());
+    }
+    if let Some(s) = a.scale {
+        mixer.push(format!("score scale {s}"));
     }
     match a.qk_norm {
         QkNorm::None => {}
@@ -652,6 +754,15 @@ fn describe_moe(m: &MoeSpec) -> String {
     if let Some(s) = m.shared {
         let kind = if s.gated { "gated" } else { "ungated" };
         ffn.push(format!("{kind} shared expert {}", s.ff));
+    }
+    if m.router.scaled_input {
+        ffn.push("scaled router input".into());
+    }
+    if m.router.per_expert_scale {
+        ffn.push("per-expert scale".into());
+    }
+    if m.branch_norms {
+        ffn.push("branch norms".into());
     }
     ffn.join(", ")
 }
@@ -771,7 +882,7 @@ impl PartialEq for Adapter {
 }
 
 /// Every supported architecture.
-pub static ADAPTERS: [Adapter; 9] = [
+pub static ADAPTERS: [Adapter; 10] = [
     qwen3_moe::ADAPTER,
     mixtral::ADAPTER,
     olmoe::ADAPTER,
@@ -781,6 +892,7 @@ pub static ADAPTERS: [Adapter; 9] = [
     gpt_oss::ADAPTER,
     deepseek_v3::ADAPTER,
     glm4_moe::ADAPTER,
+    gemma4::ADAPTER,
 ];
 
 /// The attention layer every current architecture builds from its config: `qk_norm` and
@@ -788,14 +900,24 @@ pub static ADAPTERS: [Adapter; 9] = [
 fn standard_attention(c: &ModelConfig, qk_norm: QkNorm, qkv_bias: bool) -> Mixer {
     Mixer::Attention(AttentionSpec {
         head_dim: c.head_dim,
+        n_kv_heads: c.n_kv_heads,
         qk_norm,
         qkv_bias,
-        rope: RopeSpec { style: c.rope_style, theta: c.rope_theta, dims: c.rotary_dims, yarn: c.yarn },
+        rope: RopeSpec {
+            style: c.rope_style,
+            theta: c.rope_theta,
+            dims: c.rotary_dims,
+            yarn: c.yarn,
+            turning_pairs: None,
+        },
         window: c.sliding_window,
         clip_qkv: c.clip_qkv,
         output_gate: false,
         o_bias: false,
         sinks: false,
+        values_from_keys: false,
+        v_norm: false,
+        scale: None,
     })
 }
 
@@ -812,11 +934,14 @@ fn standard_moe(c: &ModelConfig, variant: RoutingVariant, shared: Option<SharedE
             n_group: 1,
             topk_group: 1,
             scale: 1.0,
+            scaled_input: false,
+            per_expert_scale: false,
         },
         activation: FfnActivation::Silu,
         expert_ff: c.expert_ff,
         expert_bias: false,
         shared,
+        branch_norms: false,
     })
 }
 
@@ -925,6 +1050,7 @@ mod tests {
             let hybrid = a.hybrid.delta_net.is_some();
             let deepseek = a.arch == Arch::DeepseekV3;
             let glm = a.arch == Arch::Glm4Moe;
+            let gemma = a.arch == Arch::Gemma4;
             for (l, spec) in plan.layers().iter().enumerate() {
                 // DeepSeek-V3: a dense first layer, then sigmoid-routed MoE with an ungated
                 // shared expert; latent attention everywhere.
@@ -964,19 +1090,28 @@ mod tests {
                 );
                 let oss = a.arch == Arch::GptOss;
                 assert_eq!((att.sinks, att.o_bias, att.rope.yarn.is_some()), (oss, oss, oss), "{:?}", a.arch);
-                assert_eq!(att.window.is_some(), oss && l % 2 == 0, "{:?} layer {l}", a.arch);
+                let sliding = (oss || gemma) && l % 2 == 0 && !(gemma && l + 1 == c.n_layers);
+                assert_eq!(att.window.is_some(), sliding, "{:?} layer {l}", a.arch);
+                // Gemma 4: its global layers have their own head dim, keys as values and
+                // proportional RoPE; every layer its norms, scalar, scaled router, branch norms.
+                assert_eq!(att.values_from_keys, gemma && !sliding, "{:?} layer {l}", a.arch);
+                assert_eq!(att.rope.turning_pairs.is_some(), gemma && !sliding, "{:?} layer {l}", a.arch);
+                assert_eq!((spec.post_norms, spec.output_scale, att.v_norm), (gemma, gemma, gemma));
+                assert_eq!((moe.branch_norms, moe.router.scaled_input), (gemma, gemma), "{:?}", a.arch);
                 assert_eq!((moe.router.bias, moe.expert_bias), (oss, oss), "{:?}", a.arch);
                 assert_eq!(att.output_gate, hybrid, "{:?}", a.arch);
                 assert_eq!(att.rope.dims < att.head_dim, hybrid || glm, "{:?}: partial RoPE", a.arch);
                 let expected_norm = match a.arch {
-                    Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe | Arch::Glm4Moe => QkNorm::PerHead,
+                    Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe | Arch::Glm4Moe | Arch::Gemma4 => {
+                        QkNorm::PerHead
+                    }
                     Arch::Olmoe => QkNorm::WholeProjection,
                     Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss => QkNorm::None,
                     Arch::DeepseekV3 => unreachable!("latent attention, checked above"),
                 };
                 assert_eq!(att.qk_norm, expected_norm);
             }
-            let runs = if hybrid || a.arch == Arch::GptOss || deepseek || glm { 2 } else { 1 };
+            let runs = if hybrid || a.arch == Arch::GptOss || deepseek || glm || gemma { 2 } else { 1 };
             assert_eq!(plan.summary().len().min(2), runs, "{:?}", plan.summary());
         }
     }

@@ -29,10 +29,10 @@ pub(super) const ADAPTER: Adapter = Adapter {
 
 fn layer(c: &ModelConfig, _layer_idx: usize) -> LayerSpec {
     let shared = SharedExpertSpec { ff: c.shared_expert_ff, gated: true };
-    LayerSpec {
-        mixer: standard_attention(c, QkNorm::None, true),
-        ffn: standard_moe(c, RoutingVariant::SoftmaxThenTopK, Some(shared)),
-    }
+    LayerSpec::new(
+        standard_attention(c, QkNorm::None, true),
+        standard_moe(c, RoutingVariant::SoftmaxThenTopK, Some(shared)),
+    )
 }
 
 pub(super) fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {

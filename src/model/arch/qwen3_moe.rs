@@ -28,10 +28,10 @@ pub(super) const ADAPTER: Adapter = Adapter {
 };
 
 fn layer(c: &ModelConfig, _layer_idx: usize) -> LayerSpec {
-    LayerSpec {
-        mixer: standard_attention(c, QkNorm::PerHead, false),
-        ffn: standard_moe(c, RoutingVariant::SoftmaxThenTopK, None),
-    }
+    LayerSpec::new(
+        standard_attention(c, QkNorm::PerHead, false),
+        standard_moe(c, RoutingVariant::SoftmaxThenTopK, None),
+    )
 }
 
 fn hf_expert_dims(f: &HfFields<'_>) -> Result<ExpertDims, ConfigError> {

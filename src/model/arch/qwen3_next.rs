@@ -66,7 +66,7 @@ pub(super) fn hybrid_layer(c: &ModelConfig, layer_idx: usize, norm_topk_prob: bo
         unreachable!("standard_moe builds a MoE")
     };
     moe.router.norm_topk_prob = norm_topk_prob;
-    LayerSpec { mixer, ffn: Ffn::Moe(moe) }
+    LayerSpec::new(mixer, Ffn::Moe(moe))
 }
 
 fn hf_extra_fields(c: &ModelConfig, obj: &mut Map<String, Value>) {

@@ -1,0 +1,141 @@
+//! Gemma 4 MoE (issue 41, item 3) against the `transformers` fixture of
+//! tests/fixtures/make_gemma4.py (`gemma4_text`): sliding layers (window 8, heads of 16, 2 KV
+//! heads, plain RoPE) and global layers (heads of 32, 1 KV head, keys as values, proportional
+//! RoPE on a quarter of each head) interleaved; q/k norms and a weightless v norm with unscaled
+//! scores; sandwich norms; a dense GeGLU MLP beside 8 tanh-GELU experts, each branch with its own
+//! norms; the scaled router with per-expert scales; a learned scalar per layer; embeddings times
+//! `sqrt(hidden)`; soft-capped logits. A 70-token prompt (past the window and past one 64-token
+//! prefill chunk), a second chunk on the same session, decode token by token and greedy tokens
+//! past the window: the oracle and the CPU pipeline at hot fractions 0, 0.5 and 1.
+
+mod common;
+mod fixture_checks;
+
+use fixture_checks::{Golden, HOT_FRACTIONS};
+use moe_lanes::arch::{Ffn, FfnActivation, Mixer, QkNorm, RoutingVariant};
+use moe_lanes::model::Model;
+use std::sync::Arc;
+
+const NAME: &str = "gemma4_a";
+
+fn open() -> (Arc<Model>, Golden) {
+    fixture_checks::open(NAME)
+}
+
+#[test]
+fn the_plan_says_what_gemma4_is() {
+    let (model, g) = open();
+    let c = model.config();
+    assert_eq!((c.head_dim, c.n_kv_heads, c.sliding_window), (16, 2, Some(8)));
+    assert_eq!(c.final_logit_softcap, Some(3.0));
+    assert_eq!(c.embedding_scale, Some(8.0));
+    assert!(g.prompt.len() > 64 && g.prompt.len() > c.sliding_window.unwrap());
+    for (l, spec) in model.plan().layers().iter().enumerate() {
+        let Mixer::Attention(a) = spec.mixer else { panic!("layer {l}: {:?}", spec.mixer) };
+        assert!(spec.post_norms && spec.output_scale, "layer {l}");
+        assert_eq!((a.qk_norm, a.v_norm, a.scale), (QkNorm::PerHead, true, Some(1.0)), "layer {l}");
+        let global = l % 2 == 1;
+        assert_eq!(a.window, (!global).then_some(8), "layer {l}");
+        assert_eq!((a.head_dim, a.n_kv_heads), if global { (32, 1) } else { (16, 2) }, "layer {l}");
+        assert_eq!(a.values_from_keys, global, "layer {l}");
+        assert_eq!(a.rope.dims, a.head_dim);
+        assert_eq!(a.rope.turning_pairs, global.then_some(4), "layer {l}");
+        assert_eq!(a.rope.theta, if global { 1e6 } else { 1e4 }, "layer {l}");
+        let Ffn::Moe(m) = spec.ffn else { panic!("layer {l} is MoE") };
+        assert_eq!(m.router.variant, RoutingVariant::SoftmaxThenTopK);
+        assert!(m.router.norm_topk_prob && m.router.scaled_input && m.router.per_expert_scale);
+        assert!(m.branch_norms && m.shared.is_some_and(|s| !s.gated && s.ff == 48));
+        assert_eq!((m.activation, m.expert_ff, m.router.n_experts_used), (FfnActivation::GeluTanh, 16, 3));
+    }
+    let summary = model.plan().summary().join("\n");
+    assert!(summary.contains("proportional rope") && summary.contains("keys as values"), "{summary}");
+}
+
+#[test]
+fn reference_matches_transformers_prefill_second_chunk_and_greedy() {
+    fixture_checks::check_reference(NAME);
+}
+
+#[test]
+fn pipeline_prefill_and_a_second_chunk_match_transformers_at_every_hot_fraction() {
+    // 64: the prompt crosses a sub-batch (prefill chunk) boundary; 7: many, inside the window.
+    fixture_checks::check_pipeline_prefill(NAME, &[7, 64, 512]);
+}
+
+#[test]
+fn pipeline_decode_token_by_token_equals_transformers() {
+    fixture_checks::check_pipeline_decode(NAME, &HOT_FRACTIONS, usize::MAX);
+}
+
+#[test]
+fn pipeline_greedy_continuations_are_identical() {
+    fixture_checks::check_pipeline_greedy(NAME, &HOT_FRACTIONS);
+}
+
+/// The GPU engine refuses Gemma 4 by name before any device is touched, so the default engine
+/// falls back to the CPU pipeline; the default engine (whatever the machine has) matches
+/// transformers.
+#[test]
+fn the_gpu_engine_refuses_gemma4_by_name_and_the_default_engine_falls_back() {
+    use moe_lanes::engine::{build_engine, EngineOptions, HotBudget, HotChoice};
+    use moe_lanes::phase::Phase;
+    let (model, g) = open();
+    let err = moe_lanes::gpu::GpuModel::supports(&model).expect_err("refused").to_string();
+    assert!(err.contains("layer 0") || err.contains("layer 1"), "{err}");
+    let mut opts = EngineOptions::new(128);
+    opts.hot = HotChoice::Budget(HotBudget::Fraction(0.5));
+    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
+    if common::gpu_usable() {
+        opts.cuda = moe_lanes::env::cuda_config().unwrap();
+    }
+    let (mut engine, report) = build_engine(&model, opts).unwrap();
+    println!("gemma4: engine {:?}", report.kind);
+    let mut cache = engine.new_cache(128).unwrap();
+    let prefill = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().rows();
+    let err = common::max_rel_err(&prefill, &g.logits);
+    assert!(err < fixture_checks::TOLERANCE, "{err}");
+}
+
+/// `synth --arch gemma4` (tiny, the published nested form under `model.language_model.`):
+/// the checkpoint opens with both layer kinds, and the CPU pipeline (prefill past the window in
+/// sub-batches of 16, then decode) matches the oracle at every hot fraction; GGUF is refused by
+/// name.
+#[test]
+fn synth_gemma4_opens_and_the_pipeline_matches_the_oracle() {
+    use moe_lanes::phase::Phase;
+    use moe_lanes::reference::{NoObserver, Reference};
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let opts = |format, out| SynthOptions {
+        adapter: moe_lanes::arch::by_name("gemma4").unwrap(),
+        preset: Preset::Tiny,
+        dims: DimOverrides { n_layers: Some(4), ..Default::default() },
+        dtype: moe_lanes::dtype::DType::BF16,
+        seed: 11,
+        skew: Skew::Skewed,
+        format,
+        out,
+        vocab_from: None,
+    };
+    let out = dir.path().join("g");
+    synth::write_synthetic(&opts(SynthFormat::Safetensors, out.clone()), &mut |_, _| {}).unwrap();
+    let model = Arc::new(Model::open(&out).unwrap());
+    let plan = model.plan();
+    assert!(plan.layer(0).attention().window.is_some() && plan.layer(3).attention().values_from_keys);
+    let r = Reference::new(&model).unwrap();
+    let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7 + 3) % model.config().vocab as u32).collect();
+    let want = r.forward(&mut r.new_cache(), &tokens, &mut NoObserver).unwrap();
+    for hot in HOT_FRACTIONS {
+        let mut p = fixture_checks::pipeline(&model, hot, 16);
+        let mut cache = p.new_cache();
+        let mut got = p.forward(&mut cache, &tokens[..30], Phase::Prefill).unwrap();
+        for &t in &tokens[30..] {
+            got.extend(p.forward(&mut cache, &[t], Phase::Decode).unwrap());
+        }
+        let err = common::max_rel_err(&got, &want);
+        assert!(err < 1e-4, "hot {hot}: {err}");
+    }
+    let gguf = opts(SynthFormat::Gguf, dir.path().join("g.gguf"));
+    let err = synth::write_synthetic(&gguf, &mut |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("safetensors only"), "{err}");
+}
