@@ -166,8 +166,8 @@ fn open(name: &str) -> Arc<Model> {
     Arc::new(Model::open(&common::fixtures_root().join(name)).unwrap())
 }
 
-/// The fixtures whose layer kinds the GPU engine runs (GPT-OSS's it refuses by name for now:
-/// tests/gpt_oss.rs checks the refusal and the pipeline it falls back to).
+/// The fixtures whose layer kinds the GPU engine runs (those it refuses by name, each test file
+/// checks the refusal and the pipeline it falls back to).
 fn gpu_fixture_names() -> Vec<String> {
     common::fixture_names()
         .into_iter()
@@ -430,7 +430,10 @@ fn exchanges_keep_output_exact() {
             GpuFaults::default(),
         );
         check_against_reference(&format!("{name} before"), &model, engine.as_mut());
-        for l in 0..c.n_layers {
+        // layers with experts (a dense FFN layer has none to exchange)
+        let expert_layers: Vec<usize> =
+            (0..c.n_layers).filter(|&l| model.plan().layer(l).has_experts()).collect();
+        for &l in &expert_layers {
             let set = engine.hot_set().unwrap();
             let evict = (0..c.n_experts).find(|&e| set.layers[l].is_hot(e)).unwrap();
             let add = (0..c.n_experts).find(|&e| !set.layers[l].is_hot(e)).unwrap();
@@ -441,12 +444,31 @@ fn exchanges_keep_output_exact() {
         check_against_reference(&format!("{name} after exchanges"), &model, engine.as_mut());
         assert_ne!(engine.hot_set().unwrap(), &before, "{name}: exchanges applied before the next call");
         assert_eq!(engine.hot_bytes(), bytes, "{name}: the cache never reallocates");
-        assert_eq!(engine.perf().unwrap().report().updates, c.n_layers as u64);
+        assert_eq!(engine.perf().unwrap().report().updates, expert_layers.len() as u64);
         // A bad exchange is refused and changes nothing.
-        engine.request_exchange(Exchange { layer_idx: 0, evict: c.n_experts + 5, add: 0 }).unwrap();
+        let layer_idx = expert_layers[0];
+        engine.request_exchange(Exchange { layer_idx, evict: c.n_experts + 5, add: 0 }).unwrap();
         let set = engine.hot_set().unwrap().clone();
         assert!(engine.apply_exchanges().is_err());
         assert_eq!(engine.hot_set().unwrap(), &set);
+    }
+}
+
+/// `faults` with each faulted layer moved to the first layer at or after it that has experts (a
+/// dense FFN layer has no lanes to fail).
+fn on_expert_layers(faults: GpuFaults, model: &Model) -> GpuFaults {
+    let plan = model.plan();
+    let to = |l: Option<usize>| {
+        l.map(|l| (l..plan.layers().len()).find(|&i| plan.layer(i).has_experts()).unwrap())
+    };
+    GpuFaults {
+        hot_error_layer: to(faults.hot_error_layer),
+        hot_timeout_layer: to(faults.hot_timeout_layer),
+        cold_error_layer: to(faults.cold_error_layer),
+        cold_panic_layer: to(faults.cold_panic_layer),
+        corrupt_worklist_layer: to(faults.corrupt_worklist_layer),
+        postfetch_late_layer: to(faults.postfetch_late_layer),
+        ..faults
     }
 }
 
@@ -455,6 +477,7 @@ fn run_fault(faults: GpuFaults, reason: FallbackReason) {
     for name in &gpu_fixture_names() {
         let model = open(name);
         let c = model.config().clone();
+        let faults = on_expert_layers(faults, &model);
         let mut engine =
             gpu_engine(&model, HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts)), faults);
         check_against_reference(&format!("{name} {faults:?}"), &model, engine.as_mut());
@@ -481,7 +504,8 @@ fn seeded_fault_schedules_over_long_generations() {
         check_steps(&format!("{name} seed {seed}"), &model, engine.as_mut(), DECODE_STEPS);
         let (mut hot_err, mut any_failed, mut timeouts) = (0, 0, 0);
         for call in 1..=1 + DECODE_STEPS as u64 {
-            for l in 0..c.n_layers {
+            // a dense FFN layer has no lanes: nothing injected there happens
+            for l in (0..c.n_layers).filter(|&l| model.plan().layer(l).has_experts()) {
                 let f = faults.at(call, l);
                 hot_err += u64::from(f.hot_error);
                 any_failed += u64::from(f.hot_error || f.cold_error || f.cold_panic);
