@@ -10,7 +10,7 @@ mod bin;
 use bin::server::{sse_data, Server};
 use bin::{command, ok_stdout, p};
 use moe_lanes::dtype::DType;
-use moe_lanes::gguf::{GgufFile, GgufWriter};
+use moe_lanes::gguf::{GgufFile, GgufWriter, MetaValue};
 use moe_lanes::model::arch::Arch;
 use moe_lanes::text::{ChatMessage, ChatTemplate, ReasoningEffort, RenderOptions, Tokenizer};
 use serde_json::{json, Value};
@@ -22,26 +22,35 @@ const SCRIPT: &str = "<|channel|>analysis<|message|>hm<|end|>ok<|return|>";
 
 /// A synth GPT-OSS file whose greedy completion of any chat prompt is [`SCRIPT`].
 fn scripted_gpt_oss(dir: &Path) -> PathBuf {
+    scripted_gpt_oss_with(dir, None)
+}
+
+/// [`scripted_gpt_oss`], with `template` as its `tokenizer.chat_template` when given.
+fn scripted_gpt_oss_with(dir: &Path, template: Option<&str>) -> PathBuf {
     let plain = dir.join("gpt-oss.gguf");
     ok_stdout(&["synth", "--arch", "gpt_oss", "--out", p(&plain)]);
     let tok = Tokenizer::from_gguf_path(&plain).unwrap();
+    assert!(tok.chat_template().is_none(), "synth writes no template for GPT-OSS (the built-in one is used)");
     let last = *tok.encode("assistant", false, true).unwrap().last().unwrap();
     let mut chain = vec![last];
     chain.extend(tok.encode(SCRIPT, false, true).unwrap());
     let distinct: std::collections::HashSet<_> = chain.iter().collect();
     assert_eq!(distinct.len(), chain.len(), "the script's tokens must differ: {chain:?}");
     let out = dir.join("gpt-oss-scripted.gguf");
-    rewrite(&plain, &out, &chain);
+    rewrite(&plain, &out, &chain, template);
     out
 }
 
 /// `src` with each layer's output zeroed and token `chain[i]` embedded as unit vector `i`, whose
 /// lm_head row is `chain[i + 1]`'s.
-fn rewrite(src: &Path, dst: &Path, chain: &[u32]) {
+fn rewrite(src: &Path, dst: &Path, chain: &[u32], template: Option<&str>) {
     let file = GgufFile::open(src).unwrap();
     let mut w = GgufWriter::new();
     for (key, value) in file.metadata() {
         w.add_metadata(key.clone(), value.clone());
+    }
+    if let Some(t) = template {
+        w.add_metadata("tokenizer.chat_template", MetaValue::String(t.to_string()));
     }
     let infos = file.tensor_infos().to_vec();
     let scripted = |name: &str| matches!(name, "token_embd.weight" | "output.weight" | "output_norm.weight");
@@ -195,4 +204,28 @@ fn chat_answers_each_line_of_standard_input() {
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert_eq!(String::from_utf8(out.stdout).unwrap(), "ok\nok\n", "one answer per non-empty line");
+}
+
+/// A GPT-OSS file that carries its own template (as real GGUF files do) is rendered with it, not
+/// with the built-in one; the output is parsed the same.
+#[test]
+fn a_file_with_gpt_oss_s_own_template_renders_with_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let source =
+        std::fs::read_to_string(root.join("tests/fixtures/tokenizers/templates/openai-gpt-oss-120b.jinja")).unwrap();
+    let model = scripted_gpt_oss_with(dir.path(), Some(&source));
+    let tok = Tokenizer::from_gguf_path(&model).unwrap();
+    let own = ChatTemplate::for_model(None, &tok, &model, Arch::GptOss).unwrap();
+    let opts = RenderOptions { add_generation_prompt: true, ..RenderOptions::default() };
+    let sys = [ChatMessage::system("Be brief."), ChatMessage::user("Hi")];
+    let want = own.encode(&tok, &sys, opts).unwrap().len() as u64;
+    let builtin = ChatTemplate::new(moe_lanes::text::HARMONY_TEMPLATE, "b", None, None).unwrap();
+    assert_ne!(want, builtin.encode(&tok, &sys, opts).unwrap().len() as u64, "the two templates differ here");
+    let server = Server::start(p(&model), &[]);
+    let body = json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "max_tokens": 20});
+    let (status, v) = server.json("POST", "/v1/chat/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(want));
+    assert_eq!(v["choices"][0]["message"], json!({"role": "assistant", "content": "ok", "reasoning_content": "hm"}));
 }

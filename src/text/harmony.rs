@@ -27,10 +27,12 @@ use crate::model::arch::Arch;
 /// what `openai-harmony` renders for a conversation (system message with the model identity,
 /// knowledge cutoff, current date, reasoning effort and valid channels; the first
 /// `system`/`developer` message as the developer's instructions; user turns; assistant turns in
-/// the `final` channel, their `thinking` only on a last assistant turn without a generation
-/// prompt, which ends in `<|return|>`, as GPT-OSS's own template does).
+/// the `final` channel, a last one without a generation prompt ending in `<|return|>` as in
+/// training; an assistant's `thinking` is not rendered, as Harmony drops earlier turns' reasoning).
+/// Unlike GPT-OSS's own template it writes no blank line after the instructions (openai-harmony
+/// writes none).
 ///
-/// Reads `messages` (`role`, `content`, optional `thinking`), `add_generation_prompt`,
+/// Reads `messages` (`role`, `content`), `add_generation_prompt`,
 /// `reasoning_effort` (default `medium`), `model_identity` and `strftime_now`.
 pub const HARMONY_TEMPLATE: &str = r#"
 {%- if reasoning_effort is defined and reasoning_effort %}{% set effort = reasoning_effort %}{% else %}{% set effort = "medium" %}{% endif %}
@@ -46,7 +48,6 @@ pub const HARMONY_TEMPLATE: &str = r#"
 {%- if message.role == "user" %}
 {{- "<|start|>user<|message|>" + message.content + "<|end|>" }}
 {%- elif message.role == "assistant" and loop.last and not add_generation_prompt %}
-{%- if message.thinking %}{{- "<|start|>assistant<|channel|>analysis<|message|>" + message.thinking + "<|end|>" }}{% endif %}
 {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|return|>" }}
 {%- elif message.role == "assistant" %}
 {{- "<|start|>assistant<|channel|>final<|message|>" + message.content + "<|end|>" }}
