@@ -181,7 +181,8 @@ struct ServeArgs {
     #[arg(long, default_value_t = moe_lanes::engine::batch::DEFAULT_PREFIX_CACHE, value_parser = count(0))]
     prefix_cache: usize,
     /// Jinja chat template for /v1/chat/completions (default: the model's own,
-    /// tokenizer.chat_template).
+    /// tokenizer.chat_template; a GPT-OSS model without one gets the built-in Harmony template,
+    /// and its answers' analysis channel is reasoning_content).
     #[arg(long)]
     chat_template: Option<PathBuf>,
     #[command(flatten)]
