@@ -82,7 +82,9 @@ pub fn synthetic_vocab_with(vocab_size: usize, specials: VocabSpecials) -> Resul
     let specials = specials.tokens();
     let min = 256 + specials.len();
     if vocab_size < min {
-        return Err(format!("vocab size {vocab_size} is below {min}, the minimum for a byte-level tokenizer"));
+        return Err(format!(
+            "vocab size {vocab_size} is below {min}, the minimum for a byte-level tokenizer"
+        ));
     }
     let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_to_unicode(b).to_string()).collect();
     let n_merged = vocab_size - 256 - specials.len();
@@ -111,7 +113,9 @@ pub fn synthetic_vocab_with(vocab_size: usize, specials: VocabSpecials) -> Resul
         token_types.push(TokenType::Control.gguf_value());
     }
     debug_assert_eq!(tokens.len(), vocab_size);
-    let id = |text: &str, default: u32| specials.iter().position(|s| *s == text).map_or(default, |i| first + i as u32);
+    let id = |text: &str, default: u32| {
+        specials.iter().position(|s| *s == text).map_or(default, |i| first + i as u32)
+    };
     let (bos_id, eos_id) = (id("<|startoftext|>", first), id("<|return|>", first));
     Ok(SyntheticVocab { tokens, token_types, merges, bos_id, eos_id })
 }

@@ -136,8 +136,9 @@ struct HarmonyCase {
 fn check_harmony(name: &str, source: &str) {
     let path = common::repo_root().join("tests/fixtures/chat_templates").join(format!("{name}.json"));
     let fx: HarmonyFixture = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    let template =
-        ChatTemplate::new(source, name, Some("<|startoftext|>"), Some("<|return|>")).unwrap().with_clock(fx.clock_unix_s);
+    let template = ChatTemplate::new(source, name, Some("<|startoftext|>"), Some("<|return|>"))
+        .unwrap()
+        .with_clock(fx.clock_unix_s);
     assert!(fx.cases.len() >= 40, "{name}: fixture has {} cases", fx.cases.len());
     for case in &fx.cases {
         let opts = RenderOptions {
@@ -145,7 +146,9 @@ fn check_harmony(name: &str, source: &str) {
             enable_thinking: None,
             reasoning_effort: case.reasoning_effort,
         };
-        let got = template.render_with(&case.messages, opts).unwrap_or_else(|e| panic!("{name}: {}: {e}", case.name));
+        let got = template
+            .render_with(&case.messages, opts)
+            .unwrap_or_else(|e| panic!("{name}: {}: {e}", case.name));
         assert_eq!(got, case.rendered, "{name}: case {}", case.name);
     }
 }
@@ -167,7 +170,9 @@ fn the_gpt_oss_template_renders_as_transformers() {
 fn the_built_in_harmony_template_refuses_roles_it_cannot_render() {
     let t = ChatTemplate::new(HARMONY_TEMPLATE, "built-in", None, None).unwrap();
     match t.render(&[ChatMessage::new("tool", "{}")], true) {
-        Err(ChatTemplateError::Raised { message, .. }) => assert!(message.contains("not 'tool'"), "{message}"),
+        Err(ChatTemplateError::Raised { message, .. }) => {
+            assert!(message.contains("not 'tool'"), "{message}")
+        }
         other => panic!("{other:?}"),
     }
 }

@@ -12,8 +12,8 @@ use moe_lanes::model::Model;
 use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::sample::SamplingParams;
 use moe_lanes::text::{
-    ChatMessage, ChatTemplate, HarmonyTokens, ReasoningEffort, RenderOptions, StopStrings, TextPiece, TextStream,
-    Tokenizer, TokenizerRef,
+    ChatMessage, ChatTemplate, HarmonyTokens, ReasoningEffort, RenderOptions, StopStrings, TextPiece,
+    TextStream, Tokenizer, TokenizerRef,
 };
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};

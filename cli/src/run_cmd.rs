@@ -3,18 +3,18 @@
 //! `--chat` the prompt is one user turn through the chat template (`chat_cmd`: a GPT-OSS model's
 //! answer is its final channel).
 
+use crate::chat_cmd::{answer, generation, ChatOptions, ChatSetup};
 use crate::{emit, engine_options, open_engine, open_model_ctx, write_perf, EngineArgs, SamplingArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use moe_lanes::engine::{Engine, GeneratedToken, Generation, GenerationOptions, HotChoice, LiveCache};
-use moe_lanes::perf::ModelFingerprint;
-use crate::chat_cmd::{answer, generation, ChatOptions, ChatSetup};
 use moe_lanes::model::Model;
+use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::sample::SamplingParams;
 use moe_lanes::text::{ChatMessage, Tokenizer};
 use std::io::Read;
-use std::sync::Arc;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 #[derive(Args)]
 pub struct RunArgs {

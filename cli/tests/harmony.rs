@@ -87,7 +87,8 @@ fn rewrite(src: &Path, dst: &Path, chain: &[u32], template: Option<&str>) {
 fn prompt_tokens(model: &Path, effort: Option<ReasoningEffort>) -> u64 {
     let tok = Tokenizer::from_gguf_path(model).unwrap();
     let t = ChatTemplate::for_model(None, &tok, model, Arch::GptOss).unwrap();
-    let opts = RenderOptions { add_generation_prompt: true, reasoning_effort: effort, ..RenderOptions::default() };
+    let opts =
+        RenderOptions { add_generation_prompt: true, reasoning_effort: effort, ..RenderOptions::default() };
     t.encode(&tok, &[ChatMessage::user("Hi")], opts).unwrap().len() as u64
 }
 
@@ -138,15 +139,24 @@ fn reasoning_effort_reaches_the_template_and_bad_values_are_refused() {
     for body in asked {
         let (status, v) = server.json("POST", "/v1/chat/completions", &body);
         assert_eq!(status, 200, "{v}");
-        assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(prompt_tokens(&model, Some(ReasoningEffort::High))));
+        assert_eq!(
+            v["usage"]["prompt_tokens"].as_u64(),
+            Some(prompt_tokens(&model, Some(ReasoningEffort::High)))
+        );
     }
     let bad = [
         (json!({"messages": user, "reasoning_effort": "max"}), "reasoning_effort"),
         (json!({"messages": user, "reasoning_effort": 3}), "reasoning_effort"),
-        (json!({"messages": user, "chat_template_kwargs": {"reasoning_effort": "max"}}), "chat_template_kwargs.reasoning_effort"),
+        (
+            json!({"messages": user, "chat_template_kwargs": {"reasoning_effort": "max"}}),
+            "chat_template_kwargs.reasoning_effort",
+        ),
         (json!({"messages": user, "chat_template_kwargs": {"tools": []}}), "chat_template_kwargs"),
         (json!({"messages": user, "chat_template_kwargs": "high"}), "chat_template_kwargs"),
-        (json!({"messages": [{"role": "assistant", "content": "a", "reasoning_content": 1}]}), "messages[0].reasoning_content"),
+        (
+            json!({"messages": [{"role": "assistant", "content": "a", "reasoning_content": 1}]}),
+            "messages[0].reasoning_content",
+        ),
         (json!({"messages": [{"role": "tool", "content": "a"}]}), "messages"),
     ];
     for (body, param) in bad {
@@ -160,7 +170,8 @@ fn reasoning_effort_reaches_the_template_and_bad_values_are_refused() {
         {"role": "assistant", "content": "ok", "reasoning_content": "hm"},
         {"role": "user", "content": "Hi"}
     ]);
-    let (status, v) = server.json("POST", "/v1/chat/completions", &json!({"messages": turns, "max_tokens": 20}));
+    let (status, v) =
+        server.json("POST", "/v1/chat/completions", &json!({"messages": turns, "max_tokens": 20}));
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], "ok");
 }
@@ -179,14 +190,21 @@ fn run_chat_prints_the_final_channel_and_the_reasoning_on_request() {
     let stderr = String::from_utf8(out.stderr).unwrap();
     assert!(stderr.starts_with("hm") || stderr.contains("\nhm"), "reasoning on stderr: {stderr}");
     // Without --show-reasoning the reasoning is not shown at all.
-    let out = command().args(["run", "--model", p(&model), "--chat", "--prompt", "Hi", "-n", "20"]).output().unwrap();
+    let out = command()
+        .args(["run", "--model", p(&model), "--chat", "--prompt", "Hi", "-n", "20"])
+        .output()
+        .unwrap();
     assert_eq!(String::from_utf8(out.stdout).unwrap(), "ok\n");
     assert!(!String::from_utf8(out.stderr).unwrap().contains("hm"));
     // The chat flags need --chat; a bad effort is refused by name.
     let stderr = bin::failure(&["run", "--model", p(&model), "--prompt", "Hi", "--show-reasoning"]);
     assert!(stderr.contains("--show-reasoning needs --chat"), "{stderr}");
-    let out = command().args(["run", "--model", p(&model), "--chat", "--prompt", "x", "--reasoning-effort", "max"]).output().unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("reasoning effort 'max' is not one of low, medium, high"));
+    let out = command()
+        .args(["run", "--model", p(&model), "--chat", "--prompt", "x", "--reasoning-effort", "max"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("reasoning effort 'max' is not one of low, medium, high"));
 }
 
 #[test]
@@ -213,7 +231,8 @@ fn a_file_with_gpt_oss_s_own_template_renders_with_it() {
     let dir = tempfile::tempdir().unwrap();
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let source =
-        std::fs::read_to_string(root.join("tests/fixtures/tokenizers/templates/openai-gpt-oss-120b.jinja")).unwrap();
+        std::fs::read_to_string(root.join("tests/fixtures/tokenizers/templates/openai-gpt-oss-120b.jinja"))
+            .unwrap();
     let model = scripted_gpt_oss_with(dir.path(), Some(&source));
     let tok = Tokenizer::from_gguf_path(&model).unwrap();
     let own = ChatTemplate::for_model(None, &tok, &model, Arch::GptOss).unwrap();
@@ -227,5 +246,8 @@ fn a_file_with_gpt_oss_s_own_template_renders_with_it() {
     let (status, v) = server.json("POST", "/v1/chat/completions", &body);
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["usage"]["prompt_tokens"].as_u64(), Some(want));
-    assert_eq!(v["choices"][0]["message"], json!({"role": "assistant", "content": "ok", "reasoning_content": "hm"}));
+    assert_eq!(
+        v["choices"][0]["message"],
+        json!({"role": "assistant", "content": "ok", "reasoning_content": "hm"})
+    );
 }

@@ -117,10 +117,13 @@ fn render_options(body: &Map<String, Value>) -> Result<RenderOptions, ApiError> 
             ))
         }
     };
-    if let Some(key) = kwargs.keys().find(|k| !["reasoning_effort", "enable_thinking"].contains(&k.as_str())) {
+    if let Some(key) = kwargs.keys().find(|k| !["reasoning_effort", "enable_thinking"].contains(&k.as_str()))
+    {
         return Err(ApiError::bad(
             "chat_template_kwargs",
-            format!("chat_template_kwargs.{key} is not supported (supported: reasoning_effort, enable_thinking)"),
+            format!(
+                "chat_template_kwargs.{key} is not supported (supported: reasoning_effort, enable_thinking)"
+            ),
         ));
     }
     let pick = |key: &str| match body.get(key).filter(|v| !v.is_null()) {
@@ -130,16 +133,21 @@ fn render_options(body: &Map<String, Value>) -> Result<RenderOptions, ApiError> 
     let reasoning_effort = match pick("reasoning_effort") {
         None => None,
         Some((field, v)) => {
-            let parsed = v.as_str().ok_or_else(|| format!("{field} must be a string (low, medium, high); got {v}"));
-            Some(parsed.and_then(|s| s.parse::<ReasoningEffort>().map_err(|e| format!("{field}: {e}"))).map_err(
-                |message| ApiError::bad(&field, message),
-            )?)
+            let parsed =
+                v.as_str().ok_or_else(|| format!("{field} must be a string (low, medium, high); got {v}"));
+            Some(
+                parsed
+                    .and_then(|s| s.parse::<ReasoningEffort>().map_err(|e| format!("{field}: {e}")))
+                    .map_err(|message| ApiError::bad(&field, message))?,
+            )
         }
     };
     let enable_thinking = match pick("enable_thinking") {
         None => None,
         Some((_, Value::Bool(b))) => Some(*b),
-        Some((field, v)) => return Err(ApiError::bad(&field, format!("{field} must be true or false; got {v}"))),
+        Some((field, v)) => {
+            return Err(ApiError::bad(&field, format!("{field} must be true or false; got {v}")))
+        }
     };
     Ok(RenderOptions { add_generation_prompt: true, enable_thinking, reasoning_effort })
 }
@@ -276,7 +284,9 @@ pub async fn chat_completions(
                     if text.is_empty() && reasoning.is_empty() && lp.is_none() {
                         return Vec::new();
                     }
-                    vec![head(json!([{"index": 0, "delta": delta(text, reasoning), "logprobs": lp, "finish_reason": null}]))]
+                    vec![head(
+                        json!([{"index": 0, "delta": delta(text, reasoning), "logprobs": lp, "finish_reason": null}]),
+                    )]
                 }
                 Item::Done { tail, tail_reasoning, finish, usage } => {
                     let mut out = Vec::new();

@@ -272,9 +272,11 @@ impl Service {
                 self.shared.running.fetch_add(1, Ordering::Relaxed);
                 // Control tokens (`<|im_end|>`, ...) are not in the text, as `run` shows it by default.
                 let text = job.text.as_ref().map(|t| match t.harmony {
-                    Some(tokens) => {
-                        TextStream::harmony(TokenizerRef::Shared(t.tokenizer.clone()), tokens, t.stops.clone())
-                    }
+                    Some(tokens) => TextStream::harmony(
+                        TokenizerRef::Shared(t.tokenizer.clone()),
+                        tokens,
+                        t.stops.clone(),
+                    ),
                     None => TextStream::shared(t.tokenizer.clone(), true, t.stops.clone()),
                 });
                 self.running.insert(id, Running { job, text, started, generated: 0 });
@@ -333,7 +335,8 @@ impl Service {
             None => TextPiece::default(),
         };
         let stopped = piece.stopped.is_some();
-        let token = Event::Token { id: t.id, text: piece.text, reasoning: piece.reasoning, logprobs: t.logprobs };
+        let token =
+            Event::Token { id: t.id, text: piece.text, reasoning: piece.reasoning, logprobs: t.logprobs };
         let sent = r.job.events.blocking_send(token);
         if sent.is_err() {
             // The client went away: its generation stops.

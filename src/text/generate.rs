@@ -2,8 +2,8 @@
 //! (whole UTF-8 characters, stop strings cut off), until max tokens, an end-of-generation id,
 //! a stop string, or the caller stops it.
 
-use super::stop::{StopStringError, StopStrings};
 use super::harmony::{HarmonyStream, HarmonyTokens};
+use super::stop::{StopStringError, StopStrings};
 use super::stream::TokenizerRef;
 use super::{StreamDecoder, Tokenizer, TokenizerError};
 use crate::engine::{Engine, FinishReason, GeneratedToken, Generation, GenerationError, GenerationOptions};

@@ -455,7 +455,12 @@ fn body(
 
 /// After a message's text: consume the token that ended it; a new header after `<|start|>`,
 /// none after `<|end|>` (between messages) or a stop (the end: `at` moves past the ids).
-fn next_after(tokens: HarmonyTokens, ids: &[u32], at: &mut usize, parsed: &mut HarmonyParsed) -> Option<Vec<u8>> {
+fn next_after(
+    tokens: HarmonyTokens,
+    ids: &[u32],
+    at: &mut usize,
+    parsed: &mut HarmonyParsed,
+) -> Option<Vec<u8>> {
     let Some(&id) = ids.get(*at) else { return None };
     *at += 1;
     match tokens.kind(id) {
@@ -468,7 +473,6 @@ fn next_after(tokens: HarmonyTokens, ids: &[u32], at: &mut usize, parsed: &mut H
         _ => None,
     }
 }
-
 
 #[cfg(test)]
 mod tests {
@@ -532,19 +536,28 @@ mod tests {
         let routes: Vec<_> = parsed.messages.iter().map(|m| (m.header.as_str(), m.route)).collect();
         assert_eq!(
             routes,
-            [("<|channel|>analysis", HarmonyRoute::Reasoning), ("assistant<|channel|>final", HarmonyRoute::Content)]
+            [
+                ("<|channel|>analysis", HarmonyRoute::Reasoning),
+                ("assistant<|channel|>final", HarmonyRoute::Content)
+            ]
         );
     }
 
     #[test]
     fn text_after_a_stop_token_is_ignored_and_call_stops_too() {
-        assert_eq!(both("<|channel|>final<|message|>yes<|return|>more<|start|>x"), (String::new(), "yes".into(), true));
+        assert_eq!(
+            both("<|channel|>final<|message|>yes<|return|>more<|start|>x"),
+            (String::new(), "yes".into(), true)
+        );
         assert_eq!(both("<|channel|>final<|message|>yes<|call|>more"), (String::new(), "yes".into(), true));
     }
 
     #[test]
     fn a_completion_cut_mid_stream_keeps_what_it_has() {
-        assert_eq!(both("<|channel|>analysis<|message|>Thinking abo"), ("Thinking abo".into(), String::new(), false));
+        assert_eq!(
+            both("<|channel|>analysis<|message|>Thinking abo"),
+            ("Thinking abo".into(), String::new(), false)
+        );
         assert_eq!(
             both("<|channel|>analysis<|message|>r<|end|><|start|>assistant<|channel|>final<|message|>An"),
             ("r".into(), "An".into(), false)
@@ -555,10 +568,16 @@ mod tests {
 
     #[test]
     fn commentary_is_content_and_a_message_to_a_recipient_is_hidden() {
-        assert_eq!(both("<|channel|>commentary<|message|>Let me check.<|end|>"), (String::new(), "Let me check.".into(), false));
+        assert_eq!(
+            both("<|channel|>commentary<|message|>Let me check.<|end|>"),
+            (String::new(), "Let me check.".into(), false)
+        );
         let call = "<|channel|>analysis<|message|>need weather<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{\"city\": \"Oslo\"}<|call|>";
         assert_eq!(both(call), ("need weather".into(), String::new(), true));
-        assert_eq!(both("<|channel|>commentary to=functions.x<|message|>{}<|call|>"), (String::new(), String::new(), true));
+        assert_eq!(
+            both("<|channel|>commentary to=functions.x<|message|>{}<|call|>"),
+            (String::new(), String::new(), true)
+        );
     }
 
     #[test]
@@ -569,14 +588,20 @@ mod tests {
         // Text after <|end|> without <|start|>.
         assert_eq!(both("<|channel|>final<|message|>a<|end|>b c"), (String::new(), "ab c".into(), false));
         // A channel after <|end|> without <|start|> opens a header.
-        assert_eq!(both("<|channel|>analysis<|message|>r<|end|><|channel|>final<|message|>c"), ("r".into(), "c".into(), false));
+        assert_eq!(
+            both("<|channel|>analysis<|message|>r<|end|><|channel|>final<|message|>c"),
+            ("r".into(), "c".into(), false)
+        );
         // <|message|> with no header text: content.
         assert_eq!(both("<|message|>plain<|return|>"), (String::new(), "plain".into(), true));
         // A header longer than the limit is released as content.
         let long = "x".repeat(MAX_HEADER_BYTES + 10);
         assert_eq!(both(&long), (String::new(), long.clone(), false));
         // Structural tokens out of place inside a message are dropped.
-        assert_eq!(both("<|channel|>final<|message|>a<|message|>b<|channel|>c<|return|>"), (String::new(), "abc".into(), true));
+        assert_eq!(
+            both("<|channel|>final<|message|>a<|message|>b<|channel|>c<|return|>"),
+            (String::new(), "abc".into(), true)
+        );
     }
 
     #[test]
@@ -607,7 +632,10 @@ mod tests {
         for e in [ReasoningEffort::Low, ReasoningEffort::Medium, ReasoningEffort::High] {
             assert_eq!(e.as_str().parse::<ReasoningEffort>(), Ok(e));
         }
-        assert_eq!("max".parse::<ReasoningEffort>().unwrap_err().to_string(), "reasoning effort 'max' is not one of low, medium, high");
+        assert_eq!(
+            "max".parse::<ReasoningEffort>().unwrap_err().to_string(),
+            "reasoning effort 'max' is not one of low, medium, high"
+        );
     }
 
     #[test]
@@ -616,6 +644,23 @@ mod tests {
         let id = |s: &str| t.token_id(s).unwrap();
         assert!(t.is_eog(id("<|return|>")) && t.is_eog(id("<|call|>")));
         assert!(!t.is_eog(id("<|end|>")), "<|end|> ends a message, not the completion");
+    }
+
+    #[test]
+    fn a_harmony_text_stream_cuts_stop_strings_in_the_content_only() {
+        use crate::text::{StopStrings, TextStream};
+        let stops = StopStrings::new(vec!["STOP".into()]).unwrap();
+        let mut stream = TextStream::harmony(TokenizerRef::Borrowed(tok()), tokens(), stops);
+        let (mut reasoning, mut content, mut stopped) = (String::new(), String::new(), None);
+        for id in ids("<|channel|>analysis<|message|>no STOP here<|end|><|start|>assistant<|channel|>final<|message|>yes STOP no") {
+            let piece = stream.push(id).unwrap();
+            reasoning.push_str(&piece.reasoning);
+            content.push_str(&piece.text);
+            stopped = stopped.or(piece.stopped);
+        }
+        let end = stream.finish();
+        assert_eq!(end.stopped, Some(0));
+        assert_eq!((reasoning.as_str(), content.as_str(), stopped), ("no STOP here", "yes ", Some(0)));
     }
 
     proptest! {

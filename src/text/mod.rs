@@ -76,12 +76,12 @@ pub use crate::format::gguf::TokenType;
 pub use chat_template::{
     is_chatml_capable, ChatMessage, ChatTemplate, ChatTemplateError, RenderOptions, CHATML_TEMPLATE,
 };
-pub use harmony::{
-    is_harmony_capable, parse_harmony, HarmonyDelta, HarmonyMessage, HarmonyParsed, HarmonyRoute, HarmonyStream,
-    HarmonyTokens, ReasoningEffort, ReasoningEffortError, HARMONY_TEMPLATE, MAX_HEADER_BYTES,
-};
 pub use generate::{
     generate_text, TextFinish, TextGenerationError, TextOptions, TextOutcome, TextPiece, TextStream,
+};
+pub use harmony::{
+    is_harmony_capable, parse_harmony, HarmonyDelta, HarmonyMessage, HarmonyParsed, HarmonyRoute,
+    HarmonyStream, HarmonyTokens, ReasoningEffort, ReasoningEffortError, HARMONY_TEMPLATE, MAX_HEADER_BYTES,
 };
 pub use hf_export::HfTokenizerFiles;
 pub use pretokenize::PreTokenizer;

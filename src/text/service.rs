@@ -286,7 +286,9 @@ impl TextService {
         };
         let stops = StopStrings::new(job.opts.stop_strings)?;
         let stream = match job.opts.harmony {
-            Some(tokens) => TextStream::harmony(TokenizerRef::Shared(Arc::clone(&self.tokenizer)), tokens, stops),
+            Some(tokens) => {
+                TextStream::harmony(TokenizerRef::Shared(Arc::clone(&self.tokenizer)), tokens, stops)
+            }
             None => TextStream::shared(Arc::clone(&self.tokenizer), !job.opts.show_special, stops),
         };
         let id = match self.batcher.add(&*engine, &ids, job.opts.generation) {
