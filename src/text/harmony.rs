@@ -461,7 +461,7 @@ fn next_after(
     at: &mut usize,
     parsed: &mut HarmonyParsed,
 ) -> Option<Vec<u8>> {
-    let Some(&id) = ids.get(*at) else { return None };
+    let &id = ids.get(*at)?;
     *at += 1;
     match tokens.kind(id) {
         Kind::Start => Some(Vec::new()),
