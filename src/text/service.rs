@@ -136,8 +136,16 @@ impl TextGenerator {
         self.submit(Prompt::Ids(prompt), opts)
     }
 
-    /// Answer a conversation: render it with `template`, generate the assistant's turn.
-    pub fn chat(&self, template: &ChatTemplate, messages: &[ChatMessage], opts: TextOptions) -> TextEvents {
+    /// Answer a conversation: render it with `template`, generate the assistant's turn. A GPT-OSS
+    /// model's answer is parsed as Harmony ([`TextOptions::harmony`] filled in when unset): the
+    /// text is its final channel, [`TextOutcome::reasoning`] its analysis.
+    pub fn chat(
+        &self,
+        template: &ChatTemplate,
+        messages: &[ChatMessage],
+        mut opts: TextOptions,
+    ) -> TextEvents {
+        opts.harmony = opts.harmony.or_else(|| self.harmony());
         let render = RenderOptions { add_generation_prompt: true, ..RenderOptions::default() };
         match template.encode(&self.tokenizer, messages, render) {
             Ok(ids) => self.generate_ids(ids, opts),
