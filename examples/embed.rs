@@ -46,7 +46,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // 4. The conversation as the model's prompt, then 16 greedy tokens.
     let conversation = [ChatMessage::user(message)];
-    let opts = RenderOptions { add_generation_prompt: true, enable_thinking: None };
+    let opts = RenderOptions { add_generation_prompt: true, ..RenderOptions::default() };
     let prompt = template.encode(&tokenizer, &conversation, opts)?;
     println!("prompt: {:?}", tokenizer.decode(&prompt, false)?);
     let tokens = engine.generate(&prompt, 16)?;

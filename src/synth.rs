@@ -24,7 +24,7 @@ use crate::model::{expected_layer_shape, required_layer_roles};
 use crate::output::{check_output, OutputKind};
 use crate::quantize::{tensor_type, ModelFacts, QuantMix, QuantizeError};
 use crate::text::{is_chatml_capable, HfTokenizerFiles, Tokenizer, TokenizerError, CHATML_TEMPLATE};
-use crate::vocab;
+use crate::vocab::{self, VocabSpecials};
 use half::{bf16, f16};
 use serde::Serialize;
 use std::io::Write;
@@ -860,10 +860,11 @@ fn write_synthetic_as(
     refuse_special(&opts.out)?;
     let mut config = synth_config(opts.adapter, opts.preset, &opts.dims)?;
     let copied = copied_tokenizer(opts, &mut config)?;
-    if opts.format == SynthFormat::Gguf && copied.is_none() && config.vocab < vocab::MIN_VOCAB {
+    let min_vocab = 256 + vocab_specials(config.arch).tokens().len();
+    if opts.format == SynthFormat::Gguf && copied.is_none() && config.vocab < min_vocab {
         return Err(invalid(
             "vocab",
-            format!("{} is below {} (GGUF needs a byte-level tokenizer)", config.vocab, vocab::MIN_VOCAB),
+            format!("{} is below {min_vocab} (GGUF needs a byte-level tokenizer)", config.vocab),
         ));
     }
     if opts.skew.n_domains() + 1 >= config.hidden {
@@ -1133,20 +1134,27 @@ fn add_hybrid_metadata(w: &mut GgufWriter, c: &ModelConfig, h: &HybridConfig, ar
     }
 }
 
-/// The small synthetic byte-level BPE tokenizer (src/vocab.rs) with the ChatML chat template.
+/// The small synthetic byte-level BPE tokenizer (src/vocab.rs): with ChatML's markers and the
+/// ChatML chat template, or for GPT-OSS with Harmony's tokens and no template (the built-in
+/// Harmony template renders its chats, `text::HARMONY_TEMPLATE`).
 fn add_synthetic_vocab(w: &mut GgufWriter, c: &ModelConfig) {
-    let v = vocab::synthetic_vocab(c.vocab).expect("vocab size checked by the caller");
-    w.add_metadata("tokenizer.ggml.model", MetaValue::String("gpt2".into()));
-    w.add_metadata("tokenizer.ggml.pre", MetaValue::String("default".into()));
-    w.add_metadata("tokenizer.ggml.tokens", MetaValue::string_array(v.tokens));
-    w.add_metadata("tokenizer.ggml.token_type", MetaValue::i32_array(v.token_types));
-    w.add_metadata("tokenizer.ggml.merges", MetaValue::string_array(v.merges));
-    w.add_metadata("tokenizer.ggml.bos_token_id", MetaValue::U32(v.eos_id));
-    w.add_metadata("tokenizer.ggml.eos_token_id", MetaValue::U32(v.eos_id));
-    w.add_metadata("tokenizer.ggml.padding_token_id", MetaValue::U32(v.eos_id));
-    w.add_metadata("tokenizer.ggml.add_bos_token", MetaValue::Bool(false));
-    // Its specials are ChatML's markers, so chat works out of the box (the demo model's too).
-    w.add_metadata(CHAT_TEMPLATE_KEY, MetaValue::String(CHATML_TEMPLATE.into()));
+    let specials = vocab_specials(c.arch);
+    let v = vocab::synthetic_vocab_with(c.vocab, specials).expect("vocab size checked by the caller");
+    for (key, value) in v.gguf_metadata() {
+        w.add_metadata(key, value);
+    }
+    if specials == VocabSpecials::ChatMl {
+        // Its specials are ChatML's markers, so chat works out of the box (the demo model's too).
+        w.add_metadata(CHAT_TEMPLATE_KEY, MetaValue::String(CHATML_TEMPLATE.into()));
+    }
+}
+
+/// The special tokens of an architecture's synthetic vocabulary: Harmony's for GPT-OSS.
+pub fn vocab_specials(arch: crate::model::arch::Arch) -> VocabSpecials {
+    match arch {
+        crate::model::arch::Arch::GptOss => VocabSpecials::Harmony,
+        _ => VocabSpecials::ChatMl,
+    }
 }
 
 /// llama.cpp's `general.file_type` (LLAMA_FTYPE_*) for an all-float file.

@@ -76,3 +76,33 @@ fn concurrent_requests_get_what_each_gets_alone() {
         }
     });
 }
+
+/// A GPT-OSS model's chat through the generator is parsed as Harmony: the outcome's text and
+/// reasoning are what `parse_harmony` makes of its tokens (a random model's output is mostly
+/// malformed Harmony, which is content); a plain generation of the same model is not parsed.
+#[test]
+fn a_gpt_oss_chat_is_parsed_as_harmony() {
+    use moe_lanes::text::{parse_harmony, ChatMessage, HarmonyTokens};
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::synth_tiny(dir.path(), "gpt_oss", SynthFormat::Gguf, 7);
+    let model = Arc::new(Model::open(&path).unwrap());
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let generator = TextGenerator::start(model.clone(), options()).await.unwrap();
+        let template = generator.chat_template().expect("GPT-OSS has the built-in template").unwrap();
+        let tok = generator.tokenizer().clone();
+        let tokens = HarmonyTokens::of(&tok).unwrap();
+        assert_eq!(generator.harmony(), Some(tokens));
+        let opts = generator.options(24);
+        let outcome =
+            generator.chat(&template, &[ChatMessage::user("Hi")], opts.clone()).collect().await.unwrap();
+        let ids: Vec<u32> = outcome.tokens.iter().map(|t| t.id).collect();
+        let want = parse_harmony(&tok, tokens, &ids).unwrap().texts();
+        assert_eq!(
+            (outcome.text.as_str(), outcome.reasoning.as_str()),
+            (want.content.as_str(), want.reasoning.as_str())
+        );
+        let plain = generator.generate_ids(ids.clone(), opts).collect().await.unwrap();
+        assert!(plain.reasoning.is_empty(), "only chats are parsed");
+    });
+}

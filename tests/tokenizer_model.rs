@@ -267,3 +267,35 @@ fn a_broken_tokenizer_json_is_an_error_naming_the_file() {
         "{err}"
     );
 }
+
+/// `synth --arch gpt_oss` writes Harmony's special tokens (BOS `<|startoftext|>`, EOS
+/// `<|return|>`) and no template: chats take the built-in Harmony template, and `<|end|>` is not
+/// end-of-generation (it ends a message, as in llama.cpp).
+#[test]
+fn gpt_oss_synthetic_vocabularies_speak_harmony() {
+    use moe_lanes::model::arch::Arch;
+    use moe_lanes::text::{ChatMessage, ChatTemplate, HarmonyTokens, RenderOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let path = common::synth_tiny(dir.path(), "gpt_oss", SynthFormat::Gguf, 2);
+    let model = Model::open(&path).unwrap();
+    let tok = Tokenizer::from_model(&model).unwrap();
+    assert_eq!(tok.n_vocab(), model.config().vocab);
+    assert_eq!(tok.chat_template(), None);
+    assert_eq!(tok.bos(), tok.token_id("<|startoftext|>"));
+    assert_eq!(tok.eos(), tok.token_id("<|return|>"));
+    let id = |t: &str| tok.token_id(t).unwrap();
+    assert!(tok.is_eog(id("<|return|>")) && tok.is_eog(id("<|call|>")) && !tok.is_eog(id("<|end|>")));
+    assert!(HarmonyTokens::for_arch(Arch::GptOss, &tok).is_some());
+    assert!(HarmonyTokens::for_arch(Arch::Qwen3Moe, &tok).is_none(), "only GPT-OSS output is parsed");
+    let t = ChatTemplate::for_model(None, &tok, &path, model.config().arch).unwrap();
+    assert_eq!(t.origin(), "built-in Harmony template");
+    let opts = RenderOptions { add_generation_prompt: true, ..RenderOptions::default() };
+    let ids = t.encode(&tok, &[ChatMessage::user("Hi")], opts).unwrap();
+    assert_eq!(ids.iter().filter(|&&i| i == id("<|start|>")).count(), 3, "system, user, assistant");
+    assert_eq!(ids.last(), tok.encode("assistant", false, true).unwrap().last());
+    // Too small for the byte tokens and Harmony's nine specials.
+    let mut opts = synth_options("gpt_oss", SynthFormat::Gguf, dir.path().join("small.gguf"), 1);
+    opts.dims.vocab = Some(260);
+    let err = write_synthetic(&opts, &mut |_, _| {}).unwrap_err();
+    assert!(err.to_string().contains("260 is below 265"), "{err}");
+}

@@ -38,6 +38,7 @@ macro_rules! out_raw {
     ($($arg:tt)*) => { emit(&format!($($arg)*)) };
 }
 
+mod chat_cmd;
 mod quantize_cmd;
 mod run_cmd;
 mod text_cmds;
@@ -94,6 +95,10 @@ enum Command {
     /// Generate text from a text prompt, streamed as it is generated, then a one-line summary
     /// on stderr (prompt t/s, generation t/s, hit rate). Sampling flags as `generate`.
     Run(run_cmd::RunArgs),
+    /// Chat over standard input: each line a user turn, each answer streamed to stdout through
+    /// the model's chat template (GPT-OSS: the built-in Harmony template when the file has none,
+    /// the final channel printed, the reasoning with --show-reasoning).
+    Chat(chat_cmd::ChatArgs),
     /// Text to token ids with the model's tokenizer (GGUF metadata or tokenizer.json); prints a
     /// JSON array of ids.
     Tokenize(text_cmds::TokenizeArgs),
@@ -176,7 +181,8 @@ struct ServeArgs {
     #[arg(long, default_value_t = moe_lanes::engine::batch::DEFAULT_PREFIX_CACHE, value_parser = count(0))]
     prefix_cache: usize,
     /// Jinja chat template for /v1/chat/completions (default: the model's own,
-    /// tokenizer.chat_template).
+    /// tokenizer.chat_template; a GPT-OSS model without one gets the built-in Harmony template,
+    /// and its answers' analysis channel is reasoning_content).
     #[arg(long)]
     chat_template: Option<PathBuf>,
     #[command(flatten)]
@@ -714,6 +720,7 @@ fn main() -> Result<()> {
         Command::BenchKernels(args) => bench_kernels(args),
         Command::Bench(args) => bench(args),
         Command::Run(args) => run_cmd::run(args),
+        Command::Chat(args) => chat_cmd::chat(args),
         Command::Tokenize(args) => text_cmds::tokenize(args),
         Command::Detokenize(args) => text_cmds::detokenize(args),
         Command::Plan(args) => plan(args),
@@ -963,7 +970,8 @@ fn serve(args: ServeArgs) -> Result<()> {
     let chat_template = match &tokenizer {
         None => Err("the model has no tokenizer".to_string()),
         Some(tok) => {
-            moe_lanes::text::ChatTemplate::from_file_or_model(args.chat_template.as_deref(), tok, &args.model)
+            let arch = model.config().arch;
+            moe_lanes::text::ChatTemplate::for_model(args.chat_template.as_deref(), tok, &args.model, arch)
                 .map(std::sync::Arc::new)
                 .map_err(|e| e.to_string())
         }

@@ -1,14 +1,20 @@
 //! `moe-lanes run`: text in, text streamed out as it is generated (whole UTF-8 characters only),
-//! then a one-line summary on stderr (prompt t/s, generation t/s, hot-cache hit rate).
+//! then a one-line summary on stderr (prompt t/s, generation t/s, hot-cache hit rate). With
+//! `--chat` the prompt is one user turn through the chat template (`chat_cmd`: a GPT-OSS model's
+//! answer is its final channel).
 
+use crate::chat_cmd::{answer, generation, ChatOptions, ChatSetup};
 use crate::{emit, engine_options, open_engine, open_model_ctx, write_perf, EngineArgs, SamplingArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use moe_lanes::engine::{Engine, GeneratedToken, Generation, GenerationOptions, HotChoice, LiveCache};
+use moe_lanes::model::Model;
 use moe_lanes::perf::ModelFingerprint;
-use moe_lanes::text::Tokenizer;
+use moe_lanes::sample::SamplingParams;
+use moe_lanes::text::{ChatMessage, Tokenizer};
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -25,8 +31,14 @@ pub struct RunArgs {
     #[arg(short = 'n', long, default_value_t = 128, allow_negative_numbers = true, value_parser = crate::count(0))]
     max_new_tokens: usize,
     /// Print control tokens (<|im_end|>, ...) too.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "chat")]
     show_special: bool,
+    /// Send the prompt as a user turn through the model's chat template and print the answer
+    /// (a GPT-OSS model's final channel; its reasoning with --show-reasoning).
+    #[arg(long)]
+    chat: bool,
+    #[command(flatten)]
+    chat_options: ChatOptions,
     #[command(flatten)]
     sampling: SamplingArgs,
     #[command(flatten)]
@@ -37,6 +49,10 @@ pub fn run(args: RunArgs) -> Result<()> {
     let sampling = args.sampling.params()?;
     let text = read_text(args.prompt.as_deref(), args.prompt_file.as_deref())?;
     let model = open_model_ctx(&args.model, &args.engine)?;
+    if args.chat {
+        return run_chat(&args, &text, &model, sampling);
+    }
+    check_no_chat_flags(&args.chat_options)?;
     let tok =
         Tokenizer::from_model(&model).with_context(|| format!("{}: tokenizer", args.model.display()))?;
     let prompt = tok.encode(&text, true, true)?;
@@ -67,6 +83,37 @@ pub fn run(args: RunArgs) -> Result<()> {
     emit(&format!("{}\n", decoder.finish()))?;
     eprintln!("{}", summary(prompt.len(), &tokens, engine.as_ref()));
     write_perf(engine.as_ref(), &args.engine.perf_json)
+}
+
+/// `run --chat`: the prompt as one user turn, the answer shown as `chat` shows it.
+fn run_chat(args: &RunArgs, text: &str, model: &Arc<Model>, sampling: SamplingParams) -> Result<()> {
+    let setup = ChatSetup::new(model, &args.model, &args.chat_options)?;
+    let prompt = setup.prompt(&[ChatMessage::user(text)])?;
+    let positions = model.config().max_positions;
+    moe_lanes::reference::check_generation_fits(prompt.len(), args.max_new_tokens, positions)?;
+    let opts = engine_options(model, &args.engine, prompt.len() + args.max_new_tokens, HotChoice::None)?;
+    let policy = opts.update;
+    let (mut engine, _) = open_engine(model, opts, args.engine.trace.as_deref())?;
+    let mut live =
+        LiveCache::new(engine.as_ref(), ModelFingerprint::of(model), model.layer_expert_bytes(), policy);
+    let gen = generation(&setup.tokenizer, args.max_new_tokens, sampling);
+    let (_, tokens) = answer(&setup, engine.as_mut(), &mut live, &prompt, gen)?;
+    eprintln!("{}", summary(prompt.len(), &tokens, engine.as_ref()));
+    write_perf(engine.as_ref(), &args.engine.perf_json)
+}
+
+/// The chat flags mean nothing without `--chat`: refused, naming the first given.
+fn check_no_chat_flags(c: &ChatOptions) -> Result<()> {
+    let given = [
+        ("--chat-template", c.chat_template.is_some()),
+        ("--system", c.system.is_some()),
+        ("--reasoning-effort", c.reasoning_effort.is_some()),
+        ("--show-reasoning", c.show_reasoning),
+    ];
+    match given.iter().find(|(_, on)| *on) {
+        Some((flag, _)) => anyhow::bail!("{flag} needs --chat (the prompt sent as a chat turn)"),
+        None => Ok(()),
+    }
 }
 
 /// `prompt 12 tokens, 340.1 t/s | generated 64 tokens, 45.2 t/s | hit rate 71.3%`.

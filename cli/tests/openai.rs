@@ -143,7 +143,7 @@ fn chat_prompt_ids(model: &str, messages: &[(&str, &str)]) -> (Vec<u32>, Vec<u32
     let tok = Tokenizer::from_gguf_path(model.as_ref()).unwrap();
     let template = ChatTemplate::from_tokenizer(&tok, model.as_ref()).unwrap();
     let msgs: Vec<ChatMessage> = messages.iter().map(|(r, c)| ChatMessage::new(*r, *c)).collect();
-    let opts = RenderOptions { add_generation_prompt: true, enable_thinking: None };
+    let opts = RenderOptions { add_generation_prompt: true, ..RenderOptions::default() };
     (template.encode(&tok, &msgs, opts).unwrap(), tok.eog_ids().to_vec())
 }
 

@@ -24,6 +24,7 @@ fn cli_help() {
         "demo",
         "serve",
         "run",
+        "chat",
         "tokenize",
         "detokenize",
         "plan",

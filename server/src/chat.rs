@@ -2,6 +2,11 @@
 //! `serve --chat-template FILE`), generation to an end-of-generation token, `max_tokens` or a
 //! stop string, and the answer as `choices[0].message` or, streamed, as `chat.completion.chunk`
 //! deltas (the first names the role) ending in `data: [DONE]`.
+//!
+//! GPT-OSS (Harmony) as llama-server serves it: `reasoning_effort` (top level or in
+//! `chat_template_kwargs`) goes to the template, an assistant message's `reasoning_content` is
+//! its `thinking`, and the output is parsed on its tokens: the analysis channel is
+//! `reasoning_content`, the final channel `content` (deltas of either when streamed).
 
 use crate::api::{self, ApiError};
 use crate::routes::{collect, created, enqueue, rand_id, refused, sse, AppState, Item};
@@ -13,13 +18,17 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use moe_lanes::engine::GenerationOptions;
 use moe_lanes::sample::Logprobs;
-use moe_lanes::text::{ChatMessage, ChatTemplateError, RenderOptions, StopStrings, Tokenizer};
+use moe_lanes::text::{
+    ChatMessage, ChatTemplateError, HarmonyTokens, ReasoningEffort, RenderOptions, StopStrings, Tokenizer,
+};
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 
 /// The fields a chat request may carry (besides `model`, `n` = 1 and `user`).
-const FIELDS: [&str; 16] = [
+const FIELDS: [&str; 18] = [
     "messages",
+    "reasoning_effort",
+    "chat_template_kwargs",
     "max_tokens",
     "max_completion_tokens",
     "stream",
@@ -46,6 +55,8 @@ pub struct ChatRequest {
     /// `logprobs: true`: each token's logprob (and `top_logprobs` alternatives).
     pub logprobs: bool,
     pub tokenizer: Arc<Tokenizer>,
+    /// Parse the output as Harmony (a GPT-OSS model).
+    pub harmony: Option<HarmonyTokens>,
 }
 
 /// Parse and render a chat request; `max_tokens` defaults to what the context has left.
@@ -67,7 +78,7 @@ pub fn parse(body: &Map<String, Value>, s: &AppState) -> Result<ChatRequest, Api
             ))
         }
     };
-    let opts = RenderOptions { add_generation_prompt: true, enable_thinking: None };
+    let opts = render_options(body)?;
     let prompt = template.encode(tok, &messages, opts).map_err(|e| template_error(&e))?;
     if prompt.is_empty() {
         return Err(ApiError::bad("messages", "the chat template rendered an empty prompt"));
@@ -89,7 +100,56 @@ pub fn parse(body: &Map<String, Value>, s: &AppState) -> Result<ChatRequest, Api
         stops,
         logprobs,
         tokenizer: tok.clone(),
+        harmony: s.harmony,
     })
+}
+
+/// The template's options: `reasoning_effort` and `enable_thinking`, top level or in
+/// `chat_template_kwargs` (as llama-server takes them; the top level wins).
+fn render_options(body: &Map<String, Value>) -> Result<RenderOptions, ApiError> {
+    let kwargs = match body.get("chat_template_kwargs") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(other) => {
+            return Err(ApiError::bad(
+                "chat_template_kwargs",
+                format!("chat_template_kwargs must be an object; got {other}"),
+            ))
+        }
+    };
+    if let Some(key) = kwargs.keys().find(|k| !["reasoning_effort", "enable_thinking"].contains(&k.as_str()))
+    {
+        return Err(ApiError::bad(
+            "chat_template_kwargs",
+            format!(
+                "chat_template_kwargs.{key} is not supported (supported: reasoning_effort, enable_thinking)"
+            ),
+        ));
+    }
+    let pick = |key: &str| match body.get(key).filter(|v| !v.is_null()) {
+        Some(v) => Some((key.to_string(), v)),
+        None => kwargs.get(key).filter(|v| !v.is_null()).map(|v| (format!("chat_template_kwargs.{key}"), v)),
+    };
+    let reasoning_effort = match pick("reasoning_effort") {
+        None => None,
+        Some((field, v)) => {
+            let parsed =
+                v.as_str().ok_or_else(|| format!("{field} must be a string (low, medium, high); got {v}"));
+            Some(
+                parsed
+                    .and_then(|s| s.parse::<ReasoningEffort>().map_err(|e| format!("{field}: {e}")))
+                    .map_err(|message| ApiError::bad(&field, message))?,
+            )
+        }
+    };
+    let enable_thinking = match pick("enable_thinking") {
+        None => None,
+        Some((_, Value::Bool(b))) => Some(*b),
+        Some((field, v)) => {
+            return Err(ApiError::bad(&field, format!("{field} must be true or false; got {v}")))
+        }
+    };
+    Ok(RenderOptions { add_generation_prompt: true, enable_thinking, reasoning_effort })
 }
 
 /// The body as the completions API's sampling fields: `logprobs: true` with `top_logprobs: k`
@@ -166,7 +226,28 @@ fn message(i: usize, m: &Value) -> Result<ChatMessage, ApiError> {
             ))
         }
     };
-    Ok(ChatMessage::new(role, content))
+    let message = ChatMessage::new(role, content);
+    match obj.get("reasoning_content") {
+        None | Some(Value::Null) => Ok(message),
+        Some(Value::String(thinking)) => Ok(message.with_thinking(thinking.clone())),
+        Some(other) => Err(ApiError::bad(
+            &field("reasoning_content"),
+            format!("{} must be a string; got {other}", field("reasoning_content")),
+        )),
+    }
+}
+
+/// A streamed delta: `reasoning_content` and `content`, each only when it has text (`content`
+/// also when neither has: a logprobs-only chunk).
+fn delta(text: &str, reasoning: &str) -> Value {
+    let mut d = Map::new();
+    if !reasoning.is_empty() {
+        d.insert("reasoning_content".into(), json!(reasoning));
+    }
+    if !text.is_empty() || reasoning.is_empty() {
+        d.insert("content".into(), json!(text));
+    }
+    Value::Object(d)
 }
 
 /// One token in the chat API's `logprobs.content` shape.
@@ -186,7 +267,7 @@ pub async fn chat_completions(
 ) -> Result<Response, ApiError> {
     let req = api::object(body).and_then(|o| parse(&o, &s)).map_err(refused)?;
     let tok = req.tokenizer;
-    let text = TextOut { tokenizer: tok.clone(), stops: req.stops };
+    let text = TextOut { tokenizer: tok.clone(), stops: req.stops, harmony: req.harmony };
     let rx = enqueue(&s, req.prompt, req.generation, Some(text)).map_err(refused)?;
     let (id, model, want_lp) = (format!("chatcmpl-{:x}", rand_id()), s.model_name.clone(), req.logprobs);
     let head = move |choices: Value| json!({"id": id, "object": "chat.completion.chunk", "created": created(), "model": model, "choices": choices});
@@ -197,20 +278,20 @@ pub async fn chat_completions(
         let head = head.clone();
         let format = move |item: Item| -> Vec<Value> {
             match item {
-                Item::Token { text, logprobs, .. } => {
+                Item::Token { text, reasoning, logprobs, .. } => {
                     let lp =
                         logprobs.filter(|_| want_lp).map(|lp| json!({"content": [token_logprobs(&tok, lp)]}));
-                    if text.is_empty() && lp.is_none() {
+                    if text.is_empty() && reasoning.is_empty() && lp.is_none() {
                         return Vec::new();
                     }
                     vec![head(
-                        json!([{"index": 0, "delta": {"content": text}, "logprobs": lp, "finish_reason": null}]),
+                        json!([{"index": 0, "delta": delta(text, reasoning), "logprobs": lp, "finish_reason": null}]),
                     )]
                 }
-                Item::Done { tail, finish, usage } => {
+                Item::Done { tail, tail_reasoning, finish, usage } => {
                     let mut out = Vec::new();
-                    if !tail.is_empty() {
-                        out.push(head(json!([{"index": 0, "delta": {"content": tail}, "logprobs": null, "finish_reason": null}])));
+                    if !tail.is_empty() || !tail_reasoning.is_empty() {
+                        out.push(head(json!([{"index": 0, "delta": delta(tail, tail_reasoning), "logprobs": null, "finish_reason": null}])));
                     }
                     let mut last =
                         head(json!([{"index": 0, "delta": {}, "logprobs": null, "finish_reason": finish}]));
@@ -226,7 +307,11 @@ pub async fn chat_completions(
     let lp = want_lp.then(
         || json!({"content": c.logprobs.iter().map(|lp| token_logprobs(&tok, lp)).collect::<Vec<_>>()}),
     );
-    let choice = json!({"index": 0, "message": {"role": "assistant", "content": c.text}, "logprobs": lp, "finish_reason": c.finish});
+    let mut message = json!({"role": "assistant", "content": c.text});
+    if !c.reasoning.is_empty() {
+        message["reasoning_content"] = json!(c.reasoning);
+    }
+    let choice = json!({"index": 0, "message": message, "logprobs": lp, "finish_reason": c.finish});
     let mut v = head(json!([choice]));
     v["object"] = json!("chat.completion");
     v["usage"] = c.usage;

@@ -108,6 +108,7 @@ pub fn run(
         model_name: opts.model_name.clone(),
         tokenizer: opts.tokenizer.clone(),
         chat_template: opts.chat_template.clone(),
+        harmony: opts.tokenizer.as_deref().and_then(|t| moe_lanes::text::HarmonyTokens::for_arch(c.arch, t)),
         admin_token: opts.admin_token.clone(),
         loopback: opts.listen.ip().is_loopback(),
         n_layers: c.n_layers,

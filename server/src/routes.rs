@@ -34,6 +34,9 @@ pub struct AppState {
     pub tokenizer: Option<Arc<moe_lanes::text::Tokenizer>>,
     /// Renders chat messages, or why there is nothing to (the model has no template).
     pub chat_template: Result<Arc<moe_lanes::text::ChatTemplate>, String>,
+    /// A GPT-OSS model's Harmony tokens: its chat output is parsed into `reasoning_content` and
+    /// `content`.
+    pub harmony: Option<moe_lanes::text::HarmonyTokens>,
     pub admin_token: Option<String>,
     pub loopback: bool,
     pub n_layers: usize,
@@ -267,7 +270,7 @@ async fn completions(
                 .map(|_| req)
         })
         .map_err(refused)?;
-    let text = s.tokenizer.clone().map(|tokenizer| TextOut { tokenizer, stops: req.stops });
+    let text = s.tokenizer.clone().map(|tokenizer| TextOut { tokenizer, stops: req.stops, harmony: None });
     let rx = enqueue(&s, req.prompt, req.generation, text).map_err(refused)?;
     let id = format!("cmpl-{:x}", rand_id());
     let model = s.model_name.clone();
@@ -276,10 +279,10 @@ async fn completions(
         let format = move |item: Item| {
             let tok = tok.as_deref();
             let (choice, usage) = match item {
-                Item::Token { id, text, logprobs } => {
+                Item::Token { id, text, logprobs, .. } => {
                     (completion_choice(&[id], text, logprobs, None, tok), None)
                 }
-                Item::Done { tail, finish, usage } => {
+                Item::Done { tail, finish, usage, .. } => {
                     (completion_choice(&[], tail, None, Some(finish), tok), Some(usage))
                 }
             };
@@ -401,6 +404,8 @@ pub(crate) fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
 pub(crate) struct Collected {
     pub ids: Vec<u32>,
     pub text: String,
+    /// A Harmony model's reasoning (empty otherwise).
+    pub reasoning: String,
     /// Per token, when asked for.
     pub logprobs: Vec<Logprobs>,
     pub finish: &'static str,
@@ -410,18 +415,21 @@ pub(crate) struct Collected {
 pub(crate) async fn collect(mut rx: tokio::sync::mpsc::Receiver<Event>) -> Result<Collected, ApiError> {
     let mut ids = Vec::new();
     let mut text = String::new();
+    let mut reasoning = String::new();
     let mut logprobs = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
-            Event::Token { id, text: piece, logprobs: lp } => {
+            Event::Token { id, text: piece, reasoning: thought, logprobs: lp } => {
                 ids.push(id);
                 text.push_str(&piece);
+                reasoning.push_str(&thought);
                 logprobs.extend(lp);
             }
-            Event::Done { prompt_tokens, completion_tokens, finish, tail } => {
+            Event::Done { prompt_tokens, completion_tokens, finish, tail, tail_reasoning } => {
                 text.push_str(&tail);
+                reasoning.push_str(&tail_reasoning);
                 let usage = usage(prompt_tokens, completion_tokens);
-                return Ok(Collected { ids, text, logprobs, finish: finish.openai(), usage });
+                return Ok(Collected { ids, text, reasoning, logprobs, finish: finish.openai(), usage });
             }
             Event::Failed(e) => {
                 return Err(ApiError::status(StatusCode::INTERNAL_SERVER_ERROR, "server_error", e))
@@ -433,8 +441,8 @@ pub(crate) async fn collect(mut rx: tokio::sync::mpsc::Receiver<Event>) -> Resul
 
 /// One worker event, as a streaming formatter sees it.
 pub(crate) enum Item<'a> {
-    Token { id: u32, text: &'a str, logprobs: Option<&'a Logprobs> },
-    Done { tail: &'a str, finish: &'static str, usage: Value },
+    Token { id: u32, text: &'a str, reasoning: &'a str, logprobs: Option<&'a Logprobs> },
+    Done { tail: &'a str, tail_reasoning: &'a str, finish: &'static str, usage: Value },
 }
 
 /// Server-sent events: `first` chunks, then what `format` makes of each event, then
@@ -452,12 +460,16 @@ pub(crate) fn sse(
         let format = format.clone();
         async move {
             let chunks = match rx.recv().await? {
-                Event::Token { id, text, logprobs } => {
-                    data(format(Item::Token { id, text: &text, logprobs: logprobs.as_ref() }))
-                }
-                Event::Done { prompt_tokens, completion_tokens, finish, tail } => {
+                Event::Token { id, text, reasoning, logprobs } => data(format(Item::Token {
+                    id,
+                    text: &text,
+                    reasoning: &reasoning,
+                    logprobs: logprobs.as_ref(),
+                })),
+                Event::Done { prompt_tokens, completion_tokens, finish, tail, tail_reasoning } => {
                     let usage = usage(prompt_tokens, completion_tokens);
-                    data(format(Item::Done { tail: &tail, finish: finish.openai(), usage }))
+                    let finish = finish.openai();
+                    data(format(Item::Done { tail: &tail, tail_reasoning: &tail_reasoning, finish, usage }))
                 }
                 Event::Failed(e) => {
                     vec![SseEvent::default()

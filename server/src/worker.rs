@@ -20,7 +20,7 @@ use moe_lanes::model::Model;
 use moe_lanes::perf::ModelFingerprint;
 use moe_lanes::perf::PerfMode;
 use moe_lanes::sample::Logprobs;
-use moe_lanes::text::{StopPush, StopStrings, TextStream, Tokenizer};
+use moe_lanes::text::{HarmonyTokens, StopStrings, TextPiece, TextStream, Tokenizer, TokenizerRef};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -43,29 +43,34 @@ pub struct CompletionJob {
     pub enqueued_at: Instant,
 }
 
-/// What a text request needs on the engine thread: the tokenizer and its stop strings.
+/// What a text request needs on the engine thread: the tokenizer and its stop strings, and for a
+/// GPT-OSS chat the Harmony tokens its output is parsed with (reasoning apart from content).
 #[derive(Clone)]
 pub struct TextOut {
     pub tokenizer: Arc<Tokenizer>,
     pub stops: StopStrings,
+    pub harmony: Option<HarmonyTokens>,
 }
 
 /// What the worker tells the request handler.
 #[derive(Debug)]
 pub enum Event {
     /// `text`: the whole UTF-8 this token released (empty without a tokenizer, or while a
-    /// character or a possible stop string is held back).
+    /// character or a possible stop string is held back); `reasoning`: a Harmony model's
+    /// analysis text it released (empty otherwise).
     Token {
         id: u32,
         text: String,
+        reasoning: String,
         logprobs: Option<Logprobs>,
     },
-    /// `tail`: text released only at the end (held back until then).
+    /// `tail`, `tail_reasoning`: text released only at the end (held back until then).
     Done {
         prompt_tokens: usize,
         completion_tokens: usize,
         finish: FinishReason,
         tail: String,
+        tail_reasoning: String,
     },
     Failed(String),
 }
@@ -266,8 +271,14 @@ impl Service {
             Ok(Ok(id)) => {
                 self.shared.running.fetch_add(1, Ordering::Relaxed);
                 // Control tokens (`<|im_end|>`, ...) are not in the text, as `run` shows it by default.
-                let text =
-                    job.text.as_ref().map(|t| TextStream::shared(t.tokenizer.clone(), true, t.stops.clone()));
+                let text = job.text.as_ref().map(|t| match t.harmony {
+                    Some(tokens) => TextStream::harmony(
+                        TokenizerRef::Shared(t.tokenizer.clone()),
+                        tokens,
+                        t.stops.clone(),
+                    ),
+                    None => TextStream::shared(t.tokenizer.clone(), true, t.stops.clone()),
+                });
                 self.running.insert(id, Running { job, text, started, generated: 0 });
             }
             Ok(Err(e)) => {
@@ -321,11 +332,12 @@ impl Service {
             Some(Err(e)) => {
                 return self.end(engine, id, Err(format!("cannot decode the generated text: {e}")))
             }
-            None => StopPush::default(),
+            None => TextPiece::default(),
         };
         let stopped = piece.stopped.is_some();
-        let sent =
-            r.job.events.blocking_send(Event::Token { id: t.id, text: piece.text, logprobs: t.logprobs });
+        let token =
+            Event::Token { id: t.id, text: piece.text, reasoning: piece.reasoning, logprobs: t.logprobs };
+        let sent = r.job.events.blocking_send(token);
         if sent.is_err() {
             // The client went away: its generation stops.
             self.batcher.cancel(id);
@@ -364,6 +376,7 @@ impl Service {
                     completion_tokens: r.generated,
                     finish,
                     tail: end.text,
+                    tail_reasoning: end.reasoning,
                 }
             }
             Err(message) => {

@@ -3,14 +3,17 @@
 //!
 //! What the template sees, as in `transformers`: `messages` (`role`, `content`),
 //! `add_generation_prompt`, `tools` and `documents` (none), `bos_token`/`eos_token` (the
-//! tokenizer's, when it has them), `enable_thinking` (only when set), and the functions
+//! tokenizer's, when it has them), `enable_thinking` and `reasoning_effort` (only when set; GPT-OSS's
+//! template reads the latter), an assistant message's `thinking` (only when it has one), and the functions
 //! `raise_exception(message)` (a [`ChatTemplateError::Raised`]) and `strftime_now(format)` (UTC).
 //! The environment matches `transformers`' (`trim_blocks`, `lstrip_blocks`, loop controls, no
 //! auto-escaping, a `tojson` filter that writes as Python's `json.dumps` does) and templates may
 //! call Python's string and dict methods (`.startswith`, `.split`, `.strip`, `.items()`, ...;
 //! `minijinja-contrib`'s pycompat).
 
+use super::harmony::{is_harmony_capable, ReasoningEffort, HARMONY_TEMPLATE};
 use super::{Tokenizer, TokenizerError};
+use crate::model::arch::Arch;
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, Error, ErrorKind};
 use std::path::{Path, PathBuf};
@@ -34,11 +37,21 @@ pub struct ChatMessage {
     /// `system`, `user`, `assistant` (what the template accepts).
     pub role: String,
     pub content: String,
+    /// An assistant turn's reasoning (GPT-OSS's template reads it as `thinking`; the chat API's
+    /// `reasoning_content`); absent from the template's view when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thinking: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage { role: role.into(), content: content.into(), thinking: None }
+    }
+
+    /// The same message with reasoning (`thinking`).
+    pub fn with_thinking(mut self, thinking: impl Into<String>) -> ChatMessage {
+        self.thinking = Some(thinking.into());
+        self
     }
 
     pub fn system(content: impl Into<String>) -> ChatMessage {
@@ -61,6 +74,8 @@ pub struct RenderOptions {
     pub add_generation_prompt: bool,
     /// `enable_thinking` for templates that read it (Qwen3); `None` leaves it undefined.
     pub enable_thinking: Option<bool>,
+    /// `reasoning_effort` for templates that read it (GPT-OSS); `None` leaves it undefined.
+    pub reasoning_effort: Option<ReasoningEffort>,
 }
 
 /// Why a chat template cannot be loaded or rendered.
@@ -68,6 +83,10 @@ pub struct RenderOptions {
 pub enum ChatTemplateError {
     #[error("{model}: the model has no chat template (tokenizer.chat_template); give one as a file")]
     NoTemplate { model: PathBuf },
+    #[error(
+        "{model}: a GPT-OSS model without a chat template needs Harmony's tokens (<|start|>, <|end|>, <|message|>, <|channel|>, <|return|>) for the built-in Harmony template; its vocabulary lacks them"
+    )]
+    NoHarmonyTokens { model: PathBuf },
     #[error("{path}: cannot read the chat template: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error("{origin}: chat template syntax error at line {line}: {message}")]
@@ -157,6 +176,32 @@ impl ChatTemplate {
         ChatTemplate::new(&source, path.display().to_string(), bos, eos)
     }
 
+    /// The template a model's chats use: `file` when given, else the model's own, else for a
+    /// GPT-OSS model ([`Arch::GptOss`]) the built-in [`HARMONY_TEMPLATE`] (its vocabulary must
+    /// have Harmony's tokens).
+    pub fn for_model(
+        file: Option<&Path>,
+        tokenizer: &Tokenizer,
+        model: &Path,
+        arch: Arch,
+    ) -> Result<ChatTemplate, ChatTemplateError> {
+        if file.is_some() || tokenizer.chat_template().is_some() || arch != Arch::GptOss {
+            return ChatTemplate::from_file_or_model(file, tokenizer, model);
+        }
+        if !is_harmony_capable(tokenizer) {
+            return Err(ChatTemplateError::NoHarmonyTokens { model: model.into() });
+        }
+        let (bos, eos) = special_texts(tokenizer);
+        ChatTemplate::new(HARMONY_TEMPLATE, "built-in Harmony template", bos, eos)
+    }
+
+    /// The same template with `strftime_now` reading a fixed clock (`unix_s`, UTC) instead of
+    /// the system's: renderings that name the date become reproducible (tests, fixtures).
+    pub fn with_clock(mut self, unix_s: i64) -> ChatTemplate {
+        self.env.add_function("strftime_now", move |format: String| strftime_utc(&format, unix_s));
+        self
+    }
+
     /// `from_file` when a file is given, else `from_tokenizer`.
     pub fn from_file_or_model(
         file: Option<&Path>,
@@ -175,7 +220,7 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ChatTemplateError> {
-        self.render_with(messages, RenderOptions { add_generation_prompt, enable_thinking: None })
+        self.render_with(messages, RenderOptions { add_generation_prompt, ..RenderOptions::default() })
     }
 
     /// [`render`](Self::render) with every option.
@@ -197,6 +242,9 @@ impl ChatTemplate {
         }
         if let Some(on) = opts.enable_thinking {
             ctx.insert("enable_thinking".into(), on.into());
+        }
+        if let Some(effort) = opts.reasoning_effort {
+            ctx.insert("reasoning_effort".into(), effort.as_str().into());
         }
         let template = self.env.get_template(NAME).expect("added in new");
         template.render(Value::from_serialize(&ctx)).map_err(|e| self.render_error(&e))
@@ -445,7 +493,12 @@ mod tests {
     #[test]
     fn enable_thinking_is_undefined_unless_set() {
         let t = template("{% if enable_thinking is defined %}{{ 'on' if enable_thinking else 'off' }}{% else %}unset{% endif %}");
-        let with = |e| t.render_with(&[], RenderOptions { add_generation_prompt: true, enable_thinking: e });
+        let with = |e| {
+            t.render_with(
+                &[],
+                RenderOptions { add_generation_prompt: true, enable_thinking: e, reasoning_effort: None },
+            )
+        };
         assert_eq!(with(None).unwrap(), "unset");
         assert_eq!(with(Some(false)).unwrap(), "off");
         assert_eq!(with(Some(true)).unwrap(), "on");

@@ -102,6 +102,7 @@ impl HfTokenizer {
         eog.retain(|&id| (id as usize) < self.tokens.len());
         eog.sort_unstable();
         eog.dedup();
+        super::vocab::drop_harmony_end(&mut eog, |id| self.tokens.get(id as usize).map(String::as_str));
         self.eog = eog;
         Ok(())
     }

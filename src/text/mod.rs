@@ -33,6 +33,9 @@
 //! # Chat, stop strings, generation
 //! - [`ChatTemplate`] renders a conversation ([`ChatMessage`]s) with the model's Jinja template
 //!   as `transformers`' `apply_chat_template` does (see `chat_template.rs`).
+//! - GPT-OSS's Harmony format (`harmony.rs`): [`HARMONY_TEMPLATE`] for files without a template
+//!   ([`ChatTemplate::for_model`]), and [`HarmonyStream`] / [`parse_harmony`], which split a
+//!   completion's `analysis` channel (reasoning) from its `final` one (content) on token ids.
 //! - [`StopStrings`] cuts streamed text at the first stop string, holding back a possible start.
 //! - [`generate_text`] runs a [`Generation`](crate::engine::Generation) on an engine and streams
 //!   text ([`TextStream`]: whole UTF-8, stop strings); [`TextGenerator`] does so for async code,
@@ -56,6 +59,7 @@ mod bpe;
 mod chat_template;
 mod generate;
 mod gguf_tok;
+mod harmony;
 #[cfg(feature = "hf-tokenizer")]
 mod hf;
 mod hf_export;
@@ -72,7 +76,13 @@ pub use crate::format::gguf::TokenType;
 pub use chat_template::{
     is_chatml_capable, ChatMessage, ChatTemplate, ChatTemplateError, RenderOptions, CHATML_TEMPLATE,
 };
-pub use generate::{generate_text, TextFinish, TextGenerationError, TextOptions, TextOutcome, TextStream};
+pub use generate::{
+    generate_text, TextFinish, TextGenerationError, TextOptions, TextOutcome, TextPiece, TextStream,
+};
+pub use harmony::{
+    is_harmony_capable, parse_harmony, HarmonyDelta, HarmonyMessage, HarmonyParsed, HarmonyRoute,
+    HarmonyStream, HarmonyTokens, ReasoningEffort, ReasoningEffortError, HARMONY_TEMPLATE, MAX_HEADER_BYTES,
+};
 pub use hf_export::HfTokenizerFiles;
 pub use pretokenize::PreTokenizer;
 pub use service::{TextEvent, TextEvents, TextGenerator, TEXT_EVENTS_BUFFER};

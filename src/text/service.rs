@@ -7,6 +7,7 @@
 
 use super::chat_template::{ChatMessage, ChatTemplate, RenderOptions};
 use super::generate::{TextFinish, TextGenerationError, TextOptions, TextOutcome, TextStream};
+use super::stream::TokenizerRef;
 use super::{StopStrings, Tokenizer};
 use crate::engine::worker::{spawn_engine_thread, EngineService};
 use crate::engine::{
@@ -135,9 +136,17 @@ impl TextGenerator {
         self.submit(Prompt::Ids(prompt), opts)
     }
 
-    /// Answer a conversation: render it with `template`, generate the assistant's turn.
-    pub fn chat(&self, template: &ChatTemplate, messages: &[ChatMessage], opts: TextOptions) -> TextEvents {
-        let render = RenderOptions { add_generation_prompt: true, enable_thinking: None };
+    /// Answer a conversation: render it with `template`, generate the assistant's turn. A GPT-OSS
+    /// model's answer is parsed as Harmony ([`TextOptions::harmony`] filled in when unset): the
+    /// text is its final channel, [`TextOutcome::reasoning`] its analysis.
+    pub fn chat(
+        &self,
+        template: &ChatTemplate,
+        messages: &[ChatMessage],
+        mut opts: TextOptions,
+    ) -> TextEvents {
+        opts.harmony = opts.harmony.or_else(|| self.harmony());
+        let render = RenderOptions { add_generation_prompt: true, ..RenderOptions::default() };
         match template.encode(&self.tokenizer, messages, render) {
             Ok(ids) => self.generate_ids(ids, opts),
             Err(e) => failed(e.into()),
@@ -156,10 +165,20 @@ impl TextGenerator {
         }
     }
 
-    /// The model's chat template (`None` when it has none).
+    /// The model's chat template (`None` when it has none): its own, or a GPT-OSS model's
+    /// built-in Harmony template ([`ChatTemplate::for_model`]).
     pub fn chat_template(&self) -> Option<Result<ChatTemplate, super::ChatTemplateError>> {
-        self.tokenizer.chat_template()?;
-        Some(ChatTemplate::from_tokenizer(&self.tokenizer, self.model.path()))
+        let arch = self.model.config().arch;
+        if self.tokenizer.chat_template().is_none() && arch != crate::model::arch::Arch::GptOss {
+            return None;
+        }
+        Some(ChatTemplate::for_model(None, &self.tokenizer, self.model.path(), arch))
+    }
+
+    /// The Harmony tokens to parse this model's chats with (GPT-OSS), for
+    /// [`TextOptions::harmony`].
+    pub fn harmony(&self) -> Option<super::HarmonyTokens> {
+        super::HarmonyTokens::for_arch(self.model.config().arch, &self.tokenizer)
     }
 
     pub fn tokenizer(&self) -> &Arc<Tokenizer> {
@@ -218,6 +237,7 @@ struct TextRun {
     /// `None` once flushed at the end.
     stream: Option<TextStream<'static>>,
     text: String,
+    reasoning: String,
     tokens: Vec<GeneratedToken>,
     prompt_tokens: usize,
 }
@@ -273,7 +293,12 @@ impl TextService {
             Prompt::Text(text) => self.tokenizer.encode(&text, true, true)?,
         };
         let stops = StopStrings::new(job.opts.stop_strings)?;
-        let stream = TextStream::shared(Arc::clone(&self.tokenizer), !job.opts.show_special, stops);
+        let stream = match job.opts.harmony {
+            Some(tokens) => {
+                TextStream::harmony(TokenizerRef::Shared(Arc::clone(&self.tokenizer)), tokens, stops)
+            }
+            None => TextStream::shared(Arc::clone(&self.tokenizer), !job.opts.show_special, stops),
+        };
         let id = match self.batcher.add(&*engine, &ids, job.opts.generation) {
             Ok(added) => added?,
             Err(full) => return Err(crate::engine::EngineError::Step { message: full.to_string() }.into()),
@@ -282,6 +307,7 @@ impl TextService {
             events: job.events,
             stream: Some(stream),
             text: String::new(),
+            reasoning: String::new(),
             tokens: Vec::new(),
             prompt_tokens: ids.len(),
         };
@@ -303,6 +329,7 @@ impl TextService {
         };
         r.tokens.push(t);
         r.text.push_str(&push.text);
+        r.reasoning.push_str(&push.reasoning);
         let sent = push.text.is_empty() || r.events.blocking_send(TextEvent::Text(push.text)).is_ok();
         if !sent {
             self.batcher.cancel(id);
@@ -317,6 +344,7 @@ impl TextService {
     fn end(&mut self, id: SeqId, finish: FinishReason) {
         let Some(r) = self.running.get_mut(&id) else { return };
         let push = r.stream.take().map(TextStream::finish).unwrap_or_default();
+        r.reasoning.push_str(&push.reasoning);
         if !push.text.is_empty() {
             r.text.push_str(&push.text);
             let _ = r.events.blocking_send(TextEvent::Text(push.text));
@@ -332,7 +360,13 @@ impl TextService {
 
     fn done(&mut self, id: SeqId, finish: TextFinish) {
         let Some(r) = self.running.remove(&id) else { return };
-        let outcome = TextOutcome { text: r.text, finish, prompt_tokens: r.prompt_tokens, tokens: r.tokens };
+        let outcome = TextOutcome {
+            text: r.text,
+            reasoning: r.reasoning,
+            finish,
+            prompt_tokens: r.prompt_tokens,
+            tokens: r.tokens,
+        };
         let _ = r.events.blocking_send(TextEvent::Done(outcome));
     }
 }

@@ -220,8 +220,19 @@ impl GgufVocab {
         }
         eog.sort_unstable();
         eog.dedup();
+        drop_harmony_end(&mut eog, |id| self.tokens.get(id as usize).map(String::as_str));
         self.eog = eog;
         Ok(())
+    }
+}
+
+/// llama.cpp's rule for Harmony (o200k_harmony) vocabularies: with `<|return|>` and `<|call|>`
+/// both ending generation, `<|end|>` does not (it ends one message of a completion, e.g. the
+/// reasoning before the final answer).
+pub(crate) fn drop_harmony_end<'a>(eog: &mut Vec<u32>, text: impl Fn(u32) -> Option<&'a str>) {
+    let has = |t: &str| eog.iter().any(|&id| text(id) == Some(t));
+    if has("<|return|>") && has("<|call|>") {
+        eog.retain(|&id| text(id) != Some("<|end|>"));
     }
 }
 
