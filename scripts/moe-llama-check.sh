@@ -4,8 +4,8 @@
 # shared experts, leading dense layers, YaRN with yarn_log_multiplier; GLM's NextN/MTP layer,
 # q/k/v biases or none), each checked against llama.cpp's layout by gguf-py
 # (scripts/gguf-layout-check.py), then the logits of every position from llama.cpp (llama-argmax,
-# CPU) and from moe-lanes (reference and pipeline at half the experts hot; the GPU engine refuses
-# these kinds and is not asked), compared by scripts/logits-agreement.py. Files: F32, BF16, BF16
+# CPU) and from moe-lanes (reference and pipeline at half the experts hot, and with GPU=1 the GPU
+# engine on the GLM files), compared by scripts/logits-agreement.py. Files: F32, BF16, BF16
 # quantized to Q4_K_M by llama.cpp's llama-quantize, and our own `synth --quant q4_k_m`.
 #
 #   BIN=path/to/moe-lanes OUT=dir bash scripts/moe-llama-check.sh
@@ -44,7 +44,11 @@ check() {  # FILE LABEL
     fi
     "$LLAMA/llama-argmax" "$file" 0 "$TOKENS" "$OUT/$label.llama.f32" > "$OUT/$label.llama.json" \
         2> "$OUT/$label.llama.log" || { echo "$label: llama.cpp FAILED"; tail -5 "$OUT/$label.llama.log"; return; }
-    for engine in reference pipeline; do
+    local engines=(reference pipeline)
+    # the GPU engine where there is one and it runs the file's kinds (GLM; DeepSeek's latent
+    # attention it refuses by name)
+    if [ "${GPU:-0}" = 1 ] && "$BIN" inspect "$file" 2>/dev/null | grep -q glm4; then engines+=(gpu); fi
+    for engine in "${engines[@]}"; do
         local hot=()
         [ "$engine" = reference ] || hot=(--hot-fraction 0.5)
         "$BIN" logits --model "$file" --tokens "$TOKENS" --engine "$engine" "${hot[@]}" \
