@@ -8,7 +8,6 @@ mod fixture_checks;
 
 use common::*;
 use fixture_checks::GPU_TOLERANCE;
-use moe_lanes::engine::{build_engine, Engine, EngineKind, EngineOptions, HotChoice};
 use moe_lanes::hot_set::HotSet;
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
@@ -16,10 +15,6 @@ use moe_lanes::pipeline::{Pipeline, PipelineOptions};
 use std::sync::Arc;
 
 const HYBRIDS: [&str; 2] = ["qwen3_next_a", "qwen3_5_moe_a"];
-
-fn open(name: &str) -> (Arc<Model>, fixture_checks::Golden) {
-    fixture_checks::open(name)
-}
 
 fn pipeline(model: &Arc<Model>, hot_fraction: f64, max_batch_tokens: usize) -> Pipeline {
     fixture_checks::pipeline(model, hot_fraction, max_batch_tokens)
@@ -47,53 +42,12 @@ fn pipeline_greedy_continuations_are_identical() {
     }
 }
 
-fn gpu_engine(model: &Arc<Model>, hot_fraction: f64) -> Box<dyn Engine + '_> {
-    let c = model.config();
-    let lists: Vec<Vec<usize>> = (0..c.n_layers)
-        .map(|l| {
-            (0..c.n_experts)
-                .filter(|e| ((e + l) % c.n_experts) < (hot_fraction * c.n_experts as f64) as usize)
-                .collect()
-        })
-        .collect();
-    let mut opts = EngineOptions::new(128);
-    opts.cuda = moe_lanes::env::cuda_config().unwrap();
-    opts.kind = Some(EngineKind::Gpu);
-    opts.hot = HotChoice::Set(HotSet::from_lists(c.n_layers, c.n_experts, 1, &lists));
-    opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
-    let (engine, report) = build_engine(model, opts).unwrap();
-    assert_eq!(report.kind, EngineKind::Gpu);
-    engine
-}
-
 /// Prefill, a second chunk, decode steps and greedy tokens on the GPU engine against
 /// transformers, at hot fractions 0, 0.5 and 1 (the decode steps run as CUDA graphs).
 #[test]
 fn gpu_engine_matches_transformers_on_the_hybrids() {
-    if !gpu_usable() {
-        return;
-    }
     for name in HYBRIDS {
-        let (model, g) = open(name);
-        for hot in [0.0, 0.5, 1.0] {
-            let mut engine = gpu_engine(&model, hot);
-            let mut cache = engine.new_cache(128).unwrap();
-            let prefill = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().rows();
-            let second = engine.forward(&g.second_chunk, Phase::Prefill, &mut cache).unwrap().rows();
-            let (e1, e2) = (max_rel_err(&prefill, &g.logits), max_rel_err(&second, &g.second_chunk_logits));
-            println!("{name} gpu hot {hot}: prefill {e1:.2e}, second chunk {e2:.2e}");
-            assert!(e1 < GPU_TOLERANCE && e2 < GPU_TOLERANCE, "{name} hot {hot}: {e1} {e2}");
-            // Greedy decode of the prompt alone, one token a call.
-            let mut cache = engine.new_cache(128).unwrap();
-            let logits = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap();
-            let mut next = *logits.argmax.last().unwrap();
-            let mut got = Vec::new();
-            for _ in 0..g.greedy_new_tokens.len() {
-                got.push(next);
-                next = engine.forward(&[next], Phase::Decode, &mut cache).unwrap().argmax[0];
-            }
-            assert_eq!(got, g.greedy_new_tokens, "{name} gpu hot {hot}");
-        }
+        fixture_checks::check_gpu(name, &fixture_checks::HOT_FRACTIONS);
     }
 }
 
@@ -244,7 +198,7 @@ fn gguf_hybrids_are_the_safetensors_model_in_llama_cpp_layout() {
         let err = max_rel_err(&got, &logits[1]);
         assert!(err < 1e-4, "{arch}: pipeline on GGUF vs oracle: {err}");
         if gpu_usable() {
-            let mut engine = gpu_engine(gguf, 0.5);
+            let mut engine = fixture_checks::gpu_engine(gguf, 0.5);
             let mut cache = engine.new_cache(64).unwrap();
             let got = engine.forward(&tokens, Phase::Prefill, &mut cache).unwrap().rows();
             let err = max_rel_err(&got, &logits[1]);
