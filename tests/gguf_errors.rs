@@ -197,7 +197,7 @@ fn unknown_ggml_type_names_tensor() {
     let raw = Raw::header(3, 1, 0).tensor("blk.0.ffn_up.weight", &[32], 3, 0).pad_to(32).zeros(128);
     let (err, message, ..) = open_err(raw);
     assert!(matches!(err, GgufError::UnknownTensorType { type_id: 3, .. }), "{err}");
-    assert_contains(&message, &["'blk.0.ffn_up.weight'", "type id 3"]);
+    assert_contains(&message, &["'blk.0.ffn_up.weight'", "type id 3 (Q4_1)", "does not read", "Q4_K"]);
 }
 
 #[test]

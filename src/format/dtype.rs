@@ -52,6 +52,11 @@ impl DType {
         DType::ALL.into_iter().find(|t| t.ggml_type_id() == id)
     }
 
+    /// The type's name as ggml spells it.
+    pub fn ggml_name(self) -> &'static str {
+        ggml_type_name(self.ggml_type_id()).expect("every DType is a ggml type")
+    }
+
     /// Values per block (1 for plain float types).
     pub fn block_elems(self) -> usize {
         match self {
@@ -154,5 +159,40 @@ mod tests {
         assert_eq!(DType::MXFP4.bytes_for(64), Some(34));
         assert_eq!(DType::from_ggml_type_id(39), Some(DType::MXFP4));
         assert_eq!(DType::BF16.bytes_for(3), Some(6));
+    }
+}
+
+/// Names of ggml's tensor types by id (ggml.h's `ggml_type`), those moe-lanes reads and those it
+/// does not, so a refusal names the type a file uses (llama.cpp's k-quant mixes fall back to
+/// Q5_0, Q5_1 or IQ4_NL for rows that are not whole 256-value blocks).
+pub fn ggml_type_name(id: u32) -> Option<&'static str> {
+    const NAMES: [&str; 40] = [
+        "F32", "F16", "Q4_0", "Q4_1", "", "", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+        "Q6_K", "Q8_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S", "IQ2_S", "IQ4_XS", "I8",
+        "I16", "I32", "I64", "F64", "IQ1_M", "BF16", "", "", "", "TQ1_0", "TQ2_0", "", "", "", "MXFP4",
+    ];
+    NAMES.get(id as usize).copied().filter(|n| !n.is_empty())
+}
+
+/// The ggml types moe-lanes reads, for messages: "F32, F16, ...".
+pub fn readable_type_names() -> String {
+    DType::ALL.iter().map(|t| t.ggml_name()).collect::<Vec<_>>().join(", ")
+}
+
+#[cfg(test)]
+mod ggml_name_tests {
+    use super::*;
+
+    #[test]
+    fn every_type_read_has_its_ggml_name_and_others_are_named_too() {
+        for t in DType::ALL {
+            assert_eq!(DType::from_ggml_type_id(t.ggml_type_id()), Some(t));
+            assert!(!t.ggml_name().is_empty());
+        }
+        assert_eq!(ggml_type_name(6), Some("Q5_0"));
+        assert_eq!(ggml_type_name(20), Some("IQ4_NL"));
+        assert_eq!(ggml_type_name(39), Some("MXFP4"));
+        assert_eq!((ggml_type_name(4), ggml_type_name(99)), (None, None));
+        assert!(readable_type_names().contains("Q4_K") && readable_type_names().contains("MXFP4"));
     }
 }

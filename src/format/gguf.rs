@@ -286,7 +286,12 @@ pub enum GgufError {
     #[error("{}: unknown metadata value type id {type_id} at byte offset {offset} in {what}", .path.display())]
     UnknownValueType { path: PathBuf, offset: u64, type_id: u32, what: String },
 
-    #[error("{}: tensor '{tensor}' has unknown ggml type id {type_id}", .path.display())]
+    #[error(
+        "{}: tensor '{tensor}' has ggml type id {type_id}{}, which moe-lanes does not read (it reads {})",
+        .path.display(),
+        crate::format::dtype::ggml_type_name(*type_id).map_or(String::new(), |n| format!(" ({n})")),
+        crate::format::dtype::readable_type_names()
+    )]
     UnknownTensorType { path: PathBuf, tensor: String, type_id: u32 },
 
     #[error("{}: invalid UTF-8 in string at byte offset {offset} in {what}", .path.display())]
