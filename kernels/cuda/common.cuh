@@ -115,6 +115,30 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsi
 
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
+// The hot lane's gated product of one gate and one up value (after their biases): act 0 (SiLU)
+// silu(g) * u; act 1 GPT-OSS's clamped SwiGLU, g = min(g, 7), u = clamp(u, -7, 7),
+// (u + 1) * g * sigmoid(1.702 g) (the CPU's Activation::gated, same operations). `act` is uniform
+// over a launch (a kernel argument), so the branch costs no divergence.
+#define GLU_SILU 0
+#define GLU_SWIGLU_OAI 1
+__device__ __forceinline__ float glu(int act, float g, float u) {
+    if (act == GLU_SWIGLU_OAI) {
+        g = fminf(g, 7.f);
+        u = fminf(fmaxf(u, -7.f), 7.f);
+        return (u + 1.f) * (g / (1.f + expf(-1.702f * g)));
+    }
+    return silu(g) * u;
+}
+
+// glu over slot `slot`'s row `r` of per-slot biases [n_slots, n] (null: none) added first.
+__device__ __forceinline__ float glu_biased(int act, float g, float u, const float* __restrict__ bg,
+                                            const float* __restrict__ bu, int slot, int r, int n) {
+    size_t at = (size_t)slot * n + r;
+    if (bg) g += bg[at];
+    if (bu) u += bu[at];
+    return glu(act, g, u);
+}
+
 // Loads in flight per thread in norm_row_to: a thread issues this many loads before it uses the
 // first (a plain strided loop waits for each load in turn: the one-block decode RMSNorm was a
 // chain of memory latencies, 9.8 -> 4.4 us in ncu on the H100). The arithmetic order stays that of

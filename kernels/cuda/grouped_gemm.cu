@@ -140,7 +140,7 @@ __device__ __forceinline__ bool gg_tile(const L& wl, const float* __restrict__ x
     const int* tl = tiles + 3 * (size_t)blockIdx.x;
     int slot = tl[0], row0 = tl[1], nr = tl[2], col0 = blockIdx.y * GG_BN;
     if (slot < 0 || slot >= n_slots || row0 < 0 || nr <= 0 || nr > GG_BM || row0 > n_rows - nr) return false;
-    tile_out[0] = row0, tile_out[1] = nr, tile_out[2] = col0;
+    tile_out[0] = row0, tile_out[1] = nr, tile_out[2] = col0, tile_out[3] = slot;
 #pragma unroll
     for (int m = 0; m < NW; m++)
 #pragma unroll
@@ -202,54 +202,61 @@ __device__ __forceinline__ void gg_for_output(int nr, int N, int col0, F f) {
             }
 }
 
-// Gate, up and the activation over one tile (weights staged by `wl`): h[r, :] = silu(G_s . x_r) *
-// (U_s . x_r) for the tile's rows r of slot s.
+// Gate, up and the activation over one tile (weights staged by `wl`): h[r, :] =
+// glu(act, G_s . x_r + bg[s], U_s . x_r + bu[s]) for the tile's rows r of slot s (common.cuh's
+// glu; bg, bu per-slot biases [n_slots, N], null: none).
 template <class L>
 __device__ __forceinline__ void gg_gate_up(const L& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                            int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
-                                           float* __restrict__ h, int N, int K, int split) {
+                                           float* __restrict__ h, int N, int K, int split, int act,
+                                           const float* __restrict__ bg, const float* __restrict__ bu) {
     float acc[2][2][4][4];
-    int tile[3];
+    int tile[4];
     if (!gg_tile<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
-    int row0 = tile[0], nr = tile[1], col0 = tile[2];
+    int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
     gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
-        h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
+        h[(size_t)(row0 + row) * N + col] = glu_biased(act, acc[0][mi][ni][c], acc[1][mi][ni][c], bg, bu, slot, col, N);
     });
 }
 
-// One projection over one tile (weights staged by `wl`): y[r, :] = W_s . x_r.
+// One projection over one tile (weights staged by `wl`): y[r, :] = W_s . x_r + b[s] (b per-slot
+// biases [n_slots, N], null: none).
 template <class L>
 __device__ __forceinline__ void gg_gemm(const L& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                         int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
-                                        float* __restrict__ y, int N, int K, int split) {
+                                        float* __restrict__ y, int N, int K, int split, const float* __restrict__ b) {
     float acc[1][2][4][4];
-    int tile[3];
+    int tile[4];
     if (!gg_tile<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
-    int row0 = tile[0], nr = tile[1], col0 = tile[2];
+    int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
     gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
-        y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
+        float v = acc[0][mi][ni][c];
+        y[(size_t)(row0 + row) * N + col] = b ? v + b[(size_t)slot * N + col] : v;
     });
 }
 
 // Prefill hot lane, first half: for hot entry r (token rows[r] of x [n_x_rows, K]) in a tile of
-// slot s, h[r, :] = silu(G_s . x) * (U_s . x), G and U the caches [n_slots, N = ff, K = hidden].
+// slot s, h[r, :] = glu(act, G_s . x + bg[s], U_s . x + bu[s]), G and U the caches
+// [n_slots, N = ff, K = hidden], bg and bu per-slot biases [n_slots, ff] (null: none).
 // grid (n_tiles, ceil(ff / GG_BN)), block GG_THREADS.
 extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16(
     const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x, const int* __restrict__ rows,
     int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ h, int N, int K,
-    int split) {
+    int split, int act, const float* __restrict__ bg, const float* __restrict__ bu) {
     pdl_enter();
-    gg_gate_up(GgBf16{{G, U}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split);
+    gg_gate_up(GgBf16{{G, U}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
 }
 
-// Prefill hot lane, second half (and any grouped projection): y[r, :] = W_s . x[r, :] for row r
-// in a tile of slot s; W the cache [n_slots, N, K]; x [n_rows, K] (rows = null) or gathered
-// (row r is x[rows[r]], rows in 0..n_x_rows). grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS.
+// Prefill hot lane, second half (and any grouped projection): y[r, :] = W_s . x[r, :] + b[s] for
+// row r in a tile of slot s; W the cache [n_slots, N, K]; b per-slot biases [n_slots, N] (null:
+// none); x [n_rows, K] (rows = null) or gathered (row r is x[rows[r]], rows in 0..n_x_rows).
+// grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS.
 extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16(
     const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
-    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split) {
+    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
+    const float* __restrict__ b) {
     pdl_enter();
-    gg_gemm(GgBf16{{W, W}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split);
+    gg_gemm(GgBf16{{W, W}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
 }
 
 // ---- the same tiles, pipelined (sm_80+, K % 8 == 0, 16-byte aligned caches and x) ----
@@ -431,7 +438,7 @@ __device__ __forceinline__ bool gp_tile(WL& wl, const float* __restrict__ x, con
     const int* tl = tiles + 3 * (size_t)blockIdx.x;
     int slot = tl[0], row0 = tl[1], nr = tl[2], col0 = blockIdx.y * GG_BN;
     if (slot < 0 || slot >= n_slots || row0 < 0 || nr <= 0 || nr > GG_BM || row0 > n_rows - nr) return false;
-    tile_out[0] = row0, tile_out[1] = nr, tile_out[2] = col0;
+    tile_out[0] = row0, tile_out[1] = nr, tile_out[2] = col0, tile_out[3] = slot;
 #pragma unroll
     for (int m = 0; m < NW; m++)
 #pragma unroll
@@ -481,31 +488,34 @@ __device__ __forceinline__ void gp_for_output(int nr, int N, int col0, F f) {
             }
 }
 
-// Gate, up and the activation over one tile, pipelined: h[r, :] = silu(G_s . x_r) * (U_s . x_r).
+// Gate, up and the activation over one tile, pipelined: h[r, :] = glu(act, G_s . x_r + bg[s],
+// U_s . x_r + bu[s]) as gg_gate_up.
 template <int PARTS, class WL>
 __device__ __forceinline__ void gp_gate_up(WL& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                            int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
-                                           float* __restrict__ h, int N, int K) {
+                                           float* __restrict__ h, int N, int K, int act, const float* __restrict__ bg,
+                                           const float* __restrict__ bu) {
     float acc[2][4][2][4];
-    int tile[3];
+    int tile[4];
     if (!gp_tile<2, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
-    int row0 = tile[0], nr = tile[1], col0 = tile[2];
+    int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
     gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
-        h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
+        h[(size_t)(row0 + row) * N + col] = glu_biased(act, acc[0][mi][ni][c], acc[1][mi][ni][c], bg, bu, slot, col, N);
     });
 }
 
-// One projection over one tile, pipelined: y[r, :] = W_s . x_r.
+// One projection over one tile, pipelined: y[r, :] = W_s . x_r + b[s] as gg_gemm.
 template <int PARTS, class WL>
 __device__ __forceinline__ void gp_gemm(WL& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                         int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
-                                        float* __restrict__ y, int N, int K) {
+                                        float* __restrict__ y, int N, int K, const float* __restrict__ b) {
     float acc[1][4][2][4];
-    int tile[3];
+    int tile[4];
     if (!gp_tile<1, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
-    int row0 = tile[0], nr = tile[1], col0 = tile[2];
+    int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
     gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
-        y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
+        float v = acc[0][mi][ni][c];
+        y[(size_t)(row0 + row) * N + col] = b ? v + b[(size_t)slot * N + col] : v;
     });
 }
 
@@ -514,24 +524,25 @@ __device__ __forceinline__ void gp_gemm(WL& wl, const float* __restrict__ x, con
 extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_pipe(
     const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x, const int* __restrict__ rows,
     int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ h, int N, int K,
-    int split) {
+    int split, int act, const float* __restrict__ bg, const float* __restrict__ bu) {
     pdl_enter();
     GpBf16Cache<2> wl = {{G, U}, N, K};
     if (split)
-        gp_gate_up<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K);
+        gp_gate_up<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
     else
-        gp_gate_up<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K);
+        gp_gate_up<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
 }
 
 // grouped_gemm_bf16, pipelined (same arguments and results). Dynamic shared memory: GG_STAGES
 // stages of x and the weight tile. grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS.
 extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_pipe(
     const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
-    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split) {
+    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
+    const float* __restrict__ b) {
     pdl_enter();
     GpBf16Cache<1> wl = {{W}, N, K};
     if (split)
-        gp_gemm<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K);
+        gp_gemm<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
     else
-        gp_gemm<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K);
+        gp_gemm<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
 }

@@ -2,12 +2,14 @@
 // Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 
 // Hot lane, decode: for worklist entry e (cache slot slots[e], token row tokens[e]),
-// h[e, r] = silu(G_s[r] . x_t) * (U_s[r] . x_t) over the per-layer cache [n_slots, ff, hidden].
-// grid (ceil(ff/8), n_entries), block 256: one warp per ff row.
+// h[e, r] = glu(act, G_s[r] . x_t + bg[s, r], U_s[r] . x_t + bu[s, r]) over the per-layer cache
+// [n_slots, ff, hidden] (common.cuh's glu: SiLU or the clamped SwiGLU; bg, bu per-slot biases
+// [n_slots, ff], null: none). grid (ceil(ff/8), n_entries), block 256: one warp per ff row.
 extern "C" __global__ void moe_gate_up_gemv(const bf16* __restrict__ G, const bf16* __restrict__ U,
                                             const float* __restrict__ x, const int* __restrict__ slots,
                                             const int* __restrict__ tokens, float* __restrict__ h, int ff,
-                                            int hidden) {
+                                            int hidden, int act, const float* __restrict__ bg,
+                                            const float* __restrict__ bu) {
     pdl_enter();
     int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     int e = blockIdx.y;
@@ -16,13 +18,14 @@ extern "C" __global__ void moe_gate_up_gemv(const bf16* __restrict__ G, const bf
     const float* xt = x + (size_t)tokens[e] * hidden;
     float g = warp_dot_bf16(G + off, xt, hidden);
     float u = warp_dot_bf16(U + off, xt, hidden);
-    if ((threadIdx.x & 31) == 0) h[(size_t)e * ff + r] = silu(g) * u;
+    if ((threadIdx.x & 31) == 0) h[(size_t)e * ff + r] = glu_biased(act, g, u, bg, bu, slots[e], r, ff);
 }
 
 // Hot lane, decode: weighted down projections accumulated into token rows, deterministic (no
 // atomics): output row i is token tok_rows[i], whose entries are tok_off[i]..tok_off[i+1]
-// (token-major worklist). out[t, r] += sum_e weights[e] * (D_{slots[e]}[r] . h[e]), summed in
-// entry order. D is the cache [n_slots, hidden, ff]. A block takes DOWN_ROWS output rows and the
+// (token-major worklist). out[t, r] += sum_e weights[e] * (D_{slots[e]}[r] . h[e] + bd[slots[e], r]),
+// summed in entry order. D is the cache [n_slots, hidden, ff]; bd per-slot down biases
+// [n_slots, hidden] (null: none). A block takes DOWN_ROWS output rows and the
 // token's entries ROWS_PER_BLOCK at a time, one per warp (its dot products over the rows into
 // shared memory), then thread r adds row r's products in entry order: the sum of one warp
 // walking the entries, with every entry's loads in flight at once.
@@ -31,10 +34,12 @@ static_assert(DOWN_ROWS % 2 == 0, "moe_down_accum takes its rows two at a time")
 extern "C" __global__ void moe_down_accum(const bf16* __restrict__ D, const float* __restrict__ h,
                                           const int* __restrict__ slots, const float* __restrict__ weights,
                                           const int* __restrict__ tok_off, const int* __restrict__ tok_rows,
-                                          float* __restrict__ out, int hidden, int ff) {
+                                          float* __restrict__ out, int hidden, int ff,
+                                          const float* __restrict__ bd) {
     pdl_enter();
     __shared__ float part[ROWS_PER_BLOCK][DOWN_ROWS];
     int warp = threadIdx.x >> 5, r0 = blockIdx.x * DOWN_ROWS, i = blockIdx.y;
+    int rb = min(r0 + (int)threadIdx.x, hidden - 1);  // this thread's output row (clamped for bd's reads)
     int e0 = tok_off[i], e1 = tok_off[i + 1];
     float acc = 0.f;  // thread r < DOWN_ROWS: output row r0 + r
     for (int c = e0; c < e1; c += ROWS_PER_BLOCK) {
@@ -55,7 +60,9 @@ extern "C" __global__ void moe_down_accum(const bf16* __restrict__ D, const floa
         __syncthreads();
         if (threadIdx.x < DOWN_ROWS)
             for (int u = 0; u < ROWS_PER_BLOCK && c + u < e1; u++)
-                if (slots[c + u] >= 0) acc += weights[c + u] * part[u][threadIdx.x];
+                if (slots[c + u] >= 0)
+                    acc += weights[c + u] * (bd ? part[u][threadIdx.x] + bd[(size_t)slots[c + u] * hidden + rb]
+                                                : part[u][threadIdx.x]);
         __syncthreads();
     }
     if (threadIdx.x < DOWN_ROWS && r0 + (int)threadIdx.x < hidden)

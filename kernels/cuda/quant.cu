@@ -1012,15 +1012,17 @@ __device__ __forceinline__ void warp_dot_typed(int type, const u8* const* rows, 
 }
 
 // Hot lane decode, first half, as moe_gate_up_gemv over typed caches [n_slots, ff, hidden]:
-// h[e, r] = silu(G_s[r] . x_t) * (U_s[r] . x_t), slot s = slots[e] (-1: cold, skipped), t = tokens[e];
-// with Q8 the quantized rows read x's 8-bit rows (xq, xd).
+// h[e, r] = glu(act, G_s[r] . x_t + bg[s, r], U_s[r] . x_t + bu[s, r]), slot s = slots[e] (-1:
+// cold, skipped), t = tokens[e] (bg, bu per-slot biases [n_slots, ff], null: none); with Q8 the
+// quantized rows read x's 8-bit rows (xq, xd).
 template <bool Q8>
 __device__ __forceinline__ void gate_up_typed(const u8* __restrict__ G, const u8* __restrict__ U, int g_type,
                                               int u_type, int g_row_bytes, int u_row_bytes,
                                               const float* __restrict__ x, const signed char* __restrict__ xq,
                                               const float* __restrict__ xd, const int* __restrict__ slots,
                                               const int* __restrict__ tokens, float* __restrict__ h, int ff,
-                                              int hidden) {
+                                              int hidden, int act, const float* __restrict__ bg,
+                                              const float* __restrict__ bu) {
     int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     int e = blockIdx.y;
     if (r >= ff || slots[e] < 0) return;
@@ -1036,7 +1038,7 @@ __device__ __forceinline__ void gate_up_typed(const u8* __restrict__ G, const u8
         warp_dot_typed<1, Q8>(g_type, rows, xt, qt, dt, hidden, gu);
         warp_dot_typed<1, Q8>(u_type, rows + 1, xt, qt, dt, hidden, gu + 1);
     }
-    if ((threadIdx.x & 31) == 0) h[(size_t)e * ff + r] = silu(gu[0]) * gu[1];
+    if ((threadIdx.x & 31) == 0) h[(size_t)e * ff + r] = glu_biased(act, gu[0], gu[1], bg, bu, slots[e], r, ff);
 }
 
 // gate_up_typed entry points (xq, xd unused without Q8). grid (ceil(ff/ROWS_PER_BLOCK),
@@ -1044,8 +1046,9 @@ __device__ __forceinline__ void gate_up_typed(const u8* __restrict__ G, const u8
 #define GATE_UP_PARAMS                                                                                         \
     const u8 *__restrict__ G, const u8 *__restrict__ U, int g_type, int u_type, int g_row_bytes, int u_row_bytes, \
         const float *__restrict__ x, const signed char *__restrict__ xq, const float *__restrict__ xd,           \
-        const int *__restrict__ slots, const int *__restrict__ tokens, float *__restrict__ h, int ff, int hidden
-#define GATE_UP_ARGS G, U, g_type, u_type, g_row_bytes, u_row_bytes, x, xq, xd, slots, tokens, h, ff, hidden
+        const int *__restrict__ slots, const int *__restrict__ tokens, float *__restrict__ h, int ff, int hidden, \
+        int act, const float *__restrict__ bg, const float *__restrict__ bu
+#define GATE_UP_ARGS G, U, g_type, u_type, g_row_bytes, u_row_bytes, x, xq, xd, slots, tokens, h, ff, hidden, act, bg, bu
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_gate_up_gemv_q(GATE_UP_PARAMS) {
     pdl_enter();
     gate_up_typed<false>(GATE_UP_ARGS);
@@ -1057,15 +1060,16 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
 
 // Hot lane decode, second half, as moe_down_accum over a typed cache [n_slots, hidden, ff]:
 // output row i (token tok_rows[i], entries tok_off[i]..tok_off[i+1]) adds
-// sum_e weights[e] * (D_{slots[e]}[r] . h[e]); deterministic (no atomics); with Q8 quantized
-// rows read h's 8-bit rows (hq, hd).
+// sum_e weights[e] * (D_{slots[e]}[r] . h[e] + bd[slots[e], r]) (bd per-slot down biases
+// [n_slots, hidden], null: none; the weighted biases summed after the products); deterministic
+// (no atomics); with Q8 quantized rows read h's 8-bit rows (hq, hd).
 template <bool Q8>
 __device__ __forceinline__ void down_typed(const u8* __restrict__ D, int d_type, int d_row_bytes,
                                             const float* __restrict__ h, const signed char* __restrict__ hq,
                                             const float* __restrict__ hd, const int* __restrict__ slots,
                                             const float* __restrict__ weights, const int* __restrict__ tok_off,
                                             const int* __restrict__ tok_rows, float* __restrict__ out, int hidden,
-                                            int ff) {
+                                            int ff, const float* __restrict__ bd) {
     int r = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
     int i = blockIdx.y;
     if (r >= hidden) return;
@@ -1089,6 +1093,9 @@ __device__ __forceinline__ void down_typed(const u8* __restrict__ D, int d_type,
             }
     }
 #undef DOWN_ENTRIES
+    if (bd)
+        for (int e = e0; e < e1; e++)
+            if (slots[e] >= 0) acc += weights[e] * bd[(size_t)slots[e] * hidden + r];
     if ((threadIdx.x & 31) == 0) out[(size_t)tok_rows[i] * hidden + r] += acc;
 }
 
@@ -1098,8 +1105,8 @@ __device__ __forceinline__ void down_typed(const u8* __restrict__ D, int d_type,
     const u8 *__restrict__ D, int d_type, int d_row_bytes, const float *__restrict__ h,                           \
         const signed char *__restrict__ hq, const float *__restrict__ hd, const int *__restrict__ slots,          \
         const float *__restrict__ weights, const int *__restrict__ tok_off, const int *__restrict__ tok_rows,     \
-        float *__restrict__ out, int hidden, int ff
-#define DOWN_ARGS D, d_type, d_row_bytes, h, hq, hd, slots, weights, tok_off, tok_rows, out, hidden, ff
+        float *__restrict__ out, int hidden, int ff, const float *__restrict__ bd
+#define DOWN_ARGS D, d_type, d_row_bytes, h, hq, hd, slots, weights, tok_off, tok_rows, out, hidden, ff, bd
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void moe_down_accum_q(DOWN_PARAMS) {
     pdl_enter();
     down_typed<false>(DOWN_ARGS);
@@ -1327,20 +1334,21 @@ struct GgTyped {
 extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q(
     const u8* __restrict__ G, const u8* __restrict__ U, int g_type, int u_type, int g_row_bytes, int u_row_bytes,
     const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles,
-    int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split) {
+    int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
+    const float* __restrict__ bu) {
     pdl_enter();
     GgTyped wl = {{G, U}, {g_type, u_type}, {g_row_bytes, u_row_bytes}, N, K};
-    gg_gate_up(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split);
+    gg_gate_up(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
 }
 
 // grouped_gemm_bf16 over a typed cache [n_slots, N, K].
 extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q(
     const u8* __restrict__ W, int w_type, int row_bytes, const float* __restrict__ x, const int* __restrict__ rows,
     int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K,
-    int split) {
+    int split, const float* __restrict__ b) {
     pdl_enter();
     GgTyped wl = {{W, W}, {w_type, w_type}, {row_bytes, row_bytes}, N, K};
-    gg_gemm(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split);
+    gg_gemm(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
 }
 
 // gp_tile's loader over typed caches (grouped_gemm.cu's pipelined tiles): each thread decodes
@@ -1380,13 +1388,14 @@ struct GpTyped {
 extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q_pipe(
     const u8* __restrict__ G, const u8* __restrict__ U, int g_type, int u_type, int g_row_bytes, int u_row_bytes,
     const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles,
-    int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split) {
+    int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
+    const float* __restrict__ bu) {
     pdl_enter();
     GpTyped<2> wl = {{G, U}, {g_type, u_type}, {g_row_bytes, u_row_bytes}, N, K};
     if (split)
-        gp_gate_up<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K);
+        gp_gate_up<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
     else
-        gp_gate_up<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K);
+        gp_gate_up<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
 }
 
 // grouped_gemm_q, pipelined (same arguments and results). Dynamic shared memory as
@@ -1394,11 +1403,11 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q_pipe(
 extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q_pipe(
     const u8* __restrict__ W, int w_type, int row_bytes, const float* __restrict__ x, const int* __restrict__ rows,
     int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K,
-    int split) {
+    int split, const float* __restrict__ b) {
     pdl_enter();
     GpTyped<1> wl = {{W}, {w_type}, {row_bytes}, N, K};
     if (split)
-        gp_gemm<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K);
+        gp_gemm<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
     else
-        gp_gemm<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K);
+        gp_gemm<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
 }
