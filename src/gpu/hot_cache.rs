@@ -5,12 +5,17 @@
 //! the device (`[n_layers * n_experts]` i32, -1 = cold). Exchanges rewrite a slot and both maps;
 //! capacity never changes. Exchanges copy on the backend's side stream (through pinned staging),
 //! so a call's compute runs beside them and waits only where a layer uses an exchanged slot.
+//! A model whose experts carry biases (GPT-OSS) keeps each slot's biases beside its matrices
+//! (f32 `[capacity, ff]` gate and up, `[capacity, hidden]` down), written and exchanged with
+//! them; the kernels read them through the layer's [`SlotEpilogue`].
 
 use super::weights::{stored_bytes, stored_dtype};
 use super::GpuError;
 use crate::cache::hot_set::{HotSet, LayerHotSet};
 use crate::model::Model;
-use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, GpuEvent, PinnedBuffer, TypedWeights};
+use moe_lanes_kernels::cuda::{
+    CudaBackend, DPtr, DeviceBuffer, GateUpEpilogue, Glu, GpuEvent, PinnedBuffer, TypedWeights,
+};
 use moe_lanes_kernels::WeightDType;
 
 /// Stored types and bytes of one expert's matrices in a layer (experts of a layer share them).
@@ -48,6 +53,46 @@ struct HotLayer {
     shape: SlotShape,
     /// Gate, up, down (none while the capacity is 0).
     bufs: Option<[DeviceBuffer<u8>; 3]>,
+    /// The slots' gate, up and down biases, f32 `[capacity, ff]` x2 and `[capacity, hidden]`
+    /// (none: the model's experts have none, or the capacity is 0).
+    bias: Option<[DeviceBuffer<f32>; 3]>,
+}
+
+/// What the hot lane's kernels apply around one layer's expert products: the gate/up
+/// epilogue (the activation, the slots' gate and up biases) and the slots' down biases.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct SlotEpilogue {
+    pub gate_up: GateUpEpilogue,
+    pub down_bias: Option<DPtr<f32>>,
+}
+
+impl SlotEpilogue {
+    /// The activation alone: experts without biases.
+    pub fn plain(glu: Glu) -> SlotEpilogue {
+        SlotEpilogue { gate_up: GateUpEpilogue { glu, ..GateUpEpilogue::default() }, down_bias: None }
+    }
+
+    /// The activation and slot biases `[gate, up, down]` (a cache's or a chunk of it).
+    fn biased(glu: Glu, [g, u, d]: [DPtr<f32>; 3]) -> SlotEpilogue {
+        SlotEpilogue { gate_up: GateUpEpilogue { glu, gate_bias: Some(g), up_bias: Some(u) }, down_bias: Some(d) }
+    }
+
+    /// The same epilogue over slots `first..first + n` of its biases (the slot-local view a
+    /// chunk of slots needs); `ff` and `hidden` give the bias rows.
+    pub fn slots(&self, first: usize, n: usize, ff: usize, hidden: usize) -> SlotEpilogue {
+        let rows = |b: Option<DPtr<f32>>, w: usize| b.map(|b| b.sub(first * w, n * w));
+        let g = &self.gate_up;
+        SlotEpilogue {
+            gate_up: GateUpEpilogue { glu: g.glu, gate_bias: rows(g.gate_bias, ff), up_bias: rows(g.up_bias, ff) },
+            down_bias: rows(self.down_bias, hidden),
+        }
+    }
+}
+
+/// The hot lane's activation for `model`'s experts; the GELUs have no GPU kernels.
+pub(crate) fn expert_glu(model: &Model) -> Result<Glu, GpuError> {
+    let activation = model.plan().expert_activation();
+    Glu::of(activation.kernel()).ok_or(GpuError::Activation { activation })
 }
 
 /// Device views of one layer's cached experts (every slot).
@@ -57,6 +102,8 @@ pub(crate) struct SlotPtrs {
     pub gate: TypedWeights,
     pub up: TypedWeights,
     pub down: TypedWeights,
+    /// The activation and the slots' biases.
+    pub epi: SlotEpilogue,
 }
 
 impl SlotPtrs {
@@ -68,6 +115,8 @@ impl SlotPtrs {
 
 pub(crate) struct HotCache {
     layers: Vec<HotLayer>,
+    /// The experts' gated activation.
+    glu: Glu,
     map_dev: DeviceBuffer<i32>,
     set: HotSet,
     allocated: bool,
@@ -93,8 +142,9 @@ impl HotCache {
         let (n_layers, n_experts) = (model.config().n_layers, model.config().n_experts);
         Ok(HotCache {
             layers: (0..n_layers)
-                .map(|l| HotLayer { capacity: 0, shape: SlotShape::of(model, l), bufs: None })
+                .map(|l| HotLayer { capacity: 0, shape: SlotShape::of(model, l), bufs: None, bias: None })
                 .collect(),
+            glu: expert_glu(model)?,
             map_dev: be.upload(&vec![-1i32; n_layers * n_experts])?,
             set: HotSet::empty(n_layers, n_experts, 1),
             allocated: false,
@@ -113,10 +163,14 @@ impl HotCache {
             return Err(GpuError::HotCacheAllocated);
         }
         check_shape(set, self.layers.len(), self.n_experts)?;
-        for (hl, ls) in self.layers.iter_mut().zip(&set.layers) {
+        let (ff, hidden) = (model.config().expert_ff, model.config().hidden);
+        for (l, (hl, ls)) in self.layers.iter_mut().zip(&set.layers).enumerate() {
             hl.capacity = ls.n_hot();
             let alloc = |i: usize| be.alloc_zeros::<u8>(hl.capacity * hl.shape.bytes[i]);
             hl.bufs = if hl.capacity == 0 { None } else { Some([alloc(0)?, alloc(1)?, alloc(2)?]) };
+            let biased = hl.capacity > 0 && model.expert_bias(l, 0).is_some();
+            let alloc_f = |n: usize| be.alloc_zeros::<f32>(hl.capacity * n);
+            hl.bias = if biased { Some([alloc_f(ff)?, alloc_f(ff)?, alloc_f(hidden)?]) } else { None };
         }
         self.allocated = true;
         for (l, ls) in set.layers.iter().enumerate() {
@@ -165,6 +219,11 @@ impl HotCache {
             be.write_async_side(buf, at..at + n, dst.ptr().sub(slot * n, n))?;
             at += n;
         }
+        if let (Some(bias), Some(b)) = (&hl.bias, model.expert_bias(layer_idx, add)) {
+            for (dst, src) in bias.iter().zip([b.gate, b.up, b.down]) {
+                be.write_side(src, dst.ptr().sub(slot * src.len(), src.len()))?;
+            }
+        }
         let map = self.map_dev.ptr();
         be.write_side(&[-1i32], map.sub(layer_idx * self.n_experts + evict, 1))?;
         be.write_side(&[slot as i32], map.sub(layer_idx * self.n_experts + add, 1))?;
@@ -197,6 +256,11 @@ impl HotCache {
         let bufs = hl.bufs.as_ref().expect("capacity > 0, so the layer is allocated");
         for ((buf, t), n) in bufs.iter().zip([x.gate, x.up, x.down]).zip(hl.shape.bytes) {
             be.write(&stored_bytes(t)?, buf.ptr().sub(slot * n, n))?;
+        }
+        if let (Some(bias), Some(b)) = (&hl.bias, model.expert_bias(l, e)) {
+            for (dst, src) in bias.iter().zip([b.gate, b.up, b.down]) {
+                be.write(src, dst.ptr().sub(slot * src.len(), src.len()))?;
+            }
         }
         Ok(())
     }
@@ -233,7 +297,11 @@ impl HotCache {
         let [g, u, d] = hl.bufs.as_ref()?;
         let view =
             |b: &DeviceBuffer<u8>, i: usize| TypedWeights { bytes: b.ptr(), dtype: hl.shape.dtypes[i] };
-        Some(SlotPtrs { n_slots: hl.capacity, gate: view(g, 0), up: view(u, 1), down: view(d, 2) })
+        let epi = match &hl.bias {
+            Some(b) => SlotEpilogue::biased(self.glu, [0, 1, 2].map(|i| b[i].ptr())),
+            None => SlotEpilogue::plain(self.glu),
+        };
+        Some(SlotPtrs { n_slots: hl.capacity, gate: view(g, 0), up: view(u, 1), down: view(d, 2), epi })
     }
 
     /// Whether any layer stores its experts quantized.
@@ -241,8 +309,10 @@ impl HotCache {
         self.layers.iter().any(|hl| hl.shape.dtypes.iter().any(|d| d.is_quantized()))
     }
 
+    /// VRAM of every slot: matrices and biases.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().flat_map(|h| h.bufs.iter().flatten()).map(DeviceBuffer::bytes).sum()
+        let weights: usize = self.layers.iter().flat_map(|h| h.bufs.iter().flatten()).map(DeviceBuffer::bytes).sum();
+        weights + self.layers.iter().flat_map(|h| h.bias.iter().flatten()).map(DeviceBuffer::bytes).sum::<usize>()
     }
 }
 

@@ -121,8 +121,10 @@ impl MoeStage {
             }
             let tiles = wi.sub(lay.tiles + 3 * ch.first_tile, 3 * ch.n_tiles);
             let nt = ch.n_tiles;
-            dev.be.grouped_gate_up(gate, up, n, x, toks, t, tiles, nt, hbuf, n_hot, ff, h, split)?;
-            dev.be.grouped_gemm(down, n, hbuf, None, n_hot, tiles, nt, y, n_hot, h, ff, split)?;
+            // the chunk's tiles carry chunk-local slots: so do its biases
+            let epi = c.epi.slots(ch.first_slot, n, ff, h);
+            dev.be.grouped_gate_up(gate, up, n, x, toks, t, tiles, nt, hbuf, n_hot, ff, h, split, &epi.gate_up)?;
+            dev.be.grouped_gemm(down, n, hbuf, None, n_hot, tiles, nt, y, n_hot, h, ff, split, epi.down_bias)?;
             if side {
                 dev.be.record(&d.free[b])?;
             }

@@ -112,21 +112,14 @@ impl GpuModel {
         if cfg.embedding_scale.is_some() || cfg.final_logit_softcap.is_some() {
             return Err(GpuError::Mixer { layer_idx: 0, kind: "scaled embeddings or soft-capped logits" });
         }
-        let activation = model.plan().expert_activation();
-        if activation != crate::model::arch::FfnActivation::Silu {
-            return Err(GpuError::Activation { activation });
-        }
+        // SiLU and GPT-OSS's clamped SwiGLU experts have hot-lane kernels; the GELUs none.
+        super::hot_cache::expert_glu(model)?;
         // Dense FFN layers run SiLU-gated (the only activation of the architectures with them).
         if let Some((layer_idx, kind)) = model.plan().first_unsupported_ffn(|f| match f {
             crate::model::arch::Ffn::Moe(_) => true,
             crate::model::arch::Ffn::Dense(d) => d.activation == crate::model::arch::FfnActivation::Silu,
         }) {
             return Err(GpuError::Ffn { layer_idx, kind });
-        }
-        // Expert biases (GPT-OSS) have no hot-lane kernels here yet (router biases do).
-        let biased = |l: &crate::model::arch::LayerSpec| l.as_moe().is_some_and(|m| m.expert_bias);
-        if let Some(layer_idx) = model.plan().layers().iter().position(biased) {
-            return Err(GpuError::Ffn { layer_idx, kind: "mixture of experts with expert biases" });
         }
         // Gemma 4's scaled router, per-expert scales and per-branch norms have no kernels here yet.
         let gemma = |l: &crate::model::arch::LayerSpec| {

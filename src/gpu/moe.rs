@@ -21,7 +21,7 @@
 //! layer's MoE output, adds the shared expert again, and is counted by reason.
 
 use super::device::{Device, LayerCtx};
-use super::hot_cache::HotCache;
+use super::hot_cache::{HotCache, SlotEpilogue};
 use super::hot_dequant::{plan_chunks, HotDequant};
 use super::postfetch::{PostFetch, PF_CPU, PF_LATE};
 use super::route::{dense_ffn, route_fusable, route_ids, shared_expert};
@@ -280,7 +280,7 @@ impl MoeStage {
         if let Some(c) = self.hot.slots(l) {
             let out = if plan.direct { s.hidden.ptr() } else { s.moe_out.ptr() };
             // entries routed to cold experts have slot -1: the kernels skip them
-            expert_gemvs(dev, [c.gate, c.up, c.down], p_slots, l, t, out).map_err(hot_failed)?;
+            expert_gemvs(dev, [c.gate, c.up, c.down], &c.epi, p_slots, l, t, out).map_err(hot_failed)?;
         }
         if timed {
             dev.be.record(&self.lane_events[l].end)?;
@@ -518,7 +518,7 @@ impl MoeStage {
         let c = self.hot.slots(l).expect("hot entries imply a cache");
         let nt = self.host.n_tiles;
         let tiles = s.work_i.ptr().sub(s.layout.tiles, 3 * nt);
-        grouped_ffn(dev, [c.gate, c.up, c.down], c.n_slots, (tiles, nt), n_hot, t)
+        grouped_ffn(dev, [c.gate, c.up, c.down], &c.epi, c.n_slots, (tiles, nt), n_hot, t)
     }
 
     /// Host path: the cold lane on the CPU (`HostScratch::cold_slots` over the `n_rows` gathered
@@ -611,12 +611,14 @@ impl MoeStage {
 }
 
 /// The decode GEMVs of `t` tokens' routed entries over the experts `w` (gate, up, down
-/// stacks: the hot cache or Post-Fetch's scratchpad), entry `j`'s expert at `slots[j]` (-1:
-/// skipped), the weighted down rows accumulated into `out`. The entries' tokens and the
-/// token rows are the device worklist's (`hot_worklist_tokens` or the fused routing).
+/// stacks: the hot cache or Post-Fetch's scratchpad; `epi` their activation and slot biases),
+/// entry `j`'s expert at `slots[j]` (-1: skipped), the weighted down rows accumulated into
+/// `out`. The entries' tokens and the token rows are the device worklist's
+/// (`hot_worklist_tokens` or the fused routing).
 pub(crate) fn expert_gemvs(
     dev: &Device,
     [gate, up, down]: [TypedWeights; 3],
+    epi: &SlotEpilogue,
     slots: DPtr<i32>,
     l: usize,
     t: usize,
@@ -629,8 +631,8 @@ pub(crate) fn expert_gemvs(
     let (toks, off, rows) = (wi.sub(lay.tokens, n_ent), wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
     let (wts, x, hb) = (route_ids(s.weights.ptr(), k, l, t), s.normed.ptr(), s.h.ptr());
     if let (Some(g), Some(u), Some(d)) = (gate.bf16(), up.bf16(), down.bf16()) {
-        dev.be.moe_gate_up_gemv(g, u, x, slots, toks, hb, n_ent, ff, h)?;
-        dev.be.moe_down_accum(d, hb, slots, wts, off, rows, out, t, h, ff)?;
+        dev.be.moe_gate_up_gemv(g, u, x, slots, toks, hb, n_ent, ff, h, &epi.gate_up)?;
+        dev.be.moe_down_accum(d, hb, slots, wts, off, rows, out, t, h, ff, epi.down_bias)?;
         return Ok(());
     }
     // quantized experts read x and h in 8 bits when the GEMVs take them
@@ -639,22 +641,23 @@ pub(crate) fn expert_gemvs(
     if let Some(xq) = xq {
         dev.be.quantize_q8(x, t, h, xq)?;
     }
-    dev.be.moe_gate_up_gemv_typed(gate, up, x, xq, slots, toks, hb, n_ent, ff, h)?;
+    dev.be.moe_gate_up_gemv_typed(gate, up, x, xq, slots, toks, hb, n_ent, ff, h, &epi.gate_up)?;
     if let Some(hq) = hq {
         dev.be.quantize_q8(hb, n_ent, ff, hq)?;
     }
-    dev.be.moe_down_accum_typed(down, hb, hq, slots, wts, off, rows, out, t, h, ff)?;
+    dev.be.moe_down_accum_typed(down, hb, hq, slots, wts, off, rows, out, t, h, ff, epi.down_bias)?;
     Ok(())
 }
 
 /// The grouped GEMMs of expert stacks `w` (gate, up, down; `n_slots` experts each) over
 /// `tiles` (`(slot, first row, rows)` triples, `n_tiles`) of the entry rows `0..n_rows`: the
-/// normed token rows gathered by the worklist's tokens, `h = silu(gate x) * up x` in `h`,
-/// `down h` in `y` (the typed launchers: bf16 stacks take the bf16 kernels, quantized tiles
-/// are decoded in the kernel).
+/// normed token rows gathered by the worklist's tokens, `h = glu(gate x + bg, up x + bu)` in
+/// `h`, `down h + bd` in `y` (`epi`: the activation and slot biases; the typed launchers: bf16
+/// stacks take the bf16 kernels, quantized tiles are decoded in the kernel).
 pub(super) fn grouped_ffn(
     dev: &Device,
     w: [TypedWeights; 3],
+    epi: &SlotEpilogue,
     n: usize,
     (tiles, nt): (DPtr<i32>, usize),
     n_rows: usize,
@@ -666,8 +669,8 @@ pub(super) fn grouped_ffn(
     let (x, hbuf, y, be) = (s.normed.ptr(), s.h.ptr(), s.y.ptr(), &dev.be);
     let [gate, up, down] = w;
     let split = |w: TypedWeights| dev.opts.prefill_activations.split(w.dtype);
-    be.grouped_gate_up_typed(gate, up, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split(gate))?;
-    be.grouped_gemm_typed(down, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split(down))?;
+    be.grouped_gate_up_typed(gate, up, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split(gate), &epi.gate_up)?;
+    be.grouped_gemm_typed(down, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split(down), epi.down_bias)?;
     Ok(())
 }
 

@@ -17,12 +17,14 @@
 //! event tracking is switched off. A `DPtr` must not outlive its buffer (a stale one faults on
 //! the device). [`PinnedBuffer`]s fence their own asynchronous copies, so those copies are safe.
 
+pub mod epilogue;
 mod gate;
 pub mod kernel;
 pub mod ops;
 pub mod quant;
 pub mod registered;
 
+pub use epilogue::{GateUpEpilogue, Glu};
 pub use kernel::{kernel_source, Family, Kernel};
 pub use quant::{Q8Rows, TypedWeights};
 pub use registered::HostRegistration;

@@ -10,6 +10,7 @@ use super::kernel::{
     ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS,
     GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
+use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::kv::KvType;
 use cudarc::cublas::{result as br, sys as bs};
@@ -1641,8 +1642,9 @@ impl CudaBackend {
         (hidden + n_experts) * 4 <= ROUTE_DECODE_SHARED_BYTES
     }
 
-    /// Hot lane decode, first half: `h[e] = silu(G_s · x_t) * (U_s · x_t)` for each worklist
-    /// entry `e` (slot `slots[e]`, token row `tokens[e]`), caches `[n_slots, ff, hidden]`.
+    /// Hot lane decode, first half: `h[e] = glu(G_s · x_t + bg_s, U_s · x_t + bu_s)` for each
+    /// worklist entry `e` (slot `slots[e]`, token row `tokens[e]`), caches `[n_slots, ff, hidden]`,
+    /// the activation and per-slot biases `[n_slots, ff]` from `epi` (SiLU, none: `silu(g) * u`).
     pub fn moe_gate_up_gemv(
         &self,
         gate_cache: DPtr<u16>,
@@ -1654,6 +1656,7 @@ impl CudaBackend {
         n_entries: usize,
         ff: usize,
         hidden: usize,
+        epi: &GateUpEpilogue,
     ) -> Result<()> {
         const K: Kernel = Kernel::MoeGateUpGemv;
         need(K, "slots", slots, n_entries)?;
@@ -1661,6 +1664,7 @@ impl CudaBackend {
         need(K, "h", h, n_entries * ff)?;
         need(K, "gate_cache", gate_cache, ff * hidden)?;
         need(K, "up_cache", up_cache, ff * hidden)?;
+        let (act, bg, bu) = epi.args(K, cache_slots(gate_cache.len(), ff * hidden), ff)?;
         self.launch(
             K,
             (blocks(ff, ROWS_PER_BLOCK), n_entries as u32, 1),
@@ -1674,14 +1678,18 @@ impl CudaBackend {
                 tokens.raw(),
                 h.raw(),
                 i(ff),
-                i(hidden)
+                i(hidden),
+                act,
+                bg,
+                bu
             ],
         )
     }
 
     /// Hot lane decode, second half: for output row `r` (token `tok_rows[r]`, entries
-    /// `tok_off[r]..tok_off[r+1]`), `out[token] += Σ weights[e] · D_{slots[e]} · h[e]`,
-    /// cache `[n_slots, hidden, ff]`. Deterministic (no atomics).
+    /// `tok_off[r]..tok_off[r+1]`), `out[token] += Σ weights[e] · (D_{slots[e]} · h[e] + b_{slots[e]})`,
+    /// cache `[n_slots, hidden, ff]`, `down_bias` per-slot `[n_slots, hidden]` (none: no bias).
+    /// Deterministic (no atomics).
     pub fn moe_down_accum(
         &self,
         down_cache: DPtr<u16>,
@@ -1694,11 +1702,14 @@ impl CudaBackend {
         n_rows: usize,
         hidden: usize,
         ff: usize,
+        down_bias: Option<DPtr<f32>>,
     ) -> Result<()> {
         const K: Kernel = Kernel::MoeDownAccum;
         need(K, "tok_off", tok_off, n_rows + 1)?;
         need(K, "tok_rows", tok_rows, n_rows)?;
         need(K, "down_cache", down_cache, hidden * ff)?;
+        let n_slots = cache_slots(down_cache.len(), hidden * ff);
+        let bd = bias_arg(K, "down bias", down_bias, n_slots * hidden)?;
         self.launch(
             K,
             (blocks(hidden, HOT_DOWN_ROWS), n_rows as u32, 1),
@@ -1713,7 +1724,8 @@ impl CudaBackend {
                 tok_rows.raw(),
                 out.raw(),
                 i(hidden),
-                i(ff)
+                i(ff),
+                bd
             ],
         )
     }
@@ -1892,7 +1904,8 @@ impl CudaBackend {
 
     /// Grouped expert GEMM, gate and up fused (the prefill hot lane's first half, one launch
     /// for every cached expert of a layer): for row `r` of a tile of slot `s` ([`grouped_tiles`]),
-    /// `h[r] = silu(G_s · x[rows[r]]) * (U_s · x[rows[r]])`; caches `[n_slots, ff, hidden]` bf16,
+    /// `h[r] = glu(G_s · x[rows[r]] + bg_s, U_s · x[rows[r]] + bu_s)` (`epi`: the activation and
+    /// per-slot biases `[n_slots, ff]`); caches `[n_slots, ff, hidden]` bf16,
     /// `x` f32 `[n_x_rows, hidden]`, `h` f32 `[n_rows, ff]`. Tensor cores (sm_80+), bf16 inputs,
     /// f32 accumulation; `split`: the input as bf16 hi + lo (two MMAs into one accumulator).
     pub fn grouped_gate_up(
@@ -1910,9 +1923,11 @@ impl CudaBackend {
         ff: usize,
         hidden: usize,
         split: bool,
+        epi: &GateUpEpilogue,
     ) -> Result<()> {
         let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n: ff, k: hidden };
         shape.check(Kernel::GroupedGateUpBf16, &[gate_cache, up_cache], x, Some(rows), tiles, h)?;
+        let (act, bg, bu) = epi.args(Kernel::GroupedGateUpBf16, n_slots, ff)?;
         if n_tiles == 0 || ff == 0 {
             return Ok(());
         }
@@ -1934,15 +1949,19 @@ impl CudaBackend {
                 h.raw(),
                 i(ff),
                 i(hidden),
-                i32::from(split)
+                i32::from(split),
+                act,
+                bg,
+                bu
             ],
         )
     }
 
     /// Grouped expert GEMM (the prefill hot lane's down projection, one launch for every cached
-    /// expert of a layer): for row `r` of a tile of slot `s`, `y[r] = W_s · x_r` with `x_r` =
+    /// expert of a layer): for row `r` of a tile of slot `s`, `y[r] = W_s · x_r + b_s` with `x_r` =
     /// `x[rows[r]]` (or `x[r]` without `rows`); cache `[n_slots, n, k]` bf16, `x` f32
-    /// `[n_x_rows, k]`, `y` f32 `[n_rows, n]`. Tensor cores as [`CudaBackend::grouped_gate_up`].
+    /// `[n_x_rows, k]`, `y` f32 `[n_rows, n]`, `bias` per-slot `[n_slots, n]` (none: no bias).
+    /// Tensor cores as [`CudaBackend::grouped_gate_up`].
     pub fn grouped_gemm(
         &self,
         w_cache: DPtr<u16>,
@@ -1957,9 +1976,11 @@ impl CudaBackend {
         n: usize,
         k: usize,
         split: bool,
+        bias: Option<DPtr<f32>>,
     ) -> Result<()> {
         let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n, k };
         shape.check(Kernel::GroupedGemmBf16, &[w_cache], x, rows, tiles, y)?;
+        let b = bias_arg(Kernel::GroupedGemmBf16, "bias", bias, n_slots * n)?;
         if n_tiles == 0 || n == 0 {
             return Ok(());
         }
@@ -1981,7 +2002,8 @@ impl CudaBackend {
                 y.raw(),
                 i(n),
                 i(k),
-                i32::from(split)
+                i32::from(split),
+                b
             ],
         )
     }

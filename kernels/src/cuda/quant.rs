@@ -12,6 +12,7 @@ use super::kernel::{
     grouped_pipe_shared_bytes, Kernel, GROUPED_THREADS, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, ROWS_PER_BLOCK,
     ROW_BLOCK_THREADS,
 };
+use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::ops::{aligned16, args, blocks, i, need, GroupedShape};
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::q8::Q8_BLOCK;
@@ -397,8 +398,9 @@ fn check_x16(kernel: Kernel, what: &str, x: DPtr<f32>) -> Result<()> {
 
 impl CudaBackend {
     /// Hot lane decode, first half, over caches of any stored type (the counterpart of
-    /// [`CudaBackend::moe_gate_up_gemv`]): `h[e] = silu(G_s · x_t) * (U_s · x_t)` for entry `e`
-    /// (slot `slots[e]`, -1 skipped; token row `tokens[e]`), caches `[n_slots, ff, hidden]`.
+    /// [`CudaBackend::moe_gate_up_gemv`]): `h[e] = glu(G_s · x_t + bg_s, U_s · x_t + bu_s)` for
+    /// entry `e` (slot `slots[e]`, -1 skipped; token row `tokens[e]`), caches
+    /// `[n_slots, ff, hidden]`, the activation and per-slot biases `[n_slots, ff]` from `epi`.
     pub fn moe_gate_up_gemv_typed(
         &self,
         gate: TypedWeights,
@@ -411,10 +413,13 @@ impl CudaBackend {
         n_entries: usize,
         ff: usize,
         hidden: usize,
+        epi: &GateUpEpilogue,
     ) -> Result<()> {
         const K: Kernel = Kernel::MoeGateUpGemvQ;
         let (g_type, g_row) = check_typed(K, "gate_cache", gate, ff, hidden)?;
         let (u_type, u_row) = check_typed(K, "up_cache", up, ff, hidden)?;
+        let n_slots = cache_slots(gate.bytes.len(), ff * g_row as usize);
+        let (act, bg, bu) = epi.args(K, n_slots, ff)?;
         check_x16(K, "x", x)?;
         let x_rows = x.len() / hidden.max(1);
         if let Some(q) = xq {
@@ -445,7 +450,10 @@ impl CudaBackend {
                 tokens.raw(),
                 h.raw(),
                 i(ff),
-                i(hidden)
+                i(hidden),
+                act,
+                bg,
+                bu
             ],
         )
     }
@@ -525,15 +533,17 @@ impl CudaBackend {
         ff: usize,
         hidden: usize,
         split: bool,
+        epi: &GateUpEpilogue,
     ) -> Result<()> {
         if let (Some(g), Some(u)) = (gate_cache.bf16(), up_cache.bf16()) {
             let (r, t) = (rows, tiles);
             return self
-                .grouped_gate_up(g, u, n_slots, x, r, n_x_rows, t, n_tiles, h, n_rows, ff, hidden, split);
+                .grouped_gate_up(g, u, n_slots, x, r, n_x_rows, t, n_tiles, h, n_rows, ff, hidden, split, epi);
         }
         const K: Kernel = Kernel::GroupedGateUpQ;
         let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n: ff, k: hidden };
         shape.check(K, &[], x, Some(rows), tiles, h)?;
+        let (act, bg, bu) = epi.args(K, n_slots, ff)?;
         let (gt, grb) = check_typed(K, "gate cache", gate_cache, n_slots * ff, hidden)?;
         let (ut, urb) = check_typed(K, "up cache", up_cache, n_slots * ff, hidden)?;
         if n_tiles == 0 || ff == 0 {
@@ -557,14 +567,18 @@ impl CudaBackend {
             hr,
             i(ff),
             i(hidden),
-            i32::from(split)
+            i32::from(split),
+            act,
+            bg,
+            bu
         ];
         let (kernel, shared) = self.grouped_typed_kernel(K, x, hidden);
         self.launch(kernel, shape.grid(), GROUPED_THREADS, shared, args)
     }
 
     /// [`CudaBackend::grouped_gemm`] over a typed cache `[n_slots, n, k]`, decoded tile by tile
-    /// as [`CudaBackend::grouped_gate_up_typed`] (a bf16 cache takes the bf16 kernel).
+    /// as [`CudaBackend::grouped_gate_up_typed`] (a bf16 cache takes the bf16 kernel); `bias`
+    /// per-slot `[n_slots, n]` added to each row (none: no bias).
     pub fn grouped_gemm_typed(
         &self,
         w_cache: TypedWeights,
@@ -579,13 +593,15 @@ impl CudaBackend {
         n: usize,
         k: usize,
         split: bool,
+        bias: Option<DPtr<f32>>,
     ) -> Result<()> {
         if let Some(w) = w_cache.bf16() {
-            return self.grouped_gemm(w, n_slots, x, rows, n_x_rows, tiles, n_tiles, y, n_rows, n, k, split);
+            return self.grouped_gemm(w, n_slots, x, rows, n_x_rows, tiles, n_tiles, y, n_rows, n, k, split, bias);
         }
         const K: Kernel = Kernel::GroupedGemmQ;
         let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n, k };
         shape.check(K, &[], x, rows, tiles, y)?;
+        let b = bias_arg(K, "bias", bias, n_slots * n)?;
         let (wt, rb) = check_typed(K, "weight cache", w_cache, n_slots * n, k)?;
         if n_tiles == 0 || n == 0 {
             return Ok(());
@@ -604,7 +620,8 @@ impl CudaBackend {
             y.raw(),
             i(n),
             i(k),
-            i32::from(split)
+            i32::from(split),
+            b
         ];
         let (kernel, shared) = self.grouped_typed_kernel(K, x, k);
         self.launch(kernel, shape.grid(), GROUPED_THREADS, shared, args)
@@ -646,8 +663,9 @@ impl CudaBackend {
 
     /// Hot lane decode, second half, over a cache of any stored type (the counterpart of
     /// [`CudaBackend::moe_down_accum`]): output row `r` (token `tok_rows[r]`, entries
-    /// `tok_off[r]..tok_off[r+1]`) adds `Σ weights[e] · D_{slots[e]} · h[e]`; cache
-    /// `[n_slots, hidden, ff]`. Deterministic (no atomics).
+    /// `tok_off[r]..tok_off[r+1]`) adds `Σ weights[e] · (D_{slots[e]} · h[e] + b_{slots[e]})`; cache
+    /// `[n_slots, hidden, ff]`, `down_bias` per-slot `[n_slots, hidden]` (none: no bias).
+    /// Deterministic (no atomics).
     pub fn moe_down_accum_typed(
         &self,
         down: TypedWeights,
@@ -661,9 +679,12 @@ impl CudaBackend {
         n_rows: usize,
         hidden: usize,
         ff: usize,
+        down_bias: Option<DPtr<f32>>,
     ) -> Result<()> {
         const K: Kernel = Kernel::MoeDownAccumQ;
         let (d_type, d_row) = check_typed(K, "down_cache", down, hidden, ff)?;
+        let n_slots = cache_slots(down.bytes.len(), hidden * d_row as usize);
+        let bd = bias_arg(K, "down bias", down_bias, n_slots * hidden)?;
         check_x16(K, "h", h)?;
         if let Some(q) = hq {
             check_q8(K, "hq", q, h.len() / ff.max(1), ff)?;
@@ -691,7 +712,8 @@ impl CudaBackend {
                 tok_rows.raw(),
                 o,
                 i(hidden),
-                i(ff)
+                i(ff),
+                bd
             ],
         )
     }

@@ -76,7 +76,8 @@ impl MoeStage {
         }
         dev.be.record(&ev.post_wait)?;
         let out = s.moe_out.ptr();
-        let gemvs = crate::gpu::moe::expert_gemvs(dev, pf.views(cur.layer), slots, cur.layer, t, out);
+        let (views, epi) = (pf.views(cur.layer), pf.epilogue());
+        let gemvs = crate::gpu::moe::expert_gemvs(dev, views, &epi, slots, cur.layer, t, out);
         dev.be.record(&ev.free)?;
         gemvs?;
         self.postfetch_launched();

@@ -47,7 +47,13 @@
 //!
 //! Files whose experts are stored as bf16 or in quantized blocks are fetched (the bytes are copied
 //! as they are; quantized experts run through the typed grouped kernels, which decode their tiles);
-//! f16/f32 files keep every cold expert on the CPU (no scratchpad is allocated).
+//! f16/f32 files keep every cold expert on the CPU (no scratchpad is allocated), and so do models
+//! whose experts carry biases (GPT-OSS): their biases are not in the file in the form the kernels
+//! read (decoded to f32 at open, `Model::expert_bias`; a transformers checkpoint stores them bf16
+//! and gate/up interleaved), so the copy-from-the-registered-file path cannot fetch them, and a
+//! second, staged copy per expert would cost more than the ~0.3% of an MXFP4 expert's bytes they
+//! are. (A follow-up: every expert's biases resident in VRAM, ~160 MB for GPT-OSS-120B, copied on
+//! the device into the scratchpad's slots.) The fetched experts run with the model's activation.
 //! The PCIe rate is measured once at engine start (one pinned copy of [`PCIE_PROBE_BYTES`]); the
 //! CPU rates are configured ([`plan::DEFAULT_CPU_BYTES_PER_S`],
 //! [`plan::DEFAULT_CPU_FLOP_PER_S_PER_THREAD`] x cold threads).
@@ -56,14 +62,14 @@ mod decode;
 pub(crate) mod plan;
 
 use super::device::Device;
-use super::hot_cache::SlotShape;
+use super::hot_cache::{expert_glu, SlotEpilogue, SlotShape};
 use super::moe::MoeStage;
 use super::GpuError;
 use crate::cache::perf::PerfState;
 use crate::format::dtype::DType;
 use crate::model::Model;
 use crate::moe::phase::Phase;
-use moe_lanes_kernels::cuda::TypedWeights;
+use moe_lanes_kernels::cuda::{Glu, TypedWeights};
 use moe_lanes_kernels::cuda::{
     CopyStream, CudaBackend, DeviceBuffer, GpuEvent, HostRegistration, PinnedBuffer,
 };
@@ -119,6 +125,8 @@ pub(crate) struct PostFetch {
     pub costs: PostFetchCosts,
     /// Expert slots of the scratchpad.
     pub slots: usize,
+    /// The experts' gated activation (fetched experts carry no biases: `fetchable_experts`).
+    glu: Glu,
     /// Per layer: the stored types and bytes of one expert's gate, up, down.
     layers: Vec<SlotShape>,
     /// Gate, up, down: `slots` experts each, at the largest layer's bytes.
@@ -146,9 +154,13 @@ pub(crate) struct PostFetch {
 }
 
 /// Each layer's expert shape, when every expert of `model` is stored as bf16 or quantized
-/// blocks (bytes the device uses as they are) with the bytes its shape needs.
+/// blocks (bytes the device uses as they are) with the bytes its shape needs and carries no
+/// biases (see the module docs).
 fn fetchable_experts(model: &Model) -> Option<Vec<SlotShape>> {
     let c = model.config();
+    if (0..c.n_layers).any(|l| model.expert_bias(l, 0).is_some()) {
+        return None;
+    }
     let raw = |t: &crate::format::tensor::TensorRef<'_>| {
         let kept = t.dtype == DType::BF16 || super::weights::stored_dtype(t.dtype).is_quantized();
         kept && t.dtype.bytes_for(t.n_elems()) == Some(t.data.len())
@@ -205,6 +217,7 @@ impl PostFetch {
             opts,
             costs: PostFetchCosts::configured(h, ff, 1),
             slots,
+            glu: expert_glu(model)?,
             layers,
             bufs: [g?, u?, d?],
             decode_slots,
@@ -292,6 +305,11 @@ impl PostFetch {
     fn views(&self, l: usize) -> [TypedWeights; 3] {
         let s = self.layers[l];
         [0, 1, 2].map(|i| TypedWeights { bytes: self.bufs[i].ptr(), dtype: s.dtypes[i] })
+    }
+
+    /// What the kernels apply around the fetched experts' products: the activation alone.
+    fn epilogue(&self) -> SlotEpilogue {
+        SlotEpilogue::plain(self.glu)
     }
 
     /// Layer `l` chose its first `n_chosen` loads for the GPU: the issue plan against the free
@@ -642,7 +660,7 @@ impl MoeStage {
             let s = dev.s();
             let (nt, at) = (self.host.pf_tiles, s.layout.tiles + self.host.pf_tile_at);
             let tiles = s.work_i.ptr().sub(at, 3 * nt);
-            super::moe::grouped_ffn(dev, pf.views(cur.layer), pf.slots, (tiles, nt), n_all, t)
+            super::moe::grouped_ffn(dev, pf.views(cur.layer), &pf.epilogue(), pf.slots, (tiles, nt), n_all, t)
         };
         let launched = gemms();
         dev.be.record(&hf.free)?;
