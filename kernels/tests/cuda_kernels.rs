@@ -6,7 +6,7 @@ mod common;
 use common::cuda::backend;
 use half::bf16;
 use moe_lanes_kernels::cuda::ops::{KvPtr, RouteVariant};
-use moe_lanes_kernels::cuda::{CudaBackend, DPtr};
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, GateUpEpilogue};
 
 /// Deterministic pseudo-random values in [-1, 1).
 fn rnd(n: usize, seed: u64) -> Vec<f32> {
@@ -1036,6 +1036,7 @@ fn hot_down_accum_takes_many_entries_and_odd_rows() {
         2,
         hidden,
         ff,
+        None,
     )
     .unwrap();
     let err = max_abs_diff(&be.read_vec(out.ptr()).unwrap(), &want);
@@ -1080,7 +1081,19 @@ fn hot_expert_kernels_match_cpu() {
     let (doff, drows) = (be.upload(&tok_off).unwrap(), be.upload(&tok_rows).unwrap());
     let h = be.alloc_zeros::<f32>(3 * ff).unwrap();
     let out = be.upload(&vec![0.25f32; t * hidden]).unwrap();
-    be.moe_gate_up_gemv(dg.ptr(), du.ptr(), dx.ptr(), ds.ptr(), dt.ptr(), h.ptr(), 3, ff, hidden).unwrap();
+    be.moe_gate_up_gemv(
+        dg.ptr(),
+        du.ptr(),
+        dx.ptr(),
+        ds.ptr(),
+        dt.ptr(),
+        h.ptr(),
+        3,
+        ff,
+        hidden,
+        &GateUpEpilogue::SILU,
+    )
+    .unwrap();
     be.moe_down_accum(
         dd.ptr(),
         h.ptr(),
@@ -1092,6 +1105,7 @@ fn hot_expert_kernels_match_cpu() {
         2,
         hidden,
         ff,
+        None,
     )
     .unwrap();
     let got = be.read_vec(out.ptr()).unwrap();
@@ -1122,8 +1136,19 @@ fn hot_expert_kernels_match_cpu() {
     assert_eq!(be.read_vec(wrows.ptr()).unwrap(), vec![0, 1]);
     let h2 = be.alloc_zeros::<f32>(t * k * ff).unwrap();
     let out2 = be.upload(&vec![0.25f32; t * hidden]).unwrap();
-    be.moe_gate_up_gemv(dg.ptr(), du.ptr(), dx.ptr(), ws.ptr(), wt.ptr(), h2.ptr(), t * k, ff, hidden)
-        .unwrap();
+    be.moe_gate_up_gemv(
+        dg.ptr(),
+        du.ptr(),
+        dx.ptr(),
+        ws.ptr(),
+        wt.ptr(),
+        h2.ptr(),
+        t * k,
+        ff,
+        hidden,
+        &GateUpEpilogue::SILU,
+    )
+    .unwrap();
     be.moe_down_accum(
         dd.ptr(),
         h2.ptr(),
@@ -1135,6 +1160,7 @@ fn hot_expert_kernels_match_cpu() {
         t,
         hidden,
         ff,
+        None,
     )
     .unwrap();
     let got2 = be.read_vec(out2.ptr()).unwrap();
@@ -1458,6 +1484,7 @@ fn grouped_expert_gemms_match_cpu() {
                 ff,
                 hidden,
                 split,
+                &GateUpEpilogue::SILU,
             )
             .unwrap();
             be.grouped_gemm(
@@ -1473,6 +1500,7 @@ fn grouped_expert_gemms_match_cpu() {
                 hidden,
                 ff,
                 split,
+                None,
             )
             .unwrap();
             (be.read_vec(dh.ptr()).unwrap(), be.read_vec(dy.ptr()).unwrap())
@@ -1543,8 +1571,22 @@ fn grouped_gemm_gathers_rows_and_skips_bad_tiles() {
     );
     let sentinel = vec![7.5f32; 4 * n];
     let dy = be.upload(&sentinel).unwrap();
-    be.grouped_gemm(dw.ptr(), n_slots, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 4, dy.ptr(), 4, n, k, true)
-        .unwrap();
+    be.grouped_gemm(
+        dw.ptr(),
+        n_slots,
+        dx.ptr(),
+        Some(dr.ptr()),
+        n_x,
+        dt.ptr(),
+        4,
+        dy.ptr(),
+        4,
+        n,
+        k,
+        true,
+        None,
+    )
+    .unwrap();
     let y = be.read_vec(dy.ptr()).unwrap();
     for r in 0..3 {
         for c in 0..n {
@@ -1556,10 +1598,24 @@ fn grouped_gemm_gathers_rows_and_skips_bad_tiles() {
     assert!(y[3 * n..].iter().all(|&v| v == 7.5), "refused tiles wrote row 3");
     // shape checks: a tile buffer shorter than n_tiles, an output too small
     assert!(be
-        .grouped_gemm(dw.ptr(), n_slots, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 5, dy.ptr(), 4, n, k, true)
+        .grouped_gemm(
+            dw.ptr(),
+            n_slots,
+            dx.ptr(),
+            Some(dr.ptr()),
+            n_x,
+            dt.ptr(),
+            5,
+            dy.ptr(),
+            4,
+            n,
+            k,
+            true,
+            None
+        )
         .is_err());
     assert!(be
-        .grouped_gemm(dw.ptr(), 3, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 4, dy.ptr(), 4, n, k, true)
+        .grouped_gemm(dw.ptr(), 3, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 4, dy.ptr(), 4, n, k, true, None)
         .is_err());
 }
 

@@ -13,7 +13,7 @@ mod common;
 use common::cuda::{backend, DeviceQ8};
 use common::Rng;
 use half::bf16;
-use moe_lanes_kernels::cuda::{CudaBackend, CudaError, Q8Rows, TypedWeights};
+use moe_lanes_kernels::cuda::{CudaBackend, CudaError, GateUpEpilogue, Glu, Q8Rows, TypedWeights};
 use moe_lanes_kernels::{quant, WeightDType};
 
 /// Random rows of `dtype` blocks: random bytes (every scale/min/nibble pattern), the f16 scales
@@ -427,6 +427,7 @@ fn typed_hot_lane_kernels_match_the_cpu_for_every_type_and_a_mix() {
             4,
             ff,
             hidden,
+            &GateUpEpilogue::SILU,
         )
         .unwrap();
         let h = be.read_vec(dh.ptr()).unwrap();
@@ -463,6 +464,7 @@ fn typed_hot_lane_kernels_match_the_cpu_for_every_type_and_a_mix() {
             2,
             hidden,
             ff,
+            None,
         )
         .unwrap();
         let y = be.read_vec(dy.ptr()).unwrap();
@@ -486,7 +488,8 @@ fn typed_hot_lane_kernels_match_the_cpu_for_every_type_and_a_mix() {
     );
     let bad = TypedWeights { bytes: raw.ptr(), dtype: WeightDType::F32 };
     let (z, zi) = (zf.ptr(), zi.ptr());
-    let err = shape_error(be.moe_gate_up_gemv_typed(bad, bad, z, None, zi, zi, z, 1, 1, 1));
+    let err =
+        shape_error(be.moe_gate_up_gemv_typed(bad, bad, z, None, zi, zi, z, 1, 1, 1, &GateUpEpilogue::SILU));
     assert!(err.contains("no hot-lane kernel for f32"), "{err}");
 }
 
@@ -605,6 +608,7 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
                 ff,
                 hidden,
                 split,
+                &GateUpEpilogue::SILU,
             )
             .unwrap();
             be.grouped_gate_up_typed(
@@ -621,6 +625,7 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
                 ff,
                 hidden,
                 split,
+                &GateUpEpilogue::SILU,
             )
             .unwrap();
             let hp = h[0].ptr();
@@ -637,6 +642,7 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
                 hidden,
                 ff,
                 split,
+                None,
             )
             .unwrap();
             be.grouped_gemm_typed(
@@ -652,6 +658,7 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
                 hidden,
                 ff,
                 split,
+                None,
             )
             .unwrap();
             let bits = |b: &moe_lanes_kernels::cuda::DeviceBuffer<f32>| {
@@ -675,6 +682,332 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
     let (raw, f) = (be.alloc_zeros::<u8>(64).unwrap(), be.alloc_zeros::<f32>(256).unwrap());
     let short = TypedWeights { bytes: raw.ptr(), dtype: Q4_K };
     let (tl, fp) = (dtiles.ptr(), f.ptr());
-    let err = shape_error(be.grouped_gemm_typed(short, 1, fp, None, 1, tl, 1, fp, 1, 256, 256, true));
+    let err = shape_error(be.grouped_gemm_typed(short, 1, fp, None, 1, tl, 1, fp, 1, 256, 256, true, None));
     assert!(err.contains("weight cache"), "{err}");
+}
+
+/// One case of the hot lane's epilogue tests: `n_slots` experts of `dtype` (gate and up
+/// `[ff, hidden]`, down `[hidden, ff]`) on the device, with random per-slot biases (f32) when
+/// `biased`, and the CPU kernels' view of each slot.
+struct EpilogueCase {
+    dtype: WeightDType,
+    hidden: usize,
+    ff: usize,
+    glu: Glu,
+    caches: Vec<Vec<u8>>,
+    bias: Option<[Vec<f32>; 3]>,
+    dev: Vec<moe_lanes_kernels::cuda::DeviceBuffer<u8>>,
+    dev_bias: Option<[moe_lanes_kernels::cuda::DeviceBuffer<f32>; 3]>,
+}
+
+impl EpilogueCase {
+    const N_SLOTS: usize = 3;
+
+    fn new(be: &CudaBackend, rng: &mut Rng, dtype: WeightDType, glu: Glu, biased: bool) -> EpilogueCase {
+        let (hidden, ff) = (192, 160);
+        let shapes = [(ff, hidden), (ff, hidden), (hidden, ff)];
+        let caches: Vec<Vec<u8>> =
+            shapes.iter().map(|&(rows, k)| random_cache(rng, dtype, Self::N_SLOTS, rows, k).0).collect();
+        let dev = caches.iter().map(|b| be.upload(b).unwrap()).collect();
+        // gate/up biases of +-10: the clamped SwiGLU's limits (7) are crossed both ways
+        let bias = biased.then(|| {
+            let n = Self::N_SLOTS;
+            [rng.vec(n * ff, 10.0), rng.vec(n * ff, 10.0), rng.vec(n * hidden, 1.0)]
+        });
+        let dev_bias = bias.as_ref().map(|b| std::array::from_fn(|i| be.upload(&b[i]).unwrap()));
+        EpilogueCase { dtype, hidden, ff, glu, caches, bias, dev, dev_bias }
+    }
+
+    fn typed(&self, i: usize) -> TypedWeights {
+        TypedWeights { bytes: self.dev[i].ptr(), dtype: self.dtype }
+    }
+
+    fn gate_up(&self) -> GateUpEpilogue {
+        let b = self.dev_bias.as_ref();
+        GateUpEpilogue { glu: self.glu, gate_bias: b.map(|b| b[0].ptr()), up_bias: b.map(|b| b[1].ptr()) }
+    }
+
+    fn down_bias(&self) -> Option<moe_lanes_kernels::cuda::DPtr<f32>> {
+        self.dev_bias.as_ref().map(|b| b[2].ptr())
+    }
+
+    /// Slot `s` as the CPU kernels take an expert.
+    fn expert(&self, s: usize) -> moe_lanes_kernels::ExpertWeights<'_> {
+        let (gu, d) =
+            (self.ff * self.dtype.row_bytes(self.hidden), self.hidden * self.dtype.row_bytes(self.ff));
+        let bias = self.bias.as_ref().map(|b| moe_lanes_kernels::weights::ExpertBias {
+            gate: &b[0][s * self.ff..][..self.ff],
+            up: &b[1][s * self.ff..][..self.ff],
+            down: &b[2][s * self.hidden..][..self.hidden],
+        });
+        moe_lanes_kernels::ExpertWeights {
+            gate: &self.caches[0][s * gu..][..gu],
+            up: &self.caches[1][s * gu..][..gu],
+            down: &self.caches[2][s * d..][..d],
+            dtype: self.dtype,
+            down_dtype: self.dtype,
+            hidden: self.hidden,
+            ff: self.ff,
+            bias,
+        }
+    }
+
+    fn activation(&self) -> moe_lanes_kernels::weights::Activation {
+        match self.glu {
+            Glu::Silu => moe_lanes_kernels::weights::Activation::Silu,
+            Glu::SwigluOai => moe_lanes_kernels::weights::Activation::SwigluOai,
+        }
+    }
+
+    /// The CPU kernels' `h` of slot `s` for one token row `x`.
+    fn cpu_h(&self, s: usize, x: &[f32]) -> Vec<f32> {
+        let mut h = vec![0.0; self.ff];
+        let level = moe_lanes_kernels::simd::SimdLevel::Scalar;
+        moe_lanes_kernels::gate_up_activation(
+            level,
+            &self.expert(s),
+            self.activation(),
+            x,
+            0..self.ff,
+            &mut h,
+        )
+        .unwrap();
+        h
+    }
+
+    /// The CPU kernels' `out += weight * (down h + b_down)` of slot `s`.
+    fn cpu_down(&self, s: usize, h: &[f32], weight: f32, out: &mut [f32]) {
+        let level = moe_lanes_kernels::simd::SimdLevel::Scalar;
+        moe_lanes_kernels::down_accumulate(level, &self.expert(s), h, &[weight], 0..self.hidden, out)
+            .unwrap();
+    }
+
+    fn what(&self) -> String {
+        format!("{:?} {:?} biased {}", self.dtype, self.glu, self.bias.is_some())
+    }
+}
+
+/// `max |got - want| <= tol * max |want|` (and something was written).
+fn assert_rel(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    let scale = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let err = got.iter().zip(want).fold(0.0f32, |m, (g, w)| m.max((g - w).abs()));
+    eprintln!("{what}: max err {err:.2e} of {scale:.2e}");
+    assert!(scale > 0.0 && err <= tol * scale, "{what}: max err {err} of {scale}");
+}
+
+/// The epilogues of every case: bf16, Q8_0 and MXFP4 experts; SiLU and the clamped SwiGLU;
+/// with and without per-slot biases.
+fn epilogue_cases(be: &CudaBackend, rng: &mut Rng) -> Vec<EpilogueCase> {
+    let mut cases = Vec::new();
+    for dtype in [WeightDType::BF16, WeightDType::Q8_0, WeightDType::Mxfp4] {
+        for glu in [Glu::Silu, Glu::SwigluOai] {
+            for biased in [false, true] {
+                cases.push(EpilogueCase::new(be, rng, dtype, glu, biased));
+            }
+        }
+    }
+    cases
+}
+
+/// The decode hot lane with the expert epilogue (the activation, per-slot gate/up biases before
+/// it, `weight * down bias` with the weighted rows) against the CPU kernels
+/// (`gate_up_activation`, `down_accumulate` with `ExpertWeights::bias`) for bf16 (moe.cu's
+/// kernels), Q8_0 and MXFP4 (quant.cu's, f32 and 8-bit activations), SiLU and SwiGLU-OAI, with
+/// and without biases; a cold entry (slot -1) adds nothing, its bias neither.
+#[test]
+fn decode_hot_lane_epilogue_matches_the_cpu_kernels() {
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0xB1A5);
+    // two tokens, two entries each; entry 1 is cold
+    let (slots, tokens, tok_off, weights) =
+        ([2i32, -1, 0, 1], [0i32, 0, 1, 1], [0i32, 2, 4], [0.6f32, 0.3, 0.25, 0.75]);
+    for case in epilogue_cases(be, &mut rng) {
+        let (hidden, ff) = (case.hidden, case.ff);
+        let x = rng.vec(2 * hidden, 4.0);
+        let quantized = case.dtype.is_quantized();
+        for q8 in [false, true].into_iter().filter(|&q| quantized || !q) {
+            let xq = q8.then(|| QuantizedX::new(be, &x, 2, hidden));
+            let x_seen = xq.as_ref().map_or(&x, |q| &q.values);
+            let (dx, ds, dt) =
+                (be.upload(&x).unwrap(), be.upload(&slots).unwrap(), be.upload(&tokens).unwrap());
+            let dh = be.upload(&vec![9.0f32; 4 * ff]).unwrap();
+            let (n_ent, epi) = (4, case.gate_up());
+            let launched = match quantized {
+                false => {
+                    let (g, u) = (case.typed(0).bf16().unwrap(), case.typed(1).bf16().unwrap());
+                    be.moe_gate_up_gemv(g, u, dx.ptr(), ds.ptr(), dt.ptr(), dh.ptr(), n_ent, ff, hidden, &epi)
+                }
+                true => be.moe_gate_up_gemv_typed(
+                    case.typed(0),
+                    case.typed(1),
+                    dx.ptr(),
+                    xq.as_ref().map(QuantizedX::rows),
+                    ds.ptr(),
+                    dt.ptr(),
+                    dh.ptr(),
+                    n_ent,
+                    ff,
+                    hidden,
+                    &epi,
+                ),
+            };
+            launched.unwrap();
+            let h = be.read_vec(dh.ptr()).unwrap();
+            let what = format!("{} q8 {q8}", case.what());
+            let mut want_y = rng.vec(2 * hidden, 1.0);
+            let y0 = want_y.clone();
+            for e in (0..4).filter(|&e| slots[e] >= 0) {
+                let (s, t) = (slots[e] as usize, tokens[e] as usize);
+                let want_h = case.cpu_h(s, &x_seen[t * hidden..][..hidden]);
+                assert_rel(&format!("{what} gate/up entry {e}"), &h[e * ff..][..ff], &want_h, 1e-4);
+                // the down half from the GPU's h: its own error only
+                case.cpu_down(s, &h[e * ff..][..ff], weights[e], &mut want_y[t * hidden..][..hidden]);
+            }
+            assert!(h[ff..2 * ff].iter().all(|&v| v == 9.0), "{what}: the cold entry's h was written");
+            let (dw, doff, drows) =
+                (be.upload(&weights).unwrap(), be.upload(&tok_off).unwrap(), be.upload(&[0i32, 1]).unwrap());
+            let dy = be.upload(&y0).unwrap();
+            let launched = match quantized {
+                false => be.moe_down_accum(
+                    case.typed(2).bf16().unwrap(),
+                    dh.ptr(),
+                    ds.ptr(),
+                    dw.ptr(),
+                    doff.ptr(),
+                    drows.ptr(),
+                    dy.ptr(),
+                    2,
+                    hidden,
+                    ff,
+                    case.down_bias(),
+                ),
+                true => {
+                    // with q8 the down rows read h's 8-bit form: the CPU sees the same values
+                    let hq = q8.then(|| QuantizedX::new(be, &h, 4, ff));
+                    if let Some(hq) = &hq {
+                        want_y.copy_from_slice(&y0);
+                        for e in (0..4).filter(|&e| slots[e] >= 0) {
+                            let (s, t) = (slots[e] as usize, tokens[e] as usize);
+                            let hs = &hq.values[e * ff..][..ff];
+                            case.cpu_down(s, hs, weights[e], &mut want_y[t * hidden..][..hidden]);
+                        }
+                    }
+                    be.moe_down_accum_typed(
+                        case.typed(2),
+                        dh.ptr(),
+                        hq.as_ref().map(QuantizedX::rows),
+                        ds.ptr(),
+                        dw.ptr(),
+                        doff.ptr(),
+                        drows.ptr(),
+                        dy.ptr(),
+                        2,
+                        hidden,
+                        ff,
+                        case.down_bias(),
+                    )
+                }
+            };
+            launched.unwrap();
+            assert_rel(&format!("{what} down"), &be.read_vec(dy.ptr()).unwrap(), &want_y, 1e-4);
+        }
+    }
+}
+
+/// The prefill hot lane's grouped GEMMs with the expert epilogue (gate/up: biases then the
+/// activation in the epilogue; down: `down h + b` per entry row, which the weighted scatter then
+/// scales) against the CPU kernels, for bf16, Q8_0 and MXFP4 experts (the typed kernels decode
+/// the weight tiles to bf16: the tolerance is bf16's), SiLU and SwiGLU-OAI, with and without
+/// biases, synchronous and pipelined kernels; tiles of several rows of one slot, rows gathered
+/// from token rows, a slot without rows.
+#[test]
+fn grouped_hot_lane_epilogue_matches_the_cpu_kernels() {
+    use moe_lanes_kernels::cuda::ops::grouped_tiles;
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x6B1A5);
+    let slot_of_row: Vec<u32> = [(2u32, 70usize), (0, 3)].iter().flat_map(|&(s, n)| vec![s; n]).collect();
+    let (n_rows, t) = (slot_of_row.len(), 9);
+    let mut tiles = vec![0i32; 3 * n_rows];
+    let n_tiles = grouped_tiles(&slot_of_row, &mut tiles).unwrap();
+    let toks: Vec<i32> = (0..n_rows).map(|r| ((r * 4 + 1) % t) as i32).collect();
+    let (dtiles, dtok) = (be.upload(&tiles[..3 * n_tiles]).unwrap(), be.upload(&toks).unwrap());
+    for case in epilogue_cases(be, &mut rng) {
+        let (hidden, ff, n_slots) = (case.hidden, case.ff, EpilogueCase::N_SLOTS);
+        let x = rng.vec(t * hidden, 4.0);
+        let dx = be.upload(&x).unwrap();
+        for pipe in [false, true] {
+            be.set_grouped_pipeline(pipe);
+            let (dh, dy) = (
+                be.alloc_zeros::<f32>(n_rows * ff).unwrap(),
+                be.alloc_zeros::<f32>(n_rows * hidden).unwrap(),
+            );
+            let (tl, tok) = (dtiles.ptr(), dtok.ptr());
+            let epi = case.gate_up();
+            be.grouped_gate_up_typed(
+                case.typed(0),
+                case.typed(1),
+                n_slots,
+                dx.ptr(),
+                tok,
+                t,
+                tl,
+                n_tiles,
+                dh.ptr(),
+                n_rows,
+                ff,
+                hidden,
+                true,
+                &epi,
+            )
+            .unwrap();
+            let hp = dh.ptr();
+            let (y, b) = (dy.ptr(), case.down_bias());
+            be.grouped_gemm_typed(
+                case.typed(2),
+                n_slots,
+                hp,
+                None,
+                n_rows,
+                tl,
+                n_tiles,
+                y,
+                n_rows,
+                hidden,
+                ff,
+                true,
+                b,
+            )
+            .unwrap();
+            let (h, y) = (be.read_vec(dh.ptr()).unwrap(), be.read_vec(dy.ptr()).unwrap());
+            let what = format!("{} pipelined {pipe}", case.what());
+            for r in 0..n_rows {
+                let (s, tk) = (slot_of_row[r] as usize, toks[r] as usize);
+                let want_h = case.cpu_h(s, &x[tk * hidden..][..hidden]);
+                assert_rel(&format!("{what} gate/up row {r}"), &h[r * ff..][..ff], &want_h, 2e-2);
+                let mut want_y = vec![0.0; hidden];
+                case.cpu_down(s, &h[r * ff..][..ff], 1.0, &mut want_y);
+                assert_rel(&format!("{what} down row {r}"), &y[r * hidden..][..hidden], &want_y, 2e-2);
+            }
+        }
+        be.set_grouped_pipeline(true);
+    }
+}
+
+/// A bias shorter than the slots its cache holds is refused before any launch, naming it.
+#[test]
+fn short_expert_biases_are_refused() {
+    let Some(be) = backend() else { return };
+    let (ff, hidden, n_slots) = (64usize, 64usize, 2usize);
+    let cache = be.alloc_zeros::<u16>(n_slots * ff * hidden).unwrap();
+    let (fz, iz) = (be.alloc_zeros::<f32>(4 * ff.max(hidden)).unwrap(), be.alloc_zeros::<i32>(4).unwrap());
+    let short = be.alloc_zeros::<f32>(n_slots * ff - 1).unwrap();
+    let epi = GateUpEpilogue { glu: Glu::SwigluOai, gate_bias: None, up_bias: Some(short.ptr()) };
+    let (c, f, i) = (cache.ptr(), fz.ptr(), iz.ptr());
+    let err = shape_error(be.moe_gate_up_gemv(c, c, f, i, i, f, 1, ff, hidden, &epi));
+    assert!(err.contains("up bias"), "{err}");
+    let err = shape_error(be.moe_down_accum(c, f, i, f, i, i, f, 1, hidden, ff, Some(short.ptr())));
+    assert!(err.contains("down bias"), "{err}");
+    let err =
+        shape_error(be.grouped_gemm(c, n_slots, f, None, 1, i, 1, f, 1, hidden, ff, true, Some(short.ptr())));
+    assert!(err.contains("bias"), "{err}");
 }

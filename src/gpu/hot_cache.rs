@@ -74,7 +74,10 @@ impl SlotEpilogue {
 
     /// The activation and slot biases `[gate, up, down]` (a cache's or a chunk of it).
     fn biased(glu: Glu, [g, u, d]: [DPtr<f32>; 3]) -> SlotEpilogue {
-        SlotEpilogue { gate_up: GateUpEpilogue { glu, gate_bias: Some(g), up_bias: Some(u) }, down_bias: Some(d) }
+        SlotEpilogue {
+            gate_up: GateUpEpilogue { glu, gate_bias: Some(g), up_bias: Some(u) },
+            down_bias: Some(d),
+        }
     }
 
     /// The same epilogue over slots `first..first + n` of its biases (the slot-local view a
@@ -83,7 +86,11 @@ impl SlotEpilogue {
         let rows = |b: Option<DPtr<f32>>, w: usize| b.map(|b| b.sub(first * w, n * w));
         let g = &self.gate_up;
         SlotEpilogue {
-            gate_up: GateUpEpilogue { glu: g.glu, gate_bias: rows(g.gate_bias, ff), up_bias: rows(g.up_bias, ff) },
+            gate_up: GateUpEpilogue {
+                glu: g.glu,
+                gate_bias: rows(g.gate_bias, ff),
+                up_bias: rows(g.up_bias, ff),
+            },
             down_bias: rows(self.down_bias, hidden),
         }
     }
@@ -311,8 +318,10 @@ impl HotCache {
 
     /// VRAM of every slot: matrices and biases.
     pub fn bytes(&self) -> usize {
-        let weights: usize = self.layers.iter().flat_map(|h| h.bufs.iter().flatten()).map(DeviceBuffer::bytes).sum();
-        weights + self.layers.iter().flat_map(|h| h.bias.iter().flatten()).map(DeviceBuffer::bytes).sum::<usize>()
+        let weights: usize =
+            self.layers.iter().flat_map(|h| h.bufs.iter().flatten()).map(DeviceBuffer::bytes).sum();
+        weights
+            + self.layers.iter().flat_map(|h| h.bias.iter().flatten()).map(DeviceBuffer::bytes).sum::<usize>()
     }
 }
 

@@ -123,8 +123,37 @@ impl MoeStage {
             let nt = ch.n_tiles;
             // the chunk's tiles carry chunk-local slots: so do its biases
             let epi = c.epi.slots(ch.first_slot, n, ff, h);
-            dev.be.grouped_gate_up(gate, up, n, x, toks, t, tiles, nt, hbuf, n_hot, ff, h, split, &epi.gate_up)?;
-            dev.be.grouped_gemm(down, n, hbuf, None, n_hot, tiles, nt, y, n_hot, h, ff, split, epi.down_bias)?;
+            dev.be.grouped_gate_up(
+                gate,
+                up,
+                n,
+                x,
+                toks,
+                t,
+                tiles,
+                nt,
+                hbuf,
+                n_hot,
+                ff,
+                h,
+                split,
+                &epi.gate_up,
+            )?;
+            dev.be.grouped_gemm(
+                down,
+                n,
+                hbuf,
+                None,
+                n_hot,
+                tiles,
+                nt,
+                y,
+                n_hot,
+                h,
+                ff,
+                split,
+                epi.down_bias,
+            )?;
             if side {
                 dev.be.record(&d.free[b])?;
             }

@@ -669,8 +669,37 @@ pub(super) fn grouped_ffn(
     let (x, hbuf, y, be) = (s.normed.ptr(), s.h.ptr(), s.y.ptr(), &dev.be);
     let [gate, up, down] = w;
     let split = |w: TypedWeights| dev.opts.prefill_activations.split(w.dtype);
-    be.grouped_gate_up_typed(gate, up, n, x, toks, t, tiles, nt, hbuf, n_rows, ff, h, split(gate), &epi.gate_up)?;
-    be.grouped_gemm_typed(down, n, hbuf, None, n_rows, tiles, nt, y, n_rows, h, ff, split(down), epi.down_bias)?;
+    be.grouped_gate_up_typed(
+        gate,
+        up,
+        n,
+        x,
+        toks,
+        t,
+        tiles,
+        nt,
+        hbuf,
+        n_rows,
+        ff,
+        h,
+        split(gate),
+        &epi.gate_up,
+    )?;
+    be.grouped_gemm_typed(
+        down,
+        n,
+        hbuf,
+        None,
+        n_rows,
+        tiles,
+        nt,
+        y,
+        n_rows,
+        h,
+        ff,
+        split(down),
+        epi.down_bias,
+    )?;
     Ok(())
 }
 

@@ -4,13 +4,13 @@
 
 #![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
 
+use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::kernel::{
     grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS,
     ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS,
     ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS,
     GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
-use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::kv::KvType;
 use cudarc::cublas::{result as br, sys as bs};

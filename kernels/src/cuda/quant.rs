@@ -8,11 +8,11 @@
 
 #![allow(clippy::too_many_arguments)] // launchers mirror their kernels' parameter lists
 
+use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::kernel::{
     grouped_pipe_shared_bytes, Kernel, GROUPED_THREADS, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, ROWS_PER_BLOCK,
     ROW_BLOCK_THREADS,
 };
-use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::ops::{aligned16, args, blocks, i, need, GroupedShape};
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::q8::Q8_BLOCK;
@@ -537,8 +537,9 @@ impl CudaBackend {
     ) -> Result<()> {
         if let (Some(g), Some(u)) = (gate_cache.bf16(), up_cache.bf16()) {
             let (r, t) = (rows, tiles);
-            return self
-                .grouped_gate_up(g, u, n_slots, x, r, n_x_rows, t, n_tiles, h, n_rows, ff, hidden, split, epi);
+            return self.grouped_gate_up(
+                g, u, n_slots, x, r, n_x_rows, t, n_tiles, h, n_rows, ff, hidden, split, epi,
+            );
         }
         const K: Kernel = Kernel::GroupedGateUpQ;
         let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n: ff, k: hidden };
@@ -596,7 +597,8 @@ impl CudaBackend {
         bias: Option<DPtr<f32>>,
     ) -> Result<()> {
         if let Some(w) = w_cache.bf16() {
-            return self.grouped_gemm(w, n_slots, x, rows, n_x_rows, tiles, n_tiles, y, n_rows, n, k, split, bias);
+            return self
+                .grouped_gemm(w, n_slots, x, rows, n_x_rows, tiles, n_tiles, y, n_rows, n, k, split, bias);
         }
         const K: Kernel = Kernel::GroupedGemmQ;
         let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n, k };

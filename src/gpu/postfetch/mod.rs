@@ -69,10 +69,10 @@ use crate::cache::perf::PerfState;
 use crate::format::dtype::DType;
 use crate::model::Model;
 use crate::moe::phase::Phase;
-use moe_lanes_kernels::cuda::{Glu, TypedWeights};
 use moe_lanes_kernels::cuda::{
     CopyStream, CudaBackend, DeviceBuffer, GpuEvent, HostRegistration, PinnedBuffer,
 };
+use moe_lanes_kernels::cuda::{Glu, TypedWeights};
 use plan::{assign, on_use, plan_issue, ExpertLoad, FetchState, OnUse, PostFetchCosts, PostFetchMiss};
 use plan::{PostFetchMode, PostFetchOptions, PostFetchTotals, TransferTracker};
 use std::time::Instant;
