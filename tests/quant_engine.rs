@@ -418,3 +418,63 @@ fn every_session_after_a_postfetch_prefill_decodes_like_the_reference() {
         }
     }
 }
+
+/// GPT-OSS in MXFP4 (its experts MXFP4 with f32 biases, the clamped SwiGLU) on the GPU engine,
+/// the hot lane's expert epilogue end to end: at hot caches none / half / all, short prompts
+/// (decode kernels) within the exact tolerance and a long prompt (the grouped tensor-core
+/// prefill) within the tensor-core one, f32 activations; all hot with the quantized slots
+/// dequantized in chunks of two (the biases read at chunk-local slots) the prefill bits of the
+/// default engine; an exchange in every layer (the biases moved with the weights) keeps the
+/// output. Needs the GPU engine's GPT-OSS attention (sinks, YaRN, o bias) and router bias: on a
+/// GPU it fails until the engine runs GPT-OSS, naming what it refuses.
+#[test]
+fn gpt_oss_in_mxfp4_moe_runs_on_the_gpu_engine_like_the_reference() {
+    use moe_lanes::hot_set::Exchange;
+    if !common::gpu_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "gpt_oss", QuantMix::MXFP4_MOE)).unwrap());
+    let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+    let long: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
+    let gpu = |fraction: f64, chunk_slots: usize| {
+        let mut opts = options(Some(EngineKind::Gpu));
+        opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
+        opts.gpu.hot_dequant_bytes = chunk_slots * 3 * model.config().expert_ff * model.config().hidden * 2;
+        opts.gpu.hot_dequant_overlap = false;
+        let (engine, report) = build_engine(&model, opts).unwrap();
+        assert_eq!(report.kind, EngineKind::Gpu, "{:?}", report.gpu_unavailable);
+        engine
+    };
+    for fraction in [0.0, 0.5, 1.0] {
+        let mut engine = gpu(fraction, 0);
+        let what = format!("gpt_oss mxfp4_moe hot {fraction}");
+        for prompt in PROMPTS {
+            check_steps(&what, reference.as_mut(), engine.as_mut(), prompt, 4, GPU_EXACT_TOLERANCE);
+        }
+        let worst =
+            check_steps(&what, reference.as_mut(), engine.as_mut(), &long, 2, GPU_TENSOR_CORE_TOLERANCE);
+        eprintln!("{what}: long prompt worst relative error {worst:e}");
+        if fraction == 0.5 {
+            let c = model.config().clone();
+            for l in 0..c.n_layers {
+                let set = engine.hot_set().unwrap();
+                let evict = (0..c.n_experts).find(|&e| set.layers[l].is_hot(e)).unwrap();
+                let add = (0..c.n_experts).find(|&e| !set.layers[l].is_hot(e)).unwrap();
+                engine.request_exchange(Exchange { layer_idx: l, evict, add }).unwrap();
+            }
+            let what = format!("{what} after an exchange in every layer");
+            for prompt in PROMPTS {
+                check_steps(&what, reference.as_mut(), engine.as_mut(), prompt, 4, GPU_EXACT_TOLERANCE);
+            }
+            check_steps(&what, reference.as_mut(), engine.as_mut(), &long, 2, GPU_TENSOR_CORE_TOLERANCE);
+        }
+    }
+    let prefill_bits = |e: &mut dyn Engine| {
+        let mut cache = e.new_cache(64).unwrap();
+        let out = e.forward(&long, Phase::Prefill, &mut cache).unwrap();
+        out.rows().iter().flatten().map(|v| v.to_bits()).collect::<Vec<u32>>()
+    };
+    let fused = prefill_bits(gpu(1.0, 0).as_mut());
+    assert!(prefill_bits(gpu(1.0, 2).as_mut()) == fused, "chunks of two slots give the fused kernels' bits");
+}

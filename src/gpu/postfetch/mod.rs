@@ -767,6 +767,29 @@ mod tests {
         Model::open(&opts.out).unwrap()
     }
 
+    /// GPT-OSS's experts carry biases that the registered file does not hold in the kernels'
+    /// form: none is fetched (every cold expert stays on the CPU lane), though its MXFP4 weights
+    /// would be; the same file's weights without the biases would be fetchable.
+    #[test]
+    fn experts_with_biases_are_not_fetched() {
+        use crate::synth::{tiny_test_options, write_synthetic_quantized, DimOverrides, Skew};
+        let dir = tempfile::tempdir().unwrap();
+        let dims = DimOverrides {
+            hidden: Some(256),
+            head_dim: Some(64),
+            expert_ff: Some(256),
+            ..Default::default()
+        };
+        let mut opts = tiny_test_options(dir.path().join("gpt_oss.gguf"), dims, DType::BF16, 5, Skew::Skewed);
+        opts.adapter = crate::model::arch::by_name("gpt_oss").expect("a known adapter");
+        write_synthetic_quantized(&opts, crate::quantize::QuantMix::MXFP4_MOE, &mut |_, _| {}).unwrap();
+        let m = Model::open(&opts.out).unwrap();
+        assert!(m.expert_bias(0, 0).is_some(), "GPT-OSS's experts carry biases");
+        let x = m.expert(0, 0);
+        assert!([x.gate.dtype, x.up.dtype, x.down.dtype].iter().all(|&d| d == DType::MXFP4));
+        assert!(fetchable_experts(&m).is_none(), "biased experts stay on the CPU lane");
+    }
+
     /// Staging a mixed file: buffers sized for the largest layer's expert take every layer's
     /// expert at its front, gate, up, down back to back, byte for byte.
     #[test]
