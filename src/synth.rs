@@ -249,6 +249,14 @@ pub(crate) fn tiny_test_options(
     }
 }
 
+/// [`tiny_test_options`] for an architecture whose routed experts carry biases and the clamped
+/// SwiGLU (GPT-OSS), for engine tests that must not name one.
+#[cfg(test)]
+pub(crate) fn tiny_biased_experts_options(out: PathBuf, dims: DimOverrides, dtype: DType) -> SynthOptions {
+    let adapter = crate::model::arch::by_name("gpt_oss").expect("a known adapter");
+    SynthOptions { adapter, ..tiny_test_options(out, dims, dtype, 5, Skew::Skewed) }
+}
+
 /// Everything `synth` needs.
 #[derive(Debug, Clone)]
 pub struct SynthOptions {

@@ -767,12 +767,12 @@ mod tests {
         Model::open(&opts.out).unwrap()
     }
 
-    /// GPT-OSS's experts carry biases that the registered file does not hold in the kernels'
-    /// form: none is fetched (every cold expert stays on the CPU lane), though its MXFP4 weights
-    /// would be; the same file's weights without the biases would be fetchable.
+    /// Experts with biases (GPT-OSS's), which the registered file does not hold in the kernels'
+    /// form: none is fetched (every cold expert stays on the CPU lane), though their MXFP4
+    /// weights alone would be.
     #[test]
     fn experts_with_biases_are_not_fetched() {
-        use crate::synth::{tiny_test_options, write_synthetic_quantized, DimOverrides, Skew};
+        use crate::synth::{tiny_biased_experts_options, write_synthetic_quantized, DimOverrides};
         let dir = tempfile::tempdir().unwrap();
         let dims = DimOverrides {
             hidden: Some(256),
@@ -780,8 +780,7 @@ mod tests {
             expert_ff: Some(256),
             ..Default::default()
         };
-        let mut opts = tiny_test_options(dir.path().join("gpt_oss.gguf"), dims, DType::BF16, 5, Skew::Skewed);
-        opts.adapter = crate::model::arch::by_name("gpt_oss").expect("a known adapter");
+        let opts = tiny_biased_experts_options(dir.path().join("biased.gguf"), dims, DType::BF16);
         write_synthetic_quantized(&opts, crate::quantize::QuantMix::MXFP4_MOE, &mut |_, _| {}).unwrap();
         let m = Model::open(&opts.out).unwrap();
         assert!(m.expert_bias(0, 0).is_some(), "GPT-OSS's experts carry biases");
