@@ -7,7 +7,7 @@
 //!
 //! Environment switches (`MOE_LANES_ORDER`, `MOE_LANES_REDUCE_MERGE`,
 //! `MOE_LANES_COMPACT_COLD_REDUCE`) exist for A/B diagnosis only; they are read once when the
-//! engine is built ([`crate::env::policy_switches`]), never per call.
+//! engine is built ([`crate::env::engine_tuning`], the `cpu` section), never per call.
 
 use crate::model::arch::Profile;
 use crate::moe::worklist::WorklistOrder;
