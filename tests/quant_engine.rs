@@ -425,8 +425,7 @@ fn every_session_after_a_postfetch_prefill_decodes_like_the_reference() {
 /// prefill) within the tensor-core one, f32 activations; all hot with the quantized slots
 /// dequantized in chunks of two (the biases read at chunk-local slots) the prefill bits of the
 /// default engine; an exchange in every layer (the biases moved with the weights) keeps the
-/// output. Needs the GPU engine's GPT-OSS attention (sinks, YaRN, o bias) and router bias: on a
-/// GPU it fails until the engine runs GPT-OSS, naming what it refuses.
+/// output. (Post-Fetch takes no biased experts: at hot 0 every expert runs on the CPU lane.)
 #[test]
 fn gpt_oss_in_mxfp4_moe_runs_on_the_gpu_engine_like_the_reference() {
     use moe_lanes::hot_set::Exchange;
