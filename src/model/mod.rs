@@ -420,14 +420,16 @@ impl Model {
         Ok(())
     }
 
-    /// Bytes of one expert of layer `l` (the experts of a layer share their types); 0 for a
-    /// layer without experts (a dense FFN layer), which the planners never fill.
+    /// Bytes of one expert of layer `l` (the experts of a layer share their types), its f32
+    /// biases included where it has them (GPT-OSS: the GPU's hot cache keeps them beside each
+    /// slot); 0 for a layer without experts (a dense FFN layer), which the planners never fill.
     pub fn expert_bytes_of_layer(&self, l: usize) -> usize {
         if !self.plan.layer(l).has_experts() {
             return 0;
         }
         let e = self.expert(l, 0);
-        e.gate.data.len() + e.up.data.len() + e.down.data.len()
+        let bias = self.expert_bias(l, 0).map_or(0, |b| 4 * (b.gate.len() + b.up.len() + b.down.len()));
+        e.gate.data.len() + e.up.data.len() + e.down.data.len() + bias
     }
 
     /// Bytes of every expert of every layer (layers may differ in type: a `_M` file keeps some
