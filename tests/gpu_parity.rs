@@ -30,6 +30,19 @@ use std::path::Path;
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 const REL_TOL: f32 = 2e-3;
+/// GPT-OSS's bound: the fixture moves 2.6e-3 against transformers and the reference on the H200
+/// whatever the attention kernel or the hot fraction, from the prefill GEMMs' activation rounding
+/// (bf16 hi + lo; one bf16 rounding moves it 1.7e-1), against the 2e-3.
+const GPT_OSS_REL_TOL: f32 = 3e-3;
+
+/// The bound of `model`'s rows: [`GPT_OSS_REL_TOL`] for the clamped-SwiGLU experts, else
+/// [`REL_TOL`].
+fn rel_tol(model: &Model) -> f32 {
+    match model.plan().expert_activation() {
+        moe_lanes::arch::FfnActivation::SwigluOai => GPT_OSS_REL_TOL,
+        _ => REL_TOL,
+    }
+}
 const N_DECODE: usize = 3;
 /// Session positions of the engines here: the hybrid fixtures' 70-token prompts and their decode steps fit.
 const POSITIONS: usize = 96;
@@ -113,12 +126,12 @@ fn build_gpu(model: &Arc<Model>, opts: EngineOptions) -> Box<dyn Engine + '_> {
     engine
 }
 
-/// Compare one row; returns the relative error.
-fn compare_row(what: &str, got: &[f32], want: &[f32]) -> f32 {
+/// Compare one row within `tol` of its largest value; returns the relative error.
+fn compare_row(what: &str, got: &[f32], want: &[f32], tol: f32) -> f32 {
     let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
     let err = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
     assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite logits");
-    assert!(err <= REL_TOL * scale, "{what}: max |gpu - ref| = {err:e} > {REL_TOL} * {scale}");
+    assert!(err <= tol * scale, "{what}: max |gpu - ref| = {err:e} > {tol} * {scale}");
     err / scale.max(f32::MIN_POSITIVE)
 }
 
@@ -144,18 +157,19 @@ fn check_steps(what: &str, model: &Model, engine: &mut dyn Engine, n_decode: usi
     let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
     let mut worst = 0f32;
     for (i, w) in want.iter().enumerate() {
-        worst = worst.max(compare_row(&format!("{what} prefill row {i}"), got.row(i), w));
+        worst = worst.max(compare_row(&format!("{what} prefill row {i}"), got.row(i), w, rel_tol(&model)));
     }
     let mut next = *got.argmax.last().unwrap();
     let mut last = want.last().unwrap().clone();
     for step in 0..n_decode {
         let want_tok = moe_lanes::reference::argmax(&last);
-        if top2_gap(&last) > 2.0 * REL_TOL * last.iter().fold(0f32, |m, v| m.max(v.abs())) {
+        if top2_gap(&last) > 2.0 * rel_tol(model) * last.iter().fold(0f32, |m, v| m.max(v.abs())) {
             assert_eq!(next, want_tok, "{what}: greedy token differs at step {step}");
         }
         let want = reference.forward(&mut rc, &[want_tok], &mut NoObserver).unwrap();
         let got = engine.forward(&[want_tok], Phase::Decode, &mut cache).unwrap();
-        worst = worst.max(compare_row(&format!("{what} decode {step}"), got.row(0), &want[0]));
+        worst =
+            worst.max(compare_row(&format!("{what} decode {step}"), got.row(0), &want[0], rel_tol(&model)));
         next = got.argmax[0];
         last = want[0].clone();
     }
@@ -321,13 +335,14 @@ fn long_prompt_grouped_tiles_and_forward_last() {
         let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
         let mut worst = 0f32;
         for (i, w) in want.iter().enumerate() {
-            worst = worst.max(compare_row(&format!("{name} {hot:?} row {i}"), got.row(i), w));
+            worst =
+                worst.max(compare_row(&format!("{name} {hot:?} row {i}"), got.row(i), w, rel_tol(&model)));
         }
         eprintln!("{name} {n} tokens {hot:?}: worst relative error {worst:e}");
         let mut cache = engine.new_cache(n).unwrap();
         let last = engine.forward_last(&prompt, Phase::Prefill, &mut cache).unwrap();
         assert_eq!((last.n_rows, last.argmax[0]), (1, *got.argmax.last().unwrap()));
-        compare_row(&format!("{name} forward_last"), last.row(0), want.last().unwrap());
+        compare_row(&format!("{name} forward_last"), last.row(0), want.last().unwrap(), rel_tol(&model));
         assert_eq!(cache.n_positions(), n, "forward_last keeps every position in the KV cache");
     }
 }
@@ -349,11 +364,11 @@ fn forward_last_is_the_last_row() {
         let mut cache = engine.new_cache(prompt.len() + 1).unwrap();
         let got = engine.forward_last(&prompt, Phase::Prefill, &mut cache).unwrap();
         assert_eq!((got.n_rows, got.argmax.len()), (1, 1), "{name}: one row");
-        compare_row(&format!("{name} forward_last"), got.row(0), want.last().unwrap());
+        compare_row(&format!("{name} forward_last"), got.row(0), want.last().unwrap(), rel_tol(&model));
         let next = moe_lanes::reference::argmax(want.last().unwrap());
         let want = reference.forward(&mut rc, &[next], &mut NoObserver).unwrap();
         let got = engine.forward(&[next], Phase::Decode, &mut cache).unwrap();
-        compare_row(&format!("{name} decode after forward_last"), got.row(0), &want[0]);
+        compare_row(&format!("{name} decode after forward_last"), got.row(0), &want[0], rel_tol(&model));
     }
 }
 
@@ -765,7 +780,7 @@ fn postfetch_decode_after_a_second_prefill_matches_reference() {
                 let want = reference.forward(&mut rc, tokens, &mut NoObserver).unwrap();
                 let got = engine.forward(tokens, phase, &mut cache).unwrap();
                 for (i, w) in want.iter().enumerate() {
-                    compare_row(&format!("{what} {at} row {i}"), got.row(i), w);
+                    compare_row(&format!("{what} {at} row {i}"), got.row(i), w, rel_tol(&model));
                 }
             };
             step(&prompt(model.path()), Phase::Prefill, "prefill 1");
@@ -800,7 +815,12 @@ fn postfetch_long_prompt_matches_reference() {
             let mut cache = engine.new_cache(n).unwrap();
             let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
             for (i, w) in want.iter().enumerate() {
-                compare_row(&format!("postfetch {hot:?} block {} row {i}", pf.block_on_miss), got.row(i), w);
+                compare_row(
+                    &format!("postfetch {hot:?} block {} row {i}", pf.block_on_miss),
+                    got.row(i),
+                    w,
+                    rel_tol(&model),
+                );
             }
             let p = engine.perf().unwrap().report().postfetch.clone().unwrap();
             assert!(p.experts_fetched > 0 && p.transfer_overlap.is_some(), "{p:?}");

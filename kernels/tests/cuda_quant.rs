@@ -703,6 +703,18 @@ struct EpilogueCase {
 impl EpilogueCase {
     const N_SLOTS: usize = 3;
 
+    /// The grouped prefill kernels' bound on the gate/up rows: their tiles hold the weights in
+    /// bf16 (2e-2 of the largest output). Q8_0's values are not whole bf16 values, and the clamped
+    /// SwiGLU caps the largest output the error is measured against (8 * 7) while the rounding of
+    /// the rows below the clamp stays as large as SiLU's (measured on the H200: 3.2e-2), so that
+    /// case gets 6e-2; bf16 and MXFP4 weights are exact in bf16.
+    fn prefill_tol(&self) -> f32 {
+        match (self.dtype, self.glu) {
+            (WeightDType::Q8_0, Glu::SwigluOai) => 6e-2,
+            _ => 2e-2,
+        }
+    }
+
     fn new(be: &CudaBackend, rng: &mut Rng, dtype: WeightDType, glu: Glu, biased: bool) -> EpilogueCase {
         let (hidden, ff) = (192, 160);
         let shapes = [(ff, hidden), (ff, hidden), (hidden, ff)];
@@ -983,7 +995,12 @@ fn grouped_hot_lane_epilogue_matches_the_cpu_kernels() {
             for r in 0..n_rows {
                 let (s, tk) = (slot_of_row[r] as usize, toks[r] as usize);
                 let want_h = case.cpu_h(s, &x[tk * hidden..][..hidden]);
-                assert_rel(&format!("{what} gate/up row {r}"), &h[r * ff..][..ff], &want_h, 2e-2);
+                assert_rel(
+                    &format!("{what} gate/up row {r}"),
+                    &h[r * ff..][..ff],
+                    &want_h,
+                    case.prefill_tol(),
+                );
                 let mut want_y = vec![0.0; hidden];
                 case.cpu_down(s, &h[r * ff..][..ff], 1.0, &mut want_y);
                 assert_rel(&format!("{what} down row {r}"), &y[r * hidden..][..hidden], &want_y, 2e-2);
