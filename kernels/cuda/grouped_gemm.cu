@@ -214,6 +214,12 @@ __device__ __forceinline__ void gg_gate_up(const L& wl, const float* __restrict_
     int tile[4];
     if (!gg_tile<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
+    if (act == GLU_SILU && !bg && !bu) {  // the plain epilogue, without the general one's branches
+        gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+            h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
+        });
+        return;
+    }
     gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
         h[(size_t)(row0 + row) * N + col] = glu_biased(act, acc[0][mi][ni][c], acc[1][mi][ni][c], bg, bu, slot, col, N);
     });
@@ -229,9 +235,14 @@ __device__ __forceinline__ void gg_gemm(const L& wl, const float* __restrict__ x
     int tile[4];
     if (!gg_tile<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
+    if (!b) {  // no bias: the plain store
+        gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+            y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
+        });
+        return;
+    }
     gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
-        float v = acc[0][mi][ni][c];
-        y[(size_t)(row0 + row) * N + col] = b ? v + b[(size_t)slot * N + col] : v;
+        y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c] + b[(size_t)slot * N + col];
     });
 }
 
@@ -499,6 +510,12 @@ __device__ __forceinline__ void gp_gate_up(WL& wl, const float* __restrict__ x, 
     int tile[4];
     if (!gp_tile<2, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
+    if (act == GLU_SILU && !bg && !bu) {  // the plain epilogue, without the general one's branches
+        gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+            h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
+        });
+        return;
+    }
     gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
         h[(size_t)(row0 + row) * N + col] = glu_biased(act, acc[0][mi][ni][c], acc[1][mi][ni][c], bg, bu, slot, col, N);
     });
@@ -513,9 +530,14 @@ __device__ __forceinline__ void gp_gemm(WL& wl, const float* __restrict__ x, con
     int tile[4];
     if (!gp_tile<1, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
+    if (!b) {  // no bias: the plain store
+        gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+            y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
+        });
+        return;
+    }
     gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
-        float v = acc[0][mi][ni][c];
-        y[(size_t)(row0 + row) * N + col] = b ? v + b[(size_t)slot * N + col] : v;
+        y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c] + b[(size_t)slot * N + col];
     });
 }
 
