@@ -157,7 +157,7 @@ fn check_steps(what: &str, model: &Model, engine: &mut dyn Engine, n_decode: usi
     let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
     let mut worst = 0f32;
     for (i, w) in want.iter().enumerate() {
-        worst = worst.max(compare_row(&format!("{what} prefill row {i}"), got.row(i), w, rel_tol(&model)));
+        worst = worst.max(compare_row(&format!("{what} prefill row {i}"), got.row(i), w, rel_tol(model)));
     }
     let mut next = *got.argmax.last().unwrap();
     let mut last = want.last().unwrap().clone();
@@ -169,7 +169,7 @@ fn check_steps(what: &str, model: &Model, engine: &mut dyn Engine, n_decode: usi
         let want = reference.forward(&mut rc, &[want_tok], &mut NoObserver).unwrap();
         let got = engine.forward(&[want_tok], Phase::Decode, &mut cache).unwrap();
         worst =
-            worst.max(compare_row(&format!("{what} decode {step}"), got.row(0), &want[0], rel_tol(&model)));
+            worst.max(compare_row(&format!("{what} decode {step}"), got.row(0), &want[0], rel_tol(model)));
         next = got.argmax[0];
         last = want[0].clone();
     }
