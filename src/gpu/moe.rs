@@ -300,7 +300,7 @@ impl MoeStage {
         self.records[l].hot_at = Some(Instant::now());
         self.records[l].gpu_joined = true;
         self.host_worklist(cx, WorklistOrder::TokenMajor)?;
-        // decode graphs replay the routing without `moe_route`'s reset: the slots a prefill on
+        // decode graphs replay the routing without `route_layer`'s reset: the slots a prefill on
         // this cache fetched must not reach this layer's CPU lane (see `postfetch::decode`)
         self.postfetch_reset();
         self.postfetch_issue_decode(cx.dev, l, t)?;
