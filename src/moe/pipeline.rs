@@ -933,11 +933,15 @@ impl Pipeline {
             rms_norm_row(x, &w.attn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
         }
         let q_out = if output_gate { &mut a.q_gated[..2 * n * qd] } else { &mut a.q[..n * qd] };
-        let mut parts = vec![MatmulPart { w: *wq, y: q_out }, MatmulPart { w: *wk, y: &mut a.k[..n * kvd] }];
-        if let Some(wv) = wv {
-            parts.push(MatmulPart { w: *wv, y: &mut a.v[..n * kvd] });
+        let (q, k) = (MatmulPart { w: *wq, y: q_out }, MatmulPart { w: *wk, y: &mut a.k[..n * kvd] });
+        // on the stack: this runs every layer of every decode token
+        match wv {
+            Some(wv) => {
+                let v = MatmulPart { w: *wv, y: &mut a.v[..n * kvd] };
+                self.dense.matmul(&a.normed[..n * h], &mut [q, k, v])?
+            }
+            None => self.dense.matmul(&a.normed[..n * h], &mut [q, k])?,
         }
-        self.dense.matmul(&a.normed[..n * h], &mut parts)?;
         if wv.is_none() {
             // Keys as values: the k projection's output, before its norm and RoPE.
             a.v[..n * kvd].copy_from_slice(&a.k[..n * kvd]);
