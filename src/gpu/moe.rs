@@ -146,7 +146,7 @@ impl MoeStage {
         perf: &mut PerfState,
         cold: &mut dyn ColdLane,
     ) -> Result<(), GpuError> {
-        if !cx.dev.plan.layer(cx.l).has_experts() {
+        if !cx.dev.expert_layers[cx.l] {
             // a dense FFN layer: no routing, no lanes (its profile stages after the FFN are empty)
             self.records[cx.l] = LayerRecord::default();
             dense_ffn(cx)?;
