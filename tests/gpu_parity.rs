@@ -547,6 +547,83 @@ fn seeded_fault_schedules_over_long_generations() {
     }
 }
 
+/// Per decode step, the relative error of `engine`'s row against the reference (prefill first),
+/// not asserted: for the fault tests that report every failing step before they fail.
+fn step_errors(model: &Model, engine: &mut dyn Engine, n_decode: usize) -> Vec<f32> {
+    let reference = Reference::new(model).unwrap();
+    let prompt = prompt(model.path());
+    let mut rc = reference.new_cache();
+    let mut cache = engine.new_cache(prompt.len() + n_decode).unwrap();
+    let rel = |got: &[f32], want: &[f32]| {
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        if got.iter().all(|v| v.is_finite()) {
+            err / scale.max(f32::MIN_POSITIVE)
+        } else {
+            f32::INFINITY
+        }
+    };
+    let want = reference.forward(&mut rc, &prompt, &mut NoObserver).unwrap();
+    let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
+    let mut errs = vec![(0..want.len()).map(|i| rel(got.row(i), &want[i])).fold(0f32, f32::max)];
+    let mut tok = moe_lanes::reference::argmax(want.last().unwrap());
+    for _ in 0..n_decode {
+        let want = reference.forward(&mut rc, &[tok], &mut NoObserver).unwrap();
+        let got = engine.forward(&[tok], Phase::Decode, &mut cache).unwrap();
+        errs.push(rel(got.row(0), &want[0]));
+        tok = moe_lanes::reference::argmax(&want[0]);
+    }
+    errs
+}
+
+/// Every fault kind alone, at every layer with experts and in every call, over long
+/// generations on the fixtures whose experts differ most (GPT-OSS's biases and clamped SwiGLU,
+/// GLM's dense layers, Qwen3's plain ones), then the seeded schedules on GPT-OSS: every step
+/// equals the reference. Each failing case is listed before the test fails.
+#[test]
+fn every_fault_kind_at_every_layer_over_long_generations() {
+    use moe_lanes::actors::LaneFaultSchedule;
+    const DECODE_STEPS: usize = 24;
+    let Some(_gpu) = gpu_shared() else { return };
+    let mut failures = Vec::new();
+    for name in ["gpt_oss_a", "qwen3_moe_a", "glm4_moe_a"] {
+        let model = open(name);
+        let c = model.config().clone();
+        let mut cases: Vec<(String, GpuFaults)> = Vec::new();
+        for l in (0..c.n_layers).filter(|&l| model.plan().layer(l).has_experts()) {
+            let d = GpuFaults::default();
+            cases.push((format!("hot_error {l}"), GpuFaults { hot_error_layer: Some(l), ..d }));
+            cases.push((format!("hot_timeout {l}"), GpuFaults { hot_timeout_layer: Some(l), ..d }));
+            cases.push((format!("cold_error {l}"), GpuFaults { cold_error_layer: Some(l), ..d }));
+            cases.push((format!("cold_panic {l}"), GpuFaults { cold_panic_layer: Some(l), ..d }));
+        }
+        if name == "gpt_oss_a" {
+            for seed in 11..15 {
+                let schedule = Some(LaneFaultSchedule::seeded(seed));
+                cases.push((format!("seed {seed}"), GpuFaults { schedule, ..Default::default() }));
+            }
+        }
+        for (what, faults) in cases {
+            let hot = HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts));
+            let mut engine = gpu_engine(&model, hot, faults);
+            let errs = step_errors(&model, engine.as_mut(), DECODE_STEPS);
+            let bad: Vec<String> = errs
+                .iter()
+                .enumerate()
+                .filter(|(_, &e)| !(e <= rel_tol(&model)))
+                .map(|(i, e)| format!("call {} error {e:.2e}", i + 1))
+                .collect();
+            if !bad.is_empty() {
+                failures.push(format!("{name} {what}: {}", bad.join(", ")));
+            }
+        }
+    }
+    for f in &failures {
+        println!("FAILED {f}");
+    }
+    assert!(failures.is_empty(), "{} fault cases left the reference: {failures:#?}", failures.len());
+}
+
 #[test]
 fn fault_hot_lane_error() {
     run_fault(GpuFaults { hot_error_layer: Some(1), ..Default::default() }, FallbackReason::LaneFailed);
