@@ -1891,15 +1891,28 @@ impl CudaBackend {
 
     /// The grouped kernel for bf16 caches `ws` (gate and up, or one matrix) over `x` with `k`
     /// columns, and its dynamic shared memory: the pipelined one where its 16-byte copies fit
-    /// (k a multiple of 8, caches and x 16-byte aligned), else the synchronous one.
-    fn grouped_kernel<const N: usize>(&self, ws: [DPtr<u16>; N], x: DPtr<f32>, k: usize) -> (Kernel, u32) {
+    /// (k a multiple of 8, caches and x 16-byte aligned), else the synchronous one; `epi`: the
+    /// instance with the general epilogue (an activation other than SiLU, biases).
+    fn grouped_kernel<const N: usize>(
+        &self,
+        ws: [DPtr<u16>; N],
+        x: DPtr<f32>,
+        k: usize,
+        epi: bool,
+    ) -> (Kernel, u32) {
         let aligned = k.is_multiple_of(8) && aligned16(&[x.raw()]) && aligned16(&ws.map(|w| w.raw()));
-        match (self.grouped_pipeline() && aligned, ws.len()) {
-            (true, 2) => (Kernel::GroupedGateUpBf16Pipe, grouped_pipe_shared_bytes(2) as u32),
-            (true, _) => (Kernel::GroupedGemmBf16Pipe, grouped_pipe_shared_bytes(1) as u32),
-            (false, 2) => (Kernel::GroupedGateUpBf16, 0),
-            (false, _) => (Kernel::GroupedGemmBf16, 0),
-        }
+        let pipe = self.grouped_pipeline() && aligned;
+        let kernel = match (pipe, ws.len() == 2, epi) {
+            (true, true, false) => Kernel::GroupedGateUpBf16Pipe,
+            (true, true, true) => Kernel::GroupedGateUpBf16PipeEpi,
+            (true, false, false) => Kernel::GroupedGemmBf16Pipe,
+            (true, false, true) => Kernel::GroupedGemmBf16PipeBias,
+            (false, true, false) => Kernel::GroupedGateUpBf16,
+            (false, true, true) => Kernel::GroupedGateUpBf16Epi,
+            (false, false, false) => Kernel::GroupedGemmBf16,
+            (false, false, true) => Kernel::GroupedGemmBf16Bias,
+        };
+        (kernel, if pipe { grouped_pipe_shared_bytes(N) as u32 } else { 0 })
     }
 
     /// Grouped expert GEMM, gate and up fused (the prefill hot lane's first half, one launch
@@ -1931,7 +1944,7 @@ impl CudaBackend {
         if n_tiles == 0 || ff == 0 {
             return Ok(());
         }
-        let (kernel, shared) = self.grouped_kernel([gate_cache, up_cache], x, hidden);
+        let (kernel, shared) = self.grouped_kernel([gate_cache, up_cache], x, hidden, !epi.is_plain());
         self.launch(
             kernel,
             shape.grid(),
@@ -1985,7 +1998,7 @@ impl CudaBackend {
             return Ok(());
         }
         let r = rows.map_or(0, |p| p.raw());
-        let (kernel, shared) = self.grouped_kernel([w_cache], x, k);
+        let (kernel, shared) = self.grouped_kernel([w_cache], x, k, bias.is_some());
         self.launch(
             kernel,
             shape.grid(),
