@@ -214,7 +214,8 @@ __device__ __forceinline__ void gg_gate_up(const L& wl, const float* __restrict_
     int tile[4];
     if (!gg_tile<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
-    if (!EPI) {  // the plain epilogue: its instance keeps no epilogue state over the main loop
+    // the plain epilogue (the !EPI instance keeps no epilogue state over its main loop)
+    if (!EPI || (act == GLU_SILU && !bg && !bu)) {
         gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
             h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
         });
@@ -235,7 +236,7 @@ __device__ __forceinline__ void gg_gemm(const L& wl, const float* __restrict__ x
     int tile[4];
     if (!gg_tile<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
-    if (!EPI) {  // no bias: the plain store
+    if (!EPI || !b) {  // no bias: the plain store
         gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
             y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
         });
@@ -520,7 +521,8 @@ __device__ __forceinline__ void gp_gate_up(WL& wl, const float* __restrict__ x, 
     int tile[4];
     if (!gp_tile<2, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
-    if (!EPI) {  // the plain epilogue: its instance keeps no epilogue state over the main loop
+    // the plain epilogue (the !EPI instance keeps no epilogue state over its main loop)
+    if (!EPI || (act == GLU_SILU && !bg && !bu)) {
         gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
             h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
         });
@@ -540,7 +542,7 @@ __device__ __forceinline__ void gp_gemm(WL& wl, const float* __restrict__ x, con
     int tile[4];
     if (!gp_tile<1, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
-    if (!EPI) {  // no bias: the plain store
+    if (!EPI || !b) {  // no bias: the plain store
         gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
             y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
         });
