@@ -575,7 +575,7 @@ pub struct DevicePos {
 /// `max_positions` is the most positions a row sees (its position + 1), which sizes the split
 /// attention's grid.
 #[derive(Debug, Clone, Copy)]
-pub struct KvRows {
+pub struct BatchKv {
     pub pos: DPtr<i32>,
     pub k: DPtr<u64>,
     pub v: DPtr<u64>,
@@ -584,7 +584,7 @@ pub struct KvRows {
     pub max_positions: usize,
 }
 
-impl KvRows {
+impl BatchKv {
     fn check(&self, kernel: Kernel, widths: &[usize]) -> Result<()> {
         check_kv_widths(kernel, self.kv_type, widths)?;
         need(kernel, "row positions", self.pos, self.n_rows)?;
@@ -1398,7 +1398,7 @@ impl CudaBackend {
         out: DPtr<f32>,
         part: DPtr<f32>,
         (rows, n_launch): (DPtr<i32>, usize),
-        kv: KvRows,
+        kv: BatchKv,
         n_heads: usize,
         n_kv: usize,
         head_dim: usize,
@@ -1473,7 +1473,7 @@ impl CudaBackend {
         &self,
         (q, k, v): (DPtr<f32>, DPtr<f32>, DPtr<f32>),
         norm: Option<(DPtr<f32>, DPtr<f32>)>,
-        kv: KvRows,
+        kv: BatchKv,
         (n_heads, n_kv, q_stride, k_stride): (usize, usize, usize, usize),
         (head_dim, rot_dims): (usize, usize),
         (theta, interleaved, eps): (f32, bool, f32),
