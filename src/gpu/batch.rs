@@ -12,12 +12,12 @@ use super::kv::GpuKvCache;
 use super::mixer::decode_attention;
 use super::model::{GpuModel, GpuSeg};
 use super::GpuError;
-use crate::model::context::KvType;
-use moe_lanes_kernels::cuda::ops::BatchKv;
-use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
 use crate::forward::{LogitRows, Logits};
+use crate::model::context::KvType;
 use crate::moe::cold::ColdLane;
 use crate::moe::phase::Phase;
+use moe_lanes_kernels::cuda::ops::BatchKv;
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
 use std::time::Instant;
 
 /// One sequence of a batched call: its tokens and its cache.

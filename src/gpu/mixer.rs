@@ -13,7 +13,9 @@ use super::GpuError;
 use crate::model::arch::{AttentionSpec, DeltaNetSpec, LayerPlan, Mixer, QkNorm, RopeStyle, VHeadOrder};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::{DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM};
-use moe_lanes_kernels::cuda::ops::{AttentionMask, DeltaShape, DevicePos, KvAppend, KvPtr, BatchKv, RopeScaling};
+use moe_lanes_kernels::cuda::ops::{
+    AttentionMask, BatchKv, DeltaShape, DevicePos, KvAppend, KvPtr, RopeScaling,
+};
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
 
 /// The token mixers of every layer; owns the split decode attention's partials.
@@ -179,7 +181,17 @@ impl MixerStage {
         let sinks = dev.w.layers[l].attention().sinks.as_ref().map(|b| b.ptr());
         let (s, launch) = (dev.s(), (rows.decode_rows(), rows.n_decode));
         let mask = AttentionMask { window, sinks };
-        dev.be.attention_split_rows(s.q.ptr(), s.attn.ptr(), part, launch, rows.kv(l), nh, c.n_kv_heads, hd, mask)?;
+        dev.be.attention_split_rows(
+            s.q.ptr(),
+            s.attn.ptr(),
+            part,
+            launch,
+            rows.kv(l),
+            nh,
+            c.n_kv_heads,
+            hd,
+            mask,
+        )?;
         Ok(())
     }
 }
@@ -193,12 +205,16 @@ pub(crate) fn decode_attention(phase: Phase, seg: &GpuSeg<'_>) -> bool {
 
 /// [`qk_norm_rope`] with its append over every row of a batched call (`kv`: each row's
 /// position and caches), one launch: `[q, k_new, v_new]` hold the call's rows.
-fn qk_norm_rope_rows(dev: &Device, l: usize, kv: BatchKv, [q, k_new, v_new]: [DPtr<f32>; 3]) -> Result<(), GpuError> {
+fn qk_norm_rope_rows(
+    dev: &Device,
+    l: usize,
+    kv: BatchKv,
+    [q, k_new, v_new]: [DPtr<f32>; 3],
+) -> Result<(), GpuError> {
     let (c, w, a) = (&dev.cfg, dev.w.layers[l].attention(), dev.plan.layer(l).attention());
     let scaling = w.rope_freqs.as_ref().map(|(f, scale)| RopeScaling { freqs: f.ptr(), scale: *scale });
-    let norm = (a.qk_norm == QkNorm::PerHead).then(|| {
-        (w.q_norm.as_ref().expect("validated").ptr(), w.k_norm.as_ref().expect("validated").ptr())
-    });
+    let norm = (a.qk_norm == QkNorm::PerHead)
+        .then(|| (w.q_norm.as_ref().expect("validated").ptr(), w.k_norm.as_ref().expect("validated").ptr()));
     let heads = (c.n_heads, c.n_kv_heads, c.q_dim(), c.kv_dim());
     let rope = (a.rope.theta, a.rope.style == RopeStyle::Interleaved, c.rms_eps);
     dev.be.qk_norm_rope_rows((q, k_new, v_new), norm, kv, heads, (c.head_dim, a.rope.dims), rope, scaling)?;

@@ -690,7 +690,8 @@ fn hot_grouped_decode(
     let nt = CudaBackend::hot_grouped_max_tiles(n, n_slots);
     let tiles = wi.sub(lay.tiles, 3 * nt);
     let (toks, ent) = (wi.sub(lay.tokens, n), wi.sub(lay.entries, n));
-    let (off, rows, wsorted) = (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t), s.work_f.ptr().sub(0, n));
+    let (off, rows, wsorted) =
+        (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t), s.work_f.ptr().sub(0, n));
     let routing = (map, route_ids(s.ids(), k, l, t), route_ids(s.weights.ptr(), k, l, t));
     dev.be.hot_worklist_grouped(routing, (t, k, e_n, n_slots), (toks, wsorted, ent), (off, rows, tiles))?;
     grouped_ffn(dev, w, epi, n_slots, (tiles, nt), n, t)?;

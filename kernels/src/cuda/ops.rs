@@ -241,7 +241,8 @@ fn check_kv_pair(kernel: Kernel, k: KvPtr, v: KvPtr, widths: &[usize]) -> Result
 fn check_kv_widths(kernel: Kernel, kv_type: KvType, widths: &[usize]) -> Result<()> {
     let block = kv_type.block_len();
     if let Some(w) = widths.iter().find(|w| !w.is_multiple_of(block)) {
-        let reason = format!("{kv_type} caches store blocks of {block} values; a row or head of {w} splits one");
+        let reason =
+            format!("{kv_type} caches store blocks of {block} values; a row or head of {w} splits one");
         return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
     }
     Ok(())
@@ -1388,10 +1389,10 @@ impl CudaBackend {
 
     /// [`Self::attention_split`] over a batched step whose rows have their own caches and
     /// positions (`kv`): launch row `i` is the call's row `rows[i]` (`n_launch` of them, read
-    /// from device memory), its queries and output rows of `q` and `out` (`[kv.n_rows, n_heads
-    /// * head_dim]`), its position and caches `kv`'s. Two launches for every sequence of the
-    /// step. `part` holds [`Self::attention_split_scratch`]`(n_launch, n_heads, head_dim,
-    /// kv.max_positions)` floats.
+    /// from device memory), its queries and output rows of `q` and `out` (`kv.n_rows` rows of
+    /// `n_heads x head_dim`), its position and caches `kv`'s. Two launches for every sequence of
+    /// the step. `part` holds [`Self::attention_split_scratch`] floats for `n_launch` rows over
+    /// `kv.max_positions` positions.
     pub fn attention_split_rows(
         &self,
         q: DPtr<f32>,
@@ -1409,8 +1410,11 @@ impl CudaBackend {
         let family = if grouped { Kernel::ATTENTION_SPLIT_GQA_ROWS } else { Kernel::ATTENTION_SPLIT_ROWS };
         let kn = family[kv_type_code(kv.kv_type)];
         kv.check(kn, &[head_dim])?;
-        if n_kv == 0 || n_heads / n_kv * n_kv != n_heads || head_dim == 0 || head_dim > ATTENTION_MAX_HEAD_DIM {
-            let reason = format!("{n_heads} heads over {n_kv} kv heads of {head_dim} (at most {ATTENTION_MAX_HEAD_DIM})");
+        if n_kv == 0 || n_heads / n_kv * n_kv != n_heads || head_dim == 0 || head_dim > ATTENTION_MAX_HEAD_DIM
+        {
+            let reason = format!(
+                "{n_heads} heads over {n_kv} kv heads of {head_dim} (at most {ATTENTION_MAX_HEAD_DIM})"
+            );
             return Err(CudaError::Shape { kernel: kn.symbol(), reason });
         }
         let q_dim = n_heads * head_dim;
@@ -1422,7 +1426,10 @@ impl CudaBackend {
         }
         let visible = if window > 0 { window.min(kv.max_positions) } else { kv.max_positions };
         let (splits, grid_heads) = match grouped {
-            true => (Self::attention_split_gqa_max_splits(n_launch, n_heads, visible), n_heads / ATTENTION_GQA_HEADS),
+            true => (
+                Self::attention_split_gqa_max_splits(n_launch, n_heads, visible),
+                n_heads / ATTENTION_GQA_HEADS,
+            ),
             false => (Self::attention_split_max_splits(n_launch, n_heads, visible), n_heads),
         };
         need(kn, "part", part, Self::attention_split_scratch(n_launch, n_heads, head_dim, visible))?;
@@ -1484,7 +1491,8 @@ impl CudaBackend {
         kv.check(K, &[head_dim, k_stride])?;
         let (freqs, scale) = rope_scaling_args(K, scaling, rot_dims)?;
         if n_heads * head_dim > q_stride || n_kv * head_dim != k_stride {
-            let reason = format!("head_dim {head_dim} x {n_heads}/{n_kv} heads in rows of {q_stride}/{k_stride}");
+            let reason =
+                format!("head_dim {head_dim} x {n_heads}/{n_kv} heads in rows of {q_stride}/{k_stride}");
             return Err(CudaError::Shape { kernel: K.symbol(), reason });
         }
         if kv.kv_type == KvType::Q8_0 && head_dim > QK_STAGE_MAX_HEAD_DIM {
