@@ -14,6 +14,7 @@ use super::model::{GpuModel, GpuSeg};
 use super::GpuError;
 use crate::forward::{LogitRows, Logits};
 use crate::model::context::KvType;
+use crate::reference::ForwardError;
 use crate::moe::cold::ColdLane;
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::ops::BatchKv;
@@ -152,7 +153,8 @@ impl BatchRows {
             ptrs.extend(segs.iter().flat_map(|s| std::iter::repeat_n(s.cache.k(l).raw(), s.n)));
             ptrs.extend(segs.iter().flat_map(|s| std::iter::repeat_n(s.cache.v(l).raw(), s.n)));
         }
-        let kv_type = segs[0].cache.kv_type();
+        let Some(first) = segs.first() else { return Err(ForwardError::EmptyInput.into()) };
+        let kv_type = first.cache.kv_type();
         let (ints_buf, ptrs_buf) = match kept {
             Some(k) if k.ints.len() >= ints.len() && k.ptrs.len() >= ptrs.len() => (k.ints, k.ptrs),
             _ => (be.alloc_zeros::<i32>(2 * ints.len())?, be.alloc_zeros::<u64>(2 * ptrs.len())?),
