@@ -371,6 +371,17 @@ pub enum Kernel {
     DeltaConvGatherF32,
     DeltaConvRowsF32,
     DeltaConvAdvanceF32,
+    AttentionSplitRowsF32,
+    AttentionSplitRowsF16,
+    AttentionSplitRowsBf16,
+    AttentionSplitRowsQ8_0,
+    AttentionSplitGqaRowsF32,
+    AttentionSplitGqaRowsF16,
+    AttentionSplitGqaRowsBf16,
+    AttentionSplitGqaRowsQ8_0,
+    AttentionCombineRowsF32,
+    QkNormRopeRowsF32,
+    HotWorklistGrouped,
 }
 
 impl Kernel {
@@ -401,7 +412,19 @@ impl Kernel {
         Kernel::AttentionSplitGqaBf16,
         Kernel::AttentionSplitGqaQ8_0,
     ];
-    pub const ALL: [Kernel; 95] = [
+    pub const ATTENTION_SPLIT_ROWS: [Kernel; 4] = [
+        Kernel::AttentionSplitRowsF32,
+        Kernel::AttentionSplitRowsF16,
+        Kernel::AttentionSplitRowsBf16,
+        Kernel::AttentionSplitRowsQ8_0,
+    ];
+    pub const ATTENTION_SPLIT_GQA_ROWS: [Kernel; 4] = [
+        Kernel::AttentionSplitGqaRowsF32,
+        Kernel::AttentionSplitGqaRowsF16,
+        Kernel::AttentionSplitGqaRowsBf16,
+        Kernel::AttentionSplitGqaRowsQ8_0,
+    ];
+    pub const ALL: [Kernel; 106] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -497,6 +520,17 @@ impl Kernel {
         Kernel::DeltaConvGatherF32,
         Kernel::DeltaConvRowsF32,
         Kernel::DeltaConvAdvanceF32,
+        Kernel::AttentionSplitRowsF32,
+        Kernel::AttentionSplitRowsF16,
+        Kernel::AttentionSplitRowsBf16,
+        Kernel::AttentionSplitRowsQ8_0,
+        Kernel::AttentionSplitGqaRowsF32,
+        Kernel::AttentionSplitGqaRowsF16,
+        Kernel::AttentionSplitGqaRowsBf16,
+        Kernel::AttentionSplitGqaRowsQ8_0,
+        Kernel::AttentionCombineRowsF32,
+        Kernel::QkNormRopeRowsF32,
+        Kernel::HotWorklistGrouped,
     ];
 
     /// The `extern "C"` symbol.
@@ -597,6 +631,17 @@ impl Kernel {
             Kernel::DeltaConvGatherF32 => "delta_conv_gather_f32",
             Kernel::DeltaConvRowsF32 => "delta_conv_rows_f32",
             Kernel::DeltaConvAdvanceF32 => "delta_conv_advance_f32",
+            Kernel::AttentionSplitRowsF32 => "attention_split_rows_f32",
+            Kernel::AttentionSplitRowsF16 => "attention_split_rows_f16",
+            Kernel::AttentionSplitRowsBf16 => "attention_split_rows_bf16",
+            Kernel::AttentionSplitRowsQ8_0 => "attention_split_rows_q8_0",
+            Kernel::AttentionSplitGqaRowsF32 => "attention_split_gqa_rows_f32",
+            Kernel::AttentionSplitGqaRowsF16 => "attention_split_gqa_rows_f16",
+            Kernel::AttentionSplitGqaRowsBf16 => "attention_split_gqa_rows_bf16",
+            Kernel::AttentionSplitGqaRowsQ8_0 => "attention_split_gqa_rows_q8_0",
+            Kernel::AttentionCombineRowsF32 => "attention_combine_rows_f32",
+            Kernel::QkNormRopeRowsF32 => "qk_norm_rope_rows_f32",
+            Kernel::HotWorklistGrouped => "hot_worklist_grouped",
         }
     }
 
@@ -698,6 +743,17 @@ impl Kernel {
             | Kernel::DeltaConvGatherF32
             | Kernel::DeltaConvRowsF32
             | Kernel::DeltaConvAdvanceF32 => Family::DeltaNet,
+            Kernel::AttentionSplitRowsF32 => Family::Attention,
+            Kernel::AttentionSplitRowsF16 => Family::Attention,
+            Kernel::AttentionSplitRowsBf16 => Family::Attention,
+            Kernel::AttentionSplitRowsQ8_0 => Family::Attention,
+            Kernel::AttentionSplitGqaRowsF32 => Family::Attention,
+            Kernel::AttentionSplitGqaRowsF16 => Family::Attention,
+            Kernel::AttentionSplitGqaRowsBf16 => Family::Attention,
+            Kernel::AttentionSplitGqaRowsQ8_0 => Family::Attention,
+            Kernel::AttentionCombineRowsF32 => Family::Attention,
+            Kernel::QkNormRopeRowsF32 => Family::NormRope,
+            Kernel::HotWorklistGrouped => Family::Moe,
         }
     }
 }
