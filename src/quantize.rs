@@ -2,7 +2,7 @@
 //! tensor types chosen per tensor like llama.cpp's `llama_tensor_get_type` for the same mix, in
 //! the layout llama.cpp reads (same metadata, `general.file_type`, aligned data, tmp + rename).
 //!
-//! Type choice for a mix with default type `D` (Q8_0, Q4_0, Q4_K, Q5_K or Q6_K):
+//! Type choice for a mix with default type `D` (Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K):
 //! - vectors (norms, biases), the router and the shared expert's gate (`ffn_gate_inp*`) keep
 //!   their type, as llama.cpp never quantises them;
 //! - `output.weight` (or `token_embd.weight` when embeddings are tied): Q6_K unless `D` is Q8_0;
@@ -19,10 +19,11 @@
 //! DeepSeek's 3-D `attn_k_b`/`attn_v_b`) MXFP4, every other quantised matrix (the output and the
 //! embedding included) Q8_0; no `use_more_bits` or 8-expert bumps.
 //!
-//! A row whose length is not a whole number of the chosen type's blocks falls back to Q8_0 (rows
-//! of 32s; llama.cpp would pick Q5_0/Q5_1 there, which moe-lanes does not compute) or F16.
-//! The quantisation itself is `format::quant` (its own scale/min search, not llama.cpp's
-//! rounding).
+//! A row whose length is not a whole number of the chosen type's blocks falls back as llama.cpp's
+//! `tensor_type_fallback` does: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0 (rows of 32s: GLM-4.5-Air's
+//! dense FFN of 10944, DeepSeek-V3's 128-wide `attn_k_b`), and to F16 where the row is not whole
+//! 32s either. The quantisation itself is `format::quant` (llama.cpp's reference rounding for
+//! Q4_0, Q8_0, Q5_0, Q5_1 and MXFP4; its own scale/min search for the K types).
 
 use crate::format::dtype::DType;
 use crate::format::gguf::{GgufError, GgufFile, GgufWriter, MetaValue};
@@ -49,16 +50,22 @@ pub enum QuantMix {
     Q6_K,
     #[serde(rename = "mxfp4_moe")]
     MXFP4_MOE,
+    #[serde(rename = "q5_0")]
+    Q5_0,
+    #[serde(rename = "q5_1")]
+    Q5_1,
 }
 
 impl QuantMix {
-    pub const ALL: [QuantMix; 6] = [
+    pub const ALL: [QuantMix; 8] = [
         QuantMix::Q8_0,
         QuantMix::Q4_0,
         QuantMix::Q4_K_M,
         QuantMix::Q5_K_M,
         QuantMix::Q6_K,
         QuantMix::MXFP4_MOE,
+        QuantMix::Q5_0,
+        QuantMix::Q5_1,
     ];
 
     /// The name `--type` takes (lower case).
@@ -70,6 +77,8 @@ impl QuantMix {
             QuantMix::Q5_K_M => "q5_k_m",
             QuantMix::Q6_K => "q6_k",
             QuantMix::MXFP4_MOE => "mxfp4_moe",
+            QuantMix::Q5_0 => "q5_0",
+            QuantMix::Q5_1 => "q5_1",
         }
     }
 
@@ -88,6 +97,8 @@ impl QuantMix {
             QuantMix::Q5_K_M => DType::Q5_K,
             QuantMix::Q6_K => DType::Q6_K,
             QuantMix::MXFP4_MOE => DType::MXFP4,
+            QuantMix::Q5_0 => DType::Q5_0,
+            QuantMix::Q5_1 => DType::Q5_1,
         }
     }
 
@@ -100,6 +111,8 @@ impl QuantMix {
             QuantMix::Q5_K_M => 17,
             QuantMix::Q6_K => 18,
             QuantMix::MXFP4_MOE => 38,
+            QuantMix::Q5_0 => 8,
+            QuantMix::Q5_1 => 9,
         }
     }
 
@@ -206,13 +219,22 @@ pub fn tensor_type(mix: QuantMix, name: &str, shape: &[usize], source: DType, fa
     fit_blocks(t, shape)
 }
 
-/// `t`, or where a row is not whole blocks of it, Q8_0 (rows of 32s) or F16.
+/// `t`, or where a row is not whole blocks of it llama.cpp's fallback (`tensor_type_fallback`):
+/// Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, and F16 where the fallback (or a 32-value `t`) does
+/// not fit either.
 fn fit_blocks(t: DType, shape: &[usize]) -> DType {
     let cols = *shape.last().expect("a matrix has dims");
     if cols.is_multiple_of(t.block_elems()) {
-        t
-    } else if cols.is_multiple_of(DType::Q8_0.block_elems()) {
-        DType::Q8_0
+        return t;
+    }
+    let fallback = match t {
+        DType::Q4_K => DType::Q5_0,
+        DType::Q5_K => DType::Q5_1,
+        DType::Q6_K => DType::Q8_0,
+        other => other,
+    };
+    if cols.is_multiple_of(fallback.block_elems()) {
+        fallback
     } else {
         DType::F16
     }
@@ -464,9 +486,23 @@ mod tests {
         assert_eq!(t("blk.4.attn_v.weight", &[512, 256]), DType::Q6_K);
         assert_eq!(t("blk.5.attn_v.weight", &[512, 256]), DType::Q4_K);
         assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 256]), DType::Q4_K);
-        // Rows that are not whole super-blocks fall back.
-        assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 96]), DType::Q8_0);
+        // Rows that are not whole super-blocks fall back as llama.cpp's tensor_type_fallback:
+        // Q4_K -> Q5_0, Q6_K -> Q8_0 (GLM-4.5-Air's dense FFN of 10944, DeepSeek's attn_k_b of 128).
+        assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 96]), DType::Q5_0);
+        assert_eq!(t("blk.5.ffn_up.weight", &[10944, 4096]), DType::Q4_K);
+        assert_eq!(t("blk.5.ffn_down.weight", &[4096, 10944]), DType::Q5_0);
+        assert_eq!(t("blk.4.ffn_down.weight", &[4096, 10944]), DType::Q8_0, "Q6_K layer");
+        assert_eq!(t("blk.5.attn_k_b.weight", &[128, 512, 128]), DType::Q5_0);
+        assert_eq!(t("output.weight", &[512, 96]), DType::Q8_0);
         assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 20]), DType::F16);
+        let q5 = |name: &str, shape: &[usize]| tensor_type(QuantMix::Q5_K_M, name, shape, DType::F32, FACTS);
+        assert_eq!(q5("blk.5.ffn_up_exps.weight", &[128, 768, 1408]), DType::Q5_1);
+        assert_eq!(q5("blk.5.ffn_up_exps.weight", &[128, 768, 20]), DType::F16);
+        let q5_0 = |name: &str, shape: &[usize]| tensor_type(QuantMix::Q5_0, name, shape, DType::F32, FACTS);
+        assert_eq!(q5_0("blk.5.ffn_up_exps.weight", &[128, 768, 96]), DType::Q5_0);
+        assert_eq!(q5_0("output.weight", &[512, 256]), DType::Q6_K);
+        assert_eq!(q5_0("output.weight", &[512, 96]), DType::Q8_0);
+        assert_eq!(q5_0("blk.5.ffn_up_exps.weight", &[128, 768, 20]), DType::F16);
     }
 
     #[test]

@@ -6,7 +6,10 @@
 //! fifth bits before the nibbles (176 / 256); Q6_K 128 low-nibble bytes, 64 bytes of 2-bit
 //! pairs, 16 i8 scales, `d` (210 / 256); MXFP4 one E8M0 scale byte `e` + 16 nibble bytes, value
 //! j low / j+16 high, each nibble an E2M1 value looked up doubled in [`MXFP4_VALUES`] and scaled by
-//! [`e8m0_half`]`(e)` (17 / 32).
+//! [`e8m0_half`]`(e)` (17 / 32); Q5_0 `d`, 4 bytes `qh` (a little-endian u32 whose bit j is
+//! the fifth bit of value j), 16 nibble bytes as Q4_0, minus 16 (22 / 32); Q5_1 `d`, `m`, `qh`,
+//! nibbles, `d * q + m` (24 / 32); IQ4_NL `d` + 16 nibble bytes as Q4_0, each nibble indexing
+//! [`IQ4_NL_VALUES`] (18 / 32).
 //!
 //! The quantised tile dequantises up to 256 columns of each row of the tile into an f32 buffer
 //! on the stack (L1) with the level's decoder (the AVX2/AVX-512 ones in `x86_quant.rs` are
@@ -50,6 +53,25 @@ pub(crate) fn half_at(b: &[u8], at: usize) -> f32 {
 /// The E2M1 values of MXFP4's nibbles, doubled (so they are integers), as llama.cpp's
 /// `kvalues_mxfp4`: a block's value is `MXFP4_VALUES[nibble] * e8m0_half(e)`.
 pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// llama.cpp's non-linear IQ4_NL levels (`kvalues_iq4nl`), indexed by a nibble: a value is
+/// `d * IQ4_NL_VALUES[nibble]`.
+pub const IQ4_NL_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// The 32 five-bit levels (0..32) of a Q5_0/Q5_1 block's `qh` word (at `b[0..4]`) and nibble
+/// bytes (`b[4..20]`): value j is nibble j (low, j < 16; high nibble of byte j - 16 after) with
+/// bit j of `qh` as its fifth bit.
+#[inline(always)]
+pub(crate) fn q5_levels(b: &[u8]) -> [u8; 32] {
+    let qh = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let mut q = [0u8; 32];
+    for j in 0..16 {
+        let byte = b[4 + j];
+        q[j] = (byte & 15) | ((((qh >> j) & 1) as u8) << 4);
+        q[j + 16] = (byte >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+    }
+    q
+}
 
 /// Half the E8M0 scale `2^(e - 127)`, i.e. `2^(e - 128)`, as llama.cpp's `ggml_e8m0_to_fp32_half`
 /// (and gguf-py) compute it: subnormal bit patterns for `e < 2`, and no NaN for `e = 0xFF` (which
@@ -97,6 +119,26 @@ pub fn dequantize_block(dtype: WeightDType, block: &[u8], out: &mut [f32]) {
             for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&block[1..17]) {
                 *l = MXFP4_VALUES[(q & 15) as usize] as f32 * d;
                 *h = MXFP4_VALUES[(q >> 4) as usize] as f32 * d;
+            }
+        }
+        WeightDType::Q5_0 => {
+            let d = half_at(block, 0);
+            for (o, &q) in out.iter_mut().zip(&q5_levels(&block[2..22])) {
+                *o = (q as i32 - 16) as f32 * d;
+            }
+        }
+        WeightDType::Q5_1 => {
+            let (d, m) = (half_at(block, 0), half_at(block, 2));
+            for (o, &q) in out.iter_mut().zip(&q5_levels(&block[4..24])) {
+                *o = q as f32 * d + m;
+            }
+        }
+        WeightDType::Iq4Nl => {
+            let d = half_at(block, 0);
+            let (lo, hi) = out.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&block[2..18]) {
+                *l = d * IQ4_NL_VALUES[(q & 15) as usize] as f32;
+                *h = d * IQ4_NL_VALUES[(q >> 4) as usize] as f32;
             }
         }
         float => panic!("dequantize_block called with float type {}", float.name()),

@@ -17,12 +17,12 @@ use moe_lanes_kernels::cuda::{CudaBackend, CudaError, GateUpEpilogue, Glu, Q8Row
 use moe_lanes_kernels::{quant, WeightDType};
 
 /// Random rows of `dtype` blocks: random bytes (every scale/min/nibble pattern), the f16 scales
-/// (`d`, and `dmin` for Q4_K/Q5_K) set to finite values in [-0.05, 0.05).
+/// (`d`, and `dmin` for Q4_K/Q5_K, `m` for Q5_1) set to finite values in [-0.05, 0.05).
 fn random_blocks(rng: &mut Rng, dtype: WeightDType, rows: usize, cols: usize) -> Vec<u8> {
     let mut bytes: Vec<u8> = (0..rows * dtype.row_bytes(cols)).map(|_| rng.next_u64() as u8).collect();
     let scale_at: &[usize] = match dtype {
-        WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
-        WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
+        WeightDType::Q8_0 | WeightDType::Q4_0 | WeightDType::Q5_0 | WeightDType::Iq4Nl => &[0],
+        WeightDType::Q4_K | WeightDType::Q5_K | WeightDType::Q5_1 => &[0, 2],
         WeightDType::Q6_K => &[208],
         WeightDType::Mxfp4 => &[],
         float => panic!("{float:?} is not quantized"),
@@ -283,6 +283,25 @@ fn mxfp4_fixture_blocks_dequantize_on_the_device_like_the_cpu() {
     let out = be.upload(&vec![0xFFFFu16; rows * k]).unwrap();
     be.dequantize_bf16(dtype, dw.ptr().from(1), 0, rows, k, out.ptr()).unwrap();
     assert_eq!(be.read_vec(out.ptr()).unwrap(), want);
+}
+
+/// The Q5_0, Q5_1 and IQ4_NL gguf-py fixtures dequantized on the device: the CPU's values (equal
+/// to gguf-py's, tests/quant_fixtures.rs) rounded to bf16, bit for bit.
+#[test]
+fn q5_and_iq4_nl_fixture_blocks_dequantize_on_the_device_like_the_cpu() {
+    let Some(be) = backend() else { return };
+    for dtype in [WeightDType::Q5_0, WeightDType::Q5_1, WeightDType::Iq4Nl] {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("../tests/fixtures/quant/{}.blocks", dtype.name()));
+        let blocks = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let k = 64;
+        let rows = blocks.len() / dtype.row_bytes(k);
+        let want = bf16_bits(&dequantize(dtype, &blocks));
+        let dw = be.upload(&blocks).unwrap();
+        let out = be.upload(&vec![0xFFFFu16; rows * k]).unwrap();
+        be.dequantize_bf16(dtype, dw.ptr(), 0, rows, k, out.ptr()).unwrap();
+        assert_eq!(be.read_vec(out.ptr()).unwrap(), want, "{}", dtype.name());
+    }
 }
 
 #[test]
