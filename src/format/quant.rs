@@ -228,7 +228,7 @@ pub fn quantize(dtype: DType, values: &[f32], out: &mut Vec<u8>) -> Result<usize
         let (n_values, block_elems) = (values.len(), dtype.block_elems());
         return Err(QuantError::PartialBlock { dtype, n_values, block_elems });
     }
-    if dtype == DType::MXFP4 {
+    if matches!(dtype, DType::MXFP4 | DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL) {
         if let Some(index) = values.iter().position(|v| !v.is_finite()) {
             return Err(QuantError::NonFinite { dtype, index, value: values[index] });
         }
@@ -568,6 +568,9 @@ mod tests {
             (DType::Q5_K, 0.065, 0.025),
             (DType::Q6_K, 0.035, 0.012),
             (DType::MXFP4, 0.17, 0.07),
+            (DType::Q5_0, 0.0626, 0.02),
+            (DType::Q5_1, 0.035, 0.02),
+            (DType::IQ4_NL, 0.13, 0.05),
         ] {
             let mut bytes = Vec::new();
             assert_eq!(quantize(dtype, &x, &mut bytes).unwrap(), dtype.bytes_for(x.len()).unwrap());
@@ -637,6 +640,114 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The f16 of `v` widened back (what a block stores for a scale or min).
+    fn f16_round(v: f32) -> f32 {
+        f16::from_f32(v).to_f32()
+    }
+
+    proptest::proptest! {
+        /// Q5_0 round trips: the value of largest magnitude is exactly level 0 (`d = max / -16`),
+        /// every value within `|d|` (half a step, or a whole one for `-max`, capped at level 31)
+        /// plus the f16 rounding of `d` over 16 steps; quantising the dequantised block gives the
+        /// same bytes (its extreme is `-16 d` again).
+        #[test]
+        fn q5_0_round_trip_properties(
+            values in proptest::collection::vec(-100.0f32..100.0, 32),
+            exponent in -6i32..6,
+        ) {
+            let x: Vec<f32> = values.iter().map(|v| v * 2f32.powi(exponent)).collect();
+            let (amax, max) = x.iter().fold((0.0f32, 0.0f32), |(a, m), &v| if a < v.abs() { (v.abs(), v) } else { (a, m) });
+            proptest::prop_assume!(amax > 0.1);
+            let mut bytes = Vec::new();
+            quantize(DType::Q5_0, &x, &mut bytes).unwrap();
+            let mut y = vec![0.0f32; 32];
+            dequantize(DType::Q5_0, &bytes, &mut y).unwrap();
+            let d = max / -16.0;
+            let bound = d.abs() * 1.0001 + 16.0 * (f16_round(d) - d).abs();
+            for (&v, &q) in x.iter().zip(&y) {
+                proptest::prop_assert!((q - v).abs() <= bound, "{v}: {q}, bound {bound}");
+            }
+            let mut again = Vec::new();
+            quantize(DType::Q5_0, &y, &mut again).unwrap();
+            proptest::prop_assert_eq!(again, bytes);
+        }
+
+        /// Q5_1 round trips: `m` is the f16 of the block's minimum, every value within half a
+        /// step `d = (max - min) / 31` plus the f16 roundings of `d` (over 31 steps) and `m`.
+        #[test]
+        fn q5_1_round_trip_properties(
+            values in proptest::collection::vec(-100.0f32..100.0, 32),
+            exponent in -6i32..6,
+        ) {
+            let x: Vec<f32> = values.iter().map(|v| v * 2f32.powi(exponent)).collect();
+            let min = x.iter().fold(f32::MAX, |a, &v| a.min(v));
+            let max = x.iter().fold(-f32::MAX, |a, &v| a.max(v));
+            let mut bytes = Vec::new();
+            quantize(DType::Q5_1, &x, &mut bytes).unwrap();
+            proptest::prop_assert_eq!(f16_at(&bytes, 2), f16_round(min));
+            let mut y = vec![0.0f32; 32];
+            dequantize(DType::Q5_1, &bytes, &mut y).unwrap();
+            let d = (max - min) / 31.0;
+            let bound = d * 0.5001 + 31.0 * (f16_round(d) - d).abs() + (f16_round(min) - min).abs() + 1e-6 * max.abs().max(min.abs());
+            for (&v, &q) in x.iter().zip(&y) {
+                proptest::prop_assert!((q - v).abs() <= bound, "{v}: {q}, bound {bound}");
+            }
+        }
+
+        /// IQ4_NL round trips within 15% of `max|x|` (half the table's widest gap, 24 of 127, is
+        /// 9.4%; the refitted scale moves the levels a little), and the sign of the value of
+        /// largest magnitude is kept.
+        #[test]
+        fn iq4_nl_round_trip_error_is_bounded(
+            values in proptest::collection::vec(-100.0f32..100.0, 32),
+            exponent in -6i32..6,
+        ) {
+            let x: Vec<f32> = values.iter().map(|v| v * 2f32.powi(exponent)).collect();
+            let (amax, max) = x.iter().fold((0.0f32, 0.0f32), |(a, m), &v| if v.abs() > a { (v.abs(), v) } else { (a, m) });
+            proptest::prop_assume!(amax > 0.1);
+            let mut bytes = Vec::new();
+            quantize(DType::IQ4_NL, &x, &mut bytes).unwrap();
+            let mut y = vec![0.0f32; 32];
+            dequantize(DType::IQ4_NL, &bytes, &mut y).unwrap();
+            for (&v, &q) in x.iter().zip(&y) {
+                proptest::prop_assert!((q - v).abs() <= 0.15 * amax, "{v}: {q}");
+                if v == max {
+                    proptest::prop_assert!(q * v > 0.0, "{v}: {q}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q5_and_iq4_nl_refuse_non_finite_values_and_zero_blocks_decode_to_zero() {
+        for dtype in [DType::Q5_0, DType::Q5_1, DType::IQ4_NL] {
+            let mut x = vec![0.5f32; 64];
+            x[33] = f32::NAN;
+            let err = quantize(dtype, &x, &mut Vec::new()).unwrap_err();
+            assert!(matches!(err, QuantError::NonFinite { index: 33, .. }), "{err}");
+            let mut bytes = Vec::new();
+            quantize(dtype, &[0.0; 32], &mut bytes).unwrap();
+            let mut y = [1.0f32; 32];
+            dequantize(dtype, &bytes, &mut y).unwrap();
+            assert!(y.iter().all(|&v| v == 0.0), "{dtype}: {y:?}");
+        }
+    }
+
+    #[test]
+    fn q5_layout_puts_the_fifth_bits_in_a_little_endian_word() {
+        // Q5_0 with d = 1: value j = level j - 16. Level 31 at 0 and 17 (fifth bits 0 and 17),
+        // level 16 elsewhere except 1 (level 0).
+        let mut block = vec![0u8; 22];
+        block[..2].copy_from_slice(&f16::from_f32(1.0).to_bits().to_le_bytes());
+        let qh: u32 = (1 << 0) | (1 << 17) | !((1 << 1) | (1 << 0) | (1 << 17));
+        block[2..6].copy_from_slice(&qh.to_le_bytes());
+        block[6] = 0x0F; // value 0 low nibble 15, value 16 high nibble 0
+        block[7] = 0xF0; // value 1 nibble 0, value 17 nibble 15
+        let mut y = [f32::NAN; 32];
+        dequantize(DType::Q5_0, &block, &mut y).unwrap();
+        assert_eq!((y[0], y[1], y[16], y[17], y[2]), (15.0, -16.0, 0.0, 15.0, 0.0));
     }
 
     #[test]
