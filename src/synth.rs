@@ -904,6 +904,7 @@ fn write_synthetic_as(
             n_layers: config.n_layers + config.mtp_layers,
             n_experts: config.n_experts,
             tied_embeddings: config.tied_embeddings,
+            n_gqa: config.n_heads / config.n_kv_heads.max(1),
         };
         for t in &mut tensors {
             t.dtype = tensor_type(mix, &t.name, &t.shape, t.dtype, facts);
