@@ -10,7 +10,9 @@
 //! f32 run's logits for Q8_0 experts and the q8 run's for the others. The GPU engine runs every mix at hot caches none / half / all
 //! (quantised experts cached in their file format) within stated tolerances of the reference:
 //! tight where it dequantises in registers (decode, short prompts) with f32 activations, looser
-//! with 8-bit activations (the GPU default) and for a long prompt's tensor-core prefill.
+//! with 8-bit activations (the GPU default) and for a long prompt's tensor-core prefill. Files
+//! whose expert rows are not whole 256-value super-blocks (384 wide) take llama.cpp's K-quant
+//! fallbacks, Q5_0 / Q5_1 / Q8_0, and run on both engines the same way.
 
 mod common;
 

@@ -21,7 +21,8 @@ const TYPES: [(&str, DType); 6] = [
 
 /// The 32-value types added for llama.cpp's k-quant fallbacks: dequantisation fixtures from
 /// their own seed (tests/fixtures/make_quant.py `write_small_type_fixtures`).
-const SMALL_TYPES: [(&str, DType); 3] = [("q5_0", DType::Q5_0), ("q5_1", DType::Q5_1), ("iq4_nl", DType::IQ4_NL)];
+const SMALL_TYPES: [(&str, DType); 3] =
+    [("q5_0", DType::Q5_0), ("q5_1", DType::Q5_1), ("iq4_nl", DType::IQ4_NL)];
 
 fn fixture(name: &str) -> Vec<u8> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant").join(name);

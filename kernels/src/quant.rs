@@ -56,7 +56,8 @@ pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, 
 
 /// llama.cpp's non-linear IQ4_NL levels (`kvalues_iq4nl`), indexed by a nibble: a value is
 /// `d * IQ4_NL_VALUES[nibble]`.
-pub const IQ4_NL_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+pub const IQ4_NL_VALUES: [i8; 16] =
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 /// The 32 five-bit levels (0..32) of a Q5_0/Q5_1 block's `qh` word (at `b[0..4]`) and nibble
 /// bytes (`b[4..20]`): value j is nibble j (low, j < 16; high nibble of byte j - 16 after) with
@@ -348,6 +349,36 @@ mod tests {
         dequantize_block(WeightDType::Mxfp4, &block, &mut out);
         assert_eq!((out[0], out[16], out[17]), (12.0, -12.0, -1.0));
         assert_eq!(out[1].to_bits(), 0, "nibble 8 is +0");
+    }
+
+    #[test]
+    fn q5_blocks_take_the_fifth_bit_from_the_qh_word() {
+        // d = 1 (0x3C00), Q5_1's m = -0.5 (0xB800); qh bit 0 and bit 16 set (values 0 and 16),
+        // byte 0 of the nibbles 0x3F: value 0 nibble 15 (level 31), value 16 nibble 3 (level 19).
+        let mut q5_0 = [0u8; 22];
+        q5_0[..2].copy_from_slice(&0x3C00u16.to_le_bytes());
+        q5_0[2..6].copy_from_slice(&0x0001_0001u32.to_le_bytes());
+        q5_0[6] = 0x3F;
+        let mut out = [f32::NAN; 32];
+        dequantize_block(WeightDType::Q5_0, &q5_0, &mut out);
+        assert_eq!((out[0], out[16], out[1], out[17]), (15.0, 3.0, -16.0, -16.0));
+        let mut q5_1 = [0u8; 24];
+        q5_1[..2].copy_from_slice(&0x3C00u16.to_le_bytes());
+        q5_1[2..4].copy_from_slice(&0xB800u16.to_le_bytes());
+        q5_1[4..24].copy_from_slice(&q5_0[2..22]);
+        dequantize_block(WeightDType::Q5_1, &q5_1, &mut out);
+        assert_eq!((out[0], out[16], out[1]), (30.5, 18.5, -0.5));
+    }
+
+    #[test]
+    fn iq4_nl_block_looks_nibbles_up_in_llama_cpp_table() {
+        let mut block = [0u8; 18];
+        block[..2].copy_from_slice(&0x3800u16.to_le_bytes()); // d = 0.5
+        block[2] = 0xF0; // value 0: -127, value 16: 113
+        block[3] = 0x78; // value 1: 1, value 17: -10
+        let mut out = [f32::NAN; 32];
+        dequantize_block(WeightDType::Iq4Nl, &block, &mut out);
+        assert_eq!((out[0], out[16], out[1], out[17]), (-63.5, 56.5, 0.5, -5.0));
     }
 
     #[test]

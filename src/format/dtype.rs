@@ -177,7 +177,10 @@ mod tests {
         assert_eq!(DType::Q4_0.bytes_for(31), None);
         assert_eq!(DType::MXFP4.bytes_for(64), Some(34));
         assert_eq!(DType::from_ggml_type_id(39), Some(DType::MXFP4));
-        assert_eq!((DType::Q5_0.bytes_for(64), DType::Q5_1.bytes_for(64), DType::IQ4_NL.bytes_for(64)), (Some(44), Some(48), Some(36)));
+        assert_eq!(
+            (DType::Q5_0.bytes_for(64), DType::Q5_1.bytes_for(64), DType::IQ4_NL.bytes_for(64)),
+            (Some(44), Some(48), Some(36))
+        );
         assert_eq!(DType::from_ggml_type_id(6), Some(DType::Q5_0));
         assert_eq!(DType::from_ggml_type_id(7), Some(DType::Q5_1));
         assert_eq!(DType::from_ggml_type_id(20), Some(DType::IQ4_NL));

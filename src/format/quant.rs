@@ -55,7 +55,8 @@ pub enum QuantError {
 pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 /// llama.cpp's IQ4_NL levels (`kvalues_iq4nl`), indexed by a nibble.
-pub const IQ4_NL_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+pub const IQ4_NL_VALUES: [i8; 16] =
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 /// `2^(e - 128)`, half the E8M0 scale, as llama.cpp's `ggml_e8m0_to_fp32_half` computes it (bit
 /// patterns; `e = 0xFF` gives `2^127`, not NaN).

@@ -171,9 +171,7 @@ pub(crate) fn stored_dtype(dtype: DType) -> WeightDType {
         | DType::MXFP4
         | DType::Q5_0
         | DType::Q5_1
-        | DType::IQ4_NL => {
-            kernel_dtype(dtype)
-        }
+        | DType::IQ4_NL => kernel_dtype(dtype),
         _ => WeightDType::BF16,
     }
 }

@@ -839,9 +839,11 @@ mod tests {
         use crate::quantize::QuantMix;
         use moe_lanes_kernels::WeightDType;
         let dir = tempfile::tempdir().unwrap();
-        for (mix, dtype) in
-            [(QuantMix::Q5_0, WeightDType::Q5_0), (QuantMix::Q5_1, WeightDType::Q5_1), (QuantMix::IQ4_NL, WeightDType::Iq4Nl)]
-        {
+        for (mix, dtype) in [
+            (QuantMix::Q5_0, WeightDType::Q5_0),
+            (QuantMix::Q5_1, WeightDType::Q5_1),
+            (QuantMix::IQ4_NL, WeightDType::Iq4Nl),
+        ] {
             let q = tiny(dir.path(), DType::BF16, Some(mix));
             let shapes = fetchable_experts(&q).expect("quantized experts are fetched");
             let file_bytes = 3 * 256 * 256 / 32 * dtype.block_bytes();
