@@ -726,10 +726,11 @@ impl EpilogueCase {
     /// bf16 (2e-2 of the largest output). Q8_0's values are not whole bf16 values, and the clamped
     /// SwiGLU caps the largest output the error is measured against (8 * 7) while the rounding of
     /// the rows below the clamp stays as large as SiLU's (measured on the H200: 6.1e-2 with
-    /// biases), so that case gets 8e-2; bf16 and MXFP4 weights are exact in bf16.
+    /// biases), so that case gets 8e-2, as Q5_1's (`d * q + m`, not whole bf16 values either);
+    /// bf16 and MXFP4 weights are exact in bf16.
     fn prefill_tol(&self) -> f32 {
         match (self.dtype, self.glu) {
-            (WeightDType::Q8_0, Glu::SwigluOai) => 8e-2,
+            (WeightDType::Q8_0 | WeightDType::Q5_1, Glu::SwigluOai) => 8e-2,
             _ => 2e-2,
         }
     }
@@ -826,11 +827,11 @@ fn assert_rel(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert!(scale > 0.0 && err <= tol * scale, "{what}: max err {err} of {scale}");
 }
 
-/// The epilogues of every case: bf16, Q8_0 and MXFP4 experts; SiLU and the clamped SwiGLU;
-/// with and without per-slot biases.
+/// The epilogues of every case: bf16, Q8_0, MXFP4 and Q5_1 (scale and min) experts; SiLU and the
+/// clamped SwiGLU; with and without per-slot biases.
 fn epilogue_cases(be: &CudaBackend, rng: &mut Rng) -> Vec<EpilogueCase> {
     let mut cases = Vec::new();
-    for dtype in [WeightDType::BF16, WeightDType::Q8_0, WeightDType::Mxfp4] {
+    for dtype in [WeightDType::BF16, WeightDType::Q8_0, WeightDType::Mxfp4, WeightDType::Q5_1] {
         for glu in [Glu::Silu, Glu::SwigluOai] {
             for biased in [false, true] {
                 cases.push(EpilogueCase::new(be, rng, dtype, glu, biased));
@@ -843,7 +844,7 @@ fn epilogue_cases(be: &CudaBackend, rng: &mut Rng) -> Vec<EpilogueCase> {
 /// The decode hot lane with the expert epilogue (the activation, per-slot gate/up biases before
 /// it, `weight * down bias` with the weighted rows) against the CPU kernels
 /// (`gate_up_activation`, `down_accumulate` with `ExpertWeights::bias`) for bf16 (moe.cu's
-/// kernels), Q8_0 and MXFP4 (quant.cu's, f32 and 8-bit activations), SiLU and SwiGLU-OAI, with
+/// kernels), Q8_0, MXFP4 and Q5_1 (quant.cu's, f32 and 8-bit activations), SiLU and SwiGLU-OAI, with
 /// and without biases; a cold entry (slot -1) adds nothing, its bias neither.
 #[test]
 fn decode_hot_lane_epilogue_matches_the_cpu_kernels() {
