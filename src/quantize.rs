@@ -2,16 +2,18 @@
 //! tensor types chosen per tensor like llama.cpp's `llama_tensor_get_type` for the same mix, in
 //! the layout llama.cpp reads (same metadata, `general.file_type`, aligned data, tmp + rename).
 //!
-//! Type choice for a mix with default type `D` (Q8_0, Q4_0, Q4_K, Q5_K or Q6_K):
+//! Type choice for a mix with default type `D` (Q8_0, Q4_0, Q5_0, Q5_1, IQ4_NL, Q4_K, Q5_K or
+//! Q6_K):
 //! - vectors (norms, biases), the router and the shared expert's gate (`ffn_gate_inp*`) keep
 //!   their type, as llama.cpp never quantises them;
 //! - `output.weight` (or `token_embd.weight` when embeddings are tied): Q6_K unless `D` is Q8_0;
-//! - `attn_v`: Q6_K in the layers `use_more_bits` picks for Q4_K_M / Q5_K_M; Q8_0 in any mix when
-//!   the model has exactly 8 experts (llama.cpp's rule for 8-expert models);
+//! - `attn_v`: Q6_K in the layers `use_more_bits` picks for Q4_K_M / Q5_K_M, Q5_K for IQ4_NL when
+//!   four or more query heads share a key/value head; Q8_0 in any mix when the model has exactly
+//!   8 experts (llama.cpp's rule for 8-expert models);
 //! - `attn_k`: Q8_0 when the model has 8 experts;
-//! - `attn_output`: Q5_K for Q4_K_M when the model has 8 experts;
+//! - `attn_output`: Q5_K for Q4_K_M and IQ4_NL when the model has 8 experts;
 //! - every `ffn_down*` (experts and shared expert): Q6_K in the `use_more_bits` layers for
-//!   Q4_K_M / Q5_K_M;
+//!   Q4_K_M / Q5_K_M, Q5_K in the first eighth of the layers for IQ4_NL (no importance matrix);
 //! - everything else `D`.
 //!
 //! `mxfp4_moe` (llama.cpp's `LLAMA_FTYPE_MOSTLY_MXFP4_MOE`) has rules of its own: every 3-D
@@ -19,10 +21,12 @@
 //! DeepSeek's 3-D `attn_k_b`/`attn_v_b`) MXFP4, every other quantised matrix (the output and the
 //! embedding included) Q8_0; no `use_more_bits` or 8-expert bumps.
 //!
-//! A row whose length is not a whole number of the chosen type's blocks falls back to Q8_0 (rows
-//! of 32s; llama.cpp would pick Q5_0/Q5_1 there, which moe-lanes does not compute) or F16.
-//! The quantisation itself is `format::quant` (its own scale/min search, not llama.cpp's
-//! rounding).
+//! A row whose length is not a whole number of the chosen type's blocks falls back as llama.cpp's
+//! `tensor_type_fallback` does: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0 (rows of 32s: GLM-4.5-Air's
+//! dense FFN of 10944, DeepSeek-V3's 128-wide `attn_k_b`), and to F16 where the row is not whole
+//! 32s either. The quantisation itself is `format::quant` (llama.cpp's reference rounding for
+//! Q5_0, Q5_1 and MXFP4, and for IQ4_NL its `quantize_row_iq4_nl_ref`, without the scale search
+//! `llama-quantize` adds; its own scale/min search for the K types).
 
 use crate::format::dtype::DType;
 use crate::format::gguf::{GgufError, GgufFile, GgufWriter, MetaValue};
@@ -49,16 +53,25 @@ pub enum QuantMix {
     Q6_K,
     #[serde(rename = "mxfp4_moe")]
     MXFP4_MOE,
+    #[serde(rename = "q5_0")]
+    Q5_0,
+    #[serde(rename = "q5_1")]
+    Q5_1,
+    #[serde(rename = "iq4_nl")]
+    IQ4_NL,
 }
 
 impl QuantMix {
-    pub const ALL: [QuantMix; 6] = [
+    pub const ALL: [QuantMix; 9] = [
         QuantMix::Q8_0,
         QuantMix::Q4_0,
         QuantMix::Q4_K_M,
         QuantMix::Q5_K_M,
         QuantMix::Q6_K,
         QuantMix::MXFP4_MOE,
+        QuantMix::Q5_0,
+        QuantMix::Q5_1,
+        QuantMix::IQ4_NL,
     ];
 
     /// The name `--type` takes (lower case).
@@ -70,6 +83,9 @@ impl QuantMix {
             QuantMix::Q5_K_M => "q5_k_m",
             QuantMix::Q6_K => "q6_k",
             QuantMix::MXFP4_MOE => "mxfp4_moe",
+            QuantMix::Q5_0 => "q5_0",
+            QuantMix::Q5_1 => "q5_1",
+            QuantMix::IQ4_NL => "iq4_nl",
         }
     }
 
@@ -88,6 +104,9 @@ impl QuantMix {
             QuantMix::Q5_K_M => DType::Q5_K,
             QuantMix::Q6_K => DType::Q6_K,
             QuantMix::MXFP4_MOE => DType::MXFP4,
+            QuantMix::Q5_0 => DType::Q5_0,
+            QuantMix::Q5_1 => DType::Q5_1,
+            QuantMix::IQ4_NL => DType::IQ4_NL,
         }
     }
 
@@ -100,6 +119,9 @@ impl QuantMix {
             QuantMix::Q5_K_M => 17,
             QuantMix::Q6_K => 18,
             QuantMix::MXFP4_MOE => 38,
+            QuantMix::Q5_0 => 8,
+            QuantMix::Q5_1 => 9,
+            QuantMix::IQ4_NL => 25,
         }
     }
 
@@ -146,6 +168,8 @@ pub struct ModelFacts {
     pub n_experts: usize,
     /// The file has no `output.weight` (the embedding is the lm_head).
     pub tied_embeddings: bool,
+    /// Query heads per key/value head (llama.cpp's `n_gqa`; 1 when unknown).
+    pub n_gqa: usize,
 }
 
 /// llama.cpp's choice of layers that get more bits: the first and last eighth, and every third
@@ -183,6 +207,9 @@ pub fn tensor_type(mix: QuantMix, name: &str, shape: &[usize], source: DType, fa
         if more_bits {
             t = DType::Q6_K;
         }
+        if mix == QuantMix::IQ4_NL && facts.n_gqa >= 4 {
+            t = DType::Q5_K;
+        }
         if eight_experts {
             t = DType::Q8_0;
         }
@@ -197,22 +224,33 @@ pub fn tensor_type(mix: QuantMix, name: &str, shape: &[usize], source: DType, fa
             t = DType::Q8_0;
         }
     } else if name.contains("attn_output.weight") {
-        if eight_experts && mix == QuantMix::Q4_K_M {
+        if eight_experts && matches!(mix, QuantMix::Q4_K_M | QuantMix::IQ4_NL) {
             t = DType::Q5_K;
         }
     } else if name.contains("ffn_down") && more_bits {
         t = DType::Q6_K;
+    } else if name.contains("ffn_down") && mix == QuantMix::IQ4_NL && layer < facts.n_layers / 8 {
+        t = DType::Q5_K;
     }
     fit_blocks(t, shape)
 }
 
-/// `t`, or where a row is not whole blocks of it, Q8_0 (rows of 32s) or F16.
+/// `t`, or where a row is not whole blocks of it llama.cpp's fallback (`tensor_type_fallback`):
+/// Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0, and F16 where the fallback (or a 32-value `t`) does
+/// not fit either.
 fn fit_blocks(t: DType, shape: &[usize]) -> DType {
     let cols = *shape.last().expect("a matrix has dims");
     if cols.is_multiple_of(t.block_elems()) {
-        t
-    } else if cols.is_multiple_of(DType::Q8_0.block_elems()) {
-        DType::Q8_0
+        return t;
+    }
+    let fallback = match t {
+        DType::Q4_K => DType::Q5_0,
+        DType::Q5_K => DType::Q5_1,
+        DType::Q6_K => DType::Q8_0,
+        other => other,
+    };
+    if cols.is_multiple_of(fallback.block_elems()) {
+        fallback
     } else {
         DType::F16
     }
@@ -226,6 +264,10 @@ fn model_facts(file: &GgufFile) -> ModelFacts {
         n_layers: get("block_count").unwrap_or(counted),
         n_experts: get("expert_count").unwrap_or(0),
         tied_embeddings: file.tensor("output.weight").is_none(),
+        n_gqa: match (get("attention.head_count"), get("attention.head_count_kv")) {
+            (Some(q), Some(kv)) if kv > 0 => q / kv,
+            _ => 1,
+        },
     }
 }
 
@@ -385,7 +427,7 @@ impl RowJob<'_> {
 mod tests {
     use super::*;
 
-    const FACTS: ModelFacts = ModelFacts { n_layers: 16, n_experts: 128, tied_embeddings: false };
+    const FACTS: ModelFacts = ModelFacts { n_layers: 16, n_experts: 128, tied_embeddings: false, n_gqa: 1 };
 
     /// Rows are converted in parallel batches: the file must hold them in row order, across
     /// several batches and a short last one.
@@ -464,9 +506,42 @@ mod tests {
         assert_eq!(t("blk.4.attn_v.weight", &[512, 256]), DType::Q6_K);
         assert_eq!(t("blk.5.attn_v.weight", &[512, 256]), DType::Q4_K);
         assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 256]), DType::Q4_K);
-        // Rows that are not whole super-blocks fall back.
-        assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 96]), DType::Q8_0);
+        // Rows that are not whole super-blocks fall back as llama.cpp's tensor_type_fallback:
+        // Q4_K -> Q5_0, Q6_K -> Q8_0 (GLM-4.5-Air's dense FFN of 10944, DeepSeek's attn_k_b of 128).
+        assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 96]), DType::Q5_0);
+        assert_eq!(t("blk.5.ffn_up.weight", &[10944, 4096]), DType::Q4_K);
+        assert_eq!(t("blk.5.ffn_down.weight", &[4096, 10944]), DType::Q5_0);
+        assert_eq!(t("blk.4.ffn_down.weight", &[4096, 10944]), DType::Q8_0, "Q6_K layer");
+        assert_eq!(t("blk.5.attn_k_b.weight", &[128, 512, 128]), DType::Q5_0);
+        assert_eq!(t("output.weight", &[512, 96]), DType::Q8_0);
         assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 20]), DType::F16);
+        let q5 = |name: &str, shape: &[usize]| tensor_type(QuantMix::Q5_K_M, name, shape, DType::F32, FACTS);
+        assert_eq!(q5("blk.5.ffn_up_exps.weight", &[128, 768, 1408]), DType::Q5_1);
+        assert_eq!(q5("blk.5.ffn_up_exps.weight", &[128, 768, 20]), DType::F16);
+        let q5_0 = |name: &str, shape: &[usize]| tensor_type(QuantMix::Q5_0, name, shape, DType::F32, FACTS);
+        assert_eq!(q5_0("blk.5.ffn_up_exps.weight", &[128, 768, 96]), DType::Q5_0);
+        assert_eq!(q5_0("output.weight", &[512, 256]), DType::Q6_K);
+        assert_eq!(q5_0("output.weight", &[512, 96]), DType::Q8_0);
+        assert_eq!(q5_0("blk.5.ffn_up_exps.weight", &[128, 768, 20]), DType::F16);
+    }
+
+    #[test]
+    fn iq4_nl_follows_llama_cpp_rules() {
+        let m = QuantMix::IQ4_NL;
+        let gqa4 = ModelFacts { n_gqa: 4, ..FACTS };
+        let t = |name: &str, shape: &[usize], f| tensor_type(m, name, shape, DType::F32, f);
+        assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 256], FACTS), DType::IQ4_NL);
+        assert_eq!(t("output.weight", &[512, 256], FACTS), DType::Q6_K);
+        assert_eq!(t("blk.5.attn_v.weight", &[512, 256], FACTS), DType::IQ4_NL);
+        assert_eq!(t("blk.5.attn_v.weight", &[512, 256], gqa4), DType::Q5_K);
+        // n_layers / 8 = 2: layers 0 and 1 take Q5_K down projections; rows of 32s fall back to Q5_1.
+        assert_eq!(t("blk.1.ffn_down_exps.weight", &[128, 256, 768], FACTS), DType::Q5_K);
+        assert_eq!(t("blk.1.ffn_down_exps.weight", &[128, 256, 1408], FACTS), DType::Q5_1);
+        assert_eq!(t("blk.2.ffn_down_exps.weight", &[128, 256, 1408], FACTS), DType::IQ4_NL);
+        let eight = ModelFacts { n_experts: 8, ..FACTS };
+        assert_eq!(t("blk.5.attn_output.weight", &[256, 256], eight), DType::Q5_K);
+        assert_eq!(t("blk.5.attn_v.weight", &[512, 256], ModelFacts { n_gqa: 4, ..eight }), DType::Q8_0);
+        assert_eq!(t("blk.5.ffn_up_exps.weight", &[128, 768, 20], FACTS), DType::F16);
     }
 
     #[test]

@@ -900,14 +900,7 @@ fn write_synthetic_as(
         SynthFormat::Safetensors => hf_tensor_plan(&config, opts),
     };
     if let Some(mix) = quant {
-        let facts = ModelFacts {
-            n_layers: config.n_layers + config.mtp_layers,
-            n_experts: config.n_experts,
-            tied_embeddings: config.tied_embeddings,
-        };
-        for t in &mut tensors {
-            t.dtype = tensor_type(mix, &t.name, &t.shape, t.dtype, facts);
-        }
+        apply_quant_mix(&config, &mut tensors, mix);
     }
     check_disk_space(opts, &tensors)?;
     let mut fill = |idx: usize, out: &mut dyn Write| generator.write_tensor(&tensors[idx], out);
@@ -938,6 +931,19 @@ fn write_synthetic_as(
 /// `synth --quant`: each tensor is generated as the float checkpoint's and stored as
 /// `quantize --type mix` would store it, straight into `out` (no float file: a 40-layer
 /// Qwen3.6-shaped checkpoint is 70 GB in BF16 and 20 GB in Q4_K_M).
+/// Each planned tensor's type in `mix`, as `quantize` chooses it for the same file.
+fn apply_quant_mix(config: &ModelConfig, tensors: &mut [PlannedTensor], mix: QuantMix) {
+    let facts = ModelFacts {
+        n_layers: config.n_layers + config.mtp_layers,
+        n_experts: config.n_experts,
+        tied_embeddings: config.tied_embeddings,
+        n_gqa: config.n_heads / config.n_kv_heads.max(1),
+    };
+    for t in tensors {
+        t.dtype = tensor_type(mix, &t.name, &t.shape, t.dtype, facts);
+    }
+}
+
 pub fn write_synthetic_quantized(
     opts: &SynthOptions,
     mix: QuantMix,
@@ -1967,6 +1973,43 @@ mod tests {
         let mut sorted = mapped.clone();
         sorted.sort();
         assert_eq!(sorted, (0..16).collect::<Vec<_>>());
+    }
+
+    /// `synth --preset glm-4.5-air --quant q4_k_m` types the tensors as llama.cpp's Q4_K_M of
+    /// GLM-4.5-Air: rows of 1408 (expert down projections) and 10944 (the dense layer's down
+    /// projection) are not whole 256-value super-blocks, so Q4_K falls back to Q5_0 and Q6_K to
+    /// Q8_0; rows of 4096 keep Q4_K.
+    #[test]
+    fn glm_4_5_air_q4_k_m_falls_back_to_q5_0_like_llama_cpp() {
+        let adapter = crate::model::arch::by_name("glm4_moe").unwrap();
+        let opts = SynthOptions {
+            adapter,
+            preset: Preset::Glm45Air,
+            dims: DimOverrides::default(),
+            dtype: DType::BF16,
+            seed: 0,
+            skew: Skew::Skewed,
+            format: SynthFormat::Gguf,
+            out: PathBuf::from("unused.gguf"),
+            vocab_from: None,
+        };
+        let config = synth_config(adapter, Preset::Glm45Air, &opts.dims).unwrap();
+        let mut tensors = gguf_tensor_plan(&config, &opts);
+        apply_quant_mix(&config, &mut tensors, QuantMix::Q4_K_M);
+        let t = |name: &str| {
+            let t = tensors.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("{name}"));
+            (t.shape.last().copied().unwrap(), t.dtype)
+        };
+        // Layer 0 is dense (FFN 10944) and a use_more_bits layer: its Q6_K down falls back to Q8_0.
+        assert_eq!(t("blk.0.ffn_up.weight"), (4096, DType::Q4_K));
+        assert_eq!(t("blk.0.ffn_down.weight"), (10944, DType::Q8_0));
+        // Layer 9 is not a use_more_bits layer: Q4_K experts' down rows of 1408 take Q5_0.
+        assert!(!crate::quantize::use_more_bits(9, config.n_layers + config.mtp_layers));
+        assert_eq!(t("blk.9.ffn_down_exps.weight"), (1408, DType::Q5_0));
+        assert_eq!(t("blk.9.ffn_up_exps.weight"), (4096, DType::Q4_K));
+        assert_eq!(t("blk.9.ffn_down_shexp.weight"), (1408, DType::Q5_0));
+        assert!(crate::quantize::use_more_bits(13, config.n_layers + config.mtp_layers));
+        assert_eq!(t("blk.13.ffn_down_exps.weight"), (1408, DType::Q8_0));
     }
 
     #[test]

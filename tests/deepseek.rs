@@ -198,7 +198,7 @@ fn the_fixture_in_llama_cpp_layout_gives_its_logits() {
 
 /// `synth --arch deepseek_v3` as GGUF is in llama.cpp's layout (gguf-py's check), in BF16 and as
 /// `synth --quant q4_k_m` writes it (the preset's shapes, shrunk): `attn_k_b` of 128-wide rows
-/// falls back to Q8_0 where llama.cpp's Q4_K needs 256, `attn_v_b` is Q4_K, and the pipeline on
+/// falls back to Q5_0 (as llama.cpp does) where Q4_K needs 256, `attn_v_b` is Q4_K, and the pipeline on
 /// the quantized file follows the oracle on it.
 #[test]
 fn synthetic_deepseek_gguf_is_llama_cpp_layout_in_bf16_and_q4_k_m() {
@@ -229,7 +229,9 @@ fn synthetic_deepseek_gguf_is_llama_cpp_layout_in_bf16_and_q4_k_m() {
     let file = moe_lanes::gguf::GgufFile::open(&q.out).unwrap();
     let dtype = |name: &str| file.tensor(name).unwrap().dtype;
     use moe_lanes::dtype::DType;
-    assert_eq!((dtype("blk.3.attn_k_b.weight"), dtype("blk.3.attn_v_b.weight")), (DType::Q8_0, DType::Q4_K));
+    // attn_k_b's rows are 128 wide (qk_nope_head_dim), not whole Q4_K super-blocks: Q5_0, as
+    // llama.cpp's tensor_type_fallback picks.
+    assert_eq!((dtype("blk.3.attn_k_b.weight"), dtype("blk.3.attn_v_b.weight")), (DType::Q5_0, DType::Q4_K));
     let model = Arc::new(Model::open(&q.out).unwrap());
     let prompt: Vec<u32> = (0..10).map(|i| (i * 53 + 7) % 1000).collect();
     let r = Reference::new(&model).unwrap();

@@ -10,7 +10,9 @@
 //! f32 run's logits for Q8_0 experts and the q8 run's for the others. The GPU engine runs every mix at hot caches none / half / all
 //! (quantised experts cached in their file format) within stated tolerances of the reference:
 //! tight where it dequantises in registers (decode, short prompts) with f32 activations, looser
-//! with 8-bit activations (the GPU default) and for a long prompt's tensor-core prefill.
+//! with 8-bit activations (the GPU default) and for a long prompt's tensor-core prefill. Files
+//! whose expert rows are not whole 256-value super-blocks (384 wide) take llama.cpp's K-quant
+//! fallbacks, Q5_0 / Q5_1 / Q8_0, and run on both engines the same way.
 
 mod common;
 
@@ -35,12 +37,20 @@ const Q8_LOGITS_TOLERANCE: f64 = 1e-2;
 
 /// Tiny dims widened so every matrix row is whole K-quant super-blocks (256 values).
 fn quantized_tiny(dir: &Path, arch: &str, mix: QuantMix) -> PathBuf {
-    let mut opts = common::synth_options(arch, SynthFormat::Gguf, dir.join(format!("{arch}-{mix}.gguf")), 5);
+    quantized_tiny_ff(dir, arch, mix, 256)
+}
+
+/// [`quantized_tiny`] with experts (and the shared expert) `expert_ff` wide: 384 makes the down
+/// projections' rows 1.5 super-blocks, so the K mixes fall back to Q5_0 / Q5_1 / Q8_0 there as
+/// llama.cpp does (GLM-4.5-Air's experts are 1408 wide, its dense FFN 10944).
+fn quantized_tiny_ff(dir: &Path, arch: &str, mix: QuantMix, expert_ff: usize) -> PathBuf {
+    let name = format!("{arch}-{mix}-{expert_ff}.gguf");
+    let mut opts = common::synth_options(arch, SynthFormat::Gguf, dir.join(name), 5);
     opts.dims = DimOverrides {
         hidden: Some(256),
         head_dim: Some(64),
-        expert_ff: Some(256),
-        shared_expert_ff: (arch == "qwen2_moe").then_some(256),
+        expert_ff: Some(expert_ff),
+        shared_expert_ff: (arch == "qwen2_moe").then_some(expert_ff),
         ..DimOverrides::default()
     };
     write_synthetic_quantized(&opts, mix, &mut |_, _| {}).unwrap();
@@ -153,6 +163,37 @@ fn gpt_oss_in_mxfp4_moe_runs_on_the_pipeline_like_the_reference() {
         Q8_LOGITS_TOLERANCE,
     );
     println!("gpt_oss mxfp4_moe: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e}");
+}
+
+/// The K mixes' fallbacks: with experts 384 wide, Q4_K_M stores the down projections in Q5_0
+/// (Q5_K_M in Q5_1) and the `use_more_bits` layer's Q6_K ones in Q8_0, as llama.cpp's
+/// `tensor_type_fallback` does, and such a file runs on the pipeline within the f32 (and 8-bit
+/// activation) tolerance of the reference, greedy generation identical.
+#[test]
+fn k_quant_fallbacks_to_q5_blocks_run_on_the_pipeline_like_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    for (mix, fallback) in [(QuantMix::Q4_K_M, DType::Q5_0), (QuantMix::Q5_K_M, DType::Q5_1)] {
+        let model = Arc::new(Model::open(&quantized_tiny_ff(dir.path(), "qwen2_moe", mix, 384)).unwrap());
+        let dtype_of = |name: &str| model.tensor_list().into_iter().find(|t| t.0 == name).unwrap().1;
+        assert_eq!(dtype_of("blk.0.ffn_down_exps.weight"), fallback, "{mix}");
+        assert_eq!(dtype_of("blk.0.ffn_down_shexp.weight"), fallback, "{mix}");
+        assert_eq!(dtype_of("blk.1.ffn_down_exps.weight"), DType::Q8_0, "{mix}: Q6_K falls back to Q8_0");
+        assert_eq!(dtype_of("blk.0.ffn_gate_exps.weight"), mix.default_type(), "{mix}: rows of 256");
+        let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+        let (f32_error, _) = pipeline_against_reference(
+            &model,
+            reference.as_mut(),
+            Some(DecodeActivations::F32),
+            LOGITS_TOLERANCE,
+        );
+        let (q8_error, _) = pipeline_against_reference(
+            &model,
+            reference.as_mut(),
+            Some(DecodeActivations::Q8),
+            Q8_LOGITS_TOLERANCE,
+        );
+        println!("{mix} with {fallback} fallbacks: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e}");
+    }
 }
 
 #[test]
@@ -269,6 +310,42 @@ fn gpu_runs(prompts: &[&[u32]], n_decode: usize, tolerance: f64, activations: De
 #[test]
 fn every_mix_runs_on_the_gpu_engine_at_every_cache_size_within_tolerance() {
     gpu_runs(&PROMPTS, 4, GPU_EXACT_TOLERANCE, DecodeActivations::F32);
+}
+
+/// The K mixes' Q5_0 / Q5_1 / Q8_0 fallbacks (experts 384 wide) on the GPU engine at hot caches
+/// none / half / all, with f32 and 8-bit activations, and a long prompt through the tensor-core
+/// prefill: the hot cache holds the Q5 experts at file size (the typed hot lane's codes 7 and 8).
+#[test]
+fn k_quant_fallbacks_to_q5_blocks_run_on_the_gpu_engine_at_every_cache_size() {
+    if !common::gpu_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let long: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
+    let runs: [(&[&[u32]], usize, f64, DecodeActivations); 3] = [
+        (&PROMPTS, 4, GPU_EXACT_TOLERANCE, DecodeActivations::F32),
+        (&PROMPTS, 4, GPU_Q8_TOLERANCE, DecodeActivations::Q8),
+        (&[&long], 2, GPU_TENSOR_CORE_TOLERANCE, DecodeActivations::F32),
+    ];
+    for mix in [QuantMix::Q4_K_M, QuantMix::Q5_K_M] {
+        let model = Arc::new(Model::open(&quantized_tiny_ff(dir.path(), "qwen2_moe", mix, 384)).unwrap());
+        let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+        for (prompts, n_decode, tolerance, activations) in runs {
+            for fraction in [0.0, 0.5, 1.0] {
+                let mut opts = options(Some(EngineKind::Gpu));
+                opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
+                opts.activations = Some(activations);
+                let (mut gpu, report) = build_engine(&model, opts).unwrap();
+                assert_eq!(report.kind, EngineKind::Gpu);
+                let what = format!("{mix} fallbacks hot {fraction} activations {activations}");
+                let worst = prompts
+                    .iter()
+                    .map(|p| check_steps(&what, reference.as_mut(), gpu.as_mut(), p, n_decode, tolerance))
+                    .fold(0f64, f64::max);
+                eprintln!("{what}: worst relative error {worst:e}");
+            }
+        }
+    }
 }
 
 /// GPU logits with 8-bit activations (`GpuOptions::q8_activations`, the default): every

@@ -3,7 +3,8 @@
 //! the quantiser's output, as `moe-lanes quantize` wrote it and gguf-py read it back, equal to
 //! what moe-lanes computes from the same input; and the MXFP4 quantiser equal, byte for byte, to
 //! llama.cpp's `quantize_row_mxfp4_ref` as gguf-py implements it, on edge cases (zeros, ties
-//! between levels, powers of two, tiny and large blocks).
+//! between levels, powers of two, tiny and large blocks); Q5_0, Q5_1 and IQ4_NL dequantised as
+//! gguf-py does, and the Q5_0/Q5_1 quantisers equal to gguf-py's (llama.cpp's reference ones).
 
 use moe_lanes::format::dtype::DType;
 use moe_lanes::format::quant::{dequantize, quantize};
@@ -18,6 +19,11 @@ const TYPES: [(&str, DType); 6] = [
     ("mxfp4", DType::MXFP4),
 ];
 
+/// The 32-value types added for llama.cpp's k-quant fallbacks: dequantisation fixtures from
+/// their own seed (tests/fixtures/make_quant.py `write_small_type_fixtures`).
+const SMALL_TYPES: [(&str, DType); 3] =
+    [("q5_0", DType::Q5_0), ("q5_1", DType::Q5_1), ("iq4_nl", DType::IQ4_NL)];
+
 fn fixture(name: &str) -> Vec<u8> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quant").join(name);
     std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
@@ -29,7 +35,7 @@ fn floats(bytes: &[u8]) -> Vec<f32> {
 
 #[test]
 fn dequantization_equals_gguf_py_block_by_block() {
-    for (name, dtype) in TYPES {
+    for (name, dtype) in TYPES.into_iter().chain(SMALL_TYPES) {
         let blocks = fixture(&format!("{name}.blocks"));
         let expected = floats(&fixture(&format!("{name}.dequant.f32")));
         let (n, bb) = (dtype.block_elems(), dtype.block_bytes());
@@ -88,4 +94,27 @@ fn mxfp4_nan_scale_decodes_like_gguf_py_and_is_refused_by_validation() {
         Err(QuantError::NanScale { dtype: DType::MXFP4, block: 4 })
     );
     assert_eq!(check_mxfp4_scales(DType::MXFP4, &blocks[5 * 17..]), Ok(()));
+}
+
+/// Q5_0 / Q5_1: the quantiser writes gguf-py's blocks (llama.cpp's `quantize_row_q5_0_ref` /
+/// `q5_1_ref`) byte for byte on edge cases (zeros, a constant block, ties, tiny, large), and
+/// gguf-py's dequantisation of those blocks equals ours bit for bit.
+#[test]
+fn q5_quantizers_write_gguf_py_reference_blocks_and_dequantize_like_gguf_py() {
+    for (name, dtype) in &SMALL_TYPES[..2] {
+        let input = floats(&fixture(&format!("{name}.quant_input.f32")));
+        let reference = fixture(&format!("{name}.quant_ref.blocks"));
+        let mut ours = Vec::new();
+        quantize(*dtype, &input, &mut ours).unwrap();
+        assert_eq!(ours.len(), reference.len(), "{name}");
+        let bb = dtype.block_bytes();
+        for (i, (a, b)) in ours.chunks_exact(bb).zip(reference.chunks_exact(bb)).enumerate() {
+            assert_eq!(a, b, "{name} block {i}: {:?}", &input[32 * i..32 * i + 32]);
+        }
+        let want = floats(&fixture(&format!("{name}.quant_ref.f32")));
+        let mut got = vec![0.0f32; input.len()];
+        dequantize(*dtype, &ours, &mut got).unwrap();
+        let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "{name}: gguf-py dequantises our blocks differently");
+    }
 }

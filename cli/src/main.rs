@@ -78,8 +78,8 @@ enum Command {
     /// Learn pass: run tokens through the pipeline with the cache off and write the perf JSON
     /// learn file (per-layer, per-expert usage and timings).
     Learn(LearnArgs),
-    /// Rewrite a GGUF file with quantized matrices (q8_0, q4_0, q4_k_m, q5_k_m, q6_k,
-    /// mxfp4_moe) in llama.cpp's layout and tensor-type mix.
+    /// Rewrite a GGUF file with quantized matrices (q8_0, q4_0, q5_0, q5_1, iq4_nl, q4_k_m,
+    /// q5_k_m, q6_k, mxfp4_moe) in llama.cpp's layout and tensor-type mix.
     Quantize(quantize_cmd::QuantizeArgs),
     /// Measure the machine's read bandwidth and the cold-lane kernels' decode/prefill speed.
     BenchKernels(BenchKernelsArgs),
@@ -394,7 +394,8 @@ struct BenchKernelsArgs {
     /// Smaller buffers and fewer rounds (a smoke run).
     #[arg(long)]
     quick: bool,
-    /// Expert weight type: bf16 (default), f16, f32, q8_0, q4_0, q4_k, q5_k, q6_k or mxfp4.
+    /// Expert weight type: bf16 (default), f16, f32, q8_0, q4_0, q5_0, q5_1, iq4_nl, q4_k, q5_k,
+    /// q6_k or mxfp4.
     #[arg(long)]
     dtype: Option<String>,
     /// Activations of the tiles of quantised weights for experts of up to 4 tokens (AVX-512
@@ -486,9 +487,10 @@ struct SynthArgs {
     /// GLM-4.5 itself has them).
     #[arg(long)]
     no_attention_bias: bool,
-    /// Quantize the checkpoint (GGUF only): q8_0, q4_0, q4_k_m, q5_k_m, q6_k or mxfp4_moe, tensor types
-    /// chosen as `quantize` does. K-quants need rows of 256 values (e.g. --hidden 256
-    /// --expert-ff 256 --head-dim 64); shorter rows fall back to q8_0.
+    /// Quantize the checkpoint (GGUF only): q8_0, q4_0, q5_0, q5_1, iq4_nl, q4_k_m, q5_k_m, q6_k or
+    /// mxfp4_moe, tensor types chosen as `quantize` does. K-quants need rows of 256 values (e.g.
+    /// --hidden 256 --expert-ff 256 --head-dim 64); other rows of 32s fall back as llama.cpp's do
+    /// (Q4_K to q5_0, Q5_K to q5_1, Q6_K to q8_0).
     #[arg(long)]
     quant: Option<String>,
     /// Replace an existing output file (never a device or FIFO).
@@ -1340,7 +1342,9 @@ fn bench_kernels(args: BenchKernelsArgs) -> Result<()> {
     };
     let dtype = match args.dtype {
         Some(name) => Some(moe_lanes_kernels::WeightDType::parse(&name).with_context(|| {
-            format!("--dtype {name}: expected bf16, f16, f32, q8_0, q4_0, q4_k, q5_k, q6_k or mxfp4")
+            format!(
+                "--dtype {name}: expected bf16, f16, f32, q8_0, q4_0, q5_0, q5_1, iq4_nl, q4_k, q5_k, q6_k or mxfp4"
+            )
         })?),
         None => None,
     };

@@ -13,8 +13,9 @@ pub struct QuantizeArgs {
     input: PathBuf,
     /// The GGUF file to write (as OUT.tmp, renamed when complete).
     output: PathBuf,
-    /// The mix: q8_0, q4_0, q4_k_m, q5_k_m, q6_k or mxfp4_moe (tensor types chosen per tensor as
-    /// llama.cpp does; mxfp4_moe: expert stacks MXFP4, other matrices Q8_0).
+    /// The mix: q8_0, q4_0, q5_0, q5_1, iq4_nl, q4_k_m, q5_k_m, q6_k or mxfp4_moe (tensor types
+    /// chosen per tensor as llama.cpp does, rows that are not whole 256-value blocks falling
+    /// back to Q5_0/Q5_1/Q8_0 as llama.cpp's; mxfp4_moe: expert stacks MXFP4, other matrices Q8_0).
     #[arg(long = "type", value_name = "TYPE")]
     mix: String,
     /// Replace an existing output file (never a device or FIFO).

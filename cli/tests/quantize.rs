@@ -40,7 +40,7 @@ fn quantize_then_run_on_the_pipeline_like_the_reference() {
     let mut args = vec!["synth", "--out", p(&float), "--seed", "3"];
     args.extend(WIDE);
     ok_stdout(&args);
-    for mix in ["q4_k_m", "q8_0", "mxfp4_moe"] {
+    for mix in ["q4_k_m", "q8_0", "mxfp4_moe", "q5_0", "iq4_nl"] {
         let out = dir.path().join(format!("{mix}.gguf"));
         let report: serde_json::Value =
             serde_json::from_str(&ok_stdout(&["quantize", p(&float), p(&out), "--type", mix, "--json"]))
@@ -51,6 +51,8 @@ fn quantize_then_run_on_the_pipeline_like_the_reference() {
         let block_type = match mix {
             "q8_0" => "Q8_0",
             "mxfp4_moe" => "MXFP4",
+            "q5_0" => "Q5_0",
+            "iq4_nl" => "IQ4_NL",
             _ => "Q4_K",
         };
         assert!(text.contains(block_type), "{text}");

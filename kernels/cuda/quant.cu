@@ -1,4 +1,4 @@
-// Quantized GGML blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4): a dequantizing GEMV for decode and a
+// Quantized GGML blocks (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4, Q5_0, Q5_1, IQ4_NL): a dequantizing GEMV for decode and a
 // dequantization to bf16 for prefill (tiles for the cuBLAS bf16 GEMM).
 // Part of the moe-lanes kernels: compiled together with common.cuh prepended (kernels/src/cuda/kernel.rs).
 //
@@ -10,6 +10,10 @@
 //   Q6_K  128 low-nibble bytes, 64 bytes of 2-bit pairs, 16 i8 scales, d   210 bytes / 256 values
 //   MXFP4 E8M0 byte e, 16 bytes: value j low nibble, j + 16 high, each nibble a doubled E2M1
 //         value (kvalues_mxfp4) times 2^(e - 128)                    17 bytes / 32 values
+//   Q5_0  d, qh (u32: bit j the fifth bit of value j), 16 nibble bytes as Q4_0, minus 16
+//                                                                    22 bytes / 32 values
+//   Q5_1  d, m, qh, 16 nibble bytes: d * q + m                       24 bytes / 32 values
+//   IQ4_NL d, 16 nibble bytes as Q4_0, each nibble indexing kvalues_iq4nl   18 bytes / 32 values
 // A matrix row of K values is K / ELEMS consecutive blocks; rows follow each other. Blocks are
 // 2-byte aligned (4-byte for Q4_K/Q5_K, whose sizes are multiples of 16) when the matrix is:
 // the launchers check it. MXFP4's 17-byte blocks lie at any address: they are read byte by byte. Each block is cut into LANES units of 8 values, two runs of 4
@@ -135,6 +139,84 @@ struct QMX {
         for (int i = 0; i < 4; i++) {
             v[i] = __fmul_rn((float)(signed char)q_byte(l0, i), d);
             v[4 + i] = __fmul_rn((float)(signed char)q_byte(l1, i), d);
+        }
+    }
+};
+
+// Bits 0..3 of n spread to bit 4 of bytes 0..3 (a Q5 block's fifth bits of four values).
+__device__ __forceinline__ unsigned q5_spread4(unsigned n) {
+    return ((n & 1u) | ((n & 2u) << 7) | ((n & 4u) << 14) | ((n & 8u) << 21)) << 4;
+}
+
+// Q5_0 (MIN false) and Q5_1 (MIN true): the nibble word w of bytes 4u .. 4u + 3 and the qh word
+// give the five-bit levels of values 4u .. (lo) and 16 + 4u .. (hi), one per byte.
+template <bool MIN>
+struct Q5 {
+    static constexpr int ELEMS = 32, BYTES = MIN ? 24 : 22, LANES = 4, QH = MIN ? 4 : 2;
+    static __device__ __forceinline__ void levels4(const u8* b, int u, unsigned& lo, unsigned& hi) {
+        unsigned qh = q_word2(b + QH), w = q_word2(b + QH + 4 + 4 * u);
+        lo = (w & 0x0F0F0F0Fu) | q5_spread4((qh >> (4 * u)) & 15u);
+        hi = ((w >> 4) & 0x0F0F0F0Fu) | q5_spread4((qh >> (16 + 4 * u)) & 15u);
+    }
+    static __device__ __forceinline__ float value(const u8* b, float d, unsigned q) {
+        return MIN ? __fadd_rn(__fmul_rn((float)q, d), q_half(b + 2)) : __fmul_rn((float)((int)q - 16), d);
+    }
+    static __device__ __forceinline__ void unit(const u8* b, int u, float* v, int& c0, int& c1) {
+        float d = q_half(b);
+        unsigned lo, hi;
+        levels4(b, u, lo, hi);
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] = value(b, d, q_byte(lo, i)), v[4 + i] = value(b, d, q_byte(hi, i));
+        c0 = 4 * u, c1 = 16 + 4 * u;
+    }
+    static __device__ __forceinline__ void run8(const u8* b, int c, float* v) {
+        float d = q_half(b);
+        unsigned lo0, hi0, lo1, hi1;
+        levels4(b, (c & 15) >> 2, lo0, hi0);
+        levels4(b, ((c & 15) >> 2) + 1, lo1, hi1);
+        unsigned l0 = c < 16 ? lo0 : hi0, l1 = c < 16 ? lo1 : hi1;
+#pragma unroll
+        for (int i = 0; i < 4; i++) v[i] = value(b, d, q_byte(l0, i)), v[4 + i] = value(b, d, q_byte(l1, i));
+    }
+};
+typedef Q5<false> Q5_0;
+typedef Q5<true> Q5_1;
+
+// The IQ4_NL levels (kvalues_iq4nl as signed bytes) of the four nibbles in the low halves of q's
+// bytes: two byte permutes over the table's halves (selectors from the low three bits), the half
+// chosen by bit 3.
+__device__ __forceinline__ unsigned nl_levels4(unsigned q) {
+    unsigned t = q & 0x07070707u, u = t | (t >> 4);
+    unsigned sel = (u & 0xFFu) | ((u >> 8) & 0xFF00u);
+    unsigned neg = __byte_perm(0xBFAD9881u, 0xF6EADDCFu, sel);  // -127 -104 -83 -65 -49 -35 -22 -10
+    unsigned pos = __byte_perm(0x26190D01u, 0x71594535u, sel);  // 1 13 25 38 53 69 89 113
+    unsigned m = ((q >> 3) & 0x01010101u) * 0xFFu;
+    return (neg & ~m) | (pos & m);
+}
+
+struct QNL {
+    static constexpr int ELEMS = 32, BYTES = 18, LANES = 4;
+    // unit u: bytes 4u .. 4u + 3, values 4u .. (low nibbles) and 16 + 4u .. (high nibbles)
+    static __device__ __forceinline__ void unit(const u8* b, int u, float* v, int& c0, int& c1) {
+        float d = q_half(b);
+        unsigned w = q_word2(b + 2 + 4 * u);
+        unsigned lo = nl_levels4(w & 0x0F0F0F0Fu), hi = nl_levels4((w >> 4) & 0x0F0F0F0Fu);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(d, (float)(signed char)q_byte(lo, i));
+            v[4 + i] = __fmul_rn(d, (float)(signed char)q_byte(hi, i));
+        }
+        c0 = 4 * u, c1 = 16 + 4 * u;
+    }
+    static __device__ __forceinline__ void run8(const u8* b, int c, float* v) {
+        float d = q_half(b);
+        int sh = c < 16 ? 0 : 4;
+        unsigned w0 = q_word2(b + 2 + (c & 15)), w1 = q_word2(b + 6 + (c & 15));
+        unsigned l0 = nl_levels4((w0 >> sh) & 0x0F0F0F0Fu), l1 = nl_levels4((w1 >> sh) & 0x0F0F0F0Fu);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn(d, (float)(signed char)q_byte(l0, i));
+            v[4 + i] = __fmul_rn(d, (float)(signed char)q_byte(l1, i));
         }
     }
 };
@@ -338,6 +420,52 @@ struct WMX : QMX {
     }
 };
 
+// Q5_0 / Q5_1's one chunk: the levels as four words per half (low nibbles columns 0..15, high
+// ones 16..31), the fifth bits spread into bit 4 of each byte.
+template <bool MIN>
+struct W5 : Q5<MIN> {
+    static constexpr int CHUNKS = 1;
+    static __device__ __forceinline__ void cols(int, int* c) { c[0] = 0, c[1] = 8, c[2] = 16, c[3] = 24; }
+    static __device__ __forceinline__ void levels(const u8* b, unsigned* lo, unsigned* hi) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) Q5<MIN>::levels4(b, k, lo[k], hi[k]);
+    }
+    static __device__ __forceinline__ void chunk(const u8* b, int, float* v) {
+        float d = q_half(b);
+        unsigned lo[4], hi[4];
+        levels(b, lo, hi);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            v[i] = Q5<MIN>::value(b, d, q_byte(lo[i >> 2], i & 3));
+            v[16 + i] = Q5<MIN>::value(b, d, q_byte(hi[i >> 2], i & 3));
+        }
+    }
+};
+typedef W5<false> W5_0;
+typedef W5<true> W5_1;
+
+// IQ4_NL's one chunk: the 16 nibble bytes as four words, each nibble's table level.
+struct WNL : QNL {
+    static constexpr int CHUNKS = 1;
+    static __device__ __forceinline__ void cols(int, int* c) { c[0] = 0, c[1] = 8, c[2] = 16, c[3] = 24; }
+    static __device__ __forceinline__ void levels(const u8* b, unsigned* lo, unsigned* hi) {
+        unsigned w[4];
+        q_words<4>(b + 2, w);
+#pragma unroll
+        for (int k = 0; k < 4; k++) lo[k] = nl_levels4(w[k] & 0x0F0F0F0Fu), hi[k] = nl_levels4((w[k] >> 4) & 0x0F0F0F0Fu);
+    }
+    static __device__ __forceinline__ void chunk(const u8* b, int, float* v) {
+        float d = q_half(b);
+        unsigned lo[4], hi[4];
+        levels(b, lo, hi);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            v[i] = __fmul_rn(d, (float)(signed char)q_byte(lo[i >> 2], i & 3));
+            v[16 + i] = __fmul_rn(d, (float)(signed char)q_byte(hi[i >> 2], i & 3));
+        }
+    }
+};
+
 // Q4_K/Q5_K chunk j: pair p = j / 2 of sub-blocks, bytes 16 (j % 2) .. + 15 of the pair's 32:
 // low nibbles are sub-block 2p (columns 64p + 16h ..), high ones 2p + 1 (columns 64p + 32 + 16h ..).
 template <bool FIFTH>
@@ -491,6 +619,49 @@ __device__ __forceinline__ float chunk_dot<WMX>(const u8* b, int, const float* x
         s = q_dot4(hi[k] ^ 0x80808080u, 8388736.f, xv + 16 + 4 * k, s);
     }
     return mx_scale(b[0]) * s;
+}
+
+// Q5_0 (levels minus 16 under the 2^23 trick) and Q5_1 (levels, then m times the sum of x).
+template <>
+__device__ __forceinline__ float chunk_dot<W5_0>(const u8* b, int, const float* xv, const float*) {
+    unsigned lo[4], hi[4];
+    W5_0::levels(b, lo, hi);
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        s = q_dot4(lo[k], 8388624.f, xv + 4 * k, s);  // q - 16
+        s = q_dot4(hi[k], 8388624.f, xv + 16 + 4 * k, s);
+    }
+    return q_half(b) * s;
+}
+
+template <>
+__device__ __forceinline__ float chunk_dot<W5_1>(const u8* b, int, const float* xv, const float*) {
+    unsigned lo[4], hi[4];
+    W5_1::levels(b, lo, hi);
+    float s = 0.f, xs = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        s = q_dot4(lo[k], 8388608.f, xv + 4 * k, s);
+        s = q_dot4(hi[k], 8388608.f, xv + 16 + 4 * k, s);
+    }
+#pragma unroll
+    for (int i = 0; i < 32; i++) xs += xv[i];
+    return q_half(b) * s + q_half(b + 2) * xs;
+}
+
+// IQ4_NL: signed table levels (+128 under the 2^23 trick, as Q8_0's), the scale once.
+template <>
+__device__ __forceinline__ float chunk_dot<WNL>(const u8* b, int, const float* xv, const float*) {
+    unsigned lo[4], hi[4];
+    WNL::levels(b, lo, hi);
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        s = q_dot4(lo[k] ^ 0x80808080u, 8388736.f, xv + 4 * k, s);
+        s = q_dot4(hi[k] ^ 0x80808080u, 8388736.f, xv + 16 + 4 * k, s);
+    }
+    return q_half(b) * s;
 }
 
 // k_scale_min of sub-block j from the packed bytes as three little-endian words (w0 = bytes
@@ -752,6 +923,18 @@ extern "C" __global__ void gemv_mxfp4(const u8* W, const float* x, float* y, int
     pdl_enter();
     gemv_q<QMX>(W, x, y, N, K, T, accumulate);
 }
+extern "C" __global__ void gemv_q5_0(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    pdl_enter();
+    gemv_q<Q5_0>(W, x, y, N, K, T, accumulate);
+}
+extern "C" __global__ void gemv_q5_1(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    pdl_enter();
+    gemv_q<Q5_1>(W, x, y, N, K, T, accumulate);
+}
+extern "C" __global__ void gemv_iq4_nl(const u8* W, const float* x, float* y, int N, int K, int T, int accumulate) {
+    pdl_enter();
+    gemv_q<QNL>(W, x, y, N, K, T, accumulate);
+}
 
 // Dequantization entry points: grid (ceil(n_blocks * LANES / 256)), block 256.
 extern "C" __global__ void dequant_q8_0_bf16(const u8* W, bf16* out, int n_blocks) {
@@ -777,6 +960,18 @@ extern "C" __global__ void dequant_q6_k_bf16(const u8* W, bf16* out, int n_block
 extern "C" __global__ void dequant_mxfp4_bf16(const u8* W, bf16* out, int n_blocks) {
     pdl_enter();
     dequant_q<QMX>(W, out, n_blocks);
+}
+extern "C" __global__ void dequant_q5_0_bf16(const u8* W, bf16* out, int n_blocks) {
+    pdl_enter();
+    dequant_q<Q5_0>(W, out, n_blocks);
+}
+extern "C" __global__ void dequant_q5_1_bf16(const u8* W, bf16* out, int n_blocks) {
+    pdl_enter();
+    dequant_q<Q5_1>(W, out, n_blocks);
+}
+extern "C" __global__ void dequant_iq4_nl_bf16(const u8* W, bf16* out, int n_blocks) {
+    pdl_enter();
+    dequant_q<QNL>(W, out, n_blocks);
 }
 
 // ---- 8-bit activations: integer chunk dots (llama.cpp's MMVQ idea; kernels/src/q8.rs) ----
@@ -805,7 +1000,7 @@ extern "C" __global__ void quantize_q8_f32(const float* __restrict__ x, signed c
 // A chunk's quantized x: 8 words of 4 values in W::cols order (runs of 8 at cols[0..4]) and the
 // d of each run's block of 32; xq / xd at the weight block's first column.
 template <class W>
-struct RunsOf16 {  // W::cols gives two runs of 16 columns (Q8_0, Q4_0, Q4_K, Q5_K, MXFP4)
+struct RunsOf16 {  // W::cols gives two runs of 16 columns (all but Q6_K)
     static constexpr bool value = true;
 };
 template <>
@@ -871,6 +1066,32 @@ __device__ __forceinline__ float chunk_dot_q8<WMX>(const u8* b, int, const int* 
     unsigned lo[4], hi[4];
     WMX::levels(b, lo, hi);
     return mx_scale(b[0]) * dx[0] * (float)(dp4x4(lo, x) + dp4x4(hi, x + 4));
+}
+
+// Q5_0 / Q5_1: unsigned levels against signed x (dp4a); Q5_0's 16 and Q5_1's min through the
+// integer sum of x.
+template <>
+__device__ __forceinline__ float chunk_dot_q8<W5_0>(const u8* b, int, const int* x, const float* dx) {
+    unsigned lo[4], hi[4];
+    W5_0::levels(b, lo, hi);
+    int s = dp4x4(lo, x) + dp4x4(hi, x + 4) - 16 * (sum4x4(x) + sum4x4(x + 4));  // q - 16
+    return q_half(b) * dx[0] * (float)s;
+}
+
+template <>
+__device__ __forceinline__ float chunk_dot_q8<W5_1>(const u8* b, int, const int* x, const float* dx) {
+    unsigned lo[4], hi[4];
+    W5_1::levels(b, lo, hi);
+    float dot = (float)(dp4x4(lo, x) + dp4x4(hi, x + 4)), xs = (float)(sum4x4(x) + sum4x4(x + 4));
+    return dx[0] * (q_half(b) * dot + q_half(b + 2) * xs);
+}
+
+// IQ4_NL: signed levels against signed x (dp4a), one scale a block.
+template <>
+__device__ __forceinline__ float chunk_dot_q8<WNL>(const u8* b, int, const int* x, const float* dx) {
+    unsigned lo[4], hi[4];
+    WNL::levels(b, lo, hi);
+    return q_half(b) * dx[0] * (float)(dp4x4(lo, x) + dp4x4(hi, x + 4));
 }
 
 // Q4_K / Q5_K chunk j as k_asym_dot reads it: x[0..4] are sub-block 2p's 16 columns, x[4..8]
@@ -948,6 +1169,9 @@ __device__ __forceinline__ void warp_dot_q8_typed(int type, const u8* const* row
         case 2: warp_dot_q8<W4_K, R>(rows, xq, xd, K, out); break;
         case 3: warp_dot_q8<W5_K, R>(rows, xq, xd, K, out); break;
         case 6: warp_dot_q8<WMX, R>(rows, xq, xd, K, out); break;
+        case 7: warp_dot_q8<W5_0, R>(rows, xq, xd, K, out); break;
+        case 8: warp_dot_q8<W5_1, R>(rows, xq, xd, K, out); break;
+        case 9: warp_dot_q8<WNL, R>(rows, xq, xd, K, out); break;
         default: warp_dot_q8<W6_K, R>(rows, xq, xd, K, out); break;
     }
 }
@@ -977,7 +1201,7 @@ __device__ __forceinline__ float down_entries_q8(const u8* __restrict__ D, int r
 
 // ---- the hot lane over caches of any block type ----
 // Type codes (kernels/src/cuda/quant.rs, `type_code`): 0 Q8_0, 1 Q4_0, 2 Q4_K, 3 Q5_K, 4 Q6_K,
-// 5 bf16, 6 MXFP4. A cache is [n_slots, rows, K] in its type: row r of slot s at (s * rows + r) * row_bytes.
+// 5 bf16, 6 MXFP4, 7 Q5_0, 8 Q5_1, 9 IQ4_NL. A cache is [n_slots, rows, K] in its type: row r of slot s at (s * rows + r) * row_bytes.
 
 // R rows of one stored type (chosen at run time, uniform over the warp: no divergence) . x,
 // one warp, out[r] in every lane. Quantized rows take the wide chunks (x 16-byte aligned; Q4_K /
@@ -1005,6 +1229,9 @@ __device__ __forceinline__ void warp_dot_typed(int type, const u8* const* rows, 
         case 3: warp_dot_wide<W5_K, R>(rows, x, K, out); break;
         case 4: warp_dot_wide<W6_K, R>(rows, x, K, out); break;
         case 6: warp_dot_wide<WMX, R>(rows, x, K, out); break;
+        case 7: warp_dot_wide<W5_0, R>(rows, x, K, out); break;
+        case 8: warp_dot_wide<W5_1, R>(rows, x, K, out); break;
+        case 9: warp_dot_wide<WNL, R>(rows, x, K, out); break;
         default:
 #pragma unroll
             for (int r = 0; r < R; r++) out[r] = warp_dot_bf16((const bf16*)rows[r], x, K);
@@ -1085,6 +1312,9 @@ __device__ __forceinline__ void down_typed(const u8* __restrict__ D, int d_type,
         case 3: acc = DOWN_ENTRIES(W5_K); break;
         case 4: acc = DOWN_ENTRIES(W6_K); break;
         case 6: acc = DOWN_ENTRIES(WMX); break;
+        case 7: acc = DOWN_ENTRIES(W5_0); break;
+        case 8: acc = DOWN_ENTRIES(W5_1); break;
+        case 9: acc = DOWN_ENTRIES(WNL); break;
         default:
             for (int e = e0; e < e1; e++) {
                 if (slots[e] < 0) continue;  // cold entry (device-built worklist)
@@ -1144,6 +1374,9 @@ extern "C" __global__ void embed_q(const u8* __restrict__ table, int type, int r
         case 3: embed_row_q<Q5_K>(row, o, hidden); break;
         case 4: embed_row_q<Q6_K>(row, o, hidden); break;
         case 6: embed_row_q<QMX>(row, o, hidden); break;
+        case 7: embed_row_q<Q5_0>(row, o, hidden); break;
+        case 8: embed_row_q<Q5_1>(row, o, hidden); break;
+        case 9: embed_row_q<QNL>(row, o, hidden); break;
         default:
             for (int i = threadIdx.x; i < hidden; i += blockDim.x) o[i] = __bfloat162float(((const bf16*)row)[i]);
     }
@@ -1203,6 +1436,18 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_mxfp4(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
     pdl_enter();
     gemv1_q<WMX>(W, x, y, N, K, accumulate, wide);
+}
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q5_0(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    pdl_enter();
+    gemv1_q<W5_0>(W, x, y, N, K, accumulate, wide);
+}
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_q5_1(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    pdl_enter();
+    gemv1_q<W5_1>(W, x, y, N, K, accumulate, wide);
+}
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv1_iq4_nl(const u8* W, const float* x, float* y, int N, int K, int accumulate, int wide) {
+    pdl_enter();
+    gemv1_q<WNL>(W, x, y, N, K, accumulate, wide);
 }
 
 // gemv1_q over 8-bit x (xq 16-byte aligned, xd its block scales), the type chosen at run time
@@ -1299,6 +1544,9 @@ __device__ __forceinline__ uint4 q_row_run8_bf16(int type, const u8* row, int k)
         case 3: Q5_K::run8(row + (k >> 8) * Q5_K::BYTES, k & 255, v); break;
         case 4: Q6_K::run8(row + (k >> 8) * Q6_K::BYTES, k & 255, v); break;
         case 6: QMX::run8(row + (k >> 5) * QMX::BYTES, k & 31, v); break;
+        case 7: Q5_0::run8(row + (k >> 5) * Q5_0::BYTES, k & 31, v); break;
+        case 8: Q5_1::run8(row + (k >> 5) * Q5_1::BYTES, k & 31, v); break;
+        case 9: QNL::run8(row + (k >> 5) * QNL::BYTES, k & 31, v); break;
         default: {
             const unsigned short* p = (const unsigned short*)row + k;
             return make_uint4(p[0] | ((unsigned)p[1] << 16), p[2] | ((unsigned)p[3] << 16),

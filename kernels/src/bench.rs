@@ -285,8 +285,8 @@ fn bench_weight_pool(pool: &mut ColdPool, bytes: usize, dtype: WeightDType) -> R
     })?;
     // Random bytes are valid quantised values; only the f16 scales need sane magnitudes.
     let scale_at: &[usize] = match dtype {
-        WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
-        WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
+        WeightDType::Q8_0 | WeightDType::Q4_0 | WeightDType::Q5_0 | WeightDType::Iq4Nl => &[0],
+        WeightDType::Q4_K | WeightDType::Q5_K | WeightDType::Q5_1 => &[0, 2],
         WeightDType::Q6_K => &[208],
         WeightDType::Mxfp4 | WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => &[],
     };

@@ -6,7 +6,10 @@
 //! fifth bits before the nibbles (176 / 256); Q6_K 128 low-nibble bytes, 64 bytes of 2-bit
 //! pairs, 16 i8 scales, `d` (210 / 256); MXFP4 one E8M0 scale byte `e` + 16 nibble bytes, value
 //! j low / j+16 high, each nibble an E2M1 value looked up doubled in [`MXFP4_VALUES`] and scaled by
-//! [`e8m0_half`]`(e)` (17 / 32).
+//! [`e8m0_half`]`(e)` (17 / 32); Q5_0 `d`, 4 bytes `qh` (a little-endian u32 whose bit j is
+//! the fifth bit of value j), 16 nibble bytes as Q4_0, minus 16 (22 / 32); Q5_1 `d`, `m`, `qh`,
+//! nibbles, `d * q + m` (24 / 32); IQ4_NL `d` + 16 nibble bytes as Q4_0, each nibble indexing
+//! [`IQ4_NL_VALUES`] (18 / 32).
 //!
 //! The quantised tile dequantises up to 256 columns of each row of the tile into an f32 buffer
 //! on the stack (L1) with the level's decoder (the AVX2/AVX-512 ones in `x86_quant.rs` are
@@ -50,6 +53,26 @@ pub(crate) fn half_at(b: &[u8], at: usize) -> f32 {
 /// The E2M1 values of MXFP4's nibbles, doubled (so they are integers), as llama.cpp's
 /// `kvalues_mxfp4`: a block's value is `MXFP4_VALUES[nibble] * e8m0_half(e)`.
 pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// llama.cpp's non-linear IQ4_NL levels (`kvalues_iq4nl`), indexed by a nibble: a value is
+/// `d * IQ4_NL_VALUES[nibble]`.
+pub const IQ4_NL_VALUES: [i8; 16] =
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+
+/// The 32 five-bit levels (0..32) of a Q5_0/Q5_1 block's `qh` word (at `b[0..4]`) and nibble
+/// bytes (`b[4..20]`): value j is nibble j (low, j < 16; high nibble of byte j - 16 after) with
+/// bit j of `qh` as its fifth bit.
+#[inline(always)]
+pub(crate) fn q5_levels(b: &[u8]) -> [u8; 32] {
+    let qh = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let mut q = [0u8; 32];
+    for j in 0..16 {
+        let byte = b[4 + j];
+        q[j] = (byte & 15) | ((((qh >> j) & 1) as u8) << 4);
+        q[j + 16] = (byte >> 4) | ((((qh >> (j + 16)) & 1) as u8) << 4);
+    }
+    q
+}
 
 /// Half the E8M0 scale `2^(e - 127)`, i.e. `2^(e - 128)`, as llama.cpp's `ggml_e8m0_to_fp32_half`
 /// (and gguf-py) compute it: subnormal bit patterns for `e < 2`, and no NaN for `e = 0xFF` (which
@@ -97,6 +120,26 @@ pub fn dequantize_block(dtype: WeightDType, block: &[u8], out: &mut [f32]) {
             for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&block[1..17]) {
                 *l = MXFP4_VALUES[(q & 15) as usize] as f32 * d;
                 *h = MXFP4_VALUES[(q >> 4) as usize] as f32 * d;
+            }
+        }
+        WeightDType::Q5_0 => {
+            let d = half_at(block, 0);
+            for (o, &q) in out.iter_mut().zip(&q5_levels(&block[2..22])) {
+                *o = (q as i32 - 16) as f32 * d;
+            }
+        }
+        WeightDType::Q5_1 => {
+            let (d, m) = (half_at(block, 0), half_at(block, 2));
+            for (o, &q) in out.iter_mut().zip(&q5_levels(&block[4..24])) {
+                *o = q as f32 * d + m;
+            }
+        }
+        WeightDType::Iq4Nl => {
+            let d = half_at(block, 0);
+            let (lo, hi) = out.split_at_mut(16);
+            for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&block[2..18]) {
+                *l = d * IQ4_NL_VALUES[(q & 15) as usize] as f32;
+                *h = d * IQ4_NL_VALUES[(q >> 4) as usize] as f32;
             }
         }
         float => panic!("dequantize_block called with float type {}", float.name()),
@@ -306,6 +349,36 @@ mod tests {
         dequantize_block(WeightDType::Mxfp4, &block, &mut out);
         assert_eq!((out[0], out[16], out[17]), (12.0, -12.0, -1.0));
         assert_eq!(out[1].to_bits(), 0, "nibble 8 is +0");
+    }
+
+    #[test]
+    fn q5_blocks_take_the_fifth_bit_from_the_qh_word() {
+        // d = 1 (0x3C00), Q5_1's m = -0.5 (0xB800); qh bit 0 and bit 16 set (values 0 and 16),
+        // byte 0 of the nibbles 0x3F: value 0 nibble 15 (level 31), value 16 nibble 3 (level 19).
+        let mut q5_0 = [0u8; 22];
+        q5_0[..2].copy_from_slice(&0x3C00u16.to_le_bytes());
+        q5_0[2..6].copy_from_slice(&0x0001_0001u32.to_le_bytes());
+        q5_0[6] = 0x3F;
+        let mut out = [f32::NAN; 32];
+        dequantize_block(WeightDType::Q5_0, &q5_0, &mut out);
+        assert_eq!((out[0], out[16], out[1], out[17]), (15.0, 3.0, -16.0, -16.0));
+        let mut q5_1 = [0u8; 24];
+        q5_1[..2].copy_from_slice(&0x3C00u16.to_le_bytes());
+        q5_1[2..4].copy_from_slice(&0xB800u16.to_le_bytes());
+        q5_1[4..24].copy_from_slice(&q5_0[2..22]);
+        dequantize_block(WeightDType::Q5_1, &q5_1, &mut out);
+        assert_eq!((out[0], out[16], out[1]), (30.5, 18.5, -0.5));
+    }
+
+    #[test]
+    fn iq4_nl_block_looks_nibbles_up_in_llama_cpp_table() {
+        let mut block = [0u8; 18];
+        block[..2].copy_from_slice(&0x3800u16.to_le_bytes()); // d = 0.5
+        block[2] = 0xF0; // value 0: -127, value 16: 113
+        block[3] = 0x78; // value 1: 1, value 17: -10
+        let mut out = [f32::NAN; 32];
+        dequantize_block(WeightDType::Iq4Nl, &block, &mut out);
+        assert_eq!((out[0], out[16], out[1], out[17]), (-63.5, 56.5, 0.5, -5.0));
     }
 
     #[test]

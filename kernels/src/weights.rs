@@ -22,19 +22,28 @@ pub enum WeightDType {
     Q6_K,
     /// GGML's MXFP4 (type 39): 32 E2M1 values under one E8M0 scale byte.
     Mxfp4,
+    /// GGML's Q5_0 (type 6): 32 five-bit values minus 16 under one f16 scale.
+    Q5_0,
+    /// GGML's Q5_1 (type 7): 32 five-bit values under an f16 scale and an f16 min.
+    Q5_1,
+    /// GGML's IQ4_NL (type 20): 32 nibbles indexing a fixed non-linear table, one f16 scale.
+    Iq4Nl,
 }
 
 impl WeightDType {
     /// The float element types.
     pub const FLOATS: [WeightDType; 3] = [WeightDType::F32, WeightDType::F16, WeightDType::BF16];
     /// The quantised block types.
-    pub const QUANTIZED: [WeightDType; 6] = [
+    pub const QUANTIZED: [WeightDType; 9] = [
         WeightDType::Q8_0,
         WeightDType::Q4_0,
         WeightDType::Q4_K,
         WeightDType::Q5_K,
         WeightDType::Q6_K,
         WeightDType::Mxfp4,
+        WeightDType::Q5_0,
+        WeightDType::Q5_1,
+        WeightDType::Iq4Nl,
     ];
 
     /// Whether values are stored in quantised blocks.
@@ -46,7 +55,12 @@ impl WeightDType {
     pub fn block_elems(self) -> usize {
         match self {
             WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => 1,
-            WeightDType::Q8_0 | WeightDType::Q4_0 | WeightDType::Mxfp4 => 32,
+            WeightDType::Q8_0
+            | WeightDType::Q4_0
+            | WeightDType::Mxfp4
+            | WeightDType::Q5_0
+            | WeightDType::Q5_1
+            | WeightDType::Iq4Nl => 32,
             WeightDType::Q4_K | WeightDType::Q5_K | WeightDType::Q6_K => 256,
         }
     }
@@ -62,6 +76,9 @@ impl WeightDType {
             WeightDType::Q5_K => 176,
             WeightDType::Q6_K => 210,
             WeightDType::Mxfp4 => 17,
+            WeightDType::Q5_0 => 22,
+            WeightDType::Q5_1 => 24,
+            WeightDType::Iq4Nl => 18,
         }
     }
 
@@ -82,6 +99,9 @@ impl WeightDType {
             WeightDType::Q5_K => "q5_k",
             WeightDType::Q6_K => "q6_k",
             WeightDType::Mxfp4 => "mxfp4",
+            WeightDType::Q5_0 => "q5_0",
+            WeightDType::Q5_1 => "q5_1",
+            WeightDType::Iq4Nl => "iq4_nl",
         }
     }
 

@@ -231,7 +231,10 @@ pub(crate) unsafe fn tile(
             | WeightDType::Q4_K
             | WeightDType::Q5_K
             | WeightDType::Q6_K
-            | WeightDType::Mxfp4) => {
+            | WeightDType::Mxfp4
+            | WeightDType::Q5_0
+            | WeightDType::Q5_1
+            | WeightDType::Iq4Nl) => {
                 unreachable!("{} rows go through quant_tile", quantized.name())
             }
             WeightDType::F32 => tile_dtype::<DT_F32>(rows, prefetch_rows, xs, cols, out),

@@ -52,19 +52,21 @@ pub(crate) unsafe fn k_scales_mins_vec(p: *const u8) -> std::arch::x86_64::__m12
     )
 }
 
-/// The 32 doubled E2M1 values (i8, [`crate::quant::MXFP4_VALUES`]) of the MXFP4 nibble bytes at
-/// `qs` (16 bytes: values 0..16 from the low nibbles, 16..32 from the high ones) into `out`: one
-/// `pshufb` table lookup per half.
+/// The 32 signed levels `table[nibble]` of 16 nibble bytes at `qs` (values 0..16 from the low
+/// nibbles in `.0`, 16..32 from the high ones in `.1`): one `pshufb` table lookup per half.
 ///
 /// # Safety
 /// The CPU must support AVX2 (SSSE3's `pshufb`); `qs` must address 16 readable bytes.
 #[inline]
 #[target_feature(enable = "avx2")]
-pub(crate) unsafe fn mxfp4_levels(qs: *const u8) -> (std::arch::x86_64::__m128i, std::arch::x86_64::__m128i) {
+pub(crate) unsafe fn table_levels(
+    table: &[i8; 16],
+    qs: *const u8,
+) -> (std::arch::x86_64::__m128i, std::arch::x86_64::__m128i) {
     use std::arch::x86_64::*;
     // SAFETY: the table is 16 bytes; the caller vouches for 16 readable bytes at `qs`.
     unsafe {
-        let table = _mm_loadu_si128(crate::quant::MXFP4_VALUES.as_ptr() as *const __m128i);
+        let table = _mm_loadu_si128(table.as_ptr() as *const __m128i);
         let q = _mm_loadu_si128(qs as *const __m128i);
         let low4 = _mm_set1_epi8(15);
         let lo = _mm_shuffle_epi8(table, _mm_and_si128(q, low4));
@@ -73,9 +75,50 @@ pub(crate) unsafe fn mxfp4_levels(qs: *const u8) -> (std::arch::x86_64::__m128i,
     }
 }
 
+/// The 32 doubled E2M1 values (i8, [`crate::quant::MXFP4_VALUES`]) of the MXFP4 nibble bytes at
+/// `qs` (16 bytes: values 0..16 from the low nibbles, 16..32 from the high ones).
+///
+/// # Safety
+/// The CPU must support AVX2; `qs` must address 16 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn mxfp4_levels(qs: *const u8) -> (std::arch::x86_64::__m128i, std::arch::x86_64::__m128i) {
+    // SAFETY: forwarded from the caller.
+    unsafe { table_levels(&crate::quant::MXFP4_VALUES, qs) }
+}
+
+/// The 32 five-bit levels (u8, 0..32) of a Q5_0/Q5_1 block from its `qh` word and nibble bytes
+/// at `p` (20 bytes: `qh` then 16 nibble bytes), values 0..16 in `.0`, 16..32 in `.1`: each
+/// 16 bits of `qh` spread to a byte each (a byte shuffle, a bit test) as the nibbles' bit 4.
+///
+/// # Safety
+/// The CPU must support AVX2; `p` must address 20 readable bytes.
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) unsafe fn q5_levels(p: *const u8) -> (std::arch::x86_64::__m128i, std::arch::x86_64::__m128i) {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller vouches for 20 readable bytes at `p`; loads tolerate any alignment.
+    unsafe {
+        let qh = (p as *const u32).read_unaligned();
+        let q = _mm_loadu_si128(p.add(4) as *const __m128i);
+        let bits = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+        let spread = |half: u32| {
+            let bytes = _mm_shuffle_epi8(
+                _mm_cvtsi32_si128(half as i32),
+                _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+            );
+            _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(bytes, bits), bits), _mm_set1_epi8(16))
+        };
+        let low4 = _mm_set1_epi8(15);
+        let lo = _mm_or_si128(_mm_and_si128(q, low4), spread(qh & 0xFFFF));
+        let hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16::<4>(q), low4), spread(qh >> 16));
+        (lo, hi)
+    }
+}
+
 /// The level-independent dequantisation bodies, written against the lane helpers of the module
 /// that expands them: `LANES`, `F`, `I`, `half_splat(p)`, `splat(f32)`, `load_u8(p)`, `load_i8(p)`,
-/// `and_i(I, i32)`, `srl_i(I, u32)`, `sll_i`, `or_i`, `sub_i32(I, i32)`, `to_f32(I)`, `mul`, `sub`,
+/// `and_i(I, i32)`, `srl_i(I, u32)`, `sll_i`, `or_i`, `sub_i32(I, i32)`, `to_f32(I)`, `mul`, `sub`, `add`,
 /// `store(p, F)`, `scales8(bytes: *const u8, d: f32, out: *mut f32)` (8 u8 times d) and
 /// `scales16_i8` (16 i8 times d).
 macro_rules! dequant_bodies {
@@ -128,6 +171,51 @@ macro_rules! dequant_bodies {
                 std::arch::x86_64::_mm_storeu_si128(levels.as_mut_ptr().add(16) as *mut _, hi);
                 for i in (0..32).step_by(LANES) {
                     store(out.add(i), mul(to_f32(load_i8(levels.as_ptr().add(i) as *const u8)), d));
+                }
+            }
+        }
+
+        /// Q5_0 (`MIN` false: `d * (q - 16)`) or Q5_1 (`d * q + m`) block at `b` into 32 f32
+        /// at `out`, the scalar decoder's products (and sum) per value.
+        // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+        // level) and the pointers cover the block, lanes or rows this function reads and writes.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn q5<const MIN: bool>(b: *const u8, out: *mut f32) {
+            // SAFETY: the caller vouches for one 22- (Q5_0) or 24-byte (Q5_1) block at `b` and
+            // 32 f32 at `out`.
+            unsafe {
+                let d = half_splat(b);
+                let (lo, hi) = crate::x86_quant::q5_levels(b.add(if MIN { 4 } else { 2 }));
+                let mut levels = [0u8; 32];
+                std::arch::x86_64::_mm_storeu_si128(levels.as_mut_ptr() as *mut _, lo);
+                std::arch::x86_64::_mm_storeu_si128(levels.as_mut_ptr().add(16) as *mut _, hi);
+                for i in (0..32).step_by(LANES) {
+                    let q = load_u8(levels.as_ptr().add(i));
+                    if MIN {
+                        store(out.add(i), add(mul(to_f32(q), d), half_splat(b.add(2))));
+                    } else {
+                        store(out.add(i), mul(to_f32(sub_i32(q, 16)), d));
+                    }
+                }
+            }
+        }
+
+        /// IQ4_NL block at `b` into 32 f32 at `out`: `d * kvalues[nibble]` (a table lookup).
+        // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+        // level) and the pointers cover the block, lanes or rows this function reads and writes.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn iq4_nl(b: *const u8, out: *mut f32) {
+            // SAFETY: the caller vouches for one 18-byte block at `b` and 32 f32 at `out`.
+            unsafe {
+                let d = half_splat(b);
+                let (lo, hi) = crate::x86_quant::table_levels(&crate::quant::IQ4_NL_VALUES, b.add(2));
+                let mut levels = [0i8; 32];
+                std::arch::x86_64::_mm_storeu_si128(levels.as_mut_ptr() as *mut _, lo);
+                std::arch::x86_64::_mm_storeu_si128(levels.as_mut_ptr().add(16) as *mut _, hi);
+                for i in (0..32).step_by(LANES) {
+                    store(out.add(i), mul(d, to_f32(load_i8(levels.as_ptr().add(i) as *const u8))));
                 }
             }
         }
@@ -226,6 +314,9 @@ macro_rules! dequant_bodies {
                         WeightDType::Q5_K => k_asym::<true>(block, y),
                         WeightDType::Q6_K => q6_k(block, y),
                         WeightDType::Mxfp4 => mxfp4(block, y),
+                        WeightDType::Q5_0 => q5::<false>(block, y),
+                        WeightDType::Q5_1 => q5::<true>(block, y),
+                        WeightDType::Iq4Nl => iq4_nl(block, y),
                         float => unreachable!("dequantize_blocks called with float type {}", float.name()),
                     }
                 }
@@ -311,6 +402,11 @@ pub(crate) mod avx512 {
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     fn sub(a: F, b: F) -> F {
         _mm512_sub_ps(a, b)
+    }
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    fn add(a: F, b: F) -> F {
+        _mm512_add_ps(a, b)
     }
     // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
     // level) and the pointers cover the block, lanes or rows this function reads and writes.
@@ -420,6 +516,11 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     fn sub(a: F, b: F) -> F {
         _mm256_sub_ps(a, b)
+    }
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn add(a: F, b: F) -> F {
+        _mm256_add_ps(a, b)
     }
     // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
     // level) and the pointers cover the block, lanes or rows this function reads and writes.

@@ -2,15 +2,16 @@
 //! registers and multiplied into the accumulators straight away, with no store and reload of
 //! dequantised values through an L1 buffer.
 //!
-//! AVX-512: Q4_0 and MXFP4 look their values up in a per-block table of the 16 dequantised
-//! values (`vpermps`, exactly the scalar values); the K-quants dot the raw levels (constant tables
+//! AVX-512: Q4_0, MXFP4 and IQ4_NL look their values up in a per-block table of the 16
+//! dequantised values (`vpermps`, exactly the scalar values), Q5_0/Q5_1 in one of 32 (`vpermt2ps`); the K-quants dot the raw levels (constant tables
 //! 0..16 / 0..32 for Q4_K / Q5_K; Q6_K's 64 six-bit levels per step assembled with one
 //! `vpternlogd` against activations put into the levels' byte order once per block), scale each
 //! sub-block's dot once, and take the mins (Q4_K/Q5_K) or the offset 32 (Q6_K) as one 16-lane term
 //! against sums of x per 16 columns shared by the tile's rows. AVX2: the 4- and 5-bit types look
 //! their values up in a per-(sub-)block table (`scale * q - min` in one FMA); Q8_0 and Q6_K convert
 //! the integers and apply the (sub-)block scale once per 32 or 16 values, MXFP4 its doubled E2M1
-//! integers (a `pshufb` lookup) and its scale once per 32. Results differ from the
+//! integers (a `pshufb` lookup) and its scale once per 32, IQ4_NL likewise with its f16 scale,
+//! Q5_0 its levels minus 16 and Q5_1 its levels and `m * sum(x)` once per 32. Results differ from the
 //! scalar kernel by f32 rounding only (summation order, the fused table entries, the factored
 //! scales).
 //!
@@ -30,6 +31,9 @@ const Q4_K: u8 = 2;
 const Q5_K: u8 = 3;
 const Q6_K: u8 = 4;
 const MXFP4: u8 = 5;
+const Q5_0: u8 = 6;
+const Q5_1: u8 = 7;
+const IQ4_NL: u8 = 8;
 
 /// Prefetches (into L2) every cache line of each of `next` rows below byte `upto`, from
 /// `*prefetched` on, so the next row block streams while this one is decoded.
@@ -68,6 +72,9 @@ macro_rules! dispatch_decode_tile {
             WeightDType::Q5_K => by_rows!(Q5_K),
             WeightDType::Q6_K => by_rows!(Q6_K),
             WeightDType::Mxfp4 => by_rows!(MXFP4),
+            WeightDType::Q5_0 => by_rows!(Q5_0),
+            WeightDType::Q5_1 => by_rows!(Q5_1),
+            WeightDType::Iq4Nl => by_rows!(IQ4_NL),
             _ => return false,
         }
         true
@@ -84,7 +91,7 @@ pub(crate) mod avx512 {
 
     use crate::weights::WeightDType;
 
-    use super::{prefetch_rows_through, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
+    use super::{prefetch_rows_through, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 
     /// Two accumulators per row: halves of a block alternate between them, so the FMA chain of
     /// one row is half as long.
@@ -173,6 +180,56 @@ pub(crate) mod avx512 {
             )));
             let table = _mm512_mul_ps(levels, _mm512_set1_ps(crate::quant::e8m0_half(*b)));
             let q = load_u8(b.add(1));
+            let lo = _mm512_permutexvar_ps(q, table);
+            let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table);
+            acc[0] = _mm512_fmadd_ps(lo, load_x(x), acc[0]);
+            acc[1] = _mm512_fmadd_ps(hi, load_x(x.add(16)), acc[1]);
+        }
+    }
+
+    /// Q5_0 (`MIN` false, table `d * (i - 16)`) or Q5_1 (`i * d + m`) block at `b` against 32
+    /// f32 at `x`: the 32-entry table of the block's values (exactly the scalar values) in two
+    /// registers, looked up with `vpermt2ps` by the five-bit levels.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn q5<const MIN: bool>(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 22- or 24-byte block at `b` and 32 f32 at `x`.
+        unsafe {
+            let d = half_splat(b);
+            let (t0, t1) = if MIN {
+                let m = half_splat(b.add(2));
+                let sixteen = _mm512_set1_ps(16.0);
+                (
+                    _mm512_add_ps(_mm512_mul_ps(iota(), d), m),
+                    _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(iota(), sixteen), d), m),
+                )
+            } else {
+                (_mm512_mul_ps(_mm512_sub_ps(iota(), _mm512_set1_ps(16.0)), d), _mm512_mul_ps(iota(), d))
+            };
+            let (lo, hi) = crate::x86_quant::q5_levels(b.add(if MIN { 4 } else { 2 }));
+            let vlo = _mm512_permutex2var_ps(t0, _mm512_cvtepu8_epi32(lo), t1);
+            let vhi = _mm512_permutex2var_ps(t0, _mm512_cvtepu8_epi32(hi), t1);
+            acc[0] = _mm512_fmadd_ps(vlo, load_x(x), acc[0]);
+            acc[1] = _mm512_fmadd_ps(vhi, load_x(x.add(16)), acc[1]);
+        }
+    }
+
+    /// IQ4_NL block at `b` against 32 f32 at `x`, values looked up in the table
+    /// `d * kvalues[i]` (exactly the scalar values).
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn iq4_nl(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 18-byte block at `b` and 32 f32 at `x`.
+        unsafe {
+            let levels = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                crate::quant::IQ4_NL_VALUES.as_ptr() as *const __m128i,
+            )));
+            let table = _mm512_mul_ps(half_splat(b), levels);
+            let q = load_u8(b.add(2));
             let lo = _mm512_permutexvar_ps(q, table);
             let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(q), table);
             acc[0] = _mm512_fmadd_ps(lo, load_x(x), acc[0]);
@@ -451,6 +508,9 @@ pub(crate) mod avx512 {
                 Q8_0 => q8_0(b, x, acc),
                 Q4_0 => q4_0(b, x, acc),
                 MXFP4 => mxfp4(b, x, acc),
+                Q5_0 => q5::<false>(b, x, acc),
+                Q5_1 => q5::<true>(b, x, acc),
+                IQ4_NL => iq4_nl(b, x, acc),
                 Q4_K => q4_k(b, x, xsum16, acc),
                 Q5_K => q5_k(b, x, xsum16, acc),
                 _ => q6_k(b, x, xsum16, acc),
@@ -534,7 +594,7 @@ pub(crate) mod avx2 {
 
     use crate::weights::WeightDType;
 
-    use super::{prefetch_rows_through, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
+    use super::{prefetch_rows_through, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 
     /// Two accumulators per row (see the AVX-512 tile).
     type Acc = [__m256; 2];
@@ -633,6 +693,65 @@ pub(crate) mod avx2 {
             dot = _mm256_fmadd_ps(f(hi), load_x(x.add(16)), dot);
             dot = _mm256_fmadd_ps(f(_mm_srli_si128::<8>(hi)), load_x(x.add(24)), dot);
             acc[0] = _mm256_fmadd_ps(_mm256_set1_ps(crate::quant::e8m0_half(*b)), dot, acc[0]);
+        }
+    }
+
+    /// `levels · x` over 32 values: `lo` the i8 (or, `SIGNED` false, u8) levels of values 0..16,
+    /// `hi` of 16..32.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn levels_dot<const SIGNED: bool>(lo: __m128i, hi: __m128i, x: *const f32) -> __m256 {
+        let f = |v: __m128i| {
+            _mm256_cvtepi32_ps(if SIGNED { _mm256_cvtepi8_epi32(v) } else { _mm256_cvtepu8_epi32(v) })
+        };
+        // SAFETY: the caller vouches for 32 f32 at `x`.
+        unsafe {
+            let mut dot = _mm256_mul_ps(f(lo), load_x(x));
+            dot = _mm256_fmadd_ps(f(_mm_srli_si128::<8>(lo)), load_x(x.add(8)), dot);
+            dot = _mm256_fmadd_ps(f(hi), load_x(x.add(16)), dot);
+            _mm256_fmadd_ps(f(_mm_srli_si128::<8>(hi)), load_x(x.add(24)), dot)
+        }
+    }
+
+    /// Q5_0 block at `b` against 32 f32 at `x`: `acc += d * ((q - 16) · x)`; Q5_1 (`MIN`):
+    /// `acc += d * (q · x) + m * sum(x)`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn q5<const MIN: bool>(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 22- or 24-byte block at `b` and 32 f32 at `x`.
+        unsafe {
+            let (lo, hi) = crate::x86_quant::q5_levels(b.add(if MIN { 4 } else { 2 }));
+            if MIN {
+                let dot = levels_dot::<false>(lo, hi, x);
+                let xs = _mm256_add_ps(
+                    _mm256_add_ps(load_x(x), load_x(x.add(8))),
+                    _mm256_add_ps(load_x(x.add(16)), load_x(x.add(24))),
+                );
+                acc[0] = _mm256_fmadd_ps(half_splat(b), dot, acc[0]);
+                acc[1] = _mm256_fmadd_ps(half_splat(b.add(2)), xs, acc[1]);
+            } else {
+                let sixteen = _mm_set1_epi8(16);
+                let dot = levels_dot::<true>(_mm_sub_epi8(lo, sixteen), _mm_sub_epi8(hi, sixteen), x);
+                acc[0] = _mm256_fmadd_ps(half_splat(b), dot, acc[0]);
+            }
+        }
+    }
+
+    /// IQ4_NL block at `b` against 32 f32 at `x`: `acc += d * (kvalues[q] · x)`, the levels
+    /// looked up with `pshufb`.
+    // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+    // level) and the pointers cover the block, lanes or rows this function reads and writes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn iq4_nl(b: *const u8, x: *const f32, acc: &mut Acc) {
+        // SAFETY: the caller vouches for one 18-byte block at `b` and 32 f32 at `x`.
+        unsafe {
+            let (lo, hi) = crate::x86_quant::table_levels(&crate::quant::IQ4_NL_VALUES, b.add(2));
+            acc[0] = _mm256_fmadd_ps(half_splat(b), levels_dot::<true>(lo, hi, x), acc[0]);
         }
     }
 
@@ -762,6 +881,9 @@ pub(crate) mod avx2 {
                 Q8_0 => q8_0(b, x, acc),
                 Q4_0 => q4_0(b, x, acc),
                 MXFP4 => mxfp4(b, x, acc),
+                Q5_0 => q5::<false>(b, x, acc),
+                Q5_1 => q5::<true>(b, x, acc),
+                IQ4_NL => iq4_nl(b, x, acc),
                 Q4_K => k_asym::<false>(b, x, acc),
                 Q5_K => k_asym::<true>(b, x, acc),
                 _ => q6_k(b, x, acc),

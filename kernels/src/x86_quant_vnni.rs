@@ -4,7 +4,8 @@
 //! activation scales applied once per (sub-)block in f32.
 //!
 //! MXFP4's signed doubled E2M1 levels (-12..=12) become u8 by a `pshufb` table of the levels plus
-//! 12. Offsets are folded into the integer accumulator's start: Q6_K's 32, Q4_0's 8, MXFP4's 12 and Q8_0's 128
+//! 12, IQ4_NL's table levels (-127..=113) by a `pshufb` lookup plus 128; Q5_0/Q5_1 dot their
+//! five-bit levels (0..32). Offsets are folded into the integer accumulator's start: Q6_K's 32, Q4_0's 8, MXFP4's 12 and Q8_0's 128
 //! times the activations' sums per four values (one `vpdpbusd` per block, shared by the rows).
 //! The K-quant mins go as one 16-lane product `[d sc_j | dmin m_j] * [d_x,j | sum_x,j]`, the
 //! min lanes subtracted. Per block the activations are prepared once for the tile's rows
@@ -20,7 +21,7 @@ use crate::q8::Q8Row;
 use crate::weights::WeightDType;
 
 use super::avx512::{half_splat, k_coefficients, q6_levels};
-use super::{prefetch_rows_through, MXFP4, Q4_0, Q4_K, Q5_K, Q6_K, Q8_0};
+use super::{prefetch_rows_through, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 
 /// Two accumulators per row (halves of a block alternate between them).
 type Acc = [__m512; 2];
@@ -99,15 +100,23 @@ unsafe fn prepare<const Q: u8>(x: Q8Row, blk: usize) -> XBlock {
                     match Q {
                         Q4_0 => 8,
                         MXFP4 => 12,
-                        _ => -128,
+                        Q5_0 => 16,
+                        Q5_1 => 0,
+                        _ => -128, // Q8_0 and IQ4_NL: levels + 128
                     },
                     v,
                 );
-                XBlock {
-                    v: [v, zero, zero, zero],
-                    off: [off, zero, zero, zero],
-                    f: _mm512_set1_ps(*x.d.add(blk)),
-                }
+                let f = if Q == Q5_1 {
+                    // [d_x (8 lanes) | sum_x, 0 ...]: the dot's and the min's factors.
+                    _mm512_mask_blend_ps(
+                        0xFF00,
+                        _mm512_set1_ps(*x.d.add(blk)),
+                        _mm512_maskz_mov_ps(0x0100, _mm512_set1_ps(*x.sum.add(blk))),
+                    )
+                } else {
+                    _mm512_set1_ps(*x.d.add(blk))
+                };
+                XBlock { v: [v, zero, zero, zero], off: [off, zero, zero, zero], f }
             }
         }
     }
@@ -190,8 +199,10 @@ unsafe fn q6_k(b: *const u8, x: &XBlock, acc: &mut Acc) {
     }
 }
 
-/// Q4_0 (levels: the nibbles, offset 8), MXFP4 (levels: the doubled E2M1 values + 12, offset 12)
-/// or Q8_0 (levels: i8 + 128) block at `b`: one 256-bit `vpdpbusd`, scaled by `d d_x`.
+/// Q4_0 (levels: the nibbles, offset 8), MXFP4 (levels: the doubled E2M1 values + 12, offset 12),
+/// Q5_0 (the five-bit levels, offset 16), IQ4_NL (the table levels + 128, offset 128) or Q8_0
+/// (levels: i8 + 128) block at `b`: one 256-bit `vpdpbusd`, scaled by `d d_x`; Q5_1 (the
+/// five-bit levels, no offset) adds its min as `m sum_x` in one more lane.
 // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
 // level) and the pointers cover the block, lanes or rows this function reads and writes.
 #[inline]
@@ -210,12 +221,28 @@ unsafe fn small_block<const Q: u8>(b: *const u8, x: &XBlock, acc: &mut Acc) {
                 );
                 _mm256_shuffle_epi8(table, nibbles(_mm_loadu_si128(b.add(1) as *const __m128i)))
             }
+            Q5_0 | Q5_1 => {
+                let (lo, hi) = crate::x86_quant::q5_levels(b.add(if Q == Q5_1 { 4 } else { 2 }));
+                _mm256_set_m128i(hi, lo)
+            }
+            IQ4_NL => {
+                let (lo, hi) = crate::x86_quant::table_levels(&crate::quant::IQ4_NL_VALUES, b.add(2));
+                _mm256_xor_si256(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(-128))
+            }
             _ => _mm256_xor_si256(_mm256_loadu_si256(b.add(2) as *const __m256i), _mm256_set1_epi8(-128)),
         };
         let dot = _mm256_dpbusd_epi32(_mm512_castsi512_si256(x.off[0]), w, _mm512_castsi512_si256(x.v[0]));
+        let dot = _mm256_cvtepi32_ps(dot);
+        if Q == Q5_1 {
+            // [dot (8 lanes) | 1 ...] * [d d_x | m sum_x, 0 ...]: the min once per block.
+            let d_m = _mm512_mask_blend_ps(0xFF00, half_splat(b), half_splat(b.add(2)));
+            let v = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(dot), _mm256_set1_ps(1.0));
+            acc[0] = _mm512_fmadd_ps(v, _mm512_mul_ps(d_m, x.f), acc[0]);
+            return;
+        }
         let d = if Q == MXFP4 { _mm512_set1_ps(crate::quant::e8m0_half(*b)) } else { half_splat(b) };
         let s = _mm512_mul_ps(d, x.f);
-        acc[0] = _mm512_fmadd_ps(_mm512_zextps256_ps512(_mm256_cvtepi32_ps(dot)), s, acc[0]);
+        acc[0] = _mm512_fmadd_ps(_mm512_zextps256_ps512(dot), s, acc[0]);
     }
 }
 

@@ -17,12 +17,12 @@ use moe_lanes_kernels::cuda::{CudaBackend, CudaError, GateUpEpilogue, Glu, Q8Row
 use moe_lanes_kernels::{quant, WeightDType};
 
 /// Random rows of `dtype` blocks: random bytes (every scale/min/nibble pattern), the f16 scales
-/// (`d`, and `dmin` for Q4_K/Q5_K) set to finite values in [-0.05, 0.05).
+/// (`d`, and `dmin` for Q4_K/Q5_K, `m` for Q5_1) set to finite values in [-0.05, 0.05).
 fn random_blocks(rng: &mut Rng, dtype: WeightDType, rows: usize, cols: usize) -> Vec<u8> {
     let mut bytes: Vec<u8> = (0..rows * dtype.row_bytes(cols)).map(|_| rng.next_u64() as u8).collect();
     let scale_at: &[usize] = match dtype {
-        WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
-        WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
+        WeightDType::Q8_0 | WeightDType::Q4_0 | WeightDType::Q5_0 | WeightDType::Iq4Nl => &[0],
+        WeightDType::Q4_K | WeightDType::Q5_K | WeightDType::Q5_1 => &[0, 2],
         WeightDType::Q6_K => &[208],
         WeightDType::Mxfp4 => &[],
         float => panic!("{float:?} is not quantized"),
@@ -283,6 +283,25 @@ fn mxfp4_fixture_blocks_dequantize_on_the_device_like_the_cpu() {
     let out = be.upload(&vec![0xFFFFu16; rows * k]).unwrap();
     be.dequantize_bf16(dtype, dw.ptr().from(1), 0, rows, k, out.ptr()).unwrap();
     assert_eq!(be.read_vec(out.ptr()).unwrap(), want);
+}
+
+/// The Q5_0, Q5_1 and IQ4_NL gguf-py fixtures dequantized on the device: the CPU's values (equal
+/// to gguf-py's, tests/quant_fixtures.rs) rounded to bf16, bit for bit.
+#[test]
+fn q5_and_iq4_nl_fixture_blocks_dequantize_on_the_device_like_the_cpu() {
+    let Some(be) = backend() else { return };
+    for dtype in [WeightDType::Q5_0, WeightDType::Q5_1, WeightDType::Iq4Nl] {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("../tests/fixtures/quant/{}.blocks", dtype.name()));
+        let blocks = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let k = 64;
+        let rows = blocks.len() / dtype.row_bytes(k);
+        let want = bf16_bits(&dequantize(dtype, &blocks));
+        let dw = be.upload(&blocks).unwrap();
+        let out = be.upload(&vec![0xFFFFu16; rows * k]).unwrap();
+        be.dequantize_bf16(dtype, dw.ptr(), 0, rows, k, out.ptr()).unwrap();
+        assert_eq!(be.read_vec(out.ptr()).unwrap(), want, "{}", dtype.name());
+    }
 }
 
 #[test]
@@ -707,10 +726,11 @@ impl EpilogueCase {
     /// bf16 (2e-2 of the largest output). Q8_0's values are not whole bf16 values, and the clamped
     /// SwiGLU caps the largest output the error is measured against (8 * 7) while the rounding of
     /// the rows below the clamp stays as large as SiLU's (measured on the H200: 6.1e-2 with
-    /// biases), so that case gets 8e-2; bf16 and MXFP4 weights are exact in bf16.
+    /// biases), so that case gets 8e-2, as Q5_1's (`d * q + m`, not whole bf16 values either);
+    /// bf16 and MXFP4 weights are exact in bf16.
     fn prefill_tol(&self) -> f32 {
         match (self.dtype, self.glu) {
-            (WeightDType::Q8_0, Glu::SwigluOai) => 8e-2,
+            (WeightDType::Q8_0 | WeightDType::Q5_1, Glu::SwigluOai) => 8e-2,
             _ => 2e-2,
         }
     }
@@ -807,11 +827,11 @@ fn assert_rel(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert!(scale > 0.0 && err <= tol * scale, "{what}: max err {err} of {scale}");
 }
 
-/// The epilogues of every case: bf16, Q8_0 and MXFP4 experts; SiLU and the clamped SwiGLU;
-/// with and without per-slot biases.
+/// The epilogues of every case: bf16, Q8_0, MXFP4 and Q5_1 (scale and min) experts; SiLU and the
+/// clamped SwiGLU; with and without per-slot biases.
 fn epilogue_cases(be: &CudaBackend, rng: &mut Rng) -> Vec<EpilogueCase> {
     let mut cases = Vec::new();
-    for dtype in [WeightDType::BF16, WeightDType::Q8_0, WeightDType::Mxfp4] {
+    for dtype in [WeightDType::BF16, WeightDType::Q8_0, WeightDType::Mxfp4, WeightDType::Q5_1] {
         for glu in [Glu::Silu, Glu::SwigluOai] {
             for biased in [false, true] {
                 cases.push(EpilogueCase::new(be, rng, dtype, glu, biased));
@@ -824,7 +844,7 @@ fn epilogue_cases(be: &CudaBackend, rng: &mut Rng) -> Vec<EpilogueCase> {
 /// The decode hot lane with the expert epilogue (the activation, per-slot gate/up biases before
 /// it, `weight * down bias` with the weighted rows) against the CPU kernels
 /// (`gate_up_activation`, `down_accumulate` with `ExpertWeights::bias`) for bf16 (moe.cu's
-/// kernels), Q8_0 and MXFP4 (quant.cu's, f32 and 8-bit activations), SiLU and SwiGLU-OAI, with
+/// kernels), Q8_0, MXFP4 and Q5_1 (quant.cu's, f32 and 8-bit activations), SiLU and SwiGLU-OAI, with
 /// and without biases; a cold entry (slot -1) adds nothing, its bias neither.
 #[test]
 fn decode_hot_lane_epilogue_matches_the_cpu_kernels() {

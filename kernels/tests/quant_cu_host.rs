@@ -4,7 +4,7 @@
 //! (`tests/fixtures/quant`): every value bit-equal to gguf-py's, every column of a block decoded
 //! by exactly one unit, the same for the wide 32-value chunks of the one-token GEMVs and the
 //! hot lane, and the runs of 8 values of the grouped prefill GEMM's weight tiles (blocks at 16-byte aligned and 2-mod-4 addresses;
-//! MXFP4's 17-byte blocks at every offset mod 4). This checks the device code's indexing without a GPU; the kernels
+//! MXFP4's 17-byte blocks at every offset mod 4; Q5_0, Q5_1 and IQ4_NL included). This checks the device code's indexing without a GPU; the kernels
 //! themselves are checked on one by `cuda_quant.rs`. Skips (and says so) without a C++ compiler
 //! (`$CXX`, `c++`, `g++` or `clang++`).
 
@@ -53,5 +53,5 @@ fn cuda_block_decoding_equals_gguf_py_on_the_host() {
     let out = run(Command::new(&exe).arg(root.join("../tests/fixtures/quant")), "quant_units");
     let _ = std::fs::remove_dir_all(&dir);
     eprint!("{out}");
-    assert_eq!(out.matches(", 0 mismatches").count(), 18, "{out}");
+    assert_eq!(out.matches(", 0 mismatches").count(), 27, "{out}");
 }

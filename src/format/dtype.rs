@@ -17,18 +17,27 @@ pub enum DType {
     Q6_K,
     /// GGML's MXFP4: 32 E2M1 values (4 bits) under one E8M0 scale byte.
     MXFP4,
+    /// GGML's Q5_0: 32 five-bit values minus 16 under one f16 scale.
+    Q5_0,
+    /// GGML's Q5_1: 32 five-bit values under an f16 scale and an f16 min.
+    Q5_1,
+    /// GGML's IQ4_NL: 32 nibbles indexing a fixed non-linear table under one f16 scale.
+    IQ4_NL,
 }
 
 impl DType {
     /// Every type, in GGML id order; used by tests and by `inspect`.
-    pub const ALL: [DType; 9] = [
+    pub const ALL: [DType; 12] = [
         DType::F32,
         DType::F16,
         DType::Q4_0,
+        DType::Q5_0,
+        DType::Q5_1,
         DType::Q8_0,
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
+        DType::IQ4_NL,
         DType::BF16,
         DType::MXFP4,
     ];
@@ -45,6 +54,9 @@ impl DType {
             DType::Q6_K => 14,
             DType::BF16 => 30,
             DType::MXFP4 => 39,
+            DType::Q5_0 => 6,
+            DType::Q5_1 => 7,
+            DType::IQ4_NL => 20,
         }
     }
 
@@ -61,14 +73,15 @@ impl DType {
     pub fn block_elems(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q4_0 | DType::Q8_0 | DType::MXFP4 => 32,
+            DType::Q4_0 | DType::Q8_0 | DType::MXFP4 | DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL => 32,
             DType::Q4_K | DType::Q5_K | DType::Q6_K => 256,
         }
     }
 
     /// Bytes per block. Q4_0: f16 scale + 16 nibble bytes; Q8_0: f16 scale + 32 bytes;
     /// Q4_K: 2 f16 + 12 scale bytes + 128; Q5_K: 2 f16 + 12 + 32 high bits + 128;
-    /// Q6_K: 128 low + 64 high + 16 scales + f16; MXFP4: E8M0 scale byte + 16 nibble bytes.
+    /// Q6_K: 128 low + 64 high + 16 scales + f16; MXFP4: E8M0 scale byte + 16 nibble bytes;
+    /// Q5_0: f16 + 4 bytes of fifth bits + 16; Q5_1: 2 f16 + 4 + 16; IQ4_NL: f16 + 16.
     pub fn block_bytes(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -79,6 +92,9 @@ impl DType {
             DType::Q5_K => 176,
             DType::Q6_K => 210,
             DType::MXFP4 => 17,
+            DType::Q5_0 => 22,
+            DType::Q5_1 => 24,
+            DType::IQ4_NL => 18,
         }
     }
 
@@ -107,6 +123,9 @@ impl DType {
             DType::Q5_K => "Q5_K",
             DType::Q6_K => "Q6_K",
             DType::MXFP4 => "MXFP4",
+            DType::Q5_0 => "Q5_0",
+            DType::Q5_1 => "Q5_1",
+            DType::IQ4_NL => "IQ4_NL",
         }
     }
 
@@ -158,13 +177,20 @@ mod tests {
         assert_eq!(DType::Q4_0.bytes_for(31), None);
         assert_eq!(DType::MXFP4.bytes_for(64), Some(34));
         assert_eq!(DType::from_ggml_type_id(39), Some(DType::MXFP4));
+        assert_eq!(
+            (DType::Q5_0.bytes_for(64), DType::Q5_1.bytes_for(64), DType::IQ4_NL.bytes_for(64)),
+            (Some(44), Some(48), Some(36))
+        );
+        assert_eq!(DType::from_ggml_type_id(6), Some(DType::Q5_0));
+        assert_eq!(DType::from_ggml_type_id(7), Some(DType::Q5_1));
+        assert_eq!(DType::from_ggml_type_id(20), Some(DType::IQ4_NL));
         assert_eq!(DType::BF16.bytes_for(3), Some(6));
     }
 }
 
 /// Names of ggml's tensor types by id (ggml.h's `ggml_type`), those moe-lanes reads and those it
-/// does not, so a refusal names the type a file uses (llama.cpp's k-quant mixes fall back to
-/// Q5_0, Q5_1 or IQ4_NL for rows that are not whole 256-value blocks).
+/// does not, so a refusal names the type a file uses (Q4_1, Q2_K, Q3_K and the other IQ types
+/// are refused by name).
 pub fn ggml_type_name(id: u32) -> Option<&'static str> {
     const NAMES: [&str; 40] = [
         "F32", "F16", "Q4_0", "Q4_1", "", "", "Q5_0", "Q5_1", "Q8_0", "Q8_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -191,6 +217,8 @@ mod ggml_name_tests {
         }
         assert_eq!(ggml_type_name(6), Some("Q5_0"));
         assert_eq!(ggml_type_name(20), Some("IQ4_NL"));
+        assert_eq!(ggml_type_name(3), Some("Q4_1"));
+        assert!(!readable_type_names().contains("Q4_1") && readable_type_names().contains("Q5_1"));
         assert_eq!(ggml_type_name(39), Some("MXFP4"));
         assert_eq!((ggml_type_name(4), ggml_type_name(99)), (None, None));
         assert!(readable_type_names().contains("Q4_K") && readable_type_names().contains("MXFP4"));

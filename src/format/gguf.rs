@@ -1134,7 +1134,22 @@ mod tests {
         let file = GgufFile::open(&path).unwrap();
         assert_eq!(std::fs::metadata(&path).unwrap().len(), writer.total_bytes());
         assert_eq!(file.data_offset() % 32, 0);
-        let expected_n_bytes = [6 * 1024, 6 * 512, 6 * 144, 6 * 272, 6 * 144, 6 * 176, 6 * 210, 6 * 512];
+        // DType::ALL's order: F32, F16, Q4_0, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, BF16, MXFP4.
+        let expected_n_bytes = [
+            6 * 1024,
+            6 * 512,
+            6 * 144,
+            48 * 22,
+            48 * 24,
+            6 * 272,
+            6 * 144,
+            6 * 176,
+            6 * 210,
+            48 * 18,
+            6 * 512,
+            48 * 17,
+        ];
+        assert_eq!(expected_n_bytes.len(), DType::ALL.len());
         for (idx, info) in file.tensor_infos().iter().enumerate() {
             assert_eq!(info.n_bytes, sizes[idx]);
             assert_eq!(info.offset % 32, 0);

@@ -17,6 +17,11 @@
 //!   `kvalues` (0, 1, 2, 3, 4, 6, 8, 12 and their negatives). `e = 0xFF` (NaN in the MX spec) is
 //!   read as llama.cpp's CPU code and gguf-py read it, `2^127` (see [`e8m0_half`]); the quantiser
 //!   never writes it, and `moe-lanes quantize` refuses to read it ([`check_mxfp4_scales`]).
+//! - Q5_0, 32 values: `d`, 4 bytes `qh` (a little-endian u32; bit `j` is the fifth bit of
+//!   value `j`), 16 nibble bytes as Q4_0; `x = d * (q - 16)`.
+//! - Q5_1, 32 values: `d`, `m`, `qh`, 16 nibble bytes; `x = d * q + m`.
+//! - IQ4_NL, 32 values: `d`, 16 nibble bytes as Q4_0; `x = d * kvalues[q]` with llama.cpp's
+//!   non-linear table [`IQ4_NL_VALUES`].
 //!
 //! The dequantisation is written for clarity and follows ggml's formulas operation by operation
 //! in f32, so it equals gguf-py's `gguf.quants.dequantize` bit for bit (tests/quant_fixtures.rs).
@@ -48,6 +53,10 @@ pub enum QuantError {
 
 /// llama.cpp's doubled E2M1 values (`kvalues_mxfp4`), indexed by an MXFP4 nibble.
 pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// llama.cpp's IQ4_NL levels (`kvalues_iq4nl`), indexed by a nibble.
+pub const IQ4_NL_VALUES: [i8; 16] =
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 /// `2^(e - 128)`, half the E8M0 scale, as llama.cpp's `ggml_e8m0_to_fp32_half` computes it (bit
 /// patterns; `e = 0xFF` gives `2^127`, not NaN).
@@ -100,10 +109,34 @@ pub fn dequantize(dtype: DType, bytes: &[u8], out: &mut [f32]) -> Result<(), Qua
             DType::Q5_K => dequant_q5_k(block, y),
             DType::Q6_K => dequant_q6_k(block, y),
             DType::MXFP4 => dequant_mxfp4(block, y),
+            DType::Q5_0 => dequant_q5(block, 2, |q| (q as i32 - 16) as f32 * f16_at(block, 0), y),
+            DType::Q5_1 => dequant_q5(block, 4, |q| q as f32 * f16_at(block, 0) + f16_at(block, 2), y),
+            DType::IQ4_NL => dequant_iq4_nl(block, y),
             DType::F32 | DType::F16 | DType::BF16 => unreachable!("checked above"),
         }
     }
     Ok(())
+}
+
+/// Q5_0/Q5_1: the five-bit level of value `j` (nibble as Q4_0, bit `j` of the `qh` word at
+/// `b[qh_at..]` as bit 4) through `value`.
+fn dequant_q5(b: &[u8], qh_at: usize, value: impl Fn(u8) -> f32, y: &mut [f32]) {
+    let qh = u32::from_le_bytes([b[qh_at], b[qh_at + 1], b[qh_at + 2], b[qh_at + 3]]);
+    for j in 0..QK / 2 {
+        let byte = b[qh_at + 4 + j];
+        let high = |bit: usize| (((qh >> bit) & 1) as u8) << 4;
+        y[j] = value((byte & 0x0F) | high(j));
+        y[j + QK / 2] = value((byte >> 4) | high(j + QK / 2));
+    }
+}
+
+fn dequant_iq4_nl(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for j in 0..QK / 2 {
+        let byte = b[2 + j];
+        y[j] = d * IQ4_NL_VALUES[(byte & 0x0F) as usize] as f32;
+        y[j + QK / 2] = d * IQ4_NL_VALUES[(byte >> 4) as usize] as f32;
+    }
 }
 
 fn dequant_mxfp4(b: &[u8], y: &mut [f32]) {
@@ -196,7 +229,7 @@ pub fn quantize(dtype: DType, values: &[f32], out: &mut Vec<u8>) -> Result<usize
         let (n_values, block_elems) = (values.len(), dtype.block_elems());
         return Err(QuantError::PartialBlock { dtype, n_values, block_elems });
     }
-    if dtype == DType::MXFP4 {
+    if matches!(dtype, DType::MXFP4 | DType::Q5_0 | DType::Q5_1 | DType::IQ4_NL) {
         if let Some(index) = values.iter().position(|v| !v.is_finite()) {
             return Err(QuantError::NonFinite { dtype, index, value: values[index] });
         }
@@ -210,6 +243,9 @@ pub fn quantize(dtype: DType, values: &[f32], out: &mut Vec<u8>) -> Result<usize
             DType::Q5_K => quant_k_asym(block, 31, out),
             DType::Q6_K => quant_q6_k(block, out),
             DType::MXFP4 => quant_mxfp4(block, out),
+            DType::Q5_0 => quant_q5_0(block, out),
+            DType::Q5_1 => quant_q5_1(block, out),
+            DType::IQ4_NL => quant_iq4_nl(block, out),
             DType::F32 | DType::F16 | DType::BF16 => unreachable!("checked above"),
         }
     }
@@ -375,6 +411,100 @@ fn quant_mxfp4(x: &[f32], out: &mut Vec<u8>) {
     out.extend((0..QK / 2).map(|j| best(x[j]) | (best(x[j + QK / 2]) << 4)));
 }
 
+/// Packs 32 five-bit levels as Q5_0/Q5_1 store them after their scales: the `qh` word (bit `j`
+/// = bit 4 of level `j`), then the low nibbles of levels `j` and `j + 16` in byte `j`. As
+/// llama.cpp packs them, only bits 0..5 of each level count.
+fn push_q5_levels(levels: &[u8; QK], out: &mut Vec<u8>) {
+    let qh = levels.iter().enumerate().fold(0u32, |qh, (j, &l)| qh | (((l as u32 & 0x10) >> 4) << j));
+    out.extend(qh.to_le_bytes());
+    out.extend((0..QK / 2).map(|j| (levels[j] & 0x0F) | ((levels[j + QK / 2] & 0x0F) << 4)));
+}
+
+/// Q5_0 as llama.cpp's `quantize_row_q5_0_ref`: the value of largest magnitude (the first on
+/// ties) maps to level 0 (`d = max / -16`); each value `x / d + 16.5` truncated (f32
+/// arithmetic, `1 / d` from the unrounded `d`) and capped at 31.
+fn quant_q5_0(x: &[f32], out: &mut Vec<u8>) {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if amax < v.abs() {
+            (amax, max) = (v.abs(), v);
+        }
+    }
+    let d = max / -16.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend(f16::from_f32(d).to_bits().to_le_bytes());
+    let levels: [u8; QK] = std::array::from_fn(|j| ((x[j] * id + 16.5) as i8).min(31) as u8);
+    push_q5_levels(&levels, out);
+}
+
+/// Q5_1 as llama.cpp's `quantize_row_q5_1_ref`: `d = (max - min) / 31`, `m = min`, each
+/// value `(x - min) / d + 0.5` truncated (f32 arithmetic, `1 / d` from the unrounded `d`) and,
+/// as gguf-py does, capped at 31.
+fn quant_q5_1(x: &[f32], out: &mut Vec<u8>) {
+    let (min, max) = x.iter().fold((f32::MAX, -f32::MAX), |(lo, hi), &v| {
+        (if v < lo { v } else { lo }, if v > hi { v } else { hi })
+    });
+    let d = (max - min) / 31.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    out.extend(f16::from_f32(d).to_bits().to_le_bytes());
+    out.extend(f16::from_f32(min).to_bits().to_le_bytes());
+    let levels: [u8; QK] = std::array::from_fn(|j| (((x[j] - min) * id + 0.5) as u8).min(31));
+    push_q5_levels(&levels, out);
+}
+
+/// The index of the entry of the ascending `values` nearest `x` (the upper one on ties), as
+/// llama.cpp's `best_index_int8`.
+fn nearest_level(values: &[i8; 16], x: f32) -> usize {
+    if x <= values[0] as f32 {
+        return 0;
+    }
+    if x >= values[15] as f32 {
+        return 15;
+    }
+    let (mut lo, mut hi) = (0, 15);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if x < values[mid] as f32 {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    if x - (values[hi - 1] as f32) < values[hi] as f32 - x {
+        hi - 1
+    } else {
+        hi
+    }
+}
+
+/// IQ4_NL as llama.cpp's `quantize_row_iq4_nl_ref` (no importance matrix, no scale search): the
+/// value of largest magnitude picks `d = max / -127`, each value the nearest table level of
+/// `x / d`, then `d` refitted by least squares weighted by `x^2`; blocks with `max|x| < 1e-15`
+/// get `d = 0`.
+fn quant_iq4_nl(x: &[f32], out: &mut Vec<u8>) {
+    let (mut amax, mut max) = (0.0f32, 0.0f32);
+    for &v in x {
+        if v.abs() > amax {
+            (amax, max) = (v.abs(), v);
+        }
+    }
+    let mut levels = [0u8; QK];
+    let mut d = 0.0f32;
+    if amax >= 1e-15 {
+        let id = 1.0 / (max / IQ4_NL_VALUES[0] as f32);
+        let (mut sumqx, mut sumq2) = (0.0f32, 0.0f32);
+        for (l, &v) in levels.iter_mut().zip(x) {
+            *l = nearest_level(&IQ4_NL_VALUES, id * v) as u8;
+            let (q, w) = (IQ4_NL_VALUES[*l as usize] as f32, v * v);
+            sumqx += w * q * v;
+            sumq2 += w * q * q;
+        }
+        d = if sumq2 > 0.0 { sumqx / sumq2 } else { 0.0 };
+    }
+    out.extend(f16::from_f32(d).to_bits().to_le_bytes());
+    out.extend((0..QK / 2).map(|j| levels[j] | (levels[j + QK / 2] << 4)));
+}
+
 /// Q6_K: 16 sub-blocks of 16 with signed 8-bit scales under one f16 `d`, values in -32..=31.
 fn quant_q6_k(x: &[f32], out: &mut Vec<u8>) {
     // Per sub-block the value of largest magnitude maps to -32, as Q4_0 does with -8.
@@ -439,6 +569,9 @@ mod tests {
             (DType::Q5_K, 0.065, 0.025),
             (DType::Q6_K, 0.035, 0.012),
             (DType::MXFP4, 0.17, 0.07),
+            (DType::Q5_0, 0.0626, 0.02),
+            (DType::Q5_1, 0.035, 0.02),
+            (DType::IQ4_NL, 0.13, 0.05),
         ] {
             let mut bytes = Vec::new();
             assert_eq!(quantize(dtype, &x, &mut bytes).unwrap(), dtype.bytes_for(x.len()).unwrap());
@@ -508,6 +641,114 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The f16 of `v` widened back (what a block stores for a scale or min).
+    fn f16_round(v: f32) -> f32 {
+        f16::from_f32(v).to_f32()
+    }
+
+    proptest::proptest! {
+        /// Q5_0 round trips: the value of largest magnitude is exactly level 0 (`d = max / -16`),
+        /// every value within `|d|` (half a step, or a whole one for `-max`, capped at level 31)
+        /// plus the f16 rounding of `d` over 16 steps; quantising the dequantised block gives the
+        /// same bytes (its extreme is `-16 d` again).
+        #[test]
+        fn q5_0_round_trip_properties(
+            values in proptest::collection::vec(-100.0f32..100.0, 32),
+            exponent in -6i32..6,
+        ) {
+            let x: Vec<f32> = values.iter().map(|v| v * 2f32.powi(exponent)).collect();
+            let (amax, max) = x.iter().fold((0.0f32, 0.0f32), |(a, m), &v| if a < v.abs() { (v.abs(), v) } else { (a, m) });
+            proptest::prop_assume!(amax > 0.1);
+            let mut bytes = Vec::new();
+            quantize(DType::Q5_0, &x, &mut bytes).unwrap();
+            let mut y = vec![0.0f32; 32];
+            dequantize(DType::Q5_0, &bytes, &mut y).unwrap();
+            let d = max / -16.0;
+            let bound = d.abs() * 1.0001 + 16.0 * (f16_round(d) - d).abs();
+            for (&v, &q) in x.iter().zip(&y) {
+                proptest::prop_assert!((q - v).abs() <= bound, "{v}: {q}, bound {bound}");
+            }
+            let mut again = Vec::new();
+            quantize(DType::Q5_0, &y, &mut again).unwrap();
+            proptest::prop_assert_eq!(again, bytes);
+        }
+
+        /// Q5_1 round trips: `m` is the f16 of the block's minimum, every value within half a
+        /// step `d = (max - min) / 31` plus the f16 roundings of `d` (over 31 steps) and `m`.
+        #[test]
+        fn q5_1_round_trip_properties(
+            values in proptest::collection::vec(-100.0f32..100.0, 32),
+            exponent in -6i32..6,
+        ) {
+            let x: Vec<f32> = values.iter().map(|v| v * 2f32.powi(exponent)).collect();
+            let min = x.iter().fold(f32::MAX, |a, &v| a.min(v));
+            let max = x.iter().fold(-f32::MAX, |a, &v| a.max(v));
+            let mut bytes = Vec::new();
+            quantize(DType::Q5_1, &x, &mut bytes).unwrap();
+            proptest::prop_assert_eq!(f16_at(&bytes, 2), f16_round(min));
+            let mut y = vec![0.0f32; 32];
+            dequantize(DType::Q5_1, &bytes, &mut y).unwrap();
+            let d = (max - min) / 31.0;
+            let bound = d * 0.5001 + 31.0 * (f16_round(d) - d).abs() + (f16_round(min) - min).abs() + 1e-6 * max.abs().max(min.abs());
+            for (&v, &q) in x.iter().zip(&y) {
+                proptest::prop_assert!((q - v).abs() <= bound, "{v}: {q}, bound {bound}");
+            }
+        }
+
+        /// IQ4_NL round trips within 15% of `max|x|` (half the table's widest gap, 24 of 127, is
+        /// 9.4%; the refitted scale moves the levels a little), and the sign of the value of
+        /// largest magnitude is kept.
+        #[test]
+        fn iq4_nl_round_trip_error_is_bounded(
+            values in proptest::collection::vec(-100.0f32..100.0, 32),
+            exponent in -6i32..6,
+        ) {
+            let x: Vec<f32> = values.iter().map(|v| v * 2f32.powi(exponent)).collect();
+            let (amax, max) = x.iter().fold((0.0f32, 0.0f32), |(a, m), &v| if v.abs() > a { (v.abs(), v) } else { (a, m) });
+            proptest::prop_assume!(amax > 0.1);
+            let mut bytes = Vec::new();
+            quantize(DType::IQ4_NL, &x, &mut bytes).unwrap();
+            let mut y = vec![0.0f32; 32];
+            dequantize(DType::IQ4_NL, &bytes, &mut y).unwrap();
+            for (&v, &q) in x.iter().zip(&y) {
+                proptest::prop_assert!((q - v).abs() <= 0.15 * amax, "{v}: {q}");
+                if v == max {
+                    proptest::prop_assert!(q * v > 0.0, "{v}: {q}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q5_and_iq4_nl_refuse_non_finite_values_and_zero_blocks_decode_to_zero() {
+        for dtype in [DType::Q5_0, DType::Q5_1, DType::IQ4_NL] {
+            let mut x = vec![0.5f32; 64];
+            x[33] = f32::NAN;
+            let err = quantize(dtype, &x, &mut Vec::new()).unwrap_err();
+            assert!(matches!(err, QuantError::NonFinite { index: 33, .. }), "{err}");
+            let mut bytes = Vec::new();
+            quantize(dtype, &[0.0; 32], &mut bytes).unwrap();
+            let mut y = [1.0f32; 32];
+            dequantize(dtype, &bytes, &mut y).unwrap();
+            assert!(y.iter().all(|&v| v == 0.0), "{dtype}: {y:?}");
+        }
+    }
+
+    #[test]
+    fn q5_layout_puts_the_fifth_bits_in_a_little_endian_word() {
+        // Q5_0 with d = 1: value j = level j - 16. Level 31 at 0 and 17 (fifth bits 0 and 17),
+        // level 16 elsewhere except 1 (level 0).
+        let mut block = vec![0u8; 22];
+        block[..2].copy_from_slice(&f16::from_f32(1.0).to_bits().to_le_bytes());
+        let qh: u32 = (1 << 0) | (1 << 17) | !((1 << 1) | (1 << 0) | (1 << 17));
+        block[2..6].copy_from_slice(&qh.to_le_bytes());
+        block[6] = 0x0F; // value 0 low nibble 15, value 16 high nibble 0
+        block[7] = 0xF0; // value 1 nibble 0, value 17 nibble 15
+        let mut y = [f32::NAN; 32];
+        dequantize(DType::Q5_0, &block, &mut y).unwrap();
+        assert_eq!((y[0], y[1], y[16], y[17], y[2]), (15.0, -16.0, 0.0, 15.0, 0.0));
     }
 
     #[test]

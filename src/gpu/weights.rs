@@ -153,16 +153,25 @@ pub(crate) fn bf16_bits(t: TensorRef<'_>) -> Result<Vec<u16>, GpuError> {
         | DType::Q4_K
         | DType::Q5_K
         | DType::Q6_K
-        | DType::MXFP4 => Ok(t.to_f32_vec()?.into_iter().map(|v| bf16::from_f32(v).to_bits()).collect()),
+        | DType::MXFP4
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::IQ4_NL => Ok(t.to_f32_vec()?.into_iter().map(|v| bf16::from_f32(v).to_bits()).collect()),
     }
 }
 
 /// The type a tensor is stored in on the device: its own when quantized, bf16 otherwise.
 pub(crate) fn stored_dtype(dtype: DType) -> WeightDType {
     match dtype {
-        DType::Q8_0 | DType::Q4_0 | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::MXFP4 => {
-            kernel_dtype(dtype)
-        }
+        DType::Q8_0
+        | DType::Q4_0
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::MXFP4
+        | DType::Q5_0
+        | DType::Q5_1
+        | DType::IQ4_NL => kernel_dtype(dtype),
         _ => WeightDType::BF16,
     }
 }

@@ -265,6 +265,9 @@ pub fn kernel_dtype(dtype: DType) -> moe_lanes_kernels::WeightDType {
         DType::Q5_K => WeightDType::Q5_K,
         DType::Q6_K => WeightDType::Q6_K,
         DType::MXFP4 => WeightDType::Mxfp4,
+        DType::Q5_0 => WeightDType::Q5_0,
+        DType::Q5_1 => WeightDType::Q5_1,
+        DType::IQ4_NL => WeightDType::Iq4Nl,
     }
 }
 

@@ -37,6 +37,9 @@ pub fn quant_kernels(dtype: WeightDType) -> Option<(Kernel, Kernel)> {
         WeightDType::Q5_K => Some((Kernel::GemvQ5K, Kernel::DequantQ5KBf16)),
         WeightDType::Q6_K => Some((Kernel::GemvQ6K, Kernel::DequantQ6KBf16)),
         WeightDType::Mxfp4 => Some((Kernel::GemvMxfp4, Kernel::DequantMxfp4Bf16)),
+        WeightDType::Q5_0 => Some((Kernel::GemvQ5_0, Kernel::DequantQ5_0Bf16)),
+        WeightDType::Q5_1 => Some((Kernel::GemvQ5_1, Kernel::DequantQ5_1Bf16)),
+        WeightDType::Iq4Nl => Some((Kernel::GemvIq4Nl, Kernel::DequantIq4NlBf16)),
         WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => None,
     }
 }
@@ -50,6 +53,9 @@ fn wide_gemv_kernel(dtype: WeightDType) -> Option<Kernel> {
         WeightDType::Q5_K => Some(Kernel::Gemv1Q5K),
         WeightDType::Q6_K => Some(Kernel::Gemv1Q6K),
         WeightDType::Mxfp4 => Some(Kernel::Gemv1Mxfp4),
+        WeightDType::Q5_0 => Some(Kernel::Gemv1Q5_0),
+        WeightDType::Q5_1 => Some(Kernel::Gemv1Q5_1),
+        WeightDType::Iq4Nl => Some(Kernel::Gemv1Iq4Nl),
         WeightDType::F32 | WeightDType::F16 | WeightDType::BF16 => None,
     }
 }
@@ -212,6 +218,9 @@ fn type_code(dtype: WeightDType) -> Option<i32> {
         WeightDType::Q6_K => Some(4),
         WeightDType::BF16 => Some(5),
         WeightDType::Mxfp4 => Some(6),
+        WeightDType::Q5_0 => Some(7),
+        WeightDType::Q5_1 => Some(8),
+        WeightDType::Iq4Nl => Some(9),
         WeightDType::F32 | WeightDType::F16 => None,
     }
 }

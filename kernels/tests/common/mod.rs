@@ -82,8 +82,8 @@ impl QuantBytes {
         let n_bytes = rows * dtype.row_bytes(cols);
         let mut bytes: Vec<u8> = (0..n_bytes + 1).map(|_| rng.next_u64() as u8).collect();
         let scale_at: &[usize] = match dtype {
-            WeightDType::Q8_0 | WeightDType::Q4_0 => &[0],
-            WeightDType::Q4_K | WeightDType::Q5_K => &[0, 2],
+            WeightDType::Q8_0 | WeightDType::Q4_0 | WeightDType::Q5_0 | WeightDType::Iq4Nl => &[0],
+            WeightDType::Q4_K | WeightDType::Q5_K | WeightDType::Q5_1 => &[0, 2],
             WeightDType::Mxfp4 => &[],
             _ => &[208],
         };

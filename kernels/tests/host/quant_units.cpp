@@ -23,6 +23,7 @@ static inline float __half2float(Half h) {
 }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
 struct uint4 { unsigned x, y, z, w; };
 static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
 static inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned sh) {
@@ -141,10 +142,13 @@ int main(int argc, char** argv) {
     if (argc != 2) return 2;
     const char* d = argv[1];
     int f = check<Q8_0>(d, "q8_0") + check<Q4_0>(d, "q4_0") + check<Q4_K>(d, "q4_k") + check<Q5_K>(d, "q5_k") +
-            check<Q6_K>(d, "q6_k") + check<QMX>(d, "mxfp4");
+            check<Q6_K>(d, "q6_k") + check<QMX>(d, "mxfp4") + check<Q5_0>(d, "q5_0") + check<Q5_1>(d, "q5_1") +
+            check<QNL>(d, "iq4_nl");
     f += check_wide<W8_0>(d, "q8_0", true) + check_wide<W4_0>(d, "q4_0", true) + check_wide<W4_K>(d, "q4_k", false) +
          check_wide<W5_K>(d, "q5_k", false) + check_wide<W6_K>(d, "q6_k", true) + check_wide<WMX>(d, "mxfp4", true, true);
+    f += check_wide<W5_0>(d, "q5_0", true) + check_wide<W5_1>(d, "q5_1", true) + check_wide<WNL>(d, "iq4_nl", true);
     f += check_run8<Q8_0>(d, "q8_0", true) + check_run8<Q4_0>(d, "q4_0", true) + check_run8<Q4_K>(d, "q4_k", false) +
          check_run8<Q5_K>(d, "q5_k", false) + check_run8<Q6_K>(d, "q6_k", true) + check_run8<QMX>(d, "mxfp4", true, true);
+    f += check_run8<Q5_0>(d, "q5_0", true) + check_run8<Q5_1>(d, "q5_1", true) + check_run8<QNL>(d, "iq4_nl", true);
     return f;
 }

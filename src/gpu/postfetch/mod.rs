@@ -832,6 +832,33 @@ mod tests {
         }
     }
 
+    /// `q5_0`, `q5_1` and `iq4_nl` files' experts are fetched in their block type at file size
+    /// (22, 24 and 18 bytes a 32 values) and staged byte for byte.
+    #[test]
+    fn q5_and_iq4_nl_experts_are_fetched_and_staged_at_their_file_size() {
+        use crate::quantize::QuantMix;
+        use moe_lanes_kernels::WeightDType;
+        let dir = tempfile::tempdir().unwrap();
+        for (mix, dtype) in [
+            (QuantMix::Q5_0, WeightDType::Q5_0),
+            (QuantMix::Q5_1, WeightDType::Q5_1),
+            (QuantMix::IQ4_NL, WeightDType::Iq4Nl),
+        ] {
+            let q = tiny(dir.path(), DType::BF16, Some(mix));
+            let shapes = fetchable_experts(&q).expect("quantized experts are fetched");
+            let file_bytes = 3 * 256 * 256 / 32 * dtype.block_bytes();
+            for (l, shape) in shapes.iter().enumerate() {
+                assert_eq!(shape.dtypes, [dtype; 3], "{mix} layer {l}");
+                assert_eq!(shape.bytes.iter().sum::<usize>(), file_bytes, "{mix} layer {l}");
+                let experts = [ExpertLoad { expert: 1, tokens: 1 }];
+                let mut buf = vec![0u8; file_bytes];
+                stage_parallel(stage_jobs(&q, vec![buf.as_mut_slice()], shape.bytes, l, &experts), 2);
+                let w = q.expert(l, 1);
+                assert_eq!(buf, [w.gate.data, w.up.data, w.down.data].concat(), "{mix} layer {l}");
+            }
+        }
+    }
+
     /// The scratchpad's per-layer shapes: a Q4_K_M file's layers in their own block types and
     /// bytes (Q6_K down projections in some), bf16 as it is, and no Post-Fetch for f32 experts
     /// (their bytes are not what the device stores).
