@@ -42,7 +42,13 @@ impl MixerStage {
         match cx.dev.plan.layer(cx.l).mixer {
             Mixer::Attention(_) => self.attention_block(cx, segs),
             Mixer::GatedDeltaNet(d) => delta_net_block(cx, &d, segs),
-            Mixer::LatentAttention(_) => unreachable!("refused by GpuModel::supports"),
+            Mixer::LatentAttention(m) => {
+                let rows = segs.iter().map(|s| s.n).max().unwrap_or(0);
+                let cache = segs.first().expect("a call has a sequence").cache;
+                self.reserve_attention(cx.dev, rows, cache)?;
+                let part = self.attn_part.as_ref().expect("reserved above").ptr();
+                super::latent::latent_block(cx, &m, segs, part)
+            }
         }
     }
 
@@ -103,7 +109,12 @@ impl MixerStage {
     /// shrinks).
     pub fn reserve_attention(&mut self, dev: &Device, t: usize, cache: &GpuKvCache) -> Result<(), GpuError> {
         let c = &dev.cfg;
-        let need = CudaBackend::attention_split_scratch(t, c.n_heads, c.head_dim, cache.capacity);
+        let latent = dev.plan.layers().iter().filter_map(|l| match &l.mixer {
+            Mixer::LatentAttention(m) => Some(m),
+            _ => None,
+        });
+        let need = CudaBackend::attention_split_scratch(t, c.n_heads, c.head_dim, cache.capacity)
+            .max(super::latent::latent_part_floats(latent, t, cache.capacity));
         if self.attn_part.as_ref().is_none_or(|b| b.len() < need) {
             self.attn_part = None; // free first
             self.attn_part = Some(dev.be.alloc_zeros::<f32>(need)?);
@@ -301,7 +312,8 @@ pub(crate) fn qk_fusable(a: &AttentionSpec) -> bool {
 }
 
 /// The mixer kinds the GPU engine runs: attention layers (with sinks, an o bias and YaRN RoPE
-/// too), and Gated DeltaNet layers whose key heads fit the kernel's registers.
+/// too), Gated DeltaNet layers whose key heads fit the kernel's registers, and latent attention
+/// layers whose sizes fit its kernels.
 pub(crate) fn runs_mixer(m: &Mixer) -> bool {
     match m {
         // Gemma 4's proportional RoPE, keys as values, v norm and score scale have no kernels
@@ -309,8 +321,9 @@ pub(crate) fn runs_mixer(m: &Mixer) -> bool {
         Mixer::Attention(a) => {
             a.rope.turning_pairs.is_none() && !a.values_from_keys && !a.v_norm && a.scale.is_none()
         }
-        // Latent attention (DeepSeek-V3) has no kernels here yet.
-        Mixer::LatentAttention(_) => false,
+        // Latent attention whose latent, rotated part and per-head products fit the kernels
+        // (DeepSeek-V3 and Kimi K2: rank 512, rope 64, nope 128).
+        Mixer::LatentAttention(m) => super::latent::mla_shape(m).fits(),
         Mixer::GatedDeltaNet(d) => {
             d.k_head_dim <= DELTA_MAX_KEY_DIM
                 && d.v_head_dim <= 1024

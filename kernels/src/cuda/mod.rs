@@ -20,6 +20,7 @@
 pub mod epilogue;
 mod gate;
 pub mod kernel;
+pub mod mla;
 pub mod ops;
 pub mod quant;
 pub mod registered;
