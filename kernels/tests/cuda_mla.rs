@@ -75,7 +75,9 @@ fn read_cache(be: &CudaBackend, t: KvType, d: &DeviceBuffer<u8>) -> Vec<f32> {
     let bytes: Vec<u8> = be.read_vec(d.ptr()).unwrap();
     let u16s = || bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
     let rows = match t {
-        KvType::F32 => KvRows::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()),
+        KvType::F32 => {
+            KvRows::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect())
+        }
         KvType::F16 => KvRows::F16(u16s()),
         KvType::Bf16 => KvRows::Bf16(u16s()),
         KvType::Q8_0 => KvRows::Q8_0(bytes.clone()),
@@ -107,7 +109,16 @@ struct Cpu {
     q_abs: Vec<f32>,
 }
 
-fn cpu_prep(c: &Case, q: &[f32], kv: &[f32], kv_norm: &[f32], k_b: &[f32], scale: f32, theta: f32, eps: f32) -> Cpu {
+fn cpu_prep(
+    c: &Case,
+    q: &[f32],
+    kv: &[f32],
+    kv_norm: &[f32],
+    k_b: &[f32],
+    scale: f32,
+    theta: f32,
+    eps: f32,
+) -> Cpu {
     let s = c.shape;
     let (w, qw) = (s.width(), s.nope + s.rope);
     let mut rows = vec![0f32; c.t * w];
@@ -150,8 +161,9 @@ fn cpu_attention(c: &Case, q_abs: &[f32], cache: &[f32], v_b: &[f32]) -> (Vec<f3
         for h in 0..s.heads {
             let qa = &q_abs[(t * s.heads + h) * w..][..w];
             let n = c.pos0 + t + 1;
-            let sc: Vec<f64> =
-                (0..n).map(|j| qa.iter().zip(&cache[j * w..(j + 1) * w]).map(|(a, b)| (a * b) as f64).sum()).collect();
+            let sc: Vec<f64> = (0..n)
+                .map(|j| qa.iter().zip(&cache[j * w..(j + 1) * w]).map(|(a, b)| (a * b) as f64).sum())
+                .collect();
             let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let p: Vec<f64> = sc.iter().map(|v| (v - m).exp()).collect();
             let l: f64 = p.iter().sum();
@@ -161,7 +173,8 @@ fn cpu_attention(c: &Case, q_abs: &[f32], cache: &[f32], v_b: &[f32]) -> (Vec<f3
             }
             for vi in 0..s.v_dim {
                 let vr = &v_b[(h * s.v_dim + vi) * s.rank..][..s.rank];
-                values[t * s.heads * s.v_dim + h * s.v_dim + vi] = vr.iter().zip(out.iter()).map(|(a, b)| a * b).sum();
+                values[t * s.heads * s.v_dim + h * s.v_dim + vi] =
+                    vr.iter().zip(out.iter()).map(|(a, b)| a * b).sum();
             }
         }
     }
@@ -188,7 +201,8 @@ fn run_case(be: &CudaBackend, c: &Case, kv_type: KvType, graph: bool) {
     let dabs = be.alloc_zeros::<f32>(c.t * s.abs_dim()).unwrap();
     let dout = be.alloc_zeros::<f32>(c.t * s.heads * s.rank).unwrap();
     let dvals = be.alloc_zeros::<f32>(c.t * s.heads * s.v_dim).unwrap();
-    let part = be.alloc_zeros::<f32>(CudaBackend::mla_attention_scratch(c.t, s.heads, s.rank, cap + c.t)).unwrap();
+    let part =
+        be.alloc_zeros::<f32>(CudaBackend::mla_attention_scratch(c.t, s.heads, s.rank, cap + c.t)).unwrap();
     let dpos = be.upload(&[c.pos0 as i32]).unwrap();
     let (pos0, pos, at) = match graph {
         true => (0, Some(dpos.ptr()), Some(DevicePos { pos: dpos.ptr(), max_positions: cap - c.t })),
@@ -196,7 +210,8 @@ fn run_case(be: &CudaBackend, c: &Case, kv_type: KvType, graph: bool) {
     };
     let rope = MlaRope { theta, interleaved: c.interleaved, scaling: None };
     let kc = cache_ptr(kv_type, &cache);
-    be.mla_prep(s, dq.ptr(), dkv.ptr(), dnorm.ptr(), dabs.ptr(), kc, c.t, pos0, pos, rope, eps, scale).unwrap();
+    be.mla_prep(s, dq.ptr(), dkv.ptr(), dnorm.ptr(), dabs.ptr(), kc, c.t, pos0, pos, rope, eps, scale)
+        .unwrap();
     be.mla_absorb(s, dq.ptr(), dk.ptr(), dabs.ptr(), c.t, scale).unwrap();
     be.mla_attention(s, dabs.ptr(), kc, dout.ptr(), part.ptr(), c.t, pos0, at).unwrap();
     be.mla_values(s, dout.ptr(), dv.ptr(), dvals.ptr(), c.t).unwrap();
@@ -277,7 +292,8 @@ fn mla_shapes_the_kernels_cannot_take_are_refused() {
     let buf = be.alloc_zeros::<f32>(4096).unwrap();
     let rope = MlaRope { theta: 1e4, interleaved: true, scaling: None };
     let p = buf.ptr();
-    let err = be.mla_prep(fixture, p, p, p, p, KvPtr::Q8_0(cache.ptr()), 1, 0, None, rope, 1e-6, 1.0).unwrap_err();
+    let err =
+        be.mla_prep(fixture, p, p, p, p, KvPtr::Q8_0(cache.ptr()), 1, 0, None, rope, 1e-6, 1.0).unwrap_err();
     assert!(err.to_string().contains("blocks of 32"), "{err}");
     let big = MlaShape { rank: 1024, ..ok };
     let err = be.mla_absorb(big, p, be.alloc_zeros::<u16>(1).unwrap().ptr(), p, 1, 1.0).unwrap_err();

@@ -81,7 +81,20 @@ pub(crate) fn latent_block(
         let (r0, n) = (seg.row0, seg.n);
         let (sq, skv, sabs) = (q.sub(r0 * qd, n * qd), kv.sub(r0 * wd, n * wd), q_abs.sub(r0 * ad, n * ad));
         let cache = seg.cache.k(l);
-        be.mla_prep(shape, sq, skv, w.kv_a_norm.ptr(), sabs, cache, n, seg.pos0, pos, rope, c.rms_eps, m.scale)?;
+        be.mla_prep(
+            shape,
+            sq,
+            skv,
+            w.kv_a_norm.ptr(),
+            sabs,
+            cache,
+            n,
+            seg.pos0,
+            pos,
+            rope,
+            c.rms_eps,
+            m.scale,
+        )?;
     }
     be.mla_absorb(shape, q, w.k_b.ptr(), q_abs, t, m.scale)?;
     let (rank, heads) = (shape.rank, shape.heads);
@@ -101,4 +114,53 @@ pub(crate) fn latent_block(
     be.mla_values(shape, out, w.v_b.ptr(), values, t)?;
     dev.linear(phase, values, w.o.view(), s.hidden.ptr(), t, h, vd, true)?;
     cx.mark(3)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::arch::{Mixer, RopeSpec};
+
+    fn spec(kv_lora_rank: usize, rope_dim: usize) -> LatentAttentionSpec {
+        LatentAttentionSpec {
+            n_heads: 128,
+            q_lora_rank: Some(1536),
+            kv_lora_rank,
+            nope_dim: 128,
+            rope_dim,
+            v_dim: 128,
+            rope: RopeSpec {
+                style: RopeStyle::Interleaved,
+                theta: 1e4,
+                dims: rope_dim,
+                yarn: None,
+                turning_pairs: None,
+            },
+            scale: 0.1,
+        }
+    }
+
+    /// DeepSeek-V3's and Kimi K2's latent layers (rank 512, rope 64) run; a wider latent or
+    /// rotated part than the kernels hold is refused (by the plan's kind name, before a device).
+    #[test]
+    fn the_engine_runs_the_latent_sizes_its_kernels_hold() {
+        let runs = |m| super::super::mixer::runs_mixer(&Mixer::LatentAttention(m));
+        assert!(runs(spec(512, 64)));
+        assert!(!runs(spec(1024, 64)));
+        assert!(!runs(spec(512, 128)));
+    }
+
+    /// The split attention's partials stay bounded for long prefill calls (row chunks of
+    /// `MLA_ATTENTION_ROWS`) and cover decode over the whole cache.
+    #[test]
+    fn the_partials_are_sized_by_row_chunks() {
+        let m = spec(512, 64);
+        let decode = latent_part_floats([&m].into_iter(), 1, 4096);
+        let long = latent_part_floats([&m].into_iter(), 2048, 4096);
+        let chunk = latent_part_floats([&m].into_iter(), MLA_ATTENTION_ROWS, 4096);
+        assert_eq!(long, chunk);
+        assert!(long * 4 <= 20 << 20, "{long} floats");
+        assert_eq!(decode, CudaBackend::mla_attention_scratch(1, 128, 512, 4097));
+        assert_eq!(latent_part_floats(std::iter::empty(), 8, 4096), 0);
+    }
 }

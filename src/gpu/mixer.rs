@@ -44,7 +44,9 @@ impl MixerStage {
             Mixer::GatedDeltaNet(d) => delta_net_block(cx, &d, segs),
             Mixer::LatentAttention(m) => {
                 let rows = segs.iter().map(|s| s.n).max().unwrap_or(0);
-                let cache = segs.first().expect("a call has a sequence").cache;
+                // the partials for the longest sequence and the largest cache of the call
+                let cache =
+                    segs.iter().map(|s| s.cache).max_by_key(|c| c.capacity).expect("a call has a sequence");
                 self.reserve_attention(cx.dev, rows, cache)?;
                 let part = self.attn_part.as_ref().expect("reserved above").ptr();
                 super::latent::latent_block(cx, &m, segs, part)
@@ -105,16 +107,20 @@ impl MixerStage {
         cx.mark(3)
     }
 
-    /// The split decode attention's partials for `t` rows over the whole cache (grows, never
-    /// shrinks).
+    /// The split decode attention's partials for `t` rows over the whole cache, and the latent
+    /// attention's for its row chunks (grows, never shrinks).
     pub fn reserve_attention(&mut self, dev: &Device, t: usize, cache: &GpuKvCache) -> Result<(), GpuError> {
         let c = &dev.cfg;
         let latent = dev.plan.layers().iter().filter_map(|l| match &l.mixer {
             Mixer::LatentAttention(m) => Some(m),
             _ => None,
         });
-        let need = CudaBackend::attention_split_scratch(t, c.n_heads, c.head_dim, cache.capacity)
-            .max(super::latent::latent_part_floats(latent, t, cache.capacity));
+        let attention = dev.plan.layers().iter().any(|l| l.as_attention().is_some());
+        let need = match attention {
+            true => CudaBackend::attention_split_scratch(t, c.n_heads, c.head_dim, cache.capacity),
+            false => 0,
+        };
+        let need = need.max(super::latent::latent_part_floats(latent, t, cache.capacity)).max(1);
         if self.attn_part.as_ref().is_none_or(|b| b.len() < need) {
             self.attn_part = None; // free first
             self.attn_part = Some(dev.be.alloc_zeros::<f32>(need)?);

@@ -133,9 +133,8 @@ impl Scratch {
         let mla = MlaScratch::new(be, c, cap)?;
         let widest = c.hidden.max(c.q_dim()).max(c.expert_ff).max(c.shared_expert_ff).max(vd).max(dense_ff);
         // A latent layer's projections read `q_a`'s rows (`q_b`) and the heads' values (`o`).
-        let widest = widest.max(c.mla.as_ref().map_or(0, |m| {
-            m.q_lora_rank.unwrap_or(0).max(c.n_heads * m.v_head_dim)
-        }));
+        let widest = widest
+            .max(c.mla.as_ref().map_or(0, |m| m.q_lora_rank.unwrap_or(0).max(c.n_heads * m.v_head_dim)));
         let f = |n: usize| be.alloc_zeros::<f32>(n.max(1));
         let layout = WorkLayout::new(cap, k);
         Ok(Scratch {

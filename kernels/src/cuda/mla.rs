@@ -98,7 +98,10 @@ impl CudaBackend {
         let width = shape.width();
         let block = cache.kv_type().block_len();
         if !width.is_multiple_of(block) {
-            let reason = format!("{} caches store blocks of {block} values; a row of {width} splits one", cache.kv_type());
+            let reason = format!(
+                "{} caches store blocks of {block} values; a row of {width} splits one",
+                cache.kv_type()
+            );
             return Err(CudaError::Shape { kernel: K.symbol(), reason });
         }
         need(K, "q", q, n_tokens * shape.q_dim())?;
@@ -109,7 +112,11 @@ impl CudaBackend {
             need(K, "pos", p, 1)?;
         }
         if cache.len() < (pos0 + n_tokens) * width {
-            let reason = format!("the cache holds {} values, rows up to {} of {width} needed", cache.len(), pos0 + n_tokens);
+            let reason = format!(
+                "the cache holds {} values, rows up to {} of {width} needed",
+                cache.len(),
+                pos0 + n_tokens
+            );
             return Err(CudaError::Shape { kernel: K.symbol(), reason });
         }
         let (freqs, rope_scale) = rope_scaling_args(K, rope.scaling, shape.rope)?;
@@ -159,7 +166,10 @@ impl CudaBackend {
         scale: f32,
     ) -> Result<()> {
         const K: Kernel = Kernel::MlaHeadGemvBf16;
-        if cols == 0 || cols > MLA_MAX_RANK || (heads - 1) * x_head + cols > x_row || (heads - 1) * y_head + rows > y_row
+        if cols == 0
+            || cols > MLA_MAX_RANK
+            || (heads - 1) * x_head + cols > x_row
+            || (heads - 1) * y_head + rows > y_row
         {
             let reason = format!(
                 "{heads} heads of [{rows}, {cols}] over rows of {x_row} (heads at {x_head}) into rows of {y_row} (heads at {y_head}); at most {MLA_MAX_RANK} columns"
@@ -206,7 +216,17 @@ impl CudaBackend {
         shape.check(Kernel::MlaHeadGemvBf16)?;
         let (qw, w) = (shape.nope + shape.rope, shape.width());
         let x = [shape.q_dim(), qw];
-        self.mla_head_gemv(q, k_b, q_abs, n_tokens, shape.heads, [shape.rank, shape.nope], x, [shape.abs_dim(), w], scale)
+        self.mla_head_gemv(
+            q,
+            k_b,
+            q_abs,
+            n_tokens,
+            shape.heads,
+            [shape.rank, shape.nope],
+            x,
+            [shape.abs_dim(), w],
+            scale,
+        )
     }
 
     /// The heads' values: `values[t, h * v..] = v_b[h] · latent[t, h]` (`v_b` bf16 `[heads, v,
@@ -277,7 +297,17 @@ impl CudaBackend {
             grid,
             256,
             0,
-            args![q_abs.raw(), cache.raw(), part.raw(), i(pos0), i(heads), i(rank), i(shape.rope), i(splits), pos_ptr],
+            args![
+                q_abs.raw(),
+                cache.raw(),
+                part.raw(),
+                i(pos0),
+                i(heads),
+                i(rank),
+                i(shape.rope),
+                i(splits),
+                pos_ptr
+            ],
         )?;
         let (window, sinks) = (0i32, 0u64);
         self.launch(

@@ -501,7 +501,11 @@ pub struct RopeScaling {
 
 /// A [`RopeScaling`]'s kernel arguments (null table and scale 1 without one), its table checked
 /// for `rot / 2` pairs.
-pub(super) fn rope_scaling_args(kernel: Kernel, scaling: Option<RopeScaling>, rot: usize) -> Result<(u64, f32)> {
+pub(super) fn rope_scaling_args(
+    kernel: Kernel,
+    scaling: Option<RopeScaling>,
+    rot: usize,
+) -> Result<(u64, f32)> {
     match scaling {
         Some(r) => {
             need(kernel, "rope freqs", r.freqs, rot / 2)?;
