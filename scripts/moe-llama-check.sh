@@ -45,9 +45,9 @@ check() {  # FILE LABEL
     "$LLAMA/llama-argmax" "$file" 0 "$TOKENS" "$OUT/$label.llama.f32" > "$OUT/$label.llama.json" \
         2> "$OUT/$label.llama.log" || { echo "$label: llama.cpp FAILED"; tail -5 "$OUT/$label.llama.log"; return; }
     local engines=(reference pipeline)
-    # the GPU engine where there is one and it runs the file's kinds (GLM; DeepSeek's latent
-    # attention it refuses by name)
-    if [ "${GPU:-0}" = 1 ] && "$BIN" inspect "$file" 2>/dev/null | grep -q glm4; then engines+=(gpu); fi
+    # the GPU engine where there is one (it runs GLM's kinds and DeepSeek's / Kimi's latent
+    # attention)
+    if [ "${GPU:-0}" = 1 ]; then engines+=(gpu); fi
     for engine in "${engines[@]}"; do
         local hot=()
         [ "$engine" = reference ] || hot=(--hot-fraction 0.5)

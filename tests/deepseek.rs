@@ -125,7 +125,8 @@ fn gpu_engine_matches_transformers() {
 
 /// The GPU engine on the quantized synthetic DeepSeek (`synth --quant q4_k_m` at the preset's
 /// latent sizes: rank 512, rope 64, nope 128; `attn_k_b` Q8_0 and `attn_v_b` Q4_K, which the GPU
-/// dequantizes to bf16 at upload): prefill and decode follow the oracle on the same file.
+/// dequantizes to bf16 at upload): prefill and decode follow the oracle on the same file, at
+/// hot 0.5 and 1 (decode graphs).
 #[test]
 fn gpu_engine_on_quantized_deepseek_follows_the_oracle() {
     use moe_lanes::synth::{write_synthetic_quantized, Preset, SynthFormat};
@@ -136,7 +137,7 @@ fn gpu_engine_on_quantized_deepseek_follows_the_oracle() {
     let mut q = synth_options("deepseek_v3", SynthFormat::Gguf, dir.path().join("q4.gguf"), 3);
     q.preset = "deepseek-v3".parse::<Preset>().unwrap();
     q.dims = moe_lanes::synth::DimOverrides {
-        n_layers: Some(3),
+        n_layers: Some(5), // the preset's 3 dense layers, then 2 with experts
         hidden: Some(256),
         n_heads: Some(4),
         n_experts: Some(16),
@@ -151,23 +152,26 @@ fn gpu_engine_on_quantized_deepseek_follows_the_oracle() {
     moe_lanes::gpu::GpuModel::supports(&model).unwrap();
     let prompt: Vec<u32> = (0..40).map(|i| (i * 53 + 7) % 1000).collect();
     let r = Reference::new(&model).unwrap();
-    let mut rc = r.new_cache();
-    let want = r.forward(&mut rc, &prompt, &mut NoObserver).unwrap();
-    let mut engine = fixture_checks::gpu_engine(&model, 0.5);
-    let mut cache = engine.new_cache(128).unwrap();
-    let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap().rows();
-    let err = max_rel_err(&got, &want);
-    println!("q4_k_m deepseek gpu prefill vs oracle {err:.2e}");
-    // bf16 activations and k_b / v_b rounded to bf16 against the oracle's f32 on the same blocks.
-    assert!(err < 3e-2, "q4_k_m: gpu prefill vs oracle {err}");
-    let mut next = moe_lanes::reference::argmax(want.last().unwrap());
-    for step in 0..4 {
-        let want = r.forward(&mut rc, &[next], &mut NoObserver).unwrap();
-        let got = engine.forward(&[next], Phase::Decode, &mut cache).unwrap().rows();
+    // hot 0.5: the cold lane on every layer with experts; 1: all hot, decode through the graphs
+    for hot in [0.5, 1.0] {
+        let mut rc = r.new_cache();
+        let want = r.forward(&mut rc, &prompt, &mut NoObserver).unwrap();
+        let mut engine = fixture_checks::gpu_engine(&model, hot);
+        let mut cache = engine.new_cache(128).unwrap();
+        let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap().rows();
         let err = max_rel_err(&got, &want);
-        println!("q4_k_m deepseek gpu decode {step} vs oracle {err:.2e}");
-        assert!(err < 3e-2, "q4_k_m decode {step}: {err}");
-        next = moe_lanes::reference::argmax(&want[0]);
+        println!("q4_k_m deepseek gpu hot {hot} prefill vs oracle {err:.2e}");
+        // bf16 activations and k_b / v_b rounded to bf16 against the oracle's f32 on the blocks.
+        assert!(err < 3e-2, "q4_k_m hot {hot}: gpu prefill vs oracle {err}");
+        let mut next = moe_lanes::reference::argmax(want.last().unwrap());
+        for step in 0..4 {
+            let want = r.forward(&mut rc, &[next], &mut NoObserver).unwrap();
+            let got = engine.forward(&[next], Phase::Decode, &mut cache).unwrap().rows();
+            let err = max_rel_err(&got, &want);
+            println!("q4_k_m deepseek gpu hot {hot} decode {step} vs oracle {err:.2e}");
+            assert!(err < 3e-2, "q4_k_m hot {hot} decode {step}: {err}");
+            next = moe_lanes::reference::argmax(&want[0]);
+        }
     }
 }
 

@@ -102,8 +102,8 @@ struct Case {
     interleaved: bool,
 }
 
-/// What the CPU computes for a case: the new cache rows (f32), the absorbed queries, and after
-/// attention over `cache` (the device's cache read back) the latents and values.
+/// What the CPU computes for a case before attention: the new cache rows (f32) and the absorbed
+/// queries.
 struct Cpu {
     rows: Vec<f32>,
     q_abs: Vec<f32>,
@@ -115,9 +115,7 @@ fn cpu_prep(
     kv: &[f32],
     kv_norm: &[f32],
     k_b: &[f32],
-    scale: f32,
-    theta: f32,
-    eps: f32,
+    [scale, theta, eps]: [f32; 3],
 ) -> Cpu {
     let s = c.shape;
     let (w, qw) = (s.width(), s.nope + s.rope);
@@ -216,7 +214,7 @@ fn run_case(be: &CudaBackend, c: &Case, kv_type: KvType, graph: bool) {
     be.mla_attention(s, dabs.ptr(), kc, dout.ptr(), part.ptr(), c.t, pos0, at).unwrap();
     be.mla_values(s, dout.ptr(), dv.ptr(), dvals.ptr(), c.t).unwrap();
     let what = format!("rank {} heads {} t {} pos0 {} {kv_type} graph {graph}", s.rank, s.heads, c.t, c.pos0);
-    let want = cpu_prep(c, &q, &kv, &kv_norm, &k_b, scale, theta, eps);
+    let want = cpu_prep(c, &q, &kv, &kv_norm, &k_b, [scale, theta, eps]);
     let got_cache = read_cache(be, kv_type, &cache);
     let new_rows = &got_cache[c.pos0 * w..(c.pos0 + c.t) * w];
     let err = max_abs_diff(new_rows, &want.rows);
