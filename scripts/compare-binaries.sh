@@ -4,7 +4,7 @@
 #
 # Usage: scripts/compare-binaries.sh OLD_BIN NEW_BIN MODEL
 #
-# 1. Hot budgets 0, 50% and 100% of the model's expert bytes (`NEW_BIN inspect MODEL --json`,
+# 1. Hot budgets (SHARES, default 0, 50% and 100%) of the model's expert bytes (`NEW_BIN inspect MODEL --json`,
 #    all_experts_bytes, in MiB; 100% rounded up).
 # 2. One learn file for both: `NEW_BIN learn --engine gpu`, else `OLD_BIN learn` (pipeline).
 # 3. Per budget, REPEATS pairs in alternation (old, new, old, new, ...) so drift of clocks,
@@ -12,7 +12,7 @@
 #    GPU one) and `NEW_BIN bench --engine gpu`, each with --learn, -p P -n N --runs RUNS --json.
 # 4. A markdown table of the medians over the repeats: budget, old/new pp and tg, new/old ratios.
 #
-# Env: P (512), N (128), RUNS (3: timed runs inside one bench), REPEATS (2: old/new pairs per
+# Env: SHARES ("0 50 100": the budgets as percentages of all experts), P (512), N (128), RUNS (3: timed runs inside one bench), REPEATS (2: old/new pairs per
 # budget), LEARN_TOKENS (256), CUDA_LIB (/usr/local/cuda/lib64), OLD_ARGS / NEW_ARGS (extra bench
 # flags; NEW_ARGS defaults to --greedy when only the new binary has that flag, so both feed the
 # greedy token during tg as the old one does; set NEW_ARGS= to leave it out).
@@ -55,9 +55,13 @@ read -r -a new_args <<<"$NEW_ARGS"
 all_mib=$("$NEW" inspect "$MODEL" --json 2>"$LOGS/inspect.err" |
     python3 -c 'import json, sys; print(-(-json.load(sys.stdin)["all_experts_bytes"] // (1 << 20)))') ||
     die "NEW_BIN inspect $MODEL --json gave no all_experts_bytes (see $LOGS/inspect.err)"
-shares=(0 50 100)
-budgets=(0 $((all_mib / 2)) "$all_mib")
-echo "budgets: ${budgets[*]} MiB (0/50/100% of all experts, $all_mib MiB)"
+read -r -a shares <<<"${SHARES:-0 50 100}"
+budgets=()
+for s in "${shares[@]}"; do
+    [[ $s =~ ^[0-9]+$ && $s -le 100 ]] || die "SHARES: '$s' is not a percentage 0..100"
+    budgets+=($((all_mib * s / 100)))
+done
+echo "budgets: ${budgets[*]} MiB (${shares[*]}% of all experts, $all_mib MiB)"
 
 learn=$LOGS/learn.json
 if "$NEW" learn --engine gpu --model "$MODEL" --n-tokens "$LEARN_TOKENS" --out "$learn" --force 2>"$LOGS/learn-new.err"; then
@@ -103,9 +107,10 @@ for i in "${!shares[@]}"; do
     done
 done
 
-python3 - "$LOGS" "${budgets[@]}" <<'PY' | tee "$LOGS/compare.md"
+python3 - "$LOGS" "${shares[*]}" "${budgets[@]}" <<'PY' | tee "$LOGS/compare.md"
 import glob, json, os, statistics, sys
-logs, budgets = sys.argv[1], list(zip((0, 50, 100), (int(b) for b in sys.argv[2:])))
+logs, shares = sys.argv[1], [int(s) for s in sys.argv[2].split()]
+budgets = list(zip(shares, (int(b) for b in sys.argv[3:])))
 notes = []
 
 def reports(share, which):

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # llama.cpp as a second oracle for DeepSeek-V3 / Kimi K2 (GGUF deepseek2) and GLM-4.5 (glm4moe),
-# issue 42: synthetic GGUF files in llama.cpp's layout (split attn_k_b / attn_v_b, exp_probs_b,
+# issue 42, and GPT-OSS (gpt-oss, issue 41: sliding windows with sinks, YaRN, biases, the clamped
+# SwiGLU; quantized to MXFP4_MOE instead of Q4_K_M): synthetic GGUF files in llama.cpp's layout (split attn_k_b / attn_v_b, exp_probs_b,
 # shared experts, leading dense layers, YaRN with yarn_log_multiplier; GLM's NextN/MTP layer,
 # q/k/v biases or none), each checked against llama.cpp's layout by gguf-py
 # (scripts/gguf-layout-check.py), then the logits of every position from llama.cpp (llama-argmax,
 # CPU) and from moe-lanes (reference and pipeline at half the experts hot, and with GPU=1 the GPU
-# engine on the GLM files), compared by scripts/logits-agreement.py. Files: F32, BF16, BF16
-# quantized to Q4_K_M by llama.cpp's llama-quantize, and our own `synth --quant q4_k_m`.
+# engine, where it runs the file's kinds), compared by scripts/logits-agreement.py. Files: F32,
+# BF16, BF16 quantized by llama.cpp's llama-quantize (Q4_K_M; GPT-OSS: MXFP4_MOE), and our own
+# `synth --quant` of the same type.
 #
 #   BIN=path/to/moe-lanes OUT=dir bash scripts/moe-llama-check.sh
 #
@@ -38,15 +40,16 @@ TOKENS=$(python3 -c 'print(",".join(str((i * 7919 + 13) % 4000 + 5) for i in ran
 
 check() {  # FILE LABEL
     local file=$1 label=$2
-    if [ "$HAVE_GGUF_PY" = 1 ]; then
+    # gguf-layout-check.py knows deepseek2 and glm4moe; llama.cpp loading the file checks the rest
+    if [ "$HAVE_GGUF_PY" = 1 ] && [[ $label != gpt-oss* ]]; then
         python3 scripts/gguf-layout-check.py "$file" > "$OUT/$label.layout.txt" 2>&1 \
             || { echo "$label: NOT llama.cpp's layout"; cat "$OUT/$label.layout.txt"; }
     fi
     "$LLAMA/llama-argmax" "$file" 0 "$TOKENS" "$OUT/$label.llama.f32" > "$OUT/$label.llama.json" \
         2> "$OUT/$label.llama.log" || { echo "$label: llama.cpp FAILED"; tail -5 "$OUT/$label.llama.log"; return; }
     local engines=(reference pipeline)
-    # the GPU engine where there is one (it runs GLM's kinds and DeepSeek's / Kimi's latent
-    # attention)
+    # the GPU engine where there is one (GLM, GPT-OSS, DeepSeek's / Kimi's latent attention; a
+    # kind it does not run is refused by name, and said)
     if [ "${GPU:-0}" = 1 ]; then engines+=(gpu); fi
     for engine in "${engines[@]}"; do
         local hot=()
@@ -65,16 +68,21 @@ check() {  # FILE LABEL
 # 2.827, YaRN x32; GLM-4.5-Air: GQA with biases, no q/k norm, one group; GLM tiny: q/k norm, 2
 # groups keep 1, scale 2.5, with and without q/k/v biases), shrunk to a CPU-sized model.
 DEFAULT_SPECS="deepseek-v3:deepseek_v3:deepseek-v3 kimi-k2:deepseek_v3:kimi-k2 glm-4.5-air:glm4_moe:glm-4.5-air
-glm-tiny:glm4_moe:tiny glm-tiny-nobias:glm4_moe:tiny:--no-attention-bias"
+glm-tiny:glm4_moe:tiny glm-tiny-nobias:glm4_moe:tiny:--no-attention-bias gpt-oss-20b:gpt_oss:gpt-oss-20b
+gpt-oss-tiny:gpt_oss:tiny"
 for spec in ${SPECS:-$DEFAULT_SPECS}; do
     IFS=: read -r name arch preset extra <<< "$spec"
     dims=(--preset "$preset" --layers "$LAYERS" --hidden 512 --experts 16 --top-k 4 --expert-ff 256
-          --shared-expert-ff 256 --vocab 4096 --skew uniform --seed 5)
+          --vocab 4096 --skew uniform --seed 5)
+    quant=q4_k_m
     case $arch in
-        deepseek_v3) dims+=(--heads 8) ;;
+        deepseek_v3) dims+=(--heads 8 --shared-expert-ff 256) ;;
+        # GPT-OSS: no shared expert; the preset's window 128 is past these 80 tokens, the tiny
+        # one's 16 is not; experts MXFP4 as its published files
+        gpt_oss) dims+=(--heads 8 --kv-heads 2 --head-dim 64) quant=mxfp4_moe ;;
         # GLM: head 64 (RoPE on 32 of it), 2 KV heads; one NextN/MTP layer, as llama.cpp's
         # converter writes GLM-4.5 (llama.cpp loads it and does not run it either).
-        glm4_moe) dims+=(--heads 8 --kv-heads 2 --head-dim 64 --mtp-layers 1) ;;
+        glm4_moe) dims+=(--heads 8 --kv-heads 2 --head-dim 64 --mtp-layers 1 --shared-expert-ff 256) ;;
     esac
     [ -n "$extra" ] && dims+=("$extra")
     for dtype in f32 bf16; do
@@ -82,16 +90,16 @@ for spec in ${SPECS:-$DEFAULT_SPECS}; do
         [ -f "$f" ] || "$BIN" synth --arch "$arch" "${dims[@]}" --dtype "$dtype" --out "$f" > /dev/null
         check "$f" "$name-$dtype"
     done
-    ours="$MODELS/$name-ours-q4_k_m.gguf"
-    [ -f "$ours" ] || "$BIN" synth --arch "$arch" "${dims[@]}" --quant q4_k_m --out "$ours" > /dev/null
-    check "$ours" "$name-ours-q4_k_m"
-    q="$MODELS/$name-q4_k_m.gguf"
-    [ -f "$q" ] || "$LLAMA/llama-quantize" "$MODELS/$name-bf16.gguf" "$q" Q4_K_M > "$OUT/$name-quantize.log" 2>&1 \
+    ours="$MODELS/$name-ours-$quant.gguf"
+    [ -f "$ours" ] || "$BIN" synth --arch "$arch" "${dims[@]}" --quant "$quant" --out "$ours" > /dev/null
+    check "$ours" "$name-ours-$quant"
+    q="$MODELS/$name-$quant.gguf"
+    [ -f "$q" ] || "$LLAMA/llama-quantize" "$MODELS/$name-bf16.gguf" "$q" "${quant^^}" > "$OUT/$name-quantize.log" 2>&1 \
         || { echo "$name: llama-quantize FAILED"; tail -5 "$OUT/$name-quantize.log"; continue; }
-    check "$q" "$name-q4_k_m"
-    # llama.cpp's own activation rounding: its BF16 / Q4_K_M runs against the same weights upcast
-    # to F32 (llama-quantize) bound what our agreement above can be.
-    for t in bf16 q4_k_m; do
+    check "$q" "$name-$quant"
+    # llama.cpp's own activation rounding: its BF16 / quantized runs against the same weights
+    # upcast to F32 (llama-quantize) bound what our agreement above can be.
+    for t in bf16 "$quant"; do
         src="$MODELS/$name-$t.gguf" up="$MODELS/$name-$t-as-f32.gguf"
         [ -f "$up" ] || "$LLAMA/llama-quantize" --allow-requantize "$src" "$up" F32 > "$OUT/$name-$t-up.log" 2>&1 \
             || { echo "$name $t: upcast FAILED"; tail -3 "$OUT/$name-$t-up.log"; continue; }

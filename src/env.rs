@@ -147,7 +147,8 @@ pub fn vram_limit_bytes() -> Result<Option<u64>, EnvError> {
 /// value (unset: `None`): `MOE_LANES_GPU_ATTENTION` (`mma`, `tiled`, `rows`),
 /// `MOE_LANES_PREFILL_ACTIVATIONS` (`auto`, `split`, `bf16`), `MOE_LANES_GPU_GRAPH` (`0` off),
 /// `MOE_LANES_GRAPH_LANE_EVENTS` (`1` on), `MOE_LANES_HOT_DEQUANT_MIB` (MiB),
-/// `MOE_LANES_HOT_DEQUANT_OVERLAP` (anything but `0` on).
+/// `MOE_LANES_HOT_DEQUANT_OVERLAP` (anything but `0` on), `MOE_LANES_BATCH_GEMM_MIN_TOKENS` and
+/// `MOE_LANES_HOT_GROUPED_MIN_ROWS` (counts).
 pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
     let prefill_attention = match var("MOE_LANES_GPU_ATTENTION").as_deref() {
         None => None,
@@ -169,6 +170,9 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
     let batch_gemm_min_tokens = var("MOE_LANES_BATCH_GEMM_MIN_TOKENS")
         .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_BATCH_GEMM_MIN_TOKENS", &v, "a token count")))
         .transpose()?;
+    let hot_grouped_min_rows = var("MOE_LANES_HOT_GROUPED_MIN_ROWS")
+        .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_HOT_GROUPED_MIN_ROWS", &v, "a row count")))
+        .transpose()?;
     Ok(GpuTuning {
         prefill_attention,
         prefill_activations,
@@ -177,6 +181,7 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
         hot_dequant_mib,
         hot_dequant_overlap: var("MOE_LANES_HOT_DEQUANT_OVERLAP").map(|v| v != "0"),
         batch_gemm_min_tokens,
+        hot_grouped_min_rows,
     })
 }
 

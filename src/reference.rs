@@ -56,6 +56,28 @@ pub fn check_generation_fits(
 /// Receives every routing decision the forward pass makes (for learn passes and tests).
 pub trait RoutingObserver {
     fn on_route(&mut self, layer_idx: usize, position: usize, experts: &[(usize, f32)]);
+    /// The routing's margin: how far the last chosen expert's score is above the best one left
+    /// out, and the largest score's magnitude ([`choice_margin`]). A margin within an engine's
+    /// rounding lets that engine choose the other expert, so tests skip such tokens.
+    fn on_margin(&mut self, _layer_idx: usize, _position: usize, _margin: f32, _scale: f32) {}
+}
+
+/// The margin of a top-k choice over `scores` (the k-th largest minus the (k+1)-th) and the
+/// largest `|score|`. For sigmoid routing the scores are the sigmoids plus the selection bias,
+/// over all experts (the group limit can only widen the margin of the kept experts).
+pub fn choice_margin(logits: &[f32], selection_bias: Option<&[f32]>, r: &RouterSpec) -> (f32, f32) {
+    let mut v: Vec<f32> = match r.variant {
+        RoutingVariant::Sigmoid => logits
+            .iter()
+            .enumerate()
+            .map(|(e, &l)| sigmoid(l) + selection_bias.map_or(0.0, |b| b[e]))
+            .collect(),
+        _ => logits.to_vec(),
+    };
+    v.sort_by(|a, b| b.total_cmp(a));
+    let k = r.n_experts_used;
+    let margin = if k < v.len() { v[k - 1] - v[k] } else { f32::INFINITY };
+    (margin, v.iter().fold(0f32, |m, x| m.max(x.abs())))
 }
 
 /// An observer that ignores everything.
@@ -547,6 +569,8 @@ impl<'m> Reference<'m> {
         if let Some(b) = &w.router_bias {
             add_into(&mut logits, b);
         }
+        let (margin, scale) = choice_margin(&logits, w.selection_bias.as_deref(), r);
+        observer.on_margin(layer_idx, position, margin, scale);
         let chosen = match r.variant {
             RoutingVariant::Sigmoid => route_sigmoid(&logits, w.selection_bias.as_deref(), r),
             _ => route(&logits, r.n_experts_used, r.variant, r.norm_topk_prob),
@@ -1091,6 +1115,30 @@ pub fn argmax(values: &[f32]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_choice_margin_is_the_gap_after_the_last_chosen_score() {
+        let mut spec = RouterSpec {
+            variant: RoutingVariant::TopKThenSoftmax,
+            norm_topk_prob: false,
+            n_experts: 4,
+            n_experts_used: 2,
+            bias: false,
+            selection_bias: false,
+            n_group: 1,
+            topk_group: 1,
+            scale: 1.0,
+            scaled_input: false,
+            per_expert_scale: false,
+        };
+        assert_eq!(choice_margin(&[3.0, 1.0, -4.0, 2.5], None, &spec), (1.5, 4.0));
+        // sigmoid routing: the margin of the biased scores the choice uses
+        spec.variant = RoutingVariant::Sigmoid;
+        let (m, s) = choice_margin(&[0.0, 0.0, 0.0, 0.0], Some(&[0.3, 0.1, 0.0, 0.2]), &spec);
+        assert!((m - 0.1).abs() < 1e-6 && (s - 0.8).abs() < 1e-6, "{m} {s}");
+        spec.n_experts_used = 4;
+        assert_eq!(choice_margin(&[1.0, 2.0, 3.0, 4.0], None, &spec).0, f32::INFINITY);
+    }
 
     #[test]
     fn both_routing_variants_agree_when_renormalised() {

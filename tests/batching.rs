@@ -13,6 +13,7 @@ use moe_lanes::engine::{
     build_engine, BatchOptions, BatchSeq, Batcher, Engine, EngineKind, EngineOptions, FinishReason,
     GenerationOptions, HotChoice, SeqEvent, SeqId,
 };
+use moe_lanes::model::context::KvType;
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use std::collections::HashMap;
@@ -52,6 +53,17 @@ fn engine(
     fraction: f64,
     max_batch_tokens: usize,
 ) -> Box<dyn Engine + '_> {
+    engine_with_cache(model, kind, fraction, max_batch_tokens, None)
+}
+
+/// [`engine`] with the GPU's KV cache type (`None`: the default).
+fn engine_with_cache(
+    model: &Arc<Model>,
+    kind: EngineKind,
+    fraction: f64,
+    max_batch_tokens: usize,
+    kv_type: Option<KvType>,
+) -> Box<dyn Engine + '_> {
     let mut opts = EngineOptions::new(POSITIONS);
     opts.kind = Some(kind);
     opts.hot = HotChoice::Set(hot_set(model, fraction));
@@ -59,6 +71,10 @@ fn engine(
     opts.pipeline.max_batch_tokens = max_batch_tokens;
     if kind == EngineKind::Gpu {
         opts.cuda = moe_lanes::env::cuda_config().unwrap();
+        // the three-row decode steps below take the grouped hot lane (default: 8 rows); every
+        // batched call takes the one-launch q/k norm + RoPE + append and decode attention
+        opts.gpu.hot_grouped_min_rows = 2;
+        opts.kv_type = kv_type;
     }
     let (engine, report) = build_engine(model, opts).unwrap();
     assert_eq!(report.kind, kind);
@@ -139,11 +155,15 @@ fn batched(engine: &mut dyn Engine, prompts: &[Vec<u32>], steps: usize) -> Vec<V
 }
 
 fn check_fixture(name: &str, kind: EngineKind, fraction: f64, tol: f32) -> f32 {
+    check_fixture_cache(name, kind, fraction, tol, None)
+}
+
+fn check_fixture_cache(name: &str, kind: EngineKind, fraction: f64, tol: f32, kv: Option<KvType>) -> f32 {
     let model = open(name);
     let ps = prompts(name);
     let steps = 3;
     // A short sub-batch on the pipeline makes the prefill call cross sub-batch boundaries.
-    let mut e = engine(&model, kind, fraction, 17);
+    let mut e = engine_with_cache(&model, kind, fraction, 17, kv);
     e.set_copy_logits(true);
     let want = alone(e.as_mut(), &ps, steps);
     let got = batched(e.as_mut(), &ps, steps);
@@ -190,6 +210,27 @@ fn gpu_batches_equal_each_sequence_alone() {
         for fraction in [0.0, 0.5, 1.0] {
             let err = check_fixture(&name, EngineKind::Gpu, fraction, GPU_TOL);
             println!("{name} gpu hot {fraction}: worst {err:.2e}");
+        }
+    }
+}
+
+/// The batched decode attention and append read and write every cache type the fixtures take:
+/// f32 and bf16 caches (f16 above; q8_0 needs heads of whole blocks of 32, which these small
+/// fixtures' 16- and 24-dim heads are not: kernels/tests/cuda_kernels.rs covers it), on the
+/// attention fixtures with GQA, sliding windows and sinks.
+#[test]
+fn gpu_batches_equal_each_sequence_alone_with_every_cache_type() {
+    if !common::gpu_usable() {
+        return;
+    }
+    for name in ["qwen3_moe_a", "gpt_oss_a", "mixtral_a"] {
+        if let Err(e) = moe_lanes::gpu::GpuModel::supports(&open(name)) {
+            eprintln!("{name}: not on the GPU engine: {e}");
+            continue;
+        }
+        for kv in [KvType::F32, KvType::Bf16] {
+            let err = check_fixture_cache(name, EngineKind::Gpu, 1.0, GPU_TOL, Some(kv));
+            println!("{name} gpu {kv} cache: worst {err:.2e}");
         }
     }
 }

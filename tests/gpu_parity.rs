@@ -147,31 +147,63 @@ fn check_against_reference(what: &str, model: &Model, engine: &mut dyn Engine) -
     check_steps(what, model, engine, N_DECODE)
 }
 
-/// [`check_against_reference`] over `n_decode` decode steps.
+/// A routing choice whose margin is below this share of its largest score is a near tie: the
+/// GPU's rounding of the router's input (about 2e-3 of a row) may choose the other expert. For
+/// example `gpt_oss_a` layer 2 at position 33: margin 3.1e-3 of 2.9 (1.1e-3), where the GPU
+/// engine picks the other expert and that row is 0.145 off the reference.
+const NEAR_TIE: f32 = 2e-3;
+
+/// The positions whose routing was a near tie ([`NEAR_TIE`]) in some layer.
+#[derive(Default)]
+struct NearTies(std::collections::BTreeSet<usize>);
+
+impl moe_lanes::reference::RoutingObserver for NearTies {
+    fn on_route(&mut self, _: usize, _: usize, _: &[(usize, f32)]) {}
+    fn on_margin(&mut self, _: usize, position: usize, margin: f32, scale: f32) {
+        if margin < NEAR_TIE * scale {
+            self.0.insert(position);
+        }
+    }
+}
+
+/// [`check_against_reference`] over `n_decode` decode steps. A prefill row whose routing was a
+/// near tie is not compared; decode stops at the first such step (from there the engine may
+/// have chosen another expert, and the later rows see it through the cache).
 fn check_steps(what: &str, model: &Model, engine: &mut dyn Engine, n_decode: usize) -> f32 {
     let reference = Reference::new(model).unwrap();
     let prompt = prompt(model.path());
     let mut rc = reference.new_cache();
+    let mut ties = NearTies::default();
     let mut cache = engine.new_cache(prompt.len() + n_decode).unwrap();
-    let want = reference.forward(&mut rc, &prompt, &mut NoObserver).unwrap();
+    let want = reference.forward(&mut rc, &prompt, &mut ties).unwrap();
     let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
     let mut worst = 0f32;
-    for (i, w) in want.iter().enumerate() {
+    for (i, w) in want.iter().enumerate().filter(|(i, _)| !ties.0.contains(i)) {
         worst = worst.max(compare_row(&format!("{what} prefill row {i}"), got.row(i), w, rel_tol(model)));
     }
     let mut next = *got.argmax.last().unwrap();
     let mut last = want.last().unwrap().clone();
+    let mut tied = false;
     for step in 0..n_decode {
         let want_tok = moe_lanes::reference::argmax(&last);
-        if top2_gap(&last) > 2.0 * rel_tol(model) * last.iter().fold(0f32, |m, v| m.max(v.abs())) {
+        if !tied && top2_gap(&last) > 2.0 * rel_tol(model) * last.iter().fold(0f32, |m, v| m.max(v.abs())) {
             assert_eq!(next, want_tok, "{what}: greedy token differs at step {step}");
         }
-        let want = reference.forward(&mut rc, &[want_tok], &mut NoObserver).unwrap();
+        // every step runs (the engine's call count matters to fault schedules); rows after a
+        // near tie are not compared
+        let want = reference.forward(&mut rc, &[want_tok], &mut ties).unwrap();
         let got = engine.forward(&[want_tok], Phase::Decode, &mut cache).unwrap();
+        last = want[0].clone();
+        if !tied && ties.0.contains(&(prompt.len() + step)) {
+            println!("{what}: decode step {step} routes a near tie: compared up to there");
+            tied = true;
+        }
+        if tied {
+            continue;
+        }
         worst =
             worst.max(compare_row(&format!("{what} decode {step}"), got.row(0), &want[0], rel_tol(model)));
         next = got.argmax[0];
-        last = want[0].clone();
     }
     worst
 }
@@ -513,10 +545,7 @@ fn seeded_fault_schedules_over_long_generations() {
     use moe_lanes::actors::LaneFaultSchedule;
     const DECODE_STEPS: usize = 40;
     let Some(_gpu) = gpu_shared() else { return };
-    // GPT-OSS is left out: under seed 12 its decode step 13 is 0.39 off the reference (every
-    // fault kind alone leaves it exact: an open bug, see the session-26 closing note).
-    let names = gpu_fixture_names().into_iter().filter(|n| !n.starts_with("gpt_oss"));
-    for (i, name) in names.enumerate().take(4) {
+    for (i, name) in gpu_fixture_names().into_iter().enumerate() {
         let seed = 11 + i as u64;
         let model = open(&name);
         let c = model.config().clone();
@@ -547,6 +576,80 @@ fn seeded_fault_schedules_over_long_generations() {
         }
         println!("{what} (schedule: {hot_err} hot errors, {any_failed} layer calls with a failure, {timeouts} time-outs)");
     }
+}
+
+/// Per call, the relative error of `engine`'s rows against the reference (the prefill's worst
+/// row first), not asserted: for the fault tests that list every failing call before they fail.
+/// Near ties as in [`check_steps`]: such prefill rows are left out, decode stops at the first.
+fn step_errors(model: &Model, engine: &mut dyn Engine, n_decode: usize) -> Vec<f32> {
+    let reference = Reference::new(model).unwrap();
+    let prompt = prompt(model.path());
+    let (mut rc, mut ties) = (reference.new_cache(), NearTies::default());
+    let mut cache = engine.new_cache(prompt.len() + n_decode).unwrap();
+    let rel = |got: &[f32], want: &[f32]| {
+        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let err = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        if got.iter().all(|v| v.is_finite()) {
+            err / scale.max(f32::MIN_POSITIVE)
+        } else {
+            f32::INFINITY
+        }
+    };
+    let want = reference.forward(&mut rc, &prompt, &mut ties).unwrap();
+    let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
+    let rows = (0..want.len()).filter(|i| !ties.0.contains(i));
+    let mut errs = vec![rows.map(|i| rel(got.row(i), &want[i])).fold(0f32, f32::max)];
+    let mut tok = moe_lanes::reference::argmax(want.last().unwrap());
+    for _ in 0..n_decode {
+        let want = reference.forward(&mut rc, &[tok], &mut ties).unwrap();
+        let got = engine.forward(&[tok], Phase::Decode, &mut cache).unwrap();
+        tok = moe_lanes::reference::argmax(&want[0]);
+        if ties.0.range(prompt.len()..).next().is_none() {
+            errs.push(rel(got.row(0), &want[0]));
+        }
+    }
+    errs
+}
+
+/// Every fault kind alone, at every layer with experts and in every call, over long
+/// generations on the fixtures whose experts differ most (GPT-OSS's biases and clamped SwiGLU,
+/// GLM's dense layers, Qwen3's plain ones): every step equals the reference. Each failing case
+/// is listed before the test fails.
+#[test]
+fn every_fault_kind_at_every_layer_over_long_generations() {
+    const DECODE_STEPS: usize = 24;
+    let Some(_gpu) = gpu_shared() else { return };
+    let mut failures = Vec::new();
+    for name in ["gpt_oss_a", "qwen3_moe_a", "glm4_moe_a"] {
+        let model = open(name);
+        let c = model.config().clone();
+        let mut cases: Vec<(String, GpuFaults)> = Vec::new();
+        for l in (0..c.n_layers).filter(|&l| model.plan().layer(l).has_experts()) {
+            let d = GpuFaults::default();
+            cases.push((format!("hot_error {l}"), GpuFaults { hot_error_layer: Some(l), ..d }));
+            cases.push((format!("hot_timeout {l}"), GpuFaults { hot_timeout_layer: Some(l), ..d }));
+            cases.push((format!("cold_error {l}"), GpuFaults { cold_error_layer: Some(l), ..d }));
+            cases.push((format!("cold_panic {l}"), GpuFaults { cold_panic_layer: Some(l), ..d }));
+        }
+        for (what, faults) in cases {
+            let hot = HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts));
+            let mut engine = gpu_engine(&model, hot, faults);
+            let errs = step_errors(&model, engine.as_mut(), DECODE_STEPS);
+            let bad: Vec<String> = errs
+                .iter()
+                .enumerate()
+                .filter(|(_, &e)| e.partial_cmp(&rel_tol(&model)).is_none_or(|o| o.is_gt()))
+                .map(|(i, e)| format!("call {} error {e:.2e}", i + 1))
+                .collect();
+            if !bad.is_empty() {
+                failures.push(format!("{name} {what}: {}", bad.join(", ")));
+            }
+        }
+    }
+    for f in &failures {
+        println!("FAILED {f}");
+    }
+    assert!(failures.is_empty(), "{} fault cases left the reference: {failures:#?}", failures.len());
 }
 
 #[test]

@@ -222,6 +222,33 @@ __device__ __forceinline__ void att_row_range(int pos0, int t, int window, int* 
     *n = pos + 1 - *first;
 }
 
+// Offsets of query row t in q (and out) and in the partials; row t's position (pos_ptr non-null:
+// the decode graph's, from device memory).
+__device__ __forceinline__ size_t att_q_row(int t, int n_heads, int hd) { return (size_t)t * n_heads * hd; }
+__device__ __forceinline__ size_t att_part_row(int t, int n_heads, int hd, int max_splits) {
+    return (size_t)t * n_heads * max_splits * (hd + 2);
+}
+__device__ __forceinline__ int att_pos(int pos0, const int* __restrict__ pos_ptr, int t) {
+    return (pos_ptr ? *pos_ptr : pos0) + t;
+}
+
+// A batched decode step (many sequences, each with its own cache): launch row t is the call's
+// row r = rows[t], at position pos[r], over the caches at kcs[r], vcs[r] (the layer's K and V of
+// row r's sequence, as raw device addresses of the launch's cache type).
+struct AttRow {
+    const float* q;
+    float* part;
+    int pos;
+    unsigned long long kc, vc;
+};
+__device__ __forceinline__ AttRow att_batch_row(const float* q, float* part, const unsigned long long* kcs,
+                                                const unsigned long long* vcs, const int* rows, const int* pos,
+                                                int n_heads, int hd, int max_splits) {
+    int t = blockIdx.z, r = rows[t];
+    return AttRow{q + att_q_row(r, n_heads, hd), part + att_part_row(t, n_heads, hd, max_splits), pos[r], kcs[r],
+                  vcs[r]};
+}
+
 // This lane's dims (4 lane + 128 c + e) of a cache row r.
 template <typename KV>
 __device__ __forceinline__ void kv_lane_row(KV r, int hd, bool vec, float (*x)[4]) {
@@ -239,26 +266,28 @@ __device__ __forceinline__ void kv_lane_row(KV r, int hd, bool vec, float (*x)[4
     }
 }
 
+// One query row per blockIdx.z: its queries `q` ([n_heads * hd], the row's), its partials `part`
+// (the row's [n_heads, max_splits, hd + 2]) and its position `pos`; the entry points below find
+// them (one sequence's rows after pos0, or a batched step's rows with their own caches).
 template <typename KV>
 __device__ __forceinline__ void attention_split_span(const float* __restrict__ q, KV kc,
                                                      KV vc, float* __restrict__ part,
-                                                     int pos0, int n_heads, int n_kv, int hd, int window,
-                                                     float scale, int max_splits, const int* __restrict__ pos_ptr) {
+                                                     int pos, int n_heads, int n_kv, int hd, int window,
+                                                     float scale, int max_splits) {
     __shared__ float sc[ATT_CHUNK];
     __shared__ float red[ATT_SPLIT_WARPS * ATT_MAX_HEAD_DIM];
-    if (pos_ptr) pos0 = *pos_ptr;
-    int h = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
+    int h = blockIdx.x, s = blockIdx.y;
     int first, n;
-    att_row_range(pos0, t, window, &first, &n);
+    att_row_range(pos, 0, window, &first, &n);
     int per = att_split_span(n, max_splits);
     int j0 = s * per, jend = min(n, j0 + per);
     if (j0 >= jend) return;
     int kvh = h / (n_heads / n_kv);
-    int kv_dim = n_kv * hd, q_dim = n_heads * hd;
+    int kv_dim = n_kv * hd;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     bool vec = (hd & 3) == 0;
-    float* pr = part + ((size_t)(t * n_heads + h) * max_splits + s) * (hd + 2);
-    const float* qh = q + (size_t)t * q_dim + (size_t)h * hd;
+    float* pr = part + ((size_t)h * max_splits + s) * (hd + 2);
+    const float* qh = q + (size_t)h * hd;
     KV kb = kc + (size_t)kvh * hd + (size_t)first * kv_dim;
     KV vb = vc + (size_t)kvh * hd + (size_t)first * kv_dim;
     float qr[ATT_SPLIT_C4][4], acc[ATT_SPLIT_C4][4];
@@ -340,22 +369,30 @@ __device__ __forceinline__ void attention_split_span(const float* __restrict__ q
 extern "C" __global__ void attention_split_f32(const float* __restrict__ q, const float* __restrict__ kc,
     const float* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    int t = blockIdx.z;
+    attention_split_span(q + att_q_row(t, n_heads, hd), kv_wrap(kc), kv_wrap(vc), part + att_part_row(t, n_heads, hd, max_splits),
+                         att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
 }
 extern "C" __global__ void attention_split_f16(const float* __restrict__ q, const __half* __restrict__ kc,
     const __half* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    int t = blockIdx.z;
+    attention_split_span(q + att_q_row(t, n_heads, hd), kv_wrap(kc), kv_wrap(vc), part + att_part_row(t, n_heads, hd, max_splits),
+                         att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
 }
 extern "C" __global__ void attention_split_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
     const bf16* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    int t = blockIdx.z;
+    attention_split_span(q + att_q_row(t, n_heads, hd), kv_wrap(kc), kv_wrap(vc), part + att_part_row(t, n_heads, hd, max_splits),
+                         att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
 }
 extern "C" __global__ void attention_split_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
     const unsigned char* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    int t = blockIdx.z;
+    attention_split_span(q + att_q_row(t, n_heads, hd), kv_wrap(kc), kv_wrap(vc), part + att_part_row(t, n_heads, hd, max_splits),
+                         att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
 }
 
 // Pass 1 for kv heads of a group of ATT_GQA_HEADS (8) query heads or a multiple (g % 8 == 0,
@@ -400,31 +437,30 @@ __device__ __forceinline__ float4 kv_lane4(KV row, int hd) {
     return i < hd ? kv_ld4(row + i) : make_float4(0.f, 0.f, 0.f, 0.f);
 }
 
+// One query row per blockIdx.z, found as for attention_split_span.
 template <typename KV>
 __device__ __forceinline__ void attention_split_gqa_span(const float* __restrict__ q, KV kc,
                                                          KV vc, float* __restrict__ part,
-                                                         int pos0, int n_heads, int n_kv, int hd, int window,
-                                                         float scale, int max_splits,
-                                                         const int* __restrict__ pos_ptr) {
+                                                         int pos, int n_heads, int n_kv, int hd, int window,
+                                                         float scale, int max_splits) {
     __shared__ float sc[ATT_GQA_HEADS][ATT_CHUNK];
     __shared__ float corr_s[ATT_GQA_HEADS];
     __shared__ __align__(16) float red[ATT_SPLIT_WARPS][ATT_GQA_HEADS][ATT_GQA_MAXD];
-    if (pos_ptr) pos0 = *pos_ptr;
-    int b = blockIdx.x, s = blockIdx.y, t = blockIdx.z;
+    int b = blockIdx.x, s = blockIdx.y;
     int first, n;
-    att_row_range(pos0, t, window, &first, &n);
+    att_row_range(pos, 0, window, &first, &n);
     int per = att_split_span(n, max_splits);
     int j0 = s * per, jend = min(n, j0 + per);
     if (j0 >= jend) return;
     int h0 = b * ATT_GQA_HEADS, kvh = h0 / (n_heads / n_kv);
-    int kv_dim = n_kv * hd, q_dim = n_heads * hd;
+    int kv_dim = n_kv * hd;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, i4 = 4 * lane;
     float qr[ATT_GQA_HEADS][4], acc[ATT_GQA_HEADS][4];
 #pragma unroll
     for (int hh = 0; hh < ATT_GQA_HEADS; hh++)
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-            qr[hh][e] = i4 < hd ? q[(size_t)t * q_dim + (size_t)(h0 + hh) * hd + i4 + e] * scale : 0.f;
+            qr[hh][e] = i4 < hd ? q[(size_t)(h0 + hh) * hd + i4 + e] * scale : 0.f;
             acc[hh][e] = 0.f;
         }
     KV kb = kc + (size_t)kvh * hd + (size_t)first * kv_dim;
@@ -494,10 +530,10 @@ __device__ __forceinline__ void attention_split_gqa_span(const float* __restrict
         int hh = idx / hd, i = idx % hd;
         float a = 0.f;
         for (int w = 0; w < ATT_SPLIT_WARPS; w++) a += red[w][hh][i];
-        part[((size_t)(t * n_heads + h0 + hh) * max_splits + s) * (hd + 2) + i] = a;
+        part[((size_t)(h0 + hh) * max_splits + s) * (hd + 2) + i] = a;
     }
     if (lane == 0) {
-        float* pr = part + ((size_t)(t * n_heads + h0 + wid) * max_splits + s) * (hd + 2);
+        float* pr = part + ((size_t)(h0 + wid) * max_splits + s) * (hd + 2);
         pr[hd] = m;
         pr[hd + 1] = l;
     }
@@ -505,39 +541,107 @@ __device__ __forceinline__ void attention_split_gqa_span(const float* __restrict
 extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f32(const float* __restrict__ q, const float* __restrict__ kc,
     const float* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    int t = blockIdx.z;
+    attention_split_gqa_span(q + att_q_row(t, n_heads, hd), kv_wrap(kc), kv_wrap(vc), part + att_part_row(t, n_heads, hd, max_splits),
+                             att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_f16(const float* __restrict__ q, const __half* __restrict__ kc,
     const __half* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    int t = blockIdx.z;
+    attention_split_gqa_span(q + att_q_row(t, n_heads, hd), kv_wrap(kc), kv_wrap(vc), part + att_part_row(t, n_heads, hd, max_splits),
+                             att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
     const bf16* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    int t = blockIdx.z;
+    attention_split_gqa_span(q + att_q_row(t, n_heads, hd), kv_wrap(kc), kv_wrap(vc), part + att_part_row(t, n_heads, hd, max_splits),
+                             att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_q8_0(const float* __restrict__ q, const unsigned char* __restrict__ kc,
     const unsigned char* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
-    attention_split_gqa_span(q, kv_wrap(kc), kv_wrap(vc), part, pos0, n_heads, n_kv, hd, window, scale, max_splits, pos_ptr);
+    int t = blockIdx.z;
+    attention_split_gqa_span(q + att_q_row(t, n_heads, hd), kv_wrap(kc), kv_wrap(vc), part + att_part_row(t, n_heads, hd, max_splits),
+                             att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
+}
+
+// Pass 1 of a batched decode step (att_batch_row): launch row t is the call's row rows[t] at its
+// own position over its own sequence's caches; otherwise attention_split_* (per head) and
+// attention_split_gqa_* (8 heads a block) as above. Partials by launch row; pass 2 is
+// attention_combine_rows_f32. grid as theirs, blockIdx.z over the launch rows.
+
+extern "C" __global__ void attention_split_rows_f32(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_span(r.q, kv_wrap((const float*)r.kc), kv_wrap((const float*)r.vc), r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}
+
+extern "C" __global__ void attention_split_rows_f16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_span(r.q, kv_wrap((const __half*)r.kc), kv_wrap((const __half*)r.vc), r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}
+
+extern "C" __global__ void attention_split_rows_bf16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_span(r.q, kv_wrap((const bf16*)r.kc), kv_wrap((const bf16*)r.vc), r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}
+
+extern "C" __global__ void attention_split_rows_q8_0(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_span(r.q, kv_wrap((const unsigned char*)r.kc), kv_wrap((const unsigned char*)r.vc), r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}
+
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_rows_f32(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_gqa_span(r.q, kv_wrap((const float*)r.kc), kv_wrap((const float*)r.vc), r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}
+
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_rows_f16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_gqa_span(r.q, kv_wrap((const __half*)r.kc), kv_wrap((const __half*)r.vc), r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}
+
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_rows_bf16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_gqa_span(r.q, kv_wrap((const bf16*)r.kc), kv_wrap((const bf16*)r.vc), r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}
+
+extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_split_gqa_rows_q8_0(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_gqa_span(r.q, kv_wrap((const unsigned char*)r.kc), kv_wrap((const unsigned char*)r.vc), r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
 }
 
 // Split attention, pass 2: out[t, h, :] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with
 // M = max_s m_s over the `used` spans of row t (computed as pass 1 does, from pos_ptr when
 // non-null), the head's sink logit joining the sum when sinks is non-null (att_finish).
 // grid (n_heads, T), block 128.
-extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
-                                                 int n_heads, int hd, int max_splits, int pos0, int window,
-                                                 const int* __restrict__ pos_ptr, const float* __restrict__ sinks) {
-    pdl_enter();
-    if (pos_ptr) pos0 = *pos_ptr;
-    int h = blockIdx.x, t = blockIdx.y;
+// Head h of the row whose partials are `pr` ([n_heads, max_splits, hd + 2]), at position pos, into
+// `out` (the row's [n_heads * hd]).
+__device__ __forceinline__ void attention_combine_row(const float* __restrict__ pr, float* __restrict__ out, int h,
+                                                      int n_heads, int hd, int max_splits, int pos, int window,
+                                                      const float* __restrict__ sinks) {
     int first, n;
-    att_row_range(pos0, t, window, &first, &n);
+    att_row_range(pos, 0, window, &first, &n);
     int per = att_split_span(n, max_splits);
     int used = (n + per - 1) / per;
-    const float* pr = part + (size_t)(t * n_heads + h) * max_splits * (hd + 2);
+    pr += (size_t)h * max_splits * (hd + 2);
     float M = -INFINITY;
     for (int s = 0; s < used; s++) M = fmaxf(M, pr[(size_t)s * (hd + 2) + hd]);
     float L = 0.f;
@@ -552,8 +656,28 @@ extern "C" __global__ void attention_combine_f32(const float* __restrict__ part,
             const float* ps = pr + (size_t)s * (hd + 2);
             a += ps[i] * expf(ps[hd] - M);
         }
-        out[((size_t)t * n_heads + h) * hd + i] = a * inv;
+        out[(size_t)h * hd + i] = a * inv;
     }
+}
+extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
+                                                 int n_heads, int hd, int max_splits, int pos0, int window,
+                                                 const int* __restrict__ pos_ptr, const float* __restrict__ sinks) {
+    pdl_enter();
+    int h = blockIdx.x, t = blockIdx.y;
+    attention_combine_row(part + att_part_row(t, n_heads, hd, max_splits), out + att_q_row(t, n_heads, hd), h, n_heads,
+                          hd, max_splits, att_pos(pos0, pos_ptr, t), window, sinks);
+}
+
+// Pass 2 of a batched decode step: launch row t's partials into the call's row rows[t] of out, at
+// that row's position pos[rows[t]]. grid (n_heads, launch rows), block 128.
+extern "C" __global__ void attention_combine_rows_f32(const float* __restrict__ part, float* __restrict__ out,
+                                                      const int* __restrict__ rows, const int* __restrict__ pos,
+                                                      int n_heads, int hd, int max_splits, int window,
+                                                      const float* __restrict__ sinks) {
+    pdl_enter();
+    int h = blockIdx.x, t = blockIdx.y, r = rows[t];
+    attention_combine_row(part + att_part_row(t, n_heads, hd, max_splits), out + att_q_row(r, n_heads, hd), h, n_heads,
+                          hd, max_splits, pos[r], window, sinks);
 }
 
 // Prefill attention, flash style (tiles of queries x tiles of keys, online softmax). A "row" is a

@@ -205,7 +205,7 @@ __device__ __forceinline__ void gg_for_output(int nr, int N, int col0, F f) {
 // Gate, up and the activation over one tile (weights staged by `wl`): h[r, :] =
 // glu(act, G_s . x_r + bg[s], U_s . x_r + bu[s]) for the tile's rows r of slot s (common.cuh's
 // glu; bg, bu per-slot biases [n_slots, N], null: none).
-template <class L>
+template <bool EPI, class L>
 __device__ __forceinline__ void gg_gate_up(const L& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                            int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
                                            float* __restrict__ h, int N, int K, int split, int act,
@@ -214,7 +214,8 @@ __device__ __forceinline__ void gg_gate_up(const L& wl, const float* __restrict_
     int tile[4];
     if (!gg_tile<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
-    if (act == GLU_SILU && !bg && !bu) {  // the plain epilogue, without the general one's branches
+    // the plain epilogue (the !EPI instance keeps no epilogue state over its main loop)
+    if (!EPI || (act == GLU_SILU && !bg && !bu)) {
         gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
             h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
         });
@@ -227,7 +228,7 @@ __device__ __forceinline__ void gg_gate_up(const L& wl, const float* __restrict_
 
 // One projection over one tile (weights staged by `wl`): y[r, :] = W_s . x_r + b[s] (b per-slot
 // biases [n_slots, N], null: none).
-template <class L>
+template <bool EPI, class L>
 __device__ __forceinline__ void gg_gemm(const L& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                         int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
                                         float* __restrict__ y, int N, int K, int split, const float* __restrict__ b) {
@@ -235,7 +236,7 @@ __device__ __forceinline__ void gg_gemm(const L& wl, const float* __restrict__ x
     int tile[4];
     if (!gg_tile<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
-    if (!b) {  // no bias: the plain store
+    if (!EPI || !b) {  // no bias: the plain store
         gg_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
             y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
         });
@@ -247,28 +248,38 @@ __device__ __forceinline__ void gg_gemm(const L& wl, const float* __restrict__ x
 }
 
 // Prefill hot lane, first half: for hot entry r (token rows[r] of x [n_x_rows, K]) in a tile of
-// slot s, h[r, :] = glu(act, G_s . x + bg[s], U_s . x + bu[s]), G and U the caches
-// [n_slots, N = ff, K = hidden], bg and bu per-slot biases [n_slots, ff] (null: none).
+// slot s, h[r, :] = silu(G_s . x) * (U_s . x), G and U the caches [n_slots, N = ff, K = hidden].
+// `_epi`: h[r, :] = glu(act, G_s . x + bg[s], U_s . x + bu[s]), bg and bu per-slot biases
+// [n_slots, ff] (null: none). Two instances, so that the plain one keeps no epilogue state in
+// registers over its main loop (one kernel with both epilogues cost 6% of the all-hot prefill).
 // grid (n_tiles, ceil(ff / GG_BN)), block GG_THREADS.
-extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16(
-    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x, const int* __restrict__ rows,
-    int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ h, int N, int K,
-    int split, int act, const float* __restrict__ bg, const float* __restrict__ bu) {
-    pdl_enter();
-    gg_gate_up(GgBf16{{G, U}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
-}
+#define GG_GATE_UP_BF16(NAME, EPI)                                                                               \
+    extern "C" __global__ __launch_bounds__(GG_THREADS) void NAME(                                               \
+        const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,                     \
+        const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,      \
+        float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,                   \
+        const float* __restrict__ bu) {                                                                          \
+        pdl_enter();                                                                                             \
+        gg_gate_up<EPI>(GgBf16{{G, U}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, \
+                        bu);                                                                                     \
+    }
+GG_GATE_UP_BF16(grouped_gate_up_bf16, false)
+GG_GATE_UP_BF16(grouped_gate_up_bf16_epi, true)
 
-// Prefill hot lane, second half (and any grouped projection): y[r, :] = W_s . x[r, :] + b[s] for
-// row r in a tile of slot s; W the cache [n_slots, N, K]; b per-slot biases [n_slots, N] (null:
-// none); x [n_rows, K] (rows = null) or gathered (row r is x[rows[r]], rows in 0..n_x_rows).
+// Prefill hot lane, second half (and any grouped projection): y[r, :] = W_s . x[r, :] for row r
+// in a tile of slot s; W the cache [n_slots, N, K]; x [n_rows, K] (rows = null) or gathered
+// (row r is x[rows[r]], rows in 0..n_x_rows). `_bias`: + b[s], b per-slot biases [n_slots, N].
 // grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS.
-extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16(
-    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
-    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
-    const float* __restrict__ b) {
-    pdl_enter();
-    gg_gemm(GgBf16{{W, W}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
-}
+#define GG_GEMM_BF16(NAME, EPI)                                                                                  \
+    extern "C" __global__ __launch_bounds__(GG_THREADS) void NAME(                                               \
+        const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,     \
+        const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,  \
+        const float* __restrict__ b) {                                                                           \
+        pdl_enter();                                                                                             \
+        gg_gemm<EPI>(GgBf16{{W, W}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);        \
+    }
+GG_GEMM_BF16(grouped_gemm_bf16, false)
+GG_GEMM_BF16(grouped_gemm_bf16_bias, true)
 
 // ---- the same tiles, pipelined (sm_80+, K % 8 == 0, 16-byte aligned caches and x) ----
 // The synchronous kernels above load a k step's x and weight tiles, wait, multiply, and wait
@@ -501,7 +512,7 @@ __device__ __forceinline__ void gp_for_output(int nr, int N, int col0, F f) {
 
 // Gate, up and the activation over one tile, pipelined: h[r, :] = glu(act, G_s . x_r + bg[s],
 // U_s . x_r + bu[s]) as gg_gate_up.
-template <int PARTS, class WL>
+template <int PARTS, bool EPI, class WL>
 __device__ __forceinline__ void gp_gate_up(WL& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                            int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
                                            float* __restrict__ h, int N, int K, int act, const float* __restrict__ bg,
@@ -510,7 +521,8 @@ __device__ __forceinline__ void gp_gate_up(WL& wl, const float* __restrict__ x, 
     int tile[4];
     if (!gp_tile<2, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
-    if (act == GLU_SILU && !bg && !bu) {  // the plain epilogue, without the general one's branches
+    // the plain epilogue (the !EPI instance keeps no epilogue state over its main loop)
+    if (!EPI || (act == GLU_SILU && !bg && !bu)) {
         gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
             h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
         });
@@ -522,7 +534,7 @@ __device__ __forceinline__ void gp_gate_up(WL& wl, const float* __restrict__ x, 
 }
 
 // One projection over one tile, pipelined: y[r, :] = W_s . x_r + b[s] as gg_gemm.
-template <int PARTS, class WL>
+template <int PARTS, bool EPI, class WL>
 __device__ __forceinline__ void gp_gemm(WL& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                         int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
                                         float* __restrict__ y, int N, int K, const float* __restrict__ b) {
@@ -530,7 +542,7 @@ __device__ __forceinline__ void gp_gemm(WL& wl, const float* __restrict__ x, con
     int tile[4];
     if (!gp_tile<1, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
-    if (!b) {  // no bias: the plain store
+    if (!EPI || !b) {  // no bias: the plain store
         gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
             y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
         });
@@ -541,30 +553,39 @@ __device__ __forceinline__ void gp_gemm(WL& wl, const float* __restrict__ x, con
     });
 }
 
-// grouped_gate_up_bf16, pipelined (same arguments and results). Dynamic shared memory:
-// GG_STAGES stages of x and the gate and up tiles. grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS.
-extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_pipe(
-    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x, const int* __restrict__ rows,
-    int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ h, int N, int K,
-    int split, int act, const float* __restrict__ bg, const float* __restrict__ bu) {
-    pdl_enter();
-    GpBf16Cache<2> wl = {{G, U}, N, K};
-    if (split)
-        gp_gate_up<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
-    else
-        gp_gate_up<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
-}
+// grouped_gate_up_bf16 (and `_epi`), pipelined (same arguments and results). Dynamic shared
+// memory: GG_STAGES stages of x and the gate and up tiles. grid (n_tiles, ceil(N / GG_BN)),
+// block GG_THREADS.
+#define GP_GATE_UP_BF16(NAME, EPI)                                                                               \
+    extern "C" __global__ __launch_bounds__(GG_THREADS) void NAME(                                               \
+        const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,                     \
+        const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,      \
+        float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,                   \
+        const float* __restrict__ bu) {                                                                          \
+        pdl_enter();                                                                                             \
+        GpBf16Cache<2> wl = {{G, U}, N, K};                                                                      \
+        if (split)                                                                                               \
+            gp_gate_up<2, EPI>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);             \
+        else                                                                                                     \
+            gp_gate_up<1, EPI>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);             \
+    }
+GP_GATE_UP_BF16(grouped_gate_up_bf16_pipe, false)
+GP_GATE_UP_BF16(grouped_gate_up_bf16_pipe_epi, true)
 
-// grouped_gemm_bf16, pipelined (same arguments and results). Dynamic shared memory: GG_STAGES
-// stages of x and the weight tile. grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS.
-extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_pipe(
-    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
-    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
-    const float* __restrict__ b) {
-    pdl_enter();
-    GpBf16Cache<1> wl = {{W}, N, K};
-    if (split)
-        gp_gemm<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
-    else
-        gp_gemm<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
-}
+// grouped_gemm_bf16 (and `_bias`), pipelined (same arguments and results). Dynamic shared
+// memory: GG_STAGES stages of x and the weight tile. grid (n_tiles, ceil(N / GG_BN)), block
+// GG_THREADS.
+#define GP_GEMM_BF16(NAME, EPI)                                                                                  \
+    extern "C" __global__ __launch_bounds__(GG_THREADS) void NAME(                                               \
+        const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,     \
+        const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,  \
+        const float* __restrict__ b) {                                                                           \
+        pdl_enter();                                                                                             \
+        GpBf16Cache<1> wl = {{W}, N, K};                                                                         \
+        if (split)                                                                                               \
+            gp_gemm<2, EPI>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);                          \
+        else                                                                                                     \
+            gp_gemm<1, EPI>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);                          \
+    }
+GP_GEMM_BF16(grouped_gemm_bf16_pipe, false)
+GP_GEMM_BF16(grouped_gemm_bf16_pipe_bias, true)

@@ -70,7 +70,8 @@ extern "C" __global__ void moe_down_accum(const bf16* __restrict__ D, const floa
 }
 
 // Hot lane, prefill: after the expert-major grouped GEMMs, y holds one row per entry. Output row i
-// (token tok_rows[i]) adds its entries entries[tok_off[i]..tok_off[i+1]] weighted.
+// (token tok_rows[i]) adds its entries entries[tok_off[i]..tok_off[i+1]] weighted (an entry of -1
+// adds nothing).
 // grid (n_rows), block 256.
 extern "C" __global__ void moe_scatter_accum(const float* __restrict__ y, const int* __restrict__ entries,
                                              const float* __restrict__ weights, const int* __restrict__ tok_off,
@@ -82,6 +83,7 @@ extern "C" __global__ void moe_scatter_accum(const float* __restrict__ y, const 
         float acc = 0.f;
         for (int j = tok_off[i]; j < tok_off[i + 1]; j++) {
             int e = entries[j];
+            if (e < 0) continue;  // a cold entry of hot_worklist_grouped's worklist
             acc += weights[e] * y[(size_t)e * hidden + d];
         }
         o[d] += acc;
@@ -104,4 +106,79 @@ extern "C" __global__ void hot_worklist_tokens(const int* __restrict__ map, cons
     }
     if (e < T) tok_rows[e] = e;
     if (e <= T) tok_off[e] = e * k;
+}
+
+// Decode hot worklist for the grouped GEMMs (a batched step of T rows), built on the GPU from the
+// router's ids [T * k] and weights: the hot entries sorted by cache slot (stable: by entry index
+// within a slot), sorted row p having token tokens[p] and weight wsorted[p]; entries[e] = the sorted
+// row of routed entry e (token-major, e = t * k + j), -1 for a cold expert or an out-of-range id;
+// token row t is token t with entries t*k..(t+1)*k (tok_off, tok_rows); tiles as grouped_tiles
+// writes them (slot, first row, rows <= GG_BM) for each slot's run, then (-1, 0, 0) up to
+// n_tiles (the launch's bound: the grouped GEMMs skip those). Sorted rows past the hot entries
+// get token 0 and weight 0. One block; dynamic shared memory (T * k + 3 * n_slots) ints.
+extern "C" __global__ void hot_worklist_grouped(const int* __restrict__ map, const int* __restrict__ ids,
+                                                const float* __restrict__ weights, int T, int k, int E, int n_slots,
+                                                int n_tiles, int* __restrict__ tokens, float* __restrict__ wsorted,
+                                                int* __restrict__ entries, int* __restrict__ tok_off,
+                                                int* __restrict__ tok_rows, int* __restrict__ tiles) {
+    pdl_enter();
+    extern __shared__ int hw_sh[];
+    int n = T * k;
+    int* slot_of = hw_sh;         // [n]
+    int* cnt = hw_sh + n;         // [n_slots]: the slot's hot entries
+    int* first = cnt + n_slots;   // [n_slots]: its first sorted row
+    int* tile0 = first + n_slots; // [n_slots]: its first tile
+    __shared__ int used_rows, used_tiles;
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x) cnt[s] = 0;
+    __syncthreads();
+    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+        int id = ids[e];
+        int s = (id >= 0 && id < E) ? map[id] : -1;
+        s = s < n_slots ? s : -1;
+        slot_of[e] = s;
+        if (s >= 0) atomicAdd(&cnt[s], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {  // exclusive scans of rows and tiles over the slots
+        int rows = 0, tl = 0;
+        for (int s = 0; s < n_slots; s++) {
+            first[s] = rows;
+            tile0[s] = tl;
+            rows += cnt[s];
+            tl += (cnt[s] + GG_BM - 1) / GG_BM;
+        }
+        used_rows = rows;
+        used_tiles = tl;
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+        int s = slot_of[e];
+        if (s < 0) {
+            entries[e] = -1;
+            continue;
+        }
+        int rank = 0;
+        for (int f = 0; f < e; f++) rank += slot_of[f] == s;
+        int p = first[s] + rank;
+        tokens[p] = e / k;
+        wsorted[p] = weights[e];
+        entries[e] = p;
+    }
+    for (int p = used_rows + threadIdx.x; p < n; p += blockDim.x) {
+        tokens[p] = 0;
+        wsorted[p] = 0.f;
+    }
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x)
+        for (int c = 0; c * GG_BM < cnt[s]; c++) {
+            int* tl = tiles + 3 * (tile0[s] + c);
+            tl[0] = s, tl[1] = first[s] + c * GG_BM, tl[2] = min(GG_BM, cnt[s] - c * GG_BM);
+        }
+    for (int i = used_tiles + threadIdx.x; i < n_tiles; i += blockDim.x) {
+        int* tl = tiles + 3 * i;
+        tl[0] = -1, tl[1] = 0, tl[2] = 0;
+    }
+    for (int t = threadIdx.x; t <= T; t += blockDim.x) {
+        tok_off[t] = t * k;
+        if (t < T) tok_rows[t] = t;
+    }
 }

@@ -94,20 +94,20 @@ __device__ __forceinline__ void kv_store_row(void* cache, size_t i, const float*
 // both converted to the cache's type (kv_type; q8_0: the roped key head is staged in shared
 // memory, then quantized block by block). pos_ptr non-null (the decode graph): the position comes
 // from device memory, so a captured graph replays for every token.
-extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __restrict__ qw,
-                                            const float* __restrict__ kw, int q_stride, int k_stride, int nh,
-                                            int hd, int rot, int pos0, float theta, int interleaved, float eps,
-                                            const int* __restrict__ pos_ptr, void* __restrict__ kc,
-                                            void* __restrict__ vc, const float* __restrict__ v, int nkv,
-                                            int kv_type, const double* __restrict__ freqs, float scale) {
-    pdl_enter();
+// Head h of query row t (its q, k and v rows at t; kc non-null: appended at position pos of the
+// caches kc, vc), the body of qk_norm_rope_f32 and qk_norm_rope_rows_f32.
+__device__ __forceinline__ void qk_norm_rope_head(float* q, float* k, const float* __restrict__ qw,
+                                                  const float* __restrict__ kw, int q_stride, int k_stride, int nh,
+                                                  int hd, int rot, float theta, int interleaved, float eps, int t,
+                                                  int h, int pos, void* __restrict__ kc, void* __restrict__ vc,
+                                                  const float* __restrict__ v, int nkv, int kv_type,
+                                                  const double* __restrict__ freqs, float scale) {
     __shared__ float stage[KV_STAGE_MAX];
-    int t = blockIdx.x, h = blockIdx.y, half = rot / 2;
-    if (pos_ptr) pos0 = *pos_ptr;
+    int half = rot / 2;
     if (kc && h >= nh + nkv) {  // value head copy into the cache
         size_t off = (size_t)(h - nh - nkv) * hd;
         const float* src = v + (size_t)t * k_stride + off;
-        size_t dst = (size_t)(pos0 + t) * k_stride + off;
+        size_t dst = (size_t)pos * k_stride + off;
         kv_store_row(vc, dst, src, hd, kv_type);
         return;
     }
@@ -115,7 +115,7 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
     float* xh = is_q ? q + (size_t)t * q_stride + (size_t)h * hd : k + (size_t)t * k_stride + (size_t)(h - nh) * hd;
     bool to_cache = !is_q && kc;
     bool staged = to_cache && kv_type == KV_Q8_0;  // whole blocks: through `stage`
-    size_t yc = (size_t)(pos0 + t) * k_stride + (size_t)(h - nh) * hd;
+    size_t yc = (size_t)pos * k_stride + (size_t)(h - nh) * hd;
     const float* w = is_q ? qw : kw;
     float inv = 1.f;
     if (w) {
@@ -124,7 +124,7 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
         ss = block_sum(ss);  // ends with a barrier: every read of xh is done
         inv = 1.f / sqrtf(ss / (float)hd + eps);
     }
-    double pos = (double)(pos0 + t);
+    double dpos = (double)pos;
     for (int i = rot + threadIdx.x; i < hd; i += blockDim.x) {  // past the rotated part: norm only
         float y = w ? xh[i] * inv * w[i] : xh[i];
         if (staged)
@@ -136,7 +136,7 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
     }
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float s, c;
-        rope_angle(i, rot, theta, pos, &s, &c, freqs, scale);
+        rope_angle(i, rot, theta, dpos, &s, &c, freqs, scale);
         int a = interleaved ? 2 * i : i;
         int b = interleaved ? 2 * i + 1 : i + half;
         float x0 = xh[a], x1 = xh[b];
@@ -160,6 +160,34 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
         __syncthreads();  // the head is staged
         kv_store_row(kc, yc, stage, hd, kv_type);
     }
+}
+extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __restrict__ qw,
+                                            const float* __restrict__ kw, int q_stride, int k_stride, int nh,
+                                            int hd, int rot, int pos0, float theta, int interleaved, float eps,
+                                            const int* __restrict__ pos_ptr, void* __restrict__ kc,
+                                            void* __restrict__ vc, const float* __restrict__ v, int nkv,
+                                            int kv_type, const double* __restrict__ freqs, float scale) {
+    pdl_enter();
+    int t = blockIdx.x;
+    int pos = (pos_ptr ? *pos_ptr : pos0) + t;
+    qk_norm_rope_head(q, k, qw, kw, q_stride, k_stride, nh, hd, rot, theta, interleaved, eps, t, blockIdx.y, pos, kc,
+                      vc, v, nkv, kv_type, freqs, scale);
+}
+
+// qk_norm_rope_f32 over a batched step's rows, each appended to its own sequence's caches: row t
+// at position pos[t] into the caches at kcs[t], vcs[t] (raw device addresses of the launch's cache
+// type). grid (T, nh + 2 nkv), block 256.
+extern "C" __global__ void qk_norm_rope_rows_f32(float* q, float* k, const float* __restrict__ qw,
+                                                 const float* __restrict__ kw, int q_stride, int k_stride, int nh,
+                                                 int hd, int rot, float theta, int interleaved, float eps,
+                                                 const int* __restrict__ pos, const unsigned long long* __restrict__ kcs,
+                                                 const unsigned long long* __restrict__ vcs,
+                                                 const float* __restrict__ v, int nkv, int kv_type,
+                                                 const double* __restrict__ freqs, float scale) {
+    pdl_enter();
+    int t = blockIdx.x;
+    qk_norm_rope_head(q, k, qw, kw, q_stride, k_stride, nh, hd, rot, theta, interleaved, eps, t, blockIdx.y, pos[t],
+                      (void*)kcs[t], (void*)vcs[t], v, nkv, kv_type, freqs, scale);
 }
 
 // T rows of new keys and values (f32, rows of kv_dim) into the caches' rows pos0.. converted to

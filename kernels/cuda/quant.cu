@@ -1338,7 +1338,7 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q(
     const float* __restrict__ bu) {
     pdl_enter();
     GgTyped wl = {{G, U}, {g_type, u_type}, {g_row_bytes, u_row_bytes}, N, K};
-    gg_gate_up(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+    gg_gate_up<true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
 }
 
 // grouped_gemm_bf16 over a typed cache [n_slots, N, K].
@@ -1348,7 +1348,7 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q(
     int split, const float* __restrict__ b) {
     pdl_enter();
     GgTyped wl = {{W, W}, {w_type, w_type}, {row_bytes, row_bytes}, N, K};
-    gg_gemm(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+    gg_gemm<true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
 }
 
 // gp_tile's loader over typed caches (grouped_gemm.cu's pipelined tiles): each thread decodes
@@ -1393,9 +1393,9 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q_pipe(
     pdl_enter();
     GpTyped<2> wl = {{G, U}, {g_type, u_type}, {g_row_bytes, u_row_bytes}, N, K};
     if (split)
-        gp_gate_up<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+        gp_gate_up<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
     else
-        gp_gate_up<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+        gp_gate_up<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
 }
 
 // grouped_gemm_q, pipelined (same arguments and results). Dynamic shared memory as
@@ -1407,7 +1407,7 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q_pipe(
     pdl_enter();
     GpTyped<1> wl = {{W}, {w_type}, {row_bytes}, N, K};
     if (split)
-        gp_gemm<2>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+        gp_gemm<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
     else
-        gp_gemm<1>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+        gp_gemm<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
 }

@@ -2016,3 +2016,312 @@ fn sigmoid_routing_matches_the_cpu_router() {
     let err = be.route_sigmoid(dl.ptr(), 1, 10, 2, r, ids.ptr(), wts.ptr()).unwrap_err();
     assert!(err.to_string().contains("route_sigmoid"), "{err}");
 }
+
+/// A test cache on the device: the buffer that holds it (f32 or bytes), its pointer, and the
+/// values it holds.
+struct AnyCache {
+    _f32: Option<moe_lanes_kernels::cuda::DeviceBuffer<f32>>,
+    _bytes: Option<moe_lanes_kernels::cuda::DeviceBuffer<u8>>,
+    ptr: KvPtr,
+}
+
+/// One sequence's cache of `kv_type` holding `values` (f32 uploaded as is).
+fn any_cache(be: &CudaBackend, kv_type: moe_lanes_kernels::KvType, values: &[f32]) -> AnyCache {
+    if kv_type == moe_lanes_kernels::KvType::F32 {
+        let d = be.upload(values).unwrap();
+        let ptr = KvPtr::F32(d.ptr());
+        return AnyCache { _f32: Some(d), _bytes: None, ptr };
+    }
+    let (d, _) = typed_cache(be, kv_type, values);
+    let ptr = typed_ptr(kv_type, &d);
+    AnyCache { _f32: None, _bytes: Some(d), ptr }
+}
+
+/// The batched step's one-launch kernels against the per-sequence ones and the CPU: sequences
+/// of mixed lengths (1..2000 positions) with their own caches (f32, f16, q8_0), per-head and
+/// grouped (8 query heads a kv head) decode attention, a window, sinks; the launch rows a subset
+/// of the call's rows in another order. The q/k norm + RoPE + append writes what the
+/// per-sequence launch writes, bit for bit (queries and cache bytes).
+#[test]
+fn batched_attention_and_append_match_the_per_sequence_kernels() {
+    use moe_lanes_kernels::cuda::ops::{AttentionMask, BatchKv, KvAppend};
+    use moe_lanes_kernels::KvType;
+    let Some(be) = backend() else { return };
+    let lens = [1usize, 37, 700, 2000, 64];
+    for (n_heads, n_kv, hd) in [(32usize, 4usize, 128usize), (8, 2, 64)] {
+        let (kv_dim, q_dim, n) = (n_kv * hd, n_heads * hd, lens.len());
+        let cap = 2048;
+        for kv_type in [KvType::F32, KvType::F16, KvType::Q8_0] {
+            // caches: positions 0..len hold values; the step's new row goes at position len
+            // two sets of the same caches: the per-sequence launches append to one, the batched
+            // launch to the other
+            let mut keep = Vec::new();
+            let (mut caches, mut ref_caches) = (Vec::new(), Vec::new()); // (k ptr, v ptr, values, len)
+            for (i, &len) in lens.iter().enumerate() {
+                let (kc, vc) = (rnd(cap * kv_dim, 100 + i as u64), rnd(cap * kv_dim, 200 + i as u64));
+                for set in [&mut caches, &mut ref_caches] {
+                    let (a, b) = (any_cache(be, kv_type, &kc), any_cache(be, kv_type, &vc));
+                    set.push((a.ptr, b.ptr, cap * kv_dim, len));
+                    keep.push((a, b));
+                }
+            }
+            // the append: per sequence (reference) and batched, into copies of the same caches
+            let q = rnd(n * q_dim, 7);
+            let (k_new, v_new) = (rnd(n * kv_dim, 8), rnd(n * kv_dim, 9));
+            let (qw, kw) = (rnd(hd, 10), rnd(hd, 11));
+            let (dqw, dkw) = (be.upload(&qw).unwrap(), be.upload(&kw).unwrap());
+            let norm = Some((dqw.ptr(), dkw.ptr()));
+            let pos: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+            let dpos = be.upload(&pos).unwrap();
+            let kptrs: Vec<u64> = caches.iter().map(|c| c.0.raw()).collect();
+            let vptrs: Vec<u64> = caches.iter().map(|c| c.1.raw()).collect();
+            let (dk, dv) = (be.upload(&kptrs).unwrap(), be.upload(&vptrs).unwrap());
+            let max_positions = lens.iter().max().unwrap() + 1;
+            let kv = BatchKv { pos: dpos.ptr(), k: dk.ptr(), v: dv.ptr(), kv_type, n_rows: n, max_positions };
+            // reference: one launch per sequence into scratch copies of the caches
+            let snapshot = |p: KvPtr| -> Vec<u8> {
+                match p {
+                    KvPtr::F32(d) => be.read_vec(d).unwrap().iter().flat_map(|x| x.to_le_bytes()).collect(),
+                    KvPtr::F16(d) | KvPtr::Bf16(d) => {
+                        be.read_vec(d).unwrap().iter().flat_map(|x| x.to_le_bytes()).collect()
+                    }
+                    KvPtr::Q8_0(d) => be.read_vec(d).unwrap(),
+                }
+            };
+            let (dq1, dk1, dv1) =
+                (be.upload(&q).unwrap(), be.upload(&k_new).unwrap(), be.upload(&v_new).unwrap());
+            for (i, c) in ref_caches.iter().enumerate() {
+                let append =
+                    KvAppend { pos: None, v: dv1.ptr().sub(i * kv_dim, kv_dim), k_cache: c.0, v_cache: c.1 };
+                be.qk_norm_rope(
+                    dq1.ptr().sub(i * q_dim, q_dim),
+                    dk1.ptr().sub(i * kv_dim, kv_dim),
+                    norm,
+                    1,
+                    n_heads,
+                    n_kv,
+                    q_dim,
+                    kv_dim,
+                    hd,
+                    hd,
+                    c.3,
+                    1e6,
+                    false,
+                    1e-6,
+                    Some(append),
+                    None,
+                )
+                .unwrap();
+            }
+            let want_q = be.read_vec(dq1.ptr()).unwrap();
+            let want_caches: Vec<(Vec<u8>, Vec<u8>)> =
+                ref_caches.iter().map(|c| (snapshot(c.0), snapshot(c.1))).collect();
+            // batched: the same rows into the other set
+            let (dq2, dk2, dv2) =
+                (be.upload(&q).unwrap(), be.upload(&k_new).unwrap(), be.upload(&v_new).unwrap());
+            let heads = (n_heads, n_kv, q_dim, kv_dim);
+            be.qk_norm_rope_rows(
+                (dq2.ptr(), dk2.ptr(), dv2.ptr()),
+                norm,
+                kv,
+                heads,
+                (hd, hd),
+                (1e6, false, 1e-6),
+                None,
+            )
+            .unwrap();
+            assert_eq!(
+                be.read_vec(dq2.ptr()).unwrap(),
+                want_q,
+                "{kv_type} {n_heads}/{n_kv}x{hd}: roped queries"
+            );
+            for (i, c) in caches.iter().enumerate() {
+                assert!(snapshot(c.0) == want_caches[i].0, "{kv_type} {n_heads}/{n_kv}x{hd}: key cache {i}");
+                assert!(
+                    snapshot(c.1) == want_caches[i].1,
+                    "{kv_type} {n_heads}/{n_kv}x{hd}: value cache {i}"
+                );
+            }
+            // attention: launch rows 3, 0, 4, 1 (row 2 left out), every sequence over len + 1
+            let held: Vec<(Vec<f32>, Vec<f32>)> = caches
+                .iter()
+                .map(|c| {
+                    let widen = |p: KvPtr, n_values: usize| -> Vec<f32> {
+                        let b = match p {
+                            KvPtr::F32(d) => return be.read_vec(d).unwrap(),
+                            _ => snapshot(p),
+                        };
+                        use moe_lanes_kernels::KvRows;
+                        let u16s = || b.chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+                        let rows = match kv_type {
+                            KvType::F16 => KvRows::F16(u16s()),
+                            KvType::Bf16 => KvRows::Bf16(u16s()),
+                            KvType::Q8_0 => KvRows::Q8_0(b),
+                            KvType::F32 => unreachable!("read as f32 above"),
+                        };
+                        let v = rows.to_f32_vec();
+                        assert_eq!(v.len(), n_values);
+                        v
+                    };
+                    (widen(c.0, c.2), widen(c.1, c.2))
+                })
+                .collect();
+            let launch: Vec<i32> = vec![3, 0, 4, 1];
+            let drows = be.upload(&launch).unwrap();
+            let sinks: Vec<f32> = (0..n_heads).map(|h| -3.0 + 6.0 * h as f32 / n_heads as f32).collect();
+            let dsinks = be.upload(&sinks).unwrap();
+            for (window, with_sinks) in [(0usize, false), (100, false), (0, true), (300, true)] {
+                let mask = AttentionMask { window, sinks: with_sinks.then(|| dsinks.ptr()) };
+                let part = be
+                    .alloc_zeros::<f32>(CudaBackend::attention_split_scratch(
+                        launch.len(),
+                        n_heads,
+                        hd,
+                        max_positions,
+                    ))
+                    .unwrap();
+                let out = be.alloc_zeros::<f32>(n * q_dim).unwrap();
+                be.attention_split_rows(
+                    dq2.ptr(),
+                    out.ptr(),
+                    part.ptr(),
+                    (drows.ptr(), launch.len()),
+                    kv,
+                    n_heads,
+                    n_kv,
+                    hd,
+                    mask,
+                )
+                .unwrap();
+                let got = be.read_vec(out.ptr()).unwrap();
+                for (i, c) in caches.iter().enumerate() {
+                    let row = &got[i * q_dim..][..q_dim];
+                    if !launch.contains(&(i as i32)) {
+                        assert!(row.iter().all(|&x| x == 0.0), "row {i} is not a launch row: untouched");
+                        continue;
+                    }
+                    let qi = &want_q[i * q_dim..][..q_dim];
+                    let (kh, vh) = &held[i];
+                    let want = match with_sinks {
+                        true => attention_sinks_cpu(qi, kh, vh, &sinks, (1, c.3, n_heads, n_kv, hd, window)),
+                        false => attention_cpu(qi, kh, vh, 1, c.3, n_heads, n_kv, hd, window),
+                    };
+                    // the per-sequence split kernel over the same cache
+                    let one = be.alloc_zeros::<f32>(q_dim).unwrap();
+                    let part1 = be
+                        .alloc_zeros::<f32>(CudaBackend::attention_split_scratch(1, n_heads, hd, c.3 + 1))
+                        .unwrap();
+                    let qrow = dq2.ptr().sub(i * q_dim, q_dim);
+                    be.attention_split(
+                        qrow,
+                        c.0,
+                        c.1,
+                        one.ptr(),
+                        part1.ptr(),
+                        1,
+                        c.3,
+                        n_heads,
+                        n_kv,
+                        hd,
+                        mask,
+                        None,
+                    )
+                    .unwrap();
+                    let alone = be.read_vec(one.ptr()).unwrap();
+                    let what = format!(
+                        "{kv_type} {n_heads}/{n_kv}x{hd} seq {i} len {} window {window} sinks {with_sinks}",
+                        c.3
+                    );
+                    let tol = 1e-5;
+                    assert!(
+                        max_abs_diff(row, &want) < tol,
+                        "{what}: {} against the CPU",
+                        max_abs_diff(row, &want)
+                    );
+                    assert!(
+                        max_abs_diff(row, &alone) < tol,
+                        "{what}: {} against the per-sequence kernel",
+                        max_abs_diff(row, &alone)
+                    );
+                }
+            }
+            drop(keep);
+        }
+    }
+}
+
+/// The grouped decode worklist built on the device: entries sorted by slot (stable), each routed
+/// entry's sorted row (-1 cold), token rows, and the tiles `grouped_tiles` cuts from the sorted
+/// slots, then empty tiles up to the bound.
+#[test]
+fn hot_worklist_grouped_sorts_entries_by_slot() {
+    use moe_lanes_kernels::cuda::ops::grouped_tiles;
+    let Some(be) = backend() else { return };
+    for (t, k, e_n) in [(16usize, 8usize, 128usize), (3, 2, 8), (70, 8, 64)] {
+        // experts e % 3 == 2 are cold; the others take slots in reverse order
+        let map: Vec<i32> =
+            (0..e_n).map(|e| if e % 3 == 2 { -1 } else { ((e_n - 1 - e) / 3 * 2 + e % 3) as i32 }).collect();
+        let n_slots = (*map.iter().max().unwrap() + 1) as usize;
+        let mut ids: Vec<i32> = (0..t * k).map(|e| ((e * 37 + e / k * 11) % e_n) as i32).collect();
+        ids[1] = e_n as i32 + 5; // out of range: cold
+                                 // many rows on one expert: a run longer than one tile
+        for r in 0..t.min(70) {
+            ids[r * k] = 0;
+        }
+        let weights = rnd(t * k, 5);
+        let n = t * k;
+        let nt = CudaBackend::hot_grouped_max_tiles(n, n_slots);
+        let (dmap, dids, dw) =
+            (be.upload(&map).unwrap(), be.upload(&ids).unwrap(), be.upload(&weights).unwrap());
+        let (toks, ws, ent) = (
+            be.alloc_zeros::<i32>(n).unwrap(),
+            be.alloc_zeros::<f32>(n).unwrap(),
+            be.alloc_zeros::<i32>(n).unwrap(),
+        );
+        let (off, rows, tiles) = (
+            be.alloc_zeros::<i32>(t + 1).unwrap(),
+            be.alloc_zeros::<i32>(t).unwrap(),
+            be.alloc_zeros::<i32>(3 * nt).unwrap(),
+        );
+        be.hot_worklist_grouped(
+            (dmap.ptr(), dids.ptr(), dw.ptr()),
+            (t, k, e_n, n_slots),
+            (toks.ptr(), ws.ptr(), ent.ptr()),
+            (off.ptr(), rows.ptr(), tiles.ptr()),
+        )
+        .unwrap();
+        // the CPU's: hot entries stably sorted by slot
+        let slot = |e: usize| {
+            let id = ids[e];
+            if id < 0 || id as usize >= e_n {
+                -1
+            } else {
+                map[id as usize]
+            }
+        };
+        let mut hot: Vec<usize> = (0..n).filter(|&e| slot(e) >= 0).collect();
+        hot.sort_by_key(|&e| slot(e));
+        let mut want_ent = vec![-1i32; n];
+        let (mut want_toks, mut want_ws) = (vec![0i32; n], vec![0f32; n]);
+        for (p, &e) in hot.iter().enumerate() {
+            want_ent[e] = p as i32;
+            want_toks[p] = (e / k) as i32;
+            want_ws[p] = weights[e];
+        }
+        let sorted: Vec<u32> = hot.iter().map(|&e| slot(e) as u32).collect();
+        let mut want_tiles = vec![0i32; 3 * nt];
+        let used = grouped_tiles(&sorted, &mut want_tiles).unwrap();
+        for i in used..nt {
+            want_tiles[3 * i..3 * i + 3].copy_from_slice(&[-1, 0, 0]);
+        }
+        let what = format!("T={t} k={k} E={e_n}");
+        assert_eq!(be.read_vec(ent.ptr()).unwrap(), want_ent, "{what}: entries");
+        assert_eq!(be.read_vec(toks.ptr()).unwrap(), want_toks, "{what}: tokens");
+        assert_eq!(be.read_vec(ws.ptr()).unwrap(), want_ws, "{what}: weights");
+        assert_eq!(be.read_vec(tiles.ptr()).unwrap(), want_tiles, "{what}: tiles");
+        assert_eq!(be.read_vec(off.ptr()).unwrap(), (0..=t).map(|r| (r * k) as i32).collect::<Vec<_>>());
+        assert_eq!(be.read_vec(rows.ptr()).unwrap(), (0..t).map(|r| r as i32).collect::<Vec<_>>());
+    }
+    // too many entries for the one block's shared memory: refused by name
+    assert!(!CudaBackend::hot_worklist_grouped_fits(4096, 8, 128));
+}

@@ -48,6 +48,10 @@ pub struct GpuTuning {
     /// and lm_head as GEMMs (each weight read once for all rows) instead of per-row GEMVs
     /// (`MOE_LANES_BATCH_GEMM_MIN_TOKENS`; default [`crate::gpu::BATCH_GEMM_MIN_TOKENS`]).
     pub batch_gemm_min_tokens: Option<usize>,
+    /// A decode call (a batched step) of at least this many rows runs its hot experts as grouped
+    /// GEMMs over a worklist sorted by expert (each read once per step) instead of per-entry
+    /// GEMVs (`MOE_LANES_HOT_GROUPED_MIN_ROWS`; default [`crate::gpu::HOT_GROUPED_MIN_ROWS`]).
+    pub hot_grouped_min_rows: Option<usize>,
 }
 
 impl GpuTuning {
@@ -61,6 +65,7 @@ impl GpuTuning {
             hot_dequant_mib: over.hot_dequant_mib.or(self.hot_dequant_mib),
             hot_dequant_overlap: over.hot_dequant_overlap.or(self.hot_dequant_overlap),
             batch_gemm_min_tokens: over.batch_gemm_min_tokens.or(self.batch_gemm_min_tokens),
+            hot_grouped_min_rows: over.hot_grouped_min_rows.or(self.hot_grouped_min_rows),
         }
     }
 
@@ -76,6 +81,7 @@ impl GpuTuning {
             gpu.hot_dequant_bytes = mib << 20;
         }
         gpu.batch_gemm_min_tokens = self.batch_gemm_min_tokens.unwrap_or(gpu.batch_gemm_min_tokens);
+        gpu.hot_grouped_min_rows = self.hot_grouped_min_rows.unwrap_or(gpu.hot_grouped_min_rows);
     }
 }
 

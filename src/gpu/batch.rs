@@ -1,17 +1,24 @@
 //! Batched calls (continuous batching): several sequences, each with its own KV cache, in one
 //! forward call. The row-wise stages (projections, router, hot and cold lanes, lm_head) run
 //! once over every sequence's rows, so a hot expert's weights are read once per call and a
-//! cold expert is computed once for all the tokens routed to it; RoPE, the KV append,
-//! attention and the recurrent state run per sequence ([`GpuSeg`]). A one-sequence call takes
-//! [`GpuModel::forward_rows`] (and so the decode graphs).
+//! cold expert is computed once for all the tokens routed to it. Each row's q/k norm, RoPE and
+//! KV append run in one launch, and the decode rows' attention in one (split over positions,
+//! then combined), over per-row positions and cache addresses on the device ([`BatchRows`]);
+//! prefill chunks' attention and the recurrent state run per sequence ([`GpuSeg`]). A
+//! one-sequence call takes [`GpuModel::forward_rows`] (and so the decode graphs).
 
 use super::head::head_kernels;
 use super::kv::GpuKvCache;
+use super::mixer::decode_attention;
 use super::model::{GpuModel, GpuSeg};
 use super::GpuError;
 use crate::forward::{LogitRows, Logits};
+use crate::model::context::KvType;
 use crate::moe::cold::ColdLane;
 use crate::moe::phase::Phase;
+use crate::reference::ForwardError;
+use moe_lanes_kernels::cuda::ops::BatchKv;
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
 use std::time::Instant;
 
 /// One sequence of a batched call: its tokens and its cache.
@@ -55,7 +62,8 @@ impl GpuModel {
         Ok(logits)
     }
 
-    /// Every layer over the call's rows, the mixers per sequence.
+    /// Every layer over the call's rows; the q/k norm + RoPE + append of every row in one launch
+    /// and the decode rows' attention in one (`BatchRows`), the rest per sequence.
     fn batch_layers(
         &mut self,
         seqs: &[GpuSeqInput<'_>],
@@ -72,7 +80,14 @@ impl GpuModel {
                 seg
             })
             .collect();
-        self.layers(0..self.dev().cfg.n_layers, phase, t, &segs, cold)
+        let dev = self.dev_mut();
+        let kept = dev.rows.take();
+        dev.rows = Some(BatchRows::build(&dev.be, kept, &segs, phase, dev.cfg.n_layers)?);
+        let ran = self.layers(0..self.dev().cfg.n_layers, phase, t, &segs, cold);
+        if let Some(r) = self.dev_mut().rows.as_mut() {
+            r.active = false;
+        }
+        ran
     }
 
     /// Each sequence's last hidden row moved to row `i` (its index), so the head runs over one
@@ -90,5 +105,80 @@ impl GpuModel {
             }
         }
         Ok(())
+    }
+}
+
+/// A batched call's rows on the device, for the one-launch q/k norm + RoPE + append and decode
+/// attention: `ints` holds every row's position (`t`), then the call rows of the decode
+/// sequences (`n_decode`: the rows whose attention takes the split kernel); `ptrs` holds, per
+/// layer, every row's key cache address (`t`) then its value cache address (`t`). Uploaded once
+/// per call; the buffers grow, never shrink.
+pub(crate) struct BatchRows {
+    ints: DeviceBuffer<i32>,
+    ptrs: DeviceBuffer<u64>,
+    /// Rows of the call.
+    pub t: usize,
+    /// Rows whose attention runs in the one batched launch.
+    pub n_decode: usize,
+    /// The most positions a decode row sees (its position + 1).
+    pub max_positions: usize,
+    kv_type: KvType,
+    /// Set for the call's layers (`Device::batch_rows`).
+    pub active: bool,
+}
+
+impl BatchRows {
+    /// The tables of `segs` (every sequence's cache of one type), uploaded into `kept`'s buffers
+    /// when they are large enough.
+    pub fn build(
+        be: &CudaBackend,
+        kept: Option<BatchRows>,
+        segs: &[GpuSeg<'_>],
+        phase: Phase,
+        n_layers: usize,
+    ) -> Result<BatchRows, GpuError> {
+        let t: usize = segs.iter().map(|s| s.n).sum();
+        let mut ints: Vec<i32> = Vec::with_capacity(2 * t);
+        for seg in segs {
+            ints.extend((seg.pos0..seg.pos0 + seg.n).map(|p| p as i32));
+        }
+        let decode = segs.iter().filter(|s| decode_attention(phase, s));
+        let max_positions = decode.clone().map(|s| s.pos0 + s.n).max().unwrap_or(0);
+        for seg in decode {
+            ints.extend((seg.row0..seg.row0 + seg.n).map(|r| r as i32));
+        }
+        let n_decode = ints.len() - t;
+        let mut ptrs: Vec<u64> = Vec::with_capacity(2 * n_layers * t);
+        for l in 0..n_layers {
+            ptrs.extend(segs.iter().flat_map(|s| std::iter::repeat_n(s.cache.k(l).raw(), s.n)));
+            ptrs.extend(segs.iter().flat_map(|s| std::iter::repeat_n(s.cache.v(l).raw(), s.n)));
+        }
+        let Some(first) = segs.first() else { return Err(ForwardError::EmptyInput.into()) };
+        let kv_type = first.cache.kv_type();
+        let (ints_buf, ptrs_buf) = match kept {
+            Some(k) if k.ints.len() >= ints.len() && k.ptrs.len() >= ptrs.len() => (k.ints, k.ptrs),
+            _ => (be.alloc_zeros::<i32>(2 * ints.len())?, be.alloc_zeros::<u64>(2 * ptrs.len())?),
+        };
+        be.write(&ints, ints_buf.ptr())?;
+        be.write(&ptrs, ptrs_buf.ptr())?;
+        Ok(BatchRows { ints: ints_buf, ptrs: ptrs_buf, t, n_decode, max_positions, kv_type, active: true })
+    }
+
+    /// Layer `l`'s rows for the kernels: positions and cache addresses of every row of the call.
+    pub fn kv(&self, l: usize) -> BatchKv {
+        let (t, p) = (self.t, self.ptrs.ptr());
+        BatchKv {
+            pos: self.ints.ptr().sub(0, t),
+            k: p.sub(2 * l * t, t),
+            v: p.sub((2 * l + 1) * t, t),
+            kv_type: self.kv_type,
+            n_rows: t,
+            max_positions: self.max_positions,
+        }
+    }
+
+    /// The call rows of the batched attention launch (`n_decode`).
+    pub fn decode_rows(&self) -> DPtr<i32> {
+        self.ints.ptr().sub(self.t, self.n_decode)
     }
 }

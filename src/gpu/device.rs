@@ -41,6 +41,9 @@ pub(crate) struct Device {
     /// While a decode graph is captured: the most positions its attention is sized for (the
     /// position itself is read from device memory, `Scratch::step`).
     pub step: Option<usize>,
+    /// A batched call's per-row positions and cache addresses on the device (`batch`), set for
+    /// the call's layers (`active`) and kept (its buffers reused) between calls.
+    pub rows: Option<super::batch::BatchRows>,
 }
 
 /// One layer of one forward call, as a stage sees it.
@@ -180,6 +183,11 @@ impl Device {
             self.be.gemm_bf16_strided(buf.sub(0, r * k), x_hi, x_lo, y.from(r0), t, r, k, n, accumulate)?;
         }
         Ok(())
+    }
+
+    /// The batched call's row tables, while its layers run.
+    pub fn batch_rows(&self) -> Option<&super::batch::BatchRows> {
+        self.rows.as_ref().filter(|r| r.active)
     }
 
     /// Profile mark `m` of layer `l` (a CUDA event, when profiling).

@@ -3,6 +3,7 @@
 //! DeltaNet over the session's recurrent state, as the layer's plan says. Decode uses GEMV
 //! kernels; prefill and warmup use cuBLAS GEMMs.
 
+use super::batch::BatchRows;
 use super::device::{Device, LayerCtx};
 use super::kv::GpuKvCache;
 use super::model::GpuSeg;
@@ -12,7 +13,9 @@ use super::GpuError;
 use crate::model::arch::{AttentionSpec, DeltaNetSpec, LayerPlan, Mixer, QkNorm, RopeStyle, VHeadOrder};
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::{DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM};
-use moe_lanes_kernels::cuda::ops::{AttentionMask, DeltaShape, DevicePos, KvAppend, KvPtr, RopeScaling};
+use moe_lanes_kernels::cuda::ops::{
+    AttentionMask, BatchKv, DeltaShape, DevicePos, KvAppend, KvPtr, RopeScaling,
+};
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
 
 /// The token mixers of every layer; owns the split decode attention's partials.
@@ -80,7 +83,14 @@ impl MixerStage {
             .unwrap_or_else(|| (s.kv_step.ptr().sub(0, t * kvd), s.kv_step.ptr().sub(t * kvd, t * kvd)));
         qkv_projections(cx, [k_new, v_new])?;
         let (q, pos) = (s.q.ptr(), dev.step.map(|_| s.step.ptr().sub(1, 1)));
-        for seg in segs {
+        // a batched call: every row's q/k norm + RoPE + append in one launch, its decode rows'
+        // attention in one (`BatchRows`)
+        let rows = dev.batch_rows().filter(|_| in_place.is_none());
+        let fused_rows = rows.filter(|_| qk_fusable(dev.plan.layer(l).attention()));
+        if let Some(r) = fused_rows {
+            qk_norm_rope_rows(dev, l, r.kv(l), [q, k_new, v_new])?;
+        }
+        for seg in segs.iter().filter(|_| fused_rows.is_none()) {
             let (rq, rkv) =
                 (q.sub(seg.row0 * qd, seg.n * qd), |p: DPtr<f32>| p.sub(seg.row0 * kvd, seg.n * kvd));
             let append = in_place.is_none().then(|| KvAppend {
@@ -92,7 +102,11 @@ impl MixerStage {
             qk_norm_rope(dev, l, seg.n, seg.pos0, rq, rkv(k_new), rkv(v_new), append)?;
         }
         cx.mark(1)?;
-        for seg in segs {
+        let batched = rows.filter(|r| r.n_decode > 0);
+        if let Some(r) = batched {
+            self.attention_rows(cx, r)?;
+        }
+        for seg in segs.iter().filter(|seg| batched.is_none() || !decode_attention(phase, seg)) {
             self.attention(cx, seg)?;
         }
         if w.q_gate.is_some() {
@@ -138,8 +152,7 @@ impl MixerStage {
         let mask = AttentionMask { window, sinks };
         let (nh, nkv, hd, qd) = (c.n_heads, c.n_kv_heads, c.head_dim, c.q_dim());
         let (t, pos0, cache) = (seg.n, seg.pos0, seg.cache);
-        // A one-token sequence of a batched call takes the decode kernel whatever the call's phase.
-        let decode = cx.phase == Phase::Decode || (t == 1 && pos0 > 0);
+        let decode = decode_attention(cx.phase, seg);
         if decode {
             self.reserve_attention(dev, t, cache)?;
         }
@@ -166,6 +179,63 @@ impl MixerStage {
         }
         Ok(())
     }
+}
+
+impl MixerStage {
+    /// A batched call's decode rows (`rows`) attending over their own sequences' caches: one
+    /// split launch and one combine for every sequence.
+    fn attention_rows(&mut self, cx: &LayerCtx<'_>, rows: &BatchRows) -> Result<(), GpuError> {
+        let (dev, l) = (cx.dev, cx.l);
+        let c = &dev.cfg;
+        let (nh, hd) = (c.n_heads, c.head_dim);
+        let need = CudaBackend::attention_split_scratch(rows.n_decode, nh, hd, rows.max_positions);
+        if self.attn_part.as_ref().is_none_or(|b| b.len() < need) {
+            self.attn_part = None; // free first
+            self.attn_part = Some(dev.be.alloc_zeros::<f32>(need)?);
+        }
+        let part = self.attn_part.as_ref().expect("reserved").ptr();
+        let window = dev.plan.layer(l).attention().window.unwrap_or(0);
+        let sinks = dev.w.layers[l].attention().sinks.as_ref().map(|b| b.ptr());
+        let (s, launch) = (dev.s(), (rows.decode_rows(), rows.n_decode));
+        let mask = AttentionMask { window, sinks };
+        dev.be.attention_split_rows(
+            s.q.ptr(),
+            s.attn.ptr(),
+            part,
+            launch,
+            rows.kv(l),
+            nh,
+            c.n_kv_heads,
+            hd,
+            mask,
+        )?;
+        Ok(())
+    }
+}
+
+/// Whether a sequence's rows of a call attend by the split decode kernel: a decode call's, and a
+/// one-token sequence's after a prompt whatever the call's phase (a batched call mixing decode
+/// tokens with a prompt chunk).
+pub(crate) fn decode_attention(phase: Phase, seg: &GpuSeg<'_>) -> bool {
+    phase == Phase::Decode || (seg.n == 1 && seg.pos0 > 0)
+}
+
+/// [`qk_norm_rope`] with its append over every row of a batched call (`kv`: each row's
+/// position and caches), one launch: `[q, k_new, v_new]` hold the call's rows.
+fn qk_norm_rope_rows(
+    dev: &Device,
+    l: usize,
+    kv: BatchKv,
+    [q, k_new, v_new]: [DPtr<f32>; 3],
+) -> Result<(), GpuError> {
+    let (c, w, a) = (&dev.cfg, dev.w.layers[l].attention(), dev.plan.layer(l).attention());
+    let scaling = w.rope_freqs.as_ref().map(|(f, scale)| RopeScaling { freqs: f.ptr(), scale: *scale });
+    let norm = (a.qk_norm == QkNorm::PerHead)
+        .then(|| (w.q_norm.as_ref().expect("validated").ptr(), w.k_norm.as_ref().expect("validated").ptr()));
+    let heads = (c.n_heads, c.n_kv_heads, c.q_dim(), c.kv_dim());
+    let rope = (a.rope.theta, a.rope.style == RopeStyle::Interleaved, c.rms_eps);
+    dev.be.qk_norm_rope_rows((q, k_new, v_new), norm, kv, heads, (c.head_dim, a.rope.dims), rope, scaling)?;
+    Ok(())
 }
 
 /// The q, k, v projections (+ biases, + the output gate's) of the normed rows: q into the

@@ -168,6 +168,7 @@ impl GpuModel {
                 dequant,
                 profiler: None,
                 step: None,
+                rows: None,
                 opts,
                 cfg,
                 model,

@@ -279,8 +279,19 @@ impl MoeStage {
         }
         if let Some(c) = self.hot.slots(l) {
             let out = if plan.direct { s.hidden.ptr() } else { s.moe_out.ptr() };
-            // entries routed to cold experts have slot -1: the kernels skip them
-            expert_gemvs(dev, [c.gate, c.up, c.down], &c.epi, p_slots, l, t, out).map_err(hot_failed)?;
+            let w = [c.gate, c.up, c.down];
+            if hot_grouped(dev, t, c.n_slots) {
+                hot_grouped_decode(dev, w, &c.epi, (self.hot.map_dev(l), c.n_slots), l, t, out)
+                    .map_err(hot_failed)?;
+                if !self.hot.all_hot(l) {
+                    // the cold lane's side (Post-Fetch's GEMVs) reads the token-major worklist
+                    let map = self.hot.map_dev(l);
+                    dev.be.hot_worklist_tokens(map, ids, t, k, e_n, p_slots, p_toks, p_off, p_rows)?;
+                }
+            } else {
+                // entries routed to cold experts have slot -1: the kernels skip them
+                expert_gemvs(dev, w, &c.epi, p_slots, l, t, out).map_err(hot_failed)?;
+            }
         }
         if timed {
             dev.be.record(&self.lane_events[l].end)?;
@@ -646,6 +657,45 @@ pub(crate) fn expert_gemvs(
         dev.be.quantize_q8(hb, n_ent, ff, hq)?;
     }
     dev.be.moe_down_accum_typed(down, hb, hq, slots, wts, off, rows, out, t, h, ff, epi.down_bias)?;
+    Ok(())
+}
+
+/// Whether a decode call (a batched step) of `t` rows over `n_slots` cached experts runs its hot
+/// lane grouped ([`super::GpuOptions::hot_grouped_min_rows`]; never inside a decode graph, whose
+/// calls are one token).
+fn hot_grouped(dev: &Device, t: usize, n_slots: usize) -> bool {
+    t >= dev.opts.hot_grouped_min_rows
+        && dev.step.is_none()
+        && CudaBackend::hot_worklist_grouped_fits(t, dev.cfg.n_experts_used, n_slots)
+}
+
+/// The hot lane of a batched decode step grouped by expert: the worklist sorted by cache slot on
+/// the device ([`CudaBackend::hot_worklist_grouped`] over the layer's routing and expert-to-slot
+/// `map`), the grouped GEMMs over it (each cached expert read once for all its rows), then the
+/// weighted rows added into `out` by token (cold entries skipped). Writes the worklist's
+/// tokens, entries, token rows and tiles sections and `work_f`.
+fn hot_grouped_decode(
+    dev: &Device,
+    w: [TypedWeights; 3],
+    epi: &SlotEpilogue,
+    (map, n_slots): (DPtr<i32>, usize),
+    l: usize,
+    t: usize,
+    out: DPtr<f32>,
+) -> Result<(), GpuError> {
+    let (k, e_n, h) = (dev.cfg.n_experts_used, dev.cfg.n_experts, dev.cfg.hidden);
+    let n = t * k;
+    let s = dev.s();
+    let (lay, wi) = (s.layout, s.work_i.ptr());
+    let nt = CudaBackend::hot_grouped_max_tiles(n, n_slots);
+    let tiles = wi.sub(lay.tiles, 3 * nt);
+    let (toks, ent) = (wi.sub(lay.tokens, n), wi.sub(lay.entries, n));
+    let (off, rows, wsorted) =
+        (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t), s.work_f.ptr().sub(0, n));
+    let routing = (map, route_ids(s.ids(), k, l, t), route_ids(s.weights.ptr(), k, l, t));
+    dev.be.hot_worklist_grouped(routing, (t, k, e_n, n_slots), (toks, wsorted, ent), (off, rows, tiles))?;
+    grouped_ffn(dev, w, epi, n_slots, (tiles, nt), n, t)?;
+    dev.be.moe_scatter_accum(s.y.ptr(), ent, wsorted, off, rows, out, t, h)?;
     Ok(())
 }
 

@@ -53,6 +53,11 @@ impl GateUpEpilogue {
     /// `silu(gate) * up`, no biases (every architecture but GPT-OSS).
     pub const SILU: GateUpEpilogue = GateUpEpilogue { glu: Glu::Silu, gate_bias: None, up_bias: None };
 
+    /// SiLU without biases: the kernels' plain instances.
+    pub fn is_plain(&self) -> bool {
+        self.glu == Glu::Silu && self.gate_bias.is_none() && self.up_bias.is_none()
+    }
+
     /// The epilogue's kernel arguments (activation code, gate and up bias pointers, 0 for none)
     /// once each bias holds `n_slots` rows of `ff`.
     pub(super) fn args(&self, kernel: Kernel, n_slots: usize, ff: usize) -> Result<(i32, u64, u64)> {

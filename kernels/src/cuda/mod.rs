@@ -920,6 +920,8 @@ fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
     let pipes = [
         (Kernel::GroupedGateUpBf16Pipe, kernel::grouped_pipe_shared_bytes(2)),
         (Kernel::GroupedGemmBf16Pipe, kernel::grouped_pipe_shared_bytes(1)),
+        (Kernel::GroupedGateUpBf16PipeEpi, kernel::grouped_pipe_shared_bytes(2)),
+        (Kernel::GroupedGemmBf16PipeBias, kernel::grouped_pipe_shared_bytes(1)),
         (Kernel::GroupedGateUpQPipe, kernel::grouped_pipe_shared_bytes(2)),
         (Kernel::GroupedGemmQPipe, kernel::grouped_pipe_shared_bytes(1)),
     ];

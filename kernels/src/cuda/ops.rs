@@ -195,6 +195,21 @@ impl KvPtr {
     }
 }
 
+/// The kernel code of a cache type (`KvPtr::type_code`): the index of its instance in a
+/// kernel's `[f32, f16, bf16, q8_0]`.
+fn kv_type_code(t: KvType) -> usize {
+    match t {
+        KvType::F32 => 0,
+        KvType::F16 => 1,
+        KvType::Bf16 => 2,
+        KvType::Q8_0 => 3,
+    }
+}
+
+/// Dynamic shared memory of [`CudaBackend::hot_worklist_grouped`]'s one block (under the
+/// default 48 KiB, beside its static counters).
+const HOT_GROUPED_SHARED_BYTES: usize = 47 << 10;
+
 /// The longest head the fused q/k norm + RoPE stages for a q8_0 append (`KV_STAGE_MAX` of
 /// norm_rope.cu).
 const QK_STAGE_MAX_HEAD_DIM: usize = 512;
@@ -219,10 +234,15 @@ fn check_kv_pair(kernel: Kernel, k: KvPtr, v: KvPtr, widths: &[usize]) -> Result
         let reason = format!("the key ({}) and value ({}) caches differ in type", k.kv_type(), v.kv_type());
         return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
     }
-    let block = k.kv_type().block_len();
+    check_kv_widths(kernel, k.kv_type(), widths)
+}
+
+/// A block type's (q8_0) rows are whole blocks: every `width` (a head, a row) a multiple of 32.
+fn check_kv_widths(kernel: Kernel, kv_type: KvType, widths: &[usize]) -> Result<()> {
+    let block = kv_type.block_len();
     if let Some(w) = widths.iter().find(|w| !w.is_multiple_of(block)) {
         let reason =
-            format!("{} caches store blocks of {block} values; a row or head of {w} splits one", k.kv_type());
+            format!("{kv_type} caches store blocks of {block} values; a row or head of {w} splits one");
         return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
     }
     Ok(())
@@ -549,6 +569,33 @@ impl KvAppend {
 pub struct DevicePos {
     pub pos: DPtr<i32>,
     pub max_positions: usize,
+}
+
+/// A batched step's rows, each of its own sequence with its own KV cache, for the one-launch
+/// q/k norm + RoPE + append ([`CudaBackend::qk_norm_rope_rows`]) and decode attention
+/// ([`CudaBackend::attention_split_rows`]): in device memory, for every row `r` of the call, its
+/// position `pos[r]` and the raw addresses `k[r]`, `v[r]` of its sequence's key and value caches
+/// of one layer (`[capacity, kv_dim]` each, all of `kv_type`). The host that writes them
+/// guarantees each cache holds row `r`'s position (the launchers cannot read device memory);
+/// `max_positions` is the most positions a row sees (its position + 1), which sizes the split
+/// attention's grid.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchKv {
+    pub pos: DPtr<i32>,
+    pub k: DPtr<u64>,
+    pub v: DPtr<u64>,
+    pub kv_type: KvType,
+    pub n_rows: usize,
+    pub max_positions: usize,
+}
+
+impl BatchKv {
+    fn check(&self, kernel: Kernel, widths: &[usize]) -> Result<()> {
+        check_kv_widths(kernel, self.kv_type, widths)?;
+        need(kernel, "row positions", self.pos, self.n_rows)?;
+        need(kernel, "row key caches", self.k, self.n_rows)?;
+        need(kernel, "row value caches", self.v, self.n_rows)
+    }
 }
 
 impl CudaBackend {
@@ -1344,6 +1391,163 @@ impl CudaBackend {
         )
     }
 
+    /// [`Self::attention_split`] over a batched step whose rows have their own caches and
+    /// positions (`kv`): launch row `i` is the call's row `rows[i]` (`n_launch` of them, read
+    /// from device memory), its queries and output rows of `q` and `out` (`kv.n_rows` rows of
+    /// `n_heads x head_dim`), its position and caches `kv`'s. Two launches for every sequence of
+    /// the step. `part` holds [`Self::attention_split_scratch`] floats for `n_launch` rows over
+    /// `kv.max_positions` positions.
+    pub fn attention_split_rows(
+        &self,
+        q: DPtr<f32>,
+        out: DPtr<f32>,
+        part: DPtr<f32>,
+        (rows, n_launch): (DPtr<i32>, usize),
+        kv: BatchKv,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+        mask: impl Into<AttentionMask>,
+    ) -> Result<()> {
+        let (window, sinks) = mask.into().parts(Kernel::AttentionCombineRowsF32, n_heads)?;
+        let grouped = Self::attention_split_grouped(n_heads, n_kv, head_dim);
+        let family = if grouped { Kernel::ATTENTION_SPLIT_GQA_ROWS } else { Kernel::ATTENTION_SPLIT_ROWS };
+        let kn = family[kv_type_code(kv.kv_type)];
+        kv.check(kn, &[head_dim])?;
+        if n_kv == 0 || n_heads / n_kv * n_kv != n_heads || head_dim == 0 || head_dim > ATTENTION_MAX_HEAD_DIM
+        {
+            let reason = format!(
+                "{n_heads} heads over {n_kv} kv heads of {head_dim} (at most {ATTENTION_MAX_HEAD_DIM})"
+            );
+            return Err(CudaError::Shape { kernel: kn.symbol(), reason });
+        }
+        let q_dim = n_heads * head_dim;
+        need(kn, "q", q, kv.n_rows * q_dim)?;
+        need(kn, "out", out, kv.n_rows * q_dim)?;
+        need(kn, "rows", rows, n_launch)?;
+        if n_launch == 0 {
+            return Ok(());
+        }
+        let visible = if window > 0 { window.min(kv.max_positions) } else { kv.max_positions };
+        let (splits, grid_heads) = match grouped {
+            true => (
+                Self::attention_split_gqa_max_splits(n_launch, n_heads, visible),
+                n_heads / ATTENTION_GQA_HEADS,
+            ),
+            false => (Self::attention_split_max_splits(n_launch, n_heads, visible), n_heads),
+        };
+        need(kn, "part", part, Self::attention_split_scratch(n_launch, n_heads, head_dim, visible))?;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        self.launch(
+            kn,
+            (grid_heads as u32, splits as u32, n_launch as u32),
+            ATTENTION_SPLIT_THREADS,
+            0,
+            args![
+                q.raw(),
+                kv.k.raw(),
+                kv.v.raw(),
+                part.raw(),
+                rows.raw(),
+                kv.pos.raw(),
+                i(n_heads),
+                i(n_kv),
+                i(head_dim),
+                i(window),
+                scale,
+                i(splits)
+            ],
+        )?;
+        self.launch(
+            Kernel::AttentionCombineRowsF32,
+            (n_heads as u32, n_launch as u32, 1),
+            128,
+            0,
+            args![
+                part.raw(),
+                out.raw(),
+                rows.raw(),
+                kv.pos.raw(),
+                i(n_heads),
+                i(head_dim),
+                i(splits),
+                i(window),
+                sinks
+            ],
+        )
+    }
+
+    /// [`Self::qk_norm_rope`] with its append over a batched step: row `t` of `q`, `k` and `v`
+    /// (`kv.n_rows` rows of `q_stride`, `k_stride` = kv_dim) at its own position, appended to its
+    /// own sequence's caches (`kv`), one launch for every sequence.
+    pub fn qk_norm_rope_rows(
+        &self,
+        (q, k, v): (DPtr<f32>, DPtr<f32>, DPtr<f32>),
+        norm: Option<(DPtr<f32>, DPtr<f32>)>,
+        kv: BatchKv,
+        (n_heads, n_kv, q_stride, k_stride): (usize, usize, usize, usize),
+        (head_dim, rot_dims): (usize, usize),
+        (theta, interleaved, eps): (f32, bool, f32),
+        scaling: Option<RopeScaling>,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::QkNormRopeRowsF32;
+        check_rope(K, head_dim, rot_dims)?;
+        kv.check(K, &[head_dim, k_stride])?;
+        let (freqs, scale) = rope_scaling_args(K, scaling, rot_dims)?;
+        if n_heads * head_dim > q_stride || n_kv * head_dim != k_stride {
+            let reason =
+                format!("head_dim {head_dim} x {n_heads}/{n_kv} heads in rows of {q_stride}/{k_stride}");
+            return Err(CudaError::Shape { kernel: K.symbol(), reason });
+        }
+        if kv.kv_type == KvType::Q8_0 && head_dim > QK_STAGE_MAX_HEAD_DIM {
+            let reason = format!("q8_0 appends stage heads of up to {QK_STAGE_MAX_HEAD_DIM}, not {head_dim}");
+            return Err(CudaError::Shape { kernel: K.symbol(), reason });
+        }
+        let t = kv.n_rows;
+        need(K, "q", q, t * q_stride)?;
+        need(K, "k", k, t * k_stride)?;
+        need(K, "v", v, t * k_stride)?;
+        let (qw, kw) = match norm {
+            Some((qw, kw)) => {
+                need(K, "q norm", qw, head_dim)?;
+                need(K, "k norm", kw, head_dim)?;
+                (qw.raw(), kw.raw())
+            }
+            None => (0, 0),
+        };
+        if t == 0 {
+            return Ok(());
+        }
+        self.launch(
+            K,
+            (t as u32, (n_heads + 2 * n_kv) as u32, 1),
+            BLOCK,
+            0,
+            args![
+                q.raw(),
+                k.raw(),
+                qw,
+                kw,
+                i(q_stride),
+                i(k_stride),
+                i(n_heads),
+                i(head_dim),
+                i(rot_dims),
+                theta,
+                interleaved as i32,
+                eps,
+                kv.pos.raw(),
+                kv.k.raw(),
+                kv.v.raw(),
+                v.raw(),
+                i(n_kv),
+                kv_type_code(kv.kv_type) as i32,
+                freqs,
+                scale
+            ],
+        )
+    }
+
     /// Index of the largest value of each of `rows` rows of `n` (first on ties).
     pub fn argmax(&self, x: DPtr<f32>, rows: usize, n: usize, out: DPtr<i32>) -> Result<()> {
         const K: Kernel = Kernel::ArgmaxF32;
@@ -1802,6 +2006,73 @@ impl CudaBackend {
         )
     }
 
+    /// Whether [`Self::hot_worklist_grouped`] takes `n_tokens` rows of `k` entries over
+    /// `n_slots` cache slots (its one block sorts them in shared memory).
+    pub fn hot_worklist_grouped_fits(n_tokens: usize, k: usize, n_slots: usize) -> bool {
+        (n_tokens * k + 3 * n_slots) * 4 <= HOT_GROUPED_SHARED_BYTES && n_slots > 0
+    }
+
+    /// Most tiles [`Self::hot_worklist_grouped`] writes for `n_entries` routed entries over
+    /// `n_slots` slots: a tile has at least one entry, and each used slot's run adds at most one
+    /// partial tile to its full ones.
+    pub fn hot_grouped_max_tiles(n_entries: usize, n_slots: usize) -> usize {
+        n_entries.min(n_entries.min(n_slots) + n_entries / GROUPED_TILE_ROWS)
+    }
+
+    /// The hot lane's worklist for the grouped GEMMs over a batched decode step, built on the
+    /// device from the routing (`ids`, `weights`: `[n_tokens, k]`) and the layer's expert-to-slot
+    /// `map`: the hot entries sorted by slot (`tokens`, `wsorted`: one per sorted row, `n_tokens
+    /// * k` rows with the unused ones token 0, weight 0), `entries` (the sorted row of each routed
+    /// entry, -1 for a cold one), the token rows (`tok_off`, `tok_rows`: token `t`, entries
+    /// `t * k..`) for [`Self::moe_scatter_accum`], and [`Self::hot_grouped_max_tiles`] tiles
+    /// (`(slot, first row, rows)`, unused ones slot -1) for the grouped GEMMs. One block.
+    pub fn hot_worklist_grouped(
+        &self,
+        (map, ids, weights): (DPtr<i32>, DPtr<i32>, DPtr<f32>),
+        (n_tokens, k, n_experts, n_slots): (usize, usize, usize, usize),
+        (tokens, wsorted, entries): (DPtr<i32>, DPtr<f32>, DPtr<i32>),
+        (tok_off, tok_rows, tiles): (DPtr<i32>, DPtr<i32>, DPtr<i32>),
+    ) -> Result<()> {
+        const K: Kernel = Kernel::HotWorklistGrouped;
+        let n = n_tokens * k;
+        if !Self::hot_worklist_grouped_fits(n_tokens, k, n_slots) {
+            let reason = format!("{n} entries over {n_slots} slots do not fit one block's shared memory");
+            return Err(CudaError::Shape { kernel: K.symbol(), reason });
+        }
+        let n_tiles = Self::hot_grouped_max_tiles(n, n_slots);
+        need(K, "map", map, n_experts)?;
+        need(K, "ids", ids, n)?;
+        need(K, "weights", weights, n)?;
+        need(K, "tokens", tokens, n)?;
+        need(K, "wsorted", wsorted, n)?;
+        need(K, "entries", entries, n)?;
+        need(K, "tok_off", tok_off, n_tokens + 1)?;
+        need(K, "tok_rows", tok_rows, n_tokens)?;
+        need(K, "tiles", tiles, 3 * n_tiles)?;
+        self.launch(
+            K,
+            (1, 1, 1),
+            BLOCK,
+            ((n + 3 * n_slots) * 4) as u32,
+            args![
+                map.raw(),
+                ids.raw(),
+                weights.raw(),
+                i(n_tokens),
+                i(k),
+                i(n_experts),
+                i(n_slots),
+                i(n_tiles),
+                tokens.raw(),
+                wsorted.raw(),
+                entries.raw(),
+                tok_off.raw(),
+                tok_rows.raw(),
+                tiles.raw()
+            ],
+        )
+    }
+
     /// cuBLAS: `y[t, :] (+)= W · x[t, :]` for `n_tokens` rows with W `[n, k]` bf16 and x given as
     /// bf16 `x_hi` (+ `x_lo`, the rounding remainder, as a second accumulated GEMM when given),
     /// f32 output and f32 compute (`cublasGemmEx`, CUBLAS_COMPUTE_32F).
@@ -1895,15 +2166,28 @@ impl CudaBackend {
 
     /// The grouped kernel for bf16 caches `ws` (gate and up, or one matrix) over `x` with `k`
     /// columns, and its dynamic shared memory: the pipelined one where its 16-byte copies fit
-    /// (k a multiple of 8, caches and x 16-byte aligned), else the synchronous one.
-    fn grouped_kernel<const N: usize>(&self, ws: [DPtr<u16>; N], x: DPtr<f32>, k: usize) -> (Kernel, u32) {
+    /// (k a multiple of 8, caches and x 16-byte aligned), else the synchronous one; `epi`: the
+    /// instance with the general epilogue (an activation other than SiLU, biases).
+    fn grouped_kernel<const N: usize>(
+        &self,
+        ws: [DPtr<u16>; N],
+        x: DPtr<f32>,
+        k: usize,
+        epi: bool,
+    ) -> (Kernel, u32) {
         let aligned = k.is_multiple_of(8) && aligned16(&[x.raw()]) && aligned16(&ws.map(|w| w.raw()));
-        match (self.grouped_pipeline() && aligned, ws.len()) {
-            (true, 2) => (Kernel::GroupedGateUpBf16Pipe, grouped_pipe_shared_bytes(2) as u32),
-            (true, _) => (Kernel::GroupedGemmBf16Pipe, grouped_pipe_shared_bytes(1) as u32),
-            (false, 2) => (Kernel::GroupedGateUpBf16, 0),
-            (false, _) => (Kernel::GroupedGemmBf16, 0),
-        }
+        let pipe = self.grouped_pipeline() && aligned;
+        let kernel = match (pipe, ws.len() == 2, epi) {
+            (true, true, false) => Kernel::GroupedGateUpBf16Pipe,
+            (true, true, true) => Kernel::GroupedGateUpBf16PipeEpi,
+            (true, false, false) => Kernel::GroupedGemmBf16Pipe,
+            (true, false, true) => Kernel::GroupedGemmBf16PipeBias,
+            (false, true, false) => Kernel::GroupedGateUpBf16,
+            (false, true, true) => Kernel::GroupedGateUpBf16Epi,
+            (false, false, false) => Kernel::GroupedGemmBf16,
+            (false, false, true) => Kernel::GroupedGemmBf16Bias,
+        };
+        (kernel, if pipe { grouped_pipe_shared_bytes(N) as u32 } else { 0 })
     }
 
     /// Grouped expert GEMM, gate and up fused (the prefill hot lane's first half, one launch
@@ -1935,7 +2219,7 @@ impl CudaBackend {
         if n_tiles == 0 || ff == 0 {
             return Ok(());
         }
-        let (kernel, shared) = self.grouped_kernel([gate_cache, up_cache], x, hidden);
+        let (kernel, shared) = self.grouped_kernel([gate_cache, up_cache], x, hidden, !epi.is_plain());
         self.launch(
             kernel,
             shape.grid(),
@@ -1989,7 +2273,7 @@ impl CudaBackend {
             return Ok(());
         }
         let r = rows.map_or(0, |p| p.raw());
-        let (kernel, shared) = self.grouped_kernel([w_cache], x, k);
+        let (kernel, shared) = self.grouped_kernel([w_cache], x, k, bias.is_some());
         self.launch(
             kernel,
             shape.grid(),
