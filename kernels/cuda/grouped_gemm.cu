@@ -253,33 +253,43 @@ __device__ __forceinline__ void gg_gemm(const L& wl, const float* __restrict__ x
 // [n_slots, ff] (null: none). Two instances, so that the plain one keeps no epilogue state in
 // registers over its main loop (one kernel with both epilogues cost 6% of the all-hot prefill).
 // grid (n_tiles, ceil(ff / GG_BN)), block GG_THREADS.
-#define GG_GATE_UP_BF16(NAME, EPI)                                                                               \
-    extern "C" __global__ __launch_bounds__(GG_THREADS) void NAME(                                               \
-        const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,                     \
-        const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,      \
-        float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,                   \
-        const float* __restrict__ bu) {                                                                          \
-        pdl_enter();                                                                                             \
-        gg_gate_up<EPI>(GgBf16{{G, U}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, \
-                        bu);                                                                                     \
-    }
-GG_GATE_UP_BF16(grouped_gate_up_bf16, false)
-GG_GATE_UP_BF16(grouped_gate_up_bf16_epi, true)
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16(
+    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,
+    const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+    float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
+    const float* __restrict__ bu) {
+    pdl_enter();
+    gg_gate_up<false>(GgBf16{{G, U}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_epi(
+    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,
+    const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+    float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
+    const float* __restrict__ bu) {
+    pdl_enter();
+    gg_gate_up<true>(GgBf16{{G, U}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
 
 // Prefill hot lane, second half (and any grouped projection): y[r, :] = W_s . x[r, :] for row r
 // in a tile of slot s; W the cache [n_slots, N, K]; x [n_rows, K] (rows = null) or gathered
 // (row r is x[rows[r]], rows in 0..n_x_rows). `_bias`: + b[s], b per-slot biases [n_slots, N].
 // grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS.
-#define GG_GEMM_BF16(NAME, EPI)                                                                                  \
-    extern "C" __global__ __launch_bounds__(GG_THREADS) void NAME(                                               \
-        const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,     \
-        const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,  \
-        const float* __restrict__ b) {                                                                           \
-        pdl_enter();                                                                                             \
-        gg_gemm<EPI>(GgBf16{{W, W}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);        \
-    }
-GG_GEMM_BF16(grouped_gemm_bf16, false)
-GG_GEMM_BF16(grouped_gemm_bf16_bias, true)
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16(
+    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
+    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
+    const float* __restrict__ b) {
+    pdl_enter();
+    gg_gemm<false>(GgBf16{{W, W}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
+
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_bias(
+    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
+    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
+    const float* __restrict__ b) {
+    pdl_enter();
+    gg_gemm<true>(GgBf16{{W, W}, N, K}, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
 
 // ---- the same tiles, pipelined (sm_80+, K % 8 == 0, 16-byte aligned caches and x) ----
 // The synchronous kernels above load a k step's x and weight tiles, wait, multiply, and wait
@@ -556,36 +566,55 @@ __device__ __forceinline__ void gp_gemm(WL& wl, const float* __restrict__ x, con
 // grouped_gate_up_bf16 (and `_epi`), pipelined (same arguments and results). Dynamic shared
 // memory: GG_STAGES stages of x and the gate and up tiles. grid (n_tiles, ceil(N / GG_BN)),
 // block GG_THREADS.
-#define GP_GATE_UP_BF16(NAME, EPI)                                                                               \
-    extern "C" __global__ __launch_bounds__(GG_THREADS) void NAME(                                               \
-        const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,                     \
-        const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,      \
-        float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,                   \
-        const float* __restrict__ bu) {                                                                          \
-        pdl_enter();                                                                                             \
-        GpBf16Cache<2> wl = {{G, U}, N, K};                                                                      \
-        if (split)                                                                                               \
-            gp_gate_up<2, EPI>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);             \
-        else                                                                                                     \
-            gp_gate_up<1, EPI>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);             \
-    }
-GP_GATE_UP_BF16(grouped_gate_up_bf16_pipe, false)
-GP_GATE_UP_BF16(grouped_gate_up_bf16_pipe_epi, true)
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_pipe(
+    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,
+    const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+    float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
+    const float* __restrict__ bu) {
+    pdl_enter();
+    GpBf16Cache<2> wl = {{G, U}, N, K};
+    if (split)
+        gp_gate_up<2, false>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+    else
+        gp_gate_up<1, false>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+}
+
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_pipe_epi(
+    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,
+    const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+    float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
+    const float* __restrict__ bu) {
+    pdl_enter();
+    GpBf16Cache<2> wl = {{G, U}, N, K};
+    if (split)
+        gp_gate_up<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+    else
+        gp_gate_up<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+}
 
 // grouped_gemm_bf16 (and `_bias`), pipelined (same arguments and results). Dynamic shared
 // memory: GG_STAGES stages of x and the weight tile. grid (n_tiles, ceil(N / GG_BN)), block
 // GG_THREADS.
-#define GP_GEMM_BF16(NAME, EPI)                                                                                  \
-    extern "C" __global__ __launch_bounds__(GG_THREADS) void NAME(                                               \
-        const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,     \
-        const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,  \
-        const float* __restrict__ b) {                                                                           \
-        pdl_enter();                                                                                             \
-        GpBf16Cache<1> wl = {{W}, N, K};                                                                         \
-        if (split)                                                                                               \
-            gp_gemm<2, EPI>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);                          \
-        else                                                                                                     \
-            gp_gemm<1, EPI>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);                          \
-    }
-GP_GEMM_BF16(grouped_gemm_bf16_pipe, false)
-GP_GEMM_BF16(grouped_gemm_bf16_pipe_bias, true)
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_pipe(
+    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
+    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
+    const float* __restrict__ b) {
+    pdl_enter();
+    GpBf16Cache<1> wl = {{W}, N, K};
+    if (split)
+        gp_gemm<2, false>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+    else
+        gp_gemm<1, false>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+}
+
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_pipe_bias(
+    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
+    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
+    const float* __restrict__ b) {
+    pdl_enter();
+    GpBf16Cache<1> wl = {{W}, N, K};
+    if (split)
+        gp_gemm<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+    else
+        gp_gemm<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+}
