@@ -281,6 +281,21 @@ fn check_steps(
 
 /// Every mix and architecture through the GPU engine at hot caches none / half / all, each
 /// prompt prefilled then decoded; returns nothing, asserts `tolerance` on every row.
+/// The GPU engine refuses a file with IQ4_NL tensors, naming the tensor and the type.
+fn assert_iq4_nl_refused_by_the_gpu_engine(model: &Model) {
+    let err = moe_lanes::gpu::GpuModel::supports(model).unwrap_err().to_string();
+    assert!(err.contains("IQ4_NL") && err.contains("--engine pipeline"), "{err}");
+}
+
+#[test]
+fn the_gpu_engine_refuses_iq4_nl_files_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = Model::open(&quantized_tiny(dir.path(), "qwen3_moe", QuantMix::IQ4_NL)).unwrap();
+    assert_iq4_nl_refused_by_the_gpu_engine(&model);
+    let q5 = Model::open(&quantized_tiny(dir.path(), "qwen3_moe", QuantMix::Q5_0)).unwrap();
+    assert!(moe_lanes::gpu::GpuModel::supports(&q5).is_ok());
+}
+
 fn gpu_runs(prompts: &[&[u32]], n_decode: usize, tolerance: f64, activations: DecodeActivations) {
     if !common::gpu_usable() {
         return;
@@ -289,6 +304,12 @@ fn gpu_runs(prompts: &[&[u32]], n_decode: usize, tolerance: f64, activations: De
     for arch in ["qwen3_moe", "qwen2_moe"] {
         for mix in QuantMix::ALL {
             let model = Arc::new(Model::open(&quantized_tiny(dir.path(), arch, mix)).unwrap());
+            if mix == QuantMix::IQ4_NL {
+                // refused by name: its tensor-core prefill and 8-bit activations left the
+                // reference by 3-6e-2 on the H200 (session 27)
+                assert_iq4_nl_refused_by_the_gpu_engine(&model);
+                continue;
+            }
             let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
             for fraction in [0.0, 0.5, 1.0] {
                 let mut opts = options(Some(EngineKind::Gpu));

@@ -94,6 +94,10 @@ impl GpuModel {
         if cfg.head_dim % 2 == 1 {
             return Err(GpuError::OddHeadDim { head_dim: cfg.head_dim });
         }
+        let iq4_nl = crate::format::dtype::DType::IQ4_NL;
+        if let Some((tensor, ..)) = model.tensor_list().into_iter().find(|(_, d, ..)| *d == iq4_nl) {
+            return Err(GpuError::TensorType { tensor, dtype: iq4_nl.ggml_name() });
+        }
         if let Some((layer_idx, kind)) = model.plan().first_unsupported(super::mixer::runs_mixer) {
             return Err(GpuError::Mixer { layer_idx, kind });
         }
