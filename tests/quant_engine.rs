@@ -142,6 +142,16 @@ fn every_mix_runs_on_the_pipeline_within_tolerance_of_the_reference() {
 /// GPT-OSS, whose published GGUF keeps its experts in MXFP4: an `mxfp4_moe` file (experts
 /// MXFP4, with their biases; everything else Q8_0) runs on the pipeline within the f32 tolerance
 /// of the reference, and with 8-bit activations within theirs; greedy generation identical.
+/// The pipeline against the reference with f32 activations, then 8-bit ones, each within its
+/// tolerance: the two largest relative logits errors.
+fn pipeline_f32_and_q8_against_reference(model: &Arc<Model>, reference: &mut dyn Engine) -> (f64, f64) {
+    let (f32_error, _) =
+        pipeline_against_reference(model, reference, Some(DecodeActivations::F32), LOGITS_TOLERANCE);
+    let (q8_error, _) =
+        pipeline_against_reference(model, reference, Some(DecodeActivations::Q8), Q8_LOGITS_TOLERANCE);
+    (f32_error, q8_error)
+}
+
 #[test]
 fn gpt_oss_in_mxfp4_moe_runs_on_the_pipeline_like_the_reference() {
     let dir = tempfile::tempdir().unwrap();
@@ -150,18 +160,7 @@ fn gpt_oss_in_mxfp4_moe_runs_on_the_pipeline_like_the_reference() {
         model.tensor_list().iter().filter(|t| t.0.contains("_exps.weight")).map(|t| t.1).collect();
     assert!(!experts.is_empty() && experts.iter().all(|&t| t == DType::MXFP4), "{experts:?}");
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
-    let (f32_error, _) = pipeline_against_reference(
-        &model,
-        reference.as_mut(),
-        Some(DecodeActivations::F32),
-        LOGITS_TOLERANCE,
-    );
-    let (q8_error, _) = pipeline_against_reference(
-        &model,
-        reference.as_mut(),
-        Some(DecodeActivations::Q8),
-        Q8_LOGITS_TOLERANCE,
-    );
+    let (f32_error, q8_error) = pipeline_f32_and_q8_against_reference(&model, reference.as_mut());
     println!("gpt_oss mxfp4_moe: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e}");
 }
 
@@ -180,18 +179,7 @@ fn k_quant_fallbacks_to_q5_blocks_run_on_the_pipeline_like_the_reference() {
         assert_eq!(dtype_of("blk.1.ffn_down_exps.weight"), DType::Q8_0, "{mix}: Q6_K falls back to Q8_0");
         assert_eq!(dtype_of("blk.0.ffn_gate_exps.weight"), mix.default_type(), "{mix}: rows of 256");
         let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
-        let (f32_error, _) = pipeline_against_reference(
-            &model,
-            reference.as_mut(),
-            Some(DecodeActivations::F32),
-            LOGITS_TOLERANCE,
-        );
-        let (q8_error, _) = pipeline_against_reference(
-            &model,
-            reference.as_mut(),
-            Some(DecodeActivations::Q8),
-            Q8_LOGITS_TOLERANCE,
-        );
+        let (f32_error, q8_error) = pipeline_f32_and_q8_against_reference(&model, reference.as_mut());
         println!("{mix} with {fallback} fallbacks: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e}");
     }
 }

@@ -137,6 +137,7 @@ impl BatchRows {
         phase: Phase,
         n_layers: usize,
     ) -> Result<BatchRows, GpuError> {
+        let Some(first) = segs.first() else { return Err(ForwardError::EmptyInput.into()) };
         let t: usize = segs.iter().map(|s| s.n).sum();
         let mut ints: Vec<i32> = Vec::with_capacity(2 * t);
         for seg in segs {
@@ -153,7 +154,6 @@ impl BatchRows {
             ptrs.extend(segs.iter().flat_map(|s| std::iter::repeat_n(s.cache.k(l).raw(), s.n)));
             ptrs.extend(segs.iter().flat_map(|s| std::iter::repeat_n(s.cache.v(l).raw(), s.n)));
         }
-        let Some(first) = segs.first() else { return Err(ForwardError::EmptyInput.into()) };
         let kv_type = first.cache.kv_type();
         let (ints_buf, ptrs_buf) = match kept {
             Some(k) if k.ints.len() >= ints.len() && k.ptrs.len() >= ptrs.len() => (k.ints, k.ptrs),

@@ -117,7 +117,12 @@ impl MixerStage {
     /// shrinks).
     pub fn reserve_attention(&mut self, dev: &Device, t: usize, cache: &GpuKvCache) -> Result<(), GpuError> {
         let c = &dev.cfg;
-        let need = CudaBackend::attention_split_scratch(t, c.n_heads, c.head_dim, cache.capacity);
+        self.reserve_part(dev, CudaBackend::attention_split_scratch(t, c.n_heads, c.head_dim, cache.capacity))
+    }
+
+    /// The split attention's partials grown to `need` floats (a new allocation: the decode
+    /// graphs see its serial change and capture again).
+    fn reserve_part(&mut self, dev: &Device, need: usize) -> Result<(), GpuError> {
         if self.attn_part.as_ref().is_none_or(|b| b.len() < need) {
             self.attn_part = None; // free first
             self.attn_part = Some(dev.be.alloc_zeros::<f32>(need)?);
@@ -171,11 +176,10 @@ impl MixerStage {
         let (dev, l) = (cx.dev, cx.l);
         let c = &dev.cfg;
         let (nh, hd) = (c.n_heads, c.head_dim);
-        let need = CudaBackend::attention_split_scratch(rows.n_decode, nh, hd, rows.max_positions);
-        if self.attn_part.as_ref().is_none_or(|b| b.len() < need) {
-            self.attn_part = None; // free first
-            self.attn_part = Some(dev.be.alloc_zeros::<f32>(need)?);
-        }
+        self.reserve_part(
+            dev,
+            CudaBackend::attention_split_scratch(rows.n_decode, nh, hd, rows.max_positions),
+        )?;
         let part = self.attn_part.as_ref().expect("reserved").ptr();
         let window = dev.plan.layer(l).attention().window.unwrap_or(0);
         let sinks = dev.w.layers[l].attention().sinks.as_ref().map(|b| b.ptr());
