@@ -113,6 +113,56 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsi
 #endif
 }
 
+// mma_bf16_16816 with f16 inputs (same fragment layout; the fallback by FMAs likewise).
+__device__ __forceinline__ void mma_f16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int c = 0; c < 4; c++) {
+        int row = g + (c >= 2 ? 8 : 0), col = t * 2 + (c & 1);
+        float acc = 0.f;
+        for (int kk = 0; kk < 16; kk++) {
+            int al = ((row & 7) << 2) | ((kk & 7) >> 1);
+            unsigned aw = __shfl_sync(0xffffffffu, a[((kk >> 3) << 1) | (row >> 3)], al);
+            int bl = (col << 2) | ((kk & 7) >> 1);
+            unsigned bw = __shfl_sync(0xffffffffu, kk < 8 ? b0 : b1, bl);
+            unsigned short ah = (kk & 1) ? (aw >> 16) : (aw & 0xffffu);
+            unsigned short bh = (kk & 1) ? (bw >> 16) : (bw & 0xffffu);
+            acc += __half2float(__ushort_as_half(ah)) * __half2float(__ushort_as_half(bh));
+        }
+        d[c] += acc;
+    }
+#endif
+}
+
+// 16 bytes from global `src` to shared `dst` without waiting (cp.async, sm_80+; a plain copy
+// before); zeros when !valid, and `src` is then not read. cp_async_commit closes a group of them,
+// cp_async_wait<N> waits until at most N groups are in flight.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+#else
+    *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // The hot lane's gated product of one gate and one up value (after their biases): act 0 (SiLU)

@@ -358,6 +358,8 @@ fn attention_f16_cache_matches_cpu() {
         (32, 4, 128, 9000, 1),
         (8, 2, 128, 33000, 1),
         (4, 2, 64, 2100, 2),
+        (32, 4, 128, 5000, 40),
+        (8, 1, 64, 333, 77),
     ] {
         let total = pos0 + t;
         let kv_dim = n_kv * hd;
@@ -1698,6 +1700,48 @@ fn attention_split_decode_timing() {
                     if grouped { "grouped" } else { "per-head" }
                 );
             }
+        }
+    }
+}
+
+/// Tensor-core prefill attention at depth (not a test of speed: prints, for the lead's
+/// measurements): 512 query rows of 32 heads over 4 kv heads of 128 after 8192 and 32768 cached
+/// positions, per cache type, the mean of 10 launches after 2 warm-ups.
+#[test]
+#[ignore]
+fn attention_mma_prefill_depth_timing() {
+    use moe_lanes_kernels::cuda::ops::KvPtr;
+    let Some(be) = backend() else { return };
+    let (hd, n_kv, n_heads, t) = (128usize, 4usize, 32usize, 512usize);
+    let q = be.upload(&rnd(t * n_heads * hd, 41)).unwrap();
+    let out = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+    for depth in [0usize, 8192, 32768] {
+        let n = (depth + t) * n_kv * hd;
+        let (k32, v32) = (be.upload(&rnd(n, 42)).unwrap(), be.upload(&rnd(n, 43)).unwrap());
+        let bits = |x: Vec<f32>, f: fn(f32) -> u16| x.into_iter().map(f).collect::<Vec<u16>>();
+        let f16 = |x: f32| half::f16::from_f32(x).to_bits();
+        let bf16 = |x: f32| half::bf16::from_f32(x).to_bits();
+        let (k16, v16) = (be.upload(&bits(rnd(n, 42), f16)).unwrap(), be.upload(&bits(rnd(n, 43), f16)).unwrap());
+        let (kb, vb) = (be.upload(&bits(rnd(n, 42), bf16)).unwrap(), be.upload(&bits(rnd(n, 43), bf16)).unwrap());
+        let caches = [
+            ("f32", KvPtr::F32(k32.ptr()), KvPtr::F32(v32.ptr())),
+            ("f16", KvPtr::F16(k16.ptr()), KvPtr::F16(v16.ptr())),
+            ("bf16", KvPtr::Bf16(kb.ptr()), KvPtr::Bf16(vb.ptr())),
+        ];
+        for (name, kc, vc) in caches {
+            let launch = || be.attention_mma(q.ptr(), kc, vc, out.ptr(), t, depth, n_heads, n_kv, hd, 0).unwrap();
+            for _ in 0..2 {
+                launch();
+            }
+            be.synchronize().unwrap();
+            let start = std::time::Instant::now();
+            for _ in 0..10 {
+                launch();
+            }
+            be.synchronize().unwrap();
+            let us = start.elapsed().as_secs_f64() * 1e6 / 10.0;
+            let tflops = 4.0 * (t * n_heads * hd) as f64 * (depth + t / 2) as f64 / us / 1e6;
+            eprintln!("TIMING mma prefill attention depth {depth} {name} t {t} heads {n_heads}/{n_kv}: {us:.1} us, {tflops:.1} TFLOP/s");
         }
     }
 }

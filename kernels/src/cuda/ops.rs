@@ -1279,6 +1279,27 @@ impl CudaBackend {
             && g * n_kv == n_heads
     }
 
+    /// The tensor-core split kernel [`Self::attention_split`] runs instead of the CUDA-core ones,
+    /// if it takes the call: an f16 or bf16 cache (its values are the MMA's inputs as they are),
+    /// heads of a multiple of 16 dims up to [`ATTENTION_MMA_MAX_HEAD_DIM`], groups of at most
+    /// `16 x ATTENTION_MMA_WARPS` query heads (one block's rows), 16-byte aligned buffers.
+    fn attention_split_mma_takes(
+        &self,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+        (q, k, v): (DPtr<f32>, KvPtr, KvPtr),
+    ) -> Option<Kernel> {
+        let kn = match k {
+            KvPtr::F16(_) => Kernel::AttentionSplitMmaF16,
+            KvPtr::Bf16(_) => Kernel::AttentionSplitMmaBf16,
+            _ => return None,
+        };
+        let g = n_heads / n_kv.max(1);
+        let fits = g * n_kv == n_heads && g <= 16 * ATTENTION_MMA_WARPS as usize;
+        (fits && self.attention_mma_takes(head_dim, (q, k, v, q))).then_some(kn)
+    }
+
     /// Spans of the grouped kernel: as [`Self::attention_split_max_splits`] over blocks of
     /// [`ATTENTION_GQA_HEADS`] heads, aiming at [`ATTENTION_GQA_TARGET_BLOCKS`] blocks.
     fn attention_split_gqa_max_splits(n_tokens: usize, n_heads: usize, positions: usize) -> usize {
@@ -1325,9 +1346,11 @@ impl CudaBackend {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
         let (window, sinks) = mask.into().parts(Kernel::AttentionCombineF32, n_heads)?;
         let grouped = Self::attention_split_grouped(n_heads, n_kv, head_dim);
-        let kn = match grouped {
-            true => kv_kernel(Kernel::ATTENTION_SPLIT_GQA, k_cache),
-            false => kv_kernel(Kernel::ATTENTION_SPLIT, k_cache),
+        let mma = self.attention_split_mma_takes(n_heads, n_kv, head_dim, (q, k_cache, v_cache));
+        let kn = match (mma, grouped) {
+            (Some(kn), _) => kn,
+            (None, true) => kv_kernel(Kernel::ATTENTION_SPLIT_GQA, k_cache),
+            (None, false) => kv_kernel(Kernel::ATTENTION_SPLIT, k_cache),
         };
         // From device memory the position is unknown here: check (and size the grid) for the
         // most positions the call may see.
@@ -1338,20 +1361,23 @@ impl CudaBackend {
             need(kn, "pos", a.pos, 1)?;
         }
         let visible = if window > 0 { window.min(total) } else { total };
-        let (splits, grid_heads) = match grouped {
-            true => (
+        // the tensor-core kernel: a block per kv head's group, spans as the grouped kernel's
+        let (splits, grid_heads) = match (mma.is_some(), grouped) {
+            (true, _) => (Self::attention_split_gqa_max_splits(n_tokens, n_heads, visible), n_kv),
+            (false, true) => (
                 Self::attention_split_gqa_max_splits(n_tokens, n_heads, visible),
                 n_heads / ATTENTION_GQA_HEADS,
             ),
-            false => (Self::attention_split_max_splits(n_tokens, n_heads, visible), n_heads),
+            (false, false) => (Self::attention_split_max_splits(n_tokens, n_heads, visible), n_heads),
         };
         need(kn, "part", part, Self::attention_split_scratch(n_tokens, n_heads, head_dim, visible))?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let pos_ptr = at.map_or(0, |a| a.pos.raw());
+        let threads = if mma.is_some() { ATTENTION_MMA_THREADS } else { ATTENTION_SPLIT_THREADS };
         self.launch(
             kn,
             (grid_heads as u32, splits as u32, n_tokens as u32),
-            ATTENTION_SPLIT_THREADS,
+            threads,
             0,
             args![
                 q.raw(),
