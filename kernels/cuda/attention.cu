@@ -634,29 +634,46 @@ extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_spl
 // grid (n_heads, T), block 128.
 // Head h of the row whose partials are `pr` ([n_heads, max_splits, hd + 2]), at position pos, into
 // `out` (the row's [n_heads * hd]).
+// The spans' weights e^(m_s - M) are computed once per span into shared memory (a chunk of
+// ATT_COMBINE_CHUNK spans at a time), then each thread sums its dims over them, four spans'
+// loads in flight (a thread walking every span's m and l itself, serially, cost more than the
+// spans' scoring at 128 spans).
+#define ATT_COMBINE_CHUNK 256
 __device__ __forceinline__ void attention_combine_row(const float* __restrict__ pr, float* __restrict__ out, int h,
                                                       int n_heads, int hd, int max_splits, int pos, int window,
                                                       const float* __restrict__ sinks) {
+    __shared__ float wts[ATT_COMBINE_CHUNK];
     int first, n;
     att_row_range(pos, 0, window, &first, &n);
-    int per = att_split_span(n, max_splits);
-    int used = (n + per - 1) / per;
-    pr += (size_t)h * max_splits * (hd + 2);
-    float M = -INFINITY;
-    for (int s = 0; s < used; s++) M = fmaxf(M, pr[(size_t)s * (hd + 2) + hd]);
-    float L = 0.f;
-    for (int s = 0; s < used; s++) {
-        const float* ps = pr + (size_t)s * (hd + 2);
-        L += ps[hd + 1] * expf(ps[hd] - M);
-    }
-    float inv = att_finish(sinks, h, M, L);
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float a = 0.f;
-        for (int s = 0; s < used; s++) {
-            const float* ps = pr + (size_t)s * (hd + 2);
-            a += ps[i] * expf(ps[hd] - M);
+    const int per = att_split_span(n, max_splits), used = (n + per - 1) / per, stride = hd + 2;
+    pr += (size_t)h * max_splits * stride;
+    float mx = -INFINITY;
+    for (int s = threadIdx.x; s < used; s += blockDim.x) mx = fmaxf(mx, pr[(size_t)s * stride + hd]);
+    const float M = block_max(mx);
+    float lsum = 0.f, a[2] = {0.f, 0.f};  // dims threadIdx.x and + blockDim.x (hd <= 2 * blockDim.x)
+    for (int c0 = 0; c0 < used; c0 += ATT_COMBINE_CHUNK) {
+        const int cn = min(ATT_COMBINE_CHUNK, used - c0);
+        __syncthreads();  // the previous chunk's weights are read
+        for (int s = threadIdx.x; s < cn; s += blockDim.x) {
+            const float* ps = pr + (size_t)(c0 + s) * stride;
+            float w = expf(ps[hd] - M);
+            wts[s] = w;
+            lsum += ps[hd + 1] * w;
         }
-        out[(size_t)h * hd + i] = a * inv;
+        __syncthreads();
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            int i = threadIdx.x + k * blockDim.x;
+            if (i >= hd) break;
+            const float* col = pr + (size_t)c0 * stride + i;
+#pragma unroll 4
+            for (int s = 0; s < cn; s++) a[k] += col[(size_t)s * stride] * wts[s];
+        }
+    }
+    const float inv = att_finish(sinks, h, M, block_sum(lsum));
+    for (int k = 0; k < 2; k++) {
+        int i = threadIdx.x + k * blockDim.x;
+        if (i < hd) out[(size_t)h * hd + i] = a[k] * inv;
     }
 }
 extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
@@ -1139,8 +1156,10 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_q
 // flight while this one multiplies (the f32 kernel above converts as it stages and waits for every
 // load). Only the queries and the probabilities are split hi + lo, in the cache's type: S = Qhi K
 // + Qlo K and O += Phi V + Plo V, two MMAs a fragment instead of three, half the staged bytes and
-// ldmatrix loads. Accuracy: q and p keep 22 (f16) or 16 (bf16) significant bits, K and V are
-// exact, f32 accumulation. Same rows, blocks, grid and online softmax as attention_mma_tiles;
+// ldmatrix loads. Accuracy: q keeps 22 (f16) or 16 (bf16) significant bits, K and V are exact,
+// f32 accumulation; p (in [0, 1]) keeps 16 bits over bf16 and 11 over f16, where the prefill
+// drops p's lo MMA (PLO false: a quarter of the MMAs; each weight off by at most 2^-12 of itself,
+// the size of the f16 cache's own rounding of each value) and the decode keeps it. Same rows, blocks, grid and online softmax as attention_mma_tiles;
 // static shared 2 stages x (K + V) x AM_KEYS x (ATT_MMA_MAXD + 8) 16-bit values.
 
 // Positions k0.. k0 + AM_KEYS - 1 of kv head kvh into stage kt / vt (row stride ld), asynchronously;
@@ -1183,8 +1202,9 @@ __device__ __forceinline__ void am16_scores(float (*s)[4], const unsigned (*qh)[
     }
 }
 
-// o += p . V over the staged tile: p (s's layout) as A fragments hi + lo, V rows transposed.
-template <typename M, typename T>
+// o += p . V over the staged tile: p (s's layout) as A fragments hi (+ lo when PLO), V rows
+// transposed.
+template <typename M, bool PLO, typename T>
 __device__ __forceinline__ void am16_pv(float (*o)[4], const float (*p)[4], const T* vt, int ld, int hd) {
     int lane = threadIdx.x & 31;
     int off = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ld + 8 * (lane >> 4);
@@ -1201,14 +1221,14 @@ __device__ __forceinline__ void am16_pv(float (*o)[4], const float (*p)[4], cons
             unsigned b[4];
             am_ldsm4<true>(b, (const bf16*)(vt + kc * 16 * ld + dp * 16 + off));
             M::mma(o[2 * dp], ah, b[0], b[1]);
-            M::mma(o[2 * dp], al, b[0], b[1]);
+            if (PLO) M::mma(o[2 * dp], al, b[0], b[1]);
             M::mma(o[2 * dp + 1], ah, b[2], b[3]);
-            M::mma(o[2 * dp + 1], al, b[2], b[3]);
+            if (PLO) M::mma(o[2 * dp + 1], al, b[2], b[3]);
         }
     }
 }
 
-template <typename M, typename T>
+template <typename M, bool PLO, typename T>
 __device__ __forceinline__ void attention_mma16_tiles(const float* __restrict__ q, const T* __restrict__ kc,
                                                       const T* __restrict__ vc, float* __restrict__ out, int n_tokens,
                                                       int pos0, int n_heads, int n_kv, int hd, int window, float scale,
@@ -1240,7 +1260,7 @@ __device__ __forceinline__ void attention_mma16_tiles(const float* __restrict__ 
             float s[AM_N8][4];
             am16_scores<M>(s, qh, ql, kt, ld, hd);
             am_softmax(s, o, m, l, r.rpos, r.rfirst, k0, scale, hd);
-            am16_pv<M>(o, s, kt + AM_KEYS * ld, ld, hd);
+            am16_pv<M, PLO>(o, s, kt + AM_KEYS * ld, ld, hd);
         }
         __syncthreads();  // this stage is consumed before the next round's copies refill it
     }
@@ -1250,13 +1270,13 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f
     const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
     const float* __restrict__ sinks) {
     pdl_enter();
-    attention_mma16_tiles<AmF16>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
+    attention_mma16_tiles<AmF16, false>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
     const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
     const float* __restrict__ sinks) {
     pdl_enter();
-    attention_mma16_tiles<AmBf16>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
+    attention_mma16_tiles<AmBf16, true>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 
 // ---- split decode attention on tensor cores over a 16-bit cache ----
@@ -1304,7 +1324,7 @@ __device__ __forceinline__ void attention_split_mma_span(const float* __restrict
             float sc[AM_N8][4];
             am16_scores<M>(sc, qh, ql, kt, ld, hd);
             am_softmax(sc, o, m, l, rpos, rfirst, k0, scale, hd);
-            am16_pv<M>(o, sc, kt + AM_KEYS * ld, ld, hd);
+            am16_pv<M, true>(o, sc, kt + AM_KEYS * ld, ld, hd);
         }
         __syncthreads();
     }

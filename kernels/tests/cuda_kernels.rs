@@ -337,7 +337,8 @@ fn attention_cpu(
 }
 
 /// Every attention kernel over an f16 KV cache: against the CPU over the same f16 values
-/// (1e-5: the kernels widen each value to f32 exactly, so only the f32 summation differs), and
+/// (1e-5: the kernels widen each value to f32 exactly, so only the f32 summation differs; the
+/// tensor-core prefill 2.5e-4, as it rounds the softmax weights to f16 for p . V), and
 /// against the f32 cache's result within f16's rounding (2e-3 absolute on outputs of size ~1:
 /// each key and value rounded to 11 significant bits, relative 2^-12 = 2.4e-4; the measured
 /// worst case is printed). Long decode contexts take the split kernel's multi-chunk spans, also
@@ -439,7 +440,10 @@ fn attention_f16_cache_matches_cpu() {
             }
             for (kernel, got) in &outs {
                 let err = max_abs_diff(got, &want);
-                assert!(err < 1e-5, "{kernel} f16: {what}: {err} against the CPU over the f16 values");
+                // the tensor-core prefill rounds each softmax weight to f16 for p . V: at most
+                // 2^-12 of itself, so the output moves by at most 2^-12 x max |v| (values in -1..1)
+                let bound = if *kernel == "mma" { 2.5e-4 } else { 1e-5 };
+                assert!(err < bound, "{kernel} f16: {what}: {err} against the CPU over the f16 values");
                 let err32 = max_abs_diff(got, &want32);
                 assert!(err32 < 2e-3, "{kernel} f16: {what}: {err32} against the f32 cache's result");
                 worst_vs_f32 = worst_vs_f32.max(err32);
