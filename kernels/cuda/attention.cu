@@ -1357,3 +1357,17 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split
     attention_split_mma_span<AmBf16>(q + att_q_row(t, n_heads, hd), kc, vc, part + att_part_row(t, n_heads, hd, max_splits),
                                      att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
 }
+// A batched decode step's rows (att_batch_row), each over its own sequence's cache.
+// grid (n_kv, max_splits, launch rows), block 32 * ATT_MMA_WARPS.
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_rows_f16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_mma_span<AmF16>(r.q, (const __half*)r.kc, (const __half*)r.vc, r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_rows_bf16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_mma_span<AmBf16>(r.q, (const bf16*)r.kc, (const bf16*)r.vc, r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}

@@ -1298,9 +1298,16 @@ impl CudaBackend {
             KvPtr::Bf16(_) => Kernel::AttentionSplitMmaBf16,
             _ => return None,
         };
-        let g = n_heads / n_kv.max(1);
-        let fits = g * n_kv == n_heads && g <= 16 * ATTENTION_MMA_WARPS as usize;
+        let fits = Self::attention_split_mma_shape(n_heads, n_kv, head_dim);
         (fits && self.attention_mma_takes(head_dim, (q, k, v, q))).then_some(kn)
+    }
+
+    /// The tensor-core split kernel's shapes: heads [`Self::attention_mma_fits`] takes (but for
+    /// the device), groups of at most `16 x ATTENTION_MMA_WARPS` heads.
+    fn attention_split_mma_shape(n_heads: usize, n_kv: usize, head_dim: usize) -> bool {
+        let g = n_heads / n_kv.max(1);
+        let whole = head_dim > 0 && head_dim.is_multiple_of(16) && head_dim <= ATTENTION_MMA_MAX_HEAD_DIM;
+        whole && g * n_kv == n_heads && g <= 16 * ATTENTION_MMA_WARPS as usize
     }
 
     /// Spans of the grouped kernel: as [`Self::attention_split_max_splits`] over blocks of
@@ -1437,7 +1444,15 @@ impl CudaBackend {
         let (window, sinks) = mask.into().parts(Kernel::AttentionCombineRowsF32, n_heads)?;
         let grouped = Self::attention_split_grouped(n_heads, n_kv, head_dim);
         let family = if grouped { Kernel::ATTENTION_SPLIT_GQA_ROWS } else { Kernel::ATTENTION_SPLIT_ROWS };
-        let kn = family[kv_type_code(kv.kv_type)];
+        // the tensor-core kernel where it takes the shape (the caches' addresses are the
+        // sequences' layer rows: whole allocations apart by a multiple of 16 bytes)
+        let mma = match kv.kv_type {
+            KvType::F16 => Some(Kernel::AttentionSplitMmaRowsF16),
+            KvType::Bf16 => Some(Kernel::AttentionSplitMmaRowsBf16),
+            _ => None,
+        }
+        .filter(|_| self.info().has_sm80() && Self::attention_split_mma_shape(n_heads, n_kv, head_dim));
+        let kn = mma.unwrap_or(family[kv_type_code(kv.kv_type)]);
         kv.check(kn, &[head_dim])?;
         if n_kv == 0 || n_heads / n_kv * n_kv != n_heads || head_dim == 0 || head_dim > ATTENTION_MAX_HEAD_DIM
         {
@@ -1454,19 +1469,21 @@ impl CudaBackend {
             return Ok(());
         }
         let visible = if window > 0 { window.min(kv.max_positions) } else { kv.max_positions };
-        let (splits, grid_heads) = match grouped {
-            true => (
+        let (splits, grid_heads) = match (mma.is_some(), grouped) {
+            (true, _) => (Self::attention_split_gqa_max_splits(n_launch, n_heads, visible), n_kv),
+            (false, true) => (
                 Self::attention_split_gqa_max_splits(n_launch, n_heads, visible),
                 n_heads / ATTENTION_GQA_HEADS,
             ),
-            false => (Self::attention_split_max_splits(n_launch, n_heads, visible), n_heads),
+            (false, false) => (Self::attention_split_max_splits(n_launch, n_heads, visible), n_heads),
         };
         need(kn, "part", part, Self::attention_split_scratch(n_launch, n_heads, head_dim, visible))?;
         let scale = 1.0 / (head_dim as f32).sqrt();
+        let threads = if mma.is_some() { ATTENTION_MMA_THREADS } else { ATTENTION_SPLIT_THREADS };
         self.launch(
             kn,
             (grid_heads as u32, splits as u32, n_launch as u32),
-            ATTENTION_SPLIT_THREADS,
+            threads,
             0,
             args![
                 q.raw(),
