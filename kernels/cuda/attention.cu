@@ -631,49 +631,55 @@ extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_spl
 // Split attention, pass 2: out[t, h, :] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with
 // M = max_s m_s over the `used` spans of row t (computed as pass 1 does, from pos_ptr when
 // non-null), the head's sink logit joining the sum when sinks is non-null (att_finish).
-// grid (n_heads, T), block 128.
+// grid (n_heads, T, ceil(hd / ATT_COMBINE_DIMS)), block 128.
 // Head h of the row whose partials are `pr` ([n_heads, max_splits, hd + 2]), at position pos, into
 // `out` (the row's [n_heads * hd]).
-// The spans' weights e^(m_s - M) are computed once per span into shared memory (a chunk of
-// ATT_COMBINE_CHUNK spans at a time), then each thread sums its dims over them, four spans'
-// loads in flight (a thread walking every span's m and l itself, serially, cost more than the
-// spans' scoring at 128 spans).
+// Block z sums dims 32 z..32 z + 31 (lane = dim): the spans' weights e^(m_s - M) are computed
+// once per span into shared memory (ATT_COMBINE_CHUNK spans at a time), each warp sums its lane's
+// dim over every nw-th span, four spans' loads in flight, and warp 0 adds the warps' sums (a
+// block per head walking every span serially per dim left most SMs idle and was latency-bound).
+// Every block of a head finds the same M and L.
 #define ATT_COMBINE_CHUNK 256
+#if ATT_COMBINE_DIMS != 32
+#error "ATT_COMBINE_DIMS is a warp's lanes"
+#endif
 __device__ __forceinline__ void attention_combine_row(const float* __restrict__ pr, float* __restrict__ out, int h,
                                                       int n_heads, int hd, int max_splits, int pos, int window,
                                                       const float* __restrict__ sinks) {
     __shared__ float wts[ATT_COMBINE_CHUNK];
+    __shared__ float sums[32][ATT_COMBINE_DIMS];
     int first, n;
     att_row_range(pos, 0, window, &first, &n);
     const int per = att_split_span(n, max_splits), used = (n + per - 1) / per, stride = hd + 2;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int i = blockIdx.z * ATT_COMBINE_DIMS + lane;
     pr += (size_t)h * max_splits * stride;
     float mx = -INFINITY;
     for (int s = threadIdx.x; s < used; s += blockDim.x) mx = fmaxf(mx, pr[(size_t)s * stride + hd]);
     const float M = block_max(mx);
-    float lsum = 0.f, a[2] = {0.f, 0.f};  // dims threadIdx.x and + blockDim.x (hd <= 2 * blockDim.x)
+    float lsum = 0.f, a = 0.f;
     for (int c0 = 0; c0 < used; c0 += ATT_COMBINE_CHUNK) {
         const int cn = min(ATT_COMBINE_CHUNK, used - c0);
         __syncthreads();  // the previous chunk's weights are read
         for (int s = threadIdx.x; s < cn; s += blockDim.x) {
             const float* ps = pr + (size_t)(c0 + s) * stride;
-            float w = expf(ps[hd] - M);
-            wts[s] = w;
-            lsum += ps[hd + 1] * w;
+            float wt = expf(ps[hd] - M);
+            wts[s] = wt;
+            lsum += ps[hd + 1] * wt;
         }
         __syncthreads();
-#pragma unroll
-        for (int k = 0; k < 2; k++) {
-            int i = threadIdx.x + k * blockDim.x;
-            if (i >= hd) break;
+        if (i < hd) {
             const float* col = pr + (size_t)c0 * stride + i;
 #pragma unroll 4
-            for (int s = 0; s < cn; s++) a[k] += col[(size_t)s * stride] * wts[s];
+            for (int s = w; s < cn; s += nw) a += col[(size_t)s * stride] * wts[s];
         }
     }
-    const float inv = att_finish(sinks, h, M, block_sum(lsum));
-    for (int k = 0; k < 2; k++) {
-        int i = threadIdx.x + k * blockDim.x;
-        if (i < hd) out[(size_t)h * hd + i] = a[k] * inv;
+    sums[w][lane] = a;
+    const float inv = att_finish(sinks, h, M, block_sum(lsum));  // block_sum: a barrier after sums
+    if (w == 0 && i < hd) {
+        float t = 0.f;
+        for (int k = 0; k < nw; k++) t += sums[k][lane];
+        out[(size_t)h * hd + i] = t * inv;
     }
 }
 extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
@@ -686,7 +692,8 @@ extern "C" __global__ void attention_combine_f32(const float* __restrict__ part,
 }
 
 // Pass 2 of a batched decode step: launch row t's partials into the call's row rows[t] of out, at
-// that row's position pos[rows[t]]. grid (n_heads, launch rows), block 128.
+// that row's position pos[rows[t]]. grid (n_heads, launch rows, ceil(hd / ATT_COMBINE_DIMS)),
+// block 128.
 extern "C" __global__ void attention_combine_rows_f32(const float* __restrict__ part, float* __restrict__ out,
                                                       const int* __restrict__ rows, const int* __restrict__ pos,
                                                       int n_heads, int hd, int max_splits, int window,

@@ -49,6 +49,9 @@ pub const fn attention_tile_shared_bytes(head_dim: usize) -> usize {
 }
 /// Threads of a tiled prefill attention block.
 pub const ATTENTION_TILE_THREADS: u32 = 32 * (ATTENTION_TILE_ROWS as u32 / 4);
+/// Head dims one block of the split attention's combine sums (`-DATT_COMBINE_DIMS`, a lane's
+/// dim each): its grid has `head_dim / ATTENTION_COMBINE_DIMS` blocks (rounded up) a head.
+pub const ATTENTION_COMBINE_DIMS: usize = 32;
 /// Warps of a tensor-core prefill attention block (`-DATT_MMA_WARPS`), 16 query rows each.
 pub const ATTENTION_MMA_WARPS: u32 = 4;
 /// Key positions of one tensor-core attention tile (`-DATT_MMA_KEYS`), staged as bf16 hi + lo.
@@ -206,7 +209,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 29] = [
+pub const SHARED_DEFINE_NAMES: [&str; 30] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -236,6 +239,7 @@ pub const SHARED_DEFINE_NAMES: [&str; 29] = [
     "DELTA_CHUNK",
     "ROUTE_SIG_MAXE",
     "ROUTE_SIG_MAXG",
+    "ATT_COMBINE_DIMS",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -270,6 +274,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DDELTA_CHUNK={DELTA_CHUNK}"),
         format!("-DROUTE_SIG_MAXE={ROUTE_SIGMOID_MAX_EXPERTS}"),
         format!("-DROUTE_SIG_MAXG={ROUTE_SIGMOID_MAX_GROUPS}"),
+        format!("-DATT_COMBINE_DIMS={ATTENTION_COMBINE_DIMS}"),
     ]
 }
 

@@ -6,7 +6,7 @@
 
 use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::kernel::{
-    grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS,
+    grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_COMBINE_DIMS, ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS,
     ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS,
     ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS,
     GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
@@ -1406,7 +1406,7 @@ impl CudaBackend {
         )?;
         self.launch(
             Kernel::AttentionCombineF32,
-            (n_heads as u32, n_tokens as u32, 1),
+            (n_heads as u32, n_tokens as u32, head_dim.div_ceil(ATTENTION_COMBINE_DIMS) as u32),
             128,
             0,
             args![
@@ -1502,7 +1502,7 @@ impl CudaBackend {
         )?;
         self.launch(
             Kernel::AttentionCombineRowsF32,
-            (n_heads as u32, n_launch as u32, 1),
+            (n_heads as u32, n_launch as u32, head_dim.div_ceil(ATTENTION_COMBINE_DIMS) as u32),
             128,
             0,
             args![
