@@ -483,6 +483,7 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             sliding_window: None,
             sliding_window_layers: None,
             yarn: None,
+            rope_linear: None,
             clip_qkv: None,
             rotary_dims: 0,
             hybrid: None,
@@ -520,6 +521,7 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                 sliding_window: None,
                 sliding_window_layers: None,
                 yarn: None,
+                rope_linear: None,
                 clip_qkv: None,
                 rotary_dims: 0,
                 hybrid: Some(HybridConfig {
@@ -606,6 +608,7 @@ fn tiny_config(adapter: &Adapter) -> ModelConfig {
         sliding_window: None,
         sliding_window_layers: None,
         yarn: None,
+        rope_linear: None,
         clip_qkv: None,
         rotary_dims: 0,
         hybrid: None,
@@ -1119,6 +1122,10 @@ pub fn gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, adapter: &Adapter, dty
         if (y.attention_factor - default).abs() > 1e-6 {
             w.add_metadata(k("rope.scaling.attn_factor"), MetaValue::F32(y.attention_factor));
         }
+    }
+    if let Some(factor) = c.rope_linear {
+        w.add_metadata(k("rope.scaling.type"), MetaValue::String("linear".into()));
+        w.add_metadata(k("rope.scaling.factor"), MetaValue::F32(factor));
     }
     if let Some(h) = &c.hybrid {
         add_hybrid_metadata(w, c, h, arch);

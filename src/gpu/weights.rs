@@ -8,7 +8,7 @@
 use super::GpuError;
 use crate::format::dtype::DType;
 use crate::format::tensor::{TensorError, TensorRef};
-use crate::model::arch::{AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, Mixer, YarnSpec};
+use crate::model::arch::{AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, Mixer, RopeSpec};
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
 use crate::moe::expert_math::kernel_dtype;
@@ -335,20 +335,15 @@ fn upload_attention(
         k_norm: norm(up, LayerRole::KNorm)?,
         o_bias: opt_vec(up, LayerRole::OBias)?,
         sinks: opt_vec(up, LayerRole::Sinks)?,
-        rope_freqs: a.rope.yarn.map(|y| yarn_table(up.be, &y, a.rope.dims, a.rope.theta)).transpose()?,
+        rope_freqs: a.rope.needs_table().then(|| rope_table(up.be, &a.rope)).transpose()?,
     })
 }
 
-/// YaRN's inverse frequencies for a `dims`-wide rotation (the formula every engine reads,
-/// [`YarnSpec::inv_freq`]) on the device, with its attention factor.
-fn yarn_table(
-    be: &CudaBackend,
-    y: &YarnSpec,
-    dims: usize,
-    theta: f32,
-) -> Result<(DeviceBuffer<f64>, f32), GpuError> {
-    let freqs: Vec<f64> = (0..dims / 2).map(|i| y.inv_freq(i, dims, theta)).collect();
-    Ok((be.upload(&freqs)?, y.attention_factor))
+/// A RoPE's inverse frequencies (the formula every engine reads, [`RopeSpec::inv_freq`]: YaRN's,
+/// linear scaling's, a proportional RoPE's) on the device, with its attention factor.
+fn rope_table(be: &CudaBackend, rope: &RopeSpec) -> Result<(DeviceBuffer<f64>, f32), GpuError> {
+    let freqs: Vec<f64> = (0..rope.dims / 2).map(|i| rope.inv_freq(i)).collect();
+    Ok((be.upload(&freqs)?, rope.attention_factor() as f32))
 }
 
 fn upload_delta_net(
