@@ -72,16 +72,24 @@ fn pipeline_greedy_continuations_are_identical() {
     fixture_checks::check_pipeline_greedy(NAME, &HOT_FRACTIONS);
 }
 
-/// The GPU engine refuses Gemma 4 by name before any device is touched, so the default engine
-/// falls back to the CPU pipeline; the default engine (whatever the machine has) matches
-/// transformers.
+/// The GPU engine (per-layer head dims and KV heads, keys as values, the v norm, proportional
+/// RoPE, unscaled scores, sandwich norms, the output scalar, the scaled router with per-expert
+/// scales, per-branch norms, the dense GeGLU branch, tanh-GELU experts on both lanes, scaled
+/// embeddings and soft-capped logits) against transformers at hot fractions 0, 0.5 and 1: the
+/// prompt and a second chunk within 2e-3, greedy tokens identical (the decode graphs).
 #[test]
-fn the_gpu_engine_refuses_gemma4_by_name_and_the_default_engine_falls_back() {
+fn gpu_engine_matches_transformers() {
+    fixture_checks::check_gpu(NAME, &HOT_FRACTIONS);
+}
+
+/// The GPU engine takes Gemma 4's plan (checked before any device is touched); the default
+/// engine (the GPU engine where a GPU exists, the pipeline otherwise) matches transformers.
+#[test]
+fn the_gpu_engine_takes_gemma4_and_the_default_engine_matches_transformers() {
     use moe_lanes::engine::{build_engine, EngineOptions, HotBudget, HotChoice};
     use moe_lanes::phase::Phase;
     let (model, g) = open();
-    let err = moe_lanes::gpu::GpuModel::supports(&model).expect_err("refused").to_string();
-    assert!(err.contains("layer 0") || err.contains("layer 1"), "{err}");
+    moe_lanes::gpu::GpuModel::supports(&model).expect("the GPU engine runs Gemma 4");
     let mut opts = EngineOptions::new(128);
     opts.hot = HotChoice::Budget(HotBudget::Fraction(0.5));
     opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
@@ -93,7 +101,74 @@ fn the_gpu_engine_refuses_gemma4_by_name_and_the_default_engine_falls_back() {
     let mut cache = engine.new_cache(128).unwrap();
     let prefill = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().rows();
     let err = common::max_rel_err(&prefill, &g.logits);
-    assert!(err < fixture_checks::TOLERANCE, "{err}");
+    // the GPU engine's tolerance (issue 42: 2e-3); the pipeline meets 1e-3 above
+    assert!(err < 2.0 * fixture_checks::TOLERANCE, "{err}");
+}
+
+/// A KV cache position costs each attention layer's own K and V width: the global layers' one
+/// KV head of 32 beside the sliding layers' two of 16 (here the same 32 values), and in a synth
+/// file whose global layers are wider, the sum of the layers' own widths.
+#[test]
+fn kv_bytes_per_position_count_each_layers_own_width() {
+    use moe_lanes::model::context::kv_bytes_per_position;
+    let (model, _) = open();
+    let c = model.config();
+    let by_layer: u64 = (0..c.n_layers).map(|l| 2 * 4 * c.layer_kv_dim(l) as u64).sum();
+    assert_eq!(kv_bytes_per_position(c), by_layer);
+    let (_dir, synth) = synth_gemma4();
+    let c = synth.config();
+    let widths: Vec<usize> = (0..c.n_layers).map(|l| c.layer_kv_dim(l)).collect();
+    let by_layer: u64 = widths.iter().map(|&w| 2 * 4 * w as u64).sum();
+    assert_eq!(kv_bytes_per_position(c), by_layer, "{widths:?}");
+}
+
+/// The tiny synthetic Gemma 4 checkpoint (4 layers, BF16 safetensors: `synth` writes Gemma 4 as
+/// safetensors only) in a temporary directory.
+fn synth_gemma4() -> (tempfile::TempDir, Arc<Model>) {
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("g");
+    let opts = SynthOptions {
+        adapter: moe_lanes::arch::by_name("gemma4").unwrap(),
+        preset: Preset::Tiny,
+        dims: DimOverrides { n_layers: Some(4), ..Default::default() },
+        dtype: moe_lanes::dtype::DType::BF16,
+        seed: 11,
+        skew: Skew::Skewed,
+        format: SynthFormat::Safetensors,
+        out: out.clone(),
+        vocab_from: None,
+    };
+    synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    let model = Arc::new(Model::open(&out).unwrap());
+    (dir, model)
+}
+
+/// The GPU engine on the synthetic BF16 Gemma 4 file against the oracle within 3e-2 at every hot
+/// fraction: a prompt past the window in one prefill call, then decode token by token (the
+/// decode graphs). Skipped without a usable GPU.
+#[test]
+fn gpu_engine_on_a_synth_gemma4_file_matches_the_oracle() {
+    use moe_lanes::phase::Phase;
+    use moe_lanes::reference::{NoObserver, Reference};
+    if !common::gpu_usable() {
+        return;
+    }
+    let (_dir, model) = synth_gemma4();
+    let r = Reference::new(&model).unwrap();
+    let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7 + 3) % model.config().vocab as u32).collect();
+    let want = r.forward(&mut r.new_cache(), &tokens, &mut NoObserver).unwrap();
+    for hot in HOT_FRACTIONS {
+        let mut engine = fixture_checks::gpu_engine(&model, hot);
+        let mut cache = engine.new_cache(64).unwrap();
+        let mut got = engine.forward(&tokens[..30], Phase::Prefill, &mut cache).unwrap().rows();
+        for &t in &tokens[30..] {
+            got.extend(engine.forward(&[t], Phase::Decode, &mut cache).unwrap().rows());
+        }
+        let err = common::max_rel_err(&got, &want);
+        println!("synth gemma4 gpu hot {hot}: {err:.2e}");
+        assert!(err < 3e-2, "hot {hot}: {err}");
+    }
 }
 
 /// `synth --arch gemma4` (tiny, the published nested form under `model.language_model.`):

@@ -17,7 +17,7 @@ pub enum GpuError {
     HotSet(#[from] HotSetError),
     #[error(transparent)]
     Cold(crate::moe::cold::ColdError),
-    #[error("the experts' activation is {activation:?}; the GPU kernels implement SiLU only")]
+    #[error("the experts' activation is {activation:?}; the GPU kernels implement SiLU, GPT-OSS's clamped SwiGLU and the tanh GELU only")]
     Activation { activation: crate::model::arch::FfnActivation },
     #[error(
         "layer {layer_idx} is a {kind} layer, which the GPU engine does not run yet (use --engine pipeline)"

@@ -24,7 +24,13 @@ pub fn kv_bytes_per_position_of(c: &ModelConfig, kv: KvType) -> u64 {
     if let Some(m) = &c.mla {
         return c.n_layers as u64 * kv.bytes_of((m.kv_lora_rank + m.qk_rope_head_dim) as u64);
     }
-    2 * c.n_attention_layers() as u64 * kv.bytes_of(c.kv_dim() as u64)
+    // Each attention layer at its own width (Gemma 4's global layers have their own KV heads and
+    // head dim).
+    let per_layer = |l: usize| kv.bytes_of(c.layer_kv_dim(l) as u64);
+    match &c.hybrid {
+        Some(h) => 2 * h.full_attention_layers.iter().map(|&l| per_layer(l)).sum::<u64>(),
+        None => 2 * (0..c.n_layers).map(per_layer).sum::<u64>(),
+    }
 }
 
 /// Bytes of a session's fixed-size recurrent state (f32): per Gated DeltaNet layer the conv's

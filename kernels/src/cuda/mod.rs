@@ -18,6 +18,7 @@
 //! the device). [`PinnedBuffer`]s fence their own asynchronous copies, so those copies are safe.
 
 pub mod epilogue;
+mod gemma;
 mod gate;
 pub mod kernel;
 pub mod ops;
