@@ -408,14 +408,8 @@ pub(crate) fn qk_fusable(a: &AttentionSpec) -> bool {
 /// too), and Gated DeltaNet layers whose key heads fit the kernel's registers.
 pub(crate) fn runs_mixer(m: &Mixer) -> bool {
     match m {
-        // A proportional RoPE takes the frequency table YaRN's does (not both); an own score
-        // scale is folded into the per-head q norm (none without one); heads up to the attention
-        // kernels' widest.
-        Mixer::Attention(a) => {
-            !(a.rope.turning_pairs.is_some() && a.rope.yarn.is_some())
-                && (a.scale.is_none() || a.qk_norm == QkNorm::PerHead)
-                && a.head_dim <= ATTENTION_MAX_HEAD_DIM
-        }
+        // Every attention layer; what some cannot have is said by name (`unsupported_attention`).
+        Mixer::Attention(_) => true,
         // Latent attention (DeepSeek-V3) has no kernels here yet.
         Mixer::LatentAttention(_) => false,
         Mixer::GatedDeltaNet(d) => {
@@ -424,6 +418,23 @@ pub(crate) fn runs_mixer(m: &Mixer) -> bool {
                 && d.conv_kernel <= DELTA_MAX_CONV_KERNEL
         }
     }
+}
+
+/// What the GPU engine cannot run of an attention layer, by name: heads wider than the attention
+/// kernels take (Gemma 4 26B-A4B's global layers have 512), a proportional RoPE beside YaRN (both
+/// take the one frequency table), an own score scale without a per-head q norm to fold it into.
+pub(crate) fn unsupported_attention(l: usize, a: &AttentionSpec) -> Option<GpuError> {
+    let what = |what| Some(GpuError::AttentionKind { layer_idx: l, what });
+    if a.head_dim > ATTENTION_MAX_HEAD_DIM {
+        return Some(GpuError::WideHeads { layer_idx: l, head_dim: a.head_dim, max: ATTENTION_MAX_HEAD_DIM });
+    }
+    if a.rope.turning_pairs.is_some() && a.rope.yarn.is_some() {
+        return what("a proportional RoPE with YaRN");
+    }
+    if a.scale.is_some() && a.qk_norm != QkNorm::PerHead {
+        return what("an own attention score scale without a per-head q norm");
+    }
+    None
 }
 
 /// An attention layer's sizes (its own head dim and KV heads where the plan gives them: Gemma
@@ -470,5 +481,62 @@ pub(crate) fn delta_shape(d: &DeltaNetSpec) -> DeltaShape {
         v_head_dim: d.v_head_dim,
         conv_kernel: d.conv_kernel,
         tiled_v_heads: d.v_heads == VHeadOrder::Tiled,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::arch::RopeSpec;
+
+    /// Gemma 4's global layer as the fixture has it: heads of 32, one KV head, keys as values,
+    /// v norm, unscaled scores, proportional RoPE on 4 of 16 pairs.
+    fn gemma_global(head_dim: usize) -> AttentionSpec {
+        AttentionSpec {
+            head_dim,
+            n_kv_heads: 1,
+            qk_norm: QkNorm::PerHead,
+            qkv_bias: false,
+            rope: RopeSpec {
+                style: RopeStyle::HalfSplit,
+                theta: 1e6,
+                dims: head_dim,
+                yarn: None,
+                turning_pairs: Some(head_dim / 8),
+            },
+            window: None,
+            clip_qkv: None,
+            output_gate: false,
+            o_bias: false,
+            sinks: false,
+            values_from_keys: true,
+            v_norm: true,
+            scale: Some(1.0),
+        }
+    }
+
+    #[test]
+    fn gemma_attention_runs_and_what_cannot_is_refused_by_name() {
+        assert!(runs_mixer(&Mixer::Attention(gemma_global(32))));
+        assert!(unsupported_attention(1, &gemma_global(32)).is_none());
+        assert!(unsupported_attention(1, &gemma_global(ATTENTION_MAX_HEAD_DIM)).is_none());
+        // 26B-A4B's global heads of 512: wider than the attention kernels take
+        let e = unsupported_attention(5, &gemma_global(512)).expect("refused").to_string();
+        assert!(e.contains("layer 5") && e.contains("512") && e.contains("at most 256"), "{e}");
+        let unnormed = AttentionSpec { qk_norm: QkNorm::None, ..gemma_global(32) };
+        let e = unsupported_attention(3, &unnormed).expect("refused").to_string();
+        assert!(e.contains("layer 3") && e.contains("score scale"), "{e}");
+        let mut yarn = gemma_global(32);
+        yarn.rope.yarn = Some(crate::model::arch::YarnSpec {
+            factor: 4.0,
+            original_context: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: 1.0,
+        });
+        let e = unsupported_attention(1, &yarn).expect("refused").to_string();
+        assert!(e.contains("proportional RoPE with YaRN"), "{e}");
+        assert!(qk_fusable(&gemma_global(32)), "the decode graphs take Gemma's q/k norm + RoPE");
     }
 }

@@ -110,6 +110,10 @@ impl GpuModel {
         if let Some((layer_idx, kind)) = model.plan().first_unsupported(super::mixer::runs_mixer) {
             return Err(GpuError::Mixer { layer_idx, kind });
         }
+        let attention = model.plan().layers().iter().enumerate().filter_map(|(l, s)| Some((l, s.as_attention()?)));
+        if let Some(e) = attention.filter_map(|(l, a)| super::mixer::unsupported_attention(l, a)).next() {
+            return Err(e);
+        }
         // Sandwich norms and output scalars are applied around attention layers and MoE blocks
         // (Gemma 4); a DeltaNet mixer or a dense FFN layer with them has no architecture.
         let sandwich = |l: &crate::model::arch::LayerSpec| {
