@@ -17,10 +17,10 @@
 //! splits are empty and add exact zeros).
 
 use super::head::{embed_rows, head_kernels};
-use super::route::add_moe_output;
 use super::kv::GpuKvCache;
 use super::model::{GpuModel, GpuSeg};
 use super::options::GpuFaults;
+use super::route::add_moe_output;
 use super::stats::LayerRecord;
 use super::GpuError;
 use crate::cache::perf::PerfMode;

@@ -115,11 +115,8 @@ impl GpuKvCache {
     ) -> Result<Self, GpuError> {
         check_kv_blocks(plan, kv_type)?;
         let block = kv_type.block_len();
-        let elems: Vec<usize> = plan
-            .layers()
-            .iter()
-            .map(|l| l.as_attention().map_or(block, |a| capacity * a.kv_dim()))
-            .collect();
+        let elems: Vec<usize> =
+            plan.layers().iter().map(|l| l.as_attention().map_or(block, |a| capacity * a.kv_dim())).collect();
         let k = KvBufs::new(be, kv_type, &elems)?;
         let v = KvBufs::new(be, kv_type, &elems)?;
         let delta = plan

@@ -189,17 +189,7 @@ impl MixerStage {
         let sinks = dev.w.layers[l].attention().sinks.as_ref().map(|b| b.ptr());
         let (s, launch) = (dev.s(), (rows.decode_rows(), rows.n_decode));
         let mask = AttentionMask { window, sinks };
-        dev.be.attention_split_rows(
-            s.q.ptr(),
-            s.attn.ptr(),
-            part,
-            launch,
-            rows.kv(l),
-            nh,
-            nkv,
-            hd,
-            mask,
-        )?;
+        dev.be.attention_split_rows(s.q.ptr(), s.attn.ptr(), part, launch, rows.kv(l), nh, nkv, hd, mask)?;
         Ok(())
     }
 }
@@ -462,7 +452,8 @@ impl Heads {
 /// the most.
 fn split_scratch(dev: &Device, t: usize, positions: usize) -> usize {
     let layers = dev.plan.layers().iter().filter_map(|s| s.as_attention());
-    let need = |a: &AttentionSpec| CudaBackend::attention_split_scratch(t, dev.cfg.n_heads, a.head_dim, positions);
+    let need =
+        |a: &AttentionSpec| CudaBackend::attention_split_scratch(t, dev.cfg.n_heads, a.head_dim, positions);
     layers.map(need).max().unwrap_or(0)
 }
 

@@ -69,7 +69,8 @@ fn dequant_scratch(
     if most == 0 {
         return Ok(None);
     }
-    let widest_row = cfg.hidden.max(widest_attention(plan, cfg).0).max(cfg.expert_ff).max(cfg.shared_expert_ff);
+    let widest_row =
+        cfg.hidden.max(widest_attention(plan, cfg).0).max(cfg.expert_ff).max(cfg.shared_expert_ff);
     Ok(Some(be.alloc_zeros::<u16>(most.min(DEQUANT_SCRATCH_ELEMS.max(widest_row)))?))
 }
 
@@ -110,7 +111,8 @@ impl GpuModel {
         if let Some((layer_idx, kind)) = model.plan().first_unsupported(super::mixer::runs_mixer) {
             return Err(GpuError::Mixer { layer_idx, kind });
         }
-        let attention = model.plan().layers().iter().enumerate().filter_map(|(l, s)| Some((l, s.as_attention()?)));
+        let attention =
+            model.plan().layers().iter().enumerate().filter_map(|(l, s)| Some((l, s.as_attention()?)));
         if let Some(e) = attention.filter_map(|(l, a)| super::mixer::unsupported_attention(l, a)).next() {
             return Err(e);
         }
@@ -136,9 +138,14 @@ impl GpuModel {
             return Err(GpuError::Ffn { layer_idx, kind });
         }
         // Per-branch norms normalise the dense (shared) branch's output: they come with one.
-        let branch = |l: &crate::model::arch::LayerSpec| l.as_moe().is_some_and(|m| m.branch_norms && m.shared.is_none());
+        let branch = |l: &crate::model::arch::LayerSpec| {
+            l.as_moe().is_some_and(|m| m.branch_norms && m.shared.is_none())
+        };
         if let Some(layer_idx) = model.plan().layers().iter().position(branch) {
-            return Err(GpuError::Ffn { layer_idx, kind: "mixture of experts with branch norms but no dense branch" });
+            return Err(GpuError::Ffn {
+                layer_idx,
+                kind: "mixture of experts with branch norms but no dense branch",
+            });
         }
         Ok(())
     }

@@ -92,7 +92,11 @@ impl LayerExtras {
         let one = |x: &Vec<f32>| be.upload(x).map_err(GpuError::from);
         let three = |[a, b, c]: &[Vec<f32>; 3]| -> Result<_, GpuError> { Ok([one(a)?, one(b)?, one(c)?]) };
         Ok(LayerExtras {
-            post_norms: v.post_norms.as_ref().map(|[a, b]| Ok::<_, GpuError>([one(a)?, one(b)?])).transpose()?,
+            post_norms: v
+                .post_norms
+                .as_ref()
+                .map(|[a, b]| Ok::<_, GpuError>([one(a)?, one(b)?]))
+                .transpose()?,
             output_scale: v.output_scale,
             router_input_scale: v.router_input_scale.as_ref().map(one).transpose()?,
             router_expert_scale: v.router_expert_scale.as_ref().map(one).transpose()?,

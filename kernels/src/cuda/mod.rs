@@ -18,8 +18,8 @@
 //! the device). [`PinnedBuffer`]s fence their own asynchronous copies, so those copies are safe.
 
 pub mod epilogue;
-mod gemma;
 mod gate;
+mod gemma;
 pub mod kernel;
 pub mod ops;
 pub mod quant;
