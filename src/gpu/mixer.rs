@@ -229,11 +229,10 @@ fn qkv_projections(cx: &LayerCtx<'_>, [k_new, v_new]: [DPtr<f32>; 2]) -> Result<
     let h = c.hidden;
     let w = dev.w.layers[cx.l].attention();
     let Some(wv) = &w.v else {
-        // values from keys (Gemma 4's global layers): the raw k projection copied to the values
+        // values from keys (Gemma 4's global layers): the raw k projection is the values' source
         dev.linear(phase, s.normed.ptr(), w.q.view(), s.q.ptr(), t, qd, h, false)?;
         dev.linear(phase, s.normed.ptr(), w.k.view(), k_new, t, kvd, h, false)?;
-        be.copy(k_new.sub(0, t * kvd), v_new)?;
-        return qkv_ends(cx, [k_new, v_new], (nkv, hd, qd, kvd));
+        return qkv_ends(cx, [k_new, v_new], Some(k_new), (nkv, hd, qd, kvd));
     };
     let qkv = [w.q.view(), w.k.view(), wv.view()];
     let (y, n) = ([s.q.ptr(), k_new, v_new], [qd, kvd, kvd]);
@@ -254,22 +253,27 @@ fn qkv_projections(cx: &LayerCtx<'_>, [k_new, v_new]: [DPtr<f32>; 2]) -> Result<
         dev.linear(phase, s.normed.ptr(), w.k.view(), k_new, t, kvd, h, false)?;
         dev.linear(phase, s.normed.ptr(), wv.view(), v_new, t, kvd, h, false)?;
     }
-    qkv_ends(cx, [k_new, v_new], (nkv, hd, qd, kvd))
+    qkv_ends(cx, [k_new, v_new], None, (nkv, hd, qd, kvd))
 }
 
-/// After the q, k, v projections: the weightless v norm (`AttentionSpec::v_norm`), the output
-/// gate's projection, the biases.
+/// After the q, k, v projections: the values from `v_from` (the raw keys, `values_from_keys`;
+/// none: the v projection's rows in `v_new`) through the weightless v norm
+/// (`AttentionSpec::v_norm`, one launch writing `v_new`) or copied, the output gate's
+/// projection, the biases.
 fn qkv_ends(
     cx: &LayerCtx<'_>,
     [k_new, v_new]: [DPtr<f32>; 2],
+    v_from: Option<DPtr<f32>>,
     (nkv, hd, qd, kvd): (usize, usize, usize, usize),
 ) -> Result<(), GpuError> {
     let (dev, phase, t) = (cx.dev, cx.phase, cx.t);
     let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
     let (h, w) = (c.hidden, dev.w.layers[cx.l].attention());
-    if let Some(ones) = &w.v_norm {
-        let v = v_new.sub(0, t * kvd);
-        be.rmsnorm(v, ones.ptr(), v, t * nkv, hd, c.rms_eps)?;
+    let (src, v) = (v_from.unwrap_or(v_new).sub(0, t * kvd), v_new.sub(0, t * kvd));
+    match &w.v_norm {
+        Some(ones) => be.rmsnorm(src, ones.ptr(), v, t * nkv, hd, c.rms_eps)?,
+        None if v_from.is_some() => be.copy(src, v)?,
+        None => {}
     }
     if let Some(gate) = &w.q_gate {
         dev.linear(phase, s.normed.ptr(), gate.view(), s.gate.ptr(), t, qd, h, false)?;

@@ -429,22 +429,6 @@ fn proportional_freqs(turning: usize, dims: usize, theta: f32) -> Vec<f64> {
     (0..dims / 2).map(|i| if i < turning { freq(i) } else { 0.0 }).collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::proportional_freqs;
-
-    /// Gemma 4's global layers: heads of 32 turning 4 pairs at `theta^(-2i/32)`, the other 12 at
-    /// frequency 0 (they stay, as the reference's `apply_rope` leaves them).
-    #[test]
-    fn a_proportional_rope_turns_its_first_pairs_at_the_full_heads_frequencies() {
-        let f = proportional_freqs(4, 32, 1e6);
-        assert_eq!(f.len(), 16);
-        assert_eq!(f[0], 1.0);
-        assert!((f[3] - 1e6f64.powf(-6.0 / 32.0)).abs() < 1e-15, "{}", f[3]);
-        assert!(f[4..].iter().all(|&x| x == 0.0));
-    }
-}
-
 /// YaRN's inverse frequencies for a `dims`-wide rotation (the formula every engine reads,
 /// [`YarnSpec::inv_freq`]) on the device, with its attention factor.
 fn yarn_table(
@@ -508,4 +492,20 @@ fn upload_delta_net(
         norm: up.vec(req(LayerRole::DeltaNorm))?,
         out: up.mat(req(LayerRole::DeltaOut))?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::proportional_freqs;
+
+    /// Gemma 4's global layers: heads of 32 turning 4 pairs at `theta^(-2i/32)`, the other 12 at
+    /// frequency 0 (they stay, as the reference's `apply_rope` leaves them).
+    #[test]
+    fn a_proportional_rope_turns_its_first_pairs_at_the_full_heads_frequencies() {
+        let f = proportional_freqs(4, 32, 1e6);
+        assert_eq!(f.len(), 16);
+        assert_eq!(f[0], 1.0);
+        assert!((f[3] - 1e6f64.powf(-6.0 / 32.0)).abs() < 1e-15, "{}", f[3]);
+        assert!(f[4..].iter().all(|&x| x == 0.0));
+    }
 }
