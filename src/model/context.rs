@@ -192,6 +192,20 @@ mod tests {
         assert_eq!(resolve_context(&c, None, Some(room), KvType::F32), Ok(5));
     }
 
+    /// Gemma 4's global layers pay their own width: the fixture's config with its global layers
+    /// widened to 4 KV heads of 32 (the sliding ones keep 2 of 16), in f32 and q8_0's blocks.
+    #[test]
+    fn layers_of_their_own_width_pay_their_own_bytes() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4_a");
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let (mut c, _) = ModelConfig::from_hf_json(&serde_json::from_str(&text).unwrap(), &dir).unwrap();
+        let g = c.global_attention.as_mut().expect("gemma4 has global layers");
+        g.n_kv_heads = 4;
+        assert_eq!((c.layer_kv_dim(0), c.layer_kv_dim(1), c.n_layers), (32, 128, 4));
+        assert_eq!(kv_bytes_per_position(&c), 2 * 4 * (32 + 128 + 32 + 128));
+        assert_eq!(kv_bytes_per_position_of(&c, KvType::Q8_0), 2 * 34 * (1 + 4 + 1 + 4));
+    }
+
     #[test]
     fn meminfo_is_parsed() {
         let text = "MemTotal:       24000000 kB\nMemAvailable:   2048 kB\n";
