@@ -1166,7 +1166,14 @@ mod tests {
     fn rope_styles_agree_on_permuted_input() {
         let canonical: Vec<f32> = (0..8).map(|i| i as f32 * 0.37 - 1.0).collect();
         let mut half = canonical.clone();
-        let rope = |style| RopeSpec { style, theta: 10000.0, dims: 8, yarn: None, linear: None, turning_pairs: None };
+        let rope = |style| RopeSpec {
+            style,
+            theta: 10000.0,
+            dims: 8,
+            yarn: None,
+            linear: None,
+            turning_pairs: None,
+        };
         apply_rope(&mut half, 5, &rope(RopeStyle::HalfSplit));
         let mut inter: Vec<f32> =
             (0..8).map(|r| canonical[if r % 2 == 0 { r / 2 } else { 4 + r / 2 }]).collect();

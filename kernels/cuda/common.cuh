@@ -167,16 +167,22 @@ __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // The hot lane's gated product of one gate and one up value (after their biases): act 0 (SiLU)
 // silu(g) * u; act 1 GPT-OSS's clamped SwiGLU, g = min(g, 7), u = clamp(u, -7, 7),
-// (u + 1) * g * sigmoid(1.702 g) (the CPU's Activation::gated, same operations). `act` is uniform
-// over a launch (a kernel argument), so the branch costs no divergence.
+// (u + 1) * g * sigmoid(1.702 g) (the CPU's Activation::gated, same operations); act 2 (Gemma 4)
+// gelu_tanh(g) * u, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))). `act` is uniform over a
+// launch (a kernel argument), so the branch costs no divergence.
 #define GLU_SILU 0
 #define GLU_SWIGLU_OAI 1
+#define GLU_GELU_TANH 2
+__device__ __forceinline__ float gelu_tanh(float x) {
+    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
 __device__ __forceinline__ float glu(int act, float g, float u) {
     if (act == GLU_SWIGLU_OAI) {
         g = fminf(g, 7.f);
         u = fminf(fmaxf(u, -7.f), 7.f);
         return (u + 1.f) * (g / (1.f + expf(-1.702f * g)));
     }
+    if (act == GLU_GELU_TANH) return gelu_tanh(g) * u;
     return silu(g) * u;
 }
 

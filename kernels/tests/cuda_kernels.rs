@@ -1725,15 +1725,18 @@ fn attention_mma_prefill_depth_timing() {
         let bits = |x: Vec<f32>, f: fn(f32) -> u16| x.into_iter().map(f).collect::<Vec<u16>>();
         let f16 = |x: f32| half::f16::from_f32(x).to_bits();
         let bf16 = |x: f32| half::bf16::from_f32(x).to_bits();
-        let (k16, v16) = (be.upload(&bits(rnd(n, 42), f16)).unwrap(), be.upload(&bits(rnd(n, 43), f16)).unwrap());
-        let (kb, vb) = (be.upload(&bits(rnd(n, 42), bf16)).unwrap(), be.upload(&bits(rnd(n, 43), bf16)).unwrap());
+        let (k16, v16) =
+            (be.upload(&bits(rnd(n, 42), f16)).unwrap(), be.upload(&bits(rnd(n, 43), f16)).unwrap());
+        let (kb, vb) =
+            (be.upload(&bits(rnd(n, 42), bf16)).unwrap(), be.upload(&bits(rnd(n, 43), bf16)).unwrap());
         let caches = [
             ("f32", KvPtr::F32(k32.ptr()), KvPtr::F32(v32.ptr())),
             ("f16", KvPtr::F16(k16.ptr()), KvPtr::F16(v16.ptr())),
             ("bf16", KvPtr::Bf16(kb.ptr()), KvPtr::Bf16(vb.ptr())),
         ];
         for (name, kc, vc) in caches {
-            let launch = || be.attention_mma(q.ptr(), kc, vc, out.ptr(), t, depth, n_heads, n_kv, hd, 0).unwrap();
+            let launch =
+                || be.attention_mma(q.ptr(), kc, vc, out.ptr(), t, depth, n_heads, n_kv, hd, 0).unwrap();
             for _ in 0..2 {
                 launch();
             }
@@ -2372,4 +2375,41 @@ fn hot_worklist_grouped_sorts_entries_by_slot() {
     }
     // too many entries for the one block's shared memory: refused by name
     assert!(!CudaBackend::hot_worklist_grouped_fits(4096, 8, 128));
+}
+
+/// Gemma 4's small kernels (gemma.cu) against the CPU: the scalar scale, the soft cap
+/// `cap * tanh(x / cap)`, the per-expert scale on routed weights (an id out of range leaves its
+/// weight) and the dense GeGLU's `gelu_tanh(g) * u` (with SiLU through the same launcher); a
+/// soft cap that is not a positive number is refused before any launch.
+#[test]
+fn gemma_kernels_match_cpu() {
+    use moe_lanes_kernels::cuda::Glu;
+    use moe_lanes_kernels::weights::Activation;
+    let Some(be) = backend() else { return };
+    let n = 1000;
+    let x: Vec<f32> = rnd(n, 71).iter().map(|v| v * 12.0).collect();
+    let dx = be.upload(&x).unwrap();
+    be.scale(dx.ptr(), n, 8.0).unwrap();
+    let want: Vec<f32> = x.iter().map(|v| v * 8.0).collect();
+    assert_eq!(be.read_vec(dx.ptr()).unwrap(), want, "scale is one multiply");
+    let dx = be.upload(&x).unwrap();
+    be.softcap(dx.ptr(), n, 3.0).unwrap();
+    let want: Vec<f32> = x.iter().map(|v| 3.0 * (v / 3.0).tanh()).collect();
+    let err = max_abs_diff(&be.read_vec(dx.ptr()).unwrap(), &want);
+    assert!(err < 1e-6, "softcap: {err}");
+    assert!(be.softcap(dx.ptr(), n, 0.0).is_err() && be.softcap(dx.ptr(), n, f32::NAN).is_err());
+    let (ids, w, scale) = (vec![3i32, 0, 7, 9, -1], vec![0.5f32, 0.25, 0.125, 1.0, 2.0], rnd(8, 72));
+    let (di, dw, ds) = (be.upload(&ids).unwrap(), be.upload(&w).unwrap(), be.upload(&scale).unwrap());
+    be.route_expert_scale(di.ptr(), dw.ptr(), ds.ptr(), ids.len(), 8).unwrap();
+    let want = vec![0.5 * scale[3], 0.25 * scale[0], 0.125 * scale[7], 1.0, 2.0];
+    assert_eq!(be.read_vec(dw.ptr()).unwrap(), want);
+    let (g, u) = (rnd(n, 73).iter().map(|v| v * 6.0).collect::<Vec<f32>>(), rnd(n, 74));
+    let (dg, du, dout) = (be.upload(&g).unwrap(), be.upload(&u).unwrap(), be.alloc_zeros::<f32>(n).unwrap());
+    for (glu, act) in [(Glu::GeluTanh, Activation::GeluTanh), (Glu::Silu, Activation::Silu)] {
+        be.glu_mul(glu, dg.ptr(), du.ptr(), dout.ptr(), n).unwrap();
+        let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| act.apply(*g) * u).collect();
+        let err = max_abs_diff(&be.read_vec(dout.ptr()).unwrap(), &want);
+        eprintln!("glu_mul {glu:?}: max err {err:e}");
+        assert!(err < 1e-5, "{glu:?}: {err}");
+    }
 }

@@ -1,6 +1,7 @@
 //! The GPU KV cache: per layer, K and V as `[capacity, kv_dim]` in the cache's [`KvType`] (f16
 //! by default; f32, bf16 and q8_0 selectable, q8_0 as llama.cpp's blocks of 32 values, each
-//! `[capacity, kv_dim]` row whole blocks), allocated once. Keys and values are written converted
+//! `[capacity, kv_dim]` row whole blocks), allocated once; `kv_dim` is each layer's own (KV
+//! heads x head dim: Gemma 4's global layers differ from its sliding ones). Keys and values are written converted
 //! (after RoPE) and every attention kernel reads each type.
 
 use moe_lanes_kernels::cuda::ops::KvPtr;
@@ -97,8 +98,8 @@ pub struct GpuKvCache {
 /// (at engine build, before anything is uploaded, and again for each cache).
 pub(crate) fn check_kv_blocks(plan: &LayerPlan, kv_type: KvType) -> Result<(), GpuError> {
     let block = kv_type.block_len();
-    let head_dim = plan.layers().iter().find_map(|l| l.as_attention().map(|a| a.head_dim));
-    match head_dim.filter(|d| !d.is_multiple_of(block)) {
+    let mut head_dims = plan.layers().iter().filter_map(|l| l.as_attention().map(|a| a.head_dim));
+    match head_dims.find(|d| !d.is_multiple_of(block)) {
         Some(head_dim) => Err(GpuError::KvBlocks { kv_type, block, head_dim }),
         None => Ok(()),
     }
@@ -114,11 +115,8 @@ impl GpuKvCache {
     ) -> Result<Self, GpuError> {
         check_kv_blocks(plan, kv_type)?;
         let block = kv_type.block_len();
-        let elems: Vec<usize> = plan
-            .layers()
-            .iter()
-            .map(|l| if l.as_attention().is_some() { capacity * kv_dim } else { block })
-            .collect();
+        let elems: Vec<usize> =
+            plan.layers().iter().map(|l| l.as_attention().map_or(block, |a| capacity * a.kv_dim())).collect();
         let k = KvBufs::new(be, kv_type, &elems)?;
         let v = KvBufs::new(be, kv_type, &elems)?;
         let delta = plan
@@ -149,11 +147,11 @@ impl GpuKvCache {
         }
         Ok(())
     }
-    /// Layer `l`'s keys, `[capacity, kv_dim]`.
+    /// Layer `l`'s keys, `[capacity, kv_dim]` (the layer's own `kv_dim`).
     pub(crate) fn k(&self, l: usize) -> KvPtr {
         self.k.layer(l)
     }
-    /// Layer `l`'s values, `[capacity, kv_dim]`.
+    /// Layer `l`'s values, `[capacity, kv_dim]` (the layer's own `kv_dim`).
     pub(crate) fn v(&self, l: usize) -> KvPtr {
         self.v.layer(l)
     }

@@ -352,7 +352,9 @@ impl<'a> HfFields<'a> {
         let f = HfFields { path: self.path, value: scaling };
         match f.opt_f64("factor")? {
             Some(factor) if factor >= 1.0 && factor.is_finite() => Ok(Some(factor as f32)),
-            other => Err(self.invalid(field, format!("linear RoPE scaling needs a 'factor' >= 1, not {other:?}"))),
+            other => {
+                Err(self.invalid(field, format!("linear RoPE scaling needs a 'factor' >= 1, not {other:?}")))
+            }
         }
     }
 

@@ -129,11 +129,12 @@ pub enum Family {
     GroupedGemm,
     Quant,
     DeltaNet,
+    Gemma,
 }
 
 impl Family {
     /// Every family, in compile order.
-    pub const ALL: [Family; 10] = [
+    pub const ALL: [Family; 11] = [
         Family::Gemv,
         Family::NormRope,
         Family::Elementwise,
@@ -144,6 +145,7 @@ impl Family {
         Family::GroupedGemm,
         Family::Quant,
         Family::DeltaNet,
+        Family::Gemma,
     ];
 
     /// The file under `kernels/cuda/`.
@@ -159,6 +161,7 @@ impl Family {
             Family::GroupedGemm => "grouped_gemm.cu",
             Family::Quant => "quant.cu",
             Family::DeltaNet => "delta_net.cu",
+            Family::Gemma => "gemma.cu",
         }
     }
 
@@ -175,6 +178,7 @@ impl Family {
             Family::GroupedGemm => include_str!("../../cuda/grouped_gemm.cu"),
             Family::Quant => include_str!("../../cuda/quant.cu"),
             Family::DeltaNet => include_str!("../../cuda/delta_net.cu"),
+            Family::Gemma => include_str!("../../cuda/gemma.cu"),
         }
     }
 
@@ -400,6 +404,10 @@ pub enum Kernel {
     AttentionCombineRowsF32,
     QkNormRopeRowsF32,
     HotWorklistGrouped,
+    ScaleF32,
+    SoftcapF32,
+    RouteExpertScaleF32,
+    GluMulF32,
 }
 
 impl Kernel {
@@ -442,7 +450,7 @@ impl Kernel {
         Kernel::AttentionSplitGqaRowsBf16,
         Kernel::AttentionSplitGqaRowsQ8_0,
     ];
-    pub const ALL: [Kernel; 119] = [
+    pub const ALL: [Kernel; 123] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -562,6 +570,10 @@ impl Kernel {
         Kernel::AttentionCombineRowsF32,
         Kernel::QkNormRopeRowsF32,
         Kernel::HotWorklistGrouped,
+        Kernel::ScaleF32,
+        Kernel::SoftcapF32,
+        Kernel::RouteExpertScaleF32,
+        Kernel::GluMulF32,
     ];
 
     /// The `extern "C"` symbol.
@@ -686,6 +698,10 @@ impl Kernel {
             Kernel::AttentionCombineRowsF32 => "attention_combine_rows_f32",
             Kernel::QkNormRopeRowsF32 => "qk_norm_rope_rows_f32",
             Kernel::HotWorklistGrouped => "hot_worklist_grouped",
+            Kernel::ScaleF32 => "scale_f32",
+            Kernel::SoftcapF32 => "softcap_f32",
+            Kernel::RouteExpertScaleF32 => "route_expert_scale_f32",
+            Kernel::GluMulF32 => "glu_mul_f32",
         }
     }
 
@@ -811,6 +827,9 @@ impl Kernel {
             Kernel::AttentionCombineRowsF32 => Family::Attention,
             Kernel::QkNormRopeRowsF32 => Family::NormRope,
             Kernel::HotWorklistGrouped => Family::Moe,
+            Kernel::ScaleF32 | Kernel::SoftcapF32 | Kernel::RouteExpertScaleF32 | Kernel::GluMulF32 => {
+                Family::Gemma
+            }
         }
     }
 }
