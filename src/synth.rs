@@ -463,7 +463,6 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
     match preset {
         Preset::Tiny => tiny_config(adapter),
         Preset::Qwen3_30bA3b => ModelConfig {
-            arch: adapter.arch,
             n_layers: 48,
             hidden: 2048,
             n_heads: 32,
@@ -474,29 +473,9 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             n_experts_used: 8,
             expert_ff: 768,
             shared_expert_ff: if adapter.shared_expert { 768 } else { 0 },
-            rms_eps: 1e-6,
             rope_theta: 1_000_000.0,
-            rope_style: adapter.rope_style,
-            norm_topk_prob: adapter.gguf_default_norm_topk,
-            tied_embeddings: false,
             max_positions: 40_960,
-            sliding_window: None,
-            sliding_window_layers: None,
-            yarn: None,
-            rope_linear: None,
-            clip_qkv: None,
-            rotary_dims: 0,
-            hybrid: None,
-            zero_centred_norms: false,
-            mtp_layers: 0,
-            mla: None,
-            dense_layers: None,
-            sigmoid_routing: None,
-            qk_norm: false,
-            attention_bias: false,
-            global_attention: None,
-            embedding_scale: None,
-            final_logit_softcap: None,
+            ..preset_config(adapter, Preset::Tiny)
         },
         Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b => {
             let next = preset == Preset::Qwen3Next80bA3b;
