@@ -48,7 +48,8 @@ check() {  # FILE LABEL
     "$LLAMA/llama-argmax" "$file" 0 "$TOKENS" "$OUT/$label.llama.f32" > "$OUT/$label.llama.json" \
         2> "$OUT/$label.llama.log" || { echo "$label: llama.cpp FAILED"; tail -5 "$OUT/$label.llama.log"; return; }
     local engines=(reference pipeline)
-    # the GPU engine where there is one (a kind it does not run is refused by name, and said)
+    # the GPU engine where there is one (GLM, GPT-OSS, DeepSeek's / Kimi's latent attention; a
+    # kind it does not run is refused by name, and said)
     if [ "${GPU:-0}" = 1 ]; then engines+=(gpu); fi
     for engine in "${engines[@]}"; do
         local hot=()

@@ -3,8 +3,8 @@
 //! 8-wide parts, interleaved, YaRN with `mscale_all_dim`), a dense first layer, sigmoid routing
 //! with a selection bias over 4 groups of which 2 are kept, `routed_scaling_factor` 2.5, an
 //! ungated shared expert. The oracle and the CPU pipeline at hot fractions 0, 0.5 and 1: prefill,
-//! a second chunk on the same session, decode token by token, greedy tokens; the GPU engine
-//! refuses the new kinds by name and the default engine falls back to the pipeline.
+//! a second chunk on the same session, decode token by token, greedy tokens; the GPU engine at
+//! hot fractions 0, 0.5 and 1 within the GPU tolerance (2e-3), greedy tokens identical.
 
 mod common;
 mod fixture_checks;
@@ -92,13 +92,13 @@ fn a_hot_set_in_the_dense_layer_is_refused() {
     assert!(err.contains("layer 0") && err.contains("dense"), "{err}");
 }
 
-/// The GPU engine refuses latent attention by name before it touches a device; the default
-/// engine falls back to the pipeline (with a byte budget, the dense layer gets no experts).
+/// The GPU engine takes the plan (latent attention, the dense first layer, sigmoid routing):
+/// `supports` says so without a device; the default engine is the GPU engine where a GPU exists
+/// (else the pipeline) and matches transformers at a 50% byte budget.
 #[test]
-fn gpu_refuses_by_name_and_the_default_engine_falls_back() {
+fn the_gpu_engine_takes_the_plan_and_the_default_engine_matches() {
     let (model, g) = open();
-    let err = moe_lanes::gpu::GpuModel::supports(&model).unwrap_err().to_string();
-    assert!(err.contains("latent attention"), "{err}");
+    moe_lanes::gpu::GpuModel::supports(&model).unwrap();
     let mut opts = EngineOptions::new(128);
     opts.hot = HotChoice::Budget(moe_lanes::engine::HotBudget::Fraction(0.5));
     opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
@@ -106,11 +106,73 @@ fn gpu_refuses_by_name_and_the_default_engine_falls_back() {
         opts.cuda = moe_lanes::env::cuda_config().unwrap();
     }
     let (mut engine, report) = build_engine(&model, opts).unwrap();
-    assert_eq!(report.kind, EngineKind::Pipeline);
+    let want = if gpu_usable() { EngineKind::Gpu } else { EngineKind::Pipeline };
+    assert_eq!(report.kind, want);
     let mut cache = engine.new_cache(128).unwrap();
     let prefill = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().rows();
     let err = max_rel_err(&prefill, &g.logits);
-    assert!(err < TOLERANCE, "{err}");
+    // The GPU engine's tolerance (issue 42: 2e-3); the pipeline meets 1e-3 above.
+    assert!(err < fixture_checks::GPU_TOLERANCE, "{err}");
+}
+
+/// The GPU engine (latent attention in the absorbed form, prefill and decode graphs; the dense
+/// first layer; sigmoid routing) against transformers at hot fractions 0, 0.5 and 1: prefill, a
+/// second chunk, greedy tokens identical.
+#[test]
+fn gpu_engine_matches_transformers() {
+    fixture_checks::check_gpu(NAME, &HOT_FRACTIONS);
+}
+
+/// The GPU engine on the quantized synthetic DeepSeek (`synth --quant q4_k_m` at the preset's
+/// latent sizes: rank 512, rope 64, nope 128; `attn_k_b` Q8_0 and `attn_v_b` Q4_K, which the GPU
+/// dequantizes to bf16 at upload): prefill and decode follow the oracle on the same file, at
+/// hot 0.5 and 1 (decode graphs).
+#[test]
+fn gpu_engine_on_quantized_deepseek_follows_the_oracle() {
+    use moe_lanes::synth::{write_synthetic_quantized, Preset, SynthFormat};
+    if !gpu_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut q = synth_options("deepseek_v3", SynthFormat::Gguf, dir.path().join("q4.gguf"), 3);
+    q.preset = "deepseek-v3".parse::<Preset>().unwrap();
+    q.dims = moe_lanes::synth::DimOverrides {
+        n_layers: Some(5), // the preset's 3 dense layers, then 2 with experts
+        hidden: Some(256),
+        n_heads: Some(4),
+        n_experts: Some(16),
+        n_experts_used: Some(4),
+        expert_ff: Some(256),
+        shared_expert_ff: Some(256),
+        vocab: Some(1024),
+        ..Default::default()
+    };
+    write_synthetic_quantized(&q, moe_lanes::quantize::QuantMix::Q4_K_M, &mut |_, _| {}).unwrap();
+    let model = Arc::new(Model::open(&q.out).unwrap());
+    moe_lanes::gpu::GpuModel::supports(&model).unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 53 + 7) % 1000).collect();
+    let r = Reference::new(&model).unwrap();
+    // hot 0.5: the cold lane on every layer with experts; 1: all hot, decode through the graphs
+    for hot in [0.5, 1.0] {
+        let mut rc = r.new_cache();
+        let want = r.forward(&mut rc, &prompt, &mut NoObserver).unwrap();
+        let mut engine = fixture_checks::gpu_engine(&model, hot);
+        let mut cache = engine.new_cache(128).unwrap();
+        let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap().rows();
+        let err = max_rel_err(&got, &want);
+        println!("q4_k_m deepseek gpu hot {hot} prefill vs oracle {err:.2e}");
+        // bf16 activations and k_b / v_b rounded to bf16 against the oracle's f32 on the blocks.
+        assert!(err < 3e-2, "q4_k_m hot {hot}: gpu prefill vs oracle {err}");
+        let mut next = moe_lanes::reference::argmax(want.last().unwrap());
+        for step in 0..4 {
+            let want = r.forward(&mut rc, &[next], &mut NoObserver).unwrap();
+            let got = engine.forward(&[next], Phase::Decode, &mut cache).unwrap().rows();
+            let err = max_rel_err(&got, &want);
+            println!("q4_k_m deepseek gpu hot {hot} decode {step} vs oracle {err:.2e}");
+            assert!(err < 3e-2, "q4_k_m hot {hot} decode {step}: {err}");
+            next = moe_lanes::reference::argmax(&want[0]);
+        }
+    }
 }
 
 /// `synth --arch deepseek_v3` (tiny: a dense first layer, 4 groups of 2 experts): both formats
@@ -270,6 +332,13 @@ mod rope_scaling {
     #[test]
     fn reference_matches_transformers_prefill_second_chunk_and_greedy() {
         fixture_checks::check_reference(NAME_B);
+    }
+
+    /// Kimi-style (no low-rank q: a plain `q`) on the GPU engine at every hot fraction.
+    #[test]
+    fn gpu_engine_matches_transformers() {
+        moe_lanes::gpu::GpuModel::supports(&fixture_checks::open(NAME_B).0).unwrap();
+        fixture_checks::check_gpu(NAME_B, &HOT_FRACTIONS);
     }
 
     #[test]
