@@ -237,8 +237,10 @@ pub fn rebuild_gguf(
             w.add_metadata(key.clone(), v);
         }
     }
+    // round to nearest even (no NaN in a model's weights)
     let bf16 = |v: &[f32]| -> Vec<u8> {
-        v.iter().flat_map(|x| half::bf16::from_f32(*x).to_bits().to_le_bytes()).collect()
+        let round = |b: u32| ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+        v.iter().flat_map(|x| round(x.to_bits()).to_le_bytes()).collect()
     };
     let mut data: Vec<Vec<u8>> = Vec::new();
     for info in file.tensor_infos() {
