@@ -31,7 +31,9 @@ pub(crate) fn mla_shape(m: &LatentAttentionSpec) -> MlaShape {
 }
 
 /// Floats of split-attention partials a call of `t` rows over a cache of `capacity` positions
-/// needs for the plan's latent layers (`specs`); 0 without any.
+/// needs for the plan's latent layers (`specs`); 0 without any. Every chunk size up to the
+/// call's is counted: a shorter chunk (a prompt's last) may take more spans a row, and more
+/// partials in all, than a full one where the heads' blocks do not divide the split target.
 pub(crate) fn latent_part_floats<'a>(
     specs: impl Iterator<Item = &'a LatentAttentionSpec>,
     t: usize,
@@ -39,7 +41,10 @@ pub(crate) fn latent_part_floats<'a>(
 ) -> usize {
     let rows = t.min(MLA_ATTENTION_ROWS);
     specs
-        .map(|m| CudaBackend::mla_attention_scratch(rows, m.n_heads, m.kv_lora_rank, capacity + rows))
+        .flat_map(|m| {
+            (1..=rows)
+                .map(|n| CudaBackend::mla_attention_scratch(n, m.n_heads, m.kv_lora_rank, capacity + rows))
+        })
         .max()
         .unwrap_or(0)
 }
@@ -162,5 +167,21 @@ mod tests {
         assert!(long * 4 <= 20 << 20, "{long} floats");
         assert_eq!(decode, CudaBackend::mla_attention_scratch(1, 128, 512, 4097));
         assert_eq!(latent_part_floats(std::iter::empty(), 8, 4096), 0);
+    }
+
+    /// A prompt's last, shorter chunk fits the partials reserved for the call: with 24 heads (3
+    /// blocks of 8, which do not divide the split target) one row takes 341 spans where each of
+    /// 64 rows takes 5.
+    #[test]
+    fn the_partials_cover_a_shorter_last_chunk() {
+        let m = LatentAttentionSpec { n_heads: 24, ..spec(512, 64) };
+        let reserved = latent_part_floats([&m].into_iter(), 100, 16384);
+        for n in 1..=MLA_ATTENTION_ROWS {
+            let need = CudaBackend::mla_attention_scratch(n, 24, 512, 16384 + MLA_ATTENTION_ROWS);
+            assert!(need <= reserved, "a chunk of {n} rows needs {need} floats, {reserved} reserved");
+        }
+        let full =
+            CudaBackend::mla_attention_scratch(MLA_ATTENTION_ROWS, 24, 512, 16384 + MLA_ATTENTION_ROWS);
+        assert!(reserved > full, "the last chunk's need is past a full chunk's here");
     }
 }
