@@ -174,37 +174,39 @@ fn gpu_engine_on_quantized_deepseek_follows_the_oracle() {
 /// the Q4_K_M file, 3.7e-1 against llama.cpp on the F32 one) with nothing on the GPU: the oracle
 /// itself moves that far when only `k_b` / `v_b` are rounded to bf16 as the GPU holds them, at
 /// the rows where DeepSeek's group choice (8 groups, 4 kept) is a near tie; every other row
-/// stays within 3e-3. The margin now sees group ties (`choice_margin`), so the GPU tests leave
-/// those rows out.
+/// stays within 3e-3 (and the F32 file's matrices in bf16 move it by about 5e-3). The margin now
+/// sees group ties (`choice_margin`), so the GPU tests leave those rows out. Every case of the
+/// GPU test opens and runs on the oracle here.
 #[test]
 fn bf16_k_b_moves_the_preset_only_where_the_group_choice_is_a_near_tie() {
     let dir = tempfile::tempdir().unwrap();
     let prompt = preset_gpu::prompt();
     let run = |p: &std::path::Path| {
         let model = Arc::new(Model::open(p).unwrap());
+        moe_lanes::gpu::GpuModel::supports(&model).unwrap();
         let r = Reference::new(&model).unwrap();
         let mut ties = preset_gpu::NearTies::default();
         let rows = r.forward(&mut r.new_cache(), &prompt, &mut ties).unwrap();
         (rows, ties.0)
     };
-    // every case's pair of files opens (the GPU test's cases, checked here without a GPU)
     for case in &preset_gpu::CASES {
         let (file, rounded) = preset_gpu::files(dir.path(), case);
-        let ((exact, ties), (near, ties_rounded)) = (run(&file), run(&rounded));
+        let (exact, ties) = run(&file);
+        println!("{}: rows {ties:?} near ties", case.name);
+        if !matches!(case.name, "f32" | "q4_k_m") {
+            continue; // the file holds what the GPU holds
+        }
+        let (near, ties_rounded) = run(&rounded);
         let all = max_rel_err(&near, &exact);
         let ties: std::collections::BTreeSet<usize> = ties.union(&ties_rounded).copied().collect();
         let mut rest = 0f32;
         for (i, (a, b)) in near.iter().zip(&exact).enumerate().filter(|(i, _)| !ties.contains(i)) {
             let err = max_rel_err(std::slice::from_ref(a), std::slice::from_ref(b));
             rest = rest.max(err);
-            if case.make == preset_gpu::Make::Q4KM {
-                assert!(err < 3e-3, "row {i} (no near tie) moved by {err}");
-            }
+            let bound = if case.name == "q4_k_m" { 3e-3 } else { 1e-2 };
+            assert!(err < bound, "{}: row {i} (no near tie) moved by {err}", case.name);
         }
-        println!(
-            "{}: the GPU's weights move every row {all:.2e}; rows {ties:?} near ties; the rest {rest:.2e}",
-            case.name
-        );
+        println!("{}: the GPU's weights move every row {all:.2e}, the rest {rest:.2e}", case.name);
     }
 }
 
@@ -269,8 +271,13 @@ mod preset_gpu {
         Case { name: "bf16 rank 32", make: Make::Rank32, bound: 2e-3 },
     ];
 
+    /// The GPU's split latent attention takes a prompt in chunks of this many rows
+    /// (`MLA_ATTENTION_ROWS`).
+    const MLA_ROWS: usize = 64;
+
+    /// 72 tokens: two chunks of the GPU's split latent attention ([`MLA_ROWS`]).
     pub fn prompt() -> Vec<u32> {
-        (0..40).map(|i| (i * 53 + 7) % 1000).collect()
+        (0..72).map(|i| (i * 53 + 7) % 1000).collect()
     }
 
     fn options(dir: &Path, name: &str, make: Make) -> moe_lanes::synth::SynthOptions {
@@ -390,7 +397,7 @@ mod preset_gpu {
         let (mut rc, mut ties) = (r.new_cache(), NearTies::default());
         let want = r.forward(&mut rc, &prompt, &mut ties).unwrap();
         let mut engine = fixture_checks::gpu_engine(&gm, hot);
-        let mut cache = engine.new_cache(64).unwrap();
+        let mut cache = engine.new_cache(128).unwrap();
         let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap().rows();
         // a NaN row counts as the worst error (f32::max would drop it)
         let row_err = |a: &[f32], b: &[f32]| {
@@ -401,15 +408,23 @@ mod preset_gpu {
                 err
             }
         };
-        let (mut worst, mut all) = (0f32, 0f32);
-        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            let err = row_err(g, w);
-            all = all.max(err);
-            if !ties.0.contains(&i) {
-                worst = worst.max(err);
-            }
-        }
-        println!("{what} hot {hot}: prefill {worst:.2e} ({all:.2e} with the near-tie rows {:?})", ties.0);
+        let errs: Vec<f32> = got.iter().zip(&want).map(|(g, w)| row_err(g, w)).collect();
+        let kept = |rows: std::ops::Range<usize>| -> Vec<f32> {
+            rows.filter(|i| !ties.0.contains(i)).map(|i| errs[i]).collect()
+        };
+        let max = |v: &[f32]| v.iter().fold(0f32, |m, &e| m.max(e));
+        let mut sorted = kept(0..errs.len());
+        sorted.sort_by(f32::total_cmp);
+        let (first, rest) = (kept(0..MLA_ROWS.min(errs.len())), kept(MLA_ROWS.min(errs.len())..errs.len()));
+        let mut worst = max(&sorted);
+        println!(
+            "{what} hot {hot}: prefill {worst:.2e} (rows 0..{MLA_ROWS} {:.2e}, the rest {:.2e}, median {:.2e}; {:.2e} with the near-tie rows {:?})",
+            max(&first),
+            max(&rest),
+            sorted.get(sorted.len() / 2).copied().unwrap_or(0.0),
+            max(&errs),
+            ties.0
+        );
         let mut next = moe_lanes::reference::argmax(want.last().unwrap());
         for step in 0..3 {
             let want = r.forward(&mut rc, &[next], &mut ties).unwrap();
