@@ -3,16 +3,18 @@
 //! latent rows RMS-normed, rotated and appended in the cache's type), the per-head `k_b` / `v_b`
 //! products and the split attention over the latent cache. A decode shape at DeepSeek-V3's sizes
 //! (rank 512, rope 64, nope 128; a context of several spans) and a prefill shape at the fixture's
-//! (rank 32, rope 8; heads not a multiple of the block's 8), over f32 and f16 caches (and bf16
-//! and q8_0 where rows are whole blocks); the decode graph's form (position from device memory,
-//! the grid sized for more positions) equal to the host-position form. Skips without a GPU.
+//! (rank 32, rope 8; heads not a multiple of the block's 8); at DeepSeek's latent with 4 heads, a
+//! 40-row chunk after 30 positions and decode, under a YaRN-like table and attention factor;
+//! over f32 and f16 caches (and bf16 and q8_0 where rows are whole blocks); the decode graph's
+//! form (position from device memory, the grid sized for more positions) equal to the
+//! host-position form. Skips without a GPU.
 
 mod common;
 
 use common::cuda::backend;
 use half::bf16;
 use moe_lanes_kernels::cuda::mla::{MlaRope, MlaShape};
-use moe_lanes_kernels::cuda::ops::{DevicePos, KvPtr};
+use moe_lanes_kernels::cuda::ops::{DevicePos, KvPtr, RopeScaling};
 use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer};
 use moe_lanes_kernels::{KvRows, KvType};
 
@@ -38,11 +40,27 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-fn rope_cpu(x: &mut [f32], pos: usize, theta: f32, interleaved: bool) {
+/// The inverse frequency of pair `i` of `rope` values: YaRN-like (`yarn`: the upper half of the
+/// pairs interpolated by 40, as DeepSeek-V3's factor) or plain.
+fn inv_freq(i: usize, rope: usize, theta: f32, yarn: bool) -> f64 {
+    let plain = 1.0 / (theta as f64).powf(2.0 * i as f64 / rope as f64);
+    if yarn && i >= rope / 4 {
+        plain / 40.0
+    } else {
+        plain
+    }
+}
+
+/// sin and cos times this under `yarn` (an attention factor other than 1, so a kernel that
+/// drops it, or applies it twice, is seen).
+const YARN_FACTOR: f32 = 1.25;
+
+fn rope_cpu(x: &mut [f32], pos: usize, theta: f32, interleaved: bool, yarn: bool) {
     let half = x.len() / 2;
+    let f = if yarn { YARN_FACTOR as f64 } else { 1.0 };
     for i in 0..half {
-        let ang = pos as f64 / (theta as f64).powf(2.0 * i as f64 / x.len() as f64);
-        let (s, c) = (ang.sin() as f32, ang.cos() as f32);
+        let ang = pos as f64 * inv_freq(i, x.len(), theta, yarn);
+        let (s, c) = ((ang.sin() * f) as f32, (ang.cos() * f) as f32);
         let (a, b) = if interleaved { (2 * i, 2 * i + 1) } else { (i, i + half) };
         let (x0, x1) = (x[a], x[b]);
         x[a] = x0 * c - x1 * s;
@@ -100,6 +118,8 @@ struct Case {
     t: usize,
     pos0: usize,
     interleaved: bool,
+    /// A YaRN-like frequency table and attention factor ([`inv_freq`], [`YARN_FACTOR`]).
+    yarn: bool,
 }
 
 /// What the CPU computes for a case before attention: the new cache rows (f32) and the absorbed
@@ -131,7 +151,7 @@ fn cpu_prep(
             row[i] = x[i] * inv * kv_norm[i];
         }
         row[s.rank..].copy_from_slice(&x[s.rank..]);
-        rope_cpu(&mut row[s.rank..], pos, theta, c.interleaved);
+        rope_cpu(&mut row[s.rank..], pos, theta, c.interleaved, c.yarn);
         for h in 0..s.heads {
             let qh = &q[t * s.q_dim() + h * qw..][..qw];
             let dst = &mut q_abs[(t * s.heads + h) * w..][..w];
@@ -140,7 +160,7 @@ fn cpu_prep(
                 dst[r] = scale * kr.iter().zip(&qh[..s.nope]).map(|(a, b)| a * b).sum::<f32>();
             }
             let mut qr = qh[s.nope..].to_vec();
-            rope_cpu(&mut qr, pos, theta, c.interleaved);
+            rope_cpu(&mut qr, pos, theta, c.interleaved, c.yarn);
             for (d, v) in dst[s.rank..].iter_mut().zip(qr) {
                 *d = v * scale;
             }
@@ -206,14 +226,20 @@ fn run_case(be: &CudaBackend, c: &Case, kv_type: KvType, graph: bool) {
         true => (0, Some(dpos.ptr()), Some(DevicePos { pos: dpos.ptr(), max_positions: cap - c.t })),
         false => (c.pos0, None, None),
     };
-    let rope = MlaRope { theta, interleaved: c.interleaved, scaling: None };
+    let freqs: Vec<f64> = (0..s.rope / 2).map(|i| inv_freq(i, s.rope, theta, c.yarn)).collect();
+    let dfreqs = be.upload(&freqs).unwrap();
+    let scaling = c.yarn.then(|| RopeScaling { freqs: dfreqs.ptr(), scale: YARN_FACTOR });
+    let rope = MlaRope { theta, interleaved: c.interleaved, scaling };
     let kc = cache_ptr(kv_type, &cache);
     be.mla_prep(s, dq.ptr(), dkv.ptr(), dnorm.ptr(), dabs.ptr(), kc, c.t, pos0, pos, rope, eps, scale)
         .unwrap();
     be.mla_absorb(s, dq.ptr(), dk.ptr(), dabs.ptr(), c.t, scale).unwrap();
     be.mla_attention(s, dabs.ptr(), kc, dout.ptr(), part.ptr(), c.t, pos0, at).unwrap();
     be.mla_values(s, dout.ptr(), dv.ptr(), dvals.ptr(), c.t).unwrap();
-    let what = format!("rank {} heads {} t {} pos0 {} {kv_type} graph {graph}", s.rank, s.heads, c.t, c.pos0);
+    let what = format!(
+        "rank {} heads {} t {} pos0 {} yarn {} {kv_type} graph {graph}",
+        s.rank, s.heads, c.t, c.pos0, c.yarn
+    );
     let want = cpu_prep(c, &q, &kv, &kv_norm, &k_b, [scale, theta, eps]);
     let got_cache = read_cache(be, kv_type, &cache);
     let new_rows = &got_cache[c.pos0 * w..(c.pos0 + c.t) * w];
@@ -235,13 +261,19 @@ fn run_case(be: &CudaBackend, c: &Case, kv_type: KvType, graph: bool) {
 fn cases() -> Vec<Case> {
     let deepseek = MlaShape { heads: 16, rank: 512, nope: 128, rope: 64, v_dim: 128 };
     let fixture = MlaShape { heads: 10, rank: 32, nope: 16, rope: 8, v_dim: 12 };
+    let few_heads = MlaShape { heads: 4, ..deepseek };
     vec![
         // decode: one token after 300 positions (several spans of 32)
-        Case { shape: deepseek, t: 1, pos0: 300, interleaved: true },
+        Case { shape: deepseek, t: 1, pos0: 300, interleaved: true, yarn: false },
         // prefill: 37 tokens after 3, half-split pairs, heads past the block's 8
-        Case { shape: fixture, t: 37, pos0: 3, interleaved: false },
+        Case { shape: fixture, t: 37, pos0: 3, interleaved: false, yarn: false },
         // a short prefill at DeepSeek's sizes
-        Case { shape: deepseek, t: 9, pos0: 0, interleaved: true },
+        Case { shape: deepseek, t: 9, pos0: 0, interleaved: true, yarn: false },
+        // the preset GPU test's shape: 4 heads (half a block) at DeepSeek's latent, a 40-row
+        // chunk after 30 positions (5 tiles of the per-head products), YaRN's table and factor
+        Case { shape: few_heads, t: 40, pos0: 30, interleaved: true, yarn: true },
+        // decode under YaRN at DeepSeek's sizes
+        Case { shape: deepseek, t: 1, pos0: 200, interleaved: true, yarn: true },
     ]
 }
 
