@@ -1119,7 +1119,10 @@ fn apply_rope(head: &mut [f32], position: usize, rope: &RopeSpec) {
     // A proportional RoPE's pairs past its turning ones have frequency 0: they stay.
     for i in 0..rope.turning_pairs.map_or(half, |n| n.min(half)) {
         let (inv_freq, scale) = match &rope.yarn {
-            None => (1.0 / (rope.theta as f64).powf(2.0 * i as f64 / d as f64), 1.0),
+            None => {
+                let plain = 1.0 / (rope.theta as f64).powf(2.0 * i as f64 / d as f64);
+                (plain / rope.linear.map_or(1.0, f64::from), 1.0)
+            }
             Some(y) => (y.inv_freq(i, d, rope.theta), y.attention_factor as f64),
         };
         let angle = position as f64 * inv_freq;
@@ -1226,7 +1229,14 @@ mod tests {
     fn rope_styles_agree_on_permuted_input() {
         let canonical: Vec<f32> = (0..8).map(|i| i as f32 * 0.37 - 1.0).collect();
         let mut half = canonical.clone();
-        let rope = |style| RopeSpec { style, theta: 10000.0, dims: 8, yarn: None, turning_pairs: None };
+        let rope = |style| RopeSpec {
+            style,
+            theta: 10000.0,
+            dims: 8,
+            yarn: None,
+            linear: None,
+            turning_pairs: None,
+        };
         apply_rope(&mut half, 5, &rope(RopeStyle::HalfSplit));
         let mut inter: Vec<f32> =
             (0..8).map(|r| canonical[if r % 2 == 0 { r / 2 } else { 4 + r / 2 }]).collect();

@@ -463,7 +463,6 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
     match preset {
         Preset::Tiny => tiny_config(adapter),
         Preset::Qwen3_30bA3b => ModelConfig {
-            arch: adapter.arch,
             n_layers: 48,
             hidden: 2048,
             n_heads: 32,
@@ -474,28 +473,9 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
             n_experts_used: 8,
             expert_ff: 768,
             shared_expert_ff: if adapter.shared_expert { 768 } else { 0 },
-            rms_eps: 1e-6,
             rope_theta: 1_000_000.0,
-            rope_style: adapter.rope_style,
-            norm_topk_prob: adapter.gguf_default_norm_topk,
-            tied_embeddings: false,
             max_positions: 40_960,
-            sliding_window: None,
-            sliding_window_layers: None,
-            yarn: None,
-            clip_qkv: None,
-            rotary_dims: 0,
-            hybrid: None,
-            zero_centred_norms: false,
-            mtp_layers: 0,
-            mla: None,
-            dense_layers: None,
-            sigmoid_routing: None,
-            qk_norm: false,
-            attention_bias: false,
-            global_attention: None,
-            embedding_scale: None,
-            final_logit_softcap: None,
+            ..preset_config(adapter, Preset::Tiny)
         },
         Preset::Qwen36_35bA3b | Preset::Qwen3Next80bA3b => {
             let next = preset == Preset::Qwen3Next80bA3b;
@@ -520,6 +500,7 @@ fn preset_config(adapter: &Adapter, preset: Preset) -> ModelConfig {
                 sliding_window: None,
                 sliding_window_layers: None,
                 yarn: None,
+                rope_linear: None,
                 clip_qkv: None,
                 rotary_dims: 0,
                 hybrid: Some(HybridConfig {
@@ -606,6 +587,7 @@ fn tiny_config(adapter: &Adapter) -> ModelConfig {
         sliding_window: None,
         sliding_window_layers: None,
         yarn: None,
+        rope_linear: None,
         clip_qkv: None,
         rotary_dims: 0,
         hybrid: None,
@@ -1119,6 +1101,10 @@ pub fn gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, adapter: &Adapter, dty
         if (y.attention_factor - default).abs() > 1e-6 {
             w.add_metadata(k("rope.scaling.attn_factor"), MetaValue::F32(y.attention_factor));
         }
+    }
+    if let Some(factor) = c.rope_linear {
+        w.add_metadata(k("rope.scaling.type"), MetaValue::String("linear".into()));
+        w.add_metadata(k("rope.scaling.factor"), MetaValue::F32(factor));
     }
     if let Some(h) = &c.hybrid {
         add_hybrid_metadata(w, c, h, arch);

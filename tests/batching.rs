@@ -217,13 +217,14 @@ fn gpu_batches_equal_each_sequence_alone() {
 /// The batched decode attention and append read and write every cache type the fixtures take:
 /// f32 and bf16 caches (f16 above; q8_0 needs heads of whole blocks of 32, which these small
 /// fixtures' 16- and 24-dim heads are not: kernels/tests/cuda_kernels.rs covers it), on the
-/// attention fixtures with GQA, sliding windows and sinks.
+/// attention fixtures with GQA, sliding windows and sinks, and Gemma 4's layers of their own
+/// head dims and KV heads.
 #[test]
 fn gpu_batches_equal_each_sequence_alone_with_every_cache_type() {
     if !common::gpu_usable() {
         return;
     }
-    for name in ["qwen3_moe_a", "gpt_oss_a", "mixtral_a"] {
+    for name in ["qwen3_moe_a", "gpt_oss_a", "mixtral_a", "gemma4_a"] {
         if let Err(e) = moe_lanes::gpu::GpuModel::supports(&open(name)) {
             eprintln!("{name}: not on the GPU engine: {e}");
             continue;

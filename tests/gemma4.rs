@@ -72,16 +72,24 @@ fn pipeline_greedy_continuations_are_identical() {
     fixture_checks::check_pipeline_greedy(NAME, &HOT_FRACTIONS);
 }
 
-/// The GPU engine refuses Gemma 4 by name before any device is touched, so the default engine
-/// falls back to the CPU pipeline; the default engine (whatever the machine has) matches
-/// transformers.
+/// The GPU engine (per-layer head dims and KV heads, keys as values, the v norm, proportional
+/// RoPE, unscaled scores, sandwich norms, the output scalar, the scaled router with per-expert
+/// scales, per-branch norms, the dense GeGLU branch, tanh-GELU experts on both lanes, scaled
+/// embeddings and soft-capped logits) against transformers at hot fractions 0, 0.5 and 1: the
+/// prompt and a second chunk within 2e-3, greedy tokens identical (the decode graphs).
 #[test]
-fn the_gpu_engine_refuses_gemma4_by_name_and_the_default_engine_falls_back() {
+fn gpu_engine_matches_transformers() {
+    fixture_checks::check_gpu(NAME, &HOT_FRACTIONS);
+}
+
+/// The GPU engine takes Gemma 4's plan (checked before any device is touched); the default
+/// engine (the GPU engine where a GPU exists, the pipeline otherwise) matches transformers.
+#[test]
+fn the_gpu_engine_takes_gemma4_and_the_default_engine_matches_transformers() {
     use moe_lanes::engine::{build_engine, EngineOptions, HotBudget, HotChoice};
     use moe_lanes::phase::Phase;
     let (model, g) = open();
-    let err = moe_lanes::gpu::GpuModel::supports(&model).expect_err("refused").to_string();
-    assert!(err.contains("layer 0") || err.contains("layer 1"), "{err}");
+    moe_lanes::gpu::GpuModel::supports(&model).expect("the GPU engine runs Gemma 4");
     let mut opts = EngineOptions::new(128);
     opts.hot = HotChoice::Budget(HotBudget::Fraction(0.5));
     opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
@@ -93,7 +101,140 @@ fn the_gpu_engine_refuses_gemma4_by_name_and_the_default_engine_falls_back() {
     let mut cache = engine.new_cache(128).unwrap();
     let prefill = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().rows();
     let err = common::max_rel_err(&prefill, &g.logits);
-    assert!(err < fixture_checks::TOLERANCE, "{err}");
+    // the GPU engine's tolerance (issue 42: 2e-3); the pipeline meets 1e-3 above
+    assert!(err < 2.0 * fixture_checks::TOLERANCE, "{err}");
+}
+
+/// A KV cache position costs each attention layer's own K and V width: the fixture's global
+/// layers' one KV head of 32 beside the sliding layers' two of 16 (the same 32 values), and a
+/// synth file's sliding layers of 4 KV heads beside its global layers' one of twice the head dim
+/// (widths that differ), the sum of the layers' own widths.
+#[test]
+fn kv_bytes_per_position_count_each_layers_own_width() {
+    use moe_lanes::model::context::kv_bytes_per_position;
+    let (model, _) = open();
+    let c = model.config();
+    let by_layer: u64 = (0..c.n_layers).map(|l| 2 * 4 * c.layer_kv_dim(l) as u64).sum();
+    assert_eq!(kv_bytes_per_position(c), by_layer);
+    let (_dir, synth) = synth_gemma4_wide_sliding();
+    let c = synth.config();
+    let widths: Vec<usize> = (0..c.n_layers).map(|l| c.layer_kv_dim(l)).collect();
+    assert_eq!(widths, [4 * c.head_dim, 2 * c.head_dim, 4 * c.head_dim, 2 * c.head_dim]);
+    let by_layer: u64 = widths.iter().map(|&w| 2 * 4 * w as u64).sum();
+    assert_eq!(kv_bytes_per_position(c), by_layer, "{widths:?}");
+}
+
+/// [`synth_gemma4`] with 8 query heads over 4 KV heads on the sliding layers (the global ones
+/// keep their one KV head of twice the head dim): layers of two widths.
+fn synth_gemma4_wide_sliding() -> (tempfile::TempDir, Arc<Model>) {
+    use moe_lanes::synth::DimOverrides;
+    synth_gemma4_with(DimOverrides {
+        n_layers: Some(4),
+        n_heads: Some(8),
+        n_kv_heads: Some(4),
+        ..Default::default()
+    })
+}
+
+/// The tiny synthetic Gemma 4 checkpoint (4 layers, BF16 safetensors: `synth` writes Gemma 4 as
+/// safetensors only) in a temporary directory.
+fn synth_gemma4() -> (tempfile::TempDir, Arc<Model>) {
+    synth_gemma4_with(moe_lanes::synth::DimOverrides { n_layers: Some(4), ..Default::default() })
+}
+
+fn synth_gemma4_with(dims: moe_lanes::synth::DimOverrides) -> (tempfile::TempDir, Arc<Model>) {
+    use moe_lanes::synth::{self, Preset, Skew, SynthFormat, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("g");
+    let opts = SynthOptions {
+        adapter: moe_lanes::arch::by_name("gemma4").unwrap(),
+        preset: Preset::Tiny,
+        dims,
+        dtype: moe_lanes::dtype::DType::BF16,
+        seed: 11,
+        skew: Skew::Skewed,
+        format: SynthFormat::Safetensors,
+        out: out.clone(),
+        vocab_from: None,
+    };
+    synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    let model = Arc::new(Model::open(&out).unwrap());
+    (dir, model)
+}
+
+/// The GPU KV cache holds each layer at its own width (the synth file's sliding layers with 4 KV
+/// heads, its global ones 1 of twice the head dim): the bytes the context accounting counts, in
+/// f16 (the default) and f32.
+#[test]
+fn the_gpu_cache_holds_each_layers_own_width() {
+    use moe_lanes::gpu::{CudaBackend, GpuModel, GpuOptions};
+    use moe_lanes::model::context::{kv_bytes_per_position_of, KvType};
+    if !common::gpu_usable() {
+        return;
+    }
+    let (_dir, model) = synth_gemma4_wide_sliding();
+    let c = model.config().clone();
+    let be = Arc::new(CudaBackend::with_config(&moe_lanes::env::cuda_config().unwrap()).unwrap());
+    for kv_type in [KvType::F16, KvType::F32] {
+        let opts = GpuOptions { kv_type, ..GpuOptions::default() };
+        let gm = GpuModel::new(model.clone(), be.clone(), opts).unwrap();
+        let cache = gm.new_kv_cache(40).unwrap();
+        let want = kv_bytes_per_position_of(&c, kv_type) * 40;
+        assert_eq!(
+            cache.bytes() as u64,
+            want,
+            "{kv_type}: {:?}",
+            (0..4).map(|l| c.layer_kv_dim(l)).collect::<Vec<_>>()
+        );
+    }
+}
+
+/// Global heads of 512 (26B-A4B's; the synth file's global layers have twice the sliding
+/// layers' 256) are wider than the GPU attention kernels take: refused by name before any device
+/// is touched, and the default engine falls back to the pipeline (`build_engine`'s list).
+#[test]
+fn global_heads_of_512_are_refused_by_name_on_the_gpu() {
+    let dims =
+        moe_lanes::synth::DimOverrides { n_layers: Some(2), head_dim: Some(256), ..Default::default() };
+    let (_dir, model) = synth_gemma4_with(dims);
+    let global = (0..2).find(|&l| model.plan().layer(l).attention().head_dim == 512).expect("a global layer");
+    let err = moe_lanes::gpu::GpuModel::supports(&model).expect_err("refused");
+    assert!(matches!(err, moe_lanes::gpu::GpuError::WideHeads { head_dim: 512, max: 256, .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains(&format!("layer {global}")) && text.contains("--engine pipeline"), "{text}");
+}
+
+/// The GPU engine on the synthetic BF16 Gemma 4 files (the tiny one, and one whose sliding and
+/// global layers differ in KV width) against the oracle within 3e-2 at every hot fraction: a
+/// prompt past the window in one prefill call, then decode token by token (the decode graphs).
+/// Skipped without a usable GPU.
+#[test]
+fn gpu_engine_on_a_synth_gemma4_file_matches_the_oracle() {
+    if !common::gpu_usable() {
+        return;
+    }
+    for (what, (_dir, model)) in [("tiny", synth_gemma4()), ("wide sliding", synth_gemma4_wide_sliding())] {
+        gpu_matches_the_oracle(what, &model);
+    }
+}
+
+fn gpu_matches_the_oracle(what: &str, model: &Arc<Model>) {
+    use moe_lanes::phase::Phase;
+    use moe_lanes::reference::{NoObserver, Reference};
+    let r = Reference::new(model).unwrap();
+    let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7 + 3) % model.config().vocab as u32).collect();
+    let want = r.forward(&mut r.new_cache(), &tokens, &mut NoObserver).unwrap();
+    for hot in HOT_FRACTIONS {
+        let mut engine = fixture_checks::gpu_engine(model, hot);
+        let mut cache = engine.new_cache(64).unwrap();
+        let mut got = engine.forward(&tokens[..30], Phase::Prefill, &mut cache).unwrap().rows();
+        for &t in &tokens[30..] {
+            got.extend(engine.forward(&[t], Phase::Decode, &mut cache).unwrap().rows());
+        }
+        let err = common::max_rel_err(&got, &want);
+        println!("synth gemma4 ({what}) gpu hot {hot}: {err:.2e}");
+        assert!(err < 3e-2, "{what} hot {hot}: {err}");
+    }
 }
 
 /// `synth --arch gemma4` (tiny, the published nested form under `model.language_model.`):

@@ -613,14 +613,15 @@ fn step_errors(model: &Model, engine: &mut dyn Engine, n_decode: usize) -> Vec<f
 
 /// Every fault kind alone, at every layer with experts and in every call, over long
 /// generations on the fixtures whose experts differ most (GPT-OSS's biases and clamped SwiGLU,
-/// GLM's dense layers, Qwen3's plain ones): every step equals the reference. Each failing case
+/// GLM's dense layers, Qwen3's plain ones, Gemma 4's tanh GELU with per-branch norms, whose
+/// fallback keeps the dense branch): every step equals the reference. Each failing case
 /// is listed before the test fails.
 #[test]
 fn every_fault_kind_at_every_layer_over_long_generations() {
     const DECODE_STEPS: usize = 24;
     let Some(_gpu) = gpu_shared() else { return };
     let mut failures = Vec::new();
-    for name in ["gpt_oss_a", "qwen3_moe_a", "glm4_moe_a"] {
+    for name in ["gpt_oss_a", "qwen3_moe_a", "glm4_moe_a", "gemma4_a"] {
         let model = open(name);
         let c = model.config().clone();
         let mut cases: Vec<(String, GpuFaults)> = Vec::new();

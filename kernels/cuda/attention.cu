@@ -631,32 +631,55 @@ extern "C" __global__ __launch_bounds__(32 * ATT_SPLIT_WARPS) void attention_spl
 // Split attention, pass 2: out[t, h, :] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) with
 // M = max_s m_s over the `used` spans of row t (computed as pass 1 does, from pos_ptr when
 // non-null), the head's sink logit joining the sum when sinks is non-null (att_finish).
-// grid (n_heads, T), block 128.
+// grid (n_heads, T, ceil(hd / ATT_COMBINE_DIMS)), block 128.
 // Head h of the row whose partials are `pr` ([n_heads, max_splits, hd + 2]), at position pos, into
 // `out` (the row's [n_heads * hd]).
+// Block z sums dims 32 z..32 z + 31 (lane = dim): the spans' weights e^(m_s - M) are computed
+// once per span into shared memory (ATT_COMBINE_CHUNK spans at a time), each warp sums its lane's
+// dim over every nw-th span, four spans' loads in flight, and warp 0 adds the warps' sums (a
+// block per head walking every span serially per dim left most SMs idle and was latency-bound).
+// Every block of a head finds the same M and L.
+#define ATT_COMBINE_CHUNK 256
+#if ATT_COMBINE_DIMS != 32
+#error "ATT_COMBINE_DIMS is a warp's lanes"
+#endif
 __device__ __forceinline__ void attention_combine_row(const float* __restrict__ pr, float* __restrict__ out, int h,
                                                       int n_heads, int hd, int max_splits, int pos, int window,
                                                       const float* __restrict__ sinks) {
+    __shared__ float wts[ATT_COMBINE_CHUNK];
+    __shared__ float sums[32][ATT_COMBINE_DIMS];
     int first, n;
     att_row_range(pos, 0, window, &first, &n);
-    int per = att_split_span(n, max_splits);
-    int used = (n + per - 1) / per;
-    pr += (size_t)h * max_splits * (hd + 2);
-    float M = -INFINITY;
-    for (int s = 0; s < used; s++) M = fmaxf(M, pr[(size_t)s * (hd + 2) + hd]);
-    float L = 0.f;
-    for (int s = 0; s < used; s++) {
-        const float* ps = pr + (size_t)s * (hd + 2);
-        L += ps[hd + 1] * expf(ps[hd] - M);
-    }
-    float inv = att_finish(sinks, h, M, L);
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float a = 0.f;
-        for (int s = 0; s < used; s++) {
-            const float* ps = pr + (size_t)s * (hd + 2);
-            a += ps[i] * expf(ps[hd] - M);
+    const int per = att_split_span(n, max_splits), used = (n + per - 1) / per, stride = hd + 2;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    const int i = blockIdx.z * ATT_COMBINE_DIMS + lane;
+    pr += (size_t)h * max_splits * stride;
+    float mx = -INFINITY;
+    for (int s = threadIdx.x; s < used; s += blockDim.x) mx = fmaxf(mx, pr[(size_t)s * stride + hd]);
+    const float M = block_max(mx);
+    float lsum = 0.f, a = 0.f;
+    for (int c0 = 0; c0 < used; c0 += ATT_COMBINE_CHUNK) {
+        const int cn = min(ATT_COMBINE_CHUNK, used - c0);
+        __syncthreads();  // the previous chunk's weights are read
+        for (int s = threadIdx.x; s < cn; s += blockDim.x) {
+            const float* ps = pr + (size_t)(c0 + s) * stride;
+            float wt = expf(ps[hd] - M);
+            wts[s] = wt;
+            lsum += ps[hd + 1] * wt;
         }
-        out[(size_t)h * hd + i] = a * inv;
+        __syncthreads();
+        if (i < hd) {
+            const float* col = pr + (size_t)c0 * stride + i;
+#pragma unroll 4
+            for (int s = w; s < cn; s += nw) a += col[(size_t)s * stride] * wts[s];
+        }
+    }
+    sums[w][lane] = a;
+    const float inv = att_finish(sinks, h, M, block_sum(lsum));  // block_sum: a barrier after sums
+    if (w == 0 && i < hd) {
+        float t = 0.f;
+        for (int k = 0; k < nw; k++) t += sums[k][lane];
+        out[(size_t)h * hd + i] = t * inv;
     }
 }
 extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
@@ -669,7 +692,8 @@ extern "C" __global__ void attention_combine_f32(const float* __restrict__ part,
 }
 
 // Pass 2 of a batched decode step: launch row t's partials into the call's row rows[t] of out, at
-// that row's position pos[rows[t]]. grid (n_heads, launch rows), block 128.
+// that row's position pos[rows[t]]. grid (n_heads, launch rows, ceil(hd / ATT_COMBINE_DIMS)),
+// block 128.
 extern "C" __global__ void attention_combine_rows_f32(const float* __restrict__ part, float* __restrict__ out,
                                                       const int* __restrict__ rows, const int* __restrict__ pos,
                                                       int n_heads, int hd, int max_splits, int window,
@@ -814,7 +838,7 @@ extern "C" __global__ void attention_tiled_q8_0(const float* __restrict__ q, con
     attention_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
 }
 
-// ---- prefill attention on tensor cores ----
+// ---- prefill attention on tensor cores (f32 and q8_0 caches; f16 and bf16 further down) ----
 // attention_tiled_f32's rows and blocks with both products on mma.sync (m16n8k16, bf16 in, f32
 // accumulate): block (b, kvh) owns rows b * AM_ROWS.. (16 a warp); the keys it sees are staged in
 // tiles of AM_KEYS positions as bf16 hi + lo (hi + lo = the f32 cache value to ~2^-17), the
@@ -841,6 +865,28 @@ __device__ __forceinline__ void am_split2(float x, float y, unsigned& hi, unsign
     hi = *(const unsigned*)&h;
     lo = *(const unsigned*)&l;
 }
+
+// The 16-bit types the MMAs take, as what the kernels need of each: `split2` (two floats as hi
+// and lo pairs of the type) and `mma` (d += a . b, m16n8k16, f32 accumulation).
+struct AmBf16 {
+    static __device__ __forceinline__ void split2(float x, float y, unsigned& hi, unsigned& lo) {
+        am_split2(x, y, hi, lo);
+    }
+    static __device__ __forceinline__ void mma(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+        mma_bf16_16816(d, a, b0, b1);
+    }
+};
+struct AmF16 {
+    static __device__ __forceinline__ void split2(float x, float y, unsigned& hi, unsigned& lo) {
+        __half2 h = __floats2half2_rn(x, y);
+        __half2 l = __floats2half2_rn(x - __low2float(h), y - __high2float(h));
+        hi = *(const unsigned*)&h;
+        lo = *(const unsigned*)&l;
+    }
+    static __device__ __forceinline__ void mma(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+        mma_f16_16816(d, a, b0, b1);
+    }
+};
 
 // Four 8 x 8 b16 matrices from shared memory, lane i naming row i % 8 of matrix i / 8 (`p`);
 // `trans`: each matrix transposed (ldmatrix .trans). Without ldmatrix (before sm_75) the lanes
@@ -883,6 +929,7 @@ __device__ __forceinline__ void am_mma3(float* d, const unsigned* ah, const unsi
 
 // This thread's query fragments (hi, lo) of rows ra (a[0], a[2]) and ra + 8 (a[1], a[3]); rows
 // past n_rows are zeros. q row r is token r / g, head kvh * g + r % g.
+template <typename SPLIT>
 __device__ __forceinline__ void am_load_q(unsigned (*qh)[4], unsigned (*ql)[4], const float* __restrict__ q,
                                           int ra, int n_rows, int g, int kvh, int q_dim, int hd) {
     int t = threadIdx.x & 3;
@@ -899,7 +946,7 @@ __device__ __forceinline__ void am_load_q(unsigned (*qh)[4], unsigned (*ql)[4], 
         for (int j = 0; j < 4; j++) {
             const float* r = row[j & 1];
             float2 v = r ? *(const float2*)(r + kk * 16 + 2 * t + 8 * (j >> 1)) : make_float2(0.f, 0.f);
-            am_split2(v.x, v.y, qh[kk][j], ql[kk][j]);
+            SPLIT::split2(v.x, v.y, qh[kk][j], ql[kk][j]);
         }
     }
 }
@@ -1015,55 +1062,50 @@ __device__ __forceinline__ void am_pv(float (*o)[4], const float (*p)[4], const 
     }
 }
 
-template <typename KV>
-__device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q, KV kc,
-                                                    KV vc, float* __restrict__ out, int n_tokens,
-                                                    int pos0, int n_heads, int n_kv, int hd, int window, float scale,
-                                                    const float* __restrict__ sinks) {
-    __shared__ __align__(16) bf16 am_kv[4 * AM_KEYS * (ATT_MMA_MAXD + 8)];
-    const int ld = hd + 8, g = n_heads / n_kv, kvh = blockIdx.y, row0 = blockIdx.x * AM_ROWS;
-    bf16 *kh = am_kv, *kl = kh + AM_KEYS * ld, *vh = kl + AM_KEYS * ld, *vl = vh + AM_KEYS * ld;
-    const int n_rows = n_tokens * g, kv_dim = n_kv * hd, q_dim = n_heads * hd;
-    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, t = lane & 3;
-    const int ra = row0 + 16 * w + (lane >> 2);
-    unsigned qh[AM_K16][4], ql[AM_K16][4];
-    am_load_q(qh, ql, q, ra, n_rows, g, kvh, q_dim, hd);
-    int rpos[2], rfirst[2];
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AM_K16][4];
+// A warp's rows of a tensor-core block and the keys they see: ra, this thread's first row (the
+// second is ra + 8); rpos, each row's position (-1: a padding row, sees nothing); rfirst, its
+// first visible position; the block's key range [key_lo, key_hi] and the warp's [w_lo, w_hi].
+struct AmRows {
+    int ra, rpos[2], rfirst[2], key_lo, key_hi, w_lo, w_hi;
+    bool w_rows;
+};
+__device__ __forceinline__ AmRows am_rows(int n_rows, int g, int pos0, int window) {
+    const int row0 = blockIdx.x * AM_ROWS, w = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    AmRows r;
+    r.ra = row0 + 16 * w + (lane >> 2);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        int r = ra + 8 * h;
-        rpos[h] = r < n_rows ? pos0 + r / g : -1;  // -1: padding row, sees nothing
-        rfirst[h] = window > 0 ? max(0, rpos[h] + 1 - window) : 0;
+        int row = r.ra + 8 * h;
+        r.rpos[h] = row < n_rows ? pos0 + row / g : -1;
+        r.rfirst[h] = window > 0 ? max(0, r.rpos[h] + 1 - window) : 0;
     }
-#pragma unroll
-    for (int dn = 0; dn < 2 * AM_K16; dn++)
-#pragma unroll
-        for (int c = 0; c < 4; c++) o[dn][c] = 0.f;
     const int last_row = min(n_rows, row0 + AM_ROWS) - 1, w_last = min(n_rows - 1, row0 + 16 * w + 15);
-    const int key_hi = pos0 + last_row / g;  // inclusive
-    const int key_lo = window > 0 ? max(0, pos0 + row0 / g + 1 - window) : 0;
-    const int w_hi = pos0 + w_last / g, w_lo = window > 0 ? max(0, pos0 + (row0 + 16 * w) / g + 1 - window) : 0;
-    const bool w_rows = row0 + 16 * w < n_rows;
-    for (int k0 = key_lo; k0 <= key_hi; k0 += AM_KEYS) {
-        __syncthreads();  // the previous tile is consumed
-        am_stage_kv(kc, vc, kh, kl, vh, vl, k0, key_hi, kv_dim, kvh, hd, ld);
-        __syncthreads();
-        if (!w_rows || k0 > w_hi || k0 + AM_KEYS - 1 < w_lo) continue;  // nothing this warp sees
-        float s[AM_N8][4];
-        am_scores(s, qh, ql, kh, kl, ld, hd);
-        am_softmax(s, o, m, l, rpos, rfirst, k0, scale, hd);
-        am_pv(o, s, vh, vl, ld, hd);
-    }
+    r.key_hi = pos0 + last_row / g;  // inclusive
+    r.key_lo = window > 0 ? max(0, pos0 + row0 / g + 1 - window) : 0;
+    r.w_hi = pos0 + w_last / g;
+    r.w_lo = window > 0 ? max(0, pos0 + (row0 + 16 * w) / g + 1 - window) : 0;
+    r.w_rows = row0 + 16 * w < n_rows;
+    return r;
+}
+// Whether any of the warp's rows sees a key of the tile at k0.
+__device__ __forceinline__ bool am_warp_sees(const AmRows& r, int k0) {
+    return r.w_rows && k0 <= r.w_hi && k0 + AM_KEYS - 1 >= r.w_lo;
+}
+
+// The rows' outputs: o over the row's sum of p (its quad's partial sums l), through the sinks.
+__device__ __forceinline__ void am_store(const AmRows& r, const float (*o)[4], const float* m, const float* l,
+                                         float* __restrict__ out, const float* __restrict__ sinks, int g, int kvh,
+                                         int q_dim, int hd) {
+    const int t = threadIdx.x & 3;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         float sum = l[h];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        int r = ra + 8 * h;
-        if (rpos[h] < 0) continue;
-        float inv = att_finish(sinks, kvh * g + r % g, m[h], sum);
-        float* dst = out + (size_t)(r / g) * q_dim + (size_t)(kvh * g + r % g) * hd + 2 * t;
+        int row = r.ra + 8 * h;
+        if (r.rpos[h] < 0) continue;
+        float inv = att_finish(sinks, kvh * g + row % g, m[h], sum);
+        float* dst = out + (size_t)(row / g) * q_dim + (size_t)(kvh * g + row % g) * hd + 2 * t;
 #pragma unroll
         for (int dn = 0; dn < 2 * AM_K16; dn++) {
             if (dn * 8 >= hd) break;
@@ -1071,22 +1113,39 @@ __device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q,
         }
     }
 }
-// f16 caches: each f16 value is exactly bf16 hi + lo (11 significant bits, the bf16 exponent
-// range), so the f16 instance computes what the f32 one does on the widened values.
+
+template <typename KV>
+__device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q, KV kc,
+                                                    KV vc, float* __restrict__ out, int n_tokens,
+                                                    int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+                                                    const float* __restrict__ sinks) {
+    __shared__ __align__(16) bf16 am_kv[4 * AM_KEYS * (ATT_MMA_MAXD + 8)];
+    const int ld = hd + 8, g = n_heads / n_kv, kvh = blockIdx.y;
+    bf16 *kh = am_kv, *kl = kh + AM_KEYS * ld, *vh = kl + AM_KEYS * ld, *vl = vh + AM_KEYS * ld;
+    const int n_rows = n_tokens * g, kv_dim = n_kv * hd, q_dim = n_heads * hd;
+    const AmRows r = am_rows(n_rows, g, pos0, window);
+    unsigned qh[AM_K16][4], ql[AM_K16][4];
+    am_load_q<AmBf16>(qh, ql, q, r.ra, n_rows, g, kvh, q_dim, hd);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AM_K16][4];
+#pragma unroll
+    for (int dn = 0; dn < 2 * AM_K16; dn++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) o[dn][c] = 0.f;
+    for (int k0 = r.key_lo; k0 <= r.key_hi; k0 += AM_KEYS) {
+        __syncthreads();  // the previous tile is consumed
+        am_stage_kv(kc, vc, kh, kl, vh, vl, k0, r.key_hi, kv_dim, kvh, hd, ld);
+        __syncthreads();
+        if (!am_warp_sees(r, k0)) continue;  // nothing this warp sees
+        float s[AM_N8][4];
+        am_scores(s, qh, ql, kh, kl, ld, hd);
+        am_softmax(s, o, m, l, r.rpos, r.rfirst, k0, scale, hd);
+        am_pv(o, s, vh, vl, ld, hd);
+    }
+    am_store(r, o, m, l, out, sinks, g, kvh, q_dim, hd);
+}
+// The f32 and q8_0 caches widen to f32 and split as bf16 hi + lo (above).
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f32(const float* __restrict__ q, const float* __restrict__ kc,
     const float* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
-    const float* __restrict__ sinks) {
-    pdl_enter();
-    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
-}
-extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f16(const float* __restrict__ q, const __half* __restrict__ kc,
-    const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
-    const float* __restrict__ sinks) {
-    pdl_enter();
-    attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
-}
-extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
-    const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
     const float* __restrict__ sinks) {
     pdl_enter();
     attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
@@ -1096,4 +1155,226 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_q
     const float* __restrict__ sinks) {
     pdl_enter();
     attention_mma_tiles(q, kv_wrap(kc), kv_wrap(vc), out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
+}
+
+// ---- prefill attention on tensor cores over a 16-bit cache ----
+// An f16 or bf16 cache's values are exact in the MMA's own input type, so keys and values go from
+// the cache to shared memory unchanged: cp.async copies into two stages, the next tile's copies in
+// flight while this one multiplies (the f32 kernel above converts as it stages and waits for every
+// load). Only the queries and the probabilities are split hi + lo, in the cache's type: S = Qhi K
+// + Qlo K and O += Phi V + Plo V, two MMAs a fragment instead of three, half the staged bytes and
+// ldmatrix loads. Accuracy: q keeps 22 (f16) or 16 (bf16) significant bits, K and V are exact,
+// f32 accumulation; p (in [0, 1]) keeps 16 bits over bf16 and 11 over f16, where the prefill
+// drops p's lo MMA (PLO false: a quarter of the MMAs; each weight off by at most 2^-12 of itself,
+// the size of the f16 cache's own rounding of each value) and the decode keeps it. Same rows, blocks, grid and online softmax as attention_mma_tiles;
+// static shared 2 stages x (K + V) x AM_KEYS x (ATT_MMA_MAXD + 8) 16-bit values.
+
+// Positions k0.. k0 + AM_KEYS - 1 of kv head kvh into stage kt / vt (row stride ld), asynchronously;
+// zeros past key_hi (the probabilities there are 0, and 0 x a stale value could be NaN).
+template <typename T>
+__device__ __forceinline__ void am16_stage(const T* __restrict__ kc, const T* __restrict__ vc, T* kt, T* vt, int k0,
+                                           int key_hi, int kv_dim, int kvh, int hd, int ld) {
+    const int per_row = hd / 8;  // 16-byte chunks
+    for (int e = threadIdx.x; e < AM_KEYS * per_row; e += blockDim.x) {
+        int j = e / per_row, i = (e % per_row) * 8, p = k0 + j;
+        bool ok = p <= key_hi;
+        size_t src = (size_t)(ok ? p : k0) * kv_dim + (size_t)kvh * hd + i;
+        cp_async16(kt + j * ld + i, kc + src, ok);
+        cp_async16(vt + j * ld + i, vc + src, ok);
+    }
+}
+
+// s[n] = the warp's 16 rows against keys 8n..8n+7 of the staged tile (unscaled): hi then lo.
+template <typename M, typename T>
+__device__ __forceinline__ void am16_scores(float (*s)[4], const unsigned (*qh)[4], const unsigned (*ql)[4],
+                                            const T* kt, int ld, int hd) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int n = 0; n < AM_N8; n++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) s[n][c] = 0.f;
+    int off = ((lane & 7) + 8 * (lane >> 4)) * ld + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int kk = 0; kk < AM_K16; kk++) {
+        if (kk * 16 >= hd) break;
+#pragma unroll
+        for (int np = 0; np < AM_N8 / 2; np++) {
+            unsigned b[4];
+            am_ldsm4<false>(b, (const bf16*)(kt + np * 16 * ld + kk * 16 + off));
+            M::mma(s[2 * np], qh[kk], b[0], b[1]);
+            M::mma(s[2 * np], ql[kk], b[0], b[1]);
+            M::mma(s[2 * np + 1], qh[kk], b[2], b[3]);
+            M::mma(s[2 * np + 1], ql[kk], b[2], b[3]);
+        }
+    }
+}
+
+// o += p . V over the staged tile: p (s's layout) as A fragments hi (+ lo when PLO), V rows
+// transposed.
+template <typename M, bool PLO, typename T>
+__device__ __forceinline__ void am16_pv(float (*o)[4], const float (*p)[4], const T* vt, int ld, int hd) {
+    int lane = threadIdx.x & 31;
+    int off = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ld + 8 * (lane >> 4);
+#pragma unroll
+    for (int kc = 0; kc < AM_KEYS / 16; kc++) {
+        unsigned ah[4], al[4];
+        M::split2(p[2 * kc][0], p[2 * kc][1], ah[0], al[0]);
+        M::split2(p[2 * kc][2], p[2 * kc][3], ah[1], al[1]);
+        M::split2(p[2 * kc + 1][0], p[2 * kc + 1][1], ah[2], al[2]);
+        M::split2(p[2 * kc + 1][2], p[2 * kc + 1][3], ah[3], al[3]);
+#pragma unroll
+        for (int dp = 0; dp < AM_K16; dp++) {
+            if (dp * 16 >= hd) break;
+            unsigned b[4];
+            am_ldsm4<true>(b, (const bf16*)(vt + kc * 16 * ld + dp * 16 + off));
+            M::mma(o[2 * dp], ah, b[0], b[1]);
+            if (PLO) M::mma(o[2 * dp], al, b[0], b[1]);
+            M::mma(o[2 * dp + 1], ah, b[2], b[3]);
+            if (PLO) M::mma(o[2 * dp + 1], al, b[2], b[3]);
+        }
+    }
+}
+
+template <typename M, bool PLO, typename T>
+__device__ __forceinline__ void attention_mma16_tiles(const float* __restrict__ q, const T* __restrict__ kc,
+                                                      const T* __restrict__ vc, float* __restrict__ out, int n_tokens,
+                                                      int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+                                                      const float* __restrict__ sinks) {
+    __shared__ __align__(16) unsigned short am16_kv[4 * AM_KEYS * (ATT_MMA_MAXD + 8)];
+    const int ld = hd + 8, g = n_heads / n_kv, kvh = blockIdx.y, stage = 2 * AM_KEYS * ld;
+    T* buf = (T*)am16_kv;  // stage i: keys at buf + i * stage, values AM_KEYS * ld after them
+    const int n_rows = n_tokens * g, kv_dim = n_kv * hd, q_dim = n_heads * hd;
+    const AmRows r = am_rows(n_rows, g, pos0, window);
+    unsigned qh[AM_K16][4], ql[AM_K16][4];
+    am_load_q<M>(qh, ql, q, r.ra, n_rows, g, kvh, q_dim, hd);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AM_K16][4];
+#pragma unroll
+    for (int dn = 0; dn < 2 * AM_K16; dn++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) o[dn][c] = 0.f;
+    am16_stage(kc, vc, buf, buf + AM_KEYS * ld, r.key_lo, r.key_hi, kv_dim, kvh, hd, ld);
+    cp_async_commit();
+    for (int k0 = r.key_lo, i = 0; k0 <= r.key_hi; k0 += AM_KEYS, i ^= 1) {
+        const T* kt = buf + i * stage;
+        if (k0 + AM_KEYS <= r.key_hi) {  // the next tile into the other stage, consumed last round
+            T* nk = buf + (i ^ 1) * stage;
+            am16_stage(kc, vc, nk, nk + AM_KEYS * ld, k0 + AM_KEYS, r.key_hi, kv_dim, kvh, hd, ld);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // this tile's copies have landed (the next tile's may fly)
+        __syncthreads();
+        if (am_warp_sees(r, k0)) {
+            float s[AM_N8][4];
+            am16_scores<M>(s, qh, ql, kt, ld, hd);
+            am_softmax(s, o, m, l, r.rpos, r.rfirst, k0, scale, hd);
+            am16_pv<M, PLO>(o, s, kt + AM_KEYS * ld, ld, hd);
+        }
+        __syncthreads();  // this stage is consumed before the next round's copies refill it
+    }
+    am_store(r, o, m, l, out, sinks, g, kvh, q_dim, hd);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
+    pdl_enter();
+    attention_mma16_tiles<AmF16, false>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
+    pdl_enter();
+    attention_mma16_tiles<AmBf16, true>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
+}
+
+// ---- split decode attention on tensor cores over a 16-bit cache ----
+// attention_split_gqa's job (one token's row against its visible positions, cut into the spans of
+// att_split_span, partials for attention_combine_f32) as attention_mma16_tiles computes it: the
+// group's g query heads of kv head kvh are the rows (16 a warp, g <= AM_ROWS), every span's keys
+// and values go through the two cp.async stages, and each row's partial (unnormalised o, max m,
+// sum l) lands where attention_split_gqa writes it. The CUDA-core kernels dot each key with the 8
+// heads lane by lane and reduce over the warp; here one MMA scores 8 keys against 16 rows.
+// grid (n_kv, max_splits, T), block 32 * ATT_MMA_WARPS, static shared as attention_mma16_tiles.
+template <typename M, typename T>
+__device__ __forceinline__ void attention_split_mma_span(const float* __restrict__ q, const T* __restrict__ kc,
+                                                         const T* __restrict__ vc, float* __restrict__ part, int pos,
+                                                         int n_heads, int n_kv, int hd, int window, float scale,
+                                                         int max_splits) {
+    __shared__ __align__(16) unsigned short am16_kv[4 * AM_KEYS * (ATT_MMA_MAXD + 8)];
+    int first, n;
+    att_row_range(pos, 0, window, &first, &n);
+    const int per = att_split_span(n, max_splits), s = blockIdx.y, j0 = s * per;
+    if (j0 >= n) return;  // past the used spans
+    const int g = n_heads / n_kv, kvh = blockIdx.x, ld = hd + 8, stage = 2 * AM_KEYS * ld;
+    const int key_lo = first + j0, key_hi = first + min(n, j0 + per) - 1, kv_dim = n_kv * hd;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, t = lane & 3, ra = 16 * w + (lane >> 2);
+    T* buf = (T*)am16_kv;
+    unsigned qh[AM_K16][4], ql[AM_K16][4];
+    am_load_q<M>(qh, ql, q, ra, g, g, kvh, n_heads * hd, hd);
+    const int rpos[2] = {ra < g ? pos : -1, ra + 8 < g ? pos : -1}, rfirst[2] = {first, first};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AM_K16][4];
+#pragma unroll
+    for (int dn = 0; dn < 2 * AM_K16; dn++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) o[dn][c] = 0.f;
+    am16_stage(kc, vc, buf, buf + AM_KEYS * ld, key_lo, key_hi, kv_dim, kvh, hd, ld);
+    cp_async_commit();
+    for (int k0 = key_lo, i = 0; k0 <= key_hi; k0 += AM_KEYS, i ^= 1) {
+        const T* kt = buf + i * stage;
+        if (k0 + AM_KEYS <= key_hi) {
+            T* nk = buf + (i ^ 1) * stage;
+            am16_stage(kc, vc, nk, nk + AM_KEYS * ld, k0 + AM_KEYS, key_hi, kv_dim, kvh, hd, ld);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        __syncthreads();
+        if (16 * w < g) {
+            float sc[AM_N8][4];
+            am16_scores<M>(sc, qh, ql, kt, ld, hd);
+            am_softmax(sc, o, m, l, rpos, rfirst, k0, scale, hd);
+            am16_pv<M, true>(o, sc, kt + AM_KEYS * ld, ld, hd);
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (rpos[h] < 0) continue;
+        float* pr = part + ((size_t)(kvh * g + ra + 8 * h) * max_splits + s) * (hd + 2);
+#pragma unroll
+        for (int dn = 0; dn < 2 * AM_K16; dn++) {
+            if (dn * 8 >= hd) break;
+            *(float2*)(pr + dn * 8 + 2 * t) = make_float2(o[dn][2 * h], o[dn][2 * h + 1]);
+        }
+        if (t == 0) pr[hd] = m[h], pr[hd + 1] = sum;
+    }
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    int t = blockIdx.z;
+    attention_split_mma_span<AmF16>(q + att_q_row(t, n_heads, hd), kc, vc, part + att_part_row(t, n_heads, hd, max_splits),
+                                    att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    int t = blockIdx.z;
+    attention_split_mma_span<AmBf16>(q + att_q_row(t, n_heads, hd), kc, vc, part + att_part_row(t, n_heads, hd, max_splits),
+                                     att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
+}
+// A batched decode step's rows (att_batch_row), each over its own sequence's cache.
+// grid (n_kv, max_splits, launch rows), block 32 * ATT_MMA_WARPS.
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_rows_f16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_mma_span<AmF16>(r.q, (const __half*)r.kc, (const __half*)r.vc, r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_rows_bf16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_mma_span<AmBf16>(r.q, (const bf16*)r.kc, (const bf16*)r.vc, r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
 }

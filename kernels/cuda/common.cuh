@@ -2,7 +2,7 @@
 // op-family file (gemv, norm_rope, elementwise, attention, argmax, route, moe, grouped_gemm, quant, delta_net); the whole is
 // compiled at start-up with NVRTC for the device's own architecture (kernels/src/cuda/mod.rs).
 // Constants shared with the Rust launchers (ROWS_PER_BLOCK, ATT_CHUNK, ATT_MAXC, ATT_MAX_HEAD_DIM,
-// ATT_SPLIT_WARPS, ATT_TILE_*, ARGMAX_BLOCK, GG_BM, GG_BN, GG_THREADS, GG_PIPE_BK, GG_STAGES, ATT_MMA_*, ATT_GQA_*, DELTA_MAX_*, DELTA_CHUNK, ROUTE_SIG_*, MLA_*, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, DOWN_ROWS, GEMV_SPLIT, TOPK_PER_LANE) are passed as -D defines from kernels/src/cuda/kernel.rs,
+// ATT_SPLIT_WARPS, ATT_TILE_*, ARGMAX_BLOCK, GG_BM, GG_BN, GG_THREADS, GG_PIPE_BK, GG_STAGES, ATT_MMA_*, ATT_GQA_*, DELTA_MAX_*, DELTA_CHUNK, ROUTE_SIG_*, ATT_COMBINE_DIMS, MLA_*, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, DOWN_ROWS, GEMV_SPLIT, TOPK_PER_LANE) are passed as -D defines from kernels/src/cuda/kernel.rs,
 // defined once there. Conventions: weights are bf16 row-major [out, in] (quant.cu: GGML blocks); activations,
 // norms and biases are f32, the KV cache f32 or f16 (attention.cu); every kernel states its launch configuration.
 #include <cuda_bf16.h>
@@ -113,20 +113,76 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsi
 #endif
 }
 
+// mma_bf16_16816 with f16 inputs (same fragment layout; the fallback by FMAs likewise).
+__device__ __forceinline__ void mma_f16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int c = 0; c < 4; c++) {
+        int row = g + (c >= 2 ? 8 : 0), col = t * 2 + (c & 1);
+        float acc = 0.f;
+        for (int kk = 0; kk < 16; kk++) {
+            int al = ((row & 7) << 2) | ((kk & 7) >> 1);
+            unsigned aw = __shfl_sync(0xffffffffu, a[((kk >> 3) << 1) | (row >> 3)], al);
+            int bl = (col << 2) | ((kk & 7) >> 1);
+            unsigned bw = __shfl_sync(0xffffffffu, kk < 8 ? b0 : b1, bl);
+            unsigned short ah = (kk & 1) ? (aw >> 16) : (aw & 0xffffu);
+            unsigned short bh = (kk & 1) ? (bw >> 16) : (bw & 0xffffu);
+            acc += __half2float(__ushort_as_half(ah)) * __half2float(__ushort_as_half(bh));
+        }
+        d[c] += acc;
+    }
+#endif
+}
+
+// 16 bytes from global `src` to shared `dst` without waiting (cp.async, sm_80+; a plain copy
+// before); zeros when !valid, and `src` is then not read. cp_async_commit closes a group of them,
+// cp_async_wait<N> waits until at most N groups are in flight.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
+#else
+    *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
 __device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
 
 // The hot lane's gated product of one gate and one up value (after their biases): act 0 (SiLU)
 // silu(g) * u; act 1 GPT-OSS's clamped SwiGLU, g = min(g, 7), u = clamp(u, -7, 7),
-// (u + 1) * g * sigmoid(1.702 g) (the CPU's Activation::gated, same operations). `act` is uniform
-// over a launch (a kernel argument), so the branch costs no divergence.
+// (u + 1) * g * sigmoid(1.702 g) (the CPU's Activation::gated, same operations); act 2 (Gemma 4)
+// gelu_tanh(g) * u, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))). `act` is uniform over a
+// launch (a kernel argument), so the branch costs no divergence.
 #define GLU_SILU 0
 #define GLU_SWIGLU_OAI 1
+#define GLU_GELU_TANH 2
+__device__ __forceinline__ float gelu_tanh(float x) {
+    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
 __device__ __forceinline__ float glu(int act, float g, float u) {
     if (act == GLU_SWIGLU_OAI) {
         g = fminf(g, 7.f);
         u = fminf(fmaxf(u, -7.f), 7.f);
         return (u + 1.f) * (g / (1.f + expf(-1.702f * g)));
     }
+    if (act == GLU_GELU_TANH) return gelu_tanh(g) * u;
     return silu(g) * u;
 }
 
@@ -263,7 +319,7 @@ __device__ __forceinline__ void warp_dot2_bf16(const bf16* __restrict__ w0, cons
     !defined(QUANT_WIDE_ROWS) || !defined(DOWN_ROWS) || !defined(GEMV_SPLIT) || !defined(GG_PIPE_BK) || !defined(GG_STAGES) || \
     !defined(ATT_MMA_WARPS) || !defined(ATT_MMA_KEYS) || !defined(ATT_MMA_MAXD) || !defined(TOPK_PER_LANE) || \
     !defined(ATT_GQA_HEADS) || !defined(ATT_GQA_MAXD) || !defined(DELTA_MAX_DK) || !defined(DELTA_MAX_KERNEL) || \
-    !defined(DELTA_CHUNK) || !defined(ROUTE_SIG_MAXE) || !defined(ROUTE_SIG_MAXG) || !defined(MLA_HEADS) || \
-    !defined(MLA_TOKENS) || !defined(MLA_MAX_RANK) || !defined(MLA_MAX_ROPE)
+    !defined(DELTA_CHUNK) || !defined(ROUTE_SIG_MAXE) || !defined(ROUTE_SIG_MAXG) || !defined(ATT_COMBINE_DIMS) || \
+    !defined(MLA_HEADS) || !defined(MLA_TOKENS) || !defined(MLA_MAX_RANK) || !defined(MLA_MAX_ROPE)
 #error "compile with the -D options of shared_defines() (kernels/src/cuda/kernel.rs)"
 #endif

@@ -309,28 +309,10 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_bias(
 #error "GG_PIPE_BK must be a multiple of 16 and GG_STAGES at least 2"
 #endif
 
-// 16 bytes from global `src` to shared `dst`, asynchronously; zeros when !valid (src not read).
-__device__ __forceinline__ void gp_copy16(void* dst, const void* src, bool valid) {
-#if __CUDA_ARCH__ >= 800
-    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
-#else
-    *(uint4*)dst = valid ? *(const uint4*)src : make_uint4(0u, 0u, 0u, 0u);
-#endif
-}
-
-__device__ __forceinline__ void gp_commit() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-
-// Wait until at most GG_STAGES - 2 committed groups are still in flight.
-__device__ __forceinline__ void gp_wait() {
-#if __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(GG_STAGES - 2));
-#endif
-}
+// cp.async (common.cuh) under this file's names; gp_wait: at most GG_STAGES - 2 groups in flight.
+__device__ __forceinline__ void gp_copy16(void* dst, const void* src, bool valid) { cp_async16(dst, src, valid); }
+__device__ __forceinline__ void gp_commit() { cp_async_commit(); }
+__device__ __forceinline__ void gp_wait() { cp_async_wait<GG_STAGES - 2>(); }
 
 // A thread's fixed share of a stage's copies: x chunks c = tid + i * GG_THREADS (row c / (GP_BK
 // / 4), 4 floats at column (c % (GP_BK / 4)) * 4), weight chunks likewise (8 bf16 each).

@@ -788,6 +788,7 @@ impl EpilogueCase {
         match self.glu {
             Glu::Silu => moe_lanes_kernels::weights::Activation::Silu,
             Glu::SwigluOai => moe_lanes_kernels::weights::Activation::SwigluOai,
+            Glu::GeluTanh => moe_lanes_kernels::weights::Activation::GeluTanh,
         }
     }
 
@@ -827,12 +828,12 @@ fn assert_rel(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert!(scale > 0.0 && err <= tol * scale, "{what}: max err {err} of {scale}");
 }
 
-/// The epilogues of every case: bf16, Q8_0, MXFP4 and Q5_1 (scale and min) experts; SiLU and the
-/// clamped SwiGLU; with and without per-slot biases.
+/// The epilogues of every case: bf16, Q8_0, MXFP4 and Q5_1 (scale and min) experts; SiLU, the
+/// clamped SwiGLU and Gemma 4's tanh GELU; with and without per-slot biases.
 fn epilogue_cases(be: &CudaBackend, rng: &mut Rng) -> Vec<EpilogueCase> {
     let mut cases = Vec::new();
     for dtype in [WeightDType::BF16, WeightDType::Q8_0, WeightDType::Mxfp4, WeightDType::Q5_1] {
-        for glu in [Glu::Silu, Glu::SwigluOai] {
+        for glu in [Glu::Silu, Glu::SwigluOai, Glu::GeluTanh] {
             for biased in [false, true] {
                 cases.push(EpilogueCase::new(be, rng, dtype, glu, biased));
             }

@@ -202,7 +202,11 @@ pub fn build_engine<'m>(
                 }
                 // A layer kind the GPU engine does not run: the default engine is the pipeline.
                 Err(EngineError::Gpu(
-                    e @ (GpuError::Mixer { .. } | GpuError::Ffn { .. } | GpuError::Activation { .. }),
+                    e @ (GpuError::Mixer { .. }
+                    | GpuError::Ffn { .. }
+                    | GpuError::Activation { .. }
+                    | GpuError::WideHeads { .. }
+                    | GpuError::AttentionKind { .. }),
                 )) if opts.kind.is_none() => gpu_unavailable = Some(e.to_string()),
                 Err(e) => return Err(e),
             },

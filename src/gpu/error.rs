@@ -17,7 +17,7 @@ pub enum GpuError {
     HotSet(#[from] HotSetError),
     #[error(transparent)]
     Cold(crate::moe::cold::ColdError),
-    #[error("the experts' activation is {activation:?}; the GPU kernels implement SiLU only")]
+    #[error("the experts' activation is {activation:?}; the GPU kernels implement SiLU, GPT-OSS's clamped SwiGLU and the tanh GELU only")]
     Activation { activation: crate::model::arch::FfnActivation },
     #[error(
         "layer {layer_idx} is a {kind} layer, which the GPU engine does not run yet (use --engine pipeline)"
@@ -33,6 +33,13 @@ pub enum GpuError {
     TensorType { tensor: String, dtype: &'static str },
     #[error("head_dim {head_dim} is odd; the GPU RoPE kernels need an even head_dim")]
     OddHeadDim { head_dim: usize },
+    #[error(
+        "layer {layer_idx}'s attention heads are {head_dim} wide; the GPU attention kernels take at most {max} \
+         (use --engine pipeline)"
+    )]
+    WideHeads { layer_idx: usize, head_dim: usize, max: usize },
+    #[error("layer {layer_idx}: {what}, which the GPU engine does not run yet (use --engine pipeline)")]
+    AttentionKind { layer_idx: usize, what: &'static str },
     #[error("the hot set has {given} layers, the model has {expected}")]
     HotLayers { given: usize, expected: usize },
     #[error("the hot set has {n_experts} experts per layer, the model has {expected}")]

@@ -20,6 +20,7 @@ use super::head::{embed_rows, head_kernels};
 use super::kv::GpuKvCache;
 use super::model::{GpuModel, GpuSeg};
 use super::options::GpuFaults;
+use super::route::add_moe_output;
 use super::stats::LayerRecord;
 use super::GpuError;
 use crate::cache::perf::PerfMode;
@@ -329,7 +330,7 @@ impl GpuModel {
             dev.mark_tail(0)?;
             return embed_rows(dev, s.step.ptr().sub(0, 1));
         }
-        dev.be.add(s.hidden.ptr(), s.moe_out.ptr(), dev.cfg.hidden)?;
+        add_moe_output(dev, first - 1, 1)?;
         dev.mark(first - 1, 9)
     }
 

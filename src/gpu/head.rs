@@ -62,7 +62,8 @@ impl HeadStage {
     }
 }
 
-/// The embedding rows of the token ids at `ids` (on the device) into the hidden rows.
+/// The embedding rows of the token ids at `ids` (on the device) into the hidden rows (times the
+/// config's embedding scale, Gemma 4's `sqrt(hidden)`).
 pub(crate) fn embed_rows(dev: &Device, ids: DPtr<i32>) -> Result<(), GpuError> {
     let s = dev.s();
     let (table, n, h) = (dev.w.embed.view(), ids.len(), dev.cfg.hidden);
@@ -70,10 +71,13 @@ pub(crate) fn embed_rows(dev: &Device, ids: DPtr<i32>) -> Result<(), GpuError> {
         Some(bf) => dev.be.embed(bf, ids, s.hidden.ptr(), n, h)?,
         None => dev.be.embed_typed(table, dev.cfg.vocab, ids, s.hidden.ptr(), n, h)?,
     }
+    if let Some(scale) = dev.cfg.embedding_scale {
+        dev.be.scale(s.hidden.ptr(), n * h, scale)?;
+    }
     Ok(())
 }
 
-/// The head's kernels (final norm, lm_head, argmax) for the `rows` asked for (`Last`: the last
+/// The head's kernels (final norm, lm_head, the logits' soft cap, argmax) for the `rows` asked for (`Last`: the last
 /// token's row alone, by the one-row GEMV); returns how many logits rows they wrote.
 pub(crate) fn head_kernels(dev: &Device, phase: Phase, t: usize, rows: LogitRows) -> Result<usize, GpuError> {
     let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
@@ -85,6 +89,9 @@ pub(crate) fn head_kernels(dev: &Device, phase: Phase, t: usize, rows: LogitRows
     let head = dev.w.lm_head.as_ref().unwrap_or(&dev.w.embed).view();
     be.rmsnorm(x, dev.w.final_norm.ptr(), s.normed.ptr(), n, c.hidden, c.rms_eps)?;
     dev.linear(phase, s.normed.ptr(), head, s.logits.ptr(), n, c.vocab, c.hidden, false)?;
+    if let Some(cap) = c.final_logit_softcap {
+        be.softcap(s.logits.ptr(), n * c.vocab, cap)?;
+    }
     dev.mark_tail(1)?;
     if n <= 8 {
         // decode: one row over many blocks (the one-block-per-row kernel is latency bound)

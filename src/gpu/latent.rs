@@ -139,6 +139,7 @@ mod tests {
                 theta: 1e4,
                 dims: rope_dim,
                 yarn: None,
+                linear: None,
                 turning_pairs: None,
             },
             scale: 0.1,

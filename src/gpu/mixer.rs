@@ -14,7 +14,7 @@ use crate::model::arch::{AttentionSpec, DeltaNetSpec, LayerPlan, Mixer, QkNorm, 
 use crate::moe::phase::Phase;
 use moe_lanes_kernels::cuda::kernel::{DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM};
 use moe_lanes_kernels::cuda::ops::{
-    AttentionMask, BatchKv, DeltaShape, DevicePos, KvAppend, KvPtr, RopeScaling,
+    AttentionMask, BatchKv, DeltaShape, DevicePos, KvAppend, KvPtr, RopeScaling, ATTENTION_MAX_HEAD_DIM,
 };
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
 
@@ -62,7 +62,8 @@ impl MixerStage {
     fn attention_block(&mut self, cx: &LayerCtx<'_>, segs: &[GpuSeg<'_>]) -> Result<(), GpuError> {
         let (dev, l, phase, t) = (cx.dev, cx.l, cx.phase, cx.t);
         let (c, be) = (&dev.cfg, &dev.be);
-        let (h, qd, kvd) = (c.hidden, c.q_dim(), c.kv_dim());
+        let Heads { qd, kvd, .. } = Heads::of(dev, l);
+        let h = c.hidden;
         let s = dev.s();
         let lw = &dev.w.layers[l];
         let w = lw.attention();
@@ -113,10 +114,18 @@ impl MixerStage {
             be.mul_sigmoid(s.attn.ptr(), s.gate.ptr(), t * qd)?;
         }
         cx.mark(2)?;
-        // o projection accumulates straight into the residual stream (its bias after it).
-        dev.linear(phase, s.attn.ptr(), w.o.view(), s.hidden.ptr(), t, h, qd, true)?;
+        // o projection accumulates straight into the residual stream (its bias after it); with a
+        // post norm (Gemma 4's sandwich) it goes through the shared expert's rows (free until the
+        // FFN), normed, then added.
+        let post = lw.extras.post_norms.as_ref().map(|[attn_post, _]| attn_post);
+        let out = if post.is_some() { s.shared_out.ptr() } else { s.hidden.ptr() };
+        dev.linear(phase, s.attn.ptr(), w.o.view(), out, t, h, qd, post.is_none())?;
         if let Some(b) = &w.o_bias {
-            be.add_bias_rows(s.hidden.ptr(), b.ptr(), t, h)?;
+            be.add_bias_rows(out, b.ptr(), t, h)?;
+        }
+        if let Some(norm) = post {
+            be.rmsnorm(out, norm.ptr(), out, t, h, c.rms_eps)?;
+            be.add(s.hidden.ptr(), out, t * h)?;
         }
         cx.mark(3)
     }
@@ -124,17 +133,12 @@ impl MixerStage {
     /// The split decode attention's partials for `t` rows over the whole cache, and the latent
     /// attention's for its row chunks (grows, never shrinks).
     pub fn reserve_attention(&mut self, dev: &Device, t: usize, cache: &GpuKvCache) -> Result<(), GpuError> {
-        let c = &dev.cfg;
         let latent = dev.plan.layers().iter().filter_map(|l| match &l.mixer {
             Mixer::LatentAttention(m) => Some(m),
             _ => None,
         });
-        let attention = dev.plan.layers().iter().any(|l| l.as_attention().is_some());
-        let need = match attention {
-            true => CudaBackend::attention_split_scratch(t, c.n_heads, c.head_dim, cache.capacity),
-            false => 0,
-        };
-        self.reserve_part(dev, need.max(super::latent::latent_part_floats(latent, t, cache.capacity)).max(1))
+        let latent = super::latent::latent_part_floats(latent, t, cache.capacity);
+        self.reserve_part(dev, split_scratch(dev, t, cache.capacity).max(latent).max(1))
     }
 
     /// The split attention's partials grown to `need` floats (a new allocation: the decode
@@ -151,11 +155,11 @@ impl MixerStage {
     /// output. Decode: positions split over many blocks, partials combined by a second kernel.
     fn attention(&mut self, cx: &LayerCtx<'_>, seg: &GpuSeg<'_>) -> Result<(), GpuError> {
         let (dev, l) = (cx.dev, cx.l);
-        let (c, be) = (&dev.cfg, &dev.be);
+        let be = &dev.be;
         let window = dev.plan.layer(l).attention().window.unwrap_or(0);
         let sinks = dev.w.layers[l].attention().sinks.as_ref().map(|b| b.ptr());
         let mask = AttentionMask { window, sinks };
-        let (nh, nkv, hd, qd) = (c.n_heads, c.n_kv_heads, c.head_dim, c.q_dim());
+        let Heads { nh, nkv, hd, qd, .. } = Heads::of(dev, l);
         let (t, pos0, cache) = (seg.n, seg.pos0, seg.cache);
         let decode = decode_attention(cx.phase, seg);
         if decode {
@@ -191,28 +195,14 @@ impl MixerStage {
     /// split launch and one combine for every sequence.
     fn attention_rows(&mut self, cx: &LayerCtx<'_>, rows: &BatchRows) -> Result<(), GpuError> {
         let (dev, l) = (cx.dev, cx.l);
-        let c = &dev.cfg;
-        let (nh, hd) = (c.n_heads, c.head_dim);
-        self.reserve_part(
-            dev,
-            CudaBackend::attention_split_scratch(rows.n_decode, nh, hd, rows.max_positions),
-        )?;
+        let Heads { nh, nkv, hd, .. } = Heads::of(dev, l);
+        self.reserve_part(dev, split_scratch(dev, rows.n_decode, rows.max_positions))?;
         let part = self.attn_part.as_ref().expect("reserved").ptr();
         let window = dev.plan.layer(l).attention().window.unwrap_or(0);
         let sinks = dev.w.layers[l].attention().sinks.as_ref().map(|b| b.ptr());
         let (s, launch) = (dev.s(), (rows.decode_rows(), rows.n_decode));
         let mask = AttentionMask { window, sinks };
-        dev.be.attention_split_rows(
-            s.q.ptr(),
-            s.attn.ptr(),
-            part,
-            launch,
-            rows.kv(l),
-            nh,
-            c.n_kv_heads,
-            hd,
-            mask,
-        )?;
+        dev.be.attention_split_rows(s.q.ptr(), s.attn.ptr(), part, launch, rows.kv(l), nh, nkv, hd, mask)?;
         Ok(())
     }
 }
@@ -236,9 +226,10 @@ fn qk_norm_rope_rows(
     let scaling = w.rope_freqs.as_ref().map(|(f, scale)| RopeScaling { freqs: f.ptr(), scale: *scale });
     let norm = (a.qk_norm == QkNorm::PerHead)
         .then(|| (w.q_norm.as_ref().expect("validated").ptr(), w.k_norm.as_ref().expect("validated").ptr()));
-    let heads = (c.n_heads, c.n_kv_heads, c.q_dim(), c.kv_dim());
+    let d = Heads::of(dev, l);
+    let heads = (d.nh, d.nkv, d.qd, d.kvd);
     let rope = (a.rope.theta, a.rope.style == RopeStyle::Interleaved, c.rms_eps);
-    dev.be.qk_norm_rope_rows((q, k_new, v_new), norm, kv, heads, (c.head_dim, a.rope.dims), rope, scaling)?;
+    dev.be.qk_norm_rope_rows((q, k_new, v_new), norm, kv, heads, (d.hd, a.rope.dims), rope, scaling)?;
     Ok(())
 }
 
@@ -247,9 +238,16 @@ fn qk_norm_rope_rows(
 fn qkv_projections(cx: &LayerCtx<'_>, [k_new, v_new]: [DPtr<f32>; 2]) -> Result<(), GpuError> {
     let (dev, phase, t) = (cx.dev, cx.phase, cx.t);
     let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
-    let (h, qd, kvd) = (c.hidden, c.q_dim(), c.kv_dim());
+    let Heads { nkv, hd, qd, kvd, .. } = Heads::of(dev, cx.l);
+    let h = c.hidden;
     let w = dev.w.layers[cx.l].attention();
-    let qkv = [w.q.view(), w.k.view(), w.v.view()];
+    let Some(wv) = &w.v else {
+        // values from keys (Gemma 4's global layers): the raw k projection is the values' source
+        dev.linear(phase, s.normed.ptr(), w.q.view(), s.q.ptr(), t, qd, h, false)?;
+        dev.linear(phase, s.normed.ptr(), w.k.view(), k_new, t, kvd, h, false)?;
+        return qkv_ends(cx, [k_new, v_new], Some(k_new), (nkv, hd, qd, kvd));
+    };
+    let qkv = [w.q.view(), w.k.view(), wv.view()];
     let (y, n) = ([s.q.ptr(), k_new, v_new], [qd, kvd, kvd]);
     if let (Phase::Decode, false, [Some(q), Some(k), Some(v)]) =
         (phase, dev.gemm_pays(t), qkv.map(|m| m.bf16()))
@@ -266,7 +264,29 @@ fn qkv_projections(cx: &LayerCtx<'_>, [k_new, v_new]: [DPtr<f32>; 2]) -> Result<
     } else {
         dev.linear(phase, s.normed.ptr(), w.q.view(), s.q.ptr(), t, qd, h, false)?;
         dev.linear(phase, s.normed.ptr(), w.k.view(), k_new, t, kvd, h, false)?;
-        dev.linear(phase, s.normed.ptr(), w.v.view(), v_new, t, kvd, h, false)?;
+        dev.linear(phase, s.normed.ptr(), wv.view(), v_new, t, kvd, h, false)?;
+    }
+    qkv_ends(cx, [k_new, v_new], None, (nkv, hd, qd, kvd))
+}
+
+/// After the q, k, v projections: the values from `v_from` (the raw keys, `values_from_keys`;
+/// none: the v projection's rows in `v_new`) through the weightless v norm
+/// (`AttentionSpec::v_norm`, one launch writing `v_new`) or copied, the output gate's
+/// projection, the biases.
+fn qkv_ends(
+    cx: &LayerCtx<'_>,
+    [k_new, v_new]: [DPtr<f32>; 2],
+    v_from: Option<DPtr<f32>>,
+    (nkv, hd, qd, kvd): (usize, usize, usize, usize),
+) -> Result<(), GpuError> {
+    let (dev, phase, t) = (cx.dev, cx.phase, cx.t);
+    let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
+    let (h, w) = (c.hidden, dev.w.layers[cx.l].attention());
+    let (src, v) = (v_from.unwrap_or(v_new).sub(0, t * kvd), v_new.sub(0, t * kvd));
+    match &w.v_norm {
+        Some(ones) => be.rmsnorm(src, ones.ptr(), v, t * nkv, hd, c.rms_eps)?,
+        None if v_from.is_some() => be.copy(src, v)?,
+        None => {}
     }
     if let Some(gate) = &w.q_gate {
         dev.linear(phase, s.normed.ptr(), gate.view(), s.gate.ptr(), t, qd, h, false)?;
@@ -329,7 +349,7 @@ fn qk_norm_rope(
     append: Option<KvAppend>,
 ) -> Result<(), GpuError> {
     let (c, be, w, a) = (&dev.cfg, &dev.be, dev.w.layers[l].attention(), dev.plan.layer(l).attention());
-    let (qd, kvd, hd, nh, nkv) = (c.q_dim(), c.kv_dim(), c.head_dim, c.n_heads, c.n_kv_heads);
+    let Heads { nh, nkv, hd, qd, kvd } = Heads::of(dev, l);
     let rot = a.rope.dims;
     let (interleaved, theta) = (a.rope.style == RopeStyle::Interleaved, a.rope.theta);
     let scaling = w.rope_freqs.as_ref().map(|(f, scale)| RopeScaling { freqs: f.ptr(), scale: *scale });
@@ -396,11 +416,8 @@ pub(crate) fn qk_fusable(a: &AttentionSpec) -> bool {
 /// layers whose sizes fit its kernels.
 pub(crate) fn runs_mixer(m: &Mixer) -> bool {
     match m {
-        // Gemma 4's proportional RoPE, keys as values, v norm and score scale have no kernels
-        // here yet.
-        Mixer::Attention(a) => {
-            a.rope.turning_pairs.is_none() && !a.values_from_keys && !a.v_norm && a.scale.is_none()
-        }
+        // Every attention layer; what some cannot have is said by name (`unsupported_attention`).
+        Mixer::Attention(_) => true,
         // Latent attention whose latent, rotated part and per-head products fit the kernels
         // (DeepSeek-V3 and Kimi K2: rank 512, rope 64, nope 128).
         Mixer::LatentAttention(m) => super::latent::mla_shape(m).fits(),
@@ -410,6 +427,53 @@ pub(crate) fn runs_mixer(m: &Mixer) -> bool {
                 && d.conv_kernel <= DELTA_MAX_CONV_KERNEL
         }
     }
+}
+
+/// What the GPU engine cannot run of an attention layer, by name: heads wider than the attention
+/// kernels take (Gemma 4 26B-A4B's global layers have 512), a proportional RoPE beside YaRN (both
+/// take the one frequency table), an own score scale without a per-head q norm to fold it into.
+pub(crate) fn unsupported_attention(l: usize, a: &AttentionSpec) -> Option<GpuError> {
+    let what = |what| Some(GpuError::AttentionKind { layer_idx: l, what });
+    if a.head_dim > ATTENTION_MAX_HEAD_DIM {
+        return Some(GpuError::WideHeads { layer_idx: l, head_dim: a.head_dim, max: ATTENTION_MAX_HEAD_DIM });
+    }
+    if a.rope.turning_pairs.is_some() && a.rope.yarn.is_some() {
+        return what("a proportional RoPE with YaRN");
+    }
+    if a.scale.is_some() && a.qk_norm != QkNorm::PerHead {
+        return what("an own attention score scale without a per-head q norm");
+    }
+    None
+}
+
+/// An attention layer's sizes (its own head dim and KV heads where the plan gives them: Gemma
+/// 4's global layers).
+#[derive(Clone, Copy)]
+pub(crate) struct Heads {
+    pub nh: usize,
+    pub nkv: usize,
+    pub hd: usize,
+    /// Query values of a row (`nh * hd`).
+    pub qd: usize,
+    /// Key (or value) values of a row (`nkv * hd`).
+    pub kvd: usize,
+}
+
+impl Heads {
+    /// Layer `l`'s (an attention layer).
+    pub fn of(dev: &Device, l: usize) -> Heads {
+        let (a, nh) = (dev.plan.layer(l).attention(), dev.cfg.n_heads);
+        Heads { nh, nkv: a.n_kv_heads, hd: a.head_dim, qd: a.q_dim(nh), kvd: a.kv_dim() }
+    }
+}
+
+/// The split decode attention's partials for `t` rows over `positions`, for the layer that needs
+/// the most.
+fn split_scratch(dev: &Device, t: usize, positions: usize) -> usize {
+    let layers = dev.plan.layers().iter().filter_map(|s| s.as_attention());
+    let need =
+        |a: &AttentionSpec| CudaBackend::attention_split_scratch(t, dev.cfg.n_heads, a.head_dim, positions);
+    layers.map(need).max().unwrap_or(0)
 }
 
 /// Calls of at least this many tokens run a DeltaNet layer's conv over every (token, channel) at
@@ -427,5 +491,63 @@ pub(crate) fn delta_shape(d: &DeltaNetSpec) -> DeltaShape {
         v_head_dim: d.v_head_dim,
         conv_kernel: d.conv_kernel,
         tiled_v_heads: d.v_heads == VHeadOrder::Tiled,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::arch::RopeSpec;
+
+    /// Gemma 4's global layer as the fixture has it: heads of 32, one KV head, keys as values,
+    /// v norm, unscaled scores, proportional RoPE on 4 of 16 pairs.
+    fn gemma_global(head_dim: usize) -> AttentionSpec {
+        AttentionSpec {
+            head_dim,
+            n_kv_heads: 1,
+            qk_norm: QkNorm::PerHead,
+            qkv_bias: false,
+            rope: RopeSpec {
+                style: RopeStyle::HalfSplit,
+                theta: 1e6,
+                dims: head_dim,
+                yarn: None,
+                linear: None,
+                turning_pairs: Some(head_dim / 8),
+            },
+            window: None,
+            clip_qkv: None,
+            output_gate: false,
+            o_bias: false,
+            sinks: false,
+            values_from_keys: true,
+            v_norm: true,
+            scale: Some(1.0),
+        }
+    }
+
+    #[test]
+    fn gemma_attention_runs_and_what_cannot_is_refused_by_name() {
+        assert!(runs_mixer(&Mixer::Attention(gemma_global(32))));
+        assert!(unsupported_attention(1, &gemma_global(32)).is_none());
+        assert!(unsupported_attention(1, &gemma_global(ATTENTION_MAX_HEAD_DIM)).is_none());
+        // 26B-A4B's global heads of 512: wider than the attention kernels take
+        let e = unsupported_attention(5, &gemma_global(512)).expect("refused").to_string();
+        assert!(e.contains("layer 5") && e.contains("512") && e.contains("at most 256"), "{e}");
+        let unnormed = AttentionSpec { qk_norm: QkNorm::None, ..gemma_global(32) };
+        let e = unsupported_attention(3, &unnormed).expect("refused").to_string();
+        assert!(e.contains("layer 3") && e.contains("score scale"), "{e}");
+        let mut yarn = gemma_global(32);
+        yarn.rope.yarn = Some(crate::model::arch::YarnSpec {
+            factor: 4.0,
+            original_context: 4096,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            truncate: true,
+            attention_factor: 1.0,
+        });
+        let e = unsupported_attention(1, &yarn).expect("refused").to_string();
+        assert!(e.contains("proportional RoPE with YaRN"), "{e}");
+        assert!(qk_fusable(&gemma_global(32)), "the decode graphs take Gemma's q/k norm + RoPE");
     }
 }

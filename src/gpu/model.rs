@@ -24,13 +24,14 @@ use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{PerfMode, PerfState};
 use crate::forward::LogitRows;
 use crate::forward::Logits;
+use crate::model::arch::LayerPlan;
 use crate::model::config::ModelConfig;
 use crate::model::context::KvType;
 use crate::model::Model;
 use crate::moe::cold::{ColdLane, PlainColdLane};
 use crate::moe::phase::Phase;
 use crate::reference::ForwardError;
-use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer};
+use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, Glu};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -59,7 +60,7 @@ const DEQUANT_SCRATCH_ELEMS: usize = 16 << 20;
 /// quantized matrix (dense or expert) up to [`DEQUANT_SCRATCH_ELEMS`].
 fn dequant_scratch(
     be: &CudaBackend,
-    cfg: &ModelConfig,
+    (cfg, plan): (&ModelConfig, &LayerPlan),
     w: &DenseWeights,
     hot: &HotCache,
 ) -> Result<Option<DeviceBuffer<u16>>, GpuError> {
@@ -68,8 +69,16 @@ fn dequant_scratch(
     if most == 0 {
         return Ok(None);
     }
-    let widest_row = cfg.hidden.max(cfg.q_dim()).max(cfg.expert_ff).max(cfg.shared_expert_ff);
+    let widest_row =
+        cfg.hidden.max(widest_attention(plan, cfg).0).max(cfg.expert_ff).max(cfg.shared_expert_ff);
     Ok(Some(be.alloc_zeros::<u16>(most.min(DEQUANT_SCRATCH_ELEMS.max(widest_row)))?))
+}
+
+/// The widest attention layer's query and key rows `(q_dim, kv_dim)` (the config's where no
+/// layer has its own sizes).
+fn widest_attention(plan: &LayerPlan, cfg: &ModelConfig) -> (usize, usize) {
+    let layers = plan.layers().iter().filter_map(|l| l.as_attention());
+    layers.fold((cfg.q_dim(), cfg.kv_dim()), |(q, kv), a| (q.max(a.q_dim(cfg.n_heads)), kv.max(a.kv_dim())))
 }
 
 /// A model resident on one GPU, as a loop over owned stages: the shared `Device` (device,
@@ -91,8 +100,9 @@ impl GpuModel {
     /// name, otherwise (checked before anything touches the device).
     pub fn supports(model: &Model) -> Result<(), GpuError> {
         let cfg = model.config();
-        if cfg.head_dim % 2 == 1 {
-            return Err(GpuError::OddHeadDim { head_dim: cfg.head_dim });
+        let head_dims = model.plan().layers().iter().filter_map(|l| l.as_attention().map(|a| a.head_dim));
+        if let Some(head_dim) = std::iter::once(cfg.head_dim).chain(head_dims).find(|d| d % 2 == 1) {
+            return Err(GpuError::OddHeadDim { head_dim });
         }
         let iq4_nl = crate::format::dtype::DType::IQ4_NL;
         if let Some((tensor, ..)) = model.tensor_list().into_iter().find(|(_, d, ..)| *d == iq4_nl) {
@@ -101,38 +111,40 @@ impl GpuModel {
         if let Some((layer_idx, kind)) = model.plan().first_unsupported(super::mixer::runs_mixer) {
             return Err(GpuError::Mixer { layer_idx, kind });
         }
-        // Layers with their own head dim or KV heads (Gemma 4's global layers), sandwich norms and
-        // output scalars have no kernels here yet; nor embedding scales or soft-capped logits.
-        let own_sizes = |l: &crate::model::arch::LayerSpec| {
-            l.as_attention().is_some_and(|a| a.head_dim != cfg.head_dim || a.n_kv_heads != cfg.n_kv_heads)
+        let attention =
+            model.plan().layers().iter().enumerate().filter_map(|(l, s)| Some((l, s.as_attention()?)));
+        if let Some(e) = attention.filter_map(|(l, a)| super::mixer::unsupported_attention(l, a)).next() {
+            return Err(e);
+        }
+        // Sandwich norms and output scalars are applied around attention layers and MoE blocks
+        // (Gemma 4); a DeltaNet mixer or a dense FFN layer with them has no architecture.
+        let sandwich = |l: &crate::model::arch::LayerSpec| {
+            (l.post_norms || l.output_scale) && (l.as_attention().is_none() || l.as_moe().is_none())
         };
-        if let Some(layer_idx) = model.plan().layers().iter().position(own_sizes) {
-            return Err(GpuError::Mixer { layer_idx, kind: "attention with its own head dim or KV heads" });
-        }
-        let sandwich = |l: &crate::model::arch::LayerSpec| l.post_norms || l.output_scale;
         if let Some(layer_idx) = model.plan().layers().iter().position(sandwich) {
-            return Err(GpuError::Mixer { layer_idx, kind: "a layer with post norms or an output scalar" });
+            return Err(GpuError::Mixer {
+                layer_idx,
+                kind: "a layer with post norms or an output scalar that is not attention + MoE",
+            });
         }
-        if cfg.embedding_scale.is_some() || cfg.final_logit_softcap.is_some() {
-            return Err(GpuError::Mixer { layer_idx: 0, kind: "scaled embeddings or soft-capped logits" });
-        }
-        // SiLU and GPT-OSS's clamped SwiGLU experts have hot-lane kernels; the GELUs none.
+        // SiLU, GPT-OSS's clamped SwiGLU and Gemma 4's tanh GELU experts have hot-lane kernels;
+        // the erf GELU none.
         super::hot_cache::expert_glu(model)?;
-        // Dense FFN layers run SiLU-gated (the only activation of the architectures with them).
+        // Dense FFN layers run the same gated activations.
         if let Some((layer_idx, kind)) = model.plan().first_unsupported_ffn(|f| match f {
             crate::model::arch::Ffn::Moe(_) => true,
-            crate::model::arch::Ffn::Dense(d) => d.activation == crate::model::arch::FfnActivation::Silu,
+            crate::model::arch::Ffn::Dense(d) => Glu::of(d.activation.kernel()).is_some(),
         }) {
             return Err(GpuError::Ffn { layer_idx, kind });
         }
-        // Gemma 4's scaled router, per-expert scales and per-branch norms have no kernels here yet.
-        let gemma = |l: &crate::model::arch::LayerSpec| {
-            l.as_moe().is_some_and(|m| m.router.scaled_input || m.router.per_expert_scale || m.branch_norms)
+        // Per-branch norms normalise the dense (shared) branch's output: they come with one.
+        let branch = |l: &crate::model::arch::LayerSpec| {
+            l.as_moe().is_some_and(|m| m.branch_norms && m.shared.is_none())
         };
-        if let Some(layer_idx) = model.plan().layers().iter().position(gemma) {
+        if let Some(layer_idx) = model.plan().layers().iter().position(branch) {
             return Err(GpuError::Ffn {
                 layer_idx,
-                kind: "mixture of experts with a scaled router, per-expert scales or branch norms",
+                kind: "mixture of experts with branch norms but no dense branch",
             });
         }
         Ok(())
@@ -147,7 +159,7 @@ impl GpuModel {
         super::kv::check_kv_blocks(model.plan(), opts.kv_type)?;
         let w = DenseWeights::upload(&model, &be)?;
         let hot = HotCache::empty(&be, &model)?;
-        let dequant = dequant_scratch(&be, &cfg, &w, &hot)?;
+        let dequant = dequant_scratch(&be, (&cfg, model.plan()), &w, &hot)?;
         let wants_scratch = opts.hot_dequant_bytes > 0;
         let hot_dequant = if hot.any_quantized() && wants_scratch {
             Some(HotDequant::new(&be, &cfg, opts.hot_dequant_bytes, opts.hot_dequant_overlap)?)
@@ -297,7 +309,8 @@ impl GpuModel {
             crate::model::arch::Ffn::Dense(d) => Some(d.ff),
             crate::model::arch::Ffn::Moe(_) => None,
         });
-        let s = Scratch::new(&dev.be, &dev.cfg, t, gated, dense_ff.max().unwrap_or(0))?;
+        let attn = widest_attention(&dev.plan, &dev.cfg);
+        let s = Scratch::new(&dev.be, &dev.cfg, t, gated, dense_ff.max().unwrap_or(0), attn)?;
         self.moe.reserve(&dev.be, &dev.cfg, s.cap)?;
         self.head = HeadStage::new(&dev.be, &dev.cfg, s.cap)?;
         dev.scratch = Some(s);

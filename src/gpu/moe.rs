@@ -24,7 +24,7 @@ use super::device::{Device, LayerCtx};
 use super::hot_cache::{HotCache, SlotEpilogue};
 use super::hot_dequant::{plan_chunks, HotDequant};
 use super::postfetch::{PostFetch, PF_CPU, PF_LATE};
-use super::route::{dense_ffn, route_fusable, route_ids, shared_expert};
+use super::route::{add_moe_output, dense_ffn, route_fusable, route_ids, shared_expert};
 use super::scratch::{HostScratch, MoePinned, RouteView, WorkLayout};
 use super::stats::{LaneEvents, LayerRecord};
 use super::GpuError;
@@ -175,7 +175,8 @@ impl MoeStage {
         let all_hot = self.hot.all_hot(l);
         // All-hot decode without a shared expert: the hot lane accumulates straight into the
         // residual stream (no zero fill, no add).
-        let direct = device_path && all_hot && dev.w.layers[l].shared.is_none();
+        let lw = &dev.w.layers[l];
+        let direct = device_path && all_hot && lw.shared.is_none() && !lw.extras.around_output();
         let to_host = !(device_path && all_hot);
         // the fused routing also writes the device path's hot worklist
         let fused = device_path && route_fusable(dev, l);
@@ -198,8 +199,7 @@ impl MoeStage {
         let (dev, l, t) = (cx.dev, cx.l, cx.t);
         let fell_back = self.settle(cx, perf, cold, outcome)?;
         if !direct || fell_back {
-            let s = dev.s();
-            dev.be.add(s.hidden.ptr(), s.moe_out.ptr(), t * dev.cfg.hidden)?;
+            add_moe_output(dev, l, t)?;
         }
         dev.mark(l, 9)?;
         Ok(())

@@ -9,7 +9,7 @@ use super::weights::SharedWeights;
 use super::GpuError;
 use crate::model::arch::{Ffn, RoutingVariant};
 use moe_lanes_kernels::cuda::ops::{HotWorklist, NormRows, RouteVariant, SigmoidRoute};
-use moe_lanes_kernels::cuda::{CudaBackend, DPtr};
+use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, Glu};
 
 impl MoeStage {
     /// FFN norm, router GEMV and top-k on the GPU into layer `cx.l`'s routing section (the fused
@@ -32,16 +32,25 @@ impl MoeStage {
         if zero_moe {
             be.zero(s.moe_out.ptr().sub(0, t * h))?;
         }
+        let lw = &dev.w.layers[l];
         if fused {
             self.route_fused(cx, ids, wts)?;
         } else {
-            let lw = &dev.w.layers[l];
-            be.rmsnorm(s.hidden.ptr(), lw.ffn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
+            be.rmsnorm(s.hidden.ptr(), router_norm(dev, l).ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
             dev.gemv(s.normed.ptr(), lw.router(), s.router_logits.ptr(), t, c.n_experts, h, false)?;
             if let Some(b) = &lw.router_bias {
                 be.add_bias_rows(s.router_logits.ptr(), b.ptr(), t, c.n_experts)?;
             }
             top_k(dev, l, t, ids, wts)?;
+        }
+        if let Some(scale) = &lw.extras.router_expert_scale {
+            be.route_expert_scale(ids, wts, scale.ptr(), t * k, c.n_experts)?;
+        }
+        if lw.extras.branch_norms.is_some() {
+            // the router read its own norm of the residual: the branches, then the experts' input
+            branches(cx)?;
+        } else if lw.extras.router_input_scale.is_some() {
+            be.rmsnorm(s.hidden.ptr(), lw.ffn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
         }
         if to_host {
             let rows = s.normed.ptr().sub(0, if rows_to_host { t * h } else { 0 });
@@ -69,7 +78,7 @@ impl MoeStage {
         };
         let rows = NormRows {
             x: s.hidden.ptr(),
-            weight: dev.w.layers[l].ffn_norm.ptr(),
+            weight: router_norm(dev, l).ptr(),
             normed: s.normed.ptr(),
             n_rows: t,
             dim: c.hidden,
@@ -137,11 +146,60 @@ pub(crate) fn route_fusable(dev: &Device, l: usize) -> bool {
         && CudaBackend::route_decode_fits(c.hidden, c.n_experts)
 }
 
+/// The weight of the RMSNorm the router reads: the FFN norm's, or (Gemma 4) the learned input
+/// scale times `hidden^-0.5` over the residual.
+fn router_norm(dev: &Device, l: usize) -> &DeviceBuffer<f32> {
+    let lw = &dev.w.layers[l];
+    lw.extras.router_input_scale.as_ref().unwrap_or(&lw.ffn_norm)
+}
+
+/// Per-branch norms (Gemma 4, `MoeSpec::branch_norms`), after the routing: the dense branch
+/// over the FFN norm's rows, normed by its post norm into the shared expert's rows (the join
+/// adds them, [`add_moe_output`]); then the experts' input, their own norm of the residual, in
+/// the normed rows the lanes read.
+fn branches(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
+    let (dev, l, t) = (cx.dev, cx.l, cx.t);
+    let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
+    let lw = &dev.w.layers[l];
+    let [shared_post, experts_pre, _] = lw.extras.branch_norms.as_ref().expect("a layer with branch norms");
+    let sw = lw.shared.as_ref().expect("branch norms come with the dense branch (GpuModel::supports)");
+    let (h, out) = (c.hidden, s.shared_out.ptr());
+    be.rmsnorm(s.hidden.ptr(), lw.ffn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
+    gated_ffn(cx, sw, c.shared_expert_ff, out, false)?;
+    be.rmsnorm(out, shared_post.ptr(), out, t, h, c.rms_eps)?;
+    be.rmsnorm(s.hidden.ptr(), experts_pre.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
+    Ok(())
+}
+
+/// The layer's MoE output (`moe_out`, the routed experts' rows joined) into the residual
+/// stream: with branch norms normed by the experts' post norm and the dense branch's rows added;
+/// normed by the FFN's post norm (sandwich norms); added; the layer's output scalar on the
+/// residual (Gemma 4). Other layers: the one add.
+pub(crate) fn add_moe_output(dev: &Device, l: usize, t: usize) -> Result<(), GpuError> {
+    let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
+    let (x, h, ex) = (s.moe_out.ptr(), c.hidden, &dev.w.layers[l].extras);
+    if let Some([_, _, experts_post]) = &ex.branch_norms {
+        be.rmsnorm(x, experts_post.ptr(), x, t, h, c.rms_eps)?;
+        be.add(x, s.shared_out.ptr(), t * h)?;
+    }
+    if let Some([_, ffn_post]) = &ex.post_norms {
+        be.rmsnorm(x, ffn_post.ptr(), x, t, h, c.rms_eps)?;
+    }
+    be.add(s.hidden.ptr(), x, t * h)?;
+    if let Some(scale) = ex.output_scale {
+        be.scale(s.hidden.ptr(), t * h, scale)?;
+    }
+    Ok(())
+}
+
 /// The shared expert, added into the layer's MoE output (scaled by its sigmoid gate when it
-/// has one).
+/// has one); with branch norms it ran with the routing and the join adds it.
 pub(crate) fn shared_expert(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
     let (dev, t) = (cx.dev, cx.t);
     let Some(sw) = &dev.w.layers[cx.l].shared else { return Ok(()) };
+    if dev.w.layers[cx.l].extras.branch_norms.is_some() {
+        return Ok(());
+    }
     let (h, be, s) = (dev.cfg.hidden, &dev.be, dev.s());
     gated_ffn(cx, sw, dev.cfg.shared_expert_ff, s.shared_out.ptr(), false)?;
     match &sw.gate_logit {
@@ -154,7 +212,7 @@ pub(crate) fn shared_expert(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
     Ok(())
 }
 
-/// A dense FFN layer (no experts): FFN norm, then `down · silu(gate · x) * (up · x)` added
+/// A dense FFN layer (no experts): FFN norm, then `down · act(gate · x) * (up · x)` added
 /// straight into the residual stream.
 pub(crate) fn dense_ffn(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
     let (dev, l, t) = (cx.dev, cx.l, cx.t);
@@ -167,7 +225,8 @@ pub(crate) fn dense_ffn(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
     gated_ffn(cx, w, d.ff, s.hidden.ptr(), true)
 }
 
-/// `out (+)= down · silu(gate · x) * (up · x)` over the FFN-normed rows, `ff` wide.
+/// `out (+)= down · act(gate · x) * (up · x)` over the FFN-normed rows, `ff` wide (the layer's
+/// activation: SiLU, or Gemma 4's tanh GELU).
 fn gated_ffn(
     cx: &LayerCtx<'_>,
     w: &SharedWeights,
@@ -179,7 +238,15 @@ fn gated_ffn(
     let (h, s) = (dev.cfg.hidden, dev.s());
     dev.linear(phase, s.normed.ptr(), w.gate.view(), s.g.ptr(), t, ff, h, false)?;
     dev.linear(phase, s.normed.ptr(), w.up.view(), s.u.ptr(), t, ff, h, false)?;
-    dev.be.silu_mul(s.g.ptr(), s.u.ptr(), s.h.ptr(), t * ff)?;
+    let activation = match dev.plan.layer(cx.l).ffn {
+        Ffn::Moe(m) => m.activation,
+        Ffn::Dense(d) => d.activation,
+    };
+    match Glu::of(activation.kernel()) {
+        Some(Glu::Silu) => dev.be.silu_mul(s.g.ptr(), s.u.ptr(), s.h.ptr(), t * ff)?,
+        Some(glu) => dev.be.glu_mul(glu, s.g.ptr(), s.u.ptr(), s.h.ptr(), t * ff)?,
+        None => return Err(GpuError::Activation { activation }),
+    }
     dev.linear(phase, s.h.ptr(), w.down.view(), out, t, h, ff, accumulate)
 }
 

@@ -106,13 +106,15 @@ pub(crate) struct Scratch {
 
 impl Scratch {
     /// `gated`: some attention layer has an output gate (its logits need a buffer); `dense_ff`:
-    /// the widest dense FFN layer's intermediate size (0: none).
+    /// the widest dense FFN layer's intermediate size (0: none); `(q_dim, kv_dim)`: the widest
+    /// attention layer's query and key rows (layers may have their own, Gemma 4's global ones).
     pub fn new(
         be: &CudaBackend,
         c: &ModelConfig,
         t: usize,
         gated: bool,
         dense_ff: usize,
+        (q_dim, kv_dim): (usize, usize),
     ) -> Result<Scratch, GpuError> {
         let cap = t.next_power_of_two().max(8);
         let k = c.n_experts_used;
@@ -131,7 +133,7 @@ impl Scratch {
             (2 * h.n_k_heads * h.k_head_dim + 2 * vd, 2 * h.n_v_heads, vd, shape.prefill_work_floats(cap))
         });
         let mla = MlaScratch::new(be, c, cap)?;
-        let widest = c.hidden.max(c.q_dim()).max(c.expert_ff).max(c.shared_expert_ff).max(vd).max(dense_ff);
+        let widest = c.hidden.max(q_dim).max(c.expert_ff).max(c.shared_expert_ff).max(vd).max(dense_ff);
         // A latent layer's projections read `q_a`'s rows (`q_b`) and the heads' values (`o`).
         let widest = widest
             .max(c.mla.as_ref().map_or(0, |m| m.q_lora_rank.unwrap_or(0).max(c.n_heads * m.v_head_dim)));
@@ -142,17 +144,17 @@ impl Scratch {
             layout,
             tokens: be.alloc_zeros::<i32>(cap)?,
             step: be.alloc_zeros::<i32>(2)?,
-            kv_step: f(2 * cap * c.kv_dim())?,
+            kv_step: f(2 * cap * kv_dim)?,
             hidden: f(cap * c.hidden)?,
             normed: f(cap * c.hidden)?,
             moe_out: f(cap * c.hidden)?,
-            q: f(cap * c.q_dim())?,
-            gate: f(if gated { cap * c.q_dim() } else { 0 })?,
+            q: f(cap * q_dim)?,
+            gate: f(if gated { cap * q_dim } else { 0 })?,
             delta_p: f(cap * p_stride)?,
             delta_ba: f(cap * ba)?,
             delta_out: f(cap * vd)?,
             delta_work: f(work)?,
-            attn: f(cap * c.q_dim())?,
+            attn: f(cap * q_dim)?,
             mla,
             router_logits: f(cap * c.n_experts)?,
             route_counter: be.alloc_zeros::<u32>(cap)?,

@@ -9,7 +9,7 @@ use super::GpuError;
 use crate::format::dtype::DType;
 use crate::format::tensor::{TensorError, TensorRef};
 use crate::model::arch::{
-    AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, LatentAttentionSpec, Mixer, YarnSpec,
+    AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, LatentAttentionSpec, Mixer, RopeSpec,
 };
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
@@ -53,6 +53,58 @@ pub(crate) struct LayerWeights {
     pub shared: Option<SharedWeights>,
     /// A dense FFN layer's gate, up and down (DeepSeek-V3's and GLM-4.5's leading layers).
     pub dense: Option<SharedWeights>,
+    /// Gemma 4's sandwich norms, output scalar and router extras (all none elsewhere).
+    pub extras: LayerExtras,
+}
+
+/// A layer's vectors beside the usual norms (Gemma 4; see `src/model/arch/gemma4.rs`), f32.
+#[derive(Default)]
+pub(crate) struct LayerExtras {
+    /// The post norms of the mixer's and the FFN's outputs (`LayerSpec::post_norms`).
+    pub post_norms: Option<[DeviceBuffer<f32>; 2]>,
+    /// The learned scalar on the layer's output (`LayerSpec::output_scale`).
+    pub output_scale: Option<f32>,
+    /// The router's input scale times `hidden^-0.5`, the weight of the weightless RMSNorm of the
+    /// residual that the router reads (`RouterSpec::scaled_input`).
+    pub router_input_scale: Option<DeviceBuffer<f32>>,
+    /// The per-expert scale on the routing weights after the top-k
+    /// (`RouterSpec::per_expert_scale`).
+    pub router_expert_scale: Option<DeviceBuffer<f32>>,
+    /// `MoeSpec::branch_norms`: the shared branch's post norm, the experts' pre and post norms.
+    pub branch_norms: Option<[DeviceBuffer<f32>; 3]>,
+}
+
+impl LayerExtras {
+    /// Something is applied to the layer's MoE output before or after it joins the residual
+    /// stream (the hot lane cannot accumulate into the residual straight).
+    pub fn around_output(&self) -> bool {
+        self.post_norms.is_some() || self.output_scale.is_some() || self.branch_norms.is_some()
+    }
+
+    fn upload(model: &Model, l: usize, be: &CudaBackend) -> Result<LayerExtras, GpuError> {
+        let spec = model.layer_spec(l);
+        let moe = spec.as_moe();
+        let wanted = spec.post_norms
+            || spec.output_scale
+            || moe.is_some_and(|m| m.router.scaled_input || m.router.per_expert_scale || m.branch_norms);
+        if !wanted {
+            return Ok(LayerExtras::default());
+        }
+        let v = crate::moe::dense::LayerVectors::load(model, l)?;
+        let one = |x: &Vec<f32>| be.upload(x).map_err(GpuError::from);
+        let three = |[a, b, c]: &[Vec<f32>; 3]| -> Result<_, GpuError> { Ok([one(a)?, one(b)?, one(c)?]) };
+        Ok(LayerExtras {
+            post_norms: v
+                .post_norms
+                .as_ref()
+                .map(|[a, b]| Ok::<_, GpuError>([one(a)?, one(b)?]))
+                .transpose()?,
+            output_scale: v.output_scale,
+            router_input_scale: v.router_input_scale.as_ref().map(one).transpose()?,
+            router_expert_scale: v.router_expert_scale.as_ref().map(one).transpose()?,
+            branch_norms: v.branch_norms.as_ref().map(three).transpose()?,
+        })
+    }
 }
 
 impl LayerWeights {
@@ -112,19 +164,27 @@ pub(crate) struct AttentionWeights {
     /// The output gate's rows of a gated attention layer.
     pub q_gate: Option<DevMatrix>,
     pub k: DevMatrix,
-    pub v: DevMatrix,
+    /// None: the values are the k projection's output (`AttentionSpec::values_from_keys`).
+    pub v: Option<DevMatrix>,
     pub o: DevMatrix,
     pub q_bias: Option<DeviceBuffer<f32>>,
     pub k_bias: Option<DeviceBuffer<f32>>,
     pub v_bias: Option<DeviceBuffer<f32>>,
+    /// The per-head q norm's weight; times `scale * sqrt(head_dim)` for a layer with its own
+    /// score scale (`AttentionSpec::scale`, Gemma 4's 1.0), which the kernels' `1/sqrt(head_dim)`
+    /// then gives back (RoPE is linear, so the scale passes through it).
     pub q_norm: Option<DeviceBuffer<f32>>,
     pub k_norm: Option<DeviceBuffer<f32>>,
+    /// Ones of `head_dim`: the weight of the weightless RMSNorm of each value head
+    /// (`AttentionSpec::v_norm`).
+    pub v_norm: Option<DeviceBuffer<f32>>,
     /// Added to the o projection's output (GPT-OSS).
     pub o_bias: Option<DeviceBuffer<f32>>,
     /// One learned logit per query head joining each row's softmax (GPT-OSS).
     pub sinks: Option<DeviceBuffer<f32>>,
     /// YaRN's inverse frequency per rotated pair (f64, the reference's values) and its factor
-    /// on sin and cos; none for plain `theta^(-2i/rot)` RoPE.
+    /// on sin and cos, or a proportional RoPE's (`RopeSpec::turning_pairs`: `theta^(-2i/rot)` for
+    /// the turning pairs, 0 after them, factor 1); none for plain `theta^(-2i/rot)` RoPE.
     pub rope_freqs: Option<(DeviceBuffer<f64>, f32)>,
 }
 
@@ -330,6 +390,7 @@ fn upload_layer(model: &Model, l: usize, up: &mut Uploader<'_>) -> Result<LayerW
         selection_bias: opt_vec(up, LayerRole::RouterSelectionBias)?,
         shared,
         dense,
+        extras: LayerExtras::upload(model, l, up.be)?,
     })
 }
 
@@ -355,16 +416,23 @@ fn upload_attention(
         q,
         q_gate,
         k: up.mat(req(LayerRole::K))?,
-        v: up.mat(req(LayerRole::V))?,
+        v: if a.values_from_keys { None } else { Some(up.mat(req(LayerRole::V))?) },
         o: up.mat(req(LayerRole::O))?,
         q_bias: opt_vec(up, LayerRole::QBias)?,
         k_bias: opt_vec(up, LayerRole::KBias)?,
         v_bias: opt_vec(up, LayerRole::VBias)?,
-        q_norm: norm(up, LayerRole::QNorm)?,
+        q_norm: match (a.scale, model.norm_weight(l, LayerRole::QNorm)?) {
+            (Some(scale), Some(w)) => {
+                let by = scale * (a.head_dim as f32).sqrt();
+                Some(up.be.upload(&w.iter().map(|x| x * by).collect::<Vec<f32>>())?)
+            }
+            _ => norm(up, LayerRole::QNorm)?,
+        },
         k_norm: norm(up, LayerRole::KNorm)?,
+        v_norm: if a.v_norm { Some(up.be.upload(&vec![1f32; a.head_dim])?) } else { None },
         o_bias: opt_vec(up, LayerRole::OBias)?,
         sinks: opt_vec(up, LayerRole::Sinks)?,
-        rope_freqs: a.rope.yarn.map(|y| yarn_table(up.be, &y, a.rope.dims, a.rope.theta)).transpose()?,
+        rope_freqs: a.rope.needs_table().then(|| rope_table(up.be, &a.rope)).transpose()?,
     })
 }
 
@@ -399,20 +467,19 @@ fn upload_latent(
         k_b,
         v_b,
         o: up.mat(req(LayerRole::O))?,
-        rope_freqs: m.rope.yarn.map(|y| yarn_table(up.be, &y, m.rope.dims, m.rope.theta)).transpose()?,
+        rope_freqs: m.rope.needs_table().then(|| rope_table(up.be, &m.rope)).transpose()?,
     })
 }
 
-/// YaRN's inverse frequencies for a `dims`-wide rotation (the formula every engine reads,
-/// [`YarnSpec::inv_freq`]) on the device, with its attention factor.
-fn yarn_table(
-    be: &CudaBackend,
-    y: &YarnSpec,
-    dims: usize,
-    theta: f32,
-) -> Result<(DeviceBuffer<f64>, f32), GpuError> {
-    let freqs: Vec<f64> = (0..dims / 2).map(|i| y.inv_freq(i, dims, theta)).collect();
-    Ok((be.upload(&freqs)?, y.attention_factor))
+/// A RoPE's inverse frequencies (the formula every engine reads, [`RopeSpec::inv_freq`]: YaRN's,
+/// linear scaling's, a proportional RoPE's) on the device, with its attention factor.
+fn rope_table(be: &CudaBackend, rope: &RopeSpec) -> Result<(DeviceBuffer<f64>, f32), GpuError> {
+    Ok((be.upload(&rope_freqs(rope))?, rope.attention_factor() as f32))
+}
+
+/// [`rope_table`]'s values, a pair each.
+fn rope_freqs(rope: &RopeSpec) -> Vec<f64> {
+    (0..rope.dims / 2).map(|i| rope.inv_freq(i)).collect()
 }
 
 fn upload_delta_net(
@@ -466,4 +533,33 @@ fn upload_delta_net(
         norm: up.vec(req(LayerRole::DeltaNorm))?,
         out: up.mat(req(LayerRole::DeltaOut))?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rope_freqs;
+    use crate::model::arch::{RopeSpec, RopeStyle};
+
+    fn rope(turning_pairs: Option<usize>, linear: Option<f32>) -> RopeSpec {
+        let style = RopeStyle::HalfSplit;
+        RopeSpec { style, theta: 1e6, dims: 32, yarn: None, linear, turning_pairs }
+    }
+
+    /// Gemma 4's global layers: heads of 32 turning 4 pairs at `theta^(-2i/32)`, the other 12 at
+    /// frequency 0 (they stay, as the reference's `apply_rope` leaves them).
+    #[test]
+    fn a_proportional_rope_turns_its_first_pairs_at_the_full_heads_frequencies() {
+        let f = rope_freqs(&rope(Some(4), None));
+        assert_eq!(f.len(), 16);
+        assert_eq!(f[0], 1.0);
+        assert!((f[3] - 1e6f64.powf(-6.0 / 32.0)).abs() < 1e-15, "{}", f[3]);
+        assert!(f[4..].iter().all(|&x| x == 0.0));
+    }
+
+    /// Linear scaling: every pair a quarter as fast at factor 4.
+    #[test]
+    fn linear_scaling_divides_every_frequency() {
+        let (plain, scaled) = (rope_freqs(&rope(None, None)), rope_freqs(&rope(None, Some(4.0))));
+        assert!(plain.iter().zip(&scaled).all(|(p, s)| (p / 4.0 - s).abs() < 1e-18 && *s > 0.0));
+    }
 }

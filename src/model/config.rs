@@ -40,6 +40,10 @@ pub struct ModelConfig {
     pub sliding_window_layers: Option<Vec<usize>>,
     /// YaRN RoPE scaling (`rope_parameters.rope_type` "yarn"; GGUF `rope.scaling.type`).
     pub yarn: Option<YarnSpec>,
+    /// Linear RoPE scaling ("position interpolation", `rope_type` "linear"; GGUF
+    /// `rope.scaling.type` "linear"): every frequency divided by this factor. At most one of
+    /// `yarn` and this is set.
+    pub rope_linear: Option<f32>,
     /// Clamp q/k/v projections to `[-clip, clip]` (OLMoE option).
     pub clip_qkv: Option<f32>,
     /// Leading values of each attention head that RoPE rotates (`head_dim`, or
@@ -260,7 +264,7 @@ impl<'a> HfFields<'a> {
         if let Some(params) = self.raw("rope_parameters") {
             let nested = HfFields { path: self.path, value: params };
             if let Some(kind) = nested.opt_str("rope_type")? {
-                if kind != "default" && kind != "yarn" {
+                if !["default", "yarn", "linear"].contains(&kind) {
                     return Err(
                         self.invalid("rope_parameters.rope_type", format!("'{kind}' is not supported"))
                     );
@@ -337,17 +341,40 @@ impl<'a> HfFields<'a> {
         Ok(full)
     }
 
+    /// The factor of linear RoPE scaling from `rope_scaling` or `rope_parameters` (`rope_type`
+    /// or `type` "linear"), at least 1; `None` for any other kind.
+    fn rope_linear(&self) -> Result<Option<f32>, ConfigError> {
+        let Some((field, scaling)) = self.rope_scaling_field() else { return Ok(None) };
+        let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str);
+        if kind != Some("linear") {
+            return Ok(None);
+        }
+        let f = HfFields { path: self.path, value: scaling };
+        match f.opt_f64("factor")? {
+            Some(factor) if factor >= 1.0 && factor.is_finite() => Ok(Some(factor as f32)),
+            other => {
+                Err(self.invalid(field, format!("linear RoPE scaling needs a 'factor' >= 1, not {other:?}")))
+            }
+        }
+    }
+
+    /// Where the RoPE scaling is: `rope_scaling` (older Hub configs), else transformers 5's
+    /// `rope_parameters`.
+    fn rope_scaling_field(&self) -> Option<(&'static str, &Value)> {
+        match (self.raw("rope_parameters"), self.raw("rope_scaling")) {
+            (_, Some(s)) => Some(("rope_scaling", s)),
+            (Some(p), None) => Some(("rope_parameters", p)),
+            (None, None) => None,
+        }
+    }
+
     /// YaRN scaling from `rope_parameters` (transformers 5) or `rope_scaling`; other scaling
-    /// kinds are refused by name.
+    /// kinds than linear ([`Self::rope_linear`]) are refused by name.
     fn yarn(&self) -> Result<Option<YarnSpec>, ConfigError> {
-        let (field, scaling) = match (self.raw("rope_parameters"), self.raw("rope_scaling")) {
-            (_, Some(s)) => ("rope_scaling", s),
-            (Some(p), None) => ("rope_parameters", p),
-            (None, None) => return Ok(None),
-        };
+        let Some((field, scaling)) = self.rope_scaling_field() else { return Ok(None) };
         let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(Value::as_str);
         match kind {
-            None | Some("default") => return Ok(None),
+            None | Some("default") | Some("linear") => return Ok(None),
             Some("yarn") => {}
             Some(other) => {
                 return Err(self.invalid(field, format!("'{other}' RoPE scaling is not supported")))
@@ -658,7 +685,7 @@ impl ModelConfig {
                 ));
             }
         }
-        let yarn = f.yarn()?;
+        let (yarn, rope_linear) = (f.yarn()?, f.rope_linear()?);
         refuse_dense_layers(&f)?;
         let hidden = f.usize("hidden_size")?;
         let n_heads = f.usize("num_attention_heads")?;
@@ -716,6 +743,7 @@ impl ModelConfig {
             sliding_window,
             sliding_window_layers,
             yarn,
+            rope_linear,
             clip_qkv: f.opt_f64("clip_qkv")?.map(|c| c as f32),
             rotary_dims,
             hybrid,
@@ -956,6 +984,9 @@ impl ModelConfig {
         let obj = v.as_object_mut().expect("json! object");
         if self.rotary_dims != self.head_dim {
             obj.insert("partial_rotary_factor".into(), json!(self.rotary_dims as f64 / self.head_dim as f64));
+        }
+        if let Some(factor) = self.rope_linear {
+            obj.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
         }
         if let Some(h) = &self.hybrid {
             obj.insert("linear_num_key_heads".into(), json!(h.n_k_heads));

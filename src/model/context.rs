@@ -24,7 +24,13 @@ pub fn kv_bytes_per_position_of(c: &ModelConfig, kv: KvType) -> u64 {
     if let Some(m) = &c.mla {
         return c.n_layers as u64 * kv.bytes_of((m.kv_lora_rank + m.qk_rope_head_dim) as u64);
     }
-    2 * c.n_attention_layers() as u64 * kv.bytes_of(c.kv_dim() as u64)
+    // Each attention layer at its own width (Gemma 4's global layers have their own KV heads and
+    // head dim).
+    let per_layer = |l: usize| kv.bytes_of(c.layer_kv_dim(l) as u64);
+    match &c.hybrid {
+        Some(h) => 2 * h.full_attention_layers.iter().map(|&l| per_layer(l)).sum::<u64>(),
+        None => 2 * (0..c.n_layers).map(per_layer).sum::<u64>(),
+    }
 }
 
 /// Bytes of a session's fixed-size recurrent state (f32): per Gated DeltaNet layer the conv's
@@ -184,6 +190,20 @@ mod tests {
         );
         let room = recurrent_state_bytes(&c) + 5 * kv_bytes_per_position(&c);
         assert_eq!(resolve_context(&c, None, Some(room), KvType::F32), Ok(5));
+    }
+
+    /// Gemma 4's global layers pay their own width: the fixture's config with its global layers
+    /// widened to 4 KV heads of 32 (the sliding ones keep 2 of 16), in f32 and q8_0's blocks.
+    #[test]
+    fn layers_of_their_own_width_pay_their_own_bytes() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4_a");
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        let (mut c, _) = ModelConfig::from_hf_json(&serde_json::from_str(&text).unwrap(), &dir).unwrap();
+        let g = c.global_attention.as_mut().expect("gemma4 has global layers");
+        g.n_kv_heads = 4;
+        assert_eq!((c.layer_kv_dim(0), c.layer_kv_dim(1), c.n_layers), (32, 128, 4));
+        assert_eq!(kv_bytes_per_position(&c), 2 * 4 * (32 + 128 + 32 + 128));
+        assert_eq!(kv_bytes_per_position_of(&c, KvType::Q8_0), 2 * 34 * (1 + 4 + 1 + 4));
     }
 
     #[test]

@@ -1057,6 +1057,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         rms_eps: meta.opt_f32("attention.layer_norm_rms_epsilon")?.unwrap_or(1e-6),
         rope_theta: meta.opt_f32("rope.freq_base")?.unwrap_or(adapter.default_rope_theta),
         rope_style: adapter.gguf_rope_style,
+        rope_linear: gguf_rope_linear(&meta)?,
         norm_topk_prob: meta.opt_bool("expert_weights_norm")?.unwrap_or(adapter.gguf_default_norm_topk),
         tied_embeddings: file.tensor(naming::gguf_global(GlobalRole::Output)).is_none(),
         max_positions: meta.opt_u64("context_length")?.map(|v| v as usize).unwrap_or(4096),
@@ -1106,9 +1107,9 @@ fn gguf_yarn(meta: &GgufMeta<'_>) -> Result<Option<crate::model::arch::YarnSpec>
         Some(v) => v.as_str().ok_or_else(|| meta.bad(key.clone(), "a string"))?,
     };
     match kind {
-        "none" => return Ok(None),
+        "none" | "linear" => return Ok(None),
         "yarn" => {}
-        _ => return Err(meta.bad(key, "'yarn' or 'none' (other RoPE scaling is not supported)")),
+        _ => return Err(meta.bad(key, "'yarn', 'linear' or 'none' (other RoPE scaling is not supported)")),
     }
     let factor = meta.opt_f32("rope.scaling.factor")?.unwrap_or(1.0);
     Ok(Some(crate::model::arch::YarnSpec {
@@ -1121,6 +1122,19 @@ fn gguf_yarn(meta: &GgufMeta<'_>) -> Result<Option<crate::model::arch::YarnSpec>
             .opt_f32("rope.scaling.attn_factor")?
             .unwrap_or_else(|| crate::model::arch::yarn_default_attention_factor(factor)),
     }))
+}
+
+/// Linear RoPE scaling's factor (`rope.scaling.type` "linear", `rope.scaling.factor`; llama.cpp's
+/// `freq_scale` is its inverse), at least 1.
+fn gguf_rope_linear(meta: &GgufMeta<'_>) -> Result<Option<f32>, ModelError> {
+    let key = meta.key("rope.scaling.type");
+    if meta.file.get(&key).and_then(|v| v.as_str()) != Some("linear") {
+        return Ok(None);
+    }
+    match meta.opt_f32("rope.scaling.factor")? {
+        Some(f) if f >= 1.0 && f.is_finite() => Ok(Some(f)),
+        _ => Err(meta.bad(meta.key("rope.scaling.factor"), "a factor >= 1 for linear RoPE scaling")),
+    }
 }
 
 /// Metadata value helpers used by writers.

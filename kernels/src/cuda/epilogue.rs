@@ -1,6 +1,6 @@
 //! What the hot lane's expert kernels apply around their matrix products (`common.cuh`'s `glu`,
-//! `moe.cu`, `quant.cu`, `grouped_gemm.cu`): the gated activation of gate and up (SiLU, or
-//! GPT-OSS's clamped SwiGLU) and per-slot expert biases, f32 and laid out like the cache's
+//! `moe.cu`, `quant.cu`, `grouped_gemm.cu`): the gated activation of gate and up (SiLU,
+//! GPT-OSS's clamped SwiGLU, or Gemma 4's tanh GELU) and per-slot expert biases, f32 and laid out like the cache's
 //! slots (`[n_slots, ff]` for gate and up, `[n_slots, hidden]` for down). A launch without
 //! biases passes null pointers and the kernels branch on them uniformly: the same launches and
 //! the same bits as before for SiLU without biases.
@@ -18,24 +18,28 @@ pub enum Glu {
     /// GPT-OSS's clamped SwiGLU ([`Activation::SwigluOai`]): `g = min(gate, 7)`,
     /// `u = clamp(up, -7, 7)`, `(u + 1) * g * sigmoid(1.702 g)`.
     SwigluOai,
+    /// Gemma 4's `gelu_tanh(gate) * up` ([`Activation::GeluTanh`]).
+    GeluTanh,
 }
 
 impl Glu {
-    /// The kernels' form of the CPU kernels' activation; none for the GELUs, which the hot lane
-    /// has no kernels for.
+    /// The kernels' form of the CPU kernels' activation; none for the erf GELU, which the hot
+    /// lane has no kernels for.
     pub fn of(act: Activation) -> Option<Glu> {
         match act {
             Activation::Silu => Some(Glu::Silu),
             Activation::SwigluOai => Some(Glu::SwigluOai),
-            Activation::Gelu | Activation::GeluTanh => None,
+            Activation::GeluTanh => Some(Glu::GeluTanh),
+            Activation::Gelu => None,
         }
     }
 
-    /// `common.cuh`'s `GLU_SILU` / `GLU_SWIGLU_OAI`.
-    fn code(self) -> i32 {
+    /// `common.cuh`'s `GLU_SILU` / `GLU_SWIGLU_OAI` / `GLU_GELU_TANH`.
+    pub(super) fn code(self) -> i32 {
         match self {
             Glu::Silu => 0,
             Glu::SwigluOai => 1,
+            Glu::GeluTanh => 2,
         }
     }
 }
@@ -86,11 +90,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_gated_activation_has_its_code_and_the_gelus_none() {
+    fn every_gated_activation_has_its_code_and_the_erf_gelu_none() {
         assert_eq!(Glu::of(Activation::Silu).map(Glu::code), Some(0));
         assert_eq!(Glu::of(Activation::SwigluOai).map(Glu::code), Some(1));
+        assert_eq!(Glu::of(Activation::GeluTanh).map(Glu::code), Some(2));
         assert_eq!(Glu::of(Activation::Gelu), None);
-        assert_eq!(Glu::of(Activation::GeluTanh), None);
         assert_eq!(GateUpEpilogue::default().glu, Glu::Silu);
     }
 

@@ -49,6 +49,9 @@ pub const fn attention_tile_shared_bytes(head_dim: usize) -> usize {
 }
 /// Threads of a tiled prefill attention block.
 pub const ATTENTION_TILE_THREADS: u32 = 32 * (ATTENTION_TILE_ROWS as u32 / 4);
+/// Head dims one block of the split attention's combine sums (`-DATT_COMBINE_DIMS`, a lane's
+/// dim each): its grid has `head_dim / ATTENTION_COMBINE_DIMS` blocks (rounded up) a head.
+pub const ATTENTION_COMBINE_DIMS: usize = 32;
 /// Warps of a tensor-core prefill attention block (`-DATT_MMA_WARPS`), 16 query rows each.
 pub const ATTENTION_MMA_WARPS: u32 = 4;
 /// Key positions of one tensor-core attention tile (`-DATT_MMA_KEYS`), staged as bf16 hi + lo.
@@ -140,12 +143,13 @@ pub enum Family {
     GroupedGemm,
     Quant,
     DeltaNet,
+    Gemma,
     Mla,
 }
 
 impl Family {
     /// Every family, in compile order.
-    pub const ALL: [Family; 11] = [
+    pub const ALL: [Family; 12] = [
         Family::Gemv,
         Family::NormRope,
         Family::Elementwise,
@@ -156,6 +160,7 @@ impl Family {
         Family::GroupedGemm,
         Family::Quant,
         Family::DeltaNet,
+        Family::Gemma,
         Family::Mla,
     ];
 
@@ -172,6 +177,7 @@ impl Family {
             Family::GroupedGemm => "grouped_gemm.cu",
             Family::Quant => "quant.cu",
             Family::DeltaNet => "delta_net.cu",
+            Family::Gemma => "gemma.cu",
             Family::Mla => "mla.cu",
         }
     }
@@ -189,6 +195,7 @@ impl Family {
             Family::GroupedGemm => include_str!("../../cuda/grouped_gemm.cu"),
             Family::Quant => include_str!("../../cuda/quant.cu"),
             Family::DeltaNet => include_str!("../../cuda/delta_net.cu"),
+            Family::Gemma => include_str!("../../cuda/gemma.cu"),
             Family::Mla => include_str!("../../cuda/mla.cu"),
         }
     }
@@ -227,7 +234,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 33] = [
+pub const SHARED_DEFINE_NAMES: [&str; 34] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -257,6 +264,7 @@ pub const SHARED_DEFINE_NAMES: [&str; 33] = [
     "DELTA_CHUNK",
     "ROUTE_SIG_MAXE",
     "ROUTE_SIG_MAXG",
+    "ATT_COMBINE_DIMS",
     "MLA_HEADS",
     "MLA_TOKENS",
     "MLA_MAX_RANK",
@@ -295,6 +303,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DDELTA_CHUNK={DELTA_CHUNK}"),
         format!("-DROUTE_SIG_MAXE={ROUTE_SIGMOID_MAX_EXPERTS}"),
         format!("-DROUTE_SIG_MAXG={ROUTE_SIGMOID_MAX_GROUPS}"),
+        format!("-DATT_COMBINE_DIMS={ATTENTION_COMBINE_DIMS}"),
         format!("-DMLA_HEADS={MLA_HEADS}"),
         format!("-DMLA_TOKENS={MLA_TOKENS}"),
         format!("-DMLA_MAX_RANK={MLA_MAX_RANK}"),
@@ -327,6 +336,10 @@ pub enum Kernel {
     KvStoreRows,
     AttentionSplitGqaF32,
     AttentionSplitGqaF16,
+    AttentionSplitMmaF16,
+    AttentionSplitMmaBf16,
+    AttentionSplitMmaRowsF16,
+    AttentionSplitMmaRowsBf16,
     AttentionBf16,
     AttentionQ8_0,
     AttentionSplitBf16,
@@ -420,6 +433,10 @@ pub enum Kernel {
     AttentionCombineRowsF32,
     QkNormRopeRowsF32,
     HotWorklistGrouped,
+    ScaleF32,
+    SoftcapF32,
+    RouteExpertScaleF32,
+    GluMulF32,
     MlaPrepF32,
     MlaHeadGemvBf16,
     MlaAttentionSplitF32,
@@ -475,7 +492,7 @@ impl Kernel {
         Kernel::MlaAttentionSplitBf16,
         Kernel::MlaAttentionSplitQ8_0,
     ];
-    pub const ALL: [Kernel; 121] = [
+    pub const ALL: [Kernel; 129] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -498,6 +515,10 @@ impl Kernel {
         Kernel::KvStoreRows,
         Kernel::AttentionSplitGqaF32,
         Kernel::AttentionSplitGqaF16,
+        Kernel::AttentionSplitMmaF16,
+        Kernel::AttentionSplitMmaBf16,
+        Kernel::AttentionSplitMmaRowsF16,
+        Kernel::AttentionSplitMmaRowsBf16,
         Kernel::AttentionBf16,
         Kernel::AttentionQ8_0,
         Kernel::AttentionSplitBf16,
@@ -591,6 +612,10 @@ impl Kernel {
         Kernel::AttentionCombineRowsF32,
         Kernel::QkNormRopeRowsF32,
         Kernel::HotWorklistGrouped,
+        Kernel::ScaleF32,
+        Kernel::SoftcapF32,
+        Kernel::RouteExpertScaleF32,
+        Kernel::GluMulF32,
         Kernel::MlaPrepF32,
         Kernel::MlaHeadGemvBf16,
         Kernel::MlaAttentionSplitF32,
@@ -624,6 +649,10 @@ impl Kernel {
             Kernel::KvStoreRows => "kv_store_rows",
             Kernel::AttentionSplitGqaF32 => "attention_split_gqa_f32",
             Kernel::AttentionSplitGqaF16 => "attention_split_gqa_f16",
+            Kernel::AttentionSplitMmaF16 => "attention_split_mma_f16",
+            Kernel::AttentionSplitMmaBf16 => "attention_split_mma_bf16",
+            Kernel::AttentionSplitMmaRowsF16 => "attention_split_mma_rows_f16",
+            Kernel::AttentionSplitMmaRowsBf16 => "attention_split_mma_rows_bf16",
             Kernel::AttentionBf16 => "attention_bf16",
             Kernel::AttentionQ8_0 => "attention_q8_0",
             Kernel::AttentionSplitBf16 => "attention_split_bf16",
@@ -717,6 +746,10 @@ impl Kernel {
             Kernel::AttentionCombineRowsF32 => "attention_combine_rows_f32",
             Kernel::QkNormRopeRowsF32 => "qk_norm_rope_rows_f32",
             Kernel::HotWorklistGrouped => "hot_worklist_grouped",
+            Kernel::ScaleF32 => "scale_f32",
+            Kernel::SoftcapF32 => "softcap_f32",
+            Kernel::RouteExpertScaleF32 => "route_expert_scale_f32",
+            Kernel::GluMulF32 => "glu_mul_f32",
             Kernel::MlaPrepF32 => "mla_prep_f32",
             Kernel::MlaHeadGemvBf16 => "mla_head_gemv_bf16",
             Kernel::MlaAttentionSplitF32 => "mla_attention_split_f32",
@@ -751,6 +784,10 @@ impl Kernel {
             Kernel::KvStoreRows => Family::NormRope,
             Kernel::AttentionSplitGqaF32 => Family::Attention,
             Kernel::AttentionSplitGqaF16 => Family::Attention,
+            Kernel::AttentionSplitMmaF16 => Family::Attention,
+            Kernel::AttentionSplitMmaBf16 => Family::Attention,
+            Kernel::AttentionSplitMmaRowsF16 => Family::Attention,
+            Kernel::AttentionSplitMmaRowsBf16 => Family::Attention,
             Kernel::AttentionBf16 => Family::Attention,
             Kernel::AttentionQ8_0 => Family::Attention,
             Kernel::AttentionSplitBf16 => Family::Attention,
@@ -844,6 +881,9 @@ impl Kernel {
             Kernel::AttentionCombineRowsF32 => Family::Attention,
             Kernel::QkNormRopeRowsF32 => Family::NormRope,
             Kernel::HotWorklistGrouped => Family::Moe,
+            Kernel::ScaleF32 | Kernel::SoftcapF32 | Kernel::RouteExpertScaleF32 | Kernel::GluMulF32 => {
+                Family::Gemma
+            }
             Kernel::MlaPrepF32
             | Kernel::MlaHeadGemvBf16
             | Kernel::MlaAttentionSplitF32

@@ -6,7 +6,7 @@
 //! [`CudaBackend::mla_attention`] (split over positions, graph-safe, then
 //! `attention_combine_f32`) and [`CudaBackend::mla_values`] (each head's latent through its `v_b`).
 
-use super::kernel::{Kernel, MLA_HEADS, MLA_MAX_RANK, MLA_MAX_ROPE, MLA_TOKENS};
+use super::kernel::{Kernel, ATTENTION_COMBINE_DIMS, MLA_HEADS, MLA_MAX_RANK, MLA_MAX_ROPE, MLA_TOKENS};
 use super::ops::{args, i, kv_kernel, need, rope_scaling_args, DevicePos, KvPtr, RopeScaling};
 use super::ops::{ATTENTION_SPLIT_CHUNK, ATTENTION_SPLIT_TARGET_BLOCKS};
 use super::{CudaBackend, CudaError, DPtr, Result};
@@ -310,9 +310,10 @@ impl CudaBackend {
             ],
         )?;
         let (window, sinks) = (0i32, 0u64);
+        // the combine's blocks take ATTENTION_COMBINE_DIMS of a head's dims each: the latent's
         self.launch(
             Kernel::AttentionCombineF32,
-            (heads as u32, n_tokens as u32, 1),
+            (heads as u32, n_tokens as u32, rank.div_ceil(ATTENTION_COMBINE_DIMS) as u32),
             128,
             0,
             args![part.raw(), out.raw(), i(heads), i(rank), i(splits), i(pos0), window, pos_ptr, sinks],

@@ -19,6 +19,7 @@
 
 pub mod epilogue;
 mod gate;
+mod gemma;
 pub mod kernel;
 pub mod mla;
 pub mod ops;

@@ -6,10 +6,11 @@
 
 use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::kernel::{
-    grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS,
-    ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS,
-    ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS,
-    GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_COMBINE_DIMS, ATTENTION_MMA_MAX_HEAD_DIM,
+    ATTENTION_MMA_THREADS, ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM,
+    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM,
+    GEMV_SPLIT_WARPS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK,
+    ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::kv::KvType;
@@ -1233,7 +1234,10 @@ impl CudaBackend {
 
     /// [`Self::attention_tiled`]'s result (about f32 accuracy, another summation order) with
     /// both products on the tensor cores: blocks of `16 x ATTENTION_MMA_WARPS` query rows, keys
-    /// in tiles of [`ATTENTION_MMA_KEYS`] staged as bf16 hi + lo, three MMAs a fragment.
+    /// in tiles of [`ATTENTION_MMA_KEYS`]. f32 and q8_0 caches are staged as bf16 hi + lo, three
+    /// MMAs a fragment; f16 and bf16 caches are copied to shared memory as they are (cp.async,
+    /// two stages) and only q and p are split: over f16 the softmax weights are rounded to f16
+    /// for p . V (at most 2^-12 of each weight), over bf16 split as q is.
     /// `head_dim` must pass [`Self::attention_mma_fits`]; the four buffers 16-byte aligned.
     pub fn attention_mma(
         &self,
@@ -1283,6 +1287,34 @@ impl CudaBackend {
             && g * n_kv == n_heads
     }
 
+    /// The tensor-core split kernel [`Self::attention_split`] runs instead of the CUDA-core ones,
+    /// if it takes the call: an f16 or bf16 cache (its values are the MMA's inputs as they are),
+    /// heads of a multiple of 16 dims up to [`ATTENTION_MMA_MAX_HEAD_DIM`], groups of at most
+    /// `16 x ATTENTION_MMA_WARPS` query heads (one block's rows), 16-byte aligned buffers.
+    fn attention_split_mma_takes(
+        &self,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+        (q, k, v): (DPtr<f32>, KvPtr, KvPtr),
+    ) -> Option<Kernel> {
+        let kn = match k {
+            KvPtr::F16(_) => Kernel::AttentionSplitMmaF16,
+            KvPtr::Bf16(_) => Kernel::AttentionSplitMmaBf16,
+            _ => return None,
+        };
+        let fits = Self::attention_split_mma_shape(n_heads, n_kv, head_dim);
+        (fits && self.attention_mma_takes(head_dim, (q, k, v, q))).then_some(kn)
+    }
+
+    /// The tensor-core split kernel's shapes: heads [`Self::attention_mma_fits`] takes (but for
+    /// the device), groups of at most `16 x ATTENTION_MMA_WARPS` heads.
+    fn attention_split_mma_shape(n_heads: usize, n_kv: usize, head_dim: usize) -> bool {
+        let g = n_heads / n_kv.max(1);
+        let whole = head_dim > 0 && head_dim.is_multiple_of(16) && head_dim <= ATTENTION_MMA_MAX_HEAD_DIM;
+        whole && g * n_kv == n_heads && g <= 16 * ATTENTION_MMA_WARPS as usize
+    }
+
     /// Spans of the grouped kernel: as [`Self::attention_split_max_splits`] over blocks of
     /// [`ATTENTION_GQA_HEADS`] heads, aiming at [`ATTENTION_GQA_TARGET_BLOCKS`] blocks.
     fn attention_split_gqa_max_splits(n_tokens: usize, n_heads: usize, positions: usize) -> usize {
@@ -1329,9 +1361,11 @@ impl CudaBackend {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
         let (window, sinks) = mask.into().parts(Kernel::AttentionCombineF32, n_heads)?;
         let grouped = Self::attention_split_grouped(n_heads, n_kv, head_dim);
-        let kn = match grouped {
-            true => kv_kernel(Kernel::ATTENTION_SPLIT_GQA, k_cache),
-            false => kv_kernel(Kernel::ATTENTION_SPLIT, k_cache),
+        let mma = self.attention_split_mma_takes(n_heads, n_kv, head_dim, (q, k_cache, v_cache));
+        let kn = match (mma, grouped) {
+            (Some(kn), _) => kn,
+            (None, true) => kv_kernel(Kernel::ATTENTION_SPLIT_GQA, k_cache),
+            (None, false) => kv_kernel(Kernel::ATTENTION_SPLIT, k_cache),
         };
         // From device memory the position is unknown here: check (and size the grid) for the
         // most positions the call may see.
@@ -1342,20 +1376,23 @@ impl CudaBackend {
             need(kn, "pos", a.pos, 1)?;
         }
         let visible = if window > 0 { window.min(total) } else { total };
-        let (splits, grid_heads) = match grouped {
-            true => (
+        // the tensor-core kernel: a block per kv head's group, spans as the grouped kernel's
+        let (splits, grid_heads) = match (mma.is_some(), grouped) {
+            (true, _) => (Self::attention_split_gqa_max_splits(n_tokens, n_heads, visible), n_kv),
+            (false, true) => (
                 Self::attention_split_gqa_max_splits(n_tokens, n_heads, visible),
                 n_heads / ATTENTION_GQA_HEADS,
             ),
-            false => (Self::attention_split_max_splits(n_tokens, n_heads, visible), n_heads),
+            (false, false) => (Self::attention_split_max_splits(n_tokens, n_heads, visible), n_heads),
         };
         need(kn, "part", part, Self::attention_split_scratch(n_tokens, n_heads, head_dim, visible))?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let pos_ptr = at.map_or(0, |a| a.pos.raw());
+        let threads = if mma.is_some() { ATTENTION_MMA_THREADS } else { ATTENTION_SPLIT_THREADS };
         self.launch(
             kn,
             (grid_heads as u32, splits as u32, n_tokens as u32),
-            ATTENTION_SPLIT_THREADS,
+            threads,
             0,
             args![
                 q.raw(),
@@ -1374,7 +1411,7 @@ impl CudaBackend {
         )?;
         self.launch(
             Kernel::AttentionCombineF32,
-            (n_heads as u32, n_tokens as u32, 1),
+            (n_heads as u32, n_tokens as u32, head_dim.div_ceil(ATTENTION_COMBINE_DIMS) as u32),
             128,
             0,
             args![
@@ -1412,7 +1449,15 @@ impl CudaBackend {
         let (window, sinks) = mask.into().parts(Kernel::AttentionCombineRowsF32, n_heads)?;
         let grouped = Self::attention_split_grouped(n_heads, n_kv, head_dim);
         let family = if grouped { Kernel::ATTENTION_SPLIT_GQA_ROWS } else { Kernel::ATTENTION_SPLIT_ROWS };
-        let kn = family[kv_type_code(kv.kv_type)];
+        // the tensor-core kernel where it takes the shape (the caches' addresses are the
+        // sequences' layer rows: whole allocations apart by a multiple of 16 bytes)
+        let mma = match kv.kv_type {
+            KvType::F16 => Some(Kernel::AttentionSplitMmaRowsF16),
+            KvType::Bf16 => Some(Kernel::AttentionSplitMmaRowsBf16),
+            _ => None,
+        }
+        .filter(|_| self.info().has_sm80() && Self::attention_split_mma_shape(n_heads, n_kv, head_dim));
+        let kn = mma.unwrap_or(family[kv_type_code(kv.kv_type)]);
         kv.check(kn, &[head_dim])?;
         if n_kv == 0 || n_heads / n_kv * n_kv != n_heads || head_dim == 0 || head_dim > ATTENTION_MAX_HEAD_DIM
         {
@@ -1429,19 +1474,21 @@ impl CudaBackend {
             return Ok(());
         }
         let visible = if window > 0 { window.min(kv.max_positions) } else { kv.max_positions };
-        let (splits, grid_heads) = match grouped {
-            true => (
+        let (splits, grid_heads) = match (mma.is_some(), grouped) {
+            (true, _) => (Self::attention_split_gqa_max_splits(n_launch, n_heads, visible), n_kv),
+            (false, true) => (
                 Self::attention_split_gqa_max_splits(n_launch, n_heads, visible),
                 n_heads / ATTENTION_GQA_HEADS,
             ),
-            false => (Self::attention_split_max_splits(n_launch, n_heads, visible), n_heads),
+            (false, false) => (Self::attention_split_max_splits(n_launch, n_heads, visible), n_heads),
         };
         need(kn, "part", part, Self::attention_split_scratch(n_launch, n_heads, head_dim, visible))?;
         let scale = 1.0 / (head_dim as f32).sqrt();
+        let threads = if mma.is_some() { ATTENTION_MMA_THREADS } else { ATTENTION_SPLIT_THREADS };
         self.launch(
             kn,
             (grid_heads as u32, splits as u32, n_launch as u32),
-            ATTENTION_SPLIT_THREADS,
+            threads,
             0,
             args![
                 q.raw(),
@@ -1460,7 +1507,7 @@ impl CudaBackend {
         )?;
         self.launch(
             Kernel::AttentionCombineRowsF32,
-            (n_heads as u32, n_launch as u32, 1),
+            (n_heads as u32, n_launch as u32, head_dim.div_ceil(ATTENTION_COMBINE_DIMS) as u32),
             128,
             0,
             args![

@@ -48,6 +48,7 @@ fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
             theta: c.rope_theta,
             dims: m.qk_rope_head_dim,
             yarn: c.yarn,
+            linear: c.rope_linear,
             turning_pairs: None,
         },
         scale: m.softmax_scale(c.yarn.as_ref()),

@@ -52,6 +52,7 @@ fn layer(c: &ModelConfig, layer_idx: usize) -> LayerSpec {
             theta: g.rope_theta,
             dims: g.head_dim,
             yarn: None,
+            linear: None,
             turning_pairs: Some(g.turning_pairs),
         };
     }

@@ -155,6 +155,8 @@ pub struct RopeSpec {
     pub dims: usize,
     /// YaRN frequency scaling (GPT-OSS), `None` for plain RoPE.
     pub yarn: Option<YarnSpec>,
+    /// Linear scaling: every plain frequency divided by this factor (`None` with YaRN).
+    pub linear: Option<f32>,
     /// Proportional RoPE (Gemma 4's global layers): `dims` is the whole head, and only its first
     /// `n` pairs turn, pair `i` at `theta^(-2i/dims)` as in plain RoPE; the other pairs have
     /// frequency 0 (they pass through). `None`: every pair of `dims` turns.
@@ -170,8 +172,17 @@ impl RopeSpec {
         }
         match &self.yarn {
             Some(y) => y.inv_freq(i, self.dims, self.theta),
-            None => 1.0 / (self.theta as f64).powf(2.0 * i as f64 / self.dims as f64),
+            None => {
+                let plain = 1.0 / (self.theta as f64).powf(2.0 * i as f64 / self.dims as f64);
+                plain / self.linear.map_or(1.0, f64::from)
+            }
         }
+    }
+
+    /// Whether the engines read this RoPE's frequencies from a table ([`Self::inv_freq`]) rather
+    /// than computing `theta^(-2i/dims)` in place: YaRN, linear scaling, proportional RoPE.
+    pub fn needs_table(&self) -> bool {
+        self.yarn.is_some() || self.linear.is_some() || self.turning_pairs.is_some()
     }
 
     /// cos/sin are multiplied by this (YaRN's attention factor; 1 otherwise).
@@ -667,9 +678,10 @@ fn describe_attention_rope(r: &RopeSpec) -> String {
         RopeStyle::HalfSplit => "neox rope",
         RopeStyle::Interleaved => "interleaved rope",
     };
-    match r.yarn {
-        Some(y) => format!("{style}, yarn x{} of {}", y.factor, y.original_context),
-        None => style.to_string(),
+    match (r.yarn, r.linear) {
+        (Some(y), _) => format!("{style}, yarn x{} of {}", y.factor, y.original_context),
+        (None, Some(f)) => format!("{style}, linear x{f}"),
+        (None, None) => style.to_string(),
     }
 }
 
@@ -718,6 +730,9 @@ fn describe_attention(a: &AttentionSpec) -> String {
     }
     if let Some(y) = a.rope.yarn {
         mixer.push(format!("yarn x{} of {}", y.factor, y.original_context));
+    }
+    if let Some(f) = a.rope.linear {
+        mixer.push(format!("linear rope x{f}"));
     }
     mixer.join(", ")
 }
@@ -908,6 +923,7 @@ fn standard_attention(c: &ModelConfig, qk_norm: QkNorm, qkv_bias: bool) -> Mixer
             theta: c.rope_theta,
             dims: c.rotary_dims,
             yarn: c.yarn,
+            linear: c.rope_linear,
             turning_pairs: None,
         },
         window: c.sliding_window,
