@@ -63,10 +63,12 @@ pub trait RoutingObserver {
 }
 
 /// The margin of a top-k choice over `scores` (the k-th largest minus the (k+1)-th) and the
-/// largest `|score|`. For sigmoid routing the scores are the sigmoids plus the selection bias,
-/// over all experts (the group limit can only widen the margin of the kept experts).
+/// largest `|score|`. For sigmoid routing the scores are the sigmoids plus the selection bias;
+/// with a group limit (`topk_group` of `n_group` groups kept, as [`route_sigmoid`]) the margin is
+/// the smaller of the kept groups' score over the best group left out (a near tie there swaps
+/// whole groups of candidates) and the top-k margin among the kept groups' experts.
 pub fn choice_margin(logits: &[f32], selection_bias: Option<&[f32]>, r: &RouterSpec) -> (f32, f32) {
-    let mut v: Vec<f32> = match r.variant {
+    let v: Vec<f32> = match r.variant {
         RoutingVariant::Sigmoid => logits
             .iter()
             .enumerate()
@@ -74,10 +76,41 @@ pub fn choice_margin(logits: &[f32], selection_bias: Option<&[f32]>, r: &RouterS
             .collect(),
         _ => logits.to_vec(),
     };
+    let scale = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let grouped = r.variant == RoutingVariant::Sigmoid && r.n_group > 1 && r.topk_group < r.n_group;
+    let (kept, group_margin) = match grouped {
+        true => kept_groups(&v, r),
+        false => (v, f32::INFINITY),
+    };
+    (top_k_margin(kept, r.n_experts_used).min(group_margin), scale)
+}
+
+/// The k-th largest of `v` minus the (k+1)-th (infinite when all are chosen).
+fn top_k_margin(mut v: Vec<f32>, k: usize) -> f32 {
     v.sort_by(|a, b| b.total_cmp(a));
-    let k = r.n_experts_used;
-    let margin = if k < v.len() { v[k - 1] - v[k] } else { f32::INFINITY };
-    (margin, v.iter().fold(0f32, |m, x| m.max(x.abs())))
+    if k < v.len() {
+        v[k - 1] - v[k]
+    } else {
+        f32::INFINITY
+    }
+}
+
+/// The choice scores of the experts in the `topk_group` best groups (a group's score: the sum
+/// of its two best, as [`route_sigmoid`]) and the last kept group's score over the next one's.
+fn kept_groups(choice: &[f32], r: &RouterSpec) -> (Vec<f32>, f32) {
+    let per = choice.len() / r.n_group;
+    let mut groups: Vec<(f32, usize)> = (0..r.n_group)
+        .map(|g| {
+            let mut v = choice[g * per..(g + 1) * per].to_vec();
+            v.sort_by(|a, b| b.total_cmp(a));
+            (v[0] + v.get(1).copied().unwrap_or(0.0), g)
+        })
+        .collect();
+    groups.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let margin = groups[r.topk_group - 1].0 - groups[r.topk_group].0;
+    let kept =
+        groups[..r.topk_group].iter().flat_map(|&(_, g)| choice[g * per..(g + 1) * per].to_vec()).collect();
+    (kept, margin)
 }
 
 /// An observer that ignores everything.
@@ -1141,6 +1174,36 @@ mod tests {
         assert!((m - 0.1).abs() < 1e-6 && (s - 0.8).abs() < 1e-6, "{m} {s}");
         spec.n_experts_used = 4;
         assert_eq!(choice_margin(&[1.0, 2.0, 3.0, 4.0], None, &spec).0, f32::INFINITY);
+    }
+
+    /// With a group limit, a near tie between the last kept group and the best one left out is
+    /// a near tie of the choice, however far apart the experts' own scores are.
+    #[test]
+    fn the_choice_margin_sees_a_near_tie_between_groups() {
+        let spec = RouterSpec {
+            variant: RoutingVariant::Sigmoid,
+            norm_topk_prob: true,
+            n_experts: 8,
+            n_experts_used: 2,
+            bias: false,
+            selection_bias: true,
+            n_group: 4,
+            topk_group: 2,
+            scale: 1.0,
+            scaled_input: false,
+            per_expert_scale: false,
+        };
+        // choice scores (logits 0: sigmoid 0.5, plus the bias): groups sum to 1.9, 1.5, 1.499, 1.0
+        let bias = [0.45, 0.45, 0.25, 0.25, 0.2495, 0.2495, 0.0, 0.0];
+        let (m, s) = choice_margin(&[0.0; 8], Some(&bias), &spec);
+        assert!((m - 0.001).abs() < 1e-5 && (s - 0.95).abs() < 1e-6, "{m} {s}");
+        // groups far apart: the experts' margin inside the kept groups (0.95 - 0.75, 0.9 - 0.75)
+        let bias = [0.45, 0.45, 0.25, 0.25, 0.0, 0.0, -0.2, -0.2];
+        let (m, _) = choice_margin(&[0.0; 8], Some(&bias), &spec);
+        assert!((m - 0.2).abs() < 1e-6, "{m}");
+        let bias = [0.45, 0.4, 0.25, 0.2, 0.0, 0.0, -0.2, -0.2];
+        let (m, _) = choice_margin(&[0.0; 8], Some(&bias), &spec);
+        assert!((m - 0.15).abs() < 1e-6, "{m}");
     }
 
     #[test]

@@ -298,7 +298,9 @@ fn fixtures_bf16_and_q8_0_kv_caches() {
                 let c = model.config().clone();
                 let mut opts = gpu_options(HotChoice::Set(hot_set(hot, c.n_layers, c.n_experts)), POSITIONS);
                 opts.kv_type = Some(kv_type);
-                if !c.head_dim.is_multiple_of(kv_type.block_len()) {
+                // the cached rows: heads, or a latent attention's `kv_lora_rank + rope` row
+                let width = c.mla.as_ref().map_or(c.head_dim, |m| m.kv_lora_rank + m.qk_rope_head_dim);
+                if !width.is_multiple_of(kv_type.block_len()) {
                     let err = build_engine(&model, opts).err().expect("q8_0 refused");
                     assert!(err.to_string().contains("blocks of 32"), "{name}: {err}");
                     continue;

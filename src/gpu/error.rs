@@ -65,6 +65,11 @@ pub enum GpuError {
          {block}): choose another type"
     )]
     KvBlocks { kv_type: crate::model::context::KvType, block: usize, head_dim: usize },
+    #[error(
+        "KV cache type {kv_type} stores blocks of {block} values, but a latent attention row is {width} values \
+         (kv_lora_rank + rope, not a multiple of {block}): choose another type"
+    )]
+    LatentKvBlocks { kv_type: crate::model::context::KvType, block: usize, width: usize },
 }
 
 impl GpuError {

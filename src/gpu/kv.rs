@@ -1,8 +1,11 @@
 //! The GPU KV cache: per layer, K and V as `[capacity, kv_dim]` in the cache's [`KvType`] (f16
 //! by default; f32, bf16 and q8_0 selectable, q8_0 as llama.cpp's blocks of 32 values, each
 //! `[capacity, kv_dim]` row whole blocks), allocated once; `kv_dim` is each layer's own (KV
-//! heads x head dim: Gemma 4's global layers differ from its sliding ones). Keys and values are written converted
-//! (after RoPE) and every attention kernel reads each type.
+//! heads x head dim: Gemma 4's global layers differ from its sliding ones). Keys and values are
+//! written converted (after RoPE) and every attention kernel reads each type. A latent attention
+//! layer keeps one row of `kv_lora_rank + rope` values per position (the normed latent and the
+//! rotated key part, `LatentAttentionSpec::cache_width`) in its K buffer, in the same type, and no
+//! V.
 
 use moe_lanes_kernels::cuda::ops::KvPtr;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
@@ -99,8 +102,15 @@ pub struct GpuKvCache {
 pub(crate) fn check_kv_blocks(plan: &LayerPlan, kv_type: KvType) -> Result<(), GpuError> {
     let block = kv_type.block_len();
     let mut head_dims = plan.layers().iter().filter_map(|l| l.as_attention().map(|a| a.head_dim));
-    match head_dims.find(|d| !d.is_multiple_of(block)) {
-        Some(head_dim) => Err(GpuError::KvBlocks { kv_type, block, head_dim }),
+    if let Some(head_dim) = head_dims.find(|d| !d.is_multiple_of(block)) {
+        return Err(GpuError::KvBlocks { kv_type, block, head_dim });
+    }
+    let latent = plan.layers().iter().find_map(|l| match &l.mixer {
+        Mixer::LatentAttention(m) => Some(m.cache_width()),
+        _ => None,
+    });
+    match latent.filter(|w| !w.is_multiple_of(block)) {
+        Some(width) => Err(GpuError::LatentKvBlocks { kv_type, block, width }),
         None => Ok(()),
     }
 }
@@ -115,10 +125,19 @@ impl GpuKvCache {
     ) -> Result<Self, GpuError> {
         check_kv_blocks(plan, kv_type)?;
         let block = kv_type.block_len();
-        let elems: Vec<usize> =
-            plan.layers().iter().map(|l| l.as_attention().map_or(block, |a| capacity * a.kv_dim())).collect();
-        let k = KvBufs::new(be, kv_type, &elems)?;
-        let v = KvBufs::new(be, kv_type, &elems)?;
+        // Per layer: K's and V's values (an attention layer's own `kv_dim`; a latent layer's rows
+        // in K; a DeltaNet layer's one block).
+        let (k_elems, v_elems): (Vec<usize>, Vec<usize>) = plan
+            .layers()
+            .iter()
+            .map(|l| match &l.mixer {
+                Mixer::Attention(a) => (capacity * a.kv_dim(), capacity * a.kv_dim()),
+                Mixer::LatentAttention(m) => (capacity * m.cache_width(), block),
+                Mixer::GatedDeltaNet(_) => (block, block),
+            })
+            .unzip();
+        let k = KvBufs::new(be, kv_type, &k_elems)?;
+        let v = KvBufs::new(be, kv_type, &v_elems)?;
         let delta = plan
             .layers()
             .iter()
@@ -147,7 +166,8 @@ impl GpuKvCache {
         }
         Ok(())
     }
-    /// Layer `l`'s keys, `[capacity, kv_dim]` (the layer's own `kv_dim`).
+    /// Layer `l`'s keys, `[capacity, kv_dim]` (the layer's own `kv_dim`; a latent layer's rows,
+    /// `[capacity, cache_width]`).
     pub(crate) fn k(&self, l: usize) -> KvPtr {
         self.k.layer(l)
     }

@@ -45,7 +45,15 @@ impl MixerStage {
         match cx.dev.plan.layer(cx.l).mixer {
             Mixer::Attention(_) => self.attention_block(cx, segs),
             Mixer::GatedDeltaNet(d) => delta_net_block(cx, &d, segs),
-            Mixer::LatentAttention(_) => unreachable!("refused by GpuModel::supports"),
+            Mixer::LatentAttention(m) => {
+                let rows = segs.iter().map(|s| s.n).max().unwrap_or(0);
+                // the partials for the longest sequence and the largest cache of the call
+                let cache =
+                    segs.iter().map(|s| s.cache).max_by_key(|c| c.capacity).expect("a call has a sequence");
+                self.reserve_attention(cx.dev, rows, cache)?;
+                let part = self.attn_part.as_ref().expect("reserved above").ptr();
+                super::latent::latent_block(cx, &m, segs, part)
+            }
         }
     }
 
@@ -122,10 +130,15 @@ impl MixerStage {
         cx.mark(3)
     }
 
-    /// The split decode attention's partials for `t` rows over the whole cache (grows, never
-    /// shrinks).
+    /// The split decode attention's partials for `t` rows over the whole cache, and the latent
+    /// attention's for its row chunks (grows, never shrinks).
     pub fn reserve_attention(&mut self, dev: &Device, t: usize, cache: &GpuKvCache) -> Result<(), GpuError> {
-        self.reserve_part(dev, split_scratch(dev, t, cache.capacity))
+        let latent = dev.plan.layers().iter().filter_map(|l| match &l.mixer {
+            Mixer::LatentAttention(m) => Some(m),
+            _ => None,
+        });
+        let latent = super::latent::latent_part_floats(latent, t, cache.capacity);
+        self.reserve_part(dev, split_scratch(dev, t, cache.capacity).max(latent).max(1))
     }
 
     /// The split attention's partials grown to `need` floats (a new allocation: the decode
@@ -399,13 +412,15 @@ pub(crate) fn qk_fusable(a: &AttentionSpec) -> bool {
 }
 
 /// The mixer kinds the GPU engine runs: attention layers (with sinks, an o bias and YaRN RoPE
-/// too), and Gated DeltaNet layers whose key heads fit the kernel's registers.
+/// too), Gated DeltaNet layers whose key heads fit the kernel's registers, and latent attention
+/// layers whose sizes fit its kernels.
 pub(crate) fn runs_mixer(m: &Mixer) -> bool {
     match m {
         // Every attention layer; what some cannot have is said by name (`unsupported_attention`).
         Mixer::Attention(_) => true,
-        // Latent attention (DeepSeek-V3) has no kernels here yet.
-        Mixer::LatentAttention(_) => false,
+        // Latent attention whose latent, rotated part and per-head products fit the kernels
+        // (DeepSeek-V3 and Kimi K2: rank 512, rope 64, nope 128).
+        Mixer::LatentAttention(m) => super::latent::mla_shape(m).fits(),
         Mixer::GatedDeltaNet(d) => {
             d.k_head_dim <= DELTA_MAX_KEY_DIM
                 && d.v_head_dim <= 1024

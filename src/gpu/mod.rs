@@ -6,7 +6,8 @@
 //! read-only `device::Device` per layer (`device`: backend, plan, options, weights, scratch;
 //! the matrix products): `mixer` (attention or DeltaNet), `moe` with `route` (router, shared
 //! expert, hot/cold split, lanes, join, fallback), `head` (embedding, lm_head, copies back),
-//! `graph` (decode graphs over those stages). Beside them: `options` (switches, injected
+//! `graph` (decode graphs over those stages); `latent` is the mixer's latent attention
+//! (DeepSeek-V3 / Kimi K2). Beside them: `options` (switches, injected
 //! faults), `weights` (upload), `hot_cache` (slots, maps, exchanges), `hot_dequant` (prefill's
 //! quantized slots as bf16 chunks for the grouped GEMMs), `kv` (KV cache), `scratch` (per-call
 //! buffers), `postfetch` (cold experts copied to a VRAM scratchpad and computed on the GPU when
@@ -24,6 +25,7 @@ mod head;
 mod hot_cache;
 mod hot_dequant;
 mod kv;
+mod latent;
 mod mixer;
 mod model;
 mod moe;

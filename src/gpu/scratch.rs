@@ -69,6 +69,10 @@ pub(crate) struct Scratch {
     /// per-(head, chunk) records (`DeltaShape::prefill_work_floats`).
     pub delta_work: DeviceBuffer<f32>,
     pub attn: DeviceBuffer<f32>,
+    /// A latent attention layer's rows (empty without one): `q_a`'s output, `kv_a`'s, q, the
+    /// absorbed queries (`heads * (rank + rope)` a row), the latent each head attends to
+    /// (`heads * rank`) and the heads' values (`heads * v`, `o`'s input).
+    pub mla: MlaScratch,
     pub router_logits: DeviceBuffer<f32>,
     /// Per token row: blocks of the fused decode routing done (zero between launches).
     pub route_counter: DeviceBuffer<u32>,
@@ -128,7 +132,11 @@ impl Scratch {
             };
             (2 * h.n_k_heads * h.k_head_dim + 2 * vd, 2 * h.n_v_heads, vd, shape.prefill_work_floats(cap))
         });
+        let mla = MlaScratch::new(be, c, cap)?;
         let widest = c.hidden.max(q_dim).max(c.expert_ff).max(c.shared_expert_ff).max(vd).max(dense_ff);
+        // A latent layer's projections read `q_a`'s rows (`q_b`) and the heads' values (`o`).
+        let widest = widest
+            .max(c.mla.as_ref().map_or(0, |m| m.q_lora_rank.unwrap_or(0).max(c.n_heads * m.v_head_dim)));
         let f = |n: usize| be.alloc_zeros::<f32>(n.max(1));
         let layout = WorkLayout::new(cap, k);
         Ok(Scratch {
@@ -147,6 +155,7 @@ impl Scratch {
             delta_out: f(cap * vd)?,
             delta_work: f(work)?,
             attn: f(cap * q_dim)?,
+            mla,
             router_logits: f(cap * c.n_experts)?,
             route_counter: be.alloc_zeros::<u32>(cap)?,
             tail_i: be.alloc_zeros::<i32>(cap + c.n_layers * cap * k)?,
@@ -181,6 +190,37 @@ impl Scratch {
     /// Every layer's routing ids (`tail_i` after the tokens).
     pub fn ids(&self) -> DPtr<i32> {
         self.tail_i.ptr().from(self.cap)
+    }
+}
+
+/// A latent attention layer's per-call rows, for `cap` tokens (one element each without latent
+/// layers).
+pub(crate) struct MlaScratch {
+    pub qa: DeviceBuffer<f32>,
+    pub kv: DeviceBuffer<f32>,
+    pub q: DeviceBuffer<f32>,
+    pub q_abs: DeviceBuffer<f32>,
+    pub out: DeviceBuffer<f32>,
+    pub values: DeviceBuffer<f32>,
+}
+
+impl MlaScratch {
+    fn new(be: &CudaBackend, c: &ModelConfig, cap: usize) -> Result<MlaScratch, GpuError> {
+        let f = |n: usize| be.alloc_zeros::<f32>((cap * n).max(1));
+        let (qa, width, q, rank, v) = c.mla.as_ref().map_or((0, 0, 0, 0, 0), |m| {
+            let (rank, rope) = (m.kv_lora_rank, m.qk_rope_head_dim);
+            let q = c.n_heads * (m.qk_nope_head_dim + rope);
+            (m.q_lora_rank.unwrap_or(0), rank + rope, q, rank, m.v_head_dim)
+        });
+        let heads = if c.mla.is_some() { c.n_heads } else { 0 };
+        Ok(MlaScratch {
+            qa: f(qa)?,
+            kv: f(width)?,
+            q: f(q)?,
+            q_abs: f(heads * width)?,
+            out: f(heads * rank)?,
+            values: f(heads * v)?,
+        })
     }
 }
 

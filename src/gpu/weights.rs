@@ -8,7 +8,9 @@
 use super::GpuError;
 use crate::format::dtype::DType;
 use crate::format::tensor::{TensorError, TensorRef};
-use crate::model::arch::{AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, Mixer, RopeSpec};
+use crate::model::arch::{
+    AttentionSpec, DeltaNetProjections, DeltaNetSpec, Ffn, LatentAttentionSpec, Mixer, RopeSpec,
+};
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
 use crate::moe::expert_math::kernel_dtype;
@@ -117,7 +119,15 @@ impl LayerWeights {
     pub fn attention(&self) -> &AttentionWeights {
         match &self.mixer {
             MixerWeights::Attention(a) => a,
-            MixerWeights::DeltaNet(_) => unreachable!("the plan says attention"),
+            _ => unreachable!("the plan says attention"),
+        }
+    }
+
+    /// A latent attention layer's weights (the caller walks the plan: this is one).
+    pub fn latent(&self) -> &LatentWeights {
+        match &self.mixer {
+            MixerWeights::Latent(w) => w,
+            _ => unreachable!("the plan says latent attention"),
         }
     }
 }
@@ -127,6 +137,25 @@ pub(crate) enum MixerWeights {
     // layer's fewer; one box per layer, read through a reference every call.
     Attention(Box<AttentionWeights>),
     DeltaNet(Box<DeltaNetWeights>),
+    Latent(Box<LatentWeights>),
+}
+
+/// A latent attention layer (DeepSeek-V3, Kimi K2): q through `q_a`, its norm and `q_b`, or a
+/// plain `q`; `kv_a` (`[kv_lora_rank + rope, hidden]`) and the latent's norm; each head's `k_b`
+/// and `v_b` as bf16 (`[heads, rank, nope]`, `[heads, v, rank]`: the per-head kernels read bf16;
+/// a quantized file's are dequantized at upload); `o`.
+pub(crate) struct LatentWeights {
+    pub q_a: Option<DevMatrix>,
+    pub q_a_norm: Option<DeviceBuffer<f32>>,
+    /// `q_b` after `q_a`, or the plain `q`.
+    pub q: DevMatrix,
+    pub kv_a: DevMatrix,
+    pub kv_a_norm: DeviceBuffer<f32>,
+    pub k_b: DeviceBuffer<u16>,
+    pub v_b: DeviceBuffer<u16>,
+    pub o: DevMatrix,
+    /// YaRN's table and attention factor, as [`AttentionWeights::rope_freqs`].
+    pub rope_freqs: Option<(DeviceBuffer<f64>, f32)>,
 }
 
 pub(crate) struct AttentionWeights {
@@ -350,7 +379,7 @@ fn upload_layer(model: &Model, l: usize, up: &mut Uploader<'_>) -> Result<LayerW
     let mixer = match model.layer_spec(l).mixer {
         Mixer::Attention(a) => MixerWeights::Attention(Box::new(upload_attention(model, l, &a, up)?)),
         Mixer::GatedDeltaNet(d) => MixerWeights::DeltaNet(Box::new(upload_delta_net(model, l, &d, up)?)),
-        Mixer::LatentAttention(_) => unreachable!("refused by GpuModel::supports"),
+        Mixer::LatentAttention(m) => MixerWeights::Latent(Box::new(upload_latent(model, l, &m, up)?)),
     };
     Ok(LayerWeights {
         attn_norm: norm(up, LayerRole::AttnNorm)?.expect("validated at open"),
@@ -404,6 +433,41 @@ fn upload_attention(
         o_bias: opt_vec(up, LayerRole::OBias)?,
         sinks: opt_vec(up, LayerRole::Sinks)?,
         rope_freqs: a.rope.needs_table().then(|| rope_table(up.be, &a.rope)).transpose()?,
+    })
+}
+
+fn upload_latent(
+    model: &Model,
+    l: usize,
+    m: &LatentAttentionSpec,
+    up: &mut Uploader<'_>,
+) -> Result<LatentWeights, GpuError> {
+    let req = |r| model.required(l, r);
+    let (q_a, q_a_norm, q) = match m.q_lora_rank {
+        Some(_) => (
+            Some(up.mat(req(LayerRole::MlaQA))?),
+            Some(up.norm(model, l, LayerRole::MlaQANorm)?.expect("validated at open")),
+            up.mat(req(LayerRole::MlaQB))?,
+        ),
+        None => (None, None, up.mat(req(LayerRole::Q))?),
+    };
+    let (k_b, v_b) = model.mla_kv_b(l);
+    let mut per_head = |t: TensorRef<'_>| -> Result<DeviceBuffer<u16>, GpuError> {
+        let buf = up.be.upload(&bf16_bits(t)?)?;
+        up.matrix_bytes += buf.bytes();
+        Ok(buf)
+    };
+    let (k_b, v_b) = (per_head(k_b)?, per_head(v_b)?);
+    Ok(LatentWeights {
+        q_a,
+        q_a_norm,
+        q,
+        kv_a: up.mat(req(LayerRole::MlaKvA))?,
+        kv_a_norm: up.norm(model, l, LayerRole::MlaKvANorm)?.expect("validated at open"),
+        k_b,
+        v_b,
+        o: up.mat(req(LayerRole::O))?,
+        rope_freqs: m.rope.needs_table().then(|| rope_table(up.be, &m.rope)).transpose()?,
     })
 }
 

@@ -208,3 +208,58 @@ pub fn announce_gpu_skip(why: &str) {
         let _ = std::io::stderr().lock().write_all(line.as_bytes());
     });
 }
+
+/// How [`rebuild_gguf`] writes one tensor of its source.
+pub enum Rebuilt {
+    Keep,
+    Drop,
+    /// Its decoded values rounded to bf16 (the weights the GPU engine holds for a float matrix,
+    /// or for a latent layer's `k_b` / `v_b` of any type).
+    Bf16,
+}
+
+/// A tensor [`rebuild_gguf`] adds: name, shape (outermost first) and values, written as bf16.
+pub type NewTensor = (String, Vec<usize>, Vec<f32>);
+
+/// Copy a GGUF file with its contents: metadata through `edit_meta` (None drops a key), each
+/// tensor kept, dropped or rounded to bf16 by `edit`, then `extra` tensors.
+pub fn rebuild_gguf(
+    src: &Path,
+    dst: &Path,
+    edit_meta: impl Fn(&str, &MetaValue) -> Option<MetaValue>,
+    edit: impl Fn(&moe_lanes::gguf::GgufTensorInfo) -> Rebuilt,
+    extra: Vec<NewTensor>,
+) {
+    let file = GgufFile::open(src).unwrap();
+    let mut w = GgufWriter::new();
+    for (key, value) in file.metadata() {
+        if let Some(v) = edit_meta(key, value) {
+            w.add_metadata(key.clone(), v);
+        }
+    }
+    // round to nearest even (no NaN in a model's weights)
+    let bf16 = |v: &[f32]| -> Vec<u8> {
+        let round = |b: u32| ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+        v.iter().flat_map(|x| round(x.to_bits()).to_le_bytes()).collect()
+    };
+    let mut data: Vec<Vec<u8>> = Vec::new();
+    for info in file.tensor_infos() {
+        let t = file.tensor(&info.name).unwrap();
+        match edit(info) {
+            Rebuilt::Keep => {
+                w.add_tensor(info.name.clone(), info.dtype, &info.shape);
+                data.push(t.data.to_vec());
+            }
+            Rebuilt::Drop => {}
+            Rebuilt::Bf16 => {
+                w.add_tensor(info.name.clone(), DType::BF16, &info.shape);
+                data.push(bf16(&t.to_f32_vec().unwrap()));
+            }
+        }
+    }
+    for (name, shape, values) in extra {
+        w.add_tensor(name, DType::BF16, &shape);
+        data.push(bf16(&values));
+    }
+    w.write(dst, &mut |idx, out| out.write_all(&data[idx]), &mut |_| {}).unwrap();
+}

@@ -88,6 +88,19 @@ pub const DELTA_MAX_CONV_KERNEL: usize = 8;
 /// shared memory, a scan thread its `chunk` partial sums in registers.
 pub const DELTA_CHUNK: usize = 32;
 
+/// Query heads of one latent attention block (`-DMLA_HEADS`): each cache row a block reads feeds
+/// this many heads (warp g runs head g's softmax, so it equals [`ATTENTION_SPLIT_WARPS`]).
+pub const MLA_HEADS: usize = 8;
+/// Tokens of one per-head latent product block (`-DMLA_TOKENS`): each weight it reads feeds this
+/// many tokens (their accumulators live in registers).
+pub const MLA_TOKENS: usize = 8;
+/// Largest latent (`kv_lora_rank`) of the latent attention kernels (`-DMLA_MAX_RANK`, a multiple
+/// of 256: a thread keeps `MLA_HEADS x this / 256` accumulators; DeepSeek-V3 and Kimi K2: 512).
+pub const MLA_MAX_RANK: usize = 512;
+/// Largest rotated key part of the latent attention kernels (`-DMLA_MAX_ROPE`; the models: 64).
+/// A block stages `MLA_HEADS` queries of `MLA_MAX_RANK + this` floats in shared memory (18 KiB).
+pub const MLA_MAX_ROPE: usize = 64;
+
 /// Dynamic shared memory of a pipelined grouped GEMM block over `matrices` weight tiles (gate
 /// and up: 2): per stage the f32 x tile and the bf16 weight tiles, rows padded by 8 elements.
 pub const fn grouped_pipe_shared_bytes(matrices: usize) -> usize {
@@ -108,6 +121,7 @@ const _: () = assert!(GROUPED_PIPE_BK.is_multiple_of(16) && GROUPED_PIPE_STAGES 
 const _: () = assert!((GROUPED_TILE_ROWS * GROUPED_PIPE_BK / 4).is_multiple_of(GROUPED_THREADS as usize));
 const _: () = assert!((GROUPED_TILE_COLS * GROUPED_PIPE_BK / 8).is_multiple_of(GROUPED_THREADS as usize));
 const _: () = assert!(ATTENTION_SPLIT_CHUNK.is_multiple_of(ATTENTION_SPLIT_WARPS as usize));
+const _: () = assert!(MLA_HEADS == ATTENTION_SPLIT_WARPS as usize && MLA_MAX_RANK.is_multiple_of(256));
 const _: () = assert!(ATTENTION_MAX_HEAD_DIM.is_multiple_of(32));
 const _: () = assert!(ATTENTION_TILE_ROWS.is_multiple_of(4) && ATTENTION_TILE_KEYS == 32);
 const _: () = assert!(ATTENTION_TILE_MAX_HEAD_DIM.is_multiple_of(32));
@@ -130,11 +144,12 @@ pub enum Family {
     Quant,
     DeltaNet,
     Gemma,
+    Mla,
 }
 
 impl Family {
     /// Every family, in compile order.
-    pub const ALL: [Family; 11] = [
+    pub const ALL: [Family; 12] = [
         Family::Gemv,
         Family::NormRope,
         Family::Elementwise,
@@ -146,6 +161,7 @@ impl Family {
         Family::Quant,
         Family::DeltaNet,
         Family::Gemma,
+        Family::Mla,
     ];
 
     /// The file under `kernels/cuda/`.
@@ -162,6 +178,7 @@ impl Family {
             Family::Quant => "quant.cu",
             Family::DeltaNet => "delta_net.cu",
             Family::Gemma => "gemma.cu",
+            Family::Mla => "mla.cu",
         }
     }
 
@@ -179,6 +196,7 @@ impl Family {
             Family::Quant => include_str!("../../cuda/quant.cu"),
             Family::DeltaNet => include_str!("../../cuda/delta_net.cu"),
             Family::Gemma => include_str!("../../cuda/gemma.cu"),
+            Family::Mla => include_str!("../../cuda/mla.cu"),
         }
     }
 
@@ -187,6 +205,9 @@ impl Family {
     pub fn needs(self) -> &'static [Family] {
         match self {
             Family::Quant => &[Family::GroupedGemm],
+            // mla.cu stores rows with norm_rope.cu's kv_store_row and reads them with
+            // attention.cu's readers; its partials go through attention_combine_f32.
+            Family::Mla => &[Family::NormRope, Family::Attention],
             _ => &[],
         }
     }
@@ -213,7 +234,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 30] = [
+pub const SHARED_DEFINE_NAMES: [&str; 34] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -244,6 +265,10 @@ pub const SHARED_DEFINE_NAMES: [&str; 30] = [
     "ROUTE_SIG_MAXE",
     "ROUTE_SIG_MAXG",
     "ATT_COMBINE_DIMS",
+    "MLA_HEADS",
+    "MLA_TOKENS",
+    "MLA_MAX_RANK",
+    "MLA_MAX_ROPE",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -279,6 +304,10 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DROUTE_SIG_MAXE={ROUTE_SIGMOID_MAX_EXPERTS}"),
         format!("-DROUTE_SIG_MAXG={ROUTE_SIGMOID_MAX_GROUPS}"),
         format!("-DATT_COMBINE_DIMS={ATTENTION_COMBINE_DIMS}"),
+        format!("-DMLA_HEADS={MLA_HEADS}"),
+        format!("-DMLA_TOKENS={MLA_TOKENS}"),
+        format!("-DMLA_MAX_RANK={MLA_MAX_RANK}"),
+        format!("-DMLA_MAX_ROPE={MLA_MAX_ROPE}"),
     ]
 }
 
@@ -408,6 +437,12 @@ pub enum Kernel {
     SoftcapF32,
     RouteExpertScaleF32,
     GluMulF32,
+    MlaPrepF32,
+    MlaHeadGemvBf16,
+    MlaAttentionSplitF32,
+    MlaAttentionSplitF16,
+    MlaAttentionSplitBf16,
+    MlaAttentionSplitQ8_0,
 }
 
 impl Kernel {
@@ -450,7 +485,14 @@ impl Kernel {
         Kernel::AttentionSplitGqaRowsBf16,
         Kernel::AttentionSplitGqaRowsQ8_0,
     ];
-    pub const ALL: [Kernel; 123] = [
+    /// The latent attention's split pass per KV cache type.
+    pub const MLA_ATTENTION_SPLIT: [Kernel; 4] = [
+        Kernel::MlaAttentionSplitF32,
+        Kernel::MlaAttentionSplitF16,
+        Kernel::MlaAttentionSplitBf16,
+        Kernel::MlaAttentionSplitQ8_0,
+    ];
+    pub const ALL: [Kernel; 129] = [
         Kernel::GemvBf16,
         Kernel::GemvBf16Split,
         Kernel::Gemv3Bf16,
@@ -574,6 +616,12 @@ impl Kernel {
         Kernel::SoftcapF32,
         Kernel::RouteExpertScaleF32,
         Kernel::GluMulF32,
+        Kernel::MlaPrepF32,
+        Kernel::MlaHeadGemvBf16,
+        Kernel::MlaAttentionSplitF32,
+        Kernel::MlaAttentionSplitF16,
+        Kernel::MlaAttentionSplitBf16,
+        Kernel::MlaAttentionSplitQ8_0,
     ];
 
     /// The `extern "C"` symbol.
@@ -702,6 +750,12 @@ impl Kernel {
             Kernel::SoftcapF32 => "softcap_f32",
             Kernel::RouteExpertScaleF32 => "route_expert_scale_f32",
             Kernel::GluMulF32 => "glu_mul_f32",
+            Kernel::MlaPrepF32 => "mla_prep_f32",
+            Kernel::MlaHeadGemvBf16 => "mla_head_gemv_bf16",
+            Kernel::MlaAttentionSplitF32 => "mla_attention_split_f32",
+            Kernel::MlaAttentionSplitF16 => "mla_attention_split_f16",
+            Kernel::MlaAttentionSplitBf16 => "mla_attention_split_bf16",
+            Kernel::MlaAttentionSplitQ8_0 => "mla_attention_split_q8_0",
         }
     }
 
@@ -830,6 +884,12 @@ impl Kernel {
             Kernel::ScaleF32 | Kernel::SoftcapF32 | Kernel::RouteExpertScaleF32 | Kernel::GluMulF32 => {
                 Family::Gemma
             }
+            Kernel::MlaPrepF32
+            | Kernel::MlaHeadGemvBf16
+            | Kernel::MlaAttentionSplitF32
+            | Kernel::MlaAttentionSplitF16
+            | Kernel::MlaAttentionSplitBf16
+            | Kernel::MlaAttentionSplitQ8_0 => Family::Mla,
         }
     }
 }

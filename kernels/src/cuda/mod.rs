@@ -21,6 +21,7 @@ pub mod epilogue;
 mod gate;
 mod gemma;
 pub mod kernel;
+pub mod mla;
 pub mod ops;
 pub mod quant;
 pub mod registered;
@@ -162,6 +163,13 @@ impl DPtr<u8> {
     pub fn as_u16(&self) -> DPtr<u16> {
         assert!(self.len.is_multiple_of(2) && self.raw.is_multiple_of(2), "DPtr::as_u16 of {self:?}");
         DPtr { raw: self.raw, len: self.len / 2, _m: PhantomData }
+    }
+
+    /// The bytes seen as f32 elements; panics on a length or address not a multiple of 4 (a
+    /// programming error).
+    pub fn as_f32(&self) -> DPtr<f32> {
+        assert!(self.len.is_multiple_of(4) && self.raw.is_multiple_of(4), "DPtr::as_f32 of {self:?}");
+        DPtr { raw: self.raw, len: self.len / 4, _m: PhantomData }
     }
 }
 

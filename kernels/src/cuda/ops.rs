@@ -186,7 +186,7 @@ impl KvPtr {
     }
     /// The kernel argument that says the type (`kv_type` of norm_rope.cu: 0 f32, 1 f16, 2 bf16,
     /// 3 q8_0).
-    fn type_code(&self) -> i32 {
+    pub(super) fn type_code(&self) -> i32 {
         match self {
             KvPtr::F32(_) => 0,
             KvPtr::F16(_) => 1,
@@ -224,7 +224,7 @@ fn need_kv(kernel: impl KernelName, what: &str, p: KvPtr, n: usize) -> Result<()
 }
 
 /// The instance of an attention kernel for caches of `k`'s type: `[f32, f16, bf16, q8_0]`.
-fn kv_kernel(instances: [Kernel; 4], k: KvPtr) -> Kernel {
+pub(super) fn kv_kernel(instances: [Kernel; 4], k: KvPtr) -> Kernel {
     instances[k.type_code() as usize]
 }
 
@@ -522,7 +522,11 @@ pub struct RopeScaling {
 
 /// A [`RopeScaling`]'s kernel arguments (null table and scale 1 without one), its table checked
 /// for `rot / 2` pairs.
-fn rope_scaling_args(kernel: Kernel, scaling: Option<RopeScaling>, rot: usize) -> Result<(u64, f32)> {
+pub(super) fn rope_scaling_args(
+    kernel: Kernel,
+    scaling: Option<RopeScaling>,
+    rot: usize,
+) -> Result<(u64, f32)> {
     match scaling {
         Some(r) => {
             need(kernel, "rope freqs", r.freqs, rot / 2)?;
