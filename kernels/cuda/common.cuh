@@ -82,8 +82,35 @@ __device__ __forceinline__ void pdl_enter() {
     pdl_trigger();
 }
 
+// A 16-bit value's bits (bf16 or, F16, f16) as f32.
+template <bool F16>
+__device__ __forceinline__ float mma_wide16(unsigned short h) {
+    return F16 ? __half2float(__ushort_as_half(h)) : __uint_as_float((unsigned)h << 16);
+}
+
+// mma_*_16816's fragment product by plain FMAs (pre-sm_80 devices; never the fast path), the
+// same fragment layout.
+template <bool F16>
+__device__ __forceinline__ void mma_16816_fma(float* d, const unsigned* a, unsigned b0, unsigned b1) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int c = 0; c < 4; c++) {
+        int row = g + (c >= 2 ? 8 : 0), col = t * 2 + (c & 1);
+        float acc = 0.f;
+        for (int kk = 0; kk < 16; kk++) {
+            int al = ((row & 7) << 2) | ((kk & 7) >> 1);
+            unsigned aw = __shfl_sync(0xffffffffu, a[((kk >> 3) << 1) | (row >> 3)], al);
+            int bl = (col << 2) | ((kk & 7) >> 1);
+            unsigned bw = __shfl_sync(0xffffffffu, kk < 8 ? b0 : b1, bl);
+            unsigned short ah = (kk & 1) ? (aw >> 16) : (aw & 0xffffu);
+            unsigned short bh = (kk & 1) ? (bw >> 16) : (bw & 0xffffu);
+            acc += mma_wide16<F16>(ah) * mma_wide16<F16>(bh);
+        }
+        d[c] += acc;
+    }
+}
+
 // d += a . b on the tensor cores: mma.sync m16n8k16, bf16 inputs, f32 accumulation (sm_80 and
-// later; the fallback computes the same fragment layout by FMAs). a: the A fragment (row g = lane / 4:
+// later; before, mma_16816_fma). a: the A fragment (row g = lane / 4:
 // a[0] k 2t..2t+1, a[1] row g + 8, a[2] k + 8, a[3] both, t = lane % 4); b0, b1: B (k 2t.., 2t+8.., column g).
 // Used by attention.cu and grouped_gemm.cu.
 __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
@@ -94,26 +121,11 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, unsi
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
-    // Same fragment layout by plain FMAs (pre-sm_80 devices; never the fast path).
-    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    for (int c = 0; c < 4; c++) {
-        int row = g + (c >= 2 ? 8 : 0), col = t * 2 + (c & 1);
-        float acc = 0.f;
-        for (int kk = 0; kk < 16; kk++) {
-            int al = ((row & 7) << 2) | ((kk & 7) >> 1);
-            unsigned aw = __shfl_sync(0xffffffffu, a[((kk >> 3) << 1) | (row >> 3)], al);
-            int bl = (col << 2) | ((kk & 7) >> 1);
-            unsigned bw = __shfl_sync(0xffffffffu, kk < 8 ? b0 : b1, bl);
-            unsigned short ah = (kk & 1) ? (aw >> 16) : (aw & 0xffffu);
-            unsigned short bh = (kk & 1) ? (bw >> 16) : (bw & 0xffffu);
-            acc += __uint_as_float((unsigned)ah << 16) * __uint_as_float((unsigned)bh << 16);
-        }
-        d[c] += acc;
-    }
+    mma_16816_fma<false>(d, a, b0, b1);
 #endif
 }
 
-// mma_bf16_16816 with f16 inputs (same fragment layout; the fallback by FMAs likewise).
+// mma_bf16_16816 with f16 inputs.
 __device__ __forceinline__ void mma_f16_16816(float* d, const unsigned* a, unsigned b0, unsigned b1) {
 #if __CUDA_ARCH__ >= 800
     asm volatile(
@@ -122,21 +134,7 @@ __device__ __forceinline__ void mma_f16_16816(float* d, const unsigned* a, unsig
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 #else
-    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    for (int c = 0; c < 4; c++) {
-        int row = g + (c >= 2 ? 8 : 0), col = t * 2 + (c & 1);
-        float acc = 0.f;
-        for (int kk = 0; kk < 16; kk++) {
-            int al = ((row & 7) << 2) | ((kk & 7) >> 1);
-            unsigned aw = __shfl_sync(0xffffffffu, a[((kk >> 3) << 1) | (row >> 3)], al);
-            int bl = (col << 2) | ((kk & 7) >> 1);
-            unsigned bw = __shfl_sync(0xffffffffu, kk < 8 ? b0 : b1, bl);
-            unsigned short ah = (kk & 1) ? (aw >> 16) : (aw & 0xffffu);
-            unsigned short bh = (kk & 1) ? (bw >> 16) : (bw & 0xffffu);
-            acc += __half2float(__ushort_as_half(ah)) * __half2float(__ushort_as_half(bh));
-        }
-        d[c] += acc;
-    }
+    mma_16816_fma<true>(d, a, b0, b1);
 #endif
 }
 

@@ -117,7 +117,9 @@ impl GpuModel {
         // Latent attention's GPU path (session 27's kernels, checked on the H200 then) was merged
         // again in session 28 with glue changes and no device time left to run its GPU tests
         // (tests/deepseek.rs, kernels/tests/cuda_mla.rs): refused until they pass.
-        let latent = |l: &crate::model::arch::LayerSpec| matches!(l.mixer, crate::model::arch::Mixer::LatentAttention(_));
+        let latent = |l: &crate::model::arch::LayerSpec| {
+            matches!(l.mixer, crate::model::arch::Mixer::LatentAttention(_))
+        };
         if let Some(layer_idx) = model.plan().layers().iter().position(latent) {
             return Err(GpuError::Mixer { layer_idx, kind: LATENT_PENDING });
         }
