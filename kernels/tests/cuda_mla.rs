@@ -11,34 +11,11 @@
 
 mod common;
 
-use common::cuda::backend;
-use half::bf16;
+use common::cuda::{backend, max_abs_diff, rnd, to_bf16};
 use moe_lanes_kernels::cuda::mla::{MlaRope, MlaShape};
 use moe_lanes_kernels::cuda::ops::{DevicePos, KvPtr, RopeScaling};
 use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer};
 use moe_lanes_kernels::{KvRows, KvType};
-
-/// Deterministic pseudo-random values in [-1, 1).
-fn rnd(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-    (0..n)
-        .map(|_| {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        })
-        .collect()
-}
-
-fn to_bf16(v: &[f32]) -> (Vec<u16>, Vec<f32>) {
-    let bits: Vec<u16> = v.iter().map(|x| bf16::from_f32(*x).to_bits()).collect();
-    let back = bits.iter().map(|b| bf16::from_bits(*b).to_f32()).collect();
-    (bits, back)
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
-}
 
 /// The inverse frequency of pair `i` of `rope` values: YaRN-like (`yarn`: the upper half of the
 /// pairs interpolated by 40, as DeepSeek-V3's factor) or plain.

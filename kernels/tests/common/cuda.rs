@@ -80,3 +80,27 @@ unsafe impl Sync for CudaBackendBox {}
 // SAFETY: the backend's handles (context, streams, cuBLAS, module) may be used from any thread
 // once the context is bound there, which every call does; the box owns the backend outright.
 unsafe impl Send for CudaBackendBox {}
+
+/// Deterministic pseudo-random values in [-1, 1).
+pub fn rnd(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// `v` rounded to bf16: the bits and their f32 values.
+pub fn to_bf16(v: &[f32]) -> (Vec<u16>, Vec<f32>) {
+    let bits: Vec<u16> = v.iter().map(|x| half::bf16::from_f32(*x).to_bits()).collect();
+    let back = bits.iter().map(|b| half::bf16::from_bits(*b).to_f32()).collect();
+    (bits, back)
+}
+
+/// The largest |a - b| of two equal-length slices.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
