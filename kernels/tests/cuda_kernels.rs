@@ -1665,16 +1665,7 @@ fn attention_split_decode_timing() {
                     )
                     .unwrap()
                 };
-                for _ in 0..5 {
-                    launch();
-                }
-                be.synchronize().unwrap();
-                let start = std::time::Instant::now();
-                for _ in 0..50 {
-                    launch();
-                }
-                be.synchronize().unwrap();
-                let us = start.elapsed().as_secs_f64() * 1e6 / 50.0;
+                let us = mean_launch_us(be, 5, 50, launch);
                 let grouped = CudaBackend::attention_split_grouped(n_heads, n_kv, hd);
                 eprintln!(
                     "TIMING split attention depth {depth} {} heads {n_heads}/{n_kv} {}: {us:.1} us",
@@ -1684,6 +1675,20 @@ fn attention_split_decode_timing() {
             }
         }
     }
+}
+
+/// Microseconds a launch takes, the mean of `runs` after `warmups` (for the printed timings).
+fn mean_launch_us(be: &CudaBackend, warmups: usize, runs: usize, launch: impl Fn()) -> f64 {
+    for _ in 0..warmups {
+        launch();
+    }
+    be.synchronize().unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..runs {
+        launch();
+    }
+    be.synchronize().unwrap();
+    start.elapsed().as_secs_f64() * 1e6 / runs as f64
 }
 
 /// Tensor-core prefill attention at depth (not a test of speed: prints, for the lead's
@@ -1715,16 +1720,7 @@ fn attention_mma_prefill_depth_timing() {
         for (name, kc, vc) in caches {
             let launch =
                 || be.attention_mma(q.ptr(), kc, vc, out.ptr(), t, depth, n_heads, n_kv, hd, 0).unwrap();
-            for _ in 0..2 {
-                launch();
-            }
-            be.synchronize().unwrap();
-            let start = std::time::Instant::now();
-            for _ in 0..10 {
-                launch();
-            }
-            be.synchronize().unwrap();
-            let us = start.elapsed().as_secs_f64() * 1e6 / 10.0;
+            let us = mean_launch_us(be, 2, 10, launch);
             let tflops = 4.0 * (t * n_heads * hd) as f64 * (depth + t / 2) as f64 / us / 1e6;
             eprintln!("TIMING mma prefill attention depth {depth} {name} t {t} heads {n_heads}/{n_kv}: {us:.1} us, {tflops:.1} TFLOP/s");
         }
