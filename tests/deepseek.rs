@@ -92,24 +92,13 @@ fn a_hot_set_in_the_dense_layer_is_refused() {
     assert!(err.contains("layer 0") && err.contains("dense"), "{err}");
 }
 
-/// `supports` refuses the model for its latent attention (`LATENT_PENDING`), after the mixer
-/// check that the latent shapes fit the kernels (`runs_mixer`); the checks after it (attention
-/// kinds, FFN activations) are not reached.
-fn gpu_takes_all_but_latent_attention(model: &Model) {
-    match moe_lanes::gpu::GpuModel::supports(model) {
-        Err(moe_lanes::gpu::GpuError::Mixer { kind, .. }) if kind == moe_lanes::gpu::LATENT_PENDING => {}
-        other => panic!("expected only the latent attention's refusal, got {other:?}"),
-    }
-}
-
-/// The GPU engine refuses latent attention by name until its GPU tests have run on this code
-/// (`LATENT_PENDING`; nothing else of the plan: the dense first layer and sigmoid routing run
-/// there), before any device is touched; the default engine falls back to the pipeline and
-/// matches transformers at a 50% byte budget.
+/// The GPU engine takes the plan (latent attention, the dense first layer, sigmoid routing):
+/// `supports` says so without a device; the default engine is the GPU engine where a GPU exists
+/// (else the pipeline) and matches transformers at a 50% byte budget.
 #[test]
-fn the_gpu_engine_refuses_only_the_latent_attention_and_the_default_engine_matches() {
+fn the_gpu_engine_takes_the_plan_and_the_default_engine_matches() {
     let (model, g) = open();
-    gpu_takes_all_but_latent_attention(&model);
+    moe_lanes::gpu::GpuModel::supports(&model).unwrap();
     let mut opts = EngineOptions::new(128);
     opts.hot = HotChoice::Budget(moe_lanes::engine::HotBudget::Fraction(0.5));
     opts.cold_threads = moe_lanes::threads::ColdThreads::Fixed(2);
@@ -117,7 +106,8 @@ fn the_gpu_engine_refuses_only_the_latent_attention_and_the_default_engine_match
         opts.cuda = moe_lanes::env::cuda_config().unwrap();
     }
     let (mut engine, report) = build_engine(&model, opts).unwrap();
-    assert_eq!(report.kind, EngineKind::Pipeline);
+    let want = if gpu_usable() { EngineKind::Gpu } else { EngineKind::Pipeline };
+    assert_eq!(report.kind, want);
     let mut cache = engine.new_cache(128).unwrap();
     let prefill = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().rows();
     let err = max_rel_err(&prefill, &g.logits);
@@ -129,7 +119,6 @@ fn the_gpu_engine_refuses_only_the_latent_attention_and_the_default_engine_match
 /// first layer; sigmoid routing) against transformers at hot fractions 0, 0.5 and 1: prefill, a
 /// second chunk, greedy tokens identical.
 #[test]
-#[ignore = "latent attention is refused on the GPU until these run on this code (moe_lanes::gpu::LATENT_PENDING)"]
 fn gpu_engine_matches_transformers() {
     fixture_checks::check_gpu(NAME, &HOT_FRACTIONS);
 }
@@ -143,7 +132,6 @@ fn gpu_engine_matches_transformers() {
 /// hot 0.5 (the cold lane) and 1 (decode graphs); rows whose routing was a near tie are left out
 /// (`preset_gpu::NEAR_TIE`). Every error is printed.
 #[test]
-#[ignore = "latent attention is refused on the GPU until these run on this code (moe_lanes::gpu::LATENT_PENDING)"]
 fn gpu_engine_on_deepseek_preset_files_follows_the_oracle() {
     if !gpu_usable() {
         return;
@@ -169,7 +157,6 @@ fn gpu_engine_on_deepseek_preset_files_follows_the_oracle() {
 /// Q4_K, which the GPU dequantizes to bf16 at upload) against the oracle on the weights the GPU
 /// holds, at hot 0.5 and 1, near ties left out.
 #[test]
-#[ignore = "latent attention is refused on the GPU until these run on this code (moe_lanes::gpu::LATENT_PENDING)"]
 fn gpu_engine_on_quantized_deepseek_follows_the_oracle() {
     if !gpu_usable() {
         return;
@@ -196,7 +183,7 @@ fn bf16_k_b_moves_the_preset_only_where_the_group_choice_is_a_near_tie() {
     let prompt = preset_gpu::prompt();
     let run = |p: &std::path::Path| {
         let model = Arc::new(Model::open(p).unwrap());
-        gpu_takes_all_but_latent_attention(&model);
+        moe_lanes::gpu::GpuModel::supports(&model).unwrap();
         let r = Reference::new(&model).unwrap();
         let mut ties = preset_gpu::NearTies::default();
         let rows = r.forward(&mut r.new_cache(), &prompt, &mut ties).unwrap();
@@ -616,7 +603,6 @@ mod rope_scaling {
 
     /// Kimi-style (no low-rank q: a plain `q`) on the GPU engine at every hot fraction.
     #[test]
-    #[ignore = "latent attention is refused on the GPU until these run on this code (moe_lanes::gpu::LATENT_PENDING)"]
     fn gpu_engine_matches_transformers() {
         moe_lanes::gpu::GpuModel::supports(&fixture_checks::open(NAME_B).0).unwrap();
         fixture_checks::check_gpu(NAME_B, &HOT_FRACTIONS);

@@ -39,7 +39,7 @@ mod weights;
 pub use batch::GpuSeqInput;
 pub use error::GpuError;
 pub use kv::GpuKvCache;
-pub use model::{GpuModel, LATENT_PENDING};
+pub use model::GpuModel;
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use options::{
     BadFault, GpuFaults, GpuOptions, LayerFaults, PrefillActivations, PrefillAttention,

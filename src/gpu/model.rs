@@ -95,9 +95,6 @@ pub struct GpuModel {
     pub(super) call_idx: u64,
 }
 
-/// What [`GpuModel::supports`] says of latent attention until its GPU tests have run.
-pub const LATENT_PENDING: &str = "latent attention (built, its GPU tests not yet run on this code)";
-
 impl GpuModel {
     /// Whether the GPU engine runs every layer kind of `model`'s plan; the first it lacks, by
     /// name, otherwise (checked before anything touches the device).
@@ -113,15 +110,6 @@ impl GpuModel {
         }
         if let Some((layer_idx, kind)) = model.plan().first_unsupported(super::mixer::runs_mixer) {
             return Err(GpuError::Mixer { layer_idx, kind });
-        }
-        // Latent attention's GPU path (session 27's kernels, checked on the H200 then) was merged
-        // again in session 28 with glue changes and no device time left to run its GPU tests
-        // (tests/deepseek.rs, kernels/tests/cuda_mla.rs): refused until they pass.
-        let latent = |l: &crate::model::arch::LayerSpec| {
-            matches!(l.mixer, crate::model::arch::Mixer::LatentAttention(_))
-        };
-        if let Some(layer_idx) = model.plan().layers().iter().position(latent) {
-            return Err(GpuError::Mixer { layer_idx, kind: LATENT_PENDING });
         }
         let attention =
             model.plan().layers().iter().enumerate().filter_map(|(l, s)| Some((l, s.as_attention()?)));
