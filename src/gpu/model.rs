@@ -116,17 +116,6 @@ impl GpuModel {
         if let Some(e) = attention.filter_map(|(l, a)| super::mixer::unsupported_attention(l, a)).next() {
             return Err(e);
         }
-        // Sandwich norms and output scalars (Gemma 4): the GPU path for them is built (session
-        // 28) but its first run on the H200 disagreed with transformers on `gemma4_a` beyond the
-        // 2e-3 tolerance (tests/gemma4.rs `gpu_engine_matches_transformers`), so such layers are
-        // refused until that is found; the default engine runs them on the pipeline.
-        let sandwich = |l: &crate::model::arch::LayerSpec| l.post_norms || l.output_scale;
-        if let Some(layer_idx) = model.plan().layers().iter().position(sandwich) {
-            return Err(GpuError::Mixer {
-                layer_idx,
-                kind: "a layer with post norms or an output scalar (Gemma 4: wrong on the GPU yet)",
-            });
-        }
         // SiLU, GPT-OSS's clamped SwiGLU and Gemma 4's tanh GELU experts have hot-lane kernels;
         // the erf GELU none.
         super::hot_cache::expert_glu(model)?;
