@@ -131,10 +131,17 @@ fn synthetic_gpt_oss_in_both_formats_runs_on_the_pipeline_as_on_the_oracle() {
         }
         let err = max_rel_err(&got, &want);
         assert!(err < 1e-4, "{format:?}: {err}");
-        per_format.push(want);
+        per_format.push((want, model.config().yarn.expect("YaRN")));
     }
-    let err = max_rel_err(&per_format[0], &per_format[1]);
-    assert!(err < 1e-5, "GGUF and safetensors of one seed: {err}");
+    // GPT-OSS's config says `truncate: false` (YaRN's correction range not rounded); a GGUF file
+    // has no key for it and llama.cpp rounds for every model, so our GGUF reader does too (with
+    // it llama.cpp's logits agree within 4e-4, without 4e-2: benches/RESULTS.md). The two
+    // formats differ by that alone: the rounding moves these logits by about 2e-3.
+    let ((gguf, gguf_yarn), (hf, hf_yarn)) = (&per_format[0], &per_format[1]);
+    assert!(gguf_yarn.truncate && !hf_yarn.truncate);
+    assert_eq!(moe_lanes::arch::YarnSpec { truncate: false, ..*gguf_yarn }, *hf_yarn);
+    let err = max_rel_err(gguf, hf);
+    assert!(err > 1e-5 && err < 5e-3, "GGUF and safetensors of one seed: {err}");
 }
 
 /// The published shapes: `--preset gpt-oss-20b|gpt-oss-120b` with `--layers N`, only with

@@ -1099,7 +1099,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
 }
 
 /// YaRN from `rope.scaling.*` (llama.cpp's keys; the attention factor as transformers derives it
-/// unless `rope.scaling.attn_factor` says).
+/// unless `rope.scaling.attn_factor` says). The correction range is rounded to whole dims as
+/// llama.cpp rounds it (`ggml_rope_yarn_corr_dims`: floor and ceil, for every model): a GGUF file
+/// has no key for transformers' `truncate: false` (GPT-OSS's), and llama.cpp reads none.
 fn gguf_yarn(meta: &GgufMeta<'_>) -> Result<Option<crate::model::arch::YarnSpec>, ModelError> {
     let key = meta.key("rope.scaling.type");
     let kind = match meta.file.get(&key) {
@@ -1117,7 +1119,7 @@ fn gguf_yarn(meta: &GgufMeta<'_>) -> Result<Option<crate::model::arch::YarnSpec>
         original_context: meta.usize("rope.scaling.original_context_length")?,
         beta_fast: meta.opt_f32("rope.scaling.yarn_beta_fast")?.unwrap_or(32.0),
         beta_slow: meta.opt_f32("rope.scaling.yarn_beta_slow")?.unwrap_or(1.0),
-        truncate: false,
+        truncate: true,
         attention_factor: meta
             .opt_f32("rope.scaling.attn_factor")?
             .unwrap_or_else(|| crate::model::arch::yarn_default_attention_factor(factor)),
