@@ -225,6 +225,10 @@ pub struct DimOverrides {
     /// q/k/v biases where the architecture leaves them to the config (glm4_moe's
     /// `attention_bias`, on by default as in GLM-4.5).
     pub attention_bias: Option<bool>,
+    /// YaRN RoPE scaling by this factor over the preset's context (`original_max_position_embeddings`
+    /// = the preset's context, the context this many times it), as Qwen3's model cards extend
+    /// 32k to 128k; for architectures without their own RoPE scaling.
+    pub yarn_factor: Option<f32>,
 }
 
 /// A tiny `qwen3_moe` GGUF test model's options (the crate's unit tests share it).
@@ -450,12 +454,38 @@ pub fn synth_config(
         let reason = format!("{} fixes its attention biases", adapter.hf_model_type);
         return Err(invalid("attention_bias", reason));
     }
+    if let Some(factor) = dims.yarn_factor {
+        extend_with_yarn(&mut c, factor, adapter)?;
+    }
     c.validate().map_err(|(field, reason)| invalid(field, reason))?;
     check_dim_limits(&c)?;
     if adapter.shared_expert && c.shared_expert_ff == 0 {
         return Err(invalid("shared_expert_ff", "must be greater than zero".into()));
     }
     Ok(c)
+}
+
+/// `--yarn F`: YaRN over the preset's context, which becomes `F` times longer (the attention
+/// factor YaRN's default for `F`, as transformers computes it when the config names none).
+fn extend_with_yarn(c: &mut ModelConfig, factor: f32, adapter: &Adapter) -> Result<(), SynthError> {
+    if !factor.is_finite() || factor < 1.0 {
+        return Err(invalid("yarn", format!("factor {factor} must be a finite number >= 1")));
+    }
+    if c.yarn.is_some() || c.rope_linear.is_some() {
+        let reason = format!("{} brings its own RoPE scaling", adapter.hf_model_type);
+        return Err(invalid("yarn", reason));
+    }
+    let original_context = c.max_positions;
+    c.max_positions = (original_context as f64 * factor as f64).round() as usize;
+    c.yarn = Some(YarnSpec {
+        factor,
+        original_context,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        truncate: true,
+        attention_factor: crate::model::arch::yarn_default_attention_factor(factor),
+    });
+    Ok(())
 }
 
 /// The dimensions a preset names, before overrides.
@@ -834,7 +864,7 @@ pub fn write_synthetic(
     opts: &SynthOptions,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<SynthReport, SynthError> {
-    write_synthetic_as(opts, None, progress)
+    write_synthetic_as(opts, None, None, progress)
 }
 
 /// [`write_synthetic`], each GGUF tensor stored as `quantize --type quant` would store the float
@@ -842,6 +872,7 @@ pub fn write_synthetic(
 fn write_synthetic_as(
     opts: &SynthOptions,
     quant: Option<QuantMix>,
+    expert_row_pool: Option<usize>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<SynthReport, SynthError> {
     if !opts.dtype.is_float() {
@@ -876,7 +907,7 @@ fn write_synthetic_as(
             format!("{} is written as safetensors only", opts.adapter.hf_model_type),
         ));
     }
-    let generator = WeightGenerator::new(&config, opts);
+    let generator = WeightGenerator { expert_row_pool, ..WeightGenerator::new(&config, opts) };
     let mut tensors = match opts.format {
         SynthFormat::Gguf => gguf_tensor_plan(&config, opts),
         SynthFormat::Safetensors => hf_tensor_plan(&config, opts),
@@ -934,7 +965,26 @@ pub fn write_synthetic_quantized(
     if opts.format != SynthFormat::Gguf {
         return Err(SynthError::QuantFormat { mix });
     }
-    write_synthetic_as(opts, Some(mix), progress)
+    write_synthetic_as(opts, Some(mix), None, progress)
+}
+
+/// [`write_synthetic_quantized`] at about the speed of memory for files made to be timed: each
+/// quantized expert tensor's first `expert_row_pool` rows are generated and quantized as there,
+/// every later row is a copy of one of them (drawn by a hash of the row). Quantizing is what
+/// takes the time (K-quants search scales: a 70 GB GLM-4.5-Air Q4_K_M file takes hours on one
+/// core); the copies have the same types, sizes and value statistics, so the kernels' work and
+/// the bytes they read are those of the full file, but the experts are no longer independent
+/// draws: not for accuracy tests. The router and every other tensor are generated as usual.
+pub fn write_synthetic_quantized_pooled(
+    opts: &SynthOptions,
+    mix: QuantMix,
+    expert_row_pool: std::num::NonZeroUsize,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<SynthReport, SynthError> {
+    if opts.format != SynthFormat::Gguf {
+        return Err(SynthError::QuantFormat { mix });
+    }
+    write_synthetic_as(opts, Some(mix), Some(expert_row_pool.get()), progress)
 }
 
 /// `--vocab-from`: read the tokenizer and make the vocabulary size follow it.
@@ -1262,6 +1312,20 @@ enum Init {
     Router(f32),
 }
 
+/// One encode buffer per hardware thread.
+fn thread_buffers() -> Vec<Vec<u8>> {
+    vec![Vec::new(); std::thread::available_parallelism().map_or(1, |n| n.get())]
+}
+
+/// Whether a pooled file copies rows of `t`: a quantized expert tensor (GGUF `*_exps`) whose
+/// parts store rows of one length (so one pool row fits every row) and that has rows to copy.
+fn pools(t: &PlannedTensor) -> bool {
+    let width = t.parts.first().map(Canonical::disk_cols);
+    !t.dtype.is_float()
+        && t.name.contains("_exps")
+        && t.parts.iter().all(|p| Some(p.disk_cols()) == width && p.disk_rows() > 0)
+}
+
 /// Below this many values a batch of rows is encoded on the calling thread (spawning costs more).
 const PARALLEL_MIN_VALUES: usize = 1 << 18;
 
@@ -1276,7 +1340,12 @@ struct WeightGenerator {
     /// `Domains(D)`: per domain, per layer, per expert biases; channel `1 + d` carries domain d.
     domain_bias: Vec<Vec<Vec<f32>>>,
     vocab: usize,
+    /// [`write_synthetic_quantized_pooled`]: rows quantized per expert tensor, the rest copies.
+    expert_row_pool: Option<usize>,
 }
+
+/// Bytes of pooled rows gathered before one write.
+const POOL_WRITE_BYTES: usize = 64 << 20;
 
 impl WeightGenerator {
     fn new(config: &ModelConfig, opts: &SynthOptions) -> WeightGenerator {
@@ -1308,6 +1377,7 @@ impl WeightGenerator {
             router_bias,
             domain_bias,
             vocab: config.vocab,
+            expert_row_pool: None,
         }
     }
 
@@ -1315,18 +1385,64 @@ impl WeightGenerator {
         if t.layout != Layout::Rows {
             return self.write_transposed(t, out);
         }
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let mut buffers = vec![Vec::new(); threads];
+        if let Some(pool_rows) = self.expert_row_pool.filter(|_| pools(t)) {
+            return self.write_pooled(t, pool_rows, out);
+        }
+        let mut buffers = thread_buffers();
         for part in &t.parts {
-            // Rows per thread and batch: about 1 Mi values, whatever the row length.
-            let batch = ((1 << 20) / part.n_cols.max(1) + 1) * threads;
-            for first in (0..part.disk_rows()).step_by(batch) {
-                let last = (first + batch).min(part.disk_rows());
-                self.encode_rows(part, t.dtype, first..last, &mut buffers)?;
-                for b in &buffers {
-                    out.write_all(b)?;
+            self.write_part_rows(part, t.dtype, 0..part.disk_rows(), &mut buffers, out)?;
+        }
+        Ok(())
+    }
+
+    /// Disk rows `rows` of `part` stored as `dtype`, into `out` in order.
+    fn write_part_rows(
+        &self,
+        part: &Canonical,
+        dtype: DType,
+        rows: std::ops::Range<usize>,
+        buffers: &mut [Vec<u8>],
+        out: &mut dyn Write,
+    ) -> std::io::Result<()> {
+        // Rows per thread and batch: about 1 Mi values, whatever the row length.
+        let batch = ((1 << 20) / part.n_cols.max(1) + 1) * buffers.len();
+        for first in rows.clone().step_by(batch) {
+            let last = (first + batch).min(rows.end);
+            self.encode_rows(part, dtype, first..last, buffers)?;
+            for b in buffers.iter() {
+                out.write_all(b)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`write_synthetic_quantized_pooled`]'s expert tensor: the tensor's first `pool_rows` disk
+    /// rows (over its parts in order) generated and quantized, each later row a copy of one of
+    /// them drawn by the part's seed.
+    fn write_pooled(&self, t: &PlannedTensor, pool_rows: usize, out: &mut dyn Write) -> std::io::Result<()> {
+        let (mut buffers, mut pool, mut gathered) = (thread_buffers(), Vec::new(), Vec::new());
+        let mut n_pool = 0;
+        for part in &t.parts {
+            let own = pool_rows.saturating_sub(n_pool).min(part.disk_rows());
+            let start = pool.len();
+            self.write_part_rows(part, t.dtype, 0..own, &mut buffers, &mut pool)?;
+            out.write_all(&pool[start..])?;
+            n_pool += own;
+            if own == part.disk_rows() {
+                continue;
+            }
+            let row_bytes = pool.len() / n_pool;
+            let mut rng = SplitMix::new(self.seed ^ hash_str(&part.key) ^ 0x706f_6f6c);
+            for _ in own..part.disk_rows() {
+                let i = (rng.next_u64() % n_pool as u64) as usize;
+                gathered.extend_from_slice(&pool[i * row_bytes..(i + 1) * row_bytes]);
+                if gathered.len() >= POOL_WRITE_BYTES {
+                    out.write_all(&gathered)?;
+                    gathered.clear();
                 }
             }
+            out.write_all(&gathered)?;
+            gathered.clear();
         }
         Ok(())
     }

@@ -179,3 +179,75 @@ fn synth_quant_writes_what_quantize_writes_from_the_float_file() {
         assert_eq!(a.get("general.file_type"), b.get("general.file_type"));
     }
 }
+
+/// `synth --quant --expert-row-pool N` writes the file `synth --quant` writes (the same tensors,
+/// types, shapes and metadata; every tensor but the experts byte for byte), and each expert
+/// tensor's rows are its first N rows as `--quant` writes them followed by copies of those rows
+/// only.
+#[test]
+fn pooled_experts_copy_their_first_rows_and_nothing_else_changes() {
+    use moe_lanes::gguf::GgufFile;
+    use moe_lanes::quantize::QuantMix;
+    use moe_lanes::synth::{write_synthetic_quantized, write_synthetic_quantized_pooled};
+    const POOL: usize = 40;
+    let dir = tempfile::tempdir().unwrap();
+    let opts = synth_options("qwen3_moe", SynthFormat::Gguf, dir.path().join("full.gguf"), 3);
+    write_synthetic_quantized(&opts, QuantMix::Q8_0, &mut |_, _| {}).unwrap();
+    let pooled = moe_lanes::synth::SynthOptions { out: dir.path().join("pooled.gguf"), ..opts.clone() };
+    let pool = std::num::NonZeroUsize::new(POOL).unwrap();
+    write_synthetic_quantized_pooled(&pooled, QuantMix::Q8_0, pool, &mut |_, _| {}).unwrap();
+    let (a, b) = (GgufFile::open(&opts.out).unwrap(), GgufFile::open(&pooled.out).unwrap());
+    assert_eq!(a.metadata().len(), b.metadata().len());
+    let mut pooled_tensors = 0;
+    for info in a.tensor_infos() {
+        let (x, y) = (a.tensor(&info.name).unwrap(), b.tensor(&info.name).unwrap());
+        assert_eq!((x.dtype, &x.shape), (y.dtype, &y.shape), "{}", info.name);
+        if !info.name.contains("_exps") {
+            assert!(x.data == y.data, "{}: different bytes", info.name);
+            continue;
+        }
+        let row_bytes = x.dtype.bytes_for(*x.shape.last().unwrap()).unwrap();
+        let (xs, ys): (Vec<&[u8]>, Vec<&[u8]>) = (x.data.chunks(row_bytes).collect(), y.data.chunks(row_bytes).collect());
+        assert!(xs.len() > 2 * POOL, "{}: {} rows", info.name, xs.len());
+        assert_eq!(xs[..POOL], ys[..POOL], "{}: the pool is the first rows", info.name);
+        assert!(ys[POOL..].iter().all(|r| ys[..POOL].contains(r)), "{}: a row from outside the pool", info.name);
+        assert!(xs[POOL..] != ys[POOL..], "{}: nothing was copied", info.name);
+        pooled_tensors += 1;
+    }
+    assert_eq!(pooled_tensors, 3 * 2, "gate, up and down of the tiny preset's two layers");
+}
+
+/// `synth --yarn F`: both formats carry YaRN over the preset's context, which becomes F times
+/// longer; they give the same logits, other than the unscaled file's; an architecture with its
+/// own scaling and a factor below 1 are refused by name.
+#[test]
+fn yarn_override_reaches_both_formats_and_changes_the_logits() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = [3u32, 400, 17, 0, 511, 42];
+    let logits = |model: &Model| {
+        let reference = Reference::new(model).unwrap();
+        reference.forward(&mut reference.new_cache(), &tokens, &mut NoObserver).unwrap()
+    };
+    let plain = Model::open(&synth_tiny(dir.path(), "qwen3_moe", SynthFormat::Gguf, 11)).unwrap();
+    let mut scaled = Vec::new();
+    for (format, name) in [(SynthFormat::Gguf, "yarn.gguf"), (SynthFormat::Safetensors, "yarn-hf")] {
+        let mut opts = synth_options("qwen3_moe", format, dir.path().join(name), 11);
+        opts.dims.yarn_factor = Some(4.0);
+        moe_lanes::synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+        let model = Model::open(&opts.out).unwrap();
+        let (c, base) = (model.config(), plain.config());
+        let y = c.yarn.unwrap_or_else(|| panic!("{name}: no YaRN"));
+        assert_eq!((y.factor, y.original_context), (4.0, base.max_positions), "{name}");
+        assert_eq!(c.max_positions, 4 * base.max_positions, "{name}");
+        scaled.push(logits(&model));
+    }
+    assert!(max_rel_err(&scaled[0], &scaled[1]) < 1e-5, "GGUF and safetensors agree");
+    assert!(max_rel_err(&scaled[0], &logits(&plain)) > 1e-3, "YaRN changes the logits");
+    for (arch, factor, want) in [("gpt_oss", 4.0, "its own RoPE scaling"), ("qwen3_moe", 0.5, ">= 1")] {
+        let mut opts = synth_options(arch, SynthFormat::Gguf, dir.path().join("refused.gguf"), 11);
+        opts.dims.yarn_factor = Some(factor);
+        let err = moe_lanes::synth::write_synthetic(&opts, &mut |_, _| {}).unwrap_err().to_string();
+        assert!(err.contains("yarn") && err.contains(want), "{arch} x{factor}: {err}");
+        assert!(!opts.out.exists(), "{arch} x{factor}: nothing written");
+    }
+}

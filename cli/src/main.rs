@@ -493,6 +493,16 @@ struct SynthArgs {
     /// (Q4_K to q5_0, Q5_K to q5_1, Q6_K to q8_0).
     #[arg(long)]
     quant: Option<String>,
+    /// With --quant, for files made to be timed: quantize only each expert tensor's first ROWS
+    /// rows and copy them (drawn per row) into the rest; the same types, sizes and statistics at
+    /// about the speed of memory (K-quants otherwise take hours for a 70 GB file), the experts no
+    /// longer independent draws: not for accuracy tests.
+    #[arg(long, value_name = "ROWS")]
+    expert_row_pool: Option<std::num::NonZeroUsize>,
+    /// YaRN RoPE scaling by this factor over the preset's context (which becomes F times longer),
+    /// as Qwen3's model cards extend 32k to 128k; for architectures without their own scaling.
+    #[arg(long, value_name = "F")]
+    yarn: Option<f32>,
     /// Replace an existing output file (never a device or FIFO).
     #[arg(long)]
     force: bool,
@@ -1063,6 +1073,7 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
             tied_embeddings: args.tied.then_some(true),
             mtp_layers: args.mtp_layers,
             attention_bias: args.no_attention_bias.then_some(false),
+            yarn_factor: args.yarn,
         },
         dtype: DType::parse_float(&args.dtype)
             .with_context(|| format!("--dtype {}: expected bf16, f16 or f32", args.dtype))?,
@@ -1079,7 +1090,10 @@ fn synth_cmd(args: SynthArgs) -> Result<()> {
     let inputs: Vec<&Path> = opts.vocab_from.as_deref().into_iter().collect();
     synth::check_output_path(&opts.out, args.force, &inputs)?;
     let mix = args.quant.as_deref().map(|name| quantize_cmd::parse_mix(name, "--quant")).transpose()?;
-    let report = write_with_progress(&opts, mix)?;
+    if args.expert_row_pool.is_some() && mix.is_none() {
+        bail!("--expert-row-pool pools quantized rows: it needs --quant");
+    }
+    let report = write_with_progress(&opts, mix, args.expert_row_pool)?;
     if args.json {
         out!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
@@ -1109,15 +1123,17 @@ fn byte_progress_bar(what: &str) -> indicatif::ProgressBar {
 fn write_with_progress(
     opts: &SynthOptions,
     mix: Option<moe_lanes::quantize::QuantMix>,
+    expert_row_pool: Option<std::num::NonZeroUsize>,
 ) -> Result<synth::SynthReport> {
     let bar = byte_progress_bar("writing");
     let mut progress = |done, total| {
         bar.set_length(total);
         bar.set_position(done);
     };
-    let report = match mix {
-        None => synth::write_synthetic(opts, &mut progress),
-        Some(mix) => synth::write_synthetic_quantized(opts, mix, &mut progress),
+    let report = match (mix, expert_row_pool) {
+        (None, _) => synth::write_synthetic(opts, &mut progress),
+        (Some(mix), None) => synth::write_synthetic_quantized(opts, mix, &mut progress),
+        (Some(mix), Some(pool)) => synth::write_synthetic_quantized_pooled(opts, mix, pool, &mut progress),
     };
     bar.finish_and_clear();
     Ok(report?)
@@ -1323,7 +1339,7 @@ fn default_model() -> Result<Model> {
             .with_context(|| format!("cannot create {}", path.display()))?;
         eprintln!("first use: writing the default synthetic model to {}", path.display());
     }
-    write_with_progress(&default_model_options(path.clone())?, None)?;
+    write_with_progress(&default_model_options(path.clone())?, None, None)?;
     open_model(&path)
 }
 

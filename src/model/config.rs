@@ -988,6 +988,14 @@ impl ModelConfig {
         if let Some(factor) = self.rope_linear {
             obj.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": factor}));
         }
+        if let Some(y) = self.yarn {
+            // Architectures with their own `rope_parameters` (DeepSeek, GPT-OSS) replace this.
+            obj.insert("rope_scaling".into(), json!({
+                "rope_type": "yarn", "factor": y.factor,
+                "original_max_position_embeddings": y.original_context,
+                "beta_fast": y.beta_fast, "beta_slow": y.beta_slow,
+            }));
+        }
         if let Some(h) = &self.hybrid {
             obj.insert("linear_num_key_heads".into(), json!(h.n_k_heads));
             obj.insert("linear_num_value_heads".into(), json!(h.n_v_heads));
@@ -1000,6 +1008,9 @@ impl ModelConfig {
             obj.insert("layer_types".into(), json!(types));
         }
         (adapter.hf_extra_fields)(self, obj);
+        if obj.contains_key("rope_parameters") {
+            obj.remove("rope_scaling");
+        }
         match adapter.hybrid.hf_text_model_type {
             // The published multimodal form: the language model's config nested.
             Some(text_type) => {
