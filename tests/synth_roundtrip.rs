@@ -207,10 +207,15 @@ fn pooled_experts_copy_their_first_rows_and_nothing_else_changes() {
             continue;
         }
         let row_bytes = x.dtype.bytes_for(*x.shape.last().unwrap()).unwrap();
-        let (xs, ys): (Vec<&[u8]>, Vec<&[u8]>) = (x.data.chunks(row_bytes).collect(), y.data.chunks(row_bytes).collect());
+        let (xs, ys): (Vec<&[u8]>, Vec<&[u8]>) =
+            (x.data.chunks(row_bytes).collect(), y.data.chunks(row_bytes).collect());
         assert!(xs.len() > 2 * POOL, "{}: {} rows", info.name, xs.len());
         assert_eq!(xs[..POOL], ys[..POOL], "{}: the pool is the first rows", info.name);
-        assert!(ys[POOL..].iter().all(|r| ys[..POOL].contains(r)), "{}: a row from outside the pool", info.name);
+        assert!(
+            ys[POOL..].iter().all(|r| ys[..POOL].contains(r)),
+            "{}: a row from outside the pool",
+            info.name
+        );
         assert!(xs[POOL..] != ys[POOL..], "{}: nothing was copied", info.name);
         pooled_tensors += 1;
     }

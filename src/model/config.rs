@@ -990,11 +990,14 @@ impl ModelConfig {
         }
         if let Some(y) = self.yarn {
             // Architectures with their own `rope_parameters` (DeepSeek, GPT-OSS) replace this.
-            obj.insert("rope_scaling".into(), json!({
-                "rope_type": "yarn", "factor": y.factor,
-                "original_max_position_embeddings": y.original_context,
-                "beta_fast": y.beta_fast, "beta_slow": y.beta_slow,
-            }));
+            obj.insert(
+                "rope_scaling".into(),
+                json!({
+                    "rope_type": "yarn", "factor": y.factor,
+                    "original_max_position_embeddings": y.original_context,
+                    "beta_fast": y.beta_fast, "beta_slow": y.beta_slow,
+                }),
+            );
         }
         if let Some(h) = &self.hybrid {
             obj.insert("linear_num_key_heads".into(), json!(h.n_k_heads));

@@ -69,6 +69,7 @@ pub fn write_tiny(dir: &Path, spec: &TinySpec) -> Arc<Model> {
             tied_embeddings: Some(spec.tied),
             mtp_layers: None,
             attention_bias: None,
+            yarn_factor: None,
         },
         dtype: spec.dtype,
         seed: spec.seed,
