@@ -2454,9 +2454,13 @@ fn wide_head_tensor_core_attention_matches_cpu() {
         eprintln!("SKIP: the tensor-core attention needs sm_80+");
         return;
     }
-    for (n_heads, n_kv, hd, pos0, t) in
-        [(16, 2, 256, 0, 130), (16, 2, 256, 2100, 20), (4, 4, 192, 2050, 9), (16, 2, 256, 2500, 1), (4, 4, 192, 3000, 2)]
-    {
+    for (n_heads, n_kv, hd, pos0, t) in [
+        (16, 2, 256, 0, 130),
+        (16, 2, 256, 2100, 20),
+        (4, 4, 192, 2050, 9),
+        (16, 2, 256, 2500, 1),
+        (4, 4, 192, 3000, 2),
+    ] {
         let total = pos0 + t;
         let (q, kc, vc) = (rnd(t * n_heads * hd, 51), rnd(total * n_kv * hd, 52), rnd(total * n_kv * hd, 53));
         let sinks: Vec<f32> = (0..n_heads).map(|h| -4.0 + 8.0 * h as f32 / n_heads as f32).collect();
@@ -2478,12 +2482,29 @@ fn wide_head_tensor_core_attention_matches_cpu() {
                     launch(o.ptr());
                     be.read_vec(o.ptr()).unwrap()
                 };
-                let mma = run(&|o| be.attention_mma(dq.ptr(), kp, vp, o, t, pos0, n_heads, n_kv, hd, mask).unwrap());
-                let split = run(&|o| {
-                    be.attention_split(dq.ptr(), kp, vp, o, part.ptr(), t, pos0, n_heads, n_kv, hd, mask, None)
-                        .unwrap()
+                let mma = run(&|o| {
+                    be.attention_mma(dq.ptr(), kp, vp, o, t, pos0, n_heads, n_kv, hd, mask).unwrap()
                 });
-                let what = format!("{kv_type} {n_heads}/{n_kv}x{hd} pos0={pos0} t={t} window={window} sinks={with_sinks}");
+                let split = run(&|o| {
+                    be.attention_split(
+                        dq.ptr(),
+                        kp,
+                        vp,
+                        o,
+                        part.ptr(),
+                        t,
+                        pos0,
+                        n_heads,
+                        n_kv,
+                        hd,
+                        mask,
+                        None,
+                    )
+                    .unwrap()
+                });
+                let what = format!(
+                    "{kv_type} {n_heads}/{n_kv}x{hd} pos0={pos0} t={t} window={window} sinks={with_sinks}"
+                );
                 for (kernel, got, prefill) in [("mma", &mma, true), ("split", &split, false)] {
                     let (exact, typed) = wide_bounds(kv_type, prefill);
                     let (err, err32) = (max_abs_diff(got, &want), max_abs_diff(got, &want32));
@@ -2538,7 +2559,8 @@ fn wide_head_batched_decode_rows_match_cpu() {
                 let mask = AttentionMask { window, sinks: with_sinks.then(|| ds.ptr()) };
                 let out = be.alloc_zeros::<f32>(n * q_dim).unwrap();
                 let rows = (drows.ptr(), launch.len());
-                be.attention_split_rows(dq.ptr(), out.ptr(), part.ptr(), rows, kv, n_heads, n_kv, hd, mask).unwrap();
+                be.attention_split_rows(dq.ptr(), out.ptr(), part.ptr(), rows, kv, n_heads, n_kv, hd, mask)
+                    .unwrap();
                 let got = be.read_vec(out.ptr()).unwrap();
                 for (i, ((_, kh), (_, vh))) in caches.iter().enumerate() {
                     let row = &got[i * q_dim..][..q_dim];
@@ -2550,7 +2572,10 @@ fn wide_head_batched_decode_rows_match_cpu() {
                     let qi = &q[i * q_dim..][..q_dim];
                     let want = attention_masked_cpu((qi, kh, vh), s, (1, lens[i], n_heads, n_kv, hd, window));
                     let err = max_abs_diff(row, &want);
-                    let what = format!("{kv_type} {n_heads}/{n_kv}x{hd} seq {i} len {} window {window} sinks {with_sinks}", lens[i]);
+                    let what = format!(
+                        "{kv_type} {n_heads}/{n_kv}x{hd} seq {i} len {} window {window} sinks {with_sinks}",
+                        lens[i]
+                    );
                     assert!(err < 1e-5, "{what}: {err} against the CPU");
                 }
             }
@@ -2592,4 +2617,53 @@ fn wide_head_launchers_refuse_heads_past_the_limit() {
         assert!(err.contains(symbol) && err.contains(&format!("head_dim {hd}")), "{kv_type} {hd}: {err}");
     }
     assert!(!be.attention_split_mma_fits(n_heads, n_kv, 272, KvType::F16));
+}
+
+/// Wide-head attention at depth (not a test of speed: prints, for the lead's measurements), the
+/// Qwen3.6 full-attention shape (16 query heads over 2 kv heads of 256): prefill of 512 rows on
+/// the wide tensor-core kernel against the tiled CUDA-core kernel (the path heads of 256 took
+/// before) over the same f16 cache, and one decode token's split attention over f16 (the wide
+/// tensor-core split) against f32 (the CUDA-core split), after 8192 and 32768 cached positions.
+#[test]
+#[ignore]
+fn attention_wide_heads_timing() {
+    use moe_lanes_kernels::cuda::ops::KvPtr;
+    let Some(be) = backend() else { return };
+    let (hd, n_kv, n_heads, t) = (256usize, 2usize, 16usize, 512usize);
+    let q = be.upload(&rnd(t * n_heads * hd, 41)).unwrap();
+    let out = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+    for depth in [0usize, 8192, 32768] {
+        let n = (depth + t) * n_kv * hd;
+        let f16 = |x: Vec<f32>| x.into_iter().map(|v| half::f16::from_f32(v).to_bits()).collect::<Vec<u16>>();
+        let (k16, v16) = (be.upload(&f16(rnd(n, 42))).unwrap(), be.upload(&f16(rnd(n, 43))).unwrap());
+        let (kc, vc) = (KvPtr::F16(k16.ptr()), KvPtr::F16(v16.ptr()));
+        let flop = 4.0 * (t * n_heads * hd) as f64 * (depth + t / 2) as f64;
+        let mma = || be.attention_mma(q.ptr(), kc, vc, out.ptr(), t, depth, n_heads, n_kv, hd, 0).unwrap();
+        let tiled =
+            || be.attention_tiled(q.ptr(), kc, vc, out.ptr(), t, depth, n_heads, n_kv, hd, 0).unwrap();
+        for (name, us) in
+            [("wide mma", mean_launch_us(be, 2, 10, mma)), ("tiled", mean_launch_us(be, 1, 3, tiled))]
+        {
+            let tflops = flop / us / 1e6;
+            eprintln!("TIMING prefill attention f16 depth {depth} t {t} heads {n_heads}/{n_kv}x{hd} {name}: {us:.1} us, {tflops:.1} TFLOP/s");
+        }
+        if depth == 0 {
+            continue;
+        }
+        let (k32, v32) = (be.upload(&rnd(n, 42)).unwrap(), be.upload(&rnd(n, 43)).unwrap());
+        let part =
+            be.alloc_zeros::<f32>(CudaBackend::attention_split_scratch(1, n_heads, hd, depth + 1)).unwrap();
+        for (name, k, v) in
+            [("f16 wide mma", kc, vc), ("f32 CUDA cores", KvPtr::F32(k32.ptr()), KvPtr::F32(v32.ptr()))]
+        {
+            let split = || {
+                be.attention_split(q.ptr(), k, v, out.ptr(), part.ptr(), 1, depth, n_heads, n_kv, hd, 0, None)
+                    .unwrap()
+            };
+            let us = mean_launch_us(be, 5, 50, split);
+            eprintln!(
+                "TIMING decode split attention depth {depth} heads {n_heads}/{n_kv}x{hd} {name}: {us:.1} us"
+            );
+        }
+    }
 }

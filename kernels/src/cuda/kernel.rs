@@ -145,10 +145,12 @@ const _: () = assert!(ATTENTION_MAX_HEAD_DIM.is_multiple_of(32));
 const _: () = assert!(ATTENTION_TILE_ROWS.is_multiple_of(4) && ATTENTION_TILE_KEYS == 32);
 const _: () = assert!(ATTENTION_TILE_MAX_HEAD_DIM.is_multiple_of(32));
 const _: () = assert!(ATTENTION_MMA_KEYS.is_multiple_of(16) && ATTENTION_MMA_MAX_HEAD_DIM.is_multiple_of(16));
-const _: () = assert!(ATTENTION_MMA_WIDE_KEYS.is_multiple_of(16) && ATTENTION_MMA_WIDE_MAX_HEAD_DIM.is_multiple_of(16));
+const _: () =
+    assert!(ATTENTION_MMA_WIDE_KEYS.is_multiple_of(16) && ATTENTION_MMA_WIDE_MAX_HEAD_DIM.is_multiple_of(16));
 // the widest block fits the 99 KiB opt-in limit of every sm_80+ device
 const _: () = assert!(
-    attention_mma_wide_shared_bytes(ATTENTION_MMA_WIDE_MAX_HEAD_DIM, ATTENTION_MMA_WARPS as usize) <= 99 << 10
+    attention_mma_wide_shared_bytes(ATTENTION_MMA_WIDE_MAX_HEAD_DIM, ATTENTION_MMA_WARPS as usize)
+        <= 99 << 10
 );
 
 /// Shared device helpers (types, warp and block reductions), prepended to the families.

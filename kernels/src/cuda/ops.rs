@@ -7,10 +7,10 @@
 use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::kernel::{
     attention_mma_wide_shared_bytes, grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_COMBINE_DIMS,
-    ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS, ATTENTION_MMA_WARPS, ATTENTION_MMA_WIDE_MAX_HEAD_DIM, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM,
-    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM,
-    GEMV_SPLIT_WARPS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK,
-    ROW_BLOCK_THREADS,
+    ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS, ATTENTION_MMA_WARPS, ATTENTION_MMA_WIDE_MAX_HEAD_DIM,
+    ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS,
+    DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS, GROUPED_THREADS,
+    GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::kv::KvType;
@@ -1250,7 +1250,12 @@ impl CudaBackend {
     /// The wide-head kernel of a tensor-core launch (`[f16, bf16]` instances) with its dynamic
     /// shared memory for `q_warps` warps of queries, for heads past [`ATTENTION_MMA_MAX_HEAD_DIM`]
     /// over a 16-bit cache; `None` for the narrow kernels (static shared memory).
-    fn attention_mma_wide(wide: [Kernel; 2], head_dim: usize, k: KvPtr, q_warps: usize) -> Option<(Kernel, u32)> {
+    fn attention_mma_wide(
+        wide: [Kernel; 2],
+        head_dim: usize,
+        k: KvPtr,
+        q_warps: usize,
+    ) -> Option<(Kernel, u32)> {
         let kn = match k {
             KvPtr::F16(_) => wide[0],
             KvPtr::Bf16(_) => wide[1],
@@ -1284,8 +1289,9 @@ impl CudaBackend {
     ) -> Result<()> {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
         let wide = [Kernel::AttentionMmaWideF16, Kernel::AttentionMmaWideBf16];
-        let (kn, shared_bytes) = Self::attention_mma_wide(wide, head_dim, k_cache, ATTENTION_MMA_WARPS as usize)
-            .unwrap_or((kv_kernel(Kernel::ATTENTION_MMA, k_cache), 0));
+        let (kn, shared_bytes) =
+            Self::attention_mma_wide(wide, head_dim, k_cache, ATTENTION_MMA_WARPS as usize)
+                .unwrap_or((kv_kernel(Kernel::ATTENTION_MMA, k_cache), 0));
         let mask = mask.into();
         let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
         let bufs = (q, k_cache, v_cache, out);
@@ -1341,7 +1347,13 @@ impl CudaBackend {
     /// Whether [`Self::attention_split`] and [`Self::attention_split_rows`] run the tensor-core
     /// split kernels (narrow or wide heads) for these shapes over a `kv_type` cache on this device
     /// (buffers 16-byte aligned).
-    pub fn attention_split_mma_fits(&self, n_heads: usize, n_kv: usize, head_dim: usize, kv_type: KvType) -> bool {
+    pub fn attention_split_mma_fits(
+        &self,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+        kv_type: KvType,
+    ) -> bool {
         let any = [Kernel::AttentionSplitMmaF16, Kernel::AttentionSplitMmaBf16];
         self.info().has_sm80()
             && Self::attention_split_mma_kernel(any, any, n_heads, n_kv, head_dim, kv_type).is_some()
