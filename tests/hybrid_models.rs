@@ -243,3 +243,56 @@ fn mtp_layers_are_loaded_and_not_run() {
     assert!(runs[0].1 > runs[1].1, "the MTP layer's tensors are in the file: {} vs {}", runs[0].1, runs[1].1);
     assert_eq!(runs[0].0, runs[1].0, "the MTP layer changes no logit");
 }
+
+/// Qwen3.6's attention shape (16 query heads over 2 KV heads of 256) on the GPU engine: its
+/// default f16 KV cache runs the wide-head tensor-core kernels (prefill of 80 tokens: 640 query
+/// rows of a KV head, ten 64-row blocks over five 16-key tiles; then decode steps on the split
+/// kernel), and the logits of every row stay within [`GPU_TOLERANCE`] of the oracle's.
+#[test]
+fn gpu_engine_on_heads_of_256_matches_the_oracle() {
+    use moe_lanes::reference::{NoObserver, Reference};
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("q36");
+    let dims = DimOverrides {
+        n_layers: Some(4),
+        hidden: Some(64),
+        vocab: Some(300),
+        n_experts: Some(8),
+        n_experts_used: Some(2),
+        expert_ff: Some(32),
+        shared_expert_ff: Some(32),
+        ..Default::default()
+    };
+    let opts = SynthOptions {
+        adapter: moe_lanes::arch::by_name("qwen3_5_moe").unwrap(),
+        preset: Preset::Qwen36_35bA3b,
+        dims,
+        dtype: moe_lanes::dtype::DType::BF16,
+        seed: 7,
+        skew: Skew::Skewed,
+        format: SynthFormat::Safetensors,
+        out: out.clone(),
+        vocab_from: None,
+    };
+    synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    let model = Arc::new(Model::open(&out).unwrap());
+    let c = model.config();
+    assert_eq!((c.n_heads, c.n_kv_heads, c.head_dim), (16, 2, 256), "Qwen3.6's attention heads");
+    let tokens: Vec<u32> = (0..84).map(|i| (i * 37 % 300) as u32).collect();
+    let reference = Reference::new(&model).unwrap();
+    let mut rc = reference.new_cache();
+    let want = reference.forward(&mut rc, &tokens, &mut NoObserver).unwrap();
+    if !gpu_usable() {
+        return;
+    }
+    let mut engine = fixture_checks::gpu_engine(&model, 0.5);
+    let mut cache = engine.new_cache(128).unwrap();
+    let mut got = engine.forward(&tokens[..80], Phase::Prefill, &mut cache).unwrap().rows();
+    for &t in &tokens[80..] {
+        got.extend(engine.forward(&[t], Phase::Decode, &mut cache).unwrap().rows());
+    }
+    let err = max_rel_err(&got, &want);
+    println!("qwen3.6-shaped heads of 256 on the GPU engine: {err:.2e}");
+    assert!(err < GPU_TOLERANCE, "GPU engine vs oracle at head dim 256: {err}");
+}

@@ -1001,6 +1001,8 @@ __device__ __forceinline__ void am_scores(float (*s)[4], const unsigned (*qh)[4]
 // The online softmax step of the tile at k0 for this thread's rows (rpos: position, -1 for a
 // padding row; rfirst: first visible position): s becomes p = exp(s * scale - m), zero where not
 // visible; m, l and o (rows' accumulators, c 0-1: row a, 2-3: row a + 8) rescaled.
+// N8, K16: the key n8 tiles of s and the 16-dim steps of o (the wide heads' kernels pass theirs).
+template <int N8 = AM_N8, int K16 = AM_K16>
 __device__ __forceinline__ void am_softmax(float (*s)[4], float (*o)[4], float* m, float* l, const int* rpos,
                                            const int* rfirst, int k0, float scale, int hd) {
     int t = threadIdx.x & 3;
@@ -1008,7 +1010,7 @@ __device__ __forceinline__ void am_softmax(float (*s)[4], float (*o)[4], float* 
     for (int h = 0; h < 2; h++) {
         float mx = -INFINITY;
 #pragma unroll
-        for (int n = 0; n < AM_N8; n++)
+        for (int n = 0; n < N8; n++)
 #pragma unroll
             for (int c = 2 * h; c < 2 * h + 2; c++) {
                 int p = k0 + 8 * n + 2 * t + (c & 1);
@@ -1022,7 +1024,7 @@ __device__ __forceinline__ void am_softmax(float (*s)[4], float (*o)[4], float* 
         float corr = mn == -INFINITY ? 1.f : expf(m[h] - mn);  // m = -inf: 0
         l[h] *= corr;
 #pragma unroll
-        for (int n = 0; n < AM_N8; n++)
+        for (int n = 0; n < N8; n++)
 #pragma unroll
             for (int c = 2 * h; c < 2 * h + 2; c++) {
                 s[n][c] = mn == -INFINITY ? 0.f : expf(s[n][c] - mn);  // invisible: exp(-inf) = 0
@@ -1030,7 +1032,7 @@ __device__ __forceinline__ void am_softmax(float (*s)[4], float (*o)[4], float* 
             }
         m[h] = mn;
 #pragma unroll
-        for (int dn = 0; dn < 2 * AM_K16; dn++) {
+        for (int dn = 0; dn < 2 * K16; dn++) {
             if (dn * 8 >= hd) break;
             o[dn][2 * h] *= corr;
             o[dn][2 * h + 1] *= corr;
@@ -1087,12 +1089,14 @@ __device__ __forceinline__ AmRows am_rows(int n_rows, int g, int pos0, int windo
     r.w_rows = row0 + 16 * w < n_rows;
     return r;
 }
-// Whether any of the warp's rows sees a key of the tile at k0.
+// Whether any of the warp's rows sees a key of the tile of KEYS positions at k0.
+template <int KEYS = AM_KEYS>
 __device__ __forceinline__ bool am_warp_sees(const AmRows& r, int k0) {
-    return r.w_rows && k0 <= r.w_hi && k0 + AM_KEYS - 1 >= r.w_lo;
+    return r.w_rows && k0 <= r.w_hi && k0 + KEYS - 1 >= r.w_lo;
 }
 
 // The rows' outputs: o over the row's sum of p (its quad's partial sums l), through the sinks.
+template <int K16 = AM_K16>
 __device__ __forceinline__ void am_store(const AmRows& r, const float (*o)[4], const float* m, const float* l,
                                          float* __restrict__ out, const float* __restrict__ sinks, int g, int kvh,
                                          int q_dim, int hd) {
@@ -1107,7 +1111,7 @@ __device__ __forceinline__ void am_store(const AmRows& r, const float (*o)[4], c
         float inv = att_finish(sinks, kvh * g + row % g, m[h], sum);
         float* dst = out + (size_t)(row / g) * q_dim + (size_t)(kvh * g + row % g) * hd + 2 * t;
 #pragma unroll
-        for (int dn = 0; dn < 2 * AM_K16; dn++) {
+        for (int dn = 0; dn < 2 * K16; dn++) {
             if (dn * 8 >= hd) break;
             *(float2*)(dst + dn * 8) = make_float2(o[dn][2 * h] * inv, o[dn][2 * h + 1] * inv);
         }
@@ -1171,11 +1175,11 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_q
 
 // Positions k0.. k0 + AM_KEYS - 1 of kv head kvh into stage kt / vt (row stride ld), asynchronously;
 // zeros past key_hi (the probabilities there are 0, and 0 x a stale value could be NaN).
-template <typename T>
+template <typename T, int KEYS = AM_KEYS>
 __device__ __forceinline__ void am16_stage(const T* __restrict__ kc, const T* __restrict__ vc, T* kt, T* vt, int k0,
                                            int key_hi, int kv_dim, int kvh, int hd, int ld) {
     const int per_row = hd / 8;  // 16-byte chunks
-    for (int e = threadIdx.x; e < AM_KEYS * per_row; e += blockDim.x) {
+    for (int e = threadIdx.x; e < KEYS * per_row; e += blockDim.x) {
         int j = e / per_row, i = (e % per_row) * 8, p = k0 + j;
         bool ok = p <= key_hi;
         size_t src = (size_t)(ok ? p : k0) * kv_dim + (size_t)kvh * hd + i;
@@ -1211,19 +1215,19 @@ __device__ __forceinline__ void am16_scores(float (*s)[4], const unsigned (*qh)[
 
 // o += p . V over the staged tile: p (s's layout) as A fragments hi (+ lo when PLO), V rows
 // transposed.
-template <typename M, bool PLO, typename T>
+template <typename M, bool PLO, typename T, int KEYS = AM_KEYS, int K16 = AM_K16>
 __device__ __forceinline__ void am16_pv(float (*o)[4], const float (*p)[4], const T* vt, int ld, int hd) {
     int lane = threadIdx.x & 31;
     int off = ((lane & 7) + 8 * ((lane >> 3) & 1)) * ld + 8 * (lane >> 4);
 #pragma unroll
-    for (int kc = 0; kc < AM_KEYS / 16; kc++) {
+    for (int kc = 0; kc < KEYS / 16; kc++) {
         unsigned ah[4], al[4];
         M::split2(p[2 * kc][0], p[2 * kc][1], ah[0], al[0]);
         M::split2(p[2 * kc][2], p[2 * kc][3], ah[1], al[1]);
         M::split2(p[2 * kc + 1][0], p[2 * kc + 1][1], ah[2], al[2]);
         M::split2(p[2 * kc + 1][2], p[2 * kc + 1][3], ah[3], al[3]);
 #pragma unroll
-        for (int dp = 0; dp < AM_K16; dp++) {
+        for (int dp = 0; dp < K16; dp++) {
             if (dp * 16 >= hd) break;
             unsigned b[4];
             am_ldsm4<true>(b, (const bf16*)(vt + kc * 16 * ld + dp * 16 + off));
@@ -1377,4 +1381,226 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split
     pdl_enter();
     AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
     attention_split_mma_span<AmBf16>(r.q, (const bf16*)r.kc, (const bf16*)r.vc, r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}
+
+// ---- tensor-core attention for wide heads (144..256 dims) over a 16-bit cache ----
+// attention_mma16_tiles' and attention_split_mma_span's jobs for heads past ATT_MMA_MAXD, as
+// their own instantiation so the <= 128 kernels keep their registers. At 256 dims a thread's
+// query fragments hi + lo (2 x 64 registers) and o accumulators (128) do not fit the 255
+// registers, so the queries leave the registers: each thread writes its own fragments (the
+// ones am_load_q computes) once to a private slice of the warp's shared region, in fragment
+// order (16-dim step kk: the lane's hi as one uint4 at [2 kk][lane], lo at [2 kk + 1][lane],
+// conflict-free 16-byte loads), and reads them back per 16-dim step as it reads K by ldmatrix;
+// o stays in registers (~180 a thread). The queries take 64 x hd bytes a warp (16 KiB at 256),
+// so the keys shrink to ATT_MMA_WIDE_KEYS (16) a tile to keep the block (2 stages x K and V +
+// four warps' queries: 97 KiB at 256) under the 99 KiB that sm_86 / sm_89 / sm_120 let a block
+// opt in to (the smallest of sm_80+; an H100 holds two such blocks an SM). Same rows, grid,
+// stages and online softmax as the kernels above; dynamic shared memory (the launcher's
+// attention_mma_wide_shared_bytes). ATT_MMA_WIDE_KEYS, ATT_MMA_WIDE_MAXD: -D defines.
+#define AMW_KEYS ATT_MMA_WIDE_KEYS
+#define AMW_K16 (ATT_MMA_WIDE_MAXD / 16)
+#define AMW_N8 (AMW_KEYS / 8)
+#if AMW_KEYS % 16 != 0 || ATT_MMA_WIDE_MAXD % 16 != 0
+#error "ATT_MMA_WIDE_KEYS and ATT_MMA_WIDE_MAXD must be multiples of 16"
+#endif
+
+// Bytes of the two K + V stages (the warps' query slices follow them).
+__device__ __forceinline__ int amw_kv_bytes(int hd) { return 2 * 2 * AMW_KEYS * (hd + 8) * 2; }
+
+// The warp's query slice: 16-dim steps x (hi, lo) x 32 lanes of uint4.
+__device__ __forceinline__ uint4* amw_q_slice(unsigned char* smem, int hd) {
+    return (uint4*)(smem + amw_kv_bytes(hd)) + (size_t)(threadIdx.x >> 5) * (hd / 16) * 2 * 32;
+}
+
+// am_load_q's fragments of this thread (rows ra, ra + 8; zeros past n_rows) into its slots of
+// the warp's slice qs. Only this thread reads them back: no barrier.
+template <typename SPLIT>
+__device__ __forceinline__ void amw_store_q(uint4* qs, const float* __restrict__ q, int ra, int n_rows, int g,
+                                            int kvh, int q_dim, int hd) {
+    const int lane = threadIdx.x & 31, t = lane & 3;
+    const float* row[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        int r = ra + 8 * h;
+        row[h] = r < n_rows ? q + (size_t)(r / g) * q_dim + (size_t)(kvh * g + r % g) * hd : nullptr;
+    }
+    for (int kk = 0; kk < hd / 16; kk++) {
+        unsigned hi[4], lo[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float* r = row[j & 1];
+            float2 v = r ? *(const float2*)(r + kk * 16 + 2 * t + 8 * (j >> 1)) : make_float2(0.f, 0.f);
+            SPLIT::split2(v.x, v.y, hi[j], lo[j]);
+        }
+        qs[2 * kk * 32 + lane] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+        qs[(2 * kk + 1) * 32 + lane] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
+    }
+}
+
+// am16_scores with the query fragments read from the thread's slots of qs per 16-dim step.
+template <typename M, typename T>
+__device__ __forceinline__ void amw_scores(float (*s)[4], const uint4* qs, const T* kt, int ld, int hd) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int n = 0; n < AMW_N8; n++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) s[n][c] = 0.f;
+    const int off = ((lane & 7) + 8 * (lane >> 4)) * ld + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int kk = 0; kk < AMW_K16; kk++) {
+        if (kk * 16 >= hd) break;
+        const uint4 h4 = qs[2 * kk * 32 + lane], l4 = qs[(2 * kk + 1) * 32 + lane];
+        const unsigned qh[4] = {h4.x, h4.y, h4.z, h4.w}, ql[4] = {l4.x, l4.y, l4.z, l4.w};
+#pragma unroll
+        for (int np = 0; np < AMW_N8 / 2; np++) {
+            unsigned b[4];
+            am_ldsm4<false>(b, (const bf16*)(kt + np * 16 * ld + kk * 16 + off));
+            M::mma(s[2 * np], qh, b[0], b[1]);
+            M::mma(s[2 * np], ql, b[0], b[1]);
+            M::mma(s[2 * np + 1], qh, b[2], b[3]);
+            M::mma(s[2 * np + 1], ql, b[2], b[3]);
+        }
+    }
+}
+
+// The tiles [key_lo, key_hi] of kv head kvh through the two cp.async stages at smem into the
+// thread's m, l and o (each warp's rows where `sees` says it sees the tile; rpos, rfirst: its
+// rows' positions and first visible positions). Every thread of the block calls it.
+template <typename M, bool PLO, typename T, typename SEES>
+__device__ __forceinline__ void amw_walk(const T* __restrict__ kc, const T* __restrict__ vc, unsigned char* smem,
+                                         const uint4* qs, float (*o)[4], float* m, float* l, const int* rpos,
+                                         const int* rfirst, int key_lo, int key_hi, int n_kv, int kvh, int hd,
+                                         float scale, SEES sees) {
+    const int ld = hd + 8, stage = 2 * AMW_KEYS * ld, kv_dim = n_kv * hd;
+    T* buf = (T*)smem;  // stage i: keys at buf + i * stage, values AMW_KEYS * ld after them
+    am16_stage<T, AMW_KEYS>(kc, vc, buf, buf + AMW_KEYS * ld, key_lo, key_hi, kv_dim, kvh, hd, ld);
+    cp_async_commit();
+    for (int k0 = key_lo, i = 0; k0 <= key_hi; k0 += AMW_KEYS, i ^= 1) {
+        const T* kt = buf + i * stage;
+        if (k0 + AMW_KEYS <= key_hi) {  // the next tile into the other stage, consumed last round
+            T* nk = buf + (i ^ 1) * stage;
+            am16_stage<T, AMW_KEYS>(kc, vc, nk, nk + AMW_KEYS * ld, k0 + AMW_KEYS, key_hi, kv_dim, kvh, hd, ld);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();  // this tile's copies have landed (the next tile's may fly)
+        __syncthreads();
+        if (sees(k0)) {
+            float s[AMW_N8][4];
+            amw_scores<M>(s, qs, kt, ld, hd);
+            am_softmax<AMW_N8, AMW_K16>(s, o, m, l, rpos, rfirst, k0, scale, hd);
+            am16_pv<M, PLO, T, AMW_KEYS, AMW_K16>(o, s, kt + AMW_KEYS * ld, ld, hd);
+        }
+        __syncthreads();  // this stage is consumed before the next round's copies refill it
+    }
+}
+
+// attention_mma16_tiles for wide heads. Dynamic shared: attention_mma_wide_shared_bytes(hd, 4).
+template <typename M, bool PLO, typename T>
+__device__ __forceinline__ void attention_mma16w_tiles(const float* __restrict__ q, const T* __restrict__ kc,
+                                                       const T* __restrict__ vc, float* __restrict__ out, int n_tokens,
+                                                       int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+                                                       const float* __restrict__ sinks) {
+    extern __shared__ __align__(16) unsigned char amw_smem[];
+    const int g = n_heads / n_kv, kvh = blockIdx.y, n_rows = n_tokens * g, q_dim = n_heads * hd;
+    const AmRows r = am_rows(n_rows, g, pos0, window);
+    uint4* qs = amw_q_slice(amw_smem, hd);
+    amw_store_q<M>(qs, q, r.ra, n_rows, g, kvh, q_dim, hd);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AMW_K16][4];
+#pragma unroll
+    for (int dn = 0; dn < 2 * AMW_K16; dn++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) o[dn][c] = 0.f;
+    amw_walk<M, PLO>(kc, vc, amw_smem, qs, o, m, l, r.rpos, r.rfirst, r.key_lo, r.key_hi, n_kv, kvh, hd, scale,
+                     [&](int k0) { return am_warp_sees<AMW_KEYS>(r, k0); });
+    am_store<AMW_K16>(r, o, m, l, out, sinks, g, kvh, q_dim, hd);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_wide_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
+    pdl_enter();
+    attention_mma16w_tiles<AmF16, false>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_wide_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
+    const float* __restrict__ sinks) {
+    pdl_enter();
+    attention_mma16w_tiles<AmBf16, true>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
+}
+
+// A span's partials of this thread's rows (rpos < 0: none): unnormalised o, then m and the row's
+// sum of p (its quad's partial sums l); part points at the thread's first row's partials (split 0),
+// the second row's are 8 rows further.
+template <int K16>
+__device__ __forceinline__ void am_store_part(const float (*o)[4], const float* m, const float* l, const int* rpos,
+                                              float* __restrict__ part, int s, int max_splits, int hd) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (rpos[h] < 0) continue;
+        float* pr = part + ((size_t)(8 * h) * max_splits + s) * (hd + 2);
+#pragma unroll
+        for (int dn = 0; dn < 2 * K16; dn++) {
+            if (dn * 8 >= hd) break;
+            *(float2*)(pr + dn * 8 + 2 * t) = make_float2(o[dn][2 * h], o[dn][2 * h + 1]);
+        }
+        if (t == 0) pr[hd] = m[h], pr[hd + 1] = sum;
+    }
+}
+
+// attention_split_mma_span for wide heads: only the warps with rows (16 w < g) write and read
+// query slices, so the launch gives attention_mma_wide_shared_bytes(hd, ceil(g / 16)) bytes.
+template <typename M, typename T>
+__device__ __forceinline__ void attention_split_mma16w_span(const float* __restrict__ q, const T* __restrict__ kc,
+                                                            const T* __restrict__ vc, float* __restrict__ part, int pos,
+                                                            int n_heads, int n_kv, int hd, int window, float scale,
+                                                            int max_splits) {
+    extern __shared__ __align__(16) unsigned char amw_smem[];
+    int first, n;
+    att_row_range(pos, 0, window, &first, &n);
+    const int per = att_split_span(n, max_splits), s = blockIdx.y, j0 = s * per;
+    if (j0 >= n) return;  // past the used spans
+    const int g = n_heads / n_kv, kvh = blockIdx.x, key_lo = first + j0, key_hi = first + min(n, j0 + per) - 1;
+    const int w = threadIdx.x >> 5, ra = 16 * w + ((threadIdx.x & 31) >> 2);
+    const bool rows = 16 * w < g;
+    uint4* qs = amw_q_slice(amw_smem, hd);
+    if (rows) amw_store_q<M>(qs, q, ra, g, g, kvh, n_heads * hd, hd);
+    const int rpos[2] = {ra < g ? pos : -1, ra + 8 < g ? pos : -1}, rfirst[2] = {first, first};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AMW_K16][4];
+#pragma unroll
+    for (int dn = 0; dn < 2 * AMW_K16; dn++)
+#pragma unroll
+        for (int c = 0; c < 4; c++) o[dn][c] = 0.f;
+    amw_walk<M, true>(kc, vc, amw_smem, qs, o, m, l, rpos, rfirst, key_lo, key_hi, n_kv, kvh, hd, scale,
+                      [rows](int) { return rows; });
+    am_store_part<AMW_K16>(o, m, l, rpos, part + (size_t)(kvh * g + ra) * max_splits * (hd + 2), s, max_splits, hd);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_wide_f16(const float* __restrict__ q, const __half* __restrict__ kc,
+    const __half* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    int t = blockIdx.z;
+    attention_split_mma16w_span<AmF16>(q + att_q_row(t, n_heads, hd), kc, vc, part + att_part_row(t, n_heads, hd, max_splits),
+                                       att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_wide_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
+    const bf16* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    int t = blockIdx.z;
+    attention_split_mma16w_span<AmBf16>(q + att_q_row(t, n_heads, hd), kc, vc, part + att_part_row(t, n_heads, hd, max_splits),
+                                        att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
+}
+// The batched decode rows (att_batch_row) for wide heads. grid (n_kv, max_splits, launch rows).
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_rows_wide_f16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_mma16w_span<AmF16>(r.q, (const __half*)r.kc, (const __half*)r.vc, r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+}
+extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_rows_wide_bf16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
+    const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
+    pdl_enter();
+    AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
+    attention_split_mma16w_span<AmBf16>(r.q, (const bf16*)r.kc, (const bf16*)r.vc, r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
 }

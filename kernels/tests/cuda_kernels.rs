@@ -234,8 +234,8 @@ fn attention_causal_gqa_matches_cpu() {
             let got3 = CudaBackend::attention_tiled_fits(hd).then(|| {
                 run(&|o| be.attention_tiled(q_, k_, v_, o, t, pos0, n_heads, n_kv, hd, window).unwrap())
             });
-            // tensor-core prefill version (heads of a multiple of 16 up to 128 on sm_80+)
-            let got4 = be.attention_mma_fits(hd).then(|| {
+            // tensor-core prefill version (heads of a multiple of 16 up to 128 over f32 on sm_80+)
+            let got4 = be.attention_mma_fits(hd, moe_lanes_kernels::KvType::F32).then(|| {
                 run(&|o| be.attention_mma(q_, k_, v_, o, t, pos0, n_heads, n_kv, hd, window).unwrap())
             });
             let mut want = vec![0.0; t * n_heads * hd];
@@ -410,7 +410,7 @@ fn attention_f16_cache_matches_cpu() {
                 });
                 outs.push(("tiled", o));
             }
-            if be.attention_mma_fits(hd) {
+            if be.attention_mma_fits(hd, moe_lanes_kernels::KvType::F16) {
                 let o = run(&|o| {
                     be.attention_mma(dq.ptr(), k16, v16, o, t, pos0, n_heads, n_kv, hd, window).unwrap()
                 });
@@ -598,7 +598,7 @@ fn attention_bf16_and_q8_0_caches_match_cpu() {
                     });
                     outs.push(("tiled", o));
                 }
-                if be.attention_mma_fits(hd) {
+                if be.attention_mma_fits(hd, kv_type) {
                     let o = run(&|o| {
                         be.attention_mma(dq.ptr(), kp, vp, o, t, pos0, n_heads, n_kv, hd, window).unwrap()
                     });
@@ -1881,7 +1881,7 @@ fn attention_sinks_match_cpu_on_every_kernel() {
                     run(&|o| be.attention_tiled(q_, k_, v_, o, t, pos0, n_heads, n_kv, hd, mask).unwrap()),
                 ));
             }
-            if be.attention_mma_fits(hd) {
+            if be.attention_mma_fits(hd, moe_lanes_kernels::KvType::F32) {
                 outs.push((
                     "mma",
                     run(&|o| be.attention_mma(q_, k_, v_, o, t, pos0, n_heads, n_kv, hd, mask).unwrap()),
@@ -2385,5 +2385,285 @@ fn gemma_kernels_match_cpu() {
         let err = max_abs_diff(&be.read_vec(dout.ptr()).unwrap(), &want);
         eprintln!("glu_mul {glu:?}: max err {err:e}");
         assert!(err < 1e-5, "{glu:?}: {err}");
+    }
+}
+
+/// Causal GQA attention on the CPU in f64 with an optional sink logit per head (the wide-head
+/// tests' oracle): `t` query rows at `pos0..`.
+fn attention_masked_cpu(
+    (q, kc, vc): (&[f32], &[f32], &[f32]),
+    sinks: Option<&[f32]>,
+    (t, pos0, n_heads, n_kv, hd, window): (usize, usize, usize, usize, usize, usize),
+) -> Vec<f32> {
+    let kv_dim = n_kv * hd;
+    let mut want = vec![0.0; t * n_heads * hd];
+    for ti in 0..t {
+        let pos = pos0 + ti;
+        let first = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+        for h in 0..n_heads {
+            let kvh = h / (n_heads / n_kv);
+            let qh = &q[(ti * n_heads + h) * hd..][..hd];
+            let scores: Vec<f64> = (first..=pos)
+                .map(|p| {
+                    let kr = &kc[p * kv_dim + kvh * hd..][..hd];
+                    qh.iter().zip(kr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() / (hd as f64).sqrt()
+                })
+                .collect();
+            let sink = sinks.map(|s| s[h] as f64);
+            let m = scores.iter().copied().fold(sink.unwrap_or(f64::NEG_INFINITY), f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let sum: f64 = e.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - m).exp());
+            for i in 0..hd {
+                let a: f64 =
+                    (first..=pos).zip(&e).map(|(p, w)| w * vc[p * kv_dim + kvh * hd + i] as f64).sum();
+                want[(ti * n_heads + h) * hd + i] = (a / sum) as f32;
+            }
+        }
+    }
+    want
+}
+
+/// The masks the wide-head tests run: (window, with sinks): none, a window, sinks, both.
+const WIDE_MASKS: [(usize, bool); 4] = [(0, false), (100, false), (0, true), (700, true)];
+
+/// The bounds of a wide-head tensor-core result over a 16-bit cache, as the narrow kernels'
+/// tests set them: against the CPU over the cache's values 1e-5 (q and p split hi + lo, K and V
+/// exact, f32 accumulation), but 2.5e-4 for the f16 prefill (p rounded to f16 for p . V: at
+/// most 2^-12 of each weight); against the f32 cache's result the type's rounding of K and V
+/// (f16: 2e-3, bf16: 1e-2).
+fn wide_bounds(kv_type: moe_lanes_kernels::KvType, prefill: bool) -> (f32, f32) {
+    use moe_lanes_kernels::KvType;
+    match kv_type {
+        KvType::F16 if prefill => (2.5e-4, 2e-3),
+        KvType::F16 => (1e-5, 2e-3),
+        _ => (1e-5, 1e-2),
+    }
+}
+
+/// Heads of 192 and 256 (Qwen3.5/3.6, Qwen3-Next, Gemma 4 sliding layers) on the wide-head
+/// tensor-core kernels over f16 and bf16 caches: prefill (`attention_mma`: several 64-row blocks
+/// and 16-key tiles, positions past 2000) and split decode (`attention_split`: several spans),
+/// GQA groups of 8 and 1, a window, sinks; against the CPU in f64 over the cache's values and
+/// over the f32 values (bounds: [`wide_bounds`]).
+#[test]
+fn wide_head_tensor_core_attention_matches_cpu() {
+    use moe_lanes_kernels::cuda::ops::AttentionMask;
+    use moe_lanes_kernels::KvType;
+    let Some(be) = backend() else { return };
+    if !be.attention_mma_fits(256, KvType::F16) {
+        eprintln!("SKIP: the tensor-core attention needs sm_80+");
+        return;
+    }
+    for (n_heads, n_kv, hd, pos0, t) in [
+        (16, 2, 256, 0, 130),
+        (16, 2, 256, 2100, 20),
+        (4, 4, 192, 2050, 9),
+        (16, 2, 256, 2500, 1),
+        (4, 4, 192, 3000, 2),
+    ] {
+        let total = pos0 + t;
+        let (q, kc, vc) = (rnd(t * n_heads * hd, 51), rnd(total * n_kv * hd, 52), rnd(total * n_kv * hd, 53));
+        let sinks: Vec<f32> = (0..n_heads).map(|h| -4.0 + 8.0 * h as f32 / n_heads as f32).collect();
+        let (dq, ds) = (be.upload(&q).unwrap(), be.upload(&sinks).unwrap());
+        for kv_type in [KvType::F16, KvType::Bf16] {
+            assert!(be.attention_split_mma_fits(n_heads, n_kv, hd, kv_type), "{kv_type} {hd}: split on mma");
+            let ((dk, kh), (dv, vh)) = (typed_cache(be, kv_type, &kc), typed_cache(be, kv_type, &vc));
+            let (kp, vp) = (typed_ptr(kv_type, &dk), typed_ptr(kv_type, &dv));
+            let part =
+                be.alloc_zeros::<f32>(CudaBackend::attention_split_scratch(t, n_heads, hd, total)).unwrap();
+            for (window, with_sinks) in WIDE_MASKS {
+                let s = with_sinks.then_some(sinks.as_slice());
+                let shape = (t, pos0, n_heads, n_kv, hd, window);
+                let want = attention_masked_cpu((&q, &kh, &vh), s, shape);
+                let want32 = attention_masked_cpu((&q, &kc, &vc), s, shape);
+                let mask = AttentionMask { window, sinks: with_sinks.then(|| ds.ptr()) };
+                let run = |launch: &dyn Fn(DPtr<f32>)| {
+                    let o = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+                    launch(o.ptr());
+                    be.read_vec(o.ptr()).unwrap()
+                };
+                let mma = run(&|o| {
+                    be.attention_mma(dq.ptr(), kp, vp, o, t, pos0, n_heads, n_kv, hd, mask).unwrap()
+                });
+                let split = run(&|o| {
+                    be.attention_split(
+                        dq.ptr(),
+                        kp,
+                        vp,
+                        o,
+                        part.ptr(),
+                        t,
+                        pos0,
+                        n_heads,
+                        n_kv,
+                        hd,
+                        mask,
+                        None,
+                    )
+                    .unwrap()
+                });
+                let what = format!(
+                    "{kv_type} {n_heads}/{n_kv}x{hd} pos0={pos0} t={t} window={window} sinks={with_sinks}"
+                );
+                for (kernel, got, prefill) in [("mma", &mma, true), ("split", &split, false)] {
+                    let (exact, typed) = wide_bounds(kv_type, prefill);
+                    let (err, err32) = (max_abs_diff(got, &want), max_abs_diff(got, &want32));
+                    assert!(err < exact, "{kernel} {what}: {err} against the CPU over the cache's values");
+                    assert!(err32 < typed, "{kernel} {what}: {err32} against the f32 cache's result");
+                }
+            }
+        }
+    }
+}
+
+/// A batched decode step with wide heads (`attention_split_rows` on the wide-head tensor-core
+/// kernel): sequences of 1..2600 positions with their own f16 or bf16 caches, GQA groups of 8
+/// and 1, heads of 256 and 192, a window, sinks, the launch rows a subset of the call's rows in
+/// another order; each launched row against the CPU in f64 (1e-5, as the per-sequence split),
+/// the others untouched.
+#[test]
+fn wide_head_batched_decode_rows_match_cpu() {
+    use moe_lanes_kernels::cuda::ops::{AttentionMask, BatchKv};
+    use moe_lanes_kernels::KvType;
+    let Some(be) = backend() else { return };
+    if !be.attention_mma_fits(256, KvType::F16) {
+        eprintln!("SKIP: the tensor-core attention needs sm_80+");
+        return;
+    }
+    let lens = [1usize, 37, 2100, 700, 2600];
+    let (n, cap) = (lens.len(), 2601);
+    for (n_heads, n_kv, hd) in [(16usize, 2usize, 256usize), (4, 4, 192)] {
+        let (kv_dim, q_dim) = (n_kv * hd, n_heads * hd);
+        let q = rnd(n * q_dim, 61);
+        let sinks: Vec<f32> = (0..n_heads).map(|h| -3.0 + 6.0 * h as f32 / n_heads as f32).collect();
+        let (dq, ds) = (be.upload(&q).unwrap(), be.upload(&sinks).unwrap());
+        let launch: Vec<i32> = vec![3, 0, 4, 2];
+        let drows = be.upload(&launch).unwrap();
+        let pos: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+        let dpos = be.upload(&pos).unwrap();
+        for kv_type in [KvType::F16, KvType::Bf16] {
+            let caches: Vec<_> = (0..n)
+                .map(|i| {
+                    let (kc, vc) = (rnd(cap * kv_dim, 300 + i as u64), rnd(cap * kv_dim, 400 + i as u64));
+                    (typed_cache(be, kv_type, &kc), typed_cache(be, kv_type, &vc))
+                })
+                .collect();
+            let kptrs: Vec<u64> = caches.iter().map(|c| typed_ptr(kv_type, &c.0 .0).raw()).collect();
+            let vptrs: Vec<u64> = caches.iter().map(|c| typed_ptr(kv_type, &c.1 .0).raw()).collect();
+            let (dk, dv) = (be.upload(&kptrs).unwrap(), be.upload(&vptrs).unwrap());
+            let max_positions = cap;
+            let kv = BatchKv { pos: dpos.ptr(), k: dk.ptr(), v: dv.ptr(), kv_type, n_rows: n, max_positions };
+            let scratch = CudaBackend::attention_split_scratch(launch.len(), n_heads, hd, max_positions);
+            let part = be.alloc_zeros::<f32>(scratch).unwrap();
+            for (window, with_sinks) in WIDE_MASKS {
+                let mask = AttentionMask { window, sinks: with_sinks.then(|| ds.ptr()) };
+                let out = be.alloc_zeros::<f32>(n * q_dim).unwrap();
+                let rows = (drows.ptr(), launch.len());
+                be.attention_split_rows(dq.ptr(), out.ptr(), part.ptr(), rows, kv, n_heads, n_kv, hd, mask)
+                    .unwrap();
+                let got = be.read_vec(out.ptr()).unwrap();
+                for (i, ((_, kh), (_, vh))) in caches.iter().enumerate() {
+                    let row = &got[i * q_dim..][..q_dim];
+                    if !launch.contains(&(i as i32)) {
+                        assert!(row.iter().all(|&x| x == 0.0), "row {i} is not a launch row: untouched");
+                        continue;
+                    }
+                    let s = with_sinks.then_some(sinks.as_slice());
+                    let qi = &q[i * q_dim..][..q_dim];
+                    let want = attention_masked_cpu((qi, kh, vh), s, (1, lens[i], n_heads, n_kv, hd, window));
+                    let err = max_abs_diff(row, &want);
+                    let what = format!(
+                        "{kv_type} {n_heads}/{n_kv}x{hd} seq {i} len {} window {window} sinks {with_sinks}",
+                        lens[i]
+                    );
+                    assert!(err < 1e-5, "{what}: {err} against the CPU");
+                }
+            }
+        }
+    }
+}
+
+/// Heads past the wide-head limit (272 > 256) are refused by the kernel's name, not launched;
+/// f32 caches keep the narrow limit (144 > 128 on `attention_mma_f32`).
+#[test]
+fn wide_head_launchers_refuse_heads_past_the_limit() {
+    use moe_lanes_kernels::KvType;
+    let Some(be) = backend() else { return };
+    assert_eq!(CudaBackend::attention_mma_max_head_dim(KvType::Bf16), 256);
+    assert_eq!(CudaBackend::attention_mma_max_head_dim(KvType::Q8_0), 128);
+    let (n_heads, n_kv, t, pos0) = (4usize, 2usize, 2usize, 3usize);
+    for (kv_type, hd, symbol) in [
+        (KvType::F16, 272usize, "attention_mma_wide_f16"),
+        (KvType::Bf16, 272, "attention_mma_wide_bf16"),
+        (KvType::F32, 144, "attention_mma_f32"),
+    ] {
+        assert!(!be.attention_mma_fits(hd, kv_type), "{kv_type} {hd}");
+        let (q, kc) = (vec![0.5f32; t * n_heads * hd], vec![0.25f32; (pos0 + t) * n_kv * hd]);
+        let dq = be.upload(&q).unwrap();
+        let out = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+        let err = match kv_type {
+            KvType::F32 => {
+                let (dk, dv) = (be.upload(&kc).unwrap(), be.upload(&kc).unwrap());
+                be.attention_mma(dq.ptr(), dk.ptr(), dv.ptr(), out.ptr(), t, pos0, n_heads, n_kv, hd, 0)
+            }
+            _ => {
+                let ((dk, _), (dv, _)) = (typed_cache(be, kv_type, &kc), typed_cache(be, kv_type, &kc));
+                let (kp, vp) = (typed_ptr(kv_type, &dk), typed_ptr(kv_type, &dv));
+                be.attention_mma(dq.ptr(), kp, vp, out.ptr(), t, pos0, n_heads, n_kv, hd, 0)
+            }
+        }
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains(symbol) && err.contains(&format!("head_dim {hd}")), "{kv_type} {hd}: {err}");
+    }
+    assert!(!be.attention_split_mma_fits(n_heads, n_kv, 272, KvType::F16));
+}
+
+/// Wide-head attention at depth (not a test of speed: prints, for the lead's measurements), the
+/// Qwen3.6 full-attention shape (16 query heads over 2 kv heads of 256): prefill of 512 rows on
+/// the wide tensor-core kernel against the tiled CUDA-core kernel (the path heads of 256 took
+/// before) over the same f16 cache, and one decode token's split attention over f16 (the wide
+/// tensor-core split) against f32 (the CUDA-core split), after 8192 and 32768 cached positions.
+#[test]
+#[ignore]
+fn attention_wide_heads_timing() {
+    use moe_lanes_kernels::cuda::ops::KvPtr;
+    let Some(be) = backend() else { return };
+    let (hd, n_kv, n_heads, t) = (256usize, 2usize, 16usize, 512usize);
+    let q = be.upload(&rnd(t * n_heads * hd, 41)).unwrap();
+    let out = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
+    for depth in [0usize, 8192, 32768] {
+        let n = (depth + t) * n_kv * hd;
+        let f16 = |x: Vec<f32>| x.into_iter().map(|v| half::f16::from_f32(v).to_bits()).collect::<Vec<u16>>();
+        let (k16, v16) = (be.upload(&f16(rnd(n, 42))).unwrap(), be.upload(&f16(rnd(n, 43))).unwrap());
+        let (kc, vc) = (KvPtr::F16(k16.ptr()), KvPtr::F16(v16.ptr()));
+        let flop = 4.0 * (t * n_heads * hd) as f64 * (depth + t / 2) as f64;
+        let mma = || be.attention_mma(q.ptr(), kc, vc, out.ptr(), t, depth, n_heads, n_kv, hd, 0).unwrap();
+        let tiled =
+            || be.attention_tiled(q.ptr(), kc, vc, out.ptr(), t, depth, n_heads, n_kv, hd, 0).unwrap();
+        for (name, us) in
+            [("wide mma", mean_launch_us(be, 2, 10, mma)), ("tiled", mean_launch_us(be, 1, 3, tiled))]
+        {
+            let tflops = flop / us / 1e6;
+            eprintln!("TIMING prefill attention f16 depth {depth} t {t} heads {n_heads}/{n_kv}x{hd} {name}: {us:.1} us, {tflops:.1} TFLOP/s");
+        }
+        if depth == 0 {
+            continue;
+        }
+        let (k32, v32) = (be.upload(&rnd(n, 42)).unwrap(), be.upload(&rnd(n, 43)).unwrap());
+        let part =
+            be.alloc_zeros::<f32>(CudaBackend::attention_split_scratch(1, n_heads, hd, depth + 1)).unwrap();
+        for (name, k, v) in
+            [("f16 wide mma", kc, vc), ("f32 CUDA cores", KvPtr::F32(k32.ptr()), KvPtr::F32(v32.ptr()))]
+        {
+            let split = || {
+                be.attention_split(q.ptr(), k, v, out.ptr(), part.ptr(), 1, depth, n_heads, n_kv, hd, 0, None)
+                    .unwrap()
+            };
+            let us = mean_launch_us(be, 5, 50, split);
+            eprintln!(
+                "TIMING decode split attention depth {depth} heads {n_heads}/{n_kv}x{hd} {name}: {us:.1} us"
+            );
+        }
     }
 }

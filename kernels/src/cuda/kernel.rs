@@ -60,6 +60,25 @@ pub const ATTENTION_MMA_KEYS: usize = 32;
 /// 2 x this / 4 registers of query fragments and this / 2 accumulators (128: ~130 registers), and
 /// a block 4 x keys x (this + 8) bf16 of shared memory (34 KiB).
 pub const ATTENTION_MMA_MAX_HEAD_DIM: usize = 128;
+/// Largest head dimension of the wide-head tensor-core attention over f16 and bf16 caches
+/// (`-DATT_MMA_WIDE_MAXD`; heads past [`ATTENTION_MMA_MAX_HEAD_DIM`]: Qwen3.5/3.6 and Qwen3-Next
+/// full attention and Gemma 4's sliding layers have 256). Cost: a thread holds this / 2 o
+/// accumulators in registers (256: 128 of them, ~180 registers in all); the query fragments go
+/// to shared memory instead, 64 x head dim bytes a warp ([`attention_mma_wide_shared_bytes`]).
+pub const ATTENTION_MMA_WIDE_MAX_HEAD_DIM: usize = 256;
+/// Key positions of one wide-head tensor-core tile (`-DATT_MMA_WIDE_KEYS`): 16, half the narrow
+/// kernels' tile, so that a prefill block at 256 dims (two stages of K and V tiles plus four
+/// warps' queries: 97 KiB) stays under the 99 KiB a block may opt in to on sm_86 / sm_89 /
+/// sm_120 (the smallest of sm_80+). Cost: twice the barriers a key of the 32-key tiles.
+pub const ATTENTION_MMA_WIDE_KEYS: usize = 16;
+
+/// Dynamic shared memory of a wide-head tensor-core attention block over `head_dim`-value heads
+/// with `q_warps` warps holding queries: two stages of K and V tiles (16-bit, rows padded by 8
+/// values), then each warp's query fragments hi + lo (`head_dim / 16` steps of 32 lanes x 2 x 16
+/// bytes). The kernels (`amw_kv_bytes`, `amw_q_slice` in attention.cu) use the same layout.
+pub const fn attention_mma_wide_shared_bytes(head_dim: usize, q_warps: usize) -> usize {
+    2 * 2 * ATTENTION_MMA_WIDE_KEYS * (head_dim + 8) * 2 + q_warps * 64 * head_dim
+}
 /// Threads of a tensor-core prefill attention block.
 pub const ATTENTION_MMA_THREADS: u32 = 32 * ATTENTION_MMA_WARPS;
 /// Threads of the split attention kernel.
@@ -126,6 +145,13 @@ const _: () = assert!(ATTENTION_MAX_HEAD_DIM.is_multiple_of(32));
 const _: () = assert!(ATTENTION_TILE_ROWS.is_multiple_of(4) && ATTENTION_TILE_KEYS == 32);
 const _: () = assert!(ATTENTION_TILE_MAX_HEAD_DIM.is_multiple_of(32));
 const _: () = assert!(ATTENTION_MMA_KEYS.is_multiple_of(16) && ATTENTION_MMA_MAX_HEAD_DIM.is_multiple_of(16));
+const _: () =
+    assert!(ATTENTION_MMA_WIDE_KEYS.is_multiple_of(16) && ATTENTION_MMA_WIDE_MAX_HEAD_DIM.is_multiple_of(16));
+// the widest block fits the 99 KiB opt-in limit of every sm_80+ device
+const _: () = assert!(
+    attention_mma_wide_shared_bytes(ATTENTION_MMA_WIDE_MAX_HEAD_DIM, ATTENTION_MMA_WARPS as usize)
+        <= 99 << 10
+);
 
 /// Shared device helpers (types, warp and block reductions), prepended to the families.
 pub const COMMON_CUH: &str = include_str!("../../cuda/common.cuh");
@@ -234,7 +260,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 34] = [
+pub const SHARED_DEFINE_NAMES: [&str; 36] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -269,6 +295,8 @@ pub const SHARED_DEFINE_NAMES: [&str; 34] = [
     "MLA_TOKENS",
     "MLA_MAX_RANK",
     "MLA_MAX_ROPE",
+    "ATT_MMA_WIDE_KEYS",
+    "ATT_MMA_WIDE_MAXD",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -308,6 +336,8 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DMLA_TOKENS={MLA_TOKENS}"),
         format!("-DMLA_MAX_RANK={MLA_MAX_RANK}"),
         format!("-DMLA_MAX_ROPE={MLA_MAX_ROPE}"),
+        format!("-DATT_MMA_WIDE_KEYS={ATTENTION_MMA_WIDE_KEYS}"),
+        format!("-DATT_MMA_WIDE_MAXD={ATTENTION_MMA_WIDE_MAX_HEAD_DIM}"),
     ]
 }
 
@@ -380,6 +410,12 @@ kernel_table! {
     AttentionMmaQ8_0 = "attention_mma_q8_0" in Attention,
     AttentionSplitGqaBf16 = "attention_split_gqa_bf16" in Attention,
     AttentionSplitGqaQ8_0 = "attention_split_gqa_q8_0" in Attention,
+    AttentionMmaWideF16 = "attention_mma_wide_f16" in Attention,
+    AttentionMmaWideBf16 = "attention_mma_wide_bf16" in Attention,
+    AttentionSplitMmaWideF16 = "attention_split_mma_wide_f16" in Attention,
+    AttentionSplitMmaWideBf16 = "attention_split_mma_wide_bf16" in Attention,
+    AttentionSplitMmaRowsWideF16 = "attention_split_mma_rows_wide_f16" in Attention,
+    AttentionSplitMmaRowsWideBf16 = "attention_split_mma_rows_wide_bf16" in Attention,
     ArgmaxF32 = "argmax_f32" in Argmax,
     ArgmaxPartialF32 = "argmax_partial_f32" in Argmax,
     ArgmaxFinalF32 = "argmax_final_f32" in Argmax,
@@ -514,6 +550,16 @@ impl Kernel {
         Kernel::AttentionSplitGqaRowsF16,
         Kernel::AttentionSplitGqaRowsBf16,
         Kernel::AttentionSplitGqaRowsQ8_0,
+    ];
+    /// The wide-head tensor-core kernels (prefill, split decode, batched decode rows; f16 and
+    /// bf16 caches each), whose dynamic shared memory may pass the default 48 KiB.
+    pub const ATTENTION_MMA_WIDE: [Kernel; 6] = [
+        Kernel::AttentionMmaWideF16,
+        Kernel::AttentionMmaWideBf16,
+        Kernel::AttentionSplitMmaWideF16,
+        Kernel::AttentionSplitMmaWideBf16,
+        Kernel::AttentionSplitMmaRowsWideF16,
+        Kernel::AttentionSplitMmaRowsWideBf16,
     ];
     /// The latent attention's split pass per KV cache type.
     pub const MLA_ATTENTION_SPLIT: [Kernel; 4] = [

@@ -914,8 +914,8 @@ impl CudaBackend {
     }
 }
 
-/// Let the pipelined grouped GEMMs and the tiled prefill attention over the widest heads take
-/// their dynamic shared memory (past the default 48 KiB).
+/// Let the pipelined grouped GEMMs, the tiled prefill attention over the widest heads and the
+/// wide-head tensor-core attention take their dynamic shared memory (past the default 48 KiB).
 fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
     let tiles = kernel::attention_tile_shared_bytes(kernel::ATTENTION_TILE_MAX_HEAD_DIM);
     let pipes = [
@@ -926,8 +926,15 @@ fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
         (Kernel::GroupedGateUpQPipe, kernel::grouped_pipe_shared_bytes(2)),
         (Kernel::GroupedGemmQPipe, kernel::grouped_pipe_shared_bytes(1)),
     ];
-    // Every KV cache type's instance of the tiled attention.
-    let large = pipes.into_iter().chain(Kernel::ATTENTION_TILED.map(|k| (k, tiles)));
+    let wide = kernel::attention_mma_wide_shared_bytes(
+        kernel::ATTENTION_MMA_WIDE_MAX_HEAD_DIM,
+        kernel::ATTENTION_MMA_WARPS as usize,
+    );
+    // Every KV cache type's instance of the tiled attention; the wide-head tensor-core kernels.
+    let large = pipes
+        .into_iter()
+        .chain(Kernel::ATTENTION_TILED.map(|k| (k, tiles)))
+        .chain(Kernel::ATTENTION_MMA_WIDE.map(|k| (k, wide)));
     for (k, bytes) in large {
         let bytes = bytes as i32;
         functions[k as usize]

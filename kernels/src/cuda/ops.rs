@@ -6,11 +6,11 @@
 
 use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::kernel::{
-    grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_COMBINE_DIMS, ATTENTION_MMA_MAX_HEAD_DIM,
-    ATTENTION_MMA_THREADS, ATTENTION_MMA_WARPS, ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM,
-    ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM,
-    GEMV_SPLIT_WARPS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK,
-    ROW_BLOCK_THREADS,
+    attention_mma_wide_shared_bytes, grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_COMBINE_DIMS,
+    ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS, ATTENTION_MMA_WARPS, ATTENTION_MMA_WIDE_MAX_HEAD_DIM,
+    ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS,
+    DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS, GROUPED_THREADS,
+    GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::kv::KvType;
@@ -1215,21 +1215,54 @@ impl CudaBackend {
         )
     }
 
-    /// Whether [`Self::attention_mma`] takes heads of `head_dim` on this device (tensor-core
-    /// `mma.sync` of bf16: compute capability 8.0 and later).
-    pub fn attention_mma_fits(&self, head_dim: usize) -> bool {
-        let whole = head_dim > 0 && head_dim.is_multiple_of(16) && head_dim <= ATTENTION_MMA_MAX_HEAD_DIM;
-        whole && self.info().has_sm80()
+    /// Largest head dimension of the tensor-core attention over a `kv_type` cache: f16 and bf16
+    /// caches take [`ATTENTION_MMA_WIDE_MAX_HEAD_DIM`] (heads past [`ATTENTION_MMA_MAX_HEAD_DIM`]
+    /// run the wide-head kernels), f32 and q8_0 caches [`ATTENTION_MMA_MAX_HEAD_DIM`].
+    pub fn attention_mma_max_head_dim(kv_type: KvType) -> usize {
+        match kv_type {
+            KvType::F16 | KvType::Bf16 => ATTENTION_MMA_WIDE_MAX_HEAD_DIM,
+            _ => ATTENTION_MMA_MAX_HEAD_DIM,
+        }
     }
 
-    /// Whether [`Self::attention_mma`] takes this call: heads that fit and the four buffers
-    /// (q, k cache, v cache, out) 16-byte aligned.
+    /// The tensor-core kernels' head shapes over a `kv_type` cache (but for the device): a
+    /// multiple of 16 dims up to [`Self::attention_mma_max_head_dim`].
+    fn attention_mma_head(head_dim: usize, kv_type: KvType) -> bool {
+        head_dim > 0 && head_dim.is_multiple_of(16) && head_dim <= Self::attention_mma_max_head_dim(kv_type)
+    }
+
+    /// Whether [`Self::attention_mma`] takes heads of `head_dim` over a `kv_type` cache on this
+    /// device (tensor-core `mma.sync` of bf16: compute capability 8.0 and later).
+    pub fn attention_mma_fits(&self, head_dim: usize, kv_type: KvType) -> bool {
+        Self::attention_mma_head(head_dim, kv_type) && self.info().has_sm80()
+    }
+
+    /// Whether [`Self::attention_mma`] takes this call: heads that fit the cache type and the
+    /// four buffers (q, k cache, v cache, out) 16-byte aligned.
     pub fn attention_mma_takes(
         &self,
         head_dim: usize,
         (q, k, v, out): (DPtr<f32>, KvPtr, KvPtr, DPtr<f32>),
     ) -> bool {
-        self.attention_mma_fits(head_dim) && aligned16(&[q.raw(), k.raw(), v.raw(), out.raw()])
+        self.attention_mma_fits(head_dim, k.kv_type()) && aligned16(&[q.raw(), k.raw(), v.raw(), out.raw()])
+    }
+
+    /// The wide-head kernel of a tensor-core launch (`[f16, bf16]` instances) with its dynamic
+    /// shared memory for `q_warps` warps of queries, for heads past [`ATTENTION_MMA_MAX_HEAD_DIM`]
+    /// over a 16-bit cache; `None` for the narrow kernels (static shared memory).
+    fn attention_mma_wide(
+        wide: [Kernel; 2],
+        head_dim: usize,
+        k: KvPtr,
+        q_warps: usize,
+    ) -> Option<(Kernel, u32)> {
+        let kn = match k {
+            KvPtr::F16(_) => wide[0],
+            KvPtr::Bf16(_) => wide[1],
+            _ => return None,
+        };
+        let bytes = attention_mma_wide_shared_bytes(head_dim, q_warps) as u32;
+        (head_dim > ATTENTION_MMA_MAX_HEAD_DIM).then_some((kn, bytes))
     }
 
     /// [`Self::attention_tiled`]'s result (about f32 accuracy, another summation order) with
@@ -1237,7 +1270,9 @@ impl CudaBackend {
     /// in tiles of [`ATTENTION_MMA_KEYS`]. f32 and q8_0 caches are staged as bf16 hi + lo, three
     /// MMAs a fragment; f16 and bf16 caches are copied to shared memory as they are (cp.async,
     /// two stages) and only q and p are split: over f16 the softmax weights are rounded to f16
-    /// for p . V (at most 2^-12 of each weight), over bf16 split as q is.
+    /// for p . V (at most 2^-12 of each weight), over bf16 split as q is. Over f16 and bf16,
+    /// heads of 144..=[`ATTENTION_MMA_WIDE_MAX_HEAD_DIM`] run the wide-head kernels (queries in
+    /// shared memory, tiles of [`ATTENTION_MMA_WIDE_KEYS`](super::kernel::ATTENTION_MMA_WIDE_KEYS) keys), same results.
     /// `head_dim` must pass [`Self::attention_mma_fits`]; the four buffers 16-byte aligned.
     pub fn attention_mma(
         &self,
@@ -1253,18 +1288,21 @@ impl CudaBackend {
         mask: impl Into<AttentionMask>,
     ) -> Result<()> {
         let (k_cache, v_cache) = (k_cache.into(), v_cache.into());
-        let kn = kv_kernel(Kernel::ATTENTION_MMA, k_cache);
+        let wide = [Kernel::AttentionMmaWideF16, Kernel::AttentionMmaWideBf16];
+        let (kn, shared_bytes) =
+            Self::attention_mma_wide(wide, head_dim, k_cache, ATTENTION_MMA_WARPS as usize)
+                .unwrap_or((kv_kernel(Kernel::ATTENTION_MMA, k_cache), 0));
         let mask = mask.into();
         let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
         let bufs = (q, k_cache, v_cache, out);
-        check_attention(kn, bufs, heads, ATTENTION_MMA_MAX_HEAD_DIM)?;
+        check_attention(kn, bufs, heads, Self::attention_mma_max_head_dim(k_cache.kv_type()))?;
         if !self.attention_mma_takes(head_dim, bufs) {
             let reason =
                 format!("head_dim {head_dim} (a multiple of 16 on sm_80+) or buffers not 16-byte aligned");
             return Err(CudaError::Shape { kernel: kn.symbol(), reason });
         }
         let block = TileBlock { rows: 16 * ATTENTION_MMA_WARPS as usize, threads: ATTENTION_MMA_THREADS };
-        self.launch_attention_tiles(kn, block, 0, bufs, heads, pos0, mask)
+        self.launch_attention_tiles(kn, block, shared_bytes, bufs, heads, pos0, mask)
     }
 
     /// Most spans (blocks per query row and head) of [`Self::attention_split`] for `n_tokens`
@@ -1289,30 +1327,64 @@ impl CudaBackend {
 
     /// The tensor-core split kernel [`Self::attention_split`] runs instead of the CUDA-core ones,
     /// if it takes the call: an f16 or bf16 cache (its values are the MMA's inputs as they are),
-    /// heads of a multiple of 16 dims up to [`ATTENTION_MMA_MAX_HEAD_DIM`], groups of at most
-    /// `16 x ATTENTION_MMA_WARPS` query heads (one block's rows), 16-byte aligned buffers.
+    /// heads of a multiple of 16 dims up to [`ATTENTION_MMA_WIDE_MAX_HEAD_DIM`] (past
+    /// [`ATTENTION_MMA_MAX_HEAD_DIM`] the wide-head kernel), groups of at most
+    /// `16 x ATTENTION_MMA_WARPS` query heads (one block's rows), 16-byte aligned buffers; with
+    /// its dynamic shared memory.
     fn attention_split_mma_takes(
         &self,
         n_heads: usize,
         n_kv: usize,
         head_dim: usize,
         (q, k, v): (DPtr<f32>, KvPtr, KvPtr),
-    ) -> Option<Kernel> {
-        let kn = match k {
-            KvPtr::F16(_) => Kernel::AttentionSplitMmaF16,
-            KvPtr::Bf16(_) => Kernel::AttentionSplitMmaBf16,
-            _ => return None,
-        };
-        let fits = Self::attention_split_mma_shape(n_heads, n_kv, head_dim);
-        (fits && self.attention_mma_takes(head_dim, (q, k, v, q))).then_some(kn)
+    ) -> Option<(Kernel, u32)> {
+        let narrow = [Kernel::AttentionSplitMmaF16, Kernel::AttentionSplitMmaBf16];
+        let wide = [Kernel::AttentionSplitMmaWideF16, Kernel::AttentionSplitMmaWideBf16];
+        let kn = Self::attention_split_mma_kernel(narrow, wide, n_heads, n_kv, head_dim, k.kv_type())?;
+        self.attention_mma_takes(head_dim, (q, k, v, q)).then_some(kn)
     }
 
-    /// The tensor-core split kernel's shapes: heads [`Self::attention_mma_fits`] takes (but for
-    /// the device), groups of at most `16 x ATTENTION_MMA_WARPS` heads.
-    fn attention_split_mma_shape(n_heads: usize, n_kv: usize, head_dim: usize) -> bool {
+    /// Whether [`Self::attention_split`] and [`Self::attention_split_rows`] run the tensor-core
+    /// split kernels (narrow or wide heads) for these shapes over a `kv_type` cache on this device
+    /// (buffers 16-byte aligned).
+    pub fn attention_split_mma_fits(
+        &self,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+        kv_type: KvType,
+    ) -> bool {
+        let any = [Kernel::AttentionSplitMmaF16, Kernel::AttentionSplitMmaBf16];
+        self.info().has_sm80()
+            && Self::attention_split_mma_kernel(any, any, n_heads, n_kv, head_dim, kv_type).is_some()
+    }
+
+    /// The tensor-core split kernel of `[f16, bf16]` instances (narrow or wide heads) for these
+    /// shapes over a `kv_type` cache, and its dynamic shared memory (the wide kernel's queries:
+    /// one warp's slice per 16 heads of the group): heads [`Self::attention_mma_fits`] takes
+    /// (but for the device), groups of at most `16 x ATTENTION_MMA_WARPS` heads.
+    fn attention_split_mma_kernel(
+        narrow: [Kernel; 2],
+        wide: [Kernel; 2],
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+        kv_type: KvType,
+    ) -> Option<(Kernel, u32)> {
         let g = n_heads / n_kv.max(1);
-        let whole = head_dim > 0 && head_dim.is_multiple_of(16) && head_dim <= ATTENTION_MMA_MAX_HEAD_DIM;
-        whole && g * n_kv == n_heads && g <= 16 * ATTENTION_MMA_WARPS as usize
+        let i = match kv_type {
+            KvType::F16 => 0,
+            KvType::Bf16 => 1,
+            _ => return None,
+        };
+        let shape = g * n_kv == n_heads && g <= 16 * ATTENTION_MMA_WARPS as usize;
+        if !shape || !Self::attention_mma_head(head_dim, kv_type) {
+            return None;
+        }
+        Some(match head_dim > ATTENTION_MMA_MAX_HEAD_DIM {
+            true => (wide[i], attention_mma_wide_shared_bytes(head_dim, g.div_ceil(16)) as u32),
+            false => (narrow[i], 0),
+        })
     }
 
     /// Spans of the grouped kernel: as [`Self::attention_split_max_splits`] over blocks of
@@ -1363,7 +1435,7 @@ impl CudaBackend {
         let grouped = Self::attention_split_grouped(n_heads, n_kv, head_dim);
         let mma = self.attention_split_mma_takes(n_heads, n_kv, head_dim, (q, k_cache, v_cache));
         let kn = match (mma, grouped) {
-            (Some(kn), _) => kn,
+            (Some((kn, _)), _) => kn,
             (None, true) => kv_kernel(Kernel::ATTENTION_SPLIT_GQA, k_cache),
             (None, false) => kv_kernel(Kernel::ATTENTION_SPLIT, k_cache),
         };
@@ -1389,11 +1461,12 @@ impl CudaBackend {
         let scale = 1.0 / (head_dim as f32).sqrt();
         let pos_ptr = at.map_or(0, |a| a.pos.raw());
         let threads = if mma.is_some() { ATTENTION_MMA_THREADS } else { ATTENTION_SPLIT_THREADS };
+        let shared_bytes = mma.map_or(0, |(_, bytes)| bytes);
         self.launch(
             kn,
             (grid_heads as u32, splits as u32, n_tokens as u32),
             threads,
-            0,
+            shared_bytes,
             args![
                 q.raw(),
                 k_cache.raw(),
@@ -1451,13 +1524,11 @@ impl CudaBackend {
         let family = if grouped { Kernel::ATTENTION_SPLIT_GQA_ROWS } else { Kernel::ATTENTION_SPLIT_ROWS };
         // the tensor-core kernel where it takes the shape (the caches' addresses are the
         // sequences' layer rows: whole allocations apart by a multiple of 16 bytes)
-        let mma = match kv.kv_type {
-            KvType::F16 => Some(Kernel::AttentionSplitMmaRowsF16),
-            KvType::Bf16 => Some(Kernel::AttentionSplitMmaRowsBf16),
-            _ => None,
-        }
-        .filter(|_| self.info().has_sm80() && Self::attention_split_mma_shape(n_heads, n_kv, head_dim));
-        let kn = mma.unwrap_or(family[kv_type_code(kv.kv_type)]);
+        let narrow = [Kernel::AttentionSplitMmaRowsF16, Kernel::AttentionSplitMmaRowsBf16];
+        let wide = [Kernel::AttentionSplitMmaRowsWideF16, Kernel::AttentionSplitMmaRowsWideBf16];
+        let mma = Self::attention_split_mma_kernel(narrow, wide, n_heads, n_kv, head_dim, kv.kv_type)
+            .filter(|_| self.info().has_sm80());
+        let kn = mma.map_or(family[kv_type_code(kv.kv_type)], |(kn, _)| kn);
         kv.check(kn, &[head_dim])?;
         if n_kv == 0 || n_heads / n_kv * n_kv != n_heads || head_dim == 0 || head_dim > ATTENTION_MAX_HEAD_DIM
         {
@@ -1485,11 +1556,12 @@ impl CudaBackend {
         need(kn, "part", part, Self::attention_split_scratch(n_launch, n_heads, head_dim, visible))?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let threads = if mma.is_some() { ATTENTION_MMA_THREADS } else { ATTENTION_SPLIT_THREADS };
+        let shared_bytes = mma.map_or(0, |(_, bytes)| bytes);
         self.launch(
             kn,
             (grid_heads as u32, splits as u32, n_launch as u32),
             threads,
-            0,
+            shared_bytes,
             args![
                 q.raw(),
                 kv.k.raw(),
