@@ -95,33 +95,8 @@ fn synthetic_hybrids_run_on_the_pipeline_as_on_the_oracle() {
 #[test]
 fn deltanet_heads_on_the_pool_change_no_bit() {
     use moe_lanes::reference::{NoObserver, Reference};
-    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("q36");
-    let dims = DimOverrides {
-        n_layers: Some(4),
-        hidden: Some(64),
-        head_dim: Some(32),
-        vocab: Some(300),
-        n_experts: Some(8),
-        n_experts_used: Some(2),
-        expert_ff: Some(32),
-        shared_expert_ff: Some(32),
-        ..Default::default()
-    };
-    let opts = SynthOptions {
-        adapter: moe_lanes::arch::by_name("qwen3_5_moe").unwrap(),
-        preset: Preset::Qwen36_35bA3b,
-        dims,
-        dtype: moe_lanes::dtype::DType::BF16,
-        seed: 5,
-        skew: Skew::Skewed,
-        format: SynthFormat::Safetensors,
-        out: out.clone(),
-        vocab_from: None,
-    };
-    synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
-    let model = Arc::new(Model::open(&out).unwrap());
+    let model = synth_qwen36(dir.path(), Some(32), 5);
     let tokens: Vec<u32> = (0..12).map(|i| (i * 53 % 300) as u32).collect();
     let run = |threads: usize| {
         let c = model.config();
@@ -251,32 +226,8 @@ fn mtp_layers_are_loaded_and_not_run() {
 #[test]
 fn gpu_engine_on_heads_of_256_matches_the_oracle() {
     use moe_lanes::reference::{NoObserver, Reference};
-    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("q36");
-    let dims = DimOverrides {
-        n_layers: Some(4),
-        hidden: Some(64),
-        vocab: Some(300),
-        n_experts: Some(8),
-        n_experts_used: Some(2),
-        expert_ff: Some(32),
-        shared_expert_ff: Some(32),
-        ..Default::default()
-    };
-    let opts = SynthOptions {
-        adapter: moe_lanes::arch::by_name("qwen3_5_moe").unwrap(),
-        preset: Preset::Qwen36_35bA3b,
-        dims,
-        dtype: moe_lanes::dtype::DType::BF16,
-        seed: 7,
-        skew: Skew::Skewed,
-        format: SynthFormat::Safetensors,
-        out: out.clone(),
-        vocab_from: None,
-    };
-    synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
-    let model = Arc::new(Model::open(&out).unwrap());
+    let model = synth_qwen36(dir.path(), None, 7);
     let c = model.config();
     assert_eq!((c.n_heads, c.n_kv_heads, c.head_dim), (16, 2, 256), "Qwen3.6's attention heads");
     let tokens: Vec<u32> = (0..84).map(|i| (i * 37 % 300) as u32).collect();
@@ -295,4 +246,35 @@ fn gpu_engine_on_heads_of_256_matches_the_oracle() {
     let err = max_rel_err(&got, &want);
     println!("qwen3.6-shaped heads of 256 on the GPU engine: {err:.2e}");
     assert!(err < GPU_TOLERANCE, "GPU engine vs oracle at head dim 256: {err}");
+}
+
+/// A 4-layer Qwen3.6-shaped safetensors checkpoint (hidden 64, 8 experts of 32, top-2, a shared
+/// expert of 32; the preset's attention heads, of `head_dim` if given) under `dir`.
+fn synth_qwen36(dir: &std::path::Path, head_dim: Option<usize>, seed: u64) -> Arc<Model> {
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let out = dir.join("q36");
+    let dims = DimOverrides {
+        n_layers: Some(4),
+        hidden: Some(64),
+        head_dim,
+        vocab: Some(300),
+        n_experts: Some(8),
+        n_experts_used: Some(2),
+        expert_ff: Some(32),
+        shared_expert_ff: Some(32),
+        ..Default::default()
+    };
+    let opts = SynthOptions {
+        adapter: moe_lanes::arch::by_name("qwen3_5_moe").unwrap(),
+        preset: Preset::Qwen36_35bA3b,
+        dims,
+        dtype: moe_lanes::dtype::DType::BF16,
+        seed,
+        skew: Skew::Skewed,
+        format: SynthFormat::Safetensors,
+        out: out.clone(),
+        vocab_from: None,
+    };
+    synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    Arc::new(Model::open(&out).unwrap())
 }
