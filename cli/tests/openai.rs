@@ -1,8 +1,9 @@
 //! The OpenAI-compatible text API of `serve` through the real binary, on a synthetic model with
 //! a real vocabulary (`synth --vocab-from` Qwen2's, which carries a chat template): text
 //! completions equal `run`, stop strings, chat, streaming that reassembles to the plain answer,
-//! OpenAI-shaped errors (snapshots), cancellation on hang-up, a bounded loopback load, and the
-//! official `openai` Python package as the client.
+//! OpenAI-shaped errors (snapshots), cancellation on hang-up, bounded loopback loads (16
+//! clients; 64 with a fifth hanging up, twice, memory back to its baseline), and the official
+//! `openai` Python package as the client.
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
@@ -539,6 +540,103 @@ fn loopback_load_every_answer_whole_and_its_own_and_429_when_full() {
     for s in [server, small] {
         assert!(s.stop().success(), "clean exit, no panic");
     }
+}
+
+/// Load request `i` of the many-client test: every fifth streams a long answer and hangs up after
+/// its first event; the rest ask for 8 tokens, every other one streamed, prompts of 1 to 6
+/// sentences.
+fn many_client_request(addr: &str, i: usize) -> Option<Outcome> {
+    let prompt = (0..1 + i % 6).map(|k| load_prompt(i * 7 + k)).collect::<Vec<_>>().join(" ");
+    if i % 5 == 4 {
+        let body = json!({"prompt": prompt, "max_tokens": 4000, "temperature": 0, "stream": true});
+        post_and_hang_up(addr, "/v1/completions", &body);
+        return None;
+    }
+    let stream = i % 2 == 1;
+    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": stream});
+    Some(Outcome { i, stream, timed: timed_post(addr, "/v1/completions", &body) })
+}
+
+/// One round of the many-client load: `clients` threads send requests `0..n`
+/// ([`many_client_request`]); the answers of the clients that stayed, once every hang-up is
+/// counted cancelled and nothing runs or waits.
+fn many_client_round(server: &Server, clients: usize, n: usize) -> Vec<Outcome> {
+    let cancelled_before = generated_and_cancelled(server).1;
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let threads: Vec<_> = (0..clients)
+        .map(|_| {
+            let (addr, next) = (server.addr.clone(), next.clone());
+            std::thread::spawn(move || {
+                let mut out = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= n {
+                        return out;
+                    }
+                    out.extend(many_client_request(&addr, i));
+                }
+            })
+        })
+        .collect();
+    let outcomes: Vec<Outcome> =
+        threads.into_iter().flat_map(|t| t.join().expect("no client panics")).collect();
+    let hang_ups = (0..n).filter(|i| i % 5 == 4).count() as f64;
+    assert_eq!(outcomes.len() as f64 + hang_ups, n as f64, "every request accounted for");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while generated_and_cancelled(server).1 - cancelled_before < hang_ups {
+        assert!(Instant::now() < deadline, "hang-ups counted: {:?}", generated_and_cancelled(server));
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(generated_and_cancelled(server).1 - cancelled_before, hang_ups, "only the hang-ups cancelled");
+    let health = server.json("GET", "/health", &json!({})).1;
+    assert_eq!(
+        (&health["requests_running"], &health["requests_waiting"]),
+        (&json!(0), &json!(0)),
+        "{health}"
+    );
+    outcomes
+}
+
+/// The server process's resident memory in KiB (Linux `/proc`), if it can be read.
+fn resident_kib(server: &Server) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", server.child.id())).ok()?;
+    status.lines().find_map(|l| l.strip_prefix("VmRSS:")?.trim().strip_suffix(" kB")?.parse().ok())
+}
+
+/// The bounded loopback load with many clients: `MOE_LANES_LOAD_CLIENTS` threads (64 by
+/// default) send `MOE_LANES_LOAD_REQUESTS` requests (192; longer runs with more), a fifth of
+/// them hanging up mid-stream, twice. Nothing is lost or mixed: every answer of a client that
+/// stayed is whole and equal to its prompt's answer alone, every hang-up and nothing else is
+/// counted cancelled, the server goes back to idle after each round, and the second round leaves
+/// it no larger than the first did (memory back to its baseline: within 32 MiB).
+#[test]
+fn many_clients_some_hanging_up_lose_nothing_and_mix_nothing() {
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+    let (clients, n) = (env("MOE_LANES_LOAD_CLIENTS", 64), env("MOE_LANES_LOAD_REQUESTS", 192));
+    let dir = tempfile::tempdir().unwrap();
+    let model = qwen(dir.path());
+    let server = Server::start(&model, &["--queue", "1024"]);
+    many_client_round(&server, clients, n);
+    let baseline = resident_kib(&server);
+    let start = Instant::now();
+    let outcomes = many_client_round(&server, clients, n);
+    let took = start.elapsed();
+    if let (Some(before), Some(after)) = (baseline, resident_kib(&server)) {
+        println!("resident memory after the first round {before} KiB, after the second {after} KiB");
+        assert!(after <= before + 32 * 1024, "the server grew by {} KiB in a round", after - before);
+    }
+    for o in &outcomes {
+        assert_eq!(o.timed.status, 200, "request {}: {}", o.i, o.timed.body);
+        let prompt = (0..1 + o.i % 6).map(|k| load_prompt(o.i * 7 + k)).collect::<Vec<_>>().join(" ");
+        let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0});
+        let alone =
+            Outcome { i: o.i, stream: false, timed: timed_post(&server.addr, "/v1/completions", &body) };
+        assert_eq!(answer(o), answer(&alone), "request {} (stream {}) is its own, whole", o.i, o.stream);
+    }
+    let (_, text) = server.request("GET", "/metrics", b"", &[]);
+    assert_eq!(metric_samples(&text)["moe_lanes_requests_total{outcome=\"error\"}"], 0.0);
+    println!("{clients} clients, {n} requests a round, a fifth hung up: {:.1} s a round", took.as_secs_f64());
+    assert!(server.stop().success(), "clean exit, no panic");
 }
 
 /// The official `openai` Python package as the client (tests/openai_client/test_openai.py).
