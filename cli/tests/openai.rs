@@ -452,12 +452,19 @@ fn load_prompt(i: usize) -> String {
     format!("Request {i}: tell me about number {}", i * 7919 % 1000)
 }
 
-/// `n` requests from `concurrency` threads (request `i` streams when `i` is odd).
-fn drive(addr: &str, n: usize, concurrency: usize, max_tokens: usize) -> Vec<Outcome> {
-    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let threads: Vec<_> = (0..concurrency)
+/// Requests `0..n` from `clients` threads, each claiming the next index and sending it by `each`
+/// (which may return no outcome: a client that hung up); every outcome.
+fn spread<T: Send + 'static>(
+    addr: &str,
+    clients: usize,
+    n: usize,
+    each: impl Fn(&str, usize) -> Option<T> + Send + Sync + 'static,
+) -> Vec<T> {
+    let (each, next) =
+        (std::sync::Arc::new(each), std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0)));
+    let threads: Vec<_> = (0..clients)
         .map(|_| {
-            let (addr, next) = (addr.to_string(), next.clone());
+            let (addr, next, each) = (addr.to_string(), next.clone(), each.clone());
             std::thread::spawn(move || {
                 let mut out = Vec::new();
                 loop {
@@ -465,14 +472,22 @@ fn drive(addr: &str, n: usize, concurrency: usize, max_tokens: usize) -> Vec<Out
                     if i >= n {
                         return out;
                     }
-                    let stream = i % 2 == 1;
-                    let body = json!({"prompt": load_prompt(i), "max_tokens": max_tokens, "temperature": 0, "stream": stream});
-                    out.push(Outcome { i, stream, timed: timed_post(&addr, "/v1/completions", &body) });
+                    out.extend(each(&addr, i));
                 }
             })
         })
         .collect();
     threads.into_iter().flat_map(|t| t.join().expect("no client thread panics")).collect()
+}
+
+/// `n` requests from `concurrency` threads (request `i` streams when `i` is odd).
+fn drive(addr: &str, n: usize, concurrency: usize, max_tokens: usize) -> Vec<Outcome> {
+    spread(addr, concurrency, n, move |addr, i| {
+        let stream = i % 2 == 1;
+        let body =
+            json!({"prompt": load_prompt(i), "max_tokens": max_tokens, "temperature": 0, "stream": stream});
+        Some(Outcome { i, stream, timed: timed_post(addr, "/v1/completions", &body) })
+    })
 }
 
 fn percentile(sorted: &[Duration], q: f64) -> Duration {
@@ -562,24 +577,7 @@ fn many_client_request(addr: &str, i: usize) -> Option<Outcome> {
 /// counted cancelled and nothing runs or waits.
 fn many_client_round(server: &Server, clients: usize, n: usize) -> Vec<Outcome> {
     let cancelled_before = generated_and_cancelled(server).1;
-    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let threads: Vec<_> = (0..clients)
-        .map(|_| {
-            let (addr, next) = (server.addr.clone(), next.clone());
-            std::thread::spawn(move || {
-                let mut out = Vec::new();
-                loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    if i >= n {
-                        return out;
-                    }
-                    out.extend(many_client_request(&addr, i));
-                }
-            })
-        })
-        .collect();
-    let outcomes: Vec<Outcome> =
-        threads.into_iter().flat_map(|t| t.join().expect("no client panics")).collect();
+    let outcomes = spread(&server.addr, clients, n, many_client_request);
     let hang_ups = (0..n).filter(|i| i % 5 == 4).count() as f64;
     assert_eq!(outcomes.len() as f64 + hang_ups, n as f64, "every request accounted for");
     let deadline = Instant::now() + Duration::from_secs(30);
