@@ -274,7 +274,8 @@ fn attention_causal_gqa_matches_cpu() {
     }
 }
 
-/// Causal GQA attention on the CPU in f64 (the kernels' oracle): `t` query rows at `pos0..`.
+/// Causal GQA attention on the CPU in f64 (the kernels' oracle): `t` query rows at `pos0..`
+/// ([`attention_masked_cpu`] without sinks).
 #[allow(clippy::too_many_arguments)]
 fn attention_cpu(
     q: &[f32],
@@ -287,31 +288,7 @@ fn attention_cpu(
     hd: usize,
     window: usize,
 ) -> Vec<f32> {
-    let kv_dim = n_kv * hd;
-    let mut want = vec![0.0; t * n_heads * hd];
-    for ti in 0..t {
-        let pos = pos0 + ti;
-        let first = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
-        for h in 0..n_heads {
-            let kvh = h / (n_heads / n_kv);
-            let qh = &q[(ti * n_heads + h) * hd..][..hd];
-            let scores: Vec<f64> = (first..=pos)
-                .map(|p| {
-                    let kr = &kc[p * kv_dim + kvh * hd..][..hd];
-                    qh.iter().zip(kr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() / (hd as f64).sqrt()
-                })
-                .collect();
-            let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
-            let sum: f64 = e.iter().sum();
-            for i in 0..hd {
-                let a: f64 =
-                    (first..=pos).zip(&e).map(|(p, w)| w * vc[p * kv_dim + kvh * hd + i] as f64).sum();
-                want[(ti * n_heads + h) * hd + i] = (a / sum) as f32;
-            }
-        }
-    }
-    want
+    attention_masked_cpu((q, kc, vc), None, (t, pos0, n_heads, n_kv, hd, window))
 }
 
 /// Every attention kernel over an f16 KV cache: against the CPU over the same f16 values
@@ -2388,8 +2365,8 @@ fn gemma_kernels_match_cpu() {
     }
 }
 
-/// Causal GQA attention on the CPU in f64 with an optional sink logit per head (the wide-head
-/// tests' oracle): `t` query rows at `pos0..`.
+/// Causal GQA attention on the CPU in f64 with an optional sink logit per head (the oracle of
+/// [`attention_cpu`] and the wide-head tests): `t` query rows at `pos0..`.
 fn attention_masked_cpu(
     (q, kc, vc): (&[f32], &[f32], &[f32]),
     sinks: Option<&[f32]>,
