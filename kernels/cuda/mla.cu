@@ -225,3 +225,283 @@ extern "C" __global__ __launch_bounds__(256) void mla_attention_split_q8_0(const
     pdl_enter();
     mla_attention_span(q_abs, kv_wrap(cache), part, pos0, heads, rank, rope, max_splits, pos_ptr);
 }
+
+// ---- split latent attention on tensor cores over a 16-bit cache ----
+// mla_attention_span's job (the same spans, partials and combine) as a flash-attention tile loop
+// on mma.sync (m16n8k16, the cache's type in, f32 accumulate). Every head reads the same cache
+// rows, so a query row is a (token, head) pair, row r = t * heads + h, and a block takes
+// MLA_MMA_ROWS of them (MLA_MMA_GROUPS groups of 16) against tiles of MLA_MMA_KEYS positions
+// staged by cp.async in two stages. The 4 warps of a group split the work two ways:
+// - scores: warp c takes the 16-dim steps c, c + 4, .. of the row's rank + rope values (its
+//   queries' fragments stay in registers for the whole span); the four partial score tiles meet
+//   in shared memory, where every warp of the group sums the same fragments in the same order,
+//   so all four hold the same scores and run the same online softmax (max m, sums l, per row);
+// - values: warp c accumulates the latent's n8 column tiles c, c + 4, .. (P from its registers as
+//   the A fragments, the staged rows transposed as B).
+// Accuracy as attention_mma16_tiles' decode: q and p split hi + lo in the cache's type (22 / 16
+// significant bits), cache values exact, f32 accumulation. Needs width % 16 == 0 and rank % 32
+// == 0 (CudaBackend::mla_attention checks). grid (ceil(T * heads / MLA_MMA_ROWS), max_splits),
+// block 32 * 4 * MLA_MMA_GROUPS, dynamic shared memory mla_mma_shared_bytes (kernel.rs).
+#define MLA_MMA_ROWS (16 * MLA_MMA_GROUPS)
+#define MLA_MMA_KQ ((MLA_MAX_WIDTH + 63) / 64)  // a warp's 16-dim score steps, at most
+#define MLA_MMA_NO (MLA_MAX_RANK / 32)          // a warp's n8 latent column tiles
+#define MLA_MMA_LD (MLA_MAX_WIDTH + 8)          // staged row stride (16-bit values)
+static_assert(MLA_MMA_KEYS == 32, "a warp's scores are four n8 key tiles; P . V takes two k16 steps");
+
+// The span of positions row r sees in split s (first, last inclusive; last < first: none).
+__device__ __forceinline__ void mla_row_span(int r, int n_rows, int heads, int pos0, int s, int max_splits,
+                                             int* lo, int* hi) {
+    *lo = 1;
+    *hi = 0;
+    if (r >= n_rows) return;
+    int n = pos0 + r / heads + 1, per = att_split_span(n, max_splits);
+    *lo = s * per;
+    *hi = min(n, *lo + per) - 1;
+}
+
+// Positions k0.. k0 + MLA_MMA_KEYS - 1 (zeros past hi) into stage `dst`, asynchronously.
+template <typename T>
+__device__ __forceinline__ void mla_mma_stage(const T* __restrict__ cache, T* dst, int k0, int hi, int width) {
+    const int per_row = width / 8;  // 16-byte chunks
+    for (int e = threadIdx.x; e < MLA_MMA_KEYS * per_row; e += blockDim.x) {
+        int j = e / per_row, i = (e % per_row) * 8, p = k0 + j;
+        bool ok = p <= hi;
+        cp_async16(dst + j * MLA_MMA_LD + i, cache + (size_t)(ok ? p : k0) * width + i, ok);
+    }
+}
+
+// This warp's query fragments (hi, lo) of rows ra and ra + 8, 16-dim steps c, c + 4, ...
+template <typename M>
+__device__ __forceinline__ void mla_mma_load_q(unsigned (*qh)[4], unsigned (*ql)[4], const float* __restrict__ q_abs,
+                                               int ra, int n_rows, int c, int width) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int j = 0; j < MLA_MMA_KQ; j++) {
+        int d = (c + 4 * j) * 16 + 2 * t;
+#pragma unroll
+        for (int x = 0; x < 4; x++) {  // a[0]: row ra, a[1]: ra + 8, a[2], a[3]: dims + 8
+            int row = ra + 8 * (x & 1), dim = d + 8 * (x >> 1);
+            float2 v = make_float2(0.f, 0.f);
+            if (row < n_rows && dim < width) v = *(const float2*)(q_abs + (size_t)row * width + dim);
+            M::split2(v.x, v.y, qh[j][x], ql[j][x]);
+        }
+    }
+}
+
+// The partial scores of this warp's dim steps: s[n] = rows against keys 8n.. 8n + 7 of the tile.
+template <typename M, typename T>
+__device__ __forceinline__ void mla_mma_scores(float (*s)[4], const unsigned (*qh)[4], const unsigned (*ql)[4],
+                                               const T* kt, int c, int width) {
+    const int lane = threadIdx.x & 31, steps = width / 16;
+    const int off = ((lane & 7) + 8 * (lane >> 4)) * MLA_MMA_LD + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) s[n][x] = 0.f;
+#pragma unroll
+    for (int j = 0; j < MLA_MMA_KQ; j++) {
+        int kk = c + 4 * j;
+        if (kk >= steps) break;
+#pragma unroll
+        for (int np = 0; np < 2; np++) {
+            unsigned b[4];
+            am_ldsm4<false>(b, (const bf16*)(kt + np * 16 * MLA_MMA_LD + kk * 16 + off));
+            M::mma(s[2 * np], qh[j], b[0], b[1]);
+            M::mma(s[2 * np], ql[j], b[0], b[1]);
+            M::mma(s[2 * np + 1], qh[j], b[2], b[3]);
+            M::mma(s[2 * np + 1], ql[j], b[2], b[3]);
+        }
+    }
+}
+
+// The group's four partial score tiles summed (red: [4 warps][32 lanes][16]; this warp's is
+// written, the barrier between is the caller's).
+__device__ __forceinline__ void mla_mma_put(float* red, const float (*s)[4], int c) {
+    float4* dst = (float4*)(red + (c * 32 + (threadIdx.x & 31)) * 16);
+#pragma unroll
+    for (int n = 0; n < 4; n++) dst[n] = make_float4(s[n][0], s[n][1], s[n][2], s[n][3]);
+}
+__device__ __forceinline__ void mla_mma_sum(const float* red, float (*s)[4]) {
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) s[n][x] = 0.f;
+#pragma unroll
+    for (int w = 0; w < 4; w++) {
+        const float4* src = (const float4*)(red + (w * 32 + (threadIdx.x & 31)) * 16);
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            float4 v = src[n];
+            s[n][0] += v.x;
+            s[n][1] += v.y;
+            s[n][2] += v.z;
+            s[n][3] += v.w;
+        }
+    }
+}
+
+// The online softmax of the tile at k0 for rows ra (h 0) and ra + 8 (h 1), visible [lo, hi]: s
+// becomes p; m, l and this warp's latent columns o rescaled.
+__device__ __forceinline__ void mla_mma_softmax(float (*s)[4], float (*o)[4], float* m, float* l, const int* lo,
+                                                const int* hi, int k0, int n_tiles) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < 4; n++)
+#pragma unroll
+            for (int x = 2 * h; x < 2 * h + 2; x++) {
+                int p = k0 + 8 * n + 2 * t + (x & 1);
+                if (p < lo[h] || p > hi[h]) s[n][x] = -INFINITY;
+                mx = fmaxf(mx, s[n][x]);
+            }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        float mn = fmaxf(m[h], mx);
+        float corr = mn == -INFINITY ? 1.f : expf(m[h] - mn);  // m = -inf: 0
+        l[h] *= corr;
+#pragma unroll
+        for (int n = 0; n < 4; n++)
+#pragma unroll
+            for (int x = 2 * h; x < 2 * h + 2; x++) {
+                s[n][x] = mn == -INFINITY ? 0.f : expf(s[n][x] - mn);  // invisible: exp(-inf) = 0
+                l[h] += s[n][x];
+            }
+        m[h] = mn;
+#pragma unroll
+        for (int j = 0; j < MLA_MMA_NO; j++) {
+            if (j >= n_tiles) break;
+            o[j][2 * h] *= corr;
+            o[j][2 * h + 1] *= corr;
+        }
+    }
+}
+
+// o += p . V for this warp's latent column tiles c, c + 4, ... (the staged rows' first rank
+// values are the values): p hi + lo as A fragments, each n8 tile's 32 rows by one transposed x4.
+template <typename M, typename T>
+__device__ __forceinline__ void mla_mma_pv(float (*o)[4], const float (*p)[4], const T* vt, int c, int n_tiles) {
+    const int lane = threadIdx.x & 31;
+    unsigned ah[2][4], al[2][4];
+#pragma unroll
+    for (int kc = 0; kc < 2; kc++) {
+        M::split2(p[2 * kc][0], p[2 * kc][1], ah[kc][0], al[kc][0]);
+        M::split2(p[2 * kc][2], p[2 * kc][3], ah[kc][1], al[kc][1]);
+        M::split2(p[2 * kc + 1][0], p[2 * kc + 1][1], ah[kc][2], al[kc][2]);
+        M::split2(p[2 * kc + 1][2], p[2 * kc + 1][3], ah[kc][3], al[kc][3]);
+    }
+#pragma unroll
+    for (int j = 0; j < MLA_MMA_NO; j++) {
+        if (j >= n_tiles) break;
+        unsigned b[4];  // keys 0-7, 8-15 (k step 0), 16-23, 24-31 (k step 1) of columns 8 (c + 4j)..
+        am_ldsm4<true>(b, (const bf16*)(vt + lane * MLA_MMA_LD + 8 * (c + 4 * j)));
+        M::mma(o[j], ah[0], b[0], b[1]);
+        M::mma(o[j], al[0], b[0], b[1]);
+        M::mma(o[j], ah[1], b[2], b[3]);
+        M::mma(o[j], al[1], b[2], b[3]);
+    }
+}
+
+// This thread's rows' partials: its latent columns (unnormalised), and m, l from warp 0 of the
+// group (every warp holds the same).
+__device__ __forceinline__ void mla_mma_store(float* __restrict__ part, const float (*o)[4], const float* m,
+                                              const float* l, const int* lo, const int* hi, int ra, int s,
+                                              int max_splits, int rank, int c) {
+    const int t = threadIdx.x & 3;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float sum = l[h];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (hi[h] < lo[h]) continue;
+        float* pr = part + ((size_t)(ra + 8 * h) * max_splits + s) * (rank + 2);
+#pragma unroll
+        for (int j = 0; j < MLA_MMA_NO; j++) {
+            if (j >= rank / 32) break;
+            *(float2*)(pr + 8 * (c + 4 * j) + 2 * t) = make_float2(o[j][2 * h], o[j][2 * h + 1]);
+        }
+        if (c == 0 && t == 0) {
+            pr[rank] = m[h];
+            pr[rank + 1] = sum;
+        }
+    }
+}
+
+template <typename M, typename T>
+__device__ __forceinline__ void mla_attention_mma_tiles(const float* __restrict__ q_abs, const T* __restrict__ cache,
+                                                        float* __restrict__ part, int n_tokens, int pos0, int heads,
+                                                        int rank, int rope, int max_splits,
+                                                        const int* __restrict__ pos_ptr) {
+    extern __shared__ __align__(16) unsigned char mla_mma_smem[];
+    __shared__ int span_s[2];
+    T* stages = (T*)mla_mma_smem;  // 2 x MLA_MMA_KEYS x MLA_MMA_LD
+    float* red = (float*)(mla_mma_smem + 2 * MLA_MMA_KEYS * MLA_MMA_LD * sizeof(T));
+    if (pos_ptr) pos0 = *pos_ptr;
+    const int width = rank + rope, n_rows = n_tokens * heads, s = blockIdx.y, n_tiles = rank / 32;
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, grp = w >> 2, c = w & 3;
+    const int ra = blockIdx.x * MLA_MMA_ROWS + 16 * grp + (lane >> 2);
+    int lo[2], hi[2];
+    mla_row_span(ra, n_rows, heads, pos0, s, max_splits, &lo[0], &hi[0]);
+    mla_row_span(ra + 8, n_rows, heads, pos0, s, max_splits, &lo[1], &hi[1]);
+    // the group's and the block's key ranges (rows without a span count for nothing)
+    int glo = 0x7fffffff, ghi = -1;
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+        if (lo[h] <= hi[h]) glo = min(glo, lo[h]), ghi = max(ghi, hi[h]);
+#pragma unroll
+    for (int x = 16; x > 0; x >>= 1) {
+        glo = min(glo, __shfl_xor_sync(0xffffffffu, glo, x));
+        ghi = max(ghi, __shfl_xor_sync(0xffffffffu, ghi, x));
+    }
+    if (threadIdx.x == 0) span_s[0] = 0x7fffffff, span_s[1] = -1;
+    __syncthreads();
+    if (lane == 0) atomicMin(&span_s[0], glo), atomicMax(&span_s[1], ghi);
+    __syncthreads();
+    const int key_lo = span_s[0], key_hi = span_s[1];
+    if (key_hi < key_lo) return;  // no row of the block has positions in this split
+    unsigned qh[MLA_MMA_KQ][4], ql[MLA_MMA_KQ][4];
+    mla_mma_load_q<M>(qh, ql, q_abs, ra, n_rows, c, width);
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[MLA_MMA_NO][4];
+#pragma unroll
+    for (int j = 0; j < MLA_MMA_NO; j++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) o[j][x] = 0.f;
+    const int stage = MLA_MMA_KEYS * MLA_MMA_LD;
+    float* gred = red + grp * 4 * 32 * 16;
+    mla_mma_stage(cache, stages, key_lo, key_hi, width);
+    cp_async_commit();
+    for (int k0 = key_lo, i = 0; k0 <= key_hi; k0 += MLA_MMA_KEYS, i ^= 1) {
+        const T* kt = stages + i * stage;
+        if (k0 + MLA_MMA_KEYS <= key_hi) mla_mma_stage(cache, stages + (i ^ 1) * stage, k0 + MLA_MMA_KEYS, key_hi, width);
+        cp_async_commit();
+        cp_async_wait<1>();  // this tile's copies have landed (the next tile's may fly)
+        __syncthreads();
+        const bool sees = ghi >= glo && k0 <= ghi && k0 + MLA_MMA_KEYS - 1 >= glo;  // the group's rows
+        float sc[4][4];
+        if (sees) {
+            mla_mma_scores<M>(sc, qh, ql, kt, c, width);
+            mla_mma_put(gred, sc, c);
+        }
+        __syncthreads();
+        if (sees) {
+            mla_mma_sum(gred, sc);
+            mla_mma_softmax(sc, o, m, l, lo, hi, k0, n_tiles);
+            mla_mma_pv<M>(o, sc, kt, c, n_tiles);
+        }
+        __syncthreads();  // the stage and the partial scores are consumed before they are refilled
+    }
+    mla_mma_store(part, o, m, l, lo, hi, ra, s, max_splits, rank, c);
+}
+extern "C" __global__ __launch_bounds__(128 * MLA_MMA_GROUPS) void mla_attention_mma_f16(const float* __restrict__ q_abs,
+    const __half* __restrict__ cache, float* __restrict__ part, int n_tokens, int pos0, int heads, int rank, int rope,
+    int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    mla_attention_mma_tiles<AmF16>(q_abs, cache, part, n_tokens, pos0, heads, rank, rope, max_splits, pos_ptr);
+}
+extern "C" __global__ __launch_bounds__(128 * MLA_MMA_GROUPS) void mla_attention_mma_bf16(const float* __restrict__ q_abs,
+    const bf16* __restrict__ cache, float* __restrict__ part, int n_tokens, int pos0, int heads, int rank, int rope,
+    int max_splits, const int* __restrict__ pos_ptr) {
+    pdl_enter();
+    mla_attention_mma_tiles<AmBf16>(q_abs, cache, part, n_tokens, pos0, heads, rank, rope, max_splits, pos_ptr);
+}

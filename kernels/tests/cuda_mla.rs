@@ -7,7 +7,9 @@
 //! 40-row chunk after 30 positions and decode, under a YaRN-like table and attention factor;
 //! over f32 and f16 caches (and bf16 and q8_0 where rows are whole blocks); the decode graph's
 //! form (position from device memory, the grid sized for more positions) equal to the
-//! host-position form. Skips without a GPU.
+//! host-position form. f16 and bf16 caches of whole 16-value rows and 32-column latents take the
+//! tensor-core pass (`mla_attention_mma_*`): DeepSeek's sizes (decode at 3001 positions too) and a
+//! 6-head rank-64 shape whose row groups span tokens. Skips without a GPU.
 
 mod common;
 
@@ -87,6 +89,17 @@ fn type_bound(t: KvType) -> f32 {
         KvType::F16 => 4e-3,
         KvType::Bf16 => 2e-2,
         KvType::Q8_0 => 4e-2,
+    }
+}
+
+/// How far the latents may be from the CPU's over the same cache rows: f32 accumulation in
+/// another order; the tensor-core pass over a bf16 cache splits q and p into bf16 hi + lo, 16
+/// significant bits against f32's 24 (on H100: 1.05e-4 at DeepSeek's latent, a short prefill),
+/// still well under that cache's own rounding of each latent value (2^-9).
+fn attention_bound(t: KvType) -> f32 {
+    match t {
+        KvType::Bf16 => 4e-4,
+        KvType::F32 | KvType::F16 | KvType::Q8_0 => 1e-4,
     }
 }
 
@@ -232,13 +245,15 @@ fn run_case(be: &CudaBackend, c: &Case, kv_type: KvType, graph: bool) {
     let got_vals: Vec<f32> = be.read_vec(dvals.ptr()).unwrap();
     let (e1, e2) = (max_abs_diff(&got_lat, &lat), max_abs_diff(&got_vals, &values));
     eprintln!("{what}: latents {e1:e}, values {e2:e}");
-    assert!(e1 < 1e-4 && e2 < 1e-4 * (s.rank as f32).sqrt(), "{what}: {e1} {e2}");
+    let bound = attention_bound(kv_type);
+    assert!(e1 < bound && e2 < bound * (s.rank as f32).sqrt(), "{what}: {e1} {e2}");
 }
 
 fn cases() -> Vec<Case> {
     let deepseek = MlaShape { heads: 16, rank: 512, nope: 128, rope: 64, v_dim: 128 };
     let fixture = MlaShape { heads: 10, rank: 32, nope: 16, rope: 8, v_dim: 12 };
     let few_heads = MlaShape { heads: 4, ..deepseek };
+    let odd = MlaShape { heads: 6, rank: 64, nope: 32, rope: 16, v_dim: 24 };
     vec![
         // decode: one token after 300 positions (several spans of 32)
         Case { shape: deepseek, t: 1, pos0: 300, interleaved: true, yarn: false },
@@ -251,6 +266,11 @@ fn cases() -> Vec<Case> {
         Case { shape: few_heads, t: 40, pos0: 30, interleaved: true, yarn: true },
         // decode under YaRN at DeepSeek's sizes
         Case { shape: deepseek, t: 1, pos0: 200, interleaved: true, yarn: true },
+        // the tensor-core pass over 16-bit caches: rows of 5 dim steps (warp 0 takes two, the
+        // others one), 6 heads (a group of 16 rows spans three tokens), a prefill after 50
+        Case { shape: odd, t: 23, pos0: 50, interleaved: false, yarn: false },
+        // decode deep enough that every span holds several tiles, and a span ends mid-tile
+        Case { shape: deepseek, t: 1, pos0: 3001, interleaved: true, yarn: false },
     ]
 }
 

@@ -10,8 +10,10 @@
 //! Prefill takes the absorbed form too: it needs no per-head key and value rows (the
 //! unabsorbed form expands the latent into `heads x (nope + v)` values a position) and shares
 //! every kernel with decode; its attention costs `heads x (rank + rope)` per (query, position)
-//! against the unabsorbed `heads x (nope + rope + v)`, so long prompts of models with a wide
-//! latent would gain from the unabsorbed form, which is not built.
+//! against the unabsorbed `heads x (nope + rope + v)`. Every head reads the same cache rows, so
+//! over an f16 / bf16 cache the split attention runs on tensor cores with the (token, head)
+//! pairs as the rows of one product (`mla_attention_mma_*`): DeepSeek-V3 4 layers, pp512 at depth
+//! 8192 on an H100, 920 -> 1893 t/s, tg32 220 -> 246 (session 30).
 
 use super::device::LayerCtx;
 use super::model::GpuSeg;

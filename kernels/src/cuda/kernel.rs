@@ -119,6 +119,19 @@ pub const MLA_MAX_RANK: usize = 512;
 /// Largest rotated key part of the latent attention kernels (`-DMLA_MAX_ROPE`; the models: 64).
 /// A block stages `MLA_HEADS` queries of `MLA_MAX_RANK + this` floats in shared memory (18 KiB).
 pub const MLA_MAX_ROPE: usize = 64;
+/// Groups of 16 query rows of one tensor-core latent attention block (`-DMLA_MMA_GROUPS`; four
+/// warps a group): each staged cache tile feeds `16 x this` (token, head) rows. 2: 256 threads
+/// of about 190 registers, one block an SM.
+pub const MLA_MMA_GROUPS: usize = 2;
+/// Cache positions of one tensor-core latent attention tile (`-DMLA_MMA_KEYS`): two stages of
+/// `this x (MLA_MAX_RANK + MLA_MAX_ROPE + 8)` 16-bit values ([`mla_mma_shared_bytes`]).
+pub const MLA_MMA_KEYS: usize = 32;
+
+/// Dynamic shared memory of a tensor-core latent attention block: the two stages of cache rows
+/// (16-bit, rows padded by 8) and each group's four warps' partial score tiles (16 floats a lane).
+pub const fn mla_mma_shared_bytes() -> usize {
+    2 * MLA_MMA_KEYS * (MLA_MAX_RANK + MLA_MAX_ROPE + 8) * 2 + MLA_MMA_GROUPS * 4 * 32 * 16 * 4
+}
 
 /// Dynamic shared memory of a pipelined grouped GEMM block over `matrices` weight tiles (gate
 /// and up: 2): per stage the f32 x tile and the bf16 weight tiles, rows padded by 8 elements.
@@ -147,11 +160,12 @@ const _: () = assert!(ATTENTION_TILE_MAX_HEAD_DIM.is_multiple_of(32));
 const _: () = assert!(ATTENTION_MMA_KEYS.is_multiple_of(16) && ATTENTION_MMA_MAX_HEAD_DIM.is_multiple_of(16));
 const _: () =
     assert!(ATTENTION_MMA_WIDE_KEYS.is_multiple_of(16) && ATTENTION_MMA_WIDE_MAX_HEAD_DIM.is_multiple_of(16));
-// the widest block fits the 99 KiB opt-in limit of every sm_80+ device
+// the widest blocks fit the 99 KiB opt-in limit of every sm_80+ device
 const _: () = assert!(
     attention_mma_wide_shared_bytes(ATTENTION_MMA_WIDE_MAX_HEAD_DIM, ATTENTION_MMA_WARPS as usize)
         <= 99 << 10
 );
+const _: () = assert!(mla_mma_shared_bytes() <= 99 << 10 && MLA_MMA_KEYS == 32);
 
 /// Shared device helpers (types, warp and block reductions), prepended to the families.
 pub const COMMON_CUH: &str = include_str!("../../cuda/common.cuh");
@@ -260,7 +274,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 36] = [
+pub const SHARED_DEFINE_NAMES: [&str; 38] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -295,6 +309,8 @@ pub const SHARED_DEFINE_NAMES: [&str; 36] = [
     "MLA_TOKENS",
     "MLA_MAX_RANK",
     "MLA_MAX_ROPE",
+    "MLA_MMA_GROUPS",
+    "MLA_MMA_KEYS",
     "ATT_MMA_WIDE_KEYS",
     "ATT_MMA_WIDE_MAXD",
 ];
@@ -336,6 +352,8 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DMLA_TOKENS={MLA_TOKENS}"),
         format!("-DMLA_MAX_RANK={MLA_MAX_RANK}"),
         format!("-DMLA_MAX_ROPE={MLA_MAX_ROPE}"),
+        format!("-DMLA_MMA_GROUPS={MLA_MMA_GROUPS}"),
+        format!("-DMLA_MMA_KEYS={MLA_MMA_KEYS}"),
         format!("-DATT_MMA_WIDE_KEYS={ATTENTION_MMA_WIDE_KEYS}"),
         format!("-DATT_MMA_WIDE_MAXD={ATTENTION_MMA_WIDE_MAX_HEAD_DIM}"),
     ]
@@ -509,6 +527,8 @@ kernel_table! {
     MlaAttentionSplitF16 = "mla_attention_split_f16" in Mla,
     MlaAttentionSplitBf16 = "mla_attention_split_bf16" in Mla,
     MlaAttentionSplitQ8_0 = "mla_attention_split_q8_0" in Mla,
+    MlaAttentionMmaF16 = "mla_attention_mma_f16" in Mla,
+    MlaAttentionMmaBf16 = "mla_attention_mma_bf16" in Mla,
 }
 
 impl Kernel {
@@ -561,6 +581,9 @@ impl Kernel {
         Kernel::AttentionSplitMmaRowsWideF16,
         Kernel::AttentionSplitMmaRowsWideBf16,
     ];
+    /// The latent attention's tensor-core split pass over 16-bit caches (f16, bf16), whose
+    /// dynamic shared memory passes the default 48 KiB.
+    pub const MLA_ATTENTION_MMA: [Kernel; 2] = [Kernel::MlaAttentionMmaF16, Kernel::MlaAttentionMmaBf16];
     /// The latent attention's split pass per KV cache type.
     pub const MLA_ATTENTION_SPLIT: [Kernel; 4] = [
         Kernel::MlaAttentionSplitF32,

@@ -6,7 +6,8 @@
 //! [`CudaBackend::mla_attention`] (split over positions, graph-safe, then
 //! `attention_combine_f32`) and [`CudaBackend::mla_values`] (each head's latent through its `v_b`).
 
-use super::kernel::{Kernel, ATTENTION_COMBINE_DIMS, MLA_HEADS, MLA_MAX_RANK, MLA_MAX_ROPE, MLA_TOKENS};
+use super::kernel::{mla_mma_shared_bytes, Kernel, ATTENTION_COMBINE_DIMS, MLA_HEADS, MLA_MAX_RANK, MLA_MAX_ROPE};
+use super::kernel::{MLA_MMA_GROUPS, MLA_TOKENS};
 use super::ops::{args, i, kv_kernel, need, rope_scaling_args, DevicePos, KvPtr, RopeScaling};
 use super::ops::{ATTENTION_SPLIT_CHUNK, ATTENTION_SPLIT_TARGET_BLOCKS};
 use super::{CudaBackend, CudaError, DPtr, Result};
@@ -244,6 +245,19 @@ impl CudaBackend {
         self.mla_head_gemv(latent, v_b, values, n_tokens, h, [v, r], [h * r, r], [h * v, v], 1.0)
     }
 
+    /// The tensor-core split pass for this shape and cache, if it takes them: a 16-bit cache
+    /// (f16, bf16) on sm_80+, rows of whole 16-value steps and a latent of whole 32-column
+    /// slices (DeepSeek-V3 / Kimi K2: 576 and 512), the cache 16-byte aligned.
+    fn mla_attention_mma(&self, shape: MlaShape, cache: KvPtr) -> Option<Kernel> {
+        let k = match cache {
+            KvPtr::F16(_) => Kernel::MlaAttentionMmaF16,
+            KvPtr::Bf16(_) => Kernel::MlaAttentionMmaBf16,
+            _ => return None,
+        };
+        let fits = shape.width().is_multiple_of(16) && shape.rank.is_multiple_of(32);
+        (fits && self.info().has_sm80() && cache.raw().is_multiple_of(16)).then_some(k)
+    }
+
     /// Spans of the split latent attention for `n_tokens` rows over `positions`: as the split
     /// attention's, over blocks of [`MLA_HEADS`] heads.
     pub fn mla_attention_max_splits(n_tokens: usize, heads: usize, positions: usize) -> usize {
@@ -291,24 +305,31 @@ impl CudaBackend {
         let splits = Self::mla_attention_max_splits(n_tokens, heads, total);
         need(k, "part", part, Self::mla_attention_scratch(n_tokens, heads, rank, total))?;
         let pos_ptr = at.map_or(0, |a| a.pos.raw());
-        let grid = (heads.div_ceil(MLA_HEADS) as u32, splits as u32, n_tokens as u32);
-        self.launch(
-            k,
-            grid,
-            256,
-            0,
-            args![
-                q_abs.raw(),
-                cache.raw(),
-                part.raw(),
-                i(pos0),
-                i(heads),
-                i(rank),
-                i(shape.rope),
-                i(splits),
-                pos_ptr
-            ],
-        )?;
+        let (rope, raw) = (shape.rope, cache.raw());
+        match self.mla_attention_mma(shape, cache) {
+            Some(mma) => {
+                let grid = ((n_tokens * heads).div_ceil(16 * MLA_MMA_GROUPS) as u32, splits as u32, 1);
+                let (threads, smem) = ((128 * MLA_MMA_GROUPS) as u32, mla_mma_shared_bytes() as u32);
+                let tokens = i(n_tokens);
+                self.launch(
+                    mma,
+                    grid,
+                    threads,
+                    smem,
+                    args![q_abs.raw(), raw, part.raw(), tokens, i(pos0), i(heads), i(rank), i(rope), i(splits), pos_ptr],
+                )?;
+            }
+            None => {
+                let grid = (heads.div_ceil(MLA_HEADS) as u32, splits as u32, n_tokens as u32);
+                self.launch(
+                    k,
+                    grid,
+                    256,
+                    0,
+                    args![q_abs.raw(), raw, part.raw(), i(pos0), i(heads), i(rank), i(rope), i(splits), pos_ptr],
+                )?;
+            }
+        }
         let (window, sinks) = (0i32, 0u64);
         // the combine's blocks take ATTENTION_COMBINE_DIMS of a head's dims each: the latent's
         self.launch(

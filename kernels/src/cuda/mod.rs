@@ -914,8 +914,9 @@ impl CudaBackend {
     }
 }
 
-/// Let the pipelined grouped GEMMs, the tiled prefill attention over the widest heads and the
-/// wide-head tensor-core attention take their dynamic shared memory (past the default 48 KiB).
+/// Let the pipelined grouped GEMMs, the tiled prefill attention over the widest heads, the
+/// wide-head tensor-core attention and the tensor-core latent attention take their dynamic
+/// shared memory (past the default 48 KiB).
 fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
     let tiles = kernel::attention_tile_shared_bytes(kernel::ATTENTION_TILE_MAX_HEAD_DIM);
     let pipes = [
@@ -930,11 +931,13 @@ fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
         kernel::ATTENTION_MMA_WIDE_MAX_HEAD_DIM,
         kernel::ATTENTION_MMA_WARPS as usize,
     );
-    // Every KV cache type's instance of the tiled attention; the wide-head tensor-core kernels.
+    // Every KV cache type's instance of the tiled attention; the wide-head and latent
+    // tensor-core kernels.
     let large = pipes
         .into_iter()
         .chain(Kernel::ATTENTION_TILED.map(|k| (k, tiles)))
-        .chain(Kernel::ATTENTION_MMA_WIDE.map(|k| (k, wide)));
+        .chain(Kernel::ATTENTION_MMA_WIDE.map(|k| (k, wide)))
+        .chain(Kernel::MLA_ATTENTION_MMA.map(|k| (k, kernel::mla_mma_shared_bytes())));
     for (k, bytes) in large {
         let bytes = bytes as i32;
         functions[k as usize]
