@@ -182,6 +182,7 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
         hot_dequant_overlap: var("MOE_LANES_HOT_DEQUANT_OVERLAP").map(|v| v != "0"),
         batch_gemm_min_tokens,
         hot_grouped_min_rows,
+        max_call_tokens: None, // the tuning file's (no variable)
     })
 }
 

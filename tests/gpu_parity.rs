@@ -408,6 +408,51 @@ fn forward_last_is_the_last_row() {
     }
 }
 
+/// A prompt longer than `max_call_tokens` runs as consecutive calls: every row (`forward`) and
+/// the last one (`forward_last`) as the reference's, the cache holding every position, and a
+/// decode after it continues; a token out of range anywhere in the long call changes nothing.
+#[test]
+fn prompts_past_the_call_limit_run_in_consecutive_calls() {
+    let Some(_gpu) = gpu_shared() else { return };
+    for name in &gpu_fixture_names() {
+        let model = open(name);
+        let c = model.config().clone();
+        let prompt = prompt(model.path());
+        // three or more calls, the last one shorter where the length allows
+        let limit = (prompt.len() / 3).max(1) + usize::from(prompt.len() % (prompt.len() / 3).max(1) == 0);
+        assert!(prompt.len() > 2 * limit, "{name}: a prompt of {} tokens is too short", prompt.len());
+        let mut opts = gpu_options(HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts)), POSITIONS);
+        opts.gpu.max_call_tokens = limit;
+        let mut engine = build_gpu(&model, opts);
+        let reference = Reference::new(&model).unwrap();
+        let mut rc = reference.new_cache();
+        let want = reference.forward(&mut rc, &prompt, &mut NoObserver).unwrap();
+        let mut cache = engine.new_cache(prompt.len() + 1).unwrap();
+        let mut bad = prompt.clone();
+        bad[prompt.len() - 2] = c.vocab as u32;
+        assert!(engine.forward(&bad, Phase::Prefill, &mut cache).is_err(), "{name}: token out of range");
+        assert_eq!(cache.n_positions(), 0, "{name}: a refused call changes nothing");
+        let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
+        assert_eq!(got.n_rows, prompt.len(), "{name}: a row per token");
+        for (i, w) in want.iter().enumerate() {
+            compare_row(&format!("{name} chunked row {i}"), got.row(i), w, rel_tol(&model));
+        }
+        let mut cache = engine.new_cache(prompt.len() + 1).unwrap();
+        let last = engine.forward_last(&prompt, Phase::Prefill, &mut cache).unwrap();
+        assert_eq!((last.n_rows, cache.n_positions()), (1, prompt.len()), "{name}: last row, every position");
+        compare_row(
+            &format!("{name} chunked forward_last"),
+            last.row(0),
+            want.last().unwrap(),
+            rel_tol(&model),
+        );
+        let next = moe_lanes::reference::argmax(want.last().unwrap());
+        let want = reference.forward(&mut rc, &[next], &mut NoObserver).unwrap();
+        let got = engine.forward(&[next], Phase::Decode, &mut cache).unwrap();
+        compare_row(&format!("{name} decode after chunked prefill"), got.row(0), &want[0], rel_tol(&model));
+    }
+}
+
 /// A GPU engine for `positions` with the `hot` set, with the decode graph on or off.
 fn graph_engine(model: &Arc<Model>, positions: usize, hot: Hot, graph: bool) -> Box<dyn Engine + '_> {
     let c = model.config();

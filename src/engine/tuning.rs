@@ -52,6 +52,9 @@ pub struct GpuTuning {
     /// GEMMs over a worklist sorted by expert (each read once per step) instead of per-entry
     /// GEMVs (`MOE_LANES_HOT_GROUPED_MIN_ROWS`; default [`crate::gpu::HOT_GROUPED_MIN_ROWS`]).
     pub hot_grouped_min_rows: Option<usize>,
+    /// Most tokens of one engine call; longer prompts run as consecutive calls of this many
+    /// (default [`crate::gpu::MAX_CALL_TOKENS`], whose doc gives the scratch it costs).
+    pub max_call_tokens: Option<usize>,
 }
 
 impl GpuTuning {
@@ -66,6 +69,7 @@ impl GpuTuning {
             hot_dequant_overlap: over.hot_dequant_overlap.or(self.hot_dequant_overlap),
             batch_gemm_min_tokens: over.batch_gemm_min_tokens.or(self.batch_gemm_min_tokens),
             hot_grouped_min_rows: over.hot_grouped_min_rows.or(self.hot_grouped_min_rows),
+            max_call_tokens: over.max_call_tokens.or(self.max_call_tokens),
         }
     }
 
@@ -82,6 +86,7 @@ impl GpuTuning {
         }
         gpu.batch_gemm_min_tokens = self.batch_gemm_min_tokens.unwrap_or(gpu.batch_gemm_min_tokens);
         gpu.hot_grouped_min_rows = self.hot_grouped_min_rows.unwrap_or(gpu.hot_grouped_min_rows);
+        gpu.max_call_tokens = self.max_call_tokens.unwrap_or(gpu.max_call_tokens);
     }
 }
 
@@ -235,6 +240,10 @@ impl EngineTuning {
     /// Set the engine options these settings name (the cache policy is the updater's: see
     /// [`EngineTuning::cache_policy`]); a setting out of range is an error and changes nothing.
     pub fn apply(&self, opts: &mut EngineOptions) -> Result<(), TuningError> {
+        if let Some(n) = self.gpu.max_call_tokens.filter(|&n| n == 0) {
+            let (field, expected) = ("gpu.max_call_tokens", "a count of tokens > 0");
+            return Err(TuningError::Range { field, value: n.to_string(), expected });
+        }
         let mut postfetch = opts.gpu.postfetch;
         self.postfetch.apply(&mut postfetch)?;
         self.gpu.apply(&mut opts.gpu);
@@ -283,6 +292,9 @@ mod tests {
         assert_eq!(gpu.hot_dequant_bytes, 3 << 20);
         assert_eq!(gpu.prefill_activations, before.prefill_activations, "unset keeps the default");
         assert_eq!(gpu.graph_lane_events, before.graph_lane_events);
+        let file: EngineTuning = serde_json::from_str(r#"{"gpu": {"max_call_tokens": 64}}"#).unwrap();
+        file.gpu.apply(&mut gpu);
+        assert_eq!(gpu.max_call_tokens, 64);
     }
 
     #[test]
@@ -333,6 +345,7 @@ mod tests {
             (r#"{"postfetch": {"streams": 9}}"#, "postfetch.streams"),
             (r#"{"postfetch": {"max_transfers": 0}}"#, "postfetch.max_transfers"),
             (r#"{"postfetch": {"scratch_mib": -1}, "cpu": {"simd": "scalar"}}"#, "postfetch.scratch_mib"),
+            (r#"{"gpu": {"max_call_tokens": 0}, "cpu": {"simd": "scalar"}}"#, "gpu.max_call_tokens"),
         ] {
             let t: EngineTuning = serde_json::from_str(json).unwrap();
             let mut opts = EngineOptions::new(64);

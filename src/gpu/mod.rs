@@ -43,7 +43,7 @@ pub use model::GpuModel;
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use options::{
     BadFault, GpuFaults, GpuOptions, LayerFaults, PrefillActivations, PrefillAttention,
-    BATCH_GEMM_MIN_TOKENS, HOT_GROUPED_MIN_ROWS, HOT_LANE_TIMEOUT,
+    BATCH_GEMM_MIN_TOKENS, HOT_GROUPED_MIN_ROWS, HOT_LANE_TIMEOUT, MAX_CALL_TOKENS,
 };
 pub use postfetch::plan::{
     BadPostFetchMode, PostFetchCosts, PostFetchMode, PostFetchOptions, DEFAULT_MAX_TRANSFERS,

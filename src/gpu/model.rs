@@ -344,7 +344,36 @@ impl GpuModel {
 
     /// As [`GpuModel::forward`], with the lm_head run only for the `rows` asked for
     /// ([`LogitRows::Last`]: the last token's row, as generation and prompt processing need).
+    /// A call longer than [`GpuOptions::max_call_tokens`] runs as consecutive calls of at most
+    /// that many tokens (scratch grows with a call's tokens; a 32768-token prompt of a
+    /// DeepSeek-V3-shaped model asked for about 94 GB of it in one call), after the whole call
+    /// is checked, so a bad token or a full context changes nothing.
     pub fn forward_rows(
+        &mut self,
+        tokens: &[u32],
+        phase: Phase,
+        cache: &mut GpuKvCache,
+        cold: &mut dyn ColdLane,
+        rows: LogitRows,
+    ) -> Result<Logits, GpuError> {
+        let limit = self.dev.opts.max_call_tokens.max(1);
+        if tokens.len() <= limit {
+            return self.forward_call(tokens, phase, cache, cold, rows);
+        }
+        self.check_call(tokens, cache)?;
+        let mut logits = Logits::empty(self.dev.cfg.vocab);
+        for chunk in tokens.chunks(limit) {
+            let part = self.forward_call(chunk, phase, cache, cold, rows)?;
+            match rows {
+                LogitRows::All => logits.append(part),
+                LogitRows::Last => logits = part,
+            }
+        }
+        Ok(logits)
+    }
+
+    /// One engine call of at most [`GpuOptions::max_call_tokens`] tokens.
+    fn forward_call(
         &mut self,
         tokens: &[u32],
         phase: Phase,

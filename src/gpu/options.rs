@@ -211,7 +211,19 @@ pub struct GpuOptions {
     /// for all the rows routed to it) instead of a GEMV per routed entry (which reads an expert
     /// once per entry).
     pub hot_grouped_min_rows: usize,
+    /// Most tokens of one engine call: a longer prompt runs as consecutive calls of this many
+    /// (the last one shorter). Device scratch is sized for the longest call; see
+    /// [`MAX_CALL_TOKENS`] for the cost.
+    pub max_call_tokens: usize,
 }
+
+/// [`GpuOptions::max_call_tokens`]'s default, llama.cpp's default logical batch (`n_batch`).
+/// Cost: scratch grows linearly with it (its largest parts: the logits rows, `tokens x vocab`
+/// floats, and the prefill GEMMs' split activations, `tokens x top-k x widest row` bf16 pairs):
+/// about 6 GB at 2048 tokens for a DeepSeek-V3-shaped model, 2 GB for Qwen3-30B-A3B. Smaller
+/// calls re-read the dense weights and, with cold experts, re-copy the Post-Fetched ones more
+/// often per prompt token.
+pub const MAX_CALL_TOKENS: usize = 2048;
 
 /// [`GpuOptions::batch_gemm_min_tokens`]'s default.
 pub const BATCH_GEMM_MIN_TOKENS: usize = 8;
@@ -242,6 +254,7 @@ impl Default for GpuOptions {
             kv_type: KvType::F16,
             batch_gemm_min_tokens: BATCH_GEMM_MIN_TOKENS,
             hot_grouped_min_rows: HOT_GROUPED_MIN_ROWS,
+            max_call_tokens: MAX_CALL_TOKENS,
         }
     }
 }
