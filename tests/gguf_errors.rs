@@ -447,7 +447,8 @@ fn gemma4_bad_or_missing_keys_and_tensors_are_named() {
         })
     };
     type Meta = Option<(&'static str, Option<MetaValue>)>;
-    let cases: Vec<(Meta, Option<(&str, TensorEdit)>, &[&str])> = vec![
+    type Tensor = Option<(&'static str, TensorEdit)>;
+    let cases: Vec<(Meta, Tensor, &[&str])> = vec![
         (
             Some(("gemma4.attention.sliding_window_pattern", None)),
             None,

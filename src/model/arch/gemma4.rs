@@ -260,7 +260,7 @@ fn gguf_turning_pairs(meta: &GgufMeta<'_>, head_dim: usize) -> Result<usize, Mod
     }
     let factors = t.to_f32_vec().map_err(|e| bad(e.to_string()))?;
     let turning = factors.iter().take_while(|&&f| f == 1.0).count();
-    match factors[turning..].iter().position(|&f| !(f >= STILL_PAIR_MIN)) {
+    match factors[turning..].iter().position(|&f| f.is_nan() || f < STILL_PAIR_MIN) {
         Some(i) => Err(bad(format!(
             "holds {} at {}: Gemma 4's proportional RoPE is 1 for each turning pair, then at least {STILL_PAIR_MIN:e}",
             factors[turning + i],
