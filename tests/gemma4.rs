@@ -258,7 +258,8 @@ fn gpu_matches_the_oracle(what: &str, model: &Arc<Model>) {
 /// `ffn_gate_up_exps`). Each opens with both layer kinds and the CPU pipeline (prefill past the
 /// window in sub-batches of 16, then decode) matches the oracle at every hot fraction; the two
 /// files of one seed open to the same config and plan and give the oracle the same logits (CI's
-/// check of the GGUF reading, where llama.cpp is not: scripts/moe-llama-check.sh runs that).
+/// check of the GGUF reading, where llama.cpp is not: scripts/moe-llama-check.sh runs that); the
+/// GGUF file passes `scripts/gguf-layout-check.py` (gguf-py) where gguf-py is installed.
 #[test]
 fn synth_gemma4_in_both_formats_opens_to_one_model_and_the_pipeline_matches_the_oracle() {
     use moe_lanes::phase::Phase;
@@ -267,6 +268,12 @@ fn synth_gemma4_in_both_formats_opens_to_one_model_and_the_pipeline_matches_the_
     let mut per_format = Vec::new();
     for format in [SynthFormat::Safetensors, SynthFormat::Gguf] {
         let (_dir, model) = synth_gemma4_in(format, DimOverrides { n_layers: Some(4), ..Default::default() });
+        if format == SynthFormat::Gguf {
+            // What llama.cpp's loader asks for, read by its gguf-py (where installed).
+            if let Some((ok, text)) = common::llama_layout::gguf_py_layout_check(model.path()) {
+                assert!(ok, "{text}");
+            }
+        }
         let plan = model.plan();
         assert!(plan.layer(0).attention().window.is_some() && plan.layer(3).attention().values_from_keys);
         let r = Reference::new(&model).unwrap();
