@@ -2,14 +2,17 @@
 """A GGUF file against llama.cpp's layout for its architecture, read by llama.cpp's own gguf-py
 (`pip install gguf`): every tensor a name llama.cpp knows for the arch (gguf-py's MODEL_TENSORS,
 the list llama-arch.cpp's LLM_TENSOR names mirror), every tensor llama.cpp's loader requires
-present with the shape it asks for (src/models/deepseek2.cpp and glm4-moe.cpp, `create_tensor`),
+present with the shape it asks for (src/models/deepseek2.cpp, glm4-moe.cpp and gemma4.cpp,
+`create_tensor`),
 no tensor it would not load (its "wrong number of tensors" check), and the metadata it reads.
 
   gguf-layout-check.py FILE [--json]
   gguf-layout-check.py --self-test    (a file in the old mixed form fails, naming what is wrong)
 
 Covers deepseek2 (split `attn_k_b`/`attn_v_b`, or the older fused `attn_kv_b` without
-`key_length_mla`) and glm4moe (NextN/MTP layers included). Prints one line per problem and a
+`key_length_mla`), glm4moe (NextN/MTP layers included) and gemma4 (sliding and global layers
+of their own sizes, keys as values where `attn_v` is absent, `rope_freqs`, fused or split
+expert gate/up, the router's and experts' scales). Prints one line per problem and a
 summary; exits 1 on any problem, 2 when gguf-py is missing."""
 import json
 import sys
@@ -21,7 +24,7 @@ except ImportError:
     print("gguf-py is not installed (pip install gguf)")
     sys.exit(2)
 
-ARCHS = {"deepseek2": MODEL_ARCH.DEEPSEEK2, "glm4moe": MODEL_ARCH.GLM4_MOE}
+ARCHS = {"deepseek2": MODEL_ARCH.DEEPSEEK2, "glm4moe": MODEL_ARCH.GLM4_MOE, "gemma4": MODEL_ARCH.GEMMA4}
 # llama.cpp's NextN tensors: loaded for the MTP layers of both loaders (deepseek2.cpp reads them
 # too, though gguf-py's DEEPSEEK2 list lacks them).
 NEXTN = ["nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.embed_tokens", "nextn.shared_head_head",
@@ -183,6 +186,91 @@ def glm4moe_expected(m, problems):
     return want, optional
 
 
+def gemma4_expected(m, problems):
+    """src/models/gemma4.cpp's load_arch_tensors (and its hparams: llama.cpp requires
+    embedding_length_per_layer_input and the *_swa head sizes)."""
+    n_layer = m.need("block_count", problems) or 0
+    n_embd = m.need("embedding_length", problems)
+    n_head = m.need("attention.head_count", problems)
+    head_full = m.need("attention.key_length", problems)
+    head_swa = m.need("attention.key_length_swa", problems)
+    if m.get("attention.value_length", head_full) != head_full or m.get("attention.value_length_swa", head_swa) != head_swa:
+        problems.append("value_length(_swa) differs from key_length(_swa): Gemma 4 requires them equal")
+    pattern = m.need("attention.sliding_window_pattern", problems)
+    m.need("attention.sliding_window", problems)
+    m.need("attention.layer_norm_rms_epsilon", problems)
+    per_layer = m.need("embedding_length_per_layer_input", problems)
+    if per_layer:
+        problems.append(f"embedding_length_per_layer_input {per_layer}: this check covers 0 (no per-layer embeddings)")
+    kv = m.need("attention.head_count_kv", problems)
+    n_ff = m.need("feed_forward_length", problems)
+    n_expert = m.get("expert_count", 0)
+    ff_exp = m.get("expert_feed_forward_length")
+    if None in (n_embd, n_head, head_full, head_swa, pattern, kv, n_ff):
+        return {}, set()
+    if len(pattern) != n_layer:
+        problems.append(f"sliding_window_pattern has {len(pattern)} entries for {n_layer} layers")
+        return {}, set()
+    kv = kv if isinstance(kv, list) else [kv] * n_layer
+    if m.get("rope.dimension_count", head_full) != head_full:
+        problems.append("rope.dimension_count is not key_length (proportional RoPE turns pairs by rope_freqs)")
+    want = {"token_embd.weight": [n_embd, None], "output_norm.weight": [n_embd], "output.weight": [n_embd, None]}
+    optional = {"output.weight"}
+    for i in range(n_layer):
+        b, head = f"blk.{i}.", head_swa if pattern[i] else head_full
+        want[b + "attn_norm.weight"] = [n_embd]
+        want[b + "attn_q.weight"] = [n_embd, n_head * head]
+        want[b + "attn_k.weight"] = [n_embd, kv[i] * head]
+        want[b + "attn_v.weight"] = [n_embd, kv[i] * head]
+        optional.add(b + "attn_v.weight")
+        want[b + "attn_output.weight"] = [n_head * head, n_embd]
+        want[b + "attn_q_norm.weight"] = [head]
+        want[b + "attn_k_norm.weight"] = [head]
+        want[b + "post_attention_norm.weight"] = [n_embd]
+        want[b + "layer_output_scale.weight"] = [1]
+        optional.add(b + "layer_output_scale.weight")
+        if not pattern[i]:
+            want["rope_freqs.weight"] = [head_full // 2]
+        for name, shape in (("ffn_norm", [n_embd]), ("ffn_gate", [n_embd, n_ff]), ("ffn_up", [n_embd, n_ff]),
+                            ("ffn_down", [n_ff, n_embd]), ("post_ffw_norm", [n_embd])):
+            want[b + name + ".weight"] = shape
+        if n_expert and ff_exp:
+            gemma4_moe(want, optional, b, n_embd, n_expert, ff_exp)
+    return want, optional
+
+
+def gemma4_moe(want, optional, b, n_embd, n_expert, ff_exp):
+    """A Gemma 4 MoE layer (llama.cpp: a layer with ffn_gate_inp): router, its input scale, the
+    branch norms, the experts (gate/up fused or split) and their per-expert scale."""
+    want[b + "ffn_gate_inp.weight"] = [n_embd, n_expert]
+    optional.add(b + "ffn_gate_inp.weight")
+    want[b + "ffn_gate_inp.scale"] = [n_embd]
+    for name in ("pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"):
+        want[b + name + ".weight"] = [n_embd]
+    want[b + "ffn_gate_up_exps.weight"] = [n_embd, 2 * ff_exp, n_expert]
+    want[b + "ffn_gate_exps.weight"] = [n_embd, ff_exp, n_expert]
+    want[b + "ffn_up_exps.weight"] = [n_embd, ff_exp, n_expert]
+    optional.update(b + f"ffn_{p}_exps.weight" for p in ("gate_up", "gate", "up"))
+    want[b + "ffn_down_exps.weight"] = [ff_exp, n_embd, n_expert]
+    want[b + "ffn_down_exps.scale"] = [n_expert]
+    optional.add(b + "ffn_down_exps.scale")
+
+
+def gemma4_experts_present(have, n_layer, problems):
+    """Each MoE layer's experts: fused gate/up or both split ones (llama.cpp loads the split
+    pair only without the fused tensor)."""
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        if b + "ffn_gate_inp.weight" not in have:
+            continue
+        fused = b + "ffn_gate_up_exps.weight" in have
+        split = [b + f"ffn_{p}_exps.weight" in have for p in ("gate", "up")]
+        if fused and any(split):
+            problems.append(f"{b}ffn_gate_up_exps with split gate/up: llama.cpp does not load the split ones")
+        elif not fused and not all(split):
+            problems.append(f"{b}experts: neither ffn_gate_up_exps nor both ffn_gate_exps and ffn_up_exps")
+
+
 def known_names(arch, n_layer_all):
     names = set()
     for t in MODEL_TENSORS[ARCHS[arch]]:
@@ -200,9 +288,14 @@ def check(path):
     if arch not in ARCHS:
         return arch, [f"general.architecture {arch!r}: this check knows {sorted(ARCHS)}"], 0
     m = Meta(reader, arch)
-    want, optional = (deepseek2_expected if arch == "deepseek2" else glm4moe_expected)(m, problems)
+    expected = {"deepseek2": deepseek2_expected, "glm4moe": glm4moe_expected, "gemma4": gemma4_expected}
+    want, optional = expected[arch](m, problems)
     have = ne(reader)
     known = known_names(arch, m.get("block_count", 0))
+    if arch == "gemma4":
+        # gguf-py's GEMMA4 list has the fused gate/up only; llama.cpp's loader also reads split.
+        known.update(f"blk.{i}.ffn_{p}_exps" for i in range(m.get("block_count", 0)) for p in ("gate", "up"))
+        gemma4_experts_present(have, m.get("block_count", 0), problems)
     for name, shape in have.items():
         base = name.rsplit(".", 1)[0]
         if base not in known:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # llama.cpp as a second oracle for DeepSeek-V3 / Kimi K2 (GGUF deepseek2) and GLM-4.5 (glm4moe),
 # issue 42, and GPT-OSS (gpt-oss, issue 41: sliding windows with sinks, YaRN, biases, the clamped
-# SwiGLU; quantized to MXFP4_MOE instead of Q4_K_M): synthetic GGUF files in llama.cpp's layout (split attn_k_b / attn_v_b, exp_probs_b,
+# SwiGLU; quantized to MXFP4_MOE instead of Q4_K_M) and Gemma 4 (gemma4, issue 41: sliding and
+# global layers of their own head sizes, keys as values, proportional RoPE through rope_freqs, the
+# scaled router, per-expert scales, sandwich and branch norms, soft-capped logits): synthetic GGUF files in llama.cpp's layout (split attn_k_b / attn_v_b, exp_probs_b,
 # shared experts, leading dense layers, YaRN with yarn_log_multiplier; GLM's NextN/MTP layer,
 # q/k/v biases or none), each checked against llama.cpp's layout by gguf-py
 # (scripts/gguf-layout-check.py), then the logits of every position from llama.cpp (llama-argmax,
@@ -40,7 +42,7 @@ TOKENS=$(python3 -c 'print(",".join(str((i * 7919 + 13) % 4000 + 5) for i in ran
 
 check() {  # FILE LABEL
     local file=$1 label=$2
-    # gguf-layout-check.py knows deepseek2 and glm4moe; llama.cpp loading the file checks the rest
+    # gguf-layout-check.py knows deepseek2, glm4moe and gemma4; llama.cpp loading the file checks the rest
     if [ "$HAVE_GGUF_PY" = 1 ] && [[ $label != gpt-oss* ]]; then
         python3 scripts/gguf-layout-check.py "$file" > "$OUT/$label.layout.txt" 2>&1 \
             || { echo "$label: NOT llama.cpp's layout"; cat "$OUT/$label.layout.txt"; }
@@ -72,7 +74,7 @@ check() {  # FILE LABEL
 # groups keep 1, scale 2.5, with and without q/k/v biases), shrunk to a CPU-sized model.
 DEFAULT_SPECS="deepseek-v3:deepseek_v3:deepseek-v3 kimi-k2:deepseek_v3:kimi-k2 glm-4.5-air:glm4_moe:glm-4.5-air
 glm-tiny:glm4_moe:tiny glm-tiny-nobias:glm4_moe:tiny:--no-attention-bias gpt-oss-20b:gpt_oss:gpt-oss-20b
-gpt-oss-tiny:gpt_oss:tiny"
+gpt-oss-tiny:gpt_oss:tiny gemma4-tiny:gemma4:tiny"
 for spec in ${SPECS:-$DEFAULT_SPECS}; do
     IFS=: read -r name arch preset extra <<< "$spec"
     dims=(--preset "$preset" --layers "$LAYERS" --hidden 512 --experts 16 --top-k 4 --expert-ff 256
@@ -86,6 +88,9 @@ for spec in ${SPECS:-$DEFAULT_SPECS}; do
         # GLM: head 64 (RoPE on 32 of it), 2 KV heads; one NextN/MTP layer, as llama.cpp's
         # converter writes GLM-4.5 (llama.cpp loads it and does not run it either).
         glm4_moe) dims+=(--heads 8 --kv-heads 2 --head-dim 64 --mtp-layers 1 --shared-expert-ff 256) ;;
+        # Gemma 4: sliding layers (even; window 16, past within these 80 tokens) of heads of 64
+        # with 2 KV heads, global ones of 128 with one KV head (keys as values, RoPE on a quarter)
+        gemma4) dims+=(--heads 8 --kv-heads 2 --head-dim 64 --shared-expert-ff 256) ;;
     esac
     [ -n "$extra" ] && dims+=("$extra")
     for dtype in f32 bf16; do

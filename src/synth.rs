@@ -30,6 +30,7 @@ use serde::Serialize;
 use std::io::Write;
 use std::sync::Arc;
 
+mod gguf_gemma4;
 mod gguf_hybrid;
 use std::path::{Path, PathBuf};
 
@@ -901,12 +902,6 @@ fn write_synthetic_as(
     if opts.format == SynthFormat::Safetensors && config.mtp_layers > 0 {
         return Err(invalid("mtp_layers", "MTP layers are written to GGUF files only".into()));
     }
-    if opts.format == SynthFormat::Gguf && config.global_attention.is_some() {
-        return Err(invalid(
-            "format",
-            format!("{} is written as safetensors only", opts.adapter.hf_model_type),
-        ));
-    }
     let generator = WeightGenerator { expert_row_pool, ..WeightGenerator::new(&config, opts) };
     let mut tensors = match opts.format {
         SynthFormat::Gguf => gguf_tensor_plan(&config, opts),
@@ -1115,7 +1110,7 @@ pub fn gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, adapter: &Adapter, dty
     w.add_metadata(k("feed_forward_length"), u32v(dense_ff));
     add_deepseek_metadata(w, c, arch);
     w.add_metadata(k("expert_feed_forward_length"), u32v(c.expert_ff));
-    if c.shared_expert_ff > 0 {
+    if c.shared_expert_ff > 0 && c.arch != Arch::Gemma4 {
         w.add_metadata(k("expert_shared_feed_forward_length"), u32v(c.shared_expert_ff));
     }
     w.add_metadata(k("attention.head_count"), u32v(c.n_heads));
@@ -1158,6 +1153,9 @@ pub fn gguf_metadata(w: &mut GgufWriter, c: &ModelConfig, adapter: &Adapter, dty
     }
     if let Some(h) = &c.hybrid {
         add_hybrid_metadata(w, c, h, arch);
+    }
+    if c.arch == Arch::Gemma4 {
+        gguf_gemma4::add_metadata(w, c, arch);
     }
 }
 
@@ -1310,6 +1308,9 @@ enum Init {
     ResidualWriter(f32),
     /// Router rows: column 0 carries the expert's bias when skewed.
     Router(f32),
+    /// llama.cpp's `rope_freqs` for a proportional RoPE: 1 for this many pairs, then 1e30
+    /// (f32 as its converter makes it, not rounded to the model dtype).
+    RopeFreqs(usize),
 }
 
 /// One encode buffer per hardware thread.
@@ -1530,7 +1531,12 @@ impl WeightGenerator {
             SplitMix::new(self.seed ^ hash_str(&part.key) ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let start = values.len();
         let skewed = self.skew_exponent.is_some();
+        if let Init::RopeFreqs(turning) = part.init {
+            values.extend((0..part.n_cols).map(|i| if i < turning { 1.0 } else { 1e30 }));
+            return;
+        }
         match part.init {
+            Init::RopeFreqs(_) => unreachable!("written above"),
             Init::NormWeight => values.extend((0..part.n_cols).map(|_| 1.0 + 0.1 * rng.uniform_pm1())),
             Init::CentredNormWeight => values.extend((0..part.n_cols).map(|_| 0.1 * rng.uniform_pm1())),
             Init::Uniform(std) | Init::ResidualWriter(std) | Init::Router(std) => {
@@ -1939,6 +1945,8 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
             layout,
         });
     }
+    let gemma4 = a.hf_naming == HfNaming::Gemma4;
+    plan.extend(gguf_gemma4::rope_freqs(c).filter(|_| gemma4));
     for layer_idx in 0..c.n_layers {
         let delta = gguf_hybrid::delta_parts(c, a, layer_idx);
         let mut tensors: Vec<(LayerRole, Vec<Canonical>)> = Vec::new();
@@ -1958,6 +1966,10 @@ fn gguf_tensor_plan(c: &ModelConfig, opts: &SynthOptions) -> Vec<PlannedTensor> 
         }
         tensors.extend(delta.into_iter().flatten());
         let has_experts = (a.layer)(c, layer_idx).has_experts();
+        if gemma4 && has_experts {
+            plan.extend(gguf_gemma4::experts(c, opts, layer_idx));
+        }
+        let has_experts = has_experts && !gemma4;
         for (role, parts) in tensors {
             let (rows, cols) = (parts.iter().map(Canonical::disk_rows).sum::<usize>(), parts[0].disk_cols());
             let one_d = rows == 1 || cols == 1;

@@ -137,16 +137,23 @@ fn synth_gemma4_wide_sliding() -> (tempfile::TempDir, Arc<Model>) {
     })
 }
 
-/// The tiny synthetic Gemma 4 checkpoint (4 layers, BF16 safetensors: `synth` writes Gemma 4 as
-/// safetensors only) in a temporary directory.
+/// The tiny synthetic Gemma 4 checkpoint (4 layers, BF16 safetensors) in a temporary directory.
 fn synth_gemma4() -> (tempfile::TempDir, Arc<Model>) {
     synth_gemma4_with(moe_lanes::synth::DimOverrides { n_layers: Some(4), ..Default::default() })
 }
 
 fn synth_gemma4_with(dims: moe_lanes::synth::DimOverrides) -> (tempfile::TempDir, Arc<Model>) {
+    synth_gemma4_in(moe_lanes::synth::SynthFormat::Safetensors, dims)
+}
+
+/// The same checkpoint (seed 11) in `format`: GGUF in llama.cpp's `gemma4` layout.
+fn synth_gemma4_in(
+    format: moe_lanes::synth::SynthFormat,
+    dims: moe_lanes::synth::DimOverrides,
+) -> (tempfile::TempDir, Arc<Model>) {
     use moe_lanes::synth::{self, Preset, Skew, SynthFormat, SynthOptions};
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("g");
+    let out = dir.path().join(if format == SynthFormat::Gguf { "g.gguf" } else { "g" });
     let opts = SynthOptions {
         adapter: moe_lanes::arch::by_name("gemma4").unwrap(),
         preset: Preset::Tiny,
@@ -154,7 +161,7 @@ fn synth_gemma4_with(dims: moe_lanes::synth::DimOverrides) -> (tempfile::TempDir
         dtype: moe_lanes::dtype::DType::BF16,
         seed: 11,
         skew: Skew::Skewed,
-        format: SynthFormat::Safetensors,
+        format,
         out: out.clone(),
         vocab_from: None,
     };
@@ -205,8 +212,9 @@ fn global_heads_of_512_are_refused_by_name_on_the_gpu() {
     assert!(text.contains(&format!("layer {global}")) && text.contains("--engine pipeline"), "{text}");
 }
 
-/// The GPU engine on the synthetic BF16 Gemma 4 files (the tiny one, and one whose sliding and
-/// global layers differ in KV width) against the oracle within 3e-2 at every hot fraction: a
+/// The GPU engine on the synthetic BF16 Gemma 4 files (the tiny one, as safetensors and as
+/// llama.cpp's GGUF, and one whose sliding and global layers differ in KV width) against the
+/// oracle within 3e-2 at every hot fraction: a
 /// prompt past the window in one prefill call, then decode token by token (the decode graphs).
 /// Skipped without a usable GPU.
 #[test]
@@ -214,7 +222,13 @@ fn gpu_engine_on_a_synth_gemma4_file_matches_the_oracle() {
     if !common::gpu_usable() {
         return;
     }
-    for (what, (_dir, model)) in [("tiny", synth_gemma4()), ("wide sliding", synth_gemma4_wide_sliding())] {
+    let tiny_gguf = synth_gemma4_in(
+        moe_lanes::synth::SynthFormat::Gguf,
+        moe_lanes::synth::DimOverrides { n_layers: Some(4), ..Default::default() },
+    );
+    let files =
+        [("tiny", synth_gemma4()), ("tiny gguf", tiny_gguf), ("wide sliding", synth_gemma4_wide_sliding())];
+    for (what, (_dir, model)) in files {
         gpu_matches_the_oracle(what, &model);
     }
 }
@@ -238,46 +252,61 @@ fn gpu_matches_the_oracle(what: &str, model: &Arc<Model>) {
     }
 }
 
-/// `synth --arch gemma4` (tiny, the published nested form under `model.language_model.`):
-/// the checkpoint opens with both layer kinds, and the CPU pipeline (prefill past the window in
-/// sub-batches of 16, then decode) matches the oracle at every hot fraction; GGUF is refused by
-/// name.
+/// `synth --arch gemma4` (tiny) in both formats: the published nested safetensors form (under
+/// `model.language_model.`) and llama.cpp's GGUF `gemma4` layout (the sliding pattern, `*_swa`
+/// keys, per-layer KV heads, `rope_freqs`, no `attn_v` on the global layers, fused
+/// `ffn_gate_up_exps`). Each opens with both layer kinds and the CPU pipeline (prefill past the
+/// window in sub-batches of 16, then decode) matches the oracle at every hot fraction; the two
+/// files of one seed open to the same config and plan and give the oracle the same logits (CI's
+/// check of the GGUF reading, where llama.cpp is not: scripts/moe-llama-check.sh runs that); the
+/// GGUF file passes `scripts/gguf-layout-check.py` (gguf-py) where gguf-py is installed.
 #[test]
-fn synth_gemma4_opens_and_the_pipeline_matches_the_oracle() {
+fn synth_gemma4_in_both_formats_opens_to_one_model_and_the_pipeline_matches_the_oracle() {
     use moe_lanes::phase::Phase;
     use moe_lanes::reference::{NoObserver, Reference};
-    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
-    let dir = tempfile::tempdir().unwrap();
-    let opts = |format, out| SynthOptions {
-        adapter: moe_lanes::arch::by_name("gemma4").unwrap(),
-        preset: Preset::Tiny,
-        dims: DimOverrides { n_layers: Some(4), ..Default::default() },
-        dtype: moe_lanes::dtype::DType::BF16,
-        seed: 11,
-        skew: Skew::Skewed,
-        format,
-        out,
-        vocab_from: None,
-    };
-    let out = dir.path().join("g");
-    synth::write_synthetic(&opts(SynthFormat::Safetensors, out.clone()), &mut |_, _| {}).unwrap();
-    let model = Arc::new(Model::open(&out).unwrap());
-    let plan = model.plan();
-    assert!(plan.layer(0).attention().window.is_some() && plan.layer(3).attention().values_from_keys);
-    let r = Reference::new(&model).unwrap();
-    let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7 + 3) % model.config().vocab as u32).collect();
-    let want = r.forward(&mut r.new_cache(), &tokens, &mut NoObserver).unwrap();
-    for hot in HOT_FRACTIONS {
-        let mut p = fixture_checks::pipeline(&model, hot, 16);
-        let mut cache = p.new_cache();
-        let mut got = p.forward(&mut cache, &tokens[..30], Phase::Prefill).unwrap();
-        for &t in &tokens[30..] {
-            got.extend(p.forward(&mut cache, &[t], Phase::Decode).unwrap());
+    use moe_lanes::synth::{DimOverrides, SynthFormat};
+    let mut per_format = Vec::new();
+    for format in [SynthFormat::Safetensors, SynthFormat::Gguf] {
+        let (_dir, model) = synth_gemma4_in(format, DimOverrides { n_layers: Some(4), ..Default::default() });
+        if format == SynthFormat::Gguf {
+            // What llama.cpp's loader asks for, read by its gguf-py (where installed).
+            if let Some((ok, text)) = common::llama_layout::gguf_py_layout_check(model.path()) {
+                assert!(ok, "{text}");
+            }
         }
-        let err = common::max_rel_err(&got, &want);
-        assert!(err < 1e-4, "hot {hot}: {err}");
+        let plan = model.plan();
+        assert!(plan.layer(0).attention().window.is_some() && plan.layer(3).attention().values_from_keys);
+        let r = Reference::new(&model).unwrap();
+        let tokens: Vec<u32> = (0..40u32).map(|i| (i * 7 + 3) % model.config().vocab as u32).collect();
+        let want = r.forward(&mut r.new_cache(), &tokens, &mut NoObserver).unwrap();
+        for hot in HOT_FRACTIONS {
+            let mut p = fixture_checks::pipeline(&model, hot, 16);
+            let mut cache = p.new_cache();
+            let mut got = p.forward(&mut cache, &tokens[..30], Phase::Prefill).unwrap();
+            for &t in &tokens[30..] {
+                got.extend(p.forward(&mut cache, &[t], Phase::Decode).unwrap());
+            }
+            let err = common::max_rel_err(&got, &want);
+            assert!(err < 1e-4, "{format:?} hot {hot}: {err}");
+        }
+        per_format.push((model.config().clone(), plan.summary(), want));
     }
-    let gguf = opts(SynthFormat::Gguf, dir.path().join("g.gguf"));
-    let err = synth::write_synthetic(&gguf, &mut |_, _| {}).unwrap_err().to_string();
-    assert!(err.contains("safetensors only"), "{err}");
+    let ((st_config, st_plan, st_logits), (gguf_config, gguf_plan, gguf_logits)) =
+        (&per_format[0], &per_format[1]);
+    assert_eq!(st_plan, gguf_plan);
+    assert_eq!(
+        (st_config.global_attention, st_config.sliding_window, &st_config.sliding_window_layers),
+        (gguf_config.global_attention, gguf_config.sliding_window, &gguf_config.sliding_window_layers)
+    );
+    assert_eq!(
+        (st_config.embedding_scale, st_config.final_logit_softcap, st_config.rope_theta, st_config.head_dim),
+        (
+            gguf_config.embedding_scale,
+            gguf_config.final_logit_softcap,
+            gguf_config.rope_theta,
+            gguf_config.head_dim
+        )
+    );
+    let err = common::max_rel_err(gguf_logits, st_logits);
+    assert!(err < 1e-6, "GGUF and safetensors of one seed: {err}");
 }

@@ -2,6 +2,8 @@
 //! file and the offending key, tensor or byte offset, and never a panic. Also: failed writes leave
 //! nothing behind.
 
+mod common;
+
 use moe_lanes::dtype::DType;
 use moe_lanes::gguf::{GgufError, GgufFile, GgufWriter, MetaValue};
 use std::io::Write;
@@ -407,4 +409,145 @@ fn writer_rejects_bad_tensors_before_creating_a_file() {
     let err = writer.write(&path, &mut |_, out| out.write_all(&[0; 4]), &mut |_| {}).unwrap_err();
     assert!(matches!(err, GgufError::DuplicateTensor { .. }), "{err}");
     assert_dir_empty(dir.path());
+}
+
+/// A `gemma4` GGUF file (llama.cpp's layout, from `synth`) with one key or tensor broken at a
+/// time: `Model::open` refuses each with an error naming the file and the key or tensor, and
+/// what it expected (never a panic, never a wrong model).
+#[test]
+fn gemma4_bad_or_missing_keys_and_tensors_are_named() {
+    use common::{rewrite_gguf, TensorEdit};
+    use moe_lanes::gguf::{GgufValueType, MetaArray};
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("g.gguf");
+    let opts = SynthOptions {
+        adapter: moe_lanes::arch::by_name("gemma4").unwrap(),
+        preset: Preset::Tiny,
+        dims: DimOverrides { n_layers: Some(4), ..Default::default() },
+        dtype: DType::F32,
+        seed: 3,
+        skew: Skew::Uniform,
+        format: SynthFormat::Gguf,
+        out: src.clone(),
+        vocab_from: None,
+    };
+    synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    moe_lanes::model::Model::open(&src).unwrap();
+    let bools = |v: &[bool]| {
+        MetaValue::Array(MetaArray {
+            elem_type: GgufValueType::Bool,
+            values: v.iter().map(|&b| MetaValue::Bool(b)).collect(),
+        })
+    };
+    let u32s = |v: &[u32]| {
+        MetaValue::Array(MetaArray {
+            elem_type: GgufValueType::U32,
+            values: v.iter().map(|&x| MetaValue::U32(x)).collect(),
+        })
+    };
+    type Meta = Option<(&'static str, Option<MetaValue>)>;
+    type Tensor = Option<(&'static str, TensorEdit)>;
+    let cases: Vec<(Meta, Tensor, &[&str])> = vec![
+        (
+            Some(("gemma4.attention.sliding_window_pattern", None)),
+            None,
+            &["missing metadata key", "sliding_window_pattern"],
+        ),
+        (
+            Some(("gemma4.attention.sliding_window_pattern", Some(bools(&[true, false])))),
+            None,
+            &["sliding_window_pattern", "one per layer"],
+        ),
+        (
+            Some(("gemma4.attention.key_length_swa", None)),
+            None,
+            &["missing metadata key", "gemma4.attention.key_length_swa"],
+        ),
+        (
+            Some(("gemma4.attention.sliding_window", None)),
+            None,
+            &["missing metadata key", "gemma4.attention.sliding_window'"],
+        ),
+        (
+            Some(("gemma4.attention.head_count_kv", Some(u32s(&[2, 1, 1, 1])))),
+            None,
+            &["gemma4.attention.head_count_kv", "every layer of a kind"],
+        ),
+        (
+            Some(("gemma4.attention.head_count_kv", Some(u32s(&[2, 1])))),
+            None,
+            &["gemma4.attention.head_count_kv", "one per layer"],
+        ),
+        (
+            Some(("gemma4.rope.dimension_count", Some(MetaValue::U32(8)))),
+            None,
+            &["gemma4.rope.dimension_count", "key_length"],
+        ),
+        (
+            Some(("gemma4.embedding_length_per_layer_input", Some(MetaValue::U32(4)))),
+            None,
+            &["embedding_length_per_layer_input", "per-layer input embeddings"],
+        ),
+        (
+            Some(("gemma4.attention.shared_kv_layers", Some(MetaValue::U32(2)))),
+            None,
+            &["shared_kv_layers", "sharing"],
+        ),
+        (None, Some(("rope_freqs.weight", TensorEdit::Drop)), &["missing tensor 'rope_freqs.weight'"]),
+        (
+            None,
+            Some(("rope_freqs.weight", TensorEdit::Replace { dtype: DType::F32, shape: vec![16] })),
+            &["rope_freqs.weight", "holds 0 at 0", "proportional RoPE"],
+        ),
+        (
+            None,
+            Some(("rope_freqs.weight", TensorEdit::Replace { dtype: DType::F32, shape: vec![5] })),
+            &["rope_freqs.weight", "shape [5]"],
+        ),
+        (None, Some(("blk.0.attn_v.weight", TensorEdit::Drop)), &["missing tensor 'blk.0.attn_v.weight'"]),
+        (
+            None,
+            Some(("blk.2.ffn_gate_up_exps.weight", TensorEdit::Drop)),
+            &["missing tensor 'blk.2.ffn_gate_up_exps.weight'"],
+        ),
+        (
+            None,
+            Some(("blk.1.ffn_down.weight", TensorEdit::Drop)),
+            &["missing tensor 'blk.1.ffn_down.weight'"],
+        ),
+        (
+            None,
+            Some(("blk.3.ffn_gate_inp.scale", TensorEdit::Drop)),
+            &["missing tensor 'blk.3.ffn_gate_inp.scale'"],
+        ),
+        (
+            None,
+            Some(("blk.3.layer_output_scale.weight", TensorEdit::Drop)),
+            &["blk.3.layer_output_scale.weight"],
+        ),
+    ];
+    for (i, (meta, tensor, expected)) in cases.into_iter().enumerate() {
+        let dst = dir.path().join(format!("bad{i}.gguf"));
+        rewrite_gguf(
+            &src,
+            &dst,
+            |k, v| match &meta {
+                Some((key, replacement)) if *key == k => replacement.clone(),
+                _ => Some(v.clone()),
+            },
+            |name| match &tensor {
+                Some((t, edit)) if *t == name => edit.clone(),
+                _ => TensorEdit::Keep,
+            },
+        );
+        let err = match moe_lanes::model::Model::open(&dst) {
+            Ok(_) => panic!("case {i} ({expected:?}) opened"),
+            Err(e) => e.to_string(),
+        };
+        let mut parts = expected.to_vec();
+        let name = dst.display().to_string();
+        parts.push(&name);
+        assert_contains(&err, &parts);
+    }
 }

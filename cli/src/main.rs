@@ -423,7 +423,8 @@ struct DemoArgs {
 struct SynthArgs {
     /// Architecture: qwen3_moe, mixtral, olmoe, qwen2_moe, the hybrids qwen3_next and qwen3_5_moe
     /// (Gated DeltaNet + gated attention; GGUF in llama.cpp's layout or safetensors), gpt_oss,
-    /// deepseek_v3 or glm4_moe.
+    /// deepseek_v3, glm4_moe or gemma4 (GGUF `gemma4` in llama.cpp's layout, or its published
+    /// safetensors form).
     #[arg(long, default_value = "qwen3_moe")]
     arch: String,
     /// Dimension preset: tiny, qwen3-30b-a3b, or for the hybrids qwen3.6-35b-a3b (--arch

@@ -114,7 +114,8 @@ pub struct Model {
 struct HfLayout {
     /// `model.` or, in a multimodal checkpoint, `model.language_model.`.
     prefix: &'static str,
-    /// Each layer's experts in transformers' two stacked tensors instead of one per projection.
+    /// Each layer's experts in transformers' two stacked tensors instead of one per projection
+    /// (in a GGUF file: llama.cpp's `ffn_gate_up_exps` beside `ffn_down_exps`).
     fused_experts: bool,
 }
 
@@ -166,7 +167,10 @@ impl Model {
             let file = GgufFile::open(path)?;
             let (config, adapter) = config_from_gguf(&file)?;
             let plan = LayerPlan::new(adapter, &config);
-            (Source::Gguf(file), config, adapter, HfLayout::PLAIN, plan)
+            let moe_layer = plan.layers().iter().position(LayerSpec::has_experts).unwrap_or(0);
+            let fused = file.tensor(&naming::gguf_gate_up_experts(moe_layer)).is_some();
+            let layout = HfLayout { fused_experts: fused, ..HfLayout::PLAIN };
+            (Source::Gguf(file), config, adapter, layout, plan)
         };
         let mut model = Model {
             path: path.into(),
@@ -493,6 +497,9 @@ impl Model {
     /// projection (`gate_up_proj` holds gate then up).
     fn expert_tensor_name(&self, layer_idx: usize, expert_idx: usize, proj: ExpertProj) -> String {
         match self.source {
+            Source::Gguf(_) if self.hf_layout.fused_experts && proj != ExpertProj::Down => {
+                naming::gguf_gate_up_experts(layer_idx)
+            }
             Source::Gguf(_) => naming::gguf_experts(layer_idx, proj),
             Source::Safetensors(_) if self.hf_layout.fused_experts => self.hf_layout.name(
                 naming::hf_fused_experts_of(self.adapter.hf_naming, layer_idx, proj == ExpertProj::Down),
@@ -588,11 +595,11 @@ impl Model {
             let per_expert =
                 if proj == ExpertProj::Down { [c.hidden, c.expert_ff] } else { [c.expert_ff, c.hidden] };
             let dtype = match self.source {
-                Source::Gguf(_) => {
+                Source::Gguf(_) if !self.hf_layout.fused_experts => {
                     let name = naming::gguf_experts(layer_idx, proj);
                     self.check_tensor(&name, &[c.n_experts, per_expert[0], per_expert[1]])?
                 }
-                Source::Safetensors(_) if self.hf_layout.fused_experts => {
+                _ if self.hf_layout.fused_experts => {
                     if proj == ExpertProj::Up {
                         continue; // the gate's tensor holds it
                     }
@@ -600,7 +607,7 @@ impl Model {
                     let name = self.expert_tensor_name(layer_idx, 0, proj);
                     self.check_tensor(&name, &[c.n_experts, rows, per_expert[1]])?
                 }
-                Source::Safetensors(_) => {
+                _ => {
                     let mut dtype = DType::F32;
                     for expert_idx in 0..c.n_experts {
                         let name = self.expert_tensor_name(layer_idx, expert_idx, proj);
@@ -616,7 +623,7 @@ impl Model {
             if first_moe && proj == ExpertProj::Gate {
                 self.expert_dtype = dtype;
             } else if dtype != self.expert_dtype && !mixed_quant {
-                let name = naming::gguf_experts(layer_idx, proj);
+                let name = self.expert_tensor_name(layer_idx, 0, proj);
                 return Err(ModelError::DTypeMismatch {
                     path: self.file_of(&name),
                     tensor: name,
@@ -998,15 +1005,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
     let n_experts = meta.opt_u64("expert_count")?.unwrap_or(0) as usize;
     let adapter = crate::model::arch::for_gguf_arch(arch, n_experts)
         .map_err(|source| ModelError::Config(ConfigError::Arch { path: path.into(), source }))?;
-    if adapter.arch == crate::model::arch::Arch::Gemma4 {
-        // Its sliding/global sizes, both RoPEs and soft-cap are read from config.json only.
-        let source = crate::model::arch::UnsupportedArch {
-            found: "gemma4 in GGUF (not read yet: open its safetensors checkpoint)".into(),
-            source_kind: "GGUF general.architecture",
-            supported: "gemma4 as safetensors".into(),
-        };
-        return Err(ModelError::Config(ConfigError::Arch { path: path.into(), source }));
-    }
+    let gemma4 = adapter.arch == crate::model::arch::Arch::Gemma4;
     let (n_layers, mtp_layers) = meta.layer_counts()?;
     let hidden = meta.usize("embedding_length")?;
     let n_heads = meta.usize("attention.head_count")?;
@@ -1029,6 +1028,7 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
     // plan's latent attention reads the sizes from `mla`, and `head_dim` is the RoPE part's.
     let (head_dim, n_kv_heads) = match &mla {
         Some(m) => (m.qk_rope_head_dim, n_heads),
+        None if gemma4 => crate::model::arch::gemma4_gguf_sliding_sizes(&meta)?,
         None => (head_dim, meta.opt_u64("attention.head_count_kv")?.map(|v| v as usize).unwrap_or(n_heads)),
     };
     let mut yarn = gguf_yarn(&meta)?;
@@ -1081,6 +1081,9 @@ pub fn config_from_gguf(file: &GgufFile) -> Result<(ModelConfig, &'static Adapte
         embedding_scale: None,
         final_logit_softcap: None,
     };
+    if gemma4 {
+        crate::model::arch::gemma4_gguf_traits(&meta, &mut config)?;
+    }
     config.validate().map_err(|(field, reason)| {
         ModelError::Config(ConfigError::Invalid { path: path.into(), field: field.into(), reason })
     })?;

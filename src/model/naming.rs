@@ -275,6 +275,19 @@ pub fn gguf_layer(adapter: &Adapter, layer: usize, role: LayerRole) -> String {
     if role == LayerRole::FfnNorm {
         return format!("blk.{layer}.{}.weight", adapter.gguf_ffn_norm);
     }
+    // llama.cpp's gemma4 keeps its dense MLP (the plan's ungated shared expert) under the plain
+    // FFN names.
+    if adapter.hf_naming == HfNaming::Gemma4 {
+        let dense = match role {
+            LayerRole::SharedGate => Some(LayerRole::DenseGate),
+            LayerRole::SharedUp => Some(LayerRole::DenseUp),
+            LayerRole::SharedDown => Some(LayerRole::DenseDown),
+            _ => None,
+        };
+        if let Some(dense) = dense {
+            return gguf_layer(adapter, layer, dense);
+        }
+    }
     let suffix = match role {
         LayerRole::AttnNorm => "attn_norm.weight",
         LayerRole::Q => "attn_q.weight",
@@ -383,6 +396,16 @@ pub fn hf_fused_experts_of(naming: HfNaming, layer: usize, down: bool) -> String
     }
 }
 
+/// llama.cpp's fused gate and up projections of a layer's experts, `[experts, 2 * ff, hidden]`
+/// (each expert's gate rows, then its up rows: what its converter writes for Gemma 4).
+pub fn gguf_gate_up_experts(layer: usize) -> String {
+    format!("blk.{layer}.ffn_gate_up_exps.weight")
+}
+
+/// llama.cpp's `rope_freqs.weight`: per rotated pair a divisor of its frequency (Gemma 4's
+/// proportional RoPE: 1 for the turning pairs, 1e30 for the rest, which then do not turn).
+pub const GGUF_ROPE_FREQS: &str = "rope_freqs.weight";
+
 /// The stacked tensor holding one projection of every expert of a layer.
 pub fn gguf_experts(layer: usize, proj: ExpertProj) -> String {
     let p = match proj {
@@ -417,5 +440,10 @@ mod tests {
         assert_eq!(gguf_layer(qwen3, 1, LayerRole::SharedExpertGate), "blk.1.ffn_gate_inp_shexp.weight");
         assert_eq!(gguf_layer(qwen3, 2, LayerRole::FfnNorm), "blk.2.ffn_norm.weight");
         assert_eq!(gguf_layer(next, 2, LayerRole::FfnNorm), "blk.2.post_attention_norm.weight");
+        let gemma4 = crate::model::arch::of(crate::model::arch::Arch::Gemma4);
+        assert_eq!(gguf_layer(gemma4, 3, LayerRole::SharedDown), "blk.3.ffn_down.weight");
+        assert_eq!(gguf_layer(gemma4, 3, LayerRole::FfnNorm), "blk.3.ffn_norm.weight");
+        assert_eq!(gguf_layer(gemma4, 0, LayerRole::RouterExpertScale), "blk.0.ffn_down_exps.scale");
+        assert_eq!(gguf_layer(qwen3, 1, LayerRole::SharedDown), "blk.1.ffn_down_shexp.weight");
     }
 }

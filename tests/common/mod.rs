@@ -42,6 +42,7 @@ pub fn synth_tiny(dir: &Path, arch: &str, format: SynthFormat, seed: u64) -> Pat
 }
 
 /// How `rewrite_gguf` treats one tensor.
+#[derive(Clone)]
 pub enum TensorEdit {
     Keep,
     Drop,

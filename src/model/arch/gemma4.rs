@@ -119,3 +119,153 @@ fn hf_extra_fields(c: &ModelConfig, obj: &mut Map<String, Value>) {
         }),
     );
 }
+
+/// Values below this in llama.cpp's `rope_freqs` (a divisor of each pair's frequency) would turn
+/// their pair measurably; the converter writes 1e30 for the pairs that stay put.
+const STILL_PAIR_MIN: f32 = 1e20;
+
+/// The sliding layers' per-layer flags of a `gemma4` GGUF (`attention.sliding_window_pattern`,
+/// one bool a layer, as llama.cpp reads it).
+fn gguf_sliding_flags(meta: &GgufMeta<'_>, n_layers: usize) -> Result<Vec<bool>, ModelError> {
+    let key = meta.key("attention.sliding_window_pattern");
+    let value = meta
+        .file
+        .get(&key)
+        .ok_or_else(|| ModelError::MissingMetadata { path: meta.file.path().into(), key: key.clone() })?;
+    let flags: Option<Vec<bool>> =
+        value.as_array().and_then(|a| a.values.iter().map(|v| v.as_bool()).collect());
+    flags.filter(|f| f.len() == n_layers).ok_or_else(|| meta.bad(key, "an array of bools, one per layer"))
+}
+
+/// A key llama.cpp reads as one value or one per layer (`attention.head_count_kv`).
+fn gguf_per_layer(meta: &GgufMeta<'_>, suffix: &str, n_layers: usize) -> Result<Vec<usize>, ModelError> {
+    let key = meta.key(suffix);
+    let value = meta
+        .file
+        .get(&key)
+        .ok_or_else(|| ModelError::MissingMetadata { path: meta.file.path().into(), key: key.clone() })?;
+    if let Some(v) = value.as_u64() {
+        return Ok(vec![v as usize; n_layers]);
+    }
+    let values: Option<Vec<usize>> =
+        value.as_array().and_then(|a| a.values.iter().map(|v| v.as_u64().map(|v| v as usize)).collect());
+    values
+        .filter(|v| v.len() == n_layers)
+        .ok_or_else(|| meta.bad(key, "a non-negative integer or an array of them, one per layer"))
+}
+
+/// The one value `per_layer` holds over the layers `pick` selects (`None`: no such layer).
+fn uniform(
+    meta: &GgufMeta<'_>,
+    suffix: &str,
+    per_layer: &[usize],
+    pick: impl Fn(usize) -> bool,
+) -> Result<Option<usize>, ModelError> {
+    let mut picked = (0..per_layer.len()).filter(|&l| pick(l)).map(|l| per_layer[l]);
+    let first = picked.next();
+    match picked.find(|v| Some(*v) != first) {
+        Some(_) => {
+            Err(meta.bad(meta.key(suffix), "the same value on every layer of a kind (sliding or global)"))
+        }
+        None => Ok(first),
+    }
+}
+
+/// The sliding layers' head dim and KV heads, the plan's defaults (llama.cpp's
+/// `attention.key_length_swa` and the sliding layers' `attention.head_count_kv`).
+pub(crate) fn gguf_sliding_sizes(meta: &GgufMeta<'_>) -> Result<(usize, usize), ModelError> {
+    let n_layers = meta.usize("block_count")?;
+    let sliding = gguf_sliding_flags(meta, n_layers)?;
+    let head_dim = meta.usize("attention.key_length_swa")?;
+    if meta.opt_u64("attention.value_length_swa")?.is_some_and(|v| v as usize != head_dim) {
+        return Err(meta.bad(meta.key("attention.value_length_swa"), "equal to attention.key_length_swa"));
+    }
+    let kv = gguf_per_layer(meta, "attention.head_count_kv", n_layers)?;
+    let n_kv_heads = uniform(meta, "attention.head_count_kv", &kv, |l| sliding[l])?;
+    Ok((head_dim, n_kv_heads.unwrap_or(kv[0])))
+}
+
+/// Gemma 4's traits from llama.cpp's `gemma4` keys (the common ones read first): the sliding
+/// pattern and window, both RoPE bases, the global layers' sizes, their proportional RoPE from
+/// `rope_freqs.weight`, keys as values where their `attn_v` is absent, the soft-cap. What the
+/// plan does not run (per-layer input embeddings, layers sharing KV) is refused by its key.
+pub(crate) fn gguf_traits(meta: &GgufMeta<'_>, c: &mut ModelConfig) -> Result<(), ModelError> {
+    for (suffix, reason) in [
+        ("embedding_length_per_layer_input", "0 (per-layer input embeddings are not supported)"),
+        ("attention.shared_kv_layers", "0 (layers sharing another layer's KV are not supported)"),
+    ] {
+        if meta.opt_u64(suffix)?.unwrap_or(0) != 0 {
+            return Err(meta.bad(meta.key(suffix), reason));
+        }
+    }
+    let n = c.n_layers;
+    let sliding = gguf_sliding_flags(meta, n)?;
+    let head_dim = meta.usize("attention.key_length")?;
+    if meta.opt_u64("attention.value_length")?.is_some_and(|v| v as usize != head_dim) {
+        return Err(meta.bad(meta.key("attention.value_length"), "equal to attention.key_length"));
+    }
+    if meta.opt_u64("rope.dimension_count")?.is_some_and(|d| d as usize != head_dim) {
+        return Err(meta.bad(meta.key("rope.dimension_count"), "equal to attention.key_length"));
+    }
+    if meta.opt_u64("rope.dimension_count_swa")?.is_some_and(|d| d as usize != c.head_dim) {
+        return Err(meta.bad(meta.key("rope.dimension_count_swa"), "equal to attention.key_length_swa"));
+    }
+    let kv = gguf_per_layer(meta, "attention.head_count_kv", n)?;
+    let n_kv_heads = uniform(meta, "attention.head_count_kv", &kv, |l| !sliding[l])?.unwrap_or(c.n_kv_heads);
+    let first_global = (0..n).find(|&l| !sliding[l]);
+    let turning_pairs = match first_global {
+        Some(_) => gguf_turning_pairs(meta, head_dim)?,
+        None => head_dim / 2,
+    };
+    let adapter = &ADAPTER;
+    let values_from_keys = first_global.is_some_and(|l| {
+        meta.file
+            .tensor(&crate::model::naming::gguf_layer(adapter, l, crate::model::naming::LayerRole::V))
+            .is_none()
+    });
+    let global_theta = c.rope_theta;
+    c.rope_theta = meta.opt_f32("rope.freq_base_swa")?.unwrap_or(global_theta);
+    c.rotary_dims = c.head_dim;
+    c.sliding_window = Some(meta.usize("attention.sliding_window")?);
+    c.sliding_window_layers = Some((0..n).filter(|&l| sliding[l]).collect());
+    c.global_attention = Some(crate::model::config::GlobalAttention {
+        head_dim,
+        n_kv_heads,
+        rope_theta: global_theta,
+        turning_pairs,
+        values_from_keys,
+    });
+    c.embedding_scale = Some((c.hidden as f64).sqrt() as f32);
+    c.final_logit_softcap = meta.opt_f32("final_logit_softcapping")?.filter(|&cap| cap != 0.0);
+    Ok(())
+}
+
+/// The proportional RoPE's turning pairs from llama.cpp's `rope_freqs.weight` (`[head_dim / 2]`):
+/// the leading 1s turn at `theta^(-2i/head_dim)`, the rest (1e30) do not.
+fn gguf_turning_pairs(meta: &GgufMeta<'_>, head_dim: usize) -> Result<usize, ModelError> {
+    let name = crate::model::naming::GGUF_ROPE_FREQS;
+    let path = meta.file.path();
+    let t = meta
+        .file
+        .tensor(name)
+        .ok_or_else(|| ModelError::MissingTensor { path: path.into(), tensor: name.into() })?;
+    let bad = |reason: String| ModelError::BadValues { path: path.into(), tensor: name.into(), reason };
+    if t.shape.iter().product::<usize>() != head_dim / 2 {
+        return Err(ModelError::ShapeMismatch {
+            path: path.into(),
+            tensor: name.into(),
+            expected: vec![head_dim / 2],
+            found: t.shape.to_vec(),
+        });
+    }
+    let factors = t.to_f32_vec().map_err(|e| bad(e.to_string()))?;
+    let turning = factors.iter().take_while(|&&f| f == 1.0).count();
+    match factors[turning..].iter().position(|&f| f.is_nan() || f < STILL_PAIR_MIN) {
+        Some(i) => Err(bad(format!(
+            "holds {} at {}: Gemma 4's proportional RoPE is 1 for each turning pair, then at least {STILL_PAIR_MIN:e}",
+            factors[turning + i],
+            turning + i
+        ))),
+        None => Ok(turning),
+    }
+}

@@ -14,6 +14,7 @@
 
 mod deepseek_v3;
 mod gemma4;
+pub(crate) use gemma4::{gguf_sliding_sizes as gemma4_gguf_sliding_sizes, gguf_traits as gemma4_gguf_traits};
 mod glm4_moe;
 mod gpt_oss;
 mod mixtral;
