@@ -419,7 +419,8 @@ fn prompts_past_the_call_limit_run_in_consecutive_calls() {
         let c = model.config().clone();
         let prompt = prompt(model.path());
         // three or more calls, the last one shorter where the length allows
-        let limit = (prompt.len() / 3).max(1) + usize::from(prompt.len() % (prompt.len() / 3).max(1) == 0);
+        let third = (prompt.len() / 3).max(1);
+        let limit = third + usize::from(prompt.len().is_multiple_of(third));
         assert!(prompt.len() > 2 * limit, "{name}: a prompt of {} tokens is too short", prompt.len());
         let mut opts = gpu_options(HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts)), POSITIONS);
         opts.gpu.max_call_tokens = limit;
