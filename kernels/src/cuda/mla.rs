@@ -6,7 +6,9 @@
 //! [`CudaBackend::mla_attention`] (split over positions, graph-safe, then
 //! `attention_combine_f32`) and [`CudaBackend::mla_values`] (each head's latent through its `v_b`).
 
-use super::kernel::{mla_mma_shared_bytes, Kernel, ATTENTION_COMBINE_DIMS, MLA_HEADS, MLA_MAX_RANK, MLA_MAX_ROPE};
+use super::kernel::{
+    mla_mma_shared_bytes, Kernel, ATTENTION_COMBINE_DIMS, MLA_HEADS, MLA_MAX_RANK, MLA_MAX_ROPE,
+};
 use super::kernel::{MLA_MMA_GROUPS, MLA_TOKENS};
 use super::ops::{args, i, kv_kernel, need, rope_scaling_args, DevicePos, KvPtr, RopeScaling};
 use super::ops::{ATTENTION_SPLIT_CHUNK, ATTENTION_SPLIT_TARGET_BLOCKS};
@@ -316,7 +318,18 @@ impl CudaBackend {
                     grid,
                     threads,
                     smem,
-                    args![q_abs.raw(), raw, part.raw(), tokens, i(pos0), i(heads), i(rank), i(rope), i(splits), pos_ptr],
+                    args![
+                        q_abs.raw(),
+                        raw,
+                        part.raw(),
+                        tokens,
+                        i(pos0),
+                        i(heads),
+                        i(rank),
+                        i(rope),
+                        i(splits),
+                        pos_ptr
+                    ],
                 )?;
             }
             None => {
@@ -326,7 +339,17 @@ impl CudaBackend {
                     grid,
                     256,
                     0,
-                    args![q_abs.raw(), raw, part.raw(), i(pos0), i(heads), i(rank), i(rope), i(splits), pos_ptr],
+                    args![
+                        q_abs.raw(),
+                        raw,
+                        part.raw(),
+                        i(pos0),
+                        i(heads),
+                        i(rank),
+                        i(rope),
+                        i(splits),
+                        pos_ptr
+                    ],
                 )?;
             }
         }
