@@ -5,8 +5,10 @@
 // softmax-weighted latent, which v_b[h] turns into the head's value.
 // Part of the moe-lanes kernels: compiled together with common.cuh prepended, after
 // norm_rope.cu (kv_store_row, rope_angle) and attention.cu (kv_at, kv_wrap, att_split_span,
-// att_row_range, and attention_combine_f32, which combines this file's split partials).
-// MLA_HEADS, MLA_TOKENS, MLA_MAX_RANK, MLA_MAX_ROPE: -D defines (kernels/src/cuda/kernel.rs).
+// att_row_range, attention_combine_f32, which combines this file's split partials, and the
+// tensor-core helpers AmF16 / AmBf16, am_ldsm4 and am_softmax).
+// MLA_HEADS, MLA_TOKENS, MLA_MAX_RANK, MLA_MAX_ROPE, MLA_MMA_GROUPS, MLA_MMA_KEYS: -D defines
+// (kernels/src/cuda/kernel.rs).
 #define MLA_MAX_WIDTH (MLA_MAX_RANK + MLA_MAX_ROPE)
 #define MLA_RANK_PER_THREAD (MLA_MAX_RANK / 256)
 static_assert(MLA_MAX_RANK % 256 == 0, "a block of 256 threads covers the latent in whole steps");
@@ -244,7 +246,7 @@ extern "C" __global__ __launch_bounds__(256) void mla_attention_split_q8_0(const
 // block 32 * 4 * MLA_MMA_GROUPS, dynamic shared memory mla_mma_shared_bytes (kernel.rs).
 #define MLA_MMA_ROWS (16 * MLA_MMA_GROUPS)
 #define MLA_MMA_KQ ((MLA_MAX_WIDTH + 63) / 64)  // a warp's 16-dim score steps, at most
-#define MLA_MMA_NO (MLA_MAX_RANK / 32)          // a warp's n8 latent column tiles
+#define MLA_MMA_NO (MLA_MAX_RANK / 32)          // a warp's n8 latent column tiles (even: am_softmax's pairs)
 #define MLA_MMA_LD (MLA_MAX_WIDTH + 8)          // staged row stride (16-bit values)
 static_assert(MLA_MMA_KEYS == 32, "a warp's scores are four n8 key tiles; P . V takes two k16 steps");
 
@@ -336,44 +338,6 @@ __device__ __forceinline__ void mla_mma_sum(const float* red, float (*s)[4]) {
             s[n][1] += v.y;
             s[n][2] += v.z;
             s[n][3] += v.w;
-        }
-    }
-}
-
-// The online softmax of the tile at k0 for rows ra (h 0) and ra + 8 (h 1), visible [lo, hi]: s
-// becomes p; m, l and this warp's latent columns o rescaled.
-__device__ __forceinline__ void mla_mma_softmax(float (*s)[4], float (*o)[4], float* m, float* l, const int* lo,
-                                                const int* hi, int k0, int n_tiles) {
-    const int t = threadIdx.x & 3;
-#pragma unroll
-    for (int h = 0; h < 2; h++) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < 4; n++)
-#pragma unroll
-            for (int x = 2 * h; x < 2 * h + 2; x++) {
-                int p = k0 + 8 * n + 2 * t + (x & 1);
-                if (p < lo[h] || p > hi[h]) s[n][x] = -INFINITY;
-                mx = fmaxf(mx, s[n][x]);
-            }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        float mn = fmaxf(m[h], mx);
-        float corr = mn == -INFINITY ? 1.f : expf(m[h] - mn);  // m = -inf: 0
-        l[h] *= corr;
-#pragma unroll
-        for (int n = 0; n < 4; n++)
-#pragma unroll
-            for (int x = 2 * h; x < 2 * h + 2; x++) {
-                s[n][x] = mn == -INFINITY ? 0.f : expf(s[n][x] - mn);  // invisible: exp(-inf) = 0
-                l[h] += s[n][x];
-            }
-        m[h] = mn;
-#pragma unroll
-        for (int j = 0; j < MLA_MMA_NO; j++) {
-            if (j >= n_tiles) break;
-            o[j][2 * h] *= corr;
-            o[j][2 * h + 1] *= corr;
         }
     }
 }
@@ -486,7 +450,8 @@ __device__ __forceinline__ void mla_attention_mma_tiles(const float* __restrict_
         __syncthreads();
         if (sees) {
             mla_mma_sum(gred, sc);
-            mla_mma_softmax(sc, o, m, l, lo, hi, k0, n_tiles);
+            // the visible span [lo, hi] as am_softmax's (first, last) positions; unscaled (q_abs is)
+            am_softmax<4, MLA_MMA_NO / 2>(sc, o, m, l, hi, lo, k0, 1.f, 8 * n_tiles);
             mla_mma_pv<M>(o, sc, kt, c, n_tiles);
         }
         __syncthreads();  // the stage and the partial scores are consumed before they are refilled
