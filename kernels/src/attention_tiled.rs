@@ -255,10 +255,13 @@ impl TiledCall<'_> {
         let Chunk { kv, k0, n, rows } = chunk;
         let hd = self.input.shape.head_dim;
         let values = chunk_rows(&self.input.values[kv], k0, n, hd, tile.values);
-        for r in 0..rows {
-            let p = &tile.scores[r * KEY_CHUNK..r * KEY_CHUNK + n];
-            row_times_matrix(self.level, p, values, hd, &mut tile.acc[r * hd..(r + 1) * hd]);
-        }
+        rows_times_matrix(
+            self.level,
+            (&tile.scores[..], KEY_CHUNK, n),
+            values,
+            hd,
+            &mut tile.acc[..rows * hd],
+        );
     }
 }
 
@@ -277,36 +280,105 @@ fn raw_rows(cache: &KvRows, k0: usize, n: usize, hd: usize) -> (&[u8], WeightDTy
     }
 }
 
-/// `dst[k * KEY_CHUNK + j] = src[j * hd + k]` for the chunk's `src.len() / hd` positions.
-/// `out += sum_i a[i] * m[i * stride .. i * stride + out.len()]`, vectorised along `out` for the
-/// level (no horizontal sums: the rows are short, head_dim or a key chunk).
-fn row_times_matrix(level: SimdLevel, a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
-    assert!(a.is_empty() || (a.len() - 1) * stride + out.len() <= m.len(), "row_times_matrix: m too short");
+/// Probability rows: `(p, p_stride, n)`, row r's `n` weights at `p[r * p_stride..]`.
+type PRows<'a> = (&'a [f32], usize, usize);
+
+/// For every row r of `out` (rows of `width`): `out_r += sum_i p_r[i] * m[i * stride ..
+/// i * stride + width]`, vectorised along the row for the level (no horizontal sums: the rows
+/// are short, head_dim). SIMD levels take four rows at a time, so each matrix vector is loaded
+/// once for four rows; every row's sum runs in the same order as alone (the same values).
+fn rows_times_matrix(level: SimdLevel, p: PRows<'_>, m: &[f32], width: usize, out: &mut [f32]) {
+    let (n, rows) = (p.2, out.len() / width);
+    assert!(n == 0 || (n - 1) * width + width <= m.len(), "rows_times_matrix: m too short");
+    assert!(rows == 0 || (rows - 1) * p.1 + n <= p.0.len(), "rows_times_matrix: p too short");
     match level {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller checked that the CPU supports the level's features.
         SimdLevel::Avx512 | SimdLevel::Avx512Bf16 | SimdLevel::Amx => unsafe {
-            row_times_matrix_avx512(a, m, stride, out)
+            rows_times_matrix_avx512(p, m, width, out)
         },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        SimdLevel::Avx2 => unsafe { row_times_matrix_avx2(a, m, stride, out) },
-        _ => row_times_matrix_plain(a, m, stride, out),
+        SimdLevel::Avx2 => unsafe { rows_times_matrix_avx2(p, m, width, out) },
+        _ => {
+            for (r, o) in out.chunks_exact_mut(width).enumerate() {
+                row_times_matrix_plain(&p.0[r * p.1..r * p.1 + n], m, width, o);
+            }
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 // SAFETY (callers): the CPU has these features; the body is safe code, compiled for them.
-unsafe fn row_times_matrix_avx512(a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
-    row_times_matrix_fma(a, m, stride, out)
+unsafe fn rows_times_matrix_avx512(p: PRows<'_>, m: &[f32], width: usize, out: &mut [f32]) {
+    rows_times_matrix_fma(p, m, width, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 // SAFETY (callers): the CPU has these features; the body is safe code, compiled for them.
-unsafe fn row_times_matrix_avx2(a: &[f32], m: &[f32], stride: usize, out: &mut [f32]) {
-    row_times_matrix_fma(a, m, stride, out)
+unsafe fn rows_times_matrix_avx2(p: PRows<'_>, m: &[f32], width: usize, out: &mut [f32]) {
+    rows_times_matrix_fma(p, m, width, out)
+}
+
+/// Rows of one [`four_rows_times_matrix`] block.
+const ROWS_BLOCK: usize = 4;
+
+/// [`rows_times_matrix`] with FMAs: blocks of [`ROWS_BLOCK`] rows, the rest one by one.
+#[inline(always)]
+fn rows_times_matrix_fma((p, p_stride, n): PRows<'_>, m: &[f32], width: usize, out: &mut [f32]) {
+    let rows = out.len() / width;
+    let full = rows / ROWS_BLOCK * ROWS_BLOCK;
+    for r0 in (0..full).step_by(ROWS_BLOCK) {
+        let ps: [&[f32]; ROWS_BLOCK] =
+            std::array::from_fn(|k| &p[(r0 + k) * p_stride..(r0 + k) * p_stride + n]);
+        four_rows_times_matrix(ps, m, width, &mut out[r0 * width..(r0 + ROWS_BLOCK) * width]);
+    }
+    for r in full..rows {
+        row_times_matrix_fma(
+            &p[r * p_stride..r * p_stride + n],
+            m,
+            width,
+            &mut out[r * width..(r + 1) * width],
+        );
+    }
+}
+
+/// Four rows' `out_r += sum_i a_r[i] * m[i * width ..]` (`out`: the four rows of `width`): per
+/// block of [`OUT_BLOCK`] columns the four rows' accumulators stay in registers and each
+/// matrix vector feeds all four; columns past the last whole block go row by row.
+#[inline(always)]
+fn four_rows_times_matrix(a: [&[f32]; ROWS_BLOCK], m: &[f32], width: usize, out: &mut [f32]) {
+    let n = a[0].len();
+    let blocks = width / OUT_BLOCK * OUT_BLOCK;
+    for c0 in (0..blocks).step_by(OUT_BLOCK) {
+        let mut acc = [[0.0f32; OUT_BLOCK]; ROWS_BLOCK];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            acc.copy_from_slice(&out[r * width + c0..r * width + c0 + OUT_BLOCK]);
+        }
+        for i in 0..n {
+            let row: &[f32; OUT_BLOCK] =
+                m[i * width + c0..i * width + c0 + OUT_BLOCK].try_into().expect("block");
+            for (acc, a) in acc.iter_mut().zip(&a) {
+                let ai = a[i];
+                for k in 0..OUT_BLOCK {
+                    acc[k] = ai.mul_add(row[k], acc[k]);
+                }
+            }
+        }
+        for (r, acc) in acc.iter().enumerate() {
+            out[r * width + c0..r * width + c0 + OUT_BLOCK].copy_from_slice(acc);
+        }
+    }
+    for (r, a) in a.iter().enumerate() {
+        for (i, &ai) in a.iter().enumerate() {
+            let o = &mut out[r * width + blocks..(r + 1) * width];
+            for (o, &x) in o.iter_mut().zip(&m[i * width + blocks..i * width + width]) {
+                *o = ai.mul_add(x, *o);
+            }
+        }
+    }
 }
 
 /// Columns of `out` kept in registers across all of `a` (four 16-lane or eight 8-lane vectors).
