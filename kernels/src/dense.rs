@@ -11,7 +11,11 @@
 //!
 //! Prefill is a GEMM by construction: the tile kernels take a block of 8 weight rows and run it
 //! against every token of the call in register-blocked token groups of up to 6, so a weight row
-//! is read from memory once per call (then from L1/L2), not once per token.
+//! is read from memory once per call (then from L1/L2), not once per token. On the `amx` level
+//! a call of 8 or more tokens over BF16 or quantised matrices runs on the AMX tiles instead
+//! (`x86_amx`): `x` is packed once per call by all threads, then the claims (whole 16-row tiles)
+//! run; a tile's value is the same whichever thread computes it, so the bits still do not depend
+//! on the thread count.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -88,11 +92,28 @@ struct RawCall {
     total_blocks: usize,
     level: SimdLevel,
     next_block: AtomicUsize,
+    /// The AMX form of the call, where every part runs on the tiles ([`attach_amx`]).
+    amx: Option<AmxTokens>,
 }
 
-// SAFETY: the pointers address the caller's matrices (read only) and output slices, which
-// outlive the broadcast; threads write disjoint row ranges of the outputs (each block is
-// claimed by exactly one thread through `next_block`).
+/// `x` packed once per call as the AMX tiles' B operand ([`crate::x86_amx::pack_tiles`]), by all
+/// threads (token tiles claimed through `next_tile`) before any row runs.
+struct AmxTokens {
+    packed: *mut u32,
+    words: usize,
+    next_tile: AtomicUsize,
+}
+
+thread_local! {
+    /// The calling thread's packed-`x` buffer (grows, never shrinks: 4 MiB for 512 tokens of
+    /// 2048 columns).
+    static PACKED_X: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+// SAFETY: the pointers address the caller's matrices (read only), output slices and packed-`x`
+// buffer, which outlive the broadcasts; threads write disjoint row ranges of the outputs (each
+// block is claimed by exactly one thread through `next_block`) and disjoint token tiles of the
+// packed buffer (`next_tile`), which is only read after the packing broadcast returned.
 unsafe impl Sync for RawCall {}
 
 /// `part.y = x · part.wᵀ` for every part, on all of `pool`'s threads. `x` is `tokens x cols`;
@@ -103,18 +124,67 @@ pub fn par_matmul(
     x: &[f32],
     parts: &mut [MatmulPart<'_, '_>],
 ) -> Result<(), KernelError> {
-    let call = raw_call(level, x, parts)?;
+    let mut call = raw_call(level, x, parts)?;
     if call.total_blocks == 0 {
         return Ok(());
     }
-    pool.broadcast(&|_index, n_threads| matmul_worker(&call, n_threads))
+    PACKED_X.with_borrow_mut(|buf| {
+        attach_amx(&mut call, buf);
+        if call.amx.is_some() {
+            pool.broadcast(&|_index, _n_threads| pack_worker(&call))?;
+        }
+        pool.broadcast(&|_index, n_threads| matmul_worker(&call, n_threads))
+    })
 }
 
 /// The same product on the calling thread alone (small matrices, or a caller without a pool).
 pub fn matmul(level: SimdLevel, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Result<(), KernelError> {
-    let call = raw_call(level, x, parts)?;
-    matmul_worker(&call, 1);
+    let mut call = raw_call(level, x, parts)?;
+    PACKED_X.with_borrow_mut(|buf| {
+        attach_amx(&mut call, buf);
+        pack_worker(&call);
+        matmul_worker(&call, 1);
+    });
     Ok(())
+}
+
+/// Gives `call` its AMX form, with `buf` sized for the packed `x`, when the level is AMX and
+/// every part's rows run on the tiles for this many tokens (BF16 or quantised, 8 tokens or more).
+fn attach_amx(call: &mut RawCall, buf: &mut Vec<u32>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let usable = |p: &RawPart| crate::x86_amx::usable(p.dtype, call.n_tokens, call.cols);
+        if call.level == SimdLevel::Amx && call.parts.iter().flatten().all(usable) {
+            let words = crate::x86_amx::packed_words(call.n_tokens, call.cols);
+            if buf.len() < words {
+                buf.resize(words, 0);
+            }
+            call.amx = Some(AmxTokens { packed: buf.as_mut_ptr(), words, next_tile: AtomicUsize::new(0) });
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (call, buf);
+}
+
+/// Packs token tiles of an AMX call's `x` until none are left (nothing without an AMX form).
+fn pack_worker(call: &RawCall) {
+    let Some(amx) = &call.amx else { return };
+    #[cfg(target_arch = "x86_64")]
+    loop {
+        let tile = amx.next_tile.fetch_add(1, Ordering::Relaxed);
+        if tile >= crate::x86_amx::token_tiles(call.n_tokens) {
+            return;
+        }
+        let (x, cols) = (call.x, call.cols);
+        // SAFETY: the level is AMX (attach_amx), cols % 32 == 0 (usable), x holds n_tokens rows
+        // of cols f32; the buffer holds the call's packed words, and this thread alone claimed
+        // this tile.
+        unsafe {
+            crate::x86_amx::pack_tiles(call.n_tokens, cols, |t| x.add(t * cols), tile..tile + 1, amx.packed)
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = amx;
 }
 
 fn raw_call(level: SimdLevel, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Result<RawCall, KernelError> {
@@ -165,6 +235,7 @@ fn raw_call(level: SimdLevel, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Re
         total_blocks: blocks,
         level,
         next_block: AtomicUsize::new(0),
+        amx: None,
     })
 }
 
@@ -175,7 +246,11 @@ fn matmul_worker(call: &RawCall, n_threads: usize) {
         if done >= call.total_blocks {
             return;
         }
-        let want = ((call.total_blocks - done) / (2 * n_threads)).clamp(1, MAX_CLAIM_BLOCKS);
+        let mut want = ((call.total_blocks - done) / (2 * n_threads)).clamp(1, MAX_CLAIM_BLOCKS);
+        if call.amx.is_some() {
+            // whole 16-row tiles: a tile's rows outside the claim would be computed for nothing
+            want = want.next_multiple_of(2);
+        }
         let start = call.next_block.fetch_add(want, Ordering::Relaxed);
         if start >= call.total_blocks {
             return;
@@ -197,6 +272,24 @@ fn matmul_worker(call: &RawCall, n_threads: usize) {
 fn part_rows(call: &RawCall, part: &RawPart, first: usize, last: usize) {
     let (base, row_bytes, x, cols, y, rows) =
         (part.base, part.row_bytes, call.x, call.cols, part.y, part.rows);
+    #[cfg(target_arch = "x86_64")]
+    if let Some(amx) = &call.amx {
+        let mat = crate::x86_amx::Rows { base, row_bytes, n_rows: rows, dtype: part.dtype };
+        let sink = |row: usize, tokens: std::ops::Range<usize>, [values]: [&[f32; 16]; 1]| {
+            for (j, t) in tokens.enumerate() {
+                // SAFETY: y holds n_tokens x rows f32 and this thread alone claimed `row`.
+                unsafe { *y.add(t * rows + row) = values[j] };
+            }
+        };
+        // SAFETY: every thread finished packing before this broadcast (pack_worker ran in the one
+        // before, or on this thread), so the words are only read now; the level is AMX and the
+        // part usable (attach_amx); the matrix holds `rows` rows of cols values (raw_call).
+        unsafe {
+            let packed = std::slice::from_raw_parts(amx.packed, amx.words);
+            crate::x86_amx::rows_times_packed([mat], first..last, cols, call.n_tokens, packed, sink)
+        };
+        return;
+    }
     // SAFETY: `raw_call` checked the matrix holds `rows` rows of `cols` elements, x holds
     // `n_tokens` rows of `cols` f32 and y `n_tokens x rows` f32; first..last < rows; this thread
     // alone claimed these rows, so its writes to y do not race; the level was checked.

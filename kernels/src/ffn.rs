@@ -274,7 +274,7 @@ unsafe fn dequantized_dot_tiles(
 /// # Safety
 /// `level` supported by this CPU; `src` addresses `n_blocks` whole blocks, `dst` room for their
 /// values.
-unsafe fn dequantize_rows(
+pub(crate) unsafe fn dequantize_rows(
     level: SimdLevel,
     dtype: WeightDType,
     src: *const u8,
@@ -430,7 +430,8 @@ pub(crate) unsafe fn gate_up_unchecked(
     };
     #[cfg(target_arch = "x86_64")]
     if level == SimdLevel::Amx && crate::x86_amx::usable(weights.dtype, n_tokens, weights.hidden) {
-        let mat = |base: *const u8| crate::x86_amx::Rows { base, row_bytes, n_rows: ff };
+        let mat =
+            |base: *const u8| crate::x86_amx::Rows { base, row_bytes, n_rows: ff, dtype: weights.dtype };
         let sink = |row: usize, tokens: Range<usize>, [g, u]: [&[f32; 16]; 2]| {
             for (j, t) in tokens.enumerate() {
                 // SAFETY: t < n_tokens and row is in `ff_rows`, which the caller owns.
@@ -439,7 +440,8 @@ pub(crate) unsafe fn gate_up_unchecked(
             }
         };
         // SAFETY: level Amx detected (caller), the call is usable, the matrices hold ff rows of
-        // hidden BF16 (validated), ff_rows.end <= ff, tokens as in the caller's contract.
+        // hidden values of their type (validated), ff_rows.end <= ff, tokens as in the caller's
+        // contract.
         return unsafe {
             crate::x86_amx::rows_times_tokens(
                 [mat(gate), mat(up)],
@@ -607,7 +609,8 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
     };
     #[cfg(target_arch = "x86_64")]
     if level == SimdLevel::Amx && crate::x86_amx::usable(weights.down_dtype, n_tokens, ff) {
-        let mat = crate::x86_amx::Rows { base: down, row_bytes, n_rows: weights.hidden };
+        let mat =
+            crate::x86_amx::Rows { base: down, row_bytes, n_rows: weights.hidden, dtype: weights.down_dtype };
         let sink = |row: usize, tokens: Range<usize>, [values]: [&[f32; 16]; 1]| {
             for (j, t) in tokens.enumerate() {
                 let value = bias.map_or(values[j], |b| values[j] + b.down[row]);
@@ -623,7 +626,7 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
             }
         };
         // SAFETY: level Amx detected (caller), the call is usable, the matrix holds hidden rows
-        // of ff BF16 (validated), hidden_rows.end <= hidden, h holds n_tokens rows of ff (and
+        // of ff values of its type (validated), hidden_rows.end <= hidden, h holds n_tokens rows of ff (and
         // `amx_h` is its packing, the caller's contract).
         return unsafe {
             match amx_h {

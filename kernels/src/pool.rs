@@ -629,7 +629,8 @@ impl ColdPool {
     }
 
     /// Room for the packed `h` of every active expert whose down runs on the AMX tiles (the
-    /// level is AMX, the weights BF16, 8 or more tokens): packed once, read by all its down calls.
+    /// level is AMX, the weights BF16 or quantised, 8 or more tokens): packed once, read by all its
+    /// down calls.
     fn prepare_amx_h(&mut self, job: &ColdJob<'_>) {
         self.amx_h_at.clear();
         let mut words = 0;

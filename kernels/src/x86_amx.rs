@@ -1,7 +1,8 @@
 //! AMX-BF16 tiles for the cold lane's prefill ([`crate::SimdLevel::Amx`]: Sapphire Rapids and
-//! later): the gate/up and down projections of BF16 expert weights for many tokens at once.
+//! later): the gate/up and down projections of BF16 or quantised expert weights for many tokens
+//! at once.
 //!
-//! The weights are the A operand, read in place (a tile is 16 rows x 32 columns of a matrix, rows
+//! BF16 weights are the A operand, read in place (a tile is 16 rows x 32 columns of a matrix, rows
 //! `row_bytes` apart: nothing is copied or transposed per row), the tokens the B operand: once per
 //! call they are split into a BF16 high part and a BF16 rest (`x - hi`, exact in f32, rounded
 //! again) and transposed into AMX's pair layout (B row kk holds, for each of 16 tokens, its columns
@@ -9,6 +10,13 @@
 //! about 2^-17 relative, like the f32 kernels, not the 2^-9 of one BF16 rounding (the AVX-512 BF16
 //! level's); the GPU's prefill GEMMs split the same way. One pass takes four 16-row blocks and one
 //! 16-token tile: C tiles tmm0-3, the weights tmm4, the token parts tmm5-6.
+//!
+//! Quantised weights (every GGML block type the AVX-512 decoders read) are decoded once per group
+//! of rows, before the group's token tiles run: each row to f32 by the level's decoder (the same
+//! values as the oracle's dequantisation), then split like the tokens into a BF16 high part and a
+//! rest (tmm7), so a pass adds `w_hi x_hi + w_hi x_rest + w_rest x_hi`: about 2^-16 relative, where
+//! rounding the weights to BF16 once would give 2^-9. The group's decoded rows (both parts) stay
+//! under [`DECODED_BUDGET_BYTES`] so its token tiles read them from L2.
 //!
 //! Which path a row takes depends only on the call's token count, the type and the level
 //! ([`usable`]), never on which rows a thread claimed: a 16-row block is always computed whole (a
@@ -32,9 +40,16 @@ const K_STEP: usize = 32;
 const ROW_BLOCKS: usize = 4;
 /// 32-bit words of one tile (1 KiB).
 const TILE_WORDS: usize = TILE * TILE;
-/// Whether a call of `n_tokens` tokens over `dtype` rows of `cols` columns runs on the tiles.
+/// Most bytes of decoded quantised rows (both BF16 parts, every matrix of a call) one group holds:
+/// half the 2 MiB L2 of a Sapphire Rapids core, so the group's token tiles read them from L2. A
+/// group of four 16-row blocks at 2048 columns, gate and up, is exactly this.
+const DECODED_BUDGET_BYTES: usize = 1 << 20;
+
+/// Whether a call of `n_tokens` tokens over `dtype` rows of `cols` columns runs on the tiles: BF16
+/// rows in place, quantised rows decoded (whole blocks, which the matrix validation guarantees).
 pub(crate) fn usable(dtype: WeightDType, n_tokens: usize, cols: usize) -> bool {
-    dtype == WeightDType::BF16 && n_tokens >= AMX_MIN_TOKENS && cols.is_multiple_of(K_STEP)
+    let decodable = dtype.is_quantized() && cols.is_multiple_of(dtype.block_elems());
+    (dtype == WeightDType::BF16 || decodable) && n_tokens >= AMX_MIN_TOKENS && cols.is_multiple_of(K_STEP)
 }
 
 /// Whether this CPU and OS run AMX-BF16: CPUID leaf 7 (AMX-TILE, AMX-BF16), the OS saving tile
@@ -101,54 +116,93 @@ const CONFIG: TileConfig = TileConfig {
     rows: [16, 16, 16, 16, 16, 16, 16, 16, 0, 0, 0, 0, 0, 0, 0, 0],
 };
 
-/// Per-thread buffers: the call's tokens as B tiles (high and rest parts), a zero-padded copy of
-/// a matrix's last partial row block, and the C tiles of one pass.
+/// Per-thread buffers: the call's tokens as B tiles (high and rest parts), per matrix the group's
+/// decoded rows or a zero-padded copy of its last partial row block, one decoded f32 row, and the
+/// C tiles of one pass.
 #[derive(Default)]
 struct Scratch {
     b: Vec<u32>,
-    tail: Vec<u16>,
+    decoded: [Vec<u16>; MAX_MATS],
+    row_f32: Vec<f32>,
     c: Vec<f32>,
 }
+
+/// Most matrices of one call (gate and up).
+const MAX_MATS: usize = 2;
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-/// Tokens `t < n_tokens` (`k` f32 each at `token_ptr(t)`) as B tiles in `b`: token tile `tt`, k
-/// step `s`, part `p` (0 high, 1 rest) at `((tt * steps + s) * 2 + p) * 256`, entry `kk * 16 + j`
-/// = token `16 tt + j`'s columns `32 s + 2kk` and `+ 1` as two BF16; padding tokens are zero.
+/// Token tiles `tiles` of tokens `t < n_tokens` (`k` f32 each at `token_ptr(t)`) as B tiles in
+/// `b`: token tile `tt`, k step `s`, part `p` (0 high, 1 rest) at `((tt * steps + s) * 2 + p) *
+/// 256`, entry `kk * 16 + j` = token `16 tt + j`'s columns `32 s + 2kk` and `+ 1` as two BF16;
+/// padding tokens are zero. Only the words of `tiles` are written.
 ///
 /// # Safety
 /// The CPU has AVX-512F and AVX-512 BF16; `token_ptr(t)` addresses `k` f32 for every
-/// `t < n_tokens`; `k % 32 == 0`; `b` holds `n_tokens.div_ceil(16) * k / 32 * 512` words.
+/// `t < n_tokens`; `k % 32 == 0`; `tiles.end <= n_tokens.div_ceil(16)`; `b` addresses
+/// [`packed_words`] words, of which nobody else touches those of `tiles` meanwhile.
 #[target_feature(enable = "avx512f,avx512bf16")]
-unsafe fn pack_tokens(n_tokens: usize, k: usize, token_ptr: &impl Fn(usize) -> *const f32, b: &mut [u32]) {
+unsafe fn pack_tokens(
+    n_tokens: usize,
+    k: usize,
+    token_ptr: &impl Fn(usize) -> *const f32,
+    tiles: Range<usize>,
+    b: *mut u32,
+) {
     let steps = k / K_STEP;
-    debug_assert!(b.len() >= n_tokens.div_ceil(TILE) * steps * 2 * TILE_WORDS);
-    for tt in 0..n_tokens.div_ceil(TILE) {
+    debug_assert!(tiles.end <= n_tokens.div_ceil(TILE));
+    for tt in tiles {
         for s in 0..steps {
             let (mut hi, mut lo) = ([_mm512_setzero_si512(); TILE], [_mm512_setzero_si512(); TILE]);
             for j in 0..TILE.min(n_tokens - tt * TILE) {
                 // SAFETY: token 16 tt + j exists; columns 32 s .. 32 s + 32 are inside its row.
                 let x = unsafe { token_ptr(tt * TILE + j).add(s * K_STEP) };
                 // SAFETY: as above.
-                let (x0, x1) = unsafe { (_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(16))) };
-                let h = _mm512_cvtne2ps_pbh(x1, x0);
-                let (h0, h1) = widen_bf16(h);
-                let l = _mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
-                // SAFETY of the transmutes: __m512bh and __m512i are the same 64 bytes.
-                hi[j] = unsafe { std::mem::transmute::<__m512bh, __m512i>(h) };
-                lo[j] = unsafe { std::mem::transmute::<__m512bh, __m512i>(l) };
+                (hi[j], lo[j]) = unsafe { split32(x) };
             }
             let at = (tt * steps + s) * 2 * TILE_WORDS;
             for (p, part) in [transpose16(hi), transpose16(lo)].iter().enumerate() {
                 for (kk, v) in part.iter().enumerate() {
-                    // SAFETY: the tile at `at + p * 256` lies inside `b` (above).
-                    unsafe {
-                        _mm512_storeu_si512(b.as_mut_ptr().add(at + p * TILE_WORDS + kk * TILE) as *mut _, *v)
-                    };
+                    // SAFETY: the tile at `at + p * 256` lies inside `b`'s words of `tiles`.
+                    unsafe { _mm512_storeu_si512(b.add(at + p * TILE_WORDS + kk * TILE) as *mut _, *v) };
                 }
             }
+        }
+    }
+}
+
+/// The 32 f32 at `x` as BF16, in order: their high parts and the rests `x - hi`, each rounded to
+/// nearest even.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512 BF16; `x` addresses 32 f32.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn split32(x: *const f32) -> (__m512i, __m512i) {
+    // SAFETY: x addresses 32 f32 (caller).
+    let (x0, x1) = unsafe { (_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(16))) };
+    let h = _mm512_cvtne2ps_pbh(x1, x0);
+    let (h0, h1) = widen_bf16(h);
+    let l = _mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, h1), _mm512_sub_ps(x0, h0));
+    // SAFETY of the transmutes: __m512bh and __m512i are the same 64 bytes.
+    unsafe { (std::mem::transmute::<__m512bh, __m512i>(h), std::mem::transmute::<__m512bh, __m512i>(l)) }
+}
+
+/// `n` f32 at `x` split by [`split32`] into BF16 high parts at `hi` and rests at `lo`.
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512 BF16; `n % 32 == 0`; `x` addresses `n` f32, `hi` and `lo`
+/// room for `n` BF16 each.
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn split_row(x: *const f32, n: usize, hi: *mut u16, lo: *mut u16) {
+    for i in (0..n).step_by(K_STEP) {
+        // SAFETY: values i..i + 32 lie inside all three rows (caller).
+        unsafe {
+            let (h, l) = split32(x.add(i));
+            _mm512_storeu_si512(hi.add(i) as *mut _, h);
+            _mm512_storeu_si512(lo.add(i) as *mut _, l);
         }
     }
 }
@@ -210,20 +264,23 @@ macro_rules! on_c_tile {
     };
 }
 
-/// 16 weight rows starting at `p`, `stride` bytes apart: the A operand of one pass block.
+/// 16 weight rows starting at `p`, `stride` bytes apart: the A operand of one pass block; `lo`,
+/// when not null, the rests of decoded rows (same stride), multiplied by the tokens' high parts.
 #[derive(Clone, Copy)]
 struct BlockRows {
     p: *const u8,
+    lo: *const u8,
     stride: usize,
 }
 
 /// C tiles `0..blocks.len()` = weight blocks `blocks` (A, k steps of 64 bytes) times token tile
-/// `tt`'s B tiles in `b`, stored to `c` (tile i at `c[i * 256..]`: 16 rows x 16 tokens).
+/// `tt`'s B tiles in `b`, stored to `c` (tile i at `c[i * 256..]`: 16 rows x 16 tokens); a block
+/// with rests adds them times the tokens' high parts.
 ///
 /// # Safety
 /// The tile palette [`CONFIG`] is loaded on this thread; every block has 16 rows of `steps * 64`
-/// readable bytes; `b` holds token tile `tt`'s `2 * steps` tiles; `c` holds `blocks.len() * 256`
-/// f32; `blocks.len() <= 4`.
+/// readable bytes (its rests too, where given); `b` holds token tile `tt`'s `2 * steps` tiles; `c`
+/// holds `blocks.len() * 256` f32; `blocks.len() <= 4`.
 unsafe fn pass(blocks: &[BlockRows], b: &[u32], tt: usize, steps: usize, c: &mut [f32]) {
     for i in 0..blocks.len() {
         // SAFETY: tile register i < 4 is a C tile of the loaded palette.
@@ -237,7 +294,7 @@ unsafe fn pass(blocks: &[BlockRows], b: &[u32], tt: usize, steps: usize, c: &mut
                 q = in(reg) bt.add(TILE_WORDS), st = in(reg) 64usize, options(nostack, readonly))
         };
         for (i, blk) in blocks.iter().enumerate() {
-            // SAFETY: the block's 16 rows have step s's 64 bytes (caller).
+            // SAFETY: the block's 16 rows (and rests) have step s's 64 bytes (caller).
             unsafe {
                 asm!("tileloadd tmm4, [{p} + {st}*1]", p = in(reg) blk.p.add(s * 64), st = in(reg) blk.stride,
                     options(nostack, readonly));
@@ -263,6 +320,16 @@ unsafe fn pass(blocks: &[BlockRows], b: &[u32], tt: usize, steps: usize, c: &mut
                         options(nostack, nomem)
                     ),
                 }
+                if !blk.lo.is_null() {
+                    asm!("tileloadd tmm7, [{p} + {st}*1]", p = in(reg) blk.lo.add(s * 64), st = in(reg) blk.stride,
+                        options(nostack, readonly));
+                    match i {
+                        0 => asm!("tdpbf16ps tmm0, tmm7, tmm5", options(nostack, nomem)),
+                        1 => asm!("tdpbf16ps tmm1, tmm7, tmm5", options(nostack, nomem)),
+                        2 => asm!("tdpbf16ps tmm2, tmm7, tmm5", options(nostack, nomem)),
+                        _ => asm!("tdpbf16ps tmm3, tmm7, tmm5", options(nostack, nomem)),
+                    }
+                }
             }
         }
     }
@@ -275,12 +342,13 @@ unsafe fn pass(blocks: &[BlockRows], b: &[u32], tt: usize, steps: usize, c: &mut
     }
 }
 
-/// A matrix of BF16 rows for [`rows_times_tokens`].
+/// A matrix of BF16 or quantised rows for [`rows_times_tokens`].
 #[derive(Clone, Copy)]
 pub(crate) struct Rows {
     pub base: *const u8,
     pub row_bytes: usize,
     pub n_rows: usize,
+    pub dtype: WeightDType,
 }
 
 /// Words of `n_tokens` tokens of `k` columns packed as B tiles ([`pack`]).
@@ -303,7 +371,30 @@ pub(crate) unsafe fn pack(
 ) {
     assert!(out.len() >= packed_words(n_tokens, k) && k.is_multiple_of(K_STEP), "packed tokens buffer");
     // SAFETY: forwarded contract; the buffer size is checked above.
-    unsafe { pack_tokens(n_tokens, k, &token_ptr, out) };
+    unsafe { pack_tokens(n_tokens, k, &token_ptr, 0..n_tokens.div_ceil(TILE), out.as_mut_ptr()) };
+}
+
+/// Token tiles (of 16 tokens) of a whole call.
+pub(crate) fn token_tiles(n_tokens: usize) -> usize {
+    n_tokens.div_ceil(TILE)
+}
+
+/// [`pack`] of token tiles `tiles` alone into the [`packed_words`] words at `out`: threads that
+/// pack disjoint tile ranges of one call fill one buffer together.
+///
+/// # Safety
+/// As [`pack`]; `out` addresses [`packed_words`] words, `tiles.end <=` [`token_tiles`], and no
+/// other thread touches the words of `tiles` meanwhile.
+pub(crate) unsafe fn pack_tiles(
+    n_tokens: usize,
+    k: usize,
+    token_ptr: impl Fn(usize) -> *const f32,
+    tiles: Range<usize>,
+    out: *mut u32,
+) {
+    assert!(tiles.end <= token_tiles(n_tokens) && k.is_multiple_of(K_STEP), "packed token tiles");
+    // SAFETY: forwarded contract.
+    unsafe { pack_tokens(n_tokens, k, &token_ptr, tiles, out) };
 }
 
 /// For every row of `rows` (of each of the `M` matrices, same shape) and token tile `tt`:
@@ -325,7 +416,7 @@ pub(crate) unsafe fn rows_times_tokens<const M: usize>(
     let mut b = SCRATCH.with_borrow_mut(|s| std::mem::take(&mut s.b));
     b.resize(packed_words(n_tokens, k), 0);
     // SAFETY: the level has AVX-512 BF16; token rows and the buffer size as required.
-    unsafe { pack_tokens(n_tokens, k, &token_ptr, &mut b) };
+    unsafe { pack_tokens(n_tokens, k, &token_ptr, 0..n_tokens.div_ceil(TILE), b.as_mut_ptr()) };
     // SAFETY: forwarded contract; b holds the packed tokens.
     unsafe { rows_times_packed(mats, rows, k, n_tokens, &b, sink) };
     SCRATCH.with_borrow_mut(|s| s.b = b);
@@ -344,21 +435,31 @@ pub(crate) unsafe fn rows_times_packed<const M: usize>(
     mut sink: impl FnMut(usize, Range<usize>, [&[f32; TILE]; M]),
 ) {
     assert!(b.len() >= packed_words(n_tokens, k), "packed tokens");
+    assert!(M <= MAX_MATS && mats.iter().all(|m| m.dtype == mats[0].dtype), "matrices of one call");
     SCRATCH.with_borrow_mut(|s| {
         let (steps, n_tt) = (k / K_STEP, n_tokens.div_ceil(TILE));
+        let group_rows = group_blocks(mats[0].dtype, M, k) * TILE;
         s.c.resize(M * ROW_BLOCKS * TILE_WORDS, 0.0);
         // SAFETY: the CPU has AMX (caller); the config is a valid palette-1 layout.
         unsafe { asm!("ldtilecfg [{}]", in(reg) &CONFIG, options(nostack, readonly)) };
         let mut group = rows.start / TILE * TILE;
         while group < rows.end {
-            let group_end = (group + ROW_BLOCKS * TILE).min(rows.end.next_multiple_of(TILE));
+            let group_end = (group + group_rows).min(rows.end.next_multiple_of(TILE));
+            let n_blocks = (group_end - group) / TILE;
+            let (decoded, row_f32) = (&mut s.decoded, &mut s.row_f32);
+            let mut blocks =
+                [[BlockRows { p: std::ptr::null(), lo: std::ptr::null(), stride: 0 }; ROW_BLOCKS]; M];
+            for (m, (mat, out)) in mats.iter().zip(decoded.iter_mut()).enumerate() {
+                // SAFETY: forwarded contract (the matrix's rows, the CPU's features).
+                blocks[m] = unsafe { block_rows(mat, group..group_end, k, out, row_f32) };
+            }
             for tt in 0..n_tt {
-                for (m, mat) in mats.iter().enumerate() {
-                    let blocks = block_rows(mat, group..group_end, k, &mut s.tail);
+                for (m, blocks) in blocks.iter().enumerate() {
                     let c = &mut s.c[m * ROW_BLOCKS * TILE_WORDS..(m + 1) * ROW_BLOCKS * TILE_WORDS];
                     // SAFETY: the palette is loaded; the blocks hold 16 rows of k BF16 (whole
-                    // rows of the matrix or the padded tail); b holds every token tile.
-                    unsafe { pass(&blocks[..(group_end - group) / TILE], b, tt, steps, c) };
+                    // rows of the matrix, the padded tail or the decoded group, whose buffers are
+                    // not touched again before the group ends); b holds every token tile.
+                    unsafe { pass(&blocks[..n_blocks], b, tt, steps, c) };
                 }
                 let live = group.max(rows.start)..group_end.min(rows.end);
                 let tokens = tt * TILE..(tt * TILE + TILE).min(n_tokens);
@@ -378,34 +479,158 @@ pub(crate) unsafe fn rows_times_packed<const M: usize>(
     });
 }
 
-/// The 16-row blocks of `group` (at most four, 16-aligned) of `mat`: rows in place, except a last
-/// block that runs past the matrix, copied zero-padded into `tail` (one matrix at a time).
-fn block_rows(mat: &Rows, group: Range<usize>, k: usize, tail: &mut Vec<u16>) -> [BlockRows; ROW_BLOCKS] {
-    let mut out = [BlockRows { p: mat.base, stride: mat.row_bytes }; ROW_BLOCKS];
-    for (i, b) in out.iter_mut().enumerate().take((group.end - group.start) / TILE) {
+/// 16-row blocks of one group: [`ROW_BLOCKS`] for BF16 rows read in place, fewer for quantised
+/// rows where `n_mats` matrices' decoded groups (two BF16 parts) would pass [`DECODED_BUDGET_BYTES`].
+fn group_blocks(dtype: WeightDType, n_mats: usize, k: usize) -> usize {
+    if dtype == WeightDType::BF16 {
+        return ROW_BLOCKS;
+    }
+    (DECODED_BUDGET_BYTES / (n_mats * TILE * k * 2 * std::mem::size_of::<u16>())).clamp(1, ROW_BLOCKS)
+}
+
+/// The 16-row blocks of `group` (at most four, 16-aligned) of `mat`. BF16 rows in place, except a
+/// last block that runs past the matrix, copied zero-padded into `out`; quantised rows decoded
+/// into `out` (high parts of every row of the group, then their rests; rows past the matrix zero).
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX-512 BF16; every row of `mat` holds `k` values of its type (whole
+/// blocks), and `k % 32 == 0`.
+unsafe fn block_rows(
+    mat: &Rows,
+    group: Range<usize>,
+    k: usize,
+    out: &mut Vec<u16>,
+    row_f32: &mut Vec<f32>,
+) -> [BlockRows; ROW_BLOCKS] {
+    let null = std::ptr::null();
+    let mut blocks = [BlockRows { p: mat.base, lo: null, stride: mat.row_bytes }; ROW_BLOCKS];
+    let n_blocks = (group.end - group.start) / TILE;
+    if mat.dtype != WeightDType::BF16 {
+        // SAFETY: forwarded contract.
+        unsafe { decode_group(mat, group.clone(), k, out, row_f32) };
+        let lo_at = n_blocks * TILE * k;
+        for (i, b) in blocks.iter_mut().enumerate().take(n_blocks) {
+            let at = i * TILE * k;
+            let (p, lo) = (out[at..].as_ptr() as *const u8, out[lo_at + at..].as_ptr() as *const u8);
+            *b = BlockRows { p, lo, stride: k * 2 };
+        }
+        return blocks;
+    }
+    for (i, b) in blocks.iter_mut().enumerate().take(n_blocks) {
         let row0 = group.start + i * TILE;
         if row0 + TILE <= mat.n_rows {
             // SAFETY (pointer arithmetic only): row0 < n_rows, inside the matrix.
             b.p = unsafe { mat.base.add(row0 * mat.row_bytes) };
         } else {
-            tail.clear();
-            tail.resize(TILE * k, 0);
+            out.clear();
+            out.resize(TILE * k, 0);
             for r in row0..mat.n_rows {
                 // SAFETY: row r < n_rows holds k BF16 (the caller's contract for the matrix).
                 let src = unsafe { std::slice::from_raw_parts(mat.base.add(r * mat.row_bytes), k * 2) };
-                for (j, v) in tail[(r - row0) * k..(r - row0 + 1) * k].iter_mut().enumerate() {
+                for (j, v) in out[(r - row0) * k..(r - row0 + 1) * k].iter_mut().enumerate() {
                     *v = u16::from_le_bytes([src[2 * j], src[2 * j + 1]]);
                 }
             }
-            *b = BlockRows { p: tail.as_ptr() as *const u8, stride: k * 2 };
+            *b = BlockRows { p: out.as_ptr() as *const u8, lo: null, stride: k * 2 };
         }
     }
-    out
+    blocks
+}
+
+/// Rows `group` of quantised `mat` decoded into `out` (grown when short, never cleared: every
+/// word of the group is written): row `r`'s high parts at `(r - start) * k`, its rests
+/// `group.len() * k` further; rows past the matrix zero.
+///
+/// # Safety
+/// As [`block_rows`].
+unsafe fn decode_group(
+    mat: &Rows,
+    group: Range<usize>,
+    k: usize,
+    out: &mut Vec<u16>,
+    row_f32: &mut Vec<f32>,
+) {
+    let n = group.end - group.start;
+    if out.len() < 2 * n * k {
+        out.resize(2 * n * k, 0);
+    }
+    row_f32.resize(k, 0.0);
+    let n_blocks = k / mat.dtype.block_elems();
+    let real = group.start..group.end.min(mat.n_rows).max(group.start);
+    // rows past the matrix (a last partial tile) are zero in both parts
+    for r in real.end..group.end {
+        let at = (r - group.start) * k;
+        out[at..at + k].fill(0);
+        out[n * k + at..n * k + at + k].fill(0);
+    }
+    for r in real {
+        let at = (r - group.start) * k;
+        // SAFETY: row r < n_rows holds k values of the type in whole blocks (caller); the level
+        // Amx has the AVX-512 decoders; row_f32 holds k f32; out holds both parts of n rows.
+        unsafe {
+            crate::ffn::dequantize_rows(
+                crate::SimdLevel::Amx,
+                mat.dtype,
+                mat.base.add(r * mat.row_bytes),
+                n_blocks,
+                row_f32.as_mut_ptr(),
+            );
+            split_row(row_f32.as_ptr(), k, out.as_mut_ptr().add(at), out.as_mut_ptr().add(n * k + at));
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn decoded_groups_hold_each_rows_value_as_high_part_and_rest() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bf16")) {
+            return;
+        }
+        let (rows, k) = (20usize, 512usize);
+        // random blocks with small f16 scales at each type's scale offsets
+        for (dtype, scales) in
+            [(WeightDType::Q4_K, &[0, 2][..]), (WeightDType::Q6_K, &[208]), (WeightDType::Q8_0, &[0])]
+        {
+            let mut state = 0x9e37_79b9_7f4a_7c15u64;
+            let mut bytes: Vec<u8> = (0..rows * dtype.row_bytes(k))
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    state as u8
+                })
+                .collect();
+            for (i, block) in bytes.chunks_exact_mut(dtype.block_bytes()).enumerate() {
+                for &at in scales {
+                    let d = half::f16::from_f32(0.001 + (i % 7) as f32 * 3e-4).to_bits().to_le_bytes();
+                    block[at..at + 2].copy_from_slice(&d);
+                }
+            }
+            let mut plain = vec![0.0f32; rows * k];
+            dtype.decode_row(&bytes, &mut plain);
+            let mat = Rows { base: bytes.as_ptr(), row_bytes: dtype.row_bytes(k), n_rows: rows, dtype };
+            let (mut out, mut row_f32) = (Vec::new(), Vec::new());
+            // SAFETY: features checked; the matrix holds `rows` rows of k values in whole blocks.
+            unsafe { decode_group(&mat, 16..32, k, &mut out, &mut row_f32) };
+            let f = |bits: u16| f32::from_bits(u32::from(bits) << 16);
+            for r in 16..32 {
+                for c in 0..k {
+                    let at = (r - 16) * k + c;
+                    let (h, l) = (f(out[at]), f(out[16 * k + at]));
+                    if r >= rows {
+                        assert_eq!((h, l), (0.0, 0.0), "{dtype:?} padding row {r}");
+                        continue;
+                    }
+                    let v = plain[r * k + c];
+                    assert_eq!(h, half::bf16::from_f32(v).to_f32(), "{dtype:?} high part of {r},{c}");
+                    assert!(((h + l) - v).abs() <= v.abs() * 2f32.powi(-16), "{dtype:?} rest of {r},{c}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn packed_tokens_hold_each_tokens_column_pairs_split_in_two_parts() {
@@ -417,7 +642,7 @@ mod tests {
         let steps = k / K_STEP;
         let mut b = vec![7u32; n.div_ceil(TILE) * steps * 2 * TILE_WORDS];
         // SAFETY: features checked; token rows of k f32; b sized as pack_tokens needs.
-        unsafe { pack_tokens(n, k, &|t| x[t * k..].as_ptr(), &mut b) };
+        unsafe { pack_tokens(n, k, &|t| x[t * k..].as_ptr(), 0..n.div_ceil(TILE), b.as_mut_ptr()) };
         let f = |bits: u32| f32::from_bits(bits << 16);
         for tt in 0..n.div_ceil(TILE) {
             for s in 0..steps {

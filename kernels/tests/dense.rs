@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{relative_error, tolerance, MisalignedBytes, Rng};
+use common::{relative_error, tolerance, MisalignedBytes, QuantBytes, Rng};
 use moe_lanes_kernels::{
     attention, attention_reference, available, dot_row, matmul, par_attention, par_matmul, AttentionInput,
     AttentionScratch, AttentionShape, ColdPool, DenseMatrix, KvRows, KvType, MatmulPart, SimdLevel,
@@ -71,6 +71,32 @@ fn check_level(
             views.iter().zip(ys.iter_mut()).map(|(&w, y)| MatmulPart { w, y }).collect();
         par_matmul(pool, level, x, &mut parts).unwrap();
         assert_eq!(ys, single, "{level} {dtype:?} {} threads: not the single-thread bits", pool.n_threads());
+    }
+}
+
+/// Quantised q/k/v-like matrices (a Q4_K_M file's dense stage) for decode and prefill token
+/// counts, prefill past one AMX tile, with a partial last tile of rows: every level against the
+/// scalar loops, the same bits at every thread count.
+#[test]
+fn par_matmul_over_quantized_rows_matches_scalar_for_every_level_and_thread_count() {
+    let mut rng = Rng(0x0de5_e0a1);
+    let mut pools: Vec<ColdPool> = (1..=3).map(ColdPool::new).collect();
+    for dtype in WeightDType::QUANTIZED {
+        let (cols, rows) = (512, [40, 16, 33]);
+        let mats: Vec<QuantBytes> =
+            rows.iter().map(|&r| QuantBytes::random(&mut rng, dtype, r, cols, 0.02)).collect();
+        let views: Vec<DenseMatrix<'_>> = mats
+            .iter()
+            .zip(rows)
+            .map(|(m, r)| DenseMatrix::new(m.bytes(), dtype, r, cols).unwrap())
+            .collect();
+        for n_tokens in [1, 7, 8, 21, 40] {
+            let x = rng.vec(n_tokens * cols, 1.0);
+            let expected: Vec<Vec<f32>> = views.iter().map(|w| reference_matmul(w, &x)).collect();
+            for level in available() {
+                check_level(level, dtype, &views, &x, &expected, &mut pools);
+            }
+        }
     }
 }
 

@@ -52,7 +52,7 @@ fn matmul_over_quantized_rows_matches_scalar_and_dequantized_f32() {
             let mut dense = vec![0.0f32; rows * cols];
             dtype.decode_row(matrix.bytes(), &mut dense);
             let dense_bytes = WeightDType::F32.encode(&dense);
-            for n_tokens in [1, 5, 13] {
+            for n_tokens in [1, 5, 13, 40] {
                 let x = rng.vec(n_tokens * cols, 1.0);
                 let mut plain = vec![0.0; n_tokens * rows];
                 matmul_rows(SimdLevel::Scalar, WeightDType::F32, &dense_bytes, cols, &x, 0..rows, &mut plain)
@@ -107,7 +107,7 @@ fn expert_ffn_over_mixed_quantized_types_matches_scalar_for_every_level() {
             ff,
             bias: None,
         };
-        for n_tokens in [1, 2, 7] {
+        for n_tokens in [1, 2, 7, 8, 21, 40] {
             let x = rng.vec(n_tokens * hidden, 1.0);
             let token_weight = rng.vec(n_tokens, 1.0);
             let mut reference = vec![0.0; n_tokens * hidden];
