@@ -125,6 +125,10 @@ fixtures:
 gpu-build:
     scripts/gpu-build.sh
 
+# The CLI and the named test binaries xz-packed in .gpu-pack/ (device carry limit); there: source .gpu-pack/unpack.sh.
+gpu-pack *tests:
+    scripts/gpu-pack.sh {{ tests }}
+
 # On the GPU machine after gpu-build: every GPU test, bench-kernels, the end-to-end bench table.
 gpu-test:
     GPU_DIR=.gpu bash .gpu/gpu-test.sh
