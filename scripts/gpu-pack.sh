@@ -44,6 +44,6 @@ tar xJf .gpu-pack/g.tar.xz -C .gpu
 if [ ! -d .llama/src ] && [ -f .gpu-pack/llama-src.tar.xz ]; then tar xJf .gpu-pack/llama-src.tar.xz -C .llama; fi
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export MOE_LANES_FIXTURES=$PWD/.gpu/fixtures MOE_LANES_REQUIRE_GPU=1 MOE_LANES_NVRTC_CACHE=$PWD/.gpu/nvrtc-cache
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; fi
 UNPACK
 du -ch "$PACK"/* | tail -1
