@@ -42,6 +42,20 @@ mod x86_quant;
 #[cfg(target_arch = "x86_64")]
 mod x86_quant_tile;
 
+/// `n` pseudo-random bytes (xorshift64 from one fixed seed), the unit tests' random blocks.
+#[cfg(test)]
+pub(crate) fn test_random_bytes(n: usize) -> Vec<u8> {
+    let mut state = 0x9E37_79B9_7F4A_7C15u64;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
+}
+
 pub use attention::{
     attention, attention_reference, par_attention, AttentionInput, AttentionScratch, AttentionShape,
 };

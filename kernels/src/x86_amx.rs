@@ -369,9 +369,9 @@ pub(crate) unsafe fn pack(
     token_ptr: impl Fn(usize) -> *const f32,
     out: &mut [u32],
 ) {
-    assert!(out.len() >= packed_words(n_tokens, k) && k.is_multiple_of(K_STEP), "packed tokens buffer");
-    // SAFETY: forwarded contract; the buffer size is checked above.
-    unsafe { pack_tokens(n_tokens, k, &token_ptr, 0..n_tokens.div_ceil(TILE), out.as_mut_ptr()) };
+    assert!(out.len() >= packed_words(n_tokens, k), "packed tokens buffer");
+    // SAFETY: forwarded contract; the buffer size is checked above and this thread owns it.
+    unsafe { pack_tiles(n_tokens, k, token_ptr, 0..token_tiles(n_tokens), out.as_mut_ptr()) };
 }
 
 /// Token tiles (of 16 tokens) of a whole call.
@@ -594,15 +594,7 @@ mod tests {
         for (dtype, scales) in
             [(WeightDType::Q4_K, &[0, 2][..]), (WeightDType::Q6_K, &[208]), (WeightDType::Q8_0, &[0])]
         {
-            let mut state = 0x9e37_79b9_7f4a_7c15u64;
-            let mut bytes: Vec<u8> = (0..rows * dtype.row_bytes(k))
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    state as u8
-                })
-                .collect();
+            let mut bytes = crate::test_random_bytes(rows * dtype.row_bytes(k));
             for (i, block) in bytes.chunks_exact_mut(dtype.block_bytes()).enumerate() {
                 for &at in scales {
                     let d = half::f16::from_f32(0.001 + (i % 7) as f32 * 3e-4).to_bits().to_le_bytes();

@@ -590,17 +590,14 @@ mod tests {
 
     #[test]
     fn simd_dequantization_is_bit_equal_to_scalar_on_random_blocks() {
-        let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state as u8
-        };
-        for dtype in WeightDType::QUANTIZED {
+        let sizes = WeightDType::QUANTIZED.map(|dtype| 1 + 97 * dtype.block_bytes());
+        let stream = crate::test_random_bytes(sizes.iter().sum());
+        let mut at = 0;
+        for (dtype, size) in WeightDType::QUANTIZED.into_iter().zip(sizes) {
             // Random bytes everywhere (scales include subnormals, infinities and NaNs), one byte
             // past the allocation start so every block is unaligned.
-            let bytes: Vec<u8> = (0..1 + 97 * dtype.block_bytes()).map(|_| next()).collect();
+            let bytes = &stream[at..at + size];
+            at += size;
             check_levels(dtype, &bytes[1..], "random blocks");
         }
     }
