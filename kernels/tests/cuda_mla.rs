@@ -326,3 +326,42 @@ fn mla_shapes_the_kernels_cannot_take_are_refused() {
     let err = be.mla_absorb(big, p, be.alloc_zeros::<u16>(1).unwrap().ptr(), p, 1, 1.0).unwrap_err();
     assert!(err.to_string().contains("rank 1024"), "{err}");
 }
+
+/// Latent attention over an f16 cache at DeepSeek-V3's sizes (128 heads, rank 512, rope 64),
+/// one decode token and a 64-row prefill chunk after 8192 and 32768 positions (not a test of
+/// speed: prints, for the lead's measurements), the mean of 20 launches after 3 warm-ups.
+#[test]
+#[ignore]
+fn mla_attention_depth_timing() {
+    let Some(be) = backend() else { return };
+    let s = MlaShape { heads: 128, rank: 512, nope: 128, rope: 64, v_dim: 128 };
+    for depth in [8192usize, 32768] {
+        let cache = upload_cache(be, KvType::F16, &rnd((depth + 64) * s.width(), 21));
+        let kc = cache_ptr(KvType::F16, &cache);
+        for t in [1usize, 64] {
+            let q = be.upload(&rnd(t * s.abs_dim(), 22)).unwrap();
+            let out = be.alloc_zeros::<f32>(t * s.heads * s.rank).unwrap();
+            let part = be
+                .alloc_zeros::<f32>(CudaBackend::mla_attention_scratch(t, s.heads, s.rank, depth + t))
+                .unwrap();
+            let launch = || be.mla_attention(s, q.ptr(), kc, out.ptr(), part.ptr(), t, depth, None).unwrap();
+            for _ in 0..3 {
+                launch();
+            }
+            be.synchronize().unwrap();
+            let start = std::time::Instant::now();
+            for _ in 0..20 {
+                launch();
+            }
+            be.synchronize().unwrap();
+            let us = start.elapsed().as_secs_f64() * 1e6 / 20.0;
+            let flop = 2.0 * (t * s.heads) as f64 * (depth + t) as f64 * (s.width() + s.rank) as f64;
+            let gbs = ((depth + t) * s.width() * 2) as f64 / us / 1e3;
+            eprintln!(
+                "TIMING mla attention f16 depth {depth} t {t} heads {}: {us:.1} us, {:.1} TFLOP/s, cache {gbs:.0} GB/s",
+                s.heads,
+                flop / us / 1e6
+            );
+        }
+    }
+}
