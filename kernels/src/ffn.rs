@@ -153,9 +153,10 @@ unsafe fn q8_tokens(
 /// Rows `n_rows..n_rows_prefetchable` exist in memory (the caller's range ends before the
 /// matrix does): they are only prefetched, so streaming runs on across range boundaries.
 ///
-/// `q8`: the tokens' activations quantised to 8 bits ([`crate::q8`]); used only when
-/// `n_tokens <= Q8_MAX_TOKENS`, `dtype` is quantised and the level has VNNI: then every token
-/// runs the one-token VNNI tile over each row tile while the rows are in cache.
+/// `q8`: the tokens' activations quantised to 8 bits ([`crate::q8`]); used only when `dtype` is
+/// quantised and the level has VNNI: for `n_tokens <= Q8_MAX_TOKENS` every token runs the
+/// one-token VNNI tile over each row tile while the rows are in cache; for more, the many-token
+/// VNNI tiles take the types [`q8_many_tokens`] names (the others run f32).
 ///
 /// # Safety
 /// `level` must be supported by this CPU; `row_ptr(r)` must address `cols` elements of
@@ -178,7 +179,15 @@ pub(crate) unsafe fn dot_tiles(
     q8: Option<Q8Rows<'_>>,
     sink: impl FnMut(usize, usize, f32),
 ) {
-    let q8 = q8.filter(|_| n_tokens <= Q8_MAX_TOKENS && dtype.is_quantized() && level.has_q8_dot());
+    let q8 = q8.filter(|_| dtype.is_quantized() && level.has_q8_dot());
+    #[cfg(target_arch = "x86_64")]
+    if let Some(q8) = q8.filter(|_| n_tokens > Q8_MAX_TOKENS && crate::x86_quant_gemm::takes(dtype)) {
+        // SAFETY: VNNI checked above; the rows and 8-bit tokens are the caller's contract.
+        return unsafe {
+            crate::x86_quant_gemm::rows_times_tokens(cols, n_rows, row_ptr, n_tokens, q8, sink)
+        };
+    }
+    let q8 = q8.filter(|_| n_tokens <= Q8_MAX_TOKENS);
     if q8.is_none() && dtype.is_quantized() && n_tokens > MAX_TILE_TOKENS {
         // SAFETY: forwarded contract.
         return unsafe {
@@ -200,6 +209,16 @@ pub(crate) unsafe fn dot_tiles(
             sink,
         )
     }
+}
+
+/// Whether calls of more than [`Q8_MAX_TOKENS`] tokens over `dtype` rows take 8-bit activations
+/// at `level` (the VNNI many-token tiles, `x86_quant_gemm.rs`; the AMX tiles take the f32
+/// tokens): the pool quantises the tokens for them.
+pub(crate) fn q8_many_tokens(level: SimdLevel, dtype: WeightDType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return level != SimdLevel::Amx && level.has_q8_dot() && crate::x86_quant_gemm::takes(dtype);
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
 }
 
 thread_local! {

@@ -40,6 +40,8 @@ mod x86_avx512;
 #[cfg(target_arch = "x86_64")]
 mod x86_quant;
 #[cfg(target_arch = "x86_64")]
+mod x86_quant_gemm;
+#[cfg(target_arch = "x86_64")]
 mod x86_quant_tile;
 
 /// `n` pseudo-random bytes (xorshift64 from one fixed seed), the unit tests' random blocks.

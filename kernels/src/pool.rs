@@ -220,12 +220,14 @@ struct Q8Scratch {
     h: (*mut i8, *mut f32, *mut f32),
 }
 
-/// Whether `expert`'s gate/up and its down take 8-bit activations under `activations`: at most
-/// [`Q8_MAX_TOKENS`] tokens, and a type the setting takes 8-bit (the level's VNNI is checked per
+/// Whether `expert`'s gate/up and its down take 8-bit activations under `activations` at
+/// `level`: a type the setting takes 8-bit, and at most [`Q8_MAX_TOKENS`] tokens or a type whose
+/// many-token tiles take them ([`crate::ffn::q8_many_tokens`]; the level's VNNI is checked per
 /// job).
-fn q8_expert(activations: DecodeActivations, expert: &ColdExpertWork<'_>) -> (bool, bool) {
+fn q8_expert(level: SimdLevel, activations: DecodeActivations, expert: &ColdExpertWork<'_>) -> (bool, bool) {
     let few = expert.token_idx.len() <= Q8_MAX_TOKENS;
-    (few && activations.q8_for(expert.weights.dtype), few && activations.q8_for(expert.weights.down_dtype))
+    let takes = |dtype| activations.q8_for(dtype) && (few || crate::ffn::q8_many_tokens(level, dtype));
+    (takes(expert.weights.dtype), takes(expert.weights.down_dtype))
 }
 
 /// Rows of a quantised buffer (base pointers `base`, rows of `cols` values) that `ids` name.
@@ -238,14 +240,14 @@ impl ColdTask<'_> {
     /// run 8-bit (few tokens, a type the setting takes 8-bit).
     fn q8_x(&self, a: usize) -> Option<Q8Rows<'_>> {
         let expert = &self.job.experts[self.active[a]];
-        let q8 = self.q8.filter(|_| q8_expert(self.job.activations, expert).0)?;
+        let q8 = self.q8.filter(|_| q8_expert(self.job.level, self.job.activations, expert).0)?;
         Some(q8_rows(q8.x, self.job.hidden, Q8RowIds::Listed(expert.token_idx)))
     }
 
     /// The quantised `h` rows of active expert `a`'s slots, if its down runs 8-bit.
     fn q8_h(&self, a: usize) -> Option<Q8Rows<'_>> {
         let expert = &self.job.experts[self.active[a]];
-        let q8 = self.q8.filter(|_| q8_expert(self.job.activations, expert).1)?;
+        let q8 = self.q8.filter(|_| q8_expert(self.job.level, self.job.activations, expert).1)?;
         Some(q8_rows(q8.h, self.job.ff, Q8RowIds::From(self.slot_start[a])))
     }
 
@@ -650,7 +652,7 @@ impl ColdPool {
     /// that few-token experts read quantised (each once); `None` when nothing runs 8-bit.
     fn prepare_q8(&mut self, job: &ColdJob<'_>, slots: usize) -> Result<Option<Q8Scratch>, KernelError> {
         let activations = job.activations.at(job.level);
-        let uses = |e: &ColdExpertWork<'_>| q8_expert(activations, e);
+        let uses = |e: &ColdExpertWork<'_>| q8_expert(job.level, activations, e);
         if !job.experts.iter().any(|e| uses(e) != (false, false))
             || !job.hidden.is_multiple_of(Q8_BLOCK)
             || !job.ff.is_multiple_of(Q8_BLOCK)
@@ -660,16 +662,23 @@ impl ColdPool {
         let n_tokens = job.x.len() / job.hidden;
         self.q8_x.reserve_rows(n_tokens, job.hidden)?;
         self.q8_h.reserve_rows(slots, job.ff)?;
-        // A small cache of rows done (a row quantised twice gives the same bytes; decode has one).
-        let mut done = [usize::MAX; 8];
-        for expert in job.experts.iter().filter(|e| uses(e).0) {
-            for &t in expert.token_idx {
-                let t = t as usize;
-                if done.contains(&t) {
-                    continue;
-                }
-                done[t % done.len()] = t;
+        if n_tokens > Q8_MAX_TOKENS {
+            // A prefill: every row once (most are read by several experts).
+            for t in 0..n_tokens {
                 self.q8_x.quantize_row(t, &job.x[t * job.hidden..][..job.hidden]);
+            }
+        } else {
+            // A small cache of rows done (a row quantised twice gives the same bytes).
+            let mut done = [usize::MAX; 8];
+            for expert in job.experts.iter().filter(|e| uses(e).0) {
+                for &t in expert.token_idx {
+                    let t = t as usize;
+                    if done.contains(&t) {
+                        continue;
+                    }
+                    done[t % done.len()] = t;
+                    self.q8_x.quantize_row(t, &job.x[t * job.hidden..][..job.hidden]);
+                }
             }
         }
         let (x, h) = (self.q8_x.raw_mut(), self.q8_h.raw_mut());

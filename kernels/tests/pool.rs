@@ -336,9 +336,12 @@ fn run_512(
 }
 
 /// An expert of up to `Q8_MAX_TOKENS` tokens takes the 8-bit tiles (its result moves off F32's
-/// by the rounding, within the tolerance), one of more tokens keeps F32's bits exactly.
+/// by the rounding, within the tolerance); one of more tokens takes them where the many-token
+/// VNNI tiles take its type (Q4_K, not on AMX, whose tiles take f32 tokens) and keeps F32's bits
+/// exactly otherwise (Q6_K).
 #[test]
-fn experts_of_a_few_tokens_take_8_bits_and_larger_ones_f32() {
+fn experts_take_8_bits_where_their_tiles_do() {
+    use WeightDType::*;
     let level = SimdLevel::detect();
     if !level.has_q8_dot() {
         eprintln!("skipped: no AVX-512 VNNI here");
@@ -346,19 +349,21 @@ fn experts_of_a_few_tokens_take_8_bits_and_larger_ones_f32() {
     }
     let mut rng = Rng(0x0008_F3A7);
     let mut pool = ColdPool::new(2);
-    for n_tokens in [2, Q8_MAX_TOKENS, Q8_MAX_TOKENS + 1] {
-        let mut random =
-            RandomJob::quantized(&mut rng, (WeightDType::Q4_K, WeightDType::Q6_K), (512, 256), n_tokens, 2);
-        random.token_idx[1] = (0..n_tokens as u32).collect(); // expert 1 takes every token
-        random.token_weight[1] = rng.vec(n_tokens, 1.0);
-        let mut run = |a| run_512(&mut pool, &random, level, a);
-        let (q8, f32) = (run(Some(DecodeActivations::Q8)), run(Some(DecodeActivations::F32)));
-        let error = relative_error(&q8, &run(None));
-        assert!(error <= Q8_ACTIVATION_TOLERANCE, "{n_tokens} tokens: {error:e}");
-        if n_tokens <= Q8_MAX_TOKENS {
-            assert!(q8 != f32, "{n_tokens} tokens: 8-bit activations expected");
-        } else {
-            assert_eq!(q8, f32, "{n_tokens} tokens: f32 expected");
+    for mix in [(Q4_K, Q6_K), (Q6_K, Q6_K)] {
+        for n_tokens in [2, Q8_MAX_TOKENS, Q8_MAX_TOKENS + 1, 19] {
+            let mut random = RandomJob::quantized(&mut rng, mix, (512, 256), n_tokens, 2);
+            random.token_idx[1] = (0..n_tokens as u32).collect(); // expert 1 takes every token
+            random.token_weight[1] = rng.vec(n_tokens, 1.0);
+            let mut run = |a| run_512(&mut pool, &random, level, a);
+            let (q8, f32) = (run(Some(DecodeActivations::Q8)), run(Some(DecodeActivations::F32)));
+            let error = relative_error(&q8, &run(None));
+            assert!(error <= Q8_ACTIVATION_TOLERANCE, "{mix:?}, {n_tokens} tokens: {error:e}");
+            let many_token_tiles = mix.0 == Q4_K && level != SimdLevel::Amx;
+            if n_tokens <= Q8_MAX_TOKENS || many_token_tiles {
+                assert!(q8 != f32, "{mix:?}, {n_tokens} tokens: 8-bit activations expected");
+            } else {
+                assert_eq!(q8, f32, "{mix:?}, {n_tokens} tokens: f32 expected");
+            }
         }
     }
 }
