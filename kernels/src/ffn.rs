@@ -212,11 +212,13 @@ pub(crate) unsafe fn dot_tiles(
 }
 
 /// Whether calls of more than [`Q8_MAX_TOKENS`] tokens over `dtype` rows take 8-bit activations
-/// at `level` (the VNNI many-token tiles, `x86_quant_gemm.rs`; the AMX tiles take the f32
-/// tokens): the pool quantises the tokens for them.
+/// at `level` (the VNNI many-token tiles, `x86_quant_gemm.rs`): the pool quantises the tokens
+/// for them. On AMX hosts too: CPU-only Q4_K_M prefill of an 8-layer Qwen3-30B-A3B shape on the
+/// H200 machine's host, pp512 777 / 740 t/s with every quantised expert on the AMX tiles, 1011 /
+/// 900 with the Q4_K ones on these (benches/RESULTS.md, session 32).
 pub(crate) fn q8_many_tokens(level: SimdLevel, dtype: WeightDType) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return level != SimdLevel::Amx && level.has_q8_dot() && crate::x86_quant_gemm::takes(dtype);
+    return level.has_q8_dot() && crate::x86_quant_gemm::takes(dtype);
     #[cfg(not(target_arch = "x86_64"))]
     return false;
 }
@@ -448,7 +450,10 @@ pub(crate) unsafe fn gate_up_unchecked(
         }
     };
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Amx && crate::x86_amx::usable(weights.dtype, n_tokens, weights.hidden) {
+    if q8.is_none()
+        && level == SimdLevel::Amx
+        && crate::x86_amx::usable(weights.dtype, n_tokens, weights.hidden)
+    {
         let mat =
             |base: *const u8| crate::x86_amx::Rows { base, row_bytes, n_rows: ff, dtype: weights.dtype };
         let sink = |row: usize, tokens: Range<usize>, [g, u]: [&[f32; 16]; 2]| {
@@ -627,7 +632,7 @@ unsafe fn down_rows<const ACCUMULATE: bool>(
         };
     };
     #[cfg(target_arch = "x86_64")]
-    if level == SimdLevel::Amx && crate::x86_amx::usable(weights.down_dtype, n_tokens, ff) {
+    if q8.is_none() && level == SimdLevel::Amx && crate::x86_amx::usable(weights.down_dtype, n_tokens, ff) {
         let mat =
             crate::x86_amx::Rows { base: down, row_bytes, n_rows: weights.hidden, dtype: weights.down_dtype };
         let sink = |row: usize, tokens: Range<usize>, [values]: [&[f32; 16]; 1]| {

@@ -591,7 +591,7 @@ impl ColdPool {
             }
         }
         let q8 = self.prepare_q8(job, slots)?;
-        self.prepare_amx_h(job);
+        self.prepare_amx_h(job, q8.is_some());
         let n_groups =
             if pipelined { job.hidden.div_ceil(ROW_BLOCK).div_ceil(REDUCE_GROUP_BLOCKS) } else { 0 };
         if pipelined && self.partial.len() < slots * job.hidden {
@@ -633,12 +633,19 @@ impl ColdPool {
     /// Room for the packed `h` of every active expert whose down runs on the AMX tiles (the
     /// level is AMX, the weights BF16 or quantised, 8 or more tokens): packed once, read by all its
     /// down calls.
-    fn prepare_amx_h(&mut self, job: &ColdJob<'_>) {
+    fn prepare_amx_h(&mut self, job: &ColdJob<'_>, q8: bool) {
         self.amx_h_at.clear();
         let mut words = 0;
+        let activations = job.activations.at(job.level);
         for &e in &self.active {
             let expert = &job.experts[e];
-            let n = amx_packed_words(job.level, expert.weights.down_dtype, expert.token_idx.len(), job.ff);
+            // a down that takes 8-bit tokens runs the VNNI tiles, not AMX's
+            let n = match q8 && q8_expert(job.level, activations, expert).1 {
+                true => None,
+                false => {
+                    amx_packed_words(job.level, expert.weights.down_dtype, expert.token_idx.len(), job.ff)
+                }
+            };
             self.amx_h_at.push(n.map(|n| words..words + n));
             words += n.unwrap_or(0);
         }

@@ -337,8 +337,8 @@ fn run_512(
 
 /// An expert of up to `Q8_MAX_TOKENS` tokens takes the 8-bit tiles (its result moves off F32's
 /// by the rounding, within the tolerance); one of more tokens takes them where the many-token
-/// VNNI tiles take its type (Q4_K, not on AMX, whose tiles take f32 tokens) and keeps F32's bits
-/// exactly otherwise (Q6_K).
+/// VNNI tiles take its type (Q4_K, on AMX hosts too) and keeps F32's bits exactly otherwise
+/// (Q6_K).
 #[test]
 fn experts_take_8_bits_where_their_tiles_do() {
     use WeightDType::*;
@@ -358,7 +358,7 @@ fn experts_take_8_bits_where_their_tiles_do() {
             let (q8, f32) = (run(Some(DecodeActivations::Q8)), run(Some(DecodeActivations::F32)));
             let error = relative_error(&q8, &run(None));
             assert!(error <= Q8_ACTIVATION_TOLERANCE, "{mix:?}, {n_tokens} tokens: {error:e}");
-            let many_token_tiles = mix.0 == Q4_K && level != SimdLevel::Amx;
+            let many_token_tiles = mix.0 == Q4_K;
             if n_tokens <= Q8_MAX_TOKENS || many_token_tiles {
                 assert!(q8 != f32, "{mix:?}, {n_tokens} tokens: 8-bit activations expected");
             } else {
