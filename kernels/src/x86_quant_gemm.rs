@@ -50,37 +50,87 @@ fn half_at(b: &[u8], at: usize) -> f32 {
     half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
-/// Rows `rows` (at most [`GEMM_ROWS`]; the rest of the lanes zero) of `cols` Q4_K values into `u`.
+/// Rows `rows` (at most [`GEMM_ROWS`]; the rest of the lanes zero) of `cols` Q4_K values into
+/// `u`: the scales per row, the levels 64 bytes of 16 rows at a time through a 16 x 16 dword
+/// transpose (a lane per row), each dword holding four columns' nibbles of two sub-blocks.
 ///
 /// # Safety
-/// Each pointer of `rows` addresses `cols / 256` whole Q4_K blocks.
+/// The CPU has AVX-512F; each pointer of `rows` addresses `cols / 256` whole Q4_K blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn unpack(rows: &[*const u8], cols: usize, u: &mut Unpacked) {
     let (groups, subs) = (cols / 4, cols / SUB_COLS);
-    u.levels.clear();
     u.levels.resize(groups * GEMM_ROWS, 0);
-    u.scale.clear();
     u.scale.resize(subs * GEMM_ROWS, 0.0);
-    u.min.clear();
     u.min.resize(subs * GEMM_ROWS, 0.0);
     let bytes = WeightDType::Q4_K.block_bytes();
-    for (r, &row) in rows.iter().enumerate() {
-        // SAFETY: the caller vouches for the row's whole blocks.
-        let row = unsafe { std::slice::from_raw_parts(row, cols / 256 * bytes) };
-        for (blk, block) in row.chunks_exact(bytes).enumerate() {
-            let (d, dmin, packed, qs) = (half_at(block, 0), half_at(block, 2), &block[4..16], &block[16..]);
-            for sub in 0..8 {
-                let j = 8 * blk + sub;
-                let (sc, m) = scale_min(sub, packed);
-                u.scale[j * GEMM_ROWS + r] = d * sc;
-                u.min[j * GEMM_ROWS + r] = dmin * m;
-                let (chunk, shift) = (&qs[32 * (sub / 2)..][..32], 4 * (sub % 2));
-                for (i, w) in chunk.chunks_exact(4).enumerate() {
-                    let word = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
-                    u.levels[(8 * j + i) * GEMM_ROWS + r] = (word >> shift) & 0x0F0F_0F0F;
+    for r in 0..GEMM_ROWS {
+        for j in 0..subs {
+            let Some(&row) = rows.get(r) else {
+                (u.scale[j * GEMM_ROWS + r], u.min[j * GEMM_ROWS + r]) = (0.0, 0.0);
+                continue;
+            };
+            // SAFETY: block j / 8 of the row is whole (the caller's contract).
+            let block = unsafe { std::slice::from_raw_parts(row.add(j / 8 * bytes), bytes) };
+            let (sc, m) = scale_min(j % 8, &block[4..16]);
+            u.scale[j * GEMM_ROWS + r] = half_at(block, 0) * sc;
+            u.min[j * GEMM_ROWS + r] = half_at(block, 2) * m;
+        }
+    }
+    let low4 = _mm512_set1_epi8(15);
+    for blk in 0..cols / 256 {
+        for q in 0..2 {
+            // SAFETY: the 64 nibble bytes at 16 + 64q of each listed row's block `blk`.
+            let t = transpose16(std::array::from_fn(|r| match rows.get(r) {
+                Some(&row) => unsafe { _mm512_loadu_si512(row.add(blk * bytes + 16 + 64 * q) as *const _) },
+                None => _mm512_setzero_si512(),
+            }));
+            // dword d: chunk 2q + d / 8 (32 bytes: its low nibbles sub-block 2k, its high ones 2k + 1)
+            for (d, &v) in t.iter().enumerate() {
+                let (k, i) = (2 * q + d / 8, d % 8);
+                let lo = 64 * blk + 8 * (2 * k) + i;
+                let hi = lo + 8;
+                // SAFETY: groups `lo` and `hi` lie in `u.levels` (cols / 4 groups of 16 lanes).
+                unsafe {
+                    let dst = u.levels.as_mut_ptr();
+                    _mm512_storeu_si512(dst.add(lo * GEMM_ROWS) as *mut _, _mm512_and_si512(v, low4));
+                    let h = _mm512_and_si512(_mm512_srli_epi32::<4>(v), low4);
+                    _mm512_storeu_si512(dst.add(hi * GEMM_ROWS) as *mut _, h);
                 }
             }
         }
     }
+}
+
+/// `out[d]` lane r = `rows[r]` lane d (16 x 16 dwords): pairs of dwords, then of qwords, within
+/// each 128-bit lane, then a 4 x 4 transpose of the 128-bit lanes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn transpose16(r: [__m512i; 16]) -> [__m512i; 16] {
+    let a: [__m512i; 16] = std::array::from_fn(|n| match n % 2 {
+        0 => _mm512_unpacklo_epi32(r[n], r[n + 1]),
+        _ => _mm512_unpackhi_epi32(r[n - 1], r[n]),
+    });
+    // b[4i + k], 128-bit lane L: dword 4L + k of rows 4i..4i + 4
+    let b: [__m512i; 16] = std::array::from_fn(|n| {
+        let (i, k) = (n / 4, n % 4);
+        let (x, y) = (a[4 * i + k / 2], a[4 * i + 2 + k / 2]);
+        match k % 2 {
+            0 => _mm512_unpacklo_epi64(x, y),
+            _ => _mm512_unpackhi_epi64(x, y),
+        }
+    });
+    let mut out = [_mm512_setzero_si512(); 16];
+    for k in 0..4 {
+        let c0 = _mm512_shuffle_i32x4::<0x44>(b[k], b[4 + k]);
+        let c1 = _mm512_shuffle_i32x4::<0xEE>(b[k], b[4 + k]);
+        let c2 = _mm512_shuffle_i32x4::<0x44>(b[8 + k], b[12 + k]);
+        let c3 = _mm512_shuffle_i32x4::<0xEE>(b[8 + k], b[12 + k]);
+        out[k] = _mm512_shuffle_i32x4::<0x88>(c0, c2);
+        out[4 + k] = _mm512_shuffle_i32x4::<0xDD>(c0, c2);
+        out[8 + k] = _mm512_shuffle_i32x4::<0x88>(c1, c3);
+        out[12 + k] = _mm512_shuffle_i32x4::<0xDD>(c1, c3);
+    }
+    out
 }
 
 /// `T` tokens (`xs`) against the unpacked block: lane r of `out[t]` is row r's dot with token t.
@@ -186,6 +236,16 @@ pub(crate) unsafe fn rows_times_tokens(
             let rows: [*const u8; GEMM_ROWS] = std::array::from_fn(|r| row_ptr(row0 + r.min(block_rows - 1)));
             // SAFETY: the rows hold whole blocks (the caller's contract).
             unsafe { unpack(&rows[..block_rows], cols, &mut u) };
+            // the next block's rows into L2 while this one's tiles run (the unpack reads them
+            // next; it was where the weights' memory latency landed)
+            let row_bytes = cols / 256 * WeightDType::Q4_K.block_bytes();
+            for r in row0 + block_rows..n_rows.min(row0 + block_rows + GEMM_ROWS) {
+                let row = row_ptr(r);
+                for at in (0..row_bytes).step_by(64) {
+                    // SAFETY: a prefetch of a byte inside row r (rows below n_rows exist).
+                    unsafe { _mm_prefetch::<_MM_HINT_T1>(row.add(at) as *const i8) };
+                }
+            }
             let mut block_sink = |r: usize, t: usize, v: f32| sink(row0 + r, t, v);
             for t0 in (0..n_tokens).step_by(GEMM_TOKENS) {
                 let n = GEMM_TOKENS.min(n_tokens - t0);
