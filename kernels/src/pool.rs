@@ -669,8 +669,8 @@ impl ColdPool {
         let n_tokens = job.x.len() / job.hidden;
         self.q8_x.reserve_rows(n_tokens, job.hidden)?;
         self.q8_h.reserve_rows(slots, job.ff)?;
-        if n_tokens > Q8_MAX_TOKENS {
-            // A prefill: every row once (most are read by several experts).
+        if n_tokens > Q8_MAX_TOKENS && job.experts.iter().any(|e| uses(e).0) {
+            // A prefill whose gate/up take 8 bits: every row once (most are read by several experts).
             for t in 0..n_tokens {
                 self.q8_x.quantize_row(t, &job.x[t * job.hidden..][..job.hidden]);
             }

@@ -17,7 +17,7 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use crate::q8::{Q8Row, Q8Rows};
-use crate::quant::scale_min;
+use crate::quant::{half_at, scale_min};
 use crate::weights::WeightDType;
 
 /// Rows of a tile: the lanes of one register of i32 / f32.
@@ -46,10 +46,6 @@ pub(crate) fn takes(dtype: WeightDType) -> bool {
     dtype == WeightDType::Q4_K
 }
 
-fn half_at(b: &[u8], at: usize) -> f32 {
-    half::f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
-}
-
 /// Rows `rows` (at most [`GEMM_ROWS`]; the rest of the lanes zero) of `cols` Q4_K values into
 /// `u`: the scales per row, the levels 64 bytes of 16 rows at a time through a 16 x 16 dword
 /// transpose (a lane per row), each dword holding four columns' nibbles of two sub-blocks.
@@ -64,16 +60,18 @@ unsafe fn unpack(rows: &[*const u8], cols: usize, u: &mut Unpacked) {
     u.min.resize(subs * GEMM_ROWS, 0.0);
     let bytes = WeightDType::Q4_K.block_bytes();
     for r in 0..GEMM_ROWS {
-        for j in 0..subs {
-            let Some(&row) = rows.get(r) else {
-                (u.scale[j * GEMM_ROWS + r], u.min[j * GEMM_ROWS + r]) = (0.0, 0.0);
-                continue;
-            };
-            // SAFETY: block j / 8 of the row is whole (the caller's contract).
-            let block = unsafe { std::slice::from_raw_parts(row.add(j / 8 * bytes), bytes) };
+        let (scale, min) = (&mut u.scale, &mut u.min);
+        let lanes = (0..subs).map(|j| j * GEMM_ROWS + r);
+        let Some(&row) = rows.get(r) else {
+            lanes.for_each(|at| (scale[at], min[at]) = (0.0, 0.0));
+            continue;
+        };
+        // SAFETY: the row's `cols / 256` blocks are whole (the caller's contract).
+        let row = unsafe { std::slice::from_raw_parts(row, cols / 256 * bytes) };
+        for (j, at) in lanes.enumerate() {
+            let block = &row[j / 8 * bytes..][..bytes];
             let (sc, m) = scale_min(j % 8, &block[4..16]);
-            u.scale[j * GEMM_ROWS + r] = half_at(block, 0) * sc;
-            u.min[j * GEMM_ROWS + r] = half_at(block, 2) * m;
+            (scale[at], min[at]) = (half_at(block, 0) * sc, half_at(block, 2) * m);
         }
     }
     let low4 = _mm512_set1_epi8(15);
@@ -238,7 +236,7 @@ pub(crate) unsafe fn rows_times_tokens(
             unsafe { unpack(&rows[..block_rows], cols, &mut u) };
             // the next block's rows into L2 while this one's tiles run (the unpack reads them
             // next; it was where the weights' memory latency landed)
-            let row_bytes = cols / 256 * WeightDType::Q4_K.block_bytes();
+            let row_bytes = WeightDType::Q4_K.row_bytes(cols);
             for r in row0 + block_rows..n_rows.min(row0 + block_rows + GEMM_ROWS) {
                 let row = row_ptr(r);
                 for at in (0..row_bytes).step_by(64) {
