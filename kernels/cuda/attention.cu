@@ -1023,11 +1023,14 @@ __device__ __forceinline__ void am_softmax(float (*s)[4], float (*o)[4], float* 
         float mn = fmaxf(m[h], mx);
         float corr = mn == -INFINITY ? 1.f : expf(m[h] - mn);  // m = -inf: 0
         l[h] *= corr;
+        // invisible: exp(-inf) = 0, also when the whole row is (mn = -inf, base 0); a select
+        // instead of a branch around each exp, so the exps of the tile issue back to back
+        const float base = mn == -INFINITY ? 0.f : mn;
 #pragma unroll
         for (int n = 0; n < N8; n++)
 #pragma unroll
             for (int c = 2 * h; c < 2 * h + 2; c++) {
-                s[n][c] = mn == -INFINITY ? 0.f : expf(s[n][c] - mn);  // invisible: exp(-inf) = 0
+                s[n][c] = expf(s[n][c] - base);
                 l[h] += s[n][c];
             }
         m[h] = mn;

@@ -291,29 +291,38 @@ __device__ __forceinline__ void mla_mma_load_q(unsigned (*qh)[4], unsigned (*ql)
 }
 
 // The partial scores of this warp's dim steps: s[n] = rows against keys 8n.. 8n + 7 of the tile.
+// No branch in the unrolled loops (ptxas schedules within a basic block only: with a break per
+// step every step waited for its own loads and products): a step past the row (a latent
+// narrower than the largest) reads the last step's staged values against the zero query
+// fragments mla_mma_load_q left there. The lo parts accumulate apart (sl), two product chains
+// a key tile instead of one.
 template <typename M, typename T>
 __device__ __forceinline__ void mla_mma_scores(float (*s)[4], const unsigned (*qh)[4], const unsigned (*ql)[4],
                                                const T* kt, int c, int width) {
-    const int lane = threadIdx.x & 31, steps = width / 16;
+    const int lane = threadIdx.x & 31, last = width / 16 - 1;
     const int off = ((lane & 7) + 8 * (lane >> 4)) * MLA_MMA_LD + 8 * ((lane >> 3) & 1);
+    float sl[4][4];
 #pragma unroll
     for (int n = 0; n < 4; n++)
 #pragma unroll
-        for (int x = 0; x < 4; x++) s[n][x] = 0.f;
+        for (int x = 0; x < 4; x++) s[n][x] = 0.f, sl[n][x] = 0.f;
 #pragma unroll
     for (int j = 0; j < MLA_MMA_KQ; j++) {
-        int kk = c + 4 * j;
-        if (kk >= steps) break;
+        int kk = min(c + 4 * j, last);
 #pragma unroll
         for (int np = 0; np < 2; np++) {
             unsigned b[4];
             am_ldsm4<false>(b, (const bf16*)(kt + np * 16 * MLA_MMA_LD + kk * 16 + off));
             M::mma(s[2 * np], qh[j], b[0], b[1]);
-            M::mma(s[2 * np], ql[j], b[0], b[1]);
+            M::mma(sl[2 * np], ql[j], b[0], b[1]);
             M::mma(s[2 * np + 1], qh[j], b[2], b[3]);
-            M::mma(s[2 * np + 1], ql[j], b[2], b[3]);
+            M::mma(sl[2 * np + 1], ql[j], b[2], b[3]);
         }
     }
+#pragma unroll
+    for (int n = 0; n < 4; n++)
+#pragma unroll
+        for (int x = 0; x < 4; x++) s[n][x] += sl[n][x];
 }
 
 // The group's four partial score tiles summed (red: [4 warps][32 lanes][16]; this warp's is
@@ -356,10 +365,10 @@ __device__ __forceinline__ void mla_mma_pv(float (*o)[4], const float (*p)[4], c
         M::split2(p[2 * kc + 1][2], p[2 * kc + 1][3], ah[kc][3], al[kc][3]);
     }
 #pragma unroll
-    for (int j = 0; j < MLA_MMA_NO; j++) {
-        if (j >= n_tiles) break;
-        unsigned b[4];  // keys 0-7, 8-15 (k step 0), 16-23, 24-31 (k step 1) of columns 8 (c + 4j)..
-        am_ldsm4<true>(b, (const bf16*)(vt + lane * MLA_MMA_LD + 8 * (c + 4 * j)));
+    for (int j = 0; j < MLA_MMA_NO; j++) {  // no branch (as mla_mma_scores): tiles past the latent
+        unsigned b[4];                        // redo the last one into o[j] that is never stored
+        // keys 0-7, 8-15 (k step 0), 16-23, 24-31 (k step 1) of columns 8 (c + 4j)..
+        am_ldsm4<true>(b, (const bf16*)(vt + lane * MLA_MMA_LD + 8 * (c + 4 * min(j, n_tiles - 1))));
         M::mma(o[j], ah[0], b[0], b[1]);
         M::mma(o[j], al[0], b[0], b[1]);
         M::mma(o[j], ah[1], b[2], b[3]);
@@ -450,8 +459,9 @@ __device__ __forceinline__ void mla_attention_mma_tiles(const float* __restrict_
         __syncthreads();
         if (sees) {
             mla_mma_sum(gred, sc);
-            // the visible span [lo, hi] as am_softmax's (first, last) positions; unscaled (q_abs is)
-            am_softmax<4, MLA_MMA_NO / 2>(sc, o, m, l, hi, lo, k0, 1.f, 8 * n_tiles);
+            // the visible span [lo, hi] as am_softmax's (first, last) positions; unscaled (q_abs is);
+            // every o tile rescaled (a constant width: no branch)
+            am_softmax<4, MLA_MMA_NO / 2>(sc, o, m, l, hi, lo, k0, 1.f, 8 * MLA_MMA_NO);
             mla_mma_pv<M>(o, sc, kt, c, n_tiles);
         }
         __syncthreads();  // the stage and the partial scores are consumed before they are refilled

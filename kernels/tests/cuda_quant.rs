@@ -1049,3 +1049,36 @@ fn short_expert_biases_are_refused() {
         shape_error(be.grouped_gemm(c, n_slots, f, None, 1, i, 1, f, 1, hidden, ff, true, Some(short.ptr())));
     assert!(err.contains("bias"), "{err}");
 }
+
+/// The 8-bit one-token GEMV over a DeepSeek-V3-sized lm_head (129280 x 7168) and a dense
+/// projection (18432 x 7168) in Q6_K and Q4_K (not a test of speed: prints the weights' read
+/// rate, for the lead's measurements), the mean of 20 launches after 3 warm-ups. 64 random
+/// rows repeated: the kernels read every byte either way.
+#[test]
+#[ignore]
+fn q8_gemv_read_rate_timing() {
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x0008_71AE);
+    let k = 7168;
+    let xq = QuantizedX::new(be, &rng.vec(k, 1.0), 1, k);
+    for dtype in [WeightDType::Q6_K, WeightDType::Q4_K] {
+        let block = random_blocks(&mut rng, dtype, 64, k);
+        for n in [129280usize, 18432] {
+            let bytes: Vec<u8> = block.iter().copied().cycle().take(n * dtype.row_bytes(k)).collect();
+            let (dw, dy) = (be.upload(&bytes).unwrap(), be.alloc_zeros::<f32>(n).unwrap());
+            let launch = || be.gemv_quant_q8(dtype, dw.ptr(), xq.rows(), dy.ptr(), n, k, false).unwrap();
+            for _ in 0..3 {
+                launch();
+            }
+            be.synchronize().unwrap();
+            let start = std::time::Instant::now();
+            for _ in 0..20 {
+                launch();
+            }
+            be.synchronize().unwrap();
+            let us = start.elapsed().as_secs_f64() * 1e6 / 20.0;
+            let gbs = bytes.len() as f64 / us / 1e3;
+            eprintln!("TIMING q8 gemv {dtype:?} {n} x {k}: {us:.1} us, {gbs:.0} GB/s");
+        }
+    }
+}
