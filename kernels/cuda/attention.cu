@@ -1242,6 +1242,27 @@ __device__ __forceinline__ void am16_pv(float (*o)[4], const float (*p)[4], cons
     }
 }
 
+// Runs body(hd) with hd as a literal where it is a common head size (128, 64; 256 for the wide
+// kernels), else with the run-time value. Every tile function below is force-inlined, so the
+// literal folds each hd-bounded loop's break and the row strides: ptxas schedules within a basic
+// block, and with a break per 16-dim step each step waited for its own ldmatrix and products.
+template <typename F>
+__device__ __forceinline__ void am_fold_hd(int hd, F body) {
+    if (hd == 128)
+        body(128);
+    else if (hd == 64)
+        body(64);
+    else
+        body(hd);
+}
+template <typename F>
+__device__ __forceinline__ void amw_fold_hd(int hd, F body) {
+    if (hd == 256)
+        body(256);
+    else
+        body(hd);
+}
+
 template <typename M, bool PLO, typename T>
 __device__ __forceinline__ void attention_mma16_tiles(const float* __restrict__ q, const T* __restrict__ kc,
                                                       const T* __restrict__ vc, float* __restrict__ out, int n_tokens,
@@ -1284,13 +1305,17 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_f
     const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
     const float* __restrict__ sinks) {
     pdl_enter();
-    attention_mma16_tiles<AmF16, false>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
+    am_fold_hd(hd, [&](int d) {
+        attention_mma16_tiles<AmF16, false>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, d, window, scale, sinks);
+    });
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
     const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
     const float* __restrict__ sinks) {
     pdl_enter();
-    attention_mma16_tiles<AmBf16, true>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
+    am_fold_hd(hd, [&](int d) {
+        attention_mma16_tiles<AmBf16, true>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, d, window, scale, sinks);
+    });
 }
 
 // ---- split decode attention on tensor cores over a 16-bit cache ----
@@ -1361,15 +1386,23 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split
     const __half* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
     int t = blockIdx.z;
-    attention_split_mma_span<AmF16>(q + att_q_row(t, n_heads, hd), kc, vc, part + att_part_row(t, n_heads, hd, max_splits),
-                                    att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
+    const float* qt = q + att_q_row(t, n_heads, hd);
+    float* pt = part + att_part_row(t, n_heads, hd, max_splits);
+    const int pos = att_pos(pos0, pos_ptr, t);
+    am_fold_hd(hd, [&](int d) {
+        attention_split_mma_span<AmF16>(qt, kc, vc, pt, pos, n_heads, n_kv, d, window, scale, max_splits);
+    });
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
     const bf16* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
     int t = blockIdx.z;
-    attention_split_mma_span<AmBf16>(q + att_q_row(t, n_heads, hd), kc, vc, part + att_part_row(t, n_heads, hd, max_splits),
-                                     att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
+    const float* qt = q + att_q_row(t, n_heads, hd);
+    float* pt = part + att_part_row(t, n_heads, hd, max_splits);
+    const int pos = att_pos(pos0, pos_ptr, t);
+    am_fold_hd(hd, [&](int d) {
+        attention_split_mma_span<AmBf16>(qt, kc, vc, pt, pos, n_heads, n_kv, d, window, scale, max_splits);
+    });
 }
 // A batched decode step's rows (att_batch_row), each over its own sequence's cache.
 // grid (n_kv, max_splits, launch rows), block 32 * ATT_MMA_WARPS.
@@ -1377,13 +1410,19 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split
     const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
     pdl_enter();
     AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
-    attention_split_mma_span<AmF16>(r.q, (const __half*)r.kc, (const __half*)r.vc, r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+    am_fold_hd(hd, [&](int d) {
+        attention_split_mma_span<AmF16>(r.q, (const __half*)r.kc, (const __half*)r.vc, r.part, r.pos, n_heads, n_kv, d, window, scale,
+                                    max_splits);
+    });
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_rows_bf16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
     const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
     pdl_enter();
     AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
-    attention_split_mma_span<AmBf16>(r.q, (const bf16*)r.kc, (const bf16*)r.vc, r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+    am_fold_hd(hd, [&](int d) {
+        attention_split_mma_span<AmBf16>(r.q, (const bf16*)r.kc, (const bf16*)r.vc, r.part, r.pos, n_heads, n_kv, d, window, scale,
+                                    max_splits);
+    });
 }
 
 // ---- tensor-core attention for wide heads (144..256 dims) over a 16-bit cache ----
@@ -1521,13 +1560,17 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_w
     const __half* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
     const float* __restrict__ sinks) {
     pdl_enter();
-    attention_mma16w_tiles<AmF16, false>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
+    amw_fold_hd(hd, [&](int d) {
+        attention_mma16w_tiles<AmF16, false>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, d, window, scale, sinks);
+    });
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_mma_wide_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
     const bf16* __restrict__ vc, float* __restrict__ out, int n_tokens, int pos0, int n_heads, int n_kv, int hd, int window, float scale,
     const float* __restrict__ sinks) {
     pdl_enter();
-    attention_mma16w_tiles<AmBf16, true>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, hd, window, scale, sinks);
+    amw_fold_hd(hd, [&](int d) {
+        attention_mma16w_tiles<AmBf16, true>(q, kc, vc, out, n_tokens, pos0, n_heads, n_kv, d, window, scale, sinks);
+    });
 }
 
 // A span's partials of this thread's rows (rpos < 0: none): unnormalised o, then m and the row's
@@ -1584,26 +1627,40 @@ extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split
     const __half* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
     int t = blockIdx.z;
-    attention_split_mma16w_span<AmF16>(q + att_q_row(t, n_heads, hd), kc, vc, part + att_part_row(t, n_heads, hd, max_splits),
-                                       att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
+    const float* qt = q + att_q_row(t, n_heads, hd);
+    float* pt = part + att_part_row(t, n_heads, hd, max_splits);
+    const int pos = att_pos(pos0, pos_ptr, t);
+    amw_fold_hd(hd, [&](int d) {
+        attention_split_mma16w_span<AmF16>(qt, kc, vc, pt, pos, n_heads, n_kv, d, window, scale, max_splits);
+    });
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_wide_bf16(const float* __restrict__ q, const bf16* __restrict__ kc,
     const bf16* __restrict__ vc, float* __restrict__ part, int pos0, int n_heads, int n_kv, int hd, int window, float scale, int max_splits, const int* __restrict__ pos_ptr) {
     pdl_enter();
     int t = blockIdx.z;
-    attention_split_mma16w_span<AmBf16>(q + att_q_row(t, n_heads, hd), kc, vc, part + att_part_row(t, n_heads, hd, max_splits),
-                                        att_pos(pos0, pos_ptr, t), n_heads, n_kv, hd, window, scale, max_splits);
+    const float* qt = q + att_q_row(t, n_heads, hd);
+    float* pt = part + att_part_row(t, n_heads, hd, max_splits);
+    const int pos = att_pos(pos0, pos_ptr, t);
+    amw_fold_hd(hd, [&](int d) {
+        attention_split_mma16w_span<AmBf16>(qt, kc, vc, pt, pos, n_heads, n_kv, d, window, scale, max_splits);
+    });
 }
 // The batched decode rows (att_batch_row) for wide heads. grid (n_kv, max_splits, launch rows).
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_rows_wide_f16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
     const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
     pdl_enter();
     AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
-    attention_split_mma16w_span<AmF16>(r.q, (const __half*)r.kc, (const __half*)r.vc, r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+    amw_fold_hd(hd, [&](int d) {
+        attention_split_mma16w_span<AmF16>(r.q, (const __half*)r.kc, (const __half*)r.vc, r.part, r.pos, n_heads, n_kv, d, window, scale,
+                                         max_splits);
+    });
 }
 extern "C" __global__ __launch_bounds__(32 * ATT_MMA_WARPS) void attention_split_mma_rows_wide_bf16(const float* __restrict__ q, const unsigned long long* __restrict__ kcs,
     const unsigned long long* __restrict__ vcs, float* __restrict__ part, const int* __restrict__ rows, const int* __restrict__ pos, int n_heads, int n_kv, int hd, int window, float scale, int max_splits) {
     pdl_enter();
     AttRow r = att_batch_row(q, part, kcs, vcs, rows, pos, n_heads, hd, max_splits);
-    attention_split_mma16w_span<AmBf16>(r.q, (const bf16*)r.kc, (const bf16*)r.vc, r.part, r.pos, n_heads, n_kv, hd, window, scale, max_splits);
+    amw_fold_hd(hd, [&](int d) {
+        attention_split_mma16w_span<AmBf16>(r.q, (const bf16*)r.kc, (const bf16*)r.vc, r.part, r.pos, n_heads, n_kv, d, window, scale,
+                                         max_splits);
+    });
 }
