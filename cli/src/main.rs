@@ -361,7 +361,7 @@ struct EngineArgs {
     #[arg(long)]
     postfetch_decode: Option<bool>,
     /// Activations of the decode of quantised weights (CPU: experts of up to 4 tokens, and Q4_K
-    /// experts' prefill): f32,
+    /// and Q6_K experts' prefill): f32,
     /// q8 (8-bit for every quantised type) or auto. Cold pool (AVX-512 VNNI): auto is 8-bit except for Q8_0, the
     /// default with VNNI. GPU engine: q8 and auto (the default) are 8-bit for every quantised
     /// type and its prefill GEMMs round them to bf16; f32 keeps f32 (prefill: bf16 hi + lo).
@@ -401,7 +401,7 @@ struct BenchKernelsArgs {
     #[arg(long)]
     dtype: Option<String>,
     /// Activations of the tiles of quantised weights for experts of up to 4 tokens, and of Q4_K
-    /// experts' prefill tiles (AVX-512 VNNI): f32, q8 (8-bit for every quantised type) or auto (8-bit except for Q8_0; the default with VNNI, unless
+    /// and Q6_K experts' prefill tiles (AVX-512 VNNI; Q6_K not on AMX hosts): f32, q8 (8-bit for every quantised type) or auto (8-bit except for Q8_0; the default with VNNI, unless
     /// MOE_LANES_Q8_ACTIVATIONS says otherwise).
     #[arg(long)]
     activations: Option<String>,

@@ -184,7 +184,7 @@ pub(crate) unsafe fn dot_tiles(
     if let Some(q8) = q8.filter(|_| n_tokens > Q8_MAX_TOKENS && crate::x86_quant_gemm::takes(dtype)) {
         // SAFETY: VNNI checked above; the rows and 8-bit tokens are the caller's contract.
         return unsafe {
-            crate::x86_quant_gemm::rows_times_tokens(cols, n_rows, row_ptr, n_tokens, q8, sink)
+            crate::x86_quant_gemm::rows_times_tokens(dtype, cols, n_rows, row_ptr, n_tokens, q8, sink)
         };
     }
     let q8 = q8.filter(|_| n_tokens <= Q8_MAX_TOKENS);
@@ -213,12 +213,15 @@ pub(crate) unsafe fn dot_tiles(
 
 /// Whether calls of more than [`Q8_MAX_TOKENS`] tokens over `dtype` rows take 8-bit activations
 /// at `level` (the VNNI many-token tiles, `x86_quant_gemm.rs`): the pool quantises the tokens
-/// for them. On AMX hosts too: CPU-only Q4_K_M prefill of an 8-layer Qwen3-30B-A3B shape on the
-/// H200 machine's host, pp512 777 / 740 t/s with every quantised expert on the AMX tiles, 1011 /
-/// 900 with the Q4_K ones on these (benches/RESULTS.md, session 32).
+/// for them. Q4_K on AMX hosts too: CPU-only Q4_K_M prefill of an 8-layer Qwen3-30B-A3B shape on
+/// the H200 machine's host, pp512 777 / 740 t/s with every quantised expert on the AMX tiles,
+/// 1011 / 900 with the Q4_K ones on these (benches/RESULTS.md, session 32). Q6_K stays on the
+/// AMX tiles there until the two are measured side by side on an AMX host.
 pub(crate) fn q8_many_tokens(level: SimdLevel, dtype: WeightDType) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return level.has_q8_dot() && crate::x86_quant_gemm::takes(dtype);
+    return level.has_q8_dot()
+        && crate::x86_quant_gemm::takes(dtype)
+        && !(dtype == WeightDType::Q6_K && level == SimdLevel::Amx);
     #[cfg(not(target_arch = "x86_64"))]
     return false;
 }

@@ -337,8 +337,8 @@ fn run_512(
 
 /// An expert of up to `Q8_MAX_TOKENS` tokens takes the 8-bit tiles (its result moves off F32's
 /// by the rounding, within the tolerance); one of more tokens takes them where the many-token
-/// VNNI tiles take its type (Q4_K, on AMX hosts too) and keeps F32's bits exactly otherwise
-/// (Q6_K).
+/// VNNI tiles take its gate/up's or down's type (Q4_K, on AMX hosts too; Q6_K but on AMX hosts)
+/// and keeps F32's bits exactly otherwise (Q5_K).
 #[test]
 fn experts_take_8_bits_where_their_tiles_do() {
     use WeightDType::*;
@@ -349,7 +349,8 @@ fn experts_take_8_bits_where_their_tiles_do() {
     }
     let mut rng = Rng(0x0008_F3A7);
     let mut pool = ColdPool::new(2);
-    for mix in [(Q4_K, Q6_K), (Q6_K, Q6_K)] {
+    let many_token_tiles = |t| t == Q4_K || (t == Q6_K && level != SimdLevel::Amx);
+    for mix in [(Q4_K, Q6_K), (Q6_K, Q6_K), (Q5_K, Q6_K), (Q5_K, Q5_K)] {
         for n_tokens in [2, Q8_MAX_TOKENS, Q8_MAX_TOKENS + 1, 19] {
             let mut random = RandomJob::quantized(&mut rng, mix, (512, 256), n_tokens, 2);
             random.token_idx[1] = (0..n_tokens as u32).collect(); // expert 1 takes every token
@@ -358,8 +359,7 @@ fn experts_take_8_bits_where_their_tiles_do() {
             let (q8, f32) = (run(Some(DecodeActivations::Q8)), run(Some(DecodeActivations::F32)));
             let error = relative_error(&q8, &run(None));
             assert!(error <= Q8_ACTIVATION_TOLERANCE, "{mix:?}, {n_tokens} tokens: {error:e}");
-            let many_token_tiles = mix.0 == Q4_K;
-            if n_tokens <= Q8_MAX_TOKENS || many_token_tiles {
+            if n_tokens <= Q8_MAX_TOKENS || many_token_tiles(mix.0) || many_token_tiles(mix.1) {
                 assert!(q8 != f32, "{mix:?}, {n_tokens} tokens: 8-bit activations expected");
             } else {
                 assert_eq!(q8, f32, "{mix:?}, {n_tokens} tokens: f32 expected");
