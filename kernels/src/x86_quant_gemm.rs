@@ -43,6 +43,8 @@ const Q6_SUB_COLS: usize = 16;
 /// the flip's correction per 32.
 #[derive(Default)]
 struct Unpacked {
+    /// Whether the block holds Q6_K rows (else Q4_K).
+    q6_k: bool,
     levels: Vec<u32>,
     scale: Vec<f32>,
     min: Vec<f32>,
@@ -82,6 +84,7 @@ unsafe fn load_transposed(rows: &[*const u8], at: usize) -> [__m512i; 16] {
 /// The CPU has AVX-512 VNNI; each pointer of `rows` addresses `cols / 256` whole Q6_K blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn unpack_q6(rows: &[*const u8], cols: usize, u: &mut Unpacked) {
+    u.q6_k = true;
     u.levels.resize(cols / 4 * GEMM_ROWS, 0);
     u.scale.resize(cols / Q6_SUB_COLS * GEMM_ROWS, 0.0);
     u.min.resize(cols / SUB_COLS * GEMM_ROWS, 0.0);
@@ -195,6 +198,7 @@ unsafe fn q6_correction(u: &mut Unpacked, k: usize) {
 /// The CPU has AVX-512F; each pointer of `rows` addresses `cols / 256` whole Q4_K blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn unpack(rows: &[*const u8], cols: usize, u: &mut Unpacked) {
+    u.q6_k = false;
     let (groups, subs) = (cols / 4, cols / SUB_COLS);
     u.levels.resize(groups * GEMM_ROWS, 0);
     u.scale.resize(subs * GEMM_ROWS, 0.0);
@@ -362,9 +366,8 @@ unsafe fn tile_q6<const T: usize>(
 /// # Safety
 /// As [`tile`]; the level has AVX-512 VNNI.
 unsafe fn token_tile(
-    dtype: WeightDType,
     u: &Unpacked,
-    cols: usize,
+    subs: usize,
     q8: &Q8Rows<'_>,
     t0: usize,
     n: usize,
@@ -378,9 +381,9 @@ unsafe fn token_tile(
             let o: &mut [[f32; GEMM_ROWS]; $t] = (&mut out[..$t]).try_into().expect("a tile of tokens");
             // SAFETY: forwarded contract.
             unsafe {
-                match dtype {
-                    WeightDType::Q6_K => tile_q6::<$t>(u, cols / SUB_COLS, &xs, o),
-                    _ => tile::<$t>(u, cols / SUB_COLS, &xs, o),
+                match u.q6_k {
+                    true => tile_q6::<$t>(u, subs, &xs, o),
+                    false => tile::<$t>(u, subs, &xs, o),
                 }
             }
         }};
@@ -447,7 +450,7 @@ pub(crate) unsafe fn rows_times_tokens(
                 let n = GEMM_TOKENS.min(n_tokens - t0);
                 // SAFETY: the level and the tokens' rows are the caller's contract; `u` holds
                 // this block unpacked for `dtype`.
-                unsafe { token_tile(dtype, &u, cols, &q8, t0, n, block_rows, &mut block_sink) };
+                unsafe { token_tile(&u, cols / SUB_COLS, &q8, t0, n, block_rows, &mut block_sink) };
             }
             row0 += block_rows;
         }
