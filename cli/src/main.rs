@@ -401,7 +401,7 @@ struct BenchKernelsArgs {
     #[arg(long)]
     dtype: Option<String>,
     /// Activations of the tiles of quantised weights for experts of up to 4 tokens, and of Q4_K
-    /// and Q6_K experts' prefill tiles (AVX-512 VNNI; Q6_K not on AMX hosts): f32, q8 (8-bit for every quantised type) or auto (8-bit except for Q8_0; the default with VNNI, unless
+    /// and Q6_K experts' prefill tiles (AVX-512 VNNI): f32, q8 (8-bit for every quantised type) or auto (8-bit except for Q8_0; the default with VNNI, unless
     /// MOE_LANES_Q8_ACTIVATIONS says otherwise).
     #[arg(long)]
     activations: Option<String>,

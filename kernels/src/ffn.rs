@@ -215,13 +215,12 @@ pub(crate) unsafe fn dot_tiles(
 /// at `level` (the VNNI many-token tiles, `x86_quant_gemm.rs`): the pool quantises the tokens
 /// for them. Q4_K on AMX hosts too: CPU-only Q4_K_M prefill of an 8-layer Qwen3-30B-A3B shape on
 /// the H200 machine's host, pp512 777 / 740 t/s with every quantised expert on the AMX tiles,
-/// 1011 / 900 with the Q4_K ones on these (benches/RESULTS.md, session 32). Q6_K stays on the
-/// AMX tiles there until the two are measured side by side on an AMX host.
+/// 1011 / 900 with the Q4_K ones on these (benches/RESULTS.md, session 32). Q6_K there too: the
+/// same file's pp512 958.6 / 949.0 t/s with its Q6_K downs on the AMX tiles, 963.6 / 923.9 on
+/// these (session 33), so one rule for both types.
 pub(crate) fn q8_many_tokens(level: SimdLevel, dtype: WeightDType) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return level.has_q8_dot()
-        && crate::x86_quant_gemm::takes(dtype)
-        && !(dtype == WeightDType::Q6_K && level == SimdLevel::Amx);
+    return level.has_q8_dot() && crate::x86_quant_gemm::takes(dtype);
     #[cfg(not(target_arch = "x86_64"))]
     return false;
 }

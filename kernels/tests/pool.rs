@@ -337,7 +337,7 @@ fn run_512(
 
 /// An expert of up to `Q8_MAX_TOKENS` tokens takes the 8-bit tiles (its result moves off F32's
 /// by the rounding, within the tolerance); one of more tokens takes them where the many-token
-/// VNNI tiles take its gate/up's or down's type (Q4_K, on AMX hosts too; Q6_K but on AMX hosts)
+/// VNNI tiles take its gate/up's or down's type (Q4_K, Q6_K; on AMX hosts too)
 /// and keeps F32's bits exactly otherwise (Q5_K).
 #[test]
 fn experts_take_8_bits_where_their_tiles_do() {
@@ -349,7 +349,7 @@ fn experts_take_8_bits_where_their_tiles_do() {
     }
     let mut rng = Rng(0x0008_F3A7);
     let mut pool = ColdPool::new(2);
-    let many_token_tiles = |t| t == Q4_K || (t == Q6_K && level != SimdLevel::Amx);
+    let many_token_tiles = |t| t == Q4_K || t == Q6_K;
     for mix in [(Q4_K, Q6_K), (Q6_K, Q6_K), (Q5_K, Q6_K), (Q5_K, Q5_K)] {
         for n_tokens in [2, Q8_MAX_TOKENS, Q8_MAX_TOKENS + 1, 19] {
             let mut random = RandomJob::quantized(&mut rng, mix, (512, 256), n_tokens, 2);
