@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::cuda::{backend, max_abs_diff, rnd, to_bf16};
+use common::cuda::{backend, max_abs_diff, mean_launch_us, rnd, to_bf16};
 use moe_lanes_kernels::cuda::mla::{MlaRope, MlaShape};
 use moe_lanes_kernels::cuda::ops::{DevicePos, KvPtr, RopeScaling};
 use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer};
@@ -345,16 +345,7 @@ fn mla_attention_depth_timing() {
                 .alloc_zeros::<f32>(CudaBackend::mla_attention_scratch(t, s.heads, s.rank, depth + t))
                 .unwrap();
             let launch = || be.mla_attention(s, q.ptr(), kc, out.ptr(), part.ptr(), t, depth, None).unwrap();
-            for _ in 0..3 {
-                launch();
-            }
-            be.synchronize().unwrap();
-            let start = std::time::Instant::now();
-            for _ in 0..20 {
-                launch();
-            }
-            be.synchronize().unwrap();
-            let us = start.elapsed().as_secs_f64() * 1e6 / 20.0;
+            let us = mean_launch_us(be, 3, 20, launch);
             let flop = 2.0 * (t * s.heads) as f64 * (depth + t) as f64 * (s.width() + s.rank) as f64;
             let gbs = ((depth + t) * s.width() * 2) as f64 / us / 1e3;
             eprintln!(

@@ -10,7 +10,7 @@
 
 mod common;
 
-use common::cuda::{backend, DeviceQ8};
+use common::cuda::{backend, mean_launch_us, DeviceQ8};
 use common::Rng;
 use half::bf16;
 use moe_lanes_kernels::cuda::{CudaBackend, CudaError, GateUpEpilogue, Glu, Q8Rows, TypedWeights};
@@ -1067,16 +1067,7 @@ fn q8_gemv_read_rate_timing() {
             let bytes: Vec<u8> = block.iter().copied().cycle().take(n * dtype.row_bytes(k)).collect();
             let (dw, dy) = (be.upload(&bytes).unwrap(), be.alloc_zeros::<f32>(n).unwrap());
             let launch = || be.gemv_quant_q8(dtype, dw.ptr(), xq.rows(), dy.ptr(), n, k, false).unwrap();
-            for _ in 0..3 {
-                launch();
-            }
-            be.synchronize().unwrap();
-            let start = std::time::Instant::now();
-            for _ in 0..20 {
-                launch();
-            }
-            be.synchronize().unwrap();
-            let us = start.elapsed().as_secs_f64() * 1e6 / 20.0;
+            let us = mean_launch_us(be, 3, 20, launch);
             let gbs = bytes.len() as f64 / us / 1e3;
             eprintln!("TIMING q8 gemv {dtype:?} {n} x {k}: {us:.1} us, {gbs:.0} GB/s");
         }

@@ -104,3 +104,14 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
+
+/// Mean microseconds of `n` calls of `launch` after `warm` unmeasured ones, the device
+/// synchronised before the clock starts and before it stops (the timing tests' prints).
+pub fn mean_launch_us(be: &CudaBackend, warm: usize, n: usize, launch: impl Fn()) -> f64 {
+    (0..warm).for_each(|_| launch());
+    be.synchronize().unwrap();
+    let start = std::time::Instant::now();
+    (0..n).for_each(|_| launch());
+    be.synchronize().unwrap();
+    start.elapsed().as_secs_f64() * 1e6 / n as f64
+}
