@@ -12,7 +12,7 @@
 # --json` with
 #   static   --cache-policy planned                    (today's static cache)
 #   online   --cache-policy planned --update auto --update-every-tokens 32   (today's updater)
-#   lru | lfu | tinylfu | adaptive   --cache-policy NAME   (per-token online policies)
+#   lru | lfu | tinylfu | adaptive | reuse   --cache-policy NAME   (per-token online policies)
 # each bounded by BENCH_TIMEOUT seconds; a run that would start after BUDGET_S seconds of the
 # script (the model's synthesis included) is skipped (NA), so the whole call stays under
 # BUDGET_S + BENCH_TIMEOUT seconds (defaults 390 + 60: 7.5 minutes; the first call spends one to
@@ -21,7 +21,7 @@
 # copies) and logs everything under $OUT/policy-compare when OUT is set, else a new directory
 # under ${TMPDIR:-/tmp}.
 # Env: SPEC (locality:p=0.8,drift=0.01), FRACTIONS, P (64), N (256), RUNS (3), POLICIES
-# ("static online lru lfu tinylfu adaptive"), MODEL, MODEL_DIR, BENCH_TIMEOUT (60), BUDGET_S (390),
+# ("static online lru lfu tinylfu adaptive reuse"), MODEL, MODEL_DIR, BENCH_TIMEOUT (60), BUDGET_S (390),
 # EXTRA_ARGS (more bench flags, e.g. --engine pipeline off the GPU machine), SYNTH_ARGS (default
 # "--preset qwen3-30b-a3b --layers 16"), CUDA_LIB (/usr/local/cuda/lib64).
 set -uo pipefail
@@ -31,7 +31,7 @@ BIN=$1
 [ -x "$BIN" ] || die "$BIN: not an executable file"
 SPEC=${SPEC:-locality:p=0.8,drift=0.01} FRACTIONS=${FRACTIONS:-0.25 0.5}
 P=${P:-64} N=${N:-256} RUNS=${RUNS:-3} BUDGET_S=${BUDGET_S:-390} BENCH_TIMEOUT=${BENCH_TIMEOUT:-60}
-POLICIES=${POLICIES:-static online lru lfu tinylfu adaptive}
+POLICIES=${POLICIES:-static online lru lfu tinylfu adaptive reuse}
 SYNTH_ARGS=${SYNTH_ARGS:---preset qwen3-30b-a3b --layers 16}
 export LD_LIBRARY_PATH="${CUDA_LIB:-/usr/local/cuda/lib64}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 if [ -n "${OUT:-}" ]; then LOGS=$OUT/policy-compare; mkdir -p "$LOGS" || die "cannot create $LOGS"

@@ -8,8 +8,8 @@
 # --skew W` (qwen3_moe, LAYERS layers, EXPERTS experts, top-k TOPK, tiny otherwise), then `bench
 # --engine pipeline -p 32 -n N --runs 1 --trace` (locality workloads with `--scenario W`: the
 # routing process's tokens; the others random ids), then `plan --trace --policies
-# --policy-fractions 0.25,0.5 --json`. Prints a markdown table (hit rate, the default's share of
-# Belady's, copies per layer and call). Logs under $OUT/policy-replay when OUT is set, else a new directory in /tmp.
+# --policy-fractions 0.25,0.5 --json`. Prints a markdown table (hit rate, adaptive's and reuse's
+# shares of Belady's, copies per layer and call). Logs under $OUT/policy-replay when OUT is set, else a new directory in /tmp.
 # Env: WORKLOADS, LAYERS (4), EXPERTS (32), TOPK (4), N (1500).
 set -uo pipefail
 die() { echo "policy-replay-table: $*" >&2; exit 2; }
@@ -38,16 +38,18 @@ done
 python3 - "$LOGS" "$i" <<'PY'
 import json, sys
 logs, n = sys.argv[1], int(sys.argv[2])
-policies = ["static", "online", "lru", "lfu", "tinylfu", "adaptive", "belady"]
-print("| workload | budget | " + " | ".join(policies) + " | adaptive / Belady | copies per layer and call (lru / lfu / tinylfu / adaptive) |")
-print("|---" * (4 + len(policies)) + "|")
+policies = ["static", "online", "lru", "lfu", "tinylfu", "adaptive", "reuse", "belady"]
+copied = ["lru", "lfu", "tinylfu", "adaptive", "reuse"]
+print("| workload | budget | " + " | ".join(policies) + " | adaptive / Belady | reuse / Belady | copies per layer and call ("
+      + " / ".join(copied) + ") |")
+print("|---" * (5 + len(policies)) + "|")
 for i in range(n):
     name = open(f"{logs}/r{i}.json.name").read().strip()
     for r in json.load(open(f"{logs}/r{i}.json")):
         rows = {x["policy"]: x for x in r["rows"]}
         cells = [f"{100 * rows[p]['hit_rate']:.1f}%" for p in policies]
         steps = max(1, r["scored_steps"] * len(rows["static"]["hit_rate_per_layer"]))
-        copies = " / ".join(f"{rows[p]['admissions'] / steps:.2f}" for p in ["lru", "lfu", "tinylfu", "adaptive"])
-        print(f"| {name} | {100 * r['fraction']:.0f}% | " + " | ".join(cells)
-              + f" | {100 * rows['adaptive']['of_belady']:.1f}% | {copies} |")
+        copies = " / ".join(f"{rows[p]['admissions'] / steps:.2f}" for p in copied)
+        shares = " | ".join(f"{100 * rows[p]['of_belady']:.1f}%" for p in ["adaptive", "reuse"])
+        print(f"| {name} | {100 * r['fraction']:.0f}% | " + " | ".join(cells) + f" | {shares} | {copies} |")
 PY

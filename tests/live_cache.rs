@@ -195,7 +195,7 @@ impl Rig<'_> {
 fn any_exchange_sequence_keeps_output_equal_to_the_reference() {
     let dir = tempfile::tempdir().unwrap();
     let model = domains_model(dir.path(), 2);
-    let ops = (proptest::collection::vec(op(), 1..8), 0..3usize, 0..2usize, 0..5usize, 0..4usize);
+    let ops = (proptest::collection::vec(op(), 1..8), 0..3usize, 0..2usize, 0..5usize, 0..5usize);
     let config = ProptestConfig {
         cases: 16,
         rng_seed: RngSeed::Fixed(0x11fe_cace),
@@ -214,7 +214,13 @@ fn any_exchange_sequence_keeps_output_equal_to_the_reference() {
                 every_tokens: every * 3,
                 weighting: Weighting { mode: WeightMode::ALL[mode_idx], layer_curve: 0.5 },
                 cache: PolicyConfig::of(
-                    [PolicyKind::Planned, PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::TinyLfu][kind_idx],
+                    [
+                        PolicyKind::Planned,
+                        PolicyKind::Lru,
+                        PolicyKind::Lfu,
+                        PolicyKind::TinyLfu,
+                        PolicyKind::Reuse,
+                    ][kind_idx],
                 ),
             };
             let live = LiveCache::new(

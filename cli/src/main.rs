@@ -123,7 +123,7 @@ struct PlanArgs {
     #[arg(long, allow_negative_numbers = true, required_unless_present = "policy_fractions")]
     hot_budget_mib: Option<i64>,
     /// Replay the --trace under every hot-cache policy (static, online updater, lru, lfu,
-    /// tinylfu, adaptive) and Belady's optimum at the same capacity (per layer the budget's share of its
+    /// tinylfu, adaptive, reuse) and Belady's optimum at the same capacity (per layer the budget's share of its
     /// experts, or each of --policy-fractions): hit rates, copies, predicted tg with
     /// --calibration.
     #[arg(long, requires = "trace")]
@@ -310,10 +310,12 @@ struct EngineArgs {
     layer_curve: f64,
     /// Hot-cache policy: planned (learn + plan, moved only by --update; the default), or one
     /// applied after every call: adaptive (decayed-count eviction and admission at the half-life
-    /// whose shadow cache saves the most net of its copies' PCIe and host DRAM cost), lru, lfu
-    /// (decayed counts), tinylfu (frequency admission, LRU eviction, a quarter of the slots
-    /// pinned to the learned ranking, a copy-cost gate). Default: the --engine-config file's
-    /// cache_policy, else planned.
+    /// whose shadow cache saves the most net of its copies' PCIe and host DRAM cost), reuse
+    /// (eviction and admission by each expert's chance of use in the next call, learned per
+    /// layer from its recency, its uses in the last 8 calls and its long frequency; a miss is
+    /// admitted only past a 0.05 margin), lru, lfu (decayed counts), tinylfu (frequency
+    /// admission, LRU eviction, a quarter of the slots pinned to the learned ranking, a
+    /// copy-cost gate). Default: the --engine-config file's cache_policy, else planned.
     #[arg(long)]
     cache_policy: Option<String>,
     /// The planned policy's online updater: off (the cache changes only by manual applies) or

@@ -219,10 +219,11 @@ fn policies_replay_a_locality_trace_against_belady() {
             row["hit_rate"].as_f64().unwrap()
         };
         let belady = rate("belady");
-        for name in ["static", "online", "lru", "lfu", "tinylfu", "adaptive"] {
+        for name in ["static", "online", "lru", "lfu", "tinylfu", "adaptive", "reuse"] {
             assert!(rate(name) <= belady + 1e-12, "{name} above Belady in {r}");
         }
         assert!(rate("adaptive") > rate("static"), "{r}");
+        assert!(rate("reuse") > rate("static"), "{r}");
         assert!(rate("lru") > rate("static"), "{r}");
     }
     let err = failure(&[

@@ -88,7 +88,7 @@ pub struct ApplyJob {
 /// What the HTTP side reads (never blocks on the engine).
 #[derive(Default)]
 pub struct Snapshot {
-    /// The hot-cache policy (`planned`, `lru`, `lfu`, `tinylfu`).
+    /// The hot-cache policy (`planned`, `lru`, `lfu`, `tinylfu`, `adaptive`, `reuse`).
     pub cache_policy: &'static str,
     pub perf_json: Option<String>,
     pub hot_set: Option<HotSet>,

@@ -31,12 +31,34 @@
 //!   the real cache follows the best shadow's half-life. So a workload with short-term locality
 //!   gets recency, a stable popular set gets frequency, and a half-life that copies more than
 //!   its hits repay loses to a calmer one.
+//! - [`PolicyKind::Reuse`]: eviction and admission by each expert's predicted chance of use in
+//!   the next step, learned per layer from the layer's own steps ([`ReuseModel`]). An expert's
+//!   features are its age (steps since its last use, in the buckets of [`REUSE_AGE_BOUNDS`]),
+//!   its window count (how many of the last [`REUSE_WINDOW`] steps used it) and its frequency
+//!   class (the quartile of its decayed count, half-life [`REUSE_FREQ_HALF_LIFE`], among the
+//!   layer's experts); the prediction of a feature cell is the decayed share of the times an
+//!   expert in that cell was used by the next step (table half-life [`REUSE_TABLE_HALF_LIFE`],
+//!   a half-use prior). Victims are the residents with the lowest prediction (then the least
+//!   recent); a miss takes a victim's slot only when its prediction beats the victim's by
+//!   [`REUSE_MARGIN`] per step (hysteresis: a swap of near-equals costs a copy and gains about
+//!   nothing). Why these features: a routing process with short-term memory (a token re-picks
+//!   one of the last few tokens' experts with some probability `p`, else draws from a slowly
+//!   drifting popular distribution) makes an expert's next-step chance `p * (its share of the
+//!   recent window) + (1 - p) * (its long-run rate)`, so the window count, recency and long
+//!   frequency together predict reuse where any one of them alone (LRU, LFU, one LRFU
+//!   half-life) does not; learning the table instead of fixing the mix finds `p` per layer, and
+//!   on a stable popular set (no locality) the table learns that only the frequency class
+//!   matters.
 //!
-//! Why adaptive is the best online policy on replayed traces (benches/RESULTS.md, "Hot-cache
-//! policies against Belady", 25% and 50% budgets), and still not the default: on the GPU machine
-//! (H200, 16-layer Qwen3-30B-A3B-shaped BF16 `skewed` file, 50% budget, tg128) it decoded at 26 t/s
-//! against the planned cache's 502, so [`PolicyKind::Planned`] stays the default until a GPU
-//! measurement shows an online policy ahead. On the traces: LRU follows locality but loses the popular set to one-off
+//! On replayed traces (benches/RESULTS.md, "Hot-cache policies against Belady", 25% and 50%
+//! budgets) reuse has the highest hit rate of the online policies in 10 of 12 cells (LRU is 0.1
+//! points ahead in the other two, at 50%) and at least 90% of Belady's in 11 (not at p = 0.5 and
+//! 25%: 84.7%), with about twice adaptive's copies on locality at 25% and a sixth to two fifths
+//! of them on the `skewed` and `domains:2` sets.
+//! No online policy is the default: on the GPU machine (H200, 16-layer Qwen3-30B-A3B-shaped
+//! BF16 `skewed` file, 50% budget, tg128) adaptive decoded at 26 t/s against the planned
+//! cache's 502, so [`PolicyKind::Planned`] stays the default until a GPU measurement shows an
+//! online policy ahead. On the traces: LRU follows locality but loses the popular set to one-off
 //! experts on `skewed` and `domains:2` routing and copies the most; LFU (half-life 32) is slow on
 //! locality; TinyLFU's pinned core goes stale when the popular set drifts and its gate admits too
 //! little on bursty workloads; any one fixed half-life is best on some workloads and worst on
@@ -60,6 +82,21 @@ pub const DEFAULT_PIN_FRACTION: f64 = 0.25;
 pub const ADAPTIVE_HALF_LIVES: [f64; 5] = [2.0, 4.0, 8.0, 16.0, 32.0];
 /// Half-life of the adaptive policy's shadow scores, in steps.
 pub const ADAPTIVE_SCORE_HALF_LIFE: f64 = 128.0;
+/// The reuse policy's short window, in steps: its window count is the steps of the last
+/// `REUSE_WINDOW` that used the expert.
+pub const REUSE_WINDOW: u32 = 8;
+/// Upper bounds of the reuse policy's age buckets (steps since the last use); one more bucket
+/// holds older and never-used experts.
+pub const REUSE_AGE_BOUNDS: [u64; 10] = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32];
+/// Frequency classes of the reuse policy: the quantile of an expert's long decayed count.
+pub const REUSE_FREQ_CLASSES: usize = 4;
+/// Half-life of the reuse policy's long decayed counts, in steps.
+pub const REUSE_FREQ_HALF_LIFE: f64 = 256.0;
+/// Half-life of the reuse policy's learned table, in steps.
+pub const REUSE_TABLE_HALF_LIFE: f64 = 512.0;
+/// The reuse policy admits a miss only when its predicted use probability per step beats the
+/// victim's by this much (hysteresis against copies that do not pay).
+pub const REUSE_MARGIN: f64 = 0.05;
 
 /// PCIe host-to-device copy rate of a promotion, bytes/s (benches/RESULTS.md: 54-55 GB/s
 /// measured from the registered model file on the H100/H200 hosts; 50 GB/s).
@@ -142,7 +179,7 @@ pub enum PolicyError {
     BadSetting { field: &'static str, value: f64 },
     #[error("cache policy: pin_fraction = {value}: expected a fraction in 0..=1")]
     BadPinFraction { value: f64 },
-    #[error("cache policy '{name}': expected planned, lru, lfu, tinylfu or adaptive")]
+    #[error("cache policy '{name}': expected planned, lru, lfu, tinylfu, adaptive or reuse")]
     Unknown { name: String },
 }
 
@@ -161,12 +198,15 @@ pub enum PolicyKind {
     /// Decayed-count eviction and admission at the half-life whose shadow cache saved the most
     /// time net of its copies (module docs).
     Adaptive,
+    /// Eviction and admission by each expert's learned chance of reuse from its recency, its
+    /// uses in the last [`REUSE_WINDOW`] steps and its long frequency (module docs).
+    Reuse,
 }
 
 impl PolicyKind {
     /// The per-token policies, in report order.
-    pub const ONLINE: [PolicyKind; 4] =
-        [PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::TinyLfu, PolicyKind::Adaptive];
+    pub const ONLINE: [PolicyKind; 5] =
+        [PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::TinyLfu, PolicyKind::Adaptive, PolicyKind::Reuse];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -175,6 +215,7 @@ impl PolicyKind {
             PolicyKind::Lfu => "lfu",
             PolicyKind::TinyLfu => "tinylfu",
             PolicyKind::Adaptive => "adaptive",
+            PolicyKind::Reuse => "reuse",
         }
     }
 }
@@ -182,8 +223,8 @@ impl PolicyKind {
 impl std::str::FromStr for PolicyKind {
     type Err = PolicyError;
     fn from_str(s: &str) -> Result<PolicyKind, PolicyError> {
-        [PolicyKind::Planned, PolicyKind::Lru, PolicyKind::Lfu, PolicyKind::TinyLfu, PolicyKind::Adaptive]
-            .into_iter()
+        std::iter::once(PolicyKind::Planned)
+            .chain(PolicyKind::ONLINE)
             .find(|k| k.name() == s)
             .ok_or_else(|| PolicyError::Unknown { name: s.into() })
     }
@@ -257,6 +298,8 @@ pub struct LayerPolicy {
     /// break-even uses per copy), in uses.
     shadows: Vec<Vec<bool>>,
     shadow_score: Vec<f64>,
+    /// Reuse: the learned predictor.
+    reuse: Option<ReuseModel>,
     /// The residents of the real cache (`lists[0]`) and of each shadow (`lists[1 + i]`), in no
     /// order: victims are chosen among these, not among every expert.
     lists: Vec<Vec<usize>>,
@@ -264,6 +307,87 @@ pub struct LayerPolicy {
     misses: Vec<usize>,
     victims: Vec<usize>,
     pairs: Vec<(usize, usize)>,
+}
+
+/// The reuse policy's predictor (module docs): per expert an age bucket, a window count and a
+/// frequency class, and per cell of those features the decayed share of steps that used an
+/// expert in that cell, learned from the layer's own steps.
+#[derive(Debug, Clone)]
+pub struct ReuseModel {
+    /// Bit `i` of `window[e]`: whether `e` was used `i` steps ago (bit 0: the last step).
+    window: Vec<u32>,
+    /// `cell[e]`: the cell of `e`'s features after the last step.
+    cell: Vec<usize>,
+    /// Decayed uses and observations per cell.
+    used: Vec<f64>,
+    seen: Vec<f64>,
+    keep: f64,
+    /// Scratch: experts by long count, most used first.
+    order: Vec<usize>,
+}
+
+impl ReuseModel {
+    const AGES: usize = REUSE_AGE_BOUNDS.len() + 1;
+    const COUNTS: usize = REUSE_WINDOW as usize + 1;
+
+    pub fn new(n_experts: usize) -> ReuseModel {
+        let cells = Self::AGES * Self::COUNTS * REUSE_FREQ_CLASSES;
+        ReuseModel {
+            window: vec![0; n_experts],
+            cell: vec![Self::cell_of(Self::AGES - 1, 0, REUSE_FREQ_CLASSES - 1); n_experts],
+            used: vec![0.0; cells],
+            seen: vec![0.0; cells],
+            keep: 0.5f64.powf(1.0 / REUSE_TABLE_HALF_LIFE),
+            order: (0..n_experts).collect(),
+        }
+    }
+
+    fn cell_of(age_bucket: usize, count: usize, class: usize) -> usize {
+        (age_bucket * Self::COUNTS + count) * REUSE_FREQ_CLASSES + class
+    }
+
+    /// The age bucket of `age_steps` (`None`: never used).
+    fn age_bucket(age_steps: Option<u64>) -> usize {
+        age_steps.map_or(Self::AGES - 1, |a| {
+            REUSE_AGE_BOUNDS.iter().position(|&b| a <= b).unwrap_or(Self::AGES - 1)
+        })
+    }
+
+    /// Learn from one step (`in_step[e]`: whether it used `e`) against the features before it.
+    fn learn(&mut self, in_step: &[bool]) {
+        self.used.iter_mut().for_each(|x| *x *= self.keep);
+        self.seen.iter_mut().for_each(|x| *x *= self.keep);
+        for (&c, &u) in self.cell.iter().zip(in_step) {
+            self.seen[c] += 1.0;
+            self.used[c] += f64::from(u8::from(u));
+        }
+    }
+
+    /// The features after a step: `last_use` (0: never) at `clock`, long counts `freq`.
+    fn refresh(&mut self, in_step: &[bool], last_use: &[u64], clock: u64, freq: &[f64]) {
+        let mask = (1u32 << REUSE_WINDOW) - 1;
+        for (w, &u) in self.window.iter_mut().zip(in_step) {
+            *w = ((*w << 1) | u32::from(u)) & mask;
+        }
+        self.order.sort_by(|&a, &b| freq[b].total_cmp(&freq[a]).then(a.cmp(&b)));
+        let n = self.order.len();
+        for (rank, &e) in self.order.iter().enumerate() {
+            let age = (last_use[e] > 0).then(|| clock - last_use[e]);
+            let class = rank * REUSE_FREQ_CLASSES / n;
+            self.cell[e] = Self::cell_of(Self::age_bucket(age), self.window[e].count_ones() as usize, class);
+        }
+    }
+
+    /// Predicted chance that the next step uses `e` (a half-use prior on an empty cell).
+    pub fn reuse_probability(&self, e: usize) -> f64 {
+        let c = self.cell[e];
+        (self.used[c] + 0.5) / (self.seen[c] + 1.0)
+    }
+
+    /// Steps of the last [`REUSE_WINDOW`] that used `e`.
+    pub fn window_count(&self, e: usize) -> u32 {
+        self.window[e].count_ones()
+    }
 }
 
 /// Which cache a step of [`LayerPolicy`] moves, and by what rule.
@@ -275,16 +399,19 @@ enum Rule {
     Lrfu(usize),
     /// LRU eviction, admit a miss whose count `freq[0]` beats the victim's and that pays.
     TinyLfu,
+    /// Evict the lowest predicted reuse; admit a miss whose prediction beats it by
+    /// [`REUSE_MARGIN`].
+    Reuse,
 }
 
 impl LayerPolicy {
     /// A layer of `n_experts` with `resident` hot (the cache's capacity is its length) and
     /// `ranking` the learned order (most used first) the pinned core is taken from.
     pub fn new(config: PolicyConfig, n_experts: usize, resident: &[usize], ranking: &[usize]) -> LayerPolicy {
-        let halves = if config.kind == PolicyKind::Adaptive {
-            ADAPTIVE_HALF_LIVES.to_vec()
-        } else {
-            vec![config.half_life]
+        let halves = match config.kind {
+            PolicyKind::Adaptive => ADAPTIVE_HALF_LIVES.to_vec(),
+            PolicyKind::Reuse => vec![REUSE_FREQ_HALF_LIFE],
+            _ => vec![config.half_life],
         };
         let mut p = LayerPolicy {
             config,
@@ -299,6 +426,7 @@ impl LayerPolicy {
             in_step: vec![false; n_experts],
             shadows: Vec::new(),
             shadow_score: Vec::new(),
+            reuse: (config.kind == PolicyKind::Reuse).then(|| ReuseModel::new(n_experts)),
             lists: Vec::new(),
             misses: Vec::new(),
             victims: Vec::new(),
@@ -327,6 +455,52 @@ impl LayerPolicy {
             experts.iter().for_each(|&e| f[e] += 1.0);
         }
         experts.iter().for_each(|&e| self.last_use[e] = self.clock);
+        if let Some(m) = self.reuse.as_mut() {
+            experts.iter().for_each(|&e| self.in_step[e] = true);
+            m.learn(&self.in_step);
+            m.refresh(&self.in_step, &self.last_use, self.clock, &self.freq[0]);
+            experts.iter().for_each(|&e| self.in_step[e] = false);
+        }
+    }
+
+    /// The reuse policy's predictor (`None` under other policies).
+    pub fn reuse_model(&self) -> Option<&ReuseModel> {
+        self.reuse.as_ref()
+    }
+
+    /// How `a` compares with `b` as a keeper under `rule` (`Less`: `a` is evicted first).
+    fn keeper_order(&self, rule: Rule, a: usize, b: usize) -> std::cmp::Ordering {
+        match (rule, &self.reuse) {
+            (Rule::Lrfu(i), _) => self.freq[i][a].total_cmp(&self.freq[i][b]).then(a.cmp(&b)),
+            (Rule::Reuse, Some(m)) => m
+                .reuse_probability(a)
+                .total_cmp(&m.reuse_probability(b))
+                .then(self.last_use[a].cmp(&self.last_use[b]))
+                .then(self.freq[0][a].total_cmp(&self.freq[0][b]))
+                .then(b.cmp(&a)),
+            _ => (self.last_use[a], a).cmp(&(self.last_use[b], b)),
+        }
+    }
+
+    /// How strong the miss `a` is against the miss `b` (`Greater`: `a` is admitted first).
+    fn miss_order(&self, rule: Rule, a: usize, b: usize) -> std::cmp::Ordering {
+        match rule {
+            Rule::Lrfu(i) => self.freq[i][a].total_cmp(&self.freq[i][b]).then(b.cmp(&a)),
+            Rule::Reuse => self.keeper_order(rule, a, b),
+            _ => self.freq[0][a].total_cmp(&self.freq[0][b]).then(b.cmp(&a)),
+        }
+    }
+
+    /// Whether the miss `e` takes the slot of the victim `v` under `rule`.
+    fn admits(&self, rule: Rule, e: usize, v: usize) -> bool {
+        let count = |e: usize| self.freq[0][e];
+        match (rule, &self.reuse) {
+            (Rule::Lru, _) => true,
+            (Rule::Lrfu(i), _) => self.freq[i][e] > self.freq[i][v],
+            (Rule::TinyLfu, _) => count(e) > count(v) && self.config.copy_cost.pays(self.expected_uses(e)),
+            (Rule::Reuse, Some(m)) => m.reuse_probability(e) > m.reuse_probability(v) + REUSE_MARGIN,
+            (Rule::Reuse, None) => false,
+        }
     }
 
     /// Count `experts` as used without scoring or admitting (a learn prefix warming the counts).
@@ -385,41 +559,33 @@ impl LayerPolicy {
             Some(i) => &self.shadows[i],
             None => &self.resident,
         };
-        let count = |e: usize| match rule {
-            Rule::Lrfu(i) => self.freq[i][e],
-            _ => self.freq[0][e],
-        };
         self.misses.clear();
         self.misses.extend(experts.iter().copied().filter(|&e| !cache[e]));
         if self.misses.is_empty() {
             return 0;
         }
-        self.misses.sort_by(|&a, &b| count(b).total_cmp(&count(a)).then(a.cmp(&b)));
+        let mut misses = std::mem::take(&mut self.misses);
+        misses.sort_by(|&a, &b| self.miss_order(rule, b, a));
+        self.misses = misses;
         let pinned = |e: usize| shadow.is_none() && self.pinned[e];
         self.victims.clear();
         let list = &self.lists[shadow.map_or(0, |i| 1 + i)];
         self.victims.extend(list.iter().copied().filter(|&e| !pinned(e) && !self.in_step[e]));
         // Only the first `misses` victims can be used: select them, then order them.
-        let order = |a: &usize, b: &usize| match rule {
-            Rule::Lrfu(_) => count(*a).total_cmp(&count(*b)).then(a.cmp(b)),
-            _ => (self.last_use[*a], *a).cmp(&(self.last_use[*b], *b)),
-        };
+        let mut victims = std::mem::take(&mut self.victims);
+        let order = |a: &usize, b: &usize| self.keeper_order(rule, *a, *b);
         let m = self.misses.len();
-        if self.victims.len() > m {
-            self.victims.select_nth_unstable_by(m - 1, order);
-            self.victims.truncate(m);
+        if victims.len() > m {
+            victims.select_nth_unstable_by(m - 1, order);
+            victims.truncate(m);
         }
-        self.victims.sort_by(order);
+        victims.sort_by(order);
+        self.victims = victims;
         let mut next = 0;
         self.pairs.clear();
         for &e in &self.misses {
             let Some(&v) = self.victims.get(next) else { break };
-            let admits = match rule {
-                Rule::Lru => true,
-                Rule::Lrfu(_) => count(e) > count(v),
-                Rule::TinyLfu => count(e) > count(v) && self.config.copy_cost.pays(self.expected_uses(e)),
-            };
-            if admits {
+            if self.admits(rule, e, v) {
                 self.pairs.push((v, e));
                 next += 1;
             }
@@ -461,6 +627,7 @@ impl LayerPolicy {
             PolicyKind::Lfu => Some(Rule::Lrfu(0)),
             PolicyKind::TinyLfu => Some(Rule::TinyLfu),
             PolicyKind::Adaptive => Some(Rule::Lrfu(best)),
+            PolicyKind::Reuse => Some(Rule::Reuse),
         };
         let mut exchanges = Vec::new();
         if let Some(rule) = rule {
@@ -627,6 +794,82 @@ mod tests {
         // the bursts' later steps hit: about 5 of 6 once recency wins
         assert!(hits > 100 * 2 * 4, "bursty hits {hits}");
         assert!(copies < 600, "stable: {copies} copies for 600 steps");
+    }
+
+    /// A deterministic pseudo-random source for the policy tests.
+    fn lcg(seed: u64) -> impl FnMut(u64) -> usize {
+        let mut rng = seed;
+        move |n: u64| {
+            rng = rng.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((rng >> 33) % n) as usize
+        }
+    }
+
+    #[test]
+    fn reuse_learns_that_recent_experts_come_back_and_follows_bursts() {
+        let cfg = PolicyConfig::of(PolicyKind::Reuse);
+        let mut p = LayerPolicy::new(cfg, 64, &[0, 1, 2, 3], &[0, 1, 2, 3]);
+        let (mut hits, mut copies) = (0, 0);
+        for burst in 0..101 {
+            let pair = [(burst * 2) % 64, (burst * 2 + 1) % 64];
+            // the last burst stops half-way
+            for _ in 0..if burst == 100 { 3 } else { 6 } {
+                let out = p.step(&pair);
+                (hits, copies) = (hits + out.hits, copies + out.exchanges.len());
+            }
+        }
+        let m = p.reuse_model().unwrap();
+        // the pair of the running burst (3 of the last 3 steps) goes on; the one before ended
+        // (its 6 uses were 4 to 9 steps ago, 5 in the window); a burst that has had its 6 steps
+        // ends too
+        let (now, before, never) =
+            (m.reuse_probability(200 % 64), m.reuse_probability(198 % 64), m.reuse_probability(63));
+        assert_eq!((m.window_count(200 % 64), m.window_count(198 % 64)), (3, 5));
+        assert!(now > 0.9 && before < 0.1 && never < 0.1, "now {now}, before {before}, never {never}");
+        // each burst's pair is admitted once, after its first step: 5 of 6 steps hit
+        assert!(hits >= 100 * 2 * 5 - 20, "bursty hits {hits}");
+        assert!(copies <= 101 * 2, "bursty copies {copies}");
+    }
+
+    #[test]
+    fn reuse_keeps_a_stable_core_and_refuses_one_offs() {
+        let mut next = lcg(777);
+        let cfg = PolicyConfig::of(PolicyKind::Reuse);
+        let mut reuse = LayerPolicy::new(cfg, 64, &[0, 1, 2, 3, 4, 5], &[0, 1, 2, 3, 4, 5]);
+        let mut lru =
+            LayerPolicy::new(PolicyConfig::of(PolicyKind::Lru), 64, &[0, 1, 2, 3, 4, 5], &[0, 1, 2, 3]);
+        let (mut copies, mut lru_copies, mut hits) = (0, 0, 0);
+        for _ in 0..600 {
+            let s = [0, 1, 2, 3, 4 + next(60)];
+            let out = reuse.step(&s);
+            (copies, hits) = (copies + out.exchanges.len(), hits + out.hits);
+            lru_copies += lru.step(&s).exchanges.len();
+        }
+        assert!((0..4).all(|e| reuse.is_resident(e)), "the core stays hot");
+        assert!(hits >= 600 * 4, "every core use hits: {hits}");
+        // a one-off's predicted reuse (about 1/60) does not beat a resident's by the margin once
+        // the table has seen a few of them (while its cells are empty, some are copied)
+        assert!(copies * 5 < lru_copies, "reuse copied {copies} one-offs; lru {lru_copies}");
+        assert!(lru_copies > 500, "lru copies every one-off: {lru_copies}");
+    }
+
+    #[test]
+    fn reuse_admits_only_past_the_margin() {
+        let cfg = PolicyConfig::of(PolicyKind::Reuse);
+        let mut p = LayerPolicy::new(cfg, 8, &[0, 1], &[0, 1]);
+        // teach the table: 0 and 1 every step, one of 2..8 at random
+        let mut next = lcg(31);
+        for _ in 0..400 {
+            p.step(&[0, 1, 2 + next(6)]);
+        }
+        let m = p.reuse_model().unwrap();
+        let (hot, one_off) =
+            (m.reuse_probability(0), (2..8).map(|e| m.reuse_probability(e)).fold(0.0, f64::max));
+        assert!(hot > one_off + REUSE_MARGIN, "hot {hot}, one-off {one_off}");
+        assert!(p.is_resident(0) && p.is_resident(1));
+        // a miss whose prediction is below the residents' is not admitted, even as the only miss
+        assert!(p.step(&[0, 7]).exchanges.is_empty());
+        assert!(p.step(&[1, 7]).exchanges.is_empty());
     }
 
     #[test]

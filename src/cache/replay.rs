@@ -11,7 +11,7 @@
 //! - `online`: today's updater (`cache::update::plan_exchanges`, flat scores of the window's
 //!   counts, hysteresis and noise test, `rate` of the slots) every `update_every` calls, as
 //!   `--update auto --update-every-tokens N` runs it;
-//! - `lru`, `lfu`, `tinylfu` ([`crate::cache::policy`]), step by step;
+//! - `lru`, `lfu`, `tinylfu`, `adaptive`, `reuse` ([`crate::cache::policy`]), step by step;
 //! - `belady`: MIN with bypass from the same start ([`belady_hits`]): the most hits any demand
 //!   policy can get (the updater, which admits from a window rather than on access, is measured
 //!   against it too).

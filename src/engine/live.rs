@@ -13,7 +13,7 @@
 //! - Statistics (updates, exchanges, bytes copied, copy time, hit rate of the window before the
 //!   last update and of the one after it) go into the perf state's `cache_updates`.
 //!
-//! - With an online policy (`UpdatePolicy::cache`: `lru`, `lfu` or `tinylfu`, the default) the
+//! - With an online policy (`UpdatePolicy::cache`: `lru`, `lfu`, `tinylfu`, `adaptive` or `reuse`) the
 //!   planned updater does not run; instead, after every call ([`LiveCache::after_tokens`] per
 //!   generated token, and at the request's end) the experts each layer routed since the last
 //!   step (read off the perf counts) are one step of that layer's [`LayerPolicy`]
