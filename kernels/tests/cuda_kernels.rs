@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::cuda::{backend, max_abs_diff, rnd, to_bf16};
+use common::cuda::{backend, max_abs_diff, mean_launch_us, rnd, to_bf16};
 use half::bf16;
 use moe_lanes_kernels::cuda::ops::{KvPtr, RouteVariant};
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, GateUpEpilogue};
@@ -1652,20 +1652,6 @@ fn attention_split_decode_timing() {
             }
         }
     }
-}
-
-/// Microseconds a launch takes, the mean of `runs` after `warmups` (for the printed timings).
-fn mean_launch_us(be: &CudaBackend, warmups: usize, runs: usize, launch: impl Fn()) -> f64 {
-    for _ in 0..warmups {
-        launch();
-    }
-    be.synchronize().unwrap();
-    let start = std::time::Instant::now();
-    for _ in 0..runs {
-        launch();
-    }
-    be.synchronize().unwrap();
-    start.elapsed().as_secs_f64() * 1e6 / runs as f64
 }
 
 /// Tensor-core prefill attention at depth (not a test of speed: prints, for the lead's

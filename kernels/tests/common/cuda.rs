@@ -105,13 +105,17 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-/// Mean microseconds of `n` calls of `launch` after `warm` unmeasured ones, the device
-/// synchronised before the clock starts and before it stops (the timing tests' prints).
-pub fn mean_launch_us(be: &CudaBackend, warm: usize, n: usize, launch: impl Fn()) -> f64 {
-    (0..warm).for_each(|_| launch());
+/// Microseconds a launch takes, the mean of `runs` after `warmups`, the device synchronised
+/// before the clock starts and before it stops (the timing tests' prints).
+pub fn mean_launch_us(be: &CudaBackend, warmups: usize, runs: usize, launch: impl Fn()) -> f64 {
+    for _ in 0..warmups {
+        launch();
+    }
     be.synchronize().unwrap();
     let start = std::time::Instant::now();
-    (0..n).for_each(|_| launch());
+    for _ in 0..runs {
+        launch();
+    }
     be.synchronize().unwrap();
-    start.elapsed().as_secs_f64() * 1e6 / n as f64
+    start.elapsed().as_secs_f64() * 1e6 / runs as f64
 }
