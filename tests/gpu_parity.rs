@@ -542,6 +542,17 @@ fn exchanges_keep_output_exact() {
         assert_ne!(engine.hot_set().unwrap(), &before, "{name}: exchanges applied before the next call");
         assert_eq!(engine.hot_bytes(), bytes, "{name}: the cache never reallocates");
         assert_eq!(engine.perf().unwrap().report().updates, expert_layers.len() as u64);
+        // The exchanged-in experts run cold until their copies land, then hot from a call's
+        // start on: counted, and exact either way.
+        let landed = |e: &dyn Engine| e.perf().unwrap().report().cache_updates.exchanges_landed;
+        for _ in 0..20 {
+            if landed(engine.as_ref()) == expert_layers.len() as u64 {
+                break;
+            }
+            check_against_reference(&format!("{name} while copies land"), &model, engine.as_mut());
+        }
+        assert_eq!(landed(engine.as_ref()), expert_layers.len() as u64, "{name}: every copy landed");
+        check_against_reference(&format!("{name} after landing"), &model, engine.as_mut());
         // A bad exchange is refused and changes nothing.
         let layer_idx = expert_layers[0];
         engine.request_exchange(Exchange { layer_idx, evict: c.n_experts + 5, add: 0 }).unwrap();

@@ -259,6 +259,8 @@ fn any_exchange_sequence_keeps_output_equal_to_the_reference() {
             }
             let stats = rig.engine.perf().unwrap().report().cache_updates;
             prop_assert!(stats.bytes_copied == stats.exchanges * model.expert_bytes() as u64);
+            // a CPU hot lane loads the slot as it exchanges: every exchange has landed
+            prop_assert_eq!(stats.exchanges_landed, stats.exchanges);
             let (auto, manual, admitted) = updates.get();
             let layers = &rig.engine.perf().unwrap().report().layers;
             let policy_admissions = if kind_idx > 0 { layers.iter().map(|l| l.admissions).sum() } else { 0 };

@@ -322,6 +322,10 @@ pub struct CacheUpdateStats {
     pub exchanges: u64,
     /// Exchanges the updater's full queue refused (none applied of them).
     pub exchanges_refused: u64,
+    /// Exchanged-in experts whose copies landed and that the lanes then used as hot (on the GPU
+    /// an exchanged-in expert runs cold until its copy has landed; the CPU's exchanges land at
+    /// once). `exchanges - exchanges_landed` are in flight or were exchanged out first.
+    pub exchanges_landed: u64,
     pub bytes_copied: u64,
     /// Host time spent issuing the exchanges (on the GPU the copies themselves run on the side
     /// stream, overlapped with compute).
@@ -467,6 +471,7 @@ pub mod metric_names {
     pub const EXCHANGES: &str = "moe_lanes_cache_exchanges_total";
     pub const BYTES_COPIED: &str = "moe_lanes_cache_bytes_copied_total";
     pub const EXCHANGES_REFUSED: &str = "moe_lanes_cache_exchanges_refused_total";
+    pub const EXCHANGES_LANDED: &str = "moe_lanes_cache_exchanges_landed_total";
     pub const ADMISSIONS: &str = "moe_lanes_cache_admissions_total";
     pub const EVICTIONS: &str = "moe_lanes_cache_evictions_total";
     pub const PERF_MODE: &str = "moe_lanes_perf_mode";
@@ -567,6 +572,7 @@ pub struct PerfMetrics {
     layers: Vec<LayerMetrics>,
     exchanges: Counter,
     exchanges_refused: Counter,
+    exchanges_landed: Counter,
     bytes_copied: Counter,
     /// In [`PerfMode::ALL`] order.
     mode: [Gauge; 3],
@@ -664,6 +670,7 @@ impl PerfMetrics {
             layers,
             exchanges: counter!(m::EXCHANGES),
             exchanges_refused: counter!(m::EXCHANGES_REFUSED),
+            exchanges_landed: counter!(m::EXCHANGES_LANDED),
             bytes_copied: counter!(m::BYTES_COPIED),
             mode: PerfMode::ALL.map(|mode| gauge!(m::PERF_MODE, "mode" => mode.name())),
             postfetch: None,
@@ -884,6 +891,13 @@ impl PerfState {
     pub fn record_refused_exchanges(&mut self, n: u64) {
         self.report.cache_updates.exchanges_refused += n;
         self.metrics.exchanges_refused.increment(n);
+    }
+
+    /// `n` exchanged-in experts whose copies landed (now hot for the lanes): counted in every
+    /// mode, in the perf JSON's `cache_updates.exchanges_landed` and the metric.
+    pub fn record_landed_exchanges(&mut self, n: u64) {
+        self.report.cache_updates.exchanges_landed += n;
+        self.metrics.exchanges_landed.increment(n);
     }
 
     /// Timings of `layer_idx` in the most recent call (`full` mode; zero otherwise).

@@ -48,6 +48,8 @@ pub enum GpuError {
     HotLanes { lanes: usize },
     #[error("the hot cache is already allocated; it is never reallocated (exchange slots instead)")]
     HotCacheAllocated,
+    #[error("exchange into layer {layer_idx}: expert {expert_idx}'s bytes lie outside the registered maps")]
+    ExchangeSource { layer_idx: usize, expert_idx: usize },
     #[error("KV cache capacity {capacity} outside 1..={max_positions}")]
     CacheCapacity { capacity: usize, max_positions: usize },
     #[error("this KV cache was made for another model ({cache_layers} layers of width {cache_kv_dim}; the model has {model_layers} of {model_kv_dim})")]

@@ -108,15 +108,11 @@ impl GpuModel {
             && self.mixer().qk_fused_all
     }
 
-    /// Before a decode step's graphs: pending exchanges ordered (outside the graphs: it may
-    /// wait), the attention partials reserved, the token and its position on the device; the
-    /// key the step's graphs need.
+    /// Before a decode step's graphs: the attention partials reserved, the token and its
+    /// position on the device; the key the step's graphs need.
     fn graph_step_start(&mut self, token: u32, cache: &GpuKvCache) -> Result<GraphKey, GpuError> {
         let pos0 = cache.n_positions;
-        let (dev, mixer, moe) = self.stages_mut();
-        for l in 0..dev.cfg.n_layers {
-            moe.hot.order_after_exchanges(&dev.be, l)?;
-        }
+        let (dev, mixer, _) = self.stages_mut();
         mixer.reserve_attention(dev, 1, cache)?;
         let key = self.graph_key(cache, positions_bucket(pos0, cache.capacity));
         let dev = self.dev();

@@ -3,18 +3,28 @@
 //! 4-bit VRAM and the planner's byte budget counts real bytes),
 //! allocated once, and `hot_id_map` (expert -> slot) on the host ([`HotSet`], one lane) and on
 //! the device (`[n_layers * n_experts]` i32, -1 = cold). Exchanges rewrite a slot and both maps;
-//! capacity never changes. Exchanges copy on the backend's side stream (through pinned staging),
-//! so a call's compute runs beside them and waits only where a layer uses an exchanged slot.
+//! capacity never changes.
+//!
+//! An exchange never makes a call wait. The evicted expert turns cold at once (host map and
+//! device map, on the compute stream); the added one's bytes are copied beside the compute (from
+//! the model's registered maps on Post-Fetch's exchange stream, else through pinned staging on
+//! the side stream, after the compute stream is done with the slot), and it turns hot only at the
+//! start of a call after its copy has landed ([`HotCache::admit_landed`]). Until then it runs on
+//! the cold lane. So two sets: the logical one ([`HotCache::set`], what the planner and the
+//! policies see, the admitted expert counted from its exchange on) and the resident one
+//! ([`HotCache::resident`], what the lanes use and the device map mirrors); both maps of the
+//! resident set change only between calls, so the host's worklist and the device's always agree.
 //! A model whose experts carry biases (GPT-OSS) keeps each slot's biases beside its matrices
 //! (f32 `[capacity, ff]` gate and up, `[capacity, hidden]` down), written and exchanged with
 //! them; the kernels read them through the layer's [`SlotEpilogue`].
 
 use super::weights::{stored_bytes, stored_dtype};
 use super::GpuError;
-use crate::cache::hot_set::{HotSet, LayerHotSet};
+use crate::cache::hot_set::{HotSet, HotSlot, LayerHotSet};
 use crate::model::Model;
 use moe_lanes_kernels::cuda::{
-    CudaBackend, DPtr, DeviceBuffer, GateUpEpilogue, Glu, GpuEvent, PinnedBuffer, TypedWeights,
+    CopyStream, CudaBackend, DPtr, DeviceBuffer, GateUpEpilogue, Glu, GpuEvent, HostRegistration, PinnedBuffer,
+    TypedWeights,
 };
 use moe_lanes_kernels::WeightDType;
 
@@ -125,19 +135,43 @@ pub(crate) struct HotCache {
     /// The experts' gated activation.
     glu: Glu,
     map_dev: DeviceBuffer<i32>,
+    /// The logical hot set (module docs).
     set: HotSet,
+    /// The resident hot set: `set` less the admissions whose copies have not landed. A slot
+    /// being filled keeps its new expert in `slots` while the expert's `hot_id_map` entry stays
+    /// `None`.
+    resident: HotSet,
+    /// Exchanged-in experts whose copies are queued, not yet seen landed.
+    admitting: Vec<Admission>,
+    /// Events of landed admissions, reused.
+    spare_events: Vec<GpuEvent>,
+    /// Recorded on the compute stream at each exchange: the slot's copy waits for it.
+    slot_free: GpuEvent,
     allocated: bool,
     n_experts: usize,
     /// Pinned staging for exchanges (gate, up, down of one expert each), used in turn so one
-    /// fills while the other copies; allocated at the first exchange.
+    /// fills while the other copies; allocated at the first staged exchange.
     staging: Vec<PinnedBuffer<u8>>,
     next_staging: usize,
-    /// Per layer: recorded on the side stream after the layer's last exchange.
-    exchanged: Vec<GpuEvent>,
-    /// Per layer: an exchange is queued that the compute stream has not waited for yet.
-    pending: Vec<bool>,
     /// Per layer: it routes to experts (a dense FFN layer does not).
     has_experts: Vec<bool>,
+}
+
+/// An expert exchanged into `slot` of `layer` whose copy may still be in flight.
+struct Admission {
+    layer: usize,
+    slot: usize,
+    expert: usize,
+    /// Recorded on the copy's stream after its copies.
+    landed: GpuEvent,
+}
+
+/// Where an exchange's copies can read the experts' bytes without staging: the model's maps
+/// registered with the device, and the copy stream they were registered for.
+#[derive(Clone, Copy)]
+pub(crate) struct RegisteredSource<'a> {
+    pub stream: &'a CopyStream,
+    pub maps: &'a [HostRegistration],
 }
 
 /// Staging buffers for exchanges (each holds one expert's three matrices).
@@ -154,12 +188,14 @@ impl HotCache {
             glu: expert_glu(model)?,
             map_dev: be.upload(&vec![-1i32; n_layers * n_experts])?,
             set: HotSet::empty(n_layers, n_experts, 1),
+            resident: HotSet::empty(n_layers, n_experts, 1),
+            admitting: Vec::new(),
+            spare_events: Vec::new(),
+            slot_free: be.event()?,
             allocated: false,
             n_experts,
             staging: Vec::new(),
             next_staging: 0,
-            exchanged: (0..n_layers).map(|_| be.event()).collect::<Result<_, _>>()?,
-            pending: vec![false; n_layers],
             has_experts: model.plan().expert_layers(),
         })
     }
@@ -187,23 +223,85 @@ impl HotCache {
             }
         }
         self.set = set.clone();
+        self.resident = set.clone();
         be.synchronize()?;
         Ok(())
     }
 
-    /// Expert `add` takes the slot of hot expert `evict` in `layer_idx`. Checked before anything
-    /// changes; the host map changes now, the slot contents and the device map on the side stream
-    /// (the compute stream waits for them before it next runs this layer's MoE block).
+    /// Expert `add` takes the slot of hot expert `evict` in `layer_idx` (module docs): checked
+    /// before anything changes; `evict` turns cold now, `add`'s copy is queued (from `src` when
+    /// given, else staged), and `add` turns hot at a call's start after the copy has landed.
     pub fn exchange(
         &mut self,
         be: &CudaBackend,
         model: &Model,
-        layer_idx: usize,
-        evict: usize,
-        add: usize,
+        src: Option<RegisteredSource<'_>>,
+        (layer_idx, evict, add): (usize, usize, usize),
     ) -> Result<(), GpuError> {
         let mut next = self.set.clone();
         let slot = next.apply_exchange(layer_idx, evict, add)?.slot_idx as usize;
+        self.vacate(be, layer_idx, evict, slot)?;
+        self.resident.layers[layer_idx].slots[0][slot] = add as u32;
+        be.record(&self.slot_free)?;
+        let landed = match self.spare_events.pop() {
+            Some(ev) => ev,
+            None => be.event()?,
+        };
+        match src {
+            Some(src) => self.copy_registered(be, model, src, (layer_idx, add, slot), &landed)?,
+            None => self.copy_staged(be, model, (layer_idx, add, slot), &landed)?,
+        }
+        self.admitting.push(Admission { layer: layer_idx, slot, expert: add, landed });
+        self.set = next;
+        Ok(())
+    }
+
+    /// `evict` leaves the resident set (both maps) and any admission into `slot` is dropped:
+    /// its copy, queued earlier on the same stream, is overwritten by the next one.
+    fn vacate(&mut self, be: &CudaBackend, l: usize, evict: usize, slot: usize) -> Result<(), GpuError> {
+        if self.resident.layers[l].hot_id_map[evict].take().is_some() {
+            self.write_map(be, l, evict, -1)?;
+        }
+        while let Some(i) = self.admitting.iter().position(|a| a.layer == l && a.slot == slot) {
+            let dropped = self.admitting.swap_remove(i);
+            self.spare_events.push(dropped.landed);
+        }
+        Ok(())
+    }
+
+    /// Queue `add`'s bytes from the registered maps into `slot` on the source's stream, after
+    /// the compute stream is done with the slot; `landed` recorded after them.
+    fn copy_registered(
+        &self,
+        be: &CudaBackend,
+        model: &Model,
+        src: RegisteredSource<'_>,
+        (l, add, slot): (usize, usize, usize),
+        landed: &GpuEvent,
+    ) -> Result<(), GpuError> {
+        let x = model.expert(l, add);
+        let hl = &self.layers[l];
+        let bufs = hl.bufs.as_ref().expect("a hot expert implies an allocated layer");
+        be.wait_event_on(src.stream, &self.slot_free)?;
+        for ((dst, t), n) in bufs.iter().zip([x.gate, x.up, x.down]).zip(hl.shape.bytes) {
+            let found = src.maps.iter().find_map(|r| r.range_of(t.data).map(|at| (r, at)));
+            let (reg, at) = found.ok_or(GpuError::ExchangeSource { layer_idx: l, expert_idx: add })?;
+            assert_eq!(at.len(), n, "layer {l}: an expert's stored bytes are its slot's");
+            be.write_registered_on(src.stream, reg, at, dst.ptr().sub(slot * n, n))?;
+        }
+        be.record_on(src.stream, landed)?;
+        Ok(())
+    }
+
+    /// Stage `add`'s bytes (and biases) into pinned memory and queue them into `slot` on the
+    /// side stream, after the compute stream is done with the slot; `landed` recorded after.
+    fn copy_staged(
+        &mut self,
+        be: &CudaBackend,
+        model: &Model,
+        (l, add, slot): (usize, usize, usize),
+        landed: &GpuEvent,
+    ) -> Result<(), GpuError> {
         if self.staging.is_empty() {
             let most = self.layers.iter().map(|hl| hl.shape.total_bytes()).max().unwrap_or(0);
             for _ in 0..EXCHANGE_STAGING_BUFFERS {
@@ -212,8 +310,8 @@ impl HotCache {
         }
         let buf = &mut self.staging[self.next_staging];
         self.next_staging = (self.next_staging + 1) % EXCHANGE_STAGING_BUFFERS;
-        let x = model.expert(layer_idx, add);
-        let hl = &self.layers[layer_idx];
+        let x = model.expert(l, add);
+        let hl = &self.layers[l];
         let host = buf.as_mut_slice()?;
         let mut at = 0;
         for (t, n) in [x.gate, x.up, x.down].into_iter().zip(hl.shape.bytes) {
@@ -221,32 +319,39 @@ impl HotCache {
             at += n;
         }
         let bufs = hl.bufs.as_ref().expect("a hot expert implies an allocated layer");
+        be.wait_event_side(&self.slot_free)?;
         let mut at = 0;
         for (dst, n) in bufs.iter().zip(hl.shape.bytes) {
             be.write_async_side(buf, at..at + n, dst.ptr().sub(slot * n, n))?;
             at += n;
         }
-        if let (Some(bias), Some(b)) = (&hl.bias, model.expert_bias(layer_idx, add)) {
+        if let (Some(bias), Some(b)) = (&hl.bias, model.expert_bias(l, add)) {
             for (dst, src) in bias.iter().zip([b.gate, b.up, b.down]) {
                 be.write_side(src, dst.ptr().sub(slot * src.len(), src.len()))?;
             }
         }
-        let map = self.map_dev.ptr();
-        be.write_side(&[-1i32], map.sub(layer_idx * self.n_experts + evict, 1))?;
-        be.write_side(&[slot as i32], map.sub(layer_idx * self.n_experts + add, 1))?;
-        be.record_side(&self.exchanged[layer_idx])?;
-        self.pending[layer_idx] = true;
-        self.set = next;
+        be.record_side(landed)?;
         Ok(())
     }
 
-    /// Before layer `l` uses the cache: make the compute stream wait (on the GPU) for the
-    /// layer's queued exchanges.
-    pub fn order_after_exchanges(&mut self, be: &CudaBackend, l: usize) -> Result<(), GpuError> {
-        if std::mem::take(&mut self.pending[l]) {
-            be.wait_event(&self.exchanged[l])?;
+    /// At a call's start: the admissions whose copies have landed join the resident set and
+    /// the device map (written on the compute stream, before the call's kernels). How many.
+    pub fn admit_landed(&mut self, be: &CudaBackend) -> Result<usize, GpuError> {
+        let mut admitted = 0;
+        let mut i = 0;
+        while i < self.admitting.len() {
+            if !self.admitting[i].landed.is_done() {
+                i += 1;
+                continue;
+            }
+            let a = self.admitting.swap_remove(i);
+            let hot = HotSlot { lane_idx: 0, slot_idx: a.slot as u32 };
+            self.resident.layers[a.layer].hot_id_map[a.expert] = Some(hot);
+            self.write_map(be, a.layer, a.expert, a.slot as i32)?;
+            self.spare_events.push(a.landed);
+            admitted += 1;
         }
-        Ok(())
+        Ok(admitted)
     }
 
     fn write_slot(
@@ -277,12 +382,19 @@ impl HotCache {
         Ok(())
     }
 
+    /// The logical hot set (module docs).
     pub fn set(&self) -> &HotSet {
         &self.set
     }
 
+    /// The resident hot set: what the lanes use now (module docs).
+    pub fn resident(&self) -> &HotSet {
+        &self.resident
+    }
+
+    /// Layer `l`'s resident map.
     pub fn layer(&self, l: usize) -> &LayerHotSet {
-        &self.set.layers[l]
+        &self.resident.layers[l]
     }
 
     pub fn n_hot(&self, l: usize) -> usize {

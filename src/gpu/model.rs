@@ -203,7 +203,8 @@ impl GpuModel {
     /// Exchange one cache slot between calls: `add` takes the slot of `evict`.
     pub fn exchange(&mut self, layer_idx: usize, evict: usize, add: usize) -> Result<(), GpuError> {
         self.dev.be.bind_to_thread()?;
-        self.moe.hot.exchange(&self.dev.be, &self.dev.model, layer_idx, evict, add)
+        let src = self.moe.postfetch.as_ref().and_then(|pf| pf.exchange_source());
+        self.moe.hot.exchange(&self.dev.be, &self.dev.model, src, (layer_idx, evict, add))
     }
 
     pub fn hot_set(&self) -> &HotSet {
@@ -414,6 +415,10 @@ impl GpuModel {
             return Err(GpuError::Injected { what: "gpu lost" });
         }
         self.dev.be.bind_to_thread()?;
+        let landed = self.moe.hot.admit_landed(&self.dev.be)?;
+        if landed > 0 {
+            self.perf.record_landed_exchanges(landed as u64);
+        }
         self.reserve_tokens(seqs.iter().map(|(tokens, _)| tokens.len()).sum())?;
         for (_, cache) in seqs.iter_mut() {
             if cache.n_positions == 0 {
@@ -495,7 +500,7 @@ impl GpuModel {
             let stride = t * c.n_experts_used;
             // Brought back with the greedy tokens by `HeadStage::copies`.
             let ids = &self.head.pin_tail.as_slice()?[cap..][..c.n_layers * stride];
-            let (hot, experts) = (self.moe.hot.set(), &self.dev.expert_layers);
+            let (hot, experts) = (self.moe.hot.resident(), &self.dev.expert_layers);
             stats::record_call(&mut self.perf, &self.stats, (ids, stride, stride), hot, experts);
         }
         if let Some(p) = &mut self.dev.profiler {

@@ -164,7 +164,6 @@ impl MoeStage {
         let (dev, l, phase, t) = (cx.dev, cx.l, cx.phase, cx.t);
         self.records[l] = LayerRecord::default();
         self.postfetch_reset();
-        self.hot.order_after_exchanges(&dev.be, l)?;
         // A few prefill rows over quantized slots take the decode kernels too: they read each
         // weight once per row (as cheap as dequantizing the slots for tensor cores) and keep the
         // dequantized values exact (f32, as the CPU) instead of rounding them to bf16.

@@ -717,6 +717,8 @@ impl Pipeline {
                     let _ = p.hot_set.apply_exchange(x.layer_idx, x.add, x.evict);
                     return Err(e.into());
                 }
+                // a CPU hot lane's slot is loaded now: the expert is hot from the next call on
+                p.perf.record_landed_exchanges(1);
                 Ok(p.model.expert_bytes_of_layer(x.layer_idx) as u64)
             },
         )

@@ -62,7 +62,7 @@ mod decode;
 pub(crate) mod plan;
 
 use super::device::Device;
-use super::hot_cache::{expert_glu, SlotEpilogue, SlotShape};
+use super::hot_cache::{expert_glu, RegisteredSource, SlotEpilogue, SlotShape};
 use super::moe::MoeStage;
 use super::GpuError;
 use crate::cache::perf::PerfState;
@@ -141,6 +141,8 @@ pub(crate) struct PostFetch {
     /// One pinned buffer per slot (none when `registered`).
     staging: Vec<PinnedBuffer<u8>>,
     streams: Vec<CopyStream>,
+    /// The hot cache's exchanges copy on it from the registered maps (`exchange_source`).
+    exchange_stream: CopyStream,
     /// Per slot, recorded after its copies.
     slot_ready: Vec<GpuEvent>,
     events: LayerEvents,
@@ -196,11 +198,13 @@ impl PostFetch {
         let [g, u, d] = [0, 1, 2].map(|i| be.alloc_zeros::<u8>(slots * bytes[i]));
         let decode_slots = be.alloc_zeros::<i32>(c.n_experts_used.max(1))?;
         let n_streams = opts.streams.clamp(1, plan::MAX_STREAMS);
-        let streams = (0..n_streams).map(|_| be.copy_stream()).collect::<Result<Vec<_>, _>>()?;
+        // one stream more: the hot cache's exchanges (`exchange_source`), registered with the rest
+        let mut streams = (0..=n_streams).map(|_| be.copy_stream()).collect::<Result<Vec<_>, _>>()?;
         let (registered, register_error) = match opts.register {
             true => register_maps(be, model, &streams).map_or_else(|e| (Vec::new(), Some(e)), |r| (r, None)),
             false => (Vec::new(), None),
         };
+        let exchange_stream = streams.pop().expect("n_streams + 1 streams");
         let n_staged = if registered.is_empty() { slots } else { 0 };
         let staging = (0..n_staged).map(|_| be.alloc_pinned::<u8>(expert)).collect::<Result<_, _>>()?;
         let slot_ready = (0..slots).map(|_| be.event()).collect::<Result<_, _>>()?;
@@ -225,6 +229,7 @@ impl PostFetch {
             register_error,
             staging,
             streams,
+            exchange_stream,
             slot_ready,
             events,
             tracker: TransferTracker::new(slots, opts.max_transfers),
@@ -284,6 +289,13 @@ impl PostFetch {
     /// Copies read the model's registered maps (no staging).
     pub fn direct(&self) -> bool {
         !self.registered.is_empty()
+    }
+
+    /// Where the hot cache's exchanges copy from without staging: the registered maps and the
+    /// stream registered for them (none when the maps are not registered).
+    pub fn exchange_source(&self) -> Option<RegisteredSource<'_>> {
+        let maps = self.registered.as_slice();
+        (!maps.is_empty()).then_some(RegisteredSource { stream: &self.exchange_stream, maps })
     }
 
     /// The registered map holding `bytes` and where in it.
