@@ -5,11 +5,11 @@
 # Usage: scripts/policy-compare.sh BIN
 #
 # Writes (once; kept for later calls) a 16-layer Qwen3-30B-A3B-shaped synthetic file whose routing
-# follows a locality workload: `BIN synth --preset qwen3-30b-a3b --layers 16 --skew $SPEC` into
+# follows the workload: `BIN synth --preset qwen3-30b-a3b --layers 16 --skew $SPEC` into
 # $MODEL_DIR (default ${TMPDIR:-/tmp}/policy-compare); or uses $MODEL when set (it must have been
 # written with the same --skew $SPEC). Then per hot fraction F of FRACTIONS (default "0.25 0.5")
 # and per policy: `BIN bench --model M --scenario $SPEC -p P -n N --runs RUNS --hot-fraction F
-# --json` with
+# --json` (`--scenario` for locality specs only; skewed, domains:D etc. run bench's random ids) with
 #   static   --cache-policy planned                    (today's static cache)
 #   online   --cache-policy planned --update auto --update-every-tokens 32   (today's updater)
 #   lru | lfu | tinylfu | adaptive | reuse   --cache-policy NAME   (per-token online policies)
@@ -41,7 +41,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,dri
 if [ -z "${MODEL:-}" ]; then
     MODEL_DIR=${MODEL_DIR:-${TMPDIR:-/tmp}/policy-compare}
     mkdir -p "$MODEL_DIR" || die "cannot create $MODEL_DIR"
-    MODEL=$MODEL_DIR/q16-$(echo "$SPEC" | tr ':,=' '___').gguf
+    MODEL=$MODEL_DIR/m-$(echo "$SYNTH_ARGS $SPEC" | tr -c 'A-Za-z0-9.\n' '_').gguf
     if [ ! -f "$MODEL" ]; then
         read -r -a sa <<<"$SYNTH_ARGS"
         "$BIN" synth "${sa[@]}" --skew "$SPEC" --format gguf --out "$MODEL" >"$LOGS/synth.log" 2>&1 \
@@ -57,6 +57,9 @@ flags() {
         *) echo "--cache-policy $1" ;;
     esac
 }
+# a locality workload's tokens come from its routing process; skewed, domains:D, ... take bench's random ids
+scenario=()
+case "$SPEC" in locality:*) scenario=(--scenario "$SPEC") ;; esac
 : >"$LOGS/runs.tsv"
 read -r -a extra <<<"${EXTRA_ARGS:-}"
 for f in $FRACTIONS; do
@@ -67,7 +70,7 @@ for f in $FRACTIONS; do
             continue
         fi
         read -r -a pf <<<"$(flags "$pol")"
-        timeout "$BENCH_TIMEOUT" "$BIN" bench --model "$MODEL" --scenario "$SPEC" -p "$P" -n "$N" --runs "$RUNS" \
+        timeout "$BENCH_TIMEOUT" "$BIN" bench --model "$MODEL" "${scenario[@]}" -p "$P" -n "$N" --runs "$RUNS" \
             --hot-fraction "$f" --json "${pf[@]}" "${extra[@]}" >"$out" 2>"$out.err"
         rc=$?
         python3 - "$out" "$pol" "$f" "$rc" >>"$LOGS/runs.tsv" <<'PY'

@@ -1056,9 +1056,10 @@ mod tests {
         let take = || snapshot_map(&snapshotter);
         let snap = take();
         // Registered at creation: 2 layers x (3 counters + admissions + evictions + 4 histograms
-        // + 5 reasons) + 3 + 3 modes.
-        assert_eq!(snap.len(), 2 * 14 + 3 + 3);
+        // + 5 reasons) + 4 (exchanges, refused, landed, bytes) + 3 modes.
+        assert_eq!(snap.len(), 2 * 14 + 4 + 3);
         assert_eq!(snap["moe_lanes_cache_exchanges_refused_total{}"], DebugValue::Counter(0));
+        assert_eq!(snap["moe_lanes_cache_exchanges_landed_total{}"], DebugValue::Counter(0));
         assert_eq!(snap["moe_lanes_perf_mode{mode=full}"], DebugValue::Gauge(1.0.into()));
         assert_eq!(snap["moe_lanes_perf_mode{mode=off}"], DebugValue::Gauge(0.0.into()));
         st.record_slot(1, 3, true);

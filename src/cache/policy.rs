@@ -95,8 +95,19 @@ pub const REUSE_FREQ_HALF_LIFE: f64 = 256.0;
 /// Half-life of the reuse policy's learned table, in steps.
 pub const REUSE_TABLE_HALF_LIFE: f64 = 512.0;
 /// The reuse policy admits a miss only when its predicted use probability per step beats the
-/// victim's by this much (hysteresis against copies that do not pay).
+/// victim's by at least this much (hysteresis against copies that do not pay): the floor of its
+/// learned margin ([`CopyLedger`]).
 pub const REUSE_MARGIN: f64 = 0.05;
+/// The learned margin's ceiling: above a probability difference of 1 nothing is admitted.
+pub const REUSE_MARGIN_MAX: f64 = 1.0;
+/// Longest an admission is judged over (it is judged when its expert is evicted, or this many
+/// steps after it), and the start of the residence that declined swaps are judged over.
+pub const LEDGER_MAX_STEPS: u64 = 128;
+/// Half-life, in judged admissions, of the mean residence declined swaps are judged over.
+const LEDGER_RESIDENCE_HALF_LIFE: f64 = 16.0;
+/// How far one wrong decision moves the margin, per use of its net (a declined swap that would
+/// have paid 3 uses lowers it by 0.012; an admission that lost 3 uses raises it as much).
+pub const LEDGER_RATE_PER_USE: f64 = 0.004;
 
 /// PCIe host-to-device copy rate of a promotion, bytes/s (benches/RESULTS.md: 54-55 GB/s
 /// measured from the registered model file on the H100/H200 hosts; 50 GB/s).
@@ -298,8 +309,9 @@ pub struct LayerPolicy {
     /// break-even uses per copy), in uses.
     shadows: Vec<Vec<bool>>,
     shadow_score: Vec<f64>,
-    /// Reuse: the learned predictor.
+    /// Reuse: the learned predictor and the ledger that learns its admission margin.
     reuse: Option<ReuseModel>,
+    ledger: Option<CopyLedger>,
     /// The residents of the real cache (`lists[0]`) and of each shadow (`lists[1 + i]`), in no
     /// order: victims are chosen among these, not among every expert.
     lists: Vec<Vec<usize>>,
@@ -391,6 +403,99 @@ impl ReuseModel {
 }
 
 /// Which cache a step of [`LayerPolicy`] moves, and by what rule.
+/// The reuse policy's admission margin, learned from outcomes: every swap it makes or declines
+/// past the margin's floor is judged by its net, the admitted expert's uses less its victim's
+/// less the copy's break-even uses ([`CopyCost::break_even_uses`]), counted over the admission's
+/// residence (until its expert is evicted, at most [`LEDGER_MAX_STEPS`]) or, for a declined
+/// swap, over the mean residence of the layer's judged admissions; both experts are routed or
+/// not whatever the cache holds, so a declined swap is judged as well as a made one. A wrong
+/// decision moves the margin by [`LEDGER_RATE_PER_USE`] per use of its net: up for an
+/// admission that lost, down for a declined swap that would have paid (within
+/// [`REUSE_MARGIN`]..=[`REUSE_MARGIN_MAX`]). So where copies repay themselves (short-term
+/// locality) the margin stays near its floor, and where the predictions' differences are noise
+/// (a stable popular set) it rises until swaps stop.
+#[derive(Debug, Clone)]
+struct CopyLedger {
+    /// Decisions not judged yet.
+    open: Vec<Decision>,
+    margin: f64,
+    /// Decayed mean residence of judged admissions, in steps.
+    residence: f64,
+    /// Admissions that paid, that lost; declined swaps that would have paid, would have lost.
+    counts: [u64; 4],
+}
+
+impl Default for CopyLedger {
+    fn default() -> Self {
+        let residence = LEDGER_MAX_STEPS as f64 / 4.0;
+        CopyLedger { open: Vec::new(), margin: REUSE_MARGIN, residence, counts: [0; 4] }
+    }
+}
+
+/// One swap decision under judgement: uses of the admitted expert and of its victim since.
+#[derive(Debug, Clone, Copy)]
+struct Decision {
+    expert: usize,
+    victim: usize,
+    admitted: bool,
+    opened: u64,
+    uses: [u32; 2],
+}
+
+impl CopyLedger {
+    fn open(&mut self, d: Decision) {
+        self.open.push(d);
+    }
+
+    /// One step's routed experts (`in_step`) counted for every open decision; the due ones
+    /// judged (admissions at [`LEDGER_MAX_STEPS`], declined swaps at the mean residence).
+    fn observe(&mut self, in_step: &[bool], clock: u64, break_even_uses: f64) {
+        let horizon = self.residence.round().clamp(1.0, LEDGER_MAX_STEPS as f64) as u64;
+        for d in &mut self.open {
+            d.uses[0] += in_step[d.expert] as u32;
+            d.uses[1] += in_step[d.victim] as u32;
+        }
+        self.close(clock, break_even_uses, |d, age| match d.admitted {
+            true => age >= LEDGER_MAX_STEPS,
+            false => age >= horizon,
+        });
+    }
+
+    /// Expert `v` was evicted: the admission that brought it in is judged now.
+    fn evicted(&mut self, v: usize, clock: u64, break_even_uses: f64) {
+        self.close(clock, break_even_uses, |d, _| d.admitted && d.expert == v);
+    }
+
+    /// Judge and drop the open decisions `due(decision, age)` picks.
+    fn close(&mut self, clock: u64, break_even_uses: f64, due: impl Fn(&Decision, u64) -> bool) {
+        let mut i = 0;
+        while i < self.open.len() {
+            let age = clock - self.open[i].opened;
+            if due(&self.open[i], age) {
+                let d = self.open.swap_remove(i);
+                self.judge(d, age, break_even_uses);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    fn judge(&mut self, d: Decision, age: u64, break_even_uses: f64) {
+        if d.admitted {
+            let keep = 0.5f64.powf(1.0 / LEDGER_RESIDENCE_HALF_LIFE);
+            self.residence = self.residence * keep + age as f64 * (1.0 - keep);
+        }
+        let net = d.uses[0] as f64 - d.uses[1] as f64 - break_even_uses;
+        let paid = net >= 0.0;
+        self.counts[usize::from(!d.admitted) * 2 + usize::from(!paid)] += 1;
+        if d.admitted != paid {
+            let step = LEDGER_RATE_PER_USE * net.abs();
+            let m = if paid { self.margin - step } else { self.margin + step };
+            self.margin = m.clamp(REUSE_MARGIN, REUSE_MARGIN_MAX);
+        }
+    }
+}
+
 #[derive(Clone, Copy)]
 enum Rule {
     /// LRU eviction, every miss admitted.
@@ -427,6 +532,7 @@ impl LayerPolicy {
             shadows: Vec::new(),
             shadow_score: Vec::new(),
             reuse: (config.kind == PolicyKind::Reuse).then(|| ReuseModel::new(n_experts)),
+            ledger: (config.kind == PolicyKind::Reuse).then(CopyLedger::default),
             lists: Vec::new(),
             misses: Vec::new(),
             victims: Vec::new(),
@@ -498,8 +604,28 @@ impl LayerPolicy {
             (Rule::Lru, _) => true,
             (Rule::Lrfu(i), _) => self.freq[i][e] > self.freq[i][v],
             (Rule::TinyLfu, _) => count(e) > count(v) && self.config.copy_cost.pays(self.expected_uses(e)),
-            (Rule::Reuse, Some(m)) => m.reuse_probability(e) > m.reuse_probability(v) + REUSE_MARGIN,
+            (Rule::Reuse, Some(m)) => m.reuse_probability(e) > m.reuse_probability(v) + self.reuse_margin(),
             (Rule::Reuse, None) => false,
+        }
+    }
+
+    /// The reuse policy's admission margin now (its floor under other policies).
+    pub fn reuse_margin(&self) -> f64 {
+        self.ledger.as_ref().map_or(REUSE_MARGIN, |l| l.margin)
+    }
+
+    /// The ledger's closed decisions: (admissions that paid, admissions that lost, declined
+    /// swaps that would have paid, declined swaps that would have lost).
+    pub fn ledger_counts(&self) -> Option<[u64; 4]> {
+        self.ledger.as_ref().map(|l| l.counts)
+    }
+
+    /// Reuse: a swap of `v` for the miss `e`, made or declined, to be judged by what follows;
+    /// only candidates past the margin's floor (the rest would never be admitted).
+    fn judge_later(&mut self, e: usize, v: usize, admitted: bool) {
+        let (Some(m), Some(ledger)) = (&self.reuse, self.ledger.as_mut()) else { return };
+        if m.reuse_probability(e) > m.reuse_probability(v) + REUSE_MARGIN {
+            ledger.open(Decision { expert: e, victim: v, admitted, opened: self.clock, uses: [0, 0] });
         }
     }
 
@@ -583,11 +709,16 @@ impl LayerPolicy {
         self.victims = victims;
         let mut next = 0;
         self.pairs.clear();
-        for &e in &self.misses {
+        for i in 0..self.misses.len() {
+            let e = self.misses[i];
             let Some(&v) = self.victims.get(next) else { break };
-            if self.admits(rule, e, v) {
+            let admitted = self.admits(rule, e, v);
+            if admitted {
                 self.pairs.push((v, e));
                 next += 1;
+            }
+            if shadow.is_none() {
+                self.judge_later(e, v, admitted);
             }
         }
         let cache = match shadow {
@@ -630,13 +761,20 @@ impl LayerPolicy {
             PolicyKind::Reuse => Some(Rule::Reuse),
         };
         let mut exchanges = Vec::new();
+        let break_even = self.config.copy_cost.break_even_uses();
+        if let Some(ledger) = self.ledger.as_mut() {
+            // before this step's decisions open: they count uses from the next step on
+            ledger.observe(&self.in_step, self.clock, break_even);
+        }
         if let Some(rule) = rule {
             self.admit(None, rule, experts, &mut exchanges);
         }
-        let cost = self.config.copy_cost.break_even_uses();
+        if let Some(ledger) = self.ledger.as_mut() {
+            exchanges.iter().for_each(|&(v, _)| ledger.evicted(v, self.clock, break_even));
+        }
         for i in 0..self.shadows.len() {
             let copies = self.admit(Some(i), Rule::Lrfu(i), experts, &mut exchanges);
-            self.shadow_score[i] -= cost * copies as f64;
+            self.shadow_score[i] -= break_even * copies as f64;
         }
         experts.iter().for_each(|&e| self.in_step[e] = false);
         self.admit_rate = self.admit_rate * self.decays[0] + exchanges.len() as f64;

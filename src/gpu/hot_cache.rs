@@ -23,8 +23,8 @@ use super::GpuError;
 use crate::cache::hot_set::{HotSet, HotSlot, LayerHotSet};
 use crate::model::Model;
 use moe_lanes_kernels::cuda::{
-    CopyStream, CudaBackend, DPtr, DeviceBuffer, GateUpEpilogue, Glu, GpuEvent, HostRegistration, PinnedBuffer,
-    TypedWeights,
+    CopyStream, CudaBackend, DPtr, DeviceBuffer, GateUpEpilogue, Glu, GpuEvent, HostRegistration,
+    PinnedBuffer, TypedWeights,
 };
 use moe_lanes_kernels::WeightDType;
 
