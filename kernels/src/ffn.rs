@@ -217,10 +217,14 @@ pub(crate) unsafe fn dot_tiles(
 /// the H200 machine's host, pp512 777 / 740 t/s with every quantised expert on the AMX tiles,
 /// 1011 / 900 with the Q4_K ones on these (benches/RESULTS.md, session 32). Q6_K there too: the
 /// same file's pp512 958.6 / 949.0 t/s with its Q6_K downs on the AMX tiles, 963.6 / 923.9 on
-/// these (session 33), so one rule for both types.
+/// these (session 33). Q5_K, Q8_0 and MXFP4 (issue 46) only off AMX: on the build machine's Zen
+/// 4 their tiles ran an expert 2.0-2.8x faster than the f32 tiles, but they have not been
+/// measured against the AMX tiles (the `x86_quant_gemm` timing test prints both on an AMX host).
 pub(crate) fn q8_many_tokens(level: SimdLevel, dtype: WeightDType) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return level.has_q8_dot() && crate::x86_quant_gemm::takes(dtype);
+    return level.has_q8_dot()
+        && crate::x86_quant_gemm::takes(dtype)
+        && (level != SimdLevel::Amx || matches!(dtype, WeightDType::Q4_K | WeightDType::Q6_K));
     #[cfg(not(target_arch = "x86_64"))]
     return false;
 }

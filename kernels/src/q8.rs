@@ -1,6 +1,6 @@
 //! 8-bit activations for the integer tiles (as llama.cpp's `q8` activations): one token at a
-//! time for experts of up to [`Q8_MAX_TOKENS`] tokens, and the many-token Q4_K and
-//! Q6_K tiles (`x86_quant_gemm.rs`) for more.
+//! time for experts of up to [`Q8_MAX_TOKENS`] tokens, and the many-token Q4_K, Q5_K, Q6_K,
+//! Q8_0 and MXFP4 tiles (`x86_quant_gemm.rs`) for more.
 //!
 //! [`Q8Activations`] holds rows of activations quantised per block of 32 values: `d = max|x| /
 //! 127`, `q = round_ties_even(x * 127 / max|x|)` (i8, |q| <= 127), and per block `d` and `sum =
@@ -36,7 +36,8 @@ pub enum DecodeActivations {
     Q8,
     /// 8-bit activations for the types they measured faster on (Q4_0, Q4_K, Q5_K, Q6_K, MXFP4), f32
     /// for Q8_0, whose f32 tile runs as fast (near the read bandwidth; benches/RESULTS.md). The
-    /// default where the level has VNNI.
+    /// default where the level has VNNI. Experts of more than [`Q8_MAX_TOKENS`] tokens take 8 bits
+    /// under Q8 and Auto alike, for the types the many-token VNNI tiles take (Q8_0 too).
     Auto,
 }
 
@@ -119,8 +120,8 @@ pub(crate) struct Q8Row {
 /// Most tokens of an expert whose tiles take 8-bit activations: each token runs the one-token
 /// integer tile over a row block while it is in cache, which beats dequantising the rows to f32
 /// for a few tokens (`bench-kernels` "layer 25% hot", experts of 1-3 tokens); beyond this the
-/// f32 tiles share each dequantised block across their tokens (or, for Q4_K and Q6_K, the
-/// many-token VNNI tiles take them).
+/// f32 tiles share each dequantised block across their tokens (or, for Q4_K, Q5_K, Q6_K, Q8_0
+/// and MXFP4, the many-token VNNI tiles take them).
 pub const Q8_MAX_TOKENS: usize = 4;
 
 /// The 8-bit rows of an expert's tokens: token `t` is row `ids[t]` (listed) or `first + t` of a

@@ -1,30 +1,44 @@
-//! AVX-512 VNNI tiles of Q4_K rows for many tokens (prefill) with 8-bit activations
-//! ([`crate::q8`]): 16 rows in the 16 lanes of a register, so one `vpdpbusd` takes four columns
-//! of all 16 rows against four int8 values of one token (broadcast), and each row's K-quant scale
-//! and min are lane vectors. The one-token VNNI tile (`x86_quant_vnni.rs`) keeps a row's columns
-//! in the lanes, so it unpacks the nibbles and decodes the scales again for every token, and
-//! an expert of 32 prefill tokens ran no faster on it than on rows dequantised to f32.
+//! AVX-512 VNNI tiles of Q4_K, Q5_K, Q6_K, Q8_0 and MXFP4 rows for many tokens (prefill) with
+//! 8-bit activations ([`crate::q8`]): 16 rows in the 16 lanes of a register, so one `vpdpbusd`
+//! takes four columns of all 16 rows against four int8 values of one token (broadcast), and each
+//! row's scales (and K-quant mins) are lane vectors. The one-token VNNI tile (`x86_quant_vnni.rs`)
+//! keeps a row's columns in the lanes, so it unpacks the levels and decodes the scales again for
+//! every token, and an expert of 32 prefill tokens ran no faster on it than on rows dequantised
+//! to f32.
 //!
 //! Each block of up to [`GEMM_ROWS`] rows is unpacked once per call into a per-thread buffer:
-//! the levels (u8, 0..16) as `[cols / 4][16 rows]` dwords, and per sub-block of 32 columns the
-//! rows' `d sc_j` and `dmin m_j` as 16-lane vectors (missing rows zero). Then for each tile of
-//! up to [`GEMM_TOKENS`] tokens, per sub-block: 8 `vpdpbusd` per token into i32 lanes, then
-//! `acc += cvt(dot) * (d sc_j * d_x,j) - dmin m_j * sum_x,j` in f32. The result differs from the
-//! exact dot of the dequantised weights with f32 `x` by the activation rounding (bound in
-//! [`crate::q8`]) and f32 rounding, as the one-token VNNI tile's does.
+//! the levels as `[cols / 4][16 rows]` dwords (a row's bytes moved 64 at a time through a 16 x 16
+//! dword transpose), and per (sub-)block the rows' scales as 16-lane vectors (missing rows
+//! zero). Then for each tile of up to [`GEMM_TOKENS`] tokens, per block of 32 columns, 8
+//! `vpdpbusd` per token into i32 lanes and a few f32 operations:
 //!
-//! Q6_K rows (Q4_K_M files' `ffn_down` in some layers) take the same layout with signed levels
-//! `q - 32` and the tokens flipped to unsigned (`x + 128`, so `vpdpbusd` still multiplies u8 by
-//! i8): per sub-block of 16 columns (one scale each) 4 `vpdpbusd` per token, the two sub-blocks
-//! of an activation block combined as `cvt(dot_a) d sc_a + cvt(dot_b) d sc_b - corr` before one
-//! multiply by the token's block scale, where `corr = 128 (d sc_a c_a + d sc_b c_b)` removes the
-//! flip (`c` the sub-block's sum of `q - 32`, unpacked with the levels).
+//! - Q4_K, Q5_K: the levels unsigned (0..16; Q5_K's fifth bit added as 16, 0..32), per sub-block
+//!   `acc += cvt(dot) * (d sc_j * d_x,j) - dmin m_j * sum_x,j`.
+//! - Q6_K (Q4_K_M files' `ffn_down` in some layers): signed levels `q - 32` against the tokens
+//!   flipped to unsigned (`x + 128`, so `vpdpbusd` still multiplies u8 by i8); per 16 columns (one
+//!   scale each) 4 `vpdpbusd`, the two halves of an activation block combined as `cvt(dot_a) d
+//!   sc_a + cvt(dot_b) d sc_b - corr` before one multiply by the token's block scale, where `corr
+//!   = 128 (d sc_a c_a + d sc_b c_b)` removes the flip (`c` the sum of `q - 32`, from the levels).
+//! - Q8_0, MXFP4: signed levels (Q8_0's bytes; MXFP4's doubled E2M1 values, -12..=12, by a
+//!   `pshufb` of the nibbles) against the flipped tokens, the integer dot started at `-128 Σq`
+//!   (per block and row, from the levels), so it is `Σ x q` exactly; then `acc += cvt(dot) * (d *
+//!   d_x)` with Q8_0's f16 `d` or MXFP4's `e8m0_half(e)`.
+//!
+//! The tokens are flipped once per call into a per-thread buffer (`n_tokens * cols` bytes) for
+//! the three signed types: with an XOR per broadcast instead (as the Q6_K tile had it), an expert
+//! of 128 tokens took 15-35% longer on their tiles (Zen 4, alternating runs of the timing test
+//! below).
+//!
+//! The result differs from the exact dot of the dequantised weights with f32 `x` by the activation
+//! rounding (bound in [`crate::q8`]) and f32 rounding, as the one-token VNNI tile's does. Each
+//! row's result is computed in its own lane in a fixed order, so its bits do not depend on which
+//! rows or tokens share its tiles.
 
 use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use crate::q8::{Q8Row, Q8Rows};
-use crate::quant::{half_at, scale_min};
+use crate::quant::{e8m0_half, half_at, scale_min, MXFP4_VALUES};
 use crate::weights::WeightDType;
 
 /// Rows of a tile: the lanes of one register of i32 / f32.
@@ -37,17 +51,31 @@ const SUB_COLS: usize = 32;
 /// Columns under one Q6_K scale.
 const Q6_SUB_COLS: usize = 16;
 
+/// Which tile reads an unpacked row block.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// Q4_K, Q5_K: u8 levels; `scale` (`d sc`) and `min` (`dmin m`) per sub-block of 32.
+    #[default]
+    Asym,
+    /// Q6_K: i8 levels `q - 32`; `scale` (`d sc`) per 16 columns, `min` the flip's correction per 32.
+    Q6,
+    /// Q8_0, MXFP4: i8 levels; `scale` per block of 32, `start` the flip's `-128 Σq` per block.
+    Signed,
+}
+
 /// A row block unpacked for the tiles (module docs); grows, never shrinks: 115 KB of levels and
-/// 57 KB of scales a thread at 7168 columns (Q6_K: 29 KB of scales and 14 KB of corrections more).
-/// Q4_K: `scale` and `min` per sub-block of 32; Q6_K: `scale` (`d sc`) per 16 columns and `min`
-/// the flip's correction per 32.
+/// 57 KB of scales a thread at 7168 columns (Q6_K: 29 KB of scales and 14 KB of corrections more;
+/// Q8_0 / MXFP4: 14 KB of starts), and for the signed layouts the call's tokens flipped (7 KB a
+/// token at 7168 columns).
 #[derive(Default)]
 struct Unpacked {
-    /// Whether the block holds Q6_K rows (else Q4_K).
-    q6_k: bool,
+    layout: Layout,
     levels: Vec<u32>,
     scale: Vec<f32>,
     min: Vec<f32>,
+    start: Vec<i32>,
+    /// The call's tokens flipped to unsigned for the signed layouts ([`flip_tokens`]).
+    flipped: Vec<i8>,
 }
 
 thread_local! {
@@ -56,7 +84,8 @@ thread_local! {
 
 /// Whether these tiles take rows of `dtype`.
 pub(crate) fn takes(dtype: WeightDType) -> bool {
-    matches!(dtype, WeightDType::Q4_K | WeightDType::Q6_K)
+    use WeightDType::*;
+    matches!(dtype, Q4_K | Q5_K | Q6_K | Q8_0 | Mxfp4)
 }
 
 /// 64 bytes at `at` of each listed row (zeros for the missing lanes), transposed: dword d of
@@ -84,7 +113,7 @@ unsafe fn load_transposed(rows: &[*const u8], at: usize) -> [__m512i; 16] {
 /// The CPU has AVX-512 VNNI; each pointer of `rows` addresses `cols / 256` whole Q6_K blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn unpack_q6(rows: &[*const u8], cols: usize, u: &mut Unpacked) {
-    u.q6_k = true;
+    u.layout = Layout::Q6;
     u.levels.resize(cols / 4 * GEMM_ROWS, 0);
     u.scale.resize(cols / Q6_SUB_COLS * GEMM_ROWS, 0.0);
     u.min.resize(cols / SUB_COLS * GEMM_ROWS, 0.0);
@@ -190,20 +219,20 @@ unsafe fn q6_correction(u: &mut Unpacked, k: usize) {
     };
 }
 
-/// Rows `rows` (at most [`GEMM_ROWS`]; the rest of the lanes zero) of `cols` Q4_K values into
-/// `u`: the scales per row, the levels 64 bytes of 16 rows at a time through a 16 x 16 dword
-/// transpose (a lane per row), each dword holding four columns' nibbles of two sub-blocks.
+/// Rows `rows` (at most [`GEMM_ROWS`]; the rest of the lanes zero) of `cols` Q4_K or Q5_K values
+/// into `u`: the scales per row, the levels a block at a time ([`unpack_k_levels`]).
 ///
 /// # Safety
-/// The CPU has AVX-512F; each pointer of `rows` addresses `cols / 256` whole Q4_K blocks.
+/// The CPU has AVX-512F and BW; each pointer of `rows` addresses `cols / 256` whole blocks of
+/// `dtype` (Q4_K or Q5_K).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
-unsafe fn unpack(rows: &[*const u8], cols: usize, u: &mut Unpacked) {
-    u.q6_k = false;
+unsafe fn unpack(rows: &[*const u8], cols: usize, dtype: WeightDType, u: &mut Unpacked) {
+    u.layout = Layout::Asym;
     let (groups, subs) = (cols / 4, cols / SUB_COLS);
     u.levels.resize(groups * GEMM_ROWS, 0);
     u.scale.resize(subs * GEMM_ROWS, 0.0);
     u.min.resize(subs * GEMM_ROWS, 0.0);
-    let bytes = WeightDType::Q4_K.block_bytes();
+    let bytes = dtype.block_bytes();
     for r in 0..GEMM_ROWS {
         let (scale, min) = (&mut u.scale, &mut u.min);
         let lanes = (0..subs).map(|j| j * GEMM_ROWS + r);
@@ -219,25 +248,190 @@ unsafe fn unpack(rows: &[*const u8], cols: usize, u: &mut Unpacked) {
             (scale[at], min[at]) = (half_at(block, 0) * sc, half_at(block, 2) * m);
         }
     }
-    let low4 = _mm512_set1_epi8(15);
     for blk in 0..cols / 256 {
-        for q in 0..2 {
-            // SAFETY: the 64 nibble bytes at 16 + 64q of each listed row's block `blk`.
-            let t = unsafe { load_transposed(rows, blk * bytes + 16 + 64 * q) };
-            // dword d: chunk 2q + d / 8 (32 bytes: its low nibbles sub-block 2k, its high ones 2k + 1)
-            for (d, &v) in t.iter().enumerate() {
-                let (k, i) = (2 * q + d / 8, d % 8);
-                let lo = 64 * blk + 8 * (2 * k) + i;
-                let hi = lo + 8;
-                // SAFETY: groups `lo` and `hi` lie in `u.levels` (cols / 4 groups of 16 lanes).
-                unsafe {
-                    let dst = u.levels.as_mut_ptr();
-                    _mm512_storeu_si512(dst.add(lo * GEMM_ROWS) as *mut _, _mm512_and_si512(v, low4));
-                    let h = _mm512_and_si512(_mm512_srli_epi32::<4>(v), low4);
-                    _mm512_storeu_si512(dst.add(hi * GEMM_ROWS) as *mut _, h);
-                }
+        // SAFETY: block `blk` of every listed row is whole; `u.levels` holds its groups.
+        unsafe {
+            match dtype {
+                WeightDType::Q5_K => unpack_k_levels::<true>(rows, blk * bytes, blk, u),
+                _ => unpack_k_levels::<false>(rows, blk * bytes, blk, u),
             }
         }
+    }
+}
+
+/// The levels of the Q4_K (`FIFTH` false) or Q5_K block `blk` (at byte `at`) of each listed row:
+/// its 128 nibble bytes 64 at a time through a 16 x 16 dword transpose (a lane per row), each
+/// dword holding four columns' nibbles of two sub-blocks; Q5_K's fifth bits (bit j of qh byte l
+/// for column l of sub-block j) from its 32 qh bytes, transposed the same way, added as 16.
+///
+/// # Safety
+/// The CPU has AVX-512F and BW; block `blk` of every listed row is whole at `at`; `u.levels`
+/// holds its groups.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn unpack_k_levels<const FIFTH: bool>(rows: &[*const u8], at: usize, blk: usize, u: &mut Unpacked) {
+    let (low4, sixteen) = (_mm512_set1_epi8(15), _mm512_set1_epi8(16));
+    // SAFETY: Q5_K's 32 qh bytes at 16 and the 32 nibble bytes after them lie in every block.
+    let qh = if FIFTH { unsafe { load_transposed(rows, at + 16) } } else { [low4; 16] };
+    let qs = at + if FIFTH { 48 } else { 16 };
+    for q in 0..2 {
+        // SAFETY: the 64 nibble bytes at `qs + 64q` of each listed row's block.
+        let t = unsafe { load_transposed(rows, qs + 64 * q) };
+        // dword d: chunk k = 2q + d / 8 (32 bytes: its low nibbles sub-block 2k, its high ones
+        // 2k + 1), bytes 4i.. (columns 4i..4i + 4 of each), i = d % 8
+        for (d, &v) in t.iter().enumerate() {
+            let (k, i) = (2 * q + d / 8, d % 8);
+            let mut lo = _mm512_and_si512(v, low4);
+            let mut hi = _mm512_and_si512(_mm512_srli_epi32::<4>(v), low4);
+            if FIFTH {
+                let bit = |j: usize| _mm512_test_epi8_mask(qh[i], _mm512_set1_epi8((1u8 << j) as i8));
+                lo = _mm512_mask_add_epi8(lo, bit(2 * k), lo, sixteen);
+                hi = _mm512_mask_add_epi8(hi, bit(2 * k + 1), hi, sixteen);
+            }
+            let g = 64 * blk + 16 * k + i;
+            // SAFETY: groups `g` and `g + 8` lie in `u.levels` (the caller's contract).
+            unsafe {
+                let dst = u.levels.as_mut_ptr();
+                _mm512_storeu_si512(dst.add(g * GEMM_ROWS) as *mut _, lo);
+                _mm512_storeu_si512(dst.add((g + 8) * GEMM_ROWS) as *mut _, hi);
+            }
+        }
+    }
+}
+
+/// Rows `rows` (at most [`GEMM_ROWS`]; the rest of the lanes zero) of `cols` Q8_0 or MXFP4
+/// values (blocks of 32, one scale each) into `u`: each block's scale per row (Q8_0's f16 `d`,
+/// MXFP4's `e8m0_half(e)`), the signed levels ([`unpack_q8_0_levels`], [`unpack_mxfp4_levels`])
+/// and per block the flip's start `-128 Σq` ([`signed_starts`]).
+///
+/// # Safety
+/// The CPU has AVX-512 VNNI; each pointer of `rows` addresses `cols / 32` whole blocks of
+/// `dtype` (Q8_0 or MXFP4).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn unpack_signed(rows: &[*const u8], cols: usize, dtype: WeightDType, u: &mut Unpacked) {
+    u.layout = Layout::Signed;
+    let blocks = cols / SUB_COLS;
+    u.levels.resize(cols / 4 * GEMM_ROWS, 0);
+    u.scale.resize(blocks * GEMM_ROWS, 0.0);
+    u.start.resize(blocks * GEMM_ROWS, 0);
+    let bytes = dtype.block_bytes();
+    for r in 0..GEMM_ROWS {
+        let row = rows.get(r).map(|&row| {
+            // SAFETY: the row's `blocks` blocks are whole (the caller's contract).
+            unsafe { std::slice::from_raw_parts(row, blocks * bytes) }
+        });
+        for k in 0..blocks {
+            u.scale[k * GEMM_ROWS + r] = match row.map(|row| &row[k * bytes..]) {
+                None => 0.0,
+                Some(block) if dtype == WeightDType::Q8_0 => half_at(block, 0),
+                Some(block) => e8m0_half(block[0]),
+            };
+        }
+    }
+    // SAFETY: the rows' blocks are whole; `u.levels` holds `cols / 4` groups (resized above).
+    unsafe {
+        match dtype {
+            WeightDType::Q8_0 => unpack_q8_0_levels(rows, blocks, u),
+            _ => unpack_mxfp4_levels(rows, blocks, u),
+        }
+        signed_starts(u, blocks);
+    }
+}
+
+/// Q8_0 levels of `blocks` blocks of each listed row into `u.levels`: two blocks' 32 bytes per
+/// row in one register (the second zero past the last block), transposed, so dword d of block
+/// k is group `8k + d`.
+///
+/// # Safety
+/// As [`unpack_signed`]; `u.levels` holds `8 blocks` groups.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn unpack_q8_0_levels(rows: &[*const u8], blocks: usize, u: &mut Unpacked) {
+    let bytes = WeightDType::Q8_0.block_bytes();
+    for k in (0..blocks).step_by(2) {
+        let pair = k + 1 < blocks;
+        let t = transpose16(std::array::from_fn(|r| match rows.get(r) {
+            // SAFETY: blocks k (and k + 1 when `pair`) of the row are whole; their 32 values
+            // follow the 2-byte scale.
+            Some(&row) => unsafe {
+                let lo = _mm256_loadu_si256(row.add(k * bytes + 2) as *const _);
+                let hi = match pair {
+                    true => _mm256_loadu_si256(row.add((k + 1) * bytes + 2) as *const _),
+                    false => _mm256_setzero_si256(),
+                };
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+            },
+            None => _mm512_setzero_si512(),
+        }));
+        let n = if pair { 16 } else { 8 };
+        for (d, &v) in t[..n].iter().enumerate() {
+            // SAFETY: group 8k + d < 8 blocks lies in `u.levels`.
+            unsafe { _mm512_storeu_si512(u.levels.as_mut_ptr().add((8 * k + d) * GEMM_ROWS) as *mut _, v) };
+        }
+    }
+}
+
+/// MXFP4 levels (the doubled E2M1 values, -12..=12, of [`MXFP4_VALUES`]) of `blocks` blocks of
+/// each listed row into `u.levels`: four blocks' 16 nibble bytes per row in one register,
+/// transposed, then per dword the low nibbles (columns `4i..4i + 4` of block `k + d / 4`, `i =
+/// d % 4`) and the high ones (columns `16 + 4i..`) looked up by `pshufb`.
+///
+/// # Safety
+/// As [`unpack_signed`]; `u.levels` holds `8 blocks` groups.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn unpack_mxfp4_levels(rows: &[*const u8], blocks: usize, u: &mut Unpacked) {
+    let bytes = WeightDType::Mxfp4.block_bytes();
+    // SAFETY: MXFP4_VALUES holds 16 bytes.
+    let table = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(MXFP4_VALUES.as_ptr() as *const _) });
+    let low4 = _mm512_set1_epi8(15);
+    for k in (0..blocks).step_by(4) {
+        let n = (blocks - k).min(4);
+        let t = transpose16(std::array::from_fn(|r| {
+            let mut v = _mm512_setzero_si512();
+            if let Some(&row) = rows.get(r) {
+                for i in 0..n {
+                    // SAFETY: block k + i < blocks of the row is whole; its 16 nibble bytes
+                    // follow the scale byte.
+                    let q = unsafe { _mm_loadu_si128(row.add((k + i) * bytes + 1) as *const _) };
+                    v = _mm512_mask_broadcast_i32x4(v, 0xF << (4 * i), q);
+                }
+            }
+            v
+        }));
+        for (d, &v) in t[..4 * n].iter().enumerate() {
+            let g = 8 * (k + d / 4) + d % 4;
+            let lo = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low4));
+            let hi = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi32::<4>(v), low4));
+            // SAFETY: groups g and g + 4 of block k + d / 4 < blocks lie in `u.levels`.
+            unsafe {
+                let dst = u.levels.as_mut_ptr();
+                _mm512_storeu_si512(dst.add(g * GEMM_ROWS) as *mut _, lo);
+                _mm512_storeu_si512(dst.add((g + 4) * GEMM_ROWS) as *mut _, hi);
+            }
+        }
+    }
+}
+
+/// Per block of 32 columns the start of [`tile_signed`]'s integer dot, `-128 Σq` per row: the
+/// tokens' flip to `x + 128` adds `128 Σq` to `Σ (x + 128) q`.
+///
+/// # Safety
+/// The CPU has AVX-512 VNNI; `u.levels` holds `8 blocks` groups and `u.start` `blocks` lanes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn signed_starts(u: &mut Unpacked, blocks: usize) {
+    let ones = _mm512_set1_epi8(1);
+    for k in 0..blocks {
+        let mut sum = _mm512_setzero_si512();
+        for g in 8 * k..8 * k + 8 {
+            // SAFETY: group g lies in `u.levels`.
+            let w = unsafe { _mm512_loadu_si512(u.levels.as_ptr().add(g * GEMM_ROWS) as *const _) };
+            sum = _mm512_dpbusd_epi32(sum, ones, w);
+        }
+        let start = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(sum));
+        // SAFETY: block k's 16 lanes lie in `u.start`.
+        unsafe { _mm512_storeu_si512(u.start.as_mut_ptr().add(k * GEMM_ROWS) as *mut _, start) };
     }
 }
 
@@ -312,7 +506,7 @@ unsafe fn tile<const T: usize>(u: &Unpacked, subs: usize, xs: &[Q8Row; T], out: 
     }
 }
 
-/// [`tile`] over a Q6_K block (module docs): tokens flipped to unsigned per broadcast.
+/// [`tile`] over a Q6_K block (module docs): `xs` flipped to unsigned ([`flip_tokens`]).
 // SAFETY (callers): as `tile`, `u` unpacked by `unpack_q6` with `blocks` activation blocks.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -334,8 +528,7 @@ unsafe fn tile_q6<const T: usize>(
                     let w = _mm512_loadu_si512(u.levels.as_ptr().add((4 * j + i) * GEMM_ROWS) as *const _);
                     for t in 0..T {
                         let x = (xs[t].qs.add(Q6_SUB_COLS * j + 4 * i) as *const i32).read_unaligned();
-                        let flipped = _mm512_set1_epi32(x ^ 0x8080_8080_u32 as i32);
-                        dot[t] = _mm512_dpbusd_epi32(dot[t], flipped, w);
+                        dot[t] = _mm512_dpbusd_epi32(dot[t], _mm512_set1_epi32(x), w);
                     }
                 }
             }
@@ -360,11 +553,78 @@ unsafe fn tile_q6<const T: usize>(
     }
 }
 
+/// [`tile`] over a Q8_0 or MXFP4 block (module docs): per block of 32 columns the integer dot
+/// of the signed levels and the tokens flipped to unsigned, started at `-128 Σq` (so it is `Σ
+/// x q` exactly), then one multiply by `d d_x`.
+// SAFETY (callers): as `tile`, `u` unpacked by `unpack_signed` with `blocks` blocks.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn tile_signed<const T: usize>(
+    u: &Unpacked,
+    blocks: usize,
+    xs: &[Q8Row; T],
+    out: &mut [[f32; GEMM_ROWS]; T],
+) {
+    let mut acc = [_mm512_setzero_ps(); T];
+    for k in 0..blocks {
+        // SAFETY: block k's 16 lanes lie in `u.start`.
+        let mut dot = [unsafe { _mm512_loadu_si512(u.start.as_ptr().add(k * GEMM_ROWS) as *const _) }; T];
+        for i in 0..SUB_COLS / 4 {
+            // SAFETY: group 8k + i of 16 lanes lies in `u.levels`; the token's four values at
+            // column 32k + 4i lie in its row.
+            unsafe {
+                let w = _mm512_loadu_si512(u.levels.as_ptr().add((8 * k + i) * GEMM_ROWS) as *const _);
+                for t in 0..T {
+                    let x = (xs[t].qs.add(SUB_COLS * k + 4 * i) as *const i32).read_unaligned();
+                    dot[t] = _mm512_dpbusd_epi32(dot[t], _mm512_set1_epi32(x), w);
+                }
+            }
+        }
+        // SAFETY: block k's 16 lanes lie in `u.scale`; the tokens' block k scale in their rows.
+        unsafe {
+            let s = _mm512_loadu_ps(u.scale.as_ptr().add(k * GEMM_ROWS));
+            for t in 0..T {
+                let f = _mm512_mul_ps(s, _mm512_set1_ps(*xs[t].d.add(k)));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[t]), f, acc[t]);
+            }
+        }
+    }
+    for t in 0..T {
+        // SAFETY: `out[t]` holds 16 f32.
+        unsafe { _mm512_storeu_ps(out[t].as_mut_ptr(), acc[t]) };
+    }
+}
+
+/// The 8-bit tokens `0..n_tokens` of `q8` flipped to unsigned (`x + 128`: `x ^ 0x80`) into
+/// `flipped`, token t at `t * cols`, once per call for the tiles of signed levels (Q6_K, Q8_0,
+/// MXFP4), which then broadcast four values from memory (an XOR per broadcast was slower:
+/// module docs).
+///
+/// # Safety
+/// The CPU has AVX-512F; each `q8.row(t)`, `t < n_tokens`, holds `cols` (a multiple of 32) values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn flip_tokens(q8: &Q8Rows<'_>, n_tokens: usize, cols: usize, flipped: &mut Vec<i8>) {
+    flipped.resize(flipped.len().max(n_tokens * cols), 0);
+    let sign = _mm256_set1_epi8(-128);
+    for t in 0..n_tokens {
+        let (src, dst) = (q8.row(t).qs, flipped[t * cols..].as_mut_ptr());
+        for c in (0..cols).step_by(32) {
+            // SAFETY: 32 values at c < cols of the token's row (the caller's contract) and of
+            // its `cols` in `flipped` (resized above).
+            unsafe {
+                let v = _mm256_loadu_si256(src.add(c) as *const _);
+                _mm256_storeu_si256(dst.add(c) as *mut _, _mm256_xor_si256(v, sign));
+            }
+        }
+    }
+}
+
 /// Tokens `t0..t0 + n` (n <= [`GEMM_TOKENS`]) of `q8` against the unpacked block; `sink(r, t, v)`
 /// for its `n_rows` rows.
 ///
 /// # Safety
-/// As [`tile`]; the level has AVX-512 VNNI.
+/// As [`tile`]; the level has AVX-512 VNNI; for a signed layout (Q6_K, Q8_0, MXFP4) `u.flipped`
+/// holds the call's tokens flipped ([`flip_tokens`]).
 unsafe fn token_tile(
     u: &Unpacked,
     subs: usize,
@@ -375,15 +635,24 @@ unsafe fn token_tile(
     sink: &mut impl FnMut(usize, usize, f32),
 ) {
     let mut out = [[0.0f32; GEMM_ROWS]; GEMM_TOKENS];
+    // the signed layouts' tokens flipped to unsigned ([`flip_tokens`])
+    let flipped = (u.layout != Layout::Asym).then_some(u.flipped.as_ptr());
     macro_rules! run {
         ($t:literal) => {{
-            let xs: [Q8Row; $t] = std::array::from_fn(|i| q8.row(t0 + i));
+            let xs: [Q8Row; $t] = std::array::from_fn(|i| {
+                let mut x = q8.row(t0 + i);
+                if let Some(f) = flipped {
+                    x.qs = f.wrapping_add((t0 + i) * subs * SUB_COLS);
+                }
+                x
+            });
             let o: &mut [[f32; GEMM_ROWS]; $t] = (&mut out[..$t]).try_into().expect("a tile of tokens");
             // SAFETY: forwarded contract.
             unsafe {
-                match u.q6_k {
-                    true => tile_q6::<$t>(u, subs, &xs, o),
-                    false => tile::<$t>(u, subs, &xs, o),
+                match u.layout {
+                    Layout::Asym => tile::<$t>(u, subs, &xs, o),
+                    Layout::Q6 => tile_q6::<$t>(u, subs, &xs, o),
+                    Layout::Signed => tile_signed::<$t>(u, subs, &xs, o),
                 }
             }
         }};
@@ -410,9 +679,9 @@ unsafe fn token_tile(
 /// increasing order.
 ///
 /// # Safety
-/// The CPU has AVX-512 VNNI; `cols % 256 == 0`; `row_ptr(r)` addresses `cols` values of `dtype`
-/// for every `r < n_rows`; each `q8.row(t)`, `t < n_tokens`, holds `cols` quantised values with
-/// their scales and sums.
+/// The CPU has AVX-512 VNNI; `cols` is a whole number of `dtype` blocks; `row_ptr(r)` addresses
+/// `cols` values of `dtype` for every `r < n_rows`; each `q8.row(t)`, `t < n_tokens`, holds `cols`
+/// quantised values with their scales and sums.
 pub(crate) unsafe fn rows_times_tokens(
     dtype: WeightDType,
     cols: usize,
@@ -424,6 +693,10 @@ pub(crate) unsafe fn rows_times_tokens(
 ) {
     UNPACKED.with(|u| {
         let mut u = u.borrow_mut();
+        if !matches!(dtype, WeightDType::Q4_K | WeightDType::Q5_K) {
+            // SAFETY: AVX-512 and the tokens' rows are the caller's contract.
+            unsafe { flip_tokens(&q8, n_tokens, cols, &mut u.flipped) };
+        }
         let mut row0 = 0;
         while row0 < n_rows {
             let block_rows = GEMM_ROWS.min(n_rows - row0);
@@ -432,7 +705,10 @@ pub(crate) unsafe fn rows_times_tokens(
             unsafe {
                 match dtype {
                     WeightDType::Q6_K => unpack_q6(&rows[..block_rows], cols, &mut u),
-                    _ => unpack(&rows[..block_rows], cols, &mut u),
+                    WeightDType::Q8_0 | WeightDType::Mxfp4 => {
+                        unpack_signed(&rows[..block_rows], cols, dtype, &mut u)
+                    }
+                    _ => unpack(&rows[..block_rows], cols, dtype, &mut u),
                 }
             };
             // the next block's rows into L2 while this one's tiles run (the unpack reads them
@@ -461,93 +737,321 @@ pub(crate) unsafe fn rows_times_tokens(
 mod tests {
     use super::*;
     use crate::q8::{Q8Activations, Q8RowIds};
+    use crate::quant::dequantize_block;
+    use WeightDType::{Mxfp4, Q4_K, Q5_K, Q6_K, Q8_0};
 
-    /// Against the dequantised rows dotted with the dequantised 8-bit tokens in f64 (the same
-    /// inputs, so only f32 rounding differs): partial row blocks and token tiles, 1..=19 tokens.
+    /// Every type the tiles take.
+    const TYPES: [WeightDType; 5] = [Q4_K, Q5_K, Q6_K, Q8_0, Mxfp4];
+
+    fn has_vnni() -> bool {
+        is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni")
+    }
+
+    /// Each type against its dequantised rows (module docs: the activation rounding bound of
+    /// [`crate::q8`] against f32 tokens, f32 rounding only against the 8-bit tokens): partial row
+    /// blocks (37 and 3 rows), token tiles of 1..=19 tokens, several column counts (Q8_0 / MXFP4:
+    /// 1, 3, 5 and 16 blocks, so the unpack's two- and four-block steps end early), model-like and
+    /// extreme scales.
     #[test]
     fn tiles_match_the_dequantised_rows_and_tokens() {
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni")) {
+        if !has_vnni() {
             return;
         }
-        for dtype in [WeightDType::Q4_K, WeightDType::Q6_K] {
-            check_tiles(dtype);
+        for dtype in TYPES {
+            let cols: &[usize] = match dtype.block_elems() {
+                256 => &[256, 768],
+                _ => &[32, 96, 160, 512],
+            };
+            for &cols in cols {
+                for extreme in [false, true] {
+                    check_tiles(dtype, 37, cols, extreme);
+                }
+            }
+            check_tiles(dtype, 3, 512, true);
         }
     }
 
-    /// Random blocks of `dtype` with small f16 scales (d and dmin for Q4_K, d for Q6_K; the
-    /// 8-bit scales random).
-    fn random_rows(dtype: WeightDType, rows: usize, cols: usize) -> Vec<u8> {
-        let mut bytes = crate::test_random_bytes(rows * dtype.row_bytes(cols));
+    fn xorshift(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    /// A block scale of row class `class` from random bits `u`: `(f16 value, E8M0 byte)`. Class
+    /// 0 small, as a model's (f16 1e-3..3e-3, E8M0 2^-10..2^-4); 1 tiny (f16 subnormals, E8M0
+    /// 2^-128..2^-124: f32 subnormals); 2 huge (f16 1000..65000, E8M0 2^72..2^102); 3 one of
+    /// these per block. Random signs but in class 0.
+    fn block_scale(class: usize, u: u64) -> (f32, u8) {
+        let frac = (u >> 40) as f32 / (1u64 << 24) as f32;
+        let sign = if class != 0 && u & 1 == 1 { -1.0 } else { 1.0 };
+        let class = if class == 3 { (u >> 20) as usize % 3 } else { class };
+        match class {
+            0 => (1e-3 * (1.0 + 2.0 * frac), 118 + (u >> 8) as u8 % 7),
+            1 => (sign * 6e-8 * (1.0 + 100.0 * frac), (u >> 8) as u8 % 5),
+            _ => (sign * 1000.0 * (1.0 + 64.0 * frac), 200 + (u >> 8) as u8 % 31),
+        }
+    }
+
+    /// Random rows of `dtype` (random levels and 8-bit scales) with random block scales (d and
+    /// dmin for Q4_K / Q5_K): class 0 ([`block_scale`]), or with `extreme` class `row % 4`.
+    fn random_rows(dtype: WeightDType, rows: usize, cols: usize, extreme: bool) -> Vec<u8> {
+        let row_bytes = dtype.row_bytes(cols);
+        let mut bytes = crate::test_random_bytes(rows * row_bytes);
+        let mut state = 0x2545_F491_4F6C_DD1D_u64;
         for (i, block) in bytes.chunks_exact_mut(dtype.block_bytes()).enumerate() {
-            let d = half::f16::from_f32(0.001 + (i % 7) as f32 * 3e-4).to_bits().to_le_bytes();
-            let dmin = half::f16::from_f32(0.002 - (i % 5) as f32 * 2e-4).to_bits().to_le_bytes();
+            let class = if extreme { i * dtype.block_bytes() / row_bytes % 4 } else { 0 };
+            let mut f16 = |at: usize, block: &mut [u8]| {
+                let d = block_scale(class, xorshift(&mut state)).0;
+                block[at..at + 2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+            };
             match dtype {
-                WeightDType::Q6_K => block[208..210].copy_from_slice(&d),
+                Q6_K => f16(208, block),
+                Q8_0 => f16(0, block),
+                Mxfp4 => block[0] = block_scale(class, xorshift(&mut state)).1,
                 _ => {
-                    block[0..2].copy_from_slice(&d);
-                    block[2..4].copy_from_slice(&dmin);
+                    f16(0, block);
+                    f16(2, block);
                 }
             }
         }
         bytes
     }
 
-    fn check_tiles(dtype: WeightDType) {
-        let (rows, cols, n_tokens) = (37usize, 512usize, 19usize);
-        let bytes = random_rows(dtype, rows, cols);
-        let mut w = vec![0.0f32; rows * cols];
-        dtype.decode_row(&bytes, &mut w);
-        let x: Vec<f32> = (0..n_tokens * cols).map(|i| ((i as f32) * 0.37).sin() * 2.0 + 0.1).collect();
+    /// The rows' dequantised values and, per value, the magnitude its f32 rounding scales with:
+    /// `|w|`, for Q4_K / Q5_K `|d sc q| + |dmin m|` (the block decoded again with dmin zero).
+    fn dequantised(dtype: WeightDType, bytes: &[u8]) -> (Vec<f32>, Vec<f64>) {
+        let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+        let (mut w, mut size) = (vec![0.0f32; bytes.len() / bb * be], vec![0.0f64; bytes.len() / bb * be]);
+        let mut scaled = vec![0.0f32; be];
+        for ((block, w), size) in
+            bytes.chunks_exact(bb).zip(w.chunks_exact_mut(be)).zip(size.chunks_exact_mut(be))
+        {
+            dequantize_block(dtype, block, w);
+            let mut no_min = block.to_vec();
+            if matches!(dtype, Q4_K | Q5_K) {
+                no_min[2..4].fill(0);
+            }
+            dequantize_block(dtype, &no_min, &mut scaled);
+            for ((s, &w), &a) in size.iter_mut().zip(w.iter()).zip(&scaled) {
+                *s = f64::from(a).abs() + (f64::from(a) - f64::from(w)).abs();
+            }
+        }
+        (w, size)
+    }
+
+    /// `n_tokens` tokens of `cols` f32: a smooth pattern times a magnitude per block of 32 (0,
+    /// 1e-3, 30 or 1), so the blocks' activation scales differ.
+    fn tokens(n_tokens: usize, cols: usize) -> Vec<f32> {
+        let mut x: Vec<f32> = (0..n_tokens * cols).map(|i| ((i as f32) * 0.37).sin() * 2.0 + 0.1).collect();
+        for (b, block) in x.chunks_mut(32).enumerate() {
+            let m = [0.0, 1e-3, 30.0, 1.0, 1.0, 1.0, 1.0][b % 7];
+            block.iter_mut().for_each(|v| *v *= m);
+        }
+        x
+    }
+
+    /// [`rows_times_tokens`] of the first `n` tokens of `q8`, checking the rows' order per token.
+    fn run(dtype: WeightDType, bytes: &[u8], rows: usize, cols: usize, n: usize, q8: Q8Rows<'_>) -> Vec<f32> {
+        let mut got = vec![f32::NAN; rows * n];
+        let mut last = vec![None; n];
+        let row_bytes = dtype.row_bytes(cols);
+        // SAFETY: VNNI checked by the callers; rows of whole blocks; n quantised tokens of `cols`.
+        unsafe {
+            rows_times_tokens(
+                dtype,
+                cols,
+                rows,
+                |r| bytes.as_ptr().add(r * row_bytes),
+                n,
+                q8,
+                |r, t, v| {
+                    assert!(last[t].is_none_or(|l| l < r), "rows of token {t} out of order");
+                    last[t] = Some(r);
+                    got[r * n + t] = v;
+                },
+            )
+        };
+        got
+    }
+
+    fn check_tiles(dtype: WeightDType, rows: usize, cols: usize, extreme: bool) {
+        let n_tokens = 19;
+        let bytes = random_rows(dtype, rows, cols, extreme);
+        let (w, size) = dequantised(dtype, &bytes);
+        let x = tokens(n_tokens, cols);
         let mut q = Q8Activations::new();
         q.reserve_rows(n_tokens, cols).unwrap();
         for t in 0..n_tokens {
             q.quantize_row(t, &x[t * cols..][..cols]);
         }
+        let xq: Vec<Vec<f32>> = (0..n_tokens).map(|t| q.dequantized(t)).collect();
         let base = q.raw_mut();
-        let rows8 = Q8Rows {
+        let q8 = Q8Rows {
             base: (base.0.cast_const(), base.1.cast_const(), base.2.cast_const()),
             cols,
             ids: Q8RowIds::From(0),
         };
-        let xq: Vec<Vec<f64>> = (0..n_tokens)
-            .map(|t| {
-                let r = rows8.row(t);
-                // SAFETY: row t holds `cols` values and `cols / 32` scales.
-                (0..cols).map(|c| unsafe { f64::from(*r.qs.add(c)) * f64::from(*r.d.add(c / 32)) }).collect()
-            })
-            .collect();
         for n in [1usize, 5, 8, 13, 19] {
-            let mut got = vec![f32::NAN; rows * n];
-            let mut last = vec![None; n];
-            let row_bytes = dtype.row_bytes(cols);
-            // SAFETY: VNNI checked; rows of whole blocks; n quantised tokens of `cols`.
-            unsafe {
-                rows_times_tokens(
-                    dtype,
-                    cols,
-                    rows,
-                    |r| bytes.as_ptr().add(r * row_bytes),
-                    n,
-                    rows8,
-                    |r, t, v| {
-                        assert!(last[t].is_none_or(|l| l < r), "rows of token {t} out of order");
-                        last[t] = Some(r);
-                        got[r * n + t] = v;
-                    },
-                )
-            };
+            let got = run(dtype, &bytes, rows, cols, n, q8);
             for r in 0..rows {
+                let (w, size) = (&w[r * cols..][..cols], &size[r * cols..][..cols]);
                 for t in 0..n {
-                    let want: f64 = (0..cols).map(|c| f64::from(w[r * cols + c]) * xq[t][c]).sum();
-                    let scale: f64 = (0..cols).map(|c| (f64::from(w[r * cols + c]) * xq[t][c]).abs()).sum();
-                    let err = (f64::from(got[r * n + t]) - want).abs();
-                    assert!(
-                        err <= 1e-5 * scale + 1e-6,
-                        "{dtype:?}, {n} tokens: row {r} token {t}: {} vs {want}",
-                        got[r * n + t]
-                    );
+                    let (x, xq) = (&x[t * cols..][..cols], &xq[t]);
+                    let got = f64::from(got[r * n + t]);
+                    let what =
+                        format!("{dtype:?} {rows}x{cols} extreme {extreme}, {n} tokens: row {r} token {t}");
+                    let (slack, bound) = bounds(w, size, x, xq);
+                    let rounded: f64 = w.iter().zip(xq).map(|(&w, &x)| f64::from(w) * f64::from(x)).sum();
+                    assert!((got - rounded).abs() <= slack, "{what}: {got} vs {rounded} (8-bit tokens)");
+                    let exact: f64 = w.iter().zip(x).map(|(&w, &x)| f64::from(w) * f64::from(x)).sum();
+                    assert!((got - exact).abs() <= bound + slack, "{what}: {got} vs {exact}, bound {bound}");
                 }
             }
         }
+    }
+
+    /// `(f32 slack, activation bound)` of one row against one token: the f32 rounding, `1e-5`
+    /// of `Σ size_i (|xq_i| + max_b|x|)` (the tokens' flip to `x + 128` for the signed types,
+    /// the min for Q4_K / Q5_K) plus `1e-30` (f32 subnormals of the tiny E8M0 scales); the
+    /// bound of [`crate::q8`], per block of 32 `max|x| / 254` times its `Σ |w|` (widened by
+    /// 1e-4 for the f32 rounding of the activation scale).
+    fn bounds(w: &[f32], size: &[f64], x: &[f32], xq: &[f32]) -> (f64, f64) {
+        let (mut slack, mut bound) = (0.0f64, 0.0f64);
+        for (((w, size), x), xq) in w.chunks(32).zip(size.chunks(32)).zip(x.chunks(32)).zip(xq.chunks(32)) {
+            let amax = x.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+            slack += size.iter().zip(xq).map(|(s, &xq)| s * (f64::from(xq.abs()) + amax)).sum::<f64>();
+            bound += amax / 254.0 * 1.0001 * w.iter().map(|v| f64::from(v.abs())).sum::<f64>();
+        }
+        (1e-5 * slack + 1e-30, bound)
+    }
+
+    /// Single-thread time of one expert of the Qwen3-30B-A3B shape (gate and up 768 x 2048, down
+    /// 2048 x 768) per type at 32 and 128 tokens: the f32 path (rows dequantised per block of 8,
+    /// `ffn::dequantized_dot_tiles`) against these tiles (the tokens and `h` quantised to 8 bits
+    /// in the timed part, as the pool does), 8 experts in turn so the rows come from memory:
+    /// `cargo test --release -p moe-lanes-kernels --lib -- --ignored --nocapture tiles_time`.
+    #[test]
+    #[ignore = "timing"]
+    fn many_token_tiles_time() {
+        let level = crate::SimdLevel::detect();
+        if !level.has_q8_dot() {
+            return;
+        }
+        let (ff, hidden, experts) = (768usize, 2048usize, 8usize);
+        for dtype in TYPES {
+            let shapes = [(ff, hidden), (ff, hidden), (hidden, ff)];
+            let mats: Vec<Vec<Vec<u8>>> = (0..experts)
+                .map(|_| shapes.iter().map(|&(r, c)| random_rows(dtype, r, c, false)).collect())
+                .collect();
+            for n in [32usize, 128] {
+                let (x, h) = (tokens(n, hidden), tokens(n, ff));
+                let mut out = vec![0.0f32; n * hidden];
+                let mut q8 = [Q8Activations::new(), Q8Activations::new()];
+                let mut expert = |e: usize, eight_bit: bool| {
+                    for (m, &(rows, cols)) in shapes.iter().enumerate() {
+                        let x = if cols == hidden { &x } else { &h };
+                        let q = &mut q8[usize::from(cols == ff)];
+                        let q8 = eight_bit.then(|| {
+                            q.reserve_rows(n, cols).unwrap();
+                            (0..n).for_each(|t| q.quantize_row(t, &x[t * cols..][..cols]));
+                            q.rows_from(0)
+                        });
+                        let row_bytes = dtype.row_bytes(cols);
+                        let bytes = &mats[e][m];
+                        // SAFETY: level detected; rows of whole blocks; n tokens of `cols` f32
+                        // and (when given) 8-bit values.
+                        unsafe {
+                            crate::ffn::dot_tiles(
+                                level,
+                                dtype,
+                                cols,
+                                rows,
+                                rows,
+                                |r| bytes.as_ptr().add(r * row_bytes),
+                                n,
+                                |t| x.as_ptr().add(t * cols),
+                                q8,
+                                |r, t, v| out[t * rows + r] = v,
+                            )
+                        };
+                    }
+                };
+                let mut ms = |eight_bit: bool| {
+                    (0..6)
+                        .map(|_| {
+                            let start = std::time::Instant::now();
+                            (0..experts).for_each(|e| expert(e, eight_bit));
+                            start.elapsed().as_secs_f64() * 1e3 / experts as f64
+                        })
+                        .skip(1)
+                        .fold(f64::INFINITY, f64::min)
+                };
+                let (old, new) = (ms(false), ms(true));
+                let gflops = |ms: f64| 6.0 * (ff * hidden * n) as f64 / ms / 1e6;
+                let (f_old, f_new, ratio) = (gflops(old), gflops(new), old / new);
+                println!(
+                    "{dtype:?} {n:>3} tokens: f32 path {old:.3} ms ({f_old:.1} GFLOP/s), \
+                     VNNI tiles {new:.3} ms ({f_new:.1} GFLOP/s), {ratio:.2}x"
+                );
+                if level == crate::SimdLevel::Amx {
+                    let amx = amx_expert_ms(dtype, &mats, (ff, hidden), (&x, &h), n);
+                    println!("{dtype:?} {n:>3} tokens: AMX tiles {amx:.3} ms ({:.1} GFLOP/s)", gflops(amx));
+                }
+            }
+        }
+    }
+
+    /// [`many_token_tiles_time`]'s experts on the AMX tiles (gate and up together, as
+    /// `ffn::gate_up_rows` runs them, then down): milliseconds per expert, best of 5 passes.
+    fn amx_expert_ms(
+        dtype: WeightDType,
+        mats: &[Vec<Vec<u8>>],
+        (ff, hidden): (usize, usize),
+        (x, h): (&[f32], &[f32]),
+        n: usize,
+    ) -> f64 {
+        use crate::x86_amx::{rows_times_tokens as amx, Rows};
+        let rows = |m: &[u8], n_rows: usize, cols: usize| Rows {
+            base: m.as_ptr(),
+            row_bytes: dtype.row_bytes(cols),
+            n_rows,
+            dtype,
+        };
+        let mut sum = 0.0f32;
+        let mut expert = |e: usize| {
+            let m = &mats[e];
+            // SAFETY: the level is Amx (the caller's check); rows of whole blocks; n tokens of
+            // `hidden` (x) and `ff` (h) f32.
+            unsafe {
+                let [g, u] = [rows(&m[0], ff, hidden), rows(&m[1], ff, hidden)];
+                amx(
+                    [g, u],
+                    0..ff,
+                    hidden,
+                    n,
+                    |t| x.as_ptr().add(t * hidden),
+                    |_, _, [a, b]| sum += a[0] + b[0],
+                );
+                amx(
+                    [rows(&m[2], hidden, ff)],
+                    0..hidden,
+                    ff,
+                    n,
+                    |t| h.as_ptr().add(t * ff),
+                    |_, _, [a]| sum += a[0],
+                );
+            }
+        };
+        let best = (0..6)
+            .map(|_| {
+                let start = std::time::Instant::now();
+                (0..mats.len()).for_each(&mut expert);
+                start.elapsed().as_secs_f64() * 1e3 / mats.len() as f64
+            })
+            .skip(1)
+            .fold(f64::INFINITY, f64::min);
+        std::hint::black_box(sum);
+        best
     }
 }

@@ -337,8 +337,8 @@ fn run_512(
 
 /// An expert of up to `Q8_MAX_TOKENS` tokens takes the 8-bit tiles (its result moves off F32's
 /// by the rounding, within the tolerance); one of more tokens takes them where the many-token
-/// VNNI tiles take its gate/up's or down's type (Q4_K, Q6_K; on AMX hosts too)
-/// and keeps F32's bits exactly otherwise (Q5_K).
+/// VNNI tiles take its gate/up's or down's type (Q4_K, Q6_K; Q5_K, Q8_0 and MXFP4 off AMX hosts;
+/// Auto as Q8, so Q8_0 too) and keeps F32's bits exactly otherwise (Q4_0; the AMX tiles).
 #[test]
 fn experts_take_8_bits_where_their_tiles_do() {
     use WeightDType::*;
@@ -349,8 +349,10 @@ fn experts_take_8_bits_where_their_tiles_do() {
     }
     let mut rng = Rng(0x0008_F3A7);
     let mut pool = ColdPool::new(2);
-    let many_token_tiles = |t| t == Q4_K || t == Q6_K;
-    for mix in [(Q4_K, Q6_K), (Q6_K, Q6_K), (Q5_K, Q6_K), (Q5_K, Q5_K)] {
+    let off_amx = level != SimdLevel::Amx;
+    let many_token_tiles = |t| matches!(t, Q4_K | Q6_K) || (off_amx && matches!(t, Q5_K | Q8_0 | Mxfp4));
+    let mixes = [(Q4_K, Q6_K), (Q6_K, Q6_K), (Q5_K, Q8_0), (Q8_0, Q8_0), (Mxfp4, Q4_0), (Q4_0, Q4_0)];
+    for mix in mixes {
         for n_tokens in [2, Q8_MAX_TOKENS, Q8_MAX_TOKENS + 1, 19] {
             let mut random = RandomJob::quantized(&mut rng, mix, (512, 256), n_tokens, 2);
             random.token_idx[1] = (0..n_tokens as u32).collect(); // expert 1 takes every token
@@ -363,6 +365,9 @@ fn experts_take_8_bits_where_their_tiles_do() {
                 assert!(q8 != f32, "{mix:?}, {n_tokens} tokens: 8-bit activations expected");
             } else {
                 assert_eq!(q8, f32, "{mix:?}, {n_tokens} tokens: f32 expected");
+            }
+            if n_tokens > Q8_MAX_TOKENS {
+                assert_eq!(run(Some(DecodeActivations::Auto)), q8, "{mix:?}, {n_tokens} tokens: Auto as Q8");
             }
         }
     }
