@@ -78,6 +78,8 @@ struct OnlineState {
     layers: Vec<LayerPolicy>,
     /// `seen[l][e]`: hot + cold slots of expert `e` in layer `l` at the last step.
     seen: Vec<Vec<u64>>,
+    /// Scratch: one layer's hot mask, refilled per step (no allocation per token).
+    mask: Vec<bool>,
 }
 
 impl OnlineState {
@@ -100,7 +102,7 @@ impl OnlineState {
             .collect();
         let seen =
             (0..hot.layers.len()).map(|l| (0..hot.n_experts).map(|e| counts(l, e)).collect()).collect();
-        OnlineState { layers, seen }
+        OnlineState { layers, seen, mask: vec![false; hot.n_experts] }
     }
 }
 
@@ -242,7 +244,9 @@ impl LiveCache {
             if step.is_empty() {
                 continue;
             }
-            policy.sync_resident(&hot.layers[l].hot_mask());
+            let mask = &mut state.mask;
+            mask.iter_mut().zip(&hot.layers[l].hot_id_map).for_each(|(m, s)| *m = s.is_some());
+            policy.sync_resident(mask);
             let out = policy.step(&step);
             exchanges.extend(out.exchanges.into_iter().map(|(evict, add)| Exchange {
                 layer_idx: l,
