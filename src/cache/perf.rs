@@ -514,6 +514,10 @@ pub fn describe_metrics() {
     describe_counter!(m::EXCHANGES, "Hot-cache slot exchanges applied (one expert evicted, one loaded).");
     describe_counter!(m::EXCHANGES_REFUSED, "Hot-cache slot exchanges the updater's full queue refused.");
     describe_counter!(
+        m::EXCHANGES_LANDED,
+        "Hot-cache exchanges whose copy has landed and whose expert now serves from the hot lane."
+    );
+    describe_counter!(
         m::ADMISSIONS,
         "Experts copied into the layer's hot cache (by the policy or a manual apply)."
     );
@@ -1043,6 +1047,26 @@ mod tests {
             (format!("{}{{{}}}", key.name(), labels.join(",")), v)
         })
         .collect()
+    }
+
+    /// Prometheus's `promtool check metrics` (CI's grafana check) rejects a metric without help
+    /// text: every metric the perf state registers is described.
+    #[test]
+    fn every_registered_metric_has_help_text() {
+        use metrics_util::debugging::DebuggingRecorder;
+
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            describe_metrics();
+            PerfState::new(PerfMode::Full, 2, 4, 2)
+        });
+        let snap = snapshotter.snapshot().into_vec();
+        assert!(!snap.is_empty());
+        for (key, _, help, _) in snap {
+            let name = key.key().name().to_string();
+            assert!(help.is_some_and(|h| !h.is_empty()), "{name} has no help text");
+        }
     }
 
     #[test]
