@@ -4,10 +4,12 @@
 //! identical on a few prompts. The pipeline's SIMD kernels and the oracle see the same
 //! dequantised weights; with f32 activations only the summation order differs, as for float
 //! models (largest error here about 5e-7); with 8-bit activations (the default with AVX-512
-//! VNNI) the prefill and decode logits stay within 1e-2 (largest here 1.7e-3 to 2.7e-3 over the
-//! mixes, printed by the test), greedy generation is still identical, and the logits differ
-//! from the f32 run's exactly where VNNI runs the 8-bit tiles; the default (`auto`) gives the
-//! f32 run's logits for Q8_0 experts and the q8 run's for the others. The GPU engine runs every mix at hot caches none / half / all
+//! VNNI, for the experts and the dense stage's quantised matrices) the prefill and decode logits
+//! stay within 4e-2 (largest here 1.0e-2 to 3.0e-2 over the mixes, printed by the test), greedy
+//! generation is identical where the reference's lead is clear, and the logits differ from the
+//! f32 run's exactly where VNNI runs the 8-bit tiles; the default (`auto`) keeps Q8_0 products of
+//! up to 4 tokens f32 and takes everything else 8-bit. The GPU engine runs every mix at hot
+//! caches none / half / all
 //! (quantised experts cached in their file format) within stated tolerances of the reference:
 //! tight where it dequantises in registers (decode, short prompts) with f32 activations, looser
 //! with 8-bit activations (the GPU default) and for a long prompt's tensor-core prefill. Files
@@ -28,12 +30,20 @@ use std::sync::Arc;
 
 /// Normwise relative tolerance of pipeline logits against the reference on a quantised file.
 const LOGITS_TOLERANCE: f64 = 1e-4;
-/// The same with 8-bit activations in the cold pool's one-token tiles (AVX-512 VNNI): each
-/// activation rounded by at most 1/254 of its block's max |x| (`moe_lanes_kernels::q8`) gives
-/// 1.7e-3 to 2.7e-3 here; a wrong level, scale or sub-block order in a tile gives far more (one
-/// Q4_K sub-block scale swapped: 1.8e-1). The rounding itself is pinned by
-/// kernels/tests/quant.rs (truncating instead would still pass here: 3.8e-3 to 5.7e-3).
-const Q8_LOGITS_TOLERANCE: f64 = 1e-2;
+/// The same with 8-bit activations (AVX-512 VNNI) in the cold pool's tiles and, as on the GPU
+/// and in llama.cpp's CPU backend, the dense stage's quantised matrices (q/k/v, o, lm_head): each
+/// activation rounded by at most 1/254 of its block's max |x| (`moe_lanes_kernels::q8`). The
+/// experts' rounding alone gave 1.7e-3 to 2.7e-3 here; with the dense stage's, whose lm_head
+/// passes its rounding straight to the logits (the GPU engine's case: 1.0e-2 to 2.0e-2 there),
+/// 1.0e-2 to 1.2e-2, and 3.0e-2 for the Q5_0 mix (printed by the test; its q/k/v/o kept f32
+/// still gives 3.0e-2, so it is the lm_head's rounding of this model's hidden state). For scale:
+/// llama.cpp's CPU backend against its own run of the same weights upcast to F32, on a 4-layer
+/// qwen3moe file of hidden 512 (build machine), moves the logits by 4.7e-2 (Q4_0), 7.4e-2
+/// (Q4_K_M) and 9.2e-2 (Q5_0) at most; our pipeline on those files by 5.9e-3, 7.7e-2 and 6.7e-3.
+/// A wrong level, scale or sub-block order in a tile gives far more (one Q4_K sub-block scale
+/// swapped: 1.8e-1). The rounding itself is pinned per output by kernels/tests/quant.rs and
+/// kernels/tests/dense.rs.
+const Q8_LOGITS_TOLERANCE: f64 = 4e-2;
 
 /// Tiny dims widened so every matrix row is whole K-quant super-blocks (256 values).
 fn quantized_tiny(dir: &Path, arch: &str, mix: QuantMix) -> PathBuf {
@@ -85,7 +95,8 @@ fn prompt_logits(engine: &mut dyn Engine, prompt: &[u32]) -> Vec<Vec<f32>> {
 
 /// The pipeline with `activations` (`None`: the default) against the reference on every
 /// prompt: logits within `tolerance` (returns the largest error and the logits), greedy tokens
-/// identical, and the build report names what ran.
+/// identical (with 8-bit activations: where the reference's lead is clear), and the build report
+/// names what ran.
 fn pipeline_against_reference(
     model: &Arc<Model>,
     reference: &mut dyn Engine,
@@ -105,7 +116,17 @@ fn pipeline_against_reference(
             assert!(error <= tolerance, "{what} row {row}: relative error {error:e}");
             largest = largest.max(error);
         }
-        assert_eq!(pipeline.generate(prompt, 6).unwrap(), reference.generate(prompt, 6).unwrap(), "{what}");
+        if what == DecodeActivations::F32 {
+            assert_eq!(
+                pipeline.generate(prompt, 6).unwrap(),
+                reference.generate(prompt, 6).unwrap(),
+                "{what}"
+            );
+        } else {
+            // 8-bit rounding may flip a near tie of the tiny random model's logits (as on the
+            // GPU): greedy steps compared where the reference's lead is clear.
+            check_steps(&format!("pipeline {what}"), reference, pipeline.as_mut(), prompt, 6, tolerance);
+        }
         all.extend(got);
     }
     (largest, all)
@@ -120,7 +141,8 @@ fn every_mix_runs_on_the_pipeline_within_tolerance_of_the_reference() {
         let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", mix)).unwrap());
         let types: Vec<DType> = model.tensor_list().iter().map(|t| t.1).collect();
         assert!(types.contains(&mix.default_type()), "{mix}: {types:?}");
-        let q8_0_experts = model.tensor_list().iter().any(|t| t.0.contains("_exps") && t.1 == DType::Q8_0);
+        let q8_0_anywhere = model.tensor_list().iter().any(|t| t.1 == DType::Q8_0);
+        let only_q8_0 = model.tensor_list().iter().all(|t| t.1 == DType::Q8_0 || t.1.is_float());
         let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
         let reference = reference.as_mut();
         let (f32_error, f32_logits) =
@@ -134,8 +156,20 @@ fn every_mix_runs_on_the_pipeline_within_tolerance_of_the_reference() {
         // Where VNNI runs them, the 8-bit tiles were taken: their rounding shows in the logits.
         assert_eq!(q8_logits != f32_logits, q8_here, "{mix}");
         // The default (auto) keeps Q8_0 experts f32 and takes the other types 8-bit.
-        let expected = if q8_0_experts { &f32_logits } else { &q8_logits };
-        assert!(default_logits == *expected, "{mix}: the default is auto");
+        // The default (auto) takes every quantised type 8-bit but Q8_0 in products of up to 4
+        // tokens (Q8_MAX_TOKENS): without Q8_0 it is the q8 run; with it, it is not, and in an
+        // all-Q8_0 file the 3-token prompt (rows 6..10: its 3 prefill rows and a decode row)
+        // runs f32 throughout.
+        if !q8_here {
+            assert!(default_logits == f32_logits, "{mix}: no VNNI, f32 throughout");
+        } else if !q8_0_anywhere {
+            assert!(default_logits == q8_logits, "{mix}: the default is auto");
+        } else {
+            assert!(default_logits != q8_logits, "{mix}: auto keeps few-token Q8_0 products f32");
+            if only_q8_0 {
+                assert!(default_logits[6..10] == f32_logits[6..10], "{mix}: 3 tokens run f32 under auto");
+            }
+        }
     }
 }
 

@@ -1,8 +1,9 @@
 //! `moe-lanes quantize` and `synth --quant` through the real binary: a quantised file runs on
 //! the pipeline engine with the reference's greedy tokens and logits within 1e-4 (normwise
-//! relative, per row) with `--activations f32`, within 1e-2 with `q8` and `auto` (8-bit
-//! activations where the CPU has AVX-512 VNNI; about 3e-3 here); bad input fails cleanly and
-//! leaves no output file behind.
+//! relative, per row) with `--activations f32`, within 4e-2 with `q8` and `auto` (8-bit
+//! activations where the CPU has AVX-512 VNNI, in the experts and the dense stage's quantised
+//! matrices: about 1e-2 here; the bound's reasons are in tests/quant_engine.rs); bad input fails
+//! cleanly and leaves no output file behind.
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
@@ -64,7 +65,7 @@ fn quantize_then_run_on_the_pipeline_like_the_reference() {
         assert!(all + other <= report["output_bytes"].as_u64().unwrap(), "{mix}: {sizes}");
         let reference = ["--engine", "reference"];
         let want = logits(p(&out), &reference);
-        for (activations, tolerance) in [("f32", 1e-4), ("q8", 1e-2), ("auto", 1e-2)] {
+        for (activations, tolerance) in [("f32", 1e-4), ("q8", 4e-2), ("auto", 4e-2)] {
             let pipeline = ["--engine", "pipeline", "--activations", activations];
             for (w, g) in want.iter().zip(&logits(p(&out), &pipeline)) {
                 let diff: f64 = w.iter().zip(g).map(|(a, b)| ((a - b) as f64).powi(2)).sum();

@@ -520,7 +520,12 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let gemv_w = crate::dense::DenseMatrix::new(gemv_bytes, dtype, dense_gemv_rows, HIDDEN)?;
     let mut gemv_y = vec![0.0f32; dense_gemv_rows];
     let gemv = |pool: &mut ColdPool, y: &mut [f32]| {
-        crate::dense::par_matmul(pool, level, &decode_x, &mut [crate::dense::MatmulPart { w: gemv_w, y }])
+        crate::dense::par_matmul(
+            pool,
+            (level, activations),
+            &decode_x,
+            &mut [crate::dense::MatmulPart { w: gemv_w, y }],
+        )
     };
     gemv(&mut pool, &mut gemv_y)?;
 

@@ -16,12 +16,23 @@
 //! (`x86_amx`): `x` is packed once per call by all threads, then the claims (whole 16-row tiles)
 //! run; a tile's value is the same whichever thread computes it, so the bits still do not depend
 //! on the thread count.
+//!
+//! Quantised matrices take 8-bit activations where the call's [`DecodeActivations`] says so for
+//! their type and token count ([`DecodeActivations::takes`], the cold lane's rule): `x` is
+//! quantised once per call (by all threads for many tokens, token rows claimed like the AMX
+//! packing) and the VNNI tiles dot the raw weight levels against it, as llama.cpp's CPU backend
+//! does for every quantised product. With f32 activations a Q6_K `lm_head` decodes each weight to
+//! f32 before its multiply-add, and on the 2-core build machine (Zen 4) that held a CPU-only
+//! Q4_K_M token's 151936-row head at about 18 GB/s, 14.4 of its 21.7 ms. On AMX hosts the rule
+//! sends many-token Q4_K and Q6_K products to the VNNI tiles too (they beat the AMX tiles there
+//! on experts of the same width, `ffn::q8_many_tokens`); a call with such a part has no AMX form.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::error::KernelError;
 use crate::ffn::{dot_tiles, ROW_BLOCK};
 use crate::pool::ColdPool;
+use crate::q8::{quantize_raw, DecodeActivations, Q8Activations, Q8RowIds, Q8Rows};
 use crate::simd::SimdLevel;
 use crate::weights::WeightDType;
 
@@ -30,6 +41,9 @@ pub const MAX_MATMUL_PARTS: usize = 4;
 /// Longest claim in row blocks (256 rows: 1 MiB of BF16 at 2048 columns), so the last claims
 /// are short enough for threads to finish together.
 const MAX_CLAIM_BLOCKS: usize = 32;
+/// Tokens from which a call's 8-bit `x` is quantised by all of the pool's threads: one
+/// broadcast (a few us) against about 0.5 us of one thread's work per 2048-value token.
+const PAR_QUANTIZE_MIN_TOKENS: usize = 16;
 
 /// A weight matrix `[rows, cols]` as raw bytes (possibly unaligned, straight from a mapped file).
 #[derive(Debug, Clone, Copy)]
@@ -81,6 +95,8 @@ struct RawPart {
     y: *mut f32,
     /// First block of this part in the call's block space.
     first_block: usize,
+    /// The rows take the call's 8-bit `x` ([`RawCall::q8`]).
+    q8: bool,
 }
 
 /// Everything the threads share for one call.
@@ -94,6 +110,16 @@ struct RawCall {
     next_block: AtomicUsize,
     /// The AMX form of the call, where every part runs on the tiles ([`attach_amx`]).
     amx: Option<AmxTokens>,
+    /// `x` quantised to 8 bits, where a part takes it and the call has no AMX form
+    /// ([`attach_q8`]).
+    q8: Option<Q8Tokens>,
+}
+
+/// `x` as 8-bit rows (`crate::q8`), token `t` in row `t`; written before any row runs (token
+/// rows claimed through `next_token`).
+struct Q8Tokens {
+    base: (*mut i8, *mut f32, *mut f32),
+    next_token: AtomicUsize,
 }
 
 /// `x` packed once per call as the AMX tiles' B operand ([`crate::x86_amx::pack_tiles`]), by all
@@ -108,6 +134,8 @@ thread_local! {
     /// The calling thread's packed-`x` buffer (grows, never shrinks: 4 MiB for 512 tokens of
     /// 2048 columns).
     static PACKED_X: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The calling thread's 8-bit `x` (grows, never shrinks: 1.1 MiB for 512 tokens of 2048).
+    static Q8_X: std::cell::RefCell<Q8Activations> = const { std::cell::RefCell::new(Q8Activations::new()) };
 }
 
 // SAFETY: the pointers address the caller's matrices (read only), output slices and packed-`x`
@@ -117,43 +145,93 @@ thread_local! {
 unsafe impl Sync for RawCall {}
 
 /// `part.y = x · part.wᵀ` for every part, on all of `pool`'s threads. `x` is `tokens x cols`;
-/// every matrix has `cols` columns; each `y` is `tokens x rows`.
+/// every matrix has `cols` columns; each `y` is `tokens x rows`. Quantised parts take 8-bit
+/// activations where `activations` says so for their type (module docs).
 pub fn par_matmul(
     pool: &mut ColdPool,
-    level: SimdLevel,
+    (level, activations): (SimdLevel, DecodeActivations),
     x: &[f32],
     parts: &mut [MatmulPart<'_, '_>],
 ) -> Result<(), KernelError> {
-    let mut call = raw_call(level, x, parts)?;
+    let mut call = raw_call((level, activations), x, parts)?;
     if call.total_blocks == 0 {
         return Ok(());
     }
     PACKED_X.with_borrow_mut(|buf| {
-        attach_amx(&mut call, buf);
-        if call.amx.is_some() {
-            pool.broadcast(&|_index, _n_threads| pack_worker(&call))?;
-        }
-        pool.broadcast(&|_index, n_threads| matmul_worker(&call, n_threads))
+        Q8_X.with_borrow_mut(|q8| {
+            attach_amx(&mut call, buf);
+            attach_q8(&mut call, q8)?;
+            if call.amx.is_some() || call.n_tokens >= PAR_QUANTIZE_MIN_TOKENS {
+                pool.broadcast(&|_index, _n_threads| prepare_worker(&call))?;
+            } else {
+                prepare_worker(&call);
+            }
+            pool.broadcast(&|_index, n_threads| matmul_worker(&call, n_threads))
+        })
     })
 }
 
 /// The same product on the calling thread alone (small matrices, or a caller without a pool).
-pub fn matmul(level: SimdLevel, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Result<(), KernelError> {
-    let mut call = raw_call(level, x, parts)?;
+pub fn matmul(
+    (level, activations): (SimdLevel, DecodeActivations),
+    x: &[f32],
+    parts: &mut [MatmulPart<'_, '_>],
+) -> Result<(), KernelError> {
+    let mut call = raw_call((level, activations), x, parts)?;
     PACKED_X.with_borrow_mut(|buf| {
-        attach_amx(&mut call, buf);
-        pack_worker(&call);
-        matmul_worker(&call, 1);
-    });
+        Q8_X.with_borrow_mut(|q8| {
+            attach_amx(&mut call, buf);
+            attach_q8(&mut call, q8)?;
+            prepare_worker(&call);
+            matmul_worker(&call, 1);
+            Ok(())
+        })
+    })
+}
+
+/// Gives `call` its 8-bit `x` in `buf` when a part takes it and the call has no AMX form.
+fn attach_q8(call: &mut RawCall, buf: &mut Q8Activations) -> Result<(), KernelError> {
+    if call.amx.is_none() && call.parts.iter().flatten().any(|p| p.q8) {
+        buf.reserve_rows(call.n_tokens, call.cols)?;
+        call.q8 = Some(Q8Tokens { base: buf.raw_mut(), next_token: AtomicUsize::new(0) });
+    }
     Ok(())
 }
 
+/// Before any row runs: packs (AMX) or quantises (8-bit) `x` until no token is left.
+fn prepare_worker(call: &RawCall) {
+    pack_worker(call);
+    quantize_worker(call);
+}
+
+/// Quantises token rows of a call's 8-bit `x` until none are left (nothing without one).
+fn quantize_worker(call: &RawCall) {
+    let Some(q8) = &call.q8 else { return };
+    let (cols, blocks) = (call.cols, call.cols / crate::q8::Q8_BLOCK);
+    loop {
+        let t = q8.next_token.fetch_add(1, Ordering::Relaxed);
+        if t >= call.n_tokens {
+            return;
+        }
+        // SAFETY: x holds n_tokens rows of cols f32 (raw_call); the buffer holds n_tokens rows
+        // of cols values (attach_q8: reserve_rows, cols a multiple of 32 there), and this thread
+        // alone claimed row t.
+        unsafe {
+            let (qs, d, sum) = q8.base;
+            quantize_raw(call.x.add(t * cols), cols, qs.add(t * cols), d.add(t * blocks), sum.add(t * blocks))
+        };
+    }
+}
+
 /// Gives `call` its AMX form, with `buf` sized for the packed `x`, when the level is AMX and
-/// every part's rows run on the tiles for this many tokens (BF16 or quantised, 8 tokens or more).
+/// every part's rows run on the tiles for this many tokens (BF16 or quantised, 8 tokens or more)
+/// and none takes 8-bit activations.
 fn attach_amx(call: &mut RawCall, buf: &mut Vec<u32>) {
     #[cfg(target_arch = "x86_64")]
     {
-        let usable = |p: &RawPart| crate::x86_amx::usable(p.dtype, call.n_tokens, call.cols);
+        // a part that takes 8-bit activations runs the VNNI tiles (the cold lane's rule:
+        // Q4_K and Q6_K on AMX hosts, which beat the AMX tiles there in experts)
+        let usable = |p: &RawPart| !p.q8 && crate::x86_amx::usable(p.dtype, call.n_tokens, call.cols);
         if call.level == SimdLevel::Amx && call.parts.iter().flatten().all(usable) {
             let words = crate::x86_amx::packed_words(call.n_tokens, call.cols);
             if buf.len() < words {
@@ -187,7 +265,11 @@ fn pack_worker(call: &RawCall) {
     let _ = amx;
 }
 
-fn raw_call(level: SimdLevel, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Result<RawCall, KernelError> {
+fn raw_call(
+    (level, activations): (SimdLevel, DecodeActivations),
+    x: &[f32],
+    parts: &mut [MatmulPart<'_, '_>],
+) -> Result<RawCall, KernelError> {
     level.ensure_supported()?;
     if parts.is_empty() || parts.len() > MAX_MATMUL_PARTS {
         return Err(KernelError::ShapeMismatch {
@@ -224,6 +306,7 @@ fn raw_call(level: SimdLevel, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Re
             row_bytes: w.row_bytes(),
             y: part.y.as_mut_ptr(),
             first_block: blocks,
+            q8: activations.takes(level, w.dtype, n_tokens),
         });
         blocks += w.rows.div_ceil(ROW_BLOCK);
     }
@@ -236,6 +319,7 @@ fn raw_call(level: SimdLevel, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Re
         level,
         next_block: AtomicUsize::new(0),
         amx: None,
+        q8: None,
     })
 }
 
@@ -303,10 +387,21 @@ fn part_rows(call: &RawCall, part: &RawPart, first: usize, last: usize) {
             |r| base.add((first + r) * row_bytes),
             call.n_tokens,
             |t| x.add(t * cols),
-            None,
+            q8_tokens(call, part),
             |r, t, value| *y.add(t * rows + first + r) = value,
         )
     };
+}
+
+/// The call's 8-bit `x` for `part`'s rows, if they take it (token `t` is row `t`).
+fn q8_tokens<'a>(call: &'a RawCall, part: &RawPart) -> Option<Q8Rows<'a>> {
+    let q8 = call.q8.as_ref().filter(|_| part.q8)?;
+    let (qs, d, sum) = q8.base;
+    Some(Q8Rows {
+        base: (qs.cast_const(), d.cast_const(), sum.cast_const()),
+        cols: call.cols,
+        ids: Q8RowIds::From(0),
+    })
 }
 
 #[cfg(test)]
@@ -319,11 +414,26 @@ mod tests {
         assert!(DenseMatrix::new(&bytes, WeightDType::F32, 2, 4).is_err());
         let w = DenseMatrix::new(&bytes, WeightDType::F32, 2, 3).unwrap();
         let mut y = [0.0f32; 3];
-        let err = matmul(SimdLevel::Scalar, &[1.0; 3], &mut [MatmulPart { w, y: &mut y }]).unwrap_err();
+        let err = matmul(
+            (SimdLevel::Scalar, DecodeActivations::Auto),
+            &[1.0; 3],
+            &mut [MatmulPart { w, y: &mut y }],
+        )
+        .unwrap_err();
         assert!(matches!(err, KernelError::ShapeMismatch { what: "y (tokens x rows)", .. }));
         let mut y = [0.0f32; 2];
-        assert!(matmul(SimdLevel::Scalar, &[1.0; 4], &mut [MatmulPart { w, y: &mut y }]).is_err());
-        matmul(SimdLevel::Scalar, &[1.0, 2.0, 3.0], &mut [MatmulPart { w, y: &mut y }]).unwrap();
+        assert!(matmul(
+            (SimdLevel::Scalar, DecodeActivations::Auto),
+            &[1.0; 4],
+            &mut [MatmulPart { w, y: &mut y }]
+        )
+        .is_err());
+        matmul(
+            (SimdLevel::Scalar, DecodeActivations::Auto),
+            &[1.0, 2.0, 3.0],
+            &mut [MatmulPart { w, y: &mut y }],
+        )
+        .unwrap();
         assert_eq!(y, [6.0, 6.0]);
     }
 }

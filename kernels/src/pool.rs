@@ -221,17 +221,9 @@ struct Q8Scratch {
 }
 
 /// Whether `expert`'s gate/up and its down take 8-bit activations under `activations` at
-/// `level`: at most [`Q8_MAX_TOKENS`] tokens and a type the setting takes 8-bit
-/// ([`DecodeActivations::q8_for`]), or more tokens, a setting other than F32 and a type whose
-/// many-token tiles take them ([`crate::ffn::q8_many_tokens`]: Q8_0 too under Auto, whose
-/// many-token tiles beat the f32 ones where its one-token tile does not). The level's VNNI is
-/// checked per job.
+/// `level` ([`DecodeActivations::takes`], over the expert's tokens).
 fn q8_expert(level: SimdLevel, activations: DecodeActivations, expert: &ColdExpertWork<'_>) -> (bool, bool) {
-    let few = expert.token_idx.len() <= Q8_MAX_TOKENS;
-    let takes = |dtype| match few {
-        true => activations.q8_for(dtype),
-        false => activations != DecodeActivations::F32 && crate::ffn::q8_many_tokens(level, dtype),
-    };
+    let takes = |dtype| activations.takes(level, dtype, expert.token_idx.len());
     (takes(expert.weights.dtype), takes(expert.weights.down_dtype))
 }
 

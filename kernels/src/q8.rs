@@ -96,6 +96,20 @@ impl DecodeActivations {
     }
 }
 
+impl DecodeActivations {
+    /// Whether a product of `n_tokens` tokens over `dtype` rows takes 8-bit activations at
+    /// `level`: at most [`Q8_MAX_TOKENS`] tokens and a type this setting takes 8-bit
+    /// ([`DecodeActivations::q8_for`]), or more tokens, a setting other than F32 and a type whose
+    /// many-token VNNI tiles take them (`ffn::q8_many_tokens`: Q8_0 too under Auto, whose
+    /// many-token tiles beat the f32 ones where its one-token tile does not). Never without VNNI.
+    pub(crate) fn takes(self, level: crate::SimdLevel, dtype: WeightDType, n_tokens: usize) -> bool {
+        match n_tokens <= Q8_MAX_TOKENS {
+            true => level.has_q8_dot() && self.q8_for(dtype),
+            false => self != DecodeActivations::F32 && crate::ffn::q8_many_tokens(level, dtype),
+        }
+    }
+}
+
 impl std::fmt::Display for DecodeActivations {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
@@ -169,8 +183,8 @@ pub struct Q8Activations {
 
 impl Q8Activations {
     /// An empty buffer.
-    pub fn new() -> Q8Activations {
-        Q8Activations::default()
+    pub const fn new() -> Q8Activations {
+        Q8Activations { qs: Vec::new(), d: Vec::new(), sum: Vec::new(), cols: 0 }
     }
 
     /// Room for `rows` rows of `cols` values (a multiple of 32); contents unspecified.

@@ -3,11 +3,11 @@
 
 mod common;
 
-use common::{relative_error, tolerance, MisalignedBytes, QuantBytes, Rng};
+use common::{q8_rounding_bound, relative_error, tolerance, MisalignedBytes, QuantBytes, Rng};
 use moe_lanes_kernels::{
     attention, attention_reference, available, dot_row, matmul, par_attention, par_matmul, AttentionInput,
-    AttentionScratch, AttentionShape, ColdPool, DenseMatrix, KvRows, KvType, MatmulPart, SimdLevel,
-    WeightDType,
+    AttentionScratch, AttentionShape, ColdPool, DecodeActivations, DenseMatrix, KvRows, KvType, MatmulPart,
+    SimdLevel, WeightDType,
 };
 
 /// `y[t * rows + r] = Σ_c w[r, c] x[t, c]`, sequential.
@@ -41,63 +41,118 @@ fn par_matmul_matches_scalar_for_every_level_dtype_and_thread_count() {
                 let x = rng.vec(n_tokens * cols, 1.0);
                 let expected: Vec<Vec<f32>> = views.iter().map(|w| reference_matmul(w, &x)).collect();
                 for level in available() {
-                    check_level(level, dtype, &views, &x, &expected, &mut pools);
+                    // float weights never take 8-bit activations
+                    let single = check_level((level, DecodeActivations::Q8), &views, &x, &mut pools);
+                    assert_f32_tolerance(level, dtype, &single, &expected);
                 }
             }
         }
     }
 }
 
+/// The product on the calling thread, checked to give the same bits on every pool.
 fn check_level(
-    level: SimdLevel,
-    dtype: WeightDType,
+    kernels: (SimdLevel, DecodeActivations),
     views: &[DenseMatrix<'_>],
     x: &[f32],
-    expected: &[Vec<f32>],
     pools: &mut [ColdPool],
-) {
+) -> Vec<Vec<f32>> {
     let n_tokens = x.len() / views[0].cols;
     let mut single: Vec<Vec<f32>> = views.iter().map(|w| vec![f32::NAN; n_tokens * w.rows]).collect();
     let mut parts: Vec<MatmulPart<'_, '_>> =
         views.iter().zip(single.iter_mut()).map(|(&w, y)| MatmulPart { w, y }).collect();
-    matmul(level, x, &mut parts).unwrap();
-    for (got, want) in single.iter().zip(expected) {
-        let error = relative_error(got, want);
-        assert!(error <= tolerance(level, dtype), "{level} {dtype:?} tokens={n_tokens}: {error:e}");
-    }
+    matmul(kernels, x, &mut parts).unwrap();
     for pool in pools.iter_mut() {
         let mut ys: Vec<Vec<f32>> = views.iter().map(|w| vec![f32::NAN; n_tokens * w.rows]).collect();
         let mut parts: Vec<MatmulPart<'_, '_>> =
             views.iter().zip(ys.iter_mut()).map(|(&w, y)| MatmulPart { w, y }).collect();
-        par_matmul(pool, level, x, &mut parts).unwrap();
-        assert_eq!(ys, single, "{level} {dtype:?} {} threads: not the single-thread bits", pool.n_threads());
+        par_matmul(pool, kernels, x, &mut parts).unwrap();
+        let (level, act) = kernels;
+        assert_eq!(
+            ys,
+            single,
+            "{level} {act} tokens={n_tokens} {} threads: not the single-thread bits",
+            pool.n_threads()
+        );
+    }
+    single
+}
+
+fn assert_f32_tolerance(level: SimdLevel, dtype: WeightDType, got: &[Vec<f32>], expected: &[Vec<f32>]) {
+    for (got, want) in got.iter().zip(expected) {
+        let error = relative_error(got, want);
+        assert!(error <= tolerance(level, dtype), "{level} {dtype:?}: {error:e}");
+    }
+}
+
+/// Every output within the 8-bit activation bound of its exact value (`q8_rounding_bound` over
+/// the dequantised row, plus f32 accumulation of `Σ |w||x|`).
+fn assert_q8_bound(views: &[DenseMatrix<'_>], x: &[f32], got: &[Vec<f32>], expected: &[Vec<f32>]) {
+    let cols = views[0].cols;
+    for ((w, got), want) in views.iter().zip(got).zip(expected) {
+        let mut row = vec![0.0f32; cols];
+        for r in 0..w.rows {
+            w.dtype.decode_row(w.row(r), &mut row);
+            for (t, xt) in x.chunks(cols).enumerate() {
+                let magnitude: f64 = row.iter().zip(xt).map(|(a, b)| (a * b).abs() as f64).sum();
+                let bound = q8_rounding_bound(&row, xt) + 1e-5 * magnitude;
+                let (g, e) = (got[t * w.rows + r] as f64, want[t * w.rows + r] as f64);
+                assert!(
+                    (g - e).abs() <= bound,
+                    "{:?} row {r} token {t}: {g} vs {e}, bound {bound:e}",
+                    w.dtype
+                );
+            }
+        }
     }
 }
 
 /// Quantised q/k/v-like matrices (a Q4_K_M file's dense stage) for decode and prefill token
-/// counts, prefill past one AMX tile, with a partial last tile of rows: every level against the
-/// scalar loops, the same bits at every thread count.
+/// counts, prefill past one AMX tile and past the pool's quantising threshold, with a partial
+/// last tile of rows: every level against the scalar loops, the same bits at every thread count;
+/// with f32 activations within f32 accumulation, with 8-bit ones (where the level has VNNI and
+/// the type takes them) within the activation rounding bound of every output, and not the f32
+/// run's bits (the 8-bit tiles ran).
 #[test]
 fn par_matmul_over_quantized_rows_matches_scalar_for_every_level_and_thread_count() {
     let mut rng = Rng(0x0de5_e0a1);
     let mut pools: Vec<ColdPool> = (1..=3).map(ColdPool::new).collect();
     for dtype in WeightDType::QUANTIZED {
-        let (cols, rows) = (512, [40, 16, 33]);
-        let mats: Vec<QuantBytes> =
-            rows.iter().map(|&r| QuantBytes::random(&mut rng, dtype, r, cols, 0.02)).collect();
-        let views: Vec<DenseMatrix<'_>> = mats
-            .iter()
-            .zip(rows)
-            .map(|(m, r)| DenseMatrix::new(m.bytes(), dtype, r, cols).unwrap())
-            .collect();
-        for n_tokens in [1, 7, 8, 21, 40] {
-            let x = rng.vec(n_tokens * cols, 1.0);
-            let expected: Vec<Vec<f32>> = views.iter().map(|w| reference_matmul(w, &x)).collect();
-            for level in available() {
-                check_level(level, dtype, &views, &x, &expected, &mut pools);
+        for (cols, rows) in [(512, [40, 16, 33]), (256, [64, 9, 300])] {
+            let mats: Vec<QuantBytes> =
+                rows.iter().map(|&r| QuantBytes::random(&mut rng, dtype, r, cols, 0.02)).collect();
+            let views: Vec<DenseMatrix<'_>> = mats
+                .iter()
+                .zip(rows)
+                .map(|(m, r)| DenseMatrix::new(m.bytes(), dtype, r, cols).unwrap())
+                .collect();
+            for n_tokens in [1, 3, 7, 8, 21, 40] {
+                let x = rng.vec(n_tokens * cols, 1.0);
+                let expected: Vec<Vec<f32>> = views.iter().map(|w| reference_matmul(w, &x)).collect();
+                for level in available() {
+                    let f32_run = check_level((level, DecodeActivations::F32), &views, &x, &mut pools);
+                    assert_f32_tolerance(level, dtype, &f32_run, &expected);
+                    let q8_run = check_level((level, DecodeActivations::Q8), &views, &x, &mut pools);
+                    // AMX hosts keep their tiles for many tokens of the types the VNNI tiles lack
+                    let takes = level.has_q8_dot() && (n_tokens <= 4 || many_token_tiles(level, dtype));
+                    assert_eq!(
+                        q8_run != f32_run,
+                        takes,
+                        "{level} {dtype:?} tokens={n_tokens}: 8-bit tiles taken"
+                    );
+                    assert_q8_bound(&views, &x, &q8_run, &expected);
+                }
             }
         }
     }
+}
+
+/// The types whose many-token VNNI tiles take 8-bit activations at `level` (the kernels'
+/// `ffn::q8_many_tokens`).
+fn many_token_tiles(level: SimdLevel, dtype: WeightDType) -> bool {
+    use WeightDType::*;
+    let tiles = matches!(dtype, Q4_K | Q5_K | Q6_K | Q8_0 | Mxfp4);
+    tiles && (level != SimdLevel::Amx || matches!(dtype, Q4_K | Q6_K))
 }
 
 #[test]
@@ -106,13 +161,23 @@ fn par_matmul_rejects_bad_shapes_and_changes_nothing() {
     let bytes = WeightDType::BF16.encode(&[1.0; 12]);
     let w = DenseMatrix::new(&bytes, WeightDType::BF16, 3, 4).unwrap();
     let mut y = vec![7.0f32; 6];
-    let err = par_matmul(&mut pool, SimdLevel::Scalar, &[1.0; 5], &mut [MatmulPart { w, y: &mut y }]);
+    let err = par_matmul(
+        &mut pool,
+        (SimdLevel::Scalar, DecodeActivations::Auto),
+        &[1.0; 5],
+        &mut [MatmulPart { w, y: &mut y }],
+    );
     assert!(err.is_err());
     assert_eq!(y, vec![7.0; 6]);
     let wrong = DenseMatrix { bytes: &bytes[..10], ..w };
-    assert!(par_matmul(&mut pool, SimdLevel::Scalar, &[1.0; 8], &mut [MatmulPart { w: wrong, y: &mut y }])
-        .is_err());
-    assert!(par_matmul(&mut pool, SimdLevel::Scalar, &[1.0; 8], &mut []).is_err());
+    assert!(par_matmul(
+        &mut pool,
+        (SimdLevel::Scalar, DecodeActivations::Auto),
+        &[1.0; 8],
+        &mut [MatmulPart { w: wrong, y: &mut y }]
+    )
+    .is_err());
+    assert!(par_matmul(&mut pool, (SimdLevel::Scalar, DecodeActivations::Auto), &[1.0; 8], &mut []).is_err());
 }
 
 struct Kv {

@@ -13,8 +13,8 @@ use crate::model::Model;
 use crate::moe::expert_math::kernel_dtype;
 use moe_lanes_kernels::attention_tiled::SPLIT_BELOW_TOKENS;
 use moe_lanes_kernels::{
-    attention, matmul, par_attention, par_matmul, AttentionInput, AttentionScratch, ColdPool, DenseMatrix,
-    KernelError, MatmulPart, SimdLevel,
+    attention, matmul, par_attention, par_matmul, AttentionInput, AttentionScratch, ColdPool,
+    DecodeActivations, DenseMatrix, KernelError, MatmulPart, SimdLevel,
 };
 
 /// Small per-layer vectors, decoded to f32 once at load.
@@ -319,16 +319,24 @@ pub const PAR_MIN_MACS: usize = 1 << 18;
 /// idle pool's wake-up; re-measure on an idle many-core host.
 pub const ATTENTION_PAR_MIN_POSITIONS: usize = 256;
 
-/// The pool and kernel level of the dense stage, and its reused attention scratch.
+/// The pool, kernel level and activations of the dense stage, and its reused attention scratch.
 pub(crate) struct DenseStage {
     pool: ColdPool,
     level: SimdLevel,
+    /// Of its quantised matrices: the cold lane's setting, so one engine rounds one way.
+    activations: DecodeActivations,
     scratch: AttentionScratch,
 }
 
 impl DenseStage {
     pub fn new(n_threads: usize, level: SimdLevel) -> DenseStage {
-        DenseStage { pool: ColdPool::new(n_threads.max(1)), level, scratch: AttentionScratch::default() }
+        let (pool, scratch) = (ColdPool::new(n_threads.max(1)), AttentionScratch::default());
+        DenseStage { pool, level, activations: DecodeActivations::F32, scratch }
+    }
+
+    /// The activations its quantised matrices take (8-bit ones where the level has VNNI).
+    pub fn set_activations(&mut self, activations: DecodeActivations) {
+        self.activations = activations.at(self.level);
     }
 
     pub fn n_threads(&self) -> usize {
@@ -339,10 +347,11 @@ impl DenseStage {
     pub fn matmul(&mut self, x: &[f32], parts: &mut [MatmulPart<'_, '_>]) -> Result<(), KernelError> {
         let macs =
             parts.iter().map(|p| p.w.rows * p.w.cols).sum::<usize>() * x.len() / parts[0].w.cols.max(1);
+        let kernels = (self.level, self.activations);
         if self.pool.n_threads() == 1 || macs < PAR_MIN_MACS {
-            matmul(self.level, x, parts)
+            matmul(kernels, x, parts)
         } else {
-            par_matmul(&mut self.pool, self.level, x, parts)
+            par_matmul(&mut self.pool, kernels, x, parts)
         }
     }
 

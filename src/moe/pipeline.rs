@@ -129,9 +129,10 @@ pub struct PipelineOptions {
     pub cold_kernels: ColdKernels,
     /// A forced SIMD level for the SIMD cold kernels (`None`: the best exact one).
     pub simd: Option<moe_lanes_kernels::SimdLevel>,
-    /// Activations of the pool cold lane's few-token decode tiles of quantised experts (`None`:
-    /// [`moe_lanes_kernels::DecodeActivations::resolve`]'s default for the level). The
-    /// lane-actor cold kernels (no pool lane) keep f32 activations.
+    /// Activations of the pool cold lane's tiles of quantised experts and of the dense stage's
+    /// quantised matrices (`None`: [`moe_lanes_kernels::DecodeActivations::resolve`]'s default
+    /// for the level). The lane-actor cold kernels (no pool lane) keep f32 activations, and so
+    /// does the dense stage then.
     pub activations: Option<moe_lanes_kernels::DecodeActivations>,
     pub switches: PolicySwitches,
     pub max_batch_tokens: usize,
@@ -510,7 +511,7 @@ impl Pipeline {
         }
         let (final_norm, layers) = load_dense(&model)?;
         let level = cold_simd_level(options.simd)?;
-        let dense = DenseStage::new(options.n_dense_threads, level);
+        let mut dense = DenseStage::new(options.n_dense_threads, level);
         let m = options.max_batch_tokens;
         let cold: Arc<dyn ExpertKernel> = match options.cold_kernels {
             ColdKernels::Plain => Arc::new(PlainKernel::new(model.clone())),
@@ -522,6 +523,7 @@ impl Pipeline {
         let pool_lane =
             (options.pool_cold && options.driver_cold && options.cold_kernels == ColdKernels::Simd)
                 .then(|| PoolLane::new(model.clone(), level, options.activations));
+        dense.set_activations(pool_lane.as_ref().map_or(DecodeActivations::F32, PoolLane::activations));
         // With the pool lane the driver alone is the lane set's cold participant.
         let (lane_workers, cold_threads) = match pool_lane {
             Some(_) => (1, options.n_cold_workers.clamp(1, dense.n_threads())),
