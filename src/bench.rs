@@ -490,7 +490,10 @@ impl BenchReport {
             t.cold,
             self.simd,
             self.activations,
-            self.activations.describe()
+            match moe_lanes_kernels::SimdLevel::parse(&self.simd) {
+                Ok(level) => self.activations.describe_at(level),
+                Err(_) => self.activations.describe(),
+            }
         );
         if t.dense > 0 {
             out += &format!("dense stage   {} threads\n", t.dense);

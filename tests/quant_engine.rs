@@ -20,6 +20,7 @@ mod common;
 
 use moe_lanes::dtype::DType;
 use moe_lanes::engine::{build_engine, Engine, EngineKind, EngineOptions, HotBudget, HotChoice};
+use moe_lanes::expert_math::kernel_dtype;
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use moe_lanes::quantize::QuantMix;
@@ -136,12 +137,16 @@ fn pipeline_against_reference(
 fn every_mix_runs_on_the_pipeline_within_tolerance_of_the_reference() {
     use DecodeActivations::{F32, Q8};
     let dir = tempfile::tempdir().unwrap();
-    let q8_here = SimdLevel::detect().has_q8_dot();
+    let level = SimdLevel::detect();
     for mix in QuantMix::ALL {
         let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", mix)).unwrap());
         let types: Vec<DType> = model.tensor_list().iter().map(|t| t.1).collect();
         assert!(types.contains(&mix.default_type()), "{mix}: {types:?}");
         let q8_0_anywhere = model.tensor_list().iter().any(|t| t.1 == DType::Q8_0);
+        // a matrix of a type this CPU has an 8-bit tile for (every type with VNNI; Q4_0, Q4_K
+        // and Q6_K with AVX2 alone)
+        let q8_here =
+            model.tensor_list().iter().any(|t| !t.1.is_float() && level.has_q8_tile(kernel_dtype(t.1)));
         let only_q8_0 = model.tensor_list().iter().all(|t| t.1 == DType::Q8_0 || t.1.is_float());
         let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
         let reference = reference.as_mut();
@@ -151,7 +156,7 @@ fn every_mix_runs_on_the_pipeline_within_tolerance_of_the_reference() {
             pipeline_against_reference(&model, reference, Some(Q8), Q8_LOGITS_TOLERANCE);
         let (_, default_logits) = pipeline_against_reference(&model, reference, None, Q8_LOGITS_TOLERANCE);
         println!(
-            "{mix}: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e} (vnni: {q8_here})"
+            "{mix}: largest relative logits error f32 {f32_error:.2e}, q8 {q8_error:.2e} (8-bit tiles: {q8_here})"
         );
         // Where VNNI runs them, the 8-bit tiles were taken: their rounding shows in the logits.
         assert_eq!(q8_logits != f32_logits, q8_here, "{mix}");
@@ -164,12 +169,44 @@ fn every_mix_runs_on_the_pipeline_within_tolerance_of_the_reference() {
             assert!(default_logits == f32_logits, "{mix}: no VNNI, f32 throughout");
         } else if !q8_0_anywhere {
             assert!(default_logits == q8_logits, "{mix}: the default is auto");
-        } else {
+        } else if level.has_q8_dot() {
             assert!(default_logits != q8_logits, "{mix}: auto keeps few-token Q8_0 products f32");
             if only_q8_0 {
                 assert!(default_logits[6..10] == f32_logits[6..10], "{mix}: 3 tokens run f32 under auto");
             }
         }
+    }
+}
+
+/// A CPU without AVX-512 VNNI (the pipeline forced to AVX2): the Q4_0, Q4_K_M and Q5_K_M files take the
+/// AVX2 8-bit tiles (Q4_0, Q4_K, Q5_K, Q6_K) in decode under the default, so their logits leave the
+/// f32 run's, within the 8-bit tolerance of the reference, greedy tokens where the reference's
+/// lead is clear; a Q8_0 file (no AVX2 tile) keeps the f32 run's bits.
+#[test]
+fn an_avx2_cpu_takes_its_8_bit_tiles_for_q4_0_and_the_k_quants() {
+    if !SimdLevel::Avx2.is_supported() {
+        eprintln!("skipped: no AVX2 here");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for mix in [QuantMix::Q4_0, QuantMix::Q4_K_M, QuantMix::Q5_K_M, QuantMix::Q8_0] {
+        let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", mix)).unwrap());
+        let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+        let mut logits = |activations| {
+            let mut opts = EngineOptions { activations, ..options(Some(EngineKind::Pipeline)) };
+            opts.simd = Some(SimdLevel::Avx2);
+            let (mut pipeline, report) = build_engine(&model, opts).unwrap();
+            assert_eq!(report.activations, DecodeActivations::resolve(activations, SimdLevel::Avx2));
+            let what = format!("avx2 {mix} {activations:?}");
+            let rows: Vec<Vec<f32>> =
+                PROMPTS.iter().flat_map(|p| prompt_logits(pipeline.as_mut(), p)).collect();
+            for p in PROMPTS {
+                check_steps(&what, reference.as_mut(), pipeline.as_mut(), p, 4, Q8_LOGITS_TOLERANCE);
+            }
+            rows
+        };
+        let (f32_run, default_run) = (logits(Some(DecodeActivations::F32)), logits(None));
+        assert_eq!(default_run != f32_run, mix != QuantMix::Q8_0, "{mix}: AVX2's 8-bit tiles");
     }
 }
 

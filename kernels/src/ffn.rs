@@ -58,11 +58,20 @@ unsafe fn run_tile(
 ) {
     #[cfg(target_arch = "x86_64")]
     if let Some(x) = q8 {
-        // SAFETY: `q8` is only given where the level has VNNI (`dot_tiles`) and it holds the one
-        // token's `cols` quantised values; the rows as in the caller's contract.
-        if unsafe {
-            crate::x86_quant_tile::avx512_vnni::decode_tile(dtype, rows, prefetch_rows, x, cols, out)
-        } {
+        // SAFETY: `q8` is only given where the level has a tile for the type (`dot_tiles`: VNNI,
+        // or AVX2's) and it holds the one token's `cols` quantised values; the rows as in the
+        // caller's contract.
+        let done = unsafe {
+            match level.has_q8_dot() {
+                true => {
+                    crate::x86_quant_tile::avx512_vnni::decode_tile(dtype, rows, prefetch_rows, x, cols, out)
+                }
+                false => {
+                    crate::x86_quant_tile::avx2_q8::decode_tile(dtype, rows, prefetch_rows, x, cols, out)
+                }
+            }
+        };
+        if done {
             return;
         }
     }
@@ -154,9 +163,10 @@ unsafe fn q8_tokens(
 /// matrix does): they are only prefetched, so streaming runs on across range boundaries.
 ///
 /// `q8`: the tokens' activations quantised to 8 bits ([`crate::q8`]); used only when `dtype` is
-/// quantised and the level has VNNI: for `n_tokens <= Q8_MAX_TOKENS` every token runs the
-/// one-token VNNI tile over each row tile while the rows are in cache; for more, the many-token
-/// VNNI tiles take the types [`q8_many_tokens`] names (the others run f32).
+/// quantised and the level has an 8-bit tile for it ([`SimdLevel::has_q8_tile`]): for
+/// `n_tokens <= Q8_MAX_TOKENS` every token runs the one-token tile (VNNI's, or AVX2's) over each
+/// row tile while the rows are in cache; for more, the many-token VNNI tiles take the types
+/// [`q8_many_tokens`] names (the others run f32).
 ///
 /// # Safety
 /// `level` must be supported by this CPU; `row_ptr(r)` must address `cols` elements of
@@ -179,10 +189,10 @@ pub(crate) unsafe fn dot_tiles(
     q8: Option<Q8Rows<'_>>,
     sink: impl FnMut(usize, usize, f32),
 ) {
-    let q8 = q8.filter(|_| dtype.is_quantized() && level.has_q8_dot());
+    let q8 = q8.filter(|_| level.has_q8_tile(dtype));
     #[cfg(target_arch = "x86_64")]
-    if let Some(q8) = q8.filter(|_| n_tokens > Q8_MAX_TOKENS && crate::x86_quant_gemm::takes(dtype)) {
-        // SAFETY: VNNI checked above; the rows and 8-bit tokens are the caller's contract.
+    if let Some(q8) = q8.filter(|_| n_tokens > Q8_MAX_TOKENS && q8_many_tokens(level, dtype)) {
+        // SAFETY: VNNI checked (q8_many_tokens); the rows and 8-bit tokens are the caller's contract.
         return unsafe {
             crate::x86_quant_gemm::rows_times_tokens(dtype, cols, n_rows, row_ptr, n_tokens, q8, sink)
         };
@@ -758,8 +768,9 @@ pub fn gemv_rows(
 }
 
 /// As [`gemv_rows`] with 8-bit activations (one quantised row, [`Q8Activations`]): quantised
-/// rows run the VNNI decode tile where `level` has it ([`SimdLevel::has_q8_dot`]); elsewhere
-/// (and for float rows) the f32 kernels run on the dequantised activations `d * q`.
+/// rows run the level's 8-bit decode tile where it has one for the type
+/// ([`SimdLevel::has_q8_tile`]: VNNI's, or AVX2's); elsewhere (and for float rows) the f32
+/// kernels run on the dequantised activations `d * q`.
 pub fn gemv_rows_q8(
     level: SimdLevel,
     dtype: WeightDType,

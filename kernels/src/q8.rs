@@ -5,7 +5,9 @@
 //! [`Q8Activations`] holds rows of activations quantised per block of 32 values: `d = max|x| /
 //! 127`, `q = round_ties_even(x * 127 / max|x|)` (i8, |q| <= 127), and per block `d` and `sum =
 //! d * Σq` (the K-quant mins multiply it). The VNNI tiles (`x86_quant_vnni.rs`) dot the raw
-//! weight levels (u8) against `q` with `vpdpbusd` and apply `d_w * d` once per (sub-)block.
+//! weight levels (u8) against `q` with `vpdpbusd` and apply `d_w * d` once per (sub-)block; on
+//! CPUs without VNNI the AVX2 one-token tiles (`x86_quant_q8_avx2.rs`: Q4_0, Q4_K, Q5_K, Q6_K) do the
+//! same with `vpmaddubsw` ([`crate::SimdLevel::has_q8_tile`]).
 //!
 //! **Error bound.** Each value is rounded by at most half a step, `|x_i - d_b q_i| <= d_b / 2`
 //! (`d_b` of the value's block `b`); the integer dots are exact, so an output differs from the
@@ -31,12 +33,13 @@ pub enum DecodeActivations {
     #[default]
     F32,
     /// 8-bit activations against the raw weight levels (`vpdpbusd`, AVX-512 VNNI) for every
-    /// quantised type: faster for most, with the rounding bound of the module docs. Levels
-    /// without VNNI run F32.
+    /// quantised type: faster for most, with the rounding bound of the module docs. AVX2 (and
+    /// AVX-512 without VNNI) takes them for Q4_0, Q4_K, Q5_K and Q6_K; other types there, and levels
+    /// below AVX2, run F32.
     Q8,
     /// 8-bit activations for the types they measured faster on (Q4_0, Q4_K, Q5_K, Q6_K, MXFP4), f32
     /// for Q8_0, whose f32 tile runs as fast (near the read bandwidth; benches/RESULTS.md). The
-    /// default where the level has VNNI. Experts of more than [`Q8_MAX_TOKENS`] tokens take 8 bits
+    /// default where the level has 8-bit tiles. Experts of more than [`Q8_MAX_TOKENS`] tokens take 8 bits
     /// under Q8 and Auto alike, for the types the many-token VNNI tiles take (Q8_0 too).
     Auto,
 }
@@ -62,7 +65,7 @@ impl DecodeActivations {
     }
 
     /// What runs at `level`: the requested setting (default [`DecodeActivations::Auto`]) where
-    /// the level has the integer tiles (AVX-512 with VNNI), else F32.
+    /// the level has integer tiles (AVX2 and up: [`crate::SimdLevel::has_q8_tiles`]), else F32.
     pub fn resolve(requested: Option<DecodeActivations>, level: crate::SimdLevel) -> DecodeActivations {
         requested.unwrap_or(DecodeActivations::Auto).at(level)
     }
@@ -76,17 +79,26 @@ impl DecodeActivations {
         }
     }
 
-    /// This setting where `level` runs the integer tiles, F32 where it does not.
+    /// [`DecodeActivations::describe`] at `level`: without VNNI only AVX2's tiles' types.
+    pub fn describe_at(self, level: crate::SimdLevel) -> &'static str {
+        match self.at(level) {
+            DecodeActivations::F32 => "f32 for every type",
+            _ if level.has_q8_dot() => self.describe(),
+            _ => "8-bit for Q4_0, Q4_K, Q5_K, Q6_K (AVX2 tiles); f32 for the others",
+        }
+    }
+
+    /// This setting where `level` runs integer tiles, F32 where it does not.
     pub fn at(self, level: crate::SimdLevel) -> DecodeActivations {
-        if level.has_q8_dot() {
+        if level.has_q8_tiles() {
             self
         } else {
             DecodeActivations::F32
         }
     }
 
-    /// Whether the few-token tiles of `dtype` take 8-bit activations under this setting (the
-    /// level's VNNI is checked apart: [`DecodeActivations::at`]).
+    /// Whether the few-token tiles of `dtype` take 8-bit activations under this setting (whether
+    /// the level has such a tile is checked apart: [`crate::SimdLevel::has_q8_tile`]).
     pub fn q8_for(self, dtype: WeightDType) -> bool {
         match self {
             DecodeActivations::F32 => false,
@@ -98,13 +110,14 @@ impl DecodeActivations {
 
 impl DecodeActivations {
     /// Whether a product of `n_tokens` tokens over `dtype` rows takes 8-bit activations at
-    /// `level`: at most [`Q8_MAX_TOKENS`] tokens and a type this setting takes 8-bit
-    /// ([`DecodeActivations::q8_for`]), or more tokens, a setting other than F32 and a type whose
-    /// many-token VNNI tiles take them (`ffn::q8_many_tokens`: Q8_0 too under Auto, whose
-    /// many-token tiles beat the f32 ones where its one-token tile does not). Never without VNNI.
+    /// `level`: at most [`Q8_MAX_TOKENS`] tokens, a type this setting takes 8-bit
+    /// ([`DecodeActivations::q8_for`]) and a one-token tile for it at the level, or more tokens,
+    /// a setting other than F32 and a type whose many-token VNNI tiles take them
+    /// (`ffn::q8_many_tokens`: Q8_0 too under Auto, whose many-token tiles beat the f32 ones where
+    /// its one-token tile does not; never without VNNI).
     pub(crate) fn takes(self, level: crate::SimdLevel, dtype: WeightDType, n_tokens: usize) -> bool {
         match n_tokens <= Q8_MAX_TOKENS {
-            true => level.has_q8_dot() && self.q8_for(dtype),
+            true => level.has_q8_tile(dtype) && self.q8_for(dtype),
             false => self != DecodeActivations::F32 && crate::ffn::q8_many_tokens(level, dtype),
         }
     }

@@ -75,10 +75,31 @@ impl SimdLevel {
         }
     }
 
-    /// Whether this level runs the 8-bit-activation decode tiles here: an AVX-512 level on a CPU
-    /// with AVX-512 VNNI (`vpdpbusd`), BW and VL ([`has_avx512_vnni`]).
+    /// Whether this level runs the VNNI 8-bit-activation tiles here (every quantised type, one
+    /// token and many): an AVX-512 level on a CPU with AVX-512 VNNI (`vpdpbusd`), BW and VL
+    /// ([`has_avx512_vnni`]).
     pub fn has_q8_dot(self) -> bool {
         self >= SimdLevel::Avx512 && self.is_supported() && has_avx512_vnni()
+    }
+
+    /// Whether this level has a one-token tile with 8-bit activations for `dtype`: every
+    /// quantised type with VNNI ([`SimdLevel::has_q8_dot`]); Q4_0, Q4_K, Q5_K and Q6_K on AVX2 and on
+    /// AVX-512 without VNNI (`vpmaddubsw`, `x86_quant_q8_avx2.rs`).
+    pub fn has_q8_tile(self, dtype: crate::WeightDType) -> bool {
+        if self.has_q8_dot() {
+            return dtype.is_quantized();
+        }
+        #[cfg(target_arch = "x86_64")]
+        return self >= SimdLevel::Avx2
+            && self.is_supported()
+            && crate::x86_quant_tile::avx2_q8::takes(dtype);
+        #[cfg(not(target_arch = "x86_64"))]
+        return false;
+    }
+
+    /// Whether this level has any 8-bit-activation tile ([`SimdLevel::has_q8_tile`]).
+    pub fn has_q8_tiles(self) -> bool {
+        self.has_q8_dot() || cfg!(target_arch = "x86_64") && self >= SimdLevel::Avx2 && self.is_supported()
     }
 
     /// Parses a forced level name and checks that this CPU supports it.

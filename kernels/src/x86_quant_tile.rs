@@ -85,6 +85,10 @@ macro_rules! dispatch_decode_tile {
 #[path = "x86_quant_vnni.rs"]
 pub(crate) mod avx512_vnni;
 
+/// AVX2 fused decode tiles with 8-bit activations (Q4_0, Q4_K, Q5_K, Q6_K).
+#[path = "x86_quant_q8_avx2.rs"]
+pub(crate) mod avx2_q8;
+
 /// AVX-512F fused decode tiles (16 lanes).
 pub(crate) mod avx512 {
     use std::arch::x86_64::*;

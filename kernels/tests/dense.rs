@@ -112,7 +112,7 @@ fn assert_q8_bound(views: &[DenseMatrix<'_>], x: &[f32], got: &[Vec<f32>], expec
 /// last tile of rows: every level against the scalar loops, the same bits at every thread count;
 /// with f32 activations within f32 accumulation, with 8-bit ones (where the level has VNNI and
 /// the type takes them) within the activation rounding bound of every output, and not the f32
-/// run's bits (the 8-bit tiles ran).
+/// run's bits (the 8-bit tiles ran: VNNI's, or AVX2's for Q4_0, Q4_K, Q5_K and Q6_K).
 #[test]
 fn par_matmul_over_quantized_rows_matches_scalar_for_every_level_and_thread_count() {
     let mut rng = Rng(0x0de5_e0a1);
@@ -134,7 +134,10 @@ fn par_matmul_over_quantized_rows_matches_scalar_for_every_level_and_thread_coun
                     assert_f32_tolerance(level, dtype, &f32_run, &expected);
                     let q8_run = check_level((level, DecodeActivations::Q8), &views, &x, &mut pools);
                     // AMX hosts keep their tiles for many tokens of the types the VNNI tiles lack
-                    let takes = level.has_q8_dot() && (n_tokens <= 4 || many_token_tiles(level, dtype));
+                    let takes = match n_tokens <= 4 {
+                        true => level.has_q8_tile(dtype),
+                        false => level.has_q8_dot() && many_token_tiles(level, dtype),
+                    };
                     assert_eq!(
                         q8_run != f32_run,
                         takes,
