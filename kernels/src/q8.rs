@@ -110,14 +110,16 @@ impl DecodeActivations {
 
 impl DecodeActivations {
     /// Whether a product of `n_tokens` tokens over `dtype` rows takes 8-bit activations at
-    /// `level`: at most [`Q8_MAX_TOKENS`] tokens, a type this setting takes 8-bit
-    /// ([`DecodeActivations::q8_for`]) and a one-token tile for it at the level, or more tokens,
+    /// `level`: at most [`Q8_MAX_TOKENS`] tokens (one without VNNI: AVX2's tiles lost prefill
+    /// speed on experts of 2-4 tokens, benches/RESULTS.md session 35), a type this setting takes
+    /// 8-bit ([`DecodeActivations::q8_for`]) and a one-token tile for it at the level, or more tokens,
     /// a setting other than F32 and a type whose many-token VNNI tiles take them
     /// (`ffn::q8_many_tokens`: Q8_0 too under Auto, whose many-token tiles beat the f32 ones where
     /// its one-token tile does not; never without VNNI).
     pub(crate) fn takes(self, level: crate::SimdLevel, dtype: WeightDType, n_tokens: usize) -> bool {
         match n_tokens <= Q8_MAX_TOKENS {
-            true => level.has_q8_tile(dtype) && self.q8_for(dtype),
+            // AVX2's tiles take one token: a few tokens share the f32 tiles' decoded blocks
+            true => level.has_q8_tile(dtype) && self.q8_for(dtype) && (n_tokens == 1 || level.has_q8_dot()),
             false => self != DecodeActivations::F32 && crate::ffn::q8_many_tokens(level, dtype),
         }
     }
