@@ -481,77 +481,24 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     let read_simd = SimdLevel::detect();
     let BenchMemory { read_buffer, weight_pool, dtype, matrix_bytes, n_layers } =
         bench_memory(&mut pool, &opts)?;
-    let (read_buffer_bytes, expert_bytes) = (read_buffer.len(), 3 * matrix_bytes);
-    let read_floats: &[f32] = bytemuck::cast_slice(&read_buffer);
+    let read_buffer_bytes = read_buffer.len();
     let experts = expert_views(&weight_pool, n_layers, matrix_bytes, dtype);
     let mut rng = SplitMix64(42);
-    let random_x = |rng: &mut SplitMix64, n_tokens: usize| -> Vec<f32> {
-        (0..n_tokens * HIDDEN).map(|_| rng.symmetric(1.0)).collect()
+    let memory = RoundMemory {
+        read: (read_simd, bytemuck::cast_slice(&read_buffer)),
+        experts: &experts,
+        n_layers,
+        expert_bytes: 3 * matrix_bytes,
+        weight_pool: &weight_pool,
+        dtype,
     };
-
-    // 3. Decode: 1 token x 8 experts, rotating through the pool.
-    let decode_x = random_x(&mut rng, 1);
-    let mut decode_out = vec![0.0f32; HIDDEN];
-    let token_zero = [0u32];
-    let routing_weight = [1.0f32 / TOP_K as f32];
-    let decode_groups = decode_groups(&experts, &token_zero, &routing_weight);
-    let decode_job =
-        |group: usize| silu_job((level, activations), &decode_x, &decode_groups[group % decode_groups.len()]);
-    let decode_weight_bytes = decode_job(0).weight_bytes();
-    for group in 0..decode_groups.len() {
-        pool.run(&decode_job(group), &mut decode_out)?;
-    }
-    // 4. Layer at 25% hit rate: 32 tokens x top-8 distinct experts, 64 of 256 slots hot.
-    let layer_x = random_x(&mut rng, LAYER25_TOKENS);
-    let (per_expert_tokens, per_expert_weights, layer25_cold_slots) = layer25_routing(&mut rng);
-    // The same routing on every layer of the pool; calls alternate between layers.
-    let layer_works = layer_works(&experts, n_layers, &per_expert_tokens, &per_expert_weights);
-    let layer_job = |layer: usize| silu_job((level, activations), &layer_x, &layer_works[layer % n_layers]);
-    let layer25_weight_bytes = layer_job(0).weight_bytes();
-    let layer25_cold_experts = layer25_weight_bytes / expert_bytes;
-    let mut layer_out = vec![0.0f32; LAYER25_TOKENS * HIDDEN];
-    for layer in 0..n_layers {
-        pool.run(&layer_job(layer), &mut layer_out)?;
-    }
-
-    // 5. Dense GEMV: an lm_head-shaped matrix over the weight pool's first bytes.
-    let dense_gemv_rows = if opts.quick { DENSE_GEMV_ROWS_QUICK } else { DENSE_GEMV_ROWS };
-    let gemv_bytes = &weight_pool[..dense_gemv_rows * dtype.row_bytes(HIDDEN)];
-    let gemv_w = crate::dense::DenseMatrix::new(gemv_bytes, dtype, dense_gemv_rows, HIDDEN)?;
-    let mut gemv_y = vec![0.0f32; dense_gemv_rows];
-    let gemv = |pool: &mut ColdPool, y: &mut [f32]| {
-        crate::dense::par_matmul(
-            pool,
-            (level, activations),
-            &decode_x,
-            &mut [crate::dense::MatmulPart { w: gemv_w, y }],
-        )
-    };
-    gemv(&mut pool, &mut gemv_y)?;
-
-    // Rounds interleave the read probe, decode, layer25 and the dense GEMV so that all see the
-    // same machine state (other processes come and go); each keeps its best round.
-    let rounds = if opts.quick { 3 } else { 8 };
-    let decode_calls_per_round = 2 * decode_groups.len();
-    let best = interleaved_rounds(
-        &mut pool,
-        rounds,
-        (read_simd, read_floats, if opts.quick { 2 } else { 4 }),
-        &mut |pool, round| {
-            for call in 0..decode_calls_per_round {
-                pool.run(&decode_job(round + call), &mut decode_out)?;
-            }
-            Ok(decode_calls_per_round)
-        },
-        &mut |pool, round| pool.run(&layer_job(round), &mut layer_out),
-        &mut |pool| gemv(pool, &mut gemv_y),
-    )?;
-    let read_gbs = best.read_gbs;
-    black_box((&decode_out, &layer_out, &gemv_y));
-    let dense_gemv_gbs = gemv_w.bytes.len() as f64 / best.gemv_s / 1e9;
+    let r = measure_rounds(&mut pool, (level, activations), &memory, &opts, &mut rng)?;
     drop(read_buffer);
-    let decode_gbs = decode_weight_bytes as f64 / best.decode_s / 1e9;
-    let layer25_gbs = layer25_weight_bytes as f64 / best.layer25_s / 1e9;
+    let best = &r.best;
+    let read_gbs = best.read_gbs;
+    let dense_gemv_gbs = r.dense_gemv_bytes as f64 / best.gemv_s / 1e9;
+    let decode_gbs = r.decode_weight_bytes as f64 / best.decode_s / 1e9;
+    let layer25_gbs = r.layer25_weight_bytes as f64 / best.layer25_s / 1e9;
 
     // 6. Prefill: 512 tokens x top-8, all cold, expert-major; uniform then skewed routing.
     let prefill_calls = if opts.quick { 1 } else { 3 };
@@ -573,17 +520,17 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
         decode_gbs,
         decode_ratio: decode_gbs / read_gbs,
         decode_call_us: best.decode_s * 1e6,
-        decode_weight_bytes,
+        decode_weight_bytes: r.decode_weight_bytes,
         layer25_gbs,
         layer25_ratio: layer25_gbs / read_gbs,
         layer25_call_us: best.layer25_s * 1e6,
-        layer25_cold_slots,
-        layer25_cold_experts,
-        layer25_weight_bytes,
+        layer25_cold_slots: r.layer25_cold_slots,
+        layer25_cold_experts: r.layer25_cold_experts,
+        layer25_weight_bytes: r.layer25_weight_bytes,
         dense_gemv_gbs,
         dense_gemv_ratio: dense_gemv_gbs / read_gbs,
         dense_gemv_call_us: best.gemv_s * 1e6,
-        dense_gemv_rows,
+        dense_gemv_rows: r.dense_gemv_rows,
         prefill_gflops: 0.0,
         prefill_call_ms: 0.0,
         prefill_skewed_gflops: 0.0,
@@ -598,6 +545,105 @@ pub fn run_kernel_bench(opts: KernelBenchOptions) -> Result<KernelBenchReport, K
     };
     report.set_prefill(&pf);
     Ok(report)
+}
+
+/// What steps 3-5 read: the read probe's level and buffer, the expert views over the weight
+/// pool (`n_layers` layers of experts of `expert_bytes`), the pool's bytes and type.
+struct RoundMemory<'a> {
+    read: (SimdLevel, &'a [f32]),
+    experts: &'a [ExpertWeights<'a>],
+    n_layers: usize,
+    expert_bytes: usize,
+    weight_pool: &'a [u8],
+    dtype: WeightDType,
+}
+
+/// Steps 3-5's best times and the bytes one call of each reads.
+struct RoundFigures {
+    best: BestTimes,
+    decode_weight_bytes: usize,
+    layer25_weight_bytes: usize,
+    layer25_cold_slots: usize,
+    layer25_cold_experts: usize,
+    dense_gemv_bytes: usize,
+    dense_gemv_rows: usize,
+}
+
+/// Steps 3-5: decode, the layer at 25% hot and the dense GEMV, each run once to warm up, then
+/// interleaved with the read probe over rounds.
+fn measure_rounds(
+    pool: &mut ColdPool,
+    (level, activations): (SimdLevel, DecodeActivations),
+    m: &RoundMemory<'_>,
+    opts: &KernelBenchOptions,
+    rng: &mut SplitMix64,
+) -> Result<RoundFigures, KernelError> {
+    let (experts, n_layers) = (m.experts, m.n_layers);
+    let random_x = |rng: &mut SplitMix64, n_tokens: usize| -> Vec<f32> {
+        (0..n_tokens * HIDDEN).map(|_| rng.symmetric(1.0)).collect()
+    };
+
+    // 3. Decode: 1 token x 8 experts, rotating through the pool.
+    let decode_x = random_x(rng, 1);
+    let mut decode_out = vec![0.0f32; HIDDEN];
+    let token_zero = [0u32];
+    let routing_weight = [1.0f32 / TOP_K as f32];
+    let decode_groups = decode_groups(experts, &token_zero, &routing_weight);
+    let decode_job =
+        |group: usize| silu_job((level, activations), &decode_x, &decode_groups[group % decode_groups.len()]);
+    for group in 0..decode_groups.len() {
+        pool.run(&decode_job(group), &mut decode_out)?;
+    }
+    // 4. Layer at 25% hit rate: 32 tokens x top-8 distinct experts, 64 of 256 slots hot.
+    let layer_x = random_x(rng, LAYER25_TOKENS);
+    let (per_expert_tokens, per_expert_weights, layer25_cold_slots) = layer25_routing(rng);
+    // The same routing on every layer of the pool; calls alternate between layers.
+    let layer_works = layer_works(experts, n_layers, &per_expert_tokens, &per_expert_weights);
+    let layer_job = |layer: usize| silu_job((level, activations), &layer_x, &layer_works[layer % n_layers]);
+    let mut layer_out = vec![0.0f32; LAYER25_TOKENS * HIDDEN];
+    for layer in 0..n_layers {
+        pool.run(&layer_job(layer), &mut layer_out)?;
+    }
+
+    // 5. Dense GEMV: an lm_head-shaped matrix over the weight pool's first bytes.
+    let dense_gemv_rows = if opts.quick { DENSE_GEMV_ROWS_QUICK } else { DENSE_GEMV_ROWS };
+    let gemv_bytes = &m.weight_pool[..dense_gemv_rows * m.dtype.row_bytes(HIDDEN)];
+    let gemv_w = crate::dense::DenseMatrix::new(gemv_bytes, m.dtype, dense_gemv_rows, HIDDEN)?;
+    let mut gemv_y = vec![0.0f32; dense_gemv_rows];
+    let gemv = |pool: &mut ColdPool, y: &mut [f32]| {
+        let part = crate::dense::MatmulPart { w: gemv_w, y };
+        crate::dense::par_matmul(pool, (level, activations), &decode_x, &mut [part])
+    };
+    gemv(pool, &mut gemv_y)?;
+
+    // Rounds interleave the read probe, decode, layer25 and the dense GEMV so that all see the
+    // same machine state (other processes come and go); each keeps its best round.
+    let rounds = if opts.quick { 3 } else { 8 };
+    let decode_calls_per_round = 2 * decode_groups.len();
+    let best = interleaved_rounds(
+        pool,
+        rounds,
+        (m.read.0, m.read.1, if opts.quick { 2 } else { 4 }),
+        &mut |pool, round| {
+            for call in 0..decode_calls_per_round {
+                pool.run(&decode_job(round + call), &mut decode_out)?;
+            }
+            Ok(decode_calls_per_round)
+        },
+        &mut |pool, round| pool.run(&layer_job(round), &mut layer_out),
+        &mut |pool| gemv(pool, &mut gemv_y),
+    )?;
+    black_box((&decode_out, &layer_out, &gemv_y));
+    let layer25_weight_bytes = layer_job(0).weight_bytes();
+    Ok(RoundFigures {
+        best,
+        decode_weight_bytes: decode_job(0).weight_bytes(),
+        layer25_weight_bytes,
+        layer25_cold_slots,
+        layer25_cold_experts: layer25_weight_bytes / m.expert_bytes,
+        dense_gemv_bytes: gemv_w.bytes.len(),
+        dense_gemv_rows,
+    })
 }
 
 impl KernelBenchReport {

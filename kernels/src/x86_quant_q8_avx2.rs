@@ -21,7 +21,9 @@ use std::arch::x86_64::*;
 use crate::q8::Q8Row;
 use crate::weights::WeightDType;
 
-use super::{prefetch_rows_through, Q4_0, Q4_K, Q5_K, Q6_K};
+use super::avx2::load_x;
+// every type code: the shared `dispatch_decode_tile!` names them all (`takes` gates them first)
+use super::{prefetch_rows_through, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 
 /// Whether the level's one-token 8-bit tiles here take `dtype`.
 pub(crate) fn takes(dtype: WeightDType) -> bool {
@@ -44,15 +46,6 @@ fn dot4(levels: __m256i, x: __m256i) -> __m256i {
 unsafe fn x_block(x: Q8Row, j: usize) -> __m256i {
     // SAFETY: the caller vouches that block j of the row (32 values) is there.
     unsafe { _mm256_loadu_si256(x.qs.add(32 * j) as *const __m256i) }
-}
-
-/// 8 f32 at `p`.
-// SAFETY (callers): as `x_block`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn load8(p: *const f32) -> __m256 {
-    // SAFETY: the caller vouches for 8 readable f32 at `p`.
-    unsafe { _mm256_loadu_ps(p) }
 }
 
 /// The f16 at `p`, widened.
@@ -136,8 +129,9 @@ unsafe fn k_asym<const FIFTH: bool>(b: *const u8, x: Q8Row, blk: usize, acc: &mu
         let widen = |v: &[u8; 8]| {
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(v.as_ptr() as *const __m128i)))
         };
-        let coef = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half(b)), widen(&sc)), load8(x.d.add(8 * blk)));
-        let mins = _mm256_mul_ps(widen(&m), load8(x.sum.add(8 * blk)));
+        let coef =
+            _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half(b)), widen(&sc)), load_x(x.d.add(8 * blk)));
+        let mins = _mm256_mul_ps(widen(&m), load_x(x.sum.add(8 * blk)));
         *acc = _mm256_fnmadd_ps(_mm256_set1_ps(half(b.add(2))), mins, *acc);
         let (low4, sixteen) = (_mm256_set1_epi8(15), _mm256_set1_epi8(16));
         let qs = b.add(if FIFTH { 48 } else { 16 });
@@ -173,7 +167,7 @@ unsafe fn q6_k(b: *const u8, x: Q8Row, blk: usize, xb: &XBlock, acc: &mut __m256
     // SAFETY: the block's 210 bytes, the 8 activation blocks' values and scales.
     unsafe {
         let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(b.add(192) as *const __m128i));
-        let coef = _mm256_mul_ps(_mm256_set1_ps(half(b.add(208))), load8(x.d.add(8 * blk)));
+        let coef = _mm256_mul_ps(_mm256_set1_ps(half(b.add(208))), load_x(x.d.add(8 * blk)));
         // the offset: 32 d Σ_j d_x,j Σ_(g in j) sc_g Σx_g
         let offset = _mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, xb.sums16));
         *acc = _mm256_fnmadd_ps(offset, _mm256_mul_ps(coef, _mm256_set1_ps(32.0)), *acc);
@@ -246,7 +240,8 @@ unsafe fn fused_rows<const Q: u8, const R: usize>(
                     Q4_0 => q4_0(b, x, blk, &xb, &mut acc[r]),
                     Q4_K => k_asym::<false>(b, x, blk, &mut acc[r]),
                     Q5_K => k_asym::<true>(b, x, blk, &mut acc[r]),
-                    _ => q6_k(b, x, blk, &xb, &mut acc[r]),
+                    Q6_K => q6_k(b, x, blk, &xb, &mut acc[r]),
+                    _ => unreachable!("decode_tile takes only the types of `takes`"),
                 }
             }
         }
@@ -279,23 +274,8 @@ pub(crate) unsafe fn decode_tile(
     cols: usize,
     out: &mut [f32],
 ) -> bool {
-    macro_rules! by_rows {
-        ($q:expr) => {
-            match rows.len() {
-                // SAFETY: forwarded from the caller; the row count matches R.
-                8 => unsafe { fused_rows::<{ $q }, 8>(dtype, rows, prefetch_rows, x, cols, out) },
-                // SAFETY: as above.
-                1 => unsafe { fused_rows::<{ $q }, 1>(dtype, rows, prefetch_rows, x, cols, out) },
-                _ => return false,
-            }
-        };
+    if !takes(dtype) {
+        return false;
     }
-    match dtype {
-        WeightDType::Q4_0 => by_rows!(Q4_0),
-        WeightDType::Q4_K => by_rows!(Q4_K),
-        WeightDType::Q5_K => by_rows!(Q5_K),
-        WeightDType::Q6_K => by_rows!(Q6_K),
-        _ => return false,
-    }
-    true
+    dispatch_decode_tile!(fused_rows, dtype, rows, prefetch_rows, x, cols, out)
 }

@@ -628,7 +628,7 @@ pub(crate) mod avx2 {
     // level) and the pointers cover the block, lanes or rows this function reads and writes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_x(p: *const f32) -> __m256 {
+    pub(super) unsafe fn load_x(p: *const f32) -> __m256 {
         // SAFETY: the caller vouches for 8 readable f32 at `p`.
         unsafe { _mm256_loadu_ps(p) }
     }
