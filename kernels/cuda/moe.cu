@@ -108,14 +108,17 @@ extern "C" __global__ void hot_worklist_tokens(const int* __restrict__ map, cons
     if (e <= T) tok_off[e] = e * k;
 }
 
-// Decode hot worklist for the grouped GEMMs (a batched step of T rows), built on the GPU from the
-// router's ids [T * k] and weights: the hot entries sorted by cache slot (stable: by entry index
-// within a slot), sorted row p having token tokens[p] and weight wsorted[p]; entries[e] = the sorted
-// row of routed entry e (token-major, e = t * k + j), -1 for a cold expert or an out-of-range id;
-// token row t is token t with entries t*k..(t+1)*k (tok_off, tok_rows); tiles as grouped_tiles
-// writes them (slot, first row, rows <= GG_BM) for each slot's run, then (-1, 0, 0) up to
-// n_tiles (the launch's bound: the grouped GEMMs skip those). Sorted rows past the hot entries
-// get token 0 and weight 0. One block; dynamic shared memory (T * k + 3 * n_slots) ints.
+// Hot worklist for the grouped GEMMs (a batched decode step or an all-hot prefill call of T rows),
+// built on the GPU from the router's ids [T * k] and weights: the hot entries sorted by cache slot
+// (stable: by entry index within a slot), sorted row p having token tokens[p] and weight wsorted[p];
+// entries[e] = the sorted row of routed entry e (token-major, e = t * k + j), -1 for a cold expert
+// or an out-of-range id; token row t is token t with entries t*k..(t+1)*k (tok_off, tok_rows);
+// tiles as grouped_tiles writes them (slot, first row, rows <= GG_BM) for each slot's run, then
+// (-1, 0, 0) up to n_tiles (the launch's bound: the grouped GEMMs skip those). Sorted rows past the
+// hot entries get token 0 and weight 0. One block; warp w ranks the entries of its own contiguous
+// segment (a count per slot and warp, scanned over the warps, then __match_any_sync within each 32
+// entries), so the sort is O(T * k / threads) a thread. Dynamic shared memory
+// (T * k + (3 + warps) * n_slots) ints.
 extern "C" __global__ void hot_worklist_grouped(const int* __restrict__ map, const int* __restrict__ ids,
                                                 const float* __restrict__ weights, int T, int k, int E, int n_slots,
                                                 int n_tiles, int* __restrict__ tokens, float* __restrict__ wsorted,
@@ -123,20 +126,32 @@ extern "C" __global__ void hot_worklist_grouped(const int* __restrict__ map, con
                                                 int* __restrict__ tok_rows, int* __restrict__ tiles) {
     pdl_enter();
     extern __shared__ int hw_sh[];
-    int n = T * k;
+    int n = T * k, n_warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int* slot_of = hw_sh;         // [n]
     int* cnt = hw_sh + n;         // [n_slots]: the slot's hot entries
     int* first = cnt + n_slots;   // [n_slots]: its first sorted row
     int* tile0 = first + n_slots; // [n_slots]: its first tile
+    int* base = tile0 + n_slots;  // [n_warps][n_slots]: the slot's entries in earlier warps' segments
     __shared__ int used_rows, used_tiles;
-    for (int s = threadIdx.x; s < n_slots; s += blockDim.x) cnt[s] = 0;
+    int seg = (n + n_warps - 1) / n_warps, e0 = min(n, warp * seg), e1 = min(n, e0 + seg);
+    for (int i = threadIdx.x; i < n_warps * n_slots; i += blockDim.x) base[i] = 0;
     __syncthreads();
-    for (int e = threadIdx.x; e < n; e += blockDim.x) {
+    for (int e = e0 + lane; e < e1; e += 32) {
         int id = ids[e];
         int s = (id >= 0 && id < E) ? map[id] : -1;
         s = s < n_slots ? s : -1;
         slot_of[e] = s;
-        if (s >= 0) atomicAdd(&cnt[s], 1);
+        if (s >= 0) atomicAdd(&base[warp * n_slots + s], 1);
+    }
+    __syncthreads();
+    for (int s = threadIdx.x; s < n_slots; s += blockDim.x) {  // exclusive scan over the warps
+        int run = 0;
+        for (int w = 0; w < n_warps; w++) {
+            int c = base[w * n_slots + s];
+            base[w * n_slots + s] = run;
+            run += c;
+        }
+        cnt[s] = run;
     }
     __syncthreads();
     if (threadIdx.x == 0) {  // exclusive scans of rows and tiles over the slots
@@ -151,19 +166,24 @@ extern "C" __global__ void hot_worklist_grouped(const int* __restrict__ map, con
         used_tiles = tl;
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < n; e += blockDim.x) {
-        int s = slot_of[e];
-        if (s < 0) {
+    int* wbase = base + warp * n_slots;
+    for (int e_lo = e0; e_lo < e1; e_lo += 32) {  // warp-uniform trip count
+        int e = e_lo + lane;
+        int s = e < e1 ? slot_of[e] : -2;
+        unsigned same = __match_any_sync(0xffffffffu, s), before = same & ((1u << lane) - 1u);
+        if (s >= 0) {
+            int p = first[s] + wbase[s] + __popc(before);
+            tokens[p] = e / k;
+            wsorted[p] = weights[e];
+            entries[e] = p;
+        } else if (s == -1) {
             entries[e] = -1;
-            continue;
         }
-        int rank = 0;
-        for (int f = 0; f < e; f++) rank += slot_of[f] == s;
-        int p = first[s] + rank;
-        tokens[p] = e / k;
-        wsorted[p] = weights[e];
-        entries[e] = p;
+        __syncwarp();
+        if (s >= 0 && (same >> lane) == 1u) wbase[s] += __popc(same);  // the group's last lane
+        __syncwarp();
     }
+    __syncthreads();
     for (int p = used_rows + threadIdx.x; p < n; p += blockDim.x) {
         tokens[p] = 0;
         wsorted[p] = 0.f;

@@ -1533,6 +1533,14 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
 // ---- the prefill hot lane over typed caches: grouped_gemm.cu's tiles, weights decoded ----
 // (compiled after grouped_gemm.cu; Family::Quant's standalone source puts it first)
 
+// Eight values rounded to bf16, packed in a uint4.
+__device__ __forceinline__ uint4 q_bf16x8(const float* v) {
+    __nv_bfloat162 b[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) b[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    return *(const uint4*)b;
+}
+
 // Values k .. k + 7 of a row of `type` (k a multiple of 8, inside the row) as eight bf16 in a
 // uint4, each the bf16 rounding of what dequant_q computes for it (Q::run8: the unit's operations).
 __device__ __forceinline__ uint4 q_row_run8_bf16(int type, const u8* row, int k) {
@@ -1553,10 +1561,7 @@ __device__ __forceinline__ uint4 q_row_run8_bf16(int type, const u8* row, int k)
                               p[4] | ((unsigned)p[5] << 16), p[6] | ((unsigned)p[7] << 16));
         }
     }
-    __nv_bfloat162 b[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) b[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
-    return *(const uint4*)b;
+    return q_bf16x8(v);
 }
 
 // Weight tiles of typed caches [n_slots, N, K] (row r of slot s at (s * N + r) * row_bytes) for
@@ -1659,3 +1664,226 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q_pipe(
     else
         gp_gemm<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
 }
+
+// ---- the pipelined typed tiles, one instance per weight type: raw words fetched a stage ahead ----
+// GpTyped decodes each run of 8 values as it loads it, so every stage waits for its global loads
+// (ncu on the H100: L1 75% busy with the byte and half-word loads, 25% occupancy). Here a run's
+// raw words are loaded into registers one stage ahead (the loads issue, nothing waits on them
+// until the next stage's decode, a stage of MMAs later) with few wide loads, and decoded with the
+// type known at compile time. Values and bf16 roundings are GpTyped's (the same operations), so
+// the bits are too.
+
+// Eight bytes at a 2-byte aligned address as the words that hold them, joined at decode (so the
+// fetch itself waits for nothing).
+struct Raw8 {
+    unsigned a, b, c;
+    bool odd;  // p % 4 == 2: a half-word, a word, a half-word
+    __device__ __forceinline__ void fetch(const u8* p) {
+        odd = (((size_t)p) & 3) != 0;
+        if (odd) {
+            a = *(const unsigned short*)p, b = *(const unsigned*)(p + 2), c = *(const unsigned short*)(p + 6);
+        } else {
+            a = ((const unsigned*)p)[0], b = ((const unsigned*)p)[1], c = 0u;
+        }
+    }
+    __device__ __forceinline__ void words(unsigned& lo, unsigned& hi) const {
+        lo = odd ? a | (b << 16) : a;
+        hi = odd ? (b >> 16) | (c << 16) : b;
+    }
+};
+
+// A run of 8 values of a row of type TY (kernel type codes, as q_row_run8_bf16): fetch(row, k)
+// loads its raw words, decode(k) gives the eight bf16 (k a multiple of 8 inside the row).
+template <int TY>
+struct QRun;
+
+// Q4_K (FIFTH false) and Q5_K: the block's 16 header bytes (d, dmin, 12 scale bytes) as one uint4,
+// the 8 nibble bytes (and Q5_K's 8 fifth-bit bytes) as uint2; blocks 16-byte aligned (the loader's
+// caller checks the cache and its rows).
+template <bool FIFTH>
+struct KRun {
+    uint4 hd;
+    uint2 q, h;
+    __device__ __forceinline__ void fetch(const u8* row, int k) {
+        const u8* b = row + (k >> 8) * (FIFTH ? Q5_K::BYTES : Q4_K::BYTES);
+        int c = k & 255, p = c >> 6, l = c & 31;
+        hd = *(const uint4*)b;
+        q = *(const uint2*)(b + (FIFTH ? 48 : 16) + 32 * p + l);
+        if (FIFTH) h = *(const uint2*)(b + 16 + l);
+    }
+    __device__ __forceinline__ uint4 decode(int k) const {
+        int c = k & 255, j = c >> 5, sh = 4 * (j & 1);
+        float d = __half2float(__ushort_as_half((unsigned short)(hd.x & 0xFFFFu)));
+        float dmin = __half2float(__ushort_as_half((unsigned short)(hd.x >> 16)));
+        // k_scale_min over the scale bytes p[0..11] = hd.y, hd.z, hd.w
+        unsigned sc, m;
+        if (j < 4) {
+            sc = q_byte(hd.y, j) & 63, m = q_byte(hd.z, j) & 63;
+        } else {
+            int i = j - 4;
+            sc = (q_byte(hd.w, i) & 15) | ((q_byte(hd.y, i) >> 6) << 4);
+            m = (q_byte(hd.w, i) >> 4) | ((q_byte(hd.z, i) >> 6) << 4);
+        }
+        float s = __fmul_rn(d, (float)sc), n = __fmul_rn(dmin, (float)m);
+        unsigned qw[2] = {q.x, q.y}, hw[2] = {FIFTH ? h.x : 0u, FIFTH ? h.y : 0u};
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            unsigned x = (q_byte(qw[i >> 2], i & 3) >> sh) & 15;
+            x |= ((q_byte(hw[i >> 2], i & 3) >> j) & 1) << 4;
+            v[i] = __fsub_rn(__fmul_rn(s, (float)x), n);
+        }
+        return q_bf16x8(v);
+    }
+};
+template <>
+struct QRun<2> : KRun<false> {};
+template <>
+struct QRun<3> : KRun<true> {};
+
+// Q6_K (2-byte aligned blocks): d, the run's scale, 8 low-bit bytes and 8 high-bit bytes.
+template <>
+struct QRun<4> {
+    unsigned short d;
+    signed char sc;
+    Raw8 ql, qh;
+    __device__ __forceinline__ void fetch(const u8* row, int k) {
+        const u8* b = row + (k >> 8) * Q6_K::BYTES;
+        int c = k & 255, h = c >> 7, qr = (c >> 5) & 3, l = c & 31;
+        d = *(const unsigned short*)(b + 208);
+        sc = ((const signed char*)(b + 192))[8 * h + 2 * qr + (l >> 4)];
+        ql.fetch(b + 64 * h + 32 * (qr & 1) + l);
+        qh.fetch(b + 128 + 32 * h + l);
+    }
+    __device__ __forceinline__ uint4 decode(int k) const {
+        int qr = (k >> 5) & 3, sh = qr < 2 ? 0 : 4;
+        float s = __fmul_rn(__half2float(__ushort_as_half(d)), (float)sc);
+        unsigned a[2], z[2];
+        ql.words(a[0], a[1]);
+        qh.words(z[0], z[1]);
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            unsigned lo = (q_byte(a[i >> 2], i & 3) >> sh) & 15, hb = (q_byte(z[i >> 2], i & 3) >> (2 * qr)) & 3;
+            v[i] = __fmul_rn(s, (float)((int)(lo | (hb << 4)) - 32));
+        }
+        return q_bf16x8(v);
+    }
+};
+
+// Q8_0 (2-byte aligned blocks): d and the run's 8 bytes.
+template <>
+struct QRun<0> {
+    unsigned short d;
+    Raw8 q;
+    __device__ __forceinline__ void fetch(const u8* row, int k) {
+        const u8* b = row + (k >> 5) * Q8_0::BYTES;
+        d = *(const unsigned short*)b;
+        q.fetch(b + 2 + (k & 31));
+    }
+    __device__ __forceinline__ uint4 decode(int) const {
+        float s = __half2float(__ushort_as_half(d));
+        unsigned w[2];
+        q.words(w[0], w[1]);
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) v[i] = __fmul_rn(s, (float)(signed char)q_byte(w[i >> 2], i & 3));
+        return q_bf16x8(v);
+    }
+};
+
+// gp_tile's loader over NW caches of one type TY: init finds this thread's rows and fetches the
+// first stage's runs; each load decodes the runs fetched for that stage (gp_tile loads stages at
+// consecutive k0) into the stage, then fetches the next stage's.
+template <int NW, int TY>
+struct GpRun {
+    const u8* W[NW];
+    int row_bytes[NW];
+    int N, K;
+    const u8* row[NW][GP_W_CHUNKS];
+    QRun<TY> raw[NW][GP_W_CHUNKS];
+    __device__ __forceinline__ bool live(int m, int i, int k0) const {
+        int kq = ((threadIdx.x + i * GG_THREADS) % (GP_BK / 8)) * 8;
+        return row[m][i] != nullptr && k0 + kq < K;
+    }
+    __device__ __forceinline__ void fetch(int k0) {
+#pragma unroll
+        for (int m = 0; m < NW; m++)
+#pragma unroll
+            for (int i = 0; i < GP_W_CHUNKS; i++) {
+                int kq = ((threadIdx.x + i * GG_THREADS) % (GP_BK / 8)) * 8;
+                if (live(m, i, k0)) raw[m][i].fetch(row[m][i], k0 + kq);
+            }
+    }
+    __device__ __forceinline__ void init(int slot, int col0) {
+#pragma unroll
+        for (int m = 0; m < NW; m++)
+#pragma unroll
+            for (int i = 0; i < GP_W_CHUNKS; i++) {
+                int n = (threadIdx.x + i * GG_THREADS) / (GP_BK / 8);
+                row[m][i] = col0 + n < N ? W[m] + ((size_t)slot * N + col0 + n) * row_bytes[m] : nullptr;
+            }
+        fetch(0);
+    }
+    __device__ __forceinline__ void load(bf16* sw, int, int k0) {
+#pragma unroll
+        for (int m = 0; m < NW; m++)
+#pragma unroll
+            for (int i = 0; i < GP_W_CHUNKS; i++) {
+                int c = threadIdx.x + i * GG_THREADS, n = c / (GP_BK / 8), kq = (c % (GP_BK / 8)) * 8;
+                uint4 v = live(m, i, k0) ? raw[m][i].decode(k0 + kq) : make_uint4(0u, 0u, 0u, 0u);
+                *(uint4*)(sw + (m * GG_BN + n) * GP_LDW + kq) = v;
+            }
+        if (k0 + GP_BK < K) fetch(k0 + GP_BK);
+    }
+};
+
+// grouped_gate_up_q_pipe and grouped_gemm_q_pipe for gate and up (or the one matrix) of type TY:
+// the same arguments (the type codes are the instance's) and the same bits.
+template <int TY>
+__device__ __forceinline__ void gate_up_run(const u8* G, const u8* U, int g_row_bytes, int u_row_bytes,
+                                            const float* x, const int* rows, int n_x_rows, const int* tiles,
+                                            int n_rows, int n_slots, float* h, int N, int K, int split, int act,
+                                            const float* bg, const float* bu) {
+    GpRun<2, TY> wl = {{G, U}, {g_row_bytes, u_row_bytes}, N, K};
+    if (split)
+        gp_gate_up<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+    else
+        gp_gate_up<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+}
+template <int TY>
+__device__ __forceinline__ void gemm_run(const u8* W, int row_bytes, const float* x, const int* rows, int n_x_rows,
+                                         const int* tiles, int n_rows, int n_slots, float* y, int N, int K,
+                                         int split, const float* b) {
+    GpRun<1, TY> wl = {{W}, {row_bytes}, N, K};
+    if (split)
+        gp_gemm<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+    else
+        gp_gemm<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+}
+#define GATE_UP_RUN(name, TY)                                                                                  \
+    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(                                             \
+        const u8* __restrict__ G, const u8* __restrict__ U, int g_type, int u_type, int g_row_bytes,             \
+        int u_row_bytes, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,                \
+        const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split, \
+        int act, const float* __restrict__ bg, const float* __restrict__ bu) {                                  \
+        pdl_enter();                                                                                           \
+        gate_up_run<TY>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K,     \
+                        split, act, bg, bu);                                                                   \
+    }
+#define GEMM_RUN(name, TY)                                                                                     \
+    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(                                             \
+        const u8* __restrict__ W, int w_type, int row_bytes, const float* __restrict__ x,                       \
+        const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,     \
+        float* __restrict__ y, int N, int K, int split, const float* __restrict__ b) {                          \
+        pdl_enter();                                                                                           \
+        gemm_run<TY>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);              \
+    }
+GATE_UP_RUN(grouped_gate_up_q8_0_pipe, 0)
+GATE_UP_RUN(grouped_gate_up_q4_k_pipe, 2)
+GATE_UP_RUN(grouped_gate_up_q5_k_pipe, 3)
+GATE_UP_RUN(grouped_gate_up_q6_k_pipe, 4)
+GEMM_RUN(grouped_gemm_q8_0_pipe, 0)
+GEMM_RUN(grouped_gemm_q4_k_pipe, 2)
+GEMM_RUN(grouped_gemm_q5_k_pipe, 3)
+GEMM_RUN(grouped_gemm_q6_k_pipe, 4)

@@ -2245,7 +2245,8 @@ fn batched_attention_and_append_match_the_per_sequence_kernels() {
 fn hot_worklist_grouped_sorts_entries_by_slot() {
     use moe_lanes_kernels::cuda::ops::grouped_tiles;
     let Some(be) = backend() else { return };
-    for (t, k, e_n) in [(16usize, 8usize, 128usize), (3, 2, 8), (70, 8, 64)] {
+    // a batched decode step, small ones, and an all-hot prefill call of 512 tokens
+    for (t, k, e_n) in [(16usize, 8usize, 128usize), (3, 2, 8), (70, 8, 64), (512, 8, 128)] {
         // experts e % 3 == 2 are cold; the others take slots in reverse order
         let map: Vec<i32> =
             (0..e_n).map(|e| if e % 3 == 2 { -1 } else { ((e_n - 1 - e) / 3 * 2 + e % 3) as i32 }).collect();

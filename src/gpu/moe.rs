@@ -3,12 +3,13 @@
 //! fall back to all-cold when a lane fails.
 //!
 //! Two paths build the same [`Worklist`](crate::moe::worklist::Worklist):
-//! - *device path* (decode, and prefill calls of at most `QUANT_MAX_TOKENS` rows over quantized
-//!   slots): the hot worklist is built on the GPU from the routing ids and the
-//!   device `hot_id_map`, so an all-hot layer never goes back to the host; when the layer has
-//!   cold experts the host builds the worklist (token-major) for the cold lane, which joins on the
-//!   GPU stream (no host wait);
-//! - *host path* (prefill, warmup, and any layer named by a fault injection): the host builds
+//! - *device path* (decode, prefill calls of at most `QUANT_MAX_TOKENS` rows over quantized
+//!   slots, and all-hot prefill calls whose entries the device sorts in one block): the hot
+//!   worklist is built on the GPU from the routing ids and the device `hot_id_map` (token-major
+//!   for the GEMVs, sorted by slot for the grouped GEMMs), so an all-hot layer never goes back to
+//!   the host; when the layer has cold experts the host builds the worklist (token-major) for the
+//!   cold lane, which joins on the GPU stream (no host wait);
+//! - *host path* (other prefill calls, warmup, and any layer named by a fault injection): the host builds
 //!   the worklist expert-major, checks it, uploads it, and the hot lane runs the grouped
 //!   tensor-core GEMMs over every cached expert's gathered token rows (one launch for gate, up
 //!   and the activation, one for down; quantized slots are decoded tile by tile inside those
@@ -170,15 +171,19 @@ impl MoeStage {
         let few_quantized =
             t <= QUANT_MAX_TOKENS as usize && self.hot.slots(l).is_some_and(|c| !c.all_bf16());
         let by_gemv = phase == Phase::Decode || few_quantized;
-        let device_path = by_gemv && !cx.faults.any();
         let all_hot = self.hot.all_hot(l);
+        // An all-hot prefill call whose worklist the device sorts (one block): the grouped GEMMs
+        // on that worklist, so the layer never waits for the host.
+        let grouped_prefill =
+            !by_gemv && all_hot && self.hot.slots(l).is_some_and(|c| hot_grouped(dev, t, c.n_slots));
+        let device_path = (by_gemv || grouped_prefill) && !cx.faults.any();
         // All-hot decode without a shared expert: the hot lane accumulates straight into the
         // residual stream (no zero fill, no add).
         let lw = &dev.w.layers[l];
         let direct = device_path && all_hot && lw.shared.is_none() && !lw.extras.around_output();
         let to_host = !(device_path && all_hot);
-        // the fused routing also writes the device path's hot worklist
-        let fused = device_path && route_fusable(dev, l);
+        // the fused routing (one block a row) also writes the device path's hot worklist
+        let fused = device_path && by_gemv && route_fusable(dev, l);
         self.route(cx, !direct, to_host, device_path && to_host, fused)?;
         shared_expert(cx)?;
         dev.mark(l, 5)?;
@@ -227,8 +232,8 @@ impl MoeStage {
         Ok(fell_back)
     }
 
-    /// Decode: worklist on the GPU, hot lane by GEMV kernels, cold lane on the host, join on
-    /// the stream.
+    /// The device path: worklist on the GPU, hot lane by GEMV kernels or grouped GEMMs, cold
+    /// lane on the host, join on the stream.
     fn moe_device(
         &mut self,
         cx: &LayerCtx<'_>,
@@ -254,7 +259,9 @@ impl MoeStage {
         let ids = route_ids(s.ids(), k, l, t);
         let (p_slots, p_toks) = (wi.sub(lay.slots, n_ent), wi.sub(lay.tokens, n_ent));
         let (p_off, p_rows) = (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
-        if !plan.worklist_built {
+        let grouped = self.hot.slots(l).is_some_and(|c| hot_grouped(dev, t, c.n_slots));
+        // the grouped lane sorts its own worklist (over the token-major one's sections)
+        if !plan.worklist_built && !grouped {
             dev.be.hot_worklist_tokens(
                 self.hot.map_dev(l),
                 ids,
@@ -279,7 +286,7 @@ impl MoeStage {
         if let Some(c) = self.hot.slots(l) {
             let out = if plan.direct { s.hidden.ptr() } else { s.moe_out.ptr() };
             let w = [c.gate, c.up, c.down];
-            if hot_grouped(dev, t, c.n_slots) {
+            if grouped {
                 hot_grouped_decode(dev, w, &c.epi, (self.hot.map_dev(l), c.n_slots), l, t, out)
                     .map_err(hot_failed)?;
                 if !self.hot.all_hot(l) {
@@ -659,16 +666,16 @@ pub(crate) fn expert_gemvs(
     Ok(())
 }
 
-/// Whether a decode call (a batched step) of `t` rows over `n_slots` cached experts runs its hot
-/// lane grouped ([`super::GpuOptions::hot_grouped_min_rows`]; never inside a decode graph, whose
-/// calls are one token).
+/// Whether a device-path call of `t` rows (a batched decode step, an all-hot prefill call) over
+/// `n_slots` cached experts runs its hot lane grouped ([`super::GpuOptions::hot_grouped_min_rows`];
+/// never inside a decode graph, whose calls are one token; at most what one block sorts).
 fn hot_grouped(dev: &Device, t: usize, n_slots: usize) -> bool {
     t >= dev.opts.hot_grouped_min_rows
         && dev.step.is_none()
         && CudaBackend::hot_worklist_grouped_fits(t, dev.cfg.n_experts_used, n_slots)
 }
 
-/// The hot lane of a batched decode step grouped by expert: the worklist sorted by cache slot on
+/// The hot lane of a batched decode step or an all-hot prefill call grouped by expert: the worklist sorted by cache slot on
 /// the device ([`CudaBackend::hot_worklist_grouped`] over the layer's routing and expert-to-slot
 /// `map`), the grouped GEMMs over it (each cached expert read once for all its rows), then the
 /// weighted rows added into `out` by token (cold entries skipped). Writes the worklist's

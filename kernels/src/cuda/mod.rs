@@ -926,6 +926,14 @@ fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
         (Kernel::GroupedGemmBf16PipeBias, kernel::grouped_pipe_shared_bytes(1)),
         (Kernel::GroupedGateUpQPipe, kernel::grouped_pipe_shared_bytes(2)),
         (Kernel::GroupedGemmQPipe, kernel::grouped_pipe_shared_bytes(1)),
+        (Kernel::GroupedGateUpQ8_0Pipe, kernel::grouped_pipe_shared_bytes(2)),
+        (Kernel::GroupedGateUpQ4KPipe, kernel::grouped_pipe_shared_bytes(2)),
+        (Kernel::GroupedGateUpQ5KPipe, kernel::grouped_pipe_shared_bytes(2)),
+        (Kernel::GroupedGateUpQ6KPipe, kernel::grouped_pipe_shared_bytes(2)),
+        (Kernel::GroupedGemmQ8_0Pipe, kernel::grouped_pipe_shared_bytes(1)),
+        (Kernel::GroupedGemmQ4KPipe, kernel::grouped_pipe_shared_bytes(1)),
+        (Kernel::GroupedGemmQ5KPipe, kernel::grouped_pipe_shared_bytes(1)),
+        (Kernel::GroupedGemmQ6KPipe, kernel::grouped_pipe_shared_bytes(1)),
     ];
     let wide = kernel::attention_mma_wide_shared_bytes(
         kernel::ATTENTION_MMA_WIDE_MAX_HEAD_DIM,

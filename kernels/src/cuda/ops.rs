@@ -2128,7 +2128,15 @@ impl CudaBackend {
     /// Whether [`Self::hot_worklist_grouped`] takes `n_tokens` rows of `k` entries over
     /// `n_slots` cache slots (its one block sorts them in shared memory).
     pub fn hot_worklist_grouped_fits(n_tokens: usize, k: usize, n_slots: usize) -> bool {
-        (n_tokens * k + 3 * n_slots) * 4 <= HOT_GROUPED_SHARED_BYTES && n_slots > 0
+        Self::hot_worklist_grouped_shared_bytes(n_tokens * k, n_slots) <= HOT_GROUPED_SHARED_BYTES
+            && n_slots > 0
+    }
+
+    /// The dynamic shared memory of [`Self::hot_worklist_grouped`] over `n` entries: the slot of
+    /// each, then the count, first row and first tile of each slot, then each warp's count per
+    /// slot.
+    fn hot_worklist_grouped_shared_bytes(n: usize, n_slots: usize) -> usize {
+        (n + (3 + (BLOCK / 32) as usize) * n_slots) * 4
     }
 
     /// Most tiles [`Self::hot_worklist_grouped`] writes for `n_entries` routed entries over
@@ -2172,7 +2180,7 @@ impl CudaBackend {
             K,
             (1, 1, 1),
             BLOCK,
-            ((n + 3 * n_slots) * 4) as u32,
+            Self::hot_worklist_grouped_shared_bytes(n, n_slots) as u32,
             args![
                 map.raw(),
                 ids.raw(),

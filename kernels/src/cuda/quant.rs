@@ -87,6 +87,33 @@ pub fn quant_alignment_bytes(dtype: WeightDType) -> u64 {
     }
 }
 
+/// The pipelined grouped kernel of one weight type (`grouped_*_<type>_pipe`: each stage's raw
+/// words fetched a stage ahead, decoded with the type known at compile time), for caches all of
+/// that type; `None` for mixed types and types without one (the runtime-typed kernel). Q4_K and
+/// Q5_K read 16-byte block headers: their caches and rows must be 16-byte aligned.
+fn typed_run_kernel(gate_up: bool, caches: &[TypedWeights], row_bytes: &[i32]) -> Option<Kernel> {
+    use WeightDType::{Q4_K, Q5_K, Q6_K, Q8_0};
+    let dtype = caches.first()?.dtype;
+    if caches.iter().any(|c| c.dtype != dtype) {
+        return None;
+    }
+    let aligned = caches.iter().all(|c| c.bytes.raw() % 16 == 0) && row_bytes.iter().all(|r| r % 16 == 0);
+    if matches!(dtype, Q4_K | Q5_K) && !aligned {
+        return None;
+    }
+    Some(match (dtype, gate_up) {
+        (Q8_0, true) => Kernel::GroupedGateUpQ8_0Pipe,
+        (Q4_K, true) => Kernel::GroupedGateUpQ4KPipe,
+        (Q5_K, true) => Kernel::GroupedGateUpQ5KPipe,
+        (Q6_K, true) => Kernel::GroupedGateUpQ6KPipe,
+        (Q8_0, false) => Kernel::GroupedGemmQ8_0Pipe,
+        (Q4_K, false) => Kernel::GroupedGemmQ4KPipe,
+        (Q5_K, false) => Kernel::GroupedGemmQ5KPipe,
+        (Q6_K, false) => Kernel::GroupedGemmQ6KPipe,
+        _ => return None,
+    })
+}
+
 fn shape(kernel: &'static str, reason: String) -> CudaError {
     CudaError::Shape { kernel, reason }
 }
@@ -582,7 +609,7 @@ impl CudaBackend {
             bg,
             bu
         ];
-        let (kernel, shared) = self.grouped_typed_kernel(K, x, hidden);
+        let (kernel, shared) = self.grouped_typed_kernel(K, x, hidden, &[gate_cache, up_cache], &[grb, urb]);
         self.launch(kernel, shape.grid(), GROUPED_THREADS, shared, args)
     }
 
@@ -634,21 +661,30 @@ impl CudaBackend {
             i32::from(split),
             b
         ];
-        let (kernel, shared) = self.grouped_typed_kernel(K, x, k);
+        let (kernel, shared) = self.grouped_typed_kernel(K, x, k, &[w_cache], &[rb]);
         self.launch(kernel, shape.grid(), GROUPED_THREADS, shared, args)
     }
 
     /// The typed grouped kernel `sync` (gate/up or one matrix) or its pipelined form, which
     /// takes the same arguments: pipelined where the x copies fit (k a multiple of 8, x 16-byte
-    /// aligned) and [`CudaBackend::grouped_pipeline`] is on. With its dynamic shared memory.
-    fn grouped_typed_kernel(&self, sync: Kernel, x: DPtr<f32>, k: usize) -> (Kernel, u32) {
+    /// aligned) and [`CudaBackend::grouped_pipeline`] is on; there, caches of one type take that
+    /// type's instance where it has one ([`typed_run_kernel`]). With its dynamic shared memory.
+    fn grouped_typed_kernel(
+        &self,
+        sync: Kernel,
+        x: DPtr<f32>,
+        k: usize,
+        caches: &[TypedWeights],
+        row_bytes: &[i32],
+    ) -> (Kernel, u32) {
         let fits = self.grouped_pipeline() && k.is_multiple_of(8) && aligned16(&[x.raw()]);
-        match (fits, sync) {
-            (true, Kernel::GroupedGateUpQ) => {
-                (Kernel::GroupedGateUpQPipe, grouped_pipe_shared_bytes(2) as u32)
-            }
-            (true, _) => (Kernel::GroupedGemmQPipe, grouped_pipe_shared_bytes(1) as u32),
-            (false, k) => (k, 0),
+        let gate_up = sync == Kernel::GroupedGateUpQ;
+        let shared = grouped_pipe_shared_bytes(if gate_up { 2 } else { 1 }) as u32;
+        match (fits, typed_run_kernel(gate_up, caches, row_bytes)) {
+            (true, Some(run)) => (run, shared),
+            (true, None) if gate_up => (Kernel::GroupedGateUpQPipe, shared),
+            (true, None) => (Kernel::GroupedGemmQPipe, shared),
+            (false, _) => (sync, 0),
         }
     }
 
