@@ -299,35 +299,47 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_bias(
 // shared memory (the gather by token row is the copy's source address); each warp rounds its own
 // A fragments to bf16 hi (and lo) as it multiplies. Every accumulator takes the same MMAs in the
 // same order as gg_tile (k ascending, hi before lo), so the results are gg_tile's bits.
-// Stage layout: x [GG_BM][GP_LDA] f32, then NW weight tiles [GG_BN][GP_LDW] bf16.
+// Stage layout: x [BM][GP_LDA] f32, then NW weight tiles [GG_BN][GP_LDW] bf16.
+// Two tile shapes (GpShape): prefill's GG_BM rows in GG_STAGES stages, and the decode shape
+// (batched steps: one or two rows an expert) of GG_DEC_BM rows in GG_DEC_STAGES stages, whose
+// smaller x stage leaves shared memory for more stages and blocks, so more weight bytes in flight.
 
 #define GP_BK GG_PIPE_BK
 #define GP_LDA (GP_BK + 8)  // f32 stride: a half-warp's float2 fragment loads hit distinct banks
 #define GP_LDW (GP_BK + 8)  // bf16 stride (80 bytes): ldmatrix's 8 rows hit distinct banks
 
-#if GP_BK % 16 != 0 || GG_STAGES < 2
-#error "GG_PIPE_BK must be a multiple of 16 and GG_STAGES at least 2"
+#if GP_BK % 16 != 0 || GG_STAGES < 2 || GG_DEC_STAGES < 2 || GG_DEC_BM % 16 != 0
+#error "GG_PIPE_BK and GG_DEC_BM must be multiples of 16 and GG_STAGES, GG_DEC_STAGES at least 2"
 #endif
 
-// cp.async (common.cuh) under this file's names; gp_wait: at most GG_STAGES - 2 groups in flight.
+// A tile shape: BM rows (MI groups of 16) in a ring of STAGES stages. A thread's fixed share of a
+// stage's copies: X_CHUNKS x chunks c = tid + i * GG_THREADS (row c / (GP_BK / 4), 4 floats at
+// column (c % (GP_BK / 4)) * 4), GP_W_CHUNKS weight chunks likewise (8 bf16 each).
+template <int BM_, int STAGES_>
+struct GpShape {
+    static constexpr int BM = BM_, STAGES = STAGES_, MI = BM_ / 16, X_CHUNKS = BM_ * GP_BK / 4 / GG_THREADS;
+    static_assert(X_CHUNKS >= 1 && X_CHUNKS * 4 * GG_THREADS == BM_ * GP_BK, "x chunks cover the stage");
+};
+typedef GpShape<GG_BM, GG_STAGES> GpPrefill;
+typedef GpShape<GG_DEC_BM, GG_DEC_STAGES> GpDecode;
+#define GP_W_CHUNKS (GG_BN * GP_BK / 8 / GG_THREADS)
+
+// cp.async (common.cuh) under this file's names; gp_wait: at most STAGES - 2 groups in flight.
 __device__ __forceinline__ void gp_copy16(void* dst, const void* src, bool valid) { cp_async16(dst, src, valid); }
 __device__ __forceinline__ void gp_commit() { cp_async_commit(); }
-__device__ __forceinline__ void gp_wait() { cp_async_wait<GG_STAGES - 2>(); }
-
-// A thread's fixed share of a stage's copies: x chunks c = tid + i * GG_THREADS (row c / (GP_BK
-// / 4), 4 floats at column (c % (GP_BK / 4)) * 4), weight chunks likewise (8 bf16 each).
-#define GP_X_CHUNKS (GG_BM * GP_BK / 4 / GG_THREADS)
-#define GP_W_CHUNKS (GG_BN * GP_BK / 8 / GG_THREADS)
+template <class S>
+__device__ __forceinline__ void gp_wait() { cp_async_wait<S::STAGES - 2>(); }
 
 // The x rows of this thread's chunks: the tile's row r is token rows[row0 + r] (or row0 + r),
 // null past the tile's rows or out of range (a zero row).
+template <class S>
 struct GpX {
-    const float* x[GP_X_CHUNKS];
+    const float* x[S::X_CHUNKS];
     const float* any;  // a valid global address for the zero-filling copies (not read)
     __device__ __forceinline__ void init(const float* x0, const int* rows, int n_x_rows, int row0, int nr, int K) {
         any = x0;
 #pragma unroll
-        for (int i = 0; i < GP_X_CHUNKS; i++) {
+        for (int i = 0; i < S::X_CHUNKS; i++) {
             int r = (threadIdx.x + i * GG_THREADS) / (GP_BK / 4);
             int src = r < nr ? (rows ? rows[row0 + r] : row0 + r) : -1;
             x[i] = src >= 0 && src < n_x_rows ? x0 + (size_t)src * K : nullptr;
@@ -336,7 +348,7 @@ struct GpX {
     // Queue the copies of k step k0 into the stage's x tile (columns past K are zeros).
     __device__ __forceinline__ void load(float* sa, int K, int k0) const {
 #pragma unroll
-        for (int i = 0; i < GP_X_CHUNKS; i++) {
+        for (int i = 0; i < S::X_CHUNKS; i++) {
             int c = threadIdx.x + i * GG_THREADS, r = c / (GP_BK / 4), kq = (c % (GP_BK / 4)) * 4;
             bool ok = x[i] != nullptr && k0 + kq < K;
             gp_copy16(sa + r * GP_LDA + kq, ok ? (const void*)(x[i] + k0 + kq) : (const void*)any, ok);
@@ -412,11 +424,11 @@ __device__ __forceinline__ void gp_frag_b(unsigned* b, const bf16* sw, int cb, i
 // the tile's rows (16-row groups mi from 0 while mi * 16 < nr) against columns w * 16..w * 16 + 15
 // (every warp busy whatever the tile's rows; gg_tile's 2 x 2 warps left two idle in a tile of 32
 // rows or fewer). PARTS 2: the hi and lo MMAs, in gg_tile's order for each accumulator.
-template <int NW, int PARTS>
+template <int NW, int PARTS, class S>
 __device__ __forceinline__ void gp_multiply(const unsigned char* stage, int kvalid, int nr, int col0, int N,
-                                            float acc[NW][4][2][4]) {
+                                            float acc[NW][S::MI][2][4]) {
     const float* sa = (const float*)stage;
-    const bf16* sw = (const bf16*)(stage + GG_BM * GP_LDA * sizeof(float));
+    const bf16* sw = (const bf16*)(stage + S::BM * GP_LDA * sizeof(float));
     int wn = threadIdx.x >> 5;
 #pragma unroll
     for (int ks = 0; ks < GP_BK; ks += 16) {
@@ -425,7 +437,7 @@ __device__ __forceinline__ void gp_multiply(const unsigned char* stage, int kval
 #pragma unroll
         for (int m = 0; m < NW; m++) gp_frag_b(b[m], sw + m * GG_BN * GP_LDW, wn * 16, ks);
 #pragma unroll
-        for (int mi = 0; mi < 4; mi++) {
+        for (int mi = 0; mi < S::MI; mi++) {
             if (mi * 16 >= nr) break;
             unsigned a[2][4];  // hi, lo
             gp_frag_a(a[0], a[1], sa, mi * 16, ks);
@@ -443,56 +455,56 @@ __device__ __forceinline__ void gp_multiply(const unsigned char* stage, int kval
 // gg_tile, pipelined over NW weight matrices; the same refusals and sums.
 // The weights come from `wl` (a loader with init(slot, col0) and load(stage tiles, K, k0), as
 // GpBf16Cache: copies queued; quant.cu's typed loader decodes blocks into the stage instead).
-template <int NW, int PARTS, class WL>
+template <int NW, int PARTS, class S, class WL>
 __device__ __forceinline__ bool gp_tile(WL& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                         int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, int N,
-                                        int K, float acc[NW][4][2][4], int* tile_out) {
+                                        int K, float acc[NW][S::MI][2][4], int* tile_out) {
     extern __shared__ __align__(16) unsigned char gp_smem[];
-    const int stage_bytes = GG_BM * GP_LDA * sizeof(float) + NW * GG_BN * GP_LDW * sizeof(bf16);
+    const int stage_bytes = S::BM * GP_LDA * sizeof(float) + NW * GG_BN * GP_LDW * sizeof(bf16);
     const int* tl = tiles + 3 * (size_t)blockIdx.x;
     int slot = tl[0], row0 = tl[1], nr = tl[2], col0 = blockIdx.y * GG_BN;
-    if (slot < 0 || slot >= n_slots || row0 < 0 || nr <= 0 || nr > GG_BM || row0 > n_rows - nr) return false;
+    if (slot < 0 || slot >= n_slots || row0 < 0 || nr <= 0 || nr > S::BM || row0 > n_rows - nr) return false;
     tile_out[0] = row0, tile_out[1] = nr, tile_out[2] = col0, tile_out[3] = slot;
 #pragma unroll
     for (int m = 0; m < NW; m++)
 #pragma unroll
-        for (int mi = 0; mi < 4; mi++)
+        for (int mi = 0; mi < S::MI; mi++)
 #pragma unroll
             for (int ni = 0; ni < 2; ni++)
 #pragma unroll
                 for (int c = 0; c < 4; c++) acc[m][mi][ni][c] = 0.f;
-    GpX xs;
+    GpX<S> xs;
     xs.init(x, rows, n_x_rows, row0, nr, K);
     wl.init(slot, col0);
     auto load = [&](int stage, int k0) {
         unsigned char* p = gp_smem + stage * stage_bytes;
         xs.load((float*)p, K, k0);
-        wl.load((bf16*)(p + GG_BM * GP_LDA * sizeof(float)), K, k0);
+        wl.load((bf16*)(p + S::BM * GP_LDA * sizeof(float)), K, k0);
     };
     int n_k = (K + GP_BK - 1) / GP_BK;
 #pragma unroll
-    for (int s = 0; s < GG_STAGES - 1; s++) {
+    for (int s = 0; s < S::STAGES - 1; s++) {
         if (s < n_k) load(s, s * GP_BK);
         gp_commit();
     }
     for (int kt = 0; kt < n_k; kt++) {
-        gp_wait();
+        gp_wait<S>();
         __syncthreads();  // stage kt landed for every thread; stage kt - 1 is free again
-        int next = kt + GG_STAGES - 1;
-        if (next < n_k) load(next % GG_STAGES, next * GP_BK);
+        int next = kt + S::STAGES - 1;
+        if (next < n_k) load(next % S::STAGES, next * GP_BK);
         gp_commit();
-        gp_multiply<NW, PARTS>(gp_smem + (kt % GG_STAGES) * stage_bytes, K - kt * GP_BK, nr, col0, N, acc);
+        gp_multiply<NW, PARTS, S>(gp_smem + (kt % S::STAGES) * stage_bytes, K - kt * GP_BK, nr, col0, N, acc);
     }
     return true;
 }
 
 // Calls f(row in the tile, output column, mi, ni, c) for each accumulator element of this thread
 // inside the tile (rows < nr, columns < N), in gp_multiply's warp layout.
-template <typename F>
+template <class S, typename F>
 __device__ __forceinline__ void gp_for_output(int nr, int N, int col0, F f) {
     int lane = threadIdx.x & 31, wn = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int mi = 0; mi < 4; mi++)
+    for (int mi = 0; mi < S::MI; mi++)
 #pragma unroll
         for (int ni = 0; ni < 2; ni++)
 #pragma unroll
@@ -504,99 +516,96 @@ __device__ __forceinline__ void gp_for_output(int nr, int N, int col0, F f) {
 
 // Gate, up and the activation over one tile, pipelined: h[r, :] = glu(act, G_s . x_r + bg[s],
 // U_s . x_r + bu[s]) as gg_gate_up.
-template <int PARTS, bool EPI, class WL>
+template <int PARTS, bool EPI, class S, class WL>
 __device__ __forceinline__ void gp_gate_up(WL& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                            int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
                                            float* __restrict__ h, int N, int K, int act, const float* __restrict__ bg,
                                            const float* __restrict__ bu) {
-    float acc[2][4][2][4];
+    float acc[2][S::MI][2][4];
     int tile[4];
-    if (!gp_tile<2, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
+    if (!gp_tile<2, PARTS, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
     // the plain epilogue (the !EPI instance keeps no epilogue state over its main loop)
     if (!EPI || (act == GLU_SILU && !bg && !bu)) {
-        gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+        gp_for_output<S>(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
             h[(size_t)(row0 + row) * N + col] = silu(acc[0][mi][ni][c]) * acc[1][mi][ni][c];
         });
         return;
     }
-    gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+    gp_for_output<S>(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
         h[(size_t)(row0 + row) * N + col] = glu_biased(act, acc[0][mi][ni][c], acc[1][mi][ni][c], bg, bu, slot, col, N);
     });
 }
 
 // One projection over one tile, pipelined: y[r, :] = W_s . x_r + b[s] as gg_gemm.
-template <int PARTS, bool EPI, class WL>
+template <int PARTS, bool EPI, class S, class WL>
 __device__ __forceinline__ void gp_gemm(WL& wl, const float* __restrict__ x, const int* __restrict__ rows,
                                         int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
                                         float* __restrict__ y, int N, int K, const float* __restrict__ b) {
-    float acc[1][4][2][4];
+    float acc[1][S::MI][2][4];
     int tile[4];
-    if (!gp_tile<1, PARTS>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
+    if (!gp_tile<1, PARTS, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
     int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
     if (!EPI || !b) {  // no bias: the plain store
-        gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+        gp_for_output<S>(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
             y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c];
         });
         return;
     }
-    gp_for_output(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+    gp_for_output<S>(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
         y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c] + b[(size_t)slot * N + col];
     });
 }
 
-// grouped_gate_up_bf16 (and `_epi`), pipelined (same arguments and results). Dynamic shared
-// memory: GG_STAGES stages of x and the gate and up tiles. grid (n_tiles, ceil(N / GG_BN)),
-// block GG_THREADS.
-extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_pipe(
-    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,
-    const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
-    float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
-    const float* __restrict__ bu) {
-    pdl_enter();
+// grouped_gate_up_bf16 (and `_epi`), pipelined (same arguments and results), in tile shape S.
+template <class S, bool EPI>
+__device__ __forceinline__ void gate_up_bf16_pipe(const bf16* G, const bf16* U, const float* x, const int* rows,
+                                                  int n_x_rows, const int* tiles, int n_rows, int n_slots, float* h,
+                                                  int N, int K, int split, int act, const float* bg, const float* bu) {
     GpBf16Cache<2> wl = {{G, U}, N, K};
     if (split)
-        gp_gate_up<2, false>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+        gp_gate_up<2, EPI, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
     else
-        gp_gate_up<1, false>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+        gp_gate_up<1, EPI, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
 }
 
-extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_pipe_epi(
-    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,
-    const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
-    float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
-    const float* __restrict__ bu) {
-    pdl_enter();
-    GpBf16Cache<2> wl = {{G, U}, N, K};
-    if (split)
-        gp_gate_up<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
-    else
-        gp_gate_up<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
-}
-
-// grouped_gemm_bf16 (and `_bias`), pipelined (same arguments and results). Dynamic shared
-// memory: GG_STAGES stages of x and the weight tile. grid (n_tiles, ceil(N / GG_BN)), block
-// GG_THREADS.
-extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_pipe(
-    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
-    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
-    const float* __restrict__ b) {
-    pdl_enter();
+// grouped_gemm_bf16 (and `_bias`), pipelined (same arguments and results), in tile shape S.
+template <class S, bool EPI>
+__device__ __forceinline__ void gemm_bf16_pipe(const bf16* W, const float* x, const int* rows, int n_x_rows,
+                                               const int* tiles, int n_rows, int n_slots, float* y, int N, int K,
+                                               int split, const float* b) {
     GpBf16Cache<1> wl = {{W}, N, K};
     if (split)
-        gp_gemm<2, false>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+        gp_gemm<2, EPI, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
     else
-        gp_gemm<1, false>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+        gp_gemm<1, EPI, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
 }
 
-extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_pipe_bias(
-    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
-    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
-    const float* __restrict__ b) {
-    pdl_enter();
-    GpBf16Cache<1> wl = {{W}, N, K};
-    if (split)
-        gp_gemm<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
-    else
-        gp_gemm<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
-}
+// The kernels: dynamic shared memory S::STAGES stages of x and the weight tiles (CudaBackend
+// sets the limit); grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS. `_pipe`: prefill's tiles of
+// GG_BM rows; `_dec`: the decode shape's GG_DEC_BM rows.
+#define GATE_UP_BF16_PIPE(name, S, EPI)                                                                        \
+    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(                                             \
+        const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,                    \
+        const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,     \
+        float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,                  \
+        const float* __restrict__ bu) {                                                                        \
+        pdl_enter();                                                                                           \
+        gate_up_bf16_pipe<S, EPI>(G, U, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu); \
+    }
+#define GEMM_BF16_PIPE(name, S, EPI)                                                                           \
+    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(                                             \
+        const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,   \
+        const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split, \
+        const float* __restrict__ b) {                                                                         \
+        pdl_enter();                                                                                           \
+        gemm_bf16_pipe<S, EPI>(W, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);               \
+    }
+GATE_UP_BF16_PIPE(grouped_gate_up_bf16_pipe, GpPrefill, false)
+GATE_UP_BF16_PIPE(grouped_gate_up_bf16_pipe_epi, GpPrefill, true)
+GATE_UP_BF16_PIPE(grouped_gate_up_bf16_dec, GpDecode, false)
+GATE_UP_BF16_PIPE(grouped_gate_up_bf16_dec_epi, GpDecode, true)
+GEMM_BF16_PIPE(grouped_gemm_bf16_pipe, GpPrefill, false)
+GEMM_BF16_PIPE(grouped_gemm_bf16_pipe_bias, GpPrefill, true)
+GEMM_BF16_PIPE(grouped_gemm_bf16_dec, GpDecode, false)
+GEMM_BF16_PIPE(grouped_gemm_bf16_dec_bias, GpDecode, true)

@@ -113,7 +113,8 @@ extern "C" __global__ void hot_worklist_tokens(const int* __restrict__ map, cons
 // (stable: by entry index within a slot), sorted row p having token tokens[p] and weight wsorted[p];
 // entries[e] = the sorted row of routed entry e (token-major, e = t * k + j), -1 for a cold expert
 // or an out-of-range id; token row t is token t with entries t*k..(t+1)*k (tok_off, tok_rows);
-// tiles as grouped_tiles writes them (slot, first row, rows <= GG_BM) for each slot's run, then
+// tiles as grouped_tiles writes them (slot, first row, rows <= bm, the tile rows of the GEMMs that
+// read them) for each slot's run, then
 // (-1, 0, 0) up to n_tiles (the launch's bound: the grouped GEMMs skip those). Sorted rows past the
 // hot entries get token 0 and weight 0. One block; warp w ranks the entries of its own contiguous
 // segment (a count per slot and warp, scanned over the warps, then __match_any_sync within each 32
@@ -121,7 +122,7 @@ extern "C" __global__ void hot_worklist_tokens(const int* __restrict__ map, cons
 // (T * k + (3 + warps) * n_slots) ints.
 extern "C" __global__ void hot_worklist_grouped(const int* __restrict__ map, const int* __restrict__ ids,
                                                 const float* __restrict__ weights, int T, int k, int E, int n_slots,
-                                                int n_tiles, int* __restrict__ tokens, float* __restrict__ wsorted,
+                                                int n_tiles, int bm, int* __restrict__ tokens, float* __restrict__ wsorted,
                                                 int* __restrict__ entries, int* __restrict__ tok_off,
                                                 int* __restrict__ tok_rows, int* __restrict__ tiles) {
     pdl_enter();
@@ -160,7 +161,7 @@ extern "C" __global__ void hot_worklist_grouped(const int* __restrict__ map, con
             first[s] = rows;
             tile0[s] = tl;
             rows += cnt[s];
-            tl += (cnt[s] + GG_BM - 1) / GG_BM;
+            tl += (cnt[s] + bm - 1) / bm;
         }
         used_rows = rows;
         used_tiles = tl;
@@ -189,9 +190,9 @@ extern "C" __global__ void hot_worklist_grouped(const int* __restrict__ map, con
         wsorted[p] = 0.f;
     }
     for (int s = threadIdx.x; s < n_slots; s += blockDim.x)
-        for (int c = 0; c * GG_BM < cnt[s]; c++) {
+        for (int c = 0; c * bm < cnt[s]; c++) {
             int* tl = tiles + 3 * (tile0[s] + c);
-            tl[0] = s, tl[1] = first[s] + c * GG_BM, tl[2] = min(GG_BM, cnt[s] - c * GG_BM);
+            tl[0] = s, tl[1] = first[s] + c * bm, tl[2] = min(bm, cnt[s] - c * bm);
         }
     for (int i = used_tiles + threadIdx.x; i < n_tiles; i += blockDim.x) {
         int* tl = tiles + 3 * i;

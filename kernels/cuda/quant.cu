@@ -1636,33 +1636,56 @@ struct GpTyped {
     }
 };
 
-// grouped_gate_up_q, pipelined (same arguments and results). Dynamic shared memory as
-// grouped_gate_up_bf16_pipe. grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS.
-extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q_pipe(
-    const u8* __restrict__ G, const u8* __restrict__ U, int g_type, int u_type, int g_row_bytes, int u_row_bytes,
-    const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles,
-    int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
-    const float* __restrict__ bu) {
-    pdl_enter();
+// grouped_gate_up_q and grouped_gemm_q, pipelined (same arguments and results), in tile shape S.
+// Dynamic shared memory as the bf16 pipelined kernels. grid (n_tiles, ceil(N / GG_BN)), block
+// GG_THREADS.
+template <class S>
+__device__ __forceinline__ void gate_up_q_pipe(const u8* G, const u8* U, int g_type, int u_type, int g_row_bytes,
+                                               int u_row_bytes, const float* x, const int* rows, int n_x_rows,
+                                               const int* tiles, int n_rows, int n_slots, float* h, int N, int K,
+                                               int split, int act, const float* bg, const float* bu) {
     GpTyped<2> wl = {{G, U}, {g_type, u_type}, {g_row_bytes, u_row_bytes}, N, K};
     if (split)
-        gp_gate_up<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+        gp_gate_up<2, true, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
     else
-        gp_gate_up<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+        gp_gate_up<1, true, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
 }
-
-// grouped_gemm_q, pipelined (same arguments and results). Dynamic shared memory as
-// grouped_gemm_bf16_pipe.
-extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q_pipe(
-    const u8* __restrict__ W, int w_type, int row_bytes, const float* __restrict__ x, const int* __restrict__ rows,
-    int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K,
-    int split, const float* __restrict__ b) {
-    pdl_enter();
+template <class S>
+__device__ __forceinline__ void gemm_q_pipe(const u8* W, int w_type, int row_bytes, const float* x, const int* rows,
+                                            int n_x_rows, const int* tiles, int n_rows, int n_slots, float* y, int N,
+                                            int K, int split, const float* b) {
     GpTyped<1> wl = {{W}, {w_type}, {row_bytes}, N, K};
     if (split)
-        gp_gemm<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+        gp_gemm<2, true, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
     else
-        gp_gemm<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+        gp_gemm<1, true, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+}
+#define GATE_UP_Q_PARAMS                                                                                       \
+    const u8 *__restrict__ G, const u8 *__restrict__ U, int g_type, int u_type, int g_row_bytes, int u_row_bytes, \
+        const float *__restrict__ x, const int *__restrict__ rows, int n_x_rows, const int *__restrict__ tiles,  \
+        int n_rows, int n_slots, float *__restrict__ h, int N, int K, int split, int act,                        \
+        const float *__restrict__ bg, const float *__restrict__ bu
+#define GATE_UP_Q_ARGS G, U, g_type, u_type, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu
+#define GEMM_Q_PARAMS                                                                                          \
+    const u8 *__restrict__ W, int w_type, int row_bytes, const float *__restrict__ x,                           \
+        const int *__restrict__ rows, int n_x_rows, const int *__restrict__ tiles, int n_rows, int n_slots,      \
+        float *__restrict__ y, int N, int K, int split, const float *__restrict__ b
+#define GEMM_Q_ARGS W, w_type, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q_pipe(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_q_pipe<GpPrefill>(GATE_UP_Q_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q_dec(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_q_pipe<GpDecode>(GATE_UP_Q_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q_pipe(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_q_pipe<GpPrefill>(GEMM_Q_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q_dec(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_q_pipe<GpDecode>(GEMM_Q_ARGS);
 }
 
 // ---- the pipelined typed tiles, one instance per weight type: raw words fetched a stage ahead ----
@@ -1838,52 +1861,53 @@ struct GpRun {
     }
 };
 
-// grouped_gate_up_q_pipe and grouped_gemm_q_pipe for gate and up (or the one matrix) of type TY:
-// the same arguments (the type codes are the instance's) and the same bits.
-template <int TY>
+// grouped_gate_up_q_pipe and grouped_gemm_q_pipe for gate and up (or the one matrix) of type TY,
+// in tile shape S: the same arguments (the type codes are the instance's) and the same bits.
+template <int TY, class S>
 __device__ __forceinline__ void gate_up_run(const u8* G, const u8* U, int g_row_bytes, int u_row_bytes,
                                             const float* x, const int* rows, int n_x_rows, const int* tiles,
                                             int n_rows, int n_slots, float* h, int N, int K, int split, int act,
                                             const float* bg, const float* bu) {
     GpRun<2, TY> wl = {{G, U}, {g_row_bytes, u_row_bytes}, N, K};
     if (split)
-        gp_gate_up<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+        gp_gate_up<2, true, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
     else
-        gp_gate_up<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
+        gp_gate_up<1, true, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, act, bg, bu);
 }
-template <int TY>
+template <int TY, class S>
 __device__ __forceinline__ void gemm_run(const u8* W, int row_bytes, const float* x, const int* rows, int n_x_rows,
                                          const int* tiles, int n_rows, int n_slots, float* y, int N, int K,
                                          int split, const float* b) {
     GpRun<1, TY> wl = {{W}, {row_bytes}, N, K};
     if (split)
-        gp_gemm<2, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+        gp_gemm<2, true, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
     else
-        gp_gemm<1, true>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
+        gp_gemm<1, true, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
 }
-#define GATE_UP_RUN(name, TY)                                                                                  \
-    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(                                             \
-        const u8* __restrict__ G, const u8* __restrict__ U, int g_type, int u_type, int g_row_bytes,             \
-        int u_row_bytes, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,                \
-        const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split, \
-        int act, const float* __restrict__ bg, const float* __restrict__ bu) {                                  \
+#define GATE_UP_RUN(name, TY, S)                                                                               \
+    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(GATE_UP_Q_PARAMS) {                          \
         pdl_enter();                                                                                           \
-        gate_up_run<TY>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K,     \
-                        split, act, bg, bu);                                                                   \
+        gate_up_run<TY, S>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K,  \
+                           split, act, bg, bu);                                                                \
     }
-#define GEMM_RUN(name, TY)                                                                                     \
-    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(                                             \
-        const u8* __restrict__ W, int w_type, int row_bytes, const float* __restrict__ x,                       \
-        const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,     \
-        float* __restrict__ y, int N, int K, int split, const float* __restrict__ b) {                          \
+#define GEMM_RUN(name, TY, S)                                                                                  \
+    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(GEMM_Q_PARAMS) {                             \
         pdl_enter();                                                                                           \
-        gemm_run<TY>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);              \
+        gemm_run<TY, S>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);           \
     }
-GATE_UP_RUN(grouped_gate_up_q8_0_pipe, 0)
-GATE_UP_RUN(grouped_gate_up_q4_k_pipe, 2)
-GATE_UP_RUN(grouped_gate_up_q5_k_pipe, 3)
-GATE_UP_RUN(grouped_gate_up_q6_k_pipe, 4)
-GEMM_RUN(grouped_gemm_q8_0_pipe, 0)
-GEMM_RUN(grouped_gemm_q4_k_pipe, 2)
-GEMM_RUN(grouped_gemm_q5_k_pipe, 3)
-GEMM_RUN(grouped_gemm_q6_k_pipe, 4)
+GATE_UP_RUN(grouped_gate_up_q8_0_pipe, 0, GpPrefill)
+GATE_UP_RUN(grouped_gate_up_q4_k_pipe, 2, GpPrefill)
+GATE_UP_RUN(grouped_gate_up_q5_k_pipe, 3, GpPrefill)
+GATE_UP_RUN(grouped_gate_up_q6_k_pipe, 4, GpPrefill)
+GEMM_RUN(grouped_gemm_q8_0_pipe, 0, GpPrefill)
+GEMM_RUN(grouped_gemm_q4_k_pipe, 2, GpPrefill)
+GEMM_RUN(grouped_gemm_q5_k_pipe, 3, GpPrefill)
+GEMM_RUN(grouped_gemm_q6_k_pipe, 4, GpPrefill)
+GATE_UP_RUN(grouped_gate_up_q8_0_dec, 0, GpDecode)
+GATE_UP_RUN(grouped_gate_up_q4_k_dec, 2, GpDecode)
+GATE_UP_RUN(grouped_gate_up_q5_k_dec, 3, GpDecode)
+GATE_UP_RUN(grouped_gate_up_q6_k_dec, 4, GpDecode)
+GEMM_RUN(grouped_gemm_q8_0_dec, 0, GpDecode)
+GEMM_RUN(grouped_gemm_q4_k_dec, 2, GpDecode)
+GEMM_RUN(grouped_gemm_q5_k_dec, 3, GpDecode)
+GEMM_RUN(grouped_gemm_q6_k_dec, 4, GpDecode)

@@ -3,8 +3,9 @@
 
 mod common;
 
-use common::cuda::{backend, max_abs_diff, mean_launch_us, rnd, to_bf16};
+use common::cuda::{backend, max_abs_diff, mean_launch_us, rnd, tiles_of_at_most, to_bf16};
 use half::bf16;
+use moe_lanes_kernels::cuda::kernel::{GROUPED_DECODE_TILE_ROWS, GROUPED_TILE_ROWS};
 use moe_lanes_kernels::cuda::ops::{KvPtr, RouteVariant};
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, GateUpEpilogue};
 
@@ -1384,7 +1385,6 @@ fn dot_and_scale(w: &[f32], x: &[f32]) -> (f64, f64) {
 
 #[test]
 fn grouped_tiles_cut_runs_into_tiles_of_one_slot() {
-    use moe_lanes_kernels::cuda::kernel::GROUPED_TILE_ROWS;
     use moe_lanes_kernels::cuda::ops::grouped_tiles;
     let slots = grouped_case_slots();
     let mut tiles = vec![0i32; 3 * slots.len()];
@@ -1427,9 +1427,15 @@ fn grouped_expert_gemms_match_cpu() {
             (be.upload(&x).unwrap(), be.upload(&toks).unwrap(), be.upload(&tiles).unwrap());
         let dh = be.alloc_zeros::<f32>(n_rows * ff).unwrap();
         let dy = be.alloc_zeros::<f32>(n_rows * hidden).unwrap();
-        let tp = dtiles.ptr().sub(0, 3 * n_tiles);
+        // the same rows cut into the decode shape's tiles (16 rows at most)
+        let dec = tiles_of_at_most(&tiles[..3 * n_tiles], GROUPED_DECODE_TILE_ROWS);
+        let ddec = be.upload(&dec).unwrap();
         // gate/up into h, then down over that h (rows in order): both results read back
-        let run = |split: bool| {
+        let run = |split: bool, decode: bool| {
+            let (tp, n_tiles, tile_rows) = match decode {
+                false => (dtiles.ptr().sub(0, 3 * n_tiles), n_tiles, GROUPED_TILE_ROWS),
+                true => (ddec.ptr(), dec.len() / 3, GROUPED_DECODE_TILE_ROWS),
+            };
             let (g, u, d) = (dg.ptr(), du.ptr(), dd.ptr());
             be.grouped_gate_up(
                 g,
@@ -1440,6 +1446,7 @@ fn grouped_expert_gemms_match_cpu() {
                 t,
                 tp,
                 n_tiles,
+                tile_rows,
                 dh.ptr(),
                 n_rows,
                 ff,
@@ -1456,6 +1463,7 @@ fn grouped_expert_gemms_match_cpu() {
                 n_rows,
                 tp,
                 n_tiles,
+                tile_rows,
                 dy.ptr(),
                 n_rows,
                 hidden,
@@ -1469,16 +1477,22 @@ fn grouped_expert_gemms_match_cpu() {
         for split in [true, false] {
             let rel = if split { 2f64.powi(-15) } else { 2f64.powi(-7) };
             be.set_grouped_pipeline(false);
-            let sync = run(split);
+            let sync = run(split, false);
             be.set_grouped_pipeline(true);
-            let (h, y) = run(split);
+            let (h, y) = run(split, false);
+            // the decode shape: its own kernels where pipelined, else the synchronous ones
+            let dec = run(split, true);
+            let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
             if hidden % 8 == 0 && ff % 8 == 0 && be.grouped_pipeline() {
-                let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
                 assert!(
                     same(&h, &sync.0) && same(&y, &sync.1),
                     "pipelined ({hidden},{ff}) split={split}: bits differ"
                 );
             }
+            assert!(
+                same(&h, &dec.0) && same(&y, &dec.1),
+                "decode tiles ({hidden},{ff}) split={split}: bits differ"
+            );
             let mut worst = 0f64;
             for r in 0..n_rows {
                 let (s, xt) = (slots[r] as usize, &x[toks[r] as usize * hidden..][..hidden]);
@@ -1540,6 +1554,7 @@ fn grouped_gemm_gathers_rows_and_skips_bad_tiles() {
         n_x,
         dt.ptr(),
         4,
+        GROUPED_TILE_ROWS,
         dy.ptr(),
         4,
         n,
@@ -1567,6 +1582,7 @@ fn grouped_gemm_gathers_rows_and_skips_bad_tiles() {
             n_x,
             dt.ptr(),
             5,
+            GROUPED_TILE_ROWS,
             dy.ptr(),
             4,
             n,
@@ -1576,7 +1592,41 @@ fn grouped_gemm_gathers_rows_and_skips_bad_tiles() {
         )
         .is_err());
     assert!(be
-        .grouped_gemm(dw.ptr(), 3, dx.ptr(), Some(dr.ptr()), n_x, dt.ptr(), 4, dy.ptr(), 4, n, k, true, None)
+        .grouped_gemm(
+            dw.ptr(),
+            3,
+            dx.ptr(),
+            Some(dr.ptr()),
+            n_x,
+            dt.ptr(),
+            4,
+            64,
+            dy.ptr(),
+            4,
+            n,
+            k,
+            true,
+            None
+        )
+        .is_err());
+    // tiles longer than any kernel's shape are refused by name
+    assert!(be
+        .grouped_gemm(
+            dw.ptr(),
+            3,
+            dx.ptr(),
+            Some(dr.ptr()),
+            n_x,
+            dt.ptr(),
+            4,
+            65,
+            dy.ptr(),
+            4,
+            n,
+            k,
+            true,
+            None
+        )
         .is_err());
 }
 
@@ -2246,7 +2296,14 @@ fn hot_worklist_grouped_sorts_entries_by_slot() {
     use moe_lanes_kernels::cuda::ops::grouped_tiles;
     let Some(be) = backend() else { return };
     // a batched decode step, small ones, and an all-hot prefill call of 512 tokens
-    for (t, k, e_n) in [(16usize, 8usize, 128usize), (3, 2, 8), (70, 8, 64), (512, 8, 128)] {
+    let cases = [
+        (16usize, 8usize, 128usize, 16usize),
+        (3, 2, 8, 16),
+        (70, 8, 64, 16),
+        (70, 8, 64, 64),
+        (512, 8, 128, 64),
+    ];
+    for (t, k, e_n, tile_rows) in cases {
         // experts e % 3 == 2 are cold; the others take slots in reverse order
         let map: Vec<i32> =
             (0..e_n).map(|e| if e % 3 == 2 { -1 } else { ((e_n - 1 - e) / 3 * 2 + e % 3) as i32 }).collect();
@@ -2259,7 +2316,7 @@ fn hot_worklist_grouped_sorts_entries_by_slot() {
         }
         let weights = rnd(t * k, 5);
         let n = t * k;
-        let nt = CudaBackend::hot_grouped_max_tiles(n, n_slots);
+        let nt = CudaBackend::hot_grouped_max_tiles(n, n_slots, tile_rows);
         let (dmap, dids, dw) =
             (be.upload(&map).unwrap(), be.upload(&ids).unwrap(), be.upload(&weights).unwrap());
         let (toks, ws, ent) = (
@@ -2274,7 +2331,7 @@ fn hot_worklist_grouped_sorts_entries_by_slot() {
         );
         be.hot_worklist_grouped(
             (dmap.ptr(), dids.ptr(), dw.ptr()),
-            (t, k, e_n, n_slots),
+            (t, k, e_n, n_slots, tile_rows),
             (toks.ptr(), ws.ptr(), ent.ptr()),
             (off.ptr(), rows.ptr(), tiles.ptr()),
         )
@@ -2298,12 +2355,16 @@ fn hot_worklist_grouped_sorts_entries_by_slot() {
             want_ws[p] = weights[e];
         }
         let sorted: Vec<u32> = hot.iter().map(|&e| slot(e) as u32).collect();
-        let mut want_tiles = vec![0i32; 3 * nt];
-        let used = grouped_tiles(&sorted, &mut want_tiles).unwrap();
+        let mut cut = vec![0i32; 3 * n];
+        let used = grouped_tiles(&sorted, &mut cut).unwrap();
+        let mut want_tiles = tiles_of_at_most(&cut[..3 * used], tile_rows);
+        let used = want_tiles.len() / 3;
+        assert!(used <= nt, "{used} tiles within the bound {nt}");
+        want_tiles.resize(3 * nt, 0);
         for i in used..nt {
             want_tiles[3 * i..3 * i + 3].copy_from_slice(&[-1, 0, 0]);
         }
-        let what = format!("T={t} k={k} E={e_n}");
+        let what = format!("T={t} k={k} E={e_n} tiles of {tile_rows}");
         assert_eq!(be.read_vec(ent.ptr()).unwrap(), want_ent, "{what}: entries");
         assert_eq!(be.read_vec(toks.ptr()).unwrap(), want_toks, "{what}: tokens");
         assert_eq!(be.read_vec(ws.ptr()).unwrap(), want_ws, "{what}: weights");

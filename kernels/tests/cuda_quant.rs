@@ -10,9 +10,10 @@
 
 mod common;
 
-use common::cuda::{backend, mean_launch_us, DeviceQ8};
+use common::cuda::{backend, mean_launch_us, tiles_of_at_most, DeviceQ8};
 use common::Rng;
 use half::bf16;
+use moe_lanes_kernels::cuda::kernel::{GROUPED_DECODE_TILE_ROWS, GROUPED_TILE_ROWS};
 use moe_lanes_kernels::cuda::{CudaBackend, CudaError, GateUpEpilogue, Glu, Q8Rows, TypedWeights};
 use moe_lanes_kernels::{quant, WeightDType};
 
@@ -584,6 +585,8 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
     let n_tiles = grouped_tiles(&slots, &mut tiles).unwrap();
     let toks: Vec<i32> = (0..n_rows).map(|r| ((r * 5 + 2) % t) as i32).collect();
     let (dtiles, dtok) = (be.upload(&tiles[..3 * n_tiles]).unwrap(), be.upload(&toks).unwrap());
+    let dec = tiles_of_at_most(&tiles[..3 * n_tiles], GROUPED_DECODE_TILE_ROWS);
+    let (ddec, n_dec) = (be.upload(&dec).unwrap(), dec.len() / 3);
     for (types, hidden, ff) in cases {
         let shapes = [(ff, hidden), (ff, hidden), (hidden, ff)];
         let caches: Vec<Vec<u8>> = types
@@ -608,11 +611,19 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
             .collect();
         let dx = be.upload(&rng.vec(t * hidden, 1.0)).unwrap();
         let mut sync_bits = Vec::new();
-        for (pipe, split) in [(false, true), (false, false), (true, true), (true, false)] {
+        let variants =
+            [(false, true, false), (false, false, false), (true, true, false), (true, false, false)];
+        // the decode shape's kernels over the same rows cut into tiles of 16
+        let variants = variants.into_iter().chain([(true, true, true), (true, false, true)]);
+        for (pipe, split, dec) in variants {
             be.set_grouped_pipeline(pipe);
             let out = |n: usize| [be.alloc_zeros::<f32>(n).unwrap(), be.alloc_zeros::<f32>(n).unwrap()];
             let (h, y) = (out(n_rows * ff), out(n_rows * hidden));
-            let (x, tok, tl) = (dx.ptr(), dtok.ptr(), dtiles.ptr());
+            let (tl, n_tiles, tile_rows) = match dec {
+                false => (dtiles.ptr(), n_tiles, GROUPED_TILE_ROWS),
+                true => (ddec.ptr(), n_dec, GROUPED_DECODE_TILE_ROWS),
+            };
+            let (x, tok) = (dx.ptr(), dtok.ptr());
             be.grouped_gate_up(
                 bf[0].ptr(),
                 bf[1].ptr(),
@@ -622,6 +633,7 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
                 t,
                 tl,
                 n_tiles,
+                tile_rows,
                 h[0].ptr(),
                 n_rows,
                 ff,
@@ -639,6 +651,7 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
                 t,
                 tl,
                 n_tiles,
+                tile_rows,
                 h[1].ptr(),
                 n_rows,
                 ff,
@@ -656,6 +669,7 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
                 n_rows,
                 tl,
                 n_tiles,
+                tile_rows,
                 y[0].ptr(),
                 n_rows,
                 hidden,
@@ -672,6 +686,7 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
                 n_rows,
                 tl,
                 n_tiles,
+                tile_rows,
                 y[1].ptr(),
                 n_rows,
                 hidden,
@@ -691,7 +706,7 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
                 false => sync_bits.push(got),
                 true => assert!(
                     got == sync_bits[usize::from(!split)],
-                    "{types:?} ({hidden}, {ff}) split={split}: the pipelined kernels' bits differ"
+                    "{types:?} ({hidden}, {ff}) split={split} decode tiles {dec}: the pipelined kernels' bits differ"
                 ),
             }
         }
@@ -701,7 +716,8 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
     let (raw, f) = (be.alloc_zeros::<u8>(64).unwrap(), be.alloc_zeros::<f32>(256).unwrap());
     let short = TypedWeights { bytes: raw.ptr(), dtype: Q4_K };
     let (tl, fp) = (dtiles.ptr(), f.ptr());
-    let err = shape_error(be.grouped_gemm_typed(short, 1, fp, None, 1, tl, 1, fp, 1, 256, 256, true, None));
+    let err =
+        shape_error(be.grouped_gemm_typed(short, 1, fp, None, 1, tl, 1, 64, fp, 1, 256, 256, true, None));
     assert!(err.contains("weight cache"), "{err}");
 }
 
@@ -964,17 +980,23 @@ fn grouped_hot_lane_epilogue_matches_the_cpu_kernels() {
     let n_tiles = grouped_tiles(&slot_of_row, &mut tiles).unwrap();
     let toks: Vec<i32> = (0..n_rows).map(|r| ((r * 4 + 1) % t) as i32).collect();
     let (dtiles, dtok) = (be.upload(&tiles[..3 * n_tiles]).unwrap(), be.upload(&toks).unwrap());
+    let dec = tiles_of_at_most(&tiles[..3 * n_tiles], GROUPED_DECODE_TILE_ROWS);
+    let (ddec, n_dec) = (be.upload(&dec).unwrap(), dec.len() / 3);
     for case in epilogue_cases(be, &mut rng) {
         let (hidden, ff, n_slots) = (case.hidden, case.ff, EpilogueCase::N_SLOTS);
         let x = rng.vec(t * hidden, 4.0);
         let dx = be.upload(&x).unwrap();
-        for pipe in [false, true] {
+        for (pipe, dec) in [(false, false), (true, false), (true, true)] {
             be.set_grouped_pipeline(pipe);
             let (dh, dy) = (
                 be.alloc_zeros::<f32>(n_rows * ff).unwrap(),
                 be.alloc_zeros::<f32>(n_rows * hidden).unwrap(),
             );
-            let (tl, tok) = (dtiles.ptr(), dtok.ptr());
+            let (tl, n_tiles, tile_rows) = match dec {
+                false => (dtiles.ptr(), n_tiles, GROUPED_TILE_ROWS),
+                true => (ddec.ptr(), n_dec, GROUPED_DECODE_TILE_ROWS),
+            };
+            let tok = dtok.ptr();
             let epi = case.gate_up();
             be.grouped_gate_up_typed(
                 case.typed(0),
@@ -985,6 +1007,7 @@ fn grouped_hot_lane_epilogue_matches_the_cpu_kernels() {
                 t,
                 tl,
                 n_tiles,
+                tile_rows,
                 dh.ptr(),
                 n_rows,
                 ff,
@@ -1003,6 +1026,7 @@ fn grouped_hot_lane_epilogue_matches_the_cpu_kernels() {
                 n_rows,
                 tl,
                 n_tiles,
+                tile_rows,
                 y,
                 n_rows,
                 hidden,
@@ -1012,7 +1036,7 @@ fn grouped_hot_lane_epilogue_matches_the_cpu_kernels() {
             )
             .unwrap();
             let (h, y) = (be.read_vec(dh.ptr()).unwrap(), be.read_vec(dy.ptr()).unwrap());
-            let what = format!("{} pipelined {pipe}", case.what());
+            let what = format!("{} pipelined {pipe} decode tiles {dec}", case.what());
             for r in 0..n_rows {
                 let (s, tk) = (slot_of_row[r] as usize, toks[r] as usize);
                 let want_h = case.cpu_h(s, &x[tk * hidden..][..hidden]);
@@ -1045,8 +1069,22 @@ fn short_expert_biases_are_refused() {
     assert!(err.contains("up bias"), "{err}");
     let err = shape_error(be.moe_down_accum(c, f, i, f, i, i, f, 1, hidden, ff, Some(short.ptr())));
     assert!(err.contains("down bias"), "{err}");
-    let err =
-        shape_error(be.grouped_gemm(c, n_slots, f, None, 1, i, 1, f, 1, hidden, ff, true, Some(short.ptr())));
+    let err = shape_error(be.grouped_gemm(
+        c,
+        n_slots,
+        f,
+        None,
+        1,
+        i,
+        1,
+        64,
+        f,
+        1,
+        hidden,
+        ff,
+        true,
+        Some(short.ptr()),
+    ));
     assert!(err.contains("bias"), "{err}");
 }
 

@@ -18,6 +18,7 @@ use super::device::Device;
 use super::moe::MoeStage;
 use super::GpuError;
 use crate::model::config::ModelConfig;
+use moe_lanes_kernels::cuda::kernel::GROUPED_TILE_ROWS;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, GpuEvent, TypedWeights};
 
 /// A contiguous range of the slot-sorted tiles whose slots lie in
@@ -132,6 +133,7 @@ impl MoeStage {
                 t,
                 tiles,
                 nt,
+                GROUPED_TILE_ROWS,
                 hbuf,
                 n_hot,
                 ff,
@@ -147,6 +149,7 @@ impl MoeStage {
                 n_hot,
                 tiles,
                 nt,
+                GROUPED_TILE_ROWS,
                 y,
                 n_hot,
                 h,

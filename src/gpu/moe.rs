@@ -35,7 +35,9 @@ use crate::moe::cold::{all_cold, ColdError, ColdLane, ColdSlot, PlainColdLane};
 use crate::moe::faults::LayerFailure;
 use crate::moe::phase::Phase;
 use crate::moe::worklist::{WorklistError, WorklistOrder};
-use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
+use moe_lanes_kernels::cuda::kernel::{
+    GROUPED_DECODE_MAX_TOKENS, GROUPED_DECODE_TILE_ROWS, GROUPED_TILE_ROWS, QUANT_MAX_TOKENS,
+};
 use moe_lanes_kernels::cuda::ops::grouped_tiles;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, GpuEvent, TypedWeights};
 use std::time::{Duration, Instant};
@@ -535,7 +537,7 @@ impl MoeStage {
         let c = self.hot.slots(l).expect("hot entries imply a cache");
         let nt = self.host.n_tiles;
         let tiles = s.work_i.ptr().sub(s.layout.tiles, 3 * nt);
-        grouped_ffn(dev, [c.gate, c.up, c.down], &c.epi, c.n_slots, (tiles, nt), n_hot, t)
+        grouped_ffn(dev, [c.gate, c.up, c.down], &c.epi, c.n_slots, (tiles, nt, GROUPED_TILE_ROWS), n_hot, t)
     }
 
     /// Host path: the cold lane on the CPU (`HostScratch::cold_slots` over the `n_rows` gathered
@@ -693,20 +695,24 @@ fn hot_grouped_decode(
     let n = t * k;
     let s = dev.s();
     let (lay, wi) = (s.layout, s.work_i.ptr());
-    let nt = CudaBackend::hot_grouped_max_tiles(n, n_slots);
+    // a batched step's one or two rows an expert take the decode shape's tiles
+    let tile_rows = if t <= GROUPED_DECODE_MAX_TOKENS { GROUPED_DECODE_TILE_ROWS } else { GROUPED_TILE_ROWS };
+    let nt = CudaBackend::hot_grouped_max_tiles(n, n_slots, tile_rows);
     let tiles = wi.sub(lay.tiles, 3 * nt);
     let (toks, ent) = (wi.sub(lay.tokens, n), wi.sub(lay.entries, n));
     let (off, rows, wsorted) =
         (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t), s.work_f.ptr().sub(0, n));
     let routing = (map, route_ids(s.ids(), k, l, t), route_ids(s.weights.ptr(), k, l, t));
-    dev.be.hot_worklist_grouped(routing, (t, k, e_n, n_slots), (toks, wsorted, ent), (off, rows, tiles))?;
-    grouped_ffn(dev, w, epi, n_slots, (tiles, nt), n, t)?;
+    let shape = (t, k, e_n, n_slots, tile_rows);
+    dev.be.hot_worklist_grouped(routing, shape, (toks, wsorted, ent), (off, rows, tiles))?;
+    grouped_ffn(dev, w, epi, n_slots, (tiles, nt, tile_rows), n, t)?;
     dev.be.moe_scatter_accum(s.y.ptr(), ent, wsorted, off, rows, out, t, h)?;
     Ok(())
 }
 
 /// The grouped GEMMs of expert stacks `w` (gate, up, down; `n_slots` experts each) over
-/// `tiles` (`(slot, first row, rows)` triples, `n_tiles`) of the entry rows `0..n_rows`: the
+/// `tiles` (`(slot, first row, rows)` triples, `n_tiles`, each of at most `tile_rows` rows) of
+/// the entry rows `0..n_rows`: the
 /// normed token rows gathered by the worklist's tokens, `h = glu(gate x + bg, up x + bu)` in
 /// `h`, `down h + bd` in `y` (`epi`: the activation and slot biases; the typed launchers: bf16
 /// stacks take the bf16 kernels, quantized tiles are decoded in the kernel).
@@ -715,7 +721,7 @@ pub(super) fn grouped_ffn(
     w: [TypedWeights; 3],
     epi: &SlotEpilogue,
     n: usize,
-    (tiles, nt): (DPtr<i32>, usize),
+    (tiles, nt, tile_rows): (DPtr<i32>, usize, usize),
     n_rows: usize,
     t: usize,
 ) -> Result<(), GpuError> {
@@ -734,6 +740,7 @@ pub(super) fn grouped_ffn(
         t,
         tiles,
         nt,
+        tile_rows,
         hbuf,
         n_rows,
         ff,
@@ -749,6 +756,7 @@ pub(super) fn grouped_ffn(
         n_rows,
         tiles,
         nt,
+        tile_rows,
         y,
         n_rows,
         h,

@@ -95,6 +95,17 @@ pub const GROUPED_PIPE_BK: usize = 32;
 /// less one k steps ahead of the MMAs. Cost: [`grouped_pipe_shared_bytes`] a block (gate and
 /// up: 60 KiB, three blocks an SM of the H100's 228 KiB).
 pub const GROUPED_PIPE_STAGES: usize = 3;
+/// Rows of a grouped GEMM tile in the decode shape (`-DGG_DEC_BM`), the pipelined kernels'
+/// `_dec` instances: a batched decode step routes one or two rows to most experts, and a 64-row
+/// tile staged its f32 x rows (mostly zeros) in 10 KiB a stage, half of a gate/up stage. Here 2.5.
+pub const GROUPED_DECODE_TILE_ROWS: usize = 16;
+/// Stages of the decode shape (`-DGG_DEC_STAGES`). Cost: [`grouped_pipe_shared_bytes`] 50 KiB a
+/// gate/up block, four blocks an SM (prefill's shape: three), so twice the weight bytes in flight.
+pub const GROUPED_DECODE_STAGES: usize = 4;
+/// Most tokens of a device-path call (a batched decode step) whose worklist is cut into tiles of
+/// [`GROUPED_DECODE_TILE_ROWS`]; more take prefill's tiles. At top-8 of 128 experts, 64 tokens route
+/// about 4 rows to each expert.
+pub const GROUPED_DECODE_MAX_TOKENS: usize = 64;
 
 /// Largest key head dim of the Gated DeltaNet kernel (`-DDELTA_MAX_DK`): each thread keeps its
 /// column of a head's `[dk, dv]` state in this many registers (Qwen3-Next and Qwen3.5: 128).
@@ -134,10 +145,17 @@ pub const fn mla_mma_shared_bytes() -> usize {
 }
 
 /// Dynamic shared memory of a pipelined grouped GEMM block over `matrices` weight tiles (gate
-/// and up: 2): per stage the f32 x tile and the bf16 weight tiles, rows padded by 8 elements.
-pub const fn grouped_pipe_shared_bytes(matrices: usize) -> usize {
+/// and up: 2) in the shape of tiles of at most `tile_rows` rows (the decode shape up to
+/// [`GROUPED_DECODE_TILE_ROWS`], else prefill's): per stage the f32 x tile and the bf16 weight
+/// tiles, rows padded by 8 elements.
+pub const fn grouped_pipe_shared_bytes(matrices: usize, tile_rows: usize) -> usize {
     let pad = GROUPED_PIPE_BK + 8;
-    GROUPED_PIPE_STAGES * (GROUPED_TILE_ROWS * pad * 4 + matrices * GROUPED_TILE_COLS * pad * 2)
+    let (stages, rows) = if tile_rows <= GROUPED_DECODE_TILE_ROWS {
+        (GROUPED_DECODE_STAGES, GROUPED_DECODE_TILE_ROWS)
+    } else {
+        (GROUPED_PIPE_STAGES, GROUPED_TILE_ROWS)
+    };
+    stages * (rows * pad * 4 + matrices * GROUPED_TILE_COLS * pad * 2)
 }
 /// Output rows of one decode down-projection block (`-DDOWN_ROWS`): its warps take one entry
 /// each over these rows, so a hidden size of 2048 gives 8192 warps (every SM full) where one
@@ -151,6 +169,12 @@ pub const GEMV_SPLIT_WARPS: u32 = 2;
 const _: () = assert!(ROWS_PER_BLOCK.is_multiple_of(GEMV_SPLIT_WARPS));
 const _: () = assert!(GROUPED_PIPE_BK.is_multiple_of(16) && GROUPED_PIPE_STAGES >= 2);
 const _: () = assert!((GROUPED_TILE_ROWS * GROUPED_PIPE_BK / 4).is_multiple_of(GROUPED_THREADS as usize));
+const _: () = assert!(
+    (GROUPED_DECODE_TILE_ROWS * GROUPED_PIPE_BK / 4).is_multiple_of(GROUPED_THREADS as usize)
+        && GROUPED_DECODE_TILE_ROWS.is_multiple_of(16)
+        && GROUPED_DECODE_TILE_ROWS < GROUPED_TILE_ROWS
+        && GROUPED_DECODE_STAGES >= 2
+);
 const _: () = assert!((GROUPED_TILE_COLS * GROUPED_PIPE_BK / 8).is_multiple_of(GROUPED_THREADS as usize));
 const _: () = assert!(ATTENTION_SPLIT_CHUNK.is_multiple_of(ATTENTION_SPLIT_WARPS as usize));
 const _: () = assert!(MLA_HEADS == ATTENTION_SPLIT_WARPS as usize && MLA_MAX_RANK.is_multiple_of(256));
@@ -274,7 +298,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 38] = [
+pub const SHARED_DEFINE_NAMES: [&str; 40] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -293,6 +317,8 @@ pub const SHARED_DEFINE_NAMES: [&str; 38] = [
     "GEMV_SPLIT",
     "GG_PIPE_BK",
     "GG_STAGES",
+    "GG_DEC_BM",
+    "GG_DEC_STAGES",
     "ATT_MMA_WARPS",
     "ATT_MMA_KEYS",
     "ATT_MMA_MAXD",
@@ -336,6 +362,8 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DGEMV_SPLIT={GEMV_SPLIT_WARPS}"),
         format!("-DGG_PIPE_BK={GROUPED_PIPE_BK}"),
         format!("-DGG_STAGES={GROUPED_PIPE_STAGES}"),
+        format!("-DGG_DEC_BM={GROUPED_DECODE_TILE_ROWS}"),
+        format!("-DGG_DEC_STAGES={GROUPED_DECODE_STAGES}"),
         format!("-DATT_MMA_WARPS={ATTENTION_MMA_WARPS}"),
         format!("-DATT_MMA_KEYS={ATTENTION_MMA_KEYS}"),
         format!("-DATT_MMA_MAXD={ATTENTION_MMA_MAX_HEAD_DIM}"),
@@ -457,6 +485,10 @@ kernel_table! {
     GroupedGemmBf16Bias = "grouped_gemm_bf16_bias" in GroupedGemm,
     GroupedGateUpBf16PipeEpi = "grouped_gate_up_bf16_pipe_epi" in GroupedGemm,
     GroupedGemmBf16PipeBias = "grouped_gemm_bf16_pipe_bias" in GroupedGemm,
+    GroupedGateUpBf16Dec = "grouped_gate_up_bf16_dec" in GroupedGemm,
+    GroupedGateUpBf16DecEpi = "grouped_gate_up_bf16_dec_epi" in GroupedGemm,
+    GroupedGemmBf16Dec = "grouped_gemm_bf16_dec" in GroupedGemm,
+    GroupedGemmBf16DecBias = "grouped_gemm_bf16_dec_bias" in GroupedGemm,
     GemvQ8_0 = "gemv_q8_0" in Quant,
     GemvQ4_0 = "gemv_q4_0" in Quant,
     GemvQ4K = "gemv_q4_k" in Quant,
@@ -500,6 +532,16 @@ kernel_table! {
     GroupedGemmQ4KPipe = "grouped_gemm_q4_k_pipe" in Quant,
     GroupedGemmQ5KPipe = "grouped_gemm_q5_k_pipe" in Quant,
     GroupedGemmQ6KPipe = "grouped_gemm_q6_k_pipe" in Quant,
+    GroupedGateUpQDec = "grouped_gate_up_q_dec" in Quant,
+    GroupedGemmQDec = "grouped_gemm_q_dec" in Quant,
+    GroupedGateUpQ8_0Dec = "grouped_gate_up_q8_0_dec" in Quant,
+    GroupedGateUpQ4KDec = "grouped_gate_up_q4_k_dec" in Quant,
+    GroupedGateUpQ5KDec = "grouped_gate_up_q5_k_dec" in Quant,
+    GroupedGateUpQ6KDec = "grouped_gate_up_q6_k_dec" in Quant,
+    GroupedGemmQ8_0Dec = "grouped_gemm_q8_0_dec" in Quant,
+    GroupedGemmQ4KDec = "grouped_gemm_q4_k_dec" in Quant,
+    GroupedGemmQ5KDec = "grouped_gemm_q5_k_dec" in Quant,
+    GroupedGemmQ6KDec = "grouped_gemm_q6_k_dec" in Quant,
     QuantizeQ8F32 = "quantize_q8_f32" in Quant,
     Gemv1Q8 = "gemv1_q8" in Quant,
     MoeGateUpGemvQ8 = "moe_gate_up_gemv_q8" in Quant,

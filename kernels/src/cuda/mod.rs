@@ -919,21 +919,36 @@ impl CudaBackend {
 /// shared memory (past the default 48 KiB).
 fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
     let tiles = kernel::attention_tile_shared_bytes(kernel::ATTENTION_TILE_MAX_HEAD_DIM);
+    let (rows, decode_rows) = (kernel::GROUPED_TILE_ROWS, kernel::GROUPED_DECODE_TILE_ROWS);
     let pipes = [
-        (Kernel::GroupedGateUpBf16Pipe, kernel::grouped_pipe_shared_bytes(2)),
-        (Kernel::GroupedGemmBf16Pipe, kernel::grouped_pipe_shared_bytes(1)),
-        (Kernel::GroupedGateUpBf16PipeEpi, kernel::grouped_pipe_shared_bytes(2)),
-        (Kernel::GroupedGemmBf16PipeBias, kernel::grouped_pipe_shared_bytes(1)),
-        (Kernel::GroupedGateUpQPipe, kernel::grouped_pipe_shared_bytes(2)),
-        (Kernel::GroupedGemmQPipe, kernel::grouped_pipe_shared_bytes(1)),
-        (Kernel::GroupedGateUpQ8_0Pipe, kernel::grouped_pipe_shared_bytes(2)),
-        (Kernel::GroupedGateUpQ4KPipe, kernel::grouped_pipe_shared_bytes(2)),
-        (Kernel::GroupedGateUpQ5KPipe, kernel::grouped_pipe_shared_bytes(2)),
-        (Kernel::GroupedGateUpQ6KPipe, kernel::grouped_pipe_shared_bytes(2)),
-        (Kernel::GroupedGemmQ8_0Pipe, kernel::grouped_pipe_shared_bytes(1)),
-        (Kernel::GroupedGemmQ4KPipe, kernel::grouped_pipe_shared_bytes(1)),
-        (Kernel::GroupedGemmQ5KPipe, kernel::grouped_pipe_shared_bytes(1)),
-        (Kernel::GroupedGemmQ6KPipe, kernel::grouped_pipe_shared_bytes(1)),
+        (Kernel::GroupedGateUpBf16Pipe, 2, rows),
+        (Kernel::GroupedGemmBf16Pipe, 1, rows),
+        (Kernel::GroupedGateUpBf16PipeEpi, 2, rows),
+        (Kernel::GroupedGemmBf16PipeBias, 1, rows),
+        (Kernel::GroupedGateUpQPipe, 2, rows),
+        (Kernel::GroupedGemmQPipe, 1, rows),
+        (Kernel::GroupedGateUpQ8_0Pipe, 2, rows),
+        (Kernel::GroupedGateUpQ4KPipe, 2, rows),
+        (Kernel::GroupedGateUpQ5KPipe, 2, rows),
+        (Kernel::GroupedGateUpQ6KPipe, 2, rows),
+        (Kernel::GroupedGemmQ8_0Pipe, 1, rows),
+        (Kernel::GroupedGemmQ4KPipe, 1, rows),
+        (Kernel::GroupedGemmQ5KPipe, 1, rows),
+        (Kernel::GroupedGemmQ6KPipe, 1, rows),
+        (Kernel::GroupedGateUpBf16Dec, 2, decode_rows),
+        (Kernel::GroupedGemmBf16Dec, 1, decode_rows),
+        (Kernel::GroupedGateUpBf16DecEpi, 2, decode_rows),
+        (Kernel::GroupedGemmBf16DecBias, 1, decode_rows),
+        (Kernel::GroupedGateUpQDec, 2, decode_rows),
+        (Kernel::GroupedGemmQDec, 1, decode_rows),
+        (Kernel::GroupedGateUpQ8_0Dec, 2, decode_rows),
+        (Kernel::GroupedGateUpQ4KDec, 2, decode_rows),
+        (Kernel::GroupedGateUpQ5KDec, 2, decode_rows),
+        (Kernel::GroupedGateUpQ6KDec, 2, decode_rows),
+        (Kernel::GroupedGemmQ8_0Dec, 1, decode_rows),
+        (Kernel::GroupedGemmQ4KDec, 1, decode_rows),
+        (Kernel::GroupedGemmQ5KDec, 1, decode_rows),
+        (Kernel::GroupedGemmQ6KDec, 1, decode_rows),
     ];
     let wide = kernel::attention_mma_wide_shared_bytes(
         kernel::ATTENTION_MMA_WIDE_MAX_HEAD_DIM,
@@ -943,6 +958,7 @@ fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
     // tensor-core kernels.
     let large = pipes
         .into_iter()
+        .map(|(k, matrices, tile_rows)| (k, kernel::grouped_pipe_shared_bytes(matrices, tile_rows)))
         .chain(Kernel::ATTENTION_TILED.map(|k| (k, tiles)))
         .chain(Kernel::ATTENTION_MMA_WIDE.map(|k| (k, wide)))
         .chain(Kernel::MLA_ATTENTION_MMA.map(|k| (k, kernel::mla_mma_shared_bytes())));

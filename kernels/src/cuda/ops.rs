@@ -9,8 +9,8 @@ use super::kernel::{
     attention_mma_wide_shared_bytes, grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_COMBINE_DIMS,
     ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS, ATTENTION_MMA_WARPS, ATTENTION_MMA_WIDE_MAX_HEAD_DIM,
     ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS,
-    DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS, GROUPED_THREADS,
-    GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS, GROUPED_DECODE_TILE_ROWS,
+    GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::kv::KvType;
@@ -402,6 +402,10 @@ pub(super) struct GroupedShape {
     pub n_x_rows: usize,
     pub n_rows: usize,
     pub n_tiles: usize,
+    /// The most rows of any tile in the list (the kernels refuse, so skip, a longer one): at most
+    /// [`GROUPED_DECODE_TILE_ROWS`] takes the decode shape's kernels, at most [`GROUPED_TILE_ROWS`]
+    /// prefill's.
+    pub tile_rows: usize,
     pub n: usize,
     pub k: usize,
 }
@@ -416,6 +420,10 @@ impl GroupedShape {
         tiles: DPtr<i32>,
         out: DPtr<f32>,
     ) -> Result<()> {
+        if self.tile_rows == 0 || self.tile_rows > GROUPED_TILE_ROWS {
+            let reason = format!("tiles of {} rows (1..={GROUPED_TILE_ROWS})", self.tile_rows);
+            return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
+        }
         for w in ws {
             need(kernel, "weight cache", *w, self.n_slots * self.n * self.k)?;
         }
@@ -2139,11 +2147,11 @@ impl CudaBackend {
         (n + (3 + (BLOCK / 32) as usize) * n_slots) * 4
     }
 
-    /// Most tiles [`Self::hot_worklist_grouped`] writes for `n_entries` routed entries over
-    /// `n_slots` slots: a tile has at least one entry, and each used slot's run adds at most one
-    /// partial tile to its full ones.
-    pub fn hot_grouped_max_tiles(n_entries: usize, n_slots: usize) -> usize {
-        n_entries.min(n_entries.min(n_slots) + n_entries / GROUPED_TILE_ROWS)
+    /// Most tiles of at most `tile_rows` rows [`Self::hot_worklist_grouped`] writes for
+    /// `n_entries` routed entries over `n_slots` slots: a tile has at least one entry, and each
+    /// used slot's run adds at most one partial tile to its full ones.
+    pub fn hot_grouped_max_tiles(n_entries: usize, n_slots: usize, tile_rows: usize) -> usize {
+        n_entries.min(n_entries.min(n_slots) + n_entries / tile_rows.max(1))
     }
 
     /// The hot lane's worklist for the grouped GEMMs over a batched decode step, built on the
@@ -2152,11 +2160,12 @@ impl CudaBackend {
     /// * k` rows with the unused ones token 0, weight 0), `entries` (the sorted row of each routed
     /// entry, -1 for a cold one), the token rows (`tok_off`, `tok_rows`: token `t`, entries
     /// `t * k..`) for [`Self::moe_scatter_accum`], and [`Self::hot_grouped_max_tiles`] tiles
-    /// (`(slot, first row, rows)`, unused ones slot -1) for the grouped GEMMs. One block.
+    /// (`(slot, first row, rows)` with at most `tile_rows` rows, the grouped GEMMs' shape; unused
+    /// ones slot -1) for the grouped GEMMs. One block.
     pub fn hot_worklist_grouped(
         &self,
         (map, ids, weights): (DPtr<i32>, DPtr<i32>, DPtr<f32>),
-        (n_tokens, k, n_experts, n_slots): (usize, usize, usize, usize),
+        (n_tokens, k, n_experts, n_slots, tile_rows): (usize, usize, usize, usize, usize),
         (tokens, wsorted, entries): (DPtr<i32>, DPtr<f32>, DPtr<i32>),
         (tok_off, tok_rows, tiles): (DPtr<i32>, DPtr<i32>, DPtr<i32>),
     ) -> Result<()> {
@@ -2166,7 +2175,11 @@ impl CudaBackend {
             let reason = format!("{n} entries over {n_slots} slots do not fit one block's shared memory");
             return Err(CudaError::Shape { kernel: K.symbol(), reason });
         }
-        let n_tiles = Self::hot_grouped_max_tiles(n, n_slots);
+        if tile_rows == 0 || tile_rows > GROUPED_TILE_ROWS {
+            let reason = format!("tiles of {tile_rows} rows (1..={GROUPED_TILE_ROWS})");
+            return Err(CudaError::Shape { kernel: K.symbol(), reason });
+        }
+        let n_tiles = Self::hot_grouped_max_tiles(n, n_slots, tile_rows);
         need(K, "map", map, n_experts)?;
         need(K, "ids", ids, n)?;
         need(K, "weights", weights, n)?;
@@ -2190,6 +2203,7 @@ impl CudaBackend {
                 i(n_experts),
                 i(n_slots),
                 i(n_tiles),
+                i(tile_rows),
                 tokens.raw(),
                 wsorted.raw(),
                 entries.raw(),
@@ -2293,18 +2307,25 @@ impl CudaBackend {
 
     /// The grouped kernel for bf16 caches `ws` (gate and up, or one matrix) over `x` with `k`
     /// columns, and its dynamic shared memory: the pipelined one where its 16-byte copies fit
-    /// (k a multiple of 8, caches and x 16-byte aligned), else the synchronous one; `epi`: the
-    /// instance with the general epilogue (an activation other than SiLU, biases).
+    /// (k a multiple of 8, caches and x 16-byte aligned; in the decode shape for tiles of at most
+    /// [`GROUPED_DECODE_TILE_ROWS`] rows), else the synchronous one; `epi`: the instance with the
+    /// general epilogue (an activation other than SiLU, biases).
     fn grouped_kernel<const N: usize>(
         &self,
         ws: [DPtr<u16>; N],
         x: DPtr<f32>,
         k: usize,
         epi: bool,
+        tile_rows: usize,
     ) -> (Kernel, u32) {
         let aligned = k.is_multiple_of(8) && aligned16(&[x.raw()]) && aligned16(&ws.map(|w| w.raw()));
         let pipe = self.grouped_pipeline() && aligned;
+        let dec = tile_rows <= GROUPED_DECODE_TILE_ROWS;
         let kernel = match (pipe, ws.len() == 2, epi) {
+            (true, true, false) if dec => Kernel::GroupedGateUpBf16Dec,
+            (true, true, true) if dec => Kernel::GroupedGateUpBf16DecEpi,
+            (true, false, false) if dec => Kernel::GroupedGemmBf16Dec,
+            (true, false, true) if dec => Kernel::GroupedGemmBf16DecBias,
             (true, true, false) => Kernel::GroupedGateUpBf16Pipe,
             (true, true, true) => Kernel::GroupedGateUpBf16PipeEpi,
             (true, false, false) => Kernel::GroupedGemmBf16Pipe,
@@ -2314,7 +2335,7 @@ impl CudaBackend {
             (false, false, false) => Kernel::GroupedGemmBf16,
             (false, false, true) => Kernel::GroupedGemmBf16Bias,
         };
-        (kernel, if pipe { grouped_pipe_shared_bytes(N) as u32 } else { 0 })
+        (kernel, if pipe { grouped_pipe_shared_bytes(N, tile_rows) as u32 } else { 0 })
     }
 
     /// Grouped expert GEMM, gate and up fused (the prefill hot lane's first half, one launch
@@ -2333,6 +2354,7 @@ impl CudaBackend {
         n_x_rows: usize,
         tiles: DPtr<i32>,
         n_tiles: usize,
+        tile_rows: usize,
         h: DPtr<f32>,
         n_rows: usize,
         ff: usize,
@@ -2340,13 +2362,14 @@ impl CudaBackend {
         split: bool,
         epi: &GateUpEpilogue,
     ) -> Result<()> {
-        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n: ff, k: hidden };
+        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, tile_rows, n: ff, k: hidden };
         shape.check(Kernel::GroupedGateUpBf16, &[gate_cache, up_cache], x, Some(rows), tiles, h)?;
         let (act, bg, bu) = epi.args(Kernel::GroupedGateUpBf16, n_slots, ff)?;
         if n_tiles == 0 || ff == 0 {
             return Ok(());
         }
-        let (kernel, shared) = self.grouped_kernel([gate_cache, up_cache], x, hidden, !epi.is_plain());
+        let (kernel, shared) =
+            self.grouped_kernel([gate_cache, up_cache], x, hidden, !epi.is_plain(), tile_rows);
         self.launch(
             kernel,
             shape.grid(),
@@ -2386,6 +2409,7 @@ impl CudaBackend {
         n_x_rows: usize,
         tiles: DPtr<i32>,
         n_tiles: usize,
+        tile_rows: usize,
         y: DPtr<f32>,
         n_rows: usize,
         n: usize,
@@ -2393,14 +2417,14 @@ impl CudaBackend {
         split: bool,
         bias: Option<DPtr<f32>>,
     ) -> Result<()> {
-        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n, k };
+        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, tile_rows, n, k };
         shape.check(Kernel::GroupedGemmBf16, &[w_cache], x, rows, tiles, y)?;
         let b = bias_arg(Kernel::GroupedGemmBf16, "bias", bias, n_slots * n)?;
         if n_tiles == 0 || n == 0 {
             return Ok(());
         }
         let r = rows.map_or(0, |p| p.raw());
-        let (kernel, shared) = self.grouped_kernel([w_cache], x, k, bias.is_some());
+        let (kernel, shared) = self.grouped_kernel([w_cache], x, k, bias.is_some(), tile_rows);
         self.launch(
             kernel,
             shape.grid(),

@@ -10,8 +10,8 @@
 
 use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::kernel::{
-    grouped_pipe_shared_bytes, Kernel, GROUPED_THREADS, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, ROWS_PER_BLOCK,
-    ROW_BLOCK_THREADS,
+    grouped_pipe_shared_bytes, Kernel, GROUPED_DECODE_TILE_ROWS, GROUPED_THREADS, QUANT_MAX_TOKENS,
+    QUANT_WIDE_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::ops::{aligned16, args, blocks, i, need, GroupedShape};
 use super::{CudaBackend, CudaError, DPtr, Result};
@@ -91,7 +91,7 @@ pub fn quant_alignment_bytes(dtype: WeightDType) -> u64 {
 /// words fetched a stage ahead, decoded with the type known at compile time), for caches all of
 /// that type; `None` for mixed types and types without one (the runtime-typed kernel). Q4_K and
 /// Q5_K read 16-byte block headers: their caches and rows must be 16-byte aligned.
-fn typed_run_kernel(gate_up: bool, caches: &[TypedWeights], row_bytes: &[i32]) -> Option<Kernel> {
+fn typed_run_kernel(gate_up: bool, dec: bool, caches: &[TypedWeights], row_bytes: &[i32]) -> Option<Kernel> {
     use WeightDType::{Q4_K, Q5_K, Q6_K, Q8_0};
     let dtype = caches.first()?.dtype;
     if caches.iter().any(|c| c.dtype != dtype) {
@@ -101,15 +101,23 @@ fn typed_run_kernel(gate_up: bool, caches: &[TypedWeights], row_bytes: &[i32]) -
     if matches!(dtype, Q4_K | Q5_K) && !aligned {
         return None;
     }
-    Some(match (dtype, gate_up) {
-        (Q8_0, true) => Kernel::GroupedGateUpQ8_0Pipe,
-        (Q4_K, true) => Kernel::GroupedGateUpQ4KPipe,
-        (Q5_K, true) => Kernel::GroupedGateUpQ5KPipe,
-        (Q6_K, true) => Kernel::GroupedGateUpQ6KPipe,
-        (Q8_0, false) => Kernel::GroupedGemmQ8_0Pipe,
-        (Q4_K, false) => Kernel::GroupedGemmQ4KPipe,
-        (Q5_K, false) => Kernel::GroupedGemmQ5KPipe,
-        (Q6_K, false) => Kernel::GroupedGemmQ6KPipe,
+    Some(match (dtype, gate_up, dec) {
+        (Q8_0, true, true) => Kernel::GroupedGateUpQ8_0Dec,
+        (Q4_K, true, true) => Kernel::GroupedGateUpQ4KDec,
+        (Q5_K, true, true) => Kernel::GroupedGateUpQ5KDec,
+        (Q6_K, true, true) => Kernel::GroupedGateUpQ6KDec,
+        (Q8_0, false, true) => Kernel::GroupedGemmQ8_0Dec,
+        (Q4_K, false, true) => Kernel::GroupedGemmQ4KDec,
+        (Q5_K, false, true) => Kernel::GroupedGemmQ5KDec,
+        (Q6_K, false, true) => Kernel::GroupedGemmQ6KDec,
+        (Q8_0, true, false) => Kernel::GroupedGateUpQ8_0Pipe,
+        (Q4_K, true, false) => Kernel::GroupedGateUpQ4KPipe,
+        (Q5_K, true, false) => Kernel::GroupedGateUpQ5KPipe,
+        (Q6_K, true, false) => Kernel::GroupedGateUpQ6KPipe,
+        (Q8_0, false, false) => Kernel::GroupedGemmQ8_0Pipe,
+        (Q4_K, false, false) => Kernel::GroupedGemmQ4KPipe,
+        (Q5_K, false, false) => Kernel::GroupedGemmQ5KPipe,
+        (Q6_K, false, false) => Kernel::GroupedGemmQ6KPipe,
         _ => return None,
     })
 }
@@ -564,6 +572,7 @@ impl CudaBackend {
         n_x_rows: usize,
         tiles: DPtr<i32>,
         n_tiles: usize,
+        tile_rows: usize,
         h: DPtr<f32>,
         n_rows: usize,
         ff: usize,
@@ -572,13 +581,13 @@ impl CudaBackend {
         epi: &GateUpEpilogue,
     ) -> Result<()> {
         if let (Some(g), Some(u)) = (gate_cache.bf16(), up_cache.bf16()) {
-            let (r, t) = (rows, tiles);
+            let (r, t, tr) = (rows, tiles, tile_rows);
             return self.grouped_gate_up(
-                g, u, n_slots, x, r, n_x_rows, t, n_tiles, h, n_rows, ff, hidden, split, epi,
+                g, u, n_slots, x, r, n_x_rows, t, n_tiles, tr, h, n_rows, ff, hidden, split, epi,
             );
         }
         const K: Kernel = Kernel::GroupedGateUpQ;
-        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n: ff, k: hidden };
+        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, tile_rows, n: ff, k: hidden };
         shape.check(K, &[], x, Some(rows), tiles, h)?;
         let (act, bg, bu) = epi.args(K, n_slots, ff)?;
         let (gt, grb) = check_typed(K, "gate cache", gate_cache, n_slots * ff, hidden)?;
@@ -609,7 +618,8 @@ impl CudaBackend {
             bg,
             bu
         ];
-        let (kernel, shared) = self.grouped_typed_kernel(K, x, hidden, &[gate_cache, up_cache], &[grb, urb]);
+        let (caches, row_bytes) = ([gate_cache, up_cache], [grb, urb]);
+        let (kernel, shared) = self.grouped_typed_kernel(K, x, hidden, (&caches, &row_bytes), tile_rows);
         self.launch(kernel, shape.grid(), GROUPED_THREADS, shared, args)
     }
 
@@ -625,6 +635,7 @@ impl CudaBackend {
         n_x_rows: usize,
         tiles: DPtr<i32>,
         n_tiles: usize,
+        tile_rows: usize,
         y: DPtr<f32>,
         n_rows: usize,
         n: usize,
@@ -633,11 +644,11 @@ impl CudaBackend {
         bias: Option<DPtr<f32>>,
     ) -> Result<()> {
         if let Some(w) = w_cache.bf16() {
-            return self
-                .grouped_gemm(w, n_slots, x, rows, n_x_rows, tiles, n_tiles, y, n_rows, n, k, split, bias);
+            let (t, nt, tr) = (tiles, n_tiles, tile_rows);
+            return self.grouped_gemm(w, n_slots, x, rows, n_x_rows, t, nt, tr, y, n_rows, n, k, split, bias);
         }
         const K: Kernel = Kernel::GroupedGemmQ;
-        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, n, k };
+        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, tile_rows, n, k };
         shape.check(K, &[], x, rows, tiles, y)?;
         let b = bias_arg(K, "bias", bias, n_slots * n)?;
         let (wt, rb) = check_typed(K, "weight cache", w_cache, n_slots * n, k)?;
@@ -661,30 +672,36 @@ impl CudaBackend {
             i32::from(split),
             b
         ];
-        let (kernel, shared) = self.grouped_typed_kernel(K, x, k, &[w_cache], &[rb]);
+        let (kernel, shared) = self.grouped_typed_kernel(K, x, k, (&[w_cache], &[rb]), tile_rows);
         self.launch(kernel, shape.grid(), GROUPED_THREADS, shared, args)
     }
 
     /// The typed grouped kernel `sync` (gate/up or one matrix) or its pipelined form, which
     /// takes the same arguments: pipelined where the x copies fit (k a multiple of 8, x 16-byte
     /// aligned) and [`CudaBackend::grouped_pipeline`] is on; there, caches of one type take that
-    /// type's instance where it has one ([`typed_run_kernel`]). With its dynamic shared memory.
+    /// type's instance where it has one ([`typed_run_kernel`]), and tiles of at most
+    /// [`GROUPED_DECODE_TILE_ROWS`] rows the decode shape's. With its dynamic shared memory.
     fn grouped_typed_kernel(
         &self,
         sync: Kernel,
         x: DPtr<f32>,
         k: usize,
-        caches: &[TypedWeights],
-        row_bytes: &[i32],
+        (caches, row_bytes): (&[TypedWeights], &[i32]),
+        tile_rows: usize,
     ) -> (Kernel, u32) {
         let fits = self.grouped_pipeline() && k.is_multiple_of(8) && aligned16(&[x.raw()]);
         let gate_up = sync == Kernel::GroupedGateUpQ;
-        let shared = grouped_pipe_shared_bytes(if gate_up { 2 } else { 1 }) as u32;
-        match (fits, typed_run_kernel(gate_up, caches, row_bytes)) {
-            (true, Some(run)) => (run, shared),
-            (true, None) if gate_up => (Kernel::GroupedGateUpQPipe, shared),
-            (true, None) => (Kernel::GroupedGemmQPipe, shared),
-            (false, _) => (sync, 0),
+        let dec = tile_rows <= GROUPED_DECODE_TILE_ROWS;
+        let shared = grouped_pipe_shared_bytes(if gate_up { 2 } else { 1 }, tile_rows) as u32;
+        let generic = match (gate_up, dec) {
+            (true, true) => Kernel::GroupedGateUpQDec,
+            (true, false) => Kernel::GroupedGateUpQPipe,
+            (false, true) => Kernel::GroupedGemmQDec,
+            (false, false) => Kernel::GroupedGemmQPipe,
+        };
+        match fits {
+            true => (typed_run_kernel(gate_up, dec, caches, row_bytes).unwrap_or(generic), shared),
+            false => (sync, 0),
         }
     }
 

@@ -119,3 +119,14 @@ pub fn mean_launch_us(be: &CudaBackend, warmups: usize, runs: usize, launch: imp
     be.synchronize().unwrap();
     start.elapsed().as_secs_f64() * 1e6 / runs as f64
 }
+
+/// `tiles` (`(slot, first row, rows)` triples) with each cut into tiles of at most `rows` rows.
+pub fn tiles_of_at_most(tiles: &[i32], rows: usize) -> Vec<i32> {
+    let mut out = Vec::new();
+    for t in tiles.chunks(3) {
+        for first in (0..t[2]).step_by(rows) {
+            out.extend([t[0], t[1] + first, (t[2] - first).min(rows as i32)]);
+        }
+    }
+    out
+}

@@ -69,6 +69,7 @@ use crate::cache::perf::PerfState;
 use crate::format::dtype::DType;
 use crate::model::Model;
 use crate::moe::phase::Phase;
+use moe_lanes_kernels::cuda::kernel::GROUPED_TILE_ROWS;
 use moe_lanes_kernels::cuda::{
     CopyStream, CudaBackend, DeviceBuffer, GpuEvent, HostRegistration, PinnedBuffer,
 };
@@ -672,7 +673,8 @@ impl MoeStage {
             let s = dev.s();
             let (nt, at) = (self.host.pf_tiles, s.layout.tiles + self.host.pf_tile_at);
             let tiles = s.work_i.ptr().sub(at, 3 * nt);
-            super::moe::grouped_ffn(dev, pf.views(cur.layer), &pf.epilogue(), pf.slots, (tiles, nt), n_all, t)
+            let tiles = (tiles, nt, GROUPED_TILE_ROWS);
+            super::moe::grouped_ffn(dev, pf.views(cur.layer), &pf.epilogue(), pf.slots, tiles, n_all, t)
         };
         let launched = gemms();
         dev.be.record(&hf.free)?;
