@@ -584,28 +584,46 @@ __device__ __forceinline__ void gemm_bf16_pipe(const bf16* W, const float* x, co
 // The kernels: dynamic shared memory S::STAGES stages of x and the weight tiles (CudaBackend
 // sets the limit); grid (n_tiles, ceil(N / GG_BN)), block GG_THREADS. `_pipe`: prefill's tiles of
 // GG_BM rows; `_dec`: the decode shape's GG_DEC_BM rows.
-#define GATE_UP_BF16_PIPE(name, S, EPI)                                                                        \
-    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(                                             \
-        const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,                    \
-        const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,     \
-        float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,                  \
-        const float* __restrict__ bu) {                                                                        \
-        pdl_enter();                                                                                           \
-        gate_up_bf16_pipe<S, EPI>(G, U, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu); \
-    }
-#define GEMM_BF16_PIPE(name, S, EPI)                                                                           \
-    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(                                             \
-        const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,   \
-        const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split, \
-        const float* __restrict__ b) {                                                                         \
-        pdl_enter();                                                                                           \
-        gemm_bf16_pipe<S, EPI>(W, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);               \
-    }
-GATE_UP_BF16_PIPE(grouped_gate_up_bf16_pipe, GpPrefill, false)
-GATE_UP_BF16_PIPE(grouped_gate_up_bf16_pipe_epi, GpPrefill, true)
-GATE_UP_BF16_PIPE(grouped_gate_up_bf16_dec, GpDecode, false)
-GATE_UP_BF16_PIPE(grouped_gate_up_bf16_dec_epi, GpDecode, true)
-GEMM_BF16_PIPE(grouped_gemm_bf16_pipe, GpPrefill, false)
-GEMM_BF16_PIPE(grouped_gemm_bf16_pipe_bias, GpPrefill, true)
-GEMM_BF16_PIPE(grouped_gemm_bf16_dec, GpDecode, false)
-GEMM_BF16_PIPE(grouped_gemm_bf16_dec_bias, GpDecode, true)
+#define GATE_UP_BF16_PARAMS                                                                                    \
+    const bf16 *__restrict__ G, const bf16 *__restrict__ U, const float *__restrict__ x,                        \
+        const int *__restrict__ rows, int n_x_rows, const int *__restrict__ tiles, int n_rows, int n_slots,     \
+        float *__restrict__ h, int N, int K, int split, int act, const float *__restrict__ bg,                  \
+        const float *__restrict__ bu
+#define GATE_UP_BF16_ARGS G, U, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu
+#define GEMM_BF16_PARAMS                                                                                       \
+    const bf16 *__restrict__ W, const float *__restrict__ x, const int *__restrict__ rows, int n_x_rows,       \
+        const int *__restrict__ tiles, int n_rows, int n_slots, float *__restrict__ y, int N, int K, int split,  \
+        const float *__restrict__ b
+#define GEMM_BF16_ARGS W, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_pipe(GATE_UP_BF16_PARAMS) {
+    pdl_enter();
+    gate_up_bf16_pipe<GpPrefill, false>(GATE_UP_BF16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_pipe_epi(GATE_UP_BF16_PARAMS) {
+    pdl_enter();
+    gate_up_bf16_pipe<GpPrefill, true>(GATE_UP_BF16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_dec(GATE_UP_BF16_PARAMS) {
+    pdl_enter();
+    gate_up_bf16_pipe<GpDecode, false>(GATE_UP_BF16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_bf16_dec_epi(GATE_UP_BF16_PARAMS) {
+    pdl_enter();
+    gate_up_bf16_pipe<GpDecode, true>(GATE_UP_BF16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_pipe(GEMM_BF16_PARAMS) {
+    pdl_enter();
+    gemm_bf16_pipe<GpPrefill, false>(GEMM_BF16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_pipe_bias(GEMM_BF16_PARAMS) {
+    pdl_enter();
+    gemm_bf16_pipe<GpPrefill, true>(GEMM_BF16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_dec(GEMM_BF16_PARAMS) {
+    pdl_enter();
+    gemm_bf16_pipe<GpDecode, false>(GEMM_BF16_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_dec_bias(GEMM_BF16_PARAMS) {
+    pdl_enter();
+    gemm_bf16_pipe<GpDecode, true>(GEMM_BF16_ARGS);
+}

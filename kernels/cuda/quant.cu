@@ -1884,30 +1884,67 @@ __device__ __forceinline__ void gemm_run(const u8* W, int row_bytes, const float
     else
         gp_gemm<1, true, S>(wl, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, b);
 }
-#define GATE_UP_RUN(name, TY, S)                                                                               \
-    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(GATE_UP_Q_PARAMS) {                          \
-        pdl_enter();                                                                                           \
-        gate_up_run<TY, S>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K,  \
-                           split, act, bg, bu);                                                                \
-    }
-#define GEMM_RUN(name, TY, S)                                                                                  \
-    extern "C" __global__ __launch_bounds__(GG_THREADS) void name(GEMM_Q_PARAMS) {                             \
-        pdl_enter();                                                                                           \
-        gemm_run<TY, S>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);           \
-    }
-GATE_UP_RUN(grouped_gate_up_q8_0_pipe, 0, GpPrefill)
-GATE_UP_RUN(grouped_gate_up_q4_k_pipe, 2, GpPrefill)
-GATE_UP_RUN(grouped_gate_up_q5_k_pipe, 3, GpPrefill)
-GATE_UP_RUN(grouped_gate_up_q6_k_pipe, 4, GpPrefill)
-GEMM_RUN(grouped_gemm_q8_0_pipe, 0, GpPrefill)
-GEMM_RUN(grouped_gemm_q4_k_pipe, 2, GpPrefill)
-GEMM_RUN(grouped_gemm_q5_k_pipe, 3, GpPrefill)
-GEMM_RUN(grouped_gemm_q6_k_pipe, 4, GpPrefill)
-GATE_UP_RUN(grouped_gate_up_q8_0_dec, 0, GpDecode)
-GATE_UP_RUN(grouped_gate_up_q4_k_dec, 2, GpDecode)
-GATE_UP_RUN(grouped_gate_up_q5_k_dec, 3, GpDecode)
-GATE_UP_RUN(grouped_gate_up_q6_k_dec, 4, GpDecode)
-GEMM_RUN(grouped_gemm_q8_0_dec, 0, GpDecode)
-GEMM_RUN(grouped_gemm_q4_k_dec, 2, GpDecode)
-GEMM_RUN(grouped_gemm_q5_k_dec, 3, GpDecode)
-GEMM_RUN(grouped_gemm_q6_k_dec, 4, GpDecode)
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q8_0_pipe(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_run<0, GpPrefill>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q4_k_pipe(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_run<2, GpPrefill>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q5_k_pipe(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_run<3, GpPrefill>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q6_k_pipe(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_run<4, GpPrefill>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q8_0_pipe(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_run<0, GpPrefill>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q4_k_pipe(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_run<2, GpPrefill>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q5_k_pipe(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_run<3, GpPrefill>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q6_k_pipe(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_run<4, GpPrefill>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q8_0_dec(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_run<0, GpDecode>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q4_k_dec(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_run<2, GpDecode>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q5_k_dec(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_run<3, GpDecode>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_q6_k_dec(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_run<4, GpDecode>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q8_0_dec(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_run<0, GpDecode>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q4_k_dec(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_run<2, GpDecode>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q5_k_dec(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_run<3, GpDecode>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q6_k_dec(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_run<4, GpDecode>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
