@@ -2154,14 +2154,14 @@ impl CudaBackend {
         n_entries.min(n_entries.min(n_slots) + n_entries / tile_rows.max(1))
     }
 
-    /// The hot lane's worklist for the grouped GEMMs over a batched decode step, built on the
-    /// device from the routing (`ids`, `weights`: `[n_tokens, k]`) and the layer's expert-to-slot
-    /// `map`: the hot entries sorted by slot (`tokens`, `wsorted`: one per sorted row, `n_tokens
-    /// * k` rows with the unused ones token 0, weight 0), `entries` (the sorted row of each routed
-    /// entry, -1 for a cold one), the token rows (`tok_off`, `tok_rows`: token `t`, entries
-    /// `t * k..`) for [`Self::moe_scatter_accum`], and [`Self::hot_grouped_max_tiles`] tiles
-    /// (`(slot, first row, rows)` with at most `tile_rows` rows, the grouped GEMMs' shape; unused
-    /// ones slot -1) for the grouped GEMMs. One block.
+    /// The hot lane's worklist for the grouped GEMMs over a batched decode step or an all-hot
+    /// prefill call, built on the device from the routing (`ids`, `weights`: `[n_tokens, k]`) and
+    /// the layer's expert-to-slot `map`: the hot entries sorted by slot (`tokens`, `wsorted`: one
+    /// per sorted row, `n_tokens * k` rows with the unused ones token 0, weight 0), `entries` (the
+    /// sorted row of each routed entry, -1 for a cold one), the token rows (`tok_off`,
+    /// `tok_rows`: token `t`, entries `t * k..`) for [`Self::moe_scatter_accum`], and
+    /// [`Self::hot_grouped_max_tiles`] tiles (`(slot, first row, rows)` with at most `tile_rows`
+    /// rows, the grouped GEMMs' shape; unused ones slot -1) for the grouped GEMMs. One block.
     pub fn hot_worklist_grouped(
         &self,
         (map, ids, weights): (DPtr<i32>, DPtr<i32>, DPtr<f32>),
