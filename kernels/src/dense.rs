@@ -5,8 +5,8 @@
 //!
 //! Several matrices that share one input (q/k/v, or gate/up) go in one call: their row blocks
 //! form one work space, split over the pool's threads by guided self-scheduling in claims of
-//! whole [`ROW_BLOCK`]s, so every thread streams weights at once and each output value is
-//! computed by one tile call. Blocks start at absolute multiples of [`ROW_BLOCK`], so the
+//! whole `ROW_BLOCK`s, so every thread streams weights at once and each output value is
+//! computed by one tile call. Blocks start at absolute multiples of `ROW_BLOCK`, so the
 //! result does not depend on the thread count (the same bits with 1 thread or 16).
 //!
 //! Prefill is a GEMM by construction: the tile kernels take a block of 8 weight rows and run it
@@ -18,7 +18,7 @@
 //! on the thread count.
 //!
 //! Quantised matrices take 8-bit activations where the call's [`DecodeActivations`] says so for
-//! their type and token count ([`DecodeActivations::takes`], the cold lane's rule): `x` is
+//! their type and token count (`DecodeActivations::takes`, the cold lane's rule): `x` is
 //! quantised once per call (by all threads for many tokens, token rows claimed like the AMX
 //! packing) and the VNNI tiles dot the raw weight levels against it, as llama.cpp's CPU backend
 //! does for every quantised product. With f32 activations a Q6_K `lm_head` decodes each weight to

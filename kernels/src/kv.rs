@@ -1,5 +1,5 @@
 //! KV cache element types, and one KV head's cached rows in one of them (the CPU attention reads
-//! every type; [`crate::attention`]).
+//! every type; [`crate::attention`](mod@crate::attention)).
 //!
 //! The types are llama.cpp's (`--cache-type-k/v`): f32, f16, bf16 (both rounded to nearest
 //! even) and q8_0 (blocks of [`Q8_0_BLOCK`] values: one f16 scale `d = max|x| / 127` and 32

@@ -10,9 +10,9 @@
 //! - [`pool`]: the cold pool of pinned threads running whole cold-lane jobs.
 //! - [`dense`]: row-split GEMV/GEMM of dense weight matrices read in place, on the pool's threads.
 //! - [`delta_rule`]: the chunked gated delta rule of one Gated DeltaNet value head (prefill).
-//! - [`attention`]: causal GQA attention over a head-major KV cache, on the pool's threads.
+//! - [`attention`](mod@attention): causal GQA attention over a head-major KV cache, on the pool's threads.
 //! - [`cuda`]: the CUDA backend (dynamically loaded): NVRTC-compiled kernels, cuBLAS, streams, events.
-//! - [`bench`]: read bandwidth vs. cold-lane effective weight bandwidth.
+//! - [`bench`](mod@bench): read bandwidth vs. cold-lane effective weight bandwidth.
 
 pub mod attention;
 pub mod attention_tiled;

@@ -27,7 +27,7 @@
 //!    intermediate `h` into a pool-owned scratch buffer. A unit costs its expert's tokens (plus
 //!    a constant for streaming its weight rows), so with skewed routing units differ by 100x:
 //!    experts are handed out most tokens first and claims are guided by remaining *cost*, not
-//!    units (see [`claim_units_by_cost`]), so the last claims are cheap and threads reach the
+//!    units (see `claim_units_by_cost`), so the last claims are cheap and threads reach the
 //!    barrier together;
 //! 2. down + weighted accumulation: the hidden output rows (units of 8) are split and each
 //!    thread walks all experts for the rows it claimed, so threads own disjoint output rows (no

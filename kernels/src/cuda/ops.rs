@@ -1275,7 +1275,7 @@ impl CudaBackend {
 
     /// [`Self::attention_tiled`]'s result (about f32 accuracy, another summation order) with
     /// both products on the tensor cores: blocks of `16 x ATTENTION_MMA_WARPS` query rows, keys
-    /// in tiles of [`ATTENTION_MMA_KEYS`]. f32 and q8_0 caches are staged as bf16 hi + lo, three
+    /// in tiles of [`ATTENTION_MMA_KEYS`](super::kernel::ATTENTION_MMA_KEYS). f32 and q8_0 caches are staged as bf16 hi + lo, three
     /// MMAs a fragment; f16 and bf16 caches are copied to shared memory as they are (cp.async,
     /// two stages) and only q and p are split: over f16 the softmax weights are rounded to f16
     /// for p . V (at most 2^-12 of each weight), over bf16 split as q is. Over f16 and bf16,
