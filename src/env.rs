@@ -14,8 +14,6 @@
 //! | `MOE_LANES_PDL=0` | launch kernels without programmatic dependent launch (on by default where the GPU has it, sm_90+: a kernel's blocks are scheduled while the one before it finishes) |
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
-//! | `MOE_LANES_HOT_DEQUANT_MIB` | A/B: VRAM for quantized hot slots dequantized to bf16 before the grouped prefill GEMMs (default 0: the GEMMs decode quantized tiles themselves; more: fewer chunks) |
-//! | `MOE_LANES_HOT_DEQUANT_OVERLAP=1` | dequantize those chunks (two half-size ones) on the side stream beside the previous chunk's GEMMs |
 //! | `MOE_LANES_GPU_GRAPH=0` | launch every decode kernel one by one instead of replaying the captured decode graph (all-hot models) or decode segments (models with cold experts) |
 //! | `MOE_LANES_GRAPH_LANE_EVENTS=1` | the decode graphs record CUDA events around every all-hot layer's hot lane on every call (an A/B: the events stop programmatic dependent launch there); default: none in the graphs, one decode call in 64 runs eagerly and timed |
 //! | `MOE_LANES_PREFILL_ACTIVATIONS` | what the GPU prefill GEMMs feed the tensor cores: `auto` (default: bf16 hi + lo for float weights, one bf16 rounding for quantized ones), `split` (hi + lo for every type), `bf16` (one rounding for every type) |
@@ -146,8 +144,7 @@ pub fn vram_limit_bytes() -> Result<Option<u64>, EnvError> {
 /// The GPU engine's tuning from the environment, each variable an override of a tuning file's
 /// value (unset: `None`): `MOE_LANES_GPU_ATTENTION` (`mma`, `tiled`, `rows`),
 /// `MOE_LANES_PREFILL_ACTIVATIONS` (`auto`, `split`, `bf16`), `MOE_LANES_GPU_GRAPH` (`0` off),
-/// `MOE_LANES_GRAPH_LANE_EVENTS` (`1` on), `MOE_LANES_HOT_DEQUANT_MIB` (MiB),
-/// `MOE_LANES_HOT_DEQUANT_OVERLAP` (anything but `0` on), `MOE_LANES_BATCH_GEMM_MIN_TOKENS` and
+/// `MOE_LANES_GRAPH_LANE_EVENTS` (`1` on), `MOE_LANES_BATCH_GEMM_MIN_TOKENS` and
 /// `MOE_LANES_HOT_GROUPED_MIN_ROWS` (counts).
 pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
     let prefill_attention = match var("MOE_LANES_GPU_ATTENTION").as_deref() {
@@ -164,9 +161,6 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
         Some("bf16") => Some(PrefillActivations::Bf16),
         Some(v) => return Err(bad("MOE_LANES_PREFILL_ACTIVATIONS", v, "auto, split or bf16")),
     };
-    let hot_dequant_mib = var("MOE_LANES_HOT_DEQUANT_MIB")
-        .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_HOT_DEQUANT_MIB", &v, "a size in MiB")))
-        .transpose()?;
     let batch_gemm_min_tokens = var("MOE_LANES_BATCH_GEMM_MIN_TOKENS")
         .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_BATCH_GEMM_MIN_TOKENS", &v, "a token count")))
         .transpose()?;
@@ -178,8 +172,6 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
         prefill_activations,
         decode_graph: var("MOE_LANES_GPU_GRAPH").map(|v| v != "0"),
         graph_lane_events: var("MOE_LANES_GRAPH_LANE_EVENTS").map(|v| v == "1"),
-        hot_dequant_mib,
-        hot_dequant_overlap: var("MOE_LANES_HOT_DEQUANT_OVERLAP").map(|v| v != "0"),
         batch_gemm_min_tokens,
         hot_grouped_min_rows,
         max_call_tokens: None, // the tuning file's (no variable)

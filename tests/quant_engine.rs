@@ -451,56 +451,6 @@ fn a_long_prompt_takes_the_tensor_core_path_within_its_tolerance() {
     gpu_runs(&[&prompt], 2, GPU_TENSOR_CORE_TOLERANCE, DecodeActivations::F32);
 }
 
-/// Quantized hot slots in chunks of two (a scratch of one chunk of two slots' bf16 gate, up
-/// and down, or two such chunks with overlap): every layer takes several dequantize-and-GEMM rounds, tiles remapped to
-/// chunk-local slots, dequantized beside the previous chunk's GEMMs or not, within the
-/// tensor-core tolerance of the reference; and the default engine (no scratch: the grouped
-/// kernels decode the quantized tiles themselves) gives those prefill logits bit for bit.
-#[test]
-fn quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance() {
-    if !common::gpu_usable() {
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    for mix in [QuantMix::Q4_K_M, QuantMix::MXFP4_MOE] {
-        small_chunks_mix(dir.path(), mix);
-    }
-}
-
-/// [`quantized_slots_in_small_chunks_stay_within_the_tensor_core_tolerance`] on one mix.
-fn small_chunks_mix(dir: &Path, mix: QuantMix) {
-    let model = Arc::new(Model::open(&quantized_tiny(dir, "qwen3_moe", mix)).unwrap());
-    let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
-    let c = model.config();
-    assert!(c.n_experts > 2, "the test needs more slots than a chunk");
-    let prompt: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
-    let all_hot = || {
-        let mut opts = options(Some(EngineKind::Gpu));
-        opts.hot = HotChoice::Budget(HotBudget::Fraction(1.0));
-        opts
-    };
-    let prefill_bits = |e: &mut dyn Engine| {
-        let mut cache = e.new_cache(64).unwrap();
-        let out = e.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
-        out.rows().iter().flatten().map(|v| v.to_bits()).collect::<Vec<u32>>()
-    };
-    let (mut fused, _) = build_engine(&model, all_hot()).unwrap();
-    let fused_bits = prefill_bits(fused.as_mut());
-    drop(fused);
-    for overlap in [true, false] {
-        let mut opts = all_hot();
-        let chunks = if overlap { 2 } else { 1 };
-        opts.gpu.hot_dequant_bytes = chunks * 2 * 3 * c.expert_ff * c.hidden * 2;
-        opts.gpu.hot_dequant_overlap = overlap;
-        let (mut gpu, _) = build_engine(&model, opts).unwrap();
-        let what = format!("{mix}: chunks of 2, overlap {overlap}");
-        assert!(prefill_bits(gpu.as_mut()) == fused_bits, "{what}: fused decoding differs from the scratch");
-        let worst =
-            check_steps(&what, reference.as_mut(), gpu.as_mut(), &prompt, 2, GPU_TENSOR_CORE_TOLERANCE);
-        eprintln!("{what}: worst relative error {worst:e}");
-    }
-}
-
 /// Post-Fetch of quantized experts (forced on; at budget 0 and with half the experts hot): the
 /// fetched experts are copied in their block types (the Q4_K_M file's layers differ: Q6_K down
 /// projections in some; the MXFP4_MOE file's 17-byte blocks land at odd offsets) and run through
@@ -579,10 +529,8 @@ fn every_session_after_a_postfetch_prefill_decodes_like_the_reference() {
 /// GPT-OSS in MXFP4 (its experts MXFP4 with f32 biases, the clamped SwiGLU) on the GPU engine,
 /// the hot lane's expert epilogue end to end: at hot caches none / half / all, short prompts
 /// (decode kernels) within the exact tolerance and a long prompt (the grouped tensor-core
-/// prefill) within the tensor-core one, f32 activations; all hot with the quantized slots
-/// dequantized in chunks of two (the biases read at chunk-local slots) the prefill bits of the
-/// default engine; an exchange in every layer (the biases moved with the weights) keeps the
-/// output. (Post-Fetch takes no biased experts: at hot 0 every expert runs on the CPU lane.)
+/// prefill) within the tensor-core one, f32 activations; an exchange in every layer (the biases
+/// moved with the weights) keeps the output. (Post-Fetch takes no biased experts: at hot 0 every expert runs on the CPU lane.)
 #[test]
 fn gpt_oss_in_mxfp4_moe_runs_on_the_gpu_engine_like_the_reference() {
     use moe_lanes::hot_set::Exchange;
@@ -593,17 +541,15 @@ fn gpt_oss_in_mxfp4_moe_runs_on_the_gpu_engine_like_the_reference() {
     let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "gpt_oss", QuantMix::MXFP4_MOE)).unwrap());
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
     let long: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
-    let gpu = |fraction: f64, chunk_slots: usize| {
+    let gpu = |fraction: f64| {
         let mut opts = options(Some(EngineKind::Gpu));
         opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
-        opts.gpu.hot_dequant_bytes = chunk_slots * 3 * model.config().expert_ff * model.config().hidden * 2;
-        opts.gpu.hot_dequant_overlap = false;
         let (engine, report) = build_engine(&model, opts).unwrap();
         assert_eq!(report.kind, EngineKind::Gpu, "{:?}", report.gpu_unavailable);
         engine
     };
     for fraction in [0.0, 0.5, 1.0] {
-        let mut engine = gpu(fraction, 0);
+        let mut engine = gpu(fraction);
         let what = format!("gpt_oss mxfp4_moe hot {fraction}");
         for prompt in PROMPTS {
             check_steps(&what, reference.as_mut(), engine.as_mut(), prompt, 4, GPU_EXACT_TOLERANCE);
@@ -626,11 +572,4 @@ fn gpt_oss_in_mxfp4_moe_runs_on_the_gpu_engine_like_the_reference() {
             check_steps(&what, reference.as_mut(), engine.as_mut(), &long, 2, GPU_TENSOR_CORE_TOLERANCE);
         }
     }
-    let prefill_bits = |e: &mut dyn Engine| {
-        let mut cache = e.new_cache(64).unwrap();
-        let out = e.forward(&long, Phase::Prefill, &mut cache).unwrap();
-        out.rows().iter().flatten().map(|v| v.to_bits()).collect::<Vec<u32>>()
-    };
-    let fused = prefill_bits(gpu(1.0, 0).as_mut());
-    assert!(prefill_bits(gpu(1.0, 2).as_mut()) == fused, "chunks of two slots give the fused kernels' bits");
 }

@@ -284,8 +284,8 @@ struct EngineArgs {
     cold_threads: String,
     /// Engine tuning as JSON, e.g. {"gpu": {"prefill_attention": "tiled", "decode_graph":
     /// false}} (gpu fields: prefill_attention, prefill_activations, decode_graph,
-    /// graph_lane_events, hot_dequant_mib, hot_dequant_overlap, batch_gemm_min_tokens,
-    /// hot_grouped_min_rows, max_call_tokens; the MOE_LANES_* variables
+    /// graph_lane_events, batch_gemm_min_tokens, hot_grouped_min_rows, max_call_tokens; the
+    /// MOE_LANES_* variables
     /// override them), and {"cache_policy": {"kind": "adaptive", "half_life": 32, "pin_fraction":
     /// 0.25, "copy_cost": {...}}} (--cache-policy overrides its kind).
     #[arg(long)]

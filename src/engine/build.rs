@@ -457,11 +457,9 @@ fn build_gpu(
     }
     // The driver is the pool's thread 0; a GPU lane with hot experts needs cores of its own.
     let gpu_lane = !matches!(opts.hot, HotChoice::None | HotChoice::Budget(HotBudget::Bytes(0)));
-    // Without hot experts the prefill scratch for quantized slots would be VRAM never used.
     // f32 activations asked for: the prefill GEMMs of quantized weights split them too.
     let f32_asked = opts.activations == Some(DecodeActivations::F32);
     let gpu_opts = GpuOptions {
-        hot_dequant_bytes: if gpu_lane { opts.gpu.hot_dequant_bytes } else { 0 },
         q8_activations: opts.gpu.q8_activations && !f32_asked,
         kv_type: opts.gpu_kv_type(),
         prefill_activations: match opts.gpu.prefill_activations {

@@ -5,7 +5,7 @@
 //! CLI's flags (`--postfetch*`, `--activations`, `--cache-policy`) override both.
 //!
 //! ```json
-//! {"gpu": {"prefill_attention": "tiled", "decode_graph": false, "hot_dequant_mib": 512},
+//! {"gpu": {"prefill_attention": "tiled", "decode_graph": false, "hot_grouped_min_rows": 16},
 //!  "cpu": {"cold_schedule": "phased", "reduce_merge": "off"},
 //!  "postfetch": {"mode": "on", "scratch_mib": 2048, "decode": true}}
 //! ```
@@ -39,11 +39,6 @@ pub struct GpuTuning {
     /// Hot-lane events inside the decode graphs on every call (default false;
     /// `MOE_LANES_GRAPH_LANE_EVENTS=1`).
     pub graph_lane_events: Option<bool>,
-    /// VRAM for quantized hot slots dequantized to bf16 before the grouped prefill GEMMs, MiB
-    /// (default 0: the GEMMs decode tiles themselves; `MOE_LANES_HOT_DEQUANT_MIB`).
-    pub hot_dequant_mib: Option<usize>,
-    /// Dequantize those chunks on the side stream (default false; `MOE_LANES_HOT_DEQUANT_OVERLAP`).
-    pub hot_dequant_overlap: Option<bool>,
     /// A decode call (a batched step) of at least this many tokens runs its dense projections
     /// and lm_head as GEMMs (each weight read once for all rows) instead of per-row GEMVs
     /// (`MOE_LANES_BATCH_GEMM_MIN_TOKENS`; default [`crate::gpu::BATCH_GEMM_MIN_TOKENS`]).
@@ -65,8 +60,6 @@ impl GpuTuning {
             prefill_activations: over.prefill_activations.or(self.prefill_activations),
             decode_graph: over.decode_graph.or(self.decode_graph),
             graph_lane_events: over.graph_lane_events.or(self.graph_lane_events),
-            hot_dequant_mib: over.hot_dequant_mib.or(self.hot_dequant_mib),
-            hot_dequant_overlap: over.hot_dequant_overlap.or(self.hot_dequant_overlap),
             batch_gemm_min_tokens: over.batch_gemm_min_tokens.or(self.batch_gemm_min_tokens),
             hot_grouped_min_rows: over.hot_grouped_min_rows.or(self.hot_grouped_min_rows),
             max_call_tokens: over.max_call_tokens.or(self.max_call_tokens),
@@ -80,10 +73,6 @@ impl GpuTuning {
         gpu.prefill_activations = self.prefill_activations.unwrap_or(gpu.prefill_activations);
         set(&mut gpu.decode_graph, self.decode_graph);
         set(&mut gpu.graph_lane_events, self.graph_lane_events);
-        set(&mut gpu.hot_dequant_overlap, self.hot_dequant_overlap);
-        if let Some(mib) = self.hot_dequant_mib {
-            gpu.hot_dequant_bytes = mib << 20;
-        }
         gpu.batch_gemm_min_tokens = self.batch_gemm_min_tokens.unwrap_or(gpu.batch_gemm_min_tokens);
         gpu.hot_grouped_min_rows = self.hot_grouped_min_rows.unwrap_or(gpu.hot_grouped_min_rows);
         gpu.max_call_tokens = self.max_call_tokens.unwrap_or(gpu.max_call_tokens);
@@ -280,7 +269,7 @@ mod tests {
     #[test]
     fn a_file_sets_what_it_names_and_the_environment_overrides_it() {
         let file: EngineTuning = serde_json::from_str(
-            r#"{"gpu": {"prefill_attention": "rows", "decode_graph": false, "hot_dequant_mib": 3}}"#,
+            r#"{"gpu": {"prefill_attention": "rows", "decode_graph": false, "hot_grouped_min_rows": 3}}"#,
         )
         .unwrap();
         let env = GpuTuning { prefill_attention: Some(PrefillAttention::Tiled), ..GpuTuning::default() };
@@ -289,7 +278,7 @@ mod tests {
         file.gpu.overridden_by(env).apply(&mut gpu);
         assert_eq!(gpu.prefill_attention, PrefillAttention::Tiled, "the environment wins");
         assert!(!gpu.decode_graph);
-        assert_eq!(gpu.hot_dequant_bytes, 3 << 20);
+        assert_eq!(gpu.hot_grouped_min_rows, 3);
         assert_eq!(gpu.prefill_activations, before.prefill_activations, "unset keeps the default");
         assert_eq!(gpu.graph_lane_events, before.graph_lane_events);
         let file: EngineTuning = serde_json::from_str(r#"{"gpu": {"max_call_tokens": 64}}"#).unwrap();

@@ -82,26 +82,11 @@ impl SlotEpilogue {
         SlotEpilogue { gate_up: GateUpEpilogue { glu, ..GateUpEpilogue::default() }, down_bias: None }
     }
 
-    /// The activation and slot biases `[gate, up, down]` (a cache's or a chunk of it).
+    /// The activation and slot biases `[gate, up, down]` of a cache.
     fn biased(glu: Glu, [g, u, d]: [DPtr<f32>; 3]) -> SlotEpilogue {
         SlotEpilogue {
             gate_up: GateUpEpilogue { glu, gate_bias: Some(g), up_bias: Some(u) },
             down_bias: Some(d),
-        }
-    }
-
-    /// The same epilogue over slots `first..first + n` of its biases (the slot-local view a
-    /// chunk of slots needs); `ff` and `hidden` give the bias rows.
-    pub fn slots(&self, first: usize, n: usize, ff: usize, hidden: usize) -> SlotEpilogue {
-        let rows = |b: Option<DPtr<f32>>, w: usize| b.map(|b| b.sub(first * w, n * w));
-        let g = &self.gate_up;
-        SlotEpilogue {
-            gate_up: GateUpEpilogue {
-                glu: g.glu,
-                gate_bias: rows(g.gate_bias, ff),
-                up_bias: rows(g.up_bias, ff),
-            },
-            down_bias: rows(self.down_bias, hidden),
         }
     }
 }

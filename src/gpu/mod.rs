@@ -8,8 +8,7 @@
 //! expert, hot/cold split, lanes, join, fallback), `head` (embedding, lm_head, copies back),
 //! `graph` (decode graphs over those stages); `latent` is the mixer's latent attention
 //! (DeepSeek-V3 / Kimi K2). Beside them: `options` (switches, injected
-//! faults), `weights` (upload), `hot_cache` (slots, maps, exchanges), `hot_dequant` (prefill's
-//! quantized slots as bf16 chunks for the grouped GEMMs), `kv` (KV cache), `scratch` (per-call
+//! faults), `weights` (upload), `hot_cache` (slots, maps, exchanges), `kv` (KV cache), `scratch` (per-call
 //! buffers), `postfetch` (cold experts copied to a VRAM scratchpad and computed on the GPU when
 //! a cost model says so), `stats` (lane statistics, profile), `batch` (one call over several
 //! sequences).
@@ -23,7 +22,6 @@ mod error;
 mod graph;
 mod head;
 mod hot_cache;
-mod hot_dequant;
 mod kv;
 mod latent;
 mod mixer;

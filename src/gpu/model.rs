@@ -9,7 +9,6 @@ use super::device::{Device, LayerCtx};
 use super::graph::Graphs;
 use super::head::{head_kernels, HeadStage};
 use super::hot_cache::HotCache;
-use super::hot_dequant::HotDequant;
 use super::kv::GpuKvCache;
 use super::mixer::MixerStage;
 use super::moe::{LayerFault, MoePlan, MoeStage};
@@ -149,14 +148,8 @@ impl GpuModel {
         let w = DenseWeights::upload(&model, &be)?;
         let hot = HotCache::empty(&be, &model)?;
         let dequant = dequant_scratch(&be, (&cfg, model.plan()), &w, &hot)?;
-        let wants_scratch = opts.hot_dequant_bytes > 0;
-        let hot_dequant = if hot.any_quantized() && wants_scratch {
-            Some(HotDequant::new(&be, &cfg, opts.hot_dequant_bytes, opts.hot_dequant_overlap)?)
-        } else {
-            None
-        };
         let postfetch = PostFetch::new(&be, &model, opts.postfetch)?;
-        let moe = MoeStage::new(&be, &cfg, hot, (hot_dequant, postfetch), PlainColdLane::new(model.clone()))?;
+        let moe = MoeStage::new(&be, &cfg, hot, postfetch, PlainColdLane::new(model.clone()))?;
         let mut gm = GpuModel {
             mixer: MixerStage::new(model.plan()),
             moe,

@@ -13,9 +13,7 @@
 //!   the worklist expert-major, checks it, uploads it, and the hot lane runs the grouped
 //!   tensor-core GEMMs over every cached expert's gathered token rows (one launch for gate, up
 //!   and the activation, one for down; quantized slots are decoded tile by tile inside those
-//!   kernels, or, with a scratch (`GpuOptions::hot_dequant_bytes`), dequantized to bf16 a chunk
-//!   of slots at a time first, `hot_dequant`); the join waits for the hot lane's event with a
-//!   timeout.
+//!   kernels); the join waits for the hot lane's event with a timeout.
 //!
 //! A fallback recomputes the layer's routed experts all-cold on the CPU from the RAM experts
 //! (the given cold lane, or the plain one when the cold lane itself failed), overwrites the
@@ -23,7 +21,6 @@
 
 use super::device::{Device, LayerCtx};
 use super::hot_cache::{HotCache, SlotEpilogue};
-use super::hot_dequant::{plan_chunks, HotDequant};
 use super::postfetch::{PostFetch, PF_CPU, PF_LATE};
 use super::route::{add_moe_output, dense_ffn, route_fusable, route_ids, shared_expert};
 use super::scratch::{HostScratch, MoePinned, RouteView, WorkLayout};
@@ -46,9 +43,6 @@ use std::time::{Duration, Instant};
 pub(crate) struct MoeStage {
     /// The VRAM hot cache: every layer's cached experts and their maps.
     pub hot: HotCache,
-    /// bf16 gate, up and down of two chunks of quantized hot slots for the grouped prefill
-    /// GEMMs (none: no scratch asked for, or a float model).
-    pub hot_dequant: Option<HotDequant>,
     /// Post-Fetch's scratchpad, streams and totals (none: off, or not a fetchable model).
     pub postfetch: Option<PostFetch>,
     /// Host buffers of one call (worklist, cold rows, Post-Fetch's lists).
@@ -68,7 +62,7 @@ impl MoeStage {
         be: &CudaBackend,
         dev_cfg: &ModelConfig,
         hot: HotCache,
-        (hot_dequant, postfetch): (Option<HotDequant>, Option<PostFetch>),
+        postfetch: Option<PostFetch>,
         fallback_cold: PlainColdLane,
     ) -> Result<MoeStage, GpuError> {
         let n_layers = dev_cfg.n_layers;
@@ -77,7 +71,6 @@ impl MoeStage {
             .collect::<Result<Vec<_>, GpuError>>()?;
         Ok(MoeStage {
             hot,
-            hot_dequant,
             postfetch,
             host: HostScratch::new(dev_cfg, 8),
             pin: MoePinned::new(be, dev_cfg, 8)?,
@@ -478,11 +471,6 @@ impl MoeStage {
             let slots = &self.host.worklist.hot[0].hot_id[..n_hot];
             let tiles = &mut self.host.work_i[s.layout.tiles..][..3 * n_hot];
             self.host.n_tiles = grouped_tiles(slots, tiles)?;
-            let quantized = self.hot.slots(l).is_some_and(|c| !c.all_bf16());
-            if let Some(d) = self.hot_dequant.as_ref().filter(|_| quantized) {
-                let tiles = &mut tiles[..3 * self.host.n_tiles];
-                plan_chunks(tiles, d.slots, &mut self.host.chunks);
-            }
             encode_fetched_tiles(&mut self.host, &s.layout, n_hot)?;
         }
         let n_cold_rows = collect_cold(&mut self.host, t, deferred);
@@ -507,13 +495,7 @@ impl MoeStage {
     fn hot_lane_gemm(&self, dev: &Device, l: usize, t: usize) -> Result<(), GpuError> {
         let n_hot = self.host.worklist.hot[0].hot_count;
         if n_hot > 0 {
-            let all_bf16 = self.hot.slots(l).expect("hot entries imply a cache").all_bf16();
-            if !all_bf16 && self.hot_dequant.is_some() {
-                // quantized slots with a bf16 scratch: dequantized chunk by chunk for the bf16 kernels
-                self.hot_lane_dequant_grouped(dev, l, t)?
-            } else {
-                self.hot_lane_grouped(dev, l, t)?
-            }
+            self.hot_lane_grouped(dev, l, t)?
         }
         let n_all = n_hot + self.host.pf_slot.len();
         if n_all > n_hot {

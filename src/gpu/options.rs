@@ -167,14 +167,6 @@ pub struct GpuOptions {
     pub prefill_attention: PrefillAttention,
     /// What prefill GEMMs take as activations, by weight type.
     pub prefill_activations: PrefillActivations,
-    /// VRAM for bf16 chunks of quantized hot slots in grouped prefill (the A/B baseline of
-    /// `hot_dequant`: at least one slot a chunk); 0 (default): no scratch, the grouped kernels
-    /// decode the quantized tiles themselves.
-    pub hot_dequant_bytes: usize,
-    /// Dequantize the next chunk of quantized hot slots on the side stream while the current
-    /// chunk's GEMMs run (two half-size chunks in the scratch); off (default): one chunk, both on
-    /// the compute stream.
-    pub hot_dequant_overlap: bool,
     pub perf_mode: PerfMode,
     /// Record CUDA events per stage (`MOE_LANES_GPU_PROFILE=1` at the CLI).
     pub profile: bool,
@@ -240,8 +232,6 @@ impl Default for GpuOptions {
         GpuOptions {
             prefill_attention: PrefillAttention::Mma,
             prefill_activations: PrefillActivations::default(),
-            hot_dequant_bytes: 0,
-            hot_dequant_overlap: false,
             perf_mode: PerfMode::Full,
             profile: false,
             copy_logits: true,

@@ -2,7 +2,6 @@
 //! activations, the integer worklist upload, pinned staging for the cold lane ([`MoePinned`]), and
 //! the host-side worklist and cold-slot lists. A steady-state call allocates nothing here.
 
-use super::hot_dequant::SlotChunk;
 use super::GpuError;
 use crate::model::arch::VHeadOrder;
 use crate::model::config::ModelConfig;
@@ -293,9 +292,6 @@ pub(crate) struct HostScratch {
     pub tok_rows: usize,
     /// Tiles of the grouped hot-lane GEMM in the last encoded worklist.
     pub n_tiles: usize,
-    /// Slot chunks of the grouped hot lane over quantized slots (tiles sorted by slot, local
-    /// slot indices), in the last encoded worklist.
-    pub chunks: Vec<SlotChunk>,
     pub cold_slots: Vec<ColdSlot>,
     pub cold_row_tok: Vec<usize>,
     pub cold_in: Vec<f32>,
@@ -331,7 +327,6 @@ impl HostScratch {
             tok_count: vec![0; cap],
             tok_rows: 0,
             n_tiles: 0,
-            chunks: Vec::new(),
             cold_slots: Vec::with_capacity(cap * k),
             cold_row_tok: Vec::with_capacity(cap),
             cold_in: Vec::with_capacity(cap * c.hidden),
