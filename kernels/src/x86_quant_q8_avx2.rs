@@ -250,10 +250,7 @@ unsafe fn fused_rows<const Q: u8, const R: usize>(
         }
     }
     for r in 0..R {
-        let v = acc[r];
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        out[r] = _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+        out[r] = crate::x86_avx2::horizontal_sum(acc[r]);
     }
 }
 
