@@ -3,7 +3,8 @@
 //! YaRN RoPE, a biased router, biased experts with the clamped SwiGLU; the prompt (20 tokens)
 //! and the greedy continuation cross the window. The oracle and the CPU pipeline at hot
 //! fractions 0, 0.5 and 1: prefill, a second chunk on the same session, decode step by step,
-//! greedy tokens; the GPU engine within 2e-3 at the same hot fractions.
+//! greedy tokens; the GPU engine within 2e-3 at the same hot fractions with an f32 KV cache (3e-3
+//! with its default f16 cache).
 
 mod common;
 mod fixture_checks;
@@ -11,6 +12,7 @@ mod fixture_checks;
 use common::*;
 use fixture_checks::{Golden, HOT_FRACTIONS};
 use moe_lanes::engine::{build_engine, EngineKind, EngineOptions};
+use moe_lanes::model::context::KvType;
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
 use moe_lanes::pipeline::Pipeline;
@@ -66,12 +68,19 @@ fn pipeline_greedy_continuations_are_identical() {
 
 /// On a GPU: the GPU engine (asked for by name) against transformers at hot fractions 0, 0.5
 /// and 1 (attention sinks, YaRN, the o and router biases, and the hot lane's expert biases and
-/// clamped SwiGLU), greedy tokens identical through the decode graphs. Within 3e-3, not the
-/// issue's 2e-3: measured 2.6e-3 on the H200 whatever the attention kernel or hot fraction, from
-/// the prefill GEMMs' activation rounding (bf16 hi + lo), to which this fixture is sensitive
-/// (one bf16 rounding moves it 1.7e-1; `scripts/gpu-diag-gptoss.sh`).
+/// clamped SwiGLU), greedy tokens identical through the decode graphs, with an f32 KV cache:
+/// within the 2e-3 (measured 1.7e-4 on the H200, `scripts/gpu-diag-gptoss.sh`).
 #[test]
 fn gpu_matches_transformers_at_every_hot_fraction() {
+    fixture_checks::check_gpu_within_kv(NAME, &HOT_FRACTIONS, 2e-3, Some(KvType::F32));
+}
+
+/// The same with the GPU engine's default f16 KV cache: within 3e-3. Measured 2.6e-3 on the H200
+/// (f32 cache: 1.7e-4; `scripts/gpu-diag-gptoss.sh`): the keys' and values' f16 rounding, to
+/// which this fixture is unusually sensitive (its one bf16 rounding of the prefill GEMMs'
+/// activations moves it 1.7e-1). The other fixtures meet 2e-3 with the f16 cache.
+#[test]
+fn gpu_with_the_default_f16_cache_is_within_its_rounding() {
     fixture_checks::check_gpu_within(NAME, &HOT_FRACTIONS, 3e-3);
 }
 

@@ -1815,6 +1815,38 @@ struct QRun<0> {
     }
 };
 
+// MXFP4 (17-byte blocks at any address): the scale byte, and the run's 8 nibble bytes as the 2 or
+// 3 aligned words that hold them, joined at decode by funnel shifts. The last word may reach up to
+// 3 bytes past the run: the launcher takes this instance only for caches with that tail
+// (`TYPED_TAIL_BYTES`). The values are QMX::run8's.
+template <>
+struct QRun<6> {
+    unsigned a, b, c, sh;
+    unsigned char e;
+    __device__ __forceinline__ void fetch(const u8* row, int k) {
+        const u8* blk = row + (k >> 5) * QMX::BYTES;
+        size_t p = (size_t)(blk + 1 + (k & 15));
+        const unsigned* w = (const unsigned*)(p & ~(size_t)3);
+        e = blk[0];
+        sh = 8 * (unsigned)(p & 3);
+        a = w[0], b = w[1];
+        c = sh != 0 ? w[2] : 0u;
+    }
+    __device__ __forceinline__ uint4 decode(int k) const {
+        float d = mx_scale(e);
+        int hs = (k & 31) < 16 ? 0 : 4;
+        unsigned w0 = __funnelshift_r(a, b, sh), w1 = __funnelshift_r(b, c, sh);
+        unsigned l0 = mx_levels4((w0 >> hs) & 0x0F0F0F0Fu), l1 = mx_levels4((w1 >> hs) & 0x0F0F0F0Fu);
+        float v[8];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[i] = __fmul_rn((float)(signed char)q_byte(l0, i), d);
+            v[4 + i] = __fmul_rn((float)(signed char)q_byte(l1, i), d);
+        }
+        return q_bf16x8(v);
+    }
+};
+
 // gp_tile's loader over NW caches of one type TY: init finds this thread's rows and fetches the
 // first stage's runs; each load decodes the runs fetched for that stage (gp_tile loads stages at
 // consecutive k0) into the stage, then fetches the next stage's.
@@ -1947,4 +1979,20 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q5_k_dec(G
 extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_q6_k_dec(GEMM_Q_PARAMS) {
     pdl_enter();
     gemm_run<4, GpDecode>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_mxfp4_pipe(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_run<6, GpPrefill>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_mxfp4_dec(GATE_UP_Q_PARAMS) {
+    pdl_enter();
+    gate_up_run<6, GpDecode>(G, U, g_row_bytes, u_row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_mxfp4_pipe(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_run<6, GpPrefill>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_mxfp4_dec(GEMM_Q_PARAMS) {
+    pdl_enter();
+    gemm_run<6, GpDecode>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
 }

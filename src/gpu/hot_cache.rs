@@ -22,6 +22,7 @@ use super::weights::{stored_bytes, stored_dtype};
 use super::GpuError;
 use crate::cache::hot_set::{HotSet, HotSlot, LayerHotSet};
 use crate::model::Model;
+use moe_lanes_kernels::cuda::quant::TYPED_TAIL_BYTES;
 use moe_lanes_kernels::cuda::{
     CopyStream, CudaBackend, DPtr, DeviceBuffer, GateUpEpilogue, Glu, GpuEvent, HostRegistration,
     PinnedBuffer, TypedWeights,
@@ -194,7 +195,7 @@ impl HotCache {
         let (ff, hidden) = (model.config().expert_ff, model.config().hidden);
         for (l, (hl, ls)) in self.layers.iter_mut().zip(&set.layers).enumerate() {
             hl.capacity = ls.n_hot();
-            let alloc = |i: usize| be.alloc_zeros::<u8>(hl.capacity * hl.shape.bytes[i]);
+            let alloc = |i: usize| be.alloc_zeros::<u8>(hl.capacity * hl.shape.bytes[i] + TYPED_TAIL_BYTES);
             hl.bufs = if hl.capacity == 0 { None } else { Some([alloc(0)?, alloc(1)?, alloc(2)?]) };
             let biased = hl.capacity > 0 && model.expert_bias(l, 0).is_some();
             let alloc_f = |n: usize| be.alloc_zeros::<f32>(hl.capacity * n);

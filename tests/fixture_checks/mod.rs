@@ -132,8 +132,18 @@ pub fn check_pipeline_greedy(name: &str, hot_fractions: &[f64]) {
 
 /// The GPU engine on `model` with `hot_fraction` of each MoE layer's experts cached.
 pub fn gpu_engine(model: &Arc<Model>, hot_fraction: f64) -> Box<dyn moe_lanes::engine::Engine + '_> {
+    gpu_engine_kv(model, hot_fraction, None)
+}
+
+/// [`gpu_engine`] with a KV cache of type `kv` (`None`: the engine's default).
+pub fn gpu_engine_kv(
+    model: &Arc<Model>,
+    hot_fraction: f64,
+    kv: Option<moe_lanes::model::context::KvType>,
+) -> Box<dyn moe_lanes::engine::Engine + '_> {
     use moe_lanes::engine::{build_engine, EngineKind, EngineOptions, HotChoice};
     let mut opts = EngineOptions::new(128);
+    opts.kv_type = kv;
     opts.cuda = moe_lanes::env::cuda_config().unwrap();
     opts.kind = Some(EngineKind::Gpu);
     opts.hot = HotChoice::Set(hot_set(model, hot_fraction));
@@ -152,17 +162,27 @@ pub fn check_gpu(name: &str, hot_fractions: &[f64]) {
 
 /// [`check_gpu`] within `tolerance`.
 pub fn check_gpu_within(name: &str, hot_fractions: &[f64], tolerance: f32) {
+    check_gpu_within_kv(name, hot_fractions, tolerance, None);
+}
+
+/// [`check_gpu_within`] with a KV cache of type `kv` (`None`: the engine's default).
+pub fn check_gpu_within_kv(
+    name: &str,
+    hot_fractions: &[f64],
+    tolerance: f32,
+    kv: Option<moe_lanes::model::context::KvType>,
+) {
     if !crate::common::gpu_usable() {
         return;
     }
     let (model, g) = open(name);
     for &hot in hot_fractions {
-        let mut engine = gpu_engine(&model, hot);
+        let mut engine = gpu_engine_kv(&model, hot, kv);
         let mut cache = engine.new_cache(128).unwrap();
         let prefill = engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().rows();
         let second = engine.forward(&g.second_chunk, Phase::Prefill, &mut cache).unwrap().rows();
         let (e1, e2) = (max_rel_err(&prefill, &g.logits), max_rel_err(&second, &g.second_chunk_logits));
-        println!("{name} gpu hot {hot}: prefill {e1:.2e}, second chunk {e2:.2e}");
+        println!("{name} gpu hot {hot} kv {kv:?}: prefill {e1:.2e}, second chunk {e2:.2e}");
         assert!(e1 < tolerance && e2 < tolerance, "{name} hot {hot}: {e1} {e2}");
         let mut cache = engine.new_cache(128).unwrap();
         let mut next = *engine.forward(&g.prompt, Phase::Prefill, &mut cache).unwrap().argmax.last().unwrap();

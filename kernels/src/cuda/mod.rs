@@ -935,6 +935,8 @@ fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
         (Kernel::GroupedGemmQ4KPipe, 1, rows),
         (Kernel::GroupedGemmQ5KPipe, 1, rows),
         (Kernel::GroupedGemmQ6KPipe, 1, rows),
+        (Kernel::GroupedGateUpMxfp4Pipe, 2, rows),
+        (Kernel::GroupedGemmMxfp4Pipe, 1, rows),
         (Kernel::GroupedGateUpBf16Dec, 2, decode_rows),
         (Kernel::GroupedGemmBf16Dec, 1, decode_rows),
         (Kernel::GroupedGateUpBf16DecEpi, 2, decode_rows),
@@ -949,6 +951,8 @@ fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
         (Kernel::GroupedGemmQ4KDec, 1, decode_rows),
         (Kernel::GroupedGemmQ5KDec, 1, decode_rows),
         (Kernel::GroupedGemmQ6KDec, 1, decode_rows),
+        (Kernel::GroupedGateUpMxfp4Dec, 2, decode_rows),
+        (Kernel::GroupedGemmMxfp4Dec, 1, decode_rows),
     ];
     let wide = kernel::attention_mma_wide_shared_bytes(
         kernel::ATTENTION_MMA_WIDE_MAX_HEAD_DIM,

@@ -87,18 +87,36 @@ pub fn quant_alignment_bytes(dtype: WeightDType) -> u64 {
     }
 }
 
+/// Bytes a typed cache needs past its last row for MXFP4's pipelined grouped kernels, which load
+/// each 8-value run (8 nibble bytes at any address: 17-byte blocks) as the 2 or 3 aligned words
+/// that hold it, up to 3 bytes past the run. A cache without them takes the runtime-typed
+/// kernel (byte loads). The cost: 4 bytes a cache.
+pub const TYPED_TAIL_BYTES: usize = 4;
+
 /// The pipelined grouped kernel of one weight type (`grouped_*_<type>_pipe`: each stage's raw
 /// words fetched a stage ahead, decoded with the type known at compile time), for caches all of
 /// that type; `None` for mixed types and types without one (the runtime-typed kernel). Q4_K and
-/// Q5_K read 16-byte block headers: their caches and rows must be 16-byte aligned.
-fn typed_run_kernel(gate_up: bool, dec: bool, caches: &[TypedWeights], row_bytes: &[i32]) -> Option<Kernel> {
-    use WeightDType::{Q4_K, Q5_K, Q6_K, Q8_0};
+/// Q5_K read 16-byte block headers: their caches and rows must be 16-byte aligned. MXFP4 reads
+/// aligned words around each run: its caches of `rows` rows need [`TYPED_TAIL_BYTES`] past them.
+fn typed_run_kernel(
+    gate_up: bool,
+    dec: bool,
+    caches: &[TypedWeights],
+    row_bytes: &[i32],
+    rows: usize,
+) -> Option<Kernel> {
+    use WeightDType::{Mxfp4, Q4_K, Q5_K, Q6_K, Q8_0};
     let dtype = caches.first()?.dtype;
     if caches.iter().any(|c| c.dtype != dtype) {
         return None;
     }
     let aligned = caches.iter().all(|c| c.bytes.raw() % 16 == 0) && row_bytes.iter().all(|r| r % 16 == 0);
     if matches!(dtype, Q4_K | Q5_K) && !aligned {
+        return None;
+    }
+    let tailed =
+        caches.iter().zip(row_bytes).all(|(c, &rb)| c.bytes.len() >= rows * rb as usize + TYPED_TAIL_BYTES);
+    if dtype == Mxfp4 && !tailed {
         return None;
     }
     Some(match (dtype, gate_up, dec) {
@@ -110,6 +128,8 @@ fn typed_run_kernel(gate_up: bool, dec: bool, caches: &[TypedWeights], row_bytes
         (Q4_K, false, true) => Kernel::GroupedGemmQ4KDec,
         (Q5_K, false, true) => Kernel::GroupedGemmQ5KDec,
         (Q6_K, false, true) => Kernel::GroupedGemmQ6KDec,
+        (Mxfp4, true, true) => Kernel::GroupedGateUpMxfp4Dec,
+        (Mxfp4, false, true) => Kernel::GroupedGemmMxfp4Dec,
         (Q8_0, true, false) => Kernel::GroupedGateUpQ8_0Pipe,
         (Q4_K, true, false) => Kernel::GroupedGateUpQ4KPipe,
         (Q5_K, true, false) => Kernel::GroupedGateUpQ5KPipe,
@@ -118,6 +138,8 @@ fn typed_run_kernel(gate_up: bool, dec: bool, caches: &[TypedWeights], row_bytes
         (Q4_K, false, false) => Kernel::GroupedGemmQ4KPipe,
         (Q5_K, false, false) => Kernel::GroupedGemmQ5KPipe,
         (Q6_K, false, false) => Kernel::GroupedGemmQ6KPipe,
+        (Mxfp4, true, false) => Kernel::GroupedGateUpMxfp4Pipe,
+        (Mxfp4, false, false) => Kernel::GroupedGemmMxfp4Pipe,
         _ => return None,
     })
 }
@@ -619,7 +641,8 @@ impl CudaBackend {
             bu
         ];
         let (caches, row_bytes) = ([gate_cache, up_cache], [grb, urb]);
-        let (kernel, shared) = self.grouped_typed_kernel(K, x, hidden, (&caches, &row_bytes), tile_rows);
+        let typed = (&caches[..], &row_bytes[..], n_slots * ff);
+        let (kernel, shared) = self.grouped_typed_kernel(K, x, hidden, typed, tile_rows);
         self.launch(kernel, shape.grid(), GROUPED_THREADS, shared, args)
     }
 
@@ -672,7 +695,8 @@ impl CudaBackend {
             i32::from(split),
             b
         ];
-        let (kernel, shared) = self.grouped_typed_kernel(K, x, k, (&[w_cache], &[rb]), tile_rows);
+        let (kernel, shared) =
+            self.grouped_typed_kernel(K, x, k, (&[w_cache], &[rb], n_slots * n), tile_rows);
         self.launch(kernel, shape.grid(), GROUPED_THREADS, shared, args)
     }
 
@@ -681,12 +705,13 @@ impl CudaBackend {
     /// aligned) and [`CudaBackend::grouped_pipeline`] is on; there, caches of one type take that
     /// type's instance where it has one ([`typed_run_kernel`]), and tiles of at most
     /// [`GROUPED_DECODE_TILE_ROWS`] rows the decode shape's. With its dynamic shared memory.
+    /// The caches hold `rows` rows each.
     fn grouped_typed_kernel(
         &self,
         sync: Kernel,
         x: DPtr<f32>,
         k: usize,
-        (caches, row_bytes): (&[TypedWeights], &[i32]),
+        (caches, row_bytes, rows): (&[TypedWeights], &[i32], usize),
         tile_rows: usize,
     ) -> (Kernel, u32) {
         let fits = self.grouped_pipeline() && k.is_multiple_of(8) && aligned16(&[x.raw()]);
@@ -700,7 +725,7 @@ impl CudaBackend {
             (false, false) => Kernel::GroupedGemmQPipe,
         };
         match fits {
-            true => (typed_run_kernel(gate_up, dec, caches, row_bytes).unwrap_or(generic), shared),
+            true => (typed_run_kernel(gate_up, dec, caches, row_bytes, rows).unwrap_or(generic), shared),
             false => (sync, 0),
         }
     }
