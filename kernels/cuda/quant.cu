@@ -104,6 +104,23 @@ __device__ __forceinline__ unsigned mx_word(const u8* p) {
     return (unsigned)p[0] | ((unsigned)p[1] << 8) | ((unsigned)p[2] << 16) | ((unsigned)p[3] << 24);
 }
 
+// The 16 bytes at any address p (an MXFP4 block's nibbles) as four little-endian words: the four
+// aligned words from p & ~3 (up to 3 bytes before p: the block's scale or the bytes before it, in
+// the same 4-aligned buffer) and the last (p & 3) bytes one by one, joined by funnel shifts.
+// Nothing past p + 15 is read; 4 to 7 loads instead of 16.
+__device__ __forceinline__ void mx_bytes16(const u8* p, unsigned* w) {
+    size_t a = (size_t)p & ~(size_t)3;
+    unsigned o = (unsigned)((size_t)p & 3), sh = 8 * o;
+    const unsigned* q = (const unsigned*)a;
+    const u8* t = (const u8*)(a + 16);
+    unsigned v[5] = {q[0], q[1], q[2], q[3], 0u};
+    if (o > 0) v[4] = t[0];
+    if (o > 1) v[4] |= (unsigned)t[1] << 8;
+    if (o > 2) v[4] |= (unsigned)t[2] << 16;
+#pragma unroll
+    for (int k = 0; k < 4; k++) w[k] = __funnelshift_r(v[k], v[k + 1], sh);
+}
+
 // The doubled E2M1 values (signed bytes: 0 1 2 3 4 6 8 12, and their negatives for nibbles 8..15,
 // with +0 for nibble 8) of the four nibbles in the low halves of q's bytes: the magnitudes by two
 // byte permutes (selector nibbles from the low three bits), the sign from bit 3.
@@ -402,11 +419,10 @@ struct WMX : QMX {
     static constexpr int CHUNKS = 1;
     static __device__ __forceinline__ void cols(int, int* c) { c[0] = 0, c[1] = 8, c[2] = 16, c[3] = 24; }
     static __device__ __forceinline__ void levels(const u8* b, unsigned* lo, unsigned* hi) {
+        unsigned w[4];
+        mx_bytes16(b + 1, w);
 #pragma unroll
-        for (int k = 0; k < 4; k++) {
-            unsigned w = mx_word(b + 1 + 4 * k);
-            lo[k] = mx_levels4(w & 0x0F0F0F0Fu), hi[k] = mx_levels4((w >> 4) & 0x0F0F0F0Fu);
-        }
+        for (int k = 0; k < 4; k++) lo[k] = mx_levels4(w[k] & 0x0F0F0F0Fu), hi[k] = mx_levels4((w[k] >> 4) & 0x0F0F0F0Fu);
     }
     static __device__ __forceinline__ void chunk(const u8* b, int, float* v) {
         float d = mx_scale(b[0]);
