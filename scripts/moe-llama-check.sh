@@ -17,7 +17,8 @@
 # Needs llama.cpp built into .llama/build (benches/compare-llama-cpp.sh build; LLAMA_TAR, a
 # tarball of .llama/src, is unpacked and built CPU-only when there is no build). Settings:
 # BIN (target/release/moe-lanes), OUT (a temp dir), MODELS (/dev/shm/moe-llama), LAYERS (6: the
-# DeepSeek-V3 preset keeps 3 dense layers, so 3 MoE layers), SPECS (all of the list below).
+# DeepSeek-V3 preset keeps 3 dense layers, so 3 MoE layers), SPECS (all of the list below), QUANT
+# (the quantized type of every spec instead of its own, e.g. mxfp4_moe), LLAMA_DIR (.llama).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN="${BIN:-target/release/moe-lanes}"
@@ -25,7 +26,7 @@ OUT="${OUT:-$(mktemp -d)}"
 MODELS="${MODELS:-/dev/shm/moe-llama}"
 LAYERS="${LAYERS:-6}"
 mkdir -p "$OUT" "$MODELS"
-LLAMA=.llama/build/bin
+LLAMA="${LLAMA_DIR:-.llama}/build/bin"
 
 if [ ! -x "$LLAMA/llama-argmax" ]; then
     if [ ! -d .llama/src ] && [ -n "${LLAMA_TAR:-}" ]; then
@@ -92,6 +93,7 @@ for spec in ${SPECS:-$DEFAULT_SPECS}; do
         # with 2 KV heads, global ones of 128 with one KV head (keys as values, RoPE on a quarter)
         gemma4) dims+=(--heads 8 --kv-heads 2 --head-dim 64 --shared-expert-ff 256) ;;
     esac
+    quant=${QUANT:-$quant}
     [ -n "$extra" ] && dims+=("$extra")
     for dtype in f32 bf16; do
         f="$MODELS/$name-$dtype.gguf"
