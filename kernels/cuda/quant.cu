@@ -2012,3 +2012,318 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_mxfp4_dec(
     pdl_enter();
     gemm_run<6, GpDecode>(W, row_bytes, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
 }
+
+// ---- int8 tiles over 8-bit activations (as llama.cpp's MMQ): MXFP4 caches ----
+// x is quantised per row and block of 32 by quantize_q8_f32 (xq int8 [n_x_rows, K], xd f32
+// [n_x_rows, K / 32], the GEMV's Q8Rows); each weight block of 32 becomes its int8 levels (MXFP4:
+// the doubled E2M1 values, exact in int8) and one f32 scale (half the E8M0 value). mma.sync
+// m16n8k32 over int8 gives one block's integer dot per accumulator, which dx * dw scales into the
+// f32 sums, block by block: the GEMV's q8 path's value of each block, summed in k order. A stage
+// holds GQ_BK columns: x levels [BM][GQ_LD] int8, x scales [BM][GQ_KB], then per matrix the weight
+// levels [GG_BN][GQ_LD] and scales [GG_BN][GQ_KB]; the weight words are fetched a stage ahead into
+// registers (as GpRun) and the x rows copied by cp.async, GG_STAGES - 1 stages ahead.
+#define GQ_KB (GQ_BK / 32)
+#define GQ_LD (GQ_BK + 16)  // int8 row stride: 80 bytes, as GP_LDW's bf16 (ldmatrix's rows in distinct banks)
+
+#if GQ_LD != 2 * GP_LDW || GQ_BK % 32 != 0
+#error "the int8 stages reuse gp_frag_b's stride (GQ_LD bytes must be GP_LDW bf16) and hold whole blocks"
+#endif
+
+// 4 bytes from global to shared without waiting (cp.async, sm_80+; a plain copy before).
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+#if __CUDA_ARCH__ >= 800
+    unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 4 : 0));
+#else
+    *(unsigned*)dst = valid ? *(const unsigned*)src : 0u;
+#endif
+}
+
+// d = a . b over int8 (mma.sync m16n8k32, s32; sm_80 and later; before, dp4a over the shuffled
+// fragments). a: row g = lane / 4, a[0] k 4t..4t+3, a[1] row g + 8, a[2] k + 16, a[3] both
+// (t = lane % 4); b0, b1: column g, k 4t.. and 16 + 4t..; d[0..1] row g, columns 2t, 2t + 1,
+// d[2..3] row g + 8.
+__device__ __forceinline__ void mma_s8_16832(int* d, const unsigned* a, unsigned b0, unsigned b1) {
+#if __CUDA_ARCH__ >= 800
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
+#else
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    for (int c = 0; c < 4; c++) {
+        int row = g + (c >= 2 ? 8 : 0), col = t * 2 + (c & 1), s = 0;
+        for (int kk = 0; kk < 8; kk++) {
+            unsigned aw = __shfl_sync(0xffffffffu, a[((kk >> 2) << 1) | (row >> 3)], ((row & 7) << 2) | (kk & 3));
+            unsigned bw = __shfl_sync(0xffffffffu, kk < 4 ? b0 : b1, (col << 2) | (kk & 3));
+            s = __dp4a((int)aw, (int)bw, s);
+        }
+        d[c] = s;
+    }
+#endif
+}
+
+// The A fragment of m16n8k32 (rows rb..rb+15, int8 columns 32 kb..32 kb + 31 of an x stage of
+// GQ_LD-byte rows): gg_frag_a's ldmatrix over the int8 pairs as b16.
+__device__ __forceinline__ void gq_frag_a(unsigned* a, const signed char* sq, int rb, int kb) {
+    int lane = threadIdx.x & 31;
+    const signed char* p = sq + (rb + (lane & 15)) * GQ_LD + 32 * kb + 16 * (lane >> 4);
+#if __CUDA_ARCH__ >= 750
+    unsigned addr = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(addr));
+#else
+    int g = lane >> 2, t = lane & 3;
+    const signed char* q = sq + (rb + g) * GQ_LD + 32 * kb + 4 * t;
+    a[0] = *(const unsigned*)q, a[1] = *(const unsigned*)(q + 8 * GQ_LD);
+    a[2] = *(const unsigned*)(q + 16), a[3] = *(const unsigned*)(q + 8 * GQ_LD + 16);
+#endif
+}
+
+// The byte offsets of a stage's parts for tile shape S and NW weight matrices.
+template <class S, int NW>
+struct GqStage {
+    static constexpr int XD = S::BM * GQ_LD;             // x scales
+    static constexpr int W = XD + S::BM * GQ_KB * 4;     // weight levels
+    static constexpr int WD = W + NW * GG_BN * GQ_LD;    // weight scales
+    static constexpr int BYTES = WD + NW * GG_BN * GQ_KB * 4;
+    static_assert(XD % 16 == 0 && W % 16 == 0 && WD % 16 == 0 && BYTES % 16 == 0, "16-byte aligned parts");
+};
+
+// The x rows of this thread's copies: 16-byte chunks of levels (GQ_BK / 16 a row) and the rows'
+// scales (one 4-byte copy per row and block); the tile's row r is token rows[row0 + r].
+template <class S>
+struct GqX {
+    static constexpr int CHUNKS = S::BM * (GQ_BK / 16) / GG_THREADS;
+    static_assert(CHUNKS >= 1 && CHUNKS * GG_THREADS == S::BM * (GQ_BK / 16), "chunks cover the stage");
+    const signed char* q[CHUNKS];
+    const float* d;  // this thread's scale row (threads < BM * GQ_KB), null when none
+    const signed char* any;
+    __device__ __forceinline__ const signed char* row_of(const signed char* xq, const int* rows, int n_x_rows,
+                                                         int row0, int nr, int r, int K) const {
+        int src = r < nr ? (rows ? rows[row0 + r] : row0 + r) : -1;
+        return src >= 0 && src < n_x_rows ? xq + (size_t)src * K : nullptr;
+    }
+    __device__ __forceinline__ void init(const signed char* xq, const float* xd, const int* rows, int n_x_rows,
+                                         int row0, int nr, int K) {
+        any = xq;
+#pragma unroll
+        for (int i = 0; i < CHUNKS; i++) {
+            int r = (threadIdx.x + i * GG_THREADS) / (GQ_BK / 16);
+            q[i] = row_of(xq, rows, n_x_rows, row0, nr, r, K);
+        }
+        int r = threadIdx.x / GQ_KB;
+        const signed char* row = threadIdx.x < S::BM * GQ_KB ? row_of(xq, rows, n_x_rows, row0, nr, r, K) : nullptr;
+        d = row ? xd + (row - xq) / 32 : nullptr;
+    }
+    // Queue the copies of k step k0 (levels and scales past K are zeros).
+    __device__ __forceinline__ void load(unsigned char* stage, const float* xd, int K, int k0) const {
+#pragma unroll
+        for (int i = 0; i < CHUNKS; i++) {
+            int c = threadIdx.x + i * GG_THREADS, r = c / (GQ_BK / 16), kq = (c % (GQ_BK / 16)) * 16;
+            bool ok = q[i] != nullptr && k0 + kq < K;
+            cp_async16(stage + r * GQ_LD + kq, ok ? (const void*)(q[i] + k0 + kq) : (const void*)any, ok);
+        }
+        if (threadIdx.x < S::BM * GQ_KB) {
+            int r = threadIdx.x / GQ_KB, kb = threadIdx.x % GQ_KB;
+            bool ok = d != nullptr && k0 + 32 * kb < K;
+            float* dst = (float*)(stage + GqStage<S, 1>::XD) + r * GQ_KB + kb;
+            cp_async4(dst, ok ? (const void*)(d + k0 / 32 + kb) : (const void*)xd, ok);
+        }
+    }
+};
+
+// One MXFP4 block's raw bytes: the scale and the 5 aligned words around its 16 nibble bytes
+// (the last may reach 3 bytes past the block: the caches carry TYPED_TAIL_BYTES).
+struct MxRaw {
+    unsigned v[5], sh;
+    unsigned char e;
+    __device__ __forceinline__ void fetch(const u8* blk) {
+        size_t p = (size_t)(blk + 1);
+        const unsigned* w = (const unsigned*)(p & ~(size_t)3);
+        sh = 8 * (unsigned)(p & 3);
+        e = blk[0];
+#pragma unroll
+        for (int k = 0; k < 5; k++) v[k] = w[k];
+    }
+    // The 32 levels (values 0..15 in lo, 16..31 in hi, 4 a word) and the scale.
+    __device__ __forceinline__ float decode(uint4& lo, uint4& hi) const {
+        unsigned l[4], h[4];
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            unsigned w = __funnelshift_r(v[k], v[k + 1], sh);
+            l[k] = mx_levels4(w & 0x0F0F0F0Fu), h[k] = mx_levels4((w >> 4) & 0x0F0F0F0Fu);
+        }
+        lo = make_uint4(l[0], l[1], l[2], l[3]), hi = make_uint4(h[0], h[1], h[2], h[3]);
+        return mx_scale(e);
+    }
+};
+
+// The weight loader over NW MXFP4 caches [n_slots, N, K]: thread c of a matrix owns column
+// c / GQ_KB's block c % GQ_KB of each stage (GG_BN * GQ_KB = GG_THREADS blocks a matrix); its raw
+// bytes are fetched a stage ahead, decoded into the stage at load.
+template <int NW>
+struct GqMx {
+    const u8* W[NW];
+    int row_bytes[NW];
+    int N, K;
+    const u8* row[NW];
+    MxRaw raw[NW];
+    __device__ __forceinline__ bool live(int m, int k0) const {
+        return row[m] != nullptr && k0 + 32 * (threadIdx.x % GQ_KB) < K;
+    }
+    __device__ __forceinline__ void fetch(int k0) {
+#pragma unroll
+        for (int m = 0; m < NW; m++)
+            if (live(m, k0)) raw[m].fetch(row[m] + (k0 / 32 + threadIdx.x % GQ_KB) * QMX::BYTES);
+    }
+    __device__ __forceinline__ void init(int slot, int col0) {
+        int n = threadIdx.x / GQ_KB;
+#pragma unroll
+        for (int m = 0; m < NW; m++)
+            row[m] = col0 + n < N ? W[m] + ((size_t)slot * N + col0 + n) * row_bytes[m] : nullptr;
+        fetch(0);
+    }
+    template <class S>
+    __device__ __forceinline__ void load(unsigned char* stage, int k0) {
+        int n = threadIdx.x / GQ_KB, kb = threadIdx.x % GQ_KB;
+#pragma unroll
+        for (int m = 0; m < NW; m++) {
+            uint4 lo = make_uint4(0u, 0u, 0u, 0u), hi = lo;
+            float d = live(m, k0) ? raw[m].decode(lo, hi) : 0.f;
+            signed char* sw = (signed char*)(stage + GqStage<S, NW>::W) + (m * GG_BN + n) * GQ_LD + 32 * kb;
+            *(uint4*)sw = lo;
+            *(uint4*)(sw + 16) = hi;
+            ((float*)(stage + GqStage<S, NW>::WD))[(m * GG_BN + n) * GQ_KB + kb] = d;
+        }
+        if (k0 + GQ_BK < K) fetch(k0 + GQ_BK);
+    }
+};
+
+// The MMAs of one stage (k columns k0..k0+GQ_BK, `kvalid` of them before K) for warp w: every
+// row group of the tile against columns w * 16..w * 16 + 15 (gp_multiply's layout), each
+// block's integer dots scaled by its x and weight scales into acc.
+template <int NW, class S>
+__device__ __forceinline__ void gq_multiply(const unsigned char* stage, int kvalid, int nr, int col0, int N,
+                                            float acc[NW][S::MI][2][4]) {
+    typedef GqStage<S, NW> L;
+    const signed char* sq = (const signed char*)stage;
+    const float* xd = (const float*)(stage + L::XD);
+    const float* wd = (const float*)(stage + L::WD);
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3, wn = threadIdx.x >> 5;
+#pragma unroll
+    for (int kb = 0; kb < GQ_KB; kb++) {
+        if (32 * kb >= kvalid) break;
+        unsigned b[NW][4];
+        float ws[NW][2][2];
+#pragma unroll
+        for (int m = 0; m < NW; m++) {
+            gp_frag_b(b[m], (const bf16*)(stage + L::W) + m * GG_BN * GP_LDW, wn * 16, 16 * kb);
+#pragma unroll
+            for (int ni = 0; ni < 2; ni++)
+#pragma unroll
+                for (int j = 0; j < 2; j++) ws[m][ni][j] = wd[(m * GG_BN + wn * 16 + ni * 8 + 2 * t + j) * GQ_KB + kb];
+        }
+#pragma unroll
+        for (int mi = 0; mi < S::MI; mi++) {
+            if (mi * 16 >= nr) break;
+            unsigned a[4];
+            gq_frag_a(a, sq, mi * 16, kb);
+            float x0 = xd[(mi * 16 + g) * GQ_KB + kb], x1 = xd[(mi * 16 + g + 8) * GQ_KB + kb];
+#pragma unroll
+            for (int m = 0; m < NW; m++)
+#pragma unroll
+                for (int ni = 0; ni < 2; ni++) {
+                    if (col0 + wn * 16 + ni * 8 >= N) continue;
+                    int d[4];
+                    mma_s8_16832(d, a, b[m][2 * ni], b[m][2 * ni + 1]);
+                    float* c = acc[m][mi][ni];
+                    c[0] = fmaf((float)d[0], x0 * ws[m][ni][0], c[0]);
+                    c[1] = fmaf((float)d[1], x0 * ws[m][ni][1], c[1]);
+                    c[2] = fmaf((float)d[2], x1 * ws[m][ni][0], c[2]);
+                    c[3] = fmaf((float)d[3], x1 * ws[m][ni][1], c[3]);
+                }
+        }
+    }
+}
+
+// gp_tile over int8 stages: the same tiles, refusals and output layout; x as Q8Rows (xq, xd).
+template <int NW, class S>
+__device__ __forceinline__ bool gq_tile(GqMx<NW>& wl, const signed char* __restrict__ xq, const float* __restrict__ xd,
+                                        const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles,
+                                        int n_rows, int n_slots, int N, int K, float acc[NW][S::MI][2][4],
+                                        int* tile_out) {
+    extern __shared__ __align__(16) unsigned char gq_smem[];
+    typedef GqStage<S, NW> L;
+    const int* tl = tiles + 3 * (size_t)blockIdx.x;
+    int slot = tl[0], row0 = tl[1], nr = tl[2], col0 = blockIdx.y * GG_BN;
+    if (slot < 0 || slot >= n_slots || row0 < 0 || nr <= 0 || nr > S::BM || row0 > n_rows - nr) return false;
+    tile_out[0] = row0, tile_out[1] = nr, tile_out[2] = col0, tile_out[3] = slot;
+#pragma unroll
+    for (int m = 0; m < NW; m++)
+#pragma unroll
+        for (int mi = 0; mi < S::MI; mi++)
+#pragma unroll
+            for (int ni = 0; ni < 2; ni++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) acc[m][mi][ni][c] = 0.f;
+    GqX<S> xs;
+    xs.init(xq, xd, rows, n_x_rows, row0, nr, K);
+    wl.init(slot, col0);
+    int n_k = (K + GQ_BK - 1) / GQ_BK;
+    // x copies run STAGES - 1 stages ahead; the weights are decoded into a stage just before it
+    // is multiplied (their raw words were fetched a stage earlier)
+#pragma unroll
+    for (int s = 0; s < S::STAGES - 1; s++) {
+        if (s < n_k) xs.load(gq_smem + s * L::BYTES, xd, K, s * GQ_BK);
+        gp_commit();
+    }
+    for (int kt = 0; kt < n_k; kt++) {
+        unsigned char* stage = gq_smem + (kt % S::STAGES) * L::BYTES;
+        wl.template load<S>(stage, kt * GQ_BK);
+        gp_wait<S>();
+        __syncthreads();  // stage kt's x landed and its weights are written; stage kt - 1 is free
+        int next = kt + S::STAGES - 1;
+        if (next < n_k) xs.load(gq_smem + (next % S::STAGES) * L::BYTES, xd, K, next * GQ_BK);
+        gp_commit();
+        gq_multiply<NW, S>(stage, K - kt * GQ_BK, nr, col0, N, acc);
+    }
+    return true;
+}
+
+// grouped_gate_up_mxfp4_pipe over 8-bit x (xq, xd: Q8Rows of x's rows): h[r, :] = glu(act,
+// G_s . x_r + bg[s], U_s . x_r + bu[s]); grid (n_tiles, ceil(N / GG_BN)), GG_THREADS, dynamic
+// shared memory GG_STAGES int8 stages (GqStage).
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gate_up_mxfp4_q8(
+    const u8* __restrict__ G, const u8* __restrict__ U, int g_row_bytes, int u_row_bytes,
+    const signed char* __restrict__ xq, const float* __restrict__ xd, const int* __restrict__ rows, int n_x_rows,
+    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ h, int N, int K, int act,
+    const float* __restrict__ bg, const float* __restrict__ bu) {
+    pdl_enter();
+    GqMx<2> wl = {{G, U}, {g_row_bytes, u_row_bytes}, N, K};
+    float acc[2][GpPrefill::MI][2][4];
+    int tile[4];
+    if (!gq_tile<2, GpPrefill>(wl, xq, xd, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
+    int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
+    gp_for_output<GpPrefill>(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+        h[(size_t)(row0 + row) * N + col] = glu_biased(act, acc[0][mi][ni][c], acc[1][mi][ni][c], bg, bu, slot, col, N);
+    });
+}
+
+// grouped_gemm_mxfp4_pipe over 8-bit x: y[r, :] = W_s . x_r + b[s] (b null: none).
+extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_mxfp4_q8(
+    const u8* __restrict__ W, int row_bytes, const signed char* __restrict__ xq, const float* __restrict__ xd,
+    const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+    float* __restrict__ y, int N, int K, const float* __restrict__ b) {
+    pdl_enter();
+    GqMx<1> wl = {{W}, {row_bytes}, N, K};
+    float acc[1][GpPrefill::MI][2][4];
+    int tile[4];
+    if (!gq_tile<1, GpPrefill>(wl, xq, xd, rows, n_x_rows, tiles, n_rows, n_slots, N, K, acc, tile)) return;
+    int row0 = tile[0], nr = tile[1], col0 = tile[2], slot = tile[3];
+    gp_for_output<GpPrefill>(nr, N, col0, [&](int row, int col, int mi, int ni, int c) {
+        y[(size_t)(row0 + row) * N + col] = acc[0][mi][ni][c] + (b ? b[(size_t)slot * N + col] : 0.f);
+    });
+}

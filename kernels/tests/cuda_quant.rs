@@ -1118,3 +1118,89 @@ fn q8_gemv_read_rate_timing() {
         }
     }
 }
+
+/// The int8 grouped GEMMs over MXFP4 caches and 8-bit x (`grouped_gemm_q8`,
+/// `grouped_gate_up_q8`): each output against the f64 product of the CPU-dequantized rows and
+/// the dequantized activations, within the f32 bound of the GEMV tests; gate/up's activation of
+/// the two projections' own sums; rows of 3 and 7 blocks (a last stage of one block), runs of
+/// a slot longer than a tile, gathered token rows, per-slot biases.
+#[test]
+fn int8_grouped_gemms_match_the_dequantized_activations() {
+    use moe_lanes_kernels::cuda::ops::grouped_tiles;
+    let Some(be) = backend() else { return };
+    if !be.info().has_sm80() {
+        return;
+    }
+    let mut rng = Rng(0x1D8_6E44);
+    let slots: Vec<u32> =
+        [(3u32, 70usize), (0, 5), (4, 1), (1, 17), (5, 9)].iter().flat_map(|&(s, n)| vec![s; n]).collect();
+    let (n_slots, n_rows, t) = (6, slots.len(), 13);
+    let mut tiles = vec![0i32; 3 * n_rows];
+    let n_tiles = grouped_tiles(&slots, &mut tiles).unwrap();
+    let toks: Vec<i32> = (0..n_rows).map(|r| ((r * 5 + 2) % t) as i32).collect();
+    let (dtiles, dtok) = (be.upload(&tiles[..3 * n_tiles]).unwrap(), be.upload(&toks).unwrap());
+    let padded = |b: &[u8]| be.upload(&[b, &[0; TYPED_TAIL_BYTES]].concat()).unwrap();
+    for (n, k) in [(96, 224), (224, 96), (130, 512)] {
+        let x = rng.vec(t * k, 1.0);
+        let xq = QuantizedX::new(be, &x, t, k);
+        let caches: Vec<Vec<u8>> =
+            (0..2).map(|_| random_blocks(&mut rng, WeightDType::Mxfp4, n_slots * n, k)).collect();
+        let dev: Vec<_> = caches.iter().map(|c| padded(c)).collect();
+        let typed = |i: usize| TypedWeights { bytes: dev[i].ptr(), dtype: WeightDType::Mxfp4 };
+        let bias = rng.vec(n_slots * n, 0.5);
+        let dbias = be.upload(&bias).unwrap();
+        let mut sums = Vec::new();
+        for (m, b) in [(0, None), (1, Some(dbias.ptr()))] {
+            let dy = be.alloc_zeros::<f32>(n_rows * n).unwrap();
+            let x_rows = (xq.rows(), Some(dtok.ptr()), t);
+            be.grouped_gemm_q8(
+                typed(m),
+                n_slots,
+                x_rows,
+                (dtiles.ptr(), n_tiles),
+                (dy.ptr(), n_rows),
+                (n, k),
+                b,
+            )
+            .unwrap();
+            let y = be.read_vec(dy.ptr()).unwrap();
+            let w = dequantize(WeightDType::Mxfp4, &caches[m]);
+            for (r, &slot) in slots.iter().enumerate() {
+                let xr = &xq.values[toks[r] as usize * k..][..k];
+                let base: Vec<f32> = (0..n).map(|o| b.map_or(0.0, |_| bias[slot as usize * n + o])).collect();
+                let want = gemv_reference(&w[slot as usize * n * k..][..n * k], xr, &base, n, k);
+                for (o, (value, bound)) in want.iter().enumerate() {
+                    let got = y[r * n + o] as f64;
+                    assert!(
+                        (got - value).abs() <= *bound,
+                        "n={n} k={k} matrix {m} row {r} col {o}: {got} vs {value}"
+                    );
+                }
+            }
+            sums.push(y);
+        }
+        // gate and up in one launch: silu of the first projection's sums times the second's
+        // (with its bias as the up bias)
+        let dh = be.alloc_zeros::<f32>(n_rows * n).unwrap();
+        let epi = GateUpEpilogue { glu: Glu::Silu, gate_bias: None, up_bias: Some(dbias.ptr()) };
+        let x_rows = (xq.rows(), dtok.ptr(), t);
+        be.grouped_gate_up_q8(
+            (typed(0), typed(1)),
+            n_slots,
+            x_rows,
+            (dtiles.ptr(), n_tiles),
+            (dh.ptr(), n_rows),
+            (n, k),
+            &epi,
+        )
+        .unwrap();
+        for (i, got) in be.read_vec(dh.ptr()).unwrap().iter().enumerate() {
+            let (g, u) = (sums[0][i], sums[1][i]);
+            let want = g / (1.0 + (-g).exp()) * u;
+            assert!(
+                (got - want).abs() <= 1e-5 * want.abs() + 1e-6,
+                "n={n} k={k} gate/up {i}: {got} vs {want}"
+            );
+        }
+    }
+}

@@ -144,6 +144,19 @@ pub const fn mla_mma_shared_bytes() -> usize {
     2 * MLA_MMA_KEYS * (MLA_MAX_RANK + MLA_MAX_ROPE + 8) * 2 + MLA_MMA_GROUPS * 4 * 32 * 16 * 4
 }
 
+/// k columns of one stage of the int8 grouped GEMMs (`-DGQ_BK`: two blocks of 32).
+pub const GROUPED_Q8_BK: usize = 64;
+
+/// Dynamic shared memory of an int8 grouped GEMM block (`grouped_*_mxfp4_q8`) over `matrices`
+/// weight tiles: [`GROUPED_PIPE_STAGES`] stages of prefill's tile, each the int8 x and weight
+/// tiles (rows padded by 16 bytes) and their f32 block scales (`quant.cu`'s `GqStage`). Gate and
+/// up: 49.5 KiB, four blocks an SM of the H100's 228 KiB.
+pub const fn grouped_q8_shared_bytes(matrices: usize) -> usize {
+    let (pad, blocks) = (GROUPED_Q8_BK + 16, GROUPED_Q8_BK / 32);
+    let stage = GROUPED_TILE_ROWS * (pad + blocks * 4) + matrices * GROUPED_TILE_COLS * (pad + blocks * 4);
+    GROUPED_PIPE_STAGES * stage
+}
+
 /// Dynamic shared memory of a pipelined grouped GEMM block over `matrices` weight tiles (gate
 /// and up: 2) in the shape of tiles of at most `tile_rows` rows (the decode shape up to
 /// [`GROUPED_DECODE_TILE_ROWS`], else prefill's): per stage the f32 x tile and the bf16 weight
@@ -298,7 +311,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 40] = [
+pub const SHARED_DEFINE_NAMES: [&str; 41] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -339,6 +352,7 @@ pub const SHARED_DEFINE_NAMES: [&str; 40] = [
     "MLA_MMA_KEYS",
     "ATT_MMA_WIDE_KEYS",
     "ATT_MMA_WIDE_MAXD",
+    "GQ_BK",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -384,6 +398,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DMLA_MMA_KEYS={MLA_MMA_KEYS}"),
         format!("-DATT_MMA_WIDE_KEYS={ATTENTION_MMA_WIDE_KEYS}"),
         format!("-DATT_MMA_WIDE_MAXD={ATTENTION_MMA_WIDE_MAX_HEAD_DIM}"),
+        format!("-DGQ_BK={GROUPED_Q8_BK}"),
     ]
 }
 
@@ -546,6 +561,8 @@ kernel_table! {
     GroupedGemmQ6KDec = "grouped_gemm_q6_k_dec" in Quant,
     GroupedGateUpMxfp4Dec = "grouped_gate_up_mxfp4_dec" in Quant,
     GroupedGemmMxfp4Dec = "grouped_gemm_mxfp4_dec" in Quant,
+    GroupedGateUpMxfp4Q8 = "grouped_gate_up_mxfp4_q8" in Quant,
+    GroupedGemmMxfp4Q8 = "grouped_gemm_mxfp4_q8" in Quant,
     QuantizeQ8F32 = "quantize_q8_f32" in Quant,
     Gemv1Q8 = "gemv1_q8" in Quant,
     MoeGateUpGemvQ8 = "moe_gate_up_gemv_q8" in Quant,

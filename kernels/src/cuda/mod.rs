@@ -963,6 +963,10 @@ fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
     let large = pipes
         .into_iter()
         .map(|(k, matrices, tile_rows)| (k, kernel::grouped_pipe_shared_bytes(matrices, tile_rows)))
+        .chain([
+            (Kernel::GroupedGateUpMxfp4Q8, kernel::grouped_q8_shared_bytes(2)),
+            (Kernel::GroupedGemmMxfp4Q8, kernel::grouped_q8_shared_bytes(1)),
+        ])
         .chain(Kernel::ATTENTION_TILED.map(|k| (k, tiles)))
         .chain(Kernel::ATTENTION_MMA_WIDE.map(|k| (k, wide)))
         .chain(Kernel::MLA_ATTENTION_MMA.map(|k| (k, kernel::mla_mma_shared_bytes())));

@@ -420,6 +420,19 @@ impl GroupedShape {
         tiles: DPtr<i32>,
         out: DPtr<f32>,
     ) -> Result<()> {
+        self.check_layout(kernel, ws, rows, tiles, out)?;
+        need(kernel, "x", x, self.n_x_rows * self.k)
+    }
+
+    /// [`GroupedShape::check`] but x, which the caller checks in its own form (8-bit rows).
+    pub(super) fn check_layout(
+        &self,
+        kernel: Kernel,
+        ws: &[DPtr<u16>],
+        rows: Option<DPtr<i32>>,
+        tiles: DPtr<i32>,
+        out: DPtr<f32>,
+    ) -> Result<()> {
         if self.tile_rows == 0 || self.tile_rows > GROUPED_TILE_ROWS {
             let reason = format!("tiles of {} rows (1..={GROUPED_TILE_ROWS})", self.tile_rows);
             return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
@@ -440,7 +453,6 @@ impl GroupedShape {
             }
             None => {}
         }
-        need(kernel, "x", x, self.n_x_rows * self.k)?;
         need(kernel, "tiles", tiles, 3 * self.n_tiles)?;
         need(kernel, "out", out, self.n_rows * self.n)
     }

@@ -10,8 +10,8 @@
 
 use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::kernel::{
-    grouped_pipe_shared_bytes, Kernel, GROUPED_DECODE_TILE_ROWS, GROUPED_THREADS, QUANT_MAX_TOKENS,
-    QUANT_WIDE_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    grouped_pipe_shared_bytes, grouped_q8_shared_bytes, Kernel, GROUPED_DECODE_TILE_ROWS, GROUPED_THREADS,
+    GROUPED_TILE_ROWS, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::ops::{aligned16, args, blocks, i, need, GroupedShape};
 use super::{CudaBackend, CudaError, DPtr, Result};
@@ -698,6 +698,128 @@ impl CudaBackend {
         let (kernel, shared) =
             self.grouped_typed_kernel(K, x, k, (&[w_cache], &[rb], n_slots * n), tile_rows);
         self.launch(kernel, shape.grid(), GROUPED_THREADS, shared, args)
+    }
+
+    /// [`CudaBackend::grouped_gate_up_typed`] over MXFP4 caches with 8-bit activations, as
+    /// llama.cpp's MMQ multiplies: `xq` holds x's rows as [`CudaBackend::quantize_q8`] writes
+    /// them, and int8 tensor-core tiles give each block's integer dot, scaled by its x and weight
+    /// scales (the 8-bit GEMV's value of a block; sums in k order). Prefill's tiles (at most
+    /// [`GROUPED_TILE_ROWS`] rows); sm_80 and later; each cache needs [`TYPED_TAIL_BYTES`] past
+    /// its rows (the hot cache has them).
+    pub fn grouped_gate_up_q8(
+        &self,
+        (gate_cache, up_cache): (TypedWeights, TypedWeights),
+        n_slots: usize,
+        (xq, rows, n_x_rows): (Q8Rows, DPtr<i32>, usize),
+        (tiles, n_tiles): (DPtr<i32>, usize),
+        (h, n_rows): (DPtr<f32>, usize),
+        (ff, hidden): (usize, usize),
+        epi: &GateUpEpilogue,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::GroupedGateUpMxfp4Q8;
+        let shape = GroupedShape {
+            n_slots,
+            n_x_rows,
+            n_rows,
+            n_tiles,
+            tile_rows: GROUPED_TILE_ROWS,
+            n: ff,
+            k: hidden,
+        };
+        shape.check_layout(K, &[], Some(rows), tiles, h)?;
+        check_q8(K, "x", xq, n_x_rows, hidden)?;
+        let (act, bg, bu) = epi.args(K, n_slots, ff)?;
+        let grb = self.check_q8_cache(K, "gate cache", gate_cache, n_slots * ff, hidden)?;
+        let urb = self.check_q8_cache(K, "up cache", up_cache, n_slots * ff, hidden)?;
+        if n_tiles == 0 || ff == 0 {
+            return Ok(());
+        }
+        let (g, u) = (gate_cache.bytes.raw(), up_cache.bytes.raw());
+        let (q, d, rr, tr, hr) = (xq.q.raw(), xq.d.raw(), rows.raw(), tiles.raw(), h.raw());
+        let args = args![
+            g,
+            u,
+            grb,
+            urb,
+            q,
+            d,
+            rr,
+            i(n_x_rows),
+            tr,
+            i(n_rows),
+            i(n_slots),
+            hr,
+            i(ff),
+            i(hidden),
+            act,
+            bg,
+            bu
+        ];
+        let shared = grouped_q8_shared_bytes(2) as u32;
+        self.launch(K, shape.grid(), GROUPED_THREADS, shared, args)
+    }
+
+    /// [`CudaBackend::grouped_gemm_typed`] over an MXFP4 cache with 8-bit activations, as
+    /// [`CudaBackend::grouped_gate_up_q8`]; `bias` per-slot `[n_slots, n]` (none: no bias).
+    pub fn grouped_gemm_q8(
+        &self,
+        w_cache: TypedWeights,
+        n_slots: usize,
+        (xq, rows, n_x_rows): (Q8Rows, Option<DPtr<i32>>, usize),
+        (tiles, n_tiles): (DPtr<i32>, usize),
+        (y, n_rows): (DPtr<f32>, usize),
+        (n, k): (usize, usize),
+        bias: Option<DPtr<f32>>,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::GroupedGemmMxfp4Q8;
+        let shape = GroupedShape { n_slots, n_x_rows, n_rows, n_tiles, tile_rows: GROUPED_TILE_ROWS, n, k };
+        shape.check_layout(K, &[], rows, tiles, y)?;
+        check_q8(K, "x", xq, n_x_rows, k)?;
+        let b = bias_arg(K, "bias", bias, n_slots * n)?;
+        let rb = self.check_q8_cache(K, "weight cache", w_cache, n_slots * n, k)?;
+        if n_tiles == 0 || n == 0 {
+            return Ok(());
+        }
+        let (w, r) = (w_cache.bytes.raw(), rows.map_or(0, |p| p.raw()));
+        let args = args![
+            w,
+            rb,
+            xq.q.raw(),
+            xq.d.raw(),
+            r,
+            i(n_x_rows),
+            tiles.raw(),
+            i(n_rows),
+            i(n_slots),
+            y.raw(),
+            i(n),
+            i(k),
+            b
+        ];
+        self.launch(K, shape.grid(), GROUPED_THREADS, grouped_q8_shared_bytes(1) as u32, args)
+    }
+
+    /// An int8 tile's cache of `rows` rows of `k` values: MXFP4 (the one type with int8 tiles),
+    /// with [`TYPED_TAIL_BYTES`] past its rows, on a device with the int8 MMAs (sm_80); its row
+    /// bytes.
+    fn check_q8_cache(
+        &self,
+        kernel: Kernel,
+        what: &str,
+        w: TypedWeights,
+        rows: usize,
+        k: usize,
+    ) -> Result<i32> {
+        let name = kernel.symbol();
+        if w.dtype != WeightDType::Mxfp4 {
+            return Err(shape(name, format!("{what}: int8 tiles take MXFP4 caches, not {}", w.dtype.name())));
+        }
+        if !self.info().has_sm80() {
+            return Err(shape(name, "int8 tiles need sm_80 or later".to_string()));
+        }
+        let (_, row_bytes) = check_typed(kernel, what, w, rows, k)?;
+        need(kernel, what, w.bytes, rows * row_bytes as usize + TYPED_TAIL_BYTES)?;
+        Ok(row_bytes)
     }
 
     /// The typed grouped kernel `sync` (gate/up or one matrix) or its pipelined form, which
