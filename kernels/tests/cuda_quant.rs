@@ -1204,3 +1204,74 @@ fn int8_grouped_gemms_match_the_dequantized_activations() {
         }
     }
 }
+
+/// Timing, not a check (`--ignored --nocapture` on a GPU): gpt-oss-20b's prefill gate/up at
+/// pp512 (32 MXFP4 slots of 2880 x 2880, 64 rows each) through the bf16 typed tile
+/// (`grouped_gate_up_typed`) and the int8 one (`grouped_gate_up_q8`, with x's quantization).
+#[test]
+#[ignore]
+fn int8_grouped_gate_up_timing() {
+    use moe_lanes_kernels::cuda::ops::grouped_tiles;
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x71A1);
+    let (n_slots, per_slot, n, k, t) = (32usize, 64usize, 2880usize, 2880usize, 512usize);
+    let slots: Vec<u32> = (0..n_slots as u32).flat_map(|s| vec![s; per_slot]).collect();
+    let n_rows = slots.len();
+    let mut tiles = vec![0i32; 3 * n_rows];
+    let n_tiles = grouped_tiles(&slots, &mut tiles).unwrap();
+    let toks: Vec<i32> = (0..n_rows).map(|r| (r * 7 % t) as i32).collect();
+    let (dtiles, dtok) = (be.upload(&tiles[..3 * n_tiles]).unwrap(), be.upload(&toks).unwrap());
+    let block = random_blocks(&mut rng, WeightDType::Mxfp4, 64, k);
+    let bytes: Vec<u8> =
+        block.iter().copied().cycle().take(n_slots * n * WeightDType::Mxfp4.row_bytes(k)).collect();
+    let dev: Vec<_> =
+        (0..2).map(|_| be.upload(&[&bytes[..], &[0; TYPED_TAIL_BYTES]].concat()).unwrap()).collect();
+    let typed = |i: usize| TypedWeights { bytes: dev[i].ptr(), dtype: WeightDType::Mxfp4 };
+    let x = rng.vec(t * k, 1.0);
+    let dx = be.upload(&x).unwrap();
+    let xq = DeviceQ8::zeroed(be, t * k);
+    let dh = be.alloc_zeros::<f32>(n_rows * n).unwrap();
+    let epi = GateUpEpilogue::SILU;
+    let bf16_tile = || {
+        let (x, tl, h) = (dx.ptr(), dtiles.ptr(), dh.ptr());
+        be.grouped_gate_up_typed(
+            typed(0),
+            typed(1),
+            n_slots,
+            x,
+            dtok.ptr(),
+            t,
+            tl,
+            n_tiles,
+            64,
+            h,
+            n_rows,
+            n,
+            k,
+            false,
+            &epi,
+        )
+        .unwrap()
+    };
+    let int8_tile = || {
+        be.quantize_q8(dx.ptr(), t, k, xq.rows()).unwrap();
+        let x_rows = (xq.rows(), dtok.ptr(), t);
+        be.grouped_gate_up_q8(
+            (typed(0), typed(1)),
+            n_slots,
+            x_rows,
+            (dtiles.ptr(), n_tiles),
+            (dh.ptr(), n_rows),
+            (n, k),
+            &epi,
+        )
+        .unwrap()
+    };
+    let flop = 2.0 * 2.0 * (n_rows * n * k) as f64;
+    for (name, us) in [
+        ("bf16 tile", mean_launch_us(be, 3, 20, bf16_tile)),
+        ("int8 tile", mean_launch_us(be, 3, 20, int8_tile)),
+    ] {
+        eprintln!("TIMING gate/up {name}: {us:.1} us, {:.0} TFLOP/s", flop / us / 1e6);
+    }
+}
