@@ -573,3 +573,26 @@ fn gpt_oss_in_mxfp4_moe_runs_on_the_gpu_engine_like_the_reference() {
         }
     }
 }
+
+/// The int8 grouped prefill (`PrefillActivations::Q8`: the hot lane's MXFP4 experts on int8
+/// tensor cores over 8-bit activations) on GPT-OSS's MXFP4_MOE file: a long prompt at hot
+/// caches half and all within the 8-bit tolerance of the reference, greedy tokens as the others.
+#[test]
+fn int8_grouped_prefill_of_mxfp4_experts_stays_within_the_8_bit_tolerance() {
+    if !common::gpu_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "gpt_oss", QuantMix::MXFP4_MOE)).unwrap());
+    let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+    let long: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
+    for fraction in [0.5, 1.0] {
+        let mut opts = options(Some(EngineKind::Gpu));
+        opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
+        opts.gpu.prefill_activations = moe_lanes::gpu::PrefillActivations::Q8;
+        let (mut gpu, _) = build_engine(&model, opts).unwrap();
+        let what = format!("gpt_oss mxfp4_moe int8 prefill hot {fraction}");
+        let worst = check_steps(&what, reference.as_mut(), gpu.as_mut(), &long, 2, GPU_Q8_TOLERANCE);
+        eprintln!("{what}: worst relative error {worst:e}");
+    }
+}

@@ -21,6 +21,7 @@
 
 use super::device::{Device, LayerCtx};
 use super::hot_cache::{HotCache, SlotEpilogue};
+use super::options::PrefillActivations;
 use super::postfetch::{PostFetch, PF_CPU, PF_LATE};
 use super::route::{add_moe_output, dense_ffn, route_fusable, route_ids, shared_expert};
 use super::scratch::{HostScratch, MoePinned, RouteView, WorkLayout};
@@ -36,7 +37,9 @@ use moe_lanes_kernels::cuda::kernel::{
     GROUPED_DECODE_MAX_TOKENS, GROUPED_DECODE_TILE_ROWS, GROUPED_TILE_ROWS, QUANT_MAX_TOKENS,
 };
 use moe_lanes_kernels::cuda::ops::grouped_tiles;
+use moe_lanes_kernels::cuda::quant::TYPED_TAIL_BYTES;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, GpuEvent, TypedWeights};
+use moe_lanes_kernels::WeightDType;
 use std::time::{Duration, Instant};
 
 /// The MoE layers' stage: what it owns and changes between and during calls.
@@ -711,6 +714,9 @@ pub(super) fn grouped_ffn(
     let s = dev.s();
     let toks = s.work_i.ptr().sub(s.layout.tokens, n_rows);
     let (x, hbuf, y, be) = (s.normed.ptr(), s.h.ptr(), s.y.ptr(), &dev.be);
+    if int8_tiles(dev, &w, n, tile_rows) {
+        return grouped_ffn_q8(dev, w, epi, n, (tiles, nt), n_rows, t);
+    }
     let [gate, up, down] = w;
     let split = |w: TypedWeights| dev.opts.prefill_activations.split(w.dtype);
     be.grouped_gate_up_typed(
@@ -746,6 +752,44 @@ pub(super) fn grouped_ffn(
         split(down),
         epi.down_bias,
     )?;
+    Ok(())
+}
+
+/// Whether a grouped FFN over caches `w` of `n_slots` slots takes the int8 tiles: 8-bit prefill
+/// activations asked for (`PrefillActivations::Q8`), prefill's tile shape, MXFP4 gate, up and
+/// down, each cache with [`TYPED_TAIL_BYTES`] past its rows (the hot cache's; others keep the
+/// bf16 tiles).
+fn int8_tiles(dev: &Device, w: &[TypedWeights; 3], n_slots: usize, tile_rows: usize) -> bool {
+    let (h, ff) = (dev.cfg.hidden, dev.cfg.expert_ff);
+    let shapes = [(ff, h), (ff, h), (h, ff)];
+    let tailed = w.iter().zip(shapes).all(|(w, (rows, k))| {
+        w.dtype == WeightDType::Mxfp4
+            && w.bytes.len() >= n_slots * rows * w.dtype.row_bytes(k) + TYPED_TAIL_BYTES
+    });
+    dev.opts.prefill_activations == PrefillActivations::Q8 && tile_rows == GROUPED_TILE_ROWS && tailed
+}
+
+/// [`grouped_ffn`] on the int8 tiles: the gathered normed rows and then h quantized to 8 bits
+/// (the decode GEMVs' `q8_moe` / `q8_h` scratch), each block's integer dot scaled by its x and
+/// weight scales.
+fn grouped_ffn_q8(
+    dev: &Device,
+    [gate, up, down]: [TypedWeights; 3],
+    epi: &SlotEpilogue,
+    n: usize,
+    tiles: (DPtr<i32>, usize),
+    n_rows: usize,
+    t: usize,
+) -> Result<(), GpuError> {
+    let (h, ff) = (dev.cfg.hidden, dev.cfg.expert_ff);
+    let (s, be) = (dev.s(), &dev.be);
+    let toks = s.work_i.ptr().sub(s.layout.tokens, n_rows);
+    let (xq, hq) = (s.q8_moe.rows(), s.q8_h.rows());
+    be.quantize_q8(s.normed.ptr(), t, h, xq)?;
+    let out = (s.h.ptr(), n_rows);
+    be.grouped_gate_up_q8((gate, up), n, (xq, toks, t), tiles, out, (ff, h), &epi.gate_up)?;
+    be.quantize_q8(s.h.ptr(), n_rows, ff, hq)?;
+    be.grouped_gemm_q8(down, n, (hq, None, n_rows), tiles, (s.y.ptr(), n_rows), (h, ff), epi.down_bias)?;
     Ok(())
 }
 

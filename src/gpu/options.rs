@@ -147,6 +147,9 @@ pub enum PrefillActivations {
     /// far coarser (llama.cpp quantizes their activations to 8 bits).
     #[default]
     Auto,
+    /// As `auto`, and the hot lane's grouped GEMMs over MXFP4 experts on int8 tensor cores over
+    /// 8-bit activations (as llama.cpp's MMQ; `grouped_*_mxfp4_q8`). Opt-in until measured.
+    Q8,
 }
 
 impl PrefillActivations {
@@ -155,7 +158,7 @@ impl PrefillActivations {
         match self {
             PrefillActivations::Split => true,
             PrefillActivations::Bf16 => false,
-            PrefillActivations::Auto => !dtype.is_quantized(),
+            PrefillActivations::Auto | PrefillActivations::Q8 => !dtype.is_quantized(),
         }
     }
 }
