@@ -404,7 +404,7 @@ impl BudgetSource for CpuSource<'_> {
         Ok(p.perf().report().layers.iter().map(|l| l.experts.clone()).collect())
     }
     fn device_layers(&self) -> Vec<Range<usize>> {
-        vec![0..self.model.config().n_layers]
+        std::iter::once(0..self.model.config().n_layers).collect()
     }
     /// No VRAM on the CPU: the automatic budget is empty.
     fn auto_bytes(&mut self) -> Result<Vec<u64>, EngineError> {

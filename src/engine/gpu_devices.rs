@@ -199,6 +199,7 @@ pub(super) fn check_split_budget(
 }
 
 #[cfg(test)]
+#[allow(clippy::single_range_in_vec_init)] // one device's one layer range
 mod tests {
     use super::*;
 

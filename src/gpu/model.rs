@@ -1,11 +1,12 @@
-//! `GpuModel`: a model resident on one GPU, or split by layers over several (non-expert weights
-//! + the VRAM hot cache of each device's layers, `shard`), and the forward call that drives it:
-//! a loop over the plan's layers, each running the mixer stage (`mixer`: attention or DeltaNet)
-//! and the MoE stage (`moe`, `route`: the hot/cold split, the lanes, the join and the fallback)
-//! over its device's shared [`Device`] (`device`), between the embedding (first device) and the
-//! head (last device, `head`); one-token decode calls replay graphs (`graph`), per device;
-//! statistics in `stats`. Between devices the hidden rows hop through host memory
-//! ([`GpuModel::hop`]); on one device nothing is added to the single-device walk.
+//! `GpuModel`: a model resident on one GPU, or split by layers over several (on each device the
+//! non-expert weights and the VRAM hot cache of its layers, `shard`), and the forward call that
+//! drives it: a loop over the plan's layers, each running the mixer stage (`mixer`: attention or
+//! DeltaNet) and the MoE stage (`moe`, `route`: the hot/cold split, the lanes, the join and the
+//! fallback) over its device's shared [`Device`](super::device::Device) (`device`), between the
+//! embedding (first device) and the head (last device, `head`); one-token decode calls replay
+//! graphs (`graph`), per device; statistics in `stats`. Between devices the hidden rows hop
+//! through host memory ([`GpuModel::hop`]); on one device nothing is added to the single-device
+//! walk.
 
 use super::head::head_kernels;
 use super::hot_cache::HotCache;
