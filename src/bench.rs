@@ -190,6 +190,10 @@ pub struct BenchReport {
     /// Post-Fetch of cold experts in prefill over the whole run (GPU engine with it enabled).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub postfetch: Option<crate::cache::perf::PostFetchPerf>,
+    /// Per GPU of the GPU engine, in layer order: its ordinal, name, layers, dense and hot MiB,
+    /// cached experts (`--devices`; none on the CPU engines).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<crate::gpu::DeviceReport>,
 }
 
 fn snapshot(engine: &dyn Engine) -> PerfReport {
@@ -415,6 +419,7 @@ impl BenchReport {
             cache_updates: t.updates,
             cache_exchanges: t.exchanges,
             postfetch: snapshot(engine).postfetch,
+            devices: engine.device_reports(),
         }
     }
     pub fn to_text(&self) -> String {
@@ -459,6 +464,14 @@ impl BenchReport {
         );
         if let Some(p) = &self.postfetch {
             out += &postfetch_line(p);
+        }
+        if self.devices.len() > 1 {
+            for d in &self.devices {
+                out += &format!(
+                    "device {:<6} {} layers {}..{}: dense {:.1} MiB, hot {:.1} MiB ({} experts)\n",
+                    d.ordinal, d.name, d.layers[0], d.layers[1], d.dense_mib, d.hot_mib, d.experts_cached
+                );
+            }
         }
         out += &format!(
             "tg feeds      {} token ids; pp and tg start at depth {} (llama-bench -d)\n",

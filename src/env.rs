@@ -8,7 +8,7 @@
 //! | `MOE_LANES_SIMD` | force the cold lane's SIMD level (`scalar`, `avx2`, `avx512`, `avx512bf16`, `amx`) |
 //! | `MOE_LANES_Q8_ACTIVATIONS` | the cold pool's few-token tiles of quantised experts (AVX-512 VNNI): `1` 8-bit activations for every quantised type, `0` f32, `auto` (the default with VNNI) 8-bit except for Q8_0 |
 //! | `MOE_LANES_COLD_SCHEDULE` | the GPU engine's cold-pool schedule (`auto`, `phased`, `pipelined`) |
-//! | `MOE_LANES_CUDA_DEVICE` | CUDA device ordinal (default 0) |
+//! | `MOE_LANES_CUDA_DEVICE` | CUDA device ordinal: the GPU engine runs on this one device (default: every visible GPU, `--devices`) |
 //! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |
 //! | `CUDA_HOME`, `CUDA_PATH`, `CUDA_ROOT` | where NVRTC finds the CUDA headers |
 //! | `MOE_LANES_PDL=0` | launch kernels without programmatic dependent launch (on by default where the GPU has it, sm_90+: a kernel's blocks are scheduled while the one before it finishes) |
@@ -85,6 +85,14 @@ pub fn cold_schedule() -> Result<Option<ColdSchedule>, EnvError> {
             ColdSchedule::parse(&v)
                 .ok_or_else(|| bad("MOE_LANES_COLD_SCHEDULE", &v, "auto, phased or pipelined"))
         })
+        .transpose()
+}
+
+/// `MOE_LANES_CUDA_DEVICE` as the GPU engine's device list (`GpuOptions::devices`): the one
+/// device it names, or `None` when unset (every visible GPU).
+pub fn cuda_devices() -> Result<Option<Vec<usize>>, EnvError> {
+    var("MOE_LANES_CUDA_DEVICE")
+        .map(|v| v.parse().map(|d| vec![d]).map_err(|_| bad("MOE_LANES_CUDA_DEVICE", &v, "a device number")))
         .transpose()
 }
 

@@ -374,6 +374,16 @@ struct EngineArgs {
     /// context, lowered to what the KV cache can take of the available memory.
     #[arg(long)]
     ctx_size: Option<usize>,
+    /// GPUs to split the layers over, in layer order (CUDA device numbers, e.g. 0,1; a number
+    /// twice runs two streams on that GPU): the first runs the embedding, the last the head;
+    /// each holds its layers' weights, KV cache and hot experts. Default: MOE_LANES_CUDA_DEVICE,
+    /// else every visible GPU.
+    #[arg(long)]
+    devices: Option<String>,
+    /// Each --devices entry's share of the layers (llama.cpp's -ts), one positive number per
+    /// device, e.g. 3,1. Default: by each GPU's free memory.
+    #[arg(long)]
+    tensor_split: Option<String>,
     /// KV cache type of the keys: f32, f16, bf16 or q8_0 (llama.cpp's flag and q8_0 layout:
     /// blocks of 32, heads of a multiple of 32). Default: f16 on the gpu engine, f32 on the
     /// pipeline; the reference engine keeps f32 and refuses the others.
@@ -805,6 +815,9 @@ fn options_tuned(
 ) -> Result<EngineOptions> {
     let mut opts = EngineOptions::new(n_positions);
     opts.cuda = env::cuda_config()?;
+    if let Some(devices) = env::cuda_devices()? {
+        opts.gpu.devices = devices;
+    }
     opts.gpu.profile = env::gpu_profile();
     opts.gpu.faults = env::faults()?;
     opts.vram_limit_bytes = env::vram_limit_bytes()?;
@@ -860,9 +873,39 @@ fn engine_options(
         opts.activations = Some(name.parse().map_err(|e| anyhow::anyhow!("--activations {name}: {e}"))?);
     }
     opts.gpu.perf_mode = opts.perf_mode;
+    device_flags(&mut opts.gpu, args)?;
     postfetch_flags(&mut opts.gpu.postfetch, args)?;
     opts.kv_type = kv_type_flags(args)?;
     Ok(opts)
+}
+
+/// `--devices` and `--tensor-split` over what the environment set (the device numbers are
+/// checked against the visible GPUs when the engine is built).
+fn device_flags(gpu: &mut moe_lanes::gpu::GpuOptions, args: &EngineArgs) -> Result<()> {
+    if let Some(list) = &args.devices {
+        let parse = |d: &str| d.trim().parse::<usize>().ok();
+        gpu.devices =
+            list.split(',').map(parse).collect::<Option<Vec<_>>>().filter(|d| !d.is_empty()).ok_or_else(
+                || {
+                    anyhow::anyhow!(
+                        "--devices {list}: expected CUDA device numbers separated by commas, e.g. 0,1"
+                    )
+                },
+            )?;
+    }
+    if let Some(list) = &args.tensor_split {
+        let parse = |v: &str| v.trim().parse::<f64>().ok().filter(|v| v.is_finite() && *v > 0.0);
+        gpu.tensor_split = list.split(',').map(parse).collect::<Option<Vec<_>>>().ok_or_else(|| {
+            anyhow::anyhow!("--tensor-split {list}: expected positive numbers separated by commas, e.g. 3,1")
+        })?;
+        let devices = gpu.devices.len();
+        ensure!(
+            devices == 0 || devices == gpu.tensor_split.len(),
+            "--tensor-split {list}: {} shares for {devices} devices (--devices): give one share per device",
+            gpu.tensor_split.len()
+        );
+    }
+    Ok(())
 }
 
 /// `--cache-type-k` / `--cache-type-v`: one type for keys and values, or `None` for the

@@ -111,6 +111,40 @@ fn kv_cache_type_flags_are_checked() {
     assert!(err.contains("reference engine keeps its KV cache in f32"), "{err}");
 }
 
+/// `--devices` and `--tensor-split`: values that are not device numbers or positive shares, and
+/// a share count that is not the device count, refused by name before any engine runs (the
+/// pipeline runs no GPU and ignores good ones); on a GPU, `bench --json` with the layers split
+/// over devices 0,0 (two streams on one GPU) reports each device's layers and cache.
+#[test]
+fn device_flags_are_checked_and_bench_reports_each_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    ok_stdout(&["synth", "--out", p(&model)]);
+    let base = ["logits", "--model", p(&model), "--tokens", "1,2", "--engine", "pipeline"];
+    let with =
+        |extra: &[&'static str]| base.iter().copied().chain(extra.iter().copied()).collect::<Vec<&str>>();
+    let err = failure(&with(&["--devices", "0,x"]));
+    assert!(err.contains("--devices 0,x") && err.contains("CUDA device numbers"), "{err}");
+    let err = failure(&with(&["--tensor-split", "3,-1"]));
+    assert!(err.contains("--tensor-split 3,-1") && err.contains("positive numbers"), "{err}");
+    let err = failure(&with(&["--devices", "0,0", "--tensor-split", "1"]));
+    assert!(err.contains("1 shares for 2 devices"), "{err}");
+    ok_stdout(&with(&["--devices", "0,0", "--tensor-split", "3,1"]));
+    if !common::gpu_usable() {
+        return;
+    }
+    let args = ["bench", "--model", p(&model), "-p", "8", "-n", "4", "--runs", "1", "--engine", "gpu"];
+    let split = ["--devices", "0,0", "--hot-fraction", "0.5", "--json"];
+    let report: serde_json::Value = serde_json::from_str(&ok_stdout(&[&args[..], &split].concat())).unwrap();
+    let devices = report["devices"].as_array().unwrap();
+    assert_eq!(devices.len(), 2, "{report}");
+    assert_eq!(devices[0]["layers"][0], 0, "{report}");
+    assert_eq!(devices[0]["layers"][1], devices[1]["layers"][0], "{report}");
+    let cached: u64 = devices.iter().map(|d| d["experts_cached"].as_u64().unwrap()).sum();
+    assert_eq!(cached, report["hot_experts"].as_u64().unwrap(), "{report}");
+    assert!(devices.iter().all(|d| d["ordinal"] == 0 && d["dense_mib"].as_f64().unwrap() > 0.0), "{report}");
+}
+
 #[test]
 fn gpu_engine_generates_golden_tokens_or_refuses_and_the_default_falls_back() {
     for dir in common::fixture_dirs() {

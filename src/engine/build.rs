@@ -5,12 +5,15 @@
 
 use super::cpu::ReferenceEngine;
 use super::gpu::GpuEngine;
+use super::gpu_devices::{
+    check_split_budget, device_auto_budgets, device_parts, open_devices, plan_per_device, split_budget,
+};
 use super::{Engine, EngineError, EngineKind};
 use crate::cache::hot_set::HotSet;
 use crate::cache::observe::Observations;
 use crate::cache::perf::ModelFingerprint;
 use crate::cache::perf::PerfMode;
-use crate::cache::planner::{plan_fraction, plan_weighted, HotPlan};
+use crate::cache::planner::{plan_fraction, HotPlan};
 use crate::cache::update::UpdatePolicy;
 use crate::cache::weighting::Weighting;
 use crate::gpu::{CudaBackend, GpuError, GpuKvCache, GpuModel, GpuOptions, PrefillActivations};
@@ -26,6 +29,7 @@ use moe_lanes_kernels::cuda::CudaConfig;
 use moe_lanes_kernels::pool::ColdSchedule;
 use moe_lanes_kernels::{DecodeActivations, SimdLevel};
 use serde::Serialize;
+use std::ops::Range;
 use std::sync::Arc;
 
 /// VRAM kept free by the automatic budget for warm-up and transient buffers (DESIGN.md).
@@ -186,7 +190,7 @@ pub enum BudgetError {
     TooLarge { budget_mib: u64, available_mib: u64, device_mib: u64, weights_mib: u64, kv_mib: u64 },
 }
 
-const MIB: u64 = 1 << 20;
+pub(super) const MIB: u64 = 1 << 20;
 
 pub fn build_engine<'m>(
     model: &'m Arc<Model>,
@@ -194,8 +198,8 @@ pub fn build_engine<'m>(
 ) -> Result<(Box<dyn Engine + 'm>, BuildReport), EngineError> {
     let mut gpu_unavailable = None;
     if matches!(opts.kind, None | Some(EngineKind::Gpu)) {
-        match CudaBackend::with_config(&opts.cuda) {
-            Ok(be) => match build_gpu(model, &opts, Arc::new(be)) {
+        match open_devices(&opts) {
+            Ok(bes) => match build_gpu(model, &opts, bes) {
                 Ok((mut engine, report)) => {
                     engine.set_thread_report(report.threads);
                     return Ok((Box::new(engine), report));
@@ -210,6 +214,9 @@ pub fn build_engine<'m>(
                 )) if opts.kind.is_none() => gpu_unavailable = Some(e.to_string()),
                 Err(e) => return Err(e),
             },
+            // A device list that names no usable device is the caller's mistake, not a reason to
+            // fall back.
+            Err(e @ GpuError::Split(_)) => return Err(e.into()),
             // Asked for by name, the GPU engine is not replaced by another: the caller said which.
             Err(e) if opts.kind == Some(EngineKind::Gpu) => {
                 return Err(EngineError::NoGpu { reason: e.to_string() })
@@ -248,10 +255,12 @@ type Counts = Vec<Vec<u64>>;
 
 /// Resolve the hot choice into per-layer expert lists. `learn` runs a learn pass when counts
 /// are needed and none were given; `auto_bytes` is the automatic budget.
-/// What a backend provides to resolve a budget: a learn pass and the automatic budget.
+/// What a backend provides to resolve a budget: a learn pass, the layers of each device (one
+/// range but for a model split over GPUs) and each device's automatic budget.
 trait BudgetSource {
     fn learn(&mut self) -> Result<Counts, EngineError>;
-    fn auto_bytes(&mut self) -> Result<u64, EngineError>;
+    fn device_layers(&self) -> Vec<Range<usize>>;
+    fn auto_bytes(&mut self) -> Result<Vec<u64>, EngineError>;
 }
 
 /// Layers without experts (dense FFN layers) hold no hot experts, whatever a plan or a
@@ -291,19 +300,14 @@ fn resolve_hot(
                 Some(o) => (o.clone(), "learn file"),
                 None => (Observations::from_counts(&src.learn()?, c.n_experts_used), "built-in learn pass"),
             };
-            let bytes = match budget {
-                HotBudget::Bytes(b) => *b,
+            let ranges = src.device_layers();
+            let budgets = match budget {
+                HotBudget::Bytes(b) => split_budget(*b, &ranges, &model.layer_expert_bytes()),
                 _ => src.auto_bytes()?,
             };
-            let plan = plan_weighted(
-                &obs,
-                &opts.weighting,
-                n_layers,
-                n_experts,
-                &model.layer_expert_bytes(),
-                bytes,
-            )?;
-            Ok((plan.layers, Plan { source, counts: Some(obs.counts()), budget_bytes: Some(bytes) }))
+            let layers = plan_per_device(model, &obs, &opts.weighting, &ranges, &budgets)?;
+            let bytes = budgets.iter().sum();
+            Ok((layers, Plan { source, counts: Some(obs.counts()), budget_bytes: Some(bytes) }))
         }
     }
 }
@@ -399,9 +403,12 @@ impl BudgetSource for CpuSource<'_> {
         p.forward(&mut cache, &tokens, Phase::Prefill)?;
         Ok(p.perf().report().layers.iter().map(|l| l.experts.clone()).collect())
     }
+    fn device_layers(&self) -> Vec<Range<usize>> {
+        std::iter::once(0..self.model.config().n_layers).collect()
+    }
     /// No VRAM on the CPU: the automatic budget is empty.
-    fn auto_bytes(&mut self) -> Result<u64, EngineError> {
-        Ok(0)
+    fn auto_bytes(&mut self) -> Result<Vec<u64>, EngineError> {
+        Ok(vec![0])
     }
 }
 
@@ -427,16 +434,23 @@ impl BudgetSource for GpuSource<'_> {
         self.gm.reset_perf();
         Ok(self.cold.lane.expert_counts.clone())
     }
+    fn device_layers(&self) -> Vec<Range<usize>> {
+        self.gm.device_layers()
+    }
     /// Measured with one session's KV cache allocated (then freed for the session to take),
-    /// less the KV caches of the other sessions that run at once.
-    fn auto_bytes(&mut self) -> Result<u64, EngineError> {
+    /// less the KV caches of the other sessions that run at once; per device, each device's
+    /// free memory (a GPU named twice shares its own among its entries).
+    fn auto_bytes(&mut self) -> Result<Vec<u64>, EngineError> {
         let probe: GpuKvCache = self.gm.new_kv_cache(self.n_positions)?;
-        let (free, total) = self.gm.backend().mem_info().map_err(crate::gpu::GpuError::from)?;
+        let mem = self.gm.backends().map(|be| be.mem_info()).collect::<Result<Vec<_>, _>>();
         drop(probe);
+        let mem = mem.map_err(crate::gpu::GpuError::from)?;
         let c = self.gm.config();
         let others = session_bytes(c, self.opts.gpu_kv_type(), self.n_positions)
             * (self.opts.sequences.max(1) - 1) as u64;
-        Ok(auto_budget_bytes(free as u64, total as u64, self.opts.vram_limit_bytes).saturating_sub(others))
+        let ordinals: Vec<usize> = self.gm.backends().map(|be| be.info().ordinal).collect();
+        let ranges = self.gm.device_layers();
+        Ok(device_auto_budgets(&mem, &ordinals, &ranges, self.opts.vram_limit_bytes, others))
     }
 }
 
@@ -447,13 +461,19 @@ fn learn_tokens(vocab: usize, n: usize) -> Vec<u32> {
 fn build_gpu(
     model: &Arc<Model>,
     opts: &EngineOptions,
-    be: Arc<CudaBackend>,
+    bes: Vec<Arc<CudaBackend>>,
 ) -> Result<(GpuEngine, BuildReport), EngineError> {
     let c = model.config();
     let n_positions = opts.n_positions.clamp(1, c.max_positions);
-    let device_bytes = device_limit(be.info().total_mem_bytes as u64, opts.vram_limit_bytes);
+    let parts = device_parts(model, opts, n_positions, bes)?;
     if let HotChoice::Budget(HotBudget::Bytes(b)) = opts.hot {
-        check_budget(model, (n_positions, opts.sequences), opts.gpu_kv_type(), device_bytes, b)?;
+        match parts.as_slice() {
+            [(be, _)] => {
+                let device_bytes = device_limit(be.info().total_mem_bytes as u64, opts.vram_limit_bytes);
+                check_budget(model, (n_positions, opts.sequences), opts.gpu_kv_type(), device_bytes, b)?
+            }
+            _ => check_split_budget(model, opts, n_positions, &parts, b)?,
+        }
     }
     // The driver is the pool's thread 0; a GPU lane with hot experts needs cores of its own.
     let gpu_lane = !matches!(opts.hot, HotChoice::None | HotChoice::Budget(HotBudget::Bytes(0)));
@@ -466,9 +486,9 @@ fn build_gpu(
             PrefillActivations::Auto | PrefillActivations::Q8 if f32_asked => PrefillActivations::Split,
             p => p,
         },
-        ..opts.gpu
+        ..opts.gpu.clone()
     };
-    let mut gm = GpuModel::new(model.clone(), be.clone(), gpu_opts)?;
+    let mut gm = GpuModel::on_devices(model.clone(), parts, gpu_opts)?;
     let n_cold = opts.cold_threads.resolve(&ThreadInputs { gpu_lane, ..ThreadInputs::this_machine() });
     let mut cold = PoolColdLane::new(model.clone(), n_cold, opts.simd, opts.cold_schedule)?;
     gm.set_cold_threads(cold.n_threads());
@@ -493,7 +513,7 @@ fn populate(model: &Model) {
     let _ = model.populate();
 }
 
-fn device_limit(total: u64, limit: Option<u64>) -> u64 {
+pub(super) fn device_limit(total: u64, limit: Option<u64>) -> u64 {
     limit.map_or(total, |l| l.min(total))
 }
 

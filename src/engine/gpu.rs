@@ -121,9 +121,10 @@ impl Engine for GpuEngine {
     fn kind(&self) -> EngineKind {
         EngineKind::Gpu
     }
+    /// The GPU's name and architecture; a model split over GPUs names each, in layer order.
     fn device(&self) -> String {
-        let info = self.gpu.backend().info();
-        format!("{} ({})", info.name, info.arch())
+        let names = self.gpu.backends().map(|be| format!("{} ({})", be.info().name, be.info().arch()));
+        names.collect::<Vec<_>>().join(" + ")
     }
     fn config(&self) -> &ModelConfig {
         self.gpu.config()
@@ -202,9 +203,24 @@ impl Engine for GpuEngine {
     fn hot_bytes(&self) -> u64 {
         self.gpu.hot_cache_bytes() as u64
     }
+    /// Summed over the GPUs (each counted once); none once the device is lost (the CPU
+    /// pipeline serves then).
     fn device_free_bytes(&self) -> Option<u64> {
-        // None once the device is lost (the CPU pipeline serves then).
-        self.cpu.is_none().then(|| self.gpu.backend().mem_info().ok()).flatten().map(|(free, _)| free as u64)
+        if self.cpu.is_some() {
+            return None;
+        }
+        let mut seen = Vec::new();
+        let mut free = 0u64;
+        for be in self.gpu.backends() {
+            if !seen.contains(&be.info().ordinal) {
+                seen.push(be.info().ordinal);
+                free += be.mem_info().ok()?.0 as u64;
+            }
+        }
+        Some(free)
+    }
+    fn device_reports(&self) -> Vec<crate::gpu::DeviceReport> {
+        self.gpu.device_reports()
     }
     fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError> {
         Ok(self.updater.request(exchange)?)

@@ -9,6 +9,7 @@ pub mod build;
 mod cpu;
 pub mod generation;
 mod gpu;
+mod gpu_devices;
 pub mod live;
 mod traced;
 pub mod tuning;
@@ -229,6 +230,11 @@ pub trait Engine {
     /// Free device memory in bytes, where the engine has a device that can tell (the GPU).
     fn device_free_bytes(&self) -> Option<u64> {
         None
+    }
+    /// Per GPU the engine runs on: its layers, dense and hot bytes, cached experts (none
+    /// without a GPU).
+    fn device_reports(&self) -> Vec<crate::gpu::DeviceReport> {
+        Vec::new()
     }
     /// Queue an exchange for the Updater; it applies before the next call.
     fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError>;

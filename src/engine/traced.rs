@@ -73,6 +73,9 @@ impl Engine for TracedEngine<'_> {
     fn device_free_bytes(&self) -> Option<u64> {
         self.inner.device_free_bytes()
     }
+    fn device_reports(&self) -> Vec<crate::gpu::DeviceReport> {
+        self.inner.device_reports()
+    }
     fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError> {
         self.inner.request_exchange(exchange)
     }

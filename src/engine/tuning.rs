@@ -274,7 +274,7 @@ mod tests {
         .unwrap();
         let env = GpuTuning { prefill_attention: Some(PrefillAttention::Tiled), ..GpuTuning::default() };
         let mut gpu = GpuOptions::default();
-        let before = gpu;
+        let before = gpu.clone();
         file.gpu.overridden_by(env).apply(&mut gpu);
         assert_eq!(gpu.prefill_attention, PrefillAttention::Tiled, "the environment wins");
         assert!(!gpu.decode_graph);

@@ -11,7 +11,9 @@ use super::head::head_kernels;
 use super::kv::GpuKvCache;
 use super::mixer::decode_attention;
 use super::model::{GpuModel, GpuSeg};
+use super::shard::Shard;
 use super::GpuError;
+use crate::cache::perf::PerfState;
 use crate::forward::{LogitRows, Logits};
 use crate::model::context::KvType;
 use crate::moe::cold::ColdLane;
@@ -30,7 +32,8 @@ pub struct GpuSeqInput<'a> {
 impl GpuModel {
     /// Run each sequence's tokens after what its cache holds, in one call; returns each
     /// sequence's last logits row (or greedy token), in order. Every sequence is checked before
-    /// anything runs.
+    /// anything runs. A model split over devices runs each device's layers over every row, the
+    /// rows hopping between devices.
     pub fn forward_batch(
         &mut self,
         seqs: &mut [GpuSeqInput<'_>],
@@ -47,13 +50,21 @@ impl GpuModel {
         drop(calls);
         let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let t = tokens.len();
-        self.embed(&tokens)?;
-        self.batch_layers(seqs, phase, t, cold)?;
+        self.enter(0)?;
+        self.shards[0].embed(&tokens)?;
+        for d in 0..self.shards.len() {
+            if d > 0 {
+                self.hop(d, t)?;
+            }
+            self.shards[d].batch_layers(seqs, phase, t, cold, &mut self.perf)?;
+        }
         let n = seqs.len();
-        self.gather_last_rows(seqs)?;
+        let mode = self.perf.mode();
+        let last = self.last_mut();
+        last.gather_last_rows(seqs)?;
         let copy_start = Instant::now();
-        head_kernels(self.dev(), phase, n, LogitRows::All)?;
-        let logits = self.head_copies(t, n)?;
+        head_kernels(&last.dev, phase, n, LogitRows::All)?;
+        let logits = last.head_copies(mode, t, n)?;
         let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
         for s in seqs.iter_mut() {
             s.cache.n_positions += s.tokens.len();
@@ -61,15 +72,18 @@ impl GpuModel {
         self.finish_call(phase, t, call_start, copy_start, copy_us)?;
         Ok(logits)
     }
+}
 
-    /// Every layer over the call's rows; the q/k norm + RoPE + append of every row in one launch
-    /// and the decode rows' attention in one (`BatchRows`), the rest per sequence.
+impl Shard {
+    /// This device's layers over the call's rows; the q/k norm + RoPE + append of every row in
+    /// one launch and the decode rows' attention in one (`BatchRows`), the rest per sequence.
     fn batch_layers(
         &mut self,
         seqs: &[GpuSeqInput<'_>],
         phase: Phase,
         t: usize,
         cold: &mut dyn ColdLane,
+        perf: &mut PerfState,
     ) -> Result<(), GpuError> {
         let mut row0 = 0;
         let segs: Vec<GpuSeg<'_>> = seqs
@@ -80,11 +94,11 @@ impl GpuModel {
                 seg
             })
             .collect();
-        let dev = self.dev_mut();
+        let dev = &mut self.dev;
         let kept = dev.rows.take();
         dev.rows = Some(BatchRows::build(&dev.be, kept, &segs, phase, dev.cfg.n_layers)?);
-        let ran = self.layers(0..self.dev().cfg.n_layers, phase, t, &segs, cold);
-        if let Some(r) = self.dev_mut().rows.as_mut() {
+        let ran = self.run_layers(self.layers(), phase, (t, &segs), cold, perf);
+        if let Some(r) = self.dev.rows.as_mut() {
             r.active = false;
         }
         ran
@@ -94,7 +108,7 @@ impl GpuModel {
     /// row per sequence. Row `i` is never a later sequence's last row (that is at least its
     /// index), so the moves do not collide.
     fn gather_last_rows(&self, seqs: &[GpuSeqInput<'_>]) -> Result<(), GpuError> {
-        let dev = self.dev();
+        let dev = &self.dev;
         let (h, s) = (dev.cfg.hidden, dev.s());
         let mut end = 0;
         for (i, seq) in seqs.iter().enumerate() {

@@ -11,7 +11,7 @@
 use super::options::{GpuOptions, LayerFaults};
 use super::scratch::{Q8Buf, Scratch};
 use super::stats::Profiler;
-use super::weights::DenseWeights;
+use super::weights::{DenseWeights, Ends};
 use super::GpuError;
 use crate::model::arch::LayerPlan;
 use crate::model::config::ModelConfig;
@@ -23,9 +23,14 @@ use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, Q8Rows, TypedWeig
 use moe_lanes_kernels::q8::Q8_BLOCK;
 use std::sync::Arc;
 
-/// The engine's shared, read-only-per-layer state.
+/// The engine's shared, read-only-per-layer state: one per device the model is split over.
 pub(crate) struct Device {
     pub be: Arc<CudaBackend>,
+    /// The layers this device runs (every layer on one device).
+    pub layers: std::ops::Range<usize>,
+    /// The ends of the model it runs beside them (the embedding on the first device, the head on
+    /// the last).
+    pub ends: Ends,
     pub model: Arc<Model>,
     pub cfg: ModelConfig,
     /// Every layer's kind (the engine walks it; each stage reads its layer's spec).

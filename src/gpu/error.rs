@@ -17,6 +17,15 @@ pub enum GpuError {
     HotSet(#[from] HotSetError),
     #[error(transparent)]
     Cold(crate::moe::cold::ColdError),
+    #[error(transparent)]
+    Split(#[from] super::split::SplitError),
+    #[error("the devices' layer ranges {ranges:?} do not cover layers 0..{n_layers} in order")]
+    LayerRanges { ranges: Vec<std::ops::Range<usize>>, n_layers: usize },
+    #[error(
+        "the per-stage GPU profile (MOE_LANES_GPU_PROFILE) runs on one device; the model is split over {devices} \
+         (use --devices with one device to profile)"
+    )]
+    SplitProfile { devices: usize },
     #[error("the experts' activation is {activation:?}; the GPU kernels implement SiLU, GPT-OSS's clamped SwiGLU and the tanh GELU only")]
     Activation { activation: crate::model::arch::FfnActivation },
     #[error(

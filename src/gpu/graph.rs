@@ -21,9 +21,10 @@ use super::kv::GpuKvCache;
 use super::model::{GpuModel, GpuSeg};
 use super::options::GpuFaults;
 use super::route::add_moe_output;
+use super::shard::Shard;
 use super::stats::LayerRecord;
 use super::GpuError;
-use crate::cache::perf::PerfMode;
+use crate::cache::perf::{PerfMode, PerfState};
 use crate::forward::LogitRows;
 use crate::forward::Logits;
 use crate::moe::cold::ColdLane;
@@ -53,11 +54,9 @@ pub(crate) struct GraphKey {
     profile: bool,
 }
 
-/// The decode graphs of the last calls that could replay them.
+/// One device's decode graphs of the last calls that could replay them.
 #[derive(Default)]
 pub(crate) struct Graphs {
-    /// Decode calls that could run as graphs (the timing sample's count).
-    calls: u64,
     /// The captured one-token decode call, replayed while its key holds.
     graph: Option<DecodeGraph>,
     /// The captured decode call of a model with cold experts in some layers.
@@ -78,60 +77,43 @@ fn positions_bucket(pos0: usize, capacity: usize) -> usize {
     (pos0 + 1).next_power_of_two().max(MIN_GRAPH_POSITIONS).min(capacity) - 1
 }
 
-impl GpuModel {
-    /// Whether this call runs as the decode graph: one decode token, graphs on, no injected
-    /// faults, every layer all hot (no cold lane, no host step), the fused q/k norm + RoPE.
-    pub(super) fn graph_eligible(&self, tokens: &[u32], phase: Phase) -> bool {
-        self.graphs_apply(tokens, phase) && (0..self.dev().cfg.n_layers).all(|l| self.moe.hot.all_hot(l))
-    }
+/// What a decode step's graphs run with: the cold lane, the perf state (a split layer's cold
+/// lane counts its fallbacks), which logits rows the head writes.
+pub(crate) struct StepLanes<'a> {
+    pub cold: &'a mut dyn ColdLane,
+    pub perf: &'a mut PerfState,
+    pub rows: LogitRows,
+}
 
+impl GpuModel {
     /// Whether this decode call, which graphs could run, runs eagerly to time the hot lanes
     /// ([`HOT_TIMING_EVERY_CALLS`]; the first such call is one); counts the calls.
     pub(super) fn timing_sample(&mut self, tokens: &[u32], phase: Phase) -> bool {
-        if self.dev().opts.graph_lane_events
+        if self.shards[0].dev.opts.graph_lane_events
             || self.perf.mode() == PerfMode::Off
             || !self.graphs_apply(tokens, phase)
         {
             return false;
         }
-        self.graphs.calls += 1;
-        self.graphs.calls % HOT_TIMING_EVERY_CALLS == 1
+        self.graph_calls += 1;
+        self.graph_calls % HOT_TIMING_EVERY_CALLS == 1
     }
 
-    /// Graphs on, one decode token, no injected faults, the fused q/k norm + RoPE.
-    fn graphs_apply(&self, tokens: &[u32], phase: Phase) -> bool {
-        let opts = &self.dev().opts;
+    /// Graphs on, one decode token, no injected faults, the fused q/k norm + RoPE: each device
+    /// runs its layers as the decode graph (all hot) or as decode segments (some cold experts).
+    pub(super) fn graphs_apply(&self, tokens: &[u32], phase: Phase) -> bool {
+        let first = &self.shards[0];
+        let opts = &first.dev.opts;
         opts.decode_graph
             && phase == Phase::Decode
             && tokens.len() == 1
             && opts.faults == GpuFaults::default()
-            && self.mixer().qk_fused_all
+            && first.mixer.qk_fused_all
     }
 
-    /// Before a decode step's graphs: the attention partials reserved, the token and its
-    /// position on the device; the key the step's graphs need.
-    fn graph_step_start(&mut self, token: u32, cache: &GpuKvCache) -> Result<GraphKey, GpuError> {
-        let pos0 = cache.n_positions;
-        let (dev, mixer, _) = self.stages_mut();
-        mixer.reserve_attention(dev, 1, cache)?;
-        let key = self.graph_key(cache, positions_bucket(pos0, cache.capacity));
-        let dev = self.dev();
-        dev.be.write(&[token as i32, pos0 as i32], dev.s().step.ptr())?;
-        Ok(key)
-    }
-
-    /// After a decode step's graphs: the logits and greedy token back, the call's stats.
-    fn graph_step_end(&mut self, cache: &mut GpuKvCache, call_start: Instant) -> Result<Logits, GpuError> {
-        let copy_start = Instant::now();
-        let logits = self.head_copies(1, 1)?;
-        let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
-        cache.n_positions += 1;
-        self.finish_call(Phase::Decode, 1, call_start, copy_start, copy_us)?;
-        Ok(logits)
-    }
-
-    /// The decode call through the graph (captured first when its key changed).
-    pub(super) fn forward_graph(
+    /// A decode call through each device's graphs in layer order (the hidden row hopping
+    /// between devices), then the logits and greedy token back and the call's stats.
+    pub(super) fn forward_graphs(
         &mut self,
         token: u32,
         cache: &mut GpuKvCache,
@@ -139,16 +121,65 @@ impl GpuModel {
         rows: LogitRows,
         call_start: Instant,
     ) -> Result<Logits, GpuError> {
+        let n = self.shards.len();
+        for d in 0..n {
+            if d > 0 {
+                self.hop(d, 1)?;
+            }
+            self.enter(d)?;
+            let sh = &mut self.shards[d];
+            let mut lanes = StepLanes { cold: &mut *cold, perf: &mut self.perf, rows };
+            if sh.all_hot() {
+                sh.forward_graph(token, cache, &mut lanes)?;
+            } else {
+                sh.forward_segments(token, cache, &mut lanes)?;
+            }
+        }
+        let copy_start = Instant::now();
+        let mode = self.perf.mode();
+        let logits = self.last_mut().head_copies(mode, 1, 1)?;
+        let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
+        cache.n_positions += 1;
+        self.finish_call(Phase::Decode, 1, call_start, copy_start, copy_us)?;
+        Ok(logits)
+    }
+}
+
+impl Shard {
+    /// Whether every layer of this device is all hot (no cold lane, no host step): its decode
+    /// step is one graph.
+    pub(super) fn all_hot(&self) -> bool {
+        self.layers().all(|l| self.moe.hot.all_hot(l))
+    }
+
+    /// Before a decode step's graphs: the attention partials reserved, the token and its
+    /// position on the device; the key the step's graphs need.
+    fn graph_step_start(&mut self, token: u32, cache: &GpuKvCache) -> Result<GraphKey, GpuError> {
+        let pos0 = cache.n_positions;
+        self.mixer.reserve_attention(&self.dev, 1, cache)?;
+        let key = self.graph_key(cache, positions_bucket(pos0, cache.capacity));
+        let dev = &self.dev;
+        dev.be.write(&[token as i32, pos0 as i32], dev.s().step.ptr())?;
+        Ok(key)
+    }
+
+    /// This device's decode step through its graph (captured first when its key changed).
+    fn forward_graph(
+        &mut self,
+        token: u32,
+        cache: &GpuKvCache,
+        lanes: &mut StepLanes<'_>,
+    ) -> Result<(), GpuError> {
         let pos0 = cache.n_positions;
         let key = self.graph_step_start(token, cache)?;
         if self.graphs.graph.as_ref().is_none_or(|g| g.key != key) {
             self.graphs.graph = None;
-            self.graphs.graph = Some(self.capture(key, pos0, cache, cold, rows)?);
+            self.graphs.graph = Some(self.capture(key, pos0, cache, lanes)?);
         }
         let g = self.graphs.graph.as_ref().expect("captured above");
-        self.dev().be.launch_graph(&g.graph)?;
+        self.dev.be.launch_graph(&g.graph)?;
         replay_records(&mut self.moe.records, &g.records);
-        self.graph_step_end(cache, call_start)
+        Ok(())
     }
 
     fn graph_key(&self, cache: &GpuKvCache, max_positions: usize) -> GraphKey {
@@ -157,28 +188,28 @@ impl GpuModel {
             // allocated together and replaced together (the stages' pinned buffers with the
             // scratch).
             kv_cache: cache.serial(),
-            scratch: self.dev().s().hidden.serial(),
-            attn_part: self.mixer().part_serial(),
+            scratch: self.dev.s().hidden.serial(),
+            attn_part: self.mixer.part_serial(),
             max_positions,
-            profile: self.dev().profiler.is_some(),
+            profile: self.dev.profiler.is_some(),
         }
     }
 
-    /// Capture one decode call's kernels (embedding to argmax) into a graph. The capture always
-    /// ends, so a failed enqueue leaves the stream usable.
+    /// Capture one decode step's kernels on this device (the embedding on the first, its
+    /// layers, the head to the argmax on the last) into a graph. The capture always ends, so a
+    /// failed enqueue leaves the stream usable.
     fn capture(
         &mut self,
         key: GraphKey,
         pos0: usize,
-        cache: &mut GpuKvCache,
-        cold: &mut dyn ColdLane,
-        rows: LogitRows,
+        cache: &GpuKvCache,
+        lanes: &mut StepLanes<'_>,
     ) -> Result<DecodeGraph, GpuError> {
-        self.dev().be.begin_capture()?;
-        self.dev_mut().step = Some(key.max_positions);
-        let enqueued = self.enqueue_decode(pos0, cache, cold, rows);
-        self.dev_mut().step = None;
-        let graph = self.dev().be.end_capture();
+        self.dev.be.begin_capture()?;
+        self.dev.step = Some(key.max_positions);
+        let enqueued = self.enqueue_decode(pos0, cache, lanes);
+        self.dev.step = None;
+        let graph = self.dev.be.end_capture();
         enqueued?;
         Ok(DecodeGraph { graph: graph?, key, records: self.moe.records.clone() })
     }
@@ -186,13 +217,20 @@ impl GpuModel {
     fn enqueue_decode(
         &mut self,
         pos0: usize,
-        cache: &mut GpuKvCache,
-        cold: &mut dyn ColdLane,
-        rows: LogitRows,
+        cache: &GpuKvCache,
+        lanes: &mut StepLanes<'_>,
     ) -> Result<(), GpuError> {
-        self.part_start(0)?;
-        self.whole_layers(0..self.dev().cfg.n_layers, pos0, cache, cold)?;
-        head_kernels(self.dev(), Phase::Decode, 1, rows)?;
+        let layers = self.layers();
+        self.part_start(layers.start)?;
+        self.whole_layers(layers, pos0, cache, lanes)?;
+        self.head_end(lanes.rows)
+    }
+
+    /// The head's kernels on the device that runs it (nothing on the others).
+    fn head_end(&self, rows: LogitRows) -> Result<(), GpuError> {
+        if self.dev.ends.head {
+            head_kernels(&self.dev, Phase::Decode, 1, rows)?;
+        }
         Ok(())
     }
 }
@@ -217,28 +255,20 @@ pub(crate) struct DecodeSegments {
     records: Vec<LayerRecord>,
 }
 
-impl GpuModel {
-    /// The layers with cold experts, ascending.
+impl Shard {
+    /// This device's layers with cold experts, ascending.
     fn split_layers(&self) -> impl Iterator<Item = usize> + '_ {
-        (0..self.dev().cfg.n_layers).filter(|&l| !self.moe.hot.all_hot(l))
+        self.layers().filter(|&l| !self.moe.hot.all_hot(l))
     }
 
-    /// Whether this call runs as decode segments: the decode graph's conditions, except that
-    /// some layers have cold experts.
-    pub(super) fn segments_eligible(&self, tokens: &[u32], phase: Phase) -> bool {
-        self.graphs_apply(tokens, phase) && (0..self.dev().cfg.n_layers).any(|l| !self.moe.hot.all_hot(l))
-    }
-
-    /// The decode call through its segments (captured first when the key or the split layers
-    /// changed).
-    pub(super) fn forward_segments(
+    /// This device's decode step through its segments (captured first when the key or the
+    /// split layers changed).
+    fn forward_segments(
         &mut self,
         token: u32,
-        cache: &mut GpuKvCache,
-        cold: &mut dyn ColdLane,
-        rows: LogitRows,
-        call_start: Instant,
-    ) -> Result<Logits, GpuError> {
+        cache: &GpuKvCache,
+        lanes: &mut StepLanes<'_>,
+    ) -> Result<(), GpuError> {
         let pos0 = cache.n_positions;
         let key = self.graph_step_start(token, cache)?;
         let stale =
@@ -246,42 +276,40 @@ impl GpuModel {
         if self.graphs.segments.as_ref().is_none_or(stale) {
             self.graphs.segments = None;
             let split = self.split_layers().collect();
-            self.graphs.segments = Some(self.capture_segments(key, pos0, cache, cold, rows, split)?);
+            self.graphs.segments = Some(self.capture_segments(key, pos0, cache, lanes, split)?);
         }
         let segs = self.graphs.segments.take().expect("captured above");
-        let run = self.run_segments(&segs, cold);
+        let run = self.run_segments(&segs, lanes);
         self.graphs.segments = Some(segs);
-        run?;
-        self.graph_step_end(cache, call_start)
+        run
     }
 
     /// Launch the parts and hot lanes in turn, each split layer's cold lane on the host between.
-    fn run_segments(&mut self, segs: &DecodeSegments, cold: &mut dyn ColdLane) -> Result<(), GpuError> {
+    fn run_segments(&mut self, segs: &DecodeSegments, lanes: &mut StepLanes<'_>) -> Result<(), GpuError> {
         replay_records(&mut self.moe.records, &segs.records);
         for (i, part) in segs.parts.iter().enumerate() {
-            self.dev().be.launch_graph(part)?;
+            self.dev.be.launch_graph(part)?;
             let Some(&l) = segs.split_layers.get(i) else { break };
             self.moe.pin.route.fence_replayed();
-            self.dev().be.launch_graph(&segs.hot[i])?;
-            self.split_layer_cold(l, cold)?;
+            self.dev.be.launch_graph(&segs.hot[i])?;
+            self.split_layer_cold(l, lanes.cold, lanes.perf)?;
         }
         Ok(())
     }
 
-    /// Capture the parts and hot lanes of a decode call whose `split` layers have cold experts.
+    /// Capture the parts and hot lanes of a decode step whose `split` layers have cold experts.
     fn capture_segments(
         &mut self,
         key: GraphKey,
         pos0: usize,
-        cache: &mut GpuKvCache,
-        cold: &mut dyn ColdLane,
-        rows: LogitRows,
+        cache: &GpuKvCache,
+        lanes: &mut StepLanes<'_>,
         split: Vec<usize>,
     ) -> Result<DecodeSegments, GpuError> {
-        self.dev_mut().step = Some(key.max_positions);
+        self.dev.step = Some(key.max_positions);
         let (mut parts, mut hot) = (Vec::with_capacity(split.len() + 1), Vec::with_capacity(split.len()));
-        let enqueued = self.enqueue_segments(pos0, cache, cold, rows, &split, (&mut parts, &mut hot));
-        self.dev_mut().step = None;
+        let enqueued = self.enqueue_segments(pos0, cache, lanes, &split, (&mut parts, &mut hot));
+        self.dev.step = None;
         enqueued?;
         Ok(DecodeSegments { key, split_layers: split, parts, hot, records: self.moe.records.clone() })
     }
@@ -289,18 +317,17 @@ impl GpuModel {
     fn enqueue_segments(
         &mut self,
         pos0: usize,
-        cache: &mut GpuKvCache,
-        cold: &mut dyn ColdLane,
-        rows: LogitRows,
+        cache: &GpuKvCache,
+        lanes: &mut StepLanes<'_>,
         split: &[usize],
         (parts, hot): (&mut Vec<StreamGraph>, &mut Vec<StreamGraph>),
     ) -> Result<(), GpuError> {
-        let mut first = 0;
+        let mut first = self.dev.layers.start;
         for &sl in split {
             let mut plan = None;
             self.captured(parts, |m| {
                 m.part_start(first)?;
-                m.whole_layers(first..sl, pos0, cache, cold)?;
+                m.whole_layers(first..sl, pos0, cache, lanes)?;
                 plan = Some(m.split_layer_start(sl, GpuSeg { row0: 0, n: 1, pos0, cache })?);
                 Ok(())
             })?;
@@ -312,19 +339,23 @@ impl GpuModel {
         }
         self.captured(parts, |m| {
             m.part_start(first)?;
-            m.whole_layers(first..m.dev().cfg.n_layers, pos0, cache, cold)?;
-            head_kernels(m.dev(), Phase::Decode, 1, rows).map(|_| ())
+            m.whole_layers(first..m.dev.layers.end, pos0, cache, lanes)?;
+            m.head_end(lanes.rows)
         })
     }
 
-    /// A part's first work: the embedding (the first part) or the previous layer's MoE output
+    /// A part's first work: at the device's first layer the embedding (the first device) or
+    /// nothing (the hidden row hopped in before the launch); else the previous layer's MoE output
     /// added into the residual stream.
     fn part_start(&mut self, first: usize) -> Result<(), GpuError> {
-        let dev = self.dev();
+        let dev = &self.dev;
         let s = dev.s();
-        if first == 0 {
-            dev.mark_tail(0)?;
-            return embed_rows(dev, s.step.ptr().sub(0, 1));
+        if first == dev.layers.start {
+            if dev.ends.embed {
+                dev.mark_tail(0)?;
+                embed_rows(dev, s.step.ptr().sub(0, 1))?;
+            }
+            return Ok(());
         }
         add_moe_output(dev, first - 1, 1)?;
         dev.mark(first - 1, 9)
@@ -334,10 +365,11 @@ impl GpuModel {
         &mut self,
         layers: std::ops::Range<usize>,
         pos0: usize,
-        cache: &mut GpuKvCache,
-        cold: &mut dyn ColdLane,
+        cache: &GpuKvCache,
+        lanes: &mut StepLanes<'_>,
     ) -> Result<(), GpuError> {
-        self.layers(layers, Phase::Decode, 1, &[GpuSeg { row0: 0, n: 1, pos0, cache }], cold)
+        let segs = [GpuSeg { row0: 0, n: 1, pos0, cache }];
+        self.run_layers(layers, Phase::Decode, (1, &segs), lanes.cold, lanes.perf)
     }
 
     /// Run `f`'s enqueues as one captured graph, appended to `graphs`; the capture always ends,
@@ -347,9 +379,9 @@ impl GpuModel {
         graphs: &mut Vec<StreamGraph>,
         f: impl FnOnce(&mut Self) -> Result<(), GpuError>,
     ) -> Result<(), GpuError> {
-        self.dev().be.begin_capture()?;
+        self.dev.be.begin_capture()?;
         let enqueued = f(self);
-        let graph = self.dev().be.end_capture();
+        let graph = self.dev.be.end_capture();
         enqueued?;
         graphs.push(graph?);
         Ok(())

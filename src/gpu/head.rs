@@ -66,7 +66,7 @@ impl HeadStage {
 /// config's embedding scale, Gemma 4's `sqrt(hidden)`).
 pub(crate) fn embed_rows(dev: &Device, ids: DPtr<i32>) -> Result<(), GpuError> {
     let s = dev.s();
-    let (table, n, h) = (dev.w.embed.view(), ids.len(), dev.cfg.hidden);
+    let (table, n, h) = (dev.w.embed(), ids.len(), dev.cfg.hidden);
     match table.bf16() {
         Some(bf) => dev.be.embed(bf, ids, s.hidden.ptr(), n, h)?,
         None => dev.be.embed_typed(table, dev.cfg.vocab, ids, s.hidden.ptr(), n, h)?,
@@ -86,8 +86,8 @@ pub(crate) fn head_kernels(dev: &Device, phase: Phase, t: usize, rows: LogitRows
         LogitRows::Last => (t - 1, 1, Phase::Decode),
     };
     let x = s.hidden.ptr().sub(first * c.hidden, n * c.hidden);
-    let head = dev.w.lm_head.as_ref().unwrap_or(&dev.w.embed).view();
-    be.rmsnorm(x, dev.w.final_norm.ptr(), s.normed.ptr(), n, c.hidden, c.rms_eps)?;
+    let (final_norm, head) = dev.w.head();
+    be.rmsnorm(x, final_norm.ptr(), s.normed.ptr(), n, c.hidden, c.rms_eps)?;
     dev.linear(phase, s.normed.ptr(), head, s.logits.ptr(), n, c.vocab, c.hidden, false)?;
     if let Some(cap) = c.final_logit_softcap {
         be.softcap(s.logits.ptr(), n * c.vocab, cap)?;

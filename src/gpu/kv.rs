@@ -24,19 +24,19 @@ pub(crate) enum KvBufs {
 }
 
 impl KvBufs {
-    /// One buffer per layer of `elems[l]` values.
-    fn new(be: &CudaBackend, kv: KvType, elems: &[usize]) -> Result<KvBufs, GpuError> {
-        let u16s = || elems.iter().map(|&n| be.alloc_zeros::<u16>(n)).collect::<Result<Vec<_>, _>>();
+    /// One buffer per layer of `elems[l]` values, on layer `l`'s device (`bes[l]`).
+    fn new(bes: &[&CudaBackend], kv: KvType, elems: &[usize]) -> Result<KvBufs, GpuError> {
+        let per_layer = || bes.iter().zip(elems);
+        let u16s = || per_layer().map(|(be, &n)| be.alloc_zeros::<u16>(n)).collect::<Result<Vec<_>, _>>();
         Ok(match kv {
             KvType::F32 => {
-                KvBufs::F32(elems.iter().map(|&n| be.alloc_zeros::<f32>(n)).collect::<Result<_, _>>()?)
+                KvBufs::F32(per_layer().map(|(be, &n)| be.alloc_zeros::<f32>(n)).collect::<Result<_, _>>()?)
             }
             KvType::F16 => KvBufs::F16(u16s()?),
             KvType::Bf16 => KvBufs::Bf16(u16s()?),
             KvType::Q8_0 => KvBufs::Q8_0(
-                elems
-                    .iter()
-                    .map(|&n| be.alloc_zeros::<u8>(kv.bytes_of(n as u64) as usize))
+                per_layer()
+                    .map(|(be, &n)| be.alloc_zeros::<u8>(kv.bytes_of(n as u64) as usize))
                     .collect::<Result<_, _>>()?,
             ),
         })
@@ -86,7 +86,8 @@ pub(crate) struct DeltaStatePtrs {
 }
 
 /// A session on the device: K and V for the attention layers (a DeltaNet layer's entries hold one
-/// value), the recurrent state of the DeltaNet layers.
+/// value), the recurrent state of the DeltaNet layers. Each layer's buffers live on the device
+/// that runs the layer (the model split over several GPUs, `crate::gpu::split`).
 pub struct GpuKvCache {
     k: KvBufs,
     v: KvBufs,
@@ -116,8 +117,9 @@ pub(crate) fn check_kv_blocks(plan: &LayerPlan, kv_type: KvType) -> Result<(), G
 }
 
 impl GpuKvCache {
+    /// The cache of `plan`'s layers, layer `l`'s buffers on `bes[l]` (one per layer).
     pub(crate) fn new(
-        be: &CudaBackend,
+        bes: &[&CudaBackend],
         plan: &LayerPlan,
         kv_dim: usize,
         capacity: usize,
@@ -136,12 +138,14 @@ impl GpuKvCache {
                 Mixer::GatedDeltaNet(_) => (block, block),
             })
             .unzip();
-        let k = KvBufs::new(be, kv_type, &k_elems)?;
-        let v = KvBufs::new(be, kv_type, &v_elems)?;
+        assert_eq!(bes.len(), k_elems.len(), "one device per layer");
+        let k = KvBufs::new(bes, kv_type, &k_elems)?;
+        let v = KvBufs::new(bes, kv_type, &v_elems)?;
         let delta = plan
             .layers()
             .iter()
-            .map(|l| match &l.mixer {
+            .zip(bes)
+            .map(|(l, be)| match &l.mixer {
                 Mixer::GatedDeltaNet(d) => Ok(Some(DeltaStateBufs {
                     conv: be.alloc_zeros::<f32>(d.conv_state_len())?,
                     matrix: be.alloc_zeros::<f32>(d.matrix_state_len())?,
@@ -158,9 +162,14 @@ impl GpuKvCache {
         DeltaStatePtrs { conv: d.conv.ptr(), matrix: d.matrix.ptr() }
     }
 
-    /// Zero every recurrent state (a session starting at position 0); queued on the stream.
-    pub(crate) fn reset_recurrent(&self, be: &CudaBackend) -> Result<(), GpuError> {
-        for d in self.delta.iter().flatten() {
+    /// Zero the recurrent state of `layers` (a session starting at position 0), the layers
+    /// `be`'s device runs; queued on its stream.
+    pub(crate) fn reset_recurrent(
+        &self,
+        be: &CudaBackend,
+        layers: std::ops::Range<usize>,
+    ) -> Result<(), GpuError> {
+        for d in self.delta[layers].iter().flatten() {
             be.zero(d.conv.ptr())?;
             be.zero(d.matrix.ptr())?;
         }

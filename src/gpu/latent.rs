@@ -62,7 +62,7 @@ pub(crate) fn latent_block(
 ) -> Result<(), GpuError> {
     let (dev, l, phase, t) = (cx.dev, cx.l, cx.phase, cx.t);
     let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
-    let lw = &dev.w.layers[l];
+    let lw = dev.w.layer(l);
     let w = lw.latent();
     let shape = mla_shape(m);
     let (h, qd, wd, ad) = (c.hidden, shape.q_dim(), shape.width(), shape.abs_dim());

@@ -65,7 +65,7 @@ impl MixerStage {
         let Heads { qd, kvd, .. } = Heads::of(dev, l);
         let h = c.hidden;
         let s = dev.s();
-        let lw = &dev.w.layers[l];
+        let lw = dev.w.layer(l);
         let w = lw.attention();
         be.rmsnorm(s.hidden.ptr(), lw.attn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
         // One sequence outside the decode graph with an f32 cache takes the new key/value rows
@@ -157,7 +157,7 @@ impl MixerStage {
         let (dev, l) = (cx.dev, cx.l);
         let be = &dev.be;
         let window = dev.plan.layer(l).attention().window.unwrap_or(0);
-        let sinks = dev.w.layers[l].attention().sinks.as_ref().map(|b| b.ptr());
+        let sinks = dev.w.layer(l).attention().sinks.as_ref().map(|b| b.ptr());
         let mask = AttentionMask { window, sinks };
         let Heads { nh, nkv, hd, qd, .. } = Heads::of(dev, l);
         let (t, pos0, cache) = (seg.n, seg.pos0, seg.cache);
@@ -199,7 +199,7 @@ impl MixerStage {
         self.reserve_part(dev, split_scratch(dev, rows.n_decode, rows.max_positions))?;
         let part = self.attn_part.as_ref().expect("reserved").ptr();
         let window = dev.plan.layer(l).attention().window.unwrap_or(0);
-        let sinks = dev.w.layers[l].attention().sinks.as_ref().map(|b| b.ptr());
+        let sinks = dev.w.layer(l).attention().sinks.as_ref().map(|b| b.ptr());
         let (s, launch) = (dev.s(), (rows.decode_rows(), rows.n_decode));
         let mask = AttentionMask { window, sinks };
         dev.be.attention_split_rows(s.q.ptr(), s.attn.ptr(), part, launch, rows.kv(l), nh, nkv, hd, mask)?;
@@ -222,7 +222,7 @@ fn qk_norm_rope_rows(
     kv: BatchKv,
     [q, k_new, v_new]: [DPtr<f32>; 3],
 ) -> Result<(), GpuError> {
-    let (c, w, a) = (&dev.cfg, dev.w.layers[l].attention(), dev.plan.layer(l).attention());
+    let (c, w, a) = (&dev.cfg, dev.w.layer(l).attention(), dev.plan.layer(l).attention());
     let scaling = w.rope_freqs.as_ref().map(|(f, scale)| RopeScaling { freqs: f.ptr(), scale: *scale });
     let norm = (a.qk_norm == QkNorm::PerHead)
         .then(|| (w.q_norm.as_ref().expect("validated").ptr(), w.k_norm.as_ref().expect("validated").ptr()));
@@ -240,7 +240,7 @@ fn qkv_projections(cx: &LayerCtx<'_>, [k_new, v_new]: [DPtr<f32>; 2]) -> Result<
     let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
     let Heads { nkv, hd, qd, kvd, .. } = Heads::of(dev, cx.l);
     let h = c.hidden;
-    let w = dev.w.layers[cx.l].attention();
+    let w = dev.w.layer(cx.l).attention();
     let Some(wv) = &w.v else {
         // values from keys (Gemma 4's global layers): the raw k projection is the values' source
         dev.linear(phase, s.normed.ptr(), w.q.view(), s.q.ptr(), t, qd, h, false)?;
@@ -281,7 +281,7 @@ fn qkv_ends(
 ) -> Result<(), GpuError> {
     let (dev, phase, t) = (cx.dev, cx.phase, cx.t);
     let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
-    let (h, w) = (c.hidden, dev.w.layers[cx.l].attention());
+    let (h, w) = (c.hidden, dev.w.layer(cx.l).attention());
     let (src, v) = (v_from.unwrap_or(v_new).sub(0, t * kvd), v_new.sub(0, t * kvd));
     match &w.v_norm {
         Some(ones) => be.rmsnorm(src, ones.ptr(), v, t * nkv, hd, c.rms_eps)?,
@@ -306,7 +306,7 @@ fn qkv_ends(
 fn delta_net_block(cx: &LayerCtx<'_>, d: &DeltaNetSpec, segs: &[GpuSeg<'_>]) -> Result<(), GpuError> {
     let (dev, l, phase, t) = (cx.dev, cx.l, cx.phase, cx.t);
     let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
-    let lw = &dev.w.layers[l];
+    let lw = dev.w.layer(l);
     let MixerWeights::DeltaNet(w) = &lw.mixer else { unreachable!("the plan says DeltaNet") };
     let shape = delta_shape(d);
     let (h, vd) = (c.hidden, d.value_dim());
@@ -348,7 +348,7 @@ fn qk_norm_rope(
     v_new: DPtr<f32>,
     append: Option<KvAppend>,
 ) -> Result<(), GpuError> {
-    let (c, be, w, a) = (&dev.cfg, &dev.be, dev.w.layers[l].attention(), dev.plan.layer(l).attention());
+    let (c, be, w, a) = (&dev.cfg, &dev.be, dev.w.layer(l).attention(), dev.plan.layer(l).attention());
     let Heads { nh, nkv, hd, qd, kvd } = Heads::of(dev, l);
     let rot = a.rope.dims;
     let (interleaved, theta) = (a.rope.style == RopeStyle::Interleaved, a.rope.theta);

@@ -1,10 +1,12 @@
-//! The GPU side of moe-lanes: a model resident on one CUDA device (non-expert weights and a VRAM
-//! hot cache of experts) whose MoE layers split routed slots into a hot lane on the GPU and a cold
-//! lane on the CPU ([`crate::moe::cold::ColdLane`]), overlapped and joined per layer.
+//! The GPU side of moe-lanes: a model resident on one CUDA device, or split by layers over
+//! several (non-expert weights and a VRAM hot cache of experts on the device that runs each
+//! layer), whose MoE layers split routed slots into a hot lane on the GPU and a cold lane on the
+//! CPU ([`crate::moe::cold::ColdLane`], one for every device), overlapped and joined per layer.
 //!
-//! `GpuModel` (`model`) is a loop over the plan's layers through owned stages that share one
-//! read-only `device::Device` per layer (`device`: backend, plan, options, weights, scratch;
-//! the matrix products): `mixer` (attention or DeltaNet), `moe` with `route` (router, shared
+//! `GpuModel` (`model`) walks its devices' `shard::Shard`s in layer order (`split`: which layers
+//! each device runs; the hidden rows hop between devices through host memory); a shard is a
+//! loop over its layers through owned stages that share one read-only `device::Device` per
+//! layer (`device`: backend, plan, options, weights, scratch; the matrix products): `mixer` (attention or DeltaNet), `moe` with `route` (router, shared
 //! expert, hot/cold split, lanes, join, fallback), `head` (embedding, lm_head, copies back),
 //! `graph` (decode graphs over those stages); `latent` is the mixer's latent attention
 //! (DeepSeek-V3 / Kimi K2). Beside them: `options` (switches, injected
@@ -31,6 +33,8 @@ mod options;
 mod postfetch;
 mod route;
 mod scratch;
+mod shard;
+pub mod split;
 mod stats;
 mod weights;
 
@@ -47,4 +51,6 @@ pub use postfetch::plan::{
     BadPostFetchMode, PostFetchCosts, PostFetchMode, PostFetchOptions, DEFAULT_MAX_TRANSFERS,
     DEFAULT_SCRATCH_BYTES as POSTFETCH_DEFAULT_SCRATCH_BYTES, MAX_STREAMS as POSTFETCH_MAX_STREAMS,
 };
+pub use shard::DeviceReport;
+pub use split::SplitError;
 pub use stats::{ForwardStats, LayerLaneStats, StageProfile, PROFILE_LAYER_STAGES, PROFILE_TAIL_STAGES};

@@ -1,23 +1,22 @@
-//! `GpuModel`: a model resident on one GPU (non-expert weights + the VRAM hot cache) and the
-//! forward call that drives it: a loop over the plan's layers, each running the mixer stage
-//! (`mixer`: attention or DeltaNet) and the MoE stage (`moe`, `route`: the hot/cold split, the
-//! lanes, the join and the fallback) over one shared [`Device`] (`device`), between the
-//! embedding and the head (`head`); one-token decode calls replay graphs (`graph`); statistics
-//! in `stats`.
+//! `GpuModel`: a model resident on one GPU, or split by layers over several (on each device the
+//! non-expert weights and the VRAM hot cache of its layers, `shard`), and the forward call that
+//! drives it: a loop over the plan's layers, each running the mixer stage (`mixer`: attention or
+//! DeltaNet) and the MoE stage (`moe`, `route`: the hot/cold split, the lanes, the join and the
+//! fallback) over its device's shared [`Device`](super::device::Device) (`device`), between the
+//! embedding (first device) and the head (last device, `head`); one-token decode calls replay
+//! graphs (`graph`), per device; statistics in `stats`. Between devices the hidden rows hop
+//! through host memory ([`GpuModel::hop`]); on one device nothing is added to the single-device
+//! walk.
 
-use super::device::{Device, LayerCtx};
-use super::graph::Graphs;
-use super::head::{head_kernels, HeadStage};
+use super::head::head_kernels;
 use super::hot_cache::HotCache;
 use super::kv::GpuKvCache;
-use super::mixer::MixerStage;
-use super::moe::{LayerFault, MoePlan, MoeStage};
 use super::options::GpuOptions;
 use super::postfetch::plan::PostFetchTotals;
-use super::postfetch::PostFetch;
-use super::scratch::Scratch;
+use super::shard::{DeviceReport, Shard};
+use super::split::SplitError;
 use super::stats::{self, CallTimes, ForwardStats, Profiler, StageProfile};
-use super::weights::DenseWeights;
+use super::weights::{DenseWeights, Ends};
 use super::GpuError;
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{PerfMode, PerfState};
@@ -27,10 +26,11 @@ use crate::model::arch::LayerPlan;
 use crate::model::config::ModelConfig;
 use crate::model::context::KvType;
 use crate::model::Model;
-use crate::moe::cold::{ColdLane, PlainColdLane};
+use crate::moe::cold::ColdLane;
 use crate::moe::phase::Phase;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, Glu};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -57,7 +57,7 @@ const DEQUANT_SCRATCH_ELEMS: usize = 16 << 20;
 
 /// The dequantization scratch a model needs: none for a float model, else room for the largest
 /// quantized matrix (dense or expert) up to [`DEQUANT_SCRATCH_ELEMS`].
-fn dequant_scratch(
+pub(super) fn dequant_scratch(
     be: &CudaBackend,
     (cfg, plan): (&ModelConfig, &LayerPlan),
     w: &DenseWeights,
@@ -75,23 +75,47 @@ fn dequant_scratch(
 
 /// The widest attention layer's query and key rows `(q_dim, kv_dim)` (the config's where no
 /// layer has its own sizes).
-fn widest_attention(plan: &LayerPlan, cfg: &ModelConfig) -> (usize, usize) {
+pub(super) fn widest_attention(plan: &LayerPlan, cfg: &ModelConfig) -> (usize, usize) {
     let layers = plan.layers().iter().filter_map(|l| l.as_attention());
     layers.fold((cfg.q_dim(), cfg.kv_dim()), |(q, kv), a| (q.max(a.q_dim(cfg.n_heads)), kv.max(a.kv_dim())))
 }
 
-/// A model resident on one GPU, as a loop over owned stages: the shared `Device` (device,
-/// plan, options, weights, scratch), the mixers, the MoE layers (hot cache, lanes, join,
-/// Post-Fetch), the embedding and head, and the decode graphs.
+/// A model resident on one GPU or split by layers over several: one [`Shard`] per device, in
+/// layer order, each a loop over owned stages (mixers, MoE layers with its hot cache, lanes,
+/// join and Post-Fetch) over its layers; the embedding on the first device, the head and the
+/// copies back on the last. The perf state and the call's statistics are the model's.
 pub struct GpuModel {
-    dev: Device,
-    mixer: MixerStage,
-    pub(super) moe: MoeStage,
-    head: HeadStage,
-    pub(super) graphs: Graphs,
+    pub(super) shards: Vec<Shard>,
     stats: ForwardStats,
     pub(super) perf: PerfState,
     pub(super) call_idx: u64,
+    /// Decode calls that could run as graphs (the timing sample's count,
+    /// [`super::graph::HOT_TIMING_EVERY_CALLS`]).
+    pub(super) graph_calls: u64,
+    /// Every layer's hot set when the model is split (each device's cache holds its own
+    /// layers'); `None` on one device, whose cache's set is the model's.
+    split_hot: Option<HotSet>,
+    /// Host rows of a hop between devices ([`GpuModel::hop`]).
+    hop_rows: Vec<f32>,
+    /// A split call's routing ids of the devices before the last, `[n_layers, t * k]`.
+    split_ids: Vec<i32>,
+}
+
+/// The devices' layer ranges: contiguous, in order, each non-empty, covering `0..n_layers`.
+fn check_ranges(ranges: Vec<Range<usize>>, n_layers: usize) -> Result<(), GpuError> {
+    let mut next = 0;
+    let in_order = ranges.iter().all(|r| {
+        let fits = r.start == next && r.end > r.start;
+        next = r.end;
+        fits
+    });
+    if ranges.is_empty() {
+        return Err(SplitError::NoDevices.into());
+    }
+    match in_order && next == n_layers {
+        true => Ok(()),
+        false => Err(GpuError::LayerRanges { ranges, n_layers }),
+    }
 }
 
 impl GpuModel {
@@ -138,40 +162,51 @@ impl GpuModel {
         Ok(())
     }
 
-    /// Upload every non-expert weight; the hot cache starts empty (every expert cold) until
-    /// [`GpuModel::allocate_hot`].
+    /// Upload every non-expert weight to `be`'s device, which runs every layer; the hot cache
+    /// starts empty (every expert cold) until [`GpuModel::allocate_hot`].
     pub fn new(model: Arc<Model>, be: Arc<CudaBackend>, opts: GpuOptions) -> Result<GpuModel, GpuError> {
-        be.bind_to_thread()?;
+        let n_layers = model.config().n_layers;
+        GpuModel::on_devices(model, vec![(be, 0..n_layers)], opts)
+    }
+
+    /// The model split over devices: `parts[d]` is device d's backend and the layers it runs
+    /// (contiguous, in order, covering every layer: [`super::split::assign_layers`]); the first
+    /// runs the embedding, the last the head. Every device's non-expert weights are uploaded;
+    /// the hot caches start empty until [`GpuModel::allocate_hot`]. One part is the
+    /// single-device engine.
+    pub fn on_devices(
+        model: Arc<Model>,
+        parts: Vec<(Arc<CudaBackend>, Range<usize>)>,
+        opts: GpuOptions,
+    ) -> Result<GpuModel, GpuError> {
+        if let Some((be, _)) = parts.first() {
+            be.bind_to_thread()?;
+        }
         let cfg = model.config().clone();
         GpuModel::supports(&model)?;
         super::kv::check_kv_blocks(model.plan(), opts.kv_type)?;
-        let w = DenseWeights::upload(&model, &be)?;
-        let hot = HotCache::empty(&be, &model)?;
-        let dequant = dequant_scratch(&be, (&cfg, model.plan()), &w, &hot)?;
-        let postfetch = PostFetch::new(&be, &model, opts.postfetch)?;
-        let moe = MoeStage::new(&be, &cfg, hot, postfetch, PlainColdLane::new(model.clone()))?;
+        check_ranges(parts.iter().map(|(_, r)| r.clone()).collect(), cfg.n_layers)?;
+        let n = parts.len();
+        if opts.profile && n > 1 {
+            return Err(GpuError::SplitProfile { devices: n });
+        }
+        let shards = parts
+            .into_iter()
+            .enumerate()
+            .map(|(d, (be, layers))| {
+                let ends = Ends { embed: d == 0, head: d + 1 == n };
+                Shard::new(model.clone(), be, (layers, ends), opts.clone())
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let mut gm = GpuModel {
-            mixer: MixerStage::new(model.plan()),
-            moe,
-            head: HeadStage::new(&be, &cfg, 8)?,
-            graphs: Graphs::default(),
+            shards,
             perf: PerfState::new(opts.perf_mode, cfg.n_layers, cfg.n_experts, cfg.n_experts_used),
             stats: ForwardStats::default(),
             call_idx: 0,
-            dev: Device {
-                plan: model.plan().clone(),
-                expert_layers: model.plan().expert_layers(),
-                w,
-                scratch: None,
-                dequant,
-                profiler: None,
-                step: None,
-                rows: None,
-                opts,
-                cfg,
-                model,
-                be,
-            },
+            graph_calls: 0,
+            split_hot: (n > 1).then(|| HotSet::empty(cfg.n_layers, cfg.n_experts, 1)),
+            hop_rows: Vec::new(),
+            split_ids: Vec::new(),
         };
         if opts.profile {
             gm.enable_profile()?;
@@ -179,42 +214,73 @@ impl GpuModel {
         Ok(gm)
     }
 
-    /// Allocate the hot cache once (capacity = each layer's hot count) and fill it.
+    /// Allocate the hot caches once (capacity = each layer's hot count, on the device that
+    /// runs the layer) and fill them.
     pub fn allocate_hot(&mut self, set: &HotSet) -> Result<(), GpuError> {
-        self.dev.be.bind_to_thread()?;
-        self.graphs = Graphs::default(); // their slot pointers go with the old cache
-        let (be, model) = (&self.dev.be, &self.dev.model);
-        self.moe.hot.allocate(be, model, set)?;
-        if let Some(pf) = self.moe.postfetch.as_mut() {
-            let n = self.dev.cfg.n_experts;
-            let cold = set.layers.iter().map(|ls| n - ls.n_hot().min(n));
-            pf.fit_slots(be, super::postfetch::plan::fitted_slots(pf.slots, cold))?;
+        let Some(split) = self.split_hot.as_mut() else { return self.shards[0].allocate_hot(set) };
+        let n_layers = split.layers.len();
+        if set.layers.len() != n_layers {
+            return Err(GpuError::HotLayers { given: set.layers.len(), expected: n_layers });
+        }
+        for sh in &mut self.shards {
+            let mut part = HotSet::empty(n_layers, set.n_experts, set.n_lanes);
+            for l in sh.layers() {
+                part.layers[l] = set.layers[l].clone();
+            }
+            sh.allocate_hot(&part)?;
+        }
+        *split = set.clone();
+        Ok(())
+    }
+
+    /// Exchange one cache slot between calls: `add` takes the slot of `evict` (on the device
+    /// that runs `layer_idx`).
+    pub fn exchange(&mut self, layer_idx: usize, evict: usize, add: usize) -> Result<(), GpuError> {
+        let d = self.device_of(layer_idx);
+        self.shards[d].exchange(layer_idx, evict, add)?;
+        if let Some(split) = self.split_hot.as_mut() {
+            split.layers[layer_idx] = self.shards[d].moe.hot.set().layers[layer_idx].clone();
         }
         Ok(())
     }
 
-    /// Exchange one cache slot between calls: `add` takes the slot of `evict`.
-    pub fn exchange(&mut self, layer_idx: usize, evict: usize, add: usize) -> Result<(), GpuError> {
-        self.dev.be.bind_to_thread()?;
-        let src = self.moe.postfetch.as_ref().and_then(|pf| pf.exchange_source());
-        self.moe.hot.exchange(&self.dev.be, &self.dev.model, src, (layer_idx, evict, add))
+    /// The device that runs layer `l` (the last for a layer past the model's: its checks refuse
+    /// it by name).
+    fn device_of(&self, l: usize) -> usize {
+        self.shards.iter().position(|s| s.dev.layers.contains(&l)).unwrap_or(self.shards.len() - 1)
     }
 
     pub fn hot_set(&self) -> &HotSet {
-        self.moe.hot.set()
+        self.split_hot.as_ref().unwrap_or_else(|| self.shards[0].moe.hot.set())
     }
 
     pub fn config(&self) -> &ModelConfig {
-        &self.dev.cfg
+        &self.shards[0].dev.cfg
     }
 
+    /// The first device's backend (the only one unless the model is split).
     pub fn backend(&self) -> &Arc<CudaBackend> {
-        &self.dev.be
+        &self.shards[0].dev.be
+    }
+
+    /// Every device's backend, in layer order.
+    pub fn backends(&self) -> impl Iterator<Item = &Arc<CudaBackend>> {
+        self.shards.iter().map(|s| &s.dev.be)
+    }
+
+    /// The layers each device runs, in order (one range on one device).
+    pub fn device_layers(&self) -> Vec<Range<usize>> {
+        self.shards.iter().map(Shard::layers).collect()
+    }
+
+    /// Per device: its layers, dense and hot bytes, cached experts (one entry on one device).
+    pub fn device_reports(&self) -> Vec<DeviceReport> {
+        self.shards.iter().map(Shard::report).collect()
     }
 
     /// The KV cache's element type.
     pub fn kv_type(&self) -> KvType {
-        self.dev.opts.kv_type
+        self.shards[0].dev.opts.kv_type
     }
 
     pub fn perf(&self) -> &PerfState {
@@ -223,46 +289,47 @@ impl GpuModel {
 
     /// Start the perf state over (after a learn pass, say).
     pub fn reset_perf(&mut self) {
-        let c = &self.dev.cfg;
-        self.perf = PerfState::new(self.dev.opts.perf_mode, c.n_layers, c.n_experts, c.n_experts_used);
-        if let Some(pf) = self.moe.postfetch.as_mut() {
+        let c = self.config();
+        let mode = self.shards[0].dev.opts.perf_mode;
+        self.perf = PerfState::new(mode, c.n_layers, c.n_experts, c.n_experts_used);
+        for pf in self.shards.iter_mut().filter_map(|s| s.moe.postfetch.as_mut()) {
             pf.totals = PostFetchTotals::default();
         }
     }
 
     /// The cold lane's thread count: Post-Fetch's CPU cost per token and its staging threads.
     pub fn set_cold_threads(&mut self, n_threads: usize) {
-        let (h, ff) = (self.dev.cfg.hidden, self.dev.cfg.expert_ff);
-        if let Some(pf) = self.moe.postfetch.as_mut() {
+        let (h, ff) = (self.config().hidden, self.config().expert_ff);
+        for pf in self.shards.iter_mut().filter_map(|s| s.moe.postfetch.as_mut()) {
             pf.set_cold_threads(h, ff, n_threads);
         }
     }
 
     /// Learn passes count routed slots in the cold lane: fetch nothing while `paused`.
     pub fn pause_postfetch(&mut self, paused: bool) {
-        self.moe.pause_postfetch(paused);
+        self.shards.iter_mut().for_each(|s| s.moe.pause_postfetch(paused));
     }
 
     pub fn perf_mut(&mut self) -> &mut PerfState {
         &mut self.perf
     }
 
-    /// Bytes of the hot expert caches (all layers).
+    /// Bytes of the hot expert caches (all layers, every device).
     pub fn hot_cache_bytes(&self) -> usize {
-        self.moe.hot.bytes()
+        self.shards.iter().map(|s| s.moe.hot.bytes()).sum()
     }
 
-    /// Bytes of the non-expert matrices on the device.
+    /// Bytes of the non-expert matrices on the devices.
     pub fn weight_bytes(&self) -> usize {
-        self.dev.w.matrix_bytes
+        self.shards.iter().map(|s| s.dev.w.matrix_bytes).sum()
     }
 
     pub fn set_copy_logits(&mut self, on: bool) {
-        self.dev.opts.copy_logits = on;
+        self.shards.iter_mut().for_each(|s| s.dev.opts.copy_logits = on);
     }
 
     pub fn copies_logits(&self) -> bool {
-        self.dev.opts.copy_logits
+        self.shards[0].dev.opts.copy_logits
     }
 
     /// Statistics of the last forward call.
@@ -270,38 +337,42 @@ impl GpuModel {
         &self.stats
     }
 
-    /// A KV cache for up to `capacity` positions.
+    /// A KV cache for up to `capacity` positions, each layer's on the device that runs it.
     pub fn new_kv_cache(&self, capacity: usize) -> Result<GpuKvCache, GpuError> {
-        let c = &self.dev.cfg;
+        let c = self.config();
         if capacity == 0 || capacity > c.max_positions {
             return Err(GpuError::CacheCapacity { capacity, max_positions: c.max_positions });
         }
-        GpuKvCache::new(&self.dev.be, &self.dev.plan, c.kv_dim(), capacity, self.dev.opts.kv_type)
+        let bes: Vec<&CudaBackend> =
+            self.shards.iter().flat_map(|s| std::iter::repeat_n(&*s.dev.be, s.dev.layers.len())).collect();
+        GpuKvCache::new(&bes, &self.shards[0].dev.plan, c.kv_dim(), capacity, self.kv_type())
     }
 
-    /// Device scratch (and the stages' host twins) for calls of up to `t` tokens; grows, never
-    /// shrinks.
+    /// Device scratch (and the stages' host twins) for calls of up to `t` tokens, on every
+    /// device; grows, never shrinks.
     pub fn reserve_tokens(&mut self, t: usize) -> Result<(), GpuError> {
-        let dev = &mut self.dev;
-        if dev.scratch.as_ref().is_some_and(|s| s.cap >= t) {
-            return Ok(());
+        for d in 0..self.shards.len() {
+            self.enter(d)?;
+            self.shards[d].reserve_tokens(t)?;
         }
-        dev.scratch = None; // free first
-        let gated = dev.plan.layers().iter().any(|l| l.as_attention().is_some_and(|a| a.output_gate));
-        let dense_ff = dev.plan.layers().iter().filter_map(|l| match l.ffn {
-            crate::model::arch::Ffn::Dense(d) => Some(d.ff),
-            crate::model::arch::Ffn::Moe(_) => None,
-        });
-        let attn = widest_attention(&dev.plan, &dev.cfg);
-        let s = Scratch::new(&dev.be, &dev.cfg, t, gated, dense_ff.max().unwrap_or(0), attn)?;
-        self.moe.reserve(&dev.be, &dev.cfg, s.cap)?;
-        self.head = HeadStage::new(&dev.be, &dev.cfg, s.cap)?;
-        dev.scratch = Some(s);
         Ok(())
     }
 
+    /// Make device `d`'s context current when the model is split (one device's stays bound).
+    pub(super) fn enter(&self, d: usize) -> Result<(), GpuError> {
+        if self.shards.len() > 1 {
+            self.shards[d].dev.be.bind_to_thread()?;
+        }
+        Ok(())
+    }
+
+    /// The device that runs the head.
+    pub(super) fn last_mut(&mut self) -> &mut Shard {
+        self.shards.last_mut().expect("a model runs on a device")
+    }
+
     pub(super) fn check_call(&self, tokens: &[u32], cache: &GpuKvCache) -> Result<(), GpuError> {
-        let c = &self.dev.cfg;
+        let c = self.config();
         if tokens.is_empty() {
             return Err(ForwardError::EmptyInput.into());
         }
@@ -322,7 +393,6 @@ impl GpuModel {
         }
         Ok(())
     }
-
     /// Run `tokens` after what `cache` holds, in the caller's `phase` (decided once per call);
     /// the hot and cold lanes of every MoE layer split the routed slots; returns one logits row
     /// per token (or only the greedy tokens when logits copies are off).
@@ -350,12 +420,12 @@ impl GpuModel {
         cold: &mut dyn ColdLane,
         rows: LogitRows,
     ) -> Result<Logits, GpuError> {
-        let limit = self.dev.opts.max_call_tokens.max(1);
+        let limit = self.shards[0].dev.opts.max_call_tokens.max(1);
         if tokens.len() <= limit {
             return self.forward_call(tokens, phase, cache, cold, rows);
         }
         self.check_call(tokens, cache)?;
-        let mut logits = Logits::empty(self.dev.cfg.vocab);
+        let mut logits = Logits::empty(self.config().vocab);
         for chunk in tokens.chunks(limit) {
             let part = self.forward_call(chunk, phase, cache, cold, rows)?;
             match rows {
@@ -378,18 +448,18 @@ impl GpuModel {
         let call_start = Instant::now();
         self.start_call(&mut [(tokens, &mut *cache)])?;
         let eager = self.timing_sample(tokens, phase);
-        if !eager && self.graph_eligible(tokens, phase) {
-            return self.forward_graph(tokens[0], cache, cold, rows, call_start);
-        }
-        if !eager && self.segments_eligible(tokens, phase) {
-            return self.forward_segments(tokens[0], cache, cold, rows, call_start);
+        if !eager && self.graphs_apply(tokens, phase) {
+            return self.forward_graphs(tokens[0], cache, cold, rows, call_start);
         }
         let t = tokens.len();
-        self.embed(tokens)?;
-        self.layers(0..self.dev.cfg.n_layers, phase, t, &[GpuSeg::whole(cache, t)], cold)?;
+        self.enter(0)?;
+        self.shards[0].embed(tokens)?;
+        self.run_shards(phase, t, &[GpuSeg::whole(cache, t)], cold)?;
         let copy_start = Instant::now();
-        let n = head_kernels(&self.dev, phase, t, rows)?;
-        let logits = self.head.copies(&self.dev, self.perf.mode(), t, n)?;
+        let mode = self.perf.mode();
+        let last = self.last_mut();
+        let n = head_kernels(&last.dev, phase, t, rows)?;
+        let logits = last.head_copies(mode, t, n)?;
         let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
         cache.n_positions += t;
         self.finish_call(phase, t, call_start, copy_start, copy_us)?;
@@ -397,78 +467,64 @@ impl GpuModel {
     }
 
     /// A call's start, after checking each sequence's tokens against its cache: counted (an
-    /// injected device loss fails it here), the device bound, scratch for every row, and a
-    /// new (or cleared) session's recurrent state zeroed.
+    /// injected device loss fails it here), then on every device its context bound, exchanges
+    /// that landed admitted, scratch for every row, and a new (or cleared) session's recurrent
+    /// state zeroed.
     pub(super) fn start_call(&mut self, seqs: &mut [(&[u32], &mut GpuKvCache)]) -> Result<(), GpuError> {
         for (tokens, cache) in seqs.iter() {
             self.check_call(tokens, cache)?;
         }
         self.call_idx += 1;
-        if self.dev.opts.faults.gpu_lost_at_call == Some(self.call_idx) {
+        if self.shards[0].dev.opts.faults.gpu_lost_at_call == Some(self.call_idx) {
             return Err(GpuError::Injected { what: "gpu lost" });
         }
-        self.dev.be.bind_to_thread()?;
-        let landed = self.moe.hot.admit_landed(&self.dev.be)?;
-        if landed > 0 {
-            self.perf.record_landed_exchanges(landed as u64);
-        }
-        self.reserve_tokens(seqs.iter().map(|(tokens, _)| tokens.len()).sum())?;
-        for (_, cache) in seqs.iter_mut() {
-            if cache.n_positions == 0 {
-                cache.reset_recurrent(&self.dev.be)?;
+        let t = seqs.iter().map(|(tokens, _)| tokens.len()).sum();
+        for sh in &mut self.shards {
+            let landed = sh.start(self.call_idx, t, seqs)?;
+            if landed > 0 {
+                self.perf.record_landed_exchanges(landed as u64);
             }
         }
         Ok(())
     }
 
-    /// The `layers` over the call's `t` rows: each layer's mixer (per sequence, `segs`), then
-    /// its MoE block.
-    pub(super) fn layers(
+    /// Every device's layers over the call's `t` rows (the embedding is in the first device's
+    /// hidden rows), the rows hopping to the next device after each device's last layer.
+    pub(super) fn run_shards(
         &mut self,
-        layers: std::ops::Range<usize>,
         phase: Phase,
         t: usize,
         segs: &[GpuSeg<'_>],
         cold: &mut dyn ColdLane,
     ) -> Result<(), GpuError> {
-        for l in layers {
-            let cx = LayerCtx::of(&self.dev, self.call_idx, l, phase, t);
-            cx.mark(0)?;
-            self.mixer.run(&cx, segs)?;
-            self.moe.run(&cx, &mut self.perf, cold)?;
+        for d in 0..self.shards.len() {
+            if d > 0 {
+                self.hop(d, t)?;
+            }
+            let sh = &mut self.shards[d];
+            sh.run_layers(sh.layers(), phase, (t, segs), cold, &mut self.perf)?;
         }
         Ok(())
     }
 
-    /// A split layer's start in the decode segments (one token): its mark, mixer and routing;
-    /// how its MoE block runs.
-    pub(super) fn split_layer_start(&mut self, l: usize, seg: GpuSeg<'_>) -> Result<MoePlan, GpuError> {
-        let cx = LayerCtx::of(&self.dev, self.call_idx, l, Phase::Decode, 1);
-        cx.mark(0)?;
-        self.mixer.run(&cx, &[seg])?;
-        self.moe.route_layer(&cx)
+    /// The first `rows` hidden rows of device `to - 1` copied into device `to`'s (through host
+    /// memory: a synchronous read, which waits for the device's work, then a copy queued on the
+    /// next device's stream), whose context is current after.
+    pub(super) fn hop(&mut self, to: usize, rows: usize) -> Result<(), GpuError> {
+        let n = rows * self.config().hidden;
+        if self.hop_rows.len() < n {
+            self.hop_rows.resize(n, 0.0);
+        }
+        let from = &self.shards[to - 1].dev;
+        from.be.bind_to_thread()?;
+        from.be.read(from.s().hidden.ptr().sub(0, n), &mut self.hop_rows[..n])?;
+        let dest = &self.shards[to].dev;
+        dest.be.bind_to_thread()?;
+        dest.be.write(&self.hop_rows[..n], dest.s().hidden.ptr().sub(0, n))?;
+        Ok(())
     }
 
-    /// A split layer's hot lane in the decode segments.
-    pub(super) fn split_layer_hot(&mut self, l: usize, plan: MoePlan) -> Result<(), LayerFault> {
-        let cx = LayerCtx::of(&self.dev, self.call_idx, l, Phase::Decode, 1);
-        self.moe.hot_lane_device(&cx, plan)
-    }
-
-    /// A split layer's cold lane between the decode segments' graphs, settled (a failed lane
-    /// recomputed all-cold); the next part adds the layer's MoE output.
-    pub(super) fn split_layer_cold(&mut self, l: usize, cold: &mut dyn ColdLane) -> Result<(), GpuError> {
-        let cx = LayerCtx::of(&self.dev, self.call_idx, l, Phase::Decode, 1);
-        let outcome = self.moe.cold_lane_device(&cx, cold);
-        self.moe.settle(&cx, &mut self.perf, cold, outcome).map(|_| ())
-    }
-
-    /// The head's copies back for a call of `t` rows and `n` logits rows.
-    pub(super) fn head_copies(&mut self, t: usize, n: usize) -> Result<Logits, GpuError> {
-        self.head.copies(&self.dev, self.perf.mode(), t, n)
-    }
-
-    /// After the stream is idle: lane statistics, perf state, profile.
+    /// After the streams are idle: lane statistics, perf state, profile.
     pub(super) fn finish_call(
         &mut self,
         phase: Phase,
@@ -479,24 +535,16 @@ impl GpuModel {
     ) -> Result<(), GpuError> {
         let mut layers = std::mem::take(&mut self.stats.layers);
         layers.clear();
-        for (r, ev) in self.moe.records.iter().zip(&mut self.moe.lane_events) {
-            layers.push(stats::lane_stats(r, ev.hot_us(r, phase == Phase::Decode)?));
-        }
-        // decode calls fetch only with `PostFetchOptions::decode`
-        if phase != Phase::Decode || self.moe.postfetch.as_ref().is_some_and(|p| p.opts.decode) {
-            self.moe.postfetch_finish(&mut self.perf)?;
+        for d in 0..self.shards.len() {
+            self.enter(d)?;
+            self.shards[d].finish_lanes(phase, &mut layers, &mut self.perf)?;
         }
         let total_us = call_start.elapsed().as_secs_f64() * 1e6;
         self.stats = ForwardStats { n_tokens: t, prefill: phase != Phase::Decode, layers, total_us };
         if self.perf.mode() != PerfMode::Off {
-            let (c, cap) = (&self.dev.cfg, self.dev.s().cap);
-            let stride = t * c.n_experts_used;
-            // Brought back with the greedy tokens by `HeadStage::copies`.
-            let ids = &self.head.pin_tail.as_slice()?[cap..][..c.n_layers * stride];
-            let (hot, experts) = (self.moe.hot.resident(), &self.dev.expert_layers);
-            stats::record_call(&mut self.perf, &self.stats, (ids, stride, stride), hot, experts);
+            self.record_routing(t)?;
         }
-        if let Some(p) = &mut self.dev.profiler {
+        if let Some(p) = &mut self.shards[0].dev.profiler {
             let enqueue_us = (copy_start - call_start).as_secs_f64() * 1e6;
             p.collect(&CallTimes {
                 decode: phase == Phase::Decode,
@@ -509,16 +557,45 @@ impl GpuModel {
         Ok(())
     }
 
+    /// Every layer's routed experts of the call into the perf state, hot by the map each ran
+    /// with: the last device's ids came back with the greedy tokens (`HeadStage::copies`), the
+    /// other devices' (when split) are read back here.
+    fn record_routing(&mut self, t: usize) -> Result<(), GpuError> {
+        let (n_layers, stride) = (self.config().n_layers, t * self.config().n_experts_used);
+        let last = self.shards.len() - 1;
+        for d in 0..=last {
+            let sh = &self.shards[d];
+            let range = sh.layers();
+            let ids: &[i32] = if d == last {
+                let cap = sh.dev.s().cap;
+                &sh.head.pin_tail.as_slice()?[cap..][..n_layers * stride]
+            } else {
+                self.split_ids.resize(n_layers * stride, 0);
+                sh.dev.be.bind_to_thread()?;
+                let src = sh.dev.s().ids().sub(range.start * stride, range.len() * stride);
+                sh.dev.be.read(src, &mut self.split_ids[range.start * stride..range.end * stride])?;
+                &self.split_ids
+            };
+            let (hot, experts) = (sh.moe.hot.resident(), &sh.dev.expert_layers);
+            stats::record_call(&mut self.perf, &self.stats, (ids, stride, stride), hot, experts, range);
+        }
+        Ok(())
+    }
+
     /// Turn on the per-stage GPU timing breakdown: CUDA event records at stage boundaries,
-    /// read after each call's final copy.
+    /// read after each call's final copy (one device only).
     pub fn enable_profile(&mut self) -> Result<(), GpuError> {
-        let (be, n_layers) = (&self.dev.be, self.dev.cfg.n_layers);
+        if self.shards.len() > 1 {
+            return Err(GpuError::SplitProfile { devices: self.shards.len() });
+        }
+        let dev = &mut self.shards[0].dev;
+        let (be, n_layers) = (&dev.be, dev.cfg.n_layers);
         let n_marks = stats::PROFILE_LAYER_STAGES.len() + 1;
         let layer_marks = (0..n_layers)
             .map(|_| (0..n_marks).map(|_| be.event()).collect::<Result<Vec<_>, _>>())
             .collect::<Result<Vec<_>, _>>()?;
         let tail_marks = (0..3).map(|_| be.event()).collect::<Result<Vec<_>, _>>()?;
-        self.dev.profiler = Some(Profiler {
+        dev.profiler = Some(Profiler {
             layer_marks,
             tail_marks,
             decode: StageProfile::default(),
@@ -529,37 +606,15 @@ impl GpuModel {
 
     /// The profile as text (decode and prefill), when profiling is on.
     pub fn profile_report(&self) -> Option<String> {
-        let p = self.dev.profiler.as_ref()?;
+        let p = self.shards[0].dev.profiler.as_ref()?;
         Some(format!("{}{}", p.decode.report("decode"), p.prefill.report("prefill")))
     }
 
     /// Clear the accumulated profile.
     pub fn reset_profile(&mut self) {
-        if let Some(p) = &mut self.dev.profiler {
+        if let Some(p) = &mut self.shards[0].dev.profiler {
             p.decode = StageProfile::default();
             p.prefill = StageProfile::default();
         }
-    }
-
-    pub(super) fn dev(&self) -> &Device {
-        &self.dev
-    }
-
-    pub(super) fn dev_mut(&mut self) -> &mut Device {
-        &mut self.dev
-    }
-
-    pub(super) fn mixer(&self) -> &MixerStage {
-        &self.mixer
-    }
-
-    /// The shared device state beside the mixer and MoE stages, to change the stages.
-    pub(super) fn stages_mut(&mut self) -> (&Device, &mut MixerStage, &mut MoeStage) {
-        (&self.dev, &mut self.mixer, &mut self.moe)
-    }
-
-    /// The embedding of the call's tokens.
-    pub(super) fn embed(&mut self, tokens: &[u32]) -> Result<(), GpuError> {
-        self.head.embed(&self.dev, tokens)
     }
 }

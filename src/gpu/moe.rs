@@ -177,7 +177,7 @@ impl MoeStage {
         let device_path = (by_gemv || grouped_prefill) && !cx.faults.any();
         // All-hot decode without a shared expert: the hot lane accumulates straight into the
         // residual stream (no zero fill, no add).
-        let lw = &dev.w.layers[l];
+        let lw = dev.w.layer(l);
         let direct = device_path && all_hot && lw.shared.is_none() && !lw.extras.around_output();
         let to_host = !(device_path && all_hot);
         // the fused routing (one block a row) also writes the device path's hot worklist

@@ -164,8 +164,18 @@ impl PrefillActivations {
 }
 
 /// Engine switches.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct GpuOptions {
+    /// The CUDA devices the layers are split over (`--devices 0,1`), in layer order: the first
+    /// runs the embedding, the last the head. Empty: every visible GPU (or the one
+    /// `CudaConfig::device_ordinal` names when it is not 0, `MOE_LANES_CUDA_DEVICE`). An ordinal
+    /// may repeat: two contexts' streams on one GPU, each with its own layers (how the
+    /// multi-device path is tested on a one-GPU machine).
+    pub devices: Vec<usize>,
+    /// Each device's share of the layers (`--tensor-split 3,1`, llama.cpp's `-ts`), one positive
+    /// number per device; empty: shares by each device's free memory
+    /// ([`crate::gpu::split`]).
+    pub tensor_split: Vec<f64>,
     /// The prefill hot lane's GEMMs: grouped (default) or per expert through cuBLAS.
     pub prefill_attention: PrefillAttention,
     /// What prefill GEMMs take as activations, by weight type.
@@ -233,6 +243,8 @@ pub const HOT_GROUPED_MIN_ROWS: usize = 8;
 impl Default for GpuOptions {
     fn default() -> Self {
         GpuOptions {
+            devices: Vec::new(),
+            tensor_split: Vec::new(),
             prefill_attention: PrefillAttention::Mma,
             prefill_activations: PrefillActivations::default(),
             perf_mode: PerfMode::Full,

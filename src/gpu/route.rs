@@ -32,7 +32,7 @@ impl MoeStage {
         if zero_moe {
             be.zero(s.moe_out.ptr().sub(0, t * h))?;
         }
-        let lw = &dev.w.layers[l];
+        let lw = dev.w.layer(l);
         if fused {
             self.route_fused(cx, ids, wts)?;
         } else {
@@ -66,7 +66,7 @@ impl MoeStage {
     fn route_fused(&self, cx: &LayerCtx<'_>, ids: DPtr<i32>, wts: DPtr<f32>) -> Result<(), GpuError> {
         let (dev, l, t) = (cx.dev, cx.l, cx.t);
         let (c, s) = (&dev.cfg, dev.s());
-        let router = dev.w.layers[l].router().bf16().expect("route_fusable: a bf16 router");
+        let router = dev.w.layer(l).router().bf16().expect("route_fusable: a bf16 router");
         let (variant, norm_topk) = softmax_variant(dev, l);
         let (lay, wi, n_ent) = (s.layout, s.work_i.ptr(), t * c.n_experts_used);
         let worklist = HotWorklist {
@@ -110,7 +110,7 @@ fn top_k(dev: &Device, l: usize, t: usize, ids: DPtr<i32>, wts: DPtr<f32>) -> Re
     let spec = dev.plan.layer(l).as_moe().expect("MoE layers only").router;
     if spec.variant == RoutingVariant::Sigmoid {
         let r = SigmoidRoute {
-            selection_bias: dev.w.layers[l].selection_bias.as_ref().map(|b| b.ptr()),
+            selection_bias: dev.w.layer(l).selection_bias.as_ref().map(|b| b.ptr()),
             n_group: spec.n_group,
             topk_group: spec.topk_group,
             norm: spec.norm_topk_prob,
@@ -138,7 +138,7 @@ fn softmax_variant(dev: &Device, l: usize) -> (RouteVariant, bool) {
 /// router, top-k and the hot worklist): for a bf16 router without a bias whose rows fit the
 /// kernel's shared memory (else four or five launches).
 pub(crate) fn route_fusable(dev: &Device, l: usize) -> bool {
-    let (c, lw) = (&dev.cfg, &dev.w.layers[l]);
+    let (c, lw) = (&dev.cfg, dev.w.layer(l));
     let softmax = dev.plan.layer(l).as_moe().is_some_and(|m| m.router.variant != RoutingVariant::Sigmoid);
     softmax
         && lw.router().bf16().is_some()
@@ -149,7 +149,7 @@ pub(crate) fn route_fusable(dev: &Device, l: usize) -> bool {
 /// The weight of the RMSNorm the router reads: the FFN norm's, or (Gemma 4) the learned input
 /// scale times `hidden^-0.5` over the residual.
 fn router_norm(dev: &Device, l: usize) -> &DeviceBuffer<f32> {
-    let lw = &dev.w.layers[l];
+    let lw = dev.w.layer(l);
     lw.extras.router_input_scale.as_ref().unwrap_or(&lw.ffn_norm)
 }
 
@@ -160,7 +160,7 @@ fn router_norm(dev: &Device, l: usize) -> &DeviceBuffer<f32> {
 fn branches(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
     let (dev, l, t) = (cx.dev, cx.l, cx.t);
     let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
-    let lw = &dev.w.layers[l];
+    let lw = dev.w.layer(l);
     let [shared_post, experts_pre, _] = lw.extras.branch_norms.as_ref().expect("a layer with branch norms");
     let sw = lw.shared.as_ref().expect("branch norms come with the dense branch (GpuModel::supports)");
     let (h, out) = (c.hidden, s.shared_out.ptr());
@@ -177,7 +177,7 @@ fn branches(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
 /// residual (Gemma 4). Other layers: the one add.
 pub(crate) fn add_moe_output(dev: &Device, l: usize, t: usize) -> Result<(), GpuError> {
     let (c, be, s) = (&dev.cfg, &dev.be, dev.s());
-    let (x, h, ex) = (s.moe_out.ptr(), c.hidden, &dev.w.layers[l].extras);
+    let (x, h, ex) = (s.moe_out.ptr(), c.hidden, &dev.w.layer(l).extras);
     if let Some([_, _, experts_post]) = &ex.branch_norms {
         be.rmsnorm(x, experts_post.ptr(), x, t, h, c.rms_eps)?;
         be.add(x, s.shared_out.ptr(), t * h)?;
@@ -196,8 +196,8 @@ pub(crate) fn add_moe_output(dev: &Device, l: usize, t: usize) -> Result<(), Gpu
 /// has one); with branch norms it ran with the routing and the join adds it.
 pub(crate) fn shared_expert(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
     let (dev, t) = (cx.dev, cx.t);
-    let Some(sw) = &dev.w.layers[cx.l].shared else { return Ok(()) };
-    if dev.w.layers[cx.l].extras.branch_norms.is_some() {
+    let Some(sw) = &dev.w.layer(cx.l).shared else { return Ok(()) };
+    if dev.w.layer(cx.l).extras.branch_norms.is_some() {
         return Ok(());
     }
     let (h, be, s) = (dev.cfg.hidden, &dev.be, dev.s());
@@ -217,7 +217,7 @@ pub(crate) fn shared_expert(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
 pub(crate) fn dense_ffn(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
     let (dev, l, t) = (cx.dev, cx.l, cx.t);
     let (c, s) = (&dev.cfg, dev.s());
-    let lw = &dev.w.layers[l];
+    let lw = dev.w.layer(l);
     let w = lw.dense.as_ref().expect("the plan says a dense FFN");
     let Ffn::Dense(d) = dev.plan.layer(l).ffn else { unreachable!("the plan says a dense FFN") };
     dev.be.rmsnorm(s.hidden.ptr(), lw.ffn_norm.ptr(), s.normed.ptr(), t, c.hidden, c.rms_eps)?;

@@ -106,11 +106,13 @@ pub(crate) struct Scratch {
 impl Scratch {
     /// `gated`: some attention layer has an output gate (its logits need a buffer); `dense_ff`:
     /// the widest dense FFN layer's intermediate size (0: none); `(q_dim, kv_dim)`: the widest
-    /// attention layer's query and key rows (layers may have their own, Gemma 4's global ones).
+    /// attention layer's query and key rows (layers may have their own, Gemma 4's global ones);
+    /// `head`: the device runs the head (the logits rows; one element otherwise).
     pub fn new(
         be: &CudaBackend,
         c: &ModelConfig,
         t: usize,
+        head: bool,
         gated: bool,
         dense_ff: usize,
         (q_dim, kv_dim): (usize, usize),
@@ -174,7 +176,7 @@ impl Scratch {
             work_f: f(cap * k)?,
             cold_in: f(cap * c.hidden)?,
             cold_out: f(cap * c.hidden)?,
-            logits: f(cap * c.vocab)?,
+            logits: f(if head { cap * c.vocab } else { 0 })?,
             argmax_part: f(CudaBackend::argmax_split_scratch(cap))?,
         })
     }

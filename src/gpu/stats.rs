@@ -96,20 +96,21 @@ pub(crate) fn lane_stats(r: &LayerRecord, hot_us: f64) -> LayerLaneStats {
     s
 }
 
-/// Record the call into the perf state: per-layer timings, and per-slot counts from the
-/// routing ids of every layer with experts (`ids[l * stride ..][.. n_slots]`; `expert_layers`),
-/// hot by the call's map.
+/// Record the call's `layers` (one device's; every layer on one device) into the perf state:
+/// per-layer timings, and per-slot counts from the routing ids of every layer with experts
+/// (`ids[l * stride ..][.. n_slots]`; `expert_layers`), hot by the call's map.
 pub(crate) fn record_call(
     perf: &mut PerfState,
     stats: &ForwardStats,
     (ids, stride, n_slots): (&[i32], usize, usize),
     hot: &HotSet,
     expert_layers: &[bool],
+    layers: std::ops::Range<usize>,
 ) {
     if perf.mode() == PerfMode::Off {
         return;
     }
-    for (l, s) in stats.layers.iter().enumerate() {
+    for (l, s) in stats.layers.iter().enumerate().skip(layers.start).take(layers.len()) {
         let map = &hot.layers[l];
         let routed = if expert_layers[l] { &ids[l * stride..][..n_slots] } else { &[] };
         for &e in routed {

@@ -205,12 +205,15 @@ pub(crate) struct DeltaNetWeights {
 }
 
 pub(crate) struct DenseWeights {
-    /// The embedding table in its stored type (the lookup decodes quantized rows exactly).
-    pub embed: DevMatrix,
-    pub final_norm: DeviceBuffer<f32>,
-    /// `None`: tied, the embedding is the lm_head.
-    pub lm_head: Option<DevMatrix>,
-    pub layers: Vec<LayerWeights>,
+    /// The embedding table in its stored type (the lookup decodes quantized rows exactly): on
+    /// the device that runs the embedding, and on the one that runs the head when the lm_head is
+    /// tied to it.
+    embed: Option<DevMatrix>,
+    /// The final norm and the lm_head, on the device that runs the head.
+    head: Option<HeadWeights>,
+    /// Layers `first..first + layers.len()`: the device's own.
+    layers: Vec<LayerWeights>,
+    first: usize,
     /// Bytes of the matrices on the device.
     pub matrix_bytes: usize,
     /// Elements of the largest quantized matrix (0: none), for the prefill dequantization
@@ -339,17 +342,61 @@ impl Uploader<'_> {
     }
 }
 
+/// The head's weights: the final norm and the lm_head (`None`: tied, the embedding is the
+/// lm_head).
+pub(crate) struct HeadWeights {
+    pub final_norm: DeviceBuffer<f32>,
+    pub lm_head: Option<DevMatrix>,
+}
+
+/// Which ends of the model a device runs beside its layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ends {
+    pub embed: bool,
+    pub head: bool,
+}
+
 impl DenseWeights {
-    pub fn upload(model: &Model, be: &CudaBackend) -> Result<DenseWeights, GpuError> {
+    /// The weights of `layers` and of the `ends` a device runs (one device: every layer, both
+    /// ends).
+    pub fn upload(
+        model: &Model,
+        be: &CudaBackend,
+        layers: std::ops::Range<usize>,
+        ends: Ends,
+    ) -> Result<DenseWeights, GpuError> {
         let mut up = Uploader { be, matrix_bytes: 0, max_quantized_elems: 0 };
-        let embed = up.mat(model.global(GlobalRole::TokenEmbedding).expect("validated at open"))?;
-        let final_norm = be.upload(&model.output_norm_weight()?)?;
-        let lm_head = model.global(GlobalRole::Output).map(|t| up.mat(t)).transpose()?;
-        let layers = (0..model.config().n_layers)
-            .map(|l| upload_layer(model, l, &mut up))
-            .collect::<Result<_, _>>()?;
+        let output = model.global(GlobalRole::Output);
+        let embed = (ends.embed || (ends.head && output.is_none()))
+            .then(|| up.mat(model.global(GlobalRole::TokenEmbedding).expect("validated at open")))
+            .transpose()?;
+        let head = match ends.head {
+            true => Some(HeadWeights {
+                final_norm: be.upload(&model.output_norm_weight()?)?,
+                lm_head: output.map(|t| up.mat(t)).transpose()?,
+            }),
+            false => None,
+        };
+        let first = layers.start;
+        let layers = layers.map(|l| upload_layer(model, l, &mut up)).collect::<Result<_, _>>()?;
         let (matrix_bytes, max_quantized_elems) = (up.matrix_bytes, up.max_quantized_elems);
-        Ok(DenseWeights { embed, final_norm, lm_head, layers, matrix_bytes, max_quantized_elems })
+        Ok(DenseWeights { embed, head, layers, first, matrix_bytes, max_quantized_elems })
+    }
+
+    /// Layer `l`'s weights (one of the device's layers).
+    pub fn layer(&self, l: usize) -> &LayerWeights {
+        &self.layers[l - self.first]
+    }
+
+    /// The embedding table (the device runs the embedding, or a head tied to it).
+    pub fn embed(&self) -> TypedWeights {
+        self.embed.as_ref().expect("the device that runs the embedding holds it").view()
+    }
+
+    /// The final norm and the lm_head (the device runs the head).
+    pub fn head(&self) -> (&DeviceBuffer<f32>, TypedWeights) {
+        let h = self.head.as_ref().expect("the device that runs the head holds it");
+        (&h.final_norm, h.lm_head.as_ref().map_or_else(|| self.embed(), DevMatrix::view))
     }
 }
 

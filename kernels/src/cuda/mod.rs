@@ -438,33 +438,7 @@ impl CudaBackend {
     /// architecture (or loaded from the cubin cache).
     pub fn with_config(config: &CudaConfig) -> Result<CudaBackend> {
         let ordinal = config.device_ordinal;
-        let present = guard("library probe", || {
-            // SAFETY: probing symbols of dynamically loaded libraries has no preconditions; the
-            // calls are guarded (`guard`) so a missing symbol is an error, not a crash.
-            Ok(unsafe {
-                (
-                    cudarc::driver::sys::is_culib_present(),
-                    cudarc::nvrtc::sys::is_culib_present(),
-                    cudarc::cublas::sys::is_culib_present(),
-                )
-            })
-        })?;
-        match present {
-            (false, _, _) => {
-                return Err(CudaError::NoDriver("libcuda (the NVIDIA driver) was not found".into()))
-            }
-            (_, false, _) => {
-                return Err(CudaError::NoDriver(
-                    "libnvrtc was not found (add the CUDA lib64 directory to LD_LIBRARY_PATH)".into(),
-                ))
-            }
-            (_, _, false) => {
-                return Err(CudaError::NoDriver(
-                    "libcublas was not found (add the CUDA lib64 directory to LD_LIBRARY_PATH)".into(),
-                ))
-            }
-            _ => {}
-        }
+        probe_libraries()?;
         guard("device start-up", || {
             let count = CudaContext::device_count()
                 .map_err(|e| CudaError::NoDriver(format!("cuInit/cuDeviceGetCount: {e}")))?;
@@ -912,6 +886,51 @@ impl CudaBackend {
             .result()
             .ctx("cuLaunchKernelEx")
     }
+}
+
+/// The driver and the libraries the backend loads (libcuda, libnvrtc, libcublas) are present, or
+/// which one is missing.
+fn probe_libraries() -> Result<()> {
+    let present = guard("library probe", || {
+        // SAFETY: probing symbols of dynamically loaded libraries has no preconditions; the
+        // calls are guarded (`guard`) so a missing symbol is an error, not a crash.
+        Ok(unsafe {
+            (
+                cudarc::driver::sys::is_culib_present(),
+                cudarc::nvrtc::sys::is_culib_present(),
+                cudarc::cublas::sys::is_culib_present(),
+            )
+        })
+    })?;
+    match present {
+        (false, _, _) => return Err(CudaError::NoDriver("libcuda (the NVIDIA driver) was not found".into())),
+        (_, false, _) => {
+            return Err(CudaError::NoDriver(
+                "libnvrtc was not found (add the CUDA lib64 directory to LD_LIBRARY_PATH)".into(),
+            ))
+        }
+        (_, _, false) => {
+            return Err(CudaError::NoDriver(
+                "libcublas was not found (add the CUDA lib64 directory to LD_LIBRARY_PATH)".into(),
+            ))
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// How many CUDA devices the driver reports (the ordinals `0..n`), or why none is usable, as
+/// [`CudaBackend::with_config`] would say.
+pub fn device_count() -> Result<usize> {
+    probe_libraries()?;
+    guard("device count", || {
+        let count = CudaContext::device_count()
+            .map_err(|e| CudaError::NoDriver(format!("cuInit/cuDeviceGetCount: {e}")))?;
+        if count <= 0 {
+            return Err(CudaError::NoDriver("the driver reports no CUDA devices".into()));
+        }
+        Ok(count as usize)
+    })
 }
 
 /// Let the pipelined grouped GEMMs, the tiled prefill attention over the widest heads, the
