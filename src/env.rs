@@ -8,7 +8,7 @@
 //! | `MOE_LANES_SIMD` | force the cold lane's SIMD level (`scalar`, `avx2`, `avx512`, `avx512bf16`, `amx`) |
 //! | `MOE_LANES_Q8_ACTIVATIONS` | the cold pool's few-token tiles of quantised experts (AVX-512 VNNI): `1` 8-bit activations for every quantised type, `0` f32, `auto` (the default with VNNI) 8-bit except for Q8_0 |
 //! | `MOE_LANES_COLD_SCHEDULE` | the GPU engine's cold-pool schedule (`auto`, `phased`, `pipelined`) |
-//! | `MOE_LANES_CUDA_DEVICE` | CUDA device ordinal: the GPU engine runs on this one device (default: every visible GPU, `--devices`) |
+//! | `MOE_LANES_CUDA_DEVICE` | CUDA device ordinal: the GPU engine runs on this one device (default 0; `--devices` splits the layers over several) |
 //! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |
 //! | `CUDA_HOME`, `CUDA_PATH`, `CUDA_ROOT` | where NVRTC finds the CUDA headers |
 //! | `MOE_LANES_PDL=0` | launch kernels without programmatic dependent launch (on by default where the GPU has it, sm_90+: a kernel's blocks are scheduled while the one before it finishes) |
@@ -16,7 +16,7 @@
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_GPU_GRAPH=0` | launch every decode kernel one by one instead of replaying the captured decode graph (all-hot models) or decode segments (models with cold experts) |
 //! | `MOE_LANES_GRAPH_LANE_EVENTS=1` | the decode graphs record CUDA events around every all-hot layer's hot lane on every call (an A/B: the events stop programmatic dependent launch there); default: none in the graphs, one decode call in 64 runs eagerly and timed |
-//! | `MOE_LANES_PREFILL_ACTIVATIONS` | what the GPU prefill GEMMs feed the tensor cores: `auto` (default: bf16 hi + lo for float weights, one bf16 rounding for quantized ones), `split` (hi + lo for every type), `bf16` (one rounding for every type), `q8` (as `auto`, and MXFP4 experts' grouped prefill on int8 tensor cores over 8-bit activations; opt-in) |
+//! | `MOE_LANES_PREFILL_ACTIVATIONS` | what the GPU prefill GEMMs feed the tensor cores: `auto` (default: bf16 hi + lo for float weights; quantized ones 8-bit activations on int8 tensor cores where their type has int8 tiles (MXFP4 experts), one bf16 rounding elsewhere), `split` (hi + lo for every type), `bf16` (one bf16 rounding for every quantized type) |
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `mma` (default, flash-style tiles of queries x keys on the tensor cores, bf16 hi + lo operands; heads of a multiple of 16 up to 128 dims on sm_80+, else `tiled`), `tiled` (the same tiles in f32 on the CUDA cores) or `rows` (one block per token and head) |
 //! | `MOE_LANES_FAULT` | fault injection, e.g. `hot_error:1,gpu_lost:3` (see [`GpuFaults`]) |
 //! | `MOE_LANES_VRAM_LIMIT_MIB` | simulate a smaller GPU for the budget |
@@ -89,7 +89,7 @@ pub fn cold_schedule() -> Result<Option<ColdSchedule>, EnvError> {
 }
 
 /// `MOE_LANES_CUDA_DEVICE` as the GPU engine's device list (`GpuOptions::devices`): the one
-/// device it names, or `None` when unset (every visible GPU).
+/// device it names, or `None` when unset (device 0).
 pub fn cuda_devices() -> Result<Option<Vec<usize>>, EnvError> {
     var("MOE_LANES_CUDA_DEVICE")
         .map(|v| v.parse().map(|d| vec![d]).map_err(|_| bad("MOE_LANES_CUDA_DEVICE", &v, "a device number")))
@@ -151,7 +151,7 @@ pub fn vram_limit_bytes() -> Result<Option<u64>, EnvError> {
 
 /// The GPU engine's tuning from the environment, each variable an override of a tuning file's
 /// value (unset: `None`): `MOE_LANES_GPU_ATTENTION` (`mma`, `tiled`, `rows`),
-/// `MOE_LANES_PREFILL_ACTIVATIONS` (`auto`, `split`, `bf16`, `q8`), `MOE_LANES_GPU_GRAPH` (`0` off),
+/// `MOE_LANES_PREFILL_ACTIVATIONS` (`auto`, `split`, `bf16`), `MOE_LANES_GPU_GRAPH` (`0` off),
 /// `MOE_LANES_GRAPH_LANE_EVENTS` (`1` on), `MOE_LANES_BATCH_GEMM_MIN_TOKENS` and
 /// `MOE_LANES_HOT_GROUPED_MIN_ROWS` (counts).
 pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
@@ -167,8 +167,7 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
         Some("auto") => Some(PrefillActivations::Auto),
         Some("split") => Some(PrefillActivations::Split),
         Some("bf16") => Some(PrefillActivations::Bf16),
-        Some("q8") => Some(PrefillActivations::Q8),
-        Some(v) => return Err(bad("MOE_LANES_PREFILL_ACTIVATIONS", v, "auto, split, bf16 or q8")),
+        Some(v) => return Err(bad("MOE_LANES_PREFILL_ACTIVATIONS", v, "auto, split or bf16")),
     };
     let batch_gemm_min_tokens = var("MOE_LANES_BATCH_GEMM_MIN_TOKENS")
         .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_BATCH_GEMM_MIN_TOKENS", &v, "a token count")))

@@ -376,8 +376,8 @@ struct EngineArgs {
     ctx_size: Option<usize>,
     /// GPUs to split the layers over, in layer order (CUDA device numbers, e.g. 0,1; a number
     /// twice runs two streams on that GPU): the first runs the embedding, the last the head;
-    /// each holds its layers' weights, KV cache and hot experts. Default: MOE_LANES_CUDA_DEVICE,
-    /// else every visible GPU.
+    /// each holds its layers' weights, KV cache and hot experts. Default: one GPU,
+    /// MOE_LANES_CUDA_DEVICE or 0.
     #[arg(long)]
     devices: Option<String>,
     /// Each --devices entry's share of the layers (llama.cpp's -ts), one positive number per

@@ -483,7 +483,7 @@ fn build_gpu(
         q8_activations: opts.gpu.q8_activations && !f32_asked,
         kv_type: opts.gpu_kv_type(),
         prefill_activations: match opts.gpu.prefill_activations {
-            PrefillActivations::Auto | PrefillActivations::Q8 if f32_asked => PrefillActivations::Split,
+            PrefillActivations::Auto if f32_asked => PrefillActivations::Split,
             p => p,
         },
         ..opts.gpu.clone()

@@ -20,8 +20,8 @@ use std::sync::Arc;
 /// A device and the layers it runs.
 pub(super) type DevicePart = (Arc<CudaBackend>, Range<usize>);
 
-/// Every device the options name, opened: `GpuOptions::devices`, else every visible GPU (or the
-/// one `CudaConfig::device_ordinal` names when it is not 0).
+/// Every device the options name, opened: `GpuOptions::devices`, else the one
+/// `CudaConfig::device_ordinal` names.
 pub(super) fn open_devices(opts: &EngineOptions) -> Result<Vec<Arc<CudaBackend>>, GpuError> {
     let visible = moe_lanes_kernels::cuda::device_count()?;
     let ordinals = resolve_devices(&opts.gpu.devices, visible, opts.cuda.device_ordinal)?;

@@ -21,7 +21,6 @@
 
 use super::device::{Device, LayerCtx};
 use super::hot_cache::{HotCache, SlotEpilogue};
-use super::options::PrefillActivations;
 use super::postfetch::{PostFetch, PF_CPU, PF_LATE};
 use super::route::{add_moe_output, dense_ffn, route_fusable, route_ids, shared_expert};
 use super::scratch::{HostScratch, MoePinned, RouteView, WorkLayout};
@@ -756,7 +755,7 @@ pub(super) fn grouped_ffn(
 }
 
 /// Whether a grouped FFN over caches `w` of `n_slots` slots takes the int8 tiles: 8-bit prefill
-/// activations asked for (`PrefillActivations::Q8`), prefill's tile shape, MXFP4 gate, up and
+/// activations asked for (`PrefillActivations::Auto`), prefill's tile shape, MXFP4 gate, up and
 /// down, each cache with [`TYPED_TAIL_BYTES`] past its rows (the hot cache's; others keep the
 /// bf16 tiles).
 fn int8_tiles(dev: &Device, w: &[TypedWeights; 3], n_slots: usize, tile_rows: usize) -> bool {
@@ -766,7 +765,7 @@ fn int8_tiles(dev: &Device, w: &[TypedWeights; 3], n_slots: usize, tile_rows: us
         w.dtype == WeightDType::Mxfp4
             && w.bytes.len() >= n_slots * rows * w.dtype.row_bytes(k) + TYPED_TAIL_BYTES
     });
-    dev.opts.prefill_activations == PrefillActivations::Q8 && tile_rows == GROUPED_TILE_ROWS && tailed
+    dev.opts.prefill_activations.int8() && tile_rows == GROUPED_TILE_ROWS && tailed
 }
 
 /// [`grouped_ffn`] on the int8 tiles: the gathered normed rows and then h quantized to 8 bits

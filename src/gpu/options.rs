@@ -143,13 +143,12 @@ pub enum PrefillActivations {
     Split,
     /// One bf16 rounding for every weight type.
     Bf16,
-    /// Split for float weights; one bf16 rounding for quantized weights, whose own rounding is
-    /// far coarser (llama.cpp quantizes their activations to 8 bits).
+    /// Split for float weights; quantized weights, whose own rounding is far coarser, take
+    /// 8-bit activations on int8 tensor cores where their type has int8 grouped tiles (the hot
+    /// lane's MXFP4 experts, `grouped_*_mxfp4_q8`, as llama.cpp's MMQ) and one bf16 rounding
+    /// elsewhere.
     #[default]
     Auto,
-    /// As `auto`, and the hot lane's grouped GEMMs over MXFP4 experts on int8 tensor cores over
-    /// 8-bit activations (as llama.cpp's MMQ; `grouped_*_mxfp4_q8`). Opt-in until measured.
-    Q8,
 }
 
 impl PrefillActivations {
@@ -158,8 +157,12 @@ impl PrefillActivations {
         match self {
             PrefillActivations::Split => true,
             PrefillActivations::Bf16 => false,
-            PrefillActivations::Auto | PrefillActivations::Q8 => !dtype.is_quantized(),
+            PrefillActivations::Auto => !dtype.is_quantized(),
         }
+    }
+    /// Whether the grouped GEMMs of quantized weights with int8 tiles take them.
+    pub fn int8(self) -> bool {
+        self == PrefillActivations::Auto
     }
 }
 
@@ -167,8 +170,8 @@ impl PrefillActivations {
 #[derive(Debug, Clone)]
 pub struct GpuOptions {
     /// The CUDA devices the layers are split over (`--devices 0,1`), in layer order: the first
-    /// runs the embedding, the last the head. Empty: every visible GPU (or the one
-    /// `CudaConfig::device_ordinal` names when it is not 0, `MOE_LANES_CUDA_DEVICE`). An ordinal
+    /// runs the embedding, the last the head. Empty: the one `CudaConfig::device_ordinal` names
+    /// (0, or `MOE_LANES_CUDA_DEVICE`). An ordinal
     /// may repeat: two contexts' streams on one GPU, each with its own layers (how the
     /// multi-device path is tested on a one-GPU machine).
     pub devices: Vec<usize>,

@@ -33,15 +33,15 @@ pub enum SplitError {
     TooFewLayers { layers: usize, devices: usize },
 }
 
-/// The devices the engine runs on: `asked` (each ordinal visible; repeats allowed), else every
-/// visible device, or `configured` alone when it is not 0 (the device `MOE_LANES_CUDA_DEVICE`
-/// names).
+/// The devices the engine runs on: `asked` (each ordinal visible; repeats allowed), else
+/// `configured` alone (device 0, or the one `MOE_LANES_CUDA_DEVICE` names). A split is asked for
+/// by name: the two-device path has run on one GPU twice (`tests/multi_gpu.rs`), not yet on
+/// two GPUs, so a many-GPU machine keeps the one-device engine unless `--devices` says so.
 pub fn resolve_devices(asked: &[usize], visible: usize, configured: usize) -> Result<Vec<usize>, SplitError> {
-    let list: Vec<usize> = match (asked.is_empty(), configured) {
-        (false, _) => asked.to_vec(),
-        (true, 0) => (0..visible).collect(),
-        (true, c) => vec![c],
-    };
+    let list: Vec<usize> = if asked.is_empty() { vec![configured] } else { asked.to_vec() };
+    if visible == 0 {
+        return Err(SplitError::NoDevices);
+    }
     if list.is_empty() {
         return Err(SplitError::NoDevices);
     }
@@ -240,7 +240,7 @@ mod tests {
 
     #[test]
     fn devices_resolve_from_the_list_or_what_is_visible() {
-        assert_eq!(resolve_devices(&[], 2, 0).unwrap(), vec![0, 1]);
+        assert_eq!(resolve_devices(&[], 2, 0).unwrap(), vec![0]);
         assert_eq!(resolve_devices(&[], 1, 0).unwrap(), vec![0]);
         assert_eq!(resolve_devices(&[0, 0], 1, 0).unwrap(), vec![0, 0]);
         assert_eq!(resolve_devices(&[1, 0], 2, 0).unwrap(), vec![1, 0]);
