@@ -111,6 +111,7 @@ fn bench_attention_decode(c: &mut Criterion) {
                 keys: &keys,
                 values: &values,
                 first_pos: n - 1,
+                kv_start: 0,
                 window: None,
                 sinks: None,
             };

@@ -173,3 +173,86 @@ fn gpt_oss_presets_have_the_published_shapes() {
     assert!(synth_config(qwen, Preset::GptOss20b, &dims).is_err());
     assert!(synth_config(a, Preset::Qwen3_30bA3b, &dims).is_err());
 }
+
+/// Sliding-window rings (issue 41 item 4): one 1200-position session of a tiny synthetic GPT-OSS
+/// (window 16, so a window layer's ring of 16 + `KV_RING_CHUNK_POSITIONS` positions wraps more
+/// than twice): a 1100-token prompt in one call (the GPU runs it as calls of the ring's chunk),
+/// decode past it, a truncation within the last chunk that continues exactly and one further
+/// back that is refused. The pipeline within 1e-4 of the oracle, the GPU (hot fractions 0, 0.5,
+/// 1, f32 KV) within 2e-3; the window layers' keys and values cost their ring, not the context.
+#[test]
+fn sliding_window_rings_keep_long_sessions_exact() {
+    use moe_lanes::engine::{Engine, HotChoice, KvCache};
+    use moe_lanes::model::context::{kv_bytes_per_position_of, session_bytes, window_kv_bytes};
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("m.gguf");
+    let opts = SynthOptions {
+        adapter: moe_lanes::arch::by_name("gpt_oss").unwrap(),
+        preset: Preset::Tiny,
+        dims: DimOverrides { n_layers: Some(4), ..Default::default() },
+        dtype: moe_lanes::dtype::DType::BF16,
+        seed: 5,
+        skew: Skew::Skewed,
+        format: SynthFormat::Gguf,
+        out: out.clone(),
+        vocab_from: None,
+    };
+    synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    let model = Arc::new(Model::open(&out).unwrap());
+    let c = model.config().clone();
+    let (n, prompt) = (1200, 1100);
+    let tokens: Vec<u32> = (0..n).map(|i| ((i * 37 + i / 7) % c.vocab) as u32).collect();
+    let reference = Reference::new(&model).unwrap();
+    let want = reference.forward(&mut reference.new_cache(), &tokens, &mut NoObserver).unwrap();
+    let run = |engine: &mut dyn Engine, tolerance: f32, what: &str| {
+        let mut cache = engine.new_cache(n + 8).unwrap();
+        let mut got = vec![engine
+            .forward(&tokens[..prompt], Phase::Prefill, &mut cache)
+            .unwrap()
+            .rows()
+            .pop()
+            .unwrap()];
+        for &t in &tokens[prompt..] {
+            got.extend(engine.forward(&[t], Phase::Decode, &mut cache).unwrap().rows());
+        }
+        let err = max_rel_err(&got, &want[prompt - 1..]);
+        assert!(err < tolerance, "{what}: {err}");
+        check_ring_bytes(&c, &cache, n, what);
+        assert!(!cache.truncate(n - 600), "{what}: a ring cannot go 600 positions back");
+        assert!(cache.truncate(n - 40), "{what}: 40 back is within the last chunk");
+        let again: Vec<Vec<f32>> = tokens[n - 40..]
+            .iter()
+            .flat_map(|&t| engine.forward(&[t], Phase::Decode, &mut cache).unwrap().rows())
+            .collect();
+        let err = max_rel_err(&again, &want[n - 40..]);
+        assert!(err < tolerance, "{what} after a truncation: {err}");
+    };
+    fn check_ring_bytes(c: &moe_lanes::model::config::ModelConfig, cache: &KvCache, n: usize, what: &str) {
+        let kv = KvType::F32; // as the engines are built below
+        let full_per_position = kv_bytes_per_position_of(c, kv) as usize;
+        let bytes = cache.kv_bytes().unwrap();
+        assert!(bytes as u64 <= session_bytes(c, kv, n + 8), "{what}: {bytes} over the accounting");
+        assert!(bytes >= full_per_position * n, "{what}: the full layers keep every position");
+        let windows = window_kv_bytes(c, kv, usize::MAX) as usize;
+        assert!(bytes <= full_per_position * (n + 8) + windows, "{what}: window layers past their ring");
+        assert!(windows < full_per_position * n, "{what}: the rings are smaller than the context");
+    }
+    for kind in [EngineKind::Pipeline, EngineKind::Gpu] {
+        if kind == EngineKind::Gpu && !gpu_usable() {
+            continue;
+        }
+        let fractions: &[f64] = if kind == EngineKind::Gpu { &HOT_FRACTIONS } else { &[0.5] };
+        for &fraction in fractions {
+            let mut opts = EngineOptions::new(n + 8);
+            opts.kind = Some(kind);
+            opts.kv_type = Some(KvType::F32);
+            opts.cuda = moe_lanes::env::cuda_config().unwrap();
+            opts.hot = HotChoice::Set(fixture_checks::hot_set(&model, fraction));
+            let (mut engine, report) = build_engine(&model, opts).unwrap();
+            assert_eq!(report.kind, kind);
+            let tolerance = if kind == EngineKind::Gpu { 2e-3 } else { 1e-4 };
+            run(engine.as_mut(), tolerance, &format!("{kind:?} hot {fraction}"));
+        }
+    }
+}

@@ -65,6 +65,22 @@ __device__ __forceinline__ const __half* kv_wrap(const __half* p) { return p; }
 __device__ __forceinline__ const bf16* kv_wrap(const bf16* p) { return p; }
 __device__ __forceinline__ kv_q8_ptr kv_wrap(const unsigned char* p) { return kv_q8_ptr{p, 0}; }
 
+// A sliding-window layer's cache is a mirrored ring (kernels/src/kv.rs, `kv_ring_positions`): of
+// R = window + KV_RING_CHUNK positions, position p at row p % R and, from p >= R on, again at
+// row p % R + R, so any R consecutive positions lo.. are contiguous rows from lo % R on. A kernel
+// reading keys of positions lo..hi (hi - lo < R, none overwritten: a call appends at most
+// KV_RING_CHUNK positions) moves its cache pointers back by kv_ring_base(lo, window) rows and
+// then addresses rows by position, as a full layer's cache. window 0: base 0, the plain layout.
+__device__ __forceinline__ size_t kv_ring_base(int lo, int window) {
+    if (window <= 0) return 0;
+    int r = window + KV_RING_CHUNK;
+    return (size_t)(lo / r) * r;
+}
+// p moved back by n values (the sum with a later offset wraps back into the buffer).
+template <typename T>
+__device__ __forceinline__ const T* kv_back(const T* p, size_t n) { return p - n; }
+__device__ __forceinline__ kv_q8_ptr kv_back(kv_q8_ptr p, size_t n) { return kv_q8_ptr{p.base, p.off - n}; }
+
 // The factor that turns a row's accumulated values (max score m, sum l of exp(score - m)) into
 // its output. sinks non-null (GPT-OSS): head h's learned sink logit joins the softmax and takes
 // its share of the probability while attending nothing. Without sinks: 1 / l, as before.
@@ -96,6 +112,8 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, KV k
     KV vb = vc + (size_t)kvh * hd;
     int first = window > 0 ? max(0, pos + 1 - window) : 0;
     int n = pos + 1 - first;
+    kb = kv_back(kb, kv_ring_base(first, window) * kv_dim);
+    vb = kv_back(vb, kv_ring_base(first, window) * kv_dim);
     float qr[ATT_MAXC];
 #pragma unroll
     for (int c = 0; c < ATT_MAXC; c++) {
@@ -288,8 +306,9 @@ __device__ __forceinline__ void attention_split_span(const float* __restrict__ q
     bool vec = (hd & 3) == 0;
     float* pr = part + ((size_t)h * max_splits + s) * (hd + 2);
     const float* qh = q + (size_t)h * hd;
-    KV kb = kc + (size_t)kvh * hd + (size_t)first * kv_dim;
-    KV vb = vc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    const size_t ring = kv_ring_base(first, window);
+    KV kb = kv_back(kc + (size_t)kvh * hd + (size_t)first * kv_dim, ring * kv_dim);
+    KV vb = kv_back(vc + (size_t)kvh * hd + (size_t)first * kv_dim, ring * kv_dim);
     float qr[ATT_SPLIT_C4][4], acc[ATT_SPLIT_C4][4];
 #pragma unroll
     for (int c = 0; c < ATT_SPLIT_C4; c++)
@@ -463,8 +482,9 @@ __device__ __forceinline__ void attention_split_gqa_span(const float* __restrict
             qr[hh][e] = i4 < hd ? q[(size_t)(h0 + hh) * hd + i4 + e] * scale : 0.f;
             acc[hh][e] = 0.f;
         }
-    KV kb = kc + (size_t)kvh * hd + (size_t)first * kv_dim;
-    KV vb = vc + (size_t)kvh * hd + (size_t)first * kv_dim;
+    const size_t ring = kv_ring_base(first, window);
+    KV kb = kv_back(kc + (size_t)kvh * hd + (size_t)first * kv_dim, ring * kv_dim);
+    KV vb = kv_back(vc + (size_t)kvh * hd + (size_t)first * kv_dim, ring * kv_dim);
     float m = -INFINITY, l = 0.f;  // head wid's, the same in every lane of the warp
     for (int c0 = j0; c0 < jend; c0 += ATT_CHUNK) {
         int cnt = min(ATT_CHUNK, jend - c0);
@@ -733,6 +753,8 @@ __device__ __forceinline__ void attention_tiles(const float* __restrict__ q, KV 
     int last_row = min(n_rows, row0 + ATT_TILE_ROWS) - 1;
     int key_hi = pos0 + last_row / g;  // inclusive
     int key_lo = window > 0 ? max(0, pos0 + row0 / g + 1 - window) : 0;
+    kc = kv_back(kc, kv_ring_base(key_lo, window) * kv_dim);
+    vc = kv_back(vc, kv_ring_base(key_lo, window) * kv_dim);
     int rpos[4], rfirst[4];
     float m[4], l[4], acc[4][ATT_TILE_MAXC];
 #pragma unroll
@@ -1131,6 +1153,8 @@ __device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q,
     bf16 *kh = am_kv, *kl = kh + AM_KEYS * ld, *vh = kl + AM_KEYS * ld, *vl = vh + AM_KEYS * ld;
     const int n_rows = n_tokens * g, kv_dim = n_kv * hd, q_dim = n_heads * hd;
     const AmRows r = am_rows(n_rows, g, pos0, window);
+    kc = kv_back(kc, kv_ring_base(r.key_lo, window) * kv_dim);
+    vc = kv_back(vc, kv_ring_base(r.key_lo, window) * kv_dim);
     unsigned qh[AM_K16][4], ql[AM_K16][4];
     am_load_q<AmBf16>(qh, ql, q, r.ra, n_rows, g, kvh, q_dim, hd);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AM_K16][4];
@@ -1273,6 +1297,8 @@ __device__ __forceinline__ void attention_mma16_tiles(const float* __restrict__ 
     T* buf = (T*)am16_kv;  // stage i: keys at buf + i * stage, values AM_KEYS * ld after them
     const int n_rows = n_tokens * g, kv_dim = n_kv * hd, q_dim = n_heads * hd;
     const AmRows r = am_rows(n_rows, g, pos0, window);
+    kc = kv_back(kc, kv_ring_base(r.key_lo, window) * kv_dim);
+    vc = kv_back(vc, kv_ring_base(r.key_lo, window) * kv_dim);
     unsigned qh[AM_K16][4], ql[AM_K16][4];
     am_load_q<M>(qh, ql, q, r.ra, n_rows, g, kvh, q_dim, hd);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AM_K16][4];
@@ -1338,6 +1364,8 @@ __device__ __forceinline__ void attention_split_mma_span(const float* __restrict
     if (j0 >= n) return;  // past the used spans
     const int g = n_heads / n_kv, kvh = blockIdx.x, ld = hd + 8, stage = 2 * AM_KEYS * ld;
     const int key_lo = first + j0, key_hi = first + min(n, j0 + per) - 1, kv_dim = n_kv * hd;
+    kc = kv_back(kc, kv_ring_base(first, window) * kv_dim);
+    vc = kv_back(vc, kv_ring_base(first, window) * kv_dim);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, t = lane & 3, ra = 16 * w + (lane >> 2);
     T* buf = (T*)am16_kv;
     unsigned qh[AM_K16][4], ql[AM_K16][4];
@@ -1545,6 +1573,8 @@ __device__ __forceinline__ void attention_mma16w_tiles(const float* __restrict__
     extern __shared__ __align__(16) unsigned char amw_smem[];
     const int g = n_heads / n_kv, kvh = blockIdx.y, n_rows = n_tokens * g, q_dim = n_heads * hd;
     const AmRows r = am_rows(n_rows, g, pos0, window);
+    kc = kv_back(kc, kv_ring_base(r.key_lo, window) * (size_t)(n_kv * hd));
+    vc = kv_back(vc, kv_ring_base(r.key_lo, window) * (size_t)(n_kv * hd));
     uint4* qs = amw_q_slice(amw_smem, hd);
     amw_store_q<M>(qs, q, r.ra, n_rows, g, kvh, q_dim, hd);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AMW_K16][4];
@@ -1609,6 +1639,8 @@ __device__ __forceinline__ void attention_split_mma16w_span(const float* __restr
     const int per = att_split_span(n, max_splits), s = blockIdx.y, j0 = s * per;
     if (j0 >= n) return;  // past the used spans
     const int g = n_heads / n_kv, kvh = blockIdx.x, key_lo = first + j0, key_hi = first + min(n, j0 + per) - 1;
+    kc = kv_back(kc, kv_ring_base(first, window) * (size_t)(n_kv * hd));
+    vc = kv_back(vc, kv_ring_base(first, window) * (size_t)(n_kv * hd));
     const int w = threadIdx.x >> 5, ra = 16 * w + ((threadIdx.x & 31) >> 2);
     const bool rows = 16 * w < g;
     uint4* qs = amw_q_slice(amw_smem, hd);

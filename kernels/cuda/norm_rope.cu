@@ -94,28 +94,50 @@ __device__ __forceinline__ void kv_store_row(void* cache, size_t i, const float*
 // both converted to the cache's type (kv_type; q8_0: the roped key head is staged in shared
 // memory, then quantized block by block). pos_ptr non-null (the decode graph): the position comes
 // from device memory, so a captured graph replays for every token.
+// The cache rows position pos is stored at: pos itself without a ring (ring 0); in a sliding-window
+// layer's mirrored ring of `ring` positions (attention.cu's kv_ring_base, kernels/src/kv.rs)
+// pos % ring and, from pos >= ring on, pos % ring + ring as well (y -1: no second row).
+__device__ __forceinline__ int2 kv_ring_rows(int pos, int ring) {
+    if (ring <= 0) return make_int2(pos, -1);
+    int r = pos % ring;
+    return make_int2(r, pos >= ring ? r + ring : -1);
+}
+// One value into the row offsets at (second < 0: none) of a cache.
+__device__ __forceinline__ void kv_store2(void* cache, long long at, long long second, int i, float x, int kv_type) {
+    kv_store(cache, (size_t)(at + i), x, kv_type);
+    if (second >= 0) kv_store(cache, (size_t)(second + i), x, kv_type);
+}
+// A row of n values (kv_store_row) at row offsets at and second (< 0: none).
+__device__ __forceinline__ void kv_store_row2(void* cache, long long at, long long second, const float* src, int n,
+                                              int kv_type) {
+    kv_store_row(cache, (size_t)at, src, n, kv_type);
+    if (second >= 0) kv_store_row(cache, (size_t)second, src, n, kv_type);
+}
 // Head h of query row t (its q, k and v rows at t; kc non-null: appended at position pos of the
-// caches kc, vc), the body of qk_norm_rope_f32 and qk_norm_rope_rows_f32.
+// caches kc, vc, through the layer's ring when `ring` > 0), the body of qk_norm_rope_f32 and
+// qk_norm_rope_rows_f32.
 __device__ __forceinline__ void qk_norm_rope_head(float* q, float* k, const float* __restrict__ qw,
                                                   const float* __restrict__ kw, int q_stride, int k_stride, int nh,
                                                   int hd, int rot, float theta, int interleaved, float eps, int t,
                                                   int h, int pos, void* __restrict__ kc, void* __restrict__ vc,
                                                   const float* __restrict__ v, int nkv, int kv_type,
-                                                  const double* __restrict__ freqs, float scale) {
+                                                  const double* __restrict__ freqs, float scale, int ring) {
     __shared__ float stage[KV_STAGE_MAX];
     int half = rot / 2;
+    const int2 rows = kv_ring_rows(pos, ring);
     if (kc && h >= nh + nkv) {  // value head copy into the cache
-        size_t off = (size_t)(h - nh - nkv) * hd;
+        long long off = (long long)(h - nh - nkv) * hd;
         const float* src = v + (size_t)t * k_stride + off;
-        size_t dst = (size_t)pos * k_stride + off;
-        kv_store_row(vc, dst, src, hd, kv_type);
+        long long second = rows.y < 0 ? -1 : (long long)rows.y * k_stride + off;
+        kv_store_row2(vc, (long long)rows.x * k_stride + off, second, src, hd, kv_type);
         return;
     }
     bool is_q = h < nh;
     float* xh = is_q ? q + (size_t)t * q_stride + (size_t)h * hd : k + (size_t)t * k_stride + (size_t)(h - nh) * hd;
     bool to_cache = !is_q && kc;
     bool staged = to_cache && kv_type == KV_Q8_0;  // whole blocks: through `stage`
-    size_t yc = (size_t)pos * k_stride + (size_t)(h - nh) * hd;
+    long long yc = (long long)rows.x * k_stride + (long long)(h - nh) * hd;
+    long long ym = rows.y < 0 ? -1 : (long long)rows.y * k_stride + (long long)(h - nh) * hd;
     const float* w = is_q ? qw : kw;
     float inv = 1.f;
     if (w) {
@@ -130,7 +152,7 @@ __device__ __forceinline__ void qk_norm_rope_head(float* q, float* k, const floa
         if (staged)
             stage[i] = y;
         else if (to_cache)
-            kv_store(kc, yc + i, y, kv_type);
+            kv_store2(kc, yc, ym, i, y, kv_type);
         else
             xh[i] = y;
     }
@@ -149,8 +171,8 @@ __device__ __forceinline__ void qk_norm_rope_head(float* q, float* k, const floa
             stage[a] = ya;
             stage[b] = yb;
         } else if (to_cache) {
-            kv_store(kc, yc + a, ya, kv_type);
-            kv_store(kc, yc + b, yb, kv_type);
+            kv_store2(kc, yc, ym, a, ya, kv_type);
+            kv_store2(kc, yc, ym, b, yb, kv_type);
         } else {
             xh[a] = ya;
             xh[b] = yb;
@@ -158,7 +180,7 @@ __device__ __forceinline__ void qk_norm_rope_head(float* q, float* k, const floa
     }
     if (staged) {
         __syncthreads();  // the head is staged
-        kv_store_row(kc, yc, stage, hd, kv_type);
+        kv_store_row2(kc, yc, ym, stage, hd, kv_type);
     }
 }
 extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __restrict__ qw,
@@ -166,12 +188,12 @@ extern "C" __global__ void qk_norm_rope_f32(float* q, float* k, const float* __r
                                             int hd, int rot, int pos0, float theta, int interleaved, float eps,
                                             const int* __restrict__ pos_ptr, void* __restrict__ kc,
                                             void* __restrict__ vc, const float* __restrict__ v, int nkv,
-                                            int kv_type, const double* __restrict__ freqs, float scale) {
+                                            int kv_type, const double* __restrict__ freqs, float scale, int ring) {
     pdl_enter();
     int t = blockIdx.x;
     int pos = (pos_ptr ? *pos_ptr : pos0) + t;
     qk_norm_rope_head(q, k, qw, kw, q_stride, k_stride, nh, hd, rot, theta, interleaved, eps, t, blockIdx.y, pos, kc,
-                      vc, v, nkv, kv_type, freqs, scale);
+                      vc, v, nkv, kv_type, freqs, scale, ring);
 }
 
 // qk_norm_rope_f32 over a batched step's rows, each appended to its own sequence's caches: row t
@@ -183,22 +205,24 @@ extern "C" __global__ void qk_norm_rope_rows_f32(float* q, float* k, const float
                                                  const int* __restrict__ pos, const unsigned long long* __restrict__ kcs,
                                                  const unsigned long long* __restrict__ vcs,
                                                  const float* __restrict__ v, int nkv, int kv_type,
-                                                 const double* __restrict__ freqs, float scale) {
+                                                 const double* __restrict__ freqs, float scale, int ring) {
     pdl_enter();
     int t = blockIdx.x;
     qk_norm_rope_head(q, k, qw, kw, q_stride, k_stride, nh, hd, rot, theta, interleaved, eps, t, blockIdx.y, pos[t],
-                      (void*)kcs[t], (void*)vcs[t], v, nkv, kv_type, freqs, scale);
+                      (void*)kcs[t], (void*)vcs[t], v, nkv, kv_type, freqs, scale, ring);
 }
 
-// T rows of new keys and values (f32, rows of kv_dim) into the caches' rows pos0.. converted to
-// the cache's type (kv_type): the unfused q/k path's append. grid (T, 2), block 256.
+// T rows of new keys and values (f32, rows of kv_dim) into the caches' rows of positions pos0..
+// (through the layer's ring when `ring` > 0) converted to the cache's type (kv_type): the
+// unfused q/k path's append. grid (T, 2), block 256.
 extern "C" __global__ void kv_store_rows(const float* __restrict__ k, const float* __restrict__ v,
                                          void* __restrict__ kc, void* __restrict__ vc, int pos0, int kv_dim,
-                                         int kv_type) {
+                                         int kv_type, int ring) {
     pdl_enter();
     int t = blockIdx.x;
     const float* src = (blockIdx.y == 0 ? k : v) + (size_t)t * kv_dim;
     void* dst = blockIdx.y == 0 ? kc : vc;
-    size_t row = (size_t)(pos0 + t) * kv_dim;
-    kv_store_row(dst, row, src, kv_dim, kv_type);
+    const int2 rows = kv_ring_rows(pos0 + t, ring);
+    long long second = rows.y < 0 ? -1 : (long long)rows.y * kv_dim;
+    kv_store_row2(dst, (long long)rows.x * kv_dim, second, src, kv_dim, kv_type);
 }

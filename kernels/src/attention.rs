@@ -36,6 +36,9 @@ pub struct AttentionInput<'a> {
     pub values: &'a [KvRows],
     /// Position of the call's first token.
     pub first_pos: usize,
+    /// Position of the caches' first row: 0 for a full layer; a sliding-window layer's cache
+    /// drops the positions no later query sees (every visible position is at or past it).
+    pub kv_start: usize,
     /// Sliding window: a token at `pos` sees `pos + 1 - window ..= pos`.
     pub window: Option<usize>,
     /// One sink logit per query head (GPT-OSS): it joins each softmax's denominator and
@@ -62,7 +65,11 @@ impl AttentionInput<'_> {
         if self.keys.len() != n_kv_heads || self.values.len() != n_kv_heads {
             return bad("kv heads", n_kv_heads, self.keys.len().min(self.values.len()));
         }
-        let need = (self.first_pos + n_tokens) * head_dim;
+        let first_seen = self.window.map_or(0, |w| (self.first_pos + 1).saturating_sub(w));
+        if self.kv_start > first_seen {
+            return bad("kv_start (at most the first visible position)", first_seen, self.kv_start);
+        }
+        let need = (self.first_pos + n_tokens - self.kv_start) * head_dim;
         for buf in self.keys.iter().chain(self.values) {
             if buf.n_values() < need {
                 return bad("kv cache (positions x head_dim)", need, buf.n_values());
@@ -170,7 +177,7 @@ pub fn attention_reference(input: &AttentionInput<'_>, out: &mut [f32]) -> Resul
             let q = &input.q[(t * n_heads + head) * hd..(t * n_heads + head + 1) * hd];
             let mut scores: Vec<f32> = (first..=pos)
                 .map(|p| {
-                    let k = &keys[kv][p * hd..(p + 1) * hd];
+                    let k = &keys[kv][(p - input.kv_start) * hd..][..hd];
                     q.iter().zip(k).map(|(a, b)| a * b).fold(0.0f32, |s, v| s + v) * scale
                 })
                 .collect();
@@ -187,7 +194,7 @@ pub fn attention_reference(input: &AttentionInput<'_>, out: &mut [f32]) -> Resul
             let o = &mut out[(t * n_heads + head) * hd..(t * n_heads + head + 1) * hd];
             o.iter_mut().for_each(|v| *v = 0.0);
             for (p, s) in (first..=pos).zip(&scores) {
-                for (ov, vv) in o.iter_mut().zip(&values[kv][p * hd..(p + 1) * hd]) {
+                for (ov, vv) in o.iter_mut().zip(&values[kv][(p - input.kv_start) * hd..][..hd]) {
                     *ov += s / sum * vv;
                 }
             }

@@ -220,7 +220,7 @@ impl TiledCall<'_> {
         let Chunk { kv, k0, n, rows } = chunk;
         let hd = self.input.shape.head_dim;
         let scale = 1.0 / (hd as f32).sqrt();
-        let (keys, dtype, row_bytes) = raw_rows(&self.input.keys[kv], k0, n, hd);
+        let (keys, dtype, row_bytes) = raw_rows(&self.input.keys[kv], k0 - self.input.kv_start, n, hd);
         // The bf16 levels' tiles round the query to bf16 (`vdpbf16ps`): bf16 keys take the plain
         // AVX-512 tile, which widens them exactly.
         let level = match (dtype, self.level) {
@@ -254,7 +254,7 @@ impl TiledCall<'_> {
     fn weigh_values(&self, tile: &mut UnitTile<'_>, chunk: Chunk) {
         let Chunk { kv, k0, n, rows } = chunk;
         let hd = self.input.shape.head_dim;
-        let values = chunk_rows(&self.input.values[kv], k0, n, hd, tile.values);
+        let values = chunk_rows(&self.input.values[kv], k0 - self.input.kv_start, n, hd, tile.values);
         rows_times_matrix(
             self.level,
             (&tile.scores[..], KEY_CHUNK, n),

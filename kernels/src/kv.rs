@@ -14,6 +14,38 @@ pub const Q8_0_BLOCK: usize = 32;
 /// Bytes per q8_0 block: the f16 scale, then 32 int8.
 pub const Q8_0_BLOCK_BYTES: usize = 34;
 
+/// The most positions one call appends to a sequence of a model with sliding-window layers
+/// (`-DKV_RING_CHUNK` for the CUDA kernels): a window layer keeps [`kv_ring_positions`] of them,
+/// enough for the window and one call's new keys. 512 is llama.cpp's default micro-batch; a GPU
+/// prompt longer runs as calls of this many tokens (each call reads the layer's weights once).
+pub const KV_RING_CHUNK_POSITIONS: usize = 512;
+
+/// The positions a sliding-window layer of `window` keeps: the window and one call's
+/// [`KV_RING_CHUNK_POSITIONS`] (0 for a full layer, `window` 0).
+///
+/// On the GPU it is a mirrored ring: position p at row p % R and, from p >= R on, at row
+/// p % R + R as well, so any R consecutive positions are contiguous rows and the attention
+/// kernels read them as a full layer's cache moved back by a multiple of R rows
+/// (`attention.cu`'s `kv_ring_base`).
+pub const fn kv_ring_positions(window: usize) -> usize {
+    if window == 0 {
+        0
+    } else {
+        window + KV_RING_CHUNK_POSITIONS
+    }
+}
+
+/// Rows a layer's GPU cache of `capacity` positions holds: all of them for a full layer
+/// (`window` 0), at most twice [`kv_ring_positions`] (the ring and its mirror) for a window.
+pub const fn kv_ring_rows(window: usize, capacity: usize) -> usize {
+    let ring = kv_ring_positions(window);
+    if ring == 0 || capacity < 2 * ring {
+        capacity
+    } else {
+        2 * ring
+    }
+}
+
 /// The element type of a KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub enum KvType {
@@ -199,6 +231,16 @@ impl KvRows {
             KvRows::F32(v) => v.truncate(n_values),
             KvRows::F16(v) | KvRows::Bf16(v) => v.truncate(n_values),
             KvRows::Q8_0(b) => b.truncate(n_values / Q8_0_BLOCK * Q8_0_BLOCK_BYTES),
+        }
+    }
+
+    /// Forget the first `n_values` (whole rows: a multiple of the q8_0 block for q8_0), moving
+    /// the rest to the front (a sliding-window layer dropping positions no query sees).
+    pub fn drain_front(&mut self, n_values: usize) {
+        match self {
+            KvRows::F32(v) => drop(v.drain(..n_values)),
+            KvRows::F16(v) | KvRows::Bf16(v) => drop(v.drain(..n_values)),
+            KvRows::Q8_0(b) => drop(b.drain(..n_values / Q8_0_BLOCK * Q8_0_BLOCK_BYTES)),
         }
     }
 

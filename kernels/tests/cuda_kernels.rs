@@ -199,7 +199,9 @@ fn attention_causal_gqa_matches_cpu() {
         let kc = rnd(total * kv_dim, 13);
         let vc = rnd(total * kv_dim, 14);
         for window in [0usize, 4, 100] {
-            let (dq, dk, dv) = (be.upload(&q).unwrap(), be.upload(&kc).unwrap(), be.upload(&vc).unwrap());
+            let (dk, dv) =
+                (be.upload(&ring_layout(&kc, kv_dim, window)), be.upload(&ring_layout(&vc, kv_dim, window)));
+            let (dq, dk, dv) = (be.upload(&q).unwrap(), dk.unwrap(), dv.unwrap());
             let out = be.alloc_zeros::<f32>(t * n_heads * hd).unwrap();
             be.attention(dq.ptr(), dk.ptr(), dv.ptr(), out.ptr(), t, pos0, n_heads, n_kv, hd, window)
                 .unwrap();
@@ -326,9 +328,10 @@ fn attention_f16_cache_matches_cpu() {
         let widened = |x: &[f32]| x.iter().map(|v| f16::from_f32(*v).to_f32()).collect::<Vec<f32>>();
         let (kh, vh) = (widened(&kc), widened(&vc));
         let dq = be.upload(&q).unwrap();
-        let (dk, dv) = (be.upload(&half_bits(&kc)).unwrap(), be.upload(&half_bits(&vc)).unwrap());
-        let (k16, v16) = (KvPtr::F16(dk.ptr()), KvPtr::F16(dv.ptr()));
         for window in [0usize, 100] {
+            let ringed = |x: &[f32]| be.upload(&half_bits(&ring_layout(x, kv_dim, window))).unwrap();
+            let (dk, dv) = (ringed(&kc), ringed(&vc));
+            let (k16, v16) = (KvPtr::F16(dk.ptr()), KvPtr::F16(dv.ptr()));
             let want = attention_cpu(&q, &kh, &vh, t, pos0, n_heads, n_kv, hd, window);
             let want32 = attention_cpu(&q, &kc, &vc, t, pos0, n_heads, n_kv, hd, window);
             let run = |launch: &dyn Fn(DPtr<f32>)| {
@@ -374,8 +377,8 @@ fn attention_f16_cache_matches_cpu() {
                 .unwrap();
             let big = be.alloc_zeros::<u16>((max_positions + t) * kv_dim).unwrap();
             let bigv = be.alloc_zeros::<u16>((max_positions + t) * kv_dim).unwrap();
-            be.copy(dk.ptr(), big.ptr().sub(0, total * kv_dim)).unwrap();
-            be.copy(dv.ptr(), bigv.ptr().sub(0, total * kv_dim)).unwrap();
+            be.copy(dk.ptr(), big.ptr().sub(0, dk.len())).unwrap();
+            be.copy(dv.ptr(), bigv.ptr().sub(0, dv.len())).unwrap();
             let (kb, vb) = (KvPtr::F16(big.ptr()), KvPtr::F16(bigv.ptr()));
             let o = run(&|o| {
                 be.attention_split(dq.ptr(), kb, vb, o, part2.ptr(), t, 0, n_heads, n_kv, hd, window, at)
@@ -422,7 +425,8 @@ fn kv_appends_convert_to_the_cache_type() {
     let (dk, dv) = (be.upload(&k).unwrap(), be.upload(&v).unwrap());
     let (kc, vc) =
         (be.alloc_zeros::<u16>((pos0 + t) * kvd).unwrap(), be.alloc_zeros::<u16>((pos0 + t) * kvd).unwrap());
-    be.kv_store_rows(dk.ptr(), dv.ptr(), KvPtr::F16(kc.ptr()), KvPtr::F16(vc.ptr()), t, pos0, kvd).unwrap();
+    be.kv_store_rows(dk.ptr(), dv.ptr(), KvPtr::F16(kc.ptr()), KvPtr::F16(vc.ptr()), t, pos0, kvd, 0)
+        .unwrap();
     let bits = |x: &[f32]| x.iter().map(|v| f16::from_f32(*v).to_bits()).collect::<Vec<u16>>();
     let (gk, gv) = (be.read_vec(kc.ptr()).unwrap(), be.read_vec(vc.ptr()).unwrap());
     assert!(gk[..pos0 * kvd].iter().all(|b| *b == 0), "rows before pos0 untouched");
@@ -446,7 +450,7 @@ fn kv_appends_convert_to_the_cache_type() {
         } else {
             (KvPtr::F32(k32.ptr()), KvPtr::F32(v32.ptr()))
         };
-        let append = KvAppend { pos: None, v: dv.ptr(), k_cache, v_cache };
+        let append = KvAppend { pos: None, v: dv.ptr(), k_cache, v_cache, window: 0 };
         be.qk_norm_rope(
             dq.ptr(),
             dk.ptr(),
@@ -479,7 +483,89 @@ fn kv_appends_convert_to_the_cache_type() {
     assert!(caches[0].0[pos0 * kvd..].iter().any(|x| *x != 0.0), "keys written at pos0");
 }
 
+/// A sliding-window layer's appends go through its mirrored ring: consecutive calls (the last
+/// ones past twice the ring of 8 + `KV_RING_CHUNK_POSITIONS` positions) through `kv_store_rows`
+/// and the fused q/k norm + RoPE append leave the ring exactly as `ring_layout` lays out a full
+/// layer's cache of the same calls (f32 and q8_0 caches).
+#[test]
+fn window_appends_fill_the_mirrored_ring() {
+    use moe_lanes_kernels::cuda::ops::KvAppend;
+    use moe_lanes_kernels::kv::kv_ring_rows;
+    use moe_lanes_kernels::KvType;
+    let Some(be) = backend() else { return };
+    let (nh, nkv, hd, window, total) = (4, 2, 64, 8, 1190);
+    let kvd = nkv * hd;
+    let calls: Vec<(usize, usize)> = (0..total).step_by(170).map(|p| (p, 170.min(total - p))).collect();
+    for kv_type in [KvType::F32, KvType::Q8_0] {
+        let mut got = Vec::new();
+        for (fused, w) in [(false, 0), (false, window), (true, 0), (true, window)] {
+            let rows = kv_ring_rows(w, total);
+            let zeros = vec![0f32; rows * kvd];
+            let ((kc, _), (vc, _)) = (typed_cache(be, kv_type, &zeros), typed_cache(be, kv_type, &zeros));
+            let (k_cache, v_cache) = (typed_ptr(kv_type, &kc), typed_ptr(kv_type, &vc));
+            for &(pos0, t) in &calls {
+                let (k, v, q) =
+                    (rnd(t * kvd, pos0 as u64), rnd(t * kvd, 7 + pos0 as u64), rnd(t * nh * hd, 9));
+                let (dk, dv, dq) = (be.upload(&k).unwrap(), be.upload(&v).unwrap(), be.upload(&q).unwrap());
+                if fused {
+                    let append = KvAppend { pos: None, v: dv.ptr(), k_cache, v_cache, window: w };
+                    let heads = (nh, nkv, nh * hd, kvd, hd, hd);
+                    be.qk_norm_rope(
+                        dq.ptr(),
+                        dk.ptr(),
+                        None,
+                        t,
+                        heads.0,
+                        heads.1,
+                        heads.2,
+                        heads.3,
+                        heads.4,
+                        heads.5,
+                        pos0,
+                        1e4,
+                        false,
+                        1e-6,
+                        Some(append),
+                        None,
+                    )
+                    .unwrap();
+                } else {
+                    be.kv_store_rows(dk.ptr(), dv.ptr(), k_cache, v_cache, t, pos0, kvd, w).unwrap();
+                }
+            }
+            got.push((be.read_vec(kc.ptr()).unwrap(), be.read_vec(vc.ptr()).unwrap()));
+        }
+        let row_bytes = kv_type.bytes_of(kvd as u64) as usize;
+        for (full, ring, what) in [(0, 1, "kv_store_rows"), (2, 3, "fused append")] {
+            for (side, (a, b)) in
+                [("keys", (&got[full].0, &got[ring].0)), ("values", (&got[full].1, &got[ring].1))]
+            {
+                assert_eq!(&ring_layout(a, row_bytes, window), b, "{kv_type} {what} {side}");
+            }
+        }
+    }
+}
+
 /// A cache of `t` on the device (its bytes as `KvRows` holds them), and the values it holds.
+/// `x` (`[positions, kv_dim]`, position-major) as a sliding-window layer's cache holds it: its
+/// mirrored ring of `kv_ring_rows(window, positions)` rows, position p at row p % R and, from
+/// p >= R on, at p % R + R too (`kv_ring_positions`); unchanged for a full layer (window 0).
+fn ring_layout<T: Copy + Default>(x: &[T], kv_dim: usize, window: usize) -> Vec<T> {
+    use moe_lanes_kernels::kv::{kv_ring_positions, kv_ring_rows};
+    let (positions, ring) = (x.len() / kv_dim, kv_ring_positions(window));
+    if ring == 0 {
+        return x.to_vec();
+    }
+    let mut out = vec![T::default(); kv_ring_rows(window, positions) * kv_dim];
+    for (p, row) in x.chunks(kv_dim).enumerate() {
+        out[(p % ring) * kv_dim..][..kv_dim].copy_from_slice(row);
+        if p >= ring {
+            out[(p % ring + ring) * kv_dim..][..kv_dim].copy_from_slice(row);
+        }
+    }
+    out
+}
+
 fn typed_cache(
     be: &CudaBackend,
     t: moe_lanes_kernels::KvType,
@@ -503,7 +589,7 @@ fn typed_ptr(t: moe_lanes_kernels::KvType, d: &moe_lanes_kernels::cuda::DeviceBu
         KvType::F16 => KvPtr::F16(p.as_u16()),
         KvType::Bf16 => KvPtr::Bf16(p.as_u16()),
         KvType::Q8_0 => KvPtr::Q8_0(p),
-        KvType::F32 => unreachable!("the f32 tests upload f32 buffers"),
+        KvType::F32 => KvPtr::F32(p.as_f32()),
     }
 }
 
@@ -530,10 +616,12 @@ fn attention_bf16_and_q8_0_caches_match_cpu() {
         let (kc, vc) = (rnd(total * kv_dim, 42), rnd(total * kv_dim, 43));
         let dq = be.upload(&q).unwrap();
         for (kv_type, bound) in [(KvType::Bf16, 1e-2f32), (KvType::Q8_0, 2e-2)] {
-            let ((dk, kh), (dv, vh)) = (typed_cache(be, kv_type, &kc), typed_cache(be, kv_type, &vc));
-            let (kp, vp) = (typed_ptr(kv_type, &dk), typed_ptr(kv_type, &dv));
+            let ((_, kh), (_, vh)) = (typed_cache(be, kv_type, &kc), typed_cache(be, kv_type, &vc));
             let mut worst = 0f32;
             for window in [0usize, 100] {
+                let ringed = |x: &[f32]| typed_cache(be, kv_type, &ring_layout(x, kv_dim, window)).0;
+                let (dk, dv) = (ringed(&kc), ringed(&vc));
+                let (kp, vp) = (typed_ptr(kv_type, &dk), typed_ptr(kv_type, &dv));
                 let want = attention_cpu(&q, &kh, &vh, t, pos0, n_heads, n_kv, hd, window);
                 let want32 = attention_cpu(&q, &kc, &vc, t, pos0, n_heads, n_kv, hd, window);
                 let run = |launch: &dyn Fn(DPtr<f32>)| {
@@ -621,7 +709,7 @@ fn kv_appends_quantize_to_bf16_and_q8_0() {
     // The f32 path's roped keys and values, the reference rows.
     let fused = |k_cache: KvPtr, v_cache: KvPtr| {
         let (dq, dk, dv) = (be.upload(&q).unwrap(), be.upload(&k).unwrap(), be.upload(&v).unwrap());
-        let append = KvAppend { pos: None, v: dv.ptr(), k_cache, v_cache };
+        let append = KvAppend { pos: None, v: dv.ptr(), k_cache, v_cache, window: 0 };
         be.qk_norm_rope(
             dq.ptr(),
             dk.ptr(),
@@ -664,8 +752,17 @@ fn kv_appends_quantize_to_bf16_and_q8_0() {
         };
         let (kc, vc) = (be.alloc_zeros::<u8>(bytes).unwrap(), be.alloc_zeros::<u8>(bytes).unwrap());
         let (dk, dv) = (be.upload(&k).unwrap(), be.upload(&v).unwrap());
-        be.kv_store_rows(dk.ptr(), dv.ptr(), typed_ptr(kv_type, &kc), typed_ptr(kv_type, &vc), t, pos0, kvd)
-            .unwrap();
+        be.kv_store_rows(
+            dk.ptr(),
+            dv.ptr(),
+            typed_ptr(kv_type, &kc),
+            typed_ptr(kv_type, &vc),
+            t,
+            pos0,
+            kvd,
+            0,
+        )
+        .unwrap();
         assert_eq!(read(&kc), as_bytes(expect(&k)), "{kv_type}: kv_store_rows keys");
         assert_eq!(read(&vc), as_bytes(expect(&v)), "{kv_type}: kv_store_rows values");
         let (kc, vc) = (be.alloc_zeros::<u8>(bytes).unwrap(), be.alloc_zeros::<u8>(bytes).unwrap());
@@ -1855,22 +1952,25 @@ fn attention_sinks_cpu(
 fn attention_sinks_match_cpu_on_every_kernel() {
     use moe_lanes_kernels::cuda::ops::AttentionMask;
     let Some(be) = backend() else { return };
-    // GPT-OSS-like (64-dim heads, 8 query heads per kv head), decode and prefill, with windows
-    for (n_heads, n_kv, hd, pos0, t) in
-        [(8, 1, 64, 0, 40), (16, 2, 64, 300, 1), (8, 2, 32, 20, 9), (4, 2, 20, 6, 3)]
-    {
+    // GPT-OSS-like (64-dim heads, 8 query heads per kv head), decode and prefill, with windows;
+    // the last two past twice the window's ring (528 positions): rows wrapped and mirrored
+    for (n_heads, n_kv, hd, pos0, t) in [
+        (8, 1, 64, 0, 40),
+        (16, 2, 64, 300, 1),
+        (8, 2, 32, 20, 9),
+        (4, 2, 20, 6, 3),
+        (8, 1, 64, 1100, 40),
+        (16, 2, 64, 1590, 1),
+    ] {
         let total = pos0 + t;
         let (q, kc, vc) = (rnd(t * n_heads * hd, 31), rnd(total * n_kv * hd, 32), rnd(total * n_kv * hd, 33));
         // sinks from far below the scores to far above them: each side of the row's max
         let sinks: Vec<f32> = (0..n_heads).map(|h| -6.0 + 12.0 * h as f32 / (n_heads - 1) as f32).collect();
-        let (dq, dk, dv, ds) = (
-            be.upload(&q).unwrap(),
-            be.upload(&kc).unwrap(),
-            be.upload(&vc).unwrap(),
-            be.upload(&sinks).unwrap(),
-        );
-        let (q_, k_, v_) = (dq.ptr(), dk.ptr(), dv.ptr());
+        let (dq, ds) = (be.upload(&q).unwrap(), be.upload(&sinks).unwrap());
         for window in [0usize, 8] {
+            let ringed = |x: &[f32]| be.upload(&ring_layout(x, n_kv * hd, window)).unwrap();
+            let (dk, dv) = (ringed(&kc), ringed(&vc));
+            let (q_, k_, v_) = (dq.ptr(), dk.ptr(), dv.ptr());
             let want = attention_sinks_cpu(&q, &kc, &vc, &sinks, (t, pos0, n_heads, n_kv, hd, window));
             let mask = AttentionMask { window, sinks: Some(ds.ptr()) };
             let run = |launch: &dyn Fn(DPtr<f32>)| {
@@ -2115,7 +2215,15 @@ fn batched_attention_and_append_match_the_per_sequence_kernels() {
             let vptrs: Vec<u64> = caches.iter().map(|c| c.1.raw()).collect();
             let (dk, dv) = (be.upload(&kptrs).unwrap(), be.upload(&vptrs).unwrap());
             let max_positions = lens.iter().max().unwrap() + 1;
-            let kv = BatchKv { pos: dpos.ptr(), k: dk.ptr(), v: dv.ptr(), kv_type, n_rows: n, max_positions };
+            let kv = BatchKv {
+                pos: dpos.ptr(),
+                k: dk.ptr(),
+                v: dv.ptr(),
+                kv_type,
+                n_rows: n,
+                max_positions,
+                window: 0,
+            };
             // reference: one launch per sequence into scratch copies of the caches
             let snapshot = |p: KvPtr| -> Vec<u8> {
                 match p {
@@ -2129,8 +2237,13 @@ fn batched_attention_and_append_match_the_per_sequence_kernels() {
             let (dq1, dk1, dv1) =
                 (be.upload(&q).unwrap(), be.upload(&k_new).unwrap(), be.upload(&v_new).unwrap());
             for (i, c) in ref_caches.iter().enumerate() {
-                let append =
-                    KvAppend { pos: None, v: dv1.ptr().sub(i * kv_dim, kv_dim), k_cache: c.0, v_cache: c.1 };
+                let append = KvAppend {
+                    pos: None,
+                    v: dv1.ptr().sub(i * kv_dim, kv_dim),
+                    k_cache: c.0,
+                    v_cache: c.1,
+                    window: 0,
+                };
                 be.qk_norm_rope(
                     dq1.ptr().sub(i * q_dim, q_dim),
                     dk1.ptr().sub(i * kv_dim, kv_dim),
@@ -2577,7 +2690,15 @@ fn wide_head_batched_decode_rows_match_cpu() {
             let vptrs: Vec<u64> = caches.iter().map(|c| typed_ptr(kv_type, &c.1 .0).raw()).collect();
             let (dk, dv) = (be.upload(&kptrs).unwrap(), be.upload(&vptrs).unwrap());
             let max_positions = cap;
-            let kv = BatchKv { pos: dpos.ptr(), k: dk.ptr(), v: dv.ptr(), kv_type, n_rows: n, max_positions };
+            let kv = BatchKv {
+                pos: dpos.ptr(),
+                k: dk.ptr(),
+                v: dv.ptr(),
+                kv_type,
+                n_rows: n,
+                max_positions,
+                window: 0,
+            };
             let scratch = CudaBackend::attention_split_scratch(launch.len(), n_heads, hd, max_positions);
             let part = be.alloc_zeros::<f32>(scratch).unwrap();
             for (window, with_sinks) in WIDE_MASKS {

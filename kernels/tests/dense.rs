@@ -222,6 +222,7 @@ fn par_attention_reads_every_kv_type() {
             keys: &f32_kv.keys,
             values: &f32_kv.values,
             first_pos,
+            kv_start: 0,
             window,
             sinks: None,
         };
@@ -235,6 +236,7 @@ fn par_attention_reads_every_kv_type() {
                 keys: &kv.keys,
                 values: &kv.values,
                 first_pos,
+                kv_start: 0,
                 window,
                 sinks: None,
             };
@@ -278,8 +280,16 @@ fn attention_refuses_q8_0_heads_that_split_blocks() {
     let shape = AttentionShape { n_heads: 2, n_kv_heads: 1, head_dim: 48 };
     let kv = vec![KvRows::converted(KvType::Q8_0, &[0.5; 96]).unwrap()];
     let q = vec![1.0; 96];
-    let input =
-        AttentionInput { shape, q: &q, keys: &kv, values: &kv, first_pos: 1, window: None, sinks: None };
+    let input = AttentionInput {
+        shape,
+        q: &q,
+        keys: &kv,
+        values: &kv,
+        first_pos: 1,
+        kv_start: 0,
+        window: None,
+        sinks: None,
+    };
     let err =
         attention(SimdLevel::Scalar, &input, &mut AttentionScratch::default(), &mut [0.0; 96]).unwrap_err();
     assert!(err.to_string().contains("head_dim (a multiple of the KV type's block)"), "{err}");
@@ -317,6 +327,7 @@ fn par_attention_matches_scalar_for_every_level_and_thread_count() {
                 keys: &kv.keys,
                 values: &kv.values,
                 first_pos,
+                kv_start: 0,
                 window,
                 sinks: None,
             };
@@ -352,8 +363,16 @@ fn attention_of_no_tokens_is_empty() {
     let mut pool = ColdPool::new(2);
     let shape = AttentionShape { n_heads: 4, n_kv_heads: 2, head_dim: 8 };
     let kv: Vec<KvRows> = vec![KvRows::from_f32(vec![0.5; 3 * 8]); 2];
-    let input =
-        AttentionInput { shape, q: &[], keys: &kv, values: &kv, first_pos: 3, window: None, sinks: None };
+    let input = AttentionInput {
+        shape,
+        q: &[],
+        keys: &kv,
+        values: &kv,
+        first_pos: 3,
+        kv_start: 0,
+        window: None,
+        sinks: None,
+    };
     let mut scratch = AttentionScratch::default();
     par_attention(&mut pool, SimdLevel::Scalar, &input, &mut scratch, &mut []).unwrap();
     attention(SimdLevel::Scalar, &input, &mut scratch, &mut []).unwrap();
@@ -371,6 +390,7 @@ fn par_attention_rejects_a_short_cache() {
         keys: &keys,
         values: &values,
         first_pos: 2,
+        kv_start: 0,
         window: None,
         sinks: None,
     };

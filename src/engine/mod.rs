@@ -113,9 +113,20 @@ impl KvCache {
         }
     }
 
+    /// Bytes its keys and values hold (the pipeline's as they grow, the GPU's as allocated);
+    /// `None` for the oracle's.
+    pub fn kv_bytes(&self) -> Option<usize> {
+        match self {
+            KvCache::Reference(_) => None,
+            KvCache::Pipeline(c) => Some(c.kv_bytes()),
+            KvCache::Gpu(c) => Some(c.kv.bytes()),
+        }
+    }
+
     /// Keep the first `n` positions: a cached prefix reused by a new request. False, changing
-    /// nothing, when it cannot: `n` above what it holds, or recurrent (DeltaNet) state, which
-    /// can only be kept whole.
+    /// nothing, when it cannot: `n` above what it holds, recurrent (DeltaNet) state, which can
+    /// only be kept whole, or a sliding-window ring that no longer holds what position `n` sees
+    /// (more than a call's `KV_RING_CHUNK_POSITIONS` back).
     pub fn truncate(&mut self, n: usize) -> bool {
         match self {
             KvCache::Reference(c) => c.truncate(n),
@@ -125,11 +136,16 @@ impl KvCache {
                     return false;
                 }
                 // After a device loss the CPU copy serves; the device cache stays where it was.
-                let on_device = c.kv.truncate(n);
-                if let Some(p) = c.cpu.as_mut() {
-                    p.truncate(n);
+                let kept = match c.cpu.as_mut() {
+                    Some(p) => p.truncate(n),
+                    None => c.kv.truncate(n),
+                };
+                if !kept {
+                    return false;
                 }
-                debug_assert!(on_device || c.cpu.is_some());
+                if c.cpu.is_some() {
+                    c.kv.truncate(n);
+                }
                 c.tokens.truncate(n);
                 true
             }

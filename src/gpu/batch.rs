@@ -43,6 +43,9 @@ impl GpuModel {
         if let [one] = seqs {
             return self.forward_rows(one.tokens, phase, one.cache, cold, LogitRows::Last);
         }
+        if seqs.iter().any(|s| s.tokens.len() > self.call_token_limit()) {
+            return self.forward_each(seqs, phase, cold);
+        }
         let call_start = Instant::now();
         let mut calls: Vec<(&[u32], &mut GpuKvCache)> =
             seqs.iter_mut().map(|s| (s.tokens, &mut *s.cache)).collect();
@@ -70,6 +73,27 @@ impl GpuModel {
             s.cache.n_positions += s.tokens.len();
         }
         self.finish_call(phase, t, call_start, copy_start, copy_us)?;
+        Ok(logits)
+    }
+}
+
+impl GpuModel {
+    /// [`GpuModel::forward_batch`] one sequence after another, each in calls of at most
+    /// [`GpuModel::call_token_limit`] tokens (a prompt chunk longer than a sliding-window ring
+    /// takes; the batcher's steps stay under it by default). Every sequence is checked first.
+    fn forward_each(
+        &mut self,
+        seqs: &mut [GpuSeqInput<'_>],
+        phase: Phase,
+        cold: &mut dyn ColdLane,
+    ) -> Result<Logits, GpuError> {
+        for s in seqs.iter() {
+            self.check_call(s.tokens, s.cache)?;
+        }
+        let mut logits = Logits::empty(self.config().vocab);
+        for s in seqs.iter_mut() {
+            logits.append(self.forward_rows(s.tokens, phase, s.cache, cold, LogitRows::Last)?);
+        }
         Ok(logits)
     }
 }
@@ -179,7 +203,7 @@ impl BatchRows {
     }
 
     /// Layer `l`'s rows for the kernels: positions and cache addresses of every row of the call.
-    pub fn kv(&self, l: usize) -> BatchKv {
+    pub fn kv(&self, l: usize, window: usize) -> BatchKv {
         let (t, p) = (self.t, self.ptrs.ptr());
         BatchKv {
             pos: self.ints.ptr().sub(0, t),
@@ -188,6 +212,7 @@ impl BatchRows {
             kv_type: self.kv_type,
             n_rows: t,
             max_positions: self.max_positions,
+            window,
         }
     }
 

@@ -5,7 +5,9 @@
 //! written converted (after RoPE) and every attention kernel reads each type. A latent attention
 //! layer keeps one row of `kv_lora_rank + rope` values per position (the normed latent and the
 //! rotated key part, `LatentAttentionSpec::cache_width`) in its K buffer, in the same type, and no
-//! V.
+//! V. A sliding-window layer keeps a mirrored ring of at most `2 * kv_ring_positions(window)`
+//! rows (`moe_lanes_kernels::kv::kv_ring_positions`), so a long context costs full KV only in the
+//! global layers.
 
 use moe_lanes_kernels::cuda::ops::KvPtr;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
@@ -13,6 +15,7 @@ use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
 use super::GpuError;
 use crate::model::arch::{LayerPlan, Mixer};
 use crate::model::context::KvType;
+use moe_lanes_kernels::kv::{kv_ring_positions, kv_ring_rows, KV_RING_CHUNK_POSITIONS};
 
 /// One layer's keys or values per layer, in the cache's type.
 pub(crate) enum KvBufs {
@@ -96,6 +99,9 @@ pub struct GpuKvCache {
     pub(crate) capacity: usize,
     pub(crate) kv_dim: usize,
     pub(crate) n_positions: usize,
+    /// Whether a sliding-window layer keeps a ring (of `kv_ring_positions`) that wraps below
+    /// `capacity`: positions more than a call's chunk back are overwritten then.
+    rings: bool,
 }
 
 /// A block type (q8_0) needs every attention head to be whole blocks: refused by name otherwise
@@ -133,7 +139,10 @@ impl GpuKvCache {
             .layers()
             .iter()
             .map(|l| match &l.mixer {
-                Mixer::Attention(a) => (capacity * a.kv_dim(), capacity * a.kv_dim()),
+                Mixer::Attention(a) => {
+                    let rows = kv_ring_rows(a.window.unwrap_or(0), capacity);
+                    (rows * a.kv_dim(), rows * a.kv_dim())
+                }
                 Mixer::LatentAttention(m) => (capacity * m.cache_width(), block),
                 Mixer::GatedDeltaNet(_) => (block, block),
             })
@@ -153,7 +162,10 @@ impl GpuKvCache {
                 Mixer::Attention(_) | Mixer::LatentAttention(_) => Ok(None),
             })
             .collect::<Result<_, GpuError>>()?;
-        Ok(GpuKvCache { k, v, delta, kv_type, capacity, kv_dim, n_positions: 0 })
+        let rings = plan.layers().iter().any(|l| {
+            l.as_attention().and_then(|a| a.window).is_some_and(|w| kv_ring_positions(w) < capacity)
+        });
+        Ok(GpuKvCache { k, v, delta, kv_type, capacity, kv_dim, n_positions: 0, rings })
     }
 
     /// DeltaNet layer `l`'s state.
@@ -211,9 +223,12 @@ impl GpuKvCache {
     }
 
     /// Keep the first `n` positions (later ones are overwritten as new tokens come); false,
-    /// changing nothing, where a recurrent layer's state cannot go back or `n` is more.
+    /// changing nothing, where a recurrent layer's state cannot go back, a sliding-window ring
+    /// has overwritten keys position `n` still sees (more than [`KV_RING_CHUNK_POSITIONS`]
+    /// back), or `n` is more.
     pub fn truncate(&mut self, n: usize) -> bool {
-        if n > self.n_positions || (self.has_recurrent() && n != self.n_positions) {
+        let ring_lost = self.rings && n + KV_RING_CHUNK_POSITIONS < self.n_positions;
+        if n > self.n_positions || (self.has_recurrent() && n != self.n_positions) || ring_lost {
             return false;
         }
         self.n_positions = n;

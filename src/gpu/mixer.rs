@@ -68,11 +68,13 @@ impl MixerStage {
         let lw = dev.w.layer(l);
         let w = lw.attention();
         be.rmsnorm(s.hidden.ptr(), lw.attn_norm.ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
-        // One sequence outside the decode graph with an f32 cache takes the new key/value rows
-        // in place; otherwise they go to scratch and the q/k norm + RoPE kernel appends them
-        // (converted) at the position it reads from the device (the graph) or the sequence's.
+        // One sequence outside the decode graph with an f32 cache of a full layer takes the new
+        // key/value rows in place; otherwise they go to scratch and the q/k norm + RoPE kernel
+        // appends them (converted, a window layer's through its ring) at the position it reads
+        // from the device (the graph) or the sequence's.
+        let window = dev.plan.layer(l).attention().window.unwrap_or(0);
         let in_place = match (dev.step, segs) {
-            (None, [seg]) => match (seg.cache.k(l), seg.cache.v(l)) {
+            (None, [seg]) if window == 0 => match (seg.cache.k(l), seg.cache.v(l)) {
                 (KvPtr::F32(kc), KvPtr::F32(vc)) => {
                     Some((kc.sub(seg.pos0 * kvd, t * kvd), vc.sub(seg.pos0 * kvd, t * kvd)))
                 }
@@ -89,7 +91,7 @@ impl MixerStage {
         let rows = dev.batch_rows().filter(|_| in_place.is_none());
         let fused_rows = rows.filter(|_| qk_fusable(dev.plan.layer(l).attention()));
         if let Some(r) = fused_rows {
-            qk_norm_rope_rows(dev, l, r.kv(l), [q, k_new, v_new])?;
+            qk_norm_rope_rows(dev, l, r.kv(l, window), [q, k_new, v_new])?;
         }
         for seg in segs.iter().filter(|_| fused_rows.is_none()) {
             let (rq, rkv) =
@@ -99,6 +101,7 @@ impl MixerStage {
                 v: rkv(v_new),
                 k_cache: seg.cache.k(l),
                 v_cache: seg.cache.v(l),
+                window,
             });
             qk_norm_rope(dev, l, seg.n, seg.pos0, rq, rkv(k_new), rkv(v_new), append)?;
         }
@@ -202,7 +205,17 @@ impl MixerStage {
         let sinks = dev.w.layer(l).attention().sinks.as_ref().map(|b| b.ptr());
         let (s, launch) = (dev.s(), (rows.decode_rows(), rows.n_decode));
         let mask = AttentionMask { window, sinks };
-        dev.be.attention_split_rows(s.q.ptr(), s.attn.ptr(), part, launch, rows.kv(l), nh, nkv, hd, mask)?;
+        dev.be.attention_split_rows(
+            s.q.ptr(),
+            s.attn.ptr(),
+            part,
+            launch,
+            rows.kv(l, window),
+            nh,
+            nkv,
+            hd,
+            mask,
+        )?;
         Ok(())
     }
 }
@@ -400,7 +413,7 @@ fn qk_norm_rope(
     be.rope(q, t, nh, qd, hd, rot, pos0, theta, interleaved, scaling)?;
     be.rope(k_new, t, nkv, kvd, hd, rot, pos0, theta, interleaved, scaling)?;
     if let Some(a) = append {
-        be.kv_store_rows(k_new, v_new, a.k_cache, a.v_cache, t, pos0, kvd)?;
+        be.kv_store_rows(k_new, v_new, a.k_cache, a.v_cache, t, pos0, kvd, a.window)?;
     }
     Ok(())
 }

@@ -30,6 +30,7 @@ use crate::moe::cold::ColdLane;
 use crate::moe::phase::Phase;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, Glu};
+use moe_lanes_kernels::kv::KV_RING_CHUNK_POSITIONS;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
@@ -258,6 +259,15 @@ impl GpuModel {
         &self.shards[0].dev.cfg
     }
 
+    /// The most tokens one call appends to a sequence: [`GpuOptions::max_call_tokens`], and
+    /// [`KV_RING_CHUNK_POSITIONS`] for a model with sliding-window layers (what their rings
+    /// hold past the window).
+    pub fn call_token_limit(&self) -> usize {
+        let dev = &self.shards[0].dev;
+        let ring = if dev.plan.has_window() { KV_RING_CHUNK_POSITIONS } else { usize::MAX };
+        dev.opts.max_call_tokens.clamp(1, ring)
+    }
+
     /// The first device's backend (the only one unless the model is split).
     pub fn backend(&self) -> &Arc<CudaBackend> {
         &self.shards[0].dev.be
@@ -420,7 +430,7 @@ impl GpuModel {
         cold: &mut dyn ColdLane,
         rows: LogitRows,
     ) -> Result<Logits, GpuError> {
-        let limit = self.shards[0].dev.opts.max_call_tokens.max(1);
+        let limit = self.call_token_limit();
         if tokens.len() <= limit {
             return self.forward_call(tokens, phase, cache, cold, rows);
         }

@@ -137,7 +137,10 @@ pub fn layer_bytes(model: &Model, kv_type: KvType, n_positions: usize, hot_bytes
             let roles = model.required_layer_roles(l);
             let dense: u64 = roles.into_iter().filter_map(|r| model.layer(l, r)).map(device_bytes).sum();
             let kv = match &model.layer_spec(l).mixer {
-                Mixer::Attention(a) => kv_type.bytes_of(2 * positions * a.kv_dim() as u64),
+                Mixer::Attention(a) => {
+                    let rows = moe_lanes_kernels::kv::kv_ring_rows(a.window.unwrap_or(0), n_positions) as u64;
+                    kv_type.bytes_of(2 * rows * a.kv_dim() as u64)
+                }
                 Mixer::LatentAttention(m) => {
                     let (k_b, v_b) = model.mla_kv_b(l);
                     device_bytes(k_b)

@@ -4,6 +4,7 @@
 //! refused when it is past the trained context or does not fit.
 
 use crate::model::config::ModelConfig;
+use moe_lanes_kernels::kv::kv_ring_rows;
 
 /// The element type of a KV cache (`--cache-type-k` / `--cache-type-v` at the CLI, as
 /// llama.cpp): f32, f16, bf16 or q8_0 (blocks of 32 values, one f16 scale and 32 int8). The GPU
@@ -17,8 +18,9 @@ pub fn kv_bytes_per_position(c: &ModelConfig) -> u64 {
     kv_bytes_per_position_of(c, KvType::F32)
 }
 
-/// Bytes of KV cache per position in a cache of `kv`: K and V of every attention layer (a
-/// hybrid's DeltaNet layers keep a fixed-size state instead, [`recurrent_state_bytes`]).
+/// Bytes of KV cache per position in a cache of `kv`: K and V of every full attention layer (a
+/// sliding-window layer keeps a bounded ring instead, [`window_kv_bytes`]; a hybrid's DeltaNet
+/// layers a fixed-size state, [`recurrent_state_bytes`]).
 pub fn kv_bytes_per_position_of(c: &ModelConfig, kv: KvType) -> u64 {
     // A latent attention layer keeps one latent and key part per position, no K and V.
     if let Some(m) = &c.mla {
@@ -26,11 +28,27 @@ pub fn kv_bytes_per_position_of(c: &ModelConfig, kv: KvType) -> u64 {
     }
     // Each attention layer at its own width (Gemma 4's global layers have their own KV heads and
     // head dim).
-    let per_layer = |l: usize| kv.bytes_of(c.layer_kv_dim(l) as u64);
-    match &c.hybrid {
-        Some(h) => 2 * h.full_attention_layers.iter().map(|&l| per_layer(l)).sum::<u64>(),
-        None => 2 * (0..c.n_layers).map(per_layer).sum::<u64>(),
+    let full = attention_layers(c).filter(|&l| c.window_of(l).is_none());
+    2 * full.map(|l| kv.bytes_of(c.layer_kv_dim(l) as u64)).sum::<u64>()
+}
+
+/// The layers that keep K and V (every layer but a hybrid's DeltaNet layers; none with latent
+/// attention, which keeps one latent row per position).
+fn attention_layers(c: &ModelConfig) -> Box<dyn Iterator<Item = usize> + '_> {
+    match (&c.mla, &c.hybrid) {
+        (Some(_), _) => Box::new(std::iter::empty()),
+        (None, Some(h)) => Box::new(h.full_attention_layers.iter().copied()),
+        (None, None) => Box::new(0..c.n_layers),
     }
+}
+
+/// Bytes of the sliding-window layers' KV in a session of `n_positions` in a cache of `kv`:
+/// each keeps at most its ring and the ring's mirror, [`kv_ring_rows`] rows of K and V,
+/// whatever the context (what the GPU allocates; the CPU pipeline drops its rows past the same
+/// bound after each call).
+pub fn window_kv_bytes(c: &ModelConfig, kv: KvType, n_positions: usize) -> u64 {
+    let rows = |l: usize| c.window_of(l).map_or(0, |w| kv_ring_rows(w, n_positions));
+    2 * attention_layers(c).map(|l| rows(l) as u64 * kv.bytes_of(c.layer_kv_dim(l) as u64)).sum::<u64>()
 }
 
 /// Bytes of a session's fixed-size recurrent state (f32): per Gated DeltaNet layer the conv's
@@ -45,9 +63,18 @@ pub fn recurrent_state_bytes(c: &ModelConfig) -> u64 {
     4 * (layers * (conv + matrix)) as u64
 }
 
-/// Bytes of one session of `n_positions` in a cache of `kv`: its KV and its recurrent state.
+/// Bytes of one session of `n_positions` in a cache of `kv`: its KV (the full layers' per
+/// position, the window layers' rings) and its recurrent state.
 pub fn session_bytes(c: &ModelConfig, kv: KvType, n_positions: usize) -> u64 {
-    kv_bytes_per_position_of(c, kv) * n_positions as u64 + recurrent_state_bytes(c)
+    kv_bytes_per_position_of(c, kv) * n_positions as u64
+        + window_kv_bytes(c, kv, n_positions)
+        + recurrent_state_bytes(c)
+}
+
+/// Bytes of a session's KV and state that do not grow with its context: the recurrent state and
+/// the window layers' full rings.
+fn fixed_bytes(c: &ModelConfig, kv: KvType) -> u64 {
+    recurrent_state_bytes(c) + window_kv_bytes(c, kv, usize::MAX)
 }
 
 /// Why a context size cannot be used.
@@ -78,7 +105,7 @@ pub fn resolve_context(
 ) -> Result<usize, ContextError> {
     let trained = c.max_positions;
     let per_position = kv_bytes_per_position_of(c, kv).max(1);
-    let available_bytes = available_bytes.map(|b| b.saturating_sub(recurrent_state_bytes(c)));
+    let available_bytes = available_bytes.map(|b| b.saturating_sub(fixed_bytes(c, kv)));
     let fits = available_bytes.map(|b| usize::try_from(b / per_position).unwrap_or(usize::MAX));
     let Some(asked) = asked else {
         return Ok(fits.map_or(trained, |f| trained.min(f).max(1)));
@@ -192,8 +219,9 @@ mod tests {
         assert_eq!(resolve_context(&c, None, Some(room), KvType::F32), Ok(5));
     }
 
-    /// Gemma 4's global layers pay their own width: the fixture's config with its global layers
-    /// widened to 4 KV heads of 32 (the sliding ones keep 2 of 16), in f32 and q8_0's blocks.
+    /// Gemma 4's global layers pay their own width per position: the fixture's config with its
+    /// global layers widened to 4 KV heads of 32 (the sliding ones keep 2 of 16), in f32 and
+    /// q8_0's blocks; its sliding layers (0 and 2) pay their ring, the same at any longer context.
     #[test]
     fn layers_of_their_own_width_pay_their_own_bytes() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gemma4_a");
@@ -202,8 +230,18 @@ mod tests {
         let g = c.global_attention.as_mut().expect("gemma4 has global layers");
         g.n_kv_heads = 4;
         assert_eq!((c.layer_kv_dim(0), c.layer_kv_dim(1), c.n_layers), (32, 128, 4));
-        assert_eq!(kv_bytes_per_position(&c), 2 * 4 * (32 + 128 + 32 + 128));
-        assert_eq!(kv_bytes_per_position_of(&c, KvType::Q8_0), 2 * 34 * (1 + 4 + 1 + 4));
+        assert_eq!(kv_bytes_per_position(&c), 2 * 4 * (128 + 128));
+        assert_eq!(kv_bytes_per_position_of(&c, KvType::Q8_0), 2 * 34 * (4 + 4));
+        let window = c.sliding_window.expect("gemma4 slides");
+        let ring = moe_lanes_kernels::kv::kv_ring_positions(window) as u64;
+        assert_eq!(window_kv_bytes(&c, KvType::F32, 10), 2 * 2 * 10 * 4 * 32, "below the ring: every row");
+        for n in [2 * ring as usize, 100_000] {
+            assert_eq!(window_kv_bytes(&c, KvType::F32, n), 2 * 2 * (2 * ring) * 4 * 32, "the ring at {n}");
+        }
+        let long = session_bytes(&c, KvType::F32, 100_000);
+        assert_eq!(long, 100_000 * 2 * 4 * 256 + 2 * 2 * (2 * ring) * 4 * 32);
+        let room = fixed_bytes(&c, KvType::F32) + 7 * kv_bytes_per_position(&c);
+        assert_eq!(resolve_context(&c, None, Some(room), KvType::F32), Ok(7.min(c.max_positions)));
     }
 
     #[test]

@@ -41,10 +41,12 @@ use crate::moe::pool_lane::PoolLane;
 use crate::moe::profile::{mark, CpuProfiler};
 use crate::moe::routing::Router;
 use crate::reference::ForwardError;
+use moe_lanes_kernels::kv::{kv_ring_positions, KV_RING_CHUNK_POSITIONS};
 use moe_lanes_kernels::{
     par_chunks_mut, AttentionInput, AttentionShape, DecodeActivations, DenseMatrix, KernelError, KvRows,
     KvType, MatmulPart, SimdLevel,
 };
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -205,6 +207,10 @@ pub struct PipelineCache {
     /// rotated key part (`kv_lora_rank + rope_dim` floats; empty for other layers). It is the
     /// absorbed attention's one key/value head: keys and values are the same buffer.
     latent: Vec<KvRows>,
+    /// Per layer, the position of its cached rows' first row: a sliding-window layer drops the
+    /// positions no later query sees once it holds more than twice its ring
+    /// (`kv_ring_positions`), keeping the ring; 0 for every other layer.
+    kv_start: Vec<usize>,
     n_positions: usize,
     kv_type: KvType,
 }
@@ -215,16 +221,28 @@ impl PipelineCache {
     }
 
     /// Keep the first `n` positions (a cached prefix reused); false, changing nothing, where a
-    /// recurrent layer's state cannot go back (any `n` below what it holds) or `n` is more.
+    /// recurrent layer's state cannot go back (any `n` below what it holds), a sliding-window
+    /// layer has dropped keys position `n` still sees (more than a call's
+    /// `KV_RING_CHUNK_POSITIONS` back, as the GPU's rings), or `n` is more.
     pub fn truncate(&mut self, n: usize) -> bool {
         let recurrent = self.recurrent.iter().any(Option::is_some);
-        if n > self.n_positions || (recurrent && n != self.n_positions) {
+        let dropped = self.kv_start.iter().any(|&s| s > 0);
+        if n > self.n_positions
+            || (recurrent && n != self.n_positions)
+            || (dropped && n + KV_RING_CHUNK_POSITIONS < self.n_positions)
+        {
             return false;
         }
-        let old = self.n_positions.max(1);
-        for buf in self.keys.iter_mut().chain(self.values.iter_mut()).chain(self.latent.iter_mut()) {
-            let width = buf.n_values() / old;
-            buf.truncate(n * width);
+        let per_layer = self.keys.len() / self.kv_start.len().max(1);
+        for (l, &start) in self.kv_start.iter().enumerate() {
+            let held = (self.n_positions - start).max(1);
+            let keep = n.saturating_sub(start);
+            let heads = l * per_layer..(l + 1) * per_layer;
+            let bufs = self.keys[heads.clone()].iter_mut().chain(&mut self.values[heads]);
+            for buf in bufs.chain(std::iter::once(&mut self.latent[l])) {
+                let width = buf.n_values() / held;
+                buf.truncate(keep * width);
+            }
         }
         self.n_positions = n;
         true
@@ -237,6 +255,30 @@ impl PipelineCache {
     pub fn kv_bytes(&self) -> usize {
         self.keys.iter().chain(&self.values).chain(&self.latent).map(KvRows::bytes).sum()
     }
+}
+
+/// A sliding-window layer's cache once it holds more than twice its ring of `window` +
+/// `KV_RING_CHUNK_POSITIONS` positions up to `end`: the positions before the last ring dropped
+/// (no later query sees them), so a long context costs this layer a bounded cache.
+fn drop_past_ring(
+    cache: &mut PipelineCache,
+    l: usize,
+    heads: Range<usize>,
+    hd: usize,
+    window: usize,
+    end: usize,
+) {
+    let ring = kv_ring_positions(window);
+    let held = end - cache.kv_start[l];
+    if held <= 2 * ring {
+        return;
+    }
+    let drop = held - ring;
+    for h in heads {
+        cache.keys[h].drain_front(drop * hd);
+        cache.values[h].drain_front(drop * hd);
+    }
+    cache.kv_start[l] += drop;
 }
 
 /// Refuses a block type (q8_0) where a layer's cached rows (an attention head, a latent row) are
@@ -697,6 +739,7 @@ impl Pipeline {
         let rows = |n| vec![KvRows::new(self.kv_type); n];
         PipelineCache {
             latent: rows(self.config.n_layers),
+            kv_start: vec![0; self.config.n_layers],
             keys: rows(self.config.n_layers * self.config.max_kv_heads()),
             values: rows(self.config.n_layers * self.config.max_kv_heads()),
             recurrent,
@@ -1023,10 +1066,14 @@ impl Pipeline {
             keys,
             values,
             first_pos: seg.first_pos,
+            kv_start: cache.kv_start[l],
             window: spec.window,
             sinks: self.layers[l].sinks.as_deref(),
         };
         self.dense.attention(&input, &mut a.attn[rows.start * qd..rows.end * qd])?;
+        if let Some(w) = spec.window {
+            drop_past_ring(cache, l, at..at + nkv, hd, w, seg.first_pos + seg.n);
+        }
         Ok(())
     }
 
@@ -1189,6 +1236,7 @@ impl Pipeline {
                 keys: kv,
                 values: kv,
                 first_pos: seg.first_pos,
+                kv_start: 0,
                 window: None,
                 sinks: None,
             };

@@ -311,7 +311,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 41] = [
+pub const SHARED_DEFINE_NAMES: [&str; 42] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -353,6 +353,7 @@ pub const SHARED_DEFINE_NAMES: [&str; 41] = [
     "ATT_MMA_WIDE_KEYS",
     "ATT_MMA_WIDE_MAXD",
     "GQ_BK",
+    "KV_RING_CHUNK",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -399,6 +400,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DATT_MMA_WIDE_KEYS={ATTENTION_MMA_WIDE_KEYS}"),
         format!("-DATT_MMA_WIDE_MAXD={ATTENTION_MMA_WIDE_MAX_HEAD_DIM}"),
         format!("-DGQ_BK={GROUPED_Q8_BK}"),
+        format!("-DKV_RING_CHUNK={}", crate::kv::KV_RING_CHUNK_POSITIONS),
     ]
 }
 

@@ -13,7 +13,7 @@ use super::kernel::{
     GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
-use crate::kv::KvType;
+use crate::kv::{kv_ring_positions, kv_ring_rows, KvType, KV_RING_CHUNK_POSITIONS};
 use cudarc::cublas::{result as br, sys as bs};
 use std::ffi::c_void;
 use std::sync::atomic::Ordering;
@@ -257,8 +257,11 @@ fn check_attention(
     (q, k, v, out): (DPtr<f32>, KvPtr, KvPtr, DPtr<f32>),
     h: AttentionHeads,
     max_head_dim: usize,
+    window: usize,
 ) -> Result<()> {
     let AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim } = h;
+    check_ring_call(kernel, window, n_tokens)?;
+    let total = kv_ring_rows(window, total);
     check_kv_pair(kernel, k, v, &[head_dim])?;
     if n_kv == 0 || n_heads / n_kv * n_kv != n_heads {
         let reason = format!("{n_heads} heads do not group over {n_kv} kv heads");
@@ -272,6 +275,18 @@ fn check_attention(
     need_kv(kernel, "k_cache", k, total * n_kv * head_dim)?;
     need_kv(kernel, "v_cache", v, total * n_kv * head_dim)?;
     need(kernel, "out", out, n_tokens * n_heads * head_dim)
+}
+
+/// A sliding-window layer's ring holds one call's [`KV_RING_CHUNK_POSITIONS`] new positions
+/// past the window: a longer call would overwrite keys its first rows still see.
+fn check_ring_call(kernel: Kernel, window: usize, n_tokens: usize) -> Result<()> {
+    if window > 0 && n_tokens > KV_RING_CHUNK_POSITIONS {
+        let reason = format!(
+            "{n_tokens} tokens in one call over a sliding window's ring: at most {KV_RING_CHUNK_POSITIONS}"
+        );
+        return Err(CudaError::Shape { kernel: kernel.symbol(), reason });
+    }
+    Ok(())
 }
 
 /// Every address a multiple of 16 bytes (what the 16-byte vector loads and `cp.async` copies of
@@ -559,7 +574,9 @@ pub(super) fn rope_scaling_args(
 /// The decode graph's key/value append ([`CudaBackend::qk_norm_rope`]): the call's first position
 /// is read from `pos` on the device, the new key rows (roped in the kernel) and value rows `v`
 /// (`[n_tokens, kv_dim]`) go to rows `pos..` of the caches (`[capacity, kv_dim]`). The host
-/// writes a position below `capacity - n_tokens + 1` (the kernel cannot check it).
+/// writes a position below `capacity - n_tokens + 1` (the kernel cannot check it). A
+/// sliding-window layer's caches (`window` > 0) are its mirrored ring
+/// ([`crate::kv::kv_ring_positions`]).
 #[derive(Debug, Clone, Copy)]
 pub struct KvAppend {
     /// Device memory holding the first token's position (the decode graph); `None`: the
@@ -568,6 +585,8 @@ pub struct KvAppend {
     pub v: DPtr<f32>,
     pub k_cache: KvPtr,
     pub v_cache: KvPtr,
+    /// The layer's sliding window (0: a full layer).
+    pub window: usize,
 }
 
 impl KvAppend {
@@ -577,7 +596,8 @@ impl KvAppend {
         }
         check_kv_pair(kernel, self.k_cache, self.v_cache, &[kv_dim])?;
         // From device memory the position is unknown here: the rows fit from position 0.
-        let rows = if self.pos.is_some() { n_tokens } else { pos0 + n_tokens };
+        let positions = if self.pos.is_some() { n_tokens } else { pos0 + n_tokens };
+        let rows = kv_ring_rows(self.window, positions);
         need(kernel, "v", self.v, n_tokens * kv_dim)?;
         need_kv(kernel, "k cache", self.k_cache, rows * kv_dim)?;
         need_kv(kernel, "v cache", self.v_cache, self.k_cache.len())
@@ -608,6 +628,9 @@ pub struct BatchKv {
     pub kv_type: KvType,
     pub n_rows: usize,
     pub max_positions: usize,
+    /// The layer's sliding window (0: a full layer): its caches are rings
+    /// ([`crate::kv::kv_ring_positions`]).
+    pub window: usize,
 }
 
 impl BatchKv {
@@ -1035,9 +1058,10 @@ impl CudaBackend {
             None => (0, 0),
         };
         let il = interleaved as i32;
-        let (pos, kc, vc, v, heads, half) = match append {
+        let (pos, kv, heads, half) = match append {
             Some(a) => {
                 a.check(K, n_tokens, k_stride, pos0)?;
+                check_ring_call(K, a.window, n_tokens)?;
                 check_kv_pair(K, a.k_cache, a.v_cache, &[head_dim])?;
                 if a.k_cache.kv_type() == KvType::Q8_0 && head_dim > QK_STAGE_MAX_HEAD_DIM {
                     let reason =
@@ -1045,10 +1069,12 @@ impl CudaBackend {
                     return Err(CudaError::Shape { kernel: K.symbol(), reason });
                 }
                 let pos = a.pos.map_or(0, |p| p.raw());
-                (pos, a.k_cache.raw(), a.v_cache.raw(), a.v.raw(), n_heads + 2 * n_kv, a.k_cache.type_code())
+                let kv = (a.k_cache.raw(), a.v_cache.raw(), a.v.raw(), kv_ring_positions(a.window));
+                (pos, kv, n_heads + 2 * n_kv, a.k_cache.type_code())
             }
-            None => (0, 0, 0, 0, n_heads + n_kv, 0),
+            None => (0, (0, 0, 0, 0), n_heads + n_kv, 0),
         };
+        let (kc, vc, v, ring) = kv;
         self.launch(
             K,
             (n_tokens as u32, heads as u32, 1),
@@ -1075,13 +1101,16 @@ impl CudaBackend {
                 i(n_kv),
                 half,
                 freqs,
-                scale
+                scale,
+                i(ring)
             ],
         )
     }
 
     /// `n_tokens` rows of new keys `k` and values `v` (f32, rows of `kv_dim`) into the caches'
-    /// rows `pos0..`, converted to the caches' type (the append of the unfused q/k path).
+    /// rows of positions `pos0..` (a sliding-window layer's ring when `window` > 0), converted to
+    /// the caches' type (the append of the unfused q/k path).
+    #[allow(clippy::too_many_arguments)]
     pub fn kv_store_rows(
         &self,
         k: DPtr<f32>,
@@ -1091,17 +1120,29 @@ impl CudaBackend {
         n_tokens: usize,
         pos0: usize,
         kv_dim: usize,
+        window: usize,
     ) -> Result<()> {
         const K: Kernel = Kernel::KvStoreRows;
-        let append = KvAppend { pos: None, v, k_cache, v_cache };
+        let append = KvAppend { pos: None, v, k_cache, v_cache, window };
         append.check(K, n_tokens, kv_dim, pos0)?;
+        check_ring_call(K, window, n_tokens)?;
         need(K, "k", k, n_tokens * kv_dim)?;
+        let caches = (k_cache.raw(), v_cache.raw(), k_cache.type_code());
         self.launch(
             K,
             (n_tokens as u32, 2, 1),
             BLOCK,
             0,
-            args![k.raw(), v.raw(), k_cache.raw(), v_cache.raw(), i(pos0), i(kv_dim), k_cache.type_code()],
+            args![
+                k.raw(),
+                v.raw(),
+                caches.0,
+                caches.1,
+                i(pos0),
+                i(kv_dim),
+                caches.2,
+                i(kv_ring_positions(window))
+            ],
         )
     }
 
@@ -1126,7 +1167,7 @@ impl CudaBackend {
         let (window, sinks) = mask.into().parts(kn, n_heads)?;
         let total = pos0 + n_tokens;
         let heads = AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim };
-        check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_MAX_HEAD_DIM)?;
+        check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_MAX_HEAD_DIM, window)?;
         let visible = if window > 0 { window.min(total) } else { total };
         if visible > ATTENTION_MAX_POSITIONS {
             return Err(CudaError::Shape {
@@ -1185,7 +1226,7 @@ impl CudaBackend {
         let kn = kv_kernel(Kernel::ATTENTION_TILED, k_cache);
         let mask = mask.into();
         let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
-        check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_TILE_MAX_HEAD_DIM)?;
+        check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_TILE_MAX_HEAD_DIM, mask.window)?;
         if !head_dim.is_multiple_of(4) {
             return Err(CudaError::Shape {
                 kernel: kn.symbol(),
@@ -1315,7 +1356,7 @@ impl CudaBackend {
         let mask = mask.into();
         let heads = AttentionHeads { n_tokens, total: pos0 + n_tokens, n_heads, n_kv, head_dim };
         let bufs = (q, k_cache, v_cache, out);
-        check_attention(kn, bufs, heads, Self::attention_mma_max_head_dim(k_cache.kv_type()))?;
+        check_attention(kn, bufs, heads, Self::attention_mma_max_head_dim(k_cache.kv_type()), mask.window)?;
         if !self.attention_mma_takes(head_dim, bufs) {
             let reason =
                 format!("head_dim {head_dim} (a multiple of 16 on sm_80+) or buffers not 16-byte aligned");
@@ -1463,7 +1504,7 @@ impl CudaBackend {
         // most positions the call may see.
         let total = at.map_or(pos0, |a| a.max_positions) + n_tokens;
         let heads = AttentionHeads { n_tokens, total, n_heads, n_kv, head_dim };
-        check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_MAX_HEAD_DIM)?;
+        check_attention(kn, (q, k_cache, v_cache, out), heads, ATTENTION_MAX_HEAD_DIM, window)?;
         if let Some(a) = at {
             need(kn, "pos", a.pos, 1)?;
         }
@@ -1540,6 +1581,11 @@ impl CudaBackend {
         mask: impl Into<AttentionMask>,
     ) -> Result<()> {
         let (window, sinks) = mask.into().parts(Kernel::AttentionCombineRowsF32, n_heads)?;
+        if kv.window != window {
+            let reason =
+                format!("the mask's window {window} and the caches' ring window {} differ", kv.window);
+            return Err(CudaError::Shape { kernel: Kernel::AttentionCombineRowsF32.symbol(), reason });
+        }
         let grouped = Self::attention_split_grouped(n_heads, n_kv, head_dim);
         let family = if grouped { Kernel::ATTENTION_SPLIT_GQA_ROWS } else { Kernel::ATTENTION_SPLIT_ROWS };
         // the tensor-core kernel where it takes the shape (the caches' addresses are the
@@ -1682,7 +1728,8 @@ impl CudaBackend {
                 i(n_kv),
                 kv_type_code(kv.kv_type) as i32,
                 freqs,
-                scale
+                scale,
+                i(kv_ring_positions(kv.window))
             ],
         )
     }

@@ -589,6 +589,12 @@ impl LayerPlan {
         &self.layers
     }
 
+    /// Whether any layer attends through a sliding window (its KV cache is then a ring, and a
+    /// call appends at most `KV_RING_CHUNK_POSITIONS` positions to a sequence).
+    pub fn has_window(&self) -> bool {
+        self.layers.iter().any(|l| l.as_attention().is_some_and(|a| a.window.is_some()))
+    }
+
     pub fn len(&self) -> usize {
         self.layers.len()
     }
