@@ -106,23 +106,30 @@ fn the_default_engine_takes_gemma4_and_matches_transformers() {
     assert!(err < 2.0 * fixture_checks::TOLERANCE, "{err}");
 }
 
-/// A KV cache position costs each attention layer's own K and V width: the fixture's global
-/// layers' one KV head of 32 beside the sliding layers' two of 16 (the same 32 values), and a
+/// A KV cache position costs each global layer's own K and V width, and each sliding layer its
+/// ring at its own width (`window_kv_bytes`: every position below the ring, the ring past it):
+/// the fixture's global layers' one KV head of 32 beside the sliding layers' two of 16, and a
 /// synth file's sliding layers of 4 KV heads beside its global layers' one of twice the head dim
-/// (widths that differ), the sum of the layers' own widths.
+/// (widths that differ).
 #[test]
 fn kv_bytes_per_position_count_each_layers_own_width() {
-    use moe_lanes::model::context::kv_bytes_per_position;
+    use moe_lanes::model::context::{kv_bytes_per_position, session_bytes, window_kv_bytes, KvType};
     let (model, _) = open();
     let c = model.config();
-    let by_layer: u64 = (0..c.n_layers).map(|l| 2 * 4 * c.layer_kv_dim(l) as u64).sum();
+    let global = |l: &usize| c.window_of(*l).is_none();
+    let by_layer: u64 = (0..c.n_layers).filter(global).map(|l| 2 * 4 * c.layer_kv_dim(l) as u64).sum();
     assert_eq!(kv_bytes_per_position(c), by_layer);
     let (_dir, synth) = synth_gemma4_wide_sliding();
     let c = synth.config();
     let widths: Vec<usize> = (0..c.n_layers).map(|l| c.layer_kv_dim(l)).collect();
     assert_eq!(widths, [4 * c.head_dim, 2 * c.head_dim, 4 * c.head_dim, 2 * c.head_dim]);
-    let by_layer: u64 = widths.iter().map(|&w| 2 * 4 * w as u64).sum();
-    assert_eq!(kv_bytes_per_position(c), by_layer, "{widths:?}");
+    let sliding: Vec<usize> = (0..c.n_layers).filter(|&l| c.window_of(l).is_some()).collect();
+    assert_eq!(sliding, [0, 2]);
+    let ring = moe_lanes_kernels::kv::kv_ring_positions(c.sliding_window.unwrap()) as u64;
+    let (full, slide) = (2 * 4 * 2 * c.head_dim as u64, 2 * 4 * 4 * c.head_dim as u64);
+    assert_eq!(kv_bytes_per_position(c), 2 * full, "{widths:?}");
+    assert_eq!(window_kv_bytes(c, KvType::F32, 40), 2 * slide * 40);
+    assert_eq!(session_bytes(c, KvType::F32, 100_000), 2 * full * 100_000 + 2 * slide * 2 * ring);
 }
 
 /// [`synth_gemma4`] with 8 query heads over 4 KV heads on the sliding layers (the global ones
@@ -171,12 +178,13 @@ fn synth_gemma4_in(
 }
 
 /// The GPU KV cache holds each layer at its own width (the synth file's sliding layers with 4 KV
-/// heads, its global ones 1 of twice the head dim): the bytes the context accounting counts, in
-/// f16 (the default) and f32.
+/// heads, its global ones 1 of twice the head dim), the sliding ones their ring: the bytes the
+/// context accounting counts (`session_bytes`), in f16 (the default) and f32, below the ring and
+/// past twice it.
 #[test]
 fn the_gpu_cache_holds_each_layers_own_width() {
     use moe_lanes::gpu::{CudaBackend, GpuModel, GpuOptions};
-    use moe_lanes::model::context::{kv_bytes_per_position_of, KvType};
+    use moe_lanes::model::context::{session_bytes, KvType};
     if !common::gpu_usable() {
         return;
     }
@@ -186,14 +194,14 @@ fn the_gpu_cache_holds_each_layers_own_width() {
     for kv_type in [KvType::F16, KvType::F32] {
         let opts = GpuOptions { kv_type, ..GpuOptions::default() };
         let gm = GpuModel::new(model.clone(), be.clone(), opts).unwrap();
-        let cache = gm.new_kv_cache(40).unwrap();
-        let want = kv_bytes_per_position_of(&c, kv_type) * 40;
-        assert_eq!(
-            cache.bytes() as u64,
-            want,
-            "{kv_type}: {:?}",
-            (0..4).map(|l| c.layer_kv_dim(l)).collect::<Vec<_>>()
-        );
+        for n in [40, 4000] {
+            let cache = gm.new_kv_cache(n).unwrap();
+            let want = session_bytes(&c, kv_type, n);
+            let widths: Vec<usize> = (0..4).map(|l| c.layer_kv_dim(l)).collect();
+            assert_eq!(cache.bytes() as u64, want, "{kv_type} at {n}: {widths:?}");
+            let every_row: u64 = widths.iter().map(|&w| 2 * kv_type.bytes_of((w * n) as u64)).sum();
+            assert_eq!(n == 40, want == every_row, "{kv_type} at {n}: the rings cut only past them");
+        }
     }
 }
 

@@ -2321,8 +2321,11 @@ fn batched_attention_and_append_match_the_per_sequence_kernels() {
             let drows = be.upload(&launch).unwrap();
             let sinks: Vec<f32> = (0..n_heads).map(|h| -3.0 + 6.0 * h as f32 / n_heads as f32).collect();
             let dsinks = be.upload(&sinks).unwrap();
-            for (window, with_sinks) in [(0usize, false), (100, false), (0, true), (300, true)] {
+            // windows whose rings pass every length (plain caches are their layout), one of
+            // them masking the longest sequence
+            for (window, with_sinks) in [(0usize, false), (1600, false), (0, true), (1900, true)] {
                 let mask = AttentionMask { window, sinks: with_sinks.then(|| dsinks.ptr()) };
+                let kv = BatchKv { window, ..kv };
                 let part = be
                     .alloc_zeros::<f32>(CudaBackend::attention_split_scratch(
                         launch.len(),
@@ -2564,6 +2567,10 @@ fn attention_masked_cpu(
 /// The masks the wide-head tests run: (window, with sinks): none, a window, sinks, both.
 const WIDE_MASKS: [(usize, bool); 4] = [(0, false), (100, false), (0, true), (700, true)];
 
+/// The batched tests' masks: their windows' rings (window + `KV_RING_CHUNK_POSITIONS`) pass
+/// every sequence's length, so plain caches are the rings' layout.
+const BATCHED_MASKS: [(usize, bool); 4] = [(0, false), (2100, false), (0, true), (2500, true)];
+
 /// The bounds of a wide-head tensor-core result over a 16-bit cache, as the narrow kernels'
 /// tests set them: against the CPU over the cache's values 1e-5 (q and p split hi + lo, K and V
 /// exact, f32 accumulation), but 2.5e-4 for the f16 prefill (p rounded to f16 for p . V: at
@@ -2605,11 +2612,13 @@ fn wide_head_tensor_core_attention_matches_cpu() {
         let (dq, ds) = (be.upload(&q).unwrap(), be.upload(&sinks).unwrap());
         for kv_type in [KvType::F16, KvType::Bf16] {
             assert!(be.attention_split_mma_fits(n_heads, n_kv, hd, kv_type), "{kv_type} {hd}: split on mma");
-            let ((dk, kh), (dv, vh)) = (typed_cache(be, kv_type, &kc), typed_cache(be, kv_type, &vc));
-            let (kp, vp) = (typed_ptr(kv_type, &dk), typed_ptr(kv_type, &dv));
+            let ((_, kh), (_, vh)) = (typed_cache(be, kv_type, &kc), typed_cache(be, kv_type, &vc));
             let part =
                 be.alloc_zeros::<f32>(CudaBackend::attention_split_scratch(t, n_heads, hd, total)).unwrap();
             for (window, with_sinks) in WIDE_MASKS {
+                let ringed = |x: &[f32]| typed_cache(be, kv_type, &ring_layout(x, n_kv * hd, window)).0;
+                let (dk, dv) = (ringed(&kc), ringed(&vc));
+                let (kp, vp) = (typed_ptr(kv_type, &dk), typed_ptr(kv_type, &dv));
                 let s = with_sinks.then_some(sinks.as_slice());
                 let shape = (t, pos0, n_heads, n_kv, hd, window);
                 let want = attention_masked_cpu((&q, &kh, &vh), s, shape);
@@ -2701,8 +2710,11 @@ fn wide_head_batched_decode_rows_match_cpu() {
             };
             let scratch = CudaBackend::attention_split_scratch(launch.len(), n_heads, hd, max_positions);
             let part = be.alloc_zeros::<f32>(scratch).unwrap();
-            for (window, with_sinks) in WIDE_MASKS {
+            // windows whose rings (window + KV_RING_CHUNK_POSITIONS) pass every length: the
+            // plain caches are their layout (the rings' wrap: the per-sequence tests)
+            for (window, with_sinks) in BATCHED_MASKS {
                 let mask = AttentionMask { window, sinks: with_sinks.then(|| ds.ptr()) };
+                let kv = BatchKv { window, ..kv };
                 let out = be.alloc_zeros::<f32>(n * q_dim).unwrap();
                 let rows = (drows.ptr(), launch.len());
                 be.attention_split_rows(dq.ptr(), out.ptr(), part.ptr(), rows, kv, n_heads, n_kv, hd, mask)
