@@ -81,7 +81,7 @@ pub(super) fn widest_attention(plan: &LayerPlan, cfg: &ModelConfig) -> (usize, u
     layers.fold((cfg.q_dim(), cfg.kv_dim()), |(q, kv), a| (q.max(a.q_dim(cfg.n_heads)), kv.max(a.kv_dim())))
 }
 
-/// A model resident on one GPU or split by layers over several: one [`Shard`] per device, in
+/// A model resident on one GPU or split by layers over several: one `Shard` per device, in
 /// layer order, each a loop over owned stages (mixers, MoE layers with its hot cache, lanes,
 /// join and Post-Fetch) over its layers; the embedding on the first device, the head and the
 /// copies back on the last. The perf state and the call's statistics are the model's.
