@@ -574,10 +574,12 @@ fn gpt_oss_in_mxfp4_moe_runs_on_the_gpu_engine_like_the_reference() {
     }
 }
 
-/// The default grouped prefill of MXFP4 experts is int8 (8-bit activations on int8 tensor cores,
-/// checked in [`gpt_oss_in_mxfp4_moe_runs_on_the_gpu_engine_like_the_reference`]); the bf16
-/// tiles it replaced stay selectable (`PrefillActivations::Bf16`): GPT-OSS's MXFP4_MOE file, a
-/// long prompt at hot caches half and all, within the tensor cores' tolerance of the reference.
+/// The default grouped prefill of MXFP4 experts is int8 (8-bit activations on int8 tensor
+/// cores; [`int8_prefill_of_mxfp4_experts_is_the_default_within_the_8_bit_tolerance`]); the
+/// bf16 tiles it replaced stay selectable (`PrefillActivations::Bf16`): GPT-OSS's MXFP4_MOE
+/// file, a long prompt at hot caches half and all, within the tensor cores' tolerance of the
+/// reference. (`options` asks for f32 activations, which turns `Auto` into split activations:
+/// the other GPU tests here do not take the int8 tiles.)
 #[test]
 fn bf16_grouped_prefill_of_mxfp4_experts_stays_within_the_tensor_core_tolerance() {
     if !common::gpu_usable() {
@@ -595,5 +597,38 @@ fn bf16_grouped_prefill_of_mxfp4_experts_stays_within_the_tensor_core_tolerance(
         let what = format!("gpt_oss mxfp4_moe bf16 prefill hot {fraction}");
         let worst = check_steps(&what, reference.as_mut(), gpu.as_mut(), &long, 2, GPU_TENSOR_CORE_TOLERANCE);
         eprintln!("{what}: worst relative error {worst:e}");
+    }
+}
+
+/// The default engine's prefill of MXFP4 experts (no activations asked for: `Auto`, 8-bit
+/// decode activations) takes the int8 tiles: GPT-OSS's MXFP4_MOE file, a long prompt at hot
+/// caches half and all, within the 8-bit tolerance of the reference, and its prompt logits
+/// differ from the bf16 tiles' run (so the int8 path ran).
+#[test]
+fn int8_prefill_of_mxfp4_experts_is_the_default_within_the_8_bit_tolerance() {
+    if !common::gpu_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "gpt_oss", QuantMix::MXFP4_MOE)).unwrap());
+    let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+    let long: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
+    for fraction in [0.5, 1.0] {
+        let gpu = |prefill: moe_lanes::gpu::PrefillActivations| {
+            let mut opts = options(Some(EngineKind::Gpu));
+            opts.activations = None;
+            opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
+            opts.gpu.prefill_activations = prefill;
+            build_engine(&model, opts).unwrap().0
+        };
+        let (mut int8, mut bf16) = (gpu(Default::default()), gpu(moe_lanes::gpu::PrefillActivations::Bf16));
+        let what = format!("gpt_oss mxfp4_moe int8 prefill hot {fraction}");
+        let worst = check_steps(&what, reference.as_mut(), int8.as_mut(), &long, 2, GPU_Q8_TOLERANCE);
+        eprintln!("{what}: worst relative error {worst:e}");
+        let prompt_logits = |e: &mut dyn Engine| {
+            let mut cache = e.new_cache(64).unwrap();
+            e.forward(&long, Phase::Prefill, &mut cache).unwrap().rows().pop().unwrap()
+        };
+        assert_ne!(prompt_logits(int8.as_mut()), prompt_logits(bf16.as_mut()), "{what}: the int8 tiles ran");
     }
 }
