@@ -99,6 +99,25 @@ fn the_gpu_engine_runs_every_kind_of_gpt_oss() {
     assert_eq!(report.kind, EngineKind::Gpu, "{:?}", report.gpu_unavailable);
 }
 
+/// A tiny synthetic GPT-OSS (4 layers, BF16, window 16) of `seed` in `format`, written in `dir`.
+fn synth_tiny(dir: &std::path::Path, format: moe_lanes::synth::SynthFormat, seed: u64) -> Arc<Model> {
+    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    let out = dir.join(if format == SynthFormat::Gguf { "m.gguf" } else { "m" });
+    let opts = SynthOptions {
+        adapter: moe_lanes::arch::by_name("gpt_oss").unwrap(),
+        preset: Preset::Tiny,
+        dims: DimOverrides { n_layers: Some(4), ..Default::default() },
+        dtype: moe_lanes::dtype::DType::BF16,
+        seed,
+        skew: Skew::Skewed,
+        format,
+        out: out.clone(),
+        vocab_from: None,
+    };
+    synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    Arc::new(Model::open(&out).unwrap())
+}
+
 /// `synth --arch gpt_oss` in both formats: GGUF (llama.cpp's names: `attn_sinks`,
 /// `post_attention_norm`, `ffn_*_exps.bias`, the window and YaRN keys) and safetensors
 /// (transformers' fused input-major experts) hold the same weights, open to the same plan and
@@ -106,25 +125,12 @@ fn the_gpu_engine_runs_every_kind_of_gpt_oss() {
 /// tiny preset), prefill then decode.
 #[test]
 fn synthetic_gpt_oss_in_both_formats_runs_on_the_pipeline_as_on_the_oracle() {
-    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
+    use moe_lanes::synth::SynthFormat;
     let dir = tempfile::tempdir().unwrap();
     let tokens: Vec<u32> = (0..40).map(|i| (i * 37 % 500) as u32).collect();
     let mut per_format = Vec::new();
     for format in [SynthFormat::Gguf, SynthFormat::Safetensors] {
-        let out = dir.path().join(if format == SynthFormat::Gguf { "m.gguf" } else { "m" });
-        let opts = SynthOptions {
-            adapter: moe_lanes::arch::by_name("gpt_oss").unwrap(),
-            preset: Preset::Tiny,
-            dims: DimOverrides { n_layers: Some(4), ..Default::default() },
-            dtype: moe_lanes::dtype::DType::BF16,
-            seed: 11,
-            skew: Skew::Skewed,
-            format,
-            out: out.clone(),
-            vocab_from: None,
-        };
-        synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
-        let model = Arc::new(Model::open(&out).unwrap());
+        let model = synth_tiny(dir.path(), format, 11);
         let spec = model.layer_spec(0);
         assert_eq!(spec.attention().window, Some(16), "{format:?}");
         assert!(model.layer_spec(1).attention().window.is_none(), "{format:?}");
@@ -184,22 +190,8 @@ fn gpt_oss_presets_have_the_published_shapes() {
 fn sliding_window_rings_keep_long_sessions_exact() {
     use moe_lanes::engine::{Engine, HotChoice, KvCache};
     use moe_lanes::model::context::{kv_bytes_per_position_of, session_bytes, window_kv_bytes};
-    use moe_lanes::synth::{self, DimOverrides, Preset, Skew, SynthFormat, SynthOptions};
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("m.gguf");
-    let opts = SynthOptions {
-        adapter: moe_lanes::arch::by_name("gpt_oss").unwrap(),
-        preset: Preset::Tiny,
-        dims: DimOverrides { n_layers: Some(4), ..Default::default() },
-        dtype: moe_lanes::dtype::DType::BF16,
-        seed: 5,
-        skew: Skew::Skewed,
-        format: SynthFormat::Gguf,
-        out: out.clone(),
-        vocab_from: None,
-    };
-    synth::write_synthetic(&opts, &mut |_, _| {}).unwrap();
-    let model = Arc::new(Model::open(&out).unwrap());
+    let model = synth_tiny(dir.path(), moe_lanes::synth::SynthFormat::Gguf, 5);
     let c = model.config().clone();
     let (n, prompt) = (1200, 1100);
     let tokens: Vec<u32> = (0..n).map(|i| ((i * 37 + i / 7) % c.vocab) as u32).collect();

@@ -526,6 +526,13 @@ fn every_session_after_a_postfetch_prefill_decodes_like_the_reference() {
     }
 }
 
+/// GPT-OSS's tiny MXFP4_MOE file in `dir` and the long prompt (48 tokens: prefill through the
+/// grouped tiles) of the GPU tests below.
+fn gpt_oss_mxfp4(dir: &Path) -> (Arc<Model>, Vec<u32>) {
+    let model = Arc::new(Model::open(&quantized_tiny(dir, "gpt_oss", QuantMix::MXFP4_MOE)).unwrap());
+    (model, (0..48).map(|i| (i * 37 + 11) % 500).collect())
+}
+
 /// GPT-OSS in MXFP4 (its experts MXFP4 with f32 biases, the clamped SwiGLU) on the GPU engine,
 /// the hot lane's expert epilogue end to end: at hot caches none / half / all, short prompts
 /// (decode kernels) within the exact tolerance and a long prompt (the grouped tensor-core
@@ -538,9 +545,8 @@ fn gpt_oss_in_mxfp4_moe_runs_on_the_gpu_engine_like_the_reference() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "gpt_oss", QuantMix::MXFP4_MOE)).unwrap());
+    let (model, long) = gpt_oss_mxfp4(dir.path());
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
-    let long: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
     let gpu = |fraction: f64| {
         let mut opts = options(Some(EngineKind::Gpu));
         opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
@@ -586,9 +592,8 @@ fn bf16_grouped_prefill_of_mxfp4_experts_stays_within_the_tensor_core_tolerance(
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "gpt_oss", QuantMix::MXFP4_MOE)).unwrap());
+    let (model, long) = gpt_oss_mxfp4(dir.path());
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
-    let long: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
     for fraction in [0.5, 1.0] {
         let mut opts = options(Some(EngineKind::Gpu));
         opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
@@ -610,9 +615,8 @@ fn int8_prefill_of_mxfp4_experts_is_the_default_within_the_8_bit_tolerance() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "gpt_oss", QuantMix::MXFP4_MOE)).unwrap());
+    let (model, long) = gpt_oss_mxfp4(dir.path());
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
-    let long: Vec<u32> = (0..48).map(|i| (i * 37 + 11) % 500).collect();
     for fraction in [0.5, 1.0] {
         let gpu = |prefill: moe_lanes::gpu::PrefillActivations| {
             let mut opts = options(Some(EngineKind::Gpu));

@@ -80,6 +80,13 @@ __device__ __forceinline__ size_t kv_ring_base(int lo, int window) {
 template <typename T>
 __device__ __forceinline__ const T* kv_back(const T* p, size_t n) { return p - n; }
 __device__ __forceinline__ kv_q8_ptr kv_back(kv_q8_ptr p, size_t n) { return kv_q8_ptr{p.base, p.off - n}; }
+// Both caches moved back for a read of positions lo.. (rows of kv_dim values).
+template <typename KV>
+__device__ __forceinline__ void kv_ring_back(KV& kc, KV& vc, int lo, int window, size_t kv_dim) {
+    const size_t n = kv_ring_base(lo, window) * kv_dim;
+    kc = kv_back(kc, n);
+    vc = kv_back(vc, n);
+}
 
 // The factor that turns a row's accumulated values (max score m, sum l of exp(score - m)) into
 // its output. sinks non-null (GPT-OSS): head h's learned sink logit joins the softmax and takes
@@ -112,8 +119,7 @@ __device__ __forceinline__ void attention_rows(const float* __restrict__ q, KV k
     KV vb = vc + (size_t)kvh * hd;
     int first = window > 0 ? max(0, pos + 1 - window) : 0;
     int n = pos + 1 - first;
-    kb = kv_back(kb, kv_ring_base(first, window) * kv_dim);
-    vb = kv_back(vb, kv_ring_base(first, window) * kv_dim);
+    kv_ring_back(kb, vb, first, window, kv_dim);
     float qr[ATT_MAXC];
 #pragma unroll
     for (int c = 0; c < ATT_MAXC; c++) {
@@ -753,8 +759,7 @@ __device__ __forceinline__ void attention_tiles(const float* __restrict__ q, KV 
     int last_row = min(n_rows, row0 + ATT_TILE_ROWS) - 1;
     int key_hi = pos0 + last_row / g;  // inclusive
     int key_lo = window > 0 ? max(0, pos0 + row0 / g + 1 - window) : 0;
-    kc = kv_back(kc, kv_ring_base(key_lo, window) * kv_dim);
-    vc = kv_back(vc, kv_ring_base(key_lo, window) * kv_dim);
+    kv_ring_back(kc, vc, key_lo, window, kv_dim);
     int rpos[4], rfirst[4];
     float m[4], l[4], acc[4][ATT_TILE_MAXC];
 #pragma unroll
@@ -1153,8 +1158,7 @@ __device__ __forceinline__ void attention_mma_tiles(const float* __restrict__ q,
     bf16 *kh = am_kv, *kl = kh + AM_KEYS * ld, *vh = kl + AM_KEYS * ld, *vl = vh + AM_KEYS * ld;
     const int n_rows = n_tokens * g, kv_dim = n_kv * hd, q_dim = n_heads * hd;
     const AmRows r = am_rows(n_rows, g, pos0, window);
-    kc = kv_back(kc, kv_ring_base(r.key_lo, window) * kv_dim);
-    vc = kv_back(vc, kv_ring_base(r.key_lo, window) * kv_dim);
+    kv_ring_back(kc, vc, r.key_lo, window, kv_dim);
     unsigned qh[AM_K16][4], ql[AM_K16][4];
     am_load_q<AmBf16>(qh, ql, q, r.ra, n_rows, g, kvh, q_dim, hd);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AM_K16][4];
@@ -1297,8 +1301,7 @@ __device__ __forceinline__ void attention_mma16_tiles(const float* __restrict__ 
     T* buf = (T*)am16_kv;  // stage i: keys at buf + i * stage, values AM_KEYS * ld after them
     const int n_rows = n_tokens * g, kv_dim = n_kv * hd, q_dim = n_heads * hd;
     const AmRows r = am_rows(n_rows, g, pos0, window);
-    kc = kv_back(kc, kv_ring_base(r.key_lo, window) * kv_dim);
-    vc = kv_back(vc, kv_ring_base(r.key_lo, window) * kv_dim);
+    kv_ring_back(kc, vc, r.key_lo, window, kv_dim);
     unsigned qh[AM_K16][4], ql[AM_K16][4];
     am_load_q<M>(qh, ql, q, r.ra, n_rows, g, kvh, q_dim, hd);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AM_K16][4];
@@ -1364,8 +1367,7 @@ __device__ __forceinline__ void attention_split_mma_span(const float* __restrict
     if (j0 >= n) return;  // past the used spans
     const int g = n_heads / n_kv, kvh = blockIdx.x, ld = hd + 8, stage = 2 * AM_KEYS * ld;
     const int key_lo = first + j0, key_hi = first + min(n, j0 + per) - 1, kv_dim = n_kv * hd;
-    kc = kv_back(kc, kv_ring_base(first, window) * kv_dim);
-    vc = kv_back(vc, kv_ring_base(first, window) * kv_dim);
+    kv_ring_back(kc, vc, first, window, kv_dim);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, t = lane & 3, ra = 16 * w + (lane >> 2);
     T* buf = (T*)am16_kv;
     unsigned qh[AM_K16][4], ql[AM_K16][4];
@@ -1573,8 +1575,7 @@ __device__ __forceinline__ void attention_mma16w_tiles(const float* __restrict__
     extern __shared__ __align__(16) unsigned char amw_smem[];
     const int g = n_heads / n_kv, kvh = blockIdx.y, n_rows = n_tokens * g, q_dim = n_heads * hd;
     const AmRows r = am_rows(n_rows, g, pos0, window);
-    kc = kv_back(kc, kv_ring_base(r.key_lo, window) * (size_t)(n_kv * hd));
-    vc = kv_back(vc, kv_ring_base(r.key_lo, window) * (size_t)(n_kv * hd));
+    kv_ring_back(kc, vc, r.key_lo, window, (size_t)(n_kv * hd));
     uint4* qs = amw_q_slice(amw_smem, hd);
     amw_store_q<M>(qs, q, r.ra, n_rows, g, kvh, q_dim, hd);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, o[2 * AMW_K16][4];
@@ -1639,8 +1640,7 @@ __device__ __forceinline__ void attention_split_mma16w_span(const float* __restr
     const int per = att_split_span(n, max_splits), s = blockIdx.y, j0 = s * per;
     if (j0 >= n) return;  // past the used spans
     const int g = n_heads / n_kv, kvh = blockIdx.x, key_lo = first + j0, key_hi = first + min(n, j0 + per) - 1;
-    kc = kv_back(kc, kv_ring_base(first, window) * (size_t)(n_kv * hd));
-    vc = kv_back(vc, kv_ring_base(first, window) * (size_t)(n_kv * hd));
+    kv_ring_back(kc, vc, first, window, (size_t)(n_kv * hd));
     const int w = threadIdx.x >> 5, ra = 16 * w + ((threadIdx.x & 31) >> 2);
     const bool rows = 16 * w < g;
     uint4* qs = amw_q_slice(amw_smem, hd);

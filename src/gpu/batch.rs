@@ -43,7 +43,8 @@ impl GpuModel {
         if let [one] = seqs {
             return self.forward_rows(one.tokens, phase, one.cache, cold, LogitRows::Last);
         }
-        if seqs.iter().any(|s| s.tokens.len() > self.call_token_limit()) {
+        let limit = self.call_token_limit();
+        if seqs.iter().any(|s| s.tokens.len() > limit) {
             return self.forward_each(seqs, phase, cold);
         }
         let call_start = Instant::now();
