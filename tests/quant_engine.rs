@@ -314,8 +314,9 @@ fn check_steps(
     n_decode: usize,
     tolerance: f64,
 ) -> f64 {
-    let mut rc = reference.new_cache(64).unwrap();
-    let mut ec = engine.new_cache(64).unwrap();
+    let positions = (prompt.len() + n_decode + 1).max(64);
+    let mut rc = reference.new_cache(positions).unwrap();
+    let mut ec = engine.new_cache(positions).unwrap();
     let (mut tokens, mut phase, mut worst) = (prompt.to_vec(), Phase::Prefill, 0f64);
     for step in 0..=n_decode {
         let want = reference.forward(&tokens, phase, &mut rc).unwrap();
@@ -606,20 +607,27 @@ fn bf16_grouped_prefill_of_mxfp4_experts_stays_within_the_tensor_core_tolerance(
 }
 
 /// The default engine's prefill of MXFP4 experts (no activations asked for: `Auto`, 8-bit
-/// decode activations) takes the int8 tiles: GPT-OSS's MXFP4_MOE file, a long prompt at hot
-/// caches half and all, within the 8-bit tolerance of the reference, and its prompt logits
-/// differ from the bf16 tiles' run (so the int8 path ran).
+/// decode activations) takes the int8 tiles: GPT-OSS's MXFP4_MOE file, a prompt of 96 tokens
+/// (calls of up to 64 take the 16-row decode tiles, which stay bf16) at hot caches half and all,
+/// within the 8-bit tolerance of the reference, and its prompt logits differ from the bf16
+/// tiles' run (so the int8 path ran).
 #[test]
 fn int8_prefill_of_mxfp4_experts_is_the_default_within_the_8_bit_tolerance() {
     if !common::gpu_usable() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (model, long) = gpt_oss_mxfp4(dir.path());
-    let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+    let (model, _) = gpt_oss_mxfp4(dir.path());
+    // Past GROUPED_DECODE_MAX_TOKENS (64), below which the worklist cuts decode tiles (bf16).
+    let long: Vec<u32> = (0..96).map(|i| (i * 37 + 11) % 500).collect();
+    let positions = long.len() + 8;
+    let mut ref_opts = options(Some(EngineKind::Reference));
+    ref_opts.n_positions = positions;
+    let (mut reference, _) = build_engine(&model, ref_opts).unwrap();
     for fraction in [0.5, 1.0] {
         let gpu = |prefill: moe_lanes::gpu::PrefillActivations| {
             let mut opts = options(Some(EngineKind::Gpu));
+            opts.n_positions = positions;
             opts.activations = None;
             opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
             opts.gpu.prefill_activations = prefill;
@@ -630,7 +638,7 @@ fn int8_prefill_of_mxfp4_experts_is_the_default_within_the_8_bit_tolerance() {
         let worst = check_steps(&what, reference.as_mut(), int8.as_mut(), &long, 2, GPU_Q8_TOLERANCE);
         eprintln!("{what}: worst relative error {worst:e}");
         let prompt_logits = |e: &mut dyn Engine| {
-            let mut cache = e.new_cache(64).unwrap();
+            let mut cache = e.new_cache(positions).unwrap();
             e.forward(&long, Phase::Prefill, &mut cache).unwrap().rows().pop().unwrap()
         };
         assert_ne!(prompt_logits(int8.as_mut()), prompt_logits(bf16.as_mut()), "{what}: the int8 tiles ran");
