@@ -320,6 +320,6 @@ __device__ __forceinline__ void warp_dot2_bf16(const bf16* __restrict__ w0, cons
     !defined(DELTA_CHUNK) || !defined(ROUTE_SIG_MAXE) || !defined(ROUTE_SIG_MAXG) || !defined(ATT_COMBINE_DIMS) || \
     !defined(MLA_HEADS) || !defined(MLA_TOKENS) || !defined(MLA_MAX_RANK) || !defined(MLA_MAX_ROPE) || \
     !defined(ATT_MMA_WIDE_KEYS) || !defined(ATT_MMA_WIDE_MAXD) || !defined(MLA_MMA_GROUPS) || !defined(MLA_MMA_KEYS) || \
-    !defined(GQ_BK) || !defined(KV_RING_CHUNK)
+    !defined(GQ_BK) || !defined(KV_RING_CHUNK) || !defined(GEMV_MMA_WARPS) || !defined(GEMV_MMA_TOKENS)
 #error "compile with the -D options of shared_defines() (kernels/src/cuda/kernel.rs)"
 #endif

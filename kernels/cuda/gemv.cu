@@ -70,3 +70,71 @@ extern "C" __global__ void gemv3_bf16(const bf16* __restrict__ W0, const bf16* _
     float d = warp_dot_bf16(W + (size_t)n * K, x + (size_t)t * K, K);
     if ((threadIdx.x & 31) == 0) y[(size_t)t * N + n] = d;
 }
+
+// Decode projections of a batched step on the tensor cores, each weight read once for up to
+// GEMV_MMA_TOKENS rows: y_m[t, n] (+)= W_m[n, :] . (x_hi[t, :] + x_lo[t, :]) (the rows split into
+// bf16 hi + lo, as the GEMMs take them: f32 accuracy) for up to three matrices over one input
+// (q/k/v; one matrix: N1 = N2 = 0). A block owns 16 rows of one matrix for tokens blockIdx.y *
+// GEMV_MMA_TOKENS onwards; its GEMV_MMA_WARPS warps take interleaved 32-column slabs of K, summed
+// in warp order through shared memory. Lane (g, c) loads 8 weights of rows g and g + 8 and 8
+// activations of token g of each 8-token tile at slab column 8c: the MMAs see the slab's columns
+// in another order, the same for both operands (rows and tokens past the ends read the last one,
+// their results are not stored). Needs K % 32 == 0, W and x 16-byte aligned (the launcher checks).
+// grid (sum_m ceil(N_m / 16), ceil(T / GEMV_MMA_TOKENS)), block 32 * GEMV_MMA_WARPS.
+extern "C" __global__ void gemv_mma_bf16(const bf16* __restrict__ W0, const bf16* __restrict__ W1,
+                                         const bf16* __restrict__ W2, const bf16* __restrict__ xh,
+                                         const bf16* __restrict__ xl, float* __restrict__ y0,
+                                         float* __restrict__ y1, float* __restrict__ y2, int N0, int N1,
+                                         int N2, int K, int T, int accumulate) {
+    pdl_enter();
+    constexpr int TILES = GEMV_MMA_TOKENS / 8;
+    __shared__ float part[GEMV_MMA_WARPS][TILES * 4][32];
+    int b = blockIdx.x, b0 = (N0 + 15) >> 4, b1 = (N1 + 15) >> 4;
+    const bf16* W = W0;
+    float* y = y0;
+    int N = N0;
+    if (b >= b0 + b1) {
+        b -= b0 + b1, W = W2, y = y2, N = N2;
+    } else if (b >= b0) {
+        b -= b0, W = W1, y = y1, N = N1;
+    }
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
+    int n0 = b * 16, t0 = blockIdx.y * GEMV_MMA_TOKENS, nt = min(TILES, (T - t0 + 7) >> 3);
+    const uint4* wa = (const uint4*)(W + (size_t)min(n0 + g, N - 1) * K) + c;
+    const uint4* wb = (const uint4*)(W + (size_t)min(n0 + g + 8, N - 1) * K) + c;
+    size_t xrow[TILES];
+#pragma unroll
+    for (int j = 0; j < TILES; j++) xrow[j] = (size_t)min(t0 + 8 * j + g, T - 1) * (K >> 3) + c;
+    const uint4 *h4 = (const uint4*)xh, *l4 = (const uint4*)xl;
+    float acc[TILES][4] = {};
+#pragma unroll 4
+    for (int s = warp; s < (K >> 5); s += GEMV_MMA_WARPS) {
+        uint4 a = wa[s * 4], e = wb[s * 4];
+        unsigned a1[4] = {a.x, e.x, a.y, e.y}, a2[4] = {a.z, e.z, a.w, e.w};
+#pragma unroll
+        for (int j = 0; j < TILES; j++) {
+            if (j < nt) {
+                uint4 h = h4[xrow[j] + s * 4], l = l4[xrow[j] + s * 4];
+                mma_bf16_16816(acc[j], a1, h.x, h.y);
+                mma_bf16_16816(acc[j], a1, l.x, l.y);
+                mma_bf16_16816(acc[j], a2, h.z, h.w);
+                mma_bf16_16816(acc[j], a2, l.z, l.w);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < TILES; j++)
+#pragma unroll
+        for (int r = 0; r < 4; r++) part[warp][j * 4 + r][lane] = acc[j][r];
+    __syncthreads();
+    for (int e = threadIdx.x; e < nt * 4 * 32; e += blockDim.x) {
+        int jr = e >> 5, l = e & 31, r = jr & 3;
+        float v = 0.f;
+        for (int w = 0; w < GEMV_MMA_WARPS; w++) v += part[w][jr][l];
+        int n = n0 + (l >> 2) + (r >= 2 ? 8 : 0), t = t0 + 8 * (jr >> 2) + 2 * (l & 3) + (r & 1);
+        if (n < N && t < T) {
+            float* o = y + (size_t)t * N + n;
+            *o = accumulate ? *o + v : v;
+        }
+    }
+}

@@ -1385,6 +1385,61 @@ fn gemv3_matches_three_gemvs() {
     }
 }
 
+/// The batched-decode tensor-core GEMV against f32 dots: q/k/v-like triples with row counts off
+/// 16 (tails), a k of 10 slabs (not a multiple of the block's 8 warps), one to three 32-token
+/// grid rows (tokens off 8), and one matrix accumulating into y.
+#[test]
+fn gemv_mma_matches_cpu_for_batched_rows() {
+    let Some(be) = backend() else { return };
+    let k = 320;
+    let ns = [200usize, 24, 13];
+    let mut ws = Vec::new();
+    let mut backs = Vec::new();
+    for (j, &n) in ns.iter().enumerate() {
+        let (bits, back) = to_bf16(&rnd(n * k, 60 + j as u64));
+        ws.push(be.upload(&bits).unwrap());
+        backs.push(back);
+    }
+    let want = |x: &[f32], j: usize, t: usize| -> Vec<f32> {
+        (0..t * ns[j]).map(|i| dot(&backs[j][(i % ns[j]) * k..][..k], &x[(i / ns[j]) * k..][..k])).collect()
+    };
+    for t in [2usize, 5, 8, 17, 32, 33, 64, 70] {
+        let x = rnd(t * k, 70 + t as u64);
+        let dx = be.upload(&x).unwrap();
+        let (hi, lo) = (be.alloc_zeros::<u16>(t * k).unwrap(), be.alloc_zeros::<u16>(t * k).unwrap());
+        be.gather_split_bf16(dx.ptr(), None, hi.ptr(), Some(lo.ptr()), t, k).unwrap();
+        let ys: Vec<_> = ns.iter().map(|&n| be.upload(&rnd(t * n, 80 + n as u64)).unwrap()).collect();
+        let (wp, yp): (Vec<_>, Vec<_>) = ws.iter().zip(&ys).map(|(w, y)| (w.ptr(), y.ptr())).unzip();
+        be.gemv_mma_bf16(&wp, (hi.ptr(), lo.ptr()), &yp, &ns, t, k, false).unwrap();
+        for j in 0..3 {
+            let err = max_abs_diff(&be.read_vec(ys[j].ptr()).unwrap(), &want(&x, j, t));
+            assert!(err < 1e-4 * (k as f32).sqrt(), "t {t} output {j}: {err:e}");
+        }
+        // one matrix, accumulating
+        let base = rnd(t * ns[0], 90);
+        let y = be.upload(&base).unwrap();
+        be.gemv_mma_bf16(&wp[..1], (hi.ptr(), lo.ptr()), &[y.ptr()], &ns[..1], t, k, true).unwrap();
+        let acc: Vec<f32> = want(&x, 0, t).iter().zip(&base).map(|(w, b)| w + b).collect();
+        let err = max_abs_diff(&be.read_vec(y.ptr()).unwrap(), &acc);
+        assert!(err < 1e-4 * (k as f32).sqrt(), "t {t} accumulating: {err:e}");
+    }
+    let x = be.alloc_zeros::<u16>(2 * 40).unwrap();
+    let err = be.gemv_mma_bf16(
+        &wp_of(&ws[..1]),
+        (x.ptr(), x.ptr()),
+        &[be.alloc_zeros::<f32>(400).unwrap().ptr()],
+        &[10],
+        2,
+        40,
+        false,
+    );
+    assert!(err.is_err(), "k = 40 is not whole 32-column slabs");
+}
+
+fn wp_of(ws: &[moe_lanes_kernels::cuda::DeviceBuffer<u16>]) -> Vec<DPtr<u16>> {
+    ws.iter().map(|w| w.ptr()).collect()
+}
+
 #[test]
 fn qk_norm_rope_matches_norm_then_rope() {
     let Some(be) = backend() else { return };

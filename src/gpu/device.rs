@@ -17,7 +17,7 @@ use crate::model::arch::LayerPlan;
 use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::phase::Phase;
-use moe_lanes_kernels::cuda::kernel::QUANT_MAX_TOKENS;
+use moe_lanes_kernels::cuda::kernel::{GEMV_MMA_MAX_TOKENS, QUANT_MAX_TOKENS};
 use moe_lanes_kernels::cuda::quant::wide_alignment_bytes;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, Q8Rows, TypedWeights};
 use moe_lanes_kernels::q8::Q8_BLOCK;
@@ -102,6 +102,11 @@ impl Device {
         {
             return Ok(self.be.gemv_bf16_split(bf, x, y, n, k, accumulate)?);
         }
+        if let Some(bf) = w.bf16() {
+            if let Some(xs) = self.decode_mma_rows(phase, x, &[bf], t, k)? {
+                return Ok(self.be.gemv_mma_bf16(&[bf], xs, &[y], &[n], t, k, accumulate)?);
+            }
+        }
         if (phase == Phase::Decode && !self.gemm_pays(t)) || few_rows {
             return self.gemv(x, w, y, t, n, k, accumulate);
         }
@@ -109,6 +114,28 @@ impl Device {
         let lo = self.opts.prefill_activations.split(w.dtype).then(|| s.x_lo.ptr());
         self.be.gather_split_bf16(x, None, s.x_hi.ptr(), lo, t, k)?;
         self.gemm(w, s.x_hi.ptr(), lo, y, t, n, k, accumulate)
+    }
+
+    /// The bf16 hi + lo rows of `x` (`t` rows of `k`) when a decode call of `t` rows multiplies
+    /// them with the bf16 matrices `ws` on the tensor-core GEMV ([`CudaBackend::gemv_mma_bf16`]:
+    /// 2 to [`GEMV_MMA_MAX_TOKENS`] rows, whole 32-column slabs): written to the scratch here.
+    /// None: another kernel takes the call.
+    pub fn decode_mma_rows(
+        &self,
+        phase: Phase,
+        x: DPtr<f32>,
+        ws: &[DPtr<u16>],
+        t: usize,
+        k: usize,
+    ) -> Result<Option<(DPtr<u16>, DPtr<u16>)>, GpuError> {
+        let s = self.s();
+        let (hi, lo) = (s.x_hi.ptr(), s.x_lo.ptr());
+        let rows = phase == Phase::Decode && (2..=GEMV_MMA_MAX_TOKENS).contains(&t);
+        if !rows || !ws.iter().all(|&w| CudaBackend::gemv_mma_fits(w, hi, lo, k)) {
+            return Ok(None);
+        }
+        self.be.gather_split_bf16(x, None, hi, Some(lo), t, k)?;
+        Ok(Some((hi, lo)))
     }
 
     /// Whether `t` rows of a decode call (a batched step) run their projections as GEMMs, each

@@ -262,6 +262,12 @@ fn qkv_projections(cx: &LayerCtx<'_>, [k_new, v_new]: [DPtr<f32>; 2]) -> Result<
     };
     let qkv = [w.q.view(), w.k.view(), wv.view()];
     let (y, n) = ([s.q.ptr(), k_new, v_new], [qd, kvd, kvd]);
+    if let [Some(q), Some(k), Some(v)] = qkv.map(|m| m.bf16()) {
+        if let Some(xs) = dev.decode_mma_rows(phase, s.normed.ptr(), &[q, k, v], t, h)? {
+            be.gemv_mma_bf16(&[q, k, v], xs, &y, &n, t, h, false)?;
+            return qkv_ends(cx, [k_new, v_new], None, (nkv, hd, qd, kvd));
+        }
+    }
     if let (Phase::Decode, false, [Some(q), Some(k), Some(v)]) =
         (phase, dev.gemm_pays(t), qkv.map(|m| m.bf16()))
     {

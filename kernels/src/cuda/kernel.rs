@@ -180,6 +180,19 @@ pub const HOT_DOWN_ROWS: u32 = 2;
 /// a 4-layer file 1927 -> 1944 t/s with 2, session 20).
 pub const GEMV_SPLIT_WARPS: u32 = 2;
 const _: () = assert!(ROWS_PER_BLOCK.is_multiple_of(GEMV_SPLIT_WARPS));
+/// Warps of one block of the batched-decode tensor-core GEMV (`-DGEMV_MMA_WARPS`): they share the
+/// block's 16 output rows, each over every this-many-th 32-column slab of k, so a 2048-row output
+/// projection still gets 1024 warps. Cost: a 16 KiB shared-memory sum (this x 16 x 32 floats at
+/// [`GEMV_MMA_TOKENS`] 32).
+pub const GEMV_MMA_WARPS: u32 = 8;
+/// Tokens one block of the batched-decode tensor-core GEMV multiplies with each weight it reads
+/// (`-DGEMV_MMA_TOKENS`, a multiple of 8: its accumulators, this / 2 a thread, live in registers);
+/// more tokens take more grid rows, each reading the weights again.
+pub const GEMV_MMA_TOKENS: usize = 32;
+const _: () = assert!(GEMV_MMA_TOKENS.is_multiple_of(8) && GEMV_MMA_TOKENS <= 32);
+/// Most rows of a decode call (a batched step) whose bf16 projections take the tensor-core GEMV;
+/// more take cuBLAS GEMMs. Cost: each [`GEMV_MMA_TOKENS`] rows past the first read the weights again.
+pub const GEMV_MMA_MAX_TOKENS: usize = 2 * GEMV_MMA_TOKENS;
 const _: () = assert!(GROUPED_PIPE_BK.is_multiple_of(16) && GROUPED_PIPE_STAGES >= 2);
 const _: () = assert!((GROUPED_TILE_ROWS * GROUPED_PIPE_BK / 4).is_multiple_of(GROUPED_THREADS as usize));
 const _: () = assert!(
@@ -311,7 +324,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 42] = [
+pub const SHARED_DEFINE_NAMES: [&str; 44] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -354,6 +367,8 @@ pub const SHARED_DEFINE_NAMES: [&str; 42] = [
     "ATT_MMA_WIDE_MAXD",
     "GQ_BK",
     "KV_RING_CHUNK",
+    "GEMV_MMA_WARPS",
+    "GEMV_MMA_TOKENS",
 ];
 
 /// `-D` options for the constants the launchers and the kernels share.
@@ -401,6 +416,8 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DATT_MMA_WIDE_MAXD={ATTENTION_MMA_WIDE_MAX_HEAD_DIM}"),
         format!("-DGQ_BK={GROUPED_Q8_BK}"),
         format!("-DKV_RING_CHUNK={}", crate::kv::KV_RING_CHUNK_POSITIONS),
+        format!("-DGEMV_MMA_WARPS={GEMV_MMA_WARPS}"),
+        format!("-DGEMV_MMA_TOKENS={GEMV_MMA_TOKENS}"),
     ]
 }
 
@@ -440,6 +457,7 @@ kernel_table! {
     GemvBf16 = "gemv_bf16" in Gemv,
     GemvBf16Split = "gemv_bf16_split" in Gemv,
     Gemv3Bf16 = "gemv3_bf16" in Gemv,
+    GemvMmaBf16 = "gemv_mma_bf16" in Gemv,
     RmsnormF32 = "rmsnorm_f32" in NormRope,
     AddBiasRows = "add_bias_rows" in Elementwise,
     ClampF32 = "clamp_f32" in Elementwise,

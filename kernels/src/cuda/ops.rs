@@ -9,8 +9,9 @@ use super::kernel::{
     attention_mma_wide_shared_bytes, grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_COMBINE_DIMS,
     ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS, ATTENTION_MMA_WARPS, ATTENTION_MMA_WIDE_MAX_HEAD_DIM,
     ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS,
-    DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_SPLIT_WARPS, GROUPED_DECODE_TILE_ROWS,
-    GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_MMA_TOKENS, GEMV_MMA_WARPS, GEMV_SPLIT_WARPS,
+    GROUPED_DECODE_TILE_ROWS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS,
+    ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::kv::{kv_ring_positions, kv_ring_rows, KvType, KV_RING_CHUNK_POSITIONS};
@@ -707,6 +708,70 @@ impl CudaBackend {
     /// and the views are aligned.
     pub fn split_gemv_pays(&self, w: DPtr<u16>, x: DPtr<f32>, n: usize, k: usize) -> bool {
         split_views_aligned(w, x, k) && self.short_of_warps(n) && k / 8 >= 32 * GEMV_SPLIT_WARPS as usize
+    }
+
+    /// Whether [`Self::gemv_mma_bf16`] takes `w` and the split rows `x_hi`, `x_lo` of `k` columns:
+    /// whole 32-column slabs, every view 16-byte aligned.
+    pub fn gemv_mma_fits(w: DPtr<u16>, x_hi: DPtr<u16>, x_lo: DPtr<u16>, k: usize) -> bool {
+        k.is_multiple_of(32) && [w.raw(), x_hi.raw(), x_lo.raw()].iter().all(|a| a.is_multiple_of(16))
+    }
+
+    /// The projections of a batched decode step on the tensor cores, each weight read once for
+    /// up to [`GEMV_MMA_TOKENS`] rows: `y_m (+)= W_m · (x_hi + x_lo)` over `n_tokens` rows of `k`
+    /// (the rows split into bf16 hi + lo, as [`Self::gather_split_bf16`] writes them: f32
+    /// accuracy) for one to three matrices `W_m` `[n_m, k]` bf16 over the one input (q/k/v), `y_m`
+    /// rows of `n_m`. [`Self::gemv_mma_fits`] each matrix.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_mma_bf16(
+        &self,
+        w: &[DPtr<u16>],
+        (x_hi, x_lo): (DPtr<u16>, DPtr<u16>),
+        y: &[DPtr<f32>],
+        n: &[usize],
+        n_tokens: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        const K: Kernel = Kernel::GemvMmaBf16;
+        let m = w.len();
+        if !(1..=3).contains(&m) || y.len() != m || n.len() != m {
+            let reason = format!("{m} matrices, {} outputs, {} row counts (1 to 3 each)", y.len(), n.len());
+            return Err(CudaError::Shape { kernel: K.symbol(), reason });
+        }
+        for j in 0..m {
+            if !Self::gemv_mma_fits(w[j], x_hi, x_lo, k) {
+                let reason = format!("k = {k} (a multiple of 32), W, x_hi, x_lo 16-byte aligned");
+                return Err(CudaError::Shape { kernel: K.symbol(), reason });
+            }
+            need(K, "W", w[j], n[j] * k)?;
+            need(K, "y", y[j], n_tokens * n[j])?;
+        }
+        need(K, "x_hi", x_hi, n_tokens * k)?;
+        need(K, "x_lo", x_lo, n_tokens * k)?;
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        let at = |j: usize| if j < m { (w[j].raw(), y[j].raw(), n[j]) } else { (w[0].raw(), y[0].raw(), 0) };
+        let [(w0, y0, n0), (w1, y1, n1), (w2, y2, n2)] = [at(0), at(1), at(2)];
+        let row_blocks = [n0, n1, n2].iter().map(|&r| blocks(r, 16)).sum::<u32>();
+        let grid = (row_blocks, n_tokens.div_ceil(GEMV_MMA_TOKENS) as u32, 1);
+        let args = args![
+            w0,
+            w1,
+            w2,
+            x_hi.raw(),
+            x_lo.raw(),
+            y0,
+            y1,
+            y2,
+            i(n0),
+            i(n1),
+            i(n2),
+            i(k),
+            i(n_tokens),
+            accumulate as i32
+        ];
+        self.launch(K, grid, 32 * GEMV_MMA_WARPS, 0, args)
     }
 
     /// Three GEMVs over one input in one launch: `y0 = W0 · x`, `y1 = W1 · x`, `y2 = W2 · x` for
