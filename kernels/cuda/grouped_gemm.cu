@@ -627,3 +627,186 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_dec_b
     pdl_enter();
     gemm_bf16_pipe<GpDecode, true>(GEMM_BF16_ARGS);
 }
+
+// ---- the decode shape without shared-memory stages (sm_80+, K % 32 == 0, 16-byte aligned) ----
+// A batched decode step routes one or two rows to most experts. ncu on the H200 (8-layer BF16,
+// all hot, B = 16) put the pipelined _dec tiles at 48% of DRAM bandwidth with 25% occupancy (51
+// KiB of stages a gate/up block). Here, as gemv_mma_bf16: a block owns 16 output columns of one
+// tile (at most 16 rows: two 8-row tiles of the MMA's n) and its GEMV_MMA_WARPS warps take
+// interleaved 32-column slabs of K. Lane (g, c) loads the weights of columns g and g + 8 at slab
+// column 8c straight into A fragments (GR_UNROLL(NW) slabs' loads in flight before their MMAs)
+// and splits its 8 x values of row g of each 8-row tile into bf16 hi (+ lo) B fragments in
+// registers; the warps' sums meet in warp order in shared memory (gr_sum). Rows past the tile
+// read its last row and are not stored; a token row out of range is a zero row.
+#define GR_UNROLL(NW) (4 / (NW))
+
+// The two bf16 pairs of hi (and lo = the remainder) of four f32 values, as gp_frag_a rounds.
+__device__ __forceinline__ void gr_split(float4 v, unsigned* hi, unsigned* lo) {
+    __nv_bfloat162 h0 = __floats2bfloat162_rn(v.x, v.y), h1 = __floats2bfloat162_rn(v.z, v.w);
+    __nv_bfloat162 l0 = __floats2bfloat162_rn(v.x - __low2float(h0), v.y - __high2float(h0));
+    __nv_bfloat162 l1 = __floats2bfloat162_rn(v.z - __low2float(h1), v.w - __high2float(h1));
+    hi[0] = *(const unsigned*)&h0, hi[1] = *(const unsigned*)&h1;
+    lo[0] = *(const unsigned*)&l0, lo[1] = *(const unsigned*)&l1;
+}
+
+// One block's partial sums for NW caches [n_slots, N, K] sharing the input: part[w][m * 8 + j * 4
+// + r][lane] is warp w's accumulator r of matrix m, token tile j. Returns the tile (row0, nr,
+// col0, slot) in tl, false when refused (nothing computed, no barrier passed).
+template <int NW>
+__device__ __forceinline__ bool gr_tile(const bf16* const* W, const float* __restrict__ x, const int* __restrict__ rows,
+                                        int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, int N,
+                                        int K, int split, float (*part)[NW * 8][32], int* tl) {
+    const int* t3 = tiles + 3 * (size_t)blockIdx.x;
+    int slot = t3[0], row0 = t3[1], nr = t3[2], col0 = blockIdx.y * 16;
+    if (slot < 0 || slot >= n_slots || row0 < 0 || nr <= 0 || nr > 16 || row0 > n_rows - nr) return false;
+    tl[0] = row0, tl[1] = nr, tl[2] = col0, tl[3] = slot;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3, nt = (nr + 7) >> 3;
+    const float* xr[2];
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        int r = row0 + min(8 * j + g, nr - 1), src = rows ? rows[r] : r;
+        xr[j] = src >= 0 && src < n_x_rows ? x + (size_t)src * K + 8 * c : nullptr;
+    }
+    const bf16 *wa[NW], *wb[NW];
+#pragma unroll
+    for (int m = 0; m < NW; m++) {
+        wa[m] = W[m] + ((size_t)slot * N + min(col0 + g, N - 1)) * K + 8 * c;
+        wb[m] = W[m] + ((size_t)slot * N + min(col0 + g + 8, N - 1)) * K + 8 * c;
+    }
+    constexpr int U = GR_UNROLL(NW);
+    float acc[NW][2][4] = {};
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = warp; s0 < (K >> 5); s0 += U * GEMV_MMA_WARPS) {
+        uint4 a[U][NW], b[U][NW];
+        float4 xv[U][2][2];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int k0 = (s0 + u * GEMV_MMA_WARPS) * 32;
+            if (k0 >= K) continue;
+#pragma unroll
+            for (int m = 0; m < NW; m++) a[u][m] = *(const uint4*)(wa[m] + k0), b[u][m] = *(const uint4*)(wb[m] + k0);
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                bool ok = j < nt && xr[j];
+                xv[u][j][0] = ok ? *(const float4*)(xr[j] + k0) : zero;
+                xv[u][j][1] = ok ? *(const float4*)(xr[j] + k0 + 4) : zero;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if ((s0 + u * GEMV_MMA_WARPS) * 32 >= K) continue;
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                if (j >= nt) continue;
+                unsigned hi[4], lo[4];
+                gr_split(xv[u][j][0], hi, lo);
+                gr_split(xv[u][j][1], hi + 2, lo + 2);
+#pragma unroll
+                for (int m = 0; m < NW; m++) {
+                    unsigned a1[4] = {a[u][m].x, b[u][m].x, a[u][m].y, b[u][m].y};
+                    unsigned a2[4] = {a[u][m].z, b[u][m].z, a[u][m].w, b[u][m].w};
+                    mma_bf16_16816(acc[m][j], a1, hi[0], hi[1]);
+                    mma_bf16_16816(acc[m][j], a2, hi[2], hi[3]);
+                    if (split) {
+                        mma_bf16_16816(acc[m][j], a1, lo[0], lo[1]);
+                        mma_bf16_16816(acc[m][j], a2, lo[2], lo[3]);
+                    }
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < NW; m++)
+#pragma unroll
+        for (int j = 0; j < 2; j++)
+#pragma unroll
+            for (int r = 0; r < 4; r++) part[warp][m * 8 + j * 4 + r][lane] = acc[m][j][r];
+    __syncthreads();
+    return true;
+}
+
+// The sum over warps (in warp order) of partial q = m * 8 + j * 4 + r at lane l.
+template <int NW>
+__device__ __forceinline__ float gr_sum(float (*part)[NW * 8][32], int q, int l) {
+    float v = 0.f;
+    for (int w = 0; w < GEMV_MMA_WARPS; w++) v += part[w][q][l];
+    return v;
+}
+
+// Calls f(row in the tile, output column, j * 4 + r, lane) for each output of the tile (rows <
+// nr, columns < N), spread over the block's threads.
+template <typename F>
+__device__ __forceinline__ void gr_for_output(int nr, int N, int col0, F f) {
+    for (int e = threadIdx.x; e < ((nr + 7) >> 3) * 128; e += blockDim.x) {
+        int jr = e >> 5, l = e & 31, r = jr & 3;
+        int col = col0 + (l >> 2) + (r >= 2 ? 8 : 0), row = 8 * (jr >> 2) + 2 * (l & 3) + (r & 1);
+        if (col < N && row < nr) f(row, col, jr, l);
+    }
+}
+
+template <bool EPI>
+__device__ __forceinline__ void gr_gate_up(const bf16* G, const bf16* U, const float* __restrict__ x,
+                                           const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles,
+                                           int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split,
+                                           int act, const float* __restrict__ bg, const float* __restrict__ bu) {
+    __shared__ float part[GEMV_MMA_WARPS][16][32];
+    const bf16* W[2] = {G, U};
+    int tl[4];
+    if (!gr_tile<2>(W, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, part, tl)) return;
+    int row0 = tl[0], slot = tl[3];
+    gr_for_output(tl[1], N, tl[2], [&](int row, int col, int q, int l) {
+        float gv = gr_sum<2>(part, q, l), uv = gr_sum<2>(part, 8 + q, l);
+        h[(size_t)(row0 + row) * N + col] = EPI ? glu_biased(act, gv, uv, bg, bu, slot, col, N) : silu(gv) * uv;
+    });
+}
+
+template <bool EPI>
+__device__ __forceinline__ void gr_gemm(const bf16* W0, const float* __restrict__ x, const int* __restrict__ rows,
+                                        int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+                                        float* __restrict__ y, int N, int K, int split, const float* __restrict__ b) {
+    __shared__ float part[GEMV_MMA_WARPS][8][32];
+    const bf16* W[1] = {W0};
+    int tl[4];
+    if (!gr_tile<1>(W, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, part, tl)) return;
+    int row0 = tl[0], slot = tl[3];
+    gr_for_output(tl[1], N, tl[2], [&](int row, int col, int q, int l) {
+        float v = gr_sum<1>(part, q, l);
+        y[(size_t)(row0 + row) * N + col] = EPI && b ? v + b[(size_t)slot * N + col] : v;
+    });
+}
+
+// grouped_gate_up_bf16(_epi) and grouped_gemm_bf16(_bias) in the decode shape above: tiles of at
+// most 16 rows. grid (n_tiles, ceil(N / 16)), block 32 * GEMV_MMA_WARPS.
+extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gate_up_bf16_rows(
+    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,
+    const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+    float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
+    const float* __restrict__ bu) {
+    pdl_enter();
+    gr_gate_up<false>(G, U, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+
+extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gate_up_bf16_rows_epi(
+    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,
+    const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
+    float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
+    const float* __restrict__ bu) {
+    pdl_enter();
+    gr_gate_up<true>(G, U, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+
+extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gemm_bf16_rows(
+    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
+    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
+    const float* __restrict__ b) {
+    pdl_enter();
+    gr_gemm<false>(W, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}
+
+extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gemm_bf16_rows_bias(
+    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
+    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
+    const float* __restrict__ b) {
+    pdl_enter();
+    gr_gemm<true>(W, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
+}

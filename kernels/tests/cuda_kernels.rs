@@ -1563,7 +1563,8 @@ fn grouped_expert_gemms_match_cpu() {
     use moe_lanes_kernels::cuda::ops::grouped_tiles;
     // (hidden, ff): not multiples of the tile or of 8 (scalar loads), then multiples of 8 that
     // are not multiples of the pipelined stage (a partial last stage), then the tile itself
-    for &(hidden, ff, n_slots, t) in &[(100usize, 70usize, 6usize, 9usize), (136, 200, 6, 31), (64, 64, 6, 1)]
+    for &(hidden, ff, n_slots, t) in
+        &[(100usize, 70usize, 6usize, 9usize), (136, 200, 6, 31), (64, 64, 6, 1), (288, 96, 6, 13)]
     {
         let slots = grouped_case_slots();
         let n_rows = slots.len();
@@ -1641,37 +1642,47 @@ fn grouped_expert_gemms_match_cpu() {
                     "pipelined ({hidden},{ff}) split={split}: bits differ"
                 );
             }
-            assert!(
-                same(&h, &dec.0) && same(&y, &dec.1),
-                "decode tiles ({hidden},{ff}) split={split}: bits differ"
-            );
-            let mut worst = 0f64;
-            for r in 0..n_rows {
-                let (s, xt) = (slots[r] as usize, &x[toks[r] as usize * hidden..][..hidden]);
-                for c in 0..ff {
-                    let (gv, ga) = dot_and_scale(&g[(s * ff + c) * hidden..][..hidden], xt);
-                    let (uv, ua) = dot_and_scale(&u[(s * ff + c) * hidden..][..hidden], xt);
-                    let sg = gv / (1.0 + (-gv).exp());
-                    let want = sg * uv;
-                    let tol = 1.1 * ga * rel * uv.abs() + sg.abs() * ua * rel + ga * ua * rel * rel + 1e-6;
-                    let err = (h[r * ff + c] as f64 - want).abs();
-                    assert!(
-                        err <= tol,
-                        "gate_up split={split} ({hidden},{ff}) row {r} col {c}: {err:e} > {tol:e}"
-                    );
-                    worst = worst.max(err / tol);
-                }
+            // the decode shape's register-direct kernels (k whole 32-column slabs) sum in another
+            // order: checked against the CPU below; the pipelined _dec kernels give the bits
+            let rows_kernels = be.grouped_pipeline() && (hidden % 32 == 0 || ff % 32 == 0);
+            if !rows_kernels {
+                assert!(
+                    same(&h, &dec.0) && same(&y, &dec.1),
+                    "decode tiles ({hidden},{ff}) split={split}: bits differ"
+                );
             }
-            for r in 0..n_rows {
-                let s = slots[r] as usize;
-                for c in 0..hidden {
-                    let (want, a) = dot_and_scale(&d[(s * hidden + c) * ff..][..ff], &h[r * ff..][..ff]);
-                    let (err, tol) = ((y[r * hidden + c] as f64 - want).abs(), a * rel + 1e-6);
-                    assert!(
-                        err <= tol,
-                        "down split={split} ({hidden},{ff}) row {r} col {c}: {err:e} > {tol:e}"
-                    );
-                    worst = worst.max(err / tol);
+            let mut worst = 0f64;
+            let runs: &[(&[f32], &[f32])] =
+                if rows_kernels { &[(&h, &y), (&dec.0, &dec.1)] } else { &[(&h, &y)] };
+            for &(h, y) in runs {
+                for r in 0..n_rows {
+                    let (s, xt) = (slots[r] as usize, &x[toks[r] as usize * hidden..][..hidden]);
+                    for c in 0..ff {
+                        let (gv, ga) = dot_and_scale(&g[(s * ff + c) * hidden..][..hidden], xt);
+                        let (uv, ua) = dot_and_scale(&u[(s * ff + c) * hidden..][..hidden], xt);
+                        let sg = gv / (1.0 + (-gv).exp());
+                        let want = sg * uv;
+                        let tol =
+                            1.1 * ga * rel * uv.abs() + sg.abs() * ua * rel + ga * ua * rel * rel + 1e-6;
+                        let err = (h[r * ff + c] as f64 - want).abs();
+                        assert!(
+                            err <= tol,
+                            "gate_up split={split} ({hidden},{ff}) row {r} col {c}: {err:e} > {tol:e}"
+                        );
+                        worst = worst.max(err / tol);
+                    }
+                }
+                for r in 0..n_rows {
+                    let s = slots[r] as usize;
+                    for c in 0..hidden {
+                        let (want, a) = dot_and_scale(&d[(s * hidden + c) * ff..][..ff], &h[r * ff..][..ff]);
+                        let (err, tol) = ((y[r * hidden + c] as f64 - want).abs(), a * rel + 1e-6);
+                        assert!(
+                            err <= tol,
+                            "down split={split} ({hidden},{ff}) row {r} col {c}: {err:e} > {tol:e}"
+                        );
+                        worst = worst.max(err / tol);
+                    }
                 }
             }
             eprintln!("grouped ({hidden},{ff}) t={t} split={split}: worst error / tolerance {worst:.3}");

@@ -705,16 +705,39 @@ fn grouped_typed_gemms_equal_dequantize_then_bf16_bit_for_bit() {
             let bits = |b: &moe_lanes_kernels::cuda::DeviceBuffer<f32>| {
                 be.read_vec(b.ptr()).unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>()
             };
-            assert_eq!(bits(&h[0]), bits(&h[1]), "{types:?} ({hidden}, {ff}) split={split} gate/up");
-            assert_eq!(bits(&y[0]), bits(&y[1]), "{types:?} ({hidden}, {ff}) split={split} down");
+            // the bf16 caches' decode shape runs the register-direct kernels where k is whole
+            // 32-column slabs: another summation order (cuda_kernels checks them against the
+            // CPU), so within f32 rounding of the typed kernels here, and the typed down then
+            // reads other h bits
+            let (rows_gate_up, rows_down) = (pipe && dec && hidden % 32 == 0, pipe && dec && ff % 32 == 0);
+            let what = format!("{types:?} ({hidden}, {ff}) split={split} decode tiles {dec}");
+            let close = |a: &moe_lanes_kernels::cuda::DeviceBuffer<f32>,
+                         b: &moe_lanes_kernels::cuda::DeviceBuffer<f32>| {
+                let (a, b) = (be.read_vec(a.ptr()).unwrap(), be.read_vec(b.ptr()).unwrap());
+                let scale = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let worst = a.iter().zip(&b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+                assert!(worst <= 1e-4 * scale, "{what}: bf16 rows kernels {worst:e} of {scale:e}");
+            };
+            match rows_gate_up {
+                true => close(&h[0], &h[1]),
+                false => assert_eq!(bits(&h[0]), bits(&h[1]), "{what} gate/up"),
+            }
+            match rows_down {
+                true => close(&y[0], &y[1]),
+                false => assert_eq!(bits(&y[0]), bits(&y[1]), "{what} down"),
+            }
             assert!(bits(&y[1]).iter().any(|&b| b != 0), "{types:?}: the GEMMs wrote something");
             let got = (bits(&h[1]), bits(&y[1]));
             match pipe {
                 false => sync_bits.push(got),
-                true => assert!(
-                    got == sync_bits[usize::from(!split)],
-                    "{types:?} ({hidden}, {ff}) split={split} decode tiles {dec}: the pipelined kernels' bits differ"
-                ),
+                true => {
+                    let want = &sync_bits[usize::from(!split)];
+                    assert!(got.0 == want.0, "{what}: the pipelined kernels' gate/up bits differ");
+                    assert!(
+                        rows_gate_up || got.1 == want.1,
+                        "{what}: the pipelined kernels' down bits differ"
+                    );
+                }
             }
         }
         be.set_grouped_pipeline(true);

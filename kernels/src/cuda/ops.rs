@@ -380,6 +380,19 @@ fn split_views_aligned(w: DPtr<u16>, x: DPtr<f32>, k: usize) -> bool {
     k.is_multiple_of(8) && w.raw().is_multiple_of(16) && x.raw().is_multiple_of(16)
 }
 
+/// The grid and block of a grouped bf16 kernel: the decode shape's register-direct kernels
+/// (`grouped_*_bf16_rows*`) take 16 output columns a block over [`GEMV_MMA_WARPS`] warps, the
+/// others [`GROUPED_TILE_COLS`] over [`GROUPED_THREADS`].
+fn grouped_launch(kernel: Kernel, shape: &GroupedShape) -> ((u32, u32, u32), u32) {
+    use Kernel::*;
+    match kernel {
+        GroupedGateUpBf16Rows | GroupedGateUpBf16RowsEpi | GroupedGemmBf16Rows | GroupedGemmBf16RowsBias => {
+            ((shape.n_tiles as u32, blocks(shape.n, 16), 1), 32 * GEMV_MMA_WARPS)
+        }
+        _ => (shape.grid(), GROUPED_THREADS),
+    }
+}
+
 pub(super) fn blocks(n: usize, per: u32) -> u32 {
     (n as u32).div_ceil(per)
 }
@@ -2445,6 +2458,15 @@ impl CudaBackend {
         let aligned = k.is_multiple_of(8) && aligned16(&[x.raw()]) && aligned16(&ws.map(|w| w.raw()));
         let pipe = self.grouped_pipeline() && aligned;
         let dec = tile_rows <= GROUPED_DECODE_TILE_ROWS;
+        if pipe && dec && k.is_multiple_of(32) {
+            let kernel = match (ws.len() == 2, epi) {
+                (true, false) => Kernel::GroupedGateUpBf16Rows,
+                (true, true) => Kernel::GroupedGateUpBf16RowsEpi,
+                (false, false) => Kernel::GroupedGemmBf16Rows,
+                (false, true) => Kernel::GroupedGemmBf16RowsBias,
+            };
+            return (kernel, 0);
+        }
         let kernel = match (pipe, ws.len() == 2, epi) {
             (true, true, false) if dec => Kernel::GroupedGateUpBf16Dec,
             (true, true, true) if dec => Kernel::GroupedGateUpBf16DecEpi,
@@ -2494,10 +2516,11 @@ impl CudaBackend {
         }
         let (kernel, shared) =
             self.grouped_kernel([gate_cache, up_cache], x, hidden, !epi.is_plain(), tile_rows);
+        let (grid, threads) = grouped_launch(kernel, &shape);
         self.launch(
             kernel,
-            shape.grid(),
-            GROUPED_THREADS,
+            grid,
+            threads,
             shared,
             args![
                 gate_cache.raw(),
@@ -2549,10 +2572,11 @@ impl CudaBackend {
         }
         let r = rows.map_or(0, |p| p.raw());
         let (kernel, shared) = self.grouped_kernel([w_cache], x, k, bias.is_some(), tile_rows);
+        let (grid, threads) = grouped_launch(kernel, &shape);
         self.launch(
             kernel,
-            shape.grid(),
-            GROUPED_THREADS,
+            grid,
+            threads,
             shared,
             args![
                 w_cache.raw(),
