@@ -638,6 +638,9 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_dec_b
 // and splits its 8 x values of row g of each 8-row tile into bf16 hi (+ lo) B fragments in
 // registers; the warps' sums meet in warp order in shared memory (gr_sum). Rows past the tile
 // read its last row and are not stored; a token row out of range is a zero row.
+// Gate/up only: the same shape for the down projection (k = ff = 768, 3 slabs a warp, 142
+// registers, 12.5% occupancy) took 214-222 us a layer where the pipelined _dec tiles take 120-122
+// (ncu, same call, B = 16); gate/up 158-164 here against 236-238.
 #define GR_UNROLL(NW) (4 / (NW))
 
 // The two bf16 pairs of hi (and lo = the remainder) of four f32 values, as gp_frag_a rounds.
@@ -760,23 +763,8 @@ __device__ __forceinline__ void gr_gate_up(const bf16* G, const bf16* U, const f
     });
 }
 
-template <bool EPI>
-__device__ __forceinline__ void gr_gemm(const bf16* W0, const float* __restrict__ x, const int* __restrict__ rows,
-                                        int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
-                                        float* __restrict__ y, int N, int K, int split, const float* __restrict__ b) {
-    __shared__ float part[GEMV_MMA_WARPS][8][32];
-    const bf16* W[1] = {W0};
-    int tl[4];
-    if (!gr_tile<1>(W, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, part, tl)) return;
-    int row0 = tl[0], slot = tl[3];
-    gr_for_output(tl[1], N, tl[2], [&](int row, int col, int q, int l) {
-        float v = gr_sum<1>(part, q, l);
-        y[(size_t)(row0 + row) * N + col] = EPI && b ? v + b[(size_t)slot * N + col] : v;
-    });
-}
-
-// grouped_gate_up_bf16(_epi) and grouped_gemm_bf16(_bias) in the decode shape above: tiles of at
-// most 16 rows. grid (n_tiles, ceil(N / 16)), block 32 * GEMV_MMA_WARPS.
+// grouped_gate_up_bf16(_epi) in the decode shape above: tiles of at most 16 rows. grid (n_tiles,
+// ceil(N / 16)), block 32 * GEMV_MMA_WARPS.
 extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gate_up_bf16_rows(
     const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,
     const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
@@ -793,20 +781,4 @@ extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gate_u
     const float* __restrict__ bu) {
     pdl_enter();
     gr_gate_up<true>(G, U, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
-}
-
-extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gemm_bf16_rows(
-    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
-    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
-    const float* __restrict__ b) {
-    pdl_enter();
-    gr_gemm<false>(W, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
-}
-
-extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gemm_bf16_rows_bias(
-    const bf16* __restrict__ W, const float* __restrict__ x, const int* __restrict__ rows, int n_x_rows,
-    const int* __restrict__ tiles, int n_rows, int n_slots, float* __restrict__ y, int N, int K, int split,
-    const float* __restrict__ b) {
-    pdl_enter();
-    gr_gemm<true>(W, x, rows, n_x_rows, tiles, n_rows, n_slots, y, N, K, split, b);
 }

@@ -526,8 +526,6 @@ kernel_table! {
     GroupedGemmBf16DecBias = "grouped_gemm_bf16_dec_bias" in GroupedGemm,
     GroupedGateUpBf16Rows = "grouped_gate_up_bf16_rows" in GroupedGemm,
     GroupedGateUpBf16RowsEpi = "grouped_gate_up_bf16_rows_epi" in GroupedGemm,
-    GroupedGemmBf16Rows = "grouped_gemm_bf16_rows" in GroupedGemm,
-    GroupedGemmBf16RowsBias = "grouped_gemm_bf16_rows_bias" in GroupedGemm,
     GemvQ8_0 = "gemv_q8_0" in Quant,
     GemvQ4_0 = "gemv_q4_0" in Quant,
     GemvQ4K = "gemv_q4_k" in Quant,

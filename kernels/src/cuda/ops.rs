@@ -380,13 +380,12 @@ fn split_views_aligned(w: DPtr<u16>, x: DPtr<f32>, k: usize) -> bool {
     k.is_multiple_of(8) && w.raw().is_multiple_of(16) && x.raw().is_multiple_of(16)
 }
 
-/// The grid and block of a grouped bf16 kernel: the decode shape's register-direct kernels
-/// (`grouped_*_bf16_rows*`) take 16 output columns a block over [`GEMV_MMA_WARPS`] warps, the
-/// others [`GROUPED_TILE_COLS`] over [`GROUPED_THREADS`].
+/// The grid and block of a grouped bf16 kernel: the decode shape's register-direct gate/up
+/// (`grouped_gate_up_bf16_rows*`) takes 16 output columns a block over [`GEMV_MMA_WARPS`] warps,
+/// the others [`GROUPED_TILE_COLS`] over [`GROUPED_THREADS`].
 fn grouped_launch(kernel: Kernel, shape: &GroupedShape) -> ((u32, u32, u32), u32) {
-    use Kernel::*;
     match kernel {
-        GroupedGateUpBf16Rows | GroupedGateUpBf16RowsEpi | GroupedGemmBf16Rows | GroupedGemmBf16RowsBias => {
+        Kernel::GroupedGateUpBf16Rows | Kernel::GroupedGateUpBf16RowsEpi => {
             ((shape.n_tiles as u32, blocks(shape.n, 16), 1), 32 * GEMV_MMA_WARPS)
         }
         _ => (shape.grid(), GROUPED_THREADS),
@@ -2458,14 +2457,10 @@ impl CudaBackend {
         let aligned = k.is_multiple_of(8) && aligned16(&[x.raw()]) && aligned16(&ws.map(|w| w.raw()));
         let pipe = self.grouped_pipeline() && aligned;
         let dec = tile_rows <= GROUPED_DECODE_TILE_ROWS;
-        if pipe && dec && k.is_multiple_of(32) {
-            let kernel = match (ws.len() == 2, epi) {
-                (true, false) => Kernel::GroupedGateUpBf16Rows,
-                (true, true) => Kernel::GroupedGateUpBf16RowsEpi,
-                (false, false) => Kernel::GroupedGemmBf16Rows,
-                (false, true) => Kernel::GroupedGemmBf16RowsBias,
-            };
-            return (kernel, 0);
+        if pipe && dec && ws.len() == 2 && k.is_multiple_of(32) {
+            // gate/up in the decode shape: the register-direct kernels (grouped_gemm.cu says why
+            // the down projection keeps the pipelined ones)
+            return (if epi { Kernel::GroupedGateUpBf16RowsEpi } else { Kernel::GroupedGateUpBf16Rows }, 0);
         }
         let kernel = match (pipe, ws.len() == 2, epi) {
             (true, true, false) if dec => Kernel::GroupedGateUpBf16Dec,
