@@ -3,13 +3,17 @@
 #
 #   bash benches/compare-llama-cpp.sh fetch      # here (network): llama-cpp-python's sdist from PyPI,
 #                                                #   pruned to the llama.cpp sources into $LLAMA_DIR/src
-#   bash benches/compare-llama-cpp.sh build      # cmake build of llama-bench, llama-quantize and our
+#   bash benches/compare-llama-cpp.sh build      # cmake build of llama-bench, llama-batched-bench,
+#                                                #   llama-server, llama-quantize and our
 #                                                #   llama-argmax (benches/llama-argmax) into $LLAMA_DIR/build
 #                                                #   (CUDA when nvcc is present and LLAMA_CUDA is not 0, else CPU)
 #   bash benches/compare-llama-cpp.sh run        # build (if missing, in the background while the model is
 #                                                #   written), then llama.cpp and moe-lanes alternately
 #   bash benches/compare-llama-cpp.sh batched    # the same, batched throughput: llama-batched-bench
 #                                                #   against `moe-lanes bench --parallel` for B in PL
+#   bash benches/compare-llama-cpp.sh server     # the servers: llama-server -np B against `moe-lanes
+#                                                #   serve --parallel B` under scripts/serve-load.py (B
+#                                                #   streaming clients): tokens/s, inter-token latency
 #
 # `run` prints one table: pp$P / tg$N of llama.cpp and moe-lanes and their ratios, for each case of
 # CASES. A case is `cpu` (no GPU at all: llama.cpp -ngl 0 with op offload off, moe-lanes --engine
@@ -22,7 +26,8 @@
 # uniform --format gguf), CASES ("0 50 100" with a GPU, "cpu" without), P (512), N (128), REPS (3),
 # THREADS (all cores), D (context depth before the pp and tg tests, llama-bench -d; 0),
 # OUT_JSON (a file for the table as JSON lines; optional), PL (batch sizes of `batched`, "1,4,16": B
-# sequences of P prompt tokens each, then N decode steps of B tokens).
+# sequences of P prompt tokens each, then N decode steps of B tokens; of `server`: B clients),
+# REQS (requests each client of `server` sends in turn; 2), PORT (the servers' port; 18481).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,9 +51,11 @@ fetch() {
     mkdir -p "$LLAMA_DIR"
     mv "$tmp/llama_cpp_python-$LLAMA_VERSION/vendor/llama.cpp" "$LLAMA_DIR/src"
     rm -rf "$tmp"
-    # Prune what the two tools never build, so the tree travels to the GPU machine (64 MiB limit).
+    # Prune what the tools never build, so the tree travels to the GPU machine (64 MiB limit):
+    # llama-server keeps its sources and the UI's CMake files and templates (built without the web UI).
     local s="$LLAMA_DIR/src"
-    rm -rf "$s"/{docs,models,tests,examples,benches,pocs,gguf-py,media,.git*} "$s"/tools/{ui,server}
+    rm -rf "$s"/{docs,models,tests,examples,benches,pocs,gguf-py,media,.git*} "$s"/tools/server/{tests,bench}
+    find "$s/tools/ui" -mindepth 1 -maxdepth 1 ! -name CMakeLists.txt ! -name "*.in" -exec rm -rf {} +
     rm -rf "$s"/ggml/src/ggml-{vulkan,sycl,opencl,hexagon,metal,et,cann,musa,webgpu,zdnn,kompute}
     echo "llama.cpp $LLAMA_VERSION sources in $s ($(du -sh "$s" | cut -f1))"
 }
@@ -65,8 +72,10 @@ build() {
     cmake -S benches/llama-argmax -B "$b" -DLLAMA_SRC="$(realpath "$s")" -DCMAKE_BUILD_TYPE=Release \
         -DGGML_NATIVE=ON -DGGML_CUDA="$cuda" -DCMAKE_CUDA_ARCHITECTURES=native -DBUILD_SHARED_LIBS=OFF \
         -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON >&2
-    cmake --build "$b" --target llama-bench llama-batched-bench llama-quantize llama-argmax -j "${BUILD_JOBS:-$(nproc)}" >&2
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+        -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON >&2
+    cmake --build "$b" --target llama-bench llama-batched-bench llama-quantize llama-argmax llama-server \
+        -j "${BUILD_JOBS:-$(nproc)}" >&2
     echo "built $b/bin/llama-bench (CUDA $cuda)"
 }
 
@@ -105,7 +114,7 @@ print("| %s | %s | %.1f / %.1f | %.1f / %.1f | %s / %s | %.0f%% | %s |" % (c, lf
 # when missing; prints "LAYERS ALL_EXPERT_MIB".
 prepare() {
     local logs="$1" build_pid=""
-    if [ ! -x "$LLAMA_DIR/build/bin/llama-bench" ] || [ ! -x "$LLAMA_DIR/build/bin/llama-batched-bench" ]; then
+    if [ ! -x "$LLAMA_DIR/build/bin/llama-bench" ] || [ ! -x "$LLAMA_DIR/build/bin/llama-server" ]; then
         build > "$logs/build.log" 2>&1 &
         build_pid=$!
     fi
@@ -191,10 +200,82 @@ batched() {
         batched_case
 }
 
+# Wait until the server at port $1 answers /health (both servers answer 200 once loaded), at most
+# 600 s; $2: its process id (a server that exits fails the case).
+wait_ready() {
+    local i
+    for i in $(seq 1 600); do
+        curl -sf "http://127.0.0.1:$1/health" >/dev/null 2>&1 && return 0
+        kill -0 "$2" 2>/dev/null || return 1
+        sleep 1
+    done
+    return 1
+}
+
+# Stop the server $1 and wait for it to exit (its memory is free for the next one).
+stop_server() {
+    kill "$1" 2>/dev/null
+    wait "$1" 2>/dev/null || true
+}
+
+# One server case: for each B of PL, `moe-lanes serve --parallel B` and then `llama-server -np B`
+# on the same file and placement (CPU-only: no GPU visible to llama-server), each under
+# scripts/serve-load.py (B streaming clients, REQS requests each, P-token prompts, N tokens each);
+# one table row per B.
+server_case() {
+    local case="$1" layers="$2" all_mib="$3" logs="$4" lflags mflags b vocab pid env_l=() port="${PORT:-18481}"
+    case_flags "$case" "$layers" "$all_mib"
+    [ "$case" = cpu ] && { lflags=(-ngl 0); env_l=(CUDA_VISIBLE_DEVICES=); }
+    vocab=$("$BIN" inspect "$MODEL" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["vocab"])')
+    for b in $(echo "$PL" | tr ',' ' '); do
+        local load=(python3 scripts/serve-load.py --url "http://127.0.0.1:$port" --clients "$b" --requests "$REQS"
+            --prompt-tokens "$P" --max-tokens "$N" --vocab "$vocab")
+        "$BIN" serve --model "$MODEL" --listen "127.0.0.1:$port" --parallel "$b" --ctx-size $(( P + N + 16 )) \
+            "${mflags[@]}" > "$logs/moe-server-$case-$b.log" 2>&1 &
+        pid=$!
+        if wait_ready "$port" "$pid"; then
+            "${load[@]}" --label moe-lanes --json "$logs/moe-load-$case-$b.json" >> "$logs/moe-server-$case-$b.log" 2>&1
+        fi
+        stop_server "$pid"
+        env "${env_l[@]}" "$LLAMA_DIR/build/bin/llama-server" -m "$MODEL" --host 127.0.0.1 --port "$port" -np "$b" \
+            -c $(( b * (P + N + 16) )) -t "$THREADS" -fa on "${lflags[@]}" > "$logs/llama-server-$case-$b.log" 2>&1 &
+        pid=$!
+        if wait_ready "$port" "$pid"; then
+            "${load[@]}" --label llama.cpp --extra '{"ignore_eos": true}' --json "$logs/llama-load-$case-$b.json" \
+                >> "$logs/llama-server-$case-$b.log" 2>&1
+        fi
+        stop_server "$pid"
+        python3 - "$case" "$b" "$logs/llama-load-$case-$b.json" "$logs/moe-load-$case-$b.json" <<'PY'
+import json, sys
+case, b, lpath, mpath = sys.argv[1:5]
+def load(p):
+    try:
+        return json.load(open(p))
+    except (OSError, ValueError):
+        return {}
+l, m = load(lpath), load(mpath)
+f = lambda r, k: "-" if r.get(k) is None else "%.1f" % r[k]
+ratio = "%.2fx" % (m["tokens_per_s"] / l["tokens_per_s"]) if l.get("tokens_per_s") and m.get("tokens_per_s") else "-"
+bad = "; ".join("%s %s" % (n, r["failed"]) for n, r in (("llama.cpp", l), ("moe-lanes", m)) if r.get("failed"))
+print("| %s | %s | %s | %s | %s | %s / %s | %s / %s | %s |" % (case, b, f(l, "tokens_per_s"), f(m, "tokens_per_s"), ratio,
+      f(l, "itl_ms_p50"), f(l, "itl_ms_p99"), f(m, "itl_ms_p50"), f(m, "itl_ms_p99"), bad or "none"))
+PY
+    done
+}
+
+server() {
+    PL="${PL:-1,4,16}"
+    REQS="${REQS:-2}"
+    each_case "B streaming clients in $PL, $REQS requests each, pp$P / tg$N per request" \
+        "| case | B | llama-server t/s | moe-lanes serve t/s | ratio | llama.cpp ITL p50 / p99 ms | moe-lanes ITL p50 / p99 ms | failed |" \
+        server_case
+}
+
 case "${1:-run}" in
     fetch) fetch ;;
     build) build ;;
     run) run ;;
     batched) batched ;;
-    *) echo "usage: $0 fetch|build|run|batched" >&2; exit 2 ;;
+    server) server ;;
+    *) echo "usage: $0 fetch|build|run|batched|server" >&2; exit 2 ;;
 esac

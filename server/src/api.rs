@@ -118,7 +118,7 @@ const NEUTRAL: [(&str, IsNeutral); 4] = [
 ];
 
 /// The fields this server reads (besides the neutral ones).
-const FIELDS: [&str; 15] = [
+const FIELDS: [&str; 16] = [
     "prompt",
     "max_tokens",
     "stream",
@@ -134,6 +134,7 @@ const FIELDS: [&str; 15] = [
     "stop",
     "stop_token_ids",
     "stream_options",
+    "ignore_eos",
 ];
 
 /// Refuse fields this server does not read; accept the neutral ones only with their default.
@@ -170,9 +171,10 @@ pub fn completion(
     let sampling = sampling(body)?;
     let (mut stop_ids, stops) = stop(body, vocab, tok)?;
     stop_ids.extend(token_ids(body, "stop_token_ids", vocab)?);
-    // Text prompts end at the model's end-of-generation tokens (as `run` does); token-id prompts
-    // only at the ids given (as `generate` does).
-    if is_text {
+    // Text prompts end at the model's end-of-generation tokens (as `run` does) unless
+    // `ignore_eos` (llama-server's field, for benchmarks); token-id prompts only at the ids given
+    // (as `generate` does).
+    if is_text && !flag(body, "ignore_eos")? {
         stop_ids.extend(tok.map_or(&[][..], Tokenizer::eog_ids));
     }
     Ok(CompletionRequest {
@@ -357,4 +359,38 @@ fn text_prompt(text: &str, tok: Option<&Tokenizer>) -> Result<Vec<u32>, ApiError
         return Err(ApiError::bad("prompt", "prompt is empty"));
     }
     Ok(ids)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use moe_lanes::text::Tokenizer;
+
+    fn qwen_tokenizer() -> Tokenizer {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/fixtures/tokenizers/ggml-vocab-qwen2.gguf");
+        Tokenizer::from_gguf_path(path.as_ref()).unwrap()
+    }
+
+    /// Text prompts stop at the model's end-of-generation ids unless `ignore_eos` (llama-server's
+    /// benchmark field); a non-boolean `ignore_eos` is refused by name.
+    #[test]
+    fn ignore_eos_drops_the_end_of_generation_stops_of_text_prompts() {
+        let tok = qwen_tokenizer();
+        let vocab = 151_936;
+        let req = |extra: Value| {
+            let mut body = serde_json::json!({"prompt": "hello", "max_tokens": 8});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            completion(body.as_object().unwrap(), vocab, Some(&tok))
+        };
+        let eog = tok.eog_ids();
+        assert!(!eog.is_empty());
+        let plain = req(serde_json::json!({})).unwrap().generation.stop_ids;
+        assert!(eog.iter().all(|id| plain.contains(id)), "{plain:?}");
+        let ignored = req(serde_json::json!({"ignore_eos": true})).unwrap().generation.stop_ids;
+        assert!(eog.iter().all(|id| !ignored.contains(id)), "{ignored:?}");
+        let kept = req(serde_json::json!({"ignore_eos": false})).unwrap().generation.stop_ids;
+        assert_eq!(kept, plain);
+        let Err(e) = req(serde_json::json!({"ignore_eos": "yes"})) else { panic!("a string was taken") };
+        assert!(format!("{e:?}").contains("ignore_eos"), "{e:?}");
+    }
 }

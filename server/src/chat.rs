@@ -25,7 +25,7 @@ use serde_json::{json, Map, Value};
 use std::sync::Arc;
 
 /// The fields a chat request may carry (besides `model`, `n` = 1 and `user`).
-const FIELDS: [&str; 18] = [
+const FIELDS: [&str; 19] = [
     "messages",
     "reasoning_effort",
     "chat_template_kwargs",
@@ -44,6 +44,7 @@ const FIELDS: [&str; 18] = [
     "logprobs",
     "top_logprobs",
     "stop",
+    "ignore_eos",
 ];
 
 /// A validated chat request.
@@ -92,7 +93,10 @@ pub fn parse(body: &Map<String, Value>, s: &AppState) -> Result<ChatRequest, Api
     let logprobs = api::flag(body, "logprobs")?;
     let sampling = api::sampling(&sampling_fields(body, logprobs)?)?;
     let (mut stop_ids, stops) = api::stop(body, s.vocab, Some(tok))?;
-    stop_ids.extend(tok.eog_ids());
+    if !api::flag(body, "ignore_eos")? {
+        // the model's end-of-generation tokens end the answer unless `ignore_eos` (llama-server's)
+        stop_ids.extend(tok.eog_ids());
+    }
     Ok(ChatRequest {
         prompt,
         stream: api::flag(body, "stream")?,
