@@ -1411,8 +1411,8 @@ fn gemv_mma_matches_cpu_for_batched_rows() {
         let ys: Vec<_> = ns.iter().map(|&n| be.upload(&rnd(t * n, 80 + n as u64)).unwrap()).collect();
         let (wp, yp): (Vec<_>, Vec<_>) = ws.iter().zip(&ys).map(|(w, y)| (w.ptr(), y.ptr())).unzip();
         be.gemv_mma_bf16(&wp, (hi.ptr(), lo.ptr()), &yp, &ns, t, k, false).unwrap();
-        for j in 0..3 {
-            let err = max_abs_diff(&be.read_vec(ys[j].ptr()).unwrap(), &want(&x, j, t));
+        for (j, y) in ys.iter().enumerate() {
+            let err = max_abs_diff(&be.read_vec(y.ptr()).unwrap(), &want(&x, j, t));
             assert!(err < 1e-4 * (k as f32).sqrt(), "t {t} output {j}: {err:e}");
         }
         // one matrix, accumulating

@@ -75,6 +75,9 @@ impl LayerCtx<'_> {
     }
 }
 
+/// A scratch's bf16 hi and lo rows of an f32 input ([`CudaBackend::gather_split_bf16`]).
+pub type SplitRows = (DPtr<u16>, DPtr<u16>);
+
 impl Device {
     /// The per-call scratch (reserved before any stage runs).
     pub fn s(&self) -> &Scratch {
@@ -127,7 +130,7 @@ impl Device {
         ws: &[DPtr<u16>],
         t: usize,
         k: usize,
-    ) -> Result<Option<(DPtr<u16>, DPtr<u16>)>, GpuError> {
+    ) -> Result<Option<SplitRows>, GpuError> {
         let s = self.s();
         let (hi, lo) = (s.x_hi.ptr(), s.x_lo.ptr());
         let rows = phase == Phase::Decode && (2..=GEMV_MMA_MAX_TOKENS).contains(&t);
