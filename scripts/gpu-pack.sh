@@ -6,8 +6,8 @@
 #   scripts/gpu-pack.sh [TEST...]     e.g. scripts/gpu-pack.sh cuda_mla gpu_parity equivalence
 #
 # Writes .gpu-pack/ (git-ignored): g.tar.xz (the CLI as moe-lanes, bin/<test>, fixtures/, the GPU
-# scripts), llama-src.tar.xz (llama.cpp's pruned sources, when `benches/compare-llama-cpp.sh
-# fetch` has put them in .llama/src) and unpack.sh. On the device machine, carry .gpu-pack and
+# scripts, with PREBUILD_NVRTC the kernels' cubin: below), llama-src.tar.xz (llama.cpp's pruned
+# sources, when `benches/compare-llama-cpp.sh fetch` has put them in .llama/src) and unpack.sh. On the device machine, carry .gpu-pack and
 # run `source .gpu-pack/unpack.sh` first: it unpacks into .gpu and .llama/src, sets the test
 # environment (MOE_LANES_FIXTURES, MOE_LANES_REQUIRE_GPU, the CUDA library path) and names the card.
 set -euo pipefail
@@ -30,6 +30,18 @@ for line in sys.stdin:
         while read -r name exe; do cp "$exe" "$stage/bin/$name"; echo "staged $name"; done
 fi
 for f in "$stage/moe-lanes" "$stage"/bin/*; do [ -f "$f" ] && strip --strip-debug "$f"; done
+# With PREBUILD_NVRTC (a directory with the GPU machine's NVRTC release: lib/libnvrtc.so.* and
+# include/, e.g. the nvidia-cuda-nvrtc and nvidia-cuda-runtime wheels of CUDA 13.0 unpacked), the
+# kernels' cubin for sm_90 is compiled here (kept in .gpu-pack/nvrtc-cache between packs) and
+# travels as .gpu/nvrtc-cache, so a fresh GPU machine loads it instead of compiling (minutes).
+if [ -n "${PREBUILD_NVRTC:-}" ]; then
+    cargo build --release -p moe-lanes-kernels --example nvrtc_prebuild
+    made=$(LD_LIBRARY_PATH="$PREBUILD_NVRTC/lib" target/release/examples/nvrtc_prebuild "$PACK/nvrtc-cache" sm_90 \
+        "$PREBUILD_NVRTC/include")
+    echo "$made"
+    mkdir -p "$stage/nvrtc-cache"
+    cp "${made##*-> }" "$stage/nvrtc-cache/"
+fi
 cp -r tests/fixtures "$stage/fixtures"
 rm -rf "$stage/fixtures/__pycache__"
 cp scripts/gpu-test.sh scripts/gpu-engine-check.sh scripts/compare-binaries.sh "$stage/"

@@ -1045,7 +1045,10 @@ pub fn compile_for_arch(arch: &str, config: &CudaConfig) -> Result<(Vec<u8>, Com
 }
 
 /// Compile `src` to a cubin for `arch`, or take it from the cache keyed by source hash, options,
-/// NVRTC version and arch. Cache problems are reported in the [`CompileReport`], never fatal.
+/// NVRTC version and arch. The headers' location is not part of the key (their version is
+/// NVRTC's), so a cache compiled on a machine without a GPU, with the same NVRTC release's
+/// headers elsewhere, serves the GPU machine (`examples/nvrtc_prebuild.rs`). Cache problems are
+/// reported in the [`CompileReport`], never fatal.
 /// Needs no device; without libnvrtc it is [`CudaError::NoDriver`].
 pub fn compile_cached(
     src: &str,
@@ -1061,7 +1064,9 @@ pub fn compile_cached(
     let options = nvrtc_options(arch, config);
     let (vmaj, vmin) = nvrtc_version();
     let version = format!("nvrtc {vmaj}.{vmin}");
-    let key = fnv1a(&[src.as_bytes(), options.join(" ").as_bytes(), version.as_bytes(), arch.as_bytes()]);
+    let keyed: Vec<&str> =
+        options.iter().map(String::as_str).filter(|o| !o.starts_with(INCLUDE_OPTION)).collect();
+    let key = fnv1a(&[src.as_bytes(), keyed.join(" ").as_bytes(), version.as_bytes(), arch.as_bytes()]);
     let stem = name.trim_end_matches(".cu");
     let cache_path =
         config.nvrtc_cache_dir.as_ref().map(|d| d.join(format!("{stem}-{key:016x}-{arch}.cubin")));
@@ -1082,12 +1087,15 @@ pub fn compile_cached(
     Ok((cubin, CompileReport { arch: arch.into(), cache_hit: false, cache_path, compile_ms, cache_note }))
 }
 
+/// The NVRTC option naming the CUDA headers' directory.
+const INCLUDE_OPTION: &str = "--include-path=";
+
 /// NVRTC options: target, CUDA headers, language, and the shared `-D` constants.
 fn nvrtc_options(arch: &str, config: &CudaConfig) -> Vec<String> {
     let include = config.cuda_include_dir.clone().unwrap_or_else(|| PathBuf::from("/usr/local/cuda/include"));
     vec![
         format!("--gpu-architecture={arch}"),
-        format!("--include-path={}", include.display()),
+        format!("{INCLUDE_OPTION}{}", include.display()),
         "--std=c++17".to_string(),
         "--fmad=true".to_string(),
     ]
