@@ -17,7 +17,7 @@ use crate::model::arch::LayerPlan;
 use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::phase::Phase;
-use moe_lanes_kernels::cuda::kernel::{GEMV_MMA_MAX_TOKENS, QUANT_MAX_TOKENS};
+use moe_lanes_kernels::cuda::kernel::{DECODE_GEMV_MAX_TOKENS, QUANT_MAX_TOKENS};
 use moe_lanes_kernels::cuda::quant::wide_alignment_bytes;
 use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer, Q8Rows, TypedWeights};
 use moe_lanes_kernels::q8::Q8_BLOCK;
@@ -84,9 +84,10 @@ impl Device {
         self.scratch.as_ref().expect("reserved")
     }
 
-    /// `y (+)= W x` for `t` rows: GEMV kernel in decode (one token over a short bf16 matrix: the
-    /// split GEMV; and for a few rows of a quantized matrix), cuBLAS otherwise (quantized rows
-    /// dequantized to bf16 first).
+    /// `y (+)= W x` for `t` rows: GEMV kernels in decode (one token over a short bf16 matrix: the
+    /// split GEMV; 2 to [`DECODE_GEMV_MAX_TOKENS`] rows of bf16: the tensor-core GEMV; up to that
+    /// many rows of a quantized matrix, and a few rows in any phase: the quantized GEMV), cuBLAS
+    /// otherwise (quantized rows dequantized to bf16 first).
     #[allow(clippy::too_many_arguments)]
     pub fn linear(
         &self,
@@ -99,7 +100,8 @@ impl Device {
         k: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        let few_rows = w.dtype.is_quantized() && t <= QUANT_MAX_TOKENS as usize;
+        let decode_rows = phase == Phase::Decode && t <= DECODE_GEMV_MAX_TOKENS;
+        let few_rows = w.dtype.is_quantized() && (t <= QUANT_MAX_TOKENS as usize || decode_rows);
         if let Some(bf) =
             w.bf16().filter(|bf| phase == Phase::Decode && t == 1 && self.be.split_gemv_pays(*bf, x, n, k))
         {
@@ -121,7 +123,7 @@ impl Device {
 
     /// The bf16 hi + lo rows of `x` (`t` rows of `k`) when a decode call of `t` rows multiplies
     /// them with the bf16 matrices `ws` on the tensor-core GEMV ([`CudaBackend::gemv_mma_bf16`]:
-    /// 2 to [`GEMV_MMA_MAX_TOKENS`] rows, whole 32-column slabs): written to the scratch here.
+    /// 2 to [`DECODE_GEMV_MAX_TOKENS`] rows, whole 32-column slabs): written to the scratch here.
     /// None: another kernel takes the call.
     pub fn decode_mma_rows(
         &self,
@@ -133,7 +135,7 @@ impl Device {
     ) -> Result<Option<SplitRows>, GpuError> {
         let s = self.s();
         let (hi, lo) = (s.x_hi.ptr(), s.x_lo.ptr());
-        let rows = phase == Phase::Decode && (2..=GEMV_MMA_MAX_TOKENS).contains(&t);
+        let rows = phase == Phase::Decode && (2..=DECODE_GEMV_MAX_TOKENS).contains(&t);
         if !rows || !ws.iter().all(|&w| CudaBackend::gemv_mma_fits(w, hi, lo, k)) {
             return Ok(None);
         }

@@ -190,9 +190,13 @@ pub const GEMV_MMA_WARPS: u32 = 8;
 /// more tokens take more grid rows, each reading the weights again.
 pub const GEMV_MMA_TOKENS: usize = 32;
 const _: () = assert!(GEMV_MMA_TOKENS.is_multiple_of(8) && GEMV_MMA_TOKENS <= 32);
-/// Most rows of a decode call (a batched step) whose bf16 projections take the tensor-core GEMV;
-/// more take cuBLAS GEMMs. Cost: each [`GEMV_MMA_TOKENS`] rows past the first read the weights again.
-pub const GEMV_MMA_MAX_TOKENS: usize = 2 * GEMV_MMA_TOKENS;
+/// Most rows of a decode call (a batched step) whose projections take GEMVs, each weight read once
+/// a launch: bf16 the tensor-core GEMV ([`GEMV_MMA_TOKENS`] rows a launch), quantized the
+/// quantized GEMV ([`QUANT_MAX_TOKENS`] rows a launch); more take cuBLAS GEMMs (quantized weights
+/// dequantized to bf16 first). Cost: each launch past the first reads the weights again; at this
+/// many rows a Q4_K matrix is read 8 times, 4.5 bytes a weight, against the dequantize-then-GEMM
+/// path's 6.5 (0.56 read, 2 written, 2 read by each of the hi and lo GEMMs).
+pub const DECODE_GEMV_MAX_TOKENS: usize = 2 * GEMV_MMA_TOKENS;
 const _: () = assert!(GROUPED_PIPE_BK.is_multiple_of(16) && GROUPED_PIPE_STAGES >= 2);
 const _: () = assert!((GROUPED_TILE_ROWS * GROUPED_PIPE_BK / 4).is_multiple_of(GROUPED_THREADS as usize));
 const _: () = assert!(
