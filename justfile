@@ -153,6 +153,17 @@ compare-llama:
     cargo build --release --bin moe-lanes
     bash benches/compare-llama-cpp.sh run
 
+# Batched throughput beside llama-batched-bench (PL: batch sizes, "1,4,16"; P, N per sequence).
+compare-llama-batched:
+    cargo build --release --bin moe-lanes
+    bash benches/compare-llama-cpp.sh batched
+
+# `serve --parallel B` beside `llama-server -np B` under B streaming clients (scripts/serve-load.py:
+# tokens/s, time to first token, inter-token latency p50/p99); PL, REQS, P, N.
+compare-llama-server:
+    cargo build --release --bin moe-lanes
+    bash benches/compare-llama-cpp.sh server
+
 # A GGUF file (e.g. from `moe-lanes quantize`) in llama.cpp: per-position argmax of llama.cpp's
 # `llama-argmax` (benches/llama-argmax, built with llama-bench by `compare-llama`) against
 # `moe-lanes logits` on the same file and token ids (scripts/argmax-agreement.py).
