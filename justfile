@@ -158,8 +158,7 @@ compare-llama-batched:
     cargo build --release --bin moe-lanes
     bash benches/compare-llama-cpp.sh batched
 
-# `serve --parallel B` beside `llama-server -np B` under B streaming clients (scripts/serve-load.py:
-# tokens/s, time to first token, inter-token latency p50/p99); PL, REQS, P, N.
+# `serve --parallel B` beside `llama-server -np B`, B streaming clients each (PL, REQS, P, N).
 compare-llama-server:
     cargo build --release --bin moe-lanes
     bash benches/compare-llama-cpp.sh server
