@@ -42,8 +42,9 @@ def prompt_ids(n, vocab, seed):
     return [rng.randrange(lo, hi) for _ in range(n)]
 
 
-def one_request(url, body, timeout_s):
-    """Stream one completion; returns a dict of its measurements and `error` (None when whole)."""
+def one_request(url, body, timeout_s, expect_tokens):
+    """Stream one completion; returns a dict of its measurements and `error` (None when whole:
+    `[DONE]` came and at least `expect_tokens` tokens before it)."""
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout_s)
     out = {"ttft_s": None, "gaps_s": [], "tokens": 0, "error": None}
@@ -83,7 +84,7 @@ def one_request(url, body, timeout_s):
         out["tokens"] = (usage or {}).get("completion_tokens", events)
         if not done:
             out["error"] = "no [DONE]"
-        elif out["tokens"] < body["max_tokens"]:
+        elif out["tokens"] < expect_tokens:
             out["error"] = "short answer"
     except (OSError, http.client.HTTPException, ValueError) as e:
         out["error"] = type(e).__name__
@@ -113,14 +114,14 @@ def main():
         b.update(extra)
         return b
 
-    warm = one_request(a.url, dict(body(10**6), max_tokens=4), a.timeout)
+    warm = one_request(a.url, dict(body(10**6), max_tokens=4), a.timeout, 1)
     if warm["error"]:
         sys.exit("warm-up request failed: %s" % warm["error"])
     results, lock = [], threading.Lock()
 
     def client(c):
         for r in range(a.requests):
-            res = one_request(a.url, body(c * a.requests + r), a.timeout)
+            res = one_request(a.url, body(c * a.requests + r), a.timeout, a.max_tokens)
             with lock:
                 results.append(res)
 

@@ -667,3 +667,47 @@ fn the_official_openai_python_client_drives_the_server() {
     assert!(out.status.success(), "{}:\n{stdout}\n{stderr}", script.display());
     assert!(stdout.contains("all checks passed"), "{stdout}");
 }
+
+/// `scripts/serve-load.py` (the servers' side by side: `benches/compare-llama-cpp.sh server`)
+/// against the server: every streamed request whole (clients x requests x max_tokens tokens,
+/// latencies reported, exit 0), and answers shorter than it asked for counted as failures by
+/// reason (exit 1). Skips, saying so, without python3.
+#[test]
+fn the_load_script_counts_every_stream_and_every_short_one() {
+    if !std::process::Command::new("python3").arg("--version").output().is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIP: no python3");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = qwen(dir.path());
+    let server = Server::start(&model, &["--parallel", "4"]);
+    let script = common::repo_root().join("scripts/serve-load.py");
+    let load = |extra: &str| {
+        let json = dir.path().join("load.json");
+        let url = format!("http://{}", server.addr);
+        let args = ["--clients", "4", "--requests", "2", "--prompt-tokens", "12", "--max-tokens", "6"];
+        let out = std::process::Command::new("python3")
+            .arg(&script)
+            .args(["--url", &url, "--vocab", "1000", "--extra", extra, "--json", p(&json)])
+            .args(args)
+            .output()
+            .unwrap();
+        let summary: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+        (out.status.success(), summary)
+    };
+    let (ok, whole) = load("{}");
+    assert!(ok, "{whole}");
+    assert_eq!(
+        (whole["requests"].as_u64(), whole["completion_tokens"].as_u64()),
+        (Some(8), Some(48)),
+        "{whole}"
+    );
+    assert_eq!(whole["failed"], serde_json::json!({}), "{whole}");
+    for key in ["tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99"] {
+        assert!(whole[key].as_f64().is_some_and(|v| v > 0.0), "{key}: {whole}");
+    }
+    // the server asked for 2 tokens a request where the client expects 6
+    let (ok, short) = load(r#"{"max_tokens": 2}"#);
+    assert!(!ok, "{short}");
+    assert_eq!(short["failed"], serde_json::json!({"short answer": 8}), "{short}");
+}
