@@ -129,6 +129,15 @@ prepare() {
 r = json.load(sys.stdin); print(r["n_layers"], r["all_experts_bytes"] // (1 << 20))'
 }
 
+# The CPU case of llama.cpp's batched bench and server (they take no -nopo): no GPU visible
+# (env_l, for `env`) and no layers offloaded; sets lflags and env_l.
+serving_flags() {
+    if [ "$1" = cpu ]; then
+        lflags=(-ngl 0)
+        env_l=(CUDA_VISIBLE_DEVICES=)
+    fi
+}
+
 # The llama.cpp and moe-lanes flags of a case (see the header): sets lflags and mflags.
 case_flags() {
     local case="$1" layers="$2" all_mib="$3"
@@ -164,11 +173,12 @@ run() {
 
 # One batched case: llama-batched-bench then `moe-lanes bench --parallel`; one table row per B.
 batched_case() {
-    local case="$1" layers="$2" all_mib="$3" logs="$4" lflags mflags max_b ctx
+    local case="$1" layers="$2" all_mib="$3" logs="$4" lflags mflags max_b ctx env_l=()
     case_flags "$case" "$layers" "$all_mib"
+    serving_flags "$case"
     max_b=$(echo "$PL" | tr ',' '\n' | sort -n | tail -1)
     ctx=$(( max_b * (P + N) ))
-    "$LLAMA_DIR/build/bin/llama-batched-bench" -m "$MODEL" -c "$ctx" -b 2048 -ub 512 -npp "$P" -ntg "$N" \
+    env "${env_l[@]}" "$LLAMA_DIR/build/bin/llama-batched-bench" -m "$MODEL" -c "$ctx" -b 2048 -ub 512 -npp "$P" -ntg "$N" \
         -npl "$PL" -t "$THREADS" -fa on "${lflags[@]}" --output-format jsonl \
         > "$logs/llama-batched-$case.jsonl" 2> "$logs/llama-batched-$case.log"
     "$BIN" bench --model "$MODEL" -p "$P" -n "$N" --parallel "$PL" --runs "$REPS" --json "${mflags[@]}" \
@@ -225,7 +235,7 @@ stop_server() {
 server_case() {
     local case="$1" layers="$2" all_mib="$3" logs="$4" lflags mflags b vocab pid env_l=() port="${PORT:-18481}"
     case_flags "$case" "$layers" "$all_mib"
-    [ "$case" = cpu ] && { lflags=(-ngl 0); env_l=(CUDA_VISIBLE_DEVICES=); }
+    serving_flags "$case"
     vocab=$("$BIN" inspect "$MODEL" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["vocab"])')
     for b in $(echo "$PL" | tr ',' ' '); do
         local load=(python3 scripts/serve-load.py --url "http://127.0.0.1:$port" --clients "$b" --requests "$REQS"
