@@ -39,8 +39,8 @@ pub struct GpuTuning {
     /// Hot-lane events inside the decode graphs on every call (default false;
     /// `MOE_LANES_GRAPH_LANE_EVENTS=1`).
     pub graph_lane_events: Option<bool>,
-    /// A decode call (a batched step) of at least this many tokens runs its dense projections
-    /// and lm_head as GEMMs (each weight read once for all rows) instead of per-row GEMVs
+    /// A decode call (a batched step) of at least this many tokens runs as GEMMs the dense
+    /// projections the batched-decode GEMVs do not take ([`crate::gpu::GpuOptions`] says which)
     /// (`MOE_LANES_BATCH_GEMM_MIN_TOKENS`; default [`crate::gpu::BATCH_GEMM_MIN_TOKENS`]).
     pub batch_gemm_min_tokens: Option<usize>,
     /// A decode call (a batched step) of at least this many rows runs its hot experts as grouped

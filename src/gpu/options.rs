@@ -209,10 +209,13 @@ pub struct GpuOptions {
     pub q8_activations: bool,
     /// The KV cache's element type (`--cache-type-k/v` at the CLI): f16 (default) or f32.
     pub kv_type: KvType,
-    /// A decode call (a batched step) of at least this many tokens runs its dense projections
-    /// and the lm_head as GEMMs (each weight read once for every row) instead of per-row GEMVs;
-    /// its MoE keeps the decode path (worklist on the device, no host sync when all hot); its
-    /// hot experts are [`GpuOptions::hot_grouped_min_rows`]'s question.
+    /// A decode call (a batched step) of at least this many tokens runs as GEMMs (each weight
+    /// read once for every row, instead of per-row GEMVs) the dense projections that the
+    /// batched-decode GEMVs do not take: bf16 matrices whose k is not whole 32-column slabs, and
+    /// calls past `DECODE_GEMV_MAX_TOKENS` rows (up to that many, bf16 matrices take the
+    /// tensor-core GEMV and quantized ones the quantized GEMV, whatever this says). Its MoE
+    /// keeps the decode path (worklist on the device, no host sync when all hot); its hot
+    /// experts are [`GpuOptions::hot_grouped_min_rows`]'s question.
     pub batch_gemm_min_tokens: usize,
     /// A decode call (a batched step) of at least this many rows runs its hot experts as the
     /// grouped GEMMs over a worklist sorted by expert on the device (each hot expert read once
