@@ -22,6 +22,8 @@
 #            by quantprep): split vs one-rounding bf16 activations (MOE_LANES_PREFILL_ACTIVATIONS),
 #            alternating in one call (issues 12, 14; the grouped GEMMs' synchronous vs pipelined
 #            A/B of issue 12 is settled and its switch removed)
+#   batching llama-batched-bench and llama-server against bench --parallel and serve --parallel on
+#            the uniform model, BATCH_Q4=1 adds its Q4_K_M file at budget 0 (issue 43; below)
 #
 # Usage on the GPU machine, from the repository root, after scripts/gpu-build.sh here:
 #   bash scripts/gpu-measure.sh models      (then, chained: metrics shift plan, and compare)
@@ -249,13 +251,32 @@ part_prefillab() {
     done
 }
 
+# Issue 43 on the uniform model (written by `models`): llama-batched-bench against bench --parallel
+# at budgets 100 / 50 / 0 (B in 1,4,16), then llama-server -np 16 against serve --parallel 16 all
+# on the GPU (scripts/serve-load.py: tokens/s, TTFT and inter-token latency p50/p99); with
+# BATCH_Q4=1 also the uniform model's Q4_K_M file (llama-quantize; written here when missing) at
+# budget 0, B in 1,2,4 (the lane ping-pong's question).
+part_batching() {
+    local m q
+    m=$(model uniform)
+    BIN="$BIN" MODEL="$m" CASES="${BATCH_CASES:-100 50 0}" PL=1,4,16 P=128 N=64 REPS=1 OUT="$LOGS" \
+        bash benches/compare-llama-cpp.sh batched
+    BIN="$BIN" MODEL="$m" CASES=100 PL=16 P=128 N=64 REPS=1 REQS=2 OUT="$LOGS" \
+        bash benches/compare-llama-cpp.sh server
+    [ "${BATCH_Q4:-0}" = 1 ] || return 0
+    q="$MD/q$LAYERS-uniform-q4_k_m.gguf"
+    [ -f "$q" ] || .llama/build/bin/llama-quantize "$m" "$q" Q4_K_M > "$LOGS/quantize-q4.log" 2>&1 ||
+        { tail -5 "$LOGS/quantize-q4.log"; return 1; }
+    BIN="$BIN" MODEL="$q" CASES=0 PL=1,2,4 P=128 N=64 REPS=1 OUT="$LOGS" bash benches/compare-llama-cpp.sh batched
+}
+
 status=0
 for part in "$@"; do
     echo "== $part ($(date -u +%H:%M:%S)) =="
     [ "$part" = models ] || [ "$part" = quantprep ] || wait_llama_build
     case "$part" in
-        models | metrics | shift | plan | compare | quant | quantprep | quantcmp | prefillab) "part_$part" || status=1 ;;
-        *) echo "unknown part $part (models metrics shift plan compare quant quantprep quantcmp prefillab)"; exit 2 ;;
+        models | metrics | shift | plan | compare | quant | quantprep | quantcmp | prefillab | batching) "part_$part" || status=1 ;;
+        *) echo "unknown part $part (models metrics shift plan compare quant quantprep quantcmp prefillab batching)"; exit 2 ;;
     esac
 done
 exit $status
