@@ -19,7 +19,7 @@
 mod common;
 
 use moe_lanes::dtype::DType;
-use moe_lanes::engine::{build_engine, Engine, EngineKind, EngineOptions, HotBudget, HotChoice};
+use moe_lanes::engine::{build_engine, BuildReport, Engine, EngineKind, EngineOptions, HotBudget, HotChoice};
 use moe_lanes::expert_math::kernel_dtype;
 use moe_lanes::model::Model;
 use moe_lanes::phase::Phase;
@@ -534,6 +534,19 @@ fn gpt_oss_mxfp4(dir: &Path) -> (Arc<Model>, Vec<u32>) {
     (model, (0..48).map(|i| (i * 37 + 11) % 500).collect())
 }
 
+/// A GPU engine over `model` with a hot cache of `fraction` of the experts, the tests' options
+/// changed by `tweak` first.
+fn gpu_engine<'m>(
+    model: &'m Arc<Model>,
+    fraction: f64,
+    tweak: impl FnOnce(&mut EngineOptions),
+) -> (Box<dyn Engine + 'm>, BuildReport) {
+    let mut opts = options(Some(EngineKind::Gpu));
+    opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
+    tweak(&mut opts);
+    build_engine(model, opts).unwrap()
+}
+
 /// GPT-OSS in MXFP4 (its experts MXFP4 with f32 biases, the clamped SwiGLU) on the GPU engine,
 /// the hot lane's expert epilogue end to end: at hot caches none / half / all, short prompts
 /// (decode kernels) within the exact tolerance and a long prompt (the grouped tensor-core
@@ -549,9 +562,7 @@ fn gpt_oss_in_mxfp4_moe_runs_on_the_gpu_engine_like_the_reference() {
     let (model, long) = gpt_oss_mxfp4(dir.path());
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
     let gpu = |fraction: f64| {
-        let mut opts = options(Some(EngineKind::Gpu));
-        opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
-        let (engine, report) = build_engine(&model, opts).unwrap();
+        let (engine, report) = gpu_engine(&model, fraction, |_| {});
         assert_eq!(report.kind, EngineKind::Gpu, "{:?}", report.gpu_unavailable);
         engine
     };
@@ -596,10 +607,9 @@ fn bf16_grouped_prefill_of_mxfp4_experts_stays_within_the_tensor_core_tolerance(
     let (model, long) = gpt_oss_mxfp4(dir.path());
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
     for fraction in [0.5, 1.0] {
-        let mut opts = options(Some(EngineKind::Gpu));
-        opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
-        opts.gpu.prefill_activations = moe_lanes::gpu::PrefillActivations::Bf16;
-        let (mut gpu, _) = build_engine(&model, opts).unwrap();
+        let bf16 =
+            |o: &mut EngineOptions| o.gpu.prefill_activations = moe_lanes::gpu::PrefillActivations::Bf16;
+        let (mut gpu, _) = gpu_engine(&model, fraction, bf16);
         let what = format!("gpt_oss mxfp4_moe bf16 prefill hot {fraction}");
         let worst = check_steps(&what, reference.as_mut(), gpu.as_mut(), &long, 2, GPU_TENSOR_CORE_TOLERANCE);
         eprintln!("{what}: worst relative error {worst:e}");
@@ -626,12 +636,12 @@ fn int8_prefill_of_mxfp4_experts_is_the_default_within_the_8_bit_tolerance() {
     let (mut reference, _) = build_engine(&model, ref_opts).unwrap();
     for fraction in [0.5, 1.0] {
         let gpu = |prefill: moe_lanes::gpu::PrefillActivations| {
-            let mut opts = options(Some(EngineKind::Gpu));
-            opts.n_positions = positions;
-            opts.activations = None;
-            opts.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
-            opts.gpu.prefill_activations = prefill;
-            build_engine(&model, opts).unwrap().0
+            let tweak = |o: &mut EngineOptions| {
+                o.n_positions = positions;
+                o.activations = None;
+                o.gpu.prefill_activations = prefill;
+            };
+            gpu_engine(&model, fraction, tweak).0
         };
         let (mut int8, mut bf16) = (gpu(Default::default()), gpu(moe_lanes::gpu::PrefillActivations::Bf16));
         let what = format!("gpt_oss mxfp4_moe int8 prefill hot {fraction}");

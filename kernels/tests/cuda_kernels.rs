@@ -1348,6 +1348,23 @@ fn nvrtc_cubin_cache_hits_on_second_compile() {
     assert!(first.cache_note.is_none(), "{:?}", first.cache_note);
 }
 
+/// Random bf16 matrices `[n, k]` for each of `ns` (seeds `seed`, `seed + 1`, ..) on the device,
+/// and their values as f32.
+fn bf16_matrices(
+    be: &CudaBackend,
+    ns: &[usize],
+    k: usize,
+    seed: u64,
+) -> (Vec<moe_lanes_kernels::cuda::DeviceBuffer<u16>>, Vec<Vec<f32>>) {
+    ns.iter()
+        .enumerate()
+        .map(|(j, &n)| {
+            let (bits, back) = to_bf16(&rnd(n * k, seed + j as u64));
+            (be.upload(&bits).unwrap(), back)
+        })
+        .unzip()
+}
+
 #[test]
 fn gemv3_matches_three_gemvs() {
     let Some(be) = backend() else { return };
@@ -1355,15 +1372,10 @@ fn gemv3_matches_three_gemvs() {
     let ns = [24usize, 8, 13];
     let x = rnd(t * k, 41);
     let dx = be.upload(&x).unwrap();
-    let mut ws = Vec::new();
-    let mut backs = Vec::new();
-    let mut ys = Vec::new();
-    for (j, &n) in ns.iter().enumerate() {
-        let (bits, back) = to_bf16(&rnd(n * k, 42 + j as u64));
-        ws.push(be.upload(&bits).unwrap());
-        backs.push(back);
-        ys.push(be.upload(&rnd(t * n, 50 + j as u64)).unwrap()); // overwritten, not accumulated
-    }
+    let (ws, backs) = bf16_matrices(be, &ns, k, 42);
+    // overwritten, not accumulated
+    let ys: Vec<_> =
+        ns.iter().enumerate().map(|(j, &n)| be.upload(&rnd(t * n, 50 + j as u64)).unwrap()).collect();
     be.gemv3_bf16(
         [ws[0].ptr(), ws[1].ptr(), ws[2].ptr()],
         dx.ptr(),
@@ -1393,13 +1405,7 @@ fn gemv_mma_matches_cpu_for_batched_rows() {
     let Some(be) = backend() else { return };
     let k = 320;
     let ns = [200usize, 24, 13];
-    let mut ws = Vec::new();
-    let mut backs = Vec::new();
-    for (j, &n) in ns.iter().enumerate() {
-        let (bits, back) = to_bf16(&rnd(n * k, 60 + j as u64));
-        ws.push(be.upload(&bits).unwrap());
-        backs.push(back);
-    }
+    let (ws, backs) = bf16_matrices(be, &ns, k, 60);
     let want = |x: &[f32], j: usize, t: usize| -> Vec<f32> {
         (0..t * ns[j]).map(|i| dot(&backs[j][(i % ns[j]) * k..][..k], &x[(i / ns[j]) * k..][..k])).collect()
     };
@@ -1423,21 +1429,9 @@ fn gemv_mma_matches_cpu_for_batched_rows() {
         let err = max_abs_diff(&be.read_vec(y.ptr()).unwrap(), &acc);
         assert!(err < 1e-4 * (k as f32).sqrt(), "t {t} accumulating: {err:e}");
     }
-    let x = be.alloc_zeros::<u16>(2 * 40).unwrap();
-    let err = be.gemv_mma_bf16(
-        &wp_of(&ws[..1]),
-        (x.ptr(), x.ptr()),
-        &[be.alloc_zeros::<f32>(400).unwrap().ptr()],
-        &[10],
-        2,
-        40,
-        false,
-    );
+    let (x, y) = (be.alloc_zeros::<u16>(2 * 40).unwrap(), be.alloc_zeros::<f32>(400).unwrap());
+    let err = be.gemv_mma_bf16(&[ws[0].ptr()], (x.ptr(), x.ptr()), &[y.ptr()], &[10], 2, 40, false);
     assert!(err.is_err(), "k = 40 is not whole 32-column slabs");
-}
-
-fn wp_of(ws: &[moe_lanes_kernels::cuda::DeviceBuffer<u16>]) -> Vec<DPtr<u16>> {
-    ws.iter().map(|w| w.ptr()).collect()
 }
 
 #[test]
