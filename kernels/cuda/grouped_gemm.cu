@@ -638,9 +638,11 @@ extern "C" __global__ __launch_bounds__(GG_THREADS) void grouped_gemm_bf16_dec_b
 // and splits its 8 x values of row g of each 8-row tile into bf16 hi (+ lo) B fragments in
 // registers; the warps' sums meet in warp order in shared memory (gr_sum). Rows past the tile
 // read its last row and are not stored; a token row out of range is a zero row.
-// Gate/up only: the same shape for the down projection (k = ff = 768, 3 slabs a warp, 142
-// registers, 12.5% occupancy) took 214-222 us a layer where the pipelined _dec tiles take 120-122
-// (ncu, same call, B = 16); gate/up 158-164 here against 236-238.
+// Gate/up: the gate's and the up's 16 columns. The down projection: two neighbouring 16-column
+// groups of its one matrix (COLS), so a block's registers and loads match gate/up's: with one
+// 16-column group (k = ff = 768, 3 slabs a warp, 142 registers, 12.5% occupancy) it took 214-222
+// us a layer where the pipelined _dec tiles take 120-122 (ncu, same call, B = 16); gate/up
+// 158-164 here against 236-238.
 #define GR_UNROLL(NW) (4 / (NW))
 
 // The two bf16 pairs of hi (and lo = the remainder) of four f32 values, as gp_frag_a rounds.
@@ -652,15 +654,16 @@ __device__ __forceinline__ void gr_split(float4 v, unsigned* hi, unsigned* lo) {
     lo[0] = *(const unsigned*)&l0, lo[1] = *(const unsigned*)&l1;
 }
 
-// One block's partial sums for NW caches [n_slots, N, K] sharing the input: part[w][m * 8 + j * 4
-// + r][lane] is warp w's accumulator r of matrix m, token tile j. Returns the tile (row0, nr,
-// col0, slot) in tl, false when refused (nothing computed, no barrier passed).
-template <int NW>
+// One block's partial sums for NW caches [n_slots, N, K] sharing the input (COLS: NW column
+// groups of W[0], group m at columns col0 + 16 m): part[w][m * 8 + j * 4 + r][lane] is warp w's
+// accumulator r of matrix (group) m, token tile j. Returns the tile (row0, nr, col0, slot) in tl,
+// false when refused (nothing computed, no barrier passed).
+template <int NW, bool COLS = false>
 __device__ __forceinline__ bool gr_tile(const bf16* const* W, const float* __restrict__ x, const int* __restrict__ rows,
                                         int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots, int N,
                                         int K, int split, float (*part)[NW * 8][32], int* tl) {
     const int* t3 = tiles + 3 * (size_t)blockIdx.x;
-    int slot = t3[0], row0 = t3[1], nr = t3[2], col0 = blockIdx.y * 16;
+    int slot = t3[0], row0 = t3[1], nr = t3[2], col0 = blockIdx.y * 16 * (COLS ? NW : 1);
     if (slot < 0 || slot >= n_slots || row0 < 0 || nr <= 0 || nr > 16 || row0 > n_rows - nr) return false;
     tl[0] = row0, tl[1] = nr, tl[2] = col0, tl[3] = slot;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3, nt = (nr + 7) >> 3;
@@ -673,8 +676,10 @@ __device__ __forceinline__ bool gr_tile(const bf16* const* W, const float* __res
     const bf16 *wa[NW], *wb[NW];
 #pragma unroll
     for (int m = 0; m < NW; m++) {
-        wa[m] = W[m] + ((size_t)slot * N + min(col0 + g, N - 1)) * K + 8 * c;
-        wb[m] = W[m] + ((size_t)slot * N + min(col0 + g + 8, N - 1)) * K + 8 * c;
+        const bf16* w = COLS ? W[0] : W[m];
+        int cm = col0 + (COLS ? 16 * m : 0);
+        wa[m] = w + ((size_t)slot * N + min(cm + g, N - 1)) * K + 8 * c;
+        wb[m] = w + ((size_t)slot * N + min(cm + g + 8, N - 1)) * K + 8 * c;
     }
     constexpr int U = GR_UNROLL(NW);
     float acc[NW][2][4] = {};
@@ -781,4 +786,32 @@ extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gate_u
     const float* __restrict__ bu) {
     pdl_enter();
     gr_gate_up<true>(G, U, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+}
+
+// The down projection in the decode shape: y[r] = W_s · x_r (+ b_s), 32 output columns a block
+// as two column groups of gr_tile. grid (n_tiles, ceil(N / 32)), block 32 * GEMV_MMA_WARPS.
+template <bool BIAS>
+__device__ __forceinline__ void gr_down(GEMM_BF16_PARAMS) {
+    __shared__ float part[GEMV_MMA_WARPS][16][32];
+    const bf16* Ws[1] = {W};
+    int tl[4];
+    if (!gr_tile<2, true>(Ws, x, rows, n_x_rows, tiles, n_rows, n_slots, N, K, split, part, tl)) return;
+    int row0 = tl[0], slot = tl[3];
+#pragma unroll
+    for (int m = 0; m < 2; m++) {
+        gr_for_output(tl[1], N, tl[2] + 16 * m, [&](int row, int col, int q, int l) {
+            float v = gr_sum<2>(part, m * 8 + q, l);
+            y[(size_t)(row0 + row) * N + col] = BIAS ? v + b[(size_t)slot * N + col] : v;
+        });
+    }
+}
+
+extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gemm_bf16_rows(GEMM_BF16_PARAMS) {
+    pdl_enter();
+    gr_down<false>(GEMM_BF16_ARGS);
+}
+
+extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gemm_bf16_rows_bias(GEMM_BF16_PARAMS) {
+    pdl_enter();
+    gr_down<true>(GEMM_BF16_ARGS);
 }

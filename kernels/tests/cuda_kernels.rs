@@ -1403,34 +1403,44 @@ fn gemv3_matches_three_gemvs() {
 #[test]
 fn gemv_mma_matches_cpu_for_batched_rows() {
     let Some(be) = backend() else { return };
-    let k = 320;
     let ns = [200usize, 24, 13];
-    let (ws, backs) = bf16_matrices(be, &ns, k, 60);
-    let want = |x: &[f32], j: usize, t: usize| -> Vec<f32> {
-        (0..t * ns[j]).map(|i| dot(&backs[j][(i % ns[j]) * k..][..k], &x[(i / ns[j]) * k..][..k])).collect()
-    };
-    for t in [2usize, 5, 8, 17, 32, 33, 64, 70] {
-        let x = rnd(t * k, 70 + t as u64);
-        let dx = be.upload(&x).unwrap();
-        let (hi, lo) = (be.alloc_zeros::<u16>(t * k).unwrap(), be.alloc_zeros::<u16>(t * k).unwrap());
-        be.gather_split_bf16(dx.ptr(), None, hi.ptr(), Some(lo.ptr()), t, k).unwrap();
-        let ys: Vec<_> = ns.iter().map(|&n| be.upload(&rnd(t * n, 80 + n as u64)).unwrap()).collect();
-        let (wp, yp): (Vec<_>, Vec<_>) = ws.iter().zip(&ys).map(|(w, y)| (w.ptr(), y.ptr())).unzip();
-        be.gemv_mma_bf16(&wp, (hi.ptr(), lo.ptr()), &yp, &ns, t, k, false).unwrap();
-        for (j, y) in ys.iter().enumerate() {
-            let err = max_abs_diff(&be.read_vec(y.ptr()).unwrap(), &want(&x, j, t));
-            assert!(err < 1e-4 * (k as f32).sqrt(), "t {t} output {j}: {err:e}");
+    // k of 10 slabs (fewer than the warps), then 65 (several unrolled batches a warp, the last
+    // one partial)
+    for k in [320, 2080] {
+        let (ws, backs) = bf16_matrices(be, &ns, k, 60);
+        let want = |x: &[f32], j: usize, t: usize| -> Vec<f32> {
+            (0..t * ns[j])
+                .map(|i| dot(&backs[j][(i % ns[j]) * k..][..k], &x[(i / ns[j]) * k..][..k]))
+                .collect()
+        };
+        for t in [2usize, 5, 8, 17, 32, 33, 64, 70] {
+            let x = rnd(t * k, 70 + t as u64);
+            let dx = be.upload(&x).unwrap();
+            let (hi, lo) = (be.alloc_zeros::<u16>(t * k).unwrap(), be.alloc_zeros::<u16>(t * k).unwrap());
+            be.gather_split_bf16(dx.ptr(), None, hi.ptr(), Some(lo.ptr()), t, k).unwrap();
+            let ys: Vec<_> = ns.iter().map(|&n| be.upload(&rnd(t * n, 80 + n as u64)).unwrap()).collect();
+            let (wp, yp): (Vec<_>, Vec<_>) = ws.iter().zip(&ys).map(|(w, y)| (w.ptr(), y.ptr())).unzip();
+            // both blocks (8 warps, 16), then the launcher's choice
+            for wide in [false, true] {
+                be.gemv_mma_bf16_blocks(wide, &wp, (hi.ptr(), lo.ptr()), &yp, &ns, t, k, false).unwrap();
+                for (j, y) in ys.iter().enumerate() {
+                    let err = max_abs_diff(&be.read_vec(y.ptr()).unwrap(), &want(&x, j, t));
+                    assert!(err < 1e-4 * (k as f32).sqrt(), "t {t} output {j} wide {wide}: {err:e}");
+                }
+            }
+            be.gemv_mma_bf16(&wp, (hi.ptr(), lo.ptr()), &yp, &ns, t, k, false).unwrap();
+            // one matrix, accumulating
+            let base = rnd(t * ns[0], 90);
+            let y = be.upload(&base).unwrap();
+            be.gemv_mma_bf16(&wp[..1], (hi.ptr(), lo.ptr()), &[y.ptr()], &ns[..1], t, k, true).unwrap();
+            let acc: Vec<f32> = want(&x, 0, t).iter().zip(&base).map(|(w, b)| w + b).collect();
+            let err = max_abs_diff(&be.read_vec(y.ptr()).unwrap(), &acc);
+            assert!(err < 1e-4 * (k as f32).sqrt(), "t {t} accumulating: {err:e}");
         }
-        // one matrix, accumulating
-        let base = rnd(t * ns[0], 90);
-        let y = be.upload(&base).unwrap();
-        be.gemv_mma_bf16(&wp[..1], (hi.ptr(), lo.ptr()), &[y.ptr()], &ns[..1], t, k, true).unwrap();
-        let acc: Vec<f32> = want(&x, 0, t).iter().zip(&base).map(|(w, b)| w + b).collect();
-        let err = max_abs_diff(&be.read_vec(y.ptr()).unwrap(), &acc);
-        assert!(err < 1e-4 * (k as f32).sqrt(), "t {t} accumulating: {err:e}");
     }
     let (x, y) = (be.alloc_zeros::<u16>(2 * 40).unwrap(), be.alloc_zeros::<f32>(400).unwrap());
-    let err = be.gemv_mma_bf16(&[ws[0].ptr()], (x.ptr(), x.ptr()), &[y.ptr()], &[10], 2, 40, false);
+    let w = be.alloc_zeros::<u16>(400).unwrap();
+    let err = be.gemv_mma_bf16(&[w.ptr()], (x.ptr(), x.ptr()), &[y.ptr()], &[10], 2, 40, false);
     assert!(err.is_err(), "k = 40 is not whole 32-column slabs");
 }
 
@@ -1556,10 +1566,16 @@ fn grouped_expert_gemms_match_cpu() {
     let Some(be) = backend() else { return };
     use moe_lanes_kernels::cuda::ops::grouped_tiles;
     // (hidden, ff): not multiples of the tile or of 8 (scalar loads), then multiples of 8 that
-    // are not multiples of the pipelined stage (a partial last stage), then the tile itself
-    for &(hidden, ff, n_slots, t) in
-        &[(100usize, 70usize, 6usize, 9usize), (136, 200, 6, 31), (64, 64, 6, 1), (288, 96, 6, 13)]
-    {
+    // are not multiples of the pipelined stage (a partial last stage), then the tile itself; the
+    // last: the decode shape's register-direct down (ff whole 32-column slabs) over a hidden that
+    // ends in half a 32-column block, after the pipelined gate/up
+    for &(hidden, ff, n_slots, t) in &[
+        (100usize, 70usize, 6usize, 9usize),
+        (136, 200, 6, 31),
+        (64, 64, 6, 1),
+        (288, 96, 6, 13),
+        (80, 64, 6, 5),
+    ] {
         let slots = grouped_case_slots();
         let n_rows = slots.len();
         let (gb, g) = to_bf16(&rnd(n_slots * ff * hidden, 40));
@@ -1636,16 +1652,21 @@ fn grouped_expert_gemms_match_cpu() {
                     "pipelined ({hidden},{ff}) split={split}: bits differ"
                 );
             }
-            // the decode shape's register-direct gate/up (k whole 32-column slabs) sums in another
-            // order, and the down then reads other h bits: checked against the CPU below; the
-            // pipelined _dec kernels give the bits
-            let rows_kernels = be.grouped_pipeline() && hidden % 32 == 0;
-            if !rows_kernels {
-                assert!(
-                    same(&h, &dec.0) && same(&y, &dec.1),
-                    "decode tiles ({hidden},{ff}) split={split}: bits differ"
-                );
-            }
+            // the decode shape's register-direct kernels (k whole 32-column slabs: hidden for
+            // gate/up, ff for the down) sum in another order, and a down after such a gate/up
+            // reads other h bits: checked against the CPU below; the pipelined _dec kernels give
+            // the bits
+            let gate_rows = be.grouped_pipeline() && hidden % 32 == 0;
+            let down_rows = be.grouped_pipeline() && ff % 32 == 0;
+            let rows_kernels = gate_rows || down_rows;
+            assert!(
+                gate_rows || same(&h, &dec.0),
+                "decode gate/up ({hidden},{ff}) split={split}: bits differ"
+            );
+            assert!(
+                rows_kernels || same(&y, &dec.1),
+                "decode down ({hidden},{ff}) split={split}: bits differ"
+            );
             let mut worst = 0f64;
             let runs: &[(&[f32], &[f32])] =
                 if rows_kernels { &[(&h, &y), (&dec.0, &dec.1)] } else { &[(&h, &y)] };

@@ -178,9 +178,13 @@ pub fn vocab_test_vectors(name: &str) -> Vec<(String, Vec<u32>)> {
 }
 
 /// Whether a CUDA device is usable: false (with a "SKIP" line) without one, a panic instead when
-/// `MOE_LANES_REQUIRE_GPU` is set (the GPU machine, where a skip would hide a failure).
+/// `MOE_LANES_REQUIRE_GPU` is set (the GPU machine, where a skip would hide a failure). Opened
+/// as the engines open it (`env::cuda_config`: the cubin cache of `MOE_LANES_NVRTC_CACHE`).
 pub fn gpu_usable() -> bool {
-    match moe_lanes::gpu::CudaBackend::try_new() {
+    let opened = moe_lanes::env::cuda_config()
+        .map_err(|e| e.to_string())
+        .and_then(|c| moe_lanes::gpu::CudaBackend::with_config(&c).map_err(|e| e.to_string()));
+    match opened {
         Ok(_) => true,
         Err(e) => {
             if std::env::var_os("MOE_LANES_REQUIRE_GPU").is_some() {

@@ -185,6 +185,10 @@ const _: () = assert!(ROWS_PER_BLOCK.is_multiple_of(GEMV_SPLIT_WARPS));
 /// projection still gets 1024 warps. Cost: a 16 KiB shared-memory sum (this x 16 x 32 floats at
 /// [`GEMV_MMA_TOKENS`] 32).
 pub const GEMV_MMA_WARPS: u32 = 8;
+/// Warps per SM below which the batched-decode tensor-core GEMV runs blocks of twice
+/// [`GEMV_MMA_WARPS`] warps (`gemv_mma_bf16_w16`): a projection of few 16-row blocks (o: 128 for
+/// 2048 rows) otherwise leaves each SM 8 warps to keep the weights' loads in flight.
+pub const GEMV_MMA_MIN_WARPS_PER_SM: usize = 32;
 /// Tokens one block of the batched-decode tensor-core GEMV multiplies with each weight it reads
 /// (`-DGEMV_MMA_TOKENS`, a multiple of 8: its accumulators, this / 2 a thread, live in registers);
 /// more tokens take more grid rows, each reading the weights again.
@@ -462,6 +466,7 @@ kernel_table! {
     GemvBf16Split = "gemv_bf16_split" in Gemv,
     Gemv3Bf16 = "gemv3_bf16" in Gemv,
     GemvMmaBf16 = "gemv_mma_bf16" in Gemv,
+    GemvMmaBf16W16 = "gemv_mma_bf16_w16" in Gemv,
     RmsnormF32 = "rmsnorm_f32" in NormRope,
     AddBiasRows = "add_bias_rows" in Elementwise,
     ClampF32 = "clamp_f32" in Elementwise,
@@ -530,6 +535,8 @@ kernel_table! {
     GroupedGemmBf16DecBias = "grouped_gemm_bf16_dec_bias" in GroupedGemm,
     GroupedGateUpBf16Rows = "grouped_gate_up_bf16_rows" in GroupedGemm,
     GroupedGateUpBf16RowsEpi = "grouped_gate_up_bf16_rows_epi" in GroupedGemm,
+    GroupedGemmBf16Rows = "grouped_gemm_bf16_rows" in GroupedGemm,
+    GroupedGemmBf16RowsBias = "grouped_gemm_bf16_rows_bias" in GroupedGemm,
     GemvQ8_0 = "gemv_q8_0" in Quant,
     GemvQ4_0 = "gemv_q4_0" in Quant,
     GemvQ4K = "gemv_q4_k" in Quant,

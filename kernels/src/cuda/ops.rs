@@ -9,9 +9,9 @@ use super::kernel::{
     attention_mma_wide_shared_bytes, grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_COMBINE_DIMS,
     ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS, ATTENTION_MMA_WARPS, ATTENTION_MMA_WIDE_MAX_HEAD_DIM,
     ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS,
-    DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_MMA_TOKENS, GEMV_MMA_WARPS, GEMV_SPLIT_WARPS,
-    GROUPED_DECODE_TILE_ROWS, GROUPED_THREADS, GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS,
-    ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_MMA_MIN_WARPS_PER_SM, GEMV_MMA_TOKENS,
+    GEMV_MMA_WARPS, GEMV_SPLIT_WARPS, GROUPED_DECODE_TILE_ROWS, GROUPED_THREADS, GROUPED_TILE_COLS,
+    GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::kv::{kv_ring_positions, kv_ring_rows, KvType, KV_RING_CHUNK_POSITIONS};
@@ -380,13 +380,17 @@ fn split_views_aligned(w: DPtr<u16>, x: DPtr<f32>, k: usize) -> bool {
     k.is_multiple_of(8) && w.raw().is_multiple_of(16) && x.raw().is_multiple_of(16)
 }
 
-/// The grid and block of a grouped bf16 kernel: the decode shape's register-direct gate/up
-/// (`grouped_gate_up_bf16_rows*`) takes 16 output columns a block over [`GEMV_MMA_WARPS`] warps,
-/// the others [`GROUPED_TILE_COLS`] over [`GROUPED_THREADS`].
+/// The grid and block of a grouped bf16 kernel: the decode shape's register-direct kernels take
+/// [`GEMV_MMA_WARPS`] warps a block and 16 output columns of gate and of up
+/// (`grouped_gate_up_bf16_rows*`) or 32 of the down projection (`grouped_gemm_bf16_rows*`), the
+/// others [`GROUPED_TILE_COLS`] over [`GROUPED_THREADS`].
 fn grouped_launch(kernel: Kernel, shape: &GroupedShape) -> ((u32, u32, u32), u32) {
     match kernel {
         Kernel::GroupedGateUpBf16Rows | Kernel::GroupedGateUpBf16RowsEpi => {
             ((shape.n_tiles as u32, blocks(shape.n, 16), 1), 32 * GEMV_MMA_WARPS)
+        }
+        Kernel::GroupedGemmBf16Rows | Kernel::GroupedGemmBf16RowsBias => {
+            ((shape.n_tiles as u32, blocks(shape.n, 32), 1), 32 * GEMV_MMA_WARPS)
         }
         _ => (shape.grid(), GROUPED_THREADS),
     }
@@ -737,6 +741,27 @@ impl CudaBackend {
     pub fn gemv_mma_bf16(
         &self,
         w: &[DPtr<u16>],
+        x: (DPtr<u16>, DPtr<u16>),
+        y: &[DPtr<f32>],
+        n: &[usize],
+        n_tokens: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let row_blocks = n.iter().map(|&r| blocks(r, 16) as usize).sum::<usize>();
+        let warps = row_blocks * n_tokens.div_ceil(GEMV_MMA_TOKENS) * GEMV_MMA_WARPS as usize;
+        let sms = self.info().multiprocessors.max(1) as usize;
+        let wide = warps < sms * GEMV_MMA_MIN_WARPS_PER_SM;
+        self.gemv_mma_bf16_blocks(wide, w, x, y, n, n_tokens, k, accumulate)
+    }
+
+    /// [`Self::gemv_mma_bf16`] with the block chosen: `wide` twice [`GEMV_MMA_WARPS`] warps
+    /// (`gemv_mma_bf16_w16`), else [`GEMV_MMA_WARPS`]; the same sums in another order.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_mma_bf16_blocks(
+        &self,
+        wide: bool,
+        w: &[DPtr<u16>],
         (x_hi, x_lo): (DPtr<u16>, DPtr<u16>),
         y: &[DPtr<f32>],
         n: &[usize],
@@ -783,7 +808,10 @@ impl CudaBackend {
             i(n_tokens),
             accumulate as i32
         ];
-        self.launch(K, grid, 32 * GEMV_MMA_WARPS, 0, args)
+        match wide {
+            true => self.launch(Kernel::GemvMmaBf16W16, grid, 64 * GEMV_MMA_WARPS, 0, args),
+            false => self.launch(K, grid, 32 * GEMV_MMA_WARPS, 0, args),
+        }
     }
 
     /// Three GEMVs over one input in one launch: `y0 = W0 · x`, `y1 = W1 · x`, `y2 = W2 · x` for
@@ -2457,10 +2485,15 @@ impl CudaBackend {
         let aligned = k.is_multiple_of(8) && aligned16(&[x.raw()]) && aligned16(&ws.map(|w| w.raw()));
         let pipe = self.grouped_pipeline() && aligned;
         let dec = tile_rows <= GROUPED_DECODE_TILE_ROWS;
-        if pipe && dec && ws.len() == 2 && k.is_multiple_of(32) {
-            // gate/up in the decode shape: the register-direct kernels (grouped_gemm.cu says why
-            // the down projection keeps the pipelined ones)
-            return (if epi { Kernel::GroupedGateUpBf16RowsEpi } else { Kernel::GroupedGateUpBf16Rows }, 0);
+        if pipe && dec && k.is_multiple_of(32) {
+            // the decode shape: the register-direct kernels (grouped_gemm.cu)
+            let kernel = match (ws.len() == 2, epi) {
+                (true, false) => Kernel::GroupedGateUpBf16Rows,
+                (true, true) => Kernel::GroupedGateUpBf16RowsEpi,
+                (false, false) => Kernel::GroupedGemmBf16Rows,
+                (false, true) => Kernel::GroupedGemmBf16RowsBias,
+            };
+            return (kernel, 0);
         }
         let kernel = match (pipe, ws.len() == 2, epi) {
             (true, true, false) if dec => Kernel::GroupedGateUpBf16Dec,

@@ -1,14 +1,20 @@
 //! The CUDA backend the GPU kernel tests share: created once, `None` (and `SKIP:` printed) when
 //! no device is usable, a panic instead when `MOE_LANES_REQUIRE_GPU` is set (the GPU machine).
 
-use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, Q8Rows};
+use moe_lanes_kernels::cuda::{CudaBackend, CudaConfig, DeviceBuffer, Q8Rows};
 use moe_lanes_kernels::q8::Q8Activations;
 use std::sync::OnceLock;
 
-/// The shared backend, bound to the calling thread, or `None` without a usable CUDA device.
+/// The shared backend, bound to the calling thread, or `None` without a usable CUDA device. Its
+/// cubins are kept in `MOE_LANES_NVRTC_CACHE` where set (as the library's engines keep them: the
+/// GPU machine's packed cache then serves every test binary).
 pub fn backend() -> Option<&'static CudaBackend> {
     static B: OnceLock<Option<CudaBackendBox>> = OnceLock::new();
-    let b = B.get_or_init(|| match CudaBackend::try_new() {
+    let config = CudaConfig {
+        nvrtc_cache_dir: std::env::var_os("MOE_LANES_NVRTC_CACHE").map(std::path::PathBuf::from),
+        ..CudaConfig::default()
+    };
+    let b = B.get_or_init(|| match CudaBackend::with_config(&config) {
         Ok(b) => {
             eprintln!("CUDA device: {:?}; kernels: {:?}", b.info(), b.compile_report());
             Some(CudaBackendBox(b))
