@@ -13,6 +13,7 @@ use crate::model::arch::{
     MoeSpec, QkNorm, RopeSpec, RopeStyle, RouterSpec, RoutingVariant,
 };
 use crate::model::config::ModelConfig;
+use crate::model::context::StateCheckpoints;
 use crate::model::naming::{GlobalRole, LayerRole};
 use crate::model::Model;
 
@@ -162,6 +163,8 @@ impl ExpertCounts {
 pub struct KvCache {
     layers: Vec<LayerState>,
     n_positions: usize,
+    /// The DeltaNet layers' `(conv, matrix)` states at earlier positions, in layer order.
+    checkpoints: StateCheckpoints<Vec<(Vec<f32>, Vec<f32>)>>,
 }
 
 /// One layer's part of a session.
@@ -181,12 +184,52 @@ impl KvCache {
         self.n_positions
     }
 
-    /// Keep the first `n` positions (a cached prefix reused); false, changing nothing, where a
-    /// recurrent layer's state cannot go back (any `n` below what it holds) or `n` is more.
-    pub fn truncate(&mut self, n: usize) -> bool {
-        let recurrent = self.layers.iter().any(|l| matches!(l, LayerState::DeltaNet { .. }));
-        if n > self.n_positions || (recurrent && n != self.n_positions) {
+    /// Whether a layer holds recurrent (DeltaNet) state.
+    pub fn has_recurrent(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l, LayerState::DeltaNet { .. }))
+    }
+
+    /// Keep the recurrent layers' state at the current position, for a later [`Self::truncate`]
+    /// back to it; false (nothing kept) without recurrent layers or with one there already.
+    pub fn checkpoint(&mut self) -> bool {
+        if !self.has_recurrent() || self.checkpoints.has(self.n_positions) {
             return false;
+        }
+        let state = self.layers.iter().filter_map(|l| match l {
+            LayerState::DeltaNet { conv, matrix } => Some((conv.clone(), matrix.clone())),
+            _ => None,
+        });
+        self.checkpoints.push(self.n_positions, state.collect());
+        true
+    }
+
+    /// The most positions up to `n` that [`Self::truncate`] can keep: `n`, or with recurrent
+    /// layers the latest checkpoint at or before it (all it holds from `n` up).
+    pub fn rewind_point(&self, n: usize) -> Option<usize> {
+        match n >= self.n_positions || !self.has_recurrent() {
+            true => Some(n.min(self.n_positions)),
+            false => self.checkpoints.latest_at_most(n),
+        }
+    }
+
+    /// Keep the first `n` positions (a cached prefix reused), a recurrent layer's state from its
+    /// checkpoint at `n`; false, changing nothing, where `n` is more than it holds or a recurrent
+    /// state has no checkpoint there.
+    pub fn truncate(&mut self, n: usize) -> bool {
+        let recurrent = self.has_recurrent();
+        if n > self.n_positions || (recurrent && n != self.n_positions && !self.checkpoints.has(n)) {
+            return false;
+        }
+        if recurrent && n != self.n_positions {
+            let state = self.checkpoints.rewind(n).expect("checked above");
+            let delta = self.layers.iter_mut().filter_map(|l| match l {
+                LayerState::DeltaNet { conv, matrix } => Some((conv, matrix)),
+                _ => None,
+            });
+            for ((conv, matrix), (c, m)) in delta.zip(state) {
+                conv.copy_from_slice(c);
+                matrix.copy_from_slice(m);
+            }
         }
         let old = self.n_positions;
         for layer in &mut self.layers {
@@ -330,7 +373,7 @@ impl<'m> Reference<'m> {
                 Mixer::LatentAttention(_) => LayerState::Latent { latents: Vec::new() },
             })
             .collect();
-        KvCache { layers, n_positions: 0 }
+        KvCache { layers, n_positions: 0, checkpoints: StateCheckpoints::default() }
     }
 
     /// Run `tokens` through the model after whatever `cache` holds; returns one logits row per token.

@@ -263,7 +263,12 @@ fn batcher_case(kind: EngineKind) {
         (0..6).map(|i| (base[i * 5..].iter().take(9 + 7 * i).copied().collect(), 3 + 2 * i)).collect();
     let want: Vec<Vec<u32>> = requests.iter().map(|(p, n)| generate_alone(e.as_mut(), p, *n)).collect();
     // Chunked prompts (7 tokens a step), at most 3 sequences at once.
-    let mut b = Batcher::new(BatchOptions { max_sequences: 3, step_tokens: 7, prefix_cache: 0 });
+    let mut b = Batcher::new(BatchOptions {
+        max_sequences: 3,
+        step_tokens: 7,
+        prefix_cache: 0,
+        ..Default::default()
+    });
     let mut waiting: Vec<usize> = (0..requests.len()).collect();
     let (mut ids, mut got, mut done): (HashMap<SeqId, usize>, Vec<Vec<u32>>, Vec<bool>) =
         (HashMap::new(), vec![Vec::new(); requests.len()], vec![false; requests.len()]);
@@ -344,15 +349,17 @@ fn a_cancelled_sequence_leaves_and_the_others_go_on_unchanged() {
 
 /// Multi-turn: a second request whose prompt is the first's prompt, its answer and a new turn
 /// reuses the first's cache (attention layers cut to the shared prefix, a hybrid's recurrent
-/// state only whole) and generates what it generates alone; an unrelated prompt misses.
-#[test]
-fn a_prompt_that_continues_a_finished_one_reuses_its_cache_and_generates_the_same() {
+/// state from its checkpoint at the prompt's end) and generates what it generates alone; a
+/// prompt sharing part of a kept one reuses that part, a hybrid up to its latest checkpoint in
+/// it (every 8 positions here), and misses below its first.
+fn prefix_case(kind: EngineKind) {
     for name in ["qwen3_moe_a", "qwen3_next_a", "deepseek_v3_a"] {
         let model = open(name);
-        let mut e = engine(&model, EngineKind::Pipeline, 0.5, 512);
+        let mut e = engine(&model, kind, 0.5, 512);
         let vocab = model.config().vocab;
-        let p: Vec<u32> = (0..40).map(|i| ((i * 37 + 11) % vocab) as u32).collect();
-        let mut b = Batcher::new(BatchOptions { max_sequences: 4, step_tokens: 64, prefix_cache: 2 });
+        let p: Vec<u32> = (0..60).map(|i| ((i * 37 + 11) % vocab) as u32).collect();
+        let opts = BatchOptions { max_sequences: 4, step_tokens: 64, prefix_cache: 2, checkpoint_tokens: 8 };
+        let mut b = Batcher::new(opts);
         let run = |b: &mut Batcher, e: &mut dyn Engine, prompt: &[u32], n: usize| -> Vec<u32> {
             let opts = GenerationOptions { max_tokens: n, ..Default::default() };
             b.add(e, prompt, opts).unwrap().unwrap();
@@ -368,24 +375,44 @@ fn a_prompt_that_continues_a_finished_one_reuses_its_cache_and_generates_the_sam
             }
             out
         };
+        let recurrent = name == "qwen3_next_a";
+        // (prompt, tokens to generate, tokens it should reuse from the kept caches)
         let first = run(&mut b, e.as_mut(), &p[..20], 5);
         assert_eq!(b.prefix_stats().lookups, 0, "{name}: nothing kept yet");
-        let mut second_prompt = p[..20].to_vec();
-        second_prompt.extend(&first);
-        second_prompt.extend(&p[20..26]);
-        let want = generate_alone(e.as_mut(), &second_prompt, 6);
-        let got = run(&mut b, e.as_mut(), &second_prompt, 6);
-        assert_eq!(got, want, "{name}");
-        let stats = b.prefix_stats();
-        assert_eq!((stats.lookups, stats.hits), (1, 1), "{name}");
-        assert_eq!(stats.reused_tokens as usize, 20 + first.len() - 1, "{name}: all the fed tokens");
-        // A prompt sharing only part of a kept sequence: attention caches are cut to it, a
-        // recurrent state cannot be, so the hybrid misses.
-        let third_prompt: Vec<u32> = p[..10].iter().chain(&p[30..36]).copied().collect();
-        let want = generate_alone(e.as_mut(), &third_prompt, 4);
-        assert_eq!(run(&mut b, e.as_mut(), &third_prompt, 4), want, "{name}");
-        let stats = b.prefix_stats();
-        let recurrent = name == "qwen3_next_a";
-        assert_eq!(stats.hits, if recurrent { 1 } else { 2 }, "{name}");
+        let mut second = p[..20].to_vec();
+        second.extend(&first);
+        second.extend(&p[20..26]);
+        // the first's cache: the prompt (checkpoints at 8, 16 and its end, 20) and 4 fed answers
+        let third: Vec<u32> = p[..10].iter().chain(&p[30..36]).copied().collect();
+        // the second's cache went to the third: a hybrid holds checkpoints at 8 and 16 now
+        let fourth: Vec<u32> = p[..5].iter().chain(&p[40..50]).copied().collect();
+        let cases = [
+            (second, 6, 20 + first.len() - 1),
+            (third, 4, if recurrent { 8 } else { 10 }),
+            (fourth, 3, if recurrent { 0 } else { 5 }),
+        ];
+        for (turn, (prompt, n, reuse)) in cases.into_iter().enumerate() {
+            let before = b.prefix_stats();
+            let want = generate_alone(e.as_mut(), &prompt, n);
+            assert_eq!(run(&mut b, e.as_mut(), &prompt, n), want, "{name} {kind} turn {turn}");
+            let after = b.prefix_stats();
+            assert_eq!(after.lookups, before.lookups + 1, "{name} {kind} turn {turn}");
+            assert_eq!(after.hits - before.hits, u64::from(reuse > 0), "{name} {kind} turn {turn}");
+            let reused = (after.reused_tokens - before.reused_tokens) as usize;
+            assert_eq!(reused, reuse, "{name} {kind} turn {turn}: tokens reused");
+        }
+    }
+}
+
+#[test]
+fn a_prompt_that_continues_a_finished_one_reuses_its_cache_and_generates_the_same() {
+    prefix_case(EngineKind::Pipeline);
+    prefix_case(EngineKind::Reference);
+}
+
+#[test]
+fn gpu_prefix_reuse_rewinds_recurrent_state_to_its_checkpoints() {
+    if common::gpu_usable() {
+        prefix_case(EngineKind::Gpu);
     }
 }

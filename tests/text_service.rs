@@ -31,7 +31,7 @@ fn concurrent_requests_get_what_each_gets_alone() {
     };
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
     rt.block_on(async {
-        let batch = BatchOptions { max_sequences: 3, step_tokens: 8, prefix_cache: 0 };
+        let batch = BatchOptions { max_sequences: 3, step_tokens: 8, prefix_cache: 0, ..Default::default() };
         let generator = TextGenerator::start_batched(model.clone(), options(), batch).await.unwrap();
         let opts = |i: usize| TextOptions {
             generation: GenerationOptions { max_tokens: n_new(i), ..Default::default() },

@@ -180,6 +180,11 @@ struct ServeArgs {
     /// one's tokens (a chat's earlier turns) skips that part of its prefill.
     #[arg(long, default_value_t = moe_lanes::engine::batch::DEFAULT_PREFIX_CACHE, value_parser = count(0))]
     prefix_cache: usize,
+    /// With a prefix cache, a hybrid model's (DeltaNet) recurrent state is checkpointed every
+    /// this many prompt positions and at each prompt's end (0: at the end only), so a prompt
+    /// sharing part of a kept request reuses up to the latest checkpoint in that part.
+    #[arg(long, default_value_t = moe_lanes::engine::batch::DEFAULT_CHECKPOINT_TOKENS, value_parser = count(0))]
+    checkpoint_tokens: usize,
     /// Jinja chat template for /v1/chat/completions (default: the model's own,
     /// tokenizer.chat_template; a GPT-OSS model without one gets the built-in Harmony template,
     /// and its answers' analysis channel is reasoning_content).
@@ -1056,6 +1061,7 @@ fn serve(args: ServeArgs) -> Result<()> {
             max_sequences: args.parallel as usize,
             step_tokens: args.batch_tokens,
             prefix_cache: args.prefix_cache,
+            checkpoint_tokens: args.checkpoint_tokens,
         },
         model_name: name,
         perf_json: args.engine.perf_json.clone(),

@@ -29,10 +29,24 @@ pub struct BatchOptions {
     /// Finished sequences' caches kept for prefix reuse (0: none): a new prompt that starts
     /// with one's tokens (a chat's earlier turns, a shared system prompt) takes that cache and
     /// skips the shared part of its prefill. Each kept cache holds its memory (VRAM on the GPU).
-    /// Caches with recurrent (DeltaNet) state are reused only when the prompt continues all of
-    /// their tokens.
+    /// A cache with recurrent (DeltaNet) state goes back only to a checkpoint of that state
+    /// (below), so a prompt sharing part of it reuses up to the latest checkpoint in the part.
     #[serde(default)]
     pub prefix_cache: usize,
+    /// With `prefix_cache`, a sequence with recurrent state checkpoints it (`Engine::checkpoint`)
+    /// at every multiple of this many positions (its prompt chunks cut there) and at its
+    /// prompt's end; 0: at the prompt's end only. At most `MAX_STATE_CHECKPOINTS` a cache.
+    #[serde(default = "default_checkpoint_tokens")]
+    pub checkpoint_tokens: usize,
+}
+
+/// [`BatchOptions::checkpoint_tokens`]'s default: a step's prompt budget, so a long prompt's
+/// chunks are cut nowhere they would not be anyway. Cost: one copy of the recurrent state per
+/// checkpoint (the GPU's to the host; a Qwen3.6-35B-A3B-shaped model about 63 MiB).
+pub const DEFAULT_CHECKPOINT_TOKENS: usize = DEFAULT_STEP_TOKENS;
+
+fn default_checkpoint_tokens() -> usize {
+    DEFAULT_CHECKPOINT_TOKENS
 }
 
 /// [`BatchOptions::prefix_cache`]'s default.
@@ -44,6 +58,7 @@ impl Default for BatchOptions {
             max_sequences: 16,
             step_tokens: DEFAULT_STEP_TOKENS,
             prefix_cache: DEFAULT_PREFIX_CACHE,
+            checkpoint_tokens: DEFAULT_CHECKPOINT_TOKENS,
         }
     }
 }
@@ -104,7 +119,7 @@ impl Batcher {
         let opts = BatchOptions {
             max_sequences: opts.max_sequences.max(1),
             step_tokens: opts.step_tokens.max(1),
-            prefix_cache: opts.prefix_cache,
+            ..opts
         };
         let prefixes = VecDeque::with_capacity(opts.prefix_cache);
         let prefix_stats = PrefixStats::default();
@@ -156,7 +171,7 @@ impl Batcher {
         if !self.has_room() {
             return Err(BatchFull { max_sequences: self.opts.max_sequences });
         }
-        let seq = match self.reuse_prefix(prompt, &opts) {
+        let seq = match self.reuse_prefix(engine, prompt, &opts) {
             Some(cache) => Sequence::with_cache(engine, prompt, opts, cache),
             None => Sequence::new(engine, prompt, opts),
         };
@@ -173,10 +188,16 @@ impl Batcher {
         self.prefix_stats
     }
 
-    /// The kept cache sharing the longest prefix with `prompt` (at most all but its last
-    /// token, which must be fed for its logits) that can be cut there and has room for the
-    /// request, cut to that prefix and taken out of the store.
-    fn reuse_prefix(&mut self, prompt: &[u32], opts: &GenerationOptions) -> Option<KvCache> {
+    /// The kept cache sharing the longest reusable prefix with `prompt` (at most all but its
+    /// last token, which must be fed for its logits; with recurrent state, up to its latest
+    /// checkpoint there) that has room for the request, rewound to that prefix and taken out of
+    /// the store. A cache whose rewind fails on the device is dropped.
+    fn reuse_prefix<E: Engine + ?Sized>(
+        &mut self,
+        engine: &E,
+        prompt: &[u32],
+        opts: &GenerationOptions,
+    ) -> Option<KvCache> {
         if self.prefixes.is_empty() {
             return None;
         }
@@ -185,14 +206,19 @@ impl Batcher {
         let shared = |tokens: &[u32]| tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
         let mut best: Option<(usize, usize)> = None;
         for (i, (tokens, cache)) in self.prefixes.iter().enumerate() {
-            let n = shared(tokens).min(prompt.len() - 1);
-            if n > 0 && cache.capacity() >= need && best.is_none_or(|(_, b)| n > b) {
-                best = Some((i, n));
+            let reach = cache.rewind_point(shared(tokens).min(prompt.len() - 1)).unwrap_or(0);
+            if reach > 0 && cache.capacity() >= need && best.is_none_or(|(_, b)| reach > b) {
+                best = Some((i, reach));
             }
         }
         let (i, n) = best?;
-        if !self.prefixes[i].1.truncate(n) {
-            return None;
+        match engine.rewind(&mut self.prefixes[i].1, n) {
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(_) => {
+                self.prefixes.remove(i);
+                return None;
+            }
         }
         let (_, cache) = self.prefixes.remove(i)?;
         self.prefix_stats.hits += 1;
@@ -225,8 +251,8 @@ impl Batcher {
         let start = Instant::now();
         let result = self.run(engine, &picks);
         let fed: Vec<usize> = picks.iter().map(|&(_, n)| n).collect();
-        let prefill_tokens =
-            picks.iter().filter(|&&(i, _)| self.running[i].1.is_prefilling()).map(|p| p.1).sum();
+        let prefilling: Vec<bool> = picks.iter().map(|&(i, _)| self.running[i].1.is_prefilling()).collect();
+        let prefill_tokens = picks.iter().zip(&prefilling).filter(|(_, &p)| p).map(|(p, _)| p.1).sum();
         self.last = StepReport {
             sequences: picks.len(),
             tokens: fed.iter().sum(),
@@ -247,6 +273,7 @@ impl Batcher {
                         }
                     }
                 }
+                self.checkpoint(engine, &picks, &prefilling, &mut events);
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -277,12 +304,55 @@ impl Batcher {
                 break;
             }
             if seq.is_prefilling() {
-                let (chunk, _) = seq.next_input(budget).expect("prefilling");
+                let (chunk, _) = seq.next_input(self.to_checkpoint(seq, budget)).expect("prefilling");
                 budget -= chunk.len();
                 picks.push((i, chunk.len()));
             }
         }
         picks
+    }
+
+    /// Whether prompt chunks stop at recurrent-state checkpoints: kept prefixes and recurrent
+    /// state.
+    fn checkpoints(&self, seq: &Sequence) -> bool {
+        self.opts.prefix_cache > 0 && seq.cache.has_recurrent()
+    }
+
+    /// `budget` for a prefilling sequence's next chunk, cut at its next checkpoint position.
+    fn to_checkpoint(&self, seq: &Sequence, budget: usize) -> usize {
+        let every = self.opts.checkpoint_tokens;
+        if every == 0 || !self.checkpoints(seq) {
+            return budget;
+        }
+        budget.min(every - seq.cache.n_positions() % every)
+    }
+
+    /// After a step: each sequence that was prefilling and has reached a checkpoint position
+    /// (a multiple of `checkpoint_tokens`) or its prompt's end keeps its recurrent state; one
+    /// whose checkpoint fails (the device) fails.
+    fn checkpoint<E: Engine + ?Sized>(
+        &mut self,
+        engine: &E,
+        picks: &[(usize, usize)],
+        prefilling: &[bool],
+        events: &mut Vec<SeqEvent>,
+    ) {
+        let every = self.opts.checkpoint_tokens;
+        for (&(i, _), _) in picks.iter().zip(prefilling).filter(|(_, &p)| p) {
+            if !self.checkpoints(&self.running[i].1) {
+                continue;
+            }
+            let (id, seq) = &mut self.running[i];
+            let at = seq.cache.n_positions();
+            let due = (every > 0 && at.is_multiple_of(every)) || !seq.is_prefilling();
+            if seq.finish == Some(FinishReason::Cancelled) || !due {
+                continue;
+            }
+            if let Err(e) = engine.checkpoint(&mut seq.cache) {
+                seq.cancel();
+                events.push(SeqEvent::Failed(*id, e.into()));
+            }
+        }
     }
 
     /// The engine call of a step's picks, in pick order; the phase is prefill when any prompt

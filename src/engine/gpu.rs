@@ -131,7 +131,39 @@ impl Engine for GpuEngine {
     }
     fn new_cache(&self, capacity: usize) -> Result<KvCache, EngineError> {
         let kv = self.gpu.new_kv_cache(capacity)?;
-        Ok(KvCache::Gpu(GpuSessionCache { kv, tokens: Vec::with_capacity(capacity), cpu: None }))
+        let checkpoints = Default::default();
+        Ok(KvCache::Gpu(GpuSessionCache { kv, tokens: Vec::with_capacity(capacity), cpu: None, checkpoints }))
+    }
+    /// The device's recurrent state copied to the host (after a device loss, the CPU cache's).
+    fn checkpoint(&self, cache: &mut KvCache) -> Result<bool, EngineError> {
+        let kind = self.kind();
+        let KvCache::Gpu(c) = cache else { return Err(wrong_cache(kind, cache)) };
+        if let Some(p) = c.cpu.as_mut() {
+            return Ok(p.checkpoint());
+        }
+        let at = c.tokens.len();
+        if !c.kv.has_recurrent() || c.checkpoints.has(at) {
+            return Ok(false);
+        }
+        let state = self.gpu.read_recurrent(&c.kv)?;
+        c.checkpoints.push(at, state);
+        Ok(true)
+    }
+    /// A recurrent state goes back by writing its checkpoint at `n` to the device.
+    fn rewind(&self, cache: &mut KvCache, n: usize) -> Result<bool, EngineError> {
+        let kind = self.kind();
+        let KvCache::Gpu(c) = cache else { return Err(wrong_cache(kind, cache)) };
+        if c.cpu.is_some() || !c.kv.has_recurrent() || n >= c.tokens.len() {
+            return Ok(cache.truncate(n));
+        }
+        if !c.kv.can_cut(n) || !c.checkpoints.has(n) {
+            return Ok(false);
+        }
+        let state = c.checkpoints.rewind(n).expect("checked above");
+        self.gpu.write_recurrent(&c.kv, state)?;
+        c.kv.cut(n);
+        c.tokens.truncate(n);
+        Ok(true)
     }
     fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError> {
         self.forward_rows(tokens, phase, cache, LogitRows::All)

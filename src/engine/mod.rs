@@ -22,6 +22,7 @@ use crate::cache::planner::PlanError;
 pub use crate::forward::Logits;
 use crate::gpu::{GpuError, GpuKvCache};
 use crate::model::config::ModelConfig;
+use crate::model::context::StateCheckpoints;
 use crate::moe::cold::ColdError;
 use crate::moe::phase::Phase;
 use crate::moe::pipeline::{PipelineCache, PipelineError};
@@ -94,6 +95,8 @@ pub struct GpuSessionCache {
     pub(crate) kv: GpuKvCache,
     pub(crate) tokens: Vec<u32>,
     pub(crate) cpu: Option<PipelineCache>,
+    /// The device's recurrent state at earlier positions, on the host (`GpuModel::read_recurrent`).
+    pub(crate) checkpoints: StateCheckpoints<crate::gpu::RecurrentState>,
 }
 
 impl KvCache {
@@ -123,16 +126,41 @@ impl KvCache {
         }
     }
 
+    /// Whether it holds recurrent (DeltaNet) state, which goes back only to its checkpoints.
+    pub fn has_recurrent(&self) -> bool {
+        match self {
+            KvCache::Reference(c) => c.has_recurrent(),
+            KvCache::Pipeline(c) => c.has_recurrent(),
+            KvCache::Gpu(c) => c.kv.has_recurrent(),
+        }
+    }
+
+    /// The most positions up to `n` that a rewind ([`Engine::rewind`]) can keep: `n`, or with
+    /// recurrent state the latest checkpoint at or before it (none: no such checkpoint).
+    pub fn rewind_point(&self, n: usize) -> Option<usize> {
+        match self {
+            KvCache::Reference(c) => c.rewind_point(n),
+            KvCache::Pipeline(c) => c.rewind_point(n),
+            KvCache::Gpu(c) => match c.cpu.as_ref() {
+                Some(p) => p.rewind_point(n),
+                None if n >= c.tokens.len() || !c.kv.has_recurrent() => Some(n.min(c.tokens.len())),
+                None => c.checkpoints.latest_at_most(n),
+            },
+        }
+    }
+
     /// Keep the first `n` positions: a cached prefix reused by a new request. False, changing
-    /// nothing, when it cannot: `n` above what it holds, recurrent (DeltaNet) state, which can
-    /// only be kept whole, or a sliding-window ring that no longer holds what position `n` sees
-    /// (more than a call's `KV_RING_CHUNK_POSITIONS` back).
+    /// nothing, when it cannot: `n` above what it holds, recurrent (DeltaNet) state without a
+    /// checkpoint at `n` (the GPU's device state goes back through [`Engine::rewind`] only), or a
+    /// sliding-window ring that no longer holds what position `n` sees (more than a call's
+    /// `KV_RING_CHUNK_POSITIONS` back).
     pub fn truncate(&mut self, n: usize) -> bool {
         match self {
             KvCache::Reference(c) => c.truncate(n),
             KvCache::Pipeline(c) => c.truncate(n),
             KvCache::Gpu(c) => {
-                if n > c.tokens.len() || (c.kv.has_recurrent() && n != c.tokens.len()) {
+                let recurrent = c.cpu.is_none() && c.kv.has_recurrent();
+                if n > c.tokens.len() || (recurrent && n != c.tokens.len()) {
                     return false;
                 }
                 // After a device loss the CPU copy serves; the device cache stays where it was.
@@ -256,6 +284,22 @@ pub trait Engine {
     fn request_exchange(&self, exchange: Exchange) -> Result<(), EngineError>;
     /// Apply every queued exchange now (between calls). Returns how many were applied.
     fn apply_exchanges(&mut self) -> Result<usize, EngineError>;
+    /// Keep `cache`'s recurrent (DeltaNet) state at its current position, so that a later
+    /// [`Engine::rewind`] can go back there (prefix reuse); false where nothing was kept (no
+    /// recurrent state, or a checkpoint there already).
+    fn checkpoint(&self, cache: &mut KvCache) -> Result<bool, EngineError> {
+        Ok(match cache {
+            KvCache::Reference(c) => c.checkpoint(),
+            KvCache::Pipeline(c) => c.checkpoint(),
+            KvCache::Gpu(_) => false,
+        })
+    }
+    /// Cut `cache` back to its first `n` positions (a kept prefix reused), its recurrent state
+    /// from the checkpoint at `n` ([`KvCache::rewind_point`]); false, changing nothing, where it
+    /// cannot ([`KvCache::truncate`]).
+    fn rewind(&self, cache: &mut KvCache, n: usize) -> Result<bool, EngineError> {
+        Ok(cache.truncate(n))
+    }
     /// Whether forward calls copy logits rows back (default on); off: only greedy tokens.
     fn set_copy_logits(&mut self, _on: bool) {}
     /// Whether forward calls copy logits rows back now (the CPU engines always do).

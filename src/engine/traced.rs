@@ -82,6 +82,12 @@ impl Engine for TracedEngine<'_> {
     fn apply_exchanges(&mut self) -> Result<usize, EngineError> {
         self.inner.apply_exchanges()
     }
+    fn checkpoint(&self, cache: &mut KvCache) -> Result<bool, EngineError> {
+        self.inner.checkpoint(cache)
+    }
+    fn rewind(&self, cache: &mut KvCache, n: usize) -> Result<bool, EngineError> {
+        self.inner.rewind(cache, n)
+    }
     fn set_copy_logits(&mut self, on: bool) {
         self.inner.set_copy_logits(on)
     }

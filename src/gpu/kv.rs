@@ -168,6 +168,11 @@ impl GpuKvCache {
         Ok(GpuKvCache { k, v, delta, kv_type, capacity, kv_dim, n_positions: 0, rings })
     }
 
+    /// Layer `l`'s recurrent state (conv, matrix), `None` for a layer without one.
+    pub(crate) fn delta_state_of(&self, l: usize) -> Option<DeltaStatePtrs> {
+        self.delta.get(l)?.as_ref().map(|d| DeltaStatePtrs { conv: d.conv.ptr(), matrix: d.matrix.ptr() })
+    }
+
     /// DeltaNet layer `l`'s state.
     pub(crate) fn delta_state(&self, l: usize) -> DeltaStatePtrs {
         let d = self.delta[l].as_ref().expect("a DeltaNet layer of the plan the cache was made for");
@@ -227,8 +232,22 @@ impl GpuKvCache {
     /// has overwritten keys position `n` still sees (more than [`KV_RING_CHUNK_POSITIONS`]
     /// back), or `n` is more.
     pub fn truncate(&mut self, n: usize) -> bool {
-        let ring_lost = self.rings && n + KV_RING_CHUNK_POSITIONS < self.n_positions;
-        if n > self.n_positions || (self.has_recurrent() && n != self.n_positions) || ring_lost {
+        if self.has_recurrent() && n != self.n_positions {
+            return false;
+        }
+        self.cut(n)
+    }
+
+    /// Whether the attention layers can keep the first `n` positions: `n` at most what it holds,
+    /// and no ring has overwritten keys position `n` still sees.
+    pub(crate) fn can_cut(&self, n: usize) -> bool {
+        n <= self.n_positions && !(self.rings && n + KV_RING_CHUNK_POSITIONS < self.n_positions)
+    }
+
+    /// [`Self::truncate`] with the recurrent state already put back to position `n` (a
+    /// checkpoint's, by the caller); false, changing nothing, where [`Self::can_cut`] is not.
+    pub(crate) fn cut(&mut self, n: usize) -> bool {
+        if !self.can_cut(n) {
             return false;
         }
         self.n_positions = n;

@@ -17,7 +17,7 @@ use super::shard::{DeviceReport, Shard};
 use super::split::SplitError;
 use super::stats::{self, CallTimes, ForwardStats, Profiler, StageProfile};
 use super::weights::{DenseWeights, Ends};
-use super::GpuError;
+use super::{GpuError, RecurrentState};
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{PerfMode, PerfState};
 use crate::forward::LogitRows;
@@ -356,6 +356,38 @@ impl GpuModel {
         let bes: Vec<&CudaBackend> =
             self.shards.iter().flat_map(|s| std::iter::repeat_n(&*s.dev.be, s.dev.layers.len())).collect();
         GpuKvCache::new(&bes, &self.shards[0].dev.plan, c.kv_dim(), capacity, self.kv_type())
+    }
+
+    /// `kv`'s recurrent (DeltaNet) state copied to the host, each layer's from its device: a
+    /// checkpoint for prefix reuse (`GpuModel::write_recurrent` puts it back).
+    pub fn read_recurrent(&self, kv: &GpuKvCache) -> Result<RecurrentState, GpuError> {
+        let mut layers = Vec::with_capacity(self.config().n_layers);
+        for (d, shard) in self.shards.iter().enumerate() {
+            self.enter(d)?;
+            for l in shard.dev.layers.clone() {
+                layers.push(match kv.delta_state_of(l) {
+                    Some(p) => Some((shard.dev.be.read_vec(p.conv)?, shard.dev.be.read_vec(p.matrix)?)),
+                    None => None,
+                });
+            }
+        }
+        self.enter(0)?;
+        Ok(RecurrentState { layers })
+    }
+
+    /// Put a state `read_recurrent` took back into `kv`'s device buffers (queued on each
+    /// device's stream, before any later call's kernels).
+    pub fn write_recurrent(&self, kv: &GpuKvCache, state: &RecurrentState) -> Result<(), GpuError> {
+        for (d, shard) in self.shards.iter().enumerate() {
+            self.enter(d)?;
+            for l in shard.dev.layers.clone() {
+                if let (Some(p), Some(Some((conv, matrix)))) = (kv.delta_state_of(l), state.layers.get(l)) {
+                    shard.dev.be.write(conv, p.conv)?;
+                    shard.dev.be.write(matrix, p.matrix)?;
+                }
+            }
+        }
+        self.enter(0)
     }
 
     /// Device scratch (and the stages' host twins) for calls of up to `t` tokens, on every

@@ -25,6 +25,7 @@ use crate::forward::BatchPiece;
 pub use crate::forward::LogitRows;
 use crate::model::arch::{DeltaNetSpec, LatentAttentionSpec, LayerPlan, Mixer, QkNorm, RopeSpec, RopeStyle};
 use crate::model::config::ModelConfig;
+use crate::model::context::StateCheckpoints;
 use crate::model::Model;
 use crate::moe::cold::{all_cold, ColdError, ColdLane, ColdSlot};
 use crate::moe::delta_net::{conv_step, prefill, recurrent_step, DeltaNetState, PrefillWork, TokenInputs};
@@ -213,6 +214,8 @@ pub struct PipelineCache {
     kv_start: Vec<usize>,
     n_positions: usize,
     kv_type: KvType,
+    /// `recurrent` at earlier positions.
+    checkpoints: StateCheckpoints<Vec<Option<DeltaNetState>>>,
 }
 
 impl PipelineCache {
@@ -220,18 +223,45 @@ impl PipelineCache {
         self.n_positions
     }
 
-    /// Keep the first `n` positions (a cached prefix reused); false, changing nothing, where a
-    /// recurrent layer's state cannot go back (any `n` below what it holds), a sliding-window
-    /// layer has dropped keys position `n` still sees (more than a call's
-    /// `KV_RING_CHUNK_POSITIONS` back, as the GPU's rings), or `n` is more.
+    /// Whether a layer holds recurrent (DeltaNet) state.
+    pub fn has_recurrent(&self) -> bool {
+        self.recurrent.iter().any(Option::is_some)
+    }
+
+    /// Keep the recurrent layers' state at the current position, for a later [`Self::truncate`]
+    /// back to it; false (nothing kept) without recurrent layers or with one there already.
+    pub fn checkpoint(&mut self) -> bool {
+        if !self.has_recurrent() || self.checkpoints.has(self.n_positions) {
+            return false;
+        }
+        self.checkpoints.push(self.n_positions, self.recurrent.clone());
+        true
+    }
+
+    /// The most positions up to `n` that [`Self::truncate`] can keep: `n`, or with recurrent
+    /// layers the latest checkpoint at or before it (all it holds from `n` up).
+    pub fn rewind_point(&self, n: usize) -> Option<usize> {
+        match n >= self.n_positions || !self.has_recurrent() {
+            true => Some(n.min(self.n_positions)),
+            false => self.checkpoints.latest_at_most(n),
+        }
+    }
+
+    /// Keep the first `n` positions (a cached prefix reused), a recurrent layer's state from its
+    /// checkpoint at `n`; false, changing nothing, where a recurrent state has no checkpoint at
+    /// `n`, a sliding-window layer has dropped keys position `n` still sees (more than a call's
+    /// `KV_RING_CHUNK_POSITIONS` back, as the GPU's rings), or `n` is more than it holds.
     pub fn truncate(&mut self, n: usize) -> bool {
-        let recurrent = self.recurrent.iter().any(Option::is_some);
+        let recurrent = self.has_recurrent() && n != self.n_positions;
         let dropped = self.kv_start.iter().any(|&s| s > 0);
         if n > self.n_positions
-            || (recurrent && n != self.n_positions)
+            || (recurrent && !self.checkpoints.has(n))
             || (dropped && n + KV_RING_CHUNK_POSITIONS < self.n_positions)
         {
             return false;
+        }
+        if recurrent {
+            self.recurrent.clone_from(self.checkpoints.rewind(n).expect("checked above"));
         }
         let per_layer = self.keys.len() / self.kv_start.len().max(1);
         for (l, &start) in self.kv_start.iter().enumerate() {
@@ -745,6 +775,7 @@ impl Pipeline {
             recurrent,
             n_positions: 0,
             kv_type: self.kv_type,
+            checkpoints: StateCheckpoints::default(),
         }
     }
 
