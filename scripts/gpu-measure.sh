@@ -76,11 +76,13 @@ part_models() {
     PARTS="tests engine" GPU_DIR="$GPU_DIR" bash scripts/gpu-test.sh
 }
 
-# Timed parts must not share the host with the llama.cpp build that `models` started.
+# Timed parts must not share the host with the llama.cpp build that `models` started. The pattern
+# is anchored at the build's own command line: a shell whose command text names the build (a
+# device call's `bash -c`) would match itself and wait for ever.
 wait_llama_build() {
-    if pgrep -f "compare-llama-cpp.sh build" >/dev/null; then
+    if pgrep -f "^bash benches/compare-llama-cpp.sh build" >/dev/null; then
         echo "waiting for the llama.cpp build to finish before timing anything"
-        while pgrep -f "compare-llama-cpp.sh build" >/dev/null; do sleep 5; done
+        while pgrep -f "^bash benches/compare-llama-cpp.sh build" >/dev/null; do sleep 5; done
         tail -1 "$MD/llama-build.log"
     fi
 }
@@ -133,7 +135,7 @@ part_plan() {
 part_compare() {
     if [ ! -x .llama/build/bin/llama-bench ]; then
         echo "waiting for the llama.cpp build"
-        while pgrep -f "compare-llama-cpp.sh build" >/dev/null; do sleep 5; done
+        while pgrep -f "^bash benches/compare-llama-cpp.sh build" >/dev/null; do sleep 5; done
         tail -3 "$MD/llama-build.log"
     fi
     BIN="$BIN" MODEL="$(model uniform)" CASES="${CASES:-cpu 0 50 100}" OUT="$LOGS/compare-uniform" \
