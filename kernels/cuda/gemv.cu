@@ -74,28 +74,30 @@ extern "C" __global__ void gemv3_bf16(const bf16* __restrict__ W0, const bf16* _
 // Decode projections of a batched step on the tensor cores, each weight read once for up to
 // GEMV_MMA_TOKENS rows: y_m[t, n] (+)= W_m[n, :] . (x_hi[t, :] + x_lo[t, :]) (the rows split into
 // bf16 hi + lo, as the GEMMs take them: f32 accuracy) for up to three matrices over one input
-// (q/k/v; one matrix: N1 = N2 = 0). A block owns 16 rows of one matrix for tokens blockIdx.y *
-// GEMV_MMA_TOKENS onwards; its NW warps take interleaved 32-column slabs of K, GM_UNROLL slabs'
-// weight loads in flight before their MMAs, summed in warp order through shared memory (a 16-warp
-// block: warps 8-15 store, 0-7 add theirs, then the sum over 8). Lane (g, c) loads 8 weights of
-// rows g and g + 8 and 8 activations of token g of each 8-token tile at slab column 8c: the MMAs
-// see the slab's columns in another order, the same for both operands (rows and tokens past the
-// ends read the last one, their results are not stored). Needs K % 32 == 0, W and x 16-byte
-// aligned (the launcher checks). grid (sum_m ceil(N_m / 16), ceil(T / GEMV_MMA_TOKENS)), block 32
-// * NW: 8 warps (GEMV_MMA_WARPS) where the grid fills the device, 16 (_w16) for the few-block
-// projections (o: 128 blocks of 16 rows).
+// (q/k/v; one matrix: N1 = N2 = 0). A block owns G groups of 16 rows of one matrix for tokens
+// blockIdx.y * GEMV_MMA_TOKENS onwards; its NW warps take interleaved 32-column slabs of K,
+// GM_UNROLL / G slabs' weight loads in flight before their MMAs, summed in warp order through
+// shared memory (a 16-warp block: warps 8-15 store, 0-7 add theirs, then the sum over 8). Lane
+// (g, c) loads 8 weights of rows g and g + 8 of each group and 8 activations of token g of each
+// 8-token tile at slab column 8c: the MMAs see the slab's columns in another order, the same for
+// both operands (rows and tokens past the ends read the last one, their results are not stored).
+// Needs K % 32 == 0, W and x 16-byte aligned (the launcher checks). grid (sum_m ceil(N_m / (16 G)),
+// ceil(T / GEMV_MMA_TOKENS)), block 32 * NW: 8 warps (GEMV_MMA_WARPS) where the grid fills the
+// device, 16 (_w16) for the few-block projections (o: 128 blocks of 16 rows). Each block reads its
+// tokens' activations (4 bytes a value, hi + lo) once for its 16 G rows' weights (2 bytes a
+// value): at G = 1 and 16 tokens twice the weights' bytes, from L2; _r32 (G = 2) halves that.
 #define GM_UNROLL 4
 #define GEMV_MMA_PARAMS                                                                                         \
     const bf16 *__restrict__ W0, const bf16 *__restrict__ W1, const bf16 *__restrict__ W2,                     \
         const bf16 *__restrict__ xh, const bf16 *__restrict__ xl, float *__restrict__ y0, float *__restrict__ y1, \
         float *__restrict__ y2, int N0, int N1, int N2, int K, int T, int accumulate
 #define GEMV_MMA_ARGS W0, W1, W2, xh, xl, y0, y1, y2, N0, N1, N2, K, T, accumulate
-template <int NW>
+template <int NW, int G>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
-    constexpr int TILES = GEMV_MMA_TOKENS / 8, PW = NW < GEMV_MMA_WARPS ? NW : GEMV_MMA_WARPS;
+    constexpr int TILES = GEMV_MMA_TOKENS / 8, PW = NW < GEMV_MMA_WARPS ? NW : GEMV_MMA_WARPS, U = GM_UNROLL / G;
     static_assert(NW == PW || NW == 2 * PW, "GEMV_MMA_WARPS warps or twice as many");
-    __shared__ float part[PW][TILES * 4][32];
-    int b = blockIdx.x, b0 = (N0 + 15) >> 4, b1 = (N1 + 15) >> 4;
+    __shared__ float part[PW][G * TILES * 4][32];
+    int b = blockIdx.x, b0 = (N0 + 16 * G - 1) / (16 * G), b1 = (N1 + 16 * G - 1) / (16 * G);
     const bf16* W = W0;
     float* y = y0;
     int N = N0;
@@ -105,34 +107,43 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
         b -= b0, W = W1, y = y1, N = N1;
     }
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3;
-    int n0 = b * 16, t0 = blockIdx.y * GEMV_MMA_TOKENS, nt = min(TILES, (T - t0 + 7) >> 3), slabs = K >> 5;
-    const uint4* wa = (const uint4*)(W + (size_t)min(n0 + g, N - 1) * K) + c;
-    const uint4* wb = (const uint4*)(W + (size_t)min(n0 + g + 8, N - 1) * K) + c;
+    int n0 = b * 16 * G, t0 = blockIdx.y * GEMV_MMA_TOKENS, nt = min(TILES, (T - t0 + 7) >> 3), slabs = K >> 5;
+    const uint4 *wa[G], *wb[G];
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        wa[q] = (const uint4*)(W + (size_t)min(n0 + 16 * q + g, N - 1) * K) + c;
+        wb[q] = (const uint4*)(W + (size_t)min(n0 + 16 * q + g + 8, N - 1) * K) + c;
+    }
     size_t xrow[TILES];
 #pragma unroll
     for (int j = 0; j < TILES; j++) xrow[j] = (size_t)min(t0 + 8 * j + g, T - 1) * (K >> 3) + c;
     const uint4 *h4 = (const uint4*)xh, *l4 = (const uint4*)xl;
-    float acc[TILES][4] = {};
-    for (int s0 = warp; s0 < slabs; s0 += GM_UNROLL * NW) {
-        uint4 a[GM_UNROLL], e[GM_UNROLL];
+    float acc[G][TILES][4] = {};
+    for (int s0 = warp; s0 < slabs; s0 += U * NW) {
+        uint4 a[U][G], e[U][G];
 #pragma unroll
-        for (int u = 0; u < GM_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             int s = s0 + u * NW;
-            if (s < slabs) a[u] = wa[s * 4], e[u] = wb[s * 4];
+#pragma unroll
+            for (int q = 0; q < G; q++)
+                if (s < slabs) a[u][q] = wa[q][s * 4], e[u][q] = wb[q][s * 4];
         }
 #pragma unroll
-        for (int u = 0; u < GM_UNROLL; u++) {
+        for (int u = 0; u < U; u++) {
             int s = s0 + u * NW;
             if (s >= slabs) continue;
-            unsigned a1[4] = {a[u].x, e[u].x, a[u].y, e[u].y}, a2[4] = {a[u].z, e[u].z, a[u].w, e[u].w};
 #pragma unroll
             for (int j = 0; j < TILES; j++) {
-                if (j < nt) {
-                    uint4 h = h4[xrow[j] + s * 4], l = l4[xrow[j] + s * 4];
-                    mma_bf16_16816(acc[j], a1, h.x, h.y);
-                    mma_bf16_16816(acc[j], a1, l.x, l.y);
-                    mma_bf16_16816(acc[j], a2, h.z, h.w);
-                    mma_bf16_16816(acc[j], a2, l.z, l.w);
+                if (j >= nt) continue;
+                uint4 h = h4[xrow[j] + s * 4], l = l4[xrow[j] + s * 4];
+#pragma unroll
+                for (int q = 0; q < G; q++) {
+                    unsigned a1[4] = {a[u][q].x, e[u][q].x, a[u][q].y, e[u][q].y};
+                    unsigned a2[4] = {a[u][q].z, e[u][q].z, a[u][q].w, e[u][q].w};
+                    mma_bf16_16816(acc[q][j], a1, h.x, h.y);
+                    mma_bf16_16816(acc[q][j], a1, l.x, l.y);
+                    mma_bf16_16816(acc[q][j], a2, h.z, h.w);
+                    mma_bf16_16816(acc[q][j], a2, l.z, l.w);
                 }
             }
         }
@@ -140,25 +151,30 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     if (NW > PW) {
         if (warp >= PW)
 #pragma unroll
-            for (int j = 0; j < TILES; j++)
+            for (int q = 0; q < G; q++)
 #pragma unroll
-                for (int r = 0; r < 4; r++) part[warp - PW][j * 4 + r][lane] = acc[j][r];
+                for (int j = 0; j < TILES; j++)
+#pragma unroll
+                    for (int r = 0; r < 4; r++) part[warp - PW][(q * TILES + j) * 4 + r][lane] = acc[q][j][r];
         __syncthreads();
     }
     if (warp < PW)
 #pragma unroll
-        for (int j = 0; j < TILES; j++)
+        for (int q = 0; q < G; q++)
 #pragma unroll
-            for (int r = 0; r < 4; r++) {
-                float* p = &part[warp][j * 4 + r][lane];
-                *p = NW > PW ? acc[j][r] + *p : acc[j][r];
-            }
+            for (int j = 0; j < TILES; j++)
+#pragma unroll
+                for (int r = 0; r < 4; r++) {
+                    float* p = &part[warp][(q * TILES + j) * 4 + r][lane];
+                    *p = NW > PW ? acc[q][j][r] + *p : acc[q][j][r];
+                }
     __syncthreads();
-    for (int e = threadIdx.x; e < nt * 4 * 32; e += blockDim.x) {
-        int jr = e >> 5, l = e & 31, r = jr & 3;
+    for (int e = threadIdx.x; e < G * TILES * 4 * 32; e += blockDim.x) {
+        int qjr = e >> 5, l = e & 31, r = qjr & 3, jr = qjr % (TILES * 4), q = qjr / (TILES * 4);
+        if ((jr >> 2) >= nt) continue;
         float v = 0.f;
-        for (int w = 0; w < PW; w++) v += part[w][jr][l];
-        int n = n0 + (l >> 2) + (r >= 2 ? 8 : 0), t = t0 + 8 * (jr >> 2) + 2 * (l & 3) + (r & 1);
+        for (int w = 0; w < PW; w++) v += part[w][qjr][l];
+        int n = n0 + 16 * q + (l >> 2) + (r >= 2 ? 8 : 0), t = t0 + 8 * (jr >> 2) + 2 * (l & 3) + (r & 1);
         if (n < N && t < T) {
             float* o = y + (size_t)t * N + n;
             *o = accumulate ? *o + v : v;
@@ -168,10 +184,15 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 
 extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void gemv_mma_bf16(GEMV_MMA_PARAMS) {
     pdl_enter();
-    gemv_mma<GEMV_MMA_WARPS>(GEMV_MMA_ARGS);
+    gemv_mma<GEMV_MMA_WARPS, 1>(GEMV_MMA_ARGS);
 }
 
 extern "C" __global__ __launch_bounds__(64 * GEMV_MMA_WARPS) void gemv_mma_bf16_w16(GEMV_MMA_PARAMS) {
     pdl_enter();
-    gemv_mma<2 * GEMV_MMA_WARPS>(GEMV_MMA_ARGS);
+    gemv_mma<2 * GEMV_MMA_WARPS, 1>(GEMV_MMA_ARGS);
+}
+
+extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void gemv_mma_bf16_r32(GEMV_MMA_PARAMS) {
+    pdl_enter();
+    gemv_mma<GEMV_MMA_WARPS, 2>(GEMV_MMA_ARGS);
 }

@@ -1423,15 +1423,27 @@ fn gemv_mma_matches_cpu_for_batched_rows() {
             be.gather_split_bf16(dx.ptr(), None, hi.ptr(), Some(lo.ptr()), t, k).unwrap();
             let ys: Vec<_> = ns.iter().map(|&n| be.upload(&rnd(t * n, 80 + n as u64)).unwrap()).collect();
             let (wp, yp): (Vec<_>, Vec<_>) = ws.iter().zip(&ys).map(|(w, y)| (w.ptr(), y.ptr())).unzip();
-            // both blocks (8 warps, 16), then the launcher's choice
-            for wide in [false, true] {
-                be.gemv_mma_bf16_blocks(wide, &wp, (hi.ptr(), lo.ptr()), &yp, &ns, t, k, false).unwrap();
+            // every block (16 rows on 8 warps or 16, 32 rows), then the launcher's choice; the
+            // outputs NaN before, so each must be written
+            use moe_lanes_kernels::cuda::ops::GemvMmaBlock;
+            for block in
+                [Some(GemvMmaBlock::Rows16), Some(GemvMmaBlock::Wide), Some(GemvMmaBlock::RowPairs), None]
+            {
+                for y in &ys {
+                    be.write(&vec![f32::NAN; y.len()], y.ptr()).unwrap();
+                }
+                let xs = (hi.ptr(), lo.ptr());
+                match block {
+                    Some(b) => be.gemv_mma_bf16_blocks(b, &wp, xs, &yp, &ns, t, k, false).unwrap(),
+                    None => be.gemv_mma_bf16(&wp, xs, &yp, &ns, t, k, false).unwrap(),
+                }
                 for (j, y) in ys.iter().enumerate() {
-                    let err = max_abs_diff(&be.read_vec(y.ptr()).unwrap(), &want(&x, j, t));
-                    assert!(err < 1e-4 * (k as f32).sqrt(), "t {t} output {j} wide {wide}: {err:e}");
+                    let got = be.read_vec(y.ptr()).unwrap();
+                    assert!(got.iter().all(|v| v.is_finite()), "t {t} output {j} {block:?}: unwritten rows");
+                    let err = max_abs_diff(&got, &want(&x, j, t));
+                    assert!(err < 1e-4 * (k as f32).sqrt(), "t {t} output {j} {block:?}: {err:e}");
                 }
             }
-            be.gemv_mma_bf16(&wp, (hi.ptr(), lo.ptr()), &yp, &ns, t, k, false).unwrap();
             // one matrix, accumulating
             let base = rnd(t * ns[0], 90);
             let y = be.upload(&base).unwrap();

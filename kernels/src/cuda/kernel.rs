@@ -467,6 +467,7 @@ kernel_table! {
     Gemv3Bf16 = "gemv3_bf16" in Gemv,
     GemvMmaBf16 = "gemv_mma_bf16" in Gemv,
     GemvMmaBf16W16 = "gemv_mma_bf16_w16" in Gemv,
+    GemvMmaBf16R32 = "gemv_mma_bf16_r32" in Gemv,
     RmsnormF32 = "rmsnorm_f32" in NormRope,
     AddBiasRows = "add_bias_rows" in Elementwise,
     ClampF32 = "clamp_f32" in Elementwise,

@@ -374,6 +374,18 @@ pub(super) fn i(v: usize) -> i32 {
     i32::try_from(v).expect("dimension fits in i32")
 }
 
+/// The block of [`CudaBackend::gemv_mma_bf16`]: how many rows and warps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemvMmaBlock {
+    /// 16 rows, [`GEMV_MMA_WARPS`] warps (`gemv_mma_bf16`).
+    Rows16,
+    /// 16 rows, twice [`GEMV_MMA_WARPS`] warps (`gemv_mma_bf16_w16`): projections of few blocks.
+    Wide,
+    /// 32 rows, [`GEMV_MMA_WARPS`] warps (`gemv_mma_bf16_r32`): each block's activations read
+    /// once for twice the weights (`CudaConfig::gemv_mma_row_pairs`).
+    RowPairs,
+}
+
 /// What [`CudaBackend::gemv_bf16_split`] reads with vector loads: `k` a multiple of 8, W and x
 /// 16-byte aligned.
 fn split_views_aligned(w: DPtr<u16>, x: DPtr<f32>, k: usize) -> bool {
@@ -751,16 +763,20 @@ impl CudaBackend {
         let row_blocks = n.iter().map(|&r| blocks(r, 16) as usize).sum::<usize>();
         let warps = row_blocks * n_tokens.div_ceil(GEMV_MMA_TOKENS) * GEMV_MMA_WARPS as usize;
         let sms = self.info().multiprocessors.max(1) as usize;
-        let wide = warps < sms * GEMV_MMA_MIN_WARPS_PER_SM;
-        self.gemv_mma_bf16_blocks(wide, w, x, y, n, n_tokens, k, accumulate)
+        let block = match warps < sms * GEMV_MMA_MIN_WARPS_PER_SM {
+            true => GemvMmaBlock::Wide,
+            false if self.gemv_mma_row_pairs => GemvMmaBlock::RowPairs,
+            false => GemvMmaBlock::Rows16,
+        };
+        self.gemv_mma_bf16_blocks(block, w, x, y, n, n_tokens, k, accumulate)
     }
 
-    /// [`Self::gemv_mma_bf16`] with the block chosen: `wide` twice [`GEMV_MMA_WARPS`] warps
-    /// (`gemv_mma_bf16_w16`), else [`GEMV_MMA_WARPS`]; the same sums in another order.
+    /// [`Self::gemv_mma_bf16`] with the block chosen ([`GemvMmaBlock`]); the same sums in
+    /// another order.
     #[allow(clippy::too_many_arguments)]
     pub fn gemv_mma_bf16_blocks(
         &self,
-        wide: bool,
+        block: GemvMmaBlock,
         w: &[DPtr<u16>],
         (x_hi, x_lo): (DPtr<u16>, DPtr<u16>),
         y: &[DPtr<f32>],
@@ -790,7 +806,12 @@ impl CudaBackend {
         }
         let at = |j: usize| if j < m { (w[j].raw(), y[j].raw(), n[j]) } else { (w[0].raw(), y[0].raw(), 0) };
         let [(w0, y0, n0), (w1, y1, n1), (w2, y2, n2)] = [at(0), at(1), at(2)];
-        let row_blocks = [n0, n1, n2].iter().map(|&r| blocks(r, 16)).sum::<u32>();
+        let (kernel, rows, threads) = match block {
+            GemvMmaBlock::Rows16 => (K, 16, 32 * GEMV_MMA_WARPS),
+            GemvMmaBlock::Wide => (Kernel::GemvMmaBf16W16, 16, 64 * GEMV_MMA_WARPS),
+            GemvMmaBlock::RowPairs => (Kernel::GemvMmaBf16R32, 32, 32 * GEMV_MMA_WARPS),
+        };
+        let row_blocks = [n0, n1, n2].iter().map(|&r| blocks(r, rows)).sum::<u32>();
         let grid = (row_blocks, n_tokens.div_ceil(GEMV_MMA_TOKENS) as u32, 1);
         let args = args![
             w0,
@@ -808,10 +829,7 @@ impl CudaBackend {
             i(n_tokens),
             accumulate as i32
         ];
-        match wide {
-            true => self.launch(Kernel::GemvMmaBf16W16, grid, 64 * GEMV_MMA_WARPS, 0, args),
-            false => self.launch(K, grid, 32 * GEMV_MMA_WARPS, 0, args),
-        }
+        self.launch(kernel, grid, threads, 0, args)
     }
 
     /// Three GEMVs over one input in one launch: `y0 = W0 · x`, `y1 = W1 · x`, `y2 = W2 · x` for
