@@ -404,6 +404,43 @@ fn prefix_case(kind: EngineKind) {
     }
 }
 
+/// A long prompt keeps only the checkpoints that survive its prefill (the last three every-8
+/// positions and its end: 80, 88, 96 and 100 of 100): a prompt sharing 70 of it misses, one
+/// sharing 85 reuses 80, and both answer as they do alone.
+#[test]
+fn a_long_prompt_checkpoints_only_its_last_positions() {
+    let model = open("qwen3_next_a");
+    let mut e = engine(&model, EngineKind::Pipeline, 0.5, 512);
+    let vocab = model.config().vocab;
+    let p: Vec<u32> = (0..120).map(|i| ((i * 37 + 11) % vocab) as u32).collect();
+    let opts = BatchOptions { max_sequences: 2, step_tokens: 64, prefix_cache: 2, checkpoint_tokens: 8 };
+    let mut b = Batcher::new(opts);
+    // (prompt, tokens reused from the kept caches)
+    let cases = [
+        (p[..100].to_vec(), 0),
+        (p[..70].iter().chain(&p[110..115]).copied().collect::<Vec<u32>>(), 0),
+        (p[..85].iter().chain(&p[100..105]).copied().collect(), 80),
+    ];
+    for (prompt, reuse) in cases {
+        let before = b.prefix_stats().reused_tokens;
+        let opts = GenerationOptions { max_tokens: 3, ..Default::default() };
+        b.add(e.as_mut(), &prompt, opts).unwrap().unwrap();
+        let mut out = Vec::new();
+        while !b.is_empty() {
+            for ev in b.step(e.as_mut()) {
+                match ev {
+                    SeqEvent::Token(_, t) => out.push(t.id),
+                    SeqEvent::Failed(_, err) => panic!("{err}"),
+                    SeqEvent::Finished { .. } => {}
+                }
+            }
+        }
+        assert_eq!(out, generate_alone(e.as_mut(), &prompt, 3), "prompt of {}", prompt.len());
+        let reused = (b.prefix_stats().reused_tokens - before) as usize;
+        assert_eq!(reused, reuse, "prompt of {}: tokens reused", prompt.len());
+    }
+}
+
 #[test]
 fn a_prompt_that_continues_a_finished_one_reuses_its_cache_and_generates_the_same() {
     prefix_case(EngineKind::Pipeline);

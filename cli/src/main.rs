@@ -180,9 +180,9 @@ struct ServeArgs {
     /// one's tokens (a chat's earlier turns) skips that part of its prefill.
     #[arg(long, default_value_t = moe_lanes::engine::batch::DEFAULT_PREFIX_CACHE, value_parser = count(0))]
     prefix_cache: usize,
-    /// With a prefix cache, a hybrid model's (DeltaNet) recurrent state is checkpointed every
-    /// this many prompt positions and at each prompt's end (0: at the end only), so a prompt
-    /// sharing part of a kept request reuses up to the latest checkpoint in that part.
+    /// With a prefix cache, a hybrid model's (DeltaNet) recurrent state is checkpointed at each
+    /// prompt's end and at its last three multiples of this many positions (0: at the end only),
+    /// so a prompt sharing part of a kept request reuses up to the latest checkpoint in that part.
     #[arg(long, default_value_t = moe_lanes::engine::batch::DEFAULT_CHECKPOINT_TOKENS, value_parser = count(0))]
     checkpoint_tokens: usize,
     /// Jinja chat template for /v1/chat/completions (default: the model's own,

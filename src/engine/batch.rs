@@ -11,6 +11,7 @@ use super::{
     BatchSeq, Engine, EngineError, FinishReason, GeneratedToken, GenerationError, GenerationOptions,
 };
 use crate::forward::Phase;
+use crate::model::context::MAX_STATE_CHECKPOINTS;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -34,8 +35,9 @@ pub struct BatchOptions {
     #[serde(default)]
     pub prefix_cache: usize,
     /// With `prefix_cache`, a sequence with recurrent state checkpoints it (`Engine::checkpoint`)
-    /// at every multiple of this many positions (its prompt chunks cut there) and at its
-    /// prompt's end; 0: at the prompt's end only. At most `MAX_STATE_CHECKPOINTS` a cache.
+    /// at its prompt's end and at the last multiples of this many positions before it (its
+    /// prompt chunks cut there), `MAX_STATE_CHECKPOINTS` in all, the most a cache keeps; 0: at
+    /// the prompt's end only.
     #[serde(default = "default_checkpoint_tokens")]
     pub checkpoint_tokens: usize,
 }
@@ -318,13 +320,31 @@ impl Batcher {
         self.opts.prefix_cache > 0 && seq.cache.has_recurrent()
     }
 
+    /// The first checkpoint position after `at` within a prompt of `n_prompt` tokens, before
+    /// its end (which always gets one): the multiples of `checkpoint_tokens`, but only the last
+    /// `MAX_STATE_CHECKPOINTS - 1` of them, the ones a cache still keeps once the prompt's end is
+    /// in (a long prompt's earlier ones would be copied only to be dropped).
+    fn next_checkpoint(&self, at: usize, n_prompt: usize) -> Option<usize> {
+        let every = self.opts.checkpoint_tokens;
+        if every == 0 {
+            return None;
+        }
+        let last = n_prompt.saturating_sub(1) / every * every;
+        let first = last.saturating_sub((MAX_STATE_CHECKPOINTS - 2) * every).max(every);
+        let next = (at / every + 1) * every;
+        Some(next.max(first)).filter(|&b| b <= last)
+    }
+
     /// `budget` for a prefilling sequence's next chunk, cut at its next checkpoint position.
     fn to_checkpoint(&self, seq: &Sequence, budget: usize) -> usize {
-        let every = self.opts.checkpoint_tokens;
-        if every == 0 || !self.checkpoints(seq) {
+        if !self.checkpoints(seq) {
             return budget;
         }
-        budget.min(every - seq.cache.n_positions() % every)
+        let at = seq.cache.n_positions();
+        match self.next_checkpoint(at, seq.prompt_tokens()) {
+            Some(b) => budget.min(b - at),
+            None => budget,
+        }
     }
 
     /// After a step: each sequence that was prefilling and has reached a checkpoint position
@@ -337,14 +357,15 @@ impl Batcher {
         prefilling: &[bool],
         events: &mut Vec<SeqEvent>,
     ) {
-        let every = self.opts.checkpoint_tokens;
         for (&(i, _), _) in picks.iter().zip(prefilling).filter(|(_, &p)| p) {
-            if !self.checkpoints(&self.running[i].1) {
+            let seq = &self.running[i].1;
+            if !self.checkpoints(seq) {
                 continue;
             }
-            let (id, seq) = &mut self.running[i];
             let at = seq.cache.n_positions();
-            let due = (every > 0 && at.is_multiple_of(every)) || !seq.is_prefilling();
+            let boundary = at > 0 && self.next_checkpoint(at - 1, seq.prompt_tokens()) == Some(at);
+            let due = boundary || !seq.is_prefilling();
+            let (id, seq) = &mut self.running[i];
             if seq.finish == Some(FinishReason::Cancelled) || !due {
                 continue;
             }
