@@ -753,10 +753,7 @@ __device__ __forceinline__ void gr_for_output(int nr, int N, int col0, F f) {
 }
 
 template <bool EPI>
-__device__ __forceinline__ void gr_gate_up(const bf16* G, const bf16* U, const float* __restrict__ x,
-                                           const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles,
-                                           int n_rows, int n_slots, float* __restrict__ h, int N, int K, int split,
-                                           int act, const float* __restrict__ bg, const float* __restrict__ bu) {
+__device__ __forceinline__ void gr_gate_up(GATE_UP_BF16_PARAMS) {
     __shared__ float part[GEMV_MMA_WARPS][16][32];
     const bf16* W[2] = {G, U};
     int tl[4];
@@ -770,22 +767,14 @@ __device__ __forceinline__ void gr_gate_up(const bf16* G, const bf16* U, const f
 
 // grouped_gate_up_bf16(_epi) in the decode shape above: tiles of at most 16 rows. grid (n_tiles,
 // ceil(N / 16)), block 32 * GEMV_MMA_WARPS.
-extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gate_up_bf16_rows(
-    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,
-    const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
-    float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
-    const float* __restrict__ bu) {
+extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gate_up_bf16_rows(GATE_UP_BF16_PARAMS) {
     pdl_enter();
-    gr_gate_up<false>(G, U, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+    gr_gate_up<false>(GATE_UP_BF16_ARGS);
 }
 
-extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gate_up_bf16_rows_epi(
-    const bf16* __restrict__ G, const bf16* __restrict__ U, const float* __restrict__ x,
-    const int* __restrict__ rows, int n_x_rows, const int* __restrict__ tiles, int n_rows, int n_slots,
-    float* __restrict__ h, int N, int K, int split, int act, const float* __restrict__ bg,
-    const float* __restrict__ bu) {
+extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void grouped_gate_up_bf16_rows_epi(GATE_UP_BF16_PARAMS) {
     pdl_enter();
-    gr_gate_up<true>(G, U, x, rows, n_x_rows, tiles, n_rows, n_slots, h, N, K, split, act, bg, bu);
+    gr_gate_up<true>(GATE_UP_BF16_ARGS);
 }
 
 // The down projection in the decode shape: y[r] = W_s · x_r (+ b_s), 32 output columns a block

@@ -143,8 +143,7 @@ impl KvCache {
             KvCache::Pipeline(c) => c.rewind_point(n),
             KvCache::Gpu(c) => match c.cpu.as_ref() {
                 Some(p) => p.rewind_point(n),
-                None if n >= c.tokens.len() || !c.kv.has_recurrent() => Some(n.min(c.tokens.len())),
-                None => c.checkpoints.latest_at_most(n),
+                None => c.checkpoints.reach(n, c.tokens.len(), c.kv.has_recurrent()),
             },
         }
     }

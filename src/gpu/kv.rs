@@ -82,6 +82,14 @@ pub(crate) struct DeltaStateBufs {
     matrix: DeviceBuffer<f32>,
 }
 
+/// A session's recurrent (DeltaNet) state copied off the device (`GpuModel::read_recurrent`):
+/// per layer of the model, a DeltaNet layer's conv inputs and matrix state (`None` for the
+/// other layers).
+#[derive(Debug, Clone, Default)]
+pub struct RecurrentState {
+    pub layers: Vec<Option<(Vec<f32>, Vec<f32>)>>,
+}
+
 /// A DeltaNet layer's state pointers, for the kernels.
 pub(crate) struct DeltaStatePtrs {
     pub conv: DPtr<f32>,

@@ -40,14 +40,7 @@ mod weights;
 
 pub use batch::GpuSeqInput;
 pub use error::GpuError;
-pub use kv::GpuKvCache;
-
-/// A session's recurrent (DeltaNet) state copied off the device: per layer of the model, a
-/// DeltaNet layer's conv inputs and matrix state (`None` for the other layers).
-#[derive(Debug, Clone, Default)]
-pub struct RecurrentState {
-    pub layers: Vec<Option<(Vec<f32>, Vec<f32>)>>,
-}
+pub use kv::{GpuKvCache, RecurrentState};
 pub use model::GpuModel;
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use options::{

@@ -139,6 +139,79 @@ fn parse_mem_available(meminfo: &str) -> Option<u64> {
     kib.checked_mul(1024)
 }
 
+/// Most recurrent-state checkpoints one session cache keeps ([`StateCheckpoints`]). Cost: each
+/// holds every DeltaNet layer's state once (a Qwen3.6-35B-A3B-shaped model: 30 layers, about 63
+/// MiB; [`recurrent_state_bytes`]).
+pub const MAX_STATE_CHECKPOINTS: usize = 4;
+
+/// A session's recurrent (DeltaNet) state at earlier positions, so that a cache kept for prefix
+/// reuse can go back to one of them (a recurrent state cannot be cut like an attention cache):
+/// at most [`MAX_STATE_CHECKPOINTS`], in position order, the oldest dropped past the limit.
+/// `S` is the engine's copy of the state.
+#[derive(Debug, Clone)]
+pub struct StateCheckpoints<S> {
+    at: Vec<(usize, S)>,
+}
+
+impl<S> Default for StateCheckpoints<S> {
+    fn default() -> Self {
+        StateCheckpoints { at: Vec::new() }
+    }
+}
+
+impl<S> StateCheckpoints<S> {
+    /// Whether one was taken at `position` (so none is needed there).
+    pub fn has(&self, position: usize) -> bool {
+        self.at.iter().any(|(p, _)| *p == position)
+    }
+
+    /// Keep `state` as the state at `position`, past the later ones (a session only grows
+    /// between its rewinds).
+    pub fn push(&mut self, position: usize, state: S) {
+        self.at.retain(|(p, _)| *p < position);
+        self.at.push((position, state));
+        if self.at.len() > MAX_STATE_CHECKPOINTS {
+            self.at.remove(0);
+        }
+    }
+
+    /// The latest position at or before `n` with a checkpoint.
+    pub fn latest_at_most(&self, n: usize) -> Option<usize> {
+        self.at.iter().rev().map(|(p, _)| *p).find(|&p| p <= n)
+    }
+
+    /// The most positions up to `n` that a session holding `held` can be cut back to: `n` (at
+    /// most `held`) without recurrent state or from `held` up, else the latest checkpoint at or
+    /// before `n`.
+    pub fn reach(&self, n: usize, held: usize, recurrent: bool) -> Option<usize> {
+        match n >= held || !recurrent {
+            true => Some(n.min(held)),
+            false => self.latest_at_most(n),
+        }
+    }
+
+    /// The state at exactly `position`, the later checkpoints dropped (the session goes back
+    /// there); `None`, changing nothing, without one.
+    pub fn rewind(&mut self, position: usize) -> Option<&S> {
+        let i = self.at.iter().position(|(p, _)| *p == position)?;
+        self.at.truncate(i + 1);
+        Some(&self.at[i].1)
+    }
+
+    pub fn len(&self) -> usize {
+        self.at.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.at.is_empty()
+    }
+
+    /// Every kept state, oldest first (for their memory).
+    pub fn states(&self) -> impl Iterator<Item = &S> {
+        self.at.iter().map(|(_, s)| s)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -250,74 +323,6 @@ mod tests {
         assert_eq!(parse_mem_available(text), Some(2048 * 1024));
         assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
     }
-}
-
-/// Most recurrent-state checkpoints one session cache keeps ([`StateCheckpoints`]). Cost: each
-/// holds every DeltaNet layer's state once (a Qwen3.6-35B-A3B-shaped model: 30 layers, about 63
-/// MiB; [`recurrent_state_bytes`]).
-pub const MAX_STATE_CHECKPOINTS: usize = 4;
-
-/// A session's recurrent (DeltaNet) state at earlier positions, so that a cache kept for prefix
-/// reuse can go back to one of them (a recurrent state cannot be cut like an attention cache):
-/// at most [`MAX_STATE_CHECKPOINTS`], in position order, the oldest dropped past the limit.
-/// `S` is the engine's copy of the state.
-#[derive(Debug, Clone)]
-pub struct StateCheckpoints<S> {
-    at: Vec<(usize, S)>,
-}
-
-impl<S> Default for StateCheckpoints<S> {
-    fn default() -> Self {
-        StateCheckpoints { at: Vec::new() }
-    }
-}
-
-impl<S> StateCheckpoints<S> {
-    /// Whether one was taken at `position` (so none is needed there).
-    pub fn has(&self, position: usize) -> bool {
-        self.at.iter().any(|(p, _)| *p == position)
-    }
-
-    /// Keep `state` as the state at `position`, past the later ones (a session only grows
-    /// between its rewinds).
-    pub fn push(&mut self, position: usize, state: S) {
-        self.at.retain(|(p, _)| *p < position);
-        self.at.push((position, state));
-        if self.at.len() > MAX_STATE_CHECKPOINTS {
-            self.at.remove(0);
-        }
-    }
-
-    /// The latest position at or before `n` with a checkpoint.
-    pub fn latest_at_most(&self, n: usize) -> Option<usize> {
-        self.at.iter().rev().map(|(p, _)| *p).find(|&p| p <= n)
-    }
-
-    /// The state at exactly `position`, the later checkpoints dropped (the session goes back
-    /// there); `None`, changing nothing, without one.
-    pub fn rewind(&mut self, position: usize) -> Option<&S> {
-        let i = self.at.iter().position(|(p, _)| *p == position)?;
-        self.at.truncate(i + 1);
-        Some(&self.at[i].1)
-    }
-
-    pub fn len(&self) -> usize {
-        self.at.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.at.is_empty()
-    }
-
-    /// Every kept state, oldest first (for their memory).
-    pub fn states(&self) -> impl Iterator<Item = &S> {
-        self.at.iter().map(|(_, s)| s)
-    }
-}
-
-#[cfg(test)]
-mod checkpoint_tests {
-    use super::{StateCheckpoints, MAX_STATE_CHECKPOINTS};
 
     #[test]
     fn checkpoints_keep_the_latest_and_rewind_drops_the_later_ones() {

@@ -241,10 +241,7 @@ impl PipelineCache {
     /// The most positions up to `n` that [`Self::truncate`] can keep: `n`, or with recurrent
     /// layers the latest checkpoint at or before it (all it holds from `n` up).
     pub fn rewind_point(&self, n: usize) -> Option<usize> {
-        match n >= self.n_positions || !self.has_recurrent() {
-            true => Some(n.min(self.n_positions)),
-            false => self.checkpoints.latest_at_most(n),
-        }
+        self.checkpoints.reach(n, self.n_positions, self.has_recurrent())
     }
 
     /// Keep the first `n` positions (a cached prefix reused), a recurrent layer's state from its

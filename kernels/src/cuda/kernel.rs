@@ -180,10 +180,11 @@ pub const HOT_DOWN_ROWS: u32 = 2;
 /// a 4-layer file 1927 -> 1944 t/s with 2, session 20).
 pub const GEMV_SPLIT_WARPS: u32 = 2;
 const _: () = assert!(ROWS_PER_BLOCK.is_multiple_of(GEMV_SPLIT_WARPS));
-/// Warps of one block of the batched-decode tensor-core GEMV (`-DGEMV_MMA_WARPS`): they share the
-/// block's 16 output rows, each over every this-many-th 32-column slab of k, so a 2048-row output
-/// projection still gets 1024 warps. Cost: a 16 KiB shared-memory sum (this x 16 x 32 floats at
-/// [`GEMV_MMA_TOKENS`] 32).
+/// Warps of one block of the batched-decode tensor-core GEMV (`-DGEMV_MMA_WARPS`; twice as many
+/// in `gemv_mma_bf16_w16`): they share the block's 16 (or 32) output rows, each over every
+/// this-many-th 32-column slab of k, so a 2048-row output projection still gets 1024 warps.
+/// Cost: a shared-memory sum of this x 16 x 32 floats a 16-row group at [`GEMV_MMA_TOKENS`] 32
+/// (16 KiB; 32 KiB for 32 rows).
 pub const GEMV_MMA_WARPS: u32 = 8;
 /// Warps per SM below which the batched-decode tensor-core GEMV runs blocks of twice
 /// [`GEMV_MMA_WARPS`] warps (`gemv_mma_bf16_w16`): a projection of few 16-row blocks (o: 128 for
