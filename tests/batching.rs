@@ -349,11 +349,13 @@ fn a_cancelled_sequence_leaves_and_the_others_go_on_unchanged() {
 
 /// Multi-turn: a second request whose prompt is the first's prompt, its answer and a new turn
 /// reuses the first's cache (attention layers cut to the shared prefix, a hybrid's recurrent
-/// state from its checkpoint at the prompt's end) and generates what it generates alone; a
+/// state from its checkpoint at the prompt's end; the GPU's allocation, sized for the first
+/// request, grown for the second: latent, sliding-window and DeltaNet layers among the
+/// fixtures) and generates what it generates alone; a
 /// prompt sharing part of a kept one reuses that part, a hybrid up to its latest checkpoint in
 /// it (every 8 positions here), and misses below its first.
 fn prefix_case(kind: EngineKind) {
-    for name in ["qwen3_moe_a", "qwen3_next_a", "deepseek_v3_a"] {
+    for name in ["qwen3_moe_a", "qwen3_next_a", "deepseek_v3_a", "gpt_oss_a"] {
         let model = open(name);
         let mut e = engine(&model, kind, 0.5, 512);
         let vocab = model.config().vocab;

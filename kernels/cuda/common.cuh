@@ -2,7 +2,7 @@
 // op-family file (gemv, norm_rope, elementwise, attention, argmax, route, moe, grouped_gemm, quant, delta_net); the whole is
 // compiled at start-up with NVRTC for the device's own architecture (kernels/src/cuda/mod.rs).
 // Constants shared with the Rust launchers (ROWS_PER_BLOCK, ATT_CHUNK, ATT_MAXC, ATT_MAX_HEAD_DIM,
-// ATT_SPLIT_WARPS, ATT_TILE_*, ARGMAX_BLOCK, GG_BM, GG_BN, GG_THREADS, GG_PIPE_BK, GG_STAGES, GG_DEC_BM, GG_DEC_STAGES, ATT_MMA_*, ATT_GQA_*, DELTA_MAX_*, DELTA_CHUNK, ROUTE_SIG_*, ATT_COMBINE_DIMS, MLA_*, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, DOWN_ROWS, GEMV_SPLIT, TOPK_PER_LANE) are passed as -D defines from kernels/src/cuda/kernel.rs,
+// ATT_SPLIT_WARPS, ATT_TILE_*, ARGMAX_BLOCK, GG_BM, GG_BN, GG_THREADS, GG_PIPE_BK, GG_STAGES, GG_DEC_BM, GG_DEC_STAGES, ATT_MMA_*, ATT_GQA_*, DELTA_MAX_*, DELTA_CHUNK, DELTA_SCAN_COLS, ROUTE_SIG_*, ATT_COMBINE_DIMS, MLA_*, QUANT_MAX_TOKENS, QUANT_WIDE_ROWS, DOWN_ROWS, GEMV_SPLIT, TOPK_PER_LANE) are passed as -D defines from kernels/src/cuda/kernel.rs,
 // defined once there. Conventions: weights are bf16 row-major [out, in] (quant.cu: GGML blocks); activations,
 // norms and biases are f32, the KV cache f32 or f16 (attention.cu); every kernel states its launch configuration.
 #include <cuda_bf16.h>
@@ -317,7 +317,7 @@ __device__ __forceinline__ void warp_dot2_bf16(const bf16* __restrict__ w0, cons
     !defined(QUANT_WIDE_ROWS) || !defined(DOWN_ROWS) || !defined(GEMV_SPLIT) || !defined(GG_PIPE_BK) || !defined(GG_STAGES) || !defined(GG_DEC_BM) || !defined(GG_DEC_STAGES) || \
     !defined(ATT_MMA_WARPS) || !defined(ATT_MMA_KEYS) || !defined(ATT_MMA_MAXD) || !defined(TOPK_PER_LANE) || \
     !defined(ATT_GQA_HEADS) || !defined(ATT_GQA_MAXD) || !defined(DELTA_MAX_DK) || !defined(DELTA_MAX_KERNEL) || \
-    !defined(DELTA_CHUNK) || !defined(ROUTE_SIG_MAXE) || !defined(ROUTE_SIG_MAXG) || !defined(ATT_COMBINE_DIMS) || \
+    !defined(DELTA_CHUNK) || !defined(DELTA_SCAN_COLS) || !defined(ROUTE_SIG_MAXE) || !defined(ROUTE_SIG_MAXG) || !defined(ATT_COMBINE_DIMS) || \
     !defined(MLA_HEADS) || !defined(MLA_TOKENS) || !defined(MLA_MAX_RANK) || !defined(MLA_MAX_ROPE) || \
     !defined(ATT_MMA_WIDE_KEYS) || !defined(ATT_MMA_WIDE_MAXD) || !defined(MLA_MMA_GROUPS) || !defined(MLA_MMA_KEYS) || \
     !defined(GQ_BK) || !defined(KV_RING_CHUNK) || !defined(GEMV_MMA_WARPS) || !defined(GEMV_MMA_TOKENS)

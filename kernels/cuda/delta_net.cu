@@ -161,12 +161,15 @@ extern "C" __global__ void delta_rule_f32(const float* __restrict__ p, int p_str
 //   S = e^G_last S0 + sum_r e^(G_last - G_r) k_r u_r^T  (scan, chunk after chunk)
 // then the gated RMSNorm per (token, head). Rows past the call's last token are zero (g = 0, beta = 0),
 // so they change nothing. Every exponent is <= 0.
-// A (head, chunk) record of the work buffer, delta_chunk_record_floats(dk, dv) floats:
-// W [C][dk] | U0 [C][dv] | QG = e^G q [C][dk] | KG = e^(G_last - G) k [C][dk] | QK [C][C] | e^G_last (4).
+// A (head, chunk) record of the work buffer, delta_chunk_record_floats(dk, dv) floats, its rows
+// dk4 = dk and dv4 = dv rounded up to 4 floats (zeros past dk / dv), so every row is 16-byte aligned:
+// W [C][dk4] | U0 [C][dv4] | QG = e^G q [C][dk4] | KG = e^(G_last - G) k [C][dk4] | QK [C][C] | e^G_last (4).
 #define DC DELTA_CHUNK
 
+__device__ __forceinline__ int delta_round4(int n) { return (n + 3) & ~3; }
+
 __device__ __forceinline__ size_t delta_chunk_record_floats(int dk, int dv) {
-    return (size_t)DC * (3 * dk + dv + DC) + 4;
+    return (size_t)DC * (3 * delta_round4(dk) + delta_round4(dv) + DC) + 4;
 }
 
 // grid (nv, n_chunks), block 128. dk <= DELTA_MAX_DK. Reads p after delta_conv_f32 (layout above) and ba;
@@ -225,8 +228,9 @@ extern "C" __global__ void delta_chunk_prep_f32(const float* __restrict__ p, int
     }
     __syncthreads();
     float* rec = work + ((size_t)head * gridDim.y + chunk) * delta_chunk_record_floats(dk, dv);
-    float *w_out = rec, *u_out = rec + DC * dk;
-    float *qg_out = u_out + DC * dv, *kg_out = qg_out + DC * dk, *qk_out = kg_out + DC * dk;
+    int dk4 = delta_round4(dk), dv4 = delta_round4(dv);
+    float *w_out = rec, *u_out = rec + DC * dk4;
+    float *qg_out = u_out + DC * dv4, *kg_out = qg_out + DC * dk4, *qk_out = kg_out + DC * dk4;
     // The system (strictly lower) and the read-out weights (lower, diagonal included).
     for (int e = threadIdx.x; e < DC * DC; e += blockDim.x) {
         int r = e / DC, s = e % DC;
@@ -259,93 +263,171 @@ extern "C" __global__ void delta_chunk_prep_f32(const float* __restrict__ p, int
     }
     __syncthreads();
     float last = gs[DC - 1];
-    for (int e = threadIdx.x; e < DC * dk; e += blockDim.x) {
-        int r = e / dk, i = e % dk;
-        float w = 0.f;
-        for (int s = 0; s <= r; ++s) w += tm[r][s] * bg[s] * ks[s * ld + i];
+    for (int e = threadIdx.x; e < DC * dk4; e += blockDim.x) {
+        int r = e / dk4, i = e % dk4;
+        float w = 0.f, qg = 0.f, kg = 0.f;
+        if (i < dk) {
+            for (int s = 0; s <= r; ++s) w += tm[r][s] * bg[s] * ks[s * ld + i];
+            qg = expf(gs[r]) * qs[r * ld + i];
+            kg = expf(last - gs[r]) * ks[r * ld + i];
+        }
         w_out[e] = w;
-        qg_out[e] = expf(gs[r]) * qs[r * ld + i];
-        kg_out[e] = expf(last - gs[r]) * ks[r * ld + i];
+        qg_out[e] = qg;
+        kg_out[e] = kg;
     }
     const float* v = p + 2 * kd + head * dv;
-    for (int e = threadIdx.x; e < DC * dv; e += blockDim.x) {
-        int r = e / dv, c = e % dv;
+    for (int e = threadIdx.x; e < DC * dv4; e += blockDim.x) {
+        int r = e / dv4, c = e % dv4;
         float u = 0.f;
-        for (int s = 0; s <= r && s < len; ++s) u += tm[r][s] * bs[s] * v[(size_t)(t0 + s) * p_stride + c];
+        if (c < dv)
+            for (int s = 0; s <= r && s < len; ++s) u += tm[r][s] * bs[s] * v[(size_t)(t0 + s) * p_stride + c];
         u_out[e] = u;
     }
     if (threadIdx.x == 0) qk_out[DC * DC] = expf(last);
 }
 
-// grid (nv, ceil(dv / 32)), block 128 (four warps): warp w keeps rows [w R, w R + R) (R = ceil(dk / 4))
-// of column blockIdx.y * 32 + lane of the head's state in registers, chunk after chunk of the prep's
-// records; out gets each token's read-out (value_dim a row, before the norm); state moves on. The
-// records' rows are read straight from global memory (every lane of a warp reads the same address),
-// one row of a chunk at a time, so only the state and two sums are live across a row.
-extern "C" __global__ void delta_chunk_scan_f32(const float* __restrict__ work, float* state, float* __restrict__ out,
-                                                int nv, int dk, int dv, int n_tokens) {
+// The scan: grid (nv, ceil(dv / DS_COLS)), block DS_THREADS, delta_scan_shared_bytes() of dynamic
+// shared memory. A block walks one head's chunks for DS_COLS value columns of its state, which it keeps
+// in registers (thread (ty, tx): rows 4 ty .. 4 ty + 3, columns 4 tx .. 4 tx + 3) and mirrored in shared
+// memory for the products that read every row. Per chunk, from the record staged in shared memory:
+//   u = U0 - W S0 and QG S0 (thread: chunk row ty, its 4 columns; W, QG rows and S rows as float4s),
+//   o = QG S0 + QK u (the token's read-out, before the norm), S = e^G_last S0 + KG^T u.
+// The next chunk's W and QG are copied in (cp.async) while this one's o and state update run; its KG,
+// U0 and QK after them.
+#define DS_COLS DELTA_SCAN_COLS
+#define DS_THREADS (DC * DS_COLS / 4)
+#define DS_KP (DELTA_MAX_DK + 4)  // a staged W / QG / KG row: 16-byte aligned, rows ty..ty+3 in distinct banks
+#define DS_QKP (DC + 4)
+static_assert(DELTA_MAX_DK == 4 * DC, "a scan thread keeps 4 of a head's DELTA_MAX_DK state rows per chunk row");
+
+struct DeltaScanSmem {
+    float w[DC][DS_KP], qg[DC][DS_KP], kg[DC][DS_KP];
+    float u0[DC][DS_COLS], qk[DC][DS_QKP];
+    float decay[4];
+    float s[DELTA_MAX_DK][DS_COLS], us[DC][DS_COLS];
+};
+
+// This chunk's W and QG rows (dk4 floats each) into shared memory, one 16-byte copy per thread and step.
+__device__ __forceinline__ void delta_scan_stage_wq(DeltaScanSmem& sm, const float* rec, int dk4, int dv4) {
+    const float *w = rec, *qg = rec + DC * (dk4 + dv4);
+    int quads = dk4 / 4;
+    for (int e = threadIdx.x; e < 2 * DC * quads; e += DS_THREADS) {
+        int m = e / (DC * quads), r = (e / quads) % DC, q = e % quads;
+        const float* src = (m == 0 ? w : qg) + (size_t)r * dk4 + 4 * q;
+        cp_async16(m == 0 ? &sm.w[r][4 * q] : &sm.qg[r][4 * q], src, true);
+    }
+    cp_async_commit();
+}
+
+// This chunk's KG rows, U0's columns col0 .. col0 + DS_COLS, QK and e^G_last.
+__device__ __forceinline__ void delta_scan_stage_rest(DeltaScanSmem& sm, const float* rec, int dk4, int dv4,
+                                                      int col0) {
+    const float *u0 = rec + DC * dk4, *kg = u0 + DC * dv4 + DC * dk4, *qk = kg + DC * dk4;
+    int quads = dk4 / 4, u_quads = min(DS_COLS, dv4 - col0) / 4;
+    for (int e = threadIdx.x; e < DC * quads; e += DS_THREADS)
+        cp_async16(&sm.kg[e / quads][4 * (e % quads)], kg + (size_t)(e / quads) * dk4 + 4 * (e % quads), true);
+    for (int e = threadIdx.x; e < DC * u_quads; e += DS_THREADS) {
+        int r = e / u_quads, q = e % u_quads;
+        cp_async16(&sm.u0[r][4 * q], u0 + (size_t)r * dv4 + col0 + 4 * q, true);
+    }
+    for (int e = threadIdx.x; e < DC * DC / 4; e += DS_THREADS)
+        cp_async16(&sm.qk[e / (DC / 4)][4 * (e % (DC / 4))], qk + 4 * e, true);
+    if (threadIdx.x == 0) cp_async16(sm.decay, qk + DC * DC, true);
+    cp_async_commit();
+}
+
+__device__ __forceinline__ void fma4(float (&acc)[4], float a, float4 b) {
+    acc[0] += a * b.x;
+    acc[1] += a * b.y;
+    acc[2] += a * b.z;
+    acc[3] += a * b.w;
+}
+
+extern "C" __global__ void __launch_bounds__(DS_THREADS)
+    delta_chunk_scan_f32(const float* __restrict__ work, float* state, float* __restrict__ out, int nv, int dk,
+                         int dv, int n_tokens) {
     pdl_enter();
-    __shared__ float red_u[4][DC][32], red_q[4][DC][32];  // each warp's part of W S0 and QG S0
-    __shared__ float us[DC][33], qss[DC][33];
-    int head = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int col = blockIdx.y * 32 + lane;
-    bool mine = col < dv;
-    int rows = (dk + 3) / 4, row0 = warp * rows;
-    int mine_rows = max(0, min(rows, dk - row0));
-    int n_chunks = (n_tokens + DC - 1) / DC, vd = nv * dv;
-    float* st = state + (size_t)head * dk * dv;
-    float s_reg[DELTA_MAX_DK / 4];
-#pragma unroll
-    for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
-        s_reg[ii] = (ii < mine_rows && mine) ? st[(size_t)(row0 + ii) * dv + col] : 0.f;
+    extern __shared__ __align__(16) unsigned char ds_raw[];
+    DeltaScanSmem& sm = *reinterpret_cast<DeltaScanSmem*>(ds_raw);
+    int head = blockIdx.x, col0 = blockIdx.y * DS_COLS;
+    int ty = threadIdx.x / (DS_COLS / 4), c0 = 4 * (threadIdx.x % (DS_COLS / 4)), i0 = 4 * ty;
+    int dk4 = delta_round4(dk), dv4 = delta_round4(dv), vd = nv * dv;
+    int n_chunks = (n_tokens + DC - 1) / DC;
     size_t stride = delta_chunk_record_floats(dk, dv);
+    const float* recs = work + (size_t)head * n_chunks * stride;
+    // Zeros where no record row lands (rows past dk4, columns past dv4), then the state.
+    for (int e = threadIdx.x; e < (int)(sizeof(DeltaScanSmem) / 4); e += DS_THREADS)
+        reinterpret_cast<float*>(ds_raw)[e] = 0.f;
+    __syncthreads();
+    delta_scan_stage_wq(sm, recs, dk4, dv4);
+    delta_scan_stage_rest(sm, recs, dk4, dv4, col0);
+    float* st = state + (size_t)head * dk * dv;
+    float s_reg[4][4];
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            int row = i0 + a, col = col0 + c0 + b;
+            s_reg[a][b] = (row < dk && col < dv) ? st[(size_t)row * dv + col] : 0.f;
+        }
+        *reinterpret_cast<float4*>(&sm.s[i0 + a][c0]) = make_float4(s_reg[a][0], s_reg[a][1], s_reg[a][2], s_reg[a][3]);
+    }
     for (int ch = 0; ch < n_chunks; ++ch) {
-        const float* rec = work + ((size_t)head * n_chunks + ch) * stride;
-        const float *w = rec, *u0 = rec + DC * dk, *qg = u0 + DC * dv, *kg = qg + DC * dk, *qk = kg + DC * dk;
-        float decay = qk[DC * DC];
-        // This warp's rows of W S0 and QG S0.
-#pragma unroll 1
+        cp_async_wait<0>();
+        __syncthreads();  // the chunk's record and the state's rows are in
+        float aw[4] = {0.f, 0.f, 0.f, 0.f}, aq[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int i = 0; i < dk4; i += 4) {
+            float4 w4 = *reinterpret_cast<const float4*>(&sm.w[ty][i]);
+            float4 q4 = *reinterpret_cast<const float4*>(&sm.qg[ty][i]);
+            float wv[4] = {w4.x, w4.y, w4.z, w4.w}, qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float4 s4 = *reinterpret_cast<const float4*>(&sm.s[i + j][c0]);
+                fma4(aw, wv[j], s4);
+                fma4(aq, qv[j], s4);
+            }
+        }
+        float4 u04 = *reinterpret_cast<const float4*>(&sm.u0[ty][c0]);
+        *reinterpret_cast<float4*>(&sm.us[ty][c0]) =
+            make_float4(u04.x - aw[0], u04.y - aw[1], u04.z - aw[2], u04.w - aw[3]);
+        __syncthreads();  // u is whole; W, QG and S0 are read
+        const float* next = recs + (size_t)(ch + 1) * stride;
+        if (ch + 1 < n_chunks) delta_scan_stage_wq(sm, next, dk4, dv4);
+        for (int s = 0; s <= ty; ++s) fma4(aq, sm.qk[ty][s], *reinterpret_cast<const float4*>(&sm.us[s][c0]));
+        int t = ch * DC + ty;
+        if (t < n_tokens) {
+#pragma unroll
+            for (int b = 0; b < 4; ++b)
+                if (col0 + c0 + b < dv) out[(size_t)t * vd + (size_t)head * dv + col0 + c0 + b] = aq[b];
+        }
+        float decay = sm.decay[0];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) s_reg[a][b] *= decay;
+#pragma unroll 4
         for (int r = 0; r < DC; ++r) {
-            const float *wr = w + (size_t)r * dk + row0, *qr = qg + (size_t)r * dk + row0;
-            float au = 0.f, aq = 0.f;
-#pragma unroll
-            for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
-                if (ii < mine_rows) {
-                    au += wr[ii] * s_reg[ii];
-                    aq += qr[ii] * s_reg[ii];
-                }
-            red_u[warp][r][lane] = au;
-            red_q[warp][r][lane] = aq;
-        }
-        __syncthreads();
-        for (int k = 0; k < DC / 4; ++k) {
-            int r = warp * (DC / 4) + k;
-            float su = red_u[0][r][lane] + red_u[1][r][lane] + red_u[2][r][lane] + red_u[3][r][lane];
-            us[r][lane] = mine ? u0[r * dv + col] - su : 0.f;
-            qss[r][lane] = red_q[0][r][lane] + red_q[1][r][lane] + red_q[2][r][lane] + red_q[3][r][lane];
-        }
-        __syncthreads();
-        for (int k = 0; k < DC / 4; ++k) {
-            int r = warp * (DC / 4) + k, t = ch * DC + r;
-            float o = qss[r][lane];
-            for (int s = 0; s <= r; ++s) o += qk[r * DC + s] * us[s][lane];
-            if (mine && t < n_tokens) out[(size_t)t * vd + (size_t)head * dv + col] = o;
+            float4 k4 = *reinterpret_cast<const float4*>(&sm.kg[r][i0]);
+            float4 u4 = *reinterpret_cast<const float4*>(&sm.us[r][c0]);
+            fma4(s_reg[0], k4.x, u4);
+            fma4(s_reg[1], k4.y, u4);
+            fma4(s_reg[2], k4.z, u4);
+            fma4(s_reg[3], k4.w, u4);
         }
 #pragma unroll
-        for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii) s_reg[ii] *= decay;
-#pragma unroll 1
-        for (int r = 0; r < DC; ++r) {
-            const float* kr = kg + (size_t)r * dk + row0;
-            float u = us[r][lane];
-#pragma unroll
-            for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
-                if (ii < mine_rows) s_reg[ii] += kr[ii] * u;
-        }
-        __syncthreads();  // red_*, us and qss are the next chunk's
+        for (int a = 0; a < 4; ++a)
+            *reinterpret_cast<float4*>(&sm.s[i0 + a][c0]) =
+                make_float4(s_reg[a][0], s_reg[a][1], s_reg[a][2], s_reg[a][3]);
+        __syncthreads();  // KG, U0, QK and u are read
+        if (ch + 1 < n_chunks) delta_scan_stage_rest(sm, next, dk4, dv4, col0);
     }
 #pragma unroll
-    for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
-        if (ii < mine_rows && mine) st[(size_t)(row0 + ii) * dv + col] = s_reg[ii];
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            int row = i0 + a, col = col0 + c0 + b;
+            if (row < dk && col < dv) st[(size_t)row * dv + col] = s_reg[a][b];
+        }
 }
 
 // The gated RMSNorm of the chunked prefill's read-outs, in place: out_j = o_j * rsqrt(mean(o^2) + eps)

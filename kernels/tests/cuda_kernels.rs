@@ -1980,6 +1980,44 @@ fn delta_rule_chunked_equals_the_recurrent_kernel() {
     }
 }
 
+/// Timing, not a check (`--ignored`): the chunked DeltaNet prefill and its conv over 512 tokens of
+/// a Qwen3.6-35B-A3B DeltaNet layer (16 key heads, 32 value heads, both of 128), the mean of 10
+/// calls after 2 warm-ups.
+#[test]
+#[ignore]
+fn delta_rule_chunked_timing() {
+    use moe_lanes_kernels::cuda::ops::DeltaShape;
+    let Some(be) = backend() else { return };
+    let d = DeltaShape {
+        n_k_heads: 16,
+        n_v_heads: 32,
+        k_head_dim: 128,
+        v_head_dim: 128,
+        conv_kernel: 4,
+        tiled_v_heads: false,
+    };
+    for t in [128usize, 512, 2048] {
+        let up = |v: &[f32]| be.upload(v).unwrap();
+        let (p, ba) = (up(&rnd(t * d.p_stride(), 1)), up(&rnd(t * 2 * d.n_v_heads, 2)));
+        let state = up(&rnd(d.n_v_heads * 128 * 128, 3));
+        let (dt, na, nw) = (up(&rnd(32, 4)), up(&vec![-1.0; 32]), up(&rnd(128, 5)));
+        let out = be.alloc_zeros::<f32>(t * 32 * 128).unwrap();
+        let work = be.alloc_zeros::<f32>(d.chunk_work_floats(t)).unwrap();
+        let vectors = [dt.ptr(), na.ptr(), nw.ptr()];
+        let launch = || {
+            be.delta_rule_chunked(d, p.ptr(), ba.ptr(), state.ptr(), vectors, work.ptr(), out.ptr(), t, 1e-6)
+                .unwrap()
+        };
+        let us = mean_launch_us(be, 2, 10, launch);
+        let conv_w = up(&rnd(d.conv_dim() * 4, 6));
+        let conv_state = up(&rnd(d.conv_dim() * 3, 7));
+        let raw = be.alloc_zeros::<f32>((t + 3) * d.conv_dim()).unwrap();
+        let conv = || be.delta_conv_rows(d, p.ptr(), conv_state.ptr(), conv_w.ptr(), raw.ptr(), t).unwrap();
+        let conv_us = mean_launch_us(be, 2, 10, conv);
+        eprintln!("TIMING delta chunked t {t}: rule {us:.1} us, conv {conv_us:.1} us");
+    }
+}
+
 /// The prefill conv over every (token, channel) at once equals the token-by-token conv: outputs
 /// and the state it leaves, calls shorter than the conv's history and longer, from a nonzero state.
 #[test]

@@ -192,8 +192,9 @@ impl Batcher {
 
     /// The kept cache sharing the longest reusable prefix with `prompt` (at most all but its
     /// last token, which must be fed for its logits; with recurrent state, up to its latest
-    /// checkpoint there) that has room for the request, rewound to that prefix and taken out of
-    /// the store. A cache whose rewind fails on the device is dropped.
+    /// checkpoint there), rewound to that prefix, given room for the request
+    /// ([`Engine::reserve`]) and taken out of the store. A cache whose rewind or growth fails on
+    /// the device is dropped; one that cannot grow stays (a miss).
     fn reuse_prefix<E: Engine + ?Sized>(
         &mut self,
         engine: &E,
@@ -209,12 +210,13 @@ impl Batcher {
         let mut best: Option<(usize, usize)> = None;
         for (i, (tokens, cache)) in self.prefixes.iter().enumerate() {
             let reach = cache.rewind_point(shared(tokens).min(prompt.len() - 1)).unwrap_or(0);
-            if reach > 0 && cache.capacity() >= need && best.is_none_or(|(_, b)| reach > b) {
+            if reach > 0 && best.is_none_or(|(_, b)| reach > b) {
                 best = Some((i, reach));
             }
         }
         let (i, n) = best?;
-        match engine.rewind(&mut self.prefixes[i].1, n) {
+        let cache = &mut self.prefixes[i].1;
+        match engine.rewind(cache, n).and_then(|done| Ok(done && engine.reserve(cache, need)?)) {
             Ok(true) => {}
             Ok(false) => return None,
             Err(_) => {

@@ -165,6 +165,20 @@ impl Engine for GpuEngine {
         c.tokens.truncate(n);
         Ok(true)
     }
+    /// A cache too small for `capacity` moves into a larger device allocation where its rows
+    /// keep their layout (`GpuModel::grow_kv_cache`; a session already on the CPU grows there).
+    fn reserve(&self, cache: &mut KvCache, capacity: usize) -> Result<bool, EngineError> {
+        let kind = self.kind();
+        let KvCache::Gpu(c) = cache else { return Err(wrong_cache(kind, cache)) };
+        if c.cpu.is_some() || c.kv.capacity() >= capacity {
+            return Ok(true);
+        }
+        match self.gpu.grow_kv_cache(&c.kv, capacity)? {
+            Some(kv) => c.kv = kv,
+            None => return Ok(false),
+        }
+        Ok(true)
+    }
     fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError> {
         self.forward_rows(tokens, phase, cache, LogitRows::All)
     }

@@ -299,6 +299,12 @@ pub trait Engine {
     fn rewind(&self, cache: &mut KvCache, n: usize) -> Result<bool, EngineError> {
         Ok(cache.truncate(n))
     }
+    /// Make room in `cache` for `capacity` positions, keeping what it holds (a kept prefix
+    /// taken by a longer request); false where it cannot grow. The CPU engines' caches grow as
+    /// they fill; the GPU's, allocated for a request, move into a larger allocation.
+    fn reserve(&self, cache: &mut KvCache, capacity: usize) -> Result<bool, EngineError> {
+        Ok(cache.capacity() >= capacity)
+    }
     /// Whether forward calls copy logits rows back (default on); off: only greedy tokens.
     fn set_copy_logits(&mut self, _on: bool) {}
     /// Whether forward calls copy logits rows back now (the CPU engines always do).

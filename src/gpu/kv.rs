@@ -59,6 +59,35 @@ impl KvBufs {
             KvBufs::Q8_0(b) => b.iter().map(DeviceBuffer::bytes).sum(),
         }
     }
+    /// Queue a copy of layer `l`'s values `[from, from + n)` to `[to, to + n)` of `dst`'s layer
+    /// `l` (a cache of the same type; whole q8_0 blocks: every row is).
+    fn copy_values(
+        &self,
+        dst: &KvBufs,
+        be: &CudaBackend,
+        l: usize,
+        [from, to, n]: [usize; 3],
+    ) -> Result<(), GpuError> {
+        fn go<T>(
+            be: &CudaBackend,
+            s: &DeviceBuffer<T>,
+            d: &DeviceBuffer<T>,
+            from: usize,
+            to: usize,
+            n: usize,
+        ) -> Result<(), GpuError> {
+            Ok(be.copy(s.ptr().sub(from, n), d.ptr().sub(to, n))?)
+        }
+        let q8 = |x: usize| KvType::Q8_0.bytes_of(x as u64) as usize;
+        match (self, dst) {
+            (KvBufs::F32(s), KvBufs::F32(d)) => go(be, &s[l], &d[l], from, to, n),
+            (KvBufs::F16(s), KvBufs::F16(d)) | (KvBufs::Bf16(s), KvBufs::Bf16(d)) => {
+                go(be, &s[l], &d[l], from, to, n)
+            }
+            (KvBufs::Q8_0(s), KvBufs::Q8_0(d)) => go(be, &s[l], &d[l], q8(from), q8(to), q8(n)),
+            _ => unreachable!("a cache grows into one of its own type"),
+        }
+    }
     fn n_layers(&self) -> usize {
         match self {
             KvBufs::F32(b) => b.len(),
@@ -261,6 +290,45 @@ impl GpuKvCache {
         self.n_positions = n;
         true
     }
+    /// Whether a cache of `capacity` positions keeps this one's row layout in every layer, so
+    /// [`Self::copy_layer_into`] can move it there: not where a sliding-window layer's rows
+    /// would turn from linear into the mirrored ring (`kv_ring_rows`).
+    pub(crate) fn can_grow_to(&self, plan: &LayerPlan, capacity: usize) -> bool {
+        let ring = |l: &crate::model::arch::LayerSpec| {
+            l.as_attention().map_or(0, |a| kv_ring_positions(a.window.unwrap_or(0)))
+        };
+        let linear = |ring: usize, capacity: usize| ring == 0 || capacity < 2 * ring;
+        plan.layers().iter().map(ring).all(|r| linear(r, self.capacity) == linear(r, capacity))
+    }
+
+    /// Queue copies of layer `l`'s positions (and recurrent state) into `new`, a larger cache of
+    /// the same plan and type on the same devices (`be` runs layer `l`) with the same row
+    /// layout ([`Self::can_grow_to`]).
+    pub(crate) fn copy_layer_into(
+        &self,
+        new: &GpuKvCache,
+        be: &CudaBackend,
+        layer: &Mixer,
+        l: usize,
+    ) -> Result<(), GpuError> {
+        let n = self.n_positions;
+        match layer {
+            Mixer::Attention(a) => {
+                let (d, ring) = (a.kv_dim(), kv_ring_positions(a.window.unwrap_or(0)));
+                // a ring's rows whole, else the positions held
+                let rows = if ring > 0 && self.capacity >= 2 * ring { 2 * ring } else { n };
+                self.k.copy_values(&new.k, be, l, [0, 0, rows * d])?;
+                self.v.copy_values(&new.v, be, l, [0, 0, rows * d])
+            }
+            Mixer::LatentAttention(m) => self.k.copy_values(&new.k, be, l, [0, 0, n * m.cache_width()]),
+            Mixer::GatedDeltaNet(_) => {
+                let (from, to) = (self.delta_state(l), new.delta_state(l));
+                be.copy(from.conv, to.conv)?;
+                Ok(be.copy(from.matrix, to.matrix)?)
+            }
+        }
+    }
+
     pub fn bytes(&self) -> usize {
         let delta: usize = self.delta.iter().flatten().map(|d| d.conv.bytes() + d.matrix.bytes()).sum();
         self.k.bytes() + self.v.bytes() + delta

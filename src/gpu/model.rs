@@ -358,6 +358,26 @@ impl GpuModel {
         GpuKvCache::new(&bes, &self.shards[0].dev.plan, c.kv_dim(), capacity, self.kv_type())
     }
 
+    /// A cache of `capacity` positions holding what `old` holds (its positions and recurrent
+    /// state copied on the devices): a kept prefix taken by a longer request. `None` where a
+    /// sliding-window layer's rows would change layout (`GpuKvCache::can_grow_to`); fails as
+    /// [`Self::new_kv_cache`] does (`capacity` past the model's positions, device memory).
+    pub fn grow_kv_cache(&self, old: &GpuKvCache, capacity: usize) -> Result<Option<GpuKvCache>, GpuError> {
+        if !old.can_grow_to(&self.shards[0].dev.plan, capacity) {
+            return Ok(None);
+        }
+        let mut new = self.new_kv_cache(capacity.max(old.capacity()))?;
+        for (d, shard) in self.shards.iter().enumerate() {
+            self.enter(d)?;
+            for l in shard.dev.layers.clone() {
+                old.copy_layer_into(&new, &shard.dev.be, &shard.dev.plan.layers()[l].mixer, l)?;
+            }
+        }
+        self.enter(0)?;
+        new.n_positions = old.n_positions();
+        Ok(Some(new))
+    }
+
     /// `kv`'s recurrent (DeltaNet) state copied to the host, each layer's from its device: a
     /// checkpoint for prefix reuse (`GpuModel::write_recurrent` puts it back).
     pub fn read_recurrent(&self, kv: &GpuKvCache) -> Result<RecurrentState, GpuError> {

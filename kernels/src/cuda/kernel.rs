@@ -117,6 +117,21 @@ pub const DELTA_MAX_CONV_KERNEL: usize = 8;
 /// chunk's normalised q and k (`[chunk, dk + 1]` each) and its `chunk x chunk` system in static
 /// shared memory, a scan thread its `chunk` partial sums in registers.
 pub const DELTA_CHUNK: usize = 32;
+/// Value columns of a head's state one block of the chunked DeltaNet scan keeps
+/// (`-DDELTA_SCAN_COLS`): a thread per chunk row and 4 columns, so
+/// [`DELTA_CHUNK`] x this / 4 threads a block ([`DELTA_SCAN_THREADS`]).
+pub const DELTA_SCAN_COLS: usize = 32;
+/// Threads of a chunked DeltaNet scan block.
+pub const DELTA_SCAN_THREADS: usize = DELTA_CHUNK * DELTA_SCAN_COLS / 4;
+
+/// Dynamic shared memory of a chunked DeltaNet scan block (`DeltaScanSmem` in delta_net.cu): a
+/// chunk's W, QG and KG rows (padded to [`DELTA_MAX_KEY_DIM`] + 4), its U0 columns and QK rows
+/// (padded to [`DELTA_CHUNK`] + 4), the decay, the state's rows and u. 78 KiB: under the 99 KiB
+/// a block may opt in to on every sm_80+ device.
+pub const fn delta_scan_shared_bytes() -> usize {
+    let (c, cols) = (DELTA_CHUNK, DELTA_SCAN_COLS);
+    4 * (3 * c * (DELTA_MAX_KEY_DIM + 4) + c * cols + c * (c + 4) + 4 + DELTA_MAX_KEY_DIM * cols + c * cols)
+}
 
 /// Query heads of one latent attention block (`-DMLA_HEADS`): each cache row a block reads feeds
 /// this many heads (warp g runs head g's softmax, so it equals [`ATTENTION_SPLIT_WARPS`]).
@@ -333,7 +348,7 @@ pub fn kernel_source() -> String {
 }
 
 /// The names [`shared_defines`] defines (common.cuh refuses to compile without each).
-pub const SHARED_DEFINE_NAMES: [&str; 44] = [
+pub const SHARED_DEFINE_NAMES: [&str; 45] = [
     "ROWS_PER_BLOCK",
     "ATT_CHUNK",
     "ATT_MAXC",
@@ -363,6 +378,7 @@ pub const SHARED_DEFINE_NAMES: [&str; 44] = [
     "DELTA_MAX_DK",
     "DELTA_MAX_KERNEL",
     "DELTA_CHUNK",
+    "DELTA_SCAN_COLS",
     "ROUTE_SIG_MAXE",
     "ROUTE_SIG_MAXG",
     "ATT_COMBINE_DIMS",
@@ -412,6 +428,7 @@ pub fn shared_defines() -> Vec<String> {
         format!("-DDELTA_MAX_DK={DELTA_MAX_KEY_DIM}"),
         format!("-DDELTA_MAX_KERNEL={DELTA_MAX_CONV_KERNEL}"),
         format!("-DDELTA_CHUNK={DELTA_CHUNK}"),
+        format!("-DDELTA_SCAN_COLS={DELTA_SCAN_COLS}"),
         format!("-DROUTE_SIG_MAXE={ROUTE_SIGMOID_MAX_EXPERTS}"),
         format!("-DROUTE_SIG_MAXG={ROUTE_SIGMOID_MAX_GROUPS}"),
         format!("-DATT_COMBINE_DIMS={ATTENTION_COMBINE_DIMS}"),

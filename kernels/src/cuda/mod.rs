@@ -996,7 +996,8 @@ fn allow_pipe_shared(functions: &[CudaFunction]) -> Result<()> {
         ])
         .chain(Kernel::ATTENTION_TILED.map(|k| (k, tiles)))
         .chain(Kernel::ATTENTION_MMA_WIDE.map(|k| (k, wide)))
-        .chain(Kernel::MLA_ATTENTION_MMA.map(|k| (k, kernel::mla_mma_shared_bytes())));
+        .chain(Kernel::MLA_ATTENTION_MMA.map(|k| (k, kernel::mla_mma_shared_bytes())))
+        .chain([(Kernel::DeltaChunkScanF32, kernel::delta_scan_shared_bytes())]);
     for (k, bytes) in large {
         let bytes = bytes as i32;
         functions[k as usize]

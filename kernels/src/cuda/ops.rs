@@ -6,12 +6,13 @@
 
 use super::epilogue::{bias_arg, cache_slots, GateUpEpilogue};
 use super::kernel::{
-    attention_mma_wide_shared_bytes, grouped_pipe_shared_bytes, Kernel, ARGMAX_BLOCK, ATTENTION_COMBINE_DIMS,
-    ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS, ATTENTION_MMA_WARPS, ATTENTION_MMA_WIDE_MAX_HEAD_DIM,
-    ATTENTION_SPLIT_THREADS, ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS,
-    DELTA_CHUNK, DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, GEMV_MMA_MIN_WARPS_PER_SM, GEMV_MMA_TOKENS,
-    GEMV_MMA_WARPS, GEMV_SPLIT_WARPS, GROUPED_DECODE_TILE_ROWS, GROUPED_THREADS, GROUPED_TILE_COLS,
-    GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
+    attention_mma_wide_shared_bytes, delta_scan_shared_bytes, grouped_pipe_shared_bytes, Kernel,
+    ARGMAX_BLOCK, ATTENTION_COMBINE_DIMS, ATTENTION_MMA_MAX_HEAD_DIM, ATTENTION_MMA_THREADS,
+    ATTENTION_MMA_WARPS, ATTENTION_MMA_WIDE_MAX_HEAD_DIM, ATTENTION_SPLIT_THREADS,
+    ATTENTION_TILE_MAX_HEAD_DIM, ATTENTION_TILE_ROWS, ATTENTION_TILE_THREADS, DELTA_CHUNK,
+    DELTA_MAX_CONV_KERNEL, DELTA_MAX_KEY_DIM, DELTA_SCAN_COLS, DELTA_SCAN_THREADS, GEMV_MMA_MIN_WARPS_PER_SM,
+    GEMV_MMA_TOKENS, GEMV_MMA_WARPS, GEMV_SPLIT_WARPS, GROUPED_DECODE_TILE_ROWS, GROUPED_THREADS,
+    GROUPED_TILE_COLS, GROUPED_TILE_ROWS, HOT_DOWN_ROWS, ROWS_PER_BLOCK, ROW_BLOCK_THREADS,
 };
 use super::{CudaBackend, CudaError, DPtr, Result};
 use crate::kv::{kv_ring_positions, kv_ring_rows, KvType, KV_RING_CHUNK_POSITIONS};
@@ -332,7 +333,8 @@ impl DeltaShape {
     /// Floats of the chunked prefill's work buffer for `n_tokens` ([`CudaBackend::delta_rule_chunked`]):
     /// one record per value head and chunk of [`DELTA_CHUNK`] tokens (`kernels/cuda/delta_net.cu`).
     pub fn chunk_work_floats(&self, n_tokens: usize) -> usize {
-        let (dk, dv, c) = (self.k_head_dim, self.v_head_dim, DELTA_CHUNK);
+        let (dk, dv, c) =
+            (self.k_head_dim.next_multiple_of(4), self.v_head_dim.next_multiple_of(4), DELTA_CHUNK);
         self.n_v_heads * n_tokens.div_ceil(c) * (c * (3 * dk + dv + c) + 4)
     }
     /// Floats of the work buffer a prefill of `n_tokens` needs: the conv's raw inputs
@@ -1082,9 +1084,10 @@ impl CudaBackend {
             tiled
         ];
         self.launch(PREP, (d.n_v_heads as u32, chunks, 1), 128, 0, args)?;
-        let col_blocks = d.v_head_dim.div_ceil(32) as u32;
+        let col_blocks = d.v_head_dim.div_ceil(DELTA_SCAN_COLS) as u32;
         let args = args![work.raw(), state.raw(), out.raw(), nv, dk, dv, i(n_tokens)];
-        self.launch(Kernel::DeltaChunkScanF32, (d.n_v_heads as u32, col_blocks, 1), 128, 0, args)?;
+        let (threads, smem) = (DELTA_SCAN_THREADS as u32, delta_scan_shared_bytes() as u32);
+        self.launch(Kernel::DeltaChunkScanF32, (d.n_v_heads as u32, col_blocks, 1), threads, smem, args)?;
         let threads = d.v_head_dim.div_ceil(32) as u32 * 32;
         let args = args![p.raw(), i(d.p_stride()), norm.raw(), out.raw(), nk, nv, dk, dv, eps];
         self.launch(Kernel::DeltaGatedNormF32, (n_tokens as u32, d.n_v_heads as u32, 1), threads, 0, args)
