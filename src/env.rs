@@ -11,7 +11,6 @@
 //! | `MOE_LANES_CUDA_DEVICE` | CUDA device ordinal: the GPU engine runs on this one device (default 0; `--devices` splits the layers over several) |
 //! | `MOE_LANES_NVRTC_CACHE` | cubin cache (default `$XDG_CACHE_HOME/moe-lanes/nvrtc` or `~/.cache/moe-lanes/nvrtc`) |
 //! | `CUDA_HOME`, `CUDA_PATH`, `CUDA_ROOT` | where NVRTC finds the CUDA headers |
-//! | `MOE_LANES_GEMV_ROW_PAIRS=1` | batched-decode projections of many blocks (the lm_head) on 32-row tensor-core GEMV blocks, each block's activations read once for twice the weights (off by default until measured) |
 //! | `MOE_LANES_PDL=0` | launch kernels without programmatic dependent launch (on by default where the GPU has it, sm_90+: a kernel's blocks are scheduled while the one before it finishes) |
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
@@ -118,18 +117,7 @@ pub fn cuda_config() -> Result<CudaConfig, EnvError> {
         Some("0") => false,
         Some(v) => return Err(bad("MOE_LANES_PDL", v, "0 or 1")),
     };
-    let gemv_mma_row_pairs = match var("MOE_LANES_GEMV_ROW_PAIRS").as_deref().map(str::trim) {
-        None | Some("0") => false,
-        Some("1") => true,
-        Some(v) => return Err(bad("MOE_LANES_GEMV_ROW_PAIRS", v, "0 or 1")),
-    };
-    Ok(CudaConfig {
-        device_ordinal,
-        nvrtc_cache_dir,
-        cuda_include_dir,
-        programmatic_launch,
-        gemv_mma_row_pairs,
-    })
+    Ok(CudaConfig { device_ordinal, nvrtc_cache_dir, cuda_include_dir, programmatic_launch })
 }
 
 /// `MOE_LANES_GPU_PROFILE` set to anything but `0`.

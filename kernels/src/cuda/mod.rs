@@ -376,8 +376,6 @@ pub struct CudaBackend {
     capturing: std::sync::atomic::AtomicBool,
     /// Kernels are launched with programmatic stream serialization ([`CudaConfig`]).
     programmatic: bool,
-    /// [`CudaConfig::gemv_mma_row_pairs`].
-    pub(crate) gemv_mma_row_pairs: bool,
     /// The grouped expert GEMMs (bf16 and quantized caches) take the pipelined kernels where the
     /// shapes allow (sm_80 and later; [`CudaBackend::set_grouped_pipeline`] turns them off for
     /// the tests that compare them with the synchronous ones, which unaligned shapes and older
@@ -416,10 +414,6 @@ pub struct CudaConfig {
     /// capability 9.0 and later): a kernel's blocks may be scheduled while the kernel before it
     /// finishes, and wait there (`pdl_enter` in common.cuh). Default on.
     pub programmatic_launch: bool,
-    /// Batched-decode projections of many blocks take 32-row blocks of the tensor-core GEMV
-    /// (`ops::GemvMmaBlock::RowPairs`: each block's activations read once for twice the weights)
-    /// instead of 16-row ones. Default off until measured (`MOE_LANES_GEMV_ROW_PAIRS=1`).
-    pub gemv_mma_row_pairs: bool,
 }
 
 impl Default for CudaConfig {
@@ -429,7 +423,6 @@ impl Default for CudaConfig {
             nvrtc_cache_dir: None,
             cuda_include_dir: None,
             programmatic_launch: true,
-            gemv_mma_row_pairs: false,
         }
     }
 }
@@ -495,7 +488,6 @@ impl CudaBackend {
                 compile,
                 capturing: Default::default(),
                 programmatic,
-                gemv_mma_row_pairs: config.gemv_mma_row_pairs,
                 grouped_pipeline: pipelined.into(),
             })
         })
