@@ -83,32 +83,36 @@ extern "C" __global__ void delta_conv_advance_f32(const float* __restrict__ raw,
     }
 }
 
-// The gated delta rule and the gated RMSNorm, token by token. One block per value head (its key
-// head: head / (nv / nk), or head % nk when `tiled`), one thread per value channel j < dv (blockDim: dv rounded up to a
-// warp), each holding column j of the head's [dk, dv] state in registers (dk <= DELTA_MAX_DK):
+// The gated delta rule, token by token (decode), before the gated RMSNorm (delta_gated_norm_f32).
+// grid (nv, ceil(dv / 32)), block 128: value head blockIdx.x (its key head: head / (nv / nk), or
+// head % nk when `tiled`), columns blockIdx.y * 32 + lane of its [dk, dv] state, warp w holding rows
+// [w R, w R + R) (R = ceil(dk / 4)) of its lane's column in registers (dk <= DELTA_MAX_DK):
 //   q, k = l2norm(q), l2norm(k) (q also / sqrt(dk)); beta = sigmoid(b); g = neg_a * softplus(a + dt_bias)
 //   S *= exp(g); S[:, j] += k * beta * (v_j - S[:, j] . k); o_j = S[:, j] . q
-//   out_j = o_j * rsqrt(mean(o^2) + eps) * norm_w[j] * silu(z_j)
-// state [nv, dk, dv] moves on by the call's tokens. out rows: vd. grid (nv), block dv up to 32.
-extern "C" __global__ void delta_rule_f32(const float* __restrict__ p, int p_stride, const float* __restrict__ ba,
-                                          float* state, const float* __restrict__ dt_bias,
-                                          const float* __restrict__ neg_a, const float* __restrict__ norm_w,
-                                          float* __restrict__ out, int nk, int nv, int dk, int dv, float eps,
-                                          int n_tokens, int tiled) {
+// the dot products summed over the four warps in shared memory. state [nv, dk, dv] moves on by the
+// call's tokens; out gets each token's o (vd a row).
+extern "C" __global__ void __launch_bounds__(128)
+    delta_rule_f32(const float* __restrict__ p, int p_stride, const float* __restrict__ ba, float* state,
+                   const float* __restrict__ dt_bias, const float* __restrict__ neg_a, float* __restrict__ out,
+                   int nk, int nv, int dk, int dv, int n_tokens, int tiled) {
     pdl_enter();
     __shared__ float qs[DELTA_MAX_DK], ks[DELTA_MAX_DK];
-    int head = blockIdx.x, j = threadIdx.x;
-    bool mine = j < dv;
+    __shared__ float red[2][4][32];
+    int head = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int col = blockIdx.y * 32 + lane;
+    bool mine = col < dv;
+    int rows = (dk + 3) / 4, row0 = warp * rows, mine_rows = max(0, min(rows, dk - row0));
     int kh = tiled ? head % nk : head / (nv / nk), kd = nk * dk, vd = nv * dv;
     float* st = state + (size_t)head * dk * dv;
-    float s[DELTA_MAX_DK];
+    float s[DELTA_MAX_DK / 4];
 #pragma unroll
-    for (int i = 0; i < DELTA_MAX_DK; ++i) s[i] = (mine && i < dk) ? st[(size_t)i * dv + j] : 0.f;
+    for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
+        s[ii] = (mine && ii < mine_rows) ? st[(size_t)(row0 + ii) * dv + col] : 0.f;
     float q_dim_scale = rsqrtf((float)dk);
     for (int t = 0; t < n_tokens; ++t) {
         const float* row = p + (size_t)t * p_stride;
         float qq = 0.f, kk = 0.f;
-        for (int i = j; i < dk; i += blockDim.x) {
+        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
             float a = row[kh * dk + i], b = row[kd + kh * dk + i];
             qs[i] = a;
             ks[i] = b;
@@ -118,37 +122,37 @@ extern "C" __global__ void delta_rule_f32(const float* __restrict__ p, int p_str
         qq = block_sum(qq);  // its barriers also publish qs and ks
         kk = block_sum(kk);
         float q_scale = rsqrtf(qq + 1e-6f) * q_dim_scale, k_scale = rsqrtf(kk + 1e-6f);
-        float o = 0.f, z = 0.f;
-        if (mine) {
-            float v = row[2 * kd + head * dv + j];
-            z = row[2 * kd + vd + head * dv + j];
-            const float* bat = ba + (size_t)t * 2 * nv;
-            float beta = 1.f / (1.f + expf(-bat[head]));
-            float x = bat[nv + head] + dt_bias[head];
-            float decay = expf(neg_a[head] * (x > 20.f ? x : log1pf(expf(x))));
-            float kv = 0.f;
+        const float* bat = ba + (size_t)t * 2 * nv;
+        float beta = 1.f / (1.f + expf(-bat[head]));
+        float x = bat[nv + head] + dt_bias[head];
+        float decay = expf(neg_a[head] * (x > 20.f ? x : log1pf(expf(x))));
+        float kv = 0.f;
 #pragma unroll
-            for (int i = 0; i < DELTA_MAX_DK; ++i)
-                if (i < dk) {
-                    s[i] *= decay;
-                    kv += s[i] * (ks[i] * k_scale);
-                }
-            float delta = beta * (v - kv);
+        for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
+            if (ii < mine_rows) {
+                s[ii] *= decay;
+                kv += s[ii] * (ks[row0 + ii] * k_scale);
+            }
+        red[0][warp][lane] = kv;
+        __syncthreads();
+        kv = red[0][0][lane] + red[0][1][lane] + red[0][2][lane] + red[0][3][lane];
+        float v = mine ? row[2 * kd + head * dv + col] : 0.f;
+        float delta = beta * (v - kv), o = 0.f;
 #pragma unroll
-            for (int i = 0; i < DELTA_MAX_DK; ++i)
-                if (i < dk) {
-                    s[i] += (ks[i] * k_scale) * delta;
-                    o += s[i] * (qs[i] * q_scale);
-                }
-        }
-        float ss = block_sum(o * o);  // ends with a barrier: qs and ks are free for the next token
-        if (mine) out[(size_t)t * vd + (size_t)head * dv + j] = o * rsqrtf(ss / (float)dv + eps) * norm_w[j] * silu(z);
+        for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
+            if (ii < mine_rows) {
+                s[ii] += (ks[row0 + ii] * k_scale) * delta;
+                o += s[ii] * (qs[row0 + ii] * q_scale);
+            }
+        red[1][warp][lane] = o;
+        __syncthreads();  // every warp is past this token's qs, ks and red[0]
+        if (warp == 0 && mine)
+            out[(size_t)t * vd + (size_t)head * dv + col] =
+                red[1][0][lane] + red[1][1][lane] + red[1][2][lane] + red[1][3][lane];
     }
-    if (mine) {
 #pragma unroll
-        for (int i = 0; i < DELTA_MAX_DK; ++i)
-            if (i < dk) st[(size_t)i * dv + j] = s[i];
-    }
+    for (int ii = 0; ii < DELTA_MAX_DK / 4; ++ii)
+        if (mine && ii < mine_rows) st[(size_t)(row0 + ii) * dv + col] = s[ii];
 }
 
 // The chunked prefill (the WY / UT-transform form of flash-linear-attention's chunk_gated_delta_rule),
@@ -430,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(DS_THREADS)
         }
 }
 
-// The gated RMSNorm of the chunked prefill's read-outs, in place: out_j = o_j * rsqrt(mean(o^2) + eps)
+// The gated RMSNorm of the delta rule's read-outs (either form), in place: out_j = o_j * rsqrt(mean(o^2) + eps)
 // * norm_w[j] * silu(z_j), z from p. grid (n_tokens, nv), block dv rounded up to a warp.
 extern "C" __global__ void delta_gated_norm_f32(const float* __restrict__ p, int p_stride,
                                                 const float* __restrict__ norm_w, float* out, int nk, int nv,

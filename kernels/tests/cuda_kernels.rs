@@ -1980,9 +1980,9 @@ fn delta_rule_chunked_equals_the_recurrent_kernel() {
     }
 }
 
-/// Timing, not a check (`--ignored`): the chunked DeltaNet prefill and its conv over 512 tokens of
-/// a Qwen3.6-35B-A3B DeltaNet layer (16 key heads, 32 value heads, both of 128), the mean of 10
-/// calls after 2 warm-ups.
+/// Timing, not a check (`--ignored`): the chunked DeltaNet prefill and its conv over 128, 512 and
+/// 2048 tokens of a Qwen3.6-35B-A3B DeltaNet layer (16 key heads, 32 value heads, both of 128), the
+/// mean of 10 calls after 2 warm-ups; then one decode token's rule and conv (50 calls).
 #[test]
 #[ignore]
 fn delta_rule_chunked_timing() {
@@ -2016,6 +2016,19 @@ fn delta_rule_chunked_timing() {
         let conv_us = mean_launch_us(be, 2, 10, conv);
         eprintln!("TIMING delta chunked t {t}: rule {us:.1} us, conv {conv_us:.1} us");
     }
+    // decode: one token through the recurrent kernels
+    let up = |v: &[f32]| be.upload(v).unwrap();
+    let (p, ba) = (up(&rnd(d.p_stride(), 1)), up(&rnd(2 * d.n_v_heads, 2)));
+    let state = up(&rnd(d.n_v_heads * 128 * 128, 3));
+    let (dt, na, nw) = (up(&rnd(32, 4)), up(&vec![-1.0; 32]), up(&rnd(128, 5)));
+    let out = be.alloc_zeros::<f32>(32 * 128).unwrap();
+    let vectors = [dt.ptr(), na.ptr(), nw.ptr()];
+    let rule = || be.delta_rule(d, p.ptr(), ba.ptr(), state.ptr(), vectors, out.ptr(), 1, 1e-6).unwrap();
+    let us = mean_launch_us(be, 5, 50, rule);
+    let (conv_w, conv_state) = (up(&rnd(d.conv_dim() * 4, 6)), up(&rnd(d.conv_dim() * 3, 7)));
+    let conv = || be.delta_conv(d, p.ptr(), conv_state.ptr(), conv_w.ptr(), 1).unwrap();
+    let conv_us = mean_launch_us(be, 5, 50, conv);
+    eprintln!("TIMING delta decode t 1: rule {us:.1} us, conv {conv_us:.1} us");
 }
 
 /// The prefill conv over every (token, channel) at once equals the token-by-token conv: outputs

@@ -996,7 +996,9 @@ impl CudaBackend {
 
     /// The gated delta rule and gated RMSNorm of a DeltaNet layer over `n_tokens` rows of `p`
     /// (after [`CudaBackend::delta_conv`]) and `ba` (`[b | a]`, `2 * n_v_heads` a row), moving
-    /// `state` (`[n_v_heads, k_head_dim, v_head_dim]`) on; `out` gets `value_dim` a row.
+    /// `state` (`[n_v_heads, k_head_dim, v_head_dim]`) on; `out` gets `value_dim` a row. Two
+    /// launches: the rule token by token over blocks of 32 value columns of each head (four
+    /// warps splitting the key rows), then the norm (`delta_gated_norm_f32`).
     #[allow(clippy::too_many_arguments)]
     pub fn delta_rule(
         &self,
@@ -1018,8 +1020,8 @@ impl CudaBackend {
         need(K, "neg_a", neg_a, d.n_v_heads)?;
         need(K, "norm", norm, d.v_head_dim)?;
         need(K, "out", out, n_tokens * d.n_v_heads * d.v_head_dim)?;
-        let threads = d.v_head_dim.div_ceil(32) as u32 * 32;
-        let (nk, nv, dk, dv) = (d.n_k_heads, d.n_v_heads, d.k_head_dim, d.v_head_dim);
+        let (nk, nv, dk, dv) = (i(d.n_k_heads), i(d.n_v_heads), i(d.k_head_dim), i(d.v_head_dim));
+        let tiled = i(d.tiled_v_heads as usize);
         let args = args![
             p.raw(),
             i(d.p_stride()),
@@ -1027,17 +1029,34 @@ impl CudaBackend {
             state.raw(),
             dt_bias.raw(),
             neg_a.raw(),
-            norm.raw(),
             out.raw(),
-            i(nk),
-            i(nv),
-            i(dk),
-            i(dv),
-            eps,
+            nk,
+            nv,
+            dk,
+            dv,
             i(n_tokens),
-            i(d.tiled_v_heads as usize)
+            tiled
         ];
-        self.launch(K, (nv as u32, 1, 1), threads, 0, args)
+        let col_blocks = d.v_head_dim.div_ceil(32) as u32;
+        self.launch(K, (d.n_v_heads as u32, col_blocks, 1), 128, 0, args)?;
+        self.delta_gated_norm(d, p, norm, out, n_tokens, eps)
+    }
+
+    /// The gated RMSNorm of the delta rule's read-outs in `out`, in place (`z` from `p`).
+    #[allow(clippy::too_many_arguments)]
+    fn delta_gated_norm(
+        &self,
+        d: DeltaShape,
+        p: DPtr<f32>,
+        norm: DPtr<f32>,
+        out: DPtr<f32>,
+        n_tokens: usize,
+        eps: f32,
+    ) -> Result<()> {
+        let (nk, nv, dk, dv) = (i(d.n_k_heads), i(d.n_v_heads), i(d.k_head_dim), i(d.v_head_dim));
+        let threads = d.v_head_dim.div_ceil(32) as u32 * 32;
+        let args = args![p.raw(), i(d.p_stride()), norm.raw(), out.raw(), nk, nv, dk, dv, eps];
+        self.launch(Kernel::DeltaGatedNormF32, (n_tokens as u32, d.n_v_heads as u32, 1), threads, 0, args)
     }
 
     /// The same as [`CudaBackend::delta_rule`] over a run of tokens in its chunked form, three
@@ -1090,9 +1109,7 @@ impl CudaBackend {
         let args = args![work.raw(), state.raw(), out.raw(), nv, dk, dv, i(n_tokens)];
         let (threads, smem) = (DELTA_SCAN_THREADS as u32, delta_scan_shared_bytes() as u32);
         self.launch(Kernel::DeltaChunkScanF32, (d.n_v_heads as u32, col_blocks, 1), threads, smem, args)?;
-        let threads = d.v_head_dim.div_ceil(32) as u32 * 32;
-        let args = args![p.raw(), i(d.p_stride()), norm.raw(), out.raw(), nk, nv, dk, dv, eps];
-        self.launch(Kernel::DeltaGatedNormF32, (n_tokens as u32, d.n_v_heads as u32, 1), threads, 0, args)
+        self.delta_gated_norm(d, p, norm, out, n_tokens, eps)
     }
 
     /// `out = silu(g) * u` on the first `n` elements.
