@@ -277,6 +277,8 @@ fn a_q4_k_m_file_mixes_block_types_like_llama_cpp() {
 /// every weight is dequantised in registers (decode, and prefill calls of a few rows): the same
 /// f32 values as the CPU, only the summation order differs.
 const GPU_EXACT_TOLERANCE: f64 = 1e-3;
+/// [`GPU_EXACT_TOLERANCE`] for the DeltaNet hybrids (issue 40's GPU bound).
+const GPU_HYBRID_TOLERANCE: f64 = 2e-3;
 /// The same for long prompts, whose prefill multiplies dequantised rows rounded to bf16 on the
 /// tensor cores (~2^-9 relative per weight); the KV cache carries that into the decode rows.
 const GPU_TENSOR_CORE_TOLERANCE: f64 = 2e-2;
@@ -391,6 +393,48 @@ fn gpu_runs(prompts: &[&[u32]], n_decode: usize, tolerance: f64, activations: De
 #[test]
 fn every_mix_runs_on_the_gpu_engine_at_every_cache_size_within_tolerance() {
     gpu_runs(&PROMPTS, 4, GPU_EXACT_TOLERANCE, DecodeActivations::F32);
+}
+
+/// A quantized Qwen3.5-MoE hybrid (DeltaNet and gated attention layers, a gated shared expert)
+/// prefills and decodes on the GPU engine within bounds of the reference at hot caches none /
+/// half / all, with f32 and 8-bit activations. The f32 bound is issue 40's for the hybrids on the
+/// GPU (2e-3): on the H200 the Q4_K_M file's first prompt row at hot 0 left the reference by
+/// 1.1e-3 (the recurrent DeltaNet kernel sums in another order than the CPU).
+#[test]
+fn a_quantized_hybrid_decodes_on_the_gpu_engine_within_tolerance() {
+    if !common::gpu_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for mix in [QuantMix::Q4_K_M, QuantMix::Q8_0] {
+        let mut opts = common::synth_options(
+            "qwen3_5_moe",
+            SynthFormat::Gguf,
+            dir.path().join(format!("{mix}.gguf")),
+            5,
+        );
+        opts.dims =
+            DimOverrides { expert_ff: Some(256), shared_expert_ff: Some(256), ..DimOverrides::default() };
+        write_synthetic_quantized(&opts, mix, &mut |_, _| {}).unwrap();
+        let model = Arc::new(Model::open(&opts.out).unwrap());
+        let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+        let runs =
+            [(DecodeActivations::F32, GPU_HYBRID_TOLERANCE), (DecodeActivations::Q8, GPU_Q8_TOLERANCE)];
+        for ((activations, tolerance), fraction) in
+            runs.into_iter().flat_map(|r| [0.0, 0.5, 1.0].map(|f| (r, f)))
+        {
+            let mut eo = options(Some(EngineKind::Gpu));
+            eo.hot = HotChoice::Budget(HotBudget::Fraction(fraction));
+            eo.activations = Some(activations);
+            let (mut gpu, _) = build_engine(&model, eo).unwrap();
+            let what = format!("qwen3_5_moe {mix} hot {fraction} activations {activations}");
+            let worst = PROMPTS
+                .iter()
+                .map(|p| check_steps(&what, reference.as_mut(), gpu.as_mut(), p, 4, tolerance))
+                .fold(0f64, f64::max);
+            eprintln!("{what}: worst relative error {worst:e}");
+        }
+    }
 }
 
 /// The K mixes' Q5_0 / Q5_1 / Q8_0 fallbacks (experts 384 wide) on the GPU engine at hot caches
