@@ -107,8 +107,9 @@ pub const GROUPED_DECODE_STAGES: usize = 4;
 /// about 4 rows to each expert.
 pub const GROUPED_DECODE_MAX_TOKENS: usize = 64;
 
-/// Largest key head dim of the Gated DeltaNet kernel (`-DDELTA_MAX_DK`): each thread keeps its
-/// column of a head's `[dk, dv]` state in this many registers (Qwen3-Next and Qwen3.5: 128).
+/// Largest key head dim of the Gated DeltaNet kernels (`-DDELTA_MAX_DK`; Qwen3-Next and Qwen3.5:
+/// 128): a decode thread keeps a quarter of this many rows of its state column in registers, a
+/// scan block a chunk's rows of this many floats in shared memory (4 x [`DELTA_CHUNK`]).
 pub const DELTA_MAX_KEY_DIM: usize = 128;
 /// Widest causal conv of the Gated DeltaNet kernel (`-DDELTA_MAX_KERNEL`; the models use 4): the
 /// history a thread keeps in registers.
