@@ -91,10 +91,12 @@ extern "C" __global__ void delta_conv_advance_f32(const float* __restrict__ raw,
 //   S *= exp(g); S[:, j] += k * beta * (v_j - S[:, j] . k); o_j = S[:, j] . q
 // the dot products summed over the four warps in shared memory. state [nv, dk, dv] moves on by the
 // call's tokens; out gets each token's o (vd a row).
-extern "C" __global__ void __launch_bounds__(128)
-    delta_rule_f32(const float* __restrict__ p, int p_stride, const float* __restrict__ ba, float* state,
-                   const float* __restrict__ dt_bias, const float* __restrict__ neg_a, float* __restrict__ out,
-                   int nk, int nv, int dk, int dv, int n_tokens, int tiled) {
+extern "C" __global__ __launch_bounds__(128) void delta_rule_f32(const float* __restrict__ p, int p_stride,
+                                                                  const float* __restrict__ ba, float* state,
+                                                                  const float* __restrict__ dt_bias,
+                                                                  const float* __restrict__ neg_a,
+                                                                  float* __restrict__ out, int nk, int nv, int dk,
+                                                                  int dv, int n_tokens, int tiled) {
     pdl_enter();
     __shared__ float qs[DELTA_MAX_DK], ks[DELTA_MAX_DK];
     __shared__ float red[2][4][32];
@@ -347,9 +349,9 @@ __device__ __forceinline__ void fma4(float (&acc)[4], float a, float4 b) {
     acc[3] += a * b.w;
 }
 
-extern "C" __global__ void __launch_bounds__(DS_THREADS)
-    delta_chunk_scan_f32(const float* __restrict__ work, float* state, float* __restrict__ out, int nv, int dk,
-                         int dv, int n_tokens) {
+extern "C" __global__ __launch_bounds__(DS_THREADS) void delta_chunk_scan_f32(const float* __restrict__ work,
+                                                                              float* state, float* __restrict__ out,
+                                                                              int nv, int dk, int dv, int n_tokens) {
     pdl_enter();
     extern __shared__ __align__(16) unsigned char ds_raw[];
     DeltaScanSmem& sm = *reinterpret_cast<DeltaScanSmem*>(ds_raw);
