@@ -2000,7 +2000,7 @@ fn delta_rule_chunked_timing() {
         let up = |v: &[f32]| be.upload(v).unwrap();
         let (p, ba) = (up(&rnd(t * d.p_stride(), 1)), up(&rnd(t * 2 * d.n_v_heads, 2)));
         let state = up(&rnd(d.n_v_heads * 128 * 128, 3));
-        let (dt, na, nw) = (up(&rnd(32, 4)), up(&vec![-1.0; 32]), up(&rnd(128, 5)));
+        let (dt, na, nw) = (up(&rnd(32, 4)), up(&[-1.0; 32]), up(&rnd(128, 5)));
         let out = be.alloc_zeros::<f32>(t * 32 * 128).unwrap();
         let work = be.alloc_zeros::<f32>(d.chunk_work_floats(t)).unwrap();
         let vectors = [dt.ptr(), na.ptr(), nw.ptr()];
@@ -2020,7 +2020,7 @@ fn delta_rule_chunked_timing() {
     let up = |v: &[f32]| be.upload(v).unwrap();
     let (p, ba) = (up(&rnd(d.p_stride(), 1)), up(&rnd(2 * d.n_v_heads, 2)));
     let state = up(&rnd(d.n_v_heads * 128 * 128, 3));
-    let (dt, na, nw) = (up(&rnd(32, 4)), up(&vec![-1.0; 32]), up(&rnd(128, 5)));
+    let (dt, na, nw) = (up(&rnd(32, 4)), up(&[-1.0; 32]), up(&rnd(128, 5)));
     let out = be.alloc_zeros::<f32>(32 * 128).unwrap();
     let vectors = [dt.ptr(), na.ptr(), nw.ptr()];
     let rule = || be.delta_rule(d, p.ptr(), ba.ptr(), state.ptr(), vectors, out.ptr(), 1, 1e-6).unwrap();
