@@ -173,11 +173,8 @@ impl Engine for GpuEngine {
         if c.cpu.is_some() || c.kv.capacity() >= capacity {
             return Ok(true);
         }
-        match self.gpu.grow_kv_cache(&c.kv, capacity)? {
-            Some(kv) => c.kv = kv,
-            None => return Ok(false),
-        }
-        Ok(true)
+        let grown = self.gpu.grow_kv_cache(&c.kv, capacity)?;
+        Ok(grown.map(|kv| c.kv = kv).is_some())
     }
     fn forward(&mut self, tokens: &[u32], phase: Phase, cache: &mut KvCache) -> Result<Logits, EngineError> {
         self.forward_rows(tokens, phase, cache, LogitRows::All)

@@ -59,32 +59,23 @@ impl KvBufs {
             KvBufs::Q8_0(b) => b.iter().map(DeviceBuffer::bytes).sum(),
         }
     }
-    /// Queue a copy of layer `l`'s values `[from, from + n)` to `[to, to + n)` of `dst`'s layer
-    /// `l` (a cache of the same type; whole q8_0 blocks: every row is).
-    fn copy_values(
-        &self,
-        dst: &KvBufs,
-        be: &CudaBackend,
-        l: usize,
-        [from, to, n]: [usize; 3],
-    ) -> Result<(), GpuError> {
+    /// Queue a copy of layer `l`'s first `n` values into `dst`'s layer `l` (a cache of the same
+    /// type; whole q8_0 blocks: every row is).
+    fn copy_prefix(&self, dst: &KvBufs, be: &CudaBackend, l: usize, n: usize) -> Result<(), GpuError> {
         fn go<T>(
             be: &CudaBackend,
             s: &DeviceBuffer<T>,
             d: &DeviceBuffer<T>,
-            from: usize,
-            to: usize,
             n: usize,
         ) -> Result<(), GpuError> {
-            Ok(be.copy(s.ptr().sub(from, n), d.ptr().sub(to, n))?)
+            Ok(be.copy(s.ptr().sub(0, n), d.ptr().sub(0, n))?)
         }
-        let q8 = |x: usize| KvType::Q8_0.bytes_of(x as u64) as usize;
         match (self, dst) {
-            (KvBufs::F32(s), KvBufs::F32(d)) => go(be, &s[l], &d[l], from, to, n),
-            (KvBufs::F16(s), KvBufs::F16(d)) | (KvBufs::Bf16(s), KvBufs::Bf16(d)) => {
-                go(be, &s[l], &d[l], from, to, n)
+            (KvBufs::F32(s), KvBufs::F32(d)) => go(be, &s[l], &d[l], n),
+            (KvBufs::F16(s), KvBufs::F16(d)) | (KvBufs::Bf16(s), KvBufs::Bf16(d)) => go(be, &s[l], &d[l], n),
+            (KvBufs::Q8_0(s), KvBufs::Q8_0(d)) => {
+                go(be, &s[l], &d[l], KvType::Q8_0.bytes_of(n as u64) as usize)
             }
-            (KvBufs::Q8_0(s), KvBufs::Q8_0(d)) => go(be, &s[l], &d[l], q8(from), q8(to), q8(n)),
             _ => unreachable!("a cache grows into one of its own type"),
         }
     }
@@ -139,6 +130,12 @@ pub struct GpuKvCache {
     /// Whether a sliding-window layer keeps a ring (of `kv_ring_positions`) that wraps below
     /// `capacity`: positions more than a call's chunk back are overwritten then.
     rings: bool,
+}
+
+/// Whether a layer keeping a ring of `ring` positions (0: a full layer) holds it as the mirrored
+/// ring of `2 * ring` rows in a cache of `capacity` positions (`kv_ring_rows`), else linear rows.
+fn ring_rows(ring: usize, capacity: usize) -> bool {
+    ring > 0 && capacity >= 2 * ring
 }
 
 /// A block type (q8_0) needs every attention head to be whole blocks: refused by name otherwise
@@ -297,8 +294,7 @@ impl GpuKvCache {
         let ring = |l: &crate::model::arch::LayerSpec| {
             l.as_attention().map_or(0, |a| kv_ring_positions(a.window.unwrap_or(0)))
         };
-        let linear = |ring: usize, capacity: usize| ring == 0 || capacity < 2 * ring;
-        plan.layers().iter().map(ring).all(|r| linear(r, self.capacity) == linear(r, capacity))
+        plan.layers().iter().map(ring).all(|r| ring_rows(r, self.capacity) == ring_rows(r, capacity))
     }
 
     /// Queue copies of layer `l`'s positions (and recurrent state) into `new`, a larger cache of
@@ -316,11 +312,11 @@ impl GpuKvCache {
             Mixer::Attention(a) => {
                 let (d, ring) = (a.kv_dim(), kv_ring_positions(a.window.unwrap_or(0)));
                 // a ring's rows whole, else the positions held
-                let rows = if ring > 0 && self.capacity >= 2 * ring { 2 * ring } else { n };
-                self.k.copy_values(&new.k, be, l, [0, 0, rows * d])?;
-                self.v.copy_values(&new.v, be, l, [0, 0, rows * d])
+                let rows = if ring_rows(ring, self.capacity) { 2 * ring } else { n };
+                self.k.copy_prefix(&new.k, be, l, rows * d)?;
+                self.v.copy_prefix(&new.v, be, l, rows * d)
             }
-            Mixer::LatentAttention(m) => self.k.copy_values(&new.k, be, l, [0, 0, n * m.cache_width()]),
+            Mixer::LatentAttention(m) => self.k.copy_prefix(&new.k, be, l, n * m.cache_width()),
             Mixer::GatedDeltaNet(_) => {
                 let (from, to) = (self.delta_state(l), new.delta_state(l));
                 be.copy(from.conv, to.conv)?;
