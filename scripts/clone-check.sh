@@ -3,12 +3,18 @@
 # repository's files (tracked, and untracked ones git does not ignore) into a fresh temporary
 # directory with no ../shared beside it and runs `cargo test --workspace` there (or the cargo
 # test arguments given, e.g. `scripts/clone-check.sh -p moe-lanes --test chat_templates`), with
-# this checkout's target/ as CARGO_TARGET_DIR so only the workspace's own crates are rebuilt.
+# target/clone-check/ as CARGO_TARGET_DIR (its own: cargo does not rebuild an unchanged crate
+# for a new path, so sharing target/ ran the checkout's test binaries, which read the
+# checkout's files, not the copy's; the first run builds the dependencies once).
 # A test that reads the design repository (../shared) fails there. Removes the copy at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo="$PWD"
-tmp="$(mktemp -d "${TMPDIR:-/tmp}/moe-lanes-clone.XXXXXX")"
+# One fixed path, not a fresh temporary name: the test binaries keep the path they were built
+# at (env!("CARGO_MANIFEST_DIR")), and target/clone-check/ keeps them between runs.
+tmp="${TMPDIR:-/tmp}/moe-lanes-clone"
+rm -rf "$tmp"
+mkdir -p "$tmp"
 trap 'rm -rf "$tmp"' EXIT
 copy="$tmp/moe-lanes"
 mkdir "$copy"
@@ -23,4 +29,4 @@ fi
 echo "clone-check: cargo test in $copy (no ../shared beside it)" >&2
 [ "$#" -gt 0 ] || set -- --workspace
 cd "$copy"
-CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target}" cargo test "$@"
+CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$repo/target/clone-check}" cargo test "$@"
