@@ -146,6 +146,44 @@ pub fn dequantize_block(dtype: WeightDType, block: &[u8], out: &mut [f32]) {
     }
 }
 
+/// `bytes` (whole blocks of `from`) re-encoded as blocks of `to` holding exactly the same values,
+/// or None where `to` cannot: Q4_K as Q5_K (the same scales and nibbles, the fifth bits zero), Q5_0
+/// as Q5_1 (the min `-16 d`, None when a block's `-16 d` is not an f16), any type as itself. Lets
+/// one matrix hold rows of two types without rounding them (llama.cpp's Q4_K_M gives a DeltaNet
+/// layer's `attn_qkv` Q5_K and its `attn_gate` Q4_K, which the GPU runs as one `[q | k | v | z]`
+/// matrix).
+pub fn widen_blocks(from: WeightDType, to: WeightDType, bytes: &[u8]) -> Option<Vec<u8>> {
+    let (fb, tb) = (from.block_bytes(), to.block_bytes());
+    if from == to {
+        return Some(bytes.to_vec());
+    }
+    if !bytes.len().is_multiple_of(fb) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(bytes.len() / fb * tb);
+    for block in bytes.chunks_exact(fb) {
+        match (from, to) {
+            (WeightDType::Q4_K, WeightDType::Q5_K) => {
+                out.extend_from_slice(&block[..16]);
+                out.extend_from_slice(&[0u8; 32]);
+                out.extend_from_slice(&block[16..144]);
+            }
+            (WeightDType::Q5_0, WeightDType::Q5_1) => {
+                let d = half::f16::from_le_bytes([block[0], block[1]]);
+                let m = half::f16::from_f32(-16.0 * d.to_f32());
+                if m.to_f32() != -16.0 * d.to_f32() {
+                    return None;
+                }
+                out.extend_from_slice(&block[..2]);
+                out.extend_from_slice(&m.to_le_bytes());
+                out.extend_from_slice(&block[2..22]);
+            }
+            _ => return None,
+        }
+    }
+    Some(out)
+}
+
 /// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block's 12 packed bytes.
 #[inline(always)]
 pub(crate) fn scale_min(j: usize, packed: &[u8]) -> (f32, f32) {
@@ -318,6 +356,44 @@ mod tests {
             let got = half_at(&bits.to_le_bytes(), 0);
             assert!(got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()), "{bits:#06x}");
         }
+    }
+
+    /// Every widening decodes to the same f32 values as its source, over random blocks (random
+    /// scales from subnormal to 2, random levels); pairs without one are refused.
+    #[test]
+    fn widened_blocks_hold_exactly_the_values_of_their_source() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut byte = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        };
+        for (from, to) in [(WeightDType::Q4_K, WeightDType::Q5_K), (WeightDType::Q5_0, WeightDType::Q5_1)] {
+            let blocks = 64;
+            let mut bytes: Vec<u8> = (0..blocks * from.block_bytes()).map(|_| byte()).collect();
+            for b in bytes.chunks_exact_mut(from.block_bytes()) {
+                // scales of f16 exponents 0..16 (subnormal to below 2), so -16 d stays an f16
+                b[1] &= 0b1011_1111;
+                if from == WeightDType::Q4_K {
+                    b[3] &= 0b1011_1111;
+                }
+            }
+            let wide = widen_blocks(from, to, &bytes).expect("an exact widening");
+            assert_eq!(wide.len(), blocks * to.block_bytes());
+            let (mut want, mut got) = (vec![0f32; from.block_elems()], vec![0f32; to.block_elems()]);
+            for (a, b) in bytes.chunks_exact(from.block_bytes()).zip(wide.chunks_exact(to.block_bytes())) {
+                dequantize_block(from, a, &mut want);
+                dequantize_block(to, b, &mut got);
+                // equal as values: Q5_1's `16 d - 16 d` is +0 where Q5_0's `0 d` may be -0
+                assert_eq!(got, want, "{} as {}", from.name(), to.name());
+            }
+        }
+        let mut huge = vec![0u8; 22];
+        huge[..2].copy_from_slice(&half::f16::from_f32(30000.0).to_le_bytes());
+        assert!(widen_blocks(WeightDType::Q5_0, WeightDType::Q5_1, &huge).is_none(), "-16 d past f16");
+        assert!(widen_blocks(WeightDType::Q5_K, WeightDType::Q6_K, &[0u8; 176]).is_none());
+        assert_eq!(widen_blocks(WeightDType::Q8_0, WeightDType::Q8_0, &[7u8; 34]).unwrap(), vec![7u8; 34]);
     }
 
     #[test]

@@ -16,6 +16,7 @@ use crate::model::Model;
 use crate::moe::expert_math::kernel_dtype;
 use half::bf16;
 use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, TypedWeights};
+use moe_lanes_kernels::quant::widen_blocks;
 use moe_lanes_kernels::WeightDType;
 
 /// A weight matrix on the device in its stored type (bf16 or GGUF blocks).
@@ -317,18 +318,18 @@ impl Uploader<'_> {
     }
 
     /// One matrix of the given rows of `parts` in order (`(tensor, rows)`): in the tensors'
-    /// stored type when they share it, else all as bf16.
+    /// stored type when they share it or the others widen into it exactly
+    /// ([`widen_blocks`]: Q4_K_M's Q5_K `attn_qkv` beside its Q4_K `attn_gate`), else all as bf16.
     fn rows(&mut self, parts: &[(TensorRef<'_>, Vec<usize>)]) -> Result<DevMatrix, GpuError> {
-        let first = stored_dtype(parts[0].0.dtype);
-        let same = parts.iter().all(|(t, _)| stored_dtype(t.dtype) == first);
-        let dtype = if same { first } else { WeightDType::BF16 };
+        let (dtype, stored) = match common_blocks(parts)? {
+            Some(found) => found,
+            None => {
+                let bf16 = |(t, _): &(TensorRef<'_>, _)| Ok(bytemuck::cast_slice(&bf16_bits(*t)?).to_vec());
+                (WeightDType::BF16, parts.iter().map(bf16).collect::<Result<Vec<_>, GpuError>>()?)
+            }
+        };
         let mut bytes = Vec::new();
-        for (t, rows) in parts {
-            let stored = if same {
-                stored_bytes(*t)?
-            } else {
-                std::borrow::Cow::Owned(bytemuck::cast_slice(&bf16_bits(*t)?).to_vec())
-            };
+        for ((t, rows), stored) in parts.iter().zip(&stored) {
             let row_bytes = stored.len() / t.shape[0];
             for &r in rows {
                 bytes.extend_from_slice(&stored[r * row_bytes..(r + 1) * row_bytes]);
@@ -340,6 +341,23 @@ impl Uploader<'_> {
         }
         self.upload(&bytes, dtype)
     }
+}
+
+/// The stored bytes of every part in one quantized type that all of them take exactly (a part's
+/// own type, the others widened into it: [`widen_blocks`]), or None (bf16 then).
+fn common_blocks(
+    parts: &[(TensorRef<'_>, Vec<usize>)],
+) -> Result<Option<(WeightDType, Vec<Vec<u8>>)>, GpuError> {
+    let types: Vec<WeightDType> = parts.iter().map(|(t, _)| stored_dtype(t.dtype)).collect();
+    'target: for &to in types.iter().filter(|t| t.is_quantized()) {
+        let mut stored = Vec::with_capacity(parts.len());
+        for ((t, _), &from) in parts.iter().zip(&types) {
+            let Some(bytes) = widen_blocks(from, to, &stored_bytes(*t)?) else { continue 'target };
+            stored.push(bytes);
+        }
+        return Ok(Some((to, stored)));
+    }
+    Ok(None)
 }
 
 /// The head's weights: the final norm and the lm_head (`None`: tied, the embedding is the
