@@ -10,8 +10,12 @@
 //! The K-quant mins go as one 16-lane product `[d sc_j | dmin m_j] * [d_x,j | sum_x,j]`, the
 //! min lanes subtracted. Per block the activations are prepared once for the tile's rows
 //! ([`XBlock`]); Q4_K/Q5_K read them paired by sub-block as their nibbles come (sub-blocks
-//! `4q, 4q+2` from the low nibbles of 64 bytes, `4q+1, 4q+3` from the high ones), Q6_K in
-//! column order (the levels of `q6_levels`). The results differ from the exact dot of the
+//! `4q, 4q+2` from the low nibbles of 64 bytes, `4q+1, 4q+3` from the high ones; Q4_K's high
+//! nibbles dotted in place, 16 times their level, the 1/16 in the activation scales), Q6_K in
+//! column order (the levels of `q6_levels`). An 8-row Q4_K tile unpacks the 6-bit scales of four
+//! rows' blocks at once ([`k_coefficients4`]): on the H200 machine's host the one-token Q4_K
+//! tiles read at 0.6-0.7 of the host's read rate where BF16 reached about 0.9, their time per
+//! block the sum of the unpacking and the memory stalls (issue 46). The results differ from the exact dot of the
 //! dequantised weights with f32 `x` by the activation rounding (bound in [`crate::q8`]) and f32
 //! rounding of the scale products.
 
@@ -79,10 +83,14 @@ unsafe fn prepare<const Q: u8>(x: Q8Row, blk: usize) -> XBlock {
                 let sub = |j: usize| x.qs.add(256 * blk + 32 * j);
                 let v =
                     [pair(sub(0), sub(2)), pair(sub(1), sub(3)), pair(sub(4), sub(6)), pair(sub(5), sub(7))];
-                let f = _mm512_insertf32x8::<1>(
-                    _mm512_castps256_ps512(_mm256_loadu_ps(x.d.add(8 * blk))),
-                    _mm256_loadu_ps(x.sum.add(8 * blk)),
-                );
+                let d = _mm256_loadu_ps(x.d.add(8 * blk));
+                // Q4_K's high nibbles are dotted in place (16 times their level): 1/16 here.
+                let d = if Q == Q4_K {
+                    _mm256_mul_ps(d, _mm256_setr_ps(1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625, 1.0, 0.0625))
+                } else {
+                    d
+                };
+                let f = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(d), _mm256_loadu_ps(x.sum.add(8 * blk)));
                 XBlock { v, off: [zero; 4], f }
             }
             Q6_K => {
@@ -132,8 +140,18 @@ unsafe fn prepare<const Q: u8>(x: Q8Row, blk: usize) -> XBlock {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn k_asym<const FIFTH: bool>(b: *const u8, x: &XBlock, acc: &mut Acc) {
     // SAFETY: the caller vouches for one whole block at `b` (144 or 176 bytes).
+    unsafe { k_asym_scaled::<FIFTH>(b, x, _mm512_mul_ps(k_coefficients(b), x.f), acc) }
+}
+
+/// [`k_asym`] with the block's coefficients times the activations' (`c`, as
+/// [`k_coefficients4`] gives them).
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k_asym_scaled<const FIFTH: bool>(b: *const u8, x: &XBlock, c: __m512, acc: &mut Acc) {
+    // SAFETY: the caller vouches for one whole block at `b` (144 or 176 bytes).
     unsafe {
-        let c = _mm512_mul_ps(k_coefficients(b), x.f);
         acc[1] = _mm512_mask_sub_ps(acc[1], 0xFF00, acc[1], c);
         let low4 = _mm512_set1_epi8(15);
         let qh = if FIFTH {
@@ -145,7 +163,12 @@ unsafe fn k_asym<const FIFTH: bool>(b: *const u8, x: &XBlock, acc: &mut Acc) {
         for q in 0..2 {
             let raw = _mm512_loadu_si512(qs.add(64 * q) as *const _);
             let mut lo = _mm512_and_si512(raw, low4);
-            let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4);
+            // Q4_K: the high nibbles in place, 16 times their level (the 1/16 is in `x.f`).
+            let mut hi = if FIFTH {
+                _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4)
+            } else {
+                _mm512_andnot_si512(low4, raw)
+            };
             if FIFTH {
                 let bit = |j: usize| {
                     let bytes = |j: usize| ((1u64 << j) * 0x0101_0101_0101_0101) as i64;
@@ -165,6 +188,47 @@ unsafe fn k_asym<const FIFTH: bool>(b: *const u8, x: &XBlock, acc: &mut Acc) {
             acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi), _mm512_permutexvar_ps(shi, c), acc[1]);
         }
     }
+}
+
+/// [`k_coefficients`] of four Q4_K/Q5_K blocks at once, each times the activations' `xf`: the
+/// four 16-byte headers (d, dmin, the 12 packed scale bytes) in the 128-bit lanes of one
+/// register, so the 6-bit unpack runs once for four rows.
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k_coefficients4(b: [*const u8; 4], xf: __m512) -> [__m512; 4] {
+    const LOW6: i32 = 0x3f3f_3f3f;
+    const LOW4: i32 = 0x0f0f_0f0f;
+    const TOP2: i32 = 0x3030_3030;
+    // SAFETY: the caller vouches for a whole block at each pointer (16 header bytes first).
+    let w = unsafe {
+        let lane = |i: usize| _mm_loadu_si128(b[i] as *const __m128i);
+        let w = _mm512_inserti32x4::<1>(_mm512_castsi128_si512(lane(0)), lane(1));
+        _mm512_inserti32x4::<3>(_mm512_inserti32x4::<2>(w, lane(2)), lane(3))
+    };
+    // Per lane, dwords [d dmin, s0, s1, s2]: as `k_scales_mins_vec` over s0..s2 ->
+    // bytes [sc0..sc8, m0..m8].
+    let low = _mm512_srlv_epi32(_mm512_shuffle_epi32::<0b11_10_11_01>(w), _mm512_set4_epi32(4, 0, 0, 0));
+    let top = _mm512_srli_epi32::<2>(_mm512_shuffle_epi32::<0b10_10_01_01>(w));
+    let packed = _mm512_or_si512(
+        _mm512_and_si512(low, _mm512_set4_epi32(LOW4, LOW6, LOW4, LOW6)),
+        _mm512_and_si512(top, _mm512_set4_epi32(TOP2, 0, TOP2, 0)),
+    );
+    // [d0 dmin0 d1 dmin1 ... d3 dmin3] as f32 lanes 0..8.
+    let halves = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w);
+    let dd = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
+    let row = |r: i32| {
+        let levels = match r {
+            0 => _mm512_castsi512_si128(packed),
+            1 => _mm512_extracti32x4_epi32::<1>(packed),
+            2 => _mm512_extracti32x4_epi32::<2>(packed),
+            _ => _mm512_extracti32x4_epi32::<3>(packed),
+        };
+        let factor = _mm512_permutexvar_ps(pick2(2 * r, 2 * r + 1), dd);
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(levels)), _mm512_mul_ps(factor, xf))
+    };
+    [row(0), row(1), row(2), row(3)]
 }
 
 /// Lane indices: `a` in lanes 0..8, `b` in 8..16.
@@ -287,10 +351,24 @@ unsafe fn fused_rows<const Q: u8, const R: usize>(
     for blk in 0..cols / be {
         // SAFETY: block `blk`'s activations lie inside the row `x` (`cols` values).
         let xb = unsafe { prepare::<Q>(x, blk) };
-        for r in 0..R {
-            // SAFETY: block `blk` lies inside row r (`cols` whole blocks); the CPU features are
-            // this function's.
-            unsafe { block::<Q>(rows[r].add(blk * bb), &xb, &mut acc[r]) };
+        if Q == Q4_K && R.is_multiple_of(4) {
+            for g in (0..R).step_by(4) {
+                let at: [*const u8; 4] = std::array::from_fn(|i| rows[g + i].wrapping_add(blk * bb));
+                // SAFETY: block `blk` lies inside rows g..g + 4 (`cols` whole blocks); the CPU
+                // features are this function's.
+                unsafe {
+                    let c = k_coefficients4(at, xb.f);
+                    for i in 0..4 {
+                        k_asym_scaled::<false>(at[i], &xb, c[i], &mut acc[g + i]);
+                    }
+                }
+            }
+        } else {
+            for r in 0..R {
+                // SAFETY: block `blk` lies inside row r (`cols` whole blocks); the CPU features
+                // are this function's.
+                unsafe { block::<Q>(rows[r].add(blk * bb), &xb, &mut acc[r]) };
+            }
         }
         if let Some(next) = &next {
             prefetch_rows_through(next, &mut prefetched, (blk + 1) * bb);
