@@ -13,9 +13,10 @@
 //! `4q, 4q+2` from the low nibbles of 64 bytes, `4q+1, 4q+3` from the high ones; Q4_K's high
 //! nibbles dotted in place, 16 times their level, the 1/16 in the activation scales), Q6_K in
 //! column order (the levels of `q6_levels`). An 8-row Q4_K tile unpacks the 6-bit scales of four
-//! rows' blocks at once ([`k_coefficients4`]): on the H200 machine's host the one-token Q4_K
-//! tiles read at 0.6-0.7 of the host's read rate where BF16 reached about 0.9, their time per
-//! block the sum of the unpacking and the memory stalls (issue 46). The results differ from the exact dot of the
+//! rows' blocks at once ([`k_coefficients4`]). On the H200 machine's host one thread's one-token
+//! Q4_K tiles read 7.5 GB/s against its 12.7 GB/s read probe (BF16: 11.7), about the sum of the
+//! unpacking's time and the memory stalls; these two steps took 16 threads' `bench-kernels`
+//! decode from 76 to 80-83 GB/s in one call (issue 46). The results differ from the exact dot of the
 //! dequantised weights with f32 `x` by the activation rounding (bound in [`crate::q8`]) and f32
 //! rounding of the scale products.
 
@@ -90,7 +91,8 @@ unsafe fn prepare<const Q: u8>(x: Q8Row, blk: usize) -> XBlock {
                 } else {
                     d
                 };
-                let f = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(d), _mm256_loadu_ps(x.sum.add(8 * blk)));
+                let f =
+                    _mm512_insertf32x8::<1>(_mm512_castps256_ps512(d), _mm256_loadu_ps(x.sum.add(8 * blk)));
                 XBlock { v, off: [zero; 4], f }
             }
             Q6_K => {
@@ -216,7 +218,8 @@ unsafe fn k_coefficients4(b: [*const u8; 4], xf: __m512) -> [__m512; 4] {
         _mm512_and_si512(top, _mm512_set4_epi32(TOP2, 0, TOP2, 0)),
     );
     // [d0 dmin0 d1 dmin1 ... d3 dmin3] as f32 lanes 0..8.
-    let halves = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w);
+    let halves =
+        _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), w);
     let dd = _mm512_cvtph_ps(_mm512_castsi512_si256(halves));
     let row = |r: i32| {
         let levels = match r {
