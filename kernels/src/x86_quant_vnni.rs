@@ -12,7 +12,7 @@
 //! ([`XBlock`]); Q4_K/Q5_K read them paired by sub-block as their nibbles come (sub-blocks
 //! `4q, 4q+2` from the low nibbles of 64 bytes, `4q+1, 4q+3` from the high ones; Q4_K's high
 //! nibbles dotted in place, 16 times their level, the 1/16 in the activation scales), Q6_K in
-//! column order (the levels of `q6_levels`). An 8-row Q4_K tile unpacks the 6-bit scales of four
+//! column order (the levels of `q6_levels`). An 8-row Q4_K or Q5_K tile unpacks the 6-bit scales of four
 //! rows' blocks at once ([`k_coefficients4`]). On the H200 machine's host one thread's one-token
 //! Q4_K tiles read 7.5 GB/s against its 12.7 GB/s read probe (BF16: 11.7), about the sum of the
 //! unpacking's time and the memory stalls; these two steps took 16 threads' `bench-kernels`
@@ -354,7 +354,7 @@ unsafe fn fused_rows<const Q: u8, const R: usize>(
     for blk in 0..cols / be {
         // SAFETY: block `blk`'s activations lie inside the row `x` (`cols` values).
         let xb = unsafe { prepare::<Q>(x, blk) };
-        if Q == Q4_K && R.is_multiple_of(4) {
+        if matches!(Q, Q4_K | Q5_K) && R.is_multiple_of(4) {
             for g in (0..R).step_by(4) {
                 let at: [*const u8; 4] = std::array::from_fn(|i| rows[g + i].wrapping_add(blk * bb));
                 // SAFETY: block `blk` lies inside rows g..g + 4 (`cols` whole blocks); the CPU
@@ -362,7 +362,11 @@ unsafe fn fused_rows<const Q: u8, const R: usize>(
                 unsafe {
                     let c = k_coefficients4(at, xb.f);
                     for i in 0..4 {
-                        k_asym_scaled::<false>(at[i], &xb, c[i], &mut acc[g + i]);
+                        if Q == Q5_K {
+                            k_asym_scaled::<true>(at[i], &xb, c[i], &mut acc[g + i]);
+                        } else {
+                            k_asym_scaled::<false>(at[i], &xb, c[i], &mut acc[g + i]);
+                        }
                     }
                 }
             }
