@@ -343,11 +343,12 @@ impl Uploader<'_> {
     }
 }
 
+/// One block type and every part's stored bytes in it.
+type CommonBlocks = (WeightDType, Vec<Vec<u8>>);
+
 /// The stored bytes of every part in one quantized type that all of them take exactly (a part's
 /// own type, the others widened into it: [`widen_blocks`]), or None (bf16 then).
-fn common_blocks(
-    parts: &[(TensorRef<'_>, Vec<usize>)],
-) -> Result<Option<(WeightDType, Vec<Vec<u8>>)>, GpuError> {
+fn common_blocks(parts: &[(TensorRef<'_>, Vec<usize>)]) -> Result<Option<CommonBlocks>, GpuError> {
     let types: Vec<WeightDType> = parts.iter().map(|(t, _)| stored_dtype(t.dtype)).collect();
     'target: for &to in types.iter().filter(|t| t.is_quantized()) {
         let mut stored = Vec::with_capacity(parts.len());
