@@ -603,8 +603,40 @@ fn upload_delta_net(
 
 #[cfg(test)]
 mod tests {
-    use super::rope_freqs;
+    use super::{common_blocks, rope_freqs};
+    use crate::format::dtype::DType;
+    use crate::format::tensor::TensorRef;
     use crate::model::arch::{RopeSpec, RopeStyle};
+    use moe_lanes_kernels::WeightDType;
+
+    /// Parts of two quantized types take the one the other widens into exactly (whichever comes
+    /// first), each part's bytes re-encoded in it; a pair without an exact widening, or a float
+    /// part, gives None (the upload's bf16).
+    #[test]
+    fn parts_of_two_block_types_share_the_one_both_take_exactly() {
+        let part = |dtype: DType, bytes: &'static [u8]| -> (TensorRef<'static>, Vec<usize>) {
+            let cols = 256 * bytes.len() / dtype.bytes_for(256).unwrap();
+            let shape: &'static [usize] = Box::leak(vec![1, cols].into_boxed_slice());
+            (TensorRef { name: "t", dtype, shape, data: bytes }, vec![0])
+        };
+        let (q4k, q5k, q6k): (&[u8], &[u8], &[u8]) = (&[3; 144], &[5; 176], &[7; 210]);
+        for parts in [
+            [part(DType::Q4_K, q4k), part(DType::Q5_K, q5k)],
+            [part(DType::Q5_K, q5k), part(DType::Q4_K, q4k)],
+        ] {
+            let (dtype, stored) = common_blocks(&parts).unwrap().expect("Q4_K widens into Q5_K");
+            assert_eq!(dtype, WeightDType::Q5_K);
+            let q4k_as_q5k =
+                moe_lanes_kernels::quant::widen_blocks(WeightDType::Q4_K, WeightDType::Q5_K, q4k);
+            for ((t, _), bytes) in parts.iter().zip(&stored) {
+                let want = if t.dtype == DType::Q5_K { q5k.to_vec() } else { q4k_as_q5k.clone().unwrap() };
+                assert_eq!(*bytes, want);
+            }
+        }
+        assert!(common_blocks(&[part(DType::Q6_K, q6k), part(DType::Q5_K, q5k)]).unwrap().is_none());
+        let f32_row: &'static [u8] = &[0; 1024];
+        assert!(common_blocks(&[part(DType::Q4_K, q4k), part(DType::F32, f32_row)]).unwrap().is_none());
+    }
 
     fn rope(turning_pairs: Option<usize>, linear: Option<f32>) -> RopeSpec {
         let style = RopeStyle::HalfSplit;
