@@ -185,9 +185,9 @@ fn bf16_k_b_moves_the_preset_only_where_the_group_choice_is_a_near_tie() {
         let model = Arc::new(Model::open(p).unwrap());
         moe_lanes::gpu::GpuModel::supports(&model).unwrap();
         let r = Reference::new(&model).unwrap();
-        let mut ties = preset_gpu::NearTies::default();
+        let mut ties = common::NearTies::new(preset_gpu::NEAR_TIE);
         let rows = r.forward(&mut r.new_cache(), &prompt, &mut ties).unwrap();
-        (rows, ties.0)
+        (rows, ties.positions)
     };
     for case in &preset_gpu::CASES {
         let (file, rounded) = preset_gpu::files(dir.path(), case);
@@ -216,26 +216,12 @@ mod preset_gpu {
     use common::{rebuild_gguf, Rebuilt};
     use moe_lanes::gguf::MetaValue;
     use moe_lanes::synth::{write_synthetic, write_synthetic_quantized, DimOverrides, Preset, SynthFormat};
-    use std::collections::BTreeSet;
     use std::path::{Path, PathBuf};
 
     /// A routing margin below this share of the largest score is a near tie (as gpu_parity's):
     /// the GPU's rounding may choose the other expert or group, and that row leaves the oracle
     /// by 1e-1 or more.
     pub const NEAR_TIE: f32 = 2e-3;
-
-    /// The positions routed at a near tie in some layer.
-    #[derive(Default)]
-    pub struct NearTies(pub BTreeSet<usize>);
-
-    impl moe_lanes::reference::RoutingObserver for NearTies {
-        fn on_route(&mut self, _: usize, _: usize, _: &[(usize, f32)]) {}
-        fn on_margin(&mut self, _: usize, position: usize, margin: f32, scale: f32) {
-            if margin < NEAR_TIE * scale {
-                self.0.insert(position);
-            }
-        }
-    }
 
     /// What a case's file is made of.
     #[derive(Clone, Copy, PartialEq)]
@@ -394,7 +380,7 @@ mod preset_gpu {
         moe_lanes::gpu::GpuModel::supports(&gm).unwrap();
         let r = Reference::new(&om).unwrap();
         let prompt = prompt();
-        let (mut rc, mut ties) = (r.new_cache(), NearTies::default());
+        let (mut rc, mut ties) = (r.new_cache(), common::NearTies::new(NEAR_TIE));
         let want = r.forward(&mut rc, &prompt, &mut ties).unwrap();
         let mut engine = fixture_checks::gpu_engine(&gm, hot);
         let mut cache = engine.new_cache(128).unwrap();
@@ -410,7 +396,7 @@ mod preset_gpu {
         };
         let errs: Vec<f32> = got.iter().zip(&want).map(|(g, w)| row_err(g, w)).collect();
         let kept = |rows: std::ops::Range<usize>| -> Vec<f32> {
-            rows.filter(|i| !ties.0.contains(i)).map(|i| errs[i]).collect()
+            rows.filter(|i| !ties.positions.contains(i)).map(|i| errs[i]).collect()
         };
         let max = |v: &[f32]| v.iter().fold(0f32, |m, &e| m.max(e));
         let mut sorted = kept(0..errs.len());
@@ -423,13 +409,13 @@ mod preset_gpu {
             max(&rest),
             sorted.get(sorted.len() / 2).copied().unwrap_or(0.0),
             max(&errs),
-            ties.0
+            ties.positions
         );
         let mut next = moe_lanes::reference::argmax(want.last().unwrap());
         for step in 0..3 {
             let want = r.forward(&mut rc, &[next], &mut ties).unwrap();
             let got = engine.forward(&[next], Phase::Decode, &mut cache).unwrap().rows();
-            if ties.0.contains(&(prompt.len() + step)) {
+            if ties.positions.contains(&(prompt.len() + step)) {
                 println!("{what} hot {hot}: decode step {step} routes a near tie: compared up to there");
                 break;
             }

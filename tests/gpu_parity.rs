@@ -153,19 +153,6 @@ fn check_against_reference(what: &str, model: &Model, engine: &mut dyn Engine) -
 /// engine picks the other expert and that row is 0.145 off the reference.
 const NEAR_TIE: f32 = 2e-3;
 
-/// The positions whose routing was a near tie ([`NEAR_TIE`]) in some layer.
-#[derive(Default)]
-struct NearTies(std::collections::BTreeSet<usize>);
-
-impl moe_lanes::reference::RoutingObserver for NearTies {
-    fn on_route(&mut self, _: usize, _: usize, _: &[(usize, f32)]) {}
-    fn on_margin(&mut self, _: usize, position: usize, margin: f32, scale: f32) {
-        if margin < NEAR_TIE * scale {
-            self.0.insert(position);
-        }
-    }
-}
-
 /// [`check_against_reference`] over `n_decode` decode steps. A prefill row whose routing was a
 /// near tie is not compared; decode stops at the first such step (from there the engine may
 /// have chosen another expert, and the later rows see it through the cache).
@@ -173,12 +160,12 @@ fn check_steps(what: &str, model: &Model, engine: &mut dyn Engine, n_decode: usi
     let reference = Reference::new(model).unwrap();
     let prompt = prompt(model.path());
     let mut rc = reference.new_cache();
-    let mut ties = NearTies::default();
+    let mut ties = common::NearTies::new(NEAR_TIE);
     let mut cache = engine.new_cache(prompt.len() + n_decode).unwrap();
     let want = reference.forward(&mut rc, &prompt, &mut ties).unwrap();
     let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
     let mut worst = 0f32;
-    for (i, w) in want.iter().enumerate().filter(|(i, _)| !ties.0.contains(i)) {
+    for (i, w) in want.iter().enumerate().filter(|(i, _)| !ties.positions.contains(i)) {
         worst = worst.max(compare_row(&format!("{what} prefill row {i}"), got.row(i), w, rel_tol(model)));
     }
     let mut next = *got.argmax.last().unwrap();
@@ -194,7 +181,7 @@ fn check_steps(what: &str, model: &Model, engine: &mut dyn Engine, n_decode: usi
         let want = reference.forward(&mut rc, &[want_tok], &mut ties).unwrap();
         let got = engine.forward(&[want_tok], Phase::Decode, &mut cache).unwrap();
         last = want[0].clone();
-        if !tied && ties.0.contains(&(prompt.len() + step)) {
+        if !tied && ties.positions.contains(&(prompt.len() + step)) {
             println!("{what}: decode step {step} routes a near tie: compared up to there");
             tied = true;
         }
@@ -641,7 +628,7 @@ fn seeded_fault_schedules_over_long_generations() {
 fn step_errors(model: &Model, engine: &mut dyn Engine, n_decode: usize) -> Vec<f32> {
     let reference = Reference::new(model).unwrap();
     let prompt = prompt(model.path());
-    let (mut rc, mut ties) = (reference.new_cache(), NearTies::default());
+    let (mut rc, mut ties) = (reference.new_cache(), common::NearTies::new(NEAR_TIE));
     let mut cache = engine.new_cache(prompt.len() + n_decode).unwrap();
     let rel = |got: &[f32], want: &[f32]| {
         let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
@@ -654,14 +641,14 @@ fn step_errors(model: &Model, engine: &mut dyn Engine, n_decode: usize) -> Vec<f
     };
     let want = reference.forward(&mut rc, &prompt, &mut ties).unwrap();
     let got = engine.forward(&prompt, Phase::Prefill, &mut cache).unwrap();
-    let rows = (0..want.len()).filter(|i| !ties.0.contains(i));
+    let rows = (0..want.len()).filter(|i| !ties.positions.contains(i));
     let mut errs = vec![rows.map(|i| rel(got.row(i), &want[i])).fold(0f32, f32::max)];
     let mut tok = moe_lanes::reference::argmax(want.last().unwrap());
     for _ in 0..n_decode {
         let want = reference.forward(&mut rc, &[tok], &mut ties).unwrap();
         let got = engine.forward(&[tok], Phase::Decode, &mut cache).unwrap();
         tok = moe_lanes::reference::argmax(&want[0]);
-        if ties.0.range(prompt.len()..).next().is_none() {
+        if ties.positions.range(prompt.len()..).next().is_none() {
             errs.push(rel(got.row(0), &want[0]));
         }
     }

@@ -400,19 +400,6 @@ fn every_mix_runs_on_the_gpu_engine_at_every_cache_size_within_tolerance() {
 /// 2.8e-3 of its scale) left the reference by 1.3e-1 with the experts on the GPU.
 const Q8_NEAR_TIE: f32 = 2e-2;
 
-/// The positions whose routing was a near tie ([`Q8_NEAR_TIE`]) in some layer.
-#[derive(Default)]
-struct NearTies(std::collections::BTreeSet<usize>);
-
-impl moe_lanes::reference::RoutingObserver for NearTies {
-    fn on_route(&mut self, _: usize, _: usize, _: &[(usize, f32)]) {}
-    fn on_margin(&mut self, _: usize, position: usize, margin: f32, scale: f32) {
-        if margin < Q8_NEAR_TIE * scale {
-            self.0.insert(position);
-        }
-    }
-}
-
 /// [`check_steps`] for 8-bit activations, up to the first near tie: from a position whose
 /// routing was a near tie on, the engine may have chosen another expert, and every later row
 /// sees it (the KV cache, the DeltaNet state), so those rows are not compared. Returns the worst
@@ -425,15 +412,18 @@ fn check_steps_past_ties(
     tolerance: f64,
 ) -> f64 {
     let reference = moe_lanes::reference::Reference::new(model).unwrap();
-    let (mut rc, mut ties, mut worst) = (reference.new_cache(), NearTies::default(), 0f64);
+    let (mut rc, mut ties, mut worst) = (reference.new_cache(), common::NearTies::new(Q8_NEAR_TIE), 0f64);
     let mut ec = engine.new_cache((prompt.len() + 5).max(64)).unwrap();
     let (mut tokens, mut phase, mut first) = (prompt.to_vec(), Phase::Prefill, 0);
     for step in 0..=4 {
         let want = reference.forward(&mut rc, &tokens, &mut ties).unwrap();
         let got = engine.forward(&tokens, phase, &mut ec).unwrap();
         for (row, (g, w)) in got.rows().iter().zip(&want).enumerate() {
-            if ties.0.first().is_some_and(|&tie| tie <= first + row) {
-                eprintln!("{what}: a near tie at position {}: compared up to there", ties.0.first().unwrap());
+            if ties.positions.first().is_some_and(|&tie| tie <= first + row) {
+                eprintln!(
+                    "{what}: a near tie at position {}: compared up to there",
+                    ties.positions.first().unwrap()
+                );
                 return worst;
             }
             let error = relative_error(g, w);

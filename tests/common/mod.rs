@@ -268,3 +268,27 @@ pub fn rebuild_gguf(
     }
     w.write(dst, &mut |idx, out| out.write_all(&data[idx]), &mut |_| {}).unwrap();
 }
+
+/// The positions whose routing was a near tie in some layer: a choice whose margin is below
+/// `share` of its largest score ([`moe_lanes::reference::RoutingObserver::on_margin`]), where an
+/// engine's rounding of the router's input may choose the other expert and its row then leaves
+/// the reference by far more than the rounding.
+pub struct NearTies {
+    pub share: f32,
+    pub positions: std::collections::BTreeSet<usize>,
+}
+
+impl NearTies {
+    pub fn new(share: f32) -> NearTies {
+        NearTies { share, positions: std::collections::BTreeSet::new() }
+    }
+}
+
+impl moe_lanes::reference::RoutingObserver for NearTies {
+    fn on_route(&mut self, _: usize, _: usize, _: &[(usize, f32)]) {}
+    fn on_margin(&mut self, _: usize, position: usize, margin: f32, scale: f32) {
+        if margin < self.share * scale {
+            self.positions.insert(position);
+        }
+    }
+}
