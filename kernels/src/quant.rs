@@ -169,13 +169,13 @@ pub fn widen_blocks(from: WeightDType, to: WeightDType, bytes: &[u8]) -> Option<
                 out.extend_from_slice(&block[16..144]);
             }
             (WeightDType::Q5_0, WeightDType::Q5_1) => {
-                let d = half::f16::from_le_bytes([block[0], block[1]]);
-                let m = half::f16::from_f32(-16.0 * d.to_f32());
-                if m.to_f32() != -16.0 * d.to_f32() {
+                let m = -16.0 * half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+                let m_half = half::f16::from_f32(m);
+                if m_half.to_f32() != m {
                     return None;
                 }
                 out.extend_from_slice(&block[..2]);
-                out.extend_from_slice(&m.to_le_bytes());
+                out.extend_from_slice(&m_half.to_le_bytes());
                 out.extend_from_slice(&block[2..22]);
             }
             _ => return None,

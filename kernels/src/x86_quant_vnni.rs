@@ -12,13 +12,13 @@
 //! ([`XBlock`]); Q4_K/Q5_K read them paired by sub-block as their nibbles come (sub-blocks
 //! `4q, 4q+2` from the low nibbles of 64 bytes, `4q+1, 4q+3` from the high ones; Q4_K's high
 //! nibbles dotted in place, 16 times their level, the 1/16 in the activation scales), Q6_K in
-//! column order (the levels of `q6_levels`). An 8-row Q4_K or Q5_K tile unpacks the 6-bit scales of four
-//! rows' blocks at once ([`k_coefficients4`]). On the H200 machine's host one thread's one-token
-//! Q4_K tiles read 7.5 GB/s against its 12.7 GB/s read probe (BF16: 11.7), about the sum of the
-//! unpacking's time and the memory stalls; these two steps took 16 threads' `bench-kernels`
-//! decode from 76 to 80-83 GB/s in one call (issue 46). The results differ from the exact dot of the
-//! dequantised weights with f32 `x` by the activation rounding (bound in [`crate::q8`]) and f32
-//! rounding of the scale products.
+//! column order (the levels of `q6_levels`). An 8-row Q4_K or Q5_K tile unpacks the 6-bit scales
+//! of four rows' blocks at once ([`k_coefficients4`]). On the H200 machine's host one thread's
+//! one-token Q4_K tiles read 7.5 GB/s against its 12.7 GB/s read probe (BF16: 11.7), about the
+//! sum of the unpacking's time and the memory stalls; these two steps took 16 threads'
+//! `bench-kernels` decode from 76 to 80-83 GB/s in one call (issue 46). The results differ from
+//! the exact dot of the dequantised weights with f32 `x` by the activation rounding (bound in
+//! [`crate::q8`]) and f32 rounding of the scale products.
 
 use std::arch::x86_64::*;
 
@@ -210,7 +210,7 @@ unsafe fn k_coefficients4(b: [*const u8; 4], xf: __m512) -> [__m512; 4] {
         _mm512_inserti32x4::<3>(_mm512_inserti32x4::<2>(w, lane(2)), lane(3))
     };
     // Per lane, dwords [d dmin, s0, s1, s2]: as `k_scales_mins_vec` over s0..s2 ->
-    // bytes [sc0..sc8, m0..m8].
+    // bytes [sc0..sc7, m0..m7].
     let low = _mm512_srlv_epi32(_mm512_shuffle_epi32::<0b11_10_11_01>(w), _mm512_set4_epi32(4, 0, 0, 0));
     let top = _mm512_srli_epi32::<2>(_mm512_shuffle_epi32::<0b10_10_01_01>(w));
     let packed = _mm512_or_si512(

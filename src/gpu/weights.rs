@@ -18,6 +18,7 @@ use half::bf16;
 use moe_lanes_kernels::cuda::{CudaBackend, DeviceBuffer, TypedWeights};
 use moe_lanes_kernels::quant::widen_blocks;
 use moe_lanes_kernels::WeightDType;
+use std::borrow::Cow;
 
 /// A weight matrix on the device in its stored type (bf16 or GGUF blocks).
 pub(crate) struct DevMatrix {
@@ -324,7 +325,9 @@ impl Uploader<'_> {
         let (dtype, stored) = match common_blocks(parts)? {
             Some(found) => found,
             None => {
-                let bf16 = |(t, _): &(TensorRef<'_>, _)| Ok(bytemuck::cast_slice(&bf16_bits(*t)?).to_vec());
+                let bf16 = |(t, _): &(TensorRef<'_>, _)| {
+                    Ok(Cow::Owned(bytemuck::cast_slice(&bf16_bits(*t)?).to_vec()))
+                };
                 (WeightDType::BF16, parts.iter().map(bf16).collect::<Result<Vec<_>, GpuError>>()?)
             }
         };
@@ -344,17 +347,26 @@ impl Uploader<'_> {
 }
 
 /// One block type and every part's stored bytes in it.
-type CommonBlocks = (WeightDType, Vec<Vec<u8>>);
+type CommonBlocks<'t> = (WeightDType, Vec<Cow<'t, [u8]>>);
 
 /// The stored bytes of every part in one quantized type that all of them take exactly (a part's
-/// own type, the others widened into it: [`widen_blocks`]), or None (bf16 then).
-fn common_blocks(parts: &[(TensorRef<'_>, Vec<usize>)]) -> Result<Option<CommonBlocks>, GpuError> {
+/// own type as it is, the others widened into it: [`widen_blocks`]), or None (bf16 then: a float
+/// part, or types without an exact widening).
+fn common_blocks<'t>(parts: &[(TensorRef<'t>, Vec<usize>)]) -> Result<Option<CommonBlocks<'t>>, GpuError> {
     let types: Vec<WeightDType> = parts.iter().map(|(t, _)| stored_dtype(t.dtype)).collect();
-    'target: for &to in types.iter().filter(|t| t.is_quantized()) {
+    if !types.iter().all(|t| t.is_quantized()) {
+        return Ok(None);
+    }
+    'target: for &to in &types {
         let mut stored = Vec::with_capacity(parts.len());
         for ((t, _), &from) in parts.iter().zip(&types) {
-            let Some(bytes) = widen_blocks(from, to, &stored_bytes(*t)?) else { continue 'target };
-            stored.push(bytes);
+            let bytes = stored_bytes(*t)?;
+            if from == to {
+                stored.push(bytes);
+                continue;
+            }
+            let Some(wide) = widen_blocks(from, to, &bytes) else { continue 'target };
+            stored.push(Cow::Owned(wide));
         }
         return Ok(Some((to, stored)));
     }
@@ -614,10 +626,9 @@ mod tests {
     /// part, gives None (the upload's bf16).
     #[test]
     fn parts_of_two_block_types_share_the_one_both_take_exactly() {
+        // every part one row of 256 values
         let part = |dtype: DType, bytes: &'static [u8]| -> (TensorRef<'static>, Vec<usize>) {
-            let cols = 256 * bytes.len() / dtype.bytes_for(256).unwrap();
-            let shape: &'static [usize] = Box::leak(vec![1, cols].into_boxed_slice());
-            (TensorRef { name: "t", dtype, shape, data: bytes }, vec![0])
+            (TensorRef { name: "t", dtype, shape: &[1, 256], data: bytes }, vec![0])
         };
         let (q4k, q5k, q6k): (&[u8], &[u8], &[u8]) = (&[3; 144], &[5; 176], &[7; 210]);
         for parts in [
@@ -630,7 +641,7 @@ mod tests {
                 moe_lanes_kernels::quant::widen_blocks(WeightDType::Q4_K, WeightDType::Q5_K, q4k);
             for ((t, _), bytes) in parts.iter().zip(&stored) {
                 let want = if t.dtype == DType::Q5_K { q5k.to_vec() } else { q4k_as_q5k.clone().unwrap() };
-                assert_eq!(*bytes, want);
+                assert_eq!(bytes.as_ref(), want.as_slice());
             }
         }
         assert!(common_blocks(&[part(DType::Q6_K, q6k), part(DType::Q5_K, q5k)]).unwrap().is_none());
