@@ -52,8 +52,9 @@
 //!
 //! Reuse's admission margin is learned per layer (`CopyLedger`): every swap past the floor
 //! [`REUSE_MARGIN`], made or declined, is judged by the uses that followed net of the copy's
-//! break-even, and the wrong ones move the margin; on stable popular sets its copies fall to
-//! about one per hundred layer steps.
+//! break-even, and the wrong ones move the margin. It starts at [`REUSE_MARGIN_START`], far
+//! above the floor: on a stable popular set no swap pays, so none is made and the cache stays
+//! the learned one; where locality makes swaps pay, the declined ones bring it down.
 //!
 //! On replayed traces (benches/RESULTS.md, "Hot-cache policies against Belady", 25% and 50%
 //! budgets) reuse reaches at least 90% of Belady's hit rate in 10 of 12 cells (not at 25% with
@@ -103,6 +104,13 @@ pub const REUSE_TABLE_HALF_LIFE: f64 = 512.0;
 pub const REUSE_MARGIN: f64 = 0.05;
 /// The learned margin's ceiling: above a probability difference of 1 nothing is admitted.
 pub const REUSE_MARGIN_MAX: f64 = 1.0;
+/// Where the learned margin starts: sceptical, so a swap is made only once declined swaps have
+/// been seen to pay (each lowers it by [`LEDGER_RATE_PER_USE`] per use of its net). On a stable
+/// popular set nothing pays and the cache stays the learned one (replayed: 0-0.003 copies per
+/// layer and step, against 0.005-0.024 starting at the floor); with short-term locality the
+/// margin reaches the floor within the first few hundred steps (hit rates within a point of the
+/// floor start's; benches/RESULTS.md, session 43).
+pub const REUSE_MARGIN_START: f64 = 0.7;
 /// Longest an admission is judged over (it is judged when its expert is evicted, or this many
 /// steps after it), and the start of the residence that declined swaps are judged over.
 pub const LEDGER_MAX_STEPS: u64 = 128;
@@ -431,7 +439,7 @@ struct CopyLedger {
 impl Default for CopyLedger {
     fn default() -> Self {
         let residence = LEDGER_MAX_STEPS as f64 / 4.0;
-        CopyLedger { open: Vec::new(), margin: REUSE_MARGIN, residence, counts: [0; 4] }
+        CopyLedger { open: Vec::new(), margin: REUSE_MARGIN_START, residence, counts: [0; 4] }
     }
 }
 
@@ -1002,27 +1010,31 @@ mod tests {
         let cfg = PolicyConfig::of(PolicyKind::Reuse);
         let initial: Vec<usize> = (0..8).collect();
         let mut p = LayerPolicy::new(cfg, 64, &initial, &initial);
-        let mut copies = [0usize; 3];
-        for i in 0..3000 {
+        assert_eq!(p.reuse_margin(), REUSE_MARGIN_START);
+        let mut copies = 0;
+        for _ in 0..3000 {
             let mut s: Vec<usize> = (0..4).map(|_| next(16)).collect();
             s.sort_unstable();
             s.dedup();
-            copies[i / 1000] += p.step(&s).exchanges.len();
+            copies += p.step(&s).exchanges.len();
         }
-        let [paid, lost, ..] = p.ledger_counts().unwrap();
-        assert!(lost > paid, "swaps between equals lose: {paid} paid, {lost} lost");
-        assert!(p.reuse_margin() > REUSE_MARGIN, "the margin rose: {}", p.reuse_margin());
-        assert!(copies[2] * 2 < copies[0], "copies fall as it learns: {copies:?}");
-        // bursts: each admission is used 5 times more than its victim, far past break-even,
-        // so the margin stays at its floor
+        let [_, _, would_pay, would_lose] = p.ledger_counts().unwrap();
+        assert!(would_lose > 2 * would_pay, "declined swaps between equals lose: {would_pay} / {would_lose}");
+        assert!(p.reuse_margin() > REUSE_MARGIN, "the margin stays above its floor: {}", p.reuse_margin());
+        assert!(copies * 100 < 3000, "at most one copy per hundred steps: {copies}");
+        // bursts: each admission is used 5 times more than its victim, far past break-even, and
+        // predicted far above it: admitted even at the sceptical start, and they pay
         let mut b = LayerPolicy::new(cfg, 64, &[0, 1, 2, 3], &[0, 1, 2, 3]);
+        let mut late = 0;
         for burst in 0..200 {
             let pair = [(burst * 2) % 64, (burst * 2 + 1) % 64];
-            (0..6).for_each(|_| drop(b.step(&pair)));
+            let n: usize = (0..6).map(|_| b.step(&pair).exchanges.len()).sum();
+            late += if burst >= 100 { n } else { 0 };
         }
         let [paid, lost, ..] = b.ledger_counts().unwrap();
         assert!(paid > 10 * lost.max(1), "bursty admissions pay: {paid} paid, {lost} lost");
-        assert_eq!(b.reuse_margin(), REUSE_MARGIN);
+        assert!(b.reuse_margin() <= REUSE_MARGIN_START, "the margin did not rise: {}", b.reuse_margin());
+        assert!(late >= 2 * 100, "every late burst is admitted: {late}");
     }
 
     #[test]
