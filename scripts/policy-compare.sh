@@ -17,10 +17,13 @@
 # script (the model's synthesis included) is skipped (NA), so the whole call stays under
 # BUDGET_S + BENCH_TIMEOUT seconds (defaults 390 + 60: 7.5 minutes; the first call spends one to
 # two of them writing the 20 GiB model, so a later call, with the file kept, runs every bench).
-# Every policy runs at the first fraction before any at the next. Prints a markdown table (tg median and spread, decode hit rate,
-# copies) and logs everything under $OUT/policy-compare when OUT is set, else a new directory
-# under ${TMPDIR:-/tmp}.
-# Env: SPEC (locality:p=0.8,drift=0.01), FRACTIONS, P (64), N (256), RUNS (3), POLICIES
+# Every policy runs at the first fraction before any at the next; with ROUNDS > 1 the policies
+# take turns ROUNDS times at each fraction (static, online, reuse, static, ...), so a drift of
+# the host's memory bandwidth over the call reaches every policy alike. Prints a markdown table
+# (tg: the median of the rounds' medians, and the slowest and fastest run; decode hit rate and
+# copies: the rounds' mean) and logs everything under $OUT/policy-compare when OUT is set, else a new
+# directory under ${TMPDIR:-/tmp}.
+# Env: SPEC (locality:p=0.8,drift=0.01), FRACTIONS, P (64), N (256), RUNS (3), ROUNDS (1), POLICIES
 # ("static online lru lfu tinylfu adaptive reuse"), MODEL, MODEL_DIR, BENCH_TIMEOUT (60), BUDGET_S (390),
 # EXTRA_ARGS (more bench flags, e.g. --engine pipeline off the GPU machine), SYNTH_ARGS (default
 # "--preset qwen3-30b-a3b --layers 16"), CUDA_LIB (/usr/local/cuda/lib64).
@@ -30,7 +33,7 @@ die() { echo "policy-compare: $*" >&2; exit 2; }
 BIN=$1
 [ -x "$BIN" ] || die "$BIN: not an executable file"
 SPEC=${SPEC:-locality:p=0.8,drift=0.01} FRACTIONS=${FRACTIONS:-0.25 0.5}
-P=${P:-64} N=${N:-256} RUNS=${RUNS:-3} BUDGET_S=${BUDGET_S:-390} BENCH_TIMEOUT=${BENCH_TIMEOUT:-60}
+P=${P:-64} N=${N:-256} RUNS=${RUNS:-3} ROUNDS=${ROUNDS:-1} BUDGET_S=${BUDGET_S:-390} BENCH_TIMEOUT=${BENCH_TIMEOUT:-60}
 POLICIES=${POLICIES:-static online lru lfu tinylfu adaptive reuse}
 SYNTH_ARGS=${SYNTH_ARGS:---preset qwen3-30b-a3b --layers 16}
 export LD_LIBRARY_PATH="${CUDA_LIB:-/usr/local/cuda/lib64}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -63,8 +66,9 @@ case "$SPEC" in locality:*) scenario=(--scenario "$SPEC") ;; esac
 : >"$LOGS/runs.tsv"
 read -r -a extra <<<"${EXTRA_ARGS:-}"
 for f in $FRACTIONS; do
+  for round in $(seq 1 "$ROUNDS"); do
     for pol in $POLICIES; do
-        out="$LOGS/$pol-$f.json"
+        out="$LOGS/$pol-$f-r$round.json"
         if [ $((SECONDS - START)) -ge "$BUDGET_S" ]; then
             printf '%s\t%s\tNA\tNA\tNA\tNA\t# skipped: past BUDGET_S\n' "$pol" "$f" >>"$LOGS/runs.tsv"
             continue
@@ -79,20 +83,34 @@ f, pol, frac, rc = sys.argv[1:]
 try:
     r = json.load(open(f))
     s = r["tg_tokens_per_s_spread"]
-    print(f"{pol}\t{frac}\t{r['tg_tokens_per_s']:.1f}\t[{s['min']:.1f}-{s['max']:.1f}]\t{100 * r['hit_rate']:.1f}%\t{r['cache_exchanges']}")
+    print(f"{pol}\t{frac}\t{s['median']:.1f} {s['min']:.1f} {s['max']:.1f}\t{r['hit_rate']:.4f}\t{r['cache_exchanges']}")
 except Exception as e:
-    print(f"{pol}\t{frac}\tNA\tNA\tNA\tNA\t# rc {rc}: {e}")
+    print(f"{pol}\t{frac}\tNA\tNA\tNA\t# rc {rc}: {e}")
 PY
         tail -1 "$LOGS/runs.tsv"
     done
+  done
 done
 echo "total: $((SECONDS - START)) s"
 python3 - "$LOGS/runs.tsv" "$SPEC" <<'PY' | tee "$LOGS/compare.md"
-import sys
-rows = [l.rstrip("\n").split("\t") for l in open(sys.argv[1]) if l.strip()]
-print(f"workload {sys.argv[2]}; tg median [min-max] t/s, decode hit rate, exchanges over the timed runs")
+import statistics, sys
+cells = {}
+for line in open(sys.argv[1]):
+    r = line.rstrip("\n").split("\t")
+    if len(r) < 5 or r[2] == "NA":
+        cells.setdefault((r[1], r[0]), [])
+        continue
+    cells.setdefault((r[1], r[0]), []).append(([float(x) for x in r[2].split()], float(r[3]), int(r[4])))
+print(f"workload {sys.argv[2]}; tg t/s: the median of the rounds' medians [slowest-fastest run]; decode hit rate and exchanges (a round's timed runs): the rounds' mean")
 print("| hot fraction | policy | tg t/s | spread | hit rate | exchanges |")
 print("|---|---|---|---|---|---|")
-for r in rows:
-    print(f"| {r[1]} | {r[0]} | {r[2]} | {r[3]} | {r[4]} | {r[5]} |")
+for (frac, pol), got in cells.items():
+    if not got:
+        print(f"| {frac} | {pol} | NA | NA | NA | NA |")
+        continue
+    tg = [g[0][0] for g in got]
+    lo, hi = min(g[0][1] for g in got), max(g[0][2] for g in got)
+    hit = statistics.mean(g[1] for g in got)
+    ex = statistics.mean(g[2] for g in got)
+    print(f"| {frac} | {pol} | {statistics.median(tg):.1f} | [{lo:.1f}-{hi:.1f}] | {100 * hit:.1f}% | {ex:.0f} |")
 PY

@@ -17,7 +17,9 @@
 //!   planned updater does not run; instead, after every call ([`LiveCache::after_tokens`] per
 //!   generated token, and at the request's end) the experts each layer routed since the last
 //!   step (read off the perf counts) are one step of that layer's [`LayerPolicy`]
-//!   (`cache::policy`), and the exchanges it decides are applied before the next call.
+//!   (`cache::policy`), run on the policy's own thread while the engine runs the next call
+//!   (`policy_worker`); the exchanges it decides are applied at the step after it (one call
+//!   later than inline; at a request's end at once).
 //!
 //! The automatic updater and the online policies need the perf counts: with perf mode `off`
 //! no window ever fills and no step is seen.
@@ -27,6 +29,7 @@ use crate::actors::Exchange;
 use crate::cache::hot_set::HotSet;
 use crate::cache::observe::Observations;
 use crate::cache::perf::{ModelFingerprint, PerfReport};
+use super::policy_worker::{LayerStep, PolicyWorker};
 use crate::cache::policy::{LayerPolicy, PolicyKind};
 use crate::cache::update::{exchanges_to, plan_exchanges, UpdateMode, UpdatePolicy, MIN_WINDOW_SLOTS};
 use crate::cache::weighting::score_observations;
@@ -72,14 +75,12 @@ pub struct LiveCache {
     online: Option<OnlineState>,
 }
 
-/// Per layer, the online policy and the routed counts it has seen.
+/// Per layer, the online policy (on its worker) and the routed counts it has seen.
 #[derive(Debug)]
 struct OnlineState {
-    layers: Vec<LayerPolicy>,
+    worker: PolicyWorker,
     /// `seen[l][e]`: hot + cold slots of expert `e` in layer `l` at the last step.
     seen: Vec<Vec<u64>>,
-    /// Scratch: one layer's hot mask, refilled per step (no allocation per token).
-    mask: Vec<bool>,
 }
 
 impl OnlineState {
@@ -102,7 +103,29 @@ impl OnlineState {
             .collect();
         let seen =
             (0..hot.layers.len()).map(|l| (0..hot.n_experts).map(|e| counts(l, e)).collect()).collect();
-        OnlineState { layers, seen, mask: vec![false; hot.n_experts] }
+        OnlineState { worker: PolicyWorker::spawn(layers), seen }
+    }
+
+    /// The experts each layer routed since the last step (read off the perf counts, which move
+    /// `seen` on) with the cache's residency now; layers that routed nothing are left out.
+    fn routed_since(&mut self, report: &PerfReport, hot: &HotSet) -> Vec<LayerStep> {
+        let mut step = Vec::new();
+        for (l, layer) in report.layers.iter().enumerate().take(self.seen.len()) {
+            let mut experts = Vec::new();
+            for (e, seen) in self.seen[l].iter_mut().enumerate() {
+                let now = layer.hot_experts.get(e).copied().unwrap_or(0)
+                    + layer.cold_experts.get(e).copied().unwrap_or(0);
+                if now > *seen {
+                    experts.push(e);
+                }
+                *seen = now;
+            }
+            if !experts.is_empty() {
+                let resident = hot.layers[l].hot_id_map.iter().map(Option::is_some).collect();
+                step.push(LayerStep { layer_idx: l, experts, resident });
+            }
+        }
+        step
     }
 }
 
@@ -169,7 +192,8 @@ impl LiveCache {
             return self.apply(engine, exchanges, UpdateKind::Manual, 0.0).map(Some);
         }
         if self.online_policy() {
-            return self.policy_step(engine);
+            let stepped = self.policy_step(engine)?;
+            return self.flush_policy(engine, stepped);
         }
         self.auto_update(engine)
     }
@@ -220,44 +244,49 @@ impl LiveCache {
         self.apply(engine, exchanges, UpdateKind::Auto, hit_rate).map(Some)
     }
 
-    /// One step of the online policy: the experts each layer routed since the last step, then
-    /// the exchanges the policy decides, applied now (nothing while a manual apply waits).
+    /// One step of the online policy: the exchanges the previous step decided applied now, then
+    /// the experts each layer routed since the last step handed to the policy's worker
+    /// ([`PolicyWorker`]: it decides while the engine runs the next call). Nothing while a
+    /// manual apply waits.
     pub fn policy_step(&mut self, engine: &mut dyn Engine) -> Result<Option<UpdateOutcome>, EngineError> {
         if !self.online_policy() || self.pending_manual.is_some() {
             return Ok(None);
         }
         let (Some(hot), Some(perf)) = (engine.hot_set(), engine.perf()) else { return Ok(None) };
-        let report = perf.report();
-        let state = self.online.get_or_insert_with(|| OnlineState::new(&self.policy, hot, report));
-        let mut exchanges = Vec::new();
-        let mut step = Vec::new();
-        for (l, (layer, policy)) in report.layers.iter().zip(&mut state.layers).enumerate() {
-            step.clear();
-            for (e, seen) in state.seen[l].iter_mut().enumerate() {
-                let now = layer.hot_experts.get(e).copied().unwrap_or(0)
-                    + layer.cold_experts.get(e).copied().unwrap_or(0);
-                if now > *seen {
-                    step.push(e);
-                }
-                *seen = now;
+        let state = self.online.get_or_insert_with(|| OnlineState::new(&self.policy, hot, perf.report()));
+        let decided = state.worker.take();
+        let applied = if decided.is_empty() { Ok(None) } else { self.apply_policy(engine, decided).map(Some) };
+        // read after the apply: the residency holds the evictions just made
+        if let (Some(hot), Some(perf), Some(state)) = (engine.hot_set(), engine.perf(), self.online.as_mut()) {
+            let step = state.routed_since(perf.report(), hot);
+            if !step.is_empty() {
+                state.worker.submit(step);
             }
-            if step.is_empty() {
-                continue;
-            }
-            let mask = &mut state.mask;
-            mask.iter_mut().zip(&hot.layers[l].hot_id_map).for_each(|(m, s)| *m = s.is_some());
-            policy.sync_resident(mask);
-            let out = policy.step(&step);
-            exchanges.extend(out.exchanges.into_iter().map(|(evict, add)| Exchange {
-                layer_idx: l,
-                evict,
-                add,
-            }));
         }
-        if exchanges.is_empty() {
-            return Ok(None);
+        applied
+    }
+
+    /// At a request's end: the last step's exchanges applied now too (nothing waits for a token
+    /// there), so the next request starts from everything the policy decided.
+    fn flush_policy(
+        &mut self,
+        engine: &mut dyn Engine,
+        stepped: Option<UpdateOutcome>,
+    ) -> Result<Option<UpdateOutcome>, EngineError> {
+        let Some(state) = self.online.as_mut() else { return Ok(stepped) };
+        let decided = state.worker.take();
+        if decided.is_empty() {
+            return Ok(stepped);
         }
-        self.apply_policy(engine, exchanges).map(Some)
+        let last = self.apply_policy(engine, decided)?;
+        Ok(Some(match stepped {
+            None => last,
+            Some(s) => UpdateOutcome {
+                exchanges: s.exchanges + last.exchanges,
+                copy_time_us: s.copy_time_us + last.copy_time_us,
+                ..last
+            },
+        }))
     }
 
     /// Apply the online policy's exchanges (no window snapshot: the policy keeps its own counts).

@@ -11,6 +11,7 @@ pub mod generation;
 mod gpu;
 mod gpu_devices;
 pub mod live;
+mod policy_worker;
 mod traced;
 pub mod tuning;
 pub mod worker;
