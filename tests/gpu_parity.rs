@@ -19,8 +19,12 @@ mod common;
 
 use moe_lanes::actors::Exchange;
 use moe_lanes::cache::hot_set::HotSet;
-use moe_lanes::cache::perf::{FallbackReason, PerfReport, PostFetchPerf};
-use moe_lanes::engine::{build_engine, Engine, EngineError, EngineKind, EngineOptions, HotBudget, HotChoice};
+use moe_lanes::cache::perf::{FallbackReason, ModelFingerprint, PerfReport, PostFetchPerf};
+use moe_lanes::cache::policy::{PolicyConfig, PolicyKind};
+use moe_lanes::cache::update::UpdatePolicy;
+use moe_lanes::engine::{
+    build_engine, Engine, EngineError, EngineKind, EngineOptions, HotBudget, HotChoice, LiveCache,
+};
 use moe_lanes::gpu::{CudaBackend, GpuFaults, PostFetchMode, PostFetchOptions};
 use moe_lanes::model::context::KvType;
 use moe_lanes::model::Model;
@@ -157,6 +161,18 @@ const NEAR_TIE: f32 = 2e-3;
 /// near tie is not compared; decode stops at the first such step (from there the engine may
 /// have chosen another expert, and the later rows see it through the cache).
 fn check_steps(what: &str, model: &Model, engine: &mut dyn Engine, n_decode: usize) -> f32 {
+    check_steps_with(what, model, engine, n_decode, &mut |_| {})
+}
+
+/// [`check_steps`] with `between` run on the engine before every decode step (an online cache
+/// policy's step, say).
+fn check_steps_with(
+    what: &str,
+    model: &Model,
+    engine: &mut dyn Engine,
+    n_decode: usize,
+    between: &mut dyn FnMut(&mut dyn Engine),
+) -> f32 {
     let reference = Reference::new(model).unwrap();
     let prompt = prompt(model.path());
     let mut rc = reference.new_cache();
@@ -179,6 +195,7 @@ fn check_steps(what: &str, model: &Model, engine: &mut dyn Engine, n_decode: usi
         // every step runs (the engine's call count matters to fault schedules); rows after a
         // near tie are not compared
         let want = reference.forward(&mut rc, &[want_tok], &mut ties).unwrap();
+        between(&mut *engine);
         let got = engine.forward(&[want_tok], Phase::Decode, &mut cache).unwrap();
         last = want[0].clone();
         if !tied && ties.positions.contains(&(prompt.len() + step)) {
@@ -546,6 +563,34 @@ fn exchanges_keep_output_exact() {
         let set = engine.hot_set().unwrap().clone();
         assert!(engine.apply_exchanges().is_err());
         assert_eq!(engine.hot_set().unwrap(), &set);
+    }
+}
+
+#[test]
+fn online_policies_moving_the_cache_keep_decode_exact() {
+    let Some(_gpu) = gpu_shared() else { return };
+    // LRU admits every miss (the most exchanges a policy makes); reuse is the default
+    for kind in [PolicyKind::Lru, PolicyKind::default()] {
+        for name in &gpu_fixture_names() {
+            let model = open(name);
+            let c = model.config().clone();
+            let hot = HotChoice::Set(hot_set(Hot::Half, c.n_layers, c.n_experts));
+            let mut engine = gpu_engine(&model, hot, GpuFaults::default());
+            let policy = UpdatePolicy { cache: PolicyConfig::of(kind), ..UpdatePolicy::default() };
+            let fingerprint = ModelFingerprint::of(&model);
+            let mut live = LiveCache::new(engine.as_ref(), fingerprint, model.layer_expert_bytes(), policy);
+            live.begin_request();
+            let what = format!("{name} {}", kind.name());
+            let mut step = |e: &mut dyn Engine| drop(live.after_tokens(e, 1).unwrap());
+            check_steps_with(&what, &model, engine.as_mut(), 24, &mut step);
+            live.end_request(engine.as_mut()).unwrap();
+            let updates = &engine.perf().unwrap().report().cache_updates;
+            if kind == PolicyKind::Lru {
+                assert!(updates.exchanges > 0, "{what}: the policy moved the cache");
+            }
+            // every exchange made so far has landed or lands by the next calls: still exact
+            check_against_reference(&format!("{what} after"), &model, engine.as_mut());
+        }
     }
 }
 

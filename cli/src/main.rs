@@ -313,14 +313,15 @@ struct EngineArgs {
     /// Exponent of the layer weight (0: usage alone; larger: lean harder on the layer signal).
     #[arg(long, default_value_t = moe_lanes::cache::weighting::DEFAULT_LAYER_CURVE)]
     layer_curve: f64,
-    /// Hot-cache policy: planned (learn + plan, moved only by --update; the default), or one
-    /// applied after every call: adaptive (decayed-count eviction and admission at the half-life
-    /// whose shadow cache saves the most net of its copies' PCIe and host DRAM cost), reuse
-    /// (eviction and admission by each expert's chance of use in the next call, learned per
-    /// layer from its recency, its uses in the last 8 calls and its long frequency; a miss is
-    /// admitted only past a 0.05 margin), lru, lfu (decayed counts), tinylfu (frequency
-    /// admission, LRU eviction, a quarter of the slots pinned to the learned ranking, a
-    /// copy-cost gate). Default: the --engine-config file's cache_policy, else planned.
+    /// Hot-cache policy: reuse (the default: after every call, eviction and admission by each
+    /// expert's chance of use in the next call, learned per layer from its recency, its uses in
+    /// the last 8 calls and its long frequency; a miss is admitted only past a margin learned
+    /// from what earlier swaps paid, so a stable workload keeps the learned cache), planned
+    /// (learn + plan, moved only by --update), or another one applied after every call:
+    /// adaptive (decayed-count eviction and admission at the half-life whose shadow cache saves
+    /// the most net of its copies' PCIe and host DRAM cost), lru, lfu (decayed counts), tinylfu
+    /// (frequency admission, LRU eviction, a quarter of the slots pinned to the learned ranking,
+    /// a copy-cost gate). Default: the --engine-config file's cache_policy, else reuse.
     #[arg(long)]
     cache_policy: Option<String>,
     /// The planned policy's online updater: off (the cache changes only by manual applies) or

@@ -550,7 +550,7 @@ fn live_page_shows_every_layer_in_headless_chromium() {
         dom.contains("data-admissions=\"\">") && dom.contains("data-evictions=\"\">"),
         "admissions shown:\n{dom}"
     );
-    assert!(dom.contains("hot-cache policy planned"), "the policy shows (the default):\n{dom}");
+    assert!(dom.contains("hot-cache policy reuse"), "the policy shows (the default):\n{dom}");
     let running =
         dom.split("data-card=\"running\"><div class=\"v\">").nth(1).and_then(|r| r.split('<').next());
     assert_eq!(running, Some("1"), "the running request shows:\n{dom}");

@@ -129,6 +129,12 @@ impl OnlineState {
     }
 }
 
+/// Whether some layer's cache holds some experts but not all (an online policy has nothing to
+/// decide where every layer's is empty or full: budget 0, or every expert on the GPU).
+fn exchanges_possible(hot: &HotSet) -> bool {
+    hot.layers.iter().any(|l| (1..hot.n_experts).contains(&l.n_hot()))
+}
+
 fn snapshot(engine: &dyn Engine) -> PerfReport {
     engine.perf().map(|p| p.report().clone()).unwrap_or_default()
 }
@@ -253,6 +259,9 @@ impl LiveCache {
             return Ok(None);
         }
         let (Some(hot), Some(perf)) = (engine.hot_set(), engine.perf()) else { return Ok(None) };
+        if !exchanges_possible(hot) {
+            return Ok(None);
+        }
         let state = self.online.get_or_insert_with(|| OnlineState::new(&self.policy, hot, perf.report()));
         let decided = state.worker.take();
         let applied = if decided.is_empty() { Ok(None) } else { self.apply_policy(engine, decided).map(Some) };
