@@ -581,7 +581,9 @@ fn online_policies_moving_the_cache_keep_decode_exact() {
             let mut live = LiveCache::new(engine.as_ref(), fingerprint, model.layer_expert_bytes(), policy);
             live.begin_request();
             let what = format!("{name} {}", kind.name());
-            let mut step = |e: &mut dyn Engine| drop(live.after_tokens(e, 1).unwrap());
+            let mut step = |e: &mut dyn Engine| {
+                live.after_tokens(e, 1).unwrap();
+            };
             check_steps_with(&what, &model, engine.as_mut(), 24, &mut step);
             live.end_request(engine.as_mut()).unwrap();
             let updates = &engine.perf().unwrap().report().cache_updates;
