@@ -24,12 +24,12 @@
 //! The automatic updater and the online policies need the perf counts: with perf mode `off`
 //! no window ever fills and no step is seen.
 
+use super::policy_worker::{LayerStep, PolicyWorker};
 use super::{Engine, EngineError};
 use crate::actors::Exchange;
 use crate::cache::hot_set::HotSet;
 use crate::cache::observe::Observations;
 use crate::cache::perf::{ModelFingerprint, PerfReport};
-use super::policy_worker::{LayerStep, PolicyWorker};
 use crate::cache::policy::{LayerPolicy, PolicyKind};
 use crate::cache::update::{exchanges_to, plan_exchanges, UpdateMode, UpdatePolicy, MIN_WINDOW_SLOTS};
 use crate::cache::weighting::score_observations;
@@ -252,7 +252,7 @@ impl LiveCache {
 
     /// One step of the online policy: the exchanges the previous step decided applied now, then
     /// the experts each layer routed since the last step handed to the policy's worker
-    /// ([`PolicyWorker`]: it decides while the engine runs the next call). Nothing while a
+    /// (`engine::policy_worker`: it decides while the engine runs the next call). Nothing while a
     /// manual apply waits.
     pub fn policy_step(&mut self, engine: &mut dyn Engine) -> Result<Option<UpdateOutcome>, EngineError> {
         if !self.online_policy() || self.pending_manual.is_some() {
@@ -264,9 +264,11 @@ impl LiveCache {
         }
         let state = self.online.get_or_insert_with(|| OnlineState::new(&self.policy, hot, perf.report()));
         let decided = state.worker.take();
-        let applied = if decided.is_empty() { Ok(None) } else { self.apply_policy(engine, decided).map(Some) };
+        let applied =
+            if decided.is_empty() { Ok(None) } else { self.apply_policy(engine, decided).map(Some) };
         // read after the apply: the residency holds the evictions just made
-        if let (Some(hot), Some(perf), Some(state)) = (engine.hot_set(), engine.perf(), self.online.as_mut()) {
+        if let (Some(hot), Some(perf), Some(state)) = (engine.hot_set(), engine.perf(), self.online.as_mut())
+        {
             let step = state.routed_since(perf.report(), hot);
             if !step.is_empty() {
                 state.worker.submit(step);

@@ -48,8 +48,15 @@ pub(super) struct PolicyWorker {
 
 #[derive(Debug)]
 enum Mode {
-    Thread { steps: Option<Sender<Vec<LayerStep>>>, decided: Receiver<Vec<Exchange>>, thread: Option<JoinHandle<()>> },
-    Inline { layers: Vec<LayerPolicy>, decided: Vec<Exchange> },
+    Thread {
+        steps: Option<Sender<Vec<LayerStep>>>,
+        decided: Receiver<Vec<Exchange>>,
+        thread: Option<JoinHandle<()>>,
+    },
+    Inline {
+        layers: Vec<LayerPolicy>,
+        decided: Vec<Exchange>,
+    },
 }
 
 impl PolicyWorker {
