@@ -1,7 +1,8 @@
 //! The expert usage tracer through the real binary: `--trace FILE` on a model-running command
 //! writes one JSON line per forward call and layer (the header first), tracing changes no
 //! output, and `plan --trace` / `--learn TRACE` replay it as learn counts; a bad line is an
-//! error naming the file and the line.
+//! error naming the file and the line. And `scripts/policy-compare.sh`, the policies' tg side
+//! by side, on the CPU pipeline.
 
 mod bin;
 
@@ -237,4 +238,67 @@ fn policies_replay_a_locality_trace_against_belady() {
         "1.5",
     ]);
     assert!(err.contains("--policy-fractions") && err.contains("1.5"), "{err}");
+}
+
+/// `scripts/policy-compare.sh` through the real binary on the CPU pipeline: with `ROUNDS` the
+/// policies take turns (static, reuse, static, reuse), every round's bench is logged, and the
+/// table has one row per fraction and policy with the rounds' median and spread.
+#[test]
+fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
+    let has = |tool: &str| std::process::Command::new(tool).arg("--version").output().is_ok();
+    if !has("bash") || !has("python3") {
+        eprintln!("SKIP: bash or python3 not found");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    ok_stdout(&[
+        "synth",
+        "--out",
+        p(&model),
+        "--layers",
+        "2",
+        "--experts",
+        "16",
+        "--top-k",
+        "4",
+        "--skew",
+        "skewed",
+    ]);
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/policy-compare.sh");
+    let out = std::process::Command::new("bash")
+        .arg(script)
+        .arg(env!("CARGO_BIN_EXE_moe-lanes"))
+        .envs([
+            ("MODEL", p(&model)),
+            ("SPEC", "skewed"),
+            ("ROUNDS", "2"),
+            ("RUNS", "1"),
+            ("P", "8"),
+            ("N", "16"),
+            ("FRACTIONS", "0.5"),
+            ("POLICIES", "static reuse"),
+            ("EXTRA_ARGS", "--engine pipeline"),
+            ("OUT", p(dir.path())),
+        ])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let runs = std::fs::read_to_string(dir.path().join("policy-compare/runs.tsv")).unwrap();
+    let order: Vec<&str> = runs.lines().map(|l| l.split('\t').next().unwrap()).collect();
+    assert_eq!(order, ["static", "reuse", "static", "reuse"], "{runs}");
+    for l in runs.lines() {
+        let median = l.split('\t').nth(2).and_then(|c| c.split(' ').next()).unwrap();
+        assert!(median.parse::<f64>().is_ok_and(|v| v > 0.0), "a tg in every round: {l}");
+    }
+    for pol in ["static", "reuse"] {
+        let row = text
+            .lines()
+            .find(|l| l.starts_with(&format!("| 0.5 | {pol} | ")))
+            .unwrap_or_else(|| panic!("{text}"));
+        let cells: Vec<&str> = row.split('|').map(str::trim).collect();
+        assert!(cells[3].parse::<f64>().is_ok(), "{row}");
+        assert!(cells[4].starts_with('[') && cells[4].ends_with(']'), "{row}");
+    }
 }
