@@ -129,7 +129,8 @@ unsafe fn run_tile(
 
 /// One row tile for a few tokens with 8-bit activations: the one-token tile per token (`q8.0`'s
 /// rows from token `q8.1` on), the row tile prefetched once; `out` as [`run_tile`] (row-major,
-/// `xs.len()` values a row).
+/// `xs.len()` values a row). On VNNI an 8-row Q4_K or Q5_K tile takes the tokens two at a time
+/// (`decode_tile_pair`: the nibbles and scales unpacked once for both).
 ///
 /// # Safety
 /// As [`run_tile`]; `q8.0.row(q8.1 + t)` holds token `t`'s quantised activations.
@@ -150,9 +151,29 @@ unsafe fn q8_tokens(
         // SAFETY: forwarded contract.
         return unsafe { run_tile(level, dtype, rows, prefetch_rows, xs, Some(q8.row(token0)), cols, out) };
     }
-    let mut token_sums = [0.0f32; ROW_BLOCK];
+    let mut token_sums = [0.0f32; 2 * ROW_BLOCK];
+    let mut t = 0;
+    #[cfg(target_arch = "x86_64")]
+    while level.has_q8_dot() && t + 2 <= n {
+        let prefetch = if t == 0 { prefetch_rows } else { std::ptr::null() };
+        let pair = [q8.row(token0 + t), q8.row(token0 + t + 1)];
+        // SAFETY: VNNI (has_q8_dot); the two tokens' quantised rows and the rows as in the
+        // caller's contract.
+        let sums = &mut token_sums[..2 * rows.len()];
+        let done = unsafe {
+            crate::x86_quant_tile::avx512_vnni::decode_tile_pair(dtype, rows, prefetch, pair, cols, sums)
+        };
+        if !done {
+            break;
+        }
+        for r in 0..rows.len() {
+            out[r * n + t] = sums[2 * r];
+            out[r * n + t + 1] = sums[2 * r + 1];
+        }
+        t += 2;
+    }
     let token_sums = &mut token_sums[..rows.len()];
-    for t in 0..n {
+    for t in t..n {
         let prefetch = if t == 0 { prefetch_rows } else { std::ptr::null() };
         // SAFETY: forwarded contract, token t alone.
         unsafe {
@@ -789,8 +810,30 @@ pub fn gemv_rows_q8(
     rows: Range<usize>,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
+    matmul_rows_q8(level, dtype, matrix, cols, (x, 1), rows, y)
+}
+
+/// [`gemv_rows_q8`] for the first `n_tokens` rows of `x` (`y[t * rows.len() + r]`): up to
+/// [`Q8_MAX_TOKENS`] tokens the decode tiles (8 Q4_K or Q5_K rows on VNNI two tokens at a
+/// time), more the many-token tiles where the type has them, as the cold lane runs an expert.
+pub fn matmul_rows_q8(
+    level: SimdLevel,
+    dtype: WeightDType,
+    matrix: &[u8],
+    cols: usize,
+    (x, n_tokens): (&Q8Activations, usize),
+    rows: Range<usize>,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
     level.ensure_supported()?;
     check_len("x", cols, x.cols())?;
+    if x.reserved_values() < n_tokens * cols {
+        return Err(KernelError::ShapeMismatch {
+            what: "q8 rows x columns",
+            expected: n_tokens * cols,
+            actual: x.reserved_values(),
+        });
+    }
     let row_bytes = dtype.row_bytes(cols);
     if cols == 0 || !cols.is_multiple_of(dtype.block_elems()) || !matrix.len().is_multiple_of(row_bytes) {
         return Err(KernelError::ShapeMismatch {
@@ -800,11 +843,11 @@ pub fn gemv_rows_q8(
         });
     }
     check_rows("matrix", &rows, matrix.len() / row_bytes)?;
-    check_len("y", rows.len(), y.len())?;
-    let x_f32 = x.dequantized(0);
+    check_len("y", rows.len() * n_tokens, y.len())?;
+    let x_f32: Vec<Vec<f32>> = (0..n_tokens).map(|t| x.dequantized(t)).collect();
     let (base, first, n_out) = (matrix.as_ptr(), rows.start, rows.len());
-    // SAFETY: level checked; rows are in bounds of `matrix`, the token of `x_f32` and of the q8
-    // row (`cols` values), sinks of `y`.
+    // SAFETY: level checked; rows are in bounds of `matrix`, the tokens of `x_f32` and the q8
+    // rows (`cols` values each, `n_tokens` rows checked), sinks of `y`.
     unsafe {
         dot_tiles(
             level,
@@ -813,10 +856,10 @@ pub fn gemv_rows_q8(
             n_out,
             matrix.len() / row_bytes - first,
             |r| base.add((first + r) * row_bytes),
-            1,
-            |_| x_f32.as_ptr(),
+            n_tokens,
+            |t| x_f32[t].as_ptr(),
             Some(x.rows_from(0)),
-            |r, _, value| y[r] = value,
+            |r, t, value| y[t * n_out + r] = value,
         )
     };
     Ok(())

@@ -69,6 +69,7 @@ pub use dense::{matmul, par_matmul, DenseMatrix, MatmulPart, MAX_MATMUL_PARTS};
 pub use error::KernelError;
 pub use ffn::{
     down_accumulate, expert_ffn_accumulate, gate_up_activation, gemv_rows, gemv_rows_q8, matmul_rows,
+    matmul_rows_q8,
 };
 pub use kv::{KvRows, KvType, KvTypeError};
 pub use par::{par_chunk_pairs_mut, par_chunks_mut};

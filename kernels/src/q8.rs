@@ -254,6 +254,11 @@ impl Q8Activations {
         self.cols
     }
 
+    /// Values of every reserved row (rows times columns).
+    pub fn reserved_values(&self) -> usize {
+        self.qs.len()
+    }
+
     /// Row `row`'s values as the tiles see them, `d * q` (the activations the Q8 path dots).
     pub fn dequantized(&self, row: usize) -> Vec<f32> {
         let qs = &self.qs[row * self.cols..][..self.cols];

@@ -16,7 +16,11 @@
 //! of four rows' blocks at once ([`k_coefficients4`]). On the H200 machine's host one thread's
 //! one-token Q4_K tiles read 7.5 GB/s against its 12.7 GB/s read probe (BF16: 11.7), about the
 //! sum of the unpacking's time and the memory stalls; these two steps took 16 threads'
-//! `bench-kernels` decode from 76 to 80-83 GB/s in one call (issue 46). The results differ from
+//! `bench-kernels` decode from 76 to 80-83 GB/s in one call (issue 46). Experts of 2-4 tokens
+//! (batched decode, a partly hot layer) run 8 Q4_K / Q5_K rows two tokens at a time
+//! ([`decode_tile_pair`]): the nibbles and the four rows' scales are unpacked once for both
+//! (the build machine's "layer 25% hot" case: Q4_K 16.4-16.5 -> 17.3-17.8 GB/s, Q5_K 13.5-13.7
+//! -> 15.0-15.3; the GPU host not measured yet). The results differ from
 //! the exact dot of the dequantised weights with f32 `x` by the activation rounding (bound in
 //! [`crate::q8`]) and f32 rounding of the scale products.
 
@@ -384,6 +388,143 @@ unsafe fn fused_rows<const Q: u8, const R: usize>(
     for r in 0..R {
         out[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
     }
+}
+
+/// [`k_asym_scaled`] for two tokens (`x[t]`, `c[t]` the block's coefficients times token t's
+/// activation scales, one accumulator per token): each 64-byte run of nibbles (and Q5_K's fifth
+/// bits) is unpacked once for both.
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k_asym_pair<const FIFTH: bool>(
+    b: *const u8,
+    x: &[XBlock; 2],
+    c: [__m512; 2],
+    acc: &mut [__m512; 2],
+) {
+    // SAFETY: the caller vouches for one whole block at `b` (144 or 176 bytes).
+    unsafe {
+        for t in 0..2 {
+            // the mins, in the upper lanes (the accumulator is summed over all lanes)
+            acc[t] = _mm512_mask_sub_ps(acc[t], 0xFF00, acc[t], c[t]);
+        }
+        let low4 = _mm512_set1_epi8(15);
+        let qh = if FIFTH {
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(b.add(16) as *const __m256i))
+        } else {
+            low4
+        };
+        let qs = b.add(if FIFTH { 48 } else { 16 });
+        for q in 0..2 {
+            let raw = _mm512_loadu_si512(qs.add(64 * q) as *const _);
+            let mut lo = _mm512_and_si512(raw, low4);
+            let mut hi = if FIFTH {
+                _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4)
+            } else {
+                _mm512_andnot_si512(low4, raw)
+            };
+            if FIFTH {
+                let bit = |j: usize| {
+                    let bytes = |j: usize| ((1u64 << j) * 0x0101_0101_0101_0101) as i64;
+                    let (a, c) = (bytes(j), bytes(j + 2));
+                    _mm512_setr_epi64(a, a, a, a, c, c, c, c)
+                };
+                let sixteen = _mm512_set1_epi8(16);
+                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bit(4 * q)), lo, sixteen);
+                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, bit(4 * q + 1)), hi, sixteen);
+            }
+            let j = 4 * q as i32;
+            let (slo, shi) = (pick2(j, j + 2), pick2(j + 1, j + 3));
+            let zero = _mm512_setzero_si512();
+            for t in 0..2 {
+                let dlo = _mm512_dpbusd_epi32(zero, lo, x[t].v[2 * q]);
+                let dhi = _mm512_dpbusd_epi32(zero, hi, x[t].v[2 * q + 1]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dlo), _mm512_permutexvar_ps(slo, c[t]), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi), _mm512_permutexvar_ps(shi, c[t]), acc[t]);
+            }
+        }
+    }
+}
+
+/// `out[2 r + t] = dot(row r, x t)` for 8 Q4_K or Q5_K rows and two tokens: [`fused_rows`]'s
+/// walk with each block's nibbles unpacked and each four rows' scales decoded once for both
+/// tokens, the rows read once.
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn fused_rows_pair<const Q: u8>(
+    dtype: WeightDType,
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    xs: [Q8Row; 2],
+    cols: usize,
+    out: &mut [f32],
+) {
+    const R: usize = 8;
+    let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
+    let rows: [*const u8; R] = std::array::from_fn(|r| rows[r]);
+    // SAFETY: a non-null `prefetch_rows` holds R pointers (the caller's contract).
+    let next: Option<[*const u8; R]> =
+        (!prefetch_rows.is_null()).then(|| std::array::from_fn(|r| unsafe { *prefetch_rows.add(r) }));
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    let mut prefetched = 0;
+    for blk in 0..cols / be {
+        // SAFETY: block `blk`'s activations lie inside each token's row (`cols` values).
+        let xb = unsafe { [prepare::<Q>(xs[0], blk), prepare::<Q>(xs[1], blk)] };
+        for g in (0..R).step_by(4) {
+            let at: [*const u8; 4] = std::array::from_fn(|i| rows[g + i].wrapping_add(blk * bb));
+            // SAFETY: block `blk` lies inside rows g..g + 4 (`cols` whole blocks); the CPU
+            // features are this function's.
+            unsafe {
+                let w = k_coefficients4(at, _mm512_set1_ps(1.0));
+                for i in 0..4 {
+                    let c = [_mm512_mul_ps(w[i], xb[0].f), _mm512_mul_ps(w[i], xb[1].f)];
+                    if Q == Q5_K {
+                        k_asym_pair::<true>(at[i], &xb, c, &mut acc[g + i]);
+                    } else {
+                        k_asym_pair::<false>(at[i], &xb, c, &mut acc[g + i]);
+                    }
+                }
+            }
+        }
+        if let Some(next) = &next {
+            prefetch_rows_through(next, &mut prefetched, (blk + 1) * bb);
+        }
+    }
+    for r in 0..R {
+        for t in 0..2 {
+            out[2 * r + t] = _mm512_reduce_add_ps(acc[r][t]);
+        }
+    }
+}
+
+/// The 8-row Q4_K / Q5_K tile for two tokens at once ([`fused_rows_pair`]: `out[2 r + t]`), or
+/// false (nothing done) for any other row count or type.
+///
+/// # Safety
+/// As [`decode_tile`], for each of the two quantised rows `xs`; `out` must hold 16 values.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn decode_tile_pair(
+    dtype: WeightDType,
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+    xs: [Q8Row; 2],
+    cols: usize,
+    out: &mut [f32],
+) -> bool {
+    if rows.len() != 8 {
+        return false;
+    }
+    // SAFETY: forwarded from the caller; 8 rows.
+    unsafe {
+        match dtype {
+            WeightDType::Q4_K => fused_rows_pair::<Q4_K>(dtype, rows, prefetch_rows, xs, cols, out),
+            WeightDType::Q5_K => fused_rows_pair::<Q5_K>(dtype, rows, prefetch_rows, xs, cols, out),
+            _ => return false,
+        }
+    }
+    true
 }
 
 /// The fused one-token tile with 8-bit activations for 8 or 1 rows (`out[r] = dot(row r, x)`),

@@ -11,8 +11,8 @@ mod common;
 
 use common::{q8_rounding_bound, relative_error, QuantBytes, Rng, F32_ACCUMULATION_TOLERANCE};
 use moe_lanes_kernels::{
-    available, expert_ffn_accumulate, gemv_rows_q8, has_avx512_vnni, matmul_rows, quant, Activation,
-    ExpertWeights, Q8Activations, SimdLevel, WeightDType,
+    available, expert_ffn_accumulate, gemv_rows_q8, has_avx512_vnni, matmul_rows, matmul_rows_q8, quant,
+    Activation, ExpertWeights, Q8Activations, SimdLevel, WeightDType,
 };
 use std::path::PathBuf;
 
@@ -194,6 +194,42 @@ fn q8_decode_tiles_stay_within_the_activation_rounding_bound() {
                     assert!((got as f64 - rounded).abs() <= f32_slack, "{what}: {got} vs rounded {rounded}");
                     let bound = q8_rounding_bound(w, &x) + f32_slack;
                     assert!((got as f64 - exact).abs() <= bound, "{what}: {got} vs {exact}, bound {bound}");
+                }
+            }
+        }
+    }
+}
+
+/// A few tokens at once (the cold lane's experts of 2-4 tokens; VNNI runs 8 Q4_K / Q5_K rows
+/// two tokens at a time) give each token what it gets alone, to f32 summation order.
+#[test]
+fn q8_tiles_of_a_few_tokens_give_each_token_its_own_result() {
+    let mut rng = Rng(0x0008_70C5);
+    for dtype in WeightDType::QUANTIZED {
+        for (rows, cols) in [(8, 512), (19, 768), (16, 2048)] {
+            let matrix = QuantBytes::random(&mut rng, dtype, rows, cols, 0.05);
+            for n_tokens in 1..=4 {
+                let xs: Vec<Vec<f32>> = (0..n_tokens).map(|_| uneven_activations(&mut rng, cols)).collect();
+                let mut q8 = Q8Activations::new();
+                q8.reserve_rows(n_tokens, cols).unwrap();
+                xs.iter().enumerate().for_each(|(t, x)| q8.quantize_row(t, x));
+                for level in available() {
+                    let mut y = vec![f32::NAN; rows * n_tokens];
+                    matmul_rows_q8(level, dtype, matrix.bytes(), cols, (&q8, n_tokens), 0..rows, &mut y)
+                        .unwrap();
+                    for (t, x) in xs.iter().enumerate() {
+                        let one = Q8Activations::quantize(x).unwrap();
+                        let mut alone = vec![f32::NAN; rows];
+                        gemv_rows_q8(level, dtype, matrix.bytes(), cols, &one, 0..rows, &mut alone).unwrap();
+                        let scale = alone.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
+                        for (r, &want) in alone.iter().enumerate() {
+                            let got = y[t * rows + r];
+                            let what = format!(
+                                "{level} {dtype:?} {rows}x{cols}, {n_tokens} tokens, token {t} row {r}"
+                            );
+                            assert!((got - want).abs() <= 1e-5 * scale, "{what}: {got} vs alone {want}");
+                        }
+                    }
                 }
             }
         }
