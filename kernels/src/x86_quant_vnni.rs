@@ -159,32 +159,8 @@ unsafe fn k_asym_scaled<const FIFTH: bool>(b: *const u8, x: &XBlock, c: __m512, 
     // SAFETY: the caller vouches for one whole block at `b` (144 or 176 bytes).
     unsafe {
         acc[1] = _mm512_mask_sub_ps(acc[1], 0xFF00, acc[1], c);
-        let low4 = _mm512_set1_epi8(15);
-        let qh = if FIFTH {
-            _mm512_broadcast_i64x4(_mm256_loadu_si256(b.add(16) as *const __m256i))
-        } else {
-            low4
-        };
-        let qs = b.add(if FIFTH { 48 } else { 16 });
         for q in 0..2 {
-            let raw = _mm512_loadu_si512(qs.add(64 * q) as *const _);
-            let mut lo = _mm512_and_si512(raw, low4);
-            // Q4_K: the high nibbles in place, 16 times their level (the 1/16 is in `x.f`).
-            let mut hi = if FIFTH {
-                _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4)
-            } else {
-                _mm512_andnot_si512(low4, raw)
-            };
-            if FIFTH {
-                let bit = |j: usize| {
-                    let bytes = |j: usize| ((1u64 << j) * 0x0101_0101_0101_0101) as i64;
-                    let (a, c) = (bytes(j), bytes(j + 2));
-                    _mm512_setr_epi64(a, a, a, a, c, c, c, c)
-                };
-                let sixteen = _mm512_set1_epi8(16);
-                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bit(4 * q)), lo, sixteen);
-                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, bit(4 * q + 1)), hi, sixteen);
-            }
+            let (lo, hi) = k_levels::<FIFTH>(b, q);
             let zero = _mm512_setzero_si512();
             let dlo = _mm512_dpbusd_epi32(zero, lo, x.v[2 * q]);
             let dhi = _mm512_dpbusd_epi32(zero, hi, x.v[2 * q + 1]);
@@ -193,6 +169,38 @@ unsafe fn k_asym_scaled<const FIFTH: bool>(b: *const u8, x: &XBlock, c: __m512, 
             acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dlo), _mm512_permutexvar_ps(slo, c), acc[0]);
             acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dhi), _mm512_permutexvar_ps(shi, c), acc[1]);
         }
+    }
+}
+
+/// Run `q` (0 or 1) of a Q4_K (`FIFTH` false) or Q5_K block's levels as u8: the low nibbles of
+/// 64 bytes (sub-blocks `4q`, `4q+2`) and the high ones (`4q+1`, `4q+3`), Q5_K's fifth bits added
+/// as 16 (a byte mask test and a masked add), Q4_K's high nibbles in place (16 times their level;
+/// the 1/16 is in the prepared activation scales).
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn k_levels<const FIFTH: bool>(b: *const u8, q: usize) -> (__m512i, __m512i) {
+    // SAFETY: the caller vouches for one whole block at `b` (144 or 176 bytes).
+    unsafe {
+        let low4 = _mm512_set1_epi8(15);
+        let raw = _mm512_loadu_si512(b.add(if FIFTH { 48 } else { 16 } + 64 * q) as *const _);
+        let lo = _mm512_and_si512(raw, low4);
+        if !FIFTH {
+            return (lo, _mm512_andnot_si512(low4, raw));
+        }
+        let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4);
+        let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(b.add(16) as *const __m256i));
+        let bit = |j: usize| {
+            let bytes = |j: usize| ((1u64 << j) * 0x0101_0101_0101_0101) as i64;
+            let (a, c) = (bytes(j), bytes(j + 2));
+            _mm512_setr_epi64(a, a, a, a, c, c, c, c)
+        };
+        let sixteen = _mm512_set1_epi8(16);
+        (
+            _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bit(4 * q)), lo, sixteen),
+            _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, bit(4 * q + 1)), hi, sixteen),
+        )
     }
 }
 
@@ -409,31 +417,8 @@ unsafe fn k_asym_pair<const FIFTH: bool>(
             // the mins, in the upper lanes (the accumulator is summed over all lanes)
             acc[t] = _mm512_mask_sub_ps(acc[t], 0xFF00, acc[t], c[t]);
         }
-        let low4 = _mm512_set1_epi8(15);
-        let qh = if FIFTH {
-            _mm512_broadcast_i64x4(_mm256_loadu_si256(b.add(16) as *const __m256i))
-        } else {
-            low4
-        };
-        let qs = b.add(if FIFTH { 48 } else { 16 });
         for q in 0..2 {
-            let raw = _mm512_loadu_si512(qs.add(64 * q) as *const _);
-            let mut lo = _mm512_and_si512(raw, low4);
-            let mut hi = if FIFTH {
-                _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4)
-            } else {
-                _mm512_andnot_si512(low4, raw)
-            };
-            if FIFTH {
-                let bit = |j: usize| {
-                    let bytes = |j: usize| ((1u64 << j) * 0x0101_0101_0101_0101) as i64;
-                    let (a, c) = (bytes(j), bytes(j + 2));
-                    _mm512_setr_epi64(a, a, a, a, c, c, c, c)
-                };
-                let sixteen = _mm512_set1_epi8(16);
-                lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, bit(4 * q)), lo, sixteen);
-                hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, bit(4 * q + 1)), hi, sixteen);
-            }
+            let (lo, hi) = k_levels::<FIFTH>(b, q);
             let j = 4 * q as i32;
             let (slo, shi) = (pick2(j, j + 2), pick2(j + 1, j + 3));
             let zero = _mm512_setzero_si512();
