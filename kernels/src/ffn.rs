@@ -129,8 +129,8 @@ unsafe fn run_tile(
 
 /// One row tile for a few tokens with 8-bit activations: the one-token tile per token (`q8.0`'s
 /// rows from token `q8.1` on), the row tile prefetched once; `out` as [`run_tile`] (row-major,
-/// `xs.len()` values a row). On VNNI an 8-row Q4_K or Q5_K tile takes the tokens two at a time
-/// (`decode_tile_pair`: the nibbles and scales unpacked once for both).
+/// `xs.len()` values a row). On VNNI an 8-row tile of any type but Q6_K takes the tokens two at
+/// a time (`decode_tile_pair`: the levels and scales unpacked once for both).
 ///
 /// # Safety
 /// As [`run_tile`]; `q8.0.row(q8.1 + t)` holds token `t`'s quantised activations.
@@ -814,8 +814,8 @@ pub fn gemv_rows_q8(
 }
 
 /// [`gemv_rows_q8`] for the first `n_tokens` rows of `x` (`y[t * rows.len() + r]`): up to
-/// [`Q8_MAX_TOKENS`] tokens the decode tiles (8 Q4_K or Q5_K rows on VNNI two tokens at a
-/// time), more the many-token tiles where the type has them, as the cold lane runs an expert.
+/// [`Q8_MAX_TOKENS`] tokens the decode tiles (on VNNI 8 rows of any type but Q6_K two tokens at
+/// a time), more the many-token tiles where the type has them, as the cold lane runs an expert.
 pub fn matmul_rows_q8(
     level: SimdLevel,
     dtype: WeightDType,

@@ -17,10 +17,11 @@
 //! one-token Q4_K tiles read 7.5 GB/s against its 12.7 GB/s read probe (BF16: 11.7), about the
 //! sum of the unpacking's time and the memory stalls; these two steps took 16 threads'
 //! `bench-kernels` decode from 76 to 80-83 GB/s in one call (issue 46). Experts of 2-4 tokens
-//! (batched decode, a partly hot layer) run 8 Q4_K / Q5_K rows two tokens at a time
-//! ([`decode_tile_pair`]): the nibbles and the four rows' scales are unpacked once for both
-//! (the build machine's "layer 25% hot" case: Q4_K 16.4-16.5 -> 17.3-17.8 GB/s, Q5_K 13.5-13.7
-//! -> 15.0-15.3; the GPU host not measured yet). The results differ from
+//! (batched decode, a partly hot layer) run 8 rows of every type but Q6_K two tokens at a time
+//! ([`decode_tile_pair`]): the levels (and four K rows' scales) are unpacked once for both (the
+//! build machine's "layer 25% hot" case: Q4_K 15-16.5 -> 17-17.8 GB/s, Q5_K 13.5-13.9 ->
+//! 15.0-15.4, MXFP4 10.8-11.1 -> 12.8; the GPU host not measured yet; Q6_K's pair spilled
+//! registers and ran slower, so it stays one token at a time). The results differ from
 //! the exact dot of the dequantised weights with f32 `x` by the activation rounding (bound in
 //! [`crate::q8`]) and f32 rounding of the scale products.
 
@@ -287,11 +288,35 @@ unsafe fn q6_k(b: *const u8, x: &XBlock, acc: &mut Acc) {
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn small_block<const Q: u8>(b: *const u8, x: &XBlock, acc: &mut Acc) {
-    // SAFETY: the caller vouches for one 17-, 18- or 34-byte block at `b`.
+    // SAFETY: forwarded from the caller (one whole block at `b`, the CPU features).
+    unsafe { small_dot::<Q>(b, small_levels::<Q>(b), x, &mut acc[0]) }
+}
+
+/// [`small_block`] for two tokens (one accumulator each): the block's levels unpacked once.
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn small_block_pair<const Q: u8>(b: *const u8, x: &[XBlock; 2], acc: &mut [__m512; 2]) {
+    // SAFETY: forwarded from the caller (one whole block at `b`, the CPU features).
+    unsafe {
+        let w = small_levels::<Q>(b);
+        small_dot::<Q>(b, w, &x[0], &mut acc[0]);
+        small_dot::<Q>(b, w, &x[1], &mut acc[1]);
+    }
+}
+
+/// The 32 levels of a [`small_block`] type's block at `b` as u8 (see there).
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn small_levels<const Q: u8>(b: *const u8) -> __m256i {
+    // SAFETY: the caller vouches for one 17-, 18-, 22-, 24- or 34-byte block at `b`.
     unsafe {
         let nibbles =
             |q: __m128i| _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), _mm256_set1_epi8(15));
-        let w = match Q {
+        match Q {
             Q4_0 => nibbles(_mm_loadu_si128(b.add(2) as *const __m128i)),
             MXFP4 => {
                 let table = _mm256_setr_epi8(
@@ -309,19 +334,30 @@ unsafe fn small_block<const Q: u8>(b: *const u8, x: &XBlock, acc: &mut Acc) {
                 _mm256_xor_si256(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(-128))
             }
             _ => _mm256_xor_si256(_mm256_loadu_si256(b.add(2) as *const __m256i), _mm256_set1_epi8(-128)),
-        };
+        }
+    }
+}
+
+/// The levels `w` of the [`small_block`] at `b` against one token's prepared block, into `acc`.
+// SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
+// level) and the pointers cover the block, lanes or rows this function reads and writes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn small_dot<const Q: u8>(b: *const u8, w: __m256i, x: &XBlock, acc: &mut __m512) {
+    // SAFETY: the caller vouches for one whole block at `b` (its scale bytes read here).
+    unsafe {
         let dot = _mm256_dpbusd_epi32(_mm512_castsi512_si256(x.off[0]), w, _mm512_castsi512_si256(x.v[0]));
         let dot = _mm256_cvtepi32_ps(dot);
         if Q == Q5_1 {
             // [dot (8 lanes) | 1 ...] * [d d_x | m sum_x, 0 ...]: the min once per block.
             let d_m = _mm512_mask_blend_ps(0xFF00, half_splat(b), half_splat(b.add(2)));
             let v = _mm512_insertf32x8::<1>(_mm512_castps256_ps512(dot), _mm256_set1_ps(1.0));
-            acc[0] = _mm512_fmadd_ps(v, _mm512_mul_ps(d_m, x.f), acc[0]);
+            *acc = _mm512_fmadd_ps(v, _mm512_mul_ps(d_m, x.f), *acc);
             return;
         }
         let d = if Q == MXFP4 { _mm512_set1_ps(crate::quant::e8m0_half(*b)) } else { half_splat(b) };
         let s = _mm512_mul_ps(d, x.f);
-        acc[0] = _mm512_fmadd_ps(_mm512_zextps256_ps512(dot), s, acc[0]);
+        *acc = _mm512_fmadd_ps(_mm512_zextps256_ps512(dot), s, *acc);
     }
 }
 
@@ -432,9 +468,9 @@ unsafe fn k_asym_pair<const FIFTH: bool>(
     }
 }
 
-/// `out[2 r + t] = dot(row r, x t)` for 8 Q4_K or Q5_K rows and two tokens: [`fused_rows`]'s
-/// walk with each block's nibbles unpacked and each four rows' scales decoded once for both
-/// tokens, the rows read once.
+/// `out[2 r + t] = dot(row r, x t)` for 8 rows of type `Q` (not Q6_K) and two tokens:
+/// [`fused_rows`]'s walk with each block's levels (and each four K rows' scales) unpacked once
+/// for both tokens, the rows read once.
 // SAFETY (callers): the CPU has the features named below (the caller checked the SIMD
 // level) and the pointers cover the block, lanes or rows this function reads and writes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -457,7 +493,14 @@ unsafe fn fused_rows_pair<const Q: u8>(
     for blk in 0..cols / be {
         // SAFETY: block `blk`'s activations lie inside each token's row (`cols` values).
         let xb = unsafe { [prepare::<Q>(xs[0], blk), prepare::<Q>(xs[1], blk)] };
-        for g in (0..R).step_by(4) {
+        if !matches!(Q, Q4_K | Q5_K) {
+            for r in 0..R {
+                // SAFETY: block `blk` lies inside row r (`cols` whole blocks); the CPU features
+                // are this function's.
+                unsafe { small_block_pair::<Q>(rows[r].add(blk * bb), &xb, &mut acc[r]) };
+            }
+        }
+        for g in (0..R).step_by(4).filter(|_| matches!(Q, Q4_K | Q5_K)) {
             let at: [*const u8; 4] = std::array::from_fn(|i| rows[g + i].wrapping_add(blk * bb));
             // SAFETY: block `blk` lies inside rows g..g + 4 (`cols` whole blocks); the CPU
             // features are this function's.
@@ -484,8 +527,9 @@ unsafe fn fused_rows_pair<const Q: u8>(
     }
 }
 
-/// The 8-row Q4_K / Q5_K tile for two tokens at once ([`fused_rows_pair`]: `out[2 r + t]`), or
-/// false (nothing done) for any other row count or type.
+/// The 8-row tile for two tokens at once ([`fused_rows_pair`]: `out[2 r + t]`) of every type
+/// with a one-token VNNI tile but Q6_K, or false (nothing done) for any other row count or
+/// type.
 ///
 /// # Safety
 /// As [`decode_tile`], for each of the two quantised rows `xs`; `out` must hold 16 values.
@@ -506,6 +550,12 @@ pub(crate) unsafe fn decode_tile_pair(
         match dtype {
             WeightDType::Q4_K => fused_rows_pair::<Q4_K>(dtype, rows, prefetch_rows, xs, cols, out),
             WeightDType::Q5_K => fused_rows_pair::<Q5_K>(dtype, rows, prefetch_rows, xs, cols, out),
+            WeightDType::Q8_0 => fused_rows_pair::<Q8_0>(dtype, rows, prefetch_rows, xs, cols, out),
+            WeightDType::Q4_0 => fused_rows_pair::<Q4_0>(dtype, rows, prefetch_rows, xs, cols, out),
+            WeightDType::Mxfp4 => fused_rows_pair::<MXFP4>(dtype, rows, prefetch_rows, xs, cols, out),
+            WeightDType::Q5_0 => fused_rows_pair::<Q5_0>(dtype, rows, prefetch_rows, xs, cols, out),
+            WeightDType::Q5_1 => fused_rows_pair::<Q5_1>(dtype, rows, prefetch_rows, xs, cols, out),
+            WeightDType::Iq4Nl => fused_rows_pair::<IQ4_NL>(dtype, rows, prefetch_rows, xs, cols, out),
             _ => return false,
         }
     }
