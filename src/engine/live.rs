@@ -107,25 +107,33 @@ impl OnlineState {
     }
 
     /// The experts each layer routed since the last step (read off the perf counts, which move
-    /// `seen` on) with the cache's residency now; layers that routed nothing are left out.
-    fn routed_since(&mut self, report: &PerfReport, hot: &HotSet) -> Vec<LayerStep> {
-        let mut step = Vec::new();
-        for (l, layer) in report.layers.iter().enumerate().take(self.seen.len()) {
-            let mut experts = Vec::new();
+    /// `seen` on) with the cache's residency now, into `step` (one entry a layer, its buffers
+    /// reused); whether any layer routed one.
+    fn routed_since(&mut self, report: &PerfReport, hot: &HotSet, step: &mut Vec<LayerStep>) -> bool {
+        let n_layers = self.seen.len();
+        step.truncate(n_layers);
+        while step.len() < n_layers {
+            step.push(LayerStep { layer_idx: step.len(), experts: Vec::new(), resident: Vec::new() });
+        }
+        let mut any = false;
+        for (l, s) in step.iter_mut().enumerate() {
+            s.experts.clear();
+            let Some(layer) = report.layers.get(l) else { continue };
             for (e, seen) in self.seen[l].iter_mut().enumerate() {
                 let now = layer.hot_experts.get(e).copied().unwrap_or(0)
                     + layer.cold_experts.get(e).copied().unwrap_or(0);
                 if now > *seen {
-                    experts.push(e);
+                    s.experts.push(e);
                 }
                 *seen = now;
             }
-            if !experts.is_empty() {
-                let resident = hot.layers[l].hot_id_map.iter().map(Option::is_some).collect();
-                step.push(LayerStep { layer_idx: l, experts, resident });
+            if !s.experts.is_empty() {
+                s.resident.clear();
+                s.resident.extend(hot.layers[l].hot_id_map.iter().map(Option::is_some));
+                any = true;
             }
         }
-        step
+        any
     }
 }
 
@@ -269,9 +277,11 @@ impl LiveCache {
         // read after the apply: the residency holds the evictions just made
         if let (Some(hot), Some(perf), Some(state)) = (engine.hot_set(), engine.perf(), self.online.as_mut())
         {
-            let step = state.routed_since(perf.report(), hot);
-            if !step.is_empty() {
+            let mut step = state.worker.buffer();
+            if state.routed_since(perf.report(), hot, &mut step) {
                 state.worker.submit(step);
+            } else {
+                state.worker.give_back(step);
             }
         }
         applied

@@ -17,8 +17,9 @@ use crate::cache::policy::LayerPolicy;
 use crossbeam_channel::{bounded, Receiver, Sender};
 use std::thread::JoinHandle;
 
-/// One layer's step: the distinct experts it routed since the last step, and which experts the
-/// engine's cache holds now (the policy's residency is set to it first).
+/// One layer's step: the distinct experts it routed since the last step (none: the layer is not
+/// stepped), and which experts the engine's cache holds now (the policy's residency is set to
+/// it first).
 #[derive(Debug, Clone)]
 pub(super) struct LayerStep {
     pub layer_idx: usize,
@@ -29,7 +30,7 @@ pub(super) struct LayerStep {
 /// Steps every layer of `step` on `layers`; the exchanges they decide, layer by layer.
 fn run_step(layers: &mut [LayerPolicy], step: &[LayerStep]) -> Vec<Exchange> {
     let mut out = Vec::new();
-    for s in step {
+    for s in step.iter().filter(|s| !s.experts.is_empty()) {
         let policy = &mut layers[s.layer_idx];
         policy.sync_resident(&s.resident);
         let decided = policy.step(&s.experts).exchanges;
@@ -38,19 +39,22 @@ fn run_step(layers: &mut [LayerPolicy], step: &[LayerStep]) -> Vec<Exchange> {
     out
 }
 
-/// The layers' policies on their own thread (or inline), one step in flight at most.
+/// The layers' policies on their own thread (or inline), one step in flight at most. A step's
+/// buffers come back with its exchanges, so steady-state steps allocate nothing.
 #[derive(Debug)]
 pub(super) struct PolicyWorker {
     mode: Mode,
     /// Whether a submitted step's exchanges have not been taken yet.
     in_flight: bool,
+    /// The last step's buffers, back from the worker ([`PolicyWorker::buffer`]).
+    spare: Vec<LayerStep>,
 }
 
 #[derive(Debug)]
 enum Mode {
     Thread {
         steps: Option<Sender<Vec<LayerStep>>>,
-        decided: Receiver<Vec<Exchange>>,
+        decided: Receiver<(Vec<Exchange>, Vec<LayerStep>)>,
         thread: Option<JoinHandle<()>>,
     },
     Inline {
@@ -63,13 +67,13 @@ impl PolicyWorker {
     /// The policies stepped on a thread of their own; inline where the thread cannot start.
     pub fn spawn(layers: Vec<LayerPolicy>) -> PolicyWorker {
         let (steps_tx, steps_rx) = bounded::<Vec<LayerStep>>(1);
-        let (decided_tx, decided_rx) = bounded::<Vec<Exchange>>(1);
+        let (decided_tx, decided_rx) = bounded::<(Vec<Exchange>, Vec<LayerStep>)>(1);
         // a failed spawn drops the closure and the layers in it: keep a copy (a few KB a layer)
         let kept = layers.clone();
         let mut layers = layers;
         let spawned = std::thread::Builder::new().name("moe-lanes-policy".into()).spawn(move || {
             for step in steps_rx {
-                if decided_tx.send(run_step(&mut layers, &step)).is_err() {
+                if decided_tx.send((run_step(&mut layers, &step), step)).is_err() {
                     break;
                 }
             }
@@ -78,6 +82,7 @@ impl PolicyWorker {
             Ok(thread) => PolicyWorker {
                 mode: Mode::Thread { steps: Some(steps_tx), decided: decided_rx, thread: Some(thread) },
                 in_flight: false,
+                spare: Vec::new(),
             },
             Err(_) => PolicyWorker::inline(kept),
         }
@@ -85,7 +90,22 @@ impl PolicyWorker {
 
     /// The policies stepped on the caller's thread, with the same one-step lag.
     pub fn inline(layers: Vec<LayerPolicy>) -> PolicyWorker {
-        PolicyWorker { mode: Mode::Inline { layers, decided: Vec::new() }, in_flight: false }
+        PolicyWorker {
+            mode: Mode::Inline { layers, decided: Vec::new() },
+            in_flight: false,
+            spare: Vec::new(),
+        }
+    }
+
+    /// The buffers of the last step taken back (empty at first), to fill for the next; give
+    /// them back with [`PolicyWorker::submit`] or [`PolicyWorker::give_back`].
+    pub fn buffer(&mut self) -> Vec<LayerStep> {
+        std::mem::take(&mut self.spare)
+    }
+
+    /// Keep `step`'s buffers for the next step without running it.
+    pub fn give_back(&mut self, step: Vec<LayerStep>) {
+        self.spare = step;
     }
 
     /// Start a step; its exchanges come from the next [`PolicyWorker::take`]. A step submitted
@@ -98,6 +118,7 @@ impl PolicyWorker {
             Mode::Thread { steps, .. } => steps.as_ref().is_some_and(|s| s.send(step).is_ok()),
             Mode::Inline { layers, decided } => {
                 *decided = run_step(layers, &step);
+                self.spare = step;
                 true
             }
         };
@@ -113,7 +134,10 @@ impl PolicyWorker {
         }
         match &mut self.mode {
             Mode::Thread { decided, thread, .. } => match decided.recv() {
-                Ok(exchanges) => exchanges,
+                Ok((exchanges, step)) => {
+                    self.spare = step;
+                    exchanges
+                }
                 Err(_) => match thread.take().map(JoinHandle::join) {
                     Some(Err(panic)) => std::panic::resume_unwind(panic),
                     _ => Vec::new(),
