@@ -23,7 +23,7 @@ use crate::weights::WeightDType;
 
 use super::avx2::load_x;
 // every type code: the shared `dispatch_decode_tile!` names them all (`takes` gates them first)
-use super::{prefetch_rows_through, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
+use super::{prefetch_rows_through, tile_rows, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 
 /// Whether the level's one-token 8-bit tiles here take `dtype`.
 pub(crate) fn takes(dtype: WeightDType) -> bool {
@@ -224,10 +224,8 @@ unsafe fn fused_rows<const Q: u8, const R: usize>(
     out: &mut [f32],
 ) {
     let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
-    let rows: [*const u8; R] = std::array::from_fn(|r| rows[r]);
-    // SAFETY: a non-null `prefetch_rows` holds R pointers (the caller's contract).
-    let next: Option<[*const u8; R]> =
-        (!prefetch_rows.is_null()).then(|| std::array::from_fn(|r| unsafe { *prefetch_rows.add(r) }));
+    // SAFETY: `rows` holds R pointers, a non-null `prefetch_rows` R more (the caller's contract).
+    let (rows, next) = unsafe { tile_rows::<R>(rows, prefetch_rows) };
     let mut acc = [_mm256_setzero_ps(); R];
     let mut prefetched = 0;
     for blk in 0..cols / be {

@@ -35,6 +35,20 @@ const Q5_0: u8 = 6;
 const Q5_1: u8 = 7;
 const IQ4_NL: u8 = 8;
 
+/// A fused tile's `R` rows as an array, and the `R` rows it prefetches (`None`: none).
+///
+/// # Safety
+/// `rows` holds at least `R` pointers; a non-null `prefetch_rows` addresses `R` pointers.
+#[inline(always)]
+unsafe fn tile_rows<const R: usize>(
+    rows: &[*const u8],
+    prefetch_rows: *const *const u8,
+) -> ([*const u8; R], Option<[*const u8; R]>) {
+    // SAFETY: a non-null `prefetch_rows` holds R pointers (the caller's contract).
+    let next = (!prefetch_rows.is_null()).then(|| std::array::from_fn(|r| unsafe { *prefetch_rows.add(r) }));
+    (std::array::from_fn(|r| rows[r]), next)
+}
+
 /// Prefetches (into L2) every cache line of each of `next` rows below byte `upto`, from
 /// `*prefetched` on, so the next row block streams while this one is decoded.
 #[inline(always)]
@@ -95,7 +109,7 @@ pub(crate) mod avx512 {
 
     use crate::weights::WeightDType;
 
-    use super::{prefetch_rows_through, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
+    use super::{prefetch_rows_through, tile_rows, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 
     /// Two accumulators per row: halves of a block alternate between them, so the FMA chain of
     /// one row is half as long.
@@ -536,10 +550,8 @@ pub(crate) mod avx512 {
         out: &mut [f32],
     ) {
         let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
-        let rows: [*const u8; R] = std::array::from_fn(|r| rows[r]);
-        // SAFETY: a non-null `prefetch_rows` holds R pointers (the caller's contract).
-        let next: Option<[*const u8; R]> =
-            (!prefetch_rows.is_null()).then(|| std::array::from_fn(|r| unsafe { *prefetch_rows.add(r) }));
+        // SAFETY: `rows` holds R pointers, a non-null `prefetch_rows` R more (the caller's contract).
+        let (rows, next) = unsafe { tile_rows::<R>(rows, prefetch_rows) };
         let mut acc = [[_mm512_setzero_ps(); 2]; R];
         let mut x_order = [0.0f32; 256];
         let mut prefetched = 0;
@@ -598,7 +610,7 @@ pub(crate) mod avx2 {
 
     use crate::weights::WeightDType;
 
-    use super::{prefetch_rows_through, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
+    use super::{prefetch_rows_through, tile_rows, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 
     /// Two accumulators per row (see the AVX-512 tile).
     type Acc = [__m256; 2];
@@ -908,10 +920,8 @@ pub(crate) mod avx2 {
         out: &mut [f32],
     ) {
         let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
-        let rows: [*const u8; R] = std::array::from_fn(|r| rows[r]);
-        // SAFETY: a non-null `prefetch_rows` holds R pointers (the caller's contract).
-        let next: Option<[*const u8; R]> =
-            (!prefetch_rows.is_null()).then(|| std::array::from_fn(|r| unsafe { *prefetch_rows.add(r) }));
+        // SAFETY: `rows` holds R pointers, a non-null `prefetch_rows` R more (the caller's contract).
+        let (rows, next) = unsafe { tile_rows::<R>(rows, prefetch_rows) };
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
         let mut prefetched = 0;
         for blk in 0..cols / be {

@@ -31,7 +31,7 @@ use crate::q8::Q8Row;
 use crate::weights::WeightDType;
 
 use super::avx512::{half_splat, k_coefficients, q6_levels};
-use super::{prefetch_rows_through, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
+use super::{prefetch_rows_through, tile_rows, IQ4_NL, MXFP4, Q4_0, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 
 /// Two accumulators per row (halves of a block alternate between them).
 type Acc = [__m512; 2];
@@ -393,10 +393,8 @@ unsafe fn fused_rows<const Q: u8, const R: usize>(
     out: &mut [f32],
 ) {
     let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
-    let rows: [*const u8; R] = std::array::from_fn(|r| rows[r]);
-    // SAFETY: a non-null `prefetch_rows` holds R pointers (the caller's contract).
-    let next: Option<[*const u8; R]> =
-        (!prefetch_rows.is_null()).then(|| std::array::from_fn(|r| unsafe { *prefetch_rows.add(r) }));
+    // SAFETY: `rows` holds R pointers, a non-null `prefetch_rows` R more (the caller's contract).
+    let (rows, next) = unsafe { tile_rows::<R>(rows, prefetch_rows) };
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     let mut prefetched = 0;
     for blk in 0..cols / be {
@@ -484,36 +482,35 @@ unsafe fn fused_rows_pair<const Q: u8>(
 ) {
     const R: usize = 8;
     let (be, bb) = (dtype.block_elems(), dtype.block_bytes());
-    let rows: [*const u8; R] = std::array::from_fn(|r| rows[r]);
-    // SAFETY: a non-null `prefetch_rows` holds R pointers (the caller's contract).
-    let next: Option<[*const u8; R]> =
-        (!prefetch_rows.is_null()).then(|| std::array::from_fn(|r| unsafe { *prefetch_rows.add(r) }));
+    // SAFETY: `rows` holds R pointers, a non-null `prefetch_rows` R more (the caller's contract).
+    let (rows, next) = unsafe { tile_rows::<R>(rows, prefetch_rows) };
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
     let mut prefetched = 0;
     for blk in 0..cols / be {
         // SAFETY: block `blk`'s activations lie inside each token's row (`cols` values).
         let xb = unsafe { [prepare::<Q>(xs[0], blk), prepare::<Q>(xs[1], blk)] };
-        if !matches!(Q, Q4_K | Q5_K) {
+        if matches!(Q, Q4_K | Q5_K) {
+            for g in (0..R).step_by(4) {
+                let at: [*const u8; 4] = std::array::from_fn(|i| rows[g + i].wrapping_add(blk * bb));
+                // SAFETY: block `blk` lies inside rows g..g + 4 (`cols` whole blocks); the CPU
+                // features are this function's.
+                unsafe {
+                    let w = k_coefficients4(at, _mm512_set1_ps(1.0));
+                    for i in 0..4 {
+                        let c = [_mm512_mul_ps(w[i], xb[0].f), _mm512_mul_ps(w[i], xb[1].f)];
+                        if Q == Q5_K {
+                            k_asym_pair::<true>(at[i], &xb, c, &mut acc[g + i]);
+                        } else {
+                            k_asym_pair::<false>(at[i], &xb, c, &mut acc[g + i]);
+                        }
+                    }
+                }
+            }
+        } else {
             for r in 0..R {
                 // SAFETY: block `blk` lies inside row r (`cols` whole blocks); the CPU features
                 // are this function's.
                 unsafe { small_block_pair::<Q>(rows[r].add(blk * bb), &xb, &mut acc[r]) };
-            }
-        }
-        for g in (0..R).step_by(4).filter(|_| matches!(Q, Q4_K | Q5_K)) {
-            let at: [*const u8; 4] = std::array::from_fn(|i| rows[g + i].wrapping_add(blk * bb));
-            // SAFETY: block `blk` lies inside rows g..g + 4 (`cols` whole blocks); the CPU
-            // features are this function's.
-            unsafe {
-                let w = k_coefficients4(at, _mm512_set1_ps(1.0));
-                for i in 0..4 {
-                    let c = [_mm512_mul_ps(w[i], xb[0].f), _mm512_mul_ps(w[i], xb[1].f)];
-                    if Q == Q5_K {
-                        k_asym_pair::<true>(at[i], &xb, c, &mut acc[g + i]);
-                    } else {
-                        k_asym_pair::<false>(at[i], &xb, c, &mut acc[g + i]);
-                    }
-                }
             }
         }
         if let Some(next) = &next {
