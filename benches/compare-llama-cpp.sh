@@ -197,16 +197,18 @@ ratio = lambda a, b: "%.2fx" % (a / b) if b else "-"
 for b in sorted(ours):
     o, l = ours[b], llama.get(b, {})
     lpp, ltg = l.get("speed_pp", 0.0), l.get("speed_tg", 0.0)
-    print("| %s | %d | %.1f / %.1f | %.1f / %.1f | %s / %s | %.1f / %.1f |" % (
+    print("| %s | %d | %.1f / %.1f | %.1f / %.1f | %s / %s | %.1f / %.1f | %.2f / %.2f / %.2f | %d |" % (
         case, b, lpp, ltg, o["pp_tokens_per_s"], o["tg_tokens_per_s"],
-        ratio(o["pp_tokens_per_s"], lpp), ratio(o["tg_tokens_per_s"], ltg), o["step_ms_p50"], o["step_ms_p99"]))
+        ratio(o["pp_tokens_per_s"], lpp), ratio(o["tg_tokens_per_s"], ltg), o["step_ms_p50"], o["step_ms_p99"],
+        o.get("cold_ms_per_step", 0), o.get("overlap_ms_per_step", 0), o.get("join_wait_ms_per_step", 0),
+        o.get("ping_pong_steps", 0)))
 PY
 }
 
 batched() {
     PL="${PL:-1,4,16}"
     each_case "B in $PL, pp$P / tg$N per sequence" \
-        "| case | B | llama.cpp S_PP / S_TG | moe-lanes S_PP / S_TG | ratio pp / tg | moe-lanes step p50 / p99 ms |" \
+        "| case | B | llama.cpp S_PP / S_TG | moe-lanes S_PP / S_TG | ratio pp / tg | moe-lanes step p50 / p99 ms | cold / overlapped / join wait ms a step | ping-pong steps |" \
         batched_case
 }
 

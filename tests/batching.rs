@@ -64,6 +64,19 @@ fn engine_with_cache(
     max_batch_tokens: usize,
     kv_type: Option<KvType>,
 ) -> Box<dyn Engine + '_> {
+    let opts = engine_options(model, kind, fraction, max_batch_tokens, kv_type);
+    let (engine, report) = build_engine(model, opts).unwrap();
+    assert_eq!(report.kind, kind);
+    engine
+}
+
+fn engine_options(
+    model: &Arc<Model>,
+    kind: EngineKind,
+    fraction: f64,
+    max_batch_tokens: usize,
+    kv_type: Option<KvType>,
+) -> EngineOptions {
     let mut opts = EngineOptions::new(POSITIONS);
     opts.kind = Some(kind);
     opts.hot = HotChoice::Set(hot_set(model, fraction));
@@ -76,9 +89,7 @@ fn engine_with_cache(
         opts.gpu.hot_grouped_min_rows = 2;
         opts.kv_type = kv_type;
     }
-    let (engine, report) = build_engine(model, opts).unwrap();
-    assert_eq!(report.kind, kind);
-    engine
+    opts
 }
 
 /// Three prompts of different lengths from the fixture's prompt.
@@ -232,6 +243,49 @@ fn gpu_batches_equal_each_sequence_alone_with_every_cache_type() {
         for kv in [KvType::F32, KvType::Bf16] {
             let err = check_fixture_cache(name, EngineKind::Gpu, 1.0, GPU_TOL, Some(kv));
             println!("{name} gpu {kv} cache: worst {err:.2e}");
+        }
+    }
+}
+
+/// Lane ping-pong: the GPU's decode steps of two to four sequences with cold experts run as
+/// two micro-batches whose lanes alternate (counted in the perf state's decode phase); every
+/// sequence's rows equal those of the same steps run whole (ping-pong off), on every fixture
+/// the GPU engine takes (attention, DeltaNet state, latent attention, sliding windows, dense
+/// layers among the MoE ones), budget 0 and half hot. An all-hot model never ping-pongs.
+#[test]
+fn gpu_ping_pong_steps_equal_the_steps_run_whole() {
+    if !common::gpu_usable() {
+        return;
+    }
+    let ping_pong_calls = |e: &dyn Engine| e.perf().and_then(|p| p.report().phases.get("decode").copied());
+    for name in common::fixture_names() {
+        let model = open(&name);
+        if moe_lanes::gpu::GpuModel::supports(&model).is_err() {
+            continue;
+        }
+        let ps = prompts(&name);
+        for fraction in [0.0, 0.5, 1.0] {
+            let runs: Vec<(Vec<Vec<Vec<f32>>>, u64)> = [0, 4]
+                .into_iter()
+                .map(|max_rows| {
+                    let mut opts = engine_options(&model, EngineKind::Gpu, fraction, 17, None);
+                    opts.gpu.ping_pong_max_rows = max_rows;
+                    let (mut e, _) = build_engine(&model, opts).unwrap();
+                    e.set_copy_logits(true);
+                    let rows = batched(e.as_mut(), &ps, 3);
+                    (rows, ping_pong_calls(e.as_ref()).map_or(0, |p| p.ping_pong_calls))
+                })
+                .collect();
+            let (whole, split) = (&runs[0], &runs[1]);
+            assert_eq!(whole.1, 0, "{name} hot {fraction}: ping-pong off");
+            let want = if fraction < 1.0 { 3 } else { 0 }; // the three decode steps, not the mixed one
+            assert_eq!(split.1, want, "{name} hot {fraction}: ping-pong steps");
+            for (i, (w, g)) in whole.0.iter().zip(&split.0).enumerate() {
+                for (s, (wr, gr)) in w.iter().zip(g).enumerate() {
+                    let err = rel_err(gr, wr);
+                    assert!(err <= GPU_TOL, "{name} hot {fraction}: sequence {i} call {s}: {err:e}");
+                }
+            }
         }
     }
 }

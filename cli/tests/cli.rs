@@ -191,7 +191,7 @@ fn demo_creates_the_default_model_on_first_use_and_matches_the_reference() {
 }
 
 /// `bench --parallel` measures batched throughput per batch size (llama-batched-bench's
-/// figures); a batch size of 0 is refused.
+/// figures) and the decode steps' lanes; a batch size of 0 is refused.
 #[test]
 fn bench_parallel_reports_every_batch_size() {
     let dir = tempfile::tempdir().unwrap();
@@ -208,10 +208,15 @@ fn bench_parallel_reports_every_batch_size() {
         {
             assert!(r[key].as_f64().unwrap() > 0.0, "{key}: {r}");
         }
+        // the decode steps' lanes: the cold lane ran; the pipeline has no ping-pong
+        assert!(r["cold_ms_per_step"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["overlap_ms_per_step"].as_f64().unwrap() >= 0.0, "{r}");
+        assert_eq!(r["ping_pong_steps"].as_u64(), Some(0), "{r}");
     }
     let mut table = args.to_vec();
     table.extend(["--parallel", "2"]);
-    assert!(ok_stdout(&table).contains("S_TG t/s"));
+    let text = ok_stdout(&table);
+    assert!(text.contains("S_TG t/s") && text.contains("ping-pong steps"), "{text}");
     let mut zero = args.to_vec();
     zero.extend(["--parallel", "0"]);
     let err = failure_of(moe_lanes(&zero), "bench --parallel 0");

@@ -217,8 +217,17 @@ pub struct PhasePerf {
     pub hot_time_us: u64,
     pub cold_time_us: u64,
     /// What the what-if planner's cost model fits per layer call (absent in older files: all
-    /// zero, and the planner falls back to its per-slot model).
+    /// zero, and the planner falls back to its per-slot model). Ping-pong calls are left out:
+    /// their layers' lane times are two micro-batches' interleaved.
     pub lane_cost: LaneCost,
+    /// Calls that ran as two micro-batches whose lanes ping-pong (the GPU engine's batched
+    /// decode steps, `gpu::PING_PONG_MAX_ROWS`); absent when none did.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub ping_pong_calls: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// Per phase, the split layer calls (lanes ran; fallbacks excluded) in sums the what-if
@@ -714,6 +723,8 @@ pub struct PerfState {
     call_cold_experts: u64,
     /// Split layer calls since the last [`PerfState::record_call`], folded into its phase then.
     pending_cost: LaneCost,
+    /// The call being recorded ran as ping-pong micro-batches ([`PerfState::mark_ping_pong`]).
+    pending_ping_pong: bool,
 }
 
 impl PerfState {
@@ -742,6 +753,7 @@ impl PerfState {
             call_cold_slots: 0,
             call_cold_experts: 0,
             pending_cost: LaneCost::default(),
+            pending_ping_pong: false,
             report: PerfReport {
                 mode,
                 active: mode != PerfMode::Off,
@@ -973,7 +985,11 @@ impl PerfState {
             self.report.phases.insert(phase.to_string(), PhasePerf::default());
         }
         let p = self.report.phases.get_mut(phase).expect("inserted above");
-        p.lane_cost.add(&self.pending_cost);
+        if std::mem::take(&mut self.pending_ping_pong) {
+            p.ping_pong_calls += 1;
+        } else {
+            p.lane_cost.add(&self.pending_cost);
+        }
         self.pending_cost = LaneCost::default();
         p.calls += 1;
         p.tokens += n_tokens as u64;
@@ -983,6 +999,12 @@ impl PerfState {
         p.cold_slots += now.cold_slots.saturating_sub(before.cold_slots);
         p.hot_time_us += now.hot_us.saturating_sub(before.hot_us);
         p.cold_time_us += now.cold_us.saturating_sub(before.cold_us);
+    }
+
+    /// The call being recorded (until [`PerfState::record_call`]) ran as two micro-batches
+    /// whose lanes ping-pong.
+    pub fn mark_ping_pong(&mut self) {
+        self.pending_ping_pong = true;
     }
 
     /// The updater's statistics (counted in every mode: updates are rare and must be visible).

@@ -50,6 +50,10 @@ pub struct GpuTuning {
     /// Most tokens of one engine call; longer prompts run as consecutive calls of this many
     /// (default [`crate::gpu::MAX_CALL_TOKENS`], whose doc gives the scratch it costs).
     pub max_call_tokens: Option<usize>,
+    /// A batched decode step of 2 to this many rows with cold experts runs as two micro-batches
+    /// whose lanes ping-pong; 0: never (`MOE_LANES_PING_PONG_MAX_ROWS`; default
+    /// [`crate::gpu::PING_PONG_MAX_ROWS`]).
+    pub ping_pong_max_rows: Option<usize>,
 }
 
 impl GpuTuning {
@@ -63,6 +67,7 @@ impl GpuTuning {
             batch_gemm_min_tokens: over.batch_gemm_min_tokens.or(self.batch_gemm_min_tokens),
             hot_grouped_min_rows: over.hot_grouped_min_rows.or(self.hot_grouped_min_rows),
             max_call_tokens: over.max_call_tokens.or(self.max_call_tokens),
+            ping_pong_max_rows: over.ping_pong_max_rows.or(self.ping_pong_max_rows),
         }
     }
 
@@ -76,6 +81,7 @@ impl GpuTuning {
         gpu.batch_gemm_min_tokens = self.batch_gemm_min_tokens.unwrap_or(gpu.batch_gemm_min_tokens);
         gpu.hot_grouped_min_rows = self.hot_grouped_min_rows.unwrap_or(gpu.hot_grouped_min_rows);
         gpu.max_call_tokens = self.max_call_tokens.unwrap_or(gpu.max_call_tokens);
+        gpu.ping_pong_max_rows = self.ping_pong_max_rows.unwrap_or(gpu.ping_pong_max_rows);
     }
 }
 

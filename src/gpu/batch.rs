@@ -38,7 +38,7 @@ impl GpuModel {
         &mut self,
         seqs: &mut [GpuSeqInput<'_>],
         phase: Phase,
-        cold: &mut dyn ColdLane,
+        cold: &mut (dyn ColdLane + Send),
     ) -> Result<Logits, GpuError> {
         if let [one] = seqs {
             return self.forward_rows(one.tokens, phase, one.cache, cold, LogitRows::Last);
@@ -46,6 +46,9 @@ impl GpuModel {
         let limit = self.call_token_limit();
         if seqs.iter().any(|s| s.tokens.len() > limit) {
             return self.forward_each(seqs, phase, cold);
+        }
+        if self.ping_pong_applies(seqs, phase) {
+            return self.forward_ping_pong(seqs, cold);
         }
         let call_start = Instant::now();
         let mut calls: Vec<(&[u32], &mut GpuKvCache)> =
@@ -132,7 +135,7 @@ impl Shard {
     /// Each sequence's last hidden row moved to row `i` (its index), so the head runs over one
     /// row per sequence. Row `i` is never a later sequence's last row (that is at least its
     /// index), so the moves do not collide.
-    fn gather_last_rows(&self, seqs: &[GpuSeqInput<'_>]) -> Result<(), GpuError> {
+    pub(super) fn gather_last_rows(&self, seqs: &[GpuSeqInput<'_>]) -> Result<(), GpuError> {
         let dev = &self.dev;
         let (h, s) = (dev.cfg.hidden, dev.s());
         let mut end = 0;

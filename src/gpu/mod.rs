@@ -13,7 +13,7 @@
 //! faults), `weights` (upload), `hot_cache` (slots, maps, exchanges), `kv` (KV cache), `scratch` (per-call
 //! buffers), `postfetch` (cold experts copied to a VRAM scratchpad and computed on the GPU when
 //! a cost model says so), `stats` (lane statistics, profile), `batch` (one call over several
-//! sequences).
+//! sequences), `ping_pong` (a batched decode step as two micro-batches whose lanes alternate).
 //!
 //! Without a CUDA driver nothing here can run: [`CudaBackend::try_new`] returns an error that
 //! callers report before falling back to the CPU path.
@@ -30,6 +30,7 @@ mod mixer;
 mod model;
 mod moe;
 mod options;
+mod ping_pong;
 mod postfetch;
 mod route;
 mod scratch;
@@ -45,7 +46,7 @@ pub use model::GpuModel;
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use options::{
     BadFault, GpuFaults, GpuOptions, LayerFaults, PrefillActivations, PrefillAttention,
-    BATCH_GEMM_MIN_TOKENS, HOT_GROUPED_MIN_ROWS, HOT_LANE_TIMEOUT, MAX_CALL_TOKENS,
+    BATCH_GEMM_MIN_TOKENS, HOT_GROUPED_MIN_ROWS, HOT_LANE_TIMEOUT, MAX_CALL_TOKENS, PING_PONG_MAX_ROWS,
 };
 pub use postfetch::plan::{
     BadPostFetchMode, PostFetchCosts, PostFetchMode, PostFetchOptions, DEFAULT_MAX_TRANSFERS,

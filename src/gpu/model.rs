@@ -602,7 +602,11 @@ impl GpuModel {
             self.shards[d].finish_lanes(phase, &mut layers, &mut self.perf)?;
         }
         let total_us = call_start.elapsed().as_secs_f64() * 1e6;
-        self.stats = ForwardStats { n_tokens: t, prefill: phase != Phase::Decode, layers, total_us };
+        let ping_pong = self.shards[0].ping_pong.is_some();
+        if ping_pong {
+            self.perf.mark_ping_pong();
+        }
+        self.stats = ForwardStats { n_tokens: t, ping_pong, prefill: phase != Phase::Decode, layers, total_us };
         if self.perf.mode() != PerfMode::Off {
             self.record_routing(t)?;
         }
@@ -630,7 +634,14 @@ impl GpuModel {
             let range = sh.layers();
             let ids: &[i32] = if d == last {
                 let cap = sh.dev.s().cap;
-                &sh.head.pin_tail.as_slice()?[cap..][..n_layers * stride]
+                let tail = &sh.head.pin_tail.as_slice()?[cap..];
+                match sh.ping_pong {
+                    Some(rows) => {
+                        sh.merged_ids(rows, tail, &mut self.split_ids)?;
+                        &self.split_ids
+                    }
+                    None => &tail[..n_layers * stride],
+                }
             } else {
                 self.split_ids.resize(n_layers * stride, 0);
                 sh.dev.be.bind_to_thread()?;

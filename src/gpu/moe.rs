@@ -131,7 +131,7 @@ fn hot_failed(e: impl std::fmt::Display) -> LayerFault {
     LayerFailure::new(FallbackReason::LaneFailed, format!("hot lane: {e}")).into()
 }
 
-fn cold_failed(e: ColdError) -> LayerFault {
+pub(super) fn cold_failed(e: ColdError) -> LayerFault {
     LayerFailure::of_cold_lane(FallbackReason::LaneFailed, e.to_string()).into()
 }
 
@@ -189,7 +189,7 @@ impl MoeStage {
 
     /// The end of layer `l`'s MoE block: a lane's failure recomputed all-cold (counted), then
     /// the layer's MoE output added into the residual stream unless the hot lane wrote there.
-    fn finish(
+    pub(super) fn finish(
         &mut self,
         cx: &LayerCtx<'_>,
         perf: &mut PerfState,
@@ -550,13 +550,13 @@ impl MoeStage {
     }
 
     /// Wait until the layer's routing is on the host (its copy is the last before the split).
-    fn wait_routes(&self) -> Result<(), GpuError> {
+    pub(super) fn wait_routes(&self) -> Result<(), GpuError> {
         self.pin.route.as_slice()?;
         Ok(())
     }
 
     /// Build (and check) layer `l`'s worklist on the host from the pinned routing.
-    fn host_worklist(&mut self, cx: &LayerCtx<'_>, order: WorklistOrder) -> Result<(), LayerFault> {
+    pub(super) fn host_worklist(&mut self, cx: &LayerCtx<'_>, order: WorklistOrder) -> Result<(), LayerFault> {
         let (dev, l, t) = (cx.dev, cx.l, cx.t);
         let (k, e_n) = (dev.cfg.n_experts_used, dev.cfg.n_experts);
         let s = dev.s();
@@ -894,7 +894,7 @@ fn encode_fetched_tiles(hs: &mut HostScratch, lay: &WorkLayout, n_hot: usize) ->
 /// The worklist's cold section as compact rows (tokens with cold slots, in token order) and
 /// the CPU lane's cold slots (in worklist order: not those of experts Post-Fetch copies, whose
 /// tokens get rows too with `fetched_rows`). Returns the row count.
-fn collect_cold(hs: &mut HostScratch, t: usize, fetched_rows: bool) -> usize {
+pub(super) fn collect_cold(hs: &mut HostScratch, t: usize, fetched_rows: bool) -> usize {
     let wl = &hs.worklist;
     let row_of = &mut hs.tok_count[..t];
     row_of.fill(u32::MAX);

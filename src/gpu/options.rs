@@ -226,7 +226,18 @@ pub struct GpuOptions {
     /// (the last one shorter). Device scratch is sized for the longest call; see
     /// [`MAX_CALL_TOKENS`] for the cost.
     pub max_call_tokens: usize,
+    /// A batched decode step of 2 to this many rows, on one device with cold experts in some
+    /// layer, runs as two micro-batches whose lanes ping-pong (`ping_pong`): one's cold experts
+    /// on the CPU while the GPU runs the other's dense stages. 0 or 1: never.
+    pub ping_pong_max_rows: usize,
 }
+
+/// [`GpuOptions::ping_pong_max_rows`]'s default. Splitting a step costs cold-lane bytes where
+/// its two halves route to the same cold experts: `t` rows touch about `E (1 - (1 - k / E)^t)`
+/// distinct experts, two halves of `t / 2` each that many; at top-8 of 128, 4 rows read 5% more
+/// expert bytes as two halves than as one, 8 rows 12%, 16 rows 23%, against the GPU's share
+/// of a layer hidden (measured: benches/RESULTS.md, "lane ping-pong").
+pub const PING_PONG_MAX_ROWS: usize = 4;
 
 /// [`GpuOptions::max_call_tokens`]'s default, llama.cpp's default logical batch (`n_batch`).
 /// Cost: scratch grows linearly with it (its largest parts: the logits rows, `tokens x vocab`
@@ -266,6 +277,7 @@ impl Default for GpuOptions {
             batch_gemm_min_tokens: BATCH_GEMM_MIN_TOKENS,
             hot_grouped_min_rows: HOT_GROUPED_MIN_ROWS,
             max_call_tokens: MAX_CALL_TOKENS,
+            ping_pong_max_rows: PING_PONG_MAX_ROWS,
         }
     }
 }

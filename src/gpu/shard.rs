@@ -44,6 +44,10 @@ pub(crate) struct Shard {
     pub(super) graphs: Graphs,
     /// The forward call being run (counted from 1 by the model): the injected faults' clock.
     pub(super) call_idx: u64,
+    /// The second micro-batch's buffers of a ping-pong step, kept between calls.
+    pub(super) micro: Option<super::ping_pong::MicroState>,
+    /// The last call ran as two micro-batches of these many rows (`ping_pong`).
+    pub(super) ping_pong: Option<(usize, usize)>,
 }
 
 /// Per-device figures of a model split over GPUs (the perf JSON's `devices`, `bench --json`).
@@ -84,6 +88,8 @@ impl Shard {
             head: HeadStage::new(&be, &cfg, 8)?,
             graphs: Graphs::default(),
             call_idx: 0,
+            micro: None,
+            ping_pong: None,
             dev: Device {
                 plan: model.plan().clone(),
                 expert_layers: model.plan().expert_layers(),
@@ -134,9 +140,18 @@ impl Shard {
     /// Device scratch (and the stages' host twins) for calls of up to `t` tokens; grows, never
     /// shrinks.
     pub fn reserve_tokens(&mut self, t: usize) -> Result<(), GpuError> {
+        if self.reserve_scratch(t)? {
+            self.head = HeadStage::new(&self.dev.be, &self.dev.cfg, self.dev.s().cap)?;
+        }
+        Ok(())
+    }
+
+    /// The device scratch and the MoE stage's host and pinned buffers (not the head's) for
+    /// calls of up to `t` tokens; whether they grew.
+    pub(super) fn reserve_scratch(&mut self, t: usize) -> Result<bool, GpuError> {
         let dev = &mut self.dev;
         if dev.scratch.as_ref().is_some_and(|s| s.cap >= t) {
-            return Ok(());
+            return Ok(false);
         }
         dev.scratch = None; // free first
         let gated = dev.plan.layers().iter().any(|l| l.as_attention().is_some_and(|a| a.output_gate));
@@ -148,9 +163,8 @@ impl Shard {
         let head = dev.ends.head;
         let s = Scratch::new(&dev.be, &dev.cfg, t, head, gated, dense_ff.max().unwrap_or(0), attn)?;
         self.moe.reserve(&dev.be, &dev.cfg, s.cap)?;
-        self.head = HeadStage::new(&dev.be, &dev.cfg, s.cap)?;
         dev.scratch = Some(s);
-        Ok(())
+        Ok(true)
     }
 
     /// A call's start on this device (its context bound): exchanges whose copies landed
@@ -163,6 +177,7 @@ impl Shard {
         seqs: &[(&[u32], &mut GpuKvCache)],
     ) -> Result<usize, GpuError> {
         self.call_idx = call_idx;
+        self.ping_pong = None;
         self.dev.be.bind_to_thread()?;
         let landed = self.moe.hot.admit_landed(&self.dev.be)?;
         self.reserve_tokens(t)?;
@@ -241,9 +256,11 @@ impl Shard {
         let decode = phase == Phase::Decode;
         let range = self.layers();
         let records = self.moe.records[range.clone()].iter();
+        let first = layers.len();
         for (r, ev) in records.zip(&mut self.moe.lane_events[range]) {
             layers.push(stats::lane_stats(r, ev.hot_us(r, decode)?));
         }
+        self.merge_micro_lanes(decode, &mut layers[first..])?;
         if !decode || self.moe.postfetch.as_ref().is_some_and(|p| p.opts.decode) {
             self.moe.postfetch_finish(perf)?;
         }

@@ -32,6 +32,9 @@ pub(crate) struct LayerRecord {
     /// The host split the layer (routing back on the host, `wall_us` measured); false for a
     /// fully cached decode layer, whose hot lane runs on the stream alone.
     pub split: bool,
+    /// A ping-pong micro-batch's cold lane: the time it computed while the driver went on with
+    /// the other micro-batch (its window less the driver's wait for it, `join_wait_us`).
+    pub ping_pong_overlap_us: Option<f64>,
 }
 
 /// Lane timings and slot counts of one MoE layer in one forward call.
@@ -62,6 +65,8 @@ pub struct LayerLaneStats {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ForwardStats {
     pub n_tokens: usize,
+    /// The call ran as two micro-batches whose lanes ping-pong (their layers' figures summed).
+    pub ping_pong: bool,
     pub prefill: bool,
     pub layers: Vec<LayerLaneStats>,
     /// Host wall time of the whole call, logits copy included.
@@ -93,7 +98,29 @@ pub(crate) fn lane_stats(r: &LayerRecord, hot_us: f64) -> LayerLaneStats {
             s.join_wait_us = us(if ce > he { ce - he } else { he - ce });
         }
     }
+    if let Some(overlap_us) = r.ping_pong_overlap_us {
+        s.overlap_us = overlap_us;
+    }
     s
+}
+
+impl LayerLaneStats {
+    /// One layer's figures over both micro-batches of a ping-pong step: counts and times
+    /// summed, fallen back or split if either was.
+    pub(crate) fn merged(&self, b: &LayerLaneStats) -> LayerLaneStats {
+        LayerLaneStats {
+            hot_slots: self.hot_slots + b.hot_slots,
+            cold_slots: self.cold_slots + b.cold_slots,
+            cold_rows: self.cold_rows + b.cold_rows,
+            hot_us: self.hot_us + b.hot_us,
+            cold_us: self.cold_us + b.cold_us,
+            wall_us: self.wall_us + b.wall_us,
+            overlap_us: self.overlap_us + b.overlap_us,
+            join_wait_us: self.join_wait_us + b.join_wait_us,
+            fell_back: self.fell_back || b.fell_back,
+            split: self.split || b.split,
+        }
+    }
 }
 
 /// Record the call's `layers` (one device's; every layer on one device) into the perf state:
