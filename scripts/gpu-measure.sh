@@ -24,6 +24,8 @@
 #            A/B of issue 12 is settled and its switch removed)
 #   batching llama-batched-bench and llama-server against bench --parallel and serve --parallel on
 #            the uniform model, BATCH_Q4=1 adds its Q4_K_M file at budget 0 (issue 43; below)
+#   pingpong bench --parallel with the lane ping-pong off and on, alternately, on one file and
+#            budget (issue 43; below)
 #
 # Usage on the GPU machine, from the repository root, after scripts/gpu-build.sh here:
 #   bash scripts/gpu-measure.sh models      (then, chained: metrics shift plan, and compare)
@@ -272,13 +274,54 @@ part_batching() {
     BIN="$BIN" MODEL="$q" CASES=0 PL=1,2,4 P=128 N=64 REPS=1 OUT="$LOGS" bash benches/compare-llama-cpp.sh batched
 }
 
+# Issue 43's lane ping-pong: `bench --parallel PL` (default 1,2,4,8) on PP_MODEL (default: the
+# uniform model's Q4_K_M file, written by `moe-lanes synth --quant q4_k_m` when missing) with
+# PP_BUDGET_MIB of experts in VRAM (default 0), ping-pong off (MOE_LANES_PING_PONG_MAX_ROWS=0) and
+# on for every B (=16) in turns, PP_ROUNDS (2) rounds; a table of each B's S_TG (median of the
+# rounds), decode step p50 and lanes per step.
+part_pingpong() {
+    local m="${PP_MODEL:-$MD/q$LAYERS-uniform-q4_k_m.gguf}" r rows
+    [ -f "$m" ] || "$BIN" synth --preset qwen3-30b-a3b --layers "$LAYERS" --skew uniform --quant q4_k_m \
+        --expert-row-pool 4096 --format gguf --out "$m" >/dev/null || return 1
+    for r in $(seq 1 "${PP_ROUNDS:-2}"); do
+        for rows in 0 16; do
+            MOE_LANES_PING_PONG_MAX_ROWS=$rows "$BIN" bench --model "$m" -p "$P" -n "$N" --parallel "${PL:-1,2,4,8}" \
+                --runs 1 --json --hot-budget-mib "${PP_BUDGET_MIB:-0}" > "$LOGS/pingpong-$rows-$r.json" \
+                2> "$LOGS/pingpong-$rows-$r.log" || { tail -5 "$LOGS/pingpong-$rows-$r.log"; return 1; }
+        done
+    done
+    python3 - "$LOGS" <<'PY'
+import glob, json, statistics, sys
+runs = {}
+for path in glob.glob(sys.argv[1] + "/pingpong-*-*.json"):
+    rows = path.rsplit("/", 1)[1].split("-")[1]
+    for r in json.load(open(path))["rows"]:
+        runs.setdefault((r["parallel"], rows), []).append(r)
+print("| B | S_TG off / on t/s | on / off | step p50 off / on ms | cold / overlapped / join wait ms a step, off | on | ping-pong steps on |")
+print("|---|---|---|---|---|---|---|")
+med = lambda rs, k: statistics.median(r[k] for r in rs)
+for b in sorted({b for b, _ in runs}):
+    off, on = runs.get((b, "0"), []), runs.get((b, "16"), [])
+    if not off or not on:
+        continue
+    lanes = lambda rs: "%.2f / %.2f / %.2f" % tuple(med(rs, k) for k in ("cold_ms_per_step", "overlap_ms_per_step", "join_wait_ms_per_step"))
+    print("| %d | %.1f / %.1f (%s / %s) | %.3f | %.2f / %.2f | %s | %s | %d |" % (
+        b, med(off, "tg_tokens_per_s"), med(on, "tg_tokens_per_s"),
+        ",".join("%.1f" % r["tg_tokens_per_s"] for r in off), ",".join("%.1f" % r["tg_tokens_per_s"] for r in on),
+        med(on, "tg_tokens_per_s") / med(off, "tg_tokens_per_s"), med(off, "step_ms_p50"), med(on, "step_ms_p50"),
+        lanes(off), lanes(on), sum(r["ping_pong_steps"] for r in on)))
+PY
+}
+
 status=0
 for part in "$@"; do
     echo "== $part ($(date -u +%H:%M:%S)) =="
     [ "$part" = models ] || [ "$part" = quantprep ] || wait_llama_build
     case "$part" in
-        models | metrics | shift | plan | compare | quant | quantprep | quantcmp | prefillab | batching) "part_$part" || status=1 ;;
-        *) echo "unknown part $part (models metrics shift plan compare quant quantprep quantcmp prefillab batching)"; exit 2 ;;
+        models | metrics | shift | plan | compare | quant | quantprep | quantcmp | prefillab | batching | pingpong)
+            "part_$part" || status=1 ;;
+        *) echo "unknown part $part (models metrics shift plan compare quant quantprep quantcmp prefillab batching pingpong)"
+           exit 2 ;;
     esac
 done
 exit $status

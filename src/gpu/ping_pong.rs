@@ -43,6 +43,7 @@ use crate::moe::faults::LayerFailure;
 use crate::moe::phase::Phase;
 use crate::moe::worklist::WorklistOrder;
 use crossbeam_channel::{Receiver, Sender};
+use moe_lanes_kernels::ThreadAffinity;
 use std::time::Instant;
 
 /// The second micro-batch's per-call state, swapped with the stages' own to run it.
@@ -314,9 +315,17 @@ impl Shard {
         self.dev.rows = Some(BatchRows::build(be, self.dev.rows.take(), &segs_a, Phase::Decode, n_layers)?);
         m.rows = Some(BatchRows::build(be, m.rows.take(), &segs_b, Phase::Decode, n_layers)?);
         self.ping_pong = Some((t_a, t_b));
+        // The cold thread on the CPU the pool leaves its caller, this driver on the ones it
+        // leaves free: sharing a core with either would slow a pool thread, and every barrier
+        // of every cold job with it (measured: a 1-row job took 2.3x as long unpinned).
+        let cpus = cold.cpus();
+        let _driver = ThreadAffinity::pin(&cpus.spare);
         let ran = std::thread::scope(|scope| {
             let (jobs, queue) = crossbeam_channel::unbounded::<ColdJob>();
-            scope.spawn(move || cold_thread(cold, queue));
+            scope.spawn(move || {
+                let _pinned = ThreadAffinity::pin(&cpus.driver);
+                cold_thread(cold, queue)
+            });
             let mut xa = Micro { segs: &segs_a, t: t_a, cold: ColdClient::new(&jobs), pending: None };
             let mut xb = Micro { segs: &segs_b, t: t_b, cold: ColdClient::new(&jobs), pending: None };
             let mut fallback = ColdClient::new(&jobs);
