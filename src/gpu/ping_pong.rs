@@ -109,9 +109,22 @@ struct ColdDone {
     window: (Instant, Instant),
 }
 
+/// Spin until `rx` has a message (`None`: every sender is gone). Both ends of a ping-pong step
+/// wait on cores of their own, and a parked thread's wake-up costs about as much as the GPU's
+/// share of a layer that the step hides.
+fn spin_recv<T>(rx: &Receiver<T>) -> Option<T> {
+    loop {
+        match rx.try_recv() {
+            Ok(msg) => return Some(msg),
+            Err(crossbeam_channel::TryRecvError::Empty) => std::hint::spin_loop(),
+            Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
+        }
+    }
+}
+
 /// The cold thread's loop: each job in turn, a panic caught and reported as the job's error.
 fn cold_thread(cold: &mut (dyn ColdLane + Send), jobs: Receiver<ColdJob>) {
-    for mut job in jobs {
+    while let Some(mut job) = spin_recv(&jobs) {
         let start = Instant::now();
         let l = job.layer;
         let b = &mut job.bufs;
@@ -154,7 +167,7 @@ impl ColdClient {
     /// The job's result, and how long the caller waited for it (microseconds).
     fn wait(&mut self, layer: usize) -> Result<(ColdDone, f64), LayerFault> {
         let start = Instant::now();
-        let done = self.reply.1.recv().map_err(|_| thread_gone(layer))?;
+        let done = spin_recv(&self.reply.1).ok_or_else(|| thread_gone(layer))?;
         Ok((done, start.elapsed().as_secs_f64() * 1e6))
     }
 }
