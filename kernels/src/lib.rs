@@ -73,7 +73,7 @@ pub use ffn::{
 };
 pub use kv::{KvRows, KvType, KvTypeError};
 pub use par::{par_chunk_pairs_mut, par_chunks_mut};
-pub use pool::{ColdExpertWork, ColdJob, ColdPool, ThreadAffinity};
+pub use pool::{ColdExpertWork, ColdJob, ColdPool};
 pub use q8::{DecodeActivations, Q8Activations, Q8_MAX_TOKENS};
 pub use scalar::dot_row;
 pub use simd::{available, has_avx512_vnni, SimdLevel};

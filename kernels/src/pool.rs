@@ -535,23 +535,6 @@ impl ColdPool {
         &self.pinned_cpus
     }
 
-    /// The CPU the pool leaves for its caller (thread 0, unpinned): the first of the process's
-    /// set, where no worker is pinned (none: the set is unknown or the workers wrap onto it).
-    pub fn caller_cpu(&self) -> Option<usize> {
-        let first = *allowed_cpus().first()?;
-        let taken = self.pinned_cpus.iter().flatten().any(|&c| c == first);
-        (!taken).then_some(first)
-    }
-
-    /// The process's CPUs that neither the pool's workers nor its caller's CPU take: where other
-    /// busy threads can run without slowing a pool thread (and so every barrier of a job).
-    pub fn spare_cpus(&self) -> Vec<usize> {
-        let caller = self.caller_cpu();
-        let cpus = allowed_cpus();
-        let taken = |c: usize| Some(c) == caller || self.pinned_cpus.iter().flatten().any(|&p| p == c);
-        cpus.into_iter().filter(|&c| !taken(c)).collect()
-    }
-
     /// Runs `job`, accumulating into `out` (`n_tokens x hidden`, `+=`).
     pub fn run(&mut self, job: &ColdJob<'_>, out: &mut [f32]) -> Result<(), KernelError> {
         self.run_on(self.n_threads(), job, out)
@@ -1104,59 +1087,6 @@ fn allowed_cpus() -> Vec<usize> {
     Vec::new()
 }
 
-/// The calling thread pinned to a set of CPUs until the guard is dropped, when the set it had
-/// before is restored. Pinning that fails (or an empty set) leaves the thread as it was.
-pub struct ThreadAffinity {
-    #[cfg(target_os = "linux")]
-    saved: Option<libc::cpu_set_t>,
-    /// The set is the creating thread's: the guard stays on it (not Send).
-    _thread: std::marker::PhantomData<*const ()>,
-}
-
-impl ThreadAffinity {
-    /// Pin the calling thread to `cpus` (empty: no change).
-    pub fn pin(cpus: &[usize]) -> ThreadAffinity {
-        #[cfg(target_os = "linux")]
-        {
-            if cpus.is_empty() {
-                return ThreadAffinity { saved: None, _thread: std::marker::PhantomData };
-            }
-            // SAFETY: cpu_set_t is plain data (zeroed is the empty set); sched_getaffinity writes
-            // at most size_of::<cpu_set_t>() bytes into `old`, CPU_SET bounds-checks each cpu,
-            // and sched_setaffinity(0, ..) only reads `set` and affects the calling thread.
-            unsafe {
-                let size = std::mem::size_of::<libc::cpu_set_t>();
-                let mut old: libc::cpu_set_t = std::mem::zeroed();
-                if libc::sched_getaffinity(0, size, &mut old) != 0 {
-                    return ThreadAffinity { saved: None, _thread: std::marker::PhantomData };
-                }
-                let mut set: libc::cpu_set_t = std::mem::zeroed();
-                cpus.iter().for_each(|&c| libc::CPU_SET(c, &mut set));
-                let pinned = libc::sched_setaffinity(0, size, &set) == 0;
-                ThreadAffinity { saved: pinned.then_some(old), _thread: std::marker::PhantomData }
-            }
-        }
-        #[cfg(not(target_os = "linux"))]
-        {
-            let _ = cpus;
-            ThreadAffinity { _thread: std::marker::PhantomData }
-        }
-    }
-}
-
-impl Drop for ThreadAffinity {
-    fn drop(&mut self) {
-        #[cfg(target_os = "linux")]
-        if let Some(old) = self.saved.take() {
-            // SAFETY: `old` is the set sched_getaffinity returned for this thread; the call
-            // only reads it and affects the calling thread, the one that made the guard.
-            unsafe {
-                let _ = libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &old);
-            }
-        }
-    }
-}
-
 /// Pins the calling thread to `cpu`; failure is ignored (the pool still works unpinned).
 fn pin_current_thread(cpu: usize) {
     #[cfg(target_os = "linux")]
@@ -1176,31 +1106,6 @@ fn pin_current_thread(cpu: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The caller's CPU is the first of the set (no worker there), the spare ones are the rest
-    /// after the workers'; a pin guard confines the thread and gives its set back on drop.
-    #[test]
-    fn the_pool_names_its_callers_cpu_and_the_spare_ones() {
-        let cpus = allowed_cpus();
-        if cpus.len() < 2 {
-            return; // nothing to tell apart
-        }
-        let pool = ColdPool::new(2);
-        assert_eq!(pool.caller_cpu(), Some(cpus[0]));
-        assert_eq!(pool.spare_cpus(), cpus[2..].to_vec());
-        assert_eq!(ColdPool::new(1).spare_cpus(), cpus[1..].to_vec());
-        std::thread::spawn(move || {
-            {
-                let _pinned = ThreadAffinity::pin(&cpus[1..2]);
-                assert_eq!(allowed_cpus(), [cpus[1]]);
-                let _none = ThreadAffinity::pin(&[]);
-                assert_eq!(allowed_cpus(), [cpus[1]], "an empty set changes nothing");
-            }
-            assert_eq!(allowed_cpus(), cpus, "restored on drop");
-        })
-        .join()
-        .unwrap();
-    }
 
     #[test]
     fn broadcast_reaches_every_thread_once() {

@@ -38,7 +38,7 @@ impl GpuModel {
         &mut self,
         seqs: &mut [GpuSeqInput<'_>],
         phase: Phase,
-        cold: &mut (dyn ColdLane + Send),
+        cold: &mut dyn ColdLane,
     ) -> Result<Logits, GpuError> {
         if let [one] = seqs {
             return self.forward_rows(one.tokens, phase, one.cache, cold, LogitRows::Last);

@@ -53,6 +53,8 @@ pub(crate) struct MoeStage {
     pub pin: MoePinned,
     /// Per layer, the hot lane's CUDA events.
     pub lane_events: Vec<LaneEvents>,
+    /// Per layer, events around a ping-pong micro-batch's front (`ping_pong`).
+    pub front_events: Vec<LaneEvents>,
     /// Per layer, what its lanes did in the last call.
     pub records: Vec<LayerRecord>,
     /// The plain CPU cold lane: computes a layer when the given cold lane failed.
@@ -68,15 +70,15 @@ impl MoeStage {
         fallback_cold: PlainColdLane,
     ) -> Result<MoeStage, GpuError> {
         let n_layers = dev_cfg.n_layers;
-        let lane_events = (0..n_layers)
-            .map(|_| Ok(LaneEvents::new(be.event()?, be.event()?)))
-            .collect::<Result<Vec<_>, GpuError>>()?;
+        let lane_events = LaneEvents::per_layer(be, n_layers)?;
+        let front_events = LaneEvents::per_layer(be, n_layers)?;
         Ok(MoeStage {
             hot,
             postfetch,
             host: HostScratch::new(dev_cfg, 8),
             pin: MoePinned::new(be, dev_cfg, 8)?,
             lane_events,
+            front_events,
             records: vec![LayerRecord::default(); n_layers],
             fallback_cold,
         })

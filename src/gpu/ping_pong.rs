@@ -4,46 +4,44 @@
 //! stages. Within one sequence, layer `l + 1`'s attention waits for layer `l`'s cold experts;
 //! across two micro-batches it need not.
 //!
-//! Layer `l` of the step, on the GPU's one stream and the cold thread's one queue:
+//! The driver (the pool's thread 0, as in every step) enqueues a micro-batch's *front* of a
+//! layer (mixer, routing, hot lane; a layer without cold work ends there) and its *back* later
+//! (the routing on the host, the cold experts on the pool, their rows added on the stream):
 //!
 //! ```text
-//! GPU:  A_l mixer, route, hot | B_{l-1} join, B_l mixer, route, hot | A_l join, A_{l+1} ...
-//! CPU:  B_{l-1} cold          | A_l cold                            | B_l cold ...
+//! driver: A_l cold | A_l join, A_{l+1} front | B_l cold | B_l join, B_{l+1} front | A_{l+1} cold
+//! GPU:    B_l front (queued before)          | A_l join, A_{l+1} front           | B_l join ...
 //! ```
 //!
-//! The driver enqueues A's layer, hands A's cold rows to the cold thread once A's routing is on
-//! the host, joins B's previous layer when its rows are back, enqueues B's layer, and so on.
-//! The cold thread runs the cold lane (the pool, as its thread 0) one job after another, so the
-//! pool is idle only while neither micro-batch's routing has reached the host.
+//! While the pool computes one micro-batch's experts, the GPU runs the fronts queued for the
+//! other, so its routing is on the host when the driver turns to it. No thread is handed
+//! anything (a parked thread's wake-up on these virtual machines costs as much as the GPU share
+//! the step hides, and a long spin there slows the pool's own cores: both measured).
 //!
 //! Each micro-batch has its own device scratch, batch rows, MoE host and pinned buffers, lane
 //! records and events: B's live in a [`MicroState`] that the driver swaps into the stages to
 //! run B (moves, no copies). A micro-batch's rows run the same kernels and cold lane as a
 //! batched step of its sequences alone would; its routing ids and lane figures are merged into
 //! the call's afterwards. What it costs: cold experts that both halves route to are read twice
-//! ([`super::options::PING_PONG_MAX_ROWS`]); what it measures: each layer's cold-lane time that
-//! overlapped the other micro-batch (`overlap_us`) and the driver's wait for each cold result
-//! (`join_wait_us`).
+//! ([`super::options::PING_PONG_MAX_ROWS`]) and twice the launches; what it measures per layer:
+//! the driver's wait for each micro-batch's routing (`join_wait_us`: GPU time not hidden) and
+//! the front's GPU time it did not wait for (`overlap_us`: hidden under the other's cold lane).
 
 use super::batch::{BatchRows, GpuSeqInput};
 use super::device::LayerCtx;
 use super::head::head_kernels;
 use super::model::{GpuModel, GpuSeg};
-use super::moe::{cold_failed, collect_cold, LayerFault, MoePlan, MoeStage};
+use super::moe::MoePlan;
 use super::options::GpuFaults;
 use super::route::dense_ffn;
-use super::scratch::{HostScratch, MoePinned, RouteView, Scratch};
+use super::scratch::{HostScratch, MoePinned, Scratch};
 use super::shard::Shard;
 use super::stats::{LaneEvents, LayerLaneStats, LayerRecord};
 use super::GpuError;
-use crate::cache::perf::{FallbackReason, PerfState};
+use crate::cache::perf::PerfState;
 use crate::forward::{LogitRows, Logits};
-use crate::moe::cold::{ColdError, ColdLane, ColdSlot};
-use crate::moe::faults::LayerFailure;
+use crate::moe::cold::ColdLane;
 use crate::moe::phase::Phase;
-use crate::moe::worklist::WorklistOrder;
-use crossbeam_channel::{Receiver, Sender};
-use moe_lanes_kernels::ThreadAffinity;
 use std::time::Instant;
 
 /// The second micro-batch's per-call state, swapped with the stages' own to run it.
@@ -54,171 +52,52 @@ pub(crate) struct MicroState {
     pin: MoePinned,
     records: Vec<LayerRecord>,
     lane_events: Vec<LaneEvents>,
+    front_events: Vec<LaneEvents>,
 }
 
 impl MicroState {
     fn new(sh: &Shard) -> Result<MicroState, GpuError> {
         let (be, cfg) = (&sh.dev.be, &sh.dev.cfg);
-        let lane_events = (0..cfg.n_layers)
-            .map(|_| Ok(LaneEvents::new(be.event()?, be.event()?)))
-            .collect::<Result<Vec<_>, GpuError>>()?;
         Ok(MicroState {
             scratch: None,
             rows: None,
             host: HostScratch::new(cfg, 8),
             pin: MoePinned::new(be, cfg, 8)?,
             records: vec![LayerRecord::default(); cfg.n_layers],
-            lane_events,
+            lane_events: LaneEvents::per_layer(be, cfg.n_layers)?,
+            front_events: LaneEvents::per_layer(be, cfg.n_layers)?,
         })
     }
+}
 
-    /// `layers`' lane figures (A's, in the layers of the range) with B's added.
-    fn merge_lanes(
-        &mut self,
-        range: std::ops::Range<usize>,
-        decode: bool,
-        layers: &mut [LayerLaneStats],
-    ) -> Result<(), GpuError> {
-        let records = self.records[range.clone()].iter();
-        for ((r, ev), a) in records.zip(&mut self.lane_events[range]).zip(layers) {
-            *a = a.merged(&super::stats::lane_stats(r, ev.hot_us(r, decode)?));
-        }
-        Ok(())
+/// A ping-pong layer's overlap: its front's GPU time that the driver did not wait for (it ran
+/// under the other micro-batch's cold lane).
+fn front_overlap(s: &mut LayerLaneStats, r: &LayerRecord, ev: &LaneEvents) -> Result<(), GpuError> {
+    if r.ping_pong_front {
+        let front_us = ev.start.elapsed_ms(&ev.end)? as f64 * 1e3;
+        s.overlap_us = (front_us - r.join_wait_us).max(0.0);
     }
+    Ok(())
 }
 
-/// One cold-lane job of a micro-batch: its layer's compact cold rows and slots, and the rows
-/// the lane adds into (zero on entry); the buffers travel back with the result.
-struct ColdJob {
-    layer: usize,
-    bufs: ColdBufs,
-    reply: Sender<ColdDone>,
-}
-
-#[derive(Default)]
-struct ColdBufs {
-    rows: Vec<f32>,
-    slots: Vec<ColdSlot>,
-    out: Vec<f32>,
-}
-
-struct ColdDone {
-    bufs: ColdBufs,
-    result: Result<(), ColdError>,
-    /// The job's window on the cold thread.
-    window: (Instant, Instant),
-}
-
-/// Spin until `rx` has a message (`None`: every sender is gone). Both ends of a ping-pong step
-/// wait on cores of their own, and a parked thread's wake-up costs about as much as the GPU's
-/// share of a layer that the step hides.
-fn spin_recv<T>(rx: &Receiver<T>) -> Option<T> {
-    loop {
-        match rx.try_recv() {
-            Ok(msg) => return Some(msg),
-            Err(crossbeam_channel::TryRecvError::Empty) => std::hint::spin_loop(),
-            Err(crossbeam_channel::TryRecvError::Disconnected) => return None,
-        }
-    }
-}
-
-/// The cold thread's loop: each job in turn, a panic caught and reported as the job's error.
-fn cold_thread(cold: &mut (dyn ColdLane + Send), jobs: Receiver<ColdJob>) {
-    while let Some(mut job) = spin_recv(&jobs) {
-        let start = Instant::now();
-        let l = job.layer;
-        let b = &mut job.bufs;
-        let run = std::panic::AssertUnwindSafe(|| cold.compute(l, &b.rows, &b.slots, &mut b.out));
-        let result = std::panic::catch_unwind(run).unwrap_or(Err(ColdError::Panicked { layer_idx: l }));
-        let done = ColdDone { bufs: job.bufs, result, window: (start, Instant::now()) };
-        // the driver only stops listening when the call failed: nothing waits for the result
-        let _ = job.reply.send(done);
-    }
-}
-
-/// The driver's side of the cold thread for one micro-batch (or the fallback's): its own reply
-/// channel and buffers.
-struct ColdClient {
-    jobs: Sender<ColdJob>,
-    reply: (Sender<ColdDone>, Receiver<ColdDone>),
-    bufs: Option<ColdBufs>,
-}
-
-impl ColdClient {
-    fn new(jobs: &Sender<ColdJob>) -> ColdClient {
-        let reply = crossbeam_channel::bounded(1);
-        ColdClient { jobs: jobs.clone(), reply, bufs: Some(ColdBufs::default()) }
-    }
-
-    /// The buffers for the next job, emptied.
-    fn take_bufs(&mut self) -> ColdBufs {
-        let mut b = self.bufs.take().unwrap_or_default();
-        b.rows.clear();
-        b.slots.clear();
-        b.out.clear();
-        b
-    }
-
-    fn submit(&self, layer: usize, bufs: ColdBufs) -> Result<(), LayerFault> {
-        let job = ColdJob { layer, bufs, reply: self.reply.0.clone() };
-        self.jobs.send(job).map_err(|_| thread_gone(layer))
-    }
-
-    /// The job's result, and how long the caller waited for it (microseconds).
-    fn wait(&mut self, layer: usize) -> Result<(ColdDone, f64), LayerFault> {
-        let start = Instant::now();
-        let done = spin_recv(&self.reply.1).ok_or_else(|| thread_gone(layer))?;
-        Ok((done, start.elapsed().as_secs_f64() * 1e6))
-    }
-}
-
-fn thread_gone(layer_idx: usize) -> LayerFault {
-    let detail = format!("layer {layer_idx}: the cold thread stopped");
-    LayerFailure::of_cold_lane(FallbackReason::LaneFailed, detail).into()
-}
-
-/// The cold lane through the cold thread, one job at a time (a fallback's all-cold layer).
-impl ColdLane for ColdClient {
-    fn compute(
-        &mut self,
-        layer_idx: usize,
-        hidden_rows: &[f32],
-        slots: &[ColdSlot],
-        out_rows: &mut [f32],
-    ) -> Result<(), ColdError> {
-        let mut b = self.take_bufs();
-        b.rows.extend_from_slice(hidden_rows);
-        b.slots.extend_from_slice(slots);
-        b.out.resize(out_rows.len(), 0.0);
-        let stopped = || ColdError::Panicked { layer_idx };
-        self.submit(layer_idx, b).map_err(|_| stopped())?;
-        let (done, _) = self.wait(layer_idx).map_err(|_| stopped())?;
-        out_rows.copy_from_slice(&done.bufs.out);
-        self.bufs = Some(done.bufs);
-        done.result
-    }
-}
-
-/// One micro-batch as the driver runs it: its sequences' segments, rows, cold client and the
-/// layer whose cold job is in flight.
+/// One micro-batch as the driver runs it: its sequences' segments, its rows, and the layer whose
+/// front is on the GPU and whose cold lane is still to run.
 struct Micro<'a> {
     segs: &'a [GpuSeg<'a>],
     t: usize,
-    cold: ColdClient,
     pending: Option<Pending>,
 }
 
-/// A layer whose cold job is in flight: joined before the micro-batch's next layer.
 struct Pending {
     l: usize,
     plan: MoePlan,
-    split_at: Instant,
 }
 
 impl GpuModel {
     /// Whether a batched call runs as two ping-pong micro-batches: a decode step of 2 to
     /// [`super::GpuOptions::ping_pong_max_rows`] rows over at least two sequences, on one device
-    /// with cold experts in some layer, without injected faults or the stage profile.
+    /// with cold experts in some layer, without injected faults, the stage profile or decode's
+    /// Post-Fetch (whose scratchpad the micro-batches would share).
     pub(super) fn ping_pong_applies(&self, seqs: &[GpuSeqInput<'_>], phase: Phase) -> bool {
         let [sh] = self.shards.as_slice() else { return false };
         let t: usize = seqs.iter().map(|s| s.tokens.len()).sum();
@@ -227,6 +106,7 @@ impl GpuModel {
             && seqs.len() >= 2
             && t <= opts.ping_pong_max_rows
             && opts.faults == GpuFaults::default()
+            && !opts.postfetch.decode
             && sh.dev.profiler.is_none()
             && !sh.all_hot()
     }
@@ -235,7 +115,7 @@ impl GpuModel {
     pub(super) fn forward_ping_pong(
         &mut self,
         seqs: &mut [GpuSeqInput<'_>],
-        cold: &mut (dyn ColdLane + Send),
+        cold: &mut dyn ColdLane,
     ) -> Result<Logits, GpuError> {
         let call_start = Instant::now();
         let mut calls: Vec<(&[u32], &mut super::kv::GpuKvCache)> =
@@ -282,6 +162,7 @@ impl Shard {
         std::mem::swap(&mut self.moe.pin, &mut m.pin);
         std::mem::swap(&mut self.moe.records, &mut m.records);
         std::mem::swap(&mut self.moe.lane_events, &mut m.lane_events);
+        std::mem::swap(&mut self.moe.front_events, &mut m.front_events);
     }
 
     /// `f` with micro-batch B's state in the stages; A's back after, whatever `f` returned.
@@ -297,7 +178,7 @@ impl Shard {
     fn ping_pong_layers(
         &mut self,
         (a, b): (&[GpuSeqInput<'_>], &[GpuSeqInput<'_>]),
-        cold: &mut (dyn ColdLane + Send),
+        cold: &mut dyn ColdLane,
         perf: &mut PerfState,
     ) -> Result<(), GpuError> {
         let mut m = match self.micro.take() {
@@ -313,7 +194,7 @@ impl Shard {
         &mut self,
         m: &mut MicroState,
         (a, b): (&[GpuSeqInput<'_>], &[GpuSeqInput<'_>]),
-        cold: &mut (dyn ColdLane + Send),
+        cold: &mut dyn ColdLane,
         perf: &mut PerfState,
     ) -> Result<(), GpuError> {
         let (segs_a, segs_b) = (segments(a), segments(b));
@@ -328,23 +209,9 @@ impl Shard {
         self.dev.rows = Some(BatchRows::build(be, self.dev.rows.take(), &segs_a, Phase::Decode, n_layers)?);
         m.rows = Some(BatchRows::build(be, m.rows.take(), &segs_b, Phase::Decode, n_layers)?);
         self.ping_pong = Some((t_a, t_b));
-        // The cold thread on the CPU the pool leaves its caller, this driver on the ones it
-        // leaves free: sharing a core with either would slow a pool thread, and every barrier
-        // of every cold job with it (measured: a 1-row job took 2.3x as long unpinned).
-        let cpus = cold.cpus();
-        let _driver = ThreadAffinity::pin(&cpus.spare);
-        let ran = std::thread::scope(|scope| {
-            let (jobs, queue) = crossbeam_channel::unbounded::<ColdJob>();
-            scope.spawn(move || {
-                let _pinned = ThreadAffinity::pin(&cpus.driver);
-                cold_thread(cold, queue)
-            });
-            let mut xa = Micro { segs: &segs_a, t: t_a, cold: ColdClient::new(&jobs), pending: None };
-            let mut xb = Micro { segs: &segs_b, t: t_b, cold: ColdClient::new(&jobs), pending: None };
-            let mut fallback = ColdClient::new(&jobs);
-            drop(jobs); // the thread ends when the clients are dropped
-            self.ping_pong_loop(m, (&mut xa, &mut xb), &mut fallback, perf)
-        });
+        let mut xa = Micro { segs: &segs_a, t: t_a, pending: None };
+        let mut xb = Micro { segs: &segs_b, t: t_b, pending: None };
+        let ran = self.ping_pong_loop(m, (&mut xa, &mut xb), cold, perf);
         for r in [self.dev.rows.as_mut(), m.rows.as_mut()].into_iter().flatten() {
             r.active = false;
         }
@@ -353,35 +220,41 @@ impl Shard {
         Ok(())
     }
 
-    /// Every layer: A's start, B's previous layer joined and B's start, A's join; B's last
-    /// layer joined after.
+    /// Both fronts of the first layer; then per layer A's back and next front, B's back and
+    /// next front (module docs).
     fn ping_pong_loop(
         &mut self,
         m: &mut MicroState,
         (xa, xb): (&mut Micro<'_>, &mut Micro<'_>),
-        fallback: &mut ColdClient,
+        cold: &mut dyn ColdLane,
         perf: &mut PerfState,
     ) -> Result<(), GpuError> {
-        for l in self.layers() {
-            self.micro_start(l, xa, fallback, perf)?;
+        let layers = self.layers();
+        self.micro_front(layers.start, xa, cold, perf)?;
+        self.in_b(m, |sh| sh.micro_front(layers.start, xb, cold, perf))?;
+        for l in layers.clone() {
+            let next = Some(l + 1).filter(|n| *n < layers.end);
+            self.micro_back(xa, cold, perf)?;
+            next.map_or(Ok(()), |n| self.micro_front(n, xa, cold, perf))?;
             self.in_b(m, |sh| {
-                sh.micro_join(xb, fallback, perf)?;
-                sh.micro_start(l, xb, fallback, perf)
+                sh.micro_back(xb, cold, perf)?;
+                next.map_or(Ok(()), |n| sh.micro_front(n, xb, cold, perf))
             })?;
-            self.micro_join(xa, fallback, perf)?;
         }
-        self.in_b(m, |sh| sh.micro_join(xb, fallback, perf))
+        Ok(())
     }
 
-    /// Layer `l` of the micro-batch in the stages: mixer, routing, hot lane, and its cold rows
-    /// handed to the cold thread (the layer finished at once when it has none).
-    fn micro_start(
+    /// Layer `l`'s front for the micro-batch in the stages: mixer, routing, hot lane (between
+    /// the front events); a layer without cold work (a dense FFN, all hot, a failed hot lane)
+    /// ends here, the others wait for their back.
+    fn micro_front(
         &mut self,
         l: usize,
         x: &mut Micro<'_>,
-        fallback: &mut ColdClient,
+        cold: &mut dyn ColdLane,
         perf: &mut PerfState,
     ) -> Result<(), GpuError> {
+        self.dev.be.record(&self.moe.front_events[l].start)?;
         let cx = LayerCtx::of(&self.dev, self.call_idx, l, Phase::Decode, x.t);
         self.mixer.run(&cx, x.segs)?;
         if !self.dev.expert_layers[l] {
@@ -389,31 +262,35 @@ impl Shard {
             return dense_ffn(&cx);
         }
         let plan = self.moe.route_layer(&cx)?;
-        let split_at = Instant::now();
-        let submitted = self.moe.hot_lane_device(&cx, plan).and_then(|()| self.moe.cold_submit(&cx, &mut x.cold));
-        match submitted {
-            Ok(true) => {
-                x.pending = Some(Pending { l, plan, split_at });
+        let hot = self.moe.hot_lane_device(&cx, plan);
+        self.dev.be.record(&self.moe.front_events[l].end)?;
+        match hot {
+            Ok(()) if !self.moe.hot.all_hot(l) => {
+                x.pending = Some(Pending { l, plan });
                 Ok(())
             }
-            Ok(false) => self.moe.finish(&cx, perf, fallback, Ok(()), plan.direct),
-            Err(fault) => self.moe.finish(&cx, perf, fallback, Err(fault), plan.direct),
+            Ok(()) => {
+                self.moe.records[l].hot_slots = x.t * self.dev.cfg.n_experts_used;
+                self.moe.finish(&cx, perf, cold, Ok(()), plan.direct)
+            }
+            Err(fault) => self.moe.finish(&cx, perf, cold, Err(fault), plan.direct),
         }
     }
 
-    /// The micro-batch's layer in flight, if any: its cold rows added on the stream once they
-    /// are back, then the layer's end (a failed lane recomputed all-cold).
-    fn micro_join(
-        &mut self,
-        x: &mut Micro<'_>,
-        fallback: &mut ColdClient,
-        perf: &mut PerfState,
-    ) -> Result<(), GpuError> {
+    /// The micro-batch's layer whose front is queued, if any: its routing on the host (the
+    /// wait timed), its cold experts on the pool and their rows added on the stream, the layer's
+    /// end (a failed lane recomputed all-cold).
+    fn micro_back(&mut self, x: &mut Micro<'_>, cold: &mut dyn ColdLane, perf: &mut PerfState) -> Result<(), GpuError> {
         let Some(p) = x.pending.take() else { return Ok(()) };
         let cx = LayerCtx::of(&self.dev, self.call_idx, p.l, Phase::Decode, x.t);
-        let joined = self.moe.cold_join(&cx, &mut x.cold);
-        self.moe.records[p.l].wall_us = p.split_at.elapsed().as_secs_f64() * 1e6;
-        self.moe.finish(&cx, perf, fallback, joined, p.plan.direct)
+        let wait_start = Instant::now();
+        self.moe.wait_routes()?;
+        let route_wait_us = wait_start.elapsed().as_secs_f64() * 1e6;
+        let outcome = self.moe.cold_lane_device(&cx, cold);
+        let rec = &mut self.moe.records[p.l];
+        // the join ran on the stream behind the lane; the step's wait is for the routing
+        (rec.gpu_joined, rec.join_wait_us, rec.ping_pong_front) = (false, route_wait_us, true);
+        self.moe.finish(&cx, perf, cold, outcome, p.plan.direct)
     }
 
     /// A ping-pong call's routing ids as one call of `t_a + t_b` rows would have them: per
@@ -437,80 +314,22 @@ impl Shard {
         Ok(())
     }
 
-    /// After a ping-pong call: B's lane figures added into the layers' (`layers`: this
-    /// device's, A's).
+    /// After a ping-pong call: the layers' figures (`layers`: this device's, A's) with each
+    /// micro-batch's front overlap, and B's added.
     pub(super) fn merge_micro_lanes(
         &mut self,
         decode: bool,
         layers: &mut [LayerLaneStats],
     ) -> Result<(), GpuError> {
         let range = self.layers();
-        match (self.ping_pong, self.micro.as_mut()) {
-            (Some(_), Some(m)) => m.merge_lanes(range, decode, layers),
-            _ => Ok(()),
+        let (Some(_), Some(m)) = (self.ping_pong, self.micro.as_mut()) else { return Ok(()) };
+        for (i, l) in range.enumerate() {
+            front_overlap(&mut layers[i], &self.moe.records[l], &self.moe.front_events[l])?;
+            let r = &m.records[l];
+            let mut b = super::stats::lane_stats(r, m.lane_events[l].hot_us(r, decode)?);
+            front_overlap(&mut b, r, &m.front_events[l])?;
+            layers[i] = layers[i].merged(&b);
         }
-    }
-}
-
-impl MoeStage {
-    /// The device path's cold side, asynchronously: once the routing is on the host, the
-    /// token-major worklist and the compact cold rows handed to the cold thread. Whether a job
-    /// went (none: the layer is all hot, or no row has a cold slot).
-    fn cold_submit(&mut self, cx: &LayerCtx<'_>, cold: &mut ColdClient) -> Result<bool, LayerFault> {
-        let (dev, l, t) = (cx.dev, cx.l, cx.t);
-        let (h, k) = (dev.cfg.hidden, dev.cfg.n_experts_used);
-        if self.hot.all_hot(l) {
-            self.records[l].hot_slots = t * k;
-            return Ok(false);
-        }
-        self.wait_routes()?;
-        self.records[l].hot_at = Some(Instant::now());
-        self.host_worklist(cx, WorklistOrder::TokenMajor)?;
-        self.postfetch_reset(); // every cold expert on the CPU: the scratchpad is not shared
-        let n_rows = collect_cold(&mut self.host, t, false);
-        let rec = &mut self.records[l];
-        (rec.hot_slots, rec.cold_slots, rec.cold_rows) =
-            (self.host.worklist.hot_count_total(), self.host.cold_slots.len(), n_rows);
-        rec.split = true;
-        if n_rows == 0 {
-            return Ok(false);
-        }
-        let mut b = cold.take_bufs();
-        let normed = RouteView::of(self.pin.route.as_slice()?, dev.s().cap, k, t, h).rows;
-        for &ti in &self.host.cold_row_tok {
-            b.rows.extend_from_slice(&normed[ti * h..][..h]);
-        }
-        b.slots.extend_from_slice(&self.host.cold_slots);
-        b.out.resize(n_rows * h, 0.0);
-        cold.submit(l, b)?;
-        Ok(true)
-    }
-
-    /// The cold job of layer `cx.l` back: its rows scattered to their tokens in the pinned
-    /// output, copied to the device and added into the MoE output on the stream.
-    fn cold_join(&mut self, cx: &LayerCtx<'_>, cold: &mut ColdClient) -> Result<(), LayerFault> {
-        let (dev, l, t) = (cx.dev, cx.l, cx.t);
-        let h = dev.cfg.hidden;
-        let (done, wait_us) = cold.wait(l)?;
-        let ColdDone { bufs, result, window } = done;
-        let scattered = result.map_err(cold_failed).and_then(|()| {
-            let out = &mut self.pin.cold_out.as_mut_slice()?[..t * h];
-            out.fill(0.0);
-            for (r, &ti) in self.host.cold_row_tok.iter().enumerate() {
-                out[ti * h..][..h].copy_from_slice(&bufs.out[r * h..][..h]);
-            }
-            Ok(())
-        });
-        cold.bufs = Some(bufs);
-        scattered?;
-        let rec = &mut self.records[l];
-        rec.cold = Some(window);
-        rec.join_wait_us = wait_us;
-        let cold_us = (window.1 - window.0).as_secs_f64() * 1e6;
-        rec.ping_pong_overlap_us = Some((cold_us - wait_us).max(0.0));
-        let s = dev.s();
-        dev.be.write_async(&self.pin.cold_out, t * h, s.cold_out.ptr())?;
-        dev.be.add(s.moe_out.ptr(), s.cold_out.ptr(), t * h)?;
         Ok(())
     }
 }

@@ -32,9 +32,9 @@ pub(crate) struct LayerRecord {
     /// The host split the layer (routing back on the host, `wall_us` measured); false for a
     /// fully cached decode layer, whose hot lane runs on the stream alone.
     pub split: bool,
-    /// A ping-pong micro-batch's cold lane: the time it computed while the driver went on with
-    /// the other micro-batch (its window less the driver's wait for it, `join_wait_us`).
-    pub ping_pong_overlap_us: Option<f64>,
+    /// A ping-pong micro-batch's layer: `join_wait_us` is the driver's wait for its routing, and
+    /// its overlap the front's GPU time less that wait (the front events of `ping_pong`).
+    pub ping_pong_front: bool,
 }
 
 /// Lane timings and slot counts of one MoE layer in one forward call.
@@ -97,9 +97,6 @@ pub(crate) fn lane_stats(r: &LayerRecord, hot_us: f64) -> LayerLaneStats {
         if r.gpu_joined {
             s.join_wait_us = us(if ce > he { ce - he } else { he - ce });
         }
-    }
-    if let Some(overlap_us) = r.ping_pong_overlap_us {
-        s.overlap_us = overlap_us;
     }
     s
 }
@@ -170,6 +167,11 @@ pub(crate) struct LaneEvents {
 impl LaneEvents {
     pub fn new(start: GpuEvent, end: GpuEvent) -> LaneEvents {
         LaneEvents { start, end, last_hot_us: 0.0 }
+    }
+
+    /// A pair for each of `n_layers` layers.
+    pub fn per_layer(be: &moe_lanes_kernels::cuda::CudaBackend, n_layers: usize) -> Result<Vec<LaneEvents>, GpuError> {
+        (0..n_layers).map(|_| Ok(LaneEvents::new(be.event()?, be.event()?))).collect()
     }
 
     /// The hot lane's GPU time in a call: measured by the events when the lane was timed

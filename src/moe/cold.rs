@@ -49,22 +49,6 @@ pub trait ColdLane {
         slots: &[ColdSlot],
         out_rows: &mut [f32],
     ) -> Result<(), ColdError>;
-
-    /// Where a thread that drives this lane in place of the engine's thread should run, and the
-    /// CPUs the lane leaves to other busy threads (the GPU engine's ping-pong steps pin their
-    /// cold thread and their driver by it). Default: no preference.
-    fn cpus(&self) -> LaneCpus {
-        LaneCpus::default()
-    }
-}
-
-/// A cold lane's CPUs ([`ColdLane::cpus`]); empty: no preference.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct LaneCpus {
-    /// For the thread that calls the lane.
-    pub driver: Vec<usize>,
-    /// Left free by the lane's own threads.
-    pub spare: Vec<usize>,
 }
 
 /// The one all-cold fallback of both engines: every routed slot of layer `layer_idx` computed by

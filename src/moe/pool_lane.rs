@@ -16,7 +16,7 @@
 //! [`ExpertGroups`].
 
 use crate::model::Model;
-use crate::moe::cold::{ColdError, ColdLane, ColdSlot, LaneCpus};
+use crate::moe::cold::{ColdError, ColdLane, ColdSlot};
 use crate::moe::expert_groups::{ExpertGroups, GroupRun};
 use moe_lanes_kernels::pool::ColdSchedule;
 use moe_lanes_kernels::{Activation, ColdPool, DecodeActivations, SimdLevel};
@@ -149,10 +149,5 @@ impl ColdLane for PoolColdLane {
     ) -> Result<(), ColdError> {
         let all = self.pool.n_threads();
         self.lane.on(&mut self.pool, all).compute(layer_idx, hidden_rows, slots, out_rows)
-    }
-
-    /// The CPU the pool leaves for its caller (thread 0), and the ones its threads leave free.
-    fn cpus(&self) -> LaneCpus {
-        LaneCpus { driver: self.pool.caller_cpu().into_iter().collect(), spare: self.pool.spare_cpus() }
     }
 }
