@@ -52,7 +52,7 @@ pub struct GpuTuning {
     pub max_call_tokens: Option<usize>,
     /// A batched decode step of 2 to this many rows with cold experts runs as two micro-batches
     /// whose lanes ping-pong; 0: never (`MOE_LANES_PING_PONG_MAX_ROWS`; default
-    /// [`crate::gpu::PING_PONG_MAX_ROWS`]).
+    /// [`crate::gpu::PING_PONG_MAX_ROWS`], off: its doc has the measurement).
     pub ping_pong_max_rows: Option<usize>,
 }
 

@@ -228,16 +228,22 @@ pub struct GpuOptions {
     pub max_call_tokens: usize,
     /// A batched decode step of 2 to this many rows, on one device with cold experts in some
     /// layer, runs as two micro-batches whose lanes ping-pong (`ping_pong`): one's cold experts
-    /// on the CPU while the GPU runs the other's dense stages. 0 or 1: never.
+    /// on the CPU while the GPU runs the other's dense stages. 0 or 1 (the default): never.
     pub ping_pong_max_rows: usize,
 }
 
-/// [`GpuOptions::ping_pong_max_rows`]'s default. Splitting a step costs cold-lane bytes where
-/// its two halves route to the same cold experts: `t` rows touch about `E (1 - (1 - k / E)^t)`
-/// distinct experts, two halves of `t / 2` each that many; at top-8 of 128, 4 rows read 5% more
-/// expert bytes as two halves than as one, 8 rows 12%, 16 rows 23%, against the GPU's share
-/// of a layer hidden (measured: benches/RESULTS.md, "lane ping-pong").
-pub const PING_PONG_MAX_ROWS: usize = 4;
+/// [`GpuOptions::ping_pong_max_rows`]'s default: off. Measured on the H200 host (16-layer
+/// Qwen3-30B-A3B-shaped Q4_K_M, `scripts/gpu-measure.sh pingpong`, benches/RESULTS.md "lane
+/// ping-pong"): the fronts ran hidden (the driver's wait for the routing fell from the GPU's
+/// whole share to about 0.1 ms a step), yet the steps were slower, at budget 0 B = 2 / 4 / 8
+/// 0.77-0.88x / 0.83-0.92x / 0.87-0.98x, at half the experts hot 0.84-0.96x: the driver's own
+/// time per micro-batch (two fronts' and joins' launches, host worklists, about 90 us a layer)
+/// and the pool's fixed cost per job (two 1-row jobs 484 us against one 2-row job 425 us) are
+/// more than the GPU time hidden. What would move it: fronts launched as captured graphs, a
+/// cheaper job start on the pool. Cost of turning it on: where both halves of a step route to
+/// the same cold expert it is read twice (`t` rows touch about `E (1 - (1 - k / E)^t)` distinct
+/// experts; at top-8 of 128, 4 rows as two halves read 5% more, 8 rows 12%, 16 rows 23%).
+pub const PING_PONG_MAX_ROWS: usize = 0;
 
 /// [`GpuOptions::max_call_tokens`]'s default, llama.cpp's default logical batch (`n_batch`).
 /// Cost: scratch grows linearly with it (its largest parts: the logits rows, `tokens x vocab`

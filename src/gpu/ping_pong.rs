@@ -26,6 +26,8 @@
 //! ([`super::options::PING_PONG_MAX_ROWS`]) and twice the launches; what it measures per layer:
 //! the driver's wait for each micro-batch's routing (`join_wait_us`: GPU time not hidden) and
 //! the front's GPU time it did not wait for (`overlap_us`: hidden under the other's cold lane).
+//! Off by default: on the H200 host the hidden GPU time was less than the driver's and the
+//! pool's added work ([`super::options::PING_PONG_MAX_ROWS`] has the figures).
 
 use super::batch::{BatchRows, GpuSeqInput};
 use super::device::LayerCtx;
