@@ -19,6 +19,7 @@
 //! callers report before falling back to the CPU path.
 
 mod batch;
+mod batch_graph;
 mod device;
 mod error;
 mod graph;
