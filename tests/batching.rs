@@ -247,42 +247,6 @@ fn gpu_batches_equal_each_sequence_alone_with_every_cache_type() {
     }
 }
 
-/// Batched decode steps as graphs (decode segments over the step's rows, captured once per
-/// batch and replayed): every sequence's rows equal the eager steps' (decode graphs off) on every
-/// fixture the GPU engine takes, budget 0, half and all hot; the attention's bucketed grid only
-/// adds empty splits.
-#[test]
-fn gpu_batched_decode_graphs_equal_the_eager_steps() {
-    if !common::gpu_usable() {
-        return;
-    }
-    for name in common::fixture_names() {
-        let model = open(&name);
-        if moe_lanes::gpu::GpuModel::supports(&model).is_err() {
-            continue;
-        }
-        let ps = prompts(&name);
-        for fraction in [0.0, 0.5, 1.0] {
-            let runs: Vec<Vec<Vec<Vec<f32>>>> = [false, true]
-                .into_iter()
-                .map(|graphs| {
-                    let mut opts = engine_options(&model, EngineKind::Gpu, fraction, 17, None);
-                    opts.gpu.decode_graph = graphs;
-                    let (mut e, _) = build_engine(&model, opts).unwrap();
-                    e.set_copy_logits(true);
-                    batched(e.as_mut(), &ps, 5)
-                })
-                .collect();
-            for (i, (w, g)) in runs[0].iter().zip(&runs[1]).enumerate() {
-                for (s, (wr, gr)) in w.iter().zip(g).enumerate() {
-                    let err = rel_err(gr, wr);
-                    assert!(err <= 1e-5, "{name} hot {fraction}: sequence {i} call {s}: {err:e}");
-                }
-            }
-        }
-    }
-}
-
 /// Lane ping-pong: the GPU's decode steps of two to four sequences with cold experts run as
 /// two micro-batches whose lanes alternate (counted in the perf state's decode phase); every
 /// sequence's rows equal those of the same steps run whole (ping-pong off), on every fixture

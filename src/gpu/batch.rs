@@ -122,18 +122,10 @@ impl Shard {
                 seg
             })
             .collect();
-        let graphs = phase == Phase::Decode && self.batch_graphs_apply(t);
         let dev = &mut self.dev;
         let kept = dev.rows.take();
-        let mut rows = BatchRows::build(&dev.be, kept, &segs, phase, dev.cfg.n_layers)?;
-        if graphs {
-            rows.max_positions = super::batch_graph::positions_bucket(rows.max_positions);
-        }
-        dev.rows = Some(rows);
-        let ran = match graphs {
-            true => self.batch_graph_layers(&segs, t, cold, perf),
-            false => self.run_layers(self.layers(), phase, (t, &segs), cold, perf),
-        };
+        dev.rows = Some(BatchRows::build(&dev.be, kept, &segs, phase, dev.cfg.n_layers)?);
+        let ran = self.run_layers(self.layers(), phase, (t, &segs), cold, perf);
         if let Some(r) = self.dev.rows.as_mut() {
             r.active = false;
         }
@@ -226,11 +218,6 @@ impl BatchRows {
             max_positions: self.max_positions,
             window,
         }
-    }
-
-    /// The tables' allocation serials (a captured batched step points into them).
-    pub fn serials(&self) -> [u64; 2] {
-        [self.ints.serial(), self.ptrs.serial()]
     }
 
     /// The call rows of the batched attention launch (`n_decode`).

@@ -61,10 +61,6 @@ pub(crate) struct Graphs {
     graph: Option<DecodeGraph>,
     /// The captured decode call of a model with cold experts in some layers.
     segments: Option<DecodeSegments>,
-    /// The captured layers of the last batched decode step (`batch_graph`).
-    pub(super) batch: Option<super::batch_graph::BatchSegments>,
-    /// A batched step's capture failed: batched steps run eagerly on this device.
-    pub(super) batch_failed: bool,
 }
 
 pub(crate) struct DecodeGraph {
@@ -225,10 +221,8 @@ impl Shard {
         lanes: &mut StepLanes<'_>,
     ) -> Result<(), GpuError> {
         let layers = self.layers();
-        let seg = [GpuSeg { row0: 0, n: 1, pos0, cache }];
-        let rows = SegmentRows { t: 1, segs: &seg, step: Some(lanes.rows) };
-        self.part_start(layers.start, rows)?;
-        self.whole_layers(layers, rows, lanes)?;
+        self.part_start(layers.start)?;
+        self.whole_layers(layers, pos0, cache, lanes)?;
         self.head_end(lanes.rows)
     }
 
@@ -249,11 +243,10 @@ impl Shard {
 /// the cold experts (queued on the stream eagerly, as without graphs). All-hot layers between
 /// split layers run inside the parts. One graph launch replaces a dozen kernel launches per
 /// layer, so the host's launches no longer pace the GPU after each join. Same kernels in the
-/// same order as the eager call: the same bits. A batched decode step runs the same way
-/// (`batch_graph`), over its rows.
-pub(crate) struct Segments {
-    /// The split layers, ascending; part i ends at split layer i, the last part at the
-    /// device's last layer (and, in a one-token step, the head).
+/// same order as the eager call: the same bits.
+pub(crate) struct DecodeSegments {
+    key: GraphKey,
+    /// The split layers, ascending; part i ends at split layer i, the last part at the logits.
     split_layers: Vec<usize>,
     parts: Vec<StreamGraph>,
     /// The hot lane of split layer i.
@@ -262,31 +255,9 @@ pub(crate) struct Segments {
     records: Vec<LayerRecord>,
 }
 
-pub(crate) struct DecodeSegments {
-    key: GraphKey,
-    segs: Segments,
-}
-
-/// What a call's segments run over: its rows, and in a one-token decode step (`step`) the
-/// logits rows its last part's head writes (its token and position are read from
-/// `Scratch::step`, its embedding is the first part's).
-#[derive(Clone, Copy)]
-pub(crate) struct SegmentRows<'a> {
-    pub t: usize,
-    pub segs: &'a [GpuSeg<'a>],
-    pub step: Option<LogitRows>,
-}
-
-impl Segments {
-    /// Whether these segments were captured for `split` layers.
-    pub(super) fn splits_at(&self, split: impl Iterator<Item = usize>) -> bool {
-        self.split_layers.iter().copied().eq(split)
-    }
-}
-
 impl Shard {
     /// This device's layers with cold experts, ascending.
-    pub(super) fn split_layers(&self) -> impl Iterator<Item = usize> + '_ {
+    fn split_layers(&self) -> impl Iterator<Item = usize> + '_ {
         self.layers().filter(|&l| !self.moe.hot.all_hot(l))
     }
 
@@ -300,56 +271,53 @@ impl Shard {
     ) -> Result<(), GpuError> {
         let pos0 = cache.n_positions;
         let key = self.graph_step_start(token, cache)?;
-        let stale = |g: &DecodeSegments| g.key != key || !g.segs.splits_at(self.split_layers());
-        let seg = [GpuSeg { row0: 0, n: 1, pos0, cache }];
-        let rows = SegmentRows { t: 1, segs: &seg, step: Some(lanes.rows) };
+        let stale =
+            |g: &DecodeSegments| g.key != key || !g.split_layers.iter().copied().eq(self.split_layers());
         if self.graphs.segments.as_ref().is_none_or(stale) {
             self.graphs.segments = None;
-            self.dev.step = Some(key.max_positions);
-            let captured = self.capture_segments(rows, lanes);
-            self.dev.step = None;
-            self.graphs.segments = Some(DecodeSegments { key, segs: captured? });
+            let split = self.split_layers().collect();
+            self.graphs.segments = Some(self.capture_segments(key, pos0, cache, lanes, split)?);
         }
         let segs = self.graphs.segments.take().expect("captured above");
-        let run = self.run_segments(&segs.segs, 1, lanes);
+        let run = self.run_segments(&segs, lanes);
         self.graphs.segments = Some(segs);
         run
     }
 
     /// Launch the parts and hot lanes in turn, each split layer's cold lane on the host between.
-    pub(super) fn run_segments(
-        &mut self,
-        segs: &Segments,
-        t: usize,
-        lanes: &mut StepLanes<'_>,
-    ) -> Result<(), GpuError> {
+    fn run_segments(&mut self, segs: &DecodeSegments, lanes: &mut StepLanes<'_>) -> Result<(), GpuError> {
         replay_records(&mut self.moe.records, &segs.records);
         for (i, part) in segs.parts.iter().enumerate() {
             self.dev.be.launch_graph(part)?;
             let Some(&l) = segs.split_layers.get(i) else { break };
             self.moe.pin.route.fence_replayed();
             self.dev.be.launch_graph(&segs.hot[i])?;
-            self.split_layer_cold(l, t, lanes.cold, lanes.perf)?;
+            self.split_layer_cold(l, lanes.cold, lanes.perf)?;
         }
         Ok(())
     }
 
-    /// Capture the parts and hot lanes of a decode call over `rows` whose split layers (now)
-    /// have cold experts.
-    pub(super) fn capture_segments(
+    /// Capture the parts and hot lanes of a decode step whose `split` layers have cold experts.
+    fn capture_segments(
         &mut self,
-        rows: SegmentRows<'_>,
+        key: GraphKey,
+        pos0: usize,
+        cache: &GpuKvCache,
         lanes: &mut StepLanes<'_>,
-    ) -> Result<Segments, GpuError> {
-        let split: Vec<usize> = self.split_layers().collect();
+        split: Vec<usize>,
+    ) -> Result<DecodeSegments, GpuError> {
+        self.dev.step = Some(key.max_positions);
         let (mut parts, mut hot) = (Vec::with_capacity(split.len() + 1), Vec::with_capacity(split.len()));
-        self.enqueue_segments(rows, lanes, &split, (&mut parts, &mut hot))?;
-        Ok(Segments { split_layers: split, parts, hot, records: self.moe.records.clone() })
+        let enqueued = self.enqueue_segments(pos0, cache, lanes, &split, (&mut parts, &mut hot));
+        self.dev.step = None;
+        enqueued?;
+        Ok(DecodeSegments { key, split_layers: split, parts, hot, records: self.moe.records.clone() })
     }
 
     fn enqueue_segments(
         &mut self,
-        rows: SegmentRows<'_>,
+        pos0: usize,
+        cache: &GpuKvCache,
         lanes: &mut StepLanes<'_>,
         split: &[usize],
         (parts, hot): (&mut Vec<StreamGraph>, &mut Vec<StreamGraph>),
@@ -358,49 +326,50 @@ impl Shard {
         for &sl in split {
             let mut plan = None;
             self.captured(parts, |m| {
-                m.part_start(first, rows)?;
-                m.whole_layers(first..sl, rows, lanes)?;
-                plan = Some(m.split_layer_start(sl, (rows.t, rows.segs))?);
+                m.part_start(first)?;
+                m.whole_layers(first..sl, pos0, cache, lanes)?;
+                plan = Some(m.split_layer_start(sl, GpuSeg { row0: 0, n: 1, pos0, cache })?);
                 Ok(())
             })?;
             let plan = plan.expect("routed above");
             assert!(plan.device_path && !plan.direct, "a split decode layer takes the device path");
             let fault = |_| GpuError::HotLaneCapture { layer_idx: sl };
-            self.captured(hot, |m| m.split_layer_hot(sl, rows.t, plan).map_err(fault))?;
+            self.captured(hot, |m| m.split_layer_hot(sl, plan).map_err(fault))?;
             first = sl + 1;
         }
         self.captured(parts, |m| {
-            m.part_start(first, rows)?;
-            m.whole_layers(first..m.dev.layers.end, rows, lanes)?;
-            rows.step.map_or(Ok(()), |logits| m.head_end(logits))
+            m.part_start(first)?;
+            m.whole_layers(first..m.dev.layers.end, pos0, cache, lanes)?;
+            m.head_end(lanes.rows)
         })
     }
 
-    /// A part's first work: at the device's first layer the one-token step's embedding (the
-    /// first device) or nothing (a batched step's rows were embedded before, or the hidden rows
-    /// hopped in before the launch); else the previous layer's MoE output added into the
-    /// residual stream.
-    fn part_start(&mut self, first: usize, rows: SegmentRows<'_>) -> Result<(), GpuError> {
+    /// A part's first work: at the device's first layer the embedding (the first device) or
+    /// nothing (the hidden row hopped in before the launch); else the previous layer's MoE output
+    /// added into the residual stream.
+    fn part_start(&mut self, first: usize) -> Result<(), GpuError> {
         let dev = &self.dev;
         let s = dev.s();
         if first == dev.layers.start {
-            if dev.ends.embed && rows.step.is_some() {
+            if dev.ends.embed {
                 dev.mark_tail(0)?;
                 embed_rows(dev, s.step.ptr().sub(0, 1))?;
             }
             return Ok(());
         }
-        add_moe_output(dev, first - 1, rows.t)?;
+        add_moe_output(dev, first - 1, 1)?;
         dev.mark(first - 1, 9)
     }
 
     fn whole_layers(
         &mut self,
         layers: std::ops::Range<usize>,
-        rows: SegmentRows<'_>,
+        pos0: usize,
+        cache: &GpuKvCache,
         lanes: &mut StepLanes<'_>,
     ) -> Result<(), GpuError> {
-        self.run_layers(layers, Phase::Decode, (rows.t, rows.segs), lanes.cold, lanes.perf)
+        let segs = [GpuSeg { row0: 0, n: 1, pos0, cache }];
+        self.run_layers(layers, Phase::Decode, (1, &segs), lanes.cold, lanes.perf)
     }
 
     /// Run `f`'s enqueues as one captured graph, appended to `graphs`; the capture always ends,

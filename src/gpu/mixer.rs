@@ -144,21 +144,6 @@ impl MixerStage {
         self.reserve_part(dev, split_scratch(dev, t, cache.capacity).max(latent).max(1))
     }
 
-    /// Before a batched step's capture: the partials any attention of the step may use (the
-    /// batch tables' decode rows over their bucket of positions, each sequence's own, a latent
-    /// layer's), so nothing is allocated inside the capture.
-    pub fn reserve_batch(
-        &mut self,
-        dev: &Device,
-        segs: &[GpuSeg<'_>],
-        rows: &super::batch::BatchRows,
-    ) -> Result<(), GpuError> {
-        for seg in segs {
-            self.reserve_attention(dev, seg.n, seg.cache)?;
-        }
-        self.reserve_part(dev, split_scratch(dev, rows.n_decode, rows.max_positions))
-    }
-
     /// The split attention's partials grown to `need` floats (a new allocation: the decode
     /// graphs see its serial change and capture again).
     fn reserve_part(&mut self, dev: &Device, need: usize) -> Result<(), GpuError> {

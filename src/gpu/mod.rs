@@ -19,7 +19,6 @@
 //! callers report before falling back to the CPU path.
 
 mod batch;
-mod batch_graph;
 mod device;
 mod error;
 mod graph;

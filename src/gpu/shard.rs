@@ -206,18 +206,18 @@ impl Shard {
         Ok(())
     }
 
-    /// A split layer's start in the decode segments (`segs`' `t` rows): its mark, mixer and
-    /// routing; how its MoE block runs.
-    pub fn split_layer_start(&mut self, l: usize, (t, segs): (usize, &[GpuSeg<'_>])) -> Result<MoePlan, GpuError> {
-        let cx = LayerCtx::of(&self.dev, self.call_idx, l, Phase::Decode, t);
+    /// A split layer's start in the decode segments (one token): its mark, mixer and routing;
+    /// how its MoE block runs.
+    pub fn split_layer_start(&mut self, l: usize, seg: GpuSeg<'_>) -> Result<MoePlan, GpuError> {
+        let cx = LayerCtx::of(&self.dev, self.call_idx, l, Phase::Decode, 1);
         cx.mark(0)?;
-        self.mixer.run(&cx, segs)?;
+        self.mixer.run(&cx, &[seg])?;
         self.moe.route_layer(&cx)
     }
 
     /// A split layer's hot lane in the decode segments.
-    pub fn split_layer_hot(&mut self, l: usize, t: usize, plan: MoePlan) -> Result<(), LayerFault> {
-        let cx = LayerCtx::of(&self.dev, self.call_idx, l, Phase::Decode, t);
+    pub fn split_layer_hot(&mut self, l: usize, plan: MoePlan) -> Result<(), LayerFault> {
+        let cx = LayerCtx::of(&self.dev, self.call_idx, l, Phase::Decode, 1);
         self.moe.hot_lane_device(&cx, plan)
     }
 
@@ -226,11 +226,10 @@ impl Shard {
     pub fn split_layer_cold(
         &mut self,
         l: usize,
-        t: usize,
         cold: &mut dyn ColdLane,
         perf: &mut PerfState,
     ) -> Result<(), GpuError> {
-        let cx = LayerCtx::of(&self.dev, self.call_idx, l, Phase::Decode, t);
+        let cx = LayerCtx::of(&self.dev, self.call_idx, l, Phase::Decode, 1);
         let outcome = self.moe.cold_lane_device(&cx, cold);
         self.moe.settle(&cx, perf, cold, outcome).map(|_| ())
     }
