@@ -153,7 +153,8 @@ pub fn vram_limit_bytes() -> Result<Option<u64>, EnvError> {
 /// value (unset: `None`): `MOE_LANES_GPU_ATTENTION` (`mma`, `tiled`, `rows`),
 /// `MOE_LANES_PREFILL_ACTIVATIONS` (`auto`, `split`, `bf16`), `MOE_LANES_GPU_GRAPH` (`0` off),
 /// `MOE_LANES_GRAPH_LANE_EVENTS` (`1` on), `MOE_LANES_BATCH_GEMM_MIN_TOKENS` and
-/// `MOE_LANES_HOT_GROUPED_MIN_ROWS` and `MOE_LANES_PING_PONG_MAX_ROWS` (counts).
+/// `MOE_LANES_HOT_GROUPED_MIN_ROWS`, `MOE_LANES_HOT_GROUPED_MIN_ROWS_QUANTIZED` and
+/// `MOE_LANES_PING_PONG_MAX_ROWS` (counts).
 pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
     let prefill_attention = match var("MOE_LANES_GPU_ATTENTION").as_deref() {
         None => None,
@@ -175,6 +176,11 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
     let hot_grouped_min_rows = var("MOE_LANES_HOT_GROUPED_MIN_ROWS")
         .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_HOT_GROUPED_MIN_ROWS", &v, "a row count")))
         .transpose()?;
+    let hot_grouped_min_rows_quantized = var("MOE_LANES_HOT_GROUPED_MIN_ROWS_QUANTIZED")
+        .map(|v| {
+            v.parse::<usize>().map_err(|_| bad("MOE_LANES_HOT_GROUPED_MIN_ROWS_QUANTIZED", &v, "a row count"))
+        })
+        .transpose()?;
     let ping_pong_max_rows = var("MOE_LANES_PING_PONG_MAX_ROWS")
         .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_PING_PONG_MAX_ROWS", &v, "a row count")))
         .transpose()?;
@@ -185,6 +191,7 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
         graph_lane_events: var("MOE_LANES_GRAPH_LANE_EVENTS").map(|v| v == "1"),
         batch_gemm_min_tokens,
         hot_grouped_min_rows,
+        hot_grouped_min_rows_quantized,
         max_call_tokens: None, // the tuning file's (no variable)
         ping_pong_max_rows,
     })

@@ -87,6 +87,7 @@ fn engine_options(
         // the three-row decode steps below take the grouped hot lane (default: 8 rows); every
         // batched call takes the one-launch q/k norm + RoPE + append and decode attention
         opts.gpu.hot_grouped_min_rows = 2;
+        opts.gpu.hot_grouped_min_rows_quantized = 2;
         opts.kv_type = kv_type;
     }
     opts

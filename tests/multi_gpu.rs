@@ -100,6 +100,7 @@ fn engine<'m>(
     opts.gpu.tensor_split = tensor_split.to_vec();
     // the three-row decode steps of the batched case take the grouped hot lane
     opts.gpu.hot_grouped_min_rows = 2;
+    opts.gpu.hot_grouped_min_rows_quantized = 2;
     let (engine, report) = build_engine(model, opts)?;
     assert_eq!(report.kind, EngineKind::Gpu);
     Ok(engine)

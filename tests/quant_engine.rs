@@ -777,3 +777,48 @@ fn int8_prefill_of_mxfp4_experts_is_the_default_within_the_8_bit_tolerance() {
         assert_ne!(prompt_logits(int8.as_mut()), prompt_logits(bf16.as_mut()), "{what}: the int8 tiles ran");
     }
 }
+
+/// Batched decode over quantised hot experts (a Q4_K_M file, every expert hot, four
+/// sequences): by the per-entry decode GEMVs (the default below
+/// `gpu::HOT_GROUPED_MIN_ROWS_QUANTIZED` rows, which dequantise in registers) within the exact
+/// tolerance of the reference, and by the grouped lane (forced from 2 rows; bf16 tiles on the
+/// tensor cores) within the tensor-core one, each sequence's rows against the reference running
+/// it alone.
+#[test]
+fn batched_decode_over_quantized_hot_experts_matches_the_reference_by_either_lane() {
+    use moe_lanes::engine::BatchSeq;
+    if !common::gpu_usable() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = Arc::new(Model::open(&quantized_tiny(dir.path(), "qwen3_moe", QuantMix::Q4_K_M)).unwrap());
+    let prompts: Vec<&[u32]> = vec![PROMPTS[0], PROMPTS[1], PROMPTS[2], &[9, 8, 7, 6]];
+    let run = |engine: &mut dyn Engine| -> Vec<Vec<f32>> {
+        let mut caches: Vec<_> = prompts.iter().map(|_| engine.new_cache(64).unwrap()).collect();
+        let mut rows = Vec::new();
+        for step in 0..4 {
+            let feeds: Vec<Vec<u32>> = match step {
+                0 => prompts.iter().map(|p| p.to_vec()).collect(),
+                s => (0..prompts.len()).map(|i| vec![((31 * i + 7 * s) % 500) as u32]).collect(),
+            };
+            let phase = if step == 0 { Phase::Prefill } else { Phase::Decode };
+            let mut seqs: Vec<BatchSeq<'_>> =
+                feeds.iter().zip(caches.iter_mut()).map(|(tokens, cache)| BatchSeq { tokens, cache }).collect();
+            let logits = engine.forward_batch(&mut seqs, phase).unwrap();
+            rows.extend((0..prompts.len()).map(|i| logits.row(i).to_vec()));
+        }
+        rows
+    };
+    let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
+    let want = run(reference.as_mut());
+    let lanes = [(moe_lanes::gpu::HOT_GROUPED_MIN_ROWS_QUANTIZED, GPU_EXACT_TOLERANCE), (2, GPU_TENSOR_CORE_TOLERANCE)];
+    for (min_rows, tolerance) in lanes {
+        let (mut engine, report) = gpu_engine(&model, 1.0, |o| o.gpu.hot_grouped_min_rows_quantized = min_rows);
+        assert_eq!(report.kind, EngineKind::Gpu, "{:?}", report.gpu_unavailable);
+        engine.set_copy_logits(true);
+        for (i, (got, want)) in run(engine.as_mut()).iter().zip(&want).enumerate() {
+            let err = relative_error(got, want);
+            assert!(err <= tolerance, "grouped from {min_rows} rows: row {i}: {err:e} > {tolerance:e}");
+        }
+    }
+}

@@ -289,8 +289,9 @@ struct EngineArgs {
     cold_threads: String,
     /// Engine tuning as JSON, e.g. {"gpu": {"prefill_attention": "tiled", "decode_graph":
     /// false}} (gpu fields: prefill_attention, prefill_activations, decode_graph,
-    /// graph_lane_events, batch_gemm_min_tokens, hot_grouped_min_rows, max_call_tokens; the
-    /// MOE_LANES_* variables
+    /// graph_lane_events, batch_gemm_min_tokens, hot_grouped_min_rows,
+    /// hot_grouped_min_rows_quantized, max_call_tokens, ping_pong_max_rows; the MOE_LANES_*
+    /// variables
     /// override them), and {"cache_policy": {"kind": "adaptive", "half_life": 32, "pin_fraction":
     /// 0.25, "copy_cost": {...}}} (--cache-policy overrides its kind).
     #[arg(long)]

@@ -47,6 +47,10 @@ pub struct GpuTuning {
     /// GEMMs over a worklist sorted by expert (each read once per step) instead of per-entry
     /// GEMVs (`MOE_LANES_HOT_GROUPED_MIN_ROWS`; default [`crate::gpu::HOT_GROUPED_MIN_ROWS`]).
     pub hot_grouped_min_rows: Option<usize>,
+    /// The same for a decode step over quantized hot slots
+    /// (`MOE_LANES_HOT_GROUPED_MIN_ROWS_QUANTIZED`; default
+    /// [`crate::gpu::HOT_GROUPED_MIN_ROWS_QUANTIZED`]).
+    pub hot_grouped_min_rows_quantized: Option<usize>,
     /// Most tokens of one engine call; longer prompts run as consecutive calls of this many
     /// (default [`crate::gpu::MAX_CALL_TOKENS`], whose doc gives the scratch it costs).
     pub max_call_tokens: Option<usize>,
@@ -66,6 +70,9 @@ impl GpuTuning {
             graph_lane_events: over.graph_lane_events.or(self.graph_lane_events),
             batch_gemm_min_tokens: over.batch_gemm_min_tokens.or(self.batch_gemm_min_tokens),
             hot_grouped_min_rows: over.hot_grouped_min_rows.or(self.hot_grouped_min_rows),
+            hot_grouped_min_rows_quantized: over
+                .hot_grouped_min_rows_quantized
+                .or(self.hot_grouped_min_rows_quantized),
             max_call_tokens: over.max_call_tokens.or(self.max_call_tokens),
             ping_pong_max_rows: over.ping_pong_max_rows.or(self.ping_pong_max_rows),
         }
@@ -80,6 +87,8 @@ impl GpuTuning {
         set(&mut gpu.graph_lane_events, self.graph_lane_events);
         gpu.batch_gemm_min_tokens = self.batch_gemm_min_tokens.unwrap_or(gpu.batch_gemm_min_tokens);
         gpu.hot_grouped_min_rows = self.hot_grouped_min_rows.unwrap_or(gpu.hot_grouped_min_rows);
+        gpu.hot_grouped_min_rows_quantized =
+            self.hot_grouped_min_rows_quantized.unwrap_or(gpu.hot_grouped_min_rows_quantized);
         gpu.max_call_tokens = self.max_call_tokens.unwrap_or(gpu.max_call_tokens);
         gpu.ping_pong_max_rows = self.ping_pong_max_rows.unwrap_or(gpu.ping_pong_max_rows);
     }

@@ -20,7 +20,7 @@
 //! layer's MoE output, adds the shared expert again, and is counted by reason.
 
 use super::device::{Device, LayerCtx};
-use super::hot_cache::{HotCache, SlotEpilogue};
+use super::hot_cache::{HotCache, SlotEpilogue, SlotPtrs};
 use super::postfetch::{PostFetch, PF_CPU, PF_LATE};
 use super::route::{add_moe_output, dense_ffn, route_fusable, route_ids, shared_expert};
 use super::scratch::{HostScratch, MoePinned, RouteView, WorkLayout};
@@ -174,7 +174,7 @@ impl MoeStage {
         // An all-hot prefill call whose worklist the device sorts (one block): the grouped GEMMs
         // on that worklist, so the layer never waits for the host.
         let grouped_prefill =
-            !by_gemv && all_hot && self.hot.slots(l).is_some_and(|c| hot_grouped(dev, t, c.n_slots));
+            !by_gemv && all_hot && self.hot.slots(l).is_some_and(|c| hot_grouped(dev, t, &c, phase));
         let device_path = (by_gemv || grouped_prefill) && !cx.faults.any();
         // All-hot decode without a shared expert: the hot lane accumulates straight into the
         // residual stream (no zero fill, no add).
@@ -258,7 +258,7 @@ impl MoeStage {
         let ids = route_ids(s.ids(), k, l, t);
         let (p_slots, p_toks) = (wi.sub(lay.slots, n_ent), wi.sub(lay.tokens, n_ent));
         let (p_off, p_rows) = (wi.sub(lay.tok_off, t + 1), wi.sub(lay.tok_rows, t));
-        let grouped = self.hot.slots(l).is_some_and(|c| hot_grouped(dev, t, c.n_slots));
+        let grouped = self.hot.slots(l).is_some_and(|c| hot_grouped(dev, t, &c, cx.phase));
         // the grouped lane sorts its own worklist (over the token-major one's sections)
         if !plan.worklist_built && !grouped {
             dev.be.hot_worklist_tokens(
@@ -655,12 +655,16 @@ pub(crate) fn expert_gemvs(
 }
 
 /// Whether a device-path call of `t` rows (a batched decode step, an all-hot prefill call) over
-/// `n_slots` cached experts runs its hot lane grouped ([`super::GpuOptions::hot_grouped_min_rows`];
-/// never inside a decode graph, whose calls are one token; at most what one block sorts).
-fn hot_grouped(dev: &Device, t: usize, n_slots: usize) -> bool {
-    t >= dev.opts.hot_grouped_min_rows
+/// the cached experts `c` runs its hot lane grouped ([`super::GpuOptions::hot_grouped_min_rows`],
+/// a decode step over quantized slots `hot_grouped_min_rows_quantized`; never inside a decode
+/// graph, whose calls are one token; at most what one block sorts).
+fn hot_grouped(dev: &Device, t: usize, c: &SlotPtrs, phase: Phase) -> bool {
+    let o = &dev.opts;
+    let quantized_decode = phase == Phase::Decode && !c.all_bf16();
+    let min_rows = if quantized_decode { o.hot_grouped_min_rows_quantized } else { o.hot_grouped_min_rows };
+    t >= min_rows
         && dev.step.is_none()
-        && CudaBackend::hot_worklist_grouped_fits(t, dev.cfg.n_experts_used, n_slots)
+        && CudaBackend::hot_worklist_grouped_fits(t, dev.cfg.n_experts_used, c.n_slots)
 }
 
 /// The hot lane of a batched decode step or an all-hot prefill call grouped by expert: the worklist sorted by cache slot on

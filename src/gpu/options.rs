@@ -220,8 +220,12 @@ pub struct GpuOptions {
     /// A decode call (a batched step) of at least this many rows runs its hot experts as the
     /// grouped GEMMs over a worklist sorted by expert on the device (each hot expert read once
     /// for all the rows routed to it) instead of a GEMV per routed entry (which reads an expert
-    /// once per entry).
+    /// once per entry). Of bf16 slots; quantized ones take
+    /// [`GpuOptions::hot_grouped_min_rows_quantized`].
     pub hot_grouped_min_rows: usize,
+    /// [`GpuOptions::hot_grouped_min_rows`] for a decode step over quantized hot slots (prefill
+    /// calls keep the bf16 rule).
+    pub hot_grouped_min_rows_quantized: usize,
     /// Most tokens of one engine call: a longer prompt runs as consecutive calls of this many
     /// (the last one shorter). Device scratch is sized for the longest call; see
     /// [`MAX_CALL_TOKENS`] for the cost.
@@ -263,6 +267,16 @@ pub const BATCH_GEMM_MIN_TOKENS: usize = 8;
 /// within what the grouped kernels' 64-row tiles may lose to the GEMVs.
 pub const HOT_GROUPED_MIN_ROWS: usize = 8;
 
+/// [`GpuOptions::hot_grouped_min_rows_quantized`]'s default. Measured on the H200 (16-layer
+/// Qwen3-30B-A3B-shaped Q4_K_M, every expert hot, `bench --parallel 4,8,16,32`, two rounds,
+/// benches/RESULTS.md "quantized hot lane"): the per-entry GEMVs gave B = 8 / 16 / 32 1787-1805 /
+/// 1962-1977 / 2098-2100 t/s against the grouped lane's 970-983 / 1232-1243 / 1606-1616 (the
+/// grouped kernels dequantize each tile for the tensor cores, which a few rows a slot do not
+/// repay); with half the experts hot the two were within 3%. The gap narrows with rows (1.84x,
+/// 1.59x, 1.30x): 64, the most rows the decode GEMVs take, is where it is expected to close; not
+/// measured between 33 and 64.
+pub const HOT_GROUPED_MIN_ROWS_QUANTIZED: usize = 64;
+
 impl Default for GpuOptions {
     fn default() -> Self {
         GpuOptions {
@@ -282,6 +296,7 @@ impl Default for GpuOptions {
             kv_type: KvType::F16,
             batch_gemm_min_tokens: BATCH_GEMM_MIN_TOKENS,
             hot_grouped_min_rows: HOT_GROUPED_MIN_ROWS,
+            hot_grouped_min_rows_quantized: HOT_GROUPED_MIN_ROWS_QUANTIZED,
             max_call_tokens: MAX_CALL_TOKENS,
             ping_pong_max_rows: PING_PONG_MAX_ROWS,
         }
