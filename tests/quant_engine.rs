@@ -778,8 +778,8 @@ fn int8_prefill_of_mxfp4_experts_is_the_default_within_the_8_bit_tolerance() {
     }
 }
 
-/// Batched decode over quantised hot experts (a Q4_K_M file, every expert hot, four
-/// sequences): by the per-entry decode GEMVs (the default below
+/// Batched decode over quantised hot experts (a Q4_K_M file, every expert hot, four short
+/// prompts prefilled alone, then three batched decode steps): by the per-entry decode GEMVs (the default below
 /// `gpu::HOT_GROUPED_MIN_ROWS_QUANTIZED` rows, which dequantise in registers) within the exact
 /// tolerance of the reference, and by the grouped lane (forced from 2 rows; bf16 tiles on the
 /// tensor cores) within the tensor-core one, each sequence's rows against the reference running
@@ -795,16 +795,17 @@ fn batched_decode_over_quantized_hot_experts_matches_the_reference_by_either_lan
     let prompts: Vec<&[u32]> = vec![PROMPTS[0], PROMPTS[1], PROMPTS[2], &[9, 8, 7, 6]];
     let run = |engine: &mut dyn Engine| -> Vec<Vec<f32>> {
         let mut caches: Vec<_> = prompts.iter().map(|_| engine.new_cache(64).unwrap()).collect();
-        let mut rows = Vec::new();
-        for step in 0..4 {
-            let feeds: Vec<Vec<u32>> = match step {
-                0 => prompts.iter().map(|p| p.to_vec()).collect(),
-                s => (0..prompts.len()).map(|i| vec![((31 * i + 7 * s) % 500) as u32]).collect(),
-            };
-            let phase = if step == 0 { Phase::Prefill } else { Phase::Decode };
+        // each prompt alone (a few rows: the decode kernels, exact), then batched decode steps
+        let mut rows: Vec<Vec<f32>> = prompts
+            .iter()
+            .zip(caches.iter_mut())
+            .map(|(p, cache)| engine.forward_last(p, Phase::Prefill, cache).unwrap().data)
+            .collect();
+        for step in 1..4 {
+            let feeds: Vec<Vec<u32>> = (0..prompts.len()).map(|i| vec![((31 * i + 7 * step) % 500) as u32]).collect();
             let mut seqs: Vec<BatchSeq<'_>> =
                 feeds.iter().zip(caches.iter_mut()).map(|(tokens, cache)| BatchSeq { tokens, cache }).collect();
-            let logits = engine.forward_batch(&mut seqs, phase).unwrap();
+            let logits = engine.forward_batch(&mut seqs, Phase::Decode).unwrap();
             rows.extend((0..prompts.len()).map(|i| logits.row(i).to_vec()));
         }
         rows
