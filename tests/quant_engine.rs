@@ -802,9 +802,13 @@ fn batched_decode_over_quantized_hot_experts_matches_the_reference_by_either_lan
             .map(|(p, cache)| engine.forward_last(p, Phase::Prefill, cache).unwrap().data)
             .collect();
         for step in 1..4 {
-            let feeds: Vec<Vec<u32>> = (0..prompts.len()).map(|i| vec![((31 * i + 7 * step) % 500) as u32]).collect();
-            let mut seqs: Vec<BatchSeq<'_>> =
-                feeds.iter().zip(caches.iter_mut()).map(|(tokens, cache)| BatchSeq { tokens, cache }).collect();
+            let feeds: Vec<Vec<u32>> =
+                (0..prompts.len()).map(|i| vec![((31 * i + 7 * step) % 500) as u32]).collect();
+            let mut seqs: Vec<BatchSeq<'_>> = feeds
+                .iter()
+                .zip(caches.iter_mut())
+                .map(|(tokens, cache)| BatchSeq { tokens, cache })
+                .collect();
             let logits = engine.forward_batch(&mut seqs, Phase::Decode).unwrap();
             rows.extend((0..prompts.len()).map(|i| logits.row(i).to_vec()));
         }
@@ -812,9 +816,13 @@ fn batched_decode_over_quantized_hot_experts_matches_the_reference_by_either_lan
     };
     let (mut reference, _) = build_engine(&model, options(Some(EngineKind::Reference))).unwrap();
     let want = run(reference.as_mut());
-    let lanes = [(moe_lanes::gpu::HOT_GROUPED_MIN_ROWS_QUANTIZED, GPU_EXACT_TOLERANCE), (2, GPU_TENSOR_CORE_TOLERANCE)];
+    let lanes = [
+        (moe_lanes::gpu::HOT_GROUPED_MIN_ROWS_QUANTIZED, GPU_EXACT_TOLERANCE),
+        (2, GPU_TENSOR_CORE_TOLERANCE),
+    ];
     for (min_rows, tolerance) in lanes {
-        let (mut engine, report) = gpu_engine(&model, 1.0, |o| o.gpu.hot_grouped_min_rows_quantized = min_rows);
+        let (mut engine, report) =
+            gpu_engine(&model, 1.0, |o| o.gpu.hot_grouped_min_rows_quantized = min_rows);
         assert_eq!(report.kind, EngineKind::Gpu, "{:?}", report.gpu_unavailable);
         engine.set_copy_logits(true);
         for (i, (got, want)) in run(engine.as_mut()).iter().zip(&want).enumerate() {

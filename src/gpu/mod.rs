@@ -46,7 +46,8 @@ pub use model::GpuModel;
 pub use moe_lanes_kernels::cuda::{CudaBackend, CudaError};
 pub use options::{
     BadFault, GpuFaults, GpuOptions, LayerFaults, PrefillActivations, PrefillAttention,
-    BATCH_GEMM_MIN_TOKENS, HOT_GROUPED_MIN_ROWS, HOT_GROUPED_MIN_ROWS_QUANTIZED, HOT_LANE_TIMEOUT, MAX_CALL_TOKENS, PING_PONG_MAX_ROWS,
+    BATCH_GEMM_MIN_TOKENS, HOT_GROUPED_MIN_ROWS, HOT_GROUPED_MIN_ROWS_QUANTIZED, HOT_LANE_TIMEOUT,
+    MAX_CALL_TOKENS, PING_PONG_MAX_ROWS,
 };
 pub use postfetch::plan::{
     BadPostFetchMode, PostFetchCosts, PostFetchMode, PostFetchOptions, DEFAULT_MAX_TRANSFERS,

@@ -606,7 +606,8 @@ impl GpuModel {
         if ping_pong {
             self.perf.mark_ping_pong();
         }
-        self.stats = ForwardStats { n_tokens: t, ping_pong, prefill: phase != Phase::Decode, layers, total_us };
+        self.stats =
+            ForwardStats { n_tokens: t, ping_pong, prefill: phase != Phase::Decode, layers, total_us };
         if self.perf.mode() != PerfMode::Off {
             self.record_routing(t)?;
         }

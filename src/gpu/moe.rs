@@ -558,7 +558,11 @@ impl MoeStage {
     }
 
     /// Build (and check) layer `l`'s worklist on the host from the pinned routing.
-    pub(super) fn host_worklist(&mut self, cx: &LayerCtx<'_>, order: WorklistOrder) -> Result<(), LayerFault> {
+    pub(super) fn host_worklist(
+        &mut self,
+        cx: &LayerCtx<'_>,
+        order: WorklistOrder,
+    ) -> Result<(), LayerFault> {
         let (dev, l, t) = (cx.dev, cx.l, cx.t);
         let (k, e_n) = (dev.cfg.n_experts_used, dev.cfg.n_experts);
         let s = dev.s();

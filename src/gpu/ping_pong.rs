@@ -282,7 +282,12 @@ impl Shard {
     /// The micro-batch's layer whose front is queued, if any: its routing on the host (the
     /// wait timed), its cold experts on the pool and their rows added on the stream, the layer's
     /// end (a failed lane recomputed all-cold).
-    fn micro_back(&mut self, x: &mut Micro<'_>, cold: &mut dyn ColdLane, perf: &mut PerfState) -> Result<(), GpuError> {
+    fn micro_back(
+        &mut self,
+        x: &mut Micro<'_>,
+        cold: &mut dyn ColdLane,
+        perf: &mut PerfState,
+    ) -> Result<(), GpuError> {
         let Some(p) = x.pending.take() else { return Ok(()) };
         let cx = LayerCtx::of(&self.dev, self.call_idx, p.l, Phase::Decode, x.t);
         let wait_start = Instant::now();

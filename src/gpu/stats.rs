@@ -170,7 +170,10 @@ impl LaneEvents {
     }
 
     /// A pair for each of `n_layers` layers.
-    pub fn per_layer(be: &moe_lanes_kernels::cuda::CudaBackend, n_layers: usize) -> Result<Vec<LaneEvents>, GpuError> {
+    pub fn per_layer(
+        be: &moe_lanes_kernels::cuda::CudaBackend,
+        n_layers: usize,
+    ) -> Result<Vec<LaneEvents>, GpuError> {
         (0..n_layers).map(|_| Ok(LaneEvents::new(be.event()?, be.event()?))).collect()
     }
 
