@@ -47,24 +47,44 @@ impl GpuModel {
         if seqs.iter().any(|s| s.tokens.len() > limit) {
             return self.forward_each(seqs, phase, cold);
         }
-        if self.ping_pong_applies(seqs, phase) {
-            return self.forward_ping_pong(seqs, cold);
-        }
         let call_start = Instant::now();
+        let t = self.start_batch(seqs)?;
+        if self.ping_pong_applies(seqs, phase) {
+            let halves = seqs.split_at(seqs.len().div_ceil(2));
+            self.shards[0].ping_pong_layers(halves, cold, &mut self.perf)?;
+        } else {
+            for d in 0..self.shards.len() {
+                if d > 0 {
+                    self.hop(d, t)?;
+                }
+                self.shards[d].batch_layers(seqs, phase, t, cold, &mut self.perf)?;
+            }
+        }
+        self.finish_batch(seqs, phase, t, call_start)
+    }
+
+    /// A batched call's start: every sequence checked and the call counted
+    /// ([`GpuModel::start_call`]), the tokens embedded on the first device; the call's rows.
+    fn start_batch(&mut self, seqs: &mut [GpuSeqInput<'_>]) -> Result<usize, GpuError> {
         let mut calls: Vec<(&[u32], &mut GpuKvCache)> =
             seqs.iter_mut().map(|s| (s.tokens, &mut *s.cache)).collect();
         self.start_call(&mut calls)?;
         drop(calls);
         let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        let t = tokens.len();
         self.enter(0)?;
         self.shards[0].embed(&tokens)?;
-        for d in 0..self.shards.len() {
-            if d > 0 {
-                self.hop(d, t)?;
-            }
-            self.shards[d].batch_layers(seqs, phase, t, cold, &mut self.perf)?;
-        }
+        Ok(tokens.len())
+    }
+
+    /// A batched call's end on the last device: each sequence's last row through the head, its
+    /// logits row (or greedy token), the caches' positions moved on, the call's statistics.
+    fn finish_batch(
+        &mut self,
+        seqs: &mut [GpuSeqInput<'_>],
+        phase: Phase,
+        t: usize,
+        call_start: Instant,
+    ) -> Result<Logits, GpuError> {
         let n = seqs.len();
         let mode = self.perf.mode();
         let last = self.last_mut();
@@ -113,15 +133,7 @@ impl Shard {
         cold: &mut dyn ColdLane,
         perf: &mut PerfState,
     ) -> Result<(), GpuError> {
-        let mut row0 = 0;
-        let segs: Vec<GpuSeg<'_>> = seqs
-            .iter()
-            .map(|s| {
-                let seg = GpuSeg { row0, n: s.tokens.len(), pos0: s.cache.n_positions, cache: &*s.cache };
-                row0 += seg.n;
-                seg
-            })
-            .collect();
+        let segs = segments(seqs);
         let dev = &mut self.dev;
         let kept = dev.rows.take();
         dev.rows = Some(BatchRows::build(&dev.be, kept, &segs, phase, dev.cfg.n_layers)?);
@@ -148,6 +160,17 @@ impl Shard {
         }
         Ok(())
     }
+}
+
+/// The sequences' segments of a call's rows, in order from row 0.
+pub(super) fn segments<'a>(seqs: &'a [GpuSeqInput<'_>]) -> Vec<GpuSeg<'a>> {
+    let mut row0 = 0;
+    let seg = |s: &'a GpuSeqInput<'_>| {
+        let seg = GpuSeg { row0, n: s.tokens.len(), pos0: s.cache.n_positions, cache: &*s.cache };
+        row0 += seg.n;
+        seg
+    };
+    seqs.iter().map(seg).collect()
 }
 
 /// A batched call's rows on the device, for the one-launch q/k norm + RoPE + append and decode

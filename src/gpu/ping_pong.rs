@@ -29,9 +29,8 @@
 //! Off by default: on the H200 host the hidden GPU time was less than the driver's and the
 //! pool's added work ([`super::options::PING_PONG_MAX_ROWS`] has the figures).
 
-use super::batch::{BatchRows, GpuSeqInput};
+use super::batch::{segments, BatchRows, GpuSeqInput};
 use super::device::LayerCtx;
-use super::head::head_kernels;
 use super::model::{GpuModel, GpuSeg};
 use super::moe::MoePlan;
 use super::options::GpuFaults;
@@ -41,7 +40,6 @@ use super::shard::Shard;
 use super::stats::{LaneEvents, LayerLaneStats, LayerRecord};
 use super::GpuError;
 use crate::cache::perf::PerfState;
-use crate::forward::{LogitRows, Logits};
 use crate::moe::cold::ColdLane;
 use crate::moe::phase::Phase;
 use std::time::Instant;
@@ -112,47 +110,6 @@ impl GpuModel {
             && sh.dev.profiler.is_none()
             && !sh.all_hot()
     }
-
-    /// [`GpuModel::forward_batch`] as two micro-batches whose lanes ping-pong (module docs).
-    pub(super) fn forward_ping_pong(
-        &mut self,
-        seqs: &mut [GpuSeqInput<'_>],
-        cold: &mut dyn ColdLane,
-    ) -> Result<Logits, GpuError> {
-        let call_start = Instant::now();
-        let mut calls: Vec<(&[u32], &mut super::kv::GpuKvCache)> =
-            seqs.iter_mut().map(|s| (s.tokens, &mut *s.cache)).collect();
-        self.start_call(&mut calls)?;
-        drop(calls);
-        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        let t = tokens.len();
-        self.enter(0)?;
-        let sh = &mut self.shards[0];
-        sh.embed(&tokens)?;
-        let (a, b) = seqs.split_at(seqs.len().div_ceil(2));
-        sh.ping_pong_layers((a, b), cold, &mut self.perf)?;
-        sh.gather_last_rows(seqs)?;
-        let copy_start = Instant::now();
-        let n = seqs.len();
-        head_kernels(&sh.dev, Phase::Decode, n, LogitRows::All)?;
-        let logits = sh.head_copies(self.perf.mode(), t, n)?;
-        let copy_us = copy_start.elapsed().as_secs_f64() * 1e6;
-        for s in seqs.iter_mut() {
-            s.cache.n_positions += s.tokens.len();
-        }
-        self.finish_call(Phase::Decode, t, call_start, copy_start, copy_us)?;
-        Ok(logits)
-    }
-}
-
-fn segments<'a>(seqs: &'a [GpuSeqInput<'_>]) -> Vec<GpuSeg<'a>> {
-    let mut row0 = 0;
-    let seg = |s: &'a GpuSeqInput<'_>| {
-        let seg = GpuSeg { row0, n: s.tokens.len(), pos0: s.cache.n_positions, cache: &*s.cache };
-        row0 += seg.n;
-        seg
-    };
-    seqs.iter().map(seg).collect()
 }
 
 impl Shard {
@@ -177,7 +134,7 @@ impl Shard {
 
     /// This device's layers over both micro-batches (`a`'s rows first in the hidden rows, where
     /// the embedding put them, and where B's return after the last layer).
-    fn ping_pong_layers(
+    pub(super) fn ping_pong_layers(
         &mut self,
         (a, b): (&[GpuSeqInput<'_>], &[GpuSeqInput<'_>]),
         cold: &mut dyn ColdLane,
