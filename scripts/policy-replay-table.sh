@@ -9,7 +9,7 @@
 # --engine pipeline -p 32 -n N --runs 1 --trace` (locality workloads with `--scenario W`: the
 # routing process's tokens; the others random ids), then `plan --trace --policies
 # --policy-fractions 0.25,0.5 --json`. Prints a markdown table (hit rate, adaptive's and reuse's
-# shares of Belady's, copies per layer and call). Logs under $OUT/policy-replay when OUT is set, else a new directory in /tmp.
+# shares of Belady's, copies per layer and call; `hindsight`: the best fixed set of the scored calls). Logs under $OUT/policy-replay when OUT is set, else a new directory in /tmp.
 # Env: WORKLOADS, LAYERS (4), EXPERTS (32), TOPK (4), N (1500).
 set -uo pipefail
 die() { echo "policy-replay-table: $*" >&2; exit 2; }
@@ -23,7 +23,7 @@ else LOGS=$(mktemp -d "${TMPDIR:-/tmp}/policy-replay.XXXXXX") || die "cannot cre
 i=0
 for w in $WORKLOADS; do
     m="$LOGS/m$i.gguf" t="$LOGS/t$i.jsonl" j="$LOGS/r$i.json"
-    "$BIN" synth --out "$m" --layers "$LAYERS" --experts "$EXPERTS" --top-k "$TOPK" --skew "$w" --seed 7 \
+    "$BIN" synth --force --out "$m" --layers "$LAYERS" --experts "$EXPERTS" --top-k "$TOPK" --skew "$w" --seed 7 \
         >"$LOGS/synth$i.log" 2>&1 || die "synth $w failed (see $LOGS/synth$i.log)"
     scen=()
     case "$w" in locality:*) scen=(--scenario "$w") ;; esac
@@ -38,7 +38,7 @@ done
 python3 - "$LOGS" "$i" <<'PY'
 import json, sys
 logs, n = sys.argv[1], int(sys.argv[2])
-policies = ["static", "online", "lru", "lfu", "tinylfu", "adaptive", "reuse", "belady"]
+policies = ["static", "hindsight", "online", "lru", "lfu", "tinylfu", "adaptive", "reuse", "belady"]
 copied = ["lru", "lfu", "tinylfu", "adaptive", "reuse"]
 print("| workload | budget | " + " | ".join(policies) + " | adaptive / Belady | reuse / Belady | copies per layer and call ("
       + " / ".join(copied) + ") |")

@@ -8,6 +8,11 @@
 //! Every layer gets the same capacity, `round(fraction * n_experts)` slots (the planner's flat
 //! spread). The scored calls are replayed under:
 //! - `static`: the learned cache, never changed;
+//! - `hindsight`: the best cache that never changes, chosen from the scored calls themselves
+//!   (the top `capacity` of their counts): a reference, not a policy. Where calls do not depend
+//!   on the ones before (no locality in time), no causal policy can expect more hits than a fixed
+//!   set of the most probable experts, which this estimates (`scripts/locality-bound.py` bounds
+//!   the locality workload);
 //! - `online`: today's updater (`cache::update::plan_exchanges`, flat scores of the window's
 //!   counts, hysteresis and noise test, `rate` of the slots) every `update_every` calls, as
 //!   `--update auto --update-every-tokens N` runs it;
@@ -206,6 +211,11 @@ pub fn replay(
         LayerRun { hits: scored.iter().flatten().filter(|e| hot.contains(e)).count() as u64, admissions: 0 }
     });
     per_policy.push(("static".into(), statics.collect()));
+    let hindsight = parts.iter().map(|(_, scored)| {
+        let hot = &ranking(scored, n)[..cap];
+        LayerRun { hits: scored.iter().flatten().filter(|e| hot.contains(e)).count() as u64, admissions: 0 }
+    });
+    per_policy.push(("hindsight".into(), hindsight.collect()));
     per_policy.push(("online".into(), run_online(steps, learn, cap, opts)));
     for kind in PolicyKind::ONLINE {
         let runs = parts.iter().map(|(learn, scored)| run_policy(kind, opts.policy, learn, scored, n, cap));
@@ -313,9 +323,10 @@ mod tests {
         let r = replay(&steps_of(layer, 4), &opts, None);
         assert_eq!((r.capacity, r.learn_steps, r.scored_steps, r.accesses), (1, 2, 18, 18));
         assert_eq!(r.row("static").unwrap().hits, 0);
+        assert_eq!(r.row("hindsight").unwrap().hits, 18, "expert 3, every scored call");
         assert_eq!(r.row("belady").unwrap().hits, 17);
         assert_eq!(r.row("lru").unwrap().hits, 17);
-        for row in &r.rows {
+        for row in r.rows.iter().filter(|row| row.policy != "hindsight") {
             assert!(row.hits <= 17, "{}", row.policy);
         }
     }
