@@ -1224,6 +1224,31 @@ mod tests {
         assert_eq!(take()["moe_lanes_postfetch_experts_fetched_total{}"], DebugValue::Counter(0));
     }
 
+    /// A call marked as ping-pong is counted in its phase and its layers' lane times are left out
+    /// of the lane-cost fit (two micro-batches' interleaved); the next call is fitted again.
+    #[test]
+    fn ping_pong_calls_are_counted_and_left_out_of_the_lane_cost_fit() {
+        let mut st = PerfState::new(PerfMode::Full, 1, 4, 2);
+        let split = LayerTiming { cold_us: 50, wall_us: 80, split: true, ..Default::default() };
+        let layer_call = |st: &mut PerfState| {
+            st.record_slot(0, 1, false);
+            st.record_slot(0, 2, false);
+            st.record_layer_call(0, &split, true);
+        };
+        let before = st.lane_snapshot();
+        layer_call(&mut st);
+        st.mark_ping_pong();
+        st.record_call("decode", 2, 100, &before);
+        let decode = st.report().phases["decode"];
+        assert_eq!((decode.calls, decode.ping_pong_calls, decode.lane_cost.calls_cold), (1, 1, 0));
+        let before = st.lane_snapshot();
+        layer_call(&mut st);
+        st.record_call("decode", 2, 100, &before);
+        let decode = st.report().phases["decode"];
+        assert_eq!((decode.calls, decode.ping_pong_calls, decode.lane_cost.calls_cold), (2, 1, 1));
+        assert!(st.to_json().contains("\"ping_pong_calls\": 1"), "{}", st.to_json());
+    }
+
     #[test]
     fn off_records_nothing() {
         let mut st = PerfState::new(PerfMode::Off, 1, 2, 1);

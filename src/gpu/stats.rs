@@ -304,3 +304,32 @@ impl Profiler {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A ping-pong layer's figures: both micro-batches' counts and times summed, fallen back or
+    /// split when either was.
+    #[test]
+    fn merged_lane_stats_sum_both_micro_batches() {
+        let a = LayerLaneStats {
+            hot_slots: 3,
+            cold_slots: 5,
+            cold_rows: 1,
+            hot_us: 10.0,
+            cold_us: 200.0,
+            wall_us: 250.0,
+            overlap_us: 40.0,
+            join_wait_us: 2.0,
+            fell_back: false,
+            split: true,
+        };
+        let b = LayerLaneStats { hot_slots: 1, cold_slots: 7, cold_rows: 2, fell_back: true, ..a.clone() };
+        let m = a.merged(&b);
+        assert_eq!((m.hot_slots, m.cold_slots, m.cold_rows), (4, 12, 3));
+        assert_eq!((m.cold_us, m.overlap_us, m.join_wait_us, m.wall_us), (400.0, 80.0, 4.0, 500.0));
+        assert!(m.fell_back && m.split);
+        assert!(!a.merged(&a).fell_back);
+    }
+}
