@@ -15,8 +15,9 @@
 //!
 //! While the pool computes one micro-batch's experts, the GPU runs the fronts queued for the
 //! other, so its routing is on the host when the driver turns to it. No thread is handed
-//! anything (a parked thread's wake-up on these virtual machines costs as much as the GPU share
-//! the step hides, and a long spin there slows the pool's own cores: both measured).
+//! anything: with a cold thread taking each job by a hand-off the driver waited about as long
+//! as each job ran, and with both threads spinning each job took ~2 ms (H200 host,
+//! benches/RESULTS.md "lane ping-pong").
 //!
 //! Each micro-batch has its own device scratch, batch rows, MoE host and pinned buffers, lane
 //! records and events: B's live in a [`MicroState`] that the driver swaps into the stages to
