@@ -26,6 +26,8 @@
 #            the uniform model, BATCH_Q4=1 adds its Q4_K_M file at budget 0 (issue 43; below)
 #   pingpong bench --parallel with the lane ping-pong off and on, alternately, on one file and
 #            budget (issue 43; below)
+#   hotlane  bench --parallel all hot on the Q4_K_M file: quantized hot experts grouped from 8 rows
+#            against the decode GEMVs (issue 43; below)
 #
 # Usage on the GPU machine, from the repository root, after scripts/gpu-build.sh here:
 #   bash scripts/gpu-measure.sh models      (then, chained: metrics shift plan, and compare)
@@ -274,34 +276,37 @@ part_batching() {
     BIN="$BIN" MODEL="$q" CASES=0 PL=1,2,4 P=128 N=64 REPS=1 OUT="$LOGS" bash benches/compare-llama-cpp.sh batched
 }
 
-# Issue 43's lane ping-pong: `bench --parallel PL` (default 1,2,4,8) on PP_MODEL (default: the
-# uniform model's Q4_K_M file, written by `moe-lanes synth --quant q4_k_m` when missing) with
-# PP_BUDGET_MIB of experts in VRAM (default 0), ping-pong off (MOE_LANES_PING_PONG_MAX_ROWS=0) and
-# on for every B (=16) in turns, PP_ROUNDS (2) rounds; a table of each B's S_TG (median of the
-# rounds), decode step p50 and lanes per step.
-part_pingpong() {
-    local m="${PP_MODEL:-$MD/q$LAYERS-uniform-q4_k_m.gguf}" r rows
+# `bench --parallel PL` on the uniform model's Q4_K_M file (written by `moe-lanes synth --quant
+# q4_k_m` when missing; AB_MODEL for another) with BUDGET MiB of experts in VRAM, with the
+# environment variable VAR at OFF and at ON in turns, AB_ROUNDS (2) rounds; a table of each B's
+# S_TG (median of the rounds and each round), decode step p50 and lanes per step.
+# Usage: parallel_ab NAME VAR OFF ON BUDGET PL
+parallel_ab() {
+    local name="$1" var="$2" off="$3" on="$4" budget="$5" pl="$6" r v
+    local m="${AB_MODEL:-$MD/q$LAYERS-uniform-q4_k_m.gguf}"
     [ -f "$m" ] || "$BIN" synth --preset qwen3-30b-a3b --layers "$LAYERS" --skew uniform --quant q4_k_m \
         --expert-row-pool 4096 --format gguf --out "$m" >/dev/null || return 1
-    for r in $(seq 1 "${PP_ROUNDS:-2}"); do
-        for rows in 0 16; do
-            MOE_LANES_PING_PONG_MAX_ROWS=$rows "$BIN" bench --model "$m" -p "$P" -n "$N" --parallel "${PL:-1,2,4,8}" \
-                --runs 1 --json --hot-budget-mib "${PP_BUDGET_MIB:-0}" > "$LOGS/pingpong-$rows-$r.json" \
-                2> "$LOGS/pingpong-$rows-$r.log" || { tail -5 "$LOGS/pingpong-$rows-$r.log"; return 1; }
+    for r in $(seq 1 "${AB_ROUNDS:-2}"); do
+        for v in "$off" "$on"; do
+            env "$var=$v" "$BIN" bench --model "$m" -p "$P" -n "$N" --parallel "$pl" --runs 1 --json \
+                --hot-budget-mib "$budget" > "$LOGS/$name-$v-$r.json" 2> "$LOGS/$name-$v-$r.log" ||
+                { tail -5 "$LOGS/$name-$v-$r.log"; return 1; }
         done
     done
-    python3 - "$LOGS" <<'PY'
+    python3 - "$LOGS" "$name" "$off" "$on" "$var" <<'PY'
 import glob, json, statistics, sys
+logs, name, off_v, on_v, var = sys.argv[1:6]
 runs = {}
-for path in glob.glob(sys.argv[1] + "/pingpong-*-*.json"):
-    rows = path.rsplit("/", 1)[1].split("-")[1]
+for path in glob.glob(f"{logs}/{name}-*-*.json"):
+    value = path.rsplit("/", 1)[1][len(name) + 1:].rsplit("-", 1)[0]
     for r in json.load(open(path))["rows"]:
-        runs.setdefault((r["parallel"], rows), []).append(r)
+        runs.setdefault((r["parallel"], value), []).append(r)
+print(f"{var}: off = {off_v}, on = {on_v}")
 print("| B | S_TG off / on t/s | on / off | step p50 off / on ms | cold / overlapped / join wait ms a step, off | on | ping-pong steps on |")
 print("|---|---|---|---|---|---|---|")
 med = lambda rs, k: statistics.median(r[k] for r in rs)
 for b in sorted({b for b, _ in runs}):
-    off, on = runs.get((b, "0"), []), runs.get((b, "16"), [])
+    off, on = runs.get((b, off_v), []), runs.get((b, on_v), [])
     if not off or not on:
         continue
     lanes = lambda rs: "%.2f / %.2f / %.2f" % tuple(med(rs, k) for k in ("cold_ms_per_step", "overlap_ms_per_step", "join_wait_ms_per_step"))
@@ -313,14 +318,27 @@ for b in sorted({b for b, _ in runs}):
 PY
 }
 
+# Issue 43's lane ping-pong off (MOE_LANES_PING_PONG_MAX_ROWS=0, the default) and on for every B
+# (=16), at PP_BUDGET_MIB (0) of experts in VRAM, B in PL (1,2,4,8).
+part_pingpong() {
+    parallel_ab pingpong MOE_LANES_PING_PONG_MAX_ROWS 0 16 "${PP_BUDGET_MIB:-0}" "${PL:-1,2,4,8}"
+}
+
+# The hot lane of a batched decode step over quantized experts, every expert hot: grouped from 8
+# rows (off: the rule before session 44) against the decode GEMVs up to 64 rows (on: the default),
+# B in PL (4,8,16,32).
+part_hotlane() {
+    parallel_ab hotlane MOE_LANES_HOT_GROUPED_MIN_ROWS_QUANTIZED 8 64 100000 "${PL:-4,8,16,32}"
+}
+
 status=0
 for part in "$@"; do
     echo "== $part ($(date -u +%H:%M:%S)) =="
     [ "$part" = models ] || [ "$part" = quantprep ] || wait_llama_build
     case "$part" in
-        models | metrics | shift | plan | compare | quant | quantprep | quantcmp | prefillab | batching | pingpong)
+        models | metrics | shift | plan | compare | quant | quantprep | quantcmp | prefillab | batching | pingpong | hotlane)
             "part_$part" || status=1 ;;
-        *) echo "unknown part $part (models metrics shift plan compare quant quantprep quantcmp prefillab batching pingpong)"
+        *) echo "unknown part $part (models metrics shift plan compare quant quantprep quantcmp prefillab batching pingpong hotlane)"
            exit 2 ;;
     esac
 done
