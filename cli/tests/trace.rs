@@ -12,6 +12,24 @@ use serde_json::Value;
 const LAYERS: usize = 2;
 const EXPERTS: u64 = 16;
 
+/// A 2-layer, 16-expert synthetic model with `top_k` and the routing `skew`.
+fn synth_skewed(model: &std::path::Path, top_k: usize, skew: &str) {
+    let k = top_k.to_string();
+    ok_stdout(&[
+        "synth",
+        "--out",
+        p(model),
+        "--layers",
+        "2",
+        "--experts",
+        "16",
+        "--top-k",
+        &k,
+        "--skew",
+        skew,
+    ]);
+}
+
 fn lines(path: &std::path::Path) -> Vec<Value> {
     let text = std::fs::read_to_string(path).unwrap();
     text.lines().map(|l| serde_json::from_str(l).unwrap()).collect()
@@ -174,19 +192,7 @@ fn policies_replay_a_locality_trace_against_belady() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("loc.gguf");
     let spec = "locality:p=0.9,drift=0.01,topics=8";
-    ok_stdout(&[
-        "synth",
-        "--out",
-        p(&model),
-        "--layers",
-        "2",
-        "--experts",
-        "16",
-        "--top-k",
-        "2",
-        "--skew",
-        spec,
-    ]);
+    synth_skewed(&model, 2, spec);
     let trace = dir.path().join("t.jsonl");
     let bench =
         ["bench", "--model", p(&model), "--engine", "pipeline", "-p", "8", "-n", "300", "--runs", "1"];
@@ -252,19 +258,7 @@ fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
     }
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("m.gguf");
-    ok_stdout(&[
-        "synth",
-        "--out",
-        p(&model),
-        "--layers",
-        "2",
-        "--experts",
-        "16",
-        "--top-k",
-        "4",
-        "--skew",
-        "skewed",
-    ]);
+    synth_skewed(&model, 4, "skewed");
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/policy-compare.sh");
     let out = std::process::Command::new("bash")
         .arg(script)

@@ -137,7 +137,7 @@ unsafe fn prepare<const Q: u8>(x: Q8Row, blk: usize) -> XBlock {
     }
 }
 
-/// Q4_K (`FIFTH` false) or Q5_K block at `b`: per 64 nibble bytes the low and high nibbles
+/// Q4_K or Q5_K (`Q`) block at `b`: per 64 nibble bytes the low and high nibbles
 /// (plus Q5_K's fifth bits, by a byte mask test and a masked add of 16) dotted with `vpdpbusd`,
 /// each result's two sub-blocks scaled by `d sc_j d_x,j` (a lane permute of the block's
 /// products); the mins `dmin m_j sum_x,j` subtracted as one 16-lane product.
@@ -145,9 +145,9 @@ unsafe fn prepare<const Q: u8>(x: Q8Row, blk: usize) -> XBlock {
 // level) and the pointers cover the block, lanes or rows this function reads and writes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn k_asym<const FIFTH: bool>(b: *const u8, x: &XBlock, acc: &mut Acc) {
+unsafe fn k_asym<const Q: u8>(b: *const u8, x: &XBlock, acc: &mut Acc) {
     // SAFETY: the caller vouches for one whole block at `b` (144 or 176 bytes).
-    unsafe { k_asym_scaled::<FIFTH>(b, x, _mm512_mul_ps(k_coefficients(b), x.f), acc) }
+    unsafe { k_asym_scaled::<Q>(b, x, _mm512_mul_ps(k_coefficients(b), x.f), acc) }
 }
 
 /// [`k_asym`] with the block's coefficients times the activations' (`c`, as
@@ -156,12 +156,12 @@ unsafe fn k_asym<const FIFTH: bool>(b: *const u8, x: &XBlock, acc: &mut Acc) {
 // level) and the pointers cover the block, lanes or rows this function reads and writes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn k_asym_scaled<const FIFTH: bool>(b: *const u8, x: &XBlock, c: __m512, acc: &mut Acc) {
+unsafe fn k_asym_scaled<const Q: u8>(b: *const u8, x: &XBlock, c: __m512, acc: &mut Acc) {
     // SAFETY: the caller vouches for one whole block at `b` (144 or 176 bytes).
     unsafe {
         acc[1] = _mm512_mask_sub_ps(acc[1], 0xFF00, acc[1], c);
         for q in 0..2 {
-            let (lo, hi) = k_levels::<FIFTH>(b, q);
+            let (lo, hi) = k_levels::<Q>(b, q);
             let zero = _mm512_setzero_si512();
             let dlo = _mm512_dpbusd_epi32(zero, lo, x.v[2 * q]);
             let dhi = _mm512_dpbusd_epi32(zero, hi, x.v[2 * q + 1]);
@@ -173,7 +173,7 @@ unsafe fn k_asym_scaled<const FIFTH: bool>(b: *const u8, x: &XBlock, c: __m512, 
     }
 }
 
-/// Run `q` (0 or 1) of a Q4_K (`FIFTH` false) or Q5_K block's levels as u8: the low nibbles of
+/// Run `q` (0 or 1) of a Q4_K or Q5_K (`Q`) block's levels as u8: the low nibbles of
 /// 64 bytes (sub-blocks `4q`, `4q+2`) and the high ones (`4q+1`, `4q+3`), Q5_K's fifth bits added
 /// as 16 (a byte mask test and a masked add), Q4_K's high nibbles in place (16 times their level;
 /// the 1/16 is in the prepared activation scales).
@@ -181,13 +181,15 @@ unsafe fn k_asym_scaled<const FIFTH: bool>(b: *const u8, x: &XBlock, c: __m512, 
 // level) and the pointers cover the block, lanes or rows this function reads and writes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn k_levels<const FIFTH: bool>(b: *const u8, q: usize) -> (__m512i, __m512i) {
+unsafe fn k_levels<const Q: u8>(b: *const u8, q: usize) -> (__m512i, __m512i) {
+    // only Q4_K and Q5_K rows reach here (the walks branch on the type before)
+    let fifth = Q == Q5_K;
     // SAFETY: the caller vouches for one whole block at `b` (144 or 176 bytes).
     unsafe {
         let low4 = _mm512_set1_epi8(15);
-        let raw = _mm512_loadu_si512(b.add(if FIFTH { 48 } else { 16 } + 64 * q) as *const _);
+        let raw = _mm512_loadu_si512(b.add(if fifth { 48 } else { 16 } + 64 * q) as *const _);
         let lo = _mm512_and_si512(raw, low4);
-        if !FIFTH {
+        if !fifth {
             return (lo, _mm512_andnot_si512(low4, raw));
         }
         let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(raw), low4);
@@ -370,8 +372,7 @@ unsafe fn block<const Q: u8>(b: *const u8, x: &XBlock, acc: &mut Acc) {
     // SAFETY: forwarded from the caller (one whole block, the CPU features of this module).
     unsafe {
         match Q {
-            Q4_K => k_asym::<false>(b, x, acc),
-            Q5_K => k_asym::<true>(b, x, acc),
+            Q4_K | Q5_K => k_asym::<Q>(b, x, acc),
             Q6_K => q6_k(b, x, acc),
             _ => small_block::<Q>(b, x, acc),
         }
@@ -408,11 +409,7 @@ unsafe fn fused_rows<const Q: u8, const R: usize>(
                 unsafe {
                     let c = k_coefficients4(at, xb.f);
                     for i in 0..4 {
-                        if Q == Q5_K {
-                            k_asym_scaled::<true>(at[i], &xb, c[i], &mut acc[g + i]);
-                        } else {
-                            k_asym_scaled::<false>(at[i], &xb, c[i], &mut acc[g + i]);
-                        }
+                        k_asym_scaled::<Q>(at[i], &xb, c[i], &mut acc[g + i]);
                     }
                 }
             }
@@ -439,12 +436,7 @@ unsafe fn fused_rows<const Q: u8, const R: usize>(
 // level) and the pointers cover the block, lanes or rows this function reads and writes.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn k_asym_pair<const FIFTH: bool>(
-    b: *const u8,
-    x: &[XBlock; 2],
-    c: [__m512; 2],
-    acc: &mut [__m512; 2],
-) {
+unsafe fn k_asym_pair<const Q: u8>(b: *const u8, x: &[XBlock; 2], c: [__m512; 2], acc: &mut [__m512; 2]) {
     // SAFETY: the caller vouches for one whole block at `b` (144 or 176 bytes).
     unsafe {
         for t in 0..2 {
@@ -452,7 +444,7 @@ unsafe fn k_asym_pair<const FIFTH: bool>(
             acc[t] = _mm512_mask_sub_ps(acc[t], 0xFF00, acc[t], c[t]);
         }
         for q in 0..2 {
-            let (lo, hi) = k_levels::<FIFTH>(b, q);
+            let (lo, hi) = k_levels::<Q>(b, q);
             let j = 4 * q as i32;
             let (slo, shi) = (pick2(j, j + 2), pick2(j + 1, j + 3));
             let zero = _mm512_setzero_si512();
@@ -498,11 +490,7 @@ unsafe fn fused_rows_pair<const Q: u8>(
                     let w = k_coefficients4(at, _mm512_set1_ps(1.0));
                     for i in 0..4 {
                         let c = [_mm512_mul_ps(w[i], xb[0].f), _mm512_mul_ps(w[i], xb[1].f)];
-                        if Q == Q5_K {
-                            k_asym_pair::<true>(at[i], &xb, c, &mut acc[g + i]);
-                        } else {
-                            k_asym_pair::<false>(at[i], &xb, c, &mut acc[g + i]);
-                        }
+                        k_asym_pair::<Q>(at[i], &xb, c, &mut acc[g + i]);
                     }
                 }
             }
