@@ -1490,6 +1490,69 @@ extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) v
     }
 }
 
+// warp_dot_q8 of one row against T <= QUANT_MAX_TOKENS tokens' 8-bit rows (xq [T, K], xd
+// [T, K / 32]): the chunk loop of warp_dot_q8 with the tokens inside it, so each chunk of W is
+// loaded and unpacked once (the first token's loads serve the others: nothing is stored in the
+// loop) and token t's sum is warp_dot_q8's for that token alone, in its order.
+template <class W>
+__device__ __forceinline__ void warp_dot_q8_tokens(const u8* __restrict__ row, const signed char* __restrict__ xq,
+                                                   const float* __restrict__ xd, int K, int T, float* out) {
+    int lane = threadIdx.x & 31, nch = K / W::ELEMS * W::CHUNKS;
+    float acc[QUANT_MAX_TOKENS];
+#pragma unroll
+    for (int t = 0; t < QUANT_MAX_TOKENS; t++) acc[t] = 0.f;
+    for (int g = lane; g < nch; g += WARP) {
+        int b = g / W::CHUNKS, j = g % W::CHUNKS;
+        const u8* blk = row + (size_t)b * W::BYTES;
+#pragma unroll
+        for (int t = 0; t < QUANT_MAX_TOKENS; t++) {
+            if (t == 0 || t < T) {
+                int x[8];
+                float dx[4];
+                size_t c0 = (size_t)t * K + (size_t)b * W::ELEMS;
+                chunk_xq<W>(xq + c0, xd + c0 / 32, j, x, dx);
+                acc[t] += chunk_dot_q8<W>(blk, j, x, dx);
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < QUANT_MAX_TOKENS; t++) out[t] = warp_sum(acc[t]);
+}
+
+// y[t, n] (+)= W[n, :] . x_t for T <= QUANT_MAX_TOKENS tokens in their 8-bit form: gemv1_q8's
+// sums (R = 1) with every token's dot product taken from one pass over W (a few decode rows or a
+// short prefill chunk read each weight once, not once a token). Quantized types only (codes as
+// warp_dot_typed). grid ceil(N / ROWS_PER_BLOCK), block 32 * ROWS_PER_BLOCK: a warp a row.
+extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv_q8_tokens(
+    const u8* __restrict__ Wm, int type, int row_bytes, const signed char* __restrict__ xq,
+    const float* __restrict__ xd, float* __restrict__ y, int N, int K, int T, int accumulate) {
+    pdl_enter();
+    int n = blockIdx.x * ROWS_PER_BLOCK + (threadIdx.x >> 5);
+    if (n >= N) return;
+    const u8* row = Wm + (size_t)n * row_bytes;
+    float out[QUANT_MAX_TOKENS];
+    switch (type) {
+        case 0: warp_dot_q8_tokens<W8_0>(row, xq, xd, K, T, out); break;
+        case 1: warp_dot_q8_tokens<W4_0>(row, xq, xd, K, T, out); break;
+        case 2: warp_dot_q8_tokens<W4_K>(row, xq, xd, K, T, out); break;
+        case 3: warp_dot_q8_tokens<W5_K>(row, xq, xd, K, T, out); break;
+        case 6: warp_dot_q8_tokens<WMX>(row, xq, xd, K, T, out); break;
+        case 7: warp_dot_q8_tokens<W5_0>(row, xq, xd, K, T, out); break;
+        case 8: warp_dot_q8_tokens<W5_1>(row, xq, xd, K, T, out); break;
+        case 9: warp_dot_q8_tokens<WNL>(row, xq, xd, K, T, out); break;
+        default: warp_dot_q8_tokens<W6_K>(row, xq, xd, K, T, out); break;
+    }
+    if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+        for (int t = 0; t < QUANT_MAX_TOKENS; t++) {
+            if (t < T) {
+                float* o = y + (size_t)t * N + n;
+                *o = accumulate ? *o + out[t] : out[t];
+            }
+        }
+    }
+}
+
 // Decode q/k/v in one launch over matrices of any stored types (type codes as warp_dot_typed;
 // bf16 segments too): segment j's warps take QUANT_WIDE_ROWS rows of W_j each (row_bytes rb_j)
 // with warp_dot_typed, the dot products of gemv1_q (quantized) and gemv_bf16 (bf16), so the bits

@@ -237,6 +237,50 @@ fn q8_gemv_of_every_type_matches_the_dequantized_activations() {
     }
 }
 
+/// The 8-bit GEMV over a few tokens (`gemv_quant_q8_tokens`: 2 to 11 tokens, one launch or
+/// two) against the f64 product of the dequantized rows and each token's dequantized
+/// activations, and each token's sums the same bits as the one-token GEMV gives that token alone
+/// (one row a warp); accumulating calls included.
+#[test]
+fn q8_gemv_of_a_few_tokens_gives_each_token_its_one_token_sums() {
+    let Some(be) = backend() else { return };
+    let mut rng = Rng(0x0008_70C5);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let n = 37;
+    for dtype in WeightDType::QUANTIZED {
+        for blocks_per_row in block_counts(dtype) {
+            let k = blocks_per_row * dtype.block_elems();
+            let matrix = random_blocks(&mut rng, dtype, n, k);
+            let (w, dw) = (dequantize(dtype, &matrix), be.upload(&matrix).unwrap());
+            for (t, accumulate) in [(2, false), (5, true), (8, false), (11, true)] {
+                let x = rng.vec(t * k, 1.0);
+                let xq = QuantizedX::new(be, &x, t, k);
+                let y0 = rng.vec(t * n, 1.0);
+                let dy = be.upload(&y0).unwrap();
+                be.gemv_quant_q8_tokens(dtype, dw.ptr(), xq.rows(), dy.ptr(), t, n, k, accumulate).unwrap();
+                let y = be.read_vec(dy.ptr()).unwrap();
+                let base = if accumulate { y0.clone() } else { vec![0.0; t * n] };
+                for (o, (got, (value, bound))) in
+                    y.iter().zip(gemv_reference(&w, &xq.values, &base, n, k)).enumerate()
+                {
+                    let at = format!("{dtype:?} k={k} t={t} token {} row {}", o / n, o % n);
+                    assert!((*got as f64 - value).abs() <= bound, "{at}: {got} vs {value}");
+                }
+                for tok in 0..t {
+                    let one = QuantizedX::new(be, &x[tok * k..][..k], 1, k);
+                    let dz = be.upload(&y0[tok * n..][..n]).unwrap();
+                    be.gemv_quant_q8(dtype, dw.ptr(), one.rows(), dz.ptr(), n, k, accumulate).unwrap();
+                    assert_eq!(
+                        bits(&y[tok * n..][..n]),
+                        bits(&be.read_vec(dz.ptr()).unwrap()),
+                        "{dtype:?} k={k} t={t}: token {tok} alone"
+                    );
+                }
+            }
+        }
+    }
+}
+
 fn bf16_bits(values: &[f32]) -> Vec<u16> {
     values.iter().map(|v| bf16::from_f32(*v).to_bits()).collect()
 }

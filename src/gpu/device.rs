@@ -100,8 +100,6 @@ impl Device {
         k: usize,
         accumulate: bool,
     ) -> Result<(), GpuError> {
-        let decode_rows = phase == Phase::Decode && t <= DECODE_GEMV_MAX_TOKENS;
-        let few_rows = w.dtype.is_quantized() && (t <= QUANT_MAX_TOKENS as usize || decode_rows);
         if let Some(bf) =
             w.bf16().filter(|bf| phase == Phase::Decode && t == 1 && self.be.split_gemv_pays(*bf, x, n, k))
         {
@@ -112,13 +110,32 @@ impl Device {
                 return Ok(self.be.gemv_mma_bf16(&[bf], xs, &[y], &[n], t, k, accumulate)?);
             }
         }
-        if (phase == Phase::Decode && !self.gemm_pays(t)) || few_rows {
+        if self.by_gemv(phase, w, t) {
             return self.gemv(x, w, y, t, n, k, accumulate);
         }
         let s = self.s();
         let lo = self.opts.prefill_activations.split(w.dtype).then(|| s.x_lo.ptr());
         self.be.gather_split_bf16(x, None, s.x_hi.ptr(), lo, t, k)?;
         self.gemm(w, s.x_hi.ptr(), lo, y, t, n, k, accumulate)
+    }
+
+    /// Whether [`Device::linear`] takes the GEMV kernels for `t` rows of `w` (after the bf16
+    /// split and tensor-core paths): decode calls too small for a GEMM, and quantized matrices
+    /// over a few rows in any phase or up to [`DECODE_GEMV_MAX_TOKENS`] decode rows.
+    fn by_gemv(&self, phase: Phase, w: TypedWeights, t: usize) -> bool {
+        let decode_rows = phase == Phase::Decode && t <= DECODE_GEMV_MAX_TOKENS;
+        let few_rows = w.dtype.is_quantized() && (t <= QUANT_MAX_TOKENS as usize || decode_rows);
+        (phase == Phase::Decode && !self.gemm_pays(t)) || few_rows
+    }
+
+    /// The 8-bit rows that every matrix of `ws` (quantized, over the same `t` rows of `k`)
+    /// would quantize for itself in [`Device::linear`]'s GEMV path, so a caller can write them
+    /// once; None when any of them takes another path.
+    pub fn shared_q8_rows(&self, phase: Phase, ws: &[TypedWeights], t: usize, k: usize) -> Option<Q8Rows> {
+        if !ws.iter().all(|w| w.dtype.is_quantized() && self.by_gemv(phase, *w, t)) {
+            return None;
+        }
+        ws.iter().map(|w| self.dense_q8(*w, t, k)).reduce(|a, b| a.and(b)).flatten()
     }
 
     /// The bf16 hi + lo rows of `x` (`t` rows of `k`) when a decode call of `t` rows multiplies
@@ -167,21 +184,21 @@ impl Device {
         }
         match self.dense_q8(w, t, k) {
             Some(xq) => {
-                self.be.quantize_q8(x, 1, k, xq)?;
-                self.be.gemv_quant_q8(w.dtype, w.bytes, xq, y, n, k, accumulate)?
+                self.be.quantize_q8(x, t, k, xq)?;
+                self.be.gemv_quant_q8_tokens(w.dtype, w.bytes, xq, y, t, n, k, accumulate)?
             }
             None => self.be.gemv_quant(w.dtype, w.bytes, x, y, t, n, k, accumulate)?,
         }
         Ok(())
     }
 
-    /// Where the one-token GEMV of `w` over `t` rows of `k` takes 8-bit activations
-    /// (`GpuOptions::q8_activations`; a quantized matrix aligned for the wide chunks; one row of
-    /// whole blocks of 32): the dense 8-bit rows, for [`CudaBackend::quantize_q8`] to write and
-    /// the GEMV to read; None: f32 activations.
+    /// Where the GEMV of `w` over `t` rows of `k` takes 8-bit activations
+    /// (`GpuOptions::q8_activations`; a quantized matrix aligned for the wide chunks; rows of
+    /// whole blocks of 32 that fit the scratch): the dense 8-bit rows, for
+    /// [`CudaBackend::quantize_q8`] to write and the GEMV to read; None: f32 activations.
     pub fn dense_q8(&self, w: TypedWeights, t: usize, k: usize) -> Option<Q8Rows> {
         let wide = w.dtype.is_quantized() && w.bytes.raw().is_multiple_of(wide_alignment_bytes(w.dtype));
-        self.q8_room(&self.scratch.as_ref()?.q8_dense, t, k).filter(|_| wide && t == 1)
+        self.q8_room(&self.scratch.as_ref()?.q8_dense, t, k).filter(|_| wide)
     }
 
     /// `buf` for `rows` rows of `k` when the GEMVs take 8-bit activations and `k` is whole

@@ -280,6 +280,12 @@ fn qkv_projections(cx: &LayerCtx<'_>, [k_new, v_new]: [DPtr<f32>; 2]) -> Result<
             be.quantize_q8(s.normed.ptr(), 1, h, nq)?;
         }
         be.gemv3_typed(qkv, s.normed.ptr(), nq, y, n, h)?;
+    } else if let Some(nq) = dev.shared_q8_rows(phase, &qkv, t, h) {
+        // a few decode rows over quantized q/k/v: the normed rows in 8 bits once for the three
+        be.quantize_q8(s.normed.ptr(), t, h, nq)?;
+        for ((m, y), n) in qkv.iter().zip(y).zip(n) {
+            be.gemv_quant_q8_tokens(m.dtype, m.bytes, nq, y, t, n, h, false)?;
+        }
     } else {
         dev.linear(phase, s.normed.ptr(), w.q.view(), s.q.ptr(), t, qd, h, false)?;
         dev.linear(phase, s.normed.ptr(), w.k.view(), k_new, t, kvd, h, false)?;

@@ -618,6 +618,7 @@ kernel_table! {
     GroupedGemmMxfp4Q8 = "grouped_gemm_mxfp4_q8" in Quant,
     QuantizeQ8F32 = "quantize_q8_f32" in Quant,
     Gemv1Q8 = "gemv1_q8" in Quant,
+    GemvQ8Tokens = "gemv_q8_tokens" in Quant,
     MoeGateUpGemvQ8 = "moe_gate_up_gemv_q8" in Quant,
     MoeDownAccumQ8 = "moe_down_accum_q8" in Quant,
     Gemv3TypedQ8 = "gemv3_typed_q8" in Quant,

@@ -401,6 +401,51 @@ impl CudaBackend {
         self.launch(K, grid, ROW_BLOCK_THREADS, 0, args)
     }
 
+    /// `y[t] (+)= W · x_t` for `n_tokens` tokens in their 8-bit form (`xq` `[n_tokens, k]`, y
+    /// `[n_tokens, n]`): one token takes [`Self::gemv_quant_q8`]; more read each chunk of W once
+    /// for up to [`QUANT_MAX_TOKENS`] tokens (one launch each), every token's sum the one-row
+    /// kernel's (one row a warp) for that token alone.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemv_quant_q8_tokens(
+        &self,
+        dtype: WeightDType,
+        w: DPtr<u8>,
+        xq: Q8Rows,
+        y: DPtr<f32>,
+        n_tokens: usize,
+        n: usize,
+        k: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        if n_tokens == 1 {
+            return self.gemv_quant_q8(dtype, w, xq, y, n, k, accumulate);
+        }
+        const K: Kernel = Kernel::GemvQ8Tokens;
+        check_matrix(K.symbol(), dtype, w, n, k)?;
+        let (code, row_bytes) = check_typed(K, "W", TypedWeights { bytes: w, dtype }, n, k)?;
+        check_q8(K, "xq", xq, n_tokens, k)?;
+        need(K, "y", y, n_tokens * n)?;
+        let per = QUANT_MAX_TOKENS as usize;
+        for t0 in (0..n_tokens).step_by(per) {
+            let t = per.min(n_tokens - t0);
+            let (q, d) = (xq.q.from(t0 * k).raw(), xq.d.from(t0 * k / Q8_BLOCK).raw());
+            let args = args![
+                w.raw(),
+                code,
+                row_bytes,
+                q,
+                d,
+                y.from(t0 * n).raw(),
+                i(n),
+                i(k),
+                i(t),
+                accumulate as i32
+            ];
+            self.launch(K, (blocks(n, ROWS_PER_BLOCK), 1, 1), ROW_BLOCK_THREADS, 0, args)?;
+        }
+        Ok(())
+    }
+
     /// `out[r - row0, :] = bf16(W[r, :])` for `row0 <= r < row0 + rows` (round to nearest even;
     /// the values before rounding equal the CPU's `quant::dequantize_block`); W `[>= row0 + rows,
     /// k]` in `dtype` blocks, `out` `[rows, k]` bf16. Prefill: dequantized tiles for
