@@ -28,7 +28,7 @@ for w in $WORKLOADS; do
     scen=()
     case "$w" in locality:*) scen=(--scenario "$w") ;; esac
     "$BIN" bench --model "$m" --engine pipeline -p 32 -n "$N" --runs 1 --hot-fraction 0.25 \
-        --cache-policy planned --trace "$t" "${scen[@]}" >"$LOGS/bench$i.log" 2>&1 \
+        --cache-policy planned --trace "$t" --force "${scen[@]}" >"$LOGS/bench$i.log" 2>&1 \
         || die "bench $w failed (see $LOGS/bench$i.log)"
     "$BIN" plan --model "$m" --trace "$t" --policies --policy-fractions 0.25,0.5 --json >"$j" \
         || die "plan $w failed"

@@ -202,10 +202,11 @@ pub struct GpuOptions {
     pub graph_lane_events: bool,
     /// Post-Fetch of cold experts in prefill (`postfetch` module).
     pub postfetch: PostFetchOptions,
-    /// One-token decode GEMVs of quantized weights (the dense matrices and the hot lane) take
-    /// their activations quantized to 8 bits per block of 32 on the device and dot them in
-    /// integers (llama.cpp's MMVQ; bound in `moe_lanes_kernels::q8`); off: f32 activations
-    /// (f32 rounding only). `--activations f32` at the CLI turns it off.
+    /// The GEMVs of quantized weights (the dense matrices and the hot lane: a decode token, a
+    /// batched step's few rows, a prefill chunk of up to `QUANT_MAX_TOKENS` rows) take their
+    /// activations quantized to 8 bits per block of 32 on the device and dot them in integers
+    /// (llama.cpp's MMVQ; bound in `moe_lanes_kernels::q8`); off: f32 activations (f32 rounding
+    /// only). `--activations f32` at the CLI turns it off.
     pub q8_activations: bool,
     /// The KV cache's element type (`--cache-type-k/v` at the CLI): f16 (default) or f32.
     pub kv_type: KvType,
