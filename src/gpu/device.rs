@@ -111,7 +111,7 @@ impl Device {
             }
         }
         if self.by_gemv(phase, w, t) {
-            return self.gemv(x, w, y, t, n, k, accumulate);
+            return self.gemv(phase, x, w, y, t, n, k, accumulate);
         }
         let s = self.s();
         let lo = self.opts.prefill_activations.split(w.dtype).then(|| s.x_lo.ptr());
@@ -135,7 +135,7 @@ impl Device {
         if !ws.iter().all(|w| w.dtype.is_quantized() && self.by_gemv(phase, *w, t)) {
             return None;
         }
-        ws.iter().map(|w| self.dense_q8(*w, t, k)).reduce(|a, b| a.and(b)).flatten()
+        ws.iter().map(|w| self.gemv_q8(phase, *w, t, k)).reduce(|a, b| a.and(b)).flatten()
     }
 
     /// The bf16 hi + lo rows of `x` (`t` rows of `k`) when a decode call of `t` rows multiplies
@@ -167,10 +167,19 @@ impl Device {
         t >= self.opts.batch_gemm_min_tokens
     }
 
-    /// The decode GEMV of a matrix in its stored type.
+    /// The 8-bit rows [`Device::gemv`] quantizes `t` rows of `k` into for `w`: one token, or the
+    /// rows of a decode call (a batched step); a prefill chunk's rows keep f32, as its GEMMs keep
+    /// about f32 (`GpuOptions::prefill_activations`). None: f32 activations.
+    fn gemv_q8(&self, phase: Phase, w: TypedWeights, t: usize, k: usize) -> Option<Q8Rows> {
+        self.dense_q8(w, t, k).filter(|_| t == 1 || phase == Phase::Decode)
+    }
+
+    /// The GEMV of a matrix in its stored type (8-bit activations where [`Device::gemv_q8`]
+    /// gives rows).
     #[allow(clippy::too_many_arguments)]
     pub fn gemv(
         &self,
+        phase: Phase,
         x: DPtr<f32>,
         w: TypedWeights,
         y: DPtr<f32>,
@@ -182,7 +191,7 @@ impl Device {
         if let Some(bf) = w.bf16() {
             return Ok(self.be.gemv_bf16(bf, x, y, t, n, k, accumulate)?);
         }
-        match self.dense_q8(w, t, k) {
+        match self.gemv_q8(phase, w, t, k) {
             Some(xq) => {
                 self.be.quantize_q8(x, t, k, xq)?;
                 self.be.gemv_quant_q8_tokens(w.dtype, w.bytes, xq, y, t, n, k, accumulate)?

@@ -202,11 +202,12 @@ pub struct GpuOptions {
     pub graph_lane_events: bool,
     /// Post-Fetch of cold experts in prefill (`postfetch` module).
     pub postfetch: PostFetchOptions,
-    /// The GEMVs of quantized weights (the dense matrices and the hot lane: a decode token, a
-    /// batched step's few rows, a prefill chunk of up to `QUANT_MAX_TOKENS` rows) take their
-    /// activations quantized to 8 bits per block of 32 on the device and dot them in integers
-    /// (llama.cpp's MMVQ; bound in `moe_lanes_kernels::q8`); off: f32 activations (f32 rounding
-    /// only). `--activations f32` at the CLI turns it off.
+    /// The GEMVs of quantized weights take their activations quantized to 8 bits per block of 32
+    /// on the device and dot them in integers (llama.cpp's MMVQ; bound in
+    /// `moe_lanes_kernels::q8`): the hot lane's, and the dense matrices' in decode (a token, a
+    /// batched step's rows; a short prefill chunk's dense GEMVs keep f32: 8-bit there failed
+    /// `quant_engine`'s 3-7-token prompts against their 3e-2 on the H200); off: f32
+    /// activations (f32 rounding only). `--activations f32` at the CLI turns it off.
     pub q8_activations: bool,
     /// The KV cache's element type (`--cache-type-k/v` at the CLI): f16 (default) or f32.
     pub kv_type: KvType,

@@ -37,7 +37,7 @@ impl MoeStage {
             self.route_fused(cx, ids, wts)?;
         } else {
             be.rmsnorm(s.hidden.ptr(), router_norm(dev, l).ptr(), s.normed.ptr(), t, h, c.rms_eps)?;
-            dev.gemv(s.normed.ptr(), lw.router(), s.router_logits.ptr(), t, c.n_experts, h, false)?;
+            dev.gemv(cx.phase, s.normed.ptr(), lw.router(), s.router_logits.ptr(), t, c.n_experts, h, false)?;
             if let Some(b) = &lw.router_bias {
                 be.add_bias_rows(s.router_logits.ptr(), b.ptr(), t, c.n_experts)?;
             }
@@ -204,7 +204,7 @@ pub(crate) fn shared_expert(cx: &LayerCtx<'_>) -> Result<(), GpuError> {
     gated_ffn(cx, sw, dev.cfg.shared_expert_ff, s.shared_out.ptr(), false)?;
     match &sw.gate_logit {
         Some(gl) => {
-            dev.gemv(s.normed.ptr(), gl.view(), s.shared_gl.ptr(), t, 1, h, false)?;
+            dev.gemv(cx.phase, s.normed.ptr(), gl.view(), s.shared_gl.ptr(), t, 1, h, false)?;
             be.add_sigmoid_scaled_rows(s.moe_out.ptr(), s.shared_out.ptr(), s.shared_gl.ptr(), t, h)?;
         }
         None => be.add(s.moe_out.ptr(), s.shared_out.ptr(), t * h)?,
