@@ -118,6 +118,7 @@ unsafe fn unpack_q6(rows: &[*const u8], cols: usize, u: &mut Unpacked) {
     u.scale.resize(cols / Q6_SUB_COLS * GEMM_ROWS, 0.0);
     u.min.resize(cols / SUB_COLS * GEMM_ROWS, 0.0);
     let bytes = WeightDType::Q6_K.block_bytes();
+    prefetch_rows(rows, cols / 256 * bytes);
     for blk in 0..cols / 256 {
         // SAFETY: block `blk` of every listed row is whole (the caller's contract).
         unsafe {
@@ -233,19 +234,24 @@ unsafe fn unpack(rows: &[*const u8], cols: usize, dtype: WeightDType, u: &mut Un
     u.scale.resize(subs * GEMM_ROWS, 0.0);
     u.min.resize(subs * GEMM_ROWS, 0.0);
     let bytes = dtype.block_bytes();
+    prefetch_rows(rows, cols / 256 * bytes);
+    let (scale, min) = (u.scale.as_mut_slice(), u.min.as_mut_slice());
     for r in 0..GEMM_ROWS {
-        let (scale, min) = (&mut u.scale, &mut u.min);
-        let lanes = (0..subs).map(|j| j * GEMM_ROWS + r);
         let Some(&row) = rows.get(r) else {
-            lanes.for_each(|at| (scale[at], min[at]) = (0.0, 0.0));
+            (0..subs).for_each(|j| (scale[j * GEMM_ROWS + r], min[j * GEMM_ROWS + r]) = (0.0, 0.0));
             continue;
         };
         // SAFETY: the row's `cols / 256` blocks are whole (the caller's contract).
         let row = unsafe { std::slice::from_raw_parts(row, cols / 256 * bytes) };
-        for (j, at) in lanes.enumerate() {
-            let block = &row[j / 8 * bytes..][..bytes];
-            let (sc, m) = scale_min(j % 8, &block[4..16]);
-            (scale[at], min[at]) = (half_at(block, 0) * sc, half_at(block, 2) * m);
+        // a block's d and dmin converted once for its 8 sub-blocks (per sub-block, these scalar
+        // conversions were most of a prefill call's unpacking)
+        for (blk, block) in row.chunks_exact(bytes).enumerate() {
+            let (d, dmin, packed) = (half_at(block, 0), half_at(block, 2), &block[4..16]);
+            for j in 0..8 {
+                let (sc, m) = scale_min(j, packed);
+                let at = (8 * blk + j) * GEMM_ROWS + r;
+                (scale[at], min[at]) = (d * sc, dmin * m);
+            }
         }
     }
     for blk in 0..cols / 256 {
@@ -255,6 +261,18 @@ unsafe fn unpack(rows: &[*const u8], cols: usize, dtype: WeightDType, u: &mut Un
                 WeightDType::Q5_K => unpack_k_levels::<true>(rows, blk * bytes, blk, u),
                 _ => unpack_k_levels::<false>(rows, blk * bytes, blk, u),
             }
+        }
+    }
+}
+
+/// Asks for the `row_bytes` of every listed row in L2 before [`unpack`] reads them: a row
+/// block's rows lie a row apart, so the hardware's stream prefetch starts over at each row and
+/// the first read of each (its first block's scales) waited for memory.
+fn prefetch_rows(rows: &[*const u8], row_bytes: usize) {
+    for &row in rows {
+        for at in (0..row_bytes).step_by(64) {
+            // SAFETY: a prefetch never faults; `at` lies within the row (the caller's contract).
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(at) as *const i8) };
         }
     }
 }
@@ -315,6 +333,7 @@ unsafe fn unpack_signed(rows: &[*const u8], cols: usize, dtype: WeightDType, u: 
     u.scale.resize(blocks * GEMM_ROWS, 0.0);
     u.start.resize(blocks * GEMM_ROWS, 0);
     let bytes = dtype.block_bytes();
+    prefetch_rows(rows, blocks * bytes);
     for r in 0..GEMM_ROWS {
         let row = rows.get(r).map(|&row| {
             // SAFETY: the row's `blocks` blocks are whole (the caller's contract).
