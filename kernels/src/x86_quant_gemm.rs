@@ -38,8 +38,9 @@ use std::arch::x86_64::*;
 use std::cell::RefCell;
 
 use crate::q8::{Q8Row, Q8Rows};
-use crate::quant::{e8m0_half, half_at, scale_min, MXFP4_VALUES};
+use crate::quant::{e8m0_half, half_at, MXFP4_VALUES};
 use crate::weights::WeightDType;
+use crate::x86_quant::k_scales_mins;
 
 /// Rows of a tile: the lanes of one register of i32 / f32.
 pub(crate) const GEMM_ROWS: usize = 16;
@@ -246,11 +247,11 @@ unsafe fn unpack(rows: &[*const u8], cols: usize, dtype: WeightDType, u: &mut Un
         // a block's d and dmin converted once for its 8 sub-blocks (per sub-block, these scalar
         // conversions were most of a prefill call's unpacking)
         for (blk, block) in row.chunks_exact(bytes).enumerate() {
-            let (d, dmin, packed) = (half_at(block, 0), half_at(block, 2), &block[4..16]);
+            let (d, dmin) = (half_at(block, 0), half_at(block, 2));
+            let (sc, m) = k_scales_mins(block[4..16].try_into().expect("12 packed bytes"));
             for j in 0..8 {
-                let (sc, m) = scale_min(j, packed);
                 let at = (8 * blk + j) * GEMM_ROWS + r;
-                (scale[at], min[at]) = (d * sc, dmin * m);
+                (scale[at], min[at]) = (d * sc[j] as f32, dmin * m[j] as f32);
             }
         }
     }
