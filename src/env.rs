@@ -56,6 +56,11 @@ fn bad(var: &'static str, value: &str, expected: &'static str) -> EnvError {
     EnvError { var, value: value.to_string(), expected }
 }
 
+/// A count variable (unset: `None`); anything but a whole number is an error naming it.
+fn count(name: &'static str, expected: &'static str) -> Result<Option<usize>, EnvError> {
+    var(name).map(|v| v.parse::<usize>().map_err(|_| bad(name, &v, expected))).transpose()
+}
+
 /// `MOE_LANES_SIMD`, parsed (whether this CPU has it is checked where the level is used).
 pub fn simd_override() -> Result<Option<SimdLevel>, EnvError> {
     var("MOE_LANES_SIMD")
@@ -170,20 +175,10 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
         Some("bf16") => Some(PrefillActivations::Bf16),
         Some(v) => return Err(bad("MOE_LANES_PREFILL_ACTIVATIONS", v, "auto, split or bf16")),
     };
-    let batch_gemm_min_tokens = var("MOE_LANES_BATCH_GEMM_MIN_TOKENS")
-        .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_BATCH_GEMM_MIN_TOKENS", &v, "a token count")))
-        .transpose()?;
-    let hot_grouped_min_rows = var("MOE_LANES_HOT_GROUPED_MIN_ROWS")
-        .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_HOT_GROUPED_MIN_ROWS", &v, "a row count")))
-        .transpose()?;
-    let hot_grouped_min_rows_quantized = var("MOE_LANES_HOT_GROUPED_MIN_ROWS_QUANTIZED")
-        .map(|v| {
-            v.parse::<usize>().map_err(|_| bad("MOE_LANES_HOT_GROUPED_MIN_ROWS_QUANTIZED", &v, "a row count"))
-        })
-        .transpose()?;
-    let ping_pong_max_rows = var("MOE_LANES_PING_PONG_MAX_ROWS")
-        .map(|v| v.parse::<usize>().map_err(|_| bad("MOE_LANES_PING_PONG_MAX_ROWS", &v, "a row count")))
-        .transpose()?;
+    let batch_gemm_min_tokens = count("MOE_LANES_BATCH_GEMM_MIN_TOKENS", "a token count")?;
+    let hot_grouped_min_rows = count("MOE_LANES_HOT_GROUPED_MIN_ROWS", "a row count")?;
+    let hot_grouped_min_rows_quantized = count("MOE_LANES_HOT_GROUPED_MIN_ROWS_QUANTIZED", "a row count")?;
+    let ping_pong_max_rows = count("MOE_LANES_PING_PONG_MAX_ROWS", "a row count")?;
     Ok(GpuTuning {
         prefill_attention,
         prefill_activations,

@@ -12,17 +12,18 @@ use serde_json::Value;
 const LAYERS: usize = 2;
 const EXPERTS: u64 = 16;
 
-/// A 2-layer, 16-expert synthetic model with `top_k` and the routing `skew`.
+/// A synthetic model of [`LAYERS`] layers and [`EXPERTS`] experts with `top_k` and the routing
+/// `skew`.
 fn synth_skewed(model: &std::path::Path, top_k: usize, skew: &str) {
-    let k = top_k.to_string();
+    let (layers, experts, k) = (LAYERS.to_string(), EXPERTS.to_string(), top_k.to_string());
     ok_stdout(&[
         "synth",
         "--out",
         p(model),
         "--layers",
-        "2",
+        &layers,
         "--experts",
-        "16",
+        &experts,
         "--top-k",
         &k,
         "--skew",

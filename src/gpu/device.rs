@@ -132,10 +132,12 @@ impl Device {
     /// would quantize for itself in [`Device::linear`]'s GEMV path, so a caller can write them
     /// once; None when any of them takes another path.
     pub fn shared_q8_rows(&self, phase: Phase, ws: &[TypedWeights], t: usize, k: usize) -> Option<Q8Rows> {
-        if !ws.iter().all(|w| w.dtype.is_quantized() && self.by_gemv(phase, *w, t)) {
-            return None;
+        let mut rows = None;
+        for w in ws {
+            // gemv_q8 takes quantized matrices only; every one of them writes the same scratch
+            rows = Some(self.gemv_q8(phase, *w, t, k).filter(|_| self.by_gemv(phase, *w, t))?);
         }
-        ws.iter().map(|w| self.gemv_q8(phase, *w, t, k)).reduce(|a, b| a.and(b)).flatten()
+        rows
     }
 
     /// The bf16 hi + lo rows of `x` (`t` rows of `k`) when a decode call of `t` rows multiplies
