@@ -94,11 +94,14 @@ moe_rates() {
 
 # One case: llama.cpp then moe-lanes on MODEL; prints one table row.
 run_case() {
-    local case="$1" layers="$2" all_mib="$3" logs="$4" lflags mflags
+    local case="$1" layers="$2" all_mib="$3" logs="$4" lflags mflags env_l=()
     case_flags "$case" "$layers" "$all_mib"
-    "$LLAMA_DIR/build/bin/llama-bench" -m "$MODEL" -p "$P" -n "$N" -d "$D" -r "$REPS" -t "$THREADS" \
+    # CPU only means no GPU visible to either: the CUDA build at -ngl 0 -nopo 1 gave 615.7 pp512
+    # on the Q4_K_M file that the CPU build ran at 263-336 (sessions 36 and 46, benches/RESULTS.md)
+    [ "$case" = cpu ] && env_l=(CUDA_VISIBLE_DEVICES=)
+    env "${env_l[@]}" "$LLAMA_DIR/build/bin/llama-bench" -m "$MODEL" -p "$P" -n "$N" -d "$D" -r "$REPS" -t "$THREADS" \
         "${lflags[@]}" -o json > "$logs/llama-$case-d$D.json" 2> "$logs/llama-$case-d$D.log"
-    "$BIN" bench --model "$MODEL" -p "$P" -n "$N" -d "$D" --runs "$REPS" --json "${mflags[@]}" \
+    env "${env_l[@]}" "$BIN" bench --model "$MODEL" -p "$P" -n "$N" -d "$D" --runs "$REPS" --json "${mflags[@]}" \
         > "$logs/moe-$case-d$D.json" 2> "$logs/moe-$case-d$D.log"
     read -r lpp ltg < <(llama_rates "$logs/llama-$case-d$D.json")
     read -r mpp mtg hit threads < <(moe_rates "$logs/moe-$case-d$D.json")

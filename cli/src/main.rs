@@ -370,9 +370,9 @@ struct EngineArgs {
     #[arg(long)]
     postfetch_decode: Option<bool>,
     /// Activations of the decode of quantised weights (CPU: experts of up to 4 tokens, the
-    /// dense stage's quantised matrices, and many-token Q4_K and Q6_K products): f32,
-    /// q8 (8-bit for every quantised type) or auto. CPU with AVX-512 VNNI: auto is 8-bit except
-    /// for Q8_0, the default; AVX2 alone: 8-bit for Q4_0, Q4_K, Q5_K and Q6_K. GPU engine: q8 and auto (the default) are 8-bit for every quantised
+    /// dense stage's quantised matrices, and many-token Q4_K, Q5_K, Q6_K, Q8_0 and MXFP4
+    /// products): f32, q8 (8-bit for every quantised type) or auto. CPU with AVX-512 VNNI: auto
+    /// is 8-bit except for few-token Q8_0 products, the default; AVX2 alone: 8-bit for Q4_0, Q4_K, Q5_K and Q6_K. GPU engine: q8 and auto (the default) are 8-bit for every quantised
     /// type and its prefill GEMMs round them to bf16; f32 keeps f32 (prefill: bf16 hi + lo).
     /// MOE_LANES_Q8_ACTIVATIONS sets the default.
     #[arg(long)]

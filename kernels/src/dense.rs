@@ -24,8 +24,9 @@
 //! does for every quantised product. With f32 activations a Q6_K `lm_head` decodes each weight to
 //! f32 before its multiply-add, and on the 2-core build machine (Zen 4) that held a CPU-only
 //! Q4_K_M token's 151936-row head at about 18 GB/s, 14.4 of its 21.7 ms. On AMX hosts the rule
-//! sends many-token Q4_K and Q6_K products to the VNNI tiles too (they beat the AMX tiles there
-//! on experts of the same width, `ffn::q8_many_tokens`); a call with such a part has no AMX form.
+//! sends many-token products of every type the many-token integer tiles take to them too (they
+//! beat the AMX-BF16 tiles there on experts, `ffn::q8_many_tokens`); a call with such a part has
+//! no AMX form.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -229,8 +230,8 @@ fn quantize_worker(call: &RawCall) {
 fn attach_amx(call: &mut RawCall, buf: &mut Vec<u32>) {
     #[cfg(target_arch = "x86_64")]
     {
-        // a part that takes 8-bit activations runs the VNNI tiles (the cold lane's rule:
-        // Q4_K and Q6_K on AMX hosts, which beat the AMX tiles there in experts)
+        // a part that takes 8-bit activations runs the integer tiles (the cold lane's rule:
+        // every type they take, which beat the AMX-BF16 tiles there in experts)
         let usable = |p: &RawPart| !p.q8 && crate::x86_amx::usable(p.dtype, call.n_tokens, call.cols);
         if call.level == SimdLevel::Amx && call.parts.iter().flatten().all(usable) {
             let words = crate::x86_amx::packed_words(call.n_tokens, call.cols);

@@ -251,19 +251,14 @@ pub(crate) unsafe fn dot_tiles(
 }
 
 /// Whether calls of more than [`Q8_MAX_TOKENS`] tokens over `dtype` rows take 8-bit activations
-/// at `level` (the VNNI many-token tiles, `x86_quant_gemm.rs`): the pool quantises the tokens
-/// for them. Q4_K on AMX hosts too: CPU-only Q4_K_M prefill of an 8-layer Qwen3-30B-A3B shape on
-/// the H200 machine's host, pp512 777 / 740 t/s with every quantised expert on the AMX tiles,
-/// 1011 / 900 with the Q4_K ones on these (benches/RESULTS.md, session 32). Q6_K there too: the
-/// same file's pp512 958.6 / 949.0 t/s with its Q6_K downs on the AMX tiles, 963.6 / 923.9 on
-/// these (session 33). Q5_K, Q8_0 and MXFP4 (issue 46) only off AMX: on the build machine's Zen
-/// 4 their tiles ran an expert 2.0-2.8x faster than the f32 tiles, but they have not been
-/// measured against the AMX tiles (the `x86_quant_gemm` timing test prints both on an AMX host).
+/// at `level` (the many-token integer tiles, `x86_quant_gemm.rs`): the pool quantises the tokens
+/// for them. Every type they take at every VNNI level, AMX hosts too: on the H200 machine's host
+/// one expert of the Qwen3-30B-A3B shape ran 1.6-2.3x faster on them than on the AMX-BF16 tiles
+/// for each of Q4_K, Q5_K, Q6_K, Q8_0 and MXFP4 at 8 to 128 tokens (`x86_quant_gemm`'s timing
+/// test, benches/RESULTS.md session 46; Q4_K and Q6_K took them there since sessions 32-33).
 pub(crate) fn q8_many_tokens(level: SimdLevel, dtype: WeightDType) -> bool {
     #[cfg(target_arch = "x86_64")]
-    return level.has_q8_dot()
-        && crate::x86_quant_gemm::takes(dtype)
-        && (level != SimdLevel::Amx || matches!(dtype, WeightDType::Q4_K | WeightDType::Q6_K));
+    return level.has_q8_dot() && crate::x86_quant_gemm::takes(dtype);
     #[cfg(not(target_arch = "x86_64"))]
     return false;
 }

@@ -947,9 +947,10 @@ mod tests {
     }
 
     /// Single-thread time of one expert of the Qwen3-30B-A3B shape (gate and up 768 x 2048, down
-    /// 2048 x 768) per type at 32 and 128 tokens: the f32 path (rows dequantised per block of 8,
-    /// `ffn::dequantized_dot_tiles`) against these tiles (the tokens and `h` quantised to 8 bits
-    /// in the timed part, as the pool does), 8 experts in turn so the rows come from memory:
+    /// 2048 x 768) per type at 8 to 128 tokens: the f32 path (rows dequantised per block of 8,
+    /// `ffn::dequantized_dot_tiles`) against these tiles (called directly, whatever the level's
+    /// rule; the tokens and `h` quantised to 8 bits in the timed part, as the pool does) and, on
+    /// AMX hosts, the AMX-BF16 tiles; 8 experts in turn so the rows come from memory:
     /// `cargo test --release -p moe-lanes-kernels --lib -- --ignored --nocapture tiles_time`.
     #[test]
     #[ignore = "timing"]
@@ -964,37 +965,33 @@ mod tests {
             let mats: Vec<Vec<Vec<u8>>> = (0..experts)
                 .map(|_| shapes.iter().map(|&(r, c)| random_rows(dtype, r, c, false)).collect())
                 .collect();
-            for n in [32usize, 128] {
+            for n in [8usize, 16, 32, 128] {
                 let (x, h) = (tokens(n, hidden), tokens(n, ff));
                 let mut out = vec![0.0f32; n * hidden];
                 let mut q8 = [Q8Activations::new(), Q8Activations::new()];
+                // the f32 path, or (eight_bit) these tiles called directly
                 let mut expert = |e: usize, eight_bit: bool| {
                     for (m, &(rows, cols)) in shapes.iter().enumerate() {
                         let x = if cols == hidden { &x } else { &h };
-                        let q = &mut q8[usize::from(cols == ff)];
-                        let q8 = eight_bit.then(|| {
-                            q.reserve_rows(n, cols).unwrap();
-                            (0..n).for_each(|t| q.quantize_row(t, &x[t * cols..][..cols]));
-                            q.rows_from(0)
-                        });
                         let row_bytes = dtype.row_bytes(cols);
                         let bytes = &mats[e][m];
-                        // SAFETY: level detected; rows of whole blocks; n tokens of `cols` f32
-                        // and (when given) 8-bit values.
-                        unsafe {
-                            crate::ffn::dot_tiles(
-                                level,
-                                dtype,
-                                cols,
-                                rows,
-                                rows,
-                                |r| bytes.as_ptr().add(r * row_bytes),
-                                n,
-                                |t| x.as_ptr().add(t * cols),
-                                q8,
-                                |r, t, v| out[t * rows + r] = v,
-                            )
-                        };
+                        let row_ptr = |r: usize| bytes.as_ptr().wrapping_add(r * row_bytes);
+                        let sink = |r: usize, t: usize, v: f32| out[t * rows + r] = v;
+                        if !eight_bit {
+                            let x = |t: usize| x.as_ptr().wrapping_add(t * cols);
+                            // SAFETY: level detected; rows of whole blocks; n tokens of `cols` f32.
+                            unsafe {
+                                crate::ffn::dot_tiles(
+                                    level, dtype, cols, rows, rows, row_ptr, n, x, None, sink,
+                                )
+                            };
+                            continue;
+                        }
+                        let q = &mut q8[usize::from(cols == ff)];
+                        q.reserve_rows(n, cols).unwrap();
+                        (0..n).for_each(|t| q.quantize_row(t, &x[t * cols..][..cols]));
+                        // SAFETY: VNNI checked; rows of whole blocks; n 8-bit tokens of `cols` values.
+                        unsafe { rows_times_tokens(dtype, cols, rows, row_ptr, n, q.rows_from(0), sink) };
                     }
                 };
                 let mut ms = |eight_bit: bool| {
@@ -1009,15 +1006,17 @@ mod tests {
                 };
                 let (old, new) = (ms(false), ms(true));
                 let gflops = |ms: f64| 6.0 * (ff * hidden * n) as f64 / ms / 1e6;
-                let (f_old, f_new, ratio) = (gflops(old), gflops(new), old / new);
-                println!(
-                    "{dtype:?} {n:>3} tokens: f32 path {old:.3} ms ({f_old:.1} GFLOP/s), \
-                     VNNI tiles {new:.3} ms ({f_new:.1} GFLOP/s), {ratio:.2}x"
+                let mut line = format!(
+                    "{dtype:?} {n:>3} tokens: f32 path {old:.3} ms ({:.1} GFLOP/s), VNNI tiles {new:.3} ms \
+                     ({:.1} GFLOP/s)",
+                    gflops(old),
+                    gflops(new)
                 );
                 if level == crate::SimdLevel::Amx {
                     let amx = amx_expert_ms(dtype, &mats, (ff, hidden), (&x, &h), n);
-                    println!("{dtype:?} {n:>3} tokens: AMX tiles {amx:.3} ms ({:.1} GFLOP/s)", gflops(amx));
+                    line += &format!(", AMX-BF16 tiles {amx:.3} ms ({:.1} GFLOP/s)", gflops(amx));
                 }
+                println!("{line}");
             }
         }
     }
