@@ -44,8 +44,8 @@ use crate::moe::routing::Router;
 use crate::reference::ForwardError;
 use moe_lanes_kernels::kv::{kv_ring_positions, KV_RING_CHUNK_POSITIONS};
 use moe_lanes_kernels::{
-    par_chunks_mut, AttentionInput, AttentionShape, DecodeActivations, DenseMatrix, KernelError, KvRows,
-    KvType, MatmulPart, SimdLevel,
+    par_chunks_mut, AttentionInput, AttentionShape, ColdPool, DecodeActivations, DenseMatrix, KernelError,
+    KvRows, KvType, MatmulPart, SimdLevel,
 };
 use std::ops::Range;
 use std::sync::Arc;
@@ -1003,10 +1003,13 @@ impl Pipeline {
         let spec = *self.plan.layer(l).attention();
         let (h, qd, kvd, hd) = (c.hidden, spec.q_dim(c.n_heads), spec.kv_dim(), spec.head_dim);
         let output_gate = spec.output_gate;
-        for t in 0..n {
-            let x = &a.hidden[t * h..(t + 1) * h];
-            rms_norm_row(x, &w.attn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
-        }
+        rms_norm_rows(
+            self.dense.pool_mut(),
+            &a.hidden[..n * h],
+            &w.attn_norm,
+            c.rms_eps,
+            &mut a.normed[..n * h],
+        )?;
         let q_out = if output_gate { &mut a.q_gated[..2 * n * qd] } else { &mut a.q[..n * qd] };
         let (q, k) = (MatmulPart { w: *wq, y: q_out }, MatmulPart { w: *wk, y: &mut a.k[..n * kvd] });
         // on the stack: this runs every layer of every decode token
@@ -1304,9 +1307,7 @@ impl Pipeline {
         let (c, a) = (&self.config, &mut self.act);
         let (h, eps) = (c.hidden, c.rms_eps);
         let w = &self.layers[l];
-        for t in 0..n {
-            rms_norm_row(&a.hidden[t * h..(t + 1) * h], &w.attn_norm, eps, &mut a.normed[t * h..(t + 1) * h]);
-        }
+        rms_norm_rows(self.dense.pool_mut(), &a.hidden[..n * h], &w.attn_norm, eps, &mut a.normed[..n * h])?;
         let (q, kv_a) = (q.expect("q"), kv_a.expect("kv_a"));
         let (width, qd) = (spec.cache_width(), spec.q_dim());
         let b = &mut a.mla;
@@ -1370,10 +1371,13 @@ impl Pipeline {
         let Mixer::GatedDeltaNet(d) = self.plan.layer(l).mixer else { unreachable!("a DeltaNet layer") };
         let (w, a) = (&self.layers[l], &mut self.act);
         let h = c.hidden;
-        for t in 0..n {
-            let x = &a.hidden[t * h..(t + 1) * h];
-            rms_norm_row(x, &w.attn_norm, c.rms_eps, &mut a.normed[t * h..(t + 1) * h]);
-        }
+        rms_norm_rows(
+            self.dense.pool_mut(),
+            &a.hidden[..n * h],
+            &w.attn_norm,
+            c.rms_eps,
+            &mut a.normed[..n * h],
+        )?;
         // Two, three or four input projections, as the file stores them (`MixerMatrices`).
         fn part<'a, 'y>(m: &DenseMatrix<'a>, buf: &'y mut [f32], n: usize) -> MatmulPart<'a, 'y> {
             MatmulPart { w: *m, y: &mut buf[..n * m.rows] }
@@ -1453,7 +1457,7 @@ impl Pipeline {
             // The dense branch reads the FFN norm's output; the experts their own norm's.
             let shared = m.shared.as_ref().expect("branch norms come with the dense branch");
             self.shared_expert(l, shared, n)?;
-            self.experts_norm(l, n);
+            self.experts_norm(l, n)?;
         }
         mark(&mut self.profile, |p| p.layer(4));
         let t1 = Instant::now();
@@ -1535,24 +1539,14 @@ impl Pipeline {
     fn route_layer(&mut self, l: usize, m: &LayerMatrices<'_>, n: usize) -> Result<(), PipelineError> {
         let c = &self.config;
         let (h, n_experts) = (c.hidden, c.n_experts);
-        let (w, a) = (&self.layers[l], &mut self.act);
-        for t in 0..n {
-            rms_norm_row(
-                &a.hidden[t * h..(t + 1) * h],
-                &w.ffn_norm,
-                c.rms_eps,
-                &mut a.normed[t * h..(t + 1) * h],
-            );
-        }
+        let (w, a, pool) = (&self.layers[l], &mut self.act, self.dense.pool_mut());
+        rms_norm_rows(pool, &a.hidden[..n * h], &w.ffn_norm, c.rms_eps, &mut a.normed[..n * h])?;
         let y = &mut a.router_logits[..n * n_experts];
         let router = m.router.expect("MoE layers have a router");
         let input = match &w.router_input_scale {
             // The residual through a weightless RMSNorm, times the scale (`hidden^-0.5` folded in).
             Some(scale) => {
-                for t in 0..n {
-                    let x = &a.hidden[t * h..(t + 1) * h];
-                    rms_norm_row(x, scale, c.rms_eps, &mut a.proj[t * h..(t + 1) * h]);
-                }
+                rms_norm_rows(pool, &a.hidden[..n * h], scale, c.rms_eps, &mut a.proj[..n * h])?;
                 &a.proj[..n * h]
             }
             None => &a.normed[..n * h],
@@ -1578,13 +1572,11 @@ impl Pipeline {
     }
 
     /// The experts' own norm of the layer input into `normed` (`MoeSpec::branch_norms`).
-    fn experts_norm(&mut self, l: usize, n: usize) {
+    fn experts_norm(&mut self, l: usize, n: usize) -> Result<(), KernelError> {
         let (h, eps) = (self.config.hidden, self.config.rms_eps);
         let (w, a) = (&self.layers[l], &mut self.act);
         let [_, pre, _] = w.branch_norms.as_ref().expect("a layer with branch norms");
-        for t in 0..n {
-            rms_norm_row(&a.hidden[t * h..(t + 1) * h], pre, eps, &mut a.normed[t * h..(t + 1) * h]);
-        }
+        rms_norm_rows(self.dense.pool_mut(), &a.hidden[..n * h], pre, eps, &mut a.normed[..n * h])
     }
 
     /// The shared expert of layer `l` on the dense pool: `shared_y` and its sigmoid gate.
@@ -1614,10 +1606,13 @@ impl Pipeline {
     fn dense_ffn_block(&mut self, l: usize, w: &[DenseMatrix<'_>; 3], n: usize) -> Result<(), PipelineError> {
         let (h, ff, eps) = (self.config.hidden, w[0].rows, self.config.rms_eps);
         let a = &mut self.act;
-        for t in 0..n {
-            let x = &a.hidden[t * h..(t + 1) * h];
-            rms_norm_row(x, &self.layers[l].ffn_norm, eps, &mut a.normed[t * h..(t + 1) * h]);
-        }
+        rms_norm_rows(
+            self.dense.pool_mut(),
+            &a.hidden[..n * h],
+            &self.layers[l].ffn_norm,
+            eps,
+            &mut a.normed[..n * h],
+        )?;
         let (g, u) = (&mut a.shared_g[..n * ff], &mut a.shared_u[..n * ff]);
         self.dense
             .matmul(&a.normed[..n * h], &mut [MatmulPart { w: w[0], y: g }, MatmulPart { w: w[1], y: u }])?;
@@ -1704,6 +1699,31 @@ fn head_rows<'m>(m: &DenseMatrix<'m>, head: usize, rows: usize) -> DenseMatrix<'
         rows,
         cols: m.cols,
     }
+}
+
+/// Fewest rows [`rms_norm_rows`] spreads over the pool's threads: a row is about 3 us at 2048
+/// values (its sum of squares one dependent chain of f32 adds), so a prefill chunk's 512 rows
+/// took a millisecond on one thread per norm, per layer; a decode step's few rows stay on the
+/// caller's thread.
+const PAR_NORM_MIN_ROWS: usize = 16;
+
+/// `out` row t = [`rms_norm_row`] of `x` row t, for the rows of `weight.len()` values in `x`;
+/// many rows on the pool's threads, each computed exactly as alone (the same bits).
+fn rms_norm_rows(
+    pool: &mut ColdPool,
+    x: &[f32],
+    weight: &[f32],
+    eps: f32,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let h = weight.len();
+    if out.len() / h < PAR_NORM_MIN_ROWS {
+        for (x, out) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+            rms_norm_row(x, weight, eps, out);
+        }
+        return Ok(());
+    }
+    par_chunks_mut(pool, out, h, &|t, row| rms_norm_row(&x[t * h..(t + 1) * h], weight, eps, row))
 }
 
 fn rms_norm_row(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
