@@ -253,7 +253,7 @@ pub(crate) unsafe fn dot_tiles(
 /// Whether calls of more than [`Q8_MAX_TOKENS`] tokens over `dtype` rows take 8-bit activations
 /// at `level` (the many-token integer tiles, `x86_quant_gemm.rs`): the pool quantises the tokens
 /// for them. Every type they take at every VNNI level, AMX hosts too: on the H200 machine's host
-/// one expert of the Qwen3-30B-A3B shape ran 1.6-2.3x faster on them than on the AMX-BF16 tiles
+/// one expert of the Qwen3-30B-A3B shape ran 1.5-4.2x faster on them than on the AMX-BF16 tiles
 /// for each of Q4_K, Q5_K, Q6_K, Q8_0 and MXFP4 at 8 to 128 tokens (`x86_quant_gemm`'s timing
 /// test, benches/RESULTS.md session 46; Q4_K and Q6_K took them there since sessions 32-33).
 pub(crate) fn q8_many_tokens(level: SimdLevel, dtype: WeightDType) -> bool {
