@@ -998,18 +998,11 @@ impl Pipeline {
         wv: Option<&DenseMatrix<'_>>,
         n: usize,
     ) -> Result<(), PipelineError> {
-        let c = &self.config;
-        let (w, a) = (&self.layers[l], &mut self.act);
+        self.attn_norm(l, n)?;
+        let (c, a) = (&self.config, &mut self.act);
         let spec = *self.plan.layer(l).attention();
         let (h, qd, kvd, hd) = (c.hidden, spec.q_dim(c.n_heads), spec.kv_dim(), spec.head_dim);
         let output_gate = spec.output_gate;
-        rms_norm_rows(
-            self.dense.pool_mut(),
-            &a.hidden[..n * h],
-            &w.attn_norm,
-            c.rms_eps,
-            &mut a.normed[..n * h],
-        )?;
         let q_out = if output_gate { &mut a.q_gated[..2 * n * qd] } else { &mut a.q[..n * qd] };
         let (q, k) = (MatmulPart { w: *wq, y: q_out }, MatmulPart { w: *wk, y: &mut a.k[..n * kvd] });
         // on the stack: this runs every layer of every decode token
@@ -1304,10 +1297,10 @@ impl Pipeline {
         [q_a, q, kv_a]: [Option<&DenseMatrix<'_>>; 3],
         n: usize,
     ) -> Result<(), PipelineError> {
+        self.attn_norm(l, n)?;
         let (c, a) = (&self.config, &mut self.act);
         let (h, eps) = (c.hidden, c.rms_eps);
         let w = &self.layers[l];
-        rms_norm_rows(self.dense.pool_mut(), &a.hidden[..n * h], &w.attn_norm, eps, &mut a.normed[..n * h])?;
         let (q, kv_a) = (q.expect("q"), kv_a.expect("kv_a"));
         let (width, qd) = (spec.cache_width(), spec.q_dim());
         let b = &mut a.mla;
@@ -1367,17 +1360,11 @@ impl Pipeline {
         out: &DenseMatrix<'_>,
         n: usize,
     ) -> Result<(), PipelineError> {
+        self.attn_norm(l, n)?;
         let c = &self.config;
         let Mixer::GatedDeltaNet(d) = self.plan.layer(l).mixer else { unreachable!("a DeltaNet layer") };
-        let (w, a) = (&self.layers[l], &mut self.act);
+        let a = &mut self.act;
         let h = c.hidden;
-        rms_norm_rows(
-            self.dense.pool_mut(),
-            &a.hidden[..n * h],
-            &w.attn_norm,
-            c.rms_eps,
-            &mut a.normed[..n * h],
-        )?;
         // Two, three or four input projections, as the file stores them (`MixerMatrices`).
         fn part<'a, 'y>(m: &DenseMatrix<'a>, buf: &'y mut [f32], n: usize) -> MatmulPart<'a, 'y> {
             MatmulPart { w: *m, y: &mut buf[..n * m.rows] }
@@ -1569,6 +1556,13 @@ impl Pipeline {
             }
         }
         Ok(())
+    }
+
+    /// The attention (or mixer) norm of layer `l`'s input into `normed`.
+    fn attn_norm(&mut self, l: usize, n: usize) -> Result<(), KernelError> {
+        let (h, eps) = (self.config.hidden, self.config.rms_eps);
+        let (w, a) = (&self.layers[l], &mut self.act);
+        rms_norm_rows(self.dense.pool_mut(), &a.hidden[..n * h], &w.attn_norm, eps, &mut a.normed[..n * h])
     }
 
     /// The experts' own norm of the layer input into `normed` (`MoeSpec::branch_norms`).
