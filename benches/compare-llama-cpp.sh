@@ -16,8 +16,8 @@
 #                                                #   streaming clients): tokens/s, inter-token latency
 #
 # `run` prints one table: pp$P / tg$N of llama.cpp and moe-lanes and their ratios, for each case of
-# CASES. A case is `cpu` (no GPU at all: llama.cpp -ngl 0 with op offload off, moe-lanes --engine
-# pipeline) or `SHARE` in percent of expert bytes in VRAM (moe-lanes --hot-budget-mib SHARE% of all
+# CASES. A case is `cpu` (no GPU visible to either, CUDA_VISIBLE_DEVICES empty: llama.cpp -ngl 0
+# with op offload off, moe-lanes --engine pipeline) or `SHARE` in percent of expert bytes in VRAM (moe-lanes --hot-budget-mib SHARE% of all
 # experts; llama.cpp -ncmoe with the matching number of layers' experts kept on the CPU). No llama.cpp
 # source is committed: only this script.
 #
