@@ -1527,13 +1527,13 @@ impl Pipeline {
         let c = &self.config;
         let (h, n_experts) = (c.hidden, c.n_experts);
         let (w, a, pool) = (&self.layers[l], &mut self.act, self.dense.pool_mut());
-        rms_norm_rows(pool, &a.hidden[..n * h], &w.ffn_norm, c.rms_eps, &mut a.normed[..n * h])?;
+        rms_norm_rows(pool, (&a.hidden[..n * h], h), &w.ffn_norm, c.rms_eps, &mut a.normed[..n * h])?;
         let y = &mut a.router_logits[..n * n_experts];
         let router = m.router.expect("MoE layers have a router");
         let input = match &w.router_input_scale {
             // The residual through a weightless RMSNorm, times the scale (`hidden^-0.5` folded in).
             Some(scale) => {
-                rms_norm_rows(pool, &a.hidden[..n * h], scale, c.rms_eps, &mut a.proj[..n * h])?;
+                rms_norm_rows(pool, (&a.hidden[..n * h], h), scale, c.rms_eps, &mut a.proj[..n * h])?;
                 &a.proj[..n * h]
             }
             None => &a.normed[..n * h],
@@ -1562,7 +1562,13 @@ impl Pipeline {
     fn attn_norm(&mut self, l: usize, n: usize) -> Result<(), KernelError> {
         let (h, eps) = (self.config.hidden, self.config.rms_eps);
         let (w, a) = (&self.layers[l], &mut self.act);
-        rms_norm_rows(self.dense.pool_mut(), &a.hidden[..n * h], &w.attn_norm, eps, &mut a.normed[..n * h])
+        rms_norm_rows(
+            self.dense.pool_mut(),
+            (&a.hidden[..n * h], h),
+            &w.attn_norm,
+            eps,
+            &mut a.normed[..n * h],
+        )
     }
 
     /// The experts' own norm of the layer input into `normed` (`MoeSpec::branch_norms`).
@@ -1570,7 +1576,7 @@ impl Pipeline {
         let (h, eps) = (self.config.hidden, self.config.rms_eps);
         let (w, a) = (&self.layers[l], &mut self.act);
         let [_, pre, _] = w.branch_norms.as_ref().expect("a layer with branch norms");
-        rms_norm_rows(self.dense.pool_mut(), &a.hidden[..n * h], pre, eps, &mut a.normed[..n * h])
+        rms_norm_rows(self.dense.pool_mut(), (&a.hidden[..n * h], h), pre, eps, &mut a.normed[..n * h])
     }
 
     /// The shared expert of layer `l` on the dense pool: `shared_y` and its sigmoid gate.
@@ -1602,7 +1608,7 @@ impl Pipeline {
         let a = &mut self.act;
         rms_norm_rows(
             self.dense.pool_mut(),
-            &a.hidden[..n * h],
+            (&a.hidden[..n * h], h),
             &self.layers[l].ffn_norm,
             eps,
             &mut a.normed[..n * h],
@@ -1701,16 +1707,15 @@ fn head_rows<'m>(m: &DenseMatrix<'m>, head: usize, rows: usize) -> DenseMatrix<'
 /// caller's thread.
 const PAR_NORM_MIN_ROWS: usize = 16;
 
-/// `out` row t = [`rms_norm_row`] of `x` row t, for the rows of `weight.len()` values in `x`;
-/// many rows on the pool's threads, each computed exactly as alone (the same bits).
+/// `out` row t = [`rms_norm_row`] of `x` row t, for the rows of `h` values in `x`; many rows on
+/// the pool's threads, each computed exactly as alone (the same bits).
 fn rms_norm_rows(
     pool: &mut ColdPool,
-    x: &[f32],
+    (x, h): (&[f32], usize),
     weight: &[f32],
     eps: f32,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let h = weight.len();
     if out.len() / h < PAR_NORM_MIN_ROWS {
         for (x, out) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
             rms_norm_row(x, weight, eps, out);
