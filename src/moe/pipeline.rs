@@ -1808,3 +1808,28 @@ fn rope_head(head: &mut [f32], table: &[(f32, f32)], style: RopeStyle) {
         head[b] = x1 * cos + x0 * sin;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows spread over the pool give each row the bits it has alone, for row counts on both
+    /// sides of [`PAR_NORM_MIN_ROWS`]; every row is written.
+    #[test]
+    fn pooled_norm_rows_equal_one_row_at_a_time() {
+        let h = 96;
+        let mut pool = ColdPool::new(3);
+        let weight: Vec<f32> = (0..h).map(|i| 0.5 + (i as f32 * 0.13).cos()).collect();
+        for n in [1, PAR_NORM_MIN_ROWS - 1, PAR_NORM_MIN_ROWS, 41] {
+            let x: Vec<f32> = (0..n * h).map(|i| (i as f32 * 0.37).sin() * (1.0 + (i % 7) as f32)).collect();
+            let mut alone = vec![0.0f32; n * h];
+            for (x, out) in x.chunks_exact(h).zip(alone.chunks_exact_mut(h)) {
+                rms_norm_row(x, &weight, 1e-6, out);
+            }
+            let mut pooled = vec![f32::NAN; n * h];
+            rms_norm_rows(&mut pool, (&x, h), &weight, 1e-6, &mut pooled).unwrap();
+            let same = alone.iter().zip(&pooled).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{n} rows: pooled norms differ from one row at a time");
+        }
+    }
+}
