@@ -1520,8 +1520,8 @@ __device__ __forceinline__ void warp_dot_q8_tokens(const u8* __restrict__ row, c
 }
 
 // y[t, n] (+)= W[n, :] . x_t for T <= QUANT_MAX_TOKENS tokens in their 8-bit form: gemv1_q8's
-// sums (R = 1) with every token's dot product taken from one pass over W (a few decode rows or a
-// short prefill chunk read each weight once, not once a token). Quantized types only (codes as
+// sums (R = 1) with every token's dot product taken from one pass over W (a batched decode step's
+// rows read each weight once, not once a token; `Device::gemv_q8` keeps prefill chunks f32). Quantized types only (codes as
 // warp_dot_typed). grid ceil(N / ROWS_PER_BLOCK), block 32 * ROWS_PER_BLOCK: a warp a row.
 extern "C" __global__ __launch_bounds__(32 * ROWS_PER_BLOCK, QUANT_MIN_BLOCKS) void gemv_q8_tokens(
     const u8* __restrict__ Wm, int type, int row_bytes, const signed char* __restrict__ xq,
