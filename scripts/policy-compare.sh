@@ -23,8 +23,10 @@
 # (tg: the median of the rounds' medians, and the slowest and fastest run; decode hit rate and
 # copies: the rounds' mean) and logs everything under $OUT/policy-compare when OUT is set, else a new
 # directory under ${TMPDIR:-/tmp}.
+# A policy NAME-base runs NAME with BASE_BIN instead of BIN (another build of the same policy,
+# taking turns with this one: POLICIES="static online reuse reuse-base" BASE_BIN=old/moe-lanes).
 # Env: SPEC (locality:p=0.8,drift=0.01), FRACTIONS, P (64), N (256), RUNS (3), ROUNDS (1), POLICIES
-# ("static online lru lfu tinylfu adaptive reuse"), MODEL, MODEL_DIR, BENCH_TIMEOUT (60), BUDGET_S (390),
+# ("static online lru lfu tinylfu adaptive reuse"), BASE_BIN, MODEL, MODEL_DIR, BENCH_TIMEOUT (60), BUDGET_S (390),
 # EXTRA_ARGS (more bench flags, e.g. --engine pipeline off the GPU machine), SYNTH_ARGS (default
 # "--preset qwen3-30b-a3b --layers 16"), CUDA_LIB (/usr/local/cuda/lib64).
 set -uo pipefail
@@ -73,8 +75,12 @@ for f in $FRACTIONS; do
             printf '%s\t%s\tNA\tNA\tNA\tNA\t# skipped: past BUDGET_S\n' "$pol" "$f" >>"$LOGS/runs.tsv"
             continue
         fi
-        read -r -a pf <<<"$(flags "$pol")"
-        timeout "$BENCH_TIMEOUT" "$BIN" bench --model "$MODEL" "${scenario[@]}" -p "$P" -n "$N" --runs "$RUNS" \
+        bin=$BIN name=$pol
+        if [ "${pol%-base}" != "$pol" ]; then
+            bin=${BASE_BIN:?"$pol needs BASE_BIN"} name=${pol%-base}
+        fi
+        read -r -a pf <<<"$(flags "$name")"
+        timeout "$BENCH_TIMEOUT" "$bin" bench --model "$MODEL" "${scenario[@]}" -p "$P" -n "$N" --runs "$RUNS" \
             --hot-fraction "$f" --json "${pf[@]}" "${extra[@]}" >"$out" 2>"$out.err"
         rc=$?
         python3 - "$out" "$pol" "$f" "$rc" >>"$LOGS/runs.tsv" <<'PY'
