@@ -248,8 +248,9 @@ fn policies_replay_a_locality_trace_against_belady() {
 }
 
 /// `scripts/policy-compare.sh` through the real binary on the CPU pipeline: with `ROUNDS` the
-/// policies take turns (static, reuse, static, reuse), every round's bench is logged, and the
-/// table has one row per fraction and policy with the rounds' median and spread.
+/// policies take turns (static, reuse, reuse-base, static, ...), a `-base` policy runs
+/// `BASE_BIN`, every round's bench is logged, and the table has one row per fraction and policy
+/// with the rounds' median and spread.
 #[test]
 fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
     let has = |tool: &str| std::process::Command::new(tool).arg("--version").output().is_ok();
@@ -261,6 +262,16 @@ fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
     let model = dir.path().join("m.gguf");
     synth_skewed(&model, 4, "skewed");
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/policy-compare.sh");
+    // BASE_BIN: another build (here the same one behind a wrapper that logs each run)
+    let base = dir.path().join("base.sh");
+    let base_log = dir.path().join("base.log");
+    let wrapper = format!(
+        "#!/bin/bash\necho run >> '{}'\nexec '{}' \"$@\"\n",
+        p(&base_log),
+        env!("CARGO_BIN_EXE_moe-lanes")
+    );
+    std::fs::write(&base, wrapper).unwrap();
+    std::process::Command::new("chmod").arg("+x").arg(&base).status().unwrap();
     let out = std::process::Command::new("bash")
         .arg(script)
         .arg(env!("CARGO_BIN_EXE_moe-lanes"))
@@ -272,7 +283,8 @@ fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
             ("P", "8"),
             ("N", "16"),
             ("FRACTIONS", "0.5"),
-            ("POLICIES", "static reuse"),
+            ("POLICIES", "static reuse reuse-base"),
+            ("BASE_BIN", p(&base)),
             ("EXTRA_ARGS", "--engine pipeline"),
             ("OUT", p(dir.path())),
         ])
@@ -282,12 +294,14 @@ fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     let runs = std::fs::read_to_string(dir.path().join("policy-compare/runs.tsv")).unwrap();
     let order: Vec<&str> = runs.lines().map(|l| l.split('\t').next().unwrap()).collect();
-    assert_eq!(order, ["static", "reuse", "static", "reuse"], "{runs}");
+    assert_eq!(order, ["static", "reuse", "reuse-base", "static", "reuse", "reuse-base"], "{runs}");
+    let base_runs = std::fs::read_to_string(&base_log).unwrap();
+    assert_eq!(base_runs.lines().count(), 2, "BASE_BIN ran the -base policy once a round");
     for l in runs.lines() {
         let median = l.split('\t').nth(2).and_then(|c| c.split(' ').next()).unwrap();
         assert!(median.parse::<f64>().is_ok_and(|v| v > 0.0), "a tg in every round: {l}");
     }
-    for pol in ["static", "reuse"] {
+    for pol in ["static", "reuse", "reuse-base"] {
         let row = text
             .lines()
             .find(|l| l.starts_with(&format!("| 0.5 | {pol} | ")))

@@ -57,8 +57,10 @@
 //! the learned one; where locality makes swaps pay, the declined ones bring it down.
 //!
 //! On replayed traces (benches/RESULTS.md, "Hot-cache policies against Belady", 25% and 50%
-//! budgets) reuse reaches at least 90% of Belady's hit rate in 10 of 12 cells (not at 25% with
-//! p = 0.5 or with p = 0.8 and drift 0.1). On the GPU machine, where an exchange never stalls a
+//! budgets) reuse reaches at least 90% of Belady's hit rate in 10 of 12 cells with each step's
+//! exchanges serving the next call (not at 25% with p = 0.5 or with p = 0.8 and drift 0.1), and in
+//! 8 of 12 with the engines' one-call lag that the replay now models (session 47: 86.5-88.8% at
+//! 25% with p = 0.8). On the GPU machine, where an exchange never stalls a
 //! call (the added expert turns hot once its copy has landed) and the step runs beside the next
 //! call (`engine::policy_worker`), it decodes 1.08-1.40x the best of the static cache and the
 //! updater on locality workloads (0.96x at p = 0.5 with half the experts hot) and 0.96-1.01x on

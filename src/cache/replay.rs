@@ -21,6 +21,13 @@
 //!   policy can get (the updater, which admits from a window rather than on access, is measured
 //!   against it too).
 //!
+//! The step policies' exchanges take effect [`ENGINE_POLICY_LAG_STEPS`] calls after the step that
+//! decided them, as in the engines: the policy steps on a call's experts while the engine runs
+//! the next call, and its exchanges are applied before the one after (`engine::policy_worker`).
+//! So a call's hits count against the cache without the last step's exchanges (an admission
+//! serves from the second call after its miss); `ReplayOptions::lag_steps` 0 replays the
+//! policies as if each step ran inline (the hit rates `plan` reported before session 47).
+//!
 //! Hit rate is hits over accesses (routed experts per call and layer). With a calibration (a
 //! perf JSON with a decode phase) the predicted tg is the per-slot model of `plan`
 //! (`other + sum_l max(k h_l hot, k (1-h_l) cold)` per token) plus each layer's copies per
@@ -39,6 +46,9 @@ use serde::Serialize;
 pub const DEFAULT_LEARN_FRACTION: f64 = 0.1;
 /// Calls between two updates of the replayed `online` policy.
 pub const DEFAULT_UPDATE_EVERY: usize = 32;
+/// Calls between a step policy's step and the first call its exchanges serve, in the engines:
+/// 1 (`engine::policy_worker` decides while the next call runs and applies at the step after).
+pub const ENGINE_POLICY_LAG_STEPS: usize = 1;
 
 /// A trace cut into per-layer steps.
 #[derive(Debug, Clone, PartialEq)]
@@ -77,6 +87,8 @@ pub struct ReplayOptions {
     pub update_rate: f64,
     /// The online policies' settings (their `kind` is set per row).
     pub policy: PolicyConfig,
+    /// Calls a step policy's exchanges wait before they serve ([`ENGINE_POLICY_LAG_STEPS`]).
+    pub lag_steps: usize,
 }
 
 impl Default for ReplayOptions {
@@ -87,6 +99,7 @@ impl Default for ReplayOptions {
             update_every: DEFAULT_UPDATE_EVERY,
             update_rate: DEFAULT_UPDATE_RATE,
             policy: PolicyConfig::default(),
+            lag_steps: ENGINE_POLICY_LAG_STEPS,
         }
     }
 }
@@ -133,22 +146,34 @@ fn ranking(steps: &[Vec<usize>], n_experts: usize) -> Vec<usize> {
     order
 }
 
+/// One layer under a step policy: hits against the engine's cache, which takes each step's
+/// exchanges `lag` steps after the policy decided them (the policy itself sees them at once, as
+/// the engine's residency it is synced to holds every exchange applied by then plus none
+/// decided since: the same set).
 fn run_policy(
     kind: PolicyKind,
-    config: PolicyConfig,
-    learn: &[Vec<usize>],
-    scored: &[Vec<usize>],
+    opts: &ReplayOptions,
+    (learn, scored): Split<'_>,
     n: usize,
     cap: usize,
 ) -> LayerRun {
     let order = ranking(learn, n);
-    let mut p = LayerPolicy::new(PolicyConfig { kind, ..config }, n, &order[..cap], &order);
+    let mut p = LayerPolicy::new(PolicyConfig { kind, ..opts.policy }, n, &order[..cap], &order);
     learn.iter().for_each(|s| p.observe(s));
+    let mut engine = vec![false; n];
+    order[..cap].iter().for_each(|&e| engine[e] = true);
+    let mut pending = std::collections::VecDeque::new();
     let mut run = LayerRun { hits: 0, admissions: 0 };
     for s in scored {
+        run.hits += s.iter().filter(|&&e| engine[e]).count() as u64;
         let out = p.step(s);
-        run.hits += out.hits as u64;
         run.admissions += out.exchanges.len() as u64;
+        pending.push_back(out.exchanges);
+        while pending.len() > opts.lag_steps {
+            for (evict, add) in pending.pop_front().unwrap_or_default() {
+                (engine[evict], engine[add]) = (false, true);
+            }
+        }
     }
     run
 }
@@ -218,7 +243,7 @@ pub fn replay(
     per_policy.push(("hindsight".into(), hindsight.collect()));
     per_policy.push(("online".into(), run_online(steps, learn, cap, opts)));
     for kind in PolicyKind::ONLINE {
-        let runs = parts.iter().map(|(learn, scored)| run_policy(kind, opts.policy, learn, scored, n, cap));
+        let runs = parts.iter().map(|&part| run_policy(kind, opts, part, n, cap));
         per_policy.push((kind.name().into(), runs.collect()));
     }
     let belady = parts.iter().map(|(learn, scored)| LayerRun {
@@ -320,15 +345,38 @@ mod tests {
         let mut layer = vec![vec![0], vec![0]];
         layer.extend((0..18).map(|_| vec![3]));
         let opts = ReplayOptions { fraction: 0.25, learn_fraction: 0.1, ..ReplayOptions::default() };
+        let layer_copy = layer.clone();
         let r = replay(&steps_of(layer, 4), &opts, None);
         assert_eq!((r.capacity, r.learn_steps, r.scored_steps, r.accesses), (1, 2, 18, 18));
         assert_eq!(r.row("static").unwrap().hits, 0);
         assert_eq!(r.row("hindsight").unwrap().hits, 18, "expert 3, every scored call");
         assert_eq!(r.row("belady").unwrap().hits, 17);
-        assert_eq!(r.row("lru").unwrap().hits, 17);
+        // LRU admits 3 at its first call; the engine has it from the second call after
+        assert_eq!(r.row("lru").unwrap().hits, 16);
         for row in r.rows.iter().filter(|row| row.policy != "hindsight") {
             assert!(row.hits <= 17, "{}", row.policy);
         }
+        // inline steps (no lag): from the next call
+        let inline = replay(&steps_of(layer_copy, 4), &ReplayOptions { lag_steps: 0, ..opts }, None);
+        assert_eq!(inline.row("lru").unwrap().hits, 17);
+    }
+
+    #[test]
+    fn a_step_policy_serves_its_exchanges_after_the_lag() {
+        // a burst of expert 1, one of 2, one of 1 again: one slot, LRU (every miss admitted)
+        let mut layer = vec![vec![0]; 2];
+        layer.extend([1, 1, 1, 2, 2, 2, 1, 1].iter().map(|&e| vec![e]));
+        let steps = steps_of(layer, 4);
+        let opts = |lag_steps| ReplayOptions {
+            fraction: 0.25,
+            learn_fraction: 0.2,
+            lag_steps,
+            ..Default::default()
+        };
+        let hits = |lag| replay(&steps, &opts(lag), None).row("lru").unwrap().hits;
+        // inline: every call of a burst after its first hits (2 + 2 + 1); one call late, from
+        // the third (1 + 1 + 0); two calls late, never (each admission lands after its burst)
+        assert_eq!((hits(0), hits(1), hits(2)), (5, 2, 0));
     }
 
     #[test]
