@@ -213,15 +213,21 @@ fn any_exchange_sequence_keeps_output_equal_to_the_reference() {
                 margin: 0.0,
                 every_tokens: every * 3,
                 weighting: Weighting { mode: WeightMode::ALL[mode_idx], layer_curve: 0.5 },
-                cache: PolicyConfig::of(
-                    [
-                        PolicyKind::Planned,
-                        PolicyKind::Lru,
-                        PolicyKind::Lfu,
-                        PolicyKind::TinyLfu,
-                        PolicyKind::Reuse,
-                    ][kind_idx],
-                ),
+                cache: PolicyConfig {
+                    // the step's exchanges applied before the next call (0) or the one after;
+                    // `every` (tokens between updates) is the updater's, unused by the online
+                    // policies, so it picks their lag
+                    lag_steps: every,
+                    ..PolicyConfig::of(
+                        [
+                            PolicyKind::Planned,
+                            PolicyKind::Lru,
+                            PolicyKind::Lfu,
+                            PolicyKind::TinyLfu,
+                            PolicyKind::Reuse,
+                        ][kind_idx],
+                    )
+                },
             };
             let live = LiveCache::new(
                 engine.as_ref(),
@@ -360,4 +366,34 @@ fn a_full_updater_queue_is_counted_and_reported() {
     assert_eq!(report.updates, MAX_PENDING_EXCHANGES as u64, "what was queued was applied");
     // An even number of swaps leaves the layer as it was.
     assert!(engine.hot_set().unwrap().layers[0].is_hot(hot));
+}
+
+/// `PolicyConfig::lag_steps`: with 0 the step on a call's experts is waited for and its
+/// exchanges applied before the next call; with 1 (the default) they come a call later.
+#[test]
+fn an_online_policy_without_lag_applies_its_exchanges_before_the_next_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = domains_model(dir.path(), 2);
+    let first_step = |lag_steps: usize| {
+        let mut engine = engine(&model, EngineKind::Pipeline);
+        let cache = PolicyConfig { lag_steps, ..PolicyConfig::of(PolicyKind::Lru) };
+        let policy = UpdatePolicy { cache, ..UpdatePolicy::default() };
+        let mut live =
+            LiveCache::new(engine.as_ref(), ModelFingerprint::of(&model), model.layer_expert_bytes(), policy);
+        let tokens = domain_sample(model.config().vocab, 2, 1, 24, 0);
+        let mut kv = engine.new_cache(tokens.len()).unwrap();
+        live.begin_request();
+        engine.forward(&tokens[..16], Phase::Prefill, &mut kv).unwrap();
+        let before = engine.hot_set().unwrap().clone();
+        let first = live.after_tokens(engine.as_mut(), 1).unwrap().map_or(0, |o| o.exchanges);
+        let moved = !same_experts(&before, engine.hot_set().unwrap());
+        engine.forward(&tokens[16..17], Phase::Decode, &mut kv).unwrap();
+        let second = live.after_tokens(engine.as_mut(), 1).unwrap().map_or(0, |o| o.exchanges);
+        (first, moved, second)
+    };
+    let (first, moved, _) = first_step(0);
+    assert!(first > 0 && moved, "LRU admitted the prefill's misses before the next call: {first}");
+    let (first, moved, second) = first_step(1);
+    assert!(first == 0 && !moved, "one call later: nothing applied yet ({first})");
+    assert!(second > 0, "the first step's exchanges, a call later: {second}");
 }

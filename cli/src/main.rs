@@ -293,7 +293,8 @@ struct EngineArgs {
     /// hot_grouped_min_rows_quantized, max_call_tokens, ping_pong_max_rows; the MOE_LANES_*
     /// variables
     /// override them), and {"cache_policy": {"kind": "adaptive", "half_life": 32, "pin_fraction":
-    /// 0.25, "copy_cost": {...}}} (--cache-policy overrides its kind).
+    /// 0.25, "copy_cost": {...}, "lag_steps": 1}} (--cache-policy overrides its kind; lag_steps
+    /// 0: a step's exchanges before the next call, 1: the one after).
     #[arg(long)]
     engine_config: Option<PathBuf>,
     /// Write the perf JSON here after the run.

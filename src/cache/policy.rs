@@ -269,7 +269,16 @@ pub struct PolicyConfig {
     /// TinyLFU: share of each layer's slots pinned to the learned ranking's top.
     pub pin_fraction: f64,
     pub copy_cost: CopyCost,
+    /// Calls between a step and the first call its exchanges serve: 1 (the default), the step
+    /// runs on its own thread while the engine computes the next call and its exchanges apply
+    /// before the one after (`engine::policy_worker`); 0, the engine waits for the step after
+    /// each call and applies its exchanges before the next (the step's host time on the decode
+    /// thread, the admission serving one call sooner). `plan --trace --policies` replays either.
+    pub lag_steps: usize,
 }
+
+/// [`PolicyConfig::lag_steps`]'s default: the step beside the next call (session 43).
+pub const DEFAULT_POLICY_LAG_STEPS: usize = 1;
 
 impl Default for PolicyConfig {
     fn default() -> Self {
@@ -278,6 +287,7 @@ impl Default for PolicyConfig {
             half_life: DEFAULT_HALF_LIFE,
             pin_fraction: DEFAULT_PIN_FRACTION,
             copy_cost: CopyCost::default(),
+            lag_steps: DEFAULT_POLICY_LAG_STEPS,
         }
     }
 }
@@ -293,6 +303,12 @@ impl PolicyConfig {
         }
         if !(0.0..=1.0).contains(&self.pin_fraction) {
             return Err(PolicyError::BadPinFraction { value: self.pin_fraction });
+        }
+        if self.lag_steps > 1 {
+            return Err(PolicyError::BadSetting {
+                field: "lag_steps (0 or 1)",
+                value: self.lag_steps as f64,
+            });
         }
         self.copy_cost.check()
     }
@@ -1174,6 +1190,11 @@ mod tests {
         assert_eq!((c.kind, c.half_life, c.pin_fraction), (PolicyKind::Lru, 8.0, DEFAULT_PIN_FRACTION));
         assert!(serde_json::from_str::<PolicyConfig>(r#"{"kind":"lru","halflife":8}"#).is_err());
         assert!(PolicyConfig { pin_fraction: 1.5, ..c }.check().is_err());
+        assert_eq!(c.lag_steps, DEFAULT_POLICY_LAG_STEPS);
+        let c: PolicyConfig = serde_json::from_str(r#"{"kind":"reuse","lag_steps":0}"#).unwrap();
+        assert!(c.check().is_ok() && c.lag_steps == 0);
+        let err = PolicyConfig { lag_steps: 2, ..c }.check().unwrap_err().to_string();
+        assert!(err.contains("lag_steps"), "{err}");
     }
 
     proptest! {

@@ -21,12 +21,12 @@
 //!   policy can get (the updater, which admits from a window rather than on access, is measured
 //!   against it too).
 //!
-//! The step policies' exchanges take effect [`ENGINE_POLICY_LAG_STEPS`] calls after the step that
-//! decided them, as in the engines: the policy steps on a call's experts while the engine runs
-//! the next call, and its exchanges are applied before the one after (`engine::policy_worker`).
-//! So a call's hits count against the cache without the last step's exchanges (an admission
-//! serves from the second call after its miss); `ReplayOptions::lag_steps` 0 replays the
-//! policies as if each step ran inline (the hit rates `plan` reported before session 47).
+//! The step policies' exchanges take effect `PolicyConfig::lag_steps` calls after the step that
+//! decided them, as in the engines: by default (1) the policy steps on a call's experts while
+//! the engine runs the next call, and its exchanges are applied before the one after
+//! (`engine::policy_worker`), so a call's hits count against the cache without the last step's
+//! exchanges (an admission serves from the second call after its miss); 0 replays the engines'
+//! inline steps (and gives the hit rates `plan` reported before session 47).
 //!
 //! Hit rate is hits over accesses (routed experts per call and layer). With a calibration (a
 //! perf JSON with a decode phase) the predicted tg is the per-slot model of `plan`
@@ -46,9 +46,6 @@ use serde::Serialize;
 pub const DEFAULT_LEARN_FRACTION: f64 = 0.1;
 /// Calls between two updates of the replayed `online` policy.
 pub const DEFAULT_UPDATE_EVERY: usize = 32;
-/// Calls between a step policy's step and the first call its exchanges serve, in the engines:
-/// 1 (`engine::policy_worker` decides while the next call runs and applies at the step after).
-pub const ENGINE_POLICY_LAG_STEPS: usize = 1;
 
 /// A trace cut into per-layer steps.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,10 +82,8 @@ pub struct ReplayOptions {
     pub learn_fraction: f64,
     pub update_every: usize,
     pub update_rate: f64,
-    /// The online policies' settings (their `kind` is set per row).
+    /// The online policies' settings (their `kind` is set per row; `lag_steps` as the engines).
     pub policy: PolicyConfig,
-    /// Calls a step policy's exchanges wait before they serve ([`ENGINE_POLICY_LAG_STEPS`]).
-    pub lag_steps: usize,
 }
 
 impl Default for ReplayOptions {
@@ -99,7 +94,6 @@ impl Default for ReplayOptions {
             update_every: DEFAULT_UPDATE_EVERY,
             update_rate: DEFAULT_UPDATE_RATE,
             policy: PolicyConfig::default(),
-            lag_steps: ENGINE_POLICY_LAG_STEPS,
         }
     }
 }
@@ -169,7 +163,7 @@ fn run_policy(
         let out = p.step(s);
         run.admissions += out.exchanges.len() as u64;
         pending.push_back(out.exchanges);
-        while pending.len() > opts.lag_steps {
+        while pending.len() > opts.policy.lag_steps {
             for (evict, add) in pending.pop_front().unwrap_or_default() {
                 (engine[evict], engine[add]) = (false, true);
             }
@@ -357,7 +351,8 @@ mod tests {
             assert!(row.hits <= 17, "{}", row.policy);
         }
         // inline steps (no lag): from the next call
-        let inline = replay(&steps_of(layer_copy, 4), &ReplayOptions { lag_steps: 0, ..opts }, None);
+        let policy = PolicyConfig { lag_steps: 0, ..opts.policy };
+        let inline = replay(&steps_of(layer_copy, 4), &ReplayOptions { policy, ..opts }, None);
         assert_eq!(inline.row("lru").unwrap().hits, 17);
     }
 
@@ -370,13 +365,14 @@ mod tests {
         let opts = |lag_steps| ReplayOptions {
             fraction: 0.25,
             learn_fraction: 0.2,
-            lag_steps,
+            policy: PolicyConfig { lag_steps, ..PolicyConfig::default() },
             ..Default::default()
         };
         let hits = |lag| replay(&steps, &opts(lag), None).row("lru").unwrap().hits;
-        // inline: every call of a burst after its first hits (2 + 2 + 1); one call late, from
-        // the third (1 + 1 + 0); two calls late, never (each admission lands after its burst)
-        assert_eq!((hits(0), hits(1), hits(2)), (5, 2, 0));
+        // inline: every call of a burst after its first hits (2 + 2 + 1); one call late (the
+        // default), from the third (1 + 1 + 0)
+        assert_eq!((hits(0), hits(1)), (5, 2));
+        assert_eq!(ReplayOptions::default().policy.lag_steps, 1);
     }
 
     #[test]

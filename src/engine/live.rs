@@ -19,7 +19,8 @@
 //!   step (read off the perf counts) are one step of that layer's [`LayerPolicy`]
 //!   (`cache::policy`), run on the policy's own thread while the engine runs the next call
 //!   (`policy_worker`); the exchanges it decides are applied at the step after it (one call
-//!   later than inline; at a request's end at once).
+//!   later than inline; at a request's end at once). With `PolicyConfig::lag_steps` 0 the step
+//!   is waited for and its exchanges applied before the next call.
 //!
 //! The automatic updater and the online policies need the perf counts: with perf mode `off`
 //! no window ever fills and no step is seen.
@@ -134,6 +135,19 @@ impl OnlineState {
             }
         }
         any
+    }
+}
+
+/// Two applies of one step reported as one: `last`'s figures, with the exchanges and copy time
+/// of `first` (if any) added.
+fn then(first: Option<UpdateOutcome>, last: UpdateOutcome) -> UpdateOutcome {
+    match first {
+        None => last,
+        Some(s) => UpdateOutcome {
+            exchanges: s.exchanges + last.exchanges,
+            copy_time_us: s.copy_time_us + last.copy_time_us,
+            ..last
+        },
     }
 }
 
@@ -284,6 +298,14 @@ impl LiveCache {
                 state.worker.give_back(step);
             }
         }
+        if self.policy.cache.lag_steps == 0 {
+            // no lag: this step's exchanges serve the next call (the engine waits for the step)
+            let now = self.online.as_mut().map(|s| s.worker.take()).unwrap_or_default();
+            if !now.is_empty() {
+                let later = self.apply_policy(engine, now)?;
+                return Ok(Some(then(applied?, later)));
+            }
+        }
         applied
     }
 
@@ -300,14 +322,7 @@ impl LiveCache {
             return Ok(stepped);
         }
         let last = self.apply_policy(engine, decided)?;
-        Ok(Some(match stepped {
-            None => last,
-            Some(s) => UpdateOutcome {
-                exchanges: s.exchanges + last.exchanges,
-                copy_time_us: s.copy_time_us + last.copy_time_us,
-                ..last
-            },
-        }))
+        Ok(Some(then(stepped, last)))
     }
 
     /// Apply the online policy's exchanges (no window snapshot: the policy keeps its own counts).

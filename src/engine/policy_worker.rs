@@ -10,7 +10,11 @@
 //! whatever the threads' timing (the taker waits for them; by then a token's time has passed,
 //! so it does not wait in practice). So the policy's decisions land one call later than when the
 //! step ran inline, which moves an admission by one token of its residence. Where no thread can
-//! be started the steps run inline with the same one-step lag.
+//! be started the steps run inline with the same one-step lag. With `PolicyConfig::lag_steps` 0
+//! the live cache takes a step's exchanges right after submitting it (waiting for the worker)
+//! and applies them before the next call: the step's time on the decode thread, each admission
+//! serving one call sooner (replayed: 1.4-1.8 points of Belady's share at 25% on bursty
+//! locality, benches/RESULTS.md session 47).
 
 use crate::actors::Exchange;
 use crate::cache::policy::LayerPolicy;
