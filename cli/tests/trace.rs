@@ -248,8 +248,8 @@ fn policies_replay_a_locality_trace_against_belady() {
 }
 
 /// `scripts/policy-compare.sh` through the real binary on the CPU pipeline: with `ROUNDS` the
-/// policies take turns (static, reuse, reuse-base, static, ...), a `-base` policy runs
-/// `BASE_BIN`, every round's bench is logged, and the table has one row per fraction and policy
+/// policies take turns (static, reuse, reuse-base, reuse-inline, static, ...), a `-base` policy
+/// runs `BASE_BIN`, an `-inline` one `lag_steps` 0, every round's bench is logged, and the table has one row per fraction and policy
 /// with the rounds' median and spread.
 #[test]
 fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
@@ -283,7 +283,7 @@ fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
             ("P", "8"),
             ("N", "16"),
             ("FRACTIONS", "0.5"),
-            ("POLICIES", "static reuse reuse-base"),
+            ("POLICIES", "static reuse reuse-base reuse-inline"),
             ("BASE_BIN", p(&base)),
             ("EXTRA_ARGS", "--engine pipeline"),
             ("OUT", p(dir.path())),
@@ -294,14 +294,17 @@ fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     let runs = std::fs::read_to_string(dir.path().join("policy-compare/runs.tsv")).unwrap();
     let order: Vec<&str> = runs.lines().map(|l| l.split('\t').next().unwrap()).collect();
-    assert_eq!(order, ["static", "reuse", "reuse-base", "static", "reuse", "reuse-base"], "{runs}");
+    let names = ["static", "reuse", "reuse-base", "reuse-inline"];
+    assert_eq!(order, [names, names].concat(), "{runs}");
+    let inline = std::fs::read_to_string(dir.path().join("policy-compare/reuse-inline.json")).unwrap();
+    assert!(inline.contains(r#""kind": "reuse", "lag_steps": 0"#), "{inline}");
     let base_runs = std::fs::read_to_string(&base_log).unwrap();
     assert_eq!(base_runs.lines().count(), 2, "BASE_BIN ran the -base policy once a round");
     for l in runs.lines() {
         let median = l.split('\t').nth(2).and_then(|c| c.split(' ').next()).unwrap();
         assert!(median.parse::<f64>().is_ok_and(|v| v > 0.0), "a tg in every round: {l}");
     }
-    for pol in ["static", "reuse", "reuse-base"] {
+    for pol in names {
         let row = text
             .lines()
             .find(|l| l.starts_with(&format!("| 0.5 | {pol} | ")))
