@@ -131,6 +131,10 @@ struct PlanArgs {
     /// --policies at these shares of each layer's experts instead of the budget's, e.g. 0.25,0.5.
     #[arg(long, value_delimiter = ',', requires = "policies")]
     policy_fractions: Vec<f64>,
+    /// --policies: calls between a step policy's step and the first call its exchanges serve:
+    /// 1 as the engines by default, 0 as with {"cache_policy": {"lag_steps": 0}}.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1), requires = "policies")]
+    policy_lag: u8,
     /// --policies: a perf JSON with a decode phase (generate or bench --perf-json) whose
     /// per-slot costs predict tg.
     #[arg(long, requires = "policies")]
@@ -1611,7 +1615,11 @@ fn plan_policies(args: &PlanArgs, model: &Model) -> Result<()> {
     let calibration = cost.as_ref().map(|cm| (cm, bytes.as_slice(), c.n_experts_used));
     let reports: Vec<_> = fractions
         .iter()
-        .map(|&fraction| replay(&steps, &ReplayOptions { fraction, ..ReplayOptions::default() }, calibration))
+        .map(|&fraction| {
+            let mut opts = ReplayOptions { fraction, ..ReplayOptions::default() };
+            opts.policy.lag_steps = args.policy_lag.into();
+            replay(&steps, &opts, calibration)
+        })
         .collect();
     if args.json {
         out!("{}", serde_json::to_string_pretty(&reports)?)?;

@@ -234,6 +234,31 @@ fn policies_replay_a_locality_trace_against_belady() {
         assert!(rate("reuse") > rate("static"), "{r}");
         assert!(rate("lru") > rate("static"), "{r}");
     }
+    // --policy-lag 0: the exchanges serve from the next call; LRU gains (the engines' lag of 1
+    // is the default)
+    let hits = |lag: &str| {
+        let plan = ok_stdout(&[
+            "plan",
+            "--model",
+            p(&model),
+            "--trace",
+            p(&trace),
+            "--policies",
+            "--policy-fractions",
+            "0.25",
+            "--policy-lag",
+            lag,
+            "--json",
+        ]);
+        let r: Vec<Value> = serde_json::from_str(&plan).unwrap();
+        let row = r[0]["rows"].as_array().unwrap().iter().find(|x| x["policy"] == "lru").unwrap().clone();
+        row["hits"].as_u64().unwrap()
+    };
+    assert!(hits("0") > hits("1"), "LRU serves its admissions a call sooner without the lag");
+    assert_eq!(
+        hits("1"),
+        reports[0]["rows"].as_array().unwrap().iter().find(|x| x["policy"] == "lru").unwrap()["hits"]
+    );
     let err = failure(&[
         "plan",
         "--model",
