@@ -208,24 +208,18 @@ fn policies_replay_a_locality_trace_against_belady() {
     let report: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(report["tg_feed"], "locality");
     assert!(report["cache_exchanges"].as_u64().unwrap() > 0, "the adaptive policy moved the cache: {report}");
-    let plan = ok_stdout(&[
-        "plan",
-        "--model",
-        p(&model),
-        "--trace",
-        p(&trace),
-        "--policies",
-        "--policy-fractions",
-        "0.25,0.5",
-        "--json",
-    ]);
-    let reports: Vec<Value> = serde_json::from_str(&plan).unwrap();
+    // `plan --trace T --policies` with `more` flags, as JSON reports; a report's row of a policy
+    let plan = |more: &[&str]| -> Vec<Value> {
+        let head = ["plan", "--model", p(&model), "--trace", p(&trace), "--policies", "--json"];
+        serde_json::from_str(&ok_stdout(&[&head[..], more].concat())).unwrap()
+    };
+    let row = |r: &Value, name: &str| -> Value {
+        r["rows"].as_array().unwrap().iter().find(|x| x["policy"] == name).unwrap().clone()
+    };
+    let reports = plan(&["--policy-fractions", "0.25,0.5"]);
     assert_eq!(reports.len(), 2);
     for r in &reports {
-        let rate = |name: &str| {
-            let row = r["rows"].as_array().unwrap().iter().find(|x| x["policy"] == name).unwrap();
-            row["hit_rate"].as_f64().unwrap()
-        };
+        let rate = |name: &str| row(r, name)["hit_rate"].as_f64().unwrap();
         let belady = rate("belady");
         for name in ["static", "online", "lru", "lfu", "tinylfu", "adaptive", "reuse"] {
             assert!(rate(name) <= belady + 1e-12, "{name} above Belady in {r}");
@@ -237,28 +231,11 @@ fn policies_replay_a_locality_trace_against_belady() {
     // --policy-lag 0: the exchanges serve from the next call; LRU gains (the engines' lag of 1
     // is the default)
     let hits = |lag: &str| {
-        let plan = ok_stdout(&[
-            "plan",
-            "--model",
-            p(&model),
-            "--trace",
-            p(&trace),
-            "--policies",
-            "--policy-fractions",
-            "0.25",
-            "--policy-lag",
-            lag,
-            "--json",
-        ]);
-        let r: Vec<Value> = serde_json::from_str(&plan).unwrap();
-        let row = r[0]["rows"].as_array().unwrap().iter().find(|x| x["policy"] == "lru").unwrap().clone();
-        row["hits"].as_u64().unwrap()
+        let r = plan(&["--policy-fractions", "0.25", "--policy-lag", lag]);
+        row(&r[0], "lru")["hits"].as_u64().unwrap()
     };
     assert!(hits("0") > hits("1"), "LRU serves its admissions a call sooner without the lag");
-    assert_eq!(
-        hits("1"),
-        reports[0]["rows"].as_array().unwrap().iter().find(|x| x["policy"] == "lru").unwrap()["hits"]
-    );
+    assert_eq!(hits("1"), row(&reports[0], "lru")["hits"]);
     let err = failure(&[
         "plan",
         "--model",

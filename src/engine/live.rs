@@ -104,7 +104,13 @@ impl OnlineState {
             .collect();
         let seen =
             (0..hot.layers.len()).map(|l| (0..hot.n_experts).map(|e| counts(l, e)).collect()).collect();
-        OnlineState { worker: PolicyWorker::spawn(layers), seen }
+        // without the lag the engine waits for every step: run it on the caller's thread
+        // instead of a round trip to the worker's
+        let worker = match policy.cache.lag_steps {
+            0 => PolicyWorker::inline(layers),
+            _ => PolicyWorker::spawn(layers),
+        };
+        OnlineState { worker, seen }
     }
 
     /// The experts each layer routed since the last step (read off the perf counts, which move

@@ -11,7 +11,7 @@
 //! so it does not wait in practice). So the policy's decisions land one call later than when the
 //! step ran inline, which moves an admission by one token of its residence. Where no thread can
 //! be started the steps run inline with the same one-step lag. With `PolicyConfig::lag_steps` 0
-//! the live cache takes a step's exchanges right after submitting it (waiting for the worker)
+//! the live cache steps the policies inline (no thread), takes a step's exchanges right after it
 //! and applies them before the next call: the step's time on the decode thread, each admission
 //! serving one call sooner (replayed: 1.4-1.8 points of Belady's share at 25% on bursty
 //! locality, benches/RESULTS.md session 47).
