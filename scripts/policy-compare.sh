@@ -25,8 +25,9 @@
 # directory under ${TMPDIR:-/tmp}.
 # A policy NAME-base runs NAME with BASE_BIN instead of BIN (another build of the same policy,
 # taking turns with this one: POLICIES="static online reuse reuse-base" BASE_BIN=old/moe-lanes);
-# NAME-inline runs NAME with `lag_steps` 0 (its exchanges before the next call, the step waited
-# for: --engine-config {"cache_policy": {"kind": NAME, "lag_steps": 0}}).
+# NAME-inline runs NAME with `lag_steps` 0 (the default: its exchanges before the next call, the
+# step waited for: --engine-config {"cache_policy": {"kind": NAME, "lag_steps": 0}}), NAME-lagged
+# with `lag_steps` 1 (the step beside the next call, its exchanges before the one after).
 # Env: SPEC (locality:p=0.8,drift=0.01), FRACTIONS, P (64), N (256), RUNS (3), ROUNDS (1), POLICIES
 # ("static online lru lfu tinylfu adaptive reuse"), BASE_BIN, MODEL, MODEL_DIR, BENCH_TIMEOUT (60), BUDGET_S (390),
 # EXTRA_ARGS (more bench flags, e.g. --engine pipeline off the GPU machine), SYNTH_ARGS (default
@@ -61,10 +62,12 @@ flags() {
     case "$1" in
         static) echo "--cache-policy planned" ;;
         online) echo "--cache-policy planned --update auto --update-every-tokens 32" ;;
-        *-inline)
-            # the policy's step waited for, its exchanges applied before the next call
-            local cfg="$LOGS/${1}.json"
-            printf '{"cache_policy": {"kind": "%s", "lag_steps": 0}}\n' "${1%-inline}" >"$cfg"
+        *-inline | *-lagged)
+            # -inline: the step waited for, its exchanges applied before the next call; -lagged:
+            # the step beside the next call, its exchanges before the one after
+            local cfg="$LOGS/${1}.json" name=${1%-inline} lag=0
+            [ "${1%-lagged}" != "$1" ] && name=${1%-lagged} lag=1
+            printf '{"cache_policy": {"kind": "%s", "lag_steps": %s}}\n' "$name" "$lag" >"$cfg"
             echo "--engine-config $cfg" ;;
         *) echo "--cache-policy $1" ;;
     esac

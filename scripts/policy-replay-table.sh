@@ -10,9 +10,9 @@
 # routing process's tokens; the others random ids), then `plan --trace --policies
 # --policy-fractions 0.25,0.5 --json`. Prints a markdown table (hit rate, adaptive's and reuse's
 # shares of Belady's, copies per layer and call; `hindsight`: the best fixed set of the scored calls). Logs under $OUT/policy-replay when OUT is set, else a new directory in /tmp.
-# Env: WORKLOADS, LAYERS (4), EXPERTS (32), TOPK (4), N (1500), LAG (1: the engines' one-call lag of
-# a step policy's exchanges, `plan --policy-lag`; 0: served from the next call, the tables before
-# session 47).
+# Env: WORKLOADS, LAYERS (4), EXPERTS (32), TOPK (4), N (1500), SEED (7: the synth seed), LAG
+# (`plan --policy-lag`: 0, the engines' default, a step policy's exchanges serve from the next
+# call; 1, from the one after, as with "lag_steps": 1).
 set -uo pipefail
 die() { echo "policy-replay-table: $*" >&2; exit 2; }
 [ $# -eq 1 ] || die "usage: $0 BIN"
@@ -25,14 +25,14 @@ else LOGS=$(mktemp -d "${TMPDIR:-/tmp}/policy-replay.XXXXXX") || die "cannot cre
 i=0
 for w in $WORKLOADS; do
     m="$LOGS/m$i.gguf" t="$LOGS/t$i.jsonl" j="$LOGS/r$i.json"
-    "$BIN" synth --force --out "$m" --layers "$LAYERS" --experts "$EXPERTS" --top-k "$TOPK" --skew "$w" --seed 7 \
+    "$BIN" synth --force --out "$m" --layers "$LAYERS" --experts "$EXPERTS" --top-k "$TOPK" --skew "$w" --seed "${SEED:-7}" \
         >"$LOGS/synth$i.log" 2>&1 || die "synth $w failed (see $LOGS/synth$i.log)"
     scen=()
     case "$w" in locality:*) scen=(--scenario "$w") ;; esac
     "$BIN" bench --model "$m" --engine pipeline -p 32 -n "$N" --runs 1 --hot-fraction 0.25 \
         --cache-policy planned --trace "$t" --force "${scen[@]}" >"$LOGS/bench$i.log" 2>&1 \
         || die "bench $w failed (see $LOGS/bench$i.log)"
-    "$BIN" plan --model "$m" --trace "$t" --policies --policy-fractions 0.25,0.5 --policy-lag "${LAG:-1}" --json >"$j" \
+    "$BIN" plan --model "$m" --trace "$t" --policies --policy-fractions 0.25,0.5 --policy-lag "${LAG:-0}" --json >"$j" \
         || die "plan $w failed"
     echo "$w" >"$j.name"
     i=$((i + 1))

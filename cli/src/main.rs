@@ -132,8 +132,8 @@ struct PlanArgs {
     #[arg(long, value_delimiter = ',', requires = "policies")]
     policy_fractions: Vec<f64>,
     /// --policies: calls between a step policy's step and the first call its exchanges serve:
-    /// 1 as the engines by default, 0 as with {"cache_policy": {"lag_steps": 0}}.
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1), requires = "policies")]
+    /// 0 as the engines by default, 1 as with {"cache_policy": {"lag_steps": 1}}.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1), requires = "policies")]
     policy_lag: u8,
     /// --policies: a perf JSON with a decode phase (generate or bench --perf-json) whose
     /// per-slot costs predict tg.
@@ -297,8 +297,9 @@ struct EngineArgs {
     /// hot_grouped_min_rows_quantized, max_call_tokens, ping_pong_max_rows; the MOE_LANES_*
     /// variables
     /// override them), and {"cache_policy": {"kind": "adaptive", "half_life": 32, "pin_fraction":
-    /// 0.25, "copy_cost": {...}, "lag_steps": 1}} (--cache-policy overrides its kind; lag_steps
-    /// 0: a step's exchanges before the next call, 1: the one after).
+    /// 0.25, "copy_cost": {...}, "lag_steps": 0}} (--cache-policy overrides its kind; lag_steps
+    /// 0, the default: a step's exchanges before the next call, 1: the step beside the next call,
+    /// its exchanges before the one after).
     #[arg(long)]
     engine_config: Option<PathBuf>,
     /// Write the perf JSON here after the run.

@@ -228,14 +228,14 @@ fn policies_replay_a_locality_trace_against_belady() {
         assert!(rate("reuse") > rate("static"), "{r}");
         assert!(rate("lru") > rate("static"), "{r}");
     }
-    // --policy-lag 0: the exchanges serve from the next call; LRU gains (the engines' lag of 1
-    // is the default)
+    // --policy-lag 0 (the default, as the engines): the exchanges serve from the next call; LRU
+    // gains over the lag of 1
     let hits = |lag: &str| {
         let r = plan(&["--policy-fractions", "0.25", "--policy-lag", lag]);
         row(&r[0], "lru")["hits"].as_u64().unwrap()
     };
     assert!(hits("0") > hits("1"), "LRU serves its admissions a call sooner without the lag");
-    assert_eq!(hits("1"), row(&reports[0], "lru")["hits"]);
+    assert_eq!(hits("0"), row(&reports[0], "lru")["hits"]);
     let err = failure(&[
         "plan",
         "--model",
@@ -250,9 +250,9 @@ fn policies_replay_a_locality_trace_against_belady() {
 }
 
 /// `scripts/policy-compare.sh` through the real binary on the CPU pipeline: with `ROUNDS` the
-/// policies take turns (static, reuse, reuse-base, reuse-inline, static, ...), a `-base` policy
-/// runs `BASE_BIN`, an `-inline` one `lag_steps` 0, every round's bench is logged, and the table has one row per fraction and policy
-/// with the rounds' median and spread.
+/// policies take turns (static, reuse, reuse-base, reuse-lagged, static, ...), a `-base` policy
+/// runs `BASE_BIN`, a `-lagged` one `lag_steps` 1 (`-inline`: 0), every round's bench is logged,
+/// and the table has one row per fraction and policy with the rounds' median and spread.
 #[test]
 fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
     let has = |tool: &str| std::process::Command::new(tool).arg("--version").output().is_ok();
@@ -285,7 +285,7 @@ fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
             ("P", "8"),
             ("N", "16"),
             ("FRACTIONS", "0.5"),
-            ("POLICIES", "static reuse reuse-base reuse-inline"),
+            ("POLICIES", "static reuse reuse-base reuse-lagged"),
             ("BASE_BIN", p(&base)),
             ("EXTRA_ARGS", "--engine pipeline"),
             ("OUT", p(dir.path())),
@@ -296,10 +296,10 @@ fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     let runs = std::fs::read_to_string(dir.path().join("policy-compare/runs.tsv")).unwrap();
     let order: Vec<&str> = runs.lines().map(|l| l.split('\t').next().unwrap()).collect();
-    let names = ["static", "reuse", "reuse-base", "reuse-inline"];
+    let names = ["static", "reuse", "reuse-base", "reuse-lagged"];
     assert_eq!(order, [names, names].concat(), "{runs}");
-    let inline = std::fs::read_to_string(dir.path().join("policy-compare/reuse-inline.json")).unwrap();
-    assert!(inline.contains(r#""kind": "reuse", "lag_steps": 0"#), "{inline}");
+    let lagged = std::fs::read_to_string(dir.path().join("policy-compare/reuse-lagged.json")).unwrap();
+    assert!(lagged.contains(r#""kind": "reuse", "lag_steps": 1"#), "{lagged}");
     let base_runs = std::fs::read_to_string(&base_log).unwrap();
     assert_eq!(base_runs.lines().count(), 2, "BASE_BIN ran the -base policy once a round");
     for l in runs.lines() {

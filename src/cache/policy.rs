@@ -269,16 +269,22 @@ pub struct PolicyConfig {
     /// TinyLFU: share of each layer's slots pinned to the learned ranking's top.
     pub pin_fraction: f64,
     pub copy_cost: CopyCost,
-    /// Calls between a step and the first call its exchanges serve: 1 (the default), the step
-    /// runs on its own thread while the engine computes the next call and its exchanges apply
-    /// before the one after (`engine::policy_worker`); 0, the engine waits for the step after
-    /// each call and applies its exchanges before the next (the step's host time on the decode
-    /// thread, the admission serving one call sooner). `plan --trace --policies` replays either.
+    /// Calls between a step and the first call its exchanges serve: 0 (the default), the
+    /// engine waits for the step after each call and applies its exchanges before the next (the
+    /// step's host time on the decode thread, each admission serving one call sooner); 1, the
+    /// step runs on its own thread while the engine computes the next call and its exchanges
+    /// apply before the one after (`engine::policy_worker`). `plan --trace --policies` replays
+    /// either.
     pub lag_steps: usize,
 }
 
-/// [`PolicyConfig::lag_steps`]'s default: the step beside the next call (session 43).
-pub const DEFAULT_POLICY_LAG_STEPS: usize = 1;
+/// [`PolicyConfig::lag_steps`]'s default: the step waited for, its exchanges serving the next
+/// call. Session 48 on the H200 (`scripts/policy-compare.sh`, `reuse` against `reuse-lagged`,
+/// 8-layer BF16, locality p = 0.8 drift 0.1 and p = 0.5 drift 0.01 at 25% and 50% hot): tg at
+/// or above the lagged step's in every cell, decode hit rate +0.2-1.0 points; replayed, +0.3-1.8
+/// points of Belady's share (benches/RESULTS.md, session 48). Session 43 had made 1 the default
+/// for the step's 25-40 us a token on the decode thread, measured where nothing is exchanged.
+pub const DEFAULT_POLICY_LAG_STEPS: usize = 0;
 
 impl Default for PolicyConfig {
     fn default() -> Self {

@@ -22,11 +22,11 @@
 //!   against it too).
 //!
 //! The step policies' exchanges take effect `PolicyConfig::lag_steps` calls after the step that
-//! decided them, as in the engines: by default (1) the policy steps on a call's experts while
-//! the engine runs the next call, and its exchanges are applied before the one after
-//! (`engine::policy_worker`), so a call's hits count against the cache without the last step's
-//! exchanges (an admission serves from the second call after its miss); 0 replays the engines'
-//! inline steps (and gives the hit rates `plan` reported before session 47).
+//! decided them, as in the engines: by default (0) a step's exchanges serve from the next call;
+//! with 1 the policy steps on a call's experts while the engine runs the next call, and its
+//! exchanges are applied before the one after (`engine::policy_worker`), so a call's hits count
+//! against the cache without the last step's exchanges (an admission serves from the second
+//! call after its miss).
 //!
 //! Hit rate is hits over accesses (routed experts per call and layer). With a calibration (a
 //! perf JSON with a decode phase) the predicted tg is the per-slot model of `plan`
@@ -338,7 +338,8 @@ mod tests {
         // learn: expert 0 twice; then a phase of expert 3 over and over
         let mut layer = vec![vec![0], vec![0]];
         layer.extend((0..18).map(|_| vec![3]));
-        let opts = ReplayOptions { fraction: 0.25, learn_fraction: 0.1, ..ReplayOptions::default() };
+        let lagged = PolicyConfig { lag_steps: 1, ..PolicyConfig::default() };
+        let opts = ReplayOptions { fraction: 0.25, learn_fraction: 0.1, policy: lagged, ..ReplayOptions::default() };
         let layer_copy = layer.clone();
         let r = replay(&steps_of(layer, 4), &opts, None);
         assert_eq!((r.capacity, r.learn_steps, r.scored_steps, r.accesses), (1, 2, 18, 18));
@@ -369,10 +370,10 @@ mod tests {
             ..Default::default()
         };
         let hits = |lag| replay(&steps, &opts(lag), None).row("lru").unwrap().hits;
-        // inline: every call of a burst after its first hits (2 + 2 + 1); one call late (the
-        // default), from the third (1 + 1 + 0)
+        // inline (the default): every call of a burst after its first hits (2 + 2 + 1); one
+        // call late, from the third (1 + 1 + 0)
         assert_eq!((hits(0), hits(1)), (5, 2));
-        assert_eq!(ReplayOptions::default().policy.lag_steps, 1);
+        assert_eq!(ReplayOptions::default().policy.lag_steps, 0);
     }
 
     #[test]

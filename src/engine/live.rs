@@ -17,10 +17,10 @@
 //!   planned updater does not run; instead, after every call ([`LiveCache::after_tokens`] per
 //!   generated token, and at the request's end) the experts each layer routed since the last
 //!   step (read off the perf counts) are one step of that layer's [`LayerPolicy`]
-//!   (`cache::policy`), run on the policy's own thread while the engine runs the next call
-//!   (`policy_worker`); the exchanges it decides are applied at the step after it (one call
-//!   later than inline; at a request's end at once). With `PolicyConfig::lag_steps` 0 the step
-//!   is waited for and its exchanges applied before the next call.
+//!   (`cache::policy`), run inline and its exchanges applied before the next call (the default,
+//!   `PolicyConfig::lag_steps` 0). With `lag_steps` 1 the step runs on the policy's own thread
+//!   while the engine runs the next call (`policy_worker`) and the exchanges it decides are
+//!   applied at the step after it (one call later; at a request's end at once).
 //!
 //! The automatic updater and the online policies need the perf counts: with perf mode `off`
 //! no window ever fills and no step is seen.

@@ -1,20 +1,21 @@
-//! The online policy's steps off the decode thread.
+//! The online policy's steps, off the decode thread or inline.
 //!
 //! A step of every layer's [`LayerPolicy`] costs the host 25-40 us a token for 8 layers of 128
 //! experts (the reuse and adaptive policies; measured on the build machine, benches/RESULTS.md,
-//! session 43): 2-4% of an all-hot GPU token, on the thread that launches the next one. So
-//! [`LiveCache`](super::live::LiveCache) hands each step to this worker and takes its exchanges
-//! at the next step: the policy runs while the engine computes the next token.
-//!
-//! The hand-off is deterministic: a step's exchanges are always applied at the step after it,
+//! session 43), on the thread that launches the next call. With `PolicyConfig::lag_steps` 1
+//! [`LiveCache`](super::live::LiveCache) hands each step to this worker's thread and takes its
+//! exchanges at the next step: the policy runs while the engine computes the next token. The
+//! hand-off is deterministic: a step's exchanges are always applied at the step after it,
 //! whatever the threads' timing (the taker waits for them; by then a token's time has passed,
-//! so it does not wait in practice). So the policy's decisions land one call later than when the
-//! step ran inline, which moves an admission by one token of its residence. Where no thread can
-//! be started the steps run inline with the same one-step lag. With `PolicyConfig::lag_steps` 0
-//! the live cache steps the policies inline (no thread), takes a step's exchanges right after it
-//! and applies them before the next call: the step's time on the decode thread, each admission
-//! serving one call sooner (replayed: 1.4-1.8 points of Belady's share at 25% on bursty
-//! locality, benches/RESULTS.md session 47).
+//! so it does not wait in practice), so the decisions land one call later than inline, which
+//! moves an admission by one token of its residence. Where no thread can be started the steps
+//! run inline with the same one-step lag.
+//!
+//! With `lag_steps` 0 (the default) the live cache steps the policies inline (no thread), takes a
+//! step's exchanges right after it and applies them before the next call: the step's time on
+//! the decode thread, each admission serving one call sooner (replayed: +0.3-1.8 points of
+//! Belady's share; on the H200 tg at or above the lagged step's, benches/RESULTS.md session
+//! 48). The step runs only where the cache can exchange (not with every expert hot).
 
 use crate::actors::Exchange;
 use crate::cache::policy::LayerPolicy;
