@@ -86,7 +86,16 @@ extern "C" __global__ void gemv3_bf16(const bf16* __restrict__ W0, const bf16* _
 // device, 16 (_w16) for the few-block projections (o: 128 blocks of 16 rows). Each block reads its
 // tokens' activations (4 bytes a value, hi + lo) once for its 16 G rows' weights (2 bytes a
 // value): at G = 1 and 16 tokens twice the weights' bytes, from L2; _r32 (G = 2) halves that.
+// The activations of the first GM_HOIST_TILES token tiles load with the slabs' weights, before
+// any MMA (one round trip a slab group; loaded beside their MMAs, each tile's was one more L2
+// round trip: ncu on the H200 put q/k/v and o at 19% of DRAM bandwidth at 16 tokens); later
+// tiles, past 16 tokens, still load beside their MMAs (their registers would cost occupancy).
+// Session 48, H200, 16-layer BF16 all hot, `bench --parallel 16`, in turns with the build
+// before: 2894.9 / 2892.5 / 2881.4 against 2851.8 / 2848.1 / 2821.3 t/s. ptxas: 128 registers
+// (48 bytes spilled) for the 8- and 16-warp blocks; the 8-warp block is held to two blocks an SM
+// by its launch bounds (154 registers, one block, without them).
 #define GM_UNROLL 4
+#define GM_HOIST_TILES 2
 #define GEMV_MMA_PARAMS                                                                                         \
     const bf16 *__restrict__ W0, const bf16 *__restrict__ W1, const bf16 *__restrict__ W2,                     \
         const bf16 *__restrict__ xh, const bf16 *__restrict__ xl, float *__restrict__ y0, float *__restrict__ y1, \
@@ -95,6 +104,9 @@ extern "C" __global__ void gemv3_bf16(const bf16* __restrict__ W0, const bf16* _
 template <int NW, int G>
 __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     constexpr int TILES = GEMV_MMA_TOKENS / 8, PW = NW < GEMV_MMA_WARPS ? NW : GEMV_MMA_WARPS, U = GM_UNROLL / G;
+    // the first HT token tiles' activations load with the weights (one round trip a slab group);
+    // further tiles (more than 16 tokens) load as their MMAs need them
+    constexpr int HT = TILES < GM_HOIST_TILES ? TILES : GM_HOIST_TILES;
     static_assert(NW == PW || NW == 2 * PW, "GEMV_MMA_WARPS warps or twice as many");
     __shared__ float part[PW][G * TILES * 4][32];
     int b = blockIdx.x, b0 = (N0 + 16 * G - 1) / (16 * G), b1 = (N1 + 16 * G - 1) / (16 * G);
@@ -120,13 +132,16 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     const uint4 *h4 = (const uint4*)xh, *l4 = (const uint4*)xl;
     float acc[G][TILES][4] = {};
     for (int s0 = warp; s0 < slabs; s0 += U * NW) {
-        uint4 a[U][G], e[U][G];
+        uint4 a[U][G], e[U][G], xh0[U][HT], xl0[U][HT];
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int s = s0 + u * NW;
+            if (s >= slabs) continue;
 #pragma unroll
-            for (int q = 0; q < G; q++)
-                if (s < slabs) a[u][q] = wa[q][s * 4], e[u][q] = wb[q][s * 4];
+            for (int q = 0; q < G; q++) a[u][q] = wa[q][s * 4], e[u][q] = wb[q][s * 4];
+#pragma unroll
+            for (int j = 0; j < HT; j++)
+                if (j < nt) xh0[u][j] = h4[xrow[j] + s * 4], xl0[u][j] = l4[xrow[j] + s * 4];
         }
 #pragma unroll
         for (int u = 0; u < U; u++) {
@@ -135,7 +150,8 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
 #pragma unroll
             for (int j = 0; j < TILES; j++) {
                 if (j >= nt) continue;
-                uint4 h = h4[xrow[j] + s * 4], l = l4[xrow[j] + s * 4];
+                uint4 h = j < HT ? xh0[u][j < HT ? j : 0] : h4[xrow[j] + s * 4];
+                uint4 l = j < HT ? xl0[u][j < HT ? j : 0] : l4[xrow[j] + s * 4];
 #pragma unroll
                 for (int q = 0; q < G; q++) {
                     unsigned a1[4] = {a[u][q].x, e[u][q].x, a[u][q].y, e[u][q].y};
@@ -182,7 +198,7 @@ __device__ __forceinline__ void gemv_mma(GEMV_MMA_PARAMS) {
     }
 }
 
-extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS) void gemv_mma_bf16(GEMV_MMA_PARAMS) {
+extern "C" __global__ __launch_bounds__(32 * GEMV_MMA_WARPS, 2) void gemv_mma_bf16(GEMV_MMA_PARAMS) {
     pdl_enter();
     gemv_mma<GEMV_MMA_WARPS, 1>(GEMV_MMA_ARGS);
 }
