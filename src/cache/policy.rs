@@ -56,15 +56,15 @@
 //! above the floor: on a stable popular set no swap pays, so none is made and the cache stays
 //! the learned one; where locality makes swaps pay, the declined ones bring it down.
 //!
-//! On replayed traces (benches/RESULTS.md, "Hot-cache policies against Belady", 25% and 50%
-//! budgets) reuse reaches at least 90% of Belady's hit rate in 10 of 12 cells with each step's
-//! exchanges serving the next call (not at 25% with p = 0.5 or with p = 0.8 and drift 0.1), and in
-//! 8 of 12 with the engines' one-call lag that the replay now models (session 47: 86.5-88.8% at
-//! 25% with p = 0.8). On the GPU machine, where an exchange never stalls a
-//! call (the added expert turns hot once its copy has landed) and the step runs beside the next
-//! call (`engine::policy_worker`), it decodes 1.08-1.40x the best of the static cache and the
-//! updater on locality workloads (0.96x at p = 0.5 with half the experts hot) and 0.96-1.01x on
-//! `skewed` and `domains:2`, where the sceptical margin leaves the learned cache in place: so
+//! On replayed traces (benches/RESULTS.md, session 48, 25% and 50% budgets, each step's
+//! exchanges serving the next call as the engines apply them by default) reuse reaches at least
+//! 90% of Belady's hit rate in 9 of 12 cells: not at 25% with p = 0.5 (past the causal bound,
+//! 87.4%), with p = 0.8 and drift 0.1 (88.3%; more copies reach 90% there and cost the GPU's tg
+//! elsewhere) or on `domains:2` (89.7%, the best fixed set in hindsight 90.4%). On the GPU
+//! machine, where an exchange never stalls a call (the added expert turns hot once its copy has
+//! landed), it decodes 1.05-1.64x the best of the static cache and the updater on locality
+//! workloads (session 48) and 0.96-1.01x on `skewed` and `domains:2`, where the sceptical margin
+//! leaves the learned cache in place: so
 //! [`PolicyKind::Reuse`] is the default (benches/RESULTS.md, session 43). On the traces: LRU follows locality but loses the popular set to one-off
 //! experts on `skewed` and `domains:2` routing and copies the most; LFU (half-life 32) is slow on
 //! locality; TinyLFU's pinned core goes stale when the popular set drifts and its gate admits too
