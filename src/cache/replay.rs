@@ -339,7 +339,8 @@ mod tests {
         let mut layer = vec![vec![0], vec![0]];
         layer.extend((0..18).map(|_| vec![3]));
         let lagged = PolicyConfig { lag_steps: 1, ..PolicyConfig::default() };
-        let opts = ReplayOptions { fraction: 0.25, learn_fraction: 0.1, policy: lagged, ..ReplayOptions::default() };
+        let opts =
+            ReplayOptions { fraction: 0.25, learn_fraction: 0.1, policy: lagged, ..ReplayOptions::default() };
         let layer_copy = layer.clone();
         let r = replay(&steps_of(layer, 4), &opts, None);
         assert_eq!((r.capacity, r.learn_steps, r.scored_steps, r.accesses), (1, 2, 18, 18));
