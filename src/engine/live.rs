@@ -280,8 +280,9 @@ impl LiveCache {
 
     /// One step of the online policy: the exchanges the previous step decided applied now, then
     /// the experts each layer routed since the last step handed to the policy's worker
-    /// (`engine::policy_worker`: it decides while the engine runs the next call). Nothing while a
-    /// manual apply waits.
+    /// (`engine::policy_worker`); with `lag_steps` 0 (the default) the worker steps inline and
+    /// this step's exchanges are applied now too, else it decides while the engine runs the next
+    /// call. Nothing while a manual apply waits.
     pub fn policy_step(&mut self, engine: &mut dyn Engine) -> Result<Option<UpdateOutcome>, EngineError> {
         if !self.online_policy() || self.pending_manual.is_some() {
             return Ok(None);
