@@ -368,8 +368,8 @@ fn a_full_updater_queue_is_counted_and_reported() {
     assert!(engine.hot_set().unwrap().layers[0].is_hot(hot));
 }
 
-/// `PolicyConfig::lag_steps`: with 0 the step on a call's experts is waited for and its
-/// exchanges applied before the next call; with 1 (the default) they come a call later.
+/// `PolicyConfig::lag_steps`: with 0 (the default) the step on a call's experts is waited for
+/// and its exchanges applied before the next call; with 1 they come a call later.
 #[test]
 fn an_online_policy_without_lag_applies_its_exchanges_before_the_next_call() {
     let dir = tempfile::tempdir().unwrap();

@@ -305,15 +305,16 @@ impl LiveCache {
                 state.worker.give_back(step);
             }
         }
+        let applied = applied?;
         if self.policy.cache.lag_steps == 0 {
             // no lag: this step's exchanges serve the next call (the engine waits for the step)
             let now = self.online.as_mut().map(|s| s.worker.take()).unwrap_or_default();
             if !now.is_empty() {
                 let later = self.apply_policy(engine, now)?;
-                return Ok(Some(then(applied?, later)));
+                return Ok(Some(then(applied, later)));
             }
         }
-        applied
+        Ok(applied)
     }
 
     /// At a request's end: the last step's exchanges applied now too (nothing waits for a token
