@@ -28,6 +28,9 @@
 # NAME-inline runs NAME with `lag_steps` 0 (the default: its exchanges before the next call, the
 # step waited for: --engine-config {"cache_policy": {"kind": NAME, "lag_steps": 0}}), NAME-lagged
 # with `lag_steps` 1 (the step beside the next call, its exchanges before the one after).
+# LABEL=FILE runs --engine-config FILE (any engine configuration, e.g. a policy's copy cost:
+# POLICIES="reuse counted=counted.json" with {"cache_policy": {"copy_cost": {"pcie_overlapped": false}}}),
+# named LABEL in the table.
 # Env: SPEC (locality:p=0.8,drift=0.01), FRACTIONS, P (64), N (256), RUNS (3), ROUNDS (1), POLICIES
 # ("static online lru lfu tinylfu adaptive reuse"), BASE_BIN, MODEL, MODEL_DIR, BENCH_TIMEOUT (60), BUDGET_S (390),
 # EXTRA_ARGS (more bench flags, e.g. --engine pipeline off the GPU machine), SYNTH_ARGS (default
@@ -80,20 +83,25 @@ read -r -a extra <<<"${EXTRA_ARGS:-}"
 for f in $FRACTIONS; do
   for round in $(seq 1 "$ROUNDS"); do
     for pol in $POLICIES; do
-        out="$LOGS/$pol-$f-r$round.json"
+        label=${pol%%=*}
+        out="$LOGS/$label-$f-r$round.json"
         if [ $((SECONDS - START)) -ge "$BUDGET_S" ]; then
-            printf '%s\t%s\tNA\tNA\tNA\tNA\t# skipped: past BUDGET_S\n' "$pol" "$f" >>"$LOGS/runs.tsv"
+            printf '%s\t%s\tNA\tNA\tNA\tNA\t# skipped: past BUDGET_S\n' "$label" "$f" >>"$LOGS/runs.tsv"
             continue
         fi
         bin=$BIN name=$pol
         if [ "${pol%-base}" != "$pol" ]; then
             bin=${BASE_BIN:?"$pol needs BASE_BIN"} name=${pol%-base}
         fi
-        read -r -a pf <<<"$(flags "$name")"
+        if [ "${pol#*=}" != "$pol" ]; then
+            pf=(--engine-config "${pol#*=}")
+        else
+            read -r -a pf <<<"$(flags "$name")"
+        fi
         timeout "$BENCH_TIMEOUT" "$bin" bench --model "$MODEL" "${scenario[@]}" -p "$P" -n "$N" --runs "$RUNS" \
             --hot-fraction "$f" --json "${pf[@]}" "${extra[@]}" >"$out" 2>"$out.err"
         rc=$?
-        python3 - "$out" "$pol" "$f" "$rc" >>"$LOGS/runs.tsv" <<'PY'
+        python3 - "$out" "$label" "$f" "$rc" >>"$LOGS/runs.tsv" <<'PY'
 import json, sys
 f, pol, frac, rc = sys.argv[1:]
 try:

@@ -251,7 +251,8 @@ fn policies_replay_a_locality_trace_against_belady() {
 
 /// `scripts/policy-compare.sh` through the real binary on the CPU pipeline: with `ROUNDS` the
 /// policies take turns (static, reuse, reuse-base, reuse-lagged, static, ...), a `-base` policy
-/// runs `BASE_BIN`, a `-lagged` one `lag_steps` 1 (`-inline`: 0), every round's bench is logged,
+/// runs `BASE_BIN`, a `-lagged` one `lag_steps` 1 (`-inline`: 0), `LABEL=FILE` the engine
+/// configuration FILE, every round's bench is logged,
 /// and the table has one row per fraction and policy with the rounds' median and spread.
 #[test]
 fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
@@ -274,6 +275,10 @@ fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
     );
     std::fs::write(&base, wrapper).unwrap();
     std::process::Command::new("chmod").arg("+x").arg(&base).status().unwrap();
+    // LABEL=FILE: any engine configuration, named LABEL
+    let counted = dir.path().join("counted.json");
+    std::fs::write(&counted, r#"{"cache_policy": {"copy_cost": {"pcie_overlapped": false}}}"#).unwrap();
+    let policies = format!("static reuse reuse-base reuse-lagged counted={}", p(&counted));
     let out = std::process::Command::new("bash")
         .arg(script)
         .arg(env!("CARGO_BIN_EXE_moe-lanes"))
@@ -285,7 +290,7 @@ fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
             ("P", "8"),
             ("N", "16"),
             ("FRACTIONS", "0.5"),
-            ("POLICIES", "static reuse reuse-base reuse-lagged"),
+            ("POLICIES", policies.as_str()),
             ("BASE_BIN", p(&base)),
             ("EXTRA_ARGS", "--engine pipeline"),
             ("OUT", p(dir.path())),
@@ -296,7 +301,7 @@ fn policy_compare_takes_the_policies_in_turns_and_tables_every_cell() {
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     let runs = std::fs::read_to_string(dir.path().join("policy-compare/runs.tsv")).unwrap();
     let order: Vec<&str> = runs.lines().map(|l| l.split('\t').next().unwrap()).collect();
-    let names = ["static", "reuse", "reuse-base", "reuse-lagged"];
+    let names = ["static", "reuse", "reuse-base", "reuse-lagged", "counted"];
     assert_eq!(order, [names, names].concat(), "{runs}");
     let lagged = std::fs::read_to_string(dir.path().join("policy-compare/reuse-lagged.json")).unwrap();
     assert!(lagged.contains(r#""kind": "reuse", "lag_steps": 1"#), "{lagged}");

@@ -404,6 +404,11 @@ impl LiveCache {
         kind: UpdateKind,
         hit_rate_before: f64,
     ) -> Result<UpdateOutcome, EngineError> {
+        // an online step still in flight decided against the cache before this apply: its
+        // exchanges may evict what this one evicts (the next step starts from the new cache)
+        if let Some(state) = self.online.as_mut() {
+            drop(state.worker.take());
+        }
         let start = Instant::now();
         let mut refused = None;
         for (i, &x) in exchanges.iter().enumerate() {
