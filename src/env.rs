@@ -15,6 +15,7 @@
 //! | `MOE_LANES_GPU_PROFILE=1` | per-stage GPU profile in `bench` |
 //! | `MOE_LANES_CPU_PROFILE=1` | per-stage profile of the CPU pipeline in `bench` ([`crate::moe::profile`]) |
 //! | `MOE_LANES_GPU_GRAPH=0` | launch every decode kernel one by one instead of replaying the captured decode graph (all-hot models) or decode segments (models with cold experts) |
+//! | `MOE_LANES_KV_PAGING=0` | allocate each GPU KV cache whole instead of committing its pages as positions come (on by default where the driver has virtual memory management) |
 //! | `MOE_LANES_GRAPH_LANE_EVENTS=1` | the decode graphs record CUDA events around every all-hot layer's hot lane on every call (an A/B: the events stop programmatic dependent launch there); default: none in the graphs, one decode call in 64 runs eagerly and timed |
 //! | `MOE_LANES_PREFILL_ACTIVATIONS` | what the GPU prefill GEMMs feed the tensor cores: `auto` (default: bf16 hi + lo for float weights; quantized ones 8-bit activations on int8 tensor cores where their type has int8 tiles (MXFP4 experts), one bf16 rounding elsewhere), `split` (hi + lo for every type), `bf16` (one bf16 rounding for every quantized type) |
 //! | `MOE_LANES_GPU_ATTENTION` | the GPU prefill attention: `mma` (default, flash-style tiles of queries x keys on the tensor cores, bf16 hi + lo operands; heads of a multiple of 16 up to 128 dims on sm_80+, else `tiled`), `tiled` (the same tiles in f32 on the CUDA cores) or `rows` (one block per token and head) |
@@ -157,7 +158,8 @@ pub fn vram_limit_bytes() -> Result<Option<u64>, EnvError> {
 /// The GPU engine's tuning from the environment, each variable an override of a tuning file's
 /// value (unset: `None`): `MOE_LANES_GPU_ATTENTION` (`mma`, `tiled`, `rows`),
 /// `MOE_LANES_PREFILL_ACTIVATIONS` (`auto`, `split`, `bf16`), `MOE_LANES_GPU_GRAPH` (`0` off),
-/// `MOE_LANES_GRAPH_LANE_EVENTS` (`1` on), `MOE_LANES_BATCH_GEMM_MIN_TOKENS` and
+/// `MOE_LANES_GRAPH_LANE_EVENTS` (`1` on), `MOE_LANES_KV_PAGING` (`0` off),
+/// `MOE_LANES_BATCH_GEMM_MIN_TOKENS` and
 /// `MOE_LANES_HOT_GROUPED_MIN_ROWS`, `MOE_LANES_HOT_GROUPED_MIN_ROWS_QUANTIZED` and
 /// `MOE_LANES_PING_PONG_MAX_ROWS` (counts).
 pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
@@ -189,6 +191,7 @@ pub fn gpu_tuning() -> Result<GpuTuning, EnvError> {
         hot_grouped_min_rows_quantized,
         max_call_tokens: None, // the tuning file's (no variable)
         ping_pong_max_rows,
+        kv_paging: var("MOE_LANES_KV_PAGING").map(|v| v != "0"),
     })
 }
 

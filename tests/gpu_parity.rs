@@ -23,7 +23,7 @@ use moe_lanes::cache::perf::{FallbackReason, ModelFingerprint, PerfReport, PostF
 use moe_lanes::cache::policy::{PolicyConfig, PolicyKind};
 use moe_lanes::cache::update::UpdatePolicy;
 use moe_lanes::engine::{
-    build_engine, Engine, EngineError, EngineKind, EngineOptions, HotBudget, HotChoice, LiveCache,
+    build_engine, Engine, EngineError, EngineKind, EngineOptions, HotBudget, HotChoice, KvCache, LiveCache,
 };
 use moe_lanes::gpu::{CudaBackend, GpuFaults, PostFetchMode, PostFetchOptions};
 use moe_lanes::model::context::KvType;
@@ -517,6 +517,96 @@ fn decode_graph_matches_eager_bit_for_bit() {
             }
         }
     }
+}
+
+/// A tiny synthetic qwen3_moe of 2 layers with 8 KV heads of 128 dims: a layer's f16 rows are
+/// 2 KiB, so a 2 MiB page holds 1024 positions.
+fn synth_wide_kv(dir: &Path) -> Arc<Model> {
+    use moe_lanes::synth::{write_synthetic, DimOverrides, SynthFormat};
+    let mut opts = common::synth_options("qwen3_moe", SynthFormat::Gguf, dir.join("wide-kv.gguf"), 7);
+    opts.dims = DimOverrides {
+        n_layers: Some(2),
+        n_heads: Some(8),
+        n_kv_heads: Some(8),
+        head_dim: Some(128),
+        ..DimOverrides::default()
+    };
+    write_synthetic(&opts, &mut |_, _| {}).unwrap();
+    Arc::new(Model::open(&opts.out).unwrap())
+}
+
+/// An all-hot GPU engine (decode graphs on) whose KV caches are paged or allocated whole.
+fn paging_engine(model: &Arc<Model>, positions: usize, paging: bool) -> Box<dyn Engine + '_> {
+    let c = model.config();
+    let mut opts = gpu_options(HotChoice::Set(hot_set(Hot::All, c.n_layers, c.n_experts)), positions);
+    opts.gpu.kv_paging = paging;
+    build_gpu(model, opts)
+}
+
+/// One decode step on both engines: bit-identical logits; the greedy token.
+fn same_step(
+    step: usize,
+    paged: (&mut dyn Engine, &mut KvCache),
+    whole: (&mut dyn Engine, &mut KvCache),
+    token: u32,
+) -> u32 {
+    let want = whole.0.forward(&[token], Phase::Decode, whole.1).unwrap();
+    let got = paged.0.forward(&[token], Phase::Decode, paged.1).unwrap();
+    assert_eq!(got.row(0), want.row(0), "decode step {step}: the paged cache differs from the whole one");
+    assert_eq!(got.argmax, want.argmax, "decode step {step}");
+    want.argmax[0]
+}
+
+/// Paged KV caches (`GpuOptions::kv_paging`, vAttention's scheme): on [`synth_wide_kv`], a
+/// session of two pages' capacity decodes past 840 positions with the logits of whole caches bit
+/// for bit, holding one page per buffer (2 layers x K and V) while a call needs at most 768
+/// positions and two once it needs more (768 + 256 positions of headroom fill the first page);
+/// grown for a longer request (`Engine::reserve`, `GpuModel::grow_kv_cache`: a new reservation
+/// committed for the positions held), it keeps decoding as the grown whole cache, across the
+/// decode graph's bucket at 1024 positions.
+#[test]
+fn paged_kv_caches_commit_as_positions_come_and_decode_as_whole_ones() {
+    let Some(_gpu) = gpu_shared() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth_wide_kv(dir.path());
+    let c = model.config().clone();
+    let row_bytes = 2 * c.kv_dim(); // f16, the default cache type
+    let be = CudaBackend::with_config(&moe_lanes::env::cuda_config().unwrap()).unwrap();
+    let page =
+        be.page_bytes().expect("the GPU has virtual memory management (every data-centre GPU since Pascal)");
+    drop(be);
+    let per_page = page / row_bytes;
+    let capacity = 2 * per_page;
+    assert!(2 * capacity <= c.max_positions, "a {page}-byte page needs a longer model context");
+    let (mut paged, mut whole) =
+        (paging_engine(&model, capacity, true), paging_engine(&model, capacity, false));
+    let (mut cp, mut cw) = (paged.new_cache(capacity).unwrap(), whole.new_cache(capacity).unwrap());
+    assert_eq!(cp.kv_bytes(), Some(0), "nothing is committed before the first call");
+    assert_eq!(cw.kv_bytes(), Some(4 * capacity * row_bytes), "whole caches hold every position");
+    let prompt: Vec<u32> = (0..8).map(|i| ((i * 37 + 11) % c.vocab) as u32).collect();
+    let want = whole.forward(&prompt, Phase::Prefill, &mut cw).unwrap();
+    let got = paged.forward(&prompt, Phase::Prefill, &mut cp).unwrap();
+    assert_eq!((got.rows(), got.argmax.clone()), (want.rows(), want.argmax.clone()), "prefill");
+    let mut next = *want.argmax.last().unwrap();
+    let n_total = per_page - 256 + 72; // 840 at 2 MiB pages
+    for step in 0..n_total - prompt.len() {
+        next = same_step(step, (paged.as_mut(), &mut cp), (whole.as_mut(), &mut cw), next);
+        let n = cp.n_positions();
+        let pages = if n + 256 > per_page { 2 } else { 1 };
+        assert_eq!(cp.kv_bytes(), Some(4 * pages * page), "{n} positions: {pages} page(s) per buffer");
+    }
+    assert_eq!(cp.kv_bytes(), Some(8 * page), "two pages per buffer at {n_total} positions");
+    // grown for a longer request: a new reservation committed for the positions held
+    assert!(paged.reserve(&mut cp, 2 * capacity).unwrap() && whole.reserve(&mut cw, 2 * capacity).unwrap());
+    assert_eq!((cp.capacity(), cp.n_positions()), (2 * capacity, n_total));
+    assert_eq!(cp.kv_bytes(), Some(8 * page), "the grown cache commits what the old one held, rounded up");
+    for step in n_total..per_page + 64 {
+        next = same_step(step, (paged.as_mut(), &mut cp), (whole.as_mut(), &mut cw), next);
+    }
+    eprintln!(
+        "paged KV: {page}-byte pages, {per_page} positions each, {} positions decoded",
+        cp.n_positions()
+    );
 }
 
 #[test]

@@ -439,9 +439,11 @@ impl BudgetSource for GpuSource<'_> {
     }
     /// Measured with one session's KV cache allocated (then freed for the session to take),
     /// less the KV caches of the other sessions that run at once; per device, each device's
-    /// free memory (a GPU named twice shares its own among its entries).
+    /// free memory (a GPU named twice shares its own among its entries). The probe is committed
+    /// whole: a paged cache counts as the full cache it may grow into.
     fn auto_bytes(&mut self) -> Result<Vec<u64>, EngineError> {
-        let probe: GpuKvCache = self.gm.new_kv_cache(self.n_positions)?;
+        let mut probe: GpuKvCache = self.gm.new_kv_cache(self.n_positions)?;
+        self.gm.commit_kv_cache(&mut probe, self.n_positions)?;
         let mem = self.gm.backends().map(|be| be.mem_info()).collect::<Result<Vec<_>, _>>();
         drop(probe);
         let mem = mem.map_err(crate::gpu::GpuError::from)?;

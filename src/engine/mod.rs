@@ -117,8 +117,8 @@ impl KvCache {
         }
     }
 
-    /// Bytes its keys and values hold (the pipeline's as they grow, the GPU's as allocated);
-    /// `None` for the oracle's.
+    /// Bytes its keys and values hold (the pipeline's as they grow, the GPU's as allocated: a
+    /// paged GPU cache's pages committed so far); `None` for the oracle's.
     pub fn kv_bytes(&self) -> Option<usize> {
         match self {
             KvCache::Reference(_) => None,

@@ -58,6 +58,9 @@ pub struct GpuTuning {
     /// whose lanes ping-pong; 0: never (`MOE_LANES_PING_PONG_MAX_ROWS`; default
     /// [`crate::gpu::PING_PONG_MAX_ROWS`], off: its doc has the measurement).
     pub ping_pong_max_rows: Option<usize>,
+    /// KV caches commit device memory as positions come (default true; `MOE_LANES_KV_PAGING=0`
+    /// allocates each whole).
+    pub kv_paging: Option<bool>,
 }
 
 impl GpuTuning {
@@ -75,6 +78,7 @@ impl GpuTuning {
                 .or(self.hot_grouped_min_rows_quantized),
             max_call_tokens: over.max_call_tokens.or(self.max_call_tokens),
             ping_pong_max_rows: over.ping_pong_max_rows.or(self.ping_pong_max_rows),
+            kv_paging: over.kv_paging.or(self.kv_paging),
         }
     }
 
@@ -91,6 +95,7 @@ impl GpuTuning {
             self.hot_grouped_min_rows_quantized.unwrap_or(gpu.hot_grouped_min_rows_quantized);
         gpu.max_call_tokens = self.max_call_tokens.unwrap_or(gpu.max_call_tokens);
         gpu.ping_pong_max_rows = self.ping_pong_max_rows.unwrap_or(gpu.ping_pong_max_rows);
+        set(&mut gpu.kv_paging, self.kv_paging);
     }
 }
 
@@ -299,6 +304,10 @@ mod tests {
         let file: EngineTuning = serde_json::from_str(r#"{"gpu": {"max_call_tokens": 64}}"#).unwrap();
         file.gpu.apply(&mut gpu);
         assert_eq!(gpu.max_call_tokens, 64);
+        assert!(gpu.kv_paging, "paged KV caches by default");
+        let file: EngineTuning = serde_json::from_str(r#"{"gpu": {"kv_paging": false}}"#).unwrap();
+        file.gpu.apply(&mut gpu);
+        assert!(!gpu.kv_paging);
     }
 
     #[test]

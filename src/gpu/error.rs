@@ -81,6 +81,10 @@ pub enum GpuError {
          (kv_lora_rank + rope, not a multiple of {block}): choose another type"
     )]
     LatentKvBlocks { kv_type: crate::model::context::KvType, block: usize, width: usize },
+    /// A paged KV cache could not commit pages for a call (`kv::GpuKvCache::commit`): the call
+    /// fails before any work, and the device goes on serving (not a device loss).
+    #[error("no device memory left to commit the KV cache for {positions} positions: {source}")]
+    KvMemory { positions: usize, source: CudaError },
 }
 
 impl GpuError {

@@ -413,4 +413,15 @@ mod tests {
             assert!(b >= pos0 && b < cap, "{pos0} {cap} -> {b}");
         }
     }
+
+    /// A paged cache commits every position a decode token's graph may address: the bucket's.
+    #[test]
+    fn paged_caches_commit_the_whole_bucket() {
+        for cap in [1, 8, 300, 513, 1024, 5000, 32768] {
+            for pos0 in 0..cap.min(3000) {
+                let committed = super::super::kv::committed_positions(pos0 + 1, cap);
+                assert!(committed > positions_bucket(pos0, cap), "{pos0} of {cap}: {committed}");
+            }
+        }
+    }
 }

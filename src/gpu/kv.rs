@@ -1,97 +1,155 @@
 //! The GPU KV cache: per layer, K and V as `[capacity, kv_dim]` in the cache's [`KvType`] (f16
 //! by default; f32, bf16 and q8_0 selectable, q8_0 as llama.cpp's blocks of 32 values, each
-//! `[capacity, kv_dim]` row whole blocks), allocated once; `kv_dim` is each layer's own (KV
-//! heads x head dim: Gemma 4's global layers differ from its sliding ones). Keys and values are
-//! written converted (after RoPE) and every attention kernel reads each type. A latent attention
-//! layer keeps one row of `kv_lora_rank + rope` values per position (the normed latent and the
-//! rotated key part, `LatentAttentionSpec::cache_width`) in its K buffer, in the same type, and no
-//! V. A sliding-window layer keeps a mirrored ring of at most `2 * kv_ring_positions(window)`
-//! rows (`moe_lanes_kernels::kv::kv_ring_positions`), so a long context costs full KV only in the
+//! `[capacity, kv_dim]` row whole blocks); `kv_dim` is each layer's own (KV heads x head dim:
+//! Gemma 4's global layers differ from its sliding ones). Keys and values are written converted
+//! (after RoPE) and every attention kernel reads each type. A latent attention layer keeps one
+//! row of `kv_lora_rank + rope` values per position (the normed latent and the rotated key part,
+//! `LatentAttentionSpec::cache_width`) in its K buffer, in the same type, and no V. A
+//! sliding-window layer keeps a mirrored ring of at most `2 * kv_ring_positions(window)` rows
+//! (`moe_lanes_kernels::kv::kv_ring_positions`), so a long context costs full KV only in the
 //! global layers.
+//!
+//! Paging (vAttention's scheme, `GpuOptions::kv_paging`, on by default): a buffer whose rows are
+//! written in position order (full and latent attention, and a sliding-window layer whose rows
+//! stay linear) reserves device addresses for its whole capacity once and commits physical pages
+//! as positions come ([`moe_lanes_kernels::cuda::PagedBuffer`]): each call first commits
+//! [`committed_positions`] of the positions it will hold ([`GpuKvCache::commit`]), so a
+//! 16-sequence server at 32k context holds what its sessions use, not 16 full caches. The
+//! address never moves, so the kernels, `KvPtr` and the decode graphs keyed on
+//! [`GpuKvCache::serial`] are as with whole buffers. The mirrored rings, the DeltaNet state,
+//! buffers of a page or less, and every buffer where paging is off or the driver refuses it are
+//! allocated whole (and zeroed), as before.
 
 use moe_lanes_kernels::cuda::ops::KvPtr;
-use moe_lanes_kernels::cuda::{CudaBackend, DPtr, DeviceBuffer};
+use moe_lanes_kernels::cuda::{CudaBackend, CudaError, DPtr, DeviceBuffer, PagedBuffer};
 
 use super::GpuError;
 use crate::model::arch::{LayerPlan, Mixer};
 use crate::model::context::KvType;
 use moe_lanes_kernels::kv::{kv_ring_positions, kv_ring_rows, KV_RING_CHUNK_POSITIONS};
+use std::ops::Range;
 
-/// One layer's keys or values per layer, in the cache's type.
-pub(crate) enum KvBufs {
-    F32(Vec<DeviceBuffer<f32>>),
-    F16(Vec<DeviceBuffer<u16>>),
-    Bf16(Vec<DeviceBuffer<u16>>),
-    /// q8_0 blocks (34 bytes per 32 values).
-    Q8_0(Vec<DeviceBuffer<u8>>),
+/// Positions committed past the ones a call needs, before rounding up to a power of two: the
+/// decode graph's attention grid covers a power-of-two bucket of at least 256 positions
+/// (`graph::positions_bucket`), and a few hundred positions of decode run without a commit.
+const COMMIT_HEADROOM_POSITIONS: usize = 256;
+
+/// The positions a paged cache of `capacity` commits for a call that needs its first `n`: the
+/// next power of two past `n` + [`COMMIT_HEADROOM_POSITIONS`] (at least every position the
+/// attention kernels may address for `n`, the decode graph's bucket included), at most
+/// `capacity`.
+pub(crate) fn committed_positions(n: usize, capacity: usize) -> usize {
+    (n + COMMIT_HEADROOM_POSITIONS).next_power_of_two().min(capacity)
 }
 
-impl KvBufs {
-    /// One buffer per layer of `elems[l]` values, on layer `l`'s device (`bes[l]`).
-    fn new(bes: &[&CudaBackend], kv: KvType, elems: &[usize]) -> Result<KvBufs, GpuError> {
-        let per_layer = || bes.iter().zip(elems);
-        let u16s = || per_layer().map(|(be, &n)| be.alloc_zeros::<u16>(n)).collect::<Result<Vec<_>, _>>();
-        Ok(match kv {
-            KvType::F32 => {
-                KvBufs::F32(per_layer().map(|(be, &n)| be.alloc_zeros::<f32>(n)).collect::<Result<_, _>>()?)
+/// One layer's keys or values as bytes in the cache's type.
+pub(crate) enum KvStore {
+    /// Allocated and zeroed whole.
+    Whole(DeviceBuffer<u8>),
+    /// Rows of `row_bytes` committed front to back as positions come.
+    Paged { buf: PagedBuffer, row_bytes: usize },
+}
+
+/// What one layer's K or V store holds: its bytes, and the bytes of one position's row where its
+/// rows are written in position order (it may be paged).
+#[derive(Debug, Clone, Copy)]
+struct StoreSpec {
+    bytes: usize,
+    linear_row_bytes: Option<usize>,
+}
+
+impl KvStore {
+    /// A store of `spec` on `be`'s device: paged where `paging` is on, its rows are linear and
+    /// it is larger than a page; else (or where the driver refuses the reservation) whole.
+    fn new(be: &CudaBackend, spec: StoreSpec, paging: bool) -> Result<KvStore, CudaError> {
+        let larger_than_a_page = be.page_bytes().is_some_and(|p| spec.bytes > p);
+        if let Some(row_bytes) = spec.linear_row_bytes.filter(|_| paging && larger_than_a_page) {
+            if let Ok(buf) = be.reserve_paged(spec.bytes) {
+                return Ok(KvStore::Paged { buf, row_bytes });
             }
-            KvType::F16 => KvBufs::F16(u16s()?),
-            KvType::Bf16 => KvBufs::Bf16(u16s()?),
-            KvType::Q8_0 => KvBufs::Q8_0(
-                per_layer()
-                    .map(|(be, &n)| be.alloc_zeros::<u8>(kv.bytes_of(n as u64) as usize))
-                    .collect::<Result<_, _>>()?,
-            ),
-        })
+        }
+        Ok(KvStore::Whole(be.alloc_zeros::<u8>(spec.bytes)?))
     }
-    fn layer(&self, l: usize) -> KvPtr {
+    fn ptr(&self) -> DPtr<u8> {
         match self {
-            KvBufs::F32(b) => KvPtr::F32(b[l].ptr()),
-            KvBufs::F16(b) => KvPtr::F16(b[l].ptr()),
-            KvBufs::Bf16(b) => KvPtr::Bf16(b[l].ptr()),
-            KvBufs::Q8_0(b) => KvPtr::Q8_0(b[l].ptr()),
+            KvStore::Whole(b) => b.ptr(),
+            KvStore::Paged { buf, .. } => buf.ptr(),
         }
     }
-    fn bytes(&self) -> usize {
+    /// Bytes of device memory it holds (a paged store's committed pages).
+    fn committed_bytes(&self) -> usize {
         match self {
-            KvBufs::F32(b) => b.iter().map(DeviceBuffer::bytes).sum(),
-            KvBufs::F16(b) | KvBufs::Bf16(b) => b.iter().map(DeviceBuffer::bytes).sum(),
-            KvBufs::Q8_0(b) => b.iter().map(DeviceBuffer::bytes).sum(),
+            KvStore::Whole(b) => b.bytes(),
+            KvStore::Paged { buf, .. } => buf.committed_bytes(),
         }
     }
-    /// Queue a copy of layer `l`'s first `n` values into `dst`'s layer `l` (a cache of the same
-    /// type; whole q8_0 blocks: every row is).
-    fn copy_prefix(&self, dst: &KvBufs, be: &CudaBackend, l: usize, n: usize) -> Result<(), GpuError> {
-        fn go<T>(
-            be: &CudaBackend,
-            s: &DeviceBuffer<T>,
-            d: &DeviceBuffer<T>,
-            n: usize,
-        ) -> Result<(), GpuError> {
-            Ok(be.copy(s.ptr().sub(0, n), d.ptr().sub(0, n))?)
-        }
-        match (self, dst) {
-            (KvBufs::F32(s), KvBufs::F32(d)) => go(be, &s[l], &d[l], n),
-            (KvBufs::F16(s), KvBufs::F16(d)) | (KvBufs::Bf16(s), KvBufs::Bf16(d)) => go(be, &s[l], &d[l], n),
-            (KvBufs::Q8_0(s), KvBufs::Q8_0(d)) => {
-                go(be, &s[l], &d[l], KvType::Q8_0.bytes_of(n as u64) as usize)
-            }
-            _ => unreachable!("a cache grows into one of its own type"),
-        }
-    }
-    fn n_layers(&self) -> usize {
+    /// Bytes it holds once every position is committed.
+    fn reserved_bytes(&self) -> usize {
         match self {
-            KvBufs::F32(b) => b.len(),
-            KvBufs::F16(b) | KvBufs::Bf16(b) => b.len(),
-            KvBufs::Q8_0(b) => b.len(),
+            KvStore::Whole(b) => b.bytes(),
+            KvStore::Paged { buf, .. } => buf.reserved_bytes(),
         }
     }
     fn serial(&self) -> u64 {
         match self {
-            KvBufs::F32(b) => b[0].serial(),
-            KvBufs::F16(b) | KvBufs::Bf16(b) => b[0].serial(),
-            KvBufs::Q8_0(b) => b[0].serial(),
+            KvStore::Whole(b) => b.serial(),
+            KvStore::Paged { buf, .. } => buf.serial(),
         }
+    }
+    /// Commit the first `rows` rows of a paged store (nothing for a whole one).
+    fn commit(&mut self, be: &CudaBackend, rows: usize) -> Result<(), CudaError> {
+        if let KvStore::Paged { buf, row_bytes } = self {
+            be.commit_paged(buf, rows * *row_bytes)?;
+        }
+        Ok(())
+    }
+}
+
+/// A cache type's view of a store's bytes.
+fn kv_ptr(kv_type: KvType, p: DPtr<u8>) -> KvPtr {
+    match kv_type {
+        KvType::F32 => KvPtr::F32(p.as_f32()),
+        KvType::F16 => KvPtr::F16(p.as_u16()),
+        KvType::Bf16 => KvPtr::Bf16(p.as_u16()),
+        KvType::Q8_0 => KvPtr::Q8_0(p),
+    }
+}
+
+/// Every layer's keys (or values), one store per layer.
+pub(crate) struct KvBufs(Vec<KvStore>);
+
+impl KvBufs {
+    /// One store per layer, `specs[l]` on layer `l`'s device (`bes[l]`).
+    fn new(bes: &[&CudaBackend], specs: &[StoreSpec], paging: bool) -> Result<KvBufs, GpuError> {
+        let stores = bes.iter().zip(specs).map(|(be, &spec)| KvStore::new(be, spec, paging));
+        Ok(KvBufs(stores.collect::<Result<_, _>>()?))
+    }
+    /// Queue a copy of layer `l`'s first `bytes` into `dst`'s layer `l` (a cache of the same
+    /// type, committed that far).
+    fn copy_prefix(&self, dst: &KvBufs, be: &CudaBackend, l: usize, bytes: usize) -> Result<(), GpuError> {
+        Ok(be.copy(self.0[l].ptr().sub(0, bytes), dst.0[l].ptr().sub(0, bytes))?)
+    }
+}
+
+/// Layer `l`'s K and V stores for a cache of `capacity` positions in `kv_type`: an attention
+/// layer's rows (linear, or its mirrored ring), a latent layer's rows in K (a block in V), a
+/// DeltaNet layer's one block in each.
+fn layer_specs(layer: &Mixer, capacity: usize, kv_type: KvType) -> (StoreSpec, StoreSpec) {
+    let bytes = |values: usize| kv_type.bytes_of(values as u64) as usize;
+    let block = StoreSpec { bytes: bytes(kv_type.block_len()), linear_row_bytes: None };
+    let rows = |n: usize, width: usize, linear: bool| StoreSpec {
+        bytes: bytes(n * width),
+        linear_row_bytes: linear.then(|| bytes(width)),
+    };
+    match layer {
+        Mixer::Attention(a) => {
+            let window = a.window.unwrap_or(0);
+            let linear = !ring_rows(kv_ring_positions(window), capacity);
+            let spec = rows(kv_ring_rows(window, capacity), a.kv_dim(), linear);
+            (spec, spec)
+        }
+        Mixer::LatentAttention(m) => (rows(capacity, m.cache_width(), true), block),
+        Mixer::GatedDeltaNet(_) => (block, block),
     }
 }
 
@@ -157,33 +215,22 @@ pub(crate) fn check_kv_blocks(plan: &LayerPlan, kv_type: KvType) -> Result<(), G
 }
 
 impl GpuKvCache {
-    /// The cache of `plan`'s layers, layer `l`'s buffers on `bes[l]` (one per layer).
+    /// The cache of `plan`'s layers, layer `l`'s buffers on `bes[l]` (one per layer); those
+    /// whose rows are linear paged where `paging` is on (nothing committed yet:
+    /// [`Self::commit`]).
     pub(crate) fn new(
         bes: &[&CudaBackend],
         plan: &LayerPlan,
-        kv_dim: usize,
-        capacity: usize,
+        (kv_dim, capacity): (usize, usize),
         kv_type: KvType,
+        paging: bool,
     ) -> Result<Self, GpuError> {
         check_kv_blocks(plan, kv_type)?;
-        let block = kv_type.block_len();
-        // Per layer: K's and V's values (an attention layer's own `kv_dim`; a latent layer's rows
-        // in K; a DeltaNet layer's one block).
-        let (k_elems, v_elems): (Vec<usize>, Vec<usize>) = plan
-            .layers()
-            .iter()
-            .map(|l| match &l.mixer {
-                Mixer::Attention(a) => {
-                    let rows = kv_ring_rows(a.window.unwrap_or(0), capacity);
-                    (rows * a.kv_dim(), rows * a.kv_dim())
-                }
-                Mixer::LatentAttention(m) => (capacity * m.cache_width(), block),
-                Mixer::GatedDeltaNet(_) => (block, block),
-            })
-            .unzip();
-        assert_eq!(bes.len(), k_elems.len(), "one device per layer");
-        let k = KvBufs::new(bes, kv_type, &k_elems)?;
-        let v = KvBufs::new(bes, kv_type, &v_elems)?;
+        let (k_specs, v_specs): (Vec<StoreSpec>, Vec<StoreSpec>) =
+            plan.layers().iter().map(|l| layer_specs(&l.mixer, capacity, kv_type)).unzip();
+        assert_eq!(bes.len(), k_specs.len(), "one device per layer");
+        let k = KvBufs::new(bes, &k_specs, paging)?;
+        let v = KvBufs::new(bes, &v_specs, paging)?;
         let delta = plan
             .layers()
             .iter()
@@ -200,6 +247,27 @@ impl GpuKvCache {
             l.as_attention().and_then(|a| a.window).is_some_and(|w| kv_ring_positions(w) < capacity)
         });
         Ok(GpuKvCache { k, v, delta, kv_type, capacity, kv_dim, n_positions: 0, rings })
+    }
+
+    /// Commit the paged buffers of `layers` (the layers `be`'s device runs) for a call that
+    /// needs the first `n_positions`: [`committed_positions`] of them, each newly mapped page
+    /// zeroed on the device's stream before the call's work. An out-of-memory device is
+    /// [`GpuError::KvMemory`] (the device still works); nothing to do for whole buffers.
+    pub(crate) fn commit(
+        &mut self,
+        be: &CudaBackend,
+        layers: Range<usize>,
+        n_positions: usize,
+    ) -> Result<(), GpuError> {
+        let rows = committed_positions(n_positions, self.capacity);
+        let stores = self.k.0[layers.clone()].iter_mut().chain(&mut self.v.0[layers]);
+        for store in stores {
+            store.commit(be, rows).map_err(|source| match source.is_out_of_memory() {
+                true => GpuError::KvMemory { positions: rows, source },
+                false => GpuError::Cuda(source),
+            })?;
+        }
+        Ok(())
     }
 
     /// Layer `l`'s recurrent state (conv, matrix), `None` for a layer without one.
@@ -229,18 +297,18 @@ impl GpuKvCache {
     /// Layer `l`'s keys, `[capacity, kv_dim]` (the layer's own `kv_dim`; a latent layer's rows,
     /// `[capacity, cache_width]`).
     pub(crate) fn k(&self, l: usize) -> KvPtr {
-        self.k.layer(l)
+        kv_ptr(self.kv_type, self.k.0[l].ptr())
     }
     /// Layer `l`'s values, `[capacity, kv_dim]` (the layer's own `kv_dim`).
     pub(crate) fn v(&self, l: usize) -> KvPtr {
-        self.v.layer(l)
+        kv_ptr(self.kv_type, self.v.0[l].ptr())
     }
     /// The allocation serial a captured decode graph keys on.
     pub(crate) fn serial(&self) -> u64 {
-        self.k.serial()
+        self.k.0[0].serial()
     }
     pub fn n_layers(&self) -> usize {
-        self.k.n_layers()
+        self.k.0.len()
     }
     pub fn kv_type(&self) -> KvType {
         self.kv_type
@@ -251,7 +319,7 @@ impl GpuKvCache {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
-    /// Forget every position (the memory stays allocated).
+    /// Forget every position (the memory stays allocated, committed pages included).
     pub fn clear(&mut self) {
         self.n_positions = 0;
     }
@@ -299,7 +367,7 @@ impl GpuKvCache {
 
     /// Queue copies of layer `l`'s positions (and recurrent state) into `new`, a larger cache of
     /// the same plan and type on the same devices (`be` runs layer `l`) with the same row
-    /// layout ([`Self::can_grow_to`]).
+    /// layout ([`Self::can_grow_to`]), committed for this one's positions.
     pub(crate) fn copy_layer_into(
         &self,
         new: &GpuKvCache,
@@ -308,15 +376,16 @@ impl GpuKvCache {
         l: usize,
     ) -> Result<(), GpuError> {
         let n = self.n_positions;
+        let bytes = |values: usize| self.kv_type.bytes_of(values as u64) as usize;
         match layer {
             Mixer::Attention(a) => {
                 let (d, ring) = (a.kv_dim(), kv_ring_positions(a.window.unwrap_or(0)));
                 // a ring's rows whole, else the positions held
                 let rows = if ring_rows(ring, self.capacity) { 2 * ring } else { n };
-                self.k.copy_prefix(&new.k, be, l, rows * d)?;
-                self.v.copy_prefix(&new.v, be, l, rows * d)
+                self.k.copy_prefix(&new.k, be, l, bytes(rows * d))?;
+                self.v.copy_prefix(&new.v, be, l, bytes(rows * d))
             }
-            Mixer::LatentAttention(m) => self.k.copy_prefix(&new.k, be, l, n * m.cache_width()),
+            Mixer::LatentAttention(m) => self.k.copy_prefix(&new.k, be, l, bytes(n * m.cache_width())),
             Mixer::GatedDeltaNet(_) => {
                 let (from, to) = (self.delta_state(l), new.delta_state(l));
                 be.copy(from.conv, to.conv)?;
@@ -325,8 +394,50 @@ impl GpuKvCache {
         }
     }
 
+    /// Bytes of device memory it holds: whole buffers, the pages committed so far of paged ones
+    /// (whole pages), the recurrent state.
     pub fn bytes(&self) -> usize {
-        let delta: usize = self.delta.iter().flatten().map(|d| d.conv.bytes() + d.matrix.bytes()).sum();
-        self.k.bytes() + self.v.bytes() + delta
+        let stores = self.k.0.iter().chain(&self.v.0);
+        stores.map(KvStore::committed_bytes).sum::<usize>() + self.delta_bytes()
+    }
+
+    /// Bytes it holds once every position is committed: [`Self::bytes`] of a whole cache (a
+    /// paged buffer's reservation is whole pages).
+    pub fn reserved_bytes(&self) -> usize {
+        let stores = self.k.0.iter().chain(&self.v.0);
+        stores.map(KvStore::reserved_bytes).sum::<usize>() + self.delta_bytes()
+    }
+
+    fn delta_bytes(&self) -> usize {
+        self.delta.iter().flatten().map(|d| d.conv.bytes() + d.matrix.bytes()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commits_reach_a_power_of_two_past_the_headroom_within_the_capacity() {
+        assert_eq!(committed_positions(0, 32768), 256);
+        assert_eq!(committed_positions(1, 32768), 512);
+        assert_eq!(committed_positions(256, 32768), 512);
+        assert_eq!(committed_positions(257, 32768), 1024);
+        assert_eq!(committed_positions(768, 32768), 1024);
+        assert_eq!(committed_positions(769, 32768), 2048);
+        assert_eq!(committed_positions(3000, 4096), 4096);
+        assert_eq!(committed_positions(10, 100), 100);
+    }
+
+    #[test]
+    fn commits_cover_the_needed_positions_and_their_headroom_or_the_capacity() {
+        for capacity in [1usize, 7, 256, 1000, 4096, 40960] {
+            for n in (0..=capacity).step_by(capacity.div_ceil(97)) {
+                let c = committed_positions(n, capacity);
+                assert!(c <= capacity, "{n} of {capacity}: {c}");
+                assert!(c == capacity || c >= n + COMMIT_HEADROOM_POSITIONS, "{n} of {capacity}: {c}");
+                assert!(c >= committed_positions(n.saturating_sub(1), capacity), "monotonic at {n}");
+            }
+        }
     }
 }

@@ -347,7 +347,9 @@ impl GpuModel {
         &self.stats
     }
 
-    /// A KV cache for up to `capacity` positions, each layer's on the device that runs it.
+    /// A KV cache for up to `capacity` positions, each layer's on the device that runs it; its
+    /// paged buffers (`GpuOptions::kv_paging`) commit memory as calls need it (or
+    /// [`Self::commit_kv_cache`]).
     pub fn new_kv_cache(&self, capacity: usize) -> Result<GpuKvCache, GpuError> {
         let c = self.config();
         if capacity == 0 || capacity > c.max_positions {
@@ -355,7 +357,18 @@ impl GpuModel {
         }
         let bes: Vec<&CudaBackend> =
             self.shards.iter().flat_map(|s| std::iter::repeat_n(&*s.dev.be, s.dev.layers.len())).collect();
-        GpuKvCache::new(&bes, &self.shards[0].dev.plan, c.kv_dim(), capacity, self.kv_type())
+        let (plan, paging) = (&self.shards[0].dev.plan, self.shards[0].dev.opts.kv_paging);
+        GpuKvCache::new(&bes, plan, (c.kv_dim(), capacity), self.kv_type(), paging)
+    }
+
+    /// Commit `kv`'s paged buffers for its first `n_positions` (rounded up as a call commits,
+    /// `kv::committed_positions`; its capacity commits it whole), on every device.
+    pub fn commit_kv_cache(&self, kv: &mut GpuKvCache, n_positions: usize) -> Result<(), GpuError> {
+        for (d, shard) in self.shards.iter().enumerate() {
+            self.enter(d)?;
+            kv.commit(&shard.dev.be, shard.layers(), n_positions)?;
+        }
+        self.enter(0)
     }
 
     /// A cache of `capacity` positions holding what `old` holds (its positions and recurrent
@@ -367,6 +380,7 @@ impl GpuModel {
             return Ok(None);
         }
         let mut new = self.new_kv_cache(capacity.max(old.capacity()))?;
+        self.commit_kv_cache(&mut new, old.n_positions())?;
         for (d, shard) in self.shards.iter().enumerate() {
             self.enter(d)?;
             for l in shard.dev.layers.clone() {
@@ -530,8 +544,8 @@ impl GpuModel {
 
     /// A call's start, after checking each sequence's tokens against its cache: counted (an
     /// injected device loss fails it here), then on every device its context bound, exchanges
-    /// that landed admitted, scratch for every row, and a new (or cleared) session's recurrent
-    /// state zeroed.
+    /// that landed admitted, scratch for every row, each cache's paged buffers committed for the
+    /// call's positions, and a new (or cleared) session's recurrent state zeroed.
     pub(super) fn start_call(&mut self, seqs: &mut [(&[u32], &mut GpuKvCache)]) -> Result<(), GpuError> {
         for (tokens, cache) in seqs.iter() {
             self.check_call(tokens, cache)?;
@@ -542,7 +556,7 @@ impl GpuModel {
         }
         let t = seqs.iter().map(|(tokens, _)| tokens.len()).sum();
         for sh in &mut self.shards {
-            let landed = sh.start(self.call_idx, t, seqs)?;
+            let landed = sh.start(self.call_idx, t, &mut *seqs)?;
             if landed > 0 {
                 self.perf.record_landed_exchanges(landed as u64);
             }

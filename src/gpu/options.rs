@@ -211,6 +211,11 @@ pub struct GpuOptions {
     pub q8_activations: bool,
     /// The KV cache's element type (`--cache-type-k/v` at the CLI): f16 (default) or f32.
     pub kv_type: KvType,
+    /// KV caches commit device memory as positions come (`kv`: addresses reserved for the
+    /// whole capacity, pages mapped on demand, as vAttention), so short sessions hold little;
+    /// off, or where the driver has no virtual memory management, each cache is allocated whole
+    /// (`MOE_LANES_KV_PAGING=0` at the CLI). Default on.
+    pub kv_paging: bool,
     /// A decode call (a batched step) of at least this many tokens runs as GEMMs (each weight
     /// read once for every row, instead of per-row GEMVs) the dense projections that the
     /// batched-decode GEMVs do not take: bf16 matrices whose k is not whole 32-column slabs, and
@@ -296,6 +301,7 @@ impl Default for GpuOptions {
             postfetch: PostFetchOptions::default(),
             q8_activations: true,
             kv_type: KvType::F16,
+            kv_paging: true,
             batch_gemm_min_tokens: BATCH_GEMM_MIN_TOKENS,
             hot_grouped_min_rows: HOT_GROUPED_MIN_ROWS,
             hot_grouped_min_rows_quantized: HOT_GROUPED_MIN_ROWS_QUANTIZED,

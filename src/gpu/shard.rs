@@ -168,21 +168,25 @@ impl Shard {
     }
 
     /// A call's start on this device (its context bound): exchanges whose copies landed
-    /// admitted (how many), scratch for `t` rows, and a new (or cleared) session's recurrent
-    /// state of this device's layers zeroed.
+    /// admitted (how many), scratch for `t` rows, each sequence's paged KV buffers of this
+    /// device's layers committed for the positions it will hold after the call, and a new (or
+    /// cleared) session's recurrent state of this device's layers zeroed.
     pub fn start(
         &mut self,
         call_idx: u64,
         t: usize,
-        seqs: &[(&[u32], &mut GpuKvCache)],
+        seqs: &mut [(&[u32], &mut GpuKvCache)],
     ) -> Result<usize, GpuError> {
         self.call_idx = call_idx;
         self.ping_pong = None;
         self.dev.be.bind_to_thread()?;
         let landed = self.moe.hot.admit_landed(&self.dev.be)?;
         self.reserve_tokens(t)?;
-        for (_, cache) in seqs.iter().filter(|(_, c)| c.n_positions == 0) {
-            cache.reset_recurrent(&self.dev.be, self.layers())?;
+        for (tokens, cache) in seqs.iter_mut() {
+            cache.commit(&self.dev.be, self.layers(), cache.n_positions + tokens.len())?;
+            if cache.n_positions == 0 {
+                cache.reset_recurrent(&self.dev.be, self.layers())?;
+            }
         }
         Ok(landed)
     }

@@ -16,6 +16,9 @@
 //! [`CopyStream`]s), so cudarc's per-slice
 //! event tracking is switched off. A `DPtr` must not outlive its buffer (a stale one faults on
 //! the device). [`PinnedBuffer`]s fence their own asynchronous copies, so those copies are safe.
+//! A [`PagedBuffer`] ([`vmm`]) is a device allocation whose address range is reserved whole and
+//! whose physical pages are committed on demand (the KV caches), a `DPtr` into it valid over the
+//! committed front.
 
 pub mod epilogue;
 mod gate;
@@ -25,11 +28,13 @@ pub mod mla;
 pub mod ops;
 pub mod quant;
 pub mod registered;
+pub mod vmm;
 
 pub use epilogue::{GateUpEpilogue, Glu};
 pub use kernel::{kernel_source, Family, Kernel};
 pub use quant::{Q8Rows, TypedWeights};
 pub use registered::HostRegistration;
+pub use vmm::PagedBuffer;
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
@@ -56,9 +61,19 @@ pub enum CudaError {
     Shape { kernel: &'static str, reason: String },
     #[error("CUDA library panicked in {what}: {message}")]
     Panic { what: &'static str, message: String },
+    #[error("CUDA device {ordinal} has no virtual memory management: paged buffers need it")]
+    NoVirtualMemory { ordinal: usize },
 }
 
 pub type Result<T, E = CudaError> = std::result::Result<T, E>;
+
+impl CudaError {
+    /// Whether a driver call failed for want of device memory (the device itself still works).
+    pub fn is_out_of_memory(&self) -> bool {
+        let oom = sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY;
+        matches!(self, CudaError::Driver { source, .. } | CudaError::Device { source, .. } if source.0 == oom)
+    }
+}
 
 trait DrvCtx<T> {
     fn ctx(self, what: &'static str) -> Result<T>;
@@ -381,6 +396,8 @@ pub struct CudaBackend {
     /// the tests that compare them with the synchronous ones, which unaligned shapes and older
     /// devices take anyway).
     grouped_pipeline: std::sync::atomic::AtomicBool,
+    /// The page size of [`PagedBuffer`]s on this device (`None`: no virtual memory management).
+    page_bytes: Option<usize>,
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -478,6 +495,7 @@ impl CudaBackend {
             }
             let blas = CudaBlas::new(stream.clone())
                 .map_err(|source| CudaError::Cublas { what: "cublasCreate", source })?;
+            let page_bytes = vmm::device_page_bytes(&ctx);
             Ok(CudaBackend {
                 ctx,
                 stream,
@@ -489,6 +507,7 @@ impl CudaBackend {
                 capturing: Default::default(),
                 programmatic,
                 grouped_pipeline: pipelined.into(),
+                page_bytes,
             })
         })
     }
