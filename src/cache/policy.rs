@@ -57,15 +57,16 @@
 //! above the floor: on a stable popular set no swap pays, so none is made and the cache stays
 //! the learned one; where locality makes swaps pay, the declined ones bring it down.
 //!
-//! On replayed traces (benches/RESULTS.md, session 48, 25% and 50% budgets, each step's
-//! exchanges serving the next call as the engines apply them by default) reuse reaches at least
-//! 90% of Belady's hit rate in 9 of 12 cells: not at 25% with p = 0.5 (past the causal bound,
-//! 87.4%), with p = 0.8 and drift 0.1 (88.3%; more copies reach 90% there and cost the GPU's tg
-//! elsewhere) or on `domains:2` (89.7%, the best fixed set in hindsight 90.4%). On the GPU
-//! machine, where an exchange never stalls a call (the added expert turns hot once its copy has
-//! landed), it decodes 1.05-1.64x the best of the static cache and the updater on locality
-//! workloads (session 48) and 0.96-1.01x on `skewed` and `domains:2`, where the sceptical margin
-//! leaves the learned cache in place: so
+//! On replayed traces (benches/RESULTS.md, session 49, 25% and 50% budgets, each step's
+//! exchanges serving the next call as the engines apply them by default, the copies' PCIe
+//! transfer overlapped) reuse reaches at least 90% of Belady's hit rate in 10 of 12 cells at the
+//! replay's shape (32 experts, top-4): not at 25% with p = 0.5 (83.1%, past the causal bound,
+//! 87.4%) or with p = 0.8 and drift 0.1 (89.0%); at the GPU files' shape (128 experts, top-8) in
+//! 11 of 12 (p = 0.5 at 25%: 87.6%). On the GPU machine, where an exchange never stalls a call
+//! (the added expert turns hot once its copy has landed), it decodes 1.04-1.48x the best of the
+//! static cache and the updater on locality workloads with p >= 0.8, 1.08 / 0.97x at p = 0.5
+//! (session 49), and on `skewed` and `domains:2`, where the sceptical margin leaves the learned
+//! cache in place, within the host's spread of them: so
 //! [`PolicyKind::Reuse`] is the default (benches/RESULTS.md, session 43). On the traces: LRU follows locality but loses the popular set to one-off
 //! experts on `skewed` and `domains:2` routing and copies the most; LFU (half-life 32) is slow on
 //! locality; TinyLFU's pinned core goes stale when the popular set drifts and its gate admits too
