@@ -242,7 +242,9 @@ fn run_hot(hot: Hot) {
         worst = worst.max(check_against_reference(&format!("{name} {hot:?}"), &model, engine.as_mut()));
         let perf = engine.perf().unwrap();
         let fallbacks: u64 = perf.report().layers.iter().map(|l| l.parallel_fallbacks).sum();
-        assert_eq!(fallbacks, 0, "{name} {hot:?}: no fallback without a fault");
+        let said: Vec<&str> =
+            perf.report().layers.iter().filter_map(|l| l.last_fallback.as_deref()).collect();
+        assert_eq!(fallbacks, 0, "{name} {hot:?}: no fallback without a fault: {said:?}");
     }
     eprintln!("hot {hot:?}: worst relative error {worst:e}");
 }
@@ -715,6 +717,14 @@ fn run_fault(faults: GpuFaults, reason: FallbackReason) {
         check_against_reference(&format!("{name} {faults:?}"), &model, engine.as_mut());
         let n = engine.perf().unwrap().fallbacks(reason);
         assert!(n > 0, "{name}: the {reason:?} fallback was counted ({faults:?})");
+        let layers = &engine.perf().unwrap().report().layers;
+        let said = layers.iter().filter_map(|l| l.last_fallback.as_deref());
+        let named = format!("{}: ", reason.name());
+        assert!(
+            said.clone().any(|s| s.starts_with(&named)),
+            "{name}: its detail kept: {:?}",
+            said.collect::<Vec<_>>()
+        );
     }
 }
 

@@ -122,6 +122,10 @@ fn a_failing_hot_lane_falls_back_all_cold_with_a_reason() {
         let layer = &p.perf().report().layers[0];
         assert_eq!(layer.parallel_fallbacks, 2);
         assert_eq!(layer.fallback_reasons["lane_failed"], 2);
+        // the latest fallback's own words
+        let last = layer.last_fallback.as_deref().unwrap();
+        let said = if panic { "Hot(0) panicked" } else { "injected failure" };
+        assert!(last.starts_with("lane_failed: ") && last.contains(said), "{last}");
     }
 }
 
@@ -141,7 +145,9 @@ fn a_corrupted_worklist_falls_back_all_cold_with_a_reason() {
     assert!(rel_diff(&got, &reference_logits(&model, &[&toks])) <= 1e-4);
     let report = p.perf().report();
     assert_eq!(report.layers[1].fallback_reasons["worklist"], 1);
+    assert!(report.layers[1].last_fallback.as_deref().unwrap().starts_with("worklist: "));
     assert_eq!(report.layers[0].parallel_fallbacks, 0);
+    assert_eq!(report.layers[0].last_fallback, None);
     assert_eq!(report.layers[0].parallel_launches, 1);
 }
 

@@ -114,6 +114,9 @@ pub struct LayerPerf {
     pub parallel_launches: u64,
     pub parallel_fallbacks: u64,
     pub fallback_reasons: BTreeMap<String, u64>,
+    /// What the latest fallback reported (the lane's error, the device's), so a counted fault
+    /// can be told apart from another; null where none fell back.
+    pub last_fallback: Option<String>,
     pub experts: Vec<u64>,
     pub hot_experts: Vec<u64>,
     pub cold_experts: Vec<u64>,
@@ -874,9 +877,10 @@ impl PerfState {
 
     /// Fallbacks are counted in every mode, `off` included: they are rare (off the hot path)
     /// and must never be silent.
-    pub fn record_fallback(&mut self, layer_idx: usize, reason: FallbackReason) {
+    pub fn record_fallback(&mut self, layer_idx: usize, reason: FallbackReason, detail: &str) {
         let l = &mut self.report.layers[layer_idx];
         l.parallel_fallbacks += 1;
+        l.last_fallback = Some(format!("{}: {detail}", reason.name()));
         *l.fallback_reasons.entry(reason.name().to_string()).or_insert(0) += 1;
         let i = FallbackReason::ALL.iter().position(|&r| r == reason).expect("every reason is in ALL");
         self.metrics.layers[layer_idx].fallbacks[i].increment(1);
@@ -1027,7 +1031,7 @@ mod tests {
             &LayerTiming { hot_us: 5, cold_us: 7, wall_us: 9, split: true, ..Default::default() },
             true,
         );
-        st.record_fallback(0, FallbackReason::Worklist);
+        st.record_fallback(0, FallbackReason::Worklist, "a test's");
         let json = st.to_json();
         let back = PerfReport::parse(Path::new("x.json"), &json, Some(4)).unwrap();
         assert_eq!(&back, st.report());
@@ -1123,7 +1127,7 @@ mod tests {
         st.record_layer_call(1, &t, true);
         st.record_slot(1, 3, true);
         st.record_layer_call(1, &t, false);
-        st.record_fallback(0, FallbackReason::Shape);
+        st.record_fallback(0, FallbackReason::Shape, "a test's");
         st.record_exchange(1, 4096);
         st.record_refused_exchanges(1);
         let snap = take();
@@ -1253,7 +1257,7 @@ mod tests {
     fn off_records_nothing() {
         let mut st = PerfState::new(PerfMode::Off, 1, 2, 1);
         st.record_slot(0, 1, true);
-        st.record_fallback(0, FallbackReason::Shape);
+        st.record_fallback(0, FallbackReason::Shape, "a test's");
         assert_eq!(st.report().layers[0].expert_hits_total, 0);
         assert_eq!(st.fallbacks(FallbackReason::Shape), 1);
     }

@@ -9,7 +9,7 @@ use super::{
 use crate::actors::{apply_exchanges, Exchange, UpdaterHandle};
 use crate::cache::hot_set::HotSet;
 use crate::cache::perf::{FallbackReason, PerfState};
-use crate::gpu::{GpuModel, GpuSeqInput};
+use crate::gpu::{GpuError, GpuModel, GpuSeqInput};
 use crate::model::config::ModelConfig;
 use crate::model::Model;
 use crate::moe::phase::Phase;
@@ -24,6 +24,9 @@ pub struct GpuEngine {
     updater: UpdaterHandle,
     /// Set once the device failed: every call runs here from then on.
     cpu: Option<Pipeline>,
+    /// The device's error that moved the engine to the CPU pipeline (each call there counts a
+    /// `gpu_lost` fallback with it).
+    lost: Option<String>,
     cold_threads: usize,
 }
 
@@ -31,7 +34,7 @@ impl GpuEngine {
     pub fn new(model: Arc<Model>, gpu: GpuModel, cold: PoolColdLane) -> Result<GpuEngine, EngineError> {
         let updater = UpdaterHandle::start().map_err(|e| PipelineError::Setup(format!("updater: {e}")))?;
         let cold_threads = cold.n_threads();
-        Ok(GpuEngine { model, gpu, cold, updater, cpu: None, cold_threads })
+        Ok(GpuEngine { model, gpu, cold, updater, cpu: None, lost: None, cold_threads })
     }
 
     pub fn gpu(&self) -> &GpuModel {
@@ -51,7 +54,10 @@ impl GpuEngine {
         self.cpu.is_some()
     }
 
-    fn lose_device(&mut self) -> Result<(), EngineError> {
+    /// The device failed with `error`: the CPU pipeline takes every call from now on (the
+    /// error kept for the fallbacks it counts).
+    fn lose_device(&mut self, error: &GpuError) -> Result<(), EngineError> {
+        self.lost = Some(error.to_string());
         let opts = PipelineOptions {
             n_cold_workers: self.cold_threads,
             activations: Some(self.cold.lane.activations()),
@@ -84,7 +90,7 @@ impl GpuEngine {
                     c.tokens.extend_from_slice(tokens);
                     return Ok(logits);
                 }
-                Err(e) if e.is_device_loss() => self.lose_device()?,
+                Err(e) if e.is_device_loss() => self.lose_device(&e)?,
                 Err(e) => return Err(e.into()),
             }
         }
@@ -110,8 +116,9 @@ impl GpuEngine {
         let logits = pipeline.forward_rows(c.cpu.as_mut().expect("set above"), tokens, phase, rows)?;
         c.tokens.extend_from_slice(tokens);
         let perf = self.gpu.perf_mut();
+        let lost = self.lost.as_deref().unwrap_or("the device failed");
         for l in 0..self.model.config().n_layers {
-            perf.record_fallback(l, FallbackReason::GpuLost);
+            perf.record_fallback(l, FallbackReason::GpuLost, lost);
         }
         Ok(Logits::from_rows(logits, self.model.config().vocab))
     }
@@ -214,7 +221,7 @@ impl Engine for GpuEngine {
                     }
                     return Ok(logits);
                 }
-                Err(e) if e.is_device_loss() => self.lose_device()?,
+                Err(e) if e.is_device_loss() => self.lose_device(&e)?,
                 Err(e) => return Err(e.into()),
             }
         }

@@ -221,7 +221,7 @@ impl MoeStage {
             Ok(()) => false,
             Err(LayerFault::Fatal(e)) => return Err(e),
             Err(LayerFault::Fallback(f)) => {
-                perf.record_fallback(cx.l, f.reason);
+                perf.record_fallback(cx.l, f.reason, &f.detail);
                 self.all_cold(cx, if f.cold_lane_failed { None } else { Some(cold) })?;
                 true
             }

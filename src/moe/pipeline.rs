@@ -1488,7 +1488,7 @@ impl Pipeline {
             shared_work();
         }
         if let Some(f) = failure {
-            self.perf.record_fallback(l, f.reason);
+            self.perf.record_fallback(l, f.reason, &f.detail);
             self.all_cold(l, n)?;
             launched = false;
         }
