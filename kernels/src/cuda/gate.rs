@@ -1,12 +1,14 @@
 //! One process-wide gate between stream captures and the driver calls that must not run while
 //! any stream of the context is being captured: registering or unregistering host memory,
-//! allocating or freeing pinned memory, destroying a graph. Those calls may synchronize the
-//! whole context, which breaks a capture in progress on another thread (seen on the H100: GPU
-//! tests of several engines in parallel threads failed now and then once every engine
-//! registered its model file, each alone passed). Captures share the gate (several may run at
-//! once: each thread captures its own stream); the gated calls take it alone. A gated call on a
-//! thread that is capturing itself does not wait (it would wait for itself): it goes to the
-//! driver, which refuses what a capture forbids.
+//! allocating or freeing pinned memory, destroying a graph, mapping a paged buffer's pages,
+//! loading or unloading the kernels' module and creating or destroying the cuBLAS handle (an
+//! engine starting or going while another captures its decode graph). Those calls may
+//! synchronize the whole context, which breaks a capture in progress on another thread (seen on
+//! the H100: GPU tests of several engines in parallel threads failed now and then once every
+//! engine registered its model file, each alone passed). Captures share the gate (several may
+//! run at once: each thread captures its own stream); the gated calls take it alone. A gated
+//! call on a thread that is capturing itself does not wait (it would wait for itself): it goes
+//! to the driver, which refuses what a capture forbids.
 
 use std::cell::Cell;
 use std::sync::{Condvar, Mutex};

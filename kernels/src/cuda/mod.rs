@@ -382,9 +382,10 @@ pub struct CudaBackend {
     /// Side stream for hot-cache exchanges: copies there run beside the compute stream, which
     /// waits for them only where it uses what they wrote ([`CudaBackend::wait_event`]).
     side: Arc<CudaStream>,
-    blas: CudaBlas,
-    /// Indexed by [`Kernel`] id.
-    functions: Vec<CudaFunction>,
+    /// Dropped through the capture gate ([`CudaBackend`]'s drop), as it was made.
+    blas: std::mem::ManuallyDrop<CudaBlas>,
+    /// Indexed by [`Kernel`] id; their module is unloaded through the capture gate.
+    functions: std::mem::ManuallyDrop<Vec<CudaFunction>>,
     info: DeviceInfo,
     compile: CompileReport,
     /// The compute stream is being captured into a graph (event records become graph nodes).
@@ -398,6 +399,48 @@ pub struct CudaBackend {
     grouped_pipeline: std::sync::atomic::AtomicBool,
     /// The page size of [`PagedBuffer`]s on this device (`None`: no virtual memory management).
     page_bytes: Option<usize>,
+}
+
+/// The kernels of `cubin` loaded into `ctx` (their pipelined shared memory allowed where
+/// `pipelined`) and a cuBLAS handle on `stream`, through the capture gate: loading a module and
+/// creating the handle (its workspace) may synchronize the context, which would break a capture
+/// another thread has in progress (another engine of the process capturing its decode graph).
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    stream: &Arc<CudaStream>,
+    cubin: Vec<u8>,
+    pipelined: bool,
+) -> Result<(Vec<CudaFunction>, CudaBlas)> {
+    // The gate outside the guard: a panic inside must not leave it shut.
+    gate::exclusive(|| {
+        guard("module load", || {
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).ctx("cuModuleLoadData")?;
+            let functions = Kernel::ALL
+                .iter()
+                .map(|k| module.load_function(k.symbol()).ctx("cuModuleGetFunction"))
+                .collect::<Result<Vec<_>>>()?;
+            if pipelined {
+                allow_pipe_shared(&functions)?;
+            }
+            let blas = CudaBlas::new(stream.clone())
+                .map_err(|source| CudaError::Cublas { what: "cublasCreate", source })?;
+            Ok((functions, blas))
+        })
+    })
+}
+
+impl Drop for CudaBackend {
+    /// The cuBLAS handle (its workspace freed) and the kernels' module (unloaded) go through
+    /// the capture gate, as [`load_kernels`] made them: either may synchronize the context.
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        let (blas, functions) = (&mut self.blas, &mut self.functions);
+        // SAFETY: both are dropped once, here, and never used after (the backend is going).
+        gate::exclusive(|| unsafe {
+            std::mem::ManuallyDrop::drop(blas);
+            std::mem::ManuallyDrop::drop(functions);
+        });
+    }
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -484,17 +527,10 @@ impl CudaBackend {
             };
             let programmatic = config.programmatic_launch && info.compute_capability.0 >= 9;
             let (cubin, compile) = compile_for_arch(&info.arch(), config)?;
-            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).ctx("cuModuleLoadData")?;
-            let functions = Kernel::ALL
-                .iter()
-                .map(|k| module.load_function(k.symbol()).ctx("cuModuleGetFunction"))
-                .collect::<Result<Vec<_>>>()?;
             let pipelined = info.has_sm80();
-            if pipelined {
-                allow_pipe_shared(&functions)?;
-            }
-            let blas = CudaBlas::new(stream.clone())
-                .map_err(|source| CudaError::Cublas { what: "cublasCreate", source })?;
+            let (functions, blas) = load_kernels(&ctx, &stream, cubin, pipelined)?;
+            let (functions, blas) =
+                (std::mem::ManuallyDrop::new(functions), std::mem::ManuallyDrop::new(blas));
             let page_bytes = vmm::device_page_bytes(&ctx);
             Ok(CudaBackend {
                 ctx,
