@@ -326,7 +326,8 @@ struct EngineArgs {
     /// from what earlier swaps paid, so a stable workload keeps the learned cache), planned
     /// (learn + plan, moved only by --update), or another one applied after every call:
     /// adaptive (decayed-count eviction and admission at the half-life whose shadow cache saves
-    /// the most net of its copies' PCIe and host DRAM cost), lru, lfu (decayed counts), tinylfu
+    /// the most net of its copies' cost: the host DRAM read, PCIe unless overlapped), lru, lfu
+    /// (decayed counts), tinylfu
     /// (frequency admission, LRU eviction, a quarter of the slots pinned to the learned ranking,
     /// a copy-cost gate). Default: the --engine-config file's cache_policy, else reuse.
     #[arg(long)]

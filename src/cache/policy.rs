@@ -245,8 +245,9 @@ pub enum PolicyKind {
     /// uses in the last [`REUSE_WINDOW`] steps and its long frequency (module docs): the
     /// default. It starts from the learned plan; on a stable popular set its learned margin
     /// keeps that cache, where routing has short-term locality it follows it (GPU machine:
-    /// 1.08-1.40x the best of the static cache and the updater on locality workloads but one
-    /// cell, 0.96-1.01x on the stable ones; benches/RESULTS.md, session 43).
+    /// 1.04-1.48x the best of the static cache and the updater on locality workloads but one
+    /// cell, 0.92-1.04x on the stable ones, within the runs' spread; benches/RESULTS.md,
+    /// session 49).
     #[default]
     Reuse,
 }
