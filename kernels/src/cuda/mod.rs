@@ -431,7 +431,7 @@ fn load_kernels(
 
 impl Drop for CudaBackend {
     /// The cuBLAS handle (its workspace freed) and the kernels' module (unloaded) go through
-    /// the capture gate, as [`load_kernels`] made them: either may synchronize the context.
+    /// the capture gate, as `load_kernels` made them: either may synchronize the context.
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         let (blas, functions) = (&mut self.blas, &mut self.functions);
