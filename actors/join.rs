@@ -431,7 +431,7 @@ impl LaneSet {
                 None => super::lanes::run_cold_task(&**compute, id, input, range, reduce, &mut out, scratch),
             }
         }))
-        .unwrap_or(Err(LaneError::Panicked { lane: id }));
+        .unwrap_or_else(|p| Err(LaneError::panicked(id, p)));
         let window = (started_at, Instant::now());
         self.reduced[MAX_HOT_LANES] = reduce;
         self.returned[MAX_HOT_LANES] = Some(out);

@@ -272,7 +272,7 @@ pub fn hot_lane_loop(
                     act_out(fault, id)?;
                     lane.run(lane_idx, input, range, reduce, &mut out)
                 }))
-                .unwrap_or(Err(LaneError::Panicked { lane: id }));
+                .unwrap_or_else(|p| Err(LaneError::panicked(id, p)));
                 if done.send(finish(id, task, started_at, out, result)).is_err() {
                     return;
                 }
@@ -280,7 +280,7 @@ pub fn hot_lane_loop(
             HotMsg::Exchange { layer_idx, slot_idx, expert_idx, reply } => {
                 let result =
                     catch_unwind(AssertUnwindSafe(|| lane.load_slot(layer_idx, slot_idx, expert_idx)))
-                        .unwrap_or(Err(LaneError::Panicked { lane: id }));
+                        .unwrap_or_else(|p| Err(LaneError::panicked(id, p)));
                 let _ = reply.send(result);
             }
             HotMsg::Stop => return,
@@ -310,7 +310,7 @@ pub fn cold_worker_loop(
                     act_out(fault, id)?;
                     run_cold_task(&*compute, id, input, range, reduce, &mut out, &mut scratch)
                 }))
-                .unwrap_or(Err(LaneError::Panicked { lane: id }));
+                .unwrap_or_else(|p| Err(LaneError::panicked(id, p)));
                 if done.send(finish(id, task, started_at, out, result)).is_err() {
                     return;
                 }

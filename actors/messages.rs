@@ -65,12 +65,24 @@ pub enum LaneId {
 pub enum LaneError {
     #[error("{lane:?}: {reason}")]
     Failed { lane: LaneId, reason: String },
-    #[error("{lane:?} panicked")]
-    Panicked { lane: LaneId },
+    #[error("{lane:?} panicked: {message}")]
+    Panicked { lane: LaneId, message: String },
     #[error("{lane:?}: slot {slot_idx} of layer {layer_idx} is empty")]
     EmptySlot { lane: LaneId, layer_idx: usize, slot_idx: u32 },
     #[error("{lane:?} is gone")]
     Disconnected { lane: LaneId },
+}
+
+impl LaneError {
+    /// Lane `lane` panicked with `payload` (`catch_unwind`'s): its message kept where it is a
+    /// string, as `panic!` makes it.
+    pub fn panicked(lane: LaneId, payload: Box<dyn std::any::Any + Send>) -> LaneError {
+        let message = match payload.downcast::<String>() {
+            Ok(s) => *s,
+            Err(p) => p.downcast::<&str>().map_or_else(|_| "a non-string payload".into(), |s| s.to_string()),
+        };
+        LaneError::Panicked { lane, message }
+    }
 }
 
 /// What every lane reads for one layer: the FFN inputs and the worklist. Shared read-only

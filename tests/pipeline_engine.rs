@@ -124,7 +124,7 @@ fn a_failing_hot_lane_falls_back_all_cold_with_a_reason() {
         assert_eq!(layer.fallback_reasons["lane_failed"], 2);
         // the latest fallback's own words
         let last = layer.last_fallback.as_deref().unwrap();
-        let said = if panic { "Hot(0) panicked" } else { "injected failure" };
+        let said = if panic { "Hot(0) panicked: injected hot lane panic" } else { "injected failure" };
         assert!(last.starts_with("lane_failed: ") && last.contains(said), "{last}");
     }
 }
