@@ -74,14 +74,9 @@ pub enum LaneError {
 }
 
 impl LaneError {
-    /// Lane `lane` panicked with `payload` (`catch_unwind`'s): its message kept where it is a
-    /// string, as `panic!` makes it.
+    /// Lane `lane` panicked with `payload` (`catch_unwind`'s), its message kept.
     pub fn panicked(lane: LaneId, payload: Box<dyn std::any::Any + Send>) -> LaneError {
-        let message = match payload.downcast::<String>() {
-            Ok(s) => *s,
-            Err(p) => p.downcast::<&str>().map_or_else(|_| "a non-string payload".into(), |s| s.to_string()),
-        };
-        LaneError::Panicked { lane, message }
+        LaneError::Panicked { lane, message: moe_lanes_kernels::panic_message(payload) }
     }
 }
 

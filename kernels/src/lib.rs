@@ -31,6 +31,17 @@ mod scalar;
 pub mod simd;
 pub mod sys;
 pub mod weights;
+
+/// The message of a panic `catch_unwind` caught (`panic!`'s string), else "unknown panic".
+pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else {
+        "unknown panic".into()
+    }
+}
 #[cfg(target_arch = "x86_64")]
 mod x86_amx;
 #[cfg(target_arch = "x86_64")]

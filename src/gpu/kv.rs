@@ -83,13 +83,6 @@ impl KvStore {
             KvStore::Paged { buf, .. } => buf.committed_bytes(),
         }
     }
-    /// Bytes it holds once every position is committed.
-    fn reserved_bytes(&self) -> usize {
-        match self {
-            KvStore::Whole(b) => b.bytes(),
-            KvStore::Paged { buf, .. } => buf.reserved_bytes(),
-        }
-    }
     fn serial(&self) -> u64 {
         match self {
             KvStore::Whole(b) => b.serial(),
@@ -398,18 +391,8 @@ impl GpuKvCache {
     /// (whole pages), the recurrent state.
     pub fn bytes(&self) -> usize {
         let stores = self.k.0.iter().chain(&self.v.0);
-        stores.map(KvStore::committed_bytes).sum::<usize>() + self.delta_bytes()
-    }
-
-    /// Bytes it holds once every position is committed: [`Self::bytes`] of a whole cache (a
-    /// paged buffer's reservation is whole pages).
-    pub fn reserved_bytes(&self) -> usize {
-        let stores = self.k.0.iter().chain(&self.v.0);
-        stores.map(KvStore::reserved_bytes).sum::<usize>() + self.delta_bytes()
-    }
-
-    fn delta_bytes(&self) -> usize {
-        self.delta.iter().flatten().map(|d| d.conv.bytes() + d.matrix.bytes()).sum()
+        let delta: usize = self.delta.iter().flatten().map(|d| d.conv.bytes() + d.matrix.bytes()).sum();
+        stores.map(KvStore::committed_bytes).sum::<usize>() + delta
     }
 }
 

@@ -36,6 +36,7 @@ pub use quant::{Q8Rows, TypedWeights};
 pub use registered::HostRegistration;
 pub use vmm::PagedBuffer;
 
+use crate::panic_message;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{
     result as drv, sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr,
@@ -440,16 +441,6 @@ impl Drop for CudaBackend {
             std::mem::ManuallyDrop::drop(blas);
             std::mem::ManuallyDrop::drop(functions);
         });
-    }
-}
-
-fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
-    if let Some(s) = p.downcast_ref::<String>() {
-        s.clone()
-    } else if let Some(s) = p.downcast_ref::<&str>() {
-        s.to_string()
-    } else {
-        "unknown panic".into()
     }
 }
 
